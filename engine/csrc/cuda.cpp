@@ -1,0 +1,162 @@
+// CUDA streams, events and caching-allocator controls through a C ABI. Built on every machine
+// (the torch wheel carries the CUDA runtime); each entry point first checks that a device
+// exists, so a CPU-only machine gets an error message instead of a crash.
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/cuda.h>
+
+#include "protect.h"
+
+struct EngStream {
+  c10::cuda::CUDAStream stream;
+};
+
+struct EngEvent {
+  c10::cuda::CUDAEvent event;
+};
+
+namespace {
+
+void require_cuda() {
+  TORCH_CHECK(torch::cuda::is_available(), "CUDA not available: no CUDA device or driver on this machine");
+}
+
+c10::DeviceIndex device_index(int device) {
+  require_cuda();
+  int count = static_cast<int>(c10::cuda::device_count());
+  TORCH_CHECK(device >= 0 && device < count, "CUDA device ", device, " does not exist (", count, " devices)");
+  return static_cast<c10::DeviceIndex>(device);
+}
+
+}  // namespace
+
+extern "C" {
+
+int eng_cuda_device_count() {
+  try {
+    return torch::cuda::is_available() ? static_cast<int>(torch::cuda::device_count()) : 0;
+  } catch (...) {
+    return 0;
+  }
+}
+
+char* eng_cuda_current_stream(int device, EngStream** out) {
+  ENG_PROTECT({ *out = new EngStream{c10::cuda::getCurrentCUDAStream(device_index(device))}; })
+}
+
+char* eng_cuda_stream_from_pool(int device, int high_priority, EngStream** out) {
+  ENG_PROTECT({ *out = new EngStream{c10::cuda::getStreamFromPool(high_priority != 0, device_index(device))}; })
+}
+
+char* eng_cuda_set_current_stream(EngStream* s) {
+  ENG_PROTECT({ c10::cuda::setCurrentCUDAStream(s->stream); })
+}
+
+char* eng_cuda_stream_synchronize(EngStream* s) {
+  ENG_PROTECT({ s->stream.synchronize(); })
+}
+
+char* eng_cuda_stream_query(EngStream* s, int* done) {
+  ENG_PROTECT({ *done = s->stream.query() ? 1 : 0; })
+}
+
+char* eng_cuda_stream_wait_event(EngStream* s, EngEvent* e) {
+  ENG_PROTECT({ e->event.block(s->stream); })
+}
+
+int64_t eng_cuda_stream_id(EngStream* s) { return s->stream.id(); }
+
+int eng_cuda_stream_device(EngStream* s) { return s->stream.device_index(); }
+
+void eng_cuda_stream_free(EngStream* s) { delete s; }
+
+char* eng_cuda_event_new(int enable_timing, EngEvent** out) {
+  ENG_PROTECT({
+    require_cuda();
+    *out = new EngEvent{c10::cuda::CUDAEvent(enable_timing ? cudaEventDefault : cudaEventDisableTiming)};
+  })
+}
+
+char* eng_cuda_event_record(EngEvent* e, EngStream* s) {
+  ENG_PROTECT({ e->event.record(s->stream); })
+}
+
+char* eng_cuda_event_synchronize(EngEvent* e) {
+  ENG_PROTECT({ e->event.synchronize(); })
+}
+
+char* eng_cuda_event_query(EngEvent* e, int* done) {
+  ENG_PROTECT({ *done = e->event.query() ? 1 : 0; })
+}
+
+char* eng_cuda_event_elapsed_ms(EngEvent* start, EngEvent* end, float* ms) {
+  ENG_PROTECT({ *ms = start->event.elapsed_time(end->event); })
+}
+
+void eng_cuda_event_free(EngEvent* e) { delete e; }
+
+// Tells the caching allocator that `t` is used on stream `s`, so that its memory is not reused
+// before work queued there finishes (needed whenever a side stream touches a tensor).
+char* eng_cuda_record_stream(at::Tensor* t, EngStream* s) {
+  ENG_PROTECT({
+    TORCH_CHECK(t->is_cuda(), "record_stream needs a CUDA tensor");
+    c10::cuda::CUDACachingAllocator::recordStream(t->storage().data_ptr(), s->stream);
+  })
+}
+
+char* eng_cuda_synchronize(int device) {
+  ENG_PROTECT({
+    c10::cuda::CUDAGuard guard(device_index(device));
+    c10::cuda::device_synchronize();
+  })
+}
+
+// out: allocated current, allocated peak, reserved current, reserved peak, active current,
+// number of allocation retries, number of OOMs.
+char* eng_cuda_memory_stats(int device, int64_t* out) {
+  ENG_PROTECT({
+    auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device_index(device));
+    const auto agg = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    out[0] = stats.allocated_bytes[agg].current;
+    out[1] = stats.allocated_bytes[agg].peak;
+    out[2] = stats.reserved_bytes[agg].current;
+    out[3] = stats.reserved_bytes[agg].peak;
+    out[4] = stats.active_bytes[agg].current;
+    out[5] = stats.num_alloc_retries;
+    out[6] = stats.num_ooms;
+  })
+}
+
+char* eng_cuda_reset_peak_stats(int device) {
+  ENG_PROTECT({ c10::cuda::CUDACachingAllocator::resetPeakStats(device_index(device)); })
+}
+
+char* eng_cuda_set_memory_fraction(double fraction, int device) {
+  ENG_PROTECT({
+    TORCH_CHECK(fraction > 0.0 && fraction <= 1.0, "memory fraction must be in (0, 1], got ", fraction);
+    c10::cuda::CUDACachingAllocator::setMemoryFraction(fraction, device_index(device));
+  })
+}
+
+char* eng_cuda_empty_cache() {
+  ENG_PROTECT({
+    require_cuda();
+    c10::cuda::CUDACachingAllocator::emptyCache();
+  })
+}
+
+char* eng_cuda_mem_get_info(int device, int64_t* free_bytes, int64_t* total_bytes) {
+  ENG_PROTECT({
+    c10::cuda::CUDAGuard guard(device_index(device));
+    size_t f = 0, t = 0;
+    C10_CUDA_CHECK(cudaMemGetInfo(&f, &t));
+    *free_bytes = static_cast<int64_t>(f);
+    *total_bytes = static_cast<int64_t>(t);
+  })
+}
+
+}  // extern "C"

@@ -1,0 +1,10 @@
+//! Autograd beyond what tch offers: custom functions with Rust backwards, gradient hooks,
+//! differentiable (and asynchronous) collectives, and activation checkpointing.
+pub mod checkpoint;
+pub mod collectives;
+pub mod function;
+pub mod hooks;
+
+pub use checkpoint::checkpoint;
+pub use function::{apply, backward, Forward};
+pub use hooks::register_post_accumulate_grad_hook;

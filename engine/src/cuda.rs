@@ -1,0 +1,225 @@
+//! CUDA streams, events and the caching allocator's statistics and memory cap, through the
+//! C++ bridge. On a machine without a GPU every call returns [`Error::CudaUnavailable`].
+use crate::ffi::{self, check, EngEvent, EngStream, RawTensor};
+use crate::{Error, Result};
+
+/// Number of visible CUDA devices (0 without a GPU or driver).
+pub fn device_count() -> usize {
+    unsafe { ffi::eng_cuda_device_count() }.max(0) as usize
+}
+
+/// Whether at least one CUDA device is usable.
+pub fn is_available() -> bool {
+    device_count() > 0
+}
+
+/// An error unless CUDA is usable; GPU-only code paths call this first.
+pub fn require() -> Result<()> {
+    if is_available() {
+        Ok(())
+    } else {
+        Err(Error::CudaUnavailable("no CUDA device or driver on this machine".into()))
+    }
+}
+
+fn cuda_check(err: *mut std::ffi::c_char, what: impl FnOnce() -> String) -> Result<()> {
+    require()?;
+    check(err, what)
+}
+
+/// A CUDA stream of the caching allocator's pool (or the current stream).
+pub struct Stream {
+    raw: *mut EngStream,
+}
+
+// SAFETY: a CUDA stream handle may be used from any thread.
+unsafe impl Send for Stream {}
+
+impl Stream {
+    /// The current stream of `device`.
+    pub fn current(device: usize) -> Result<Stream> {
+        let mut raw = std::ptr::null_mut();
+        cuda_check(unsafe { ffi::eng_cuda_current_stream(device as i32, &mut raw) }, || {
+            format!("getting the current stream of cuda:{device}")
+        })?;
+        Ok(Stream { raw })
+    }
+
+    /// A side stream from PyTorch's pool for `device`.
+    pub fn from_pool(device: usize, high_priority: bool) -> Result<Stream> {
+        let mut raw = std::ptr::null_mut();
+        cuda_check(unsafe { ffi::eng_cuda_stream_from_pool(device as i32, high_priority as i32, &mut raw) }, || {
+            format!("getting a side stream of cuda:{device}")
+        })?;
+        Ok(Stream { raw })
+    }
+
+    /// Makes this the current stream of its device: kernels launched from now on go here.
+    pub fn set_current(&self) -> Result<()> {
+        check(unsafe { ffi::eng_cuda_set_current_stream(self.raw) }, || "setting the current stream".into())
+    }
+
+    /// Blocks until all work queued on this stream has finished.
+    pub fn synchronize(&self) -> Result<()> {
+        check(unsafe { ffi::eng_cuda_stream_synchronize(self.raw) }, || "synchronizing a stream".into())
+    }
+
+    /// Whether all work queued on this stream has finished.
+    pub fn query(&self) -> Result<bool> {
+        let mut done = 0;
+        check(unsafe { ffi::eng_cuda_stream_query(self.raw, &mut done) }, || "querying a stream".into())?;
+        Ok(done != 0)
+    }
+
+    /// Makes future work on this stream wait until `event` has completed.
+    pub fn wait_event(&self, event: &Event) -> Result<()> {
+        check(unsafe { ffi::eng_cuda_stream_wait_event(self.raw, event.raw) }, || "waiting on an event".into())
+    }
+
+    /// The stream's id (equal ids: the same stream).
+    pub fn id(&self) -> i64 {
+        unsafe { ffi::eng_cuda_stream_id(self.raw) }
+    }
+
+    /// The stream's device index.
+    pub fn device(&self) -> usize {
+        unsafe { ffi::eng_cuda_stream_device(self.raw) }.max(0) as usize
+    }
+
+    /// Marks `tensor` as used on this stream, so that the caching allocator does not hand its
+    /// memory out again before the work queued here finishes.
+    pub fn record_tensor(&self, tensor: &tch::Tensor) -> Result<()> {
+        check(unsafe { ffi::eng_cuda_record_stream(tensor.raw(), self.raw) }, || "recording a tensor on a stream".into())
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        unsafe { ffi::eng_cuda_stream_free(self.raw) }
+    }
+}
+
+/// A CUDA event, for ordering streams and timing.
+pub struct Event {
+    raw: *mut EngEvent,
+}
+
+// SAFETY: a CUDA event handle may be used from any thread.
+unsafe impl Send for Event {}
+
+impl Event {
+    /// A new event; `timing` enables [`Event::elapsed_ms`].
+    pub fn new(timing: bool) -> Result<Event> {
+        let mut raw = std::ptr::null_mut();
+        cuda_check(unsafe { ffi::eng_cuda_event_new(timing as i32, &mut raw) }, || "creating an event".into())?;
+        Ok(Event { raw })
+    }
+
+    /// Records the event at the current end of `stream`'s queue.
+    pub fn record(&self, stream: &Stream) -> Result<()> {
+        check(unsafe { ffi::eng_cuda_event_record(self.raw, stream.raw) }, || "recording an event".into())
+    }
+
+    /// Blocks until the event has completed.
+    pub fn synchronize(&self) -> Result<()> {
+        check(unsafe { ffi::eng_cuda_event_synchronize(self.raw) }, || "synchronizing an event".into())
+    }
+
+    /// Whether the event has completed.
+    pub fn query(&self) -> Result<bool> {
+        let mut done = 0;
+        check(unsafe { ffi::eng_cuda_event_query(self.raw, &mut done) }, || "querying an event".into())?;
+        Ok(done != 0)
+    }
+
+    /// Milliseconds from this event to `end` (both recorded with timing enabled).
+    pub fn elapsed_ms(&self, end: &Event) -> Result<f32> {
+        let mut ms = 0.0;
+        check(unsafe { ffi::eng_cuda_event_elapsed_ms(self.raw, end.raw, &mut ms) }, || "timing events".into())?;
+        Ok(ms)
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        unsafe { ffi::eng_cuda_event_free(self.raw) }
+    }
+}
+
+/// The caching allocator's counters for one device, in bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemoryStats {
+    /// Bytes in tensors now.
+    pub allocated: i64,
+    /// Most bytes in tensors since the last peak reset.
+    pub peak_allocated: i64,
+    /// Bytes reserved from the driver now (tensors and cache).
+    pub reserved: i64,
+    /// Most bytes reserved since the last peak reset.
+    pub peak_reserved: i64,
+    /// Bytes in active blocks.
+    pub active: i64,
+    /// Allocations that had to free the cache and retry.
+    pub alloc_retries: i64,
+    /// Allocations that failed.
+    pub ooms: i64,
+}
+
+/// The caching allocator's counters for `device`.
+pub fn memory_stats(device: usize) -> Result<MemoryStats> {
+    let mut v = [0i64; 7];
+    cuda_check(unsafe { ffi::eng_cuda_memory_stats(device as i32, v.as_mut_ptr()) }, || {
+        format!("reading memory statistics of cuda:{device}")
+    })?;
+    Ok(MemoryStats {
+        allocated: v[0],
+        peak_allocated: v[1],
+        reserved: v[2],
+        peak_reserved: v[3],
+        active: v[4],
+        alloc_retries: v[5],
+        ooms: v[6],
+    })
+}
+
+/// Resets the peak counters of `device`.
+pub fn reset_peak_stats(device: usize) -> Result<()> {
+    cuda_check(unsafe { ffi::eng_cuda_reset_peak_stats(device as i32) }, || format!("resetting peaks of cuda:{device}"))
+}
+
+/// Caps this process's caching allocator on `device` at `fraction` of the device's memory;
+/// allocations beyond it fail with an out-of-memory error.
+pub fn set_memory_fraction(fraction: f64, device: usize) -> Result<()> {
+    cuda_check(unsafe { ffi::eng_cuda_set_memory_fraction(fraction, device as i32) }, || {
+        format!("capping memory of cuda:{device} at fraction {fraction}")
+    })
+}
+
+/// Caps this process's caching allocator on `device` at `bytes` (e.g. `--gpu-mem 4G` on a
+/// larger card). An error if the device has less memory than that.
+pub fn set_memory_cap(bytes: u64, device: usize) -> Result<()> {
+    let (_, total) = mem_get_info(device)?;
+    if bytes > total {
+        return Err(Error::invalid(format!("memory cap of {bytes} bytes exceeds cuda:{device}'s {total} bytes")));
+    }
+    set_memory_fraction(bytes as f64 / total as f64, device)
+}
+
+/// Returns cached, unused blocks to the driver.
+pub fn empty_cache() -> Result<()> {
+    cuda_check(unsafe { ffi::eng_cuda_empty_cache() }, || "emptying the CUDA cache".into())
+}
+
+/// Free and total bytes of `device` as the driver sees them.
+pub fn mem_get_info(device: usize) -> Result<(u64, u64)> {
+    let (mut free, mut total) = (0i64, 0i64);
+    cuda_check(unsafe { ffi::eng_cuda_mem_get_info(device as i32, &mut free, &mut total) }, || {
+        format!("reading memory of cuda:{device}")
+    })?;
+    Ok((free.max(0) as u64, total.max(0) as u64))
+}
+
+/// Blocks until all work on `device` has finished.
+pub fn synchronize(device: usize) -> Result<()> {
+    cuda_check(unsafe { ffi::eng_cuda_synchronize(device as i32) }, || format!("synchronizing cuda:{device}"))
+}

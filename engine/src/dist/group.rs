@@ -1,0 +1,393 @@
+//! Process groups: the ranks that run a collective together, over c10d's Gloo (CPU tensors) and
+//! NCCL (CUDA tensors) backends. Every operation has an async form returning a [`Work`]; the
+//! plain form waits on it.
+use std::ffi::c_char;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tch::Tensor;
+
+use crate::dist::store::{timeout_ms, Store};
+use crate::dist::work::Work;
+use crate::error::ensure;
+use crate::ffi::{self, check, EngGroup, EngWork, RawTensor};
+use crate::{Error, Result};
+
+/// How an all-reduce or reduce-scatter combines the ranks' values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReduceOp {
+    /// Elementwise sum.
+    Sum,
+    /// Elementwise mean over the group (a sum divided by the group size).
+    Avg,
+    /// Elementwise maximum.
+    Max,
+    /// Elementwise minimum.
+    Min,
+    /// Elementwise product.
+    Product,
+}
+
+impl ReduceOp {
+    /// The c10d op code (`csrc/dist.cpp`); averages are sums followed by a division.
+    fn code(self) -> i32 {
+        match self {
+            ReduceOp::Sum | ReduceOp::Avg => 0,
+            ReduceOp::Max => 1,
+            ReduceOp::Min => 2,
+            ReduceOp::Product => 3,
+        }
+    }
+}
+
+struct Inner {
+    raw: *mut EngGroup,
+    store: Store,
+    rank: usize,
+    ranks: Vec<usize>,
+    name: String,
+    timeout: Duration,
+    loopback: bool,
+    subgroups: AtomicU64,
+}
+
+// SAFETY: c10d backends accept operations from any thread; the handle is freed once, on drop.
+unsafe impl Send for Inner {}
+unsafe impl Sync for Inner {}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        unsafe { ffi::eng_group_free(self.raw) }
+    }
+}
+
+/// A group of ranks. Cloning is cheap and shares the group.
+#[derive(Clone)]
+pub struct ProcessGroup(Arc<Inner>);
+
+impl std::fmt::Debug for ProcessGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ProcessGroup({}, rank {} of {})", self.0.name, self.rank(), self.size())
+    }
+}
+
+impl ProcessGroup {
+    /// Joins a group of `size` ranks that rendezvous through `store`. `global_ranks[i]` is the
+    /// job-wide rank of group rank `i` (for messages and for building sub-groups); `loopback`
+    /// binds Gloo to 127.0.0.1, for jobs on one machine.
+    pub fn new(
+        store: Store,
+        rank: usize,
+        global_ranks: Vec<usize>,
+        name: &str,
+        timeout: Duration,
+        loopback: bool,
+    ) -> Result<ProcessGroup> {
+        let size = global_ranks.len();
+        ensure!(rank < size, "rank {rank} is not in group {name} of size {size}");
+        let mut raw = std::ptr::null_mut();
+        check(
+            unsafe {
+                ffi::eng_group_new(
+                    store.raw(),
+                    rank as i32,
+                    size as i32,
+                    timeout_ms(timeout),
+                    loopback as i32,
+                    &mut raw,
+                )
+            },
+            || format!("creating process group {name} (rank {rank} of {size})"),
+        )?;
+        Ok(ProcessGroup(Arc::new(Inner {
+            raw,
+            store,
+            rank,
+            ranks: global_ranks,
+            name: name.to_string(),
+            timeout,
+            loopback,
+            subgroups: AtomicU64::new(0),
+        })))
+    }
+
+    /// This process's rank in the group.
+    pub fn rank(&self) -> usize {
+        self.0.rank
+    }
+
+    /// The number of ranks in the group.
+    pub fn size(&self) -> usize {
+        self.0.ranks.len()
+    }
+
+    /// Job-wide ranks of the members, in group-rank order.
+    pub fn global_ranks(&self) -> &[usize] {
+        &self.0.ranks
+    }
+
+    /// The group's name, as used in messages.
+    pub fn name(&self) -> &str {
+        &self.0.name
+    }
+
+    /// The timeout every collective of this group runs under.
+    pub fn timeout(&self) -> Duration {
+        self.0.timeout
+    }
+
+    /// Creates a sub-group of the given members (ranks of this group). Every rank of this group
+    /// must call `subgroup` with the same arguments in the same order, as with
+    /// `torch.distributed.new_group`; members get `Some(group)`, the others `None`.
+    pub fn subgroup(&self, members: &[usize], name: &str) -> Result<Option<ProcessGroup>> {
+        ensure!(!members.is_empty(), "sub-group {name} has no members");
+        let mut seen = vec![false; self.size()];
+        for &m in members {
+            ensure!(m < self.size(), "sub-group {name}: rank {m} is not in group {} of size {}", self.name(), self.size());
+            ensure!(!seen[m], "sub-group {name}: rank {m} is listed twice");
+            seen[m] = true;
+        }
+        let index = self.0.subgroups.fetch_add(1, Ordering::SeqCst);
+        let Some(rank) = members.iter().position(|&m| m == self.rank()) else {
+            return Ok(None);
+        };
+        let store = self.0.store.prefixed(&format!("sub{index}"))?;
+        let global = members.iter().map(|&m| self.0.ranks[m]).collect();
+        let full_name = format!("{}/{name}", self.name());
+        ProcessGroup::new(store, rank, global, &full_name, self.0.timeout, self.0.loopback).map(Some)
+    }
+
+    fn start(
+        &self,
+        op: &str,
+        call: impl FnOnce(*mut EngGroup, *mut *mut EngWork) -> *mut c_char,
+    ) -> Result<Work> {
+        let what = format!("{op} on rank {} of group {} (size {})", self.rank(), self.name(), self.size());
+        let mut raw = std::ptr::null_mut();
+        check(call(self.0.raw, &mut raw), || what.clone())?;
+        Ok(Work::new(raw, what, self.0.timeout))
+    }
+
+    /// All-reduces `tensor` in place.
+    pub fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
+        self.all_reduce_async(tensor, op)?.wait()
+    }
+
+    /// Starts an in-place all-reduce of `tensor`.
+    pub fn all_reduce_async(&self, tensor: &Tensor, op: ReduceOp) -> Result<Work> {
+        let (buffer, write_back) = contiguous_buffer(tensor)?;
+        let mut work = self.start("all_reduce", |g, w| unsafe {
+            ffi::eng_allreduce(g, buffer.raw(), op.code(), w)
+        })?;
+        if op == ReduceOp::Avg {
+            let (t, n) = (buffer.shallow_clone(), self.size() as f64);
+            work = work.then(move || divide(&t, n));
+        }
+        Ok(match write_back {
+            Some(dst) => work.then(move || copy_into(&dst, &buffer)),
+            None => work,
+        })
+    }
+
+    /// Broadcasts `tensor` from group rank `root` to every rank, in place.
+    pub fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<()> {
+        self.broadcast_async(tensor, root)?.wait()
+    }
+
+    /// Starts an in-place broadcast from group rank `root`.
+    pub fn broadcast_async(&self, tensor: &Tensor, root: usize) -> Result<Work> {
+        ensure!(root < self.size(), "broadcast root {root} is not in group {} of size {}", self.name(), self.size());
+        let (buffer, write_back) = contiguous_buffer(tensor)?;
+        let work = self.start("broadcast", |g, w| unsafe {
+            ffi::eng_broadcast(g, buffer.raw(), root as i32, w)
+        })?;
+        Ok(match write_back {
+            Some(dst) => work.then(move || copy_into(&dst, &buffer)),
+            None => work,
+        })
+    }
+
+    /// Gathers every rank's `input` (same shape everywhere) concatenated along dim 0.
+    pub fn all_gather(&self, input: &Tensor) -> Result<Tensor> {
+        let (out, work) = self.all_gather_async(input)?;
+        work.wait()?;
+        Ok(out)
+    }
+
+    /// Starts [`ProcessGroup::all_gather`]; the returned tensor is valid after `wait`.
+    pub fn all_gather_async(&self, input: &Tensor) -> Result<(Tensor, Work)> {
+        let input = leading_dim(input, "all_gather")?;
+        let mut shape = input.size();
+        shape[0] *= self.size() as i64;
+        let out = Tensor::f_empty(&shape, (input.kind(), input.device()))?;
+        let work = self.start("all_gather", |g, w| unsafe {
+            ffi::eng_allgather_into(g, out.raw(), input.raw(), w)
+        })?;
+        Ok((out, work))
+    }
+
+    /// Gathers every rank's `input` as a list indexed by group rank.
+    pub fn all_gather_list(&self, input: &Tensor) -> Result<Vec<Tensor>> {
+        let input = input.f_contiguous()?;
+        let outs = (0..self.size())
+            .map(|_| input.f_empty_like())
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let mut ptrs: Vec<_> = outs.iter().map(|t| t.raw()).collect();
+        self.start("all_gather", |g, w| unsafe {
+            ffi::eng_allgather_list(g, ptrs.as_mut_ptr(), ptrs.len() as i32, input.raw(), w)
+        })?
+        .wait()?;
+        Ok(outs)
+    }
+
+    /// Reduces `input` across ranks and gives rank `r` block `r` of dim 0 (dim 0 must divide by
+    /// the group size).
+    pub fn reduce_scatter(&self, input: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        let (out, work) = self.reduce_scatter_async(input, op)?;
+        work.wait()?;
+        Ok(out)
+    }
+
+    /// Starts [`ProcessGroup::reduce_scatter`]; the returned tensor is valid after `wait`.
+    pub fn reduce_scatter_async(&self, input: &Tensor, op: ReduceOp) -> Result<(Tensor, Work)> {
+        let input = leading_dim(input, "reduce_scatter")?;
+        let mut shape = input.size();
+        let n = self.size() as i64;
+        ensure!(shape[0] % n == 0, "reduce_scatter: dim 0 of size {} does not divide by the group size {n}", shape[0]);
+        shape[0] /= n;
+        let out = Tensor::f_empty(&shape, (input.kind(), input.device()))?;
+        let mut work = self.start("reduce_scatter", |g, w| unsafe {
+            ffi::eng_reduce_scatter_into(g, out.raw(), input.raw(), op.code(), w)
+        })?;
+        if op == ReduceOp::Avg {
+            let t = out.shallow_clone();
+            work = work.then(move || divide(&t, n as f64));
+        }
+        Ok((out, work))
+    }
+
+    /// All-to-all with equal splits: dim 0 of `input` is cut into group-size blocks, block `j`
+    /// goes to rank `j`, and the result stacks the blocks received from ranks `0..n` in order.
+    pub fn all_to_all(&self, input: &Tensor) -> Result<Tensor> {
+        let (out, work) = self.all_to_all_async(input)?;
+        work.wait()?;
+        Ok(out)
+    }
+
+    /// Starts [`ProcessGroup::all_to_all`]; the returned tensor is valid after `wait`.
+    pub fn all_to_all_async(&self, input: &Tensor) -> Result<(Tensor, Work)> {
+        let rows = leading_dim(input, "all_to_all")?.size()[0];
+        let n = self.size() as i64;
+        ensure!(rows % n == 0, "all_to_all: dim 0 of size {rows} does not divide by the group size {n}");
+        let splits = vec![rows / n; self.size()];
+        self.all_to_all_uneven_async(input, &splits, &splits)
+    }
+
+    /// All-to-all with uneven splits: `input_splits[j]` rows of `input` (along dim 0) go to rank
+    /// `j`, and `output_splits[j]` rows come from rank `j`.
+    pub fn all_to_all_uneven(
+        &self,
+        input: &Tensor,
+        input_splits: &[i64],
+        output_splits: &[i64],
+    ) -> Result<Tensor> {
+        let (out, work) = self.all_to_all_uneven_async(input, input_splits, output_splits)?;
+        work.wait()?;
+        Ok(out)
+    }
+
+    /// Starts [`ProcessGroup::all_to_all_uneven`]; the returned tensor is valid after `wait`.
+    pub fn all_to_all_uneven_async(
+        &self,
+        input: &Tensor,
+        input_splits: &[i64],
+        output_splits: &[i64],
+    ) -> Result<(Tensor, Work)> {
+        let input = leading_dim(input, "all_to_all")?;
+        let n = self.size();
+        ensure!(
+            input_splits.len() == n && output_splits.len() == n,
+            "all_to_all: {} input and {} output splits for a group of size {n}",
+            input_splits.len(),
+            output_splits.len()
+        );
+        ensure!(input_splits.iter().chain(output_splits).all(|&s| s >= 0), "all_to_all: negative split size");
+        let rows: i64 = input_splits.iter().sum();
+        ensure!(rows == input.size()[0], "all_to_all: input splits sum to {rows} but dim 0 has {}", input.size()[0]);
+        let mut shape = input.size();
+        shape[0] = output_splits.iter().sum();
+        let out = Tensor::f_empty(&shape, (input.kind(), input.device()))?;
+        let work = self.start("all_to_all", |g, w| unsafe {
+            ffi::eng_alltoall(
+                g,
+                out.raw(),
+                input.raw(),
+                output_splits.as_ptr(),
+                input_splits.as_ptr(),
+                n as i32,
+                w,
+            )
+        })?;
+        Ok((out, work))
+    }
+
+    /// Sends `tensor` to group rank `dst`; `tag` matches it with the receiver's `recv`.
+    pub fn send(&self, tensor: &Tensor, dst: usize, tag: i32) -> Result<()> {
+        self.send_async(tensor, dst, tag)?.wait()
+    }
+
+    /// Starts a send.
+    pub fn send_async(&self, tensor: &Tensor, dst: usize, tag: i32) -> Result<Work> {
+        let buffer = tensor.f_contiguous()?;
+        self.start("send", |g, w| unsafe { ffi::eng_send(g, buffer.raw(), dst as i32, tag, w) })
+    }
+
+    /// Receives into `tensor` from group rank `src`.
+    pub fn recv(&self, tensor: &Tensor, src: usize, tag: i32) -> Result<()> {
+        self.recv_async(tensor, src, tag)?.wait()
+    }
+
+    /// Starts a receive into `tensor`.
+    pub fn recv_async(&self, tensor: &Tensor, src: usize, tag: i32) -> Result<Work> {
+        let (buffer, write_back) = contiguous_buffer(tensor)?;
+        let work = self.start("recv", |g, w| unsafe {
+            ffi::eng_recv(g, buffer.raw(), src as i32, tag, w)
+        })?;
+        Ok(match write_back {
+            Some(dst) => work.then(move || copy_into(&dst, &buffer)),
+            None => work,
+        })
+    }
+
+    /// Waits until every rank of the group reaches the barrier.
+    pub fn barrier(&self) -> Result<()> {
+        self.start("barrier", |g, w| unsafe { ffi::eng_barrier(g, w) })?.wait()
+    }
+}
+
+/// c10d needs contiguous tensors. For an in-place operation on a non-contiguous tensor we work
+/// on a contiguous copy and write it back afterwards.
+fn contiguous_buffer(t: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
+    if t.is_contiguous() {
+        Ok((t.shallow_clone(), None))
+    } else {
+        Ok((t.f_contiguous()?, Some(t.shallow_clone())))
+    }
+}
+
+fn leading_dim(t: &Tensor, op: &str) -> Result<Tensor> {
+    ensure!(t.dim() >= 1, "{op} needs a tensor with at least one dimension, got a scalar");
+    Ok(t.f_contiguous()?)
+}
+
+fn copy_into(dst: &Tensor, src: &Tensor) -> Result<()> {
+    let mut dst = dst.shallow_clone();
+    tch::no_grad(|| dst.f_copy_(src)).map_err(Error::from)
+}
+
+fn divide(t: &Tensor, n: f64) -> Result<()> {
+    ensure!(t.is_floating_point(), "average of a {:?} tensor: use a floating-point dtype", t.kind());
+    let mut t = t.shallow_clone();
+    tch::no_grad(|| t.f_div_scalar_(n)).map(|_| ()).map_err(Error::from)
+}

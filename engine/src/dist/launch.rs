@@ -1,0 +1,312 @@
+//! Joining a job: reading the launcher's environment (torchrun, Slurm, OpenMPI, or this
+//! engine's own `--nproc` spawner, which speaks torchrun's variables) and rendezvous.
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::time::Duration;
+
+use crate::dist::group::ProcessGroup;
+use crate::dist::store::Store;
+use crate::{Error, Result};
+
+/// Environment variable holding the rendezvous and collective timeout, in seconds.
+pub const TIMEOUT_ENV: &str = "ENGINE_DIST_TIMEOUT";
+/// Timeout used when neither a flag nor [`TIMEOUT_ENV`] gives one.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+/// torchrun's default master port, used when a launcher names none.
+pub const DEFAULT_PORT: u16 = 29500;
+
+/// Where this process sits in the job, as read from a launcher's environment.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LaunchEnv {
+    /// Global rank.
+    pub rank: usize,
+    /// Number of ranks in the job.
+    pub world_size: usize,
+    /// Rank among the processes on this node.
+    pub local_rank: usize,
+    /// Number of processes on this node.
+    pub local_world_size: usize,
+    /// Host of the rendezvous store (rank 0's node).
+    pub master_addr: String,
+    /// Port of the rendezvous store.
+    pub master_port: u16,
+    /// Which launcher these values came from.
+    pub launcher: Launcher,
+}
+
+/// The launchers whose environment is understood.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Launcher {
+    /// torchrun, or this engine's own spawner (RANK, WORLD_SIZE, ...).
+    Torchrun,
+    /// OpenMPI's mpirun (OMPI_COMM_WORLD_*).
+    OpenMpi,
+    /// Slurm's srun (SLURM_PROCID, SLURM_NTASKS, ...).
+    Slurm,
+}
+
+impl LaunchEnv {
+    /// Reads the current process environment.
+    pub fn from_env() -> Result<Option<LaunchEnv>> {
+        Self::from_vars(&std::env::vars().collect())
+    }
+
+    /// Reads a launcher's variables; `None` when no launcher's variables are present.
+    /// torchrun's names win over OpenMPI's, which win over Slurm's (an `srun` that starts
+    /// torchrun or mpirun leaves Slurm's variables in the children's environment).
+    pub fn from_vars(vars: &HashMap<String, String>) -> Result<Option<LaunchEnv>> {
+        let get = |k: &str| vars.get(k).map(String::as_str);
+        let master_port = match get("MASTER_PORT") {
+            Some(p) => parse::<u16>("MASTER_PORT", p)?,
+            None => DEFAULT_PORT,
+        };
+        let (launcher, rank, world, local_rank, local_world) = if get("RANK").is_some() && get("WORLD_SIZE").is_some() {
+            (
+                Launcher::Torchrun,
+                required(vars, "RANK")?,
+                required(vars, "WORLD_SIZE")?,
+                optional(vars, "LOCAL_RANK")?,
+                optional(vars, "LOCAL_WORLD_SIZE")?,
+            )
+        } else if get("OMPI_COMM_WORLD_RANK").is_some() {
+            (
+                Launcher::OpenMpi,
+                required(vars, "OMPI_COMM_WORLD_RANK")?,
+                required(vars, "OMPI_COMM_WORLD_SIZE")?,
+                optional(vars, "OMPI_COMM_WORLD_LOCAL_RANK")?,
+                optional(vars, "OMPI_COMM_WORLD_LOCAL_SIZE")?,
+            )
+        } else if get("SLURM_PROCID").is_some() {
+            (
+                Launcher::Slurm,
+                required(vars, "SLURM_PROCID")?,
+                required(vars, "SLURM_NTASKS")?,
+                optional(vars, "SLURM_LOCALID")?,
+                match get("SLURM_NTASKS_PER_NODE") {
+                    // "4" or "4(x2)" or "4,3": the count on the first node is ours only if uniform.
+                    Some(v) if v.chars().all(|c| c.is_ascii_digit()) => Some(parse("SLURM_NTASKS_PER_NODE", v)?),
+                    _ => None,
+                },
+            )
+        } else {
+            return Ok(None);
+        };
+        let master_addr = match (get("MASTER_ADDR"), launcher) {
+            (Some(a), _) => a.to_string(),
+            (None, Launcher::Slurm) => {
+                let list = get("SLURM_JOB_NODELIST").or(get("SLURM_NODELIST")).ok_or_else(|| {
+                    Error::Launch("Slurm job without MASTER_ADDR or SLURM_JOB_NODELIST".into())
+                })?;
+                first_host(list)?
+            }
+            (None, _) if world == 1 => "127.0.0.1".to_string(),
+            (None, l) => return Err(Error::Launch(format!("{l:?} job of {world} ranks without MASTER_ADDR"))),
+        };
+        if rank >= world {
+            return Err(Error::Launch(format!("rank {rank} is not below the world size {world}")));
+        }
+        let local_world_size = local_world.unwrap_or(world);
+        let local_rank = local_rank.unwrap_or(rank % local_world_size.max(1));
+        Ok(Some(LaunchEnv {
+            rank,
+            world_size: world,
+            local_rank,
+            local_world_size,
+            master_addr,
+            master_port,
+            launcher,
+        }))
+    }
+
+    /// Whether the rendezvous host is this machine's loopback address (a single-node job).
+    pub fn is_loopback(&self) -> bool {
+        self.master_addr == "localhost" || self.master_addr.parse::<IpAddr>().is_ok_and(|a| a.is_loopback())
+    }
+}
+
+fn parse<T: std::str::FromStr>(name: &str, value: &str) -> Result<T> {
+    value
+        .trim()
+        .parse()
+        .map_err(|_| Error::Launch(format!("{name}={value:?} is not a valid number")))
+}
+
+fn required(vars: &HashMap<String, String>, name: &str) -> Result<usize> {
+    let v = vars.get(name).ok_or_else(|| Error::Launch(format!("{name} is not set")))?;
+    parse(name, v)
+}
+
+fn optional(vars: &HashMap<String, String>, name: &str) -> Result<Option<usize>> {
+    vars.get(name).map(|v| parse(name, v)).transpose()
+}
+
+/// The first host of a Slurm node list such as `gpu[003-005,9],cpu1` (here `gpu003`).
+pub fn first_host(list: &str) -> Result<String> {
+    let list = list.trim();
+    let bad = || Error::Launch(format!("cannot read the Slurm node list {list:?}"));
+    let end = list.find([',', '[']).unwrap_or(list.len());
+    let prefix = &list[..end];
+    if list[end..].starts_with('[') {
+        let inner = &list[end + 1..list[end..].find(']').map(|i| end + i).ok_or_else(bad)?];
+        let first = inner.split([',', '-']).next().filter(|s| !s.is_empty()).ok_or_else(bad)?;
+        Ok(format!("{prefix}{first}"))
+    } else if prefix.is_empty() {
+        Err(bad())
+    } else {
+        Ok(prefix.to_string())
+    }
+}
+
+/// How to join a job.
+#[derive(Clone, Debug)]
+pub struct InitOptions {
+    /// Timeout for the rendezvous and for every collective of the job's groups.
+    pub timeout: Duration,
+}
+
+impl Default for InitOptions {
+    fn default() -> Self {
+        InitOptions { timeout: timeout_from_env().unwrap_or(DEFAULT_TIMEOUT) }
+    }
+}
+
+/// The timeout given by [`TIMEOUT_ENV`], if it is set and valid.
+pub fn timeout_from_env() -> Option<Duration> {
+    std::env::var(TIMEOUT_ENV).ok()?.parse::<f64>().ok().filter(|s| *s > 0.0).map(Duration::from_secs_f64)
+}
+
+/// This process's place in the job and the group of all ranks.
+#[derive(Debug)]
+pub struct World {
+    /// The launcher's values (a world of one when started without a launcher).
+    pub env: LaunchEnv,
+    /// The group of every rank in the job.
+    pub group: ProcessGroup,
+}
+
+impl World {
+    /// Global rank.
+    pub fn rank(&self) -> usize {
+        self.env.rank
+    }
+
+    /// Number of ranks.
+    pub fn size(&self) -> usize {
+        self.env.world_size
+    }
+}
+
+/// Joins the job described by the environment, or makes a world of one when no launcher's
+/// variables are set. Rank 0 hosts the TCP store; every rank waits at most `opts.timeout`.
+pub fn init(opts: &InitOptions) -> Result<World> {
+    let env = match LaunchEnv::from_env()? {
+        Some(env) => env,
+        None => {
+            let env = LaunchEnv {
+                rank: 0,
+                world_size: 1,
+                local_rank: 0,
+                local_world_size: 1,
+                master_addr: "127.0.0.1".into(),
+                master_port: 0,
+                launcher: Launcher::Torchrun,
+            };
+            let group = ProcessGroup::new(Store::in_memory()?, 0, vec![0], "world", opts.timeout, true)?;
+            return Ok(World { env, group });
+        }
+    };
+    let store = Store::tcp(&env.master_addr, env.master_port, env.rank == 0, env.world_size, opts.timeout)?;
+    let group = ProcessGroup::new(
+        store,
+        env.rank,
+        (0..env.world_size).collect(),
+        "world",
+        opts.timeout,
+        env.is_loopback(),
+    )?;
+    Ok(World { env, group })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vars(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn torchrun_variables() {
+        let env = LaunchEnv::from_vars(&vars(&[
+            ("RANK", "3"),
+            ("WORLD_SIZE", "8"),
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "node0"),
+            ("MASTER_PORT", "1234"),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!((env.rank, env.world_size, env.local_rank, env.local_world_size), (3, 8, 1, 2));
+        assert_eq!((env.master_addr.as_str(), env.master_port), ("node0", 1234));
+        assert_eq!(env.launcher, Launcher::Torchrun);
+        assert!(!env.is_loopback());
+    }
+
+    #[test]
+    fn slurm_variables_take_master_from_node_list() {
+        let env = LaunchEnv::from_vars(&vars(&[
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_NTASKS_PER_NODE", "4"),
+            ("SLURM_JOB_NODELIST", "gpu[007-008]"),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!((env.rank, env.world_size, env.local_rank, env.local_world_size), (5, 8, 1, 4));
+        assert_eq!((env.master_addr.as_str(), env.master_port), ("gpu007", DEFAULT_PORT));
+        assert_eq!(env.launcher, Launcher::Slurm);
+    }
+
+    #[test]
+    fn openmpi_variables_win_over_slurm() {
+        let env = LaunchEnv::from_vars(&vars(&[
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "1"),
+            ("MASTER_ADDR", "127.0.0.1"),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!((env.rank, env.world_size, env.launcher), (1, 2, Launcher::OpenMpi));
+        assert!(env.is_loopback());
+    }
+
+    #[test]
+    fn no_launcher_means_none() {
+        assert!(LaunchEnv::from_vars(&vars(&[("HOME", "/root")])).unwrap().is_none());
+    }
+
+    #[test]
+    fn bad_values_name_the_variable() {
+        let err = LaunchEnv::from_vars(&vars(&[("RANK", "x"), ("WORLD_SIZE", "2")])).unwrap_err();
+        assert!(err.to_string().contains("RANK=\"x\""), "{err}");
+        let err = LaunchEnv::from_vars(&vars(&[("RANK", "2"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")])).unwrap_err();
+        assert!(err.to_string().contains("rank 2 is not below the world size 2"), "{err}");
+        let err = LaunchEnv::from_vars(&vars(&[("RANK", "0"), ("WORLD_SIZE", "2")])).unwrap_err();
+        assert!(err.to_string().contains("without MASTER_ADDR"), "{err}");
+    }
+
+    #[test]
+    fn slurm_node_lists() {
+        assert_eq!(first_host("node12").unwrap(), "node12");
+        assert_eq!(first_host("a[01-04,07],b2").unwrap(), "a01");
+        assert_eq!(first_host("x1,x2").unwrap(), "x1");
+        assert!(first_host("a[").is_err());
+        assert!(first_host("").is_err());
+    }
+}

@@ -1,0 +1,15 @@
+//! The distributed runtime: stores, process groups and their collectives, device meshes,
+//! joining a job from a launcher's environment, and the local `--nproc` spawner.
+mod group;
+pub mod launch;
+pub mod mesh;
+pub mod spawn;
+mod store;
+mod work;
+
+pub use group::{ProcessGroup, ReduceOp};
+pub use launch::{init, InitOptions, LaunchEnv, Launcher, World};
+pub use mesh::{DeviceMesh, ParallelDims};
+pub use spawn::{maybe_relaunch, spawn, SpawnOptions};
+pub use store::Store;
+pub use work::Work;

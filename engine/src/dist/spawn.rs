@@ -1,0 +1,222 @@
+//! The local spawner behind every binary's `--nproc N`: re-executes a program N times with
+//! torchrun's environment variables (never forking a process that has started libtorch),
+//! prefixes each rank's output, and when one rank fails stops the others and reports which
+//! rank failed and why.
+use std::collections::VecDeque;
+use std::ffi::OsString;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::{Error, Result};
+
+/// Lines of each rank's output kept for the failure report.
+const TAIL_LINES: usize = 20;
+/// How long stopped ranks get to exit after SIGTERM before SIGKILL.
+const GRACE: Duration = Duration::from_secs(3);
+
+/// What to run and how.
+#[derive(Clone, Debug)]
+pub struct SpawnOptions {
+    /// Number of ranks.
+    pub nproc: usize,
+    /// Program to run (by default this process's own executable).
+    pub program: PathBuf,
+    /// Its arguments.
+    pub args: Vec<OsString>,
+    /// Extra environment for every rank.
+    pub env: Vec<(String, String)>,
+    /// Print every rank's output, prefixed with `[rank N]`; otherwise output is only kept for
+    /// the failure report.
+    pub echo: bool,
+}
+
+impl SpawnOptions {
+    /// Re-run this process's own executable with its own arguments.
+    pub fn this_program(nproc: usize) -> Result<SpawnOptions> {
+        let program = std::env::current_exe().map_err(|e| Error::io("finding this program's executable", e))?;
+        Ok(SpawnOptions { nproc, program, args: std::env::args_os().skip(1).collect(), env: vec![], echo: true })
+    }
+}
+
+struct Rank {
+    child: Child,
+    tail: Arc<Mutex<VecDeque<String>>>,
+    readers: Vec<JoinHandle<()>>,
+    status: Option<ExitStatus>,
+}
+
+/// Runs the job and waits for it. Ok when every rank exits successfully; otherwise the error
+/// names the first rank that failed, its exit status and the last lines it printed.
+pub fn spawn(opts: &SpawnOptions) -> Result<()> {
+    if opts.nproc == 0 {
+        return Err(Error::invalid("--nproc must be at least 1"));
+    }
+    let port = free_port()?;
+    // Each rank gets an even share of the cores for its intra-op threads, as torchrun does;
+    // oversubscribed OpenMP threads make every collective wait on the slowest rank.
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).div_ceil(opts.nproc).max(1);
+    let mut ranks = Vec::with_capacity(opts.nproc);
+    for rank in 0..opts.nproc {
+        let mut cmd = Command::new(&opts.program);
+        cmd.args(&opts.args)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", opts.nproc.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("LOCAL_WORLD_SIZE", opts.nproc.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if std::env::var_os("OMP_NUM_THREADS").is_none() {
+            cmd.env("OMP_NUM_THREADS", threads.to_string());
+        }
+        for (k, v) in &opts.env {
+            cmd.env(k, v);
+        }
+        let mut child = match cmd.spawn() {
+            Ok(child) => child,
+            Err(e) => {
+                stop(&mut ranks);
+                return Err(Error::io(format!("starting rank {rank} ({})", opts.program.display()), e));
+            }
+        };
+        let tail = Arc::new(Mutex::new(VecDeque::new()));
+        let readers = vec![
+            forward(child.stdout.take().expect("piped"), rank, opts.echo, false, tail.clone()),
+            forward(child.stderr.take().expect("piped"), rank, opts.echo, true, tail.clone()),
+        ];
+        ranks.push(Rank { child, tail, readers, status: None });
+    }
+    let result = supervise(&mut ranks);
+    for r in &mut ranks {
+        for h in r.readers.drain(..) {
+            let _ = h.join();
+        }
+    }
+    result.map_err(|failed| report(&ranks, failed))
+}
+
+/// Spawns `nproc` copies of this program when `nproc > 1` and this process was not itself
+/// started by a launcher; returns whether it did (the caller then exits with the result).
+pub fn maybe_relaunch(nproc: usize) -> Result<bool> {
+    if nproc <= 1 || super::launch::LaunchEnv::from_env()?.is_some() {
+        return Ok(false);
+    }
+    spawn(&SpawnOptions::this_program(nproc)?)?;
+    Ok(true)
+}
+
+/// Waits for all ranks; on the first failure stops the rest and returns the failed rank.
+fn supervise(ranks: &mut [Rank]) -> std::result::Result<(), usize> {
+    loop {
+        let mut running = 0;
+        for i in 0..ranks.len() {
+            if ranks[i].status.is_some() {
+                continue;
+            }
+            match ranks[i].child.try_wait() {
+                Ok(Some(status)) => {
+                    ranks[i].status = Some(status);
+                    if !status.success() {
+                        stop(ranks);
+                        return Err(i);
+                    }
+                }
+                Ok(None) => running += 1,
+                Err(_) => {
+                    stop(ranks);
+                    return Err(i);
+                }
+            }
+        }
+        if running == 0 {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// SIGTERM to every rank still running, then SIGKILL after a grace period.
+fn stop(ranks: &mut [Rank]) {
+    for r in ranks.iter_mut().filter(|r| r.status.is_none()) {
+        unsafe { libc::kill(r.child.id() as i32, libc::SIGTERM) };
+    }
+    let deadline = Instant::now() + GRACE;
+    for r in ranks.iter_mut().filter(|r| r.status.is_none()) {
+        loop {
+            if let Ok(Some(status)) = r.child.try_wait() {
+                r.status = Some(status);
+                break;
+            }
+            if Instant::now() >= deadline {
+                let _ = r.child.kill();
+                r.status = r.child.wait().ok();
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+fn report(ranks: &[Rank], failed: usize) -> Error {
+    let status = ranks[failed].status.map_or("could not be waited for".to_string(), describe_status);
+    let tail = ranks[failed].tail.lock().map(|t| t.iter().cloned().collect::<Vec<_>>().join("\n")).unwrap_or_default();
+    let mut msg = format!("rank {failed} failed ({status})");
+    if ranks.len() > 1 {
+        msg.push_str("; the other ranks were stopped");
+    }
+    if !tail.is_empty() {
+        msg.push_str(&format!("\nlast output of rank {failed}:\n{tail}"));
+    }
+    Error::RankFailed(msg)
+}
+
+fn describe_status(s: ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (s.code(), s.signal()) {
+        (Some(c), _) => format!("exit code {c}"),
+        (None, Some(sig)) => format!("killed by signal {sig}"),
+        _ => s.to_string(),
+    }
+}
+
+fn forward(
+    stream: impl Read + Send + 'static,
+    rank: usize,
+    echo: bool,
+    is_stderr: bool,
+    tail: Arc<Mutex<VecDeque<String>>>,
+) -> JoinHandle<()> {
+    std::thread::spawn(move || {
+        for line in BufReader::new(stream).lines() {
+            let Ok(line) = line else { break };
+            if echo {
+                let prefixed = format!("[rank {rank}] {line}\n");
+                // A closed stdout (say, `| head`) must not take the job down.
+                let _ = if is_stderr {
+                    std::io::stderr().write_all(prefixed.as_bytes())
+                } else {
+                    std::io::stdout().write_all(prefixed.as_bytes())
+                };
+            }
+            if let Ok(mut t) = tail.lock() {
+                if t.len() == TAIL_LINES {
+                    t.pop_front();
+                }
+                t.push_back(line);
+            }
+        }
+    })
+}
+
+/// A port the OS considers free right now, for the rendezvous store.
+fn free_port() -> Result<u16> {
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| Error::io("finding a free port", e))?;
+    listener.local_addr().map(|a| a.port()).map_err(|e| Error::io("finding a free port", e))
+}

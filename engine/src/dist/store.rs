@@ -1,0 +1,131 @@
+//! Key-value stores for rendezvous: c10d's `TCPStore` (one server on the master, every rank a
+//! client) and an in-memory store for single-process jobs.
+use std::time::Duration;
+
+use crate::ffi::{self, check, cstring, EngStore};
+use crate::{Error, Result};
+
+/// A c10d store. Cheap to share between the groups built on it; thread-safe on the C++ side.
+pub struct Store {
+    raw: *mut EngStore,
+    describe: String,
+}
+
+// SAFETY: c10d stores are internally synchronised; the handle is only freed on drop.
+unsafe impl Send for Store {}
+unsafe impl Sync for Store {}
+
+impl Store {
+    /// Connects to (or, with `is_server`, hosts) the TCP store at `host:port`. The server waits
+    /// up to `timeout` for all `world_size` ranks to connect; clients retry until `timeout`.
+    pub fn tcp(
+        host: &str,
+        port: u16,
+        is_server: bool,
+        world_size: usize,
+        timeout: Duration,
+    ) -> Result<Store> {
+        let c_host = cstring(host)?;
+        let describe = format!("TCP store {host}:{port}");
+        let mut raw = std::ptr::null_mut();
+        check(
+            unsafe {
+                ffi::eng_store_tcp(
+                    c_host.as_ptr(),
+                    port,
+                    is_server as i32,
+                    world_size as i32,
+                    timeout_ms(timeout),
+                    &mut raw,
+                )
+            },
+            || {
+                let role = if is_server { "hosting" } else { "connecting to" };
+                format!("rendezvous: {role} {describe} (world size {world_size}, timeout {timeout:?})")
+            },
+        )?;
+        Ok(Store { raw, describe })
+    }
+
+    /// A store in this process's memory, for a world of one.
+    pub fn in_memory() -> Result<Store> {
+        let mut raw = std::ptr::null_mut();
+        check(unsafe { ffi::eng_store_hash(&mut raw) }, || "creating an in-memory store".into())?;
+        Ok(Store { raw, describe: "in-memory store".into() })
+    }
+
+    /// A view of this store whose keys all start with `prefix`.
+    pub fn prefixed(&self, prefix: &str) -> Result<Store> {
+        let c_prefix = cstring(prefix)?;
+        let mut raw = std::ptr::null_mut();
+        check(unsafe { ffi::eng_store_prefix(self.raw, c_prefix.as_ptr(), &mut raw) }, || {
+            format!("prefixing {} with {prefix:?}", self.describe)
+        })?;
+        Ok(Store { raw, describe: format!("{}/{prefix}", self.describe) })
+    }
+
+    /// Sets `key` to `value`.
+    pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        let c_key = cstring(key)?;
+        check(
+            unsafe { ffi::eng_store_set(self.raw, c_key.as_ptr(), value.as_ptr(), value.len()) },
+            || format!("setting {key:?} in {}", self.describe),
+        )
+    }
+
+    /// Reads `key`, waiting (up to the store's timeout) until some rank sets it.
+    pub fn get(&self, key: &str) -> Result<Vec<u8>> {
+        let c_key = cstring(key)?;
+        let (mut data, mut len) = (std::ptr::null_mut(), 0usize);
+        check(unsafe { ffi::eng_store_get(self.raw, c_key.as_ptr(), &mut data, &mut len) }, || {
+            format!("reading {key:?} from {}", self.describe)
+        })?;
+        // SAFETY: the bridge returned a malloc'ed buffer of `len` bytes that we now own.
+        let value = unsafe { std::slice::from_raw_parts(data, len) }.to_vec();
+        unsafe { ffi::eng_free_bytes(data) };
+        Ok(value)
+    }
+
+    /// Atomically adds `delta` to the integer at `key` and returns the new value.
+    pub fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        let c_key = cstring(key)?;
+        let mut out = 0;
+        check(unsafe { ffi::eng_store_add(self.raw, c_key.as_ptr(), delta, &mut out) }, || {
+            format!("adding to {key:?} in {}", self.describe)
+        })?;
+        Ok(out)
+    }
+
+    /// Sets how long `get` waits for a key.
+    pub fn set_timeout(&self, timeout: Duration) -> Result<()> {
+        check(unsafe { ffi::eng_store_set_timeout(self.raw, timeout_ms(timeout)) }, || {
+            format!("setting the timeout of {}", self.describe)
+        })
+    }
+
+    pub(crate) fn raw(&self) -> *mut EngStore {
+        self.raw
+    }
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        unsafe { ffi::eng_store_free(self.raw) }
+    }
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.describe)
+    }
+}
+
+pub(crate) fn timeout_ms(timeout: Duration) -> i64 {
+    i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX)
+}
+
+impl From<std::num::TryFromIntError> for Error {
+    fn from(e: std::num::TryFromIntError) -> Self {
+        Error::invalid(e.to_string())
+    }
+}

@@ -1,0 +1,78 @@
+//! Handles to collectives in flight.
+use std::time::Duration;
+
+use crate::dist::store::timeout_ms;
+use crate::ffi::{self, check, EngWork};
+use crate::Result;
+
+type Then = Box<dyn FnOnce() -> Result<()> + Send>;
+
+/// A collective in flight. [`Work::wait`] blocks until it completes (or fails, or the group's
+/// timeout passes) and then runs the operation's finishing step, such as dividing by the group
+/// size for an average or copying into a non-contiguous destination. Dropping a `Work` without
+/// waiting leaves the operation running and its result unobserved.
+#[must_use = "a collective's result is only valid after wait()"]
+pub struct Work {
+    raw: *mut EngWork,
+    then: Option<Then>,
+    what: String,
+    timeout: Duration,
+}
+
+// SAFETY: c10d work objects are thread-safe; the handle is owned and freed once.
+unsafe impl Send for Work {}
+
+impl Work {
+    pub(crate) fn new(raw: *mut EngWork, what: String, timeout: Duration) -> Work {
+        Work { raw, then: None, what, timeout }
+    }
+
+    /// Adds a step to run after the collective completes.
+    pub(crate) fn then(mut self, step: impl FnOnce() -> Result<()> + Send + 'static) -> Work {
+        self.then = Some(match self.then.take() {
+            None => Box::new(step),
+            Some(first) => Box::new(move || {
+                first()?;
+                step()
+            }),
+        });
+        self
+    }
+
+    /// Waits for completion; an error names the operation and carries c10d's message.
+    pub fn wait(mut self) -> Result<()> {
+        check(unsafe { ffi::eng_work_wait(self.raw, timeout_ms(self.timeout)) }, || {
+            format!("{} failed", self.what)
+        })?;
+        match self.then.take() {
+            Some(step) => step(),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether the collective has finished (successfully or not), without blocking.
+    pub fn is_completed(&self) -> Result<bool> {
+        let mut done = 0;
+        check(unsafe { ffi::eng_work_is_completed(self.raw, &mut done) }, || {
+            format!("querying {}", self.what)
+        })?;
+        Ok(done != 0)
+    }
+
+    /// What this work is, for messages: the operation, the rank and the group.
+    pub fn describe(&self) -> &str {
+        &self.what
+    }
+}
+
+impl Drop for Work {
+    fn drop(&mut self) {
+        unsafe { ffi::eng_work_free(self.raw) }
+    }
+}
+
+impl std::fmt::Debug for Work {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Work({})", self.what)
+    }
+}

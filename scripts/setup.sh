@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One idempotent setup for a fresh Debian machine: system packages, the project's Python
+# environment with the pinned torch wheel (libtorch for tch and the C++ bridge), and the cargo
+# configuration that points the build at it. Safe to run again: each step checks first.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+
+venv="${SUITE_VENV:-$root/.venv}"
+say() { printf '[setup] %s\n' "$*" >&2; }
+
+# 1. Debian packages: Gloo headers for the c10d bridge (the Gloo code itself is inside
+#    libtorch), HDF5 for the data crate, a C++ compiler for the bridge.
+debs=(libgloo-dev libhdf5-dev pkg-config g++ python3-venv)
+missing=()
+for p in "${debs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  say "installing Debian packages: ${missing[*]}"
+  sudo_cmd=()
+  [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
+  "${sudo_cmd[@]}" apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# 2. Python environment with pinned wheels (scripts/requirements.txt).
+stamp="$venv/.requirements.sha256"
+want="$(sha256sum scripts/requirements.txt | cut -d' ' -f1)"
+if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  say "creating Python environment in $venv"
+  python3 -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip
+  "$venv/bin/python" -m pip install -q -r scripts/requirements.txt
+  echo "$want" >"$stamp"
+fi
+
+# 3. Cargo configuration: tch's torch-sys and the engine's bridge find libtorch (the wheel's
+#    torch package) through LIBTORCH; binaries get an rpath from engine/build.rs.
+torch_dir="$("$venv/bin/python" -c 'import os, torch; print(os.path.dirname(torch.__file__))')"
+mkdir -p .cargo
+cat >.cargo/config.toml <<CFG
+# Written by scripts/setup.sh; do not edit by hand.
+[env]
+LIBTORCH = "$torch_dir"
+LIBTORCH_CXX11_ABI = "1"
+SUITE_PYTHON = "$venv/bin/python"
+CFG
+say "ready: torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)') in $venv"

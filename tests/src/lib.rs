@@ -1,0 +1,97 @@
+//! The multi-process test harness. A test body runs once per rank, each rank in its own
+//! process: the test binary re-executes itself through the engine's spawner, and in the child
+//! processes (recognised by [`WORKER_ENV`]) the same test function runs the body after joining
+//! the job. A rank's failure fails the test with that rank's message.
+use std::time::Duration;
+
+use engine::dist::{self, InitOptions, SpawnOptions, World};
+use tch::{Device, Tensor};
+
+/// Set in the child processes to the name of the test they run.
+pub const WORKER_ENV: &str = "SUITE_TEST_WORKER";
+/// Collective and rendezvous timeout inside tests: short, so a broken test fails quickly.
+pub const TEST_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// What a rank's body returns.
+pub type TestResult = anyhow::Result<()>;
+
+/// Runs `body` on `ranks` processes. `test` is the test's full name as libtest knows it
+/// ([`dist_test!`] fills it in).
+pub fn run_ranks(ranks: usize, test: &str, body: impl FnOnce(&World) -> TestResult) {
+    if std::env::var(WORKER_ENV).as_deref() == Ok(test) {
+        let world = dist::init(&InitOptions { timeout: TEST_TIMEOUT }).expect("joining the test job");
+        if let Err(e) = body(&world) {
+            panic!("rank {}: {e:#}", world.rank());
+        }
+        return;
+    }
+    let opts = SpawnOptions {
+        nproc: ranks,
+        program: std::env::current_exe().expect("test executable"),
+        args: [test, "--exact", "--nocapture", "--test-threads=1"].map(Into::into).to_vec(),
+        // Backtraces would push the failing rank's message out of the report's tail.
+        env: vec![(WORKER_ENV.into(), test.into()), ("RUST_BACKTRACE".into(), "0".into())],
+        echo: std::env::var_os("SUITE_TEST_ECHO").is_some(),
+    };
+    if let Err(e) = dist::spawn(&opts) {
+        panic!("{e}");
+    }
+}
+
+/// The libtest name of a test function, from `module_path!()` and its identifier.
+pub fn test_name(module_path: &str, function: &str) -> String {
+    match module_path.split_once("::") {
+        Some((_, rest)) => format!("{rest}::{function}"),
+        None => function.to_string(),
+    }
+}
+
+/// Declares a test whose body runs on N ranks: `dist_test!(name, 2, |world| { ... Ok(()) });`.
+/// With `cpu_and_cuda`, it declares `name` (Gloo, CPU tensors) and `name_cuda` (NCCL, one GPU
+/// per rank), which passes with a notice when there are fewer GPUs than ranks.
+#[macro_export]
+macro_rules! dist_test {
+    ($name:ident, $ranks:expr, |$world:ident| $body:block) => {
+        #[test]
+        fn $name() {
+            $crate::run_ranks($ranks, &$crate::test_name(module_path!(), stringify!($name)), |$world| $body);
+        }
+    };
+    (cpu_and_cuda $name:ident, $cuda_name:ident, $ranks:expr, |$world:ident, $device:ident| $body:block) => {
+        #[test]
+        fn $name() {
+            let $device = tch::Device::Cpu;
+            $crate::run_ranks($ranks, &$crate::test_name(module_path!(), stringify!($name)), |$world| $body);
+        }
+        #[test]
+        fn $cuda_name() {
+            if engine::cuda::device_count() < $ranks {
+                eprintln!("skipped: needs {} CUDA devices, found {}", $ranks, engine::cuda::device_count());
+                return;
+            }
+            $crate::run_ranks($ranks, &$crate::test_name(module_path!(), stringify!($cuda_name)), |$world| {
+                let $device = tch::Device::Cuda($world.env.local_rank);
+                $body
+            });
+        }
+    };
+}
+
+/// Asserts `actual` is within `rtol * |expected| + atol` of `expected` elementwise, naming
+/// the largest difference.
+pub fn assert_close(actual: &Tensor, expected: &Tensor, rtol: f64, atol: f64, what: &str) {
+    assert_eq!(actual.size(), expected.size(), "{what}: shapes differ");
+    let a = actual.to_device(Device::Cpu).to_kind(tch::Kind::Double);
+    let e = expected.to_device(Device::Cpu).to_kind(tch::Kind::Double);
+    let diff = (&a - &e).abs();
+    let bound = e.abs() * rtol + atol;
+    let excess = (&diff - &bound).max().double_value(&[]);
+    let max_diff = diff.max().double_value(&[]);
+    assert!(excess <= 0.0, "{what}: max abs difference {max_diff:e} exceeds rtol {rtol:e} / atol {atol:e}");
+}
+
+/// A tensor with the same values on every rank (seeded), for single-process references.
+pub fn seeded(seed: i64, shape: &[i64]) -> Tensor {
+    tch::manual_seed(seed);
+    Tensor::randn(shape, (tch::Kind::Float, Device::Cpu))
+}

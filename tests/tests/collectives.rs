@@ -1,0 +1,155 @@
+//! Every process-group operation and its async form, on 2 and 4 ranks, against values worked
+//! out by hand.
+use engine::dist::{ProcessGroup, ReduceOp, World};
+use suite_tests::{dist_test, TestResult};
+use tch::{Device, Kind, Tensor};
+
+fn t(values: &[f32], device: Device) -> Tensor {
+    Tensor::from_slice(values).to_device(device)
+}
+
+fn values(x: &Tensor) -> Vec<f32> {
+    Vec::<f32>::try_from(x.to_device(Device::Cpu).to_kind(Kind::Float).flatten(0, -1)).unwrap()
+}
+
+fn check_all_reduce(g: &ProcessGroup, dev: Device) -> TestResult {
+    let (r, n) = (g.rank() as f32 + 1.0, g.size() as f32);
+    let tri = n * (n + 1.0) / 2.0;
+    let factorial: f32 = (1..=g.size()).map(|i| i as f32).product();
+    for (op, want) in [
+        (ReduceOp::Sum, [tri, 2.0 * tri]),
+        (ReduceOp::Avg, [tri / n, 2.0 * tri / n]),
+        (ReduceOp::Max, [n, 2.0 * n]),
+        (ReduceOp::Min, [1.0, 2.0]),
+        (ReduceOp::Product, [factorial, factorial * 2f32.powf(n)]),
+    ] {
+        let x = t(&[r, 2.0 * r], dev);
+        g.all_reduce(&x, op)?;
+        assert_eq!(values(&x), want, "all_reduce {op:?}");
+        let y = t(&[r, 2.0 * r], dev);
+        let work = g.all_reduce_async(&y, op)?;
+        work.wait()?;
+        assert_eq!(values(&y), want, "all_reduce_async {op:?}");
+    }
+    // A non-contiguous tensor is reduced through a contiguous copy and written back.
+    let base = Tensor::arange(6, (Kind::Float, dev)).view([2, 3]) + g.rank() as f64;
+    let tr = base.tr();
+    g.all_reduce(&tr, ReduceOp::Sum)?;
+    let shift = (g.size() * (g.size() - 1) / 2) as f32;
+    let want: Vec<f32> = [0., 3., 1., 4., 2., 5.].iter().map(|v| v * n + shift).collect();
+    assert_eq!(values(&tr), want, "all_reduce of a transposed tensor");
+    Ok(())
+}
+
+fn check_broadcast_and_gather(g: &ProcessGroup, dev: Device) -> TestResult {
+    let (rank, n) = (g.rank(), g.size());
+    let root = n - 1;
+    let x = t(&[rank as f32; 3], dev);
+    g.broadcast(&x, root)?;
+    assert_eq!(values(&x), vec![root as f32; 3], "broadcast");
+    let y = t(&[rank as f32; 3], dev);
+    g.broadcast_async(&y, 0)?.wait()?;
+    assert_eq!(values(&y), vec![0.0; 3], "broadcast_async");
+
+    let row = t(&[rank as f32, 10.0 * rank as f32], dev).view([1, 2]);
+    let want: Vec<f32> = (0..n).flat_map(|r| [r as f32, 10.0 * r as f32]).collect();
+    assert_eq!(g.all_gather(&row)?.size(), vec![n as i64, 2]);
+    assert_eq!(values(&g.all_gather(&row)?), want, "all_gather");
+    let (out, work) = g.all_gather_async(&row)?;
+    work.wait()?;
+    assert_eq!(values(&out), want, "all_gather_async");
+    let list = g.all_gather_list(&row)?;
+    assert_eq!(list.len(), n);
+    for (r, piece) in list.iter().enumerate() {
+        assert_eq!(values(piece), vec![r as f32, 10.0 * r as f32], "all_gather_list[{r}]");
+    }
+    Ok(())
+}
+
+fn check_reduce_scatter(g: &ProcessGroup, dev: Device) -> TestResult {
+    let (rank, n) = (g.rank() as i64, g.size() as i64);
+    // Rank s contributes rows i + s (i = 0..2n); rank r receives block r summed over s.
+    let input = (Tensor::arange(2 * n, (Kind::Float, dev)) + rank as f64).view([n, 2]);
+    let shift = (n * (n - 1) / 2) as f32;
+    let want = vec![(2 * rank) as f32 * n as f32 + shift, (2 * rank + 1) as f32 * n as f32 + shift];
+    assert_eq!(values(&g.reduce_scatter(&input, ReduceOp::Sum)?), want, "reduce_scatter");
+    let (out, work) = g.reduce_scatter_async(&input, ReduceOp::Avg)?;
+    work.wait()?;
+    let avg: Vec<f32> = want.iter().map(|v| v / n as f32).collect();
+    assert_eq!(values(&out), avg, "reduce_scatter_async avg");
+    Ok(())
+}
+
+fn check_all_to_all(g: &ProcessGroup, dev: Device) -> TestResult {
+    let (rank, n) = (g.rank(), g.size());
+    // Row j of rank r holds 10 r + j and goes to rank j.
+    let rows: Vec<f32> = (0..n).map(|j| (10 * rank + j) as f32).collect();
+    let want: Vec<f32> = (0..n).map(|j| (10 * j + rank) as f32).collect();
+    let x = t(&rows, dev).view([n as i64, 1]);
+    assert_eq!(values(&g.all_to_all(&x)?), want, "all_to_all");
+    let (out, work) = g.all_to_all_async(&x)?;
+    work.wait()?;
+    assert_eq!(values(&out), want, "all_to_all_async");
+
+    // Uneven: rank r sends j + 1 rows of value 100 r + j to rank j, so it receives r + 1 rows
+    // of value 100 j + r from every rank j.
+    let in_splits: Vec<i64> = (0..n as i64).map(|j| j + 1).collect();
+    let out_splits = vec![rank as i64 + 1; n];
+    let sent: Vec<f32> = (0..n).flat_map(|j| vec![(100 * rank + j) as f32; j + 1]).collect();
+    let want: Vec<f32> = (0..n).flat_map(|j| vec![(100 * j + rank) as f32; rank + 1]).collect();
+    let x = t(&sent, dev).view([-1, 1]);
+    assert_eq!(values(&g.all_to_all_uneven(&x, &in_splits, &out_splits)?), want, "uneven all_to_all");
+    let (out, work) = g.all_to_all_uneven_async(&x, &in_splits, &out_splits)?;
+    work.wait()?;
+    assert_eq!(values(&out), want, "uneven all_to_all_async");
+    Ok(())
+}
+
+fn check_send_recv_barrier(g: &ProcessGroup, dev: Device) -> TestResult {
+    let (rank, n) = (g.rank(), g.size());
+    let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
+    // A ring, both directions in flight at once.
+    let out = t(&[rank as f32, -(rank as f32)], dev);
+    let inbox = Tensor::zeros([2], (Kind::Float, dev));
+    let send = g.send_async(&out, next, 7)?;
+    let recv = g.recv_async(&inbox, prev, 7)?;
+    send.wait()?;
+    recv.wait()?;
+    assert_eq!(values(&inbox), vec![prev as f32, -(prev as f32)], "ring send/recv");
+    // Blocking form: even ranks send first, odd ranks receive first.
+    let box2 = Tensor::zeros([1], (Kind::Float, dev));
+    if rank % 2 == 0 {
+        g.send(&t(&[rank as f32], dev), next, 8)?;
+        g.recv(&box2, prev, 8)?;
+    } else {
+        g.recv(&box2, prev, 8)?;
+        g.send(&t(&[rank as f32], dev), next, 8)?;
+    }
+    assert_eq!(values(&box2), vec![prev as f32], "blocking send/recv");
+    g.barrier()?;
+    Ok(())
+}
+
+fn check_everything(world: &World, dev: Device) -> TestResult {
+    let g = &world.group;
+    check_all_reduce(g, dev)?;
+    check_broadcast_and_gather(g, dev)?;
+    check_reduce_scatter(g, dev)?;
+    check_all_to_all(g, dev)?;
+    if g.size() > 1 {
+        check_send_recv_barrier(g, dev)?;
+    }
+    Ok(())
+}
+
+dist_test!(cpu_and_cuda every_collective_on_2_ranks, every_collective_on_2_ranks_cuda, 2, |world, dev| {
+    check_everything(world, dev)
+});
+
+dist_test!(cpu_and_cuda every_collective_on_4_ranks, every_collective_on_4_ranks_cuda, 4, |world, dev| {
+    check_everything(world, dev)
+});
+
+dist_test!(cpu_and_cuda one_rank_collectives_are_local, one_rank_collectives_are_local_cuda, 1, |world, dev| {
+    check_everything(world, dev)
+});
