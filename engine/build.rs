@@ -44,7 +44,11 @@ fn main() {
         .file("csrc/cuda.cpp");
     build.compile("engine_csrc");
 
+    // The header-only parts of c10::cuda (events, device queries) call the CUDA runtime directly.
+    let cuda_lib = nvidia.join("cu13").join("lib");
     println!("cargo:rustc-link-search=native={}", lib.display());
+    println!("cargo:rustc-link-search=native={}", cuda_lib.display());
+    println!("cargo:rustc-link-lib=dylib:+verbatim=libcudart.so.13");
     for l in ["torch_cpu", "torch", "c10"] {
         println!("cargo:rustc-link-lib=dylib={l}");
     }
@@ -52,7 +56,7 @@ fn main() {
         println!("cargo:rustc-link-lib=dylib={l}");
     }
     // Binaries of dependent crates read this (DEP_ENGINE_CSRC_LINK_ARGS) in their build scripts.
-    let args = link_args(&lib);
+    let args = link_args(&[&lib, &cuda_lib]);
     println!("cargo:link_args={}", args.join(" "));
     for arg in &args {
         println!("cargo:rustc-link-arg={arg}");
@@ -61,11 +65,7 @@ fn main() {
 
 /// rpath so that nobody sets LD_LIBRARY_PATH, and libtorch_cuda kept as a dependency even
 /// where nothing references it directly: without it, CUDA silently reports unavailable.
-fn link_args(lib: &Path) -> Vec<String> {
-    vec![
-        format!("-Wl,-rpath,{}", lib.display()),
-        "-Wl,--no-as-needed".into(),
-        "-ltorch_cuda".into(),
-        "-Wl,--as-needed".into(),
-    ]
+fn link_args(lib_dirs: &[&Path]) -> Vec<String> {
+    let rpath = lib_dirs.iter().map(|d| d.display().to_string()).collect::<Vec<_>>().join(":");
+    vec![format!("-Wl,-rpath,{rpath}"), "-Wl,--no-as-needed".into(), "-ltorch_cuda".into(), "-Wl,--as-needed".into()]
 }

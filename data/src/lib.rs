@@ -1,1 +1,97 @@
+//! Datasets, file formats and loaders shared by the apps. Every file the suite writes goes
+//! through [`write_atomic`], so a crash or an error never leaves a half-written file behind.
+#![warn(missing_docs)]
 
+use std::fs::{self, File};
+use std::io::BufWriter;
+use std::path::{Path, PathBuf};
+
+/// Errors of the data crate; each names the file involved.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Reading or writing a file failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What went wrong.
+        source: std::io::Error,
+    },
+}
+
+/// The data crate's result type.
+pub type Result<T> = std::result::Result<T, Error>;
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
+    move |source| Error::Io { path: path.to_path_buf(), source }
+}
+
+/// Writes `path` through `write`: the bytes go to a temporary file beside it, which is synced
+/// and renamed over `path` only once `write` succeeds. On any error the temporary file is
+/// removed and `path` is left as it was.
+pub fn write_atomic<E: From<Error>>(
+    path: &Path,
+    write: impl FnOnce(&mut BufWriter<File>) -> std::result::Result<(), E>,
+) -> std::result::Result<(), E> {
+    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let name = path
+        .file_name()
+        .ok_or_else(|| Error::Io { path: path.to_path_buf(), source: std::io::Error::other("not a file path") })?;
+    let tmp = dir.join(format!(".{}.tmp-{}", name.to_string_lossy(), std::process::id()));
+    let result = (|| {
+        let mut out = BufWriter::new(File::create(&tmp).map_err(io_err(&tmp))?);
+        write(&mut out)?;
+        let file = out.into_inner().map_err(|e| io_err(&tmp)(e.into_error()))?;
+        file.sync_all().map_err(io_err(&tmp))?;
+        fs::rename(&tmp, path).map_err(io_err(path))?;
+        Ok(())
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("data-test-{}-{name}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    #[test]
+    fn writes_the_whole_file() {
+        let dir = scratch("whole");
+        let path = dir.join("out.txt");
+        write_atomic::<Error>(&path, |w| w.write_all(b"hello").map_err(io_err(&path))).unwrap();
+        assert_eq!(fs::read(&path).unwrap(), b"hello");
+        assert_eq!(fs::read_dir(&dir).unwrap().count(), 1, "no temporary file left");
+    }
+
+    #[test]
+    fn a_failed_write_leaves_the_old_file_and_no_temporary() {
+        let dir = scratch("failed");
+        let path = dir.join("out.txt");
+        fs::write(&path, b"old").unwrap();
+        let err = write_atomic::<Error>(&path, |w| {
+            w.write_all(b"partial").unwrap();
+            Err(Error::Io { path: path.clone(), source: std::io::Error::other("disk on fire") })
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("disk on fire"));
+        assert_eq!(fs::read(&path).unwrap(), b"old");
+        assert_eq!(fs::read_dir(&dir).unwrap().count(), 1, "no temporary file left");
+    }
+
+    #[test]
+    fn a_missing_directory_names_the_file() {
+        let path = Path::new("/nonexistent-dir-for-test/out.bin");
+        let err = write_atomic::<Error>(path, |_| Ok(())).unwrap_err();
+        assert!(err.to_string().contains("/nonexistent-dir-for-test/.out.bin.tmp-"), "{err}");
+    }
+}

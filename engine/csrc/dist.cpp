@@ -14,6 +14,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <torch/version.h>
+
 #include "protect.h"
 
 using c10::intrusive_ptr;
@@ -75,6 +77,8 @@ void finish(EngWork** out, intrusive_ptr<c10d::Work> work, std::vector<at::Tenso
 extern "C" {
 
 void eng_free_error(char* err) { std::free(err); }
+
+const char* eng_torch_version() { return TORCH_VERSION; }
 
 char* eng_store_tcp(const char* host, uint16_t port, int is_server, int world_size,
                     int64_t timeout_ms, EngStore** out) {

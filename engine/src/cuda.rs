@@ -89,7 +89,9 @@ impl Stream {
     /// Marks `tensor` as used on this stream, so that the caching allocator does not hand its
     /// memory out again before the work queued here finishes.
     pub fn record_tensor(&self, tensor: &tch::Tensor) -> Result<()> {
-        check(unsafe { ffi::eng_cuda_record_stream(tensor.raw(), self.raw) }, || "recording a tensor on a stream".into())
+        check(unsafe { ffi::eng_cuda_record_stream(tensor.raw(), self.raw) }, || {
+            "recording a tensor on a stream".into()
+        })
     }
 }
 

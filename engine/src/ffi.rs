@@ -27,6 +27,7 @@ pub type DropCb = unsafe extern "C" fn(state: *mut c_void);
 
 extern "C" {
     pub fn eng_free_error(err: *mut c_char);
+    pub fn eng_torch_version() -> *const c_char;
     pub fn eng_free_bytes(data: *mut u8);
 
     pub fn eng_store_tcp(
@@ -38,29 +39,10 @@ extern "C" {
         out: *mut *mut EngStore,
     ) -> *mut c_char;
     pub fn eng_store_hash(out: *mut *mut EngStore) -> *mut c_char;
-    pub fn eng_store_prefix(
-        base: *mut EngStore,
-        prefix: *const c_char,
-        out: *mut *mut EngStore,
-    ) -> *mut c_char;
-    pub fn eng_store_set(
-        s: *mut EngStore,
-        key: *const c_char,
-        data: *const u8,
-        len: usize,
-    ) -> *mut c_char;
-    pub fn eng_store_get(
-        s: *mut EngStore,
-        key: *const c_char,
-        data: *mut *mut u8,
-        len: *mut usize,
-    ) -> *mut c_char;
-    pub fn eng_store_add(
-        s: *mut EngStore,
-        key: *const c_char,
-        value: i64,
-        out: *mut i64,
-    ) -> *mut c_char;
+    pub fn eng_store_prefix(base: *mut EngStore, prefix: *const c_char, out: *mut *mut EngStore) -> *mut c_char;
+    pub fn eng_store_set(s: *mut EngStore, key: *const c_char, data: *const u8, len: usize) -> *mut c_char;
+    pub fn eng_store_get(s: *mut EngStore, key: *const c_char, data: *mut *mut u8, len: *mut usize) -> *mut c_char;
+    pub fn eng_store_add(s: *mut EngStore, key: *const c_char, value: i64, out: *mut i64) -> *mut c_char;
     pub fn eng_store_set_timeout(s: *mut EngStore, timeout_ms: i64) -> *mut c_char;
     pub fn eng_store_free(s: *mut EngStore);
 
@@ -73,18 +55,8 @@ extern "C" {
         out: *mut *mut EngGroup,
     ) -> *mut c_char;
     pub fn eng_group_free(g: *mut EngGroup);
-    pub fn eng_allreduce(
-        g: *mut EngGroup,
-        t: *mut C_tensor,
-        op: c_int,
-        out: *mut *mut EngWork,
-    ) -> *mut c_char;
-    pub fn eng_broadcast(
-        g: *mut EngGroup,
-        t: *mut C_tensor,
-        root: c_int,
-        out: *mut *mut EngWork,
-    ) -> *mut c_char;
+    pub fn eng_allreduce(g: *mut EngGroup, t: *mut C_tensor, op: c_int, out: *mut *mut EngWork) -> *mut c_char;
+    pub fn eng_broadcast(g: *mut EngGroup, t: *mut C_tensor, root: c_int, out: *mut *mut EngWork) -> *mut c_char;
     pub fn eng_allgather_into(
         g: *mut EngGroup,
         output: *mut C_tensor,
@@ -114,20 +86,8 @@ extern "C" {
         nsplits: c_int,
         out: *mut *mut EngWork,
     ) -> *mut c_char;
-    pub fn eng_send(
-        g: *mut EngGroup,
-        t: *mut C_tensor,
-        dst: c_int,
-        tag: c_int,
-        out: *mut *mut EngWork,
-    ) -> *mut c_char;
-    pub fn eng_recv(
-        g: *mut EngGroup,
-        t: *mut C_tensor,
-        src: c_int,
-        tag: c_int,
-        out: *mut *mut EngWork,
-    ) -> *mut c_char;
+    pub fn eng_send(g: *mut EngGroup, t: *mut C_tensor, dst: c_int, tag: c_int, out: *mut *mut EngWork) -> *mut c_char;
+    pub fn eng_recv(g: *mut EngGroup, t: *mut C_tensor, src: c_int, tag: c_int, out: *mut *mut EngWork) -> *mut c_char;
     pub fn eng_barrier(g: *mut EngGroup, out: *mut *mut EngWork) -> *mut c_char;
     pub fn eng_work_wait(w: *mut EngWork, timeout_ms: i64) -> *mut c_char;
     pub fn eng_work_is_completed(w: *mut EngWork, out: *mut c_int) -> *mut c_char;
@@ -167,11 +127,7 @@ extern "C" {
 extern "C" {
     pub fn eng_cuda_device_count() -> c_int;
     pub fn eng_cuda_current_stream(device: c_int, out: *mut *mut EngStream) -> *mut c_char;
-    pub fn eng_cuda_stream_from_pool(
-        device: c_int,
-        high_priority: c_int,
-        out: *mut *mut EngStream,
-    ) -> *mut c_char;
+    pub fn eng_cuda_stream_from_pool(device: c_int, high_priority: c_int, out: *mut *mut EngStream) -> *mut c_char;
     pub fn eng_cuda_set_current_stream(s: *mut EngStream) -> *mut c_char;
     pub fn eng_cuda_stream_synchronize(s: *mut EngStream) -> *mut c_char;
     pub fn eng_cuda_stream_query(s: *mut EngStream, done: *mut c_int) -> *mut c_char;
@@ -183,11 +139,7 @@ extern "C" {
     pub fn eng_cuda_event_record(e: *mut EngEvent, s: *mut EngStream) -> *mut c_char;
     pub fn eng_cuda_event_synchronize(e: *mut EngEvent) -> *mut c_char;
     pub fn eng_cuda_event_query(e: *mut EngEvent, done: *mut c_int) -> *mut c_char;
-    pub fn eng_cuda_event_elapsed_ms(
-        start: *mut EngEvent,
-        end: *mut EngEvent,
-        ms: *mut f32,
-    ) -> *mut c_char;
+    pub fn eng_cuda_event_elapsed_ms(start: *mut EngEvent, end: *mut EngEvent, ms: *mut f32) -> *mut c_char;
     pub fn eng_cuda_event_free(e: *mut EngEvent);
     pub fn eng_cuda_record_stream(t: *mut C_tensor, s: *mut EngStream) -> *mut c_char;
     pub fn eng_cuda_synchronize(device: c_int) -> *mut c_char;

@@ -10,5 +10,6 @@ pub mod cuda;
 pub mod dist;
 mod error;
 mod ffi;
+pub mod runtime;
 
 pub use error::{Error, Result};

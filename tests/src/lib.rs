@@ -16,26 +16,42 @@ pub const TEST_TIMEOUT: Duration = Duration::from_secs(60);
 pub type TestResult = anyhow::Result<()>;
 
 /// Runs `body` on `ranks` processes. `test` is the test's full name as libtest knows it
-/// ([`dist_test!`] fills it in).
+/// ([`dist_test!`] fills it in). Panics with the failing rank's message if the job fails.
 pub fn run_ranks(ranks: usize, test: &str, body: impl FnOnce(&World) -> TestResult) {
+    if let Err(e) = run_job(ranks, test, &[], body) {
+        panic!("{e}");
+    }
+}
+
+/// Like [`run_ranks`], with extra environment for the ranks, returning the job's outcome (in
+/// the parent process; a rank process exits through the test harness).
+pub fn run_job(
+    ranks: usize,
+    test: &str,
+    env: &[(&str, &str)],
+    body: impl FnOnce(&World) -> TestResult,
+) -> Result<(), engine::Error> {
     if std::env::var(WORKER_ENV).as_deref() == Ok(test) {
-        let world = dist::init(&InitOptions { timeout: TEST_TIMEOUT }).expect("joining the test job");
+        let timeout = dist::launch::timeout_from_env().unwrap_or(TEST_TIMEOUT);
+        let world = dist::init(&InitOptions { timeout }).expect("joining the test job");
         if let Err(e) = body(&world) {
             panic!("rank {}: {e:#}", world.rank());
         }
-        return;
+        return Ok(());
     }
-    let opts = SpawnOptions {
+    let mut vars = vec![
+        (WORKER_ENV.to_string(), test.to_string()),
+        // Backtraces would push the failing rank's message out of the report's tail.
+        ("RUST_BACKTRACE".to_string(), "0".to_string()),
+    ];
+    vars.extend(env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+    dist::spawn(&SpawnOptions {
         nproc: ranks,
         program: std::env::current_exe().expect("test executable"),
         args: [test, "--exact", "--nocapture", "--test-threads=1"].map(Into::into).to_vec(),
-        // Backtraces would push the failing rank's message out of the report's tail.
-        env: vec![(WORKER_ENV.into(), test.into()), ("RUST_BACKTRACE".into(), "0".into())],
+        env: vars,
         echo: std::env::var_os("SUITE_TEST_ECHO").is_some(),
-    };
-    if let Err(e) = dist::spawn(&opts) {
-        panic!("{e}");
-    }
+    })
 }
 
 /// The libtest name of a test function, from `module_path!()` and its identifier.

@@ -58,6 +58,9 @@ fn check_broadcast_and_gather(g: &ProcessGroup, dev: Device) -> TestResult {
     let (out, work) = g.all_gather_async(&row)?;
     work.wait()?;
     assert_eq!(values(&out), want, "all_gather_async");
+    let into = Tensor::zeros([n as i64, 2], (Kind::Float, dev));
+    g.all_gather_into_async(&into, &row)?.wait()?;
+    assert_eq!(values(&into), want, "all_gather_into_async");
     let list = g.all_gather_list(&row)?;
     assert_eq!(list.len(), n);
     for (r, piece) in list.iter().enumerate() {
@@ -90,6 +93,10 @@ fn check_all_to_all(g: &ProcessGroup, dev: Device) -> TestResult {
     let (out, work) = g.all_to_all_async(&x)?;
     work.wait()?;
     assert_eq!(values(&out), want, "all_to_all_async");
+    let into = Tensor::zeros([n as i64, 1], (Kind::Float, dev));
+    let splits = vec![1i64; n];
+    g.all_to_all_into_async(&into, &x, &splits, &splits)?.wait()?;
+    assert_eq!(values(&into), want, "all_to_all_into_async");
 
     // Uneven: rank r sends j + 1 rows of value 100 r + j to rank j, so it receives r + 1 rows
     // of value 100 j + r from every rank j.

@@ -2,8 +2,8 @@
 //! computation equal the same computation done in one process (fp32, relative error of the
 //! whole tensor below 1e-6, elementwise within 1e-5 of the largest value).
 use engine::autograd::collectives::{
-    all_gather, all_gather_async, all_to_all, all_to_all_async, copy_to_group, gather, gather_async,
-    reduce_from_group, reduce_scatter, split,
+    all_gather, all_gather_async, all_to_all, all_to_all_async, copy_to_group, gather, gather_async, reduce_from_group,
+    reduce_scatter, split,
 };
 use engine::dist::World;
 use suite_tests::{dist_test, seeded, TestResult};
@@ -28,7 +28,8 @@ fn block(t: &Tensor, dim: i64, rank: usize, n: usize) -> Tensor {
 /// Megatron's tensor-parallel MLP: column-parallel then row-parallel linear layers.
 fn copy_to_and_reduce_from(world: &World) -> TestResult {
     let (g, r, n) = (&world.group, world.rank(), world.size());
-    let (x, w1, w2, c) = (seeded(1, &[3, 4]), seeded(2, &[4, 2 * n as i64]), seeded(3, &[2 * n as i64, 4]), seeded(4, &[3, 4]));
+    let (x, w1, w2, c) =
+        (seeded(1, &[3, 4]), seeded(2, &[4, 2 * n as i64]), seeded(3, &[2 * n as i64, 4]), seeded(4, &[3, 4]));
     // Reference in one process.
     let (xr, w1r, w2r) = (leaf(&x), leaf(&w1), leaf(&w2));
     let yr = xr.matmul(&w1r).relu().matmul(&w2r);
@@ -55,7 +56,11 @@ fn all_gather_and_reduce_scatter(world: &World) -> TestResult {
         let weights: Vec<Tensor> = (0..n).map(|k| seeded(20 + k as i64, &shape)).collect();
         // Reference: the total loss sums every rank's term.
         let xr = leaf(&x);
-        weights.iter().map(|w| (xr.tanh() * w).sum(Kind::Float)).fold(Tensor::zeros([], (Kind::Float, tch::Device::Cpu)), |a, b| a + b).backward();
+        weights
+            .iter()
+            .map(|w| (xr.tanh() * w).sum(Kind::Float))
+            .fold(Tensor::zeros([], (Kind::Float, tch::Device::Cpu)), |a, b| a + b)
+            .backward();
         let xs = leaf(&block(&x, dim, r, n));
         let z = all_gather(&xs, dim, g)?;
         assert_matches(&z, &x, "all_gather output");

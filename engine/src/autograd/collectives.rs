@@ -93,15 +93,18 @@ impl Collective {
             }
             Collective::AllGather { dim } => {
                 let dim = normalize(dim, x)?;
-                let (buf, work) = g.all_gather_async(&x.f_movedim(&[dim], &[0])?)?;
-                Ok(Pending { work: Some(work), finish: Box::new(move || Ok(buf.f_movedim(&[0], &[dim])?)) })
+                let (buf, work) = g.all_gather_async(&x.f_movedim([dim], [0])?)?;
+                Ok(Pending { work: Some(work), finish: Box::new(move || Ok(buf.f_movedim([0], [dim])?)) })
             }
             Collective::ReduceScatter { dim } => {
                 let dim = normalize(dim, x)?;
                 let size = x.size()[dim as usize];
-                ensure!(size % n == 0, "reduce_scatter: dim {dim} of size {size} does not divide by the group size {n}");
-                let (buf, work) = g.reduce_scatter_async(&x.f_movedim(&[dim], &[0])?, ReduceOp::Sum)?;
-                Ok(Pending { work: Some(work), finish: Box::new(move || Ok(buf.f_movedim(&[0], &[dim])?)) })
+                ensure!(
+                    size % n == 0,
+                    "reduce_scatter: dim {dim} of size {size} does not divide by the group size {n}"
+                );
+                let (buf, work) = g.reduce_scatter_async(&x.f_movedim([dim], [0])?, ReduceOp::Sum)?;
+                Ok(Pending { work: Some(work), finish: Box::new(move || Ok(buf.f_movedim([0], [dim])?)) })
             }
             Collective::Split { dim } => {
                 let dim = normalize(dim, x)?;
@@ -117,10 +120,7 @@ impl Collective {
                 ensure!(size % n == 0, "all_to_all: dim {s} of size {size} does not divide by the group size {n}");
                 let blocks = x.f_chunk(n, s)?;
                 let (buf, work) = g.all_to_all_async(&Tensor::f_stack(&blocks, 0)?)?;
-                Ok(Pending {
-                    work: Some(work),
-                    finish: Box::new(move || Ok(Tensor::f_cat(&buf.f_unbind(0)?, gd)?)),
-                })
+                Ok(Pending { work: Some(work), finish: Box::new(move || Ok(Tensor::f_cat(&buf.f_unbind(0)?, gd)?)) })
             }
         }
     }

@@ -140,11 +140,121 @@ unsafe extern "C" fn drop_state(state: *mut c_void) {
 /// scalar). Unlike `Tensor::backward`, errors (including those raised inside custom backwards)
 /// are returned, not panicked.
 pub fn backward(outputs: &[&Tensor], grads: &[Option<&Tensor>], keep_graph: bool) -> Result<()> {
-    crate::error::ensure!(outputs.len() == grads.len(), "backward: {} outputs but {} gradients", outputs.len(), grads.len());
+    crate::error::ensure!(
+        outputs.len() == grads.len(),
+        "backward: {} outputs but {} gradients",
+        outputs.len(),
+        grads.len()
+    );
     let mut outs: Vec<_> = outputs.iter().map(|t| t.raw()).collect();
     let mut gs: Vec<_> = grads.iter().map(|g| g.map_or(std::ptr::null_mut(), |t| t.raw())).collect();
     check(
         unsafe { ffi::eng_backward(outs.as_mut_ptr(), gs.as_mut_ptr(), outs.len() as c_int, keep_graph as c_int) },
         || "backward".to_string(),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::{Device, Kind};
+
+    fn leaf(values: &[f32]) -> Tensor {
+        Tensor::from_slice(values).set_requires_grad(true)
+    }
+
+    /// y = x^3 with a hand-written backward 3 x^2 g, against the analytic gradient.
+    fn cube(x: &Tensor) -> Tensor {
+        let out = apply(
+            "cube",
+            &[x],
+            |i| {
+                Ok(Forward {
+                    outputs: vec![i[0].pow_tensor_scalar(3)],
+                    saved: vec![i[0].shallow_clone()],
+                    non_differentiable: vec![],
+                })
+            },
+            |g, saved| Ok(vec![Some(&g[0] * saved[0].pow_tensor_scalar(2) * 3.0)]),
+        )
+        .unwrap();
+        out.into_iter().next().unwrap()
+    }
+
+    #[test]
+    fn gradient_of_a_custom_function_is_analytic() {
+        let x = leaf(&[1.0, -2.0, 0.5]);
+        let y = cube(&x);
+        assert_eq!(Vec::<f32>::try_from(&y).unwrap(), vec![1.0, -8.0, 0.125]);
+        (y * Tensor::from_slice(&[1.0f32, 2.0, 3.0])).sum(Kind::Float).backward();
+        assert_eq!(Vec::<f32>::try_from(x.grad()).unwrap(), vec![3.0, 24.0, 2.25]);
+    }
+
+    #[test]
+    fn several_inputs_outputs_and_a_non_differentiable_output() {
+        let (a, b) = (leaf(&[1.0, 2.0]), leaf(&[3.0, 5.0]));
+        // (a * b, a + b, argmax) with d(ab)/da = b, d(ab)/db = a.
+        let out = apply(
+            "mul_add",
+            &[&a, &b],
+            |i| {
+                Ok(Forward {
+                    outputs: vec![&i[0] * &i[1], &i[0] + &i[1], i[0].argmax(0, false)],
+                    saved: vec![i[0].shallow_clone(), i[1].shallow_clone()],
+                    non_differentiable: vec![2],
+                })
+            },
+            |g, s| Ok(vec![Some(&g[0] * &s[1] + &g[1]), Some(&g[0] * &s[0] + &g[1])]),
+        )
+        .unwrap();
+        assert!(!out[2].requires_grad(), "marked output has no gradient");
+        assert!(out[0].requires_grad() && out[1].requires_grad());
+        (&out[0] * 2.0 + &out[1]).sum(Kind::Float).backward();
+        assert_eq!(Vec::<f32>::try_from(a.grad()).unwrap(), vec![7.0, 11.0]);
+        assert_eq!(Vec::<f32>::try_from(b.grad()).unwrap(), vec![3.0, 5.0]);
+    }
+
+    #[test]
+    fn an_output_that_is_its_input_keeps_the_graph() {
+        let x = leaf(&[2.0]);
+        let y = apply(
+            "identity",
+            &[&x],
+            |i| Ok(Forward::outputs(vec![i[0].shallow_clone()])),
+            |g, _| Ok(vec![Some(&g[0] * 10.0)]),
+        )
+        .unwrap();
+        (&y[0] * 1.0).sum(Kind::Float).backward();
+        assert_eq!(Vec::<f32>::try_from(x.grad()).unwrap(), vec![10.0]);
+    }
+
+    #[test]
+    fn errors_and_panics_in_backward_become_errors() {
+        let x = leaf(&[1.0]);
+        let y = apply("wrong_count", &[&x], |i| Ok(Forward::outputs(vec![&i[0] * 2.0])), |_, _| Ok(vec![])).unwrap();
+        let err = backward(&[&y[0].sum(Kind::Float)], &[None], false).unwrap_err().to_string();
+        assert!(err.contains("backward of wrong_count") && err.contains("0 gradients for 1 inputs"), "{err}");
+
+        let y = apply("panics", &[&x], |i| Ok(Forward::outputs(vec![&i[0] * 2.0])), |_, _| panic!("boom")).unwrap();
+        let err = backward(&[&y[0].sum(Kind::Float)], &[None], false).unwrap_err().to_string();
+        assert!(err.contains("backward of panics: panicked: boom"), "{err}");
+    }
+
+    #[test]
+    fn backward_with_explicit_output_gradients() {
+        let x = leaf(&[1.0, 2.0]);
+        let y = cube(&x);
+        let g = Tensor::from_slice(&[1.0f32, 0.5]);
+        backward(&[&y], &[Some(&g)], false).unwrap();
+        assert_eq!(Vec::<f32>::try_from(x.grad()).unwrap(), vec![3.0, 6.0]);
+        let err = backward(&[&y], &[], false).unwrap_err().to_string();
+        assert!(err.contains("1 outputs but 0 gradients"), "{err}");
+    }
+
+    #[test]
+    fn inputs_without_grad_make_no_node() {
+        let x = Tensor::from_slice(&[1.0f32]).to_device(Device::Cpu);
+        let y = cube(&x);
+        assert!(!y.requires_grad());
+    }
 }

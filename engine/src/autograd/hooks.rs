@@ -36,3 +36,47 @@ unsafe extern "C" fn call_hook(state: *mut c_void, tensor: *mut C_tensor) -> *mu
 unsafe extern "C" fn drop_hook(state: *mut c_void) {
     drop(unsafe { Box::from_raw(state as *mut Hook) });
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+    use tch::Kind;
+
+    #[test]
+    fn hooks_run_after_accumulation_in_order() {
+        let w = Tensor::from_slice(&[1.0f32, 2.0]).set_requires_grad(true);
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        for tag in ["first", "second"] {
+            let seen = seen.clone();
+            register_post_accumulate_grad_hook(&w, move |t| {
+                seen.lock().unwrap().push((tag, Vec::<f32>::try_from(t.grad()).unwrap()));
+                Ok(())
+            })
+            .unwrap();
+        }
+        (&w * 3.0).sum(Kind::Float).backward();
+        (&w * 1.0).sum(Kind::Float).backward();
+        let seen = seen.lock().unwrap();
+        // The hook sees the accumulated gradient: 3, then 3 + 1.
+        assert_eq!(
+            *seen,
+            vec![
+                ("first", vec![3.0, 3.0]),
+                ("second", vec![3.0, 3.0]),
+                ("first", vec![4.0, 4.0]),
+                ("second", vec![4.0, 4.0])
+            ]
+        );
+    }
+
+    #[test]
+    fn a_failing_hook_fails_backward_and_non_leaves_are_refused() {
+        let w = Tensor::from_slice(&[1.0f32]).set_requires_grad(true);
+        register_post_accumulate_grad_hook(&w, |_| Err(crate::Error::invalid("bucket full"))).unwrap();
+        let err = crate::autograd::backward(&[&(&w * 2.0).sum(Kind::Float)], &[None], false).unwrap_err();
+        assert!(err.to_string().contains("gradient hook: bucket full"), "{err}");
+        let err = register_post_accumulate_grad_hook(&(&w * 2.0), |_| Ok(())).unwrap_err();
+        assert!(err.to_string().contains("leaf tensors"), "{err}");
+    }
+}

@@ -144,7 +144,12 @@ impl ProcessGroup {
         ensure!(!members.is_empty(), "sub-group {name} has no members");
         let mut seen = vec![false; self.size()];
         for &m in members {
-            ensure!(m < self.size(), "sub-group {name}: rank {m} is not in group {} of size {}", self.name(), self.size());
+            ensure!(
+                m < self.size(),
+                "sub-group {name}: rank {m} is not in group {} of size {}",
+                self.name(),
+                self.size()
+            );
             ensure!(!seen[m], "sub-group {name}: rank {m} is listed twice");
             seen[m] = true;
         }
@@ -158,11 +163,7 @@ impl ProcessGroup {
         ProcessGroup::new(store, rank, global, &full_name, self.0.timeout, self.0.loopback).map(Some)
     }
 
-    fn start(
-        &self,
-        op: &str,
-        call: impl FnOnce(*mut EngGroup, *mut *mut EngWork) -> *mut c_char,
-    ) -> Result<Work> {
+    fn start(&self, op: &str, call: impl FnOnce(*mut EngGroup, *mut *mut EngWork) -> *mut c_char) -> Result<Work> {
         let what = format!("{op} on rank {} of group {} (size {})", self.rank(), self.name(), self.size());
         let mut raw = std::ptr::null_mut();
         check(call(self.0.raw, &mut raw), || what.clone())?;
@@ -177,9 +178,7 @@ impl ProcessGroup {
     /// Starts an in-place all-reduce of `tensor`.
     pub fn all_reduce_async(&self, tensor: &Tensor, op: ReduceOp) -> Result<Work> {
         let (buffer, write_back) = contiguous_buffer(tensor)?;
-        let mut work = self.start("all_reduce", |g, w| unsafe {
-            ffi::eng_allreduce(g, buffer.raw(), op.code(), w)
-        })?;
+        let mut work = self.start("all_reduce", |g, w| unsafe { ffi::eng_allreduce(g, buffer.raw(), op.code(), w) })?;
         if op == ReduceOp::Avg {
             let (t, n) = (buffer.shallow_clone(), self.size() as f64);
             work = work.then(move || divide(&t, n));
@@ -199,9 +198,7 @@ impl ProcessGroup {
     pub fn broadcast_async(&self, tensor: &Tensor, root: usize) -> Result<Work> {
         ensure!(root < self.size(), "broadcast root {root} is not in group {} of size {}", self.name(), self.size());
         let (buffer, write_back) = contiguous_buffer(tensor)?;
-        let work = self.start("broadcast", |g, w| unsafe {
-            ffi::eng_broadcast(g, buffer.raw(), root as i32, w)
-        })?;
+        let work = self.start("broadcast", |g, w| unsafe { ffi::eng_broadcast(g, buffer.raw(), root as i32, w) })?;
         Ok(match write_back {
             Some(dst) => work.then(move || copy_into(&dst, &buffer)),
             None => work,
@@ -217,22 +214,27 @@ impl ProcessGroup {
 
     /// Starts [`ProcessGroup::all_gather`]; the returned tensor is valid after `wait`.
     pub fn all_gather_async(&self, input: &Tensor) -> Result<(Tensor, Work)> {
+        let mut shape = leading_dim(input, "all_gather")?.size();
+        shape[0] *= self.size() as i64;
+        let out = Tensor::f_empty(&shape, (input.kind(), input.device()))?;
+        let work = self.all_gather_into_async(&out, input)?;
+        Ok((out, work))
+    }
+
+    /// Starts an all-gather into a preallocated contiguous `output` (group size times
+    /// `input`'s dim 0), sparing the allocation in loops that repeat it.
+    pub fn all_gather_into_async(&self, output: &Tensor, input: &Tensor) -> Result<Work> {
         let input = leading_dim(input, "all_gather")?;
         let mut shape = input.size();
         shape[0] *= self.size() as i64;
-        let out = Tensor::f_empty(&shape, (input.kind(), input.device()))?;
-        let work = self.start("all_gather", |g, w| unsafe {
-            ffi::eng_allgather_into(g, out.raw(), input.raw(), w)
-        })?;
-        Ok((out, work))
+        check_output("all_gather", output, &shape, &input)?;
+        self.start("all_gather", |g, w| unsafe { ffi::eng_allgather_into(g, output.raw(), input.raw(), w) })
     }
 
     /// Gathers every rank's `input` as a list indexed by group rank.
     pub fn all_gather_list(&self, input: &Tensor) -> Result<Vec<Tensor>> {
         let input = input.f_contiguous()?;
-        let outs = (0..self.size())
-            .map(|_| input.f_empty_like())
-            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let outs = (0..self.size()).map(|_| input.f_empty_like()).collect::<std::result::Result<Vec<_>, _>>()?;
         let mut ptrs: Vec<_> = outs.iter().map(|t| t.raw()).collect();
         self.start("all_gather", |g, w| unsafe {
             ffi::eng_allgather_list(g, ptrs.as_mut_ptr(), ptrs.len() as i32, input.raw(), w)
@@ -286,12 +288,7 @@ impl ProcessGroup {
 
     /// All-to-all with uneven splits: `input_splits[j]` rows of `input` (along dim 0) go to rank
     /// `j`, and `output_splits[j]` rows come from rank `j`.
-    pub fn all_to_all_uneven(
-        &self,
-        input: &Tensor,
-        input_splits: &[i64],
-        output_splits: &[i64],
-    ) -> Result<Tensor> {
+    pub fn all_to_all_uneven(&self, input: &Tensor, input_splits: &[i64], output_splits: &[i64]) -> Result<Tensor> {
         let (out, work) = self.all_to_all_uneven_async(input, input_splits, output_splits)?;
         work.wait()?;
         Ok(out)
@@ -304,6 +301,22 @@ impl ProcessGroup {
         input_splits: &[i64],
         output_splits: &[i64],
     ) -> Result<(Tensor, Work)> {
+        let mut shape = leading_dim(input, "all_to_all")?.size();
+        shape[0] = output_splits.iter().sum();
+        let out = Tensor::f_empty(&shape, (input.kind(), input.device()))?;
+        let work = self.all_to_all_into_async(&out, input, input_splits, output_splits)?;
+        Ok((out, work))
+    }
+
+    /// Starts an all-to-all into a preallocated contiguous `output` whose dim 0 is the sum of
+    /// `output_splits`, sparing the allocation in loops that repeat it.
+    pub fn all_to_all_into_async(
+        &self,
+        output: &Tensor,
+        input: &Tensor,
+        input_splits: &[i64],
+        output_splits: &[i64],
+    ) -> Result<Work> {
         let input = leading_dim(input, "all_to_all")?;
         let n = self.size();
         ensure!(
@@ -317,19 +330,10 @@ impl ProcessGroup {
         ensure!(rows == input.size()[0], "all_to_all: input splits sum to {rows} but dim 0 has {}", input.size()[0]);
         let mut shape = input.size();
         shape[0] = output_splits.iter().sum();
-        let out = Tensor::f_empty(&shape, (input.kind(), input.device()))?;
-        let work = self.start("all_to_all", |g, w| unsafe {
-            ffi::eng_alltoall(
-                g,
-                out.raw(),
-                input.raw(),
-                output_splits.as_ptr(),
-                input_splits.as_ptr(),
-                n as i32,
-                w,
-            )
-        })?;
-        Ok((out, work))
+        check_output("all_to_all", output, &shape, &input)?;
+        self.start("all_to_all", |g, w| unsafe {
+            ffi::eng_alltoall(g, output.raw(), input.raw(), output_splits.as_ptr(), input_splits.as_ptr(), n as i32, w)
+        })
     }
 
     /// Sends `tensor` to group rank `dst`; `tag` matches it with the receiver's `recv`.
@@ -351,9 +355,7 @@ impl ProcessGroup {
     /// Starts a receive into `tensor`.
     pub fn recv_async(&self, tensor: &Tensor, src: usize, tag: i32) -> Result<Work> {
         let (buffer, write_back) = contiguous_buffer(tensor)?;
-        let work = self.start("recv", |g, w| unsafe {
-            ffi::eng_recv(g, buffer.raw(), src as i32, tag, w)
-        })?;
+        let work = self.start("recv", |g, w| unsafe { ffi::eng_recv(g, buffer.raw(), src as i32, tag, w) })?;
         Ok(match write_back {
             Some(dst) => work.then(move || copy_into(&dst, &buffer)),
             None => work,
@@ -379,6 +381,20 @@ fn contiguous_buffer(t: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
 fn leading_dim(t: &Tensor, op: &str) -> Result<Tensor> {
     ensure!(t.dim() >= 1, "{op} needs a tensor with at least one dimension, got a scalar");
     Ok(t.f_contiguous()?)
+}
+
+/// A caller's output buffer must be what the collective writes: c10d checks sizes only.
+fn check_output(op: &str, output: &Tensor, shape: &[i64], input: &Tensor) -> Result<()> {
+    ensure!(output.size() == shape, "{op}: output has shape {:?}, expected {shape:?}", output.size());
+    ensure!(output.kind() == input.kind(), "{op}: output is {:?} but input is {:?}", output.kind(), input.kind());
+    ensure!(
+        output.device() == input.device(),
+        "{op}: output is on {:?} but input on {:?}",
+        output.device(),
+        input.device()
+    );
+    ensure!(output.is_contiguous(), "{op}: output must be contiguous");
+    Ok(())
 }
 
 fn copy_into(dst: &Tensor, src: &Tensor) -> Result<()> {

@@ -94,9 +94,9 @@ impl LaunchEnv {
         let master_addr = match (get("MASTER_ADDR"), launcher) {
             (Some(a), _) => a.to_string(),
             (None, Launcher::Slurm) => {
-                let list = get("SLURM_JOB_NODELIST").or(get("SLURM_NODELIST")).ok_or_else(|| {
-                    Error::Launch("Slurm job without MASTER_ADDR or SLURM_JOB_NODELIST".into())
-                })?;
+                let list = get("SLURM_JOB_NODELIST")
+                    .or(get("SLURM_NODELIST"))
+                    .ok_or_else(|| Error::Launch("Slurm job without MASTER_ADDR or SLURM_JOB_NODELIST".into()))?;
                 first_host(list)?
             }
             (None, _) if world == 1 => "127.0.0.1".to_string(),
@@ -125,10 +125,7 @@ impl LaunchEnv {
 }
 
 fn parse<T: std::str::FromStr>(name: &str, value: &str) -> Result<T> {
-    value
-        .trim()
-        .parse()
-        .map_err(|_| Error::Launch(format!("{name}={value:?} is not a valid number")))
+    value.trim().parse().map_err(|_| Error::Launch(format!("{name}={value:?} is not a valid number")))
 }
 
 fn required(vars: &HashMap<String, String>, name: &str) -> Result<usize> {
@@ -216,14 +213,8 @@ pub fn init(opts: &InitOptions) -> Result<World> {
         }
     };
     let store = Store::tcp(&env.master_addr, env.master_port, env.rank == 0, env.world_size, opts.timeout)?;
-    let group = ProcessGroup::new(
-        store,
-        env.rank,
-        (0..env.world_size).collect(),
-        "world",
-        opts.timeout,
-        env.is_loopback(),
-    )?;
+    let group =
+        ProcessGroup::new(store, env.rank, (0..env.world_size).collect(), "world", opts.timeout, env.is_loopback())?;
     Ok(World { env, group })
 }
 

@@ -119,7 +119,10 @@ impl ParallelDims {
     /// sizes and the world size.
     pub fn validate(&self, world_size: usize) -> Result<()> {
         let ParallelDims { pp, dp, sp, tp } = *self;
-        ensure!(pp >= 1 && dp >= 1 && sp >= 1 && tp >= 1, "parallel sizes must be at least 1: pp={pp} dp={dp} sp={sp} tp={tp}");
+        ensure!(
+            pp >= 1 && dp >= 1 && sp >= 1 && tp >= 1,
+            "parallel sizes must be at least 1: pp={pp} dp={dp} sp={sp} tp={tp}"
+        );
         ensure!(
             pp * dp * sp * tp == world_size,
             "pp={pp} x dp={dp} x sp={sp} x tp={tp} = {} ranks, but the job has {world_size}",
@@ -154,7 +157,12 @@ mod tests {
         let sizes = [2, 2];
         let line = |l, axis| {
             let mut b = coords_of_excluding(l, &sizes, axis);
-            (0..2).map(|i| { b[axis] = i; rank_of(&b, &sizes) }).collect::<Vec<_>>()
+            (0..2)
+                .map(|i| {
+                    b[axis] = i;
+                    rank_of(&b, &sizes)
+                })
+                .collect::<Vec<_>>()
         };
         assert_eq!(line(0, 1), vec![0, 1]);
         assert_eq!(line(1, 1), vec![2, 3]);

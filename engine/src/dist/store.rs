@@ -18,13 +18,7 @@ unsafe impl Sync for Store {}
 impl Store {
     /// Connects to (or, with `is_server`, hosts) the TCP store at `host:port`. The server waits
     /// up to `timeout` for all `world_size` ranks to connect; clients retry until `timeout`.
-    pub fn tcp(
-        host: &str,
-        port: u16,
-        is_server: bool,
-        world_size: usize,
-        timeout: Duration,
-    ) -> Result<Store> {
+    pub fn tcp(host: &str, port: u16, is_server: bool, world_size: usize, timeout: Duration) -> Result<Store> {
         let c_host = cstring(host)?;
         let describe = format!("TCP store {host}:{port}");
         let mut raw = std::ptr::null_mut();
@@ -67,10 +61,9 @@ impl Store {
     /// Sets `key` to `value`.
     pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
         let c_key = cstring(key)?;
-        check(
-            unsafe { ffi::eng_store_set(self.raw, c_key.as_ptr(), value.as_ptr(), value.len()) },
-            || format!("setting {key:?} in {}", self.describe),
-        )
+        check(unsafe { ffi::eng_store_set(self.raw, c_key.as_ptr(), value.as_ptr(), value.len()) }, || {
+            format!("setting {key:?} in {}", self.describe)
+        })
     }
 
     /// Reads `key`, waiting (up to the store's timeout) until some rank sets it.

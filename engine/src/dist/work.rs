@@ -41,9 +41,7 @@ impl Work {
 
     /// Waits for completion; an error names the operation and carries c10d's message.
     pub fn wait(mut self) -> Result<()> {
-        check(unsafe { ffi::eng_work_wait(self.raw, timeout_ms(self.timeout)) }, || {
-            format!("{} failed", self.what)
-        })?;
+        check(unsafe { ffi::eng_work_wait(self.raw, timeout_ms(self.timeout)) }, || format!("{} failed", self.what))?;
         match self.then.take() {
             Some(step) => step(),
             None => Ok(()),
@@ -53,9 +51,7 @@ impl Work {
     /// Whether the collective has finished (successfully or not), without blocking.
     pub fn is_completed(&self) -> Result<bool> {
         let mut done = 0;
-        check(unsafe { ffi::eng_work_is_completed(self.raw, &mut done) }, || {
-            format!("querying {}", self.what)
-        })?;
+        check(unsafe { ffi::eng_work_is_completed(self.raw, &mut done) }, || format!("querying {}", self.what))?;
         Ok(done != 0)
     }
 

@@ -1,0 +1,119 @@
+//! Failures end jobs promptly with messages that name the rank and the cause; bad arguments
+//! are errors, never aborts.
+use std::time::{Duration, Instant};
+
+use engine::dist::{self, ProcessGroup, ReduceOp, Store};
+use suite_tests::{run_job, test_name, TestResult};
+use tch::{Device, Kind, Tensor};
+
+const SHORT: &str = "4";
+
+fn name(f: &str) -> String {
+    test_name(module_path!(), f)
+}
+
+#[test]
+fn a_rank_that_exits_early_ends_the_job_naming_it() {
+    let start = Instant::now();
+    let result = run_job(
+        2,
+        &name("a_rank_that_exits_early_ends_the_job_naming_it"),
+        &[(dist::launch::TIMEOUT_ENV, SHORT)],
+        |world| {
+            if world.rank() == 1 {
+                eprintln!("rank 1 giving up on purpose");
+                std::process::exit(3);
+            }
+            let x = Tensor::ones([4], (Kind::Float, Device::Cpu));
+            world.group.all_reduce(&x, ReduceOp::Sum)?;
+            world.group.all_reduce(&x, ReduceOp::Sum)?;
+            Ok(())
+        },
+    );
+    let err = result.expect_err("the job must fail").to_string();
+    assert!(err.contains("rank 1 failed (exit code 3)"), "{err}");
+    assert!(err.contains("rank 1 giving up on purpose"), "the report carries the rank's output: {err}");
+    assert!(start.elapsed() < Duration::from_secs(30), "took {:?}", start.elapsed());
+}
+
+#[test]
+fn a_collective_that_never_completes_times_out() {
+    let start = Instant::now();
+    let result = run_job(
+        2,
+        &name("a_collective_that_never_completes_times_out"),
+        &[(dist::launch::TIMEOUT_ENV, SHORT)],
+        |world| -> TestResult {
+            if world.rank() == 1 {
+                // Alive but never joins the collective.
+                std::thread::sleep(Duration::from_secs(120));
+                return Ok(());
+            }
+            let x = Tensor::ones([4], (Kind::Float, Device::Cpu));
+            let err = world.group.all_reduce(&x, ReduceOp::Sum).expect_err("no peer, no result");
+            anyhow::bail!("all_reduce gave up: {err}")
+        },
+    );
+    let err = result.expect_err("the job must fail").to_string();
+    assert!(err.contains("rank 0 failed"), "{err}");
+    assert!(err.contains("all_reduce on rank 0 of group world (size 2) failed"), "{err}");
+    assert!(start.elapsed() < Duration::from_secs(40), "took {:?}", start.elapsed());
+}
+
+#[test]
+fn rendezvous_without_peers_times_out() {
+    let start = Instant::now();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let err = Store::tcp("127.0.0.1", port, true, 2, Duration::from_secs(1)).unwrap_err().to_string();
+    assert!(err.contains("rendezvous: hosting TCP store 127.0.0.1"), "{err}");
+    assert!(start.elapsed() < Duration::from_secs(20), "took {:?}", start.elapsed());
+}
+
+#[test]
+fn bad_arguments_are_errors() {
+    let store = Store::in_memory().unwrap();
+    let g = ProcessGroup::new(store, 0, vec![0], "solo", Duration::from_secs(1), true).unwrap();
+    let x = Tensor::ones([3, 2], (Kind::Float, Device::Cpu));
+    let int = Tensor::ones([2], (Kind::Int64, Device::Cpu));
+    let cases: Vec<(engine::Error, &str)> = vec![
+        (g.broadcast(&x, 1).unwrap_err(), "broadcast root 1 is not in group solo of size 1"),
+        (g.send(&x, 0, 0).unwrap_err(), "cannot send from rank 0 to rank 0"),
+        (g.all_to_all_uneven(&x, &[2], &[3]).unwrap_err(), "input splits sum to 2 but dim 0 has 3"),
+        (g.all_to_all_uneven(&x, &[1, 2], &[3]).unwrap_err(), "2 input and 1 output splits"),
+        (g.all_gather(&Tensor::from(1.0f32)).unwrap_err(), "needs a tensor with at least one dimension"),
+        (g.all_reduce(&int, ReduceOp::Avg).unwrap_err(), "average of a Int64 tensor"),
+        (g.subgroup(&[0, 0], "dup").unwrap_err(), "rank 0 is listed twice"),
+        (g.all_gather_into_async(&x, &x.narrow(0, 0, 2)).unwrap_err(), "output has shape [3, 2], expected [2, 2]"),
+        (g.all_to_all_into_async(&int, &x, &[3], &[3]).unwrap_err(), "output has shape [2], expected [3, 2]"),
+        (g.subgroup(&[1], "out").unwrap_err(), "rank 1 is not in group solo"),
+        (
+            ProcessGroup::new(Store::in_memory().unwrap(), 2, vec![0, 1], "g", Duration::from_secs(1), true)
+                .unwrap_err(),
+            "rank 2 is not in group g of size 2",
+        ),
+        (dist::ParallelDims { pp: 1, dp: 3, sp: 1, tp: 1 }.build(&g).unwrap_err(), "= 3 ranks, but the job has 1"),
+    ];
+    for (err, want) in cases {
+        assert!(err.to_string().contains(want), "{err} should mention {want:?}");
+    }
+    // An exception raised inside c10d itself: a key nobody sets.
+    let store = Store::in_memory().unwrap();
+    store.set_timeout(Duration::from_millis(100)).unwrap();
+    let err = store.get("missing").unwrap_err().to_string();
+    assert!(err.contains("reading \"missing\" from in-memory store"), "{err}");
+}
+
+#[test]
+fn cuda_calls_without_a_gpu_say_so() {
+    if engine::cuda::is_available() {
+        return;
+    }
+    for err in [
+        engine::cuda::memory_stats(0).unwrap_err(),
+        engine::cuda::Stream::from_pool(0, false).err().unwrap(),
+        engine::cuda::set_memory_fraction(0.5, 0).unwrap_err(),
+        engine::cuda::Event::new(true).err().unwrap(),
+    ] {
+        assert!(err.to_string().starts_with("CUDA not available"), "{err}");
+    }
+}
