@@ -5,4 +5,14 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
-cargo test --workspace --locked
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+set +e
+cargo test --workspace --locked 2>&1 | tee "$log"
+status=${PIPESTATUS[0]}
+set -e
+# One closing line for the whole run: cargo prints one summary per test binary, and the last
+# of them is often a crate's empty doc-test run.
+sum() { grep -oE "[0-9]+ $1" "$log" | awk '{s += $1} END {print s + 0}'; }
+echo "all test binaries: $(grep '^test result:' "$log" | sum passed) passed, $(grep '^test result:' "$log" | sum failed) failed"
+exit "$status"

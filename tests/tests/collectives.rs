@@ -62,9 +62,12 @@ fn check_broadcast_and_gather(g: &ProcessGroup, dev: Device) -> TestResult {
     g.all_gather_into_async(&into, &row)?.wait()?;
     assert_eq!(values(&into), want, "all_gather_into_async");
     let list = g.all_gather_list(&row)?;
+    let (async_list, work) = g.all_gather_list_async(&row)?;
+    work.wait()?;
     assert_eq!(list.len(), n);
-    for (r, piece) in list.iter().enumerate() {
+    for (r, (piece, async_piece)) in list.iter().zip(&async_list).enumerate() {
         assert_eq!(values(piece), vec![r as f32, 10.0 * r as f32], "all_gather_list[{r}]");
+        assert_eq!(values(async_piece), vec![r as f32, 10.0 * r as f32], "all_gather_list_async[{r}]");
     }
     Ok(())
 }
@@ -134,6 +137,14 @@ fn check_send_recv_barrier(g: &ProcessGroup, dev: Device) -> TestResult {
     }
     assert_eq!(values(&box2), vec![prev as f32], "blocking send/recv");
     g.barrier()?;
+    // is_completed turns true without blocking once every rank has arrived.
+    let work = g.barrier_async()?;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !work.is_completed()? {
+        assert!(std::time::Instant::now() < deadline, "barrier_async never completed");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    work.wait()?;
     Ok(())
 }
 

@@ -163,11 +163,20 @@ impl ProcessGroup {
         ProcessGroup::new(store, rank, global, &full_name, self.0.timeout, self.0.loopback).map(Some)
     }
 
-    fn start(&self, op: &str, call: impl FnOnce(*mut EngGroup, *mut *mut EngWork) -> *mut c_char) -> Result<Work> {
+    /// Launches a collective on `tensor`'s backend. CPU (Gloo) work is waited for under the
+    /// group's timeout; CUDA (NCCL) work is waited for the c10d way, by making the current
+    /// stream wait, and NCCL's watchdog enforces the same timeout.
+    fn start(
+        &self,
+        op: &str,
+        tensor: Option<&Tensor>,
+        call: impl FnOnce(*mut EngGroup, *mut *mut EngWork) -> *mut c_char,
+    ) -> Result<Work> {
         let what = format!("{op} on rank {} of group {} (size {})", self.rank(), self.name(), self.size());
         let mut raw = std::ptr::null_mut();
         check(call(self.0.raw, &mut raw), || what.clone())?;
-        Ok(Work::new(raw, what, self.0.timeout))
+        let on_gpu = tensor.is_some_and(|t| t.device().is_cuda());
+        Ok(Work::new(raw, what, (!on_gpu).then_some(self.0.timeout)))
     }
 
     /// All-reduces `tensor` in place.
@@ -178,7 +187,8 @@ impl ProcessGroup {
     /// Starts an in-place all-reduce of `tensor`.
     pub fn all_reduce_async(&self, tensor: &Tensor, op: ReduceOp) -> Result<Work> {
         let (buffer, write_back) = contiguous_buffer(tensor)?;
-        let mut work = self.start("all_reduce", |g, w| unsafe { ffi::eng_allreduce(g, buffer.raw(), op.code(), w) })?;
+        let mut work = self
+            .start("all_reduce", Some(&buffer), |g, w| unsafe { ffi::eng_allreduce(g, buffer.raw(), op.code(), w) })?;
         if op == ReduceOp::Avg {
             let (t, n) = (buffer.shallow_clone(), self.size() as f64);
             work = work.then(move || divide(&t, n));
@@ -198,7 +208,8 @@ impl ProcessGroup {
     pub fn broadcast_async(&self, tensor: &Tensor, root: usize) -> Result<Work> {
         ensure!(root < self.size(), "broadcast root {root} is not in group {} of size {}", self.name(), self.size());
         let (buffer, write_back) = contiguous_buffer(tensor)?;
-        let work = self.start("broadcast", |g, w| unsafe { ffi::eng_broadcast(g, buffer.raw(), root as i32, w) })?;
+        let work = self
+            .start("broadcast", Some(&buffer), |g, w| unsafe { ffi::eng_broadcast(g, buffer.raw(), root as i32, w) })?;
         Ok(match write_back {
             Some(dst) => work.then(move || copy_into(&dst, &buffer)),
             None => work,
@@ -228,19 +239,27 @@ impl ProcessGroup {
         let mut shape = input.size();
         shape[0] *= self.size() as i64;
         check_output("all_gather", output, &shape, &input)?;
-        self.start("all_gather", |g, w| unsafe { ffi::eng_allgather_into(g, output.raw(), input.raw(), w) })
+        self.start("all_gather", Some(&input), |g, w| unsafe {
+            ffi::eng_allgather_into(g, output.raw(), input.raw(), w)
+        })
     }
 
     /// Gathers every rank's `input` as a list indexed by group rank.
     pub fn all_gather_list(&self, input: &Tensor) -> Result<Vec<Tensor>> {
+        let (outs, work) = self.all_gather_list_async(input)?;
+        work.wait()?;
+        Ok(outs)
+    }
+
+    /// Starts [`ProcessGroup::all_gather_list`]; the returned tensors are valid after `wait`.
+    pub fn all_gather_list_async(&self, input: &Tensor) -> Result<(Vec<Tensor>, Work)> {
         let input = input.f_contiguous()?;
         let outs = (0..self.size()).map(|_| input.f_empty_like()).collect::<std::result::Result<Vec<_>, _>>()?;
         let mut ptrs: Vec<_> = outs.iter().map(|t| t.raw()).collect();
-        self.start("all_gather", |g, w| unsafe {
+        let work = self.start("all_gather", Some(&input), |g, w| unsafe {
             ffi::eng_allgather_list(g, ptrs.as_mut_ptr(), ptrs.len() as i32, input.raw(), w)
-        })?
-        .wait()?;
-        Ok(outs)
+        })?;
+        Ok((outs, work))
     }
 
     /// Reduces `input` across ranks and gives rank `r` block `r` of dim 0 (dim 0 must divide by
@@ -259,7 +278,7 @@ impl ProcessGroup {
         ensure!(shape[0] % n == 0, "reduce_scatter: dim 0 of size {} does not divide by the group size {n}", shape[0]);
         shape[0] /= n;
         let out = Tensor::f_empty(&shape, (input.kind(), input.device()))?;
-        let mut work = self.start("reduce_scatter", |g, w| unsafe {
+        let mut work = self.start("reduce_scatter", Some(&input), |g, w| unsafe {
             ffi::eng_reduce_scatter_into(g, out.raw(), input.raw(), op.code(), w)
         })?;
         if op == ReduceOp::Avg {
@@ -331,7 +350,7 @@ impl ProcessGroup {
         let mut shape = input.size();
         shape[0] = output_splits.iter().sum();
         check_output("all_to_all", output, &shape, &input)?;
-        self.start("all_to_all", |g, w| unsafe {
+        self.start("all_to_all", Some(&input), |g, w| unsafe {
             ffi::eng_alltoall(g, output.raw(), input.raw(), output_splits.as_ptr(), input_splits.as_ptr(), n as i32, w)
         })
     }
@@ -344,7 +363,7 @@ impl ProcessGroup {
     /// Starts a send.
     pub fn send_async(&self, tensor: &Tensor, dst: usize, tag: i32) -> Result<Work> {
         let buffer = tensor.f_contiguous()?;
-        self.start("send", |g, w| unsafe { ffi::eng_send(g, buffer.raw(), dst as i32, tag, w) })
+        self.start("send", Some(&buffer), |g, w| unsafe { ffi::eng_send(g, buffer.raw(), dst as i32, tag, w) })
     }
 
     /// Receives into `tensor` from group rank `src`.
@@ -355,7 +374,8 @@ impl ProcessGroup {
     /// Starts a receive into `tensor`.
     pub fn recv_async(&self, tensor: &Tensor, src: usize, tag: i32) -> Result<Work> {
         let (buffer, write_back) = contiguous_buffer(tensor)?;
-        let work = self.start("recv", |g, w| unsafe { ffi::eng_recv(g, buffer.raw(), src as i32, tag, w) })?;
+        let work =
+            self.start("recv", Some(&buffer), |g, w| unsafe { ffi::eng_recv(g, buffer.raw(), src as i32, tag, w) })?;
         Ok(match write_back {
             Some(dst) => work.then(move || copy_into(&dst, &buffer)),
             None => work,
@@ -364,7 +384,12 @@ impl ProcessGroup {
 
     /// Waits until every rank of the group reaches the barrier.
     pub fn barrier(&self) -> Result<()> {
-        self.start("barrier", |g, w| unsafe { ffi::eng_barrier(g, w) })?.wait()
+        self.barrier_async()?.wait()
+    }
+
+    /// Starts a barrier; `wait` returns once every rank has reached it.
+    pub fn barrier_async(&self) -> Result<Work> {
+        self.start("barrier", None, |g, w| unsafe { ffi::eng_barrier(g, w) })
     }
 }
 

@@ -6,6 +6,7 @@ use std::collections::VecDeque;
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
+use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
@@ -78,6 +79,14 @@ pub fn spawn(opts: &SpawnOptions) -> Result<()> {
         }
         for (k, v) in &opts.env {
             cmd.env(k, v);
+        }
+        // A rank outlives no spawner: if this process dies (killed by a scheduler, say), the
+        // kernel sends each rank SIGTERM.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+                Ok(())
+            });
         }
         let mut child = match cmd.spawn() {
             Ok(child) => child,

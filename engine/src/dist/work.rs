@@ -16,14 +16,15 @@ pub struct Work {
     raw: *mut EngWork,
     then: Option<Then>,
     what: String,
-    timeout: Duration,
+    /// None: wait without a client-side timeout (NCCL work, whose watchdog has one).
+    timeout: Option<Duration>,
 }
 
 // SAFETY: c10d work objects are thread-safe; the handle is owned and freed once.
 unsafe impl Send for Work {}
 
 impl Work {
-    pub(crate) fn new(raw: *mut EngWork, what: String, timeout: Duration) -> Work {
+    pub(crate) fn new(raw: *mut EngWork, what: String, timeout: Option<Duration>) -> Work {
         Work { raw, then: None, what, timeout }
     }
 
@@ -41,7 +42,8 @@ impl Work {
 
     /// Waits for completion; an error names the operation and carries c10d's message.
     pub fn wait(mut self) -> Result<()> {
-        check(unsafe { ffi::eng_work_wait(self.raw, timeout_ms(self.timeout)) }, || format!("{} failed", self.what))?;
+        let timeout = self.timeout.map_or(-1, timeout_ms);
+        check(unsafe { ffi::eng_work_wait(self.raw, timeout) }, || format!("{} failed", self.what))?;
         match self.then.take() {
             Some(step) => step(),
             None => Ok(()),
