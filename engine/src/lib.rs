@@ -1,8 +1,9 @@
 //! The parallel engine: process groups and collectives over PyTorch's c10d (Gloo for CPU
 //! tensors, NCCL for CUDA tensors), launching and joining multi-process jobs, autograd
 //! extensions (custom functions, gradient hooks, differentiable and asynchronous collectives,
-//! activation checkpointing) and CUDA utilities. Tensors are tch's; the few libtorch internals
-//! tch does not expose go through one small C++ bridge (`csrc/`).
+//! activation checkpointing), optimizers and schedules, and CUDA utilities. Tensors are
+//! tch's; the few libtorch internals tch does not expose go through one small C++ bridge
+//! (`csrc/`).
 #![warn(missing_docs)]
 
 pub mod autograd;
@@ -10,6 +11,7 @@ pub mod cuda;
 pub mod dist;
 mod error;
 mod ffi;
+pub mod optim;
 pub mod runtime;
 
 pub use error::{Error, Result};
