@@ -120,6 +120,7 @@ extern "C" {
         n: c_int,
         keep_graph: c_int,
     ) -> *mut c_char;
+    pub fn eng_set_grad(t: *mut C_tensor, grad: *mut C_tensor) -> *mut c_char;
     pub fn eng_rng_get_state(device: c_int, out: *mut *mut C_tensor) -> *mut c_char;
     pub fn eng_rng_set_state(device: c_int, state: *mut C_tensor) -> *mut c_char;
 }

@@ -12,6 +12,7 @@ pub mod dist;
 mod error;
 mod ffi;
 pub mod optim;
+pub mod parallel;
 pub mod runtime;
 
 pub use error::{Error, Result};

@@ -136,6 +136,13 @@ unsafe extern "C" fn drop_state(state: *mut c_void) {
     drop(unsafe { Box::from_raw(state as *mut State) });
 }
 
+/// Sets (or, with `None`, clears) the `.grad` of a tensor, e.g. to give a parameter that took
+/// no part in this step the gradient its peers computed.
+pub fn set_grad(tensor: &Tensor, grad: Option<&Tensor>) -> Result<()> {
+    let g = grad.map_or(std::ptr::null_mut(), |g| g.raw());
+    check(unsafe { ffi::eng_set_grad(tensor.raw(), g) }, || "setting a gradient".to_string())
+}
+
 /// Backward from `outputs` with the given output gradients (`None`: an implicit one for a
 /// scalar). Unlike `Tensor::backward`, errors (including those raised inside custom backwards)
 /// are returned, not panicked.

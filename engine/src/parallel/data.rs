@@ -1,0 +1,256 @@
+//! Data parallelism (DDP): every rank holds the whole model, computes gradients on its shard of
+//! the batch, and the gradients are averaged over the group before the optimizer step.
+//!
+//! Gradients are grouped into buckets of about `bucket_bytes` in reverse registration order
+//! (the order backward produces them). A post-accumulate hook on each parameter marks it
+//! ready; when a bucket is complete its gradients are flattened into one buffer and its
+//! all-reduce is launched asynchronously, so communication overlaps the rest of backward.
+//! Buckets are launched strictly in order, the same order on every rank, whatever order the
+//! hooks fire in. [`DataParallel::finish_gradients`] launches what is left (buckets holding a
+//! parameter that got no gradient this step count its gradient as zero: nothing hangs), waits
+//! for everything and writes the averaged gradients back. As in one process, a parameter that
+//! got no gradient on any rank keeps no gradient (the optimizer then skips it); one that got a
+//! gradient on some ranks gets the average with zeros for the others.
+use std::sync::{Arc, Mutex, Weak};
+
+use tch::{Kind, Tensor};
+
+use crate::autograd::{register_post_accumulate_grad_hook, set_grad};
+use crate::dist::{ProcessGroup, ReduceOp, Work};
+use crate::error::ensure;
+use crate::optim::Param;
+use crate::{Error, Result};
+
+/// Data-parallel options.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DataParallelConfig {
+    /// Target bucket size in bytes (PyTorch's default: 25 MiB).
+    pub bucket_bytes: usize,
+    /// Broadcast rank 0's parameters to every rank at construction.
+    pub broadcast_parameters: bool,
+}
+
+impl Default for DataParallelConfig {
+    fn default() -> Self {
+        DataParallelConfig { bucket_bytes: 25 << 20, broadcast_parameters: true }
+    }
+}
+
+struct Bucket {
+    /// Indices into `State::params`, in the order their gradients are laid out.
+    members: Vec<usize>,
+    ready: usize,
+    in_flight: Option<(Work, Tensor)>,
+}
+
+struct State {
+    group: ProcessGroup,
+    params: Vec<Tensor>,
+    /// Which bucket each parameter belongs to.
+    bucket_of: Vec<usize>,
+    /// Whether each parameter's gradient has arrived this step.
+    arrived: Vec<bool>,
+    buckets: Vec<Bucket>,
+    /// The next bucket to launch; buckets launch in index order.
+    next: usize,
+    sync: bool,
+    /// The first error raised inside a hook, reported by `finish_gradients`.
+    error: Option<String>,
+}
+
+/// Averages gradients over a data-parallel group. See the module documentation.
+pub struct DataParallel {
+    state: Arc<Mutex<State>>,
+}
+
+impl DataParallel {
+    /// Wraps `params` (the same list, in the same order, on every rank) for data parallelism
+    /// over `group`. All parameters of a bucket share a dtype and device.
+    pub fn new(params: &[Param], group: &ProcessGroup, cfg: DataParallelConfig) -> Result<DataParallel> {
+        ensure!(cfg.bucket_bytes > 0, "data parallel: bucket size must be positive");
+        let tensors: Vec<Tensor> = params.iter().map(|p| p.tensor.shallow_clone()).collect();
+        for (p, t) in params.iter().zip(&tensors) {
+            ensure!(t.requires_grad(), "data parallel: parameter {} does not require grad", p.name);
+        }
+        if cfg.broadcast_parameters {
+            tch::no_grad(|| tensors.iter().try_for_each(|t| group.broadcast(t, 0)))?;
+        }
+        let (buckets, bucket_of) = plan_buckets(&tensors, cfg.bucket_bytes);
+        let state = Arc::new(Mutex::new(State {
+            group: group.clone(),
+            arrived: vec![false; tensors.len()],
+            params: tensors.iter().map(|t| t.shallow_clone()).collect(),
+            bucket_of,
+            buckets,
+            next: 0,
+            sync: true,
+            error: None,
+        }));
+        for (i, t) in tensors.iter().enumerate() {
+            let weak: Weak<Mutex<State>> = Arc::downgrade(&state);
+            register_post_accumulate_grad_hook(t, move |_| {
+                // The hook outlives the wrapper; once it is dropped the hook does nothing.
+                let Some(state) = weak.upgrade() else { return Ok(()) };
+                let mut s = state.lock().map_err(|_| Error::invalid("data parallel state poisoned"))?;
+                if let Err(e) = s.mark_ready(i) {
+                    s.error.get_or_insert(e.to_string());
+                }
+                Ok(())
+            })?;
+        }
+        Ok(DataParallel { state })
+    }
+
+    /// With `false`, backward passes accumulate gradients locally without communicating
+    /// (gradient accumulation's non-final micro-steps); set `true` before the last one.
+    pub fn set_sync(&self, sync: bool) -> Result<()> {
+        self.lock()?.sync = sync;
+        Ok(())
+    }
+
+    /// After backward: launches the buckets not yet launched, waits for every all-reduce and
+    /// writes the averaged gradients into the parameters' `.grad`.
+    pub fn finish_gradients(&self) -> Result<()> {
+        let mut s = self.lock()?;
+        if let Some(e) = s.error.take() {
+            s.reset();
+            return Err(Error::invalid(format!("data parallel gradient hook failed: {e}")));
+        }
+        if !s.sync {
+            return Ok(());
+        }
+        while s.next < s.buckets.len() {
+            s.launch_next()?;
+        }
+        let n = s.group.size() as f64;
+        for b in 0..s.buckets.len() {
+            let (work, flat) = s.buckets[b].in_flight.take().expect("every bucket was launched");
+            work.wait()?;
+            let members = s.buckets[b].members.clone();
+            let total: i64 = members.iter().map(|&i| s.params[i].numel() as i64).sum();
+            // How many ranks had a gradient for each member, carried after the gradients.
+            let used = flat
+                .f_narrow(0, total, members.len() as i64)?
+                .f_to_kind(Kind::Double)?
+                .f_to_device(tch::Device::Cpu)?;
+            let used = Vec::<f64>::try_from(used)?;
+            let mut offset = 0;
+            for (&i, used) in members.iter().zip(used) {
+                let p = &s.params[i];
+                let numel = p.numel() as i64;
+                let avg = flat.f_narrow(0, offset, numel)?.f_view(p.size().as_slice())?.f_div_scalar(n)?;
+                offset += numel;
+                let mut g = p.grad();
+                if g.defined() {
+                    tch::no_grad(|| g.f_copy_(&avg))?;
+                } else if used > 0.0 {
+                    set_grad(p, Some(&avg))?;
+                }
+            }
+        }
+        s.reset();
+        Ok(())
+    }
+
+    /// The number of gradient buckets (for tests and diagnostics).
+    pub fn bucket_count(&self) -> Result<usize> {
+        Ok(self.lock()?.buckets.len())
+    }
+
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, State>> {
+        self.state.lock().map_err(|_| Error::invalid("data parallel state poisoned"))
+    }
+}
+
+impl State {
+    fn mark_ready(&mut self, i: usize) -> Result<()> {
+        if !self.sync || self.arrived[i] {
+            return Ok(());
+        }
+        self.arrived[i] = true;
+        let b = self.bucket_of[i];
+        self.buckets[b].ready += 1;
+        // Launch in order: a complete bucket waits for the ones before it.
+        while self.next < self.buckets.len() && self.buckets[self.next].ready == self.buckets[self.next].members.len() {
+            self.launch_next()?;
+        }
+        Ok(())
+    }
+
+    /// Flattens the next bucket's gradients (zeros for a parameter without one), followed by
+    /// one 0/1 flag per parameter saying whether it had a gradient, and starts the all-reduce.
+    fn launch_next(&mut self) -> Result<()> {
+        let b = self.next;
+        let members = &self.buckets[b].members;
+        let mut pieces = Vec::with_capacity(members.len() + 1);
+        let mut used = Vec::with_capacity(members.len());
+        for &i in members {
+            let (p, g) = (&self.params[i], self.params[i].grad());
+            used.push(g.defined() as u8 as f64);
+            pieces.push(if g.defined() {
+                g.f_flatten(0, -1)?
+            } else {
+                Tensor::f_zeros([p.numel() as i64], (p.kind(), p.device()))?
+            });
+        }
+        let first = &self.params[members[0]];
+        pieces.push(Tensor::f_from_slice(&used)?.f_to_kind(first.kind())?.f_to_device(first.device())?);
+        let flat = tch::no_grad(|| Tensor::f_cat(&pieces, 0))?;
+        let work = self.group.all_reduce_async(&flat, ReduceOp::Sum)?;
+        self.buckets[b].in_flight = Some((work, flat));
+        self.next += 1;
+        Ok(())
+    }
+
+    fn reset(&mut self) {
+        self.arrived.iter_mut().for_each(|a| *a = false);
+        for b in &mut self.buckets {
+            b.ready = 0;
+            b.in_flight = None;
+        }
+        self.next = 0;
+    }
+}
+
+/// Buckets in reverse parameter order, each at most `bucket_bytes` (a larger parameter gets a
+/// bucket of its own) and holding one dtype and device.
+fn plan_buckets(params: &[Tensor], bucket_bytes: usize) -> (Vec<Bucket>, Vec<usize>) {
+    let mut buckets: Vec<Bucket> = Vec::new();
+    let mut bucket_of = vec![0; params.len()];
+    let mut bytes = 0usize;
+    let mut key: Option<(Kind, tch::Device)> = None;
+    for i in (0..params.len()).rev() {
+        let p = &params[i];
+        let size = p.numel() * p.kind().elt_size_in_bytes();
+        let this = (p.kind(), p.device());
+        let fits = key == Some(this) && bytes + size <= bucket_bytes;
+        if !fits || buckets.is_empty() {
+            buckets.push(Bucket { members: vec![], ready: 0, in_flight: None });
+            bytes = 0;
+            key = Some(this);
+        }
+        let b = buckets.len() - 1;
+        buckets[b].members.push(i);
+        bucket_of[i] = b;
+        bytes += size;
+    }
+    (buckets, bucket_of)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Device;
+
+    #[test]
+    fn buckets_follow_reverse_order_and_size() {
+        let t = |n: i64, k: Kind| Tensor::zeros([n], (k, Device::Cpu));
+        // 4-byte floats: 10, 10, 30 and 5 elements; 100-byte buckets.
+        let params = [t(10, Kind::Float), t(10, Kind::Float), t(30, Kind::Float), t(5, Kind::Double)];
+        let (buckets, of) = plan_buckets(&params, 100);
+        let members: Vec<_> = buckets.iter().map(|b| b.members.clone()).collect();
+        // Reverse order; the double starts its own bucket; 30 floats (120 B) exceed a bucket alone.
+        assert_eq!(members, vec![vec![3], vec![2], vec![1, 0]]);
+        assert_eq!(of, vec![2, 2, 1, 0]);
+    }
+}

@@ -1,0 +1,130 @@
+//! Data parallelism against one process: the same global batch on 2 ranks gives the same
+//! losses and parameters as one rank (fp32, relative 1e-5), with gradient accumulation, small
+//! and default bucket sizes, and parameters that get no gradient on some or all ranks.
+use engine::dist::{ReduceOp, World};
+use engine::optim::{AdamW, AdamWConfig, Optimizer, Param};
+use engine::parallel::{DataParallel, DataParallelConfig};
+use suite_tests::{dist_test, seeded, TestResult};
+use tch::{Kind, Tensor};
+
+const GLOBAL_BATCH: i64 = 16;
+
+/// Parameters of a small network, the same on every rank (seeded).
+fn parameters() -> Vec<Param> {
+    let names = [("b1", vec![8]), ("b2", vec![1]), ("extra", vec![8]), ("w1", vec![6, 8]), ("w2", vec![8, 1])];
+    names
+        .into_iter()
+        .enumerate()
+        .map(|(i, (n, shape))| Param::new(n, &(seeded(100 + i as i64, &shape) * 0.5).set_requires_grad(true)))
+        .collect()
+}
+
+fn get<'a>(ps: &'a [Param], name: &str) -> &'a Tensor {
+    &ps.iter().find(|p| p.name == name).unwrap().tensor
+}
+
+/// Per-sample squared error; `extra` scales the hidden layer only where `use_extra`.
+fn per_sample_loss(ps: &[Param], x: &Tensor, y: &Tensor, use_extra: bool) -> Tensor {
+    let mut h = (x.matmul(get(ps, "w1")) + get(ps, "b1")).tanh();
+    if use_extra {
+        h = h * (get(ps, "extra") + 1.0);
+    }
+    let out = h.matmul(get(ps, "w2")) + get(ps, "b2");
+    (out - y).square().sum_dim_intlist(1, false, Kind::Float)
+}
+
+fn batch(step: usize) -> (Tensor, Tensor) {
+    (seeded(1000 + step as i64, &[GLOBAL_BATCH, 6]), seeded(2000 + step as i64, &[GLOBAL_BATCH, 1]))
+}
+
+fn optimizer(ps: Vec<Param>) -> AdamW {
+    AdamW::new(ps, AdamWConfig { lr: 0.01, ..AdamWConfig::default() })
+}
+
+/// Whether rank `rank` uses `extra` at `step`: on even steps rank 0 only, never on steps that
+/// are multiples of 3 (so it sometimes gets no gradient anywhere).
+fn uses_extra(step: usize, rank: usize) -> bool {
+    step % 2 == 0 && step % 3 != 0 && rank == 0
+}
+
+fn assert_rel(a: &Tensor, e: &Tensor, what: &str) {
+    let err = (a - e).norm().double_value(&[]) / e.norm().double_value(&[]).max(1e-12);
+    assert!(err < 1e-5, "{what}: relative error {err:e}");
+}
+
+/// 20 steps of AdamW: 2 ranks with `micro` micro-batches each against one process on the
+/// whole batch.
+fn train_and_compare(world: &World, bucket_bytes: usize, micro: i64) -> TestResult {
+    let (rank, n) = (world.rank(), world.size());
+    let shard = GLOBAL_BATCH / n as i64;
+    let mut dp_opt = optimizer(parameters());
+    let ddp =
+        DataParallel::new(dp_opt.params(), &world.group, DataParallelConfig { bucket_bytes, ..Default::default() })?;
+    let mut ref_opt = optimizer(parameters());
+    for step in 0..20 {
+        let (x, y) = batch(step);
+        // Data parallel: this rank's shard, in `micro` micro-batches.
+        dp_opt.zero_grad();
+        let micro_rows = shard / micro;
+        let mut local = 0.0;
+        for m in 0..micro {
+            ddp.set_sync(m == micro - 1)?;
+            let rows = rank as i64 * shard + m * micro_rows;
+            let l = per_sample_loss(
+                dp_opt.params(),
+                &x.narrow(0, rows, micro_rows),
+                &y.narrow(0, rows, micro_rows),
+                uses_extra(step, rank),
+            )
+            .mean(Kind::Float)
+                / micro as f64;
+            engine::autograd::backward(&[&l], &[None], false)?;
+            local += l.double_value(&[]);
+        }
+        ddp.finish_gradients()?;
+        dp_opt.step()?;
+        let loss = Tensor::from_slice(&[local as f32]);
+        world.group.all_reduce(&loss, ReduceOp::Avg)?;
+
+        // One process: every rank's samples, with the same use of `extra` per rank's rows.
+        ref_opt.zero_grad();
+        let per_sample: Vec<Tensor> = (0..n)
+            .map(|r| {
+                let rows = r as i64 * shard;
+                per_sample_loss(
+                    ref_opt.params(),
+                    &x.narrow(0, rows, shard),
+                    &y.narrow(0, rows, shard),
+                    uses_extra(step, r),
+                )
+            })
+            .collect();
+        let ref_loss = Tensor::cat(&per_sample, 0).mean(Kind::Float);
+        ref_loss.backward();
+        ref_opt.step()?;
+
+        let (a, e) = (loss.double_value(&[0]), ref_loss.double_value(&[]));
+        assert!((a - e).abs() <= 1e-5 * e.abs(), "step {step}: loss {a} vs {e}");
+        for (p, q) in dp_opt.params().iter().zip(ref_opt.params()) {
+            assert_rel(&p.tensor, &q.tensor, &format!("step {step}, parameter {}", p.name));
+            assert_eq!(p.tensor.grad().defined(), q.tensor.grad().defined(), "step {step}: {} has a gradient", p.name);
+        }
+    }
+    Ok(())
+}
+
+dist_test!(data_parallel_matches_one_process_small_buckets, 2, |world| { train_and_compare(world, 64, 1) });
+
+dist_test!(data_parallel_matches_one_process_default_buckets, 2, |world| {
+    train_and_compare(world, DataParallelConfig::default().bucket_bytes, 1)
+});
+
+dist_test!(accumulating_micro_batches_matches_one_batch, 2, |world| { train_and_compare(world, 64, 2) });
+
+dist_test!(parameters_are_broadcast_from_rank_0, 2, |world| {
+    let p = Tensor::full([3], world.rank() as f64, (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
+    let ddp = DataParallel::new(&[Param::new("p", &p)], &world.group, DataParallelConfig::default())?;
+    assert_eq!(Vec::<f32>::try_from(&p)?, vec![0.0; 3]);
+    assert_eq!(ddp.bucket_count()?, 1);
+    Ok(())
+});
