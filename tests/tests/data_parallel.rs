@@ -27,7 +27,7 @@ fn get<'a>(ps: &'a [Param], name: &str) -> &'a Tensor {
 fn per_sample_loss(ps: &[Param], x: &Tensor, y: &Tensor, use_extra: bool) -> Tensor {
     let mut h = (x.matmul(get(ps, "w1")) + get(ps, "b1")).tanh();
     if use_extra {
-        h = h * (get(ps, "extra") + 1.0);
+        h *= get(ps, "extra") + 1.0;
     }
     let out = h.matmul(get(ps, "w2")) + get(ps, "b2");
     (out - y).square().sum_dim_intlist(1, false, Kind::Float)
@@ -44,7 +44,7 @@ fn optimizer(ps: Vec<Param>) -> AdamW {
 /// Whether rank `rank` uses `extra` at `step`: on even steps rank 0 only, never on steps that
 /// are multiples of 3 (so it sometimes gets no gradient anywhere).
 fn uses_extra(step: usize, rank: usize) -> bool {
-    step % 2 == 0 && step % 3 != 0 && rank == 0
+    step.is_multiple_of(2) && !step.is_multiple_of(3) && rank == 0
 }
 
 fn assert_rel(a: &Tensor, e: &Tensor, what: &str) {
