@@ -25,10 +25,9 @@ fn get<'a>(ps: &'a [Param], name: &str) -> &'a Tensor {
 
 /// Per-sample squared error; `extra` scales the hidden layer only where `use_extra`.
 fn per_sample_loss(ps: &[Param], x: &Tensor, y: &Tensor, use_extra: bool) -> Tensor {
-    let mut h = (x.matmul(get(ps, "w1")) + get(ps, "b1")).tanh();
-    if use_extra {
-        h *= get(ps, "extra") + 1.0;
-    }
+    let h = (x.matmul(get(ps, "w1")) + get(ps, "b1")).tanh();
+    // Not `*=`: an in-place change would break tanh's backward.
+    let h = if use_extra { h * (get(ps, "extra") + 1.0) } else { h };
     let out = h.matmul(get(ps, "w2")) + get(ps, "b2");
     (out - y).square().sum_dim_intlist(1, false, Kind::Float)
 }
