@@ -160,6 +160,18 @@ char* eng_allreduce(EngGroup* g, at::Tensor* t, int op, EngWork** out) {
   })
 }
 
+char* eng_reduce(EngGroup* g, at::Tensor* t, int root, int op, EngWork** out) {
+  ENG_PROTECT({
+    TORCH_CHECK(root >= 0 && root < g->size, "reduce root ", root, " is not in a group of size ", g->size);
+    std::vector<at::Tensor> ts{*t};
+    c10d::ReduceOptions opts;
+    opts.rootRank = root;
+    opts.reduceOp = reduce_op(op);
+    opts.timeout = g->timeout;
+    finish(out, backend_for(g, *t).reduce(ts, opts), ts);
+  })
+}
+
 char* eng_broadcast(EngGroup* g, at::Tensor* t, int root, EngWork** out) {
   ENG_PROTECT({
     TORCH_CHECK(root >= 0 && root < g->size, "broadcast root ", root, " is not in a group of size ", g->size);

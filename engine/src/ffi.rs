@@ -56,6 +56,13 @@ extern "C" {
     ) -> *mut c_char;
     pub fn eng_group_free(g: *mut EngGroup);
     pub fn eng_allreduce(g: *mut EngGroup, t: *mut C_tensor, op: c_int, out: *mut *mut EngWork) -> *mut c_char;
+    pub fn eng_reduce(
+        g: *mut EngGroup,
+        t: *mut C_tensor,
+        root: c_int,
+        op: c_int,
+        out: *mut *mut EngWork,
+    ) -> *mut c_char;
     pub fn eng_broadcast(g: *mut EngGroup, t: *mut C_tensor, root: c_int, out: *mut *mut EngWork) -> *mut c_char;
     pub fn eng_allgather_into(
         g: *mut EngGroup,

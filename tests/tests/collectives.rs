@@ -44,6 +44,17 @@ fn check_all_reduce(g: &ProcessGroup, dev: Device) -> TestResult {
 fn check_broadcast_and_gather(g: &ProcessGroup, dev: Device) -> TestResult {
     let (rank, n) = (g.rank(), g.size());
     let root = n - 1;
+    // reduce: only the root's result is specified.
+    let x = t(&[rank as f32 + 1.0, 1.0], dev);
+    g.reduce(&x, root, ReduceOp::Sum)?;
+    let y = t(&[rank as f32 + 1.0, 1.0], dev);
+    g.reduce_async(&y, 0, ReduceOp::Avg)?.wait()?;
+    if rank == root {
+        assert_eq!(values(&x), vec![(n * (n + 1) / 2) as f32, n as f32], "reduce");
+    }
+    if rank == 0 {
+        assert_eq!(values(&y), vec![(n + 1) as f32 / 2.0, 1.0], "reduce_async avg");
+    }
     let x = t(&[rank as f32; 3], dev);
     g.broadcast(&x, root)?;
     assert_eq!(values(&x), vec![root as f32; 3], "broadcast");

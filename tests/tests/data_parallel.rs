@@ -2,8 +2,8 @@
 //! losses and parameters as one rank (fp32, relative 1e-5), with gradient accumulation, small
 //! and default bucket sizes, and parameters that get no gradient on some or all ranks.
 use engine::dist::{ReduceOp, World};
-use engine::optim::{AdamW, AdamWConfig, Optimizer, Param};
-use engine::parallel::{DataParallel, DataParallelConfig};
+use engine::optim::{AdamW, AdamWConfig, Lamb, LambConfig, Optimizer, Param};
+use engine::parallel::{partition, DataParallel, DataParallelConfig, ZeroOptimizer};
 use suite_tests::{dist_test, seeded, TestResult};
 use tch::{Kind, Tensor};
 
@@ -36,8 +36,26 @@ fn batch(step: usize) -> (Tensor, Tensor) {
     (seeded(1000 + step as i64, &[GLOBAL_BATCH, 6]), seeded(2000 + step as i64, &[GLOBAL_BATCH, 1]))
 }
 
-fn optimizer(ps: Vec<Param>) -> AdamW {
-    AdamW::new(ps, AdamWConfig { lr: 0.01, ..AdamWConfig::default() })
+#[derive(Clone, Copy, Debug)]
+enum Opt {
+    AdamW,
+    Lamb,
+}
+
+fn optimizer(kind: Opt, ps: Vec<Param>) -> Box<dyn Optimizer> {
+    match kind {
+        Opt::AdamW => Box::new(AdamW::new(ps, AdamWConfig { lr: 0.01, ..AdamWConfig::default() })),
+        Opt::Lamb => Box::new(Lamb::new(ps, LambConfig { lr: 0.01, weight_decay: 0.1, ..LambConfig::default() })),
+    }
+}
+
+/// How the run is laid out.
+#[derive(Clone, Copy, Debug)]
+struct Layout {
+    bucket_bytes: usize,
+    micro: i64,
+    zero: u8,
+    opt: Opt,
 }
 
 /// Whether rank `rank` uses `extra` at `step`: on even steps rank 0 only, never on steps that
@@ -51,15 +69,24 @@ fn assert_rel(a: &Tensor, e: &Tensor, what: &str) {
     assert!(err < 1e-5, "{what}: relative error {err:e}");
 }
 
-/// 20 steps of AdamW: 2 ranks with `micro` micro-batches each against one process on the
-/// whole batch.
-fn train_and_compare(world: &World, bucket_bytes: usize, micro: i64) -> TestResult {
+/// 20 steps: 2 ranks with `micro` micro-batches each (and ZeRO stage `zero`) against one
+/// process on the whole batch.
+fn train_and_compare(world: &World, layout: Layout) -> TestResult {
+    let Layout { bucket_bytes, micro, zero, opt } = layout;
     let (rank, n) = (world.rank(), world.size());
     let shard = GLOBAL_BATCH / n as i64;
-    let mut dp_opt = optimizer(parameters());
-    let ddp =
-        DataParallel::new(dp_opt.params(), &world.group, DataParallelConfig { bucket_bytes, ..Default::default() })?;
-    let mut ref_opt = optimizer(parameters());
+    let params = parameters();
+    let owners = partition(&params, n);
+    let cfg = DataParallelConfig { bucket_bytes, ..Default::default() };
+    let ddp = match zero {
+        2 => DataParallel::new_sharded(&params, &world.group, cfg, owners.clone())?,
+        _ => DataParallel::new(&params, &world.group, cfg)?,
+    };
+    let mut dp_opt: Box<dyn Optimizer> = match zero {
+        0 => optimizer(opt, params),
+        _ => Box::new(ZeroOptimizer::new(params, owners.clone(), &world.group, |ps| optimizer(opt, ps))?),
+    };
+    let mut ref_opt = optimizer(opt, parameters());
     for step in 0..20 {
         let (x, y) = batch(step);
         // Data parallel: this rank's shard, in `micro` micro-batches.
@@ -104,21 +131,70 @@ fn train_and_compare(world: &World, bucket_bytes: usize, micro: i64) -> TestResu
 
         let (a, e) = (loss.double_value(&[0]), ref_loss.double_value(&[]));
         assert!((a - e).abs() <= 1e-5 * e.abs(), "step {step}: loss {a} vs {e}");
-        for (p, q) in dp_opt.params().iter().zip(ref_opt.params()) {
+        for ((p, q), &owner) in dp_opt.params().iter().zip(ref_opt.params()).zip(&owners) {
             assert_rel(&p.tensor, &q.tensor, &format!("step {step}, parameter {}", p.name));
-            assert_eq!(p.tensor.grad().defined(), q.tensor.grad().defined(), "step {step}: {} has a gradient", p.name);
+            if zero < 2 || owner == rank {
+                assert_eq!(
+                    p.tensor.grad().defined(),
+                    q.tensor.grad().defined(),
+                    "step {step}: {} has a gradient",
+                    p.name
+                );
+            } else {
+                assert!(
+                    !p.tensor.grad().defined(),
+                    "step {step}: ZeRO-2 keeps {}'s gradient only on its owner",
+                    p.name
+                );
+            }
         }
     }
     Ok(())
 }
 
-dist_test!(data_parallel_matches_one_process_small_buckets, 2, |world| { train_and_compare(world, 64, 1) });
+const SMALL: Layout = Layout { bucket_bytes: 64, micro: 1, zero: 0, opt: Opt::AdamW };
+
+dist_test!(data_parallel_matches_one_process_small_buckets, 2, |world| { train_and_compare(world, SMALL) });
 
 dist_test!(data_parallel_matches_one_process_default_buckets, 2, |world| {
-    train_and_compare(world, DataParallelConfig::default().bucket_bytes, 1)
+    train_and_compare(world, Layout { bucket_bytes: DataParallelConfig::default().bucket_bytes, ..SMALL })
 });
 
-dist_test!(accumulating_micro_batches_matches_one_batch, 2, |world| { train_and_compare(world, 64, 2) });
+dist_test!(accumulating_micro_batches_matches_one_batch, 2, |world| {
+    train_and_compare(world, Layout { micro: 2, ..SMALL })
+});
+
+dist_test!(zero_1_and_2_match_one_process_with_adamw_and_lamb, 2, |world| {
+    for zero in [1, 2] {
+        for opt in [Opt::AdamW, Opt::Lamb] {
+            train_and_compare(world, Layout { zero, opt, micro: 2, ..SMALL })?;
+        }
+    }
+    train_and_compare(world, Layout { opt: Opt::Lamb, ..SMALL })
+});
+
+dist_test!(zero_shards_optimizer_state_bytes, 2, |world| {
+    // Eight equal parameters: each rank owns exactly half of them.
+    let params = || {
+        (0..8).map(|i| Param::new(format!("p{i}"), &seeded(i, &[16, 16]).set_requires_grad(true))).collect::<Vec<_>>()
+    };
+    let step = |opt: &mut dyn Optimizer| -> TestResult {
+        for p in opt.params() {
+            (&p.tensor * 1.0).sum(Kind::Float).backward();
+        }
+        opt.step()?;
+        Ok(())
+    };
+    let mut full = optimizer(Opt::AdamW, params());
+    step(full.as_mut())?;
+    let ps = params();
+    let owners = partition(&ps, world.size());
+    let mut sharded = ZeroOptimizer::new(ps, owners, &world.group, |ps| optimizer(Opt::AdamW, ps))?;
+    step(&mut sharded)?;
+    assert_eq!(full.state_bytes(), 8 * 2 * 16 * 16 * 4, "AdamW keeps two fp32 moments per parameter");
+    assert_eq!(sharded.state_bytes() * world.size(), full.state_bytes(), "each rank holds 1/N of the state");
+    Ok(())
+});
 
 dist_test!(parameters_are_broadcast_from_rank_0, 2, |world| {
     let p = Tensor::full([3], world.rank() as f64, (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);

@@ -199,6 +199,29 @@ impl ProcessGroup {
         })
     }
 
+    /// Reduces `tensor` into group rank `root`'s copy, in place; other ranks' tensors are
+    /// left unspecified.
+    pub fn reduce(&self, tensor: &Tensor, root: usize, op: ReduceOp) -> Result<()> {
+        self.reduce_async(tensor, root, op)?.wait()
+    }
+
+    /// Starts an in-place reduce into group rank `root`.
+    pub fn reduce_async(&self, tensor: &Tensor, root: usize, op: ReduceOp) -> Result<Work> {
+        ensure!(root < self.size(), "reduce root {root} is not in group {} of size {}", self.name(), self.size());
+        let (buffer, write_back) = contiguous_buffer(tensor)?;
+        let mut work = self.start("reduce", Some(&buffer), |g, w| unsafe {
+            ffi::eng_reduce(g, buffer.raw(), root as i32, op.code(), w)
+        })?;
+        if op == ReduceOp::Avg && self.rank() == root {
+            let (t, n) = (buffer.shallow_clone(), self.size() as f64);
+            work = work.then(move || divide(&t, n));
+        }
+        Ok(match write_back {
+            Some(dst) => work.then(move || copy_into(&dst, &buffer)),
+            None => work,
+        })
+    }
+
     /// Broadcasts `tensor` from group rank `root` to every rank, in place.
     pub fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<()> {
         self.broadcast_async(tensor, root)?.wait()

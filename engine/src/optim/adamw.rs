@@ -80,4 +80,8 @@ impl Optimizer for AdamW {
     fn params(&self) -> &[Param] {
         &self.params
     }
+
+    fn state_bytes(&self) -> usize {
+        super::bytes_of(&self.m) + super::bytes_of(&self.v)
+    }
 }

@@ -88,4 +88,8 @@ impl Optimizer for Lamb {
     fn params(&self) -> &[Param] {
         &self.params
     }
+
+    fn state_bytes(&self) -> usize {
+        super::bytes_of(&self.m) + super::bytes_of(&self.v)
+    }
 }

@@ -92,4 +92,8 @@ impl Optimizer for Lars {
     fn params(&self) -> &[Param] {
         &self.params
     }
+
+    fn state_bytes(&self) -> usize {
+        super::bytes_of(&self.momentum)
+    }
 }

@@ -61,6 +61,8 @@ pub trait Optimizer {
     fn set_lr(&mut self, lr: f64);
     /// The parameters being optimized.
     fn params(&self) -> &[Param];
+    /// Bytes held in optimizer state (moments, momentum buffers) on this rank.
+    fn state_bytes(&self) -> usize;
     /// Clears every parameter's gradient.
     fn zero_grad(&mut self) {
         for p in self.params() {
@@ -69,6 +71,24 @@ pub trait Optimizer {
                 let _ = g.detach_().zero_();
             }
         }
+    }
+}
+
+impl<T: Optimizer + ?Sized> Optimizer for Box<T> {
+    fn step(&mut self) -> Result<()> {
+        (**self).step()
+    }
+    fn lr(&self) -> f64 {
+        (**self).lr()
+    }
+    fn set_lr(&mut self, lr: f64) {
+        (**self).set_lr(lr)
+    }
+    fn params(&self) -> &[Param] {
+        (**self).params()
+    }
+    fn state_bytes(&self) -> usize {
+        (**self).state_bytes()
     }
 }
 
@@ -92,4 +112,9 @@ pub(crate) fn state_for<'a>(slot: &'a mut Option<Tensor>, like: &Tensor) -> Resu
         *slot = Some(like.f_zeros_like()?);
     }
     Ok(slot.as_mut().expect("just filled"))
+}
+
+/// Bytes of a list of lazily created state tensors.
+pub(crate) fn bytes_of(states: &[Option<Tensor>]) -> usize {
+    states.iter().flatten().map(|t| t.numel() * t.kind().elt_size_in_bytes()).sum()
 }

@@ -45,6 +45,9 @@ struct Bucket {
 
 struct State {
     group: ProcessGroup,
+    /// ZeRO-2: the rank that owns each parameter's gradient (buckets are reduced to it and
+    /// the others drop theirs). None: every rank keeps every gradient (all-reduce).
+    owners: Option<Vec<usize>>,
     params: Vec<Tensor>,
     /// Which bucket each parameter belongs to.
     bucket_of: Vec<usize>,
@@ -67,6 +70,29 @@ impl DataParallel {
     /// Wraps `params` (the same list, in the same order, on every rank) for data parallelism
     /// over `group`. All parameters of a bucket share a dtype and device.
     pub fn new(params: &[Param], group: &ProcessGroup, cfg: DataParallelConfig) -> Result<DataParallel> {
+        Self::build(params, group, cfg, None)
+    }
+
+    /// Like [`DataParallel::new`], but each parameter's averaged gradient goes only to its
+    /// owner rank (`owners[i]` for `params[i]`, see [`super::zero::partition`]); the other
+    /// ranks end the step with no gradient for it (ZeRO stage 2).
+    pub fn new_sharded(
+        params: &[Param],
+        group: &ProcessGroup,
+        cfg: DataParallelConfig,
+        owners: Vec<usize>,
+    ) -> Result<DataParallel> {
+        ensure!(owners.len() == params.len(), "data parallel: {} owners for {} parameters", owners.len(), params.len());
+        ensure!(owners.iter().all(|&o| o < group.size()), "data parallel: an owner is not in the group");
+        Self::build(params, group, cfg, Some(owners))
+    }
+
+    fn build(
+        params: &[Param],
+        group: &ProcessGroup,
+        cfg: DataParallelConfig,
+        owners: Option<Vec<usize>>,
+    ) -> Result<DataParallel> {
         ensure!(cfg.bucket_bytes > 0, "data parallel: bucket size must be positive");
         let tensors: Vec<Tensor> = params.iter().map(|p| p.tensor.shallow_clone()).collect();
         for (p, t) in params.iter().zip(&tensors) {
@@ -75,9 +101,10 @@ impl DataParallel {
         if cfg.broadcast_parameters {
             tch::no_grad(|| tensors.iter().try_for_each(|t| group.broadcast(t, 0)))?;
         }
-        let (buckets, bucket_of) = plan_buckets(&tensors, cfg.bucket_bytes);
+        let (buckets, bucket_of) = plan_buckets(&tensors, cfg.bucket_bytes, owners.as_deref());
         let state = Arc::new(Mutex::new(State {
             group: group.clone(),
+            owners,
             arrived: vec![false; tensors.len()],
             params: tensors.iter().map(|t| t.shallow_clone()).collect(),
             bucket_of,
@@ -127,6 +154,13 @@ impl DataParallel {
             let (work, flat) = s.buckets[b].in_flight.take().expect("every bucket was launched");
             work.wait()?;
             let members = s.buckets[b].members.clone();
+            if s.bucket_owner(b).is_some_and(|o| o != s.group.rank()) {
+                // ZeRO-2: the gradient lives on its owner now; free this rank's copy.
+                for &i in &members {
+                    set_grad(&s.params[i], None)?;
+                }
+                continue;
+            }
             let total: i64 = members.iter().map(|&i| s.params[i].numel() as i64).sum();
             // How many ranks had a gradient for each member, carried after the gradients.
             let used = flat
@@ -196,10 +230,17 @@ impl State {
         let first = &self.params[members[0]];
         pieces.push(Tensor::f_from_slice(&used)?.f_to_kind(first.kind())?.f_to_device(first.device())?);
         let flat = tch::no_grad(|| Tensor::f_cat(&pieces, 0))?;
-        let work = self.group.all_reduce_async(&flat, ReduceOp::Sum)?;
+        let work = match self.bucket_owner(b) {
+            Some(owner) => self.group.reduce_async(&flat, owner, ReduceOp::Sum)?,
+            None => self.group.all_reduce_async(&flat, ReduceOp::Sum)?,
+        };
         self.buckets[b].in_flight = Some((work, flat));
         self.next += 1;
         Ok(())
+    }
+
+    fn bucket_owner(&self, b: usize) -> Option<usize> {
+        self.owners.as_ref().map(|o| o[self.buckets[b].members[0]])
     }
 
     fn reset(&mut self) {
@@ -213,16 +254,16 @@ impl State {
 }
 
 /// Buckets in reverse parameter order, each at most `bucket_bytes` (a larger parameter gets a
-/// bucket of its own) and holding one dtype and device.
-fn plan_buckets(params: &[Tensor], bucket_bytes: usize) -> (Vec<Bucket>, Vec<usize>) {
+/// bucket of its own) and holding one dtype, device and (with owners) owner.
+fn plan_buckets(params: &[Tensor], bucket_bytes: usize, owners: Option<&[usize]>) -> (Vec<Bucket>, Vec<usize>) {
     let mut buckets: Vec<Bucket> = Vec::new();
     let mut bucket_of = vec![0; params.len()];
     let mut bytes = 0usize;
-    let mut key: Option<(Kind, tch::Device)> = None;
+    let mut key: Option<(Kind, tch::Device, usize)> = None;
     for i in (0..params.len()).rev() {
         let p = &params[i];
         let size = p.numel() * p.kind().elt_size_in_bytes();
-        let this = (p.kind(), p.device());
+        let this = (p.kind(), p.device(), owners.map_or(0, |o| o[i]));
         let fits = key == Some(this) && bytes + size <= bucket_bytes;
         if !fits || buckets.is_empty() {
             buckets.push(Bucket { members: vec![], ready: 0, in_flight: None });
@@ -247,10 +288,14 @@ mod tests {
         let t = |n: i64, k: Kind| Tensor::zeros([n], (k, Device::Cpu));
         // 4-byte floats: 10, 10, 30 and 5 elements; 100-byte buckets.
         let params = [t(10, Kind::Float), t(10, Kind::Float), t(30, Kind::Float), t(5, Kind::Double)];
-        let (buckets, of) = plan_buckets(&params, 100);
+        let (buckets, of) = plan_buckets(&params, 100, None);
         let members: Vec<_> = buckets.iter().map(|b| b.members.clone()).collect();
         // Reverse order; the double starts its own bucket; 30 floats (120 B) exceed a bucket alone.
         assert_eq!(members, vec![vec![3], vec![2], vec![1, 0]]);
         assert_eq!(of, vec![2, 2, 1, 0]);
+        // Owners split buckets too.
+        let floats = [t(1, Kind::Float), t(1, Kind::Float), t(1, Kind::Float)];
+        let (buckets, _) = plan_buckets(&floats, 100, Some(&[0, 0, 1]));
+        assert_eq!(buckets.iter().map(|b| b.members.clone()).collect::<Vec<_>>(), vec![vec![2], vec![1, 0]]);
     }
 }
