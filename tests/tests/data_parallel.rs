@@ -2,12 +2,14 @@
 //! losses and parameters as one rank (fp32, relative 1e-5), with gradient accumulation, small
 //! and default bucket sizes, and parameters that get no gradient on some or all ranks.
 use engine::dist::{ReduceOp, World};
-use engine::optim::{AdamW, AdamWConfig, Lamb, LambConfig, Optimizer, Param};
+use engine::optim::{clip_grad_norm, AdamW, AdamWConfig, Lamb, LambConfig, Optimizer, Param};
 use engine::parallel::{partition, DataParallel, DataParallelConfig, ZeroOptimizer};
 use suite_tests::{dist_test, seeded, TestResult};
 use tch::{Kind, Tensor};
 
 const GLOBAL_BATCH: i64 = 16;
+/// Small enough that most steps clip.
+const MAX_NORM: f64 = 0.5;
 
 /// Parameters of a small network, the same on every rank (seeded).
 fn parameters() -> Vec<Param> {
@@ -108,6 +110,8 @@ fn train_and_compare(world: &World, layout: Layout) -> TestResult {
             local += l.double_value(&[]);
         }
         ddp.finish_gradients()?;
+        // Clipping sees the global norm: ZeRO-2's gradients are spread over the ranks.
+        let norm = clip_grad_norm(dp_opt.params(), MAX_NORM, (zero == 2).then_some(&world.group))?;
         dp_opt.step()?;
         let loss = Tensor::from_slice(&[local as f32]);
         world.group.all_reduce(&loss, ReduceOp::Avg)?;
@@ -127,6 +131,8 @@ fn train_and_compare(world: &World, layout: Layout) -> TestResult {
             .collect();
         let ref_loss = Tensor::cat(&per_sample, 0).mean(Kind::Float);
         ref_loss.backward();
+        let ref_norm = clip_grad_norm(ref_opt.params(), MAX_NORM, None)?;
+        assert!((norm - ref_norm).abs() <= 1e-5 * ref_norm, "step {step}: gradient norm {norm} vs {ref_norm}");
         ref_opt.step()?;
 
         let (a, e) = (loss.double_value(&[0]), ref_loss.double_value(&[]));

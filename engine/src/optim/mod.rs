@@ -1,4 +1,5 @@
-//! Optimizers (AdamW, LAMB, LARS) and learning-rate schedules.
+//! Optimizers (AdamW, LAMB, LARS), learning-rate schedules, gradient clipping and mixed
+//! precision (fp32 master weights, dynamic loss scaling).
 //!
 //! Each optimizer updates a list of [`Param`]s in place from their `.grad`, skipping
 //! parameters without a gradient. Following common practice (timm, the LAMB paper's BERT
@@ -6,13 +7,17 @@
 //! `adapt`: by default every parameter of two or more dimensions, so biases and normalisation
 //! weights are left alone.
 mod adamw;
+mod clip;
 mod lamb;
 mod lars;
+pub mod precision;
 pub mod schedule;
 
 pub use adamw::{AdamW, AdamWConfig};
+pub use clip::clip_grad_norm;
 pub use lamb::{Lamb, LambConfig};
 pub use lars::{Lars, LarsConfig};
+pub use precision::{LossScaler, MasterWeights};
 pub use schedule::{Decay, LrSchedule};
 
 use tch::Tensor;
