@@ -1,19 +1,20 @@
 //! Data-parallel training of a small regression network on N local ranks, checked step by
 //! step against the same training in one process.
 //!
-//! Each rank computes gradients on its shard of the global batch; a gradient hook on every
-//! parameter launches an asynchronous all-reduce (average) the moment that parameter's
-//! gradient is ready, so communication overlaps the rest of backward. Rank 0 also trains a
-//! copy of the model on the whole batch in-process and prints how far the two drift apart.
+//! Each rank computes gradients on its shard of the global batch; `DataParallel` buckets the
+//! gradients and launches each bucket's all-reduce from gradient hooks the moment it is full,
+//! so communication overlaps the rest of backward; LAMB then steps every replica alike. Rank 0
+//! also trains a copy of the model on the whole batch in-process and prints how far the two
+//! drift apart.
 //!
 //! `cargo run --release -p engine --example data_parallel -- --nproc 2`
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Parser;
-use engine::autograd::register_post_accumulate_grad_hook;
-use engine::dist::{self, InitOptions, ProcessGroup, ReduceOp, Work};
+use engine::dist::{self, InitOptions, ReduceOp};
+use engine::optim::{params_of, Lamb, LambConfig, Optimizer};
+use engine::parallel::{DataParallel, DataParallelConfig};
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 
@@ -24,14 +25,17 @@ struct Args {
     #[arg(long, default_value_t = 2)]
     nproc: usize,
     /// Training steps.
-    #[arg(long, default_value_t = 30)]
+    #[arg(long, default_value_t = 100)]
     steps: usize,
     /// Global batch size (split evenly over the ranks).
     #[arg(long, default_value_t = 256)]
     batch: i64,
-    /// Learning rate of plain SGD.
-    #[arg(long, default_value_t = 0.05)]
+    /// Learning rate of LAMB.
+    #[arg(long, default_value_t = 0.02)]
     lr: f64,
+    /// Gradient bucket size in bytes (small, so that this small model has several buckets).
+    #[arg(long, default_value_t = 4096)]
+    bucket_bytes: usize,
     /// Rendezvous and collective timeout, seconds.
     #[arg(long, default_value_t = 60.0)]
     timeout: f64,
@@ -55,28 +59,8 @@ fn batch(step: usize, size: i64) -> (Tensor, Tensor) {
     (x, y)
 }
 
-fn sgd(vs: &nn::VarStore, lr: f64) {
-    tch::no_grad(|| {
-        for mut p in vs.trainable_variables() {
-            let g = p.grad();
-            p -= g * lr;
-            p.zero_grad();
-        }
-    });
-}
-
-/// Hooks that average each gradient over the group as soon as it is accumulated.
-fn sync_gradients(vs: &nn::VarStore, group: &ProcessGroup) -> anyhow::Result<Arc<Mutex<Vec<Work>>>> {
-    let in_flight = Arc::new(Mutex::new(Vec::new()));
-    for p in vs.trainable_variables() {
-        let (group, in_flight) = (group.clone(), in_flight.clone());
-        register_post_accumulate_grad_hook(&p, move |t| {
-            let work = group.all_reduce_async(&t.grad(), ReduceOp::Avg)?;
-            in_flight.lock().expect("hook state").push(work);
-            Ok(())
-        })?;
-    }
-    Ok(in_flight)
+fn lamb(vs: &nn::VarStore, lr: f64) -> Lamb {
+    Lamb::new(params_of(vs), LambConfig { lr, ..LambConfig::default() })
 }
 
 fn max_difference(a: &nn::VarStore, b: &nn::VarStore) -> f64 {
@@ -97,24 +81,23 @@ fn main() -> anyhow::Result<()> {
     let (rank, n) = (world.rank(), world.size());
     let group = &world.group;
 
-    tch::manual_seed(rank as i64); // different on purpose: the broadcast below makes them equal
+    tch::manual_seed(rank as i64); // different on purpose: DataParallel broadcasts rank 0's
     let vs = nn::VarStore::new(Device::Cpu);
     let net = model(&vs.root());
-    // Every rank must issue the same collectives in the same order: sort by name (the
-    // variable map's own order differs from process to process).
-    let mut params: Vec<_> = vs.variables().into_iter().collect();
-    params.sort_by(|a, b| a.0.cmp(&b.0));
-    for (_, p) in &params {
-        group.broadcast(p, 0)?;
-    }
-    let in_flight = sync_gradients(&vs, group)?;
+    let mut opt = lamb(&vs, args.lr);
+    let ddp = DataParallel::new(
+        opt.params(),
+        group,
+        DataParallelConfig { bucket_bytes: args.bucket_bytes, ..Default::default() },
+    )?;
 
     // Rank 0's single-process reference, starting from the same parameters.
-    let reference = (rank == 0).then(|| {
+    let mut reference = (rank == 0).then(|| {
         let mut rvs = nn::VarStore::new(Device::Cpu);
         let rnet = model(&rvs.root());
         rvs.copy(&vs).expect("same architecture");
-        (rvs, rnet)
+        let ropt = lamb(&rvs, args.lr);
+        (rvs, rnet, ropt)
     });
 
     let shard = args.batch / n as i64;
@@ -123,19 +106,19 @@ fn main() -> anyhow::Result<()> {
     for step in 0..args.steps {
         let (x, y) = batch(step, args.batch);
         let (xs, ys) = (x.narrow(0, rank as i64 * shard, shard), y.narrow(0, rank as i64 * shard, shard));
+        opt.zero_grad();
         let loss = net.forward(&xs).mse_loss(&ys, tch::Reduction::Mean);
         engine::autograd::backward(&[&loss], &[None], false)?;
-        for work in in_flight.lock().expect("hook state").drain(..) {
-            work.wait()?;
-        }
-        sgd(&vs, args.lr);
+        ddp.finish_gradients()?;
+        opt.step()?;
         let global_loss = loss.detach().copy();
         group.all_reduce(&global_loss, ReduceOp::Avg)?;
 
-        if let Some((rvs, rnet)) = &reference {
+        if let Some((rvs, rnet, ropt)) = &mut reference {
+            ropt.zero_grad();
             let rloss = rnet.forward(&x).mse_loss(&y, tch::Reduction::Mean);
             rloss.backward();
-            sgd(rvs, args.lr);
+            ropt.step()?;
             let diff = max_difference(&vs, rvs);
             worst = worst.max(diff);
             println!(
@@ -147,7 +130,8 @@ fn main() -> anyhow::Result<()> {
     }
     if rank == 0 {
         println!(
-            "{n} ranks x {shard} samples, {} steps in {:.2} s; largest parameter difference from one-process training: {worst:.2e}",
+            "{n} ranks x {shard} samples, {} gradient buckets, {} steps in {:.2} s; largest parameter difference from one-process training: {worst:.2e}",
+            ddp.bucket_count()?,
             args.steps,
             start.elapsed().as_secs_f64()
         );
