@@ -2,6 +2,11 @@
 //! through [`write_atomic`], so a crash or an error never leaves a half-written file behind.
 #![warn(missing_docs)]
 
+pub mod digits;
+pub mod sampler;
+
+pub use sampler::DistributedSampler;
+
 use std::fs::{self, File};
 use std::io::BufWriter;
 use std::path::{Path, PathBuf};

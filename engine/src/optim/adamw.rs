@@ -1,7 +1,6 @@
 //! AdamW (Loshchilov & Hutter): Adam with weight decay applied to the weights directly.
-use tch::Tensor;
-
-use super::{state_for, Optimizer, Param};
+use super::moments::AdamMoments;
+use super::{Optimizer, Param};
 use crate::Result;
 
 /// AdamW's hyper-parameters.
@@ -29,24 +28,21 @@ impl Default for AdamWConfig {
 pub struct AdamW {
     params: Vec<Param>,
     cfg: AdamWConfig,
-    step: i32,
-    m: Vec<Option<Tensor>>,
-    v: Vec<Option<Tensor>>,
+    moments: AdamMoments,
 }
 
 impl AdamW {
     /// AdamW over `params`.
     pub fn new(params: Vec<Param>, cfg: AdamWConfig) -> AdamW {
-        let n = params.len();
-        AdamW { params, cfg, step: 0, m: (0..n).map(|_| None).collect(), v: (0..n).map(|_| None).collect() }
+        let moments = AdamMoments::new(params.len(), cfg.betas, cfg.eps);
+        AdamW { params, cfg, moments }
     }
 }
 
 impl Optimizer for AdamW {
     fn step(&mut self) -> Result<()> {
-        self.step += 1;
-        let AdamWConfig { lr, betas: (b1, b2), eps, weight_decay } = self.cfg;
-        let (bc1, bc2) = (1.0 - b1.powi(self.step), 1.0 - b2.powi(self.step));
+        self.moments.next_step();
+        let AdamWConfig { lr, weight_decay, .. } = self.cfg;
         tch::no_grad(|| -> Result<()> {
             for (i, p) in self.params.iter().enumerate() {
                 let g = p.tensor.grad();
@@ -57,13 +53,7 @@ impl Optimizer for AdamW {
                 if p.adapt && weight_decay != 0.0 {
                     let _ = w.f_mul_scalar_(1.0 - lr * weight_decay)?;
                 }
-                let m = state_for(&mut self.m[i], &w)?;
-                let _ = m.f_mul_scalar_(b1)?.f_add_(&g.f_mul_scalar(1.0 - b1)?)?;
-                let v = state_for(&mut self.v[i], &w)?;
-                let _ = v.f_mul_scalar_(b2)?.f_addcmul_(&g, &g.f_mul_scalar(1.0 - b2)?)?;
-                let denom = v.f_sqrt()?.f_div_scalar(bc2.sqrt())?.f_add_scalar(eps)?;
-                let m = self.m[i].as_ref().expect("created above");
-                let _ = w.f_sub_(&m.f_div(&denom)?.f_mul_scalar(lr / bc1)?)?;
+                let _ = w.f_sub_(&self.moments.direction(i, &g)?.f_mul_scalar(lr)?)?;
             }
             Ok(())
         })
@@ -82,6 +72,6 @@ impl Optimizer for AdamW {
     }
 
     fn state_bytes(&self) -> usize {
-        super::bytes_of(&self.m) + super::bytes_of(&self.v)
+        self.moments.bytes()
     }
 }

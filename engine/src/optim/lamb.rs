@@ -1,9 +1,8 @@
 //! LAMB (You et al. 2019, "Large Batch Optimization for Deep Learning", Algorithm 2): Adam's
 //! bias-corrected update plus weight decay, scaled per parameter by the trust ratio
 //! ||w|| / ||r||.
-use tch::Tensor;
-
-use super::{norm, state_for, trust_ratio, Optimizer, Param};
+use super::moments::AdamMoments;
+use super::{norm, trust_ratio, Optimizer, Param};
 use crate::Result;
 
 /// LAMB's hyper-parameters.
@@ -31,24 +30,21 @@ impl Default for LambConfig {
 pub struct Lamb {
     params: Vec<Param>,
     cfg: LambConfig,
-    step: i32,
-    m: Vec<Option<Tensor>>,
-    v: Vec<Option<Tensor>>,
+    moments: AdamMoments,
 }
 
 impl Lamb {
     /// LAMB over `params`.
     pub fn new(params: Vec<Param>, cfg: LambConfig) -> Lamb {
-        let n = params.len();
-        Lamb { params, cfg, step: 0, m: (0..n).map(|_| None).collect(), v: (0..n).map(|_| None).collect() }
+        let moments = AdamMoments::new(params.len(), cfg.betas, cfg.eps);
+        Lamb { params, cfg, moments }
     }
 }
 
 impl Optimizer for Lamb {
     fn step(&mut self) -> Result<()> {
-        self.step += 1;
-        let LambConfig { lr, betas: (b1, b2), eps, weight_decay } = self.cfg;
-        let (bc1, bc2) = (1.0 - b1.powi(self.step), 1.0 - b2.powi(self.step));
+        self.moments.next_step();
+        let LambConfig { lr, weight_decay, .. } = self.cfg;
         tch::no_grad(|| -> Result<()> {
             for (i, p) in self.params.iter().enumerate() {
                 let g = p.tensor.grad();
@@ -56,14 +52,8 @@ impl Optimizer for Lamb {
                     continue;
                 }
                 let mut w = p.tensor.shallow_clone();
-                let m = state_for(&mut self.m[i], &w)?;
-                let _ = m.f_mul_scalar_(b1)?.f_add_(&g.f_mul_scalar(1.0 - b1)?)?;
-                let v = state_for(&mut self.v[i], &w)?;
-                let _ = v.f_mul_scalar_(b2)?.f_addcmul_(&g, &g.f_mul_scalar(1.0 - b2)?)?;
-                // r = m_hat / (sqrt(v_hat) + eps) + wd * w
-                let denom = v.f_sqrt()?.f_div_scalar(bc2.sqrt())?.f_add_scalar(eps)?;
-                let m = self.m[i].as_ref().expect("created above");
-                let mut r = m.f_div_scalar(bc1)?.f_div(&denom)?;
+                // r = m_hat / (sqrt(v_hat) + eps) + wd * w, scaled by ||w|| / ||r||.
+                let mut r = self.moments.direction(i, &g)?;
                 let mut ratio = 1.0;
                 if p.adapt {
                     if weight_decay != 0.0 {
@@ -90,6 +80,6 @@ impl Optimizer for Lamb {
     }
 
     fn state_bytes(&self) -> usize {
-        super::bytes_of(&self.m) + super::bytes_of(&self.v)
+        self.moments.bytes()
     }
 }

@@ -10,6 +10,7 @@ mod adamw;
 mod clip;
 mod lamb;
 mod lars;
+mod moments;
 pub mod precision;
 pub mod schedule;
 

@@ -1,0 +1,49 @@
+//! Adam's bias-corrected moment estimates, shared by AdamW and LAMB.
+use tch::Tensor;
+
+use super::{bytes_of, state_for};
+use crate::Result;
+
+/// First and second moments of each parameter's gradient.
+#[derive(Debug)]
+pub(crate) struct AdamMoments {
+    betas: (f64, f64),
+    eps: f64,
+    step: i32,
+    m: Vec<Option<Tensor>>,
+    v: Vec<Option<Tensor>>,
+}
+
+impl AdamMoments {
+    pub(crate) fn new(params: usize, betas: (f64, f64), eps: f64) -> AdamMoments {
+        AdamMoments {
+            betas,
+            eps,
+            step: 0,
+            m: (0..params).map(|_| None).collect(),
+            v: (0..params).map(|_| None).collect(),
+        }
+    }
+
+    /// Starts a step (bias correction counts steps).
+    pub(crate) fn next_step(&mut self) {
+        self.step += 1;
+    }
+
+    /// Updates parameter `i`'s moments with gradient `g` and returns m_hat / (sqrt(v_hat) + eps).
+    pub(crate) fn direction(&mut self, i: usize, g: &Tensor) -> Result<Tensor> {
+        let (b1, b2) = self.betas;
+        let (bc1, bc2) = (1.0 - b1.powi(self.step), 1.0 - b2.powi(self.step));
+        let m = state_for(&mut self.m[i], g)?;
+        let _ = m.f_mul_scalar_(b1)?.f_add_(&g.f_mul_scalar(1.0 - b1)?)?;
+        let v = state_for(&mut self.v[i], g)?;
+        let _ = v.f_mul_scalar_(b2)?.f_addcmul_(g, &g.f_mul_scalar(1.0 - b2)?)?;
+        let denom = v.f_sqrt()?.f_div_scalar(bc2.sqrt())?.f_add_scalar(self.eps)?;
+        let m = self.m[i].as_ref().expect("created above");
+        Ok(m.f_div_scalar(bc1)?.f_div(&denom)?)
+    }
+
+    pub(crate) fn bytes(&self) -> usize {
+        bytes_of(&self.m) + bytes_of(&self.v)
+    }
+}
