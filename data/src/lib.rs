@@ -2,6 +2,7 @@
 //! through [`write_atomic`], so a crash or an error never leaves a half-written file behind.
 #![warn(missing_docs)]
 
+pub mod checkpoint;
 pub mod digits;
 pub mod sampler;
 
@@ -14,6 +15,14 @@ use std::path::{Path, PathBuf};
 /// Errors of the data crate; each names the file involved.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// A file's contents are not what they should be.
+    #[error("{path}: {msg}")]
+    Format {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong, naming the key or field.
+        msg: String,
+    },
     /// Reading or writing a file failed.
     #[error("{path}: {source}")]
     Io {

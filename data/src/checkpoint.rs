@@ -1,0 +1,92 @@
+//! Model weights as safetensors files, by parameter name (timm and diffusers key names fall
+//! out of the module paths). Loading checks every key and shape; saving is atomic.
+use std::path::Path;
+
+use tch::nn::VarStore;
+use tch::Tensor;
+
+use crate::{write_atomic, Error, Result};
+
+/// Copies every variable of `vs` from the safetensors file at `path`. A missing key or a
+/// shape mismatch is an error naming the file, the key and both shapes. Returns the keys of
+/// the file that no variable used, sorted.
+pub fn load_safetensors(vs: &VarStore, path: &Path) -> Result<Vec<String>> {
+    let bad = |msg: String| Error::Format { path: path.to_path_buf(), msg };
+    let tensors = Tensor::read_safetensors(path).map_err(|e| bad(format!("not a readable safetensors file: {e}")))?;
+    let mut file: std::collections::HashMap<String, Tensor> = tensors.into_iter().collect();
+    let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    tch::no_grad(|| -> Result<()> {
+        for (name, mut var) in vars {
+            let src = file
+                .remove(&name)
+                .ok_or_else(|| bad(format!("missing key {name} (expected shape {:?})", var.size())))?;
+            if src.size() != var.size() {
+                return Err(bad(format!("key {name} has shape {:?}, expected {:?}", src.size(), var.size())));
+            }
+            var.f_copy_(&src).map_err(|e| bad(format!("key {name}: {e}")))?;
+        }
+        Ok(())
+    })?;
+    let mut unused: Vec<String> = file.into_keys().collect();
+    unused.sort();
+    Ok(unused)
+}
+
+/// Writes every variable of `vs` to `path` as safetensors (through a temporary file).
+pub fn save_safetensors(vs: &VarStore, path: &Path) -> Result<()> {
+    let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    let named: Vec<(String, Tensor)> = named.into_iter().map(|(n, t)| (n, t.detach().contiguous())).collect();
+    let bytes_err = |e: tch::TchError| Error::Format { path: path.to_path_buf(), msg: e.to_string() };
+    // tch writes safetensors to a path; write it beside the target, then move it into place.
+    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let staging =
+        dir.join(format!(".{}.staging-{}", path.file_name().unwrap_or_default().to_string_lossy(), std::process::id()));
+    let result = Tensor::write_safetensors(&named, &staging).map_err(bytes_err).and_then(|()| {
+        let bytes = std::fs::read(&staging).map_err(|source| Error::Io { path: staging.clone(), source })?;
+        write_atomic::<Error>(path, |w| {
+            std::io::Write::write_all(w, &bytes).map_err(|source| Error::Io { path: path.to_path_buf(), source })
+        })
+    });
+    let _ = std::fs::remove_file(&staging);
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::nn::Init;
+    use tch::Device;
+
+    fn store(rows: i64) -> VarStore {
+        let vs = VarStore::new(Device::Cpu);
+        let root = vs.root();
+        let _ = root.sub("layer").var("weight", &[rows, 2], Init::Randn { mean: 0.0, stdev: 1.0 });
+        let _ = root.sub("layer").var("bias", &[2], Init::Const(0.5));
+        vs
+    }
+
+    #[test]
+    fn round_trip_and_key_errors() {
+        let dir = std::env::temp_dir().join(format!("ckpt-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("model.safetensors");
+        let a = store(3);
+        save_safetensors(&a, &path).unwrap();
+        let b = store(3);
+        assert!(load_safetensors(&b, &path).unwrap().is_empty());
+        let (wa, wb) = (&a.variables()["layer.weight"], &b.variables()["layer.weight"]);
+        assert!(wa.equal(wb));
+        let err = load_safetensors(&store(4), &path).unwrap_err().to_string();
+        assert!(err.contains("key layer.weight has shape [3, 2], expected [4, 2]"), "{err}");
+        let extra = store(3);
+        let _ = extra.root().var("head", &[1], Init::Const(0.0));
+        let err = load_safetensors(&extra, &path).unwrap_err().to_string();
+        assert!(err.contains("missing key head") && err.contains("model.safetensors"), "{err}");
+        std::fs::write(dir.join("bad.safetensors"), b"not really").unwrap();
+        let err = load_safetensors(&b, &dir.join("bad.safetensors")).unwrap_err().to_string();
+        assert!(err.contains("bad.safetensors: not a readable safetensors file"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
