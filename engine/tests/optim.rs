@@ -94,16 +94,21 @@ fn biases_and_vectors_are_not_adapted_by_default() {
     assert!(Param::new("w", &w).adapt && !Param::new("b", &b).adapt);
 }
 
+/// A number of the fixture's optimizer configuration.
+fn num(config: &Value, key: &str) -> f64 {
+    config[key].as_f64().unwrap_or_else(|| panic!("fixture config has no number {key}"))
+}
+
+fn betas(config: &Value) -> (f64, f64) {
+    (config["betas"][0].as_f64().unwrap(), config["betas"][1].as_f64().unwrap())
+}
+
 #[test]
 fn adamw_matches_torch_optim() {
     let f = load();
     let c = &f.configs["adamw"];
-    let cfg = AdamWConfig {
-        lr: c["lr"].as_f64().unwrap(),
-        betas: (c["betas"][0].as_f64().unwrap(), c["betas"][1].as_f64().unwrap()),
-        eps: c["eps"].as_f64().unwrap(),
-        weight_decay: c["weight_decay"].as_f64().unwrap(),
-    };
+    let cfg =
+        AdamWConfig { lr: num(c, "lr"), betas: betas(c), eps: num(c, "eps"), weight_decay: num(c, "weight_decay") };
     replay(&f, "adamw", AdamW::new(params(&f), cfg));
 }
 
@@ -111,12 +116,8 @@ fn adamw_matches_torch_optim() {
 fn lamb_matches_timm() {
     let f = load();
     let c = &f.configs["lamb"];
-    let cfg = LambConfig {
-        lr: c["lr"].as_f64().unwrap(),
-        betas: (c["betas"][0].as_f64().unwrap(), c["betas"][1].as_f64().unwrap()),
-        eps: c["eps"].as_f64().unwrap(),
-        weight_decay: c["weight_decay"].as_f64().unwrap(),
-    };
+    let cfg =
+        LambConfig { lr: num(c, "lr"), betas: betas(c), eps: num(c, "eps"), weight_decay: num(c, "weight_decay") };
     replay(&f, "lamb", Lamb::new(params(&f), cfg));
 }
 
@@ -125,11 +126,11 @@ fn lars_matches_timm() {
     let f = load();
     let c = &f.configs["lars"];
     let cfg = LarsConfig {
-        lr: c["lr"].as_f64().unwrap(),
-        momentum: c["momentum"].as_f64().unwrap(),
-        weight_decay: c["weight_decay"].as_f64().unwrap(),
-        trust_coefficient: c["trust_coeff"].as_f64().unwrap(),
-        eps: c["eps"].as_f64().unwrap(),
+        lr: num(c, "lr"),
+        momentum: num(c, "momentum"),
+        weight_decay: num(c, "weight_decay"),
+        trust_coefficient: num(c, "trust_coeff"),
+        eps: num(c, "eps"),
     };
     replay(&f, "lars", Lars::new(params(&f), cfg));
 }

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use crate::ffi::{self, check, cstring, EngStore};
-use crate::{Error, Result};
+use crate::Result;
 
 /// A c10d store. Cheap to share between the groups built on it; thread-safe on the C++ side.
 pub struct Store {
@@ -115,10 +115,4 @@ impl std::fmt::Debug for Store {
 
 pub(crate) fn timeout_ms(timeout: Duration) -> i64 {
     i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX)
-}
-
-impl From<std::num::TryFromIntError> for Error {
-    fn from(e: std::num::TryFromIntError) -> Self {
-        Error::invalid(e.to_string())
-    }
 }
