@@ -1,5 +1,6 @@
 //! Model weights as safetensors files, by parameter name (timm and diffusers key names fall
 //! out of the module paths). Loading checks every key and shape; saving is atomic.
+use std::collections::HashMap;
 use std::path::Path;
 
 use tch::nn::VarStore;
@@ -7,37 +8,58 @@ use tch::Tensor;
 
 use crate::{write_atomic, Error, Result};
 
+/// Every tensor of the safetensors file at `path`, by name; an unreadable file is an error
+/// naming it.
+pub fn read_tensors(path: &Path) -> Result<HashMap<String, Tensor>> {
+    let tensors = Tensor::read_safetensors(path).map_err(|e| Error::Format {
+        path: path.to_path_buf(),
+        msg: format!("not a readable safetensors file: {e}"),
+    })?;
+    Ok(tensors.into_iter().collect())
+}
+
 /// Copies every variable of `vs` from the safetensors file at `path`. A missing key or a
 /// shape mismatch is an error naming the file, the key and both shapes. Returns the keys of
 /// the file that no variable used, sorted.
 pub fn load_safetensors(vs: &VarStore, path: &Path) -> Result<Vec<String>> {
-    let bad = |msg: String| Error::Format { path: path.to_path_buf(), msg };
-    let tensors = Tensor::read_safetensors(path).map_err(|e| bad(format!("not a readable safetensors file: {e}")))?;
-    let mut file: std::collections::HashMap<String, Tensor> = tensors.into_iter().collect();
+    let mut file = read_tensors(path)?;
     let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     vars.sort_by(|a, b| a.0.cmp(&b.0));
-    tch::no_grad(|| -> Result<()> {
-        for (name, mut var) in vars {
-            let src = file
-                .remove(&name)
-                .ok_or_else(|| bad(format!("missing key {name} (expected shape {:?})", var.size())))?;
-            if src.size() != var.size() {
-                return Err(bad(format!("key {name} has shape {:?}, expected {:?}", src.size(), var.size())));
-            }
-            var.f_copy_(&src).map_err(|e| bad(format!("key {name}: {e}")))?;
-        }
-        Ok(())
-    })?;
+    copy_into(&vars, &mut file, path)?;
     let mut unused: Vec<String> = file.into_keys().collect();
     unused.sort();
     Ok(unused)
 }
 
+/// Copies `file`'s tensors into `targets` by name, taking them out of `file`; a missing key or
+/// a shape mismatch is an error naming `path`, the key and both shapes.
+pub fn copy_into(targets: &[(String, Tensor)], file: &mut HashMap<String, Tensor>, path: &Path) -> Result<()> {
+    let bad = |msg: String| Error::Format { path: path.to_path_buf(), msg };
+    tch::no_grad(|| {
+        for (name, var) in targets {
+            let src = file
+                .remove(name)
+                .ok_or_else(|| bad(format!("missing key {name} (expected shape {:?})", var.size())))?;
+            if src.size() != var.size() {
+                return Err(bad(format!("key {name} has shape {:?}, expected {:?}", src.size(), var.size())));
+            }
+            var.shallow_clone().f_copy_(&src).map_err(|e| bad(format!("key {name}: {e}")))?;
+        }
+        Ok(())
+    })
+}
+
 /// Writes every variable of `vs` to `path` as safetensors (through a temporary file).
 pub fn save_safetensors(vs: &VarStore, path: &Path) -> Result<()> {
-    let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    let named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    save_tensors(&named, path)
+}
+
+/// Writes named tensors to `path` as safetensors, sorted by name, through a temporary file.
+pub fn save_tensors(named: &[(String, Tensor)], path: &Path) -> Result<()> {
+    let mut named: Vec<(String, Tensor)> =
+        named.iter().map(|(n, t)| (n.clone(), t.detach().to_device(tch::Device::Cpu).contiguous())).collect();
     named.sort_by(|a, b| a.0.cmp(&b.0));
-    let named: Vec<(String, Tensor)> = named.into_iter().map(|(n, t)| (n, t.detach().contiguous())).collect();
     let bytes_err = |e: tch::TchError| Error::Format { path: path.to_path_buf(), msg: e.to_string() };
     // tch writes safetensors to a path; write it beside the target, then move it into place.
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));

@@ -2,10 +2,18 @@
 //! through [`write_atomic`], so a crash or an error never leaves a half-written file behind.
 #![warn(missing_docs)]
 
+pub mod augment;
 pub mod checkpoint;
 pub mod digits;
+pub mod folder;
+pub mod h5;
+pub mod images;
+pub mod loader;
 pub mod sampler;
 
+pub use folder::ImageFolder;
+pub use h5::Hdf5Images;
+pub use images::{Dataset, Image, InMemory, Subset};
 pub use sampler::DistributedSampler;
 
 use std::fs::{self, File};

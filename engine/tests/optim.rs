@@ -1,6 +1,7 @@
 //! The optimizers replay trajectories recorded from independent implementations
 //! (torch.optim.AdamW, timm's Lamb and Lars; tests/fixtures/make_optim_fixtures.py) and must
-//! land on the same parameters after every step (fp32, within 1e-6 relative + 1e-7 absolute).
+//! land on the same parameters after every step (fp32, within 1e-6 relative + 1e-7 absolute),
+//! also across a save and load of their state halfway.
 use std::collections::BTreeMap;
 
 use engine::optim::{AdamW, AdamWConfig, Lamb, LambConfig, Lars, LarsConfig, Optimizer, Param};
@@ -66,10 +67,25 @@ fn params(f: &Fixture) -> Vec<Param> {
         .collect()
 }
 
-fn replay(f: &Fixture, name: &str, mut opt: impl Optimizer) {
+/// Replays the fixture's steps; halfway, the optimizer is replaced by a fresh one loaded from
+/// its checkpointed state, which must continue the same trajectory.
+fn replay<O: Optimizer>(f: &Fixture, name: &str, make: impl Fn(Vec<Param>) -> O) {
+    let mut opt = make(params(f));
     let adapt: Vec<_> = opt.params().iter().map(|p| (p.name.clone(), p.adapt)).collect();
     assert_eq!(adapt, [("b".to_string(), false), ("w".to_string(), true), ("z".to_string(), true)]);
     for (step, (grads, want)) in f.grads.iter().zip(&f.after_step[name]).enumerate() {
+        if step == f.grads.len() / 2 {
+            let mut state: engine::optim::StateDict = opt.state().into_iter().map(|(k, t)| (k, t.copy())).collect();
+            assert!(!state.is_empty(), "{name} has state after {step} steps");
+            let same = opt.params().iter().map(|p| Param {
+                name: p.name.clone(),
+                tensor: p.tensor.shallow_clone(),
+                adapt: p.adapt,
+            });
+            opt = make(same.collect());
+            opt.load_state(&mut state).unwrap();
+            assert!(state.is_empty(), "{name}: unused state entries {:?}", state.keys().collect::<Vec<_>>());
+        }
         opt.zero_grad();
         // Backward of <p, g> leaves exactly g in p.grad.
         for p in opt.params() {
@@ -109,7 +125,7 @@ fn adamw_matches_torch_optim() {
     let c = &f.configs["adamw"];
     let cfg =
         AdamWConfig { lr: num(c, "lr"), betas: betas(c), eps: num(c, "eps"), weight_decay: num(c, "weight_decay") };
-    replay(&f, "adamw", AdamW::new(params(&f), cfg));
+    replay(&f, "adamw", |ps| AdamW::new(ps, cfg));
 }
 
 #[test]
@@ -118,7 +134,7 @@ fn lamb_matches_timm() {
     let c = &f.configs["lamb"];
     let cfg =
         LambConfig { lr: num(c, "lr"), betas: betas(c), eps: num(c, "eps"), weight_decay: num(c, "weight_decay") };
-    replay(&f, "lamb", Lamb::new(params(&f), cfg));
+    replay(&f, "lamb", |ps| Lamb::new(ps, cfg));
 }
 
 #[test]
@@ -132,5 +148,5 @@ fn lars_matches_timm() {
         trust_coefficient: num(c, "trust_coeff"),
         eps: num(c, "eps"),
     };
-    replay(&f, "lars", Lars::new(params(&f), cfg));
+    replay(&f, "lars", |ps| Lars::new(ps, cfg));
 }

@@ -1,3 +1,10 @@
-//! The `vit` application: Vision Transformer models (timm-compatible names) and, as they land,
-//! large-batch pretraining, evaluation and benchmarking.
+//! Vision Transformer pretraining: the model, batch arithmetic, data sets and transforms, the
+//! training loop with its checkpoints and metrics, evaluation, and the benchmark.
+pub mod batch;
+pub mod bench;
+pub mod checkpoint;
+pub mod datasets;
+pub mod eval;
+pub mod metrics;
 pub mod model;
+pub mod train;

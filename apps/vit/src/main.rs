@@ -1,17 +1,70 @@
 //! `vit`: large-batch Vision Transformer pretraining with LAMB over data parallelism.
-//! The training commands arrive with the data-parallel and optimizer work; today the binary
-//! reports the runtime it would train on.
-use clap::Parser;
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+use engine::dist::{self, InitOptions};
+use vit::{bench, eval, train};
 
 #[derive(Parser)]
-#[command(version, about = "Large-batch ViT pretraining (runtime report only, for now)")]
+#[command(version, about = "Large-batch ViT pretraining with LAMB/LARS over data parallelism and ZeRO")]
 enum Cli {
+    /// Train a ViT (on the embedded 8x8 digits unless --data is given).
+    Pretrain(train::PretrainArgs),
+    /// Top-1 and top-5 accuracy of a trained model.
+    Eval(eval::EvalArgs),
+    /// Training images/s of a ViT on synthetic input, beside PyTorch eager.
+    Bench(bench::BenchArgs),
+    /// Data set tools.
+    #[command(subcommand)]
+    Data(DataCommand),
     /// Print libtorch's version, CUDA devices, threads and the launcher's view of the job.
     Env,
 }
 
+#[derive(Subcommand)]
+enum DataCommand {
+    /// Convert a folder of class subfolders (JPEG/PNG) into one HDF5 file.
+    Convert {
+        /// The image folder.
+        folder: PathBuf,
+        /// The HDF5 file to write.
+        out: PathBuf,
+        /// Side in pixels every image is resized to (after a centre square crop).
+        #[arg(long, default_value_t = 224)]
+        size: usize,
+        /// Colour channels (1 or 3).
+        #[arg(long, default_value_t = 3)]
+        channels: usize,
+    },
+}
+
 fn main() -> anyhow::Result<()> {
-    let Cli::Env = Cli::parse();
-    print!("{}", engine::runtime::report());
+    engine::runtime::keep_freed_memory();
+    match Cli::parse() {
+        Cli::Pretrain(args) => {
+            if dist::maybe_relaunch(args.nproc)? {
+                return Ok(());
+            }
+            let world = dist::init(&InitOptions { timeout: args.timeout() })?;
+            let trained = train::pretrain(&args, &world)?;
+            if world.rank() == 0 {
+                println!(
+                    "validation top-1 {:.2}%  top-5 {:.2}% after {:.1} s",
+                    100.0 * trained.val_top1,
+                    100.0 * trained.val_top5,
+                    trained.seconds
+                );
+            }
+        }
+        Cli::Eval(args) => {
+            eval::run(&args)?;
+        }
+        Cli::Bench(args) => bench::run(&args)?,
+        Cli::Data(DataCommand::Convert { folder, out, size, channels }) => {
+            let n = data::h5::convert_folder(&folder, &out, size, channels)?;
+            println!("wrote {n} images to {}", out.display());
+        }
+        Cli::Env => print!("{}", engine::runtime::report()),
+    }
     Ok(())
 }

@@ -5,8 +5,8 @@
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
-/// Architecture of a ViT.
-#[derive(Clone, Copy, Debug, PartialEq)]
+/// Architecture of a ViT (saved beside trained weights as `model.json`).
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct VitConfig {
     /// Input height and width in pixels.
     pub image_size: i64,

@@ -182,6 +182,22 @@ pub struct World {
 }
 
 impl World {
+    /// A job of one process (what [`init`] gives without a launcher); also the one-process
+    /// reference inside a multi-process test.
+    pub fn single(opts: &InitOptions) -> Result<World> {
+        let env = LaunchEnv {
+            rank: 0,
+            world_size: 1,
+            local_rank: 0,
+            local_world_size: 1,
+            master_addr: "127.0.0.1".into(),
+            master_port: 0,
+            launcher: Launcher::Torchrun,
+        };
+        let group = ProcessGroup::new(Store::in_memory()?, 0, vec![0], "world", opts.timeout, true)?;
+        Ok(World { env, group })
+    }
+
     /// Global rank.
     pub fn rank(&self) -> usize {
         self.env.rank
@@ -198,19 +214,7 @@ impl World {
 pub fn init(opts: &InitOptions) -> Result<World> {
     let env = match LaunchEnv::from_env()? {
         Some(env) => env,
-        None => {
-            let env = LaunchEnv {
-                rank: 0,
-                world_size: 1,
-                local_rank: 0,
-                local_world_size: 1,
-                master_addr: "127.0.0.1".into(),
-                master_port: 0,
-                launcher: Launcher::Torchrun,
-            };
-            let group = ProcessGroup::new(Store::in_memory()?, 0, vec![0], "world", opts.timeout, true)?;
-            return Ok(World { env, group });
-        }
+        None => return World::single(opts),
     };
     let store = Store::tcp(&env.master_addr, env.master_port, env.rank == 0, env.world_size, opts.timeout)?;
     let group =

@@ -74,4 +74,12 @@ impl Optimizer for AdamW {
     fn state_bytes(&self) -> usize {
         self.moments.bytes()
     }
+
+    fn state(&self) -> Vec<(String, tch::Tensor)> {
+        self.moments.state(&self.params)
+    }
+
+    fn load_state(&mut self, state: &mut super::StateDict) -> Result<()> {
+        self.moments.load_state(&self.params, state)
+    }
 }

@@ -82,4 +82,12 @@ impl Optimizer for Lamb {
     fn state_bytes(&self) -> usize {
         self.moments.bytes()
     }
+
+    fn state(&self) -> Vec<(String, tch::Tensor)> {
+        self.moments.state(&self.params)
+    }
+
+    fn load_state(&mut self, state: &mut super::StateDict) -> Result<()> {
+        self.moments.load_state(&self.params, state)
+    }
 }

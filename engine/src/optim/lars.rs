@@ -96,4 +96,12 @@ impl Optimizer for Lars {
     fn state_bytes(&self) -> usize {
         super::bytes_of(&self.momentum)
     }
+
+    fn state(&self) -> Vec<(String, Tensor)> {
+        super::slots_to_state(&self.params, "momentum_buffer", &self.momentum)
+    }
+
+    fn load_state(&mut self, state: &mut super::StateDict) -> Result<()> {
+        super::slots_from_state(&self.params, "momentum_buffer", &mut self.momentum, state)
+    }
 }

@@ -19,7 +19,7 @@ pub use clip::clip_grad_norm;
 pub use lamb::{Lamb, LambConfig};
 pub use lars::{Lars, LarsConfig};
 pub use precision::{LossScaler, MasterWeights};
-pub use schedule::{Decay, LrSchedule};
+pub use schedule::{scale_lr, Decay, LrSchedule};
 
 use tch::Tensor;
 
@@ -69,6 +69,12 @@ pub trait Optimizer {
     fn params(&self) -> &[Param];
     /// Bytes held in optimizer state (moments, momentum buffers) on this rank.
     fn state_bytes(&self) -> usize;
+    /// The state for a checkpoint, as named tensors: `{param}.{slot}` per parameter that has
+    /// state, plus counters such as `step`.
+    fn state(&self) -> Vec<(String, Tensor)>;
+    /// Restores what [`Optimizer::state`] returned; takes the entries it uses out of `state`.
+    /// A missing or mis-shaped entry is an error naming it.
+    fn load_state(&mut self, state: &mut StateDict) -> Result<()>;
     /// Clears every parameter's gradient.
     fn zero_grad(&mut self) {
         for p in self.params() {
@@ -96,6 +102,12 @@ impl<T: Optimizer + ?Sized> Optimizer for Box<T> {
     fn state_bytes(&self) -> usize {
         (**self).state_bytes()
     }
+    fn state(&self) -> Vec<(String, Tensor)> {
+        (**self).state()
+    }
+    fn load_state(&mut self, state: &mut StateDict) -> Result<()> {
+        (**self).load_state(state)
+    }
 }
 
 /// ||w|| / ||u||, or 1 where either norm is zero (the LAMB/LARS convention).
@@ -118,6 +130,50 @@ pub(crate) fn state_for<'a>(slot: &'a mut Option<Tensor>, like: &Tensor) -> Resu
         *slot = Some(like.f_zeros_like()?);
     }
     Ok(slot.as_mut().expect("just filled"))
+}
+
+/// Named state tensors, as read from a checkpoint.
+pub type StateDict = std::collections::HashMap<String, Tensor>;
+
+/// `{param}.{slot}` entries for the slots that exist.
+pub(crate) fn slots_to_state(params: &[Param], slot: &str, states: &[Option<Tensor>]) -> Vec<(String, Tensor)> {
+    params
+        .iter()
+        .zip(states)
+        .filter_map(|(p, s)| s.as_ref().map(|t| (format!("{}.{slot}", p.name), t.shallow_clone())))
+        .collect()
+}
+
+/// Fills `states` from `{param}.{slot}` entries; a parameter without one starts empty, as in a
+/// fresh optimizer (it had no gradient yet when the checkpoint was taken).
+pub(crate) fn slots_from_state(
+    params: &[Param],
+    slot: &str,
+    states: &mut [Option<Tensor>],
+    dict: &mut StateDict,
+) -> Result<()> {
+    for (p, s) in params.iter().zip(states.iter_mut()) {
+        let key = format!("{}.{slot}", p.name);
+        *s = match dict.remove(&key) {
+            Some(t) => {
+                crate::error::ensure!(
+                    t.size() == p.tensor.size(),
+                    "optimizer state {key} has shape {:?}, the parameter {:?}",
+                    t.size(),
+                    p.tensor.size()
+                );
+                Some(t.f_to_kind(p.tensor.kind())?.f_to_device(p.tensor.device())?)
+            }
+            None => None,
+        };
+    }
+    Ok(())
+}
+
+/// Takes a scalar counter such as `step` out of a state dict.
+pub(crate) fn counter_from_state(dict: &mut StateDict, key: &str) -> Result<i64> {
+    let t = dict.remove(key).ok_or_else(|| crate::Error::invalid(format!("optimizer state has no {key}")))?;
+    Ok(t.f_int64_value(&[])?)
 }
 
 /// Bytes of a list of lazily created state tensors.

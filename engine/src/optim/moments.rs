@@ -1,7 +1,7 @@
 //! Adam's bias-corrected moment estimates, shared by AdamW and LAMB.
 use tch::Tensor;
 
-use super::{bytes_of, state_for};
+use super::{bytes_of, counter_from_state, slots_from_state, slots_to_state, state_for, Param, StateDict};
 use crate::Result;
 
 /// First and second moments of each parameter's gradient.
@@ -41,6 +41,21 @@ impl AdamMoments {
         let denom = v.f_sqrt()?.f_div_scalar(bc2.sqrt())?.f_add_scalar(self.eps)?;
         let m = self.m[i].as_ref().expect("created above");
         Ok(m.f_div_scalar(bc1)?.f_div(&denom)?)
+    }
+
+    /// `{param}.exp_avg`, `{param}.exp_avg_sq` (PyTorch's names) and `step`.
+    pub(crate) fn state(&self, params: &[Param]) -> Vec<(String, Tensor)> {
+        let mut out = slots_to_state(params, "exp_avg", &self.m);
+        out.extend(slots_to_state(params, "exp_avg_sq", &self.v));
+        out.push(("step".into(), Tensor::from_slice(&[self.step as i64])));
+        out
+    }
+
+    pub(crate) fn load_state(&mut self, params: &[Param], dict: &mut StateDict) -> Result<()> {
+        slots_from_state(params, "exp_avg", &mut self.m, dict)?;
+        slots_from_state(params, "exp_avg_sq", &mut self.v, dict)?;
+        self.step = counter_from_state(dict, "step")? as i32;
+        Ok(())
     }
 
     pub(crate) fn bytes(&self) -> usize {

@@ -1,30 +1,41 @@
 //! Mixed precision: fp32 master weights behind bf16/fp16 model weights, and dynamic loss
 //! scaling for fp16 that skips steps whose gradients overflowed.
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use super::{Optimizer, Param};
 use crate::autograd::set_grad;
 use crate::dist::{ProcessGroup, ReduceOp};
 use crate::Result;
 
-/// fp32 copies of low-precision model parameters. The optimizer runs on [`Self::master`];
-/// each step copies the model's gradients in and the updated weights back out.
+/// fp32 copies of the model parameters, optionally on another device. The optimizer runs on
+/// [`Self::master`]; each step copies the model's gradients in and the updated weights back
+/// out. Two uses: mixed precision (bf16/fp16 model, fp32 master) and optimizer offload (master
+/// and therefore the optimizer's state in CPU memory while the model trains on the GPU).
 pub struct MasterWeights {
     model: Vec<Param>,
     master: Vec<Param>,
+    device: Device,
 }
 
 impl MasterWeights {
-    /// fp32 leaf copies of `model`'s parameters (same names and decay rule).
+    /// fp32 leaf copies of `model`'s parameters (same names and decay rule) on the model's
+    /// device.
     pub fn new(model: Vec<Param>) -> Result<MasterWeights> {
+        let device = model.first().map_or(Device::Cpu, |p| p.tensor.device());
+        Self::on(model, device)
+    }
+
+    /// fp32 leaf copies of `model`'s parameters on `device` (CPU: optimizer offload).
+    pub fn on(model: Vec<Param>, device: Device) -> Result<MasterWeights> {
         let master = model
             .iter()
             .map(|p| {
-                let t = p.tensor.f_detach()?.f_to_kind(Kind::Float)?.f_set_requires_grad(true)?;
+                let t = p.tensor.f_detach()?.f_to_kind(Kind::Float)?.f_to_device(device)?.f_detach_copy()?;
+                let t = t.f_set_requires_grad(true)?;
                 Ok(Param { name: p.name.clone(), tensor: t, adapt: p.adapt })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(MasterWeights { model, master })
+        Ok(MasterWeights { model, master, device })
     }
 
     /// The fp32 parameters, for the optimizer.
@@ -45,7 +56,7 @@ impl MasterWeights {
         for (m, p) in self.master.iter().zip(&self.model) {
             let g = p.tensor.grad();
             if g.defined() {
-                set_grad(&m.tensor, Some(&g.f_to_kind(Kind::Float)?))?;
+                set_grad(&m.tensor, Some(&g.f_to_kind(Kind::Float)?.f_to_device(self.device)?))?;
             } else {
                 set_grad(&m.tensor, None)?;
             }
@@ -100,10 +111,24 @@ impl LossScaler {
     /// rank of `group` (every rank then makes the same decision). Returns whether it stepped;
     /// either way the scale is updated and, after a skip, the gradients are cleared.
     pub fn step(&mut self, opt: &mut dyn Optimizer, group: Option<&ProcessGroup>) -> Result<bool> {
+        let finite = self.unscale(opt.params(), group)?;
+        if finite {
+            opt.step()?;
+        } else {
+            opt.zero_grad();
+        }
+        self.update(finite);
+        Ok(finite)
+    }
+
+    /// The first half of [`LossScaler::step`], for callers that act between unscaling and
+    /// stepping (gradient clipping): divides the gradients by the scale and returns whether
+    /// they are all finite on every rank of `group`.
+    pub fn unscale(&self, params: &[Param], group: Option<&ProcessGroup>) -> Result<bool> {
         let inv = 1.0 / self.scale;
         let mut bad = Tensor::f_zeros([1], (Kind::Float, tch::Device::Cpu))?;
         tch::no_grad(|| -> Result<()> {
-            for p in opt.params() {
+            for p in params {
                 let mut g = p.tensor.grad();
                 if g.defined() {
                     let _ = g.f_mul_scalar_(inv)?;
@@ -118,20 +143,33 @@ impl LossScaler {
         if let Some(g) = group {
             g.all_reduce(&bad, ReduceOp::Max)?;
         }
-        let overflow = bad.f_double_value(&[0])? > 0.0;
-        if overflow {
+        Ok(bad.f_double_value(&[0])? == 0.0)
+    }
+
+    /// The second half of [`LossScaler::step`]: backs off after an overflow, grows after
+    /// `growth_interval` clean steps.
+    pub fn update(&mut self, finite: bool) {
+        if !finite {
             self.scale *= self.backoff_factor;
             self.clean_steps = 0;
-            opt.zero_grad();
-            return Ok(false);
+            return;
         }
-        opt.step()?;
         self.clean_steps += 1;
         if self.clean_steps == self.growth_interval {
             self.scale *= self.growth_factor;
             self.clean_steps = 0;
         }
-        Ok(true)
+    }
+
+    /// Clean steps since the last change of scale (for checkpoints).
+    pub fn clean_steps(&self) -> usize {
+        self.clean_steps
+    }
+
+    /// Restores a checkpointed scaler position.
+    pub fn resume(&mut self, scale: f64, clean_steps: usize) {
+        self.scale = scale;
+        self.clean_steps = clean_steps;
     }
 }
 

@@ -94,6 +94,15 @@ impl<O: Optimizer> Optimizer for ZeroOptimizer<O> {
     fn state_bytes(&self) -> usize {
         self.inner.state_bytes()
     }
+
+    /// This rank's shard of the state (each rank checkpoints its own).
+    fn state(&self) -> Vec<(String, tch::Tensor)> {
+        self.inner.state()
+    }
+
+    fn load_state(&mut self, state: &mut crate::optim::StateDict) -> Result<()> {
+        self.inner.load_state(state)
+    }
 }
 
 #[cfg(test)]

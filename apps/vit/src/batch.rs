@@ -1,0 +1,71 @@
+//! Batch arithmetic: `--batch` is the global batch (`32k` = 32,768); each step it is split as
+//! world size x micro-batch x accumulation steps.
+
+/// Parses a batch size with an optional `k` (x1024) suffix: `256`, `32k`.
+pub fn parse_batch(s: &str) -> Result<usize, String> {
+    let t = s.trim().to_ascii_lowercase();
+    let (digits, scale) = match t.strip_suffix('k') {
+        Some(d) => (d, 1024),
+        None => (t.as_str(), 1),
+    };
+    match digits.parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n * scale),
+        _ => Err(format!("{s:?} is not a batch size (a positive number, optionally with a k suffix)")),
+    }
+}
+
+/// How a global batch is split.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchPlan {
+    /// Examples per optimizer step, over all ranks.
+    pub global: usize,
+    /// Examples per forward/backward on one rank.
+    pub micro: usize,
+    /// Micro-batches per optimizer step on each rank.
+    pub accumulation: usize,
+}
+
+impl BatchPlan {
+    /// Splits `global` over `world` ranks with micro-batches of `micro` (or, when not given, the
+    /// largest divisor of the per-rank batch not above `max_micro`). An impossible split is an
+    /// error naming the numbers.
+    pub fn new(global: usize, world: usize, micro: Option<usize>, max_micro: usize) -> Result<BatchPlan, String> {
+        if !global.is_multiple_of(world) {
+            return Err(format!("--batch {global} does not split over {world} ranks"));
+        }
+        let per_rank = global / world;
+        let micro = match micro {
+            Some(m) if m == 0 || !per_rank.is_multiple_of(m) => {
+                return Err(format!(
+                "--micro-batch {m} does not divide the per-rank batch {per_rank} (--batch {global} over {world} ranks)"
+            ))
+            }
+            Some(m) => m,
+            None => (1..=per_rank.min(max_micro)).rev().find(|m| per_rank.is_multiple_of(*m)).unwrap_or(1),
+        };
+        Ok(BatchPlan { global, micro, accumulation: per_rank / micro })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batch_sizes() {
+        assert_eq!(parse_batch("32k"), Ok(32768));
+        assert_eq!(parse_batch("256"), Ok(256));
+        assert!(parse_batch("0").is_err() && parse_batch("k").is_err() && parse_batch("-3").is_err());
+    }
+
+    #[test]
+    fn plans() {
+        assert_eq!(BatchPlan::new(32768, 8, None, 256), Ok(BatchPlan { global: 32768, micro: 256, accumulation: 16 }));
+        assert_eq!(BatchPlan::new(96, 2, None, 40), Ok(BatchPlan { global: 96, micro: 24, accumulation: 2 }));
+        assert_eq!(BatchPlan::new(32, 1, Some(8), 256), Ok(BatchPlan { global: 32, micro: 8, accumulation: 4 }));
+        assert!(BatchPlan::new(30, 4, None, 8).unwrap_err().contains("--batch 30 does not split over 4 ranks"));
+        assert!(BatchPlan::new(32, 2, Some(5), 8)
+            .unwrap_err()
+            .contains("--micro-batch 5 does not divide the per-rank batch 16"));
+    }
+}

@@ -1,0 +1,597 @@
+//! `vit bench`: training throughput (images per second) of our ViT against a PyTorch eager
+//! implementation of the same network (`benches/vit_baseline.py`), measured in the same
+//! invocation with the same intra-op thread count, and their ratio.
+//!
+//! Each side runs the same training step on one fixed synthetic batch (random images, random
+//! labels): forward, fp32 cross-entropy, backward, one AdamW step (lr 1e-3, weight decay 0.01
+//! on parameters of two or more dimensions, PyTorch's other defaults), and clearing the
+//! gradients (`set_to_none`, as `torch.optim.Optimizer.zero_grad` does by default). Ours runs
+//! `engine::optim::AdamW`, PyTorch's `torch.optim.AdamW` with its default `foreach` choice (a
+//! per-tensor loop on CPU, multi-tensor kernels on CUDA). After `--warmup` untimed steps, steps
+//! run until `--seconds` have passed (or `--steps` have run), then the device is synchronised
+//! once and the rate is steps x batch over the time to that point.
+//!
+//! Precision (`--precision`):
+//! - `fp32`: everything in float32 on both sides.
+//! - `bf16`: bf16 weights and activations with fp32 master weights: the backward's bf16
+//!   gradients are copied into fp32 masters ([`MasterWeights`]), AdamW updates the masters, and
+//!   they are rounded back into the model. The baseline does the same by default
+//!   (`--baseline-bf16 master`), so both sides run the same arithmetic. `--baseline-bf16
+//!   autocast` compares instead against `torch.autocast(dtype=bfloat16)` over fp32 weights,
+//!   the usual PyTorch recipe; it keeps the layer norms, the residual stream and the weights
+//!   in fp32 (casting them to bf16 for each matmul), so it moves more bytes per step than we
+//!   do and that ratio flatters us.
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+use anyhow::{bail, ensure, Context};
+use engine::optim::{params_of, AdamW, AdamWConfig, MasterWeights, Optimizer, Param};
+use tch::nn::VarStore;
+use tch::{Device, Kind, Tensor};
+
+use crate::model::{Vit, VitConfig};
+
+/// The baseline script, beside this crate's sources.
+const BASELINE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/vit_baseline.py");
+/// The sizes and patches that [`VitConfig::from_timm_name`] knows.
+const PRESET_SIZES: [&str; 4] = ["tiny", "small", "base", "large"];
+const PRESET_PATCHES: [i64; 2] = [16, 32];
+
+/// Where the benchmark runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum BenchDevice {
+    /// The CPU, with `--threads` intra-op threads.
+    Cpu,
+    /// CUDA device 0.
+    Cuda,
+}
+
+/// Arithmetic of the training step (see the module documentation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Precision {
+    /// float32 throughout.
+    Fp32,
+    /// bf16 weights and activations, fp32 master weights and optimizer.
+    Bf16,
+}
+
+/// The PyTorch side's bf16 recipe.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum BaselineBf16 {
+    /// The same as ours: a bf16 model with fp32 master weights.
+    Master,
+    /// `torch.autocast(dtype=bfloat16)` over fp32 weights.
+    Autocast,
+}
+
+/// Options of `vit bench`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct BenchArgs {
+    /// A timm preset (`vit_{tiny,small,base,large}_patch{16,32}_224`) or `custom`, which takes
+    /// `--width --depth --heads --patch` (and `--mlp-ratio`).
+    #[arg(long, default_value = "vit_tiny_patch16_224")]
+    pub model: String,
+    /// Embedding width (`--model custom`).
+    #[arg(long)]
+    pub width: Option<i64>,
+    /// Transformer blocks (`--model custom`).
+    #[arg(long)]
+    pub depth: Option<i64>,
+    /// Attention heads (`--model custom`).
+    #[arg(long)]
+    pub heads: Option<i64>,
+    /// MLP hidden width over embedding width (`--model custom`; default 4).
+    #[arg(long)]
+    pub mlp_ratio: Option<f64>,
+    /// Patch size in pixels (`--model custom`).
+    #[arg(long)]
+    pub patch: Option<i64>,
+    /// Input height and width in pixels (default 224).
+    #[arg(long)]
+    pub image_size: Option<i64>,
+    /// Input channels.
+    #[arg(long, default_value_t = 3)]
+    pub channels: i64,
+    /// Output classes (default: the preset's 1000, or 10 for `custom`).
+    #[arg(long)]
+    pub classes: Option<i64>,
+    /// Images per training step.
+    #[arg(long, default_value_t = 8)]
+    pub batch: i64,
+    /// Untimed steps before measuring.
+    #[arg(long, default_value_t = 3)]
+    pub warmup: usize,
+    /// Measure each side for about this many seconds.
+    #[arg(long, default_value_t = 10.0)]
+    pub seconds: f64,
+    /// Measure exactly this many steps instead of `--seconds`.
+    #[arg(long)]
+    pub steps: Option<usize>,
+    /// Intra-op CPU threads on both sides (default: torch's current count).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Device.
+    #[arg(long, value_enum, default_value_t = BenchDevice::Cpu)]
+    pub device: BenchDevice,
+    /// Precision regime.
+    #[arg(long, value_enum, default_value_t = Precision::Fp32)]
+    pub precision: Precision,
+    /// The PyTorch side's recipe under `--precision bf16`.
+    #[arg(long, value_enum, default_value_t = BaselineBf16::Master)]
+    pub baseline_bf16: BaselineBf16,
+    /// Measure ours only; skip the PyTorch baseline.
+    #[arg(long)]
+    pub no_baseline: bool,
+}
+
+/// One side's measurement.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Throughput {
+    /// Training images per second.
+    pub images_per_s: f64,
+    /// Steps timed.
+    pub steps: usize,
+    /// Seconds they took.
+    pub seconds: f64,
+    /// Most bytes the CUDA caching allocator held in tensors (CUDA only).
+    pub peak_memory_bytes: Option<i64>,
+}
+
+/// Both sides' measurements and what they ran.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BenchReport {
+    /// The preset name, or `custom` with its dimensions.
+    pub model: String,
+    /// The architecture measured.
+    pub config: VitConfig,
+    /// Intra-op threads.
+    pub threads: usize,
+    /// Ours.
+    pub ours: Throughput,
+    /// PyTorch's, unless `--no-baseline`.
+    pub baseline: Option<Throughput>,
+}
+
+impl BenchArgs {
+    /// The architecture and a label for it; an error (listing the presets) for a bad name or
+    /// inconsistent numbers.
+    pub fn config(&self) -> anyhow::Result<(String, VitConfig)> {
+        let arch = [
+            ("--width", self.width.is_some()),
+            ("--depth", self.depth.is_some()),
+            ("--heads", self.heads.is_some()),
+            ("--mlp-ratio", self.mlp_ratio.is_some()),
+            ("--patch", self.patch.is_some()),
+        ];
+        let (label, mut cfg) = if self.model == "custom" {
+            let missing: Vec<&str> =
+                [("--width", self.width), ("--depth", self.depth), ("--heads", self.heads), ("--patch", self.patch)]
+                    .iter()
+                    .filter(|(_, v)| v.is_none())
+                    .map(|(flag, _)| *flag)
+                    .collect();
+            ensure!(missing.is_empty(), "--model custom needs {}", missing.join(", "));
+            let cfg = VitConfig {
+                image_size: 224,
+                patch_size: self.patch.unwrap_or_default(),
+                in_channels: 3,
+                num_classes: 10,
+                width: self.width.unwrap_or_default(),
+                depth: self.depth.unwrap_or_default(),
+                heads: self.heads.unwrap_or_default(),
+                mlp_ratio: self.mlp_ratio.unwrap_or(4.0),
+            };
+            let label = format!("custom w{} d{} h{} p{}", cfg.width, cfg.depth, cfg.heads, cfg.patch_size);
+            (label, cfg)
+        } else {
+            let cfg = VitConfig::from_timm_name(&self.model).with_context(|| {
+                format!("unknown model {:?}; valid: {}, custom", self.model, preset_names().join(", "))
+            })?;
+            if let Some((flag, _)) = arch.iter().find(|(_, given)| *given) {
+                bail!("{flag} applies to --model custom only (the preset {} fixes it)", self.model);
+            }
+            (self.model.clone(), cfg)
+        };
+        cfg.image_size = self.image_size.unwrap_or(cfg.image_size);
+        cfg.in_channels = self.channels;
+        cfg.num_classes = self.classes.unwrap_or(cfg.num_classes);
+        cfg.validate().map_err(anyhow::Error::msg).context("invalid model configuration")?;
+        ensure!(self.batch > 0, "--batch must be positive, not {}", self.batch);
+        ensure!(
+            self.seconds.is_finite() && self.seconds >= 0.0,
+            "--seconds must be a non-negative number, not {}",
+            self.seconds
+        );
+        ensure!(self.steps != Some(0), "--steps must be positive");
+        Ok((label, cfg))
+    }
+}
+
+/// Every preset name [`VitConfig::from_timm_name`] accepts.
+pub fn preset_names() -> Vec<String> {
+    PRESET_SIZES.iter().flat_map(|s| PRESET_PATCHES.iter().map(move |p| format!("vit_{s}_patch{p}_224"))).collect()
+}
+
+/// Runs the benchmark and prints the table.
+pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
+    let report = bench(args)?;
+    print!("{}", table(args, &report));
+    Ok(())
+}
+
+/// Measures ours, then (unless `--no-baseline`) the PyTorch baseline with the same settings.
+pub fn bench(args: &BenchArgs) -> anyhow::Result<BenchReport> {
+    let (model, config) = args.config()?;
+    let device = match args.device {
+        BenchDevice::Cpu => Device::Cpu,
+        BenchDevice::Cuda => {
+            engine::cuda::require().context("--device cuda, but libtorch sees no CUDA device")?;
+            Device::Cuda(0)
+        }
+    };
+    let threads = match args.threads {
+        Some(0) => bail!("--threads must be positive"),
+        Some(n) => n,
+        None => tch::get_num_threads().max(1) as usize,
+    };
+    let threads_i32 = i32::try_from(threads).context("--threads is too large")?;
+    tch::set_num_threads(threads_i32);
+
+    // Before the long part, so that a missing interpreter fails at once.
+    let python = (!args.no_baseline).then(baseline_python).transpose()?;
+
+    eprintln!("[bench] ours: {model}, {threads} threads, about {} s", args.seconds);
+    let ours = measure_ours(&config, args, device).context("measuring our ViT")?;
+    if device.is_cuda() {
+        // Hand our cached blocks back so that the baseline's process finds the memory free.
+        engine::cuda::empty_cache()?;
+    }
+    let baseline = match python {
+        None => None,
+        Some(python) => {
+            eprintln!("[bench] PyTorch eager: {BASELINE}");
+            let measured = measure_baseline(&python, &config, args, threads);
+            Some(measured.context("measuring the PyTorch baseline")?)
+        }
+    };
+    Ok(BenchReport { model, config, threads, ours, baseline })
+}
+
+/// The model, optimizer and precision machinery of our side.
+struct Trainer {
+    model: Vit,
+    /// The model's own parameters (bf16 under `--precision bf16`).
+    params: Vec<Param>,
+    master: Option<MasterWeights>,
+    opt: AdamW,
+}
+
+impl Trainer {
+    fn new(cfg: &VitConfig, precision: Precision, device: Device) -> anyhow::Result<Trainer> {
+        tch::manual_seed(0);
+        let mut vs = VarStore::new(device);
+        let model = Vit::new(&vs.root(), *cfg);
+        let (params, master, opt) = match precision {
+            Precision::Fp32 => {
+                let params = params_of(&vs);
+                let opt = AdamW::new(params_of(&vs), AdamWConfig::default());
+                (params, None, opt)
+            }
+            Precision::Bf16 => {
+                // Casts every variable in place (set_data), so `model` computes in bf16.
+                vs.bfloat16();
+                let master = MasterWeights::new(params_of(&vs))?;
+                let opt = AdamW::new(master.master(), AdamWConfig::default());
+                (params_of(&vs), Some(master), opt)
+            }
+        };
+        Ok(Trainer { model, params, master, opt })
+    }
+
+    /// One forward, backward and optimizer step; gradients are left cleared.
+    fn step(&mut self, images: &Tensor, labels: &Tensor) -> anyhow::Result<()> {
+        let logits = self.model.forward(images);
+        // at::cross_entropy_loss, the op F.cross_entropy calls.
+        let loss = logits.f_to_kind(Kind::Float)?.f_cross_entropy_loss::<Tensor>(
+            labels,
+            None,
+            tch::Reduction::Mean,
+            -100,
+            0.0,
+        )?;
+        engine::autograd::backward(&[&loss], &[None], false)?;
+        match &self.master {
+            None => {
+                self.opt.step()?;
+                // set_to_none, as torch's zero_grad: the next backward then takes its gradient
+                // buffers as they are instead of adding them into zeroed ones.
+                for p in &self.params {
+                    engine::autograd::set_grad(&p.tensor, None)?;
+                }
+            }
+            Some(master) => {
+                master.gradients_to_master()?;
+                self.opt.step()?;
+                master.weights_to_model()?; // also clears the model's gradients
+            }
+        }
+        Ok(())
+    }
+}
+
+fn synchronize(device: Device) -> anyhow::Result<()> {
+    if let Device::Cuda(i) = device {
+        engine::cuda::synchronize(i)?;
+    }
+    Ok(())
+}
+
+fn measure_ours(cfg: &VitConfig, args: &BenchArgs, device: Device) -> anyhow::Result<Throughput> {
+    let mut trainer = Trainer::new(cfg, args.precision, device)?;
+    let kind = match args.precision {
+        Precision::Fp32 => Kind::Float,
+        Precision::Bf16 => Kind::BFloat16,
+    };
+    let (b, c, s) = (args.batch, cfg.in_channels, cfg.image_size);
+    let images = Tensor::f_randn([b, c, s, s], (kind, device))?;
+    let labels = Tensor::f_randint(cfg.num_classes, [b], (Kind::Int64, device))?;
+
+    if let Device::Cuda(i) = device {
+        engine::cuda::reset_peak_stats(i)?;
+    }
+    for _ in 0..args.warmup {
+        trainer.step(&images, &labels)?;
+    }
+    synchronize(device)?;
+    let start = Instant::now();
+    let mut steps = 0;
+    loop {
+        trainer.step(&images, &labels)?;
+        steps += 1;
+        if done(args, steps, start) {
+            break;
+        }
+    }
+    // On CUDA the loop stops once the host has queued `--seconds` of steps; the time includes
+    // waiting for them, so the rate is right however far ahead the host ran.
+    synchronize(device)?;
+    let seconds = start.elapsed().as_secs_f64();
+    let peak_memory_bytes = match device {
+        Device::Cuda(i) => Some(engine::cuda::memory_stats(i)?.peak_allocated),
+        _ => None,
+    };
+    Ok(Throughput { images_per_s: (steps as i64 * b) as f64 / seconds, steps, seconds, peak_memory_bytes })
+}
+
+/// Whether the timed loop has run `--steps` steps, or else for `--seconds`; the baseline
+/// stops by the same rule.
+fn done(args: &BenchArgs, steps: usize, start: Instant) -> bool {
+    match args.steps {
+        Some(n) => steps >= n,
+        None => start.elapsed().as_secs_f64() >= args.seconds,
+    }
+}
+
+/// The baseline's command line for the same settings.
+fn baseline_args(cfg: &VitConfig, args: &BenchArgs, threads: usize) -> Vec<String> {
+    // PyTorch's defaults, which AdamWConfig::default() repeats; passed to be explicit.
+    let adamw = AdamWConfig::default();
+    let mut a: Vec<String> = [
+        ("--width", cfg.width.to_string()),
+        ("--depth", cfg.depth.to_string()),
+        ("--heads", cfg.heads.to_string()),
+        ("--mlp-ratio", cfg.mlp_ratio.to_string()),
+        ("--patch", cfg.patch_size.to_string()),
+        ("--image-size", cfg.image_size.to_string()),
+        ("--channels", cfg.in_channels.to_string()),
+        ("--classes", cfg.num_classes.to_string()),
+        ("--batch", args.batch.to_string()),
+        ("--warmup", args.warmup.to_string()),
+        ("--seconds", args.seconds.to_string()),
+        ("--threads", threads.to_string()),
+        ("--lr", adamw.lr.to_string()),
+        ("--weight-decay", adamw.weight_decay.to_string()),
+    ]
+    .into_iter()
+    .flat_map(|(k, v)| [k.to_string(), v])
+    .collect();
+    if let Some(n) = args.steps {
+        a.extend(["--steps".into(), n.to_string()]);
+    }
+    let device = match args.device {
+        BenchDevice::Cpu => "cpu",
+        BenchDevice::Cuda => "cuda",
+    };
+    let (precision, bf16) = match (args.precision, args.baseline_bf16) {
+        (Precision::Fp32, _) => ("fp32", "master"),
+        (Precision::Bf16, BaselineBf16::Master) => ("bf16", "master"),
+        (Precision::Bf16, BaselineBf16::Autocast) => ("bf16", "autocast"),
+    };
+    a.extend(["--device", device, "--precision", precision, "--bf16", bf16].map(String::from));
+    a
+}
+
+/// The interpreter from `SUITE_PYTHON` (which `cargo run` sets from .cargo/config.toml), once
+/// the baseline script is known to exist.
+fn baseline_python() -> anyhow::Result<String> {
+    let python = std::env::var("SUITE_PYTHON").context(
+        "SUITE_PYTHON is not set: run scripts/setup.sh and start the bench through cargo, or set it to a Python \
+         with torch (or pass --no-baseline)",
+    )?;
+    ensure!(Path::new(BASELINE).is_file(), "the baseline script {BASELINE} is missing");
+    Ok(python)
+}
+
+fn measure_baseline(python: &str, cfg: &VitConfig, args: &BenchArgs, threads: usize) -> anyhow::Result<Throughput> {
+    let output = Command::new(python)
+        .arg(BASELINE)
+        .args(baseline_args(cfg, args, threads))
+        .stdin(Stdio::null())
+        .stderr(Stdio::inherit())
+        .output()
+        .with_context(|| format!("running {python} {BASELINE}"))?;
+    ensure!(output.status.success(), "{BASELINE} failed ({})", output.status);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let line = stdout
+        .lines()
+        .rev()
+        .find(|l| l.trim_start().starts_with('{'))
+        .with_context(|| format!("{BASELINE} printed no JSON line; its output was:\n{stdout}"))?;
+    let json: serde_json::Value =
+        serde_json::from_str(line).with_context(|| format!("parsing the baseline's output {line:?}"))?;
+    let number = |key: &str| json[key].as_f64().with_context(|| format!("no number {key:?} in {line}"));
+    Ok(Throughput {
+        images_per_s: number("images_per_s")?,
+        steps: number("steps")? as usize,
+        seconds: number("seconds")?,
+        peak_memory_bytes: json["peak_memory_bytes"].as_i64(),
+    })
+}
+
+fn mib(bytes: Option<i64>) -> String {
+    bytes.map_or_else(|| "-".into(), |b| format!("{:.0}", b as f64 / (1 << 20) as f64))
+}
+
+/// The report as a Markdown table with a line of details under it.
+fn table(args: &BenchArgs, r: &BenchReport) -> String {
+    let device = format!("{:?}", args.device).to_lowercase();
+    let precision = match (args.precision, args.baseline_bf16) {
+        (Precision::Fp32, _) => "fp32".to_string(),
+        (Precision::Bf16, BaselineBf16::Master) => "bf16 + fp32 master weights (both)".to_string(),
+        (Precision::Bf16, BaselineBf16::Autocast) => {
+            "bf16 + fp32 master weights (ours) vs torch.autocast bf16 (PyTorch)".to_string()
+        }
+    };
+    let cuda = args.device == BenchDevice::Cuda;
+    let mut s =
+        format!("\nViT training throughput: forward + backward + AdamW step, synthetic data, {device}, {precision}\n");
+    s += "| model | image | batch | threads | ours img/s | PyTorch img/s | ours/PyTorch |";
+    s += if cuda { " ours peak MiB | PyTorch peak MiB |\n" } else { "\n" };
+    s += "|---|---:|---:|---:|---:|---:|---:|";
+    s += if cuda { "---:|---:|\n" } else { "\n" };
+    let (theirs, ratio) = match &r.baseline {
+        Some(b) => (format!("{:.2}", b.images_per_s), format!("{:.2}", r.ours.images_per_s / b.images_per_s)),
+        None => ("-".into(), "-".into()),
+    };
+    s += &format!(
+        "| {} | {} | {} | {} | {:.2} | {theirs} | {ratio} |",
+        r.model, r.config.image_size, args.batch, r.threads, r.ours.images_per_s
+    );
+    if cuda {
+        let theirs_peak = r.baseline.and_then(|b| b.peak_memory_bytes);
+        s += &format!(" {} | {} |", mib(r.ours.peak_memory_bytes), mib(theirs_peak));
+    }
+    s += &format!("\ntimed: ours {} steps in {:.2} s", r.ours.steps, r.ours.seconds);
+    if let Some(b) = &r.baseline {
+        s += &format!(", PyTorch {} steps in {:.2} s", b.steps, b.seconds);
+    }
+    s + "\n"
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: BenchArgs,
+    }
+
+    fn parse(flags: &[&str]) -> BenchArgs {
+        Cli::try_parse_from(std::iter::once("bench").chain(flags.iter().copied())).expect("flags parse").args
+    }
+
+    const TINY: &[&str] = &[
+        "--model",
+        "custom",
+        "--width",
+        "16",
+        "--depth",
+        "1",
+        "--heads",
+        "2",
+        "--patch",
+        "4",
+        "--image-size",
+        "8",
+        "--classes",
+        "3",
+        "--batch",
+        "2",
+        "--warmup",
+        "1",
+        "--steps",
+        "2",
+    ];
+
+    #[test]
+    fn presets_and_custom_resolve() {
+        let (label, cfg) = parse(&["--image-size", "32"]).config().unwrap();
+        assert_eq!(label, "vit_tiny_patch16_224");
+        assert_eq!(cfg, VitConfig { image_size: 32, ..VitConfig::tiny(16) });
+        let (label, cfg) = parse(TINY).config().unwrap();
+        assert_eq!(label, "custom w16 d1 h2 p4");
+        assert_eq!((cfg.width, cfg.num_classes, cfg.mlp_ratio), (16, 3, 4.0));
+        for name in preset_names() {
+            assert!(VitConfig::from_timm_name(&name).is_some(), "{name}");
+        }
+    }
+
+    #[test]
+    fn bad_flags_are_errors_that_say_what_to_do() {
+        let err = |flags: &[&str]| format!("{:#}", parse(flags).config().unwrap_err());
+        let unknown = err(&["--model", "vit_huge_patch14_224"]);
+        assert!(unknown.contains("vit_base_patch16_224") && unknown.contains("custom"), "{unknown}");
+        assert_eq!(err(&["--model", "custom", "--width", "8"]), "--model custom needs --depth, --heads, --patch");
+        assert!(err(&["--width", "8"]).contains("custom only"));
+        assert!(err(&["--image-size", "100"]).contains("multiple of patch size"));
+        assert!(err(&["--batch", "0"]).contains("--batch"));
+    }
+
+    #[test]
+    fn both_sides_train_a_tiny_vit() {
+        let mut args = parse(TINY);
+        args.no_baseline = std::env::var_os("SUITE_PYTHON").is_none();
+        let report = bench(&args).unwrap();
+        assert_eq!(report.ours.steps, 2);
+        assert!(report.ours.images_per_s > 0.0);
+        if let Some(b) = report.baseline {
+            assert_eq!(b.steps, 2);
+            assert!(b.images_per_s > 0.0);
+        }
+        let text = table(&args, &report);
+        assert!(text.contains("| custom w16 d1 h2 p4 | 8 | 2 |"), "{text}");
+    }
+
+    #[test]
+    fn a_step_updates_the_weights_and_leaves_no_gradients() {
+        let (_, cfg) = parse(TINY).config().unwrap();
+        for (precision, kind) in [(Precision::Fp32, Kind::Float), (Precision::Bf16, Kind::BFloat16)] {
+            let mut trainer = Trainer::new(&cfg, precision, Device::Cpu).unwrap();
+            let images = Tensor::randn([2, 3, 8, 8], (kind, Device::Cpu));
+            let labels = Tensor::from_slice(&[0i64, 2]);
+            // The weights AdamW updates: the model's in fp32, the fp32 masters under bf16 (a
+            // step of lr = 1e-3 on a norm weight of 1 rounds away in bf16).
+            let updated: Vec<Tensor> = trainer.opt.params().iter().map(|p| p.tensor.shallow_clone()).collect();
+            let before: Vec<Tensor> = updated.iter().map(|t| t.detach().copy()).collect();
+            trainer.step(&images, &labels).unwrap();
+            for ((p, now), then) in trainer.params.iter().zip(&updated).zip(&before) {
+                assert_eq!((p.tensor.kind(), now.kind()), (kind, Kind::Float), "{}", p.name);
+                assert!(!p.tensor.grad().defined(), "{} keeps a gradient", p.name);
+                assert!(!now.equal(then), "{} did not move ({precision:?})", p.name);
+            }
+        }
+    }
+
+    #[test]
+    fn bf16_with_master_weights_trains() {
+        let mut args = parse(TINY);
+        args.precision = Precision::Bf16;
+        args.no_baseline = true;
+        let report = bench(&args).unwrap();
+        assert!(report.ours.images_per_s > 0.0);
+    }
+}

@@ -1,0 +1,156 @@
+//! Training checkpoints under `--out`: `checkpoint-<step>/` holds the model (`model.safetensors`,
+//! fp32), each rank's optimizer state (`optimizer-rank<r>.safetensors`; one file when the
+//! state is replicated) and `trainer.json` (the step, the loss scaler, and the settings a resume
+//! must agree with). A checkpoint is written to a `.tmp` folder and renamed when every rank has
+//! finished, then `latest` is switched to it (atomically) and older checkpoints are removed, so
+//! a crash at any point leaves the previous checkpoint usable.
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use engine::dist::World;
+use engine::optim::{Optimizer, StateDict};
+use serde::{Deserialize, Serialize};
+use tch::Tensor;
+
+use crate::model::VitConfig;
+
+/// What `trainer.json` records.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainerState {
+    /// Optimizer steps completed.
+    pub step: usize,
+    /// Ranks of the run.
+    pub world_size: usize,
+    /// ZeRO stage.
+    pub zero: u8,
+    /// Optimizer name.
+    pub optimizer: String,
+    /// Global batch.
+    pub global_batch: usize,
+    /// Seed of the run.
+    pub seed: u64,
+    /// fp32, bf16 or fp16.
+    pub precision: String,
+    /// The fp16 loss scale.
+    pub loss_scale: f64,
+    /// Clean steps since the loss scale last changed.
+    pub clean_steps: usize,
+    /// The model's architecture.
+    pub model: VitConfig,
+}
+
+impl TrainerState {
+    /// Errors naming the first setting in which `self` (the checkpoint) and `run` differ.
+    pub fn check_matches(&self, run: &TrainerState) -> anyhow::Result<()> {
+        let pairs = [
+            ("ranks (world size)", self.world_size.to_string(), run.world_size.to_string()),
+            ("--zero", self.zero.to_string(), run.zero.to_string()),
+            ("--optimizer", self.optimizer.clone(), run.optimizer.clone()),
+            ("--batch", self.global_batch.to_string(), run.global_batch.to_string()),
+            ("--seed", self.seed.to_string(), run.seed.to_string()),
+            ("--precision", self.precision.clone(), run.precision.clone()),
+            ("model", format!("{:?}", self.model), format!("{:?}", run.model)),
+        ];
+        for (what, saved, now) in pairs {
+            if saved != now {
+                bail!("cannot resume: the checkpoint was trained with {what} {saved}, this run has {now}");
+            }
+        }
+        Ok(())
+    }
+}
+
+fn optimizer_file(dir: &Path, rank: usize) -> PathBuf {
+    dir.join(format!("optimizer-rank{rank}.safetensors"))
+}
+
+/// Whether each rank holds different optimizer state (ZeRO) or all hold the same.
+fn sharded(state: &TrainerState) -> bool {
+    state.zero > 0
+}
+
+/// Writes a checkpoint of step `state.step` under `out` (every rank calls this).
+pub fn save(
+    out: &Path,
+    world: &World,
+    state: &TrainerState,
+    model: &[(String, Tensor)],
+    opt: &dyn Optimizer,
+) -> anyhow::Result<()> {
+    let name = format!("checkpoint-{}", state.step);
+    let tmp = out.join(format!("{name}.tmp"));
+    if world.rank() == 0 {
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp).with_context(|| format!("removing {}", tmp.display()))?;
+        }
+        std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+    }
+    world.group.barrier()?;
+    if sharded(state) || world.rank() == 0 {
+        data::checkpoint::save_tensors(&opt.state(), &optimizer_file(&tmp, world.rank()))?;
+    }
+    if world.rank() == 0 {
+        data::checkpoint::save_tensors(model, &tmp.join("model.safetensors"))?;
+        let json = serde_json::to_string_pretty(state)?;
+        let path = tmp.join("trainer.json");
+        std::fs::write(&path, json).with_context(|| format!("writing {}", path.display()))?;
+    }
+    world.group.barrier()?;
+    if world.rank() == 0 {
+        let dir = out.join(&name);
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
+        }
+        std::fs::rename(&tmp, &dir).with_context(|| format!("renaming {} to {}", tmp.display(), dir.display()))?;
+        let latest = out.join("latest");
+        data::write_atomic::<anyhow::Error>(&latest, |w| Ok(std::io::Write::write_all(w, name.as_bytes())?))?;
+        for entry in std::fs::read_dir(out).with_context(|| format!("listing {}", out.display()))? {
+            let path = entry?.path();
+            let file = path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
+            if file.starts_with("checkpoint-") && file != name {
+                std::fs::remove_dir_all(&path).with_context(|| format!("removing {}", path.display()))?;
+            }
+        }
+    }
+    world.group.barrier()?;
+    Ok(())
+}
+
+/// A checkpoint found under `--out`.
+pub struct Saved {
+    /// Its folder.
+    pub dir: PathBuf,
+    /// Its `trainer.json`.
+    pub state: TrainerState,
+}
+
+/// The checkpoint `out/latest` points to.
+pub fn latest(out: &Path) -> anyhow::Result<Saved> {
+    let pointer = out.join("latest");
+    let name = std::fs::read_to_string(&pointer)
+        .with_context(|| format!("--resume: no checkpoint to resume from ({} is missing)", pointer.display()))?;
+    let dir = out.join(name.trim());
+    let path = dir.join("trainer.json");
+    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let state = serde_json::from_str(&text).with_context(|| format!("{}: not a trainer state", path.display()))?;
+    Ok(Saved { dir, state })
+}
+
+impl Saved {
+    /// Copies the saved weights into `model` (names and shapes checked).
+    pub fn load_model(&self, model: &[(String, Tensor)]) -> anyhow::Result<()> {
+        let path = self.dir.join("model.safetensors");
+        let mut file = data::checkpoint::read_tensors(&path)?;
+        data::checkpoint::copy_into(model, &mut file, &path)?;
+        Ok(())
+    }
+
+    /// Restores this rank's optimizer state.
+    pub fn load_optimizer(&self, world: &World, opt: &mut dyn Optimizer) -> anyhow::Result<()> {
+        let rank = if sharded(&self.state) { world.rank() } else { 0 };
+        let path = optimizer_file(&self.dir, rank);
+        let mut dict: StateDict = data::checkpoint::read_tensors(&path)?;
+        opt.load_state(&mut dict).with_context(|| format!("loading {}", path.display()))?;
+        Ok(())
+    }
+}

@@ -1,0 +1,53 @@
+//! `vit eval`: top-1 and top-5 accuracy of a trained model on a data set.
+use std::path::PathBuf;
+
+use anyhow::Context;
+use tch::nn::VarStore;
+use tch::{Device, Kind};
+
+use crate::datasets::{DataArgs, Transforms};
+use crate::model::{Vit, VitConfig};
+use crate::train::evaluate;
+
+/// Options of `vit eval`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct EvalArgs {
+    /// A `vit pretrain --out` folder (model.json and model.safetensors).
+    pub checkpoint: PathBuf,
+    /// Images to evaluate: the validation split of these data arguments (all of --val-data if
+    /// given; the embedded digits' validation split by default).
+    #[command(flatten)]
+    pub data: DataArgs,
+}
+
+/// The top-1 and top-5 accuracy; prints them.
+pub fn run(args: &EvalArgs) -> anyhow::Result<(f64, f64)> {
+    let dir = &args.checkpoint;
+    let cfg_path = dir.join("model.json");
+    let text = std::fs::read_to_string(&cfg_path).with_context(|| format!("reading {}", cfg_path.display()))?;
+    let cfg: VitConfig =
+        serde_json::from_str(&text).with_context(|| format!("{}: not a model description", cfg_path.display()))?;
+    cfg.validate().map_err(|e| anyhow::anyhow!("{}: {e}", cfg_path.display()))?;
+    let splits = args.data.splits()?;
+    let val = splits.val;
+    if val.channels() as i64 != cfg.in_channels || val.classes().len() as i64 != cfg.num_classes {
+        anyhow::bail!(
+            "the model takes {} channels and {} classes; the data set has {} and {}",
+            cfg.in_channels,
+            cfg.num_classes,
+            val.channels(),
+            val.classes().len()
+        );
+    }
+    let vs = VarStore::new(Device::Cpu);
+    let model = Vit::new(&vs.root(), cfg);
+    let unused = data::checkpoint::load_safetensors(&vs, &dir.join("model.safetensors"))?;
+    if !unused.is_empty() {
+        eprintln!("note: {} unused keys in the weights, e.g. {}", unused.len(), unused[0]);
+    }
+    let world = engine::dist::World::single(&engine::dist::InitOptions::default())?;
+    let transforms = Transforms::new(cfg.image_size as usize, cfg.in_channels as usize, splits.embedded, 1.0);
+    let (top1, top5) = evaluate(&model, &val, &transforms.eval, &world.group, Device::Cpu, Kind::Float)?;
+    println!("{} images: top-1 {:.2}%  top-5 {:.2}%", val.len(), 100.0 * top1, 100.0 * top5);
+    Ok((top1, top5))
+}

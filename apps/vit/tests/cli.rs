@@ -1,0 +1,115 @@
+//! The `vit` binary: a short pretrain then eval on the digits, an image folder converted to
+//! HDF5 and trained on, and bad inputs that must be errors naming the file or flag.
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn vit(args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_vit")).args(args).output().expect("running vit");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.success(), text)
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("vit-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A folder of two classes of 12x10 PNGs: dark images are class "a", bright ones "b".
+fn image_folder(root: &Path, per_class: u8) {
+    for (class, base) in [("a", 20u8), ("b", 200u8)] {
+        std::fs::create_dir_all(root.join(class)).unwrap();
+        for i in 0..per_class {
+            let img =
+                image::RgbImage::from_fn(12, 10, |x, y| image::Rgb([base + i, base + (x as u8), base + (y as u8)]));
+            img.save(root.join(class).join(format!("{i}.png"))).unwrap();
+        }
+    }
+}
+
+#[test]
+fn pretrain_then_eval_reports_the_same_accuracy() {
+    let dir = scratch("eval");
+    let out = dir.join("run");
+    let (ok, text) = vit(&[
+        "pretrain",
+        "--quiet",
+        "--steps",
+        "60",
+        "--warmup",
+        "5",
+        "--batch",
+        "64",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(ok, "{text}");
+    let trained: f64 = text.split("validation top-1 ").nth(1).unwrap().split('%').next().unwrap().parse().unwrap();
+    assert!(trained > 15.0, "60 steps lift accuracy above chance (10%): {text}");
+    let (ok, text) = vit(&["eval", out.to_str().unwrap()]);
+    assert!(ok, "{text}");
+    assert!(
+        text.contains(&format!("297 images: top-1 {trained:.2}%")),
+        "eval agrees with training's {trained}: {text}"
+    );
+    // A weights file with a key missing is named.
+    let weights = out.join("model.safetensors");
+    let mut tensors = tch::Tensor::read_safetensors(&weights).unwrap();
+    tensors.retain(|(name, _)| name != "head.bias");
+    tch::Tensor::write_safetensors(&tensors, &weights).unwrap();
+    let (ok, text) = vit(&["eval", out.to_str().unwrap()]);
+    assert!(!ok && text.contains("missing key head.bias") && text.contains("model.safetensors"), "{text}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `vit pretrain` on a tiny ViT for 8x8 inputs, with extra arguments.
+fn pretrain_tiny(extra: &[&str]) -> (bool, String) {
+    let tiny = "pretrain --quiet --model vit_tiny_patch16_224 --image-size 8 --patch-size 4";
+    vit(&tiny.split(' ').chain(extra.iter().copied()).collect::<Vec<_>>())
+}
+
+#[test]
+fn folder_to_hdf5_and_training_on_both() {
+    let dir = scratch("folder");
+    let folder = dir.join("images");
+    image_folder(&folder, 8);
+    let h5 = dir.join("images.h5");
+    let (ok, text) = vit(&["data", "convert", folder.to_str().unwrap(), h5.to_str().unwrap(), "--size", "8"]);
+    assert!(ok && text.contains("wrote 16 images"), "{text}");
+    for data in [&folder, &h5] {
+        let (ok, text) = pretrain_tiny(&[
+            "--steps",
+            "2",
+            "--batch",
+            "8",
+            "--val-fraction",
+            "0.25",
+            "--data",
+            data.to_str().unwrap(),
+        ]);
+        assert!(ok, "{}: {text}", data.display());
+        assert!(text.contains("12 training / 4 validation images"), "{text}");
+    }
+    // A corrupt image is named.
+    std::fs::write(folder.join("b").join("broken.png"), b"not a png").unwrap();
+    let (ok, text) =
+        pretrain_tiny(&["--steps", "3", "--batch", "16", "--val-fraction", "0", "--data", folder.to_str().unwrap()]);
+    assert!(!ok && text.contains("broken.png"), "{text}");
+    // A file that is not HDF5 is named.
+    let bad = dir.join("bad.h5");
+    std::fs::write(&bad, b"not hdf5 at all").unwrap();
+    let (ok, text) = vit(&["pretrain", "--quiet", "--data", bad.to_str().unwrap()]);
+    assert!(!ok && text.contains("bad.h5"), "{text}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bad_flags_are_named() {
+    let (ok, text) = vit(&["pretrain", "--batch", "12x"]);
+    assert!(!ok && text.contains("\"12x\" is not a batch size"), "{text}");
+    let (ok, text) = vit(&["pretrain", "--zero", "3"]);
+    assert!(!ok && text.contains("--zero"), "{text}");
+    let (ok, text) = vit(&["pretrain", "--batch", "30", "--nproc", "4", "--steps", "1", "--timeout", "30"]);
+    assert!(!ok && text.contains("--batch 30 does not split over 4 ranks") && text.contains("rank"), "{text}");
+}

@@ -1,0 +1,145 @@
+//! `vit pretrain` end to end on the embedded digits: data parallelism, ZeRO and gradient
+//! accumulation against one process, and resume against an uninterrupted run.
+use clap::Parser;
+use engine::dist::{InitOptions, World};
+use suite_tests::{dist_test, TestResult, TEST_TIMEOUT};
+use vit::train::{pretrain, PretrainArgs, Trained};
+
+#[derive(Parser)]
+struct Cli {
+    #[command(flatten)]
+    args: PretrainArgs,
+}
+
+/// Pretrain arguments from a command line (after `vit pretrain`): quiet, small batches unless
+/// `line` says otherwise.
+fn args(line: &str) -> PretrainArgs {
+    let defaults = [("--batch", "32"), ("--warmup", "5"), ("--lr", "4e-3"), ("--timeout", "60")];
+    let mut words = vec!["vit", "--quiet"];
+    for (flag, value) in defaults {
+        if !line.split_whitespace().any(|w| w == flag) {
+            words.extend([flag, value]);
+        }
+    }
+    words.extend(line.split_whitespace());
+    Cli::parse_from(words).args
+}
+
+fn single() -> World {
+    World::single(&InitOptions { timeout: TEST_TIMEOUT }).unwrap()
+}
+
+/// Largest relative difference, over per-step losses and every weight, of two runs.
+fn compare(a: &Trained, b: &Trained, what: &str, rtol: f64) {
+    assert_eq!(a.losses.len(), b.losses.len(), "{what}: step counts");
+    for ((sa, la), (sb, lb)) in a.losses.iter().zip(&b.losses) {
+        assert_eq!(sa, sb);
+        assert!((la - lb).abs() <= rtol * lb.abs(), "{what}: step {sa} loss {la} vs {lb}");
+    }
+    assert_eq!(a.weights.len(), b.weights.len());
+    for ((na, ta), (nb, tb)) in a.weights.iter().zip(&b.weights) {
+        assert_eq!(na, nb);
+        let diff = (ta - tb).abs().max().double_value(&[]);
+        let scale = tb.abs().max().double_value(&[]).max(1e-12);
+        assert!(diff <= rtol * scale, "{what}: {na} differs by {diff:.3e} (max |w| {scale:.3e})");
+    }
+}
+
+dist_test!(two_ranks_match_one_rank_over_twenty_steps, 2, |world| {
+    let dp = pretrain(&args("--steps 20"), world)?;
+    let one = pretrain(&args("--steps 20"), &single())?;
+    assert!(dp.losses[19].1 < dp.losses[0].1, "training lowers the loss: {:?}", dp.losses);
+    compare(&dp, &one, "2 ranks vs 1", 1e-5);
+    TestResult::Ok(())
+});
+
+dist_test!(zero_1_and_2_match_plain_data_parallel, 2, |world| {
+    let plain = pretrain(&args("--steps 10"), world)?;
+    for zero in [1, 2] {
+        let sharded = pretrain(&args(&format!("--steps 10 --zero {zero}")), world)?;
+        compare(&sharded, &plain, &format!("ZeRO-{zero} vs DP"), 1e-5);
+    }
+    let lars = pretrain(&args("--steps 10 --optimizer lars --lr 2"), world)?;
+    let lars_zero = pretrain(&args("--steps 10 --optimizer lars --lr 2 --zero 2"), world)?;
+    compare(&lars_zero, &lars, "LARS ZeRO-2 vs DP", 1e-5);
+    TestResult::Ok(())
+});
+
+#[test]
+fn four_micro_batches_of_8_equal_one_batch_of_32() {
+    let world = single();
+    let accumulated = pretrain(&args("--steps 8 --micro-batch 8"), &world).unwrap();
+    let whole = pretrain(&args("--steps 8"), &world).unwrap();
+    compare(&accumulated, &whole, "4x8 vs 32", 1e-5);
+}
+
+#[test]
+fn resume_repeats_the_uninterrupted_run() {
+    let root = std::env::temp_dir().join(format!("vit-resume-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let (a, b) = (root.join("whole"), root.join("resumed"));
+    let world = single();
+    let common = "--steps 8 --save-every 100 --mixup 0.4 --clip-grad 1.0";
+    let whole = pretrain(&args(&format!("{common} --out {}", a.display())), &world).unwrap();
+    let first = pretrain(&args(&format!("{common} --out {} --stop-after 3", b.display())), &world).unwrap();
+    assert_eq!(first.losses.len(), 3);
+    assert!(b.join("checkpoint-3/trainer.json").exists() && b.join("latest").exists());
+    let rest = pretrain(&args(&format!("{common} --out {} --resume", b.display())), &world).unwrap();
+    assert_eq!(rest.losses.first().map(|l| l.0), Some(4), "continues at step 4");
+    let joined: Vec<(usize, f64)> = first.losses.iter().chain(&rest.losses).copied().collect();
+    assert_eq!(joined, whole.losses, "the same loss curve, bit for bit");
+    for ((n, x), (_, y)) in rest.weights.iter().zip(&whole.weights) {
+        assert!(x.equal(y), "{n} differs after resume");
+    }
+    let metrics = std::fs::read_to_string(b.join("metrics.jsonl")).unwrap();
+    assert_eq!(metrics.lines().count(), 8, "one record per step, none repeated:\n{metrics}");
+    // A resume with different settings is refused, naming the setting.
+    let err = pretrain(&args(&format!("{common} --out {} --resume --optimizer adamw", b.display())), &world)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("--optimizer lamb, this run has adamw"), "{err}");
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+#[test]
+fn bad_settings_name_the_numbers() {
+    let world = single();
+    let err = pretrain(&args("--steps 1 --micro-batch 5"), &world).err().unwrap().to_string();
+    assert!(err.contains("--micro-batch 5 does not divide the per-rank batch 32"), "{err}");
+    let err = pretrain(&args("--steps 1 --batch 4k"), &world).err().unwrap().to_string();
+    assert!(err.contains("--batch 4096 exceeds the 1500 training images"), "{err}");
+    let err = pretrain(&args("--steps 1 --model vit_huge_patch14_224"), &world).err().unwrap().to_string();
+    assert!(err.contains("--model vit_huge_patch14_224: not a known model"), "{err}");
+    let err = pretrain(&args("--steps 1 --resume"), &world).err().unwrap().to_string();
+    assert!(err.contains("--resume needs --out"), "{err}");
+}
+
+#[test]
+fn bf16_and_fp16_train_on_fp32_master_weights_close_to_fp32() {
+    let world = single();
+    let fp32 = pretrain(&args("--steps 12"), &world).unwrap();
+    for precision in ["bf16", "fp16"] {
+        let low = pretrain(&args(&format!("--steps 12 --precision {precision}")), &world).unwrap();
+        assert!(low.weights.iter().all(|(_, w)| w.kind() == tch::Kind::Float), "master weights are fp32");
+        let last = |t: &Trained| t.losses.last().unwrap().1;
+        assert!(last(&low) < low.losses[0].1, "{precision} training lowers the loss: {:?}", low.losses);
+        // Rounding to 8 (bf16) or 11 (fp16) mantissa bits moves the loss by well under 5%.
+        assert!(
+            (last(&low) - last(&fp32)).abs() < 0.05 * last(&fp32),
+            "{precision}: {} vs fp32 {}",
+            last(&low),
+            last(&fp32)
+        );
+    }
+}
+
+dist_test!(offloaded_optimizer_state_matches_plain_zero, 2, |world| {
+    let plain = pretrain(&args("--steps 6 --zero 1"), world)?;
+    let offloaded = pretrain(&args("--steps 6 --zero 1 --offload-optimizer"), world)?;
+    compare(&offloaded, &plain, "ZeRO-1 with offload vs without", 1e-6);
+    let scaled = pretrain(&args("--steps 2 --lr 1e-3 --lr-base-batch 16"), world)?;
+    let doubled = pretrain(&args("--steps 2 --lr 2e-3"), world)?;
+    compare(&scaled, &doubled, "linear scaling 32/16", 1e-6);
+    TestResult::Ok(())
+});

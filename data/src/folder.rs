@@ -1,0 +1,307 @@
+//! A folder of image files, one subfolder per class (the layout of torchvision's
+//! `ImageFolder`, with the same class order), decoded one file at a time.
+//!
+//! ```text
+//! root/cat/001.jpg
+//! root/cat/002.png
+//! root/dog/001.jpeg
+//! ```
+use crate::images::{Dataset, Image};
+use crate::{Error, Result};
+use image::imageops::{self, FilterType};
+use image::{ImageBuffer, ImageReader, Luma};
+use std::fs;
+use std::path::{Path, PathBuf};
+
+/// Extensions (compared case-insensitively) of the files taken as images.
+const EXTENSIONS: [&str; 3] = ["jpg", "jpeg", "png"];
+
+/// The images of a folder with one subfolder per class. Classes are the subfolder names in
+/// sorted order (a label is the index of its class); the images of a class are its files with
+/// a `jpg`, `jpeg` or `png` extension, sorted by path. Other files, and anything nested deeper,
+/// are ignored. Each image is decoded at its own size when it is read.
+#[derive(Clone, Debug)]
+pub struct ImageFolder {
+    root: PathBuf,
+    channels: usize,
+    classes: Vec<String>,
+    /// Every image file, with its label.
+    files: Vec<(PathBuf, i64)>,
+}
+
+impl ImageFolder {
+    /// Lists the classes and images under `root`; images will be decoded as grey
+    /// (`channels` 1) or RGB (3).
+    pub fn open(root: &Path, channels: usize) -> Result<ImageFolder> {
+        if channels != 1 && channels != 3 {
+            return Err(format_err(root, format!("channels must be 1 or 3, not {channels}")));
+        }
+        let mut class_dirs = Vec::new();
+        for entry in list(root)? {
+            // `is_dir` follows symbolic links, so a linked class folder counts.
+            if entry.is_dir() {
+                let name = entry.file_name().and_then(|n| n.to_str()).map(str::to_string);
+                let name = name.ok_or_else(|| format_err(&entry, "class folder name is not UTF-8".into()))?;
+                class_dirs.push((name, entry));
+            }
+        }
+        if class_dirs.is_empty() {
+            return Err(format_err(root, "no class folders".into()));
+        }
+        // Byte order of UTF-8 is code point order, the order Python's `sorted` gives, so the
+        // labels match torchvision's for the same folder.
+        class_dirs.sort();
+        let mut files = Vec::new();
+        for (label, (_, dir)) in class_dirs.iter().enumerate() {
+            let mut images: Vec<PathBuf> = list(dir)?.into_iter().filter(|p| is_image(p)).collect();
+            images.sort();
+            files.extend(images.into_iter().map(|p| (p, label as i64)));
+        }
+        if files.is_empty() {
+            return Err(format_err(
+                root,
+                format!("no .jpg, .jpeg or .png files in its {} class folders", class_dirs.len()),
+            ));
+        }
+        let classes = class_dirs.into_iter().map(|(name, _)| name).collect();
+        Ok(ImageFolder { root: root.to_path_buf(), channels, classes, files })
+    }
+
+    /// The folder this data set was opened from.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// The file of example `i`.
+    pub fn file(&self, i: usize) -> &Path {
+        &self.files[i].0
+    }
+}
+
+impl Dataset for ImageFolder {
+    fn len(&self) -> usize {
+        self.files.len()
+    }
+
+    fn classes(&self) -> &[String] {
+        &self.classes
+    }
+
+    fn channels(&self) -> usize {
+        self.channels
+    }
+
+    fn get(&self, i: usize) -> Result<(Image, i64)> {
+        let (path, label) = &self.files[i];
+        Ok((decode(path, self.channels)?, *label))
+    }
+}
+
+/// Decodes the image file at `path` as grey (`channels` 1) or RGB (3), at its own size.
+pub fn decode(path: &Path, channels: usize) -> Result<Image> {
+    let reader = ImageReader::open(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+    // Trust the file's first bytes over its extension: a PNG named .jpg still decodes.
+    let reader = reader.with_guessed_format().map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+    let img = reader.decode().map_err(|e| format_err(path, format!("cannot decode image: {e}")))?;
+    let (width, height) = (img.width() as usize, img.height() as usize);
+    let interleaved = match channels {
+        1 => img.into_luma8().into_raw(),
+        3 => img.into_rgb8().into_raw(),
+        _ => return Err(format_err(path, format!("channels must be 1 or 3, not {channels}"))),
+    };
+    // Interleaved `[y, x, c]` bytes to channel-major `[c, y, x]` values in [0, 1].
+    let plane = height * width;
+    let mut pixels = vec![0.0; channels * plane];
+    for (i, &v) in interleaved.iter().enumerate() {
+        pixels[(i % channels) * plane + i / channels] = f32::from(v) / 255.0;
+    }
+    Ok(Image::new(channels, height, width, pixels))
+}
+
+/// `img` cropped to the largest centred square, then resized to `size` x `size` with a
+/// triangle (bilinear) filter, which widens with the scale when shrinking so that the result
+/// does not alias. Every channel is resized on its own.
+///
+/// # Panics
+/// If `size` is 0 or `img` has no pixels.
+pub fn resize_square(img: &Image, size: usize) -> Image {
+    assert!(size > 0 && img.height > 0 && img.width > 0, "resize_square needs a non-empty image and size");
+    let side = img.height.min(img.width);
+    let (top, left) = ((img.height - side) / 2, (img.width - side) / 2);
+    let plane = img.height * img.width;
+    let mut pixels = Vec::with_capacity(img.channels * size * size);
+    for c in 0..img.channels {
+        let channel = img.pixels[c * plane..(c + 1) * plane].to_vec();
+        let buf: ImageBuffer<Luma<f32>, Vec<f32>> = ImageBuffer::from_raw(img.width as u32, img.height as u32, channel)
+            .expect("an Image's pixel count matches its shape");
+        let square = imageops::crop_imm(&buf, left as u32, top as u32, side as u32, side as u32).to_image();
+        pixels.extend(imageops::resize(&square, size as u32, size as u32, FilterType::Triangle).into_raw());
+    }
+    Image::new(img.channels, size, size, pixels)
+}
+
+fn format_err(path: &Path, msg: String) -> Error {
+    Error::Format { path: path.to_path_buf(), msg }
+}
+
+/// The paths in directory `dir`, unsorted.
+fn list(dir: &Path) -> Result<Vec<PathBuf>> {
+    let io_err = |source| Error::Io { path: dir.to_path_buf(), source };
+    fs::read_dir(dir).map_err(io_err)?.map(|e| e.map(|e| e.path()).map_err(io_err)).collect()
+}
+
+fn is_image(path: &Path) -> bool {
+    let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+    path.is_file() && EXTENSIONS.iter().any(|known| ext.eq_ignore_ascii_case(known))
+}
+
+/// Helpers shared with the tests of [`crate::h5`].
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use image::{Rgb, RgbImage};
+
+    /// A scratch folder named after the process and the test, removed when dropped.
+    pub(crate) struct Scratch(pub PathBuf);
+
+    impl Scratch {
+        pub(crate) fn new(name: &str) -> Scratch {
+            let dir = std::env::temp_dir().join(format!("data-folder-test-{}-{name}", std::process::id()));
+            let _ = fs::remove_dir_all(&dir);
+            fs::create_dir_all(&dir).unwrap();
+            Scratch(dir)
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+
+    /// The colour of pixel (`x`, `y`) of image `n`: distinct in every channel and position.
+    pub(crate) fn colour(n: u8, x: u32, y: u32) -> [u8; 3] {
+        [n * 40 + x as u8, 10 * y as u8, 255 - n * 30 - x as u8]
+    }
+
+    /// Writes `root/<class>/<name>.png` images of `w` x `h` coloured by [`colour`]:
+    /// class "ant" has images 0 and 1, class "bee" has image 2, plus a text file to ignore.
+    pub(crate) fn make_folder(root: &Path, w: u32, h: u32) {
+        for (class, name, n) in [("bee", "b.PNG", 2u8), ("ant", "a1.png", 0), ("ant", "a0.png", 1)] {
+            fs::create_dir_all(root.join(class)).unwrap();
+            RgbImage::from_fn(w, h, |x, y| Rgb(colour(n, x, y))).save(root.join(class).join(name)).unwrap();
+        }
+        fs::write(root.join("ant").join("notes.txt"), "not an image").unwrap();
+    }
+
+    #[test]
+    fn lists_classes_and_files_in_sorted_order() {
+        let dir = Scratch::new("list");
+        make_folder(&dir.0, 4, 3);
+        let folder = ImageFolder::open(&dir.0, 3).unwrap();
+        assert_eq!(folder.classes(), ["ant", "bee"]);
+        assert_eq!(folder.len(), 3, "notes.txt is not an image");
+        let names: Vec<_> = (0..3).map(|i| folder.file(i).file_name().unwrap().to_str().unwrap()).collect();
+        assert_eq!(names, ["a0.png", "a1.png", "b.PNG"]);
+        let labels: Vec<_> = (0..3).map(|i| folder.get(i).unwrap().1).collect();
+        assert_eq!(labels, [0, 0, 1]);
+    }
+
+    #[test]
+    fn decodes_rgb_channel_major() {
+        let dir = Scratch::new("rgb");
+        make_folder(&dir.0, 4, 3);
+        let (img, _) = ImageFolder::open(&dir.0, 3).unwrap().get(2).unwrap();
+        assert_eq!((img.channels, img.height, img.width), (3, 3, 4));
+        for (y, x, c) in [(0, 0, 0), (2, 3, 1), (1, 2, 2)] {
+            assert_eq!(img.at(c, y, x), f32::from(colour(2, x as u32, y as u32)[c]) / 255.0, "c{c} y{y} x{x}");
+        }
+    }
+
+    #[test]
+    fn decodes_grey_with_one_channel() {
+        let dir = Scratch::new("grey");
+        make_folder(&dir.0, 4, 3);
+        let (img, label) = ImageFolder::open(&dir.0, 1).unwrap().get(0).unwrap();
+        assert_eq!((img.channels, img.height, img.width, label), (1, 3, 4, 0));
+        // image's RGB to luma weights (BT.709), rounded to a byte.
+        let [r, g, b] = colour(1, 3, 2).map(f32::from);
+        let luma = (0.2126 * r + 0.7152 * g + 0.0722 * b).round();
+        assert!((img.at(0, 2, 3) * 255.0 - luma).abs() <= 1.0, "{} vs {luma}", img.at(0, 2, 3) * 255.0);
+    }
+
+    #[test]
+    fn decodes_jpeg_whatever_the_case_of_its_extension() {
+        let dir = Scratch::new("jpeg");
+        fs::create_dir(dir.0.join("cat")).unwrap();
+        RgbImage::from_pixel(8, 8, Rgb([200, 100, 50])).save(dir.0.join("cat").join("x.JPG")).unwrap();
+        let (img, _) = ImageFolder::open(&dir.0, 3).unwrap().get(0).unwrap();
+        assert_eq!((img.channels, img.height, img.width), (3, 8, 8));
+        // JPEG is lossy, but a flat colour survives to within a few levels.
+        for (c, want) in [200.0, 100.0, 50.0].into_iter().enumerate() {
+            assert!((img.at(c, 4, 4) * 255.0 - want).abs() <= 3.0, "channel {c}: {}", img.at(c, 4, 4) * 255.0);
+        }
+    }
+
+    #[test]
+    fn a_corrupt_file_names_the_file() {
+        let dir = Scratch::new("corrupt");
+        make_folder(&dir.0, 4, 3);
+        let bad = dir.0.join("bee").join("c.png");
+        fs::write(&bad, b"\x89PNG garbage, not an image").unwrap();
+        let folder = ImageFolder::open(&dir.0, 3).unwrap();
+        assert_eq!(folder.file(3), bad);
+        let err = folder.get(3).unwrap_err();
+        assert!(matches!(&err, Error::Format { path, .. } if *path == bad), "{err}");
+    }
+
+    #[test]
+    fn bad_folders_are_errors_naming_the_path() {
+        let dir = Scratch::new("bad");
+        let missing = dir.0.join("missing");
+        let err = ImageFolder::open(&missing, 3).unwrap_err();
+        assert!(matches!(&err, Error::Io { path, .. } if *path == missing), "{err}");
+
+        fs::write(dir.0.join("loose.png"), b"").unwrap();
+        let err = ImageFolder::open(&dir.0, 3).unwrap_err();
+        assert!(err.to_string().contains("no class folders") && err.to_string().contains("bad"), "{err}");
+
+        fs::create_dir(dir.0.join("empty")).unwrap();
+        let err = ImageFolder::open(&dir.0, 3).unwrap_err();
+        assert!(err.to_string().contains("no .jpg"), "{err}");
+
+        make_folder(&dir.0, 2, 2);
+        assert!(ImageFolder::open(&dir.0, 3).is_ok(), "an empty class folder is allowed");
+        let err = ImageFolder::open(&dir.0, 4).unwrap_err();
+        assert!(err.to_string().contains("channels must be 1 or 3"), "{err}");
+    }
+
+    #[test]
+    fn resize_square_crops_the_centre() {
+        // 2 channels, 2 x 6: the centre 2 x 2 square is columns 2 and 3.
+        let pixels: Vec<f32> = (0..24).map(|v| v as f32 / 24.0).collect();
+        let img = Image::new(2, 2, 6, pixels);
+        let out = resize_square(&img, 2);
+        assert_eq!((out.channels, out.height, out.width), (2, 2, 2));
+        for (c, y, x) in [(0, 0, 0), (0, 1, 1), (1, 0, 1), (1, 1, 0)] {
+            assert_eq!(out.at(c, y, x), img.at(c, y, x + 2), "c{c} y{y} x{x}");
+        }
+    }
+
+    #[test]
+    fn resize_square_averages_when_shrinking() {
+        // A 4 x 4 checkerboard shrunk to 2 x 2 is a flat grey, not a sample of it.
+        let pixels: Vec<f32> = (0..16).map(|i| ((i / 4 + i % 4) % 2) as f32).collect();
+        let out = resize_square(&Image::new(1, 4, 4, pixels), 2);
+        for &v in &out.pixels {
+            assert!((v - 0.5).abs() < 0.1, "{:?}", out.pixels);
+        }
+    }
+
+    #[test]
+    fn resize_square_keeps_a_flat_image_flat() {
+        let out = resize_square(&Image::new(3, 5, 7, vec![0.25; 105]), 11);
+        assert_eq!(out.pixels.len(), 3 * 11 * 11);
+        assert!(out.pixels.iter().all(|&v| (v - 0.25).abs() < 1e-5), "{:?}", out.pixels);
+    }
+}

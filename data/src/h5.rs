@@ -1,0 +1,445 @@
+//! Labelled images of one size in an HDF5 file, read one row at a time, and the converter
+//! that writes such a file from an [`ImageFolder`].
+//!
+//! # Schema (`suite-images-v1`)
+//!
+//! | name      | kind             | type                                       | shape          |
+//! |-----------|------------------|--------------------------------------------|----------------|
+//! | `format`  | attribute of `/` | variable-length string `"suite-images-v1"` | scalar         |
+//! | `images`  | dataset          | uint8                                      | `[N, H, W, C]` |
+//! | `labels`  | dataset          | int64                                      | `[N]`          |
+//! | `classes` | dataset          | variable-length UTF-8 string               | `[K]`          |
+//!
+//! `C` is 1 (grey) or 3 (RGB); pixels are bytes, row-major with the channels interleaved (the
+//! layout of h5py / numpy image arrays). Every label is in `0..K` and names `classes[label]`.
+//! From Python: `f = h5py.File(p, "w"); f.attrs["format"] = "suite-images-v1";
+//! f["images"] = uint8_nhwc; f["labels"] = labels.astype("int64");
+//! f["classes"] = np.array(names, dtype=h5py.string_dtype())`.
+use crate::folder::{resize_square, ImageFolder};
+use crate::images::{Dataset, Image};
+use crate::{Error, Result};
+use hdf5::types::{IntSize, TypeDescriptor, VarLenUnicode};
+use ndarray::{ArrayView4, Ix3};
+use rayon::prelude::*;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+// Published as hdf5-metno, the maintained fork of the hdf5 crate.
+use hdf5_metno as hdf5;
+
+/// The value of the root attribute `format`.
+pub const FORMAT: &str = "suite-images-v1";
+
+/// Images written, and decoded by the converter, per batch: the bound on what is in memory.
+const BATCH: usize = 64;
+
+/// An HDF5 file in the [schema](self) above. The labels and class names are read when it is
+/// opened; each image is read from disk by [`Dataset::get`], one row, so memory does not grow
+/// with the file.
+#[derive(Debug)]
+pub struct Hdf5Images {
+    path: PathBuf,
+    // hdf5-metno serialises every library call behind one lock, so its handles are Send + Sync.
+    images: hdf5::Dataset,
+    labels: Vec<i64>,
+    classes: Vec<String>,
+    /// `[channels, height, width]` of every image.
+    shape: [usize; 3],
+}
+
+impl Hdf5Images {
+    /// Opens `path` and checks it against the schema; each violation is an [`Error::Format`]
+    /// naming the file and the dataset or attribute.
+    pub fn open(path: &Path) -> Result<Hdf5Images> {
+        fs::metadata(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+        let err = |msg: String| Error::Format { path: path.to_path_buf(), msg };
+        let file = hdf5::File::open(path).map_err(|e| err(format!("not an HDF5 file: {e}")))?;
+
+        let format = file.attr("format").map_err(|_| err("attribute `format` is missing".into()))?;
+        let format = format
+            .read_scalar::<VarLenUnicode>()
+            .map_err(|e| err(format!("attribute `format` is not a string: {e}")))?;
+        if format.as_str() != FORMAT {
+            return Err(err(format!("attribute `format` is {:?}, expected {FORMAT:?}", format.as_str())));
+        }
+
+        let images = dataset(&file, path, "images", 4, TypeDescriptor::Unsigned(IntSize::U1), "uint8")?;
+        let &[n, height, width, channels] = &images.shape()[..] else { unreachable!("rank checked") };
+        if channels != 1 && channels != 3 {
+            return Err(err(format!("dataset `images` has {channels} channels, expected 1 or 3")));
+        }
+        if height == 0 || width == 0 {
+            return Err(err(format!("dataset `images` holds empty {height} x {width} images")));
+        }
+
+        let classes =
+            dataset(&file, path, "classes", 1, TypeDescriptor::VarLenUnicode, "variable-length UTF-8 string")?;
+        let classes: Vec<String> = classes
+            .read_raw::<VarLenUnicode>()
+            .map_err(|e| err(format!("dataset `classes`: {e}")))?
+            .iter()
+            .map(|s| s.as_str().to_string())
+            .collect();
+
+        let labels = dataset(&file, path, "labels", 1, TypeDescriptor::Integer(IntSize::U8), "int64")?;
+        let labels = labels.read_raw::<i64>().map_err(|e| err(format!("dataset `labels`: {e}")))?;
+        if labels.len() != n {
+            return Err(err(format!("dataset `labels` has {} labels for {n} images", labels.len())));
+        }
+        if let Some((i, label)) = labels.iter().enumerate().find(|(_, &l)| l < 0 || l as usize >= classes.len()) {
+            return Err(err(format!("dataset `labels`: label {label} of image {i} is not in 0..{}", classes.len())));
+        }
+        Ok(Hdf5Images { path: path.to_path_buf(), images, labels, classes, shape: [channels, height, width] })
+    }
+
+    /// The file this data set was opened from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// `[channels, height, width]` of every image.
+    pub fn shape(&self) -> [usize; 3] {
+        self.shape
+    }
+}
+
+/// Dataset `name` of `file`, checked to have rank `rank` and element type `dtype`.
+fn dataset(
+    file: &hdf5::File,
+    path: &Path,
+    name: &str,
+    rank: usize,
+    dtype: TypeDescriptor,
+    dtype_name: &str,
+) -> Result<hdf5::Dataset> {
+    let err = |msg: String| Error::Format { path: path.to_path_buf(), msg: format!("dataset `{name}` {msg}") };
+    let ds = file.dataset(name).map_err(|_| err("is missing".into()))?;
+    if ds.ndim() != rank {
+        return Err(err(format!("has shape {:?}, expected rank {rank}", ds.shape())));
+    }
+    let found = ds.dtype().and_then(|t| t.to_descriptor()).map_err(|e| err(format!("has an unknown type: {e}")))?;
+    if found != dtype {
+        return Err(err(format!("has type {found}, expected {dtype_name}")));
+    }
+    Ok(ds)
+}
+
+impl Dataset for Hdf5Images {
+    fn len(&self) -> usize {
+        self.labels.len()
+    }
+
+    fn classes(&self) -> &[String] {
+        &self.classes
+    }
+
+    fn channels(&self) -> usize {
+        self.shape[0]
+    }
+
+    fn get(&self, i: usize) -> Result<(Image, i64)> {
+        assert!(i < self.len(), "image {i} of {}", self.len());
+        // A hyperslab of row i only: `[H, W, C]` bytes.
+        let row = self
+            .images
+            .read_slice::<u8, _, Ix3>((i, .., .., ..))
+            .map_err(|e| Error::Format { path: self.path.clone(), msg: format!("dataset `images`, row {i}: {e}") })?;
+        let [channels, height, width] = self.shape;
+        let mut pixels = vec![0.0; channels * height * width];
+        for ((y, x, c), &v) in row.indexed_iter() {
+            pixels[(c * height + y) * width + x] = f32::from(v) / 255.0;
+        }
+        Ok((Image::new(channels, height, width, pixels), self.labels[i]))
+    }
+}
+
+/// Writes `count` examples, each `[channels, height, width]` = `shape`, to `path` in the
+/// [schema](self) above, `BATCH` rows at a time. The file is written beside `path` under a
+/// temporary name and renamed over it only once complete; on any error (including one from
+/// `examples`, returned as it is) the temporary file is removed and `path` is left as it was.
+pub fn write_hdf5(
+    path: &Path,
+    shape: [usize; 3],
+    classes: &[String],
+    count: usize,
+    examples: impl Iterator<Item = Result<(Image, i64)>>,
+) -> Result<()> {
+    let io_err = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| Error::Io { path, source }
+    };
+    let name = path.file_name().ok_or_else(|| io_err(path)(std::io::Error::other("not a file path")))?;
+    let tmp = path.with_file_name(format!(".{}.tmp-{}", name.to_string_lossy(), std::process::id()));
+    let result = write_file(&tmp, path, shape, classes, count, examples)
+        // Every HDF5 handle is closed by now; make the bytes durable before the rename.
+        .and_then(|()| fs::File::open(&tmp).and_then(|f| f.sync_all()).map_err(io_err(&tmp)))
+        .and_then(|()| fs::rename(&tmp, path).map_err(io_err(path)));
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// The body of [`write_hdf5`]: writes `tmp`; errors name `path`, the file being made.
+fn write_file(
+    tmp: &Path,
+    path: &Path,
+    [channels, height, width]: [usize; 3],
+    classes: &[String],
+    count: usize,
+    examples: impl Iterator<Item = Result<(Image, i64)>>,
+) -> Result<()> {
+    let err = |msg: String| Error::Format { path: path.to_path_buf(), msg };
+    let h5 = |what: &str| {
+        let what = what.to_string();
+        move |e: hdf5::Error| Error::Io {
+            path: path.to_path_buf(),
+            source: std::io::Error::other(format!("{what}: {e}")),
+        }
+    };
+    if channels != 1 && channels != 3 {
+        return Err(err(format!("images must have 1 or 3 channels, not {channels}")));
+    }
+    if height == 0 || width == 0 {
+        return Err(err(format!("images must not be empty, not {height} x {width}")));
+    }
+    let class_names = classes
+        .iter()
+        .map(|c| c.parse::<VarLenUnicode>().map_err(|e| err(format!("class name {c:?}: {e}"))))
+        .collect::<Result<Vec<_>>>()?;
+
+    let file = hdf5::File::create(tmp).map_err(h5("cannot create"))?;
+    let format: VarLenUnicode = FORMAT.parse().expect("no NUL in the format name");
+    file.new_attr::<VarLenUnicode>()
+        .create("format")
+        .and_then(|a| a.write_scalar(&format))
+        .map_err(h5("attribute `format`"))?;
+    file.new_dataset_builder().with_data(&class_names[..]).create("classes").map_err(h5("dataset `classes`"))?;
+    let images = file
+        .new_dataset::<u8>()
+        .shape([count, height, width, channels])
+        .create("images")
+        .map_err(h5("dataset `images`"))?;
+
+    let row = height * width * channels;
+    let mut labels = Vec::with_capacity(count);
+    let mut batch: Vec<u8> = Vec::with_capacity(BATCH.min(count) * row);
+    let mut examples = examples.fuse();
+    while labels.len() < count {
+        let Some(example) = examples.next() else {
+            return Err(err(format!("only {} of {count} examples were given", labels.len())));
+        };
+        let (img, label) = example?;
+        let i = labels.len();
+        if [img.channels, img.height, img.width] != [channels, height, width] {
+            let found = format!("{} x {} x {}", img.channels, img.height, img.width);
+            return Err(err(format!("example {i} is {found}, expected {channels} x {height} x {width}")));
+        }
+        if label < 0 || label as usize >= classes.len() {
+            return Err(err(format!("label {label} of example {i} is not in 0..{}", classes.len())));
+        }
+        labels.push(label);
+        // Channel-major floats to interleaved bytes (`as` saturates anything outside [0, 1]).
+        let plane = height * width;
+        batch.extend((0..row).map(|j| (img.pixels[(j % channels) * plane + j / channels] * 255.0).round() as u8));
+        if batch.len() == BATCH * row || labels.len() == count {
+            let rows = batch.len() / row;
+            let view = ArrayView4::from_shape((rows, height, width, channels), &batch).expect("whole rows");
+            let start = labels.len() - rows;
+            images.write_slice(view, (start..start + rows, .., .., ..)).map_err(h5("dataset `images`"))?;
+            batch.clear();
+        }
+    }
+    if examples.next().is_some() {
+        return Err(err(format!("more than the {count} examples announced were given")));
+    }
+    file.new_dataset_builder().with_data(&labels[..]).create("labels").map_err(h5("dataset `labels`"))?;
+    file.flush().map_err(h5("flush"))
+}
+
+/// Converts the [`ImageFolder`] at `folder` into an HDF5 file at `out` (see [`write_hdf5`]):
+/// each image decoded with `channels` channels, cropped to its centred square and resized to
+/// `size` x `size` by [`resize_square`]. Images are decoded in parallel, a batch at a time, so
+/// memory stays bounded. Returns the number of images; an error names the offending file.
+pub fn convert_folder(folder: &Path, out: &Path, size: usize, channels: usize) -> Result<usize> {
+    if size == 0 {
+        return Err(Error::Format { path: out.to_path_buf(), msg: "image size must be positive".into() });
+    }
+    let images = ImageFolder::open(folder, channels)?;
+    let n = images.len();
+    let load = |i: usize| {
+        let (img, label) = images.get(i)?;
+        if img.height == 0 || img.width == 0 {
+            return Err(Error::Format { path: images.file(i).to_path_buf(), msg: "empty image".into() });
+        }
+        Ok((resize_square(&img, size), label))
+    };
+    // `flat_map` asks for the next batch only once the writer has taken the previous one.
+    let examples = (0..n).step_by(BATCH).flat_map(|start| {
+        let batch: Vec<_> = (start..n.min(start + BATCH)).into_par_iter().map(load).collect();
+        batch
+    });
+    write_hdf5(out, [channels, size, size], images.classes(), n, examples)?;
+    Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::folder::tests::{colour, make_folder, Scratch};
+
+    fn assert_close(a: &Image, b: &Image) {
+        assert_eq!((a.channels, a.height, a.width), (b.channels, b.height, b.width));
+        for (i, (x, y)) in a.pixels.iter().zip(&b.pixels).enumerate() {
+            assert!((x - y).abs() <= 1.0 / 255.0 + 1e-6, "pixel {i}: {x} vs {y}");
+        }
+    }
+
+    #[test]
+    fn converts_a_folder_and_reads_it_back() {
+        let dir = Scratch::new("h5-convert");
+        let (src, out) = (dir.0.join("src"), dir.0.join("out.h5"));
+        // 6 wide, 4 high: the centred square is columns 1..5, already the size asked for.
+        make_folder(&src, 6, 4);
+        assert_eq!(convert_folder(&src, &out, 4, 3).unwrap(), 3);
+        let h5 = Hdf5Images::open(&out).unwrap();
+        assert_eq!((h5.len(), h5.channels(), h5.shape()), (3, 3, [3, 4, 4]));
+        assert_eq!(h5.classes(), ["ant", "bee"]);
+        // Sorted: ant/a0.png (colour 1), ant/a1.png (0), bee/b.PNG (2).
+        for (i, (n, label)) in [(1u8, 0), (0, 0), (2, 1)].into_iter().enumerate() {
+            let (img, l) = h5.get(i).unwrap();
+            assert_eq!(l, label, "label of image {i}");
+            for (c, y, x) in [(0, 0, 0), (1, 3, 2), (2, 1, 3)] {
+                let want = f32::from(colour(n, x as u32 + 1, y as u32)[c]) / 255.0;
+                assert_eq!(img.at(c, y, x), want, "image {i} c{c} y{y} x{x}");
+            }
+        }
+
+        // Grey and resized: the same as resizing the decoded image, to within a byte.
+        assert_eq!(convert_folder(&src, &out, 3, 1).unwrap(), 3);
+        let (folder, h5) = (ImageFolder::open(&src, 1).unwrap(), Hdf5Images::open(&out).unwrap());
+        assert_eq!(h5.shape(), [1, 3, 3]);
+        for i in 0..3 {
+            let ((want, want_label), (got, label)) = (folder.get(i).unwrap(), h5.get(i).unwrap());
+            assert_close(&got, &resize_square(&want, 3));
+            assert_eq!(label, want_label);
+        }
+        assert_eq!(fs::read_dir(&dir.0).unwrap().count(), 2, "src and out.h5, no temporary file");
+    }
+
+    #[test]
+    fn writes_more_than_one_batch() {
+        let dir = Scratch::new("h5-batches");
+        let path = dir.0.join("many.h5");
+        let n = BATCH * 2 + 3;
+        let example = |i: usize| (Image::new(1, 1, 2, vec![(i % 256) as f32 / 255.0, 1.0]), (i % 2) as i64);
+        let classes = ["even".to_string(), "odd".to_string()];
+        write_hdf5(&path, [1, 1, 2], &classes, n, (0..n).map(|i| Ok(example(i)))).unwrap();
+        let h5 = Hdf5Images::open(&path).unwrap();
+        assert_eq!(h5.len(), n);
+        for i in [0, BATCH - 1, BATCH, 2 * BATCH + 2] {
+            assert_eq!(h5.get(i).unwrap(), example(i), "example {i}");
+        }
+    }
+
+    #[test]
+    fn an_empty_data_set_round_trips() {
+        let dir = Scratch::new("h5-zero");
+        let path = dir.0.join("z.h5");
+        write_hdf5(&path, [1, 1, 1], &["a".to_string()], 0, std::iter::empty()).unwrap();
+        assert_eq!(Hdf5Images::open(&path).unwrap().len(), 0);
+    }
+
+    #[test]
+    fn a_failed_conversion_leaves_no_file() {
+        let dir = Scratch::new("h5-fail");
+        let (src, out) = (dir.0.join("src"), dir.0.join("out.h5"));
+        make_folder(&src, 4, 4);
+        let bad = src.join("bee").join("c.png");
+        fs::write(&bad, b"garbage").unwrap();
+        let err = convert_folder(&src, &out, 4, 3).unwrap_err();
+        assert!(matches!(&err, Error::Format { path, .. } if *path == bad), "{err}");
+        assert!(!out.exists());
+        assert_eq!(fs::read_dir(&dir.0).unwrap().count(), 1, "only src, no temporary file");
+
+        // The writer's own checks fail the same way: a label outside the classes.
+        let examples = (0..2).map(|i| Ok((Image::new(1, 1, 1, vec![0.0]), i)));
+        let err = write_hdf5(&out, [1, 1, 1], &["only".to_string()], 2, examples).unwrap_err();
+        assert!(err.to_string().contains("label 1 of example 1"), "{err}");
+        assert_eq!(fs::read_dir(&dir.0).unwrap().count(), 1, "only src, no output or temporary file");
+    }
+
+    /// Ways to break an otherwise valid file.
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum Fault {
+        None,
+        NoLabels,
+        FloatImages,
+        LabelOutOfRange,
+        NoFormat,
+        WrongFormat,
+        ImagesRank3,
+        FewerLabels,
+    }
+
+    /// Writes a file of 2 grey 2 x 2 images with `fault`, the way another tool might.
+    fn write_with(path: &Path, fault: Fault) {
+        let file = hdf5::File::create(path).unwrap();
+        if fault != Fault::NoFormat {
+            let format = if fault == Fault::WrongFormat { "suite-images-v0" } else { FORMAT };
+            let attr = file.new_attr::<VarLenUnicode>().create("format").unwrap();
+            attr.write_scalar(&format.parse::<VarLenUnicode>().unwrap()).unwrap();
+        }
+        match fault {
+            Fault::FloatImages => file.new_dataset::<f32>().shape([2, 2, 2, 1]).create("images").map(drop).unwrap(),
+            Fault::ImagesRank3 => file.new_dataset::<u8>().shape([2, 2, 2]).create("images").map(drop).unwrap(),
+            _ => file.new_dataset::<u8>().shape([2, 2, 2, 1]).create("images").map(drop).unwrap(),
+        }
+        let labels: &[i64] = match fault {
+            Fault::LabelOutOfRange => &[0, 2],
+            Fault::FewerLabels => &[0],
+            _ => &[0, 1],
+        };
+        if fault != Fault::NoLabels {
+            file.new_dataset_builder().with_data(labels).create("labels").unwrap();
+        }
+        let classes: Vec<VarLenUnicode> = ["a", "b"].iter().map(|c| c.parse().unwrap()).collect();
+        file.new_dataset_builder().with_data(&classes[..]).create("classes").unwrap();
+    }
+
+    #[test]
+    fn schema_violations_name_the_file_and_the_dataset() {
+        let dir = Scratch::new("h5-schema");
+        let path = dir.0.join("x.h5");
+        write_with(&path, Fault::None);
+        assert_eq!(Hdf5Images::open(&path).unwrap().len(), 2, "the unbroken file is valid");
+        for (fault, expected) in [
+            (Fault::NoLabels, "dataset `labels` is missing"),
+            (Fault::FloatImages, "dataset `images` has type float32, expected uint8"),
+            (Fault::LabelOutOfRange, "dataset `labels`: label 2 of image 1 is not in 0..2"),
+            (Fault::NoFormat, "attribute `format` is missing"),
+            (Fault::WrongFormat, "attribute `format` is \"suite-images-v0\""),
+            (Fault::ImagesRank3, "dataset `images` has shape [2, 2, 2], expected rank 4"),
+            (Fault::FewerLabels, "dataset `labels` has 1 labels for 2 images"),
+        ] {
+            write_with(&path, fault);
+            match Hdf5Images::open(&path) {
+                Err(Error::Format { path: p, msg }) => {
+                    assert_eq!(p, path, "{fault:?}");
+                    assert!(msg.contains(expected), "{fault:?}: {msg}");
+                }
+                other => panic!("{fault:?}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_missing_or_foreign_file_is_an_error() {
+        let dir = Scratch::new("h5-foreign");
+        let path = dir.0.join("x.h5");
+        assert!(matches!(Hdf5Images::open(&path), Err(Error::Io { path: p, .. }) if p == path));
+        fs::write(&path, b"not hdf5").unwrap();
+        let err = Hdf5Images::open(&path).unwrap_err();
+        assert!(err.to_string().contains("not an HDF5 file") && err.to_string().contains("x.h5"), "{err}");
+    }
+}
