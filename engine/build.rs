@@ -41,7 +41,8 @@ fn main() {
         .define("USE_C10D_NCCL", None)
         .file("csrc/dist.cpp")
         .file("csrc/autograd.cpp")
-        .file("csrc/cuda.cpp");
+        .file("csrc/cuda.cpp")
+        .file("csrc/storage.cpp");
     build.compile("engine_csrc");
 
     // The header-only parts of c10::cuda (events, device queries) call the CUDA runtime directly.

@@ -156,6 +156,10 @@ extern "C" {
     pub fn eng_cuda_set_memory_fraction(fraction: f64, device: c_int) -> *mut c_char;
     pub fn eng_cuda_empty_cache() -> *mut c_char;
     pub fn eng_cuda_mem_get_info(device: c_int, free: *mut i64, total: *mut i64) -> *mut c_char;
+
+    // storage.cpp
+    pub fn eng_storage_resize(t: *mut C_tensor, nbytes: i64) -> *mut c_char;
+    pub fn eng_storage_nbytes(t: *mut C_tensor, out: *mut i64) -> *mut c_char;
 }
 
 /// Turns a bridge return value into a result, naming what was being done.

@@ -11,8 +11,10 @@ pub mod cuda;
 pub mod dist;
 mod error;
 mod ffi;
+pub mod gemini;
 pub mod optim;
 pub mod parallel;
 pub mod runtime;
+pub mod storage;
 
 pub use error::{Error, Result};

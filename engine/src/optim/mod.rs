@@ -79,8 +79,10 @@ pub trait Optimizer {
     fn zero_grad(&mut self) {
         for p in self.params() {
             let mut g = p.tensor.grad();
+            // Gradients may be views into a flat buffer (Gemini's chunks), which cannot be
+            // detached in place; they carry no history to detach from anyway.
             if g.defined() {
-                let _ = g.detach_().zero_();
+                let _ = tch::no_grad(|| g.zero_());
             }
         }
     }

@@ -1,0 +1,498 @@
+//! The chunk manager: owns every chunk, makes a chunk's payload resident on the compute device
+//! when its parameters are needed and frees it afterwards, and keeps the bytes it has placed on
+//! the device within the budget by evicting the resident chunk whose next use is farthest away
+//! (Belady's rule, optimal when the access order is known: it is, from the recorded trace).
+//!
+//! Each chunk has a home copy (on the device or in host memory, as the placement says) and a
+//! payload on the compute device that exists only while the chunk is resident. Parameters are
+//! views into the payload: releasing a chunk resizes the payload's storage to zero, so the
+//! parameters and the views autograd saved of them stay valid objects whose memory comes back,
+//! refilled from the home copy, the next time the chunk is accessed.
+//!
+//! Without a GPU the CPU stands in for both tiers and the budget is enforced on the manager's
+//! own accounting, so placement and eviction are the same code and testable anywhere.
+use tch::{Device, Kind, Tensor};
+
+use super::chunk::{Layout, Slot, TensorState};
+use crate::optim::Param;
+use crate::storage::resize_storage;
+use crate::{Error, Result};
+
+/// Where a chunk's home copy lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tier {
+    /// On the compute device (counts against the budget).
+    Device,
+    /// In host memory.
+    Host,
+}
+
+/// Chunk manager options.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ChunkConfig {
+    /// The compute device.
+    pub device: Device,
+    /// Bytes of model data the manager may place on the device.
+    pub budget: usize,
+    /// Chunk size search: smallest and largest size in elements, and the step.
+    pub search: (usize, usize, usize),
+}
+
+/// Something the manager did, for diagnostics and tests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// A chunk's payload was made resident (filled from its home copy).
+    Load(usize),
+    /// A chunk's payload was freed to make room.
+    Evict(usize),
+    /// A chunk was loaded ahead of its use, following the trace.
+    Prefetch(usize),
+    /// A chunk's home copy moved between tiers.
+    MoveHome(usize, Tier),
+}
+
+pub(crate) struct Chunk {
+    pub(crate) slots: Vec<Slot>,
+    pub(crate) kind: Kind,
+    /// `[capacity]` on the compute device; storage of zero bytes while not resident.
+    pub(crate) payload: Tensor,
+    /// `[capacity]` home copy.
+    pub(crate) home: Tensor,
+    pub(crate) tier: Tier,
+    pub(crate) resident: bool,
+    /// `[capacity]` gradient accumulator beside the home copy.
+    pub(crate) grad: Tensor,
+}
+
+impl Chunk {
+    fn bytes(&self) -> usize {
+        self.payload.numel() * self.kind.elt_size_in_bytes()
+    }
+
+    fn in_compute(&self) -> bool {
+        self.slots.iter().any(|s| s.state != TensorState::Hold && s.state != TensorState::Free)
+    }
+}
+
+/// Owns the chunks of a model's parameters. See the module documentation.
+pub struct ChunkManager {
+    device: Device,
+    budget: usize,
+    chunks: Vec<Chunk>,
+    /// (chunk, slot) of each registered parameter, by registration index.
+    places: Vec<(usize, usize)>,
+    device_bytes: usize,
+    peak_device_bytes: usize,
+    /// Chunk accesses in order: recorded during the first step, replayed afterwards.
+    trace: Vec<usize>,
+    recording: bool,
+    /// Position in the trace during a replayed step.
+    cursor: usize,
+    events: Vec<Event>,
+}
+
+impl ChunkManager {
+    /// Packs `params` (in execution order, all of one dtype) into chunks, makes every parameter a
+    /// view into its chunk's payload, and releases every payload: afterwards each chunk lives
+    /// only in its home copy, on `tier`.
+    pub fn new(params: &[Param], cfg: ChunkConfig, tier: Tier) -> Result<ChunkManager> {
+        crate::error::ensure!(!params.is_empty(), "gemini: no parameters to manage");
+        let kind = params[0].tensor.kind();
+        for p in params {
+            crate::error::ensure!(
+                p.tensor.kind() == kind,
+                "gemini: parameter {} is {:?}, the others {kind:?}; chunks hold one dtype",
+                p.name,
+                p.tensor.kind()
+            );
+        }
+        let numels: Vec<usize> = params.iter().map(|p| p.tensor.numel()).collect();
+        let (min, max, step) = cfg.search;
+        let layout = Layout::search(&numels, min, max, step, 1);
+        let mut manager = ChunkManager {
+            device: cfg.device,
+            budget: cfg.budget,
+            chunks: vec![],
+            places: vec![(0, 0); params.len()],
+            device_bytes: 0,
+            peak_device_bytes: 0,
+            trace: vec![],
+            recording: true,
+            cursor: 0,
+            events: vec![],
+        };
+        let home_device = |tier| if tier == Tier::Device { cfg.device } else { Device::Cpu };
+        for (c, members) in layout.chunks.iter().enumerate() {
+            let payload = Tensor::f_zeros([layout.chunk_size as i64], (kind, cfg.device))?;
+            let mut slots = vec![];
+            let mut offset = 0;
+            for (s, &i) in members.iter().enumerate() {
+                let p = &params[i];
+                let n = numels[i];
+                let view = payload.f_narrow(0, offset as i64, n as i64)?.f_view(p.tensor.size().as_slice())?;
+                tch::no_grad(|| view.shallow_clone().f_copy_(&p.tensor))?;
+                // The parameter keeps its identity (autograd, hooks, the VarStore) and now
+                // points into the chunk.
+                let mut t = p.tensor.shallow_clone();
+                t.f_set_data(&view)?;
+                slots.push(Slot {
+                    name: p.name.clone(),
+                    shape: p.tensor.size(),
+                    offset,
+                    numel: n,
+                    state: TensorState::Free,
+                });
+                manager.places[i] = (c, s);
+                offset += n;
+            }
+            let home = payload.f_to_device(home_device(tier))?.f_detach_copy()?;
+            let grad = home.f_zeros_like()?;
+            let chunk = Chunk { slots, kind, payload, home, tier, resident: false, grad };
+            resize_storage(&chunk.payload, 0)?;
+            if tier == Tier::Device {
+                manager.charge(2 * chunk.bytes(), c)?;
+            }
+            manager.chunks.push(chunk);
+        }
+        Ok(manager)
+    }
+
+    /// Number of chunks.
+    pub fn chunk_count(&self) -> usize {
+        self.chunks.len()
+    }
+
+    /// The chunk holding parameter `i` (registration order).
+    pub fn chunk_of(&self, i: usize) -> usize {
+        self.places[i].0
+    }
+
+    /// Elements per chunk.
+    pub fn chunk_numel(&self) -> usize {
+        self.chunks[0].payload.numel()
+    }
+
+    /// Bytes the manager has placed on the device now, and at most so far.
+    pub fn device_bytes(&self) -> (usize, usize) {
+        (self.device_bytes, self.peak_device_bytes)
+    }
+
+    /// Whether a chunk's payload is resident.
+    pub fn is_resident(&self, chunk: usize) -> bool {
+        self.chunks[chunk].resident
+    }
+
+    /// The state of each tensor of a chunk.
+    pub fn states(&self, chunk: usize) -> Vec<TensorState> {
+        self.chunks[chunk].slots.iter().map(|s| s.state).collect()
+    }
+
+    /// What happened so far (loads, evictions, prefetches, moves), oldest first.
+    pub fn events(&self) -> &[Event] {
+        &self.events
+    }
+
+    /// The recorded access trace.
+    pub fn trace(&self) -> &[usize] {
+        &self.trace
+    }
+
+    /// Ends a step: the first step's accesses become the trace later steps plan from.
+    pub fn end_step(&mut self) {
+        self.recording = false;
+        self.cursor = 0;
+    }
+
+    /// The chunks holding parameters `params` (registration order), each once, in order of
+    /// first appearance.
+    pub fn chunks_of(&self, params: &[usize]) -> Vec<usize> {
+        let mut chunks: Vec<usize> = vec![];
+        for &i in params {
+            if !chunks.contains(&self.places[i].0) {
+                chunks.push(self.places[i].0);
+            }
+        }
+        chunks
+    }
+
+    /// A module that uses `params` starts forward or backward: their chunks become resident
+    /// (evicting others as the budget requires; an error names the bytes when even that is not
+    /// enough) and the parameters `Compute`. Other tensors sharing those chunks keep their
+    /// state.
+    pub fn access(&mut self, params: &[usize]) -> Result<()> {
+        let chunks = self.chunks_of(params);
+        for &c in &chunks {
+            if self.recording {
+                self.trace.push(c);
+            } else if self.trace.get(self.cursor) == Some(&c) {
+                self.cursor += 1;
+            }
+            self.make_resident(c, &chunks)?;
+        }
+        self.move_params(params, TensorState::Compute)
+    }
+
+    /// The module's forward is done with `params`: back to `Hold` (the payloads stay resident
+    /// until room is needed).
+    pub fn done(&mut self, params: &[usize]) -> Result<()> {
+        for &i in params {
+            let (c, s) = self.places[i];
+            let slot = &mut self.chunks[c].slots[s];
+            // Free -> Hold is legal for a load, not for the end of a module's use.
+            if slot.state != TensorState::Compute {
+                return Err(Error::invalid(format!(
+                    "gemini: illegal state change of {}: {} -> Hold (done with a tensor not in use)",
+                    slot.name, slot.state
+                )));
+            }
+        }
+        self.move_params(params, TensorState::Hold)
+    }
+
+    fn move_params(&mut self, params: &[usize], to: TensorState) -> Result<()> {
+        for &i in params {
+            let (c, s) = self.places[i];
+            let slot = &mut self.chunks[c].slots[s];
+            if slot.state != to {
+                slot.move_to(to)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Loads the next `depth` chunks of the trace that are not resident ahead of their use
+    /// (in trace order), evicting only chunks
+    /// whose next use is farther away than the one loaded (so a prefetch never costs a reload
+    /// sooner than it saves one).
+    pub fn prefetch(&mut self, depth: usize) -> Result<()> {
+        if self.recording {
+            return Ok(());
+        }
+        // The next `depth` chunks of the trace that are not resident, with their distance.
+        let mut upcoming: Vec<(usize, usize)> = vec![];
+        for (distance, &c) in self.trace[self.cursor..].iter().enumerate() {
+            if upcoming.len() == depth {
+                break;
+            }
+            if !self.chunks[c].resident && !upcoming.iter().any(|&(_, u)| u == c) {
+                upcoming.push((distance, c));
+            }
+        }
+        for (distance, c) in upcoming {
+            if self.chunks[c].resident {
+                continue;
+            }
+            let need = self.chunks[c].bytes();
+            while self.device_bytes + need > self.budget {
+                match self.victim(&[c]) {
+                    Some((victim, next)) if next > distance => self.evict(victim)?,
+                    _ => return Ok(()),
+                }
+            }
+            self.load(c)?;
+            self.events.push(Event::Prefetch(c));
+        }
+        Ok(())
+    }
+
+    /// Moves a chunk's home copy to `tier` (accounting follows).
+    pub fn move_home(&mut self, chunk: usize, tier: Tier) -> Result<()> {
+        if self.chunks[chunk].tier == tier {
+            return Ok(());
+        }
+        // The home copy and its gradient accumulator move together.
+        let bytes = 2 * self.chunks[chunk].bytes();
+        if tier == Tier::Device {
+            self.charge(bytes, chunk)?;
+        } else {
+            self.device_bytes -= bytes;
+        }
+        let target = if tier == Tier::Device { self.device } else { Device::Cpu };
+        let ch = &mut self.chunks[chunk];
+        ch.home = ch.home.f_to_device(target)?;
+        ch.grad = ch.grad.f_to_device(target)?;
+        ch.tier = tier;
+        self.events.push(Event::MoveHome(chunk, tier));
+        Ok(())
+    }
+
+    /// The module that used `params` finished its backward: those whose gradient has not
+    /// arrived wait in `HoldAfterBackward`.
+    pub fn done_backward(&mut self, params: &[usize]) -> Result<()> {
+        for &i in params {
+            let (c, s) = self.places[i];
+            let slot = &mut self.chunks[c].slots[s];
+            if slot.state == TensorState::Compute {
+                slot.move_to(TensorState::HoldAfterBackward)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Parameter `i`'s gradient arrived: it is added into its chunk's gradient accumulator
+    /// (beside the home copy, so on the home's tier). When every tensor of the chunk has its
+    /// gradient, the chunk's gradient is complete and its tensors go back to `Hold`.
+    pub fn add_gradient(&mut self, i: usize, grad: &Tensor) -> Result<()> {
+        let (c, s) = self.places[i];
+        let ch = &mut self.chunks[c];
+        ch.slots[s].move_to(TensorState::ReadyForReduce)?;
+        let slot = &ch.slots[s];
+        let acc = ch.grad.f_narrow(0, slot.offset as i64, slot.numel as i64)?;
+        let g = grad.f_flatten(0, -1)?.f_to_device(acc.device())?;
+        tch::no_grad(|| acc.shallow_clone().f_add_(&g).map(drop))?;
+        if ch.slots.iter().all(|s| s.state == TensorState::ReadyForReduce) {
+            for s in &mut ch.slots {
+                s.move_to(TensorState::Hold)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// End of backward: tensors that got no gradient this step go back to `Hold`, and chunks
+    /// whose gradient is partial (some tensors unused) are complete as they are. (A module
+    /// whose input needs no gradient never reports the end of its backward: its tensors are
+    /// still in `Compute` here.)
+    pub fn finish_backward(&mut self) -> Result<()> {
+        for ch in &mut self.chunks {
+            for s in &mut ch.slots {
+                if s.state == TensorState::Compute {
+                    s.move_to(TensorState::HoldAfterBackward)?;
+                }
+                if matches!(s.state, TensorState::HoldAfterBackward | TensorState::ReadyForReduce) {
+                    s.move_to(TensorState::Hold)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The parameters as views into the home copies, with their gradients as views into the
+    /// gradient accumulators: what the optimizer steps, on the home's tier (its `zero_grad`
+    /// clears the accumulators). Same names and decay rule as registered. A parameter that
+    /// got no gradient in a step has a zero gradient, as in every flat-buffer optimizer. Take
+    /// them once; [`ChunkManager::move_home`] invalidates them.
+    pub fn home_params(&self) -> Result<Vec<Param>> {
+        let mut out = vec![];
+        for ch in &self.chunks {
+            for s in &ch.slots {
+                let view = |t: &Tensor| -> Result<Tensor> {
+                    Ok(t.f_narrow(0, s.offset as i64, s.numel as i64)?.f_view(s.shape.as_slice())?)
+                };
+                let w = view(&ch.home)?.f_set_requires_grad(true)?;
+                crate::autograd::set_grad(&w, Some(&view(&ch.grad)?))?;
+                out.push(Param { name: s.name.clone(), adapt: s.shape.len() >= 2, tensor: w });
+            }
+        }
+        Ok(out)
+    }
+
+    /// Writes a resident chunk's payload back to its home copy (after an update in place).
+    pub fn write_back(&mut self, chunk: usize) -> Result<()> {
+        let ch = &mut self.chunks[chunk];
+        crate::error::ensure!(ch.resident, "gemini: write-back of chunk {chunk}, which is not resident");
+        tch::no_grad(|| ch.home.f_copy_(&ch.payload))?;
+        Ok(())
+    }
+
+    /// Frees every resident payload not in use (end of a step, or before a checkpoint).
+    pub fn release_all(&mut self) -> Result<()> {
+        for c in 0..self.chunks.len() {
+            if self.chunks[c].resident && !self.chunks[c].in_compute() {
+                self.evict(c)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn make_resident(&mut self, c: usize, pinned: &[usize]) -> Result<()> {
+        if self.chunks[c].resident {
+            return Ok(());
+        }
+        let need = self.chunks[c].bytes();
+        while self.device_bytes + need > self.budget {
+            let Some((victim, _)) = self.victim(pinned) else {
+                let busy: Vec<usize> = (0..self.chunks.len()).filter(|&i| self.chunks[i].resident).collect();
+                return Err(Error::invalid(format!(
+                    "gemini: chunk {c} needs {} on the device, {} of the {} budget are taken (resident chunks in use: {busy:?}); raise the memory budget or offload more",
+                    human(need),
+                    human(self.device_bytes),
+                    human(self.budget)
+                )));
+            };
+            self.evict(victim)?;
+        }
+        self.load(c)?;
+        self.events.push(Event::Load(c));
+        Ok(())
+    }
+
+    /// The resident chunk not in use whose next access in the trace is farthest (never used
+    /// again comes first), with that distance; while recording, the least recently loaded.
+    fn victim(&self, pinned: &[usize]) -> Option<(usize, usize)> {
+        let candidates = (0..self.chunks.len())
+            .filter(|&c| self.chunks[c].resident && !self.chunks[c].in_compute() && !pinned.contains(&c));
+        if self.recording {
+            let loaded_at = |c: usize| {
+                self.events.iter().rposition(|e| matches!(e, Event::Load(x) | Event::Prefetch(x) if *x == c))
+            };
+            return candidates.min_by_key(|&c| loaded_at(c)).map(|c| (c, usize::MAX));
+        }
+        let next_use = |c: usize| self.trace[self.cursor..].iter().position(|&x| x == c).unwrap_or(usize::MAX);
+        candidates.map(|c| (c, next_use(c))).max_by_key(|&(c, next)| (next, c))
+    }
+
+    fn load(&mut self, c: usize) -> Result<()> {
+        let bytes = self.chunks[c].bytes();
+        self.charge(bytes, c)?;
+        let ch = &mut self.chunks[c];
+        resize_storage(&ch.payload, bytes)?;
+        tch::no_grad(|| ch.payload.f_copy_(&ch.home))?;
+        for s in &mut ch.slots {
+            s.move_to(TensorState::Hold)?;
+        }
+        ch.resident = true;
+        Ok(())
+    }
+
+    fn evict(&mut self, c: usize) -> Result<()> {
+        let ch = &mut self.chunks[c];
+        for s in &mut ch.slots {
+            s.move_to(TensorState::Free)?;
+        }
+        resize_storage(&ch.payload, 0)?;
+        ch.resident = false;
+        self.device_bytes -= ch.bytes();
+        self.events.push(Event::Evict(c));
+        Ok(())
+    }
+
+    fn charge(&mut self, bytes: usize, chunk: usize) -> Result<()> {
+        if self.device_bytes + bytes > self.budget {
+            return Err(Error::invalid(format!(
+                "gemini: chunk {chunk} needs {} on the device, {} of the {} budget are taken",
+                human(bytes),
+                human(self.device_bytes),
+                human(self.budget)
+            )));
+        }
+        self.device_bytes += bytes;
+        self.peak_device_bytes = self.peak_device_bytes.max(self.device_bytes);
+        Ok(())
+    }
+}
+
+/// Bytes for messages: `1.5 MiB`.
+pub fn human(bytes: usize) -> String {
+    const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.1} {}", UNITS[unit])
+    }
+}

@@ -1,0 +1,151 @@
+//! Gemini's chunk manager on the CPU, standing in for both tiers: parameters become views into
+//! chunks whose memory really goes and comes back, autograd through released-and-restored
+//! parameters, eviction by farthest next use within the budget, prefetch along the trace, and
+//! the errors for an impossible budget and an illegal state change.
+use engine::autograd::Forward;
+use engine::gemini::{ChunkConfig, ChunkManager, Event, TensorState, Tier};
+use engine::optim::Param;
+use engine::storage::storage_bytes;
+use tch::{Device, Kind, Tensor};
+
+fn param(name: &str, rows: i64, cols: i64, seed: i64) -> Param {
+    tch::manual_seed(seed);
+    Param::new(name, &Tensor::randn([rows, cols], (Kind::Float, Device::Cpu)).set_requires_grad(true))
+}
+
+/// Four 4x4 parameters, one chunk each (chunk size 16 elements = 64 bytes).
+fn four() -> Vec<Param> {
+    (0..4).map(|i| param(&format!("layers.{i}.weight"), 4, 4, i)).collect()
+}
+
+fn config(budget_chunks: usize) -> ChunkConfig {
+    ChunkConfig { device: Device::Cpu, budget: budget_chunks * 64, search: (16, 16, 1) }
+}
+
+#[test]
+fn parameters_become_views_whose_memory_goes_and_comes_back() {
+    let params = four();
+    let before: Vec<Tensor> = params.iter().map(|p| p.tensor.detach().copy()).collect();
+    let mut m = ChunkManager::new(&params, config(4), Tier::Host).unwrap();
+    assert_eq!(m.chunk_count(), 4);
+    for p in &params {
+        assert_eq!(storage_bytes(&p.tensor).unwrap(), 0, "{} released after registration", p.name);
+        assert!(p.tensor.requires_grad() && p.tensor.is_leaf(), "still a trainable leaf");
+    }
+    m.access(&[2]).unwrap();
+    assert_eq!(storage_bytes(&params[2].tensor).unwrap(), 64);
+    assert!(params[2].tensor.equal(&before[2]), "values restored from the home copy");
+    assert_eq!(m.states(2), vec![TensorState::Compute]);
+    m.done(&[2]).unwrap();
+    m.release_all().unwrap();
+    assert_eq!(storage_bytes(&params[2].tensor).unwrap(), 0);
+    assert_eq!(m.device_bytes().0, 0);
+}
+
+type Shared = std::sync::Arc<std::sync::Mutex<ChunkManager>>;
+
+/// Identity whose backward runs `action` on the manager: before a layer's backward on its
+/// output (make the chunk resident: Gemini's pre-backward hook), after it on its input.
+fn marker(m: &Shared, x: &Tensor, action: fn(&mut ChunkManager, usize) -> engine::Result<()>, chunk: usize) -> Tensor {
+    let m = m.clone();
+    let out = engine::autograd::apply(
+        "marker",
+        &[x],
+        |x| Ok(Forward::outputs(vec![x[0].shallow_clone()])),
+        move |g, _| {
+            action(&mut m.lock().unwrap(), chunk)?;
+            Ok(vec![Some(g[0].shallow_clone())])
+        },
+    );
+    out.unwrap().remove(0)
+}
+
+#[test]
+fn gradients_through_released_and_restored_parameters_are_exact() {
+    let x = Tensor::randn([3, 4], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let reference: Vec<Param> =
+        four().into_iter().map(|p| Param::new(&p.name, &p.tensor.detach().copy().set_requires_grad(true))).collect();
+    let loss = reference.iter().fold(x.shallow_clone(), |h, w| h.matmul(&w.tensor.tr()).tanh()).sum(Kind::Float);
+    loss.backward();
+
+    // The same starting values (tests run in parallel threads sharing the global generator).
+    let params: Vec<Param> =
+        reference.iter().map(|p| Param::new(&p.name, &p.tensor.detach().copy().set_requires_grad(true))).collect();
+    // Budget of two chunks: forward evicts the first layers, backward brings them back.
+    let m: Shared =
+        std::sync::Arc::new(std::sync::Mutex::new(ChunkManager::new(&params, config(2), Tier::Host).unwrap()));
+    let mut h = x.detach().set_requires_grad(true);
+    for (i, p) in params.iter().enumerate() {
+        m.lock().unwrap().access(&[i]).unwrap();
+        let input = marker(&m, &h, |m, c| m.done(&[c]), i);
+        h = marker(&m, &input.matmul(&p.tensor.tr()).tanh(), |m, c| m.access(&[c]), i);
+        m.lock().unwrap().done(&[i]).unwrap();
+    }
+    assert!(m.lock().unwrap().events().contains(&Event::Evict(0)), "layer 0 left during forward");
+    h.sum(Kind::Float).backward();
+    for (p, r) in params.iter().zip(&reference) {
+        let (g, e) = (p.tensor.grad(), r.tensor.grad());
+        assert!(g.allclose(&e, 1e-6, 1e-7, false), "{}: {g:?} vs {e:?}", p.name);
+    }
+    let m = m.lock().unwrap();
+    let (now, peak) = m.device_bytes();
+    assert!(peak <= 2 * 64 && now <= 2 * 64, "accounted bytes within the budget: {now} now, {peak} peak");
+}
+
+#[test]
+fn eviction_takes_the_chunk_used_farthest_ahead_and_prefetch_follows_the_trace() {
+    let params = four();
+    let mut m = ChunkManager::new(&params, config(2), Tier::Host).unwrap();
+    // Step 1 records the trace: forward 0 1 2 3, backward 3 2 1 0.
+    let order = [0, 1, 2, 3, 3, 2, 1, 0];
+    for &c in &order {
+        m.access(&[c]).unwrap();
+        m.done(&[c]).unwrap();
+    }
+    assert_eq!(m.trace(), &order);
+    m.end_step();
+    m.release_all().unwrap();
+    let before = m.events().len();
+    // Step 2 replays it with Belady's rule. At the access of 2 (0 and 1 resident), 1 is next
+    // used at position 6, 0 at 7: evict 0. At 3: resident 1, 2; next uses 2 -> 5, 1 -> 6:
+    // evict 1. At backward's 1: resident 3, 2; 3 is never used again: evict 3. At 0: evict 2.
+    for &c in &order {
+        m.access(&[c]).unwrap();
+        m.done(&[c]).unwrap();
+        assert!(m.device_bytes().0 <= 128);
+    }
+    let evictions: Vec<usize> =
+        m.events()[before..].iter().filter_map(|e| if let Event::Evict(c) = e { Some(*c) } else { None }).collect();
+    assert_eq!(evictions, vec![0, 1, 3, 2]);
+    assert!(m.device_bytes().1 <= 128, "peak within the budget");
+
+    // Prefetch loads the next chunks of the trace in order, evicting only chunks needed later.
+    m.end_step();
+    m.release_all().unwrap();
+    let before = m.events().len();
+    m.access(&[0]).unwrap();
+    m.done(&[0]).unwrap();
+    m.prefetch(3).unwrap();
+    // Chunk 1 fills the free slot; chunk 2 (needed after 1) replaces 0 (needed last, at the
+    // end of backward); chunk 3 would have to replace 1 or 2, both needed sooner: stop.
+    let expected = [Event::Load(0), Event::Prefetch(1), Event::Evict(0), Event::Prefetch(2)];
+    assert_eq!(m.events()[before..], expected);
+}
+
+#[test]
+fn an_impossible_budget_and_an_illegal_change_are_named() {
+    let params = four();
+    let mut m = ChunkManager::new(&params, config(1), Tier::Host).unwrap();
+    m.access(&[0]).unwrap();
+    let err = m.access(&[1]).unwrap_err().to_string();
+    assert!(err.contains("chunk 1 needs 64 B on the device, 64 B of the 64 B budget are taken"), "{err}");
+    let err = m.done(&[2]).unwrap_err().to_string();
+    assert!(err.contains("illegal state change of layers.2.weight: Free -> Hold"), "{err}");
+    // Homes (and their gradient accumulators) on the device count from the start.
+    let err = ChunkManager::new(&four(), config(7), Tier::Device).err().unwrap().to_string();
+    assert!(err.contains("chunk 3 needs 128 B"), "{err}");
+    let mut m = ChunkManager::new(&four(), config(8), Tier::Device).unwrap();
+    assert_eq!(m.device_bytes().0, 512);
+    m.move_home(0, Tier::Host).unwrap();
+    assert_eq!(m.device_bytes().0, 384);
+}
