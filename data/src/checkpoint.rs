@@ -6,7 +6,7 @@ use std::path::Path;
 use tch::nn::VarStore;
 use tch::Tensor;
 
-use crate::{write_atomic, Error, Result};
+use crate::{Error, Result};
 
 /// Every tensor of the safetensors file at `path`, by name; an unreadable file is an error
 /// naming it.
@@ -61,17 +61,19 @@ pub fn save_tensors(named: &[(String, Tensor)], path: &Path) -> Result<()> {
         named.iter().map(|(n, t)| (n.clone(), t.detach().to_device(tch::Device::Cpu).contiguous())).collect();
     named.sort_by(|a, b| a.0.cmp(&b.0));
     let bytes_err = |e: tch::TchError| Error::Format { path: path.to_path_buf(), msg: e.to_string() };
-    // tch writes safetensors to a path; write it beside the target, then move it into place.
+    // tch writes safetensors to a path: write beside the target, sync, then rename into place,
+    // so the target is either the old file or the whole new one.
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let staging =
         dir.join(format!(".{}.staging-{}", path.file_name().unwrap_or_default().to_string_lossy(), std::process::id()));
     let result = Tensor::write_safetensors(&named, &staging).map_err(bytes_err).and_then(|()| {
-        let bytes = std::fs::read(&staging).map_err(|source| Error::Io { path: staging.clone(), source })?;
-        write_atomic::<Error>(path, |w| {
-            std::io::Write::write_all(w, &bytes).map_err(|source| Error::Io { path: path.to_path_buf(), source })
-        })
+        let io = |source| Error::Io { path: staging.clone(), source };
+        std::fs::File::open(&staging).and_then(|f| f.sync_all()).map_err(io)?;
+        std::fs::rename(&staging, path).map_err(|source| Error::Io { path: path.to_path_buf(), source })
     });
-    let _ = std::fs::remove_file(&staging);
+    if result.is_err() {
+        let _ = std::fs::remove_file(&staging);
+    }
     result
 }
 

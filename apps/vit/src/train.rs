@@ -450,10 +450,10 @@ pub fn pretrain(args: &PretrainArgs, world: &World) -> anyhow::Result<Trained> {
         let mut loss_sum = 0.0;
         for m in 0..plan.accumulation {
             let batch = loader.as_mut().expect("created above").next().context("the data loader stopped early")??;
-            let mut pixels = batch.pixels.clone();
+            let mut batch = batch;
             let mut rng = Rng::keyed(args.seed ^ MIXUP_STREAM, step as u64, (rank * plan.accumulation + m) as u64);
-            let targets = mixup.apply(&mut pixels, &batch.labels, classes, &mut rng);
-            let (images, _) = to_tensors(&Batch { pixels, ..batch }, device, kind)?;
+            let targets = mixup.apply(&mut batch.pixels, &batch.labels, classes, &mut rng);
+            let (images, _) = to_tensors(&batch, device, kind)?;
             let targets = Tensor::f_from_slice(&targets)?.f_view([-1, classes as i64])?.f_to_device(device)?;
             ddp.set_sync(m + 1 == plan.accumulation)?;
             let loss = soft_cross_entropy(&model.forward(&images), &targets) / plan.accumulation as f64;

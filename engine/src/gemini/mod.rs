@@ -9,6 +9,7 @@
 //! chunks resident in forward and backward and sends gradients into the chunks, where the
 //! engine's optimizers step the home copies.
 pub mod chunk;
+pub mod cpu_optim;
 mod manager;
 mod runtime;
 
