@@ -31,21 +31,13 @@ use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 
 use crate::model::{Vit, VitConfig};
+use crate::train::DeviceKind;
 
 /// The baseline script, beside this crate's sources.
 const BASELINE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/vit_baseline.py");
 /// The sizes and patches that [`VitConfig::from_timm_name`] knows.
 const PRESET_SIZES: [&str; 4] = ["tiny", "small", "base", "large"];
 const PRESET_PATCHES: [i64; 2] = [16, 32];
-
-/// Where the benchmark runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum BenchDevice {
-    /// The CPU, with `--threads` intra-op threads.
-    Cpu,
-    /// CUDA device 0.
-    Cuda,
-}
 
 /// Arithmetic of the training step (see the module documentation).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -112,8 +104,8 @@ pub struct BenchArgs {
     #[arg(long)]
     pub threads: Option<usize>,
     /// Device.
-    #[arg(long, value_enum, default_value_t = BenchDevice::Cpu)]
-    pub device: BenchDevice,
+    #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
+    pub device: DeviceKind,
     /// Precision regime.
     #[arg(long, value_enum, default_value_t = Precision::Fp32)]
     pub precision: Precision,
@@ -223,13 +215,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
 /// Measures ours, then (unless `--no-baseline`) the PyTorch baseline with the same settings.
 pub fn bench(args: &BenchArgs) -> anyhow::Result<BenchReport> {
     let (model, config) = args.config()?;
-    let device = match args.device {
-        BenchDevice::Cpu => Device::Cpu,
-        BenchDevice::Cuda => {
-            engine::cuda::require().context("--device cuda, but libtorch sees no CUDA device")?;
-            Device::Cuda(0)
-        }
-    };
+    let device = args.device.device(0)?;
     let threads = match args.threads {
         Some(0) => bail!("--threads must be positive"),
         Some(n) => n,
@@ -400,8 +386,8 @@ fn baseline_args(cfg: &VitConfig, args: &BenchArgs, threads: usize) -> Vec<Strin
         a.extend(["--steps".into(), n.to_string()]);
     }
     let device = match args.device {
-        BenchDevice::Cpu => "cpu",
-        BenchDevice::Cuda => "cuda",
+        DeviceKind::Cpu => "cpu",
+        DeviceKind::Cuda => "cuda",
     };
     let (precision, bf16) = match (args.precision, args.baseline_bf16) {
         (Precision::Fp32, _) => ("fp32", "master"),
@@ -463,7 +449,7 @@ fn table(args: &BenchArgs, r: &BenchReport) -> String {
             "bf16 + fp32 master weights (ours) vs torch.autocast bf16 (PyTorch)".to_string()
         }
     };
-    let cuda = args.device == BenchDevice::Cuda;
+    let cuda = args.device == DeviceKind::Cuda;
     let mut s =
         format!("\nViT training throughput: forward + backward + AdamW step, synthetic data, {device}, {precision}\n");
     s += "| model | image | batch | threads | ours img/s | PyTorch img/s | ours/PyTorch |";

@@ -53,6 +53,28 @@ pub enum DecayKind {
     Linear,
 }
 
+/// Where a job computes (`--device`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DeviceKind {
+    /// The CPU.
+    Cpu,
+    /// CUDA: each rank its local GPU.
+    Cuda,
+}
+
+impl DeviceKind {
+    /// The device of the rank with local index `local_rank`; an error without a GPU.
+    pub fn device(self, local_rank: usize) -> anyhow::Result<Device> {
+        match self {
+            DeviceKind::Cpu => Ok(Device::Cpu),
+            DeviceKind::Cuda => {
+                engine::cuda::require().context("--device cuda, but libtorch sees no CUDA device")?;
+                Ok(Device::Cuda(local_rank))
+            }
+        }
+    }
+}
+
 /// Arithmetic precision of the model's weights and activations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Precision {
@@ -148,9 +170,9 @@ pub struct PretrainArgs {
     /// Keep the fp32 master weights and optimizer state in CPU memory (with --device cuda).
     #[arg(long)]
     pub offload_optimizer: bool,
-    /// Device: cpu, or cuda (each rank its local GPU).
-    #[arg(long, default_value = "cpu")]
-    pub device: String,
+    /// Device (cuda: each rank its local GPU).
+    #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
+    pub device: DeviceKind,
     /// Local ranks to spawn (under torchrun, Slurm or mpirun the launcher decides).
     #[arg(long, default_value_t = 1)]
     pub nproc: usize,
@@ -254,18 +276,6 @@ pub(crate) fn make_optimizer(kind: OptimizerKind, params: Vec<Param>, lr: f64, w
     }
 }
 
-/// The device `--device` names for this rank.
-pub fn device_for(name: &str, world: &World) -> anyhow::Result<Device> {
-    match name {
-        "cpu" => Ok(Device::Cpu),
-        "cuda" => {
-            engine::cuda::require()?;
-            Ok(Device::Cuda(world.env.local_rank))
-        }
-        other => bail!("--device {other}: expected cpu or cuda"),
-    }
-}
-
 /// A batch as model input `[n, c, h, w]` and labels.
 pub(crate) fn to_tensors(batch: &Batch, device: Device, kind: Kind) -> anyhow::Result<(Tensor, Tensor)> {
     let shape: Vec<i64> = batch.shape.iter().map(|&d| d as i64).collect();
@@ -320,7 +330,7 @@ pub fn pretrain(args: &PretrainArgs, world: &World) -> anyhow::Result<Trained> {
         model_config(args.model.as_deref(), args.image_size, args.patch_size, splits.embedded, splits.train.as_ref())?;
     let crop_scale = args.crop_scale.unwrap_or(if splits.embedded { 0.7 } else { 0.08 });
     let transforms = Transforms::new(cfg.image_size as usize, cfg.in_channels as usize, splits.embedded, crop_scale);
-    let device = device_for(&args.device, world)?;
+    let device = args.device.device(world.env.local_rank)?;
     let kind = args.precision.kind();
 
     let sampler =
