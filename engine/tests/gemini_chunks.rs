@@ -19,7 +19,7 @@ fn four() -> Vec<Param> {
 }
 
 fn config(budget_chunks: usize) -> ChunkConfig {
-    ChunkConfig { device: Device::Cpu, budget: budget_chunks * 64, search: (16, 16, 1) }
+    ChunkConfig { device: Device::Cpu, budget: budget_chunks * 64, search: (16, 16, 1), home_buffers: 2 }
 }
 
 #[test]
@@ -138,7 +138,7 @@ fn an_impossible_budget_and_an_illegal_change_are_named() {
     let mut m = ChunkManager::new(&params, config(1), Tier::Host).unwrap();
     m.access(&[0]).unwrap();
     let err = m.access(&[1]).unwrap_err().to_string();
-    assert!(err.contains("chunk 1 needs 64 B on the device, 64 B of the 64 B budget are taken"), "{err}");
+    assert!(err.contains("64 B more are needed on the device for chunk 1, 64 B of the 64 B budget are taken"), "{err}");
     let err = m.done(&[2]).unwrap_err().to_string();
     assert!(err.contains("illegal state change of layers.2.weight: Free -> Hold"), "{err}");
     // Homes (and their gradient accumulators) on the device count from the start.

@@ -33,7 +33,7 @@ pub struct Segment {
 }
 
 impl Segment {
-    fn range(&self) -> std::ops::Range<usize> {
+    pub(super) fn range(&self) -> std::ops::Range<usize> {
         self.offset..self.offset + self.len
     }
 }
@@ -47,6 +47,35 @@ pub enum CpuRule {
     Lamb(LambConfig),
     /// LARS (see [`crate::optim::Lars`]).
     Lars(LarsConfig),
+}
+
+impl CpuRule {
+    /// The learning rate.
+    pub fn lr(&self) -> f64 {
+        match self {
+            CpuRule::AdamW(c) => c.lr,
+            CpuRule::Lamb(c) => c.lr,
+            CpuRule::Lars(c) => c.lr,
+        }
+    }
+
+    /// Sets the learning rate.
+    pub fn set_lr(&mut self, lr: f64) {
+        match self {
+            CpuRule::AdamW(c) => c.lr = lr,
+            CpuRule::Lamb(c) => c.lr = lr,
+            CpuRule::Lars(c) => c.lr = lr,
+        }
+    }
+
+    /// The state buffers the rule keeps per element, by their PyTorch names.
+    pub fn state_slots(&self) -> &'static [&'static str] {
+        match self {
+            CpuRule::AdamW(_) | CpuRule::Lamb(_) => &["exp_avg", "exp_avg_sq"],
+            CpuRule::Lars(c) if c.momentum != 0.0 => &["momentum_buffer"],
+            CpuRule::Lars(_) => &[],
+        }
+    }
 }
 
 /// An optimizer stepping flat fp32 buffers in place, with its state in flat buffers alongside.
@@ -87,7 +116,7 @@ fn block_sum_squares(x: &[f32]) -> f64 {
 }
 
 /// The engine's trust ratio: `num / den`, or 1 where either is 0.
-fn trust_ratio(num: f64, den: f64) -> f64 {
+pub(super) fn trust_ratio(num: f64, den: f64) -> f64 {
     if num > 0.0 && den > 0.0 {
         num / den
     } else {
@@ -97,18 +126,18 @@ fn trust_ratio(num: f64, den: f64) -> f64 {
 
 /// Adam's per-step scalars, cast to f32 as torch casts a double scalar for a float tensor.
 #[derive(Clone, Copy)]
-struct Adam {
-    b1: f32,
-    one_minus_b1: f32,
-    b2: f32,
-    one_minus_b2: f32,
-    bc1: f32,
-    sqrt_bc2: f32,
-    eps: f32,
+pub(super) struct Adam {
+    pub(super) b1: f32,
+    pub(super) one_minus_b1: f32,
+    pub(super) b2: f32,
+    pub(super) one_minus_b2: f32,
+    pub(super) bc1: f32,
+    pub(super) sqrt_bc2: f32,
+    pub(super) eps: f32,
 }
 
 impl Adam {
-    fn new(betas: (f64, f64), eps: f64, step: i32) -> Adam {
+    pub(super) fn new(betas: (f64, f64), eps: f64, step: i32) -> Adam {
         let (b1, b2) = betas;
         Adam {
             b1: b1 as f32,
@@ -175,20 +204,12 @@ impl CpuOptimizer {
 
     /// The learning rate.
     pub fn lr(&self) -> f64 {
-        match &self.rule {
-            CpuRule::AdamW(c) => c.lr,
-            CpuRule::Lamb(c) => c.lr,
-            CpuRule::Lars(c) => c.lr,
-        }
+        self.rule.lr()
     }
 
     /// Sets the learning rate (for schedules).
     pub fn set_lr(&mut self, lr: f64) {
-        match &mut self.rule {
-            CpuRule::AdamW(c) => c.lr = lr,
-            CpuRule::Lamb(c) => c.lr = lr,
-            CpuRule::Lars(c) => c.lr = lr,
-        }
+        self.rule.set_lr(lr);
     }
 
     /// Bytes of optimizer state (moments or momentum buffer).
@@ -196,28 +217,85 @@ impl CpuOptimizer {
         (self.m.len() + self.v.len()) * std::mem::size_of::<f32>()
     }
 
-    /// One step over weights `w` with gradients `g` (both the buffer's length), in place on `w`.
+    /// One step over weights `w` with gradients `g` (both the buffer's length), in place on `w`,
+    /// with each segment's norms taken over this buffer: [`CpuOptimizer::prepare`] then
+    /// [`CpuOptimizer::finish`].
     ///
     /// # Panics
     /// If `w` or `g` is not the buffer's length.
     pub fn step(&mut self, w: &mut [f32], g: &[f32]) {
+        let sums = self.prepare(w, g);
+        self.finish(w, g, &sums);
+    }
+
+    /// First half of a step: advances the step count, updates the moments (Adam, LAMB) and
+    /// returns per segment the sums of squares the trust ratio needs (LAMB: weights and
+    /// update; LARS: weights and gradient; zeros otherwise). When a parameter is split across
+    /// buffers (shards on several ranks), add the sums of all its pieces before
+    /// [`CpuOptimizer::finish`].
+    ///
+    /// # Panics
+    /// If `w` or `g` is not the buffer's length.
+    pub fn prepare(&mut self, w: &[f32], g: &[f32]) -> Vec<[f64; 2]> {
         assert_eq!(w.len(), self.len, "weights: wrong length");
         assert_eq!(g.len(), self.len, "gradients: wrong length");
-        let first = self.step == 0;
         self.step += 1;
         let CpuOptimizer { rule, step, segments, m, v, .. } = self;
-        for s in segments.iter() {
+        segments
+            .iter()
+            .map(|s| {
+                let r = s.range();
+                let (w, g) = (&w[r.clone()], &g[r.clone()]);
+                match *rule {
+                    CpuRule::AdamW(_) => [0.0; 2],
+                    CpuRule::Lamb(c) => lamb_prepare(&c, *step, s.adapt, w, &mut m[r.clone()], &mut v[r], g),
+                    CpuRule::Lars(_) if s.adapt => [sum_squares(w), sum_squares(g)],
+                    CpuRule::Lars(_) => [0.0; 2],
+                }
+            })
+            .collect()
+    }
+
+    /// Second half of a step: the update of `w`, with the whole parameters' sums of squares
+    /// (one per segment, as [`CpuOptimizer::prepare`] returned them, summed over pieces).
+    ///
+    /// # Panics
+    /// If `w`, `g` or `sums` has the wrong length.
+    pub fn finish(&mut self, w: &mut [f32], g: &[f32], sums: &[[f64; 2]]) {
+        assert_eq!(w.len(), self.len, "weights: wrong length");
+        assert_eq!(g.len(), self.len, "gradients: wrong length");
+        assert_eq!(sums.len(), self.segments.len(), "one pair of sums per segment");
+        let CpuOptimizer { rule, step, segments, m, v, .. } = self;
+        for (s, &sums) in segments.iter().zip(sums) {
             let r = s.range();
             let (w, g) = (&mut w[r.clone()], &g[r.clone()]);
             match *rule {
                 CpuRule::AdamW(c) => adamw(&c, *step, s.adapt, w, &mut m[r.clone()], &mut v[r], g),
-                CpuRule::Lamb(c) => lamb(&c, *step, s.adapt, w, &mut m[r.clone()], &mut v[r], g),
+                CpuRule::Lamb(c) => lamb_finish(&c, *step, s.adapt, w, &m[r.clone()], &v[r], sums),
                 CpuRule::Lars(c) => {
                     let buf = if m.is_empty() { None } else { Some(&mut m[r]) };
-                    lars(&c, first, s.adapt, w, buf, g)
+                    lars(&c, *step == 1, s.adapt, w, buf, g, sums)
                 }
             }
         }
+    }
+
+    /// The state buffers: Adam's first and second moments (`exp_avg`, `exp_avg_sq`), or LARS's
+    /// momentum buffer and nothing; empty where the rule keeps none.
+    pub fn state(&self) -> (&[f32], &[f32]) {
+        (&self.m, &self.v)
+    }
+
+    /// Restores the step count and state buffers saved from [`CpuOptimizer::state`] and
+    /// [`CpuOptimizer::steps`].
+    ///
+    /// # Panics
+    /// If a buffer's length differs from this optimizer's.
+    pub fn load_state(&mut self, step: i32, m: &[f32], v: &[f32]) {
+        assert_eq!((m.len(), v.len()), (self.m.len(), self.v.len()), "state buffers: wrong length");
+        self.step = step;
+        self.m.copy_from_slice(m);
+        self.v.copy_from_slice(v);
     }
 }
 
@@ -241,30 +319,30 @@ fn adamw(c: &AdamWConfig, step: i32, adapt: bool, w: &mut [f32], m: &mut [f32], 
         });
 }
 
-/// One LAMB step on a segment: moments and norms, then the update scaled by the trust ratio.
-fn lamb(c: &LambConfig, step: i32, adapt: bool, w: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32]) {
+/// LAMB's update direction `r = m_hat / (sqrt(v_hat) + eps) (+ wd * w if adapted)`, from the
+/// updated moments.
+fn lamb_update(c: &LambConfig, step: i32, adapt: bool) -> impl Fn(f32, f32, f32) -> f32 + Sync {
     let a = Adam::new(c.betas, c.eps, step);
-    if !adapt {
-        let lr = c.lr as f32;
-        w.par_chunks_mut(BLOCK)
-            .zip(m.par_chunks_mut(BLOCK))
-            .zip(v.par_chunks_mut(BLOCK))
-            .zip(g.par_chunks(BLOCK))
-            .for_each(|(((w, m), v), g)| {
-                for (((w, m), v), &g) in w.iter_mut().zip(m).zip(v).zip(g) {
-                    a.moments(m, v, g);
-                    *w -= a.direction(*m, *v) * lr;
-                }
-            });
-        return;
-    }
-    let wd = (c.weight_decay != 0.0).then_some(c.weight_decay as f32);
-    // r = m_hat / (sqrt(v_hat) + eps) + wd * w, from the updated moments.
-    let update = move |m: f32, v: f32, w: f32| match wd {
+    let wd = (adapt && c.weight_decay != 0.0).then_some(c.weight_decay as f32);
+    move |m: f32, v: f32, w: f32| match wd {
         Some(wd) => a.direction(m, v) + w * wd,
         None => a.direction(m, v),
-    };
-    // Pass 1: moments, and per block the sums of squares of w and r.
+    }
+}
+
+/// LAMB's first pass on a segment: the moments, and for an adapted segment the sums of squares
+/// of `w` and `r` (per block, added in block order).
+fn lamb_prepare(
+    c: &LambConfig,
+    step: i32,
+    adapt: bool,
+    w: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    g: &[f32],
+) -> [f64; 2] {
+    let a = Adam::new(c.betas, c.eps, step);
+    let update = lamb_update(c, step, adapt);
     let partials: Vec<(f64, f64)> = w
         .par_chunks(BLOCK)
         .zip(m.par_chunks_mut(BLOCK))
@@ -274,16 +352,24 @@ fn lamb(c: &LambConfig, step: i32, adapt: bool, w: &mut [f32], m: &mut [f32], v:
             let (mut sw, mut sr) = (0f64, 0f64);
             for (((&w, m), v), &g) in w.iter().zip(m).zip(v).zip(g) {
                 a.moments(m, v, g);
-                let r = f64::from(update(*m, *v, w));
-                sw += f64::from(w) * f64::from(w);
-                sr += r * r;
+                if adapt {
+                    let r = f64::from(update(*m, *v, w));
+                    sw += f64::from(w) * f64::from(w);
+                    sr += r * r;
+                }
             }
             (sw, sr)
         })
         .collect();
     let (sw, sr) = partials.iter().fold((0.0, 0.0), |(a, b), &(x, y)| (a + x, b + y));
-    let scale = (c.lr * trust_ratio(sw.sqrt(), sr.sqrt())) as f32;
-    // Pass 2: w -= r * (lr * ratio).
+    [sw, sr]
+}
+
+/// LAMB's second pass: `w -= r * (lr * ratio)`, the ratio from the whole parameter's sums.
+fn lamb_finish(c: &LambConfig, step: i32, adapt: bool, w: &mut [f32], m: &[f32], v: &[f32], sums: [f64; 2]) {
+    let update = lamb_update(c, step, adapt);
+    let ratio = if adapt { trust_ratio(sums[0].sqrt(), sums[1].sqrt()) } else { 1.0 };
+    let scale = (c.lr * ratio) as f32;
     w.par_chunks_mut(BLOCK).zip(m.par_chunks(BLOCK)).zip(v.par_chunks(BLOCK)).for_each(|((w, m), v)| {
         for ((w, &m), &v) in w.iter_mut().zip(m).zip(v) {
             *w -= update(m, v, *w) * scale;
@@ -291,11 +377,12 @@ fn lamb(c: &LambConfig, step: i32, adapt: bool, w: &mut [f32], m: &mut [f32], v:
     });
 }
 
-/// One LARS step on a segment: norms (adapted segments), then the momentum update.
-fn lars(c: &LarsConfig, first: bool, adapt: bool, w: &mut [f32], buf: Option<&mut [f32]>, g: &[f32]) {
+/// One LARS update on a segment, the trust ratio (adapted segments) from the whole parameter's
+/// sums of squares of weights and gradients.
+fn lars(c: &LarsConfig, first: bool, adapt: bool, w: &mut [f32], buf: Option<&mut [f32]>, g: &[f32], sums: [f64; 2]) {
     // d = (g + wd * w) * ratio for adapted segments, else g.
     let scaled = if adapt {
-        let (wn, gn) = (sum_squares(w).sqrt(), sum_squares(g).sqrt());
+        let (wn, gn) = (sums[0].sqrt(), sums[1].sqrt());
         let ratio =
             if wn > 0.0 && gn > 0.0 { c.trust_coefficient * wn / (gn + c.weight_decay * wn + c.eps) } else { 1.0 };
         Some((c.weight_decay as f32, ratio as f32))

@@ -14,6 +14,7 @@
 use tch::{Device, Kind, Tensor};
 
 use super::chunk::{Layout, Slot, TensorState};
+use crate::dist::{ProcessGroup, ReduceOp};
 use crate::optim::Param;
 use crate::storage::resize_storage;
 use crate::{Error, Result};
@@ -36,6 +37,21 @@ pub struct ChunkConfig {
     pub budget: usize,
     /// Chunk size search: smallest and largest size in elements, and the step.
     pub search: (usize, usize, usize),
+    /// Home-sized buffers a chunk keeps beside its payload, charged to the budget when its home
+    /// is on the device: the home (fp32 master) and its gradient accumulator (2), plus the
+    /// optimizer's state buffers (Adam and LAMB 2, LARS with momentum 1).
+    pub home_buffers: usize,
+}
+
+/// How chunks are spread over a data-parallel group.
+#[derive(Clone, Debug)]
+pub struct Replication {
+    /// The data-parallel group.
+    pub group: ProcessGroup,
+    /// ZeRO-3: each rank keeps 1/N of every chunk's home, gradient and optimizer state, gathers
+    /// a chunk to use it and reduce-scatters its gradient. Otherwise every rank keeps whole
+    /// chunks and gradients are all-reduced (small models).
+    pub shard: bool,
 }
 
 /// Something the manager did, for diagnostics and tests.
@@ -56,12 +72,17 @@ pub(crate) struct Chunk {
     pub(crate) kind: Kind,
     /// `[capacity]` on the compute device; storage of zero bytes while not resident.
     pub(crate) payload: Tensor,
-    /// `[capacity]` home copy.
+    /// This rank's part of the home copy: `[capacity / shards]` fp32, elements
+    /// `shard_offset..` of the chunk.
     pub(crate) home: Tensor,
     pub(crate) tier: Tier,
     pub(crate) resident: bool,
-    /// `[capacity]` gradient accumulator beside the home copy.
+    /// Gradient accumulator beside the home copy, same shape.
     pub(crate) grad: Tensor,
+    /// `[capacity]` gradient of the whole chunk on the compute device, collecting the
+    /// parameters' gradients until the chunk's are all here and it is reduced across ranks
+    /// (only with a data-parallel group).
+    pub(crate) full_grad: Option<Tensor>,
 }
 
 impl Chunk {
@@ -69,23 +90,50 @@ impl Chunk {
         self.payload.numel() * self.kind.elt_size_in_bytes()
     }
 
+    /// Bytes of one home-sized buffer (fp32).
+    fn home_bytes(&self) -> usize {
+        self.home.numel() * 4
+    }
+
     fn in_compute(&self) -> bool {
         self.slots.iter().any(|s| s.state != TensorState::Hold && s.state != TensorState::Free)
     }
+}
+
+/// A part of a parameter inside one rank's shard of a chunk.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Piece {
+    /// Registration index of the parameter.
+    pub param: usize,
+    pub name: String,
+    pub shape: Vec<i64>,
+    /// First element of the piece within the (flattened) parameter.
+    pub in_param: usize,
+    /// First element of the piece within the shard.
+    pub in_shard: usize,
+    pub len: usize,
 }
 
 /// Owns the chunks of a model's parameters. See the module documentation.
 pub struct ChunkManager {
     device: Device,
     budget: usize,
-    chunks: Vec<Chunk>,
+    home_buffers: usize,
+    pub(crate) chunks: Vec<Chunk>,
     /// (chunk, slot) of each registered parameter, by registration index.
     places: Vec<(usize, usize)>,
+    /// Whether weight decay and trust ratios apply, by registration index.
+    pub(crate) adapt: Vec<bool>,
+    pub(crate) replication: Option<Replication>,
+    /// First element of this rank's shard in every chunk.
+    pub(crate) shard_offset: usize,
     device_bytes: usize,
     peak_device_bytes: usize,
     /// Chunk accesses in order: recorded during the first step, replayed afterwards.
     trace: Vec<usize>,
     recording: bool,
+    /// The most chunks one access has needed.
+    widest: usize,
     /// Position in the trace during a replayed step.
     cursor: usize,
     events: Vec<Event>,
@@ -96,28 +144,54 @@ impl ChunkManager {
     /// view into its chunk's payload, and releases every payload: afterwards each chunk lives
     /// only in its home copy, on `tier`.
     pub fn new(params: &[Param], cfg: ChunkConfig, tier: Tier) -> Result<ChunkManager> {
+        Self::build(params, cfg, tier, None)
+    }
+
+    /// As [`ChunkManager::new`], every rank of `replication.group` registering the same
+    /// parameters with the same values; with sharding each keeps only its part of every home.
+    pub fn replicated(
+        params: &[Param],
+        cfg: ChunkConfig,
+        tier: Tier,
+        replication: Replication,
+    ) -> Result<ChunkManager> {
+        let replication = (replication.group.size() > 1).then_some(replication);
+        Self::build(params, cfg, tier, replication)
+    }
+
+    fn build(params: &[Param], cfg: ChunkConfig, tier: Tier, replication: Option<Replication>) -> Result<ChunkManager> {
         crate::error::ensure!(!params.is_empty(), "gemini: no parameters to manage");
         let kind = params[0].tensor.kind();
         for p in params {
             crate::error::ensure!(
-                p.tensor.kind() == kind,
-                "gemini: parameter {} is {:?}, the others {kind:?}; chunks hold one dtype",
+                p.tensor.kind() == kind && kind == Kind::Float,
+                "gemini: parameter {} is {:?}; chunks hold fp32 parameters",
                 p.name,
                 p.tensor.kind()
             );
         }
+        let (shards, rank) = match &replication {
+            Some(r) if r.shard => (r.group.size(), r.group.rank()),
+            _ => (1, 0),
+        };
         let numels: Vec<usize> = params.iter().map(|p| p.tensor.numel()).collect();
         let (min, max, step) = cfg.search;
-        let layout = Layout::search(&numels, min, max, step, 1);
+        let layout = Layout::search(&numels, min, max, step, shards);
+        let shard_len = layout.chunk_size / shards;
         let mut manager = ChunkManager {
             device: cfg.device,
             budget: cfg.budget,
+            home_buffers: cfg.home_buffers,
             chunks: vec![],
             places: vec![(0, 0); params.len()],
+            adapt: params.iter().map(|p| p.adapt).collect(),
+            replication,
+            shard_offset: rank * shard_len,
             device_bytes: 0,
             peak_device_bytes: 0,
             trace: vec![],
             recording: true,
+            widest: 0,
             cursor: 0,
             events: vec![],
         };
@@ -145,12 +219,15 @@ impl ChunkManager {
                 manager.places[i] = (c, s);
                 offset += n;
             }
-            let home = payload.f_to_device(home_device(tier))?.f_detach_copy()?;
+            let home = payload
+                .f_narrow(0, manager.shard_offset as i64, shard_len as i64)?
+                .f_to_device(home_device(tier))?
+                .f_detach_copy()?;
             let grad = home.f_zeros_like()?;
-            let chunk = Chunk { slots, kind, payload, home, tier, resident: false, grad };
+            let chunk = Chunk { slots, kind, payload, home, tier, resident: false, grad, full_grad: None };
             resize_storage(&chunk.payload, 0)?;
             if tier == Tier::Device {
-                manager.charge(2 * chunk.bytes(), c)?;
+                manager.charge(manager.home_buffers * chunk.home_bytes(), c)?;
             }
             manager.chunks.push(chunk);
         }
@@ -221,6 +298,7 @@ impl ChunkManager {
     /// state.
     pub fn access(&mut self, params: &[usize]) -> Result<()> {
         let chunks = self.chunks_of(params);
+        self.widest = self.widest.max(chunks.len());
         for &c in &chunks {
             if self.recording {
                 self.trace.push(c);
@@ -300,8 +378,8 @@ impl ChunkManager {
         if self.chunks[chunk].tier == tier {
             return Ok(());
         }
-        // The home copy and its gradient accumulator move together.
-        let bytes = 2 * self.chunks[chunk].bytes();
+        // The home copy, its gradient accumulator and the optimizer state move together.
+        let bytes = self.home_buffers * self.chunks[chunk].home_bytes();
         if tier == Tier::Device {
             self.charge(bytes, chunk)?;
         } else {
@@ -329,22 +407,55 @@ impl ChunkManager {
         Ok(())
     }
 
-    /// Parameter `i`'s gradient arrived: it is added into its chunk's gradient accumulator
-    /// (beside the home copy, so on the home's tier). When every tensor of the chunk has its
-    /// gradient, the chunk's gradient is complete and its tensors go back to `Hold`.
+    /// Parameter `i`'s gradient arrived. Alone it is added into its chunk's gradient
+    /// accumulator (beside the home copy, so on the home's tier); with a data-parallel group
+    /// into the chunk's whole gradient on the device. When every tensor of the chunk has its
+    /// gradient the chunk's gradient is complete: it is reduced across ranks (see
+    /// [`ChunkManager::reduce`]) and its tensors go back to `Hold`.
     pub fn add_gradient(&mut self, i: usize, grad: &Tensor) -> Result<()> {
         let (c, s) = self.places[i];
-        let ch = &mut self.chunks[c];
-        ch.slots[s].move_to(TensorState::ReadyForReduce)?;
+        self.chunks[c].slots[s].move_to(TensorState::ReadyForReduce)?;
+        if self.replication.is_some() && self.chunks[c].full_grad.is_none() {
+            let bytes = self.chunks[c].payload.numel() * 4;
+            self.make_room(bytes, &[c])?;
+            self.charge(bytes, c)?;
+            self.chunks[c].full_grad =
+                Some(Tensor::f_zeros([self.chunks[c].payload.numel() as i64], (Kind::Float, self.device))?);
+        }
+        let ch = &self.chunks[c];
         let slot = &ch.slots[s];
-        let acc = ch.grad.f_narrow(0, slot.offset as i64, slot.numel as i64)?;
-        let g = grad.f_flatten(0, -1)?.f_to_device(acc.device())?;
+        let acc = match &ch.full_grad {
+            Some(full) => full.f_narrow(0, slot.offset as i64, slot.numel as i64)?,
+            None => ch.grad.f_narrow(0, slot.offset as i64, slot.numel as i64)?,
+        };
+        let g = grad.f_flatten(0, -1)?.f_to_device(acc.device())?.f_to_kind(Kind::Float)?;
         tch::no_grad(|| acc.shallow_clone().f_add_(&g).map(drop))?;
-        if ch.slots.iter().all(|s| s.state == TensorState::ReadyForReduce) {
-            for s in &mut ch.slots {
+        if self.chunks[c].slots.iter().all(|s| s.state == TensorState::ReadyForReduce) {
+            self.reduce(c)?;
+            for s in &mut self.chunks[c].slots {
                 s.move_to(TensorState::Hold)?;
             }
         }
+        Ok(())
+    }
+
+    /// Averages a chunk's whole gradient across the data-parallel group into this rank's
+    /// accumulator: a reduce-scatter when sharded (each rank gets its part), an all-reduce
+    /// when replicated. Every rank reduces the same chunks in the same order (gradients arrive
+    /// in the order of the same backward graph; partial chunks are reduced in chunk order by
+    /// [`ChunkManager::finish_backward`]).
+    fn reduce(&mut self, c: usize) -> Result<()> {
+        let Some(full) = self.chunks[c].full_grad.take() else { return Ok(()) };
+        let Some(rep) = &self.replication else { return Ok(()) };
+        let mine = if rep.shard {
+            rep.group.reduce_scatter(&full, ReduceOp::Avg)?
+        } else {
+            rep.group.all_reduce(&full, ReduceOp::Avg)?;
+            full.shallow_clone()
+        };
+        let ch = &self.chunks[c];
+        tch::no_grad(|| ch.grad.shallow_clone().f_add_(&mine.f_to_device(ch.grad.device())?).map(drop))?;
+        self.device_bytes -= full.numel() * 4;
         Ok(())
     }
 
@@ -353,6 +464,9 @@ impl ChunkManager {
     /// whose input needs no gradient never reports the end of its backward: its tensors are
     /// still in `Compute` here.)
     pub fn finish_backward(&mut self) -> Result<()> {
+        for c in 0..self.chunks.len() {
+            self.reduce(c)?;
+        }
         for ch in &mut self.chunks {
             for s in &mut ch.slots {
                 if s.state == TensorState::Compute {
@@ -366,32 +480,75 @@ impl ChunkManager {
         Ok(())
     }
 
-    /// The parameters as views into the home copies, with their gradients as views into the
-    /// gradient accumulators: what the optimizer steps, on the home's tier (its `zero_grad`
-    /// clears the accumulators). Same names and decay rule as registered. A parameter that
-    /// got no gradient in a step has a zero gradient, as in every flat-buffer optimizer. Take
-    /// them once; [`ChunkManager::move_home`] invalidates them.
-    pub fn home_params(&self) -> Result<Vec<Param>> {
+    /// The parts of parameters in this rank's shard of chunk `c`, in offset order.
+    pub(crate) fn pieces(&self, c: usize) -> Vec<Piece> {
+        let ch = &self.chunks[c];
+        let (lo, hi) = (self.shard_offset, self.shard_offset + ch.home.numel());
         let mut out = vec![];
-        for ch in &self.chunks {
-            for s in &ch.slots {
-                let view = |t: &Tensor| -> Result<Tensor> {
-                    Ok(t.f_narrow(0, s.offset as i64, s.numel as i64)?.f_view(s.shape.as_slice())?)
-                };
-                let w = view(&ch.home)?.f_set_requires_grad(true)?;
-                crate::autograd::set_grad(&w, Some(&view(&ch.grad)?))?;
-                out.push(Param { name: s.name.clone(), adapt: s.shape.len() >= 2, tensor: w });
+        for (i, &(pc, ps)) in self.places.iter().enumerate() {
+            if pc != c {
+                continue;
+            }
+            let slot = &ch.slots[ps];
+            let (start, end) = (slot.offset.max(lo), (slot.offset + slot.numel).min(hi));
+            if start < end {
+                out.push(Piece {
+                    param: i,
+                    name: slot.name.clone(),
+                    shape: slot.shape.clone(),
+                    in_param: start - slot.offset,
+                    in_shard: start - lo,
+                    len: end - start,
+                });
             }
         }
-        Ok(out)
+        out.sort_by_key(|p| p.in_shard);
+        out
     }
 
-    /// Writes a resident chunk's payload back to its home copy (after an update in place).
-    pub fn write_back(&mut self, chunk: usize) -> Result<()> {
-        let ch = &mut self.chunks[chunk];
-        crate::error::ensure!(ch.resident, "gemini: write-back of chunk {chunk}, which is not resident");
-        tch::no_grad(|| ch.home.f_copy_(&ch.payload))?;
-        Ok(())
+    /// Registered parameters.
+    pub fn param_count(&self) -> usize {
+        self.places.len()
+    }
+
+    /// Where chunk `c`'s home lives.
+    pub fn tier(&self, c: usize) -> Tier {
+        self.chunks[c].tier
+    }
+
+    /// The home-sized buffers charged per device home (see [`ChunkConfig::home_buffers`]).
+    pub(crate) fn home_buffer_bytes(&self, c: usize) -> usize {
+        self.home_buffers * self.chunks[c].home_bytes()
+    }
+
+    /// The compute device.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Bytes of one chunk's payload on the device.
+    pub fn chunk_bytes(&self) -> usize {
+        self.chunks[0].bytes()
+    }
+
+    /// The most chunks one module has needed at once so far.
+    pub fn widest_access(&self) -> usize {
+        self.widest
+    }
+
+    /// The byte budget.
+    pub fn budget(&self) -> usize {
+        self.budget
+    }
+
+    /// Lowers or raises the byte budget (the auto policy sets what model data may use).
+    pub(crate) fn set_budget(&mut self, budget: usize) {
+        self.budget = budget;
+    }
+
+    /// Whether the first step is still being recorded.
+    pub fn recording(&self) -> bool {
+        self.recording
     }
 
     /// Frees every resident payload not in use (end of a step, or before a checkpoint).
@@ -408,21 +565,28 @@ impl ChunkManager {
         if self.chunks[c].resident {
             return Ok(());
         }
-        let need = self.chunks[c].bytes();
+        self.make_room(self.chunks[c].bytes(), pinned)?;
+        self.load(c)?;
+        self.events.push(Event::Load(c));
+        Ok(())
+    }
+
+    /// Evicts chunks (farthest next use first, never those in `pinned`) until `need` more
+    /// bytes fit in the budget; the error names the bytes when that is not possible.
+    fn make_room(&mut self, need: usize, pinned: &[usize]) -> Result<()> {
         while self.device_bytes + need > self.budget {
             let Some((victim, _)) = self.victim(pinned) else {
                 let busy: Vec<usize> = (0..self.chunks.len()).filter(|&i| self.chunks[i].resident).collect();
                 return Err(Error::invalid(format!(
-                    "gemini: chunk {c} needs {} on the device, {} of the {} budget are taken (resident chunks in use: {busy:?}); raise the memory budget or offload more",
+                    "gemini: {} more are needed on the device for chunk {}, {} of the {} budget are taken (resident chunks in use: {busy:?}); raise the memory budget or offload more",
                     human(need),
+                    pinned.first().copied().unwrap_or(0),
                     human(self.device_bytes),
                     human(self.budget)
                 )));
             };
             self.evict(victim)?;
         }
-        self.load(c)?;
-        self.events.push(Event::Load(c));
         Ok(())
     }
 
@@ -446,7 +610,13 @@ impl ChunkManager {
         self.charge(bytes, c)?;
         let ch = &mut self.chunks[c];
         resize_storage(&ch.payload, bytes)?;
-        tch::no_grad(|| ch.payload.f_copy_(&ch.home))?;
+        match &self.replication {
+            Some(rep) if rep.shard => {
+                let mine = ch.home.f_to_device(self.device)?.f_to_kind(ch.kind)?;
+                rep.group.all_gather_into_async(&ch.payload, &mine)?.wait()?;
+            }
+            _ => tch::no_grad(|| ch.payload.f_copy_(&ch.home))?,
+        }
         for s in &mut ch.slots {
             s.move_to(TensorState::Hold)?;
         }

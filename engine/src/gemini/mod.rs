@@ -2,17 +2,24 @@
 //! them, so a model trains on a GPU smaller than its parameters, gradients and optimizer state
 //! need (Colossal-AI's Gemini, after PatrickStar).
 //!
-//! This part has the chunks ([`chunk`]: layout search, per-tensor state machine) and the chunk
-//! manager ([`ChunkManager`]: residency on the compute device within a byte budget, eviction
-//! by farthest next use in the recorded access trace, prefetch along the trace, home copies on
-//! the device or in host memory), and [`Gemini`], which runs a model's modules with their
-//! chunks resident in forward and backward and sends gradients into the chunks, where the
-//! engine's optimizers step the home copies.
+//! - [`chunk`]: the layout search and the per-tensor state machine.
+//! - [`ChunkManager`]: residency on the compute device within a byte budget, eviction by
+//!   farthest next use in the recorded access trace, prefetch along the trace, homes on the
+//!   device or in host memory, ZeRO-3 sharding over a data-parallel group.
+//! - [`ChunkOptimizer`]: AdamW, LAMB and LARS on the homes where they live ([`cpu_optim`] on
+//!   the host, [`tensor_optim`] on the device), per-parameter trust ratios across shards.
+//! - [`Gemini`]: runs a model's modules with their chunks resident, placement policies.
+//! - [`checkpoint`]: full state dicts and sharded optimizer state.
+pub mod checkpoint;
 pub mod chunk;
 pub mod cpu_optim;
 mod manager;
+mod optimizer;
 mod runtime;
+pub mod tensor_optim;
 
 pub use chunk::{Layout, Slot, TensorState};
-pub use manager::{human, ChunkConfig, ChunkManager, Event, Tier};
-pub use runtime::Gemini;
+pub use cpu_optim::CpuRule;
+pub use manager::{human, ChunkConfig, ChunkManager, Event, Replication, Tier};
+pub use optimizer::ChunkOptimizer;
+pub use runtime::{Gemini, GeminiConfig, Placement};

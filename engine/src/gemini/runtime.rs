@@ -1,49 +1,135 @@
 //! Running a model under Gemini: each module's chunks are made resident before its forward and
-//! again before its backward, released for eviction after each, and gradients leave the
-//! parameters for the chunks' accumulators as soon as autograd produces them.
+//! again before its backward, released for eviction after each, gradients leave the
+//! parameters for the chunks as soon as autograd produces them, and the optimizer steps the
+//! chunks' homes where they live.
 //!
 //! The model stays an ordinary serial model; its forward wraps each module in
 //! [`Gemini::run`]. Around the module's output sits an identity autograd function whose
 //! backward makes the module's chunks resident before the module's own backward runs
 //! (pre-backward), and around its input one whose backward runs after it (post-backward), the
 //! way Colossal-AI's parameter-op hooks do it.
+//!
+//! A step is: forward and backward of each micro-batch (with [`Gemini::finish_backward`]
+//! after each backward: gradients accumulate in the chunks), optionally
+//! [`Gemini::clip_grad_norm`], then [`Gemini::step`].
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use tch::Tensor;
+use tch::{Device, Tensor};
 
-use super::manager::{ChunkConfig, ChunkManager, Tier};
+use super::cpu_optim::CpuRule;
+use super::manager::{human, ChunkConfig, ChunkManager, Replication, Tier};
+use super::optimizer::ChunkOptimizer;
 use crate::autograd::{apply, register_post_accumulate_grad_hook, set_grad, Forward};
 use crate::optim::Param;
 use crate::{Error, Result};
 
-/// A model's parameters under Gemini. See the module documentation.
+/// Where chunk homes (fp32 masters, gradients, optimizer state) live.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Placement {
+    /// This fraction of the chunks (the last in execution order) keeps its home in host
+    /// memory, the rest on the device; `1.0` offloads everything.
+    Static {
+        /// Fraction of chunks offloaded, in `[0, 1]`.
+        offload: f64,
+    },
+    /// Homes start in host memory; after the first (warm-up) backward, which records the
+    /// chunk access order and, on a GPU, the memory that is not model data (activations,
+    /// workspace) from the caching allocator's peak, as many homes move to the device as the
+    /// budget leaves room for beside the working set.
+    Auto,
+}
+
+/// Gemini's options.
+#[derive(Clone, Debug)]
+pub struct GeminiConfig {
+    /// Chunk layout, compute device and budget (its `home_buffers` is set from the rule).
+    pub chunks: ChunkConfig,
+    /// Home placement policy.
+    pub placement: Placement,
+    /// Chunks loaded ahead of the trace while a module runs.
+    pub prefetch: usize,
+    /// The optimizer.
+    pub rule: CpuRule,
+    /// Data parallelism over a group (ZeRO-3 sharding or replicated chunks), if any.
+    pub replication: Option<Replication>,
+}
+
+/// A model's parameters and optimizer under Gemini. See the module documentation.
 #[derive(Clone)]
 pub struct Gemini {
     manager: Arc<Mutex<ChunkManager>>,
+    optimizer: Arc<Mutex<ChunkOptimizer>>,
     prefetch: usize,
+    placement: Placement,
+    /// Device bytes in use before the warm-up step (GPU only; for the auto policy).
+    baseline: i64,
+}
+
+fn poisoned<T>(_: T) -> Error {
+    Error::invalid("gemini state poisoned")
 }
 
 impl Gemini {
-    /// Puts `params` (in execution order) into chunks with homes on `tier`, and hooks their
-    /// gradients. `prefetch`: how many chunks ahead of the trace to load while a module runs.
-    pub fn new(params: &[Param], cfg: ChunkConfig, tier: Tier, prefetch: usize) -> Result<Gemini> {
-        let manager = Arc::new(Mutex::new(ChunkManager::new(params, cfg, tier)?));
+    /// Puts `params` (in execution order, the same on every rank) into chunks placed by the
+    /// policy, and hooks their gradients.
+    pub fn new(params: &[Param], cfg: GeminiConfig) -> Result<Gemini> {
+        let mut chunks = cfg.chunks;
+        chunks.home_buffers = 2 + cfg.rule.state_slots().len();
+        let first_tier = match cfg.placement {
+            Placement::Static { offload } => {
+                crate::error::ensure!(
+                    (0.0..=1.0).contains(&offload),
+                    "gemini: offload fraction {offload} is not within [0, 1]"
+                );
+                Tier::Host
+            }
+            Placement::Auto => Tier::Host,
+        };
+        let mut manager = match cfg.replication {
+            Some(rep) => ChunkManager::replicated(params, chunks, first_tier, rep)?,
+            None => ChunkManager::new(params, chunks, first_tier)?,
+        };
+        if let Placement::Static { offload } = cfg.placement {
+            let n = manager.chunk_count();
+            let on_device = n - (offload * n as f64).ceil() as usize;
+            for c in 0..on_device {
+                manager.move_home(c, Tier::Device)?;
+            }
+        }
+        let manager = Arc::new(Mutex::new(manager));
         for (i, p) in params.iter().enumerate() {
             let m = Arc::downgrade(&manager);
             register_post_accumulate_grad_hook(&p.tensor, move |t| {
                 let Some(m) = m.upgrade() else { return Ok(()) };
-                let mut m = m.lock().map_err(|_| Error::invalid("gemini state poisoned"))?;
-                m.add_gradient(i, &t.grad())?;
+                m.lock().map_err(poisoned)?.add_gradient(i, &t.grad())?;
                 // The gradient now lives in the chunk; free autograd's copy.
                 set_grad(t, None)
             })?;
         }
-        Ok(Gemini { manager, prefetch })
+        let baseline = match chunks.device {
+            Device::Cuda(d) => {
+                crate::cuda::reset_peak_stats(d)?;
+                crate::cuda::memory_stats(d)?.allocated
+            }
+            _ => 0,
+        };
+        Ok(Gemini {
+            manager,
+            optimizer: Arc::new(Mutex::new(ChunkOptimizer::new(cfg.rule))),
+            prefetch: cfg.prefetch,
+            placement: cfg.placement,
+            baseline,
+        })
     }
 
     /// The chunk manager, for inspection.
     pub fn manager(&self) -> Result<MutexGuard<'_, ChunkManager>> {
-        self.manager.lock().map_err(|_| Error::invalid("gemini state poisoned"))
+        self.manager.lock().map_err(poisoned)
+    }
+
+    /// The optimizer, for its learning rate and state.
+    pub fn optimizer(&self) -> Result<MutexGuard<'_, ChunkOptimizer>> {
+        self.optimizer.lock().map_err(poisoned)
     }
 
     /// Runs one module, `f`, on `input`; `params` are the indices (registration order) of the
@@ -72,7 +158,7 @@ impl Gemini {
             &[x],
             |x| Ok(Forward::outputs(vec![x[0].shallow_clone()])),
             move |g, _| {
-                let mut m = m.lock().map_err(|_| Error::invalid("gemini state poisoned"))?;
+                let mut m = m.lock().map_err(poisoned)?;
                 if before {
                     m.access(&chunks)?;
                     m.prefetch(prefetch)?;
@@ -85,22 +171,65 @@ impl Gemini {
         Ok(out.into_iter().next().expect("one output"))
     }
 
-    /// After backward: every gradient is in the chunks.
+    /// After each backward: every gradient is in the chunks (partial chunks reduced). After
+    /// the first, the auto policy places the homes.
     pub fn finish_backward(&self) -> Result<()> {
-        self.manager()?.finish_backward()
+        let mut m = self.manager()?;
+        m.finish_backward()?;
+        if self.placement == Placement::Auto && m.recording() && self.optimizer()?.steps() == 0 {
+            self.place_homes(&mut m)?;
+        }
+        Ok(())
     }
 
-    /// After the optimizer stepped the home copies: resident payloads are stale, free them
-    /// (the next access reloads), and the first step's accesses become the trace.
-    pub fn after_step(&self) -> Result<()> {
+    /// The auto policy's plan: the budget less the non-model peak is what model data may use;
+    /// of that, the working set (the widest module's chunks, the prefetched ones and a gradient
+    /// chunk in flight) stays free for payloads, and homes move to the device in chunk order
+    /// while they fit.
+    fn place_homes(&self, m: &mut ChunkManager) -> Result<()> {
+        let non_model = match m.device() {
+            Device::Cuda(d) => {
+                let peak = crate::cuda::memory_stats(d)?.peak_allocated - self.baseline;
+                (peak.max(0) as usize).saturating_sub(m.device_bytes().1)
+            }
+            _ => 0,
+        };
+        let working = (m.widest_access() + self.prefetch + 1) * m.chunk_bytes();
+        let budget = m.budget();
+        if non_model + working > budget {
+            return Err(Error::invalid(format!(
+                "gemini: the warm-up step needed {} besides model data and the widest module needs {} of chunks, together more than the {} budget",
+                human(non_model),
+                human(working),
+                human(budget)
+            )));
+        }
+        m.release_all()?;
+        m.set_budget(budget - non_model);
+        let mut room = budget - non_model - working - m.device_bytes().0;
+        for c in 0..m.chunk_count() {
+            let need = m.home_buffer_bytes(c);
+            if m.tier(c) == Tier::Host && need <= room {
+                m.move_home(c, Tier::Device)?;
+                room -= need;
+            }
+        }
+        Ok(())
+    }
+
+    /// Clips the accumulated gradients to a global norm of `max_norm`; returns the norm before.
+    pub fn clip_grad_norm(&self, max_norm: f64) -> Result<f64> {
+        let m = self.manager()?;
+        self.optimizer()?.clip_grad_norm(&m, max_norm)
+    }
+
+    /// Steps every chunk's home from its accumulated gradient and clears the gradients; resident
+    /// payloads are stale after it and are freed (the next access reloads), and the first
+    /// step's accesses become the trace.
+    pub fn step(&self) -> Result<()> {
         let mut m = self.manager()?;
+        self.optimizer()?.step(&mut m)?;
         m.end_step();
         m.release_all()
-    }
-
-    /// The parameters the optimizer steps (views into the home copies and gradient
-    /// accumulators; see [`ChunkManager::home_params`]).
-    pub fn optimizer_params(&self) -> Result<Vec<Param>> {
-        self.manager()?.home_params()
     }
 }

@@ -1,0 +1,405 @@
+//! Training a small transformer under Gemini gives the same parameters as training it plainly
+//! with the engine's tensor optimizers (fp32, relative 1e-5 after 10 steps): homes in host
+//! memory (the rayon kernels) under a budget that forces evictions every step, on the device
+//! (the tensor kernels), split between them (static fraction) or placed by the auto policy;
+//! AdamW, LAMB and LARS; on one process and on 2 ranks (ZeRO-3 sharded and replicated chunks);
+//! with gradient clipping and accumulation; and through a checkpoint written on 2 ranks and
+//! loaded on 1.
+use std::collections::HashMap;
+
+use engine::dist::{ProcessGroup, World};
+use engine::gemini::{ChunkConfig, CpuRule, Event, Gemini, GeminiConfig, Placement, Replication, Tier};
+use engine::optim::{clip_grad_norm, AdamW, AdamWConfig, Lamb, LambConfig, Lars, LarsConfig, Optimizer, Param};
+use suite_tests::{dist_test, TestResult};
+use tch::{Device, Kind, Tensor};
+
+const F: (Kind, Device) = (Kind::Float, Device::Cpu);
+const D: i64 = 8;
+const T: i64 = 6;
+const HEADS: i64 = 2;
+const BATCH: i64 = 4;
+const STEPS: i64 = 10;
+/// 1 KiB chunks of 256 fp32 elements (a block spans three or four; six chunks).
+const CHUNK: usize = 256;
+
+/// Tests run in parallel threads that share torch's generator: seeding and drawing happen
+/// under this lock.
+static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn seeded<T>(seed: i64, draw: impl FnOnce() -> T) -> T {
+    let _guard = RNG.lock().unwrap_or_else(|e| e.into_inner());
+    tch::manual_seed(seed);
+    draw()
+}
+
+/// Parameters in execution order: two pre-norm blocks (attention, MLP), then a head.
+fn parameters() -> Vec<Param> {
+    seeded(7, draw_parameters)
+}
+
+fn draw_parameters() -> Vec<Param> {
+    let mut ps = vec![];
+    let mut add = |name: String, shape: &[i64], ones: bool| {
+        let t = if ones {
+            Tensor::ones(shape, (Kind::Float, Device::Cpu))
+        } else {
+            Tensor::randn(shape, (Kind::Float, Device::Cpu)) * 0.3
+        };
+        ps.push(Param::new(name, &t.set_requires_grad(true)));
+    };
+    for b in 0..2 {
+        let p = |n: &str| format!("blocks.{b}.{n}");
+        add(p("norm1.weight"), &[D], true);
+        add(p("norm1.bias"), &[D], false);
+        add(p("attn.qkv.weight"), &[3 * D, D], false);
+        add(p("attn.qkv.bias"), &[3 * D], false);
+        add(p("attn.proj.weight"), &[D, D], false);
+        add(p("attn.proj.bias"), &[D], false);
+        add(p("norm2.weight"), &[D], true);
+        add(p("norm2.bias"), &[D], false);
+        add(p("mlp.fc1.weight"), &[2 * D, D], false);
+        add(p("mlp.fc1.bias"), &[2 * D], false);
+        add(p("mlp.fc2.weight"), &[D, 2 * D], false);
+        add(p("mlp.fc2.bias"), &[D], false);
+    }
+    add("head.weight".into(), &[4, D], false);
+    add("head.bias".into(), &[4], false);
+    ps
+}
+
+fn block(x: &Tensor, w: &[Tensor]) -> Tensor {
+    let (b, _, _) = x.size3().unwrap();
+    let h = x.layer_norm([D], Some(&w[0]), Some(&w[1]), 1e-6, false);
+    // The key bias cannot change attention (softmax ignores a shift shared by all keys): its
+    // gradient is rounding noise, which Adam's normalisation would amplify into differences
+    // between equally accurate runs. Zeroing it makes that gradient exactly zero.
+    let key_bias_off = Tensor::cat(&[Tensor::ones([D], F), Tensor::zeros([D], F), Tensor::ones([D], F)], 0);
+    let qkv =
+        h.linear(&w[2], Some(&(&w[3] * key_bias_off))).reshape([b, T, 3, HEADS, D / HEADS]).permute([2, 0, 3, 1, 4]);
+    let a = Tensor::scaled_dot_product_attention(
+        &qkv.get(0),
+        &qkv.get(1),
+        &qkv.get(2),
+        None::<Tensor>,
+        0.0,
+        false,
+        None,
+        false,
+    );
+    let x = x + a.transpose(1, 2).reshape([b, T, D]).linear(&w[4], Some(&w[5]));
+    let h = x.layer_norm([D], Some(&w[6]), Some(&w[7]), 1e-6, false);
+    &x + h.linear(&w[8], Some(&w[9])).gelu("none").linear(&w[10], Some(&w[11]))
+}
+
+fn head(x: &Tensor, w: &[Tensor]) -> Tensor {
+    x.mean_dim(1, false, Kind::Float).linear(&w[0], Some(&w[1]))
+}
+
+/// A module: its input and its parameters to its output.
+type Module = dyn Fn(&Tensor, &[Tensor]) -> Tensor;
+/// Runs a module whose parameters are the given range of the parameter list.
+type Runner<'a> = &'a dyn Fn(std::ops::Range<usize>, &Tensor, &Module) -> Tensor;
+
+/// The mean loss of examples `rows` of step `step`'s batch, each module run through `run`.
+fn loss(step: i64, rows: std::ops::Range<i64>, run: Runner) -> Tensor {
+    let (x, y) = seeded(100 + step, || {
+        (
+            Tensor::randn([BATCH, T, D], (Kind::Float, Device::Cpu)),
+            Tensor::randint(4, [BATCH], (Kind::Int64, Device::Cpu)),
+        )
+    });
+    let (x, y) = (x.narrow(0, rows.start, rows.end - rows.start), y.narrow(0, rows.start, rows.end - rows.start));
+    let h = run(0..12, &x, &block);
+    let h = run(12..24, &h, &block);
+    run(24..26, &h, &head).cross_entropy_for_logits(&y)
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Rule {
+    AdamW,
+    Lamb,
+    Lars,
+}
+
+const ADAMW: AdamWConfig = AdamWConfig { lr: 1e-2, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.1 };
+
+fn lamb() -> LambConfig {
+    LambConfig { lr: 1e-2, weight_decay: 0.1, ..Default::default() }
+}
+
+fn lars() -> LarsConfig {
+    LarsConfig { lr: 0.1, weight_decay: 1e-3, ..Default::default() }
+}
+
+fn tensor_optimizer(rule: Rule, ps: Vec<Param>) -> Box<dyn Optimizer> {
+    match rule {
+        Rule::AdamW => Box::new(AdamW::new(ps, ADAMW)),
+        Rule::Lamb => Box::new(Lamb::new(ps, lamb())),
+        Rule::Lars => Box::new(Lars::new(ps, lars())),
+    }
+}
+
+fn chunk_rule(rule: Rule) -> CpuRule {
+    match rule {
+        Rule::AdamW => CpuRule::AdamW(ADAMW),
+        Rule::Lamb => CpuRule::Lamb(lamb()),
+        Rule::Lars => CpuRule::Lars(lars()),
+    }
+}
+
+/// Clipping and micro-batches of a run.
+#[derive(Clone, Copy)]
+struct Recipe {
+    clip: Option<f64>,
+    micro_batches: i64,
+}
+
+const PLAIN: Recipe = Recipe { clip: None, micro_batches: 1 };
+
+/// The reference: one process, the whole batch, tensor optimizers.
+fn train_plain(rule: Rule, recipe: Recipe) -> Vec<Tensor> {
+    let ps = parameters();
+    let tensors: Vec<Tensor> = ps.iter().map(|p| p.tensor.shallow_clone()).collect();
+    let mut opt = tensor_optimizer(rule, ps);
+    let per = BATCH / recipe.micro_batches;
+    for step in 0..STEPS {
+        for mb in 0..recipe.micro_batches {
+            let l = loss(step, mb * per..(mb + 1) * per, &|range, x, f| f(x, &tensors[range]));
+            (l / recipe.micro_batches as f64).backward();
+        }
+        if let Some(max) = recipe.clip {
+            clip_grad_norm(opt.params(), max, None).unwrap();
+        }
+        opt.step().unwrap();
+        opt.zero_grad();
+    }
+    opt.params().iter().map(|p| p.tensor.detach().copy()).collect()
+}
+
+/// How a Gemini run is set up.
+struct Setup {
+    placement: Placement,
+    budget: usize,
+    group: Option<(ProcessGroup, bool)>,
+}
+
+/// Trains steps `steps` under Gemini; this rank takes its share of each batch. `before` runs
+/// after setup (to load a checkpoint), `after` at the end (to save one).
+fn train_gemini(
+    rule: Rule,
+    recipe: Recipe,
+    setup: &Setup,
+    steps: std::ops::Range<i64>,
+    before: impl FnOnce(&Gemini),
+    after: impl FnOnce(&Gemini),
+) -> (Vec<Tensor>, Vec<Event>, usize, Gemini) {
+    let ps = parameters();
+    let tensors: Vec<Tensor> = ps.iter().map(|p| p.tensor.shallow_clone()).collect();
+    let cfg = GeminiConfig {
+        chunks: ChunkConfig { device: Device::Cpu, budget: setup.budget, search: (CHUNK, CHUNK, 1), home_buffers: 0 },
+        placement: setup.placement,
+        prefetch: 1,
+        rule: chunk_rule(rule),
+        replication: setup.group.as_ref().map(|(g, shard)| Replication { group: g.clone(), shard: *shard }),
+    };
+    let g = Gemini::new(&ps, cfg).unwrap();
+    before(&g);
+    let (rank, ranks) = setup.group.as_ref().map_or((0, 1), |(g, _)| (g.rank() as i64, g.size() as i64));
+    let per = BATCH / ranks / recipe.micro_batches;
+    for step in steps {
+        for mb in 0..recipe.micro_batches {
+            let first = rank * BATCH / ranks + mb * per;
+            let l = loss(step, first..first + per, &|range, x, f| {
+                let params: Vec<usize> = range.clone().collect();
+                g.run(&params, x, |x| f(x, &tensors[range])).unwrap()
+            });
+            (l / recipe.micro_batches as f64).backward();
+            g.finish_backward().unwrap();
+        }
+        if let Some(max) = recipe.clip {
+            g.clip_grad_norm(max).unwrap();
+        }
+        g.step().unwrap();
+    }
+    after(&g);
+    let state: HashMap<String, Tensor> = g.state_dict().unwrap().into_iter().collect();
+    let trained = parameters().iter().map(|p| state[&p.name].shallow_clone()).collect();
+    let (events, peak) = {
+        let m = g.manager().unwrap();
+        (m.events().to_vec(), m.device_bytes().1)
+    };
+    (trained, events, peak, g)
+}
+
+fn assert_same(a: &[Tensor], b: &[Tensor], what: &str) {
+    let names: Vec<String> = parameters().into_iter().map(|p| p.name).collect();
+    for ((x, y), name) in a.iter().zip(b).zip(names) {
+        let diff = (x - y).abs().max().double_value(&[]);
+        let scale = y.abs().max().double_value(&[]);
+        assert!(diff <= 1e-5 * scale, "{what}: {name} differs by {diff:.2e} (max |w| {scale:.2e})");
+    }
+}
+
+fn no_hooks(_: &Gemini) {}
+
+/// Room for four resident chunks and nothing else.
+const TIGHT: usize = 4 * 4 * CHUNK;
+
+#[test]
+fn host_homes_under_a_tight_budget_match_plain_training() {
+    for rule in [Rule::AdamW, Rule::Lamb, Rule::Lars] {
+        let plain = train_plain(rule, PLAIN);
+        let setup = Setup { placement: Placement::Static { offload: 1.0 }, budget: TIGHT, group: None };
+        let (params, events, peak, g) = train_gemini(rule, PLAIN, &setup, 0..STEPS, no_hooks, no_hooks);
+        assert!(events.iter().filter(|e| matches!(e, Event::Evict(_))).count() >= 10, "evictions every step");
+        assert!(events.iter().any(|e| matches!(e, Event::Prefetch(_))), "prefetches along the trace: {events:?}");
+        assert!(peak <= TIGHT, "accounted device bytes {peak} within the budget");
+        let m = g.manager().unwrap();
+        assert!((0..m.chunk_count()).all(|c| m.tier(c) == Tier::Host));
+        assert_same(&params, &plain, &format!("{rule:?}, host homes"));
+    }
+}
+
+#[test]
+fn device_and_split_homes_match_plain_training() {
+    for rule in [Rule::AdamW, Rule::Lamb] {
+        let plain = train_plain(rule, PLAIN);
+        // Device homes: home, gradient and two moments per chunk (4 KiB) plus four resident.
+        let budget = 6 * 4 * 4 * CHUNK + TIGHT;
+        let setup = Setup { placement: Placement::Static { offload: 0.0 }, budget, group: None };
+        let (params, _, peak, g) = train_gemini(rule, PLAIN, &setup, 0..STEPS, no_hooks, no_hooks);
+        assert!(peak <= budget);
+        let m = g.manager().unwrap();
+        assert!((0..m.chunk_count()).all(|c| m.tier(c) == Tier::Device));
+        drop(m);
+        assert_same(&params, &plain, &format!("{rule:?}, device homes"));
+        // Half offloaded: the first three chunks' homes on the device, the last four on the host.
+        let setup = Setup { placement: Placement::Static { offload: 0.5 }, budget, group: None };
+        let (params, _, _, g) = train_gemini(rule, PLAIN, &setup, 0..STEPS, no_hooks, no_hooks);
+        let m = g.manager().unwrap();
+        let tiers: Vec<Tier> = (0..m.chunk_count()).map(|c| m.tier(c)).collect();
+        assert_eq!(tiers.iter().filter(|&&t| t == Tier::Device).count(), 3, "{tiers:?}");
+        assert_same(&params, &plain, &format!("{rule:?}, half offloaded"));
+    }
+}
+
+#[test]
+fn auto_placement_fills_the_budget_and_matches_plain_training() {
+    // Room for the working set (the widest module's chunks, one prefetched, one gradient
+    // chunk in flight: at most 6 KiB) and one or two device homes of 4 KiB each.
+    let budget = 14 * 1024;
+    for rule in [Rule::AdamW, Rule::Lamb] {
+        let plain = train_plain(rule, PLAIN);
+        let setup = Setup { placement: Placement::Auto, budget, group: None };
+        let (params, _, peak, g) = train_gemini(rule, PLAIN, &setup, 0..STEPS, no_hooks, no_hooks);
+        let m = g.manager().unwrap();
+        let on_device = (0..m.chunk_count()).filter(|&c| m.tier(c) == Tier::Device).count();
+        let working = (m.widest_access() + 2) * 4 * CHUNK;
+        assert_eq!(on_device, (budget - working) / (4 * 4 * CHUNK), "homes moved to the device while they fit");
+        assert!(on_device >= 1);
+        assert!(peak <= budget, "{peak} > {budget}");
+        assert_same(&params, &plain, &format!("{rule:?}, auto placement"));
+    }
+    // A budget that runs the widest module but leaves no room for the working set is an
+    // error naming the bytes.
+    let setup = Setup { placement: Placement::Auto, budget: 5 * 4 * CHUNK, group: None };
+    let ps = parameters();
+    let cfg = GeminiConfig {
+        chunks: ChunkConfig { device: Device::Cpu, budget: setup.budget, search: (CHUNK, CHUNK, 1), home_buffers: 0 },
+        placement: setup.placement,
+        prefetch: 1,
+        rule: chunk_rule(Rule::AdamW),
+        replication: None,
+    };
+    let g = Gemini::new(&ps, cfg).unwrap();
+    let tensors: Vec<Tensor> = ps.iter().map(|p| p.tensor.shallow_clone()).collect();
+    let l = loss(0, 0..BATCH, &|range, x, f| {
+        let params: Vec<usize> = range.clone().collect();
+        g.run(&params, x, |x| f(x, &tensors[range])).unwrap()
+    });
+    l.backward();
+    let err = g.finish_backward().unwrap_err().to_string();
+    assert!(err.contains("the widest module needs") && err.contains("5.0 KiB budget"), "{err}");
+}
+
+#[test]
+fn clipping_and_accumulation_match_plain_training() {
+    let recipe = Recipe { clip: Some(0.5), micro_batches: 2 };
+    for rule in [Rule::AdamW, Rule::Lamb] {
+        let plain = train_plain(rule, recipe);
+        let setup = Setup { placement: Placement::Static { offload: 0.5 }, budget: 1 << 20, group: None };
+        let (params, _, _, _) = train_gemini(rule, recipe, &setup, 0..STEPS, no_hooks, no_hooks);
+        assert_same(&params, &plain, &format!("{rule:?}, clipped, 2 micro-batches"));
+    }
+}
+
+fn on_two_ranks(world: &World, shard: bool, placement: Placement, recipe: Recipe) -> TestResult {
+    for rule in [Rule::AdamW, Rule::Lamb] {
+        let plain = train_plain(rule, recipe);
+        let setup = Setup { placement, budget: 1 << 20, group: Some((world.group.clone(), shard)) };
+        let (params, _, _, g) = train_gemini(rule, recipe, &setup, 0..STEPS, no_hooks, no_hooks);
+        if shard {
+            let m = g.manager().unwrap();
+            assert_eq!(m.chunk_numel() % 2, 0, "chunks split evenly over 2 ranks");
+        }
+        assert_same(&params, &plain, &format!("{rule:?} on 2 ranks, shard {shard}, {placement:?}"));
+    }
+    Ok(())
+}
+
+dist_test!(sharded_chunks_on_2_ranks_match_one_process, 2, |world| {
+    on_two_ranks(world, true, Placement::Static { offload: 0.5 }, PLAIN)?;
+    on_two_ranks(world, true, Placement::Auto, Recipe { clip: Some(0.5), micro_batches: 2 })
+});
+
+dist_test!(replicated_chunks_on_2_ranks_match_one_process, 2, |world| {
+    on_two_ranks(world, false, Placement::Static { offload: 1.0 }, PLAIN)
+});
+
+dist_test!(checkpoint_saved_on_2_ranks_resumes_on_1, 2, |world| {
+    let dir = std::env::temp_dir().join(format!("gemini-ckpt-{}", world.env.master_port));
+    let rule = Rule::Lamb;
+    let plain = train_plain(rule, PLAIN);
+    let setup = Setup {
+        placement: Placement::Static { offload: 0.5 },
+        budget: 1 << 20,
+        group: Some((world.group.clone(), true)),
+    };
+    if world.rank() == 0 {
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir)?;
+    }
+    world.group.barrier()?;
+    let (half, _, _, g) =
+        train_gemini(rule, PLAIN, &setup, 0..STEPS / 2, no_hooks, |g| g.save_optimizer(&dir).unwrap());
+    drop(g);
+    world.group.barrier()?;
+    if world.rank() == 0 {
+        let files: Vec<String> =
+            std::fs::read_dir(&dir)?.map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        assert!(files.iter().any(|f| f == "optimizer-00001-of-00002.safetensors"), "{files:?}");
+        // Resume alone from the saved parameters and optimizer shards.
+        let names: Vec<String> = parameters().into_iter().map(|p| p.name).collect();
+        let state: HashMap<String, Tensor> = names.into_iter().zip(half).collect();
+        let single = Setup { placement: Placement::Static { offload: 1.0 }, budget: 1 << 20, group: None };
+        let (params, _, _, _) = train_gemini(
+            rule,
+            PLAIN,
+            &single,
+            STEPS / 2..STEPS,
+            |g| {
+                g.load_state_dict(&state).unwrap();
+                g.load_optimizer(&dir).unwrap();
+            },
+            no_hooks,
+        );
+        assert_same(&params, &plain, "saved on 2 ranks at step 5, resumed on 1");
+        // A missing shard file is named.
+        std::fs::remove_file(dir.join("optimizer-00001-of-00002.safetensors"))?;
+        let (_, _, _, g) = train_gemini(rule, PLAIN, &single, 0..0, no_hooks, no_hooks);
+        let err = g.load_optimizer(&dir).unwrap_err().to_string();
+        assert!(err.contains("optimizer-00001-of-00002.safetensors"), "{err}");
+        std::fs::remove_dir_all(&dir)?;
+    }
+    Ok(())
+});
