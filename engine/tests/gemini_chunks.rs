@@ -19,7 +19,13 @@ fn four() -> Vec<Param> {
 }
 
 fn config(budget_chunks: usize) -> ChunkConfig {
-    ChunkConfig { device: Device::Cpu, budget: budget_chunks * 64, search: (16, 16, 1), home_buffers: 2 }
+    ChunkConfig {
+        device: Device::Cpu,
+        budget: budget_chunks * 64,
+        search: (16, 16, 1),
+        home_buffers: 2,
+        compute: Kind::Float,
+    }
 }
 
 #[test]

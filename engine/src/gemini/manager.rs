@@ -9,6 +9,12 @@
 //! parameters and the views autograd saved of them stay valid objects whose memory comes back,
 //! refilled from the home copy, the next time the chunk is accessed.
 //!
+//! Over a data-parallel group the chunks are either sharded (ZeRO-3: each rank keeps
+//! `1/N` of every home, gradient accumulator and optimizer state; a load is an all-gather of
+//! the shards, cast to the compute dtype first; a chunk's gradient, collected on the device,
+//! is reduce-scattered once all its tensors have theirs) or replicated (whole homes
+//! everywhere, gradients all-reduced), for models small enough to keep whole.
+//!
 //! Without a GPU the CPU stands in for both tiers and the budget is enforced on the manager's
 //! own accounting, so placement and eviction are the same code and testable anywhere.
 use tch::{Device, Kind, Tensor};
@@ -41,6 +47,10 @@ pub struct ChunkConfig {
     /// is on the device: the home (fp32 master) and its gradient accumulator (2), plus the
     /// optimizer's state buffers (Adam and LAMB 2, LARS with momentum 1).
     pub home_buffers: usize,
+    /// The dtype the model computes in: the payloads' (and so the parameters') dtype. Homes
+    /// are fp32 masters whatever it is; bf16 or fp16 halves the device bytes of resident
+    /// chunks and of their gathers.
+    pub compute: Kind,
 }
 
 /// How chunks are spread over a data-parallel group.
@@ -161,15 +171,20 @@ impl ChunkManager {
 
     fn build(params: &[Param], cfg: ChunkConfig, tier: Tier, replication: Option<Replication>) -> Result<ChunkManager> {
         crate::error::ensure!(!params.is_empty(), "gemini: no parameters to manage");
-        let kind = params[0].tensor.kind();
         for p in params {
             crate::error::ensure!(
-                p.tensor.kind() == kind && kind == Kind::Float,
-                "gemini: parameter {} is {:?}; chunks hold fp32 parameters",
+                p.tensor.kind() == Kind::Float,
+                "gemini: parameter {} is {:?}; register fp32 parameters (they become fp32 masters)",
                 p.name,
                 p.tensor.kind()
             );
         }
+        crate::error::ensure!(
+            matches!(cfg.compute, Kind::Float | Kind::BFloat16 | Kind::Half),
+            "gemini: compute dtype {:?} is not fp32, bf16 or fp16",
+            cfg.compute
+        );
+        let kind = cfg.compute;
         let (shards, rank) = match &replication {
             Some(r) if r.shard => (r.group.size(), r.group.rank()),
             _ => (1, 0),
@@ -198,11 +213,15 @@ impl ChunkManager {
         let home_device = |tier| if tier == Tier::Device { cfg.device } else { Device::Cpu };
         for (c, members) in layout.chunks.iter().enumerate() {
             let payload = Tensor::f_zeros([layout.chunk_size as i64], (kind, cfg.device))?;
+            // The fp32 values, from which the home is cut (the payload may be rounded).
+            let master = Tensor::f_zeros([layout.chunk_size as i64], (Kind::Float, cfg.device))?;
             let mut slots = vec![];
             let mut offset = 0;
             for (s, &i) in members.iter().enumerate() {
                 let p = &params[i];
                 let n = numels[i];
+                let flat = p.tensor.f_detach()?.f_flatten(0, -1)?;
+                tch::no_grad(|| master.f_narrow(0, offset as i64, n as i64)?.f_copy_(&flat))?;
                 let view = payload.f_narrow(0, offset as i64, n as i64)?.f_view(p.tensor.size().as_slice())?;
                 tch::no_grad(|| view.shallow_clone().f_copy_(&p.tensor))?;
                 // The parameter keeps its identity (autograd, hooks, the VarStore) and now
@@ -219,7 +238,7 @@ impl ChunkManager {
                 manager.places[i] = (c, s);
                 offset += n;
             }
-            let home = payload
+            let home = master
                 .f_narrow(0, manager.shard_offset as i64, shard_len as i64)?
                 .f_to_device(home_device(tier))?
                 .f_detach_copy()?;

@@ -3,14 +3,15 @@
 //! homes in host memory and the same rule as tensor operations ([`TensorOptimizer`]) for homes
 //! on the device, and its state beside the home. LAMB and LARS trust ratios are per
 //! parameter although parameters are split over shards: each shard's sums of squares per
-//! parameter are all-reduced before the update. Global-norm clipping sums every shard's
-//! gradient squares across ranks the same way.
+//! parameter are all-reduced before the update. Clipping and loss-scale unscaling use the
+//! engine's functions on [`ChunkOptimizer::gradients`].
 use tch::{Device, Kind, Tensor};
 
 use super::cpu_optim::{CpuOptimizer, CpuRule, Segment};
 use super::manager::{ChunkManager, Piece, Tier};
 use super::tensor_optim::TensorOptimizer;
-use crate::dist::ReduceOp;
+use crate::dist::{ProcessGroup, ReduceOp};
+use crate::optim::Param;
 use crate::Result;
 
 /// One chunk's optimizer, on its home's tier.
@@ -128,22 +129,27 @@ impl ChunkOptimizer {
         }
     }
 
-    /// Clips the chunks' gradients to a global norm of `max_norm` (as
-    /// [`crate::optim::clip_grad_norm`]), returning the norm before clipping.
-    pub fn clip_grad_norm(&self, m: &ChunkManager, max_norm: f64) -> Result<f64> {
-        let mut sum = Tensor::f_zeros([1], (Kind::Double, Device::Cpu))?;
+    /// The chunks' accumulated gradients as one parameter per chunk (this rank's shard of
+    /// its home, with the shard of its gradient as `.grad`), for the engine's
+    /// [`crate::optim::clip_grad_norm`] and [`crate::optim::LossScaler::unscale`]; the group
+    /// they are sharded over, if they are.
+    pub fn gradients(m: &ChunkManager) -> Result<(Vec<Param>, Option<ProcessGroup>)> {
+        let mut out = vec![];
+        for (c, ch) in m.chunks.iter().enumerate() {
+            let w = ch.home.f_detach()?.f_set_requires_grad(true)?;
+            crate::autograd::set_grad(&w, Some(&ch.grad))?;
+            out.push(Param { name: format!("chunk {c}"), tensor: w, adapt: false });
+        }
+        let group = m.replication.as_ref().filter(|r| r.shard).map(|r| r.group.clone());
+        Ok((out, group))
+    }
+
+    /// Clears the accumulated gradients.
+    pub fn zero_grad(m: &ChunkManager) -> Result<()> {
         for ch in &m.chunks {
-            let sq = ch.grad.f_to_kind(Kind::Double)?.f_square()?.f_sum(Kind::Double)?.f_to_device(Device::Cpu)?;
-            sum = sum.f_add(&sq)?;
+            tch::no_grad(|| ch.grad.shallow_clone().f_zero_().map(drop))?;
         }
-        let norm = Self::sum_over_shards(m, sum)?.f_double_value(&[0])?.sqrt();
-        let coef = max_norm / (norm + 1e-6);
-        if norm.is_finite() && coef < 1.0 {
-            for ch in &m.chunks {
-                tch::no_grad(|| ch.grad.shallow_clone().f_mul_scalar_(coef).map(drop))?;
-            }
-        }
-        Ok(norm)
+        Ok(())
     }
 
     /// One step of every chunk from its accumulated gradient, then clears the gradients.
@@ -186,8 +192,8 @@ impl ChunkOptimizer {
                 }
                 ShardOptimizer::Device(o) => o.finish(&ch.home, &ch.grad, &sums)?,
             }
-            tch::no_grad(|| ch.grad.shallow_clone().f_zero_().map(drop))?;
         }
+        Self::zero_grad(m)?;
         self.steps += 1;
         Ok(())
     }

@@ -20,7 +20,7 @@ use super::cpu_optim::CpuRule;
 use super::manager::{human, ChunkConfig, ChunkManager, Replication, Tier};
 use super::optimizer::ChunkOptimizer;
 use crate::autograd::{apply, register_post_accumulate_grad_hook, set_grad, Forward};
-use crate::optim::Param;
+use crate::optim::{LossScaler, Param};
 use crate::{Error, Result};
 
 /// Where chunk homes (fp32 masters, gradients, optimizer state) live.
@@ -219,8 +219,28 @@ impl Gemini {
 
     /// Clips the accumulated gradients to a global norm of `max_norm`; returns the norm before.
     pub fn clip_grad_norm(&self, max_norm: f64) -> Result<f64> {
+        let (grads, group) = ChunkOptimizer::gradients(&*self.manager()?)?;
+        crate::optim::clip_grad_norm(&grads, max_norm, group.as_ref())
+    }
+
+    /// Divides the accumulated gradients by a loss scale (fp16 training) and returns whether
+    /// they are all finite on every rank; when not, call [`Gemini::skip_step`] instead of
+    /// [`Gemini::step`].
+    pub fn unscale(&self, scaler: &LossScaler) -> Result<bool> {
         let m = self.manager()?;
-        self.optimizer()?.clip_grad_norm(&m, max_norm)
+        let (grads, group) = ChunkOptimizer::gradients(&m)?;
+        // Replicated chunks hold the same gradients everywhere, but the decision must still be
+        // the same on every rank: take the group either way.
+        let group = group.or_else(|| m.replication.as_ref().map(|r| r.group.clone()));
+        scaler.unscale(&grads, group.as_ref())
+    }
+
+    /// Ends a step without updating (an overflow under loss scaling): clears the gradients.
+    pub fn skip_step(&self) -> Result<()> {
+        let mut m = self.manager()?;
+        ChunkOptimizer::zero_grad(&m)?;
+        m.end_step();
+        m.release_all()
     }
 
     /// Steps every chunk's home from its accumulated gradient and clears the gradients; resident
