@@ -10,6 +10,8 @@
 //!   the host, [`tensor_optim`] on the device), per-parameter trust ratios across shards.
 //! - [`Gemini`]: runs a model's modules with their chunks resident, placement policies.
 //! - [`checkpoint`]: full state dicts and sharded optimizer state.
+//! - [`budget`]: `--gpu-mem` parsing and the allocator cap.
+pub mod budget;
 pub mod checkpoint;
 pub mod chunk;
 pub mod cpu_optim;
@@ -18,6 +20,7 @@ mod optimizer;
 mod runtime;
 pub mod tensor_optim;
 
+pub use budget::{cap_device_memory, parse_bytes};
 pub use chunk::{Layout, Slot, TensorState};
 pub use cpu_optim::CpuRule;
 pub use manager::{human, ChunkConfig, ChunkManager, Event, Replication, Tier};

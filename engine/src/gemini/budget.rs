@@ -1,0 +1,57 @@
+//! The memory budget a user gives (`--gpu-mem 4G`): parsed, then applied both as the cap of
+//! libtorch's caching allocator for the process (so the rest of the program cannot use more
+//! either, and a 24 GB card rehearses a 4 GB one) and as Gemini's budget.
+use tch::Device;
+
+use crate::{Error, Result};
+
+/// Parses a byte count: a number with an optional binary unit, `K`, `M`, `G`, `T` (also
+/// `KiB`, `KB`, ...; all powers of 1024) or none for bytes: `4G`, `512M`, `1.5GiB`, `4096`.
+pub fn parse_bytes(text: &str) -> Result<u64> {
+    let t = text.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let bad = || Error::invalid(format!("{text:?} is not a byte count (expected e.g. 4G, 512M, 1.5GiB, 4096)"));
+    let value: f64 = number.parse().map_err(|_| bad())?;
+    let shift = match unit.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 0,
+        "K" | "KB" | "KIB" => 10,
+        "M" | "MB" | "MIB" => 20,
+        "G" | "GB" | "GIB" => 30,
+        "T" | "TB" | "TIB" => 40,
+        _ => return Err(bad()),
+    };
+    let bytes = value * (1u64 << shift) as f64;
+    if !bytes.is_finite() || bytes < 1.0 || bytes > u64::MAX as f64 {
+        return Err(bad());
+    }
+    Ok(bytes as u64)
+}
+
+/// Caps the caching allocator of `device` at `bytes` when it is a GPU (an error if the GPU
+/// has less); on the CPU there is no allocator cap and the budget is Gemini's own accounting.
+pub fn cap_device_memory(device: Device, bytes: u64) -> Result<()> {
+    match device {
+        Device::Cuda(d) => crate::cuda::set_memory_cap(bytes, d),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_counts_parse_with_binary_units() {
+        assert_eq!(parse_bytes("4G").unwrap(), 4 << 30);
+        assert_eq!(parse_bytes("512M").unwrap(), 512 << 20);
+        assert_eq!(parse_bytes("1.5GiB").unwrap(), 3 << 29);
+        assert_eq!(parse_bytes(" 64kb ").unwrap(), 64 << 10);
+        assert_eq!(parse_bytes("4096").unwrap(), 4096);
+        for bad in ["", "G", "4X", "-1G", "0", "1..2G"] {
+            let err = parse_bytes(bad).unwrap_err().to_string();
+            assert!(err.contains("is not a byte count"), "{bad}: {err}");
+        }
+        assert!(cap_device_memory(Device::Cpu, 1 << 30).is_ok());
+    }
+}
