@@ -210,7 +210,6 @@ impl ChunkManager {
             cursor: 0,
             events: vec![],
         };
-        let home_device = |tier| if tier == Tier::Device { cfg.device } else { Device::Cpu };
         for (c, members) in layout.chunks.iter().enumerate() {
             let payload = Tensor::f_zeros([layout.chunk_size as i64], (kind, cfg.device))?;
             // The fp32 values, from which the home is cut (the payload may be rounded).
@@ -238,11 +237,8 @@ impl ChunkManager {
                 manager.places[i] = (c, s);
                 offset += n;
             }
-            let home = master
-                .f_narrow(0, manager.shard_offset as i64, shard_len as i64)?
-                .f_to_device(home_device(tier))?
-                .f_detach_copy()?;
-            let grad = home.f_zeros_like()?;
+            let home = manager.on_tier(&master.f_narrow(0, manager.shard_offset as i64, shard_len as i64)?, tier)?;
+            let grad = manager.on_tier(&home.f_zeros_like()?, tier)?;
             let chunk = Chunk { slots, kind, payload, home, tier, resident: false, grad, full_grad: None };
             resize_storage(&chunk.payload, 0)?;
             if tier == Tier::Device {
@@ -404,10 +400,9 @@ impl ChunkManager {
         } else {
             self.device_bytes -= bytes;
         }
-        let target = if tier == Tier::Device { self.device } else { Device::Cpu };
+        let (home, grad) = (self.on_tier(&self.chunks[chunk].home, tier)?, self.on_tier(&self.chunks[chunk].grad, tier)?);
         let ch = &mut self.chunks[chunk];
-        ch.home = ch.home.f_to_device(target)?;
-        ch.grad = ch.grad.f_to_device(target)?;
+        (ch.home, ch.grad) = (home, grad);
         ch.tier = tier;
         self.events.push(Event::MoveHome(chunk, tier));
         Ok(())
@@ -497,6 +492,16 @@ impl ChunkManager {
             }
         }
         Ok(())
+    }
+
+    /// A copy of `t` on `tier`: on the compute device, or in host memory, pinned when the
+    /// compute device is a GPU (so copies to and from it can run asynchronously).
+    fn on_tier(&self, t: &Tensor, tier: Tier) -> Result<Tensor> {
+        Ok(match (tier, self.device) {
+            (Tier::Device, device) => t.f_to_device(device)?.f_detach_copy()?,
+            (Tier::Host, Device::Cuda(d)) => t.f_to_device(Device::Cpu)?.f_pin_memory(Device::Cuda(d))?,
+            (Tier::Host, _) => t.f_to_device(Device::Cpu)?.f_detach_copy()?,
+        })
     }
 
     /// The parts of parameters in this rank's shard of chunk `c`, in offset order.
