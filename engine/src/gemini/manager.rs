@@ -400,7 +400,8 @@ impl ChunkManager {
         } else {
             self.device_bytes -= bytes;
         }
-        let (home, grad) = (self.on_tier(&self.chunks[chunk].home, tier)?, self.on_tier(&self.chunks[chunk].grad, tier)?);
+        let (home, grad) =
+            (self.on_tier(&self.chunks[chunk].home, tier)?, self.on_tier(&self.chunks[chunk].grad, tier)?);
         let ch = &mut self.chunks[chunk];
         (ch.home, ch.grad) = (home, grad);
         ch.tier = tier;
