@@ -20,6 +20,7 @@
 use tch::{Device, Kind, Tensor};
 
 use super::chunk::{Layout, Slot, TensorState};
+use crate::cuda;
 use crate::dist::{ProcessGroup, ReduceOp};
 use crate::optim::Param;
 use crate::storage::resize_storage;
@@ -93,6 +94,8 @@ pub(crate) struct Chunk {
     /// parameters' gradients until the chunk's are all here and it is reduced across ranks
     /// (only with a data-parallel group).
     pub(crate) full_grad: Option<Tensor>,
+    /// Marks the end of a prefetch copy still in flight on the side stream (GPU only).
+    ready: Option<cuda::Event>,
 }
 
 impl Chunk {
@@ -144,6 +147,8 @@ pub struct ChunkManager {
     recording: bool,
     /// The most chunks one access has needed.
     widest: usize,
+    /// The GPU side stream prefetches copy on (created at the first).
+    side: Option<cuda::Stream>,
     /// Position in the trace during a replayed step.
     cursor: usize,
     events: Vec<Event>,
@@ -207,6 +212,7 @@ impl ChunkManager {
             trace: vec![],
             recording: true,
             widest: 0,
+            side: None,
             cursor: 0,
             events: vec![],
         };
@@ -239,7 +245,7 @@ impl ChunkManager {
             }
             let home = manager.on_tier(&master.f_narrow(0, manager.shard_offset as i64, shard_len as i64)?, tier)?;
             let grad = manager.on_tier(&home.f_zeros_like()?, tier)?;
-            let chunk = Chunk { slots, kind, payload, home, tier, resident: false, grad, full_grad: None };
+            let chunk = Chunk { slots, kind, payload, home, tier, resident: false, grad, full_grad: None, ready: None };
             resize_storage(&chunk.payload, 0)?;
             if tier == Tier::Device {
                 manager.charge(manager.home_buffers * chunk.home_bytes(), c)?;
@@ -321,6 +327,10 @@ impl ChunkManager {
                 self.cursor += 1;
             }
             self.make_resident(c, &chunks)?;
+            // A prefetch still copying: the module's kernels queue behind it.
+            if let (Some(ready), Device::Cuda(d)) = (self.chunks[c].ready.take(), self.device) {
+                cuda::Stream::current(d)?.wait_event(&ready)?;
+            }
         }
         self.move_params(params, TensorState::Compute)
     }
@@ -382,7 +392,7 @@ impl ChunkManager {
                     _ => return Ok(()),
                 }
             }
-            self.load(c)?;
+            self.load(c, true)?;
             self.events.push(Event::Prefetch(c));
         }
         Ok(())
@@ -579,6 +589,9 @@ impl ChunkManager {
     /// Frees every resident payload not in use (end of a step, or before a checkpoint).
     pub fn release_all(&mut self) -> Result<()> {
         for c in 0..self.chunks.len() {
+            self.settle(c)?;
+        }
+        for c in 0..self.chunks.len() {
             if self.chunks[c].resident && !self.chunks[c].in_compute() {
                 self.evict(c)?;
             }
@@ -591,7 +604,7 @@ impl ChunkManager {
             return Ok(());
         }
         self.make_room(self.chunks[c].bytes(), pinned)?;
-        self.load(c)?;
+        self.load(c, false)?;
         self.events.push(Event::Load(c));
         Ok(())
     }
@@ -630,18 +643,30 @@ impl ChunkManager {
         candidates.map(|c| (c, next_use(c))).max_by_key(|&(c, next)| (next, c))
     }
 
-    fn load(&mut self, c: usize) -> Result<()> {
+    /// Makes chunk `c`'s payload resident. `ahead`: a prefetch, which on a GPU copies on a
+    /// side stream so that it overlaps the running module; the chunk's next access makes the
+    /// compute stream wait for it.
+    fn load(&mut self, c: usize, ahead: bool) -> Result<()> {
         let bytes = self.chunks[c].bytes();
         self.charge(bytes, c)?;
-        let ch = &mut self.chunks[c];
-        resize_storage(&ch.payload, bytes)?;
-        match &self.replication {
-            Some(rep) if rep.shard => {
+        // The payload's memory comes from the compute stream's pool.
+        resize_storage(&self.chunks[c].payload, bytes)?;
+        match (&self.replication, self.device) {
+            (Some(rep), _) if rep.shard => {
+                let ch = &self.chunks[c];
                 let mine = ch.home.f_to_device(self.device)?.f_to_kind(ch.kind)?;
                 rep.group.all_gather_into_async(&ch.payload, &mine)?.wait()?;
             }
-            _ => tch::no_grad(|| ch.payload.f_copy_(&ch.home))?,
+            (_, Device::Cuda(d)) if ahead => {
+                let ready = self.copy_on_side_stream(c, d)?;
+                self.chunks[c].ready = Some(ready);
+            }
+            _ => {
+                let ch = &self.chunks[c];
+                tch::no_grad(|| ch.payload.shallow_clone().f_copy_(&ch.home))?;
+            }
         }
+        let ch = &mut self.chunks[c];
         for s in &mut ch.slots {
             s.move_to(TensorState::Hold)?;
         }
@@ -649,7 +674,44 @@ impl ChunkManager {
         Ok(())
     }
 
+    /// Fills chunk `c`'s payload from its home on a side stream of GPU `d`, after the work
+    /// queued so far on the compute stream (which may have used the payload's memory last);
+    /// returns the event that marks the copy done.
+    fn copy_on_side_stream(&mut self, c: usize, d: usize) -> Result<cuda::Event> {
+        let main = cuda::Stream::current(d)?;
+        if self.side.is_none() {
+            self.side = Some(cuda::Stream::from_pool(d, false)?);
+        }
+        let side = self.side.as_ref().expect("created above");
+        let before = cuda::Event::new(false)?;
+        before.record(&main)?;
+        side.wait_event(&before)?;
+        side.set_current()?;
+        let ch = &self.chunks[c];
+        // Pinned host homes copy asynchronously; the dtype cast runs on the side stream too.
+        let copied = tch::no_grad(|| -> Result<()> {
+            let staged = ch.home.f_to_dtype_layout((ch.home.kind(), self.device), true, false)?;
+            ch.payload.shallow_clone().f_copy_(&staged)?;
+            Ok(())
+        });
+        main.set_current()?;
+        copied?;
+        let done = cuda::Event::new(false)?;
+        done.record(side)?;
+        Ok(done)
+    }
+
+    /// Waits (on the host) for chunk `c`'s side-stream copy, if one is in flight: before its
+    /// memory is freed, and before its home is stepped.
+    fn settle(&mut self, c: usize) -> Result<()> {
+        if let Some(ready) = self.chunks[c].ready.take() {
+            ready.synchronize()?;
+        }
+        Ok(())
+    }
+
     fn evict(&mut self, c: usize) -> Result<()> {
+        self.settle(c)?;
         let ch = &mut self.chunks[c];
         for s in &mut ch.slots {
             s.move_to(TensorState::Free)?;

@@ -248,8 +248,11 @@ impl Gemini {
     /// step's accesses become the trace.
     pub fn step(&self) -> Result<()> {
         let mut m = self.manager()?;
+        // Payloads are stale after the step; freeing them first also waits for any prefetch
+        // still reading a home the optimizer is about to write.
+        m.release_all()?;
         self.optimizer()?.step(&mut m)?;
         m.end_step();
-        m.release_all()
+        Ok(())
     }
 }
