@@ -1,0 +1,252 @@
+//! Gemini under a GPU memory cap, side by side with plain training in the same run: for GPT-style
+//! models of growing width, whether plain training (parameters, gradients and AdamW state all on
+//! the GPU) fits under the cap and whether Gemini (auto placement, budget = the cap) does, with
+//! step times and peak allocated memory; then Gemini's step time under the cap relative to plain
+//! training of the same model without a cap.
+//!
+//! `cargo bench -p engine --bench gemini -- [--cap 4G] [--depth 8] [--widths 1024,2048,...]`
+//! (scripts/bench-gemini.sh sets things up). Needs a CUDA device; `--device cpu` runs the same
+//! program with Gemini's own accounting as the only cap, to check the program itself.
+use std::panic::AssertUnwindSafe;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use engine::gemini::{cap_device_memory, parse_bytes, ChunkConfig, CpuRule, Gemini, GeminiConfig, Placement};
+use engine::optim::{AdamW, AdamWConfig, Optimizer, Param};
+use tch::{Device, Kind, Tensor};
+
+const SEQ: i64 = 256;
+const BATCH: i64 = 4;
+const STEPS: usize = 3;
+
+struct Args {
+    cap: u64,
+    depth: i64,
+    widths: Vec<i64>,
+    device: Device,
+}
+
+fn args() -> anyhow::Result<Args> {
+    let mut a =
+        Args { cap: 4 << 30, depth: 8, widths: vec![1024, 1536, 2048, 2560, 3072, 4096], device: Device::Cuda(0) };
+    let mut it = std::env::args().skip(1).filter(|s| s != "--bench");
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().with_context(|| format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--cap" => a.cap = parse_bytes(&value()?)?,
+            "--depth" => a.depth = value()?.parse().context("--depth")?,
+            "--widths" => {
+                a.widths = value()?.split(',').map(str::parse).collect::<Result<_, _>>().context("--widths")?
+            }
+            "--device" => {
+                a.device = match value()?.as_str() {
+                    "cpu" => Device::Cpu,
+                    "cuda" => Device::Cuda(0),
+                    other => bail!("--device {other}: expected cpu or cuda"),
+                }
+            }
+            other => bail!("unknown flag {other}"),
+        }
+    }
+    Ok(a)
+}
+
+/// Parameters of `depth` pre-norm blocks of width `w`, in execution order, on the host.
+fn parameters(w: i64, depth: i64) -> Vec<Param> {
+    let mut ps = vec![];
+    for b in 0..depth {
+        for (name, shape) in [
+            ("ln1", vec![w]),
+            ("qkv", vec![3 * w, w]),
+            ("proj", vec![w, w]),
+            ("ln2", vec![w]),
+            ("fc1", vec![4 * w, w]),
+            ("fc2", vec![w, 4 * w]),
+        ] {
+            let t = if shape.len() == 1 {
+                Tensor::ones(&shape, (Kind::Float, Device::Cpu))
+            } else {
+                Tensor::randn(&shape, (Kind::Float, Device::Cpu)) * (1.0 / (shape[1] as f64).sqrt())
+            };
+            ps.push(Param::new(format!("blocks.{b}.{name}"), &t.set_requires_grad(true)));
+        }
+    }
+    ps
+}
+
+fn block(x: &Tensor, p: &[Tensor], heads: i64) -> Tensor {
+    let (b, t, w) = x.size3().expect("[batch, seq, width]");
+    let h = x.layer_norm([w], Some(&p[0]), None, 1e-5, false);
+    let qkv = h.linear::<Tensor>(&p[1], None).reshape([b, t, 3, heads, w / heads]).permute([2, 0, 3, 1, 4]);
+    let a = Tensor::scaled_dot_product_attention(
+        &qkv.get(0),
+        &qkv.get(1),
+        &qkv.get(2),
+        None::<Tensor>,
+        0.0,
+        true,
+        None,
+        false,
+    );
+    let x = x + a.transpose(1, 2).reshape([b, t, w]).linear::<Tensor>(&p[2], None);
+    let h = x.layer_norm([w], Some(&p[3]), None, 1e-5, false);
+    &x + h.linear::<Tensor>(&p[4], None).gelu("tanh").linear::<Tensor>(&p[5], None)
+}
+
+struct Outcome {
+    seconds_per_step: f64,
+    peak: i64,
+}
+
+fn peak_and_reset(device: Device) -> i64 {
+    match device {
+        Device::Cuda(d) => {
+            let peak = engine::cuda::memory_stats(d).map(|s| s.peak_allocated).unwrap_or(0);
+            let _ = engine::cuda::empty_cache();
+            let _ = engine::cuda::reset_peak_stats(d);
+            peak
+        }
+        _ => 0,
+    }
+}
+
+fn synchronize(device: Device) {
+    if let Device::Cuda(d) = device {
+        let _ = engine::cuda::synchronize(d);
+    }
+}
+
+/// Trains `STEPS` steps plainly on `device`; `Err` when it does not fit (out of memory).
+fn plain(w: i64, depth: i64, device: Device) -> anyhow::Result<Outcome> {
+    let run = || -> anyhow::Result<f64> {
+        let ps: Vec<Param> = parameters(w, depth)
+            .into_iter()
+            .map(|p| Param::new(&p.name, &p.tensor.detach().to_device(device).set_requires_grad(true)))
+            .collect();
+        let tensors: Vec<Tensor> = ps.iter().map(|p| p.tensor.shallow_clone()).collect();
+        let mut opt = AdamW::new(ps, AdamWConfig::default());
+        let mut elapsed = 0.0;
+        for step in 0..STEPS + 1 {
+            let start = Instant::now();
+            let mut x = Tensor::randn([BATCH, SEQ, w], (Kind::Float, device));
+            for b in tensors.chunks(6) {
+                x = block(&x, b, w / 64);
+            }
+            x.square().mean(Kind::Float).backward();
+            opt.step()?;
+            opt.zero_grad();
+            synchronize(device);
+            if step > 0 {
+                elapsed += start.elapsed().as_secs_f64();
+            }
+        }
+        Ok(elapsed / STEPS as f64)
+    };
+    let result = std::panic::catch_unwind(AssertUnwindSafe(run));
+    let peak = peak_and_reset(device);
+    match result {
+        Ok(Ok(s)) => Ok(Outcome { seconds_per_step: s, peak }),
+        Ok(Err(e)) => Err(e),
+        Err(_) => bail!("out of memory (or another failure) in plain training"),
+    }
+}
+
+/// Trains `STEPS` steps under Gemini with a budget of `cap` bytes.
+fn gemini(w: i64, depth: i64, device: Device, cap: u64) -> anyhow::Result<Outcome> {
+    let run = || -> anyhow::Result<f64> {
+        let ps = parameters(w, depth);
+        let tensors: Vec<Tensor> = ps.iter().map(|p| p.tensor.shallow_clone()).collect();
+        let cfg = GeminiConfig {
+            chunks: ChunkConfig {
+                device,
+                budget: cap as usize,
+                search: (1 << 22, 1 << 26, 1 << 22),
+                home_buffers: 0,
+                compute: Kind::Float,
+            },
+            placement: Placement::Auto,
+            prefetch: 2,
+            rule: CpuRule::AdamW(AdamWConfig::default()),
+            replication: None,
+        };
+        let g = Gemini::new(&ps, cfg)?;
+        let mut elapsed = 0.0;
+        for step in 0..STEPS + 1 {
+            let start = Instant::now();
+            let mut x = Tensor::randn([BATCH, SEQ, w], (Kind::Float, device));
+            for (i, b) in tensors.chunks(6).enumerate() {
+                let idx: Vec<usize> = (6 * i..6 * i + 6).collect();
+                x = g.run(&idx, &x, |x| block(x, b, w / 64))?;
+            }
+            x.square().mean(Kind::Float).backward();
+            g.finish_backward()?;
+            g.step()?;
+            synchronize(device);
+            if step > 0 {
+                elapsed += start.elapsed().as_secs_f64();
+            }
+        }
+        Ok(elapsed / STEPS as f64)
+    };
+    let result = std::panic::catch_unwind(AssertUnwindSafe(run));
+    let peak = peak_and_reset(device);
+    match result {
+        Ok(Ok(s)) => Ok(Outcome { seconds_per_step: s, peak }),
+        Ok(Err(e)) => Err(e),
+        Err(_) => bail!("out of memory (or another failure) under Gemini"),
+    }
+}
+
+fn gib(bytes: i64) -> f64 {
+    bytes as f64 / f64::from(1u32 << 30)
+}
+
+fn main() -> anyhow::Result<()> {
+    let a = args()?;
+    if let Device::Cuda(_) = a.device {
+        if !engine::cuda::is_available() {
+            println!("gemini bench: no CUDA device (pass --device cpu to check the program on the CPU)");
+            return Ok(());
+        }
+    }
+    // Panics inside the runs are expected (out of memory): keep their messages short.
+    std::panic::set_hook(Box::new(|info| eprintln!("  (failed: {})", info.to_string().lines().next().unwrap_or(""))));
+    println!("cap {:.2} GiB, depth {}, batch {BATCH} x {SEQ} tokens, AdamW fp32", gib(a.cap as i64), a.depth);
+    println!(
+        "{:>6} {:>10} {:>14} {:>14} {:>14} {:>14}",
+        "width", "params", "plain s/step", "plain peak", "gemini s/step", "gemini peak"
+    );
+    cap_device_memory(a.device, a.cap)?;
+    let mut largest = (None, None);
+    for &w in &a.widths {
+        let params = 12 * w * w * a.depth;
+        let p = plain(w, a.depth, a.device);
+        let g = gemini(w, a.depth, a.device, a.cap);
+        let show = |o: &anyhow::Result<Outcome>| match o {
+            Ok(o) => (format!("{:.3}", o.seconds_per_step), format!("{:.2} GiB", gib(o.peak))),
+            Err(_) => ("OOM".into(), "-".into()),
+        };
+        let ((ps, pp), (gs, gp)) = (show(&p), show(&g));
+        println!("{w:>6} {:>9.0}M {ps:>14} {pp:>14} {gs:>14} {gp:>14}", params as f64 / 1e6);
+        if p.is_ok() {
+            largest.0 = Some(w);
+        }
+        if let Ok(o) = &g {
+            largest.1 = Some((w, o.seconds_per_step));
+        }
+    }
+    println!("largest width under the cap: plain {:?}, gemini {:?}", largest.0, largest.1.map(|l| l.0));
+    if let (Some((w, capped)), Device::Cuda(d)) = (largest.1, a.device) {
+        engine::cuda::set_memory_fraction(1.0, d)?;
+        match plain(w, a.depth, a.device) {
+            Ok(o) => println!(
+                "width {w}: gemini under the cap {capped:.3} s/step, plain uncapped {:.3} s/step (peak {:.2} GiB): ratio {:.2}",
+                o.seconds_per_step,
+                gib(o.peak),
+                capped / o.seconds_per_step
+            ),
+            Err(e) => println!("width {w}: plain training does not fit even uncapped ({e})"),
+        }
+    }
+    Ok(())
+}
