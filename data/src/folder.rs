@@ -118,6 +118,31 @@ pub fn decode(path: &Path, channels: usize) -> Result<Image> {
     Ok(Image::new(channels, height, width, pixels))
 }
 
+/// `img` resized so that its shorter side is `size` (the aspect ratio kept, the longer side
+/// rounded), with the triangle filter of [`resize_square`] (torchvision's antialiased
+/// `Resize(size)`).
+///
+/// # Panics
+/// If `size` is 0 or `img` has no pixels.
+pub fn resize_shorter(img: &Image, size: usize) -> Image {
+    assert!(size > 0 && img.height > 0 && img.width > 0, "resize_shorter needs a non-empty image and size");
+    let scale = size as f64 / img.height.min(img.width) as f64;
+    let (h, w) = if img.height <= img.width {
+        (size, ((img.width as f64 * scale).round() as usize).max(size))
+    } else {
+        (((img.height as f64 * scale).round() as usize).max(size), size)
+    };
+    let plane = img.height * img.width;
+    let mut pixels = Vec::with_capacity(img.channels * h * w);
+    for c in 0..img.channels {
+        let channel = img.pixels[c * plane..(c + 1) * plane].to_vec();
+        let buf: ImageBuffer<Luma<f32>, Vec<f32>> = ImageBuffer::from_raw(img.width as u32, img.height as u32, channel)
+            .expect("an Image's pixel count matches its shape");
+        pixels.extend(imageops::resize(&buf, w as u32, h as u32, FilterType::Triangle).into_raw());
+    }
+    Image::new(img.channels, h, w, pixels)
+}
+
 /// `img` cropped to the largest centred square, then resized to `size` x `size` with a
 /// triangle (bilinear) filter, which widens with the scale when shrinking so that the result
 /// does not alias. Every channel is resized on its own.
@@ -145,12 +170,12 @@ fn format_err(path: &Path, msg: String) -> Error {
 }
 
 /// The paths in directory `dir`, unsorted.
-fn list(dir: &Path) -> Result<Vec<PathBuf>> {
+pub(crate) fn list(dir: &Path) -> Result<Vec<PathBuf>> {
     let io_err = |source| Error::Io { path: dir.to_path_buf(), source };
     fs::read_dir(dir).map_err(io_err)?.map(|e| e.map(|e| e.path()).map_err(io_err)).collect()
 }
 
-fn is_image(path: &Path) -> bool {
+pub(crate) fn is_image(path: &Path) -> bool {
     let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
     path.is_file() && EXTENSIONS.iter().any(|known| ext.eq_ignore_ascii_case(known))
 }

@@ -3,6 +3,7 @@
 #![warn(missing_docs)]
 
 pub mod augment;
+pub mod captions;
 pub mod checkpoint;
 pub mod digits;
 pub mod folder;
@@ -11,6 +12,7 @@ pub mod images;
 pub mod loader;
 pub mod sampler;
 
+pub use captions::CaptionedImages;
 pub use folder::ImageFolder;
 pub use h5::Hdf5Images;
 pub use images::{Dataset, Image, InMemory, Subset};
