@@ -1,0 +1,153 @@
+//! Confidence measures from the heads' logits, as AlphaFold defines them
+//! (`alphafold/common/confidence.py`): per-residue pLDDT from the lDDT head's 50 bins, the
+//! predicted aligned error (PAE) from the aligned-error head's 64 bins up to 31 Å, and the
+//! predicted TM-score (pTM), plus the `<name>_confidence.json` that `fastfold predict` writes.
+use std::path::Path;
+
+use tch::{Kind, Tensor};
+
+/// pLDDT in `[0, 100]` per residue: the expected value of the bin centres (`(i + 1/2) / bins`)
+/// under the softmax of `logits` `[..., bins]`, times 100.
+pub fn plddt(logits: &Tensor) -> Tensor {
+    let bins = logits.size().last().copied().unwrap_or(1);
+    let centres = (Tensor::arange(bins, (Kind::Float, logits.device())) + 0.5) / bins as f64;
+    (logits.to_kind(Kind::Float).softmax(-1, Kind::Float) * centres).sum_dim_intlist(-1, false, Kind::Float) * 100.0
+}
+
+/// Bin centres of the aligned-error head: `bins - 1` breaks evenly from 0 to `max_bin` Å,
+/// each bin's centre half a step above its lower break, and the last (open) bin one step above
+/// the one before.
+pub fn aligned_error_centres(bins: i64, max_bin: f64, device: tch::Device) -> Tensor {
+    let step = max_bin / (bins - 2) as f64;
+    Tensor::arange(bins, (Kind::Float, device)) * step + step / 2.0
+}
+
+/// The predicted aligned error `[N, N]` in Å (expected value of the bin centres) from the
+/// aligned-error logits `[N, N, bins]` (AlphaFold: 64 bins, breaks up to 31 Å), and the
+/// largest value it can take (the last centre).
+pub fn predicted_aligned_error(logits: &Tensor, max_bin: f64) -> (Tensor, f64) {
+    let bins = logits.size().last().copied().unwrap_or(2);
+    let centres = aligned_error_centres(bins, max_bin, logits.device());
+    let probs = logits.to_kind(Kind::Float).softmax(-1, Kind::Float);
+    let last = centres.double_value(&[bins - 1]);
+    ((probs * centres).sum_dim_intlist(-1, false, Kind::Float), last)
+}
+
+/// The predicted TM-score from the aligned-error logits `[N, N, bins]`: for each aligned
+/// residue `i`, the mean over residues `j` of the expected TM term `1 / (1 + (e / d0)^2)` with
+/// `d0 = 1.24 (max(N, 19) - 15)^(1/3) - 1.8`; the score is the best `i`.
+pub fn predicted_tm_score(logits: &Tensor, max_bin: f64) -> f64 {
+    let size = logits.size();
+    let (n, bins) = (size[0], size[size.len() - 1]);
+    let clipped = n.max(19) as f64;
+    let d0 = 1.24 * (clipped - 15.0).cbrt() - 1.8;
+    let centres = aligned_error_centres(bins, max_bin, logits.device());
+    let tm_per_bin = ((centres / d0).square() + 1.0).reciprocal();
+    let probs = logits.to_kind(Kind::Float).softmax(-1, Kind::Float);
+    let term = (probs * tm_per_bin).sum_dim_intlist(-1, false, Kind::Float);
+    term.mean_dim(-1, false, Kind::Float).max().double_value(&[])
+}
+
+/// What `<name>_confidence.json` holds.
+#[derive(Debug, serde::Serialize)]
+pub struct Confidence {
+    /// Per-residue pLDDT.
+    pub plddt: Vec<f64>,
+    /// Mean pLDDT.
+    pub mean_plddt: f64,
+    /// Predicted TM-score (parameter sets with the aligned-error head only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ptm: Option<f64>,
+    /// Predicted aligned error, Å, `[N][N]` (with the aligned-error head only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pae: Option<Vec<Vec<f64>>>,
+    /// The largest value a PAE entry can take.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_pae: Option<f64>,
+}
+
+impl Confidence {
+    /// From the lDDT logits `[N, bins]` and, when the parameters have the aligned-error head,
+    /// its logits `[N, N, bins]` (AlphaFold's `max_error_bin` 31 Å).
+    pub fn from_logits(lddt_logits: &Tensor, aligned_error_logits: Option<&Tensor>) -> anyhow::Result<Confidence> {
+        let plddt = Vec::<f64>::try_from(plddt(lddt_logits).to_kind(Kind::Double).to_device(tch::Device::Cpu))?;
+        let mean_plddt = plddt.iter().sum::<f64>() / plddt.len().max(1) as f64;
+        let (mut ptm, mut pae, mut max_pae) = (None, None, None);
+        if let Some(logits) = aligned_error_logits {
+            let (error, max) = predicted_aligned_error(logits, 31.0);
+            let error = error.to_kind(Kind::Double).to_device(tch::Device::Cpu);
+            pae = Some(Vec::<Vec<f64>>::try_from(error)?);
+            max_pae = Some(max);
+            ptm = Some(predicted_tm_score(logits, 31.0));
+        }
+        Ok(Confidence { plddt, mean_plddt, ptm, pae, max_pae })
+    }
+
+    /// Writes the JSON file (atomically).
+    pub fn write(&self, path: &Path) -> anyhow::Result<()> {
+        data::write_atomic(path, |w| -> anyhow::Result<()> { Ok(serde_json::to_writer(w, self)?) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tch::Device;
+
+    use super::*;
+
+    fn one_hot(bins: i64, at: i64, lead: &[i64]) -> Tensor {
+        let mut shape = lead.to_vec();
+        shape.push(bins);
+        // Large logits: the softmax puts all but ~e^-100 of the mass on `at`.
+        Tensor::zeros(&shape, (Kind::Float, Device::Cpu)).index_fill(-1, &Tensor::from_slice(&[at]), 100.0)
+    }
+
+    #[test]
+    fn plddt_is_the_expected_bin_centre() {
+        let uniform = Tensor::zeros([3, 50], (Kind::Float, Device::Cpu));
+        let p = Vec::<f64>::try_from(plddt(&uniform).to_kind(Kind::Double)).unwrap();
+        assert!(p.iter().all(|&v| (v - 50.0).abs() < 1e-4), "{p:?}");
+        let p = plddt(&one_hot(50, 49, &[2])).double_value(&[0]);
+        assert!((p - 99.0).abs() < 1e-4, "{p}");
+        let p = plddt(&one_hot(50, 0, &[2])).double_value(&[1]);
+        assert!((p - 1.0).abs() < 1e-4, "{p}");
+    }
+
+    #[test]
+    fn aligned_error_and_tm_score_follow_alphafold() {
+        // 64 bins, breaks 0, 0.5, ..., 31: centres 0.25, 0.75, ..., 31.25, 31.75.
+        let c = Vec::<f64>::try_from(aligned_error_centres(64, 31.0, Device::Cpu).to_kind(Kind::Double)).unwrap();
+        assert!((c[0] - 0.25).abs() < 1e-6 && (c[62] - 31.25).abs() < 1e-5 && (c[63] - 31.75).abs() < 1e-5);
+        let n = 30;
+        let (pae, max) = predicted_aligned_error(&one_hot(64, 2, &[n, n]), 31.0);
+        assert!((pae.double_value(&[3, 4]) - 1.25).abs() < 1e-4 && (max - 31.75).abs() < 1e-5);
+        // Every pair certain of an error of 1.25 A: pTM = 1 / (1 + (1.25 / d0)^2).
+        let d0 = 1.24 * (30f64 - 15.0).cbrt() - 1.8;
+        let want = 1.0 / (1.0 + (1.25 / d0).powi(2));
+        let got = predicted_tm_score(&one_hot(64, 2, &[n, n]), 31.0);
+        assert!((got - want).abs() < 1e-5, "{got} vs {want}");
+        // Short chains use N = 19 in d0.
+        let d0 = 1.24 * 4f64.cbrt() - 1.8;
+        let got = predicted_tm_score(&one_hot(64, 0, &[5, 5]), 31.0);
+        assert!((got - 1.0 / (1.0 + (0.25 / d0).powi(2))).abs() < 1e-5);
+    }
+
+    #[test]
+    fn confidence_json_has_what_the_heads_give() {
+        let dir = std::env::temp_dir().join(format!("fastfold-confidence-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let lddt = Tensor::zeros([4, 50], (Kind::Float, Device::Cpu));
+        let c = Confidence::from_logits(&lddt, None).unwrap();
+        c.write(&dir.join("a.json")).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("a.json")).unwrap()).unwrap();
+        assert_eq!(v["plddt"].as_array().unwrap().len(), 4);
+        assert!((v["mean_plddt"].as_f64().unwrap() - 50.0).abs() < 1e-4);
+        assert!(v.get("ptm").is_none() && v.get("pae").is_none());
+        let c = Confidence::from_logits(&lddt, Some(&one_hot(64, 2, &[4, 4]))).unwrap();
+        c.write(&dir.join("b.json")).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("b.json")).unwrap()).unwrap();
+        assert_eq!(v["pae"].as_array().unwrap().len(), 4);
+        assert!(v["ptm"].as_f64().unwrap() > 0.0 && (v["max_pae"].as_f64().unwrap() - 31.75).abs() < 1e-5);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

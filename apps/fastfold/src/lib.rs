@@ -1,0 +1,3 @@
+//! FastFold: AlphaFold-style protein structure prediction and training with Dynamic Axial
+//! Parallelism.
+pub mod confidence;
