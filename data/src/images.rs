@@ -1,6 +1,8 @@
 //! Labelled image data sets behind one trait, whatever their storage: the embedded digits
 //! (in memory), a folder of image files, or an HDF5 file. Examples are decoded one at a time,
 //! so memory does not grow with the data set.
+use image::ImageEncoder;
+
 use crate::Result;
 
 /// One decoded image: channel-major (`[channels, height, width]`) pixels in `[0, 1]`.
@@ -26,6 +28,32 @@ impl Image {
     /// The pixel of channel `c` at row `y`, column `x`.
     pub fn at(&self, c: usize, y: usize, x: usize) -> f32 {
         self.pixels[(c * self.height + y) * self.width + x]
+    }
+
+    /// Writes the image as an 8-bit PNG (grey or RGB), values in `[0, 1]` clamped and rounded,
+    /// atomically (nothing is left at `path` if writing fails).
+    pub fn write_png(&self, path: &std::path::Path) -> Result<()> {
+        let color = match self.channels {
+            1 => image::ExtendedColorType::L8,
+            3 => image::ExtendedColorType::Rgb8,
+            c => {
+                return Err(crate::Error::Format {
+                    path: path.to_path_buf(),
+                    msg: format!("PNG output needs 1 or 3 channels, not {c}"),
+                })
+            }
+        };
+        let plane = self.height * self.width;
+        let mut bytes = vec![0u8; self.channels * plane];
+        for (i, b) in bytes.iter_mut().enumerate() {
+            let v = self.pixels[(i % self.channels) * plane + i / self.channels];
+            *b = (v.clamp(0.0, 1.0) * 255.0).round() as u8;
+        }
+        crate::write_atomic(path, |w| -> Result<()> {
+            image::codecs::png::PngEncoder::new(w)
+                .write_image(&bytes, self.width as u32, self.height as u32, color)
+                .map_err(|e| crate::Error::Format { path: path.to_path_buf(), msg: format!("encoding PNG: {e}") })
+        })
     }
 }
 
@@ -120,5 +148,28 @@ impl Dataset for Subset {
 
     fn get(&self, i: usize) -> Result<(Image, i64)> {
         self.inner.get(self.indices[i])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn png_round_trip_and_bad_channel_count() {
+        let dir = std::env::temp_dir().join(format!("data-png-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let pixels: Vec<f32> = (0..3 * 4 * 5).map(|i| (i % 7) as f32 / 6.0).collect();
+        let img = Image::new(3, 4, 5, pixels);
+        let path = dir.join("x.png");
+        img.write_png(&path).unwrap();
+        let back = crate::folder::decode(&path, 3).unwrap();
+        assert_eq!((back.channels, back.height, back.width), (3, 4, 5));
+        let worst = back.pixels.iter().zip(&img.pixels).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(worst <= 0.5 / 255.0 + 1e-6, "8-bit rounding only: {worst}");
+        let err = Image::new(2, 1, 1, vec![0.0, 0.0]).write_png(&dir.join("y.png")).unwrap_err().to_string();
+        assert!(err.contains("y.png: PNG output needs 1 or 3 channels, not 2"), "{err}");
+        assert!(!dir.join("y.png").exists());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
