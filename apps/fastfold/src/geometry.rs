@@ -1,0 +1,198 @@
+//! Rigid transforms and the structure losses built on them, as AlphaFold defines them
+//! (Jumper et al. 2021, supplementary 1.8 and 1.9): frames from three backbone atoms
+//! (Algorithm 21), frame-aligned point error (FAPE, Algorithm 28) and the distogram loss
+//! (1.9.8). Everything works on batched tch tensors with leading dimensions `[...]`.
+use tch::{Kind, Tensor};
+
+/// Rigid transforms `x -> R x + t`: rotations `[..., 3, 3]` and translations `[..., 3]`.
+#[derive(Debug)]
+pub struct Rigid {
+    /// Rotation matrices.
+    pub rot: Tensor,
+    /// Translations.
+    pub trans: Tensor,
+}
+
+impl Rigid {
+    /// The frame with origin `x2`, first axis towards `x3` and `x1` in the plane of the first
+    /// two axes (Gram-Schmidt; AlphaFold's `rigid_from_three_points` with
+    /// `x1 = N, x2 = CA, x3 = C`). `eps` keeps the normalisation finite for coincident atoms.
+    pub fn from_three_points(x1: &Tensor, x2: &Tensor, x3: &Tensor, eps: f64) -> Rigid {
+        let norm = |v: &Tensor| v / (v.square().sum_dim_intlist(-1, true, Kind::Float) + eps).sqrt();
+        let e1 = norm(&(x3 - x2));
+        let v2 = x1 - x2;
+        let u2 = &v2 - &e1 * (&e1 * &v2).sum_dim_intlist(-1, true, Kind::Float);
+        let e2 = norm(&u2);
+        let e3 = e1.cross(&e2, -1);
+        Rigid { rot: Tensor::stack(&[e1, e2, e3], -1), trans: x2.shallow_clone() }
+    }
+
+    /// Applies the transform to points `[..., 3]` (broadcast against the frames).
+    pub fn apply(&self, x: &Tensor) -> Tensor {
+        self.rot.matmul(&x.unsqueeze(-1)).squeeze_dim(-1) + &self.trans
+    }
+
+    /// Applies the inverse transform: `R^T (x - t)`.
+    pub fn invert_apply(&self, x: &Tensor) -> Tensor {
+        self.rot.transpose(-1, -2).matmul(&(x - &self.trans).unsqueeze(-1)).squeeze_dim(-1)
+    }
+
+    /// `self ∘ other`: first `other`, then `self`.
+    pub fn compose(&self, other: &Rigid) -> Rigid {
+        Rigid { rot: self.rot.matmul(&other.rot), trans: self.apply(&other.trans) }
+    }
+
+    /// Rotation matrices from (not necessarily normalised) quaternions `[..., 4]` `(w, x, y, z)`,
+    /// and translations: AlphaFold's backbone update (Algorithm 23) parameterisation.
+    pub fn from_quaternion(q: &Tensor, trans: &Tensor) -> Rigid {
+        let q = q / q.square().sum_dim_intlist(-1, true, Kind::Float).sqrt();
+        let [w, x, y, z] = [0, 1, 2, 3].map(|i| q.select(-1, i));
+        let rows = [
+            [&w * &w + &x * &x - &y * &y - &z * &z, (&x * &y - &w * &z) * 2.0, (&x * &z + &w * &y) * 2.0],
+            [(&x * &y + &w * &z) * 2.0, &w * &w - &x * &x + &y * &y - &z * &z, (&y * &z - &w * &x) * 2.0],
+            [(&x * &z - &w * &y) * 2.0, (&y * &z + &w * &x) * 2.0, &w * &w - &x * &x - &y * &y + &z * &z],
+        ];
+        let rows: Vec<Tensor> = rows.into_iter().map(|r| Tensor::stack(&r, -1)).collect();
+        Rigid { rot: Tensor::stack(&rows, -2), trans: trans.shallow_clone() }
+    }
+}
+
+/// Frame-aligned point error (AlphaFold's Algorithm 28): every position `[..., P, 3]` seen from
+/// every frame `[..., F]`, predicted against true, distances `sqrt(d^2 + eps)` clamped at
+/// `clamp` (Å, AlphaFold 10) when given, averaged over the masked pairs and divided by
+/// `length_scale` (Å, AlphaFold 10). Masks are `[..., F]` and `[..., P]` (1 = present).
+#[allow(clippy::too_many_arguments)]
+pub fn fape(
+    pred_frames: &Rigid,
+    true_frames: &Rigid,
+    frame_mask: &Tensor,
+    pred_positions: &Tensor,
+    true_positions: &Tensor,
+    position_mask: &Tensor,
+    clamp: Option<f64>,
+    length_scale: f64,
+) -> Tensor {
+    let local = |frames: &Rigid, x: &Tensor| {
+        // [..., F, 1, 3, 3] frames against [..., 1, P, 3] points.
+        let f = Rigid { rot: frames.rot.unsqueeze(-3), trans: frames.trans.unsqueeze(-2) };
+        f.invert_apply(&x.unsqueeze(-3))
+    };
+    let diff = local(pred_frames, pred_positions) - local(true_frames, true_positions);
+    let mut d = (diff.square().sum_dim_intlist(-1, false, Kind::Float) + 1e-8).sqrt();
+    if let Some(c) = clamp {
+        d = d.clamp_max(c);
+    }
+    let mask = frame_mask.unsqueeze(-1) * position_mask.unsqueeze(-2);
+    let dims: Vec<i64> = vec![-1, -2];
+    (d / length_scale * &mask).sum_dim_intlist(dims.as_slice(), false, Kind::Float)
+        / (mask.sum_dim_intlist(dims.as_slice(), false, Kind::Float) + 1e-8)
+}
+
+/// The distogram loss (AlphaFold 1.9.8): cross-entropy of the distogram logits `[..., N, N,
+/// bins]` against the bin of each true pairwise distance between `positions` `[..., N, 3]`
+/// (pseudo-beta atoms), bins split by `bins - 1` evenly spaced breaks from `first_break` to
+/// `last_break` (AlphaFold: 64 bins, 2.3125 to 21.6875 Å), averaged over the pairs where both
+/// residues are present (`mask` `[..., N]`).
+pub fn distogram_loss(logits: &Tensor, positions: &Tensor, mask: &Tensor, first_break: f64, last_break: f64) -> Tensor {
+    let bins = logits.size().last().copied().unwrap_or(2);
+    let breaks = Tensor::linspace(first_break, last_break, bins - 1, (Kind::Float, logits.device()));
+    let d2 = (positions.unsqueeze(-2) - positions.unsqueeze(-3)).square().sum_dim_intlist(-1, true, Kind::Float);
+    let true_bins = d2.gt_tensor(&breaks.square()).sum_dim_intlist(-1, false, Kind::Int64);
+    let log_p = logits.log_softmax(-1, Kind::Float);
+    let errors = -log_p.gather(-1, &true_bins.unsqueeze(-1), false).squeeze_dim(-1);
+    let pair_mask = mask.unsqueeze(-1) * mask.unsqueeze(-2);
+    let dims: Vec<i64> = vec![-1, -2];
+    (errors * &pair_mask).sum_dim_intlist(dims.as_slice(), false, Kind::Float)
+        / (pair_mask.sum_dim_intlist(dims.as_slice(), false, Kind::Float) + 1e-6)
+}
+
+#[cfg(test)]
+mod tests {
+    use tch::Device;
+
+    use super::*;
+
+    const F: (Kind, Device) = (Kind::Float, Device::Cpu);
+
+    fn close(a: &Tensor, b: &Tensor, tol: f64) -> bool {
+        (a - b).abs().max().double_value(&[]) <= tol
+    }
+
+    /// A random rotation (from a quaternion) and translation, `n` of them.
+    fn random_rigid(n: i64) -> Rigid {
+        Rigid::from_quaternion(&Tensor::randn([n, 4], F), &(Tensor::randn([n, 3], F) * 5.0))
+    }
+
+    #[test]
+    fn frames_from_three_points_are_proper_rotations() {
+        let (n, ca, c) = (Tensor::randn([6, 3], F), Tensor::randn([6, 3], F), Tensor::randn([6, 3], F));
+        let r = Rigid::from_three_points(&n, &ca, &c, 1e-8);
+        let eye = Tensor::eye(3, F).expand([6, 3, 3], false);
+        assert!(close(&r.rot.transpose(-1, -2).matmul(&r.rot), &eye, 1e-5), "orthonormal");
+        assert!(close(&r.rot.det(), &Tensor::ones([6], F), 1e-5), "det 1");
+        // In its own frame CA is the origin, C lies on +x and N in the x-y plane (y > 0).
+        assert!(close(&r.invert_apply(&ca), &Tensor::zeros([6, 3], F), 1e-5));
+        let lc = r.invert_apply(&c);
+        assert!(
+            close(&lc.narrow(-1, 1, 2), &Tensor::zeros([6, 2], F), 1e-5)
+                && lc.select(-1, 0).min().double_value(&[]) > 0.0
+        );
+        let ln = r.invert_apply(&n);
+        assert!(
+            close(&ln.select(-1, 2), &Tensor::zeros([6], F), 1e-5) && ln.select(-1, 1).min().double_value(&[]) >= 0.0
+        );
+        // apply and invert_apply are inverse; compose applies right then left.
+        let x = Tensor::randn([6, 3], F);
+        assert!(close(&r.apply(&r.invert_apply(&x)), &x, 1e-5));
+        let s = random_rigid(6);
+        assert!(close(&r.compose(&s).apply(&x), &r.apply(&s.apply(&x)), 1e-4));
+    }
+
+    #[test]
+    fn fape_is_zero_for_the_truth_invariant_to_global_motion_and_clamped() {
+        let frames = random_rigid(5);
+        let x = Tensor::randn([7, 3], F) * 4.0;
+        let (fm, pm) = (Tensor::ones([5], F), Tensor::ones([7], F));
+        let l = fape(&frames, &frames, &fm, &x, &x, &pm, Some(10.0), 10.0);
+        assert!(l.double_value(&[]) < 1e-3, "{l:?}");
+        // A perturbed prediction, then the same prediction moved as a whole: same loss.
+        let pred = random_rigid(5);
+        let px = &x + Tensor::randn([7, 3], F);
+        let l1 = fape(&pred, &frames, &fm, &px, &x, &pm, Some(10.0), 10.0);
+        let g = random_rigid(1);
+        let g1 = Rigid { rot: g.rot.get(0), trans: g.trans.get(0) };
+        let moved = g1.compose(&pred);
+        let l2 = fape(&moved, &frames, &fm, &g1.apply(&px), &x, &pm, Some(10.0), 10.0);
+        assert!((l1.double_value(&[]) - l2.double_value(&[])).abs() < 1e-4, "{l1:?} {l2:?}");
+        assert!(l1.double_value(&[]) > 0.0);
+        // Far off: every distance clamps at 10 A, so the loss is 10 / 10 = 1.
+        let far = &x + 1000.0;
+        let l = fape(&frames, &frames, &fm, &far, &x, &pm, Some(10.0), 10.0);
+        assert!((l.double_value(&[]) - 1.0).abs() < 1e-5, "{l:?}");
+        // Masked-out positions do not count.
+        let mut far_one = x.copy();
+        let _ = far_one.get(0).f_add_scalar_(1000.0).unwrap();
+        let mask = Tensor::from_slice(&[0f32, 1., 1., 1., 1., 1., 1.]);
+        let l = fape(&frames, &frames, &fm, &far_one, &x, &mask, None, 10.0);
+        assert!(l.double_value(&[]) < 1e-3, "{l:?}");
+    }
+
+    #[test]
+    fn distogram_loss_is_the_cross_entropy_of_the_true_bins() {
+        // Three residues on a line 3 A and 30 A apart: 4 bins with breaks 2, 10, 20.
+        let x = Tensor::from_slice(&[0f32, 0., 0., 3., 0., 0., 30., 0., 0.]).reshape([3, 3]);
+        let logits = Tensor::randn([3, 3, 4], F);
+        let loss = distogram_loss(&logits, &x, &Tensor::ones([3], F), 2.0, 20.0);
+        // True bins: 0 on the diagonal, 1 for the 3 A pair, 3 for the 27 and 30 A pairs.
+        let bins = [[0i64, 1, 3], [1, 0, 3], [3, 3, 0]];
+        let log_p = logits.log_softmax(-1, Kind::Float);
+        let mut want = 0.0;
+        for (i, row) in bins.iter().enumerate() {
+            for (j, &b) in row.iter().enumerate() {
+                want -= log_p.double_value(&[i as i64, j as i64, b]);
+            }
+        }
+        want /= 9.0;
+        assert!((loss.double_value(&[]) - want).abs() < 1e-4, "{loss:?} vs {want}");
+    }
+}
