@@ -170,7 +170,7 @@ mod tests {
         let l = fape(&frames, &frames, &fm, &far, &x, &pm, Some(10.0), 10.0);
         assert!((l.double_value(&[]) - 1.0).abs() < 1e-5, "{l:?}");
         // Masked-out positions do not count.
-        let mut far_one = x.copy();
+        let far_one = x.copy();
         let _ = far_one.get(0).f_add_scalar_(1000.0).unwrap();
         let mask = Tensor::from_slice(&[0f32, 1., 1., 1., 1., 1., 1.]);
         let l = fape(&frames, &frames, &fm, &far_one, &x, &mask, None, 10.0);
