@@ -132,15 +132,7 @@ pub fn resize_shorter(img: &Image, size: usize) -> Image {
     } else {
         (((img.height as f64 * scale).round() as usize).max(size), size)
     };
-    let plane = img.height * img.width;
-    let mut pixels = Vec::with_capacity(img.channels * h * w);
-    for c in 0..img.channels {
-        let channel = img.pixels[c * plane..(c + 1) * plane].to_vec();
-        let buf: ImageBuffer<Luma<f32>, Vec<f32>> = ImageBuffer::from_raw(img.width as u32, img.height as u32, channel)
-            .expect("an Image's pixel count matches its shape");
-        pixels.extend(imageops::resize(&buf, w as u32, h as u32, FilterType::Triangle).into_raw());
-    }
-    Image::new(img.channels, h, w, pixels)
+    crop_and_resize(img, (0, 0, img.width, img.height), w, h)
 }
 
 /// `img` cropped to the largest centred square, then resized to `size` x `size` with a
@@ -153,16 +145,22 @@ pub fn resize_square(img: &Image, size: usize) -> Image {
     assert!(size > 0 && img.height > 0 && img.width > 0, "resize_square needs a non-empty image and size");
     let side = img.height.min(img.width);
     let (top, left) = ((img.height - side) / 2, (img.width - side) / 2);
+    crop_and_resize(img, (left, top, side, side), size, size)
+}
+
+/// The `(left, top, width, height)` box of `img` resized to `w` x `h`, channel by channel, with
+/// the triangle filter.
+fn crop_and_resize(img: &Image, (left, top, cw, ch): (usize, usize, usize, usize), w: usize, h: usize) -> Image {
     let plane = img.height * img.width;
-    let mut pixels = Vec::with_capacity(img.channels * size * size);
+    let mut pixels = Vec::with_capacity(img.channels * w * h);
     for c in 0..img.channels {
         let channel = img.pixels[c * plane..(c + 1) * plane].to_vec();
         let buf: ImageBuffer<Luma<f32>, Vec<f32>> = ImageBuffer::from_raw(img.width as u32, img.height as u32, channel)
             .expect("an Image's pixel count matches its shape");
-        let square = imageops::crop_imm(&buf, left as u32, top as u32, side as u32, side as u32).to_image();
-        pixels.extend(imageops::resize(&square, size as u32, size as u32, FilterType::Triangle).into_raw());
+        let cropped = imageops::crop_imm(&buf, left as u32, top as u32, cw as u32, ch as u32).to_image();
+        pixels.extend(imageops::resize(&cropped, w as u32, h as u32, FilterType::Triangle).into_raw());
     }
-    Image::new(img.channels, size, size, pixels)
+    Image::new(img.channels, h, w, pixels)
 }
 
 fn format_err(path: &Path, msg: String) -> Error {

@@ -116,18 +116,42 @@ fn synchronize(device: Device) {
     }
 }
 
-/// Trains `STEPS` steps plainly on `device`; `Err` when it does not fit (out of memory).
+/// Seconds per step of `STEPS` steps of `step` (after one warm-up step), each ended by a
+/// device synchronisation.
+fn seconds_per_step(device: Device, mut step: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<f64> {
+    let mut elapsed = 0.0;
+    for i in 0..STEPS + 1 {
+        let start = Instant::now();
+        step()?;
+        synchronize(device);
+        if i > 0 {
+            elapsed += start.elapsed().as_secs_f64();
+        }
+    }
+    Ok(elapsed / STEPS as f64)
+}
+
+/// Runs `run`, catching an out-of-memory panic as an error, and reads the peak memory.
+fn measure(what: &str, device: Device, run: impl FnOnce() -> anyhow::Result<f64>) -> anyhow::Result<Outcome> {
+    let result = std::panic::catch_unwind(AssertUnwindSafe(run));
+    let peak = peak_and_reset(device);
+    match result {
+        Ok(Ok(s)) => Ok(Outcome { seconds_per_step: s, peak }),
+        Ok(Err(e)) => Err(e),
+        Err(_) => bail!("out of memory (or another failure) in {what}"),
+    }
+}
+
+/// Trains plainly on `device`; `Err` when it does not fit (out of memory).
 fn plain(w: i64, depth: i64, device: Device) -> anyhow::Result<Outcome> {
-    let run = || -> anyhow::Result<f64> {
+    measure("plain training", device, || {
         let ps: Vec<Param> = parameters(w, depth)
             .into_iter()
             .map(|p| Param::new(&p.name, &p.tensor.detach().to_device(device).set_requires_grad(true)))
             .collect();
         let tensors: Vec<Tensor> = ps.iter().map(|p| p.tensor.shallow_clone()).collect();
         let mut opt = AdamW::new(ps, AdamWConfig::default());
-        let mut elapsed = 0.0;
-        for step in 0..STEPS + 1 {
-            let start = Instant::now();
+        seconds_per_step(device, || {
             let mut x = Tensor::randn([BATCH, SEQ, w], (Kind::Float, device));
             for b in tensors.chunks(6) {
                 x = block(&x, b, w / 64);
@@ -135,25 +159,14 @@ fn plain(w: i64, depth: i64, device: Device) -> anyhow::Result<Outcome> {
             x.square().mean(Kind::Float).backward();
             opt.step()?;
             opt.zero_grad();
-            synchronize(device);
-            if step > 0 {
-                elapsed += start.elapsed().as_secs_f64();
-            }
-        }
-        Ok(elapsed / STEPS as f64)
-    };
-    let result = std::panic::catch_unwind(AssertUnwindSafe(run));
-    let peak = peak_and_reset(device);
-    match result {
-        Ok(Ok(s)) => Ok(Outcome { seconds_per_step: s, peak }),
-        Ok(Err(e)) => Err(e),
-        Err(_) => bail!("out of memory (or another failure) in plain training"),
-    }
+            Ok(())
+        })
+    })
 }
 
-/// Trains `STEPS` steps under Gemini with a budget of `cap` bytes.
+/// Trains under Gemini with a budget of `cap` bytes.
 fn gemini(w: i64, depth: i64, device: Device, cap: u64) -> anyhow::Result<Outcome> {
-    let run = || -> anyhow::Result<f64> {
+    measure("Gemini", device, || {
         let ps = parameters(w, depth);
         let tensors: Vec<Tensor> = ps.iter().map(|p| p.tensor.shallow_clone()).collect();
         let cfg = GeminiConfig {
@@ -170,9 +183,7 @@ fn gemini(w: i64, depth: i64, device: Device, cap: u64) -> anyhow::Result<Outcom
             replication: None,
         };
         let g = Gemini::new(&ps, cfg)?;
-        let mut elapsed = 0.0;
-        for step in 0..STEPS + 1 {
-            let start = Instant::now();
+        seconds_per_step(device, || {
             let mut x = Tensor::randn([BATCH, SEQ, w], (Kind::Float, device));
             for (i, b) in tensors.chunks(6).enumerate() {
                 let idx: Vec<usize> = (6 * i..6 * i + 6).collect();
@@ -181,20 +192,9 @@ fn gemini(w: i64, depth: i64, device: Device, cap: u64) -> anyhow::Result<Outcom
             x.square().mean(Kind::Float).backward();
             g.finish_backward()?;
             g.step()?;
-            synchronize(device);
-            if step > 0 {
-                elapsed += start.elapsed().as_secs_f64();
-            }
-        }
-        Ok(elapsed / STEPS as f64)
-    };
-    let result = std::panic::catch_unwind(AssertUnwindSafe(run));
-    let peak = peak_and_reset(device);
-    match result {
-        Ok(Ok(s)) => Ok(Outcome { seconds_per_step: s, peak }),
-        Ok(Err(e)) => Err(e),
-        Err(_) => bail!("out of memory (or another failure) under Gemini"),
-    }
+            Ok(())
+        })
+    })
 }
 
 fn gib(bytes: i64) -> f64 {

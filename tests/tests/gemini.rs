@@ -182,6 +182,17 @@ fn train_plain(rule: Rule, recipe: Recipe) -> Vec<Tensor> {
     opt.params().iter().map(|p| p.tensor.detach().copy()).collect()
 }
 
+/// Gemini's options for the tests: 1 KiB chunks, one chunk prefetched, one process.
+fn config(device: Device, budget: usize, placement: Placement, rule: Rule, compute: Kind) -> GeminiConfig {
+    GeminiConfig {
+        chunks: ChunkConfig { device, budget, search: (CHUNK, CHUNK, 1), home_buffers: 0, compute },
+        placement,
+        prefetch: 1,
+        rule: chunk_rule(rule),
+        replication: None,
+    }
+}
+
 /// How a Gemini run is set up.
 struct Setup {
     placement: Placement,
@@ -202,17 +213,8 @@ fn train_gemini(
     let ps = parameters();
     let tensors: Vec<Tensor> = ps.iter().map(|p| p.tensor.shallow_clone()).collect();
     let cfg = GeminiConfig {
-        chunks: ChunkConfig {
-            device: Device::Cpu,
-            budget: setup.budget,
-            search: (CHUNK, CHUNK, 1),
-            home_buffers: 0,
-            compute: Kind::Float,
-        },
-        placement: setup.placement,
-        prefetch: 1,
-        rule: chunk_rule(rule),
         replication: setup.group.as_ref().map(|(g, shard)| Replication { group: g.clone(), shard: *shard }),
+        ..config(Device::Cpu, setup.budget, setup.placement, rule, Kind::Float)
     };
     let g = Gemini::new(&ps, cfg).unwrap();
     before(&g);
@@ -316,19 +318,7 @@ fn auto_placement_fills_the_budget_and_matches_plain_training() {
     // error naming the bytes.
     let setup = Setup { placement: Placement::Auto, budget: 5 * 4 * CHUNK, group: None };
     let ps = parameters();
-    let cfg = GeminiConfig {
-        chunks: ChunkConfig {
-            device: Device::Cpu,
-            budget: setup.budget,
-            search: (CHUNK, CHUNK, 1),
-            home_buffers: 0,
-            compute: Kind::Float,
-        },
-        placement: setup.placement,
-        prefetch: 1,
-        rule: chunk_rule(Rule::AdamW),
-        replication: None,
-    };
+    let cfg = config(Device::Cpu, setup.budget, setup.placement, Rule::AdamW, Kind::Float);
     let g = Gemini::new(&ps, cfg).unwrap();
     let tensors: Vec<Tensor> = ps.iter().map(|p| p.tensor.shallow_clone()).collect();
     let l = loss(0, 0..BATCH, &|range, x, f| {
@@ -387,19 +377,7 @@ fn bf16_compute_chunks_match_bf16_training_with_fp32_masters() {
         let reference: Vec<Tensor> = opt.params().iter().map(|p| p.tensor.detach().copy()).collect();
         // Gemini.
         let ps = parameters();
-        let cfg = GeminiConfig {
-            chunks: ChunkConfig {
-                device: Device::Cpu,
-                budget: TIGHT,
-                search: (CHUNK, CHUNK, 1),
-                home_buffers: 0,
-                compute: kind,
-            },
-            placement: Placement::Static { offload: 1.0 },
-            prefetch: 1,
-            rule: chunk_rule(rule),
-            replication: None,
-        };
+        let cfg = config(Device::Cpu, TIGHT, Placement::Static { offload: 1.0 }, rule, kind);
         let g = Gemini::new(&ps, cfg).unwrap();
         let tensors: Vec<Tensor> = ps.iter().map(|p| p.tensor.shallow_clone()).collect();
         assert!(tensors.iter().all(|t| t.kind() == kind), "parameters compute in bf16");
@@ -502,19 +480,7 @@ fn fp16_overflow_skips_the_step_and_backs_off() {
     use engine::optim::LossScaler;
     let ps = parameters();
     let initial: Vec<Tensor> = ps.iter().map(|p| p.tensor.detach().copy()).collect();
-    let cfg = GeminiConfig {
-        chunks: ChunkConfig {
-            device: Device::Cpu,
-            budget: 1 << 20,
-            search: (CHUNK, CHUNK, 1),
-            home_buffers: 0,
-            compute: Kind::Half,
-        },
-        placement: Placement::Static { offload: 1.0 },
-        prefetch: 1,
-        rule: chunk_rule(Rule::AdamW),
-        replication: None,
-    };
+    let cfg = config(Device::Cpu, 1 << 20, Placement::Static { offload: 1.0 }, Rule::AdamW, Kind::Half);
     let g = Gemini::new(&ps, cfg).unwrap();
     let tensors: Vec<Tensor> = ps.iter().map(|p| p.tensor.shallow_clone()).collect();
     let mut scaler = LossScaler::default();
@@ -568,19 +534,7 @@ fn on_cuda_training_matches_and_stays_under_the_cap() {
     engine::gemini::cap_device_memory(dev, cap).unwrap();
     engine::cuda::reset_peak_stats(0).unwrap();
     let ps = parameters();
-    let cfg = GeminiConfig {
-        chunks: ChunkConfig {
-            device: dev,
-            budget: TIGHT,
-            search: (CHUNK, CHUNK, 1),
-            home_buffers: 0,
-            compute: Kind::Float,
-        },
-        placement: Placement::Static { offload: 1.0 },
-        prefetch: 1,
-        rule: chunk_rule(Rule::Lamb),
-        replication: None,
-    };
+    let cfg = config(dev, TIGHT, Placement::Static { offload: 1.0 }, Rule::Lamb, Kind::Float);
     let g = Gemini::new(&ps, cfg).unwrap();
     let tensors: Vec<Tensor> = ps.iter().map(|p| p.tensor.shallow_clone()).collect();
     assert!(tensors.iter().all(|t| t.device() == dev));
