@@ -1,0 +1,167 @@
+//! The schedulers against diffusers 0.35.2 (`fixtures/schedulers/make_scheduler_fixtures.py`):
+//! three configs (epsilon/leading/offset 1, v-prediction/trailing, linear betas/linspace with
+//! clip_sample), each with DDIM and Euler timesteps, 7-step sampling loops driven by the stand-in
+//! model `tanh(x) * 0.7 + 0.1 x`, a stochastic DDIM step with given noise, and DDPM's training
+//! quantities. Samples within 1e-4; SNR values relatively within 1e-4.
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use diffusion::scheduler::{DdimScheduler, DdpmScheduler, EulerDiscreteScheduler, SchedulerConfig};
+use tch::{Device, Kind, Tensor};
+
+const CONFIGS: [&str; 3] = ["eps_leading", "v_trailing", "linear_linspace"];
+const STEPS: usize = 7;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/schedulers")
+}
+
+fn reference() -> HashMap<String, Tensor> {
+    Tensor::read_safetensors(fixtures().join("reference.safetensors")).unwrap().into_iter().collect()
+}
+
+fn config(name: &str) -> SchedulerConfig {
+    SchedulerConfig::from_file(&fixtures().join(name).join("scheduler_config.json")).unwrap()
+}
+
+fn model(x: &Tensor) -> Tensor {
+    x.tanh() * 0.7 + x * 0.1
+}
+
+fn max_diff(got: &Tensor, want: &Tensor) -> f64 {
+    assert_eq!(got.size(), want.size());
+    (got.to_kind(Kind::Double) - want.to_kind(Kind::Double)).abs().max().double_value(&[])
+}
+
+fn assert_close(got: &Tensor, want: &Tensor, tol: f64, what: &str) {
+    let diff = max_diff(got, want);
+    assert!(diff <= tol, "{what}: max abs difference {diff} above {tol}");
+}
+
+fn assert_rel_close(got: &Tensor, want: &Tensor, tol: f64, what: &str) {
+    let (g, w) = (got.to_kind(Kind::Double), want.to_kind(Kind::Double));
+    let rel = ((&g - &w).abs() / w.abs().clamp_min(1e-12)).max().double_value(&[]);
+    assert!(rel <= tol, "{what}: max relative difference {rel} above {tol}");
+}
+
+fn f64s(t: &Tensor) -> Tensor {
+    t.to_kind(Kind::Double)
+}
+
+#[test]
+fn noise_schedules_and_timesteps_match_diffusers() {
+    let r = reference();
+    for name in CONFIGS {
+        let cfg = config(name);
+        let acp = Tensor::from_slice(&cfg.alphas_cumprod());
+        assert_close(&acp, &f64s(&r[&format!("{name}.alphas_cumprod")]), 1e-6, &format!("{name} alphas_cumprod"));
+
+        let mut ddim = DdimScheduler::new(cfg.clone());
+        ddim.set_timesteps(STEPS).unwrap();
+        let want: Vec<i64> = Vec::try_from(&r[&format!("{name}.ddim.timesteps")]).unwrap();
+        assert_eq!(ddim.timesteps(), want.as_slice(), "{name} DDIM timesteps");
+
+        let mut euler = EulerDiscreteScheduler::new(cfg);
+        euler.set_timesteps(STEPS).unwrap();
+        let t = Tensor::from_slice(euler.timesteps());
+        assert_close(&t, &f64s(&r[&format!("{name}.euler.timesteps")]), 1e-3, &format!("{name} Euler timesteps"));
+        let s = Tensor::from_slice(euler.sigmas());
+        assert_close(&s, &f64s(&r[&format!("{name}.euler.sigmas")]), 1e-4, &format!("{name} Euler sigmas"));
+        let init = r[&format!("{name}.euler.init_noise_sigma")].double_value(&[0]);
+        assert!((euler.init_noise_sigma() - init).abs() < 1e-4, "{name} init_noise_sigma {}", euler.init_noise_sigma());
+    }
+}
+
+#[test]
+fn ddim_sampling_matches_diffusers() {
+    let r = reference();
+    for name in CONFIGS {
+        let mut ddim = DdimScheduler::new(config(name));
+        ddim.set_timesteps(STEPS).unwrap();
+        let mut x = r["latents"].shallow_clone();
+        for &t in ddim.timesteps() {
+            x = ddim.step(&model(&x), t, &x, 0.0, None).unwrap().prev_sample;
+        }
+        assert_close(&x, &r[&format!("{name}.ddim.final")], 1e-4, &format!("{name} DDIM 7-step loop"));
+        // The loop moved the sample, so the comparison is not vacuous.
+        assert!(max_diff(&x, &r["latents"]) > 1e-2);
+
+        let latents = &r["latents"];
+        let noise = r["noise"].narrow(0, 0, 1);
+        let t = ddim.timesteps()[2];
+        let step = ddim.step(&model(latents), t, latents, 0.5, Some(&noise)).unwrap();
+        assert_close(&step.prev_sample, &r[&format!("{name}.ddim.eta")], 1e-4, &format!("{name} DDIM eta 0.5"));
+    }
+}
+
+#[test]
+fn euler_sampling_matches_diffusers() {
+    let r = reference();
+    for name in CONFIGS {
+        let mut euler = EulerDiscreteScheduler::new(config(name));
+        euler.set_timesteps(STEPS).unwrap();
+        let mut x = &r["latents"] * euler.init_noise_sigma();
+        for i in 0..euler.timesteps().len() {
+            let out = model(&euler.scale_model_input(&x, i).unwrap());
+            x = euler.step(&out, i, &x).unwrap().prev_sample;
+        }
+        assert_close(&x, &r[&format!("{name}.euler.final")], 1e-4, &format!("{name} Euler 7-step loop"));
+    }
+}
+
+#[test]
+fn ddpm_training_quantities_match_diffusers() {
+    let r = reference();
+    let (x0, noise, t) = (&r["x0"], &r["noise"], &r["train_timesteps"]);
+    for name in CONFIGS {
+        let ddpm = DdpmScheduler::new(config(name));
+        assert_close(&ddpm.add_noise(x0, noise, t).unwrap(), &r[&format!("{name}.add_noise")], 1e-4, "add_noise");
+        let v = ddpm.get_velocity(x0, noise, t).unwrap();
+        assert_close(&v, &r[&format!("{name}.velocity")], 1e-4, "get_velocity");
+        let target = ddpm.training_target(x0, noise, t).unwrap();
+        let want = if name == "v_trailing" { &v } else { noise };
+        assert_close(&target, want, 0.0, "training target");
+        // diffusers computes 1 - a_t in fp32 (a_0 is within 1e-3 of 1), hence relative 1e-3.
+        assert_rel_close(&ddpm.snr(t).unwrap(), &r[&format!("{name}.snr")], 1e-3, "snr");
+        let w = ddpm.min_snr_weights(t, 5.0).unwrap();
+        assert_rel_close(&w, &r[&format!("{name}.min_snr_weights")], 1e-3, "min-SNR weights");
+    }
+}
+
+#[test]
+fn bad_configs_and_arguments_are_errors() {
+    let dir = std::env::temp_dir().join(format!("diffusion-sched-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("scheduler_config.json");
+    for (json, key) in [
+        (r#"{"beta_schedule": "cosine"}"#, "beta_schedule"),
+        (r#"{"prediction_type": "flow"}"#, "prediction_type"),
+        (r#"{"timestep_spacing": "even"}"#, "timestep_spacing"),
+        (r#"{"use_karras_sigmas": true}"#, "use_karras_sigmas"),
+        // serde names the line and column and the expected type, not the key.
+        (r#"{"num_train_timesteps": "many"}"#, "expected i64 at line 1"),
+    ] {
+        std::fs::write(&path, json).unwrap();
+        let err = SchedulerConfig::from_file(&path).unwrap_err().to_string();
+        assert!(err.contains("scheduler_config.json") && err.contains(key), "{json}: {err}");
+    }
+    let err = SchedulerConfig::from_file(&dir.join("missing.json")).unwrap_err().to_string();
+    assert!(err.contains("missing.json"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+
+    let mut ddim = DdimScheduler::new(config("eps_leading"));
+    let x = Tensor::zeros([1, 4, 3, 3], (Kind::Float, Device::Cpu));
+    assert!(ddim.step(&x, 10, &x, 0.0, None).unwrap_err().to_string().contains("set_timesteps"));
+    assert!(ddim.set_timesteps(0).is_err() && ddim.set_timesteps(1001).is_err());
+    ddim.set_timesteps(10).unwrap();
+    assert!(ddim.step(&x, 1000, &x, 0.0, None).unwrap_err().to_string().contains("timestep 1000"));
+    let y = Tensor::zeros([1, 4, 3, 2], (Kind::Float, Device::Cpu));
+    assert!(ddim.step(&x, 10, &y, 0.0, None).unwrap_err().to_string().contains("shapes"));
+
+    let ddpm = DdpmScheduler::new(config("eps_leading"));
+    let t = Tensor::from_slice(&[3i64, 1000]);
+    let z = Tensor::zeros([2, 4], (Kind::Float, Device::Cpu));
+    assert!(ddpm.add_noise(&z, &z, &t).unwrap_err().to_string().contains("outside 0..1000"));
+    let euler = EulerDiscreteScheduler::new(config("eps_leading"));
+    assert!(euler.scale_model_input(&x, 0).is_err());
+}
