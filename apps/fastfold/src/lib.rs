@@ -1,0 +1,2 @@
+//! `fastfold`: AlphaFold 2 structure prediction with dynamic axial parallelism (DAP).
+pub mod model;
