@@ -80,18 +80,12 @@ fn every_array_has_an_alphafold_name_and_a_user() {
     assert_eq!(q.size(), [cfg.num_blocks, cfg.c_m, cfg.msa_heads, cfg.msa_head_dim]);
     let k = params.get(&format!("{EXTRA_MSA}/msa_column_global_attention/attention//key_w")).unwrap();
     assert_eq!(k.size(), [cfg.num_extra_blocks, cfg.c_e, cfg.extra_head_dim]);
-    assert_eq!(EvoformerConfig::infer_from(&params), cfg);
+    assert_eq!(infer(&params), cfg);
 }
 
-trait Infer {
-    fn infer_from(p: &Params) -> EvoformerConfig;
-}
-
-impl Infer for EvoformerConfig {
-    fn infer_from(p: &Params) -> EvoformerConfig {
-        let map = p.iter().map(|(k, t)| (k.to_string(), t.shallow_clone())).collect();
-        EvoformerConfig::infer(&map).unwrap()
-    }
+fn infer(p: &Params) -> EvoformerConfig {
+    let map = p.iter().map(|(k, t)| (k.to_string(), t.shallow_clone())).collect();
+    EvoformerConfig::infer(&map).unwrap()
 }
 
 fn temp(name: &str) -> std::path::PathBuf {
@@ -166,6 +160,14 @@ fn a_missing_array_is_named() {
     let key = format!("{EVOFORMER}/triangle_attention_ending_node/attention//gating_b");
     let err = load_modified(&params, &key, None, "missing.npz");
     assert!(matches!(&err, Error::Missing { key: k, .. } if *k == key), "{err}");
+    assert!(err.to_string().contains(&key), "{err}");
+}
+
+#[test]
+fn an_unused_array_of_a_stack_is_an_error() {
+    let params = Params::random(&EvoformerConfig::tiny(), 12).unwrap();
+    let key = format!("{EVOFORMER}/outer_product_mean//extra_w");
+    let err = load_modified(&params, &key, Some(Tensor::zeros([2, 3], (Kind::Float, Device::Cpu))), "unused.npz");
     assert!(err.to_string().contains(&key), "{err}");
 }
 

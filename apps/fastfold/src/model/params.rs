@@ -68,8 +68,9 @@ impl Params {
 
     /// Reads an AlphaFold `.npz` (or one written by [`Params::save_npz`]). Sizes are inferred
     /// from the shapes; every array the stacks need must be present with the shape the sizes
-    /// imply, else the error names the key and both shapes. Arrays of other modules
-    /// (embedders, structure module, heads) are left out.
+    /// imply, else the error names the key and both shapes; an array under a stack's path
+    /// that no module uses is an error too. Arrays of other modules (embedders, structure
+    /// module, heads) are left out.
     pub fn load_npz(path: impl AsRef<Path>) -> Result<Params> {
         let path = path.as_ref();
         let file = path.display().to_string();
@@ -84,6 +85,12 @@ impl Params {
         EvoformerStack::build(&builder, &config, false)?;
         if config.num_extra_blocks > 0 {
             EvoformerStack::build(&builder, &config, true)?;
+        }
+        for prefix in [EVOFORMER, EXTRA_MSA] {
+            let unused = builder.unused_under(&format!("{prefix}/"));
+            if !unused.is_empty() {
+                return Err(Error::Invalid(format!("{file}: arrays no module of the stacks uses: {unused:?}")));
+            }
         }
         let used = builder.used.into_inner();
         let arrays = builder.arrays.into_inner().into_iter().filter(|(k, _)| used.contains(k)).collect();
