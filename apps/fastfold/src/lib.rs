@@ -1,4 +1,4 @@
-//! FastFold: AlphaFold-style protein structure prediction and training with Dynamic Axial
-//! Parallelism.
+//! `fastfold`: AlphaFold 2 structure prediction with dynamic axial parallelism (DAP).
 pub mod confidence;
 pub mod geometry;
+pub mod model;

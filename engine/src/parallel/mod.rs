@@ -1,4 +1,5 @@
 //! Parallel layouts applied to models written serially: data parallelism and ZeRO so far.
+pub mod dap;
 pub mod data;
 pub mod zero;
 

@@ -1,0 +1,124 @@
+//! AlphaFold's gated multi-head attention (supplementary Algorithm 7's core, `Attention` in
+//! `modules.py`) and global attention (Algorithm 19, `GlobalAttention`).
+use tch::Tensor;
+
+use crate::model::layers::chunked;
+use crate::model::params::{Init, Scope};
+use crate::model::Result;
+
+fn einsum(eq: &str, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    Ok(Tensor::f_einsum(eq, &[a, b], None::<&[i64]>)?)
+}
+
+/// Gated self-attention along dim 1 of `[batch, len, c]`, optionally biased per head by a
+/// `[heads, len, len]` tensor shared across the batch.
+pub struct Attention {
+    query_w: Tensor,
+    key_w: Tensor,
+    value_w: Tensor,
+    gating_w: Tensor,
+    gating_b: Tensor,
+    output_w: Tensor,
+    output_b: Tensor,
+    head_dim: i64,
+}
+
+impl Attention {
+    /// Arrays `query_w`, `key_w`, `value_w`, `gating_w` [c, heads, dim], `gating_b`
+    /// [heads, dim], `output_w` [heads, dim, c], `output_b` [c].
+    pub fn new(p: &Scope, c: i64, heads: i64, head_dim: i64) -> Result<Self> {
+        let w = |name: &str| p.param(name, &[c, heads, head_dim], Init::Weight { fan_in: c });
+        Ok(Attention {
+            query_w: w("query_w")?,
+            key_w: w("key_w")?,
+            value_w: w("value_w")?,
+            gating_w: w("gating_w")?,
+            gating_b: p.param("gating_b", &[heads, head_dim], Init::One)?,
+            output_w: p.param("output_w", &[heads, head_dim, c], Init::Weight { fan_in: heads * head_dim })?,
+            output_b: p.param("output_b", &[c], Init::Small)?,
+            head_dim,
+        })
+    }
+
+    /// `x` [batch, len, c]; `key_bias` [batch, 1, 1, len] (from [`mask_bias`]); `pair_bias`
+    /// [heads, len, len]. Processes `chunk` batch rows at a time.
+    ///
+    /// [`mask_bias`]: crate::model::layers::mask_bias
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        key_bias: &Tensor,
+        pair_bias: Option<&Tensor>,
+        chunk: Option<i64>,
+    ) -> Result<Tensor> {
+        chunked(x.size()[0], chunk, |start, n| {
+            let x = x.f_narrow(0, start, n)?;
+            let key_bias = key_bias.f_narrow(0, start, n)?;
+            let q = einsum("bqa,ahc->bqhc", &x, &self.query_w)?.f_mul_scalar((self.head_dim as f64).powf(-0.5))?;
+            let k = einsum("bka,ahc->bkhc", &x, &self.key_w)?;
+            let v = einsum("bka,ahc->bkhc", &x, &self.value_w)?;
+            let mut logits = einsum("bqhc,bkhc->bhqk", &q, &k)?.f_add(&key_bias)?;
+            if let Some(b) = pair_bias {
+                logits = logits.f_add(b)?;
+            }
+            let weights = logits.f_softmax(-1, None)?;
+            let avg = einsum("bhqk,bkhc->bqhc", &weights, &v)?;
+            let gate = einsum("bqa,ahc->bqhc", &x, &self.gating_w)?.f_add(&self.gating_b)?.f_sigmoid()?;
+            einsum("bqhc,hco->bqo", &avg.f_mul(&gate)?, &self.output_w)?.f_add(&self.output_b).map_err(Into::into)
+        })
+    }
+}
+
+/// Global attention along dim 1 of `[batch, len, c]`: one query per head, the masked mean of
+/// the queries' inputs, attends over single-head keys and values; each position gates the
+/// result with its own gate.
+pub struct GlobalAttention {
+    query_w: Tensor,
+    key_w: Tensor,
+    value_w: Tensor,
+    gating_w: Tensor,
+    gating_b: Tensor,
+    output_w: Tensor,
+    output_b: Tensor,
+    head_dim: i64,
+}
+
+impl GlobalAttention {
+    /// As [`Attention::new`], but `key_w` and `value_w` are [c, dim] (shared by the heads).
+    pub fn new(p: &Scope, c: i64, heads: i64, head_dim: i64) -> Result<Self> {
+        let w = |name: &str| p.param(name, &[c, heads, head_dim], Init::Weight { fan_in: c });
+        Ok(GlobalAttention {
+            query_w: w("query_w")?,
+            key_w: p.param("key_w", &[c, head_dim], Init::Weight { fan_in: c })?,
+            value_w: p.param("value_w", &[c, head_dim], Init::Weight { fan_in: c })?,
+            gating_w: w("gating_w")?,
+            gating_b: p.param("gating_b", &[heads, head_dim], Init::One)?,
+            output_w: p.param("output_w", &[heads, head_dim, c], Init::Weight { fan_in: heads * head_dim })?,
+            output_b: p.param("output_b", &[c], Init::Small)?,
+            head_dim,
+        })
+    }
+
+    /// `x` [batch, len, c]; `mask` [batch, len]. Processes `chunk` batch rows at a time.
+    pub fn forward(&self, x: &Tensor, mask: &Tensor, chunk: Option<i64>) -> Result<Tensor> {
+        chunked(x.size()[0], chunk, |start, n| {
+            let x = x.f_narrow(0, start, n)?;
+            let mask = mask.f_narrow(0, start, n)?;
+            let m = mask.f_unsqueeze(-1)?;
+            // AlphaFold's mask_mean with eps 1e-10.
+            let q_avg = x
+                .f_mul(&m)?
+                .f_sum_dim_intlist(1, false, None)?
+                .f_div(&mask.f_sum_dim_intlist(1, true, None)?.f_add_scalar(1e-10)?)?;
+            let q = einsum("ba,ahc->bhc", &q_avg, &self.query_w)?.f_mul_scalar((self.head_dim as f64).powf(-0.5))?;
+            let k = x.f_matmul(&self.key_w)?;
+            let v = x.f_matmul(&self.value_w)?;
+            let bias = mask.f_sub_scalar(1.0)?.f_mul_scalar(1e9)?.f_unsqueeze(1)?;
+            let weights = einsum("bhc,bkc->bhk", &q, &k)?.f_add(&bias)?.f_softmax(-1, None)?;
+            let avg = einsum("bhk,bkc->bhc", &weights, &v)?;
+            let gate = einsum("bqa,ahc->bqhc", &x, &self.gating_w)?.f_add(&self.gating_b)?.f_sigmoid()?;
+            let gated = gate.f_mul(&avg.f_unsqueeze(1)?)?;
+            einsum("bqhc,hco->bqo", &gated, &self.output_w)?.f_add(&self.output_b).map_err(Into::into)
+        })
+    }
+}

@@ -1,0 +1,141 @@
+//! Sizes of the Evoformer and extra-MSA stacks. Defaults are AlphaFold 2's monomer model
+//! (`alphafold/model/config.py`, `model_1`); [`EvoformerConfig::infer`] reads them back from
+//! the parameter shapes of a store.
+use std::collections::BTreeMap;
+
+use tch::Tensor;
+
+use crate::model::params::{EVOFORMER, EXTRA_MSA};
+use crate::model::{Error, Result};
+
+/// Channel, head and block counts of the two stacks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EvoformerConfig {
+    /// MSA channels (`msa_channel`, 256).
+    pub c_m: i64,
+    /// Pair channels (`pair_channel`, 128).
+    pub c_z: i64,
+    /// Extra-MSA channels (`extra_msa_channel`, 64).
+    pub c_e: i64,
+    /// Heads of MSA row and column attention (8).
+    pub msa_heads: i64,
+    /// Channels per head of MSA attention (`c_m / msa_heads` = 32).
+    pub msa_head_dim: i64,
+    /// Heads of the extra stack's row and global column attention (8).
+    pub extra_heads: i64,
+    /// Channels per head in the extra stack (`c_e / extra_heads` = 8).
+    pub extra_head_dim: i64,
+    /// Heads of triangle attention (4).
+    pub pair_heads: i64,
+    /// Channels per head of triangle attention (`c_z / pair_heads` = 32).
+    pub pair_head_dim: i64,
+    /// Intermediate channels of triangle multiplication (128).
+    pub tri_mul_channels: i64,
+    /// Projection channels of the outer product mean (32).
+    pub opm_channels: i64,
+    /// Hidden width of the MSA and pair transitions over their input width (4).
+    pub transition_factor: i64,
+    /// Evoformer blocks (48).
+    pub num_blocks: i64,
+    /// Extra-MSA blocks (4).
+    pub num_extra_blocks: i64,
+}
+
+impl Default for EvoformerConfig {
+    fn default() -> Self {
+        EvoformerConfig {
+            c_m: 256,
+            c_z: 128,
+            c_e: 64,
+            msa_heads: 8,
+            msa_head_dim: 32,
+            extra_heads: 8,
+            extra_head_dim: 8,
+            pair_heads: 4,
+            pair_head_dim: 32,
+            tri_mul_channels: 128,
+            opm_channels: 32,
+            transition_factor: 4,
+            num_blocks: 48,
+            num_extra_blocks: 4,
+        }
+    }
+}
+
+impl EvoformerConfig {
+    /// A few-thousand-parameter model for tests: every channel and head count differs, so a
+    /// transposed weight shows up as a shape error.
+    pub fn tiny() -> Self {
+        EvoformerConfig {
+            c_m: 12,
+            c_z: 10,
+            c_e: 6,
+            msa_heads: 2,
+            msa_head_dim: 5,
+            extra_heads: 2,
+            extra_head_dim: 3,
+            pair_heads: 3,
+            pair_head_dim: 4,
+            tri_mul_channels: 7,
+            opm_channels: 4,
+            transition_factor: 2,
+            num_blocks: 2,
+            num_extra_blocks: 1,
+        }
+    }
+
+    /// Reads the sizes from the shapes of AlphaFold-named arrays (stacked along a leading
+    /// block dimension). Each size comes from one array that determines it; the model's
+    /// constructors then check every array against the result.
+    pub fn infer(arrays: &BTreeMap<String, Tensor>) -> Result<Self> {
+        let dims = |key: String, rank: usize| -> Result<Vec<i64>> {
+            let t = arrays.get(&key).ok_or_else(|| Error::Missing { key: key.clone(), file: None })?;
+            let found = t.size();
+            if found.len() != rank {
+                return Err(Error::Invalid(format!(
+                    "parameter {key}: expected {rank} dimensions, found shape {found:?}"
+                )));
+            }
+            Ok(found)
+        };
+        let e = |m: &str| format!("{EVOFORMER}/{m}");
+        let row = dims(e("msa_row_attention_with_pair_bias/attention//query_w"), 4)?;
+        let z = dims(e("msa_row_attention_with_pair_bias/feat_2d_norm//scale"), 2)?;
+        let tri = dims(e("triangle_attention_starting_node/attention//query_w"), 4)?;
+        let mul = dims(e("triangle_multiplication_outgoing/left_projection//weights"), 3)?;
+        let opm = dims(e("outer_product_mean/left_projection//weights"), 3)?;
+        let tr = dims(e("msa_transition/transition1//weights"), 3)?;
+        let (c_m, c_z) = (row[1], z[1]);
+        if c_m == 0 || tr[2] % c_m != 0 {
+            return Err(Error::Invalid(format!(
+                "parameter {}: width {} is not a multiple of the MSA channels {c_m}",
+                e("msa_transition/transition1//weights"),
+                tr[2]
+            )));
+        }
+        let extra_key = format!("{EXTRA_MSA}/msa_row_attention_with_pair_bias/attention//query_w");
+        let (num_extra_blocks, c_e, extra_heads, extra_head_dim) = match arrays.contains_key(&extra_key) {
+            true => {
+                let x = dims(extra_key, 4)?;
+                (x[0], x[1], x[2], x[3])
+            }
+            false => (0, 0, 0, 0),
+        };
+        Ok(EvoformerConfig {
+            c_m,
+            c_z,
+            c_e,
+            msa_heads: row[2],
+            msa_head_dim: row[3],
+            extra_heads,
+            extra_head_dim,
+            pair_heads: tri[2],
+            pair_head_dim: tri[3],
+            tri_mul_channels: mul[2],
+            opm_channels: opm[2],
+            transition_factor: tr[2] / c_m,
+            num_blocks: row[0],
+            num_extra_blocks,
+        })
+    }
+}

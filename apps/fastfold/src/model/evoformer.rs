@@ -1,0 +1,270 @@
+//! The Evoformer block (supplementary Algorithm 6) and stack, also used for the extra-MSA stack
+//! (Algorithm 18: global column attention, extra-MSA widths), with dynamic axial parallelism.
+//!
+//! One block under DAP with N ranks (N = 1: every switch is the identity):
+//!
+//! | step | MSA layout | pair layout | communication |
+//! |---|---|---|---|
+//! | row attention with pair bias | rows (seqs) | rows | all-gather of the pair bias |
+//! | | row → col | | all-to-all |
+//! | column attention, transition | cols (res) | | |
+//! | outer product mean | cols | rows | all-gather of the right projection |
+//! | | col → row, **async** | | all-to-all launched |
+//! | triangle mult. outgoing | | rows | all-gather of the right projection |
+//! | triangle mult. incoming | | row → col | all-to-all, all-gather |
+//! | triangle attention start | | col → row | all-to-all, all-gather of the bias |
+//! | triangle attention end, pair transition | | row → col | all-to-all, all-gather of the bias |
+//! | | wait | col → row | all-to-all |
+//!
+//! The MSA all-to-all that ends the MSA half is launched right after the outer product mean
+//! and waited for at the end of the block, so it overlaps the whole pair half, which does not
+//! need it (FastFold's duality async; in backward the mirror image overlaps the gradient's
+//! all-to-all with the pair half's backward).
+//!
+//! Dropout is inference-mode (off): training dropout is not implemented.
+use engine::parallel::dap::Dap;
+use tch::Tensor;
+
+use crate::model::config::EvoformerConfig;
+use crate::model::msa::{
+    MsaColumnAttention, MsaColumnGlobalAttention, MsaRowAttentionWithPairBias, OuterProductMean, Transition,
+};
+use crate::model::params::{Builder, Params, EVOFORMER, EXTRA_MSA};
+use crate::model::triangle::{Direction, TriangleAttention, TriangleMultiplication};
+use crate::model::{ensure, Error, Result};
+
+/// Column attention: full in the Evoformer, global in the extra-MSA stack.
+enum ColumnAttention {
+    Full(MsaColumnAttention),
+    Global(MsaColumnGlobalAttention),
+}
+
+/// This rank's blocks of the (padded) masks in the layouts the block's steps use.
+pub struct BlockMasks {
+    /// MSA mask, row-split [s/N, r].
+    pub msa_row: Tensor,
+    /// MSA mask, col-split [s, r/N].
+    pub msa_col: Tensor,
+    /// MSA mask, whole [s, r].
+    pub msa_full: Tensor,
+    /// Pair mask, row-split [r/N, r].
+    pub pair_row: Tensor,
+    /// Pair mask, col-split [r, r/N].
+    pub pair_col: Tensor,
+}
+
+impl BlockMasks {
+    /// Cuts this rank's blocks from whole masks whose sizes the group size divides.
+    pub fn new(msa_mask: &Tensor, pair_mask: &Tensor, dap: &Dap) -> Result<Self> {
+        Ok(BlockMasks {
+            msa_row: dap.local(msa_mask, 0)?,
+            msa_col: dap.local(msa_mask, 1)?,
+            msa_full: msa_mask.shallow_clone(),
+            pair_row: dap.local(pair_mask, 0)?,
+            pair_col: dap.local(pair_mask, 1)?,
+        })
+    }
+}
+
+/// One Evoformer (or extra-MSA) block.
+pub struct EvoformerBlock {
+    row_attention: MsaRowAttentionWithPairBias,
+    column_attention: ColumnAttention,
+    msa_transition: Transition,
+    outer_product_mean: OuterProductMean,
+    tri_mul_out: TriangleMultiplication,
+    tri_mul_in: TriangleMultiplication,
+    tri_att_start: TriangleAttention,
+    tri_att_end: TriangleAttention,
+    pair_transition: Transition,
+}
+
+impl EvoformerBlock {
+    fn new(p: &crate::model::params::Scope, cfg: &EvoformerConfig, extra: bool) -> Result<Self> {
+        let (c_m, heads, dim) = match extra {
+            true => (cfg.c_e, cfg.extra_heads, cfg.extra_head_dim),
+            false => (cfg.c_m, cfg.msa_heads, cfg.msa_head_dim),
+        };
+        let c_z = cfg.c_z;
+        let column_attention = match extra {
+            true => ColumnAttention::Global(MsaColumnGlobalAttention::new(
+                &p.sub("msa_column_global_attention"),
+                c_m,
+                heads,
+                dim,
+            )?),
+            false => ColumnAttention::Full(MsaColumnAttention::new(&p.sub("msa_column_attention"), c_m, heads, dim)?),
+        };
+        let tri_att =
+            |name: &str, d: Direction| TriangleAttention::new(&p.sub(name), d, c_z, cfg.pair_heads, cfg.pair_head_dim);
+        let tri_mul =
+            |name: &str, d: Direction| TriangleMultiplication::new(&p.sub(name), d, c_z, cfg.tri_mul_channels);
+        Ok(EvoformerBlock {
+            row_attention: MsaRowAttentionWithPairBias::new(
+                &p.sub("msa_row_attention_with_pair_bias"),
+                c_m,
+                c_z,
+                heads,
+                dim,
+            )?,
+            column_attention,
+            msa_transition: Transition::new(&p.sub("msa_transition"), c_m, cfg.transition_factor)?,
+            outer_product_mean: OuterProductMean::new(&p.sub("outer_product_mean"), c_m, cfg.opm_channels, c_z)?,
+            tri_mul_out: tri_mul("triangle_multiplication_outgoing", Direction::Outgoing)?,
+            tri_mul_in: tri_mul("triangle_multiplication_incoming", Direction::Incoming)?,
+            tri_att_start: tri_att("triangle_attention_starting_node", Direction::Outgoing)?,
+            tri_att_end: tri_att("triangle_attention_ending_node", Direction::Incoming)?,
+            pair_transition: Transition::new(&p.sub("pair_transition"), c_z, cfg.transition_factor)?,
+        })
+    }
+
+    /// One block on row-split `msa` [s/N, r, c] and row-split `pair` [r/N, r, c_z]; returns
+    /// both in the same layouts. `chunk` bounds the batch-like axis of every heavy step.
+    pub fn forward(
+        &self,
+        msa: &Tensor,
+        pair: &Tensor,
+        masks: &BlockMasks,
+        dap: &Dap,
+        chunk: Option<i64>,
+    ) -> Result<(Tensor, Tensor)> {
+        let msa = msa.f_add(&self.row_attention.forward(msa, &masks.msa_row, pair, dap, chunk)?)?;
+        let msa = dap.row_to_col(&msa, 0, 1)?;
+        let update = match &self.column_attention {
+            ColumnAttention::Full(a) => a.forward(&msa, &masks.msa_col, chunk)?,
+            ColumnAttention::Global(a) => a.forward(&msa, &masks.msa_col, chunk)?,
+        };
+        let msa = msa.f_add(&update)?;
+        let msa = msa.f_add(&self.msa_transition.forward(&msa, chunk)?)?;
+        let opm = self.outer_product_mean.forward(&msa, &masks.msa_col, &masks.msa_full, dap, chunk)?;
+        let pair = pair.f_add(&opm)?;
+        // The MSA is done for this block: send it back to rows while the pair half runs.
+        let msa = dap.col_to_row_async(&msa, 0, 1)?;
+
+        let pair = pair.f_add(&self.tri_mul_out.forward(&pair, &masks.pair_row, dap, chunk)?)?;
+        let pair = dap.row_to_col(&pair, 0, 1)?;
+        let pair = pair.f_add(&self.tri_mul_in.forward(&pair, &masks.pair_col, dap, chunk)?)?;
+        let pair = dap.col_to_row(&pair, 0, 1)?;
+        let pair = pair.f_add(&self.tri_att_start.forward(&pair, &masks.pair_row, dap, chunk)?)?;
+        let pair = dap.row_to_col(&pair, 0, 1)?;
+        let pair = pair.f_add(&self.tri_att_end.forward(&pair, &masks.pair_col, dap, chunk)?)?;
+        let pair = pair.f_add(&self.pair_transition.forward(&pair, chunk)?)?;
+        let pair = dap.col_to_row(&pair, 0, 1)?;
+        Ok((msa.wait()?, pair))
+    }
+}
+
+/// A stack of blocks whose arrays are stacked along a leading block dimension.
+pub struct EvoformerStack {
+    blocks: Vec<EvoformerBlock>,
+    c_m: i64,
+    c_z: i64,
+}
+
+impl EvoformerStack {
+    /// The Evoformer stack (`evoformer_iteration`) over `params`.
+    pub fn main(params: &Params) -> Result<Self> {
+        Self::from_params(params, false)
+    }
+
+    /// The extra-MSA stack (`extra_msa_stack`) over `params`.
+    pub fn extra(params: &Params) -> Result<Self> {
+        Self::from_params(params, true)
+    }
+
+    fn from_params(params: &Params, extra: bool) -> Result<Self> {
+        let builder = params.builder();
+        let stack = Self::build(&builder, params.config(), extra)?;
+        let prefix = format!("{}/", if extra { EXTRA_MSA } else { EVOFORMER });
+        let unused = builder.unused_under(&prefix);
+        ensure!(unused.is_empty(), "arrays no module of the stack uses: {unused:?}");
+        Ok(stack)
+    }
+
+    /// Builds (or, with an initialising builder, creates the arrays of) one stack.
+    pub(crate) fn build(builder: &Builder, cfg: &EvoformerConfig, extra: bool) -> Result<Self> {
+        let (path, n, c_m) = match extra {
+            true => (EXTRA_MSA, cfg.num_extra_blocks, cfg.c_e),
+            false => (EVOFORMER, cfg.num_blocks, cfg.c_m),
+        };
+        ensure!(n > 0, "the stack at {path} has no blocks");
+        let blocks =
+            (0..n).map(|i| EvoformerBlock::new(&builder.block(path, i, n), cfg, extra)).collect::<Result<_>>()?;
+        Ok(EvoformerStack { blocks, c_m, c_z: cfg.c_z })
+    }
+
+    /// Number of blocks.
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Whether the stack has no blocks (never, once built).
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+
+    /// The blocks, in order.
+    pub fn blocks(&self) -> &[EvoformerBlock] {
+        &self.blocks
+    }
+
+    /// Runs every block on whole inputs every rank holds alike: `msa` [s, r, c_m],
+    /// `pair` [r, r, c_z], `msa_mask` [s, r], `pair_mask` [r, r] (1 = real, 0 = padding),
+    /// and returns the whole `(msa, pair)` on every rank. Under DAP, s and r are padded to
+    /// multiples of the group size with masked zeros, split, and the padding removed at the end.
+    pub fn forward(
+        &self,
+        msa: &Tensor,
+        pair: &Tensor,
+        msa_mask: &Tensor,
+        pair_mask: &Tensor,
+        dap: &Dap,
+        chunk: Option<i64>,
+    ) -> Result<(Tensor, Tensor)> {
+        let (s, r) = check_inputs(msa, pair, msa_mask, pair_mask, self.c_m, self.c_z)?;
+        let (sp, rp) = (dap.padded_len(s), dap.padded_len(r));
+        let pad2 = |t: &Tensor, a: i64, b: i64| -> Result<Tensor> { Ok(dap.pad_to(&dap.pad_to(t, 0, a)?, 1, b)?) };
+        let kind = msa.kind();
+        let masks = BlockMasks::new(
+            &pad2(&msa_mask.f_to_kind(kind)?, sp, rp)?,
+            &pad2(&pair_mask.f_to_kind(kind)?, rp, rp)?,
+            dap,
+        )?;
+        let mut m = dap.scatter(&pad2(msa, sp, rp)?, 0)?;
+        let mut z = dap.scatter(&pad2(pair, rp, rp)?, 0)?;
+        for block in &self.blocks {
+            (m, z) = block.forward(&m, &z, &masks, dap, chunk)?;
+        }
+        let m = dap.gather(&m, 0)?.f_narrow(0, 0, s)?.f_narrow(1, 0, r)?;
+        let z = dap.gather(&z, 0)?.f_narrow(0, 0, r)?.f_narrow(1, 0, r)?;
+        Ok((m, z))
+    }
+}
+
+fn check_inputs(
+    msa: &Tensor,
+    pair: &Tensor,
+    msa_mask: &Tensor,
+    pair_mask: &Tensor,
+    c_m: i64,
+    c_z: i64,
+) -> Result<(i64, i64)> {
+    let shape_err = |what: &str, expected: String, found: Vec<i64>| {
+        Error::Invalid(format!("{what}: expected shape {expected}, found {found:?}"))
+    };
+    let ms = msa.size();
+    if ms.len() != 3 || ms[2] != c_m {
+        return Err(shape_err("msa", format!("[seqs, residues, {c_m}]"), ms));
+    }
+    let (s, r) = (ms[0], ms[1]);
+    if pair.size() != [r, r, c_z] {
+        return Err(shape_err("pair", format!("[{r}, {r}, {c_z}]"), pair.size()));
+    }
+    if msa_mask.size() != [s, r] {
+        return Err(shape_err("msa mask", format!("[{s}, {r}]"), msa_mask.size()));
+    }
+    if pair_mask.size() != [r, r] {
+        return Err(shape_err("pair mask", format!("[{r}, {r}]"), pair_mask.size()));
+    }
+    Ok((s, r))
+}

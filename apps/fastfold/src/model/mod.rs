@@ -1,0 +1,17 @@
+//! AlphaFold 2's Evoformer (Jumper et al. 2021, supplementary Algorithms 6-19) under
+//! AlphaFold's parameter names, with chunked evaluation of the memory-heavy steps and dynamic
+//! axial parallelism ([`engine::parallel::dap`]).
+pub mod attention;
+pub mod config;
+mod error;
+pub mod evoformer;
+pub mod layers;
+pub mod msa;
+pub mod params;
+pub mod triangle;
+
+pub use config::EvoformerConfig;
+pub(crate) use error::ensure;
+pub use error::{Error, Result};
+pub use evoformer::{BlockMasks, EvoformerBlock, EvoformerStack};
+pub use params::{Params, EVOFORMER, EXTRA_MSA};

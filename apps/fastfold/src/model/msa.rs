@@ -1,0 +1,175 @@
+//! The MSA side of an Evoformer block: row attention with pair bias (supplementary
+//! Algorithm 7), column attention (8), global column attention of the extra-MSA stack (19),
+//! the transition (9, also the pair transition, 15) and the outer product mean (10).
+//!
+//! Under DAP the MSA `[seq, res, c]` is row-split (a block of sequences per rank) for row
+//! attention and col-split (a block of residues) for everything after it; the pair
+//! `[res, res, c_z]` is row-split. With one rank "split" means whole.
+use engine::parallel::dap::Dap;
+use tch::Tensor;
+
+use crate::model::attention::{Attention, GlobalAttention};
+use crate::model::layers::{chunked, mask_bias, LayerNorm, Linear};
+use crate::model::params::{Init, Scope};
+use crate::model::Result;
+
+/// The per-head pair bias `einsum('qkc,ch->hqk', LN(pair), feat_2d_weights)` of this rank's
+/// pair rows, all-gathered along the query axis (each rank uses the whole bias on its own
+/// rows, so backward sums the ranks' gradients).
+fn pair_bias(pair: &Tensor, weights: &Tensor, dap: &Dap) -> Result<Tensor> {
+    let local = Tensor::f_einsum("qkc,ch->hqk", &[pair, weights], None::<&[i64]>)?;
+    Ok(dap.all_gather(&local, 1)?)
+}
+
+/// MSA row attention with pair bias (`msa_row_attention_with_pair_bias`).
+pub struct MsaRowAttentionWithPairBias {
+    query_norm: LayerNorm,
+    feat_2d_norm: LayerNorm,
+    feat_2d_weights: Tensor,
+    attention: Attention,
+}
+
+impl MsaRowAttentionWithPairBias {
+    /// MSA width `c`, pair width `c_z`.
+    pub fn new(p: &Scope, c: i64, c_z: i64, heads: i64, head_dim: i64) -> Result<Self> {
+        Ok(MsaRowAttentionWithPairBias {
+            query_norm: LayerNorm::new(&p.sub("query_norm"), c)?,
+            feat_2d_norm: LayerNorm::new(&p.sub("feat_2d_norm"), c_z)?,
+            feat_2d_weights: p.param("feat_2d_weights", &[c_z, heads], Init::Weight { fan_in: c_z })?,
+            attention: Attention::new(&p.sub("attention"), c, heads, head_dim)?,
+        })
+    }
+
+    /// The update of row-split `msa` [s/N, r, c] (mask [s/N, r]) given row-split `pair`
+    /// [r/N, r, c_z]; chunks over sequences.
+    pub fn forward(&self, msa: &Tensor, mask: &Tensor, pair: &Tensor, dap: &Dap, chunk: Option<i64>) -> Result<Tensor> {
+        let bias = pair_bias(&self.feat_2d_norm.forward(pair)?, &self.feat_2d_weights, dap)?;
+        let x = self.query_norm.forward(msa)?;
+        self.attention.forward(&x, &mask_bias(mask)?, Some(&bias), chunk)
+    }
+}
+
+/// MSA column attention (`msa_column_attention`).
+pub struct MsaColumnAttention {
+    query_norm: LayerNorm,
+    attention: Attention,
+}
+
+impl MsaColumnAttention {
+    /// MSA width `c`.
+    pub fn new(p: &Scope, c: i64, heads: i64, head_dim: i64) -> Result<Self> {
+        Ok(MsaColumnAttention {
+            query_norm: LayerNorm::new(&p.sub("query_norm"), c)?,
+            attention: Attention::new(&p.sub("attention"), c, heads, head_dim)?,
+        })
+    }
+
+    /// The update of col-split `msa` [s, r/N, c] (mask [s, r/N]); chunks over residues.
+    pub fn forward(&self, msa: &Tensor, mask: &Tensor, chunk: Option<i64>) -> Result<Tensor> {
+        let x = self.query_norm.forward(&msa.f_transpose(0, 1)?)?;
+        let out = self.attention.forward(&x, &mask_bias(&mask.f_transpose(0, 1)?)?, None, chunk)?;
+        Ok(out.f_transpose(0, 1)?)
+    }
+}
+
+/// MSA column global attention of the extra-MSA stack (`msa_column_global_attention`).
+pub struct MsaColumnGlobalAttention {
+    query_norm: LayerNorm,
+    attention: GlobalAttention,
+}
+
+impl MsaColumnGlobalAttention {
+    /// Extra-MSA width `c`.
+    pub fn new(p: &Scope, c: i64, heads: i64, head_dim: i64) -> Result<Self> {
+        Ok(MsaColumnGlobalAttention {
+            query_norm: LayerNorm::new(&p.sub("query_norm"), c)?,
+            attention: GlobalAttention::new(&p.sub("attention"), c, heads, head_dim)?,
+        })
+    }
+
+    /// The update of col-split `msa` [s, r/N, c] (mask [s, r/N]); chunks over residues.
+    pub fn forward(&self, msa: &Tensor, mask: &Tensor, chunk: Option<i64>) -> Result<Tensor> {
+        let x = self.query_norm.forward(&msa.f_transpose(0, 1)?)?;
+        let out = self.attention.forward(&x, &mask.f_transpose(0, 1)?, chunk)?;
+        Ok(out.f_transpose(0, 1)?)
+    }
+}
+
+/// LayerNorm, widening linear, ReLU, narrowing linear (`msa_transition`, `pair_transition`).
+pub struct Transition {
+    input_layer_norm: LayerNorm,
+    transition1: Linear,
+    transition2: Linear,
+}
+
+impl Transition {
+    /// Width `c`, hidden width `factor * c`.
+    pub fn new(p: &Scope, c: i64, factor: i64) -> Result<Self> {
+        Ok(Transition {
+            input_layer_norm: LayerNorm::new(&p.sub("input_layer_norm"), c)?,
+            transition1: Linear::new(&p.sub("transition1"), c, factor * c, true)?,
+            transition2: Linear::new(&p.sub("transition2"), factor * c, c, true)?,
+        })
+    }
+
+    /// The update of `x` (any layout: it is pointwise); chunks over dim 0.
+    pub fn forward(&self, x: &Tensor, chunk: Option<i64>) -> Result<Tensor> {
+        chunked(x.size()[0], chunk, |start, n| {
+            let h = self.input_layer_norm.forward(&x.f_narrow(0, start, n)?)?;
+            self.transition2.forward(&self.transition1.forward(&h)?.f_relu()?)
+        })
+    }
+}
+
+/// Outer product mean (`outer_product_mean`): the MSA's update of the pair.
+pub struct OuterProductMean {
+    layer_norm_input: LayerNorm,
+    left_projection: Linear,
+    right_projection: Linear,
+    output_w: Tensor,
+    output_b: Tensor,
+    channels: i64,
+    c_z: i64,
+}
+
+impl OuterProductMean {
+    /// MSA width `c_m`, projection width `channels`, pair width `c_z`.
+    pub fn new(p: &Scope, c_m: i64, channels: i64, c_z: i64) -> Result<Self> {
+        Ok(OuterProductMean {
+            layer_norm_input: LayerNorm::new(&p.sub("layer_norm_input"), c_m)?,
+            left_projection: Linear::new(&p.sub("left_projection"), c_m, channels, true)?,
+            right_projection: Linear::new(&p.sub("right_projection"), c_m, channels, true)?,
+            output_w: p.param("output_w", &[channels, channels, c_z], Init::Weight { fan_in: channels * channels })?,
+            output_b: p.param("output_b", &[c_z], Init::Small)?,
+            channels,
+            c_z,
+        })
+    }
+
+    /// The row-split pair update [r/N, r, c_z] from col-split `msa` [s, r/N, c_m] with its
+    /// mask [s, r/N] and the whole mask [s, r]: out[i, j] = W·vec(Σ_s a_si ⊗ b_sj) + b, over
+    /// (1e-3 + Σ_s mask_si mask_sj). Chunks over i.
+    pub fn forward(
+        &self,
+        msa: &Tensor,
+        mask: &Tensor,
+        mask_full: &Tensor,
+        dap: &Dap,
+        chunk: Option<i64>,
+    ) -> Result<Tensor> {
+        let x = self.layer_norm_input.forward(msa)?;
+        let m = mask.f_unsqueeze(-1)?;
+        let left = self.left_projection.forward(&x)?.f_mul(&m)?;
+        let right = dap.all_gather(&self.right_projection.forward(&x)?.f_mul(&m)?, 1)?;
+        let norm = Tensor::f_einsum("si,sj->ij", &[mask, mask_full], None::<&[i64]>)?;
+        let w = self.output_w.f_reshape([self.channels * self.channels, self.c_z])?;
+        let out = chunked(left.size()[1], chunk, |start, n| {
+            let l = left.f_narrow(1, start, n)?;
+            let outer = Tensor::f_einsum("sic,sje->ijce", &[&l, &right], None::<&[i64]>)?;
+            let r = outer.size()[1];
+            let y = outer.f_reshape([n, r, self.channels * self.channels])?.f_matmul(&w)?.f_add(&self.output_b)?;
+            Ok(y.f_div(&norm.f_narrow(0, start, n)?.f_add_scalar(1e-3)?.f_unsqueeze(-1)?)?)
+        })?;
+        Ok(out)
+    }
+}

@@ -1,0 +1,85 @@
+//! Dynamic axial parallelism on 2 and 4 CPU ranks (Gloo) against one process: outputs of the
+//! Evoformer and extra-MSA stacks, and gradients of a scalar loss with respect to the inputs
+//! and every parameter, with sequence and residue counts the rank counts do not divide.
+use engine::dist::World;
+use engine::parallel::dap::Dap;
+use fastfold::model::{EvoformerConfig, EvoformerStack, Params, EVOFORMER, EXTRA_MSA};
+use suite_tests::{dist_test, TestResult};
+use tch::{Device, Kind, Tensor};
+
+struct Run {
+    msa: Tensor,
+    pair: Tensor,
+    grads: Vec<(String, Tensor)>,
+}
+
+/// One forward and backward of a stack on fresh copies of `params` and `x`.
+fn run(params: &Params, extra: bool, x: &[Tensor; 4], dap: &Dap, chunk: Option<i64>) -> anyhow::Result<Run> {
+    let params = params.to_device(Device::Cpu, true)?;
+    let stack = if extra { EvoformerStack::extra(&params)? } else { EvoformerStack::main(&params)? };
+    let msa = x[0].detach().set_requires_grad(true);
+    let pair = x[1].detach().set_requires_grad(true);
+    let (m, z) = stack.forward(&msa, &pair, &x[2], &x[3], dap, chunk)?;
+    // Fixed weights make every output element matter to the loss.
+    tch::manual_seed(99);
+    let (wm, wz) =
+        (Tensor::randn(m.size(), (Kind::Float, Device::Cpu)), Tensor::randn(z.size(), (Kind::Float, Device::Cpu)));
+    let loss = (&m * wm).sum(Kind::Float) + (&z * wz).sum(Kind::Float);
+    loss.backward();
+    dap.reduce_gradients(params.iter().map(|(_, t)| t))?;
+    let mut grads = vec![("input msa".to_string(), msa.grad()), ("input pair".to_string(), pair.grad())];
+    let prefix = if extra { EXTRA_MSA } else { EVOFORMER };
+    grads.extend(params.iter().filter(|(k, _)| k.starts_with(prefix)).map(|(k, t)| (k.to_string(), t.grad())));
+    Ok(Run { msa: m.detach(), pair: z.detach(), grads })
+}
+
+fn inputs(s: i64, r: i64, c_m: i64, c_z: i64) -> [Tensor; 4] {
+    tch::manual_seed(21);
+    let opts = (Kind::Float, Device::Cpu);
+    let msa_mask = Tensor::rand([s, r], opts).gt(0.2).to_kind(Kind::Float);
+    let _ = msa_mask.narrow(0, 0, 1).fill_(1.0);
+    let pair_mask = Tensor::rand([r, r], opts).gt(0.2).to_kind(Kind::Float).maximum(&Tensor::eye(r, opts));
+    [Tensor::randn([s, r, c_m], opts), Tensor::randn([r, r, c_z], opts), msa_mask, pair_mask]
+}
+
+fn compare(world: &World) -> TestResult {
+    let dap = Dap::new(world.group.clone());
+    let cfg = EvoformerConfig::tiny();
+    let params = Params::random(&cfg, 31)?;
+    // (stack, sequences, residues, chunk): 5, 6 and 7 leave remainders on 2 and 4 ranks.
+    for (extra, s, r, chunk) in [(false, 5, 7, None), (false, 6, 5, Some(2)), (true, 7, 6, None)] {
+        let what = format!("{} stack, {s} x {r}, {} ranks", if extra { "extra" } else { "main" }, dap.size());
+        let c_m = if extra { cfg.c_e } else { cfg.c_m };
+        let x = inputs(s, r, c_m, cfg.c_z);
+        let one = run(&params, extra, &x, &Dap::none(), None)?;
+        let many = run(&params, extra, &x, &dap, chunk)?;
+        for (name, a, b) in [("msa", &many.msa, &one.msa), ("pair", &many.pair, &one.pair)] {
+            let d = (a - b).abs().max().double_value(&[]);
+            anyhow::ensure!(d <= 1e-5, "{what}: output {name} differs by {d:e} (tolerance 1e-5 abs)");
+        }
+        anyhow::ensure!(many.grads.len() == one.grads.len(), "{what}: gradient counts differ");
+        let overall = one.grads.iter().map(|(_, g)| g.abs().max().double_value(&[])).fold(0.0, f64::max);
+        for ((name, a), (_, b)) in many.grads.iter().zip(&one.grads) {
+            anyhow::ensure!(a.defined() && b.defined(), "{what}: {name} has no gradient");
+            if name.ends_with("msa_row_attention_with_pair_bias/feat_2d_norm//offset") {
+                // The offset adds one constant per head to every logit of a row, which softmax
+                // ignores: its gradient is zero up to rounding on both sides.
+                let d = a.abs().max().double_value(&[]).max(b.abs().max().double_value(&[]));
+                anyhow::ensure!(d <= 1e-4 * overall, "{what}: {name} has gradient {d:e}, expected ~0");
+                continue;
+            }
+            let scale = b.abs().max().double_value(&[]);
+            anyhow::ensure!(scale > 0.0, "{what}: {name}'s reference gradient is zero");
+            let d = (a - b).abs().max().double_value(&[]);
+            anyhow::ensure!(
+                d <= 1e-4 * scale,
+                "{what}: gradient of {name} differs by {d:e} (max |g| {scale:e}, rtol 1e-4)"
+            );
+        }
+    }
+    Ok(())
+}
+
+dist_test!(two_ranks_match_one_rank, 2, |world| { compare(world) });
+
+dist_test!(four_ranks_match_one_rank, 4, |world| { compare(world) });
