@@ -106,11 +106,13 @@ impl Structure {
                     continue;
                 }
                 let [x, y, z] = self.positions[i][a];
-                if [x, y, z].iter().any(|v| !v.is_finite() || v.abs() >= 9999.9995) {
+                let coords = format!("{x:>8.3}{y:>8.3}{z:>8.3}");
+                if coords.len() != 24 || ![x, y, z].iter().all(|v| v.is_finite()) {
                     return Err(format!("residue {i} atom {name}: coordinates {x} {y} {z} do not fit 8.3f"));
                 }
                 let b = self.b_factors[i];
-                if !(b.is_finite() && (-99.995..999.995).contains(&b)) {
+                let b_text = format!("{b:>6.2}");
+                if b_text.len() != 6 || !b.is_finite() {
                     return Err(format!("residue {i}: B-factor {b} does not fit 6.2f"));
                 }
                 if serial > 99999 {
@@ -119,7 +121,7 @@ impl Structure {
                 let padded_name = if name.len() == 4 { name.to_string() } else { format!(" {name}") };
                 let element = &name[..1];
                 lines.push(format!(
-                    "{:<6}{serial:>5} {padded_name:<4}{:1}{resname:>3} {:1}{res_seq:>4}{:1}   {x:>8.3}{y:>8.3}{z:>8.3}{:>6.2}{b:>6.2}          {element:>2}{:2}",
+                    "{:<6}{serial:>5} {padded_name:<4}{:1}{resname:>3} {:1}{res_seq:>4}{:1}   {coords}{:>6.2}{b_text}          {element:>2}{:2}",
                     "ATOM", "", 'A', "", 1.0f32, ""
                 ));
                 serial += 1;

@@ -85,9 +85,8 @@ fn det3(m: &[[f32; 4]; 4]) -> f64 {
 #[test]
 fn default_frames_are_rigid_and_place_the_defining_atoms() {
     let frames = rc::restype_rigid_group_default_frame();
-    for r in 0..20 {
-        for g in 0..8 {
-            let m = &frames[r][g];
+    for (r, groups) in frames.iter().enumerate().take(20) {
+        for (g, m) in groups.iter().enumerate() {
             let exists = g < 4 || rc::CHI_ANGLES_MASK[r][g - 4] > 0.0;
             if !exists {
                 assert!(m.iter().flatten().all(|&v| v == 0.0), "restype {r} group {g} absent");
@@ -237,7 +236,7 @@ fn pdb_from_tensors_and_bad_input() {
     .to_string();
     assert!(err.contains("atom positions has shape [2, 14, 3], expected [2, 37, 3]"), "{err}");
     let mut far = two_residues();
-    far.positions[0][0][0] = 12345.0;
+    far.positions[0][0][0] = -1000.0; // "-1000.000" is 9 columns
     let dir = scratch("pdb-bad");
     let err = far.write(&dir.join("far.pdb")).unwrap_err().to_string();
     assert!(err.contains("far.pdb") && err.contains("do not fit 8.3f"), "{err}");
