@@ -354,7 +354,8 @@ impl Features {
         Features::from_map(map, path)
     }
 
-    /// Writes the features to `path` as `.npz` under AlphaFold's names (int64 and float32).
+    /// Writes the features to `path` as `.npz` under AlphaFold's names (int64 and float32),
+    /// through a synced temporary file renamed into place.
     pub fn save_npz(&self, path: &Path) -> Result<()> {
         let named: Vec<(&str, Tensor)> =
             self.named().iter().map(|(n, t)| (*n, t.to_device(Device::Cpu).contiguous())).collect();
@@ -363,6 +364,11 @@ impl Features {
             dir.join(format!(".{}.tmp-{}", path.file_name().unwrap_or_default().to_string_lossy(), std::process::id()));
         let result = Tensor::write_npz(&named, &staging)
             .map_err(|e| Error::Format { path: path.to_path_buf(), msg: e.to_string() })
+            .and_then(|()| {
+                std::fs::File::open(&staging)
+                    .and_then(|f| f.sync_all())
+                    .map_err(|source| Error::Io { path: staging.clone(), source })
+            })
             .and_then(|()| {
                 std::fs::rename(&staging, path).map_err(|source| Error::Io { path: path.to_path_buf(), source })
             });
