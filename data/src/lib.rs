@@ -2,10 +2,12 @@
 //! through [`write_atomic`], so a crash or an error never leaves a half-written file behind.
 #![warn(missing_docs)]
 
+pub mod a3m;
 pub mod augment;
 pub mod captions;
 pub mod checkpoint;
 pub mod digits;
+pub mod fasta;
 pub mod folder;
 pub mod h5;
 pub mod images;

@@ -1,4 +1,8 @@
-//! `fastfold`: AlphaFold 2 structure prediction with dynamic axial parallelism (DAP).
+//! `fastfold`: AlphaFold 2 structure prediction with dynamic axial parallelism (DAP): input
+//! features, residue tables, the model, confidence measures, losses and PDB output.
 pub mod confidence;
+pub mod features;
 pub mod geometry;
 pub mod model;
+pub mod pdb;
+pub mod residue_constants;

@@ -1,0 +1,155 @@
+//! PDB output of a predicted structure: one model, chain A, fixed-column `ATOM` records.
+//!
+//! The layout follows the wwPDB v3.3 `ATOM` record (and AlphaFold's `protein.to_pdb`): serial
+//! in columns 7-11, the atom name in 13-16 (a name shorter than four characters starts in
+//! column 14, so the element symbol lines up in 13-14), residue name 18-20, chain 22, residue
+//! number 23-26, coordinates 31-54 as `8.3f`, occupancy 55-60, B-factor 61-66 (the residue's
+//! pLDDT), element 77-78. Every line is padded to 80 characters. Atoms whose mask is below 0.5
+//! are left out. The file is written through a temporary file and renamed into place.
+use std::io::Write;
+use std::path::Path;
+
+use data::{Error, Result};
+use tch::{Kind, Tensor};
+
+use crate::residue_constants::{ATOM_TYPES, ATOM_TYPE_NUM, RESNAMES};
+
+/// A predicted structure in the atom37 layout, on the CPU.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Structure {
+    /// Residue types [N] (0..=20, `restypes` order).
+    pub aatype: Vec<usize>,
+    /// 0-based residue indices [N] (the `residue_index` feature); written as index + 1.
+    pub residue_index: Vec<i64>,
+    /// Atom positions [N][37] in Angstrom.
+    pub positions: Vec<[[f32; 3]; ATOM_TYPE_NUM]>,
+    /// Atom mask [N][37]; atoms below 0.5 are not written.
+    pub mask: Vec<[f32; ATOM_TYPE_NUM]>,
+    /// Per-residue B-factors [N] (pLDDT, 0-100).
+    pub b_factors: Vec<f32>,
+}
+
+fn tensor_err(what: &str) -> impl Fn(tch::TchError) -> Error + '_ {
+    move |e| Error::Format { path: "<tensors>".into(), msg: format!("{what}: {e}") }
+}
+
+fn expect_shape(t: &Tensor, what: &str, want: &[i64]) -> Result<()> {
+    if t.size() != want {
+        return Err(Error::Format {
+            path: "<tensors>".into(),
+            msg: format!("{what} has shape {:?}, expected {want:?}", t.size()),
+        });
+    }
+    Ok(())
+}
+
+impl Structure {
+    /// Copies tensors (any device) into a structure: `aatype` [N], `residue_index` [N],
+    /// `positions` [N, 37, 3], `mask` [N, 37], `b_factors` [N].
+    pub fn from_tensors(
+        aatype: &Tensor,
+        residue_index: &Tensor,
+        positions: &Tensor,
+        mask: &Tensor,
+        b_factors: &Tensor,
+    ) -> Result<Structure> {
+        let n = aatype.size().first().copied().unwrap_or(0);
+        expect_shape(aatype, "aatype", &[n])?;
+        expect_shape(residue_index, "residue_index", &[n])?;
+        expect_shape(positions, "atom positions", &[n, ATOM_TYPE_NUM as i64, 3])?;
+        expect_shape(mask, "atom mask", &[n, ATOM_TYPE_NUM as i64])?;
+        expect_shape(b_factors, "b_factors", &[n])?;
+        let longs = |t: &Tensor, what: &str| -> Result<Vec<i64>> {
+            Vec::<i64>::try_from(t.f_to_kind(Kind::Int64).map_err(tensor_err(what))?.to_device(tch::Device::Cpu))
+                .map_err(tensor_err(what))
+        };
+        let floats = |t: &Tensor, what: &str| -> Result<Vec<f32>> {
+            let t = t.f_to_kind(Kind::Float).map_err(tensor_err(what))?.to_device(tch::Device::Cpu);
+            Vec::<f32>::try_from(t.flatten(0, -1)).map_err(tensor_err(what))
+        };
+        let aatype = longs(aatype, "aatype")?;
+        let aatype = aatype
+            .iter()
+            .map(|&a| usize::try_from(a).ok().filter(|&a| a < RESNAMES.len()))
+            .collect::<Option<Vec<usize>>>()
+            .ok_or_else(|| Error::Format { path: "<tensors>".into(), msg: "aatype outside 0..=20".into() })?;
+        let pos = floats(positions, "atom positions")?;
+        let m = floats(mask, "atom mask")?;
+        Ok(Structure {
+            aatype,
+            residue_index: longs(residue_index, "residue_index")?,
+            positions: pos
+                .chunks_exact(ATOM_TYPE_NUM * 3)
+                .map(|r| std::array::from_fn(|a| [r[3 * a], r[3 * a + 1], r[3 * a + 2]]))
+                .collect(),
+            mask: m.chunks_exact(ATOM_TYPE_NUM).map(|r| std::array::from_fn(|a| r[a])).collect(),
+            b_factors: floats(b_factors, "b_factors")?,
+        })
+    }
+
+    /// The PDB text; an error if a field does not fit its columns.
+    pub fn to_pdb(&self) -> std::result::Result<String, String> {
+        let n = self.aatype.len();
+        if [self.residue_index.len(), self.positions.len(), self.mask.len(), self.b_factors.len()] != [n; 4] {
+            return Err("aatype, residue_index, positions, mask and b_factors differ in length".into());
+        }
+        let mut lines = vec!["MODEL        1".to_string()];
+        let mut serial = 1usize;
+        for i in 0..n {
+            let resname = RESNAMES.get(self.aatype[i]).ok_or_else(|| format!("residue {i}: aatype outside 0..=20"))?;
+            let res_seq = self.residue_index[i] + 1;
+            if !(-999..=9999).contains(&res_seq) {
+                return Err(format!("residue {i}: residue number {res_seq} does not fit columns 23-26"));
+            }
+            for (a, name) in ATOM_TYPES.iter().enumerate() {
+                if self.mask[i][a] < 0.5 {
+                    continue;
+                }
+                let [x, y, z] = self.positions[i][a];
+                let coords = format!("{x:>8.3}{y:>8.3}{z:>8.3}");
+                if coords.len() != 24 || ![x, y, z].iter().all(|v| v.is_finite()) {
+                    return Err(format!("residue {i} atom {name}: coordinates {x} {y} {z} do not fit 8.3f"));
+                }
+                let b = self.b_factors[i];
+                let b_text = format!("{b:>6.2}");
+                if b_text.len() != 6 || !b.is_finite() {
+                    return Err(format!("residue {i}: B-factor {b} does not fit 6.2f"));
+                }
+                if serial > 99999 {
+                    return Err("more than 99999 atoms".into());
+                }
+                let padded_name = if name.len() == 4 { name.to_string() } else { format!(" {name}") };
+                let element = &name[..1];
+                lines.push(format!(
+                    "{:<6}{serial:>5} {padded_name:<4}{:1}{resname:>3} {:1}{res_seq:>4}{:1}   {coords}{:>6.2}{b_text}          {element:>2}{:2}",
+                    "ATOM", "", 'A', "", 1.0f32, ""
+                ));
+                serial += 1;
+            }
+        }
+        if let (Some(&last_type), Some(&last_index)) = (self.aatype.last(), self.residue_index.last()) {
+            lines.push(format!(
+                "{:<6}{serial:>5}      {:>3} {:1}{:>4}",
+                "TER",
+                RESNAMES[last_type],
+                'A',
+                last_index + 1
+            ));
+        }
+        lines.push("ENDMDL".into());
+        lines.push("END".into());
+        let mut text = String::new();
+        for line in lines {
+            text.push_str(&format!("{line:<80}\n"));
+        }
+        Ok(text)
+    }
+
+    /// Writes the PDB file atomically; errors name `path`.
+    pub fn write(&self, path: &Path) -> Result<()> {
+        let text = self.to_pdb().map_err(|msg| Error::Format { path: path.to_path_buf(), msg })?;
+        data::write_atomic::<Error>(path, |w| {
+            w.write_all(text.as_bytes()).map_err(|source| Error::Io { path: path.to_path_buf(), source })
+        })
+    }
+}
