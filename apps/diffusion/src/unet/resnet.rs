@@ -45,10 +45,11 @@ impl ResnetBlock2D {
     }
 
     pub(crate) fn forward(&self, x: &Tensor, temb: Option<&Tensor>) -> Tensor {
-        let mut h = self.conv1.forward(&self.norm1.forward(x).silu());
-        if let (Some(proj), Some(t)) = (&self.time_emb_proj, temb) {
-            h = h + proj.forward(&t.silu()).unsqueeze(-1).unsqueeze(-1);
-        }
+        let h = self.conv1.forward(&self.norm1.forward(x).silu());
+        let h = match (&self.time_emb_proj, temb) {
+            (Some(proj), Some(t)) => h + proj.forward(&t.silu()).unsqueeze(-1).unsqueeze(-1),
+            _ => h,
+        };
         let h = self.conv2.forward(&self.norm2.forward(&h).silu());
         match &self.conv_shortcut {
             Some(c) => c.forward(x) + h,
