@@ -10,7 +10,8 @@ use serde::Deserialize;
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 
-use crate::error::{read_json, Error, Result};
+use crate::config::read_json;
+use crate::error::{Error, Result};
 
 /// `text_encoder/config.json` as transformers writes it (`CLIPTextConfig`); other keys are ignored.
 #[derive(Clone, Debug, Deserialize)]

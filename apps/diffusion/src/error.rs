@@ -29,14 +29,10 @@ pub enum Error {
     /// A libtorch operation failed.
     #[error(transparent)]
     Torch(#[from] tch::TchError),
+    /// The engine failed (e.g. a checkpointed segment).
+    #[error(transparent)]
+    Engine(#[from] engine::Error),
 }
 
 /// The diffusion library's result type.
 pub type Result<T> = std::result::Result<T, Error>;
-
-/// Reads `path` as JSON into `T`; an unreadable file or a missing or mistyped key is an error
-/// naming the file.
-pub(crate) fn read_json<T: serde::de::DeserializeOwned>(path: &std::path::Path) -> Result<T> {
-    let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
-    serde_json::from_str(&text).map_err(|e| Error::Format { path: path.to_path_buf(), msg: e.to_string() })
-}

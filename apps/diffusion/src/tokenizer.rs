@@ -19,7 +19,8 @@ use regex::Regex;
 use serde_json::Value;
 use tch::{Device, Tensor};
 
-use crate::error::{read_json, Error, Result};
+use crate::config::read_json;
+use crate::error::{Error, Result};
 
 /// CLIP's pre-tokenisation pattern: contractions, letter runs, single digits, and runs of
 /// anything else that is not whitespace (the special tokens are split off before this runs).

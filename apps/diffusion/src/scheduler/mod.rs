@@ -15,7 +15,8 @@ use std::path::Path;
 use serde::Deserialize;
 use tch::Tensor;
 
-use crate::error::{read_json, Error, Result};
+use crate::config::read_json;
+use crate::error::{Error, Result};
 
 /// `scheduler_config.json` as diffusers writes it. Missing keys take the defaults of diffusers'
 /// DDIM/DDPM classes (SD 1.x ships a PNDM config without `prediction_type`/`timestep_spacing`);

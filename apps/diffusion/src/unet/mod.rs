@@ -1,0 +1,216 @@
+//! diffusers' `UNet2DConditionModel`, the noise predictor of Stable Diffusion 1.x and 2.x, with
+//! diffusers' parameter names so `unet/diffusion_pytorch_model.safetensors` loads by name:
+//! `conv_in`, `time_embedding.linear_{1,2}`, `down_blocks.*`, `mid_block.*`, `up_blocks.*`,
+//! `conv_norm_out`, `conv_out`. Each down, mid and up block can be run under activation
+//! checkpointing (`engine::autograd::checkpoint`) to trade compute for memory in fine-tuning.
+mod blocks;
+pub(crate) mod resnet;
+mod transformer;
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use tch::nn::{self, Module, VarStore};
+use tch::{Device, Kind, Tensor};
+
+use crate::config::{UNetConfig, UNetConfigFile};
+use crate::weights::{self, ComponentFiles};
+use crate::{Error, Result};
+use blocks::{DownBlock, MidBlock, Shared, UpBlock, UpWidths};
+use resnet::{conv3x3, group_norm};
+
+/// Sinusoidal embedding `[B, dim]` of timesteps `[B]` (DDPM's, as diffusers'
+/// `get_timestep_embedding` with scale 1 and period 10000): frequencies
+/// `exp(-ln(10000) i / (dim/2 - shift))`, `sin` then `cos` (`cos` first when `flip_sin_to_cos`).
+/// Computed in float32 whatever the model's precision.
+pub fn timestep_embedding(timesteps: &Tensor, dim: i64, flip_sin_to_cos: bool, shift: f64) -> Tensor {
+    let half = dim / 2;
+    let opts = (Kind::Float, timesteps.device());
+    let freqs = (Tensor::arange(half, opts) * (-(10000f64.ln()) / (half as f64 - shift))).exp();
+    let args = timesteps.to_kind(Kind::Float).unsqueeze(1) * freqs.unsqueeze(0);
+    let (sin, cos) = (args.sin(), args.cos());
+    let emb = if flip_sin_to_cos { Tensor::cat(&[cos, sin], 1) } else { Tensor::cat(&[sin, cos], 1) };
+    if dim % 2 == 1 {
+        emb.constant_pad_nd([0, 1])
+    } else {
+        emb
+    }
+}
+
+/// A block shared with the checkpointed segment that may recompute it during backward.
+type SharedBlock<B> = Arc<Mutex<B>>;
+
+/// The conditional UNet: `forward(noisy latents, timesteps, text states) -> predicted noise`.
+#[derive(Debug)]
+pub struct UNet2DConditionModel {
+    cfg: UNetConfig,
+    conv_in: nn::Conv2D,
+    linear_1: nn::Linear,
+    linear_2: nn::Linear,
+    down_blocks: Vec<SharedBlock<DownBlock>>,
+    mid_block: SharedBlock<MidBlock>,
+    up_blocks: Vec<SharedBlock<UpBlock>>,
+    conv_norm_out: nn::GroupNorm,
+    conv_out: nn::Conv2D,
+    checkpointing: bool,
+}
+
+impl UNet2DConditionModel {
+    /// Creates the parameters under `p` (the root of a VarStore, for diffusers' key names).
+    pub fn new(p: &nn::Path, cfg: &UNetConfig) -> UNet2DConditionModel {
+        let s = Shared::new(cfg);
+        let ch = &cfg.block_out_channels;
+        let n = ch.len();
+        let c0 = ch[0];
+        let down = p / "down_blocks";
+        let down_blocks = (0..n)
+            .map(|i| {
+                let cin = if i == 0 { c0 } else { ch[i - 1] };
+                let heads = cfg.down_attention[i].then_some(cfg.heads[i]);
+                let block = DownBlock::new(&down / i, &s, cin, ch[i], cfg.layers_per_block, heads, i == n - 1);
+                Arc::new(Mutex::new(block))
+            })
+            .collect();
+        let mid_block = Arc::new(Mutex::new(MidBlock::new(p / "mid_block", &s, ch[n - 1], cfg.heads[n - 1])));
+        let up = p / "up_blocks";
+        let up_blocks = (0..n)
+            .map(|i| {
+                // Up block i works at level n-1-i; its last resnet takes the skip from the
+                // level below (the down path's first state at the top level).
+                let level = n - 1 - i;
+                let widths =
+                    UpWidths { prev: ch[(level + 1).min(n - 1)], out: ch[level], skip_in: ch[level.saturating_sub(1)] };
+                let heads = cfg.up_attention[i].then_some(cfg.heads[level]);
+                let block = UpBlock::new(&up / i, &s, widths, cfg.layers_per_block + 1, heads, i == n - 1);
+                Arc::new(Mutex::new(block))
+            })
+            .collect();
+        UNet2DConditionModel {
+            conv_in: conv3x3(p / "conv_in", cfg.in_channels, c0, 1),
+            linear_1: nn::linear(p / "time_embedding" / "linear_1", c0, s.temb, Default::default()),
+            linear_2: nn::linear(p / "time_embedding" / "linear_2", s.temb, s.temb, Default::default()),
+            down_blocks,
+            mid_block,
+            up_blocks,
+            conv_norm_out: group_norm(p / "conv_norm_out", cfg.norm_num_groups, c0, cfg.norm_eps),
+            conv_out: conv3x3(p / "conv_out", c0, cfg.out_channels, 1),
+            cfg: cfg.clone(),
+            checkpointing: false,
+        }
+    }
+
+    /// Reads the config and weights of a diffusers `unet` folder into a new VarStore on
+    /// `device` (see [`weights::load_into`] for what is checked).
+    pub fn load(files: &ComponentFiles, device: Device) -> Result<(VarStore, UNet2DConditionModel)> {
+        let file: UNetConfigFile = crate::config::read_json(&files.config)?;
+        let cfg = UNetConfig::new(&file, &files.config)?;
+        let vs = VarStore::new(device);
+        let model = UNet2DConditionModel::new(&vs.root(), &cfg);
+        weights::load_into(&vs, &files.weights, |_| None)?;
+        Ok((vs, model))
+    }
+
+    /// Writes `dir/config.json` and `dir/diffusion_pytorch_model.safetensors` (float32, the
+    /// variables of `vs`, which must hold this model at its root) as diffusers'
+    /// `save_pretrained` lays them out, so `UNet2DConditionModel.from_pretrained(dir)` loads it.
+    pub fn save(&self, vs: &VarStore, dir: &Path) -> Result<()> {
+        weights::save_component(vs, &self.cfg.source, "UNet2DConditionModel", dir)
+    }
+
+    /// The architecture.
+    pub fn config(&self) -> &UNetConfig {
+        &self.cfg
+    }
+
+    /// Runs each down, mid and up block under activation checkpointing when gradients are
+    /// recorded: its activations are recomputed in backward instead of kept. Parameter
+    /// gradients then reach `.grad` through `backward` (not `Tensor::run_backward` on inputs).
+    pub fn set_gradient_checkpointing(&mut self, on: bool) {
+        self.checkpointing = on;
+    }
+
+    /// Predicted noise `[B, out_channels, H, W]` for `sample` `[B, in_channels, H, W]` at
+    /// `timesteps` (`[B]`, or one for the whole batch) given `encoder_hidden_states`
+    /// `[B, L, cross_attention_dim]`. H and W must be multiples of 2^(levels-1).
+    pub fn forward(&self, sample: &Tensor, timesteps: &Tensor, encoder_hidden_states: &Tensor) -> Result<Tensor> {
+        let (b, timesteps) = self.check_inputs(sample, timesteps, encoder_hidden_states)?;
+        let timesteps = timesteps.to_device(sample.device()).reshape([-1]).expand([b], false);
+        let emb = timestep_embedding(
+            &timesteps,
+            self.cfg.block_out_channels[0],
+            self.cfg.flip_sin_to_cos,
+            self.cfg.freq_shift,
+        );
+        let temb = self.linear_2.forward(&self.linear_1.forward(&emb.to_kind(sample.kind())).silu());
+        let ctx = encoder_hidden_states;
+        let mut h = self.conv_in.forward(sample);
+        let mut skips = vec![h.shallow_clone()];
+        for block in &self.down_blocks {
+            let outs = self.run(block, &[&h, &temb, ctx], |b, x| b.forward(&x[0], &x[1], &x[2]))?;
+            h = outs.last().map(Tensor::shallow_clone).unwrap_or(h);
+            skips.extend(outs);
+        }
+        h = self.run(&self.mid_block, &[&h, &temb, ctx], |b, x| vec![b.forward(&x[0], &x[1], &x[2])])?.remove(0);
+        for block in &self.up_blocks {
+            let layers = block.lock().map_err(|_| poisoned())?.layers();
+            let mut taken = skips.split_off(skips.len().saturating_sub(layers));
+            taken.reverse();
+            let mut inputs = vec![&h, &temb, ctx];
+            inputs.extend(taken.iter());
+            h = self.run(block, &inputs, |b, x| vec![b.forward(&x[0], &x[3..], &x[1], &x[2])])?.remove(0);
+        }
+        Ok(self.conv_out.forward(&self.conv_norm_out.forward(&h).silu()))
+    }
+
+    /// Checks shapes; returns the batch size and the timesteps.
+    fn check_inputs<'a>(&self, sample: &Tensor, timesteps: &'a Tensor, ctx: &Tensor) -> Result<(i64, &'a Tensor)> {
+        let c = &self.cfg;
+        let s = sample.size();
+        let factor = 1i64 << (c.block_out_channels.len() - 1);
+        if s.len() != 4 || s[1] != c.in_channels || s[2] % factor != 0 || s[3] % factor != 0 {
+            return Err(Error::Invalid(format!(
+                "UNet sample has shape {s:?}, expected [batch, {}, H, W] with H and W multiples of {factor}",
+                c.in_channels
+            )));
+        }
+        let e = ctx.size();
+        if e.len() != 3 || e[0] != s[0] || e[2] != c.cross_attention_dim {
+            return Err(Error::Invalid(format!(
+                "UNet encoder_hidden_states have shape {e:?}, expected [{}, tokens, {}]",
+                s[0], c.cross_attention_dim
+            )));
+        }
+        let n = timesteps.numel() as i64;
+        if timesteps.dim() > 1 || (n != 1 && n != s[0]) {
+            return Err(Error::Invalid(format!(
+                "UNet timesteps have shape {:?}, expected [{}] or a scalar",
+                timesteps.size(),
+                s[0]
+            )));
+        }
+        Ok((s[0], timesteps))
+    }
+
+    /// Runs `f` on `block`, under checkpointing when it is on and gradients flow.
+    fn run<B: Send + 'static>(
+        &self,
+        block: &SharedBlock<B>,
+        inputs: &[&Tensor],
+        f: fn(&B, &[Tensor]) -> Vec<Tensor>,
+    ) -> Result<Vec<Tensor>> {
+        if self.checkpointing && inputs.iter().any(|t| t.requires_grad()) {
+            let block = block.clone();
+            let outs = engine::autograd::checkpoint(inputs, move |x| {
+                let b = block.lock().map_err(|_| engine::Error::invalid(poisoned().to_string()))?;
+                Ok(f(&b, x))
+            })?;
+            return Ok(outs);
+        }
+        let b = block.lock().map_err(|_| poisoned())?;
+        Ok(f(&b, &inputs.iter().map(|t| t.shallow_clone()).collect::<Vec<_>>()))
+    }
+}
+
+fn poisoned() -> Error {
+    Error::Invalid("a UNet block panicked in an earlier call; rebuild the model".into())
+}
