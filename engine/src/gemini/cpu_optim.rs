@@ -414,8 +414,8 @@ fn lars(c: &LarsConfig, first: bool, adapt: bool, w: &mut [f32], buf: Option<&mu
 }
 
 #[cfg(test)]
-mod tests {
-    use tch::{Device, Kind, Tensor};
+pub(super) mod tests {
+    use tch::Tensor;
 
     use super::*;
     use crate::autograd::set_grad;
@@ -437,9 +437,24 @@ mod tests {
     /// Padding between segments, which must be left alone.
     const GAP: usize = 5;
 
-    fn randn(n: usize, seed: i64) -> Vec<f32> {
-        tch::manual_seed(seed);
-        Vec::<f32>::try_from(Tensor::randn([n as i64], (Kind::Float, Device::Cpu))).expect("f32 tensor")
+    /// `n` standard normal values from a generator of this test's own (Box-Muller over
+    /// splitmix64): tests run in parallel threads, and torch's global generator would be
+    /// reseeded and drawn from by the others in between.
+    pub(in crate::gemini) fn randn(n: usize, seed: i64) -> Vec<f32> {
+        let mut state = (seed as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x6a09_e667_f3bc_c908;
+        let mut uniform = move || {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+        };
+        (0..n)
+            .map(|_| {
+                let (u1, u2) = (uniform().max(f64::MIN_POSITIVE), uniform());
+                ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
+            })
+            .collect()
     }
 
     /// Segments, their shapes, the buffer length and starting weights.

@@ -188,7 +188,7 @@ fn square_sum(x: &Tensor) -> Result<Tensor> {
 
 #[cfg(test)]
 mod tests {
-    use tch::{Device, Kind, Tensor};
+    use tch::Tensor;
 
     use super::*;
     use crate::gemini::cpu_optim::CpuOptimizer;
@@ -214,7 +214,7 @@ mod tests {
             CpuRule::Lars(LarsConfig { lr: 0.5, momentum: 0.0, ..Default::default() }),
         ];
         let gen = |seed: i64| {
-            let g = Tensor::randn([len], (Kind::Float, Device::Cpu));
+            let g = Tensor::from_slice(&crate::gemini::cpu_optim::tests::randn(len as usize, seed));
             g.f_mul_scalar(1.0 + seed as f64 * 0.1).unwrap()
         };
         for rule in rules {
