@@ -5,6 +5,8 @@ use std::collections::BTreeMap;
 
 use tch::Tensor;
 
+use crate::model::embedders::EMBEDDINGS;
+use crate::model::heads::ITERATION;
 use crate::model::params::{EVOFORMER, EXTRA_MSA};
 use crate::model::{Error, Result};
 
@@ -136,6 +138,104 @@ impl EvoformerConfig {
             transition_factor: tr[2] / c_m,
             num_blocks: row[0],
             num_extra_blocks,
+        })
+    }
+}
+
+/// Sizes of the input, recycling and extra-MSA embedders and of the output heads around the
+/// stacks. Defaults are AlphaFold 2's `model_1_ptm` (`alphafold/model/config.py`);
+/// [`ModelConfig::infer`] reads them back from the shapes of a store.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ModelConfig {
+    /// Single-representation channels (`seq_channel`, 384), read by the lDDT and
+    /// experimentally-resolved heads.
+    pub c_s: i64,
+    /// Channels of `target_feat` (22: 21 residue types and the gap/unknown flag).
+    pub target_feat: i64,
+    /// Channels of `msa_feat` (49: 23-class one-hot, deletion flags and values, profile).
+    pub msa_feat: i64,
+    /// Largest relative position told apart (`max_relative_feature`, 32; `2k + 1` bins).
+    pub max_relative_feature: i64,
+    /// Distance bins of the recycled pseudo-beta positions (`prev_pos.num_bins`, 15).
+    pub recycle_bins: i64,
+    /// Distogram bins (64).
+    pub distogram_bins: i64,
+    /// lDDT bins (50).
+    pub lddt_bins: i64,
+    /// Hidden channels of the lDDT head (128).
+    pub lddt_channels: i64,
+    /// Classes of the masked-MSA head (23).
+    pub masked_msa_classes: i64,
+    /// Atoms of the experimentally-resolved head (atom37, 37).
+    pub resolved_atoms: i64,
+    /// Bins of the predicted-aligned-error head (64), in `_ptm` parameter sets only.
+    pub aligned_error_bins: Option<i64>,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig {
+            c_s: 384,
+            target_feat: 22,
+            msa_feat: 49,
+            max_relative_feature: 32,
+            recycle_bins: 15,
+            distogram_bins: 64,
+            lddt_bins: 50,
+            lddt_channels: 128,
+            masked_msa_classes: 23,
+            resolved_atoms: 37,
+            aligned_error_bins: Some(64),
+        }
+    }
+}
+
+impl ModelConfig {
+    /// Small widths for tests (none equal to a width of [`EvoformerConfig::tiny`], so a
+    /// transposed weight shows up as a shape error); the feature and bin counts stay
+    /// AlphaFold's, since they carry meaning (bin edges, residue classes).
+    pub fn tiny() -> Self {
+        ModelConfig { c_s: 9, lddt_channels: 11, ..ModelConfig::default() }
+    }
+
+    /// Reads the sizes from the shapes of AlphaFold-named arrays; the aligned-error head is
+    /// optional. The modules' constructors then check every array against the result.
+    pub fn infer(arrays: &BTreeMap<String, Tensor>) -> Result<Self> {
+        let dims = |key: String| -> Result<Vec<i64>> {
+            let t = arrays.get(&key).ok_or_else(|| Error::Missing { key: key.clone(), file: None })?;
+            let found = t.size();
+            if found.len() != 2 {
+                return Err(Error::Invalid(format!("parameter {key}: expected 2 dimensions, found shape {found:?}")));
+            }
+            Ok(found)
+        };
+        let e = |m: &str| format!("{EMBEDDINGS}/{m}//weights");
+        let h = |m: &str| format!("{ITERATION}/{m}//weights");
+        let rel = dims(e("pair_activiations"))?[0];
+        if rel % 2 != 1 {
+            return Err(Error::Invalid(format!(
+                "parameter {}: {rel} relative-position bins, expected an odd number (2k + 1)",
+                e("pair_activiations")
+            )));
+        }
+        let pae_key = h("predicted_aligned_error_head/logits");
+        let aligned_error_bins = match arrays.contains_key(&pae_key) {
+            true => Some(dims(pae_key)?[1]),
+            false => None,
+        };
+        let lddt = dims(h("predicted_lddt_head/act_0"))?;
+        Ok(ModelConfig {
+            c_s: dims(e("single_activations"))?[1],
+            target_feat: dims(e("preprocess_1d"))?[0],
+            msa_feat: dims(e("preprocess_msa"))?[0],
+            max_relative_feature: rel / 2,
+            recycle_bins: dims(e("prev_pos_linear"))?[0],
+            distogram_bins: dims(h("distogram_head/half_logits"))?[1],
+            lddt_bins: dims(h("predicted_lddt_head/logits"))?[1],
+            lddt_channels: lddt[1],
+            masked_msa_classes: dims(h("masked_msa_head/logits"))?[1],
+            resolved_atoms: dims(h("experimentally_resolved_head/logits"))?[1],
+            aligned_error_bins,
         })
     }
 }

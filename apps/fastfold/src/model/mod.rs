@@ -3,15 +3,19 @@
 //! axial parallelism ([`engine::parallel::dap`]).
 pub mod attention;
 pub mod config;
+pub mod embedders;
 mod error;
 pub mod evoformer;
+pub mod heads;
 pub mod layers;
 pub mod msa;
 pub mod params;
 pub mod triangle;
 
-pub use config::EvoformerConfig;
+pub use config::{EvoformerConfig, ModelConfig};
+pub use embedders::{Embedders, Recycled};
 pub(crate) use error::ensure;
 pub use error::{Error, Result};
 pub use evoformer::{BlockMasks, EvoformerBlock, EvoformerStack};
+pub use heads::{HeadInputs, HeadOutputs, Heads};
 pub use params::{Params, EVOFORMER, EXTRA_MSA};

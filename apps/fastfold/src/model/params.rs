@@ -24,8 +24,10 @@ use std::path::Path;
 
 use tch::{Device, Kind, Tensor};
 
-use crate::model::config::EvoformerConfig;
+use crate::model::config::{EvoformerConfig, ModelConfig};
+use crate::model::embedders::Embedders;
 use crate::model::evoformer::EvoformerStack;
+use crate::model::heads::Heads;
 use crate::model::{Error, Result};
 
 /// Module path of the Evoformer stack's (stacked) block.
@@ -48,7 +50,8 @@ pub enum Init {
     One,
 }
 
-/// Named arrays of the Evoformer and extra-MSA stacks, and the sizes they imply.
+/// Named arrays of the Evoformer and extra-MSA stacks (and, from [`Params::random_model`] or
+/// [`Params::load_model_npz`], of the embedders and heads), and the sizes they imply.
 pub struct Params {
     arrays: BTreeMap<String, Tensor>,
     config: EvoformerConfig,
@@ -57,12 +60,19 @@ pub struct Params {
 impl Params {
     /// Freshly drawn arrays for `config`, seeded, as fp32 on the CPU.
     pub fn random(config: &EvoformerConfig, seed: i64) -> Result<Params> {
+        Self::init(config, None, seed)
+    }
+
+    /// Freshly drawn arrays of a whole model for `config` and `model`: the stacks, the
+    /// embedders ([`crate::model::embedders`]) and the heads ([`crate::model::heads`]).
+    pub fn random_model(config: &EvoformerConfig, model: &ModelConfig, seed: i64) -> Result<Params> {
+        Self::init(config, Some(model), seed)
+    }
+
+    fn init(config: &EvoformerConfig, model: Option<&ModelConfig>, seed: i64) -> Result<Params> {
         tch::manual_seed(seed);
         let builder = Builder::new(Mode::Init, BTreeMap::new(), None);
-        EvoformerStack::build(&builder, config, false)?;
-        if config.num_extra_blocks > 0 {
-            EvoformerStack::build(&builder, config, true)?;
-        }
+        build(&builder, config, model)?;
         Ok(Params { arrays: builder.arrays.into_inner(), config: *config })
     }
 
@@ -72,7 +82,18 @@ impl Params {
     /// that no module uses is an error too. Arrays of other modules (embedders, structure
     /// module, heads) are left out.
     pub fn load_npz(path: impl AsRef<Path>) -> Result<Params> {
-        let path = path.as_ref();
+        Self::load(path.as_ref(), false)
+    }
+
+    /// As [`Params::load_npz`], and the embedders' and heads' arrays too, with their sizes
+    /// inferred from the shapes ([`ModelConfig::infer`]) and every array checked the same way;
+    /// the aligned-error head is loaded when the file has it. The structure module's arrays
+    /// are left out.
+    pub fn load_model_npz(path: impl AsRef<Path>) -> Result<Params> {
+        Self::load(path.as_ref(), true)
+    }
+
+    fn load(path: &Path, with_model: bool) -> Result<Params> {
         let file = path.display().to_string();
         let arrays = Tensor::read_npz(path).map_err(|source| Error::File { path: file.clone(), source })?;
         let mut map = BTreeMap::new();
@@ -81,11 +102,12 @@ impl Params {
             map.insert(name, t);
         }
         let config = EvoformerConfig::infer(&map).map_err(|e| with_file(e, &file))?;
+        let model = match with_model {
+            true => Some(ModelConfig::infer(&map).map_err(|e| with_file(e, &file))?),
+            false => None,
+        };
         let builder = Builder::new(Mode::Load, map, Some(file.clone()));
-        EvoformerStack::build(&builder, &config, false)?;
-        if config.num_extra_blocks > 0 {
-            EvoformerStack::build(&builder, &config, true)?;
-        }
+        build(&builder, &config, model.as_ref())?;
         for prefix in [EVOFORMER, EXTRA_MSA] {
             let unused = builder.unused_under(&format!("{prefix}/"));
             if !unused.is_empty() {
@@ -115,6 +137,13 @@ impl Params {
     /// The sizes these arrays imply.
     pub fn config(&self) -> &EvoformerConfig {
         &self.config
+    }
+
+    /// The sizes of the embedders and heads, read from the shapes of their arrays (an error
+    /// naming the key for a store of the stacks only).
+    pub fn model_config(&self) -> Result<ModelConfig> {
+        let map = self.arrays.iter().map(|(k, t)| (k.clone(), t.shallow_clone())).collect();
+        ModelConfig::infer(&map)
     }
 
     /// The array under an AlphaFold key.
@@ -167,6 +196,19 @@ impl Params {
     }
 }
 
+/// Builds (or creates the arrays of) the stacks and, with `model`, the embedders and heads.
+fn build(builder: &Builder, config: &EvoformerConfig, model: Option<&ModelConfig>) -> Result<()> {
+    EvoformerStack::build(builder, config, false)?;
+    if config.num_extra_blocks > 0 {
+        EvoformerStack::build(builder, config, true)?;
+    }
+    if let Some(model) = model {
+        Embedders::build(builder, config, model)?;
+        Heads::build(builder, config, model)?;
+    }
+    Ok(())
+}
+
 fn with_file(e: Error, file: &str) -> Error {
     match e {
         Error::Missing { key, .. } => Error::Missing { key, file: Some(file.into()) },
@@ -200,6 +242,11 @@ impl Builder {
     pub(crate) fn unused_under(&self, prefix: &str) -> Vec<String> {
         let used = self.used.borrow();
         self.arrays.borrow().keys().filter(|k| k.starts_with(prefix) && !used.contains(*k)).cloned().collect()
+    }
+
+    /// A scope at an unstacked module path (embedders, heads).
+    pub(crate) fn root(&self, path: &str) -> Scope<'_> {
+        Scope { builder: self, path: path.to_string(), block: None }
     }
 
     /// A scope at the root of a stack of `blocks` blocks, for block `index`.

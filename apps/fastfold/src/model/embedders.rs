@@ -1,0 +1,318 @@
+//! The embedders in front of the stacks (supplementary Algorithms 2-5 and 32), under
+//! AlphaFold's parameter names (module path `alphafold/alphafold_iteration/evoformer/<name>`):
+//!
+//! | module | AlphaFold name | input → output |
+//! |---|---|---|
+//! | [`InputEmbedder`] | `preprocess_1d`, `preprocess_msa` | target_feat [N, 22], msa_feat [S, N, 49] → msa [S, N, c_m] |
+//! | | `left_single`, `right_single` | target_feat → pair [N, N, c_z] (outer sum) |
+//! | | `pair_activiations` (sic) | relative position one-hot [N, N, 2·32 + 1] → pair |
+//! | [`RecyclingEmbedder`] | `prev_msa_first_row_norm` | previous MSA row 0 → added to MSA row 0 |
+//! | | `prev_pair_norm` | previous pair → added to pair |
+//! | | `prev_pos_linear` | previous pseudo-beta distances, 15 bins 3.25-20.75 Å → pair |
+//! | [`ExtraMsaEmbedder`] | `extra_msa_activations` | one-hot 23 + has_deletion + deletion_value → [S_e, N, c_e] |
+//!
+//! Every Linear has `weights` [in, out] and `bias`; every LayerNorm `scale` and `offset`.
+//! The additions commute, so the embedders may be applied in either order.
+use tch::{Kind, Tensor};
+
+use crate::model::config::{EvoformerConfig, ModelConfig};
+use crate::model::layers::{LayerNorm, Linear};
+use crate::model::params::{Builder, Params};
+use crate::model::{ensure, Error, Result};
+
+/// Module path of the embedders (inside AlphaFold's `EmbeddingsAndEvoformer`).
+pub const EMBEDDINGS: &str = "alphafold/alphafold_iteration/evoformer";
+
+/// Lower edge of the first bin of recycled pseudo-beta distances, Å (`prev_pos.min_bin`).
+pub const RECYCLE_MIN_BIN: f64 = 3.25;
+/// Lower edge of the last (open) bin of recycled pseudo-beta distances, Å (`prev_pos.max_bin`).
+pub const RECYCLE_MAX_BIN: f64 = 20.75;
+/// Classes of the extra-MSA one-hot (20 amino acids, unknown, gap, mask).
+pub const EXTRA_MSA_CLASSES: i64 = 23;
+/// Channels of the extra-MSA feature: the one-hot, `has_deletion` and `deletion_value`.
+pub const EXTRA_MSA_FEAT: i64 = EXTRA_MSA_CLASSES + 2;
+/// Residue type of glycine in AlphaFold's ordering, whose pseudo-beta is its C-alpha.
+pub const GLYCINE: i64 = 7;
+/// atom37 index of C-alpha.
+pub const CA: i64 = 1;
+/// atom37 index of C-beta.
+pub const CB: i64 = 3;
+
+/// "{what}: expected shape {expected}, found {found:?}", the one wording of input errors.
+pub(crate) fn shape_error(what: &str, expected: String, found: Vec<i64>) -> Error {
+    Error::Invalid(format!("{what}: expected shape {expected}, found {found:?}"))
+}
+
+/// The relative-position one-hot (Algorithm 4): for residues `i`, `j`, the bin
+/// `clip(residue_index[i] - residue_index[j] + k, 0, 2k)` of `2k + 1`, `k` = `max_relative`.
+/// `residue_index` [N] (any numeric kind); the result [N, N, 2k + 1] has kind `kind`.
+pub fn relative_position_one_hot(residue_index: &Tensor, max_relative: i64, kind: Kind) -> Result<Tensor> {
+    let size = residue_index.size();
+    if size.len() != 1 {
+        return Err(shape_error("residue_index", "[residues]".into(), size));
+    }
+    ensure!(max_relative > 0, "max_relative_feature must be positive, got {max_relative}");
+    let pos = residue_index.f_to_kind(Kind::Int64)?;
+    let offset = pos.f_unsqueeze(1)?.f_sub(&pos.f_unsqueeze(0)?)?;
+    let bins = offset.f_add_scalar(max_relative)?.f_clamp(0, 2 * max_relative)?;
+    Ok(bins.f_one_hot(2 * max_relative + 1)?.f_to_kind(kind)?)
+}
+
+/// The distance one-hot of recycled positions (AlphaFold's `dgram_from_positions`):
+/// `bins` lower edges evenly from `min_bin` to `max_bin` Å, the last bin open; a distance
+/// below `min_bin` (as for the all-zero positions of the first pass) falls in no bin.
+/// `positions` [N, 3] → [N, N, bins] of the positions' kind.
+pub fn distance_one_hot(positions: &Tensor, bins: i64, min_bin: f64, max_bin: f64) -> Result<Tensor> {
+    let size = positions.size();
+    if size.len() != 2 || size[1] != 3 {
+        return Err(shape_error("pseudo-beta positions", "[residues, 3]".into(), size));
+    }
+    ensure!(bins > 1, "distance bins must be at least 2, got {bins}");
+    let opts = (positions.kind(), positions.device());
+    let lower = Tensor::f_linspace(min_bin, max_bin, bins, opts)?.f_square()?;
+    let upper = Tensor::f_cat(&[lower.f_narrow(0, 1, bins - 1)?, Tensor::f_full([1], 1e8, opts)?], 0)?;
+    let diff = positions.f_unsqueeze(1)?.f_sub(&positions.f_unsqueeze(0)?)?;
+    let d2 = diff.f_square()?.f_sum_dim_intlist(-1, true, positions.kind())?;
+    Ok(d2.f_gt_tensor(&lower)?.f_logical_and(&d2.f_lt_tensor(&upper)?)?.f_to_kind(positions.kind())?)
+}
+
+/// Pseudo-beta positions (AlphaFold's `pseudo_beta_fn`): C-beta, or C-alpha for glycine.
+/// `aatype` [N] (integer), `atom37` [N, 37, 3] → [N, 3].
+pub fn pseudo_beta(aatype: &Tensor, atom37: &Tensor) -> Result<Tensor> {
+    let n = match aatype.size().as_slice() {
+        [n] => *n,
+        _ => return Err(shape_error("aatype", "[residues]".into(), aatype.size())),
+    };
+    if atom37.size() != [n, 37, 3] {
+        return Err(shape_error("atom37 positions", format!("[{n}, 37, 3]"), atom37.size()));
+    }
+    let gly = aatype.f_eq(GLYCINE)?.f_unsqueeze(-1)?;
+    Ok(atom37.f_select(1, CA)?.f_where_self(&gly, &atom37.f_select(1, CB)?)?)
+}
+
+/// The extra-MSA feature (AlphaFold's `create_extra_msa_feature`): the 23-class one-hot of
+/// `extra_msa` [S, N] (integer classes), then `has_deletion` and `deletion_value` [S, N], as
+/// [S, N, 25] of the kind of `deletion_value`.
+pub fn extra_msa_feat(extra_msa: &Tensor, has_deletion: &Tensor, deletion_value: &Tensor) -> Result<Tensor> {
+    let size = extra_msa.size();
+    if size.len() != 2 {
+        return Err(shape_error("extra_msa", "[sequences, residues]".into(), size));
+    }
+    for (what, t) in [("extra_has_deletion", has_deletion), ("extra_deletion_value", deletion_value)] {
+        if t.size() != size {
+            return Err(shape_error(what, format!("{size:?}"), t.size()));
+        }
+    }
+    let classes = extra_msa.f_to_kind(Kind::Int64)?;
+    if classes.numel() > 0 {
+        let (lo, hi) = (classes.f_min()?.int64_value(&[]), classes.f_max()?.int64_value(&[]));
+        ensure!(
+            lo >= 0 && hi < EXTRA_MSA_CLASSES,
+            "extra_msa: classes must lie in [0, {EXTRA_MSA_CLASSES}), found values from {lo} to {hi}"
+        );
+    }
+    let kind = deletion_value.kind();
+    Ok(Tensor::f_cat(
+        &[
+            classes.f_one_hot(EXTRA_MSA_CLASSES)?.f_to_kind(kind)?,
+            has_deletion.f_to_kind(kind)?.f_unsqueeze(-1)?,
+            deletion_value.f_unsqueeze(-1)?,
+        ],
+        -1,
+    )?)
+}
+
+/// Target and MSA features to the initial MSA and pair representations (Algorithm 3) plus
+/// the relative-position encoding (Algorithm 4).
+pub struct InputEmbedder {
+    preprocess_1d: Linear,
+    preprocess_msa: Linear,
+    left_single: Linear,
+    right_single: Linear,
+    pair_activiations: Linear,
+    target_feat: i64,
+    msa_feat: i64,
+    max_relative: i64,
+}
+
+impl InputEmbedder {
+    /// The input embedder over `params` (a store from [`Params::random_model`] or
+    /// [`Params::load_model_npz`]).
+    pub fn new(params: &Params) -> Result<Self> {
+        Self::build(&params.builder(), params.config(), &params.model_config()?)
+    }
+
+    pub(crate) fn build(b: &Builder, cfg: &EvoformerConfig, model: &ModelConfig) -> Result<Self> {
+        let p = b.root(EMBEDDINGS);
+        let (tf, rel) = (model.target_feat, 2 * model.max_relative_feature + 1);
+        Ok(InputEmbedder {
+            preprocess_1d: Linear::new(&p.sub("preprocess_1d"), tf, cfg.c_m, true)?,
+            preprocess_msa: Linear::new(&p.sub("preprocess_msa"), model.msa_feat, cfg.c_m, true)?,
+            left_single: Linear::new(&p.sub("left_single"), tf, cfg.c_z, true)?,
+            right_single: Linear::new(&p.sub("right_single"), tf, cfg.c_z, true)?,
+            pair_activiations: Linear::new(&p.sub("pair_activiations"), rel, cfg.c_z, true)?,
+            target_feat: tf,
+            msa_feat: model.msa_feat,
+            max_relative: model.max_relative_feature,
+        })
+    }
+
+    /// `target_feat` [N, 22], `msa_feat` [S, N, 49] and `residue_index` [N] to the MSA
+    /// [S, N, c_m] and pair [N, N, c_z] representations.
+    pub fn forward(&self, target_feat: &Tensor, msa_feat: &Tensor, residue_index: &Tensor) -> Result<(Tensor, Tensor)> {
+        let ts = target_feat.size();
+        if ts.len() != 2 || ts[1] != self.target_feat {
+            return Err(shape_error("target_feat", format!("[residues, {}]", self.target_feat), ts));
+        }
+        let n = ts[0];
+        let ms = msa_feat.size();
+        if ms.len() != 3 || ms[1] != n || ms[2] != self.msa_feat {
+            return Err(shape_error("msa_feat", format!("[sequences, {n}, {}]", self.msa_feat), ms));
+        }
+        if residue_index.size() != [n] {
+            return Err(shape_error("residue_index", format!("[{n}]"), residue_index.size()));
+        }
+        let msa = self.preprocess_msa.forward(msa_feat)?.f_add(&self.preprocess_1d.forward(target_feat)?)?;
+        let left = self.left_single.forward(target_feat)?.f_unsqueeze(1)?;
+        let right = self.right_single.forward(target_feat)?.f_unsqueeze(0)?;
+        let rel = relative_position_one_hot(residue_index, self.max_relative, target_feat.kind())?;
+        let pair = left.f_add(&right)?.f_add(&self.pair_activiations.forward(&rel)?)?;
+        Ok((msa, pair))
+    }
+}
+
+/// What the previous pass hands to the next (Algorithm 2, lines 6 and 32): the first MSA
+/// row [N, c_m], the pair representation [N, N, c_z] and the pseudo-beta positions [N, 3].
+pub struct Recycled {
+    /// First row of the previous pass's MSA representation.
+    pub msa_first_row: Tensor,
+    /// The previous pass's pair representation.
+    pub pair: Tensor,
+    /// The previous pass's pseudo-beta positions, Å (see [`pseudo_beta`]).
+    pub pseudo_beta: Tensor,
+}
+
+impl Recycled {
+    /// Zeros, what the first pass recycles (AlphaFold's `prev` initialisation), like `like`'s
+    /// kind and device.
+    pub fn zeros(residues: i64, cfg: &EvoformerConfig, like: &Tensor) -> Result<Self> {
+        let opts = (like.kind(), like.device());
+        Ok(Recycled {
+            msa_first_row: Tensor::f_zeros([residues, cfg.c_m], opts)?,
+            pair: Tensor::f_zeros([residues, residues, cfg.c_z], opts)?,
+            pseudo_beta: Tensor::f_zeros([residues, 3], opts)?,
+        })
+    }
+}
+
+/// Adds the previous pass's outputs to the new representations (Algorithm 32).
+pub struct RecyclingEmbedder {
+    prev_pos_linear: Linear,
+    prev_msa_first_row_norm: LayerNorm,
+    prev_pair_norm: LayerNorm,
+    bins: i64,
+    c_m: i64,
+    c_z: i64,
+}
+
+impl RecyclingEmbedder {
+    /// The recycling embedder over `params`.
+    pub fn new(params: &Params) -> Result<Self> {
+        Self::build(&params.builder(), params.config(), &params.model_config()?)
+    }
+
+    pub(crate) fn build(b: &Builder, cfg: &EvoformerConfig, model: &ModelConfig) -> Result<Self> {
+        let p = b.root(EMBEDDINGS);
+        Ok(RecyclingEmbedder {
+            prev_pos_linear: Linear::new(&p.sub("prev_pos_linear"), model.recycle_bins, cfg.c_z, true)?,
+            prev_msa_first_row_norm: LayerNorm::new(&p.sub("prev_msa_first_row_norm"), cfg.c_m)?,
+            prev_pair_norm: LayerNorm::new(&p.sub("prev_pair_norm"), cfg.c_z)?,
+            bins: model.recycle_bins,
+            c_m: cfg.c_m,
+            c_z: cfg.c_z,
+        })
+    }
+
+    /// `msa` [S, N, c_m] and `pair` [N, N, c_z] with the normalised previous first row added
+    /// to row 0, and the normalised previous pair and the embedded pseudo-beta distances
+    /// added to the pair.
+    pub fn forward(&self, msa: &Tensor, pair: &Tensor, prev: &Recycled) -> Result<(Tensor, Tensor)> {
+        let ms = msa.size();
+        if ms.len() != 3 || ms[0] < 1 || ms[2] != self.c_m {
+            return Err(shape_error("msa", format!("[sequences, residues, {}]", self.c_m), ms));
+        }
+        let n = ms[1];
+        let checks = [
+            ("pair", pair, vec![n, n, self.c_z]),
+            ("recycled msa first row", &prev.msa_first_row, vec![n, self.c_m]),
+            ("recycled pair", &prev.pair, vec![n, n, self.c_z]),
+            ("recycled pseudo-beta positions", &prev.pseudo_beta, vec![n, 3]),
+        ];
+        for (what, t, expected) in checks {
+            if t.size() != expected {
+                return Err(shape_error(what, format!("{expected:?}"), t.size()));
+            }
+        }
+        let row = self.prev_msa_first_row_norm.forward(&prev.msa_first_row)?.f_unsqueeze(0)?;
+        let first = msa.f_narrow(0, 0, 1)?.f_add(&row)?;
+        let msa = Tensor::f_cat(&[first, msa.f_narrow(0, 1, ms[0] - 1)?], 0)?;
+        let dgram = distance_one_hot(&prev.pseudo_beta, self.bins, RECYCLE_MIN_BIN, RECYCLE_MAX_BIN)?;
+        let pair = pair
+            .f_add(&self.prev_pair_norm.forward(&prev.pair)?)?
+            .f_add(&self.prev_pos_linear.forward(&dgram.f_to_kind(pair.kind())?)?)?;
+        Ok((msa, pair))
+    }
+}
+
+/// The extra MSA's features to the extra-MSA stack's input (Algorithm 2, line 14).
+pub struct ExtraMsaEmbedder {
+    extra_msa_activations: Linear,
+}
+
+impl ExtraMsaEmbedder {
+    /// The extra-MSA embedder over `params`.
+    pub fn new(params: &Params) -> Result<Self> {
+        Self::build(&params.builder(), params.config())
+    }
+
+    pub(crate) fn build(b: &Builder, cfg: &EvoformerConfig) -> Result<Self> {
+        ensure!(cfg.c_e > 0, "the extra-MSA embedder needs extra-MSA channels, the configuration has none");
+        let p = b.root(EMBEDDINGS).sub("extra_msa_activations");
+        Ok(ExtraMsaEmbedder { extra_msa_activations: Linear::new(&p, EXTRA_MSA_FEAT, cfg.c_e, true)? })
+    }
+
+    /// `extra_msa` [S, N] (classes), `has_deletion` and `deletion_value` [S, N] to the
+    /// extra-MSA representation [S, N, c_e] (see [`extra_msa_feat`]).
+    pub fn forward(&self, extra_msa: &Tensor, has_deletion: &Tensor, deletion_value: &Tensor) -> Result<Tensor> {
+        self.extra_msa_activations.forward(&extra_msa_feat(extra_msa, has_deletion, deletion_value)?)
+    }
+}
+
+/// The three embedders, built together so that a store's embedder arrays are checked at once.
+pub struct Embedders {
+    /// Target and MSA features and relative positions.
+    pub input: InputEmbedder,
+    /// The previous pass's outputs.
+    pub recycling: RecyclingEmbedder,
+    /// The extra MSA (absent when the configuration has no extra-MSA stack).
+    pub extra_msa: Option<ExtraMsaEmbedder>,
+}
+
+impl Embedders {
+    /// Every embedder over `params`.
+    pub fn new(params: &Params) -> Result<Self> {
+        Self::build(&params.builder(), params.config(), &params.model_config()?)
+    }
+
+    /// Builds (or, with an initialising builder, creates the arrays of) every embedder.
+    pub(crate) fn build(b: &Builder, cfg: &EvoformerConfig, model: &ModelConfig) -> Result<Self> {
+        Ok(Embedders {
+            input: InputEmbedder::build(b, cfg, model)?,
+            recycling: RecyclingEmbedder::build(b, cfg, model)?,
+            extra_msa: match cfg.num_extra_blocks > 0 {
+                true => Some(ExtraMsaEmbedder::build(b, cfg)?),
+                false => None,
+            },
+        })
+    }
+}
