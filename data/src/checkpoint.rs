@@ -57,20 +57,36 @@ pub fn save_safetensors(vs: &VarStore, path: &Path) -> Result<()> {
 
 /// Writes named tensors to `path` as safetensors, sorted by name, through a temporary file.
 pub fn save_tensors(named: &[(String, Tensor)], path: &Path) -> Result<()> {
-    let mut named: Vec<(String, Tensor)> =
-        named.iter().map(|(n, t)| (n.clone(), t.detach().to_device(tch::Device::Cpu).contiguous())).collect();
+    let mut named = on_cpu(named);
     named.sort_by(|a, b| a.0.cmp(&b.0));
-    let bytes_err = |e: tch::TchError| Error::Format { path: path.to_path_buf(), msg: e.to_string() };
-    // tch writes safetensors to a path: write beside the target, sync, then rename into place,
-    // so the target is either the old file or the whole new one.
+    staged(path, |staging| Tensor::write_safetensors(&named, staging))
+}
+
+/// Writes named tensors to `path` as numpy's `.npz` (stored, as `numpy.savez`), through a
+/// temporary file: the format of AlphaFold's parameters, features and outputs.
+pub fn save_npz(named: &[(String, Tensor)], path: &Path) -> Result<()> {
+    let named = on_cpu(named);
+    let refs: Vec<(&str, Tensor)> = named.iter().map(|(n, t)| (n.as_str(), t.shallow_clone())).collect();
+    staged(path, |staging| Tensor::write_npz(&refs, staging))
+}
+
+fn on_cpu(named: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
+    named.iter().map(|(n, t)| (n.clone(), t.detach().to_device(tch::Device::Cpu).contiguous())).collect()
+}
+
+/// Runs `write` on a staging path beside `path`, syncs it, then renames it into place, so the
+/// target is either the old file or the whole new one (tch writes only to paths); the staging
+/// file is removed on failure.
+fn staged(path: &Path, write: impl FnOnce(&Path) -> std::result::Result<(), tch::TchError>) -> Result<()> {
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let staging =
         dir.join(format!(".{}.staging-{}", path.file_name().unwrap_or_default().to_string_lossy(), std::process::id()));
-    let result = Tensor::write_safetensors(&named, &staging).map_err(bytes_err).and_then(|()| {
-        let io = |source| Error::Io { path: staging.clone(), source };
-        std::fs::File::open(&staging).and_then(|f| f.sync_all()).map_err(io)?;
-        std::fs::rename(&staging, path).map_err(|source| Error::Io { path: path.to_path_buf(), source })
-    });
+    let result =
+        write(&staging).map_err(|e| Error::Format { path: path.to_path_buf(), msg: e.to_string() }).and_then(|()| {
+            let io = |source| Error::Io { path: staging.clone(), source };
+            std::fs::File::open(&staging).and_then(|f| f.sync_all()).map_err(io)?;
+            std::fs::rename(&staging, path).map_err(|source| Error::Io { path: path.to_path_buf(), source })
+        });
     if result.is_err() {
         let _ = std::fs::remove_file(&staging);
     }

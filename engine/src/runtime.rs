@@ -67,3 +67,80 @@ pub fn report() -> String {
 fn gib(bytes: u64) -> f64 {
     bytes as f64 / (1u64 << 30) as f64
 }
+
+/// Where a job computes (`--device` of every binary).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceKind {
+    /// The CPU.
+    Cpu,
+    /// CUDA: each rank its local GPU.
+    Cuda,
+}
+
+impl DeviceKind {
+    /// The device of the rank with local index `local_rank`; an error without a GPU.
+    pub fn device(self, local_rank: usize) -> crate::Result<tch::Device> {
+        match self {
+            DeviceKind::Cpu => Ok(tch::Device::Cpu),
+            DeviceKind::Cuda if cuda::is_available() => Ok(tch::Device::Cuda(local_rank)),
+            DeviceKind::Cuda => {
+                Err(crate::Error::CudaUnavailable("--device cuda, but libtorch sees no CUDA device".into()))
+            }
+        }
+    }
+}
+
+impl std::str::FromStr for DeviceKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "cpu" => Ok(DeviceKind::Cpu),
+            "cuda" => Ok(DeviceKind::Cuda),
+            other => Err(format!("unknown device {other:?} (expected cpu or cuda)")),
+        }
+    }
+}
+
+impl std::fmt::Display for DeviceKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DeviceKind::Cpu => "cpu",
+            DeviceKind::Cuda => "cuda",
+        })
+    }
+}
+
+/// The most memory this job has held on `device`: the caching allocator's peak on a GPU, the
+/// process's peak resident set (`VmHWM`) on the CPU; `None` where neither can be read.
+pub fn peak_memory(device: tch::Device) -> Option<u64> {
+    match device {
+        tch::Device::Cuda(d) => cuda::memory_stats(d).ok().map(|s| s.peak_allocated.max(0) as u64),
+        _ => {
+            let status = std::fs::read_to_string("/proc/self/status").ok()?;
+            let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+            let kib: u64 = line.trim_start_matches("VmHWM:").trim().trim_end_matches("kB").trim().parse().ok()?;
+            Some(kib * 1024)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_kinds_parse_and_print() {
+        for kind in [DeviceKind::Cpu, DeviceKind::Cuda] {
+            assert_eq!(kind.to_string().parse::<DeviceKind>(), Ok(kind));
+        }
+        assert!("gpu".parse::<DeviceKind>().unwrap_err().contains("\"gpu\""));
+    }
+
+    #[test]
+    fn cpu_peak_memory_is_at_least_a_touched_buffer() {
+        let buffer = vec![1u8; 64 << 20];
+        let peak = peak_memory(tch::Device::Cpu).expect("VmHWM readable on Linux");
+        assert!(peak >= buffer.len() as u64, "peak {peak} below a 64 MiB buffer in use");
+    }
+}

@@ -3,6 +3,9 @@
 pub mod confidence;
 pub mod features;
 pub mod geometry;
+pub mod input;
 pub mod model;
 pub mod pdb;
+pub mod predict;
 pub mod residue_constants;
+pub mod train;

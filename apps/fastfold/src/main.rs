@@ -1,17 +1,68 @@
-//! `fastfold`: AlphaFold-style structure prediction with dynamic axial parallelism.
-//! `predict` and `train` arrive with the model and DAP work; today the binary
-//! reports the runtime it would run on.
+//! `fastfold`: AlphaFold 2 structure prediction with dynamic axial parallelism.
+use std::path::PathBuf;
+
 use clap::Parser;
+use engine::dist::{self, InitOptions};
+use fastfold::predict::{self, PredictArgs};
+use fastfold::train::{self, TrainArgs};
 
 #[derive(Parser)]
-#[command(version, about = "Protein structure prediction (runtime report only, for now)")]
+#[command(version, about = "AlphaFold 2 structure prediction with dynamic axial parallelism")]
 enum Cli {
+    /// Predict structures: unrelaxed PDB, confidence JSON and optionally the raw outputs.
+    Predict(PredictArgs),
+    /// Train on one query and its known structure (distogram loss and backbone FAPE, Adam).
+    Train(TrainArgs),
+    /// Convert AlphaFold parameters between .npz and .safetensors (by the file extensions).
+    Convert {
+        /// The parameter file to read.
+        input: PathBuf,
+        /// The file to write.
+        output: PathBuf,
+    },
     /// Print libtorch's version, CUDA devices, threads and the launcher's view of the job.
     Env,
 }
 
 fn main() -> anyhow::Result<()> {
-    let Cli::Env = Cli::parse();
-    print!("{}", engine::runtime::report());
+    engine::runtime::keep_freed_memory();
+    match Cli::parse() {
+        Cli::Predict(args) => {
+            if dist::maybe_relaunch(args.run.nproc)? {
+                return Ok(());
+            }
+            let world = dist::init(&InitOptions { timeout: args.run.timeout() })?;
+            for p in predict::run(&args, &world)? {
+                if world.rank() != 0 {
+                    continue;
+                }
+                let ptm = p.ptm.map(|t| format!("  pTM {t:.3}")).unwrap_or_default();
+                let peak = p.peak_bytes.map(|b| format!("  peak memory {:.2} GiB", b as f64 / (1u64 << 30) as f64));
+                println!(
+                    "{}: {} residues in {:.2} s{}  mean pLDDT {:.2}{ptm}",
+                    p.name,
+                    p.residues,
+                    p.seconds,
+                    peak.unwrap_or_default(),
+                    p.mean_plddt
+                );
+            }
+        }
+        Cli::Train(args) => {
+            if dist::maybe_relaunch(args.run.nproc)? {
+                return Ok(());
+            }
+            let world = dist::init(&InitOptions { timeout: args.run.timeout() })?;
+            let log = train::run(&args, &world)?;
+            if let (0, Some(last)) = (world.rank(), log.last()) {
+                println!("final loss {:.4}; parameters in {}", last.loss, args.out.join("params.npz").display());
+            }
+        }
+        Cli::Convert { input, output } => {
+            let n = fastfold::model::params::convert(&input, &output)?;
+            println!("wrote {n} arrays to {}", output.display());
+        }
+        Cli::Env => print!("{}", engine::runtime::report()),
+    }
     Ok(())
 }

@@ -1,4 +1,5 @@
-//! PDB output of a predicted structure: one model, chain A, fixed-column `ATOM` records.
+//! PDB output of a predicted structure (one model, chain A, fixed-column `ATOM` records), and
+//! input of a target structure for training ([`Structure::parse`]).
 //!
 //! The layout follows the wwPDB v3.3 `ATOM` record (and AlphaFold's `protein.to_pdb`): serial
 //! in columns 7-11, the atom name in 13-16 (a name shorter than four characters starts in
@@ -12,7 +13,7 @@ use std::path::Path;
 use data::{Error, Result};
 use tch::{Kind, Tensor};
 
-use crate::residue_constants::{ATOM_TYPES, ATOM_TYPE_NUM, RESNAMES};
+use crate::residue_constants::{atom_order, ATOM_TYPES, ATOM_TYPE_NUM, RESNAMES, UNK_RESTYPE_INDEX};
 
 /// A predicted structure in the atom37 layout, on the CPU.
 #[derive(Clone, Debug, PartialEq)]
@@ -143,6 +144,86 @@ impl Structure {
             text.push_str(&format!("{line:<80}\n"));
         }
         Ok(text)
+    }
+
+    /// Reads the `ATOM` records of the first model and of one chain (`chain`, or the first
+    /// chain met) from PDB text, as AlphaFold's `protein.from_pdb_string` does: residues in
+    /// file order, residue names outside the 20 read as unknown (`X`), atoms outside the
+    /// residue's atom37 set (hydrogens, alternate names) skipped, the first of alternate
+    /// locations kept. B-factors are the file's (per residue, from its CA or first atom).
+    /// `source` names the text in errors, with the line number.
+    pub fn parse(text: &str, source: &Path, chain: Option<char>) -> Result<Structure> {
+        let bad =
+            |line: usize, msg: String| Error::Format { path: source.to_path_buf(), msg: format!("line {line}: {msg}") };
+        let mut s = Structure {
+            aatype: Vec::new(),
+            residue_index: Vec::new(),
+            positions: Vec::new(),
+            mask: Vec::new(),
+            b_factors: Vec::new(),
+        };
+        let mut chain = chain;
+        let mut current: Option<(i64, char)> = None;
+        for (i, line) in text.lines().enumerate() {
+            let no = i + 1;
+            if line.starts_with("ENDMDL") {
+                break;
+            }
+            if !line.starts_with("ATOM  ") {
+                continue;
+            }
+            if line.len() < 54 {
+                return Err(bad(no, format!("ATOM record of {} characters, coordinates need 54", line.len())));
+            }
+            let field = |a: usize, b: usize| line.get(a..b.min(line.len())).unwrap_or("").trim();
+            let char_at = |a: usize| line.get(a..a + 1).and_then(|c| c.chars().next()).unwrap_or(' ');
+            let this_chain = char_at(21);
+            if *chain.get_or_insert(this_chain) != this_chain {
+                continue;
+            }
+            if !matches!(char_at(16), ' ' | 'A') {
+                continue;
+            }
+            let res_seq: i64 = field(22, 26)
+                .parse()
+                .map_err(|_| bad(no, format!("residue number {:?} is not an integer", field(22, 26))))?;
+            let icode = char_at(26);
+            if current != Some((res_seq, icode)) {
+                current = Some((res_seq, icode));
+                let name = field(17, 20);
+                s.aatype.push(RESNAMES.iter().position(|r| *r == name).unwrap_or(UNK_RESTYPE_INDEX));
+                s.residue_index.push(res_seq - 1);
+                s.positions.push([[0.0; 3]; ATOM_TYPE_NUM]);
+                s.mask.push([0.0; ATOM_TYPE_NUM]);
+                s.b_factors.push(field(60, 66).parse().unwrap_or(0.0));
+            }
+            let Some(atom) = atom_order(field(12, 16)) else { continue };
+            let mut xyz = [0f32; 3];
+            for (k, (a, b)) in [(30, 38), (38, 46), (46, 54)].into_iter().enumerate() {
+                xyz[k] = field(a, b)
+                    .parse()
+                    .map_err(|_| bad(no, format!("coordinate {:?} is not a number", field(a, b))))?;
+            }
+            let r = s.aatype.len() - 1;
+            if s.mask[r][atom] == 0.0 {
+                s.positions[r][atom] = xyz;
+                s.mask[r][atom] = 1.0;
+                if field(12, 16) == "CA" {
+                    s.b_factors[r] = field(60, 66).parse().unwrap_or(s.b_factors[r]);
+                }
+            }
+        }
+        if s.aatype.is_empty() {
+            let which = chain.map(|c| format!(" of chain {c:?}")).unwrap_or_default();
+            return Err(Error::Format { path: source.to_path_buf(), msg: format!("no ATOM records{which}") });
+        }
+        Ok(s)
+    }
+
+    /// Reads a PDB file (see [`Structure::parse`]).
+    pub fn read(path: &Path, chain: Option<char>) -> Result<Structure> {
+        let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+        Structure::parse(&text, path, chain)
     }
 
     /// Writes the PDB file atomically; errors name `path`.

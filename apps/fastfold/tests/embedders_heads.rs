@@ -182,7 +182,7 @@ fn a_missing_or_mis_shaped_array_is_named() {
 fn npz_round_trip_gives_identical_outputs() {
     let p = params(5);
     let path = temp("roundtrip.npz");
-    p.save_npz(&path).unwrap();
+    p.save(&path).unwrap();
     let loaded = Params::load_model_npz(&path);
     std::fs::remove_file(&path).unwrap();
     let loaded = loaded.unwrap();

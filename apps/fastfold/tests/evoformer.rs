@@ -96,7 +96,7 @@ fn temp(name: &str) -> std::path::PathBuf {
 fn npz_round_trip_gives_identical_outputs() {
     let params = Params::random(&EvoformerConfig::tiny(), 6).unwrap();
     let path = temp("roundtrip.npz");
-    params.save_npz(&path).unwrap();
+    params.save(&path).unwrap();
     let loaded = Params::load_npz(&path).unwrap();
     std::fs::remove_file(&path).unwrap();
     assert_eq!(loaded.config(), params.config());

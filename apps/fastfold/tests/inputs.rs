@@ -402,3 +402,41 @@ fn npz_errors_name_the_key_and_both_shapes() {
     let err = Features::load_npz(Path::new("/no/such/f.npz"), Device::Cpu).unwrap_err().to_string();
     assert!(err.contains("/no/such/f.npz: not a readable .npz file"), "{err}");
 }
+
+#[test]
+fn pdb_reads_back_what_it_writes_and_names_bad_lines() {
+    let s = two_residues();
+    let text = s.to_pdb().unwrap();
+    let back = Structure::parse(&text, Path::new("two.pdb"), None).unwrap();
+    assert_eq!(back.aatype, s.aatype);
+    assert_eq!(back.residue_index, s.residue_index);
+    assert_eq!(back.b_factors, s.b_factors);
+    for r in 0..2 {
+        for a in 0..37 {
+            let written = s.mask[r][a] >= 0.5;
+            assert_eq!(back.mask[r][a] == 1.0, written, "residue {r} atom {a}");
+            if written {
+                for k in 0..3 {
+                    // 8.3f columns: 0.0005 Å rounding.
+                    assert!((back.positions[r][a][k] - s.positions[r][a][k]).abs() <= 5e-4);
+                }
+            }
+        }
+    }
+    // Hydrogens, other chains, alternate locations and later models are skipped; an unknown
+    // residue name is X.
+    let extra = "ATOM      1  N   MSE B   5      11.000  12.000  13.000  1.00 50.00           N\n\
+                 ATOM      2  H   GLY A   2       1.000   2.000   3.000  1.00 10.00           H\n";
+    let mixed = format!("{}{extra}", text.replace("ENDMDL", "ENDMDX"));
+    let back = Structure::parse(&mixed, Path::new("mixed.pdb"), Some('A')).unwrap();
+    assert_eq!(back.aatype, s.aatype, "chain B's residue and the hydrogen are not read");
+    let only_b = Structure::parse(&mixed, Path::new("mixed.pdb"), Some('B')).unwrap();
+    assert_eq!(only_b.aatype, vec![rc::UNK_RESTYPE_INDEX]);
+    assert_eq!(only_b.residue_index, vec![4]);
+
+    let broken = text.replacen("   0.123", "   0.1x3", 1);
+    let err = Structure::parse(&broken, Path::new("broken.pdb"), None).unwrap_err().to_string();
+    assert!(err.contains("broken.pdb") && err.contains("line 2") && err.contains("0.1x3"), "{err}");
+    let err = Structure::parse("HEADER nothing\n", Path::new("empty.pdb"), None).unwrap_err().to_string();
+    assert!(err.contains("empty.pdb") && err.contains("no ATOM records"), "{err}");
+}

@@ -104,7 +104,7 @@ pub struct BenchArgs {
     #[arg(long)]
     pub threads: Option<usize>,
     /// Device.
-    #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
+    #[arg(long, default_value_t = DeviceKind::Cpu)]
     pub device: DeviceKind,
     /// Precision regime.
     #[arg(long, value_enum, default_value_t = Precision::Fp32)]
@@ -385,16 +385,13 @@ fn baseline_args(cfg: &VitConfig, args: &BenchArgs, threads: usize) -> Vec<Strin
     if let Some(n) = args.steps {
         a.extend(["--steps".into(), n.to_string()]);
     }
-    let device = match args.device {
-        DeviceKind::Cpu => "cpu",
-        DeviceKind::Cuda => "cuda",
-    };
+    let device = args.device.to_string();
     let (precision, bf16) = match (args.precision, args.baseline_bf16) {
         (Precision::Fp32, _) => ("fp32", "master"),
         (Precision::Bf16, BaselineBf16::Master) => ("bf16", "master"),
         (Precision::Bf16, BaselineBf16::Autocast) => ("bf16", "autocast"),
     };
-    a.extend(["--device", device, "--precision", precision, "--bf16", bf16].map(String::from));
+    a.extend(["--device", device.as_str(), "--precision", precision, "--bf16", bf16].map(String::from));
     a
 }
 

@@ -53,27 +53,7 @@ pub enum DecayKind {
     Linear,
 }
 
-/// Where a job computes (`--device`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum DeviceKind {
-    /// The CPU.
-    Cpu,
-    /// CUDA: each rank its local GPU.
-    Cuda,
-}
-
-impl DeviceKind {
-    /// The device of the rank with local index `local_rank`; an error without a GPU.
-    pub fn device(self, local_rank: usize) -> anyhow::Result<Device> {
-        match self {
-            DeviceKind::Cpu => Ok(Device::Cpu),
-            DeviceKind::Cuda => {
-                engine::cuda::require().context("--device cuda, but libtorch sees no CUDA device")?;
-                Ok(Device::Cuda(local_rank))
-            }
-        }
-    }
-}
+pub use engine::runtime::DeviceKind;
 
 /// Arithmetic precision of the model's weights and activations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -171,7 +151,7 @@ pub struct PretrainArgs {
     #[arg(long)]
     pub offload_optimizer: bool,
     /// Device (cuda: each rank its local GPU).
-    #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
+    #[arg(long, default_value_t = DeviceKind::Cpu)]
     pub device: DeviceKind,
     /// Local ranks to spawn (under torchrun, Slurm or mpirun the launcher decides).
     #[arg(long, default_value_t = 1)]

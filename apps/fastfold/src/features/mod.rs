@@ -159,6 +159,8 @@ enum Dim {
     S,
     /// Extra MSA rows.
     E,
+    /// Templates.
+    T,
     /// A fixed size.
     K(i64),
 }
@@ -188,6 +190,65 @@ const SCHEMA: [(&str, &[Dim], Kind); 19] = {
         ("atom37_atom_exists", &[R, N, K(37)], Kind::Float),
     ]
 };
+
+/// The optional template features: AlphaFold's name, shape and kind (the order of
+/// [`TemplateFeatures`]).
+const TEMPLATE_SCHEMA: [(&str, &[Dim], Kind); 6] = {
+    use Dim::*;
+    [
+        ("template_aatype", &[R, T, N], Kind::Int64),
+        ("template_all_atom_positions", &[R, T, N, K(37), K(3)], Kind::Float),
+        ("template_all_atom_masks", &[R, T, N, K(37)], Kind::Float),
+        ("template_mask", &[R, T], Kind::Float),
+        ("template_pseudo_beta", &[R, T, N, K(3)], Kind::Float),
+        ("template_pseudo_beta_mask", &[R, T, N], Kind::Float),
+    ]
+};
+
+/// Template features of a processed batch (from template search, as AlphaFold's pipeline
+/// makes them), T templates; in [`Features`] every tensor has the leading R dimension, in a
+/// model batch it does not.
+#[derive(Debug)]
+pub struct TemplateFeatures {
+    /// [R, T, N] residue types 0..=20.
+    pub aatype: Tensor,
+    /// [R, T, N, 37, 3] Å.
+    pub all_atom_positions: Tensor,
+    /// [R, T, N, 37].
+    pub all_atom_masks: Tensor,
+    /// [R, T] 1 for a real template.
+    pub mask: Tensor,
+    /// [R, T, N, 3] Å.
+    pub pseudo_beta: Tensor,
+    /// [R, T, N].
+    pub pseudo_beta_mask: Tensor,
+}
+
+impl TemplateFeatures {
+    /// The features by AlphaFold's names, in a fixed order.
+    pub fn named(&self) -> [(&'static str, &Tensor); 6] {
+        let t = [
+            &self.aatype,
+            &self.all_atom_positions,
+            &self.all_atom_masks,
+            &self.mask,
+            &self.pseudo_beta,
+            &self.pseudo_beta_mask,
+        ];
+        std::array::from_fn(|i| (TEMPLATE_SCHEMA[i].0, t[i]))
+    }
+
+    /// The struct from tensors in [`TemplateFeatures::named`] order.
+    pub fn from_array(t: [Tensor; 6]) -> TemplateFeatures {
+        let [aatype, all_atom_positions, all_atom_masks, mask, pseudo_beta, pseudo_beta_mask] = t;
+        TemplateFeatures { aatype, all_atom_positions, all_atom_masks, mask, pseudo_beta, pseudo_beta_mask }
+    }
+
+    /// Every tensor mapped by `f`.
+    pub fn map(&self, f: impl Fn(&Tensor) -> Tensor) -> TemplateFeatures {
+        TemplateFeatures::from_array(self.named().map(|(_, t)| f(t)))
+    }
+}
 
 /// The processed batch, by AlphaFold's feature names; every tensor has the leading
 /// recycling dimension R (see the module docs). S = MSA rows, E = extra MSA rows.
@@ -232,6 +293,9 @@ pub struct Features {
     pub atom14_atom_exists: Tensor,
     /// [R, N, 37].
     pub atom37_atom_exists: Tensor,
+    /// Template features, when the batch has them (from `.npz` files of AlphaFold's pipeline;
+    /// this crate's own pipeline searches no templates).
+    pub templates: Option<TemplateFeatures>,
 }
 
 /// A dimension as text: its symbol, or its size if fixed.
@@ -241,6 +305,7 @@ fn dim_text(d: Dim) -> String {
         Dim::N => "N".into(),
         Dim::S => "S".into(),
         Dim::E => "E".into(),
+        Dim::T => "T".into(),
         Dim::K(k) => k.to_string(),
     }
 }
@@ -249,6 +314,45 @@ fn dim_text(d: Dim) -> String {
 fn shape_text(dims: &[Dim]) -> String {
     let parts: Vec<String> = dims.iter().map(|&d| dim_text(d)).collect();
     format!("[{}]", parts.join(", "))
+}
+
+/// Takes the tensors of `schema` out of `map`, checking every shape (the symbolic dimensions
+/// must agree with `sizes`, which records them) and converting kinds. `source` names the
+/// origin in errors.
+fn take_checked(
+    map: &mut HashMap<String, Tensor>,
+    schema: &[(&str, &[Dim], Kind)],
+    sizes: &mut HashMap<String, i64>,
+    source: &Path,
+) -> Result<Vec<Tensor>> {
+    let bad = |msg: String| Error::Format { path: source.to_path_buf(), msg };
+    let mut out: Vec<Tensor> = Vec::with_capacity(schema.len());
+    for &(name, dims, kind) in schema {
+        let t =
+            map.remove(name).ok_or_else(|| bad(format!("missing key {name} (expected shape {})", shape_text(dims))))?;
+        let found = t.size();
+        let mut ok = found.len() == dims.len();
+        if ok {
+            for (d, &f) in dims.iter().zip(&found) {
+                match d {
+                    Dim::K(k) => ok &= *k == f,
+                    sym => ok &= *sizes.entry(dim_text(*sym)).or_insert(f) == f,
+                }
+            }
+        }
+        if !ok {
+            let expected: Vec<String> = dims
+                .iter()
+                .map(|d| {
+                    let sym = dim_text(*d);
+                    sizes.get(&sym).map_or(sym, |v| v.to_string())
+                })
+                .collect();
+            return Err(bad(format!("key {name}: expected shape [{}], found {found:?}", expected.join(", "))));
+        }
+        out.push(t.f_to_kind(kind).map_err(|e| bad(format!("key {name}: {e}")))?);
+    }
+    Ok(out)
 }
 
 impl Features {
@@ -302,6 +406,7 @@ impl Features {
             residx_atom37_to_atom14,
             atom14_atom_exists,
             atom37_atom_exists,
+            templates: None,
         }
     }
 
@@ -309,37 +414,17 @@ impl Features {
     /// dimensions R, N, S, E must agree across features) and converting kinds. `source` names
     /// the origin in errors. Keys not in the schema are ignored.
     fn from_map(mut map: HashMap<String, Tensor>, source: &Path) -> Result<Features> {
-        let bad = |msg: String| Error::Format { path: source.to_path_buf(), msg };
         let mut sizes: HashMap<String, i64> = HashMap::new();
-        let mut out: Vec<Tensor> = Vec::with_capacity(SCHEMA.len());
-        for (name, dims, kind) in SCHEMA {
-            let t = map
-                .remove(name)
-                .ok_or_else(|| bad(format!("missing key {name} (expected shape {})", shape_text(dims))))?;
-            let found = t.size();
-            let mut ok = found.len() == dims.len();
-            if ok {
-                for (d, &f) in dims.iter().zip(&found) {
-                    match d {
-                        Dim::K(k) => ok &= *k == f,
-                        sym => ok &= *sizes.entry(dim_text(*sym)).or_insert(f) == f,
-                    }
-                }
-            }
-            if !ok {
-                let expected: Vec<String> = dims
-                    .iter()
-                    .map(|d| {
-                        let sym = dim_text(*d);
-                        sizes.get(&sym).map_or(sym, |v| v.to_string())
-                    })
-                    .collect();
-                return Err(bad(format!("key {name}: expected shape [{}], found {found:?}", expected.join(", "))));
-            }
-            out.push(t.f_to_kind(kind).map_err(|e| bad(format!("key {name}: {e}")))?);
-        }
+        let out = take_checked(&mut map, &SCHEMA, &mut sizes, source)?;
+        let bad = |msg: String| Error::Format { path: source.to_path_buf(), msg };
         let all: [Tensor; 19] = out.try_into().map_err(|_| bad("feature count mismatch".into()))?;
-        Ok(Features::from_array(all))
+        let mut features = Features::from_array(all);
+        if map.contains_key(TEMPLATE_SCHEMA[0].0) {
+            let t = take_checked(&mut map, &TEMPLATE_SCHEMA, &mut sizes, source)?;
+            let t: [Tensor; 6] = t.try_into().map_err(|_| bad("template feature count mismatch".into()))?;
+            features.templates = Some(TemplateFeatures::from_array(t));
+        }
+        Ok(features)
     }
 
     /// Loads AlphaFold's processed feature dictionary saved with `numpy.savez` under its own
@@ -357,25 +442,12 @@ impl Features {
     /// Writes the features to `path` as `.npz` under AlphaFold's names (int64 and float32),
     /// through a synced temporary file renamed into place.
     pub fn save_npz(&self, path: &Path) -> Result<()> {
-        let named: Vec<(&str, Tensor)> =
-            self.named().iter().map(|(n, t)| (*n, t.to_device(Device::Cpu).contiguous())).collect();
-        let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-        let staging =
-            dir.join(format!(".{}.tmp-{}", path.file_name().unwrap_or_default().to_string_lossy(), std::process::id()));
-        let result = Tensor::write_npz(&named, &staging)
-            .map_err(|e| Error::Format { path: path.to_path_buf(), msg: e.to_string() })
-            .and_then(|()| {
-                std::fs::File::open(&staging)
-                    .and_then(|f| f.sync_all())
-                    .map_err(|source| Error::Io { path: staging.clone(), source })
-            })
-            .and_then(|()| {
-                std::fs::rename(&staging, path).map_err(|source| Error::Io { path: path.to_path_buf(), source })
-            });
-        if result.is_err() {
-            let _ = std::fs::remove_file(&staging);
+        let mut named: Vec<(String, Tensor)> =
+            self.named().iter().map(|(n, t)| (n.to_string(), t.shallow_clone())).collect();
+        if let Some(t) = &self.templates {
+            named.extend(t.named().iter().map(|(n, t)| (n.to_string(), t.shallow_clone())));
         }
-        result
+        data::checkpoint::save_npz(&named, path)
     }
 
     /// Number of recycling iterations R.
@@ -392,11 +464,15 @@ impl Features {
                 msg: format!("recycling iteration {i} out of range 0..{r}"),
             });
         }
-        Ok(Features::from_array(self.named().map(|(_, t)| t.narrow(0, i, 1))))
+        let mut f = Features::from_array(self.named().map(|(_, t)| t.narrow(0, i, 1)));
+        f.templates = self.templates.as_ref().map(|t| t.map(|x| x.narrow(0, i, 1)));
+        Ok(f)
     }
 
     /// The same features on `device`.
     pub fn to_device(&self, device: Device) -> Features {
-        Features::from_array(self.named().map(|(_, t)| t.to_device(device)))
+        let mut f = Features::from_array(self.named().map(|(_, t)| t.to_device(device)));
+        f.templates = self.templates.as_ref().map(|t| t.map(|x| x.to_device(device)));
+        f
     }
 }

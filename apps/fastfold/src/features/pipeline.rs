@@ -274,5 +274,6 @@ pub fn process(raw: &RawFeatures, config: &FeatureConfig, seed: u64, device: Dev
         residx_atom37_to_atom14: repeat(&tables.atom37_to_atom14.index_select(0, &aatype), r),
         atom14_atom_exists: repeat(&tables.atom14_mask.index_select(0, &aatype), r),
         atom37_atom_exists: repeat(&tables.atom37_mask.index_select(0, &aatype), r),
+        templates: None,
     })
 }

@@ -8,6 +8,8 @@ use tch::Tensor;
 use crate::model::embedders::EMBEDDINGS;
 use crate::model::heads::ITERATION;
 use crate::model::params::{EVOFORMER, EXTRA_MSA};
+use crate::model::structure::StructureConfig;
+use crate::model::templates::TemplateConfig;
 use crate::model::{Error, Result};
 
 /// Channel, head and block counts of the two stacks.
@@ -170,6 +172,10 @@ pub struct ModelConfig {
     pub resolved_atoms: i64,
     /// Bins of the predicted-aligned-error head (64), in `_ptm` parameter sets only.
     pub aligned_error_bins: Option<i64>,
+    /// The template embedding, in parameter sets that have one (`model_1`, `model_2`).
+    pub templates: Option<TemplateConfig>,
+    /// The structure module.
+    pub structure: StructureConfig,
 }
 
 impl Default for ModelConfig {
@@ -186,6 +192,8 @@ impl Default for ModelConfig {
             masked_msa_classes: 23,
             resolved_atoms: 37,
             aligned_error_bins: Some(64),
+            templates: Some(TemplateConfig::default()),
+            structure: StructureConfig::default(),
         }
     }
 }
@@ -195,7 +203,13 @@ impl ModelConfig {
     /// transposed weight shows up as a shape error); the feature and bin counts stay
     /// AlphaFold's, since they carry meaning (bin edges, residue classes).
     pub fn tiny() -> Self {
-        ModelConfig { c_s: 9, lddt_channels: 11, ..ModelConfig::default() }
+        ModelConfig {
+            c_s: 9,
+            lddt_channels: 11,
+            templates: None,
+            structure: StructureConfig::tiny(),
+            ..ModelConfig::default()
+        }
     }
 
     /// Reads the sizes from the shapes of AlphaFold-named arrays; the aligned-error head is
@@ -236,6 +250,8 @@ impl ModelConfig {
             masked_msa_classes: dims(h("masked_msa_head/logits"))?[1],
             resolved_atoms: dims(h("experimentally_resolved_head/logits"))?[1],
             aligned_error_bins,
+            templates: TemplateConfig::infer(arrays)?,
+            structure: StructureConfig::infer(arrays)?,
         })
     }
 }

@@ -61,17 +61,17 @@ pub fn relative_position_one_hot(residue_index: &Tensor, max_relative: i64, kind
 /// The distance one-hot of recycled positions (AlphaFold's `dgram_from_positions`):
 /// `bins` lower edges evenly from `min_bin` to `max_bin` Å, the last bin open; a distance
 /// below `min_bin` (as for the all-zero positions of the first pass) falls in no bin.
-/// `positions` [N, 3] → [N, N, bins] of the positions' kind.
+/// `positions` [.., N, 3] → [.., N, N, bins] of the positions' kind.
 pub fn distance_one_hot(positions: &Tensor, bins: i64, min_bin: f64, max_bin: f64) -> Result<Tensor> {
     let size = positions.size();
-    if size.len() != 2 || size[1] != 3 {
-        return Err(shape_error("pseudo-beta positions", "[residues, 3]".into(), size));
+    if size.len() < 2 || size.last() != Some(&3) {
+        return Err(shape_error("pseudo-beta positions", "[.., residues, 3]".into(), size));
     }
     ensure!(bins > 1, "distance bins must be at least 2, got {bins}");
     let opts = (positions.kind(), positions.device());
     let lower = Tensor::f_linspace(min_bin, max_bin, bins, opts)?.f_square()?;
     let upper = Tensor::f_cat(&[lower.f_narrow(0, 1, bins - 1)?, Tensor::f_full([1], 1e8, opts)?], 0)?;
-    let diff = positions.f_unsqueeze(1)?.f_sub(&positions.f_unsqueeze(0)?)?;
+    let diff = positions.f_unsqueeze(-2)?.f_sub(&positions.f_unsqueeze(-3)?)?;
     let d2 = diff.f_square()?.f_sum_dim_intlist(-1, true, positions.kind())?;
     Ok(d2.f_gt_tensor(&lower)?.f_logical_and(&d2.f_lt_tensor(&upper)?)?.f_to_kind(positions.kind())?)
 }

@@ -1,6 +1,7 @@
 //! AlphaFold 2's Evoformer (Jumper et al. 2021, supplementary Algorithms 6-19) under
 //! AlphaFold's parameter names, with chunked evaluation of the memory-heavy steps and dynamic
 //! axial parallelism ([`engine::parallel::dap`]).
+pub mod alphafold;
 pub mod attention;
 pub mod config;
 pub mod embedders;
@@ -10,6 +11,8 @@ pub mod heads;
 pub mod layers;
 pub mod msa;
 pub mod params;
+pub mod structure;
+pub mod templates;
 pub mod triangle;
 
 pub use config::{EvoformerConfig, ModelConfig};

@@ -28,10 +28,14 @@ use crate::model::config::{EvoformerConfig, ModelConfig};
 use crate::model::embedders::Embedders;
 use crate::model::evoformer::EvoformerStack;
 use crate::model::heads::Heads;
+use crate::model::structure::{StructureModule, STRUCTURE_MODULE};
+use crate::model::templates::Templates;
 use crate::model::{Error, Result};
 
 /// Module path of the Evoformer stack's (stacked) block.
 pub const EVOFORMER: &str = "alphafold/alphafold_iteration/evoformer/evoformer_iteration";
+/// Key prefix of every template array (the pair embedding and the torsion-angle embedding).
+const TEMPLATE_ARRAYS: &str = "alphafold/alphafold_iteration/evoformer/template_";
 /// Module path of the extra-MSA stack's (stacked) block.
 pub const EXTRA_MSA: &str = "alphafold/alphafold_iteration/evoformer/extra_msa_stack";
 
@@ -76,7 +80,7 @@ impl Params {
         Ok(Params { arrays: builder.arrays.into_inner(), config: *config })
     }
 
-    /// Reads an AlphaFold `.npz` (or one written by [`Params::save_npz`]). Sizes are inferred
+    /// Reads an AlphaFold `.npz` (or one written by [`Params::save`]). Sizes are inferred
     /// from the shapes; every array the stacks need must be present with the shape the sizes
     /// imply, else the error names the key and both shapes; an array under a stack's path
     /// that no module uses is an error too. Arrays of other modules (embedders, structure
@@ -95,7 +99,7 @@ impl Params {
 
     fn load(path: &Path, with_model: bool) -> Result<Params> {
         let file = path.display().to_string();
-        let arrays = Tensor::read_npz(path).map_err(|source| Error::File { path: file.clone(), source })?;
+        let arrays = read_arrays(path)?;
         let mut map = BTreeMap::new();
         for (name, t) in arrays {
             let t = if t.kind() == Kind::Float { t } else { t.f_to_kind(Kind::Float)? };
@@ -108,8 +112,15 @@ impl Params {
         };
         let builder = Builder::new(Mode::Load, map, Some(file.clone()));
         build(&builder, &config, model.as_ref())?;
-        for prefix in [EVOFORMER, EXTRA_MSA] {
-            let unused = builder.unused_under(&format!("{prefix}/"));
+        let mut checked = vec![format!("{EVOFORMER}/"), format!("{EXTRA_MSA}/")];
+        if let Some(m) = &model {
+            checked.push(format!("{STRUCTURE_MODULE}/"));
+            if m.templates.is_some() {
+                checked.push(TEMPLATE_ARRAYS.to_string());
+            }
+        }
+        for prefix in checked {
+            let unused = builder.unused_under(&prefix);
             if !unused.is_empty() {
                 return Err(Error::Invalid(format!("{file}: arrays no module of the stacks uses: {unused:?}")));
             }
@@ -119,19 +130,24 @@ impl Params {
         Ok(Params { arrays, config })
     }
 
-    /// Writes every array under its AlphaFold name (stored, uncompressed, as numpy's `savez`),
-    /// through a temporary file renamed into place.
-    pub fn save_npz(&self, path: impl AsRef<Path>) -> Result<()> {
+    /// As [`Params::load_model_npz`], from AlphaFold's `.npz` or from a `.safetensors` file
+    /// under the same names (what `fastfold convert` writes), by extension.
+    pub fn load_model(path: impl AsRef<Path>) -> Result<Params> {
+        Self::load(path.as_ref(), true)
+    }
+
+    /// The same arrays converted to `kind` (e.g. bf16 for inference).
+    pub fn to_kind(&self, kind: Kind) -> Result<Params> {
+        let arrays = self.arrays.iter().map(|(k, t)| Ok((k.clone(), t.f_to_kind(kind)?))).collect::<Result<_>>()?;
+        Ok(Params { arrays, config: self.config })
+    }
+
+    /// Writes every array under its AlphaFold name to `.npz` (stored, as numpy's `savez`) or, by
+    /// extension, `.safetensors`, through a temporary file renamed into place.
+    pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
-        let file = path.display().to_string();
-        let tmp = path.with_extension("npz.tmp");
-        let cpu: Vec<(&str, Tensor)> = self
-            .arrays
-            .iter()
-            .map(|(k, t)| Ok((k.as_str(), t.f_detach()?.f_to_device(Device::Cpu)?.f_contiguous()?)))
-            .collect::<Result<_>>()?;
-        Tensor::write_npz(&cpu, &tmp).map_err(|source| Error::File { path: file.clone(), source })?;
-        std::fs::rename(&tmp, path).map_err(|e| Error::File { path: file, source: tch::TchError::Io(e) })
+        let named: Vec<(String, Tensor)> = self.arrays.iter().map(|(k, t)| (k.clone(), t.shallow_clone())).collect();
+        write_arrays(&named, path)
     }
 
     /// The sizes these arrays imply.
@@ -205,8 +221,43 @@ fn build(builder: &Builder, config: &EvoformerConfig, model: Option<&ModelConfig
     if let Some(model) = model {
         Embedders::build(builder, config, model)?;
         Heads::build(builder, config, model)?;
+        if let Some(t) = &model.templates {
+            Templates::build(builder, t, config.c_z, config.c_m)?;
+        }
+        StructureModule::build(builder, &model.structure)?;
     }
     Ok(())
+}
+
+/// Copies every array of an `.npz` or `.safetensors` parameter file into the other format (by
+/// the extensions), names, kinds and values unchanged, including arrays the model does not
+/// read (template stacks); returns the number of arrays.
+pub fn convert(input: &Path, output: &Path) -> Result<usize> {
+    let arrays = read_arrays(input)?;
+    write_arrays(&arrays, output)?;
+    Ok(arrays.len())
+}
+
+fn write_arrays(named: &[(String, Tensor)], path: &Path) -> Result<()> {
+    let write = match is_safetensors(path) {
+        true => data::checkpoint::save_tensors,
+        false => data::checkpoint::save_npz,
+    };
+    write(named, path).map_err(|e| Error::Invalid(format!("writing {}: {e}", path.display())))
+}
+
+fn is_safetensors(path: &Path) -> bool {
+    path.extension().is_some_and(|e| e == "safetensors")
+}
+
+/// Every array of an `.npz` or `.safetensors` file, by name.
+fn read_arrays(path: &Path) -> Result<Vec<(String, Tensor)>> {
+    let file = path.display().to_string();
+    if is_safetensors(path) {
+        let map = data::checkpoint::read_tensors(path).map_err(|e| Error::Invalid(format!("{e}")))?;
+        return Ok(map.into_iter().collect());
+    }
+    Tensor::read_npz(path).map_err(|source| Error::File { path: file, source })
 }
 
 fn with_file(e: Error, file: &str) -> Error {

@@ -1,0 +1,129 @@
+//! What `predict` and `train` share on the command line: where the features come from (FASTA
+//! and an optional A3M alignment through AlphaFold's feature pipeline, or an already-processed
+//! `.npz`), and the device, ranks, chunking and timeout a run uses.
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use engine::dist::World;
+use engine::parallel::dap::Dap;
+use engine::runtime::DeviceKind;
+use tch::Device;
+
+use crate::features::{process, FeatureConfig, Features, RawFeatures};
+
+/// The inputs: FASTA (+ A3M) or processed features.
+#[derive(clap::Args, Debug, Clone)]
+pub struct InputArgs {
+    /// FASTA file; every record is a query (not with --features).
+    pub fasta: Option<PathBuf>,
+    /// Precomputed alignment (A3M) of the query; FASTA with one record only. Without it the
+    /// sequence runs alone (single-sequence mode).
+    #[arg(long)]
+    pub msa: Option<PathBuf>,
+    /// Already-processed features (`.npz` under AlphaFold's feature names, with the leading
+    /// recycling dimension), in place of FASTA and MSA.
+    #[arg(long, conflicts_with_all = ["fasta", "msa"])]
+    pub features: Option<PathBuf>,
+    /// MSA rows kept as cluster centres (AlphaFold's `max_msa_clusters`).
+    #[arg(long, default_value_t = 512)]
+    pub max_msa_clusters: usize,
+    /// Further rows kept as the extra MSA (AlphaFold's `max_extra_msa`).
+    #[arg(long, default_value_t = 1024)]
+    pub max_extra_msa: usize,
+    /// Seed of the feature pipeline's MSA sampling and masking.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+/// A name usable as a file-name stem: path separators and odd characters become `_`.
+fn file_stem(name: &str) -> String {
+    let s: String =
+        name.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '_' }).collect();
+    match s.trim_start_matches('.') {
+        "" => "query".into(),
+        t => t.to_string(),
+    }
+}
+
+impl InputArgs {
+    /// The inputs, each named (the FASTA record's name or the features file's stem, made safe
+    /// for file names), with `recycles + 1` recycling slices when processed here.
+    pub fn load(&self, recycles: usize, device: Device) -> anyhow::Result<Vec<(String, Features)>> {
+        if let Some(path) = &self.features {
+            let features = Features::load_npz(path, device)?;
+            let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+            return Ok(vec![(file_stem(&name), features)]);
+        }
+        let Some(fasta) = &self.fasta else { bail!("give a FASTA file or --features") };
+        let records = data::fasta::read(fasta)?;
+        if records.is_empty() {
+            bail!("{}: no FASTA records", fasta.display());
+        }
+        let msa = match &self.msa {
+            Some(path) if records.len() > 1 => {
+                bail!(
+                    "--msa {} is one alignment, but {} has {} records",
+                    path.display(),
+                    fasta.display(),
+                    records.len()
+                )
+            }
+            Some(path) => Some((data::a3m::read(path)?, path.clone())),
+            None => None,
+        };
+        let config = FeatureConfig {
+            max_msa_clusters: self.max_msa_clusters,
+            max_extra_msa: self.max_extra_msa,
+            num_recycle: recycles,
+            ..FeatureConfig::default()
+        };
+        records
+            .iter()
+            .map(|r| {
+                let raw = RawFeatures::new(&r.sequence, msa.as_ref().map(|(m, p)| (m, p.as_path())))
+                    .with_context(|| format!("record {}", r.name))?;
+                Ok((file_stem(&r.name), process(&raw, &config, self.seed, device)?))
+            })
+            .collect()
+    }
+}
+
+/// Device, ranks, chunking and timeout.
+#[derive(clap::Args, Debug, Clone)]
+pub struct RunArgs {
+    /// Run attention, transitions, outer product mean and triangle ops in chunks of this many
+    /// rows (less memory, same result).
+    #[arg(long)]
+    pub chunk_size: Option<i64>,
+    /// Device (cuda: each rank its local GPU).
+    #[arg(long, default_value_t = DeviceKind::Cpu)]
+    pub device: DeviceKind,
+    /// Ranks for dynamic axial parallelism (under torchrun, Slurm or mpirun the launcher
+    /// decides).
+    #[arg(long, default_value_t = 1)]
+    pub nproc: usize,
+    /// Rendezvous and collective timeout in seconds.
+    #[arg(long, default_value_t = 300.0)]
+    pub timeout: f64,
+}
+
+impl RunArgs {
+    /// The rendezvous and collective timeout.
+    pub fn timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.timeout)
+    }
+
+    /// Checks the options and returns this rank's device and the DAP context over the job.
+    pub fn setup(&self, world: &World) -> anyhow::Result<(Device, Dap)> {
+        if self.chunk_size.is_some_and(|c| c < 1) {
+            bail!("--chunk-size must be at least 1");
+        }
+        let device = self.device.device(world.env.local_rank)?;
+        let dap = match world.size() {
+            1 => Dap::none(),
+            _ => Dap::new(world.group.clone()),
+        };
+        Ok((device, dap))
+    }
+}

@@ -1,0 +1,203 @@
+//! The whole AlphaFold 2 monomer network (supplementary Algorithm 2): the input and recycling
+//! embedders, the extra-MSA and Evoformer stacks (under DAP when the [`Dap`] has ranks), the
+//! single projection, the structure module and the heads, iterated over the recycling slices of
+//! a processed batch.
+//!
+//! Templates: with parameters that have a template embedding (`model_1`, `model_2`) and a
+//! batch with template features, the templates update the pair and add MSA rows
+//! ([`crate::model::templates`]); a batch without them runs as AlphaFold does for a query with
+//! no template hits (the template embedding then adds exactly zero and its rows are masked).
+use engine::parallel::dap::Dap;
+use tch::{Kind, Tensor};
+
+use crate::features::{Features, TemplateFeatures};
+use crate::model::config::EvoformerConfig;
+use crate::model::embedders::{pseudo_beta, Embedders, Recycled};
+use crate::model::evoformer::EvoformerStack;
+use crate::model::heads::{HeadInputs, HeadOutputs, Heads};
+use crate::model::params::Params;
+use crate::model::structure::{StructureModule, StructureOutput};
+use crate::model::templates::Templates;
+use crate::model::{ensure, Result};
+
+/// One recycling slice of the processed batch, without the leading dimension, with float
+/// features in the model's kind.
+pub struct Batch {
+    /// [N] residue types.
+    pub aatype: Tensor,
+    /// [N].
+    pub residue_index: Tensor,
+    /// [N].
+    pub seq_mask: Tensor,
+    /// [N, 22].
+    pub target_feat: Tensor,
+    /// [S, N, 49].
+    pub msa_feat: Tensor,
+    /// [S, N].
+    pub msa_mask: Tensor,
+    /// [E, N] classes.
+    pub extra_msa: Tensor,
+    /// [E, N].
+    pub extra_has_deletion: Tensor,
+    /// [E, N].
+    pub extra_deletion_value: Tensor,
+    /// [E, N].
+    pub extra_msa_mask: Tensor,
+    /// Template features [T, ...], when the batch has them.
+    pub templates: Option<TemplateFeatures>,
+}
+
+impl Batch {
+    /// Slice `iteration` of `features`, float features converted to `kind`.
+    pub fn new(features: &Features, iteration: i64, kind: Kind) -> Result<Batch> {
+        let f = features.iteration(iteration).map_err(|e| crate::model::Error::Invalid(format!("features: {e}")))?;
+        let long = |t: &Tensor| -> Result<Tensor> { Ok(t.f_squeeze_dim(0)?) };
+        let float = |t: &Tensor| -> Result<Tensor> { Ok(t.f_squeeze_dim(0)?.f_to_kind(kind)?) };
+        Ok(Batch {
+            aatype: long(&f.aatype)?,
+            residue_index: long(&f.residue_index)?,
+            seq_mask: float(&f.seq_mask)?,
+            target_feat: float(&f.target_feat)?,
+            msa_feat: float(&f.msa_feat)?,
+            msa_mask: float(&f.msa_mask)?,
+            extra_msa: long(&f.extra_msa)?,
+            extra_has_deletion: float(&f.extra_has_deletion)?,
+            extra_deletion_value: float(&f.extra_deletion_value)?,
+            extra_msa_mask: float(&f.extra_msa_mask)?,
+            templates: f.templates.as_ref().map(|t| t.map(|x| x.squeeze_dim(0))),
+        })
+    }
+
+    /// Residues N.
+    pub fn residues(&self) -> i64 {
+        self.aatype.size()[0]
+    }
+
+    /// The extra-MSA inputs with at least one row: an alignment with no extra rows gets one
+    /// masked row of gaps, which changes nothing (masked rows neither attend nor are averaged
+    /// into the pair), as AlphaFold's fixed-size padding does.
+    fn extra_rows(&self) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+        if self.extra_msa.size()[0] > 0 {
+            let t = [&self.extra_msa, &self.extra_has_deletion, &self.extra_deletion_value, &self.extra_msa_mask];
+            let [a, b, c, d] = t.map(|t| t.shallow_clone());
+            return Ok((a, b, c, d));
+        }
+        let n = self.residues();
+        let float = (self.extra_msa_mask.kind(), self.extra_msa_mask.device());
+        const GAP: i64 = 21;
+        Ok((
+            Tensor::f_full([1, n], GAP, (Kind::Int64, self.aatype.device()))?,
+            Tensor::f_zeros([1, n], float)?,
+            Tensor::f_zeros([1, n], float)?,
+            Tensor::f_zeros([1, n], float)?,
+        ))
+    }
+}
+
+/// Everything one pass produces.
+pub struct Pass {
+    /// Every head's logits.
+    pub heads: HeadOutputs,
+    /// The structure module's outputs (final atom positions in `atom37`).
+    pub structure: StructureOutput,
+    /// The single representation [N, c_s].
+    pub single: Tensor,
+    /// What the next pass recycles: the MSA's first row, the pair, the pseudo-beta positions.
+    pub recycled: Recycled,
+}
+
+/// The network over one parameter store.
+pub struct AlphaFold {
+    embedders: Embedders,
+    templates: Option<Templates>,
+    extra: Option<EvoformerStack>,
+    evoformer: EvoformerStack,
+    structure: StructureModule,
+    heads: Heads,
+    config: EvoformerConfig,
+}
+
+impl AlphaFold {
+    /// Every module over `params` (from [`Params::random_model`] or [`Params::load_model`]).
+    pub fn new(params: &Params) -> Result<Self> {
+        let config = *params.config();
+        Ok(AlphaFold {
+            embedders: Embedders::new(params)?,
+            templates: Templates::new(params)?,
+            extra: match config.num_extra_blocks > 0 {
+                true => Some(EvoformerStack::extra(params)?),
+                false => None,
+            },
+            evoformer: EvoformerStack::main(params)?,
+            structure: StructureModule::new(params)?,
+            heads: Heads::new(params)?,
+            config,
+        })
+    }
+
+    /// The stacks' sizes.
+    pub fn config(&self) -> &EvoformerConfig {
+        &self.config
+    }
+
+    /// One pass (Algorithm 2, lines 5–33) on `batch` given the previous pass's outputs.
+    pub fn pass(&self, batch: &Batch, prev: &Recycled, dap: &Dap, chunk: Option<i64>) -> Result<Pass> {
+        let (msa, pair) = self.embedders.input.forward(&batch.target_feat, &batch.msa_feat, &batch.residue_index)?;
+        let (msa, pair) = self.embedders.recycling.forward(&msa, &pair, prev)?;
+        let pair_mask = batch.seq_mask.f_unsqueeze(1)?.f_mul(&batch.seq_mask.f_unsqueeze(0)?)?;
+        let (mut msa, mut pair, mut msa_mask) = (msa, pair, batch.msa_mask.shallow_clone());
+        if let (Some(t), Some(f)) = (&self.templates, &batch.templates) {
+            pair = pair.f_add(&t.pair_update(&pair, f, &pair_mask, chunk)?)?;
+            if let Some((rows, mask)) = t.msa_rows(f, msa.kind())? {
+                msa = Tensor::f_cat(&[msa, rows], 0)?;
+                msa_mask = Tensor::f_cat(&[msa_mask, mask], 0)?;
+            }
+        }
+        let pair = match (&self.extra, &self.embedders.extra_msa) {
+            (Some(stack), Some(embedder)) => {
+                let (rows, has_deletion, deletion_value, mask) = batch.extra_rows()?;
+                let extra = embedder.forward(&rows, &has_deletion, &deletion_value)?.f_to_kind(pair.kind())?;
+                stack.forward(&extra, &pair, &mask, &pair_mask, dap, chunk)?.1
+            }
+            _ => pair,
+        };
+        let (msa, pair) = self.evoformer.forward(&msa, &pair, &msa_mask, &pair_mask, dap, chunk)?;
+        let msa_first_row = msa.f_select(0, 0)?;
+        let single = self.heads.single.forward(&msa)?;
+        let structure = self.structure.forward(&single, &pair, &batch.aatype, &batch.seq_mask)?;
+        let heads = self.heads.forward(&HeadInputs {
+            msa: &msa,
+            pair: &pair,
+            single: &single,
+            structure_single: &structure.single,
+        })?;
+        let pseudo_beta = pseudo_beta(&batch.aatype, &structure.atom37)?.f_to_kind(pair.kind())?;
+        Ok(Pass { heads, structure, single, recycled: Recycled { msa_first_row, pair, pseudo_beta } })
+    }
+
+    /// `recycles + 1` passes over slices `0..=recycles` of `features` in `kind`, each starting
+    /// from the previous one's outputs; the last pass is returned. As in AlphaFold, gradients
+    /// flow through the last pass only: the earlier ones run without autograd.
+    pub fn predict(
+        &self,
+        features: &Features,
+        recycles: usize,
+        kind: Kind,
+        dap: &Dap,
+        chunk: Option<i64>,
+    ) -> Result<Pass> {
+        let available = features.num_iterations();
+        ensure!(
+            (recycles as i64) < available,
+            "{recycles} recycles need {} feature slices, the features have {available}",
+            recycles + 1
+        );
+        let like = Batch::new(features, 0, kind)?;
+        let mut prev = Recycled::zeros(like.residues(), &self.config, &like.seq_mask)?;
+        for i in 0..recycles as i64 {
+            let batch = Batch::new(features, i, kind)?;
+            prev = tch::no_grad(|| self.pass(&batch, &prev, dap, chunk))?.recycled;
+        }
+        self.pass(&Batch::new(features, recycles as i64, kind)?, &prev, dap, chunk)
+    }
+}

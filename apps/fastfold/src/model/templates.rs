@@ -1,0 +1,426 @@
+//! Template embedding (supplementary 1.7.1, AlphaFold's monomer `TemplateEmbedding` and the
+//! template torsion-angle features), under AlphaFold's parameter names:
+//!
+//! | module | AlphaFold name (below `alphafold/alphafold_iteration/evoformer`) |
+//! |---|---|
+//! | pair features → `c_t` | `template_embedding/single_template_embedding/embedding2d` |
+//! | template pair stack (stacked blocks) | `.../single_template_embedding/template_pair_stack/__layer_stack_no_state/{triangle_attention_starting_node, triangle_attention_ending_node, triangle_multiplication_outgoing, triangle_multiplication_incoming, pair_transition}` |
+//! | final norm | `.../single_template_embedding/output_layer_norm` |
+//! | pointwise attention (query: pair; keys: templates) | `template_embedding/attention` (`query_w`, `key_w`, `value_w`, `output_w`, `output_b`; no gating) |
+//! | torsion-angle features → extra MSA rows | `template_single_embedding`, `template_projection` |
+//!
+//! The pair features of a template are its pseudo-beta distogram (39 bins, 3.25–50.75 Å), the
+//! pseudo-beta pair mask, both residues' types, the unit vectors between backbone frames (zero:
+//! AlphaFold's monomer models run with `use_template_unit_vector = False`) and the backbone pair
+//! mask, all multiplied by the backbone pair mask. The torsion features are the residue type
+//! and AlphaFold's seven torsion angles (with their pi-periodic alternatives and masks), as
+//! `atom37_to_torsion_angles` computes them for `zero_init` models (undefined angles are not
+//! replaced by a placeholder). Templates run whole on every rank, outside DAP.
+use std::collections::BTreeMap;
+
+use tch::{Kind, Tensor};
+
+use crate::features::TemplateFeatures;
+use crate::geometry::Rigid;
+use crate::model::embedders::distance_one_hot;
+use crate::model::layers::{chunked, LayerNorm, Linear};
+use crate::model::msa::Transition;
+use crate::model::params::{Builder, Init, Params, Scope};
+use crate::model::triangle::{Direction, TriangleAttention, TriangleMultiplication};
+use crate::model::{ensure, Error, Result};
+use crate::residue_constants::Tables;
+use engine::parallel::dap::Dap;
+
+/// Module path of the template pair embedding.
+pub const TEMPLATE_EMBEDDING: &str = "alphafold/alphafold_iteration/evoformer/template_embedding";
+const SINGLE_TEMPLATE: &str = "alphafold/alphafold_iteration/evoformer/template_embedding/single_template_embedding";
+const PAIR_STACK: &str = "alphafold/alphafold_iteration/evoformer/template_embedding/single_template_embedding/template_pair_stack/__layer_stack_no_state";
+const EVOFORMER_ROOT: &str = "alphafold/alphafold_iteration/evoformer";
+
+/// Pseudo-beta distogram of a template (`dgram_features`).
+const DGRAM_BINS: i64 = 39;
+const DGRAM_MIN: f64 = 3.25;
+const DGRAM_MAX: f64 = 50.75;
+/// Template pair features: distogram, pseudo-beta mask, two residue one-hots (22), unit
+/// vector (3), backbone mask.
+pub const PAIR_FEATURES: i64 = DGRAM_BINS + 1 + 22 + 22 + 3 + 1;
+/// Template torsion features: residue one-hot (22), 7 (sin, cos), 7 alternative (sin, cos), 7
+/// masks.
+pub const ANGLE_FEATURES: i64 = 22 + 14 + 14 + 7;
+
+/// Sizes of the template embedding (AlphaFold's `model_1`/`model_2` values as the default).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TemplateConfig {
+    /// Template pair channels (64).
+    pub c_t: i64,
+    /// Blocks of the template pair stack (2).
+    pub blocks: i64,
+    /// Heads of the triangle attentions (4) and their width (16).
+    pub pair_heads: i64,
+    /// Width per head of the triangle attentions.
+    pub pair_head_dim: i64,
+    /// Intermediate channels of the triangle multiplications (64).
+    pub tri_mul_channels: i64,
+    /// Hidden width factor of the pair transition (2).
+    pub transition_factor: i64,
+    /// Heads of the pointwise attention (4).
+    pub attention_heads: i64,
+    /// Width per head of the pointwise attention (16).
+    pub attention_head_dim: i64,
+    /// Whether the torsion-angle features join the MSA (`embed_torsion_angles`).
+    pub torsion_angles: bool,
+}
+
+impl Default for TemplateConfig {
+    fn default() -> Self {
+        TemplateConfig {
+            c_t: 64,
+            blocks: 2,
+            pair_heads: 4,
+            pair_head_dim: 16,
+            tri_mul_channels: 64,
+            transition_factor: 2,
+            attention_heads: 4,
+            attention_head_dim: 16,
+            torsion_angles: true,
+        }
+    }
+}
+
+impl TemplateConfig {
+    /// Small widths for tests.
+    pub fn tiny() -> Self {
+        TemplateConfig {
+            c_t: 6,
+            blocks: 1,
+            pair_heads: 2,
+            pair_head_dim: 3,
+            tri_mul_channels: 5,
+            transition_factor: 2,
+            attention_heads: 2,
+            attention_head_dim: 4,
+            torsion_angles: true,
+        }
+    }
+
+    /// Reads the sizes from the shapes of AlphaFold-named arrays; `None` when the arrays have
+    /// no template embedding.
+    pub fn infer(arrays: &BTreeMap<String, Tensor>) -> Result<Option<Self>> {
+        let key = |m: &str, n: &str| format!("{m}//{n}");
+        let embedding = key(&format!("{SINGLE_TEMPLATE}/embedding2d"), "weights");
+        let Some(e) = arrays.get(&embedding) else { return Ok(None) };
+        let dims = |k: String, rank: usize| -> Result<Vec<i64>> {
+            let t = arrays.get(&k).ok_or_else(|| Error::Missing { key: k.clone(), file: None })?;
+            let s = t.size();
+            ensure!(s.len() == rank, "parameter {k}: expected {rank} dimensions, found shape {s:?}");
+            Ok(s)
+        };
+        ensure!(e.dim() == 2, "parameter {embedding}: expected 2 dimensions, found shape {:?}", e.size());
+        let att = dims(key(&format!("{PAIR_STACK}/triangle_attention_starting_node/attention"), "query_w"), 4)?;
+        let tri = dims(key(&format!("{PAIR_STACK}/triangle_multiplication_outgoing/left_projection"), "weights"), 3)?;
+        let tr = dims(key(&format!("{PAIR_STACK}/pair_transition/transition1"), "weights"), 3)?;
+        let point = dims(key(&format!("{TEMPLATE_EMBEDDING}/attention"), "query_w"), 3)?;
+        let c_t = e.size()[1];
+        ensure!(c_t > 0 && tr[2] % c_t == 0, "template pair transition width {} is not a multiple of {c_t}", tr[2]);
+        Ok(Some(TemplateConfig {
+            c_t,
+            blocks: att[0],
+            pair_heads: att[2],
+            pair_head_dim: att[3],
+            tri_mul_channels: tri[2],
+            transition_factor: tr[2] / c_t,
+            attention_heads: point[1],
+            attention_head_dim: point[2],
+            torsion_angles: arrays
+                .contains_key(&key(&format!("{EVOFORMER_ROOT}/template_single_embedding"), "weights")),
+        }))
+    }
+}
+
+/// AlphaFold's seven torsion angles of every residue (`atom37_to_torsion_angles`): omega,
+/// phi, psi and chi1..chi4, as (sin, cos) [.., N, 7, 2], their pi-periodic alternatives (chis
+/// of symmetric side chains turned by pi) and their masks [.., N, 7]. `aatype` [.., N],
+/// `positions` [.., N, 37, 3], `masks` [.., N, 37]; computed in fp32.
+pub fn torsion_angles(aatype: &Tensor, positions: &Tensor, masks: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    let tables = Tables::new(positions.device());
+    let aatype = aatype.f_clamp(0, 20)?;
+    let pos = positions.f_to_kind(Kind::Float)?;
+    let mask = masks.f_to_kind(Kind::Float)?;
+    let n_dim = aatype.dim() as i64 - 1;
+    // The previous residue's atoms (zero before the first).
+    let shift = |t: &Tensor| -> Result<Tensor> {
+        let n = t.size()[n_dim as usize];
+        let first = t.f_narrow(n_dim, 0, 1)?.f_zeros_like()?;
+        Ok(Tensor::f_cat(&[first, t.f_narrow(n_dim, 0, n - 1)?], n_dim)?)
+    };
+    let (prev_pos, prev_mask) = (shift(&pos)?, shift(&mask)?);
+    let atoms = |t: &Tensor, idx: &[i64]| -> Result<Tensor> {
+        Ok(t.f_index_select(n_dim + 1, &Tensor::from_slice(idx).to_device(t.device()))?)
+    };
+    // atom37: N 0, CA 1, C 2, O 4.
+    let omega = Tensor::f_cat(&[atoms(&prev_pos, &[1, 2])?, atoms(&pos, &[0, 1])?], -2)?;
+    let phi = Tensor::f_cat(&[atoms(&prev_pos, &[2])?, atoms(&pos, &[0, 1, 2])?], -2)?;
+    let psi = atoms(&pos, &[0, 1, 2, 4])?;
+    let prod = |t: Tensor| -> Result<Tensor> { Ok(t.f_prod_dim_int(-1, false, Kind::Float)?) };
+    let omega_mask = prod(atoms(&prev_mask, &[1, 2])?)?.f_mul(&prod(atoms(&mask, &[0, 1])?)?)?;
+    let phi_mask = prod(atoms(&prev_mask, &[2])?)?.f_mul(&prod(atoms(&mask, &[0, 1, 2])?)?)?;
+    let psi_mask = prod(atoms(&mask, &[0, 1, 2, 4])?)?;
+    // Chi atoms: gather the four atoms of each chi of each residue.
+    let chi_idx = tables.chi_angles_atom_indices.f_index_select(0, &aatype.f_flatten(0, -1)?)?; // [B, 4, 4]
+    let flat_pos = pos.f_flatten(0, n_dim)?; // [B, 37, 3]
+    let flat_mask = mask.f_flatten(0, n_dim)?; // [B, 37]
+    let b = flat_pos.size()[0];
+    let gather_idx = chi_idx.f_reshape([b, 16])?;
+    let chi_pos = flat_pos
+        .f_gather(1, &gather_idx.f_unsqueeze(-1)?.f_expand([b, 16, 3], false)?, false)?
+        .f_reshape([b, 4, 4, 3])?;
+    let chi_atom_mask = flat_mask.f_gather(1, &gather_idx, false)?.f_reshape([b, 4, 4])?;
+    let chi_mask = tables
+        .chi_angles_mask
+        .f_index_select(0, &aatype.f_flatten(0, -1)?)?
+        .f_mul(&chi_atom_mask.f_prod_dim_int(-1, false, Kind::Float)?)?;
+    let lead: Vec<i64> = aatype.size();
+    let unflat = |t: Tensor, tail: &[i64]| -> Result<Tensor> {
+        let shape: Vec<i64> = lead.iter().chain(tail).copied().collect();
+        Ok(t.f_reshape(shape.as_slice())?)
+    };
+    let chi_pos = unflat(chi_pos, &[4, 4, 3])?;
+    let chi_mask = unflat(chi_mask, &[4])?;
+    let all = Tensor::f_cat(&[omega.f_unsqueeze(-3)?, phi.f_unsqueeze(-3)?, psi.f_unsqueeze(-3)?, chi_pos], -3)?;
+    let mask7 = Tensor::f_cat(
+        &[omega_mask.f_unsqueeze(-1)?, phi_mask.f_unsqueeze(-1)?, psi_mask.f_unsqueeze(-1)?, chi_mask],
+        -1,
+    )?;
+    // Frame: origin the third atom, negative x towards the second, the first in the xy plane;
+    // (sin, cos) from the fourth atom's z and y there (AlphaFold's convention).
+    let point = |k: i64| all.f_select(-2, k);
+    let (a0, a1, a2, a3) = (point(0)?, point(1)?, point(2)?, point(3)?);
+    let mirrored = a2.f_mul_scalar(2.0)?.f_sub(&a1)?;
+    let frames = Rigid::from_three_points(&a0, &a2, &mirrored, 1e-16);
+    let rel = frames.invert_apply(&a3);
+    let sin_cos = Tensor::f_stack(&[rel.f_select(-1, 2)?, rel.f_select(-1, 1)?], -1)?;
+    let norm = sin_cos.f_square()?.f_sum_dim_intlist(-1, true, Kind::Float)?.f_add_scalar(1e-8)?.f_sqrt()?;
+    let sin_cos = sin_cos.f_div(&norm)?;
+    // psi came from O, which sits opposite the next N: turn it by pi.
+    let sign = Tensor::from_slice(&[1f32, 1.0, -1.0, 1.0, 1.0, 1.0, 1.0]).to_device(pos.device()).f_unsqueeze(-1)?;
+    let sin_cos = sin_cos.f_mul(&sign)?;
+    let periodic = unflat(tables.chi_pi_periodic.f_index_select(0, &aatype.f_flatten(0, -1)?)?, &[4])?;
+    let mirror = Tensor::f_cat(
+        &[periodic.f_narrow(-1, 0, 3)?.f_ones_like()?, periodic.f_mul_scalar(-2.0)?.f_add_scalar(1.0)?],
+        -1,
+    )?;
+    let alt = sin_cos.f_mul(&mirror.f_unsqueeze(-1)?)?;
+    Ok((sin_cos, alt, mask7))
+}
+
+/// The [T, N, 57] torsion features of templates ([`ANGLE_FEATURES`]) and their psi masks
+/// [T, N], which become the MSA mask of the template rows.
+pub fn angle_features(t: &TemplateFeatures) -> Result<(Tensor, Tensor)> {
+    let (sin_cos, alt, mask) = torsion_angles(&t.aatype, &t.all_atom_positions, &t.all_atom_masks)?;
+    let size = t.aatype.size();
+    let flat = |x: Tensor| -> Result<Tensor> { Ok(x.f_reshape([size[0], size[1], 14])?) };
+    let one_hot = t.aatype.f_one_hot(22)?.f_to_kind(Kind::Float)?;
+    let features = Tensor::f_cat(&[one_hot, flat(sin_cos)?, flat(alt)?, mask.shallow_clone()], -1)?;
+    Ok((features, mask.f_select(-1, 2)?))
+}
+
+/// The [T, N, N, 88] pair features of one recycling slice's templates ([`PAIR_FEATURES`]).
+pub fn pair_features(t: &TemplateFeatures) -> Result<Tensor> {
+    let size = t.aatype.size();
+    ensure!(size.len() == 2, "template_aatype: expected shape [templates, residues], found {size:?}");
+    let (templates, n) = (size[0], size[1]);
+    let checks = [
+        ("template_all_atom_positions", &t.all_atom_positions, vec![templates, n, 37, 3]),
+        ("template_all_atom_masks", &t.all_atom_masks, vec![templates, n, 37]),
+        ("template_mask", &t.mask, vec![templates]),
+        ("template_pseudo_beta", &t.pseudo_beta, vec![templates, n, 3]),
+        ("template_pseudo_beta_mask", &t.pseudo_beta_mask, vec![templates, n]),
+    ];
+    for (what, x, want) in checks {
+        ensure!(x.size() == want, "{what}: expected shape {want:?}, found {:?}", x.size());
+    }
+    let outer = |m: &Tensor| -> Result<Tensor> { Ok(m.f_unsqueeze(-1)?.f_mul(&m.f_unsqueeze(-2)?)?) };
+    let float = |x: &Tensor| x.f_to_kind(Kind::Float);
+    let dgram = distance_one_hot(&float(&t.pseudo_beta)?, DGRAM_BINS, DGRAM_MIN, DGRAM_MAX)?;
+    let pb_mask = outer(&float(&t.pseudo_beta_mask)?)?;
+    let one_hot = t.aatype.f_one_hot(22)?.f_to_kind(Kind::Float)?;
+    let shape = [templates, n, n, 22];
+    let aatype_j = one_hot.f_unsqueeze(1)?.f_expand(shape, false)?;
+    let aatype_i = one_hot.f_unsqueeze(2)?.f_expand(shape, false)?;
+    let masks = float(&t.all_atom_masks)?;
+    let backbone = masks.f_select(-1, 0)?.f_mul(&masks.f_select(-1, 1)?)?.f_mul(&masks.f_select(-1, 2)?)?;
+    let backbone = outer(&backbone)?.f_unsqueeze(-1)?;
+    let unit_vector = Tensor::f_zeros([templates, n, n, 3], (Kind::Float, t.aatype.device()))?;
+    let features = Tensor::f_cat(
+        &[
+            dgram.f_to_kind(Kind::Float)?,
+            pb_mask.f_unsqueeze(-1)?,
+            aatype_j,
+            aatype_i,
+            unit_vector,
+            backbone.shallow_clone(),
+        ],
+        -1,
+    )?;
+    Ok(features.f_mul(&backbone)?)
+}
+
+/// One block of the template pair stack (AlphaFold's order: triangle attentions first).
+struct TemplatePairBlock {
+    tri_att_start: TriangleAttention,
+    tri_att_end: TriangleAttention,
+    tri_mul_out: TriangleMultiplication,
+    tri_mul_in: TriangleMultiplication,
+    pair_transition: Transition,
+}
+
+impl TemplatePairBlock {
+    fn new(p: &Scope, c: &TemplateConfig) -> Result<Self> {
+        let att = |name: &str, d| TriangleAttention::new(&p.sub(name), d, c.c_t, c.pair_heads, c.pair_head_dim);
+        let mul = |name: &str, d| TriangleMultiplication::new(&p.sub(name), d, c.c_t, c.tri_mul_channels);
+        Ok(TemplatePairBlock {
+            tri_att_start: att("triangle_attention_starting_node", Direction::Outgoing)?,
+            tri_att_end: att("triangle_attention_ending_node", Direction::Incoming)?,
+            tri_mul_out: mul("triangle_multiplication_outgoing", Direction::Outgoing)?,
+            tri_mul_in: mul("triangle_multiplication_incoming", Direction::Incoming)?,
+            pair_transition: Transition::new(&p.sub("pair_transition"), c.c_t, c.transition_factor)?,
+        })
+    }
+
+    /// `x` [N, N, c_t] of one template, `mask` [N, N].
+    fn forward(&self, x: &Tensor, mask: &Tensor, chunk: Option<i64>) -> Result<Tensor> {
+        let dap = Dap::none();
+        let x = x.f_add(&self.tri_att_start.forward(x, mask, &dap, chunk)?)?;
+        let x = x.f_add(&self.tri_att_end.forward(&x, mask, &dap, chunk)?)?;
+        let x = x.f_add(&self.tri_mul_out.forward(&x, mask, &dap, chunk)?)?;
+        let x = x.f_add(&self.tri_mul_in.forward(&x, mask, &dap, chunk)?)?;
+        Ok(x.f_add(&self.pair_transition.forward(&x, chunk)?)?)
+    }
+}
+
+/// Attention of each pair entry (query) over the templates' entries at the same position
+/// (keys and values), without gating (`template_embedding/attention`).
+struct PointwiseAttention {
+    query_w: Tensor,
+    key_w: Tensor,
+    value_w: Tensor,
+    output_w: Tensor,
+    output_b: Tensor,
+    head_dim: i64,
+}
+
+impl PointwiseAttention {
+    fn new(p: &Scope, c_z: i64, c_t: i64, heads: i64, head_dim: i64) -> Result<Self> {
+        Ok(PointwiseAttention {
+            query_w: p.param("query_w", &[c_z, heads, head_dim], Init::Weight { fan_in: c_z })?,
+            key_w: p.param("key_w", &[c_t, heads, head_dim], Init::Weight { fan_in: c_t })?,
+            value_w: p.param("value_w", &[c_t, heads, head_dim], Init::Weight { fan_in: c_t })?,
+            output_w: p.param("output_w", &[heads, head_dim, c_z], Init::Weight { fan_in: heads * head_dim })?,
+            output_b: p.param("output_b", &[c_z], Init::Small)?,
+            head_dim,
+        })
+    }
+
+    /// `pair` [N, N, c_z], `templates` [T, N, N, c_t], `mask` [T] → [N, N, c_z]; chunks over
+    /// rows of the pair.
+    fn forward(&self, pair: &Tensor, templates: &Tensor, mask: &Tensor, chunk: Option<i64>) -> Result<Tensor> {
+        let bias = mask.f_sub_scalar(1.0)?.f_mul_scalar(1e9)?; // [T]
+        let e = |eq: &str, a: &Tensor, b: &Tensor| Tensor::f_einsum(eq, &[a, b], None::<&[i64]>);
+        chunked(pair.size()[0], chunk, |start, n| {
+            let x = pair.f_narrow(0, start, n)?;
+            let t = templates.f_narrow(1, start, n)?;
+            let q = e("ija,ahc->ijhc", &x, &self.query_w)?.f_mul_scalar((self.head_dim as f64).powf(-0.5))?;
+            let k = e("tija,ahc->tijhc", &t, &self.key_w)?;
+            let v = e("tija,ahc->tijhc", &t, &self.value_w)?;
+            let logits = e("ijhc,tijhc->ijht", &q, &k)?.f_add(&bias)?;
+            let avg = e("ijht,tijhc->ijhc", &logits.f_softmax(-1, None)?, &v)?;
+            Ok(e("ijhc,hco->ijo", &avg, &self.output_w)?.f_add(&self.output_b)?)
+        })
+    }
+}
+
+/// The template embedding: the pair update from the templates and, with torsion features, the
+/// template rows of the MSA.
+pub struct Templates {
+    embedding2d: Linear,
+    blocks: Vec<TemplatePairBlock>,
+    output_layer_norm: LayerNorm,
+    attention: PointwiseAttention,
+    single: Option<(Linear, Linear)>,
+}
+
+impl Templates {
+    /// The template modules over `params`, when its arrays have a template embedding.
+    pub fn new(params: &Params) -> Result<Option<Self>> {
+        let cfg = params.config();
+        match params.model_config()?.templates {
+            Some(t) => Ok(Some(Self::build(&params.builder(), &t, cfg.c_z, cfg.c_m)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Builds (or creates the arrays of) the template modules for pair width `c_z` and MSA
+    /// width `c_m`.
+    pub(crate) fn build(b: &Builder, c: &TemplateConfig, c_z: i64, c_m: i64) -> Result<Self> {
+        let single = b.root(SINGLE_TEMPLATE);
+        let blocks = (0..c.blocks)
+            .map(|i| TemplatePairBlock::new(&b.block(PAIR_STACK, i, c.blocks), c))
+            .collect::<Result<_>>()?;
+        let root = b.root(EVOFORMER_ROOT);
+        Ok(Templates {
+            embedding2d: Linear::new(&single.sub("embedding2d"), PAIR_FEATURES, c.c_t, true)?,
+            blocks,
+            output_layer_norm: LayerNorm::new(&single.sub("output_layer_norm"), c.c_t)?,
+            attention: PointwiseAttention::new(
+                &b.root(TEMPLATE_EMBEDDING).sub("attention"),
+                c_z,
+                c.c_t,
+                c.attention_heads,
+                c.attention_head_dim,
+            )?,
+            single: match c.torsion_angles {
+                true => Some((
+                    Linear::new(&root.sub("template_single_embedding"), ANGLE_FEATURES, c_m, true)?,
+                    Linear::new(&root.sub("template_projection"), c_m, c_m, true)?,
+                )),
+                false => None,
+            },
+        })
+    }
+
+    /// The update of `pair` [N, N, c_z] from the templates (`pair_mask` [N, N]): zero when no
+    /// template is real.
+    pub fn pair_update(
+        &self,
+        pair: &Tensor,
+        t: &TemplateFeatures,
+        pair_mask: &Tensor,
+        chunk: Option<i64>,
+    ) -> Result<Tensor> {
+        let kind = pair.kind();
+        let features = pair_features(t)?.f_to_kind(kind)?;
+        let embedded = self.embedding2d.forward(&features)?;
+        let mask = pair_mask.f_to_kind(kind)?;
+        let mut per_template = Vec::new();
+        for i in 0..embedded.size()[0] {
+            let mut x = embedded.f_select(0, i)?;
+            for block in &self.blocks {
+                x = block.forward(&x, &mask, chunk)?;
+            }
+            per_template.push(self.output_layer_norm.forward(&x)?);
+        }
+        let templates = Tensor::f_stack(&per_template, 0)?;
+        let update = self.attention.forward(pair, &templates, &t.mask.f_to_kind(kind)?, chunk)?;
+        let any = t.mask.f_sum(Kind::Float)?.f_gt(0.0)?.f_to_kind(kind)?;
+        Ok(update.f_mul(&any)?)
+    }
+
+    /// The template rows of the MSA [T, N, c_m] and their mask [T, N], when the parameters
+    /// embed torsion angles.
+    pub fn msa_rows(&self, t: &TemplateFeatures, kind: Kind) -> Result<Option<(Tensor, Tensor)>> {
+        let Some((embed, project)) = &self.single else { return Ok(None) };
+        let (features, mask) = angle_features(t)?;
+        let x = embed.forward(&features.f_to_kind(kind)?)?.f_relu()?;
+        Ok(Some((project.forward(&x)?, mask.f_to_kind(kind)?)))
+    }
+}

@@ -1,0 +1,253 @@
+//! `fastfold predict` and `fastfold convert` end to end on a tiny random model written with
+//! AlphaFold's key names: the files written (PDB columns, confidence JSON, raw outputs), and
+//! that chunking, DAP over 2 ranks, safetensors parameters and an equivalent features file all
+//! give the plain run's result. Bad inputs are errors naming the flag, record or key.
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use fastfold::features::{process, FeatureConfig, RawFeatures};
+use fastfold::model::{EvoformerConfig, ModelConfig, Params};
+use tch::{Device, Tensor};
+
+const BIN: &str = env!("CARGO_BIN_EXE_fastfold");
+const SEQ_A: &str = "MKTAYIAKQRQISFVKSHFSRQ";
+const SEQ_B: &str = "GSWPEDLK";
+
+fn dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("fastfold-predict-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// One tiny parameter file shared by every test (drawn once: the draw uses torch's global
+/// generator, which parallel tests share).
+fn params_file() -> &'static Path {
+    static FILE: OnceLock<PathBuf> = OnceLock::new();
+    FILE.get_or_init(|| {
+        let path = dir("params").join("params_tiny.npz");
+        Params::random_model(&EvoformerConfig::tiny(), &ModelConfig::tiny(), 7).unwrap().save(&path).unwrap();
+        path
+    })
+}
+
+fn fasta(dir: &Path, records: &[(&str, &str)]) -> PathBuf {
+    let text: String = records.iter().map(|(name, seq)| format!(">{name} test record\n{seq}\n")).collect();
+    let path = dir.join("query.fasta");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// Runs the binary; returns (success, stdout + stderr).
+fn fastfold(args: &[&str]) -> (bool, String) {
+    let out = Command::new(BIN).args(args).env("FASTFOLD_TEST", "1").output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.success(), text)
+}
+
+fn predict(extra: &[&str]) -> String {
+    let (ok, text) = fastfold(&[&["predict"], extra].concat());
+    assert!(ok, "fastfold predict {extra:?} failed:\n{text}");
+    text
+}
+
+fn outputs(path: &Path) -> std::collections::HashMap<String, Tensor> {
+    Tensor::read_npz(path).unwrap().into_iter().collect()
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.size(), b.size());
+    (a - b).abs().max().double_value(&[])
+}
+
+#[test]
+fn predict_writes_pdb_confidence_and_raw_outputs() {
+    let d = dir("files");
+    let fa = fasta(&d, &[("first", SEQ_A), ("second/with:odd", SEQ_B)]);
+    let out = d.join("out");
+    let params = params_file().to_str().unwrap();
+    let text = predict(&[
+        fa.to_str().unwrap(),
+        "--params",
+        params,
+        "--recycles",
+        "1",
+        "--save-outputs",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(text.contains("first: 22 residues"), "{text}");
+    assert!(text.contains("peak memory"), "{text}");
+
+    for (name, seq) in [("first", SEQ_A), ("second_with_odd", SEQ_B)] {
+        let n = seq.len();
+        let pdb = std::fs::read_to_string(out.join(format!("{name}_unrelaxed.pdb"))).unwrap();
+        let atoms: Vec<&str> = pdb.lines().filter(|l| l.starts_with("ATOM")).collect();
+        let raw = outputs(&out.join(format!("{name}_outputs.npz")));
+        let mask = &raw["final_atom_mask"];
+        assert_eq!(mask.size(), [n as i64, 37]);
+        assert_eq!(atoms.len() as f64, mask.sum(tch::Kind::Double).double_value(&[]), "one ATOM record per atom");
+        for line in &atoms {
+            assert!(line.len() >= 78, "fixed columns: {line:?}");
+            let b: f64 = line[60..66].trim().parse().unwrap();
+            assert!((0.0..=100.0).contains(&b), "pLDDT B-factor {b} in {line:?}");
+            let x: f64 = line[30..38].trim().parse().unwrap();
+            assert!(x.is_finite());
+        }
+        assert_eq!(pdb.lines().filter(|l| l.starts_with("MODEL")).count(), 1, "one model");
+        let first_res = &atoms[0][17..20];
+        assert_eq!(first_res, if name == "first" { "MET" } else { "GLY" });
+
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join(format!("{name}_confidence.json"))).unwrap())
+                .unwrap();
+        let plddt = json["plddt"].as_array().unwrap();
+        assert_eq!(plddt.len(), n);
+        assert!(plddt.iter().all(|v| (0.0..=100.0).contains(&v.as_f64().unwrap())));
+        assert!(json["ptm"].as_f64().is_some_and(|t| (0.0..=1.0).contains(&t)), "the tiny model has the PAE head");
+        assert_eq!(json["pae"].as_array().unwrap().len(), n);
+
+        let n = n as i64;
+        let c = EvoformerConfig::tiny();
+        for (key, shape) in [
+            ("final_atom_positions", vec![n, 37, 3]),
+            ("plddt", vec![n]),
+            ("distogram/logits", vec![n, n, 64]),
+            ("distogram/bin_edges", vec![63]),
+            ("predicted_lddt/logits", vec![n, 50]),
+            ("experimentally_resolved/logits", vec![n, 37]),
+            ("representations/single", vec![n, ModelConfig::tiny().c_s]),
+            ("representations/pair", vec![n, n, c.c_z]),
+            ("representations/msa_first_row", vec![n, c.c_m]),
+            ("predicted_aligned_error", vec![n, n]),
+            ("ptm", vec![]),
+        ] {
+            assert_eq!(raw[key].size(), shape, "{key}");
+        }
+    }
+}
+
+#[test]
+fn chunking_dap_safetensors_and_a_features_file_give_the_plain_result() {
+    let d = dir("equal");
+    let fa = fasta(&d, &[("query", SEQ_A)]);
+    let a3m = d.join("query.a3m");
+    std::fs::write(&a3m, format!(">query\n{SEQ_A}\n>hit1\nMKTAYIAKQRQIS-VKSHFSRQ\n>hit2\nMKTAaYLAKQRQISFVKSHFcSRE\n>hit3\nMRTAYIAKQ--ISFVKAHFSRQ\n"))
+        .unwrap();
+    let params = params_file().to_str().unwrap();
+    let run = |name: &str, extra: &[&str]| -> std::collections::HashMap<String, Tensor> {
+        let out = d.join(name);
+        let base = ["--recycles", "1", "--save-outputs", "-o", out.to_str().unwrap()];
+        predict(&[extra, &base].concat());
+        outputs(&out.join("query_outputs.npz"))
+    };
+    let input = [fa.to_str().unwrap(), "--msa", a3m.to_str().unwrap()];
+    let plain = run("plain", &[&input[..], &["--params", params]].concat());
+
+    let safetensors = d.join("params.safetensors");
+    let (ok, text) = fastfold(&["convert", params, safetensors.to_str().unwrap()]);
+    assert!(ok, "{text}");
+    let back = d.join("back.npz");
+    assert!(fastfold(&["convert", safetensors.to_str().unwrap(), back.to_str().unwrap()]).0);
+    let original = outputs(params_file());
+    let round = outputs(&back);
+    assert_eq!(original.len(), round.len());
+    for (k, t) in &original {
+        assert!(t.equal(&round[k]), "{k} changed in the npz -> safetensors -> npz round trip");
+    }
+
+    let features = d.join("query_features.npz");
+    let sequence = data::a3m::read(&a3m).unwrap();
+    let raw = RawFeatures::new(SEQ_A, Some((&sequence, &a3m))).unwrap();
+    let config = FeatureConfig { num_recycle: 1, ..FeatureConfig::default() };
+    process(&raw, &config, 0, Device::Cpu).unwrap().save_npz(&features).unwrap();
+
+    let variants = [
+        ("chunked", run("chunked", &[&input[..], &["--params", params, "--chunk-size", "3"]].concat())),
+        ("2 ranks", run("dap", &[&input[..], &["--params", params, "--nproc", "2"]].concat())),
+        ("safetensors", run("st", &[&input[..], &["--params", safetensors.to_str().unwrap()]].concat())),
+        ("features file", {
+            let out = d.join("feat");
+            predict(&[
+                "--features",
+                features.to_str().unwrap(),
+                "--params",
+                params,
+                "--save-outputs",
+                "-o",
+                out.to_str().unwrap(),
+            ]);
+            outputs(&out.join("query_features_outputs.npz"))
+        }),
+    ];
+    for (what, got) in &variants {
+        // fp32; reordered sums (chunks, all-to-alls) differ in the last bits, which eight
+        // structure-module iterations turn into ~1e-4 Å (the PDB writes 1e-3 Å).
+        for (key, tol) in [
+            ("final_atom_positions", 1e-3),
+            ("distogram/logits", 1e-4),
+            ("predicted_lddt/logits", 1e-4),
+            ("representations/pair", 1e-4),
+        ] {
+            let diff = max_diff(&plain[key], &got[key]);
+            assert!(diff < tol, "{what}: {key} differs from the plain run by {diff} (tolerance {tol})");
+        }
+    }
+}
+
+#[test]
+fn bf16_prediction_stays_in_range() {
+    let d = dir("bf16");
+    let fa = fasta(&d, &[("query", SEQ_B)]);
+    let out = d.join("out");
+    let params = params_file().to_str().unwrap();
+    predict(&[
+        fa.to_str().unwrap(),
+        "--params",
+        params,
+        "--precision",
+        "bf16",
+        "--save-outputs",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    let raw = outputs(&out.join("query_outputs.npz"));
+    assert!(bool::try_from(raw["final_atom_positions"].isfinite().all()).unwrap());
+    let plddt = &raw["plddt"];
+    assert!(plddt.min().double_value(&[]) >= 0.0 && plddt.max().double_value(&[]) <= 100.0);
+}
+
+#[test]
+fn bad_inputs_are_named() {
+    let d = dir("bad");
+    let params = params_file().to_str().unwrap();
+    let out = d.join("out");
+    let o = out.to_str().unwrap();
+
+    let two = fasta(&d, &[("a", SEQ_A), ("b", SEQ_B)]);
+    let a3m = d.join("a.a3m");
+    std::fs::write(&a3m, format!(">a\n{SEQ_A}\n")).unwrap();
+    let (ok, text) =
+        fastfold(&["predict", two.to_str().unwrap(), "--params", params, "--msa", a3m.to_str().unwrap(), "-o", o]);
+    assert!(!ok && text.contains("--msa") && text.contains("2 records"), "{text}");
+
+    let bad = d.join("bad.fasta");
+    std::fs::write(&bad, ">broken\nMKT*AY\n").unwrap();
+    let (ok, text) = fastfold(&["predict", bad.to_str().unwrap(), "--params", params, "-o", o]);
+    assert!(!ok && text.contains("broken") && text.contains('4') && text.contains('*'), "{text}");
+
+    let one = fasta(&d, &[("a", SEQ_B)]);
+    let (ok, text) = fastfold(&["predict", one.to_str().unwrap(), "--params", params, "--chunk-size", "0", "-o", o]);
+    assert!(!ok && text.contains("--chunk-size"), "{text}");
+
+    let mut arrays = outputs(params_file());
+    let key = "alphafold/alphafold_iteration/predicted_lddt_head/logits//weights";
+    assert!(arrays.remove(key).is_some());
+    let named: Vec<(String, Tensor)> = arrays.into_iter().collect();
+    let partial = d.join("partial.npz");
+    data::checkpoint::save_npz(&named, &partial).unwrap();
+    let (ok, text) = fastfold(&["predict", one.to_str().unwrap(), "--params", partial.to_str().unwrap(), "-o", o]);
+    assert!(!ok && text.contains(key) && text.contains("partial.npz"), "{text}");
+    assert!(!out.join("a_unrelaxed.pdb").exists(), "nothing written after a failure");
+}

@@ -1,0 +1,179 @@
+//! Training on a tiny random model against a synthetic helix: gradients of the whole network
+//! (embedders, stacks under DAP, structure module, heads) on 2 ranks equal one process's; the
+//! `train` command lowers the loss, writes its log and parameters, and names a target that
+//! does not fit the input.
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use engine::dist::World;
+use engine::parallel::dap::Dap;
+use fastfold::features::{process, FeatureConfig, Features, RawFeatures};
+use fastfold::model::{EvoformerConfig, ModelConfig, Params};
+use fastfold::pdb::Structure;
+use fastfold::residue_constants::{aatype_of, atom_order};
+use fastfold::train::{Target, Trainer};
+use suite_tests::{dist_test, TestResult};
+use tch::{Device, Tensor};
+
+const BIN: &str = env!("CARGO_BIN_EXE_fastfold");
+const SEQ: &str = "MKTAYIAKGRQISF";
+const A3M: &str = ">query\nMKTAYIAKGRQISF\n>h1\nMKTAYLAKGRQISF\n>h2\nMRTAYIAK-RQISW\n>h3\nMKSAYIAKGRQLSF\n>h4\nAKTAYIPKGRQISF\n>h5\nMKTAY--KGRQISY\n";
+
+fn dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("fastfold-train-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// An ideal-ish alpha helix (3.6 residues per turn, 1.5 Å rise) with N, CA, C, O and CB atoms.
+fn helix(sequence: &str) -> Structure {
+    let n = sequence.len();
+    let mut positions = vec![[[0f32; 3]; 37]; n];
+    let mut mask = vec![[0f32; 37]; n];
+    for (i, c) in sequence.chars().enumerate() {
+        let angle = i as f32 * 100f32.to_radians();
+        let at = |r: f32, da: f32, dz: f32| [r * (angle + da).cos(), r * (angle + da).sin(), 1.5 * i as f32 + dz];
+        let mut put = |name: &str, p: [f32; 3]| {
+            let a = atom_order(name).unwrap();
+            positions[i][a] = p;
+            mask[i][a] = 1.0;
+        };
+        put("N", at(1.55, -0.28, -0.8));
+        put("CA", at(2.3, 0.0, 0.0));
+        put("C", at(1.65, 0.3, 0.9));
+        put("O", at(1.9, 0.45, 2.0));
+        if c != 'G' {
+            put("CB", at(3.3, 0.1, -0.4));
+        }
+    }
+    Structure {
+        aatype: sequence.chars().map(aatype_of).collect(),
+        residue_index: (0..n as i64).collect(),
+        positions,
+        mask,
+        b_factors: vec![0.0; n],
+    }
+}
+
+fn features(a3m_path: &Path) -> Features {
+    std::fs::write(a3m_path, A3M).unwrap();
+    let msa = data::a3m::read(a3m_path).unwrap();
+    let raw = RawFeatures::new(SEQ, Some((&msa, a3m_path))).unwrap();
+    let config = FeatureConfig { max_msa_clusters: 3, max_extra_msa: 4, num_recycle: 1, ..FeatureConfig::default() };
+    process(&raw, &config, 3, Device::Cpu).unwrap()
+}
+
+/// Gradients of every parameter after one backward, by name (undefined where the loss does not
+/// reach: the masked-MSA, lDDT, resolved and aligned-error heads).
+fn gradients(
+    params: &Params,
+    f: &Features,
+    target: &Structure,
+    dap: &Dap,
+) -> anyhow::Result<(f64, Vec<(String, Tensor)>)> {
+    let mut trainer = Trainer::new(params, Device::Cpu, 1e-3, 0.1)?;
+    let target = Target::new(target, &f.aatype.get(0), "helix")?;
+    let losses = trainer.backward(f, &target, 1, dap, Some(3))?;
+    let grads = trainer.params().iter().map(|(k, t)| (k.to_string(), t.grad())).collect();
+    Ok((losses.total.double_value(&[]), grads))
+}
+
+fn compare(world: &World) -> TestResult {
+    let params = Params::random_model(&EvoformerConfig::tiny(), &ModelConfig::tiny(), 11)?;
+    let d = std::env::temp_dir().join(format!("fastfold-train-dap-{}-{}", std::process::id(), world.rank()));
+    std::fs::create_dir_all(&d)?;
+    let f = features(&d.join("q.a3m"));
+    let target = helix(SEQ);
+    let (loss_one, one) = gradients(&params, &f, &target, &Dap::none())?;
+    let (loss_many, many) = gradients(&params, &f, &target, &Dap::new(world.group.clone()))?;
+    anyhow::ensure!((loss_one - loss_many).abs() <= 1e-5, "loss {loss_many} on 2 ranks, {loss_one} on one");
+    let overall =
+        one.iter().filter(|(_, g)| g.defined()).map(|(_, g)| g.abs().max().double_value(&[])).fold(0.0, f64::max);
+    let mut compared = 0;
+    for ((name, a), (_, b)) in many.iter().zip(&one) {
+        anyhow::ensure!(a.defined() == b.defined(), "{name}: gradient defined on one side only");
+        if !b.defined() {
+            continue;
+        }
+        let scale = b.abs().max().double_value(&[]);
+        let d = (a - b).abs().max().double_value(&[]);
+        // rtol 1e-4 of the tensor's largest gradient; gradients that are zero up to rounding
+        // (softmax-invariant offsets) are held to 1e-4 of the largest gradient overall.
+        let tol = 1e-4 * scale.max(1e-3 * overall);
+        anyhow::ensure!(d <= tol, "gradient of {name} differs by {d:e} (max |g| {scale:e}, tolerance {tol:e})");
+        compared += 1;
+    }
+    anyhow::ensure!(compared > 100, "only {compared} gradients compared");
+    Ok(())
+}
+
+dist_test!(two_ranks_give_one_rank_gradients, 2, |world| { compare(world) });
+
+fn log(out: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(out.join("log.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+#[test]
+fn train_command_lowers_the_loss_and_two_ranks_agree() {
+    let d = dir("cli");
+    let fasta = d.join("q.fasta");
+    std::fs::write(&fasta, format!(">q\n{SEQ}\n")).unwrap();
+    let a3m = d.join("q.a3m");
+    std::fs::write(&a3m, A3M).unwrap();
+    let pdb = d.join("q.pdb");
+    helix(SEQ).write(&pdb).unwrap();
+    let params = d.join("init.npz");
+    Params::random_model(&EvoformerConfig::tiny(), &ModelConfig::tiny(), 12).unwrap().save(&params).unwrap();
+    let train = |out: &Path, extra: &[&str]| {
+        let base = [
+            "train",
+            fasta.to_str().unwrap(),
+            "--msa",
+            a3m.to_str().unwrap(),
+            "--target",
+            pdb.to_str().unwrap(),
+            "--params",
+            params.to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+        ];
+        let o = Command::new(BIN).args(base).args(extra).output().unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        (o.status.success(), text)
+    };
+    let one = d.join("one");
+    let (ok, text) = train(&one, &["--steps", "8", "--lr", "3e-3"]);
+    assert!(ok, "{text}");
+    let steps = log(&one);
+    assert_eq!(steps.len(), 8);
+    let (first, last) = (steps[0]["loss"].as_f64().unwrap(), steps[7]["loss"].as_f64().unwrap());
+    assert!(last < first, "8 Adam steps on one target: loss {first} -> {last}");
+    let trained = Params::load_model(one.join("params.npz")).unwrap();
+    let initial = Params::load_model(&params).unwrap();
+    let moved = trained.iter().zip(initial.iter()).filter(|((_, a), (_, b))| !a.equal(b)).count();
+    assert!(moved * 2 > trained.len(), "most arrays change ({moved} of {})", trained.len());
+
+    let two = d.join("two");
+    let (ok, text) = train(&two, &["--steps", "1", "--lr", "3e-3", "--nproc", "2"]);
+    assert!(ok, "{text}");
+    let dap_first = log(&two)[0]["loss"].as_f64().unwrap();
+    assert!((dap_first - first).abs() < 1e-5, "first loss {dap_first} on 2 ranks, {first} on one");
+
+    let short = d.join("short.pdb");
+    helix(&SEQ[..10]).write(&short).unwrap();
+    let o = Command::new(BIN)
+        .args([
+            "train",
+            fasta.to_str().unwrap(),
+            "--target",
+            short.to_str().unwrap(),
+            "--params",
+            params.to_str().unwrap(),
+        ])
+        .args(["-o", d.join("bad").to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("short.pdb") && err.contains("10 residues"), "{err}");
+}
