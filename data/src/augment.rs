@@ -40,10 +40,20 @@ impl Rng {
         lo + (hi - lo) * self.uniform()
     }
 
-    fn normal(&mut self) -> f64 {
-        // Box-Muller; 1 - u keeps the logarithm finite.
+    /// A standard normal draw (Box-Muller).
+    pub fn normal(&mut self) -> f64 {
+        // 1 - u keeps the logarithm finite.
         let (u, v) = (1.0 - self.uniform(), self.uniform());
         (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()
+    }
+
+    /// A float32 CPU tensor of standard normal draws, in row-major order: the same values for
+    /// a seed on every machine and device (libtorch's generators differ between CPU and CUDA
+    /// and are shared by every thread of a process).
+    pub fn normal_tensor(&mut self, shape: &[i64]) -> tch::Tensor {
+        let n: i64 = shape.iter().product();
+        let values: Vec<f32> = (0..n).map(|_| self.normal() as f32).collect();
+        tch::Tensor::from_slice(&values).reshape(shape)
     }
 
     /// Gamma(shape, 1) by Marsaglia and Tsang (shape < 1 through the boost u^(1/shape)).

@@ -5,6 +5,8 @@ pub mod attention;
 pub mod clip;
 pub mod config;
 pub mod error;
+pub mod pipeline;
+pub mod sample;
 pub mod scheduler;
 pub mod tokenizer;
 pub mod unet;
