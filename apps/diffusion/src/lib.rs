@@ -5,6 +5,7 @@ pub mod attention;
 pub mod clip;
 pub mod config;
 pub mod error;
+pub mod finetune;
 pub mod pipeline;
 pub mod sample;
 pub mod scheduler;

@@ -1,12 +1,16 @@
 //! `diffusion`: Stable Diffusion fine-tuning on small GPUs (Gemini offload) and sampling.
 use clap::Parser;
+use diffusion::finetune::{self, FinetuneArgs};
 use diffusion::sample::{self, SampleArgs};
+use engine::dist::{self, InitOptions};
 
 #[derive(Parser)]
 #[command(version, about = "Stable Diffusion sampling and fine-tuning")]
 enum Cli {
     /// Text-to-image from a diffusers pipeline folder (DDIM or Euler, classifier-free guidance).
     Sample(SampleArgs),
+    /// Fine-tune the UNet on captioned images under Gemini (`--gpu-mem` caps device memory).
+    Finetune(FinetuneArgs),
     /// Print libtorch's version, CUDA devices, threads and the launcher's view of the job.
     Env,
 }
@@ -20,6 +24,16 @@ fn main() -> anyhow::Result<()> {
                 println!("wrote {}", p.display());
             }
             println!("{seconds:.2} s per image");
+        }
+        Cli::Finetune(args) => {
+            if dist::maybe_relaunch(args.nproc)? {
+                return Ok(());
+            }
+            let world = dist::init(&InitOptions { timeout: std::time::Duration::from_secs_f64(args.timeout) })?;
+            let log = finetune::run(&args, &world)?;
+            if let (0, Some(last)) = (world.rank(), log.last()) {
+                println!("final loss {:.5}; model in {}", last.loss, args.out.join("model").display());
+            }
         }
         Cli::Env => print!("{}", engine::runtime::report()),
     }

@@ -9,6 +9,9 @@ use crate::pipeline::StableDiffusion;
 use crate::scheduler::{DdimScheduler, EulerDiscreteScheduler};
 use crate::{Error, Result};
 
+/// A UNet forward: (sample, timesteps, encoder hidden states) to the prediction.
+pub type UNetCall<'a> = &'a dyn Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>;
+
 /// Which sampler runs the loop.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Sampler {
@@ -70,6 +73,18 @@ impl StableDiffusion {
     /// images first. `latents` replaces the seeded initial latents (unscaled, as diffusers'
     /// `latents=` argument).
     pub fn sample(&self, prompts: &[&str], opts: &SampleOptions, latents: Option<&Tensor>) -> Result<Tensor> {
+        self.sample_with(prompts, opts, latents, &|x, t, c| self.unet.forward(x, t, c))
+    }
+
+    /// [`StableDiffusion::sample`] with the UNet run by `unet` (sample, timesteps, context):
+    /// e.g. under Gemini during fine-tuning.
+    pub fn sample_with(
+        &self,
+        prompts: &[&str],
+        opts: &SampleOptions,
+        latents: Option<&Tensor>,
+        unet: UNetCall,
+    ) -> Result<Tensor> {
         self.check_size(opts)?;
         if prompts.is_empty() {
             return Err(Error::Invalid("no prompt given".into()));
@@ -102,7 +117,7 @@ impl StableDiffusion {
                 true => Tensor::f_cat(&[x, x], 0)?,
                 false => x.shallow_clone(),
             };
-            let out = self.unet.forward(&input.f_to_kind(kind)?, t, &context)?.f_to_kind(Kind::Float)?;
+            let out = unet(&input.f_to_kind(kind)?, t, &context)?.f_to_kind(Kind::Float)?;
             if !guided {
                 return Ok(out);
             }

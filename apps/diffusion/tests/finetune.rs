@@ -1,0 +1,241 @@
+//! Fine-tuning the tiny pipeline (`fixtures/pipeline`): training under Gemini (chunk homes and
+//! optimizer in the host tier, the rayon kernels) gives the same UNet as plain training with
+//! the engine's AdamW; the saved folder holds exactly the trained weights and loads back; the
+//! command trains, logs, samples and saves; 2 ranks (ZeRO-3) equal one process with the whole
+//! batch; bad inputs are named.
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use diffusion::finetune::{gemini_config, loss, save_model, unet_params, Batch, Draws};
+use diffusion::pipeline::StableDiffusion;
+use diffusion::scheduler::DdpmScheduler;
+use engine::dist::World;
+use engine::gemini::{CpuRule, Gemini, Placement, Replication};
+use engine::optim::{AdamW, AdamWConfig, Optimizer};
+use suite_tests::{dist_test, TestResult};
+use tch::{Device, Kind, Tensor};
+
+/// A large epsilon keeps Adam's update linear in the smallest gradients: with 1e-8 it turns
+/// their last-bit rounding (which differs between equally correct summation orders) into
+/// full-size steps, and runs could not be compared closely.
+const ADAMW: AdamWConfig = AdamWConfig { lr: 1e-3, betas: (0.9, 0.999), eps: 1e-2, weight_decay: 1e-2 };
+const STEPS: usize = 3;
+const IMAGES: usize = 4;
+
+fn pipeline() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/pipeline")
+}
+
+fn load() -> StableDiffusion {
+    StableDiffusion::load(&pipeline(), Device::Cpu, Kind::Float).unwrap()
+}
+
+/// Images `rows` of a fixed batch of 16x16 images and their draws for `step`.
+fn batch(step: usize, rows: std::ops::Range<usize>) -> (Batch, Draws) {
+    let mut rng = data::augment::Rng::keyed(5, step as u64, 0);
+    let pixels = (rng.normal_tensor(&[IMAGES as i64, 3, 16, 16]) * 0.5).clamp(-1.0, 1.0);
+    let captions = ["a photo of a dog", "a red car", "portrait of a cat wearing a hat", "the sea"];
+    let n = rows.end - rows.start;
+    let b = Batch {
+        pixels: pixels.narrow(0, rows.start as i64, n as i64),
+        captions: captions[rows.clone()].iter().map(|s| s.to_string()).collect(),
+    };
+    (b, Draws::new(9, step, rows.start, n, [4, 8, 8], 1000))
+}
+
+/// The UNet's weights after plain training on images `0..IMAGES` with the engine's AdamW.
+fn train_plain() -> Vec<(String, Tensor)> {
+    let sd = load();
+    let ddpm = DdpmScheduler::new(sd.scheduler.clone());
+    let mut opt = AdamW::new(unet_params(&sd), ADAMW);
+    for step in 0..STEPS {
+        let (b, d) = batch(step, 0..IMAGES);
+        let l = loss(&sd, &ddpm, &b, &d, 0.0, Some(5.0), Kind::Float, &|x, t, c| sd.unet.forward(x, t, c)).unwrap();
+        l.backward();
+        opt.step().unwrap();
+        opt.zero_grad();
+    }
+    opt.params().iter().map(|p| (p.name.clone(), p.tensor.detach().copy())).collect()
+}
+
+/// The same under Gemini on images `rows`, the chunks replicated over `group` when given.
+fn train_gemini(rows: std::ops::Range<usize>, group: Option<&World>) -> (StableDiffusion, Vec<(String, Tensor)>) {
+    let sd = load();
+    let ddpm = DdpmScheduler::new(sd.scheduler.clone());
+    let params = unet_params(&sd);
+    let all: Vec<usize> = (0..params.len()).collect();
+    let replication = group.map(|w| Replication { group: w.group.clone(), shard: true });
+    let mut cfg = gemini_config(Device::Cpu, None, CpuRule::AdamW(ADAMW), Kind::Float, replication);
+    // Every home, gradient and optimizer state in the host tier (the rayon kernels).
+    cfg.placement = Placement::Static { offload: 1.0 };
+    let gemini = Gemini::new(&params, cfg).unwrap();
+    for step in 0..STEPS {
+        let (b, d) = batch(step, rows.clone());
+        let unet = |x: &Tensor, t: &Tensor, c: &Tensor| {
+            gemini.run(&all, x, |x| sd.unet.forward(x, t, c).unwrap()).map_err(diffusion::Error::from)
+        };
+        let l = loss(&sd, &ddpm, &b, &d, 0.0, Some(5.0), Kind::Float, &unet).unwrap();
+        l.backward();
+        gemini.finish_backward().unwrap();
+        gemini.step().unwrap();
+    }
+    let weights = gemini.state_dict().unwrap();
+    (sd, weights)
+}
+
+/// Every tensor of `a` within `rtol` of `b`'s largest entry.
+fn compare(a: &[(String, Tensor)], b: &[(String, Tensor)], rtol: f64, what: &str) -> anyhow::Result<()> {
+    let b: std::collections::HashMap<&str, &Tensor> = b.iter().map(|(k, t)| (k.as_str(), t)).collect();
+    anyhow::ensure!(a.len() == b.len(), "{what}: {} tensors against {}", a.len(), b.len());
+    for (name, x) in a {
+        let y = b.get(name.as_str()).ok_or_else(|| anyhow::anyhow!("{what}: {name} missing"))?;
+        let scale = y.abs().max().double_value(&[]).max(1e-3);
+        let d = (x - *y).abs().max().double_value(&[]);
+        anyhow::ensure!(d <= rtol * scale, "{what}: {name} differs by {d:e} (max |w| {scale:e}, rtol {rtol:e})");
+    }
+    Ok(())
+}
+
+#[test]
+fn gemini_training_equals_plain_training_and_saves_what_it_trained() {
+    let plain = train_plain();
+    let (sd, gemini) = train_gemini(0..IMAGES, None);
+    // fp32: the host kernels and the tensor optimizer round differently in the last bits.
+    compare(&gemini, &plain, 1e-5, "Gemini vs plain").unwrap();
+    let base = load().unet_vs.variables();
+    let moved = plain.iter().filter(|(k, t)| !t.equal(&base[k])).count();
+    assert!(moved * 2 > plain.len(), "training moved most tensors ({moved} of {})", plain.len());
+    drop(sd);
+
+    let out = std::env::temp_dir().join(format!("diffusion-finetune-save-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    std::fs::create_dir_all(&out).unwrap();
+    let model = save_model(&pipeline(), &gemini, &out).unwrap();
+    let reloaded = StableDiffusion::load(&model, Device::Cpu, Kind::Float).unwrap();
+    let vars = reloaded.unet_vs.variables();
+    for (name, t) in &gemini {
+        assert!(vars[name].equal(t), "{name} reloads unchanged");
+    }
+    assert!(model.join("tokenizer/vocab.json").is_file() && model.join("vae/config.json").is_file());
+    let leftovers: Vec<_> = std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(leftovers, vec![std::ffi::OsString::from("model")], "no staging folder left");
+}
+
+dist_test!(two_ranks_equal_one_process, 2, |world| {
+    let plain = train_plain();
+    let half = IMAGES / 2;
+    let rows = world.rank() * half..(world.rank() + 1) * half;
+    let (_, sharded) = train_gemini(rows, Some(world));
+    // Two half-batch means averaged vs one mean, reduce-scattered: reordered sums.
+    compare(&sharded, &plain, 1e-5, "2 ranks vs one process")?;
+    Ok(()) as TestResult
+});
+
+fn write_images(dir: &Path) {
+    std::fs::create_dir_all(dir).unwrap();
+    let mut meta = String::new();
+    for i in 0..3 {
+        let mut rng = data::augment::Rng::keyed(1, i, 0);
+        let pixels: Vec<f32> = (0..3 * 20 * 24).map(|_| rng.uniform() as f32).collect();
+        data::images::Image::new(3, 20, 24, pixels).write_png(&dir.join(format!("img{i}.png"))).unwrap();
+        meta.push_str(&format!("{{\"file_name\": \"img{i}.png\", \"text\": \"picture number {i}\"}}\n"));
+    }
+    std::fs::write(dir.join("metadata.jsonl"), meta).unwrap();
+}
+
+fn finetune(args: &[&str]) -> (bool, String) {
+    let o = Command::new(env!("CARGO_BIN_EXE_diffusion")).arg("finetune").args(args).output().unwrap();
+    (o.status.success(), format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)))
+}
+
+#[test]
+fn the_command_trains_logs_samples_and_saves() {
+    let dir = std::env::temp_dir().join(format!("diffusion-finetune-cli-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let data = dir.join("images");
+    write_images(&data);
+    let out = dir.join("run");
+    let model = pipeline();
+    let (ok, text) = finetune(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--resolution",
+        "16",
+        "--steps",
+        "2",
+        "--batch",
+        "2",
+        "--lr",
+        "1e-3",
+        "--random-flip",
+        "--snr-gamma",
+        "5",
+        "--sample-every",
+        "2",
+        "--gpu-mem",
+        "1G",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(ok, "{text}");
+    let log: Vec<serde_json::Value> = std::fs::read_to_string(out.join("log.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(log.len(), 2);
+    assert!(log.iter().all(|e| e["loss"].as_f64().is_some_and(f64::is_finite)));
+    let sample = data::folder::decode(&out.join("samples/step-2.png"), 3).unwrap();
+    assert_eq!((sample.height, sample.width), (16, 16));
+    let trained = StableDiffusion::load(&out.join("model"), Device::Cpu, Kind::Float).unwrap();
+    let base = load();
+    let changed = trained.unet_vs.variables().iter().filter(|(k, t)| !t.equal(&base.unet_vs.variables()[*k])).count();
+    assert!(changed > 0, "the saved UNet is the trained one");
+
+    let (ok, text) = finetune(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--resolution",
+        "18",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(!ok && text.contains("--resolution 18") && text.contains("multiple of 4"), "{text}");
+    let (ok, text) = finetune(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--gpu-mem",
+        "4X",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(!ok && text.contains("--gpu-mem 4X"), "{text}");
+    let missing = dir.join("nothing");
+    let (ok, text) = finetune(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--data",
+        missing.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(!ok && text.contains("nothing"), "{text}");
+    std::fs::remove_file(data.join("metadata.jsonl")).unwrap();
+    let (ok, text) = finetune(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--resolution",
+        "16",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(!ok && text.contains("img0"), "an image without a caption is named: {text}");
+}
