@@ -344,7 +344,7 @@ pub fn run(args: &FinetuneArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
     let sd = StableDiffusion::load(&args.model, device, Kind::Float)
         .with_context(|| format!("--model {}", args.model.display()))?;
     let multiple = sd.size_multiple() as usize;
-    if args.resolution % multiple != 0 {
+    if !args.resolution.is_multiple_of(multiple) {
         bail!("--resolution {}: this model needs a multiple of {multiple} pixels", args.resolution);
     }
     let ddpm = DdpmScheduler::new(sd.scheduler.clone());
