@@ -11,6 +11,10 @@
 //! each rank holds 1/N of every chunk (ZeRO-3) and the gradients are averaged. The whole UNet
 //! is one Gemini module: its chunks are resident together for its forward and backward.
 //!
+//! With `--lora-rank` only LoRA adapters train ([`crate::lora`]): the frozen UNet stays whole
+//! on the device in the compute kind, the adapters and their AdamW/LAMB state in fp32, their
+//! gradients averaged over the ranks.
+//!
 //! Random draws (batch order, crops, flips, posterior samples, noise, timesteps) come from
 //! generators keyed by the seed, step and example, so a run is the same on any device and
 //! any number of ranks.
@@ -21,14 +25,15 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use data::augment::Rng;
 use data::captions::{CaptionedImages, CropMode, Preprocess};
-use engine::dist::World;
+use engine::dist::{ReduceOp, World};
 use engine::gemini::{
     cap_device_memory, parse_bytes, ChunkConfig, CpuRule, Gemini, GeminiConfig, Placement, Replication,
 };
-use engine::optim::{AdamWConfig, LambConfig, LossScaler, Param};
+use engine::optim::{clip_grad_norm, AdamW, AdamWConfig, Lamb, LambConfig, LossScaler, Optimizer, Param};
 use engine::runtime::DeviceKind;
 use tch::{Device, Kind, Tensor};
 
+use crate::lora::Lora;
 use crate::pipeline::StableDiffusion;
 use crate::sample::{Precision, SampleOptions, Sampler};
 use crate::scheduler::DdpmScheduler;
@@ -104,6 +109,13 @@ pub struct FinetuneArgs {
     /// Cap on the device memory of the job (e.g. 4G); Gemini places the chunks to fit it.
     #[arg(long)]
     pub gpu_mem: Option<String>,
+    /// Train LoRA adapters of this rank on the attention projections instead of the whole UNet
+    /// (saved as `pytorch_lora_weights.safetensors`).
+    #[arg(long)]
+    pub lora_rank: Option<i64>,
+    /// LoRA's alpha (the update is scaled by alpha / rank; default: the rank).
+    #[arg(long)]
+    pub lora_alpha: Option<f64>,
     /// Device (cuda: each rank its local GPU).
     #[arg(long, default_value_t = DeviceKind::Cpu)]
     pub device: DeviceKind,
@@ -231,6 +243,71 @@ pub fn gemini_config(
     }
 }
 
+/// What trains: the whole UNet under Gemini, or LoRA adapters with a tensor optimizer.
+enum Trainer {
+    Gemini { gemini: Gemini, all: Vec<usize> },
+    Lora { lora: Lora, opt: std::cell::RefCell<Box<dyn Optimizer>> },
+}
+
+impl Trainer {
+    fn set_lr(&self, lr: f64) -> Result<()> {
+        match self {
+            Trainer::Gemini { gemini, .. } => gemini.optimizer()?.set_lr(lr),
+            Trainer::Lora { opt, .. } => opt.borrow_mut().set_lr(lr),
+        }
+        Ok(())
+    }
+
+    /// After each micro-batch's backward: gradients into the chunks or onto the adapters.
+    fn after_backward(&self) -> Result<()> {
+        match self {
+            Trainer::Gemini { gemini, .. } => Ok(gemini.finish_backward()?),
+            Trainer::Lora { lora, .. } => lora.backward(),
+        }
+    }
+
+    /// Unscales (fp16), clips and steps; returns the gradient norm, or `None` for a step
+    /// skipped on overflow.
+    fn step(&self, world: &World, scaler: Option<&LossScaler>, max_norm: f64) -> Result<Option<f64>> {
+        match self {
+            Trainer::Gemini { gemini, .. } => {
+                if let Some(s) = scaler {
+                    if !gemini.unscale(s)? {
+                        gemini.skip_step()?;
+                        return Ok(None);
+                    }
+                }
+                let norm = gemini.clip_grad_norm(max_norm)?;
+                gemini.step()?;
+                Ok(Some(norm))
+            }
+            Trainer::Lora { opt, .. } => {
+                let mut opt = opt.borrow_mut();
+                let group = (world.size() > 1).then_some(&world.group);
+                if let Some(g) = group {
+                    for p in opt.params() {
+                        let mut grad = p.tensor.grad();
+                        g.all_reduce(&grad, ReduceOp::Sum)?;
+                        let _ = tch::no_grad(|| grad.f_div_scalar_(world.size() as f64))?;
+                    }
+                }
+                let finite = match scaler {
+                    Some(s) => s.unscale(opt.params(), group)?,
+                    None => true,
+                };
+                if !finite {
+                    opt.zero_grad();
+                    return Ok(None);
+                }
+                let norm = clip_grad_norm(opt.params(), max_norm, None)?;
+                opt.step()?;
+                opt.zero_grad();
+                Ok(Some(norm))
+            }
+        }
+    }
+}
+
 /// One step's record.
 #[derive(Debug, serde::Serialize)]
 pub struct StepLog {
@@ -341,29 +418,41 @@ pub fn run(args: &FinetuneArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
     if data.is_empty() {
         bail!("--data {}: no images", args.data.display());
     }
-    let sd = StableDiffusion::load(&args.model, device, Kind::Float)
+    let mut sd = StableDiffusion::load(&args.model, device, Kind::Float)
         .with_context(|| format!("--model {}", args.model.display()))?;
     let multiple = sd.size_multiple() as usize;
     if !args.resolution.is_multiple_of(multiple) {
         bail!("--resolution {}: this model needs a multiple of {multiple} pixels", args.resolution);
     }
     let ddpm = DdpmScheduler::new(sd.scheduler.clone());
-    let params = unet_params(&sd);
-    let all: Vec<usize> = (0..params.len()).collect();
-    let rule = match args.optimizer {
-        OptimizerKind::Adamw => {
-            CpuRule::AdamW(AdamWConfig { lr: args.lr, weight_decay: args.weight_decay, ..AdamWConfig::default() })
+    let adamw = AdamWConfig { lr: args.lr, weight_decay: args.weight_decay, ..AdamWConfig::default() };
+    let lamb = LambConfig { lr: args.lr, weight_decay: args.weight_decay, ..LambConfig::default() };
+    let trainer = match args.lora_rank {
+        Some(rank) => {
+            sd.unet_vs.set_kind(kind);
+            let lora = Lora::new(&sd.unet_vs, rank, args.lora_alpha.unwrap_or(rank as f64), args.seed)?;
+            let opt: Box<dyn Optimizer> = match args.optimizer {
+                OptimizerKind::Adamw => Box::new(AdamW::new(lora.params(), adamw)),
+                OptimizerKind::Lamb => Box::new(Lamb::new(lora.params(), lamb)),
+            };
+            Trainer::Lora { lora, opt: std::cell::RefCell::new(opt) }
         }
-        OptimizerKind::Lamb => {
-            CpuRule::Lamb(LambConfig { lr: args.lr, weight_decay: args.weight_decay, ..LambConfig::default() })
+        None => {
+            let params = unet_params(&sd);
+            let rule = match args.optimizer {
+                OptimizerKind::Adamw => CpuRule::AdamW(adamw),
+                OptimizerKind::Lamb => CpuRule::Lamb(lamb),
+            };
+            let replication = (world.size() > 1).then(|| Replication { group: world.group.clone(), shard: true });
+            let gemini = Gemini::new(&params, gemini_config(device, budget, rule, kind, replication))?;
+            Trainer::Gemini { gemini, all: (0..params.len()).collect() }
         }
     };
-    let replication = (world.size() > 1).then(|| Replication { group: world.group.clone(), shard: true });
-    let gemini = Gemini::new(&params, gemini_config(device, budget, rule, kind, replication))?;
     let mut scaler = (args.precision == Precision::Fp16).then(LossScaler::default);
     let unet = |x: &Tensor, t: &Tensor, c: &Tensor| -> Result<Tensor> {
+        let Trainer::Gemini { gemini, all } = &trainer else { return sd.unet.forward(x, t, c) };
         let failed = std::cell::RefCell::new(None);
-        let out = gemini.run(&all, x, |x| match sd.unet.forward(x, t, c) {
+        let out = gemini.run(all, x, |x| match sd.unet.forward(x, t, c) {
             Ok(y) => y,
             Err(e) => {
                 *failed.borrow_mut() = Some(e);
@@ -400,7 +489,10 @@ pub fn run(args: &FinetuneArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
             0 => args.lr,
             w => args.lr * (step.min(w) as f64 / w as f64),
         };
-        gemini.optimizer()?.set_lr(lr);
+        trainer.set_lr(lr)?;
+        if let Trainer::Lora { lora, .. } = &trainer {
+            lora.apply()?;
+        }
         let mut total = 0.0;
         for micro in 0..args.grad_accum {
             let first = (step - 1) * per_step + (micro * ranks + rank) * args.batch;
@@ -423,23 +515,10 @@ pub fn run(args: &FinetuneArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
                 Some(s) => s.scale_loss(&l)?.backward(),
                 None => l.backward(),
             }
-            gemini.finish_backward()?;
+            trainer.after_backward()?;
         }
-        let finite = match &scaler {
-            Some(s) => gemini.unscale(s)?,
-            None => true,
-        };
-        let grad_norm = match finite {
-            true => {
-                let norm = gemini.clip_grad_norm(args.max_grad_norm)?;
-                gemini.step()?;
-                Some(norm)
-            }
-            false => {
-                gemini.skip_step()?;
-                None
-            }
-        };
+        let grad_norm = trainer.step(world, scaler.as_ref(), args.max_grad_norm)?;
+        let finite = grad_norm.is_some();
         if let Some(s) = scaler.as_mut() {
             s.update(finite);
         }
@@ -477,10 +556,16 @@ pub fn run(args: &FinetuneArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
             }
         }
         if step == args.steps || (args.save_every > 0 && step % args.save_every == 0) {
-            // Every rank takes part in gathering sharded weights.
-            let weights = gemini.state_dict()?;
-            if rank == 0 {
-                save_model(&args.model, &weights, &args.out)?;
+            match &trainer {
+                Trainer::Gemini { gemini, .. } => {
+                    // Every rank takes part in gathering sharded weights.
+                    let weights = gemini.state_dict()?;
+                    if rank == 0 {
+                        save_model(&args.model, &weights, &args.out)?;
+                    }
+                }
+                Trainer::Lora { lora, .. } if rank == 0 => lora.save(&args.out)?,
+                Trainer::Lora { .. } => {}
             }
         }
     }

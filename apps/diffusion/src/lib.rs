@@ -6,6 +6,7 @@ pub mod clip;
 pub mod config;
 pub mod error;
 pub mod finetune;
+pub mod lora;
 pub mod pipeline;
 pub mod sample;
 pub mod scheduler;

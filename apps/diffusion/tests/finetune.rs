@@ -239,3 +239,104 @@ fn the_command_trains_logs_samples_and_saves() {
     ]);
     assert!(!ok && text.contains("img0"), "an image without a caption is named: {text}");
 }
+
+#[test]
+fn lora_starts_at_the_base_model_trains_only_adapters_and_reloads() {
+    use diffusion::lora::{Lora, LORA_WEIGHTS};
+    let sd = load();
+    let ddpm = DdpmScheduler::new(sd.scheduler.clone());
+    let base: std::collections::HashMap<String, Tensor> =
+        sd.unet_vs.variables().into_iter().map(|(k, t)| (k, t.detach().copy())).collect();
+    let lora = Lora::new(&sd.unet_vs, 2, 4.0, 3).unwrap();
+    let (b, d) = batch(0, 0..2);
+    let before =
+        tch::no_grad(|| loss(&sd, &ddpm, &b, &d, 0.0, None, Kind::Float, &|x, t, c| sd.unet.forward(x, t, c))).unwrap();
+    lora.apply().unwrap();
+    let at_init =
+        tch::no_grad(|| loss(&sd, &ddpm, &b, &d, 0.0, None, Kind::Float, &|x, t, c| sd.unet.forward(x, t, c))).unwrap();
+    assert!(before.equal(&at_init), "zero `up` leaves the model as it was");
+
+    let mut opt = AdamW::new(lora.params(), AdamWConfig { lr: 1e-2, ..ADAMW });
+    for step in 0..3 {
+        lora.apply().unwrap();
+        let (b, d) = batch(step, 0..2);
+        loss(&sd, &ddpm, &b, &d, 0.0, None, Kind::Float, &|x, t, c| sd.unet.forward(x, t, c)).unwrap().backward();
+        lora.backward().unwrap();
+        opt.step().unwrap();
+        opt.zero_grad();
+    }
+    lora.apply().unwrap();
+    let adapted: Vec<String> = lora
+        .params()
+        .iter()
+        .filter_map(|p| p.name.strip_suffix(".lora.up.weight").map(|m| format!("{m}.weight")))
+        .collect();
+    // The fixture has 4 transformers (down 1, mid 1, up 2), each with attn1 and attn2.
+    assert_eq!(adapted.len(), 4 * 2 * 4, "q, k, v and out of every attention are adapted");
+    for (name, t) in sd.unet_vs.variables() {
+        let unchanged = t.equal(&base[&name]);
+        assert_eq!(unchanged, !adapted.contains(&name), "{name}: only adapted weights change");
+    }
+    assert!(lora.params().iter().all(|p| p.tensor.abs().sum(Kind::Float).double_value(&[]) > 0.0));
+
+    let dir = std::env::temp_dir().join(format!("diffusion-lora-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    lora.save(&dir).unwrap();
+    let file = Tensor::read_safetensors(dir.join(LORA_WEIGHTS)).unwrap();
+    assert!(file
+        .iter()
+        .all(|(k, _)| k.starts_with("unet.") && (k.ends_with(".lora.down.weight") || k.ends_with(".lora.up.weight"))));
+    let fresh = load();
+    let again = Lora::new(&fresh.unet_vs, 2, 4.0, 99).unwrap();
+    again.load(&dir.join(LORA_WEIGHTS)).unwrap();
+    let (b, d) = batch(5, 0..2);
+    let ours = tch::no_grad(|| loss(&sd, &ddpm, &b, &d, 0.0, None, Kind::Float, &|x, t, c| sd.unet.forward(x, t, c)));
+    let theirs =
+        tch::no_grad(|| loss(&fresh, &ddpm, &b, &d, 0.0, None, Kind::Float, &|x, t, c| fresh.unet.forward(x, t, c)));
+    let diff = (ours.unwrap() - theirs.unwrap()).abs().double_value(&[]);
+    assert!(diff < 1e-6, "reloaded adapters give the same loss (difference {diff})");
+    assert!(Lora::new(&fresh.unet_vs, 0, 1.0, 0).is_err());
+}
+
+#[test]
+fn the_command_trains_lora_adapters() {
+    let dir = std::env::temp_dir().join(format!("diffusion-finetune-lora-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let data = dir.join("images");
+    write_images(&data);
+    let out = dir.join("run");
+    let model = pipeline();
+    let (ok, text) = finetune(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--resolution",
+        "16",
+        "--steps",
+        "2",
+        "--lora-rank",
+        "2",
+        "--lr",
+        "1e-3",
+        "--center-crop",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(ok, "{text}");
+    assert!(out.join(diffusion::lora::LORA_WEIGHTS).is_file());
+    assert!(!out.join("model").exists(), "LoRA saves the adapters, not a model folder");
+    let (ok, text) = finetune(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--resolution",
+        "16",
+        "--lora-rank",
+        "0",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(!ok && text.contains("--lora-rank 0"), "{text}");
+}
