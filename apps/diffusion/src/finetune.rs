@@ -75,6 +75,9 @@ pub struct FinetuneArgs {
     /// Images per rank per micro-batch.
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
+    /// Recompute each UNet block's activations in backward instead of keeping them.
+    #[arg(long)]
+    pub gradient_checkpointing: bool,
     /// Micro-batches per optimizer step.
     #[arg(long, default_value_t = 1)]
     pub grad_accum: usize,
@@ -424,6 +427,7 @@ pub fn run(args: &FinetuneArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
     if !args.resolution.is_multiple_of(multiple) {
         bail!("--resolution {}: this model needs a multiple of {multiple} pixels", args.resolution);
     }
+    sd.unet.set_gradient_checkpointing(args.gradient_checkpointing);
     let ddpm = DdpmScheduler::new(sd.scheduler.clone());
     let adamw = AdamWConfig { lr: args.lr, weight_decay: args.weight_decay, ..AdamWConfig::default() };
     let lamb = LambConfig { lr: args.lr, weight_decay: args.weight_decay, ..LambConfig::default() };

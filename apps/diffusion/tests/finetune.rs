@@ -194,6 +194,40 @@ fn the_command_trains_logs_samples_and_saves() {
     let changed = trained.unet_vs.variables().iter().filter(|(k, t)| !t.equal(&base.unet_vs.variables()[*k])).count();
     assert!(changed > 0, "the saved UNet is the trained one");
 
+    // Activation checkpointing inside the Gemini module gives the same steps.
+    let again = dir.join("checkpointed");
+    let (ok, text) = finetune(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--resolution",
+        "16",
+        "--steps",
+        "2",
+        "--batch",
+        "2",
+        "--lr",
+        "1e-3",
+        "--random-flip",
+        "--snr-gamma",
+        "5",
+        "--gpu-mem",
+        "1G",
+        "--gradient-checkpointing",
+        "-o",
+        again.to_str().unwrap(),
+    ]);
+    assert!(ok, "{text}");
+    let log2: Vec<serde_json::Value> = std::fs::read_to_string(again.join("log.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    for (a, b) in log.iter().zip(&log2) {
+        let (a, b) = (a["loss"].as_f64().unwrap(), b["loss"].as_f64().unwrap());
+        assert!((a - b).abs() <= 1e-5 * a.abs().max(1e-3), "loss {b} with checkpointing, {a} without");
+    }
     let (ok, text) = finetune(&[
         "--model",
         model.to_str().unwrap(),

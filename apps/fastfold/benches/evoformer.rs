@@ -1,0 +1,189 @@
+//! One Evoformer block (AlphaFold's sizes unless `--small`): forward and forward+backward time
+//! and peak memory, beside the same block in PyTorch eager (`benches/evoformer_baseline.py`,
+//! same weights and inputs, its outputs first checked against ours), and the ratio.
+//!
+//! `cargo bench -p fastfold --bench evoformer -- --residues 256 --sequences 128 --device cuda`
+//! is the shape OpenFold and FastFold report; `scripts/bench-fastfold.sh` runs it.
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+use anyhow::{ensure, Context};
+use clap::Parser;
+use engine::parallel::dap::Dap;
+use engine::runtime::DeviceKind;
+use fastfold::model::{EvoformerConfig, EvoformerStack, Params};
+use tch::{Device, Kind, Tensor};
+
+const BASELINE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/evoformer_baseline.py");
+
+#[derive(Parser, Debug)]
+#[command(about = "One Evoformer block: ours against PyTorch eager")]
+struct Args {
+    /// Residues N.
+    #[arg(long, default_value_t = 64)]
+    residues: i64,
+    /// MSA sequences S.
+    #[arg(long, default_value_t = 32)]
+    sequences: i64,
+    /// Device.
+    #[arg(long, default_value_t = DeviceKind::Cpu)]
+    device: DeviceKind,
+    /// bf16 instead of fp32.
+    #[arg(long)]
+    bf16: bool,
+    /// Untimed runs first.
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+    /// Timed runs (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    iters: usize,
+    /// Chunk size of the memory-heavy steps.
+    #[arg(long)]
+    chunk_size: Option<i64>,
+    /// The tiny test configuration instead of AlphaFold's sizes.
+    #[arg(long)]
+    small: bool,
+    /// CPU threads (both sides; 0: libtorch's default).
+    #[arg(long, default_value_t = 0)]
+    threads: i32,
+    /// Skip the PyTorch baseline.
+    #[arg(long)]
+    no_baseline: bool,
+    /// cargo bench passes this; ignored.
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
+fn sync(device: Device) -> anyhow::Result<()> {
+    if let Device::Cuda(d) = device {
+        engine::cuda::synchronize(d)?;
+    }
+    Ok(())
+}
+
+fn median_ms(
+    warmup: usize,
+    iters: usize,
+    device: Device,
+    mut f: impl FnMut() -> anyhow::Result<()>,
+) -> anyhow::Result<f64> {
+    for _ in 0..warmup {
+        f()?;
+    }
+    let mut times = Vec::with_capacity(iters);
+    for _ in 0..iters.max(1) {
+        sync(device)?;
+        let start = Instant::now();
+        f()?;
+        sync(device)?;
+        times.push(start.elapsed().as_secs_f64() * 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    if args.threads > 0 {
+        tch::set_num_threads(args.threads);
+    }
+    let device = args.device.device(0)?;
+    let kind = if args.bf16 { Kind::BFloat16 } else { Kind::Float };
+    let base = if args.small { EvoformerConfig::tiny() } else { EvoformerConfig::default() };
+    let cfg = EvoformerConfig { num_blocks: 1, num_extra_blocks: 0, ..base };
+    let params = Params::random(&cfg, 0)?;
+    let (s, n) = (args.sequences, args.residues);
+    let mut rng = data::augment::Rng::keyed(1, 0, 0);
+    let msa = rng.normal_tensor(&[s, n, cfg.c_m]);
+    let pair = rng.normal_tensor(&[n, n, cfg.c_z]);
+    let (wm, wz) = (rng.normal_tensor(&[s, n, cfg.c_m]), rng.normal_tensor(&[n, n, cfg.c_z]));
+    let (msa_mask, pair_mask) =
+        (Tensor::ones([s, n], (Kind::Float, Device::Cpu)), Tensor::ones([n, n], (Kind::Float, Device::Cpu)));
+    let on = |t: &Tensor| t.to_device(device).to_kind(kind);
+
+    let p = params.to_kind(kind)?.to_device(device, true)?;
+    let stack = EvoformerStack::main(&p)?;
+    let dap = Dap::none();
+    let (m_in, z_in, mm, pm) = (on(&msa), on(&pair), on(&msa_mask), on(&pair_mask));
+    let (ours_msa, ours_pair) = tch::no_grad(|| stack.forward(&m_in, &z_in, &mm, &pm, &dap, args.chunk_size))?;
+    let forward = median_ms(args.warmup, args.iters, device, || {
+        let _outputs = tch::no_grad(|| stack.forward(&m_in, &z_in, &mm, &pm, &dap, args.chunk_size))?;
+        Ok(())
+    })?;
+    if let Device::Cuda(d) = device {
+        engine::cuda::reset_peak_stats(d)?;
+    }
+    let (wm_d, wz_d) = (on(&wm), on(&wz));
+    let forward_backward = median_ms(args.warmup, args.iters, device, || {
+        let (m, z) = stack.forward(&m_in, &z_in, &mm, &pm, &dap, args.chunk_size)?;
+        ((m * &wm_d).sum(Kind::Float) + (z * &wz_d).sum(Kind::Float)).backward();
+        for (_, t) in p.iter() {
+            let mut g = t.grad();
+            if g.defined() {
+                let _ = g.zero_();
+            }
+        }
+        Ok(())
+    })?;
+    let peak = engine::runtime::peak_memory(device);
+    let mib = |b: Option<u64>| b.map_or("-".to_string(), |b| format!("{:.0}", b as f64 / (1 << 20) as f64));
+    println!(
+        "Evoformer block, {s} sequences x {n} residues, c_m {} c_z {}, {} on {device:?}{}",
+        cfg.c_m,
+        cfg.c_z,
+        if args.bf16 { "bf16" } else { "fp32" },
+        args.chunk_size.map(|c| format!(", chunk {c}")).unwrap_or_default()
+    );
+    println!("| | forward ms | forward+backward ms | peak MiB |");
+    println!("|---|---|---|---|");
+    println!("| ours | {forward:.1} | {forward_backward:.1} | {} |", mib(peak));
+    if args.no_baseline {
+        return Ok(());
+    }
+    let dir = std::env::temp_dir().join(format!("fastfold-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let (params_path, inputs_path): (PathBuf, PathBuf) = (dir.join("params.npz"), dir.join("inputs.npz"));
+    params.save(&params_path)?;
+    let named: Vec<(String, Tensor)> = [
+        ("msa", &msa),
+        ("pair", &pair),
+        ("msa_mask", &msa_mask),
+        ("pair_mask", &pair_mask),
+        ("weight_msa", &wm),
+        ("weight_pair", &wz),
+        ("ours_msa", &ours_msa.to_kind(Kind::Float)),
+        ("ours_pair", &ours_pair.to_kind(Kind::Float)),
+    ]
+    .iter()
+    .map(|(k, t)| (k.to_string(), t.shallow_clone()))
+    .collect();
+    data::checkpoint::save_npz(&named, &inputs_path)?;
+    let python = std::env::var("SUITE_PYTHON")
+        .context("SUITE_PYTHON is not set: run through scripts/bench-fastfold.sh or cargo (or pass --no-baseline)")?;
+    let output = Command::new(&python)
+        .arg(BASELINE)
+        .arg(&params_path)
+        .arg(&inputs_path)
+        .args(["--device", if device == Device::Cpu { "cpu" } else { "cuda" }])
+        .args(["--precision", if args.bf16 { "bf16" } else { "fp32" }])
+        .args(["--iters", &args.iters.to_string(), "--warmup", &args.warmup.to_string()])
+        .args(["--threads", &args.threads.to_string()])
+        .stdin(Stdio::null())
+        .stderr(Stdio::inherit())
+        .output()
+        .with_context(|| format!("running {python} {BASELINE}"))?;
+    let _ = std::fs::remove_dir_all(&dir);
+    ensure!(output.status.success(), "{BASELINE} failed ({})", output.status);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let line = stdout.lines().rev().find(|l| l.starts_with('{')).context("the baseline printed no JSON line")?;
+    let json: serde_json::Value = serde_json::from_str(line)?;
+    let num = |k: &str| json[k].as_f64().with_context(|| format!("no {k} in {line}"));
+    let (bf, bfb, diff) = (num("forward_ms")?, num("forward_backward_ms")?, num("max_abs_diff")?);
+    let tolerance = if args.bf16 { 0.5 } else { 1e-3 };
+    ensure!(diff <= tolerance, "the baseline's outputs differ from ours by {diff} (tolerance {tolerance})");
+    println!("| PyTorch eager | {bf:.1} | {bfb:.1} | {} |", mib(json["peak_bytes"].as_u64()));
+    println!("| ratio (eager / ours) | {:.2} | {:.2} | |", bf / forward, bfb / forward_backward);
+    println!("outputs agree: max abs difference {diff:.2e}");
+    Ok(())
+}
