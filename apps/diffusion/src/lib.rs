@@ -10,6 +10,7 @@ pub mod lora;
 pub mod pipeline;
 pub mod sample;
 pub mod scheduler;
+pub mod single_file;
 pub mod tokenizer;
 pub mod unet;
 pub mod vae;

@@ -11,6 +11,18 @@ enum Cli {
     Sample(SampleArgs),
     /// Fine-tune the UNet on captioned images under Gemini (`--gpu-mem` caps device memory).
     Finetune(FinetuneArgs),
+    /// Convert an original single-file SD 1.x checkpoint into a diffusers folder.
+    Convert {
+        /// The single-file checkpoint (`.safetensors`).
+        #[arg(long)]
+        checkpoint: std::path::PathBuf,
+        /// A diffusers folder of the same architecture: configs, tokenizer and scheduler.
+        #[arg(long)]
+        config_from: std::path::PathBuf,
+        /// The diffusers folder to write (must not exist).
+        #[arg(short = 'o', long)]
+        out: std::path::PathBuf,
+    },
     /// Print libtorch's version, CUDA devices, threads and the launcher's view of the job.
     Env,
 }
@@ -34,6 +46,10 @@ fn main() -> anyhow::Result<()> {
             if let (0, Some(last)) = (world.rank(), log.last()) {
                 println!("final loss {:.5}; model in {}", last.loss, args.out.join("model").display());
             }
+        }
+        Cli::Convert { checkpoint, config_from, out } => {
+            let n = diffusion::single_file::convert(&checkpoint, &config_from, &out)?;
+            println!("wrote {n} tensors to {}", out.display());
         }
         Cli::Env => print!("{}", engine::runtime::report()),
     }
