@@ -44,7 +44,11 @@ fn main() -> anyhow::Result<()> {
             let world = dist::init(&InitOptions { timeout: std::time::Duration::from_secs_f64(args.timeout) })?;
             let log = finetune::run(&args, &world)?;
             if let (0, Some(last)) = (world.rank(), log.last()) {
-                println!("final loss {:.5}; model in {}", last.loss, args.out.join("model").display());
+                let saved = match args.lora_rank {
+                    Some(_) => args.out.join(diffusion::lora::LORA_WEIGHTS),
+                    None => args.out.join("model"),
+                };
+                println!("final loss {:.5}; saved {}", last.loss, saved.display());
             }
         }
         Cli::Convert { checkpoint, config_from, out } => {
