@@ -140,6 +140,9 @@ pub struct FinetuneArgs {
     /// Rendezvous and collective timeout in seconds.
     #[arg(long, default_value_t = 300.0)]
     pub timeout: f64,
+    /// No progress bar.
+    #[arg(long)]
+    pub quiet: bool,
 }
 
 /// One micro-batch: pixels in [-1, 1] and captions.
@@ -487,6 +490,7 @@ pub fn run(args: &FinetuneArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
         _ => None,
     };
     let mut log = Vec::new();
+    let progress = engine::runtime::progress_bar(rank == 0 && !args.quiet, args.steps, 0);
     for step in 1..=args.steps {
         let start = Instant::now();
         let lr = match args.lr_warmup_steps {
@@ -536,8 +540,9 @@ pub fn run(args: &FinetuneArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
         };
         if let Some(f) = file.as_mut() {
             writeln!(f, "{}", serde_json::to_string(&entry)?)?;
-            println!("step {step}/{}  loss {:.5}  lr {:.2e}  {:.2} s", args.steps, entry.loss, lr, entry.seconds);
         }
+        progress.set_message(format!("loss {:.5}  lr {lr:.2e}  {:.2} s/step", entry.loss, entry.seconds));
+        progress.inc(1);
         log.push(entry);
         if args.sample_every > 0 && step % args.sample_every == 0 {
             let prompt = args.sample_prompt.clone().unwrap_or_else(|| data.caption(0).to_string());
@@ -573,5 +578,6 @@ pub fn run(args: &FinetuneArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
             }
         }
     }
+    progress.finish_and_clear();
     Ok(log)
 }

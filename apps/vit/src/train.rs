@@ -410,7 +410,7 @@ pub fn pretrain(args: &PretrainArgs, world: &World) -> anyhow::Result<Trained> {
             args.zero
         );
     }
-    let progress = progress_bar(rank == 0 && !args.quiet, total, start_step);
+    let progress = engine::runtime::progress_bar(rank == 0 && !args.quiet, total, start_step);
     let mixup = Mixup { alpha: args.mixup, smoothing: args.smoothing };
     let classes = cfg.num_classes as usize;
     let save_every = args.save_every.unwrap_or(steps_per_epoch);
@@ -537,16 +537,4 @@ pub fn pretrain(args: &PretrainArgs, world: &World) -> anyhow::Result<Trained> {
     }
     group.barrier()?;
     Ok(Trained { vs, weights, losses, val_top1, val_top5, seconds })
-}
-
-fn progress_bar(show: bool, total: usize, done: usize) -> indicatif::ProgressBar {
-    if !show {
-        return indicatif::ProgressBar::hidden();
-    }
-    let bar = indicatif::ProgressBar::new(total as u64).with_position(done as u64);
-    let style =
-        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {elapsed_precise} < {eta_precise}  {msg}")
-            .expect("a valid template");
-    bar.set_style(style);
-    bar
 }
