@@ -1,13 +1,18 @@
 //! The structure module: invariant point attention is invariant to global rigid motions;
 //! torsion angles put through the rigid groups and read back from the atoms by AlphaFold's
-//! independent torsion extraction come back unchanged; bond lengths of every residue type
-//! are the literature ones; a zero backbone update keeps identity frames; the parameters load
-//! back to identical outputs and a missing array is named.
+//! independent torsion extraction come back unchanged; ideal backbone frames give the
+//! literature N-CA, CA-C, C-O bonds of every residue type and only the atoms a type has; the
+//! atom37 mask and slots follow residue_constants; a zero backbone update keeps identity
+//! frames; bf16 weights keep the geometry in fp32; the parameters load back to identical
+//! outputs and a missing or mis-shaped array is named.
 use fastfold::geometry::Rigid;
 use fastfold::model::structure::{atom14_to_atom37, frames_to_atom14, torsion_angles_to_frames, StructureModule};
 use fastfold::model::templates::torsion_angles;
 use fastfold::model::{EvoformerConfig, ModelConfig, Params};
-use fastfold::residue_constants::{atom_order, Tables};
+use fastfold::residue_constants::{
+    atom_order, restype_atom37_mask, Tables, RESIDUE_ATOMS, RESNAMES, RESTYPE_NAME_TO_ATOM14_NAMES,
+    RIGID_GROUP_ATOM_POSITIONS,
+};
 use tch::{Device, Kind, Tensor};
 
 const F: (Kind, Device) = (Kind::Float, Device::Cpu);
@@ -148,4 +153,158 @@ fn parameters_round_trip_and_a_missing_array_is_named() {
     data::checkpoint::save_npz(&arrays, &partial).unwrap();
     let err = Params::load_model(&partial).err().unwrap().to_string();
     assert!(err.contains(key) && err.contains("partial.npz"), "{err}");
+}
+
+/// An atom's literature position in its rigid group's frame (`RIGID_GROUP_ATOM_POSITIONS`).
+fn literature(aa: usize, a: &str) -> [f64; 3] {
+    let found = RIGID_GROUP_ATOM_POSITIONS[aa].iter().find(|(name, _, _)| *name == a);
+    found.map(|(_, _, p)| *p).unwrap_or_else(|| panic!("{} has no {a}", RESNAMES[aa]))
+}
+
+fn norm(p: [f64; 3]) -> f64 {
+    p.iter().map(|x| x * x).sum::<f64>().sqrt()
+}
+
+#[test]
+fn ideal_backbone_gives_literature_bonds_for_every_residue_type() {
+    let tables = Tables::new(Device::Cpu);
+    let n = 20;
+    let aatype = Tensor::arange(n, (Kind::Int64, Device::Cpu));
+    // Identity rotations, moved away from the origin so that every present atom is nonzero.
+    let backbone = Rigid {
+        rot: Tensor::eye(3, F).expand([n, 3, 3], true).contiguous(),
+        trans: Tensor::from_slice(&[10.0f32, 20.0, 30.0]).expand([n, 3], true).contiguous(),
+    };
+    // Zero torsions: (sin, cos) = (0, 1).
+    let angles = Tensor::cat(&[Tensor::zeros([n, 7, 1], F), Tensor::ones([n, 7, 1], F)], -1);
+    let frames = torsion_angles_to_frames(&tables, &aatype, &backbone, &angles).unwrap();
+    let atom14 = frames_to_atom14(&tables, &aatype, &frames).unwrap();
+    let (atom37, _) = atom14_to_atom37(&tables, &aatype, &atom14).unwrap();
+    let dist = |aa: i64, a: &str, b: &str| {
+        let p = |x: &str| atom37.get(aa).get(atom_order(x).unwrap() as i64);
+        (p(a) - p(b)).square().sum(Kind::Float).sqrt().double_value(&[])
+    };
+    for (aa, name) in RESNAMES.iter().enumerate().take(20) {
+        let (n_pos, c_pos) = (literature(aa, "N"), literature(aa, "C"));
+        // N and C are in the backbone frame (CA at its origin); O is in the psi frame, whose
+        // origin is C.
+        let want = [
+            ("N", "CA", norm(n_pos)),
+            ("CA", "C", norm(c_pos)),
+            ("C", "O", norm(literature(aa, "O"))),
+            ("N", "C", norm([n_pos[0] - c_pos[0], n_pos[1] - c_pos[1], n_pos[2] - c_pos[2]])),
+        ];
+        for (a, b, want) in want {
+            let got = dist(aa as i64, a, b);
+            assert!((got - want).abs() < 1e-3, "{name} {a}-{b}: {got} Å, literature {want} Å");
+        }
+        // The literature values themselves are the usual ones (Engh & Huber, within 0.01 Å).
+        assert!((norm(n_pos) - 1.46).abs() < 0.01, "{name} N-CA {}", norm(n_pos));
+        assert!((norm(c_pos) - 1.525).abs() < 0.01, "{name} CA-C {}", norm(c_pos));
+        // The backbone atoms sit exactly where the (identity) backbone frame puts them.
+        let ca = atom37.get(aa as i64).get(atom_order("CA").unwrap() as i64);
+        let ca_err = (ca - Tensor::from_slice(&[10.0f32, 20.0, 30.0])).abs().max().double_value(&[]);
+        assert!(ca_err < 1e-5, "{name} CA off its frame origin by {ca_err}");
+    }
+    // Exactly the atoms a residue type has are placed, and only those are nonzero.
+    let mask = tables.atom14_mask.index_select(0, &aatype);
+    let radius = atom14.square().sum_dim_intlist(-1, false, Kind::Float).sqrt();
+    let absent = (&radius * (mask.ones_like() - &mask)).max().double_value(&[]);
+    assert_eq!(absent, 0.0, "atoms a residue type lacks stay at zero");
+    let present_min = (&radius + (mask.ones_like() - &mask) * 1e3).min().double_value(&[]);
+    assert!(present_min > 1.0, "a present atom is at the origin ({present_min} Å)");
+    for aa in 0..20usize {
+        let placed = mask.get(aa as i64).sum(Kind::Float).double_value(&[]);
+        assert_eq!(placed as usize, RESIDUE_ATOMS[aa].len(), "{}: number of heavy atoms", RESNAMES[aa]);
+    }
+}
+
+#[test]
+fn atom37_follows_residue_constants_for_every_residue_type() {
+    let tables = Tables::new(Device::Cpu);
+    let n = 21;
+    let aatype = Tensor::arange(n, (Kind::Int64, Device::Cpu));
+    let raw = noise(&[n, 7, 2], 11.0);
+    let angles = &raw / (raw.square().sum_dim_intlist(-1, true, Kind::Float).sqrt());
+    let frames = torsion_angles_to_frames(&tables, &aatype, &rigid(n, 12.0, 10.0), &angles).unwrap();
+    let atom14 = frames_to_atom14(&tables, &aatype, &frames).unwrap();
+    let (atom37, mask) = atom14_to_atom37(&tables, &aatype, &atom14).unwrap();
+    let want = restype_atom37_mask();
+    for aa in 0..21usize {
+        let got: Vec<f32> = Vec::try_from(mask.get(aa as i64)).unwrap();
+        assert_eq!(got, want[aa].to_vec(), "atom37 mask of residue type {aa}");
+        // Every named atom14 slot lands on its atom37 slot unchanged.
+        for (slot, name) in RESTYPE_NAME_TO_ATOM14_NAMES[aa].iter().enumerate() {
+            if name.is_empty() {
+                continue;
+            }
+            let to = atom_order(name).unwrap() as i64;
+            assert_eq!(want[aa][to as usize], 1.0, "{name} of type {aa} is in the atom37 mask");
+            let a = atom14.get(aa as i64).get(slot as i64);
+            let b = atom37.get(aa as i64).get(to);
+            assert!(a.equal(&b), "type {aa} atom {name}: atom14 slot {slot} and atom37 slot {to} differ");
+        }
+    }
+}
+
+#[test]
+fn a_mis_shaped_array_is_named_with_both_shapes() {
+    let dir = std::env::temp_dir().join(format!("fastfold-structure-shape-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("p.npz");
+    params().save(&path).unwrap();
+    let c_s = ModelConfig::tiny().structure.c_s;
+    let key = "alphafold/alphafold_iteration/structure_module/fold_iteration/transition_1//weights";
+    let mut arrays: Vec<(String, Tensor)> = Tensor::read_npz(&path).unwrap();
+    let mut replaced = false;
+    for (k, t) in arrays.iter_mut() {
+        if k == key {
+            assert_eq!(t.size(), [c_s, c_s]);
+            *t = Tensor::zeros([c_s, c_s + 1], F);
+            replaced = true;
+        }
+    }
+    assert!(replaced, "{key} is saved");
+    let bad = dir.join("bad.npz");
+    data::checkpoint::save_npz(&arrays, &bad).unwrap();
+    let err = Params::load_model(&bad).err().unwrap().to_string();
+    let (expected, found) = (format!("[{c_s}, {c_s}]"), format!("[{c_s}, {}]", c_s + 1));
+    assert!(err.contains(key) && err.contains(&expected) && err.contains(&found), "{err}");
+    assert!(err.contains("bad.npz"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn bf16_weights_and_activations_keep_fp32_geometry() {
+    let p = params();
+    let mut half = params();
+    let keys: Vec<String> = p.iter().map(|(k, _)| k.to_string()).collect();
+    for k in &keys {
+        let t = p.get(k).unwrap().to_kind(Kind::BFloat16);
+        half.set(k, t).unwrap();
+    }
+    let n = 6;
+    let c = ModelConfig::tiny();
+    let single = noise(&[n, c.c_s], 13.0);
+    let pair = noise(&[n, n, EvoformerConfig::tiny().c_z], 14.0);
+    let aatype = Tensor::from_slice(&[0i64, 5, 9, 13, 17, 20]);
+    let mask = Tensor::ones([n], F);
+    let full = tch::no_grad(|| StructureModule::new(&p).unwrap().forward(&single, &pair, &aatype, &mask)).unwrap();
+    let bf = tch::no_grad(|| {
+        let m = StructureModule::new(&half).unwrap();
+        m.forward(&single.to_kind(Kind::BFloat16), &pair.to_kind(Kind::BFloat16), &aatype, &mask)
+    })
+    .unwrap();
+    // Frames, angles and atoms are computed in fp32 whatever the activations' precision.
+    for (name, t) in [("rotations", &bf.rotations), ("translations", &bf.translations), ("atom37", &bf.atom37)] {
+        assert_eq!(t.kind(), Kind::Float, "{name} in fp32");
+    }
+    assert_eq!(bf.single.kind(), Kind::BFloat16, "the activations stay in bf16");
+    // Rotations stay orthonormal and the positions follow fp32's within bf16's precision.
+    let eye = Tensor::eye(3, F).expand([c.structure.layers, n, 3, 3], false);
+    let rtr = bf.rotations.transpose(-1, -2).matmul(&bf.rotations);
+    assert!(max_diff(&rtr, &eye) < 1e-5, "bf16 rotations are orthonormal in fp32");
+    let d = max_diff(&bf.atom37, &full.atom37);
+    let scale = full.atom37.abs().max().double_value(&[]);
+    assert!(d < 0.05 * scale, "bf16 positions differ from fp32 by {d} Å (coordinates up to {scale} Å)");
 }
