@@ -8,8 +8,9 @@
 //! The UNet's parameters live in Gemini's chunks: fp32 masters, gradients and optimizer state
 //! in host or device memory as the placement decides under `--gpu-mem` (the device's
 //! allocator is capped there too), compute copies in the `--precision` kind; with `--nproc`
-//! each rank holds 1/N of every chunk (ZeRO-3) and the gradients are averaged. The whole UNet
-//! is one Gemini module: its chunks are resident together for its forward and backward.
+//! each rank holds 1/N of every chunk (ZeRO-3) and the gradients are averaged. Each part of the
+//! UNet (time embedding, `conv_in`, every down, mid and up block, the head) is one Gemini
+//! module: only its chunks need be resident while it runs forward or backward.
 //!
 //! With `--lora-rank` only LoRA adapters train ([`crate::lora`]): the frozen UNet stays whole
 //! on the device in the compute kind, the adapters and their AdamW/LAMB state in fp32, their
@@ -37,6 +38,7 @@ use crate::lora::Lora;
 use crate::pipeline::StableDiffusion;
 use crate::sample::{Precision, SampleOptions, Sampler};
 use crate::scheduler::DdpmScheduler;
+use crate::unet::PartRunner;
 use crate::{Error, Result};
 
 /// The optimizer.
@@ -216,10 +218,60 @@ pub fn loss(
     })
 }
 
-/// The UNet's parameters as Gemini registers them (sorted by name: the same order on every
-/// rank).
-pub fn unet_params(sd: &StableDiffusion) -> Vec<Param> {
-    engine::optim::params_of(&sd.unet_vs)
+/// The UNet's parameters as Gemini registers them, and which of them each part of the UNet
+/// uses ([`crate::unet::UNet2DConditionModel::parts`]).
+pub struct UnetParams {
+    /// Part by part in execution order (so a part's parameters share chunks), by name within a
+    /// part: the same order on every rank.
+    pub params: Vec<Param>,
+    /// Each part's parameter indices into `params`.
+    pub parts: Vec<Vec<usize>>,
+}
+
+impl UnetParams {
+    /// The trainable parameters of `sd`'s UNet, grouped by part.
+    pub fn of(sd: &StableDiffusion) -> Result<UnetParams> {
+        let prefixes = sd.unet.parts();
+        let part_of = |name: &str| {
+            prefixes.iter().position(|part| {
+                part.iter().any(|pre| {
+                    name.strip_prefix(pre.as_str()).is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
+                })
+            })
+        };
+        let mut keyed = vec![];
+        for p in engine::optim::params_of(&sd.unet_vs) {
+            let part = part_of(&p.name)
+                .ok_or_else(|| Error::Invalid(format!("UNet parameter {} belongs to no part of the model", p.name)))?;
+            keyed.push((part, p));
+        }
+        // Stable: names stay sorted within a part.
+        keyed.sort_by_key(|(part, _)| *part);
+        let mut parts = vec![vec![]; prefixes.len()];
+        for (i, (part, _)) in keyed.iter().enumerate() {
+            parts[*part].push(i);
+        }
+        Ok(UnetParams { params: keyed.into_iter().map(|(_, p)| p).collect(), parts })
+    }
+}
+
+/// Runs each part of the UNet as its own Gemini module.
+pub struct GeminiParts<'a> {
+    /// The chunks and optimizer.
+    pub gemini: &'a Gemini,
+    /// Each part's parameter indices ([`UnetParams::parts`]).
+    pub parts: &'a [Vec<usize>],
+}
+
+impl PartRunner for GeminiParts<'_> {
+    fn run(
+        &self,
+        part: usize,
+        inputs: &[&Tensor],
+        f: &dyn Fn(&[Tensor]) -> Result<Vec<Tensor>>,
+    ) -> Result<Vec<Tensor>> {
+        self.gemini.run_many(&self.parts[part], inputs, f)
+    }
 }
 
 /// Gemini's configuration for a UNet of `elements` parameters.
@@ -251,7 +303,7 @@ pub fn gemini_config(
 
 /// What trains: the whole UNet under Gemini, or LoRA adapters with a tensor optimizer.
 enum Trainer {
-    Gemini { gemini: Gemini, all: Vec<usize> },
+    Gemini { gemini: Gemini, parts: Vec<Vec<usize>> },
     Lora { lora: Lora, opt: std::cell::RefCell<Box<dyn Optimizer>> },
 }
 
@@ -445,30 +497,21 @@ pub fn run(args: &FinetuneArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
             Trainer::Lora { lora, opt: std::cell::RefCell::new(opt) }
         }
         None => {
-            let params = unet_params(&sd);
+            let UnetParams { params, parts } = UnetParams::of(&sd)?;
             let rule = match args.optimizer {
                 OptimizerKind::Adamw => CpuRule::AdamW(adamw),
                 OptimizerKind::Lamb => CpuRule::Lamb(lamb),
             };
             let replication = (world.size() > 1).then(|| Replication { group: world.group.clone(), shard: true });
             let gemini = Gemini::new(&params, gemini_config(device, budget, rule, kind, replication))?;
-            Trainer::Gemini { gemini, all: (0..params.len()).collect() }
+            Trainer::Gemini { gemini, parts }
         }
     };
     let mut scaler = (args.precision == Precision::Fp16).then(LossScaler::default);
     let unet = |x: &Tensor, t: &Tensor, c: &Tensor| -> Result<Tensor> {
-        let Trainer::Gemini { gemini, all } = &trainer else { return sd.unet.forward(x, t, c) };
-        let failed = std::cell::RefCell::new(None);
-        let out = gemini.run(all, x, |x| match sd.unet.forward(x, t, c) {
-            Ok(y) => y,
-            Err(e) => {
-                *failed.borrow_mut() = Some(e);
-                x.zeros_like()
-            }
-        })?;
-        match failed.into_inner() {
-            Some(e) => Err(e),
-            None => Ok(out),
+        match &trainer {
+            Trainer::Gemini { gemini, parts } => sd.unet.forward_with(x, t, c, &GeminiParts { gemini, parts }),
+            Trainer::Lora { .. } => sd.unet.forward(x, t, c),
         }
     };
     let scale = sd.vae_scale();

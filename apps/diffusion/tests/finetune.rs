@@ -6,11 +6,11 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use diffusion::finetune::{gemini_config, loss, save_model, unet_params, Batch, Draws};
+use diffusion::finetune::{gemini_config, loss, save_model, Batch, Draws, GeminiParts, UnetParams};
 use diffusion::pipeline::StableDiffusion;
 use diffusion::scheduler::DdpmScheduler;
 use engine::dist::World;
-use engine::gemini::{CpuRule, Gemini, Placement, Replication};
+use engine::gemini::{CpuRule, Event, Gemini, Placement, Replication};
 use engine::optim::{AdamW, AdamWConfig, Optimizer};
 use suite_tests::{dist_test, TestResult};
 use tch::{Device, Kind, Tensor};
@@ -47,7 +47,7 @@ fn batch(step: usize, rows: std::ops::Range<usize>) -> (Batch, Draws) {
 fn train_plain() -> Vec<(String, Tensor)> {
     let sd = load();
     let ddpm = DdpmScheduler::new(sd.scheduler.clone());
-    let mut opt = AdamW::new(unet_params(&sd), ADAMW);
+    let mut opt = AdamW::new(UnetParams::of(&sd).unwrap().params, ADAMW);
     for step in 0..STEPS {
         let (b, d) = batch(step, 0..IMAGES);
         let l = loss(&sd, &ddpm, &b, &d, 0.0, Some(5.0), Kind::Float, &|x, t, c| sd.unet.forward(x, t, c)).unwrap();
@@ -58,29 +58,35 @@ fn train_plain() -> Vec<(String, Tensor)> {
     opt.params().iter().map(|p| (p.name.clone(), p.tensor.detach().copy())).collect()
 }
 
-/// The same under Gemini on images `rows`, the chunks replicated over `group` when given.
-fn train_gemini(rows: std::ops::Range<usize>, group: Option<&World>) -> (StableDiffusion, Vec<(String, Tensor)>) {
+/// The same under Gemini on images `rows`, the chunks replicated over `group` when given, at
+/// most `budget` bytes of chunk payloads resident at a time when given.
+fn train_gemini(
+    rows: std::ops::Range<usize>,
+    group: Option<&World>,
+    budget: Option<usize>,
+) -> (Gemini, Vec<(String, Tensor)>) {
     let sd = load();
     let ddpm = DdpmScheduler::new(sd.scheduler.clone());
-    let params = unet_params(&sd);
-    let all: Vec<usize> = (0..params.len()).collect();
+    let UnetParams { params, parts } = UnetParams::of(&sd).unwrap();
     let replication = group.map(|w| Replication { group: w.group.clone(), shard: true });
     let mut cfg = gemini_config(Device::Cpu, None, CpuRule::AdamW(ADAMW), Kind::Float, replication);
     // Every home, gradient and optimizer state in the host tier (the rayon kernels).
     cfg.placement = Placement::Static { offload: 1.0 };
+    if let Some(b) = budget {
+        cfg.chunks.budget = b;
+    }
     let gemini = Gemini::new(&params, cfg).unwrap();
     for step in 0..STEPS {
         let (b, d) = batch(step, rows.clone());
-        let unet = |x: &Tensor, t: &Tensor, c: &Tensor| {
-            gemini.run(&all, x, |x| sd.unet.forward(x, t, c).unwrap()).map_err(diffusion::Error::from)
-        };
+        let runner = GeminiParts { gemini: &gemini, parts: &parts };
+        let unet = |x: &Tensor, t: &Tensor, c: &Tensor| sd.unet.forward_with(x, t, c, &runner);
         let l = loss(&sd, &ddpm, &b, &d, 0.0, Some(5.0), Kind::Float, &unet).unwrap();
         l.backward();
         gemini.finish_backward().unwrap();
         gemini.step().unwrap();
     }
     let weights = gemini.state_dict().unwrap();
-    (sd, weights)
+    (gemini, weights)
 }
 
 /// Every tensor of `a` within `rtol` of `b`'s largest entry.
@@ -99,13 +105,12 @@ fn compare(a: &[(String, Tensor)], b: &[(String, Tensor)], rtol: f64, what: &str
 #[test]
 fn gemini_training_equals_plain_training_and_saves_what_it_trained() {
     let plain = train_plain();
-    let (sd, gemini) = train_gemini(0..IMAGES, None);
+    let (_, gemini) = train_gemini(0..IMAGES, None, None);
     // fp32: the host kernels and the tensor optimizer round differently in the last bits.
     compare(&gemini, &plain, 1e-5, "Gemini vs plain").unwrap();
     let base = load().unet_vs.variables();
     let moved = plain.iter().filter(|(k, t)| !t.equal(&base[k])).count();
     assert!(moved * 2 > plain.len(), "training moved most tensors ({moved} of {})", plain.len());
-    drop(sd);
 
     let out = std::env::temp_dir().join(format!("diffusion-finetune-save-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
@@ -121,11 +126,32 @@ fn gemini_training_equals_plain_training_and_saves_what_it_trained() {
     assert_eq!(leftovers, vec![std::ffi::OsString::from("model")], "no staging folder left");
 }
 
+#[test]
+fn parts_stream_through_a_budget_smaller_than_the_unet() {
+    // Each part of the UNet is its own module: a budget of half the chunks' payloads holds
+    // the widest part but not the model, so chunks are evicted and reloaded within a step.
+    let (probe, _) = train_gemini(0..IMAGES, None, None);
+    let (chunks, bytes, widest) = {
+        let m = probe.manager().unwrap();
+        (m.chunk_count(), m.chunk_bytes(), m.widest_access())
+    };
+    assert!(widest < chunks, "the widest part needs {widest} of {chunks} chunks");
+    let budget = widest.max(chunks / 2) * bytes;
+    assert!(budget < chunks * bytes);
+    let plain = train_plain();
+    let (gemini, streamed) = train_gemini(0..IMAGES, None, Some(budget));
+    compare(&streamed, &plain, 1e-5, "Gemini under a budget vs plain").unwrap();
+    let m = gemini.manager().unwrap();
+    let evictions = m.events().iter().filter(|e| matches!(e, Event::Evict(_))).count();
+    assert!(evictions >= STEPS, "chunks were evicted within steps ({evictions} evictions)");
+    assert!(m.device_bytes().1 <= budget, "at most {budget} bytes resident, was {}", m.device_bytes().1);
+}
+
 dist_test!(two_ranks_equal_one_process, 2, |world| {
     let plain = train_plain();
     let half = IMAGES / 2;
     let rows = world.rank() * half..(world.rank() + 1) * half;
-    let (_, sharded) = train_gemini(rows, Some(world));
+    let (_, sharded) = train_gemini(rows, Some(world), None);
     // Two half-batch means averaged vs one mean, reduce-scattered: reordered sums.
     compare(&sharded, &plain, 1e-5, "2 ranks vs one process")?;
     Ok(()) as TestResult

@@ -332,7 +332,17 @@ impl ChunkManager {
                 cuda::Stream::current(d)?.wait_event(&ready)?;
             }
         }
-        self.move_params(params, TensorState::Compute)
+        // Backward may enter a module of several outputs more than once; tensors whose
+        // gradient already arrived are done with this step and stay as they are.
+        let waiting: Vec<usize> = params
+            .iter()
+            .copied()
+            .filter(|&i| {
+                let (c, s) = self.places[i];
+                self.chunks[c].slots[s].state != TensorState::ReadyForReduce
+            })
+            .collect();
+        self.move_params(&waiting, TensorState::Compute)
     }
 
     /// The module's forward is done with `params`: back to `Hold` (the payloads stay resident

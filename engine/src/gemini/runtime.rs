@@ -135,15 +135,34 @@ impl Gemini {
     /// Runs one module, `f`, on `input`; `params` are the indices (registration order) of the
     /// parameters it uses.
     pub fn run(&self, params: &[usize], input: &Tensor, f: impl FnOnce(&Tensor) -> Tensor) -> Result<Tensor> {
+        let mut out = self.run_many(params, &[input], |x| Ok::<_, Error>(vec![f(&x[0])]))?;
+        Ok(out.remove(0))
+    }
+
+    /// [`Gemini::run`] for a module of several inputs and outputs. `inputs[0]` is its main
+    /// path, the input whose gradient its backward produces last: when that arrives the
+    /// module's backward is done. Backward may enter the module through any output, so each
+    /// output makes the chunks resident. The other inputs (a shared embedding, skip
+    /// connections) pass through unmarked.
+    pub fn run_many<E: From<Error>>(
+        &self,
+        params: &[usize],
+        inputs: &[&Tensor],
+        f: impl FnOnce(&[Tensor]) -> std::result::Result<Vec<Tensor>, E>,
+    ) -> std::result::Result<Vec<Tensor>, E> {
         {
             let mut m = self.manager()?;
             m.access(params)?;
             m.prefetch(self.prefetch)?;
         }
-        let input = self.marker("gemini_post_backward", input, params, false)?;
-        let output = f(&input);
+        let mut marked: Vec<Tensor> = inputs.iter().map(|t| t.shallow_clone()).collect();
+        if let Some(first) = marked.first_mut() {
+            *first = self.marker("gemini_post_backward", first, params, false)?;
+        }
+        let outputs = f(&marked)?;
         self.manager()?.done(params)?;
-        self.marker("gemini_pre_backward", &output, params, true)
+        let marked = outputs.iter().map(|y| self.marker("gemini_pre_backward", y, params, true));
+        Ok(marked.collect::<Result<Vec<_>>>()?)
     }
 
     /// Identity whose backward either makes `params` resident (before the module's backward)

@@ -133,6 +133,31 @@ impl UNet2DConditionModel {
     /// `timesteps` (`[B]`, or one for the whole batch) given `encoder_hidden_states`
     /// `[B, L, cross_attention_dim]`. H and W must be multiples of 2^(levels-1).
     pub fn forward(&self, sample: &Tensor, timesteps: &Tensor, encoder_hidden_states: &Tensor) -> Result<Tensor> {
+        self.forward_with(sample, timesteps, encoder_hidden_states, &Direct)
+    }
+
+    /// The parameter-name prefixes of each part of the model, in the order the forward runs
+    /// them: `time_embedding`, `conv_in`, `down_blocks.i`, `mid_block`, `up_blocks.i`, and the
+    /// head (`conv_norm_out`, `conv_out`).
+    pub fn parts(&self) -> Vec<Vec<String>> {
+        let n = self.down_blocks.len();
+        let mut parts = vec![vec!["time_embedding".to_string()], vec!["conv_in".to_string()]];
+        parts.extend((0..n).map(|i| vec![format!("down_blocks.{i}")]));
+        parts.push(vec!["mid_block".to_string()]);
+        parts.extend((0..n).map(|i| vec![format!("up_blocks.{i}")]));
+        parts.push(vec!["conv_norm_out".to_string(), "conv_out".to_string()]);
+        parts
+    }
+
+    /// [`UNet2DConditionModel::forward`] with each part (see [`UNet2DConditionModel::parts`])
+    /// run through `runner`.
+    pub fn forward_with(
+        &self,
+        sample: &Tensor,
+        timesteps: &Tensor,
+        encoder_hidden_states: &Tensor,
+        runner: &dyn PartRunner,
+    ) -> Result<Tensor> {
         let (b, timesteps) = self.check_inputs(sample, timesteps, encoder_hidden_states)?;
         let timesteps = timesteps.to_device(sample.device()).reshape([-1]).expand([b], false);
         let emb = timestep_embedding(
@@ -140,26 +165,37 @@ impl UNet2DConditionModel {
             self.cfg.block_out_channels[0],
             self.cfg.flip_sin_to_cos,
             self.cfg.freq_shift,
-        );
-        let temb = self.linear_2.forward(&self.linear_1.forward(&emb.to_kind(sample.kind())).silu());
+        )
+        .to_kind(sample.kind());
+        let one = |outs: Vec<Tensor>| outs.into_iter().next().expect("a part has an output");
+        let mut part = 0..;
+        let mut next = || part.next().expect("unbounded");
+        let temb =
+            one(runner
+                .run(next(), &[&emb], &|x| Ok(vec![self.linear_2.forward(&self.linear_1.forward(&x[0]).silu())]))?);
         let ctx = encoder_hidden_states;
-        let mut h = self.conv_in.forward(sample);
+        let mut h = one(runner.run(next(), &[sample], &|x| Ok(vec![self.conv_in.forward(&x[0])]))?);
         let mut skips = vec![h.shallow_clone()];
         for block in &self.down_blocks {
-            let outs = self.run(block, &[&h, &temb, ctx], |b, x| b.forward(&x[0], &x[1], &x[2]))?;
+            let outs = runner
+                .run(next(), &[&h, &temb, ctx], &|x| self.run(block, x, |b, x| b.forward(&x[0], &x[1], &x[2])))?;
             h = outs.last().map(Tensor::shallow_clone).unwrap_or(h);
             skips.extend(outs);
         }
-        h = self.run(&self.mid_block, &[&h, &temb, ctx], |b, x| vec![b.forward(&x[0], &x[1], &x[2])])?.remove(0);
+        h = one(runner.run(next(), &[&h, &temb, ctx], &|x| {
+            self.run(&self.mid_block, x, |b, x| vec![b.forward(&x[0], &x[1], &x[2])])
+        })?);
         for block in &self.up_blocks {
             let layers = block.lock().map_err(|_| poisoned())?.layers();
             let mut taken = skips.split_off(skips.len().saturating_sub(layers));
             taken.reverse();
             let mut inputs = vec![&h, &temb, ctx];
             inputs.extend(taken.iter());
-            h = self.run(block, &inputs, |b, x| vec![b.forward(&x[0], &x[3..], &x[1], &x[2])])?.remove(0);
+            h = one(runner
+                .run(next(), &inputs, &|x| self.run(block, x, |b, x| vec![b.forward(&x[0], &x[3..], &x[1], &x[2])]))?);
         }
-        Ok(self.conv_out.forward(&self.conv_norm_out.forward(&h).silu()))
+        Ok(one(runner
+            .run(next(), &[&h], &|x| Ok(vec![self.conv_out.forward(&self.conv_norm_out.forward(&x[0]).silu())]))?))
     }
 
     /// Checks shapes; returns the batch size and the timesteps.
@@ -195,19 +231,43 @@ impl UNet2DConditionModel {
     fn run<B: Send + 'static>(
         &self,
         block: &SharedBlock<B>,
-        inputs: &[&Tensor],
+        inputs: &[Tensor],
         f: fn(&B, &[Tensor]) -> Vec<Tensor>,
     ) -> Result<Vec<Tensor>> {
-        if self.checkpointing && inputs.iter().any(|t| t.requires_grad()) {
+        if self.checkpointing && inputs.iter().any(Tensor::requires_grad) {
             let block = block.clone();
-            let outs = engine::autograd::checkpoint(inputs, move |x| {
+            let refs: Vec<&Tensor> = inputs.iter().collect();
+            let outs = engine::autograd::checkpoint(&refs, move |x| {
                 let b = block.lock().map_err(|_| engine::Error::invalid(poisoned().to_string()))?;
                 Ok(f(&b, x))
             })?;
             return Ok(outs);
         }
         let b = block.lock().map_err(|_| poisoned())?;
-        Ok(f(&b, &inputs.iter().map(|t| t.shallow_clone()).collect::<Vec<_>>()))
+        Ok(f(&b, inputs))
+    }
+}
+
+/// How the UNet runs its parts (see [`UNet2DConditionModel::parts`]): directly, or under a
+/// parameter manager such as Gemini that makes a part's parameters resident around it.
+pub trait PartRunner {
+    /// Runs part number `part` as `f(inputs)`. `inputs[0]` is the part's main path: its
+    /// gradient is the last the part's backward produces.
+    fn run(&self, part: usize, inputs: &[&Tensor], f: &dyn Fn(&[Tensor]) -> Result<Vec<Tensor>>)
+        -> Result<Vec<Tensor>>;
+}
+
+/// Runs every part as it is.
+pub struct Direct;
+
+impl PartRunner for Direct {
+    fn run(
+        &self,
+        _part: usize,
+        inputs: &[&Tensor],
+        f: &dyn Fn(&[Tensor]) -> Result<Vec<Tensor>>,
+    ) -> Result<Vec<Tensor>> {
+        f(&inputs.iter().map(|t| t.shallow_clone()).collect::<Vec<_>>())
     }
 }
 
