@@ -32,13 +32,14 @@ use engine::gemini::{
 };
 use engine::optim::{clip_grad_norm, AdamW, AdamWConfig, Lamb, LambConfig, LossScaler, Optimizer, Param};
 use engine::runtime::DeviceKind;
+use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 
 use crate::lora::Lora;
 use crate::pipeline::StableDiffusion;
 use crate::sample::{Precision, SampleOptions, Sampler};
 use crate::scheduler::DdpmScheduler;
-use crate::unet::PartRunner;
+use crate::unet::{PartRunner, UNet2DConditionModel};
 use crate::{Error, Result};
 
 /// The optimizer.
@@ -229,9 +230,10 @@ pub struct UnetParams {
 }
 
 impl UnetParams {
-    /// The trainable parameters of `sd`'s UNet, grouped by part.
-    pub fn of(sd: &StableDiffusion) -> Result<UnetParams> {
-        let prefixes = sd.unet.parts();
+    /// The trainable parameters of `unet`, whose variables `vs` holds at its root, grouped by
+    /// part.
+    pub fn of(unet: &UNet2DConditionModel, vs: &VarStore) -> Result<UnetParams> {
+        let prefixes = unet.parts();
         let part_of = |name: &str| {
             prefixes.iter().position(|part| {
                 part.iter().any(|pre| {
@@ -240,7 +242,7 @@ impl UnetParams {
             })
         };
         let mut keyed = vec![];
-        for p in engine::optim::params_of(&sd.unet_vs) {
+        for p in engine::optim::params_of(vs) {
             let part = part_of(&p.name)
                 .ok_or_else(|| Error::Invalid(format!("UNet parameter {} belongs to no part of the model", p.name)))?;
             keyed.push((part, p));
@@ -497,7 +499,7 @@ pub fn run(args: &FinetuneArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
             Trainer::Lora { lora, opt: std::cell::RefCell::new(opt) }
         }
         None => {
-            let UnetParams { params, parts } = UnetParams::of(&sd)?;
+            let UnetParams { params, parts } = UnetParams::of(&sd.unet, &sd.unet_vs)?;
             let rule = match args.optimizer {
                 OptimizerKind::Adamw => CpuRule::AdamW(adamw),
                 OptimizerKind::Lamb => CpuRule::Lamb(lamb),

@@ -47,7 +47,7 @@ fn batch(step: usize, rows: std::ops::Range<usize>) -> (Batch, Draws) {
 fn train_plain() -> Vec<(String, Tensor)> {
     let sd = load();
     let ddpm = DdpmScheduler::new(sd.scheduler.clone());
-    let mut opt = AdamW::new(UnetParams::of(&sd).unwrap().params, ADAMW);
+    let mut opt = AdamW::new(UnetParams::of(&sd.unet, &sd.unet_vs).unwrap().params, ADAMW);
     for step in 0..STEPS {
         let (b, d) = batch(step, 0..IMAGES);
         let l = loss(&sd, &ddpm, &b, &d, 0.0, Some(5.0), Kind::Float, &|x, t, c| sd.unet.forward(x, t, c)).unwrap();
@@ -67,7 +67,7 @@ fn train_gemini(
 ) -> (Gemini, Vec<(String, Tensor)>) {
     let sd = load();
     let ddpm = DdpmScheduler::new(sd.scheduler.clone());
-    let UnetParams { params, parts } = UnetParams::of(&sd).unwrap();
+    let UnetParams { params, parts } = UnetParams::of(&sd.unet, &sd.unet_vs).unwrap();
     let replication = group.map(|w| Replication { group: w.group.clone(), shard: true });
     let mut cfg = gemini_config(Device::Cpu, None, CpuRule::AdamW(ADAMW), Kind::Float, replication);
     // Every home, gradient and optimizer state in the host tier (the rayon kernels).

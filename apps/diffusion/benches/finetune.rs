@@ -1,0 +1,245 @@
+//! Stable Diffusion UNet fine-tuning steps (noise-prediction loss, backward, AdamW) with the
+//! SD 1.x architecture and random weights: ours under Gemini with `--cap` as the memory budget
+//! (and, on a GPU, the allocator's cap), ours uncapped, and diffusers' `UNet2DConditionModel`
+//! in PyTorch eager (`benches/finetune_baseline.py`, fp32 weights under autocast, uncapped) in
+//! the same run; seconds per step, peak memory and the ratios.
+//!
+//! `cargo bench -p diffusion --bench finetune -- --device cuda --cap 4G --resolution 512
+//! --batch 1 --precision fp16 --gradient-checkpointing` is the issue's measurement;
+//! `scripts/bench-diffusion.sh` sets up diffusers and runs it. Each configuration runs in its
+//! own process, so every peak (the allocator's on a GPU, the resident set on the CPU) is its own.
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+use anyhow::{ensure, Context};
+use clap::Parser;
+use diffusion::config::{UNetConfig, UNetConfigFile};
+use diffusion::finetune::{gemini_config, GeminiParts, UnetParams};
+use diffusion::sample::Precision;
+use diffusion::unet::UNet2DConditionModel;
+use engine::gemini::{cap_device_memory, parse_bytes, CpuRule, Gemini};
+use engine::optim::{AdamWConfig, LossScaler};
+use engine::runtime::DeviceKind;
+use tch::{Device, Kind, Tensor};
+
+const BASELINE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/finetune_baseline.py");
+/// Tokens of CLIP's text states.
+const TOKENS: i64 = 77;
+
+#[derive(Parser, Debug, Clone)]
+#[command(about = "SD UNet fine-tuning steps: ours under a memory cap, uncapped, and diffusers eager")]
+struct Args {
+    /// Where to run.
+    #[arg(long, default_value_t = DeviceKind::Cpu)]
+    device: DeviceKind,
+    /// Gemini's budget and the GPU allocator's cap, e.g. 4G.
+    #[arg(long, default_value = "4G")]
+    cap: String,
+    /// Image side in pixels (the latents are 1/8 of it).
+    #[arg(long, default_value_t = 512)]
+    resolution: i64,
+    /// Images per step.
+    #[arg(long, default_value_t = 1)]
+    batch: i64,
+    /// Compute precision (fp32 masters either way).
+    #[arg(long, value_enum, default_value_t = Precision::Fp32)]
+    precision: Precision,
+    /// Recompute each block's activations in backward (both sides).
+    #[arg(long)]
+    gradient_checkpointing: bool,
+    /// Widths of the resolution levels (SD 1.x: 320,640,1280,1280); smaller for a CPU check.
+    #[arg(long, value_delimiter = ',', default_value = "320,640,1280,1280")]
+    block_out_channels: Vec<i64>,
+    /// Timed steps (after `--warmup` untimed ones).
+    #[arg(long, default_value_t = 3)]
+    steps: usize,
+    /// Untimed steps first (Gemini's first step also records its trace and places homes).
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+    /// Skip diffusers.
+    #[arg(long)]
+    no_baseline: bool,
+    /// Internal: run one configuration of ours and print its JSON line.
+    #[arg(long, hide = true, value_parser = ["capped", "uncapped"])]
+    run: Option<String>,
+    /// cargo bench passes this; ignored.
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
+/// What one configuration measured.
+struct Measured {
+    seconds_per_step: f64,
+    peak_bytes: Option<u64>,
+}
+
+fn config(args: &Args) -> anyhow::Result<UNetConfigFile> {
+    // diffusers' defaults are SD 1.x's UNet but for the text width (CLIP ViT-L/14: 768).
+    let mut file: UNetConfigFile = serde_json::from_str(r#"{"cross_attention_dim": 768, "sample_size": 64}"#)?;
+    file.block_out_channels = args.block_out_channels.clone();
+    Ok(file)
+}
+
+fn sync(device: Device) -> anyhow::Result<()> {
+    if let Device::Cuda(d) = device {
+        engine::cuda::synchronize(d)?;
+    }
+    Ok(())
+}
+
+/// Trains under Gemini, with the budget and allocator cap when `capped`.
+fn ours(args: &Args, capped: bool) -> anyhow::Result<Measured> {
+    let device = args.device.device(0)?;
+    let cap = parse_bytes(&args.cap).context("--cap")?;
+    let file = config(args)?;
+    let cfg = UNetConfig::new(&file, Path::new("<benchmark config>"))?;
+    tch::manual_seed(0);
+    let vs = tch::nn::VarStore::new(Device::Cpu);
+    let mut unet = UNet2DConditionModel::new(&vs.root(), &cfg);
+    unet.set_gradient_checkpointing(args.gradient_checkpointing);
+    let UnetParams { params, parts } = UnetParams::of(&unet, &vs)?;
+    if capped {
+        cap_device_memory(device, cap)?;
+    }
+    let kind = args.precision.kind();
+    let rule = CpuRule::AdamW(AdamWConfig::default());
+    let gemini = Gemini::new(&params, gemini_config(device, capped.then_some(cap), rule, kind, None))?;
+    let mut scaler = (args.precision == Precision::Fp16).then(LossScaler::default);
+    let side = args.resolution / 8;
+    let opts = (Kind::Float, device);
+    let mut step = |i: usize| -> anyhow::Result<()> {
+        tch::manual_seed(i as i64 + 1);
+        let noisy = Tensor::f_randn([args.batch, 4, side, side], opts)?;
+        let noise = Tensor::f_randn([args.batch, 4, side, side], opts)?;
+        let context = Tensor::f_randn([args.batch, TOKENS, 768], opts)?.f_to_kind(kind)?;
+        let t = Tensor::f_randint(1000, [args.batch], (Kind::Int64, device))?;
+        let runner = GeminiParts { gemini: &gemini, parts: &parts };
+        let pred = unet.forward_with(&noisy.f_to_kind(kind)?, &t, &context, &runner)?;
+        let loss = pred.f_to_kind(Kind::Float)?.f_mse_loss(&noise, tch::Reduction::Mean)?;
+        match &scaler {
+            Some(s) => s.scale_loss(&loss)?.backward(),
+            None => loss.backward(),
+        }
+        gemini.finish_backward()?;
+        let finite = match &scaler {
+            Some(s) => gemini.unscale(s)?,
+            None => true,
+        };
+        if finite {
+            gemini.step()?;
+        } else {
+            gemini.skip_step()?;
+        }
+        if let Some(s) = scaler.as_mut() {
+            s.update(finite);
+        }
+        sync(device)
+    };
+    for i in 0..args.warmup {
+        step(i)?;
+    }
+    let start = Instant::now();
+    for i in 0..args.steps {
+        step(args.warmup + i)?;
+    }
+    let seconds_per_step = start.elapsed().as_secs_f64() / args.steps.max(1) as f64;
+    Ok(Measured { seconds_per_step, peak_bytes: engine::runtime::peak_memory(device) })
+}
+
+/// Runs this program again for one configuration of ours.
+fn child(which: &str) -> anyhow::Result<Measured> {
+    let exe = std::env::current_exe()?;
+    let mut cmd = Command::new(&exe);
+    cmd.args(std::env::args().skip(1).filter(|a| a != "--bench")).args(["--run", which]);
+    parse_child(cmd, &format!("ours ({which})"))
+}
+
+/// Runs `cmd` and reads the JSON line it prints last.
+fn parse_child(mut cmd: Command, what: &str) -> anyhow::Result<Measured> {
+    let output =
+        cmd.stdin(Stdio::null()).stderr(Stdio::inherit()).output().with_context(|| format!("running {what}"))?;
+    ensure!(output.status.success(), "{what} failed ({})", output.status);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let line =
+        stdout.lines().rev().find(|l| l.starts_with('{')).with_context(|| format!("{what} printed no JSON line"))?;
+    let json: serde_json::Value = serde_json::from_str(line)?;
+    let seconds_per_step =
+        json["seconds_per_step"].as_f64().with_context(|| format!("no seconds_per_step in {line}"))?;
+    Ok(Measured { seconds_per_step, peak_bytes: json["peak_bytes"].as_u64() })
+}
+
+fn diffusers(args: &Args, config_path: &Path) -> anyhow::Result<Measured> {
+    let python = std::env::var("SUITE_PYTHON")
+        .context("SUITE_PYTHON is not set: run through scripts/bench-diffusion.sh or cargo (or pass --no-baseline)")?;
+    let mut cmd = Command::new(&python);
+    cmd.arg(BASELINE)
+        .arg(config_path)
+        .args(["--device", if args.device == DeviceKind::Cpu { "cpu" } else { "cuda" }])
+        .args(["--resolution", &args.resolution.to_string(), "--batch", &args.batch.to_string()])
+        .args(["--precision", &format!("{:?}", args.precision).to_lowercase()])
+        .args(["--steps", &args.steps.to_string(), "--warmup", &args.warmup.to_string()]);
+    if args.gradient_checkpointing {
+        cmd.arg("--gradient-checkpointing");
+    }
+    parse_child(cmd, BASELINE)
+}
+
+fn gib(bytes: Option<u64>) -> String {
+    bytes.map_or("-".into(), |b| format!("{:.2}", b as f64 / f64::from(1u32 << 30)))
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    if let Some(which) = &args.run {
+        let m = ours(&args, which == "capped")?;
+        println!("{}", serde_json::json!({ "seconds_per_step": m.seconds_per_step, "peak_bytes": m.peak_bytes }));
+        return Ok(());
+    }
+    if args.device == DeviceKind::Cuda && !engine::cuda::is_available() {
+        println!("diffusion finetune bench: no CUDA device (pass --device cpu to check the program on the CPU)");
+        return Ok(());
+    }
+    let cfg = config(&args)?;
+    let params: i64 = {
+        let vs = tch::nn::VarStore::new(Device::Cpu);
+        let _unet = UNet2DConditionModel::new(&vs.root(), &UNetConfig::new(&cfg, Path::new("<benchmark config>"))?);
+        vs.trainable_variables().iter().map(Tensor::numel).sum::<usize>() as i64
+    };
+    println!(
+        "SD UNet fine-tuning step: {:.0}M parameters (widths {:?}), {} px, batch {}, {:?} compute over fp32 masters, AdamW, {}gradient checkpointing, on {}",
+        params as f64 / 1e6,
+        args.block_out_channels,
+        args.resolution,
+        args.batch,
+        args.precision,
+        if args.gradient_checkpointing { "" } else { "no " },
+        args.device
+    );
+    if args.device == DeviceKind::Cpu {
+        println!("(on the CPU the cap is Gemini's own accounting; peaks are each process's resident set)");
+    }
+    println!("| | s/step | peak GiB |\n|---|---|---|");
+    let capped = child("capped")?;
+    println!("| ours, Gemini, cap {} | {:.3} | {} |", args.cap, capped.seconds_per_step, gib(capped.peak_bytes));
+    let uncapped = child("uncapped")?;
+    println!("| ours, Gemini, uncapped | {:.3} | {} |", uncapped.seconds_per_step, gib(uncapped.peak_bytes));
+    println!("capped / uncapped step time: {:.2}", capped.seconds_per_step / uncapped.seconds_per_step);
+    if args.no_baseline {
+        return Ok(());
+    }
+    let dir: PathBuf = std::env::temp_dir().join(format!("diffusion-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let config_path = dir.join("config.json");
+    std::fs::write(&config_path, serde_json::to_string_pretty(&cfg)?)?;
+    let eager = diffusers(&args, &config_path);
+    let _ = std::fs::remove_dir_all(&dir);
+    let eager = eager?;
+    println!("| diffusers eager, uncapped | {:.3} | {} |", eager.seconds_per_step, gib(eager.peak_bytes));
+    println!(
+        "diffusers / ours step time: {:.2} (ours capped), {:.2} (ours uncapped)",
+        eager.seconds_per_step / capped.seconds_per_step,
+        eager.seconds_per_step / uncapped.seconds_per_step
+    );
+    Ok(())
+}

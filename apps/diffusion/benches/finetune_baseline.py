@@ -1,0 +1,80 @@
+"""diffusers' UNet2DConditionModel fine-tuning steps in PyTorch eager, the baseline of
+`benches/finetune.rs` (run by it; not part of the product).
+
+The step of diffusers' `train_text_to_image.py` on random data: fp32 weights, the forward under
+autocast in the compute precision (with a GradScaler for fp16 on a GPU), mean squared error
+against the noise, backward, torch's AdamW (diffusers' default hyperparameters). No memory
+cap. Weights are diffusers' random initialisation of the given config.
+
+    python finetune_baseline.py CONFIG.json --device cpu --resolution 256 --batch 1 \
+        --precision fp32 --steps 3 --warmup 1 [--gradient-checkpointing]
+prints one JSON line: seconds_per_step, peak_bytes.
+"""
+import argparse
+import json
+import resource
+import time
+
+import torch
+import torch.nn.functional as F
+from diffusers import UNet2DConditionModel
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("config")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--resolution", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--precision", choices=sorted(DTYPES), default="fp32")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--gradient-checkpointing", action="store_true")
+    a = ap.parse_args()
+
+    with open(a.config) as f:
+        config = json.load(f)
+    torch.manual_seed(0)
+    device = torch.device(a.device)
+    unet = UNet2DConditionModel.from_config(config).to(device)
+    unet.train()
+    if a.gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+    opt = torch.optim.AdamW(unet.parameters(), lr=1e-4, betas=(0.9, 0.999), weight_decay=1e-2, eps=1e-8)
+    dtype = DTYPES[a.precision]
+    scaler = torch.amp.GradScaler("cuda", enabled=a.precision == "fp16" and device.type == "cuda")
+    side = a.resolution // 8
+
+    def step(i):
+        g = torch.Generator(device="cpu").manual_seed(i + 1)
+        noisy = torch.randn(a.batch, 4, side, side, generator=g).to(device)
+        noise = torch.randn(a.batch, 4, side, side, generator=g).to(device)
+        context = torch.randn(a.batch, 77, config["cross_attention_dim"], generator=g).to(device)
+        t = torch.randint(0, 1000, (a.batch,), generator=g).to(device)
+        with torch.autocast(device.type, dtype=dtype, enabled=a.precision != "fp32"):
+            pred = unet(noisy, t, context).sample
+        loss = F.mse_loss(pred.float(), noise)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    for i in range(a.warmup):
+        step(i)
+    start = time.perf_counter()
+    for i in range(a.steps):
+        step(a.warmup + i)
+    seconds = (time.perf_counter() - start) / max(a.steps, 1)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"seconds_per_step": seconds, "peak_bytes": peak}))
+
+
+if __name__ == "__main__":
+    main()
