@@ -297,7 +297,8 @@ pub fn gemini_config(
             Some(_) => Placement::Auto,
             None => Placement::Static { offload: 0.0 },
         },
-        prefetch: 0,
+        // The next parts' chunks load on a side stream while the current part computes (GPU).
+        prefetch: 2,
         rule,
         replication,
     }

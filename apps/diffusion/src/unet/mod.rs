@@ -167,14 +167,17 @@ impl UNet2DConditionModel {
             self.cfg.freq_shift,
         )
         .to_kind(sample.kind());
-        let one = |outs: Vec<Tensor>| outs.into_iter().next().expect("a part has an output");
-        let mut part = 0..;
-        let mut next = || part.next().expect("unbounded");
+        let one = |outs: Vec<Tensor>| {
+            outs.into_iter().next().ok_or_else(|| Error::Invalid("a UNet part returned no output".into()))
+        };
+        // Parts are numbered in the order they run.
+        let part = std::cell::Cell::new(0);
+        let next = || part.replace(part.get() + 1);
         let temb =
             one(runner
-                .run(next(), &[&emb], &|x| Ok(vec![self.linear_2.forward(&self.linear_1.forward(&x[0]).silu())]))?);
+                .run(next(), &[&emb], &|x| Ok(vec![self.linear_2.forward(&self.linear_1.forward(&x[0]).silu())]))?)?;
         let ctx = encoder_hidden_states;
-        let mut h = one(runner.run(next(), &[sample], &|x| Ok(vec![self.conv_in.forward(&x[0])]))?);
+        let mut h = one(runner.run(next(), &[sample], &|x| Ok(vec![self.conv_in.forward(&x[0])]))?)?;
         let mut skips = vec![h.shallow_clone()];
         for block in &self.down_blocks {
             let outs = runner
@@ -184,18 +187,19 @@ impl UNet2DConditionModel {
         }
         h = one(runner.run(next(), &[&h, &temb, ctx], &|x| {
             self.run(&self.mid_block, x, |b, x| vec![b.forward(&x[0], &x[1], &x[2])])
-        })?);
+        })?)?;
         for block in &self.up_blocks {
             let layers = block.lock().map_err(|_| poisoned())?.layers();
             let mut taken = skips.split_off(skips.len().saturating_sub(layers));
             taken.reverse();
             let mut inputs = vec![&h, &temb, ctx];
             inputs.extend(taken.iter());
-            h = one(runner
-                .run(next(), &inputs, &|x| self.run(block, x, |b, x| vec![b.forward(&x[0], &x[3..], &x[1], &x[2])]))?);
+            h = one(runner.run(next(), &inputs, &|x| {
+                self.run(block, x, |b, x| vec![b.forward(&x[0], &x[3..], &x[1], &x[2])])
+            })?)?;
         }
-        Ok(one(runner
-            .run(next(), &[&h], &|x| Ok(vec![self.conv_out.forward(&self.conv_norm_out.forward(&x[0]).silu())]))?))
+        one(runner
+            .run(next(), &[&h], &|x| Ok(vec![self.conv_out.forward(&self.conv_norm_out.forward(&x[0]).silu())]))?)
     }
 
     /// Checks shapes; returns the batch size and the timesteps.
