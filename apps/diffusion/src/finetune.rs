@@ -276,7 +276,8 @@ impl PartRunner for GeminiParts<'_> {
     }
 }
 
-/// Gemini's configuration for a UNet of `elements` parameters.
+/// Gemini's configuration for the UNet: `budget` bytes on `device` (auto placement) or no
+/// budget (every home on the device), compute copies in `compute`.
 pub fn gemini_config(
     device: Device,
     budget: Option<u64>,
