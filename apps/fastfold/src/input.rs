@@ -1,7 +1,7 @@
 //! What `predict` and `train` share on the command line: where the features come from (FASTA
 //! and an optional A3M alignment through AlphaFold's feature pipeline, or an already-processed
 //! `.npz`), and the device, ranks, chunking and timeout a run uses.
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context};
@@ -11,6 +11,8 @@ use engine::runtime::DeviceKind;
 use tch::Device;
 
 use crate::features::{process, FeatureConfig, Features, RawFeatures};
+use crate::model::Params;
+use crate::preset::Preset;
 
 /// The inputs: FASTA (+ A3M) or processed features.
 #[derive(clap::Args, Debug, Clone)]
@@ -25,12 +27,19 @@ pub struct InputArgs {
     /// recycling dimension), in place of FASTA and MSA.
     #[arg(long, conflicts_with_all = ["fasta", "msa"])]
     pub features: Option<PathBuf>,
-    /// MSA rows kept as cluster centres (AlphaFold's `max_msa_clusters`).
-    #[arg(long, default_value_t = 512)]
-    pub max_msa_clusters: usize,
-    /// Further rows kept as the extra MSA (AlphaFold's `max_extra_msa`).
-    #[arg(long, default_value_t = 1024)]
-    pub max_extra_msa: usize,
+    /// AlphaFold's model preset (model_1 ... model_5, optionally _ptm) whose MSA sizes apply;
+    /// default: the one the --params file's name gives (`params_model_N[_ptm]`), else 512
+    /// clusters and 1024 extra rows. The parameters must be that preset's network.
+    #[arg(long)]
+    pub preset: Option<Preset>,
+    /// MSA rows kept as cluster centres (AlphaFold's `max_msa_clusters`; default: the
+    /// preset's).
+    #[arg(long)]
+    pub max_msa_clusters: Option<usize>,
+    /// Further rows kept as the extra MSA (AlphaFold's `max_extra_msa`; default: the
+    /// preset's).
+    #[arg(long)]
+    pub max_extra_msa: Option<usize>,
     /// Seed of the feature pipeline's MSA sampling and masking.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -47,9 +56,30 @@ fn file_stem(name: &str) -> String {
 }
 
 impl InputArgs {
+    /// The preset in force for the parameters loaded from `path` (`--preset`, else the one the
+    /// file's name gives, else none), checked against them.
+    pub fn preset(&self, params: &Params, path: &Path) -> anyhow::Result<Option<Preset>> {
+        let (preset, from) = match self.preset {
+            Some(p) => (p, "--preset"),
+            None => match Preset::from_params_path(path) {
+                Some(p) => (p, "its file name"),
+                None => return Ok(None),
+            },
+        };
+        let config = params.model_config()?;
+        preset.check(&config).map_err(|e| anyhow::anyhow!("{} is not {preset} ({from}): {e}", path.display()))?;
+        Ok(Some(preset))
+    }
+
     /// The inputs, each named (the FASTA record's name or the features file's stem, made safe
-    /// for file names), with `recycles + 1` recycling slices when processed here.
-    pub fn load(&self, recycles: usize, device: Device) -> anyhow::Result<Vec<(String, Features)>> {
+    /// for file names), with `recycles + 1` recycling slices when processed here, MSA sizes
+    /// from `preset` unless given.
+    pub fn load(
+        &self,
+        recycles: usize,
+        preset: Option<Preset>,
+        device: Device,
+    ) -> anyhow::Result<Vec<(String, Features)>> {
         if let Some(path) = &self.features {
             let features = Features::load_npz(path, device)?;
             let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
@@ -72,11 +102,15 @@ impl InputArgs {
             Some(path) => Some((data::a3m::read(path)?, path.clone())),
             None => None,
         };
+        let defaults = FeatureConfig::default();
         let config = FeatureConfig {
-            max_msa_clusters: self.max_msa_clusters,
-            max_extra_msa: self.max_extra_msa,
+            max_msa_clusters: self
+                .max_msa_clusters
+                .or(preset.map(Preset::max_msa_clusters))
+                .unwrap_or(defaults.max_msa_clusters),
+            max_extra_msa: self.max_extra_msa.or(preset.map(Preset::max_extra_msa)).unwrap_or(defaults.max_extra_msa),
             num_recycle: recycles,
-            ..FeatureConfig::default()
+            ..defaults
         };
         records
             .iter()

@@ -7,5 +7,6 @@ pub mod input;
 pub mod model;
 pub mod pdb;
 pub mod predict;
+pub mod preset;
 pub mod residue_constants;
 pub mod train;

@@ -42,7 +42,8 @@ pub struct PredictArgs {
     /// The sequences or features to predict.
     #[command(flatten)]
     pub input: InputArgs,
-    /// AlphaFold parameters: `params_model_N[_ptm].npz` or its `.safetensors` conversion.
+    /// AlphaFold parameters: `params_model_N[_ptm].npz` (the name gives the preset) or its
+    /// `.safetensors` conversion.
     #[arg(long)]
     pub params: PathBuf,
     /// Output directory.
@@ -83,13 +84,15 @@ pub struct Predicted {
 pub fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predicted>> {
     let (device, dap) = args.run.setup(world)?;
     let kind = args.precision.kind();
-    let params = Params::load_model(&args.params)?.to_kind(kind)?.to_device(device, false)?;
+    let loaded = Params::load_model(&args.params)?;
+    let preset = args.input.preset(&loaded, &args.params)?;
+    let params = loaded.to_kind(kind)?.to_device(device, false)?;
     let model = AlphaFold::new(&params).with_context(|| format!("parameters {}", args.params.display()))?;
     let default_recycles = match &args.input.features {
         Some(_) => None,
         None => Some(args.recycles.unwrap_or(3)),
     };
-    let inputs = args.input.load(default_recycles.unwrap_or(0), device)?;
+    let inputs = args.input.load(default_recycles.unwrap_or(0), preset, device)?;
     if world.rank() == 0 {
         std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
     }

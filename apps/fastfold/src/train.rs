@@ -234,7 +234,9 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
         bail!("--steps must be at least 1");
     }
     let (device, dap) = args.run.setup(world)?;
-    let mut inputs = args.input.load(args.recycles, device)?;
+    let params = Params::load_model(&args.params).with_context(|| format!("--params {}", args.params.display()))?;
+    let preset = args.input.preset(&params, &args.params)?;
+    let mut inputs = args.input.load(args.recycles, preset, device)?;
     if inputs.len() != 1 {
         bail!("training takes one query, the input has {}", inputs.len());
     }
@@ -242,7 +244,6 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
     let aatype = features.aatype.get(0);
     let structure = Structure::read(&args.target, args.chain)?;
     let target = Target::new(&structure, &aatype, &args.target.display().to_string())?;
-    let params = Params::load_model(&args.params).with_context(|| format!("--params {}", args.params.display()))?;
     let mut trainer = Trainer::new(&params, device, args.lr, args.clip)?;
     let mut log = Vec::new();
     let mut file = match world.rank() {

@@ -1,13 +1,16 @@
 //! `fastfold predict` and `fastfold convert` end to end on a tiny random model written with
 //! AlphaFold's key names: the files written (PDB columns, confidence JSON, raw outputs), and
 //! that chunking, DAP over 2 ranks, safetensors parameters and an equivalent features file all
-//! give the plain run's result. Bad inputs are errors naming the flag, record or key.
+//! give the plain run's result; AlphaFold's presets set the MSA sizes and must match the
+//! parameters. Bad inputs are errors naming the flag, record or key.
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
 use fastfold::features::{process, FeatureConfig, RawFeatures};
+use fastfold::input::InputArgs;
 use fastfold::model::{EvoformerConfig, ModelConfig, Params};
+use fastfold::preset::Preset;
 use tch::{Device, Tensor};
 
 const BIN: &str = env!("CARGO_BIN_EXE_fastfold");
@@ -250,4 +253,75 @@ fn bad_inputs_are_named() {
     let (ok, text) = fastfold(&["predict", one.to_str().unwrap(), "--params", partial.to_str().unwrap(), "-o", o]);
     assert!(!ok && text.contains(key) && text.contains("partial.npz"), "{text}");
     assert!(!out.join("a_unrelaxed.pdb").exists(), "nothing written after a failure");
+}
+
+#[test]
+fn presets_set_alphafold_msa_sizes_and_must_match_the_parameters() {
+    // AlphaFold's CONFIG_DIFFS: clusters, extra rows, templates.
+    for (name, clusters, extra, templates) in [
+        ("model_1", 508, 5120, true),
+        ("model_2_ptm", 508, 1024, true),
+        ("model_3", 512, 5120, false),
+        ("model_4_ptm", 512, 5120, false),
+        ("model_5", 512, 1024, false),
+    ] {
+        let p: Preset = name.parse().unwrap();
+        assert_eq!(
+            (p.max_msa_clusters(), p.max_extra_msa(), p.templates(), p.to_string()),
+            (clusters, extra, templates, name.to_string())
+        );
+    }
+    let from_name = Preset::from_params_path(Path::new("params/params_model_2_ptm.safetensors"));
+    assert_eq!(from_name, Some("model_2_ptm".parse().unwrap()));
+    assert_eq!(Preset::from_params_path(Path::new("params_tiny.npz")), None);
+    let err = "model_6".parse::<Preset>().unwrap_err();
+    assert!(err.contains("model_6") && err.contains("model_5"), "{err}");
+
+    // The tiny set (no templates, a PAE head) under model_5_ptm's release name, and an
+    // alignment of 1600 distinct rows: 512 clusters and 1024 extra rows.
+    let d = dir("preset");
+    let named = d.join("params_model_5_ptm.npz");
+    std::fs::copy(params_file(), &named).unwrap();
+    let fa = fasta(&d, &[("q", SEQ_B)]);
+    let letters: Vec<char> = "ACDEFGHIKLMNPQRSTVWY".chars().collect();
+    let mut a3m = format!(">q\n{SEQ_B}\n");
+    for i in 1..1600usize {
+        let row: String = (0..SEQ_B.len()).map(|k| letters[(i / 20usize.pow(k as u32)) % 20]).collect();
+        a3m.push_str(&format!(">r{i}\n{row}\n"));
+    }
+    let msa = d.join("q.a3m");
+    std::fs::write(&msa, a3m).unwrap();
+    let input = InputArgs {
+        fasta: Some(fa.clone()),
+        msa: Some(msa),
+        features: None,
+        preset: None,
+        max_msa_clusters: None,
+        max_extra_msa: None,
+        seed: 0,
+    };
+    let rows = |input: &InputArgs, path: &Path| {
+        let params = Params::load_model(path).unwrap();
+        let preset = input.preset(&params, path).unwrap();
+        let (_, f) = input.load(0, preset, Device::Cpu).unwrap().remove(0);
+        (f.msa_feat.size()[1], f.extra_msa.size()[1])
+    };
+    assert_eq!(rows(&input, &named), (512, 1024), "model_5_ptm from the file name");
+    let model_3 = InputArgs { preset: Some("model_3_ptm".parse().unwrap()), ..input.clone() };
+    assert_eq!(rows(&model_3, &named), (512, 1600 - 512), "--preset model_3_ptm: up to 5120 extra rows");
+    let capped = InputArgs { max_extra_msa: Some(100), ..model_3 };
+    assert_eq!(rows(&capped, &named), (512, 100), "--max-extra-msa wins over the preset");
+
+    // A preset that is not the parameters' network is an error naming where it came from.
+    let wrong_name = d.join("params_model_3.npz");
+    std::fs::copy(params_file(), &wrong_name).unwrap();
+    let out = d.join("out");
+    let (fa, o) = (fa.to_str().unwrap(), out.to_str().unwrap());
+    let (ok, text) = fastfold(&["predict", fa, "--params", wrong_name.to_str().unwrap(), "-o", o]);
+    let expected = "params_model_3.npz is not model_3 (its file name): model_3 has no predicted-aligned-error head";
+    assert!(!ok && text.contains(expected), "{text}");
+    let (ok, text) =
+        fastfold(&["predict", fa, "--params", params_file().to_str().unwrap(), "--preset", "model_1_ptm", "-o", o]);
+    assert!(!ok && text.contains("(--preset)") && text.contains("has a template embedding"), "{text}");
+    assert!(!out.exists(), "nothing written after a failure");
 }

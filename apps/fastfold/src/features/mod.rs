@@ -132,8 +132,8 @@ pub struct FeatureConfig {
 }
 
 impl Default for FeatureConfig {
-    /// AlphaFold's monomer defaults (`model_3`..`model_5`; `model_1`/`model_2` use 5120 extra
-    /// rows), without padding.
+    /// AlphaFold's monomer defaults (`model_2` and `model_5` use these sizes; see
+    /// [`crate::preset::Preset`] for the others), without padding.
     fn default() -> Self {
         FeatureConfig {
             max_msa_clusters: 512,
