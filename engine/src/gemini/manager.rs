@@ -332,8 +332,10 @@ impl ChunkManager {
                 cuda::Stream::current(d)?.wait_event(&ready)?;
             }
         }
-        // Backward may enter a module of several outputs more than once; tensors whose
-        // gradient already arrived are done with this step and stay as they are.
+        // Backward enters a module of several outputs once per output. On the CPU autograd
+        // runs every output's marker before the module's own backward, but nothing promises
+        // that order (device threads, reentrant checkpoints): tensors whose gradient already
+        // arrived are done with this step and stay as they are.
         let waiting: Vec<usize> = params
             .iter()
             .copied()
