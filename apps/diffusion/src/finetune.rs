@@ -480,8 +480,13 @@ pub fn run(args: &FinetuneArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
     if data.is_empty() {
         bail!("--data {}: no images", args.data.display());
     }
-    let mut sd = StableDiffusion::load(&args.model, device, Kind::Float)
+    // Everything is read into host memory first: under Gemini the UNet's weights stay there
+    // for Gemini to chunk (bringing to the device only what the budget allows), where loading
+    // them onto the device would alone fill a 4 GiB cap with SD 1.5's fp32 UNet.
+    let mut sd = StableDiffusion::load(&args.model, Device::Cpu, Kind::Float)
         .with_context(|| format!("--model {}", args.model.display()))?;
+    sd.text_encoder_vs.set_device(device);
+    sd.vae_vs.set_device(device);
     let multiple = sd.size_multiple() as usize;
     if !args.resolution.is_multiple_of(multiple) {
         bail!("--resolution {}: this model needs a multiple of {multiple} pixels", args.resolution);
@@ -492,7 +497,9 @@ pub fn run(args: &FinetuneArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
     let lamb = LambConfig { lr: args.lr, weight_decay: args.weight_decay, ..LambConfig::default() };
     let trainer = match args.lora_rank {
         Some(rank) => {
+            // The frozen UNet runs whole on the device, in the compute kind.
             sd.unet_vs.set_kind(kind);
+            sd.unet_vs.set_device(device);
             let lora = Lora::new(&sd.unet_vs, rank, args.lora_alpha.unwrap_or(rank as f64), args.seed)?;
             let opt: Box<dyn Optimizer> = match args.optimizer {
                 OptimizerKind::Adamw => Box::new(AdamW::new(lora.params(), adamw)),

@@ -88,9 +88,10 @@ impl StableDiffusion {
         })
     }
 
-    /// The device the weights live on.
+    /// The device the pipeline computes on: the text encoder's (under Gemini the UNet's
+    /// weights start in host memory and are brought over part by part).
     pub fn device(&self) -> Device {
-        self.unet_vs.device()
+        self.text_encoder_vs.device()
     }
 
     /// The weights' kind.
