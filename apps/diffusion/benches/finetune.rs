@@ -72,6 +72,8 @@ struct Args {
 struct Measured {
     seconds_per_step: f64,
     peak_bytes: Option<u64>,
+    /// The UNet's parameter count (ours only).
+    parameters: Option<u64>,
 }
 
 fn config(args: &Args) -> anyhow::Result<UNetConfigFile> {
@@ -99,6 +101,7 @@ fn ours(args: &Args, capped: bool) -> anyhow::Result<Measured> {
     let mut unet = UNet2DConditionModel::new(&vs.root(), &cfg);
     unet.set_gradient_checkpointing(args.gradient_checkpointing);
     let UnetParams { params, parts } = UnetParams::of(&unet, &vs)?;
+    let parameters = params.iter().map(|p| p.tensor.numel() as u64).sum();
     if capped {
         cap_device_memory(device, cap)?;
     }
@@ -112,7 +115,7 @@ fn ours(args: &Args, capped: bool) -> anyhow::Result<Measured> {
         tch::manual_seed(i as i64 + 1);
         let noisy = Tensor::f_randn([args.batch, 4, side, side], opts)?;
         let noise = Tensor::f_randn([args.batch, 4, side, side], opts)?;
-        let context = Tensor::f_randn([args.batch, TOKENS, 768], opts)?.f_to_kind(kind)?;
+        let context = Tensor::f_randn([args.batch, TOKENS, file.cross_attention_dim], opts)?.f_to_kind(kind)?;
         let t = Tensor::f_randint(1000, [args.batch], (Kind::Int64, device))?;
         let runner = GeminiParts { gemini: &gemini, parts: &parts };
         let pred = unet.forward_with(&noisy.f_to_kind(kind)?, &t, &context, &runner)?;
@@ -144,7 +147,7 @@ fn ours(args: &Args, capped: bool) -> anyhow::Result<Measured> {
         step(args.warmup + i)?;
     }
     let seconds_per_step = start.elapsed().as_secs_f64() / args.steps.max(1) as f64;
-    Ok(Measured { seconds_per_step, peak_bytes: engine::runtime::peak_memory(device) })
+    Ok(Measured { seconds_per_step, peak_bytes: engine::runtime::peak_memory(device), parameters: Some(parameters) })
 }
 
 /// Runs this program again for one configuration of ours.
@@ -166,7 +169,7 @@ fn parse_child(mut cmd: Command, what: &str) -> anyhow::Result<Measured> {
     let json: serde_json::Value = serde_json::from_str(line)?;
     let seconds_per_step =
         json["seconds_per_step"].as_f64().with_context(|| format!("no seconds_per_step in {line}"))?;
-    Ok(Measured { seconds_per_step, peak_bytes: json["peak_bytes"].as_u64() })
+    Ok(Measured { seconds_per_step, peak_bytes: json["peak_bytes"].as_u64(), parameters: json["parameters"].as_u64() })
 }
 
 fn diffusers(args: &Args, config_path: &Path) -> anyhow::Result<Measured> {
@@ -193,7 +196,12 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     if let Some(which) = &args.run {
         let m = ours(&args, which == "capped")?;
-        println!("{}", serde_json::json!({ "seconds_per_step": m.seconds_per_step, "peak_bytes": m.peak_bytes }));
+        let json = serde_json::json!({
+            "seconds_per_step": m.seconds_per_step,
+            "peak_bytes": m.peak_bytes,
+            "parameters": m.parameters,
+        });
+        println!("{json}");
         return Ok(());
     }
     if args.device == DeviceKind::Cuda && !engine::cuda::is_available() {
@@ -201,14 +209,11 @@ fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     let cfg = config(&args)?;
-    let params: i64 = {
-        let vs = tch::nn::VarStore::new(Device::Cpu);
-        let _unet = UNet2DConditionModel::new(&vs.root(), &UNetConfig::new(&cfg, Path::new("<benchmark config>"))?);
-        vs.trainable_variables().iter().map(Tensor::numel).sum::<usize>() as i64
-    };
+    // The first run reports the parameter count for the header.
+    let capped = child("capped")?;
     println!(
         "SD UNet fine-tuning step: {:.0}M parameters (widths {:?}), {} px, batch {}, {:?} compute over fp32 masters, AdamW, {}gradient checkpointing, on {}",
-        params as f64 / 1e6,
+        capped.parameters.unwrap_or(0) as f64 / 1e6,
         args.block_out_channels,
         args.resolution,
         args.batch,
@@ -220,7 +225,6 @@ fn main() -> anyhow::Result<()> {
         println!("(on the CPU the cap is Gemini's own accounting; peaks are each process's resident set)");
     }
     println!("| | s/step | peak GiB |\n|---|---|---|");
-    let capped = child("capped")?;
     println!("| ours, Gemini, cap {} | {:.3} | {} |", args.cap, capped.seconds_per_step, gib(capped.peak_bytes));
     let uncapped = child("uncapped")?;
     println!("| ours, Gemini, uncapped | {:.3} | {} |", uncapped.seconds_per_step, gib(uncapped.peak_bytes));
