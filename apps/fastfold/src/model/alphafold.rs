@@ -163,6 +163,8 @@ impl AlphaFold {
         };
         let (msa, pair) = self.evoformer.forward(&msa, &pair, &msa_mask, &pair_mask, dap, chunk)?;
         let msa_first_row = msa.f_select(0, 0)?;
+        // The template rows end here: the masked-MSA head reads the MSA's own rows only.
+        let msa = msa.f_narrow(0, 0, batch.msa_feat.size()[0])?;
         let single = self.heads.single.forward(&msa)?;
         let structure = self.structure.forward(&single, &pair, &batch.aatype, &batch.seq_mask)?;
         let heads = self.heads.forward(&HeadInputs {

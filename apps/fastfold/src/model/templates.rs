@@ -15,13 +15,16 @@
 //! mask, all multiplied by the backbone pair mask. The torsion features are the residue type
 //! and AlphaFold's seven torsion angles (with their pi-periodic alternatives and masks), as
 //! `atom37_to_torsion_angles` computes them for `zero_init` models (undefined angles are not
-//! replaced by a placeholder). Templates run whole on every rank, outside DAP.
+//! replaced by a placeholder). Undefined angles (the first residue's omega, chis with an absent
+//! atom) still enter the template rows, with values that are rounding artefacts of degenerate
+//! frames; they are computed in the operation order of AlphaFold's `r3` code, so they equal
+//! DeepMind's model run op by op (jit-compiled, XLA fuses these operations and AlphaFold itself
+//! gives other values). Templates run whole on every rank, outside DAP.
 use std::collections::BTreeMap;
 
 use tch::{Kind, Tensor};
 
 use crate::features::TemplateFeatures;
-use crate::geometry::Rigid;
 use crate::model::embedders::distance_one_hot;
 use crate::model::layers::{chunked, LayerNorm, Linear};
 use crate::model::msa::Transition;
@@ -137,6 +140,73 @@ impl TemplateConfig {
     }
 }
 
+/// Vectors as three coordinate tensors, for arithmetic in the operation order of AlphaFold's
+/// `r3` module. Undefined torsion angles (the first residue's omega, chis with an absent atom)
+/// are still features of the template rows, and for degenerate atom sets their values are
+/// rounding artefacts: only the same sequence of fp32 operations reproduces them.
+struct Vecs {
+    x: Tensor,
+    y: Tensor,
+    z: Tensor,
+}
+
+impl Vecs {
+    /// From `[.., 3]`.
+    fn of(t: &Tensor) -> Result<Vecs> {
+        Ok(Vecs { x: t.f_select(-1, 0)?, y: t.f_select(-1, 1)?, z: t.f_select(-1, 2)? })
+    }
+
+    fn sub(&self, o: &Vecs) -> Result<Vecs> {
+        Ok(Vecs { x: self.x.f_sub(&o.x)?, y: self.y.f_sub(&o.y)?, z: self.z.f_sub(&o.z)? })
+    }
+
+    fn dot(&self, o: &Vecs) -> Result<Tensor> {
+        Ok(self.x.f_mul(&o.x)?.f_add(&self.y.f_mul(&o.y)?)?.f_add(&self.z.f_mul(&o.z)?)?)
+    }
+
+    fn cross(&self, o: &Vecs) -> Result<Vecs> {
+        let d =
+            |a: &Tensor, b: &Tensor, c: &Tensor, e: &Tensor| -> Result<Tensor> { Ok(a.f_mul(b)?.f_sub(&c.f_mul(e)?)?) };
+        Ok(Vecs {
+            x: d(&self.y, &o.z, &self.z, &o.y)?,
+            y: d(&self.z, &o.x, &self.x, &o.z)?,
+            z: d(&self.x, &o.y, &self.y, &o.x)?,
+        })
+    }
+
+    /// `v / sqrt(x² + y² + z² + 1e-8)` (`vecs_robust_normalize`).
+    fn robust_normalize(&self) -> Result<Vecs> {
+        let sq = self.x.f_square()?.f_add(&self.y.f_square()?)?.f_add(&self.z.f_square()?)?;
+        let norm = ieee_sqrt(&sq.f_add_scalar(1e-8)?)?;
+        Ok(Vecs { x: self.x.f_div(&norm)?, y: self.y.f_div(&norm)?, z: self.z.f_div(&norm)? })
+    }
+}
+
+/// The correctly rounded square root (fp32 through fp64, where rounding twice is exact for
+/// square roots): libtorch's vectorised fp32 `sqrt` can be one ulp off, which the degenerate
+/// frames above amplify.
+fn ieee_sqrt(x: &Tensor) -> Result<Tensor> {
+    Ok(x.f_to_kind(Kind::Double)?.f_sqrt()?.f_to_kind(x.kind())?)
+}
+
+/// The y and z coordinates of `a3` in the frame with origin `a2`, negative x axis towards
+/// `a1` and `a0` in the xy plane (`rigids_from_3_points` by Gram-Schmidt, then the inverted
+/// frame applied as `R^T a3 - R^T a2`, as AlphaFold computes them).
+fn fourth_atom_in_frame(a0: &Vecs, a1: &Vecs, a2: &Vecs, a3: &Vecs) -> Result<(Tensor, Tensor)> {
+    let e0 = a2.sub(a1)?.robust_normalize()?;
+    let e1_raw = a0.sub(a2)?;
+    let c = e1_raw.dot(&e0)?;
+    let e1 = Vecs {
+        x: e1_raw.x.f_sub(&c.f_mul(&e0.x)?)?,
+        y: e1_raw.y.f_sub(&c.f_mul(&e0.y)?)?,
+        z: e1_raw.z.f_sub(&c.f_mul(&e0.z)?)?,
+    }
+    .robust_normalize()?;
+    let e2 = e0.cross(&e1)?;
+    let along = |axis: &Vecs| -> Result<Tensor> { Ok(axis.dot(a3)?.f_add(&axis.dot(a2)?.f_neg()?)?) };
+    Ok((along(&e1)?, along(&e2)?))
+}
+
 /// AlphaFold's seven torsion angles of every residue (`atom37_to_torsion_angles`): omega,
 /// phi, psi and chi1..chi4, as (sin, cos) [.., N, 7, 2], their pi-periodic alternatives (chis
 /// of symmetric side chains turned by pi) and their masks [.., N, 7]. `aatype` [.., N],
@@ -144,8 +214,12 @@ impl TemplateConfig {
 pub fn torsion_angles(aatype: &Tensor, positions: &Tensor, masks: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
     let tables = Tables::new(positions.device());
     let aatype = aatype.f_clamp(0, 20)?;
-    let pos = positions.f_to_kind(Kind::Float)?;
-    let mask = masks.f_to_kind(Kind::Float)?;
+    let kind = match positions.kind() {
+        Kind::Double => Kind::Double,
+        _ => Kind::Float,
+    };
+    let pos = positions.f_to_kind(kind)?;
+    let mask = masks.f_to_kind(kind)?;
     let n_dim = aatype.dim() as i64 - 1;
     // The previous residue's atoms (zero before the first).
     let shift = |t: &Tensor| -> Result<Tensor> {
@@ -161,7 +235,7 @@ pub fn torsion_angles(aatype: &Tensor, positions: &Tensor, masks: &Tensor) -> Re
     let omega = Tensor::f_cat(&[atoms(&prev_pos, &[1, 2])?, atoms(&pos, &[0, 1])?], -2)?;
     let phi = Tensor::f_cat(&[atoms(&prev_pos, &[2])?, atoms(&pos, &[0, 1, 2])?], -2)?;
     let psi = atoms(&pos, &[0, 1, 2, 4])?;
-    let prod = |t: Tensor| -> Result<Tensor> { Ok(t.f_prod_dim_int(-1, false, Kind::Float)?) };
+    let prod = |t: Tensor| -> Result<Tensor> { Ok(t.f_prod_dim_int(-1, false, kind)?) };
     let omega_mask = prod(atoms(&prev_mask, &[1, 2])?)?.f_mul(&prod(atoms(&mask, &[0, 1])?)?)?;
     let phi_mask = prod(atoms(&prev_mask, &[2])?)?.f_mul(&prod(atoms(&mask, &[0, 1, 2])?)?)?;
     let psi_mask = prod(atoms(&mask, &[0, 1, 2, 4])?)?;
@@ -178,7 +252,7 @@ pub fn torsion_angles(aatype: &Tensor, positions: &Tensor, masks: &Tensor) -> Re
     let chi_mask = tables
         .chi_angles_mask
         .f_index_select(0, &aatype.f_flatten(0, -1)?)?
-        .f_mul(&chi_atom_mask.f_prod_dim_int(-1, false, Kind::Float)?)?;
+        .f_mul(&chi_atom_mask.f_prod_dim_int(-1, false, kind)?)?;
     let lead: Vec<i64> = aatype.size();
     let unflat = |t: Tensor, tail: &[i64]| -> Result<Tensor> {
         let shape: Vec<i64> = lead.iter().chain(tail).copied().collect();
@@ -193,14 +267,12 @@ pub fn torsion_angles(aatype: &Tensor, positions: &Tensor, masks: &Tensor) -> Re
     )?;
     // Frame: origin the third atom, negative x towards the second, the first in the xy plane;
     // (sin, cos) from the fourth atom's z and y there (AlphaFold's convention).
-    let point = |k: i64| all.f_select(-2, k);
+    let point = |k: i64| -> Result<Vecs> { Vecs::of(&all.f_select(-2, k)?) };
     let (a0, a1, a2, a3) = (point(0)?, point(1)?, point(2)?, point(3)?);
-    let mirrored = a2.f_mul_scalar(2.0)?.f_sub(&a1)?;
-    let frames = Rigid::from_three_points(&a0, &a2, &mirrored, 1e-16);
-    let rel = frames.invert_apply(&a3);
-    let sin_cos = Tensor::f_stack(&[rel.f_select(-1, 2)?, rel.f_select(-1, 1)?], -1)?;
-    let norm = sin_cos.f_square()?.f_sum_dim_intlist(-1, true, Kind::Float)?.f_add_scalar(1e-8)?.f_sqrt()?;
-    let sin_cos = sin_cos.f_div(&norm)?;
+    let (y, z) = fourth_atom_in_frame(&a0, &a1, &a2, &a3)?;
+    let sin_cos = Tensor::f_stack(&[z, y], -1)?;
+    let sq = sin_cos.f_select(-1, 0)?.f_square()?.f_add(&sin_cos.f_select(-1, 1)?.f_square()?)?;
+    let sin_cos = sin_cos.f_div(&ieee_sqrt(&sq.f_add_scalar(1e-8)?)?.f_unsqueeze(-1)?)?;
     // psi came from O, which sits opposite the next N: turn it by pi.
     let sign = Tensor::from_slice(&[1f32, 1.0, -1.0, 1.0, 1.0, 1.0, 1.0]).to_device(pos.device()).f_unsqueeze(-1)?;
     let sin_cos = sin_cos.f_mul(&sign)?;
@@ -397,7 +469,20 @@ impl Templates {
         pair_mask: &Tensor,
         chunk: Option<i64>,
     ) -> Result<Tensor> {
-        let kind = pair.kind();
+        let stacked = self.pair_stack(t, pair_mask, pair.kind(), chunk)?;
+        self.pointwise_attention(pair, &stacked, &t.mask, chunk)
+    }
+
+    /// Every template's pair features through `embedding2d`, the template pair stack and the
+    /// final norm: [T, N, N, c_t] in `kind`. The stack's mask is the query's `pair_mask`
+    /// [N, N], as in AlphaFold (the template's own masks are part of its features).
+    pub fn pair_stack(
+        &self,
+        t: &TemplateFeatures,
+        pair_mask: &Tensor,
+        kind: Kind,
+        chunk: Option<i64>,
+    ) -> Result<Tensor> {
         let features = pair_features(t)?.f_to_kind(kind)?;
         let embedded = self.embedding2d.forward(&features)?;
         let mask = pair_mask.f_to_kind(kind)?;
@@ -409,9 +494,21 @@ impl Templates {
             }
             per_template.push(self.output_layer_norm.forward(&x)?);
         }
-        let templates = Tensor::f_stack(&per_template, 0)?;
-        let update = self.attention.forward(pair, &templates, &t.mask.f_to_kind(kind)?, chunk)?;
-        let any = t.mask.f_sum(Kind::Float)?.f_gt(0.0)?.f_to_kind(kind)?;
+        Ok(Tensor::f_stack(&per_template, 0)?)
+    }
+
+    /// The pointwise attention of `pair` [N, N, c_z] over the stacked templates [T, N, N,
+    /// c_t] (`template_mask` [T]), times zero when no template is real.
+    pub fn pointwise_attention(
+        &self,
+        pair: &Tensor,
+        stacked: &Tensor,
+        template_mask: &Tensor,
+        chunk: Option<i64>,
+    ) -> Result<Tensor> {
+        let kind = pair.kind();
+        let update = self.attention.forward(pair, stacked, &template_mask.f_to_kind(kind)?, chunk)?;
+        let any = template_mask.f_sum(Kind::Float)?.f_gt(0.0)?.f_to_kind(kind)?;
         Ok(update.f_mul(&any)?)
     }
 
