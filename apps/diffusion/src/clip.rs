@@ -4,6 +4,11 @@
 //! `text_model.encoder.layers.{i}.{self_attn.{q,k,v,out}_proj,layer_norm1,layer_norm2,mlp.fc1,mlp.fc2}`,
 //! `text_model.final_layer_norm`. Pre-norm blocks with a causal mask; the activation is
 //! `quick_gelu` (SD 1.x) or `gelu` (SD 2.x) as `hidden_act` says.
+//!
+//! Files come in two layouts ([`KeyLayout`]): every key under `text_model.` (transformers 4,
+//! and transformers 5 when it saves a model it loaded from such a file), or the same keys
+//! without that prefix (transformers 5 saving a `CLIPTextModel` it created). Both load; files
+//! this crate writes use the prefixed layout, which every transformers version loads.
 use std::path::Path;
 
 use serde::Deserialize;
@@ -187,10 +192,44 @@ pub struct ClipTextModel {
     layers: Vec<EncoderLayer>,
     final_layer_norm: nn::LayerNorm,
     cfg: ClipTextConfig,
+    layout: KeyLayout,
 }
 
 /// Keys a `CLIPTextModel` file may hold that are buffers, not parameters.
 const BUFFER_KEYS: [&str; 1] = ["text_model.embeddings.position_ids"];
+
+/// The prefix of every key in transformers 4's layout.
+const PREFIX: &str = "text_model.";
+
+/// How a text-encoder file names its keys (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeyLayout {
+    /// `text_model.embeddings...`: transformers 4 (and diffusers' files).
+    Prefixed,
+    /// `embeddings...`: transformers 5's `CLIPTextModel.save_pretrained` of a new model.
+    Bare,
+}
+
+impl KeyLayout {
+    /// The layout of a file's keys, from where its token embedding is; `None` when it has none.
+    fn detect<'a>(mut keys: impl Iterator<Item = &'a String>) -> Option<KeyLayout> {
+        let token = "embeddings.token_embedding.weight";
+        keys.find_map(|k| match k.strip_prefix(PREFIX) {
+            Some(rest) if rest == token => Some(KeyLayout::Prefixed),
+            None if k == token => Some(KeyLayout::Bare),
+            _ => None,
+        })
+    }
+}
+
+impl std::fmt::Display for KeyLayout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            KeyLayout::Prefixed => "keys under text_model. (transformers 4 layout)",
+            KeyLayout::Bare => "keys without the text_model. prefix (transformers 5 layout)",
+        })
+    }
+}
 
 impl ClipTextModel {
     /// Builds the model under `p` (the root of its variable store), randomly initialised.
@@ -208,6 +247,7 @@ impl ClipTextModel {
                 nn::LayerNormConfig { eps: cfg.layer_norm_eps, ..Default::default() },
             ),
             cfg: cfg.clone(),
+            layout: KeyLayout::Prefixed,
         }
     }
 
@@ -221,11 +261,25 @@ impl ClipTextModel {
     pub fn load_files(config: &Path, weights: &Path, device: Device) -> Result<(nn::VarStore, ClipTextModel)> {
         let cfg = ClipTextConfig::from_file(config)?;
         let vs = nn::VarStore::new(device);
-        let model = ClipTextModel::new(&vs.root(), &cfg);
-        let unused: Vec<String> = data::checkpoint::load_safetensors(&vs, weights)?
-            .into_iter()
-            .filter(|k| !BUFFER_KEYS.contains(&k.as_str()))
-            .collect();
+        let mut model = ClipTextModel::new(&vs.root(), &cfg);
+        let mut file = data::checkpoint::read_tensors(weights)?;
+        model.layout = KeyLayout::detect(file.keys()).ok_or_else(|| Error::Format {
+            path: weights.to_path_buf(),
+            msg: format!(
+                "no token embedding: neither key {PREFIX}embeddings.token_embedding.weight nor embeddings.token_embedding.weight"
+            ),
+        })?;
+        // The parameters under the file's names, so errors name keys as the file has them.
+        let in_file = |k: &str| match model.layout {
+            KeyLayout::Prefixed => k.to_owned(),
+            KeyLayout::Bare => k.strip_prefix(PREFIX).unwrap_or(k).to_owned(),
+        };
+        let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().map(|(k, t)| (in_file(&k), t)).collect();
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        data::checkpoint::copy_into(&vars, &mut file, weights)?;
+        let buffers: Vec<String> = BUFFER_KEYS.iter().map(|k| in_file(k)).collect();
+        let mut unused: Vec<String> = file.into_keys().filter(|k| !buffers.contains(k)).collect();
+        unused.sort();
         if !unused.is_empty() {
             return Err(Error::Format {
                 path: weights.to_path_buf(),
@@ -238,6 +292,11 @@ impl ClipTextModel {
     /// The architecture.
     pub fn config(&self) -> &ClipTextConfig {
         &self.cfg
+    }
+
+    /// The key layout of the file the weights came from ([`KeyLayout::Prefixed`] when built).
+    pub fn key_layout(&self) -> KeyLayout {
+        self.layout
     }
 
     /// `last_hidden_state` `[b, n, hidden]` of int64 ids `[b, n]`; `attention_mask` (`[b, n]`,

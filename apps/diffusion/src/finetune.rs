@@ -38,7 +38,7 @@ use tch::{Device, Kind, Tensor};
 use crate::lora::Lora;
 use crate::pipeline::StableDiffusion;
 use crate::sample::{Precision, SampleOptions, Sampler};
-use crate::scheduler::DdpmScheduler;
+use crate::scheduler::{DdpmScheduler, SchedulerClass};
 use crate::unet::{PartRunner, UNet2DConditionModel};
 use crate::{Error, Result};
 
@@ -485,6 +485,9 @@ pub fn run(args: &FinetuneArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
     // them onto the device would alone fill a 4 GiB cap with SD 1.5's fp32 UNet.
     let mut sd = StableDiffusion::load(&args.model, Device::Cpu, Kind::Float)
         .with_context(|| format!("--model {}", args.model.display()))?;
+    if world.rank() == 0 {
+        eprintln!("text encoder: {}", sd.text_encoder.key_layout());
+    }
     sd.text_encoder_vs.set_device(device);
     sd.vae_vs.set_device(device);
     let multiple = sd.size_multiple() as usize;
@@ -492,7 +495,7 @@ pub fn run(args: &FinetuneArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
         bail!("--resolution {}: this model needs a multiple of {multiple} pixels", args.resolution);
     }
     sd.unet.set_gradient_checkpointing(args.gradient_checkpointing);
-    let ddpm = DdpmScheduler::new(sd.scheduler.clone());
+    let ddpm = DdpmScheduler::new(sd.scheduler.config(SchedulerClass::Ddpm)?);
     let adamw = AdamWConfig { lr: args.lr, weight_decay: args.weight_decay, ..AdamWConfig::default() };
     let lamb = LambConfig { lr: args.lr, weight_decay: args.weight_decay, ..LambConfig::default() };
     let trainer = match args.lora_rank {
@@ -528,7 +531,7 @@ pub fn run(args: &FinetuneArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
     let scale = sd.vae_scale();
     let side = args.resolution as i64 / scale;
     let latent = [sd.unet.config().in_channels, side, side];
-    let train_steps = sd.scheduler.num_train_timesteps;
+    let train_steps = ddpm.config().num_train_timesteps;
     let how = Preprocess {
         resolution: args.resolution,
         crop: if args.center_crop { CropMode::Center } else { CropMode::Random },

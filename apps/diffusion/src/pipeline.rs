@@ -8,7 +8,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::clip::ClipTextModel;
 use crate::config::check_model_index;
-use crate::scheduler::SchedulerConfig;
+use crate::scheduler::SchedulerFile;
 use crate::tokenizer::ClipTokenizer;
 use crate::unet::UNet2DConditionModel;
 use crate::vae::AutoencoderKL;
@@ -33,8 +33,9 @@ pub struct StableDiffusion {
     pub vae: AutoencoderKL,
     /// Its weights.
     pub vae_vs: VarStore,
-    /// The noise schedule (and the sampler the folder names).
-    pub scheduler: SchedulerConfig,
+    /// `scheduler/scheduler_config.json`, which each scheduler class reads with its own
+    /// defaults for the keys it lacks.
+    pub scheduler: SchedulerFile,
 }
 
 impl StableDiffusion {
@@ -55,7 +56,7 @@ impl StableDiffusion {
         let (mut unet_vs, unet) =
             UNet2DConditionModel::load(&ComponentFiles::in_pipeline(root, "unet", "UNet2DConditionModel")?, device)?;
         let (vae_vs, vae) = AutoencoderKL::load(&ComponentFiles::in_pipeline(root, "vae", "AutoencoderKL")?, device)?;
-        let scheduler = SchedulerConfig::from_diffusers(root)?;
+        let scheduler = SchedulerFile::read(&root.join("scheduler").join("scheduler_config.json"))?;
         let (hidden, cross) = (text_encoder.config().hidden_size, unet.config().cross_attention_dim);
         if hidden != cross {
             return Err(Error::Format {

@@ -6,7 +6,7 @@
 use tch::{Kind, Tensor};
 
 use crate::pipeline::StableDiffusion;
-use crate::scheduler::{DdimScheduler, EulerDiscreteScheduler};
+use crate::scheduler::{DdimScheduler, EulerDiscreteScheduler, SchedulerClass};
 use crate::{Error, Result};
 
 /// A UNet forward: (sample, timesteps, encoder hidden states) to the prediction.
@@ -128,7 +128,7 @@ impl StableDiffusion {
         let latents = tch::no_grad(|| -> Result<Tensor> {
             match opts.sampler {
                 Sampler::Ddim => {
-                    let mut s = DdimScheduler::new(self.scheduler.clone());
+                    let mut s = DdimScheduler::new(self.scheduler.config(SchedulerClass::Ddim)?);
                     s.set_timesteps(opts.steps)?;
                     let mut x = latents.f_to_kind(Kind::Float)?.f_mul_scalar(s.init_noise_sigma())?;
                     for &t in s.timesteps() {
@@ -138,7 +138,7 @@ impl StableDiffusion {
                     Ok(x)
                 }
                 Sampler::Euler => {
-                    let mut s = EulerDiscreteScheduler::new(self.scheduler.clone());
+                    let mut s = EulerDiscreteScheduler::new(self.scheduler.config(SchedulerClass::EulerDiscrete)?);
                     s.set_timesteps(opts.steps)?;
                     let mut x = latents.f_to_kind(Kind::Float)?.f_mul_scalar(s.init_noise_sigma())?;
                     for (i, &t) in s.timesteps().to_vec().iter().enumerate() {
@@ -248,6 +248,7 @@ pub fn run(args: &SampleArgs) -> anyhow::Result<(Vec<std::path::PathBuf>, f64)> 
     let device = args.device.device(0)?;
     let sd = StableDiffusion::load(&args.model, device, args.precision.kind())
         .with_context(|| format!("--model {}", args.model.display()))?;
+    eprintln!("text encoder: {}", sd.text_encoder.key_layout());
     let default_side = sd.unet.config().source.sample_size.map_or(512, |s| s * sd.vae_scale());
     let side = args.size.unwrap_or(default_side);
     let opts = SampleOptions {

@@ -1,16 +1,19 @@
-//! CLIP's byte-level BPE tokenizer, as transformers' `CLIPTokenizer` runs without `ftfy`
-//! installed (its `BasicTokenizer` cleaning path), reading a diffusers `tokenizer/` folder:
-//! `vocab.json`, `merges.txt`, `tokenizer_config.json` (`model_max_length`) and, when present,
-//! `special_tokens_map.json`, whose tokens win over the config's as in transformers (SD 2.x pads
-//! with `!`, id 0; SD 1.x with `<|endoftext|>`).
+//! CLIP's byte-level BPE tokenizer, as transformers 5's `CLIPTokenizer` (the tokenizer diffusers
+//! pipelines load) runs it, reading a diffusers `tokenizer/` folder: `vocab.json`, `merges.txt`,
+//! `tokenizer_config.json` (`model_max_length`) and, when present, `special_tokens_map.json`,
+//! whose tokens win over the config's as in transformers (SD 2.x pads with `!`, id 0; SD 1.x
+//! with `<|endoftext|>`).
 //!
 //! The pipeline: the text is split around the special tokens (bos, eos, unk, pad) that appear in
-//! it verbatim; each piece is cleaned (control characters dropped, whitespace runs collapsed,
-//! spaces put around CJK ideographs, lower-cased), cut by CLIP's pre-tokenisation pattern, mapped
-//! byte by byte to printable characters, and merged by rank with `</w>` on each word's last
-//! symbol. `encode` adds `<|startoftext|>`/`<|endoftext|>`, truncates and pads to the model length.
-//! Unicode NFC normalisation is not applied (no normaliser in the dependency set): text already in
-//! NFC, as nearly all typed text is, tokenizes identically.
+//! it verbatim; each piece is normalised (Unicode NFC, every whitespace run to one space, lower
+//! case), cut by CLIP's pre-tokenisation pattern, mapped byte by byte to printable characters,
+//! and merged by rank with `</w>` on each word's last symbol. `encode` adds
+//! `<|startoftext|>`/`<|endoftext|>`, truncates and pads to the model length.
+//!
+//! OpenAI's CLIP and open_clip tokenize the same way (no spaces around CJK ideographs, unlike
+//! transformers 4's fallback path) except that they first run ftfy and unescape HTML: for
+//! full-width letters, ligatures, curly quotes, control characters and `&amp;`-style entities
+//! their ids differ from transformers' and ours.
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -18,13 +21,14 @@ use std::sync::Mutex;
 use regex::Regex;
 use serde_json::Value;
 use tch::{Device, Tensor};
+use unicode_normalization::UnicodeNormalization;
 
 use crate::config::read_json;
 use crate::error::{Error, Result};
 
-/// CLIP's pre-tokenisation pattern: contractions, letter runs, single digits, and runs of
-/// anything else that is not whitespace (the special tokens are split off before this runs).
-const PATTERN: &str = r"(?i)<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|\p{L}+|\p{N}|[^\s\p{L}\p{N}]+";
+/// CLIP's pre-tokenisation pattern (transformers 5's `Split`, on lower-cased text):
+/// contractions, letter runs, single digits, and runs of anything else that is not whitespace.
+const PATTERN: &str = r"'s|'t|'re|'ve|'m|'ll|'d|\p{L}+|\p{N}|[^\s\p{L}\p{N}]+";
 
 /// Token ids and attention mask of one text, padded to the model length.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -42,7 +46,6 @@ pub struct ClipTokenizer {
     byte_chars: Vec<char>,
     pattern: Regex,
     whitespace: Regex,
-    control: Regex,
     /// Special token strings split out of raw text, longest first, with their ids.
     specials: Vec<(String, i64)>,
     cache: Mutex<HashMap<String, Vec<String>>>,
@@ -78,13 +81,6 @@ fn token_text(v: &Value) -> Option<String> {
         Value::Object(o) => o.get("content").and_then(Value::as_str).map(str::to_owned),
         _ => None,
     }
-}
-
-/// CJK Unified Ideographs blocks, as BERT's `_is_chinese_char`.
-fn is_cjk(c: char) -> bool {
-    matches!(c as u32,
-        0x4E00..=0x9FFF | 0x3400..=0x4DBF | 0x20000..=0x2A6DF | 0x2A700..=0x2B73F
-        | 0x2B740..=0x2B81F | 0x2B820..=0x2CEAF | 0xF900..=0xFAFF | 0x2F800..=0x2FA1F)
 }
 
 fn format_err(path: &Path, msg: impl Into<String>) -> Error {
@@ -146,8 +142,7 @@ impl ClipTokenizer {
             ranks,
             byte_chars: byte_chars(),
             pattern: regex(PATTERN)?,
-            whitespace: regex(r"[\t\n\r\p{Zs}]")?,
-            control: regex(r"[\p{C}\x{FFFD}]")?,
+            whitespace: regex(r"\s+")?,
             specials,
             cache: Mutex::new(HashMap::new()),
             bos,
@@ -251,23 +246,11 @@ impl ClipTokenizer {
         Ok((ids, mask))
     }
 
-    /// BERT's `BasicTokenizer` cleaning as CLIP configures it (no accent stripping, no
-    /// punctuation split): drop control characters, turn whitespace into spaces, space out CJK
-    /// ideographs, lower-case, and join the words with single spaces.
+    /// The normaliser: NFC, whitespace runs to one space, lower case (leading and trailing
+    /// spaces fall away in the pre-tokenisation).
     fn clean(&self, text: &str) -> String {
-        let spaced = self.whitespace.replace_all(text, " ");
-        let kept = self.control.replace_all(&spaced, "");
-        let mut out = String::with_capacity(kept.len());
-        for c in kept.chars() {
-            if is_cjk(c) {
-                out.push(' ');
-                out.push(c);
-                out.push(' ');
-            } else {
-                out.push(c);
-            }
-        }
-        out.split_whitespace().map(str::to_lowercase).collect::<Vec<_>>().join(" ")
+        let composed: String = text.nfc().collect();
+        self.whitespace.replace_all(&composed, " ").to_lowercase()
     }
 
     /// Merges one pre-token's symbols by rank, lowest first, until no ranked pair is left.

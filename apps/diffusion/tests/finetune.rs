@@ -8,7 +8,7 @@ use std::process::Command;
 
 use diffusion::finetune::{gemini_config, loss, save_model, Batch, Draws, GeminiParts, UnetParams};
 use diffusion::pipeline::StableDiffusion;
-use diffusion::scheduler::DdpmScheduler;
+use diffusion::scheduler::{DdpmScheduler, SchedulerClass};
 use engine::dist::World;
 use engine::gemini::{CpuRule, Event, Gemini, Placement, Replication};
 use engine::optim::{AdamW, AdamWConfig, Optimizer};
@@ -46,7 +46,7 @@ fn batch(step: usize, rows: std::ops::Range<usize>) -> (Batch, Draws) {
 /// The UNet's weights after plain training on images `0..IMAGES` with the engine's AdamW.
 fn train_plain() -> Vec<(String, Tensor)> {
     let sd = load();
-    let ddpm = DdpmScheduler::new(sd.scheduler.clone());
+    let ddpm = DdpmScheduler::new(sd.scheduler.config(SchedulerClass::Ddpm).unwrap());
     let mut opt = AdamW::new(UnetParams::of(&sd.unet, &sd.unet_vs).unwrap().params, ADAMW);
     for step in 0..STEPS {
         let (b, d) = batch(step, 0..IMAGES);
@@ -66,7 +66,7 @@ fn train_gemini(
     budget: Option<usize>,
 ) -> (Gemini, Vec<(String, Tensor)>) {
     let sd = load();
-    let ddpm = DdpmScheduler::new(sd.scheduler.clone());
+    let ddpm = DdpmScheduler::new(sd.scheduler.config(SchedulerClass::Ddpm).unwrap());
     let UnetParams { params, parts } = UnetParams::of(&sd.unet, &sd.unet_vs).unwrap();
     let replication = group.map(|w| Replication { group: w.group.clone(), shard: true });
     let mut cfg = gemini_config(Device::Cpu, None, CpuRule::AdamW(ADAMW), Kind::Float, replication);
@@ -304,7 +304,7 @@ fn the_command_trains_logs_samples_and_saves() {
 fn lora_starts_at_the_base_model_trains_only_adapters_and_reloads() {
     use diffusion::lora::{Lora, LORA_WEIGHTS};
     let sd = load();
-    let ddpm = DdpmScheduler::new(sd.scheduler.clone());
+    let ddpm = DdpmScheduler::new(sd.scheduler.config(SchedulerClass::Ddpm).unwrap());
     let base: std::collections::HashMap<String, Tensor> =
         sd.unet_vs.variables().into_iter().map(|(k, t)| (k, t.detach().copy())).collect();
     let lora = Lora::new(&sd.unet_vs, 2, 4.0, 3).unwrap();

@@ -1,10 +1,11 @@
-//! The CLIP tokenizer and text encoder against transformers' outputs on the tiny fixture
-//! model (`fixtures/text/make_text_fixtures.py`): token ids and masks exactly, hidden states
-//! within 1e-4 (fp32), and the errors bad files give.
+//! The CLIP tokenizer and text encoder against transformers 5's outputs on the tiny fixture
+//! model (`fixtures/text/make_text_fixtures.py`): token ids and masks exactly (and open_clip's
+//! ids where it agrees with transformers), hidden states within 1e-4 (fp32) from files of both
+//! key layouts, and the errors bad files give.
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use diffusion::clip::ClipTextModel;
+use diffusion::clip::{ClipTextModel, KeyLayout};
 use diffusion::tokenizer::ClipTokenizer;
 use serde_json::Value;
 use tch::{Device, Kind, Tensor};
@@ -67,6 +68,31 @@ fn token_ids_match_transformers_exactly() {
 }
 
 #[test]
+fn token_ids_match_open_clip_where_it_agrees_with_transformers() {
+    let refs = tokens_json();
+    let prompts: Vec<&str> = refs["prompts"].as_array().unwrap().iter().map(|p| p.as_str().unwrap()).collect();
+    let differs: Vec<usize> =
+        refs["open_clip_differs"].as_array().unwrap().iter().map(|i| i.as_u64().unwrap() as usize).collect();
+    // ftfy and HTML unescaping (curly quotes, a control character, full-width letters and
+    // ligatures, `&amp;`) are open_clip's own; every other prompt must agree.
+    assert_eq!(differs, [4, 17, 18, 19], "the fixture's prompts where open_clip and transformers 5 differ");
+    let tok = ClipTokenizer::from_dir(&fixtures().join("tokenizer")).unwrap();
+    let open_clip = refs["open_clip"].as_object().unwrap();
+    // CJK without spaces (10..=12 and 5), decomposed accents, emoji with a joiner, Unicode spaces.
+    for i in [5, 10, 11, 12, 13, 14, 15, 16] {
+        assert!(open_clip.contains_key(&i.to_string()), "prompt {i} has open_clip ids");
+    }
+    for (i, want) in open_clip {
+        let i: usize = i.parse().unwrap();
+        let mut ids = vec![tok.bos_id()];
+        ids.extend(tok.token_ids(prompts[i]));
+        ids.push(tok.eos_id());
+        let want: Vec<i64> = want.as_array().unwrap().iter().map(|x| x.as_i64().unwrap()).collect();
+        assert_eq!(ids == want, !differs.contains(&i), "prompt {i} {:?}: ours {ids:?}, open_clip {want:?}", prompts[i]);
+    }
+}
+
+#[test]
 fn tokenizer_errors_name_the_file_and_key() {
     let src = fixtures().join("tokenizer");
     let dir = temp_dir("tok");
@@ -123,6 +149,33 @@ fn text_encoder_matches_transformers() {
         1e-4,
         "gelu activation",
     );
+}
+
+#[test]
+fn text_encoder_loads_the_layouts_of_transformers_4_and_5() {
+    let r = reference();
+    let ids = &r["input_ids"];
+    let (_vs, old) = ClipTextModel::load(&fixtures().join("text_encoder"), Device::Cpu).unwrap();
+    let (_vs, new) = ClipTextModel::load(&fixtures().join("text_encoder_v5"), Device::Cpu).unwrap();
+    assert_eq!(old.key_layout(), KeyLayout::Prefixed);
+    assert_eq!(new.key_layout(), KeyLayout::Bare);
+    assert!(new.key_layout().to_string().contains("transformers 5"));
+    assert_close(&new.forward(ids, None).unwrap(), &r["last_hidden_state"], 1e-4, "transformers 5 layout");
+    // A bare file with a missing key names the key as the file would have it.
+    let dir = temp_dir("enc5");
+    std::fs::copy(fixtures().join("text_encoder_v5/config.json"), dir.join("config.json")).unwrap();
+    let mut weights = Tensor::read_safetensors(fixtures().join("text_encoder_v5/model.safetensors")).unwrap();
+    assert!(weights.iter().all(|(k, _)| !k.starts_with("text_model.")));
+    weights.retain(|(k, _)| k != "final_layer_norm.weight");
+    Tensor::write_safetensors(&weights, dir.join("model.safetensors")).unwrap();
+    let err = ClipTextModel::load(&dir, Device::Cpu).unwrap_err().to_string();
+    assert!(err.contains("missing key final_layer_norm.weight") && err.contains("model.safetensors"), "{err}");
+    // Neither layout: named.
+    weights.retain(|(k, _)| !k.contains("token_embedding"));
+    Tensor::write_safetensors(&weights, dir.join("model.safetensors")).unwrap();
+    let err = ClipTextModel::load(&dir, Device::Cpu).unwrap_err().to_string();
+    assert!(err.contains("token_embedding") && err.contains("model.safetensors"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

@@ -10,7 +10,7 @@ pub use ddim::{DdimScheduler, DdimStep};
 pub use ddpm::DdpmScheduler;
 pub use euler::{EulerDiscreteScheduler, EulerStep};
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 use tch::Tensor;
@@ -18,9 +18,11 @@ use tch::Tensor;
 use crate::config::read_json;
 use crate::error::{Error, Result};
 
-/// `scheduler_config.json` as diffusers writes it. Missing keys take the defaults of diffusers'
-/// DDIM/DDPM classes (SD 1.x ships a PNDM config without `prediction_type`/`timestep_spacing`);
-/// keys naming features these schedulers lack must hold their off values.
+/// `scheduler_config.json` as diffusers writes it, for any scheduler class. Keys whose default
+/// differs between classes are `None` when absent and take the default of the class the config
+/// is read for ([`SchedulerClass`]), as diffusers' `from_config` does (SD 1.5 ships a PNDM config
+/// without `timestep_spacing`: DDIM reads it as `leading`, Euler as `linspace`); keys naming
+/// features these schedulers lack must hold their off values.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(default)]
 pub struct SchedulerConfigFile {
@@ -36,14 +38,15 @@ pub struct SchedulerConfigFile {
     pub trained_betas: Option<Vec<f64>>,
     /// `epsilon`, `v_prediction` or `sample`.
     pub prediction_type: String,
-    /// `leading`, `trailing` or `linspace`.
-    pub timestep_spacing: String,
+    /// `leading`, `trailing` or `linspace` (class default when absent).
+    pub timestep_spacing: Option<String>,
     /// Added to `leading` timesteps.
     pub steps_offset: i64,
-    /// DDIM: the alpha product before the first step is 1 (else `alphas_cumprod[0]`).
-    pub set_alpha_to_one: bool,
-    /// Clamp the predicted clean sample (DDIM).
-    pub clip_sample: bool,
+    /// DDIM: the alpha product before the first step is 1 (else `alphas_cumprod[0]`); class
+    /// default when absent.
+    pub set_alpha_to_one: Option<bool>,
+    /// Clamp the predicted clean sample (DDIM, DDPM); class default when absent.
+    pub clip_sample: Option<bool>,
     /// The clamp's bound.
     pub clip_sample_range: f64,
     /// Unsupported when true.
@@ -73,10 +76,10 @@ impl Default for SchedulerConfigFile {
             beta_schedule: "linear".into(),
             trained_betas: None,
             prediction_type: "epsilon".into(),
-            timestep_spacing: "leading".into(),
+            timestep_spacing: None,
             steps_offset: 0,
-            set_alpha_to_one: true,
-            clip_sample: true,
+            set_alpha_to_one: None,
+            clip_sample: None,
             clip_sample_range: 1.0,
             thresholding: false,
             rescale_betas_zero_snr: false,
@@ -86,6 +89,30 @@ impl Default for SchedulerConfigFile {
             interpolation_type: "linear".into(),
             timestep_type: "discrete".into(),
             final_sigmas_type: "zero".into(),
+        }
+    }
+}
+
+/// The diffusers scheduler class a config is read for: the keys a file lacks take this class's
+/// `__init__` defaults.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SchedulerClass {
+    /// `DDPMScheduler` (training noise): `leading`, clipping on.
+    Ddpm,
+    /// `DDIMScheduler`: `leading`, `set_alpha_to_one` and clipping on.
+    Ddim,
+    /// `EulerDiscreteScheduler`: `linspace`; it has neither clipping nor `set_alpha_to_one`.
+    EulerDiscrete,
+}
+
+impl SchedulerClass {
+    /// diffusers' defaults: (`timestep_spacing`, `set_alpha_to_one`, `clip_sample`); the last two
+    /// are off for classes without them.
+    fn defaults(self) -> (&'static str, bool, bool) {
+        match self {
+            SchedulerClass::Ddpm => ("leading", false, true),
+            SchedulerClass::Ddim => ("leading", true, true),
+            SchedulerClass::EulerDiscrete => ("linspace", false, false),
         }
     }
 }
@@ -132,19 +159,19 @@ pub struct SchedulerConfig {
 }
 
 impl SchedulerConfig {
-    /// Reads `scheduler/scheduler_config.json` of a diffusers model folder.
-    pub fn from_diffusers(model_dir: &Path) -> Result<SchedulerConfig> {
-        Self::from_file(&model_dir.join("scheduler").join("scheduler_config.json"))
+    /// Reads `scheduler/scheduler_config.json` of a diffusers model folder for `class`.
+    pub fn from_diffusers(model_dir: &Path, class: SchedulerClass) -> Result<SchedulerConfig> {
+        Self::from_file(&model_dir.join("scheduler").join("scheduler_config.json"), class)
     }
 
-    /// Reads and validates a scheduler config; errors name the file and key.
-    pub fn from_file(path: &Path) -> Result<SchedulerConfig> {
-        let raw: SchedulerConfigFile = read_json(path)?;
-        Self::from_raw(&raw).map_err(|msg| Error::Format { path: path.to_path_buf(), msg })
+    /// Reads and validates a scheduler config for `class`; errors name the file and key.
+    pub fn from_file(path: &Path, class: SchedulerClass) -> Result<SchedulerConfig> {
+        SchedulerFile::read(path)?.config(class)
     }
 
-    /// Validates a parsed config; the message names the offending key.
-    pub fn from_raw(raw: &SchedulerConfigFile) -> std::result::Result<SchedulerConfig, String> {
+    /// Validates a parsed config for `class`; the message names the offending key.
+    pub fn from_raw(raw: &SchedulerConfigFile, class: SchedulerClass) -> std::result::Result<SchedulerConfig, String> {
+        let (default_spacing, default_alpha_to_one, default_clip) = class.defaults();
         let n = raw.num_train_timesteps;
         if n < 2 {
             return Err(format!("num_train_timesteps is {n}, expected at least 2"));
@@ -195,13 +222,17 @@ impl SchedulerConfig {
             "sample" => PredictionType::Sample,
             other => return Err(format!("prediction_type {other:?} is not epsilon, v_prediction or sample")),
         };
-        let timestep_spacing = match raw.timestep_spacing.as_str() {
+        let timestep_spacing = match raw.timestep_spacing.as_deref().unwrap_or(default_spacing) {
             "leading" => TimestepSpacing::Leading,
             "trailing" => TimestepSpacing::Trailing,
             "linspace" => TimestepSpacing::Linspace,
             other => return Err(format!("timestep_spacing {other:?} is not leading, trailing or linspace")),
         };
-        if raw.clip_sample && raw.clip_sample_range <= 0.0 {
+        let (set_alpha_to_one, clip_sample) = match class {
+            SchedulerClass::EulerDiscrete => (false, false),
+            _ => (raw.set_alpha_to_one.unwrap_or(default_alpha_to_one), raw.clip_sample.unwrap_or(default_clip)),
+        };
+        if clip_sample && raw.clip_sample_range <= 0.0 {
             return Err(format!("clip_sample_range is {}, expected positive", raw.clip_sample_range));
         }
         Ok(SchedulerConfig {
@@ -210,8 +241,8 @@ impl SchedulerConfig {
             prediction_type,
             timestep_spacing,
             steps_offset: raw.steps_offset,
-            set_alpha_to_one: raw.set_alpha_to_one,
-            clip_sample: raw.clip_sample.then_some(raw.clip_sample_range),
+            set_alpha_to_one,
+            clip_sample: clip_sample.then_some(raw.clip_sample_range),
         })
     }
 
@@ -254,6 +285,29 @@ impl SchedulerConfig {
             }
         };
         Ok(t)
+    }
+}
+
+/// A scheduler config file as read, before a class gives its missing keys their defaults.
+#[derive(Clone, Debug)]
+pub struct SchedulerFile {
+    /// Where it was read from (named in errors).
+    pub path: PathBuf,
+    /// Its keys.
+    pub raw: SchedulerConfigFile,
+}
+
+impl SchedulerFile {
+    /// Reads `path`; a file that is no valid config for any of the classes is an error naming it.
+    pub fn read(path: &Path) -> Result<SchedulerFile> {
+        let file = SchedulerFile { path: path.to_path_buf(), raw: read_json(path)? };
+        file.config(SchedulerClass::Ddim)?;
+        Ok(file)
+    }
+
+    /// The config as `class` reads it.
+    pub fn config(&self, class: SchedulerClass) -> Result<SchedulerConfig> {
+        SchedulerConfig::from_raw(&self.raw, class).map_err(|msg| Error::Format { path: self.path.clone(), msg })
     }
 }
 
