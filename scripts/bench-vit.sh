@@ -8,5 +8,5 @@ bash scripts/setup.sh
 # ViT-Ti/16 at 224 px (timm's vit_tiny_patch16_224).
 cargo run --release --locked -p vit -- bench --model vit_tiny_patch16_224 --image-size 224 --batch 8 "$@"
 # A small ViT for 32 px inputs (CIFAR-sized): width 192, 6 blocks, 3 heads, 4 px patches.
-cargo run --release --locked -p vit -- bench --model custom --width 192 --depth 6 --heads 3 --patch 4 \
+cargo run --release --locked -p vit -- bench --model custom --width 192 --depth 6 --heads 3 --patch-size 4 \
   --image-size 32 --classes 10 --batch 64 "$@"

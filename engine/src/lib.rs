@@ -1,20 +1,26 @@
 //! The parallel engine: process groups and collectives over PyTorch's c10d (Gloo for CPU
 //! tensors, NCCL for CUDA tensors), launching and joining multi-process jobs, autograd
 //! extensions (custom functions, gradient hooks, differentiable and asynchronous collectives,
-//! activation checkpointing), optimizers and schedules, and CUDA utilities. Tensors are
+//! activation checkpointing), optimizers and schedules, Gemini, and CUDA utilities; and what
+//! every job command shares: its flags ([`job`]), device ([`device`]), progress bar
+//! ([`progress`]), training log ([`metrics`]) and process facts ([`process`]). Tensors are
 //! tch's; the few libtorch internals tch does not expose go through one small C++ bridge
 //! (`csrc/`).
 #![warn(missing_docs)]
 
 pub mod autograd;
 pub mod cuda;
+pub mod device;
 pub mod dist;
 mod error;
 mod ffi;
 pub mod gemini;
+pub mod job;
+pub mod metrics;
 pub mod optim;
 pub mod parallel;
-pub mod runtime;
+pub mod process;
+pub mod progress;
 pub mod storage;
 
 pub use error::{Error, Result};

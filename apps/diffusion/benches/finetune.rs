@@ -16,11 +16,11 @@ use anyhow::{ensure, Context};
 use clap::Parser;
 use diffusion::config::{UNetConfig, UNetConfigFile};
 use diffusion::finetune::{gemini_config, GeminiParts, UnetParams};
-use diffusion::sample::Precision;
 use diffusion::unet::UNet2DConditionModel;
+use engine::device::DeviceKind;
 use engine::gemini::{cap_device_memory, parse_bytes, CpuRule, Gemini};
+use engine::job::Precision;
 use engine::optim::{AdamWConfig, LossScaler};
-use engine::runtime::DeviceKind;
 use tch::{Device, Kind, Tensor};
 
 const BASELINE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/finetune_baseline.py");
@@ -147,7 +147,7 @@ fn ours(args: &Args, capped: bool) -> anyhow::Result<Measured> {
         step(args.warmup + i)?;
     }
     let seconds_per_step = start.elapsed().as_secs_f64() / args.steps.max(1) as f64;
-    Ok(Measured { seconds_per_step, peak_bytes: engine::runtime::peak_memory(device), parameters: Some(parameters) })
+    Ok(Measured { seconds_per_step, peak_bytes: engine::process::peak_memory(device), parameters: Some(parameters) })
 }
 
 /// Runs this program again for one configuration of ours.

@@ -2,7 +2,6 @@
 use clap::Parser;
 use diffusion::finetune::{self, FinetuneArgs};
 use diffusion::sample::{self, SampleArgs};
-use engine::dist::{self, InitOptions};
 
 #[derive(Parser)]
 #[command(version, about = "Stable Diffusion sampling and fine-tuning")]
@@ -28,7 +27,7 @@ enum Cli {
 }
 
 fn main() -> anyhow::Result<()> {
-    engine::runtime::keep_freed_memory();
+    engine::process::keep_freed_memory();
     match Cli::parse() {
         Cli::Sample(args) => {
             let (paths, seconds) = sample::run(&args)?;
@@ -38,10 +37,7 @@ fn main() -> anyhow::Result<()> {
             println!("{seconds:.2} s per image");
         }
         Cli::Finetune(args) => {
-            if dist::maybe_relaunch(args.nproc)? {
-                return Ok(());
-            }
-            let world = dist::init(&InitOptions { timeout: std::time::Duration::from_secs_f64(args.timeout) })?;
+            let Some(world) = args.job.launch.launch_or_join()? else { return Ok(()) };
             let log = finetune::run(&args, &world)?;
             if let (0, Some(last)) = (world.rank(), log.last()) {
                 let saved = match args.lora_rank {
@@ -55,7 +51,7 @@ fn main() -> anyhow::Result<()> {
             let n = diffusion::single_file::convert(&checkpoint, &config_from, &out)?;
             println!("wrote {n} tensors to {}", out.display());
         }
-        Cli::Env => print!("{}", engine::runtime::report()),
+        Cli::Env => print!("{}", engine::process::report()),
     }
     Ok(())
 }

@@ -3,6 +3,7 @@
 //! sigma, a DDIM or Euler loop with classifier-free guidance (conditional and unconditional
 //! halves through the UNet as one batch; guidance 1 runs the conditional half alone), and the
 //! VAE decoder.
+use engine::job::{DeviceArgs, PrecisionArgs, SeedArgs};
 use tch::{Kind, Tensor};
 
 use crate::pipeline::StableDiffusion;
@@ -163,28 +164,6 @@ pub fn to_image(images: &Tensor, i: i64) -> Result<data::images::Image> {
     Ok(data::images::Image::new(s[0] as usize, s[1] as usize, s[2] as usize, pixels))
 }
 
-/// Arithmetic precision of the text encoder and UNet.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Precision {
-    /// 32-bit floats.
-    Fp32,
-    /// IEEE half precision.
-    Fp16,
-    /// bfloat16.
-    Bf16,
-}
-
-impl Precision {
-    /// The tensor kind.
-    pub fn kind(self) -> Kind {
-        match self {
-            Precision::Fp32 => Kind::Float,
-            Precision::Fp16 => Kind::Half,
-            Precision::Bf16 => Kind::BFloat16,
-        }
-    }
-}
-
 /// `diffusion sample`'s options.
 #[derive(clap::Args, Debug, Clone)]
 pub struct SampleArgs {
@@ -207,8 +186,8 @@ pub struct SampleArgs {
     #[arg(long, default_value_t = 7.5)]
     pub guidance: f64,
     /// Seed of the initial latents: the same seed gives the same image.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
+    #[command(flatten)]
+    pub seed: SeedArgs,
     /// Image side in pixels (default: the UNet's sample size times the VAE's scale).
     #[arg(long)]
     pub size: Option<i64>,
@@ -222,11 +201,11 @@ pub struct SampleArgs {
     #[arg(long, default_value_t = 1)]
     pub num_images: usize,
     /// Arithmetic precision of the text encoder and UNet.
-    #[arg(long, value_enum, default_value_t = Precision::Fp32)]
-    pub precision: Precision,
-    /// Device.
-    #[arg(long, default_value_t = engine::runtime::DeviceKind::Cpu)]
-    pub device: engine::runtime::DeviceKind,
+    #[command(flatten)]
+    pub precision: PrecisionArgs,
+    /// The device.
+    #[command(flatten)]
+    pub device: DeviceArgs,
     /// The PNG to write; with several images, `<stem>-<i>.png` beside it.
     #[arg(short = 'o', long)]
     pub out: std::path::PathBuf,
@@ -245,8 +224,8 @@ pub fn output_path(out: &std::path::Path, i: usize, count: usize) -> std::path::
 /// seconds per image.
 pub fn run(args: &SampleArgs) -> anyhow::Result<(Vec<std::path::PathBuf>, f64)> {
     use anyhow::Context;
-    let device = args.device.device(0)?;
-    let sd = StableDiffusion::load(&args.model, device, args.precision.kind())
+    let device = args.device.device.device(0)?;
+    let sd = StableDiffusion::load(&args.model, device, args.precision.precision.kind())
         .with_context(|| format!("--model {}", args.model.display()))?;
     eprintln!("text encoder: {}", sd.text_encoder.key_layout());
     let default_side = sd.unet.config().source.sample_size.map_or(512, |s| s * sd.vae_scale());
@@ -259,7 +238,7 @@ pub fn run(args: &SampleArgs) -> anyhow::Result<(Vec<std::path::PathBuf>, f64)> 
         width: args.width.unwrap_or(side),
         sampler: args.scheduler,
         images_per_prompt: args.num_images,
-        seed: args.seed,
+        seed: args.seed.seed,
     };
     let prompts: Vec<&str> = args.prompt.iter().map(String::as_str).collect();
     let start = std::time::Instant::now();

@@ -10,8 +10,8 @@ use std::time::Instant;
 
 use anyhow::{ensure, Context};
 use clap::Parser;
+use engine::device::DeviceKind;
 use engine::parallel::dap::Dap;
-use engine::runtime::DeviceKind;
 use fastfold::model::{EvoformerConfig, EvoformerStack, Params};
 use tch::{Device, Kind, Tensor};
 
@@ -126,7 +126,7 @@ fn main() -> anyhow::Result<()> {
         }
         Ok(())
     })?;
-    let peak = engine::runtime::peak_memory(device);
+    let peak = engine::process::peak_memory(device);
     let mib = |b: Option<u64>| b.map_or("-".to_string(), |b| format!("{:.0}", b as f64 / (1 << 20) as f64));
     println!(
         "Evoformer block, {s} sequences x {n} residues, c_m {} c_z {}, {} on {device:?}{}",

@@ -6,8 +6,8 @@
 use std::time::Instant;
 
 use clap::Parser;
+use engine::device::DeviceKind;
 use engine::parallel::dap::Dap;
-use engine::runtime::DeviceKind;
 use fastfold::features::{process, FeatureConfig, RawFeatures};
 use fastfold::model::alphafold::AlphaFold;
 use fastfold::model::{EvoformerConfig, ModelConfig, Params};
@@ -71,7 +71,7 @@ fn main() -> anyhow::Result<()> {
             "non-finite positions at {n} residues"
         );
         let peak =
-            engine::runtime::peak_memory(device).map_or("-".into(), |b| format!("{:.0}", b as f64 / (1 << 20) as f64));
+            engine::process::peak_memory(device).map_or("-".into(), |b| format!("{:.0}", b as f64 / (1 << 20) as f64));
         println!("| {n} | {seconds:.1} | {peak} |");
     }
     Ok(())

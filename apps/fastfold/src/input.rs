@@ -2,12 +2,11 @@
 //! and an optional A3M alignment through AlphaFold's feature pipeline, or an already-processed
 //! `.npz`), and the device, ranks, chunking and timeout a run uses.
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use anyhow::{bail, Context};
 use engine::dist::World;
+use engine::job::{LaunchArgs, SeedArgs};
 use engine::parallel::dap::Dap;
-use engine::runtime::DeviceKind;
 use tch::Device;
 
 use crate::features::{process, FeatureConfig, Features, RawFeatures};
@@ -41,8 +40,8 @@ pub struct InputArgs {
     #[arg(long)]
     pub max_extra_msa: Option<usize>,
     /// Seed of the feature pipeline's MSA sampling and masking.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
+    #[command(flatten)]
+    pub seed: SeedArgs,
 }
 
 /// A name usable as a file-name stem: path separators and odd characters become `_`.
@@ -117,43 +116,28 @@ impl InputArgs {
             .map(|r| {
                 let raw = RawFeatures::new(&r.sequence, msa.as_ref().map(|(m, p)| (m, p.as_path())))
                     .with_context(|| format!("record {}", r.name))?;
-                Ok((file_stem(&r.name), process(&raw, &config, self.seed, device)?))
+                Ok((file_stem(&r.name), process(&raw, &config, self.seed.seed, device)?))
             })
             .collect()
     }
 }
 
-/// Device, ranks, chunking and timeout.
+/// `--chunk-size`.
 #[derive(clap::Args, Debug, Clone)]
-pub struct RunArgs {
+pub struct ChunkArgs {
     /// Run attention, transitions, outer product mean and triangle ops in chunks of this many
     /// rows (less memory, same result).
     #[arg(long)]
     pub chunk_size: Option<i64>,
-    /// Device (cuda: each rank its local GPU).
-    #[arg(long, default_value_t = DeviceKind::Cpu)]
-    pub device: DeviceKind,
-    /// Ranks for dynamic axial parallelism (under torchrun, Slurm or mpirun the launcher
-    /// decides).
-    #[arg(long, default_value_t = 1)]
-    pub nproc: usize,
-    /// Rendezvous and collective timeout in seconds.
-    #[arg(long, default_value_t = 300.0)]
-    pub timeout: f64,
 }
 
-impl RunArgs {
-    /// The rendezvous and collective timeout.
-    pub fn timeout(&self) -> Duration {
-        Duration::from_secs_f64(self.timeout)
-    }
-
+impl ChunkArgs {
     /// Checks the options and returns this rank's device and the DAP context over the job.
-    pub fn setup(&self, world: &World) -> anyhow::Result<(Device, Dap)> {
+    pub fn setup(&self, launch: &LaunchArgs, world: &World) -> anyhow::Result<(Device, Dap)> {
         if self.chunk_size.is_some_and(|c| c < 1) {
             bail!("--chunk-size must be at least 1");
         }
-        let device = self.device.device(world.env.local_rank)?;
+        let device = launch.device(world)?;
         let dap = match world.size() {
             1 => Dap::none(),
             _ => Dap::new(world.group.clone()),

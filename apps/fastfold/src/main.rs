@@ -2,7 +2,6 @@
 use std::path::PathBuf;
 
 use clap::Parser;
-use engine::dist::{self, InitOptions};
 use fastfold::predict::{self, PredictArgs};
 use fastfold::train::{self, TrainArgs};
 
@@ -25,13 +24,10 @@ enum Cli {
 }
 
 fn main() -> anyhow::Result<()> {
-    engine::runtime::keep_freed_memory();
+    engine::process::keep_freed_memory();
     match Cli::parse() {
         Cli::Predict(args) => {
-            if dist::maybe_relaunch(args.run.nproc)? {
-                return Ok(());
-            }
-            let world = dist::init(&InitOptions { timeout: args.run.timeout() })?;
+            let Some(world) = args.launch.launch_or_join()? else { return Ok(()) };
             for p in predict::run(&args, &world)? {
                 if world.rank() != 0 {
                     continue;
@@ -49,10 +45,7 @@ fn main() -> anyhow::Result<()> {
             }
         }
         Cli::Train(args) => {
-            if dist::maybe_relaunch(args.run.nproc)? {
-                return Ok(());
-            }
-            let world = dist::init(&InitOptions { timeout: args.run.timeout() })?;
+            let Some(world) = args.job.launch.launch_or_join()? else { return Ok(()) };
             let log = train::run(&args, &world)?;
             if let (0, Some(last)) = (world.rank(), log.last()) {
                 println!("final loss {:.4}; parameters in {}", last.loss, args.out.join("params.npz").display());
@@ -62,7 +55,7 @@ fn main() -> anyhow::Result<()> {
             let n = fastfold::model::params::convert(&input, &output)?;
             println!("wrote {n} arrays to {}", output.display());
         }
-        Cli::Env => print!("{}", engine::runtime::report()),
+        Cli::Env => print!("{}", engine::process::report()),
     }
     Ok(())
 }

@@ -8,36 +8,20 @@ use std::time::Instant;
 
 use anyhow::Context;
 use engine::dist::World;
+use engine::job::{LaunchArgs, Precision, PrecisionArgs};
 use tch::{Device, Kind, Tensor};
 
 use crate::confidence::Confidence;
-use crate::input::{InputArgs, RunArgs};
+use crate::input::{ChunkArgs, InputArgs};
 use crate::model::alphafold::{AlphaFold, Pass};
 use crate::model::heads::{DISTOGRAM_FIRST_BREAK, DISTOGRAM_LAST_BREAK};
 use crate::model::Params;
 use crate::pdb::Structure;
 
-/// Arithmetic precision of inference.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Precision {
-    /// 32-bit floats.
-    Fp32,
-    /// bfloat16 weights and activations (the structure module's geometry stays fp32).
-    Bf16,
-}
-
-impl Precision {
-    /// The tensor kind.
-    pub fn kind(self) -> Kind {
-        match self {
-            Precision::Fp32 => Kind::Float,
-            Precision::Bf16 => Kind::BFloat16,
-        }
-    }
-}
-
 /// `fastfold predict`'s options.
 #[derive(clap::Args, Debug, Clone)]
+#[command(mut_arg("precision", |a| a.value_parser(Precision::parser(&[Precision::Fp32, Precision::Bf16]))
+    .help("Arithmetic precision (bf16: the structure module's geometry stays fp32)")))]
 pub struct PredictArgs {
     /// The sequences or features to predict.
     #[command(flatten)]
@@ -53,14 +37,17 @@ pub struct PredictArgs {
     #[arg(long)]
     pub recycles: Option<usize>,
     /// Arithmetic precision.
-    #[arg(long, value_enum, default_value_t = Precision::Fp32)]
-    pub precision: Precision,
+    #[command(flatten)]
+    pub precision: PrecisionArgs,
     /// Also write `<name>_outputs.npz` with the raw outputs under AlphaFold's output names.
     #[arg(long)]
     pub save_outputs: bool,
-    /// Devices, ranks, chunking and timeouts.
+    /// Device, ranks and timeout.
     #[command(flatten)]
-    pub run: RunArgs,
+    pub launch: LaunchArgs,
+    /// Chunking.
+    #[command(flatten)]
+    pub chunk: ChunkArgs,
 }
 
 /// One prediction's summary.
@@ -82,8 +69,8 @@ pub struct Predicted {
 
 /// Runs the prediction on every input; rank 0 writes the files. Returns the summaries.
 pub fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predicted>> {
-    let (device, dap) = args.run.setup(world)?;
-    let kind = args.precision.kind();
+    let (device, dap) = args.chunk.setup(&args.launch, world)?;
+    let kind = args.precision.precision.kind();
     let loaded = Params::load_model(&args.params)?;
     let preset = args.input.preset(&loaded, &args.params)?;
     let params = loaded.to_kind(kind)?.to_device(device, false)?;
@@ -103,7 +90,7 @@ pub fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predicted>> 
             None => args.recycles.unwrap_or(features.num_iterations().max(1) as usize - 1),
         };
         let start = Instant::now();
-        let pass = tch::no_grad(|| model.predict(&features, recycles, kind, &dap, args.run.chunk_size))
+        let pass = tch::no_grad(|| model.predict(&features, recycles, kind, &dap, args.chunk.chunk_size))
             .with_context(|| format!("predicting {name}"))?;
         let seconds = start.elapsed().as_secs_f64();
         let first = features.iteration(0)?;
@@ -118,7 +105,7 @@ pub fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predicted>> 
             mean_plddt: confidence.mean_plddt,
             ptm: confidence.ptm,
             seconds,
-            peak_bytes: engine::runtime::peak_memory(device),
+            peak_bytes: engine::process::peak_memory(device),
         });
     }
     Ok(done)

@@ -10,19 +10,20 @@
 //! Under DAP every rank computes the embedders, structure module and heads on whole tensors
 //! and the stacks on its block: the stacks' parameter gradients are summed over the ranks
 //! ([`Dap::reduce_gradients`]); every other gradient is already whole on every rank.
-use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
 use engine::dist::World;
-use engine::optim::{clip_grad_norm, AdamW, AdamWConfig, Optimizer, Param};
+use engine::job::{JobArgs, OptimizerArgs};
+use engine::metrics::Metrics;
+use engine::optim::{clip_grad_norm, Optimizer, Param};
 use engine::parallel::dap::Dap;
 use tch::{Device, Kind, Tensor};
 
 use crate::features::Features;
 use crate::geometry::{distogram_loss, fape, Rigid};
-use crate::input::{InputArgs, RunArgs};
+use crate::input::{ChunkArgs, InputArgs};
 use crate::model::alphafold::{AlphaFold, Pass};
 use crate::model::embedders::pseudo_beta;
 use crate::model::heads::{DISTOGRAM_FIRST_BREAK, DISTOGRAM_LAST_BREAK};
@@ -40,6 +41,12 @@ const FAPE_SCALE: f64 = 10.0;
 
 /// `fastfold train`'s options.
 #[derive(clap::Args, Debug, Clone)]
+#[command(
+    mut_arg("lr", |a| a.help("Learning rate (AlphaFold: 1e-3)")),
+    mut_arg("clip_grad", |a| a.default_value("0.1").help("Gradient-norm clip (AlphaFold: 0.1)")),
+    mut_arg("metrics", |a| a.default_value("log.jsonl")),
+    mut_arg("quiet", |a| a.help("No per-step lines")),
+)]
 pub struct TrainArgs {
     /// The sequence (one FASTA record, optional --msa) or processed features.
     #[command(flatten)]
@@ -53,24 +60,24 @@ pub struct TrainArgs {
     /// Initial parameters (`.npz` with AlphaFold's names, or `.safetensors`).
     #[arg(long)]
     pub params: PathBuf,
-    /// Output directory: `params.npz` after the last step and `log.jsonl`.
+    /// Output directory: `params.npz` after the last step and the training log.
     #[arg(short = 'o', long)]
     pub out: PathBuf,
     /// Optimizer steps.
     #[arg(long, default_value_t = 1)]
     pub steps: usize,
-    /// Adam learning rate (AlphaFold: 1e-3).
-    #[arg(long, default_value_t = 1e-3)]
-    pub lr: f64,
-    /// Gradient-norm clip (AlphaFold: 0.1).
-    #[arg(long, default_value_t = 0.1)]
-    pub clip: f64,
+    /// The optimizer (AlphaFold: Adam, no weight decay).
+    #[command(flatten)]
+    pub optimizer: OptimizerArgs,
     /// Recycling passes before the one that is trained (AlphaFold samples 0..=3).
     #[arg(long, default_value_t = 0)]
     pub recycles: usize,
-    /// Devices, ranks, chunking and timeouts.
+    /// Device, ranks, progress and the training log.
     #[command(flatten)]
-    pub run: RunArgs,
+    pub job: JobArgs,
+    /// Chunking.
+    #[command(flatten)]
+    pub chunk: ChunkArgs,
 }
 
 /// The true structure in the layouts the losses read.
@@ -166,24 +173,34 @@ pub struct StepLog {
     pub seconds: f64,
 }
 
+impl engine::metrics::Record for StepLog {
+    const CSV_HEADER: &'static str = "step,loss,fape,distogram,grad_norm,seconds";
+
+    fn csv_row(&self) -> String {
+        let s = self;
+        format!("{},{:.6},{:.6},{:.6},{:.6},{:.3}", s.step, s.loss, s.fape, s.distogram, s.grad_norm, s.seconds)
+    }
+}
+
 /// A trainer over one parameter store.
 pub struct Trainer {
     model: AlphaFold,
     params: Params,
-    optimizer: AdamW,
+    optimizer: Box<dyn Optimizer>,
     stacks: Vec<Tensor>,
-    clip: f64,
+    clip: Option<f64>,
 }
 
 impl Trainer {
-    /// Adam (no weight decay, as AlphaFold) over every array of `params` (moved to `device`).
-    pub fn new(params: &Params, device: Device, lr: f64, clip: f64) -> anyhow::Result<Trainer> {
+    /// `optimizer` (AlphaFold's: Adam without weight decay, clip 0.1) over every array of
+    /// `params` (moved to `device`).
+    pub fn new(params: &Params, device: Device, optimizer: &OptimizerArgs) -> anyhow::Result<Trainer> {
         let params = params.to_device(device, true)?;
         let model = AlphaFold::new(&params)?;
         let is_stack = |k: &str| k.starts_with(&format!("{EVOFORMER}/")) || k.starts_with(&format!("{EXTRA_MSA}/"));
         let stacks = params.iter().filter(|(k, _)| is_stack(k)).map(|(_, t)| t.shallow_clone()).collect();
         let list = params.iter().map(|(k, t)| Param::new(k, t)).collect();
-        let optimizer = AdamW::new(list, AdamWConfig { lr, weight_decay: 0.0, ..AdamWConfig::default() });
+        let (clip, optimizer) = (optimizer.clip_grad, optimizer.build(list, optimizer.lr));
         Ok(Trainer { model, params, optimizer, stacks, clip })
     }
 
@@ -201,7 +218,7 @@ impl Trainer {
         self.optimizer.zero_grad();
         let pass = self.model.predict(features, recycles, Kind::Float, dap, chunk)?;
         let losses = losses(&pass, target)?;
-        losses.total.backward();
+        engine::autograd::backward(&[&losses.total], &[None], false)?;
         dap.reduce_gradients(&self.stacks)?;
         Ok(losses)
     }
@@ -217,7 +234,7 @@ impl Trainer {
         chunk: Option<i64>,
     ) -> anyhow::Result<(Losses, f64)> {
         let losses = self.backward(features, target, recycles, dap, chunk)?;
-        let norm = clip_grad_norm(self.optimizer.params(), self.clip, None)?;
+        let norm = clip_grad_norm(self.optimizer.params(), self.clip.unwrap_or(f64::INFINITY), None)?;
         self.optimizer.step()?;
         Ok((losses, norm))
     }
@@ -233,7 +250,7 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
     if args.steps == 0 {
         bail!("--steps must be at least 1");
     }
-    let (device, dap) = args.run.setup(world)?;
+    let (device, dap) = args.chunk.setup(&args.job.launch, world)?;
     let params = Params::load_model(&args.params).with_context(|| format!("--params {}", args.params.display()))?;
     let preset = args.input.preset(&params, &args.params)?;
     let mut inputs = args.input.load(args.recycles, preset, device)?;
@@ -244,18 +261,18 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
     let aatype = features.aatype.get(0);
     let structure = Structure::read(&args.target, args.chain)?;
     let target = Target::new(&structure, &aatype, &args.target.display().to_string())?;
-    let mut trainer = Trainer::new(&params, device, args.lr, args.clip)?;
+    let mut trainer = Trainer::new(&params, device, &args.optimizer)?;
     let mut log = Vec::new();
-    let mut file = match world.rank() {
+    let mut metrics = match world.rank() {
         0 => {
             std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
-            Some(std::fs::File::create(args.out.join("log.jsonl"))?)
+            Some(Metrics::open::<StepLog>(&args.out.join(&args.job.metrics), None)?)
         }
         _ => None,
     };
     for step in 1..=args.steps {
         let start = Instant::now();
-        let (losses, grad_norm) = trainer.step(&features, &target, args.recycles, &dap, args.run.chunk_size)?;
+        let (losses, grad_norm) = trainer.step(&features, &target, args.recycles, &dap, args.chunk.chunk_size)?;
         let entry = StepLog {
             step,
             loss: losses.total.double_value(&[]),
@@ -264,8 +281,10 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
             grad_norm,
             seconds: start.elapsed().as_secs_f64(),
         };
-        if let Some(f) = file.as_mut() {
-            writeln!(f, "{}", serde_json::to_string(&entry)?)?;
+        if let Some(m) = metrics.as_mut() {
+            m.write(&entry)?;
+        }
+        if world.rank() == 0 && !args.job.quiet {
             println!(
                 "step {step}/{}  loss {:.4}  fape {:.4}  distogram {:.4}  grad norm {:.3}  {:.2} s",
                 args.steps, entry.loss, entry.fape, entry.distogram, entry.grad_norm, entry.seconds

@@ -298,7 +298,7 @@ fn presets_set_alphafold_msa_sizes_and_must_match_the_parameters() {
         preset: None,
         max_msa_clusters: None,
         max_extra_msa: None,
-        seed: 0,
+        seed: engine::job::SeedArgs { seed: 0 },
     };
     let rows = |input: &InputArgs, path: &Path| {
         let params = Params::load_model(path).unwrap();

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use engine::dist::World;
+use engine::job::{OptimizerArgs, OptimizerKind};
 use engine::parallel::dap::Dap;
 use fastfold::features::{process, FeatureConfig, Features, RawFeatures};
 use fastfold::model::{EvoformerConfig, ModelConfig, Params};
@@ -72,7 +73,8 @@ fn gradients(
     target: &Structure,
     dap: &Dap,
 ) -> anyhow::Result<(f64, Vec<(String, Tensor)>)> {
-    let mut trainer = Trainer::new(params, Device::Cpu, 1e-3, 0.1)?;
+    let adam = OptimizerArgs { optimizer: OptimizerKind::Adamw, lr: 1e-3, weight_decay: 0.0, clip_grad: Some(0.1) };
+    let mut trainer = Trainer::new(params, Device::Cpu, &adam)?;
     let target = Target::new(target, &f.aatype.get(0), "helix")?;
     let losses = trainer.backward(f, &target, 1, dap, Some(3))?;
     let grads = trainer.params().iter().map(|(k, t)| (k.to_string(), t.grad())).collect();

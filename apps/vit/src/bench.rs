@@ -26,28 +26,17 @@ use std::process::{Command, Stdio};
 use std::time::Instant;
 
 use anyhow::{bail, ensure, Context};
+use engine::device::DeviceKind;
+use engine::job::{DeviceArgs, Precision, PrecisionArgs};
 use engine::optim::{params_of, AdamW, AdamWConfig, MasterWeights, Optimizer, Param};
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 
+use crate::batch::parse_batch;
 use crate::model::{Vit, VitConfig};
-use crate::train::DeviceKind;
 
 /// The baseline script, beside this crate's sources.
 const BASELINE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/vit_baseline.py");
-/// The sizes and patches that [`VitConfig::from_timm_name`] knows.
-const PRESET_SIZES: [&str; 4] = ["tiny", "small", "base", "large"];
-const PRESET_PATCHES: [i64; 2] = [16, 32];
-
-/// Arithmetic of the training step (see the module documentation).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Precision {
-    /// float32 throughout.
-    Fp32,
-    /// bf16 weights and activations, fp32 master weights and optimizer.
-    Bf16,
-}
-
 /// The PyTorch side's bf16 recipe.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum BaselineBf16 {
@@ -59,9 +48,10 @@ pub enum BaselineBf16 {
 
 /// Options of `vit bench`.
 #[derive(clap::Args, Clone, Debug)]
+#[command(mut_arg("precision", |a| a.value_parser(Precision::parser(&[Precision::Fp32, Precision::Bf16]))))]
 pub struct BenchArgs {
-    /// A timm preset (`vit_{tiny,small,base,large}_patch{16,32}_224`) or `custom`, which takes
-    /// `--width --depth --heads --patch` (and `--mlp-ratio`).
+    /// A preset (`digits`, or timm's `vit_{tiny,small,base,large}_patch{16,32}_224`) or
+    /// `custom`, which takes `--width --depth --heads --patch-size` (and `--mlp-ratio`).
     #[arg(long, default_value = "vit_tiny_patch16_224")]
     pub model: String,
     /// Embedding width (`--model custom`).
@@ -76,9 +66,9 @@ pub struct BenchArgs {
     /// MLP hidden width over embedding width (`--model custom`; default 4).
     #[arg(long)]
     pub mlp_ratio: Option<f64>,
-    /// Patch size in pixels (`--model custom`).
-    #[arg(long)]
-    pub patch: Option<i64>,
+    /// Patch side in pixels (`--model custom`).
+    #[arg(long, visible_alias = "patch")]
+    pub patch_size: Option<i64>,
     /// Input height and width in pixels (default 224).
     #[arg(long)]
     pub image_size: Option<i64>,
@@ -88,9 +78,9 @@ pub struct BenchArgs {
     /// Output classes (default: the preset's 1000, or 10 for `custom`).
     #[arg(long)]
     pub classes: Option<i64>,
-    /// Images per training step.
-    #[arg(long, default_value_t = 8)]
-    pub batch: i64,
+    /// Images per training step (a k suffix multiplies by 1024).
+    #[arg(long, default_value = "8", value_parser = parse_batch)]
+    pub batch: usize,
     /// Untimed steps before measuring.
     #[arg(long, default_value_t = 3)]
     pub warmup: usize,
@@ -103,12 +93,12 @@ pub struct BenchArgs {
     /// Intra-op CPU threads on both sides (default: torch's current count).
     #[arg(long)]
     pub threads: Option<usize>,
-    /// Device.
-    #[arg(long, default_value_t = DeviceKind::Cpu)]
-    pub device: DeviceKind,
-    /// Precision regime.
-    #[arg(long, value_enum, default_value_t = Precision::Fp32)]
-    pub precision: Precision,
+    /// The device.
+    #[command(flatten)]
+    pub device: DeviceArgs,
+    /// Precision regime (see the module docs).
+    #[command(flatten)]
+    pub precision: PrecisionArgs,
     /// The PyTorch side's recipe under `--precision bf16`.
     #[arg(long, value_enum, default_value_t = BaselineBf16::Master)]
     pub baseline_bf16: BaselineBf16,
@@ -154,19 +144,23 @@ impl BenchArgs {
             ("--depth", self.depth.is_some()),
             ("--heads", self.heads.is_some()),
             ("--mlp-ratio", self.mlp_ratio.is_some()),
-            ("--patch", self.patch.is_some()),
+            ("--patch-size", self.patch_size.is_some()),
         ];
         let (label, mut cfg) = if self.model == "custom" {
-            let missing: Vec<&str> =
-                [("--width", self.width), ("--depth", self.depth), ("--heads", self.heads), ("--patch", self.patch)]
-                    .iter()
-                    .filter(|(_, v)| v.is_none())
-                    .map(|(flag, _)| *flag)
-                    .collect();
+            let missing: Vec<&str> = [
+                ("--width", self.width),
+                ("--depth", self.depth),
+                ("--heads", self.heads),
+                ("--patch-size", self.patch_size),
+            ]
+            .iter()
+            .filter(|(_, v)| v.is_none())
+            .map(|(flag, _)| *flag)
+            .collect();
             ensure!(missing.is_empty(), "--model custom needs {}", missing.join(", "));
             let cfg = VitConfig {
                 image_size: 224,
-                patch_size: self.patch.unwrap_or_default(),
+                patch_size: self.patch_size.unwrap_or_default(),
                 in_channels: 3,
                 num_classes: 10,
                 width: self.width.unwrap_or_default(),
@@ -177,8 +171,8 @@ impl BenchArgs {
             let label = format!("custom w{} d{} h{} p{}", cfg.width, cfg.depth, cfg.heads, cfg.patch_size);
             (label, cfg)
         } else {
-            let cfg = VitConfig::from_timm_name(&self.model).with_context(|| {
-                format!("unknown model {:?}; valid: {}, custom", self.model, preset_names().join(", "))
+            let cfg = VitConfig::preset(&self.model).with_context(|| {
+                format!("unknown model {:?}; valid: {}, custom", self.model, VitConfig::preset_names().join(", "))
             })?;
             if let Some((flag, _)) = arch.iter().find(|(_, given)| *given) {
                 bail!("{flag} applies to --model custom only (the preset {} fixes it)", self.model);
@@ -200,11 +194,6 @@ impl BenchArgs {
     }
 }
 
-/// Every preset name [`VitConfig::from_timm_name`] accepts.
-pub fn preset_names() -> Vec<String> {
-    PRESET_SIZES.iter().flat_map(|s| PRESET_PATCHES.iter().map(move |p| format!("vit_{s}_patch{p}_224"))).collect()
-}
-
 /// Runs the benchmark and prints the table.
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let report = bench(args)?;
@@ -215,7 +204,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
 /// Measures ours, then (unless `--no-baseline`) the PyTorch baseline with the same settings.
 pub fn bench(args: &BenchArgs) -> anyhow::Result<BenchReport> {
     let (model, config) = args.config()?;
-    let device = args.device.device(0)?;
+    let device = args.device.device.device(0)?;
     let threads = match args.threads {
         Some(0) => bail!("--threads must be positive"),
         Some(n) => n,
@@ -271,6 +260,7 @@ impl Trainer {
                 let opt = AdamW::new(master.master(), AdamWConfig::default());
                 (params_of(&vs), Some(master), opt)
             }
+            Precision::Fp16 => bail!("--precision fp16: vit bench measures fp32 and bf16"),
         };
         Ok(Trainer { model, params, master, opt })
     }
@@ -314,12 +304,9 @@ fn synchronize(device: Device) -> anyhow::Result<()> {
 }
 
 fn measure_ours(cfg: &VitConfig, args: &BenchArgs, device: Device) -> anyhow::Result<Throughput> {
-    let mut trainer = Trainer::new(cfg, args.precision, device)?;
-    let kind = match args.precision {
-        Precision::Fp32 => Kind::Float,
-        Precision::Bf16 => Kind::BFloat16,
-    };
-    let (b, c, s) = (args.batch, cfg.in_channels, cfg.image_size);
+    let mut trainer = Trainer::new(cfg, args.precision.precision, device)?;
+    let kind = args.precision.precision.kind();
+    let (b, c, s) = (args.batch as i64, cfg.in_channels, cfg.image_size);
     let images = Tensor::f_randn([b, c, s, s], (kind, device))?;
     let labels = Tensor::f_randint(cfg.num_classes, [b], (Kind::Int64, device))?;
 
@@ -385,11 +372,11 @@ fn baseline_args(cfg: &VitConfig, args: &BenchArgs, threads: usize) -> Vec<Strin
     if let Some(n) = args.steps {
         a.extend(["--steps".into(), n.to_string()]);
     }
-    let device = args.device.to_string();
-    let (precision, bf16) = match (args.precision, args.baseline_bf16) {
-        (Precision::Fp32, _) => ("fp32", "master"),
-        (Precision::Bf16, BaselineBf16::Master) => ("bf16", "master"),
-        (Precision::Bf16, BaselineBf16::Autocast) => ("bf16", "autocast"),
+    let device = args.device.device.to_string();
+    let precision = args.precision.precision.name();
+    let bf16 = match args.baseline_bf16 {
+        BaselineBf16::Master => "master",
+        BaselineBf16::Autocast => "autocast",
     };
     a.extend(["--device", device.as_str(), "--precision", precision, "--bf16", bf16].map(String::from));
     a
@@ -438,15 +425,15 @@ fn mib(bytes: Option<i64>) -> String {
 
 /// The report as a Markdown table with a line of details under it.
 fn table(args: &BenchArgs, r: &BenchReport) -> String {
-    let device = format!("{:?}", args.device).to_lowercase();
-    let precision = match (args.precision, args.baseline_bf16) {
-        (Precision::Fp32, _) => "fp32".to_string(),
+    let device = args.device.device.to_string();
+    let precision = match (args.precision.precision, args.baseline_bf16) {
         (Precision::Bf16, BaselineBf16::Master) => "bf16 + fp32 master weights (both)".to_string(),
         (Precision::Bf16, BaselineBf16::Autocast) => {
             "bf16 + fp32 master weights (ours) vs torch.autocast bf16 (PyTorch)".to_string()
         }
+        (other, _) => other.name().to_string(),
     };
-    let cuda = args.device == DeviceKind::Cuda;
+    let cuda = args.device.device == DeviceKind::Cuda;
     let mut s =
         format!("\nViT training throughput: forward + backward + AdamW step, synthetic data, {device}, {precision}\n");
     s += "| model | image | batch | threads | ours img/s | PyTorch img/s | ours/PyTorch |";
@@ -496,7 +483,7 @@ mod tests {
         "1",
         "--heads",
         "2",
-        "--patch",
+        "--patch-size",
         "4",
         "--image-size",
         "8",
@@ -518,9 +505,11 @@ mod tests {
         let (label, cfg) = parse(TINY).config().unwrap();
         assert_eq!(label, "custom w16 d1 h2 p4");
         assert_eq!((cfg.width, cfg.num_classes, cfg.mlp_ratio), (16, 3, 4.0));
-        for name in preset_names() {
-            assert!(VitConfig::from_timm_name(&name).is_some(), "{name}");
+        for name in VitConfig::preset_names() {
+            assert!(VitConfig::preset(&name).is_some(), "{name}");
         }
+        let (label, cfg) = parse(&["--model", "digits", "--channels", "1"]).config().unwrap();
+        assert_eq!((label.as_str(), cfg), ("digits", VitConfig::digits()));
     }
 
     #[test]
@@ -528,10 +517,12 @@ mod tests {
         let err = |flags: &[&str]| format!("{:#}", parse(flags).config().unwrap_err());
         let unknown = err(&["--model", "vit_huge_patch14_224"]);
         assert!(unknown.contains("vit_base_patch16_224") && unknown.contains("custom"), "{unknown}");
-        assert_eq!(err(&["--model", "custom", "--width", "8"]), "--model custom needs --depth, --heads, --patch");
+        assert_eq!(err(&["--model", "custom", "--width", "8"]), "--model custom needs --depth, --heads, --patch-size");
         assert!(err(&["--width", "8"]).contains("custom only"));
         assert!(err(&["--image-size", "100"]).contains("multiple of patch size"));
-        assert!(err(&["--batch", "0"]).contains("--batch"));
+        let zero = Cli::try_parse_from(["bench", "--batch", "0"]).err().unwrap().to_string();
+        assert!(zero.contains("--batch") && zero.contains("not a batch size"), "{zero}");
+        assert_eq!(parse(&["--batch", "2k"]).batch, 2048);
     }
 
     #[test]
@@ -572,7 +563,7 @@ mod tests {
     #[test]
     fn bf16_with_master_weights_trains() {
         let mut args = parse(TINY);
-        args.precision = Precision::Bf16;
+        args.precision.precision = Precision::Bf16;
         args.no_baseline = true;
         let report = bench(&args).unwrap();
         assert!(report.ours.images_per_s > 0.0);

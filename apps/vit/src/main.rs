@@ -2,14 +2,13 @@
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
-use engine::dist::{self, InitOptions};
 use vit::{bench, eval, train};
 
 #[derive(Parser)]
 #[command(version, about = "Large-batch ViT pretraining with LAMB/LARS over data parallelism and ZeRO")]
 enum Cli {
     /// Train a ViT (on the embedded 8x8 digits unless --data is given).
-    Pretrain(train::PretrainArgs),
+    Pretrain(Box<train::PretrainArgs>),
     /// Top-1 and top-5 accuracy of a trained model.
     Eval(eval::EvalArgs),
     /// Training images/s of a ViT on synthetic input, beside PyTorch eager.
@@ -39,13 +38,10 @@ enum DataCommand {
 }
 
 fn main() -> anyhow::Result<()> {
-    engine::runtime::keep_freed_memory();
+    engine::process::keep_freed_memory();
     match Cli::parse() {
         Cli::Pretrain(args) => {
-            if dist::maybe_relaunch(args.nproc)? {
-                return Ok(());
-            }
-            let world = dist::init(&InitOptions { timeout: args.timeout() })?;
+            let Some(world) = args.job.launch.launch_or_join()? else { return Ok(()) };
             let trained = train::pretrain(&args, &world)?;
             if world.rank() == 0 {
                 println!(
@@ -64,7 +60,7 @@ fn main() -> anyhow::Result<()> {
             let n = data::h5::convert_folder(&folder, &out, size, channels)?;
             println!("wrote {n} images to {}", out.display());
         }
-        Cli::Env => print!("{}", engine::runtime::report()),
+        Cli::Env => print!("{}", engine::process::report()),
     }
     Ok(())
 }

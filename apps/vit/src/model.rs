@@ -60,6 +60,37 @@ impl VitConfig {
         Self::sized(1024, 24, 16, patch_size)
     }
 
+    /// The small ViT of the embedded 8x8 digits: 2x2 patches, 16 tokens plus the class token.
+    pub fn digits() -> VitConfig {
+        VitConfig {
+            image_size: 8,
+            patch_size: 2,
+            in_channels: 1,
+            num_classes: 10,
+            width: 64,
+            depth: 4,
+            heads: 4,
+            mlp_ratio: 2.0,
+        }
+    }
+
+    /// Every preset name [`VitConfig::preset`] knows: `digits` and timm's
+    /// `vit_{tiny,small,base,large}_patch{16,32}_224`.
+    pub fn preset_names() -> Vec<String> {
+        let timm = ["tiny", "small", "base", "large"]
+            .iter()
+            .flat_map(|s| [16, 32].iter().map(move |p| format!("vit_{s}_patch{p}_224")));
+        std::iter::once("digits".to_string()).chain(timm).collect()
+    }
+
+    /// A preset by name: `digits` or a timm name such as `vit_base_patch16_224`.
+    pub fn preset(name: &str) -> Option<VitConfig> {
+        match name {
+            "digits" => Some(Self::digits()),
+            _ => Self::from_timm_name(name),
+        }
+    }
+
     /// A preset by timm's name, e.g. `vit_base_patch16_224`.
     pub fn from_timm_name(name: &str) -> Option<VitConfig> {
         let rest = name.strip_prefix("vit_")?.strip_suffix("_224")?;

@@ -5,92 +5,57 @@
 //! One step: each rank runs `accumulation` micro-batches forward and backward (gradients
 //! synchronised only on the last, as the buckets fill), then optional unscaling (fp16), global
 //! gradient clipping, and the optimizer step (on fp32 master weights for bf16/fp16 or
-//! `--offload-optimizer`). Every random draw (data order, crops, mixup) is keyed by the seed and
-//! the step or example, so a resumed run repeats the uninterrupted one exactly.
+//! `--offload-optimizer`); the data-parallel wiring is the engine's
+//! [`engine::parallel::parallelize`]. Every random draw (data order, crops, mixup) is keyed by
+//! the seed and the step or example, so a resumed run repeats the uninterrupted one exactly.
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{bail, Context};
 use data::augment::{Mixup, Rng, Transform};
 use data::loader::{make_batch, Batch, BatchSpec, Loader};
 use data::{Dataset, DistributedSampler};
 use engine::dist::{ProcessGroup, ReduceOp, World};
-use engine::optim::{
-    clip_grad_norm, params_of, scale_lr, AdamW, AdamWConfig, Decay, Lamb, LambConfig, Lars, LarsConfig, LossScaler,
-    LrSchedule, MasterWeights, Optimizer, Param,
-};
-use engine::parallel::{partition, DataParallel, DataParallelConfig, ZeroOptimizer};
+use engine::job::{JobArgs, OptimizerArgs, PrecisionArgs, ScheduleArgs, SeedArgs};
+use engine::metrics::Metrics;
+use engine::optim::{params_of, scale_lr, LrSchedule};
+use engine::parallel::{parallelize, ParallelPlan, Parallelized};
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 
 use crate::batch::{parse_batch, BatchPlan};
 use crate::checkpoint::{self, TrainerState};
-use crate::datasets::{probe, DataArgs, Transforms};
-use crate::metrics::{Metrics, Record};
+use crate::datasets::{probe, DataArgs, Splits, Transforms};
+use crate::metrics::Record;
 use crate::model::{correct_top_k, Vit, VitConfig};
 
 /// Keys mixup's draws apart from the other streams of the same seed.
 const MIXUP_STREAM: u64 = 0x6d69_7875_7000;
 
-/// Which optimizer steps the model.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum OptimizerKind {
-    /// LAMB (layer-wise adaptive Adam), the large-batch default.
-    Lamb,
-    /// LARS (layer-wise adaptive SGD with momentum).
-    Lars,
-    /// AdamW.
-    Adamw,
-}
-
-/// How the learning rate falls after warmup.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum DecayKind {
-    /// Half a cosine down to the floor.
-    Cosine,
-    /// A straight line down to the floor.
-    Linear,
-}
-
-pub use engine::runtime::DeviceKind;
-
-/// Arithmetic precision of the model's weights and activations.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Precision {
-    /// 32-bit floats throughout.
-    Fp32,
-    /// bfloat16 model, fp32 master weights and optimizer.
-    Bf16,
-    /// float16 model with dynamic loss scaling, fp32 master weights and optimizer.
-    Fp16,
-}
-
-impl Precision {
-    fn kind(self) -> Kind {
-        match self {
-            Precision::Fp32 => Kind::Float,
-            Precision::Bf16 => Kind::BFloat16,
-            Precision::Fp16 => Kind::Half,
-        }
-    }
-}
-
 /// Options of `vit pretrain`.
 #[derive(clap::Args, Clone, Debug)]
+#[command(
+    mut_arg("optimizer", |a| a.default_value("lamb")),
+    mut_arg("lr", |a| a.default_value("3e-2").help("Peak learning rate, reached at the end of warmup (the default suits LAMB on the embedded digits)")),
+    mut_arg("weight_decay", |a| a.default_value("0.05")),
+    mut_arg("warmup", |a| a.default_value("50")),
+    mut_arg("decay", |a| a.default_value("cosine")),
+    mut_arg("min_lr_ratio", |a| a.default_value("0.01")),
+)]
 pub struct PretrainArgs {
     #[command(flatten)]
     pub data: DataArgs,
-    /// Model: a timm name (vit_tiny_patch16_224, vit_base_patch32_224, ...) or `digits`, the
-    /// small ViT for the embedded 8x8 digits (the default without --data; vit_tiny_patch16_224
-    /// with it). Channels and classes follow the data.
+    /// Model: a preset (`digits`, the small ViT for the embedded 8x8 digits, the default
+    /// without --data; or a timm name such as vit_tiny_patch16_224, the default with it).
+    /// Channels and classes follow the data.
     #[arg(long)]
     pub model: Option<String>,
     /// Input side in pixels (default: the model's).
     #[arg(long)]
     pub image_size: Option<i64>,
     /// Patch side in pixels (default: the model's).
-    #[arg(long)]
+    #[arg(long, visible_alias = "patch")]
     pub patch_size: Option<i64>,
     /// Global batch: examples per optimizer step over all ranks and accumulation steps (a k
     /// suffix multiplies by 1024: 32k).
@@ -100,37 +65,21 @@ pub struct PretrainArgs {
     /// batch up to 256); the rest of the per-rank batch is gradient accumulation.
     #[arg(long)]
     pub micro_batch: Option<usize>,
-    /// Optimizer.
-    #[arg(long, value_enum, default_value_t = OptimizerKind::Lamb)]
-    pub optimizer: OptimizerKind,
-    /// Peak learning rate, reached at the end of warmup (the default suits LAMB on the
-    /// embedded digits).
-    #[arg(long, default_value_t = 3e-2)]
-    pub lr: f64,
+    /// The optimizer and its hyper-parameters.
+    #[command(flatten)]
+    pub optimizer: OptimizerArgs,
     /// Scale --lr linearly by --batch / this batch (the linear scaling rule; off by default).
     #[arg(long)]
     pub lr_base_batch: Option<usize>,
-    /// Decay after warmup.
-    #[arg(long, value_enum, default_value_t = DecayKind::Cosine)]
-    pub decay: DecayKind,
-    /// Final learning rate as a share of the peak.
-    #[arg(long, default_value_t = 0.01)]
-    pub min_lr_ratio: f64,
-    /// Weight decay (not applied to biases and norm weights).
-    #[arg(long, default_value_t = 0.05)]
-    pub weight_decay: f64,
-    /// Linear warmup steps.
-    #[arg(long, default_value_t = 50)]
-    pub warmup: usize,
+    /// The learning-rate schedule.
+    #[command(flatten)]
+    pub schedule: ScheduleArgs,
     /// Epochs (passes over the training set).
     #[arg(long, default_value_t = 60)]
     pub epochs: usize,
     /// Optimizer steps, overriding --epochs.
     #[arg(long)]
     pub steps: Option<usize>,
-    /// Clip the global gradient norm to this value.
-    #[arg(long)]
-    pub clip_grad: Option<f64>,
     /// Mixup's Beta(alpha, alpha); 0 turns mixup off.
     #[arg(long, default_value_t = 0.0)]
     pub mixup: f64,
@@ -141,26 +90,23 @@ pub struct PretrainArgs {
     /// photos as torchvision).
     #[arg(long)]
     pub crop_scale: Option<f64>,
-    /// Arithmetic precision.
-    #[arg(long, value_enum, default_value_t = Precision::Fp32)]
-    pub precision: Precision,
+    /// Arithmetic precision (bf16 and fp16 keep fp32 master weights and optimizer state).
+    #[command(flatten)]
+    pub precision: PrecisionArgs,
     /// ZeRO stage: 0 (plain data parallel), 1 (sharded optimizer state), 2 (and gradients).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
     pub zero: u8,
     /// Keep the fp32 master weights and optimizer state in CPU memory (with --device cuda).
     #[arg(long)]
     pub offload_optimizer: bool,
-    /// Device (cuda: each rank its local GPU).
-    #[arg(long, default_value_t = DeviceKind::Cpu)]
-    pub device: DeviceKind,
-    /// Local ranks to spawn (under torchrun, Slurm or mpirun the launcher decides).
-    #[arg(long, default_value_t = 1)]
-    pub nproc: usize,
-    /// Seed of the initial weights, the data order and the augmentations.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
+    /// Device, ranks, progress and the metrics file.
+    #[command(flatten)]
+    pub job: JobArgs,
+    /// The seed of the initial weights, the data order and the augmentations.
+    #[command(flatten)]
+    pub seed: SeedArgs,
     /// Directory for checkpoints, metrics and the final model (written by rank 0).
-    #[arg(long)]
+    #[arg(short = 'o', long)]
     pub out: Option<PathBuf>,
     /// Continue the run saved under --out from its latest checkpoint.
     #[arg(long)]
@@ -172,25 +118,9 @@ pub struct PretrainArgs {
     /// schedule still follows --steps/--epochs: for time-limited jobs continued with --resume.
     #[arg(long)]
     pub stop_after: Option<usize>,
-    /// Metrics file name under --out (`.csv` for CSV, else JSON lines).
-    #[arg(long, default_value = "metrics.jsonl")]
-    pub metrics: String,
     /// Decode and augmentation threads per rank.
     #[arg(long, default_value_t = 1)]
     pub workers: usize,
-    /// Rendezvous and collective timeout in seconds.
-    #[arg(long, default_value_t = 300.0)]
-    pub timeout: f64,
-    /// No progress bar.
-    #[arg(long)]
-    pub quiet: bool,
-}
-
-impl PretrainArgs {
-    /// The rendezvous and collective timeout.
-    pub fn timeout(&self) -> Duration {
-        Duration::from_secs_f64(self.timeout)
-    }
 }
 
 /// What a run ended with.
@@ -209,20 +139,6 @@ pub struct Trained {
     pub seconds: f64,
 }
 
-/// The model used for the 8x8 digits: 2x2 patches, 16 tokens plus the class token.
-pub fn digits_config() -> VitConfig {
-    VitConfig {
-        image_size: 8,
-        patch_size: 2,
-        in_channels: 1,
-        num_classes: 10,
-        width: 64,
-        depth: 4,
-        heads: 4,
-        mlp_ratio: 2.0,
-    }
-}
-
 /// The architecture named by `--model` and `--image-size`, fitted to the data.
 pub fn model_config(
     name: Option<&str>,
@@ -232,28 +148,14 @@ pub fn model_config(
     data: &dyn Dataset,
 ) -> anyhow::Result<VitConfig> {
     let name = name.unwrap_or(if embedded { "digits" } else { "vit_tiny_patch16_224" });
-    let mut cfg = match name {
-        "digits" => digits_config(),
-        _ => VitConfig::from_timm_name(name).with_context(|| {
-            format!("--model {name}: not a known model (digits, or vit_{{tiny,small,base,large}}_patch{{16,32}}_224)")
-        })?,
-    };
+    let mut cfg = VitConfig::preset(name)
+        .with_context(|| format!("--model {name}: not a known model ({})", VitConfig::preset_names().join(", ")))?;
     cfg.image_size = image_size.unwrap_or(cfg.image_size);
     cfg.patch_size = patch_size.unwrap_or(cfg.patch_size);
     cfg.in_channels = data.channels() as i64;
     cfg.num_classes = data.classes().len() as i64;
     cfg.validate().map_err(|e| anyhow::anyhow!("model {name}: {e}"))?;
     Ok(cfg)
-}
-
-pub(crate) fn make_optimizer(kind: OptimizerKind, params: Vec<Param>, lr: f64, wd: f64) -> Box<dyn Optimizer> {
-    match kind {
-        OptimizerKind::Lamb => Box::new(Lamb::new(params, LambConfig { lr, weight_decay: wd, ..Default::default() })),
-        OptimizerKind::Lars => Box::new(Lars::new(params, LarsConfig { lr, weight_decay: wd, ..Default::default() })),
-        OptimizerKind::Adamw => {
-            Box::new(AdamW::new(params, AdamWConfig { lr, weight_decay: wd, ..Default::default() }))
-        }
-    }
 }
 
 /// A batch as model input `[n, c, h, w]` and labels.
@@ -293,248 +195,355 @@ fn soft_cross_entropy(logits: &Tensor, targets: &Tensor) -> Tensor {
     -(logits.log_softmax(1, Kind::Float) * targets).sum_dim_intlist(1, false, Kind::Float).mean(Kind::Float)
 }
 
-/// Runs `vit pretrain` as one rank of `world`.
-pub fn pretrain(args: &PretrainArgs, world: &World) -> anyhow::Result<Trained> {
-    let (rank, ranks) = (world.rank(), world.size());
-    let group = &world.group;
-    let plan = BatchPlan::new(args.batch, ranks, args.micro_batch, 256).map_err(anyhow::Error::msg)?;
-    if args.resume && args.out.is_none() {
-        bail!("--resume needs --out (the folder of the run to continue)");
-    }
-    let splits = args.data.splits()?;
-    probe(splits.train.as_ref(), "the training set")?;
-    if !splits.val.is_empty() {
-        probe(splits.val.as_ref(), "the validation set")?;
-    }
-    let cfg =
-        model_config(args.model.as_deref(), args.image_size, args.patch_size, splits.embedded, splits.train.as_ref())?;
-    let crop_scale = args.crop_scale.unwrap_or(if splits.embedded { 0.7 } else { 0.08 });
-    let transforms = Transforms::new(cfg.image_size as usize, cfg.in_channels as usize, splits.embedded, crop_scale);
-    let device = args.device.device(world.env.local_rank)?;
-    let kind = args.precision.kind();
+/// Where the run stands after a step.
+pub struct StepOutcome {
+    /// Steps completed (1-based number of the step just taken).
+    pub step: usize,
+    /// Epoch (0-based) the step belonged to.
+    pub epoch: usize,
+    /// Mean loss over the global batch.
+    pub loss: f64,
+    /// Learning rate of the step.
+    pub lr: f64,
+    /// Training images per second over the step, all ranks.
+    pub images_per_s: f64,
+    /// Whether the update was applied (fp16 skips overflowing steps).
+    pub applied: bool,
+    /// Whether the step ended an epoch.
+    pub epoch_end: bool,
+}
 
-    let sampler =
-        DistributedSampler { len: splits.train.len(), ranks, rank, shuffle: true, seed: args.seed, drop_last: true };
-    let per_rank_step = plan.micro * plan.accumulation;
-    let steps_per_epoch = sampler.per_rank() / per_rank_step;
-    if steps_per_epoch == 0 {
-        bail!("--batch {} exceeds the {} training images", plan.global, splits.train.len());
-    }
-    let total = args.steps.unwrap_or(args.epochs * steps_per_epoch);
-    let peak = args.lr_base_batch.map_or(args.lr, |base| scale_lr(args.lr, plan.global, base));
-    let decay = match args.decay {
-        DecayKind::Cosine => Decay::Cosine,
-        DecayKind::Linear => Decay::Linear,
-    };
-    let schedule = LrSchedule { peak, floor: peak * args.min_lr_ratio, warmup: args.warmup, total, decay };
+/// One rank's `vit pretrain` run: the data, the model and its data-parallel wiring, and the
+/// position in the schedule.
+pub struct Trainer<'a> {
+    args: &'a PretrainArgs,
+    world: &'a World,
+    cfg: VitConfig,
+    plan: BatchPlan,
+    splits: Splits,
+    transforms: Transforms,
+    sampler: DistributedSampler,
+    steps_per_epoch: usize,
+    total: usize,
+    schedule: LrSchedule,
+    device: Device,
+    kind: Kind,
+    vs: VarStore,
+    model: Vit,
+    parallel: Parallelized,
+    loader: Option<Loader>,
+    step: usize,
+}
 
-    // The model, on every rank from the same seed (DataParallel also broadcasts rank 0's).
-    tch::manual_seed(args.seed as i64);
-    let mut vs = VarStore::new(device);
-    let model = Vit::new(&vs.root(), cfg);
-    if kind != Kind::Float {
-        vs.set_kind(kind);
-    }
-    let params = params_of(&vs);
-    let master = match (kind, args.offload_optimizer) {
-        (Kind::Float, false) => None,
-        (_, offload) => Some(MasterWeights::on(params_of(&vs), if offload { Device::Cpu } else { device })?),
-    };
-    let owners = partition(&params, ranks);
-    let ddp_cfg = DataParallelConfig::default();
-    let ddp = match args.zero {
-        2 => DataParallel::new_sharded(&params, group, ddp_cfg, owners.clone())?,
-        _ => DataParallel::new(&params, group, ddp_cfg)?,
-    };
-    let opt_params = master.as_ref().map_or(params, |m| m.master());
-    // Master copies were made before DataParallel's broadcast: take rank 0's weights too.
-    if master.is_some() {
-        tch::no_grad(|| opt_params.iter().try_for_each(|p| group.broadcast(&p.tensor, 0)))?;
-    }
-    let weights: Vec<(String, Tensor)> =
-        opt_params.iter().map(|p| (p.name.clone(), p.tensor.shallow_clone())).collect();
-    let (okind, lr, wd) = (args.optimizer, peak, args.weight_decay);
-    let mut opt: Box<dyn Optimizer> = match args.zero {
-        0 => make_optimizer(okind, opt_params, lr, wd),
-        _ => Box::new(ZeroOptimizer::new(opt_params, owners, group, |ps| make_optimizer(okind, ps, lr, wd))?),
-    };
-    let mut scaler = (args.precision == Precision::Fp16).then(LossScaler::default);
-
-    let run_state = |step: usize, scaler: &Option<LossScaler>| TrainerState {
-        step,
-        world_size: ranks,
-        zero: args.zero,
-        optimizer: format!("{:?}", args.optimizer).to_lowercase(),
-        global_batch: plan.global,
-        seed: args.seed,
-        precision: format!("{:?}", args.precision).to_lowercase(),
-        loss_scale: scaler.as_ref().map_or(1.0, |s| s.scale),
-        clean_steps: scaler.as_ref().map_or(0, |s| s.clean_steps()),
-        model: cfg,
-    };
-    let mut start_step = 0;
-    if args.resume {
-        let out = args.out.as_deref().expect("checked above");
-        let saved = checkpoint::latest(out)?;
-        saved.state.check_matches(&run_state(saved.state.step, &scaler))?;
-        saved.load_model(&weights)?;
-        saved.load_optimizer(world, opt.as_mut())?;
-        if let Some(m) = &master {
-            m.weights_to_model()?;
+impl<'a> Trainer<'a> {
+    /// The data, the model (the same initial weights on every rank from the seed) and its
+    /// parallel wiring; an impossible batch split or an unknown model is an error naming it.
+    pub fn new(args: &'a PretrainArgs, world: &'a World) -> anyhow::Result<Trainer<'a>> {
+        let ranks = world.size();
+        let plan = BatchPlan::new(args.batch, ranks, args.micro_batch, 256).map_err(anyhow::Error::msg)?;
+        if args.resume && args.out.is_none() {
+            bail!("--resume needs --out (the folder of the run to continue)");
         }
-        if let Some(s) = scaler.as_mut() {
+        let splits = args.data.splits()?;
+        probe(splits.train.as_ref(), "the training set")?;
+        if !splits.val.is_empty() {
+            probe(splits.val.as_ref(), "the validation set")?;
+        }
+        let cfg = model_config(
+            args.model.as_deref(),
+            args.image_size,
+            args.patch_size,
+            splits.embedded,
+            splits.train.as_ref(),
+        )?;
+        let crop_scale = args.crop_scale.unwrap_or(if splits.embedded { 0.7 } else { 0.08 });
+        let transforms =
+            Transforms::new(cfg.image_size as usize, cfg.in_channels as usize, splits.embedded, crop_scale);
+        let device = args.job.launch.device(world)?;
+        let kind = args.precision.precision.kind();
+        let seed = args.seed.seed;
+        let sampler = DistributedSampler {
+            len: splits.train.len(),
+            ranks,
+            rank: world.rank(),
+            shuffle: true,
+            seed,
+            drop_last: true,
+        };
+        let steps_per_epoch = sampler.per_rank() / (plan.micro * plan.accumulation);
+        if steps_per_epoch == 0 {
+            bail!("--batch {} exceeds the {} training images", plan.global, splits.train.len());
+        }
+        let total = args.steps.unwrap_or(args.epochs * steps_per_epoch);
+        let peak = args.lr_base_batch.map_or(args.optimizer.lr, |base| scale_lr(args.optimizer.lr, plan.global, base));
+        let schedule = args.schedule.schedule(peak, total);
+
+        // The model, on every rank from the same seed (DataParallel also broadcasts rank 0's).
+        tch::manual_seed(seed as i64);
+        let mut vs = VarStore::new(device);
+        let model = Vit::new(&vs.root(), cfg);
+        if kind != Kind::Float {
+            vs.set_kind(kind);
+        }
+        let layout = ParallelPlan { zero: args.zero, compute: kind, offload_optimizer: args.offload_optimizer, device };
+        let optimizer = args.optimizer.clone();
+        let parallel = parallelize(params_of(&vs), &world.group, &layout, move |ps| optimizer.build(ps, peak))?;
+        Ok(Trainer {
+            args,
+            world,
+            cfg,
+            plan,
+            splits,
+            transforms,
+            sampler,
+            steps_per_epoch,
+            total,
+            schedule,
+            device,
+            kind,
+            vs,
+            model,
+            parallel,
+            loader: None,
+            step: 0,
+        })
+    }
+
+    /// The settings a checkpoint records and a resume must agree with, at `step`.
+    fn state(&self, step: usize) -> TrainerState {
+        let scaler = self.parallel.scaler();
+        TrainerState {
+            step,
+            world_size: self.world.size(),
+            zero: self.args.zero,
+            optimizer: self.args.optimizer.optimizer.name().to_string(),
+            global_batch: self.plan.global,
+            seed: self.args.seed.seed,
+            precision: self.args.precision.precision.name().to_string(),
+            loss_scale: scaler.map_or(1.0, |s| s.scale),
+            clean_steps: scaler.map_or(0, |s| s.clean_steps()),
+            model: self.cfg,
+        }
+    }
+
+    /// Continues from the latest checkpoint under `--out`: weights, optimizer state, loss
+    /// scaler and step; a checkpoint made with other settings is an error naming the setting.
+    pub fn resume(&mut self) -> anyhow::Result<()> {
+        let out = self.args.out.as_deref().context("--resume needs --out")?;
+        let saved = checkpoint::latest(out)?;
+        saved.state.check_matches(&self.state(saved.state.step))?;
+        saved.load_model(self.parallel.weights())?;
+        saved.load_optimizer(self.world, self.parallel.optimizer_mut())?;
+        self.parallel.weights_to_model()?;
+        if let Some(s) = self.parallel.scaler_mut() {
             s.resume(saved.state.loss_scale, saved.state.clean_steps);
         }
-        start_step = saved.state.step;
-        if rank == 0 {
-            println!("resuming from {} (step {start_step})", saved.dir.display());
+        self.step = saved.state.step;
+        if self.world.rank() == 0 {
+            println!("resuming from {} (step {})", saved.dir.display(), self.step);
+        }
+        Ok(())
+    }
+
+    /// Steps completed.
+    pub fn steps_done(&self) -> usize {
+        self.step
+    }
+
+    /// Where this invocation stops: `--steps`/`--epochs`, or earlier at `--stop-after`.
+    pub fn end(&self) -> usize {
+        self.args.stop_after.map_or(self.total, |s| s.min(self.total))
+    }
+
+    /// The micro-batches of epoch `epoch` from step `within` of it on, for this rank.
+    fn start_loader(&mut self, epoch: usize, within: usize) -> anyhow::Result<()> {
+        let (plan, per_rank_step) = (self.plan, self.plan.micro * self.plan.accumulation);
+        let indices = self.sampler.indices(epoch as u64);
+        let specs = (within..self.steps_per_epoch)
+            .flat_map(|s| (0..plan.accumulation).map(move |m| s * per_rank_step + m * plan.micro))
+            .map(|from| BatchSpec {
+                indices: indices[from..from + plan.micro].iter().map(|&i| i as usize).collect(),
+                epoch: epoch as u64,
+            })
+            .collect();
+        let (set, t) = (self.splits.train.clone(), self.transforms.train.clone());
+        self.loader = Some(Loader::new(set, t, self.args.seed.seed, specs, self.args.workers, 2)?);
+        Ok(())
+    }
+
+    /// One optimizer step: every micro-batch forward and backward, then the update.
+    pub fn step(&mut self) -> anyhow::Result<StepOutcome> {
+        let step = self.step;
+        let (epoch, within) = (step / self.steps_per_epoch, step % self.steps_per_epoch);
+        if self.loader.is_none() || within == 0 {
+            self.start_loader(epoch, within)?;
+        }
+        let started = Instant::now();
+        let lr = self.schedule.at(step);
+        let (seed, rank, accumulation) = (self.args.seed.seed, self.world.rank(), self.plan.accumulation);
+        let mixup = Mixup { alpha: self.args.mixup, smoothing: self.args.smoothing };
+        let classes = self.cfg.num_classes as usize;
+        let mut loss_sum = 0.0;
+        for m in 0..accumulation {
+            let loader = self.loader.as_mut().context("the data loader")?;
+            let mut batch = loader.next().context("the data loader stopped early")??;
+            let mut rng = Rng::keyed(seed ^ MIXUP_STREAM, step as u64, (rank * accumulation + m) as u64);
+            let targets = mixup.apply(&mut batch.pixels, &batch.labels, classes, &mut rng);
+            let (images, _) = to_tensors(&batch, self.device, self.kind)?;
+            let targets = Tensor::f_from_slice(&targets)?.f_view([-1, classes as i64])?.f_to_device(self.device)?;
+            let loss = soft_cross_entropy(&self.model.forward(&images), &targets) / accumulation as f64;
+            self.parallel.backward(&loss, m + 1 == accumulation)?;
+            loss_sum += loss.f_double_value(&[])?;
+        }
+        let applied = self.parallel.step(lr, self.args.optimizer.clip_grad)?;
+        let loss = Tensor::from_slice(&[loss_sum]);
+        self.world.group.all_reduce(&loss, ReduceOp::Avg)?;
+        let loss = loss.double_value(&[0]);
+        if !loss.is_finite() && self.parallel.scaler().is_none() {
+            bail!("step {}: the loss is {loss}; lower --lr or use --clip-grad", step + 1);
+        }
+        self.step += 1;
+        Ok(StepOutcome {
+            step: self.step,
+            epoch,
+            loss,
+            lr,
+            images_per_s: self.plan.global as f64 / started.elapsed().as_secs_f64(),
+            applied,
+            epoch_end: within + 1 == self.steps_per_epoch || self.step == self.end(),
+        })
+    }
+
+    /// Top-1 and top-5 accuracy on the validation set (`None` without one).
+    pub fn evaluate(&self) -> anyhow::Result<Option<(f64, f64)>> {
+        if self.splits.val.is_empty() {
+            return Ok(None);
+        }
+        let (val, t) = (&self.splits.val, &self.transforms.eval);
+        Ok(Some(evaluate(&self.model, val, t, &self.world.group, self.device, self.kind)?))
+    }
+
+    /// Whether the step just taken is due a checkpoint (`--save-every`, else each epoch's end;
+    /// the last step and `--stop-after`).
+    fn save_due(&self) -> bool {
+        let every = self.args.save_every.unwrap_or(self.steps_per_epoch);
+        self.args.out.is_some()
+            && (self.step.is_multiple_of(every) || self.step == self.total || Some(self.step) == self.args.stop_after)
+    }
+
+    /// Writes a checkpoint of the current step under `--out` (every rank calls this).
+    pub fn save(&self) -> anyhow::Result<()> {
+        let out = self.args.out.as_deref().context("saving needs --out")?;
+        checkpoint::save(out, self.world, &self.state(self.step), self.parallel.weights(), self.parallel.optimizer())
+    }
+
+    /// Rank 0 writes the final `model.safetensors` and `model.json` under `--out`.
+    fn save_model(&self) -> anyhow::Result<()> {
+        if let (Some(dir), 0) = (&self.args.out, self.world.rank()) {
+            let path = dir.join("model.safetensors");
+            data::checkpoint::save_tensors(self.parallel.weights(), &path)?;
+            let json = serde_json::to_string_pretty(&self.cfg)?;
+            data::write_atomic::<anyhow::Error>(&dir.join("model.json"), |w| {
+                Ok(std::io::Write::write_all(w, json.as_bytes())?)
+            })?;
+            println!("saved {} and model.json", path.display());
+        }
+        Ok(())
+    }
+
+    /// The metrics file under `--out` (rank 0), kept up to the resumed step.
+    fn open_metrics(&self) -> anyhow::Result<Option<Metrics>> {
+        match (&self.args.out, self.world.rank()) {
+            (Some(dir), 0) => {
+                std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+                let path = dir.join(&self.args.job.metrics);
+                Ok(Some(Metrics::open::<Record>(&path, self.args.resume.then_some(self.step))?))
+            }
+            _ => Ok(None),
         }
     }
-    let mut metrics = match (&args.out, rank) {
-        (Some(dir), 0) => {
-            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-            Some(Metrics::open(&dir.join(&args.metrics), args.resume.then_some(start_step))?)
-        }
-        _ => None,
-    };
-    if rank == 0 {
+
+    fn announce(&self) {
+        let (plan, ranks) = (self.plan, self.world.size());
         println!(
-            "vit pretrain: {} training / {} validation images, {ranks} rank(s), global batch {} = {ranks} x {} micro-batch x {} accumulation, {total} steps ({steps_per_epoch}/epoch), {:?}, {:?}, ZeRO {}",
-            splits.train.len(),
-            splits.val.len(),
+            "vit pretrain: {} training / {} validation images, {ranks} rank(s), global batch {} = {ranks} x {} micro-batch x {} accumulation, {} steps ({}/epoch), {:?}, {:?}, ZeRO {}",
+            self.splits.train.len(),
+            self.splits.val.len(),
             plan.global,
             plan.micro,
             plan.accumulation,
-            args.optimizer,
-            args.precision,
-            args.zero
+            self.total,
+            self.steps_per_epoch,
+            self.args.optimizer.optimizer,
+            self.args.precision.precision,
+            self.args.zero
         );
     }
-    let progress = engine::runtime::progress_bar(rank == 0 && !args.quiet, total, start_step);
-    let mixup = Mixup { alpha: args.mixup, smoothing: args.smoothing };
-    let classes = cfg.num_classes as usize;
-    let save_every = args.save_every.unwrap_or(steps_per_epoch);
+}
 
+/// Runs `vit pretrain` as one rank of `world`.
+pub fn pretrain(args: &PretrainArgs, world: &World) -> anyhow::Result<Trained> {
+    let mut trainer = Trainer::new(args, world)?;
+    if args.resume {
+        trainer.resume()?;
+    }
+    let rank = world.rank();
+    let mut metrics = trainer.open_metrics()?;
+    if rank == 0 {
+        trainer.announce();
+    }
+    let (start_step, end, total) = (trainer.steps_done(), trainer.end(), trainer.total);
+    let progress = engine::progress::progress_bar(rank == 0 && !args.job.quiet, total, start_step);
     let start = Instant::now();
     let mut losses = vec![];
     let (mut val_top1, mut val_top5) = (0.0, 0.0);
-    let mut loader: Option<Loader> = None;
-    let end = args.stop_after.map_or(total, |s| s.min(total));
-    for step in start_step..end {
-        let (epoch, within) = (step / steps_per_epoch, step % steps_per_epoch);
-        if loader.is_none() || within == 0 {
-            let indices = sampler.indices(epoch as u64);
-            let specs = (within..steps_per_epoch)
-                .flat_map(|s| (0..plan.accumulation).map(move |m| s * per_rank_step + m * plan.micro))
-                .map(|from| BatchSpec {
-                    indices: indices[from..from + plan.micro].iter().map(|&i| i as usize).collect(),
-                    epoch: epoch as u64,
-                })
-                .collect();
-            let (set, t) = (splits.train.clone(), transforms.train.clone());
-            loader = Some(Loader::new(set, t, args.seed, specs, args.workers, 2)?);
-        }
-        let step_start = Instant::now();
-        let lr_now = schedule.at(step);
-        opt.set_lr(lr_now);
-        let mut loss_sum = 0.0;
-        for m in 0..plan.accumulation {
-            let batch = loader.as_mut().expect("created above").next().context("the data loader stopped early")??;
-            let mut batch = batch;
-            let mut rng = Rng::keyed(args.seed ^ MIXUP_STREAM, step as u64, (rank * plan.accumulation + m) as u64);
-            let targets = mixup.apply(&mut batch.pixels, &batch.labels, classes, &mut rng);
-            let (images, _) = to_tensors(&batch, device, kind)?;
-            let targets = Tensor::f_from_slice(&targets)?.f_view([-1, classes as i64])?.f_to_device(device)?;
-            ddp.set_sync(m + 1 == plan.accumulation)?;
-            let loss = soft_cross_entropy(&model.forward(&images), &targets) / plan.accumulation as f64;
-            let scaled = match &scaler {
-                Some(s) => s.scale_loss(&loss)?,
-                None => loss.shallow_clone(),
-            };
-            engine::autograd::backward(&[&scaled], &[None], false)?;
-            loss_sum += loss.f_double_value(&[])?;
-        }
-        ddp.finish_gradients()?;
-        if let Some(m) = &master {
-            m.gradients_to_master()?;
-        }
-        let finite = match &scaler {
-            Some(s) => s.unscale(opt.params(), Some(group))?,
-            None => true,
+    while trainer.steps_done() < end {
+        let s = trainer.step()?;
+        losses.push((s.step, s.loss));
+        let val = match s.epoch_end {
+            true => trainer.evaluate()?,
+            false => None,
         };
-        if finite {
-            if let Some(max) = args.clip_grad {
-                clip_grad_norm(opt.params(), max, (args.zero == 2).then_some(group))?;
-            }
-            opt.step()?;
-        }
-        opt.zero_grad();
-        if let Some(s) = scaler.as_mut() {
-            s.update(finite);
-        }
-        if let Some(m) = &master {
-            m.weights_to_model()?;
-        }
-
-        let loss = Tensor::from_slice(&[loss_sum]);
-        group.all_reduce(&loss, ReduceOp::Avg)?;
-        let loss = loss.double_value(&[0]);
-        if !loss.is_finite() && scaler.is_none() {
-            bail!("step {}: the loss is {loss}; lower --lr or use --clip-grad", step + 1);
-        }
-        losses.push((step + 1, loss));
-        let images_per_s = plan.global as f64 / step_start.elapsed().as_secs_f64();
-        let epoch_end = within + 1 == steps_per_epoch || step + 1 == end;
-        let (mut top1, mut top5) = (None, None);
-        if epoch_end && !splits.val.is_empty() {
-            (val_top1, val_top5) = evaluate(&model, &splits.val, &transforms.eval, group, device, kind)?;
-            (top1, top5) = (Some(val_top1), Some(val_top5));
+        if let Some((top1, top5)) = val {
+            (val_top1, val_top5) = (top1, top5);
             if rank == 0 {
                 progress.suspend(|| {
                     println!(
-                        "epoch {:>3}  step {:>6}/{total}  loss {loss:.4}  lr {lr_now:.2e}  val top-1 {:.2}%  top-5 {:.2}%  {:.1} s",
-                        epoch + 1,
-                        step + 1,
-                        100.0 * val_top1,
-                        100.0 * val_top5,
+                        "epoch {:>3}  step {:>6}/{total}  loss {:.4}  lr {:.2e}  val top-1 {:.2}%  top-5 {:.2}%  {:.1} s",
+                        s.epoch + 1,
+                        s.step,
+                        s.loss,
+                        s.lr,
+                        100.0 * top1,
+                        100.0 * top5,
                         start.elapsed().as_secs_f64()
                     )
                 });
             }
         }
         if let Some(m) = metrics.as_mut() {
-            let applied = finite;
             m.write(&Record {
-                step: step + 1,
-                epoch: epoch + 1,
-                loss,
-                lr: lr_now,
-                images_per_s,
-                applied,
-                val_top1: top1,
-                val_top5: top5,
+                step: s.step,
+                epoch: s.epoch + 1,
+                loss: s.loss,
+                lr: s.lr,
+                images_per_s: s.images_per_s,
+                applied: s.applied,
+                val_top1: val.map(|v| v.0),
+                val_top5: val.map(|v| v.1),
             })?;
         }
-        progress.set_message(format!("loss {loss:.4}  {images_per_s:.0} img/s"));
+        progress.set_message(format!("loss {:.4}  {:.0} img/s", s.loss, s.images_per_s));
         progress.inc(1);
-        if let Some(out) = &args.out {
-            if (step + 1) % save_every == 0 || step + 1 == total || Some(step + 1) == args.stop_after {
-                checkpoint::save(out, world, &run_state(step + 1, &scaler), &weights, opt.as_ref())?;
-            }
+        if trainer.save_due() {
+            trainer.save()?;
         }
     }
     progress.finish_and_clear();
-    drop(loader);
+    trainer.loader = None;
     let seconds = start.elapsed().as_secs_f64();
-    if let (Some(dir), 0) = (&args.out, rank) {
-        let path = dir.join("model.safetensors");
-        data::checkpoint::save_tensors(&weights, &path)?;
-        let json = serde_json::to_string_pretty(&cfg)?;
-        data::write_atomic::<anyhow::Error>(&dir.join("model.json"), |w| {
-            Ok(std::io::Write::write_all(w, json.as_bytes())?)
-        })?;
-        println!("saved {} and model.json", path.display());
-    }
-    group.barrier()?;
-    Ok(Trained { vs, weights, losses, val_top1, val_top5, seconds })
+    trainer.save_model()?;
+    world.group.barrier()?;
+    let weights = trainer.parallel.weights().iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
+    Ok(Trained { vs: trainer.vs, weights, losses, val_top1, val_top5, seconds })
 }

@@ -1,7 +1,10 @@
-//! Parallel layouts applied to models written serially: data parallelism and ZeRO so far.
+//! Parallel layouts applied to models written serially: data parallelism and ZeRO so far, and
+//! [`parallelize`], the one step a trainer applies to wire them around its model.
 pub mod dap;
 pub mod data;
+pub mod parallelize;
 pub mod zero;
 
 pub use data::{DataParallel, DataParallelConfig};
+pub use parallelize::{parallelize, ParallelPlan, Parallelized};
 pub use zero::{partition, ZeroOptimizer};

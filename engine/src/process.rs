@@ -1,5 +1,6 @@
-//! What this process runs on: the libtorch it was built against, CUDA devices, threads, and
-//! the launcher's view of the job. Every binary prints this with its `env` subcommand.
+//! This process and what it runs on: the libtorch it was built against, CUDA devices, threads
+//! and the launcher's view of the job (every binary prints them with its `env` subcommand), the
+//! allocator setting every binary makes at startup, and the peak memory a job reports.
 use std::ffi::CStr;
 use std::fmt::Write;
 
@@ -68,63 +69,6 @@ fn gib(bytes: u64) -> f64 {
     bytes as f64 / (1u64 << 30) as f64
 }
 
-/// The training progress bar of every binary (`show` false: a hidden one, e.g. on ranks other
-/// than 0 or under `--quiet`), starting at step `done` of `total`.
-pub fn progress_bar(show: bool, total: usize, done: usize) -> indicatif::ProgressBar {
-    if !show {
-        return indicatif::ProgressBar::hidden();
-    }
-    let bar = indicatif::ProgressBar::new(total as u64).with_position(done as u64);
-    let style =
-        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {elapsed_precise} < {eta_precise}  {msg}")
-            .expect("a valid template");
-    bar.set_style(style);
-    bar
-}
-
-/// Where a job computes (`--device` of every binary).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DeviceKind {
-    /// The CPU.
-    Cpu,
-    /// CUDA: each rank its local GPU.
-    Cuda,
-}
-
-impl DeviceKind {
-    /// The device of the rank with local index `local_rank`; an error without a GPU.
-    pub fn device(self, local_rank: usize) -> crate::Result<tch::Device> {
-        match self {
-            DeviceKind::Cpu => Ok(tch::Device::Cpu),
-            DeviceKind::Cuda if cuda::is_available() => Ok(tch::Device::Cuda(local_rank)),
-            DeviceKind::Cuda => {
-                Err(crate::Error::CudaUnavailable("--device cuda, but libtorch sees no CUDA device".into()))
-            }
-        }
-    }
-}
-
-impl std::str::FromStr for DeviceKind {
-    type Err = String;
-
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "cpu" => Ok(DeviceKind::Cpu),
-            "cuda" => Ok(DeviceKind::Cuda),
-            other => Err(format!("unknown device {other:?} (expected cpu or cuda)")),
-        }
-    }
-}
-
-impl std::fmt::Display for DeviceKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            DeviceKind::Cpu => "cpu",
-            DeviceKind::Cuda => "cuda",
-        })
-    }
-}
-
 /// The most memory this job has held on `device`: the caching allocator's peak on a GPU, the
 /// process's peak resident set (`VmHWM`) on the CPU; `None` where neither can be read.
 pub fn peak_memory(device: tch::Device) -> Option<u64> {
@@ -142,14 +86,6 @@ pub fn peak_memory(device: tch::Device) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn device_kinds_parse_and_print() {
-        for kind in [DeviceKind::Cpu, DeviceKind::Cuda] {
-            assert_eq!(kind.to_string().parse::<DeviceKind>(), Ok(kind));
-        }
-        assert!("gpu".parse::<DeviceKind>().unwrap_err().contains("\"gpu\""));
-    }
 
     #[test]
     fn cpu_peak_memory_is_at_least_a_touched_buffer() {

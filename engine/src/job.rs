@@ -1,0 +1,299 @@
+//! The flags every job command shares, defined once and flattened into each app's commands
+//! (`#[command(flatten)]`), so that a flag with one meaning has one name everywhere:
+//!
+//! | group | flags |
+//! |---|---|
+//! | [`DeviceArgs`] | `--device` |
+//! | [`LaunchArgs`] | `--device --nproc --timeout` (and [`LaunchArgs::launch_or_join`]) |
+//! | [`SeedArgs`] | `--seed` |
+//! | [`JobArgs`] | a training job's launch, `--quiet` and `--metrics` |
+//! | [`PrecisionArgs`] | `--precision fp32\|bf16\|fp16` |
+//! | [`OptimizerArgs`] | `--optimizer --lr --weight-decay --clip-grad` (and [`OptimizerArgs::build`]) |
+//! | [`ScheduleArgs`] | `--warmup --decay --min-lr-ratio` |
+//!
+//! Defaults here are neutral; a command whose users expect others (LAMB at 3e-2 for ViT,
+//! AdamW at 1e-5 for diffusion fine-tuning) sets them on its own struct with
+//! `#[command(mut_arg("lr", |a| a.default_value("3e-2")))]`, so `--help` shows the command's
+//! own defaults. A command that supports only some precisions narrows the flag the same way
+//! with [`Precision::parser`].
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::builder::{PossibleValuesParser, TypedValueParser};
+use tch::Kind;
+
+use crate::device::DeviceKind;
+use crate::dist::{self, InitOptions, World};
+use crate::gemini::CpuRule;
+use crate::optim::{AdamW, AdamWConfig, Decay, Lamb, LambConfig, Lars, LarsConfig, LrSchedule, Optimizer, Param};
+use crate::Result;
+
+/// `--device`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct DeviceArgs {
+    /// Device (cuda: each rank its local GPU).
+    #[arg(long, default_value_t = DeviceKind::Cpu)]
+    pub device: DeviceKind,
+}
+
+/// Where a multi-rank job runs and how long its ranks wait for each other.
+#[derive(clap::Args, Clone, Debug)]
+pub struct LaunchArgs {
+    /// The device.
+    #[command(flatten)]
+    pub device: DeviceArgs,
+    /// Local ranks to spawn (under torchrun, Slurm or mpirun the launcher decides).
+    #[arg(long, default_value_t = 1)]
+    pub nproc: usize,
+    /// Rendezvous and collective timeout in seconds.
+    #[arg(long, default_value_t = 300.0)]
+    pub timeout: f64,
+}
+
+impl LaunchArgs {
+    /// The rendezvous and collective timeout.
+    pub fn timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.timeout)
+    }
+
+    /// Joins the job as one of its ranks. Run without a launcher and with `--nproc` above 1,
+    /// the process instead spawns the ranks, waits for them and returns `None` (its caller
+    /// then exits; a failed rank is an error naming it).
+    pub fn launch_or_join(&self) -> Result<Option<World>> {
+        if dist::maybe_relaunch(self.nproc)? {
+            return Ok(None);
+        }
+        Ok(Some(dist::init(&InitOptions { timeout: self.timeout() })?))
+    }
+
+    /// This rank's device in `world`.
+    pub fn device(&self, world: &World) -> Result<tch::Device> {
+        self.device.device.device(world.env.local_rank)
+    }
+}
+
+/// `--seed`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct SeedArgs {
+    /// Seed of every random draw (initial weights, data order, augmentations, noise): the
+    /// same seed repeats the run.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+/// What every training command shares: launch, progress and the training log.
+#[derive(clap::Args, Clone, Debug)]
+pub struct JobArgs {
+    /// Device, ranks and timeout.
+    #[command(flatten)]
+    pub launch: LaunchArgs,
+    /// No progress bar.
+    #[arg(long)]
+    pub quiet: bool,
+    /// The training log's file name in the output folder (`.csv` for CSV, else JSON lines).
+    #[arg(long, default_value = "metrics.jsonl")]
+    pub metrics: PathBuf,
+}
+
+/// Arithmetic precision of a model's weights and activations (`--precision`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Precision {
+    /// 32-bit floats throughout.
+    Fp32,
+    /// bfloat16 weights and activations (training: fp32 master weights and optimizer state).
+    Bf16,
+    /// IEEE half precision (training: fp32 masters and dynamic loss scaling).
+    Fp16,
+}
+
+impl Precision {
+    /// The tensor kind.
+    pub fn kind(self) -> Kind {
+        match self {
+            Precision::Fp32 => Kind::Float,
+            Precision::Bf16 => Kind::BFloat16,
+            Precision::Fp16 => Kind::Half,
+        }
+    }
+
+    /// The flag's name for it (`fp32`, `bf16`, `fp16`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16 => "bf16",
+            Precision::Fp16 => "fp16",
+        }
+    }
+
+    /// A value parser for `--precision` accepting only `allowed`, for commands that support
+    /// fewer precisions (`--help` then lists only those).
+    pub fn parser(allowed: &[Precision]) -> impl TypedValueParser<Value = Precision> {
+        let names: Vec<&'static str> = allowed.iter().map(|p| p.name()).collect();
+        PossibleValuesParser::new(names).map(|s| match s.as_str() {
+            "bf16" => Precision::Bf16,
+            "fp16" => Precision::Fp16,
+            _ => Precision::Fp32,
+        })
+    }
+}
+
+/// `--precision`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct PrecisionArgs {
+    /// Arithmetic precision.
+    #[arg(long, value_enum, default_value_t = Precision::Fp32)]
+    pub precision: Precision,
+}
+
+/// Which optimizer steps the weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum OptimizerKind {
+    /// AdamW (decoupled weight decay).
+    Adamw,
+    /// LAMB: Adam with layer-wise trust ratios, for large batches.
+    Lamb,
+    /// LARS: SGD with momentum and layer-wise trust ratios.
+    Lars,
+}
+
+impl OptimizerKind {
+    /// The flag's name for it (`adamw`, `lamb`, `lars`).
+    pub fn name(self) -> &'static str {
+        match self {
+            OptimizerKind::Adamw => "adamw",
+            OptimizerKind::Lamb => "lamb",
+            OptimizerKind::Lars => "lars",
+        }
+    }
+}
+
+/// The optimizer and its hyper-parameters.
+#[derive(clap::Args, Clone, Debug)]
+pub struct OptimizerArgs {
+    /// The optimizer.
+    #[arg(long, value_enum, default_value_t = OptimizerKind::Adamw)]
+    pub optimizer: OptimizerKind,
+    /// Peak learning rate.
+    #[arg(long, default_value_t = 1e-3)]
+    pub lr: f64,
+    /// Weight decay (not applied to biases and norm weights).
+    #[arg(long, default_value_t = 0.0)]
+    pub weight_decay: f64,
+    /// Clip the global gradient norm to this value (diffusers' --max-grad-norm).
+    #[arg(long, visible_alias = "max-grad-norm")]
+    pub clip_grad: Option<f64>,
+}
+
+impl OptimizerArgs {
+    /// The rule at learning rate `lr` (the other hyper-parameters are each optimizer's
+    /// defaults: PyTorch's for AdamW, the paper's for LAMB, timm's for LARS).
+    pub fn rule(&self, lr: f64) -> CpuRule {
+        let weight_decay = self.weight_decay;
+        match self.optimizer {
+            OptimizerKind::Adamw => CpuRule::AdamW(AdamWConfig { lr, weight_decay, ..Default::default() }),
+            OptimizerKind::Lamb => CpuRule::Lamb(LambConfig { lr, weight_decay, ..Default::default() }),
+            OptimizerKind::Lars => CpuRule::Lars(LarsConfig { lr, weight_decay, ..Default::default() }),
+        }
+    }
+
+    /// The tensor optimizer of [`OptimizerArgs::rule`] over `params`.
+    pub fn build(&self, params: Vec<Param>, lr: f64) -> Box<dyn Optimizer> {
+        build(&self.rule(lr), params)
+    }
+}
+
+/// The tensor optimizer of `rule` over `params`.
+pub fn build(rule: &CpuRule, params: Vec<Param>) -> Box<dyn Optimizer> {
+    match *rule {
+        CpuRule::AdamW(c) => Box::new(AdamW::new(params, c)),
+        CpuRule::Lamb(c) => Box::new(Lamb::new(params, c)),
+        CpuRule::Lars(c) => Box::new(Lars::new(params, c)),
+    }
+}
+
+/// How the learning rate falls after warmup.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DecayKind {
+    /// Stay at the peak.
+    Constant,
+    /// Half a cosine down to the floor.
+    Cosine,
+    /// A straight line down to the floor.
+    Linear,
+}
+
+/// The learning-rate schedule: linear warmup, then a decay.
+#[derive(clap::Args, Clone, Debug)]
+pub struct ScheduleArgs {
+    /// Linear warmup steps to the peak learning rate (diffusers' --lr-warmup-steps).
+    #[arg(long, visible_alias = "lr-warmup-steps", default_value_t = 0)]
+    pub warmup: usize,
+    /// Decay after warmup.
+    #[arg(long, value_enum, default_value_t = DecayKind::Constant)]
+    pub decay: DecayKind,
+    /// Final learning rate as a share of the peak (cosine and linear decay).
+    #[arg(long, default_value_t = 0.0)]
+    pub min_lr_ratio: f64,
+}
+
+impl ScheduleArgs {
+    /// The schedule from `peak` over `total` steps.
+    pub fn schedule(&self, peak: f64, total: usize) -> LrSchedule {
+        let decay = match self.decay {
+            DecayKind::Constant => Decay::Constant,
+            DecayKind::Cosine => Decay::Cosine,
+            DecayKind::Linear => Decay::Linear,
+        };
+        LrSchedule { peak, floor: peak * self.min_lr_ratio, warmup: self.warmup, total, decay }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(clap::Parser)]
+    #[command(
+        mut_arg("lr", |a| a.default_value("3e-2")),
+        mut_arg("optimizer", |a| a.default_value("lamb")),
+        mut_arg("precision", |a| a.value_parser(Precision::parser(&[Precision::Fp32, Precision::Bf16]))),
+    )]
+    struct Command {
+        #[command(flatten)]
+        job: JobArgs,
+        #[command(flatten)]
+        seed: SeedArgs,
+        #[command(flatten)]
+        optimizer: OptimizerArgs,
+        #[command(flatten)]
+        precision: PrecisionArgs,
+        #[command(flatten)]
+        schedule: ScheduleArgs,
+    }
+
+    #[test]
+    fn groups_flatten_with_the_commands_own_defaults() {
+        let c = Command::try_parse_from(["x"]).unwrap();
+        assert_eq!((c.optimizer.optimizer, c.optimizer.lr), (OptimizerKind::Lamb, 3e-2));
+        assert_eq!((c.job.launch.nproc, c.seed.seed, c.precision.precision), (1, 0, Precision::Fp32));
+        let c = Command::try_parse_from(["x", "--max-grad-norm", "1", "--lr-warmup-steps", "5", "--precision", "bf16"])
+            .unwrap();
+        assert_eq!((c.optimizer.clip_grad, c.schedule.warmup, c.precision.precision), (Some(1.0), 5, Precision::Bf16));
+        let err = Command::try_parse_from(["x", "--precision", "fp16"]).err().unwrap().to_string();
+        assert!(err.contains("fp16") && err.contains("fp32, bf16"), "{err}");
+        let s = c.schedule.schedule(1.0, 10);
+        assert_eq!((s.at(0), s.at(9)), (0.2, 1.0));
+    }
+
+    #[test]
+    fn the_rule_and_the_tensor_optimizer_agree() {
+        let args = OptimizerArgs { optimizer: OptimizerKind::Lars, lr: 0.5, weight_decay: 0.1, clip_grad: None };
+        match args.rule(0.25) {
+            CpuRule::Lars(c) => assert_eq!((c.lr, c.weight_decay, c.momentum), (0.25, 0.1, 0.9)),
+            other => panic!("{other:?}"),
+        }
+        let p = Param::new("w", &tch::Tensor::ones([2, 2], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true));
+        assert_eq!(args.build(vec![p], 0.25).lr(), 0.25);
+    }
+}
