@@ -12,6 +12,7 @@ pub mod folder;
 pub mod h5;
 pub mod images;
 pub mod loader;
+pub mod npz;
 pub mod sampler;
 
 pub use captions::CaptionedImages;

@@ -400,7 +400,7 @@ fn npz_errors_name_the_key_and_both_shapes() {
     let err = write("extra_msa_mask", Some(Tensor::zeros([2, 1, 4], (Kind::Float, Device::Cpu))));
     assert!(err.contains("key extra_msa_mask: expected shape [2, 1, 3], found [2, 1, 4]"), "{err}");
     let err = Features::load_npz(Path::new("/no/such/f.npz"), Device::Cpu).unwrap_err().to_string();
-    assert!(err.contains("/no/such/f.npz: not a readable .npz file"), "{err}");
+    assert!(err.contains("/no/such/f.npz") && err.contains("No such file"), "{err}");
 }
 
 #[test]

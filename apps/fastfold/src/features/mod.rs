@@ -433,8 +433,7 @@ impl Features {
     /// the key, the expected and the found shape; other keys (e.g. `random_crop_to_size_seed`)
     /// are ignored.
     pub fn load_npz(path: &Path, device: Device) -> Result<Features> {
-        let tensors = Tensor::read_npz(path)
-            .map_err(|e| Error::Format { path: path.to_path_buf(), msg: format!("not a readable .npz file: {e}") })?;
+        let tensors = data::npz::read(path)?;
         let map = tensors.into_iter().map(|(k, t)| (k, t.to_device(device))).collect();
         Features::from_map(map, path)
     }
