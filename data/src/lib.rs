@@ -53,9 +53,16 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
     move |source| Error::Io { path: path.to_path_buf(), source }
 }
 
-/// Writes `path` through `write`: the bytes go to a temporary file beside it, which is synced
-/// and renamed over `path` only once `write` succeeds. On any error the temporary file is
-/// removed and `path` is left as it was.
+/// Makes the entries of directory `dir` (files created, renamed or removed in it) durable: a
+/// rename is on disk only once its directory is synced, so a crash right after it cannot bring
+/// the old name back.
+pub fn sync_dir(dir: &Path) -> Result<()> {
+    File::open(dir).and_then(|d| d.sync_all()).map_err(io_err(dir))
+}
+
+/// Writes `path` through `write`: the bytes go to a temporary file beside it, which is synced,
+/// renamed over `path` only once `write` succeeds, and made durable with its directory. On any
+/// error the temporary file is removed and `path` is left as it was.
 pub fn write_atomic<E: From<Error>>(
     path: &Path,
     write: impl FnOnce(&mut BufWriter<File>) -> std::result::Result<(), E>,
@@ -71,7 +78,7 @@ pub fn write_atomic<E: From<Error>>(
         let file = out.into_inner().map_err(|e| io_err(&tmp)(e.into_error()))?;
         file.sync_all().map_err(io_err(&tmp))?;
         fs::rename(&tmp, path).map_err(io_err(path))?;
-        Ok(())
+        Ok(sync_dir(dir)?)
     })();
     if result.is_err() {
         let _ = fs::remove_file(&tmp);

@@ -1,9 +1,10 @@
 //! Training checkpoints under `--out`: `checkpoint-<step>/` holds the model (`model.safetensors`,
 //! fp32), each rank's optimizer state (`optimizer-rank<r>.safetensors`; one file when the
 //! state is replicated) and `trainer.json` (the step, the loss scaler, and the settings a resume
-//! must agree with). A checkpoint is written to a `.tmp` folder and renamed when every rank has
-//! finished, then `latest` is switched to it (atomically) and older checkpoints are removed, so
-//! a crash at any point leaves the previous checkpoint usable.
+//! must agree with). A checkpoint is written to a `.tmp` folder and renamed when every rank's
+//! files are durable, then `latest` is switched to it (atomically) and older checkpoints are
+//! removed, so a crash at any instant leaves `latest` naming a complete checkpoint.
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
@@ -70,6 +71,12 @@ fn sharded(state: &TrainerState) -> bool {
 }
 
 /// Writes a checkpoint of step `state.step` under `out` (every rank calls this).
+///
+/// The only commit point is the atomic, synced rewrite of `latest`: every rank's files are
+/// synced into a `.tmp` folder first, the folder is synced and renamed to a name no existing
+/// checkpoint has (re-saving a step gets `checkpoint-<step>-<n>`), the parent folder is synced,
+/// and only then does `latest` switch and are the other checkpoints removed. A crash at any
+/// instant leaves `latest` naming a complete checkpoint.
 pub fn save(
     out: &Path,
     world: &World,
@@ -77,8 +84,7 @@ pub fn save(
     model: &[(String, Tensor)],
     opt: &dyn Optimizer,
 ) -> anyhow::Result<()> {
-    let name = format!("checkpoint-{}", state.step);
-    let tmp = out.join(format!("{name}.tmp"));
+    let tmp = out.join(format!("checkpoint-{}.tmp", state.step));
     if world.rank() == 0 {
         if tmp.exists() {
             std::fs::remove_dir_all(&tmp).with_context(|| format!("removing {}", tmp.display()))?;
@@ -92,18 +98,17 @@ pub fn save(
     if world.rank() == 0 {
         data::checkpoint::save_tensors(model, &tmp.join("model.safetensors"))?;
         let json = serde_json::to_string_pretty(state)?;
-        let path = tmp.join("trainer.json");
-        std::fs::write(&path, json).with_context(|| format!("writing {}", path.display()))?;
+        data::write_atomic::<anyhow::Error>(&tmp.join("trainer.json"), |w| Ok(w.write_all(json.as_bytes())?))?;
     }
+    // Every rank's files are synced before this barrier; rank 0 then commits.
     world.group.barrier()?;
     if world.rank() == 0 {
+        data::sync_dir(&tmp)?;
+        let name = fresh_name(out, state.step);
         let dir = out.join(&name);
-        if dir.exists() {
-            std::fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
-        }
         std::fs::rename(&tmp, &dir).with_context(|| format!("renaming {} to {}", tmp.display(), dir.display()))?;
-        let latest = out.join("latest");
-        data::write_atomic::<anyhow::Error>(&latest, |w| Ok(std::io::Write::write_all(w, name.as_bytes())?))?;
+        data::sync_dir(out)?;
+        data::write_atomic::<anyhow::Error>(&out.join("latest"), |w| Ok(w.write_all(name.as_bytes())?))?;
         for entry in std::fs::read_dir(out).with_context(|| format!("listing {}", out.display()))? {
             let path = entry?.path();
             let file = path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
@@ -114,6 +119,15 @@ pub fn save(
     }
     world.group.barrier()?;
     Ok(())
+}
+
+/// `checkpoint-<step>`, or `checkpoint-<step>-<n>` with the first `n` no folder under `out` has.
+fn fresh_name(out: &Path, step: usize) -> String {
+    let base = format!("checkpoint-{step}");
+    std::iter::once(base.clone())
+        .chain((2..).map(|n| format!("{base}-{n}")))
+        .find(|name| !out.join(name).exists())
+        .unwrap_or(base)
 }
 
 /// A checkpoint found under `--out`.
