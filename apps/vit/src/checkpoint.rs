@@ -43,9 +43,9 @@ pub struct TrainerState {
 impl TrainerState {
     /// Errors naming the first setting in which `self` (the checkpoint) and `run` differ.
     pub fn check_matches(&self, run: &TrainerState) -> anyhow::Result<()> {
+        // The number of ranks and the ZeRO stage may change: the optimizer state is stored by
+        // parameter name, and each rank takes its own parameters' entries on load.
         let pairs = [
-            ("ranks (world size)", self.world_size.to_string(), run.world_size.to_string()),
-            ("--zero", self.zero.to_string(), run.zero.to_string()),
             ("--optimizer", self.optimizer.clone(), run.optimizer.clone()),
             ("--batch", self.global_batch.to_string(), run.global_batch.to_string()),
             ("--seed", self.seed.to_string(), run.seed.to_string()),
@@ -159,12 +159,27 @@ impl Saved {
         Ok(())
     }
 
-    /// Restores this rank's optimizer state.
-    pub fn load_optimizer(&self, world: &World, opt: &mut dyn Optimizer) -> anyhow::Result<()> {
-        let rank = if sharded(&self.state) { world.rank() } else { 0 };
-        let path = optimizer_file(&self.dir, rank);
-        let mut dict: StateDict = data::checkpoint::read_tensors(&path)?;
-        opt.load_state(&mut dict).with_context(|| format!("loading {}", path.display()))?;
+    /// Restores this rank's optimizer state from every rank's saved file, so a run on another
+    /// number of ranks or another ZeRO stage takes its own parameters' entries wherever they
+    /// were saved (state is stored by parameter name); a missing entry is an error naming it.
+    pub fn load_optimizer(&self, opt: &mut dyn Optimizer) -> anyhow::Result<()> {
+        let mut files: Vec<PathBuf> = std::fs::read_dir(&self.dir)
+            .with_context(|| format!("listing {}", self.dir.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| {
+                let name = p.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
+                name.starts_with("optimizer-rank") && name.ends_with(".safetensors")
+            })
+            .collect();
+        files.sort();
+        if files.is_empty() {
+            bail!("{}: no optimizer-rank*.safetensors", self.dir.display());
+        }
+        let mut dict = StateDict::new();
+        for path in &files {
+            dict.extend(data::checkpoint::read_tensors(path)?);
+        }
+        opt.load_state(&mut dict).with_context(|| format!("loading the optimizer state of {}", self.dir.display()))?;
         Ok(())
     }
 }

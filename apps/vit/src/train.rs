@@ -327,13 +327,14 @@ impl<'a> Trainer<'a> {
     }
 
     /// Continues from the latest checkpoint under `--out`: weights, optimizer state, loss
-    /// scaler and step; a checkpoint made with other settings is an error naming the setting.
+    /// scaler and step, on any number of ranks and ZeRO stage; a checkpoint made with other
+    /// settings (optimizer, batch, seed, precision, model) is an error naming the setting.
     pub fn resume(&mut self) -> anyhow::Result<()> {
         let out = self.args.out.as_deref().context("--resume needs --out")?;
         let saved = checkpoint::latest(out)?;
         saved.state.check_matches(&self.state(saved.state.step))?;
         saved.load_model(self.parallel.weights())?;
-        saved.load_optimizer(self.world, self.parallel.optimizer_mut())?;
+        saved.load_optimizer(self.parallel.optimizer_mut())?;
         self.parallel.weights_to_model()?;
         if let Some(s) = self.parallel.scaler_mut() {
             s.resume(saved.state.loss_scale, saved.state.clean_steps);

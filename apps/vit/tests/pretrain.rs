@@ -143,3 +143,45 @@ dist_test!(offloaded_optimizer_state_matches_plain_zero, 2, |world| {
     compare(&scaled, &doubled, "linear scaling 32/16", 1e-6);
     TestResult::Ok(())
 });
+
+/// A folder every rank of this job names alike (the job's rendezvous port is shared).
+fn job_dir(name: &str) -> std::path::PathBuf {
+    let port = std::env::var("MASTER_PORT").unwrap_or_default();
+    std::env::temp_dir().join(format!("vit-reshard-{port}-{name}"))
+}
+
+dist_test!(resume_on_another_rank_count_and_zero_stage_continues_the_run, 2, |world| {
+    // 2 ranks with ZeRO-1 (optimizer state in two shards), stopped at step 3, resumed on one
+    // process without ZeRO; and one process stopped at step 3, resumed on 2 ranks with ZeRO-2.
+    let (sharded, whole_dir) = (job_dir("sharded"), job_dir("single"));
+    if world.rank() == 0 {
+        let _ = std::fs::remove_dir_all(&sharded);
+        let _ = std::fs::remove_dir_all(&whole_dir);
+    }
+    world.group.barrier()?;
+    let common = "--steps 6 --save-every 100 --clip-grad 1.0";
+    let reference = pretrain(&args(&format!("{common} --zero 1")), world)?;
+    pretrain(&args(&format!("{common} --zero 1 --out {} --stop-after 3", sharded.display())), world)?;
+    if world.rank() == 0 {
+        let rest = pretrain(&args(&format!("{common} --out {} --resume", sharded.display())), &single())?;
+        assert_eq!(rest.losses.first().map(|l| l.0), Some(4), "continues at step 4");
+        for ((step, got), (_, want)) in rest.losses.iter().zip(&reference.losses[3..]) {
+            assert!((got - want).abs() <= 1e-5 * want.abs(), "step {step} on 1 rank: {got} vs {want} on 2");
+        }
+        pretrain(&args(&format!("{common} --out {} --stop-after 3", whole_dir.display())), &single())?;
+    }
+    world.group.barrier()?;
+    let rest = pretrain(&args(&format!("{common} --zero 2 --out {} --resume", whole_dir.display())), world)?;
+    compare(
+        &Trained { losses: [&reference.losses[..3], &rest.losses[..]].concat(), ..rest },
+        &reference,
+        "1 rank resumed on 2 with ZeRO-2",
+        1e-5,
+    );
+    world.group.barrier()?;
+    if world.rank() == 0 {
+        std::fs::remove_dir_all(&sharded)?;
+        std::fs::remove_dir_all(&whole_dir)?;
+    }
+    TestResult::Ok(())
+});
