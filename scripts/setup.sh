@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One idempotent setup for a fresh Debian machine: system packages, the project's Python
+# One idempotent setup for a fresh Debian machine: a check of the Rust toolchain, system packages, the project's Python
 # environment with the pinned torch wheel (libtorch for tch and the C++ bridge), and the cargo
 # configuration that points the build at it. Safe to run again: each step checks first.
 set -euo pipefail
@@ -8,6 +8,20 @@ cd "$root"
 
 venv="${SUITE_VENV:-$root/.venv}"
 say() { printf '[setup] %s\n' "$*" >&2; }
+
+# 0. The Rust toolchain (this script does not install it): cargo and rustc, at least the
+#    workspace's rust-version.
+need="$(sed -n 's/^rust-version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)"
+if ! command -v cargo >/dev/null 2>&1 || ! command -v rustc >/dev/null 2>&1; then
+  say "no Rust toolchain (cargo, rustc) on PATH; install Rust $need or newer with rustup:"
+  say "  curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y && . \"\$HOME/.cargo/env\""
+  exit 1
+fi
+have="$(rustc --version | awk '{print $2}')"
+if [ "$(printf '%s\n%s\n' "$need" "$have" | sort -V | head -n 1)" != "$need" ]; then
+  say "rustc $have is older than $need, the workspace's rust-version; update it: rustup update stable"
+  exit 1
+fi
 
 # 1. Debian packages: Gloo headers for the c10d bridge (the Gloo code itself is inside
 #    libtorch), HDF5 for the data crate, a C++ compiler for the bridge.
