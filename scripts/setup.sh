@@ -24,8 +24,9 @@ if [ "$(printf '%s\n%s\n' "$need" "$have" | sort -V | head -n 1)" != "$need" ]; 
 fi
 
 # 1. Debian packages: Gloo headers for the c10d bridge (the Gloo code itself is inside
-#    libtorch), HDF5 for the data crate, a C++ compiler for the bridge.
-debs=(libgloo-dev libhdf5-dev pkg-config g++ python3-venv)
+#    libtorch), HDF5 for the data crate, a C++ compiler for the bridge, and OpenMPI's mpirun,
+#    one of the launchers the tests start jobs with.
+debs=(libgloo-dev libhdf5-dev pkg-config g++ python3-venv openmpi-bin)
 missing=()
 for p in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

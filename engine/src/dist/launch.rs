@@ -100,7 +100,15 @@ impl LaunchEnv {
                 first_host(list)?
             }
             (None, _) if world == 1 => "127.0.0.1".to_string(),
-            (None, l) => return Err(Error::Launch(format!("{l:?} job of {world} ranks without MASTER_ADDR"))),
+            // Every rank on this node (mpirun -np N on one machine): rank 0 is local.
+            (None, _) if local_world == Some(world) => "127.0.0.1".to_string(),
+            (None, l) => {
+                return Err(Error::Launch(format!(
+                    "{l:?} job of {world} ranks over several nodes without MASTER_ADDR: set MASTER_ADDR (and \
+                     MASTER_PORT, default {DEFAULT_PORT}) to rank 0's host in every rank's environment, e.g. \
+                     mpirun -x MASTER_ADDR=<rank 0's host> -x MASTER_PORT={DEFAULT_PORT}"
+                )))
+            }
         };
         if rank >= world {
             return Err(Error::Launch(format!("rank {rank} is not below the world size {world}")));
@@ -279,6 +287,22 @@ mod tests {
         .unwrap();
         assert_eq!((env.rank, env.world_size, env.launcher), (1, 2, Launcher::OpenMpi));
         assert!(env.is_loopback());
+    }
+
+    #[test]
+    fn mpirun_on_one_node_needs_no_master_addr_and_on_several_says_what_to_set() {
+        let mpi = |local_size: &str| {
+            LaunchEnv::from_vars(&vars(&[
+                ("OMPI_COMM_WORLD_RANK", "1"),
+                ("OMPI_COMM_WORLD_SIZE", "4"),
+                ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+                ("OMPI_COMM_WORLD_LOCAL_SIZE", local_size),
+            ]))
+        };
+        let env = mpi("4").unwrap().unwrap();
+        assert!(env.is_loopback() && env.master_port == DEFAULT_PORT);
+        let err = mpi("2").unwrap_err().to_string();
+        assert!(err.contains("several nodes") && err.contains("mpirun -x MASTER_ADDR="), "{err}");
     }
 
     #[test]

@@ -1,0 +1,76 @@
+//! The launchers clusters use, started for real on this machine: `torchrun --nproc-per-node 2`
+//! (from the project's Python environment) and OpenMPI's `mpirun -np 2` (installed by
+//! `scripts/setup.sh`) each run `vit pretrain`, and the trained weights equal the engine's own
+//! spawner's run bit for bit. Under mpirun no `MASTER_ADDR` is needed on one node.
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use tch::Tensor;
+
+const VIT: &str = env!("CARGO_BIN_EXE_vit");
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("vit-launchers-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A port no one listens on now.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn pretrain_args(out: &Path) -> Vec<String> {
+    let flags = "pretrain --quiet --steps 4 --batch 32 --warmup 2 --lr 4e-3 --zero 1 --timeout 60 --out";
+    flags.split_whitespace().map(String::from).chain([out.display().to_string()]).collect()
+}
+
+fn run(mut cmd: Command, what: &str) {
+    let out = cmd.output().unwrap_or_else(|e| panic!("starting {what}: {e}"));
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{what} failed:\n{text}");
+    assert!(text.contains("2 rank(s)"), "{what} did not run 2 ranks:\n{text}");
+}
+
+fn weights(dir: &Path) -> Vec<(String, Tensor)> {
+    let mut named = Tensor::read_safetensors(dir.join("model.safetensors")).unwrap();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    named
+}
+
+fn assert_same(a: &Path, b: &Path, what: &str) {
+    for ((na, ta), (nb, tb)) in weights(a).iter().zip(&weights(b)) {
+        assert_eq!(na, nb);
+        assert!(ta.equal(tb), "{what}: {na} differs from the spawner's run");
+    }
+}
+
+#[test]
+fn torchrun_and_mpirun_jobs_equal_the_spawners() {
+    let dir = scratch("run");
+    let spawned = dir.join("spawner");
+    let mut cmd = Command::new(VIT);
+    cmd.args(pretrain_args(&spawned)).args(["--nproc", "2"]);
+    run(cmd, "the spawner");
+
+    let python = std::env::var("SUITE_PYTHON").expect("SUITE_PYTHON (set by scripts/setup.sh's cargo config)");
+    let torchrun = dir.join("torchrun");
+    let mut cmd = Command::new(python);
+    cmd.args(["-m", "torch.distributed.run", "--no-python", "--nproc-per-node", "2"])
+        .args(["--master-port", &free_port().to_string(), VIT])
+        .args(pretrain_args(&torchrun));
+    run(cmd, "torchrun");
+    assert_same(&torchrun, &spawned, "torchrun");
+
+    let mpirun = dir.join("mpirun");
+    let mut cmd = Command::new("mpirun");
+    // No MASTER_ADDR: every rank is on this node. A port of our own, not the default's.
+    cmd.args(["--allow-run-as-root", "--oversubscribe", "-np", "2"])
+        .args(["-x", &format!("MASTER_PORT={}", free_port()), VIT])
+        .args(pretrain_args(&mpirun))
+        .env_remove("MASTER_ADDR");
+    run(cmd, "mpirun (Debian's openmpi-bin, installed by scripts/setup.sh)");
+    assert_same(&mpirun, &spawned, "mpirun");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
