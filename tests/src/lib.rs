@@ -9,6 +9,9 @@ use tch::{Device, Tensor};
 
 /// Set in the child processes to the name of the test they run.
 pub const WORKER_ENV: &str = "SUITE_TEST_WORKER";
+/// Set in the child processes to a folder where each rank that ran the body leaves a marker,
+/// so a child that ran no test (a name that matches nothing) cannot pass vacuously.
+pub const MARKER_ENV: &str = "SUITE_TEST_MARKERS";
 /// Collective and rendezvous timeout inside tests: short, so a broken test fails quickly.
 pub const TEST_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -37,21 +40,50 @@ pub fn run_job(
         if let Err(e) = body(&world) {
             panic!("rank {}: {e:#}", world.rank());
         }
+        if let Some(dir) = std::env::var_os(MARKER_ENV) {
+            let marker = std::path::Path::new(&dir).join(format!("rank-{}", world.rank()));
+            std::fs::write(&marker, test).expect("writing the test's marker");
+        }
         return Ok(());
     }
+    let markers = marker_dir(test);
     let mut vars = vec![
         (WORKER_ENV.to_string(), test.to_string()),
+        (MARKER_ENV.to_string(), markers.display().to_string()),
         // Backtraces would push the failing rank's message out of the report's tail.
         ("RUST_BACKTRACE".to_string(), "0".to_string()),
     ];
     vars.extend(env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
-    dist::spawn(&SpawnOptions {
+    let outcome = dist::spawn(&SpawnOptions {
         nproc: ranks,
         program: std::env::current_exe().expect("test executable"),
         args: [test, "--exact", "--nocapture", "--test-threads=1"].map(Into::into).to_vec(),
         env: vars,
         echo: std::env::var_os("SUITE_TEST_ECHO").is_some(),
     })
+    .and_then(|()| {
+        let missing: Vec<usize> = (0..ranks).filter(|r| !markers.join(format!("rank-{r}")).exists()).collect();
+        match missing.is_empty() {
+            true => Ok(()),
+            false => Err(engine::Error::invalid(format!(
+                "ranks {missing:?} exited cleanly without running test {test:?} (no test of that exact name \
+                 in this binary?)"
+            ))),
+        }
+    });
+    let _ = std::fs::remove_dir_all(&markers);
+    outcome
+}
+
+/// A fresh, empty folder for one job's markers.
+fn marker_dir(test: &str) -> std::path::PathBuf {
+    static JOBS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let job = JOBS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let safe: String = test.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
+    let dir = std::env::temp_dir().join(format!("suite-test-{}-{job}-{safe}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("creating the test's marker folder");
+    dir
 }
 
 /// The libtest name of a test function, from `module_path!()` and its identifier.

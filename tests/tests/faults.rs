@@ -61,6 +61,15 @@ fn a_collective_that_never_completes_times_out() {
 }
 
 #[test]
+fn a_job_whose_ranks_run_no_test_fails() {
+    // The children run the binary filtered to this name, which matches no test: they exit
+    // cleanly having run nothing, and the harness must not count that as a pass.
+    let result = run_job(2, &name("no_test_is_called_this"), &[], |_| Ok(()));
+    let err = result.expect_err("a job that ran no test must fail").to_string();
+    assert!(err.contains("ranks [0, 1] exited cleanly without running test"), "{err}");
+}
+
+#[test]
 fn rendezvous_without_peers_times_out() {
     let start = Instant::now();
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
