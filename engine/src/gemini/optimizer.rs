@@ -1,23 +1,22 @@
 //! The optimizer of a model under Gemini: it steps each chunk's home (this rank's shard of
-//! it) where the home lives, with the multi-threaded host kernels ([`CpuOptimizer`]) for
-//! homes in host memory and the same rule as tensor operations ([`TensorOptimizer`]) for homes
+//! it) where the home lives, with the multi-threaded host kernels ([`HostOptimizer`]) for
+//! homes in host memory and the same rule as tensor operations ([`DeviceOptimizer`]) for homes
 //! on the device, and its state beside the home. LAMB and LARS trust ratios are per
 //! parameter although parameters are split over shards: each shard's sums of squares per
 //! parameter are all-reduced before the update. Clipping and loss-scale unscaling use the
 //! engine's functions on [`ChunkOptimizer::gradients`].
 use tch::{Device, Kind, Tensor};
 
-use super::cpu_optim::{CpuOptimizer, CpuRule, Segment};
 use super::manager::{ChunkManager, Piece, Tier};
-use super::tensor_optim::TensorOptimizer;
 use crate::dist::{ProcessGroup, ReduceOp};
+use crate::optim::flat::{CpuRule, DeviceOptimizer, HostOptimizer, Segment};
 use crate::optim::Param;
 use crate::Result;
 
 /// One chunk's optimizer, on its home's tier.
 enum ShardOptimizer {
-    Host(CpuOptimizer),
-    Device(TensorOptimizer),
+    Host(HostOptimizer),
+    Device(DeviceOptimizer),
 }
 
 /// Steps the chunks of a [`ChunkManager`]. See the module documentation.
@@ -107,9 +106,9 @@ impl ChunkOptimizer {
                 let segments = Self::segments(m, &m.pieces(c));
                 let ch = &m.chunks[c];
                 *shard = Some(if ch.tier == Tier::Host {
-                    ShardOptimizer::Host(CpuOptimizer::new(self.rule, segments, ch.home.numel()))
+                    ShardOptimizer::Host(HostOptimizer::new(self.rule, segments, ch.home.numel()))
                 } else {
-                    ShardOptimizer::Device(TensorOptimizer::new(self.rule, segments, &ch.home)?)
+                    ShardOptimizer::Device(DeviceOptimizer::new(self.rule, segments, &ch.home)?)
                 });
             }
         }

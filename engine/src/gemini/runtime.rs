@@ -16,10 +16,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use tch::{Device, Tensor};
 
-use super::cpu_optim::CpuRule;
 use super::manager::{human, ChunkConfig, ChunkManager, Replication, Tier};
 use super::optimizer::ChunkOptimizer;
 use crate::autograd::{apply, register_post_accumulate_grad_hook, set_grad, Forward};
+use crate::optim::flat::CpuRule;
 use crate::optim::{LossScaler, Param};
 use crate::{Error, Result};
 

@@ -1,5 +1,6 @@
 //! AdamW (Loshchilov & Hutter): Adam with weight decay applied to the weights directly.
-use super::moments::AdamMoments;
+use super::adam::{Adam, AdamMoments};
+use super::elementwise::{Elementwise, Scalar};
 use super::{Optimizer, Param};
 use crate::Result;
 
@@ -23,6 +24,50 @@ impl Default for AdamWConfig {
     }
 }
 
+impl AdamWConfig {
+    /// The scalars of step `step` for a parameter (`adapt`: whether it decays).
+    pub(crate) fn at<S: Scalar>(&self, step: i32, adapt: bool) -> AdamWStep<S> {
+        AdamWStep {
+            adam: Adam::new(self.betas, self.eps, step),
+            decay: (adapt && self.weight_decay != 0.0).then(|| S::from_f64(1.0 - self.lr * self.weight_decay)),
+            lr: S::from_f64(self.lr),
+        }
+    }
+}
+
+/// One AdamW step of one parameter: the rule every executor runs.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct AdamWStep<S> {
+    pub(crate) adam: Adam<S>,
+    /// `1 - lr wd`, where the parameter decays.
+    decay: Option<S>,
+    lr: S,
+}
+
+impl<S: Scalar> AdamWStep<S> {
+    /// `w = w (1 - lr wd) - lr direction(m, v)`, from moments already updated.
+    #[inline(always)]
+    pub(crate) fn update<T>(&self, w: &mut T, m: &T, v: &T) -> std::result::Result<(), T::Error>
+    where
+        T: Elementwise<Scalar = S>,
+    {
+        if let Some(d) = self.decay {
+            w.scale_(d)?;
+        }
+        w.sub_(&self.adam.direction(m, v)?.scale(self.lr)?)
+    }
+
+    /// The moments from gradient `g`, then the update.
+    #[inline(always)]
+    pub(crate) fn step<T>(&self, w: &mut T, m: &mut T, v: &mut T, g: &T) -> std::result::Result<(), T::Error>
+    where
+        T: Elementwise<Scalar = S>,
+    {
+        self.adam.moments(m, v, g)?;
+        self.update(w, m, v)
+    }
+}
+
 /// The AdamW optimizer.
 #[derive(Debug)]
 pub struct AdamW {
@@ -34,26 +79,23 @@ pub struct AdamW {
 impl AdamW {
     /// AdamW over `params`.
     pub fn new(params: Vec<Param>, cfg: AdamWConfig) -> AdamW {
-        let moments = AdamMoments::new(params.len(), cfg.betas, cfg.eps);
+        let moments = AdamMoments::new(params.len());
         AdamW { params, cfg, moments }
     }
 }
 
 impl Optimizer for AdamW {
     fn step(&mut self) -> Result<()> {
-        self.moments.next_step();
-        let AdamWConfig { lr, weight_decay, .. } = self.cfg;
+        let step = self.moments.next_step();
         tch::no_grad(|| -> Result<()> {
             for (i, p) in self.params.iter().enumerate() {
                 let g = p.tensor.grad();
                 if !g.defined() {
                     continue;
                 }
-                let mut w = p.tensor.shallow_clone();
-                if p.adapt && weight_decay != 0.0 {
-                    let _ = w.f_mul_scalar_(1.0 - lr * weight_decay)?;
-                }
-                let _ = w.f_sub_(&self.moments.direction(i, &g)?.f_mul_scalar(lr)?)?;
+                let rule = self.cfg.at::<f64>(step, p.adapt);
+                let (m, v) = self.moments.update(i, &rule.adam, &g)?;
+                rule.update(&mut p.tensor.shallow_clone(), m, v)?;
             }
             Ok(())
         })

@@ -3,7 +3,9 @@
 //! trust_coefficient * ||w|| / (||g|| + wd ||w|| + eps).
 use tch::Tensor;
 
-use super::{norm, state_for, Optimizer, Param};
+use super::elementwise::{Elementwise, Scalar};
+use super::state::{bytes_of, slots_from_state, slots_to_state, state_for};
+use super::{norm, Optimizer, Param};
 use crate::Result;
 
 /// LARS's hyper-parameters.
@@ -28,6 +30,71 @@ impl Default for LarsConfig {
     }
 }
 
+impl LarsConfig {
+    /// The scalars of a step for a parameter, with the norms `(||w||, ||g||)` of an adapted one
+    /// (each executor takes them its own way: a tensor's norm, or sums of squares added over
+    /// shards).
+    pub(crate) fn at<S: Scalar>(&self, norms: Option<(f64, f64)>) -> LarsStep<S> {
+        LarsStep {
+            scaled: norms.map(|(w, g)| (S::from_f64(self.weight_decay), S::from_f64(self.trust_ratio(w, g)))),
+            momentum: S::from_f64(self.momentum),
+            lr: S::from_f64(self.lr),
+        }
+    }
+
+    /// `trust_coefficient ||w|| / (||g|| + wd ||w|| + eps)`, or 1 where either norm is zero
+    /// (as in LAMB).
+    fn trust_ratio(&self, w_norm: f64, g_norm: f64) -> f64 {
+        if w_norm > 0.0 && g_norm > 0.0 {
+            self.trust_coefficient * w_norm / (g_norm + self.weight_decay * w_norm + self.eps)
+        } else {
+            1.0
+        }
+    }
+}
+
+/// One LARS step of one parameter: the rule every executor runs.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct LarsStep<S> {
+    /// Weight decay and trust ratio, for an adapted parameter.
+    scaled: Option<(S, S)>,
+    momentum: S,
+    lr: S,
+}
+
+impl<S: Scalar> LarsStep<S> {
+    /// `d = (g + wd w) ratio` (adapted) or `g`; with a momentum buffer (and whether this is its
+    /// first step) `buf = d` at first, else `buf = buf momentum + d`, and `d = buf`; then
+    /// `w = w - lr d`.
+    #[inline(always)]
+    pub(crate) fn step<T>(
+        &self,
+        w: &mut T,
+        momentum: Option<(&mut T, bool)>,
+        g: &T,
+    ) -> std::result::Result<(), T::Error>
+    where
+        T: Elementwise<Scalar = S>,
+    {
+        let d = match self.scaled {
+            Some((wd, ratio)) => g.add(&w.scale(wd)?)?.scale(ratio)?,
+            None => g.share(),
+        };
+        let step = match momentum {
+            Some((buf, first)) => {
+                if first {
+                    buf.assign(&d)?;
+                } else {
+                    buf.scale_add_(self.momentum, &d)?;
+                }
+                buf.scale(self.lr)?
+            }
+            None => d.scale(self.lr)?,
+        };
+        w.sub_(&step)
+    }
+}
+
 /// The LARS optimizer.
 #[derive(Debug)]
 pub struct Lars {
@@ -46,7 +113,6 @@ impl Lars {
 
 impl Optimizer for Lars {
     fn step(&mut self) -> Result<()> {
-        let LarsConfig { lr, momentum, weight_decay, trust_coefficient, eps } = self.cfg;
         tch::no_grad(|| -> Result<()> {
             for (i, p) in self.params.iter().enumerate() {
                 let g = p.tensor.grad();
@@ -54,28 +120,14 @@ impl Optimizer for Lars {
                     continue;
                 }
                 let mut w = p.tensor.shallow_clone();
-                let mut d = g.shallow_clone();
-                if p.adapt {
-                    let (wn, gn) = (norm(&w)?, norm(&g)?);
-                    // Where either norm is zero the ratio is 1, as in LAMB.
-                    let ratio = if wn > 0.0 && gn > 0.0 {
-                        trust_coefficient * wn / (gn + weight_decay * wn + eps)
-                    } else {
-                        1.0
-                    };
-                    d = g.f_add(&w.f_mul_scalar(weight_decay)?)?.f_mul_scalar(ratio)?;
-                }
-                if momentum != 0.0 {
+                let norms = if p.adapt { Some((norm(&w)?, norm(&g)?)) } else { None };
+                let buf = if self.cfg.momentum != 0.0 {
                     let first = self.momentum[i].is_none();
-                    let buf = state_for(&mut self.momentum[i], &w)?;
-                    if first {
-                        buf.f_copy_(&d)?;
-                    } else {
-                        let _ = buf.f_mul_scalar_(momentum)?.f_add_(&d)?;
-                    }
-                    d = buf.shallow_clone();
-                }
-                let _ = w.f_sub_(&d.f_mul_scalar(lr)?)?;
+                    Some((state_for(&mut self.momentum[i], &w)?, first))
+                } else {
+                    None
+                };
+                self.cfg.at::<f64>(norms).step(&mut w, buf, &g)?;
             }
             Ok(())
         })
@@ -94,14 +146,14 @@ impl Optimizer for Lars {
     }
 
     fn state_bytes(&self) -> usize {
-        super::bytes_of(&self.momentum)
+        bytes_of(&self.momentum)
     }
 
     fn state(&self) -> Vec<(String, Tensor)> {
-        super::slots_to_state(&self.params, "momentum_buffer", &self.momentum)
+        slots_to_state(&self.params, "momentum_buffer", &self.momentum)
     }
 
     fn load_state(&mut self, state: &mut super::StateDict) -> Result<()> {
-        super::slots_from_state(&self.params, "momentum_buffer", &mut self.momentum, state)
+        slots_from_state(&self.params, "momentum_buffer", &mut self.momentum, state)
     }
 }

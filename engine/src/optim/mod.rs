@@ -1,18 +1,30 @@
 //! Optimizers (AdamW, LAMB, LARS), learning-rate schedules, gradient clipping and mixed
 //! precision (fp32 master weights, dynamic loss scaling).
 //!
-//! Each optimizer updates a list of [`Param`]s in place from their `.grad`, skipping
-//! parameters without a gradient. Following common practice (timm, the LAMB paper's BERT
-//! setup), weight decay and the layer-wise trust ratio apply only to parameters marked
-//! `adapt`: by default every parameter of two or more dimensions, so biases and normalisation
-//! weights are left alone.
+//! Each rule lives in one module (`adamw`, `lamb`, `lars`, with the Adam core AdamW and LAMB
+//! share in `adam`) that holds its configuration, its arithmetic written once over
+//! `elementwise::Elementwise` (an `f32` or a tensor), and its tensor optimizer. The same
+//! arithmetic runs in three executors:
+//!
+//! - the tensor optimizers ([`AdamW`], [`Lamb`], [`Lars`]): a list of [`Param`]s updated in
+//!   place from their `.grad`, skipping parameters without a gradient;
+//! - [`flat::HostOptimizer`]: flat fp32 buffers in host memory, multi-threaded;
+//! - [`flat::DeviceOptimizer`]: flat fp32 tensors where they live, with the host kernels'
+//!   rounding (both step Gemini's chunks, and their trust ratios add over shards).
+//!
+//! Following common practice (timm, the LAMB paper's BERT setup), weight decay and the
+//! layer-wise trust ratio apply only to parameters marked `adapt`: by default every parameter
+//! of two or more dimensions, so biases and normalisation weights are left alone.
+mod adam;
 mod adamw;
 mod clip;
+mod elementwise;
+pub mod flat;
 mod lamb;
 mod lars;
-mod moments;
 pub mod precision;
 pub mod schedule;
+mod state;
 
 pub use adamw::{AdamW, AdamWConfig};
 pub use clip::clip_grad_norm;
@@ -20,6 +32,7 @@ pub use lamb::{Lamb, LambConfig};
 pub use lars::{Lars, LarsConfig};
 pub use precision::{LossScaler, MasterWeights};
 pub use schedule::{scale_lr, Decay, LrSchedule};
+pub use state::StateDict;
 
 use tch::Tensor;
 
@@ -112,73 +125,7 @@ impl<T: Optimizer + ?Sized> Optimizer for Box<T> {
     }
 }
 
-/// ||w|| / ||u||, or 1 where either norm is zero (the LAMB/LARS convention).
-pub(crate) fn trust_ratio(numerator: f64, denominator: f64) -> f64 {
-    if numerator > 0.0 && denominator > 0.0 {
-        numerator / denominator
-    } else {
-        1.0
-    }
-}
-
-/// The L2 norm of a tensor as f64.
+/// The L2 norm of a tensor as f64 (the tensor optimizers' trust ratios).
 pub(crate) fn norm(t: &Tensor) -> Result<f64> {
     Ok(t.f_norm()?.f_double_value(&[])?)
-}
-
-/// Lazily created per-parameter state tensors (moments, momentum buffers).
-pub(crate) fn state_for<'a>(slot: &'a mut Option<Tensor>, like: &Tensor) -> Result<&'a mut Tensor> {
-    if slot.is_none() {
-        *slot = Some(like.f_zeros_like()?);
-    }
-    Ok(slot.as_mut().expect("just filled"))
-}
-
-/// Named state tensors, as read from a checkpoint.
-pub type StateDict = std::collections::HashMap<String, Tensor>;
-
-/// `{param}.{slot}` entries for the slots that exist.
-pub(crate) fn slots_to_state(params: &[Param], slot: &str, states: &[Option<Tensor>]) -> Vec<(String, Tensor)> {
-    params
-        .iter()
-        .zip(states)
-        .filter_map(|(p, s)| s.as_ref().map(|t| (format!("{}.{slot}", p.name), t.shallow_clone())))
-        .collect()
-}
-
-/// Fills `states` from `{param}.{slot}` entries; a parameter without one starts empty, as in a
-/// fresh optimizer (it had no gradient yet when the checkpoint was taken).
-pub(crate) fn slots_from_state(
-    params: &[Param],
-    slot: &str,
-    states: &mut [Option<Tensor>],
-    dict: &mut StateDict,
-) -> Result<()> {
-    for (p, s) in params.iter().zip(states.iter_mut()) {
-        let key = format!("{}.{slot}", p.name);
-        *s = match dict.remove(&key) {
-            Some(t) => {
-                crate::error::ensure!(
-                    t.size() == p.tensor.size(),
-                    "optimizer state {key} has shape {:?}, the parameter {:?}",
-                    t.size(),
-                    p.tensor.size()
-                );
-                Some(t.f_to_kind(p.tensor.kind())?.f_to_device(p.tensor.device())?)
-            }
-            None => None,
-        };
-    }
-    Ok(())
-}
-
-/// Takes a scalar counter such as `step` out of a state dict.
-pub(crate) fn counter_from_state(dict: &mut StateDict, key: &str) -> Result<i64> {
-    let t = dict.remove(key).ok_or_else(|| crate::Error::invalid(format!("optimizer state has no {key}")))?;
-    Ok(t.f_int64_value(&[])?)
-}
-
-/// Bytes of a list of lazily created state tensors.
-pub(crate) fn bytes_of(states: &[Option<Tensor>]) -> usize {
-    states.iter().flatten().map(|t| t.numel() * t.kind().elt_size_in_bytes()).sum()
 }

@@ -1,16 +1,15 @@
-//! The optimizer rules of [`super::cpu_optim`] on flat tensors, for chunks whose home is on the
-//! compute device: the same two-phase step (moments and sums of squares, then the update with
-//! whole-parameter trust ratios) with the same f32 arithmetic in the same order, as tensor
-//! operations on each segment's views, so device and host chunks train alike.
+//! The rules over flat fp32 tensors where they live (Gemini's chunk homes on the compute
+//! device): the host kernels' two-half step with the same f32 arithmetic in the same order, as
+//! tensor operations on each segment's views, so device and host chunks train alike.
 use tch::{Kind, Tensor};
 
-use super::cpu_optim::{trust_ratio, Adam, CpuRule, Segment};
+use super::{CpuRule, Segment};
 use crate::Result;
 
 /// An optimizer stepping flat tensors (one chunk's home or shard) in place, its state in flat
 /// tensors beside them.
 #[derive(Debug)]
-pub struct TensorOptimizer {
+pub struct DeviceOptimizer {
     rule: CpuRule,
     step: i32,
     segments: Vec<Segment>,
@@ -20,22 +19,13 @@ pub struct TensorOptimizer {
     v: Tensor,
 }
 
-/// `f32` scalars handed to torch as the doubles they round to, so torch's cast back to the
-/// tensor's f32 is exact and the arithmetic matches the host kernels.
-fn s(x: f32) -> f64 {
-    f64::from(x)
-}
-
-impl TensorOptimizer {
+impl DeviceOptimizer {
     /// An optimizer for flat tensors like `like` (dtype, device, length) holding `segments`.
-    pub fn new(rule: CpuRule, segments: Vec<Segment>, like: &Tensor) -> Result<TensorOptimizer> {
-        let zeros = || like.f_zeros_like();
-        let (m, v) = match rule {
-            CpuRule::AdamW(_) | CpuRule::Lamb(_) => (zeros()?, zeros()?),
-            CpuRule::Lars(c) if c.momentum != 0.0 => (zeros()?, Tensor::new()),
-            CpuRule::Lars(_) => (Tensor::new(), Tensor::new()),
-        };
-        Ok(TensorOptimizer { rule, step: 0, segments, m, v })
+    pub fn new(rule: CpuRule, segments: Vec<Segment>, like: &Tensor) -> Result<DeviceOptimizer> {
+        let slots = rule.state_slots().len();
+        let buffer =
+            |slot: usize| -> Result<Tensor> { Ok(if slot < slots { like.f_zeros_like()? } else { Tensor::new() }) };
+        Ok(DeviceOptimizer { rule, step: 0, segments, m: buffer(0)?, v: buffer(1)? })
     }
 
     /// Steps taken so far.
@@ -43,8 +33,8 @@ impl TensorOptimizer {
         self.step
     }
 
-    /// The state tensors (see [`super::cpu_optim::CpuOptimizer::state`]); undefined where the
-    /// rule keeps none.
+    /// The state tensors (see [`super::HostOptimizer::state`]); undefined where the rule keeps
+    /// none.
     pub fn state(&self) -> (&Tensor, &Tensor) {
         (&self.m, &self.v)
     }
@@ -80,22 +70,22 @@ impl TensorOptimizer {
         Ok([cut(w)?, cut(g)?, cut(&self.m)?, cut(&self.v)?])
     }
 
-    /// First half of a step (see [`super::cpu_optim::CpuOptimizer::prepare`]): the sums of
-    /// squares per segment, as a `[segments, 2]` f64 tensor on the host.
+    /// First half of a step (see [`super::HostOptimizer::prepare`]): the sums of squares per
+    /// segment, as a `[segments, 2]` f64 tensor on the host.
     pub fn prepare(&mut self, w: &Tensor, g: &Tensor) -> Result<Tensor> {
         self.step += 1;
         tch::no_grad(|| -> Result<Tensor> {
             let mut sums = vec![];
             for seg in &self.segments {
-                let [w, g, m, v] = self.views(seg, w, g)?;
+                let [w, g, mut m, mut v] = self.views(seg, w, g)?;
                 let zero = || w.f_new_zeros([2], (Kind::Double, w.device()));
                 let pair = match self.rule {
                     CpuRule::AdamW(_) => zero()?,
                     CpuRule::Lamb(c) => {
-                        let a = Adam::new(c.betas, c.eps, self.step);
-                        moments(&a, &m, &v, &g)?;
+                        let rule = c.at::<f64>(self.step, seg.adapt);
+                        rule.adam.moments(&mut m, &mut v, &g)?;
                         if seg.adapt {
-                            let r = lamb_update(&c, &a, &w, &m, &v)?;
+                            let r = rule.update(&w, &m, &v)?;
                             Tensor::f_stack(&[square_sum(&w)?, square_sum(&r)?], 0)?
                         } else {
                             zero()?
@@ -114,71 +104,24 @@ impl TensorOptimizer {
     pub fn finish(&mut self, w: &Tensor, g: &Tensor, sums: &[[f64; 2]]) -> Result<()> {
         tch::no_grad(|| -> Result<()> {
             for (seg, sums) in self.segments.iter().zip(sums) {
-                let [mut w, g, mut m, v] = self.views(seg, w, g)?;
+                let [mut w, g, mut m, mut v] = self.views(seg, w, g)?;
+                let norms = seg.adapt.then(|| (sums[0].sqrt(), sums[1].sqrt()));
                 match self.rule {
-                    CpuRule::AdamW(c) => {
-                        let a = Adam::new(c.betas, c.eps, self.step);
-                        moments(&a, &m, &v, &g)?;
-                        if seg.adapt && c.weight_decay != 0.0 {
-                            let _ = w.f_mul_scalar_(s((1.0 - c.lr * c.weight_decay) as f32))?;
-                        }
-                        let _ = w.f_sub_(&direction(&a, &m, &v)?.f_mul_scalar(s(c.lr as f32))?)?;
-                    }
+                    CpuRule::AdamW(c) => c.at::<f64>(self.step, seg.adapt).step(&mut w, &mut m, &mut v, &g)?,
                     CpuRule::Lamb(c) => {
-                        let a = Adam::new(c.betas, c.eps, self.step);
-                        let r = if seg.adapt { lamb_update(&c, &a, &w, &m, &v)? } else { direction(&a, &m, &v)? };
-                        let ratio = if seg.adapt { trust_ratio(sums[0].sqrt(), sums[1].sqrt()) } else { 1.0 };
-                        let _ = w.f_sub_(&r.f_mul_scalar(s((c.lr * ratio) as f32))?)?;
+                        let rule = c.at::<f64>(self.step, seg.adapt);
+                        let r = rule.update(&w, &m, &v)?;
+                        rule.apply(&mut w, &r, rule.scale(norms))?;
                     }
                     CpuRule::Lars(c) => {
-                        let d = if seg.adapt {
-                            let (wn, gn) = (sums[0].sqrt(), sums[1].sqrt());
-                            let ratio = if wn > 0.0 && gn > 0.0 {
-                                c.trust_coefficient * wn / (gn + c.weight_decay * wn + c.eps)
-                            } else {
-                                1.0
-                            };
-                            g.f_add(&w.f_mul_scalar(s(c.weight_decay as f32))?)?.f_mul_scalar(s(ratio as f32))?
-                        } else {
-                            g.shallow_clone()
-                        };
-                        let step = if m.defined() {
-                            if self.step == 1 {
-                                m.f_copy_(&d)?;
-                            } else {
-                                let _ = m.f_mul_scalar_(s(c.momentum as f32))?.f_add_(&d)?;
-                            }
-                            m.shallow_clone()
-                        } else {
-                            d
-                        };
-                        let _ = w.f_sub_(&step.f_mul_scalar(s(c.lr as f32))?)?;
+                        let buf = m.defined().then_some((&mut m, self.step == 1));
+                        c.at::<f64>(norms).step(&mut w, buf, &g)?;
                     }
                 }
             }
             Ok(())
         })
     }
-}
-
-/// `m = m b1 + g (1 - b1)`, `v = v b2 + g (g (1 - b2))`, in place.
-fn moments(a: &Adam, m: &Tensor, v: &Tensor, g: &Tensor) -> Result<()> {
-    let (mut m, mut v) = (m.shallow_clone(), v.shallow_clone());
-    let _ = m.f_mul_scalar_(s(a.b1))?.f_add_(&g.f_mul_scalar(s(a.one_minus_b1))?)?;
-    let _ = v.f_mul_scalar_(s(a.b2))?.f_add_(&g.f_mul(&g.f_mul_scalar(s(a.one_minus_b2))?)?)?;
-    Ok(())
-}
-
-/// `(m / bc1) / (sqrt(v) / sqrt(bc2) + eps)`.
-fn direction(a: &Adam, m: &Tensor, v: &Tensor) -> Result<Tensor> {
-    let den = v.f_sqrt()?.f_div_scalar(s(a.sqrt_bc2))?.f_add_scalar(s(a.eps))?;
-    Ok(m.f_div_scalar(s(a.bc1))?.f_div(&den)?)
-}
-
-/// LAMB's adapted update `direction + wd * w`.
-fn lamb_update(c: &crate::optim::LambConfig, a: &Adam, w: &Tensor, m: &Tensor, v: &Tensor) -> Result<Tensor> {
-    let r = direction(a, m, v)?;
-    Ok(if c.weight_decay != 0.0 { r.f_add(&w.f_mul_scalar(s(c.weight_decay as f32))?)? } else { r })
 }
 
 /// The sum of squares in f64, as a 0-d tensor where `x` lives.
@@ -191,7 +134,7 @@ mod tests {
     use tch::Tensor;
 
     use super::*;
-    use crate::gemini::cpu_optim::CpuOptimizer;
+    use crate::optim::flat::HostOptimizer;
     use crate::optim::{AdamWConfig, LambConfig, LarsConfig};
 
     /// The tensor kernels take the host kernels' arithmetic in the same order; what differs is
@@ -214,16 +157,16 @@ mod tests {
             CpuRule::Lars(LarsConfig { lr: 0.5, momentum: 0.0, ..Default::default() }),
         ];
         let gen = |seed: i64| {
-            let g = Tensor::from_slice(&crate::gemini::cpu_optim::tests::randn(len as usize, seed));
+            let g = Tensor::from_slice(&crate::optim::flat::host::tests::randn(len as usize, seed));
             g.f_mul_scalar(1.0 + seed as f64 * 0.1).unwrap()
         };
         for rule in rules {
             let w0 = gen(0);
             let _ = w0.narrow(0, 3043, 64).zero_();
             let grads: Vec<Tensor> = (1..=4).map(gen).collect();
-            let mut host = CpuOptimizer::new(rule, segments.clone(), len as usize);
+            let mut host = HostOptimizer::new(rule, segments.clone(), len as usize);
             let mut w_host = Vec::<f32>::try_from(&w0).unwrap();
-            let mut device = TensorOptimizer::new(rule, segments.clone(), &w0).unwrap();
+            let mut device = DeviceOptimizer::new(rule, segments.clone(), &w0).unwrap();
             let w_dev = w0.copy();
             for g in &grads {
                 let g_host = Vec::<f32>::try_from(g).unwrap();

@@ -1,86 +1,25 @@
-//! Multi-threaded CPU AdamW, LAMB and LARS over flat fp32 buffers: Gemini's fp32 master chunks
-//! in host memory, stepped in place without going through tensors.
-//!
-//! Each rule gives the same results as the engine's tensor optimizers ([`crate::optim::AdamW`],
-//! [`crate::optim::Lamb`], [`crate::optim::Lars`]): the elementwise arithmetic is done in f32 in
-//! the tensor version's order, with the scalars (bias corrections, `lr * ratio`) computed in f64
-//! and cast to f32 as torch does for a float tensor times a double scalar. Weight decay and the
-//! trust ratio apply only to segments marked `adapt`.
+//! The rules over flat fp32 buffers in host memory, stepped in place without going through
+//! tensors: the arithmetic is done in f32 in the tensor optimizers' order, with the scalars
+//! (bias corrections, `lr * ratio`) computed in f64 and cast to f32 as torch does for a float
+//! tensor times a double scalar.
 //!
 //! Work is split into fixed blocks of [`BLOCK`] elements run in parallel with rayon. Norms are
 //! f64 sums of squares per block, added in block order, so results do not depend on the number
-//! of threads. LAMB and LARS take two passes over an adapted segment: the norms, then the
-//! update with the segment's trust ratio (LAMB recomputes its update in the second pass rather
-//! than storing it).
+//! of threads. LAMB's first half computes its update for the sums of squares and its second
+//! half computes it again rather than storing it.
 use rayon::prelude::*;
 
-use crate::optim::{AdamWConfig, LambConfig, LarsConfig};
+use super::{CpuRule, Segment};
+use crate::optim::adamw::AdamWStep;
+use crate::optim::lamb::LambStep;
+use crate::optim::lars::LarsStep;
 
 /// Elements per parallel block (a fixed partition keeps reductions deterministic).
 pub const BLOCK: usize = 1 << 14;
 
-/// A parameter's place in a flat buffer.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Segment {
-    /// The parameter's name (its module path).
-    pub name: String,
-    /// First element in the buffer.
-    pub offset: usize,
-    /// Number of elements.
-    pub len: usize,
-    /// Whether weight decay and the trust ratio apply.
-    pub adapt: bool,
-}
-
-impl Segment {
-    pub(super) fn range(&self) -> std::ops::Range<usize> {
-        self.offset..self.offset + self.len
-    }
-}
-
-/// The update rule and its hyper-parameters.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum CpuRule {
-    /// AdamW (see [`crate::optim::AdamW`]).
-    AdamW(AdamWConfig),
-    /// LAMB (see [`crate::optim::Lamb`]).
-    Lamb(LambConfig),
-    /// LARS (see [`crate::optim::Lars`]).
-    Lars(LarsConfig),
-}
-
-impl CpuRule {
-    /// The learning rate.
-    pub fn lr(&self) -> f64 {
-        match self {
-            CpuRule::AdamW(c) => c.lr,
-            CpuRule::Lamb(c) => c.lr,
-            CpuRule::Lars(c) => c.lr,
-        }
-    }
-
-    /// Sets the learning rate.
-    pub fn set_lr(&mut self, lr: f64) {
-        match self {
-            CpuRule::AdamW(c) => c.lr = lr,
-            CpuRule::Lamb(c) => c.lr = lr,
-            CpuRule::Lars(c) => c.lr = lr,
-        }
-    }
-
-    /// The state buffers the rule keeps per element, by their PyTorch names.
-    pub fn state_slots(&self) -> &'static [&'static str] {
-        match self {
-            CpuRule::AdamW(_) | CpuRule::Lamb(_) => &["exp_avg", "exp_avg_sq"],
-            CpuRule::Lars(c) if c.momentum != 0.0 => &["momentum_buffer"],
-            CpuRule::Lars(_) => &[],
-        }
-    }
-}
-
 /// An optimizer stepping flat fp32 buffers in place, with its state in flat buffers alongside.
 #[derive(Debug)]
-pub struct CpuOptimizer {
+pub struct HostOptimizer {
     rule: CpuRule,
     step: i32,
     segments: Vec<Segment>,
@@ -115,62 +54,13 @@ fn block_sum_squares(x: &[f32]) -> f64 {
     s
 }
 
-/// The engine's trust ratio: `num / den`, or 1 where either is 0.
-pub(super) fn trust_ratio(num: f64, den: f64) -> f64 {
-    if num > 0.0 && den > 0.0 {
-        num / den
-    } else {
-        1.0
-    }
-}
-
-/// Adam's per-step scalars, cast to f32 as torch casts a double scalar for a float tensor.
-#[derive(Clone, Copy)]
-pub(super) struct Adam {
-    pub(super) b1: f32,
-    pub(super) one_minus_b1: f32,
-    pub(super) b2: f32,
-    pub(super) one_minus_b2: f32,
-    pub(super) bc1: f32,
-    pub(super) sqrt_bc2: f32,
-    pub(super) eps: f32,
-}
-
-impl Adam {
-    pub(super) fn new(betas: (f64, f64), eps: f64, step: i32) -> Adam {
-        let (b1, b2) = betas;
-        Adam {
-            b1: b1 as f32,
-            one_minus_b1: (1.0 - b1) as f32,
-            b2: b2 as f32,
-            one_minus_b2: (1.0 - b2) as f32,
-            bc1: (1.0 - b1.powi(step)) as f32,
-            sqrt_bc2: (1.0 - b2.powi(step)).sqrt() as f32,
-            eps: eps as f32,
-        }
-    }
-
-    /// Updates the moments with gradient `g` (`m = m b1 + g (1 - b1)`, `v = v b2 + g (g (1 - b2))`).
-    #[inline(always)]
-    fn moments(&self, m: &mut f32, v: &mut f32, g: f32) {
-        *m = *m * self.b1 + g * self.one_minus_b1;
-        *v = *v * self.b2 + g * (g * self.one_minus_b2);
-    }
-
-    /// `(m / bc1) / (sqrt(v) / sqrt(bc2) + eps)`.
-    #[inline(always)]
-    fn direction(&self, m: f32, v: f32) -> f32 {
-        m / self.bc1 / (v.sqrt() / self.sqrt_bc2 + self.eps)
-    }
-}
-
-impl CpuOptimizer {
+impl HostOptimizer {
     /// An optimizer for buffers of `len` elements holding `segments` (in bounds, not
     /// overlapping; elements outside every segment are left alone). State is zero-initialised.
     ///
     /// # Panics
     /// If a segment is out of bounds or two overlap.
-    pub fn new(rule: CpuRule, segments: Vec<Segment>, len: usize) -> CpuOptimizer {
+    pub fn new(rule: CpuRule, segments: Vec<Segment>, len: usize) -> HostOptimizer {
         let mut sorted: Vec<&Segment> = segments.iter().collect();
         sorted.sort_by_key(|s| s.offset);
         let mut end = 0;
@@ -179,12 +69,9 @@ impl CpuOptimizer {
             end = s.offset + s.len;
             assert!(end <= len, "segment {} ends at {end}, past the buffer's {len}", s.name);
         }
-        let (m, v) = match rule {
-            CpuRule::AdamW(_) | CpuRule::Lamb(_) => (vec![0.0; len], vec![0.0; len]),
-            CpuRule::Lars(c) if c.momentum != 0.0 => (vec![0.0; len], Vec::new()),
-            CpuRule::Lars(_) => (Vec::new(), Vec::new()),
-        };
-        CpuOptimizer { rule, step: 0, segments, len, m, v }
+        let slots = rule.state_slots().len();
+        let buffer = |slot: usize| if slot < slots { vec![0.0; len] } else { Vec::new() };
+        HostOptimizer { rule, step: 0, segments, len, m: buffer(0), v: buffer(1) }
     }
 
     /// The rule and its hyper-parameters.
@@ -218,8 +105,8 @@ impl CpuOptimizer {
     }
 
     /// One step over weights `w` with gradients `g` (both the buffer's length), in place on `w`,
-    /// with each segment's norms taken over this buffer: [`CpuOptimizer::prepare`] then
-    /// [`CpuOptimizer::finish`].
+    /// with each segment's norms taken over this buffer: [`HostOptimizer::prepare`] then
+    /// [`HostOptimizer::finish`].
     ///
     /// # Panics
     /// If `w` or `g` is not the buffer's length.
@@ -228,11 +115,10 @@ impl CpuOptimizer {
         self.finish(w, g, &sums);
     }
 
-    /// First half of a step: advances the step count, updates the moments (Adam, LAMB) and
-    /// returns per segment the sums of squares the trust ratio needs (LAMB: weights and
-    /// update; LARS: weights and gradient; zeros otherwise). When a parameter is split across
-    /// buffers (shards on several ranks), add the sums of all its pieces before
-    /// [`CpuOptimizer::finish`].
+    /// First half of a step: advances the step count, updates the moments (LAMB) and returns
+    /// per segment the sums of squares the trust ratio needs (LAMB: weights and update; LARS:
+    /// weights and gradient; zeros otherwise). When a parameter is split across buffers (shards
+    /// on several ranks), add the sums of all its pieces before [`HostOptimizer::finish`].
     ///
     /// # Panics
     /// If `w` or `g` is not the buffer's length.
@@ -240,7 +126,7 @@ impl CpuOptimizer {
         assert_eq!(w.len(), self.len, "weights: wrong length");
         assert_eq!(g.len(), self.len, "gradients: wrong length");
         self.step += 1;
-        let CpuOptimizer { rule, step, segments, m, v, .. } = self;
+        let HostOptimizer { rule, step, segments, m, v, .. } = self;
         segments
             .iter()
             .map(|s| {
@@ -248,7 +134,9 @@ impl CpuOptimizer {
                 let (w, g) = (&w[r.clone()], &g[r.clone()]);
                 match *rule {
                     CpuRule::AdamW(_) => [0.0; 2],
-                    CpuRule::Lamb(c) => lamb_prepare(&c, *step, s.adapt, w, &mut m[r.clone()], &mut v[r], g),
+                    CpuRule::Lamb(c) => {
+                        lamb_prepare(&c.at(*step, s.adapt), s.adapt, w, &mut m[r.clone()], &mut v[r], g)
+                    }
                     CpuRule::Lars(_) if s.adapt => [sum_squares(w), sum_squares(g)],
                     CpuRule::Lars(_) => [0.0; 2],
                 }
@@ -256,8 +144,9 @@ impl CpuOptimizer {
             .collect()
     }
 
-    /// Second half of a step: the update of `w`, with the whole parameters' sums of squares
-    /// (one per segment, as [`CpuOptimizer::prepare`] returned them, summed over pieces).
+    /// Second half of a step: the update of `w` (and AdamW's and LARS's state), with the whole
+    /// parameters' sums of squares (one pair per segment, as [`HostOptimizer::prepare`]
+    /// returned them, summed over pieces).
     ///
     /// # Panics
     /// If `w`, `g` or `sums` has the wrong length.
@@ -265,16 +154,17 @@ impl CpuOptimizer {
         assert_eq!(w.len(), self.len, "weights: wrong length");
         assert_eq!(g.len(), self.len, "gradients: wrong length");
         assert_eq!(sums.len(), self.segments.len(), "one pair of sums per segment");
-        let CpuOptimizer { rule, step, segments, m, v, .. } = self;
-        for (s, &sums) in segments.iter().zip(sums) {
+        let HostOptimizer { rule, step, segments, m, v, .. } = self;
+        for (s, sums) in segments.iter().zip(sums) {
             let r = s.range();
             let (w, g) = (&mut w[r.clone()], &g[r.clone()]);
+            let norms = s.adapt.then(|| (sums[0].sqrt(), sums[1].sqrt()));
             match *rule {
-                CpuRule::AdamW(c) => adamw(&c, *step, s.adapt, w, &mut m[r.clone()], &mut v[r], g),
-                CpuRule::Lamb(c) => lamb_finish(&c, *step, s.adapt, w, &m[r.clone()], &v[r], sums),
+                CpuRule::AdamW(c) => adamw(&c.at(*step, s.adapt), w, &mut m[r.clone()], &mut v[r], g),
+                CpuRule::Lamb(c) => lamb_finish(&c.at(*step, s.adapt), norms, w, &m[r.clone()], &v[r]),
                 CpuRule::Lars(c) => {
                     let buf = if m.is_empty() { None } else { Some(&mut m[r]) };
-                    lars(&c, *step == 1, s.adapt, w, buf, g, sums)
+                    lars(&c.at(norms), *step == 1, w, buf, g)
                 }
             }
         }
@@ -286,8 +176,8 @@ impl CpuOptimizer {
         (&self.m, &self.v)
     }
 
-    /// Restores the step count and state buffers saved from [`CpuOptimizer::state`] and
-    /// [`CpuOptimizer::steps`].
+    /// Restores the step count and state buffers saved from [`HostOptimizer::state`] and
+    /// [`HostOptimizer::steps`].
     ///
     /// # Panics
     /// If a buffer's length differs from this optimizer's.
@@ -300,49 +190,21 @@ impl CpuOptimizer {
 }
 
 /// One AdamW step on a segment.
-fn adamw(c: &AdamWConfig, step: i32, adapt: bool, w: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32]) {
-    let a = Adam::new(c.betas, c.eps, step);
-    let decay = (adapt && c.weight_decay != 0.0).then_some((1.0 - c.lr * c.weight_decay) as f32);
-    let lr = c.lr as f32;
+fn adamw(rule: &AdamWStep<f32>, w: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32]) {
     w.par_chunks_mut(BLOCK)
         .zip(m.par_chunks_mut(BLOCK))
         .zip(v.par_chunks_mut(BLOCK))
         .zip(g.par_chunks(BLOCK))
         .for_each(|(((w, m), v), g)| {
-            for (((w, m), v), &g) in w.iter_mut().zip(m).zip(v).zip(g) {
-                a.moments(m, v, g);
-                if let Some(d) = decay {
-                    *w *= d;
-                }
-                *w -= a.direction(*m, *v) * lr;
+            for (((w, m), v), g) in w.iter_mut().zip(m).zip(v).zip(g) {
+                let Ok(()) = rule.step(w, m, v, g);
             }
         });
 }
 
-/// LAMB's update direction `r = m_hat / (sqrt(v_hat) + eps) (+ wd * w if adapted)`, from the
-/// updated moments.
-fn lamb_update(c: &LambConfig, step: i32, adapt: bool) -> impl Fn(f32, f32, f32) -> f32 + Sync {
-    let a = Adam::new(c.betas, c.eps, step);
-    let wd = (adapt && c.weight_decay != 0.0).then_some(c.weight_decay as f32);
-    move |m: f32, v: f32, w: f32| match wd {
-        Some(wd) => a.direction(m, v) + w * wd,
-        None => a.direction(m, v),
-    }
-}
-
 /// LAMB's first pass on a segment: the moments, and for an adapted segment the sums of squares
-/// of `w` and `r` (per block, added in block order).
-fn lamb_prepare(
-    c: &LambConfig,
-    step: i32,
-    adapt: bool,
-    w: &[f32],
-    m: &mut [f32],
-    v: &mut [f32],
-    g: &[f32],
-) -> [f64; 2] {
-    let a = Adam::new(c.betas, c.eps, step);
-    let update = lamb_update(c, step, adapt);
+/// of `w` and the update `r` (per block, added in block order).
+fn lamb_prepare(rule: &LambStep<f32>, adapt: bool, w: &[f32], m: &mut [f32], v: &mut [f32], g: &[f32]) -> [f64; 2] {
     let partials: Vec<(f64, f64)> = w
         .par_chunks(BLOCK)
         .zip(m.par_chunks_mut(BLOCK))
@@ -350,11 +212,12 @@ fn lamb_prepare(
         .zip(g.par_chunks(BLOCK))
         .map(|(((w, m), v), g)| {
             let (mut sw, mut sr) = (0f64, 0f64);
-            for (((&w, m), v), &g) in w.iter().zip(m).zip(v).zip(g) {
-                a.moments(m, v, g);
+            for (((w, m), v), g) in w.iter().zip(m).zip(v).zip(g) {
+                let Ok(()) = rule.adam.moments(m, v, g);
                 if adapt {
-                    let r = f64::from(update(*m, *v, w));
-                    sw += f64::from(w) * f64::from(w);
+                    let Ok(r) = rule.update(w, m, v);
+                    let r = f64::from(r);
+                    sw += f64::from(*w) * f64::from(*w);
                     sr += r * r;
                 }
             }
@@ -365,48 +228,29 @@ fn lamb_prepare(
     [sw, sr]
 }
 
-/// LAMB's second pass: `w -= r * (lr * ratio)`, the ratio from the whole parameter's sums.
-fn lamb_finish(c: &LambConfig, step: i32, adapt: bool, w: &mut [f32], m: &[f32], v: &[f32], sums: [f64; 2]) {
-    let update = lamb_update(c, step, adapt);
-    let ratio = if adapt { trust_ratio(sums[0].sqrt(), sums[1].sqrt()) } else { 1.0 };
-    let scale = (c.lr * ratio) as f32;
+/// LAMB's second pass: `w -= r * (lr * ratio)`, the ratio from the whole parameter's norms.
+fn lamb_finish(rule: &LambStep<f32>, norms: Option<(f64, f64)>, w: &mut [f32], m: &[f32], v: &[f32]) {
+    let scale = rule.scale(norms);
     w.par_chunks_mut(BLOCK).zip(m.par_chunks(BLOCK)).zip(v.par_chunks(BLOCK)).for_each(|((w, m), v)| {
-        for ((w, &m), &v) in w.iter_mut().zip(m).zip(v) {
-            *w -= update(m, v, *w) * scale;
+        for ((w, m), v) in w.iter_mut().zip(m).zip(v) {
+            let Ok(r) = rule.update(w, m, v);
+            let Ok(()) = rule.apply(w, &r, scale);
         }
     });
 }
 
-/// One LARS update on a segment, the trust ratio (adapted segments) from the whole parameter's
-/// sums of squares of weights and gradients.
-fn lars(c: &LarsConfig, first: bool, adapt: bool, w: &mut [f32], buf: Option<&mut [f32]>, g: &[f32], sums: [f64; 2]) {
-    // d = (g + wd * w) * ratio for adapted segments, else g.
-    let scaled = if adapt {
-        let (wn, gn) = (sums[0].sqrt(), sums[1].sqrt());
-        let ratio =
-            if wn > 0.0 && gn > 0.0 { c.trust_coefficient * wn / (gn + c.weight_decay * wn + c.eps) } else { 1.0 };
-        Some((c.weight_decay as f32, ratio as f32))
-    } else {
-        None
-    };
-    let d = move |w: f32, g: f32| match scaled {
-        Some((wd, ratio)) => (g + w * wd) * ratio,
-        None => g,
-    };
-    let lr = c.lr as f32;
+/// One LARS update on a segment (`first`: the momentum buffer's first step).
+fn lars(rule: &LarsStep<f32>, first: bool, w: &mut [f32], buf: Option<&mut [f32]>, g: &[f32]) {
     match buf {
         None => w.par_chunks_mut(BLOCK).zip(g.par_chunks(BLOCK)).for_each(|(w, g)| {
-            for (w, &g) in w.iter_mut().zip(g) {
-                *w -= d(*w, g) * lr;
+            for (w, g) in w.iter_mut().zip(g) {
+                let Ok(()) = rule.step(w, None, g);
             }
         }),
         Some(buf) => {
-            let momentum = c.momentum as f32;
             w.par_chunks_mut(BLOCK).zip(buf.par_chunks_mut(BLOCK)).zip(g.par_chunks(BLOCK)).for_each(|((w, b), g)| {
-                for ((w, b), &g) in w.iter_mut().zip(b).zip(g) {
-                    let d = d(*w, g);
-                    *b = if first { d } else { *b * momentum + d };
-                    *w -= *b * lr;
+                for ((w, b), g) in w.iter_mut().zip(b).zip(g) {
+                    let Ok(()) = rule.step(w, Some((b, first)), g);
                 }
             });
         }
@@ -419,7 +263,7 @@ pub(super) mod tests {
 
     use super::*;
     use crate::autograd::set_grad;
-    use crate::optim::{AdamW, Lamb, Lars, Optimizer, Param};
+    use crate::optim::{AdamW, AdamWConfig, Lamb, LambConfig, Lars, LarsConfig, Optimizer, Param};
 
     /// Largest allowed relative difference from the tensor optimizers, as measured by
     /// [`rel_diff`]. Observed: about 2e-7 for AdamW and LAMB, 6e-8 for LARS (1-3 ulps of the
@@ -440,7 +284,7 @@ pub(super) mod tests {
     /// `n` standard normal values from a generator of this test's own (Box-Muller over
     /// splitmix64): tests run in parallel threads, and torch's global generator would be
     /// reseeded and drawn from by the others in between.
-    pub(in crate::gemini) fn randn(n: usize, seed: i64) -> Vec<f32> {
+    pub(in crate::optim::flat) fn randn(n: usize, seed: i64) -> Vec<f32> {
         let mut state = (seed as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x6a09_e667_f3bc_c908;
         let mut uniform = move || {
             state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
@@ -499,7 +343,7 @@ pub(super) mod tests {
             })
             .collect();
         let mut reference = make(params);
-        let mut cpu = CpuOptimizer::new(rule, segments.clone(), len);
+        let mut cpu = HostOptimizer::new(rule, segments.clone(), len);
         let w0 = w.clone();
         let mut worst = 0f64;
         for step in 0..5 {
@@ -562,7 +406,7 @@ pub(super) mod tests {
         let run = |threads: usize, rule: CpuRule| {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("thread pool");
             pool.install(|| {
-                let mut cpu = CpuOptimizer::new(rule, segments.clone(), len);
+                let mut cpu = HostOptimizer::new(rule, segments.clone(), len);
                 let mut w = w0.clone();
                 for step in 0..3 {
                     cpu.step(&mut w, &randn(len, 200 + step));
@@ -584,9 +428,9 @@ pub(super) mod tests {
         let exact: f64 = x.iter().map(|&e| f64::from(e) * f64::from(e)).sum();
         assert!((sum_squares(&x) - exact).abs() <= 1e-12 * exact);
         let seg = vec![Segment { name: "p".into(), offset: 0, len: 10, adapt: true }];
-        assert_eq!(CpuOptimizer::new(CpuRule::AdamW(AdamWConfig::default()), seg.clone(), 10).state_bytes(), 80);
+        assert_eq!(HostOptimizer::new(CpuRule::AdamW(AdamWConfig::default()), seg.clone(), 10).state_bytes(), 80);
         let lars = LarsConfig { momentum: 0.0, ..LarsConfig::default() };
-        let mut o = CpuOptimizer::new(CpuRule::Lars(lars), seg, 10);
+        let mut o = HostOptimizer::new(CpuRule::Lars(lars), seg, 10);
         assert_eq!(o.state_bytes(), 0);
         o.set_lr(0.25);
         assert_eq!(o.lr(), 0.25);
@@ -596,6 +440,6 @@ pub(super) mod tests {
     #[should_panic(expected = "overlaps")]
     fn overlapping_segments_panic() {
         let s = |offset| Segment { name: "p".into(), offset, len: 4, adapt: true };
-        CpuOptimizer::new(CpuRule::Lamb(LambConfig::default()), vec![s(0), s(2)], 8);
+        HostOptimizer::new(CpuRule::Lamb(LambConfig::default()), vec![s(0), s(2)], 8);
     }
 }
