@@ -1,6 +1,4 @@
-// Test binaries find libtorch without LD_LIBRARY_PATH: link arguments from engine/build.rs.
+// Binaries, tests and benches find libtorch without LD_LIBRARY_PATH (an rpath from libtorch-build).
 fn main() {
-    for arg in std::env::var("DEP_ENGINE_CSRC_LINK_ARGS").unwrap_or_default().split_whitespace() {
-        println!("cargo:rustc-link-arg={arg}");
-    }
+    libtorch_build::Libtorch::from_env().link_binaries();
 }

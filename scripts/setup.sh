@@ -51,7 +51,7 @@ if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; 
 fi
 
 # 3. Cargo configuration: tch's torch-sys and the engine's bridge find libtorch (the wheel's
-#    torch package) through LIBTORCH; binaries get an rpath from engine/build.rs.
+#    torch package) through LIBTORCH; every crate's build.rs gives its binaries an rpath (libtorch-build/).
 torch_dir="$("$venv/bin/python" -c 'import os, torch; print(os.path.dirname(torch.__file__))')"
 mkdir -p .cargo
 cat >.cargo/config.toml <<CFG

@@ -1,5 +1,4 @@
-// Binaries and test binaries find libtorch without LD_LIBRARY_PATH: link arguments from engine/build.rs.
+// Binaries, tests and benches find libtorch without LD_LIBRARY_PATH (an rpath from libtorch-build).
 fn main() {
-    let args = std::env::var("DEP_ENGINE_CSRC_LINK_ARGS").unwrap_or_default();
-    args.split_whitespace().for_each(|a| println!("cargo:rustc-link-arg={a}"));
+    libtorch_build::Libtorch::from_env().link_binaries();
 }

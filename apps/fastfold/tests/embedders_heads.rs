@@ -2,7 +2,7 @@
 //! recycling bins of known inputs, a symmetric distogram, key/shape errors naming the key and
 //! both shapes, and an npz round trip giving identical outputs.
 use fastfold::model::embedders::{distance_one_hot, relative_position_one_hot, RECYCLE_MAX_BIN, RECYCLE_MIN_BIN};
-use fastfold::model::heads::ITERATION;
+use fastfold::model::keys::ITERATION;
 use fastfold::model::{
     Embedders, Error, EvoformerConfig, HeadInputs, HeadOutputs, Heads, ModelConfig, Params, Recycled,
 };

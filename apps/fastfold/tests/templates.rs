@@ -7,8 +7,8 @@ use std::path::PathBuf;
 use engine::parallel::dap::Dap;
 use fastfold::features::{process, FeatureConfig, Features, RawFeatures, TemplateFeatures};
 use fastfold::model::alphafold::AlphaFold;
-use fastfold::model::templates::{pair_features, torsion_angles, TemplateConfig, PAIR_FEATURES};
-use fastfold::model::{EvoformerConfig, ModelConfig, Params};
+use fastfold::model::templates::{pair_features, torsion_angles, PAIR_FEATURES};
+use fastfold::model::{EvoformerConfig, ModelConfig, Params, TemplateConfig};
 use fastfold::residue_constants::{aatype_of, atom_order};
 use tch::{Device, Kind, Tensor};
 

@@ -3,7 +3,7 @@
 use tch::Tensor;
 
 use crate::model::layers::chunked;
-use crate::model::params::{Init, Scope};
+use crate::model::scope::{Init, Scope};
 use crate::model::Result;
 
 fn einsum(eq: &str, a: &Tensor, b: &Tensor) -> Result<Tensor> {

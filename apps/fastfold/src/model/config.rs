@@ -1,16 +1,18 @@
-//! Sizes of the Evoformer and extra-MSA stacks. Defaults are AlphaFold 2's monomer model
-//! (`alphafold/model/config.py`, `model_1`); [`EvoformerConfig::infer`] reads them back from
-//! the parameter shapes of a store.
+//! Sizes of every module: the Evoformer and extra-MSA stacks, the embedders and heads, the
+//! template embedding and the structure module. Defaults are AlphaFold 2's monomer model
+//! (`alphafold/model/config.py`, `model_1`); each `infer` reads the sizes back from the
+//! parameter shapes of a store.
+//!
+//! The sizes sit below the modules (they read only [`crate::model::keys`]), so every module,
+//! the store and the model can take them without an import cycle.
 use std::collections::BTreeMap;
 
 use tch::Tensor;
 
-use crate::model::embedders::EMBEDDINGS;
-use crate::model::heads::ITERATION;
-use crate::model::params::{EVOFORMER, EXTRA_MSA};
-use crate::model::structure::StructureConfig;
-use crate::model::templates::TemplateConfig;
-use crate::model::{Error, Result};
+use crate::model::keys::{
+    EMBEDDINGS, EVOFORMER, EXTRA_MSA, ITERATION, PAIR_STACK, SINGLE_TEMPLATE, STRUCTURE_MODULE, TEMPLATE_EMBEDDING,
+};
+use crate::model::{ensure, Error, Result};
 
 /// Channel, head and block counts of the two stacks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -92,16 +94,7 @@ impl EvoformerConfig {
     /// block dimension). Each size comes from one array that determines it; the model's
     /// constructors then check every array against the result.
     pub fn infer(arrays: &BTreeMap<String, Tensor>) -> Result<Self> {
-        let dims = |key: String, rank: usize| -> Result<Vec<i64>> {
-            let t = arrays.get(&key).ok_or_else(|| Error::Missing { key: key.clone(), file: None })?;
-            let found = t.size();
-            if found.len() != rank {
-                return Err(Error::Invalid(format!(
-                    "parameter {key}: expected {rank} dimensions, found shape {found:?}"
-                )));
-            }
-            Ok(found)
-        };
+        let dims = |key: String, rank: usize| dims(arrays, key, rank);
         let e = |m: &str| format!("{EVOFORMER}/{m}");
         let row = dims(e("msa_row_attention_with_pair_bias/attention//query_w"), 4)?;
         let z = dims(e("msa_row_attention_with_pair_bias/feat_2d_norm//scale"), 2)?;
@@ -215,14 +208,7 @@ impl ModelConfig {
     /// Reads the sizes from the shapes of AlphaFold-named arrays; the aligned-error head is
     /// optional. The modules' constructors then check every array against the result.
     pub fn infer(arrays: &BTreeMap<String, Tensor>) -> Result<Self> {
-        let dims = |key: String| -> Result<Vec<i64>> {
-            let t = arrays.get(&key).ok_or_else(|| Error::Missing { key: key.clone(), file: None })?;
-            let found = t.size();
-            if found.len() != 2 {
-                return Err(Error::Invalid(format!("parameter {key}: expected 2 dimensions, found shape {found:?}")));
-            }
-            Ok(found)
-        };
+        let dims = |key: String| dims(arrays, key, 2);
         let e = |m: &str| format!("{EMBEDDINGS}/{m}//weights");
         let h = |m: &str| format!("{ITERATION}/{m}//weights");
         let rel = dims(e("pair_activiations"))?[0];
@@ -254,4 +240,181 @@ impl ModelConfig {
             structure: StructureConfig::infer(arrays)?,
         })
     }
+}
+
+/// Sizes of the template embedding (AlphaFold's `model_1`/`model_2` values as the default).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TemplateConfig {
+    /// Template pair channels (64).
+    pub c_t: i64,
+    /// Blocks of the template pair stack (2).
+    pub blocks: i64,
+    /// Heads of the triangle attentions (4) and their width (16).
+    pub pair_heads: i64,
+    /// Width per head of the triangle attentions.
+    pub pair_head_dim: i64,
+    /// Intermediate channels of the triangle multiplications (64).
+    pub tri_mul_channels: i64,
+    /// Hidden width factor of the pair transition (2).
+    pub transition_factor: i64,
+    /// Heads of the pointwise attention (4).
+    pub attention_heads: i64,
+    /// Width per head of the pointwise attention (16).
+    pub attention_head_dim: i64,
+    /// Whether the torsion-angle features join the MSA (`embed_torsion_angles`).
+    pub torsion_angles: bool,
+}
+
+impl Default for TemplateConfig {
+    fn default() -> Self {
+        TemplateConfig {
+            c_t: 64,
+            blocks: 2,
+            pair_heads: 4,
+            pair_head_dim: 16,
+            tri_mul_channels: 64,
+            transition_factor: 2,
+            attention_heads: 4,
+            attention_head_dim: 16,
+            torsion_angles: true,
+        }
+    }
+}
+
+impl TemplateConfig {
+    /// Small widths for tests.
+    pub fn tiny() -> Self {
+        TemplateConfig {
+            c_t: 6,
+            blocks: 1,
+            pair_heads: 2,
+            pair_head_dim: 3,
+            tri_mul_channels: 5,
+            transition_factor: 2,
+            attention_heads: 2,
+            attention_head_dim: 4,
+            torsion_angles: true,
+        }
+    }
+
+    /// Reads the sizes from the shapes of AlphaFold-named arrays; `None` when the arrays have
+    /// no template embedding.
+    pub fn infer(arrays: &BTreeMap<String, Tensor>) -> Result<Option<Self>> {
+        let key = |m: &str, n: &str| format!("{m}//{n}");
+        let embedding = key(&format!("{SINGLE_TEMPLATE}/embedding2d"), "weights");
+        if !arrays.contains_key(&embedding) {
+            return Ok(None);
+        }
+        let e = dims(arrays, embedding, 2)?;
+        let dims = |k: String, rank: usize| dims(arrays, k, rank);
+        let att = dims(key(&format!("{PAIR_STACK}/triangle_attention_starting_node/attention"), "query_w"), 4)?;
+        let tri = dims(key(&format!("{PAIR_STACK}/triangle_multiplication_outgoing/left_projection"), "weights"), 3)?;
+        let tr = dims(key(&format!("{PAIR_STACK}/pair_transition/transition1"), "weights"), 3)?;
+        let point = dims(key(&format!("{TEMPLATE_EMBEDDING}/attention"), "query_w"), 3)?;
+        let c_t = e[1];
+        ensure!(c_t > 0 && tr[2] % c_t == 0, "template pair transition width {} is not a multiple of {c_t}", tr[2]);
+        Ok(Some(TemplateConfig {
+            c_t,
+            blocks: att[0],
+            pair_heads: att[2],
+            pair_head_dim: att[3],
+            tri_mul_channels: tri[2],
+            transition_factor: tr[2] / c_t,
+            attention_heads: point[1],
+            attention_head_dim: point[2],
+            torsion_angles: arrays.contains_key(&key(&format!("{EMBEDDINGS}/template_single_embedding"), "weights")),
+        }))
+    }
+}
+
+/// Sizes of the structure module (AlphaFold's values as the default).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StructureConfig {
+    /// Single channels (384).
+    pub c_s: i64,
+    /// Pair channels (128).
+    pub c_z: i64,
+    /// IPA heads (12).
+    pub heads: i64,
+    /// Scalar query/key/value channels per head (16).
+    pub c_ipa: i64,
+    /// Query/key points per head (4).
+    pub qk_points: i64,
+    /// Value points per head (8).
+    pub v_points: i64,
+    /// Iterations of the shared fold iteration (8; not stored in the parameters).
+    pub layers: i64,
+    /// Channels of the angle resnet (128).
+    pub c_resnet: i64,
+    /// nm per Å inside the module, inverted (10).
+    pub position_scale: f64,
+}
+
+impl Eq for StructureConfig {}
+
+impl Default for StructureConfig {
+    fn default() -> Self {
+        StructureConfig {
+            c_s: 384,
+            c_z: 128,
+            heads: 12,
+            c_ipa: 16,
+            qk_points: 4,
+            v_points: 8,
+            layers: 8,
+            c_resnet: 128,
+            position_scale: 10.0,
+        }
+    }
+}
+
+impl StructureConfig {
+    /// Small widths for tests (AlphaFold's 8 iterations: the count is not in the arrays), matching
+    /// [`crate::model::ModelConfig::tiny`] and
+    /// [`crate::model::EvoformerConfig::tiny`].
+    pub fn tiny() -> Self {
+        StructureConfig {
+            c_s: 9,
+            c_z: 10,
+            heads: 2,
+            c_ipa: 3,
+            qk_points: 2,
+            v_points: 3,
+            c_resnet: 5,
+            ..StructureConfig::default()
+        }
+    }
+
+    /// Reads the sizes from the shapes of AlphaFold-named arrays (the iteration count is
+    /// AlphaFold's 8: the shared weights do not record it).
+    pub fn infer(arrays: &BTreeMap<String, Tensor>) -> Result<Self> {
+        let dims = |m: &str, name: &str, rank: usize| dims(arrays, format!("{STRUCTURE_MODULE}/{m}//{name}"), rank);
+        let ipa = "fold_iteration/invariant_point_attention";
+        let heads = dims(ipa, "trainable_point_weights", 1)?[0];
+        ensure!(heads > 0, "parameter {STRUCTURE_MODULE}/{ipa}//trainable_point_weights: no heads");
+        let q = dims(&format!("{ipa}/q_scalar"), "weights", 2)?;
+        let qp = dims(&format!("{ipa}/q_point_local"), "weights", 2)?;
+        let kvp = dims(&format!("{ipa}/kv_point_local"), "weights", 2)?;
+        let qk_points = qp[1] / (3 * heads);
+        Ok(StructureConfig {
+            c_s: q[0],
+            c_z: dims(&format!("{ipa}/attention_2d"), "weights", 2)?[0],
+            heads,
+            c_ipa: q[1] / heads,
+            qk_points,
+            v_points: kvp[1] / (3 * heads) - qk_points,
+            layers: StructureConfig::default().layers,
+            c_resnet: dims("fold_iteration/rigid_sidechain/input_projection", "weights", 2)?[1],
+            position_scale: StructureConfig::default().position_scale,
+        })
+    }
+}
+
+/// The shape of the array under `key`, which must have `rank` dimensions: the one lookup of
+/// every `infer`, so a missing or mis-ranked array is reported the same way for each module.
+fn dims(arrays: &BTreeMap<String, Tensor>, key: String, rank: usize) -> Result<Vec<i64>> {
+    let t = arrays.get(&key).ok_or_else(|| Error::Missing { key: key.clone(), file: None })?;
+    let found = t.size();
+    ensure!(found.len() == rank, "parameter {key}: expected {rank} dimensions, found shape {found:?}");
+    Ok(found)
 }

@@ -16,12 +16,11 @@
 use tch::{Kind, Tensor};
 
 use crate::model::config::{EvoformerConfig, ModelConfig};
+use crate::model::keys::EMBEDDINGS;
 use crate::model::layers::{LayerNorm, Linear};
-use crate::model::params::{Builder, Params};
+use crate::model::params::Params;
+use crate::model::scope::Builder;
 use crate::model::{ensure, Error, Result};
-
-/// Module path of the embedders (inside AlphaFold's `EmbeddingsAndEvoformer`).
-pub const EMBEDDINGS: &str = "alphafold/alphafold_iteration/evoformer";
 
 /// Lower edge of the first bin of recycled pseudo-beta distances, Å (`prev_pos.min_bin`).
 pub const RECYCLE_MIN_BIN: f64 = 3.25;

@@ -26,10 +26,12 @@ use engine::parallel::dap::Dap;
 use tch::Tensor;
 
 use crate::model::config::EvoformerConfig;
+use crate::model::keys::{EVOFORMER, EXTRA_MSA};
 use crate::model::msa::{
     MsaColumnAttention, MsaColumnGlobalAttention, MsaRowAttentionWithPairBias, OuterProductMean, Transition,
 };
-use crate::model::params::{Builder, Params, EVOFORMER, EXTRA_MSA};
+use crate::model::params::Params;
+use crate::model::scope::{Builder, Scope};
 use crate::model::triangle::{Direction, TriangleAttention, TriangleMultiplication};
 use crate::model::{ensure, Error, Result};
 
@@ -80,7 +82,7 @@ pub struct EvoformerBlock {
 }
 
 impl EvoformerBlock {
-    fn new(p: &crate::model::params::Scope, cfg: &EvoformerConfig, extra: bool) -> Result<Self> {
+    fn new(p: &Scope, cfg: &EvoformerConfig, extra: bool) -> Result<Self> {
         let (c_m, heads, dim) = match extra {
             true => (cfg.c_e, cfg.extra_heads, cfg.extra_head_dim),
             false => (cfg.c_m, cfg.msa_heads, cfg.msa_head_dim),

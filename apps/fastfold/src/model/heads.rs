@@ -15,13 +15,13 @@ use tch::Tensor;
 
 use crate::confidence;
 use crate::model::config::{EvoformerConfig, ModelConfig};
-use crate::model::embedders::{shape_error, EMBEDDINGS};
+use crate::model::embedders::shape_error;
+use crate::model::keys::{EMBEDDINGS, ITERATION};
 use crate::model::layers::{LayerNorm, Linear};
-use crate::model::params::{Builder, Params};
+use crate::model::params::Params;
+use crate::model::scope::Builder;
 use crate::model::Result;
 
-/// Module path of one recycling iteration, the parent of every head.
-pub const ITERATION: &str = "alphafold/alphafold_iteration";
 /// First distogram break, Å (`distogram.first_break`).
 pub const DISTOGRAM_FIRST_BREAK: f64 = 2.3125;
 /// Last distogram break, Å (`distogram.last_break`).

@@ -2,7 +2,7 @@
 //! memory-heavy module uses.
 use tch::Tensor;
 
-use crate::model::params::{Init, Scope};
+use crate::model::scope::{Init, Scope};
 use crate::model::{ensure, Result};
 
 /// `x @ weights + bias` with `weights` stored [in, out] (haiku's layout).

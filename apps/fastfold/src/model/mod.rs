@@ -1,24 +1,44 @@
 //! AlphaFold 2's Evoformer (Jumper et al. 2021, supplementary Algorithms 6-19) under
 //! AlphaFold's parameter names, with chunked evaluation of the memory-heavy steps and dynamic
 //! axial parallelism ([`engine::parallel::dap`]).
+//!
+//! The files form layers, and each file imports only from files listed before it, so there is
+//! no import cycle:
+//!
+//! 1. Leaves: `error` ([`Error`]), [`keys`] (AlphaFold's key prefixes), [`scope`] (`Builder`,
+//!    [`scope::Scope`], [`scope::Init`]: how a constructor asks for its arrays), [`config`]
+//!    (every module's sizes and their inference from shapes, reading only `keys`), [`layers`]
+//!    (`Linear`, `LayerNorm`, chunking, over `scope`).
+//! 2. The store: [`params`] ([`Params`]: the arrays, their files, `Params::builder`), over
+//!    `config` and `scope`.
+//! 3. Building blocks: [`attention`], then [`triangle`] and [`msa`].
+//! 4. Modules: [`embedders`], then [`heads`] and [`templates`] (which reuse embedder
+//!    helpers), [`evoformer`], [`structure`]; each builds itself at its `keys` root, from a
+//!    `&Params` or a `Builder`.
+//! 5. Assembly: `assemble` (creating and loading a [`Params`]: every module built over the
+//!    arrays, and the check that none went unused) and [`alphafold`] (the whole model).
 pub mod alphafold;
+mod assemble;
 pub mod attention;
 pub mod config;
 pub mod embedders;
 mod error;
 pub mod evoformer;
 pub mod heads;
+pub mod keys;
 pub mod layers;
 pub mod msa;
 pub mod params;
+pub mod scope;
 pub mod structure;
 pub mod templates;
 pub mod triangle;
 
-pub use config::{EvoformerConfig, ModelConfig};
+pub use config::{EvoformerConfig, ModelConfig, StructureConfig, TemplateConfig};
 pub use embedders::{Embedders, Recycled};
 pub(crate) use error::ensure;
 pub use error::{Error, Result};
 pub use evoformer::{BlockMasks, EvoformerBlock, EvoformerStack};
 pub use heads::{HeadInputs, HeadOutputs, Heads};
-pub use params::{Params, EVOFORMER, EXTRA_MSA};
+pub use keys::{EVOFORMER, EXTRA_MSA};
+pub use params::Params;

@@ -10,7 +10,7 @@ use tch::Tensor;
 
 use crate::model::attention::{Attention, GlobalAttention};
 use crate::model::layers::{chunked, mask_bias, LayerNorm, Linear};
-use crate::model::params::{Init, Scope};
+use crate::model::scope::{Init, Scope};
 use crate::model::Result;
 
 /// The per-head pair bias `einsum('qkc,ch->hqk', LN(pair), feat_2d_weights)` of this rank's

@@ -17,107 +17,16 @@
 //!
 //! Activations keep the parameters' kind (bf16 inference); the geometry — quaternions,
 //! frames, points, attention over points, atom positions — is computed in fp32.
-use std::collections::BTreeMap;
-
 use tch::{Kind, Tensor};
 
 use crate::geometry::Rigid;
+use crate::model::config::StructureConfig;
+use crate::model::keys::STRUCTURE_MODULE;
 use crate::model::layers::{LayerNorm, Linear};
-use crate::model::params::{Builder, Init, Params, Scope};
+use crate::model::params::Params;
+use crate::model::scope::{Builder, Init, Scope};
 use crate::model::{ensure, Error, Result};
 use crate::residue_constants::Tables;
-
-/// Module path of the structure module.
-pub const STRUCTURE_MODULE: &str = "alphafold/alphafold_iteration/structure_module";
-
-/// Sizes of the structure module (AlphaFold's values as the default).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct StructureConfig {
-    /// Single channels (384).
-    pub c_s: i64,
-    /// Pair channels (128).
-    pub c_z: i64,
-    /// IPA heads (12).
-    pub heads: i64,
-    /// Scalar query/key/value channels per head (16).
-    pub c_ipa: i64,
-    /// Query/key points per head (4).
-    pub qk_points: i64,
-    /// Value points per head (8).
-    pub v_points: i64,
-    /// Iterations of the shared fold iteration (8; not stored in the parameters).
-    pub layers: i64,
-    /// Channels of the angle resnet (128).
-    pub c_resnet: i64,
-    /// nm per Å inside the module, inverted (10).
-    pub position_scale: f64,
-}
-
-impl Eq for StructureConfig {}
-
-impl Default for StructureConfig {
-    fn default() -> Self {
-        StructureConfig {
-            c_s: 384,
-            c_z: 128,
-            heads: 12,
-            c_ipa: 16,
-            qk_points: 4,
-            v_points: 8,
-            layers: 8,
-            c_resnet: 128,
-            position_scale: 10.0,
-        }
-    }
-}
-
-impl StructureConfig {
-    /// Small widths for tests (AlphaFold's 8 iterations: the count is not in the arrays), matching
-    /// [`crate::model::ModelConfig::tiny`] and
-    /// [`crate::model::EvoformerConfig::tiny`].
-    pub fn tiny() -> Self {
-        StructureConfig {
-            c_s: 9,
-            c_z: 10,
-            heads: 2,
-            c_ipa: 3,
-            qk_points: 2,
-            v_points: 3,
-            c_resnet: 5,
-            ..StructureConfig::default()
-        }
-    }
-
-    /// Reads the sizes from the shapes of AlphaFold-named arrays (the iteration count is
-    /// AlphaFold's 8: the shared weights do not record it).
-    pub fn infer(arrays: &BTreeMap<String, Tensor>) -> Result<Self> {
-        let dims = |m: &str, name: &str, rank: usize| -> Result<Vec<i64>> {
-            let key = format!("{STRUCTURE_MODULE}/{m}//{name}");
-            let t = arrays.get(&key).ok_or_else(|| Error::Missing { key: key.clone(), file: None })?;
-            let s = t.size();
-            ensure!(s.len() == rank, "parameter {key}: expected {rank} dimensions, found shape {s:?}");
-            Ok(s)
-        };
-        let ipa = "fold_iteration/invariant_point_attention";
-        let heads = dims(ipa, "trainable_point_weights", 1)?[0];
-        ensure!(heads > 0, "parameter {STRUCTURE_MODULE}/{ipa}//trainable_point_weights: no heads");
-        let q = dims(&format!("{ipa}/q_scalar"), "weights", 2)?;
-        let qp = dims(&format!("{ipa}/q_point_local"), "weights", 2)?;
-        let kvp = dims(&format!("{ipa}/kv_point_local"), "weights", 2)?;
-        let qk_points = qp[1] / (3 * heads);
-        Ok(StructureConfig {
-            c_s: q[0],
-            c_z: dims(&format!("{ipa}/attention_2d"), "weights", 2)?[0],
-            heads,
-            c_ipa: q[1] / heads,
-            qk_points,
-            v_points: kvp[1] / (3 * heads) - qk_points,
-            layers: StructureConfig::default().layers,
-            c_resnet: dims("fold_iteration/rigid_sidechain/input_projection", "weights", 2)?[1],
-            position_scale: StructureConfig::default().position_scale,
-        })
-    }
-}
 
 fn fp32(t: &Tensor) -> Result<Tensor> {
     Ok(t.f_to_kind(Kind::Float)?)

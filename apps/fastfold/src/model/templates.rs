@@ -20,25 +20,20 @@
 //! frames; they are computed in the operation order of AlphaFold's `r3` code, so they equal
 //! DeepMind's model run op by op (jit-compiled, XLA fuses these operations and AlphaFold itself
 //! gives other values). Templates run whole on every rank, outside DAP.
-use std::collections::BTreeMap;
-
 use tch::{Kind, Tensor};
 
 use crate::features::TemplateFeatures;
+use crate::model::config::TemplateConfig;
 use crate::model::embedders::distance_one_hot;
+use crate::model::keys::{EMBEDDINGS, PAIR_STACK, SINGLE_TEMPLATE, TEMPLATE_EMBEDDING};
 use crate::model::layers::{chunked, LayerNorm, Linear};
 use crate::model::msa::Transition;
-use crate::model::params::{Builder, Init, Params, Scope};
+use crate::model::params::Params;
+use crate::model::scope::{Builder, Init, Scope};
 use crate::model::triangle::{Direction, TriangleAttention, TriangleMultiplication};
-use crate::model::{ensure, Error, Result};
+use crate::model::{ensure, Result};
 use crate::residue_constants::Tables;
 use engine::parallel::dap::Dap;
-
-/// Module path of the template pair embedding.
-pub const TEMPLATE_EMBEDDING: &str = "alphafold/alphafold_iteration/evoformer/template_embedding";
-const SINGLE_TEMPLATE: &str = "alphafold/alphafold_iteration/evoformer/template_embedding/single_template_embedding";
-const PAIR_STACK: &str = "alphafold/alphafold_iteration/evoformer/template_embedding/single_template_embedding/template_pair_stack/__layer_stack_no_state";
-const EVOFORMER_ROOT: &str = "alphafold/alphafold_iteration/evoformer";
 
 /// Pseudo-beta distogram of a template (`dgram_features`).
 const DGRAM_BINS: i64 = 39;
@@ -50,95 +45,6 @@ pub const PAIR_FEATURES: i64 = DGRAM_BINS + 1 + 22 + 22 + 3 + 1;
 /// Template torsion features: residue one-hot (22), 7 (sin, cos), 7 alternative (sin, cos), 7
 /// masks.
 pub const ANGLE_FEATURES: i64 = 22 + 14 + 14 + 7;
-
-/// Sizes of the template embedding (AlphaFold's `model_1`/`model_2` values as the default).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct TemplateConfig {
-    /// Template pair channels (64).
-    pub c_t: i64,
-    /// Blocks of the template pair stack (2).
-    pub blocks: i64,
-    /// Heads of the triangle attentions (4) and their width (16).
-    pub pair_heads: i64,
-    /// Width per head of the triangle attentions.
-    pub pair_head_dim: i64,
-    /// Intermediate channels of the triangle multiplications (64).
-    pub tri_mul_channels: i64,
-    /// Hidden width factor of the pair transition (2).
-    pub transition_factor: i64,
-    /// Heads of the pointwise attention (4).
-    pub attention_heads: i64,
-    /// Width per head of the pointwise attention (16).
-    pub attention_head_dim: i64,
-    /// Whether the torsion-angle features join the MSA (`embed_torsion_angles`).
-    pub torsion_angles: bool,
-}
-
-impl Default for TemplateConfig {
-    fn default() -> Self {
-        TemplateConfig {
-            c_t: 64,
-            blocks: 2,
-            pair_heads: 4,
-            pair_head_dim: 16,
-            tri_mul_channels: 64,
-            transition_factor: 2,
-            attention_heads: 4,
-            attention_head_dim: 16,
-            torsion_angles: true,
-        }
-    }
-}
-
-impl TemplateConfig {
-    /// Small widths for tests.
-    pub fn tiny() -> Self {
-        TemplateConfig {
-            c_t: 6,
-            blocks: 1,
-            pair_heads: 2,
-            pair_head_dim: 3,
-            tri_mul_channels: 5,
-            transition_factor: 2,
-            attention_heads: 2,
-            attention_head_dim: 4,
-            torsion_angles: true,
-        }
-    }
-
-    /// Reads the sizes from the shapes of AlphaFold-named arrays; `None` when the arrays have
-    /// no template embedding.
-    pub fn infer(arrays: &BTreeMap<String, Tensor>) -> Result<Option<Self>> {
-        let key = |m: &str, n: &str| format!("{m}//{n}");
-        let embedding = key(&format!("{SINGLE_TEMPLATE}/embedding2d"), "weights");
-        let Some(e) = arrays.get(&embedding) else { return Ok(None) };
-        let dims = |k: String, rank: usize| -> Result<Vec<i64>> {
-            let t = arrays.get(&k).ok_or_else(|| Error::Missing { key: k.clone(), file: None })?;
-            let s = t.size();
-            ensure!(s.len() == rank, "parameter {k}: expected {rank} dimensions, found shape {s:?}");
-            Ok(s)
-        };
-        ensure!(e.dim() == 2, "parameter {embedding}: expected 2 dimensions, found shape {:?}", e.size());
-        let att = dims(key(&format!("{PAIR_STACK}/triangle_attention_starting_node/attention"), "query_w"), 4)?;
-        let tri = dims(key(&format!("{PAIR_STACK}/triangle_multiplication_outgoing/left_projection"), "weights"), 3)?;
-        let tr = dims(key(&format!("{PAIR_STACK}/pair_transition/transition1"), "weights"), 3)?;
-        let point = dims(key(&format!("{TEMPLATE_EMBEDDING}/attention"), "query_w"), 3)?;
-        let c_t = e.size()[1];
-        ensure!(c_t > 0 && tr[2] % c_t == 0, "template pair transition width {} is not a multiple of {c_t}", tr[2]);
-        Ok(Some(TemplateConfig {
-            c_t,
-            blocks: att[0],
-            pair_heads: att[2],
-            pair_head_dim: att[3],
-            tri_mul_channels: tri[2],
-            transition_factor: tr[2] / c_t,
-            attention_heads: point[1],
-            attention_head_dim: point[2],
-            torsion_angles: arrays
-                .contains_key(&key(&format!("{EVOFORMER_ROOT}/template_single_embedding"), "weights")),
-        }))
-    }
-}
 
 /// Vectors as three coordinate tensors, for arithmetic in the operation order of AlphaFold's
 /// `r3` module. Undefined torsion angles (the first residue's omega, chis with an absent atom)
@@ -438,7 +344,7 @@ impl Templates {
         let blocks = (0..c.blocks)
             .map(|i| TemplatePairBlock::new(&b.block(PAIR_STACK, i, c.blocks), c))
             .collect::<Result<_>>()?;
-        let root = b.root(EVOFORMER_ROOT);
+        let root = b.root(EMBEDDINGS);
         Ok(Templates {
             embedding2d: Linear::new(&single.sub("embedding2d"), PAIR_FEATURES, c.c_t, true)?,
             blocks,

@@ -9,7 +9,7 @@ use tch::Tensor;
 
 use crate::model::attention::Attention;
 use crate::model::layers::{chunked, mask_bias, LayerNorm, Linear};
-use crate::model::params::{Init, Scope};
+use crate::model::scope::{Init, Scope};
 use crate::model::Result;
 
 /// Which edges a triangle operation combines.
