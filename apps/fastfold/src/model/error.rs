@@ -27,14 +27,6 @@ pub enum Error {
     /// An input tensor or configuration that cannot work.
     #[error("{0}")]
     Invalid(String),
-    /// Reading or writing a parameter file failed.
-    #[error("{path}: {source}")]
-    File {
-        /// The file.
-        path: String,
-        /// What went wrong.
-        source: tch::TchError,
-    },
     /// A tensor operation failed.
     #[error(transparent)]
     Tch(#[from] tch::TchError),
