@@ -1,6 +1,7 @@
 //! The memory budget a user gives (`--gpu-mem 4G`): parsed, then applied both as the cap of
 //! libtorch's caching allocator for the process (so the rest of the program cannot use more
-//! either, and a 24 GB card rehearses a 4 GB one) and as Gemini's budget.
+//! either, and a 24 GB card rehearses a 4 GB one) and as Gemini's budget; and byte counts
+//! written back for messages.
 use tch::Device;
 
 use crate::{Error, Result};
@@ -34,6 +35,22 @@ pub fn cap_device_memory(device: Device, bytes: u64) -> Result<()> {
     match device {
         Device::Cuda(d) => crate::cuda::set_memory_cap(bytes, d),
         _ => Ok(()),
+    }
+}
+
+/// Bytes for messages: `1.5 MiB`.
+pub fn human(bytes: usize) -> String {
+    const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.1} {}", UNITS[unit])
     }
 }
 

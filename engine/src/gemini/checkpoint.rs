@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use tch::{Device, Tensor};
 
-use super::runtime::Gemini;
+use super::training::Gemini;
 use crate::{Error, Result};
 
 /// The optimizer index file's name.
@@ -49,13 +49,13 @@ impl Gemini {
     pub fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
         let m = self.manager()?;
         let mut out = vec![];
-        for ch in &m.chunks {
-            let full = match &m.replication {
-                Some(rep) if rep.shard => rep.group.all_gather(&ch.home.f_to_device(m.device())?)?,
-                _ => ch.home.shallow_clone(),
+        for c in 0..m.chunk_count() {
+            let full = match m.replication() {
+                Some(rep) if rep.shard => rep.group.all_gather(&m.home(c).f_to_device(m.device())?)?,
+                _ => m.home(c).shallow_clone(),
             }
             .f_to_device(Device::Cpu)?;
-            for s in &ch.slots {
+            for s in m.slots(c) {
                 let t =
                     full.f_narrow(0, s.offset as i64, s.numel as i64)?.f_view(s.shape.as_slice())?.f_detach_copy()?;
                 out.push((s.name.clone(), t));
@@ -80,7 +80,7 @@ impl Gemini {
                     )));
                 }
                 let src = t.f_flatten(0, -1)?.f_narrow(0, p.in_param as i64, p.len as i64)?;
-                let home = &m.chunks[c].home;
+                let home = m.home(c);
                 tch::no_grad(|| home.f_narrow(0, p.in_shard as i64, p.len as i64)?.f_copy_(&src))?;
             }
         }
@@ -93,13 +93,13 @@ impl Gemini {
     pub fn save_optimizer(&self, dir: &Path) -> Result<()> {
         let m = self.manager()?;
         let opt = self.optimizer()?;
-        let (rank, ranks) = match &m.replication {
+        let (rank, ranks) = match m.replication() {
             Some(rep) if rep.shard => (rep.group.rank(), rep.group.size()),
             Some(rep) => (rep.group.rank(), 1),
             None => (0, 1),
         };
         // Replicated ranks hold the same state: rank 0 writes it.
-        let writes = m.replication.as_ref().is_none_or(|rep| rep.shard || rep.group.rank() == 0);
+        let writes = m.replication().is_none_or(|rep| rep.shard || rep.group.rank() == 0);
         if writes {
             let named: Vec<(String, Tensor)> = opt
                 .state_pieces(&m)?
@@ -112,7 +112,7 @@ impl Gemini {
                     .map_err(|e| Error::invalid(format!("writing {}: {e}", tmp.display())))
             })?;
         }
-        if rank == 0 && m.replication.as_ref().is_none_or(|rep| rep.group.rank() == 0) {
+        if rank == 0 && m.replication().is_none_or(|rep| rep.group.rank() == 0) {
             let index = Index {
                 format: FORMAT.into(),
                 steps: opt.steps(),

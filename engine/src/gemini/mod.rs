@@ -3,26 +3,32 @@
 //! need (Colossal-AI's Gemini, after PatrickStar).
 //!
 //! - [`chunk`]: the layout search and the per-tensor state machine.
-//! - [`ChunkManager`]: residency on the compute device within a byte budget, eviction by
-//!   farthest next use in the recorded access trace, prefetch along the trace, homes on the
-//!   device or in host memory, ZeRO-3 sharding over a data-parallel group.
+//! - [`ChunkManager`] (`manager/`): the chunks, their homes on the device or in host memory
+//!   and the byte budget (`mod.rs`); residency: access, eviction by farthest next use in the
+//!   recorded access trace, prefetch along the trace (`residency.rs`); gradients accumulated
+//!   into the chunks and reduced over a data-parallel group, ZeRO-3 sharded or replicated
+//!   (`gradients.rs`).
 //! - [`ChunkOptimizer`]: AdamW, LAMB and LARS on the homes where they live (the engine's flat
 //!   executors, [`crate::optim::flat`]), per-parameter trust ratios across shards.
-//! - [`Gemini`]: runs a model's modules with their chunks resident, placement policies.
+//! - [`Gemini`] (`training.rs`): runs a model's modules with their chunks resident, moves
+//!   gradients into the chunks, and steps.
+//! - [`Placement`] (`placement.rs`): where the homes live, static or after a warm-up step.
 //! - [`checkpoint`]: full state dicts and sharded optimizer state.
-//! - [`budget`]: `--gpu-mem` parsing and the allocator cap.
+//! - [`budget`]: `--gpu-mem` parsing, the allocator cap, byte counts for messages.
 pub mod budget;
 pub mod checkpoint;
 pub mod chunk;
 mod manager;
 mod optimizer;
-mod runtime;
+mod placement;
+mod training;
 
-pub use budget::{cap_device_memory, parse_bytes};
+pub use budget::{cap_device_memory, human, parse_bytes};
 pub use chunk::{Layout, Slot, TensorState};
-pub use manager::{human, ChunkConfig, ChunkManager, Event, Replication, Tier};
+pub use manager::{ChunkConfig, ChunkManager, Event, Replication, Tier};
 pub use optimizer::ChunkOptimizer;
-pub use runtime::{Gemini, GeminiConfig, Placement};
+pub use placement::Placement;
+pub use training::{Gemini, GeminiConfig};
 
 // The type of `GeminiConfig::rule`, where the config's users look for it.
 pub use crate::optim::flat::CpuRule;

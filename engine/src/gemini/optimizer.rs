@@ -91,24 +91,23 @@ impl ChunkOptimizer {
     fn segments(m: &ChunkManager, pieces: &[Piece]) -> Vec<Segment> {
         pieces
             .iter()
-            .map(|p| Segment { name: p.name.clone(), offset: p.in_shard, len: p.len, adapt: m.adapt[p.param] })
+            .map(|p| Segment { name: p.name.clone(), offset: p.in_shard, len: p.len, adapt: m.adapt(p.param) })
             .collect()
     }
 
     /// Creates the chunks' optimizers where missing, on their homes' tiers.
     fn ensure_shards(&mut self, m: &ChunkManager) -> Result<()> {
-        if self.shards.len() == m.chunks.len() && self.shards.iter().all(Option::is_some) {
+        if self.shards.len() == m.chunk_count() && self.shards.iter().all(Option::is_some) {
             return Ok(());
         }
-        self.shards.resize_with(m.chunks.len(), || None);
+        self.shards.resize_with(m.chunk_count(), || None);
         for (c, shard) in self.shards.iter_mut().enumerate() {
             if shard.is_none() {
                 let segments = Self::segments(m, &m.pieces(c));
-                let ch = &m.chunks[c];
-                *shard = Some(if ch.tier == Tier::Host {
-                    ShardOptimizer::Host(HostOptimizer::new(self.rule, segments, ch.home.numel()))
+                *shard = Some(if m.tier(c) == Tier::Host {
+                    ShardOptimizer::Host(HostOptimizer::new(self.rule, segments, m.home(c).numel()))
                 } else {
-                    ShardOptimizer::Device(DeviceOptimizer::new(self.rule, segments, &ch.home)?)
+                    ShardOptimizer::Device(DeviceOptimizer::new(self.rule, segments, m.home(c))?)
                 });
             }
         }
@@ -118,7 +117,7 @@ impl ChunkOptimizer {
     /// Sums a host f64 tensor across the group when chunks are sharded (the all-reduce runs
     /// on the compute device for NCCL groups).
     fn sum_over_shards(m: &ChunkManager, t: Tensor) -> Result<Tensor> {
-        match &m.replication {
+        match m.replication() {
             Some(rep) if rep.shard => {
                 let on = t.f_to_device(m.device())?;
                 rep.group.all_reduce(&on, ReduceOp::Sum)?;
@@ -134,19 +133,19 @@ impl ChunkOptimizer {
     /// they are sharded over, if they are.
     pub fn gradients(m: &ChunkManager) -> Result<(Vec<Param>, Option<ProcessGroup>)> {
         let mut out = vec![];
-        for (c, ch) in m.chunks.iter().enumerate() {
-            let w = ch.home.f_detach()?.f_set_requires_grad(true)?;
-            crate::autograd::set_grad(&w, Some(&ch.grad))?;
+        for c in 0..m.chunk_count() {
+            let w = m.home(c).f_detach()?.f_set_requires_grad(true)?;
+            crate::autograd::set_grad(&w, Some(m.grad(c)))?;
             out.push(Param { name: format!("chunk {c}"), tensor: w, adapt: false });
         }
-        let group = m.replication.as_ref().filter(|r| r.shard).map(|r| r.group.clone());
+        let group = m.replication().filter(|r| r.shard).map(|r| r.group.clone());
         Ok((out, group))
     }
 
     /// Clears the accumulated gradients.
     pub fn zero_grad(m: &ChunkManager) -> Result<()> {
-        for ch in &m.chunks {
-            tch::no_grad(|| ch.grad.shallow_clone().f_zero_().map(drop))?;
+        for c in 0..m.chunk_count() {
+            tch::no_grad(|| m.grad(c).shallow_clone().f_zero_().map(drop))?;
         }
         Ok(())
     }
@@ -154,19 +153,19 @@ impl ChunkOptimizer {
     /// One step of every chunk from its accumulated gradient, then clears the gradients.
     pub fn step(&mut self, m: &mut ChunkManager) -> Result<()> {
         self.ensure_shards(m)?;
-        let pieces: Vec<Vec<Piece>> = (0..m.chunks.len()).map(|c| m.pieces(c)).collect();
+        let pieces: Vec<Vec<Piece>> = (0..m.chunk_count()).map(|c| m.pieces(c)).collect();
         // Phase 1: moments and each piece's sums of squares, added per parameter.
         let mut totals = vec![[0f64; 2]; m.param_count()];
         for (c, shard) in self.shards.iter_mut().enumerate() {
-            let ch = &m.chunks[c];
+            let (home, grad) = (m.home(c), m.grad(c));
             let sums: Vec<[f64; 2]> = match shard.as_mut().expect("created above") {
                 ShardOptimizer::Host(o) => {
                     // SAFETY: the home and gradient are distinct tensors, used only here.
-                    let (w, g) = unsafe { (host_slice(&ch.home)?, host_slice(&ch.grad)?) };
+                    let (w, g) = unsafe { (host_slice(home)?, host_slice(grad)?) };
                     o.prepare(w, g)
                 }
                 ShardOptimizer::Device(o) => {
-                    let t = o.prepare(&ch.home, &ch.grad)?;
+                    let t = o.prepare(home, grad)?;
                     Vec::<Vec<f64>>::try_from(t)?.into_iter().map(|r| [r[0], r[1]]).collect()
                 }
             };
@@ -180,16 +179,16 @@ impl ChunkOptimizer {
         let summed = Vec::<f64>::try_from(summed)?;
         // Phase 2: the updates with whole-parameter sums.
         for (c, shard) in self.shards.iter_mut().enumerate() {
-            let ch = &m.chunks[c];
+            let (home, grad) = (m.home(c), m.grad(c));
             let sums: Vec<[f64; 2]> =
                 pieces[c].iter().map(|p| [summed[2 * p.param], summed[2 * p.param + 1]]).collect();
             match shard.as_mut().expect("created above") {
                 ShardOptimizer::Host(o) => {
                     // SAFETY: as above.
-                    let (w, g) = unsafe { (host_slice(&ch.home)?, host_slice(&ch.grad)?) };
+                    let (w, g) = unsafe { (host_slice(home)?, host_slice(grad)?) };
                     o.finish(w, g, &sums);
                 }
-                ShardOptimizer::Device(o) => o.finish(&ch.home, &ch.grad, &sums)?,
+                ShardOptimizer::Device(o) => o.finish(home, grad, &sums)?,
             }
         }
         Self::zero_grad(m)?;
@@ -243,7 +242,7 @@ impl ChunkOptimizer {
         self.ensure_shards(m)?;
         let slots = self.rule.state_slots();
         for (c, shard) in self.shards.iter_mut().enumerate() {
-            let len = m.chunks[c].home.numel() as i64;
+            let len = m.home(c).numel() as i64;
             let mut buffers: Vec<Tensor> = slots
                 .iter()
                 .map(|_| Tensor::f_zeros([len], (Kind::Float, Device::Cpu)))

@@ -11,33 +11,19 @@
 //!
 //! A step is: forward and backward of each micro-batch (with [`Gemini::finish_backward`]
 //! after each backward: gradients accumulate in the chunks), optionally
-//! [`Gemini::clip_grad_norm`], then [`Gemini::step`].
+//! [`Gemini::clip_grad_norm`], then [`Gemini::step`]. Where the homes live is the
+//! [`Placement`] policy's (`placement.rs`); saving and loading are in `checkpoint.rs`.
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use tch::{Device, Tensor};
+use tch::Tensor;
 
-use super::manager::{human, ChunkConfig, ChunkManager, Replication, Tier};
+use super::manager::{ChunkConfig, ChunkManager, Replication};
 use super::optimizer::ChunkOptimizer;
+use super::placement::{self, Placement};
 use crate::autograd::{apply, register_post_accumulate_grad_hook, set_grad, Forward};
 use crate::optim::flat::CpuRule;
 use crate::optim::{LossScaler, Param};
 use crate::{Error, Result};
-
-/// Where chunk homes (fp32 masters, gradients, optimizer state) live.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Placement {
-    /// This fraction of the chunks (the last in execution order) keeps its home in host
-    /// memory, the rest on the device; `1.0` offloads everything.
-    Static {
-        /// Fraction of chunks offloaded, in `[0, 1]`.
-        offload: f64,
-    },
-    /// Homes start in host memory; after the first (warm-up) backward, which records the
-    /// chunk access order and, on a GPU, the memory that is not model data (activations,
-    /// workspace) from the caching allocator's peak, as many homes move to the device as the
-    /// budget leaves room for beside the working set.
-    Auto,
-}
 
 /// Gemini's options.
 #[derive(Clone, Debug)]
@@ -75,27 +61,12 @@ impl Gemini {
     pub fn new(params: &[Param], cfg: GeminiConfig) -> Result<Gemini> {
         let mut chunks = cfg.chunks;
         chunks.home_buffers = 2 + cfg.rule.state_slots().len();
-        let first_tier = match cfg.placement {
-            Placement::Static { offload } => {
-                crate::error::ensure!(
-                    (0.0..=1.0).contains(&offload),
-                    "gemini: offload fraction {offload} is not within [0, 1]"
-                );
-                Tier::Host
-            }
-            Placement::Auto => Tier::Host,
-        };
+        let first_tier = cfg.placement.first_tier()?;
         let mut manager = match cfg.replication {
             Some(rep) => ChunkManager::replicated(params, chunks, first_tier, rep)?,
             None => ChunkManager::new(params, chunks, first_tier)?,
         };
-        if let Placement::Static { offload } = cfg.placement {
-            let n = manager.chunk_count();
-            let on_device = n - (offload * n as f64).ceil() as usize;
-            for c in 0..on_device {
-                manager.move_home(c, Tier::Device)?;
-            }
-        }
+        cfg.placement.place_static(&mut manager)?;
         let manager = Arc::new(Mutex::new(manager));
         for (i, p) in params.iter().enumerate() {
             let m = Arc::downgrade(&manager);
@@ -106,13 +77,7 @@ impl Gemini {
                 set_grad(t, None)
             })?;
         }
-        let baseline = match chunks.device {
-            Device::Cuda(d) => {
-                crate::cuda::reset_peak_stats(d)?;
-                crate::cuda::memory_stats(d)?.allocated
-            }
-            _ => 0,
-        };
+        let baseline = placement::device_baseline(chunks.device)?;
         Ok(Gemini {
             manager,
             optimizer: Arc::new(Mutex::new(ChunkOptimizer::new(cfg.rule))),
@@ -196,42 +161,7 @@ impl Gemini {
         let mut m = self.manager()?;
         m.finish_backward()?;
         if self.placement == Placement::Auto && m.recording() && self.optimizer()?.steps() == 0 {
-            self.place_homes(&mut m)?;
-        }
-        Ok(())
-    }
-
-    /// The auto policy's plan: the budget less the non-model peak is what model data may use;
-    /// of that, the working set (the widest module's chunks, the prefetched ones and a gradient
-    /// chunk in flight) stays free for payloads, and homes move to the device in chunk order
-    /// while they fit.
-    fn place_homes(&self, m: &mut ChunkManager) -> Result<()> {
-        let non_model = match m.device() {
-            Device::Cuda(d) => {
-                let peak = crate::cuda::memory_stats(d)?.peak_allocated - self.baseline;
-                (peak.max(0) as usize).saturating_sub(m.device_bytes().1)
-            }
-            _ => 0,
-        };
-        let working = (m.widest_access() + self.prefetch + 1) * m.chunk_bytes();
-        let budget = m.budget();
-        if non_model + working > budget {
-            return Err(Error::invalid(format!(
-                "gemini: the warm-up step needed {} besides model data and the widest module needs {} of chunks, together more than the {} budget",
-                human(non_model),
-                human(working),
-                human(budget)
-            )));
-        }
-        m.release_all()?;
-        m.set_budget(budget - non_model);
-        let mut room = budget - non_model - working - m.device_bytes().0;
-        for c in 0..m.chunk_count() {
-            let need = m.home_buffer_bytes(c);
-            if m.tier(c) == Tier::Host && need <= room {
-                m.move_home(c, Tier::Device)?;
-                room -= need;
-            }
+            placement::place_after_warmup(&mut m, self.baseline, self.prefetch)?;
         }
         Ok(())
     }
@@ -250,7 +180,7 @@ impl Gemini {
         let (grads, group) = ChunkOptimizer::gradients(&m)?;
         // Replicated chunks hold the same gradients everywhere, but the decision must still be
         // the same on every rank: take the group either way.
-        let group = group.or_else(|| m.replication.as_ref().map(|r| r.group.clone()));
+        let group = group.or_else(|| m.replication().map(|r| r.group.clone()));
         scaler.unscale(&grads, group.as_ref())
     }
 

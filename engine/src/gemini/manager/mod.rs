@@ -1,0 +1,446 @@
+//! The chunk manager: owns every chunk of a model's parameters (payloads, homes, gradient
+//! accumulators), keeps the bytes it has placed on the compute device within a budget, and
+//! answers what the optimizer, checkpoints and tests read about the chunks.
+//!
+//! Each chunk has a home copy (on the device or in host memory, as the placement says) and a
+//! payload on the compute device that exists only while the chunk is resident. Parameters are
+//! views into the payload: releasing a chunk resizes the payload's storage to zero, so the
+//! parameters and the views autograd saved of them stay valid objects whose memory comes back,
+//! refilled from the home copy, the next time the chunk is accessed.
+//!
+//! Over a data-parallel group the chunks are either sharded (ZeRO-3: each rank keeps
+//! `1/N` of every home, gradient accumulator and optimizer state; a load is an all-gather of
+//! the shards, cast to the compute dtype first; a chunk's gradient, collected on the device,
+//! is reduce-scattered once all its tensors have theirs) or replicated (whole homes
+//! everywhere, gradients all-reduced), for models small enough to keep whole.
+//!
+//! Without a GPU the CPU stands in for both tiers and the budget is enforced on the manager's
+//! own accounting, so placement and eviction are the same code and testable anywhere.
+//!
+//! This file has the chunks, their construction, homes and accounting; `residency.rs` makes
+//! payloads resident and evicts them along the trace; `gradients.rs` accumulates and reduces
+//! the chunks' gradients. The fields stay private to these three files: other modules read
+//! through methods.
+use tch::{Device, Kind, Tensor};
+
+use super::budget::human;
+use super::chunk::{Layout, Slot, TensorState};
+use crate::cuda;
+use crate::dist::ProcessGroup;
+use crate::optim::Param;
+use crate::storage::resize_storage;
+use crate::{Error, Result};
+
+mod gradients;
+mod residency;
+
+/// Where a chunk's home copy lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tier {
+    /// On the compute device (counts against the budget).
+    Device,
+    /// In host memory.
+    Host,
+}
+
+/// Chunk manager options.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ChunkConfig {
+    /// The compute device.
+    pub device: Device,
+    /// Bytes of model data the manager may place on the device.
+    pub budget: usize,
+    /// Chunk size search: smallest and largest size in elements, and the step.
+    pub search: (usize, usize, usize),
+    /// Home-sized buffers a chunk keeps beside its payload, charged to the budget when its home
+    /// is on the device: the home (fp32 master) and its gradient accumulator (2), plus the
+    /// optimizer's state buffers (Adam and LAMB 2, LARS with momentum 1).
+    pub home_buffers: usize,
+    /// The dtype the model computes in: the payloads' (and so the parameters') dtype. Homes
+    /// are fp32 masters whatever it is; bf16 or fp16 halves the device bytes of resident
+    /// chunks and of their gathers.
+    pub compute: Kind,
+}
+
+/// How chunks are spread over a data-parallel group.
+#[derive(Clone, Debug)]
+pub struct Replication {
+    /// The data-parallel group.
+    pub group: ProcessGroup,
+    /// ZeRO-3: each rank keeps 1/N of every chunk's home, gradient and optimizer state, gathers
+    /// a chunk to use it and reduce-scatters its gradient. Otherwise every rank keeps whole
+    /// chunks and gradients are all-reduced (small models).
+    pub shard: bool,
+}
+
+/// Something the manager did, for diagnostics and tests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// A chunk's payload was made resident (filled from its home copy).
+    Load(usize),
+    /// A chunk's payload was freed to make room.
+    Evict(usize),
+    /// A chunk was loaded ahead of its use, following the trace.
+    Prefetch(usize),
+    /// A chunk's home copy moved between tiers.
+    MoveHome(usize, Tier),
+}
+
+struct Chunk {
+    slots: Vec<Slot>,
+    kind: Kind,
+    /// `[capacity]` on the compute device; storage of zero bytes while not resident.
+    payload: Tensor,
+    /// This rank's part of the home copy: `[capacity / shards]` fp32, elements
+    /// `shard_offset..` of the chunk.
+    home: Tensor,
+    tier: Tier,
+    resident: bool,
+    /// Gradient accumulator beside the home copy, same shape.
+    grad: Tensor,
+    /// `[capacity]` gradient of the whole chunk on the compute device, collecting the
+    /// parameters' gradients until the chunk's are all here and it is reduced across ranks
+    /// (only with a data-parallel group).
+    full_grad: Option<Tensor>,
+    /// Marks the end of a prefetch copy still in flight on the side stream (GPU only).
+    ready: Option<cuda::Event>,
+}
+
+impl Chunk {
+    fn bytes(&self) -> usize {
+        self.payload.numel() * self.kind.elt_size_in_bytes()
+    }
+
+    /// Bytes of one home-sized buffer (fp32).
+    fn home_bytes(&self) -> usize {
+        self.home.numel() * 4
+    }
+
+    fn in_compute(&self) -> bool {
+        self.slots.iter().any(|s| s.state != TensorState::Hold && s.state != TensorState::Free)
+    }
+}
+
+/// A part of a parameter inside one rank's shard of a chunk.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Piece {
+    /// Registration index of the parameter.
+    pub param: usize,
+    pub name: String,
+    pub shape: Vec<i64>,
+    /// First element of the piece within the (flattened) parameter.
+    pub in_param: usize,
+    /// First element of the piece within the shard.
+    pub in_shard: usize,
+    pub len: usize,
+}
+
+/// Owns the chunks of a model's parameters. See the module documentation.
+pub struct ChunkManager {
+    device: Device,
+    budget: usize,
+    home_buffers: usize,
+    chunks: Vec<Chunk>,
+    /// (chunk, slot) of each registered parameter, by registration index.
+    places: Vec<(usize, usize)>,
+    /// Whether weight decay and trust ratios apply, by registration index.
+    adapt: Vec<bool>,
+    replication: Option<Replication>,
+    /// First element of this rank's shard in every chunk.
+    shard_offset: usize,
+    device_bytes: usize,
+    peak_device_bytes: usize,
+    /// Chunk accesses in order: recorded during the first step, replayed afterwards.
+    trace: Vec<usize>,
+    recording: bool,
+    /// The most chunks one access has needed.
+    widest: usize,
+    /// The GPU side stream prefetches copy on (created at the first).
+    side: Option<cuda::Stream>,
+    /// Position in the trace during a replayed step.
+    cursor: usize,
+    events: Vec<Event>,
+}
+
+impl ChunkManager {
+    /// Packs `params` (in execution order, all of one dtype) into chunks, makes every parameter a
+    /// view into its chunk's payload, and releases every payload: afterwards each chunk lives
+    /// only in its home copy, on `tier`.
+    pub fn new(params: &[Param], cfg: ChunkConfig, tier: Tier) -> Result<ChunkManager> {
+        Self::build(params, cfg, tier, None)
+    }
+
+    /// As [`ChunkManager::new`], every rank of `replication.group` registering the same
+    /// parameters with the same values; with sharding each keeps only its part of every home.
+    pub fn replicated(
+        params: &[Param],
+        cfg: ChunkConfig,
+        tier: Tier,
+        replication: Replication,
+    ) -> Result<ChunkManager> {
+        let replication = (replication.group.size() > 1).then_some(replication);
+        Self::build(params, cfg, tier, replication)
+    }
+
+    fn build(params: &[Param], cfg: ChunkConfig, tier: Tier, replication: Option<Replication>) -> Result<ChunkManager> {
+        crate::error::ensure!(!params.is_empty(), "gemini: no parameters to manage");
+        for p in params {
+            crate::error::ensure!(
+                p.tensor.kind() == Kind::Float,
+                "gemini: parameter {} is {:?}; register fp32 parameters (they become fp32 masters)",
+                p.name,
+                p.tensor.kind()
+            );
+        }
+        crate::error::ensure!(
+            matches!(cfg.compute, Kind::Float | Kind::BFloat16 | Kind::Half),
+            "gemini: compute dtype {:?} is not fp32, bf16 or fp16",
+            cfg.compute
+        );
+        let kind = cfg.compute;
+        let (shards, rank) = match &replication {
+            Some(r) if r.shard => (r.group.size(), r.group.rank()),
+            _ => (1, 0),
+        };
+        let numels: Vec<usize> = params.iter().map(|p| p.tensor.numel()).collect();
+        let (min, max, step) = cfg.search;
+        let layout = Layout::search(&numels, min, max, step, shards);
+        let shard_len = layout.chunk_size / shards;
+        let mut manager = ChunkManager {
+            device: cfg.device,
+            budget: cfg.budget,
+            home_buffers: cfg.home_buffers,
+            chunks: vec![],
+            places: vec![(0, 0); params.len()],
+            adapt: params.iter().map(|p| p.adapt).collect(),
+            replication,
+            shard_offset: rank * shard_len,
+            device_bytes: 0,
+            peak_device_bytes: 0,
+            trace: vec![],
+            recording: true,
+            widest: 0,
+            side: None,
+            cursor: 0,
+            events: vec![],
+        };
+        for (c, members) in layout.chunks.iter().enumerate() {
+            let payload = Tensor::f_zeros([layout.chunk_size as i64], (kind, cfg.device))?;
+            // The fp32 values, from which the home is cut (the payload may be rounded).
+            let master = Tensor::f_zeros([layout.chunk_size as i64], (Kind::Float, cfg.device))?;
+            let mut slots = vec![];
+            let mut offset = 0;
+            for (s, &i) in members.iter().enumerate() {
+                let p = &params[i];
+                let n = numels[i];
+                let flat = p.tensor.f_detach()?.f_flatten(0, -1)?;
+                tch::no_grad(|| master.f_narrow(0, offset as i64, n as i64)?.f_copy_(&flat))?;
+                let view = payload.f_narrow(0, offset as i64, n as i64)?.f_view(p.tensor.size().as_slice())?;
+                tch::no_grad(|| view.shallow_clone().f_copy_(&p.tensor))?;
+                // The parameter keeps its identity (autograd, hooks, the VarStore) and now
+                // points into the chunk.
+                let mut t = p.tensor.shallow_clone();
+                t.f_set_data(&view)?;
+                slots.push(Slot {
+                    name: p.name.clone(),
+                    shape: p.tensor.size(),
+                    offset,
+                    numel: n,
+                    state: TensorState::Free,
+                });
+                manager.places[i] = (c, s);
+                offset += n;
+            }
+            let home = manager.on_tier(&master.f_narrow(0, manager.shard_offset as i64, shard_len as i64)?, tier)?;
+            let grad = manager.on_tier(&home.f_zeros_like()?, tier)?;
+            let chunk = Chunk { slots, kind, payload, home, tier, resident: false, grad, full_grad: None, ready: None };
+            resize_storage(&chunk.payload, 0)?;
+            if tier == Tier::Device {
+                manager.charge(manager.home_buffers * chunk.home_bytes(), c)?;
+            }
+            manager.chunks.push(chunk);
+        }
+        Ok(manager)
+    }
+
+    /// Number of chunks.
+    pub fn chunk_count(&self) -> usize {
+        self.chunks.len()
+    }
+
+    /// The chunk holding parameter `i` (registration order).
+    pub fn chunk_of(&self, i: usize) -> usize {
+        self.places[i].0
+    }
+
+    /// Elements per chunk.
+    pub fn chunk_numel(&self) -> usize {
+        self.chunks[0].payload.numel()
+    }
+
+    /// Bytes the manager has placed on the device now, and at most so far.
+    pub fn device_bytes(&self) -> (usize, usize) {
+        (self.device_bytes, self.peak_device_bytes)
+    }
+
+    /// Whether a chunk's payload is resident.
+    pub fn is_resident(&self, chunk: usize) -> bool {
+        self.chunks[chunk].resident
+    }
+
+    /// The state of each tensor of a chunk.
+    pub fn states(&self, chunk: usize) -> Vec<TensorState> {
+        self.chunks[chunk].slots.iter().map(|s| s.state).collect()
+    }
+
+    /// What happened so far (loads, evictions, prefetches, moves), oldest first.
+    pub fn events(&self) -> &[Event] {
+        &self.events
+    }
+
+    /// The recorded access trace.
+    pub fn trace(&self) -> &[usize] {
+        &self.trace
+    }
+
+    /// Registered parameters.
+    pub fn param_count(&self) -> usize {
+        self.places.len()
+    }
+
+    /// Where chunk `c`'s home lives.
+    pub fn tier(&self, c: usize) -> Tier {
+        self.chunks[c].tier
+    }
+
+    /// The home-sized buffers charged per device home (see [`ChunkConfig::home_buffers`]).
+    pub(crate) fn home_buffer_bytes(&self, c: usize) -> usize {
+        self.home_buffers * self.chunks[c].home_bytes()
+    }
+
+    /// The compute device.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Bytes of one chunk's payload on the device.
+    pub fn chunk_bytes(&self) -> usize {
+        self.chunks[0].bytes()
+    }
+
+    /// The most chunks one module has needed at once so far.
+    pub fn widest_access(&self) -> usize {
+        self.widest
+    }
+
+    /// The byte budget.
+    pub fn budget(&self) -> usize {
+        self.budget
+    }
+
+    /// Lowers or raises the byte budget (the auto policy sets what model data may use).
+    pub(crate) fn set_budget(&mut self, budget: usize) {
+        self.budget = budget;
+    }
+
+    /// Whether the first step is still being recorded.
+    pub fn recording(&self) -> bool {
+        self.recording
+    }
+
+    /// This rank's part of chunk `c`'s home copy (fp32, on the home's tier).
+    pub(crate) fn home(&self, c: usize) -> &Tensor {
+        &self.chunks[c].home
+    }
+
+    /// Chunk `c`'s gradient accumulator: beside its home, of the same shape.
+    pub(crate) fn grad(&self, c: usize) -> &Tensor {
+        &self.chunks[c].grad
+    }
+
+    /// The places of chunk `c`'s parameters (names, shapes, offsets, states).
+    pub(crate) fn slots(&self, c: usize) -> &[Slot] {
+        &self.chunks[c].slots
+    }
+
+    /// Whether weight decay and trust ratios apply to parameter `i` (registration order).
+    pub(crate) fn adapt(&self, i: usize) -> bool {
+        self.adapt[i]
+    }
+
+    /// The data-parallel group the chunks are spread over, and how, if any.
+    pub(crate) fn replication(&self) -> Option<&Replication> {
+        self.replication.as_ref()
+    }
+
+    /// Moves a chunk's home copy to `tier` (accounting follows).
+    pub fn move_home(&mut self, chunk: usize, tier: Tier) -> Result<()> {
+        if self.chunks[chunk].tier == tier {
+            return Ok(());
+        }
+        // The home copy, its gradient accumulator and the optimizer state move together.
+        let bytes = self.home_buffers * self.chunks[chunk].home_bytes();
+        if tier == Tier::Device {
+            self.charge(bytes, chunk)?;
+        } else {
+            self.device_bytes -= bytes;
+        }
+        let (home, grad) =
+            (self.on_tier(&self.chunks[chunk].home, tier)?, self.on_tier(&self.chunks[chunk].grad, tier)?);
+        let ch = &mut self.chunks[chunk];
+        (ch.home, ch.grad) = (home, grad);
+        ch.tier = tier;
+        self.events.push(Event::MoveHome(chunk, tier));
+        Ok(())
+    }
+
+    /// A copy of `t` on `tier`: on the compute device, or in host memory, pinned when the
+    /// compute device is a GPU (so copies to and from it can run asynchronously).
+    fn on_tier(&self, t: &Tensor, tier: Tier) -> Result<Tensor> {
+        Ok(match (tier, self.device) {
+            (Tier::Device, device) => t.f_to_device(device)?.f_detach_copy()?,
+            (Tier::Host, Device::Cuda(d)) => t.f_to_device(Device::Cpu)?.f_pin_memory(Device::Cuda(d))?,
+            (Tier::Host, _) => t.f_to_device(Device::Cpu)?.f_detach_copy()?,
+        })
+    }
+
+    /// The parts of parameters in this rank's shard of chunk `c`, in offset order.
+    pub(crate) fn pieces(&self, c: usize) -> Vec<Piece> {
+        let ch = &self.chunks[c];
+        let (lo, hi) = (self.shard_offset, self.shard_offset + ch.home.numel());
+        let mut out = vec![];
+        for (i, &(pc, ps)) in self.places.iter().enumerate() {
+            if pc != c {
+                continue;
+            }
+            let slot = &ch.slots[ps];
+            let (start, end) = (slot.offset.max(lo), (slot.offset + slot.numel).min(hi));
+            if start < end {
+                out.push(Piece {
+                    param: i,
+                    name: slot.name.clone(),
+                    shape: slot.shape.clone(),
+                    in_param: start - slot.offset,
+                    in_shard: start - lo,
+                    len: end - start,
+                });
+            }
+        }
+        out.sort_by_key(|p| p.in_shard);
+        out
+    }
+
+    fn charge(&mut self, bytes: usize, chunk: usize) -> Result<()> {
+        if self.device_bytes + bytes > self.budget {
+            return Err(Error::invalid(format!(
+                "gemini: chunk {chunk} needs {} on the device, {} of the {} budget are taken",
+                human(bytes),
+                human(self.device_bytes),
+                human(self.budget)
+            )));
+        }
+        self.device_bytes += bytes;
+        self.peak_device_bytes = self.peak_device_bytes.max(self.device_bytes);
+        Ok(())
+    }
+}

@@ -1,0 +1,98 @@
+//! Where chunk homes (fp32 masters, gradients, optimizer state) live: a static policy fixes
+//! the tiers when the chunks are built; the auto policy places the homes after the warm-up
+//! step, from what that step needed on the device besides model data.
+use tch::Device;
+
+use super::budget::human;
+use super::manager::{ChunkManager, Tier};
+use crate::{Error, Result};
+
+/// Where chunk homes (fp32 masters, gradients, optimizer state) live.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Placement {
+    /// This fraction of the chunks (the last in execution order) keeps its home in host
+    /// memory, the rest on the device; `1.0` offloads everything.
+    Static {
+        /// Fraction of chunks offloaded, in `[0, 1]`.
+        offload: f64,
+    },
+    /// Homes start in host memory; after the first (warm-up) backward, which records the
+    /// chunk access order and, on a GPU, the memory that is not model data (activations,
+    /// workspace) from the caching allocator's peak, as many homes move to the device as the
+    /// budget leaves room for beside the working set.
+    Auto,
+}
+
+impl Placement {
+    /// The tier every home starts on (host memory: a static policy then moves its share to
+    /// the device); an error for an offload fraction outside `[0, 1]`.
+    pub(crate) fn first_tier(&self) -> Result<Tier> {
+        if let Placement::Static { offload } = *self {
+            crate::error::ensure!(
+                (0.0..=1.0).contains(&offload),
+                "gemini: offload fraction {offload} is not within [0, 1]"
+            );
+        }
+        Ok(Tier::Host)
+    }
+
+    /// A static policy moves the homes it keeps on the device there, the first chunks in
+    /// execution order; the auto policy waits for the warm-up step.
+    pub(crate) fn place_static(&self, m: &mut ChunkManager) -> Result<()> {
+        if let Placement::Static { offload } = *self {
+            let n = m.chunk_count();
+            let on_device = n - (offload * n as f64).ceil() as usize;
+            for c in 0..on_device {
+                m.move_home(c, Tier::Device)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Device bytes in use before the warm-up step, with the allocator's peak reset so that the
+/// step's own peak can be read after it (GPU only; `0` elsewhere).
+pub(crate) fn device_baseline(device: Device) -> Result<i64> {
+    Ok(match device {
+        Device::Cuda(d) => {
+            crate::cuda::reset_peak_stats(d)?;
+            crate::cuda::memory_stats(d)?.allocated
+        }
+        _ => 0,
+    })
+}
+
+/// The auto policy's plan: the budget less the non-model peak is what model data may use;
+/// of that, the working set (the widest module's chunks, the `prefetch` ones and a gradient
+/// chunk in flight) stays free for payloads, and homes move to the device in chunk order
+/// while they fit. `baseline` is [`device_baseline`] from before the warm-up step.
+pub(crate) fn place_after_warmup(m: &mut ChunkManager, baseline: i64, prefetch: usize) -> Result<()> {
+    let non_model = match m.device() {
+        Device::Cuda(d) => {
+            let peak = crate::cuda::memory_stats(d)?.peak_allocated - baseline;
+            (peak.max(0) as usize).saturating_sub(m.device_bytes().1)
+        }
+        _ => 0,
+    };
+    let working = (m.widest_access() + prefetch + 1) * m.chunk_bytes();
+    let budget = m.budget();
+    if non_model + working > budget {
+        return Err(Error::invalid(format!(
+            "gemini: the warm-up step needed {} besides model data and the widest module needs {} of chunks, together more than the {} budget",
+            human(non_model),
+            human(working),
+            human(budget)
+        )));
+    }
+    m.release_all()?;
+    m.set_budget(budget - non_model);
+    let mut room = budget - non_model - working - m.device_bytes().0;
+    for c in 0..m.chunk_count() {
+        let need = m.home_buffer_bytes(c);
+        if m.tier(c) == Tier::Host && need <= room {
+            m.move_home(c, Tier::Device)?;
+            room -= need;
+        }
+    }
+    Ok(())
+}
