@@ -6,7 +6,8 @@ use diffusion::sample::{self, SampleArgs};
 #[derive(Parser)]
 #[command(version, about = "Stable Diffusion sampling and fine-tuning")]
 enum Cli {
-    /// Text-to-image from a diffusers pipeline folder (DDIM or Euler, classifier-free guidance).
+    /// Text-to-image from a diffusers pipeline folder (DDIM, Euler, Euler ancestral, PNDM,
+    /// DPM-Solver++ 2M, UniPC; classifier-free guidance).
     Sample(SampleArgs),
     /// Fine-tune the UNet on captioned images under Gemini (`--gpu-mem` caps device memory).
     Finetune(FinetuneArgs),

@@ -1,25 +1,106 @@
 //! Text-to-image sampling as diffusers' `StableDiffusionPipeline.__call__` does it: prompts and
 //! negative prompts through the text encoder, initial latents scaled by the sampler's initial
-//! sigma, a DDIM or Euler loop with classifier-free guidance (conditional and unconditional
-//! halves through the UNet as one batch; guidance 1 runs the conditional half alone), and the
-//! VAE decoder.
+//! sigma, one loop for every [`Scheduler`] with classifier-free guidance (conditional and
+//! unconditional halves through the UNet as one batch; guidance 1 runs the conditional half
+//! alone), and the VAE decoder. Every random draw (initial latents, ancestral samplers' step
+//! noise) comes from the seed through [`data::augment::Rng`], so an image is the same on any
+//! device.
 use engine::job::{DeviceArgs, PrecisionArgs, SeedArgs};
 use tch::{Kind, Tensor};
 
 use crate::pipeline::StableDiffusion;
-use crate::scheduler::{DdimScheduler, EulerDiscreteScheduler, SchedulerClass};
+use crate::scheduler::{self, Scheduler, SchedulerClass, SchedulerFile};
 use crate::{Error, Result};
 
 /// A UNet forward: (sample, timesteps, encoder hidden states) to the prediction.
 pub type UNetCall<'a> = &'a dyn Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>;
 
-/// Which sampler runs the loop.
+/// Keys of the seeded draws: initial latents, and each step's noise.
+const LATENTS_KEY: u64 = 0x5d_1f_f5_10;
+const STEP_NOISE_KEY: u64 = 0x5d_1f_f5_11;
+
+/// Which sampler runs the loop: a diffusers scheduler class reading the pipeline's
+/// `scheduler_config.json` as its `from_config` does (keys the file lacks take the class's
+/// defaults).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Sampler {
-    /// DDIM, deterministic (eta 0).
+    /// DDIM, deterministic (eta 0): `DDIMScheduler`.
     Ddim,
-    /// Euler discrete.
+    /// Euler: `EulerDiscreteScheduler`.
     Euler,
+    /// Euler ancestral (fresh noise each step): `EulerAncestralDiscreteScheduler`.
+    #[value(name = "euler-ancestral")]
+    EulerAncestral,
+    /// PNDM, SD 1.x's default: `PNDMScheduler`.
+    Pndm,
+    /// DPM-Solver++ 2M: `DPMSolverMultistepScheduler` (its file's Karras setting).
+    #[value(name = "dpm++2m")]
+    DpmSolver,
+    /// DPM-Solver++ 2M with Karras sigmas: `DPMSolverMultistepScheduler` with
+    /// `use_karras_sigmas=True`.
+    #[value(name = "dpm++2m-karras")]
+    DpmSolverKarras,
+    /// UniPC: `UniPCMultistepScheduler`.
+    #[value(name = "unipc")]
+    UniPc,
+}
+
+impl Sampler {
+    /// The diffusers class it reads the config as.
+    pub fn class(self) -> SchedulerClass {
+        match self {
+            Sampler::Ddim => SchedulerClass::Ddim,
+            Sampler::Euler => SchedulerClass::EulerDiscrete,
+            Sampler::EulerAncestral => SchedulerClass::EulerAncestralDiscrete,
+            Sampler::Pndm => SchedulerClass::Pndm,
+            Sampler::DpmSolver | Sampler::DpmSolverKarras => SchedulerClass::DpmSolverMultistep,
+            Sampler::UniPc => SchedulerClass::UniPcMultistep,
+        }
+    }
+
+    /// The sampler of a pipeline whose `scheduler_config.json` names `class`, if it is one.
+    pub fn from_class(class: SchedulerClass) -> Option<Sampler> {
+        Some(match class {
+            SchedulerClass::Ddim => Sampler::Ddim,
+            SchedulerClass::EulerDiscrete => Sampler::Euler,
+            SchedulerClass::EulerAncestralDiscrete => Sampler::EulerAncestral,
+            SchedulerClass::Pndm => Sampler::Pndm,
+            SchedulerClass::DpmSolverMultistep => Sampler::DpmSolver,
+            SchedulerClass::UniPcMultistep => Sampler::UniPc,
+            SchedulerClass::Ddpm => return None,
+        })
+    }
+
+    /// The pipeline's own sampler: the class its scheduler config names in `_class_name` (PNDM
+    /// for SD 1.5, DDIM for SD 2.1); a class without a sampler here is an error naming the file
+    /// and the class.
+    pub fn default_for(file: &SchedulerFile) -> Result<Sampler> {
+        let class = file.class()?;
+        Sampler::from_class(class).ok_or_else(|| Error::Format {
+            path: file.path.clone(),
+            msg: format!("_class_name {class} is not a sampler `diffusion sample` runs; choose one with --scheduler"),
+        })
+    }
+
+    /// The scheduler reading `file`, as `Class.from_config(file)` in diffusers
+    /// (`use_karras_sigmas=True` added for `dpm++2m-karras`).
+    pub fn scheduler(self, file: &SchedulerFile) -> Result<Box<dyn Scheduler>> {
+        let cfg = match self {
+            Sampler::DpmSolverKarras => file.config_karras(self.class())?,
+            _ => file.config(self.class())?,
+        };
+        scheduler::build(cfg)
+    }
+}
+
+/// The randomness of a run given rather than drawn from the seed (as diffusers' `latents=`
+/// argument), e.g. to compare with a reference that drew its own.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GivenNoise<'a> {
+    /// The initial latents, unscaled (`[images, channels, h, w]`).
+    pub latents: Option<&'a Tensor>,
+    /// The noise of each step of an ancestral sampler, each the latents' shape.
+    pub steps: Option<&'a [Tensor]>,
 }
 
 /// What to sample.
@@ -39,7 +120,7 @@ pub struct SampleOptions {
     pub sampler: Sampler,
     /// Images per prompt.
     pub images_per_prompt: usize,
-    /// Seed of the initial latents.
+    /// Seed of the initial latents and of ancestral samplers' step noise.
     pub seed: u64,
 }
 
@@ -50,7 +131,7 @@ impl StableDiffusion {
         self.check_size(opts)?;
         let scale = self.vae_scale();
         let shape = [count as i64, self.unet.config().in_channels, opts.height / scale, opts.width / scale];
-        let mut rng = data::augment::Rng::keyed(opts.seed, 0x5d_1f_f5_10, 0);
+        let mut rng = data::augment::Rng::keyed(opts.seed, LATENTS_KEY, 0);
         Ok(rng.normal_tensor(&shape).f_to_device(self.device())?)
     }
 
@@ -86,6 +167,18 @@ impl StableDiffusion {
         latents: Option<&Tensor>,
         unet: UNetCall,
     ) -> Result<Tensor> {
+        self.sample_given(prompts, opts, GivenNoise { latents, steps: None }, unet)
+    }
+
+    /// [`StableDiffusion::sample_with`] with the initial latents and ancestral step noise
+    /// that `given` holds taken instead of drawn from the seed.
+    pub fn sample_given(
+        &self,
+        prompts: &[&str],
+        opts: &SampleOptions,
+        given: GivenNoise,
+        unet: UNetCall,
+    ) -> Result<Tensor> {
         self.check_size(opts)?;
         if prompts.is_empty() {
             return Err(Error::Invalid("no prompt given".into()));
@@ -93,66 +186,69 @@ impl StableDiffusion {
         let n = opts.images_per_prompt;
         let expanded: Vec<&str> = prompts.iter().flat_map(|p| std::iter::repeat_n(*p, n)).collect();
         let count = expanded.len();
-        let kind = self.kind();
         let cond = self.encode_prompts(&expanded)?;
-        let guided = opts.guidance > 1.0;
-        let context = match guided {
+        let context = match opts.guidance > 1.0 {
             true => {
                 let negative = vec![opts.negative_prompt.as_str(); count];
                 Tensor::f_cat(&[self.encode_prompts(&negative)?, cond], 0)?
             }
             false => cond,
         };
-        let latents = match latents {
-            Some(l) => {
-                let want = self.initial_latents(count, opts)?.size();
-                if l.size() != want {
-                    return Err(Error::Invalid(format!("latents have shape {:?}, expected {want:?}", l.size())));
-                }
-                l.f_to_device(self.device())?
+        let want = self.initial_latents(count, opts)?;
+        let latents = match given.latents {
+            Some(l) if l.size() != want.size() => {
+                return Err(Error::Invalid(format!("latents have shape {:?}, expected {:?}", l.size(), want.size())))
             }
-            None => self.initial_latents(count, opts)?,
+            Some(l) => l.f_to_device(self.device())?,
+            None => want,
         };
-        let predict = |x: &Tensor, t: &Tensor| -> Result<Tensor> {
-            let input = match guided {
-                true => Tensor::f_cat(&[x, x], 0)?,
-                false => x.shallow_clone(),
-            };
-            let out = unet(&input.f_to_kind(kind)?, t, &context)?.f_to_kind(Kind::Float)?;
+        let latents = tch::no_grad(|| self.denoise(latents, &context, opts, given.steps, unet))?;
+        let images = tch::no_grad(|| self.vae.decode(&latents.f_div_scalar(self.vae.scaling_factor())?))?;
+        Ok(images.f_div_scalar(2.0)?.f_add_scalar(0.5)?.f_clamp(0.0, 1.0)?)
+    }
+
+    /// The sampling loop from `latents` (fp32) to the final latents, the model's output guided
+    /// as `uncond + guidance (cond - uncond)` when `context` holds both halves.
+    fn denoise(
+        &self,
+        latents: Tensor,
+        context: &Tensor,
+        opts: &SampleOptions,
+        step_noise: Option<&[Tensor]>,
+        unet: UNetCall,
+    ) -> Result<Tensor> {
+        let (device, kind, guided) = (self.device(), self.kind(), opts.guidance > 1.0);
+        let predict = |x: &Tensor, t: f64| -> Result<Tensor> {
+            let input = if guided { Tensor::f_cat(&[x, x], 0)? } else { x.shallow_clone() };
+            // The UNet embeds timesteps in fp32 whatever their kind.
+            let t = Tensor::from(t as f32).f_to_device(device)?;
+            let out = unet(&input.f_to_kind(kind)?, &t, context)?.f_to_kind(Kind::Float)?;
             if !guided {
                 return Ok(out);
             }
             let halves = out.f_chunk(2, 0)?;
             Ok(halves[0].f_add(&halves[1].f_sub(&halves[0])?.f_mul_scalar(opts.guidance)?)?)
         };
-        let device = self.device();
-        let latents = tch::no_grad(|| -> Result<Tensor> {
-            match opts.sampler {
-                Sampler::Ddim => {
-                    let mut s = DdimScheduler::new(self.scheduler.config(SchedulerClass::Ddim)?);
-                    s.set_timesteps(opts.steps)?;
-                    let mut x = latents.f_to_kind(Kind::Float)?.f_mul_scalar(s.init_noise_sigma())?;
-                    for &t in s.timesteps() {
-                        let eps = predict(&x, &Tensor::from(t).f_to_device(device)?)?;
-                        x = s.step(&eps, t, &x, 0.0, None)?.prev_sample;
-                    }
-                    Ok(x)
+        let mut s = opts.sampler.scheduler(&self.scheduler)?;
+        s.set_timesteps(opts.steps)?;
+        let timesteps = s.timesteps().to_vec();
+        if let Some(given) = step_noise.filter(|n| s.needs_noise() && n.len() < timesteps.len()) {
+            return Err(Error::Invalid(format!("{} step noises given, {} steps to run", given.len(), timesteps.len())));
+        }
+        let mut x = latents.f_to_kind(Kind::Float)?.f_mul_scalar(s.init_noise_sigma())?;
+        for (i, &t) in timesteps.iter().enumerate() {
+            let out = predict(&s.scale_model_input(&x, i)?, t)?;
+            let noise = match (s.needs_noise(), step_noise) {
+                (false, _) => None,
+                (true, Some(given)) => Some(given[i].f_to_device(device)?.f_to_kind(Kind::Float)?),
+                (true, None) => {
+                    let mut rng = data::augment::Rng::keyed(opts.seed, STEP_NOISE_KEY, i as u64);
+                    Some(rng.normal_tensor(&x.size()).f_to_device(device)?)
                 }
-                Sampler::Euler => {
-                    let mut s = EulerDiscreteScheduler::new(self.scheduler.config(SchedulerClass::EulerDiscrete)?);
-                    s.set_timesteps(opts.steps)?;
-                    let mut x = latents.f_to_kind(Kind::Float)?.f_mul_scalar(s.init_noise_sigma())?;
-                    for (i, &t) in s.timesteps().to_vec().iter().enumerate() {
-                        let input = s.scale_model_input(&x, i)?;
-                        let eps = predict(&input, &Tensor::from(t as f32).f_to_device(device)?)?;
-                        x = s.step(&eps, i, &x)?.prev_sample;
-                    }
-                    Ok(x)
-                }
-            }
-        })?;
-        let images = tch::no_grad(|| self.vae.decode(&latents.f_div_scalar(self.vae.scaling_factor())?))?;
-        Ok(images.f_div_scalar(2.0)?.f_add_scalar(0.5)?.f_clamp(0.0, 1.0)?)
+            };
+            x = s.step(&out, i, &x, noise.as_ref())?;
+        }
+        Ok(x)
     }
 }
 
@@ -179,13 +275,16 @@ pub struct SampleArgs {
     /// Denoising steps.
     #[arg(long, default_value_t = 30)]
     pub steps: usize,
-    /// The sampler.
-    #[arg(long, value_enum, default_value_t = Sampler::Ddim)]
-    pub scheduler: Sampler,
+    /// The sampler (default: the pipeline's own, the class `_class_name` names in
+    /// `scheduler/scheduler_config.json`: PNDM for SD 1.5, DDIM for SD 2.1). Each reads that
+    /// file with its own class's defaults for the keys it lacks, as diffusers' `from_config`.
+    #[arg(long, value_enum)]
+    pub scheduler: Option<Sampler>,
     /// Classifier-free guidance scale (1 turns guidance off).
     #[arg(long, default_value_t = 7.5)]
     pub guidance: f64,
-    /// Seed of the initial latents: the same seed gives the same image.
+    /// Seed of the initial latents (and Euler ancestral's step noise): the same seed gives the
+    /// same image.
     #[command(flatten)]
     pub seed: SeedArgs,
     /// Image side in pixels (default: the UNet's sample size times the VAE's scale).
@@ -228,6 +327,12 @@ pub fn run(args: &SampleArgs) -> anyhow::Result<(Vec<std::path::PathBuf>, f64)> 
     let sd = StableDiffusion::load(&args.model, device, args.precision.precision.kind())
         .with_context(|| format!("--model {}", args.model.display()))?;
     eprintln!("text encoder: {}", sd.text_encoder.key_layout());
+    let sampler = match args.scheduler {
+        Some(s) => s,
+        None => Sampler::default_for(&sd.scheduler).context("--scheduler not given")?,
+    };
+    let name = clap::ValueEnum::to_possible_value(&sampler).map(|v| v.get_name().to_owned()).unwrap_or_default();
+    eprintln!("scheduler: {name} ({})", sampler.class());
     let default_side = sd.unet.config().source.sample_size.map_or(512, |s| s * sd.vae_scale());
     let side = args.size.unwrap_or(default_side);
     let opts = SampleOptions {
@@ -236,7 +341,7 @@ pub fn run(args: &SampleArgs) -> anyhow::Result<(Vec<std::path::PathBuf>, f64)> 
         negative_prompt: args.negative_prompt.clone(),
         height: args.height.unwrap_or(side),
         width: args.width.unwrap_or(side),
-        sampler: args.scheduler,
+        sampler,
         images_per_prompt: args.num_images,
         seed: args.seed.seed,
     };

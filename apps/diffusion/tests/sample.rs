@@ -1,12 +1,14 @@
 //! Sampling from a tiny diffusers pipeline folder (`fixtures/pipeline`, made by
 //! `fixtures/make_pipeline_fixture.py`): images equal diffusers' `StableDiffusionPipeline`
-//! for the same initial latents under DDIM and Euler with guidance, and without guidance;
-//! seeds reproduce; the command writes PNGs; bad sizes and missing files are named.
+//! for the same initial latents under every sampler with guidance (Euler ancestral also fed
+//! the step noise diffusers drew), and under DDIM without guidance; `--scheduler` defaults to
+//! the class the folder's scheduler config names; seeds reproduce; the command writes PNGs;
+//! bad sizes, missing files and unsupported scheduler classes are named.
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use diffusion::pipeline::StableDiffusion;
-use diffusion::sample::{SampleOptions, Sampler};
+use diffusion::sample::{GivenNoise, SampleOptions, Sampler};
 use tch::{Device, Kind, Tensor};
 
 fn fixtures() -> PathBuf {
@@ -41,15 +43,88 @@ fn images_equal_diffusers_for_the_same_latents() {
         Tensor::read_safetensors(fixtures().join("pipeline_reference.safetensors")).unwrap().into_iter().collect();
     let prompts = prompts();
     let prompts: Vec<&str> = prompts.iter().map(String::as_str).collect();
-    for (key, sampler, guidance) in
-        [("ddim", Sampler::Ddim, 7.5), ("euler", Sampler::Euler, 7.5), ("ddim_guidance_1", Sampler::Ddim, 1.0)]
-    {
-        let ours = sd.sample(&prompts, &options(sampler, guidance), Some(&reference["latents"])).unwrap();
-        // diffusers returns [B, H, W, 3].
-        let theirs = reference[key].permute([0, 3, 1, 2]);
-        let d = (&ours - &theirs).abs().max().double_value(&[]);
-        // fp32 on both sides; observed 4.8e-7 (DDIM), 1.0e-6 (Euler), 3.6e-7 (no guidance).
+    let noise: Vec<Tensor> = reference["euler_a_noise"].unbind(0);
+    let given = GivenNoise { latents: Some(&reference["latents"]), steps: Some(&noise) };
+    let unet = |x: &Tensor, t: &Tensor, c: &Tensor| sd.unet.forward(x, t, c);
+    let mut diffs = Vec::new();
+    for (key, sampler, guidance) in [
+        ("ddim", Sampler::Ddim, 7.5),
+        ("euler", Sampler::Euler, 7.5),
+        ("ddim_guidance_1", Sampler::Ddim, 1.0),
+        ("euler_a", Sampler::EulerAncestral, 7.5),
+        ("pndm", Sampler::Pndm, 7.5),
+        ("dpm", Sampler::DpmSolver, 7.5),
+        ("dpm_karras", Sampler::DpmSolverKarras, 7.5),
+        ("unipc", Sampler::UniPc, 7.5),
+    ] {
+        let ours = sd.sample_given(&prompts, &options(sampler, guidance), given, &unet).unwrap();
+        let d = differs_by(&ours, &reference[key]);
+        // fp32 on both sides.
         assert!(d < 1e-4, "{key}: images differ from diffusers' by {d}");
+        diffs.push((key, d));
+    }
+    eprintln!("max abs difference from diffusers' images: {diffs:?}");
+}
+
+/// The largest difference of images [B, 3, H, W] from diffusers' [B, H, W, 3].
+fn differs_by(ours: &Tensor, theirs: &Tensor) -> f64 {
+    (ours - theirs.permute([0, 3, 1, 2])).abs().max().double_value(&[])
+}
+
+/// A copy of the tiny pipeline in a temporary folder of its own (its parent).
+fn pipeline_copy(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("diffusion-sample-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let copy = dir.join("pipe");
+    let status = Command::new("cp").args(["-r"]).arg(fixtures().join("pipeline")).arg(&copy).status().unwrap();
+    assert!(status.success());
+    copy
+}
+
+/// A copy of the tiny pipeline whose scheduler config is `config`.
+fn pipeline_with_scheduler(tag: &str, config: &str) -> PathBuf {
+    let copy = pipeline_copy(tag);
+    std::fs::write(copy.join("scheduler/scheduler_config.json"), config).unwrap();
+    copy
+}
+
+#[test]
+fn the_scheduler_defaults_to_the_class_the_folder_names() {
+    let sd = load();
+    assert_eq!(Sampler::default_for(&sd.scheduler).unwrap(), Sampler::Ddim);
+    // SD 1.5's own file (PNDM, PLMS only) has the tiny pipeline's schedule.
+    let sd15 = std::fs::read_to_string(fixtures().join("schedulers/sd15_pndm/scheduler_config.json")).unwrap();
+    let folder = pipeline_with_scheduler("pndm", &sd15);
+    let sd = StableDiffusion::load(&folder, Device::Cpu, Kind::Float).unwrap();
+    let sampler = Sampler::default_for(&sd.scheduler).unwrap();
+    assert_eq!(sampler, Sampler::Pndm);
+    let reference: std::collections::HashMap<String, Tensor> =
+        Tensor::read_safetensors(fixtures().join("pipeline_reference.safetensors")).unwrap().into_iter().collect();
+    let prompts = prompts();
+    let prompts: Vec<&str> = prompts.iter().map(String::as_str).collect();
+    let ours = sd.sample(&prompts, &options(sampler, 7.5), Some(&reference["latents"])).unwrap();
+    let d = differs_by(&ours, &reference["pndm_plms"]);
+    assert!(d < 1e-4, "SD 1.5's PNDM (PLMS) differs from diffusers' by {d}");
+    eprintln!("SD 1.5 PNDM (PLMS) image: max abs difference from diffusers {d}");
+
+    let run = |folder: &Path| {
+        let o = Command::new(env!("CARGO_BIN_EXE_diffusion"))
+            .args(["sample", "--model"])
+            .arg(folder)
+            .args(["--prompt", "a cat", "--steps", "4", "-o"])
+            .arg(folder.with_file_name("cat.png"))
+            .output()
+            .unwrap();
+        (o.status.success(), format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)))
+    };
+    let (ok, text) = run(&folder);
+    assert!(ok && text.contains("scheduler: pndm (PNDMScheduler)"), "{text}");
+    let lms = pipeline_with_scheduler("lms", &sd15.replace("PNDMScheduler", "LMSDiscreteScheduler"));
+    let (ok, text) = run(&lms);
+    assert!(!ok && text.contains("scheduler/scheduler_config.json") && text.contains("LMSDiscreteScheduler"), "{text}");
+    for f in [folder, lms] {
+        std::fs::remove_dir_all(f.parent().unwrap()).unwrap();
     }
 }
 
@@ -66,6 +141,16 @@ fn seeds_reproduce_and_differ() {
     opts.seed = 1;
     let c = sd.sample(&["a cat"], &opts, None).unwrap();
     assert!((a - c).abs().max().double_value(&[]) > 1e-3, "another seed gives other images");
+
+    // Euler ancestral's step noise comes from the seed too: from the same latents the same
+    // seed gives the same image, another seed another image.
+    let mut opts = options(Sampler::EulerAncestral, 3.0);
+    let latents = sd.initial_latents(1, &opts).unwrap();
+    let a = sd.sample(&["a cat"], &opts, Some(&latents)).unwrap();
+    assert!(a.equal(&sd.sample(&["a cat"], &opts, Some(&latents)).unwrap()));
+    opts.seed = 7;
+    let b = sd.sample(&["a cat"], &opts, Some(&latents)).unwrap();
+    assert!((a - b).abs().max().double_value(&[]) > 1e-4, "the step noise follows the seed");
 }
 
 #[test]
@@ -76,15 +161,11 @@ fn bad_sizes_and_missing_files_are_named() {
     let err = sd.sample(&["x"], &opts, None).unwrap_err().to_string();
     assert!(err.contains("--height 18") && err.contains("multiple of 4"), "{err}");
 
-    let dir = std::env::temp_dir().join(format!("diffusion-sample-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let copy = dir.join("broken");
-    let status = Command::new("cp").args(["-r"]).arg(fixtures().join("pipeline")).arg(&copy).status().unwrap();
-    assert!(status.success());
+    let copy = pipeline_copy("broken");
     std::fs::remove_file(copy.join("vae/diffusion_pytorch_model.fp16.safetensors")).unwrap();
     let err = StableDiffusion::load(&copy, Device::Cpu, Kind::Float).err().unwrap().to_string();
     assert!(err.contains("vae/diffusion_pytorch_model.safetensors") && err.contains("missing"), "{err}");
+    std::fs::remove_dir_all(copy.parent().unwrap()).unwrap();
 }
 
 #[test]
@@ -95,7 +176,7 @@ fn the_command_writes_pngs() {
     let o = Command::new(env!("CARGO_BIN_EXE_diffusion"))
         .args(["sample", "--model"])
         .arg(fixtures().join("pipeline"))
-        .args(["--prompt", "a cat", "--steps", "3", "--num-images", "2", "--scheduler", "euler", "-o"])
+        .args(["--prompt", "a cat", "--steps", "3", "--num-images", "2", "--scheduler", "euler-ancestral", "-o"])
         .arg(&out)
         .output()
         .unwrap();

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use diffusion::scheduler::{
-    DdimScheduler, DdpmScheduler, EulerDiscreteScheduler, PredictionType, SchedulerClass, SchedulerConfig,
+    DdimScheduler, DdpmScheduler, EulerDiscreteScheduler, PredictionType, Scheduler, SchedulerClass, SchedulerConfig,
     TimestepSpacing,
 };
 use tch::{Device, Kind, Tensor};
@@ -63,6 +63,7 @@ fn noise_schedules_and_timesteps_match_diffusers() {
         let mut ddim = DdimScheduler::new(cfg.clone());
         ddim.set_timesteps(STEPS).unwrap();
         let want: Vec<i64> = Vec::try_from(&r[&format!("{name}.ddim.timesteps")]).unwrap();
+        let want: Vec<f64> = want.into_iter().map(|t| t as f64).collect();
         assert_eq!(ddim.timesteps(), want.as_slice(), "{name} DDIM timesteps");
 
         let mut euler = EulerDiscreteScheduler::new(config(name, SchedulerClass::EulerDiscrete));
@@ -109,8 +110,8 @@ fn ddim_sampling_matches_diffusers() {
         let mut ddim = DdimScheduler::new(config(name, SchedulerClass::Ddim));
         ddim.set_timesteps(STEPS).unwrap();
         let mut x = r["latents"].shallow_clone();
-        for &t in ddim.timesteps() {
-            x = ddim.step(&model(&x), t, &x, 0.0, None).unwrap().prev_sample;
+        for i in 0..ddim.timesteps().len() {
+            x = ddim.step(&model(&x), i, &x, None).unwrap();
         }
         assert_close(&x, &r[&format!("{name}.ddim.final")], 1e-4, &format!("{name} DDIM 7-step loop"));
         // The loop moved the sample, so the comparison is not vacuous.
@@ -118,8 +119,8 @@ fn ddim_sampling_matches_diffusers() {
 
         let latents = &r["latents"];
         let noise = r["noise"].narrow(0, 0, 1);
-        let t = ddim.timesteps()[2];
-        let step = ddim.step(&model(latents), t, latents, 0.5, Some(&noise)).unwrap();
+        let t = ddim.timesteps()[2] as i64;
+        let step = ddim.step_eta(&model(latents), t, latents, 0.5, Some(&noise)).unwrap();
         assert_close(&step.prev_sample, &r[&format!("{name}.ddim.eta")], 1e-4, &format!("{name} DDIM eta 0.5"));
     }
 }
@@ -133,7 +134,7 @@ fn euler_sampling_matches_diffusers() {
         let mut x = &r["latents"] * euler.init_noise_sigma();
         for i in 0..euler.timesteps().len() {
             let out = model(&euler.scale_model_input(&x, i).unwrap());
-            x = euler.step(&out, i, &x).unwrap().prev_sample;
+            x = euler.step(&out, i, &x, None).unwrap();
         }
         assert_close(&x, &r[&format!("{name}.euler.final")], 1e-4, &format!("{name} Euler 7-step loop"));
     }
@@ -163,16 +164,17 @@ fn bad_configs_and_arguments_are_errors() {
     let dir = std::env::temp_dir().join(format!("diffusion-sched-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("scheduler_config.json");
-    for (json, key) in [
-        (r#"{"beta_schedule": "cosine"}"#, "beta_schedule"),
-        (r#"{"prediction_type": "flow"}"#, "prediction_type"),
-        (r#"{"timestep_spacing": "even"}"#, "timestep_spacing"),
-        (r#"{"use_karras_sigmas": true}"#, "use_karras_sigmas"),
+    for (json, class, key) in [
+        (r#"{"beta_schedule": "cosine"}"#, SchedulerClass::Ddim, "beta_schedule"),
+        (r#"{"prediction_type": "flow"}"#, SchedulerClass::Ddim, "prediction_type"),
+        (r#"{"timestep_spacing": "even"}"#, SchedulerClass::Ddim, "timestep_spacing"),
+        // Euler has the key (diffusers' Euler reads Karras sigmas), this crate's Euler not.
+        (r#"{"use_karras_sigmas": true}"#, SchedulerClass::EulerDiscrete, "use_karras_sigmas"),
         // serde names the line and column and the expected type, not the key.
-        (r#"{"num_train_timesteps": "many"}"#, "expected i64 at line 1"),
+        (r#"{"num_train_timesteps": "many"}"#, SchedulerClass::Ddim, "expected i64 at line 1"),
     ] {
         std::fs::write(&path, json).unwrap();
-        let err = SchedulerConfig::from_file(&path, SchedulerClass::Ddim).unwrap_err().to_string();
+        let err = SchedulerConfig::from_file(&path, class).unwrap_err().to_string();
         assert!(err.contains("scheduler_config.json") && err.contains(key), "{json}: {err}");
     }
     let err =
@@ -182,12 +184,13 @@ fn bad_configs_and_arguments_are_errors() {
 
     let mut ddim = DdimScheduler::new(config("eps_leading", SchedulerClass::Ddim));
     let x = Tensor::zeros([1, 4, 3, 3], (Kind::Float, Device::Cpu));
-    assert!(ddim.step(&x, 10, &x, 0.0, None).unwrap_err().to_string().contains("set_timesteps"));
+    assert!(ddim.step_eta(&x, 10, &x, 0.0, None).unwrap_err().to_string().contains("set_timesteps"));
     assert!(ddim.set_timesteps(0).is_err() && ddim.set_timesteps(1001).is_err());
     ddim.set_timesteps(10).unwrap();
-    assert!(ddim.step(&x, 1000, &x, 0.0, None).unwrap_err().to_string().contains("timestep 1000"));
+    assert!(ddim.step_eta(&x, 1000, &x, 0.0, None).unwrap_err().to_string().contains("timestep 1000"));
+    assert!(ddim.step(&x, 10, &x, None).unwrap_err().to_string().contains("DDIM step 10"));
     let y = Tensor::zeros([1, 4, 3, 2], (Kind::Float, Device::Cpu));
-    assert!(ddim.step(&x, 10, &y, 0.0, None).unwrap_err().to_string().contains("shapes"));
+    assert!(ddim.step_eta(&x, 10, &y, 0.0, None).unwrap_err().to_string().contains("shapes"));
 
     let ddpm = DdpmScheduler::new(config("eps_leading", SchedulerClass::Ddpm));
     let t = Tensor::from_slice(&[3i64, 1000]);

@@ -3,7 +3,7 @@
 //! training timestep the alpha product is 1 (`set_alpha_to_one`) or `alphas_cumprod[0]`.
 use tch::Tensor;
 
-use super::{same_shape, PredictionType, SchedulerConfig};
+use super::{same_shape, PredictionType, Scheduler, SchedulerConfig};
 use crate::error::{Error, Result};
 
 /// One step's results.
@@ -21,11 +21,11 @@ pub struct DdimScheduler {
     cfg: SchedulerConfig,
     alphas_cumprod: Vec<f64>,
     final_alpha_cumprod: f64,
-    timesteps: Vec<i64>,
+    timesteps: Vec<f64>,
 }
 
 impl DdimScheduler {
-    /// A scheduler of `cfg`; call [`DdimScheduler::set_timesteps`] before stepping.
+    /// A scheduler of `cfg`; call [`Scheduler::set_timesteps`] before stepping.
     pub fn new(cfg: SchedulerConfig) -> DdimScheduler {
         let alphas_cumprod = cfg.alphas_cumprod();
         let final_alpha_cumprod = if cfg.set_alpha_to_one { 1.0 } else { alphas_cumprod[0] };
@@ -37,25 +37,9 @@ impl DdimScheduler {
         &self.cfg
     }
 
-    /// Spaces `steps` inference timesteps per the config.
-    pub fn set_timesteps(&mut self, steps: usize) -> Result<()> {
-        self.timesteps = self.cfg.spaced_timesteps(steps, true)?.into_iter().map(|t| t as i64).collect();
-        Ok(())
-    }
-
-    /// The inference timesteps, descending (empty before `set_timesteps`).
-    pub fn timesteps(&self) -> &[i64] {
-        &self.timesteps
-    }
-
-    /// The initial noise's standard deviation (1 for DDIM).
-    pub fn init_noise_sigma(&self) -> f64 {
-        1.0
-    }
-
     /// One step from timestep `t` back to `t - N / steps`. With `eta > 0` the step adds
     /// `eta`-scaled noise: `noise` when given (shape of `sample`), else fresh normal noise.
-    pub fn step(
+    pub fn step_eta(
         &self,
         model_output: &Tensor,
         t: i64,
@@ -105,5 +89,32 @@ impl DdimScheduler {
             prev += noise;
         }
         Ok(DdimStep { prev_sample: prev, pred_original_sample: x0 })
+    }
+}
+
+impl Scheduler for DdimScheduler {
+    /// Spaces `steps` inference timesteps per the config.
+    fn set_timesteps(&mut self, steps: usize) -> Result<()> {
+        self.timesteps = self.cfg.spaced_timesteps(steps, true)?;
+        Ok(())
+    }
+
+    /// The inference timesteps, descending.
+    fn timesteps(&self) -> &[f64] {
+        &self.timesteps
+    }
+
+    /// The deterministic step (eta 0) from `timesteps()[index]`.
+    fn step(
+        &mut self,
+        model_output: &Tensor,
+        index: usize,
+        sample: &Tensor,
+        _noise: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let t = *self.timesteps.get(index).ok_or_else(|| {
+            Error::Invalid(format!("DDIM step {index} outside the {} inference steps", self.timesteps.len()))
+        })?;
+        Ok(self.step_eta(model_output, t as i64, sample, 0.0, None)?.prev_sample)
     }
 }

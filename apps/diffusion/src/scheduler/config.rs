@@ -1,0 +1,431 @@
+//! `scheduler_config.json` as diffusers writes it ([`SchedulerConfigFile`]) and the validated
+//! [`SchedulerConfig`] every scheduler is built from, as one [`SchedulerClass`] reads it.
+//!
+//! One file serves every class, as in diffusers, where a pipeline's config is handed to
+//! `OtherScheduler.from_config`. A key the class reading the file does not have is ignored (as
+//! `from_config` ignores it; the one exception diffusers makes, DPM-Solver's Karras sigmas
+//! reading `sigma_min`/`sigma_max`, is followed); a key it has is honoured or, for a value
+//! naming a feature not implemented here, an error naming the key.
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Deserializer};
+
+use super::class::SchedulerClass;
+use super::options::{self, FinalSigmas, SolverType};
+use crate::error::{Error, Result};
+
+/// `scheduler_config.json` as diffusers writes it, for any of the classes. Keys whose default
+/// differs between classes are `None` when absent and take the default of the class the file
+/// is read for. Keys diffusers only reads when a rejected feature is on
+/// (`dynamic_thresholding_ratio`, `sample_max_value`, `flow_shift`, `time_shift_type`) are not
+/// kept.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default)]
+pub struct SchedulerConfigFile {
+    /// The diffusers class that wrote the file (`PNDMScheduler` for SD 1.5).
+    #[serde(rename = "_class_name")]
+    pub class_name: Option<String>,
+    /// Diffusion steps of training.
+    pub num_train_timesteps: i64,
+    /// First beta.
+    pub beta_start: f64,
+    /// Last beta.
+    pub beta_end: f64,
+    /// `linear`, `scaled_linear` or `squaredcos_cap_v2`.
+    pub beta_schedule: String,
+    /// Explicit betas (override the schedule).
+    pub trained_betas: Option<Vec<f64>>,
+    /// `epsilon`, `v_prediction` or `sample`.
+    pub prediction_type: String,
+    /// `leading`, `trailing` or `linspace` (class default when absent).
+    pub timestep_spacing: Option<String>,
+    /// Added to `leading` timesteps.
+    pub steps_offset: i64,
+    /// DDIM, PNDM: the alpha product before the first step is 1 (else `alphas_cumprod[0]`).
+    pub set_alpha_to_one: Option<bool>,
+    /// DDIM, DDPM: clamp the predicted clean sample.
+    pub clip_sample: Option<bool>,
+    /// The clamp's bound.
+    pub clip_sample_range: f64,
+    /// Unsupported when true.
+    pub thresholding: bool,
+    /// Unsupported when true.
+    pub rescale_betas_zero_snr: bool,
+    /// DPM-Solver, UniPC: Karras et al.'s sigmas (unsupported by Euler here).
+    pub use_karras_sigmas: bool,
+    /// Unsupported when true.
+    pub use_exponential_sigmas: bool,
+    /// Unsupported when true.
+    pub use_beta_sigmas: bool,
+    /// DPM-Solver: unsupported when true.
+    pub use_lu_lambdas: bool,
+    /// DPM-Solver, UniPC: unsupported when true.
+    pub use_flow_sigmas: bool,
+    /// DPM-Solver, UniPC: unsupported when true.
+    pub use_dynamic_shifting: bool,
+    /// Euler: only `linear`.
+    pub interpolation_type: String,
+    /// Euler: only `discrete`.
+    pub timestep_type: String,
+    /// `zero` or `sigma_min` (DPM-Solver, UniPC; Euler: only `zero`).
+    pub final_sigmas_type: String,
+    /// Karras sigmas' range (class keys of Euler and UniPC; DPM-Solver reads them too when a
+    /// file holds them, as diffusers' `from_config` keeps them in its config).
+    pub sigma_min: Option<f64>,
+    /// See `sigma_min`.
+    pub sigma_max: Option<f64>,
+    /// PNDM: PLMS steps only (else a Runge-Kutta warm-up first).
+    pub skip_prk_steps: bool,
+    /// DPM-Solver (1 to 3), UniPC (1 or more).
+    pub solver_order: i64,
+    /// DPM-Solver: `dpmsolver++` (`deis` reads as it, as in diffusers).
+    pub algorithm_type: String,
+    /// DPM-Solver `midpoint` or `heun`; UniPC `bh1` or `bh2` (class default when absent).
+    pub solver_type: Option<String>,
+    /// DPM-Solver, UniPC: lower orders in the last steps.
+    pub lower_order_final: bool,
+    /// DPM-Solver: first order in the last step.
+    pub euler_at_final: bool,
+    /// DPM-Solver: timesteps whose log-SNR lies below this are not used (JSON's `-Infinity`
+    /// as Python writes it is read).
+    #[serde(deserialize_with = "number_or_infinity")]
+    pub lambda_min_clipped: f64,
+    /// DDPM: ignored (training only); DPM-Solver: `learned` and `learned_range` unsupported.
+    pub variance_type: Option<String>,
+    /// UniPC: predict the clean sample (else the noise).
+    pub predict_x0: bool,
+    /// UniPC: steps whose corrector is skipped.
+    pub disable_corrector: Vec<i64>,
+    /// UniPC: another scheduler as the predictor; unsupported unless null.
+    pub solver_p: Option<serde_json::Value>,
+    /// UniPC: unsupported unless null.
+    pub shift_terminal: Option<f64>,
+}
+
+impl Default for SchedulerConfigFile {
+    fn default() -> Self {
+        SchedulerConfigFile {
+            class_name: None,
+            num_train_timesteps: 1000,
+            beta_start: 0.0001,
+            beta_end: 0.02,
+            beta_schedule: "linear".into(),
+            trained_betas: None,
+            prediction_type: "epsilon".into(),
+            timestep_spacing: None,
+            steps_offset: 0,
+            set_alpha_to_one: None,
+            clip_sample: None,
+            clip_sample_range: 1.0,
+            thresholding: false,
+            rescale_betas_zero_snr: false,
+            use_karras_sigmas: false,
+            use_exponential_sigmas: false,
+            use_beta_sigmas: false,
+            use_lu_lambdas: false,
+            use_flow_sigmas: false,
+            use_dynamic_shifting: false,
+            interpolation_type: "linear".into(),
+            timestep_type: "discrete".into(),
+            final_sigmas_type: "zero".into(),
+            sigma_min: None,
+            sigma_max: None,
+            skip_prk_steps: false,
+            solver_order: 2,
+            algorithm_type: "dpmsolver++".into(),
+            solver_type: None,
+            lower_order_final: true,
+            euler_at_final: false,
+            lambda_min_clipped: f64::NEG_INFINITY,
+            variance_type: None,
+            predict_x0: true,
+            disable_corrector: Vec::new(),
+            solver_p: None,
+            shift_terminal: None,
+        }
+    }
+}
+
+/// A number, or one of the non-finite values Python's `json` writes (`Infinity`, `-Infinity`,
+/// `NaN`), which [`quote_non_finite`] has turned into strings.
+fn number_or_infinity<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<f64, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Number {
+        Finite(f64),
+        Named(String),
+    }
+    match Number::deserialize(d)? {
+        Number::Finite(x) => Ok(x),
+        Number::Named(s) => match s.as_str() {
+            "Infinity" => Ok(f64::INFINITY),
+            "-Infinity" => Ok(f64::NEG_INFINITY),
+            "NaN" => Ok(f64::NAN),
+            _ => Err(serde::de::Error::custom(format!("expected a number, found {s:?}"))),
+        },
+    }
+}
+
+/// `text` with the bare `Infinity`, `-Infinity` and `NaN` that Python's `json` writes (diffusers
+/// saves DPM-Solver's `lambda_min_clipped` as `-Infinity`) quoted, so strict JSON reads it.
+pub(crate) fn quote_non_finite(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() + 8);
+    let (mut in_string, mut escaped) = (false, false);
+    let mut rest = text;
+    while let Some(c) = rest.chars().next() {
+        if !in_string {
+            if let Some(word) = ["-Infinity", "Infinity", "NaN"].into_iter().find(|w| rest.starts_with(w)) {
+                out.push('"');
+                out.push_str(word);
+                out.push('"');
+                rest = &rest[word.len()..];
+                continue;
+            }
+        }
+        match (in_string, escaped, c) {
+            (true, true, _) => escaped = false,
+            (true, false, '\\') => escaped = true,
+            (_, false, '"') => in_string = !in_string,
+            _ => {}
+        }
+        out.push(c);
+        rest = &rest[c.len_utf8()..];
+    }
+    out
+}
+
+/// What the model predicts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PredictionType {
+    /// The added noise.
+    Epsilon,
+    /// The velocity `sqrt(a) noise - sqrt(1 - a) x0` (SD 2.x 768).
+    VPrediction,
+    /// The clean sample.
+    Sample,
+}
+
+/// How inference timesteps are spread over the training ones (Lin et al. 2023, table 2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TimestepSpacing {
+    /// `0, r, 2r, ...` (integer ratio) plus `steps_offset`, descending.
+    Leading,
+    /// `N - 1, N - 1 - r, ...` (real ratio, rounded).
+    Trailing,
+    /// Evenly from `N - 1` down to 0.
+    Linspace,
+}
+
+/// A validated scheduler config with its betas, as one class reads it. Fields a class does not
+/// have hold that class-independent default and are not read by its scheduler.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SchedulerConfig {
+    /// The class it was read for.
+    pub class: SchedulerClass,
+    /// Diffusion steps of training (`N`).
+    pub num_train_timesteps: i64,
+    /// One beta per training timestep.
+    pub betas: Vec<f64>,
+    /// `beta_schedule` names the cosine schedule (DPM-Solver truncates its Karras timesteps
+    /// rather than rounding them then).
+    pub cosine_schedule: bool,
+    /// What the model predicts.
+    pub prediction_type: PredictionType,
+    /// Inference timestep spacing.
+    pub timestep_spacing: TimestepSpacing,
+    /// Added to `leading` timesteps.
+    pub steps_offset: i64,
+    /// DDIM, PNDM: the alpha product before the first step is 1.
+    pub set_alpha_to_one: bool,
+    /// DDIM: clamp the predicted clean sample to `[-r, r]`.
+    pub clip_sample: Option<f64>,
+    /// PNDM: PLMS steps only, no Runge-Kutta warm-up.
+    pub skip_prk_steps: bool,
+    /// DPM-Solver, UniPC: the multistep order.
+    pub solver_order: usize,
+    /// DPM-Solver, UniPC: the update rule.
+    pub solver_type: SolverType,
+    /// DPM-Solver, UniPC: lower orders in the last steps.
+    pub lower_order_final: bool,
+    /// DPM-Solver: first order in the last step.
+    pub euler_at_final: bool,
+    /// DPM-Solver, UniPC: Karras et al.'s sigmas.
+    pub use_karras_sigmas: bool,
+    /// Karras sigmas' smallest value (default: the training schedule's).
+    pub sigma_min: Option<f64>,
+    /// Karras sigmas' largest value (default: the training schedule's).
+    pub sigma_max: Option<f64>,
+    /// DPM-Solver, UniPC: the sigma after the last step.
+    pub final_sigmas: FinalSigmas,
+    /// DPM-Solver: the smallest log-SNR a timestep may have.
+    pub lambda_min_clipped: f64,
+    /// UniPC: predict the clean sample (else the noise).
+    pub predict_x0: bool,
+    /// UniPC: steps whose corrector is skipped.
+    pub disable_corrector: Vec<i64>,
+}
+
+impl SchedulerConfig {
+    /// Reads `scheduler/scheduler_config.json` of a diffusers model folder for `class`.
+    pub fn from_diffusers(model_dir: &Path, class: SchedulerClass) -> Result<SchedulerConfig> {
+        Self::from_file(&model_dir.join("scheduler").join("scheduler_config.json"), class)
+    }
+
+    /// Reads and validates a scheduler config for `class`; errors name the file and key.
+    pub fn from_file(path: &Path, class: SchedulerClass) -> Result<SchedulerConfig> {
+        SchedulerFile::read(path)?.config(class)
+    }
+
+    /// Validates a parsed config for `class`; the message names the offending key.
+    pub fn from_raw(raw: &SchedulerConfigFile, class: SchedulerClass) -> std::result::Result<SchedulerConfig, String> {
+        options::check_supported(raw, class)?;
+        let prediction_type = match raw.prediction_type.as_str() {
+            "epsilon" => PredictionType::Epsilon,
+            "v_prediction" => PredictionType::VPrediction,
+            "sample" if matches!(class, SchedulerClass::Pndm | SchedulerClass::EulerAncestralDiscrete) => {
+                return Err(format!("prediction_type \"sample\" is not supported by diffusers' {class}"));
+            }
+            "sample" => PredictionType::Sample,
+            other => return Err(format!("prediction_type {other:?} is not epsilon, v_prediction or sample")),
+        };
+        let timestep_spacing = match raw.timestep_spacing.as_deref().unwrap_or(class.default_spacing()) {
+            "leading" => TimestepSpacing::Leading,
+            "trailing" => TimestepSpacing::Trailing,
+            "linspace" => TimestepSpacing::Linspace,
+            other => return Err(format!("timestep_spacing {other:?} is not leading, trailing or linspace")),
+        };
+        let set_alpha_to_one =
+            class.has("set_alpha_to_one") && raw.set_alpha_to_one.unwrap_or(class == SchedulerClass::Ddim);
+        let clip_sample = class.has("clip_sample") && raw.clip_sample.unwrap_or(true);
+        if clip_sample && raw.clip_sample_range <= 0.0 {
+            return Err(format!("clip_sample_range is {}, expected positive", raw.clip_sample_range));
+        }
+        let solver = options::solver(raw, class)?;
+        Ok(SchedulerConfig {
+            class,
+            num_train_timesteps: raw.num_train_timesteps,
+            betas: options::betas(raw)?,
+            cosine_schedule: raw.beta_schedule == "squaredcos_cap_v2",
+            prediction_type,
+            timestep_spacing,
+            steps_offset: raw.steps_offset,
+            set_alpha_to_one,
+            clip_sample: clip_sample.then_some(raw.clip_sample_range),
+            skip_prk_steps: class.has("skip_prk_steps") && raw.skip_prk_steps,
+            solver_order: solver.order,
+            solver_type: solver.kind,
+            lower_order_final: raw.lower_order_final,
+            euler_at_final: class.has("euler_at_final") && raw.euler_at_final,
+            use_karras_sigmas: options::multistep(class) && raw.use_karras_sigmas,
+            sigma_min: raw.sigma_min,
+            sigma_max: raw.sigma_max,
+            final_sigmas: solver.final_sigmas,
+            lambda_min_clipped: if class.has("lambda_min_clipped") {
+                raw.lambda_min_clipped
+            } else {
+                f64::NEG_INFINITY
+            },
+            predict_x0: !class.has("predict_x0") || raw.predict_x0,
+            disable_corrector: raw.disable_corrector.clone(),
+        })
+    }
+
+    /// `prod_{s <= t} (1 - beta_s)` for every training timestep `t`.
+    pub fn alphas_cumprod(&self) -> Vec<f64> {
+        self.betas
+            .iter()
+            .scan(1.0, |acc, b| {
+                *acc *= 1.0 - b;
+                Some(*acc)
+            })
+            .collect()
+    }
+
+    /// diffusers' inference timesteps for `steps` steps, descending. `rounded` gives DDIM's
+    /// integer timesteps; unrounded `linspace` values are Euler's fractional ones.
+    pub fn spaced_timesteps(&self, steps: usize, rounded: bool) -> Result<Vec<f64>> {
+        let n = self.num_train_timesteps;
+        if steps == 0 || steps as i64 > n {
+            return Err(Error::Invalid(format!("inference steps {steps} must lie in 1..={n} (num_train_timesteps)")));
+        }
+        let k = steps as i64;
+        let t: Vec<f64> = match self.timestep_spacing {
+            TimestepSpacing::Linspace => {
+                let last = (n - 1) as f64;
+                let step = if k > 1 { last / (k - 1) as f64 } else { 0.0 };
+                // numpy's linspace ends exactly at its stop; its round is half-to-even.
+                let t = (0..k).rev().map(|i| if i == k - 1 { last } else { i as f64 * step });
+                t.map(|v| if rounded { v.round_ties_even() } else { v }).collect()
+            }
+            TimestepSpacing::Leading => {
+                let ratio = n / k;
+                (0..k).rev().map(|i| (i * ratio + self.steps_offset) as f64).collect()
+            }
+            TimestepSpacing::Trailing => {
+                // numpy's arange(N, 0, -r): ceil(N / r) values N - i r, rounded, minus one.
+                let ratio = n as f64 / k as f64;
+                let count = ((0.0 - n as f64) / -ratio).ceil() as i64;
+                (0..count).map(|i| (n as f64 - i as f64 * ratio).round_ties_even() - 1.0).collect()
+            }
+        };
+        Ok(t)
+    }
+}
+
+/// A scheduler config file as read, before a class gives its missing keys their defaults.
+#[derive(Clone, Debug)]
+pub struct SchedulerFile {
+    /// Where it was read from (named in errors).
+    pub path: PathBuf,
+    /// Its keys.
+    pub raw: SchedulerConfigFile,
+}
+
+impl SchedulerFile {
+    /// Reads `path`; a file that is no valid config of the class it names (or, naming none
+    /// this crate has, whose noise schedule is invalid) is an error naming it.
+    pub fn read(path: &Path) -> Result<SchedulerFile> {
+        let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+        Self::parse(path, &text)
+    }
+
+    /// Parses `text`, the contents of `path` (named in errors), as [`SchedulerFile::read`].
+    pub fn parse(path: &Path, text: &str) -> Result<SchedulerFile> {
+        let raw = serde_json::from_str(&quote_non_finite(text))
+            .map_err(|e| Error::Format { path: path.to_path_buf(), msg: e.to_string() })?;
+        let file = SchedulerFile { path: path.to_path_buf(), raw };
+        match file.class() {
+            Ok(class) => drop(file.config(class)?),
+            // The class chosen to read it checks the rest.
+            Err(_) => drop(options::betas(&file.raw).map_err(|msg| Error::Format { path: path.to_path_buf(), msg })?),
+        }
+        Ok(file)
+    }
+
+    /// The class the file names in `_class_name`; a missing or unknown one is an error naming
+    /// the file and the class.
+    pub fn class(&self) -> Result<SchedulerClass> {
+        let bad = |msg: String| Error::Format { path: self.path.clone(), msg };
+        let name = self.raw.class_name.as_deref().ok_or_else(|| bad("no _class_name".into()))?;
+        SchedulerClass::from_class_name(name).ok_or_else(|| {
+            let known: Vec<_> = SchedulerClass::ALL.iter().map(|c| c.class_name()).collect();
+            bad(format!("_class_name {name:?} is not a scheduler class this crate has ({})", known.join(", ")))
+        })
+    }
+
+    /// The config as `class` reads it.
+    pub fn config(&self, class: SchedulerClass) -> Result<SchedulerConfig> {
+        self.config_from(&self.raw, class)
+    }
+
+    /// The config as `class` reads the file with `use_karras_sigmas` true (diffusers'
+    /// `from_config(config, use_karras_sigmas=True)`).
+    pub fn config_karras(&self, class: SchedulerClass) -> Result<SchedulerConfig> {
+        self.config_from(&SchedulerConfigFile { use_karras_sigmas: true, ..self.raw.clone() }, class)
+    }
+
+    fn config_from(&self, raw: &SchedulerConfigFile, class: SchedulerClass) -> Result<SchedulerConfig> {
+        SchedulerConfig::from_raw(raw, class)
+            .map_err(|msg| Error::Format { path: self.path.clone(), msg: format!("read as {class}: {msg}") })
+    }
+}
