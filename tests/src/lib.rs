@@ -4,6 +4,8 @@
 //! the job. A rank's failure fails the test with that rank's message.
 use std::time::Duration;
 
+pub mod gemini_model;
+
 use engine::dist::{self, InitOptions, SpawnOptions, World};
 use tch::{Device, Tensor};
 

@@ -82,23 +82,17 @@ fn profile(raw: &RawFeatures) -> Vec<[f64; 22]> {
     p
 }
 
-fn sample_msa(
+/// `make_masked_msa` on the sampled rows `sel`: each entry is replaced with probability
+/// `masked_msa_replace_fraction` by a draw from uniform, profile, same or mask-token choices.
+/// Returns the masked rows, the true rows and the BERT mask.
+fn masked_msa(
     raw: &RawFeatures,
+    sel: &[usize],
     profile: &[[f64; 22]],
     config: &FeatureConfig,
     rng: &mut Rng,
-    device: Device,
-) -> MsaSample {
+) -> (Vec<Vec<i64>>, Vec<Vec<i64>>, Vec<Vec<f32>>) {
     let n = raw.seq_length;
-    let total = raw.msa.len();
-    // sample_msa: the query stays first, the others are shuffled.
-    let mut order: Vec<usize> = (1..total).collect();
-    rng.shuffle(&mut order);
-    order.insert(0, 0);
-    let num_sel = config.max_msa_clusters.max(1).min(total);
-    let (sel, extra) = order.split_at(num_sel);
-
-    // make_masked_msa on the sampled rows.
     let mask_prob = (1.0 - config.uniform_prob - config.profile_prob - config.same_prob).max(0.0);
     let mut true_rows = Vec::with_capacity(sel.len());
     let mut masked_rows = Vec::with_capacity(sel.len());
@@ -124,23 +118,21 @@ fn sample_msa(
         masked_rows.push(masked);
         bert_rows.push(bert);
     }
-    let msa = long_tensor(&masked_rows, n, device);
-    let true_msa = long_tensor(&true_rows, n, device);
-    let bert_mask = float_tensor(&bert_rows, n, device);
-    let sel_del: Vec<Vec<f32>> = sel.iter().map(|&i| raw.deletion_matrix[i].clone()).collect();
-    let deletion = float_tensor(&sel_del, n, device);
-    let extra_rows: Vec<Vec<i64>> = extra.iter().map(|&i| raw.msa[i].clone()).collect();
-    let extra_del_rows: Vec<Vec<f32>> = extra.iter().map(|&i| raw.deletion_matrix[i].clone()).collect();
-    let extra_msa = long_tensor(&extra_rows, n, device);
-    let extra_del = float_tensor(&extra_del_rows, n, device);
-    let (s, e, n) = (sel.len() as i64, extra.len() as i64, n as i64);
+    (masked_rows, true_rows, bert_rows)
+}
 
-    // nearest_neighbor_clusters: agreement counts residue and X classes only (weight 0 for
-    // the gap and the mask token); ties go to the first centre, as argmax does.
+/// `nearest_neighbor_clusters` then `summarize_clusters`: each extra row joins the cluster
+/// centre it agrees with most (residue and X classes only, weight 0 for the gap and the mask
+/// token; ties go to the first centre, as argmax does), and each centre gets the profile and
+/// mean deletion over itself and its members. `msa_1hot` [S, N, 23] and `deletion` [S, N] are
+/// the centres', `extra_msa` [E, N] and `extra_del` [E, N] the others'.
+fn cluster_profiles(msa_1hot: &Tensor, deletion: &Tensor, extra_msa: &Tensor, extra_del: &Tensor) -> (Tensor, Tensor) {
+    let (s, n) = (deletion.size()[0], deletion.size()[1]);
+    let e = extra_msa.size()[0];
+    let device = deletion.device();
     let weights =
         Tensor::cat(&[Tensor::ones([21], (Kind::Float, device)), Tensor::zeros([2], (Kind::Float, device))], 0);
-    let msa_1hot = one_hot(&msa, MSA_CLASSES);
-    let centres = (&msa_1hot * &weights).reshape([s, n * MSA_CLASSES]);
+    let centres = (msa_1hot * &weights).reshape([s, n * MSA_CLASSES]);
     let assignment = if e == 0 {
         Tensor::zeros([0], (Kind::Int64, device))
     } else {
@@ -154,27 +146,75 @@ fn sample_msa(
             .collect();
         Tensor::cat(&parts, 0)
     };
-
-    // summarize_clusters: each centre's profile and mean deletion over itself and its members.
     let extra_mask = Tensor::ones([e, n], (Kind::Float, device));
     let counts = Tensor::zeros([s, n], (Kind::Float, device)).index_add(0, &assignment, &extra_mask) + 1.0 + 1e-6;
-    let extra_1hot = one_hot(&extra_msa, MSA_CLASSES);
+    let extra_1hot = one_hot(extra_msa, MSA_CLASSES);
     let profile_sum =
-        Tensor::zeros([s, n, MSA_CLASSES], (Kind::Float, device)).index_add(0, &assignment, &extra_1hot) + &msa_1hot;
+        Tensor::zeros([s, n, MSA_CLASSES], (Kind::Float, device)).index_add(0, &assignment, &extra_1hot) + msa_1hot;
     let cluster_profile = profile_sum / counts.unsqueeze(-1);
-    let del_sum = Tensor::zeros([s, n], (Kind::Float, device)).index_add(0, &assignment, &extra_del) + &deletion;
-    let deletion_mean = del_sum / &counts;
+    let del_sum = Tensor::zeros([s, n], (Kind::Float, device)).index_add(0, &assignment, extra_del) + deletion;
+    (cluster_profile, del_sum / &counts)
+}
+
+impl MsaSample {
+    /// Every MSA feature padded with masked rows to `rows` and the extra ones to `extra_rows`
+    /// (AlphaFold's fixed-size batches).
+    fn padded(self, rows: i64, extra_rows: i64) -> MsaSample {
+        MsaSample {
+            msa_feat: pad_rows(self.msa_feat, rows),
+            msa_mask: pad_rows(self.msa_mask, rows),
+            msa_row_mask: pad_rows(self.msa_row_mask, rows),
+            bert_mask: pad_rows(self.bert_mask, rows),
+            true_msa: pad_rows(self.true_msa, rows),
+            extra_msa: pad_rows(self.extra_msa, extra_rows),
+            extra_has_deletion: pad_rows(self.extra_has_deletion, extra_rows),
+            extra_deletion_value: pad_rows(self.extra_deletion_value, extra_rows),
+            extra_msa_mask: pad_rows(self.extra_msa_mask, extra_rows),
+            extra_msa_row_mask: pad_rows(self.extra_msa_row_mask, extra_rows),
+        }
+    }
+}
+
+/// One recycling iteration's MSA features: `sample_msa` (the query first, the other rows
+/// shuffled, the first `max_msa_clusters` the cluster centres), the masked MSA, the cluster
+/// profiles, `crop_extra_msa` (a random subset of the rest, in random order) and
+/// `make_msa_feat`, in AlphaFold's order of random draws.
+fn sample_msa(
+    raw: &RawFeatures,
+    profile: &[[f64; 22]],
+    config: &FeatureConfig,
+    rng: &mut Rng,
+    device: Device,
+) -> MsaSample {
+    let n = raw.seq_length;
+    let total = raw.msa.len();
+    let mut order: Vec<usize> = (1..total).collect();
+    rng.shuffle(&mut order);
+    order.insert(0, 0);
+    let num_sel = config.max_msa_clusters.max(1).min(total);
+    let (sel, extra) = order.split_at(num_sel);
+    let (masked_rows, true_rows, bert_rows) = masked_msa(raw, sel, profile, config, rng);
+    let msa = long_tensor(&masked_rows, n, device);
+    let true_msa = long_tensor(&true_rows, n, device);
+    let bert_mask = float_tensor(&bert_rows, n, device);
+    let sel_del: Vec<Vec<f32>> = sel.iter().map(|&i| raw.deletion_matrix[i].clone()).collect();
+    let deletion = float_tensor(&sel_del, n, device);
+    let extra_rows: Vec<Vec<i64>> = extra.iter().map(|&i| raw.msa[i].clone()).collect();
+    let extra_del_rows: Vec<Vec<f32>> = extra.iter().map(|&i| raw.deletion_matrix[i].clone()).collect();
+    let extra_msa = long_tensor(&extra_rows, n, device);
+    let extra_del = float_tensor(&extra_del_rows, n, device);
+    let msa_1hot = one_hot(&msa, MSA_CLASSES);
+    let (cluster_profile, deletion_mean) = cluster_profiles(&msa_1hot, &deletion, &extra_msa, &extra_del);
 
     // crop_extra_msa: a random subset, in random order.
-    let mut keep: Vec<i64> = (0..e).collect();
+    let mut keep: Vec<i64> = (0..extra.len() as i64).collect();
     rng.shuffle(&mut keep);
     keep.truncate(config.max_extra_msa);
     let keep = Tensor::from_slice(&keep).to_device(device);
     let extra_msa = extra_msa.index_select(0, &keep);
     let extra_del = extra_del.index_select(0, &keep);
-    let e = keep.size()[0];
+    let (s, e, n) = (sel.len() as i64, keep.size()[0], n as i64);
 
-    // make_msa_feat.
     let msa_feat = Tensor::cat(
         &[
             msa_1hot,
@@ -185,7 +225,7 @@ fn sample_msa(
         ],
         -1,
     );
-    let mut out = MsaSample {
+    let out = MsaSample {
         msa_feat,
         msa_mask: Tensor::ones([s, n], (Kind::Float, device)),
         msa_row_mask: Tensor::ones([s], (Kind::Float, device)),
@@ -197,22 +237,10 @@ fn sample_msa(
         extra_msa_mask: Tensor::ones([e, n], (Kind::Float, device)),
         extra_msa_row_mask: Tensor::ones([e], (Kind::Float, device)),
     };
-    if config.pad_msa {
-        let (ps, pe) = (config.max_msa_clusters as i64, config.max_extra_msa as i64);
-        out = MsaSample {
-            msa_feat: pad_rows(out.msa_feat, ps),
-            msa_mask: pad_rows(out.msa_mask, ps),
-            msa_row_mask: pad_rows(out.msa_row_mask, ps),
-            bert_mask: pad_rows(out.bert_mask, ps),
-            true_msa: pad_rows(out.true_msa, ps),
-            extra_msa: pad_rows(out.extra_msa, pe),
-            extra_has_deletion: pad_rows(out.extra_has_deletion, pe),
-            extra_deletion_value: pad_rows(out.extra_deletion_value, pe),
-            extra_msa_mask: pad_rows(out.extra_msa_mask, pe),
-            extra_msa_row_mask: pad_rows(out.extra_msa_row_mask, pe),
-        };
+    match config.pad_msa {
+        true => out.padded(config.max_msa_clusters as i64, config.max_extra_msa as i64),
+        false => out,
     }
-    out
 }
 
 /// Repeats `t` R times along a new leading dimension.
