@@ -195,21 +195,12 @@ fn soft_cross_entropy(logits: &Tensor, targets: &Tensor) -> Tensor {
     -(logits.log_softmax(1, Kind::Float) * targets).sum_dim_intlist(1, false, Kind::Float).mean(Kind::Float)
 }
 
-/// Where the run stands after a step.
+/// A step's outcome: its log record (without validation figures) and whether it ended an
+/// epoch.
 pub struct StepOutcome {
-    /// Steps completed (1-based number of the step just taken).
-    pub step: usize,
-    /// Epoch (0-based) the step belonged to.
-    pub epoch: usize,
-    /// Mean loss over the global batch.
-    pub loss: f64,
-    /// Learning rate of the step.
-    pub lr: f64,
-    /// Training images per second over the step, all ranks.
-    pub images_per_s: f64,
-    /// Whether the update was applied (fp16 skips overflowing steps).
-    pub applied: bool,
-    /// Whether the step ended an epoch.
+    /// Step, epoch (1-based), loss over the global batch, learning rate, images/s, applied.
+    pub record: Record,
+    /// Whether the step ended an epoch (the trainer then evaluates).
     pub epoch_end: bool,
 }
 
@@ -404,15 +395,17 @@ impl<'a> Trainer<'a> {
             bail!("step {}: the loss is {loss}; lower --lr or use --clip-grad", step + 1);
         }
         self.step += 1;
-        Ok(StepOutcome {
+        let record = Record {
             step: self.step,
-            epoch,
+            epoch: epoch + 1,
             loss,
             lr,
             images_per_s: self.plan.global as f64 / started.elapsed().as_secs_f64(),
             applied,
-            epoch_end: within + 1 == self.steps_per_epoch || self.step == self.end(),
-        })
+            val_top1: None,
+            val_top5: None,
+        };
+        Ok(StepOutcome { record, epoch_end: within + 1 == self.steps_per_epoch || self.step == self.end() })
     }
 
     /// Top-1 and top-5 accuracy on the validation set (`None` without one).
@@ -499,19 +492,16 @@ pub fn pretrain(args: &PretrainArgs, world: &World) -> anyhow::Result<Trained> {
     let mut losses = vec![];
     let (mut val_top1, mut val_top5) = (0.0, 0.0);
     while trainer.steps_done() < end {
-        let s = trainer.step()?;
+        let StepOutcome { mut record, epoch_end } = trainer.step()?;
+        let s = &mut record;
         losses.push((s.step, s.loss));
-        let val = match s.epoch_end {
-            true => trainer.evaluate()?,
-            false => None,
-        };
-        if let Some((top1, top5)) = val {
-            (val_top1, val_top5) = (top1, top5);
+        if let Some((top1, top5)) = if epoch_end { trainer.evaluate()? } else { None } {
+            (val_top1, val_top5, s.val_top1, s.val_top5) = (top1, top5, Some(top1), Some(top5));
             if rank == 0 {
                 progress.suspend(|| {
                     println!(
                         "epoch {:>3}  step {:>6}/{total}  loss {:.4}  lr {:.2e}  val top-1 {:.2}%  top-5 {:.2}%  {:.1} s",
-                        s.epoch + 1,
+                        s.epoch,
                         s.step,
                         s.loss,
                         s.lr,
@@ -523,18 +513,9 @@ pub fn pretrain(args: &PretrainArgs, world: &World) -> anyhow::Result<Trained> {
             }
         }
         if let Some(m) = metrics.as_mut() {
-            m.write(&Record {
-                step: s.step,
-                epoch: s.epoch + 1,
-                loss: s.loss,
-                lr: s.lr,
-                images_per_s: s.images_per_s,
-                applied: s.applied,
-                val_top1: val.map(|v| v.0),
-                val_top5: val.map(|v| v.1),
-            })?;
+            m.write(&record)?;
         }
-        progress.set_message(format!("loss {:.4}  {:.0} img/s", s.loss, s.images_per_s));
+        progress.set_message(format!("loss {:.4}  {:.0} img/s", record.loss, record.images_per_s));
         progress.inc(1);
         if trainer.save_due() {
             trainer.save()?;

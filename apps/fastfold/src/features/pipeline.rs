@@ -82,16 +82,25 @@ fn profile(raw: &RawFeatures) -> Vec<[f64; 22]> {
     p
 }
 
+/// The sampled rows after `make_masked_msa`.
+struct MaskedRows {
+    /// The rows the network sees.
+    masked: Vec<Vec<i64>>,
+    /// The rows before masking (the masked-MSA head's targets).
+    truth: Vec<Vec<i64>>,
+    /// 1 where an entry was replaced.
+    bert: Vec<Vec<f32>>,
+}
+
 /// `make_masked_msa` on the sampled rows `sel`: each entry is replaced with probability
 /// `masked_msa_replace_fraction` by a draw from uniform, profile, same or mask-token choices.
-/// Returns the masked rows, the true rows and the BERT mask.
 fn masked_msa(
     raw: &RawFeatures,
     sel: &[usize],
     profile: &[[f64; 22]],
     config: &FeatureConfig,
     rng: &mut Rng,
-) -> (Vec<Vec<i64>>, Vec<Vec<i64>>, Vec<Vec<f32>>) {
+) -> MaskedRows {
     let n = raw.seq_length;
     let mask_prob = (1.0 - config.uniform_prob - config.profile_prob - config.same_prob).max(0.0);
     let mut true_rows = Vec::with_capacity(sel.len());
@@ -118,7 +127,7 @@ fn masked_msa(
         masked_rows.push(masked);
         bert_rows.push(bert);
     }
-    (masked_rows, true_rows, bert_rows)
+    MaskedRows { masked: masked_rows, truth: true_rows, bert: bert_rows }
 }
 
 /// `nearest_neighbor_clusters` then `summarize_clusters`: each extra row joins the cluster
@@ -193,10 +202,10 @@ fn sample_msa(
     order.insert(0, 0);
     let num_sel = config.max_msa_clusters.max(1).min(total);
     let (sel, extra) = order.split_at(num_sel);
-    let (masked_rows, true_rows, bert_rows) = masked_msa(raw, sel, profile, config, rng);
-    let msa = long_tensor(&masked_rows, n, device);
-    let true_msa = long_tensor(&true_rows, n, device);
-    let bert_mask = float_tensor(&bert_rows, n, device);
+    let rows = masked_msa(raw, sel, profile, config, rng);
+    let msa = long_tensor(&rows.masked, n, device);
+    let true_msa = long_tensor(&rows.truth, n, device);
+    let bert_mask = float_tensor(&rows.bert, n, device);
     let sel_del: Vec<Vec<f32>> = sel.iter().map(|&i| raw.deletion_matrix[i].clone()).collect();
     let deletion = float_tensor(&sel_del, n, device);
     let extra_rows: Vec<Vec<i64>> = extra.iter().map(|&i| raw.msa[i].clone()).collect();
