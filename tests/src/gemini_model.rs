@@ -110,6 +110,23 @@ pub fn loss(step: i64, rows: std::ops::Range<i64>, run: Runner) -> Tensor {
     loss_in(Kind::Float, step, rows, run)
 }
 
+/// [`loss`] where the second block runs only when `second` (a branch taken by the data, as a
+/// mixture of experts or a dropped layer takes it).
+pub fn branch_loss(step: i64, rows: std::ops::Range<i64>, second: bool, run: Runner) -> Tensor {
+    let (x, y) = seeded(100 + step, || {
+        (
+            Tensor::randn([BATCH, T, D], (Kind::Float, Device::Cpu)),
+            Tensor::randint(4, [BATCH], (Kind::Int64, Device::Cpu)),
+        )
+    });
+    let (x, y) = (x.narrow(0, rows.start, rows.end - rows.start), y.narrow(0, rows.start, rows.end - rows.start));
+    let mut h = run(0..12, &x, &block);
+    if second {
+        h = run(12..24, &h, &block);
+    }
+    run(24..26, &h, &head).cross_entropy_for_logits(&y)
+}
+
 /// [`loss`] with the model computing in `kind` (the loss itself in fp32).
 pub fn loss_in(kind: Kind, step: i64, rows: std::ops::Range<i64>, run: Runner) -> Tensor {
     let (x, y) = seeded(100 + step, || {

@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 
 use engine::dist::World;
-use engine::gemini::{Event, Gemini, Placement, Tier};
+use engine::gemini::{Event, Gemini, GeminiConfig, Placement, Replication, Tier};
 use engine::optim::{AdamW, Optimizer, Param};
 use suite_tests::gemini_model::*;
 use suite_tests::{dist_test, TestResult};
@@ -206,6 +206,61 @@ fn on_two_ranks(world: &World, shard: bool, placement: Placement, recipe: Recipe
 dist_test!(sharded_chunks_on_2_ranks_match_one_process, 2, |world| {
     on_two_ranks(world, true, Placement::Static { offload: 0.5 }, PLAIN)?;
     on_two_ranks(world, true, Placement::Auto, Recipe { clip: Some(0.5), micro_batches: 2 })
+});
+
+/// Trains under Gemini over `world` where rank 1's examples skip the second block on odd steps.
+fn train_with_branches(world: &World, shard: bool) -> anyhow::Result<Vec<Tensor>> {
+    let ps = parameters();
+    let tensors: Vec<Tensor> = ps.iter().map(|p| p.tensor.shallow_clone()).collect();
+    let replication = Some(Replication { group: world.group.clone(), shard });
+    let cfg = GeminiConfig { replication, ..config(Device::Cpu, 1 << 20, Placement::Auto, Rule::AdamW, Kind::Float) };
+    let g = Gemini::new(&ps, cfg)?;
+    let (rank, half) = (world.rank() as i64, BATCH / 2);
+    for step in 0..STEPS {
+        let run: Runner = &|range, x, f| {
+            let params: Vec<usize> = range.clone().collect();
+            g.run(&params, x, |x| f(x, &tensors[range])).unwrap()
+        };
+        branch_loss(step, rank * half..(rank + 1) * half, rank == 0 || step % 2 == 0, run).backward();
+        g.finish_backward()?;
+        g.step()?;
+    }
+    let state: HashMap<String, Tensor> = g.state_dict()?.into_iter().collect();
+    Ok(parameters().iter().map(|p| state[&p.name].shallow_clone()).collect())
+}
+
+dist_test!(a_module_some_ranks_skip_trains_as_one_process, 2, |world| {
+    // Rank 1's examples skip the second block on odd steps (a branch taken by the data), so on
+    // those steps chunks have gradients on rank 0 only. With replicated chunks both ranks still
+    // reduce the same chunks in the same order and train as one process on both halves of
+    // the batch.
+    let half = BATCH / 2;
+    let ps = parameters();
+    let tensors: Vec<Tensor> = ps.iter().map(|p| p.tensor.shallow_clone()).collect();
+    let mut opt = AdamW::new(ps, ADAMW);
+    for step in 0..STEPS {
+        let run: Runner = &|range, x, f| f(x, &tensors[range]);
+        let l = (branch_loss(step, 0..half, true, run) + branch_loss(step, half..BATCH, step % 2 == 0, run)) * 0.5;
+        l.backward();
+        opt.step()?;
+        opt.zero_grad();
+    }
+    let plain: Vec<Tensor> = opt.params().iter().map(|p| p.tensor.detach().copy()).collect();
+    assert_same(&train_with_branches(world, false)?, &plain, "rank 1 skipping a block, replicated chunks");
+    Ok(())
+});
+
+dist_test!(sharded_chunks_under_diverging_branches_fail_naming_the_chunks, 2, |world| {
+    // Sharded chunks are gathered where a module needs them: ranks that run different modules
+    // would pair one chunk's shards with another's. That is an error on every rank, saying why.
+    // The module runner cannot return errors, so the test's runner unwraps them: catch that.
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| train_with_branches(world, true)));
+    let err = match outcome {
+        Ok(result) => result.err().expect("diverging branches under ZeRO-3 must fail").to_string(),
+        Err(panic) => panic.downcast_ref::<String>().cloned().unwrap_or_default(),
+    };
+    assert!(err.contains("gathered different sharded chunks") && err.contains("shard: false"), "{err}");
+    Ok(())
 });
 
 dist_test!(replicated_chunks_on_2_ranks_match_one_process, 2, |world| {

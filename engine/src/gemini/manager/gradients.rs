@@ -1,7 +1,13 @@
 //! Gradients into chunks: each parameter's gradient is added into its chunk's accumulator as
-//! autograd produces it, a chunk's gradient is reduced across the data-parallel group once all
-//! its tensors have theirs (reduce-scattered when sharded, all-reduced when replicated), and
-//! the end of backward completes the chunks some of whose tensors got no gradient.
+//! autograd produces it; over a data-parallel group the chunks' gradients are reduced at the end
+//! of backward (reduce-scattered when sharded, all-reduced when replicated).
+//!
+//! Which chunks get a gradient depends on the data when a branch is taken on some ranks and
+//! not others, so ranks cannot each reduce a chunk as soon as it is complete for them: they
+//! would issue different sequences of collectives (a hang, or different chunks summed
+//! together). Instead every rank first agrees on the set of chunks that have a gradient on any
+//! rank (one small all-reduce of flags), then reduces exactly those, in chunk order, with zeros
+//! where it has none, as one process running every rank's batch would.
 use tch::{Kind, Tensor};
 
 use super::ChunkManager;
@@ -19,11 +25,7 @@ impl ChunkManager {
         let (c, s) = self.places[i];
         self.chunks[c].slots[s].move_to(TensorState::ReadyForReduce)?;
         if self.replication.is_some() && self.chunks[c].full_grad.is_none() {
-            let bytes = self.chunks[c].payload.numel() * 4;
-            self.make_room(bytes, &[c])?;
-            self.charge(bytes, c)?;
-            self.chunks[c].full_grad =
-                Some(Tensor::f_zeros([self.chunks[c].payload.numel() as i64], (Kind::Float, self.device))?);
+            self.allocate_full_grad(c)?;
         }
         let ch = &self.chunks[c];
         let slot = &ch.slots[s];
@@ -34,7 +36,6 @@ impl ChunkManager {
         let g = grad.f_flatten(0, -1)?.f_to_device(acc.device())?.f_to_kind(Kind::Float)?;
         tch::no_grad(|| acc.shallow_clone().f_add_(&g).map(drop))?;
         if self.chunks[c].slots.iter().all(|s| s.state == TensorState::ReadyForReduce) {
-            self.reduce(c)?;
             for s in &mut self.chunks[c].slots {
                 s.move_to(TensorState::Hold)?;
             }
@@ -42,11 +43,40 @@ impl ChunkManager {
         Ok(())
     }
 
+    /// A zero whole-chunk gradient on the device for chunk `c`, within the budget.
+    fn allocate_full_grad(&mut self, c: usize) -> Result<()> {
+        let bytes = self.chunks[c].payload.numel() * 4;
+        self.make_room(bytes, &[c])?;
+        self.charge(bytes, c)?;
+        self.chunks[c].full_grad =
+            Some(Tensor::f_zeros([self.chunks[c].payload.numel() as i64], (Kind::Float, self.device))?);
+        Ok(())
+    }
+
+    /// Reduces, in chunk order, every chunk that has a gradient on any rank of the group (a
+    /// zero one where this rank has none): the same collectives in the same order on every
+    /// rank, whatever each rank's data made its backward touch.
+    fn reduce_agreed(&mut self) -> Result<()> {
+        let Some(rep) = &self.replication else { return Ok(()) };
+        let group = rep.group.clone();
+        let local: Vec<f32> = self.chunks.iter().map(|ch| if ch.full_grad.is_some() { 1.0 } else { 0.0 }).collect();
+        let flags = Tensor::from_slice(&local);
+        group.all_reduce(&flags, ReduceOp::Max)?;
+        let any: Vec<f32> = Vec::<f32>::try_from(&flags)?;
+        for (c, &flag) in any.iter().enumerate() {
+            if flag > 0.0 {
+                if self.chunks[c].full_grad.is_none() {
+                    self.allocate_full_grad(c)?;
+                }
+                self.reduce(c)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Averages a chunk's whole gradient across the data-parallel group into this rank's
     /// accumulator: a reduce-scatter when sharded (each rank gets its part), an all-reduce
-    /// when replicated. Every rank reduces the same chunks in the same order (gradients arrive
-    /// in the order of the same backward graph; partial chunks are reduced in chunk order by
-    /// [`ChunkManager::finish_backward`]).
+    /// when replicated. Called only by [`ChunkManager::reduce_agreed`].
     fn reduce(&mut self, c: usize) -> Result<()> {
         let Some(full) = self.chunks[c].full_grad.take() else { return Ok(()) };
         let Some(rep) = &self.replication else { return Ok(()) };
@@ -62,14 +92,13 @@ impl ChunkManager {
         Ok(())
     }
 
-    /// End of backward: tensors that got no gradient this step go back to `Hold`, and chunks
-    /// whose gradient is partial (some tensors unused) are complete as they are. (A module
-    /// whose input needs no gradient never reports the end of its backward: its tensors are
-    /// still in `Compute` here.)
+    /// End of backward: the chunks' gradients are reduced over the group (see the module
+    /// docs), tensors that got no gradient this step go back to `Hold`, and chunks whose
+    /// gradient is partial (some tensors unused) are complete as they are. (A module whose
+    /// input needs no gradient never reports the end of its backward: its tensors are still in
+    /// `Compute` here.)
     pub fn finish_backward(&mut self) -> Result<()> {
-        for c in 0..self.chunks.len() {
-            self.reduce(c)?;
-        }
+        self.reduce_agreed()?;
         for ch in &mut self.chunks {
             for s in &mut ch.slots {
                 if s.state == TensorState::Compute {

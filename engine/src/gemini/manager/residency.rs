@@ -4,7 +4,7 @@
 //! rule, optimal when the access order is known: it is, from the trace the first step records).
 //! Prefetch loads the next chunks of the trace ahead of their use, on a GPU on a side stream
 //! that the compute stream waits for at the chunk's next access.
-use tch::Device;
+use tch::{Device, Tensor};
 
 use super::{ChunkManager, Event};
 use crate::cuda;
@@ -209,6 +209,7 @@ impl ChunkManager {
         resize_storage(&self.chunks[c].payload, bytes)?;
         match (&self.replication, self.device) {
             (Some(rep), _) if rep.shard => {
+                same_chunk_everywhere(&rep.group, c)?;
                 let ch = &self.chunks[c];
                 let mine = ch.home.f_to_device(self.device)?.f_to_kind(ch.kind)?;
                 rep.group.all_gather_into_async(&ch.payload, &mine)?.wait()?;
@@ -278,4 +279,23 @@ impl ChunkManager {
         self.events.push(Event::Evict(c));
         Ok(())
     }
+}
+
+/// Checks that every rank of `group` is about to gather chunk `c` (one small all-gather of the
+/// chunk's index). A sharded chunk is gathered when a rank's module needs it, so ranks whose
+/// data sent them down different branches would otherwise pair one chunk's shards with
+/// another's, or wait for each other forever; this makes that an error naming the chunks.
+fn same_chunk_everywhere(group: &crate::dist::ProcessGroup, c: usize) -> Result<()> {
+    let all = group.all_gather(&Tensor::from_slice(&[c as i64]))?;
+    let all = Vec::<i64>::try_from(&all)?;
+    if all.iter().all(|&x| x == c as i64) {
+        return Ok(());
+    }
+    let which: Vec<String> = all.iter().enumerate().map(|(r, x)| format!("rank {r}: chunk {x}")).collect();
+    Err(Error::invalid(format!(
+        "gemini: the ranks gathered different sharded chunks at the same point ({}): sharded chunks \
+         (ZeRO-3) need every rank to run the same modules in the same order; when the data decides \
+         which modules run, keep the chunks replicated (shard: false)",
+        which.join(", ")
+    )))
 }
