@@ -256,7 +256,7 @@ dist_test!(sharded_chunks_under_diverging_branches_fail_naming_the_chunks, 2, |w
     // The module runner cannot return errors, so the test's runner unwraps them: catch that.
     let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| train_with_branches(world, true)));
     let err = match outcome {
-        Ok(result) => result.err().expect("diverging branches under ZeRO-3 must fail").to_string(),
+        Ok(result) => result.expect_err("diverging branches under ZeRO-3 must fail").to_string(),
         Err(panic) => panic.downcast_ref::<String>().cloned().unwrap_or_default(),
     };
     assert!(err.contains("gathered different sharded chunks") && err.contains("shard: false"), "{err}");
