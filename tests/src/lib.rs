@@ -9,6 +9,27 @@ pub mod gemini_model;
 use engine::dist::{self, InitOptions, SpawnOptions, World};
 use tch::{Device, Tensor};
 
+/// With `SUITE_REQUIRE_CUDA=1`, a CUDA test that finds no CUDA device at all fails instead of
+/// passing with a notice (`scripts/gpu-check.sh` sets it on GPU machines, so a missing or
+/// broken CUDA runtime cannot pass as a skip); one that needs more devices than a machine with
+/// some has still skips with a notice.
+pub const REQUIRE_CUDA_ENV: &str = "SUITE_REQUIRE_CUDA";
+
+/// Whether `devices` CUDA devices are there for `test`. Without them the test should return
+/// early: this says so on stderr, or panics under [`REQUIRE_CUDA_ENV`]`=1`.
+pub fn cuda_devices(devices: usize, test: &str) -> bool {
+    let found = engine::cuda::device_count();
+    if found >= devices {
+        return true;
+    }
+    let message = format!("{test}: needs {devices} CUDA device(s), found {found}");
+    if found == 0 && std::env::var(REQUIRE_CUDA_ENV).as_deref() == Ok("1") {
+        panic!("{message} ({REQUIRE_CUDA_ENV}=1: a missing GPU is a failure, not a skip)");
+    }
+    eprintln!("skipped: {message}");
+    false
+}
+
 /// Set in the child processes to the name of the test they run.
 pub const WORKER_ENV: &str = "SUITE_TEST_WORKER";
 /// Set in the child processes to a folder where each rank that ran the body leaves a marker,
@@ -98,7 +119,8 @@ pub fn test_name(module_path: &str, function: &str) -> String {
 
 /// Declares a test whose body runs on N ranks: `dist_test!(name, 2, |world| { ... Ok(()) });`.
 /// With `cpu_and_cuda`, it declares `name` (Gloo, CPU tensors) and `name_cuda` (NCCL, one GPU
-/// per rank), which passes with a notice when there are fewer GPUs than ranks.
+/// per rank), which passes with a notice when there are fewer GPUs than ranks (fails under
+/// [`REQUIRE_CUDA_ENV`]`=1`).
 #[macro_export]
 macro_rules! dist_test {
     ($name:ident, $ranks:expr, |$world:ident| $body:block) => {
@@ -115,8 +137,7 @@ macro_rules! dist_test {
         }
         #[test]
         fn $cuda_name() {
-            if engine::cuda::device_count() < $ranks {
-                eprintln!("skipped: needs {} CUDA devices, found {}", $ranks, engine::cuda::device_count());
+            if !$crate::cuda_devices($ranks, stringify!($cuda_name)) {
                 return;
             }
             $crate::run_ranks($ranks, &$crate::test_name(module_path!(), stringify!($cuda_name)), |$world| {

@@ -1,15 +1,27 @@
 //! CUDA streams, events, allocator statistics and the memory cap. These need a GPU: without
-//! one each test returns early with a notice (the CPU-only behaviour is checked in faults.rs).
+//! one each test returns early with a notice, or fails under `SUITE_REQUIRE_CUDA=1` (the
+//! CPU-only behaviour is checked in faults.rs).
 use engine::cuda::{self, Event, Stream};
 use tch::{Device, Kind, Tensor};
 
 fn gpu() -> Option<usize> {
+    suite_tests::cuda_devices(1, "this CUDA test").then_some(0)
+}
+
+#[test]
+fn require_cuda_turns_a_missing_gpu_into_a_failure() {
     if cuda::is_available() {
-        Some(0)
-    } else {
-        eprintln!("skipped: no CUDA device");
-        None
+        return; // Nothing to check: the GPU tests run for real here.
     }
+    // This binary's own GPU test, run again with the switch set: it must fail, naming why.
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["allocator_statistics_track_tensors", "--exact", "--test-threads=1"])
+        .env(suite_tests::REQUIRE_CUDA_ENV, "1")
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(!out.status.success(), "a GPU test passed without a GPU under SUITE_REQUIRE_CUDA=1:\n{text}");
+    assert!(text.contains("needs 1 CUDA device(s), found 0") && text.contains("SUITE_REQUIRE_CUDA=1"), "{text}");
 }
 
 #[test]

@@ -362,13 +362,12 @@ fn fp16_overflow_skips_the_step_and_backs_off() {
     assert!(moved, "steps after the back-off update every master");
 }
 
-/// On a GPU (skipped without one): host homes, chunks loaded to the GPU under a 2-chunk
+/// On a GPU (skipped without one; fails without one under `SUITE_REQUIRE_CUDA=1`): host homes, chunks loaded to the GPU under a 2-chunk
 /// budget with the caching allocator capped; training matches plain CPU training (relative
 /// 1e-4: GPU kernels round differently) and the allocator's peak stays under the cap.
 #[test]
 fn on_cuda_training_matches_and_stays_under_the_cap() {
-    if engine::cuda::device_count() == 0 {
-        eprintln!("skipped: no CUDA device");
+    if !suite_tests::cuda_devices(1, "on_cuda_training_matches_and_stays_under_the_cap") {
         return;
     }
     let dev = Device::Cuda(0);

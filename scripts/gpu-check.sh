@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# Everything GPU in one command, for the rare machine with an NVIDIA GPU. That machine gets a
+# copy of the working tree but no Rust toolchain, so the binaries are built here first:
+#
+#   bash scripts/gpu-check.sh pack            # here: build, strip and list into gpu-bin/ (~50 MiB)
+#   bash scripts/gpu-check.sh tests   OUT     # there: every CUDA test, SUITE_REQUIRE_CUDA=1
+#   bash scripts/gpu-check.sh kernels OUT     # there: the fused kernels' parity tests
+#   bash scripts/gpu-check.sh bench   OUT     # there: the GPU benchmarks, each beside its baseline
+#   bash scripts/gpu-check.sh all     OUT     # there: the three stages
+#
+# Each stage stays under 9 minutes and appends to OUT/report.md (device, driver, versions, every
+# command with its result and figures). On the GPU machine libtorch comes from its own
+# torch install (TORCH_PYTHON, default /opt/torch/.venv/bin/python, the same 2.11.0+cu130 build
+# as ours); gpu-bin/ travels with the tree (`carry: ["gpu-bin"]`).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+stage="${1:-}"
+out="${2:-gpu-report}"
+bin="$root/gpu-bin"
+say() { printf '[gpu-check] %s\n' "$*" >&2; }
+
+pack() {
+  bash scripts/setup.sh
+  rm -rf "$bin" && mkdir -p "$bin/tests"
+  # Test executables of the engine's integration tests (debug, as CI builds them).
+  cargo test --locked -p suite-tests --no-run --message-format=json 2>/dev/null |
+    sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | while read -r exe; do
+      cp "$exe" "$bin/tests/" && strip "$bin/tests/$(basename "$exe")"
+    done
+  # The apps and benchmarks in release, as users run them.
+  cargo build --locked --release -p vit -p fastfold -p diffusion
+  for app in vit fastfold diffusion; do cp "target/release/$app" "$bin/" && strip "$bin/$app"; done
+  for spec in "engine gemini" "fastfold evoformer" "diffusion finetune"; do
+    set -- $spec
+    exe="$(cargo bench --locked -p "$1" --bench "$2" --no-run --message-format=json 2>/dev/null |
+      sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1)"
+    cp "$exe" "$bin/bench-$2" && strip "$bin/bench-$2"
+  done
+  # The benchmarks find their PyTorch baselines by this tree's path when they were built.
+  echo "$root" >"$bin/built-at"
+  du -sh "$bin" >&2
+}
+
+# The GPU machine's libtorch, and the paths the packed binaries expect.
+environment() {
+  [ -d "$bin" ] || { say "no gpu-bin/: run 'bash scripts/gpu-check.sh pack' where cargo is, and carry gpu-bin"; exit 1; }
+  py="${TORCH_PYTHON:-/opt/torch/.venv/bin/python}"
+  site="$("$py" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')"
+  export LD_LIBRARY_PATH="$site/torch/lib:$site/nvidia/cu13/lib:${LD_LIBRARY_PATH:-}"
+  export SUITE_PYTHON="$py" SUITE_REQUIRE_CUDA=1
+  built="$(cat "$bin/built-at")"
+  if [ "$built" != "$root" ] && [ ! -e "$built" ]; then
+    mkdir -p "$(dirname "$built")" && ln -s "$root" "$built" || say "cannot link $built: baselines may not be found"
+  fi
+  mkdir -p "$out"
+  report="$out/report.md"
+  if [ ! -s "$report" ]; then
+    {
+      echo "# GPU check, $(date -u +%Y-%m-%dT%H:%MZ)"
+      echo
+      echo '```'
+      nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 || echo "nvidia-smi not found"
+      "$py" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "devices", torch.cuda.device_count())'
+      "$bin/vit" env 2>&1 || true
+      echo '```'
+    } >"$report"
+  fi
+}
+
+# Runs a command under a time limit, appending it, its status and its output's tail to the report.
+record() {
+  local title="$1" limit="$2"
+  shift 2
+  local log status
+  log="$(mktemp)"
+  set +e
+  timeout "$limit" "$@" >"$log" 2>&1
+  status=$?
+  set -e
+  {
+    echo
+    echo "## $title: $([ "$status" -eq 0 ] && echo passed || echo "FAILED (exit $status)")"
+    echo
+    echo '```'
+    echo "\$ $*"
+    grep -E '^test result|panicked|FAILED|skipped|ours|PyTorch|ratio|peak|img/s|ms|s/step' "$log" | tail -n 40
+    echo '```'
+  } >>"$report"
+  rm -f "$log"
+  return 0
+}
+
+tests() {
+  environment
+  for exe in "$bin"/tests/*; do
+    name="$(basename "$exe")"
+    case "$name" in
+      # Every test of the CUDA file; elsewhere the CUDA variants (NCCL) and the Gemini GPU test.
+      cuda-*) record "tests: $name" 300 "$exe" --test-threads=1 ;;
+      *) record "tests: $name (cuda)" 300 "$exe" --test-threads=1 cuda ;;
+    esac
+  done
+}
+
+kernels() {
+  environment
+  if ! grep -q 'fn ' kernels/src/lib.rs 2>/dev/null; then
+    printf '\n## kernels: none yet (kernels/ is empty)\n' >>"$report"
+    return 0
+  fi
+  record "kernels" 500 cargo test --locked -p kernels
+}
+
+bench() {
+  environment
+  record "vit bench, ViT-B/16 bf16" 300 "$bin/vit" bench --device cuda --precision bf16 \
+    --model vit_base_patch16_224 --batch 64 --seconds 20
+  record "Evoformer block 256 x 128" 300 "$bin/bench-evoformer" --device cuda --residues 256 \
+    --sequences 128 --warmup 3 --iters 10
+  record "Gemini under a 4 GiB cap" 300 "$bin/bench-gemini" --device cuda --cap 4G
+  record "SD 1.x UNet fine-tuning under a 4 GiB cap (diffusers needs internet: ours only)" 400 \
+    "$bin/bench-finetune" --device cuda --cap 4G --resolution 512 --batch 1 --precision fp16 \
+    --gradient-checkpointing --no-baseline
+}
+
+case "$stage" in
+  pack) pack ;;
+  tests | kernels | bench)
+    "$stage"
+    say "report: $out/report.md"
+    ;;
+  all)
+    tests
+    kernels
+    bench
+    say "report: $out/report.md"
+    ;;
+  *)
+    sed -n '2,13p' "${BASH_SOURCE[0]}" >&2
+    exit 2
+    ;;
+esac
