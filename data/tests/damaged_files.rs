@@ -2,27 +2,14 @@
 //! weights and checkpoints, HDF5 image sets, PNG and JPEG images), a few hundred truncated and
 //! bit-flipped copies of a valid file give an error naming the file, or load whole; none panics
 //! or aborts the process. (`.npz` has its own, header-editing, test in `npz.rs`.)
-use std::path::{Path, PathBuf};
+use std::path::Path;
+
+mod support;
+
+use support::{scratch, Lcg};
 
 use data::Dataset;
 use tch::{Device, Kind, Tensor};
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("data-damaged-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-/// A small deterministic generator for the mutations.
-struct Lcg(u64);
-
-impl Lcg {
-    fn below(&mut self, n: usize) -> usize {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        ((self.0 >> 33) as usize) % n.max(1)
-    }
-}
 
 /// Writes `rounds` damaged copies of `good` to `path` (half truncated, half with one bit
 /// flipped) and reads each with `read`: an error must name the file, and nothing may panic.
@@ -55,7 +42,7 @@ fn mutate(good: &[u8], path: &Path, rounds: usize, read: impl Fn(&Path) -> Resul
 
 #[test]
 fn damaged_safetensors_are_errors_naming_the_file() {
-    let dir = scratch("st");
+    let dir = scratch("damaged", "st");
     let good = dir.join("good.safetensors");
     let weights = vec![
         ("a.weight".to_string(), Tensor::arange(64, (Kind::Float, Device::Cpu)).view([8, 8])),
@@ -76,7 +63,7 @@ fn damaged_safetensors_are_errors_naming_the_file() {
 
 #[test]
 fn damaged_png_and_jpeg_images_are_errors_naming_the_file() {
-    let dir = scratch("img");
+    let dir = scratch("damaged", "img");
     let img = image::RgbImage::from_fn(24, 16, |x, y| image::Rgb([(x * 10) as u8, (y * 15) as u8, 99]));
     for ext in ["png", "jpg"] {
         let good = dir.join(format!("good.{ext}"));
@@ -94,7 +81,7 @@ fn damaged_png_and_jpeg_images_are_errors_naming_the_file() {
 
 #[test]
 fn damaged_hdf5_image_sets_are_errors_naming_the_file() {
-    let dir = scratch("h5");
+    let dir = scratch("damaged", "h5");
     let folder = dir.join("imgs");
     for (class, base) in [("a", 20u8), ("b", 200u8)] {
         std::fs::create_dir_all(folder.join(class)).unwrap();

@@ -2,17 +2,14 @@
 //! truncated, bit-flipped, or with a `.npy` header edited and re-zipped with valid checksums —
 //! give an error naming the file, never a panic or a silent load past the data.
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
+
+mod support;
+
+use support::{scratch, Lcg};
 
 use data::npz;
 use tch::{Device, Kind, Tensor};
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("data-npz-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
 
 /// A `.npy` file: header dict `header`, then `data`.
 fn npy(header: &str, data: &[u8]) -> Vec<u8> {
@@ -53,7 +50,7 @@ fn arrays() -> Vec<(String, Tensor)> {
 
 #[test]
 fn arrays_of_every_supported_dtype_round_trip_and_match_tch() {
-    let dir = scratch("roundtrip");
+    let dir = scratch("npz", "roundtrip");
     let path = dir.join("a.npz");
     let want = arrays();
     data::checkpoint::save_npz(&want, &path).unwrap();
@@ -78,7 +75,7 @@ fn arrays_of_every_supported_dtype_round_trip_and_match_tch() {
 
 #[test]
 fn a_header_declaring_more_data_than_the_entry_holds_is_named() {
-    let dir = scratch("short");
+    let dir = scratch("npz", "short");
     let path = dir.join("short.npz");
     let data: Vec<u8> = (0..6).flat_map(|v| (v as f32).to_le_bytes()).collect();
     let header = "{'descr': '<f4', 'fortran_order': False, 'shape': (1000, 1000), }";
@@ -98,19 +95,9 @@ fn a_header_declaring_more_data_than_the_entry_holds_is_named() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// A small deterministic generator for the mutations.
-struct Lcg(u64);
-
-impl Lcg {
-    fn below(&mut self, n: usize) -> usize {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        ((self.0 >> 33) as usize) % n.max(1)
-    }
-}
-
 #[test]
 fn hundreds_of_damaged_files_are_errors_not_panics() {
-    let dir = scratch("mutants");
+    let dir = scratch("npz", "mutants");
     let good = dir.join("good.npz");
     data::checkpoint::save_npz(&arrays(), &good).unwrap();
     let bytes = std::fs::read(&good).unwrap();

@@ -129,11 +129,9 @@ impl Precision {
     /// fewer precisions (`--help` then lists only those).
     pub fn parser(allowed: &[Precision]) -> impl TypedValueParser<Value = Precision> {
         let names: Vec<&'static str> = allowed.iter().map(|p| p.name()).collect();
-        PossibleValuesParser::new(names).map(|s| match s.as_str() {
-            "bf16" => Precision::Bf16,
-            "fp16" => Precision::Fp16,
-            _ => Precision::Fp32,
-        })
+        // Only the allowed names get past the parser, and each is one of the enum's.
+        PossibleValuesParser::new(names)
+            .map(|s| <Precision as clap::ValueEnum>::from_str(&s, false).unwrap_or(Precision::Fp32))
     }
 }
 
@@ -198,16 +196,11 @@ impl OptimizerArgs {
 
     /// The tensor optimizer of [`OptimizerArgs::rule`] over `params`.
     pub fn build(&self, params: Vec<Param>, lr: f64) -> Box<dyn Optimizer> {
-        build(&self.rule(lr), params)
-    }
-}
-
-/// The tensor optimizer of `rule` over `params`.
-pub fn build(rule: &CpuRule, params: Vec<Param>) -> Box<dyn Optimizer> {
-    match *rule {
-        CpuRule::AdamW(c) => Box::new(AdamW::new(params, c)),
-        CpuRule::Lamb(c) => Box::new(Lamb::new(params, c)),
-        CpuRule::Lars(c) => Box::new(Lars::new(params, c)),
+        match self.rule(lr) {
+            CpuRule::AdamW(c) => Box::new(AdamW::new(params, c)),
+            CpuRule::Lamb(c) => Box::new(Lamb::new(params, c)),
+            CpuRule::Lars(c) => Box::new(Lars::new(params, c)),
+        }
     }
 }
 

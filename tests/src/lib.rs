@@ -161,6 +161,22 @@ pub fn assert_close(actual: &Tensor, expected: &Tensor, rtol: f64, atol: f64, wh
     assert!(excess <= 0.0, "{what}: max abs difference {max_diff:e} exceeds rtol {rtol:e} / atol {atol:e}");
 }
 
+/// A fresh, empty folder under the system's temporary directory for test `name` of `suite`,
+/// private to this process.
+pub fn scratch(suite: &str, name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("{suite}-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("creating a scratch folder");
+    dir
+}
+
+/// Every tensor of a safetensors file, sorted by name (the file's order is not).
+pub fn sorted_safetensors(path: &std::path::Path) -> Vec<(String, Tensor)> {
+    let mut named = Tensor::read_safetensors(path).expect("reading a safetensors file");
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    named
+}
+
 /// A tensor with the same values on every rank (seeded), for single-process references.
 pub fn seeded(seed: i64, shape: &[i64]) -> Tensor {
     tch::manual_seed(seed);

@@ -1,19 +1,14 @@
 //! The `vit` binary: a short pretrain then eval on the digits, an image folder converted to
 //! HDF5 and trained on, and bad inputs that must be errors naming the file or flag.
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
+
+use suite_tests::scratch;
 
 fn vit(args: &[&str]) -> (bool, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_vit")).args(args).output().expect("running vit");
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     (out.status.success(), text)
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("vit-cli-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
 }
 
 /// A folder of two classes of 12x10 PNGs: dark images are class "a", bright ones "b".
@@ -30,7 +25,7 @@ fn image_folder(root: &Path, per_class: u8) {
 
 #[test]
 fn pretrain_then_eval_reports_the_same_accuracy() {
-    let dir = scratch("eval");
+    let dir = scratch("vit-cli", "eval");
     let out = dir.join("run");
     let (ok, text) = vit(&[
         "pretrain",
@@ -71,7 +66,7 @@ fn pretrain_tiny(extra: &[&str]) -> (bool, String) {
 
 #[test]
 fn folder_to_hdf5_and_training_on_both() {
-    let dir = scratch("folder");
+    let dir = scratch("vit-cli", "folder");
     let folder = dir.join("images");
     image_folder(&folder, 8);
     let h5 = dir.join("images.h5");

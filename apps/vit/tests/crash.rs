@@ -3,20 +3,13 @@
 //! over steps and saves, ten times in a row, resumed after each; the run then ends with the
 //! weights of an uninterrupted run, bit for bit.
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use tch::Tensor;
+use suite_tests::{scratch, sorted_safetensors};
 
 const KILLS: usize = 10;
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("vit-crash-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
 
 /// `vit pretrain` on the digits, 2 ranks, a checkpoint every step, into `out`.
 fn pretrain(out: &Path, resume: bool) -> Command {
@@ -46,7 +39,7 @@ fn kill_point(i: usize) -> (usize, Duration) {
 
 #[test]
 fn killed_ten_times_and_resumed_ends_as_an_uninterrupted_run() {
-    let dir = scratch("run");
+    let dir = scratch("vit-crash", "run");
     let (whole, killed) = (dir.join("whole"), dir.join("killed"));
     run_to_end(&whole, false);
     let mut kills = 0;
@@ -92,11 +85,7 @@ fn killed_ten_times_and_resumed_ends_as_an_uninterrupted_run() {
     // Every attempt after the first resumed from a later checkpoint than the one before.
     assert!(resumed.len() >= KILLS - 1, "attempts did not all resume from new checkpoints: {resumed_from:?}");
     run_to_end(&killed, killed.join("latest").exists());
-    let read = |p: &Path| {
-        let mut named = Tensor::read_safetensors(p.join("model.safetensors")).unwrap();
-        named.sort_by(|a, b| a.0.cmp(&b.0));
-        named
-    };
+    let read = |p: &Path| sorted_safetensors(&p.join("model.safetensors"));
     let (a, b) = (read(&whole), read(&killed));
     assert_eq!(a.len(), b.len());
     for ((na, ta), (nb, tb)) in a.iter().zip(&b) {

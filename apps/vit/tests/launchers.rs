@@ -2,19 +2,13 @@
 //! (from the project's Python environment) and OpenMPI's `mpirun -np 2` (installed by
 //! `scripts/setup.sh`) each run `vit pretrain`, and the trained weights equal the engine's own
 //! spawner's run bit for bit. Under mpirun no `MASTER_ADDR` is needed on one node.
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
+use suite_tests::{scratch, sorted_safetensors};
 use tch::Tensor;
 
 const VIT: &str = env!("CARGO_BIN_EXE_vit");
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("vit-launchers-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
 
 /// A port no one listens on now.
 fn free_port() -> u16 {
@@ -34,9 +28,7 @@ fn run(mut cmd: Command, what: &str) {
 }
 
 fn weights(dir: &Path) -> Vec<(String, Tensor)> {
-    let mut named = Tensor::read_safetensors(dir.join("model.safetensors")).unwrap();
-    named.sort_by(|a, b| a.0.cmp(&b.0));
-    named
+    sorted_safetensors(&dir.join("model.safetensors"))
 }
 
 fn assert_same(a: &Path, b: &Path, what: &str) {
@@ -48,7 +40,7 @@ fn assert_same(a: &Path, b: &Path, what: &str) {
 
 #[test]
 fn torchrun_and_mpirun_jobs_equal_the_spawners() {
-    let dir = scratch("run");
+    let dir = scratch("vit-launchers", "run");
     let spawned = dir.join("spawner");
     let mut cmd = Command::new(VIT);
     cmd.args(pretrain_args(&spawned)).args(["--nproc", "2"]);

@@ -55,6 +55,11 @@ impl Param {
         Param { name: name.into(), adapt: tensor.dim() >= 2, tensor: tensor.shallow_clone() }
     }
 
+    /// Another handle on the same tensor, with the same name and rule.
+    pub fn shallow_copy(&self) -> Param {
+        Param { name: self.name.clone(), tensor: self.tensor.shallow_clone(), adapt: self.adapt }
+    }
+
     /// Overrides the default decay/trust rule.
     pub fn with_adapt(mut self, adapt: bool) -> Param {
         self.adapt = adapt;

@@ -40,10 +40,7 @@ impl MasterWeights {
 
     /// The fp32 parameters, for the optimizer.
     pub fn master(&self) -> Vec<Param> {
-        self.master
-            .iter()
-            .map(|p| Param { name: p.name.clone(), tensor: p.tensor.shallow_clone(), adapt: p.adapt })
-            .collect()
+        self.master.iter().map(Param::shallow_copy).collect()
     }
 
     /// The model's parameters.

@@ -48,7 +48,7 @@ pub fn parallelize(
 ) -> Result<Parallelized> {
     crate::error::ensure!(plan.zero <= 2, "ZeRO stage {} does not exist (0, 1 or 2)", plan.zero);
     // A second handle list on the same tensors, for the masters to copy from and into.
-    let model = params.iter().map(|p| Param { name: p.name.clone(), tensor: p.tensor.shallow_clone(), adapt: p.adapt });
+    let model = params.iter().map(Param::shallow_copy);
     let master = match (plan.compute, plan.offload_optimizer) {
         (Kind::Float, false) => None,
         (_, offload) => Some(MasterWeights::on(model.collect(), if offload { Device::Cpu } else { plan.device })?),

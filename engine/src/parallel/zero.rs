@@ -50,12 +50,8 @@ impl<O: Optimizer> ZeroOptimizer<O> {
             owners.len(),
             params.len()
         );
-        let mine = params
-            .iter()
-            .zip(&owners)
-            .filter(|(_, &o)| o == group.rank())
-            .map(|(p, _)| Param { name: p.name.clone(), tensor: p.tensor.shallow_clone(), adapt: p.adapt })
-            .collect();
+        let mine =
+            params.iter().zip(&owners).filter(|(_, &o)| o == group.rank()).map(|(p, _)| p.shallow_copy()).collect();
         Ok(ZeroOptimizer { inner: make(mine), params, owners, group: group.clone() })
     }
 
