@@ -276,7 +276,13 @@ impl<'a> Trainer<'a> {
         if kind != Kind::Float {
             vs.set_kind(kind);
         }
-        let layout = ParallelPlan { zero: args.zero, compute: kind, offload_optimizer: args.offload_optimizer, device };
+        let layout = ParallelPlan {
+            zero: args.zero,
+            compute: kind,
+            offload_optimizer: args.offload_optimizer,
+            device,
+            ..ParallelPlan::default()
+        };
         let optimizer = args.optimizer.clone();
         let parallel = parallelize(params_of(&vs), &world.group, &layout, move |ps| optimizer.build(ps, peak))?;
         Ok(Trainer {
@@ -324,9 +330,11 @@ impl<'a> Trainer<'a> {
         let out = self.args.out.as_deref().context("--resume needs --out")?;
         let saved = checkpoint::latest(out)?;
         saved.state.check_matches(&self.state(saved.state.step))?;
-        saved.load_model(self.parallel.weights())?;
+        // Full fp32 buffers (gathered from their owners under ZeRO), filled from the file.
+        let weights = self.parallel.full_weights()?;
+        saved.load_model(&weights)?;
+        self.parallel.load_full_weights(&weights)?;
         saved.load_optimizer(self.parallel.optimizer_mut())?;
-        self.parallel.weights_to_model()?;
         if let Some(s) = self.parallel.scaler_mut() {
             s.resume(saved.state.loss_scale, saved.state.clean_steps);
         }
@@ -428,14 +436,17 @@ impl<'a> Trainer<'a> {
     /// Writes a checkpoint of the current step under `--out` (every rank calls this).
     pub fn save(&self) -> anyhow::Result<()> {
         let out = self.args.out.as_deref().context("saving needs --out")?;
-        checkpoint::save(out, self.world, &self.state(self.step), self.parallel.weights(), self.parallel.optimizer())
+        let weights = self.parallel.full_weights()?;
+        checkpoint::save(out, self.world, &self.state(self.step), &weights, self.parallel.optimizer())
     }
 
-    /// Rank 0 writes the final `model.safetensors` and `model.json` under `--out`.
+    /// Rank 0 writes the final `model.safetensors` and `model.json` under `--out` (every rank
+    /// calls this: the weights are gathered first).
     fn save_model(&self) -> anyhow::Result<()> {
+        let weights = self.parallel.full_weights()?;
         if let (Some(dir), 0) = (&self.args.out, self.world.rank()) {
             let path = dir.join("model.safetensors");
-            data::checkpoint::save_tensors(self.parallel.weights(), &path)?;
+            data::checkpoint::save_tensors(&weights, &path)?;
             let json = serde_json::to_string_pretty(&self.cfg)?;
             data::write_atomic::<anyhow::Error>(&dir.join("model.json"), |w| {
                 Ok(std::io::Write::write_all(w, json.as_bytes())?)
@@ -526,6 +537,6 @@ pub fn pretrain(args: &PretrainArgs, world: &World) -> anyhow::Result<Trained> {
     let seconds = start.elapsed().as_secs_f64();
     trainer.save_model()?;
     world.group.barrier()?;
-    let weights = trainer.parallel.weights().iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
+    let weights = trainer.parallel.full_weights()?;
     Ok(Trained { vs: trainer.vs, weights, losses, val_top1, val_top5, seconds })
 }

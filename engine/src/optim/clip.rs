@@ -1,29 +1,64 @@
-//! Global gradient-norm clipping, correct under data parallelism and ZeRO.
-use tch::Kind;
+//! Global gradient-norm clipping and loss-scale unscaling, correct under data parallelism and
+//! ZeRO, with one device-to-host transfer per call: the per-tensor work (scaling, squares)
+//! stays on the device, the squares are summed there, and only that one number crosses.
+use tch::{Device, Kind, Tensor};
 
 use super::Param;
 use crate::dist::{ProcessGroup, ReduceOp};
 use crate::Result;
 
-/// Scales every gradient so that the norm of all gradients together is at most `max_norm`,
-/// and returns that norm before clipping (as `torch.nn.utils.clip_grad_norm_`). `sharded` is
-/// the group over which the gradients are partitioned (ZeRO-2: each rank holds the gradients
-/// of the parameters it owns), so the squares are summed across it; with replicated
-/// gradients (plain data parallelism, ZeRO-1) pass `None`. A non-finite norm is returned
-/// without clipping.
-pub fn clip_grad_norm(params: &[Param], max_norm: f64, sharded: Option<&ProcessGroup>) -> Result<f64> {
-    let mut sum = tch::Tensor::f_zeros([1], (Kind::Double, tch::Device::Cpu))?;
-    for p in params {
-        let g = p.tensor.grad();
-        if g.defined() {
-            let sq = g.f_to_kind(Kind::Double)?.f_square()?.f_sum(Kind::Double)?.f_to_device(tch::Device::Cpu)?;
-            sum = sum.f_add(&sq)?;
+/// How the gradients a rank holds relate to the other ranks' (what their norm is reduced
+/// over).
+#[derive(Clone, Copy)]
+pub enum Held<'a> {
+    /// Only this process.
+    Local,
+    /// Every rank holds the same gradients (data parallelism after the all-reduce, ZeRO-1
+    /// without master shards). Reduced with a max, which leaves equal values exact and makes
+    /// every rank take the same decision even if they somehow differed.
+    Replicated(&'a ProcessGroup),
+    /// Each rank holds a disjoint part (ZeRO-2, or sharded master weights): squares are summed.
+    Sharded(&'a ProcessGroup),
+}
+
+/// Multiplies every gradient by `scale` (skipped when 1), then returns the L2 norm of all
+/// gradients together, reduced as `held` says: one fused reduction and one host sync. A
+/// gradient holding inf or NaN makes the norm non-finite (squares cannot cancel).
+pub fn scaled_grad_norm(params: &[Param], scale: f64, held: Held) -> Result<f64> {
+    let grads: Vec<Tensor> = params.iter().map(|p| p.tensor.grad()).filter(Tensor::defined).collect();
+    let mut squares: Vec<Tensor> = Vec::with_capacity(grads.len());
+    tch::no_grad(|| -> Result<()> {
+        for g in &grads {
+            if scale != 1.0 {
+                let _ = g.shallow_clone().f_mul_scalar_(scale)?;
+            }
+            squares.push(g.f_to_kind(Kind::Double)?.f_square()?.f_sum(Kind::Double)?);
+        }
+        Ok(())
+    })?;
+    // Per device one sum (normally one device); the transfer to the host is the only sync.
+    let mut sum = Tensor::f_zeros([1], (Kind::Double, Device::Cpu))?;
+    let mut devices: Vec<Device> = Vec::new();
+    for t in &squares {
+        if !devices.contains(&t.device()) {
+            devices.push(t.device());
         }
     }
-    if let Some(group) = sharded {
-        group.all_reduce(&sum, ReduceOp::Sum)?;
+    for d in devices {
+        let on: Vec<&Tensor> = squares.iter().filter(|t| t.device() == d).collect();
+        sum = sum.f_add(&Tensor::f_stack(&on, 0)?.f_sum(Kind::Double)?.f_to_device(Device::Cpu)?)?;
     }
-    let norm = sum.f_double_value(&[0])?.sqrt();
+    match held {
+        Held::Local => {}
+        Held::Replicated(g) => g.all_reduce(&sum, ReduceOp::Max)?,
+        Held::Sharded(g) => g.all_reduce(&sum, ReduceOp::Sum)?,
+    }
+    Ok(sum.f_double_value(&[0])?.sqrt())
+}
+
+/// Scales every gradient so that the global `norm` (from [`scaled_grad_norm`]) becomes at most
+/// `max_norm`, as `torch.nn.utils.clip_grad_norm_` does; a non-finite norm clips nothing.
+pub fn clip_to(params: &[Param], norm: f64, max_norm: f64) -> Result<()> {
     let coef = max_norm / (norm + 1e-6);
     if norm.is_finite() && coef < 1.0 {
         tch::no_grad(|| -> Result<()> {
@@ -36,6 +71,18 @@ pub fn clip_grad_norm(params: &[Param], max_norm: f64, sharded: Option<&ProcessG
             Ok(())
         })?;
     }
+    Ok(())
+}
+
+/// Scales every gradient so that the norm of all gradients together is at most `max_norm`,
+/// and returns that norm before clipping (as `torch.nn.utils.clip_grad_norm_`). `sharded` is
+/// the group over which the gradients are partitioned (ZeRO-2: each rank holds the gradients
+/// of the parameters it owns), so the squares are summed across it; with replicated
+/// gradients (plain data parallelism, ZeRO-1) pass `None`. A non-finite norm is returned
+/// without clipping.
+pub fn clip_grad_norm(params: &[Param], max_norm: f64, sharded: Option<&ProcessGroup>) -> Result<f64> {
+    let norm = scaled_grad_norm(params, 1.0, sharded.map_or(Held::Local, Held::Sharded))?;
+    clip_to(params, norm, max_norm)?;
     Ok(norm)
 }
 

@@ -27,7 +27,7 @@ pub mod schedule;
 mod state;
 
 pub use adamw::{AdamW, AdamWConfig};
-pub use clip::clip_grad_norm;
+pub use clip::{clip_grad_norm, clip_to, scaled_grad_norm, Held};
 pub use lamb::{Lamb, LambConfig};
 pub use lars::{Lars, LarsConfig};
 pub use precision::{LossScaler, MasterWeights};

@@ -2,9 +2,10 @@
 //! scaling for fp16 that skips steps whose gradients overflowed.
 use tch::{Device, Kind, Tensor};
 
+use super::clip::{scaled_grad_norm, Held};
 use super::{Optimizer, Param};
 use crate::autograd::set_grad;
-use crate::dist::{ProcessGroup, ReduceOp};
+use crate::dist::ProcessGroup;
 use crate::Result;
 
 /// fp32 copies of the model parameters, optionally on another device. The optimizer runs on
@@ -41,6 +42,16 @@ impl MasterWeights {
     /// The fp32 parameters, for the optimizer.
     pub fn master(&self) -> Vec<Param> {
         self.master.iter().map(Param::shallow_copy).collect()
+    }
+
+    /// Where the masters live.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Bytes held by the fp32 masters.
+    pub fn bytes(&self) -> usize {
+        self.master.iter().map(|p| p.tensor.numel() * 4).sum()
     }
 
     /// The model's parameters.
@@ -122,25 +133,9 @@ impl LossScaler {
     /// stepping (gradient clipping): divides the gradients by the scale and returns whether
     /// they are all finite on every rank of `group`.
     pub fn unscale(&self, params: &[Param], group: Option<&ProcessGroup>) -> Result<bool> {
-        let inv = 1.0 / self.scale;
-        let mut bad = Tensor::f_zeros([1], (Kind::Float, tch::Device::Cpu))?;
-        tch::no_grad(|| -> Result<()> {
-            for p in params {
-                let mut g = p.tensor.grad();
-                if g.defined() {
-                    let _ = g.f_mul_scalar_(inv)?;
-                    let finite = g.f_isfinite()?.f_all()?.f_to_device(tch::Device::Cpu)?;
-                    if !bool::try_from(finite)? {
-                        bad = Tensor::f_ones([1], (Kind::Float, tch::Device::Cpu))?;
-                    }
-                }
-            }
-            Ok(())
-        })?;
-        if let Some(g) = group {
-            g.all_reduce(&bad, ReduceOp::Max)?;
-        }
-        Ok(bad.f_double_value(&[0])? == 0.0)
+        // Summed over the group: finite on every rank exactly when the sum is finite.
+        let held = group.map_or(Held::Local, Held::Sharded);
+        Ok(scaled_grad_norm(params, 1.0 / self.scale, held)?.is_finite())
     }
 
     /// The second half of [`LossScaler::step`]: backs off after an overflow, grows after

@@ -11,6 +11,14 @@
 //! for everything and writes the averaged gradients back. As in one process, a parameter that
 //! got no gradient on any rank keeps no gradient (the optimizer then skips it); one that got a
 //! gradient on some ranks gets the average with zeros for the others.
+//!
+//! A launched bucket's gradients live only in its flat buffer (the `.grad`s are dropped at
+//! launch and set again from the result), so no rank holds a gradient twice. Under ZeRO-2
+//! (owners given) a bucket is reduced to its owner only; the other ranks keep its buffer only
+//! while it is being sent, at most [`MAX_SENDING`] of them at once (older ones are waited
+//! for), so the gradients a rank holds at the peak of backward are its own ~1/N plus a few
+//! buckets, not the whole model's. [`DataParallel::gradient_bytes`] reports that peak from a
+//! counter.
 use std::sync::{Arc, Mutex, Weak};
 
 use tch::{Kind, Tensor};
@@ -36,11 +44,35 @@ impl Default for DataParallelConfig {
     }
 }
 
+/// Under ZeRO-2, how many buckets another rank owns may be in flight at once: each holds a
+/// send buffer of the bucket's size, so this bounds the memory that sharding cannot save.
+pub const MAX_SENDING: usize = 2;
+
 struct Bucket {
     /// Indices into `State::params`, in the order their gradients are laid out.
     members: Vec<usize>,
     ready: usize,
     in_flight: Option<(Work, Tensor)>,
+}
+
+/// Bytes held in gradients (and in buffers on their way to another rank) during backward.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GradientBytes {
+    /// Held now.
+    pub now: usize,
+    /// The most held at once since the step began.
+    pub peak: usize,
+}
+
+impl GradientBytes {
+    fn add(&mut self, bytes: usize) {
+        self.now += bytes;
+        self.peak = self.peak.max(self.now);
+    }
+
+    fn sub(&mut self, bytes: usize) {
+        self.now = self.now.saturating_sub(bytes);
+    }
 }
 
 struct State {
@@ -59,6 +91,11 @@ struct State {
     sync: bool,
     /// The first error raised inside a hook, reported by `finish_gradients`.
     error: Option<String>,
+    /// Whether the gradient bytes held before this step's first hook were counted, and which
+    /// parameters had a gradient then (their arrival adds no bytes).
+    counted: bool,
+    had_grad: Vec<bool>,
+    bytes: GradientBytes,
 }
 
 /// Averages gradients over a data-parallel group. See the module documentation.
@@ -112,6 +149,9 @@ impl DataParallel {
             next: 0,
             sync: true,
             error: None,
+            counted: false,
+            had_grad: vec![false; tensors.len()],
+            bytes: GradientBytes::default(),
         }));
         for (i, t) in tensors.iter().enumerate() {
             let weak: Weak<Mutex<State>> = Arc::downgrade(&state);
@@ -151,16 +191,14 @@ impl DataParallel {
         }
         let n = s.group.size() as f64;
         for b in 0..s.buckets.len() {
-            let (work, flat) = s.buckets[b].in_flight.take().expect("every bucket was launched");
+            // A bucket sent to its owner may have been waited for (and dropped) already.
+            let Some((work, flat)) = s.buckets[b].in_flight.take() else { continue };
             work.wait()?;
-            let members = s.buckets[b].members.clone();
             if s.bucket_owner(b).is_some_and(|o| o != s.group.rank()) {
-                // ZeRO-2: the gradient lives on its owner now; free this rank's copy.
-                for &i in &members {
-                    set_grad(&s.params[i], None)?;
-                }
+                s.bytes.sub(byte_size(&flat));
                 continue;
             }
+            let members = s.buckets[b].members.clone();
             let total: i64 = members.iter().map(|&i| s.params[i].numel() as i64).sum();
             // How many ranks had a gradient for each member, carried after the gradients.
             let used = flat
@@ -168,22 +206,29 @@ impl DataParallel {
                 .f_to_kind(Kind::Double)?
                 .f_to_device(tch::Device::Cpu)?;
             let used = Vec::<f64>::try_from(used)?;
-            let mut offset = 0;
+            let (mut offset, mut fresh) = (0, 0);
             for (&i, used) in members.iter().zip(used) {
                 let p = &s.params[i];
                 let numel = p.numel() as i64;
                 let avg = flat.f_narrow(0, offset, numel)?.f_view(p.size().as_slice())?.f_div_scalar(n)?;
                 offset += numel;
-                let mut g = p.grad();
-                if g.defined() {
-                    tch::no_grad(|| g.f_copy_(&avg))?;
-                } else if used > 0.0 {
+                if used > 0.0 {
                     set_grad(p, Some(&avg))?;
+                    fresh += byte_size(&avg);
                 }
             }
+            s.bytes.sub(byte_size(&flat));
+            s.bytes.add(fresh);
         }
         s.reset();
         Ok(())
+    }
+
+    /// The gradient bytes this rank held during the last synchronised backward (its peak) and
+    /// holds now: every parameter's `.grad` plus the buffers being reduced. Counted, not
+    /// measured by an allocator, so the same on CPU and GPU.
+    pub fn gradient_bytes(&self) -> Result<GradientBytes> {
+        Ok(self.lock()?.bytes)
     }
 
     /// The number of gradient buckets (for tests and diagnostics).
@@ -200,6 +245,17 @@ impl State {
     fn mark_ready(&mut self, i: usize) -> Result<()> {
         if !self.sync || self.arrived[i] {
             return Ok(());
+        }
+        if !self.counted {
+            // Gradients already there (accumulated micro-batches, zeroed ones kept between
+            // steps) count from the start; the one that just arrived is among them.
+            self.counted = true;
+            self.had_grad = self.params.iter().map(|p| p.grad().defined()).collect();
+            let held = self.params.iter().map(|p| byte_size(&p.grad())).sum();
+            self.bytes = GradientBytes::default();
+            self.bytes.add(held);
+        } else if !self.had_grad[i] {
+            self.bytes.add(byte_size(&self.params[i].grad()));
         }
         self.arrived[i] = true;
         let b = self.bucket_of[i];
@@ -234,8 +290,37 @@ impl State {
             Some(owner) => self.group.reduce_async(&flat, owner, ReduceOp::Sum)?,
             None => self.group.all_reduce_async(&flat, ReduceOp::Sum)?,
         };
+        // The gradients live in `flat` now (the reduction's result lands there on the ranks
+        // that get one): drop the copies, so no rank holds a bucket twice.
+        self.bytes.add(byte_size(&flat));
+        for &i in &self.buckets[b].members.clone() {
+            self.bytes.sub(byte_size(&self.params[i].grad()));
+            set_grad(&self.params[i], None)?;
+        }
         self.buckets[b].in_flight = Some((work, flat));
         self.next += 1;
+        self.settle_sent()
+    }
+
+    /// Waits for the oldest buckets sent to other owners while more than [`MAX_SENDING`] are
+    /// in flight, and drops any that already finished: their send buffers are freed early.
+    fn settle_sent(&mut self) -> Result<()> {
+        let rank = self.group.rank();
+        let sent: Vec<usize> = (0..self.next)
+            .filter(|&b| self.buckets[b].in_flight.is_some() && self.bucket_owner(b).is_some_and(|o| o != rank))
+            .collect();
+        for (k, &b) in sent.iter().enumerate() {
+            let must_wait = sent.len() - k > MAX_SENDING;
+            let done = match &self.buckets[b].in_flight {
+                Some((work, _)) => must_wait || work.is_completed()?,
+                None => false,
+            };
+            if done {
+                let (work, flat) = self.buckets[b].in_flight.take().expect("checked above");
+                work.wait()?;
+                self.bytes.sub(byte_size(&flat));
+            }
+        }
         Ok(())
     }
 
@@ -250,6 +335,16 @@ impl State {
             b.in_flight = None;
         }
         self.next = 0;
+        self.counted = false;
+    }
+}
+
+/// The bytes of `t`'s elements (0 for an undefined tensor).
+fn byte_size(t: &Tensor) -> usize {
+    if t.defined() {
+        t.numel() * t.kind().elt_size_in_bytes()
+    } else {
+        0
     }
 }
 

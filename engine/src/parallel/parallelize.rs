@@ -4,18 +4,22 @@
 //! fp16 loss scaler. The model itself stays serial; trainers call [`parallelize`] once and then
 //! drive micro-batches and steps through [`Parallelized`]. The tensor and pipeline axes join
 //! here as further fields of [`ParallelPlan`].
+//!
+//! Under ZeRO 1 and 2 the fp32 masters are sharded with the optimizer state, so
+//! [`Parallelized::full_weights`] gathers them for checkpoints and evaluation.
 use tch::{Device, Kind, Tensor};
 
 use crate::autograd::backward;
 use crate::dist::ProcessGroup;
-use crate::optim::{clip_grad_norm, LossScaler, MasterWeights, Optimizer, Param};
-use crate::parallel::{partition, DataParallel, DataParallelConfig, ZeroOptimizer};
+use crate::optim::{clip_to, scaled_grad_norm, Held, LossScaler, MasterWeights, Optimizer, Param};
+use crate::parallel::{partition, DataParallel, DataParallelConfig, GradientBytes, ZeroOptimizer};
 use crate::Result;
 
 /// How a replicated model trains over a data-parallel group.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ParallelPlan {
-    /// ZeRO stage: 0 (plain data parallel), 1 (sharded optimizer state), 2 (and gradients).
+    /// ZeRO stage: 0 (plain data parallel), 1 (sharded optimizer state and fp32 masters), 2
+    /// (and gradients).
     pub zero: u8,
     /// The model's weights and activations; below fp32, fp32 masters are stepped instead, and
     /// fp16 scales the loss dynamically.
@@ -24,22 +28,40 @@ pub struct ParallelPlan {
     pub offload_optimizer: bool,
     /// Where the model's weights live.
     pub device: Device,
+    /// Gradient bucket size in bytes (see [`DataParallelConfig::bucket_bytes`]).
+    pub bucket_bytes: usize,
+}
+
+impl Default for ParallelPlan {
+    /// Plain data parallelism in fp32 on the CPU, PyTorch's bucket size.
+    fn default() -> Self {
+        ParallelPlan {
+            zero: 0,
+            compute: Kind::Float,
+            offload_optimizer: false,
+            device: Device::Cpu,
+            bucket_bytes: DataParallelConfig::default().bucket_bytes,
+        }
+    }
+}
+
+/// Who steps what: every rank all parameters (ZeRO 0), or each rank its own (ZeRO 1 and 2).
+enum Stepper {
+    Replicated { optimizer: Box<dyn Optimizer>, master: Option<MasterWeights> },
+    Sharded(ZeroOptimizer<Box<dyn Optimizer>>),
 }
 
 /// The parameters wired for data-parallel training (see the module docs).
 pub struct Parallelized {
     ddp: DataParallel,
-    master: Option<MasterWeights>,
-    optimizer: Box<dyn Optimizer>,
+    stepper: Stepper,
     scaler: Option<LossScaler>,
     group: ProcessGroup,
-    zero: u8,
-    weights: Vec<(String, Tensor)>,
 }
 
 /// Applies `plan` to `params` (the model's trainable parameters, the same order on every rank)
 /// over `group`; `build` makes the optimizer over the parameters it should step (the fp32
-/// masters, or this rank's shard of them under ZeRO). Rank 0's weights are broadcast to all.
+/// masters, or this rank's share of them under ZeRO). Rank 0's weights are broadcast to all.
 pub fn parallelize(
     params: Vec<Param>,
     group: &ProcessGroup,
@@ -47,46 +69,85 @@ pub fn parallelize(
     build: impl FnOnce(Vec<Param>) -> Box<dyn Optimizer>,
 ) -> Result<Parallelized> {
     crate::error::ensure!(plan.zero <= 2, "ZeRO stage {} does not exist (0, 1 or 2)", plan.zero);
-    // A second handle list on the same tensors, for the masters to copy from and into.
-    let model = params.iter().map(Param::shallow_copy);
-    let master = match (plan.compute, plan.offload_optimizer) {
-        (Kind::Float, false) => None,
-        (_, offload) => Some(MasterWeights::on(model.collect(), if offload { Device::Cpu } else { plan.device })?),
-    };
     let owners = partition(&params, group.size());
-    let cfg = DataParallelConfig::default();
+    // Broadcasts rank 0's weights; the masters below are copied from them.
+    let cfg = DataParallelConfig { bucket_bytes: plan.bucket_bytes, ..DataParallelConfig::default() };
     let ddp = match plan.zero {
         2 => DataParallel::new_sharded(&params, group, cfg, owners.clone())?,
         _ => DataParallel::new(&params, group, cfg)?,
     };
-    let stepped = master.as_ref().map_or(params, |m| m.master());
-    // Masters were copied before DataParallel's broadcast: take rank 0's weights too.
-    if master.is_some() {
-        tch::no_grad(|| stepped.iter().try_for_each(|p| group.broadcast(&p.tensor, 0)))?;
-    }
-    let weights = stepped.iter().map(|p| (p.name.clone(), p.tensor.shallow_clone())).collect();
-    let optimizer: Box<dyn Optimizer> = match plan.zero {
-        0 => build(stepped),
-        _ => Box::new(ZeroOptimizer::new(stepped, owners, group, build)?),
+    let master_device = match (plan.compute, plan.offload_optimizer) {
+        (Kind::Float, false) => None,
+        (_, true) => Some(Device::Cpu),
+        (_, false) => Some(plan.device),
+    };
+    let stepper = match (plan.zero, master_device) {
+        (0, None) => Stepper::Replicated { optimizer: build(params), master: None },
+        (0, Some(device)) => {
+            let master = MasterWeights::on(params, device)?;
+            Stepper::Replicated { optimizer: build(master.master()), master: Some(master) }
+        }
+        (_, None) => Stepper::Sharded(ZeroOptimizer::new(params, owners, group, build)?),
+        (_, Some(device)) => Stepper::Sharded(ZeroOptimizer::with_masters(params, owners, group, device, build)?),
     };
     let scaler = (plan.compute == Kind::Half).then(LossScaler::default);
-    Ok(Parallelized { ddp, master, optimizer, scaler, group: group.clone(), zero: plan.zero, weights })
+    Ok(Parallelized { ddp, stepper, scaler, group: group.clone() })
 }
 
 impl Parallelized {
-    /// The fp32 weights by name (the masters under mixed precision): what checkpoints hold.
-    pub fn weights(&self) -> &[(String, Tensor)] {
-        &self.weights
+    /// Every weight in fp32 by name, the same full tensors on every rank: what checkpoints
+    /// and evaluation use. Under ZeRO with master weights these are gathered from their owners
+    /// into fresh buffers (a collective: every rank calls it); otherwise they are the stepped
+    /// tensors themselves.
+    pub fn full_weights(&self) -> Result<Vec<(String, Tensor)>> {
+        match &self.stepper {
+            Stepper::Replicated { optimizer, .. } => {
+                Ok(optimizer.params().iter().map(|p| (p.name.clone(), p.tensor.shallow_clone())).collect())
+            }
+            Stepper::Sharded(z) => z.full_weights(),
+        }
+    }
+
+    /// Sets every weight from full fp32 tensors (as [`Self::full_weights`] returns them, for
+    /// instance filled from a checkpoint), masters and model alike.
+    pub fn load_full_weights(&self, full: &[(String, Tensor)]) -> Result<()> {
+        match &self.stepper {
+            Stepper::Replicated { optimizer, master } => {
+                tch::no_grad(|| -> Result<()> {
+                    for (p, (_, t)) in optimizer.params().iter().zip(full) {
+                        p.tensor.shallow_clone().f_copy_(t)?;
+                    }
+                    Ok(())
+                })?;
+                master.as_ref().map_or(Ok(()), MasterWeights::weights_to_model)
+            }
+            Stepper::Sharded(z) => z.load_full_weights(full),
+        }
+    }
+
+    /// The model's parameters (in the model's precision), as given to [`parallelize`].
+    pub fn model_params(&self) -> &[Param] {
+        match &self.stepper {
+            Stepper::Replicated { master: Some(m), .. } => m.model(),
+            Stepper::Replicated { optimizer, master: None } => optimizer.params(),
+            Stepper::Sharded(z) => z.params(),
+        }
     }
 
     /// The optimizer (over this rank's shard under ZeRO).
     pub fn optimizer(&self) -> &dyn Optimizer {
-        self.optimizer.as_ref()
+        match &self.stepper {
+            Stepper::Replicated { optimizer, .. } => optimizer.as_ref(),
+            Stepper::Sharded(z) => z,
+        }
     }
 
     /// The optimizer, to load its state.
     pub fn optimizer_mut(&mut self) -> &mut dyn Optimizer {
-        self.optimizer.as_mut()
+        match &mut self.stepper {
+            Stepper::Replicated { optimizer, .. } => optimizer.as_mut(),
+            Stepper::Sharded(z) => z,
+        }
     }
 
     /// The fp16 loss scaler.
@@ -97,6 +158,20 @@ impl Parallelized {
     /// The fp16 loss scaler, to restore its state.
     pub fn scaler_mut(&mut self) -> Option<&mut LossScaler> {
         self.scaler.as_mut()
+    }
+
+    /// Bytes of fp32 master weights on this rank (a share of them under ZeRO).
+    pub fn master_bytes(&self) -> usize {
+        let master = match &self.stepper {
+            Stepper::Replicated { master, .. } => master.as_ref(),
+            Stepper::Sharded(z) => z.master(),
+        };
+        master.map_or(0, MasterWeights::bytes)
+    }
+
+    /// The gradient bytes this rank held at the peak of the last synchronised backward.
+    pub fn gradient_bytes(&self) -> Result<GradientBytes> {
+        self.ddp.gradient_bytes()
     }
 
     /// Backward of one micro-batch's `loss` (already divided by the accumulation count);
@@ -114,34 +189,45 @@ impl Parallelized {
     /// global norm to `clip`, steps at `lr` and copies masters back into the model. Returns
     /// whether the step was applied (fp16 skips steps whose gradients overflowed).
     pub fn step(&mut self, lr: f64, clip: Option<f64>) -> Result<bool> {
-        self.optimizer.set_lr(lr);
         self.ddp.finish_gradients()?;
-        if let Some(m) = &self.master {
-            m.gradients_to_master()?;
-        }
-        let finite = match &self.scaler {
-            Some(s) => s.unscale(self.optimizer.params(), Some(&self.group))?,
-            None => true,
-        };
-        if finite {
-            if let Some(max) = clip {
-                clip_grad_norm(self.optimizer.params(), max, (self.zero == 2).then_some(&self.group))?;
+        // The tensors the optimizer steps hold the gradients that matter: all of them, or
+        // this rank's share (summed over the group for the norm).
+        let (stepped, held) = match &self.stepper {
+            Stepper::Replicated { optimizer, master } => {
+                if let Some(m) = master {
+                    m.gradients_to_master()?;
+                }
+                (optimizer.params(), Held::Replicated(&self.group))
             }
-            self.optimizer.step()?;
+            Stepper::Sharded(z) => {
+                z.gradients_to_master()?;
+                (z.stepped(), Held::Sharded(&self.group))
+            }
+        };
+        // Unscaling, the overflow check and the clipping norm: one reduction, one sync.
+        let finite = match (&self.scaler, clip) {
+            (None, None) => true,
+            (scaler, clip) => {
+                let norm = scaled_grad_norm(stepped, scaler.as_ref().map_or(1.0, |s| 1.0 / s.scale), held)?;
+                if let Some(max) = clip {
+                    clip_to(stepped, norm, max)?;
+                }
+                // Without a scaler a non-finite norm steps anyway, as in PyTorch.
+                norm.is_finite() || scaler.is_none()
+            }
+        };
+        let optimizer = self.optimizer_mut();
+        optimizer.set_lr(lr);
+        if finite {
+            optimizer.step()?;
         }
-        self.optimizer.zero_grad();
+        optimizer.zero_grad();
         if let Some(s) = self.scaler.as_mut() {
             s.update(finite);
         }
-        self.weights_to_model()?;
-        Ok(finite)
-    }
-
-    /// Copies the fp32 masters into the model (after loading a checkpoint into them).
-    pub fn weights_to_model(&self) -> Result<()> {
-        match &self.master {
-            Some(m) => m.weights_to_model(),
-            None => Ok(()),
+        if let Stepper::Replicated { master: Some(m), .. } = &self.stepper {
+            m.weights_to_model()?;
         }
+        Ok(finite)
     }
 }
