@@ -105,6 +105,7 @@ fn main() -> anyhow::Result<()> {
         args: vec![],
         env: vec![(OUT_ENV.into(), ours_path.display().to_string())],
         echo: true,
+        heartbeat: None,
     })?;
 
     let python = std::env::var("SUITE_PYTHON").context("SUITE_PYTHON is not set: run scripts/setup.sh")?;

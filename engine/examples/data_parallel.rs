@@ -73,7 +73,7 @@ fn main() -> anyhow::Result<()> {
     if args.nproc == 0 || args.batch % args.nproc as i64 != 0 {
         bail!("--batch {} must split evenly over --nproc {}", args.batch, args.nproc);
     }
-    if dist::maybe_relaunch(args.nproc)? {
+    if dist::maybe_relaunch(args.nproc, Duration::from_secs_f64(args.timeout))? {
         return Ok(());
     }
     let world =

@@ -60,7 +60,7 @@ impl LaunchArgs {
     /// the process instead spawns the ranks, waits for them and returns `None` (its caller
     /// then exits; a failed rank is an error naming it).
     pub fn launch_or_join(&self) -> Result<Option<World>> {
-        if dist::maybe_relaunch(self.nproc)? {
+        if dist::maybe_relaunch(self.nproc, self.timeout())? {
             return Ok(None);
         }
         Ok(Some(dist::init(&InitOptions { timeout: self.timeout() })?))

@@ -57,6 +57,17 @@ pub fn run_job(
     env: &[(&str, &str)],
     body: impl FnOnce(&World) -> TestResult,
 ) -> Result<(), engine::Error> {
+    run_job_with_heartbeat(ranks, test, env, None, body)
+}
+
+/// Like [`run_job`], with the spawner's heartbeat limit (see `engine::dist::heartbeat`).
+pub fn run_job_with_heartbeat(
+    ranks: usize,
+    test: &str,
+    env: &[(&str, &str)],
+    heartbeat: Option<Duration>,
+    body: impl FnOnce(&World) -> TestResult,
+) -> Result<(), engine::Error> {
     if std::env::var(WORKER_ENV).as_deref() == Ok(test) {
         let timeout = dist::launch::timeout_from_env().unwrap_or(TEST_TIMEOUT);
         let world = dist::init(&InitOptions { timeout }).expect("joining the test job");
@@ -83,6 +94,7 @@ pub fn run_job(
         args: [test, "--exact", "--nocapture", "--test-threads=1"].map(Into::into).to_vec(),
         env: vars,
         echo: std::env::var_os("SUITE_TEST_ECHO").is_some(),
+        heartbeat,
     })
     .and_then(|()| {
         let missing: Vec<usize> = (0..ranks).filter(|r| !markers.join(format!("rank-{r}")).exists()).collect();

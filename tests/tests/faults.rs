@@ -3,7 +3,7 @@
 use std::time::{Duration, Instant};
 
 use engine::dist::{self, ProcessGroup, ReduceOp, Store};
-use suite_tests::{run_job, test_name, TestResult};
+use suite_tests::{run_job, run_job_with_heartbeat, test_name, TestResult, WORKER_ENV};
 use tch::{Device, Kind, Tensor};
 
 const SHORT: &str = "4";
@@ -34,6 +34,79 @@ fn a_rank_that_exits_early_ends_the_job_naming_it() {
     assert!(err.contains("rank 1 failed (exit code 3)"), "{err}");
     assert!(err.contains("rank 1 giving up on purpose"), "the report carries the rank's output: {err}");
     assert!(start.elapsed() < Duration::from_secs(30), "took {:?}", start.elapsed());
+}
+
+#[test]
+fn a_rank_stuck_outside_collectives_is_ended_by_the_heartbeat_naming_it() {
+    let start = Instant::now();
+    let result = run_job_with_heartbeat(
+        2,
+        &name("a_rank_stuck_outside_collectives_is_ended_by_the_heartbeat_naming_it"),
+        &[],
+        Some(Duration::from_secs(3)),
+        |world| {
+            let x = Tensor::ones([4], (Kind::Float, Device::Cpu));
+            world.group.all_reduce(&x, ReduceOp::Sum)?;
+            if world.rank() == 1 {
+                // Alive, heartbeat thread running, but no progress (a hung data loader, say).
+                std::thread::sleep(Duration::from_secs(120));
+            }
+            // Rank 0 waits in a collective: the heartbeat leaves it to the collective's
+            // (60 s) timeout, and names rank 1 long before.
+            world.group.all_reduce(&x, ReduceOp::Sum)?;
+            Ok(())
+        },
+    );
+    let err = result.expect_err("the job must fail").to_string();
+    assert!(err.contains("rank 1 failed: rank 1 made no progress for"), "{err}");
+    assert!(err.contains("outside collectives (--timeout 3.0 s)"), "{err}");
+    assert!(start.elapsed() < Duration::from_secs(30), "took {:?}", start.elapsed());
+}
+
+#[test]
+fn a_peer_killed_without_a_supervisor_is_named_by_the_survivor() {
+    // As on a cluster where each node's launcher knows only its own ranks: nobody stops rank
+    // 0 when rank 1 is killed; its next collective must fail, promptly, naming rank 1.
+    let test = name("a_peer_killed_without_a_supervisor_is_named_by_the_survivor");
+    let body = |world: &dist::World| -> TestResult {
+        let x = Tensor::ones([4], (Kind::Float, Device::Cpu));
+        world.group.all_reduce(&x, ReduceOp::Sum)?;
+        if world.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(500));
+            let me = std::process::id().to_string();
+            std::process::Command::new("kill").args(["-KILL", &me]).status()?;
+            std::thread::sleep(Duration::from_secs(60));
+        }
+        std::thread::sleep(Duration::from_secs(1));
+        let err = world.group.all_reduce(&x, ReduceOp::Sum).expect_err("the peer is dead");
+        anyhow::bail!("{err}")
+    };
+    if std::env::var(WORKER_ENV).as_deref() == Ok(test.as_str()) {
+        let _ = run_job(2, &test, &[], body);
+        return;
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let start = Instant::now();
+    let children: Vec<_> = (0..2)
+        .map(|rank| {
+            std::process::Command::new(std::env::current_exe().unwrap())
+                .args([test.as_str(), "--exact", "--nocapture", "--test-threads=1"])
+                .env(WORKER_ENV, &test)
+                .env("RUST_BACKTRACE", "0")
+                .envs([("RANK", rank.to_string()), ("WORLD_SIZE", "2".into()), ("MASTER_PORT", port.clone())])
+                .envs([("MASTER_ADDR", "127.0.0.1"), (dist::launch::TIMEOUT_ENV, "20")])
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outputs: Vec<_> = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    let survivor = String::from_utf8_lossy(&outputs[0].stderr).into_owned();
+    assert!(!outputs[0].status.success(), "rank 0 must fail");
+    assert!(survivor.contains("all_reduce on rank 0 of group world (size 2) failed"), "{survivor}");
+    assert!(survivor.contains("lost peer: rank 1"), "the survivor names the lost peer: {survivor}");
+    assert!(start.elapsed() < Duration::from_secs(20), "took {:?} (the timeout is 20 s)", start.elapsed());
 }
 
 #[test]

@@ -373,6 +373,7 @@ impl<'a> Trainer<'a> {
 
     /// One optimizer step: every micro-batch forward and backward, then the update.
     pub fn step(&mut self) -> anyhow::Result<StepOutcome> {
+        engine::dist::heartbeat::beat();
         let step = self.step;
         let (epoch, within) = (step / self.steps_per_epoch, step % self.steps_per_epoch);
         if self.loader.is_none() || within == 0 {

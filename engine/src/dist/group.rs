@@ -176,7 +176,8 @@ impl ProcessGroup {
         let mut raw = std::ptr::null_mut();
         check(call(self.0.raw, &mut raw), || what.clone())?;
         let on_gpu = tensor.is_some_and(|t| t.device().is_cuda());
-        Ok(Work::new(raw, what, (!on_gpu).then_some(self.0.timeout)))
+        let me = self.0.ranks[self.rank()];
+        Ok(Work::new(raw, what, (!on_gpu).then_some(self.0.timeout)).among(&self.0.ranks, me))
     }
 
     /// All-reduces `tensor` in place.

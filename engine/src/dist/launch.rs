@@ -225,6 +225,9 @@ pub fn init(opts: &InitOptions) -> Result<World> {
         None => return World::single(opts),
     };
     let store = Store::tcp(&env.master_addr, env.master_port, env.rank == 0, env.world_size, opts.timeout)?;
+    if env.world_size > 1 {
+        super::heartbeat::start(&store, env.rank)?;
+    }
     let group =
         ProcessGroup::new(store, env.rank, (0..env.world_size).collect(), "world", opts.timeout, env.is_loopback())?;
     Ok(World { env, group })

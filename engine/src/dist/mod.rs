@@ -1,6 +1,8 @@
 //! The distributed runtime: stores, process groups and their collectives, device meshes,
-//! joining a job from a launcher's environment, and the local `--nproc` spawner.
+//! joining a job from a launcher's environment, the local `--nproc` spawner and the ranks'
+//! heartbeats.
 mod group;
+pub mod heartbeat;
 pub mod launch;
 pub mod mesh;
 pub mod spawn;

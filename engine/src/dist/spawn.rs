@@ -1,13 +1,14 @@
 //! The local spawner behind every binary's `--nproc N`: re-executes a program N times with
 //! torchrun's environment variables (never forking a process that has started libtorch),
 //! prefixes each rank's output, and when one rank fails stops the others and reports which
-//! rank failed and why.
+//! rank failed and why. With a heartbeat timeout it also ends a job whose rank is stuck
+//! outside collectives (see [`super::heartbeat`]), naming that rank.
 use std::collections::VecDeque;
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
 use std::os::unix::process::CommandExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -34,13 +35,23 @@ pub struct SpawnOptions {
     /// Print every rank's output, prefixed with `[rank N]`; otherwise output is only kept for
     /// the failure report.
     pub echo: bool,
+    /// End the job when a rank makes no progress outside collectives for this long (the
+    /// binaries pass their `--timeout`); None: no heartbeat.
+    pub heartbeat: Option<Duration>,
 }
 
 impl SpawnOptions {
     /// Re-run this process's own executable with its own arguments.
     pub fn this_program(nproc: usize) -> Result<SpawnOptions> {
         let program = std::env::current_exe().map_err(|e| Error::io("finding this program's executable", e))?;
-        Ok(SpawnOptions { nproc, program, args: std::env::args_os().skip(1).collect(), env: vec![], echo: true })
+        Ok(SpawnOptions {
+            nproc,
+            program,
+            args: std::env::args_os().skip(1).collect(),
+            env: vec![],
+            echo: true,
+            heartbeat: None,
+        })
     }
 }
 
@@ -58,6 +69,10 @@ pub fn spawn(opts: &SpawnOptions) -> Result<()> {
         return Err(Error::invalid("--nproc must be at least 1"));
     }
     let port = free_port()?;
+    let beats = match opts.heartbeat {
+        Some(timeout) => Some((Heartbeats::new(port)?, timeout)),
+        None => None,
+    };
     // Each rank gets an even share of the cores for its intra-op threads, as torchrun does;
     // oversubscribed OpenMP threads make every collective wait on the slowest rank.
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).div_ceil(opts.nproc).max(1);
@@ -79,6 +94,9 @@ pub fn spawn(opts: &SpawnOptions) -> Result<()> {
         }
         for (k, v) in &opts.env {
             cmd.env(k, v);
+        }
+        if let Some((beats, _)) = &beats {
+            cmd.env(super::heartbeat::HEARTBEAT_DIR_ENV, &beats.0);
         }
         // A rank outlives no spawner: if this process dies (killed by a scheduler, say), the
         // kernel sends each rank SIGTERM.
@@ -102,27 +120,50 @@ pub fn spawn(opts: &SpawnOptions) -> Result<()> {
         ];
         ranks.push(Rank { child, tail, readers, status: None });
     }
-    let result = supervise(&mut ranks);
+    let result = supervise(&mut ranks, beats.as_ref().map(|(b, t)| (b.0.as_path(), *t)));
     for r in &mut ranks {
         for h in r.readers.drain(..) {
             let _ = h.join();
         }
     }
-    result.map_err(|failed| report(&ranks, failed))
+    result.map_err(|(failed, why)| report(&ranks, failed, why))
 }
 
 /// Spawns `nproc` copies of this program when `nproc > 1` and this process was not itself
 /// started by a launcher; returns whether it did (the caller then exits with the result).
-pub fn maybe_relaunch(nproc: usize) -> Result<bool> {
+/// `timeout` is also the heartbeat limit (see [`SpawnOptions::heartbeat`]).
+pub fn maybe_relaunch(nproc: usize, timeout: Duration) -> Result<bool> {
     if nproc <= 1 || super::launch::LaunchEnv::from_env()?.is_some() {
         return Ok(false);
     }
-    spawn(&SpawnOptions::this_program(nproc)?)?;
+    spawn(&SpawnOptions { heartbeat: Some(timeout), ..SpawnOptions::this_program(nproc)? })?;
     Ok(true)
 }
 
-/// Waits for all ranks; on the first failure stops the rest and returns the failed rank.
-fn supervise(ranks: &mut [Rank]) -> std::result::Result<(), usize> {
+/// The folder the ranks write their heartbeat files to, removed with the job.
+struct Heartbeats(PathBuf);
+
+impl Heartbeats {
+    fn new(port: u16) -> Result<Heartbeats> {
+        let dir = std::env::temp_dir().join(format!("engine-heartbeat-{}-{port}", std::process::id()));
+        std::fs::create_dir_all(&dir).map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+        Ok(Heartbeats(dir))
+    }
+}
+
+impl Drop for Heartbeats {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Why supervision ended a job: the rank, and a reason when it did not exit by itself.
+type Failure = (usize, Option<String>);
+
+/// Waits for all ranks; on the first failure (an exit, or a stalled heartbeat in `beats`:
+/// its folder and limit) stops the rest and returns the rank.
+fn supervise(ranks: &mut [Rank], beats: Option<(&Path, Duration)>) -> std::result::Result<(), Failure> {
+    let mut next_check = Instant::now();
     loop {
         let mut running = 0;
         for i in 0..ranks.len() {
@@ -134,18 +175,28 @@ fn supervise(ranks: &mut [Rank]) -> std::result::Result<(), usize> {
                     ranks[i].status = Some(status);
                     if !status.success() {
                         stop(ranks);
-                        return Err(i);
+                        return Err((i, None));
                     }
                 }
                 Ok(None) => running += 1,
                 Err(_) => {
                     stop(ranks);
-                    return Err(i);
+                    return Err((i, None));
                 }
             }
         }
         if running == 0 {
             return Ok(());
+        }
+        if let Some((dir, timeout)) = beats.filter(|_| Instant::now() >= next_check) {
+            next_check = Instant::now() + Duration::from_millis(250);
+            let stalled = (0..ranks.len())
+                .filter(|&i| ranks[i].status.is_none())
+                .find_map(|i| super::heartbeat::stalled(dir, i, timeout).map(|why| (i, why)));
+            if let Some((i, why)) = stalled {
+                stop(ranks);
+                return Err((i, Some(why)));
+            }
         }
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -173,10 +224,13 @@ fn stop(ranks: &mut [Rank]) {
     }
 }
 
-fn report(ranks: &[Rank], failed: usize) -> Error {
+fn report(ranks: &[Rank], failed: usize, why: Option<String>) -> Error {
     let status = ranks[failed].status.map_or("could not be waited for".to_string(), describe_status);
     let tail = ranks[failed].tail.lock().map(|t| t.iter().cloned().collect::<Vec<_>>().join("\n")).unwrap_or_default();
-    let mut msg = format!("rank {failed} failed ({status})");
+    let mut msg = match why {
+        Some(why) => format!("rank {failed} failed: {why}"),
+        None => format!("rank {failed} failed ({status})"),
+    };
     if ranks.len() > 1 {
         msg.push_str("; the other ranks were stopped");
     }

@@ -1,6 +1,7 @@
 //! Handles to collectives in flight.
 use std::time::Duration;
 
+use crate::dist::heartbeat::{self, Waiting};
 use crate::dist::store::timeout_ms;
 use crate::ffi::{self, check, EngWork};
 use crate::Result;
@@ -18,6 +19,8 @@ pub struct Work {
     what: String,
     /// None: wait without a client-side timeout (NCCL work, whose watchdog has one).
     timeout: Option<Duration>,
+    /// The group's global ranks and this rank's, to name lost peers when the work fails.
+    peers: Option<(Vec<usize>, usize)>,
 }
 
 // SAFETY: c10d work objects are thread-safe; the handle is owned and freed once.
@@ -25,7 +28,14 @@ unsafe impl Send for Work {}
 
 impl Work {
     pub(crate) fn new(raw: *mut EngWork, what: String, timeout: Option<Duration>) -> Work {
-        Work { raw, then: None, what, timeout }
+        Work { raw, then: None, what, timeout, peers: None }
+    }
+
+    /// Names the group's members (global ranks) and this rank, so a failure can say which
+    /// peers stopped beating (see [`heartbeat::lost_peers`]).
+    pub(crate) fn among(mut self, ranks: &[usize], me: usize) -> Work {
+        self.peers = (ranks.len() > 1).then(|| (ranks.to_vec(), me));
+        self
     }
 
     /// Adds a step to run after the collective completes.
@@ -40,10 +50,18 @@ impl Work {
         self
     }
 
-    /// Waits for completion; an error names the operation and carries c10d's message.
+    /// Waits for completion; an error names the operation, carries c10d's message and names
+    /// the peers that are gone, if any.
     pub fn wait(mut self) -> Result<()> {
         let timeout = self.timeout.map_or(-1, timeout_ms);
-        check(unsafe { ffi::eng_work_wait(self.raw, timeout) }, || format!("{} failed", self.what))?;
+        let _waiting = Waiting::start();
+        check(unsafe { ffi::eng_work_wait(self.raw, timeout) }, || {
+            let lost = self.peers.as_ref().and_then(|(ranks, me)| heartbeat::lost_peers(ranks, *me));
+            match lost {
+                Some(lost) => format!("{} failed; {lost}", self.what),
+                None => format!("{} failed", self.what),
+            }
+        })?;
         match self.then.take() {
             Some(step) => step(),
             None => Ok(()),
