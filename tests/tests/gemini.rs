@@ -197,6 +197,8 @@ fn on_two_ranks(world: &World, shard: bool, placement: Placement, recipe: Recipe
         if shard {
             let m = g.manager().unwrap();
             assert_eq!(m.chunk_numel() % 2, 0, "chunks split evenly over 2 ranks");
+            // Prefetched chunks are gathered asynchronously, waited for at their use.
+            assert!(m.events().iter().any(|e| matches!(e, Event::Prefetch(_))), "sharded chunks were prefetched");
         }
         assert_same(&params, &plain, &format!("{rule:?} on 2 ranks, shard {shard}, {placement:?}"));
     }

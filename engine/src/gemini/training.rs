@@ -22,7 +22,7 @@ use super::optimizer::ChunkOptimizer;
 use super::placement::{self, Placement};
 use crate::autograd::{apply, register_post_accumulate_grad_hook, set_grad, Forward};
 use crate::optim::flat::CpuRule;
-use crate::optim::{LossScaler, Param};
+use crate::optim::{clip_to, scaled_grad_norm, Held, LossScaler, Param};
 use crate::{Error, Result};
 
 /// Gemini's options.
@@ -168,20 +168,40 @@ impl Gemini {
 
     /// Clips the accumulated gradients to a global norm of `max_norm`; returns the norm before.
     pub fn clip_grad_norm(&self, max_norm: f64) -> Result<f64> {
-        let (grads, group) = ChunkOptimizer::gradients(&*self.manager()?)?;
-        crate::optim::clip_grad_norm(&grads, max_norm, group.as_ref())
+        let norm = self.unscale_and_clip(None, Some(max_norm))?;
+        Ok(norm.expect("without a scaler there is no overflow to report"))
     }
 
     /// Divides the accumulated gradients by a loss scale (fp16 training) and returns whether
     /// they are all finite on every rank; when not, call [`Gemini::skip_step`] instead of
     /// [`Gemini::step`].
     pub fn unscale(&self, scaler: &LossScaler) -> Result<bool> {
+        Ok(self.unscale_and_clip(Some(scaler), None)?.is_some())
+    }
+
+    /// Unscales the accumulated gradients by `scaler` (fp16) and clips them to a global norm
+    /// of `max_norm`, with one reduction and one host sync for both. Returns the norm before
+    /// clipping, or None when a scaler is given and the gradients overflowed on some rank
+    /// (then call [`Gemini::skip_step`]).
+    pub fn unscale_and_clip(&self, scaler: Option<&LossScaler>, max_norm: Option<f64>) -> Result<Option<f64>> {
         let m = self.manager()?;
-        let (grads, group) = ChunkOptimizer::gradients(&m)?;
+        let (grads, sharded) = ChunkOptimizer::gradients(&m)?;
         // Replicated chunks hold the same gradients everywhere, but the decision must still be
         // the same on every rank: take the group either way.
-        let group = group.or_else(|| m.replication().map(|r| r.group.clone()));
-        scaler.unscale(&grads, group.as_ref())
+        let replicated = m.replication().filter(|r| !r.shard).map(|r| r.group.clone());
+        let held = match (&sharded, &replicated) {
+            (Some(g), _) => Held::Sharded(g),
+            (None, Some(g)) => Held::Replicated(g),
+            (None, None) => Held::Local,
+        };
+        let norm = scaled_grad_norm(&grads, scaler.map_or(1.0, |s| 1.0 / s.scale), held)?;
+        if scaler.is_some() && !norm.is_finite() {
+            return Ok(None);
+        }
+        if let Some(max) = max_norm {
+            clip_to(&grads, norm, max)?;
+        }
+        Ok(Some(norm))
     }
 
     /// Ends a step without updating (an overflow under loss scaling): clears the gradients.

@@ -7,11 +7,12 @@
 //! would issue different sequences of collectives (a hang, or different chunks summed
 //! together). Instead every rank first agrees on the set of chunks that have a gradient on any
 //! rank (one small all-reduce of flags), then reduces exactly those, in chunk order, with zeros
-//! where it has none, as one process running every rank's batch would.
+//! where it has none, as one process running every rank's batch would. The reductions are all
+//! launched before the first is waited for, so they overlap each other.
 use tch::{Kind, Tensor};
 
 use super::ChunkManager;
-use crate::dist::ReduceOp;
+use crate::dist::{ReduceOp, Work};
 use crate::gemini::chunk::TensorState;
 use crate::Result;
 
@@ -55,7 +56,8 @@ impl ChunkManager {
 
     /// Reduces, in chunk order, every chunk that has a gradient on any rank of the group (a
     /// zero one where this rank has none): the same collectives in the same order on every
-    /// rank, whatever each rank's data made its backward touch.
+    /// rank, whatever each rank's data made its backward touch. All are launched before any
+    /// is waited for, so they are in flight together.
     fn reduce_agreed(&mut self) -> Result<()> {
         let Some(rep) = &self.replication else { return Ok(()) };
         let group = rep.group.clone();
@@ -63,33 +65,36 @@ impl ChunkManager {
         let flags = Tensor::from_slice(&local);
         group.all_reduce(&flags, ReduceOp::Max)?;
         let any: Vec<f32> = Vec::<f32>::try_from(&flags)?;
+        let mut launched = Vec::new();
         for (c, &flag) in any.iter().enumerate() {
             if flag > 0.0 {
                 if self.chunks[c].full_grad.is_none() {
                     self.allocate_full_grad(c)?;
                 }
-                self.reduce(c)?;
+                launched.push(self.launch_reduce(c)?);
             }
+        }
+        for (c, full, mine, work) in launched {
+            work.wait()?;
+            let ch = &self.chunks[c];
+            tch::no_grad(|| ch.grad.shallow_clone().f_add_(&mine.f_to_device(ch.grad.device())?).map(drop))?;
+            self.device_bytes -= full.numel() * 4;
         }
         Ok(())
     }
 
-    /// Averages a chunk's whole gradient across the data-parallel group into this rank's
-    /// accumulator: a reduce-scatter when sharded (each rank gets its part), an all-reduce
-    /// when replicated. Called only by [`ChunkManager::reduce_agreed`].
-    fn reduce(&mut self, c: usize) -> Result<()> {
-        let Some(full) = self.chunks[c].full_grad.take() else { return Ok(()) };
-        let Some(rep) = &self.replication else { return Ok(()) };
-        let mine = if rep.shard {
-            rep.group.reduce_scatter(&full, ReduceOp::Avg)?
-        } else {
-            rep.group.all_reduce(&full, ReduceOp::Avg)?;
-            full.shallow_clone()
+    /// Starts averaging chunk `c`'s whole gradient across the data-parallel group: a
+    /// reduce-scatter when sharded (this rank's part lands in the returned tensor), an
+    /// all-reduce when replicated. Returns the chunk, its whole gradient (to free once done),
+    /// this rank's result and the work; only [`ChunkManager::reduce_agreed`] calls it.
+    fn launch_reduce(&mut self, c: usize) -> Result<(usize, Tensor, Tensor, Work)> {
+        let full = self.chunks[c].full_grad.take().expect("allocated by reduce_agreed");
+        let rep = self.replication.as_ref().expect("reduce_agreed checked");
+        let (mine, work) = match rep.shard {
+            true => rep.group.reduce_scatter_async(&full, ReduceOp::Avg)?,
+            false => (full.shallow_clone(), rep.group.all_reduce_async(&full, ReduceOp::Avg)?),
         };
-        let ch = &self.chunks[c];
-        tch::no_grad(|| ch.grad.shallow_clone().f_add_(&mine.f_to_device(ch.grad.device())?).map(drop))?;
-        self.device_bytes -= full.numel() * 4;
-        Ok(())
+        Ok((c, full, mine, work))
     }
 
     /// End of backward: the chunks' gradients are reduced over the group (see the module

@@ -10,8 +10,9 @@
 //!
 //! Over a data-parallel group the chunks are either sharded (ZeRO-3: each rank keeps
 //! `1/N` of every home, gradient accumulator and optimizer state; a load is an all-gather of
-//! the shards, cast to the compute dtype first; a chunk's gradient, collected on the device,
-//! is reduce-scattered once all its tensors have theirs) or replicated (whole homes
+//! the shards, cast to the compute dtype first, launched ahead of the chunk's use when
+//! prefetched and waited for at its access; the chunks' gradients, collected on the device,
+//! are reduce-scattered together at the end of backward) or replicated (whole homes
 //! everywhere, gradients all-reduced), for models small enough to keep whole.
 //!
 //! Without a GPU the CPU stands in for both tiers and the budget is enforced on the manager's
@@ -26,7 +27,7 @@ use tch::{Device, Kind, Tensor};
 use super::budget::human;
 use super::chunk::{Layout, Slot, TensorState};
 use crate::cuda;
-use crate::dist::ProcessGroup;
+use crate::dist::{ProcessGroup, Work};
 use crate::optim::Param;
 use crate::storage::resize_storage;
 use crate::{Error, Result};
@@ -104,6 +105,9 @@ struct Chunk {
     full_grad: Option<Tensor>,
     /// Marks the end of a prefetch copy still in flight on the side stream (GPU only).
     ready: Option<cuda::Event>,
+    /// A prefetched all-gather of the shards still in flight (ZeRO-3), with its input (which
+    /// must live until it completes): waited for at the chunk's next access.
+    gather: Option<(Work, Tensor)>,
 }
 
 impl Chunk {
@@ -253,7 +257,18 @@ impl ChunkManager {
             }
             let home = manager.on_tier(&master.f_narrow(0, manager.shard_offset as i64, shard_len as i64)?, tier)?;
             let grad = manager.on_tier(&home.f_zeros_like()?, tier)?;
-            let chunk = Chunk { slots, kind, payload, home, tier, resident: false, grad, full_grad: None, ready: None };
+            let chunk = Chunk {
+                slots,
+                kind,
+                payload,
+                home,
+                tier,
+                resident: false,
+                grad,
+                full_grad: None,
+                ready: None,
+                gather: None,
+            };
             resize_storage(&chunk.payload, 0)?;
             if tier == Tier::Device {
                 manager.charge(manager.home_buffers * chunk.home_bytes(), c)?;

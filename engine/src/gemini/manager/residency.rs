@@ -46,6 +46,10 @@ impl ChunkManager {
                 self.cursor += 1;
             }
             self.make_resident(c, &chunks)?;
+            // A prefetched gather still in flight: its shards must have arrived.
+            if let Some((work, _input)) = self.chunks[c].gather.take() {
+                work.wait()?;
+            }
             // A prefetch still copying: the module's kernels queue behind it.
             if let (Some(ready), Device::Cuda(d)) = (self.chunks[c].ready.take(), self.device) {
                 cuda::Stream::current(d)?.wait_event(&ready)?;
@@ -212,7 +216,12 @@ impl ChunkManager {
                 same_chunk_everywhere(&rep.group, c)?;
                 let ch = &self.chunks[c];
                 let mine = ch.home.f_to_device(self.device)?.f_to_kind(ch.kind)?;
-                rep.group.all_gather_into_async(&ch.payload, &mine)?.wait()?;
+                let work = rep.group.all_gather_into_async(&ch.payload, &mine)?;
+                // A prefetch overlaps the gather with the modules before the chunk's use.
+                match ahead {
+                    true => self.chunks[c].gather = Some((work, mine)),
+                    false => work.wait()?,
+                }
             }
             (_, Device::Cuda(d)) if ahead => {
                 let ready = self.copy_on_side_stream(c, d)?;
@@ -258,11 +267,14 @@ impl ChunkManager {
         Ok(done)
     }
 
-    /// Waits (on the host) for chunk `c`'s side-stream copy, if one is in flight: before its
-    /// memory is freed, and before its home is stepped.
+    /// Waits (on the host) for chunk `c`'s side-stream copy or prefetched gather, if one is
+    /// in flight: before its memory is freed, and before its home is stepped.
     fn settle(&mut self, c: usize) -> Result<()> {
         if let Some(ready) = self.chunks[c].ready.take() {
             ready.synchronize()?;
+        }
+        if let Some((work, _input)) = self.chunks[c].gather.take() {
+            work.wait()?;
         }
         Ok(())
     }
