@@ -108,6 +108,10 @@ char* eng_cuda_record_stream(at::Tensor* t, EngStream* s) {
   })
 }
 
+char* eng_cuda_set_device(int device) {
+  ENG_PROTECT({ c10::cuda::set_device(device_index(device)); })
+}
+
 char* eng_cuda_synchronize(int device) {
   ENG_PROTECT({
     c10::cuda::CUDAGuard guard(device_index(device));

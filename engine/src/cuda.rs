@@ -221,6 +221,12 @@ pub fn mem_get_info(device: usize) -> Result<(u64, u64)> {
     Ok((free.max(0) as u64, total.max(0) as u64))
 }
 
+/// Makes `device` this thread's current CUDA device (`cudaSetDevice`), so that allocations
+/// and NCCL communicators without an explicit device land on it.
+pub fn set_device(device: usize) -> Result<()> {
+    cuda_check(unsafe { ffi::eng_cuda_set_device(device as i32) }, || format!("making cuda:{device} current"))
+}
+
 /// Blocks until all work on `device` has finished.
 pub fn synchronize(device: usize) -> Result<()> {
     cuda_check(unsafe { ffi::eng_cuda_synchronize(device as i32) }, || format!("synchronizing cuda:{device}"))

@@ -4,21 +4,43 @@ use crate::cuda;
 /// Where a job computes (`--device` of every binary).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DeviceKind {
+    /// CUDA when a device is visible, else the CPU (the default).
+    Auto,
     /// The CPU.
     Cpu,
-    /// CUDA: each rank its local GPU.
+    /// CUDA: each rank a GPU of its node.
     Cuda,
 }
 
 impl DeviceKind {
-    /// The device of the rank with local index `local_rank`; an error without a GPU.
-    pub fn device(self, local_rank: usize) -> crate::Result<tch::Device> {
+    /// `Auto` decided against the devices visible now; the others as they are.
+    pub fn resolve(self) -> DeviceKind {
         match self {
-            DeviceKind::Cpu => Ok(tch::Device::Cpu),
-            DeviceKind::Cuda if cuda::is_available() => Ok(tch::Device::Cuda(local_rank)),
+            DeviceKind::Auto if cuda::is_available() => DeviceKind::Cuda,
+            DeviceKind::Auto => DeviceKind::Cpu,
+            kind => kind,
+        }
+    }
+
+    /// The device of the rank with local index `local_rank`: under CUDA GPU
+    /// `local_rank % device_count` (of those `CUDA_VISIBLE_DEVICES` shows), made this thread's
+    /// current device before anything is allocated; an error for `Cuda` without a GPU. The
+    /// choice `Auto` made is said on stderr by local rank 0.
+    pub fn device(self, local_rank: usize) -> crate::Result<tch::Device> {
+        let resolved = self.resolve();
+        if self == DeviceKind::Auto && local_rank == 0 {
+            eprintln!("device: auto -> {resolved} ({} CUDA device(s) visible)", cuda::device_count());
+        }
+        match resolved {
+            DeviceKind::Cuda if cuda::is_available() => {
+                let d = local_rank % cuda::device_count();
+                cuda::set_device(d)?;
+                Ok(tch::Device::Cuda(d))
+            }
             DeviceKind::Cuda => {
                 Err(crate::Error::CudaUnavailable("--device cuda, but libtorch sees no CUDA device".into()))
             }
+            _ => Ok(tch::Device::Cpu),
         }
     }
 }
@@ -28,9 +50,10 @@ impl std::str::FromStr for DeviceKind {
 
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         match s {
+            "auto" => Ok(DeviceKind::Auto),
             "cpu" => Ok(DeviceKind::Cpu),
             "cuda" => Ok(DeviceKind::Cuda),
-            other => Err(format!("unknown device {other:?} (expected cpu or cuda)")),
+            other => Err(format!("unknown device {other:?} (expected auto, cpu or cuda)")),
         }
     }
 }
@@ -38,6 +61,7 @@ impl std::str::FromStr for DeviceKind {
 impl std::fmt::Display for DeviceKind {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
+            DeviceKind::Auto => "auto",
             DeviceKind::Cpu => "cpu",
             DeviceKind::Cuda => "cuda",
         })
@@ -50,9 +74,22 @@ mod tests {
 
     #[test]
     fn device_kinds_parse_and_print() {
-        for kind in [DeviceKind::Cpu, DeviceKind::Cuda] {
+        for kind in [DeviceKind::Auto, DeviceKind::Cpu, DeviceKind::Cuda] {
             assert_eq!(kind.to_string().parse::<DeviceKind>(), Ok(kind));
         }
         assert!("gpu".parse::<DeviceKind>().unwrap_err().contains("\"gpu\""));
+    }
+
+    #[test]
+    fn auto_is_cuda_exactly_when_a_device_is_visible() {
+        let expected = if cuda::is_available() { DeviceKind::Cuda } else { DeviceKind::Cpu };
+        assert_eq!(DeviceKind::Auto.resolve(), expected);
+        assert_eq!(DeviceKind::Cpu.resolve(), DeviceKind::Cpu);
+        assert_eq!(DeviceKind::Cuda.resolve(), DeviceKind::Cuda);
+        let device = DeviceKind::Auto.device(3).unwrap();
+        match cuda::device_count() {
+            0 => assert_eq!(device, tch::Device::Cpu),
+            n => assert_eq!(device, tch::Device::Cuda(3 % n)),
+        }
     }
 }

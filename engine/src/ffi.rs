@@ -151,6 +151,7 @@ extern "C" {
     pub fn eng_cuda_event_free(e: *mut EngEvent);
     pub fn eng_cuda_record_stream(t: *mut C_tensor, s: *mut EngStream) -> *mut c_char;
     pub fn eng_cuda_synchronize(device: c_int) -> *mut c_char;
+    pub fn eng_cuda_set_device(device: c_int) -> *mut c_char;
     pub fn eng_cuda_memory_stats(device: c_int, out: *mut i64) -> *mut c_char;
     pub fn eng_cuda_reset_peak_stats(device: c_int) -> *mut c_char;
     pub fn eng_cuda_set_memory_fraction(fraction: f64, device: c_int) -> *mut c_char;

@@ -31,8 +31,9 @@ use crate::Result;
 /// `--device`.
 #[derive(clap::Args, Clone, Debug)]
 pub struct DeviceArgs {
-    /// Device (cuda: each rank its local GPU).
-    #[arg(long, default_value_t = DeviceKind::Cpu)]
+    /// Device: auto (CUDA when a GPU is visible, else CPU), cpu, or cuda (each rank GPU
+    /// LOCAL_RANK % visible devices).
+    #[arg(long, default_value_t = DeviceKind::Auto)]
     pub device: DeviceKind,
 }
 

@@ -28,6 +28,14 @@ pub fn keep_freed_memory() {
     }
 }
 
+/// The cores this process may use, shared among the ranks on its node (`LOCAL_WORLD_SIZE`,
+/// set by every launcher): the default of thread-pool flags such as `--workers`.
+pub fn cores_per_rank() -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let local = std::env::var("LOCAL_WORLD_SIZE").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(1);
+    (cores / local.max(1)).max(1)
+}
+
 /// A human-readable report of the runtime.
 pub fn report() -> String {
     let mut out = String::new();

@@ -178,7 +178,7 @@ fn diffusers(args: &Args, config_path: &Path) -> anyhow::Result<Measured> {
     let mut cmd = Command::new(&python);
     cmd.arg(BASELINE)
         .arg(config_path)
-        .args(["--device", if args.device == DeviceKind::Cpu { "cpu" } else { "cuda" }])
+        .args(["--device", if args.device.resolve() == DeviceKind::Cpu { "cpu" } else { "cuda" }])
         .args(["--resolution", &args.resolution.to_string(), "--batch", &args.batch.to_string()])
         .args(["--precision", &format!("{:?}", args.precision).to_lowercase()])
         .args(["--steps", &args.steps.to_string(), "--warmup", &args.warmup.to_string()]);
@@ -204,7 +204,7 @@ fn main() -> anyhow::Result<()> {
         println!("{json}");
         return Ok(());
     }
-    if args.device == DeviceKind::Cuda && !engine::cuda::is_available() {
+    if args.device.resolve() == DeviceKind::Cuda && !engine::cuda::is_available() {
         println!("diffusion finetune bench: no CUDA device (pass --device cpu to check the program on the CPU)");
         return Ok(());
     }
@@ -221,7 +221,7 @@ fn main() -> anyhow::Result<()> {
         if args.gradient_checkpointing { "" } else { "no " },
         args.device
     );
-    if args.device == DeviceKind::Cpu {
+    if args.device.resolve() == DeviceKind::Cpu {
         println!("(on the CPU the cap is Gemini's own accounting; peaks are each process's resident set)");
     }
     println!("| | s/step | peak GiB |\n|---|---|---|");

@@ -372,7 +372,7 @@ fn baseline_args(cfg: &VitConfig, args: &BenchArgs, threads: usize) -> Vec<Strin
     if let Some(n) = args.steps {
         a.extend(["--steps".into(), n.to_string()]);
     }
-    let device = args.device.device.to_string();
+    let device = args.device.device.resolve().to_string();
     let precision = args.precision.precision.name();
     let bf16 = match args.baseline_bf16 {
         BaselineBf16::Master => "master",
@@ -425,7 +425,7 @@ fn mib(bytes: Option<i64>) -> String {
 
 /// The report as a Markdown table with a line of details under it.
 fn table(args: &BenchArgs, r: &BenchReport) -> String {
-    let device = args.device.device.to_string();
+    let device = args.device.device.resolve().to_string();
     let precision = match (args.precision.precision, args.baseline_bf16) {
         (Precision::Bf16, BaselineBf16::Master) => "bf16 + fp32 master weights (both)".to_string(),
         (Precision::Bf16, BaselineBf16::Autocast) => {
@@ -433,7 +433,7 @@ fn table(args: &BenchArgs, r: &BenchReport) -> String {
         }
         (other, _) => other.name().to_string(),
     };
-    let cuda = args.device.device == DeviceKind::Cuda;
+    let cuda = args.device.device.resolve() == DeviceKind::Cuda;
     let mut s =
         format!("\nViT training throughput: forward + backward + AdamW step, synthetic data, {device}, {precision}\n");
     s += "| model | image | batch | threads | ours img/s | PyTorch img/s | ours/PyTorch |";

@@ -118,8 +118,8 @@ pub struct PretrainArgs {
     /// schedule still follows --steps/--epochs: for time-limited jobs continued with --resume.
     #[arg(long)]
     pub stop_after: Option<usize>,
-    /// Decode and augmentation threads per rank.
-    #[arg(long, default_value_t = 1)]
+    /// Decode and augmentation threads per rank (default: the cores available to the rank).
+    #[arg(long, default_value_t = engine::process::cores_per_rank())]
     pub workers: usize,
 }
 
