@@ -4,7 +4,8 @@
 //! ran on 2 ranks (losses within 1e-5); `--checkpoints-total-limit` keeps the newest and
 //! `latest` names one of them; the EMA equals diffusers' EMAModel (fixture) and, in a run, the
 //! average of the run's weights by EMAModel's formula; caption dropout is keyed by the seed,
-//! step and image; LoRA adapters resume bit for bit after a kill during a save; a `--resume` folder that is missing, dangling or corrupt is named.
+//! step and image; LoRA adapters resume bit for bit after a kill during a save; a `--resume`
+//! folder that is missing, dangling or corrupt is named, and so are flags that cannot work.
 mod common;
 
 use std::collections::HashMap;
@@ -292,6 +293,18 @@ fn bad_resume_folders_are_named() {
         assert!(!ok, "--resume {resume} should fail: {text}");
         text
     };
+    for (flags, named) in [
+        (&["--caption-dropout", "1.5"][..], "--caption-dropout 1.5"),
+        (&["--use-ema", "--lora-rank", "2"], "--lora-rank"),
+        (&["--checkpoints-total-limit", "0"], "--checkpoints-total-limit 0"),
+        (&["--validation-steps", "5"], "--validation-steps needs --validation-prompt"),
+    ] {
+        let mut args =
+            vec!["--model", model.to_str().unwrap(), "--data", data.to_str().unwrap(), "-o", out.to_str().unwrap()];
+        args.extend(flags);
+        let (ok, text) = finetune(&args);
+        assert!(!ok && text.contains(named), "{flags:?}: {text}");
+    }
     let text = try_resume("/nonexistent/checkpoint-4");
     assert!(text.contains("--resume /nonexistent/checkpoint-4"), "{text}");
 

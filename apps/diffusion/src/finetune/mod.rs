@@ -471,5 +471,12 @@ pub fn run(args: &FinetuneArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
         }
     }
     progress.finish_and_clear();
+    if first > args.steps {
+        // As diffusers' script: a run resumed at its end still writes the final model.
+        if rank == 0 {
+            eprintln!("resumed at step {}: --steps {} leaves nothing to train", first - 1, args.steps);
+        }
+        trainer.save()?;
+    }
     Ok(log)
 }
