@@ -139,7 +139,7 @@ impl UnetTraining {
 pub struct StepLog {
     /// 1-based step.
     pub step: usize,
-    /// Mean loss over the micro-batches (this rank's images).
+    /// Mean loss of the step's global batch (every rank's micro-batches).
     pub loss: f64,
     /// Learning rate of the step.
     pub lr: f64,
