@@ -6,6 +6,7 @@ pub mod a3m;
 pub mod augment;
 pub mod captions;
 pub mod checkpoint;
+pub mod checkpoint_folders;
 pub mod digits;
 pub mod fasta;
 pub mod folder;

@@ -10,7 +10,7 @@ enum Cli {
     /// DPM-Solver++ 2M, UniPC; classifier-free guidance).
     Sample(SampleArgs),
     /// Fine-tune the UNet on captioned images under Gemini (`--gpu-mem` caps device memory).
-    Finetune(FinetuneArgs),
+    Finetune(Box<FinetuneArgs>),
     /// Convert an original single-file SD 1.x checkpoint into a diffusers folder.
     Convert {
         /// The single-file checkpoint (`.safetensors`).

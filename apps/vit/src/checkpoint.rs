@@ -1,13 +1,13 @@
 //! Training checkpoints under `--out`: `checkpoint-<step>/` holds the model (`model.safetensors`,
 //! fp32), each rank's optimizer state (`optimizer-rank<r>.safetensors`; one file when the
 //! state is replicated) and `trainer.json` (the step, the loss scaler, and the settings a resume
-//! must agree with). A checkpoint is written to a `.tmp` folder and renamed when every rank's
-//! files are durable, then `latest` is switched to it (atomically) and older checkpoints are
-//! removed, so a crash at any instant leaves `latest` naming a complete checkpoint.
+//! must agree with). [`data::checkpoint_folders`] stages and commits the folder and switches
+//! `latest`, so a crash at any instant leaves `latest` naming a complete checkpoint.
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
+use data::checkpoint_folders;
 use engine::dist::World;
 use engine::optim::{Optimizer, StateDict};
 use serde::{Deserialize, Serialize};
@@ -70,13 +70,9 @@ fn sharded(state: &TrainerState) -> bool {
     state.zero > 0
 }
 
-/// Writes a checkpoint of step `state.step` under `out` (every rank calls this).
-///
-/// The only commit point is the atomic, synced rewrite of `latest`: every rank's files are
-/// synced into a `.tmp` folder first, the folder is synced and renamed to a name no existing
-/// checkpoint has (re-saving a step gets `checkpoint-<step>-<n>`), the parent folder is synced,
-/// and only then does `latest` switch and are the other checkpoints removed. A crash at any
-/// instant leaves `latest` naming a complete checkpoint.
+/// Writes a checkpoint of step `state.step` under `out` (every rank calls this), committed by
+/// [`data::checkpoint_folders`]: a crash at any instant leaves `latest` naming a complete
+/// checkpoint. Only the newest checkpoint is kept.
 pub fn save(
     out: &Path,
     world: &World,
@@ -84,12 +80,9 @@ pub fn save(
     model: &[(String, Tensor)],
     opt: &dyn Optimizer,
 ) -> anyhow::Result<()> {
-    let tmp = out.join(format!("checkpoint-{}.tmp", state.step));
+    let tmp = checkpoint_folders::staging(out, state.step);
     if world.rank() == 0 {
-        if tmp.exists() {
-            std::fs::remove_dir_all(&tmp).with_context(|| format!("removing {}", tmp.display()))?;
-        }
-        std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+        checkpoint_folders::begin(out, state.step)?;
     }
     world.group.barrier()?;
     if sharded(state) || world.rank() == 0 {
@@ -100,34 +93,13 @@ pub fn save(
         let json = serde_json::to_string_pretty(state)?;
         data::write_atomic::<anyhow::Error>(&tmp.join("trainer.json"), |w| Ok(w.write_all(json.as_bytes())?))?;
     }
-    // Every rank's files are synced before this barrier; rank 0 then commits.
+    // Every rank's files are in place before this barrier; rank 0 then commits.
     world.group.barrier()?;
     if world.rank() == 0 {
-        data::sync_dir(&tmp)?;
-        let name = fresh_name(out, state.step);
-        let dir = out.join(&name);
-        std::fs::rename(&tmp, &dir).with_context(|| format!("renaming {} to {}", tmp.display(), dir.display()))?;
-        data::sync_dir(out)?;
-        data::write_atomic::<anyhow::Error>(&out.join("latest"), |w| Ok(w.write_all(name.as_bytes())?))?;
-        for entry in std::fs::read_dir(out).with_context(|| format!("listing {}", out.display()))? {
-            let path = entry?.path();
-            let file = path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
-            if file.starts_with("checkpoint-") && file != name {
-                std::fs::remove_dir_all(&path).with_context(|| format!("removing {}", path.display()))?;
-            }
-        }
+        checkpoint_folders::commit(out, state.step, Some(1))?;
     }
     world.group.barrier()?;
     Ok(())
-}
-
-/// `checkpoint-<step>`, or `checkpoint-<step>-<n>` with the first `n` no folder under `out` has.
-fn fresh_name(out: &Path, step: usize) -> String {
-    let base = format!("checkpoint-{step}");
-    std::iter::once(base.clone())
-        .chain((2..).map(|n| format!("{base}-{n}")))
-        .find(|name| !out.join(name).exists())
-        .unwrap_or(base)
 }
 
 /// A checkpoint found under `--out`.
@@ -140,10 +112,12 @@ pub struct Saved {
 
 /// The checkpoint `out/latest` points to.
 pub fn latest(out: &Path) -> anyhow::Result<Saved> {
-    let pointer = out.join("latest");
-    let name = std::fs::read_to_string(&pointer)
-        .with_context(|| format!("--resume: no checkpoint to resume from ({} is missing)", pointer.display()))?;
-    let dir = out.join(name.trim());
+    let dir = checkpoint_folders::latest(out)?.with_context(|| {
+        format!(
+            "--resume: no checkpoint to resume from ({} is missing)",
+            out.join(checkpoint_folders::LATEST).display()
+        )
+    })?;
     let path = dir.join("trainer.json");
     let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
     let state = serde_json::from_str(&text).with_context(|| format!("{}: not a trainer state", path.display()))?;

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 
 use tch::{Device, Tensor};
 
+use super::shadow;
 use super::training::Gemini;
 use crate::{Error, Result};
 
@@ -48,42 +49,19 @@ impl Gemini {
     /// rank of a sharded group must call it).
     pub fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
         let m = self.manager()?;
-        let mut out = vec![];
-        for c in 0..m.chunk_count() {
-            let full = match m.replication() {
-                Some(rep) if rep.shard => rep.group.all_gather(&m.home(c).f_to_device(m.device())?)?,
-                _ => m.home(c).shallow_clone(),
-            }
-            .f_to_device(Device::Cpu)?;
-            for s in m.slots(c) {
-                let t =
-                    full.f_narrow(0, s.offset as i64, s.numel as i64)?.f_view(s.shape.as_slice())?.f_detach_copy()?;
-                out.push((s.name.clone(), t));
-            }
-        }
-        Ok(out)
+        let homes: Vec<Tensor> = (0..m.chunk_count()).map(|c| m.home(c).shallow_clone()).collect();
+        shadow::gather(&m, &homes)
     }
 
     /// Loads parameters from a full state dict (each rank takes its shards' parts). A missing
     /// name or a shape that differs is an error naming it.
     pub fn load_state_dict(&self, named: &HashMap<String, Tensor>) -> Result<()> {
         let mut m = self.manager()?;
-        for c in 0..m.chunk_count() {
-            for p in m.pieces(c) {
-                let t = named.get(&p.name).ok_or_else(|| Error::invalid(format!("state dict: missing {}", p.name)))?;
-                if t.size() != p.shape {
-                    return Err(Error::invalid(format!(
-                        "state dict: {} has shape {:?}, the model {:?}",
-                        p.name,
-                        t.size(),
-                        p.shape
-                    )));
-                }
-                let src = t.f_flatten(0, -1)?.f_narrow(0, p.in_param as i64, p.len as i64)?;
-                let home = m.home(c);
-                tch::no_grad(|| home.f_narrow(0, p.in_shard as i64, p.len as i64)?.f_copy_(&src))?;
-            }
-        }
+        let homes: Vec<Tensor> = (0..m.chunk_count()).map(|c| m.home(c).shallow_clone()).collect();
+        shadow::for_each_piece(&m, named, |c, at, len, src| {
+            homes[c].f_narrow(0, at as i64, len as i64)?.f_copy_(src)?;
+            Ok(())
+        })?;
         // Resident payloads hold the old values.
         m.release_all()
     }

@@ -14,6 +14,8 @@
 //!   gradients into the chunks, and steps.
 //! - [`Placement`] (`placement.rs`): where the homes live, static or after a warm-up step.
 //! - [`checkpoint`]: full state dicts and sharded optimizer state.
+//! - `shadow.rs`: tensors sharded as the homes are (an average of the weights, say), swapped
+//!   with the homes and converted to and from full tensors by name.
 //! - [`budget`]: `--gpu-mem` parsing, the allocator cap, byte counts for messages.
 pub mod budget;
 pub mod checkpoint;
@@ -21,6 +23,7 @@ pub mod chunk;
 mod manager;
 mod optimizer;
 mod placement;
+mod shadow;
 mod training;
 
 pub use budget::{cap_device_memory, human, parse_bytes};

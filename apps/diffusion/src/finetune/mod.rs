@@ -3,7 +3,9 @@
 //! through the frozen VAE encoder (a sample of the posterior times the scaling factor), noise
 //! added at uniform timesteps by the DDPM schedule, the UNet's prediction against the epsilon
 //! or velocity target (the scheduler config's prediction type), mean squared error optionally
-//! weighted by min-SNR-gamma, AdamW or LAMB.
+//! weighted by min-SNR-gamma, AdamW or LAMB; captions optionally dropped to "" (`--caption-dropout`),
+//! an EMA of the weights (`ema.rs`), validation images (`validation.rs`), checkpoints and
+//! resume (`checkpoint.rs`).
 //!
 //! The UNet's parameters live in Gemini's chunks: fp32 masters, gradients and optimizer state
 //! in host or device memory as the placement decides under `--gpu-mem` (the device's
@@ -16,13 +18,19 @@
 //! on the device in the compute kind, the adapters and their AdamW/LAMB state in fp32, their
 //! gradients averaged over the ranks.
 //!
-//! Random draws (batch order, crops, flips, posterior samples, noise, timesteps) come from
-//! generators keyed by the seed, step and example, so a run is the same on any device and
-//! any number of ranks.
+//! Random draws (batch order, crops, flips, caption dropout, posterior samples, noise,
+//! timesteps) come from generators keyed by the seed, step and example, so a run is the same
+//! on any device and any number of ranks, and a resumed run needs no generator state.
+mod args;
+mod checkpoint;
+pub mod ema;
 mod gemini_unet;
 mod model_folder;
 mod objective;
+mod validation;
 
+pub use args::FinetuneArgs;
+pub use checkpoint::TrainerState;
 pub use gemini_unet::{gemini_config, GeminiParts, UnetParams};
 pub use model_folder::save_model;
 pub use objective::{loss, Batch, Draws};
@@ -35,101 +43,17 @@ use data::augment::Rng;
 use data::captions::{CaptionedImages, CropMode, Preprocess};
 use engine::dist::{ReduceOp, World};
 use engine::gemini::{cap_device_memory, parse_bytes, Gemini, Replication};
-use engine::job::{JobArgs, OptimizerArgs, Precision, PrecisionArgs, ScheduleArgs, SeedArgs};
+use engine::job::Precision;
 use engine::metrics::Metrics;
 use engine::optim::{clip_grad_norm, LossScaler, LrSchedule, Optimizer};
 use tch::{Device, Kind, Tensor};
 
 use crate::lora::Lora;
 use crate::pipeline::StableDiffusion;
-use crate::sample::{SampleOptions, Sampler};
 use crate::scheduler::{DdpmScheduler, SchedulerClass};
 use crate::Result;
-
-/// `diffusion finetune`'s options.
-#[derive(clap::Args, Debug, Clone)]
-#[command(
-    mut_arg("lr", |a| a.default_value("1e-5")),
-    mut_arg("weight_decay", |a| a.default_value("1e-2")),
-    mut_arg("clip_grad", |a| a.default_value("1.0")),
-    mut_arg("metrics", |a| a.default_value("log.jsonl")),
-    mut_arg("precision", |a| a.help("Compute precision of the UNet (fp32 masters and optimizer state either way; fp16 with dynamic loss scaling)")),
-)]
-pub struct FinetuneArgs {
-    /// The diffusers pipeline folder to start from.
-    #[arg(long)]
-    pub model: PathBuf,
-    /// The image folder (captions in metadata.jsonl or .txt files, or --instance-prompt).
-    #[arg(long)]
-    pub data: PathBuf,
-    /// DreamBooth: every image takes this prompt (caption files are not read).
-    #[arg(long)]
-    pub instance_prompt: Option<String>,
-    /// Output directory: `model/` (a diffusers folder), the training log, `samples/`.
-    #[arg(short = 'o', long)]
-    pub out: PathBuf,
-    /// Training resolution (square, pixels).
-    #[arg(long, default_value_t = 512)]
-    pub resolution: usize,
-    /// Crop the centre square (default: a random square).
-    #[arg(long)]
-    pub center_crop: bool,
-    /// Flip images horizontally at random.
-    #[arg(long)]
-    pub random_flip: bool,
-    /// Images per rank per micro-batch (diffusers' --train-batch-size).
-    #[arg(long, visible_alias = "train-batch-size", default_value_t = 1)]
-    pub micro_batch: usize,
-    /// Recompute each UNet block's activations in backward instead of keeping them.
-    #[arg(long)]
-    pub gradient_checkpointing: bool,
-    /// Micro-batches per optimizer step (diffusers' --gradient-accumulation-steps).
-    #[arg(long, visible_alias = "gradient-accumulation-steps", default_value_t = 1)]
-    pub grad_accum: usize,
-    /// Optimizer steps.
-    #[arg(long, default_value_t = 100)]
-    pub steps: usize,
-    /// The optimizer (AdamW by default, with diffusers' weight decay 1e-2 and clip 1).
-    #[command(flatten)]
-    pub optimizer: OptimizerArgs,
-    /// The learning-rate schedule (constant after warmup by default).
-    #[command(flatten)]
-    pub schedule: ScheduleArgs,
-    /// Min-SNR-gamma loss weighting (Hang et al. 2023; 5 is the usual value).
-    #[arg(long)]
-    pub snr_gamma: Option<f64>,
-    /// Offset noise (adds `offset * N(0, 1)` per image and channel).
-    #[arg(long, default_value_t = 0.0)]
-    pub noise_offset: f64,
-    /// Compute precision.
-    #[command(flatten)]
-    pub precision: PrecisionArgs,
-    /// Cap on the device memory of the job (e.g. 4G); Gemini places the chunks to fit it.
-    #[arg(long)]
-    pub gpu_mem: Option<String>,
-    /// Train LoRA adapters of this rank on the attention projections instead of the whole UNet
-    /// (saved as `pytorch_lora_weights.safetensors`).
-    #[arg(long)]
-    pub lora_rank: Option<i64>,
-    /// LoRA's alpha (the update is scaled by alpha / rank; default: the rank).
-    #[arg(long)]
-    pub lora_alpha: Option<f64>,
-    /// Device, ranks, progress and the log file.
-    #[command(flatten)]
-    pub job: JobArgs,
-    /// The seed of every random draw.
-    #[command(flatten)]
-    pub seed: SeedArgs,
-    /// Write `samples/step-<n>.png` from --sample-prompt every this many steps (0: never).
-    #[arg(long, default_value_t = 0)]
-    pub sample_every: usize,
-    /// The prompt of the periodic samples (default: the first image's caption).
-    #[arg(long)]
-    pub sample_prompt: Option<String>,
-    /// Save `model/` every this many steps as well as at the end (0: at the end only).
-    #[arg(long, default_value_t = 0)]
-    pub save_every: usize,
-}
+use ema::{Ema, EmaConfig};
+use validation::Validation;
 
 /// What trains, as [`parallelize`] wired it: the whole UNet under Gemini (ZeRO-3 over the
 /// ranks), or LoRA adapters with a replicated tensor optimizer.
@@ -215,7 +139,7 @@ impl UnetTraining {
 pub struct StepLog {
     /// 1-based step.
     pub step: usize,
-    /// Mean loss over the micro-batches (this rank's images).
+    /// Mean loss of the step's global batch (every rank's micro-batches).
     pub loss: f64,
     /// Learning rate of the step.
     pub lr: f64,
@@ -252,6 +176,16 @@ fn batch_indices(len: usize, seed: u64, global_index: usize, count: usize) -> Ve
             order[pos]
         })
         .collect()
+}
+
+/// Keys caption dropout's draws apart from the crops' (which use the seed itself).
+const CAPTION_DROPOUT_KEY: u64 = 0xca97_10d0;
+
+/// Whether `--caption-dropout p` replaces the caption of image `example` (its place in the
+/// run's sequence of images) at step `step` by "": a draw keyed by the seed, step and image, so
+/// it is the same on any number of ranks and after a resume.
+pub fn drops_caption(seed: u64, step: usize, example: usize, p: f64) -> bool {
+    p > 0.0 && Rng::keyed(seed ^ CAPTION_DROPOUT_KEY, step as u64, example as u64).uniform() < p
 }
 
 /// The parallel wiring, applied outside the UNet: with `--lora-rank`, adapters over the frozen
@@ -295,6 +229,8 @@ pub struct Trainer<'a> {
     preprocess: Preprocess,
     schedule: LrSchedule,
     device: Device,
+    /// The average of the UNet's weights (`--use-ema`).
+    ema: Option<Ema>,
     step: usize,
 }
 
@@ -302,9 +238,7 @@ impl<'a> Trainer<'a> {
     /// Reads the pipeline and the data and wires the UNet for training; bad flags, data or
     /// model files are errors naming them.
     pub fn new(args: &'a FinetuneArgs, world: &'a World) -> anyhow::Result<Trainer<'a>> {
-        if args.resolution == 0 || args.micro_batch == 0 || args.grad_accum == 0 || args.steps == 0 {
-            bail!("--resolution, --micro-batch, --grad-accum and --steps must be at least 1");
-        }
+        args.check()?;
         let device = args.job.launch.device(world)?;
         let budget =
             args.gpu_mem.as_deref().map(|s| parse_bytes(s).with_context(|| format!("--gpu-mem {s}"))).transpose()?;
@@ -333,6 +267,12 @@ impl<'a> Trainer<'a> {
         sd.unet.set_gradient_checkpointing(args.gradient_checkpointing);
         let ddpm = DdpmScheduler::new(sd.scheduler.config(SchedulerClass::Ddpm)?);
         let training = parallelize(&mut sd, args, world, device, budget)?;
+        let ema = match (&training, args.use_ema) {
+            (UnetTraining::Gemini { gemini, .. }, true) => {
+                Some(Ema::new(gemini, EmaConfig::diffusers(args.ema_decay))?)
+            }
+            _ => None,
+        };
         let preprocess = Preprocess {
             resolution: args.resolution,
             crop: if args.center_crop { CropMode::Center } else { CropMode::Random },
@@ -349,6 +289,7 @@ impl<'a> Trainer<'a> {
             schedule: args.schedule.schedule(args.optimizer.lr, args.steps),
             device,
             sd,
+            ema,
             step: 0,
         })
     }
@@ -377,7 +318,8 @@ impl<'a> Trainer<'a> {
             let img = self.data.load(i, self.preprocess, &mut rng)?;
             let r = img.height as i64;
             pixels.push(Tensor::from_slice(&img.pixels).reshape([3, r, r]));
-            captions.push(self.data.caption(i).to_string());
+            let dropped = drops_caption(seed, step, first + k, a.caption_dropout);
+            captions.push(if dropped { String::new() } else { self.data.caption(i).to_string() });
         }
         let side = a.resolution as i64 / self.sd.vae_scale();
         let latent = [self.sd.unet.config().in_channels, side, side];
@@ -412,10 +354,17 @@ impl<'a> Trainer<'a> {
         if let Some(s) = self.scaler.as_mut() {
             s.update(grad_norm.is_some());
         }
+        // As diffusers' script: the average moves after every step, a skipped one too.
+        if let (Some(ema), UnetTraining::Gemini { gemini, .. }) = (self.ema.as_mut(), &self.training) {
+            ema.step(gemini)?;
+        }
         self.step += 1;
+        // The loss of the whole global batch, the same on any number of ranks.
+        let loss = Tensor::from_slice(&[total / a.grad_accum as f64]);
+        self.world.group.all_reduce(&loss, ReduceOp::Avg)?;
         Ok(StepLog {
             step: self.step,
-            loss: total / a.grad_accum as f64,
+            loss: loss.f_double_value(&[0])?,
             lr,
             seconds: start.elapsed().as_secs_f64(),
             grad_norm,
@@ -423,38 +372,48 @@ impl<'a> Trainer<'a> {
         })
     }
 
-    /// Samples `--sample-prompt` (or the first caption) with the current weights: every rank
-    /// runs the UNet (its chunks may be sharded); rank 0 writes `samples/step-<n>.png`.
-    pub fn sample(&self) -> anyhow::Result<()> {
+    /// Writes the validation images of the current step (every rank runs the UNet; rank 0
+    /// writes), with the EMA weights swapped in under `--use-ema` as diffusers' script does.
+    pub fn validate(&self) -> anyhow::Result<Vec<PathBuf>> {
         let a = self.args;
-        let prompt = a.sample_prompt.clone().unwrap_or_else(|| self.data.caption(0).to_string());
-        let opts = SampleOptions {
-            steps: 20,
-            guidance: 7.5,
-            negative_prompt: String::new(),
-            height: a.resolution as i64,
-            width: a.resolution as i64,
-            sampler: Sampler::Ddim,
-            images_per_prompt: 1,
+        let validation = Validation {
+            prompts: &a.validation_prompts,
+            images_per_prompt: a.num_validation_images,
+            resolution: a.resolution,
             seed: a.seed.seed,
         };
-        let unet = |x: &Tensor, t: &Tensor, c: &Tensor| self.unet(x, t, c);
-        let images = self.sd.sample_with(&[prompt.as_str()], &opts, None, &unet)?;
-        if self.world.rank() == 0 {
-            let dir = a.out.join("samples");
-            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-            crate::sample::to_image(&images, 0)?.write_png(&dir.join(format!("step-{}.png", self.step)))?;
+        let swapped = match (&self.ema, &self.training) {
+            (Some(ema), UnetTraining::Gemini { gemini, .. }) => Some((ema, gemini)),
+            _ => None,
+        };
+        if let Some((ema, gemini)) = swapped {
+            ema.swap(gemini)?;
         }
-        Ok(())
+        let unet = |x: &Tensor, t: &Tensor, c: &Tensor| self.unet(x, t, c);
+        let written = validation.run(&self.sd, &unet, self.step, &a.out, self.world.rank() == 0);
+        // The trained weights come back even when sampling failed.
+        if let Some((ema, gemini)) = swapped {
+            ema.swap(gemini)?;
+        }
+        // Sampling's accesses are not a training step's: the next step starts at the beginning
+        // of the recorded trace, so its prefetches follow it.
+        if let UnetTraining::Gemini { gemini, .. } = &self.training {
+            gemini.manager()?.end_step();
+        }
+        written
     }
 
-    /// Saves `model/` (a diffusers folder) or, with LoRA, the adapters' file under `--out`.
+    /// Saves `model/` (a diffusers folder; its UNet the EMA weights under `--use-ema`, as
+    /// diffusers' script saves) or, with LoRA, the adapters' file under `--out`.
     pub fn save(&self) -> anyhow::Result<()> {
         let rank = self.world.rank();
         match &self.training {
             UnetTraining::Gemini { gemini, .. } => {
                 // Every rank takes part in gathering sharded weights.
-                let weights = gemini.state_dict()?;
+                let weights = match &self.ema {
+                    Some(ema) => ema.weights(gemini)?,
+                    None => gemini.state_dict()?,
+                };
                 if rank == 0 {
                     save_model(&self.args.model, &weights, &self.args.out)?;
                 }
@@ -466,20 +425,33 @@ impl<'a> Trainer<'a> {
     }
 }
 
-/// Runs the fine-tuning; rank 0 writes the log, samples and the model. Returns the log.
+/// Runs the fine-tuning (from `--resume`'s checkpoint when given); rank 0 writes the log,
+/// validation images, checkpoints and the model. Returns the log of the steps this run took.
 pub fn run(args: &FinetuneArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
     let mut trainer = Trainer::new(args, world)?;
     let rank = world.rank();
+    if let Some(resume) = &args.resume {
+        match checkpoint::resume_dir(resume, &args.out)? {
+            Some(dir) => trainer.resume(&dir)?,
+            None if rank == 0 => {
+                eprintln!("--resume latest: no checkpoint under {}; starting a new run", args.out.display())
+            }
+            None => {}
+        }
+    }
+    let first = trainer.step + 1;
     let mut metrics = match rank {
         0 => {
             std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
-            Some(Metrics::open::<StepLog>(&args.out.join(&args.job.metrics), None)?)
+            let resumed = (first > 1).then_some(first - 1);
+            Some(Metrics::open::<StepLog>(&args.out.join(&args.job.metrics), resumed)?)
         }
         _ => None,
     };
     let mut log = Vec::new();
-    let progress = engine::progress::progress_bar(rank == 0 && !args.job.quiet, args.steps, 0);
-    for step in 1..=args.steps {
+    let progress = engine::progress::progress_bar(rank == 0 && !args.job.quiet, args.steps, first - 1);
+    let every = |n: usize, step: usize| n > 0 && step.is_multiple_of(n);
+    for step in first..=args.steps {
         let entry = trainer.step()?;
         if let Some(m) = metrics.as_mut() {
             m.write(&entry)?;
@@ -487,13 +459,24 @@ pub fn run(args: &FinetuneArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
         progress.set_message(format!("loss {:.5}  lr {:.2e}  {:.2} s/step", entry.loss, entry.lr, entry.seconds));
         progress.inc(1);
         log.push(entry);
-        if args.sample_every > 0 && step % args.sample_every == 0 {
-            trainer.sample()?;
+        if every(args.checkpointing_steps, step) {
+            trainer.save_checkpoint()?;
         }
-        if step == args.steps || (args.save_every > 0 && step % args.save_every == 0) {
+        let validation_due = step == args.steps || args.validation_steps.is_some_and(|n| every(n, step));
+        if !args.validation_prompts.is_empty() && validation_due {
+            trainer.validate()?;
+        }
+        if step == args.steps || every(args.save_every, step) {
             trainer.save()?;
         }
     }
     progress.finish_and_clear();
+    if first > args.steps {
+        // As diffusers' script: a run resumed at its end still writes the final model.
+        if rank == 0 {
+            eprintln!("resumed at step {}: --steps {} leaves nothing to train", first - 1, args.steps);
+        }
+        trainer.save()?;
+    }
     Ok(log)
 }

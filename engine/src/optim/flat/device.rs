@@ -96,6 +96,10 @@ impl DeviceOptimizer {
                 };
                 sums.push(pair);
             }
+            // A rank's shard of a chunk may hold only padding: no segments, no sums.
+            if sums.is_empty() {
+                return Ok(Tensor::f_zeros([0, 2], (Kind::Double, tch::Device::Cpu))?);
+            }
             Ok(Tensor::f_stack(&sums, 0)?.f_to_device(tch::Device::Cpu)?)
         })
     }

@@ -1,0 +1,153 @@
+//! `diffusion finetune`'s flags, named as diffusers' `train_text_to_image.py` names them where
+//! it has them (`--checkpointing_steps` there is `--checkpointing-steps` here), and their
+//! checks.
+use std::path::PathBuf;
+
+use anyhow::bail;
+use engine::job::{JobArgs, OptimizerArgs, PrecisionArgs, ScheduleArgs, SeedArgs};
+
+/// `diffusion finetune`'s options.
+#[derive(clap::Args, Debug, Clone)]
+#[command(
+    mut_arg("lr", |a| a.default_value("1e-5")),
+    mut_arg("weight_decay", |a| a.default_value("1e-2")),
+    mut_arg("clip_grad", |a| a.default_value("1.0")),
+    mut_arg("metrics", |a| a.default_value("log.jsonl")),
+    mut_arg("precision", |a| a.help("Compute precision of the UNet (fp32 masters and optimizer state either way; fp16 with dynamic loss scaling)")),
+)]
+pub struct FinetuneArgs {
+    /// The diffusers pipeline folder to start from.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// The image folder (captions in metadata.jsonl or .txt files, or --instance-prompt).
+    #[arg(long)]
+    pub data: PathBuf,
+    /// DreamBooth: every image takes this prompt (caption files are not read).
+    #[arg(long)]
+    pub instance_prompt: Option<String>,
+    /// Output directory: `model/` (a diffusers folder), the training log, `validation/`,
+    /// `checkpoint-<step>/` and `latest`.
+    #[arg(short = 'o', long)]
+    pub out: PathBuf,
+    /// Training resolution (square, pixels).
+    #[arg(long, default_value_t = 512)]
+    pub resolution: usize,
+    /// Crop the centre square (default: a random square).
+    #[arg(long)]
+    pub center_crop: bool,
+    /// Flip images horizontally at random.
+    #[arg(long)]
+    pub random_flip: bool,
+    /// Images per rank per micro-batch (diffusers' --train-batch-size).
+    #[arg(long, visible_alias = "train-batch-size", default_value_t = 1)]
+    pub micro_batch: usize,
+    /// Recompute each UNet block's activations in backward instead of keeping them.
+    #[arg(long)]
+    pub gradient_checkpointing: bool,
+    /// Micro-batches per optimizer step (diffusers' --gradient-accumulation-steps).
+    #[arg(long, visible_alias = "gradient-accumulation-steps", default_value_t = 1)]
+    pub grad_accum: usize,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 100)]
+    pub steps: usize,
+    /// The optimizer (AdamW by default, with diffusers' weight decay 1e-2 and clip 1).
+    #[command(flatten)]
+    pub optimizer: OptimizerArgs,
+    /// The learning-rate schedule (constant after warmup by default).
+    #[command(flatten)]
+    pub schedule: ScheduleArgs,
+    /// Min-SNR-gamma loss weighting (Hang et al. 2023; 5 is the usual value).
+    #[arg(long)]
+    pub snr_gamma: Option<f64>,
+    /// Offset noise (adds `offset * N(0, 1)` per image and channel).
+    #[arg(long, default_value_t = 0.0)]
+    pub noise_offset: f64,
+    /// Compute precision.
+    #[command(flatten)]
+    pub precision: PrecisionArgs,
+    /// Cap on the device memory of the job (e.g. 4G); Gemini places the chunks to fit it.
+    #[arg(long)]
+    pub gpu_mem: Option<String>,
+    /// Train LoRA adapters of this rank on the attention projections instead of the whole UNet
+    /// (saved as `pytorch_lora_weights.safetensors`).
+    #[arg(long)]
+    pub lora_rank: Option<i64>,
+    /// LoRA's alpha (the update is scaled by alpha / rank; default: the rank).
+    #[arg(long)]
+    pub lora_alpha: Option<f64>,
+    /// Device, ranks, progress and the log file.
+    #[command(flatten)]
+    pub job: JobArgs,
+    /// The seed of every random draw.
+    #[command(flatten)]
+    pub seed: SeedArgs,
+    /// Save `model/` every this many steps as well as at the end (0: at the end only).
+    #[arg(long, default_value_t = 0)]
+    pub save_every: usize,
+    /// Save a checkpoint, `checkpoint-<step>/` under --out, every this many steps (0: never):
+    /// the UNet's (or LoRA's) weights, the optimizer state, the EMA weights, the step and the
+    /// loss scale.
+    #[arg(long, default_value_t = 500)]
+    pub checkpointing_steps: usize,
+    /// Keep only this many checkpoints, the newest (default: all).
+    #[arg(long)]
+    pub checkpoints_total_limit: Option<usize>,
+    /// Continue from a checkpoint: `latest` (the newest under --out; a new run when there is
+    /// none, as in diffusers) or a checkpoint folder (a path, or a name under --out). The
+    /// number of ranks may differ if the global batch (ranks x micro-batch x accumulation) does
+    /// not.
+    #[arg(long, visible_alias = "resume-from-checkpoint", value_name = "latest|DIR")]
+    pub resume: Option<String>,
+    /// Keep an exponential moving average of the UNet's weights (diffusers' EMAModel), used for
+    /// validation images and saved as the final UNet.
+    #[arg(long)]
+    pub use_ema: bool,
+    /// The EMA's decay, reached after the warm-up `(1 + step) / (10 + step)`.
+    #[arg(long, default_value_t = 0.9999)]
+    pub ema_decay: f64,
+    /// Replace each caption by "" with this probability, drawn from the seed, step and image
+    /// (diffusers' --proportion-empty-prompts).
+    #[arg(long, visible_alias = "proportion-empty-prompts", default_value_t = 0.0)]
+    pub caption_dropout: f64,
+    /// A validation prompt (repeat the flag for several): images
+    /// `validation/step-<n>-<i>.png` every --validation-steps and after the last step.
+    #[arg(long = "validation-prompt", visible_alias = "validation-prompts", value_name = "PROMPT")]
+    pub validation_prompts: Vec<String>,
+    /// Steps between validation images (default: after the last step only).
+    #[arg(long)]
+    pub validation_steps: Option<usize>,
+    /// Validation images per prompt.
+    #[arg(long, default_value_t = 4)]
+    pub num_validation_images: usize,
+}
+
+impl FinetuneArgs {
+    /// Errors naming the first flag whose value cannot work.
+    pub fn check(&self) -> anyhow::Result<()> {
+        if self.resolution == 0 || self.micro_batch == 0 || self.grad_accum == 0 || self.steps == 0 {
+            bail!("--resolution, --micro-batch, --grad-accum and --steps must be at least 1");
+        }
+        if !(0.0..=1.0).contains(&self.caption_dropout) {
+            bail!("--caption-dropout {}: a probability in [0, 1] is needed", self.caption_dropout);
+        }
+        if !(0.0..=1.0).contains(&self.ema_decay) {
+            bail!("--ema-decay {}: a decay in [0, 1] is needed", self.ema_decay);
+        }
+        if self.use_ema && self.lora_rank.is_some() {
+            bail!("--use-ema averages the whole UNet's weights; it does not combine with --lora-rank");
+        }
+        if self.checkpoints_total_limit == Some(0) {
+            bail!("--checkpoints-total-limit 0: keep at least 1 checkpoint (or leave the flag out)");
+        }
+        if self.validation_steps == Some(0) {
+            bail!("--validation-steps 0: give at least 1 (or leave the flag out)");
+        }
+        if self.validation_steps.is_some() && self.validation_prompts.is_empty() {
+            bail!("--validation-steps needs --validation-prompt");
+        }
+        if self.num_validation_images == 0 {
+            bail!("--num-validation-images must be at least 1");
+        }
+        Ok(())
+    }
+}
