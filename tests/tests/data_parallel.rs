@@ -283,3 +283,20 @@ dist_test!(sharded_masters_hold_a_share_and_step_like_replicated_ones, 2, |world
     }
     Ok(())
 });
+
+dist_test!(average_gradients_handles_gradients_missing_on_some_ranks, 2, |world| {
+    // a: a gradient on both ranks; b: on rank 0 only; c: on no rank.
+    let rank = world.rank() as f64;
+    let [a, b, c] = [3, 2, 4].map(|n| Tensor::zeros([n], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true));
+    let mut loss = (&a * (rank + 1.0)).sum(Kind::Float);
+    if world.rank() == 0 {
+        loss = loss + (&b * 4.0).sum(Kind::Float);
+    }
+    loss.backward();
+    let params = [Param::new("a", &a), Param::new("b", &b), Param::new("c", &c)];
+    engine::parallel::average_gradients(&params, &world.group)?;
+    assert_eq!(Vec::<f32>::try_from(a.grad())?, vec![1.5; 3], "(1 + 2) / 2");
+    assert_eq!(Vec::<f32>::try_from(b.grad())?, vec![2.0; 2], "(4 + 0) / 2 on every rank");
+    assert!(!c.grad().defined(), "no gradient anywhere stays none");
+    Ok(())
+});

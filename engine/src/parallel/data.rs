@@ -198,25 +198,8 @@ impl DataParallel {
                 s.bytes.sub(byte_size(&flat));
                 continue;
             }
-            let members = s.buckets[b].members.clone();
-            let total: i64 = members.iter().map(|&i| s.params[i].numel() as i64).sum();
-            // How many ranks had a gradient for each member, carried after the gradients.
-            let used = flat
-                .f_narrow(0, total, members.len() as i64)?
-                .f_to_kind(Kind::Double)?
-                .f_to_device(tch::Device::Cpu)?;
-            let used = Vec::<f64>::try_from(used)?;
-            let (mut offset, mut fresh) = (0, 0);
-            for (&i, used) in members.iter().zip(used) {
-                let p = &s.params[i];
-                let numel = p.numel() as i64;
-                let avg = flat.f_narrow(0, offset, numel)?.f_view(p.size().as_slice())?.f_div_scalar(n)?;
-                offset += numel;
-                if used > 0.0 {
-                    set_grad(p, Some(&avg))?;
-                    fresh += byte_size(&avg);
-                }
-            }
+            let members: Vec<Tensor> = s.buckets[b].members.iter().map(|&i| s.params[i].shallow_clone()).collect();
+            let fresh = write_back_average(&members, &flat, n)?;
             s.bytes.sub(byte_size(&flat));
             s.bytes.add(fresh);
         }
@@ -271,21 +254,8 @@ impl State {
     /// one 0/1 flag per parameter saying whether it had a gradient, and starts the all-reduce.
     fn launch_next(&mut self) -> Result<()> {
         let b = self.next;
-        let members = &self.buckets[b].members;
-        let mut pieces = Vec::with_capacity(members.len() + 1);
-        let mut used = Vec::with_capacity(members.len());
-        for &i in members {
-            let (p, g) = (&self.params[i], self.params[i].grad());
-            used.push(g.defined() as u8 as f64);
-            pieces.push(if g.defined() {
-                g.f_flatten(0, -1)?
-            } else {
-                Tensor::f_zeros([p.numel() as i64], (p.kind(), p.device()))?
-            });
-        }
-        let first = &self.params[members[0]];
-        pieces.push(Tensor::f_from_slice(&used)?.f_to_kind(first.kind())?.f_to_device(first.device())?);
-        let flat = tch::no_grad(|| Tensor::f_cat(&pieces, 0))?;
+        let members: Vec<Tensor> = self.buckets[b].members.iter().map(|&i| self.params[i].shallow_clone()).collect();
+        let flat = flatten_with_flags(&members)?;
         let work = match self.bucket_owner(b) {
             Some(owner) => self.group.reduce_async(&flat, owner, ReduceOp::Sum)?,
             None => self.group.all_reduce_async(&flat, ReduceOp::Sum)?,
@@ -337,6 +307,61 @@ impl State {
         self.next = 0;
         self.counted = false;
     }
+}
+
+/// Averages the gradients of `params` over `group` after backward, with one all-reduce and
+/// [`DataParallel`]'s rule for missing gradients (zeros in the sum; a parameter without a
+/// gradient on every rank keeps none). For small parameter sets trained without hooks (LoRA
+/// adapters); the same collective on every rank whatever each rank's backward touched.
+pub fn average_gradients(params: &[Param], group: &ProcessGroup) -> Result<()> {
+    if group.size() == 1 || params.is_empty() {
+        return Ok(());
+    }
+    let tensors: Vec<Tensor> = params.iter().map(|p| p.tensor.shallow_clone()).collect();
+    let first = (tensors[0].kind(), tensors[0].device());
+    ensure!(
+        tensors.iter().all(|t| (t.kind(), t.device()) == first),
+        "averaging gradients: parameters of several dtypes or devices"
+    );
+    let flat = flatten_with_flags(&tensors)?;
+    group.all_reduce(&flat, ReduceOp::Sum)?;
+    write_back_average(&tensors, &flat, group.size() as f64).map(drop)
+}
+
+/// The gradients of `params` (zeros where one has none) in one flat buffer, followed by one
+/// 0/1 flag per parameter saying whether it had a gradient: what a bucket reduces.
+fn flatten_with_flags(params: &[Tensor]) -> Result<Tensor> {
+    let mut pieces = Vec::with_capacity(params.len() + 1);
+    let mut used = Vec::with_capacity(params.len());
+    for p in params {
+        let g = p.grad();
+        used.push(g.defined() as u8 as f64);
+        pieces.push(match g.defined() {
+            true => g.f_flatten(0, -1)?,
+            false => Tensor::f_zeros([p.numel() as i64], (p.kind(), p.device()))?,
+        });
+    }
+    pieces.push(Tensor::f_from_slice(&used)?.f_to_kind(params[0].kind())?.f_to_device(params[0].device())?);
+    Ok(tch::no_grad(|| Tensor::f_cat(&pieces, 0))?)
+}
+
+/// Sets each parameter's gradient to its part of the summed `flat` divided by `n`, where any
+/// rank had one (the flags after the gradients say); returns the bytes of gradients set.
+fn write_back_average(params: &[Tensor], flat: &Tensor, n: f64) -> Result<usize> {
+    let total: i64 = params.iter().map(|p| p.numel() as i64).sum();
+    let used = flat.f_narrow(0, total, params.len() as i64)?.f_to_kind(Kind::Double)?.f_to_device(tch::Device::Cpu)?;
+    let used = Vec::<f64>::try_from(used)?;
+    let (mut offset, mut fresh) = (0, 0);
+    for (p, used) in params.iter().zip(used) {
+        let numel = p.numel() as i64;
+        let avg = flat.f_narrow(0, offset, numel)?.f_view(p.size().as_slice())?.f_div_scalar(n)?;
+        offset += numel;
+        if used > 0.0 {
+            set_grad(p, Some(&avg))?;
+            fresh += byte_size(&avg);
+        }
+    }
+    Ok(fresh)
 }
 
 /// The bytes of `t`'s elements (0 for an undefined tensor).

@@ -5,6 +5,6 @@ pub mod data;
 pub mod parallelize;
 pub mod zero;
 
-pub use data::{DataParallel, DataParallelConfig, GradientBytes};
+pub use data::{average_gradients, DataParallel, DataParallelConfig, GradientBytes};
 pub use parallelize::{parallelize, ParallelPlan, Parallelized};
 pub use zero::{partition, ZeroOptimizer};

@@ -45,7 +45,8 @@ use engine::dist::{ReduceOp, World};
 use engine::gemini::{cap_device_memory, parse_bytes, Gemini, Replication};
 use engine::job::Precision;
 use engine::metrics::Metrics;
-use engine::optim::{clip_grad_norm, LossScaler, LrSchedule, Optimizer};
+use engine::optim::{clip_to, scaled_grad_norm, Held, LossScaler, LrSchedule, Optimizer};
+use engine::parallel::average_gradients;
 use tch::{Device, Kind, Tensor};
 
 use crate::lora::Lora;
@@ -97,35 +98,26 @@ impl UnetTraining {
         let max_norm = max_norm.unwrap_or(f64::INFINITY);
         match self {
             UnetTraining::Gemini { gemini, .. } => {
-                if let Some(s) = scaler {
-                    if !gemini.unscale(s)? {
-                        gemini.skip_step()?;
-                        return Ok(None);
-                    }
-                }
-                let norm = gemini.clip_grad_norm(max_norm)?;
+                // Unscaling, the overflow check and the clipping norm: one reduction.
+                let Some(norm) = gemini.unscale_and_clip(scaler, Some(max_norm))? else {
+                    gemini.skip_step()?;
+                    return Ok(None);
+                };
                 gemini.step()?;
                 Ok(Some(norm))
             }
             UnetTraining::Lora { opt, .. } => {
                 let mut opt = opt.borrow_mut();
-                let group = (world.size() > 1).then_some(&world.group);
-                if let Some(g) = group {
-                    for p in opt.params() {
-                        let mut grad = p.tensor.grad();
-                        g.all_reduce(&grad, ReduceOp::Sum)?;
-                        let _ = tch::no_grad(|| grad.f_div_scalar_(world.size() as f64))?;
-                    }
-                }
-                let finite = match scaler {
-                    Some(s) => s.unscale(opt.params(), group)?,
-                    None => true,
-                };
-                if !finite {
+                // One all-reduce for every adapter, the same on every rank even where a rank's
+                // backward left an adapter without a gradient.
+                average_gradients(opt.params(), &world.group)?;
+                let inv = scaler.map_or(1.0, |s| 1.0 / s.scale);
+                let norm = scaled_grad_norm(opt.params(), inv, Held::Replicated(&world.group))?;
+                if scaler.is_some() && !norm.is_finite() {
                     opt.zero_grad();
                     return Ok(None);
                 }
-                let norm = clip_grad_norm(opt.params(), max_norm, None)?;
+                clip_to(opt.params(), norm, max_norm)?;
                 opt.step()?;
                 opt.zero_grad();
                 Ok(Some(norm))
