@@ -69,6 +69,14 @@ fn matches_serial(world: &World) -> TestResult {
     let short = AttentionMask { causal: false, key_padding: Some(Tensor::ones([1, 2], (Kind::Bool, Device::Cpu))) };
     let err = ring_attention(&q3, &k3, &v3, &short, &sp).unwrap_err().to_string();
     assert!(err.contains(&format!("expected [batch 1, whole sequence {}]", 2 * n)), "{err}");
+    // A sequence that does not split evenly: rank 0 holds one token more than the others.
+    let s = if r == 0 { 3 } else { 2 };
+    let x = seeded(8, &[1, n, s, 4]);
+    for (method, run) in METHODS {
+        let err = run(&x, &x, &x, &AttentionMask::none(), &sp).unwrap_err().to_string();
+        let needle = format!("the ranks hold blocks of different shapes (rank 0 [1, {n}, 3, 4], rank 1 [1, {n}, 2, 4]");
+        assert!(err.contains(&needle), "{method}: {err}");
+    }
     Ok(())
 }
 
@@ -77,8 +85,7 @@ dist_test!(sequence_parallel_attention_matches_one_process_on_4_ranks, 4, |world
 
 /// What attention keeps for backward: the bytes alive after a forward that were not before it,
 /// with q, k and v made inside and their handles dropped, so they count only where the graph
-/// saves them; and the forward's peak above the start. The group
-/// barrier first lets the communication threads release the buffers of finished collectives.
+/// saves them; and the forward's peak above the start.
 fn held_and_peak(
     world: &World,
     inputs: impl FnOnce() -> [Tensor; 3],
@@ -98,10 +105,14 @@ fn held_and_peak(
 
 /// Per rank, attention's activation memory at sp = n is 1/n of the same attention on one
 /// process (5% slack), for ring attention and for the all-to-all form, whose one-process form
-/// is the serial softmax attention; and the forward's peak falls as 1/n too, within 50%: the
-/// all-to-all form's causal mask covers the whole sequence on every rank, and Gloo's threads
-/// release a finished collective's buffers on their own time, which can add a few input-sized
-/// buffers to a peak (a peak that did not fall would be n times over).
+/// is the serial softmax attention; and the forward's peak falls as 1/n too (20% slack: the
+/// all-to-all form's causal mask covers the whole sequence on every rank).
+///
+/// One allowance is not activation memory: Gloo's worker threads let go of a finished
+/// collective's input and output buffers a moment after `wait` returns (the thread drops its
+/// reference when it loops), so a reading can still include them. The bounds allow the
+/// buffers of one all-to-all of this rank's q, k and v; an attention whose memory did not
+/// fall would be over them by about (n - 1)/n of the one-process figure.
 fn memory_falls_as_one_over_sp(world: &World) -> TestResult {
     host_memory::track()?;
     let (sp, r, n) = (SequenceParallel::new(world.group.clone()), world.rank() as i64, world.size() as i64);
@@ -126,13 +137,16 @@ fn memory_falls_as_one_over_sp(world: &World) -> TestResult {
             peakn as f64 / peak1 as f64
         );
         assert!(held1 > 0 && heldn > 0, "{method}: nothing measured ({held1}, {heldn})");
+        let in_transit = 2 * 3 * b * h * (seq / n) * d * 4;
         assert!(
-            (heldn * n) as f64 <= held1 as f64 * 1.05,
-            "{method} attention holds {heldn} bytes per rank at sp={n}, more than 1/{n} of {held1} at sp=1"
+            heldn as f64 <= held1 as f64 * 1.05 / n as f64 + in_transit as f64,
+            "{method} attention holds {heldn} bytes per rank at sp={n}, more than 1/{n} of {held1} at sp=1 \
+             (+{in_transit} in transit)"
         );
         assert!(
-            (peakn * n) as f64 <= peak1 as f64 * 1.5,
-            "{method} attention peaks at {peakn} bytes per rank at sp={n}, more than 1/{n} of {peak1} at sp=1"
+            peakn as f64 <= peak1 as f64 * 1.2 / n as f64 + in_transit as f64,
+            "{method} attention peaks at {peakn} bytes per rank at sp={n}, more than 1/{n} of {peak1} at sp=1 \
+             (+{in_transit} in transit)"
         );
         drop((out1, outn));
     }

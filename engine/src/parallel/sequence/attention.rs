@@ -108,3 +108,26 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &AttentionMask) -> Re
     let weights = scores.f_masked_fill(&empty, 0.0)?.f_softmax(-1, q.kind())?.f_masked_fill(&empty, 0.0)?;
     Ok(weights.f_matmul(v)?)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The serial reference equals libtorch's scaled_dot_product_attention (math backend on
+    /// CPU), causal and with a boolean key mask.
+    #[test]
+    fn reference_equals_scaled_dot_product_attention() {
+        let opts = (Kind::Float, Device::Cpu);
+        let (q, k, v) =
+            (Tensor::randn([2, 3, 6, 4], opts), Tensor::randn([2, 3, 6, 4], opts), Tensor::randn([2, 3, 6, 4], opts));
+        let causal = attention(&q, &k, &v, &AttentionMask::causal()).unwrap();
+        let want = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, false);
+        assert!(causal.allclose(&want, 1e-5, 1e-6, false));
+        let keep = Tensor::from_slice(&[true, false, true, true, false, true]).view([1, 6]).repeat([2, 1]);
+        let masked =
+            attention(&q, &k, &v, &AttentionMask { causal: false, key_padding: Some(keep.shallow_clone()) }).unwrap();
+        let want =
+            Tensor::scaled_dot_product_attention(&q, &k, &v, Some(keep.view([2, 1, 1, 6])), 0.0, false, None, false);
+        assert!(masked.allclose(&want, 1e-5, 1e-6, false));
+    }
+}

@@ -27,7 +27,7 @@ pub use attention::{attention, AttentionMask};
 pub use ring::ring_attention;
 pub use ulysses::ulysses_attention;
 
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
 use crate::autograd::collectives;
 use crate::dist::ProcessGroup;
@@ -63,6 +63,29 @@ impl SequenceParallel {
     /// This rank's block (0 without a group).
     pub fn rank(&self) -> i64 {
         self.group.as_ref().map_or(0, |g| g.rank() as i64)
+    }
+
+    /// Checks that every rank holds a block of the same shape, with one small all-gather of the
+    /// shapes: a sequence that does not split evenly would otherwise reach the transport as
+    /// messages of different sizes, which Gloo answers by aborting the process (and a ring
+    /// rank whose messages happen to fit would compute garbage). The error, the same on every
+    /// rank, names each rank's shape.
+    pub(crate) fn check_blocks_agree(&self, x: &Tensor, what: &str) -> Result<()> {
+        let Some(g) = self.active() else { return Ok(()) };
+        let shape = Tensor::f_from_slice(&x.size())?.f_to_device(x.device())?;
+        let all = g.all_gather(&shape)?.f_to_device(tch::Device::Cpu)?.f_to_kind(Kind::Int64)?;
+        let all: Vec<i64> = Vec::<i64>::try_from(&all)?;
+        let rank_shapes: Vec<&[i64]> = all.chunks(x.dim()).collect();
+        if rank_shapes.iter().all(|s| *s == rank_shapes[0]) {
+            return Ok(());
+        }
+        let listed: Vec<String> = rank_shapes.iter().enumerate().map(|(r, s)| format!("rank {r} {s:?}")).collect();
+        Err(crate::Error::invalid(format!(
+            "{what}: the ranks hold blocks of different shapes ({}); the sequence must split evenly over the \
+             {} ranks",
+            listed.join(", "),
+            g.size()
+        )))
     }
 
     /// This rank's block of dim `dim` of a tensor every rank holds whole (entering the

@@ -7,9 +7,15 @@
 //! Forward keeps `q, k, v`, the output and the rows' log-sum-exp; backward goes around the
 //! ring again, recomputing each block's probabilities from the log-sum-exp (no score matrix
 //! is stored), accumulating `dq` locally and `dk, dv` in buffers that travel with their
-//! key/value block. After `sp` steps plus one last hop, every block's gradient is back on
-//! the rank that owns it. Under causal masking, blocks wholly in a query block's future are
-//! skipped (their transfer still happens: the ring is the same on every rank).
+//! key/value block: they hop after every step, `sp` hops in all, the last of which brings
+//! each block's gradient home to the rank that owns the block. In backward the key/value
+//! transfer overlaps the arithmetic; the gradient buffers' hop cannot (they are what the
+//! arithmetic just produced).
+//!
+//! Under causal masking, blocks wholly in a query block's future are skipped (their transfer
+//! still happens: the ring is the same on every rank). With contiguous blocks that leaves the
+//! causal work unbalanced (rank `sp - 1` computes `sp` blocks, rank 0 one); a striped or
+//! zigzag token order would even it out and is not done here.
 use tch::Tensor;
 
 use super::attention::{causal_block, check_qkv, AttentionMask, Causal};
@@ -32,6 +38,7 @@ pub fn ring_attention(
     sp: &SequenceParallel,
 ) -> Result<Tensor> {
     let (b, _, s, d) = check_qkv(q, k, v, "ring attention")?;
+    sp.check_blocks_agree(q, "ring attention")?;
     let ring = Ring {
         group: sp.active().cloned(),
         rank: sp.rank(),

@@ -22,6 +22,7 @@ pub fn ulysses_attention(
 ) -> Result<Tensor> {
     let (_, heads, _, _) = check_qkv(q, k, v, "all-to-all attention")?;
     let Some(g) = sp.active() else { return attention(q, k, v, mask) };
+    sp.check_blocks_agree(q, "all-to-all attention")?;
     let n = sp.size();
     ensure!(heads % n == 0, "all-to-all attention: {heads} heads do not divide by the sequence-parallel size {n}");
     // One all-to-all for the three inputs, stacked `[3, b, h, s/sp, d]`: scatter the heads

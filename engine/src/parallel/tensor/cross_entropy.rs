@@ -84,3 +84,32 @@ pub fn vocab_parallel_cross_entropy(
     }
     Ok(loss.f_masked_fill(&ignored, 0.0)?)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::{Device, Reduction};
+
+    /// One process: equals PyTorch's cross-entropy, values and gradients, with an ignored
+    /// target and label smoothing, and with logits far from zero (the max shift keeps it finite).
+    #[test]
+    fn one_process_equals_pytorch() {
+        let logits = Tensor::randn([6, 10], (Kind::Float, Device::Cpu)) * 20.0 + 500.0;
+        let targets = Tensor::from_slice(&[3i64, 0, IGNORE_INDEX, 9, 9, 1]);
+        for smoothing in [0.0, 0.2] {
+            let a = logits.detach().copy().set_requires_grad(true);
+            let want = a.cross_entropy_loss::<Tensor>(&targets, None, Reduction::Mean, IGNORE_INDEX, smoothing);
+            want.backward();
+            let b = logits.detach().copy().set_requires_grad(true);
+            let got = vocab_parallel_cross_entropy(&b, &targets, smoothing, &TensorParallel::none()).unwrap();
+            let got = got.sum(Kind::Float) / 5.0;
+            got.backward();
+            assert!(got.allclose(&want, 1e-5, 1e-5, false), "loss {got:?} vs {want:?}");
+            assert!(b.grad().allclose(&a.grad(), 1e-5, 1e-6, false), "gradient, smoothing {smoothing}");
+        }
+        let err = vocab_parallel_cross_entropy(&logits, &targets.narrow(0, 0, 3), 0.0, &TensorParallel::none())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("targets have shape [3], expected [6]"), "{err}");
+    }
+}

@@ -205,6 +205,11 @@ impl ColumnParallelLinear {
     pub fn full_bias(&self) -> Result<Option<Tensor>> {
         self.bias.as_ref().map(|b| self.tp.gather_full(b, 0)).transpose()
     }
+
+    /// The full features of the layer: `(in_features, out_features)`.
+    pub fn features(&self) -> (i64, i64) {
+        (self.in_features, self.out_features)
+    }
 }
 
 /// A linear layer whose input features are split over the tensor-parallel group.
@@ -331,13 +336,6 @@ impl RowParallelLinear {
     }
 }
 
-impl ColumnParallelLinear {
-    /// The full features of the layer: `(in_features, out_features)`.
-    pub fn features(&self) -> (i64, i64) {
-        (self.in_features, self.out_features)
-    }
-}
-
 /// `(out, in)` of a full weight, checked against its bias and the config.
 fn full_shape(weight: &Tensor, bias: Option<&Tensor>, with_bias: bool, name: &str) -> Result<(i64, i64)> {
     let shape = weight.size();
@@ -351,4 +349,50 @@ fn full_shape(weight: &Tensor, bias: Option<&Tensor>, with_bias: bool, name: &st
         ensure!(b.size() == [shape[0]], "{name}: bias has shape {:?}, expected [{}]", b.size(), shape[0]);
     }
     Ok((shape[0], shape[1]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::{nn::VarStore, Device, Kind};
+
+    /// With one process both layers are `nn.Linear`: `x W^T + b`, weights named as a serial
+    /// model's, and PyTorch's default initialisation bound.
+    #[test]
+    fn one_process_layers_are_nn_linear() {
+        let vs = VarStore::new(Device::Cpu);
+        let none = TensorParallel::none();
+        let (w, b) =
+            (Tensor::randn([5, 3], (Kind::Float, Device::Cpu)), Tensor::randn([5], (Kind::Float, Device::Cpu)));
+        let x = Tensor::randn([2, 4, 3], (Kind::Float, Device::Cpu));
+        let want = x.matmul(&w.tr()) + &b;
+        let col =
+            ColumnParallelLinear::from_full(&(vs.root() / "c"), &w, Some(&b), ColumnConfig::default(), &none).unwrap();
+        let row = RowParallelLinear::from_full(&(vs.root() / "r"), &w, Some(&b), RowConfig::default(), &none).unwrap();
+        assert!(col.forward(&x).unwrap().allclose(&want, 1e-6, 1e-6, false));
+        assert!(row.forward(&x).unwrap().allclose(&want, 1e-6, 1e-6, false));
+        let mut names: Vec<String> = vs.variables().into_keys().collect();
+        names.sort();
+        assert_eq!(names, ["c.bias", "c.weight", "r.bias", "r.weight"]);
+
+        let fresh = ColumnParallelLinear::new(&(vs.root() / "d"), 16, 8, ColumnConfig::default(), &none).unwrap();
+        let bound = fresh.weight().abs().max().double_value(&[]);
+        assert!(bound <= 0.25 && bound > 0.2, "uniform(-1/sqrt(16), 1/sqrt(16)): max |w| = {bound}");
+    }
+
+    #[test]
+    fn bad_full_tensors_are_errors() {
+        let vs = VarStore::new(Device::Cpu);
+        let none = TensorParallel::none();
+        let w = Tensor::zeros([4, 3], (Kind::Float, Device::Cpu));
+        let err = ColumnParallelLinear::from_full(&(vs.root() / "a"), &w, None, ColumnConfig::default(), &none)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("the config says bias = true but a bias was not given"), "{err}");
+        let b = Tensor::zeros([3], (Kind::Float, Device::Cpu));
+        let err = RowParallelLinear::from_full(&(vs.root() / "b"), &w, Some(&b), RowConfig::default(), &none)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("bias has shape [3], expected [4]"), "{err}");
+    }
 }
