@@ -1,9 +1,10 @@
 // Counting the bytes the CPU allocator hands out. libtorch keeps no statistics for CPU memory
 // (CUDA has its caching allocator's), so to measure what a computation holds on the host we
-// wrap the CPU allocator: every allocation made after installation carries a small context
-// that remembers its size and subtracts it when the memory is freed.
+// wrap the CPU allocator: every allocation made after installation is recorded with its size,
+// which is subtracted when the memory is freed.
 #include <atomic>
 #include <mutex>
+#include <unordered_map>
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
@@ -12,40 +13,38 @@
 
 namespace {
 
-struct CountingAllocator;
-
-struct Allocation {
-  c10::DataPtr inner;
-  size_t bytes;
-  CountingAllocator* owner;
-};
-
+// Allocations are handed out with the data pointer as their own context (a "simple" DataPtr),
+// because parts of libtorch use the allocator's raw interface (raw_allocate/raw_deleter, e.g.
+// scratch buffers of vectorised kernels), which requires it. Sizes are therefore looked up by
+// pointer on free.
 struct CountingAllocator final : c10::Allocator {
-  explicit CountingAllocator(c10::Allocator* base) : base(base) {}
+  explicit CountingAllocator(c10::Allocator* base) : base(base), base_free(base->raw_deleter()) {}
 
   c10::DataPtr allocate(size_t n) override {
-    c10::DataPtr inner = base->allocate(n);
-    void* data = inner.get();
-    c10::Device device = inner.device();
-    auto* a = new Allocation{std::move(inner), n, this};
+    void* data = base->raw_allocate(n);
+    {
+      std::lock_guard<std::mutex> lock(sizes_mutex);
+      sizes[data] = n;
+    }
     int64_t now = current.fetch_add(static_cast<int64_t>(n)) + static_cast<int64_t>(n);
     int64_t seen = peak.load();
     while (now > seen && !peak.compare_exchange_weak(seen, now)) {
     }
-    return {data, a, &release, device};
+    return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
   }
 
-  static void release(void* ctx) {
-    auto* a = static_cast<Allocation*>(ctx);
-    a->owner->current.fetch_sub(static_cast<int64_t>(a->bytes));
-    delete a;  // frees the memory through the base allocator's own deleter
-  }
+  static void release(void* data);
+
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
 
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     default_copy_data(dest, src, count);
   }
 
   c10::Allocator* base;
+  c10::DeleterFnPtr base_free;
+  std::mutex sizes_mutex;
+  std::unordered_map<void*, size_t> sizes;
   std::atomic<int64_t> current{0};
   std::atomic<int64_t> peak{0};
 };
@@ -53,6 +52,21 @@ struct CountingAllocator final : c10::Allocator {
 // Installed once and never freed: memory allocated through it may outlive any owner.
 CountingAllocator* counter = nullptr;
 std::mutex install;
+
+void CountingAllocator::release(void* data) {
+  if (data == nullptr) return;
+  size_t n = 0;
+  {
+    std::lock_guard<std::mutex> lock(counter->sizes_mutex);
+    auto it = counter->sizes.find(data);
+    if (it != counter->sizes.end()) {
+      n = it->second;
+      counter->sizes.erase(it);
+    }
+  }
+  counter->current.fetch_sub(static_cast<int64_t>(n));
+  counter->base_free(data);
+}
 
 }  // namespace
 
@@ -63,7 +77,9 @@ char* eng_host_memory_install() {
   ENG_PROTECT({
     std::lock_guard<std::mutex> lock(install);
     if (counter == nullptr) {
-      counter = new CountingAllocator(c10::GetCPUAllocator());
+      c10::Allocator* base = c10::GetCPUAllocator();
+      TORCH_CHECK(base->raw_deleter() != nullptr, "the CPU allocator has no raw interface to wrap");
+      counter = new CountingAllocator(base);
       // Above the default allocator's priority, so ours is the one handed out.
       c10::SetCPUAllocator(counter, /*priority=*/100);
       TORCH_CHECK(c10::GetCPUAllocator() == counter, "another CPU allocator of higher priority is installed");

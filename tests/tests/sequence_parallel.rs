@@ -7,7 +7,7 @@
 use engine::dist::World;
 use engine::host_memory;
 use engine::parallel::sequence::{attention, ring_attention, ulysses_attention, AttentionMask, SequenceParallel};
-use suite_tests::{assert_close, dist_test, seeded, TestResult};
+use suite_tests::{assert_close, dist_test, seeded, settled_host_memory, TestResult};
 use tch::{Device, Kind, Tensor};
 
 const TOL: f64 = 1e-5;
@@ -91,15 +91,13 @@ fn held_and_peak(
     inputs: impl FnOnce() -> [Tensor; 3],
     run: impl FnOnce(&Tensor, &Tensor, &Tensor) -> engine::Result<Tensor>,
 ) -> engine::Result<(i64, i64, Tensor)> {
-    world.group.barrier()?;
-    let before = host_memory::stats()?;
+    let before = settled_host_memory(&world.group)?;
     host_memory::reset_peak()?;
     let out = {
         let [q, k, v] = inputs();
         run(&q, &k, &v)?
     };
-    world.group.barrier()?;
-    let after = host_memory::stats()?;
+    let after = settled_host_memory(&world.group)?;
     Ok((after.current - before.current, after.peak - before.current, out))
 }
 
@@ -109,10 +107,10 @@ fn held_and_peak(
 /// all-to-all form's causal mask covers the whole sequence on every rank).
 ///
 /// One allowance is not activation memory: Gloo's worker threads let go of a finished
-/// collective's input and output buffers a moment after `wait` returns (the thread drops its
-/// reference when it loops), so a reading can still include them. The bounds allow the
-/// buffers of one all-to-all of this rank's q, k and v; an attention whose memory did not
-/// fall would be over them by about (n - 1)/n of the one-process figure.
+/// collective's input and output buffers a moment after `wait` returns, so the readings wait
+/// for the counter to settle, and the bounds still allow the buffers of one all-to-all of
+/// this rank's q, k and v; an attention whose memory did not fall would be over them by
+/// about (n - 1)/n of the one-process figure.
 fn memory_falls_as_one_over_sp(world: &World) -> TestResult {
     host_memory::track()?;
     let (sp, r, n) = (SequenceParallel::new(world.group.clone()), world.rank() as i64, world.size() as i64);

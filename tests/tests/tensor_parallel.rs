@@ -5,11 +5,12 @@
 //! the sum of the ranks' losses is the one-process loss; replicated outputs carry the whole
 //! loss on every rank (one logical loss, Megatron's convention).
 use engine::dist::World;
+use engine::host_memory;
 use engine::parallel::tensor::{
     init, vocab_parallel_cross_entropy, ColumnConfig, ColumnParallelLinear, EmbeddingConfig, Init, LayerNorm,
     RowConfig, RowParallelLinear, TensorParallel, VocabParallelEmbedding, IGNORE_INDEX,
 };
-use suite_tests::{assert_close, dist_test, seeded, TestResult};
+use suite_tests::{assert_close, dist_test, seeded, settled_host_memory, TestResult};
 use tch::{nn::VarStore, Device, Kind, Reduction, Tensor};
 
 const TOL: f64 = 1e-5;
@@ -308,3 +309,49 @@ fn all(world: &World) -> TestResult {
 
 dist_test!(tensor_parallel_layers_match_one_process_on_2_ranks, 2, |world| { all(world) });
 dist_test!(tensor_parallel_layers_match_one_process_on_4_ranks, 4, |world| { all(world) });
+
+/// What sequence parallelism is for: the MLP block's activations outside the tensor-parallel
+/// region (the block's input, the LayerNorm's output, the block's output: three `[seq, batch,
+/// hidden]` tensors) are held as sequence blocks, 1/tp per rank, so a rank holds
+/// `3 (1 - 1/tp)` such tensors fewer than without it (at least 95% of that, counted in bytes by
+/// the host allocator counter). Keeping the all-gathered input for fc1's weight gradient
+/// instead of gathering it again in backward would give one tensor of that back and fail.
+fn sequence_parallel_saves_activations(world: &World) -> TestResult {
+    host_memory::track()?;
+    let (tp, r, n) = tp_of(world);
+    let (seq, batch, hidden) = (16 * n, 4, 32);
+    let x = seeded(6, &[seq, batch, hidden]);
+    let mut held = vec![];
+    for sequence_parallel in [false, true] {
+        let vs = VarStore::new(Device::Cpu);
+        let mlp = Mlp::new(&vs, hidden, sequence_parallel, &tp)?;
+        let input = if sequence_parallel { block(&x, 0, r, n) } else { x.shallow_clone() };
+        let before = settled_host_memory(&world.group)?;
+        // The input as a previous layer makes it: a fresh tensor on the graph, not a leaf.
+        let out = mlp.forward(&(&input + Tensor::zeros([1], (Kind::Float, Device::Cpu)).set_requires_grad(true)))?;
+        let after = settled_host_memory(&world.group)?;
+        held.push(after.current - before.current);
+        drop(out);
+    }
+    let activation = seq * batch * hidden * 4;
+    let (saved, expected) = (held[0] - held[1], 3 * activation * (n - 1) / n);
+    eprintln!(
+        "rank {r}: MLP block [seq {seq}, batch {batch}, hidden {hidden}] at tp={n} holds {} bytes for backward, {} with \
+         sequence parallelism: {saved} fewer ({expected} expected)",
+        held[0], held[1]
+    );
+    assert!(
+        saved as f64 >= 0.95 * expected as f64,
+        "sequence parallelism saves {saved} bytes per rank at tp={n}, expected {expected} ({} vs {})",
+        held[0],
+        held[1]
+    );
+    Ok(())
+}
+
+dist_test!(sequence_parallel_holds_fewer_activations_on_2_ranks, 2, |world| {
+    sequence_parallel_saves_activations(world)
+});
+dist_test!(sequence_parallel_holds_fewer_activations_on_4_ranks, 4, |world| {
+    sequence_parallel_saves_activations(world)
+});

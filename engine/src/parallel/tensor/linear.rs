@@ -4,7 +4,8 @@
 //! - [`ColumnParallelLinear`] keeps rows `rank * out/tp ..` of the weight (and of the bias):
 //!   each rank computes a block of the output features. Its input is replicated (backward
 //!   sums the input gradient over the group), or with sequence parallelism split along the
-//!   sequence and all-gathered first (backward reduce-scatters). With `gather_output` the
+//!   sequence and all-gathered first (backward reduce-scatters; only the local block is kept
+//!   for backward, see `gathered_linear`). With `gather_output` the
 //!   output blocks are gathered into a replicated full output.
 //! - [`RowParallelLinear`] keeps columns `rank * in/tp ..` of the weight: each rank multiplies
 //!   its block of the input features and the partial products are summed over the group, or
@@ -12,6 +13,7 @@
 //!   once, after the sum.
 use tch::{nn, Tensor};
 
+use super::gathered_linear::all_gather_linear;
 use super::init::{self, Init};
 use super::{dim_index, TensorParallel};
 use crate::error::ensure;
@@ -172,14 +174,13 @@ impl ColumnParallelLinear {
             "column-parallel linear: input has {last} features in its last dimension, expected {}",
             self.in_features
         );
-        let x = match self.cfg.sequence_parallel {
-            true => {
+        let y = match (self.cfg.sequence_parallel, self.tp.active()) {
+            (true, Some(g)) => {
                 dim_index(x, self.cfg.sequence_dim)?;
-                self.tp.gather_sequence(x, self.cfg.sequence_dim)?
+                all_gather_linear(x, &self.weight, self.bias.as_ref(), self.cfg.sequence_dim, g)?
             }
-            false => self.tp.copy_to(x)?,
+            _ => self.tp.copy_to(x)?.f_linear(&self.weight, self.bias.as_ref())?,
         };
-        let y = x.f_linear(&self.weight, self.bias.as_ref())?;
         match self.cfg.gather_output {
             true => self.tp.gather(&y, -1),
             false => Ok(y),

@@ -22,6 +22,7 @@
 //! [`TensorParallel::none`] is the one-process path: every mapping is the identity.
 mod cross_entropy;
 mod embedding;
+mod gathered_linear;
 pub mod init;
 mod linear;
 mod norm;
