@@ -25,7 +25,8 @@ fn block(t: &Tensor, dim: i64, rank: i64, n: i64) -> Tensor {
     t.narrow(dim, rank * size, size)
 }
 
-/// The masks every method is checked under, over a whole sequence of `seq` for batch 2.
+/// The masks every method is checked under, over a whole sequence of `seq` for batch 2 (on
+/// the CPU: the attention moves them to its device).
 fn masks(seq: i64) -> Vec<(&'static str, AttentionMask)> {
     // Batch 0 pads the last quarter; batch 1 pads key 0 and every third key, so with
     // causality its query 0 sees no key (its output and gradients must be zero).
@@ -41,11 +42,12 @@ fn masks(seq: i64) -> Vec<(&'static str, AttentionMask)> {
     ]
 }
 
-fn matches_serial(world: &World) -> TestResult {
+fn matches_serial(world: &World, dev: Device) -> TestResult {
     let (sp, r, n) = (SequenceParallel::new(world.group.clone()), world.rank() as i64, world.size() as i64);
     let (b, h, seq, d) = (2, 4, 3 * n, 8);
     let shape = [b, h, seq, d];
-    let (q, k, v, c) = (seeded(1, &shape), seeded(2, &shape), seeded(3, &shape), seeded(4, &shape));
+    let on = |seed| seeded(seed, &shape).to_device(dev);
+    let (q, k, v, c) = (on(1), on(2), on(3), on(4));
     for (mask_name, mask) in masks(seq) {
         let (q1, k1, v1) = (leaf(&q), leaf(&k), leaf(&v));
         let want = attention(&q1, &k1, &v1, &mask)?;
@@ -63,7 +65,8 @@ fn matches_serial(world: &World) -> TestResult {
         }
     }
     // Heads that do not split over the group, and a mask that does not cover the sequence.
-    let (q3, k3, v3) = (seeded(5, &[1, 3, 2, 4]), seeded(6, &[1, 3, 2, 4]), seeded(7, &[1, 3, 2, 4]));
+    let small = |seed| seeded(seed, &[1, 3, 2, 4]).to_device(dev);
+    let (q3, k3, v3) = (small(5), small(6), small(7));
     let err = ulysses_attention(&q3, &k3, &v3, &AttentionMask::none(), &sp).unwrap_err().to_string();
     assert!(err.contains(&format!("3 heads do not divide by the sequence-parallel size {n}")), "{err}");
     let short = AttentionMask { causal: false, key_padding: Some(Tensor::ones([1, 2], (Kind::Bool, Device::Cpu))) };
@@ -71,7 +74,7 @@ fn matches_serial(world: &World) -> TestResult {
     assert!(err.contains(&format!("expected [batch 1, whole sequence {}]", 2 * n)), "{err}");
     // A sequence that does not split evenly: rank 0 holds one token more than the others.
     let s = if r == 0 { 3 } else { 2 };
-    let x = seeded(8, &[1, n, s, 4]);
+    let x = seeded(8, &[1, n, s, 4]).to_device(dev);
     for (method, run) in METHODS {
         let err = run(&x, &x, &x, &AttentionMask::none(), &sp).unwrap_err().to_string();
         let needle = format!("the ranks hold blocks of different shapes (rank 0 [1, {n}, 3, 4], rank 1 [1, {n}, 2, 4]");
@@ -80,8 +83,10 @@ fn matches_serial(world: &World) -> TestResult {
     Ok(())
 }
 
-dist_test!(sequence_parallel_attention_matches_one_process_on_2_ranks, 2, |world| { matches_serial(world) });
-dist_test!(sequence_parallel_attention_matches_one_process_on_4_ranks, 4, |world| { matches_serial(world) });
+dist_test!(cpu_and_cuda sequence_parallel_attention_matches_one_process_on_2_ranks,
+    sequence_parallel_attention_matches_one_process_on_2_ranks_cuda, 2, |world, dev| { matches_serial(world, dev) });
+dist_test!(cpu_and_cuda sequence_parallel_attention_matches_one_process_on_4_ranks,
+    sequence_parallel_attention_matches_one_process_on_4_ranks_cuda, 4, |world, dev| { matches_serial(world, dev) });
 
 /// What attention keeps for backward: the bytes alive after a forward that were not before it,
 /// with q, k and v made inside and their handles dropped, so they count only where the graph

@@ -33,67 +33,100 @@ fn tp_of(world: &World) -> (TensorParallel, i64, i64) {
     (TensorParallel::new(world.group.clone()), world.rank() as i64, world.size() as i64)
 }
 
-/// Column-parallel linear, with and without `gather_output` and bias, on `[seq, batch, in]`.
+/// Column-parallel linear on `[seq, batch, in]`: output split or gathered, with and without
+/// bias, input replicated or split along the sequence; and its full tensors load back.
 fn column_linear(world: &World) -> TestResult {
     let (tp, r, n) = tp_of(world);
-    let (inf, outf) = (6, 4 * n);
-    for (gather_output, bias) in [(false, true), (true, true), (false, false)] {
-        let cfg = ColumnConfig { gather_output, bias, seed: 11, ..Default::default() };
+    let (seq, inf, outf) = (2 * n, 6, 4 * n);
+    let modes =
+        [(false, true, false), (true, true, false), (false, false, false), (false, true, true), (true, true, true)];
+    for (gather_output, bias, sequence_parallel) in modes {
+        let what = |s: &str| {
+            format!("{s} (gather_output {gather_output}, bias {bias}, sequence_parallel {sequence_parallel})")
+        };
+        let cfg = ColumnConfig { gather_output, bias, sequence_parallel, seed: 11, ..Default::default() };
         let (vs1, vsn) = (VarStore::new(Device::Cpu), VarStore::new(Device::Cpu));
         let serial = ColumnParallelLinear::new(&(vs1.root() / "fc"), inf, outf, cfg, &TensorParallel::none())?;
         let layer = ColumnParallelLinear::new(&(vsn.root() / "fc"), inf, outf, cfg, &tp)?;
-        // The shard is exactly the slice of the one-process weight, and gathers back to it.
-        assert!(layer.weight().equal(&block(serial.weight(), 0, r, n)), "weight shard");
-        assert!(layer.full_weight()?.equal(serial.weight()), "full weight");
+        // The shard is exactly the slice of the one-process weight, gathers back to it, and
+        // is what a layer built from the full tensors holds.
+        assert!(layer.weight().equal(&block(serial.weight(), 0, r, n)), "{}", what("weight shard"));
+        assert!(layer.full_weight()?.equal(serial.weight()), "{}", what("full weight"));
+        let loaded = ColumnParallelLinear::from_full(
+            &(VarStore::new(Device::Cpu).root() / "fc"),
+            &layer.full_weight()?,
+            layer.full_bias()?.as_ref(),
+            cfg,
+            &tp,
+        )?;
+        assert!(loaded.weight().equal(layer.weight()), "{}", what("weight from full tensors"));
         if bias {
-            assert!(layer.bias().unwrap().equal(&block(serial.bias().unwrap(), 0, r, n)), "bias shard");
+            assert!(layer.bias().unwrap().equal(&block(serial.bias().unwrap(), 0, r, n)), "{}", what("bias shard"));
         }
-        let (x, c) = (seeded(1, &[5, 3, inf]), seeded(2, &[5, 3, outf]));
+        let (x, c) = (seeded(1, &[seq, 3, inf]), seeded(2, &[seq, 3, outf]));
         let x1 = leaf(&x);
         let y1 = serial.forward(&x1)?;
         (&y1 * &c).sum(Kind::Float).backward();
-        let xn = leaf(&x);
+        let xn = if sequence_parallel { leaf(&block(&x, 0, r, n)) } else { leaf(&x) };
         let y = layer.forward(&xn)?;
         if gather_output {
-            close(&y, &y1, "gathered output");
+            close(&y, &y1, &what("gathered output"));
             (&y * &c).sum(Kind::Float).backward();
         } else {
-            close(&y, &block(&y1, 2, r, n), "output block");
+            close(&y, &block(&y1, 2, r, n), &what("output block"));
             (&y * block(&c, 2, r, n)).sum(Kind::Float).backward();
         }
-        close(&xn.grad(), &x1.grad(), "input gradient");
-        close(&layer.weight().grad(), &block(&serial.weight().grad(), 0, r, n), "weight gradient");
+        let x_grad = if sequence_parallel { block(&x1.grad(), 0, r, n) } else { x1.grad() };
+        close(&xn.grad(), &x_grad, &what("input gradient"));
+        close(&layer.weight().grad(), &block(&serial.weight().grad(), 0, r, n), &what("weight gradient"));
         if bias {
-            close(&layer.bias().unwrap().grad(), &block(&serial.bias().unwrap().grad(), 0, r, n), "bias gradient");
+            let want = block(&serial.bias().unwrap().grad(), 0, r, n);
+            close(&layer.bias().unwrap().grad(), &want, &what("bias gradient"));
         }
     }
     Ok(())
 }
 
-/// Row-parallel linear with its input split or replicated (`input_is_parallel`).
+/// Row-parallel linear with its input split or replicated (`input_is_parallel`), its output
+/// replicated or reduce-scattered along the sequence; and its full tensors load back.
 fn row_linear(world: &World) -> TestResult {
     let (tp, r, n) = tp_of(world);
-    let (inf, outf) = (4 * n, 6);
-    for input_is_parallel in [true, false] {
-        let cfg = RowConfig { input_is_parallel, seed: 12, ..Default::default() };
+    let (seq, inf, outf) = (2 * n, 4 * n, 6);
+    for (input_is_parallel, sequence_parallel) in [(true, false), (false, false), (true, true), (false, true)] {
+        let what =
+            |s: &str| format!("{s} (input_is_parallel {input_is_parallel}, sequence_parallel {sequence_parallel})");
+        let cfg = RowConfig { input_is_parallel, sequence_parallel, seed: 12, ..Default::default() };
         let (vs1, vsn) = (VarStore::new(Device::Cpu), VarStore::new(Device::Cpu));
         let serial = RowParallelLinear::new(&(vs1.root() / "proj"), inf, outf, cfg, &TensorParallel::none())?;
         let layer = RowParallelLinear::new(&(vsn.root() / "proj"), inf, outf, cfg, &tp)?;
-        assert!(layer.weight().equal(&block(serial.weight(), 1, r, n)), "weight shard");
-        assert!(layer.bias().unwrap().equal(serial.bias().unwrap()), "bias is whole");
-        assert!(layer.full_weight()?.equal(serial.weight()), "full weight");
-        let (x, c) = (seeded(3, &[5, 3, inf]), seeded(4, &[5, 3, outf]));
+        assert!(layer.weight().equal(&block(serial.weight(), 1, r, n)), "{}", what("weight shard"));
+        assert!(layer.bias().unwrap().equal(serial.bias().unwrap()), "{}", what("bias is whole"));
+        assert!(layer.full_weight()?.equal(serial.weight()), "{}", what("full weight"));
+        let loaded = RowParallelLinear::from_full(
+            &(VarStore::new(Device::Cpu).root() / "proj"),
+            &layer.full_weight()?,
+            layer.bias(),
+            cfg,
+            &tp,
+        )?;
+        assert!(loaded.weight().equal(layer.weight()), "{}", what("weight from full tensors"));
+        let (x, c) = (seeded(3, &[seq, 3, inf]), seeded(4, &[seq, 3, outf]));
         let x1 = leaf(&x);
         let y1 = serial.forward(&x1)?;
         (&y1 * &c).sum(Kind::Float).backward();
         let xn = if input_is_parallel { leaf(&block(&x, 2, r, n)) } else { leaf(&x) };
         let y = layer.forward(&xn)?;
-        close(&y, &y1, "output");
-        (&y * &c).sum(Kind::Float).backward();
+        if sequence_parallel {
+            close(&y, &block(&y1, 0, r, n), &what("output block"));
+            (&y * block(&c, 0, r, n)).sum(Kind::Float).backward();
+        } else {
+            close(&y, &y1, &what("output"));
+            (&y * &c).sum(Kind::Float).backward();
+        }
         let want = if input_is_parallel { block(&x1.grad(), 2, r, n) } else { x1.grad() };
-        close(&xn.grad(), &want, "input gradient");
-        close(&layer.weight().grad(), &block(&serial.weight().grad(), 1, r, n), "weight gradient");
-        close(&layer.bias().unwrap().grad(), &serial.bias().unwrap().grad(), "bias gradient");
+        close(&xn.grad(), &want, &what("input gradient"));
+        close(&layer.weight().grad(), &block(&serial.weight().grad(), 1, r, n), &what("weight gradient"));
+        close(&layer.bias().unwrap().grad(), &serial.bias().unwrap().grad(), &what("bias gradient"));
     }
     Ok(())
 }

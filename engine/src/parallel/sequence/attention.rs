@@ -37,6 +37,7 @@ impl AttentionMask {
             "attention key mask has shape {:?}, expected [batch {batch}, whole sequence {seq}]",
             m.size()
         );
+        let m = m.f_to_device(device)?;
         let bias = match m.kind() {
             Kind::Bool => {
                 Tensor::f_zeros([batch, seq], (kind, device))?.f_masked_fill(&m.f_logical_not()?, f64::NEG_INFINITY)?
