@@ -7,8 +7,8 @@
 use engine::dist::World;
 use engine::host_memory;
 use engine::parallel::tensor::{
-    init, vocab_parallel_cross_entropy, ColumnConfig, ColumnParallelLinear, EmbeddingConfig, Init, LayerNorm,
-    RowConfig, RowParallelLinear, TensorParallel, VocabParallelEmbedding, IGNORE_INDEX,
+    dropout, init, vocab_parallel_cross_entropy, ColumnConfig, ColumnParallelLinear, DropoutKey, EmbeddingConfig, Init,
+    LayerNorm, RowConfig, RowParallelLinear, TensorParallel, VocabParallelEmbedding, IGNORE_INDEX,
 };
 use suite_tests::{assert_close, dist_test, seeded, settled_host_memory, TestResult};
 use tch::{nn::VarStore, Device, Kind, Reduction, Tensor};
@@ -131,13 +131,16 @@ fn row_linear(world: &World) -> TestResult {
     Ok(())
 }
 
-/// Megatron's MLP block in the `[seq, batch, hidden]` layout: `x + fc2(gelu(fc1(ln(x))))`,
-/// with the LayerNorm and residual replicated, or with sequence parallelism split along the
-/// sequence (all-gather into fc1, reduce-scatter out of fc2).
+/// Megatron's MLP block in the `[seq, batch, hidden]` layout:
+/// `x + dropout(fc2(gelu(fc1(ln(x)))))`, with the LayerNorm, dropout and residual replicated,
+/// or with sequence parallelism split along the sequence (all-gather into fc1, reduce-scatter
+/// out of fc2).
 struct Mlp {
     ln: LayerNorm,
     fc1: ColumnParallelLinear,
     fc2: RowParallelLinear,
+    sequence_parallel: bool,
+    tp: TensorParallel,
 }
 
 impl Mlp {
@@ -156,12 +159,16 @@ impl Mlp {
             )?,
             fc1: ColumnParallelLinear::new(&(&p / "fc1"), hidden, 4 * hidden, fc1, tp)?,
             fc2: RowParallelLinear::new(&(&p / "fc2"), 4 * hidden, hidden, fc2, tp)?,
+            sequence_parallel,
+            tp: tp.clone(),
         })
     }
 
     fn forward(&self, x: &Tensor) -> engine::Result<Tensor> {
         let h = self.fc1.forward(&self.ln.forward(x)?)?.gelu("none");
-        Ok(x + self.fc2.forward(&h)?)
+        let key = DropoutKey { seed: 3, step: 7, name: "mlp.drop" };
+        let seq_dim = self.sequence_parallel.then_some(0);
+        Ok(x + dropout(&self.fc2.forward(&h)?, 0.25, key, seq_dim, &self.tp)?)
     }
 }
 
@@ -344,11 +351,12 @@ dist_test!(tensor_parallel_layers_match_one_process_on_2_ranks, 2, |world| { all
 dist_test!(tensor_parallel_layers_match_one_process_on_4_ranks, 4, |world| { all(world) });
 
 /// What sequence parallelism is for: the MLP block's activations outside the tensor-parallel
-/// region (the block's input, the LayerNorm's output, the block's output: three `[seq, batch,
-/// hidden]` tensors) are held as sequence blocks, 1/tp per rank, so a rank holds
-/// `3 (1 - 1/tp)` such tensors fewer than without it (at least 95% of that, counted in bytes by
-/// the host allocator counter). Keeping the all-gathered input for fc1's weight gradient
-/// instead of gathering it again in backward would give one tensor of that back and fail.
+/// region (the block's input, the LayerNorm's output and the block's output, three fp32
+/// `[seq, batch, hidden]` tensors, and the dropout's one-byte mask) are held as sequence
+/// blocks, 1/tp per rank, so a rank holds `(1 - 1/tp)` of them fewer than without it (at
+/// least 95% of that, counted in bytes by the host allocator counter). Keeping the gathered
+/// input for fc1's weight gradient instead of gathering it again in backward would give one
+/// whole fp32 tensor back and fail.
 fn sequence_parallel_saves_activations(world: &World) -> TestResult {
     host_memory::track()?;
     let (tp, r, n) = tp_of(world);
@@ -366,8 +374,8 @@ fn sequence_parallel_saves_activations(world: &World) -> TestResult {
         held.push(after.current - before.current);
         drop(out);
     }
-    let activation = seq * batch * hidden * 4;
-    let (saved, expected) = (held[0] - held[1], 3 * activation * (n - 1) / n);
+    let outside = seq * batch * hidden * (3 * 4 + 1);
+    let (saved, expected) = (held[0] - held[1], outside * (n - 1) / n);
     eprintln!(
         "rank {r}: MLP block [seq {seq}, batch {batch}, hidden {hidden}] at tp={n} holds {} bytes for backward, {} with \
          sequence parallelism: {saved} fewer ({expected} expected)",

@@ -53,9 +53,9 @@ pub fn shard(init: Init, seed: u64, name: &str, full: &[i64], dim: usize, rank: 
     let values = match init {
         Init::Zeros => return Ok(Tensor::f_zeros(&shape, opts)?),
         Init::Ones => return Ok(Tensor::f_ones(&shape, opts)?),
-        Init::Normal { std } => draw(seed, name, full, dim, rank * block, block, |s, i| std * normal(s, i)),
+        Init::Normal { std } => draw(seed, name, full, dim, rank * block, block, |s, i| (std * normal(s, i)) as f32),
         Init::Uniform { bound } => {
-            draw(seed, name, full, dim, rank * block, block, |s, i| bound * (2.0 * uniform(s, i) - 1.0))
+            draw(seed, name, full, dim, rank * block, block, |s, i| (bound * (2.0 * uniform(s, i) - 1.0)) as f32)
         }
     };
     Ok(Tensor::f_from_slice(&values)?.f_reshape(&shape)?)
@@ -68,15 +68,15 @@ pub fn full(init: Init, seed: u64, name: &str, shape: &[i64]) -> Result<Tensor> 
 
 /// Values at the full-tensor positions of rows `start..start + len` of dim `dim`, in the
 /// block's row-major order.
-fn draw(
+pub(super) fn draw<T: Send>(
     seed: u64,
     name: &str,
     full: &[i64],
     dim: usize,
     start: i64,
     len: i64,
-    value: impl Fn(u64, u64) -> f64 + Sync,
-) -> Vec<f32> {
+    value: impl Fn(u64, u64) -> T + Sync,
+) -> Vec<T> {
     let stream = stream_of(seed, name);
     let outer: i64 = full[..dim].iter().product();
     let inner: i64 = full[dim + 1..].iter().product();
@@ -88,7 +88,7 @@ fn draw(
             let (o, rest) = (local / (len * inner), local % (len * inner));
             let (row, k) = (rest / inner, rest % inner);
             let index = (o * full[dim] + start + row) * inner + k;
-            value(stream, index as u64) as f32
+            value(stream, index as u64)
         })
         .collect()
 }
@@ -103,14 +103,14 @@ fn stream_of(seed: u64, name: &str) -> u64 {
 }
 
 /// splitmix64's output function: a bijection of u64 that scrambles every bit.
-fn mix(mut z: u64) -> u64 {
+pub(super) fn mix(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)
 }
 
 /// The `i`-th uniform on `[0, 1)` of `stream` (53 random bits).
-fn uniform(stream: u64, i: u64) -> f64 {
+pub(super) fn uniform(stream: u64, i: u64) -> f64 {
     let z = mix(stream.wrapping_add(i.wrapping_add(1).wrapping_mul(0x9e37_79b9_7f4a_7c15)));
     (z >> 11) as f64 / (1u64 << 53) as f64
 }

@@ -12,7 +12,9 @@
 //! memory: a column layer all-gathers its input along the sequence (backward: reduce-scatter)
 //! and a row layer reduce-scatters its output (backward: all-gather). Replicated parameters
 //! that act on sequence blocks (the row layer's bias, [`LayerNorm`]) then see only their
-//! block's gradient, so their gradient is summed over the group in backward.
+//! block's gradient, so their gradient is summed over the group in backward. [`dropout`]
+//! draws its mask by position in the whole activation, so a sequence block's mask is the
+//! block of the one-process mask.
 //!
 //! Initialisation is serial-equivalent ([`init`]): a tp=N shard is exactly the slice of the
 //! tp=1 parameter built from the same seed and module path, so a run at tp=N can be checked
@@ -21,6 +23,7 @@
 //!
 //! [`TensorParallel::none`] is the one-process path: every mapping is the identity.
 mod cross_entropy;
+mod dropout;
 mod embedding;
 mod gathered_linear;
 pub mod init;
@@ -28,6 +31,7 @@ mod linear;
 mod norm;
 
 pub use cross_entropy::{vocab_parallel_cross_entropy, IGNORE_INDEX};
+pub use dropout::{dropout, DropoutKey};
 pub use embedding::{EmbeddingConfig, VocabParallelEmbedding};
 pub use init::Init;
 pub use linear::{ColumnConfig, ColumnParallelLinear, RowConfig, RowParallelLinear};
