@@ -1,6 +1,6 @@
 //! Parallel layouts applied to models written serially: data parallelism and ZeRO, tensor
 //! parallelism ([`tensor`]), sequence-parallel attention ([`sequence`]), FastFold's DAP, and
-//! [`parallelize`], the one step a trainer applies to wire them around its model.
+//! [`parallelize()`], the one step a trainer applies to wire them around its model.
 pub mod dap;
 pub mod data;
 pub mod parallelize;

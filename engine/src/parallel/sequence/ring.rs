@@ -100,10 +100,16 @@ impl Ring {
         let (next, prev) = ((g.rank() + 1) % n, (g.rank() + n - 1) % n);
         let outbox = t.f_contiguous()?;
         let inbox = outbox.f_empty_like()?;
-        // Receive first: both are non-blocking, and posting the receive early lets the
-        // transport place the data directly.
-        let received = g.recv_async(&inbox, prev, tag)?;
-        let sent = g.send_async(&outbox, next, tag)?;
+        // Even ranks send first and odd ranks receive first. Gloo does not mind, but NCCL runs
+        // the point-to-point operations between two ranks in order on one stream, and with
+        // two ranks (next == prev) "both receive first" would wait forever.
+        let (sent, received) = if g.rank() % 2 == 0 {
+            let sent = g.send_async(&outbox, next, tag)?;
+            (sent, g.recv_async(&inbox, prev, tag)?)
+        } else {
+            let received = g.recv_async(&inbox, prev, tag)?;
+            (g.send_async(&outbox, next, tag)?, received)
+        };
         Ok(Some(Hop { sent, received, inbox, _outbox: outbox }))
     }
 
