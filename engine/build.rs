@@ -34,7 +34,8 @@ fn main() {
         .file("csrc/dist.cpp")
         .file("csrc/autograd.cpp")
         .file("csrc/cuda.cpp")
-        .file("csrc/storage.cpp");
+        .file("csrc/storage.cpp")
+        .file("csrc/host_memory.cpp");
     build.compile("engine_csrc");
 
     // The header-only parts of c10::cuda (events, device queries) call the CUDA runtime directly.

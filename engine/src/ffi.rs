@@ -161,6 +161,11 @@ extern "C" {
     // storage.cpp
     pub fn eng_storage_resize(t: *mut C_tensor, nbytes: i64) -> *mut c_char;
     pub fn eng_storage_nbytes(t: *mut C_tensor, out: *mut i64) -> *mut c_char;
+
+    // host_memory.cpp
+    pub fn eng_host_memory_install() -> *mut c_char;
+    pub fn eng_host_memory_stats(current: *mut i64, peak: *mut i64) -> *mut c_char;
+    pub fn eng_host_memory_reset_peak() -> *mut c_char;
 }
 
 /// Turns a bridge return value into a result, naming what was being done.

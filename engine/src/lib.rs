@@ -15,6 +15,7 @@ pub mod dist;
 mod error;
 mod ffi;
 pub mod gemini;
+pub mod host_memory;
 pub mod job;
 pub mod metrics;
 pub mod optim;

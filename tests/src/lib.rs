@@ -194,3 +194,24 @@ pub fn seeded(seed: i64, shape: &[i64]) -> Tensor {
     tch::manual_seed(seed);
     Tensor::randn(shape, (tch::Kind::Float, Device::Cpu))
 }
+
+/// The host memory counter once it has settled: after a barrier on `group`, the reading that
+/// stayed the same for 50 consecutive reads a millisecond apart (at most two seconds). Gloo's
+/// worker threads let go of a finished collective's buffers a moment after `wait` returns
+/// (when the thread loops), so a reading taken at once can still include them; this waits
+/// for them, it asserts nothing about time.
+pub fn settled_host_memory(group: &engine::dist::ProcessGroup) -> engine::Result<engine::host_memory::HostMemory> {
+    group.barrier()?;
+    let mut last = engine::host_memory::stats()?;
+    let mut same = 0;
+    for _ in 0..2000 {
+        std::thread::sleep(Duration::from_millis(1));
+        let now = engine::host_memory::stats()?;
+        same = if now.current == last.current { same + 1 } else { 0 };
+        last = now;
+        if same == 50 {
+            break;
+        }
+    }
+    Ok(last)
+}

@@ -1,8 +1,11 @@
-//! Parallel layouts applied to models written serially: data parallelism and ZeRO so far, and
-//! [`parallelize`], the one step a trainer applies to wire them around its model.
+//! Parallel layouts applied to models written serially: data parallelism and ZeRO, tensor
+//! parallelism ([`tensor`]), sequence-parallel attention ([`sequence`]), FastFold's DAP, and
+//! [`parallelize()`], the one step a trainer applies to wire them around its model.
 pub mod dap;
 pub mod data;
 pub mod parallelize;
+pub mod sequence;
+pub mod tensor;
 pub mod zero;
 
 pub use data::{average_gradients, DataParallel, DataParallelConfig, GradientBytes};
