@@ -290,7 +290,7 @@ dist_test!(average_gradients_handles_gradients_missing_on_some_ranks, 2, |world|
     let [a, b, c] = [3, 2, 4].map(|n| Tensor::zeros([n], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true));
     let mut loss = (&a * (rank + 1.0)).sum(Kind::Float);
     if world.rank() == 0 {
-        loss = loss + (&b * 4.0).sum(Kind::Float);
+        loss += (&b * 4.0).sum(Kind::Float);
     }
     loss.backward();
     let params = [Param::new("a", &a), Param::new("b", &b), Param::new("c", &c)];
