@@ -13,15 +13,23 @@
 //! off at the end.
 use tch::Tensor;
 
+use super::axis::{dim_index, Axis};
 use crate::autograd::collectives::{self, AsyncCollective};
-use crate::dist::{ProcessGroup, ReduceOp};
+use crate::dist::ProcessGroup;
 use crate::error::ensure;
 use crate::Result;
 
 /// The DAP context: the group the axial split runs over, or none for one process.
 #[derive(Clone, Debug, Default)]
-pub struct Dap {
-    group: Option<ProcessGroup>,
+pub struct Dap(Axis);
+
+/// The axis' group, size, rank and differentiable mappings ([`Axis`]).
+impl std::ops::Deref for Dap {
+    type Target = Axis;
+
+    fn deref(&self) -> &Axis {
+        &self.0
+    }
 }
 
 /// An all-to-all in flight (or, with one rank, a tensor already there).
@@ -47,27 +55,12 @@ impl DapPending {
 impl Dap {
     /// No parallelism: every operation is the identity.
     pub fn none() -> Dap {
-        Dap { group: None }
+        Dap(Axis::none())
     }
 
     /// DAP over `group` (a group of one behaves as [`Dap::none`]).
     pub fn new(group: ProcessGroup) -> Dap {
-        Dap { group: Some(group) }
-    }
-
-    /// The group, when it has more than one rank.
-    fn active(&self) -> Option<&ProcessGroup> {
-        self.group.as_ref().filter(|g| g.size() > 1)
-    }
-
-    /// Number of ranks sharing the axes (1 without a group).
-    pub fn size(&self) -> i64 {
-        self.group.as_ref().map_or(1, |g| g.size() as i64)
-    }
-
-    /// This rank's index in the group (0 without a group).
-    pub fn rank(&self) -> i64 {
-        self.group.as_ref().map_or(0, |g| g.rank() as i64)
+        Dap(Axis::new(group))
     }
 
     /// `len` rounded up to a multiple of the group size.
@@ -106,34 +99,6 @@ impl Dap {
         Ok(x.f_narrow(dim, self.rank() * (size / n), size / n)?)
     }
 
-    /// Scatter: a tensor every rank holds whole becomes this rank's block of `dim`. Backward
-    /// all-gathers the gradient (the adjoint of taking a block of one logical tensor).
-    pub fn scatter(&self, x: &Tensor, dim: i64) -> Result<Tensor> {
-        match self.active() {
-            Some(g) => collectives::split(x, dim, g),
-            None => Ok(x.shallow_clone()),
-        }
-    }
-
-    /// Gather: the blocks of `dim` become the whole tensor on every rank. Backward keeps this
-    /// rank's block of the gradient.
-    pub fn gather(&self, x: &Tensor, dim: i64) -> Result<Tensor> {
-        match self.active() {
-            Some(g) => collectives::gather(x, dim, g),
-            None => Ok(x.shallow_clone()),
-        }
-    }
-
-    /// All-gather of a tensor each rank then uses differently (a pair bias or a projection that
-    /// every rank needs whole): backward sums the ranks' gradients and keeps this rank's block
-    /// (reduce-scatter).
-    pub fn all_gather(&self, x: &Tensor, dim: i64) -> Result<Tensor> {
-        match self.active() {
-            Some(g) => collectives::all_gather(x, dim, g),
-            None => Ok(x.shallow_clone()),
-        }
-    }
-
     /// Row-split to col-split: an all-to-all that gathers `row_dim` and scatters `col_dim`.
     pub fn row_to_col(&self, x: &Tensor, row_dim: i64, col_dim: i64) -> Result<Tensor> {
         match self.active() {
@@ -162,24 +127,13 @@ impl Dap {
 
     /// Sums the gradients of parameters every rank holds a replica of. Each rank's backward
     /// covers only its block of the activations, so a parameter's full gradient is the sum
-    /// over ranks. Tensors without a gradient are skipped.
+    /// over ranks. One all-reduce for all of them, the same on every rank even where a rank
+    /// has no gradient for some (zeros in the sum; none where no rank has one).
     pub fn reduce_gradients<'a>(&self, params: impl IntoIterator<Item = &'a Tensor>) -> Result<()> {
         let Some(g) = self.active() else { return Ok(()) };
-        for p in params {
-            let grad = p.grad();
-            if grad.defined() {
-                g.all_reduce(&grad, ReduceOp::Sum)?;
-            }
-        }
-        Ok(())
+        let params: Vec<Tensor> = params.into_iter().map(Tensor::shallow_clone).collect();
+        crate::parallel::data::reduce_gradients(&params, g, 1.0)
     }
-}
-
-fn dim_index(x: &Tensor, dim: i64) -> Result<usize> {
-    let rank = x.dim() as i64;
-    let d = if dim < 0 { dim + rank } else { dim };
-    ensure!((0..rank).contains(&d), "dimension {dim} is out of range for a tensor of {rank} dimensions");
-    Ok(d as usize)
 }
 
 #[cfg(test)]

@@ -314,18 +314,24 @@ impl State {
 /// gradient on every rank keeps none). For small parameter sets trained without hooks (LoRA
 /// adapters); the same collective on every rank whatever each rank's backward touched.
 pub fn average_gradients(params: &[Param], group: &ProcessGroup) -> Result<()> {
+    let tensors: Vec<Tensor> = params.iter().map(|p| p.tensor.shallow_clone()).collect();
+    reduce_gradients(&tensors, group, group.size() as f64)
+}
+
+/// Sums the gradients of `params` over `group` and divides by `divide_by`, with one
+/// all-reduce (see [`average_gradients`]); the sum alone with 1.
+pub(crate) fn reduce_gradients(params: &[Tensor], group: &ProcessGroup, divide_by: f64) -> Result<()> {
     if group.size() == 1 || params.is_empty() {
         return Ok(());
     }
-    let tensors: Vec<Tensor> = params.iter().map(|p| p.tensor.shallow_clone()).collect();
-    let first = (tensors[0].kind(), tensors[0].device());
+    let first = (params[0].kind(), params[0].device());
     ensure!(
-        tensors.iter().all(|t| (t.kind(), t.device()) == first),
-        "averaging gradients: parameters of several dtypes or devices"
+        params.iter().all(|t| (t.kind(), t.device()) == first),
+        "reducing gradients: parameters of several dtypes or devices"
     );
-    let flat = flatten_with_flags(&tensors)?;
+    let flat = flatten_with_flags(params)?;
     group.all_reduce(&flat, ReduceOp::Sum)?;
-    write_back_average(&tensors, &flat, group.size() as f64).map(drop)
+    write_back_average(params, &flat, divide_by).map(drop)
 }
 
 /// The gradients of `params` (zeros where one has none) in one flat buffer, followed by one

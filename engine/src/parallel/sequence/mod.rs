@@ -29,40 +29,32 @@ pub use ulysses::ulysses_attention;
 
 use tch::{Kind, Tensor};
 
-use crate::autograd::collectives;
+use super::axis::Axis;
 use crate::dist::ProcessGroup;
 use crate::Result;
 
 /// The sequence-parallel context: the group the sequence is split over, or none.
 #[derive(Clone, Debug, Default)]
-pub struct SequenceParallel {
-    group: Option<ProcessGroup>,
+pub struct SequenceParallel(Axis);
+
+/// The axis' group, size, rank and differentiable mappings ([`Axis`]).
+impl std::ops::Deref for SequenceParallel {
+    type Target = Axis;
+
+    fn deref(&self) -> &Axis {
+        &self.0
+    }
 }
 
 impl SequenceParallel {
     /// One process holds the whole sequence.
     pub fn none() -> SequenceParallel {
-        SequenceParallel { group: None }
+        SequenceParallel(Axis::none())
     }
 
     /// The sequence split over `group` (a group of one behaves as [`SequenceParallel::none`]).
     pub fn new(group: ProcessGroup) -> SequenceParallel {
-        SequenceParallel { group: Some(group) }
-    }
-
-    /// The group, when it has more than one rank.
-    pub fn active(&self) -> Option<&ProcessGroup> {
-        self.group.as_ref().filter(|g| g.size() > 1)
-    }
-
-    /// Number of sequence blocks (1 without a group).
-    pub fn size(&self) -> i64 {
-        self.group.as_ref().map_or(1, |g| g.size() as i64)
-    }
-
-    /// This rank's block (0 without a group).
-    pub fn rank(&self) -> i64 {
-        self.group.as_ref().map_or(0, |g| g.rank() as i64)
+        SequenceParallel(Axis::new(group))
     }
 
     /// Checks that every rank holds a block of the same shape, with one small all-gather of the
@@ -86,23 +78,5 @@ impl SequenceParallel {
             listed.join(", "),
             g.size()
         )))
-    }
-
-    /// This rank's block of dim `dim` of a tensor every rank holds whole (entering the
-    /// sequence-parallel region); backward all-gathers the gradient.
-    pub fn scatter(&self, x: &Tensor, dim: i64) -> Result<Tensor> {
-        match self.active() {
-            Some(g) => collectives::split(x, dim, g),
-            None => Ok(x.shallow_clone()),
-        }
-    }
-
-    /// The blocks of dim `dim` made whole on every rank (leaving the region); backward keeps
-    /// this rank's block of the gradient.
-    pub fn gather(&self, x: &Tensor, dim: i64) -> Result<Tensor> {
-        match self.active() {
-            Some(g) => collectives::gather(x, dim, g),
-            None => Ok(x.shallow_clone()),
-        }
     }
 }

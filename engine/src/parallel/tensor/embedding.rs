@@ -92,7 +92,7 @@ impl VocabParallelEmbedding {
                     "vocab-parallel embedding: sequence length {len} (dim {d}) does not divide by the \
                      tensor-parallel size {n}"
                 );
-                self.tp.reduce_scatter_sequence(&partial, self.cfg.sequence_dim)
+                self.tp.reduce_scatter(&partial, self.cfg.sequence_dim)
             }
             false => self.tp.reduce_from(&partial),
         }

@@ -39,6 +39,8 @@ pub use norm::LayerNorm;
 
 use tch::Tensor;
 
+pub(crate) use super::axis::dim_index;
+use super::axis::Axis;
 use crate::autograd::collectives;
 use crate::dist::{ProcessGroup, ReduceOp};
 use crate::error::ensure;
@@ -46,34 +48,26 @@ use crate::Result;
 
 /// The tensor-parallel context: the group weights are split over, or none for one process.
 #[derive(Clone, Debug, Default)]
-pub struct TensorParallel {
-    group: Option<ProcessGroup>,
+pub struct TensorParallel(Axis);
+
+/// The axis' group, size, rank and differentiable mappings ([`Axis`]).
+impl std::ops::Deref for TensorParallel {
+    type Target = Axis;
+
+    fn deref(&self) -> &Axis {
+        &self.0
+    }
 }
 
 impl TensorParallel {
     /// No parallelism: layers hold whole weights and every mapping is the identity.
     pub fn none() -> TensorParallel {
-        TensorParallel { group: None }
+        TensorParallel(Axis::none())
     }
 
     /// Tensor parallelism over `group` (a group of one behaves as [`TensorParallel::none`]).
     pub fn new(group: ProcessGroup) -> TensorParallel {
-        TensorParallel { group: Some(group) }
-    }
-
-    /// The group, when it has more than one rank.
-    pub fn active(&self) -> Option<&ProcessGroup> {
-        self.group.as_ref().filter(|g| g.size() > 1)
-    }
-
-    /// Number of ranks the weights are split over (1 without a group).
-    pub fn size(&self) -> i64 {
-        self.group.as_ref().map_or(1, |g| g.size() as i64)
-    }
-
-    /// This rank's index in the group (0 without a group).
-    pub fn rank(&self) -> i64 {
-        self.group.as_ref().map_or(0, |g| g.rank() as i64)
+        TensorParallel(Axis::new(group))
     }
 
     /// This rank's share of `len` (of `what`, for the error): `len / size`, an error unless the
@@ -83,57 +77,6 @@ impl TensorParallel {
         ensure!(len > 0, "{what} must be positive, got {len}");
         ensure!(len % n == 0, "{what} {len} does not divide by the tensor-parallel size {n}");
         Ok(len / n)
-    }
-
-    /// Identity forward; backward sums the gradient over the group (Megatron's `copy_to`).
-    pub fn copy_to(&self, x: &Tensor) -> Result<Tensor> {
-        match self.active() {
-            Some(g) => collectives::copy_to_group(x, g),
-            None => Ok(x.shallow_clone()),
-        }
-    }
-
-    /// Sum over the group forward; backward passes the gradient through (`reduce_from`).
-    pub fn reduce_from(&self, x: &Tensor) -> Result<Tensor> {
-        match self.active() {
-            Some(g) => collectives::reduce_from_group(x, g),
-            None => Ok(x.shallow_clone()),
-        }
-    }
-
-    /// This rank's block of dim `dim` of a replicated tensor; backward all-gathers (`scatter`).
-    pub fn scatter(&self, x: &Tensor, dim: i64) -> Result<Tensor> {
-        match self.active() {
-            Some(g) => collectives::split(x, dim, g),
-            None => Ok(x.shallow_clone()),
-        }
-    }
-
-    /// The blocks of dim `dim` made whole and replicated; backward keeps this rank's block
-    /// (`gather`).
-    pub fn gather(&self, x: &Tensor, dim: i64) -> Result<Tensor> {
-        match self.active() {
-            Some(g) => collectives::gather(x, dim, g),
-            None => Ok(x.shallow_clone()),
-        }
-    }
-
-    /// Sequence blocks made whole for a computation that differs per rank (entering a column
-    /// layer); backward reduce-scatters the gradient along the sequence.
-    pub fn gather_sequence(&self, x: &Tensor, dim: i64) -> Result<Tensor> {
-        match self.active() {
-            Some(g) => collectives::all_gather(x, dim, g),
-            None => Ok(x.shallow_clone()),
-        }
-    }
-
-    /// Partial sums reduced and split along the sequence (leaving a row layer); backward
-    /// all-gathers the gradient.
-    pub fn reduce_scatter_sequence(&self, x: &Tensor, dim: i64) -> Result<Tensor> {
-        match self.active() {
-            Some(g) => collectives::reduce_scatter(x, dim, g),
-            None => Ok(x.shallow_clone()),
-        }
     }
 
     /// Concatenates every rank's `shard` along `dim`, without autograd (for checkpoints: the
@@ -160,11 +103,4 @@ impl TensorParallel {
             None => Ok(()),
         }
     }
-}
-
-pub(crate) fn dim_index(x: &Tensor, dim: i64) -> Result<usize> {
-    let rank = x.dim() as i64;
-    let d = if dim < 0 { dim + rank } else { dim };
-    ensure!((0..rank).contains(&d), "dimension {dim} is out of range for a tensor of {rank} dimensions");
-    Ok(d as usize)
 }
