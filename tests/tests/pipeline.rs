@@ -2,7 +2,8 @@
 //! ZB-H1) on 2 and 4 stages with 1, pp and 3 pp micro-batches gives the losses, every gradient
 //! and 20 steps of weights of one process on the whole batch (fp32, relative 1e-5); pp x dp on
 //! 4 ranks and tied parameters likewise; 1F1B holds at most pp micro-batches where GPipe holds
-//! them all; a failing stage ends the job naming its rank.
+//! them all; a failing stage ends the job naming its rank. The 2-stage schedules also run on
+//! CUDA/NCCL where two GPUs exist.
 use std::time::{Duration, Instant};
 
 use engine::dist::{ParallelDims, ProcessGroup, ReduceOp};
@@ -23,19 +24,18 @@ const MAX_NORM: f64 = 0.3;
 /// The model, the same on every rank (seeded): `LAYERS` affine layers, tanh between them.
 /// With `tied`, the first layer's weight is also the last's, transposed (as tied input and
 /// output embeddings are).
-fn layers(tied: bool) -> Vec<Box<dyn Layer>> {
-    let emb = (seeded(7, &[WIDTH, WIDTH]) * 0.5).set_requires_grad(true);
+fn layers(tied: bool, device: Device) -> Vec<Box<dyn Layer>> {
+    let param =
+        |seed: i64, shape: &[i64], scale: f64| (seeded(seed, shape) * scale).to_device(device).set_requires_grad(true);
+    let emb = param(7, &[WIDTH, WIDTH], 0.5);
     (0..LAYERS)
         .map(|i| {
             let last = i + 1 == LAYERS;
             let w = match (tied, i == 0 || last) {
                 (true, true) => Param::new("emb", &emb),
-                _ => Param::new(
-                    format!("l{i}.w"),
-                    &(seeded(10 + i as i64, &[WIDTH, WIDTH]) * 0.5).set_requires_grad(true),
-                ),
+                _ => Param::new(format!("l{i}.w"), &param(10 + i as i64, &[WIDTH, WIDTH], 0.5)),
             };
-            let b = Param::new(format!("l{i}.b"), &(seeded(50 + i as i64, &[WIDTH]) * 0.1).set_requires_grad(true));
+            let b = Param::new(format!("l{i}.b"), &param(50 + i as i64, &[WIDTH], 0.1));
             let transpose = tied && last;
             Box::new(FnLayer::new(vec![w, b], move |x: &Tensor, p: &[Param]| {
                 let w = if transpose { p[0].tensor.tr() } else { p[0].tensor.shallow_clone() };
@@ -50,8 +50,9 @@ fn mse(out: &Tensor, target: &Tensor) -> Tensor {
     (out - target).square().mean(Kind::Float)
 }
 
-fn batch(step: usize) -> (Tensor, Tensor) {
-    (seeded(1000 + step as i64, &[BATCH, WIDTH]), seeded(2000 + step as i64, &[BATCH, WIDTH]))
+fn batch(step: usize, device: Device) -> (Tensor, Tensor) {
+    let data = |seed: i64| seeded(seed, &[BATCH, WIDTH]).to_device(device);
+    (data(1000 + step as i64), data(2000 + step as i64))
 }
 
 /// The one-process reference: the whole model and its parameters, deduplicated by name.
@@ -61,8 +62,8 @@ struct Reference {
 }
 
 impl Reference {
-    fn new(tied: bool) -> Reference {
-        let layers = layers(tied);
+    fn new(tied: bool, device: Device) -> Reference {
+        let layers = layers(tied, device);
         let mut params: Vec<Param> = Vec::new();
         for p in layers.iter().flat_map(|l| l.params()) {
             if !params.iter().any(|q| q.name == p.name) {
@@ -105,31 +106,32 @@ struct Run<'a> {
     virtual_stages: usize,
     tied: bool,
     clip: bool,
+    device: Device,
 }
 
 fn train_and_compare(run: Run) -> TestResult {
-    let Run { pp, dp, kind, micro, virtual_stages, tied, clip } = run;
+    let Run { pp, dp, kind, micro, virtual_stages, tied, clip, device } = run;
     let (p, rank) = (pp.size(), pp.rank());
     let what = format!("{} pp={p} micro={micro} v={virtual_stages}", kind.name());
-    let model = layers(tied);
+    let model = layers(tied, device);
     let cut = split(&model, p * virtual_stages, Balance::Count)?;
     if rank == 0 && micro == 1 {
         eprintln!("{what}: split\n{cut}");
     }
     let chunks = assign(model, &cut, rank, p)?;
     let schedule = Schedule::new(kind, p, micro, virtual_stages)?;
-    let mut pipe = Pipeline::new(pp, chunks, schedule, Device::Cpu)?;
+    let mut pipe = Pipeline::new(pp, chunks, schedule, device)?;
     let mut ties = Vec::new();
     if tied {
         let emb = pipe.params().into_iter().find(|q| q.name == "emb");
         ties.push(Tied::new(pp, "emb", &[0, p - 1], emb.as_ref().map(|q| &q.tensor))?);
     }
     let mut opt = optimizer(pipe.params());
-    let mut reference = Reference::new(tied);
+    let mut reference = Reference::new(tied, device);
     let (replicas, replica) = dp.map_or((1, 0), |g| (g.size() as i64, g.rank() as i64));
     let rows = BATCH / replicas / micro as i64;
     for step in 0..STEPS {
-        let (x, y) = batch(step);
+        let (x, y) = batch(step, device);
         let (x, y) = (
             x.narrow(0, replica * rows * micro as i64, rows * micro as i64),
             y.narrow(0, replica * rows * micro as i64, rows * micro as i64),
@@ -145,7 +147,7 @@ fn train_and_compare(run: Run) -> TestResult {
                 dp.all_reduce(&q.tensor.grad(), ReduceOp::Avg)?;
             }
         }
-        let (x_all, y_all) = batch(step);
+        let (x_all, y_all) = batch(step, device);
         let ref_loss = reference.backward(&x_all, &y_all);
         if let Some(loss) = loss {
             let loss = match dp {
@@ -187,7 +189,7 @@ fn train_and_compare(run: Run) -> TestResult {
     Ok(())
 }
 
-fn every_schedule(pp: &ProcessGroup) -> TestResult {
+fn every_schedule(pp: &ProcessGroup, device: Device) -> TestResult {
     let p = pp.size();
     for micro in [1, p, 3 * p] {
         for (kind, virtual_stages) in [
@@ -196,21 +198,32 @@ fn every_schedule(pp: &ProcessGroup) -> TestResult {
             (ScheduleKind::Interleaved, 2),
             (ScheduleKind::ZeroBubbleH1, 1),
         ] {
-            train_and_compare(Run { pp, dp: None, kind, micro, virtual_stages, tied: false, clip: false })?;
+            train_and_compare(Run { pp, dp: None, kind, micro, virtual_stages, tied: false, clip: false, device })?;
         }
     }
     Ok(())
 }
 
-dist_test!(every_schedule_on_2_stages_equals_one_process, 2, |world| { every_schedule(&world.group) });
+dist_test!(cpu_and_cuda every_schedule_on_2_stages_equals_one_process, every_schedule_on_2_stages_equals_one_process_cuda, 2, |world, device| {
+    every_schedule(&world.group, device)
+});
 
-dist_test!(every_schedule_on_4_stages_equals_one_process, 4, |world| { every_schedule(&world.group) });
+dist_test!(every_schedule_on_4_stages_equals_one_process, 4, |world| { every_schedule(&world.group, Device::Cpu) });
 
 dist_test!(pp_by_dp_on_4_ranks_equals_one_process, 4, |world| {
     let mesh = ParallelDims { pp: 2, dp: 2, sp: 1, tp: 1 }.build(&world.group)?;
     let (pp, dp) = (mesh.group("pp").unwrap(), mesh.group("dp").unwrap());
     for kind in [ScheduleKind::OneFOneB, ScheduleKind::ZeroBubbleH1] {
-        train_and_compare(Run { pp, dp: Some(dp), kind, micro: 2, virtual_stages: 1, tied: false, clip: true })?;
+        train_and_compare(Run {
+            pp,
+            dp: Some(dp),
+            kind,
+            micro: 2,
+            virtual_stages: 1,
+            tied: false,
+            clip: true,
+            device: Device::Cpu,
+        })?;
     }
     Ok(())
 });
@@ -225,6 +238,7 @@ dist_test!(tied_parameters_sum_their_gradients_across_stages, 2, |world| {
             virtual_stages: 1,
             tied: true,
             clip: true,
+            device: Device::Cpu,
         })?;
     }
     Ok(())
@@ -235,11 +249,11 @@ fn a_failing_stage_ends_the_job_naming_its_rank() {
     let start = Instant::now();
     let test = test_name(module_path!(), "a_failing_stage_ends_the_job_naming_its_rank");
     let result = run_job(2, &test, &[(engine::dist::launch::TIMEOUT_ENV, "4")], |world| {
-        let model = layers(false);
-        let chunks = assign(model, &split(&layers(false), 2, Balance::Count)?, world.rank(), 2)?;
+        let model = layers(false, Device::Cpu);
+        let chunks = assign(model, &split(&layers(false, Device::Cpu), 2, Balance::Count)?, world.rank(), 2)?;
         let mut pipe =
             Pipeline::new(&world.group, chunks, Schedule::new(ScheduleKind::OneFOneB, 2, 2, 1)?, Device::Cpu)?;
-        let (x, y) = batch(0);
+        let (x, y) = batch(0, Device::Cpu);
         let inputs = vec![x.narrow(0, 0, 6), x.narrow(0, 6, 6)];
         for step in 0..3 {
             // The last stage's loss fails at the second step; the first stage is then waiting

@@ -10,6 +10,12 @@
 //! so a step allocates no communication buffers. Every micro-batch of a chunk must therefore
 //! have the same activation shape.
 //!
+//! On NCCL (unverified here: no GPU yet) each neighbour pair's sends and receives share one
+//! stream per rank, and a send larger than NCCL's staging buffer completes only once the peer's
+//! receive runs; the order above (a rank's send before its next receive from the same peer) is
+//! then safe only for messages that fit the buffer. Megatron pairs such exchanges into one
+//! NCCL group (`batch_isend_irecv`); the bridge does not offer that yet.
+//!
 //! Split backward (ZB-H1): each layer runs on a detached copy of its input, so a chunk's graph
 //! is one small graph per layer. The input-gradient pass walks the layers backwards computing
 //! only the gradients of their inputs, keeping the graphs; the weight pass later runs each

@@ -201,18 +201,24 @@ pub fn textbook_bubble(kind: super::ScheduleKind, p: usize, m: usize, v: usize) 
 }
 
 /// A markdown table of simulated bubble fractions beside the textbook formula, and the peak
-/// micro-batch chunks in flight on the busiest rank, for each `(kind, pp, micro_batches,
+/// micro-batch chunks in flight on the busiest rank (a chunk holds `1 / v` of a rank's layers,
+/// so divided by `v` it is in whole micro-batches' activations), for each `(kind, pp, micro_batches,
 /// virtual_stages)` (unit costs, `F = B = W`).
 pub fn bubble_table(cases: &[(super::ScheduleKind, usize, usize, usize)]) -> Result<String> {
     let mut out = String::from(
-        "| schedule | pp | micro-batches | virtual stages | simulated bubble | formula | peak in flight |\n\
-         |---|---|---|---|---|---|---|\n",
+        "| schedule | pp | micro-batches | virtual stages | simulated bubble | formula | peak in flight (chunks) | \
+         (micro-batches) |\n|---|---|---|---|---|---|---|---|\n",
     );
     for &(kind, p, m, v) in cases {
         let sim = simulate(&Schedule::new(kind, p, m, v)?, Costs::default())?;
         let peak = sim.peak_in_flight.iter().max().copied().unwrap_or(0);
         let formula = textbook_bubble(kind, p, m, v);
-        out.push_str(&format!("| {} | {p} | {m} | {v} | {:.4} | {formula:.4} | {peak} |\n", kind.name(), sim.bubble));
+        let whole = peak as f64 / v as f64;
+        out.push_str(&format!(
+            "| {} | {p} | {m} | {v} | {:.4} | {formula:.4} | {peak} | {whole:.2} |\n",
+            kind.name(),
+            sim.bubble
+        ));
     }
     Ok(out)
 }
