@@ -10,7 +10,7 @@
 //! so a step allocates no communication buffers. Every micro-batch of a chunk must therefore
 //! have the same activation shape.
 //!
-//! On NCCL (unverified here: no GPU yet) each neighbour pair's sends and receives share one
+//! On NCCL (not yet run on a GPU) each neighbour pair's sends and receives share one
 //! stream per rank, and a send larger than NCCL's staging buffer completes only once the peer's
 //! receive runs; the order above (a rank's send before its next receive from the same peer) is
 //! then safe only for messages that fit the buffer. Megatron pairs such exchanges into one
@@ -36,7 +36,8 @@ use crate::error::ensure;
 use crate::optim::Param;
 use crate::{Error, Result};
 
-/// Room in a shape header: the rank count, a dtype code and up to this many sizes less two.
+/// Room in a shape header: the number of dimensions, a dtype code, and the sizes (so at most
+/// eight dimensions).
 const HEADER: usize = 10;
 /// Header tags live above every data tag.
 const HEADER_TAG: i32 = 1 << 29;
@@ -445,4 +446,71 @@ fn code_of(kind: Kind) -> Result<i64> {
 
 fn kind_of(code: i64) -> Result<Kind> {
     KINDS.get(code as usize).copied().ok_or_else(|| Error::invalid(format!("a shape header with dtype code {code}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{assign, split_costs, FnLayer, Layer, ScheduleKind};
+    use super::*;
+    use crate::dist::{InitOptions, World};
+
+    /// Three affine layers with tanh, on seeded weights.
+    fn layers() -> Vec<Box<dyn Layer>> {
+        (0..3)
+            .map(|i| {
+                tch::manual_seed(i);
+                let w = Tensor::randn([4, 4], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+                let b = Tensor::randn([4], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+                let params = vec![Param::new(format!("w{i}"), &w), Param::new(format!("b{i}"), &b)];
+                Box::new(FnLayer::new(params, |x: &Tensor, p: &[Param]| {
+                    Ok(x.f_matmul(&p[0].tensor)?.f_add(&p[1].tensor)?.f_tanh()?)
+                })) as Box<dyn Layer>
+            })
+            .collect()
+    }
+
+    /// On one rank every schedule, split backward included, gives plain autograd's loss and
+    /// gradients: the mean over micro-batches.
+    #[test]
+    fn one_stage_equals_plain_autograd() {
+        let world = World::single(&InitOptions::default()).unwrap();
+        tch::manual_seed(9);
+        let x = Tensor::randn([6, 4], (Kind::Float, Device::Cpu));
+        let reference = layers();
+        let out = reference.iter().fold(x.shallow_clone(), |h, l| l.forward(&h).unwrap());
+        let loss = out.square().mean(Kind::Float);
+        loss.backward();
+        for kind in [ScheduleKind::GPipe, ScheduleKind::OneFOneB, ScheduleKind::ZeroBubbleH1] {
+            let split = split_costs(vec![1.0; 3], 1, "layers").unwrap();
+            let chunks = assign(layers(), &split, 0, 1).unwrap();
+            let mut pipe =
+                Pipeline::new(&world.group, chunks, Schedule::new(kind, 1, 3, 1).unwrap(), Device::Cpu).unwrap();
+            let inputs: Vec<Tensor> = (0..3).map(|i| x.narrow(0, 2 * i, 2)).collect();
+            let got = pipe.step(&inputs, &mut |_, out| Ok(out.f_square()?.f_mean(Kind::Float)?)).unwrap().unwrap();
+            assert!((got - loss.double_value(&[])).abs() < 1e-6, "{kind:?}: loss {got}");
+            for (p, q) in pipe.params().iter().zip(reference.iter().flat_map(|l| l.params())) {
+                let err = (p.tensor.grad() - q.tensor.grad()).abs().max().double_value(&[]);
+                assert!(err < 1e-6, "{kind:?}: gradient of {} off by {err}", p.name);
+            }
+            assert_eq!(pipe.peak_in_flight(), if kind == ScheduleKind::GPipe { 3 } else { 1 }, "{kind:?}");
+        }
+    }
+
+    #[test]
+    fn wrong_inputs_and_chunks_are_errors_naming_them() {
+        let world = World::single(&InitOptions::default()).unwrap();
+        let split = split_costs(vec![1.0; 3], 1, "layers").unwrap();
+        let schedule = Schedule::new(ScheduleKind::OneFOneB, 1, 2, 1).unwrap();
+        let mut pipe =
+            Pipeline::new(&world.group, assign(layers(), &split, 0, 1).unwrap(), schedule, Device::Cpu).unwrap();
+        let err = pipe.step(&[], &mut |_, o| Ok(o.shallow_clone())).unwrap_err().to_string();
+        assert!(err.contains("0 inputs for micro_batches=2"), "{err}");
+        let x = Tensor::zeros([2, 4], (Kind::Float, Device::Cpu));
+        let err = pipe.step(&[x.shallow_clone(), x], &mut |_, o| Ok(o.shallow_clone())).unwrap_err().to_string();
+        assert!(err.contains("pipeline rank 0 (stage 0): F(micro 0, chunk 0)"), "{err}");
+        assert!(err.contains("has shape [2, 4], expected a scalar"), "{err}");
+        let schedule = Schedule::new(ScheduleKind::Interleaved, 2, 2, 2).unwrap();
+        let err = Pipeline::new(&world.group, Vec::new(), schedule, Device::Cpu).err().unwrap().to_string();
+        assert!(err.contains("the schedule is for pp=2 ranks but group world has 1"), "{err}");
+    }
 }

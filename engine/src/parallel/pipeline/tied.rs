@@ -21,7 +21,8 @@ pub struct Tied {
 impl Tied {
     /// Ties `name` across pipeline ranks `holders` of `pp` (ranks of that group). Every rank of
     /// `pp` must call this, in the same order for every tie (it makes a sub-group); holders pass
-    /// their copy of the parameter, the others `None`. The copies must start equal.
+    /// their copy of the parameter, the others `None`. The first holder's values are broadcast
+    /// to the other copies, so they start equal.
     pub fn new(pp: &ProcessGroup, name: &str, holders: &[usize], tensor: Option<&Tensor>) -> Result<Tied> {
         let holds = holders.contains(&pp.rank());
         ensure!(
@@ -33,6 +34,9 @@ impl Tied {
             if tensor.is_some() { "passed" } else { "did not pass" }
         );
         let group = pp.subgroup(holders, &format!("tied-{name}"))?;
+        if let (Some(g), Some(t)) = (&group, tensor) {
+            g.broadcast(t, 0)?;
+        }
         let first = holders.first() == Some(&pp.rank());
         Ok(Tied { name: name.to_string(), first, group, tensor: tensor.map(Tensor::shallow_clone) })
     }
