@@ -3,8 +3,8 @@
 //! ranks over the pipeline group (Gloo for CPU tensors, NCCL for CUDA ones).
 //!
 //! Communication: every send is asynchronous and waited for at the end of the step; a receive
-//! is posted at its action and waited for by the compute that needs it, under the group's
-//! timeout. Shapes and dtypes cross once: before a chunk's first activation, the sender sends a
+//! is posted at its action (on CPU, one compute action earlier, once its buffer exists) and
+//! waited for by the compute that needs it, under the group's timeout. Shapes and dtypes cross once: before a chunk's first activation, the sender sends a
 //! small header, and the receiver allocates its receive buffers for every micro-batch of that
 //! chunk; later steps reuse them (gradient buffers likewise, from the chunk's own output shape),
 //! so a step allocates no communication buffers. Every micro-batch of a chunk must therefore
@@ -165,7 +165,10 @@ impl Pipeline {
         self.peak = 0;
         let mut state = StepState::default();
         let actions = self.schedule.actions[self.group.rank()].clone();
-        for action in actions {
+        for (k, &action) in actions.iter().enumerate() {
+            if matches!(action, Action::Forward(_) | Action::Backward(_) | Action::Weight(_)) {
+                self.prefetch(&actions[k + 1..], &mut state)?;
+            }
             self.run(action, &mut state, inputs, loss).map_err(|e| {
                 let s = match action {
                     Action::RecvActivation(s)
@@ -219,6 +222,7 @@ impl Pipeline {
         loss: &mut dyn FnMut(usize, &Tensor) -> Result<Tensor>,
     ) -> Result<()> {
         match action {
+            Action::RecvActivation(s) if state.receives.contains_key(&s) => {}
             Action::RecvActivation(s) => {
                 let stage = self.stage(s);
                 let buffer = self.activation_buffer(s, stage)?;
@@ -234,6 +238,7 @@ impl Pipeline {
                 let work = self.group.send_async(&out, self.rank_of(stage + 1), self.tag(s.micro, stage, false))?;
                 state.sends.push((work, out));
             }
+            Action::RecvGrad(s) if state.grad_receives.contains_key(&s) => {}
             Action::RecvGrad(s) => {
                 let stage = self.stage(s);
                 let out = &self.held_of(state, s)?.pieces.last().expect("a chunk has pieces").1;
@@ -263,6 +268,38 @@ impl Pipeline {
                     autograd::backward_into(&[out], &[Some(grad)], &params.iter().collect::<Vec<_>>(), false)?;
                 }
                 self.held -= 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Posts the receives that feed the next compute action before this one runs, so their
+    /// data moves while this rank computes (Gloo moves a message once both sides have posted).
+    /// Only receives whose buffers exist (every step after the first), and only on CPU: on
+    /// NCCL a receive queued early on the pair's stream could sit ahead of a send the peer
+    /// needs first.
+    fn prefetch(&mut self, ahead: &[Action], state: &mut StepState) -> Result<()> {
+        if self.device != Device::Cpu {
+            return Ok(());
+        }
+        for &action in ahead {
+            match action {
+                Action::RecvActivation(s) if !state.receives.contains_key(&s) => {
+                    if let Some(buffer) = self.activation_buffers.get(&s) {
+                        let stage = self.stage(s);
+                        let tag = self.tag(s.micro, stage - 1, false);
+                        state.receives.insert(s, self.group.recv_async(buffer, self.rank_of(stage - 1), tag)?);
+                    }
+                }
+                Action::RecvGrad(s) if !state.grad_receives.contains_key(&s) => {
+                    if let Some(buffer) = self.grad_buffers.get(&s) {
+                        let stage = self.stage(s);
+                        let tag = self.tag(s.micro, stage, true);
+                        state.grad_receives.insert(s, self.group.recv_async(buffer, self.rank_of(stage + 1), tag)?);
+                    }
+                }
+                Action::Forward(_) | Action::Backward(_) | Action::Weight(_) => break,
+                _ => {}
             }
         }
         Ok(())
