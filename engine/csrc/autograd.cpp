@@ -160,6 +160,28 @@ char* eng_backward(at::Tensor** outputs, at::Tensor** grads, int n, int keep_gra
   })
 }
 
+// Backward restricted to `inputs`: with `accumulate`, their `.grad`s receive the gradients
+// (torch.autograd.backward(..., inputs=)); without, the gradients are returned in `results`
+// (torch.autograd.grad, unused inputs as null) and no `.grad` changes. The pipeline's split
+// backward (input gradients now, weight gradients later) needs both.
+char* eng_grad(at::Tensor** outputs, at::Tensor** grads, int n, at::Tensor** inputs, int ninputs, int keep_graph,
+               int accumulate, at::Tensor** results) {
+  ENG_PROTECT({
+    torch::autograd::variable_list outs, gs, ins;
+    for (int i = 0; i < n; ++i) {
+      outs.push_back(*outputs[i]);
+      gs.push_back(grads[i] == nullptr ? at::Tensor() : *grads[i]);
+    }
+    for (int i = 0; i < ninputs; ++i) ins.push_back(*inputs[i]);
+    if (accumulate != 0) {
+      torch::autograd::backward(outs, gs, keep_graph != 0, false, ins);
+    } else {
+      auto out = torch::autograd::grad(outs, ins, gs, keep_graph != 0, false, true);
+      for (int i = 0; i < ninputs; ++i) results[i] = out[i].defined() ? new at::Tensor(out[i]) : nullptr;
+    }
+  })
+}
+
 char* eng_set_grad(at::Tensor* t, at::Tensor* grad) {
   ENG_PROTECT({ t->mutable_grad() = grad == nullptr ? at::Tensor() : *grad; })
 }

@@ -127,6 +127,16 @@ extern "C" {
         n: c_int,
         keep_graph: c_int,
     ) -> *mut c_char;
+    pub fn eng_grad(
+        outputs: *mut *mut C_tensor,
+        grads: *mut *mut C_tensor,
+        n: c_int,
+        inputs: *mut *mut C_tensor,
+        ninputs: c_int,
+        keep_graph: c_int,
+        accumulate: c_int,
+        results: *mut *mut C_tensor,
+    ) -> *mut c_char;
     pub fn eng_set_grad(t: *mut C_tensor, grad: *mut C_tensor) -> *mut c_char;
     pub fn eng_rng_get_state(device: c_int, out: *mut *mut C_tensor) -> *mut c_char;
     pub fn eng_rng_set_state(device: c_int, state: *mut C_tensor) -> *mut c_char;

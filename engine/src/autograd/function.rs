@@ -161,6 +161,68 @@ pub fn backward(outputs: &[&Tensor], grads: &[Option<&Tensor>], keep_graph: bool
     )
 }
 
+/// Gradients of `outputs` (with output gradients `grads`, as in [`backward`]) with respect to
+/// `inputs` only, returned rather than accumulated: no `.grad` changes (`torch.autograd.grad`).
+/// An input the outputs do not depend on gets `None`. With `keep_graph` the graph survives for
+/// a later pass, as the pipeline's split backward needs.
+pub fn grad(
+    outputs: &[&Tensor],
+    grads: &[Option<&Tensor>],
+    inputs: &[&Tensor],
+    keep_graph: bool,
+) -> Result<Vec<Option<Tensor>>> {
+    let mut results = vec![std::ptr::null_mut(); inputs.len()];
+    restricted(outputs, grads, inputs, keep_graph, false, &mut results)?;
+    // SAFETY: the bridge filled each slot with a new heap tensor we now own, or left it null.
+    Ok(results.into_iter().map(|p| (!p.is_null()).then(|| unsafe { Tensor::from_ptr(p) })).collect())
+}
+
+/// Backward from `outputs` that accumulates into the `.grad` of `inputs` only
+/// (`torch.autograd.backward(..., inputs=)`): the weight pass of a split backward.
+pub fn backward_into(
+    outputs: &[&Tensor],
+    grads: &[Option<&Tensor>],
+    inputs: &[&Tensor],
+    keep_graph: bool,
+) -> Result<()> {
+    restricted(outputs, grads, inputs, keep_graph, true, &mut [])
+}
+
+fn restricted(
+    outputs: &[&Tensor],
+    grads: &[Option<&Tensor>],
+    inputs: &[&Tensor],
+    keep_graph: bool,
+    accumulate: bool,
+    results: &mut [*mut C_tensor],
+) -> Result<()> {
+    crate::error::ensure!(
+        outputs.len() == grads.len(),
+        "backward: {} outputs but {} gradients",
+        outputs.len(),
+        grads.len()
+    );
+    crate::error::ensure!(!inputs.is_empty(), "backward restricted to inputs: no inputs given");
+    let mut outs: Vec<_> = outputs.iter().map(|t| t.raw()).collect();
+    let mut gs: Vec<_> = grads.iter().map(|g| g.map_or(std::ptr::null_mut(), |t| t.raw())).collect();
+    let mut ins: Vec<_> = inputs.iter().map(|t| t.raw()).collect();
+    check(
+        unsafe {
+            ffi::eng_grad(
+                outs.as_mut_ptr(),
+                gs.as_mut_ptr(),
+                outs.len() as c_int,
+                ins.as_mut_ptr(),
+                ins.len() as c_int,
+                keep_graph as c_int,
+                accumulate as c_int,
+                results.as_mut_ptr(),
+            )
+        },
+        || format!("backward restricted to {} inputs", inputs.len()),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -256,6 +318,22 @@ mod tests {
         assert_eq!(Vec::<f32>::try_from(x.grad()).unwrap(), vec![3.0, 6.0]);
         let err = backward(&[&y], &[], false).unwrap_err().to_string();
         assert!(err.contains("1 outputs but 0 gradients"), "{err}");
+    }
+
+    #[test]
+    fn gradients_wrt_chosen_inputs_then_the_rest() {
+        // y = (x w)^2 summed: dy/dx = 2 x w^2, dy/dw = 2 x^2 w.
+        let (x, w) = (leaf(&[3.0]), leaf(&[2.0]));
+        let y = (&x * &w).square().sum(Kind::Float);
+        let gx = grad(&[&y], &[None], &[&x], true).unwrap();
+        assert_eq!(Vec::<f32>::try_from(gx[0].as_ref().unwrap()).unwrap(), vec![24.0]);
+        assert!(!x.grad().defined() && !w.grad().defined(), "grad() accumulates nothing");
+        backward_into(&[&y], &[None], &[&w], false).unwrap();
+        assert_eq!(Vec::<f32>::try_from(w.grad()).unwrap(), vec![36.0]);
+        assert!(!x.grad().defined(), "only the chosen inputs accumulate");
+        let unused = leaf(&[1.0]);
+        let z = (&x * 2.0).sum(Kind::Float);
+        assert!(grad(&[&z], &[None], &[&unused], false).unwrap()[0].is_none());
     }
 
     #[test]

@@ -6,5 +6,5 @@ pub mod function;
 pub mod hooks;
 
 pub use checkpoint::checkpoint;
-pub use function::{apply, backward, set_grad, Forward};
+pub use function::{apply, backward, backward_into, grad, set_grad, Forward};
 pub use hooks::register_post_accumulate_grad_hook;

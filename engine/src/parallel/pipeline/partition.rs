@@ -1,0 +1,195 @@
+//! Cutting an ordered list of layers into contiguous stages: by layer count, by parameter
+//! bytes, or by a measured per-layer cost (one timed forward and backward of each layer). The
+//! split minimises the most expensive stage, which bounds the pipeline's step time.
+use std::fmt;
+use std::ops::Range;
+use std::time::Instant;
+
+use tch::{Kind, Tensor};
+
+use super::stage::Layer;
+use crate::error::ensure;
+use crate::Result;
+
+/// How to weigh layers when balancing stages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Balance {
+    /// Every layer weighs the same.
+    Count,
+    /// A layer weighs its parameters' bytes (balances memory).
+    ParameterBytes,
+}
+
+/// A split of layers into stages, with the cost it balanced.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Split {
+    /// `ranges[s]`: the layers of (virtual) stage `s`.
+    pub ranges: Vec<Range<usize>>,
+    /// The cost of each layer that was balanced.
+    pub costs: Vec<f64>,
+    /// What the cost is, for printing ("layers", "bytes", "seconds").
+    pub unit: &'static str,
+}
+
+impl Split {
+    /// The summed cost of each stage.
+    pub fn stage_costs(&self) -> Vec<f64> {
+        self.ranges.iter().map(|r| self.costs[r.clone()].iter().sum()).collect()
+    }
+}
+
+impl fmt::Display for Split {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let costs = self.stage_costs();
+        let total: f64 = costs.iter().sum();
+        for (s, (r, c)) in self.ranges.iter().zip(&costs).enumerate() {
+            let share = if total > 0.0 { 100.0 * c / total } else { 0.0 };
+            let cost = match self.unit {
+                "seconds" => format!("{:.3} ms", c * 1e3),
+                unit => format!("{c} {unit}"),
+            };
+            writeln!(f, "stage {s}: layers {}..{} ({cost}, {share:.1}% of the total)", r.start, r.end)?;
+        }
+        Ok(())
+    }
+}
+
+/// Splits `layers` into `stages` contiguous non-empty ranges by `balance`.
+pub fn split(layers: &[Box<dyn Layer>], stages: usize, balance: Balance) -> Result<Split> {
+    let (costs, unit) = match balance {
+        Balance::Count => (vec![1.0; layers.len()], "layers"),
+        Balance::ParameterBytes => (
+            layers
+                .iter()
+                .map(|l| {
+                    l.params().iter().map(|p| (p.tensor.numel() * p.tensor.kind().elt_size_in_bytes()) as f64).sum()
+                })
+                .collect(),
+            "bytes",
+        ),
+    };
+    split_costs(costs, stages, unit)
+}
+
+/// Times one forward and backward of each layer (after `warmup` untimed ones), feeding each
+/// layer the previous layer's output starting from `sample`, and splits by those times. The
+/// measurement runs on `sample`'s device; it leaves no gradients behind.
+pub fn split_measured(layers: &[Box<dyn Layer>], stages: usize, sample: &Tensor, warmup: usize) -> Result<Split> {
+    let mut costs = Vec::with_capacity(layers.len());
+    let mut x = sample.f_detach()?;
+    for (i, layer) in layers.iter().enumerate() {
+        let mut seconds = 0.0;
+        for run in 0..=warmup {
+            let input = x.f_detach()?.set_requires_grad(x.is_floating_point());
+            let start = Instant::now();
+            let out = layer.forward(&input)?;
+            let total = out.f_sum(Kind::Float)?;
+            if total.requires_grad() {
+                crate::autograd::backward(&[&total], &[None], false)?;
+            }
+            // A scalar read waits for the device, so the time covers the work.
+            let _ = total.f_double_value(&[])?;
+            seconds = start.elapsed().as_secs_f64();
+            if run == warmup {
+                x = out.f_detach()?;
+            }
+        }
+        for p in layer.params() {
+            crate::autograd::set_grad(&p.tensor, None)?;
+        }
+        ensure!(seconds.is_finite(), "pipeline: timing layer {i} gave {seconds}");
+        costs.push(seconds);
+    }
+    split_costs(costs, stages, "seconds")
+}
+
+/// Splits weights `costs` into `stages` contiguous non-empty ranges minimising the largest
+/// sum (dynamic programming over prefix sums; ties go to the earliest cut).
+pub fn split_costs(costs: Vec<f64>, stages: usize, unit: &'static str) -> Result<Split> {
+    let n = costs.len();
+    ensure!(stages >= 1, "pipeline: cannot split into {stages} stages");
+    ensure!(n >= stages, "pipeline: {n} layers cannot fill {stages} stages (each stage needs a layer)");
+    ensure!(costs.iter().all(|c| c.is_finite() && *c >= 0.0), "pipeline: layer costs must be finite and >= 0");
+    let prefix: Vec<f64> = std::iter::once(0.0)
+        .chain(costs.iter().scan(0.0, |acc, c| {
+            *acc += c;
+            Some(*acc)
+        }))
+        .collect();
+    // best[k][i]: the smallest max-stage cost of the first i layers in k stages; cut[k][i]
+    // where the last of those stages starts.
+    let mut best = vec![vec![f64::INFINITY; n + 1]; stages + 1];
+    let mut cut = vec![vec![0usize; n + 1]; stages + 1];
+    best[0][0] = 0.0;
+    for k in 1..=stages {
+        for i in k..=n {
+            for j in (k - 1)..i {
+                let value = best[k - 1][j].max(prefix[i] - prefix[j]);
+                if value < best[k][i] {
+                    best[k][i] = value;
+                    cut[k][i] = j;
+                }
+            }
+        }
+    }
+    let mut ranges = Vec::with_capacity(stages);
+    let mut end = n;
+    for k in (1..=stages).rev() {
+        let start = cut[k][end];
+        ranges.push(start..end);
+        end = start;
+    }
+    ranges.reverse();
+    Ok(Split { ranges, costs, unit })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn balances_the_largest_stage() {
+        let s = split_costs(vec![1.0; 8], 4, "layers").unwrap();
+        assert_eq!(s.ranges, vec![0..2, 2..4, 4..6, 6..8]);
+        // One heavy layer gets a stage to itself.
+        let s = split_costs(vec![1.0, 1.0, 6.0, 1.0, 1.0, 1.0], 3, "s").unwrap();
+        assert_eq!(s.ranges, vec![0..2, 2..3, 3..6]);
+        assert_eq!(s.stage_costs(), vec![2.0, 6.0, 3.0]);
+        assert!(s.to_string().contains("stage 1: layers 2..3 (6 s, 54.5% of the total)"), "{s}");
+    }
+
+    #[test]
+    fn measured_costs_split_every_layer_and_leave_no_gradients() {
+        use super::super::stage::FnLayer;
+        use crate::optim::Param;
+        let layers: Vec<Box<dyn Layer>> = (0..4)
+            .map(|i| {
+                let w = Tensor::randn([8, 8], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
+                // Layer 2 repeats its matmul: the heavy one.
+                let repeats = if i == 2 { 20 } else { 1 };
+                Box::new(FnLayer::new(vec![Param::new(format!("w{i}"), &w)], move |x: &Tensor, p: &[Param]| {
+                    let mut y = x.shallow_clone();
+                    for _ in 0..repeats {
+                        y = y.f_matmul(&p[0].tensor)?.f_tanh()?;
+                    }
+                    Ok(y)
+                })) as Box<dyn Layer>
+            })
+            .collect();
+        let sample = Tensor::randn([16, 8], (Kind::Float, tch::Device::Cpu));
+        let s = split_measured(&layers, 2, &sample, 1).unwrap();
+        assert_eq!(s.ranges.len(), 2);
+        assert_eq!((s.ranges[0].start, s.ranges[1].end), (0, 4));
+        assert!(s.costs.iter().all(|&c| c > 0.0), "{:?}", s.costs);
+        assert!(s.to_string().contains(" ms, "), "{s}");
+        assert!(layers.iter().flat_map(|l| l.params()).all(|p| !p.tensor.grad().defined()));
+        let bytes = split(&layers, 4, Balance::ParameterBytes).unwrap();
+        assert_eq!(bytes.costs, vec![256.0; 4]);
+    }
+
+    #[test]
+    fn too_few_layers_is_an_error() {
+        let err = split_costs(vec![1.0; 3], 4, "layers").unwrap_err().to_string();
+        assert!(err.contains("3 layers cannot fill 4 stages"), "{err}");
+    }
+}
