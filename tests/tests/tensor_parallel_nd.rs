@@ -315,9 +315,9 @@ fn cube_mode(world: &World, cube: &Cube) -> TestResult {
         if bias {
             close(&layer.bias().unwrap().grad(), &block(&serial.bias().unwrap().grad(), 0, a, q), &what("bias grad"));
         }
-        // The docs' formula: 2 (N h + N h' + h h') / q^2, plus the bias gradient's two sums.
+        // The docs' formula: (3 N h + 2 N h' + 3 h h') / q^2, plus the bias gradient's two sums.
         let n = b * s;
-        let expected = 2 * (n * h + n * hout + h * hout) / (q * q) + bias as i64 * 2 * hout / q;
+        let expected = (3 * n * h + 2 * n * hout + 3 * h * hout) / (q * q) + bias as i64 * 2 * hout / q;
         assert_eq!(counted, expected, "{}", what("elements communicated, forward and backward"));
         close(&cube.gather_output(&y, out)?, &y1, &what("gathered output"));
     }

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use tch::Tensor;
 
-use crate::autograd::collectives::Collective;
+use crate::autograd::collectives::{Collective, Pending};
 use crate::autograd::function::{apply, Forward};
 use crate::dist::ProcessGroup;
 use crate::Result;
@@ -36,13 +36,18 @@ fn volume(c: Collective, x: &Tensor, g: &ProcessGroup) -> i64 {
     }
 }
 
-/// Runs `c` on `x` (no autograd), counted.
-pub(super) fn run(c: Collective, x: &Tensor, g: &ProcessGroup) -> Result<Tensor> {
+/// Launches `c` on `x` (no autograd), counted; the result comes from `wait`.
+pub(super) fn start(c: Collective, x: &Tensor, g: &ProcessGroup) -> Result<Pending> {
     if g.size() == 1 {
-        return Ok(x.shallow_clone());
+        return Collective::Identity.start(x, g);
     }
     count(volume(c, x, g));
-    c.start(x, g)?.wait()
+    c.start(x, g)
+}
+
+/// Runs `c` on `x` (no autograd), counted.
+pub(super) fn run(c: Collective, x: &Tensor, g: &ProcessGroup) -> Result<Tensor> {
+    start(c, x, g)?.wait()
 }
 
 /// In-place broadcast from group rank `root`, counted.
@@ -95,11 +100,6 @@ pub(super) fn copy_to(x: &Tensor, g: &ProcessGroup) -> Result<Tensor> {
 /// statistics over a split hidden dimension).
 pub(super) fn all_reduce(x: &Tensor, g: &ProcessGroup) -> Result<Tensor> {
     differentiable("all_reduce (counted)", x, g, Collective::AllReduce, Collective::AllReduce)
-}
-
-/// All-gather along `dim`; the gradient is reduce-scattered.
-pub(super) fn all_gather(x: &Tensor, dim: i64, g: &ProcessGroup) -> Result<Tensor> {
-    differentiable("all_gather (counted)", x, g, Collective::AllGather { dim }, Collective::ReduceScatter { dim })
 }
 
 /// Reduce-scatter along `dim`; the gradient is all-gathered.

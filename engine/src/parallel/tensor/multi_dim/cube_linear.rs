@@ -10,13 +10,13 @@
 //!    which sums over the input blocks `b` and leaves batch block `i * q + b`, output block `a`:
 //!    the flipped orientation.
 //!
-//! Each is a differentiable collective (all-gather's adjoint is reduce-scatter and back), so
-//! backward is exact: the output gradient is all-gathered over `B`, the input gradient
-//! reduce-scattered over `A` and the weight gradient over `I`. Autograd keeps the gathered
-//! input and weight for backward (`q` times the local blocks); Colossal-AI gathers them again.
+//! Backward runs the adjoints (all-gather and reduce-scatter trade places): the output gradient
+//! is all-gathered over `B`, the input gradient reduce-scattered over `A` and the weight
+//! gradient over `I`; only the local blocks are kept for it (`cube_matmul`).
 use tch::{nn, Tensor};
 
 use super::cube::{Axis, Cube, Orientation};
+use super::cube_matmul::cube_matmul;
 use super::{comm, full_shape, LinearConfig};
 use crate::error::ensure;
 use crate::parallel::tensor::init;
@@ -113,15 +113,8 @@ impl CubeLinear {
             self.in_features / q,
             self.in_features
         );
-        let (batch, hidden) = (self.orientation.batch_axis(), self.orientation.hidden_axis());
-        let x = comm::all_gather(x, 0, self.cube.group(batch))?;
-        let w = comm::all_gather(&self.weight, 1, self.cube.group(Axis::I))?;
-        let rows = x.size()[0];
-        ensure!(
-            rows % q == 0,
-            "3D linear: the gathered batch block has {rows} rows, which do not divide into q = {q} blocks"
-        );
-        let y = comm::reduce_scatter(&x.f_linear(&w, None::<Tensor>)?, 0, self.cube.group(hidden))?;
+        let y = cube_matmul(x, &self.weight, &self.cube, self.orientation)?;
+        let hidden = self.orientation.hidden_axis();
         match &self.bias {
             Some(b) => {
                 // Bias block `a` is added by every rank whose output is in block `a`.

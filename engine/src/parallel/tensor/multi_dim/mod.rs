@@ -26,13 +26,14 @@
 //! | 1D (column, then row) | any | `N h` (column, backward) or `N h'` (row, forward): one all-reduce of an activation |
 //! | 2D | `q^2` | `3 (N h + h h') / q` |
 //! | 2.5D | `q^2 d` | `3 N h / (d q) + 3 h h' / q + h h' / q^2` (the last: the weight gradient summed over depth) |
-//! | 3D | `q^3` | `2 (N h + N h' + h h') / q^2` |
+//! | 3D | `q^3` | `(3 N h + 2 N h' + 3 h h') / q^2` (input and weight gathered again in backward) |
 //!
 //! A bias adds `h'/q` (2D), `2 h'/q` (2.5D, 3D) for summing its gradient.
 mod comm;
 mod cube;
 mod cube_layers;
 mod cube_linear;
+mod cube_matmul;
 mod grid;
 mod grid_layers;
 mod grid_linear;
