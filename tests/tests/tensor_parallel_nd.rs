@@ -56,7 +56,7 @@ fn expect_err<T>(r: engine::Result<T>, needle: &str) {
     }
 }
 
-/// The activations every mode splits: `x [b, s, h]` and a cotangent for outputs of width `w`.
+/// The input `[b, s, h]` every check of a mode splits (the same on every rank).
 fn data(b: i64, s: i64, h: i64) -> Tensor {
     seeded(1, &[b, s, h])
 }

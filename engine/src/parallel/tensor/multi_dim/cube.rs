@@ -137,3 +137,22 @@ impl Cube {
         comm::gather(&y, 0, self.group(Axis::I))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A linear layer's output lies on the other two axes than its input, and two layers
+    /// bring an activation back (fc1 then fc2 of an MLP leave the residual's layout).
+    #[test]
+    fn orientations_trade_the_batch_and_hidden_axes() {
+        for o in [Orientation::Normal, Orientation::Swapped] {
+            assert_ne!(o.batch_axis(), o.hidden_axis());
+            assert_eq!(o.flip().batch_axis(), o.hidden_axis());
+            assert_eq!(o.flip().hidden_axis(), o.batch_axis());
+            assert_eq!(o.flip().flip(), o);
+            assert!(![o.batch_axis(), o.hidden_axis()].contains(&Axis::I), "I always splits the batch first");
+        }
+        assert_eq!((Orientation::Normal.batch_axis(), Orientation::Normal.hidden_axis()), (Axis::J, Axis::L));
+    }
+}
