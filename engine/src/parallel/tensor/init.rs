@@ -61,6 +61,55 @@ pub fn shard(init: Init, seed: u64, name: &str, full: &[i64], dim: usize, rank: 
     Ok(Tensor::f_from_slice(&values)?.f_reshape(&shape)?)
 }
 
+/// Block `index[d]` of `parts[d]` along every dim `d` of the full parameter `name` of shape
+/// `full` (a block of a grid of blocks, as 2D and 3D tensor parallelism hold weights), drawn
+/// with `init` from `seed`: the same values as that slice of [`full`].
+pub fn block(init: Init, seed: u64, name: &str, full: &[i64], parts: &[i64], index: &[i64]) -> Result<Tensor> {
+    ensure!(
+        parts.len() == full.len() && index.len() == full.len(),
+        "init of {name}: {} block counts and {} block indices for shape {full:?}",
+        parts.len(),
+        index.len()
+    );
+    ensure!(full.iter().all(|&s| s > 0), "init of {name}: shape {full:?} has an empty dimension");
+    for d in 0..full.len() {
+        ensure!(
+            parts[d] > 0 && full[d] % parts[d] == 0 && (0..parts[d]).contains(&index[d]),
+            "init of {name}: dim {d} of size {} does not split into {} blocks (block {})",
+            full[d],
+            parts[d],
+            index[d]
+        );
+    }
+    let shape: Vec<i64> = full.iter().zip(parts).map(|(f, p)| f / p).collect();
+    let start: Vec<i64> = shape.iter().zip(index).map(|(s, i)| s * i).collect();
+    let opts = (Kind::Float, Device::Cpu);
+    let value: Box<dyn Fn(u64, u64) -> f32 + Sync> = match init {
+        Init::Zeros => return Ok(Tensor::f_zeros(&shape, opts)?),
+        Init::Ones => return Ok(Tensor::f_ones(&shape, opts)?),
+        Init::Normal { std } => Box::new(move |s, i| (std * normal(s, i)) as f32),
+        Init::Uniform { bound } => Box::new(move |s, i| (bound * (2.0 * uniform(s, i) - 1.0)) as f32),
+    };
+    let stream = stream_of(seed, name);
+    let count: i64 = shape.iter().product();
+    let values: Vec<f32> = (0..count)
+        .into_par_iter()
+        .map(|local| {
+            // Row-major position in the block, then in the full tensor.
+            let (mut rest, mut index) = (local, 0i64);
+            let mut stride: i64 = count;
+            for d in 0..full.len() {
+                stride /= shape[d];
+                let at = rest / stride;
+                rest %= stride;
+                index = index * full[d] + start[d] + at;
+            }
+            value(stream, index as u64)
+        })
+        .collect();
+    Ok(Tensor::f_from_slice(&values)?.f_reshape(&shape)?)
+}
+
 /// The whole parameter (the tp=1 values).
 pub fn full(init: Init, seed: u64, name: &str, shape: &[i64]) -> Result<Tensor> {
     shard(init, seed, name, shape, 0, 0, 1)
@@ -139,6 +188,18 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn grid_blocks_are_slices_of_the_full_tensor() {
+        let init = Init::Normal { std: 1.0 };
+        let whole = full(init, 3, "w", &[6, 4, 2]).unwrap();
+        for (a, b) in [(0, 0), (1, 1), (2, 0), (0, 1)] {
+            let got = block(init, 3, "w", &[6, 4, 2], &[3, 2, 1], &[a, b, 0]).unwrap();
+            assert!(got.equal(&whole.narrow(0, 2 * a, 2).narrow(1, 2 * b, 2)), "block ({a}, {b})");
+        }
+        let err = block(init, 3, "w", &[6, 4], &[4, 1], &[0, 0]).unwrap_err().to_string();
+        assert!(err.contains("dim 0 of size 6 does not split into 4 blocks"), "{err}");
     }
 
     #[test]

@@ -22,12 +22,15 @@
 //! and friends) loads at any tp through the `from_full` constructors.
 //!
 //! [`TensorParallel::none`] is the one-process path: every mapping is the identity.
+//!
+//! [`multi_dim`] holds the 2D, 2.5D and 3D modes, which split the activations too.
 mod cross_entropy;
 mod dropout;
 mod embedding;
 mod gathered_linear;
 pub mod init;
 mod linear;
+pub mod multi_dim;
 mod norm;
 
 pub use cross_entropy::{vocab_parallel_cross_entropy, IGNORE_INDEX};
