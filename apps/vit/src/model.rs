@@ -145,13 +145,20 @@ fn linear(p: nn::Path, inputs: i64, outputs: i64) -> nn::Linear {
     nn::linear(p, inputs, outputs, cfg)
 }
 
-/// A linear layer of a block, serial or holding a block of its features.
-pub trait Linear: std::fmt::Debug {
+/// A layer of a block acting on the last dimension of its input (a linear layer or a norm),
+/// serial or holding a block of its features.
+pub trait Layer: std::fmt::Debug {
     /// The layer applied to the last dimension of `x`.
     fn forward(&self, x: &Tensor) -> anyhow::Result<Tensor>;
 }
 
-impl Linear for nn::Linear {
+impl Layer for nn::Linear {
+    fn forward(&self, x: &Tensor) -> anyhow::Result<Tensor> {
+        Ok(Module::forward(self, x))
+    }
+}
+
+impl Layer for nn::LayerNorm {
     fn forward(&self, x: &Tensor) -> anyhow::Result<Tensor> {
         Ok(Module::forward(self, x))
     }
@@ -162,10 +169,40 @@ pub trait Layers {
     /// Into which parts the heads and the MLP's hidden features are split (1: whole).
     fn parts(&self) -> i64;
     /// A layer that computes its share of the output features (`attn.qkv`, `mlp.fc1`).
-    fn column(&self, p: nn::Path, inputs: i64, outputs: i64) -> anyhow::Result<Box<dyn Linear>>;
+    fn column(&self, p: nn::Path, inputs: i64, outputs: i64) -> anyhow::Result<Box<dyn Layer>>;
     /// A layer that takes its share of the input features and yields whole outputs
     /// (`attn.proj`, `mlp.fc2`).
-    fn row(&self, p: nn::Path, inputs: i64, outputs: i64) -> anyhow::Result<Box<dyn Linear>>;
+    fn row(&self, p: nn::Path, inputs: i64, outputs: i64) -> anyhow::Result<Box<dyn Layer>>;
+    /// A block's LayerNorm (`norm1`, `norm2`).
+    fn norm(&self, p: nn::Path, width: i64) -> anyhow::Result<Box<dyn Layer>> {
+        Ok(Box::new(layer_norm(p, width)))
+    }
+    /// What the residual stream goes through entering and leaving the blocks.
+    fn region(&self) -> Box<dyn Region> {
+        Box::new(Whole)
+    }
+}
+
+/// The blocks' view of the residual stream `[batch, tokens, width]`.
+pub trait Region: std::fmt::Debug {
+    /// The stream entering the first block (sequence parallelism keeps this rank's block of
+    /// the tokens).
+    fn enter(&self, x: Tensor) -> anyhow::Result<Tensor>;
+    /// The stream leaving the last block, whole again.
+    fn leave(&self, x: Tensor) -> anyhow::Result<Tensor>;
+}
+
+/// The serial model's region: every token everywhere.
+#[derive(Debug)]
+struct Whole;
+
+impl Region for Whole {
+    fn enter(&self, x: Tensor) -> anyhow::Result<Tensor> {
+        Ok(x)
+    }
+    fn leave(&self, x: Tensor) -> anyhow::Result<Tensor> {
+        Ok(x)
+    }
 }
 
 /// The serial model's layers: timm's `nn.Linear`s.
@@ -175,22 +212,22 @@ impl Layers for Serial {
     fn parts(&self) -> i64 {
         1
     }
-    fn column(&self, p: nn::Path, inputs: i64, outputs: i64) -> anyhow::Result<Box<dyn Linear>> {
+    fn column(&self, p: nn::Path, inputs: i64, outputs: i64) -> anyhow::Result<Box<dyn Layer>> {
         Ok(Box::new(linear(p, inputs, outputs)))
     }
-    fn row(&self, p: nn::Path, inputs: i64, outputs: i64) -> anyhow::Result<Box<dyn Linear>> {
+    fn row(&self, p: nn::Path, inputs: i64, outputs: i64) -> anyhow::Result<Box<dyn Layer>> {
         Ok(Box::new(linear(p, inputs, outputs)))
     }
 }
 
-fn layer_norm(p: nn::Path, width: i64) -> nn::LayerNorm {
+pub(crate) fn layer_norm(p: nn::Path, width: i64) -> nn::LayerNorm {
     nn::layer_norm(p, vec![width], nn::LayerNormConfig { eps: 1e-6, ..Default::default() })
 }
 
 #[derive(Debug)]
 struct Attention {
-    qkv: Box<dyn Linear>,
-    proj: Box<dyn Linear>,
+    qkv: Box<dyn Layer>,
+    proj: Box<dyn Layer>,
     /// This rank's heads (all of them serially).
     heads: i64,
     head_dim: i64,
@@ -208,10 +245,12 @@ impl Attention {
     }
 
     fn forward(&self, x: &Tensor) -> anyhow::Result<Tensor> {
-        let (b, n, _) = x.size3()?;
         let (h, hd) = (self.heads, self.head_dim);
+        // The tokens are the projection's (a sequence-parallel `qkv` gathers them all).
+        let qkv = self.qkv.forward(x)?;
+        let (b, n, _) = qkv.size3()?;
         // [b, n, 3 * h * hd] -> [3, b, h, n, hd], timm's layout of the fused projection.
-        let qkv = self.qkv.forward(x)?.f_reshape([b, n, 3, h, hd])?.f_permute([2, 0, 3, 1, 4])?;
+        let qkv = qkv.f_reshape([b, n, 3, h, hd])?.f_permute([2, 0, 3, 1, 4])?;
         let (q, k, v) = (qkv.get(0), qkv.get(1), qkv.get(2));
         let out = Tensor::f_scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, false, None, false)?;
         self.proj.forward(&out.f_transpose(1, 2)?.f_reshape([b, n, h * hd])?)
@@ -220,28 +259,28 @@ impl Attention {
 
 #[derive(Debug)]
 struct Block {
-    norm1: nn::LayerNorm,
+    norm1: Box<dyn Layer>,
     attn: Attention,
-    norm2: nn::LayerNorm,
-    fc1: Box<dyn Linear>,
-    fc2: Box<dyn Linear>,
+    norm2: Box<dyn Layer>,
+    fc1: Box<dyn Layer>,
+    fc2: Box<dyn Layer>,
 }
 
 impl Block {
     fn new(p: nn::Path, cfg: &VitConfig, layers: &dyn Layers) -> anyhow::Result<Block> {
         let hidden = cfg.mlp_hidden();
         Ok(Block {
-            norm1: layer_norm(&p / "norm1", cfg.width),
+            norm1: layers.norm(&p / "norm1", cfg.width)?,
             attn: Attention::new(&p / "attn", cfg, layers)?,
-            norm2: layer_norm(&p / "norm2", cfg.width),
+            norm2: layers.norm(&p / "norm2", cfg.width)?,
             fc1: layers.column(&p / "mlp" / "fc1", cfg.width, hidden)?,
             fc2: layers.row(&p / "mlp" / "fc2", hidden, cfg.width)?,
         })
     }
 
     fn forward(&self, x: &Tensor) -> anyhow::Result<Tensor> {
-        let x = x + self.attn.forward(&self.norm1.forward(x))?;
-        let h = self.fc1.forward(&self.norm2.forward(&x))?.f_gelu("none")?;
+        let x = x + self.attn.forward(&self.norm1.forward(x)?)?;
+        let h = self.fc1.forward(&self.norm2.forward(&x)?)?.f_gelu("none")?;
         Ok(&x + self.fc2.forward(&h)?)
     }
 }
@@ -253,6 +292,7 @@ pub struct Vit {
     patch_embed: nn::Conv2D,
     cls_token: Tensor,
     pos_embed: Tensor,
+    region: Box<dyn Region>,
     blocks: Vec<Block>,
     norm: nn::LayerNorm,
     head: nn::Linear,
@@ -279,6 +319,7 @@ impl Vit {
             patch_embed,
             cls_token,
             pos_embed,
+            region: layers.region(),
             blocks,
             norm: layer_norm(p / "norm", cfg.width),
             head: linear(p / "head", cfg.width, cfg.num_classes),
@@ -296,11 +337,12 @@ impl Vit {
         let b = images.size()[0];
         let x = self.patch_embed.forward(images).f_flatten(2, -1)?.f_transpose(1, 2)?;
         let cls = self.cls_token.f_expand([b, -1, -1], false)?.f_to_kind(x.kind())?;
-        let mut x = Tensor::f_cat(&[cls, x], 1)?.f_add(&self.pos_embed)?;
+        let mut x = self.region.enter(Tensor::f_cat(&[cls, x], 1)?.f_add(&self.pos_embed)?)?;
         for block in &self.blocks {
             x = block.forward(&x)?;
         }
-        Ok(Module::forward(&self.head, &self.norm.forward(&x).f_select(1, 0)?))
+        let x = self.region.leave(x)?;
+        Ok(Module::forward(&self.head, &Module::forward(&self.norm, &x).f_select(1, 0)?))
     }
 }
 

@@ -15,6 +15,14 @@
 //! the q, k and v rows of its own heads, so the rows are regrouped by head before slicing (and
 //! back after gathering): see [`Sharding::shard`].
 //!
+//! With `--sequence-parallel` (Megatron-SP, within the tensor-parallel group) the residual
+//! stream between the blocks' column and row layers (the norms, the residual additions) holds
+//! this rank's block of the tokens instead of all of them: the column layers all-gather the
+//! tokens, the row layers reduce-scatter them, and the blocks' norms sum their parameters'
+//! gradients over the group. The stream is split after the embeddings and gathered before
+//! the final norm, so the class token and the head see every token as in one process.
+//! (`--sp N`, a separate axis of ring or Ulysses attention, is not wired into `vit`.)
+//!
 //! Checkpoints hold full tensors under timm's names: [`Sharding::gather`] makes them from the
 //! shards and [`Sharding::shard`] slices them again at any tp, for weights and for optimizer
 //! state (`{param}.{slot}`) alike.
@@ -23,12 +31,12 @@ use clap::ValueEnum;
 use engine::dist::{ParallelDims, ProcessGroup, World};
 use engine::optim::{params_of, Param, StateDict};
 use engine::parallel::tensor::{
-    ColumnConfig, ColumnParallelLinear, Init, RowConfig, RowParallelLinear, TensorParallel,
+    ColumnConfig, ColumnParallelLinear, Init, LayerNorm, RowConfig, RowParallelLinear, TensorParallel,
 };
 use tch::nn::{self, VarStore};
 use tch::Tensor;
 
-use crate::model::{Layers, Linear, Vit, VitConfig};
+use crate::model::{Layer, Layers, Region, Vit, VitConfig};
 
 /// `--tp-mode`: how weights are split over the tensor-parallel group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -109,13 +117,24 @@ fn split_of(name: &str) -> Option<Split> {
 #[derive(Clone, Debug)]
 pub struct Sharding {
     tp: TensorParallel,
+    sequence_parallel: bool,
 }
 
 impl Sharding {
-    /// The layout of `cfg` over `tp`; a model that does not split is an error naming the numbers.
-    pub fn new(tp: TensorParallel, cfg: &VitConfig) -> anyhow::Result<Sharding> {
-        check(cfg, tp.size()).map_err(anyhow::Error::msg)?;
-        Ok(Sharding { tp })
+    /// The layout of `cfg` over `tp`, with the tokens split too under `sequence_parallel`; a
+    /// model that does not split is an error naming the numbers.
+    pub fn new(tp: TensorParallel, cfg: &VitConfig, sequence_parallel: bool) -> anyhow::Result<Sharding> {
+        let n = tp.size();
+        check(cfg, n).map_err(anyhow::Error::msg)?;
+        let tokens = cfg.num_patches() + 1;
+        if sequence_parallel && tokens % n != 0 {
+            bail!(
+                "--sequence-parallel: the model's {tokens} tokens ({} patches and the class token) do not split over \
+                 --tp {n} ranks (choose --image-size / --patch-size to fit)",
+                tokens - 1
+            );
+        }
+        Ok(Sharding { tp, sequence_parallel: sequence_parallel && n > 1 })
     }
 
     /// The group's size.
@@ -136,7 +155,8 @@ impl Sharding {
     /// The model of `cfg` under `vs` holding this rank's slices of `serial`'s weights (a model
     /// of the same config built serially, e.g. from the run's seed).
     pub fn build(&self, serial: &VarStore, cfg: VitConfig, vs: &VarStore) -> anyhow::Result<Vit> {
-        let model = Vit::build(&vs.root(), cfg, &TpLayers { tp: self.tp.clone() })?;
+        let layers = TpLayers { tp: self.tp.clone(), sequence_parallel: self.sequence_parallel };
+        let model = Vit::build(&vs.root(), cfg, &layers)?;
         let full = serial.variables();
         tch::no_grad(|| -> anyhow::Result<()> {
             for (name, mut local) in vs.variables() {
@@ -238,35 +258,92 @@ fn param_of(key: &str) -> &str {
     key.rsplit_once('.').map_or(key, |(p, _)| p)
 }
 
-/// Makes Megatron's layers over the group. Their initial values are zeros: [`Sharding::build`]
-/// copies the serial model's slices over them.
+/// Makes Megatron's layers over the group. Their initial values are zeros and ones:
+/// [`Sharding::build`] copies the serial model's slices over them.
 struct TpLayers {
     tp: TensorParallel,
+    sequence_parallel: bool,
 }
+
+/// The sequence dimension of the residual stream `[batch, tokens, width]`.
+const TOKENS: i64 = 1;
 
 impl Layers for TpLayers {
     fn parts(&self) -> i64 {
         self.tp.size()
     }
 
-    fn column(&self, p: nn::Path, inputs: i64, outputs: i64) -> anyhow::Result<Box<dyn Linear>> {
-        let cfg = ColumnConfig { weight_init: Some(Init::Zeros), bias_init: Some(Init::Zeros), ..Default::default() };
+    fn column(&self, p: nn::Path, inputs: i64, outputs: i64) -> anyhow::Result<Box<dyn Layer>> {
+        let cfg = ColumnConfig {
+            sequence_parallel: self.sequence_parallel,
+            sequence_dim: TOKENS,
+            weight_init: Some(Init::Zeros),
+            bias_init: Some(Init::Zeros),
+            ..Default::default()
+        };
         Ok(Box::new(ColumnParallelLinear::new(&p, inputs, outputs, cfg, &self.tp)?))
     }
 
-    fn row(&self, p: nn::Path, inputs: i64, outputs: i64) -> anyhow::Result<Box<dyn Linear>> {
-        let cfg = RowConfig { weight_init: Some(Init::Zeros), bias_init: Some(Init::Zeros), ..Default::default() };
+    fn row(&self, p: nn::Path, inputs: i64, outputs: i64) -> anyhow::Result<Box<dyn Layer>> {
+        let cfg = RowConfig {
+            sequence_parallel: self.sequence_parallel,
+            sequence_dim: TOKENS,
+            weight_init: Some(Init::Zeros),
+            bias_init: Some(Init::Zeros),
+            ..Default::default()
+        };
         Ok(Box::new(RowParallelLinear::new(&p, inputs, outputs, cfg, &self.tp)?))
+    }
+
+    fn norm(&self, p: nn::Path, width: i64) -> anyhow::Result<Box<dyn Layer>> {
+        match self.sequence_parallel {
+            true => Ok(Box::new(LayerNorm::new(&p, width, 1e-6, true, &self.tp)?)),
+            false => Ok(Box::new(crate::model::layer_norm(p, width))),
+        }
+    }
+
+    fn region(&self) -> Box<dyn Region> {
+        Box::new(Tokens { tp: self.tp.clone(), split: self.sequence_parallel })
     }
 }
 
-impl Linear for ColumnParallelLinear {
+/// The residual stream under sequence parallelism: split along the tokens entering the blocks
+/// (backward all-gathers), gathered leaving them (backward keeps this rank's block).
+#[derive(Debug)]
+struct Tokens {
+    tp: TensorParallel,
+    split: bool,
+}
+
+impl Region for Tokens {
+    fn enter(&self, x: Tensor) -> anyhow::Result<Tensor> {
+        match self.split {
+            true => Ok(self.tp.scatter(&x, TOKENS)?),
+            false => Ok(x),
+        }
+    }
+
+    fn leave(&self, x: Tensor) -> anyhow::Result<Tensor> {
+        match self.split {
+            true => Ok(self.tp.gather(&x, TOKENS)?),
+            false => Ok(x),
+        }
+    }
+}
+
+impl Layer for LayerNorm {
+    fn forward(&self, x: &Tensor) -> anyhow::Result<Tensor> {
+        Ok(LayerNorm::forward(self, x)?)
+    }
+}
+
+impl Layer for ColumnParallelLinear {
     fn forward(&self, x: &Tensor) -> anyhow::Result<Tensor> {
         Ok(ColumnParallelLinear::forward(self, x)?)
     }
 }
 
-impl Linear for RowParallelLinear {
+impl Layer for RowParallelLinear {
     fn forward(&self, x: &Tensor) -> anyhow::Result<Tensor> {
         Ok(RowParallelLinear::forward(self, x)?)
     }

@@ -106,6 +106,11 @@ pub struct PretrainArgs {
     /// not available yet).
     #[arg(long, value_enum, default_value = "1d")]
     pub tp_mode: TpMode,
+    /// Megatron's sequence parallelism within the --tp group: the norms and residual stream
+    /// between the split layers hold 1/tp of the tokens (the tokens, patches plus the class
+    /// token, must divide by --tp).
+    #[arg(long)]
+    pub sequence_parallel: bool,
     /// ZeRO stage: 0 (plain data parallel), 1 (sharded optimizer state), 2 (and gradients).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
     pub zero: u8,
@@ -265,7 +270,7 @@ impl<'a> Trainer<'a> {
             splits.embedded,
             splits.train.as_ref(),
         )?;
-        let sharding = Sharding::new(tp, &cfg)?;
+        let sharding = Sharding::new(tp, &cfg, args.sequence_parallel)?;
         let crop_scale = args.crop_scale.unwrap_or(if splits.embedded { 0.7 } else { 0.08 });
         let transforms =
             Transforms::new(cfg.image_size as usize, cfg.in_channels as usize, splits.embedded, crop_scale);

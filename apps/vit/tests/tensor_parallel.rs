@@ -91,6 +91,16 @@ dist_test!(tp_2_matches_one_process_with_adamw_lamb_and_lars, 2, |world| {
     TestResult::Ok(())
 });
 
+dist_test!(sequence_parallel_matches_one_process, 2, |world| {
+    // 6x6 images in 2x2 patches: 9 patches and the class token, 5 tokens per rank.
+    let line = "--steps 20 --image-size 6 --optimizer lamb --clip-grad 0.5";
+    let sp = pretrain(&args(&format!("{line} --tp 2 --sequence-parallel")), world)?;
+    let one = pretrain(&args(line), &single())?;
+    compare(&sp, &one, "tp=2 with sequence parallelism vs 1 process", 1e-5);
+    same_on_every_rank(&sp, world)?;
+    TestResult::Ok(())
+});
+
 /// A folder every rank of this job names alike (the job's rendezvous port is shared).
 fn job_dir(name: &str) -> std::path::PathBuf {
     let port = std::env::var("MASTER_PORT").unwrap_or_default();
@@ -162,6 +172,13 @@ dist_test!(layouts_that_do_not_fit_name_the_numbers, 2, |world| {
         .unwrap()
         .to_string();
     assert!(err.contains("--tp 2: the model's 3 attention heads (width 192) do not split over 2 ranks"), "{err}");
+    let err = pretrain(&args("--steps 1 --tp 2 --sequence-parallel"), world).err().unwrap().to_string();
+    assert!(
+        err.contains(
+            "--sequence-parallel: the model's 17 tokens (16 patches and the class token) do not split over --tp 2"
+        ),
+        "{err}"
+    );
     let err = pretrain(&args("--steps 1 --tp 2 --tp-mode 2.5d"), world).err().unwrap().to_string();
     assert!(err.contains("--tp-mode 2.5d is not available yet"), "{err}");
     TestResult::Ok(())
