@@ -24,7 +24,7 @@ pub enum Held<'a> {
 /// Multiplies every gradient by `scale` (skipped when 1), then returns the L2 norm of all
 /// gradients together, reduced as `held` says: one fused reduction and one host sync (and
 /// before it one sum over the tensor-parallel group of the shards' squares, where parameters
-/// are split: see [`Param::split_over`]). A gradient holding inf or NaN makes the norm
+/// are split: see `Param::split_over`). A gradient holding inf or NaN makes the norm
 /// non-finite (squares cannot cancel).
 pub fn scaled_grad_norm(params: &[Param], scale: f64, held: Held) -> Result<f64> {
     // Whole parameters and tensor-parallel shards are summed apart: a shard's squares are
