@@ -143,7 +143,8 @@ pub struct PretrainArgs {
 
 /// What a run ended with.
 pub struct Trained {
-    /// The model (the model's precision; see `weights` for fp32).
+    /// The model (the model's precision; under --tp this rank's slices; see `weights` for full
+    /// fp32 tensors).
     pub vs: VarStore,
     /// The fp32 weights by name (master weights under mixed precision).
     pub weights: Vec<(String, Tensor)>,
