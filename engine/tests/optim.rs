@@ -77,11 +77,7 @@ fn replay<O: Optimizer>(f: &Fixture, name: &str, make: impl Fn(Vec<Param>) -> O)
         if step == f.grads.len() / 2 {
             let mut state: engine::optim::StateDict = opt.state().into_iter().map(|(k, t)| (k, t.copy())).collect();
             assert!(!state.is_empty(), "{name} has state after {step} steps");
-            let same = opt.params().iter().map(|p| Param {
-                name: p.name.clone(),
-                tensor: p.tensor.shallow_clone(),
-                adapt: p.adapt,
-            });
+            let same = opt.params().iter().map(|p| p.shallow_copy());
             opt = make(same.collect());
             opt.load_state(&mut state).unwrap();
             assert!(state.is_empty(), "{name}: unused state entries {:?}", state.keys().collect::<Vec<_>>());

@@ -267,7 +267,7 @@ impl Trainer {
 
     /// One forward, backward and optimizer step; gradients are left cleared.
     fn step(&mut self, images: &Tensor, labels: &Tensor) -> anyhow::Result<()> {
-        let logits = self.model.forward(images);
+        let logits = self.model.forward(images)?;
         // at::cross_entropy_loss, the op F.cross_entropy calls.
         let loss = logits.f_to_kind(Kind::Float)?.f_cross_entropy_loss::<Tensor>(
             labels,

@@ -1,6 +1,7 @@
 //! Training checkpoints under `--out`: `checkpoint-<step>/` holds the model (`model.safetensors`,
-//! fp32), each rank's optimizer state (`optimizer-rank<r>.safetensors`; one file when the
-//! state is replicated) and `trainer.json` (the step, the loss scaler, and the settings a resume
+//! fp32, full tensors under timm's names at any `--tp`), the optimizer state by parameter
+//! name (`optimizer-rank<r>.safetensors`, one per ZeRO shard; one file when the state is
+//! replicated) and `trainer.json` (the step, the loss scaler, and the settings a resume
 //! must agree with). [`data::checkpoint_folders`] stages and commits the folder and switches
 //! `latest`, so a crash at any instant leaves `latest` naming a complete checkpoint.
 use std::io::Write;
@@ -24,6 +25,9 @@ pub struct TrainerState {
     pub world_size: usize,
     /// ZeRO stage.
     pub zero: u8,
+    /// Tensor-parallel ranks (checkpoints from before `--tp` existed were made at 1).
+    #[serde(default = "one")]
+    pub tp: usize,
     /// Optimizer name.
     pub optimizer: String,
     /// Global batch.
@@ -43,8 +47,8 @@ pub struct TrainerState {
 impl TrainerState {
     /// Errors naming the first setting in which `self` (the checkpoint) and `run` differ.
     pub fn check_matches(&self, run: &TrainerState) -> anyhow::Result<()> {
-        // The number of ranks and the ZeRO stage may change: the optimizer state is stored by
-        // parameter name, and each rank takes its own parameters' entries on load.
+        // The number of ranks, the ZeRO stage and --tp may change: weights and optimizer state
+        // are stored whole by parameter name, and each rank takes (and slices) its own.
         let pairs = [
             ("--optimizer", self.optimizer.clone(), run.optimizer.clone()),
             ("--batch", self.global_batch.to_string(), run.global_batch.to_string()),
@@ -61,32 +65,33 @@ impl TrainerState {
     }
 }
 
+fn one() -> usize {
+    1
+}
+
 fn optimizer_file(dir: &Path, rank: usize) -> PathBuf {
     dir.join(format!("optimizer-rank{rank}.safetensors"))
 }
 
-/// Whether each rank holds different optimizer state (ZeRO) or all hold the same.
-fn sharded(state: &TrainerState) -> bool {
-    state.zero > 0
-}
-
 /// Writes a checkpoint of step `state.step` under `out` (every rank calls this), committed by
 /// [`data::checkpoint_folders`]: a crash at any instant leaves `latest` naming a complete
-/// checkpoint. Only the newest checkpoint is kept.
+/// checkpoint. Only the newest checkpoint is kept. Rank 0 writes `model` (full tensors);
+/// each rank given `optimizer` state writes it to its own file (the caller picks the ranks so
+/// that every entry is written once).
 pub fn save(
     out: &Path,
     world: &World,
     state: &TrainerState,
     model: &[(String, Tensor)],
-    opt: &dyn Optimizer,
+    optimizer: Option<&[(String, Tensor)]>,
 ) -> anyhow::Result<()> {
     let tmp = checkpoint_folders::staging(out, state.step);
     if world.rank() == 0 {
         checkpoint_folders::begin(out, state.step)?;
     }
     world.group.barrier()?;
-    if sharded(state) || world.rank() == 0 {
-        data::checkpoint::save_tensors(&opt.state(), &optimizer_file(&tmp, world.rank()))?;
+    if let Some(entries) = optimizer {
+        data::checkpoint::save_tensors(entries, &optimizer_file(&tmp, world.rank()))?;
     }
     if world.rank() == 0 {
         data::checkpoint::save_tensors(model, &tmp.join("model.safetensors"))?;
@@ -137,6 +142,13 @@ impl Saved {
     /// number of ranks or another ZeRO stage takes its own parameters' entries wherever they
     /// were saved (state is stored by parameter name); a missing entry is an error naming it.
     pub fn load_optimizer(&self, opt: &mut dyn Optimizer) -> anyhow::Result<()> {
+        let mut dict = self.read_optimizer()?;
+        opt.load_state(&mut dict).with_context(|| format!("loading the optimizer state of {}", self.dir.display()))?;
+        Ok(())
+    }
+
+    /// Every rank's saved optimizer state in one dictionary by name (full tensors).
+    pub fn read_optimizer(&self) -> anyhow::Result<StateDict> {
         let mut files: Vec<PathBuf> = std::fs::read_dir(&self.dir)
             .with_context(|| format!("listing {}", self.dir.display()))?
             .filter_map(|e| e.ok().map(|e| e.path()))
@@ -153,7 +165,6 @@ impl Saved {
         for path in &files {
             dict.extend(data::checkpoint::read_tensors(path)?);
         }
-        opt.load_state(&mut dict).with_context(|| format!("loading the optimizer state of {}", self.dir.display()))?;
-        Ok(())
+        Ok(dict)
     }
 }

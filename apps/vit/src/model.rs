@@ -2,6 +2,11 @@
 //! so timm's `vit_*` safetensors weights load by name: `patch_embed.proj`, `cls_token`,
 //! `pos_embed`, `blocks.{i}.{norm1,attn.qkv,attn.proj,norm2,mlp.fc1,mlp.fc2}`, `norm`, `head`.
 //! Class-token pooling, pre-norm blocks, LayerNorm eps 1e-6, exact GELU, as timm's defaults.
+//!
+//! The model is written once, serially. Its four linear layers per block come from a
+//! [`Layers`] factory: [`Serial`] makes `nn::Linear`s; `crate::tensor_parallel` makes
+//! Megatron's column/row-parallel layers, and the same code then computes this rank's share of
+//! the heads and of the MLP's hidden features.
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
@@ -123,6 +128,11 @@ impl VitConfig {
         Ok(())
     }
 
+    /// The MLP's hidden features (`width * mlp_ratio`).
+    pub fn mlp_hidden(&self) -> i64 {
+        (self.width as f64 * self.mlp_ratio) as i64
+    }
+
     /// Patches per image.
     pub fn num_patches(&self) -> i64 {
         (self.image_size / self.patch_size).pow(2)
@@ -135,57 +145,143 @@ fn linear(p: nn::Path, inputs: i64, outputs: i64) -> nn::Linear {
     nn::linear(p, inputs, outputs, cfg)
 }
 
-fn layer_norm(p: nn::Path, width: i64) -> nn::LayerNorm {
+/// A layer of a block acting on the last dimension of its input (a linear layer or a norm),
+/// serial or holding a block of its features.
+pub trait Layer: std::fmt::Debug {
+    /// The layer applied to the last dimension of `x`.
+    fn forward(&self, x: &Tensor) -> anyhow::Result<Tensor>;
+}
+
+impl Layer for nn::Linear {
+    fn forward(&self, x: &Tensor) -> anyhow::Result<Tensor> {
+        Ok(Module::forward(self, x))
+    }
+}
+
+impl Layer for nn::LayerNorm {
+    fn forward(&self, x: &Tensor) -> anyhow::Result<Tensor> {
+        Ok(Module::forward(self, x))
+    }
+}
+
+/// Makes a block's linear layers (`inputs -> outputs` are the whole layer's features).
+pub trait Layers {
+    /// Into which parts the heads and the MLP's hidden features are split (1: whole).
+    fn parts(&self) -> i64;
+    /// A layer that computes its share of the output features (`attn.qkv`, `mlp.fc1`).
+    fn column(&self, p: nn::Path, inputs: i64, outputs: i64) -> anyhow::Result<Box<dyn Layer>>;
+    /// A layer that takes its share of the input features and yields whole outputs
+    /// (`attn.proj`, `mlp.fc2`).
+    fn row(&self, p: nn::Path, inputs: i64, outputs: i64) -> anyhow::Result<Box<dyn Layer>>;
+    /// A block's LayerNorm (`norm1`, `norm2`).
+    fn norm(&self, p: nn::Path, width: i64) -> anyhow::Result<Box<dyn Layer>> {
+        Ok(Box::new(layer_norm(p, width)))
+    }
+    /// What the residual stream goes through entering and leaving the blocks.
+    fn region(&self) -> Box<dyn Region> {
+        Box::new(Whole)
+    }
+}
+
+/// The blocks' view of the residual stream `[batch, tokens, width]`.
+pub trait Region: std::fmt::Debug {
+    /// The stream entering the first block (sequence parallelism keeps this rank's block of
+    /// the tokens).
+    fn enter(&self, x: Tensor) -> anyhow::Result<Tensor>;
+    /// The stream leaving the last block, whole again.
+    fn leave(&self, x: Tensor) -> anyhow::Result<Tensor>;
+}
+
+/// The serial model's region: every token everywhere.
+#[derive(Debug)]
+struct Whole;
+
+impl Region for Whole {
+    fn enter(&self, x: Tensor) -> anyhow::Result<Tensor> {
+        Ok(x)
+    }
+    fn leave(&self, x: Tensor) -> anyhow::Result<Tensor> {
+        Ok(x)
+    }
+}
+
+/// The serial model's layers: timm's `nn.Linear`s.
+pub struct Serial;
+
+impl Layers for Serial {
+    fn parts(&self) -> i64 {
+        1
+    }
+    fn column(&self, p: nn::Path, inputs: i64, outputs: i64) -> anyhow::Result<Box<dyn Layer>> {
+        Ok(Box::new(linear(p, inputs, outputs)))
+    }
+    fn row(&self, p: nn::Path, inputs: i64, outputs: i64) -> anyhow::Result<Box<dyn Layer>> {
+        Ok(Box::new(linear(p, inputs, outputs)))
+    }
+}
+
+pub(crate) fn layer_norm(p: nn::Path, width: i64) -> nn::LayerNorm {
     nn::layer_norm(p, vec![width], nn::LayerNormConfig { eps: 1e-6, ..Default::default() })
 }
 
 #[derive(Debug)]
 struct Attention {
-    qkv: nn::Linear,
-    proj: nn::Linear,
+    qkv: Box<dyn Layer>,
+    proj: Box<dyn Layer>,
+    /// This rank's heads (all of them serially).
     heads: i64,
+    head_dim: i64,
 }
 
 impl Attention {
-    fn new(p: nn::Path, width: i64, heads: i64) -> Attention {
-        Attention { qkv: linear(&p / "qkv", width, 3 * width), proj: linear(&p / "proj", width, width), heads }
+    fn new(p: nn::Path, cfg: &VitConfig, layers: &dyn Layers) -> anyhow::Result<Attention> {
+        let width = cfg.width;
+        Ok(Attention {
+            qkv: layers.column(&p / "qkv", width, 3 * width)?,
+            proj: layers.row(&p / "proj", width, width)?,
+            heads: cfg.heads / layers.parts(),
+            head_dim: width / cfg.heads,
+        })
     }
 
-    fn forward(&self, x: &Tensor) -> Tensor {
-        let (b, n, d) = x.size3().expect("[batch, tokens, width]");
-        // [b, n, 3 * d] -> [3, b, heads, n, head_dim], timm's layout of the fused projection.
-        let qkv = self.qkv.forward(x).reshape([b, n, 3, self.heads, d / self.heads]).permute([2, 0, 3, 1, 4]);
+    fn forward(&self, x: &Tensor) -> anyhow::Result<Tensor> {
+        let (h, hd) = (self.heads, self.head_dim);
+        // The tokens are the projection's (a sequence-parallel `qkv` gathers them all).
+        let qkv = self.qkv.forward(x)?;
+        let (b, n, _) = qkv.size3()?;
+        // [b, n, 3 * h * hd] -> [3, b, h, n, hd], timm's layout of the fused projection.
+        let qkv = qkv.f_reshape([b, n, 3, h, hd])?.f_permute([2, 0, 3, 1, 4])?;
         let (q, k, v) = (qkv.get(0), qkv.get(1), qkv.get(2));
-        let out = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, false, None, false);
-        self.proj.forward(&out.transpose(1, 2).reshape([b, n, d]))
+        let out = Tensor::f_scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, false, None, false)?;
+        self.proj.forward(&out.f_transpose(1, 2)?.f_reshape([b, n, h * hd])?)
     }
 }
 
 #[derive(Debug)]
 struct Block {
-    norm1: nn::LayerNorm,
+    norm1: Box<dyn Layer>,
     attn: Attention,
-    norm2: nn::LayerNorm,
-    fc1: nn::Linear,
-    fc2: nn::Linear,
+    norm2: Box<dyn Layer>,
+    fc1: Box<dyn Layer>,
+    fc2: Box<dyn Layer>,
 }
 
 impl Block {
-    fn new(p: nn::Path, cfg: &VitConfig) -> Block {
-        let hidden = (cfg.width as f64 * cfg.mlp_ratio) as i64;
-        Block {
-            norm1: layer_norm(&p / "norm1", cfg.width),
-            attn: Attention::new(&p / "attn", cfg.width, cfg.heads),
-            norm2: layer_norm(&p / "norm2", cfg.width),
-            fc1: linear(&p / "mlp" / "fc1", cfg.width, hidden),
-            fc2: linear(&p / "mlp" / "fc2", hidden, cfg.width),
-        }
+    fn new(p: nn::Path, cfg: &VitConfig, layers: &dyn Layers) -> anyhow::Result<Block> {
+        let hidden = cfg.mlp_hidden();
+        Ok(Block {
+            norm1: layers.norm(&p / "norm1", cfg.width)?,
+            attn: Attention::new(&p / "attn", cfg, layers)?,
+            norm2: layers.norm(&p / "norm2", cfg.width)?,
+            fc1: layers.column(&p / "mlp" / "fc1", cfg.width, hidden)?,
+            fc2: layers.row(&p / "mlp" / "fc2", hidden, cfg.width)?,
+        })
     }
 
-    fn forward(&self, x: &Tensor) -> Tensor {
-        let x = x + self.attn.forward(&self.norm1.forward(x));
-        let h = self.fc1.forward(&self.norm2.forward(&x)).gelu("none");
-        &x + self.fc2.forward(&h)
+    fn forward(&self, x: &Tensor) -> anyhow::Result<Tensor> {
+        let x = x + self.attn.forward(&self.norm1.forward(x)?)?;
+        let h = self.fc1.forward(&self.norm2.forward(&x)?)?.f_gelu("none")?;
+        Ok(&x + self.fc2.forward(&h)?)
     }
 }
 
@@ -196,6 +292,7 @@ pub struct Vit {
     patch_embed: nn::Conv2D,
     cls_token: Tensor,
     pos_embed: Tensor,
+    region: Box<dyn Region>,
     blocks: Vec<Block>,
     norm: nn::LayerNorm,
     head: nn::Linear,
@@ -204,17 +301,30 @@ pub struct Vit {
 impl Vit {
     /// Creates the parameters under `p` (validate the config first).
     pub fn new(p: &nn::Path, cfg: VitConfig) -> Vit {
+        Self::build(p, cfg, &Serial).expect("serial layers are infallible")
+    }
+
+    /// Creates the parameters under `p` with the blocks' linear layers from `layers` (the
+    /// config validated, and its heads and MLP width divisible by `layers.parts()`).
+    pub fn build(p: &nn::Path, cfg: VitConfig, layers: &dyn Layers) -> anyhow::Result<Vit> {
         let conv = nn::ConvConfig { stride: cfg.patch_size, ..Default::default() };
         let tokens = cfg.num_patches() + 1;
-        Vit {
-            patch_embed: nn::conv2d(p / "patch_embed" / "proj", cfg.in_channels, cfg.width, cfg.patch_size, conv),
-            cls_token: p.var("cls_token", &[1, 1, cfg.width], nn::Init::Randn { mean: 0.0, stdev: 1e-6 }),
-            pos_embed: p.var("pos_embed", &[1, tokens, cfg.width], nn::Init::Randn { mean: 0.0, stdev: 0.02 }),
-            blocks: (0..cfg.depth).map(|i| Block::new(p / "blocks" / i, &cfg)).collect(),
+        // Created in this order (libtorch's generator draws each in turn): the seed's weights.
+        let patch_embed = nn::conv2d(p / "patch_embed" / "proj", cfg.in_channels, cfg.width, cfg.patch_size, conv);
+        let cls_token = p.var("cls_token", &[1, 1, cfg.width], nn::Init::Randn { mean: 0.0, stdev: 1e-6 });
+        let pos_embed = p.var("pos_embed", &[1, tokens, cfg.width], nn::Init::Randn { mean: 0.0, stdev: 0.02 });
+        let blocks =
+            (0..cfg.depth).map(|i| Block::new(p / "blocks" / i, &cfg, layers)).collect::<anyhow::Result<_>>()?;
+        Ok(Vit {
+            patch_embed,
+            cls_token,
+            pos_embed,
+            region: layers.region(),
+            blocks,
             norm: layer_norm(p / "norm", cfg.width),
             head: linear(p / "head", cfg.width, cfg.num_classes),
             cfg,
-        }
+        })
     }
 
     /// The architecture.
@@ -223,15 +333,16 @@ impl Vit {
     }
 
     /// Logits `[batch, classes]` for images `[batch, channels, size, size]`.
-    pub fn forward(&self, images: &Tensor) -> Tensor {
+    pub fn forward(&self, images: &Tensor) -> anyhow::Result<Tensor> {
         let b = images.size()[0];
-        let x = self.patch_embed.forward(images).flatten(2, -1).transpose(1, 2);
-        let cls = self.cls_token.expand([b, -1, -1], false).to_kind(x.kind());
-        let mut x = Tensor::cat(&[cls, x], 1) + &self.pos_embed;
+        let x = self.patch_embed.forward(images).f_flatten(2, -1)?.f_transpose(1, 2)?;
+        let cls = self.cls_token.f_expand([b, -1, -1], false)?.f_to_kind(x.kind())?;
+        let mut x = self.region.enter(Tensor::f_cat(&[cls, x], 1)?.f_add(&self.pos_embed)?)?;
         for block in &self.blocks {
-            x = block.forward(&x);
+            x = block.forward(&x)?;
         }
-        self.head.forward(&self.norm.forward(&x).select(1, 0))
+        let x = self.region.leave(x)?;
+        Ok(Module::forward(&self.head, &Module::forward(&self.norm, &x).f_select(1, 0)?))
     }
 }
 

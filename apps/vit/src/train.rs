@@ -1,12 +1,15 @@
 //! `vit pretrain`: data-parallel ViT training with LAMB, LARS or AdamW, linear warmup then
 //! cosine decay, gradient accumulation, ZeRO 1/2, mixed precision, mixup and label smoothing,
-//! checkpoints with exact resume.
+//! 1D tensor parallelism (`--tp`, combined with data parallelism over the rest of the ranks),
+//! checkpoints with exact resume at any layout.
 //!
 //! One step: each rank runs `accumulation` micro-batches forward and backward (gradients
 //! synchronised only on the last, as the buckets fill), then optional unscaling (fp16), global
 //! gradient clipping, and the optimizer step (on fp32 master weights for bf16/fp16 or
 //! `--offload-optimizer`); the data-parallel wiring is the engine's
-//! [`engine::parallel::parallelize`]. Every random draw (data order, crops, mixup) is keyed by
+//! [`engine::parallel::parallelize`] over the data-parallel group, after
+//! [`crate::tensor_parallel`] has split the blocks' linear layers over the tensor-parallel
+//! group. Every random draw (data order, crops, mixup) is keyed by
 //! the seed and the step or example, so a resumed run repeats the uninterrupted one exactly.
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -19,7 +22,7 @@ use data::{Dataset, DistributedSampler};
 use engine::dist::{ProcessGroup, ReduceOp, World};
 use engine::job::{JobArgs, OptimizerArgs, PrecisionArgs, ScheduleArgs, SeedArgs};
 use engine::metrics::Metrics;
-use engine::optim::{params_of, scale_lr, LrSchedule};
+use engine::optim::{scale_lr, LrSchedule};
 use engine::parallel::{parallelize, ParallelPlan, Parallelized};
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
@@ -29,6 +32,7 @@ use crate::checkpoint::{self, TrainerState};
 use crate::datasets::{probe, DataArgs, Splits, Transforms};
 use crate::metrics::Record;
 use crate::model::{correct_top_k, Vit, VitConfig};
+use crate::tensor_parallel::{self, Sharding, TpMode};
 
 /// Keys mixup's draws apart from the other streams of the same seed.
 const MIXUP_STREAM: u64 = 0x6d69_7875_7000;
@@ -93,6 +97,20 @@ pub struct PretrainArgs {
     /// Arithmetic precision (bf16 and fp16 keep fp32 master weights and optimizer state).
     #[command(flatten)]
     pub precision: PrecisionArgs,
+    /// Tensor-parallel ranks: each block's linear layers are split over groups of this many
+    /// consecutive ranks (its heads and MLP width must divide by it), and the job's ranks
+    /// over it are the data-parallel replicas (--batch and ZeRO are over those).
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// How --tp splits the weights: 1d (Megatron's column/row split; 2d, 2.5d and 3d are
+    /// not available yet).
+    #[arg(long, value_enum, default_value = "1d")]
+    pub tp_mode: TpMode,
+    /// Megatron's sequence parallelism within the --tp group: the norms and residual stream
+    /// between the split layers hold 1/tp of the tokens (the tokens, patches plus the class
+    /// token, must divide by --tp).
+    #[arg(long)]
+    pub sequence_parallel: bool,
     /// ZeRO stage: 0 (plain data parallel), 1 (sharded optimizer state), 2 (and gradients).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
     pub zero: u8,
@@ -125,7 +143,8 @@ pub struct PretrainArgs {
 
 /// What a run ended with.
 pub struct Trained {
-    /// The model (the model's precision; see `weights` for fp32).
+    /// The model (the model's precision; under --tp this rank's slices; see `weights` for full
+    /// fp32 tensors).
     pub vs: VarStore,
     /// The fp32 weights by name (master weights under mixed precision).
     pub weights: Vec<(String, Tensor)>,
@@ -180,7 +199,7 @@ pub fn evaluate(
     for chunk in mine.chunks(256) {
         let batch = make_batch(set.as_ref(), transform, 0, &BatchSpec { indices: chunk.to_vec(), epoch: 0 })?;
         let (images, labels) = to_tensors(&batch, device, kind)?;
-        let logits = tch::no_grad(|| model.forward(&images));
+        let logits = tch::no_grad(|| model.forward(&images))?;
         counts[0] += correct_top_k(&logits, &labels, 1);
         counts[1] += correct_top_k(&logits, &labels, 5);
     }
@@ -219,6 +238,10 @@ pub struct Trainer<'a> {
     schedule: LrSchedule,
     device: Device,
     kind: Kind,
+    /// The data-parallel group (the world without tensor parallelism).
+    dp: ProcessGroup,
+    /// The blocks' split over the tensor-parallel group.
+    sharding: Sharding,
     vs: VarStore,
     model: Vit,
     parallel: Parallelized,
@@ -230,7 +253,8 @@ impl<'a> Trainer<'a> {
     /// The data, the model (the same initial weights on every rank from the seed) and its
     /// parallel wiring; an impossible batch split or an unknown model is an error naming it.
     pub fn new(args: &'a PretrainArgs, world: &'a World) -> anyhow::Result<Trainer<'a>> {
-        let ranks = world.size();
+        let (dp, tp) = tensor_parallel::groups(world, args.tp, args.tp_mode)?;
+        let ranks = dp.size();
         let plan = BatchPlan::new(args.batch, ranks, args.micro_batch, 256).map_err(anyhow::Error::msg)?;
         if args.resume && args.out.is_none() {
             bail!("--resume needs --out (the folder of the run to continue)");
@@ -247,6 +271,7 @@ impl<'a> Trainer<'a> {
             splits.embedded,
             splits.train.as_ref(),
         )?;
+        let sharding = Sharding::new(tp, &cfg, args.sequence_parallel)?;
         let crop_scale = args.crop_scale.unwrap_or(if splits.embedded { 0.7 } else { 0.08 });
         let transforms =
             Transforms::new(cfg.image_size as usize, cfg.in_channels as usize, splits.embedded, crop_scale);
@@ -256,7 +281,7 @@ impl<'a> Trainer<'a> {
         let sampler = DistributedSampler {
             len: splits.train.len(),
             ranks,
-            rank: world.rank(),
+            rank: dp.rank(),
             shuffle: true,
             seed,
             drop_last: true,
@@ -270,9 +295,18 @@ impl<'a> Trainer<'a> {
         let schedule = args.schedule.schedule(peak, total);
 
         // The model, on every rank from the same seed (DataParallel also broadcasts rank 0's).
+        // Under tensor parallelism each rank builds the serial model as one process would and
+        // keeps its slices, so every layout starts from the same weights.
         tch::manual_seed(seed as i64);
         let mut vs = VarStore::new(device);
-        let model = Vit::new(&vs.root(), cfg);
+        let model = match sharding.active() {
+            false => Vit::new(&vs.root(), cfg),
+            true => {
+                let serial = VarStore::new(device);
+                let _ = Vit::new(&serial.root(), cfg);
+                sharding.build(&serial, cfg, &vs)?
+            }
+        };
         if kind != Kind::Float {
             vs.set_kind(kind);
         }
@@ -284,7 +318,7 @@ impl<'a> Trainer<'a> {
             ..ParallelPlan::default()
         };
         let optimizer = args.optimizer.clone();
-        let parallel = parallelize(params_of(&vs), &world.group, &layout, move |ps| optimizer.build(ps, peak))?;
+        let parallel = parallelize(sharding.params(&vs), &dp, &layout, move |ps| optimizer.build(ps, peak))?;
         Ok(Trainer {
             args,
             world,
@@ -298,6 +332,8 @@ impl<'a> Trainer<'a> {
             schedule,
             device,
             kind,
+            dp,
+            sharding,
             vs,
             model,
             parallel,
@@ -313,6 +349,7 @@ impl<'a> Trainer<'a> {
             step,
             world_size: self.world.size(),
             zero: self.args.zero,
+            tp: self.sharding.size() as usize,
             optimizer: self.args.optimizer.optimizer.name().to_string(),
             global_batch: self.plan.global,
             seed: self.args.seed.seed,
@@ -324,17 +361,23 @@ impl<'a> Trainer<'a> {
     }
 
     /// Continues from the latest checkpoint under `--out`: weights, optimizer state, loss
-    /// scaler and step, on any number of ranks and ZeRO stage; a checkpoint made with other
-    /// settings (optimizer, batch, seed, precision, model) is an error naming the setting.
+    /// scaler and step, on any number of ranks, ZeRO stage and --tp; a checkpoint made with
+    /// other settings (optimizer, batch, seed, precision, model) is an error naming the setting.
     pub fn resume(&mut self) -> anyhow::Result<()> {
         let out = self.args.out.as_deref().context("--resume needs --out")?;
         let saved = checkpoint::latest(out)?;
         saved.state.check_matches(&self.state(saved.state.step))?;
-        // Full fp32 buffers (gathered from their owners under ZeRO), filled from the file.
-        let weights = self.parallel.full_weights()?;
-        saved.load_model(&weights)?;
-        self.parallel.load_full_weights(&weights)?;
-        saved.load_optimizer(self.parallel.optimizer_mut())?;
+        // Full fp32 buffers (gathered from their owners under ZeRO and from the tensor-parallel
+        // group), filled from the file, then sliced again for this rank.
+        let full = self.sharding.gather_all(&self.parallel.full_weights()?)?;
+        saved.load_model(&full)?;
+        self.parallel.load_full_weights(&self.sharding.shard_all(&full)?)?;
+        let mut state = saved.read_optimizer()?;
+        self.sharding.shard_state(&mut state)?;
+        self.parallel
+            .optimizer_mut()
+            .load_state(&mut state)
+            .with_context(|| format!("loading the optimizer state of {}", saved.dir.display()))?;
         if let Some(s) = self.parallel.scaler_mut() {
             s.resume(saved.state.loss_scale, saved.state.clean_steps);
         }
@@ -381,7 +424,8 @@ impl<'a> Trainer<'a> {
         }
         let started = Instant::now();
         let lr = self.schedule.at(step);
-        let (seed, rank, accumulation) = (self.args.seed.seed, self.world.rank(), self.plan.accumulation);
+        // Draws are keyed by the data-parallel rank: a tensor-parallel group shares its batch.
+        let (seed, rank, accumulation) = (self.args.seed.seed, self.dp.rank(), self.plan.accumulation);
         let mixup = Mixup { alpha: self.args.mixup, smoothing: self.args.smoothing };
         let classes = self.cfg.num_classes as usize;
         let mut loss_sum = 0.0;
@@ -392,7 +436,7 @@ impl<'a> Trainer<'a> {
             let targets = mixup.apply(&mut batch.pixels, &batch.labels, classes, &mut rng);
             let (images, _) = to_tensors(&batch, self.device, self.kind)?;
             let targets = Tensor::f_from_slice(&targets)?.f_view([-1, classes as i64])?.f_to_device(self.device)?;
-            let loss = soft_cross_entropy(&self.model.forward(&images), &targets) / accumulation as f64;
+            let loss = soft_cross_entropy(&self.model.forward(&images)?, &targets) / accumulation as f64;
             self.parallel.backward(&loss, m + 1 == accumulation)?;
             loss_sum += loss.f_double_value(&[])?;
         }
@@ -423,7 +467,7 @@ impl<'a> Trainer<'a> {
             return Ok(None);
         }
         let (val, t) = (&self.splits.val, &self.transforms.eval);
-        Ok(Some(evaluate(&self.model, val, t, &self.world.group, self.device, self.kind)?))
+        Ok(Some(evaluate(&self.model, val, t, &self.dp, self.device, self.kind)?))
     }
 
     /// Whether the step just taken is due a checkpoint (`--save-every`, else each epoch's end;
@@ -437,14 +481,23 @@ impl<'a> Trainer<'a> {
     /// Writes a checkpoint of the current step under `--out` (every rank calls this).
     pub fn save(&self) -> anyhow::Result<()> {
         let out = self.args.out.as_deref().context("saving needs --out")?;
-        let weights = self.parallel.full_weights()?;
-        checkpoint::save(out, self.world, &self.state(self.step), &weights, self.parallel.optimizer())
+        let weights = self.full_weights()?;
+        let optimizer = self.sharding.gather_state(&self.parallel.optimizer().state())?;
+        // One copy of each state entry: every data-parallel rank's shard under ZeRO, else one
+        // rank's; a tensor-parallel group holds the same full entries after the gather.
+        let writes = (self.args.zero > 0 || self.dp.rank() == 0) && self.sharding.rank() == 0;
+        checkpoint::save(out, self.world, &self.state(self.step), &weights, writes.then_some(&optimizer[..]))
+    }
+
+    /// Every weight in fp32 by timm name, full tensors on every rank (a collective).
+    pub fn full_weights(&self) -> anyhow::Result<Vec<(String, Tensor)>> {
+        self.sharding.gather_all(&self.parallel.full_weights()?)
     }
 
     /// Rank 0 writes the final `model.safetensors` and `model.json` under `--out` (every rank
     /// calls this: the weights are gathered first).
     fn save_model(&self) -> anyhow::Result<()> {
-        let weights = self.parallel.full_weights()?;
+        let weights = self.full_weights()?;
         if let (Some(dir), 0) = (&self.args.out, self.world.rank()) {
             let path = dir.join("model.safetensors");
             data::checkpoint::save_tensors(&weights, &path)?;
@@ -470,9 +523,9 @@ impl<'a> Trainer<'a> {
     }
 
     fn announce(&self) {
-        let (plan, ranks) = (self.plan, self.world.size());
+        let (plan, ranks, dp, tp) = (self.plan, self.world.size(), self.dp.size(), self.sharding.size());
         println!(
-            "vit pretrain: {} training / {} validation images, {ranks} rank(s), global batch {} = {ranks} x {} micro-batch x {} accumulation, {} steps ({}/epoch), {:?}, {:?}, ZeRO {}",
+            "vit pretrain: {} training / {} validation images, {ranks} rank(s) = {dp} data x {tp} tensor parallel, global batch {} = {dp} x {} micro-batch x {} accumulation, {} steps ({}/epoch), {:?}, {:?}, ZeRO {}",
             self.splits.train.len(),
             self.splits.val.len(),
             plan.global,
@@ -538,6 +591,6 @@ pub fn pretrain(args: &PretrainArgs, world: &World) -> anyhow::Result<Trained> {
     let seconds = start.elapsed().as_secs_f64();
     trainer.save_model()?;
     world.group.barrier()?;
-    let weights = trainer.parallel.full_weights()?;
+    let weights = trainer.full_weights()?;
     Ok(Trained { vs: trainer.vs, weights, losses, val_top1, val_top5, seconds })
 }

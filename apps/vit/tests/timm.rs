@@ -40,7 +40,7 @@ fn logits_match_timm_for_the_same_weights() {
     let unused = data::checkpoint::load_safetensors(&vs, &path).unwrap();
     assert_eq!(unused, vec!["fixture.input".to_string(), "fixture.logits".to_string()], "every weight is used");
     let file: BTreeMap<String, Tensor> = Tensor::read_safetensors(&path).unwrap().into_iter().collect();
-    let logits = tch::no_grad(|| model.forward(&file["fixture.input"]));
+    let logits = tch::no_grad(|| model.forward(&file["fixture.input"])).unwrap();
     let diff = (&logits - &file["fixture.logits"]).abs().max().double_value(&[]);
     assert!(diff < 1e-5, "max abs difference from timm {diff:e}");
     let labels = file["fixture.logits"].argmax(1, false);

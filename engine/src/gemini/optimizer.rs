@@ -136,7 +136,7 @@ impl ChunkOptimizer {
         for c in 0..m.chunk_count() {
             let w = m.home(c).f_detach()?.f_set_requires_grad(true)?;
             crate::autograd::set_grad(&w, Some(m.grad(c)))?;
-            out.push(Param { name: format!("chunk {c}"), tensor: w, adapt: false });
+            out.push(Param::new(format!("chunk {c}"), &w).with_adapt(false));
         }
         let group = m.replication().filter(|r| r.shard).map(|r| r.group.clone());
         Ok((out, group))

@@ -22,9 +22,35 @@ pub enum Held<'a> {
 }
 
 /// Multiplies every gradient by `scale` (skipped when 1), then returns the L2 norm of all
-/// gradients together, reduced as `held` says: one fused reduction and one host sync. A
-/// gradient holding inf or NaN makes the norm non-finite (squares cannot cancel).
+/// gradients together, reduced as `held` says: one fused reduction and one host sync (and
+/// before it one sum over the tensor-parallel group of the shards' squares, where parameters
+/// are split: see `Param::split_over`). A gradient holding inf or NaN makes the norm
+/// non-finite (squares cannot cancel).
 pub fn scaled_grad_norm(params: &[Param], scale: f64, held: Held) -> Result<f64> {
+    // Whole parameters and tensor-parallel shards are summed apart: a shard's squares are
+    // summed over its group (each shard once), a whole parameter's counted once as it is.
+    let (whole, split): (Vec<&Param>, Vec<&Param>) = params.iter().partition(|p| p.split_over.is_none());
+    let mut sum = sum_of_squares(&whole, scale)?;
+    if let Some(group) = split.first().and_then(|p| p.split_over.as_ref()) {
+        crate::error::ensure!(
+            split.iter().all(|p| p.split_over.as_ref().map(|g| g.global_ranks()) == Some(group.global_ranks())),
+            "gradient norm: the tensor-parallel shards are split over different groups"
+        );
+        let shards = sum_of_squares(&split, scale)?;
+        group.all_reduce(&shards, ReduceOp::Sum)?;
+        sum = sum.f_add(&shards)?;
+    }
+    match held {
+        Held::Local => {}
+        Held::Replicated(g) => g.all_reduce(&sum, ReduceOp::Max)?,
+        Held::Sharded(g) => g.all_reduce(&sum, ReduceOp::Sum)?,
+    }
+    Ok(sum.f_double_value(&[0])?.sqrt())
+}
+
+/// Multiplies the gradients of `params` by `scale` (skipped when 1) and returns the sum of
+/// their squares, `[1]` in f64 on the host.
+fn sum_of_squares(params: &[&Param], scale: f64) -> Result<Tensor> {
     let grads: Vec<Tensor> = params.iter().map(|p| p.tensor.grad()).filter(Tensor::defined).collect();
     let mut squares: Vec<Tensor> = Vec::with_capacity(grads.len());
     tch::no_grad(|| -> Result<()> {
@@ -48,12 +74,7 @@ pub fn scaled_grad_norm(params: &[Param], scale: f64, held: Held) -> Result<f64>
         let on: Vec<&Tensor> = squares.iter().filter(|t| t.device() == d).collect();
         sum = sum.f_add(&Tensor::f_stack(&on, 0)?.f_sum(Kind::Double)?.f_to_device(Device::Cpu)?)?;
     }
-    match held {
-        Held::Local => {}
-        Held::Replicated(g) => g.all_reduce(&sum, ReduceOp::Max)?,
-        Held::Sharded(g) => g.all_reduce(&sum, ReduceOp::Sum)?,
-    }
-    Ok(sum.f_double_value(&[0])?.sqrt())
+    Ok(sum)
 }
 
 /// Scales every gradient so that the global `norm` (from [`scaled_grad_norm`]) becomes at most

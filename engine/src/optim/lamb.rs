@@ -3,7 +3,7 @@
 //! ||w|| / ||r||.
 use super::adam::{Adam, AdamMoments};
 use super::elementwise::{Elementwise, Scalar};
-use super::{norm, Optimizer, Param};
+use super::{norms, Optimizer, Param};
 use crate::Result;
 
 /// LAMB's hyper-parameters.
@@ -116,7 +116,7 @@ impl Optimizer for Lamb {
                 let (m, v) = self.moments.update(i, &rule.adam, &g)?;
                 let mut w = p.tensor.shallow_clone();
                 let r = rule.update(&w, m, v)?;
-                let norms = if p.adapt { Some((norm(&w)?, norm(&r)?)) } else { None };
+                let norms = if p.adapt { Some(norms(p, &w, &r)?) } else { None };
                 rule.apply(&mut w, &r, rule.scale(norms))?;
             }
             Ok(())

@@ -5,7 +5,7 @@ use tch::Tensor;
 
 use super::elementwise::{Elementwise, Scalar};
 use super::state::{bytes_of, slots_from_state, slots_to_state, state_for};
-use super::{norm, Optimizer, Param};
+use super::{norms, Optimizer, Param};
 use crate::Result;
 
 /// LARS's hyper-parameters.
@@ -120,7 +120,7 @@ impl Optimizer for Lars {
                     continue;
                 }
                 let mut w = p.tensor.shallow_clone();
-                let norms = if p.adapt { Some((norm(&w)?, norm(&g)?)) } else { None };
+                let norms = if p.adapt { Some(norms(p, &w, &g)?) } else { None };
                 let buf = if self.cfg.momentum != 0.0 {
                     let first = self.momentum[i].is_none();
                     Some((state_for(&mut self.momentum[i], &w)?, first))

@@ -47,17 +47,39 @@ pub struct Param {
     pub tensor: Tensor,
     /// Whether weight decay and the trust ratio apply.
     pub adapt: bool,
+    /// The tensor-parallel group this tensor is one shard of (`None`: the whole parameter).
+    /// The parameter's norms (LAMB's and LARS's trust ratios, gradient clipping) are then of
+    /// the whole parameter: squares are summed over this group.
+    pub split_over: Option<crate::dist::ProcessGroup>,
 }
 
 impl Param {
     /// A parameter with the default rule: adapted unless it has fewer than two dimensions.
     pub fn new(name: impl Into<String>, tensor: &Tensor) -> Param {
-        Param { name: name.into(), adapt: tensor.dim() >= 2, tensor: tensor.shallow_clone() }
+        Param { name: name.into(), adapt: tensor.dim() >= 2, tensor: tensor.shallow_clone(), split_over: None }
     }
 
     /// Another handle on the same tensor, with the same name and rule.
     pub fn shallow_copy(&self) -> Param {
-        Param { name: self.name.clone(), tensor: self.tensor.shallow_clone(), adapt: self.adapt }
+        Param {
+            name: self.name.clone(),
+            tensor: self.tensor.shallow_clone(),
+            adapt: self.adapt,
+            split_over: self.split_over.clone(),
+        }
+    }
+
+    /// Another handle on the same parameter whose tensor is `tensor` (an fp32 master copy, a
+    /// fresh leaf): the same name, rule and split.
+    pub fn with_tensor(&self, tensor: Tensor) -> Param {
+        Param { tensor, ..self.shallow_copy() }
+    }
+
+    /// Marks the tensor as this rank's shard of a parameter split over `group` (tensor
+    /// parallelism); a group of one rank leaves it whole.
+    pub fn split_over(mut self, group: Option<&crate::dist::ProcessGroup>) -> Param {
+        self.split_over = group.filter(|g| g.size() > 1).cloned();
+        self
     }
 
     /// Overrides the default decay/trust rule.
@@ -130,7 +152,17 @@ impl<T: Optimizer + ?Sized> Optimizer for Box<T> {
     }
 }
 
-/// The L2 norm of a tensor as f64 (the tensor optimizers' trust ratios).
-pub(crate) fn norm(t: &Tensor) -> Result<f64> {
-    Ok(t.f_norm()?.f_double_value(&[])?)
+/// The L2 norms of `a` and `b`, two tensors shaped like parameter `p` (the weight and its
+/// update or gradient: the tensor optimizers' trust ratios), as f64. For a tensor-parallel
+/// shard the squares are summed over its group first, so the ratio is the whole parameter's,
+/// as in one process: one all-reduce of two numbers per split parameter.
+pub(crate) fn norms(p: &Param, a: &Tensor, b: &Tensor) -> Result<(f64, f64)> {
+    let Some(group) = &p.split_over else {
+        return Ok((a.f_norm()?.f_double_value(&[])?, b.f_norm()?.f_double_value(&[])?));
+    };
+    let square = |t: &Tensor| t.f_to_kind(tch::Kind::Double)?.f_square()?.f_sum(tch::Kind::Double);
+    let squares = Tensor::f_stack(&[square(a)?, square(b)?], 0)?;
+    group.all_reduce(&squares, crate::dist::ReduceOp::Sum)?;
+    let squares = squares.f_to_device(tch::Device::Cpu)?;
+    Ok((squares.f_double_value(&[0])?.sqrt(), squares.f_double_value(&[1])?.sqrt()))
 }

@@ -33,7 +33,7 @@ impl MasterWeights {
             .map(|p| {
                 let t = p.tensor.f_detach()?.f_to_kind(Kind::Float)?.f_to_device(device)?.f_detach_copy()?;
                 let t = t.f_set_requires_grad(true)?;
-                Ok(Param { name: p.name.clone(), tensor: t, adapt: p.adapt })
+                Ok(p.with_tensor(t))
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(MasterWeights { model, master, device })

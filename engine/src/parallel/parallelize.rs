@@ -2,8 +2,11 @@
 //! gradient synchronisation (DDP buckets, or ZeRO-2's reduce-scatter into owners), fp32 master
 //! weights under bf16/fp16 or CPU offload, the optimizer (sharded under ZeRO 1 and 2) and the
 //! fp16 loss scaler. The model itself stays serial; trainers call [`parallelize`] once and then
-//! drive micro-batches and steps through [`Parallelized`]. The tensor and pipeline axes join
-//! here as further fields of [`ParallelPlan`].
+//! drive micro-batches and steps through [`Parallelized`]. Under tensor parallelism the app
+//! splits its layers first (`vit`'s `tensor_parallel`) and passes the data-parallel group of
+//! its mesh here, with the split parameters marked (`Param::split_over`) so that clipping and
+//! LAMB/LARS take whole-parameter norms; the pipeline axis is to join as a field of
+//! [`ParallelPlan`].
 //!
 //! Under ZeRO 1 and 2 the fp32 masters are sharded with the optimizer state, so
 //! [`Parallelized::full_weights`] gathers them for checkpoints and evaluation.

@@ -336,10 +336,9 @@ pub(super) mod tests {
         let params: Vec<Param> = segments
             .iter()
             .zip(&shapes)
-            .map(|(s, shape)| Param {
-                name: s.name.clone(),
-                tensor: Tensor::from_slice(&w[s.range()]).reshape(shape.as_slice()).set_requires_grad(true),
-                adapt: s.adapt,
+            .map(|(s, shape)| {
+                let t = Tensor::from_slice(&w[s.range()]).reshape(shape.as_slice()).set_requires_grad(true);
+                Param::new(s.name.clone(), &t).with_adapt(s.adapt)
             })
             .collect();
         let mut reference = make(params);
