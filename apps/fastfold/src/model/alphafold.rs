@@ -15,6 +15,7 @@ use crate::model::config::EvoformerConfig;
 use crate::model::embedders::{pseudo_beta, Embedders, Recycled};
 use crate::model::evoformer::EvoformerStack;
 use crate::model::heads::{HeadInputs, HeadOutputs, Heads};
+use crate::model::masked_rows::{self, MsaRows};
 use crate::model::params::Params;
 use crate::model::structure::{StructureModule, StructureOutput};
 use crate::model::templates::Templates;
@@ -73,13 +74,26 @@ impl Batch {
         self.aatype.size()[0]
     }
 
-    /// The extra-MSA inputs with at least one row: an alignment with no extra rows gets one
-    /// masked row of gaps, which changes nothing (masked rows neither attend nor are averaged
-    /// into the pair), as AlphaFold's fixed-size padding does.
-    fn extra_rows(&self) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
-        if self.extra_msa.size()[0] > 0 {
-            let t = [&self.extra_msa, &self.extra_has_deletion, &self.extra_deletion_value, &self.extra_msa_mask];
-            let [a, b, c, d] = t.map(|t| t.shallow_clone());
+    /// The extra-MSA inputs with at least one row: with `drop_masked`, the rows with an
+    /// unmasked entry only ([`masked_rows::unmasked_extra_rows`]: the others change nothing the
+    /// stack outputs). An alignment with no (unmasked) extra rows gets one masked row of gaps,
+    /// which changes nothing either, as AlphaFold's fixed-size padding does.
+    fn extra_rows(&self, drop_masked: bool) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+        let t = [&self.extra_msa, &self.extra_has_deletion, &self.extra_deletion_value, &self.extra_msa_mask];
+        let rows = match drop_masked {
+            true => masked_rows::unmasked_extra_rows(&self.extra_msa_mask)?,
+            false => None,
+        };
+        let [a, b, c, d] = match &rows {
+            Some(rows) => [
+                t[0].f_index_select(0, rows)?,
+                t[1].f_index_select(0, rows)?,
+                t[2].f_index_select(0, rows)?,
+                t[3].f_index_select(0, rows)?,
+            ],
+            None => t.map(|t| t.shallow_clone()),
+        };
+        if a.size()[0] > 0 {
             return Ok((a, b, c, d));
         }
         let n = self.residues();
@@ -115,6 +129,7 @@ pub struct AlphaFold {
     structure: StructureModule,
     heads: Heads,
     config: EvoformerConfig,
+    drop_masked_rows: bool,
 }
 
 impl AlphaFold {
@@ -132,7 +147,16 @@ impl AlphaFold {
             structure: StructureModule::new(params)?,
             heads: Heads::new(params)?,
             config,
+            drop_masked_rows: true,
         })
+    }
+
+    /// Whether the stacks leave out fully-masked MSA and extra-MSA rows ([`masked_rows`]; on
+    /// by default): the outputs are the same either way, the time falls with the real depth.
+    /// Off runs every padding row, for comparison.
+    pub fn drop_masked_rows(mut self, drop: bool) -> Self {
+        self.drop_masked_rows = drop;
+        self
     }
 
     /// The stacks' sizes.
@@ -145,6 +169,8 @@ impl AlphaFold {
         let (msa, pair) = self.embedders.input.forward(&batch.target_feat, &batch.msa_feat, &batch.residue_index)?;
         let (msa, pair) = self.embedders.recycling.forward(&msa, &pair, prev)?;
         let pair_mask = batch.seq_mask.f_unsqueeze(1)?.f_mul(&batch.seq_mask.f_unsqueeze(0)?)?;
+        // The MSA's own rows, which the masked-MSA head reads after the stack.
+        let own_rows = msa.size()[0];
         let (mut msa, mut pair, mut msa_mask) = (msa, pair, batch.msa_mask.shallow_clone());
         if let (Some(t), Some(f)) = (&self.templates, &batch.templates) {
             pair = pair.f_add(&t.pair_update(&pair, f, &pair_mask, chunk)?)?;
@@ -155,16 +181,21 @@ impl AlphaFold {
         }
         let pair = match (&self.extra, &self.embedders.extra_msa) {
             (Some(stack), Some(embedder)) => {
-                let (rows, has_deletion, deletion_value, mask) = batch.extra_rows()?;
+                let (rows, has_deletion, deletion_value, mask) = batch.extra_rows(self.drop_masked_rows)?;
                 let extra = embedder.forward(&rows, &has_deletion, &deletion_value)?.f_to_kind(pair.kind())?;
                 stack.forward(&extra, &pair, &mask, &pair_mask, dap, chunk)?.1
             }
             _ => pair,
         };
+        let rows = match self.drop_masked_rows {
+            true => MsaRows::new(&msa, &msa_mask, own_rows)?,
+            false => MsaRows::all(own_rows),
+        };
+        let (msa, msa_mask) = (rows.select(&msa)?, rows.select(&msa_mask)?);
         let (msa, pair) = self.evoformer.forward(&msa, &pair, &msa_mask, &pair_mask, dap, chunk)?;
-        let msa_first_row = msa.f_select(0, 0)?;
         // The template rows end here: the masked-MSA head reads the MSA's own rows only.
-        let msa = msa.f_narrow(0, 0, batch.msa_feat.size()[0])?;
+        let msa = rows.restore(&msa)?;
+        let msa_first_row = msa.f_select(0, 0)?;
         let single = self.heads.single.forward(&msa)?;
         let structure = self.structure.forward(&single, &pair, &batch.aatype, &batch.seq_mask)?;
         let heads = self.heads.forward(&HeadInputs {

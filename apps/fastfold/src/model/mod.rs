@@ -8,7 +8,8 @@
 //! 1. Leaves: `error` ([`Error`]), [`keys`] (AlphaFold's key prefixes), [`scope`] (`Builder`,
 //!    [`scope::Scope`], [`scope::Init`]: how a constructor asks for its arrays), [`config`]
 //!    (every module's sizes and their inference from shapes, reading only `keys`), [`layers`]
-//!    (`Linear`, `LayerNorm`, chunking, over `scope`).
+//!    (`Linear`, `LayerNorm`, chunking, over `scope`), [`masked_rows`] (which MSA rows the
+//!    stacks can leave out).
 //! 2. The store: [`params`] ([`Params`]: the arrays, their files, `Params::builder`), over
 //!    `config` and `scope`.
 //! 3. Building blocks: [`attention`], then [`triangle`] and [`msa`].
@@ -27,6 +28,7 @@ pub mod evoformer;
 pub mod heads;
 pub mod keys;
 pub mod layers;
+pub mod masked_rows;
 pub mod msa;
 pub mod params;
 pub mod scope;
