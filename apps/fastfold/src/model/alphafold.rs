@@ -11,12 +11,13 @@ use engine::parallel::dap::Dap;
 use tch::{Kind, Tensor};
 
 use crate::features::{Features, TemplateFeatures};
-use crate::model::config::EvoformerConfig;
+use crate::model::config::{EvoformerConfig, PresetSizes};
 use crate::model::embedders::{pseudo_beta, Embedders, Recycled};
 use crate::model::evoformer::EvoformerStack;
 use crate::model::heads::{HeadInputs, HeadOutputs, Heads};
 use crate::model::masked_rows::{self, MsaRows};
 use crate::model::params::Params;
+use crate::model::recycling::{self, Recycling};
 use crate::model::structure::{StructureModule, StructureOutput};
 use crate::model::templates::Templates;
 use crate::model::{ensure, Result};
@@ -133,8 +134,15 @@ pub struct AlphaFold {
 }
 
 impl AlphaFold {
-    /// Every module over `params` (from [`Params::random_model`] or [`Params::load_model`]).
+    /// Every module over `params` (from [`Params::random_model`] or [`Params::load_model`]),
+    /// with AlphaFold's preset sizes (the same for every released monomer model).
     pub fn new(params: &Params) -> Result<Self> {
+        Self::with_preset(params, &PresetSizes::default())
+    }
+
+    /// Every module over `params`, with `preset`'s sizes where the arrays cannot show them
+    /// (the structure module's iterations).
+    pub fn with_preset(params: &Params, preset: &PresetSizes) -> Result<Self> {
         let config = *params.config();
         Ok(AlphaFold {
             embedders: Embedders::new(params)?,
@@ -144,7 +152,7 @@ impl AlphaFold {
                 false => None,
             },
             evoformer: EvoformerStack::main(params)?,
-            structure: StructureModule::new(params)?,
+            structure: StructureModule::with_preset(params, preset)?,
             heads: Heads::new(params)?,
             config,
             drop_masked_rows: true,
@@ -232,5 +240,45 @@ impl AlphaFold {
             prev = tch::no_grad(|| self.pass(&batch, &prev, dap, chunk))?.recycled;
         }
         self.pass(&Batch::new(features, recycles as i64, kind)?, &prev, dap, chunk)
+    }
+
+    /// Inference over `recycling`'s schedule: passes `0..=max` over slices of `features`, each
+    /// from the previous one's outputs, stopping after a pass `r > 0` whose CA distance change
+    /// from the pass before ([`recycling::ca_distance_change`]) is below the tolerance (as
+    /// ColabFold does). Returns the last pass and the recycles run (passes less one). Every
+    /// pass keeps its autograd graph unless the caller runs under `tch::no_grad`. Under DAP
+    /// every rank holds the same gathered positions, so every rank stops at the same pass.
+    pub fn predict_recycling(
+        &self,
+        features: &Features,
+        recycling: Recycling,
+        kind: Kind,
+        dap: &Dap,
+        chunk: Option<i64>,
+    ) -> Result<(Pass, usize)> {
+        let available = features.num_iterations();
+        ensure!(
+            (recycling.max as i64) < available,
+            "{} recycles need {} feature slices, the features have {available}",
+            recycling.max,
+            recycling.max + 1
+        );
+        let like = Batch::new(features, 0, kind)?;
+        let mut prev = Recycled::zeros(like.residues(), &self.config, &like.seq_mask)?;
+        let mut prev_positions = Tensor::f_zeros([like.residues(), 37, 3], (Kind::Float, like.aatype.device()))?;
+        let mut r = 0;
+        loop {
+            let batch = Batch::new(features, r as i64, kind)?;
+            let pass = self.pass(&batch, &prev, dap, chunk)?;
+            let settled = r > 0
+                && recycling::ca_distance_change(&prev_positions, &pass.structure.atom37, &batch.seq_mask)?
+                    < recycling.early_stop_tolerance;
+            if r == recycling.max || settled {
+                return Ok((pass, r));
+            }
+            prev_positions = pass.structure.atom37.shallow_clone();
+            prev = pass.recycled;
+            r += 1;
+        }
     }
 }

@@ -17,7 +17,8 @@
 //!    helpers), [`evoformer`], [`structure`]; each builds itself at its `keys` root, from a
 //!    `&Params` or a `Builder`.
 //! 5. Assembly: `assemble` (creating and loading a [`Params`]: every module built over the
-//!    arrays, and the check that none went unused) and [`alphafold`] (the whole model).
+//!    arrays, and the check that none went unused), [`recycling`] (how many passes run) and
+//!    [`alphafold`] (the whole model).
 pub mod alphafold;
 mod assemble;
 pub mod attention;
@@ -31,12 +32,13 @@ pub mod layers;
 pub mod masked_rows;
 pub mod msa;
 pub mod params;
+pub mod recycling;
 pub mod scope;
 pub mod structure;
 pub mod templates;
 pub mod triangle;
 
-pub use config::{EvoformerConfig, ModelConfig, StructureConfig, TemplateConfig};
+pub use config::{EvoformerConfig, ModelConfig, PresetSizes, StructureConfig, TemplateConfig};
 pub use embedders::{Embedders, Recycled};
 pub(crate) use error::ensure;
 pub use error::{Error, Result};
