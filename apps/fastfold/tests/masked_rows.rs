@@ -2,12 +2,13 @@
 //! fixture features (`fixtures/alphafold`, with one padding MSA row, two padding extra rows and
 //! a padding template) padded further the way AlphaFold's `make_fixed_size` pads (zero
 //! features, zero masks) give the same outputs with and without the rows, the masked-MSA
-//! logits of every padding row included, and AlphaFold's own outputs at the real rows.
+//! logits of every padding row included, and AlphaFold's own outputs at the real rows; padding
+//! templates are left out of the template stack, and with no real template it is skipped.
 use std::collections::HashMap;
 use std::path::PathBuf;
 
 use engine::parallel::dap::Dap;
-use fastfold::features::Features;
+use fastfold::features::{Features, TemplateFeatures};
 use fastfold::model::alphafold::{AlphaFold, Pass};
 use fastfold::model::masked_rows::MsaRows;
 use fastfold::model::Params;
@@ -23,6 +24,9 @@ const SAME: f64 = 1e-5;
 const SAME_FP32: f64 = 1e-4;
 /// Against AlphaFold, as in `alphafold_reference.rs`.
 const ALPHAFOLD: f64 = 1e-4;
+/// MSA and extra-MSA rows after padding (the fixture has 6 and 5).
+const ROWS: i64 = 24;
+const EXTRA_ROWS: i64 = 32;
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/alphafold").join(name)
@@ -80,17 +84,30 @@ fn outputs(pass: &Pass) -> Vec<(&'static str, Tensor)> {
 
 #[test]
 fn dropping_masked_rows_changes_no_output_of_padded_features() {
-    let features = padded_features(40, 64);
-    for (kind, tolerance) in [(Kind::Double, SAME), (Kind::Float, SAME_FP32)] {
+    // The fixture's templates (two real, one padding), then none real: the template
+    // embedding then adds exactly 0 and every template row is masked.
+    let no_templates = {
+        let f = padded_features(ROWS, EXTRA_ROWS);
+        let t = f.templates.as_ref().unwrap();
+        let [a, b, c, _, e, g] = t.named().map(|(_, x)| x.shallow_clone());
+        let templates = TemplateFeatures::from_array([a, b.zeros_like(), c.zeros_like(), t.mask.zeros_like(), e, g]);
+        Features { templates: Some(templates), ..f }
+    };
+    let cases = [
+        ("templates", padded_features(ROWS, EXTRA_ROWS), Kind::Double, SAME, &[None, Some(3)][..]),
+        ("templates", padded_features(ROWS, EXTRA_ROWS), Kind::Float, SAME_FP32, &[None][..]),
+        ("no real template", no_templates, Kind::Double, SAME, &[None][..]),
+    ];
+    for (what, features, kind, tolerance, chunks) in cases {
         let params = Params::load_model(fixture("params.npz")).unwrap().to_kind(kind).unwrap();
         let all = AlphaFold::new(&params).unwrap().drop_masked_rows(false);
         let dropped = AlphaFold::new(&params).unwrap();
-        for chunk in [None, Some(3)] {
+        for &chunk in chunks {
             let run = |m: &AlphaFold| tch::no_grad(|| m.predict(&features, 1, kind, &Dap::none(), chunk)).unwrap();
             let (want, got) = (run(&all), run(&dropped));
-            assert_eq!(got.heads.masked_msa.size()[0], 40, "the masked-MSA logits keep the padded rows");
+            assert_eq!(got.heads.masked_msa.size()[0], ROWS, "the masked-MSA logits keep the padded rows");
             for ((name, g), (_, w)) in outputs(&got).iter().zip(outputs(&want)) {
-                assert_close(&format!("{name} ({kind:?}, chunk {chunk:?})"), g, &w, tolerance);
+                assert_close(&format!("{name} ({what}, {kind:?}, chunk {chunk:?})"), g, &w, tolerance);
             }
         }
     }
@@ -101,7 +118,7 @@ fn dropping_masked_rows_of_padded_features_equals_alphafold() {
     let params = Params::load_model(fixture("params.npz")).unwrap();
     let r: HashMap<String, Tensor> = Tensor::read_npz(fixture("reference.npz")).unwrap().into_iter().collect();
     let pass = tch::no_grad(|| {
-        AlphaFold::new(&params).unwrap().predict(&padded_features(40, 64), 1, Kind::Float, &Dap::none(), None)
+        AlphaFold::new(&params).unwrap().predict(&padded_features(ROWS, EXTRA_ROWS), 1, Kind::Float, &Dap::none(), None)
     })
     .unwrap();
     let mask = r["final_atom_mask"].unsqueeze(-1);
@@ -117,8 +134,8 @@ fn dropping_masked_rows_of_padded_features_equals_alphafold() {
     let logits = &pass.heads.masked_msa;
     let own = r["masked_msa_logits"].size()[0];
     assert_close("masked_msa/logits", &logits.narrow(0, 0, own), &r["masked_msa_logits"], ALPHAFOLD);
-    let last = r["masked_msa_logits"].get(own - 1).unsqueeze(0).expand([40 - own, -1, -1], false);
-    assert_close("masked_msa/logits of the added rows", &logits.narrow(0, own, 40 - own), &last, ALPHAFOLD);
+    let last = r["masked_msa_logits"].get(own - 1).unsqueeze(0).expand([ROWS - own, -1, -1], false);
+    assert_close("masked_msa/logits of the added rows", &logits.narrow(0, own, ROWS - own), &last, ALPHAFOLD);
 }
 
 fn rows(t: &Tensor) -> Vec<i64> {

@@ -76,13 +76,13 @@ impl Batch {
     }
 
     /// The extra-MSA inputs with at least one row: with `drop_masked`, the rows with an
-    /// unmasked entry only ([`masked_rows::unmasked_extra_rows`]: the others change nothing the
+    /// unmasked entry only ([`masked_rows::unmasked_rows`]: the others change nothing the
     /// stack outputs). An alignment with no (unmasked) extra rows gets one masked row of gaps,
     /// which changes nothing either, as AlphaFold's fixed-size padding does.
     fn extra_rows(&self, drop_masked: bool) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
         let t = [&self.extra_msa, &self.extra_has_deletion, &self.extra_deletion_value, &self.extra_msa_mask];
         let rows = match drop_masked {
-            true => masked_rows::unmasked_extra_rows(&self.extra_msa_mask)?,
+            true => masked_rows::unmasked_rows(&self.extra_msa_mask)?,
             false => None,
         };
         let [a, b, c, d] = match &rows {
@@ -181,7 +181,19 @@ impl AlphaFold {
         let own_rows = msa.size()[0];
         let (mut msa, mut pair, mut msa_mask) = (msa, pair, batch.msa_mask.shallow_clone());
         if let (Some(t), Some(f)) = (&self.templates, &batch.templates) {
-            pair = pair.f_add(&t.pair_update(&pair, f, &pair_mask, chunk)?)?;
+            let real = match self.drop_masked_rows {
+                true => masked_rows::unmasked_rows(&f.mask)?,
+                false => None,
+            };
+            match real {
+                None => pair = pair.f_add(&t.pair_update(&pair, f, &pair_mask, chunk)?)?,
+                Some(real) if real.size()[0] > 0 => {
+                    let [a, b, c, d, e, g] = f.named().map(|(_, x)| x.f_index_select(0, &real));
+                    let f = TemplateFeatures::from_array([a?, b?, c?, d?, e?, g?]);
+                    pair = pair.f_add(&t.pair_update(&pair, &f, &pair_mask, chunk)?)?;
+                }
+                Some(_) => {} // no real template: the update is exactly 0
+            }
             if let Some((rows, mask)) = t.msa_rows(f, msa.kind())? {
                 msa = Tensor::f_cat(&[msa, rows], 0)?;
                 msa_mask = Tensor::f_cat(&[msa_mask, mask], 0)?;

@@ -14,30 +14,40 @@
 //! So the pair, and every unmasked row, come out of a stack the same without those rows.
 //!
 //! - **Extra MSA.** Only the pair leaves the stack, so its masked rows are left out entirely
-//!   ([`unmasked_extra_rows`]). A column masked in every row changes nothing either: the
+//!   ([`unmasked_rows`]). A column masked in every row changes nothing either: the
 //!   pair hears about it only through the outer product mean, which masks it.
 //! - **Main MSA.** The masked-MSA head reads every row of the MSA's own (padded) rows, so a
 //!   masked row's output is kept. Rows entering the stack with the same activations and mask
 //!   leave it the same (every step treats a row as a function of itself, the pair and the
 //!   unmasked rows), and AlphaFold's padding rows are all alike (zero features, no recycled
-//!   first row); so one of them runs and stands in for the others ([`MsaRows::new`]). The
+//!   first row; checked, not assumed); so one of them runs and stands in for the others
+//!   ([`MsaRows::new`]). The
 //!   template rows after the MSA's own are read by nothing once the stack ends, so their
 //!   masked rows (padding templates) are left out. One case is left as it is: a residue
 //!   column masked in every row (residue padding, which AlphaFold's inference never makes),
 //!   where column attention averages uniformly over all rows, so the row count matters.
+//! - **Templates.** Padding templates (template mask 0) go through the template pair stack
+//!   for nothing: the pointwise attention weighs them 0. They are left out of it
+//!   ([`unmasked_rows`]); their MSA rows are masked rows like any other.
 use tch::{Kind, Tensor};
 
 use crate::model::Result;
 
-/// Per row of `mask` [rows, residues]: whether any entry is unmasked.
+/// Per row of `mask` [rows] or [rows, ...]: whether any entry is unmasked.
 fn rows_with_unmasked(mask: &Tensor) -> Result<Vec<bool>> {
-    let any = mask.f_ne(0.0)?.f_any_dim(1, false)?.f_to_kind(Kind::Int64)?.f_to_device(tch::Device::Cpu)?;
+    let per_row = match mask.dim() {
+        1 => mask.f_unsqueeze(1)?,
+        _ => mask.f_flatten(1, -1)?,
+    };
+    let any = per_row.f_ne(0.0)?.f_any_dim(1, false)?.f_to_kind(Kind::Int64)?.f_to_device(tch::Device::Cpu)?;
     Ok(Vec::<i64>::try_from(&any)?.into_iter().map(|x| x != 0).collect())
 }
 
-/// The extra-MSA rows that run through the extra-MSA stack: the indices of the rows of
-/// `mask` [E, N] with an unmasked entry, or `None` when that is every row.
-pub fn unmasked_extra_rows(mask: &Tensor) -> Result<Option<Tensor>> {
+/// The indices of the rows of `mask` [rows] or [rows, ...] with an unmasked entry, or `None`
+/// when that is every row: the extra-MSA rows that run through the extra-MSA stack, and the
+/// templates that run through the template pair stack (the pointwise attention gives a masked
+/// template weight exactly 0, and with no real template the update is 0).
+pub fn unmasked_rows(mask: &Tensor) -> Result<Option<Tensor>> {
     let unmasked = rows_with_unmasked(mask)?;
     if unmasked.iter().all(|&u| u) {
         return Ok(None);
