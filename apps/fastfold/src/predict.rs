@@ -157,9 +157,15 @@ pub fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predicted>> 
             let start = Instant::now();
             let features = args.input.process(query, processed_recycles.unwrap_or(0), model.preset, device, name)?;
             timings.add(format!("process_features_{}", model.name), start.elapsed().as_secs_f64());
-            let max = match processed_recycles {
-                Some(r) => r,
-                None => args.recycles.unwrap_or(features.num_iterations().max(1) as usize - 1),
+            let available = features.num_iterations().max(1) as usize;
+            let max = match (processed_recycles, args.recycles) {
+                (Some(r), _) => r,
+                (None, Some(r)) if r >= available => bail!(
+                    "--num-recycle {r} needs {} recycling slices of features, but --features {} has {available}",
+                    r + 1,
+                    args.input.features.as_deref().unwrap_or(Path::new("")).display()
+                ),
+                (None, r) => r.unwrap_or(available - 1),
             };
             let recycling = Recycling { max, early_stop_tolerance: tolerance };
             let start = Instant::now();

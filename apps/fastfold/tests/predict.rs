@@ -414,6 +414,22 @@ fn recycling_stops_early_once_the_ca_distances_settle() {
         let (ok, text) = fastfold(&["predict", fa.to_str().unwrap(), "--params", params, &flag_value, "-o", &o]);
         assert!(!ok && text.contains(flag), "{text}");
     }
+    let features = d.join("two_slices.npz");
+    let raw = RawFeatures::new(SEQ_B, None).unwrap();
+    let config = FeatureConfig { num_recycle: 1, ..FeatureConfig::default() };
+    process(&raw, &config, 0, Device::Cpu).unwrap().save_npz(&features).unwrap();
+    let (ok, text) = fastfold(&[
+        "predict",
+        "--features",
+        features.to_str().unwrap(),
+        "--params",
+        params,
+        "--num-recycle",
+        "5",
+        "-o",
+        &o,
+    ]);
+    assert!(!ok && text.contains("--num-recycle 5") && text.contains("has 2"), "{text}");
     // Names that become the same folder name.
     let two = fasta(&d, &[("a/b", SEQ_A), ("a:b", SEQ_B)]);
     let (ok, text) = fastfold(&["predict", two.to_str().unwrap(), "--params", params, "-o", &o]);
