@@ -13,10 +13,12 @@ use std::io::Write;
 use anyhow::{bail, Context};
 use engine::dist::World;
 use engine::job::{LaunchArgs, Precision, PrecisionArgs};
+use engine::parallel::dap::Dap;
 use tch::{Device, Kind, Tensor};
 
 use crate::confidence::Confidence;
-use crate::input::{ChunkArgs, InputArgs};
+use crate::features::Features;
+use crate::input::{ChunkArgs, InputArgs, Query};
 use crate::model::alphafold::{AlphaFold, Pass};
 use crate::model::heads::{DISTOGRAM_FIRST_BREAK, DISTOGRAM_LAST_BREAK};
 use crate::model::recycling::Recycling;
@@ -121,82 +123,125 @@ impl Model {
 /// Runs every model on every input in turn; rank 0 writes each query's folder. Returns the
 /// summaries, query by query, model by model.
 pub fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predicted>> {
-    let (device, dap) = args.chunk.setup(&args.launch, world)?;
-    let tolerance = args.recycle_early_stop_tolerance;
-    if !(tolerance.is_finite() && tolerance >= 0.0) {
-        bail!("--recycle-early-stop-tolerance must be a distance in Å, 0 or more, not {tolerance}");
-    }
-    if args.structure_iterations.is_some_and(|n| n < 1) {
-        bail!("--structure-iterations must be at least 1");
-    }
-    let kind = args.precision.precision.kind();
-    let files = models::resolve(&args.params, args.models.as_deref())?;
-    let models = files
-        .iter()
-        .map(|f| Model::load(args, f, files.len() > 1, kind, device))
-        .collect::<anyhow::Result<Vec<_>>>()?;
+    let runner = Runner::new(args, world)?;
     let read_start = Instant::now();
-    let queries = args.input.read(device)?;
+    let queries = args.input.read(runner.device)?;
+    // AlphaFold's `features` step: here the reading of the input files, for all queries.
     let read_seconds = read_start.elapsed().as_secs_f64();
-    // Processed here, the features get the slices the recycles need; a features file has its own.
-    let processed_recycles = match &args.input.features {
-        Some(_) => None,
-        None => Some(args.recycles.unwrap_or(3)),
-    };
     let mut done = Vec::new();
     for (name, query) in &queries {
         let dir = args.out.join(name);
         if world.rank() == 0 {
             std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
         }
-        // AlphaFold's `features` step: here the reading of the input files, for all queries.
         let mut timings = Timings::default();
         timings.add("features", read_seconds);
         let mut scores = Vec::new();
-        for model in &models {
-            let start = Instant::now();
-            let features = args.input.process(query, processed_recycles.unwrap_or(0), model.preset, device, name)?;
-            timings.add(format!("process_features_{}", model.name), start.elapsed().as_secs_f64());
-            let available = features.num_iterations().max(1) as usize;
-            let max = match (processed_recycles, args.recycles) {
-                (Some(r), _) => r,
-                (None, Some(r)) if r >= available => bail!(
-                    "--num-recycle {r} needs {} recycling slices of features, but --features {} has {available}",
-                    r + 1,
-                    args.input.features.as_deref().unwrap_or(Path::new("")).display()
-                ),
-                (None, r) => r.unwrap_or(available - 1),
-            };
-            let recycling = Recycling { max, early_stop_tolerance: tolerance };
-            let start = Instant::now();
-            let (pass, recycles) =
-                tch::no_grad(|| model.net.predict_recycling(&features, recycling, kind, &dap, args.chunk.chunk_size))
-                    .with_context(|| format!("predicting {name} with {}", model.name))?;
-            let seconds = start.elapsed().as_secs_f64();
-            timings.add(format!("predict_and_compile_{}", model.name), seconds);
-            let first = features.iteration(0)?;
-            let (aatype, residue_index) = (first.aatype.squeeze_dim(0), first.residue_index.squeeze_dim(0));
-            let confidence = Confidence::from_logits(&pass.heads.lddt, pass.heads.aligned_error.as_ref())?;
-            if world.rank() == 0 {
-                write_outputs(args, &dir, &model.name, &pass, &aatype, &residue_index, &confidence)?;
-            }
-            scores.push((model.name.clone(), confidence.mean_plddt, confidence.ptm));
-            done.push(Predicted {
-                residues: aatype.size()[0],
-                name: name.clone(),
-                model: model.name.clone(),
-                mean_plddt: confidence.mean_plddt,
-                ptm: confidence.ptm,
-                recycles,
-                seconds,
-                peak_bytes: engine::process::peak_memory(device),
-            });
+        for model in &runner.models {
+            let p = runner.predict(model, name, query, &dir, &mut timings)?;
+            scores.push((p.model.clone(), p.mean_plddt, p.ptm));
+            done.push(p);
         }
         if world.rank() == 0 {
             write_ranking(&dir, &Ranking::new(&scores), &timings)?;
         }
     }
     Ok(done)
+}
+
+/// What every prediction of one run shares: the checked options, the device and DAP context,
+/// and the models.
+struct Runner<'a> {
+    args: &'a PredictArgs,
+    world: &'a World,
+    device: Device,
+    dap: Dap,
+    kind: Kind,
+    models: Vec<Model>,
+    /// Recycles when the features are processed here (they get the slices the recycles need);
+    /// `None` with a features file, which has its own.
+    processed_recycles: Option<usize>,
+}
+
+impl<'a> Runner<'a> {
+    fn new(args: &'a PredictArgs, world: &'a World) -> anyhow::Result<Self> {
+        let (device, dap) = args.chunk.setup(&args.launch, world)?;
+        let tolerance = args.recycle_early_stop_tolerance;
+        if !(tolerance.is_finite() && tolerance >= 0.0) {
+            bail!("--recycle-early-stop-tolerance must be a distance in Å, 0 or more, not {tolerance}");
+        }
+        if args.structure_iterations.is_some_and(|n| n < 1) {
+            bail!("--structure-iterations must be at least 1");
+        }
+        let kind = args.precision.precision.kind();
+        let files = models::resolve(&args.params, args.models.as_deref())?;
+        let models = files
+            .iter()
+            .map(|f| Model::load(args, f, files.len() > 1, kind, device))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let processed_recycles = match &args.input.features {
+            Some(_) => None,
+            None => Some(args.recycles.unwrap_or(3)),
+        };
+        Ok(Runner { args, world, device, dap, kind, models, processed_recycles })
+    }
+
+    /// `model` on `query`: its features processed for the model's preset, the prediction, and
+    /// (rank 0) its files in `dir`; the steps' times go to `timings`.
+    fn predict(
+        &self,
+        model: &Model,
+        name: &str,
+        query: &Query,
+        dir: &Path,
+        timings: &mut Timings,
+    ) -> anyhow::Result<Predicted> {
+        let args = self.args;
+        let start = Instant::now();
+        let features =
+            args.input.process(query, self.processed_recycles.unwrap_or(0), model.preset, self.device, name)?;
+        timings.add(format!("process_features_{}", model.name), start.elapsed().as_secs_f64());
+        let recycling =
+            Recycling { max: self.max_recycles(&features)?, early_stop_tolerance: args.recycle_early_stop_tolerance };
+        let start = Instant::now();
+        let (pass, recycles) = tch::no_grad(|| {
+            model.net.predict_recycling(&features, recycling, self.kind, &self.dap, args.chunk.chunk_size)
+        })
+        .with_context(|| format!("predicting {name} with {}", model.name))?;
+        let seconds = start.elapsed().as_secs_f64();
+        timings.add(format!("predict_and_compile_{}", model.name), seconds);
+        let first = features.iteration(0)?;
+        let (aatype, residue_index) = (first.aatype.squeeze_dim(0), first.residue_index.squeeze_dim(0));
+        let confidence = Confidence::from_logits(&pass.heads.lddt, pass.heads.aligned_error.as_ref())?;
+        if self.world.rank() == 0 {
+            write_outputs(args, dir, &model.name, &pass, &aatype, &residue_index, &confidence)?;
+        }
+        Ok(Predicted {
+            residues: aatype.size()[0],
+            name: name.to_string(),
+            model: model.name.clone(),
+            mean_plddt: confidence.mean_plddt,
+            ptm: confidence.ptm,
+            recycles,
+            seconds,
+            peak_bytes: engine::process::peak_memory(self.device),
+        })
+    }
+
+    /// The most recycles to run on `features`: `--num-recycle` (default 3) when processed here,
+    /// else `--num-recycle` if the file has the slices, by default all it has.
+    fn max_recycles(&self, features: &Features) -> anyhow::Result<usize> {
+        let available = features.num_iterations().max(1) as usize;
+        Ok(match (self.processed_recycles, self.args.recycles) {
+            (Some(r), _) => r,
+            (None, Some(r)) if r >= available => bail!(
+                "--num-recycle {r} needs {} recycling slices of features, but --features {} has {available}",
+                r + 1,
+                self.args.input.features.as_deref().unwrap_or(Path::new("")).display()
+            ),
+            (None, r) => r.unwrap_or(available - 1),
+        })
+    }
 }
 
 /// `ranked_<i>.pdb` (the models' PDBs, best first), `ranking_debug.json` and `timings.json`.
