@@ -79,10 +79,20 @@ impl InputArgs {
         preset: Option<Preset>,
         device: Device,
     ) -> anyhow::Result<Vec<(String, Features)>> {
+        self.read(device)?
+            .into_iter()
+            .map(|(name, query)| Ok((name.clone(), self.process(&query, recycles, preset, device, &name)?)))
+            .collect()
+    }
+
+    /// The inputs as read, before any preset's processing, each named (the FASTA record's
+    /// name or the features file's stem, made safe for file names; two records that would
+    /// share a name are an error, since each gets its own output folder).
+    pub fn read(&self, device: Device) -> anyhow::Result<Vec<(String, Query)>> {
         if let Some(path) = &self.features {
             let features = Features::load_npz(path, device)?;
             let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-            return Ok(vec![(file_stem(&name), features)]);
+            return Ok(vec![(file_stem(&name), Query::Processed(features))]);
         }
         let Some(fasta) = &self.fasta else { bail!("give a FASTA file or --features") };
         let records = data::fasta::read(fasta)?;
@@ -101,6 +111,38 @@ impl InputArgs {
             Some(path) => Some((data::a3m::read(path)?, path.clone())),
             None => None,
         };
+        let mut read: Vec<(String, Query)> = Vec::with_capacity(records.len());
+        for (i, r) in records.iter().enumerate() {
+            let name = file_stem(&r.name);
+            if let Some(j) = read.iter().position(|(n, _)| *n == name) {
+                bail!(
+                    "{}: records {} and {} are both named {name:?} as output folders; rename one",
+                    fasta.display(),
+                    j + 1,
+                    i + 1
+                );
+            }
+            let raw = RawFeatures::new(&r.sequence, msa.as_ref().map(|(m, p)| (m, p.as_path())))
+                .with_context(|| format!("record {}", r.name))?;
+            read.push((name, Query::Raw(raw)));
+        }
+        Ok(read)
+    }
+
+    /// `query`'s processed features for a model of `preset` (its MSA sizes unless given),
+    /// with `recycles + 1` recycling slices when processed here; `name` names it in errors.
+    pub fn process(
+        &self,
+        query: &Query,
+        recycles: usize,
+        preset: Option<Preset>,
+        device: Device,
+        name: &str,
+    ) -> anyhow::Result<Features> {
+        let raw = match query {
+            Query::Processed(features) => return Ok(features.to_device(device)),
+            Query::Raw(raw) => raw,
+        };
         let defaults = FeatureConfig::default();
         let config = FeatureConfig {
             max_msa_clusters: self
@@ -111,15 +153,17 @@ impl InputArgs {
             num_recycle: recycles,
             ..defaults
         };
-        records
-            .iter()
-            .map(|r| {
-                let raw = RawFeatures::new(&r.sequence, msa.as_ref().map(|(m, p)| (m, p.as_path())))
-                    .with_context(|| format!("record {}", r.name))?;
-                Ok((file_stem(&r.name), process(&raw, &config, self.seed.seed, device)?))
-            })
-            .collect()
+        process(raw, &config, self.seed.seed, device).with_context(|| format!("processing the features of {name}"))
     }
+}
+
+/// One query as read: raw features for AlphaFold's pipeline to process per preset (as
+/// `run_alphafold.py` processes per model), or features processed already.
+pub enum Query {
+    /// From FASTA (and A3M).
+    Raw(RawFeatures),
+    /// From `--features`: every model runs on them as they are.
+    Processed(Features),
 }
 
 /// `--chunk-size`.

@@ -8,7 +8,8 @@ use fastfold::train::{self, TrainArgs};
 #[derive(Parser)]
 #[command(version, about = "AlphaFold 2 structure prediction with dynamic axial parallelism")]
 enum Cli {
-    /// Predict structures: unrelaxed PDB, confidence JSON and optionally the raw outputs.
+    /// Predict structures with one or several models: unrelaxed PDBs, confidence JSON, the
+    /// ranking and timings, optionally the raw outputs.
     Predict(PredictArgs),
     /// Train on one query and its known structure (distogram loss and backbone FAPE, Adam).
     Train(TrainArgs),
@@ -35,9 +36,11 @@ fn main() -> anyhow::Result<()> {
                 let ptm = p.ptm.map(|t| format!("  pTM {t:.3}")).unwrap_or_default();
                 let peak = p.peak_bytes.map(|b| format!("  peak memory {:.2} GiB", b as f64 / (1u64 << 30) as f64));
                 println!(
-                    "{}: {} residues in {:.2} s{}  mean pLDDT {:.2}{ptm}",
+                    "{} {}: {} residues, {} recycles in {:.2} s{}  mean pLDDT {:.2}{ptm}",
                     p.name,
+                    p.model,
                     p.residues,
+                    p.recycles,
                     p.seconds,
                     peak.unwrap_or_default(),
                     p.mean_plddt

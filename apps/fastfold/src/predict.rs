@@ -1,22 +1,32 @@
 //! `fastfold predict`: sequences (FASTA, optional A3M alignment) or AlphaFold's processed
-//! features to unrelaxed structures, confidence and, optionally, the raw outputs.
+//! features to unrelaxed structures, confidence and, optionally, the raw outputs, as
+//! `run_alphafold.py` lays them out: one folder per query, every model of a `--params`
+//! directory in turn on the same features, ranked by confidence, with the steps' timings.
 //!
 //! Every rank runs the same model; with more than one rank the Evoformer and extra-MSA stacks
 //! run under dynamic axial parallelism and rank 0 writes the files.
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::Context;
+use std::io::Write;
+
+use anyhow::{bail, Context};
 use engine::dist::World;
 use engine::job::{LaunchArgs, Precision, PrecisionArgs};
+use engine::parallel::dap::Dap;
 use tch::{Device, Kind, Tensor};
 
 use crate::confidence::Confidence;
-use crate::input::{ChunkArgs, InputArgs};
+use crate::features::Features;
+use crate::input::{ChunkArgs, InputArgs, Query};
 use crate::model::alphafold::{AlphaFold, Pass};
 use crate::model::heads::{DISTOGRAM_FIRST_BREAK, DISTOGRAM_LAST_BREAK};
+use crate::model::recycling::Recycling;
 use crate::model::Params;
+use crate::models::{self, ModelChoice, ModelFile};
 use crate::pdb::Structure;
+use crate::preset::Preset;
+use crate::ranking::{Ranking, Timings};
 
 /// `fastfold predict`'s options.
 #[derive(clap::Args, Debug, Clone)]
@@ -26,20 +36,34 @@ pub struct PredictArgs {
     /// The sequences or features to predict.
     #[command(flatten)]
     pub input: InputArgs,
-    /// AlphaFold parameters: `params_model_N[_ptm].npz` (the name gives the preset) or its
-    /// `.safetensors` conversion.
+    /// AlphaFold parameters: one file, `params_model_N[_ptm].npz` (the name gives the preset)
+    /// or its `.safetensors` conversion, or a directory of such files (see --models).
     #[arg(long)]
     pub params: PathBuf,
-    /// Output directory.
+    /// With a --params directory, the models to run in turn, comma-separated: numbers 1 to 5
+    /// (the `_ptm` set where the directory has one) or names (`model_1`, `model_3_ptm`);
+    /// default: every number the directory has.
+    #[arg(long, value_delimiter = ',')]
+    pub models: Option<Vec<ModelChoice>>,
+    /// Output directory: one folder per query, named by its FASTA record (or features file).
     #[arg(short = 'o', long)]
     pub out: PathBuf,
-    /// Recycling iterations after the first (default 3; with --features, all the file has).
-    #[arg(long)]
+    /// Recycling passes after the first, at most (default 3; with --features, all the file
+    /// has).
+    #[arg(long = "num-recycle", visible_alias = "recycles")]
     pub recycles: Option<usize>,
+    /// Stop recycling after a pass whose CA-CA distance matrix changed by less than this (RMS,
+    /// Å) from the pass before, as ColabFold's flag of this name; 0 runs every pass.
+    #[arg(long, default_value_t = 0.0)]
+    pub recycle_early_stop_tolerance: f64,
+    /// Structure-module iterations (default: the preset's, 8 for every AlphaFold model; the
+    /// parameters cannot show it).
+    #[arg(long)]
+    pub structure_iterations: Option<i64>,
     /// Arithmetic precision.
     #[command(flatten)]
     pub precision: PrecisionArgs,
-    /// Also write `<name>_outputs.npz` with the raw outputs under AlphaFold's output names.
+    /// Also write `<model>_outputs.npz` with the raw outputs under AlphaFold's output names.
     #[arg(long)]
     pub save_outputs: bool,
     /// Device, ranks and timeout.
@@ -53,69 +77,192 @@ pub struct PredictArgs {
 /// One prediction's summary.
 #[derive(Debug)]
 pub struct Predicted {
-    /// The record (or features file) name.
+    /// The query: the record (or features file) name, also its output folder.
     pub name: String,
+    /// The model (parameter set) name.
+    pub model: String,
     /// Residues.
     pub residues: i64,
     /// Mean pLDDT.
     pub mean_plddt: f64,
     /// Predicted TM-score, with the aligned-error head.
     pub ptm: Option<f64>,
+    /// Recycling passes run after the first (fewer than asked when recycling stopped early).
+    pub recycles: usize,
     /// Wall-clock seconds of the model (features excluded).
     pub seconds: f64,
     /// Peak memory of the process (CPU) or the allocator (GPU) so far.
     pub peak_bytes: Option<u64>,
 }
 
-/// Runs the prediction on every input; rank 0 writes the files. Returns the summaries.
-pub fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predicted>> {
-    let (device, dap) = args.chunk.setup(&args.launch, world)?;
-    let kind = args.precision.precision.kind();
-    let loaded = Params::load_model(&args.params)?;
-    let preset = args.input.preset(&loaded, &args.params)?;
-    let params = loaded.to_kind(kind)?.to_device(device, false)?;
-    let model = AlphaFold::new(&params).with_context(|| format!("parameters {}", args.params.display()))?;
-    let default_recycles = match &args.input.features {
-        Some(_) => None,
-        None => Some(args.recycles.unwrap_or(3)),
-    };
-    let inputs = args.input.load(default_recycles.unwrap_or(0), preset, device)?;
-    if world.rank() == 0 {
-        std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
-    }
-    let mut done = Vec::new();
-    for (name, features) in inputs {
-        let recycles = match default_recycles {
-            Some(r) => r,
-            None => args.recycles.unwrap_or(features.num_iterations().max(1) as usize - 1),
-        };
-        let start = Instant::now();
-        let pass = tch::no_grad(|| model.predict(&features, recycles, kind, &dap, args.chunk.chunk_size))
-            .with_context(|| format!("predicting {name}"))?;
-        let seconds = start.elapsed().as_secs_f64();
-        let first = features.iteration(0)?;
-        let (aatype, residue_index) = (first.aatype.squeeze_dim(0), first.residue_index.squeeze_dim(0));
-        let confidence = Confidence::from_logits(&pass.heads.lddt, pass.heads.aligned_error.as_ref())?;
-        if world.rank() == 0 {
-            write_outputs(args, &name, &pass, &aatype, &residue_index, &confidence)?;
+/// One parameter set, loaded.
+struct Model {
+    name: String,
+    preset: Option<Preset>,
+    net: AlphaFold,
+}
+
+impl Model {
+    fn load(args: &PredictArgs, file: &ModelFile, several: bool, kind: Kind, device: Device) -> anyhow::Result<Model> {
+        if several && args.input.preset.is_some() {
+            bail!("--preset names one preset, but --params {} gives several models", args.params.display());
         }
-        done.push(Predicted {
-            residues: aatype.size()[0],
-            name,
-            mean_plddt: confidence.mean_plddt,
-            ptm: confidence.ptm,
-            seconds,
-            peak_bytes: engine::process::peak_memory(device),
-        });
+        let loaded = Params::load_model(&file.path)?;
+        let preset = args.input.preset(&loaded, &file.path)?;
+        let mut sizes = preset.map(Preset::sizes).unwrap_or_default();
+        if let Some(n) = args.structure_iterations {
+            sizes.structure_iterations = n;
+        }
+        let params = loaded.to_kind(kind)?.to_device(device, false)?;
+        let net =
+            AlphaFold::with_preset(&params, &sizes).with_context(|| format!("parameters {}", file.path.display()))?;
+        Ok(Model { name: file.name.clone(), preset, net })
+    }
+}
+
+/// Runs every model on every input in turn; rank 0 writes each query's folder. Returns the
+/// summaries, query by query, model by model.
+pub fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predicted>> {
+    let runner = Runner::new(args, world)?;
+    let read_start = Instant::now();
+    let queries = args.input.read(runner.device)?;
+    // AlphaFold's `features` step: here the reading of the input files, for all queries.
+    let read_seconds = read_start.elapsed().as_secs_f64();
+    let mut done = Vec::new();
+    for (name, query) in &queries {
+        let dir = args.out.join(name);
+        if world.rank() == 0 {
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        }
+        let mut timings = Timings::default();
+        timings.add("features", read_seconds);
+        let mut scores = Vec::new();
+        for model in &runner.models {
+            let p = runner.predict(model, name, query, &dir, &mut timings)?;
+            scores.push((p.model.clone(), p.mean_plddt, p.ptm));
+            done.push(p);
+        }
+        if world.rank() == 0 {
+            write_ranking(&dir, &Ranking::new(&scores), &timings)?;
+        }
     }
     Ok(done)
 }
 
-/// `<name>_unrelaxed.pdb`, `<name>_confidence.json` and, with `--save-outputs`,
-/// `<name>_outputs.npz`.
+/// What every prediction of one run shares: the checked options, the device and DAP context,
+/// and the models.
+struct Runner<'a> {
+    args: &'a PredictArgs,
+    world: &'a World,
+    device: Device,
+    dap: Dap,
+    kind: Kind,
+    models: Vec<Model>,
+    /// Recycles when the features are processed here (they get the slices the recycles need);
+    /// `None` with a features file, which has its own.
+    processed_recycles: Option<usize>,
+}
+
+impl<'a> Runner<'a> {
+    fn new(args: &'a PredictArgs, world: &'a World) -> anyhow::Result<Self> {
+        let (device, dap) = args.chunk.setup(&args.launch, world)?;
+        let tolerance = args.recycle_early_stop_tolerance;
+        if !(tolerance.is_finite() && tolerance >= 0.0) {
+            bail!("--recycle-early-stop-tolerance must be a distance in Å, 0 or more, not {tolerance}");
+        }
+        if args.structure_iterations.is_some_and(|n| n < 1) {
+            bail!("--structure-iterations must be at least 1");
+        }
+        let kind = args.precision.precision.kind();
+        let files = models::resolve(&args.params, args.models.as_deref())?;
+        let models = files
+            .iter()
+            .map(|f| Model::load(args, f, files.len() > 1, kind, device))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let processed_recycles = match &args.input.features {
+            Some(_) => None,
+            None => Some(args.recycles.unwrap_or(3)),
+        };
+        Ok(Runner { args, world, device, dap, kind, models, processed_recycles })
+    }
+
+    /// `model` on `query`: its features processed for the model's preset, the prediction, and
+    /// (rank 0) its files in `dir`; the steps' times go to `timings`.
+    fn predict(
+        &self,
+        model: &Model,
+        name: &str,
+        query: &Query,
+        dir: &Path,
+        timings: &mut Timings,
+    ) -> anyhow::Result<Predicted> {
+        let args = self.args;
+        let start = Instant::now();
+        let features =
+            args.input.process(query, self.processed_recycles.unwrap_or(0), model.preset, self.device, name)?;
+        timings.add(format!("process_features_{}", model.name), start.elapsed().as_secs_f64());
+        let recycling =
+            Recycling { max: self.max_recycles(&features)?, early_stop_tolerance: args.recycle_early_stop_tolerance };
+        let start = Instant::now();
+        let (pass, recycles) = tch::no_grad(|| {
+            model.net.predict_recycling(&features, recycling, self.kind, &self.dap, args.chunk.chunk_size)
+        })
+        .with_context(|| format!("predicting {name} with {}", model.name))?;
+        let seconds = start.elapsed().as_secs_f64();
+        timings.add(format!("predict_and_compile_{}", model.name), seconds);
+        let first = features.iteration(0)?;
+        let (aatype, residue_index) = (first.aatype.squeeze_dim(0), first.residue_index.squeeze_dim(0));
+        let confidence = Confidence::from_logits(&pass.heads.lddt, pass.heads.aligned_error.as_ref())?;
+        if self.world.rank() == 0 {
+            write_outputs(args, dir, &model.name, &pass, &aatype, &residue_index, &confidence)?;
+        }
+        Ok(Predicted {
+            residues: aatype.size()[0],
+            name: name.to_string(),
+            model: model.name.clone(),
+            mean_plddt: confidence.mean_plddt,
+            ptm: confidence.ptm,
+            recycles,
+            seconds,
+            peak_bytes: engine::process::peak_memory(self.device),
+        })
+    }
+
+    /// The most recycles to run on `features`: `--num-recycle` (default 3) when processed here,
+    /// else `--num-recycle` if the file has the slices, by default all it has.
+    fn max_recycles(&self, features: &Features) -> anyhow::Result<usize> {
+        let available = features.num_iterations().max(1) as usize;
+        Ok(match (self.processed_recycles, self.args.recycles) {
+            (Some(r), _) => r,
+            (None, Some(r)) if r >= available => bail!(
+                "--num-recycle {r} needs {} recycling slices of features, but --features {} has {available}",
+                r + 1,
+                self.args.input.features.as_deref().unwrap_or(Path::new("")).display()
+            ),
+            (None, r) => r.unwrap_or(available - 1),
+        })
+    }
+}
+
+/// `ranked_<i>.pdb` (the models' PDBs, best first), `ranking_debug.json` and `timings.json`.
+fn write_ranking(dir: &Path, ranking: &Ranking, timings: &Timings) -> anyhow::Result<()> {
+    for (i, model) in ranking.order.iter().enumerate() {
+        let from = dir.join(format!("{model}_unrelaxed.pdb"));
+        let text = std::fs::read(&from).with_context(|| format!("reading {}", from.display()))?;
+        let to = dir.join(format!("ranked_{i}.pdb"));
+        data::write_atomic(&to, |w| -> anyhow::Result<()> { Ok(w.write_all(&text)?) })
+            .with_context(|| format!("writing {}", to.display()))?;
+    }
+    ranking.write(&dir.join("ranking_debug.json"))?;
+    timings.write(&dir.join("timings.json"))
+}
+
+/// `<model>_unrelaxed.pdb`, `<model>_confidence.json` and, with `--save-outputs`,
+/// `<model>_outputs.npz` in the query's folder `dir`.
 fn write_outputs(
     args: &PredictArgs,
-    name: &str,
+    dir: &Path,
+    model: &str,
     pass: &Pass,
     aatype: &Tensor,
     residue_index: &Tensor,
@@ -123,11 +270,11 @@ fn write_outputs(
 ) -> anyhow::Result<()> {
     let s = &pass.structure;
     let plddt = pass.heads.plddt();
-    let pdb = args.out.join(format!("{name}_unrelaxed.pdb"));
+    let pdb = dir.join(format!("{model}_unrelaxed.pdb"));
     Structure::from_tensors(aatype, residue_index, &s.atom37, &s.atom37_mask, &plddt)?.write(&pdb)?;
-    confidence.write(&args.out.join(format!("{name}_confidence.json")))?;
+    confidence.write(&dir.join(format!("{model}_confidence.json")))?;
     if args.save_outputs {
-        save_outputs(&args.out.join(format!("{name}_outputs.npz")), pass)?;
+        save_outputs(&dir.join(format!("{model}_outputs.npz")), pass)?;
     }
     Ok(())
 }

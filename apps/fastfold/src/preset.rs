@@ -2,12 +2,13 @@
 //! with the predicted-aligned-error head): the MSA sizes each parameter set was run with
 //! (AlphaFold's `CONFIG_DIFFS`) and the modules its parameter file has. Channel sizes and block
 //! counts are the same for all ten and are read from the parameter file anyway; what a preset
-//! adds is the feature pipeline's row counts, and a check that the file is the network named.
+//! adds is the feature pipeline's row counts, the sizes no shape shows (the structure module's
+//! iterations: [`crate::model::PresetSizes`]), and a check that the file is the network named.
 use std::fmt;
 use std::path::Path;
 use std::str::FromStr;
 
-use crate::model::ModelConfig;
+use crate::model::{ModelConfig, PresetSizes};
 
 /// Template slots AlphaFold reserves (`max_templates`).
 const MAX_TEMPLATES: usize = 4;
@@ -37,6 +38,12 @@ impl Preset {
     /// Whether the network has the predicted-aligned-error head (pTM, PAE).
     pub fn ptm(self) -> bool {
         self.ptm
+    }
+
+    /// The sizes no parameter shape shows: AlphaFold's 8 structure-module iterations and
+    /// position scale 10, the same in all ten presets (`CONFIG_DIFFS` changes neither).
+    pub fn sizes(self) -> PresetSizes {
+        PresetSizes::default()
     }
 
     /// Extra-MSA rows (`data.common.max_extra_msa`): 5120 for models 1, 3 and 4, else 1024.

@@ -80,14 +80,15 @@ fn predict_writes_pdb_confidence_and_raw_outputs() {
         "-o",
         out.to_str().unwrap(),
     ]);
-    assert!(text.contains("first: 22 residues"), "{text}");
+    assert!(text.contains("first tiny: 22 residues, 1 recycles"), "{text}");
     assert!(text.contains("peak memory"), "{text}");
 
     for (name, seq) in [("first", SEQ_A), ("second_with_odd", SEQ_B)] {
         let n = seq.len();
-        let pdb = std::fs::read_to_string(out.join(format!("{name}_unrelaxed.pdb"))).unwrap();
+        // One folder per record; the files named by the model (`params_tiny.npz`: `tiny`).
+        let pdb = std::fs::read_to_string(out.join(name).join("tiny_unrelaxed.pdb")).unwrap();
         let atoms: Vec<&str> = pdb.lines().filter(|l| l.starts_with("ATOM")).collect();
-        let raw = outputs(&out.join(format!("{name}_outputs.npz")));
+        let raw = outputs(&out.join(name).join("tiny_outputs.npz"));
         let mask = &raw["final_atom_mask"];
         assert_eq!(mask.size(), [n as i64, 37]);
         assert_eq!(atoms.len() as f64, mask.sum(tch::Kind::Double).double_value(&[]), "one ATOM record per atom");
@@ -103,7 +104,7 @@ fn predict_writes_pdb_confidence_and_raw_outputs() {
         assert_eq!(first_res, if name == "first" { "MET" } else { "GLY" });
 
         let json: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(out.join(format!("{name}_confidence.json"))).unwrap())
+            serde_json::from_str(&std::fs::read_to_string(out.join(name).join("tiny_confidence.json")).unwrap())
                 .unwrap();
         let plddt = json["plddt"].as_array().unwrap();
         assert_eq!(plddt.len(), n);
@@ -143,12 +144,12 @@ fn chunking_dap_safetensors_and_a_features_file_give_the_plain_result() {
         let out = d.join(name);
         let base = ["--recycles", "1", "--save-outputs", "-o", out.to_str().unwrap()];
         predict(&[extra, &base].concat());
-        outputs(&out.join("query_outputs.npz"))
+        outputs(&out.join("query/tiny_outputs.npz"))
     };
     let input = [fa.to_str().unwrap(), "--msa", a3m.to_str().unwrap()];
     let plain = run("plain", &[&input[..], &["--params", params]].concat());
 
-    let safetensors = d.join("params.safetensors");
+    let safetensors = d.join("params_tiny.safetensors");
     let (ok, text) = fastfold(&["convert", params, safetensors.to_str().unwrap()]);
     assert!(ok, "{text}");
     let back = d.join("back.npz");
@@ -181,7 +182,7 @@ fn chunking_dap_safetensors_and_a_features_file_give_the_plain_result() {
                 "-o",
                 out.to_str().unwrap(),
             ]);
-            outputs(&out.join("query_features_outputs.npz"))
+            outputs(&out.join("query_features/tiny_outputs.npz"))
         }),
     ];
     for (what, got) in &variants {
@@ -215,7 +216,7 @@ fn bf16_prediction_stays_in_range() {
         "-o",
         out.to_str().unwrap(),
     ]);
-    let raw = outputs(&out.join("query_outputs.npz"));
+    let raw = outputs(&out.join("query/tiny_outputs.npz"));
     assert!(bool::try_from(raw["final_atom_positions"].isfinite().all()).unwrap());
     let plddt = &raw["plddt"];
     assert!(plddt.min().double_value(&[]) >= 0.0 && plddt.max().double_value(&[]) <= 100.0);
@@ -252,7 +253,7 @@ fn bad_inputs_are_named() {
     data::checkpoint::save_npz(&named, &partial).unwrap();
     let (ok, text) = fastfold(&["predict", one.to_str().unwrap(), "--params", partial.to_str().unwrap(), "-o", o]);
     assert!(!ok && text.contains(key) && text.contains("partial.npz"), "{text}");
-    assert!(!out.join("a_unrelaxed.pdb").exists(), "nothing written after a failure");
+    assert!(!out.join("a").exists(), "nothing written after a failure");
 }
 
 #[test]
@@ -324,4 +325,113 @@ fn presets_set_alphafold_msa_sizes_and_must_match_the_parameters() {
         fastfold(&["predict", fa, "--params", params_file().to_str().unwrap(), "--preset", "model_1_ptm", "-o", o]);
     assert!(!ok && text.contains("(--preset)") && text.contains("has a template embedding"), "{text}");
     assert!(!out.exists(), "nothing written after a failure");
+}
+
+fn json(path: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
+}
+
+#[test]
+fn a_params_directory_runs_every_model_in_turn_ranked_by_ptm_with_timings() {
+    // Two tiny sets (no templates, a PAE head) under release names of models without
+    // templates, and a file that is not a release name (ignored).
+    let d = dir("models");
+    let params = d.join("params");
+    std::fs::create_dir_all(&params).unwrap();
+    std::fs::copy(params_file(), params.join("params_model_3_ptm.npz")).unwrap();
+    Params::random_model(&EvoformerConfig::tiny(), &ModelConfig::tiny(), 8)
+        .unwrap()
+        .save(params.join("params_model_5_ptm.safetensors"))
+        .unwrap();
+    std::fs::copy(params_file(), params.join("other.npz")).unwrap();
+    let fa = fasta(&d, &[("first", SEQ_A), ("second", SEQ_B)]);
+    let out = d.join("out");
+    let (fa, p, o) = (fa.to_str().unwrap(), params.to_str().unwrap(), out.to_str().unwrap());
+    let text = predict(&[fa, "--params", p, "--num-recycle", "1", "-o", o]);
+    for name in ["first", "second"] {
+        let q = out.join(name);
+        assert!(text.contains(&format!("{name} model_3_ptm:")) && text.contains(&format!("{name} model_5_ptm:")));
+        let ranking = json(&q.join("ranking_debug.json"));
+        let scores = ranking["ptm"].as_object().expect("ranked by pTM: every set has the PAE head");
+        let order: Vec<&str> = ranking["order"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+        assert_eq!(scores.len(), 2);
+        assert!(scores[order[0]].as_f64().unwrap() >= scores[order[1]].as_f64().unwrap(), "{ranking}");
+        for (i, model) in order.iter().enumerate() {
+            let ranked = std::fs::read(q.join(format!("ranked_{i}.pdb"))).unwrap();
+            assert_eq!(ranked, std::fs::read(q.join(format!("{model}_unrelaxed.pdb"))).unwrap());
+            let confidence = json(&q.join(format!("{model}_confidence.json")));
+            assert_eq!(confidence["ptm"].as_f64(), scores[*model].as_f64());
+        }
+        let timings = json(&q.join("timings.json"));
+        let keys: Vec<&String> = timings.as_object().unwrap().keys().collect();
+        for key in [
+            "features",
+            "process_features_model_3_ptm",
+            "predict_and_compile_model_3_ptm",
+            "process_features_model_5_ptm",
+            "predict_and_compile_model_5_ptm",
+        ] {
+            assert!(timings[key].as_f64().is_some_and(|t| t >= 0.0), "timings.json has {keys:?}");
+        }
+    }
+
+    // --models picks; a number the directory lacks is an error naming the flag.
+    let out5 = d.join("out5");
+    predict(&[fa, "--params", p, "--models", "5", "--num-recycle", "0", "-o", out5.to_str().unwrap()]);
+    let ranking = json(&out5.join("first/ranking_debug.json"));
+    assert_eq!(ranking["order"], serde_json::json!(["model_5_ptm"]));
+    let (ok, text) = fastfold(&["predict", fa, "--params", p, "--models", "1", "-o", o]);
+    assert!(!ok && text.contains("--models 1") && text.contains("no parameter file"), "{text}");
+    let (ok, text) = fastfold(&["predict", fa, "--params", params_file().to_str().unwrap(), "--models", "3", "-o", o]);
+    assert!(!ok && text.contains("--models 3") && text.contains("is a file"), "{text}");
+}
+
+#[test]
+fn recycling_stops_early_once_the_ca_distances_settle() {
+    let d = dir("early");
+    let fa = fasta(&d, &[("query", SEQ_B)]);
+    let params = params_file().to_str().unwrap();
+    let run = |name: &str, extra: &[&str]| {
+        let out = d.join(name);
+        let text = predict(
+            &[&[fa.to_str().unwrap(), "--params", params, "--save-outputs", "-o", out.to_str().unwrap()][..], extra]
+                .concat(),
+        );
+        (text, outputs(&out.join("query/tiny_outputs.npz")))
+    };
+    // A tolerance no change is below runs every pass; one every change is below stops after
+    // the second pass (ColabFold never stops after the first), as --num-recycle 1 does.
+    let (text, _) = run("all", &["--num-recycle", "3", "--recycle-early-stop-tolerance", "1e-12"]);
+    assert!(text.contains("3 recycles"), "{text}");
+    let (text, early) = run("early", &["--num-recycle", "3", "--recycle-early-stop-tolerance", "1e9"]);
+    assert!(text.contains("1 recycles"), "{text}");
+    let (_, one) = run("one", &["--num-recycle", "1"]);
+    assert!(max_diff(&early["final_atom_positions"], &one["final_atom_positions"]) < 1e-4);
+
+    let o = d.join("bad").to_str().unwrap().to_string();
+    for (flag, value) in [("--recycle-early-stop-tolerance", "-1"), ("--structure-iterations", "0")] {
+        let flag_value = format!("{flag}={value}");
+        let (ok, text) = fastfold(&["predict", fa.to_str().unwrap(), "--params", params, &flag_value, "-o", &o]);
+        assert!(!ok && text.contains(flag), "{text}");
+    }
+    let features = d.join("two_slices.npz");
+    let raw = RawFeatures::new(SEQ_B, None).unwrap();
+    let config = FeatureConfig { num_recycle: 1, ..FeatureConfig::default() };
+    process(&raw, &config, 0, Device::Cpu).unwrap().save_npz(&features).unwrap();
+    let (ok, text) = fastfold(&[
+        "predict",
+        "--features",
+        features.to_str().unwrap(),
+        "--params",
+        params,
+        "--num-recycle",
+        "5",
+        "-o",
+        &o,
+    ]);
+    assert!(!ok && text.contains("--num-recycle 5") && text.contains("has 2"), "{text}");
+    // Names that become the same folder name.
+    let two = fasta(&d, &[("a/b", SEQ_A), ("a:b", SEQ_B)]);
+    let (ok, text) = fastfold(&["predict", two.to_str().unwrap(), "--params", params, "-o", &o]);
+    assert!(!ok && text.contains("records 1 and 2") && text.contains("\"a_b\""), "{text}");
 }

@@ -4,11 +4,13 @@
 //! literature N-CA, CA-C, C-O bonds of every residue type and only the atoms a type has; the
 //! atom37 mask and slots follow residue_constants; a zero backbone update keeps identity
 //! frames; bf16 weights keep the geometry in fp32; the parameters load back to identical
-//! outputs and a missing or mis-shaped array is named.
+//! outputs and a missing or mis-shaped array is named; the iteration count comes from the
+//! preset (AlphaFold's 8), overridable.
 use fastfold::geometry::Rigid;
 use fastfold::model::structure::{atom14_to_atom37, frames_to_atom14, torsion_angles_to_frames, StructureModule};
 use fastfold::model::templates::torsion_angles;
-use fastfold::model::{EvoformerConfig, ModelConfig, Params};
+use fastfold::model::{EvoformerConfig, ModelConfig, Params, PresetSizes};
+use fastfold::preset::Preset;
 use fastfold::residue_constants::{
     atom_order, restype_atom37_mask, Tables, RESIDUE_ATOMS, RESNAMES, RESTYPE_NAME_TO_ATOM14_NAMES,
     RIGID_GROUP_ATOM_POSITIONS,
@@ -121,6 +123,25 @@ fn zero_backbone_updates_keep_identity_frames() {
     let ca = out.atom37.select(1, atom_order("CA").unwrap() as i64);
     assert!(ca.abs().max().double_value(&[]) < 1e-6);
     assert_eq!(out.atom37_mask.select(0, 1).sum(Kind::Float).double_value(&[]), 4.0, "glycine has 4 heavy atoms");
+}
+
+#[test]
+fn the_iteration_count_comes_from_the_preset_not_the_arrays() {
+    let p = params();
+    let (n, c) = (4, ModelConfig::tiny());
+    let run = |m: &StructureModule| {
+        let (single, pair) = (noise(&[n, c.c_s], 1.0), noise(&[n, n, EvoformerConfig::tiny().c_z], 2.0));
+        let aatype = Tensor::from_slice(&[0i64, 7, 12, 19]);
+        tch::no_grad(|| m.forward(&single, &pair, &aatype, &Tensor::ones([n], F))).unwrap()
+    };
+    assert_eq!(PresetSizes::default().structure_iterations, 8, "AlphaFold's num_layer");
+    assert_eq!("model_3_ptm".parse::<Preset>().unwrap().sizes(), PresetSizes::default());
+    assert_eq!(run(&StructureModule::new(&p).unwrap()).rotations.size()[0], 8);
+    let three = PresetSizes { structure_iterations: 3, ..PresetSizes::default() };
+    assert_eq!(run(&StructureModule::with_preset(&p, &three).unwrap()).rotations.size()[0], 3);
+    let none = PresetSizes { structure_iterations: 0, ..PresetSizes::default() };
+    let err = StructureModule::with_preset(&p, &none).err().unwrap().to_string();
+    assert!(err.contains("at least 1 iteration"), "{err}");
 }
 
 #[test]

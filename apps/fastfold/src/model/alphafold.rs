@@ -11,11 +11,13 @@ use engine::parallel::dap::Dap;
 use tch::{Kind, Tensor};
 
 use crate::features::{Features, TemplateFeatures};
-use crate::model::config::EvoformerConfig;
+use crate::model::config::{EvoformerConfig, PresetSizes};
 use crate::model::embedders::{pseudo_beta, Embedders, Recycled};
 use crate::model::evoformer::EvoformerStack;
 use crate::model::heads::{HeadInputs, HeadOutputs, Heads};
+use crate::model::masked_rows::{self, MsaRows};
 use crate::model::params::Params;
+use crate::model::recycling::{self, Recycling};
 use crate::model::structure::{StructureModule, StructureOutput};
 use crate::model::templates::Templates;
 use crate::model::{ensure, Result};
@@ -73,13 +75,26 @@ impl Batch {
         self.aatype.size()[0]
     }
 
-    /// The extra-MSA inputs with at least one row: an alignment with no extra rows gets one
-    /// masked row of gaps, which changes nothing (masked rows neither attend nor are averaged
-    /// into the pair), as AlphaFold's fixed-size padding does.
-    fn extra_rows(&self) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
-        if self.extra_msa.size()[0] > 0 {
-            let t = [&self.extra_msa, &self.extra_has_deletion, &self.extra_deletion_value, &self.extra_msa_mask];
-            let [a, b, c, d] = t.map(|t| t.shallow_clone());
+    /// The extra-MSA inputs with at least one row: with `drop_masked`, the rows with an
+    /// unmasked entry only ([`masked_rows::unmasked_rows`]: the others change nothing the
+    /// stack outputs). An alignment with no (unmasked) extra rows gets one masked row of gaps,
+    /// which changes nothing either, as AlphaFold's fixed-size padding does.
+    fn extra_rows(&self, drop_masked: bool) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+        let t = [&self.extra_msa, &self.extra_has_deletion, &self.extra_deletion_value, &self.extra_msa_mask];
+        let rows = match drop_masked {
+            true => masked_rows::unmasked_rows(&self.extra_msa_mask)?,
+            false => None,
+        };
+        let [a, b, c, d] = match &rows {
+            Some(rows) => [
+                t[0].f_index_select(0, rows)?,
+                t[1].f_index_select(0, rows)?,
+                t[2].f_index_select(0, rows)?,
+                t[3].f_index_select(0, rows)?,
+            ],
+            None => t.map(|t| t.shallow_clone()),
+        };
+        if a.size()[0] > 0 {
             return Ok((a, b, c, d));
         }
         let n = self.residues();
@@ -115,11 +130,19 @@ pub struct AlphaFold {
     structure: StructureModule,
     heads: Heads,
     config: EvoformerConfig,
+    drop_masked_rows: bool,
 }
 
 impl AlphaFold {
-    /// Every module over `params` (from [`Params::random_model`] or [`Params::load_model`]).
+    /// Every module over `params` (from [`Params::random_model`] or [`Params::load_model`]),
+    /// with AlphaFold's preset sizes (the same for every released monomer model).
     pub fn new(params: &Params) -> Result<Self> {
+        Self::with_preset(params, &PresetSizes::default())
+    }
+
+    /// Every module over `params`, with `preset`'s sizes where the arrays cannot show them
+    /// (the structure module's iterations).
+    pub fn with_preset(params: &Params, preset: &PresetSizes) -> Result<Self> {
         let config = *params.config();
         Ok(AlphaFold {
             embedders: Embedders::new(params)?,
@@ -129,10 +152,19 @@ impl AlphaFold {
                 false => None,
             },
             evoformer: EvoformerStack::main(params)?,
-            structure: StructureModule::new(params)?,
+            structure: StructureModule::with_preset(params, preset)?,
             heads: Heads::new(params)?,
             config,
+            drop_masked_rows: true,
         })
+    }
+
+    /// Whether the stacks leave out fully-masked MSA and extra-MSA rows ([`masked_rows`]; on
+    /// by default): the outputs are the same either way, the time falls with the real depth.
+    /// Off runs every padding row, for comparison.
+    pub fn drop_masked_rows(mut self, drop: bool) -> Self {
+        self.drop_masked_rows = drop;
+        self
     }
 
     /// The stacks' sizes.
@@ -145,9 +177,23 @@ impl AlphaFold {
         let (msa, pair) = self.embedders.input.forward(&batch.target_feat, &batch.msa_feat, &batch.residue_index)?;
         let (msa, pair) = self.embedders.recycling.forward(&msa, &pair, prev)?;
         let pair_mask = batch.seq_mask.f_unsqueeze(1)?.f_mul(&batch.seq_mask.f_unsqueeze(0)?)?;
+        // The MSA's own rows, which the masked-MSA head reads after the stack.
+        let own_rows = msa.size()[0];
         let (mut msa, mut pair, mut msa_mask) = (msa, pair, batch.msa_mask.shallow_clone());
         if let (Some(t), Some(f)) = (&self.templates, &batch.templates) {
-            pair = pair.f_add(&t.pair_update(&pair, f, &pair_mask, chunk)?)?;
+            let real = match self.drop_masked_rows {
+                true => masked_rows::unmasked_rows(&f.mask)?,
+                false => None,
+            };
+            match real {
+                None => pair = pair.f_add(&t.pair_update(&pair, f, &pair_mask, chunk)?)?,
+                Some(real) if real.size()[0] > 0 => {
+                    let [a, b, c, d, e, g] = f.named().map(|(_, x)| x.f_index_select(0, &real));
+                    let f = TemplateFeatures::from_array([a?, b?, c?, d?, e?, g?]);
+                    pair = pair.f_add(&t.pair_update(&pair, &f, &pair_mask, chunk)?)?;
+                }
+                Some(_) => {} // no real template: the update is exactly 0
+            }
             if let Some((rows, mask)) = t.msa_rows(f, msa.kind())? {
                 msa = Tensor::f_cat(&[msa, rows], 0)?;
                 msa_mask = Tensor::f_cat(&[msa_mask, mask], 0)?;
@@ -155,16 +201,21 @@ impl AlphaFold {
         }
         let pair = match (&self.extra, &self.embedders.extra_msa) {
             (Some(stack), Some(embedder)) => {
-                let (rows, has_deletion, deletion_value, mask) = batch.extra_rows()?;
+                let (rows, has_deletion, deletion_value, mask) = batch.extra_rows(self.drop_masked_rows)?;
                 let extra = embedder.forward(&rows, &has_deletion, &deletion_value)?.f_to_kind(pair.kind())?;
                 stack.forward(&extra, &pair, &mask, &pair_mask, dap, chunk)?.1
             }
             _ => pair,
         };
+        let rows = match self.drop_masked_rows {
+            true => MsaRows::new(&msa, &msa_mask, own_rows)?,
+            false => MsaRows::all(own_rows),
+        };
+        let (msa, msa_mask) = (rows.select(&msa)?, rows.select(&msa_mask)?);
         let (msa, pair) = self.evoformer.forward(&msa, &pair, &msa_mask, &pair_mask, dap, chunk)?;
-        let msa_first_row = msa.f_select(0, 0)?;
         // The template rows end here: the masked-MSA head reads the MSA's own rows only.
-        let msa = msa.f_narrow(0, 0, batch.msa_feat.size()[0])?;
+        let msa = rows.restore(&msa)?;
+        let msa_first_row = msa.f_select(0, 0)?;
         let single = self.heads.single.forward(&msa)?;
         let structure = self.structure.forward(&single, &pair, &batch.aatype, &batch.seq_mask)?;
         let heads = self.heads.forward(&HeadInputs {
@@ -201,5 +252,45 @@ impl AlphaFold {
             prev = tch::no_grad(|| self.pass(&batch, &prev, dap, chunk))?.recycled;
         }
         self.pass(&Batch::new(features, recycles as i64, kind)?, &prev, dap, chunk)
+    }
+
+    /// Inference over `recycling`'s schedule: passes `0..=max` over slices of `features`, each
+    /// from the previous one's outputs, stopping after a pass `r > 0` whose CA distance change
+    /// from the pass before ([`recycling::ca_distance_change`]) is below the tolerance (as
+    /// ColabFold does). Returns the last pass and the recycles run (passes less one). Every
+    /// pass keeps its autograd graph unless the caller runs under `tch::no_grad`. Under DAP
+    /// every rank holds the same gathered positions, so every rank stops at the same pass.
+    pub fn predict_recycling(
+        &self,
+        features: &Features,
+        recycling: Recycling,
+        kind: Kind,
+        dap: &Dap,
+        chunk: Option<i64>,
+    ) -> Result<(Pass, usize)> {
+        let available = features.num_iterations();
+        ensure!(
+            (recycling.max as i64) < available,
+            "{} recycles need {} feature slices, the features have {available}",
+            recycling.max,
+            recycling.max + 1
+        );
+        let like = Batch::new(features, 0, kind)?;
+        let mut prev = Recycled::zeros(like.residues(), &self.config, &like.seq_mask)?;
+        let mut prev_positions = Tensor::f_zeros([like.residues(), 37, 3], (Kind::Float, like.aatype.device()))?;
+        let mut r = 0;
+        loop {
+            let batch = Batch::new(features, r as i64, kind)?;
+            let pass = self.pass(&batch, &prev, dap, chunk)?;
+            let settled = r > 0
+                && recycling::ca_distance_change(&prev_positions, &pass.structure.atom37, &batch.seq_mask)?
+                    < recycling.early_stop_tolerance;
+            if r == recycling.max || settled {
+                return Ok((pass, r));
+            }
+            prev_positions = pass.structure.atom37.shallow_clone();
+            prev = pass.recycled;
+            r += 1;
+        }
     }
 }

@@ -3,6 +3,16 @@
 //! (`alphafold/model/config.py`, `model_1`); each `infer` reads the sizes back from the
 //! parameter shapes of a store.
 //!
+//! Where each size of AlphaFold's `config.py` comes from:
+//!
+//! | from | sizes |
+//! |---|---|
+//! | parameter shapes (`infer`) | every channel, head and block count; relative-position, recycling, distogram, lDDT, masked-MSA, experimentally-resolved and PAE bins; whether templates, torsion-angle rows and the PAE head exist |
+//! | the preset ([`PresetSizes`], from [`crate::preset::Preset::sizes`]) | the structure module's iterations (`num_layer`, 8) and position scale (10): one shared set of weights, so no shape shows them |
+//! | the preset's feature sizes ([`crate::preset::Preset`]) | MSA clusters (512, or 508 with templates) and extra-MSA rows (5120 or 1024) |
+//! | constants beside their module, the same in every released monomer model | distogram bin edges (2.3125-21.6875 Å), recycled-distance bins (3.25-20.75 Å), template distogram bins (3.25-50.75 Å), the PAE head's largest error (31 Å), the masks' epsilons |
+//! | the command line | recycling passes (`--num-recycle`, 3), chunking, precision |
+//!
 //! The sizes sit below the modules (they read only [`crate::model::keys`]), so every module,
 //! the store and the model can take them without an import cycle.
 use std::collections::BTreeMap;
@@ -327,6 +337,23 @@ impl TemplateConfig {
     }
 }
 
+/// The sizes AlphaFold's config sets per preset that no parameter shape shows. AlphaFold's
+/// values (the default) are the same for all ten released monomer models; tests and
+/// experiments override them (`fastfold predict --structure-iterations`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PresetSizes {
+    /// Iterations of the structure module's shared fold iteration (`num_layer`, 8).
+    pub structure_iterations: i64,
+    /// Å per unit of the structure module's internal positions (`position_scale`, 10).
+    pub position_scale: f64,
+}
+
+impl Default for PresetSizes {
+    fn default() -> Self {
+        PresetSizes { structure_iterations: 8, position_scale: 10.0 }
+    }
+}
+
 /// Sizes of the structure module (AlphaFold's values as the default).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StructureConfig {
@@ -342,11 +369,11 @@ pub struct StructureConfig {
     pub qk_points: i64,
     /// Value points per head (8).
     pub v_points: i64,
-    /// Iterations of the shared fold iteration (8; not stored in the parameters).
+    /// Iterations of the shared fold iteration (8; from the preset: see [`PresetSizes`]).
     pub layers: i64,
     /// Channels of the angle resnet (128).
     pub c_resnet: i64,
-    /// nm per Å inside the module, inverted (10).
+    /// nm per Å inside the module, inverted (10; from the preset: see [`PresetSizes`]).
     pub position_scale: f64,
 }
 
@@ -354,6 +381,7 @@ impl Eq for StructureConfig {}
 
 impl Default for StructureConfig {
     fn default() -> Self {
+        let preset = PresetSizes::default();
         StructureConfig {
             c_s: 384,
             c_z: 128,
@@ -361,9 +389,9 @@ impl Default for StructureConfig {
             c_ipa: 16,
             qk_points: 4,
             v_points: 8,
-            layers: 8,
+            layers: preset.structure_iterations,
             c_resnet: 128,
-            position_scale: 10.0,
+            position_scale: preset.position_scale,
         }
     }
 }
@@ -385,8 +413,9 @@ impl StructureConfig {
         }
     }
 
-    /// Reads the sizes from the shapes of AlphaFold-named arrays (the iteration count is
-    /// AlphaFold's 8: the shared weights do not record it).
+    /// Reads the sizes from the shapes of AlphaFold-named arrays; the iteration count and
+    /// position scale, which the shared weights do not record, are [`PresetSizes`]'s defaults
+    /// until [`StructureConfig::with_preset`] sets them.
     pub fn infer(arrays: &BTreeMap<String, Tensor>) -> Result<Self> {
         let dims = |m: &str, name: &str, rank: usize| dims(arrays, format!("{STRUCTURE_MODULE}/{m}//{name}"), rank);
         let ipa = "fold_iteration/invariant_point_attention";
@@ -403,10 +432,14 @@ impl StructureConfig {
             c_ipa: q[1] / heads,
             qk_points,
             v_points: kvp[1] / (3 * heads) - qk_points,
-            layers: StructureConfig::default().layers,
             c_resnet: dims("fold_iteration/rigid_sidechain/input_projection", "weights", 2)?[1],
-            position_scale: StructureConfig::default().position_scale,
+            ..StructureConfig::default().with_preset(&PresetSizes::default())
         })
+    }
+
+    /// The same sizes with the preset's iteration count and position scale.
+    pub fn with_preset(self, preset: &PresetSizes) -> Self {
+        StructureConfig { layers: preset.structure_iterations, position_scale: preset.position_scale, ..self }
     }
 }
 

@@ -8,7 +8,8 @@
 //! 1. Leaves: `error` ([`Error`]), [`keys`] (AlphaFold's key prefixes), [`scope`] (`Builder`,
 //!    [`scope::Scope`], [`scope::Init`]: how a constructor asks for its arrays), [`config`]
 //!    (every module's sizes and their inference from shapes, reading only `keys`), [`layers`]
-//!    (`Linear`, `LayerNorm`, chunking, over `scope`).
+//!    (`Linear`, `LayerNorm`, chunking, over `scope`), [`masked_rows`] (which MSA rows the
+//!    stacks can leave out).
 //! 2. The store: [`params`] ([`Params`]: the arrays, their files, `Params::builder`), over
 //!    `config` and `scope`.
 //! 3. Building blocks: [`attention`], then [`triangle`] and [`msa`].
@@ -16,7 +17,8 @@
 //!    helpers), [`evoformer`], [`structure`]; each builds itself at its `keys` root, from a
 //!    `&Params` or a `Builder`.
 //! 5. Assembly: `assemble` (creating and loading a [`Params`]: every module built over the
-//!    arrays, and the check that none went unused) and [`alphafold`] (the whole model).
+//!    arrays, and the check that none went unused), [`recycling`] (how many passes run) and
+//!    [`alphafold`] (the whole model).
 pub mod alphafold;
 mod assemble;
 pub mod attention;
@@ -27,14 +29,16 @@ pub mod evoformer;
 pub mod heads;
 pub mod keys;
 pub mod layers;
+pub mod masked_rows;
 pub mod msa;
 pub mod params;
+pub mod recycling;
 pub mod scope;
 pub mod structure;
 pub mod templates;
 pub mod triangle;
 
-pub use config::{EvoformerConfig, ModelConfig, StructureConfig, TemplateConfig};
+pub use config::{EvoformerConfig, ModelConfig, PresetSizes, StructureConfig, TemplateConfig};
 pub use embedders::{Embedders, Recycled};
 pub(crate) use error::ensure;
 pub use error::{Error, Result};

@@ -20,7 +20,7 @@
 use tch::{Kind, Tensor};
 
 use crate::geometry::Rigid;
-use crate::model::config::StructureConfig;
+use crate::model::config::{PresetSizes, StructureConfig};
 use crate::model::keys::STRUCTURE_MODULE;
 use crate::model::layers::{LayerNorm, Linear};
 use crate::model::params::Params;
@@ -256,9 +256,20 @@ pub struct StructureModule {
 }
 
 impl StructureModule {
-    /// The structure module over `params`.
+    /// The structure module over `params`, with AlphaFold's iteration count.
     pub fn new(params: &Params) -> Result<Self> {
-        Self::build(&params.builder(), &params.model_config()?.structure)
+        Self::with_preset(params, &PresetSizes::default())
+    }
+
+    /// The structure module over `params` with the preset's iteration count and position
+    /// scale (which the arrays cannot show).
+    pub fn with_preset(params: &Params, preset: &PresetSizes) -> Result<Self> {
+        ensure!(
+            preset.structure_iterations >= 1,
+            "the structure module needs at least 1 iteration, not {}",
+            preset.structure_iterations
+        );
+        Self::build(&params.builder(), &params.model_config()?.structure.with_preset(preset))
     }
 
     /// Builds (or, with an initialising builder, creates the arrays of) the module.
