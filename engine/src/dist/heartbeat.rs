@@ -16,7 +16,7 @@
 //! Nothing is enforced before a rank's first progress (start-up: loading data, building the
 //! model), and a rank inside a collective is left to the collective's own timeout.
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -37,6 +37,9 @@ static LAST_PROGRESS_MS: AtomicU64 = AtomicU64::new(0);
 static WAITING: AtomicUsize = AtomicUsize::new(0);
 /// The store the counters live in (set once this rank's heartbeat runs).
 static STORE: OnceLock<Store> = OnceLock::new();
+/// Set when the job's world is dropped: the heartbeat thread stops touching the store, whose
+/// host (rank 0) may be exiting.
+static STOPPED: AtomicBool = AtomicBool::new(false);
 
 fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
@@ -81,17 +84,29 @@ pub(crate) fn start(store: &Store, rank: usize) -> Result<()> {
     let file = std::env::var_os(HEARTBEAT_DIR_ENV).map(|d| file_of(Path::new(&d), rank));
     std::thread::Builder::new()
         .name(format!("heartbeat-{rank}"))
-        .spawn(move || loop {
-            // Failures are ignored: the store's host may be gone (the job is ending), and the
-            // heartbeat must never be what fails a job.
-            let _ = own.add(&counter_key(rank), 1);
-            if let Some(path) = &file {
-                let _ = write_pulse(path);
+        .spawn(move || {
+            while !STOPPED.load(Ordering::Relaxed) {
+                // Failures are ignored: the store's host may be gone (the job is ending), and
+                // the heartbeat must never be what fails a job.
+                let _ = own.add(&counter_key(rank), 1);
+                if let Some(path) = &file {
+                    let _ = write_pulse(path);
+                }
+                std::thread::sleep(INTERVAL);
             }
-            std::thread::sleep(INTERVAL);
+            // No file: the spawner judges nothing of a rank that is finishing.
+            if let Some(path) = &file {
+                let _ = std::fs::remove_file(path);
+            }
         })
         .map_err(|e| crate::Error::io("starting the heartbeat thread", e))?;
     Ok(())
+}
+
+/// Stops this rank's heartbeat (the job's world is being dropped): no more store traffic while
+/// the ranks exit, and the spawner stops judging this rank.
+pub(crate) fn stop() {
+    STOPPED.store(true, Ordering::Relaxed);
 }
 
 fn file_of(dir: &Path, rank: usize) -> PathBuf {

@@ -217,6 +217,15 @@ impl World {
     }
 }
 
+impl Drop for World {
+    /// The job's world going away ends this rank's heartbeat (a world of one has none).
+    fn drop(&mut self) {
+        if self.size() > 1 {
+            super::heartbeat::stop();
+        }
+    }
+}
+
 /// Joins the job described by the environment, or makes a world of one when no launcher's
 /// variables are set. Rank 0 hosts the TCP store; every rank waits at most `opts.timeout`.
 pub fn init(opts: &InitOptions) -> Result<World> {
