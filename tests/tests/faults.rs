@@ -63,36 +63,46 @@ fn a_rank_stuck_outside_collectives_is_ended_by_the_heartbeat_naming_it() {
     assert!(start.elapsed() < Duration::from_secs(30), "took {:?}", start.elapsed());
 }
 
+/// Rank 1 is SIGKILLed after a first collective; rank 0's next collective must fail naming it.
+fn killed_peer_body(world: &dist::World) -> TestResult {
+    let x = Tensor::ones([4], (Kind::Float, Device::Cpu));
+    world.group.all_reduce(&x, ReduceOp::Sum)?;
+    if world.rank() == 1 {
+        std::thread::sleep(Duration::from_millis(500));
+        let me = std::process::id().to_string();
+        std::process::Command::new("kill").args(["-KILL", &me]).status()?;
+        std::thread::sleep(Duration::from_secs(60));
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    let err = world.group.all_reduce(&x, ReduceOp::Sum).expect_err("the peer is dead");
+    anyhow::bail!("{err}")
+}
+
+/// The test binary re-run as `test`'s worker (the body runs in the children).
+fn worker(test: &str) -> std::process::Command {
+    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+    cmd.args([test, "--exact", "--nocapture", "--test-threads=1"]).env(WORKER_ENV, test).env("RUST_BACKTRACE", "0");
+    cmd
+}
+
+fn free_port() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string()
+}
+
 #[test]
 fn a_peer_killed_without_a_supervisor_is_named_by_the_survivor() {
     // As on a cluster where each node's launcher knows only its own ranks: nobody stops rank
     // 0 when rank 1 is killed; its next collective must fail, promptly, naming rank 1.
     let test = name("a_peer_killed_without_a_supervisor_is_named_by_the_survivor");
-    let body = |world: &dist::World| -> TestResult {
-        let x = Tensor::ones([4], (Kind::Float, Device::Cpu));
-        world.group.all_reduce(&x, ReduceOp::Sum)?;
-        if world.rank() == 1 {
-            std::thread::sleep(Duration::from_millis(500));
-            let me = std::process::id().to_string();
-            std::process::Command::new("kill").args(["-KILL", &me]).status()?;
-            std::thread::sleep(Duration::from_secs(60));
-        }
-        std::thread::sleep(Duration::from_secs(1));
-        let err = world.group.all_reduce(&x, ReduceOp::Sum).expect_err("the peer is dead");
-        anyhow::bail!("{err}")
-    };
     if std::env::var(WORKER_ENV).as_deref() == Ok(test.as_str()) {
-        let _ = run_job(2, &test, &[], body);
+        let _ = run_job(2, &test, &[], killed_peer_body);
         return;
     }
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let port = free_port();
     let start = Instant::now();
     let children: Vec<_> = (0..2)
         .map(|rank| {
-            std::process::Command::new(std::env::current_exe().unwrap())
-                .args([test.as_str(), "--exact", "--nocapture", "--test-threads=1"])
-                .env(WORKER_ENV, &test)
-                .env("RUST_BACKTRACE", "0")
+            worker(&test)
                 .envs([("RANK", rank.to_string()), ("WORLD_SIZE", "2".into()), ("MASTER_PORT", port.clone())])
                 .envs([("MASTER_ADDR", "127.0.0.1"), (dist::launch::TIMEOUT_ENV, "20")])
                 .stdout(std::process::Stdio::piped())
@@ -107,6 +117,32 @@ fn a_peer_killed_without_a_supervisor_is_named_by_the_survivor() {
     assert!(survivor.contains("all_reduce on rank 0 of group world (size 2) failed"), "{survivor}");
     assert!(survivor.contains("lost peer: rank 1"), "the survivor names the lost peer: {survivor}");
     assert!(start.elapsed() < Duration::from_secs(20), "took {:?} (the timeout is 20 s)", start.elapsed());
+}
+
+#[test]
+fn a_peer_killed_under_torchrun_is_named_by_the_survivor() {
+    // Under torchrun. Its agent stops the other workers at its next check of their state once
+    // one dies; checking every 10 s (`--monitor-interval`, as on a busy node or across nodes
+    // whose agents learn late), the survivor reaches its next collective first.
+    let test = name("a_peer_killed_under_torchrun_is_named_by_the_survivor");
+    if std::env::var(WORKER_ENV).as_deref() == Ok(test.as_str()) {
+        let _ = run_job(2, &test, &[], killed_peer_body);
+        return;
+    }
+    let python = std::env::var("SUITE_PYTHON").expect("SUITE_PYTHON (set by scripts/setup.sh's cargo config)");
+    let start = Instant::now();
+    let out = std::process::Command::new(python)
+        .args(["-m", "torch.distributed.run", "--no-python", "--nproc-per-node", "2", "--monitor-interval", "10"])
+        .args(["--master-port", &free_port()])
+        .arg(std::env::current_exe().unwrap())
+        .args([test.as_str(), "--exact", "--nocapture", "--test-threads=1"])
+        .envs([(WORKER_ENV, test.as_str()), ("RUST_BACKTRACE", "0"), (dist::launch::TIMEOUT_ENV, "20")])
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(!out.status.success(), "torchrun must report the failure:\n{text}");
+    assert!(text.contains("all_reduce on rank 0 of group world (size 2) failed; lost peer: rank 1"), "{text}");
+    assert!(start.elapsed() < Duration::from_secs(40), "took {:?}", start.elapsed());
 }
 
 #[test]
