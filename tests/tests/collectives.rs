@@ -182,3 +182,22 @@ dist_test!(cpu_and_cuda every_collective_on_4_ranks, every_collective_on_4_ranks
 dist_test!(cpu_and_cuda one_rank_collectives_are_local, one_rank_collectives_are_local_cuda, 1, |world, dev| {
     check_everything(world, dev)
 });
+
+// The group's byte counter, by the conventions in `dist::group`'s docs: an all-reduce counts
+// its tensor, an all-gather its gathered output, a barrier nothing; a sub-group's collectives
+// count in its own counter and in its parent's.
+dist_test!(process_group_counts_the_bytes_it_communicates, 2, |world| {
+    let g = &world.group;
+    g.reset_bytes_communicated();
+    g.all_reduce(&Tensor::ones([2, 3], (Kind::Float, Device::Cpu)), ReduceOp::Sum)?;
+    assert_eq!(g.bytes_communicated(), 6 * 4, "all_reduce of 6 fp32 elements");
+    assert_eq!(g.all_gather(&Tensor::ones([5], (Kind::Double, Device::Cpu)))?.size(), [10]);
+    g.barrier()?;
+    assert_eq!(g.bytes_communicated(), 6 * 4 + 2 * 5 * 8, "plus the all-gathered output of 2 x 5 fp64");
+    let pair = g.subgroup(&[1, 0], "pair")?.expect("both ranks are members");
+    pair.all_reduce(&Tensor::ones([1], (Kind::Float, Device::Cpu)), ReduceOp::Sum)?;
+    assert_eq!((pair.bytes_communicated(), g.bytes_communicated()), (4, 6 * 4 + 80 + 4), "sub-group and parent");
+    g.reset_bytes_communicated();
+    assert_eq!((pair.bytes_communicated(), g.bytes_communicated()), (4, 0), "a reset leaves the sub-group's counter");
+    Ok(())
+});

@@ -6,12 +6,12 @@
 //! the one-process loss; the class-split cross-entropy's losses are the same on the ranks that
 //! share a batch block (one logical loss, Megatron's convention). Each mode runs as one job
 //! (2D on 4 ranks, 2.5D on 8 with depth 2, 3D on 8) to keep the process start-ups few.
-//! The linear layers' traffic is counted and checked against the formula in the
-//! `multi_dim` docs.
+//! The linear layers' traffic is counted by the world group (which sees its sub-groups'
+//! collectives) and checked against the formula in the `multi_dim` docs.
 use engine::dist::World;
 use engine::parallel::tensor::multi_dim::{
-    elements_communicated, Axis, Cube, CubeClassifier, CubeEmbedding, CubeLayerNorm, CubeLinear, Grid, GridClassifier,
-    GridEmbedding, GridLayerNorm, GridLinear, LinearConfig, Orientation,
+    Axis, Cube, CubeClassifier, CubeEmbedding, CubeLayerNorm, CubeLinear, Grid, GridClassifier, GridEmbedding,
+    GridLayerNorm, GridLinear, LinearConfig, Orientation,
 };
 use engine::parallel::tensor::{
     init, ColumnConfig, ColumnParallelLinear, EmbeddingConfig, Init, LayerNorm, TensorParallel, VocabParallelEmbedding,
@@ -95,11 +95,12 @@ fn grid_mode(world: &World, grid: &Grid) -> TestResult {
         let y1 = serial.forward(&x1)?;
         (&y1 * &cot).sum(Kind::Float).backward();
         let xn = leaf(&grid.split_input(&x)?);
-        let before = elements_communicated();
+        let before = world.group.bytes_communicated();
         let y = layer.forward(&xn)?;
         close(&y, &grid.split_input(&y1)?, &what("output block"));
         (&y * grid.split_input(&cot)?).sum(Kind::Float).backward();
-        let counted = (elements_communicated() - before) as i64;
+        // fp32: 4 bytes an element.
+        let counted = (world.group.bytes_communicated() - before) as i64 / 4;
         close(&xn.grad(), &grid.split_input(&x1.grad())?, &what("input gradient"));
         close(&layer.weight().grad(), &w_block(&serial.weight().grad()), &what("weight gradient"));
         if bias {
@@ -305,11 +306,12 @@ fn cube_mode(world: &World, cube: &Cube) -> TestResult {
         (&y1 * &cot).sum(Kind::Float).backward();
         let out = orientation.flip();
         let xn = leaf(&cube.split_input(&x, orientation)?);
-        let before = elements_communicated();
+        let before = world.group.bytes_communicated();
         let y = layer.forward(&xn)?;
         close(&y, &cube.split_input(&y1, out)?, &what("output block"));
         (&y * cube.split_input(&cot, out)?).sum(Kind::Float).backward();
-        let counted = (elements_communicated() - before) as i64;
+        // fp32: 4 bytes an element.
+        let counted = (world.group.bytes_communicated() - before) as i64 / 4;
         close(&xn.grad(), &cube.split_input(&x1.grad(), orientation)?, &what("input gradient"));
         close(&layer.weight().grad(), &w_block(&serial.weight().grad()), &what("weight gradient"));
         if bias {

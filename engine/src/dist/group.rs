@@ -1,6 +1,14 @@
 //! Process groups: the ranks that run a collective together, over c10d's Gloo (CPU tensors) and
 //! NCCL (CUDA tensors) backends. Every operation has an async form returning a [`Work`]; the
 //! plain form waits on it.
+//!
+//! Every group counts the bytes its collectives hand to c10d ([`ProcessGroup::bytes_communicated`]),
+//! so a benchmark or test can check a layer's traffic against its formula whatever code path
+//! launched the collective. The convention is the full-size buffer of each operation, per rank:
+//! an all-reduce, broadcast or reduce counts its tensor; an all-gather its gathered output
+//! (group size times the input); a reduce-scatter and an all-to-all their input; a send its
+//! tensor (a receive nothing: the sender counted it); a barrier nothing. A group of one rank
+//! sends nothing and counts nothing.
 use std::ffi::c_char;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -50,6 +58,9 @@ struct Inner {
     timeout: Duration,
     loopback: bool,
     subgroups: AtomicU64,
+    /// Bytes counted by this group, then those of the groups it was made from: a collective
+    /// on a sub-group also counts in its parents, so the world's counter sees every one.
+    bytes: Vec<Arc<AtomicU64>>,
 }
 
 // SAFETY: c10d backends accept operations from any thread; the handle is freed once, on drop.
@@ -84,6 +95,18 @@ impl ProcessGroup {
         timeout: Duration,
         loopback: bool,
     ) -> Result<ProcessGroup> {
+        Self::with_parents(store, rank, global_ranks, name, timeout, loopback, &[])
+    }
+
+    fn with_parents(
+        store: Store,
+        rank: usize,
+        global_ranks: Vec<usize>,
+        name: &str,
+        timeout: Duration,
+        loopback: bool,
+        parents: &[Arc<AtomicU64>],
+    ) -> Result<ProcessGroup> {
         let size = global_ranks.len();
         ensure!(rank < size, "rank {rank} is not in group {name} of size {size}");
         let mut raw = std::ptr::null_mut();
@@ -109,7 +132,20 @@ impl ProcessGroup {
             timeout,
             loopback,
             subgroups: AtomicU64::new(0),
+            bytes: std::iter::once(Arc::new(AtomicU64::new(0))).chain(parents.iter().cloned()).collect(),
         })))
+    }
+
+    /// Bytes this rank has handed to c10d in this group's collectives and in those of every
+    /// sub-group made from it, since creation or the last [`ProcessGroup::reset_bytes_communicated`]
+    /// (conventions in the module docs).
+    pub fn bytes_communicated(&self) -> u64 {
+        self.0.bytes[0].load(Ordering::Relaxed)
+    }
+
+    /// Sets this group's byte counter to zero (its parents' counters are left as they are).
+    pub fn reset_bytes_communicated(&self) {
+        self.0.bytes[0].store(0, Ordering::Relaxed);
     }
 
     /// This process's rank in the group.
@@ -160,21 +196,29 @@ impl ProcessGroup {
         let store = self.0.store.prefixed(&format!("sub{index}"))?;
         let global = members.iter().map(|&m| self.0.ranks[m]).collect();
         let full_name = format!("{}/{name}", self.name());
-        ProcessGroup::new(store, rank, global, &full_name, self.0.timeout, self.0.loopback).map(Some)
+        ProcessGroup::with_parents(store, rank, global, &full_name, self.0.timeout, self.0.loopback, &self.0.bytes)
+            .map(Some)
     }
 
-    /// Launches a collective on `tensor`'s backend. CPU (Gloo) work is waited for under the
-    /// group's timeout; CUDA (NCCL) work is waited for the c10d way, by making the current
-    /// stream wait, and NCCL's watchdog enforces the same timeout.
+    /// Launches a collective on `tensor`'s backend, counting `bytes` (the module docs'
+    /// convention) once c10d has accepted it. CPU (Gloo) work is waited for under the group's
+    /// timeout; CUDA (NCCL) work is waited for the c10d way, by making the current stream wait,
+    /// and NCCL's watchdog enforces the same timeout.
     fn start(
         &self,
         op: &str,
         tensor: Option<&Tensor>,
+        bytes: u64,
         call: impl FnOnce(*mut EngGroup, *mut *mut EngWork) -> *mut c_char,
     ) -> Result<Work> {
         let what = format!("{op} on rank {} of group {} (size {})", self.rank(), self.name(), self.size());
         let mut raw = std::ptr::null_mut();
         check(call(self.0.raw, &mut raw), || what.clone())?;
+        if self.size() > 1 {
+            for counter in &self.0.bytes {
+                counter.fetch_add(bytes, Ordering::Relaxed);
+            }
+        }
         let on_gpu = tensor.is_some_and(|t| t.device().is_cuda());
         let me = self.0.ranks[self.rank()];
         Ok(Work::new(raw, what, (!on_gpu).then_some(self.0.timeout)).among(&self.0.ranks, me))
@@ -188,8 +232,9 @@ impl ProcessGroup {
     /// Starts an in-place all-reduce of `tensor`.
     pub fn all_reduce_async(&self, tensor: &Tensor, op: ReduceOp) -> Result<Work> {
         let (buffer, write_back) = contiguous_buffer(tensor)?;
-        let mut work = self
-            .start("all_reduce", Some(&buffer), |g, w| unsafe { ffi::eng_allreduce(g, buffer.raw(), op.code(), w) })?;
+        let mut work = self.start("all_reduce", Some(&buffer), nbytes(&buffer), |g, w| unsafe {
+            ffi::eng_allreduce(g, buffer.raw(), op.code(), w)
+        })?;
         if op == ReduceOp::Avg {
             let (t, n) = (buffer.shallow_clone(), self.size() as f64);
             work = work.then(move || divide(&t, n));
@@ -210,7 +255,7 @@ impl ProcessGroup {
     pub fn reduce_async(&self, tensor: &Tensor, root: usize, op: ReduceOp) -> Result<Work> {
         ensure!(root < self.size(), "reduce root {root} is not in group {} of size {}", self.name(), self.size());
         let (buffer, write_back) = contiguous_buffer(tensor)?;
-        let mut work = self.start("reduce", Some(&buffer), |g, w| unsafe {
+        let mut work = self.start("reduce", Some(&buffer), nbytes(&buffer), |g, w| unsafe {
             ffi::eng_reduce(g, buffer.raw(), root as i32, op.code(), w)
         })?;
         if op == ReduceOp::Avg && self.rank() == root {
@@ -232,8 +277,9 @@ impl ProcessGroup {
     pub fn broadcast_async(&self, tensor: &Tensor, root: usize) -> Result<Work> {
         ensure!(root < self.size(), "broadcast root {root} is not in group {} of size {}", self.name(), self.size());
         let (buffer, write_back) = contiguous_buffer(tensor)?;
-        let work = self
-            .start("broadcast", Some(&buffer), |g, w| unsafe { ffi::eng_broadcast(g, buffer.raw(), root as i32, w) })?;
+        let work = self.start("broadcast", Some(&buffer), nbytes(&buffer), |g, w| unsafe {
+            ffi::eng_broadcast(g, buffer.raw(), root as i32, w)
+        })?;
         Ok(match write_back {
             Some(dst) => work.then(move || copy_into(&dst, &buffer)),
             None => work,
@@ -263,7 +309,7 @@ impl ProcessGroup {
         let mut shape = input.size();
         shape[0] *= self.size() as i64;
         check_output("all_gather", output, &shape, &input)?;
-        self.start("all_gather", Some(&input), |g, w| unsafe {
+        self.start("all_gather", Some(&input), nbytes(output), |g, w| unsafe {
             ffi::eng_allgather_into(g, output.raw(), input.raw(), w)
         })
     }
@@ -280,7 +326,7 @@ impl ProcessGroup {
         let input = input.f_contiguous()?;
         let outs = (0..self.size()).map(|_| input.f_empty_like()).collect::<std::result::Result<Vec<_>, _>>()?;
         let mut ptrs: Vec<_> = outs.iter().map(|t| t.raw()).collect();
-        let work = self.start("all_gather", Some(&input), |g, w| unsafe {
+        let work = self.start("all_gather", Some(&input), nbytes(&input) * ptrs.len() as u64, |g, w| unsafe {
             ffi::eng_allgather_list(g, ptrs.as_mut_ptr(), ptrs.len() as i32, input.raw(), w)
         })?;
         Ok((outs, work))
@@ -302,7 +348,7 @@ impl ProcessGroup {
         ensure!(shape[0] % n == 0, "reduce_scatter: dim 0 of size {} does not divide by the group size {n}", shape[0]);
         shape[0] /= n;
         let out = Tensor::f_empty(&shape, (input.kind(), input.device()))?;
-        let mut work = self.start("reduce_scatter", Some(&input), |g, w| unsafe {
+        let mut work = self.start("reduce_scatter", Some(&input), nbytes(&input), |g, w| unsafe {
             ffi::eng_reduce_scatter_into(g, out.raw(), input.raw(), op.code(), w)
         })?;
         if op == ReduceOp::Avg {
@@ -374,7 +420,7 @@ impl ProcessGroup {
         let mut shape = input.size();
         shape[0] = output_splits.iter().sum();
         check_output("all_to_all", output, &shape, &input)?;
-        self.start("all_to_all", Some(&input), |g, w| unsafe {
+        self.start("all_to_all", Some(&input), nbytes(&input), |g, w| unsafe {
             ffi::eng_alltoall(g, output.raw(), input.raw(), output_splits.as_ptr(), input_splits.as_ptr(), n as i32, w)
         })
     }
@@ -387,7 +433,9 @@ impl ProcessGroup {
     /// Starts a send.
     pub fn send_async(&self, tensor: &Tensor, dst: usize, tag: i32) -> Result<Work> {
         let buffer = tensor.f_contiguous()?;
-        self.start("send", Some(&buffer), |g, w| unsafe { ffi::eng_send(g, buffer.raw(), dst as i32, tag, w) })
+        self.start("send", Some(&buffer), nbytes(&buffer), |g, w| unsafe {
+            ffi::eng_send(g, buffer.raw(), dst as i32, tag, w)
+        })
     }
 
     /// Receives into `tensor` from group rank `src`.
@@ -399,7 +447,7 @@ impl ProcessGroup {
     pub fn recv_async(&self, tensor: &Tensor, src: usize, tag: i32) -> Result<Work> {
         let (buffer, write_back) = contiguous_buffer(tensor)?;
         let work =
-            self.start("recv", Some(&buffer), |g, w| unsafe { ffi::eng_recv(g, buffer.raw(), src as i32, tag, w) })?;
+            self.start("recv", Some(&buffer), 0, |g, w| unsafe { ffi::eng_recv(g, buffer.raw(), src as i32, tag, w) })?;
         Ok(match write_back {
             Some(dst) => work.then(move || copy_into(&dst, &buffer)),
             None => work,
@@ -413,7 +461,7 @@ impl ProcessGroup {
 
     /// Starts a barrier; `wait` returns once every rank has reached it.
     pub fn barrier_async(&self) -> Result<Work> {
-        self.start("barrier", None, |g, w| unsafe { ffi::eng_barrier(g, w) })
+        self.start("barrier", None, 0, |g, w| unsafe { ffi::eng_barrier(g, w) })
     }
 }
 
@@ -425,6 +473,11 @@ fn contiguous_buffer(t: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
     } else {
         Ok((t.f_contiguous()?, Some(t.shallow_clone())))
     }
+}
+
+/// The bytes of `t`'s elements.
+fn nbytes(t: &Tensor) -> u64 {
+    t.numel() as u64 * t.kind().elt_size_in_bytes() as u64
 }
 
 fn leading_dim(t: &Tensor, op: &str) -> Result<Tensor> {

@@ -18,8 +18,9 @@
 //! `full_weight` / `from_full` move checkpoints between layouts.
 //!
 //! Communication per linear layer, forward and backward, input `[b, s, h]` (`N = b s`
-//! tokens), weight `h -> h'`, no bias, in elements handed to collectives per rank (the
-//! convention of [`elements_communicated`]; the tests check these numbers):
+//! tokens), weight `h -> h'`, no bias, in elements handed to collectives per rank (times the
+//! element size, what [`ProcessGroup::bytes_communicated`](crate::dist::ProcessGroup::bytes_communicated)
+//! counts; the tests and `benches/tensor_parallel.rs` check these numbers):
 //!
 //! | mode | ranks `p` | elements per rank |
 //! |---|---|---|
@@ -39,7 +40,6 @@ mod grid_layers;
 mod grid_linear;
 mod summa;
 
-pub use comm::elements_communicated;
 pub use cube::{Axis, Cube, Orientation};
 pub use cube_layers::{CubeEmbedding, CubeLayerNorm};
 pub use cube_linear::{CubeClassifier, CubeLinear};
