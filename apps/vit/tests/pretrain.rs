@@ -1,49 +1,10 @@
 //! `vit pretrain` end to end on the embedded digits: data parallelism, ZeRO and gradient
 //! accumulation against one process, and resume against an uninterrupted run.
-use clap::Parser;
-use engine::dist::{InitOptions, World};
-use suite_tests::{dist_test, TestResult, TEST_TIMEOUT};
-use vit::train::{pretrain, PretrainArgs, Trained};
+mod common;
 
-#[derive(Parser)]
-struct Cli {
-    #[command(flatten)]
-    args: PretrainArgs,
-}
-
-/// Pretrain arguments from a command line (after `vit pretrain`): quiet, small batches unless
-/// `line` says otherwise.
-fn args(line: &str) -> PretrainArgs {
-    let defaults = [("--batch", "32"), ("--warmup", "5"), ("--lr", "4e-3"), ("--timeout", "60")];
-    let mut words = vec!["vit", "--quiet"];
-    for (flag, value) in defaults {
-        if !line.split_whitespace().any(|w| w == flag) {
-            words.extend([flag, value]);
-        }
-    }
-    words.extend(line.split_whitespace());
-    Cli::parse_from(words).args
-}
-
-fn single() -> World {
-    World::single(&InitOptions { timeout: TEST_TIMEOUT }).unwrap()
-}
-
-/// Largest relative difference, over per-step losses and every weight, of two runs.
-fn compare(a: &Trained, b: &Trained, what: &str, rtol: f64) {
-    assert_eq!(a.losses.len(), b.losses.len(), "{what}: step counts");
-    for ((sa, la), (sb, lb)) in a.losses.iter().zip(&b.losses) {
-        assert_eq!(sa, sb);
-        assert!((la - lb).abs() <= rtol * lb.abs(), "{what}: step {sa} loss {la} vs {lb}");
-    }
-    assert_eq!(a.weights.len(), b.weights.len());
-    for ((na, ta), (nb, tb)) in a.weights.iter().zip(&b.weights) {
-        assert_eq!(na, nb);
-        let diff = (ta - tb).abs().max().double_value(&[]);
-        let scale = tb.abs().max().double_value(&[]).max(1e-12);
-        assert!(diff <= rtol * scale, "{what}: {na} differs by {diff:.3e} (max |w| {scale:.3e})");
-    }
-}
+use common::{args, compare, job_dir, single};
+use suite_tests::{dist_test, TestResult};
+use vit::train::{pretrain, Trained};
 
 dist_test!(two_ranks_match_one_rank_over_twenty_steps, 2, |world| {
     let dp = pretrain(&args("--steps 20"), world)?;
@@ -143,12 +104,6 @@ dist_test!(offloaded_optimizer_state_matches_plain_zero, 2, |world| {
     compare(&scaled, &doubled, "linear scaling 32/16", 1e-6);
     TestResult::Ok(())
 });
-
-/// A folder every rank of this job names alike (the job's rendezvous port is shared).
-fn job_dir(name: &str) -> std::path::PathBuf {
-    let port = std::env::var("MASTER_PORT").unwrap_or_default();
-    std::env::temp_dir().join(format!("vit-reshard-{port}-{name}"))
-}
 
 dist_test!(resume_on_another_rank_count_and_zero_stage_continues_the_run, 2, |world| {
     // 2 ranks with ZeRO-1 (optimizer state in two shards), stopped at step 3, resumed on one

@@ -1,68 +1,12 @@
 //! `vit pretrain --tp`: Megatron's 1D tensor parallelism, alone and with data parallelism and
 //! ZeRO, against one process (losses and every weight, relative 1e-5), and checkpoints moving
 //! between tensor-parallel sizes.
-use clap::Parser;
-use engine::dist::{InitOptions, World};
-use suite_tests::{dist_test, TestResult, TEST_TIMEOUT};
-use vit::train::{pretrain, PretrainArgs, Trained};
+mod common;
 
-#[derive(Parser)]
-struct Cli {
-    #[command(flatten)]
-    args: PretrainArgs,
-}
-
-/// Pretrain arguments from a command line (after `vit pretrain`): quiet, small batches unless
-/// `line` says otherwise.
-fn args(line: &str) -> PretrainArgs {
-    let defaults = [("--batch", "32"), ("--warmup", "5"), ("--lr", "4e-3"), ("--timeout", "60")];
-    let mut words = vec!["vit", "--quiet"];
-    for (flag, value) in defaults {
-        if !line.split_whitespace().any(|w| w == flag) {
-            words.extend([flag, value]);
-        }
-    }
-    words.extend(line.split_whitespace());
-    Cli::parse_from(words).args
-}
-
-fn single() -> World {
-    World::single(&InitOptions { timeout: TEST_TIMEOUT }).unwrap()
-}
-
-/// Asserts that per-step losses of `a` are within `rtol` of `b`'s, and every weight within
-/// `weight_rtol` (relative to its largest magnitude).
-fn compare_with(a: &Trained, b: &Trained, what: &str, rtol: f64, weight_rtol: f64) {
-    assert_eq!(a.losses.len(), b.losses.len(), "{what}: step counts");
-    for ((sa, la), (sb, lb)) in a.losses.iter().zip(&b.losses) {
-        assert_eq!(sa, sb);
-        assert!((la - lb).abs() <= rtol * lb.abs(), "{what}: step {sa} loss {la} vs {lb}");
-    }
-    assert_eq!(a.weights.len(), b.weights.len());
-    for ((na, ta), (nb, tb)) in a.weights.iter().zip(&b.weights) {
-        assert_eq!(na, nb);
-        assert_eq!(ta.size(), tb.size(), "{what}: {na} is not a full tensor");
-        let (ta, tb) = match na.ends_with("attn.qkv.bias") && weight_rtol > rtol {
-            // The key bias adds one constant to each query's scores, which softmax removes:
-            // its gradient is zero but for rounding, and Adam's small eps turns that noise into
-            // full-size steps, different in any two summation orders. Queries and values only.
-            true => {
-                let d = ta.size()[0] / 3;
-                let qv = |t: &tch::Tensor| tch::Tensor::cat(&[t.narrow(0, 0, d), t.narrow(0, 2 * d, d)], 0);
-                (qv(ta), qv(tb))
-            }
-            false => (ta.shallow_clone(), tb.shallow_clone()),
-        };
-        let diff = (&ta - &tb).abs().max().double_value(&[]);
-        let scale = tb.abs().max().double_value(&[]).max(1e-12);
-        assert!(diff <= weight_rtol * scale, "{what}: {na} differs by {diff:.3e} (max |w| {scale:.3e})");
-    }
-}
-
-/// [`compare_with`] at one tolerance for losses and weights.
-fn compare(a: &Trained, b: &Trained, what: &str, rtol: f64) {
-    compare_with(a, b, what, rtol, rtol)
-}
+use common::{args, compare, compare_with, job_dir, single};
+use engine::dist::World;
+use suite_tests::{dist_test, TestResult};
+use vit::train::{pretrain, Trained};
 
 /// Asserts every rank of `world` ends with the same full weights, replicated ones included
 /// (they are never synchronised explicitly: equal gradients keep them equal).
@@ -100,12 +44,6 @@ dist_test!(sequence_parallel_matches_one_process, 2, |world| {
     same_on_every_rank(&sp, world)?;
     TestResult::Ok(())
 });
-
-/// A folder every rank of this job names alike (the job's rendezvous port is shared).
-fn job_dir(name: &str) -> std::path::PathBuf {
-    let port = std::env::var("MASTER_PORT").unwrap_or_default();
-    std::env::temp_dir().join(format!("vit-tp-{port}-{name}"))
-}
 
 fn fresh(world: &World, dirs: &[&std::path::Path]) -> TestResult {
     if world.rank() == 0 {

@@ -220,8 +220,7 @@ impl ProcessGroup {
             }
         }
         let on_gpu = tensor.is_some_and(|t| t.device().is_cuda());
-        let me = self.0.ranks[self.rank()];
-        Ok(Work::new(raw, what, (!on_gpu).then_some(self.0.timeout)).among(&self.0.ranks, me))
+        Ok(Work::new(raw, what, (!on_gpu).then_some(self.0.timeout)).among(self))
     }
 
     /// All-reduces `tensor` in place.

@@ -3,6 +3,7 @@ use std::time::Duration;
 
 use crate::dist::heartbeat::{self, Waiting};
 use crate::dist::store::timeout_ms;
+use crate::dist::ProcessGroup;
 use crate::ffi::{self, check, EngWork};
 use crate::Result;
 
@@ -19,8 +20,8 @@ pub struct Work {
     what: String,
     /// None: wait without a client-side timeout (NCCL work, whose watchdog has one).
     timeout: Option<Duration>,
-    /// The group's global ranks and this rank's, to name lost peers when the work fails.
-    peers: Option<(Vec<usize>, usize)>,
+    /// The group (a shared handle), to name lost peers when the work fails.
+    group: Option<ProcessGroup>,
 }
 
 // SAFETY: c10d work objects are thread-safe; the handle is owned and freed once.
@@ -28,13 +29,13 @@ unsafe impl Send for Work {}
 
 impl Work {
     pub(crate) fn new(raw: *mut EngWork, what: String, timeout: Option<Duration>) -> Work {
-        Work { raw, then: None, what, timeout, peers: None }
+        Work { raw, then: None, what, timeout, group: None }
     }
 
-    /// Names the group's members (global ranks) and this rank, so a failure can say which
-    /// peers stopped beating (see [`heartbeat::lost_peers`]).
-    pub(crate) fn among(mut self, ranks: &[usize], me: usize) -> Work {
-        self.peers = (ranks.len() > 1).then(|| (ranks.to_vec(), me));
+    /// Keeps a handle on the group (groups of one need none), so a failure can say which peers
+    /// stopped beating (see [`heartbeat::lost_peers`]).
+    pub(crate) fn among(mut self, group: &ProcessGroup) -> Work {
+        self.group = (group.size() > 1).then(|| group.clone());
         self
     }
 
@@ -56,7 +57,10 @@ impl Work {
         let timeout = self.timeout.map_or(-1, timeout_ms);
         let _waiting = Waiting::start();
         check(unsafe { ffi::eng_work_wait(self.raw, timeout) }, || {
-            let lost = self.peers.as_ref().and_then(|(ranks, me)| heartbeat::lost_peers(ranks, *me));
+            let lost = self.group.as_ref().and_then(|g| {
+                let ranks = g.global_ranks();
+                heartbeat::lost_peers(ranks, ranks[g.rank()])
+            });
             match lost {
                 Some(lost) => format!("{} failed; {lost}", self.what),
                 None => format!("{} failed", self.what),

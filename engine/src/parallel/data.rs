@@ -19,6 +19,7 @@
 //! for), so the gradients a rank holds at the peak of backward are its own ~1/N plus a few
 //! buckets, not the whole model's. [`DataParallel::gradient_bytes`] reports that peak from a
 //! counter.
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, Weak};
 
 use tch::{Kind, Tensor};
@@ -95,6 +96,8 @@ struct State {
     /// parameters had a gradient then (their arrival adds no bytes).
     counted: bool,
     had_grad: Vec<bool>,
+    /// Buckets this rank is sending to another owner, oldest first (ZeRO-2).
+    sending: VecDeque<usize>,
     bytes: GradientBytes,
 }
 
@@ -151,6 +154,7 @@ impl DataParallel {
             error: None,
             counted: false,
             had_grad: vec![false; tensors.len()],
+            sending: VecDeque::new(),
             bytes: GradientBytes::default(),
         }));
         for (i, t) in tensors.iter().enumerate() {
@@ -268,6 +272,9 @@ impl State {
             set_grad(&self.params[i], None)?;
         }
         self.buckets[b].in_flight = Some((work, flat));
+        if self.bucket_owner(b).is_some_and(|o| o != self.group.rank()) {
+            self.sending.push_back(b);
+        }
         self.next += 1;
         self.settle_sent()
     }
@@ -275,21 +282,28 @@ impl State {
     /// Waits for the oldest buckets sent to other owners while more than [`MAX_SENDING`] are
     /// in flight, and drops any that already finished: their send buffers are freed early.
     fn settle_sent(&mut self) -> Result<()> {
-        let rank = self.group.rank();
-        let sent: Vec<usize> = (0..self.next)
-            .filter(|&b| self.buckets[b].in_flight.is_some() && self.bucket_owner(b).is_some_and(|o| o != rank))
-            .collect();
-        for (k, &b) in sent.iter().enumerate() {
-            let must_wait = sent.len() - k > MAX_SENDING;
-            let done = match &self.buckets[b].in_flight {
-                Some((work, _)) => must_wait || work.is_completed()?,
-                None => false,
-            };
-            if done {
-                let (work, flat) = self.buckets[b].in_flight.take().expect("checked above");
-                work.wait()?;
-                self.bytes.sub(byte_size(&flat));
+        // Oldest first: wait while too many are in flight.
+        while self.sending.len() > MAX_SENDING {
+            let b = self.sending.pop_front().expect("more than MAX_SENDING");
+            self.drop_sent(b)?;
+        }
+        // Then drop those that already finished.
+        let mut unfinished = VecDeque::with_capacity(self.sending.len());
+        while let Some(b) = self.sending.pop_front() {
+            match &self.buckets[b].in_flight {
+                Some((work, _)) if !work.is_completed()? => unfinished.push_back(b),
+                _ => self.drop_sent(b)?,
             }
+        }
+        self.sending = unfinished;
+        Ok(())
+    }
+
+    /// Waits for bucket `b`'s send to its owner and frees its buffer.
+    fn drop_sent(&mut self, b: usize) -> Result<()> {
+        if let Some((work, flat)) = self.buckets[b].in_flight.take() {
+            work.wait()?;
+            self.bytes.sub(byte_size(&flat));
         }
         Ok(())
     }
@@ -306,6 +320,7 @@ impl State {
         }
         self.next = 0;
         self.counted = false;
+        self.sending.clear();
     }
 }
 

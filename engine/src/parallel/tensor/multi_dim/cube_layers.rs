@@ -12,8 +12,8 @@
 //!   vocabulary blocks and leaves each rank its batch block.
 use tch::{nn, Kind, Tensor};
 
-use super::comm;
 use super::cube::{Axis, Cube, Orientation};
+use super::{comm, normalise_split_hidden};
 use crate::error::ensure;
 use crate::parallel::tensor::init::{self, Init};
 use crate::Result;
@@ -80,14 +80,9 @@ impl CubeLayerNorm {
             self.cube.q()
         );
         let hidden = self.cube.group(self.orientation.hidden_axis());
-        let mean = comm::all_reduce(&x.f_sum_dim_intlist(&[-1i64][..], true, Kind::Float)?, hidden)?
-            .f_div_scalar(self.width as f64)?;
-        let centred = x.f_sub(&mean)?;
-        let var = comm::all_reduce(&centred.f_square()?.f_sum_dim_intlist(&[-1i64][..], true, Kind::Float)?, hidden)?
-            .f_div_scalar(self.width as f64)?;
+        let normed = normalise_split_hidden(x, self.width, self.eps, hidden)?;
         let batch = self.cube.group(self.orientation.batch_axis());
         let shared = |t: &Tensor| comm::copy_to(&comm::copy_to(t, self.cube.group(Axis::I))?, batch);
-        let normed = centred.f_mul(&var.f_add_scalar(self.eps)?.f_rsqrt()?)?;
         Ok(normed.f_mul(&shared(&self.weight)?)?.f_add(&shared(&self.bias)?)?)
     }
 

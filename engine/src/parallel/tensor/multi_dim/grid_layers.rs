@@ -11,8 +11,8 @@
 //!   leaves each rank its batch block. The table is shared by the depth layers.
 use tch::{nn, Kind, Tensor};
 
-use super::comm;
 use super::grid::Grid;
+use super::{comm, normalise_split_hidden};
 use crate::error::ensure;
 use crate::parallel::tensor::init::{self, Init};
 use crate::Result;
@@ -67,14 +67,8 @@ impl GridLayerNorm {
             self.width,
             self.grid.q()
         );
-        let row = self.grid.row_group();
-        let mean = comm::all_reduce(&x.f_sum_dim_intlist(&[-1i64][..], true, Kind::Float)?, row)?
-            .f_div_scalar(self.width as f64)?;
-        let centred = x.f_sub(&mean)?;
-        let var = comm::all_reduce(&centred.f_square()?.f_sum_dim_intlist(&[-1i64][..], true, Kind::Float)?, row)?
-            .f_div_scalar(self.width as f64)?;
+        let normed = normalise_split_hidden(x, self.width, self.eps, self.grid.row_group())?;
         let shared = |t: &Tensor| comm::copy_to(&comm::copy_to(t, self.grid.col_group())?, self.grid.depth_group());
-        let normed = centred.f_mul(&var.f_add_scalar(self.eps)?.f_rsqrt()?)?;
         Ok(normed.f_mul(&shared(&self.weight)?)?.f_add(&shared(&self.bias)?)?)
     }
 
