@@ -36,11 +36,17 @@ const BATCH: usize = 64;
 /// An HDF5 file in the [schema](self) above. The labels and class names are read when it is
 /// opened; each image is read from disk by [`Dataset::get`], one row, so memory does not grow
 /// with the file.
+///
+/// hdf5-metno serialises every library call behind one process-wide lock, so decode workers
+/// reading rows through it would take turns. When `images` is stored contiguously and
+/// unfiltered (what [`write_hdf5`] and h5py's `f["images"] = array` write), its rows are plain
+/// bytes at a fixed file offset, and [`Dataset::get`] reads them with positioned reads on its
+/// own file handle, which any number of workers do at once. Chunked or compressed datasets are
+/// read through the library, one row at a time under its lock.
 #[derive(Debug)]
 pub struct Hdf5Images {
     path: PathBuf,
-    // hdf5-metno serialises every library call behind one lock, so its handles are Send + Sync.
-    images: hdf5::Dataset,
+    rows: Rows,
     labels: Vec<i64>,
     classes: Vec<String>,
     /// `[channels, height, width]` of every image.
@@ -89,7 +95,27 @@ impl Hdf5Images {
         if let Some((i, label)) = labels.iter().enumerate().find(|(_, &l)| l < 0 || l as usize >= classes.len()) {
             return Err(err(format!("dataset `labels`: label {label} of image {i} is not in 0..{}", classes.len())));
         }
-        Ok(Hdf5Images { path: path.to_path_buf(), images, labels, classes, shape: [channels, height, width] })
+        let rows = Rows::new(images, path, n, height * width * channels)?;
+        Ok(Hdf5Images { path: path.to_path_buf(), rows, labels, classes, shape: [channels, height, width] })
+    }
+
+    /// Whether rows are read without the HDF5 library (and its lock): see [`Hdf5Images`].
+    pub fn reads_directly(&self) -> bool {
+        matches!(self.rows, Rows::Direct { .. })
+    }
+
+    /// Reads rows through the HDF5 library even where direct reads are possible: the
+    /// baseline of the loader benchmark and of the test that both ways agree.
+    pub fn read_through_library(mut self) -> Result<Hdf5Images> {
+        if let Rows::Direct { .. } = self.rows {
+            let file = hdf5::File::open(&self.path)
+                .map_err(|e| Error::Format { path: self.path.clone(), msg: format!("not an HDF5 file: {e}") })?;
+            let images = file
+                .dataset("images")
+                .map_err(|_| Error::Format { path: self.path.clone(), msg: "dataset `images` is missing".into() })?;
+            self.rows = Rows::Library(images);
+        }
+        Ok(self)
     }
 
     /// The file this data set was opened from.
@@ -139,17 +165,63 @@ impl Dataset for Hdf5Images {
 
     fn get(&self, i: usize) -> Result<(Image, i64)> {
         assert!(i < self.len(), "image {i} of {}", self.len());
-        // A hyperslab of row i only: `[H, W, C]` bytes.
-        let row = self
-            .images
-            .read_slice::<u8, _, Ix3>((i, .., .., ..))
-            .map_err(|e| Error::Format { path: self.path.clone(), msg: format!("dataset `images`, row {i}: {e}") })?;
         let [channels, height, width] = self.shape;
-        let mut pixels = vec![0.0; channels * height * width];
-        for ((y, x, c), &v) in row.indexed_iter() {
-            pixels[(c * height + y) * width + x] = f32::from(v) / 255.0;
+        let row = self.rows.read(i, channels * height * width).map_err(|msg| Error::Format {
+            path: self.path.clone(),
+            msg: format!("dataset `images`, row {i}: {msg}"),
+        })?;
+        // Interleaved `[H, W, C]` bytes to channel-major floats.
+        let mut pixels = vec![0.0; row.len()];
+        for (j, &v) in row.iter().enumerate() {
+            let (pixel, c) = (j / channels, j % channels);
+            pixels[c * height * width + pixel] = f32::from(v) / 255.0;
         }
         Ok((Image::new(channels, height, width, pixels), self.labels[i]))
+    }
+}
+
+/// How the rows of dataset `images` are read.
+#[derive(Debug)]
+enum Rows {
+    /// Contiguous, unfiltered storage: row `i` is the `row` bytes at `offset + i * row`.
+    Direct { file: fs::File, offset: u64 },
+    /// Anything else: hyperslabs through the library.
+    Library(hdf5::Dataset),
+}
+
+impl Rows {
+    /// Chooses direct reads for `images` (`n` rows of `row` bytes) of the file at `path` when
+    /// its storage allows them, checking that the file holds every row.
+    fn new(images: hdf5::Dataset, path: &Path, n: usize, row: usize) -> Result<Rows> {
+        let direct = images.layout() == hdf5::dataset::Layout::Contiguous && images.filters().is_empty();
+        let Some(offset) = images.offset().filter(|_| direct) else { return Ok(Rows::Library(images)) };
+        let file = fs::File::open(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+        let len = file.metadata().map_err(|source| Error::Io { path: path.to_path_buf(), source })?.len();
+        let end = offset + (n * row) as u64;
+        if end > len {
+            return Err(Error::Format {
+                path: path.to_path_buf(),
+                msg: format!("dataset `images` ends at byte {end} but the file has {len} bytes (truncated?)"),
+            });
+        }
+        Ok(Rows::Direct { file, offset })
+    }
+
+    /// Row `i`'s `row` bytes, `[H, W, C]` interleaved.
+    fn read(&self, i: usize, row: usize) -> std::result::Result<Vec<u8>, String> {
+        match self {
+            Rows::Direct { file, offset } => {
+                use std::os::unix::fs::FileExt;
+                let mut bytes = vec![0; row];
+                file.read_exact_at(&mut bytes, offset + (i * row) as u64).map_err(|e| e.to_string())?;
+                Ok(bytes)
+            }
+            Rows::Library(images) => {
+                // A hyperslab of row i only.
+                let slab = images.read_slice::<u8, _, Ix3>((i, .., .., ..)).map_err(|e| e.to_string())?;
+                Ok(slab.iter().copied().collect())
+            }
+        }
     }
 }
 
@@ -367,6 +439,55 @@ mod tests {
         let err = write_hdf5(&out, [1, 1, 1], &["only".to_string()], 2, examples).unwrap_err();
         assert!(err.to_string().contains("label 1 of example 1"), "{err}");
         assert_eq!(fs::read_dir(&dir.0).unwrap().count(), 1, "only src, no output or temporary file");
+    }
+
+    #[test]
+    fn direct_reads_equal_reads_through_the_library() {
+        let dir = Scratch::new("h5-direct");
+        let path = dir.0.join("rgb.h5");
+        let n = 5;
+        let example = |i: usize| {
+            let pixels = (0..3 * 2 * 4).map(|j| ((i * 31 + j * 7) % 256) as f32 / 255.0).collect();
+            (Image::new(3, 2, 4, pixels), (i % 3) as i64)
+        };
+        let classes: Vec<String> = ["a", "b", "c"].map(String::from).into();
+        write_hdf5(&path, [3, 2, 4], &classes, n, (0..n).map(|i| Ok(example(i)))).unwrap();
+        let direct = Hdf5Images::open(&path).unwrap();
+        assert!(direct.reads_directly(), "write_hdf5 stores images contiguously");
+        let library = Hdf5Images::open(&path).unwrap().read_through_library().unwrap();
+        assert!(!library.reads_directly());
+        for i in 0..n {
+            assert_eq!(direct.get(i).unwrap(), example(i), "direct read of row {i}");
+            assert_eq!(library.get(i).unwrap(), example(i), "library read of row {i}");
+        }
+    }
+
+    #[test]
+    fn chunked_images_are_read_through_the_library() {
+        let dir = Scratch::new("h5-chunked");
+        let path = dir.0.join("chunked.h5");
+        write_with(&path, Fault::None);
+        let file = hdf5::File::open_rw(&path).unwrap();
+        file.unlink("images").unwrap();
+        let pixels = ndarray::Array4::from_shape_fn((2, 2, 2, 1), |(i, y, x, _)| (i * 4 + y * 2 + x) as u8 * 10);
+        file.new_dataset_builder().chunk([1, 2, 2, 1]).with_data(&pixels).create("images").unwrap();
+        drop(file);
+        let h5 = Hdf5Images::open(&path).unwrap();
+        assert!(!h5.reads_directly(), "chunked storage has no single offset");
+        let (img, label) = h5.get(1).unwrap();
+        assert_eq!((img.pixels, label), ([40, 50, 60, 70].map(|v| v as f32 / 255.0).to_vec(), 1));
+    }
+
+    #[test]
+    fn a_truncated_file_is_an_error_naming_it() {
+        let dir = Scratch::new("h5-truncated");
+        let path = dir.0.join("cut.h5");
+        let example = |i: usize| Ok((Image::new(1, 16, 16, vec![i as f32 / 255.0; 256]), 0));
+        write_hdf5(&path, [1, 16, 16], &["a".to_string()], 8, (0..8).map(example)).unwrap();
+        let len = fs::metadata(&path).unwrap().len();
+        fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(len - 300).unwrap();
+        let err = Hdf5Images::open(&path).unwrap_err();
+        assert!(err.to_string().contains("cut.h5"), "{err}");
     }
 
     /// Ways to break an otherwise valid file.

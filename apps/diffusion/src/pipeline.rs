@@ -95,9 +95,15 @@ impl StableDiffusion {
         self.text_encoder_vs.device()
     }
 
-    /// The weights' kind.
+    /// The UNet's weights' kind.
     pub fn kind(&self) -> Kind {
-        self.unet_vs.variables().values().next().map_or(Kind::Float, |t| t.kind())
+        kind_of(&self.unet_vs)
+    }
+
+    /// The VAE's weights' kind: fp32 for sampling (see [`StableDiffusion::load`]), the compute
+    /// kind under `finetune` (diffusers' `weight_dtype`).
+    pub fn vae_kind(&self) -> Kind {
+        kind_of(&self.vae_vs)
     }
 
     /// Pixels per latent along each side (2^(VAE levels - 1); 8 for Stable Diffusion).
@@ -116,4 +122,9 @@ impl StableDiffusion {
         let (ids, _) = self.tokenizer.encode_batch(prompts, self.device())?;
         tch::no_grad(|| self.text_encoder.forward(&ids, None))
     }
+}
+
+/// The kind of `vs`'s weights (fp32 for an empty store).
+fn kind_of(vs: &VarStore) -> Kind {
+    vs.variables().values().next().map_or(Kind::Float, |t| t.kind())
 }

@@ -203,7 +203,8 @@ impl StableDiffusion {
             None => want,
         };
         let latents = tch::no_grad(|| self.denoise(latents, &context, opts, given.steps, unet))?;
-        let images = tch::no_grad(|| self.vae.decode(&latents.f_div_scalar(self.vae.scaling_factor())?))?;
+        let latents = latents.f_div_scalar(self.vae.scaling_factor())?.f_to_kind(self.vae_kind())?;
+        let images = tch::no_grad(|| self.vae.decode(&latents))?.f_to_kind(Kind::Float)?;
         Ok(images.f_div_scalar(2.0)?.f_add_scalar(0.5)?.f_clamp(0.0, 1.0)?)
     }
 

@@ -403,3 +403,55 @@ fn the_command_trains_lora_adapters() {
     ]);
     assert!(!ok && text.contains("--lora-rank 0"), "{text}");
 }
+
+#[test]
+fn frozen_parts_run_in_the_compute_precision_within_the_cap() {
+    let dir = std::env::temp_dir().join(format!("diffusion-finetune-bf16-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let data = dir.join("images");
+    write_images(&data);
+    let (model, out) = (pipeline(), dir.join("run"));
+    let run = |cap: &str| {
+        finetune(&[
+            "--model",
+            model.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--resolution",
+            "16",
+            "--steps",
+            "1",
+            "--micro-batch",
+            "2",
+            "--precision",
+            "bf16",
+            "--validation-prompt",
+            "a red car",
+            "--validation-steps",
+            "1",
+            "--num-validation-images",
+            "1",
+            "--metrics",
+            "log.csv",
+            "--gpu-mem",
+            cap,
+            "-o",
+            out.to_str().unwrap(),
+        ])
+    };
+    // The frozen text encoder and VAE (bf16) alone are more than 16 KiB: named, with their bytes.
+    let (ok, text) = run("16K");
+    assert!(!ok, "{text}");
+    for needle in ["--gpu-mem 16.0 KiB is too small", "text encoder", "VAE", "KiB"] {
+        assert!(text.contains(needle), "{needle:?} in {text}");
+    }
+    // With room, bf16 trains (the VAE encodes bf16 pixels) and validates (it decodes bf16 latents).
+    let (ok, text) = run("1G");
+    assert!(ok, "{text}");
+    let csv = std::fs::read_to_string(out.join("log.csv")).unwrap();
+    let loss: f64 = csv.lines().nth(1).unwrap().split(',').nth(1).unwrap().parse().unwrap();
+    assert!(loss.is_finite() && loss > 0.0, "{csv}");
+    let image = data::folder::decode(&out.join("validation").join("step-1-0.png"), 3).unwrap();
+    assert!(image.pixels.iter().all(|p| p.is_finite()), "a decodable validation image");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -9,7 +9,9 @@
 //!
 //! The UNet's parameters live in Gemini's chunks: fp32 masters, gradients and optimizer state
 //! in host or device memory as the placement decides under `--gpu-mem` (the device's
-//! allocator is capped there too), compute copies in the `--precision` kind; with `--nproc`
+//! allocator is capped there too; Gemini's budget is what the frozen text encoder and VAE,
+//! resident in the compute kind, leave of it: `resident.rs`), compute copies in the
+//! `--precision` kind; with `--nproc`
 //! each rank holds 1/N of every chunk (ZeRO-3) and the gradients are averaged. Each part of the
 //! UNet (time embedding, `conv_in`, every down, mid and up block, the head) is one Gemini
 //! module: only its chunks need be resident while it runs forward or backward.
@@ -27,6 +29,7 @@ pub mod ema;
 mod gemini_unet;
 mod model_folder;
 mod objective;
+mod resident;
 mod validation;
 
 pub use args::FinetuneArgs;
@@ -232,9 +235,9 @@ impl<'a> Trainer<'a> {
     pub fn new(args: &'a FinetuneArgs, world: &'a World) -> anyhow::Result<Trainer<'a>> {
         args.check()?;
         let device = args.job.launch.device(world)?;
-        let budget =
+        let cap =
             args.gpu_mem.as_deref().map(|s| parse_bytes(s).with_context(|| format!("--gpu-mem {s}"))).transpose()?;
-        if let Some(b) = budget {
+        if let Some(b) = cap {
             cap_device_memory(device, b)?;
         }
         let data = CaptionedImages::open(&args.data, args.instance_prompt.as_deref())
@@ -250,8 +253,20 @@ impl<'a> Trainer<'a> {
         if world.rank() == 0 {
             eprintln!("text encoder: {}", sd.text_encoder.key_layout());
         }
-        sd.text_encoder_vs.set_device(device);
-        sd.vae_vs.set_device(device);
+        // The frozen parts compute in the training precision, as diffusers' `weight_dtype`.
+        let kind = args.precision.precision.kind();
+        let mut resident = Vec::new();
+        for (name, vs) in [("text encoder", &mut sd.text_encoder_vs), ("VAE", &mut sd.vae_vs)] {
+            vs.set_kind(kind);
+            vs.set_device(device);
+            resident.push((name, resident::bytes_of(vs)));
+        }
+        if args.lora_rank.is_some() {
+            // Under LoRA the UNet stays whole on the device in the compute kind.
+            let unet = resident::bytes_of(&sd.unet_vs) / Kind::Float.elt_size_in_bytes() * kind.elt_size_in_bytes();
+            resident.push(("UNet (frozen under LoRA)", unet));
+        }
+        let budget = cap.map(|cap| resident::budget_after(cap, &resident)).transpose()?;
         let multiple = sd.size_multiple() as usize;
         if !args.resolution.is_multiple_of(multiple) {
             bail!("--resolution {}: this model needs a multiple of {multiple} pixels", args.resolution);

@@ -63,9 +63,12 @@ pub fn loss(
     let device = sd.device();
     let captions: Vec<&str> = batch.captions.iter().map(String::as_str).collect();
     let context = sd.encode_prompts(&captions)?.f_to_kind(kind)?;
+    // The frozen VAE encodes in its own kind (the compute kind under `finetune`, as diffusers'
+    // `weight_dtype`); the noise arithmetic and the target are fp32 from there.
     let latents = tch::no_grad(|| -> Result<Tensor> {
-        let posterior = sd.vae.encode(&batch.pixels.f_to_device(device)?)?;
-        Ok(posterior.sample_with(&draws.posterior.f_to_device(device)?)?.f_mul_scalar(sd.vae.scaling_factor())?)
+        let posterior = sd.vae.encode(&batch.pixels.f_to_device(device)?.f_to_kind(sd.vae_kind())?)?;
+        let sample = posterior.sample_with(&draws.posterior.f_to_device(device)?)?;
+        Ok(sample.f_mul_scalar(sd.vae.scaling_factor())?.f_to_kind(Kind::Float)?)
     })?;
     let mut noise = draws.noise.f_to_device(device)?;
     if noise_offset != 0.0 {
