@@ -86,6 +86,17 @@ impl InputArgs {
             .collect()
     }
 
+    /// An error when the inputs leave nothing to search for (--features or --msa given).
+    pub fn check_searchable(&self) -> anyhow::Result<()> {
+        match self.features.as_ref().or(self.msa.as_ref()) {
+            Some(path) => bail!(
+                "{} is given, so there is nothing to search for: drop it, or --data-dir and the database flags",
+                path.display()
+            ),
+            None => Ok(()),
+        }
+    }
+
     /// The inputs as read, before any preset's processing, each named (the FASTA record's
     /// name or the features file's stem, made safe for file names; two records that would
     /// share a name are an error, since each gets its own output folder). With `search`
@@ -93,9 +104,7 @@ impl InputArgs {
     /// search whose alignments go to `<out>/<name>/msas/`.
     pub fn read(&self, device: Device, search: Option<(&Search, &Path, Mode)>) -> anyhow::Result<Vec<(String, Query)>> {
         if search.is_some() {
-            if let Some(path) = self.features.as_ref().or(self.msa.as_ref()) {
-                bail!("{} is given, so there is nothing to search for: drop --data-dir and the database flags, or it", path.display());
-            }
+            self.check_searchable()?;
         }
         if let Some(path) = &self.features {
             let features = Features::load_npz(path, device)?;
