@@ -55,7 +55,7 @@ impl Rng {
 
 /// Homologue `i`: about 20% of the query's residues substituted, with its indel if any.
 fn homologue(i: usize) -> String {
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ (i as u64 + 1) * 0x1234_5678);
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ ((i as u64 + 1) * 0x1234_5678));
     let mut s: String = QUERY.chars().map(|c| if rng.next(5) == 0 { rng.residue() } else { c }).collect();
     if WITH_INSERTION.contains(&i) {
         s.insert_str(35, INSERTION);
@@ -67,7 +67,7 @@ fn homologue(i: usize) -> String {
 }
 
 fn random_sequence(i: usize) -> String {
-    let mut rng = Rng(0xdead_beef ^ (i as u64 + 7) * 0x9876_5431);
+    let mut rng = Rng(0xdead_beef ^ ((i as u64 + 7) * 0x9876_5431));
     (0..QUERY.len()).map(|_| rng.residue()).collect()
 }
 
@@ -151,9 +151,8 @@ fn predict_records(root: &Path, out: &str, records: &[(&str, &str)], extra: &[&s
     let fa = root.join("query.fasta");
     write(&fa, &records.iter().map(|(name, seq)| format!(">{name} test query\n{seq}\n")).collect::<String>());
     let out = root.join(out);
-    let mut args: Vec<String> = ["predict", fa.to_str().unwrap(), "--params", params_file().to_str().unwrap()]
-        .map(String::from)
-        .to_vec();
+    let mut args: Vec<String> =
+        ["predict", fa.to_str().unwrap(), "--params", params_file().to_str().unwrap()].map(String::from).to_vec();
     args.extend(["--num-recycle", "0", "--search-cpus", "1", "-o", out.to_str().unwrap()].map(String::from));
     args.extend(extra.iter().map(|s| s.to_string()));
     let out = Command::new(BIN).args(&args).env("FASTFOLD_TEST", "1").output().unwrap();
@@ -189,7 +188,8 @@ fn check_jackhmmer_hits(path: &Path, expected: &BTreeSet<String>) {
     assert_eq!(hit_name(&msa.descriptions[0]).0, "query");
     let names: BTreeSet<String> = msa.descriptions[1..].iter().map(|d| hit_name(d).0.to_string()).collect();
     assert_eq!(&names, expected, "{}: hits", path.display());
-    for ((row, deletions), description) in msa.sequences.iter().zip(&msa.deletion_matrix).zip(&msa.descriptions).skip(1) {
+    for ((row, deletions), description) in msa.sequences.iter().zip(&msa.deletion_matrix).zip(&msa.descriptions).skip(1)
+    {
         let (name, range) = hit_name(description);
         let (from, to) = range.unwrap();
         let i: usize = name.trim_start_matches(|c: char| c.is_alphabetic()).parse().unwrap();
@@ -248,10 +248,11 @@ fn reduced_dbs_search_finds_the_homologues_and_feeds_the_model() {
     let f = features(&root);
     assert_eq!(num_alignments(&f), 1 + 24);
     assert_eq!(f["num_alignments"].int64_value(&[0]), 25);
-    let rows: HashSet<String> = [msas.join("uniref90_hits.sto"), msas.join("small_bfd_hits.sto"), msas.join("mgnify_hits.sto")]
-        .iter()
-        .flat_map(|p| read_sto(p).sequences)
-        .collect();
+    let rows: HashSet<String> =
+        [msas.join("uniref90_hits.sto"), msas.join("small_bfd_hits.sto"), msas.join("mgnify_hits.sto")]
+            .iter()
+            .flat_map(|p| read_sto(p).sequences)
+            .collect();
     assert_eq!(rows.len(), 25);
     let deletions: i64 = f["deletion_matrix_int"].sum(tch::Kind::Int64).int64_value(&[]);
     assert_eq!(deletions, (WITH_INSERTION.len() * INSERTION.len()) as i64);
@@ -260,7 +261,8 @@ fn reduced_dbs_search_finds_the_homologues_and_feeds_the_model() {
     // same features; without the flag the missing binary is an error naming it.
     let before = f["msa"].copy();
     let data_s = data.to_str().unwrap();
-    let no_tool = ["--data-dir", data_s, "--db-preset", "reduced_dbs", "--jackhmmer-binary-path", "/nonexistent/jackhmmer"];
+    let no_tool =
+        ["--data-dir", data_s, "--db-preset", "reduced_dbs", "--jackhmmer-binary-path", "/nonexistent/jackhmmer"];
     predict_ok(&root, &[&no_tool[..], &["--use-precomputed-msas"]].concat());
     assert!(features(&root)["msa"].equal(&before));
     let (ok, text) = predict(&root, &no_tool);
@@ -357,7 +359,14 @@ fn missing_databases_and_failing_tools_are_named() {
     write(&mgnify, &fasta_db(14..20, &[], 0..0));
     let (ok, text) = predict(
         &root,
-        &["--data-dir", data.to_str().unwrap(), "--db-preset", "reduced_dbs", "--uniref90-database-path", bad.to_str().unwrap()],
+        &[
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--db-preset",
+            "reduced_dbs",
+            "--uniref90-database-path",
+            bad.to_str().unwrap(),
+        ],
     );
     assert!(!ok && text.contains("jackhmmer failed against") && text.contains("bad.fasta"), "{text}");
     assert!(text.to_lowercase().contains("pars") || text.to_lowercase().contains("format"), "stderr quoted: {text}");

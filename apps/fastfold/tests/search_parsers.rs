@@ -93,7 +93,11 @@ fn merged_msa_features_equal_alphafold_make_msa_features() {
     let merged = msa::merge(&[&u, &b, &m]);
     let raw = RawFeatures::new(QUERY, Some((&merged, Path::new("merged")))).unwrap();
     let ints = |v: &Value| -> Vec<Vec<i64>> {
-        v.as_array().unwrap().iter().map(|r| r.as_array().unwrap().iter().map(|x| x.as_i64().unwrap()).collect()).collect()
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r.as_array().unwrap().iter().map(|x| x.as_i64().unwrap()).collect())
+            .collect()
     };
     assert_eq!(raw.num_alignments as i64, e["num_alignments"].as_i64().unwrap());
     assert_eq!(raw.msa, ints(&e["msa"]));

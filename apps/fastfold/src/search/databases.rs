@@ -119,7 +119,8 @@ impl DatabaseArgs {
             };
             let present = if hhsuite { hhsuite_database_exists(&p) } else { p.is_file() };
             if check && !present {
-                let what = if hhsuite { "an HH-suite database (no <prefix>_*.ffindex/.ffdata files)" } else { "a file" };
+                let what =
+                    if hhsuite { "an HH-suite database (no <prefix>_*.ffindex/.ffdata files)" } else { "a file" };
                 missing.push(format!("{} (--{flag}) is not {what}", p.display()));
             }
             p
@@ -136,7 +137,11 @@ impl DatabaseArgs {
             }
         };
         if !missing.is_empty() {
-            bail!("homology search databases missing (--db-preset {}):\n  {}", self.db_preset.name(), missing.join("\n  "));
+            bail!(
+                "homology search databases missing (--db-preset {}):\n  {}",
+                self.db_preset.name(),
+                missing.join("\n  ")
+            );
         }
         Ok(Databases { uniref90, mgnify, bfd })
     }

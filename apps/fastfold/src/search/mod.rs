@@ -178,22 +178,32 @@ impl Ctx<'_> {
                 check_exists(step.database, "jackhmmer")?;
                 let out = self.work.path().join(step.file);
                 let cpus = threads(self.search.cpus, JACKHMMER_CPUS);
-                let args: Vec<OsString> = [
-                    "-o", "/dev/null", "-A",
-                ]
-                .iter()
-                .map(OsString::from)
-                .chain([out.clone().into_os_string()])
-                .chain(
-                    [
-                        "--noali", "--F1", "0.0005", "--F2", "0.00005", "--F3", "0.0000005", "--incE", "0.0001", "-E",
-                        "0.0001", "-N", "1", "--cpu",
-                    ]
+                let args: Vec<OsString> = ["-o", "/dev/null", "-A"]
                     .iter()
-                    .map(OsString::from),
-                )
-                .chain([cpus.to_string().into(), self.query.into(), step.database.into()])
-                .collect();
+                    .map(OsString::from)
+                    .chain([out.clone().into_os_string()])
+                    .chain(
+                        [
+                            "--noali",
+                            "--F1",
+                            "0.0005",
+                            "--F2",
+                            "0.00005",
+                            "--F3",
+                            "0.0000005",
+                            "--incE",
+                            "0.0001",
+                            "-E",
+                            "0.0001",
+                            "-N",
+                            "1",
+                            "--cpu",
+                        ]
+                        .iter()
+                        .map(OsString::from),
+                    )
+                    .chain([cpus.to_string().into(), self.query.into(), step.database.into()])
+                    .collect();
                 self.search.jackhmmer.run(&args, step.database)?;
                 let text = std::fs::read_to_string(&out).with_context(|| {
                     format!("jackhmmer against {} wrote no alignment {}", step.database.display(), out.display())
@@ -216,7 +226,8 @@ impl Ctx<'_> {
                 }
                 let out = self.work.path().join(file);
                 let cpus = threads(self.search.cpus, HHBLITS_CPUS);
-                let mut args: Vec<OsString> = vec!["-i".into(), self.query.into(), "-cpu".into(), cpus.to_string().into()];
+                let mut args: Vec<OsString> =
+                    vec!["-i".into(), self.query.into(), "-cpu".into(), cpus.to_string().into()];
                 args.extend(["-oa3m".into(), out.clone().into_os_string(), "-o".into(), "/dev/null".into()]);
                 for (flag, value) in [
                     ("-n", "3"),
@@ -234,8 +245,9 @@ impl Ctx<'_> {
                 let names: Vec<String> = databases.iter().map(|d| d.display().to_string()).collect();
                 let named = PathBuf::from(names.join(" + "));
                 self.search.hhblits.run(&args, &named)?;
-                let text = std::fs::read_to_string(&out)
-                    .with_context(|| format!("hhblits against {} wrote no alignment {}", named.display(), out.display()))?;
+                let text = std::fs::read_to_string(&out).with_context(|| {
+                    format!("hhblits against {} wrote no alignment {}", named.display(), out.display())
+                })?;
                 (self.save(file, &text)?, text)
             }
         };

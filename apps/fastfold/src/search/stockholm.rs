@@ -97,9 +97,13 @@ pub fn truncate(text: &str, max_sequences: usize) -> String {
     }
     let mut out = String::with_capacity(text.len());
     for line in text.lines() {
-        let kept = if line.trim().is_empty() || line.trim() == "//" || line.starts_with("# STOCKHOLM") {
-            true
-        } else if line.starts_with("#=GC RF") {
+        // Blank lines, the header, the end mark and the reference annotation stay; other
+        // markup goes; sequence and `#=GS` lines stay for the kept names.
+        let structural = line.trim().is_empty()
+            || line.trim() == "//"
+            || line.starts_with("# STOCKHOLM")
+            || line.starts_with("#=GC RF");
+        let kept = if structural {
             true
         } else if line.starts_with('#') && !line.starts_with("#=GS") {
             false
