@@ -155,8 +155,29 @@ fn predict_records(root: &Path, out: &str, records: &[(&str, &str)], extra: &[&s
         ["predict", fa.to_str().unwrap(), "--params", params_file().to_str().unwrap()].map(String::from).to_vec();
     args.extend(["--num-recycle", "0", "--search-cpus", "1", "-o", out.to_str().unwrap()].map(String::from));
     args.extend(extra.iter().map(|s| s.to_string()));
-    let out = Command::new(BIN).args(&args).env("FASTFOLD_TEST", "1").output().unwrap();
+    // Its own temporary folder, to see that the search's scratch folders are removed.
+    let tmp = root.join("tmp");
+    std::fs::create_dir_all(&tmp).unwrap();
+    let out = Command::new(BIN).args(&args).env("FASTFOLD_TEST", "1").env("TMPDIR", &tmp).output().unwrap();
     (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+}
+
+/// The search's scratch folders left in the runs' temporary folder.
+fn scratch_left(root: &Path) -> Vec<String> {
+    std::fs::read_dir(root.join("tmp"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("fastfold-search"))
+        .collect()
+}
+
+/// A shell script standing in for a tool: it appends its arguments to `log`, then runs
+/// `body`.
+fn wrapper(path: &Path, log: &Path, body: &str) -> PathBuf {
+    write(path, &format!("#!/bin/sh\necho \"$@\" >> '{}'\n{body}\n", log.display()));
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    path.to_path_buf()
 }
 
 fn predict_ok(root: &Path, extra: &[&str]) {
@@ -317,7 +338,39 @@ fn full_dbs_search_runs_hhblits_on_bfd_and_uniref30() {
     std::fs::create_dir_all(uniref30.parent().unwrap()).unwrap();
     hhsuite_db(&bfd, &fasta_db(14..18, &[], 15..20));
     hhsuite_db(&uniref30, &fasta_db(18..22, &[0], 20..25));
-    predict_ok(&root, &["--data-dir", data.to_str().unwrap(), "--db-preset", "full_dbs"]);
+    let log = root.join("tools.log");
+    let jackhmmer = wrapper(&root.join("bin/jackhmmer"), &log, "exec jackhmmer \"$@\"");
+    let hhblits = wrapper(&root.join("bin/hhblits"), &log, "exec hhblits \"$@\"");
+    predict_ok(
+        &root,
+        &[
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--db-preset",
+            "full_dbs",
+            "--jackhmmer-binary-path",
+            jackhmmer.to_str().unwrap(),
+            "--hhblits-binary-path",
+            hhblits.to_str().unwrap(),
+        ],
+    );
+    // Each tool ran with the thread count given and AlphaFold's settings.
+    let calls = std::fs::read_to_string(&log).unwrap();
+    let calls: Vec<&str> = calls.lines().collect();
+    assert_eq!(calls.len(), 3, "{calls:?}");
+    for call in &calls[..2] {
+        for flag in ["--cpu 1 ", "-N 1 ", "-E 0.0001 ", "--incE 0.0001 ", "--F1 0.0005 ", "--noali"] {
+            assert!(call.contains(flag), "jackhmmer call without {flag:?}: {call}");
+        }
+    }
+    assert!(calls[0].ends_with("uniref90/uniref90.fasta") && calls[1].ends_with("mgy_clusters_2022_05.fa"));
+    for flag in
+        ["-cpu 1 ", "-n 3 ", "-e 0.001 ", "-maxseq 1000000 ", "-realign_max 100000 ", "-min_prefilter_hits 1000 "]
+    {
+        assert!(calls[2].contains(flag), "hhblits call without {flag:?}: {}", calls[2]);
+    }
+    assert!(calls[2].contains(&format!("-d {} -d {}", bfd.display(), uniref30.display())), "{}", calls[2]);
+    assert!(scratch_left(&root).is_empty(), "{:?}", scratch_left(&root));
     let msas = root.join("out/query/msas");
     check_jackhmmer_hits(&msas.join("uniref90_hits.sto"), &names(0..10, &[]));
     check_jackhmmer_hits(&msas.join("mgnify_hits.sto"), &names(10..14, &[]));
@@ -371,6 +424,25 @@ fn missing_databases_and_failing_tools_are_named() {
     assert!(!ok && text.contains("jackhmmer failed against") && text.contains("bad.fasta"), "{text}");
     assert!(text.to_lowercase().contains("pars") || text.to_lowercase().contains("format"), "stderr quoted: {text}");
     assert!(!root.join("out/query/msas/uniref90_hits.sto").exists());
+    assert!(scratch_left(&root).is_empty(), "scratch folders left after a failure: {:?}", scratch_left(&root));
+
+    // Only the tail of a long stderr is quoted, with the exit status.
+    let log = root.join("noisy.log");
+    let noisy =
+        wrapper(&root.join("bin/noisy"), &log, "for i in $(seq 1 40); do echo \"noise line $i\" >&2; done; exit 3");
+    let (ok, text) = predict(
+        &root,
+        &[
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--db-preset",
+            "reduced_dbs",
+            "--jackhmmer-binary-path",
+            noisy.to_str().unwrap(),
+        ],
+    );
+    assert!(!ok && text.contains("noise line 40") && text.contains("noise line 21"), "{text}");
+    assert!(!text.contains("noise line 20\n") && text.contains("exit status: 3"), "{text}");
 
     // An alignment given and a search asked for: one or the other.
     let a3m = root.join("given.a3m");
