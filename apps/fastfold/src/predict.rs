@@ -160,7 +160,7 @@ pub fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predicted>> 
 fn read_inputs(args: &PredictArgs, world: &World, device: Device) -> anyhow::Result<Vec<(String, Query)>> {
     let out = args.out.as_path();
     let mode = if world.rank() == 0 { Mode::Search } else { Mode::ReadSaved };
-    if args.search.databases.requested() {
+    if args.search.requested() {
         args.input.check_searchable()?;
     }
     let search = args.search.search(mode)?;

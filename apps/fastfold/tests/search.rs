@@ -140,6 +140,25 @@ fn hhsuite_db(prefix: &Path, fasta: &str) {
     std::fs::remove_file(seqs).unwrap();
 }
 
+/// A ColabFold-style MMseqs2 database `prefix` (`<prefix>` the cluster representatives,
+/// `_seq` the members, `_aln` their alignments to the representatives, `_h` and `_seq_h` the
+/// headers) of `fasta`'s sequences, built with MMseqs2's own commands.
+fn mmseqs_db(prefix: &Path, fasta: &str) {
+    let seqs = prefix.with_extension("fasta");
+    write(&seqs, fasta);
+    let p = |suffix: &str| format!("{}{suffix}", prefix.display());
+    let tmp = p("_tmp");
+    let mmseqs = |args: &[&str]| run(Command::new("mmseqs").args(args).args(["-v", "1"]));
+    mmseqs(&["createdb", seqs.to_str().unwrap(), &p("_seq")]);
+    mmseqs(&["cluster", &p("_seq"), &p("_clu"), &tmp, "--min-seq-id", "0.9", "--threads", "1"]);
+    mmseqs(&["align", &p("_seq"), &p("_seq"), &p("_clu"), &p("_aln"), "-a", "--threads", "1"]);
+    mmseqs(&["createsubdb", &p("_clu"), &p("_seq"), &p("")]);
+    mmseqs(&["createsubdb", &p("_clu"), &p("_seq_h"), &p("_h")]);
+    mmseqs(&["rmdb", &p("_clu")]);
+    std::fs::remove_dir_all(tmp).unwrap();
+    std::fs::remove_file(seqs).unwrap();
+}
+
 /// Runs `fastfold predict` on the query; returns (success, stdout + stderr).
 fn predict(root: &Path, extra: &[&str]) -> (bool, String) {
     predict_records(root, "out", &[("query", QUERY)], extra)
@@ -393,6 +412,61 @@ fn full_dbs_search_runs_hhblits_on_bfd_and_uniref30() {
 }
 
 #[test]
+fn mmseqs2_mode_runs_colabfolds_search() {
+    let root = dir("mmseqs");
+    let data = root.join("colabfold");
+    std::fs::create_dir_all(&data).unwrap();
+    mmseqs_db(&data.join("uniref30_2302_db"), &fasta_db(0..12, &[], 0..12));
+    mmseqs_db(&data.join("colabfold_envdb_202108_db"), &fasta_db(12..20, &[0], 12..24));
+    let log = root.join("tools.log");
+    let mmseqs = wrapper(&root.join("bin/mmseqs"), &log, "exec mmseqs \"$@\"");
+    predict_ok(
+        &root,
+        &[
+            "--msa-mode",
+            "mmseqs2",
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--mmseqs-binary-path",
+            mmseqs.to_str().unwrap(),
+        ],
+    );
+    let calls = std::fs::read_to_string(&log).unwrap();
+    let searches: Vec<&str> = calls.lines().filter(|c| c.starts_with("search ")).collect();
+    assert_eq!(searches.len(), 2, "UniRef30 then the environmental database: {calls}");
+    for call in &searches {
+        for flag in ["--threads 1 ", "--num-iterations 3 ", "-e 0.1 ", "--max-seqs 10000 ", "-s 8.0"] {
+            assert!(call.contains(flag), "mmseqs search without {flag:?}: {call}");
+        }
+    }
+    assert!(scratch_left(&root).is_empty(), "{:?}", scratch_left(&root));
+
+    let a3m = data::a3m::read(&root.join("out/query/msas/mmseqs2_uniref_env.a3m")).unwrap();
+    assert_eq!(a3m.sequences[0], QUERY);
+    // Both databases' homologues and no random sequence (copy0 repeats hom0's row).
+    let found: BTreeSet<String> = a3m.descriptions[1..].iter().map(|d| hit_name(d).0.to_string()).collect();
+    assert_eq!(found, names(0..20, &[]));
+    for ((row, deletions), description) in a3m.sequences.iter().zip(&a3m.deletion_matrix).zip(&a3m.descriptions).skip(1)
+    {
+        let i: usize = hit_name(description).0.trim_start_matches(|c: char| c.is_alphabetic()).parse().unwrap();
+        let deleted: u32 = deletions.iter().sum();
+        if WITH_INSERTION.contains(&i) {
+            assert_eq!(deleted as usize, INSERTION.len(), "{description}: {deletions:?}");
+        } else if !WITH_DELETION.contains(&i) {
+            // Substitutions only: column j holds the homologue's residue j, but for a gap
+            // MMseqs2 may open near a substituted end.
+            let seq = homologue(i);
+            let aligned: Vec<(usize, char)> = row.chars().enumerate().filter(|&(_, c)| c != '-').collect();
+            let same = aligned.iter().filter(|&&(j, c)| seq.as_bytes()[j] as char == c).count();
+            assert!(same + 2 >= aligned.len() && aligned.len() >= 60, "{description}: {row}");
+            assert_eq!(deleted, 0, "{description}");
+        }
+    }
+    assert_eq!(num_alignments(&features(&root)), 1 + 20);
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+#[test]
 fn missing_databases_and_failing_tools_are_named() {
     let root = dir("errors");
     let data = reduced_data_dir(&root);
@@ -403,6 +477,11 @@ fn missing_databases_and_failing_tools_are_named() {
     // full_dbs names the HH-suite databases it lacks.
     let (ok, text) = predict(&root, &["--data-dir", data.to_str().unwrap()]);
     assert!(!ok && text.contains("--bfd-database-path") && text.contains("--uniref30-database-path"), "{text}");
+
+    // ColabFold's databases are named when absent.
+    let (ok, text) = predict(&root, &["--data-dir", data.to_str().unwrap(), "--msa-mode", "mmseqs2"]);
+    assert!(!ok && text.contains("uniref30_2302_db (--mmseqs-uniref-db)"), "{text}");
+    assert!(text.contains("colabfold_envdb_202108_db (--mmseqs-env-db)"), "{text}");
 
     // A database jackhmmer cannot read: its error names the tool, the database and quotes
     // jackhmmer's stderr; nothing is left in msas/.

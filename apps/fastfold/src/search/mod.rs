@@ -5,8 +5,10 @@
 //! `mgnify_hits.sto`, `bfd_uniref_hits.a3m` or `small_bfd_hits.sto`), UniRef90 capped at
 //! 10,000 sequences and MGnify at 501 as AlphaFold caps them; `--use-precomputed-msas` reads
 //! those files back instead of searching again. The three alignments are merged (duplicates
-//! dropped) into the MSA the features are made from.
+//! dropped) into the MSA the features are made from. `--msa-mode mmseqs2` runs ColabFold's
+//! local MMseqs2 search instead ([`mmseqs`]), saved as `msas/mmseqs2_uniref_env.a3m`.
 pub mod databases;
+pub mod mmseqs;
 pub mod msa;
 pub mod stockholm;
 pub mod tools;
@@ -19,15 +21,28 @@ use anyhow::{bail, Context};
 use data::a3m::Msa;
 
 use databases::{Bfd, DatabaseArgs, Databases};
+use mmseqs::MmseqsDatabases;
 use tools::{threads, Tool, WorkDir};
 
 /// Sequences kept from the UniRef90 search (AlphaFold's `uniref_max_hits`).
 pub const UNIREF_MAX_HITS: usize = 10_000;
 /// Sequences kept from the MGnify search (AlphaFold's `mgnify_max_hits`).
 pub const MGNIFY_MAX_HITS: usize = 501;
+/// Where ColabFold's search result is saved under `msas/`.
+const MMSEQS_FILE: &str = "mmseqs2_uniref_env.a3m";
 /// Threads AlphaFold gives jackhmmer and hhblits (`n_cpu`).
 const JACKHMMER_CPUS: usize = 8;
 const HHBLITS_CPUS: usize = 4;
+
+/// Which search finds the MSA.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum MsaMode {
+    /// AlphaFold's: jackhmmer and hhblits in AlphaFold's databases.
+    #[default]
+    Alphafold,
+    /// ColabFold's local search: MMseqs2 in ColabFold's UniRef30 and environmental databases.
+    Mmseqs2,
+}
 
 /// The search's options.
 #[derive(clap::Args, Debug, Clone, Default)]
@@ -35,12 +50,27 @@ pub struct SearchArgs {
     /// The databases.
     #[command(flatten)]
     pub databases: DatabaseArgs,
+    /// alphafold (jackhmmer/hhblits, AlphaFold's databases under --data-dir) or mmseqs2
+    /// (ColabFold's local search; --data-dir holds ColabFold's uniref30_2302_db and
+    /// colabfold_envdb_202108_db, as its setup_databases.sh makes them).
+    #[arg(long, value_enum, default_value = "alphafold")]
+    pub msa_mode: MsaMode,
+    /// ColabFold's UniRef30 MMseqs2 database (default: <data-dir>/uniref30_2302_db).
+    #[arg(long)]
+    pub mmseqs_uniref_db: Option<PathBuf>,
+    /// ColabFold's environmental MMseqs2 database (default:
+    /// <data-dir>/colabfold_envdb_202108_db).
+    #[arg(long)]
+    pub mmseqs_env_db: Option<PathBuf>,
+    /// The mmseqs binary (default: `mmseqs` on PATH).
+    #[arg(long)]
+    pub mmseqs_binary_path: Option<PathBuf>,
     /// Reuse the alignments a previous run saved under <out>/<query>/msas/ instead of
     /// searching again (a missing one is searched for).
     #[arg(long)]
     pub use_precomputed_msas: bool,
     /// Threads for each search tool (default: AlphaFold's, 8 for jackhmmer and 4 for hhblits,
-    /// at most the cores there are).
+    /// and every core for mmseqs, at most the cores there are).
     #[arg(long)]
     pub search_cpus: Option<usize>,
     /// The jackhmmer binary (default: `jackhmmer` on PATH).
@@ -61,12 +91,20 @@ pub enum Mode {
     ReadSaved,
 }
 
+/// The databases of one kind of search.
+#[derive(Clone, Debug)]
+enum Plan {
+    AlphaFold(Databases),
+    Mmseqs(MmseqsDatabases),
+}
+
 /// A resolved search: the databases, the tools and their threads.
 #[derive(Clone, Debug)]
 pub struct Search {
-    databases: Databases,
+    plan: Plan,
     jackhmmer: Tool,
     hhblits: Tool,
+    mmseqs: Tool,
     cpus: Option<usize>,
     reuse: bool,
 }
@@ -76,20 +114,37 @@ impl SearchArgs {
     /// database flag). Missing databases are an error naming each (not checked when only
     /// reading saved results, or when reusing them: a rerun needs only its `msas/`).
     pub fn search(&self, mode: Mode) -> anyhow::Result<Option<Search>> {
-        if !self.databases.requested() {
+        if !self.requested() {
             return Ok(None);
         }
         if self.search_cpus == Some(0) {
             bail!("--search-cpus must be at least 1");
         }
         let check = mode == Mode::Search && !self.use_precomputed_msas;
+        let plan = match self.msa_mode {
+            MsaMode::Alphafold => Plan::AlphaFold(self.databases.resolve(check)?),
+            MsaMode::Mmseqs2 => Plan::Mmseqs(MmseqsDatabases::resolve(
+                self.databases.data_dir.as_deref(),
+                self.mmseqs_uniref_db.as_deref(),
+                self.mmseqs_env_db.as_deref(),
+                check,
+            )?),
+        };
         Ok(Some(Search {
-            databases: self.databases.resolve(check)?,
+            plan,
             jackhmmer: Tool::new("jackhmmer", self.jackhmmer_binary_path.as_deref()),
             hhblits: Tool::new("hhblits", self.hhblits_binary_path.as_deref()),
+            mmseqs: Tool::new("mmseqs", self.mmseqs_binary_path.as_deref()),
             cpus: self.search_cpus,
             reuse: self.use_precomputed_msas || mode == Mode::ReadSaved,
         }))
+    }
+}
+
+impl SearchArgs {
+    /// Whether a search was asked for: a data directory or any database flag.
+    pub fn requested(&self) -> bool {
+        self.databases.requested() || self.mmseqs_uniref_db.is_some() || self.mmseqs_env_db.is_some()
     }
 }
 
@@ -112,7 +167,10 @@ impl Search {
         std::fs::write(&query, format!(">{name}\n{sequence}\n"))
             .with_context(|| format!("writing {}", query.display()))?;
         let ctx = Ctx { search: self, query: &query, work: &work, msa_dir, mode };
-        let db = &self.databases;
+        let db = match &self.plan {
+            Plan::AlphaFold(db) => db,
+            Plan::Mmseqs(dbs) => return ctx.mmseqs(MMSEQS_FILE, dbs),
+        };
         let uniref90 = ctx.jackhmmer(&Step {
             file: "uniref90_hits.sto",
             database: &db.uniref90,
@@ -248,6 +306,21 @@ impl Ctx<'_> {
                 let text = std::fs::read_to_string(&out).with_context(|| {
                     format!("hhblits against {} wrote no alignment {}", named.display(), out.display())
                 })?;
+                (self.save(file, &text)?, text)
+            }
+        };
+        Ok(data::a3m::parse(&text, &path)?)
+    }
+}
+
+impl Ctx<'_> {
+    /// ColabFold's search in `dbs`, its A3M saved as `file`.
+    fn mmseqs(&self, file: &str, dbs: &MmseqsDatabases) -> anyhow::Result<Msa> {
+        let (path, text) = match self.saved(file)? {
+            Some(saved) => saved,
+            None => {
+                let cpus = threads(self.search.cpus, usize::MAX);
+                let text = mmseqs::search(&self.search.mmseqs, dbs, self.query, self.work.path(), cpus)?;
                 (self.save(file, &text)?, text)
             }
         };
