@@ -139,9 +139,7 @@ impl SearchArgs {
             reuse: self.use_precomputed_msas || mode == Mode::ReadSaved,
         }))
     }
-}
 
-impl SearchArgs {
     /// Whether a search was asked for: a data directory or any database flag.
     pub fn requested(&self) -> bool {
         self.databases.requested() || self.mmseqs_uniref_db.is_some() || self.mmseqs_env_db.is_some()
