@@ -12,6 +12,7 @@ use tch::Device;
 use crate::features::{process, FeatureConfig, Features, RawFeatures};
 use crate::model::Params;
 use crate::preset::Preset;
+use crate::search::{Mode, Search};
 
 /// The inputs: FASTA (+ A3M) or processed features.
 #[derive(clap::Args, Debug, Clone)]
@@ -79,16 +80,32 @@ impl InputArgs {
         preset: Option<Preset>,
         device: Device,
     ) -> anyhow::Result<Vec<(String, Features)>> {
-        self.read(device)?
+        self.read(device, None)?
             .into_iter()
             .map(|(name, query)| Ok((name.clone(), self.process(&query, recycles, preset, device, &name)?)))
             .collect()
     }
 
+    /// An error when the inputs leave nothing to search for (--features or --msa given).
+    pub fn check_searchable(&self) -> anyhow::Result<()> {
+        match self.features.as_ref().or(self.msa.as_ref()) {
+            Some(path) => bail!(
+                "{} is given, so there is nothing to search for: drop it, or --data-dir and the database flags",
+                path.display()
+            ),
+            None => Ok(()),
+        }
+    }
+
     /// The inputs as read, before any preset's processing, each named (the FASTA record's
     /// name or the features file's stem, made safe for file names; two records that would
-    /// share a name are an error, since each gets its own output folder).
-    pub fn read(&self, device: Device) -> anyhow::Result<Vec<(String, Query)>> {
+    /// share a name are an error, since each gets its own output folder). With `search`
+    /// (the search, the output folder, the mode), each record's MSA comes from a homology
+    /// search whose alignments go to `<out>/<name>/msas/`.
+    pub fn read(&self, device: Device, search: Option<(&Search, &Path, Mode)>) -> anyhow::Result<Vec<(String, Query)>> {
+        if search.is_some() {
+            self.check_searchable()?;
+        }
         if let Some(path) = &self.features {
             let features = Features::load_npz(path, device)?;
             let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
@@ -122,8 +139,17 @@ impl InputArgs {
                     i + 1
                 );
             }
-            let raw = RawFeatures::new(&r.sequence, msa.as_ref().map(|(m, p)| (m, p.as_path())))
-                .with_context(|| format!("record {}", r.name))?;
+            let raw = match search {
+                Some((search, out, mode)) => {
+                    let msas = out.join(&name).join("msas");
+                    let found = search
+                        .run(&name, &r.sequence, &msas, mode)
+                        .with_context(|| format!("searching for homologues of {}", r.name))?;
+                    RawFeatures::new(&r.sequence, Some((&found, &msas)))
+                }
+                None => RawFeatures::new(&r.sequence, msa.as_ref().map(|(m, p)| (m, p.as_path()))),
+            }
+            .with_context(|| format!("record {}", r.name))?;
             read.push((name, Query::Raw(raw)));
         }
         Ok(read)

@@ -1,5 +1,5 @@
 //! `fastfold`: AlphaFold 2 structure prediction with dynamic axial parallelism (DAP): input
-//! features, residue tables, the model, confidence measures, losses and PDB output.
+//! features, homology search, residue tables, the model, confidence measures, losses and PDB output.
 pub mod confidence;
 pub mod features;
 pub mod geometry;
@@ -11,4 +11,5 @@ pub mod predict;
 pub mod preset;
 pub mod ranking;
 pub mod residue_constants;
+pub mod search;
 pub mod train;

@@ -10,9 +10,9 @@ use fastfold::train::{self, TrainArgs};
 enum Cli {
     /// Predict structures with one or several models: unrelaxed PDBs, confidence JSON, the
     /// ranking and timings, optionally the raw outputs.
-    Predict(PredictArgs),
+    Predict(Box<PredictArgs>),
     /// Train on one query and its known structure (distogram loss and backbone FAPE, Adam).
-    Train(TrainArgs),
+    Train(Box<TrainArgs>),
     /// Convert AlphaFold parameters between .npz and .safetensors (by the file extensions).
     Convert {
         /// The parameter file to read.

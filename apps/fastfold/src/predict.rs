@@ -1,10 +1,11 @@
-//! `fastfold predict`: sequences (FASTA, optional A3M alignment) or AlphaFold's processed
-//! features to unrelaxed structures, confidence and, optionally, the raw outputs, as
+//! `fastfold predict`: sequences (FASTA, with an MSA searched for in AlphaFold's databases
+//! or given as A3M) or AlphaFold's processed features to unrelaxed structures, confidence and, optionally, the raw outputs, as
 //! `run_alphafold.py` lays them out: one folder per query, every model of a `--params`
 //! directory in turn on the same features, ranked by confidence, with the steps' timings.
 //!
 //! Every rank runs the same model; with more than one rank the Evoformer and extra-MSA stacks
-//! run under dynamic axial parallelism and rank 0 writes the files.
+//! run under dynamic axial parallelism and rank 0 writes the files; rank 0 also runs the
+//! homology search, and the other ranks read the alignments it saved.
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -27,6 +28,7 @@ use crate::models::{self, ModelChoice, ModelFile};
 use crate::pdb::Structure;
 use crate::preset::Preset;
 use crate::ranking::{Ranking, Timings};
+use crate::search::{Mode, SearchArgs};
 
 /// `fastfold predict`'s options.
 #[derive(clap::Args, Debug, Clone)]
@@ -36,6 +38,9 @@ pub struct PredictArgs {
     /// The sequences or features to predict.
     #[command(flatten)]
     pub input: InputArgs,
+    /// Homology search for the FASTA records' MSAs.
+    #[command(flatten)]
+    pub search: SearchArgs,
     /// AlphaFold parameters: one file, `params_model_N[_ptm].npz` (the name gives the preset)
     /// or its `.safetensors` conversion, or a directory of such files (see --models).
     #[arg(long)]
@@ -125,8 +130,9 @@ impl Model {
 pub fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predicted>> {
     let runner = Runner::new(args, world)?;
     let read_start = Instant::now();
-    let queries = args.input.read(runner.device)?;
-    // AlphaFold's `features` step: here the reading of the input files, for all queries.
+    let queries = read_inputs(args, world, runner.device)?;
+    // AlphaFold's `features` step: the reading of the input files and the homology search,
+    // for all queries.
     let read_seconds = read_start.elapsed().as_secs_f64();
     let mut done = Vec::new();
     for (name, query) in &queries {
@@ -147,6 +153,35 @@ pub fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predicted>> 
         }
     }
     Ok(done)
+}
+
+/// The queries: with a search, rank 0 searches (saving the alignments and each query's
+/// `features.npz` under its folder) while the other ranks wait, then read what it saved.
+fn read_inputs(args: &PredictArgs, world: &World, device: Device) -> anyhow::Result<Vec<(String, Query)>> {
+    let out = args.out.as_path();
+    let mode = if world.rank() == 0 { Mode::Search } else { Mode::ReadSaved };
+    if args.search.requested() {
+        args.input.check_searchable()?;
+    }
+    let search = args.search.search(mode)?;
+    let several = world.size() > 1 && search.is_some();
+    if several && mode == Mode::ReadSaved {
+        world.group.barrier().context("waiting for rank 0's homology search")?;
+    }
+    let queries = args.input.read(device, search.as_ref().map(|s| (s, out, mode)))?;
+    if mode == Mode::Search {
+        for (name, query) in &queries {
+            if let Query::Raw(raw) = query {
+                let dir = out.join(name);
+                std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+                raw.save_npz(&dir.join("features.npz"))?;
+            }
+        }
+        if several {
+            world.group.barrier().context("telling the other ranks the homology search is done")?;
+        }
+    }
+    Ok(queries)
 }
 
 /// What every prediction of one run shares: the checked options, the device and DAP context,

@@ -12,6 +12,7 @@
 //! Kinds: index features (`aatype`, `residue_index`, `seq_length`, `true_msa`, `extra_msa`,
 //! `residx_*`) are int64, everything else float32, whatever the file stored.
 mod pipeline;
+mod raw_npz;
 pub mod rng;
 
 use std::collections::HashMap;

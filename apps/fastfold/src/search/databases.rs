@@ -1,0 +1,159 @@
+//! Where the sequence databases are: AlphaFold's download layout under `--data-dir`
+//! (`scripts/download_all_data.sh`, the paths `docker/run_docker.py` passes to
+//! `run_alphafold.py`), each path overridable by the flag `run_alphafold.py` names it with.
+use std::path::{Path, PathBuf};
+
+use anyhow::bail;
+
+/// AlphaFold's `--db_preset`: which databases the MSA search uses besides UniRef90 and MGnify.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+#[clap(rename_all = "snake_case")]
+pub enum DbPreset {
+    /// hhblits against BFD and UniRef30.
+    #[default]
+    FullDbs,
+    /// jackhmmer against the small BFD.
+    ReducedDbs,
+}
+
+impl DbPreset {
+    /// The preset's name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            DbPreset::FullDbs => "full_dbs",
+            DbPreset::ReducedDbs => "reduced_dbs",
+        }
+    }
+}
+
+/// Each database's path under the data directory, as AlphaFold's downloads lay them out.
+pub const UNIREF90: &str = "uniref90/uniref90.fasta";
+/// MGnify clusters (FASTA).
+pub const MGNIFY: &str = "mgnify/mgy_clusters_2022_05.fa";
+/// BFD (an HH-suite database prefix).
+pub const BFD: &str = "bfd/bfd_metaclust_clu_complete_id30_c90_final_seq.sorted_opt";
+/// The small BFD (FASTA).
+pub const SMALL_BFD: &str = "small_bfd/bfd-first_non_consensus_sequences.fasta";
+/// UniRef30 (an HH-suite database prefix).
+pub const UNIREF30: &str = "uniref30/UniRef30_2021_03";
+
+/// `--data-dir` and the per-database overrides.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct DatabaseArgs {
+    /// AlphaFold's database folder (`uniref90/`, `mgnify/`, `bfd/` or `small_bfd/`,
+    /// `uniref30/`, as its download scripts lay it out): search it for homologues of every
+    /// query. Without it (and without the database flags) queries run on --msa or alone.
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// Which databases besides UniRef90 and MGnify: full_dbs (hhblits against BFD and
+    /// UniRef30) or reduced_dbs (jackhmmer against the small BFD).
+    #[arg(long, value_enum, default_value = "full_dbs")]
+    pub db_preset: DbPreset,
+    /// UniRef90 FASTA (default: <data-dir>/uniref90/uniref90.fasta).
+    #[arg(long)]
+    pub uniref90_database_path: Option<PathBuf>,
+    /// MGnify FASTA (default: <data-dir>/mgnify/mgy_clusters_2022_05.fa).
+    #[arg(long)]
+    pub mgnify_database_path: Option<PathBuf>,
+    /// BFD, an HH-suite database prefix (full_dbs; default:
+    /// <data-dir>/bfd/bfd_metaclust_clu_complete_id30_c90_final_seq.sorted_opt).
+    #[arg(long)]
+    pub bfd_database_path: Option<PathBuf>,
+    /// UniRef30, an HH-suite database prefix (full_dbs; default:
+    /// <data-dir>/uniref30/UniRef30_2021_03).
+    #[arg(long)]
+    pub uniref30_database_path: Option<PathBuf>,
+    /// Small BFD FASTA (reduced_dbs; default:
+    /// <data-dir>/small_bfd/bfd-first_non_consensus_sequences.fasta).
+    #[arg(long)]
+    pub small_bfd_database_path: Option<PathBuf>,
+}
+
+/// The third search of the preset.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Bfd {
+    /// hhblits against these HH-suite databases (BFD, UniRef30).
+    Hhblits(Vec<PathBuf>),
+    /// jackhmmer against this FASTA.
+    SmallBfd(PathBuf),
+}
+
+/// The databases one search uses, every path checked to exist.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Databases {
+    /// UniRef90 FASTA.
+    pub uniref90: PathBuf,
+    /// MGnify FASTA.
+    pub mgnify: PathBuf,
+    /// BFD (and UniRef30) or the small BFD.
+    pub bfd: Bfd,
+}
+
+impl DatabaseArgs {
+    /// Whether a search was asked for (a data directory or any database flag).
+    pub fn requested(&self) -> bool {
+        self.data_dir.is_some()
+            || [
+                &self.uniref90_database_path,
+                &self.mgnify_database_path,
+                &self.bfd_database_path,
+                &self.uniref30_database_path,
+                &self.small_bfd_database_path,
+            ]
+            .iter()
+            .any(|p| p.is_some())
+    }
+
+    /// The preset's databases; `Err` names every one that is missing, with its flag. With
+    /// `check` false the paths are only resolved (a rerun on precomputed MSAs needs none).
+    pub fn resolve(&self, check: bool) -> anyhow::Result<Databases> {
+        let mut missing = Vec::new();
+        let mut path = |given: &Option<PathBuf>, default: &str, flag: &str, hhsuite: bool| -> PathBuf {
+            let p = match (given, &self.data_dir) {
+                (Some(p), _) => p.clone(),
+                (None, Some(dir)) => dir.join(default),
+                (None, None) => {
+                    missing.push(format!("--{flag} (or --data-dir)"));
+                    return PathBuf::new();
+                }
+            };
+            let present = if hhsuite { hhsuite_database_exists(&p) } else { p.is_file() };
+            if check && !present {
+                let what =
+                    if hhsuite { "an HH-suite database (no <prefix>_*.ffindex/.ffdata files)" } else { "a file" };
+                missing.push(format!("{} (--{flag}) is not {what}", p.display()));
+            }
+            p
+        };
+        let uniref90 = path(&self.uniref90_database_path, UNIREF90, "uniref90-database-path", false);
+        let mgnify = path(&self.mgnify_database_path, MGNIFY, "mgnify-database-path", false);
+        let bfd = match self.db_preset {
+            DbPreset::FullDbs => Bfd::Hhblits(vec![
+                path(&self.bfd_database_path, BFD, "bfd-database-path", true),
+                path(&self.uniref30_database_path, UNIREF30, "uniref30-database-path", true),
+            ]),
+            DbPreset::ReducedDbs => {
+                Bfd::SmallBfd(path(&self.small_bfd_database_path, SMALL_BFD, "small-bfd-database-path", false))
+            }
+        };
+        if !missing.is_empty() {
+            bail!(
+                "homology search databases missing (--db-preset {}):\n  {}",
+                self.db_preset.name(),
+                missing.join("\n  ")
+            );
+        }
+        Ok(Databases { uniref90, mgnify, bfd })
+    }
+}
+
+/// Whether an HH-suite database with this prefix exists: hhblits reads `<prefix>_a3m`,
+/// `_hhm` and `_cs219` ffindex/ffdata pairs; any of them present is what AlphaFold checks.
+pub(crate) fn hhsuite_database_exists(prefix: &Path) -> bool {
+    let (Some(dir), Some(stem)) = (prefix.parent(), prefix.file_name()) else { return false };
+    let dir = if dir.as_os_str().is_empty() { Path::new(".") } else { dir };
+    let stem = format!("{}_", stem.to_string_lossy());
+    std::fs::read_dir(dir)
+        .map(|entries| entries.flatten().any(|e| e.file_name().to_string_lossy().starts_with(&stem)))
+        .unwrap_or(false)
+}

@@ -1,0 +1,343 @@
+//! Homology search as AlphaFold's data pipeline runs it (`alphafold/data/pipeline.py`):
+//! jackhmmer against UniRef90 and MGnify, then hhblits against BFD + UniRef30
+//! (`--db-preset full_dbs`) or jackhmmer against the small BFD (`reduced_dbs`). Each result is
+//! saved under the query's `msas/` folder with AlphaFold's file names (`uniref90_hits.sto`,
+//! `mgnify_hits.sto`, `bfd_uniref_hits.a3m` or `small_bfd_hits.sto`), UniRef90 capped at
+//! 10,000 sequences and MGnify at 501 as AlphaFold caps them; `--use-precomputed-msas` reads
+//! those files back instead of searching again. The three alignments are merged (duplicates
+//! dropped) into the MSA the features are made from. `--msa-mode mmseqs2` runs ColabFold's
+//! local MMseqs2 search instead ([`mmseqs`]), saved as `msas/mmseqs2_uniref_env.a3m`.
+pub mod databases;
+pub mod mmseqs;
+pub mod msa;
+pub mod stockholm;
+pub mod tools;
+
+use std::ffi::OsString;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use data::a3m::Msa;
+
+use databases::{Bfd, DatabaseArgs, Databases};
+use mmseqs::MmseqsDatabases;
+use tools::{threads, Tool, WorkDir};
+
+/// Sequences kept from the UniRef90 search (AlphaFold's `uniref_max_hits`).
+pub const UNIREF_MAX_HITS: usize = 10_000;
+/// Sequences kept from the MGnify search (AlphaFold's `mgnify_max_hits`).
+pub const MGNIFY_MAX_HITS: usize = 501;
+/// Where ColabFold's search result is saved under `msas/`.
+const MMSEQS_FILE: &str = "mmseqs2_uniref_env.a3m";
+/// Threads AlphaFold gives jackhmmer and hhblits (`n_cpu`).
+const JACKHMMER_CPUS: usize = 8;
+const HHBLITS_CPUS: usize = 4;
+
+/// Which search finds the MSA.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum MsaMode {
+    /// AlphaFold's: jackhmmer and hhblits in AlphaFold's databases.
+    #[default]
+    Alphafold,
+    /// ColabFold's local search: MMseqs2 in ColabFold's UniRef30 and environmental databases.
+    Mmseqs2,
+}
+
+/// The search's options.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct SearchArgs {
+    /// The databases.
+    #[command(flatten)]
+    pub databases: DatabaseArgs,
+    /// alphafold (jackhmmer/hhblits, AlphaFold's databases under --data-dir) or mmseqs2
+    /// (ColabFold's local search; --data-dir holds ColabFold's uniref30_2302_db and
+    /// colabfold_envdb_202108_db, as its setup_databases.sh makes them).
+    #[arg(long, value_enum, default_value = "alphafold")]
+    pub msa_mode: MsaMode,
+    /// ColabFold's UniRef30 MMseqs2 database (default: <data-dir>/uniref30_2302_db).
+    #[arg(long)]
+    pub mmseqs_uniref_db: Option<PathBuf>,
+    /// ColabFold's environmental MMseqs2 database (default:
+    /// <data-dir>/colabfold_envdb_202108_db).
+    #[arg(long)]
+    pub mmseqs_env_db: Option<PathBuf>,
+    /// The mmseqs binary (default: `mmseqs` on PATH).
+    #[arg(long)]
+    pub mmseqs_binary_path: Option<PathBuf>,
+    /// Reuse the alignments a previous run saved under <out>/<query>/msas/ instead of
+    /// searching again (a missing one is searched for).
+    #[arg(long)]
+    pub use_precomputed_msas: bool,
+    /// Threads for each search tool (default: AlphaFold's, 8 for jackhmmer and 4 for hhblits,
+    /// and every core for mmseqs, at most the cores there are).
+    #[arg(long)]
+    pub search_cpus: Option<usize>,
+    /// The jackhmmer binary (default: `jackhmmer` on PATH).
+    #[arg(long)]
+    pub jackhmmer_binary_path: Option<PathBuf>,
+    /// The hhblits binary (default: `hhblits` on PATH).
+    #[arg(long)]
+    pub hhblits_binary_path: Option<PathBuf>,
+}
+
+/// Whether a search may run the tools and write its results.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Search (reusing saved results with --use-precomputed-msas) and save the results.
+    Search,
+    /// Only read results another process saved (the other ranks of a job while rank 0
+    /// searches); a missing one is an error.
+    ReadSaved,
+}
+
+/// The databases of one kind of search.
+#[derive(Clone, Debug)]
+enum Plan {
+    AlphaFold(Databases),
+    Mmseqs(MmseqsDatabases),
+}
+
+/// A resolved search: the databases, the tools and their threads.
+#[derive(Clone, Debug)]
+pub struct Search {
+    plan: Plan,
+    jackhmmer: Tool,
+    hhblits: Tool,
+    mmseqs: Tool,
+    cpus: Option<usize>,
+    reuse: bool,
+}
+
+impl SearchArgs {
+    /// The search the options ask for, `None` when they ask for none (no --data-dir, no
+    /// database flag). Missing databases are an error naming each (not checked when only
+    /// reading saved results, or when reusing them: a rerun needs only its `msas/`).
+    pub fn search(&self, mode: Mode) -> anyhow::Result<Option<Search>> {
+        if !self.requested() {
+            return Ok(None);
+        }
+        if self.search_cpus == Some(0) {
+            bail!("--search-cpus must be at least 1");
+        }
+        let check = mode == Mode::Search && !self.use_precomputed_msas;
+        let plan = match self.msa_mode {
+            MsaMode::Alphafold => Plan::AlphaFold(self.databases.resolve(check)?),
+            MsaMode::Mmseqs2 => Plan::Mmseqs(MmseqsDatabases::resolve(
+                self.databases.data_dir.as_deref(),
+                self.mmseqs_uniref_db.as_deref(),
+                self.mmseqs_env_db.as_deref(),
+                check,
+            )?),
+        };
+        Ok(Some(Search {
+            plan,
+            jackhmmer: Tool::new("jackhmmer", self.jackhmmer_binary_path.as_deref()),
+            hhblits: Tool::new("hhblits", self.hhblits_binary_path.as_deref()),
+            mmseqs: Tool::new("mmseqs", self.mmseqs_binary_path.as_deref()),
+            cpus: self.search_cpus,
+            reuse: self.use_precomputed_msas || mode == Mode::ReadSaved,
+        }))
+    }
+
+    /// Whether a search was asked for: a data directory or any database flag.
+    pub fn requested(&self) -> bool {
+        self.databases.requested() || self.mmseqs_uniref_db.is_some() || self.mmseqs_env_db.is_some()
+    }
+}
+
+/// One alignment file of the search: where it is saved and how it was produced.
+struct Step<'a> {
+    file: &'static str,
+    database: &'a Path,
+    max_sequences: Option<usize>,
+}
+
+impl Search {
+    /// The merged MSA of `sequence` (the query named `name`), each database's alignment saved
+    /// in (or, reusing, read from) `msa_dir`; `mode` as [`SearchArgs::search`] was given.
+    pub fn run(&self, name: &str, sequence: &str, msa_dir: &Path, mode: Mode) -> anyhow::Result<Msa> {
+        if mode == Mode::Search {
+            std::fs::create_dir_all(msa_dir).with_context(|| format!("creating {}", msa_dir.display()))?;
+        }
+        let work = WorkDir::new("search")?;
+        let query = work.path().join("query.fasta");
+        std::fs::write(&query, format!(">{name}\n{sequence}\n"))
+            .with_context(|| format!("writing {}", query.display()))?;
+        let ctx = Ctx { search: self, query: &query, work: &work, msa_dir, mode };
+        let db = match &self.plan {
+            Plan::AlphaFold(db) => db,
+            Plan::Mmseqs(dbs) => return ctx.mmseqs(MMSEQS_FILE, dbs),
+        };
+        let uniref90 = ctx.jackhmmer(&Step {
+            file: "uniref90_hits.sto",
+            database: &db.uniref90,
+            max_sequences: Some(UNIREF_MAX_HITS),
+        })?;
+        let mgnify = ctx.jackhmmer(&Step {
+            file: "mgnify_hits.sto",
+            database: &db.mgnify,
+            max_sequences: Some(MGNIFY_MAX_HITS),
+        })?;
+        let bfd = match &db.bfd {
+            Bfd::SmallBfd(path) => {
+                ctx.jackhmmer(&Step { file: "small_bfd_hits.sto", database: path, max_sequences: None })?
+            }
+            Bfd::Hhblits(paths) => ctx.hhblits("bfd_uniref_hits.a3m", paths)?,
+        };
+        Ok(msa::merge(&[&uniref90, &bfd, &mgnify]))
+    }
+}
+
+/// What one query's searches share.
+struct Ctx<'a> {
+    search: &'a Search,
+    query: &'a Path,
+    work: &'a WorkDir,
+    msa_dir: &'a Path,
+    mode: Mode,
+}
+
+impl Ctx<'_> {
+    /// The saved result `file` when it may be reused and exists, else `None`; reading only,
+    /// a missing file is an error.
+    fn saved(&self, file: &str) -> anyhow::Result<Option<(PathBuf, String)>> {
+        let path = self.msa_dir.join(file);
+        if self.search.reuse && path.is_file() {
+            let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+            return Ok(Some((path, text)));
+        }
+        if self.mode == Mode::ReadSaved {
+            bail!("{} is missing: rank 0 should have saved it", path.display());
+        }
+        Ok(None)
+    }
+
+    /// Saves `text` as `file` under the query's `msas/` (whole or not at all).
+    fn save(&self, file: &str, text: &str) -> anyhow::Result<PathBuf> {
+        let path = self.msa_dir.join(file);
+        data::write_atomic(&path, |w| -> anyhow::Result<()> { Ok(w.write_all(text.as_bytes())?) })
+            .with_context(|| format!("writing {}", path.display()))?;
+        Ok(path)
+    }
+
+    /// jackhmmer against `step.database` with AlphaFold's settings (one iteration, E-value
+    /// 1e-4, its prefilter thresholds), the Stockholm output truncated and saved.
+    fn jackhmmer(&self, step: &Step) -> anyhow::Result<Msa> {
+        let truncate = |text: &str| match step.max_sequences {
+            Some(n) => stockholm::truncate(text, n),
+            None => text.to_string(),
+        };
+        let (path, text) = match self.saved(step.file)? {
+            Some((path, text)) => (path, truncate(&text)),
+            None => {
+                check_exists(step.database, "jackhmmer")?;
+                let out = self.work.path().join(step.file);
+                let cpus = threads(self.search.cpus, JACKHMMER_CPUS);
+                let args: Vec<OsString> = ["-o", "/dev/null", "-A"]
+                    .iter()
+                    .map(OsString::from)
+                    .chain([out.clone().into_os_string()])
+                    .chain(
+                        [
+                            "--noali",
+                            "--F1",
+                            "0.0005",
+                            "--F2",
+                            "0.00005",
+                            "--F3",
+                            "0.0000005",
+                            "--incE",
+                            "0.0001",
+                            "-E",
+                            "0.0001",
+                            "-N",
+                            "1",
+                            "--cpu",
+                        ]
+                        .iter()
+                        .map(OsString::from),
+                    )
+                    .chain([cpus.to_string().into(), self.query.into(), step.database.into()])
+                    .collect();
+                self.search.jackhmmer.run(&args, step.database)?;
+                let text = std::fs::read_to_string(&out).with_context(|| {
+                    format!("jackhmmer against {} wrote no alignment {}", step.database.display(), out.display())
+                })?;
+                let text = truncate(&text);
+                (self.save(step.file, &text)?, text)
+            }
+        };
+        Ok(stockholm::parse(&text, &path)?)
+    }
+
+    /// hhblits against `databases` with AlphaFold's settings (3 iterations, E-value 1e-3,
+    /// its prefilter and realignment limits), the A3M output saved as `file`.
+    fn hhblits(&self, file: &str, databases: &[PathBuf]) -> anyhow::Result<Msa> {
+        let (path, text) = match self.saved(file)? {
+            Some(saved) => saved,
+            None => {
+                for db in databases {
+                    check_hhsuite(db)?;
+                }
+                let out = self.work.path().join(file);
+                let cpus = threads(self.search.cpus, HHBLITS_CPUS);
+                let mut args: Vec<OsString> =
+                    vec!["-i".into(), self.query.into(), "-cpu".into(), cpus.to_string().into()];
+                args.extend(["-oa3m".into(), out.clone().into_os_string(), "-o".into(), "/dev/null".into()]);
+                for (flag, value) in [
+                    ("-n", "3"),
+                    ("-e", "0.001"),
+                    ("-maxseq", "1000000"),
+                    ("-realign_max", "100000"),
+                    ("-maxfilt", "100000"),
+                    ("-min_prefilter_hits", "1000"),
+                ] {
+                    args.extend([flag.into(), value.into()]);
+                }
+                for db in databases {
+                    args.extend(["-d".into(), db.clone().into_os_string()]);
+                }
+                let names: Vec<String> = databases.iter().map(|d| d.display().to_string()).collect();
+                let named = PathBuf::from(names.join(" + "));
+                self.search.hhblits.run(&args, &named)?;
+                let text = std::fs::read_to_string(&out).with_context(|| {
+                    format!("hhblits against {} wrote no alignment {}", named.display(), out.display())
+                })?;
+                (self.save(file, &text)?, text)
+            }
+        };
+        Ok(data::a3m::parse(&text, &path)?)
+    }
+}
+
+impl Ctx<'_> {
+    /// ColabFold's search in `dbs`, its A3M saved as `file`.
+    fn mmseqs(&self, file: &str, dbs: &MmseqsDatabases) -> anyhow::Result<Msa> {
+        let (path, text) = match self.saved(file)? {
+            Some(saved) => saved,
+            None => {
+                let cpus = threads(self.search.cpus, usize::MAX);
+                let text = mmseqs::search(&self.search.mmseqs, dbs, self.query, self.work.path(), cpus)?;
+                (self.save(file, &text)?, text)
+            }
+        };
+        Ok(data::a3m::parse(&text, &path)?)
+    }
+}
+
+/// An error naming `database` when it is not a file (before `tool` runs on it).
+fn check_exists(database: &Path, tool: &str) -> anyhow::Result<()> {
+    if !database.is_file() {
+        bail!("{tool} database {} is not a file", database.display());
+    }
+    Ok(())
+}
+
+/// An error naming `prefix` when no HH-suite database has it.
+fn check_hhsuite(prefix: &Path) -> anyhow::Result<()> {
+    if !databases::hhsuite_database_exists(prefix) {
+        bail!("hhblits database {} has no <prefix>_*.ffindex/.ffdata files", prefix.display());
+    }
+    Ok(())
+}

@@ -1,0 +1,119 @@
+//! Stockholm alignments as jackhmmer writes them (`-A`), read the way AlphaFold's
+//! `parsers.parse_stockholm` and `parsers.truncate_stockholm_msa` read them.
+//!
+//! The first sequence is the query. Columns where the query has a gap (`-`) are the hits'
+//! insertions: they are removed from every row and counted into the deletion matrix at the
+//! next query column. A sequence may be split over several blocks; its pieces are joined in
+//! order. Rows are kept as they come, duplicates included (the merge removes those).
+use std::collections::HashSet;
+use std::path::Path;
+
+use data::a3m::Msa;
+use data::{Error, Result};
+
+/// Parses Stockholm text; `source` names it in errors.
+pub fn parse(text: &str, source: &Path) -> Result<Msa> {
+    let bad = |msg: String| Error::Format { path: source.to_path_buf(), msg };
+    // (name, joined alignment) in order of first appearance.
+    let mut rows: Vec<(String, String)> = Vec::new();
+    let mut index = std::collections::HashMap::new();
+    for (i, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') || line.starts_with("//") {
+            continue;
+        }
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let [name, aligned] = fields[..] else {
+            return Err(bad(format!(
+                "line {}: expected a sequence name and its aligned residues, found {} fields",
+                i + 1,
+                fields.len()
+            )));
+        };
+        let k = *index.entry(name.to_string()).or_insert_with(|| {
+            rows.push((name.to_string(), String::new()));
+            rows.len() - 1
+        });
+        rows[k].1.push_str(aligned);
+    }
+    let Some((query_name, query)) = rows.first() else {
+        return Err(bad("no aligned sequences (expected the query first, then the hits)".into()));
+    };
+    let query: Vec<char> = query.chars().collect();
+    let mut msa = Msa { sequences: Vec::new(), deletion_matrix: Vec::new(), descriptions: Vec::new() };
+    for (name, aligned) in &rows {
+        let aligned: Vec<char> = aligned.chars().collect();
+        if aligned.len() != query.len() {
+            return Err(bad(format!(
+                "sequence {name:?} has {} alignment columns, the query {query_name:?} has {}",
+                aligned.len(),
+                query.len()
+            )));
+        }
+        let mut row = String::new();
+        let mut deletions = Vec::new();
+        let mut pending = 0;
+        for (&c, &q) in aligned.iter().zip(&query) {
+            if q != '-' {
+                row.push(c);
+                deletions.push(pending);
+                pending = 0;
+            } else if c != '-' {
+                pending += 1;
+            }
+        }
+        msa.sequences.push(row);
+        msa.deletion_matrix.push(deletions);
+        msa.descriptions.push(name.clone());
+    }
+    Ok(msa)
+}
+
+/// The name a Stockholm line is about: a sequence line's first word, a `#=GS` line's second;
+/// `None` for other lines.
+fn line_sequence_name(line: &str) -> Option<&str> {
+    if line.starts_with("#=GS") {
+        return line.split_whitespace().nth(1);
+    }
+    if line.trim().is_empty() || line.starts_with('#') || line.starts_with("//") {
+        return None;
+    }
+    line.split(' ').next()
+}
+
+/// `text` keeping only its first `max_sequences` sequences (the query counts) with their
+/// `#=GS` descriptions, the header, `#=GC RF` lines and the end mark, as AlphaFold truncates
+/// jackhmmer's output before saving it (UniRef90 10,000, MGnify 501).
+pub fn truncate(text: &str, max_sequences: usize) -> String {
+    let mut keep: HashSet<&str> = HashSet::new();
+    for line in text.lines() {
+        if keep.len() >= max_sequences {
+            break;
+        }
+        if line.trim().is_empty() || line.starts_with('#') || line.starts_with("//") {
+            continue;
+        }
+        keep.insert(line.split(' ').next().unwrap_or_default());
+    }
+    let mut out = String::with_capacity(text.len());
+    for line in text.lines() {
+        // Blank lines, the header, the end mark and the reference annotation stay; other
+        // markup goes; sequence and `#=GS` lines stay for the kept names.
+        let structural = line.trim().is_empty()
+            || line.trim() == "//"
+            || line.starts_with("# STOCKHOLM")
+            || line.starts_with("#=GC RF");
+        let kept = if structural {
+            true
+        } else if line.starts_with('#') && !line.starts_with("#=GS") {
+            false
+        } else {
+            line_sequence_name(line).is_some_and(|n| keep.contains(n))
+        };
+        if kept {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
+}

@@ -1,0 +1,106 @@
+//! Running the search tools (jackhmmer, hhblits) as subprocesses: each with its own thread
+//! count, in a scratch folder removed afterwards, its exit status checked. A failure names the
+//! tool, the database it searched and the last lines of its stderr, which is where HMMER and
+//! HH-suite say what went wrong.
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use anyhow::{bail, Context};
+
+/// Lines of a failed tool's stderr quoted in the error.
+const STDERR_TAIL_LINES: usize = 20;
+
+/// One search program: its name in messages and the binary to run.
+#[derive(Clone, Debug)]
+pub struct Tool {
+    /// What messages call it (`jackhmmer`, `hhblits`).
+    pub name: &'static str,
+    /// The executable: a path, or a bare name looked up on `PATH`.
+    pub binary: PathBuf,
+}
+
+impl Tool {
+    /// `name`'s binary from `binary` (a flag), else `name` itself on `PATH`.
+    pub fn new(name: &'static str, binary: Option<&Path>) -> Tool {
+        Tool { name, binary: binary.map_or_else(|| PathBuf::from(name), Path::to_path_buf) }
+    }
+
+    /// Runs the tool with `args` against `database` (named in errors only); stdout is
+    /// discarded (the tools write their results to files named in `args`).
+    pub fn run(&self, args: &[OsString], database: &Path) -> anyhow::Result<()> {
+        let output = Command::new(&self.binary)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .output()
+            .map_err(|e| {
+                anyhow::anyhow!(
+                    "cannot run {} ({}) against {}: {e}{}",
+                    self.name,
+                    self.binary.display(),
+                    database.display(),
+                    match e.kind() {
+                        std::io::ErrorKind::NotFound => {
+                            " (install HMMER and HH-suite: scripts/setup.sh, or apt-get install hmmer hhsuite, \
+                             or give the binary's path with its --*-binary-path flag)"
+                        }
+                        _ => "",
+                    }
+                )
+            })?;
+        if !output.status.success() {
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+            let tail = lines[lines.len().saturating_sub(STDERR_TAIL_LINES)..].join("\n");
+            bail!(
+                "{} failed against {} ({}):\n{}",
+                self.name,
+                database.display(),
+                output.status,
+                if tail.is_empty() { "(nothing on stderr)".to_string() } else { tail }
+            );
+        }
+        Ok(())
+    }
+}
+
+/// The threads a tool gets: `requested`, else AlphaFold's count for it (`default`) bounded by
+/// the cores there are.
+pub fn threads(requested: Option<usize>, default: usize) -> usize {
+    requested.unwrap_or_else(|| {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        default.min(cores)
+    })
+}
+
+/// A scratch folder under the system's temporary directory, removed with everything in it
+/// when dropped (also when the search fails half-way).
+pub struct WorkDir {
+    path: PathBuf,
+}
+
+impl WorkDir {
+    /// A new, empty folder whose name starts with `prefix`.
+    pub fn new(prefix: &str) -> anyhow::Result<WorkDir> {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!("fastfold-{prefix}-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&path);
+        std::fs::create_dir_all(&path).with_context(|| format!("creating the scratch folder {}", path.display()))?;
+        Ok(WorkDir { path })
+    }
+
+    /// The folder.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for WorkDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}

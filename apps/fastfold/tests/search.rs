@@ -1,0 +1,532 @@
+//! `fastfold predict --data-dir` end to end with the real search tools (HMMER's jackhmmer,
+//! HH-suite's hhblits; scripts/setup.sh installs them, and these tests fail without them) on
+//! tiny databases built here: mutated homologues of a query (substitutions, one insertion,
+//! one deletion) among unrelated random sequences, in AlphaFold's layout, the HH-suite
+//! databases made with HH-suite's own tools. Checks the saved alignments (every homologue
+//! found, no random sequence, residues and deletion counts where they must be), the merged
+//! MSA's depth in `features.npz`, the reuse of saved alignments, and the errors for a missing
+//! database, a missing tool, a failing tool and a malformed saved result.
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use fastfold::model::{EvoformerConfig, ModelConfig, Params};
+use fastfold::search::stockholm;
+use tch::Tensor;
+
+const BIN: &str = env!("CARGO_BIN_EXE_fastfold");
+const AA: &[u8] = b"ACDEFGHIKLMNPQRSTVWY";
+const QUERY: &str = "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQAPILSRVGDGTQDNLSGAEKAVQVKVKALPDAQFEVVH";
+/// Homologues with `INSERTION` after query residue 35, and with query residues 20..23 deleted.
+const WITH_INSERTION: [usize; 3] = [3, 9, 15];
+const WITH_DELETION: [usize; 2] = [5, 11];
+const INSERTION: &str = "GSGSG";
+
+fn dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("fastfold-search-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn params_file() -> &'static Path {
+    static FILE: OnceLock<PathBuf> = OnceLock::new();
+    FILE.get_or_init(|| {
+        let path = dir("params").join("params_tiny.npz");
+        Params::random_model(&EvoformerConfig::tiny(), &ModelConfig::tiny(), 7).unwrap().save(&path).unwrap();
+        path
+    })
+}
+
+/// A fixed pseudo-random stream (xorshift), so the databases are the same every run.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 % n as u64) as usize
+    }
+    fn residue(&mut self) -> char {
+        AA[self.next(AA.len())] as char
+    }
+}
+
+/// Homologue `i`: about 20% of the query's residues substituted, with its indel if any.
+fn homologue(i: usize) -> String {
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ ((i as u64 + 1) * 0x1234_5678));
+    let mut s: String = QUERY.chars().map(|c| if rng.next(5) == 0 { rng.residue() } else { c }).collect();
+    if WITH_INSERTION.contains(&i) {
+        s.insert_str(35, INSERTION);
+    }
+    if WITH_DELETION.contains(&i) {
+        s.replace_range(20..23, "");
+    }
+    s
+}
+
+fn random_sequence(i: usize) -> String {
+    let mut rng = Rng(0xdead_beef ^ ((i as u64 + 7) * 0x9876_5431));
+    (0..QUERY.len()).map(|_| rng.residue()).collect()
+}
+
+/// A FASTA of homologues `hom` (named `homN`), copies of homologues `copies` (named
+/// `copyN`, same sequence) and random sequences `rnd` (named `rndN`).
+fn fasta_db(hom: std::ops::Range<usize>, copies: &[usize], rnd: std::ops::Range<usize>) -> String {
+    let mut text = String::new();
+    for i in hom {
+        text += &format!(">hom{i} homologue {i}\n{}\n", homologue(i));
+    }
+    for &i in copies {
+        text += &format!(">copy{i} copy of homologue {i}\n{}\n", homologue(i));
+    }
+    for i in rnd {
+        text += &format!(">rnd{i} unrelated\n{}\n", random_sequence(i));
+    }
+    text
+}
+
+fn write(path: &Path, text: &str) {
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    std::fs::write(path, text).unwrap();
+}
+
+/// The reduced_dbs layout: UniRef90 has homologues 0..14, MGnify 14..20 and copies of 0 and
+/// 1, the small BFD 20..24 and a copy of 2; random sequences in each.
+fn reduced_data_dir(root: &Path) -> PathBuf {
+    let d = root.join("data");
+    write(&d.join("uniref90/uniref90.fasta"), &fasta_db(0..14, &[], 0..15));
+    write(&d.join("mgnify/mgy_clusters_2022_05.fa"), &fasta_db(14..20, &[0, 1], 15..23));
+    write(&d.join("small_bfd/bfd-first_non_consensus_sequences.fasta"), &fasta_db(20..24, &[2], 23..30));
+    d
+}
+
+/// Runs `cmd`, panicking with its output when it fails.
+fn run(cmd: &mut Command) {
+    let out = cmd.output().unwrap_or_else(|e| panic!("cannot run {cmd:?} (scripts/setup.sh installs it): {e}"));
+    assert!(out.status.success(), "{cmd:?} failed:\n{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// HH-suite's `cstranslate` (Debian installs its per-CPU builds under libexec and a wrapper
+/// that only works from /usr/bin; the plain build runs everywhere).
+fn cstranslate() -> PathBuf {
+    let plain = Path::new("/usr/libexec/hhsuite/cstranslate-plain");
+    if plain.exists() {
+        plain.to_path_buf()
+    } else {
+        PathBuf::from("cstranslate")
+    }
+}
+
+/// An HH-suite database `prefix` of `fasta`'s sequences (each its own one-row A3M), built
+/// with HH-suite's tools: ffindex_from_fasta, hhmake through ffindex_apply, cstranslate.
+fn hhsuite_db(prefix: &Path, fasta: &str) {
+    let dir = prefix.parent().unwrap();
+    let seqs = dir.join("seqs.fasta");
+    write(&seqs, fasta);
+    let p = |suffix: &str| format!("{}_{suffix}", prefix.display());
+    run(Command::new("ffindex_from_fasta").args(["-s", &p("a3m.ffdata"), &p("a3m.ffindex")]).arg(&seqs));
+    run(Command::new("ffindex_apply")
+        .args([&p("a3m.ffdata"), &p("a3m.ffindex"), "-i", &p("hhm.ffindex"), "-d", &p("hhm.ffdata")])
+        .args(["--", "hhmake", "-i", "stdin", "-o", "stdout", "-v", "0"]));
+    let data = Path::new("/usr/share/hhsuite/data");
+    run(Command::new(cstranslate())
+        .args(["-f", "-x", "0.3", "-c", "4", "-I", "a3m", "-b", "-i", &p("a3m"), "-o", &p("cs219")])
+        .arg("-A")
+        .arg(data.join("cs219.lib"))
+        .arg("-D")
+        .arg(data.join("context_data.lib")));
+    std::fs::remove_file(seqs).unwrap();
+}
+
+/// A ColabFold-style MMseqs2 database `prefix` (`<prefix>` the cluster representatives,
+/// `_seq` the members, `_aln` their alignments to the representatives, `_h` and `_seq_h` the
+/// headers) of `fasta`'s sequences, built with MMseqs2's own commands.
+fn mmseqs_db(prefix: &Path, fasta: &str) {
+    let seqs = prefix.with_extension("fasta");
+    write(&seqs, fasta);
+    let p = |suffix: &str| format!("{}{suffix}", prefix.display());
+    let tmp = p("_tmp");
+    let mmseqs = |args: &[&str]| run(Command::new("mmseqs").args(args).args(["-v", "1"]));
+    mmseqs(&["createdb", seqs.to_str().unwrap(), &p("_seq")]);
+    mmseqs(&["cluster", &p("_seq"), &p("_clu"), &tmp, "--min-seq-id", "0.9", "--threads", "1"]);
+    mmseqs(&["align", &p("_seq"), &p("_seq"), &p("_clu"), &p("_aln"), "-a", "--threads", "1"]);
+    mmseqs(&["createsubdb", &p("_clu"), &p("_seq"), &p("")]);
+    mmseqs(&["createsubdb", &p("_clu"), &p("_seq_h"), &p("_h")]);
+    mmseqs(&["rmdb", &p("_clu")]);
+    std::fs::remove_dir_all(tmp).unwrap();
+    std::fs::remove_file(seqs).unwrap();
+}
+
+/// Runs `fastfold predict` on the query; returns (success, stdout + stderr).
+fn predict(root: &Path, extra: &[&str]) -> (bool, String) {
+    predict_records(root, "out", &[("query", QUERY)], extra)
+}
+
+/// Runs `fastfold predict` on `records` (name, sequence) into `root/out`; returns (success,
+/// stdout + stderr).
+fn predict_records(root: &Path, out: &str, records: &[(&str, &str)], extra: &[&str]) -> (bool, String) {
+    let fa = root.join("query.fasta");
+    write(&fa, &records.iter().map(|(name, seq)| format!(">{name} test query\n{seq}\n")).collect::<String>());
+    let out = root.join(out);
+    let mut args: Vec<String> =
+        ["predict", fa.to_str().unwrap(), "--params", params_file().to_str().unwrap()].map(String::from).to_vec();
+    args.extend(["--num-recycle", "0", "--search-cpus", "1", "-o", out.to_str().unwrap()].map(String::from));
+    args.extend(extra.iter().map(|s| s.to_string()));
+    // Its own temporary folder, to see that the search's scratch folders are removed.
+    let tmp = root.join("tmp");
+    std::fs::create_dir_all(&tmp).unwrap();
+    let out = Command::new(BIN).args(&args).env("FASTFOLD_TEST", "1").env("TMPDIR", &tmp).output().unwrap();
+    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+}
+
+/// The search's scratch folders left in the runs' temporary folder.
+fn scratch_left(root: &Path) -> Vec<String> {
+    std::fs::read_dir(root.join("tmp"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("fastfold-search"))
+        .collect()
+}
+
+/// A shell script standing in for a tool: it appends its arguments to `log`, then runs
+/// `body`.
+fn wrapper(path: &Path, log: &Path, body: &str) -> PathBuf {
+    write(path, &format!("#!/bin/sh\necho \"$@\" >> '{}'\n{body}\n", log.display()));
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    path.to_path_buf()
+}
+
+fn predict_ok(root: &Path, extra: &[&str]) {
+    let (ok, text) = predict(root, extra);
+    assert!(ok, "fastfold predict {extra:?} failed:\n{text}");
+}
+
+/// A hit's name without jackhmmer's `/from-to` suffix, and the range.
+fn hit_name(description: &str) -> (&str, Option<(usize, usize)>) {
+    let word = description.split_whitespace().next().unwrap();
+    match word.split_once('/') {
+        Some((name, range)) => {
+            let (a, b) = range.split_once('-').unwrap();
+            (name, Some((a.parse().unwrap(), b.parse().unwrap())))
+        }
+        None => (word, None),
+    }
+}
+
+fn read_sto(path: &Path) -> data::a3m::Msa {
+    stockholm::parse(&std::fs::read_to_string(path).unwrap(), path).unwrap()
+}
+
+/// Checks a jackhmmer alignment: the query first, exactly the homologues `expected` (by
+/// name) besides, each hit's residues where they must be.
+fn check_jackhmmer_hits(path: &Path, expected: &BTreeSet<String>) {
+    let msa = read_sto(path);
+    assert_eq!(msa.sequences[0], QUERY, "{}", path.display());
+    assert_eq!(hit_name(&msa.descriptions[0]).0, "query");
+    let names: BTreeSet<String> = msa.descriptions[1..].iter().map(|d| hit_name(d).0.to_string()).collect();
+    assert_eq!(&names, expected, "{}: hits", path.display());
+    for ((row, deletions), description) in msa.sequences.iter().zip(&msa.deletion_matrix).zip(&msa.descriptions).skip(1)
+    {
+        let (name, range) = hit_name(description);
+        let (from, to) = range.unwrap();
+        let i: usize = name.trim_start_matches(|c: char| c.is_alphabetic()).parse().unwrap();
+        let seq = homologue(i);
+        let aligned = row.chars().filter(|&c| c != '-').count();
+        let deleted: u32 = deletions.iter().sum();
+        // Every residue of the hit's matched segment is an aligned column or a deletion.
+        assert_eq!(aligned + deleted as usize, to - from + 1, "{description}: {row} {deletions:?}");
+        assert!(aligned >= 60, "{description}: only {aligned} residues aligned");
+        if WITH_INSERTION.contains(&i) {
+            assert_eq!(deleted as usize, INSERTION.len(), "{description}: {deletions:?}");
+        } else {
+            assert_eq!(deleted, 0, "{description}: {deletions:?}");
+        }
+        if !WITH_INSERTION.contains(&i) && !WITH_DELETION.contains(&i) {
+            // Substitutions only: aligned column j holds the homologue's residue j.
+            for (j, c) in row.chars().enumerate() {
+                assert!(c == '-' || seq.as_bytes()[j] as char == c, "{description}: column {j}");
+            }
+        }
+        if WITH_DELETION.contains(&i) {
+            assert!(row[20..23].chars().filter(|&c| c == '-').count() >= 2, "{description}: {row}");
+        }
+    }
+}
+
+fn names(range: std::ops::Range<usize>, copies: &[usize]) -> BTreeSet<String> {
+    range.map(|i| format!("hom{i}")).chain(copies.iter().map(|i| format!("copy{i}"))).collect()
+}
+
+fn features(root: &Path) -> HashMap<String, Tensor> {
+    npz(&root.join("out/query/features.npz"))
+}
+
+fn npz(path: &Path) -> HashMap<String, Tensor> {
+    Tensor::read_npz(path).unwrap_or_else(|e| panic!("{}: {e}", path.display())).into_iter().collect()
+}
+
+fn num_alignments(f: &HashMap<String, Tensor>) -> i64 {
+    f["msa"].size()[0]
+}
+
+#[test]
+fn reduced_dbs_search_finds_the_homologues_and_feeds_the_model() {
+    let root = dir("reduced");
+    let data = reduced_data_dir(&root);
+    predict_ok(&root, &["--data-dir", data.to_str().unwrap(), "--db-preset", "reduced_dbs"]);
+    let msas = root.join("out/query/msas");
+    check_jackhmmer_hits(&msas.join("uniref90_hits.sto"), &names(0..14, &[]));
+    check_jackhmmer_hits(&msas.join("mgnify_hits.sto"), &names(14..20, &[0, 1]));
+    check_jackhmmer_hits(&msas.join("small_bfd_hits.sto"), &names(20..24, &[2]));
+    assert!(root.join("out/query/ranked_0.pdb").is_file());
+
+    // The merged MSA: the query and the 24 homologues once each (the copies align as their
+    // originals do and are dropped), rows as the saved alignments have them.
+    let f = features(&root);
+    assert_eq!(num_alignments(&f), 1 + 24);
+    assert_eq!(f["num_alignments"].int64_value(&[0]), 25);
+    let rows: HashSet<String> =
+        [msas.join("uniref90_hits.sto"), msas.join("small_bfd_hits.sto"), msas.join("mgnify_hits.sto")]
+            .iter()
+            .flat_map(|p| read_sto(p).sequences)
+            .collect();
+    assert_eq!(rows.len(), 25);
+    let deletions: i64 = f["deletion_matrix_int"].sum(tch::Kind::Int64).int64_value(&[]);
+    assert_eq!(deletions, (WITH_INSERTION.len() * INSERTION.len()) as i64);
+
+    // A rerun reuses the saved alignments: no tool runs (the binary given does not exist),
+    // same features; without the flag the missing binary is an error naming it.
+    let before = f["msa"].copy();
+    let data_s = data.to_str().unwrap();
+    let no_tool =
+        ["--data-dir", data_s, "--db-preset", "reduced_dbs", "--jackhmmer-binary-path", "/nonexistent/jackhmmer"];
+    predict_ok(&root, &[&no_tool[..], &["--use-precomputed-msas"]].concat());
+    assert!(features(&root)["msa"].equal(&before));
+    let (ok, text) = predict(&root, &no_tool);
+    assert!(!ok && text.contains("cannot run jackhmmer") && text.contains("/nonexistent/jackhmmer"), "{text}");
+    assert!(text.contains("uniref90.fasta"), "{text}");
+
+    // A malformed saved alignment is an error naming the file.
+    write(&msas.join("mgnify_hits.sto"), "# STOCKHOLM 1.0\nquery MKT AAA\n//\n");
+    let (ok, text) = predict(&root, &[&no_tool[..], &["--use-precomputed-msas"]].concat());
+    assert!(!ok && text.contains("mgnify_hits.sto") && text.contains("line 2"), "{text}");
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+#[test]
+fn two_records_on_two_ranks_search_once_each_and_match_one_rank() {
+    // Rank 0 searches and saves; rank 1 reads what it saved (a different MSA on one rank
+    // would make the DAP run disagree with the single-process one).
+    let root = dir("ranks");
+    let data = reduced_data_dir(&root);
+    let second = homologue(7);
+    let records = [("query", QUERY), ("second", second.as_str())];
+    let common = ["--data-dir", data.to_str().unwrap(), "--db-preset", "reduced_dbs", "--save-outputs"];
+    for (out, extra) in [("one", &[][..]), ("two", &["--nproc", "2"][..])] {
+        let (ok, text) = predict_records(&root, out, &records, &[&common[..], extra].concat());
+        assert!(ok, "{out}: {text}");
+    }
+    for (name, seq) in records {
+        let (one, two) = (root.join("one").join(name), root.join("two").join(name));
+        let f = npz(&one.join("features.npz"));
+        assert!(f["msa"].equal(&npz(&two.join("features.npz"))["msa"]), "{name}");
+        let sto = read_sto(&two.join("msas/uniref90_hits.sto"));
+        assert_eq!(sto.sequences[0], seq, "{name}: its own search");
+        assert!(f["msa"].size()[0] > 20, "{name}: {:?}", f["msa"].size());
+        let (a, b) = (npz(&one.join("tiny_outputs.npz")), npz(&two.join("tiny_outputs.npz")));
+        for key in ["distogram/logits", "representations/pair", "representations/msa_first_row"] {
+            let diff = (&a[key] - &b[key]).abs().max().double_value(&[]);
+            assert!(diff < 1e-4, "{name}: {key} differs between 1 and 2 ranks by {diff}");
+        }
+    }
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+#[test]
+fn full_dbs_search_runs_hhblits_on_bfd_and_uniref30() {
+    let root = dir("full");
+    let data = root.join("data");
+    write(&data.join("uniref90/uniref90.fasta"), &fasta_db(0..10, &[], 0..10));
+    write(&data.join("mgnify/mgy_clusters_2022_05.fa"), &fasta_db(10..14, &[], 10..15));
+    let bfd = data.join("bfd/bfd_metaclust_clu_complete_id30_c90_final_seq.sorted_opt");
+    let uniref30 = data.join("uniref30/UniRef30_2021_03");
+    std::fs::create_dir_all(bfd.parent().unwrap()).unwrap();
+    std::fs::create_dir_all(uniref30.parent().unwrap()).unwrap();
+    hhsuite_db(&bfd, &fasta_db(14..18, &[], 15..20));
+    hhsuite_db(&uniref30, &fasta_db(18..22, &[0], 20..25));
+    let log = root.join("tools.log");
+    let jackhmmer = wrapper(&root.join("bin/jackhmmer"), &log, "exec jackhmmer \"$@\"");
+    let hhblits = wrapper(&root.join("bin/hhblits"), &log, "exec hhblits \"$@\"");
+    predict_ok(
+        &root,
+        &[
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--db-preset",
+            "full_dbs",
+            "--jackhmmer-binary-path",
+            jackhmmer.to_str().unwrap(),
+            "--hhblits-binary-path",
+            hhblits.to_str().unwrap(),
+        ],
+    );
+    // Each tool ran with the thread count given and AlphaFold's settings.
+    let calls = std::fs::read_to_string(&log).unwrap();
+    let calls: Vec<&str> = calls.lines().collect();
+    assert_eq!(calls.len(), 3, "{calls:?}");
+    for call in &calls[..2] {
+        for flag in ["--cpu 1 ", "-N 1 ", "-E 0.0001 ", "--incE 0.0001 ", "--F1 0.0005 ", "--noali"] {
+            assert!(call.contains(flag), "jackhmmer call without {flag:?}: {call}");
+        }
+    }
+    assert!(calls[0].ends_with("uniref90/uniref90.fasta") && calls[1].ends_with("mgy_clusters_2022_05.fa"));
+    for flag in
+        ["-cpu 1 ", "-n 3 ", "-e 0.001 ", "-maxseq 1000000 ", "-realign_max 100000 ", "-min_prefilter_hits 1000 "]
+    {
+        assert!(calls[2].contains(flag), "hhblits call without {flag:?}: {}", calls[2]);
+    }
+    assert!(calls[2].contains(&format!("-d {} -d {}", bfd.display(), uniref30.display())), "{}", calls[2]);
+    assert!(scratch_left(&root).is_empty(), "{:?}", scratch_left(&root));
+    let msas = root.join("out/query/msas");
+    check_jackhmmer_hits(&msas.join("uniref90_hits.sto"), &names(0..10, &[]));
+    check_jackhmmer_hits(&msas.join("mgnify_hits.sto"), &names(10..14, &[]));
+    let a3m = data::a3m::read(&msas.join("bfd_uniref_hits.a3m")).unwrap();
+    assert_eq!(a3m.sequences[0], QUERY);
+    let found: BTreeSet<String> = a3m.descriptions[1..].iter().map(|d| hit_name(d).0.to_string()).collect();
+    assert_eq!(found, names(14..22, &[0]), "hhblits hits from both databases, no random sequence");
+    for (row, description) in a3m.sequences.iter().zip(&a3m.descriptions).skip(1) {
+        let i: usize = hit_name(description).0.trim_start_matches(|c: char| c.is_alphabetic()).parse().unwrap();
+        if !WITH_INSERTION.contains(&i) && !WITH_DELETION.contains(&i) {
+            let seq = homologue(i);
+            assert!(row.chars().enumerate().all(|(j, c)| c == '-' || seq.as_bytes()[j] as char == c), "{description}");
+        }
+    }
+    // Query, homologues 0..22 once each; copy0 repeats hom0's row unless hhblits aligned it
+    // differently from jackhmmer (then it is a row of its own).
+    let n = num_alignments(&features(&root));
+    assert!(n == 1 + 22 || n == 1 + 23, "merged depth {n}");
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+#[test]
+fn mmseqs2_mode_runs_colabfolds_search() {
+    let root = dir("mmseqs");
+    let data = root.join("colabfold");
+    std::fs::create_dir_all(&data).unwrap();
+    mmseqs_db(&data.join("uniref30_2302_db"), &fasta_db(0..12, &[], 0..12));
+    mmseqs_db(&data.join("colabfold_envdb_202108_db"), &fasta_db(12..20, &[0], 12..24));
+    let log = root.join("tools.log");
+    let mmseqs = wrapper(&root.join("bin/mmseqs"), &log, "exec mmseqs \"$@\"");
+    predict_ok(
+        &root,
+        &[
+            "--msa-mode",
+            "mmseqs2",
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--mmseqs-binary-path",
+            mmseqs.to_str().unwrap(),
+        ],
+    );
+    let calls = std::fs::read_to_string(&log).unwrap();
+    let searches: Vec<&str> = calls.lines().filter(|c| c.starts_with("search ")).collect();
+    assert_eq!(searches.len(), 2, "UniRef30 then the environmental database: {calls}");
+    for call in &searches {
+        for flag in ["--threads 1 ", "--num-iterations 3 ", "-e 0.1 ", "--max-seqs 10000 ", "-s 8.0"] {
+            assert!(call.contains(flag), "mmseqs search without {flag:?}: {call}");
+        }
+    }
+    assert!(scratch_left(&root).is_empty(), "{:?}", scratch_left(&root));
+
+    let a3m = data::a3m::read(&root.join("out/query/msas/mmseqs2_uniref_env.a3m")).unwrap();
+    assert_eq!(a3m.sequences[0], QUERY);
+    // Both databases' homologues and no random sequence (copy0 repeats hom0's row).
+    let found: BTreeSet<String> = a3m.descriptions[1..].iter().map(|d| hit_name(d).0.to_string()).collect();
+    assert_eq!(found, names(0..20, &[]));
+    for ((row, deletions), description) in a3m.sequences.iter().zip(&a3m.deletion_matrix).zip(&a3m.descriptions).skip(1)
+    {
+        let i: usize = hit_name(description).0.trim_start_matches(|c: char| c.is_alphabetic()).parse().unwrap();
+        let deleted: u32 = deletions.iter().sum();
+        if WITH_INSERTION.contains(&i) {
+            assert_eq!(deleted as usize, INSERTION.len(), "{description}: {deletions:?}");
+        } else if !WITH_DELETION.contains(&i) {
+            // Substitutions only: column j holds the homologue's residue j, but for a gap
+            // MMseqs2 may open near a substituted end.
+            let seq = homologue(i);
+            let aligned: Vec<(usize, char)> = row.chars().enumerate().filter(|&(_, c)| c != '-').collect();
+            let same = aligned.iter().filter(|&&(j, c)| seq.as_bytes()[j] as char == c).count();
+            assert!(same + 2 >= aligned.len() && aligned.len() >= 60, "{description}: {row}");
+            assert_eq!(deleted, 0, "{description}");
+        }
+    }
+    assert_eq!(num_alignments(&features(&root)), 1 + 20);
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+#[test]
+fn missing_databases_and_failing_tools_are_named() {
+    let root = dir("errors");
+    let data = reduced_data_dir(&root);
+    std::fs::remove_file(data.join("mgnify/mgy_clusters_2022_05.fa")).unwrap();
+    let (ok, text) = predict(&root, &["--data-dir", data.to_str().unwrap(), "--db-preset", "reduced_dbs"]);
+    assert!(!ok && text.contains("mgy_clusters_2022_05.fa") && text.contains("--mgnify-database-path"), "{text}");
+    assert!(!text.contains("uniref90.fasta (--"), "present databases are not named: {text}");
+    // full_dbs names the HH-suite databases it lacks.
+    let (ok, text) = predict(&root, &["--data-dir", data.to_str().unwrap()]);
+    assert!(!ok && text.contains("--bfd-database-path") && text.contains("--uniref30-database-path"), "{text}");
+
+    // ColabFold's databases are named when absent.
+    let (ok, text) = predict(&root, &["--data-dir", data.to_str().unwrap(), "--msa-mode", "mmseqs2"]);
+    assert!(!ok && text.contains("uniref30_2302_db (--mmseqs-uniref-db)"), "{text}");
+    assert!(text.contains("colabfold_envdb_202108_db (--mmseqs-env-db)"), "{text}");
+
+    // A database jackhmmer cannot read: its error names the tool, the database and quotes
+    // jackhmmer's stderr; nothing is left in msas/.
+    let bad = root.join("bad.fasta");
+    write(&bad, "this is not a FASTA file\n");
+    let mgnify = data.join("mgnify/mgy_clusters_2022_05.fa");
+    write(&mgnify, &fasta_db(14..20, &[], 0..0));
+    let (ok, text) = predict(
+        &root,
+        &[
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--db-preset",
+            "reduced_dbs",
+            "--uniref90-database-path",
+            bad.to_str().unwrap(),
+        ],
+    );
+    assert!(!ok && text.contains("jackhmmer failed against") && text.contains("bad.fasta"), "{text}");
+    assert!(text.to_lowercase().contains("pars") || text.to_lowercase().contains("format"), "stderr quoted: {text}");
+    assert!(!root.join("out/query/msas/uniref90_hits.sto").exists());
+    assert!(scratch_left(&root).is_empty(), "scratch folders left after a failure: {:?}", scratch_left(&root));
+
+    // Only the tail of a long stderr is quoted, with the exit status.
+    let log = root.join("noisy.log");
+    let noisy =
+        wrapper(&root.join("bin/noisy"), &log, "for i in $(seq 1 40); do echo \"noise line $i\" >&2; done; exit 3");
+    let (ok, text) = predict(
+        &root,
+        &[
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--db-preset",
+            "reduced_dbs",
+            "--jackhmmer-binary-path",
+            noisy.to_str().unwrap(),
+        ],
+    );
+    assert!(!ok && text.contains("noise line 40") && text.contains("noise line 21"), "{text}");
+    assert!(!text.contains("noise line 20\n") && text.contains("exit status: 3"), "{text}");
+
+    // An alignment given and a search asked for: one or the other.
+    let a3m = root.join("given.a3m");
+    write(&a3m, &format!(">query\n{QUERY}\n"));
+    let (ok, text) = predict(&root, &["--data-dir", data.to_str().unwrap(), "--msa", a3m.to_str().unwrap()]);
+    assert!(!ok && text.contains("given.a3m") && text.contains("nothing to search"), "{text}");
+    std::fs::remove_dir_all(&root).unwrap();
+}
