@@ -136,14 +136,21 @@ impl Mesh {
         let dp = ranks / (tp * sp);
         let mesh = ParallelDims { pp: 1, dp, sp, tp }.build(&world.group)?;
         let group = |m: &DeviceMesh, axis: &str| m.group(axis).cloned().with_context(|| format!("no {axis} axis"));
-        let grads = DeviceMesh::new(&world.group, &[("grads", dp * sp), ("tp", tp)])?;
+        let data = group(&mesh, "dp")?;
+        let grads = match sp {
+            1 => data.clone(),
+            // The ranks at this rank's tensor-parallel index: `(d * sp + s) * tp + t`.
+            _ => {
+                let mut mine = None;
+                for t in 0..tp {
+                    let members: Vec<usize> = (0..dp * sp).map(|i| i * tp + t).collect();
+                    mine = world.group.subgroup(&members, &format!("dp_sp{t}"))?.or(mine);
+                }
+                mine.context("this rank is in no data x sequence group")?
+            }
+        };
         let (tp, sp) = (group(&mesh, "tp")?, group(&mesh, "sp")?);
-        Ok(Mesh {
-            data: group(&mesh, "dp")?,
-            grads: group(&grads, "grads")?,
-            tp: (tp.size() > 1).then_some(tp),
-            sp: (sp.size() > 1).then_some(sp),
-        })
+        Ok(Mesh { data, grads, tp: (tp.size() > 1).then_some(tp), sp: (sp.size() > 1).then_some(sp) })
     }
 }
 

@@ -173,6 +173,8 @@ dist_test!(tp_2d_matches_one_process_and_checkpoints_move_to_1d, 4, |world| {
     let grid = pretrain(&args(&format!("{common} --tp 4 --tp-mode 2d")), world)?;
     compare(&grid, &one, "2D on a 2 x 2 grid vs 1 process", 1e-5);
     same_on_every_rank(&grid, world)?;
+    // 297 validation images: the last chunk of 41 is padded to the grid's 2 batch blocks.
+    assert_eq!(grid.val_top1, one.val_top1, "2D validation top-1");
     // Saved on the grid, resumed at dp=2 x tp=2 (1D) and at 2D again from a 1D checkpoint.
     let (at_2d, at_1d) = (job_dir("from-2d"), job_dir("from-1d"));
     fresh(world, &[&at_2d, &at_1d])?;
@@ -198,6 +200,7 @@ dist_test!(tp_2p5d_3d_and_dp_by_2d_match_one_process, 8, |world| {
         let run = pretrain(&args(&format!("{common} {layout}")), world)?;
         compare(&run, &one, &format!("{what} vs 1 process"), 1e-5);
         same_on_every_rank(&run, world)?;
+        assert_eq!(run.val_top1, one.val_top1, "{what}: validation top-1");
     }
     TestResult::Ok(())
 });
