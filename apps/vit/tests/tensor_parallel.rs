@@ -146,13 +146,24 @@ dist_test!(layouts_that_do_not_fit_name_the_numbers, 2, |world| {
 // 6x6 images in 2x2 patches: 9 patches and the class token, 5 tokens per sequence rank.
 const SP_LINE: &str = "--steps 20 --image-size 6 --optimizer lamb --clip-grad 0.5";
 
-dist_test!(sp_2_ring_and_ulysses_match_one_process, 2, |world| {
+dist_test!(sp_2_ring_and_ulysses_match_one_process_and_resume_at_1, 2, |world| {
     let one = pretrain(&args(SP_LINE), &single())?;
     for mode in ["ring", "ulysses"] {
         let sp = pretrain(&args(&format!("{SP_LINE} --sp 2 --sp-mode {mode}")), world)?;
         compare(&sp, &one, &format!("sp=2 {mode} vs 1 process"), 1e-5);
         same_on_every_rank(&sp, world)?;
     }
+    // Saved at sp=2 under ZeRO-1 (each sequence rank owns an optimizer shard), resumed by one
+    // process.
+    let dir = job_dir("from-sp2");
+    fresh(world, &[&dir])?;
+    let out = format!("--save-every 100 --out {}", dir.display());
+    pretrain(&args(&format!("{SP_LINE} {out} --sp 2 --zero 1 --stop-after 3")), world)?;
+    if world.rank() == 0 {
+        let rest = pretrain(&args(&format!("{SP_LINE} {out} --resume")), &single())?;
+        compare(&joined(&one, rest), &one, "saved at sp=2 under ZeRO-1, resumed at 1 process", 1e-5);
+    }
+    fresh(world, &[&dir])?;
     TestResult::Ok(())
 });
 
@@ -185,6 +196,18 @@ dist_test!(tp_2d_matches_one_process_and_checkpoints_move_to_1d, 4, |world| {
     let rest = pretrain(&args(&format!("{common} --tp 4 --tp-mode 2d --out {} --resume", at_1d.display())), world)?;
     compare(&joined(&one, rest), &one, "saved at dp=2 x tp=2 (1D) under ZeRO-1, resumed at 2D", 1e-5);
     fresh(world, &[&at_2d, &at_1d])?;
+    // ViT-Ti's 3 heads do not split over the grid's 2 columns; 31 examples not over its rows.
+    let line = "--steps 1 --tp 4 --tp-mode 2d --model vit_tiny_patch16_224 --image-size 32";
+    let err = pretrain(&args(line), world).err().unwrap().to_string();
+    assert!(err.contains("--tp 4 --tp-mode 2d (q = 2): the model's attention heads 3 does not divide into 2"), "{err}");
+    let err = pretrain(&args("--steps 1 --tp 4 --tp-mode 2d --batch 31"), world).err().unwrap().to_string();
+    assert!(
+        err.contains("a micro-batch of 31 examples per data-parallel rank does not split into the layout's 2"),
+        "{err}"
+    );
+    let err =
+        pretrain(&args("--steps 1 --tp 4 --tp-mode 2d --sp 1 --sequence-parallel"), world).err().unwrap().to_string();
+    assert!(err.contains("--sequence-parallel is Megatron's, for --tp-mode 1d"), "{err}");
     TestResult::Ok(())
 });
 
