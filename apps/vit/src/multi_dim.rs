@@ -94,7 +94,7 @@ impl MultiDim {
         for (what, len, parts) in widths {
             if len % parts != 0 {
                 bail!(
-                    "--tp {n} --tp-mode {name} (q = {q}): the model's {what} {len} does not divide into {parts} blocks"
+                    "--tp {n} --tp-mode {name} (q = {q}): the model's {what} ({len}) cannot be cut into {parts} blocks"
                 );
             }
         }

@@ -94,10 +94,11 @@ pub struct ParallelArgs {
     /// by it) are split over groups of this many ranks, attention runs as --sp-mode says.
     #[arg(long, default_value_t = 1)]
     pub sp: usize,
-    /// Attention over the --sp group: ulysses (all-to-all between token and head splits, the
-    /// default: two all-to-alls per layer, cheaper than the ring's sp - 1 exchanges at ViT
-    /// sequence lengths; the heads per --tp rank must divide by --sp) or ring (keys and values
-    /// passed around the ring: no constraint on the heads, and score blocks 1/sp^2 in size).
+    /// Attention over the --sp group: ulysses (the default: all-to-alls between token and
+    /// head splits hand about 4 N h / sp elements per rank per layer forward, falling with
+    /// --sp, where the ring passes 2 N h (sp - 1) / sp; the heads per --tp rank must divide by
+    /// --sp) or ring (keys and values passed around the ring: any head count, and one score
+    /// block of (N / sp)^2 at a time, for sequences too long for whole score matrices).
     #[arg(long, value_enum, default_value = "ulysses")]
     pub sp_mode: SpMode,
 }

@@ -1,8 +1,7 @@
 //! `vit pretrain`: data-parallel ViT training with LAMB, LARS or AdamW, linear warmup then
 //! cosine decay, gradient accumulation, ZeRO 1/2, mixed precision, mixup and label smoothing,
 //! tensor parallelism (`--tp`, 1D/2D/2.5D/3D) and sequence parallelism (`--sp`), combined with
-//! data parallelism over the rest of the ranks,
-//! checkpoints with exact resume at any layout.
+//! data parallelism over the rest of the ranks, checkpoints with exact resume at any layout.
 //!
 //! One step: each rank runs `accumulation` micro-batches forward and backward (gradients
 //! synchronised only on the last, as the buckets fill), then optional unscaling (fp16), global

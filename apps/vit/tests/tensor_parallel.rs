@@ -199,7 +199,10 @@ dist_test!(tp_2d_matches_one_process_and_checkpoints_move_to_1d, 4, |world| {
     // ViT-Ti's 3 heads do not split over the grid's 2 columns; 31 examples not over its rows.
     let line = "--steps 1 --tp 4 --tp-mode 2d --model vit_tiny_patch16_224 --image-size 32";
     let err = pretrain(&args(line), world).err().unwrap().to_string();
-    assert!(err.contains("--tp 4 --tp-mode 2d (q = 2): the model's attention heads 3 does not divide into 2"), "{err}");
+    assert!(
+        err.contains("--tp 4 --tp-mode 2d (q = 2): the model's attention heads (3) cannot be cut into 2 blocks"),
+        "{err}"
+    );
     let err = pretrain(&args("--steps 1 --tp 4 --tp-mode 2d --batch 31"), world).err().unwrap().to_string();
     assert!(
         err.contains("a micro-batch of 31 examples per data-parallel rank does not split into the layout's 2"),
