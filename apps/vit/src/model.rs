@@ -167,7 +167,8 @@ impl Layer for nn::LayerNorm {
     }
 }
 
-/// Makes a block's linear layers (`inputs -> outputs` are the whole layer's features).
+/// Makes the model's parts: the blocks' linear layers and norms (`inputs -> outputs` are the whole
+/// layer's features), the stem, the head and attention; the defaults are timm's serial modules.
 pub trait Layers {
     /// Into which parts the heads and the MLP's hidden features are split (1: whole).
     fn parts(&self) -> i64;
@@ -297,7 +298,7 @@ impl Region for Whole {
     }
 }
 
-/// The serial model's layers: timm's `nn.Linear`s.
+/// The serial model's layers: timm's `nn.Linear`s (and the default stem, head and attention).
 pub struct Serial;
 
 impl Layers for Serial {
