@@ -7,5 +7,7 @@ pub mod datasets;
 pub mod eval;
 pub mod metrics;
 pub mod model;
+pub mod multi_dim;
+pub mod sequence_parallel;
 pub mod tensor_parallel;
 pub mod train;

@@ -3,10 +3,13 @@
 //! `pos_embed`, `blocks.{i}.{norm1,attn.qkv,attn.proj,norm2,mlp.fc1,mlp.fc2}`, `norm`, `head`.
 //! Class-token pooling, pre-norm blocks, LayerNorm eps 1e-6, exact GELU, as timm's defaults.
 //!
-//! The model is written once, serially. Its four linear layers per block come from a
-//! [`Layers`] factory: [`Serial`] makes `nn::Linear`s; `crate::tensor_parallel` makes
-//! Megatron's column/row-parallel layers, and the same code then computes this rank's share of
-//! the heads and of the MLP's hidden features.
+//! The model is written once, serially. Its parts come from a [`Layers`] factory: the four
+//! linear layers and two norms per block, the stem (patch embedding, class and position
+//! tokens), the head (final norm and classifier) and the attention of the blocks' queries,
+//! keys and values. [`Serial`] makes timm's modules; `crate::tensor_parallel` makes
+//! Megatron's column/row-parallel layers or the 2D/2.5D/3D layers (`crate::multi_dim`), and
+//! `crate::sequence_parallel` ring or all-to-all attention, and the same code then computes
+//! this rank's share of the heads, the hidden features, the batch or the tokens.
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
@@ -164,7 +167,8 @@ impl Layer for nn::LayerNorm {
     }
 }
 
-/// Makes a block's linear layers (`inputs -> outputs` are the whole layer's features).
+/// Makes the model's parts: the blocks' linear layers and norms (`inputs -> outputs` are the whole
+/// layer's features), the stem, the head and attention; the defaults are timm's serial modules.
 pub trait Layers {
     /// Into which parts the heads and the MLP's hidden features are split (1: whole).
     fn parts(&self) -> i64;
@@ -180,6 +184,95 @@ pub trait Layers {
     /// What the residual stream goes through entering and leaving the blocks.
     fn region(&self) -> Box<dyn Region> {
         Box::new(Whole)
+    }
+    /// The patch embedding and the class and position tokens (`patch_embed.proj`,
+    /// `cls_token`, `pos_embed` under `p`).
+    fn stem(&self, p: &nn::Path, cfg: &VitConfig) -> anyhow::Result<Box<dyn Stem>> {
+        Ok(Box::new(SerialStem::new(p, cfg)))
+    }
+    /// The final norm and the classifier (`norm`, `head` under `p`).
+    fn head(&self, p: &nn::Path, cfg: &VitConfig) -> anyhow::Result<Box<dyn Head>> {
+        Ok(Box::new(SerialHead::new(p, cfg)))
+    }
+    /// How a block attends over its queries, keys and values.
+    fn attention(&self) -> anyhow::Result<Box<dyn Attend>> {
+        Ok(Box::new(Sdpa))
+    }
+}
+
+/// Images `[batch, channels, size, size]` to the residual stream entering the blocks.
+pub trait Stem: std::fmt::Debug {
+    /// The stream `[batch, tokens, width]` (or this rank's block of it).
+    fn forward(&self, images: &Tensor) -> anyhow::Result<Tensor>;
+}
+
+/// The residual stream leaving the blocks to logits.
+pub trait Head: std::fmt::Debug {
+    /// Whole logits `[batch, classes]` on every rank.
+    fn forward(&self, x: &Tensor) -> anyhow::Result<Tensor>;
+}
+
+/// Attention over queries, keys and values `[batch, heads, tokens, head_dim]` (this rank's).
+pub trait Attend: std::fmt::Debug {
+    /// The attention output in the same layout.
+    fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> anyhow::Result<Tensor>;
+}
+
+/// PyTorch's fused attention over every token the rank holds.
+#[derive(Debug)]
+struct Sdpa;
+
+impl Attend for Sdpa {
+    fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> anyhow::Result<Tensor> {
+        Ok(Tensor::f_scaled_dot_product_attention(q, k, v, None::<Tensor>, 0.0, false, None, false)?)
+    }
+}
+
+/// timm's stem: a strided convolution, the class token prepended, position embeddings added.
+#[derive(Debug)]
+struct SerialStem {
+    patch_embed: nn::Conv2D,
+    cls_token: Tensor,
+    pos_embed: Tensor,
+}
+
+impl SerialStem {
+    fn new(p: &nn::Path, cfg: &VitConfig) -> SerialStem {
+        let conv = nn::ConvConfig { stride: cfg.patch_size, ..Default::default() };
+        let tokens = cfg.num_patches() + 1;
+        // Created in this order (libtorch's generator draws each in turn): the seed's weights.
+        let patch_embed = nn::conv2d(p / "patch_embed" / "proj", cfg.in_channels, cfg.width, cfg.patch_size, conv);
+        let cls_token = p.var("cls_token", &[1, 1, cfg.width], nn::Init::Randn { mean: 0.0, stdev: 1e-6 });
+        let pos_embed = p.var("pos_embed", &[1, tokens, cfg.width], nn::Init::Randn { mean: 0.0, stdev: 0.02 });
+        SerialStem { patch_embed, cls_token, pos_embed }
+    }
+}
+
+impl Stem for SerialStem {
+    fn forward(&self, images: &Tensor) -> anyhow::Result<Tensor> {
+        let b = images.size()[0];
+        let x = self.patch_embed.forward(images).f_flatten(2, -1)?.f_transpose(1, 2)?;
+        let cls = self.cls_token.f_expand([b, -1, -1], false)?.f_to_kind(x.kind())?;
+        Ok(Tensor::f_cat(&[cls, x], 1)?.f_add(&self.pos_embed)?)
+    }
+}
+
+/// timm's head: the final norm, then the classifier on the class token.
+#[derive(Debug)]
+struct SerialHead {
+    norm: nn::LayerNorm,
+    head: nn::Linear,
+}
+
+impl SerialHead {
+    fn new(p: &nn::Path, cfg: &VitConfig) -> SerialHead {
+        SerialHead { norm: layer_norm(p / "norm", cfg.width), head: linear(p / "head", cfg.width, cfg.num_classes) }
+    }
+}
+
+impl Head for SerialHead {
+    fn forward(&self, x: &Tensor) -> anyhow::Result<Tensor> {
+        Ok(Module::forward(&self.head, &Module::forward(&self.norm, x).f_select(1, 0)?))
     }
 }
 
@@ -205,7 +298,7 @@ impl Region for Whole {
     }
 }
 
-/// The serial model's layers: timm's `nn.Linear`s.
+/// The serial model's layers: timm's `nn.Linear`s (and the default stem, head and attention).
 pub struct Serial;
 
 impl Layers for Serial {
@@ -228,6 +321,7 @@ pub(crate) fn layer_norm(p: nn::Path, width: i64) -> nn::LayerNorm {
 struct Attention {
     qkv: Box<dyn Layer>,
     proj: Box<dyn Layer>,
+    attend: Box<dyn Attend>,
     /// This rank's heads (all of them serially).
     heads: i64,
     head_dim: i64,
@@ -239,6 +333,7 @@ impl Attention {
         Ok(Attention {
             qkv: layers.column(&p / "qkv", width, 3 * width)?,
             proj: layers.row(&p / "proj", width, width)?,
+            attend: layers.attention()?,
             heads: cfg.heads / layers.parts(),
             head_dim: width / cfg.heads,
         })
@@ -252,7 +347,7 @@ impl Attention {
         // [b, n, 3 * h * hd] -> [3, b, h, n, hd], timm's layout of the fused projection.
         let qkv = qkv.f_reshape([b, n, 3, h, hd])?.f_permute([2, 0, 3, 1, 4])?;
         let (q, k, v) = (qkv.get(0), qkv.get(1), qkv.get(2));
-        let out = Tensor::f_scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, false, None, false)?;
+        let out = self.attend.forward(&q, &k, &v)?;
         self.proj.forward(&out.f_transpose(1, 2)?.f_reshape([b, n, h * hd])?)
     }
 }
@@ -289,13 +384,10 @@ impl Block {
 #[derive(Debug)]
 pub struct Vit {
     cfg: VitConfig,
-    patch_embed: nn::Conv2D,
-    cls_token: Tensor,
-    pos_embed: Tensor,
+    stem: Box<dyn Stem>,
     region: Box<dyn Region>,
     blocks: Vec<Block>,
-    norm: nn::LayerNorm,
-    head: nn::Linear,
+    head: Box<dyn Head>,
 }
 
 impl Vit {
@@ -304,27 +396,14 @@ impl Vit {
         Self::build(p, cfg, &Serial).expect("serial layers are infallible")
     }
 
-    /// Creates the parameters under `p` with the blocks' linear layers from `layers` (the
-    /// config validated, and its heads and MLP width divisible by `layers.parts()`).
+    /// Creates the parameters under `p` with its parts from `layers` (the config validated,
+    /// and its heads and MLP width divisible by `layers.parts()`).
     pub fn build(p: &nn::Path, cfg: VitConfig, layers: &dyn Layers) -> anyhow::Result<Vit> {
-        let conv = nn::ConvConfig { stride: cfg.patch_size, ..Default::default() };
-        let tokens = cfg.num_patches() + 1;
-        // Created in this order (libtorch's generator draws each in turn): the seed's weights.
-        let patch_embed = nn::conv2d(p / "patch_embed" / "proj", cfg.in_channels, cfg.width, cfg.patch_size, conv);
-        let cls_token = p.var("cls_token", &[1, 1, cfg.width], nn::Init::Randn { mean: 0.0, stdev: 1e-6 });
-        let pos_embed = p.var("pos_embed", &[1, tokens, cfg.width], nn::Init::Randn { mean: 0.0, stdev: 0.02 });
+        // Created in timm's order (libtorch's generator draws each in turn): the seed's weights.
+        let stem = layers.stem(p, &cfg)?;
         let blocks =
             (0..cfg.depth).map(|i| Block::new(p / "blocks" / i, &cfg, layers)).collect::<anyhow::Result<_>>()?;
-        Ok(Vit {
-            patch_embed,
-            cls_token,
-            pos_embed,
-            region: layers.region(),
-            blocks,
-            norm: layer_norm(p / "norm", cfg.width),
-            head: linear(p / "head", cfg.width, cfg.num_classes),
-            cfg,
-        })
+        Ok(Vit { stem, region: layers.region(), blocks, head: layers.head(p, &cfg)?, cfg })
     }
 
     /// The architecture.
@@ -334,15 +413,11 @@ impl Vit {
 
     /// Logits `[batch, classes]` for images `[batch, channels, size, size]`.
     pub fn forward(&self, images: &Tensor) -> anyhow::Result<Tensor> {
-        let b = images.size()[0];
-        let x = self.patch_embed.forward(images).f_flatten(2, -1)?.f_transpose(1, 2)?;
-        let cls = self.cls_token.f_expand([b, -1, -1], false)?.f_to_kind(x.kind())?;
-        let mut x = self.region.enter(Tensor::f_cat(&[cls, x], 1)?.f_add(&self.pos_embed)?)?;
+        let mut x = self.region.enter(self.stem.forward(images)?)?;
         for block in &self.blocks {
             x = block.forward(&x)?;
         }
-        let x = self.region.leave(x)?;
-        Ok(Module::forward(&self.head, &Module::forward(&self.norm, &x).f_select(1, 0)?))
+        self.head.forward(&self.region.leave(x)?)
     }
 }
 

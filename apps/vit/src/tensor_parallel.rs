@@ -1,15 +1,18 @@
-//! 1D (Megatron) tensor parallelism for the ViT, applied from outside the model: the serial
+//! Tensor and sequence parallelism for the ViT, applied from outside the model: the serial
 //! model is built as one process would build it, and [`Sharding::build`] makes the same model
-//! with each block's linear layers split over the tensor-parallel group and fills it with this
-//! rank's slices of the serial weights, so a run at any `--tp` starts from the tp=1 weights.
+//! with its layers split over the tensor-parallel group (and its tokens over the
+//! sequence-parallel group) and fills it with this rank's slices of the serial weights, so a
+//! run at any layout starts from the tp=1 weights.
 //!
-//! The layout (Megatron's for a transformer block): `attn.qkv` and `mlp.fc1` are column
-//! parallel (each rank computes its heads' queries, keys and values, and its block of the
-//! hidden features), `attn.proj` and `mlp.fc2` are row parallel (partial products summed over
-//! the group). Everything else (patch embedding, class and position tokens, the norms, the
-//! classifier head, the row layers' biases) is replicated; those parameters get the same
+//! `--tp-mode 1d` (Megatron's layout of a transformer block): `attn.qkv` and `mlp.fc1` are
+//! column parallel (each rank computes its heads' queries, keys and values, and its block of
+//! the hidden features), `attn.proj` and `mlp.fc2` are row parallel (partial products summed
+//! over the group). Everything else (patch embedding, class and position tokens, the norms,
+//! the classifier head, the row layers' biases) is replicated; those parameters get the same
 //! gradient on every rank of the group, because the column layers' `copy_to` sums the
 //! gradient of their input over the group in backward, so they need no synchronisation.
+//! `--tp-mode 2d|2.5d|3d` split every layer, the stem and the head too: see
+//! [`crate::multi_dim`].
 //!
 //! timm's fused `qkv` stacks all heads' queries, then all keys, then all values; a rank needs
 //! the q, k and v rows of its own heads, so the rows are regrouped by head before slicing (and
@@ -21,22 +24,26 @@
 //! tokens, the row layers reduce-scatter them, and the blocks' norms sum their parameters'
 //! gradients over the group. The stream is split after the embeddings and gathered before
 //! the final norm, so the class token and the head see every token as in one process.
-//! (`--sp N`, a separate axis of ring or Ulysses attention, is not wired into `vit`.)
+//! `--sp N` is a separate axis, ring or all-to-all attention over the tokens: see
+//! [`crate::sequence_parallel`].
 //!
 //! Checkpoints hold full tensors under timm's names: [`Sharding::gather`] makes them from the
-//! shards and [`Sharding::shard`] slices them again at any tp, for weights and for optimizer
-//! state (`{param}.{slot}`) alike.
+//! shards and [`Sharding::shard`] slices them again at any layout, for weights and for
+//! optimizer state (`{param}.{slot}`) alike.
 use anyhow::{bail, Context};
 use clap::ValueEnum;
-use engine::dist::{ParallelDims, ProcessGroup, World};
+use engine::dist::{DeviceMesh, ParallelDims, ProcessGroup, World};
 use engine::optim::{params_of, Param, StateDict};
+use engine::parallel::sequence::SequenceParallel;
 use engine::parallel::tensor::{
     ColumnConfig, ColumnParallelLinear, Init, LayerNorm, RowConfig, RowParallelLinear, TensorParallel,
 };
 use tch::nn::{self, VarStore};
 use tch::Tensor;
 
-use crate::model::{Layer, Layers, Region, Vit, VitConfig};
+use crate::model::{Layer, Layers, Region, Serial, Vit, VitConfig};
+use crate::multi_dim::MultiDim;
+use crate::sequence_parallel::{SpLayers, SpMode};
 
 /// `--tp-mode`: how weights are split over the tensor-parallel group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -44,19 +51,113 @@ pub enum TpMode {
     /// Megatron's column/row split of each linear layer.
     #[value(name = "1d")]
     OneD,
-    /// A 2D grid of blocks (Optimus); not available yet.
+    /// SUMMA on a q x q grid (Optimus): --tp must be a square.
     #[value(name = "2d")]
     TwoD,
-    /// 2.5D (Tesseract); not available yet.
+    /// q x q grids stacked --tp-depth deep (Tesseract): --tp must be q x q x depth.
     #[value(name = "2.5d")]
     TwoPointFiveD,
-    /// 3D; not available yet.
+    /// A q x q x q cube: --tp must be a cube.
     #[value(name = "3d")]
     ThreeD,
 }
 
-/// Checks that `tp` ranks can split `cfg`: its heads (and with them the width, a multiple of
-/// the heads) and the MLP's hidden features must divide by `tp`. The error names the numbers.
+impl TpMode {
+    /// The flag value, for messages.
+    pub fn name(self) -> String {
+        self.to_possible_value().map_or_else(String::new, |v| v.get_name().to_string())
+    }
+}
+
+/// The flags of `vit pretrain` that lay the model over the ranks (beside data parallelism).
+#[derive(clap::Args, Clone, Debug)]
+pub struct ParallelArgs {
+    /// Tensor-parallel ranks: the model's layers are split over groups of this many
+    /// consecutive ranks (its heads and widths must divide as --tp-mode needs), and the job's
+    /// ranks over --tp x --sp are the data-parallel replicas (--batch and ZeRO are over those).
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// How --tp splits the model: 1d (Megatron's column/row split of the blocks' linear
+    /// layers), 2d (a q x q grid, --tp = q^2), 2.5d (q x q x --tp-depth), 3d (a q x q x q cube,
+    /// --tp = q^3); 2d, 2.5d and 3d split every layer, the activations' batch and width too.
+    #[arg(long, value_enum, default_value = "1d")]
+    pub tp_mode: TpMode,
+    /// Depth d of --tp-mode 2.5d (--tp = q x q x d).
+    #[arg(long, default_value_t = 1)]
+    pub tp_depth: usize,
+    /// Megatron's sequence parallelism within the --tp group (1d): the norms and residual
+    /// stream between the split layers hold 1/tp of the tokens (the tokens, patches plus the
+    /// class token, must divide by --tp).
+    #[arg(long)]
+    pub sequence_parallel: bool,
+    /// Sequence-parallel ranks: the tokens (patches plus the class token, which must divide
+    /// by it) are split over groups of this many ranks, attention runs as --sp-mode says.
+    #[arg(long, default_value_t = 1)]
+    pub sp: usize,
+    /// Attention over the --sp group: ulysses (the default: all-to-alls between token and
+    /// head splits hand about 4 N h / sp elements per rank per layer forward, falling with
+    /// --sp, where the ring passes 2 N h (sp - 1) / sp; the heads per --tp rank must divide by
+    /// --sp) or ring (keys and values passed around the ring: any head count, and one score
+    /// block of (N / sp)^2 at a time, for sequences too long for whole score matrices).
+    #[arg(long, value_enum, default_value = "ulysses")]
+    pub sp_mode: SpMode,
+}
+
+/// The groups of a job's ranks under [`ParallelArgs`]: `dp x sp x tp` (tensor-parallel groups
+/// are runs of consecutive ranks, sequence-parallel groups next, see [`ParallelDims`]).
+#[derive(Clone, Debug)]
+pub struct Mesh {
+    /// The data-parallel replicas: they split the batch.
+    pub data: ProcessGroup,
+    /// What gradients are averaged over (and ZeRO shards the optimizer over): the data
+    /// replicas and the sequence ranks together (the sequence ranks' gradients are partial).
+    pub grads: ProcessGroup,
+    /// The tensor-parallel group (none for one rank).
+    pub tp: Option<ProcessGroup>,
+    /// The sequence-parallel group (none for one rank).
+    pub sp: Option<ProcessGroup>,
+}
+
+impl Mesh {
+    /// The groups for `args` over `world`; sizes that do not fit are errors naming the flags
+    /// and numbers.
+    pub fn new(world: &World, args: &ParallelArgs) -> anyhow::Result<Mesh> {
+        let (ranks, tp, sp) = (world.size(), args.tp, args.sp);
+        if tp == 0 || sp == 0 || !ranks.is_multiple_of(tp * sp) {
+            let sizes = if sp == 1 { format!("--tp {tp}") } else { format!("--tp {tp} x --sp {sp}") };
+            bail!("{sizes} does not divide the job's {ranks} ranks (--nproc or the launcher's world size)");
+        }
+        if args.tp_depth != 1 && args.tp_mode != TpMode::TwoPointFiveD {
+            bail!("--tp-depth {} is for --tp-mode 2.5d, not {}", args.tp_depth, args.tp_mode.name());
+        }
+        if tp * sp == 1 {
+            let g = world.group.clone();
+            return Ok(Mesh { data: g.clone(), grads: g, tp: None, sp: None });
+        }
+        let dp = ranks / (tp * sp);
+        let mesh = ParallelDims { pp: 1, dp, sp, tp }.build(&world.group)?;
+        let group = |m: &DeviceMesh, axis: &str| m.group(axis).cloned().with_context(|| format!("no {axis} axis"));
+        let data = group(&mesh, "dp")?;
+        let grads = match sp {
+            1 => data.clone(),
+            // The ranks at this rank's tensor-parallel index: `(d * sp + s) * tp + t`.
+            _ => {
+                let mut mine = None;
+                for t in 0..tp {
+                    let members: Vec<usize> = (0..dp * sp).map(|i| i * tp + t).collect();
+                    mine = world.group.subgroup(&members, &format!("dp_sp{t}"))?.or(mine);
+                }
+                mine.context("this rank is in no data x sequence group")?
+            }
+        };
+        let (tp, sp) = (group(&mesh, "tp")?, group(&mesh, "sp")?);
+        Ok(Mesh { data, grads, tp: (tp.size() > 1).then_some(tp), sp: (sp.size() > 1).then_some(sp) })
+    }
+}
+
+/// Checks that `tp` ranks can split `cfg` in 1D: its heads (and with them the width, a
+/// multiple of the heads) and the MLP's hidden features must divide by `tp`. The error names
+/// the numbers.
 pub fn check(cfg: &VitConfig, tp: i64) -> Result<(), String> {
     let hidden = cfg.mlp_hidden();
     if cfg.heads % tp != 0 {
@@ -71,27 +172,34 @@ pub fn check(cfg: &VitConfig, tp: i64) -> Result<(), String> {
     Ok(())
 }
 
-/// The data-parallel and tensor-parallel groups of `world` for `--tp tp` (tensor-parallel
-/// groups are runs of consecutive ranks, see [`ParallelDims`]); with `tp` 1 the data-parallel
-/// group is the world itself. `mode` must be `1d`. Errors name the flags and numbers.
-pub fn groups(world: &World, tp: usize, mode: TpMode) -> anyhow::Result<(ProcessGroup, TensorParallel)> {
-    if mode != TpMode::OneD {
-        let name = mode.to_possible_value().map_or_else(String::new, |v| v.get_name().to_string());
-        bail!("--tp-mode {name} is not available yet: only 1d (Megatron's column/row split) is implemented");
-    }
-    let ranks = world.size();
-    if tp == 0 || !ranks.is_multiple_of(tp) {
-        bail!("--tp {tp} does not divide the job's {ranks} ranks (--nproc or the launcher's world size)");
-    }
-    if tp == 1 {
-        return Ok((world.group.clone(), TensorParallel::none()));
-    }
-    let mesh = ParallelDims { pp: 1, dp: ranks / tp, sp: 1, tp }.build(&world.group)?;
-    let group = |axis: &str| mesh.group(axis).cloned().with_context(|| format!("the mesh has no {axis} axis"));
-    Ok((group("dp")?, TensorParallel::new(group("tp")?)))
+/// Where a parameter's shard lies in the full tensor: the cuts made in turn, each along a
+/// dimension (negative: from the end) into as many blocks as its group has ranks, the block
+/// being the rank's index in that group.
+#[derive(Clone, Debug)]
+pub(crate) struct Placement {
+    /// `qkv`: rows regrouped by head into this many blocks (timm's `[3, n, ..]` to `[n, 3, ..]`)
+    /// before the cuts.
+    pub heads: Option<i64>,
+    /// The patch embedding's convolution weight `[out, c, p, p]`, cut as a matrix `[out, c p p]`.
+    pub flatten: bool,
+    /// `(dim, group)` per cut, outermost first.
+    pub cuts: Vec<(i64, ProcessGroup)>,
+    /// How many ranks of the tensor-parallel group hold this same shard.
+    pub copies: usize,
 }
 
-/// How a parameter is split over the group.
+/// How the model is laid out over the tensor-parallel group.
+#[derive(Clone, Debug)]
+enum Mode {
+    /// One rank: everything whole.
+    Whole,
+    /// Megatron's 1D split, optionally with Megatron-SP.
+    OneD { tp: TensorParallel, sequence_parallel: bool },
+    /// 2D, 2.5D or 3D.
+    Multi(MultiDim),
+}
+
+/// How a parameter is split in 1D.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Split {
     /// Along dim 0, rows regrouped by head first (`attn.qkv`).
@@ -102,7 +210,7 @@ enum Split {
     Columns,
 }
 
-/// Where each parameter is split, by its timm name.
+/// Where each parameter is split in 1D, by its timm name.
 fn split_of(name: &str) -> Option<Split> {
     let (_, layer) = name.strip_prefix("blocks.")?.split_once('.')?;
     match layer {
@@ -113,50 +221,143 @@ fn split_of(name: &str) -> Option<Split> {
     }
 }
 
-/// The ViT's tensor-parallel layout over one group (a group of one: everything whole).
+/// The ViT's layout over the tensor- and sequence-parallel groups (groups of one: everything
+/// whole).
 #[derive(Clone, Debug)]
 pub struct Sharding {
-    tp: TensorParallel,
-    sequence_parallel: bool,
+    mode: Mode,
+    /// The tensor-parallel group, when it has more than one rank.
+    tp: Option<ProcessGroup>,
+    sp: SequenceParallel,
+    sp_mode: SpMode,
+    grads: ProcessGroup,
+    cfg: VitConfig,
 }
 
 impl Sharding {
-    /// The layout of `cfg` over `tp`, with the tokens split too under `sequence_parallel`; a
-    /// model that does not split is an error naming the numbers.
-    pub fn new(tp: TensorParallel, cfg: &VitConfig, sequence_parallel: bool) -> anyhow::Result<Sharding> {
-        let n = tp.size();
-        check(cfg, n).map_err(anyhow::Error::msg)?;
+    /// The layout of `cfg` over `mesh` as `args` ask; a model that does not split is an error
+    /// naming the numbers.
+    pub fn new(mesh: &Mesh, args: &ParallelArgs, cfg: &VitConfig) -> anyhow::Result<Sharding> {
+        let n = args.tp as i64;
         let tokens = cfg.num_patches() + 1;
-        if sequence_parallel && tokens % n != 0 {
+        if args.sequence_parallel && args.tp_mode != TpMode::OneD {
+            bail!("--sequence-parallel is Megatron's, for --tp-mode 1d (2d, 2.5d and 3d split the batch instead)");
+        }
+        if args.sequence_parallel && tokens % n != 0 {
             bail!(
                 "--sequence-parallel: the model's {tokens} tokens ({} patches and the class token) do not split over \
                  --tp {n} ranks (choose --image-size / --patch-size to fit)",
                 tokens - 1
             );
         }
-        Ok(Sharding { tp, sequence_parallel: sequence_parallel && n > 1 })
+        let mode = match (&mesh.tp, args.tp_mode) {
+            (None, _) => Mode::Whole,
+            (Some(g), TpMode::OneD) => {
+                check(cfg, n).map_err(anyhow::Error::msg)?;
+                Mode::OneD { tp: TensorParallel::new(g.clone()), sequence_parallel: args.sequence_parallel }
+            }
+            (Some(g), mode) => Mode::Multi(MultiDim::new(g, mode, args.tp_depth as i64, cfg)?),
+        };
+        let sp = args.sp as i64;
+        if sp > 1 {
+            if matches!(mode, Mode::Multi(_)) {
+                bail!(
+                    "--sp {sp} with --tp-mode {}: sequence parallelism combines with --tp-mode 1d only (2d, 2.5d \
+                     and 3d split the batch over the grid already)",
+                    args.tp_mode.name()
+                );
+            }
+            if args.sequence_parallel {
+                bail!("--sp {sp} with --sequence-parallel: choose one way to split the tokens");
+            }
+            if tokens % sp != 0 {
+                bail!(
+                    "--sp {sp}: the model's {tokens} tokens ({} patches and the class token) do not split over {sp} \
+                     ranks (choose --image-size / --patch-size to fit)",
+                    tokens - 1
+                );
+            }
+            let heads = cfg.heads / n;
+            if args.sp_mode == SpMode::Ulysses && heads % sp != 0 {
+                bail!(
+                    "--sp {sp} --sp-mode ulysses: the {heads} attention heads per tensor-parallel rank ({} over --tp \
+                     {n}) do not split over {sp} ranks (use --sp-mode ring)",
+                    cfg.heads
+                );
+            }
+        }
+        Ok(Sharding {
+            mode,
+            tp: mesh.tp.clone(),
+            sp: mesh.sp.clone().map_or_else(SequenceParallel::none, SequenceParallel::new),
+            sp_mode: args.sp_mode,
+            grads: mesh.grads.clone(),
+            cfg: *cfg,
+        })
     }
 
-    /// The group's size.
+    /// Checks that a micro-batch of `micro` examples splits as the layout needs (2D, 2.5D and
+    /// 3D cut it over the grid or cube); the error names the numbers.
+    pub fn check_batch(&self, micro: usize) -> anyhow::Result<()> {
+        if let Mode::Multi(m) = &self.mode {
+            let blocks = m.batch_blocks() as usize;
+            if !micro.is_multiple_of(blocks) {
+                bail!(
+                    "--tp {}: a micro-batch of {micro} examples per data-parallel rank does not split into the \
+                     layout's {blocks} batch blocks (choose --batch / --micro-batch to fit)",
+                    self.size()
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// The tensor-parallel group's size.
     pub fn size(&self) -> i64 {
-        self.tp.size()
+        self.tp.as_ref().map_or(1, |g| g.size() as i64)
     }
 
-    /// This rank's index in the group.
+    /// This rank's index in the tensor-parallel group.
     pub fn rank(&self) -> i64 {
-        self.tp.rank()
+        self.tp.as_ref().map_or(0, |g| g.rank() as i64)
     }
 
-    /// Whether weights are split (more than one rank).
+    /// The sequence-parallel group's size.
+    pub fn sp_size(&self) -> i64 {
+        self.sp.size()
+    }
+
+    /// What gradients are averaged over and ZeRO shards over (see [`Mesh::grads`]).
+    pub fn grads(&self) -> &ProcessGroup {
+        &self.grads
+    }
+
+    /// Whether this rank writes optimizer state to checkpoints: one copy of each entry, every
+    /// shard's owner under ZeRO (`sharded`), else one rank's; a tensor-parallel group holds the
+    /// same full entries after [`Self::gather_state`].
+    pub fn writes_optimizer(&self, sharded: bool) -> bool {
+        (sharded || self.grads.rank() == 0) && self.rank() == 0
+    }
+
+    /// Whether anything is split or parallel beyond data parallelism.
     pub fn active(&self) -> bool {
-        self.tp.active().is_some()
+        !matches!(self.mode, Mode::Whole) || self.sp.active().is_some()
     }
 
     /// The model of `cfg` under `vs` holding this rank's slices of `serial`'s weights (a model
     /// of the same config built serially, e.g. from the run's seed).
-    pub fn build(&self, serial: &VarStore, cfg: VitConfig, vs: &VarStore) -> anyhow::Result<Vit> {
-        let layers = TpLayers { tp: self.tp.clone(), sequence_parallel: self.sequence_parallel };
-        let model = Vit::build(&vs.root(), cfg, &layers)?;
+    pub fn build(&self, serial: &VarStore, vs: &VarStore) -> anyhow::Result<Vit> {
+        let base: Box<dyn Layers> = match &self.mode {
+            Mode::Whole => Box::new(Serial),
+            Mode::OneD { tp, sequence_parallel } => {
+                Box::new(TpLayers { tp: tp.clone(), sequence_parallel: *sequence_parallel })
+            }
+            Mode::Multi(m) => Box::new(m.clone()),
+        };
+        let model = match self.sp.active() {
+            Some(_) => Vit::build(&vs.root(), self.cfg, &SpLayers::new(base, self.sp.clone(), self.sp_mode))?,
+            None => Vit::build(&vs.root(), self.cfg, base.as_ref())?,
+        };
         let full = serial.variables();
         tch::no_grad(|| -> anyhow::Result<()> {
             for (name, mut local) in vs.variables() {
@@ -168,64 +369,73 @@ impl Sharding {
         Ok(model)
     }
 
+    /// Where parameter `name`'s shard lies (`None`: whole on every rank).
+    fn placement(&self, name: &str) -> Option<Placement> {
+        match &self.mode {
+            Mode::Whole => None,
+            Mode::OneD { tp, .. } => {
+                let g = tp.active()?.clone();
+                let n = g.size() as i64;
+                let (heads, dim) = match split_of(name)? {
+                    Split::Heads => (Some(n), 0),
+                    Split::Rows => (None, 0),
+                    Split::Columns => (None, 1),
+                };
+                Some(Placement { heads, flatten: false, cuts: vec![(dim, g)], copies: 1 })
+            }
+            Mode::Multi(m) => m.placement(name),
+        }
+    }
+
     /// The trainable parameters of `vs` sorted by name, the split ones marked as shards of the
-    /// group (their norms are then the whole parameter's).
+    /// tensor-parallel group (their norms are then the whole parameter's).
     pub fn params(&self, vs: &VarStore) -> Vec<Param> {
         params_of(vs)
             .into_iter()
-            .map(|p| {
-                let split = split_of(&p.name).is_some();
-                p.split_over(self.tp.active().filter(|_| split))
+            .map(|p| match (self.placement(&p.name), &self.tp) {
+                (Some(place), Some(g)) => p.split_over(Some(g)).with_copies(place.copies),
+                _ => p,
             })
             .collect()
     }
 
     /// This rank's slice of the full tensor `full` of parameter `name` (itself if unsplit).
     pub fn shard(&self, name: &str, full: &Tensor) -> anyhow::Result<Tensor> {
-        let (Some(split), true) = (split_of(name), self.active()) else {
+        let Some(place) = self.placement(name) else {
             return Ok(full.shallow_clone());
         };
-        let what = format!("{name}: dim");
-        Ok(match split {
-            Split::Rows => self.tp.shard_of(full, 0, &what)?,
-            Split::Columns => self.tp.shard_of(full, 1, &what)?,
-            Split::Heads => {
-                // [3 * heads * hd, ..] as [3, tp, rows per rank and part, ..] -> [tp, 3, ..]:
-                // rank r's contiguous block is then q, k, v of its heads.
-                let regrouped = self.regroup(full, true)?;
-                self.tp.shard_of(&regrouped, 0, &what)?
-            }
-        })
+        let mut t = full.shallow_clone();
+        if place.flatten {
+            t = t.f_flatten(1, -1)?;
+        }
+        if let Some(n) = place.heads {
+            t = regroup(&t, n, true)?;
+        }
+        for (dim, g) in &place.cuts {
+            let what = format!("{name}: dim");
+            t = TensorParallel::new(g.clone()).shard_of(&t, resolve(&t, *dim), &what)?;
+        }
+        Ok(t.f_contiguous()?)
     }
 
     /// The full tensor of parameter `name` from every rank's slice `local` (a collective over
     /// the group: every rank calls it, for the same names in the same order).
     pub fn gather(&self, name: &str, local: &Tensor) -> anyhow::Result<Tensor> {
-        let (Some(split), true) = (split_of(name), self.active()) else {
+        let Some(place) = self.placement(name) else {
             return Ok(local.shallow_clone());
         };
-        Ok(match split {
-            Split::Rows => self.tp.gather_full(local, 0)?,
-            Split::Columns => self.tp.gather_full(local, 1)?,
-            Split::Heads => self.regroup(&self.tp.gather_full(local, 0)?, false)?,
-        })
-    }
-
-    /// `qkv` rows from timm's order `[3, tp, ..]` into rank order `[tp, 3, ..]` (`to_ranks`),
-    /// or back.
-    fn regroup(&self, t: &Tensor, to_ranks: bool) -> anyhow::Result<Tensor> {
-        let shape = t.size();
-        let n = self.tp.size();
-        if shape.is_empty() || shape[0] % (3 * n) != 0 {
-            bail!(
-                "qkv of shape {shape:?}: {} rows do not split into q, k, v over {n} ranks",
-                shape.first().unwrap_or(&0)
-            );
+        let mut t = local.shallow_clone();
+        for (dim, g) in place.cuts.iter().rev() {
+            t = TensorParallel::new(g.clone()).gather_full(&t, resolve(&t, *dim))?;
         }
-        let outer = if to_ranks { [3, n] } else { [n, 3] };
-        let mut view = vec![outer[0], outer[1], shape[0] / (3 * n)];
-        view.extend(&shape[1..]);
-        Ok(t.f_reshape(&view)?.f_transpose(0, 1)?.f_contiguous()?.f_reshape(&shape)?)
+        if let Some(n) = place.heads {
+            t = regroup(&t, n, false)?;
+        }
+        if place.flatten {
+            let c = &self.cfg;
+            t = t.f_reshape([c.width, c.in_channels, c.patch_size, c.patch_size])?;
+        }
+        Ok(t)
     }
 
     /// Full tensors of named parameters from this rank's slices (a collective).
@@ -251,6 +461,28 @@ impl Sharding {
         }
         Ok(())
     }
+}
+
+/// `dim` counted from the front (a negative one from the end of `t`'s dimensions).
+fn resolve(t: &Tensor, dim: i64) -> i64 {
+    if dim < 0 {
+        t.dim() as i64 + dim
+    } else {
+        dim
+    }
+}
+
+/// `qkv` rows from timm's order `[3, n, ..]` into block order `[n, 3, ..]` (`to_blocks`), or
+/// back: block `i` of the result is then q, k, v of the `i`-th share of the heads.
+fn regroup(t: &Tensor, n: i64, to_blocks: bool) -> anyhow::Result<Tensor> {
+    let shape = t.size();
+    if shape.is_empty() || shape[0] % (3 * n) != 0 {
+        bail!("qkv of shape {shape:?}: {} rows do not split into q, k, v over {n} blocks", shape.first().unwrap_or(&0));
+    }
+    let outer = if to_blocks { [3, n] } else { [n, 3] };
+    let mut view = vec![outer[0], outer[1], shape[0] / (3 * n)];
+    view.extend(&shape[1..]);
+    Ok(t.f_reshape(&view)?.f_transpose(0, 1)?.f_contiguous()?.f_reshape(&shape)?)
 }
 
 /// The parameter an optimizer state key `{param}.{slot}` belongs to (counters: themselves).

@@ -1,15 +1,15 @@
 //! `vit pretrain`: data-parallel ViT training with LAMB, LARS or AdamW, linear warmup then
 //! cosine decay, gradient accumulation, ZeRO 1/2, mixed precision, mixup and label smoothing,
-//! 1D tensor parallelism (`--tp`, combined with data parallelism over the rest of the ranks),
-//! checkpoints with exact resume at any layout.
+//! tensor parallelism (`--tp`, 1D/2D/2.5D/3D) and sequence parallelism (`--sp`), combined with
+//! data parallelism over the rest of the ranks, checkpoints with exact resume at any layout.
 //!
 //! One step: each rank runs `accumulation` micro-batches forward and backward (gradients
 //! synchronised only on the last, as the buckets fill), then optional unscaling (fp16), global
 //! gradient clipping, and the optimizer step (on fp32 master weights for bf16/fp16 or
 //! `--offload-optimizer`); the data-parallel wiring is the engine's
-//! [`engine::parallel::parallelize`] over the data-parallel group, after
-//! [`crate::tensor_parallel`] has split the blocks' linear layers over the tensor-parallel
-//! group. Every random draw (data order, crops, mixup) is keyed by
+//! [`engine::parallel::parallelize`] over the data-parallel group (with the sequence ranks),
+//! after [`crate::tensor_parallel`] has split the model over the tensor- and
+//! sequence-parallel groups. Every random draw (data order, crops, mixup) is keyed by
 //! the seed and the step or example, so a resumed run repeats the uninterrupted one exactly.
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -32,7 +32,7 @@ use crate::checkpoint::{self, TrainerState};
 use crate::datasets::{probe, DataArgs, Splits, Transforms};
 use crate::metrics::Record;
 use crate::model::{correct_top_k, Vit, VitConfig};
-use crate::tensor_parallel::{self, Sharding, TpMode};
+use crate::tensor_parallel::{Mesh, ParallelArgs, Sharding};
 
 /// Keys mixup's draws apart from the other streams of the same seed.
 const MIXUP_STREAM: u64 = 0x6d69_7875_7000;
@@ -97,20 +97,10 @@ pub struct PretrainArgs {
     /// Arithmetic precision (bf16 and fp16 keep fp32 master weights and optimizer state).
     #[command(flatten)]
     pub precision: PrecisionArgs,
-    /// Tensor-parallel ranks: each block's linear layers are split over groups of this many
-    /// consecutive ranks (its heads and MLP width must divide by it), and the job's ranks
-    /// over it are the data-parallel replicas (--batch and ZeRO are over those).
-    #[arg(long, default_value_t = 1)]
-    pub tp: usize,
-    /// How --tp splits the weights: 1d (Megatron's column/row split; 2d, 2.5d and 3d are
-    /// not available yet).
-    #[arg(long, value_enum, default_value = "1d")]
-    pub tp_mode: TpMode,
-    /// Megatron's sequence parallelism within the --tp group: the norms and residual stream
-    /// between the split layers hold 1/tp of the tokens (the tokens, patches plus the class
-    /// token, must divide by --tp).
-    #[arg(long)]
-    pub sequence_parallel: bool,
+    /// Tensor and sequence parallelism (--tp, --tp-mode, --tp-depth, --sequence-parallel,
+    /// --sp, --sp-mode).
+    #[command(flatten)]
+    pub parallel: ParallelArgs,
     /// ZeRO stage: 0 (plain data parallel), 1 (sharded optimizer state), 2 (and gradients).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
     pub zero: u8,
@@ -253,8 +243,8 @@ impl<'a> Trainer<'a> {
     /// The data, the model (the same initial weights on every rank from the seed) and its
     /// parallel wiring; an impossible batch split or an unknown model is an error naming it.
     pub fn new(args: &'a PretrainArgs, world: &'a World) -> anyhow::Result<Trainer<'a>> {
-        let (dp, tp) = tensor_parallel::groups(world, args.tp, args.tp_mode)?;
-        let ranks = dp.size();
+        let mesh = Mesh::new(world, &args.parallel)?;
+        let (dp, ranks) = (mesh.data.clone(), mesh.data.size());
         let plan = BatchPlan::new(args.batch, ranks, args.micro_batch, 256).map_err(anyhow::Error::msg)?;
         if args.resume && args.out.is_none() {
             bail!("--resume needs --out (the folder of the run to continue)");
@@ -271,7 +261,8 @@ impl<'a> Trainer<'a> {
             splits.embedded,
             splits.train.as_ref(),
         )?;
-        let sharding = Sharding::new(tp, &cfg, args.sequence_parallel)?;
+        let sharding = Sharding::new(&mesh, &args.parallel, &cfg)?;
+        sharding.check_batch(plan.micro)?;
         let crop_scale = args.crop_scale.unwrap_or(if splits.embedded { 0.7 } else { 0.08 });
         let transforms =
             Transforms::new(cfg.image_size as usize, cfg.in_channels as usize, splits.embedded, crop_scale);
@@ -304,7 +295,7 @@ impl<'a> Trainer<'a> {
             true => {
                 let serial = VarStore::new(device);
                 let _ = Vit::new(&serial.root(), cfg);
-                sharding.build(&serial, cfg, &vs)?
+                sharding.build(&serial, &vs)?
             }
         };
         if kind != Kind::Float {
@@ -318,7 +309,8 @@ impl<'a> Trainer<'a> {
             ..ParallelPlan::default()
         };
         let optimizer = args.optimizer.clone();
-        let parallel = parallelize(sharding.params(&vs), &dp, &layout, move |ps| optimizer.build(ps, peak))?;
+        let parallel =
+            parallelize(sharding.params(&vs), sharding.grads(), &layout, move |ps| optimizer.build(ps, peak))?;
         Ok(Trainer {
             args,
             world,
@@ -483,9 +475,7 @@ impl<'a> Trainer<'a> {
         let out = self.args.out.as_deref().context("saving needs --out")?;
         let weights = self.full_weights()?;
         let optimizer = self.sharding.gather_state(&self.parallel.optimizer().state())?;
-        // One copy of each state entry: every data-parallel rank's shard under ZeRO, else one
-        // rank's; a tensor-parallel group holds the same full entries after the gather.
-        let writes = (self.args.zero > 0 || self.dp.rank() == 0) && self.sharding.rank() == 0;
+        let writes = self.sharding.writes_optimizer(self.args.zero > 0);
         checkpoint::save(out, self.world, &self.state(self.step), &weights, writes.then_some(&optimizer[..]))
     }
 
@@ -524,8 +514,9 @@ impl<'a> Trainer<'a> {
 
     fn announce(&self) {
         let (plan, ranks, dp, tp) = (self.plan, self.world.size(), self.dp.size(), self.sharding.size());
+        let sp = self.sharding.sp_size();
         println!(
-            "vit pretrain: {} training / {} validation images, {ranks} rank(s) = {dp} data x {tp} tensor parallel, global batch {} = {dp} x {} micro-batch x {} accumulation, {} steps ({}/epoch), {:?}, {:?}, ZeRO {}",
+            "vit pretrain: {} training / {} validation images, {ranks} rank(s) = {dp} data x {sp} sequence x {tp} tensor parallel, global batch {} = {dp} x {} micro-batch x {} accumulation, {} steps ({}/epoch), {:?}, {:?}, ZeRO {}",
             self.splits.train.len(),
             self.splits.val.len(),
             plan.global,

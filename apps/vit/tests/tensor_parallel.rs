@@ -1,6 +1,7 @@
-//! `vit pretrain --tp`: Megatron's 1D tensor parallelism, alone and with data parallelism and
-//! ZeRO, against one process (losses and every weight, relative 1e-5), and checkpoints moving
-//! between tensor-parallel sizes.
+//! `vit pretrain --tp` and `--sp`: Megatron's 1D tensor parallelism, the 2D, 2.5D and 3D
+//! modes, ring and all-to-all sequence parallelism, alone and with data parallelism and ZeRO,
+//! against one process (losses and every weight, relative 1e-5 unless a test says otherwise),
+//! and checkpoints moving between layouts.
 mod common;
 
 use common::{args, compare, compare_with, job_dir, single};
@@ -118,7 +119,114 @@ dist_test!(layouts_that_do_not_fit_name_the_numbers, 2, |world| {
         ),
         "{err}"
     );
-    let err = pretrain(&args("--steps 1 --tp 2 --tp-mode 2.5d"), world).err().unwrap().to_string();
-    assert!(err.contains("--tp-mode 2.5d is not available yet"), "{err}");
+    let err = pretrain(&args("--steps 1 --tp 2 --tp-mode 2d"), world).err().unwrap().to_string();
+    assert!(err.contains("--tp 2 --tp-mode 2d: 2D tensor parallelism needs a square number of ranks"), "{err}");
+    let err = pretrain(&args("--steps 1 --tp 2 --tp-mode 2.5d --tp-depth 3"), world).err().unwrap().to_string();
+    assert!(err.contains("--tp-depth 3: 2.5D tensor parallelism: 2 ranks do not divide into depth 3"), "{err}");
+    let err = pretrain(&args("--steps 1 --tp 2 --tp-depth 2"), world).err().unwrap().to_string();
+    assert!(err.contains("--tp-depth 2 is for --tp-mode 2.5d, not 1d"), "{err}");
+    let err = pretrain(&args("--steps 1 --sp 2"), world).err().unwrap().to_string();
+    assert!(
+        err.contains("--sp 2: the model's 17 tokens (16 patches and the class token) do not split over 2"),
+        "{err}"
+    );
+    let err = pretrain(&args("--steps 1 --sp 3"), world).err().unwrap().to_string();
+    assert!(err.contains("--tp 1 x --sp 3 does not divide the job's 2 ranks"), "{err}");
+    // ViT-Ti's 3 heads do not split over 2 sequence ranks (12x12 images in 4x4 patches: 10
+    // tokens, which do).
+    let line = "--steps 1 --sp 2 --model vit_tiny_patch16_224 --image-size 12 --patch-size 4";
+    let err = pretrain(&args(line), world).err().unwrap().to_string();
+    assert!(
+        err.contains("--sp 2 --sp-mode ulysses: the 3 attention heads per tensor-parallel rank (3 over --tp 1)"),
+        "{err}"
+    );
+    TestResult::Ok(())
+});
+
+// 6x6 images in 2x2 patches: 9 patches and the class token, 5 tokens per sequence rank.
+const SP_LINE: &str = "--steps 20 --image-size 6 --optimizer lamb --clip-grad 0.5";
+
+dist_test!(sp_2_ring_and_ulysses_match_one_process_and_resume_at_1, 2, |world| {
+    let one = pretrain(&args(SP_LINE), &single())?;
+    for mode in ["ring", "ulysses"] {
+        let sp = pretrain(&args(&format!("{SP_LINE} --sp 2 --sp-mode {mode}")), world)?;
+        compare(&sp, &one, &format!("sp=2 {mode} vs 1 process"), 1e-5);
+        same_on_every_rank(&sp, world)?;
+    }
+    // Saved at sp=2 under ZeRO-1 (each sequence rank owns an optimizer shard), resumed by one
+    // process.
+    let dir = job_dir("from-sp2");
+    fresh(world, &[&dir])?;
+    let out = format!("--save-every 100 --out {}", dir.display());
+    pretrain(&args(&format!("{SP_LINE} {out} --sp 2 --zero 1 --stop-after 3")), world)?;
+    if world.rank() == 0 {
+        let rest = pretrain(&args(&format!("{SP_LINE} {out} --resume")), &single())?;
+        compare(&joined(&one, rest), &one, "saved at sp=2 under ZeRO-1, resumed at 1 process", 1e-5);
+    }
+    fresh(world, &[&dir])?;
+    TestResult::Ok(())
+});
+
+dist_test!(dp_2_by_sp_2_and_tp_2_by_sp_2_match_one_process, 4, |world| {
+    let one = pretrain(&args(SP_LINE), &single())?;
+    let mesh = pretrain(&args(&format!("{SP_LINE} --sp 2 --sp-mode ring --zero 1")), world)?;
+    compare(&mesh, &one, "dp=2 x sp=2 (ring) with ZeRO-1 vs 1 process", 1e-5);
+    same_on_every_rank(&mesh, world)?;
+    let mesh = pretrain(&args(&format!("{SP_LINE} --tp 2 --sp 2")), world)?;
+    compare(&mesh, &one, "tp=2 x sp=2 (ulysses) vs 1 process", 1e-5);
+    same_on_every_rank(&mesh, world)?;
+    TestResult::Ok(())
+});
+
+dist_test!(tp_2d_matches_one_process_and_checkpoints_move_to_1d, 4, |world| {
+    let common = "--steps 10 --optimizer lamb --clip-grad 1.0 --save-every 100";
+    let one = pretrain(&args(common), &single())?;
+    let grid = pretrain(&args(&format!("{common} --tp 4 --tp-mode 2d")), world)?;
+    compare(&grid, &one, "2D on a 2 x 2 grid vs 1 process", 1e-5);
+    same_on_every_rank(&grid, world)?;
+    // 297 validation images: the last chunk of 41 is padded to the grid's 2 batch blocks.
+    assert_eq!(grid.val_top1, one.val_top1, "2D validation top-1");
+    // Saved on the grid, resumed at dp=2 x tp=2 (1D) and at 2D again from a 1D checkpoint.
+    let (at_2d, at_1d) = (job_dir("from-2d"), job_dir("from-1d"));
+    fresh(world, &[&at_2d, &at_1d])?;
+    pretrain(&args(&format!("{common} --tp 4 --tp-mode 2d --out {} --stop-after 3", at_2d.display())), world)?;
+    let rest = pretrain(&args(&format!("{common} --tp 2 --out {} --resume", at_2d.display())), world)?;
+    compare(&joined(&one, rest), &one, "saved at 2D, resumed at dp=2 x tp=2 (1D)", 1e-5);
+    pretrain(&args(&format!("{common} --tp 2 --zero 1 --out {} --stop-after 3", at_1d.display())), world)?;
+    let rest = pretrain(&args(&format!("{common} --tp 4 --tp-mode 2d --out {} --resume", at_1d.display())), world)?;
+    compare(&joined(&one, rest), &one, "saved at dp=2 x tp=2 (1D) under ZeRO-1, resumed at 2D", 1e-5);
+    fresh(world, &[&at_2d, &at_1d])?;
+    // ViT-Ti's 3 heads do not split over the grid's 2 columns; 31 examples not over its rows.
+    let line = "--steps 1 --tp 4 --tp-mode 2d --model vit_tiny_patch16_224 --image-size 32";
+    let err = pretrain(&args(line), world).err().unwrap().to_string();
+    assert!(
+        err.contains("--tp 4 --tp-mode 2d (q = 2): the model's attention heads (3) cannot be cut into 2 blocks"),
+        "{err}"
+    );
+    let err = pretrain(&args("--steps 1 --tp 4 --tp-mode 2d --batch 31"), world).err().unwrap().to_string();
+    assert!(
+        err.contains("a micro-batch of 31 examples per data-parallel rank does not split into the layout's 2"),
+        "{err}"
+    );
+    let err =
+        pretrain(&args("--steps 1 --tp 4 --tp-mode 2d --sp 1 --sequence-parallel"), world).err().unwrap().to_string();
+    assert!(err.contains("--sequence-parallel is Megatron's, for --tp-mode 1d"), "{err}");
+    TestResult::Ok(())
+});
+
+dist_test!(tp_2p5d_3d_and_dp_by_2d_match_one_process, 8, |world| {
+    // Few steps: eight ranks share CI's two cores.
+    let common = "--steps 4 --optimizer lamb --clip-grad 1.0";
+    let one = pretrain(&args(common), &single())?;
+    for (layout, what) in [
+        ("--tp 8 --tp-mode 2.5d --tp-depth 2", "2.5D on 2 x 2 x 2"),
+        ("--tp 8 --tp-mode 3d", "3D on a 2 x 2 x 2 cube"),
+        ("--tp 4 --tp-mode 2d --zero 1", "dp=2 x 2D with ZeRO-1"),
+    ] {
+        let run = pretrain(&args(&format!("{common} {layout}")), world)?;
+        compare(&run, &one, &format!("{what} vs 1 process"), 1e-5);
+        same_on_every_rank(&run, world)?;
+        assert_eq!(run.val_top1, one.val_top1, "{what}: validation top-1");
+    }
     TestResult::Ok(())
 });

@@ -51,14 +51,17 @@ pub fn scaled_grad_norm(params: &[Param], scale: f64, held: Held) -> Result<f64>
 /// Multiplies the gradients of `params` by `scale` (skipped when 1) and returns the sum of
 /// their squares, `[1]` in f64 on the host.
 fn sum_of_squares(params: &[&Param], scale: f64) -> Result<Tensor> {
-    let grads: Vec<Tensor> = params.iter().map(|p| p.tensor.grad()).filter(Tensor::defined).collect();
+    let grads: Vec<(Tensor, usize)> =
+        params.iter().map(|p| (p.tensor.grad(), p.copies)).filter(|(g, _)| g.defined()).collect();
     let mut squares: Vec<Tensor> = Vec::with_capacity(grads.len());
     tch::no_grad(|| -> Result<()> {
-        for g in &grads {
+        for (g, copies) in &grads {
             if scale != 1.0 {
                 let _ = g.shallow_clone().f_mul_scalar_(scale)?;
             }
-            squares.push(g.f_to_kind(Kind::Double)?.f_square()?.f_sum(Kind::Double)?);
+            let square = g.f_to_kind(Kind::Double)?.f_square()?.f_sum(Kind::Double)?;
+            // A shard on several ranks of its group counts once in the group's sum.
+            squares.push(if *copies > 1 { square.f_div_scalar(*copies as f64)? } else { square });
         }
         Ok(())
     })?;

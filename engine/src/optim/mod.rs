@@ -51,12 +51,22 @@ pub struct Param {
     /// The parameter's norms (LAMB's and LARS's trust ratios, gradient clipping) are then of
     /// the whole parameter: squares are summed over this group.
     pub split_over: Option<crate::dist::ProcessGroup>,
+    /// How many ranks of `split_over` hold this same shard (1 under 1D tensor parallelism;
+    /// 2D, 2.5D and 3D keep some blocks on several ranks of the group, e.g. a LayerNorm's
+    /// block on every row of a 2D grid): each copy's squares count `1 / copies`.
+    pub copies: usize,
 }
 
 impl Param {
     /// A parameter with the default rule: adapted unless it has fewer than two dimensions.
     pub fn new(name: impl Into<String>, tensor: &Tensor) -> Param {
-        Param { name: name.into(), adapt: tensor.dim() >= 2, tensor: tensor.shallow_clone(), split_over: None }
+        Param {
+            name: name.into(),
+            adapt: tensor.dim() >= 2,
+            tensor: tensor.shallow_clone(),
+            split_over: None,
+            copies: 1,
+        }
     }
 
     /// Another handle on the same tensor, with the same name and rule.
@@ -66,6 +76,7 @@ impl Param {
             tensor: self.tensor.shallow_clone(),
             adapt: self.adapt,
             split_over: self.split_over.clone(),
+            copies: self.copies,
         }
     }
 
@@ -79,6 +90,12 @@ impl Param {
     /// parallelism); a group of one rank leaves it whole.
     pub fn split_over(mut self, group: Option<&crate::dist::ProcessGroup>) -> Param {
         self.split_over = group.filter(|g| g.size() > 1).cloned();
+        self
+    }
+
+    /// Marks the shard as held by `copies` ranks of its `split_over` group (at least 1).
+    pub fn with_copies(mut self, copies: usize) -> Param {
+        self.copies = copies.max(1);
         self
     }
 
@@ -161,7 +178,7 @@ pub(crate) fn norms(p: &Param, a: &Tensor, b: &Tensor) -> Result<(f64, f64)> {
         return Ok((a.f_norm()?.f_double_value(&[])?, b.f_norm()?.f_double_value(&[])?));
     };
     let square = |t: &Tensor| t.f_to_kind(tch::Kind::Double)?.f_square()?.f_sum(tch::Kind::Double);
-    let squares = Tensor::f_stack(&[square(a)?, square(b)?], 0)?;
+    let squares = Tensor::f_stack(&[square(a)?, square(b)?], 0)?.f_div_scalar(p.copies as f64)?;
     group.all_reduce(&squares, crate::dist::ReduceOp::Sum)?;
     let squares = squares.f_to_device(tch::Device::Cpu)?;
     Ok((squares.f_double_value(&[0])?.sqrt(), squares.f_double_value(&[1])?.sqrt()))
