@@ -84,7 +84,9 @@ impl ConvertArgs {
                 None => Configs::Shipped(self.base),
             };
             let done = single::to_diffusers(checkpoint, &configs, out)?;
-            let from = done.base.map_or_else(|| "the --config-from folder".to_string(), |b| format!("the {} configs", b.name()));
+            let from = done
+                .base
+                .map_or_else(|| "the --config-from folder".to_string(), |b| format!("the {} configs", b.name()));
             println!("wrote {} tensors to {} with {from}", done.tensors, out.display());
         } else if let Some(folder) = &self.from_diffusers {
             let n = single::to_single_file(folder, out, self.half)?;

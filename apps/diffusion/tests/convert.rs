@@ -124,7 +124,8 @@ fn folder_to_single_file_and_back_is_exact() {
         // tokenizer here does not read: the configs come from the folder it was made with.
         let configs = Configs::Folder(convert_fixture(v).join("configs"));
         to_diffusers(&dir.join("one.safetensors"), &configs, &dir.join("back")).unwrap();
-        for ((name, ours), (_, theirs)) in component_files(&dir.join("back")).into_iter().zip(component_files(&folder)) {
+        for ((name, ours), (_, theirs)) in component_files(&dir.join("back")).into_iter().zip(component_files(&folder))
+        {
             assert_same(&read(&ours), &read(&theirs), name);
         }
         assert_same(&text_encoder(&dir.join("back")), &text_encoder(&folder), "text_encoder");
@@ -186,7 +187,8 @@ fn bad_input_is_named_and_nothing_is_written() {
     let single = convert_fixture("sd2/single_file.safetensors");
     let configs = Configs::Folder(convert_fixture("sd2/configs"));
     let mut tensors: Vec<(String, Tensor)> = Tensor::read_safetensors(&single).unwrap();
-    let copy = |t: &[(String, Tensor)]| -> Vec<(String, Tensor)> { t.iter().map(|(k, v)| (k.clone(), v.copy())).collect() };
+    let copy =
+        |t: &[(String, Tensor)]| -> Vec<(String, Tensor)> { t.iter().map(|(k, v)| (k.clone(), v.copy())).collect() };
     let save = |name: &str, t: &[(String, Tensor)]| {
         let p = dir.join(name);
         data::checkpoint::save_tensors(t, &p).unwrap();
@@ -212,7 +214,11 @@ fn bad_input_is_named_and_nothing_is_written() {
     // An unknown OpenCLIP key.
     let mut extra = copy(&tensors);
     extra.push(("cond_stage_model.model.visual.proj".into(), Tensor::zeros([2], (Kind::Half, Device::Cpu))));
-    expect_err(&save("extra.safetensors", &extra), &configs, &["extra.safetensors", "cond_stage_model.model.visual.proj"]);
+    expect_err(
+        &save("extra.safetensors", &extra),
+        &configs,
+        &["extra.safetensors", "cond_stage_model.model.visual.proj"],
+    );
 
     // A missing UNet key: the converted folder does not load, the key is named.
     let missing = "model.diffusion_model.out.2.weight";
@@ -257,7 +263,7 @@ fn lora_converts_to_kohya_names_with_alpha() {
         "up_blocks.1.attentions.0.transformer_blocks.0.attn2.to_out.0",
     ];
     for (i, m) in modules.iter().enumerate() {
-        let _guard = tch::manual_seed(i as i64);
+        tch::manual_seed(i as i64);
         named.push((format!("unet.{m}.lora.down.weight"), Tensor::randn([rank, 8], (Kind::Float, Device::Cpu))));
         named.push((format!("unet.{m}.lora.up.weight"), Tensor::randn([16, rank], (Kind::Float, Device::Cpu))));
     }

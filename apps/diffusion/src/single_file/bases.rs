@@ -34,7 +34,10 @@ macro_rules! base_files {
             ("vae/config.json", VAE),
             ("text_encoder/config.json", include_str!(concat!("../../assets/sd/", $dir, "/text_encoder.json"))),
             ("scheduler/scheduler_config.json", include_str!(concat!("../../assets/sd/", $dir, "/scheduler.json"))),
-            ("tokenizer/tokenizer_config.json", include_str!(concat!("../../assets/sd/", $dir, "/tokenizer_config.json"))),
+            (
+                "tokenizer/tokenizer_config.json",
+                include_str!(concat!("../../assets/sd/", $dir, "/tokenizer_config.json")),
+            ),
         ]
     };
 }
@@ -88,7 +91,9 @@ fn write(path: &Path, bytes: &[u8]) -> Result<()> {
     if let Some(parent) = path.parent() {
         std::fs::create_dir_all(parent).map_err(|source| Error::Io { path: parent.to_path_buf(), source })?;
     }
-    data::write_atomic::<Error>(path, |w| w.write_all(bytes).map_err(|source| Error::Io { path: path.to_path_buf(), source }))
+    data::write_atomic::<Error>(path, |w| {
+        w.write_all(bytes).map_err(|source| Error::Io { path: path.to_path_buf(), source })
+    })
 }
 
 /// The shipped merges list, unpacked.

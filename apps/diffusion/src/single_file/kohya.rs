@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 use crate::{Error, Result};
 
@@ -18,7 +18,9 @@ pub fn lora_to_kohya(lora: &Path, out: &Path) -> Result<usize> {
     let mut modules: BTreeMap<String, [Option<Tensor>; 2]> = BTreeMap::new();
     for (key, t) in data::checkpoint::read_tensors(lora)? {
         let parsed = key.strip_prefix("unet.").and_then(|k| {
-            k.strip_suffix(".lora.down.weight").map(|m| (m, 0)).or_else(|| k.strip_suffix(".lora.up.weight").map(|m| (m, 1)))
+            k.strip_suffix(".lora.down.weight")
+                .map(|m| (m, 0))
+                .or_else(|| k.strip_suffix(".lora.up.weight").map(|m| (m, 1)))
         });
         let (module, which) = parsed.ok_or_else(|| {
             bad(format!("key {key} is not a UNet adapter (unet.<module>.lora.down.weight or .lora.up.weight)"))
@@ -44,7 +46,7 @@ pub fn lora_to_kohya(lora: &Path, out: &Path) -> Result<usize> {
             )));
         }
         let name = format!("lora_unet_{}", module.replace('.', "_"));
-        named.push((format!("{name}.alpha"), Tensor::from(rank as f32).to_kind(Kind::Float)));
+        named.push((format!("{name}.alpha"), Tensor::from(rank as f32)));
         named.push((format!("{name}.lora_down.weight"), down.shallow_clone()));
         named.push((format!("{name}.lora_up.weight"), up.shallow_clone()));
     }

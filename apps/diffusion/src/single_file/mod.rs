@@ -112,10 +112,11 @@ pub fn to_diffusers(checkpoint: &Path, configs: &Configs, out: &Path) -> Result<
     let staging = staging_for(out);
     let _ = std::fs::remove_dir_all(&staging);
     let result = (|| -> Result<usize> {
-        match (configs, base) {
-            (Configs::Folder(from), _) => copy_configs(from, &staging)?,
-            (_, Some(b)) => b.write_configs(&staging)?,
-            (Configs::Shipped(_), None) => unreachable!("a shipped base is always chosen"),
+        // `base` is `None` exactly for a donor folder.
+        if let Some(b) = base {
+            b.write_configs(&staging)?;
+        } else if let Configs::Folder(from) = configs {
+            copy_configs(from, &staging)?;
         }
         let n = write_weights(file, open_clip, &staging, checkpoint)?;
         crate::pipeline::StableDiffusion::load(&staging, Device::Cpu, Kind::Float).map_err(|e| {
@@ -141,11 +142,9 @@ fn write_weights(file: HashMap<String, Tensor>, open_clip: bool, dir: &Path, che
     let text_cfg: ClipTextConfigFile = read_json(&dir.join("text_encoder").join("config.json"))?;
     let (lpb, levels) = (unet_cfg.layers_per_block as usize, vae_cfg.block_out_channels.len());
     let mut parts: HashMap<&str, Vec<(String, Tensor)>> = HashMap::new();
-    let mut keys: Vec<String> = file.keys().cloned().collect();
-    keys.sort();
-    let mut file = file;
-    for key in keys {
-        let t = file.remove(&key).expect("listed key");
+    let mut entries: Vec<(String, Tensor)> = file.into_iter().collect();
+    entries.sort_by(|a, b| a.0.cmp(&b.0));
+    for (key, t) in entries {
         // EMA copies and the training code's schedule buffers (`betas`, `alphas_cumprod`, ...,
         // top-level names) are not weights of the pipeline.
         if key.starts_with("model_ema.") || !key.contains('.') {
@@ -192,10 +191,7 @@ fn text_encoder_tensors(folder: &Path) -> Result<Vec<(String, Tensor)>> {
     let path = folder.join("text_encoder").join("model.safetensors");
     let file = data::checkpoint::read_tensors(&path)?;
     let prefixed = file.keys().any(|k| k.starts_with("text_model."));
-    Ok(file
-        .into_iter()
-        .map(|(k, t)| if prefixed { (k, t) } else { (format!("text_model.{k}"), t) })
-        .collect())
+    Ok(file.into_iter().map(|(k, t)| if prefixed { (k, t) } else { (format!("text_model.{k}"), t) }).collect())
 }
 
 /// Converts the diffusers folder `folder` into the single file `out` in latent-diffusion's
@@ -244,12 +240,17 @@ pub fn to_single_file(folder: &Path, out: &Path, half: bool) -> Result<usize> {
         other => {
             return Err(Error::Format {
                 path: text_cfg_path,
-                msg: format!("hidden_act {other:?}: neither OpenAI CLIP's quick_gelu (SD 1.x) nor OpenCLIP's gelu (SD 2.x)"),
+                msg: format!(
+                    "hidden_act {other:?}: neither OpenAI CLIP's quick_gelu (SD 1.x) nor OpenCLIP's gelu (SD 2.x)"
+                ),
             })
         }
     }
     if half {
-        named = named.into_iter().map(|(k, t)| (k, if t.is_floating_point() { t.to_kind(Kind::Half) } else { t })).collect();
+        named = named
+            .into_iter()
+            .map(|(k, t)| (k, if t.is_floating_point() { t.to_kind(Kind::Half) } else { t }))
+            .collect();
     }
     data::checkpoint::save_tensors(&named, out)?;
     Ok(named.len())

@@ -61,7 +61,8 @@ pub fn to_transformers(key: &str, t: Tensor, layers: usize, out: &mut Vec<(Strin
         }
         return Ok(());
     }
-    let name = LAYER_PARTS.iter().find_map(|(a, b)| rest.strip_prefix(a).map(|r| format!("{b}{r}"))).ok_or_else(unknown)?;
+    let name =
+        LAYER_PARTS.iter().find_map(|(a, b)| rest.strip_prefix(a).map(|r| format!("{b}{r}"))).ok_or_else(unknown)?;
     out.push((format!("{layer}.{name}"), t));
     Ok(())
 }
@@ -94,7 +95,10 @@ pub fn from_transformers(tensors: Vec<(String, Tensor)>) -> Result<Vec<(String, 
             fused.entry((i, kind)).or_default()[n] = Some(t);
             continue;
         }
-        let name = LAYER_PARTS.iter().find_map(|(a, b)| part.strip_prefix(b).map(|r| format!("{a}{r}"))).ok_or_else(unknown)?;
+        let name = LAYER_PARTS
+            .iter()
+            .find_map(|(a, b)| part.strip_prefix(b).map(|r| format!("{a}{r}")))
+            .ok_or_else(unknown)?;
         out.push((format!("transformer.resblocks.{i}.{name}"), t));
     }
     for ((i, kind), parts) in fused {
