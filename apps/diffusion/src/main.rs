@@ -59,13 +59,13 @@ struct ConvertArgs {
     base: Option<Base>,
     /// A diffusers folder of the same architecture whose configs, tokenizer and scheduler
     /// `--checkpoint` uses instead of the shipped ones.
-    #[arg(long, requires = "checkpoint")]
+    #[arg(long)]
     config_from: Option<PathBuf>,
     /// A diffusers folder to convert into one single-file checkpoint.
     #[arg(long)]
     from_diffusers: Option<PathBuf>,
     /// With `--from-diffusers`: store floating-point tensors as fp16.
-    #[arg(long, requires = "from_diffusers")]
+    #[arg(long)]
     half: bool,
     /// A diffusers LoRA file (`pytorch_lora_weights.safetensors`) to convert into kohya's layout.
     #[arg(long)]
@@ -78,6 +78,13 @@ struct ConvertArgs {
 impl ConvertArgs {
     fn run(&self) -> anyhow::Result<()> {
         let out = &self.out;
+        // Checked here: clap did not enforce `requires` on these flags beside the required group.
+        if self.checkpoint.is_none() && (self.base.is_some() || self.config_from.is_some()) {
+            anyhow::bail!("--base and --config-from go with --checkpoint");
+        }
+        if self.from_diffusers.is_none() && self.half {
+            anyhow::bail!("--half goes with --from-diffusers");
+        }
         if let Some(checkpoint) = &self.checkpoint {
             let configs = match &self.config_from {
                 Some(dir) => Configs::Folder(dir.clone()),
