@@ -223,7 +223,11 @@ fn bad_input_is_named_and_nothing_is_written() {
     // A missing UNet key: the converted folder does not load, the key is named.
     let missing = "model.diffusion_model.out.2.weight";
     tensors.retain(|(k, _)| k != missing);
-    expect_err(&save("missing.safetensors", &tensors), &configs, &["missing.safetensors", "conv_out.weight"]);
+    expect_err(
+        &save("missing.safetensors", &tensors),
+        &configs,
+        &["missing.safetensors", "out/unet", "conv_out.weight"],
+    );
 
     // A base that does not fit the text encoder.
     expect_err(&single, &Configs::Shipped(Some(Base::Sd1)), &["--base sd1", "OpenCLIP"]);

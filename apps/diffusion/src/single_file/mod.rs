@@ -120,7 +120,13 @@ pub fn to_diffusers(checkpoint: &Path, configs: &Configs, out: &Path) -> Result<
         }
         let n = write_weights(file, open_clip, &staging, checkpoint)?;
         crate::pipeline::StableDiffusion::load(&staging, Device::Cpu, Kind::Float).map_err(|e| {
-            Error::Invalid(format!("{}: the converted folder does not load: {e}", checkpoint.display()))
+            // Named as the folder would have been: the staging folder is removed.
+            let e = e.to_string().replace(&staging.display().to_string(), &out.display().to_string());
+            let configs = match base {
+                Some(b) => format!("the shipped {} configs", b.name()),
+                None => "the --config-from configs".to_string(),
+            };
+            Error::Invalid(format!("{}: the weights do not fit {configs}: {e}", checkpoint.display()))
         })?;
         data::sync_dir(&staging)?;
         std::fs::rename(&staging, out).map_err(io(out))?;
