@@ -58,7 +58,7 @@ pub struct ClipTokenizer {
 
 /// GPT-2/CLIP's reversible map from bytes to printable characters: printable Latin-1 bytes map
 /// to themselves, the rest to code points from 256 up, in byte order.
-fn byte_chars() -> Vec<char> {
+pub(crate) fn byte_chars() -> Vec<char> {
     let printable = |b: u32| (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b);
     let mut next = 256u32;
     (0u32..256)

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use diffusion::pipeline::StableDiffusion;
-use diffusion::single_file::convert;
+use diffusion::single_file::{to_diffusers, Configs};
 use tch::{Device, Kind, Tensor};
 
 fn fixtures() -> PathBuf {
@@ -22,7 +22,8 @@ fn scratch(name: &str) -> PathBuf {
 #[test]
 fn the_single_file_converts_to_the_pipeline() {
     let out = scratch("ok").join("sd");
-    let n = convert(&fixtures().join("single_file.safetensors"), &fixtures().join("pipeline"), &out).unwrap();
+    let donor = Configs::Folder(fixtures().join("pipeline"));
+    let n = to_diffusers(&fixtures().join("single_file.safetensors"), &donor, &out).unwrap().tensors;
     let ours = StableDiffusion::load(&out, Device::Cpu, Kind::Float).unwrap();
     let reference = StableDiffusion::load(&fixtures().join("pipeline"), Device::Cpu, Kind::Float).unwrap();
     let mut compared = 0;
@@ -51,13 +52,14 @@ fn unknown_keys_and_files_without_a_unet_are_named() {
     tensors.push(("model.diffusion_model.extra_head.weight".into(), Tensor::zeros([2], (Kind::Float, Device::Cpu))));
     let odd = dir.join("odd.safetensors");
     data::checkpoint::save_tensors(&tensors, &odd).unwrap();
-    let err = convert(&odd, &fixtures().join("pipeline"), &dir.join("out")).unwrap_err().to_string();
+    let donor = Configs::Folder(fixtures().join("pipeline"));
+    let err = to_diffusers(&odd, &donor, &dir.join("out")).unwrap_err().to_string();
     assert!(err.contains("odd.safetensors") && err.contains("model.diffusion_model.extra_head.weight"), "{err}");
     assert!(!dir.join("out").exists(), "nothing written after a failure");
 
     tensors.retain(|(k, _)| !k.starts_with("model.diffusion_model."));
     let vae_only = dir.join("vae_only.safetensors");
     data::checkpoint::save_tensors(&tensors, &vae_only).unwrap();
-    let err = convert(&vae_only, &fixtures().join("pipeline"), &dir.join("out")).unwrap_err().to_string();
+    let err = to_diffusers(&vae_only, &donor, &dir.join("out")).unwrap_err().to_string();
     assert!(err.contains("vae_only.safetensors") && err.contains("not an original Stable Diffusion"), "{err}");
 }

@@ -1,0 +1,263 @@
+//! Original Stable Diffusion checkpoints in one file (`v1-5-pruned-emaonly.safetensors`,
+//! `v2-1_768-ema-pruned.safetensors`: `model.diffusion_model.*` for the UNet,
+//! `first_stage_model.*` for the VAE, and the text encoder as `cond_stage_model.transformer.*`
+//! (SD 1.x, OpenAI CLIP in transformers' names) or `cond_stage_model.model.*` (SD 2.x,
+//! OpenCLIP, see [`open_clip`])) to a diffusers folder and back.
+//!
+//! A single file holds no configuration and no tokenizer: they come from the configs shipped
+//! for SD 1.x and SD 2.x ([`Base`]), or from a diffusers folder of the same architecture. The
+//! written folder is loaded back before it appears, so a config that does not fit the weights
+//! is an error naming the key, not a folder that fails later. The way back writes the key
+//! names A1111 and ComfyUI load (those of diffusers' `convert_diffusers_to_original_stable_diffusion.py`).
+mod bases;
+pub mod keys;
+pub mod kohya;
+pub mod open_clip;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use tch::{Device, Kind, Tensor};
+
+pub use bases::Base;
+pub use keys::{unet_key, unet_ldm_key, vae_key, vae_ldm_is_conv, vae_ldm_key};
+pub use kohya::lora_to_kohya;
+
+use crate::clip::ClipTextConfigFile;
+use crate::config::{read_json, UNetConfigFile, VaeConfigFile};
+use crate::weights::ComponentFiles;
+use crate::{Error, Result};
+
+const UNET: &str = "model.diffusion_model.";
+const VAE: &str = "first_stage_model.";
+const CLIP: &str = "cond_stage_model.transformer.";
+const OPEN_CLIP: &str = "cond_stage_model.model.";
+
+/// Where the configuration of a converted folder comes from.
+#[derive(Clone, Debug)]
+pub enum Configs {
+    /// The configs shipped for a release; `None`: SD 1.x for a CLIP text encoder, SD 2.x 768-v
+    /// for an OpenCLIP one (as diffusers' single-file loader assumes).
+    Shipped(Option<Base>),
+    /// A diffusers folder of the same architecture (configs, tokenizer and scheduler copied).
+    Folder(PathBuf),
+}
+
+/// What [`to_diffusers`] wrote.
+#[derive(Clone, Debug)]
+pub struct Converted {
+    /// Tensors written.
+    pub tensors: usize,
+    /// The shipped configs used (`None`: those of a folder).
+    pub base: Option<Base>,
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
+    move |source| Error::Io { path: path.to_path_buf(), source }
+}
+
+/// A staging folder beside `out`, removed unless [`commit`] renames it to `out`.
+fn staging_for(out: &Path) -> PathBuf {
+    let name = out.file_name().unwrap_or_default().to_string_lossy();
+    out.with_file_name(format!(".{name}.staging-{}", std::process::id()))
+}
+
+/// Copies the configs, tokenizer and scheduler of the diffusers folder `from` into `to`.
+fn copy_configs(from: &Path, to: &Path) -> Result<()> {
+    let files = ["model_index.json", "unet/config.json", "vae/config.json", "text_encoder/config.json"];
+    for name in files {
+        let (src, dst) = (from.join(name), to.join(name));
+        std::fs::create_dir_all(dst.parent().unwrap_or(to)).map_err(io(to))?;
+        std::fs::copy(&src, &dst).map_err(io(&src))?;
+    }
+    for dir in ["tokenizer", "scheduler"] {
+        let (src, dst) = (from.join(dir), to.join(dir));
+        std::fs::create_dir_all(&dst).map_err(io(&dst))?;
+        for entry in std::fs::read_dir(&src).map_err(io(&src))? {
+            let entry = entry.map_err(io(&src))?;
+            std::fs::copy(entry.path(), dst.join(entry.file_name())).map_err(io(&entry.path()))?;
+        }
+    }
+    Ok(())
+}
+
+/// Converts the single file `checkpoint` into the diffusers folder `out`, which must not exist
+/// (written in a staging folder beside it, loaded back, then renamed). Every key of the file
+/// must convert: one that does not is an error naming the file and the key.
+pub fn to_diffusers(checkpoint: &Path, configs: &Configs, out: &Path) -> Result<Converted> {
+    let bad = |msg: String| Error::Format { path: checkpoint.to_path_buf(), msg };
+    if out.exists() {
+        return Err(Error::Invalid(format!("{} exists; convert into a new folder", out.display())));
+    }
+    let file = data::checkpoint::read_tensors(checkpoint)?;
+    if !file.keys().any(|k| k.starts_with(UNET)) {
+        return Err(bad(format!("no {UNET}* keys: not an original Stable Diffusion checkpoint")));
+    }
+    let open_clip = match (file.keys().any(|k| k.starts_with(CLIP)), file.keys().any(|k| k.starts_with(OPEN_CLIP))) {
+        (true, false) => false,
+        (false, true) => true,
+        (true, true) => return Err(bad(format!("both {CLIP}* and {OPEN_CLIP}* keys: two text encoders"))),
+        (false, false) => {
+            return Err(bad(format!("no text encoder: neither {CLIP}* (SD 1.x) nor {OPEN_CLIP}* (SD 2.x) keys")))
+        }
+    };
+    let base = match configs {
+        Configs::Folder(_) => None,
+        Configs::Shipped(Some(b)) if b.open_clip() != open_clip => {
+            let found = if open_clip { "an OpenCLIP (SD 2.x)" } else { "a CLIP (SD 1.x)" };
+            return Err(bad(format!("--base {}: the file has {found} text encoder", b.name())));
+        }
+        Configs::Shipped(b) => Some(b.unwrap_or(if open_clip { Base::Sd2V } else { Base::Sd1 })),
+    };
+    let staging = staging_for(out);
+    let _ = std::fs::remove_dir_all(&staging);
+    let result = (|| -> Result<usize> {
+        // `base` is `None` exactly for a donor folder.
+        if let Some(b) = base {
+            b.write_configs(&staging)?;
+        } else if let Configs::Folder(from) = configs {
+            copy_configs(from, &staging)?;
+        }
+        let n = write_weights(file, open_clip, &staging, checkpoint)?;
+        crate::pipeline::StableDiffusion::load(&staging, Device::Cpu, Kind::Float).map_err(|e| {
+            // Named as the folder would have been: the staging folder is removed.
+            let e = e.to_string().replace(&staging.display().to_string(), &out.display().to_string());
+            let configs = match base {
+                Some(b) => format!("the shipped {} configs", b.name()),
+                None => "the --config-from configs".to_string(),
+            };
+            Error::Invalid(format!("{}: the weights do not fit {configs}: {e}", checkpoint.display()))
+        })?;
+        data::sync_dir(&staging)?;
+        std::fs::rename(&staging, out).map_err(io(out))?;
+        data::sync_dir(out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")))?;
+        Ok(n)
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_dir_all(&staging);
+    }
+    Ok(Converted { tensors: result?, base })
+}
+
+/// Renames the file's tensors into the folder `dir`'s components (whose configs are there) and
+/// writes their weights; returns the number of tensors written.
+fn write_weights(file: HashMap<String, Tensor>, open_clip: bool, dir: &Path, checkpoint: &Path) -> Result<usize> {
+    let bad = |msg: String| Error::Format { path: checkpoint.to_path_buf(), msg };
+    let unet_cfg: UNetConfigFile = read_json(&dir.join("unet").join("config.json"))?;
+    let vae_cfg: VaeConfigFile = read_json(&dir.join("vae").join("config.json"))?;
+    let text_cfg: ClipTextConfigFile = read_json(&dir.join("text_encoder").join("config.json"))?;
+    let (lpb, levels) = (unet_cfg.layers_per_block as usize, vae_cfg.block_out_channels.len());
+    let mut parts: HashMap<&str, Vec<(String, Tensor)>> = HashMap::new();
+    let mut entries: Vec<(String, Tensor)> = file.into_iter().collect();
+    entries.sort_by(|a, b| a.0.cmp(&b.0));
+    for (key, t) in entries {
+        // EMA copies and the training code's schedule buffers (`betas`, `alphas_cumprod`, ...,
+        // top-level names) are not weights of the pipeline.
+        if key.starts_with("model_ema.") || !key.contains('.') {
+            continue;
+        }
+        let unknown = || bad(format!("key {key} has no diffusers equivalent"));
+        if let Some(k) = key.strip_prefix(UNET) {
+            parts.entry("unet").or_default().push((unet_key(k, lpb).ok_or_else(unknown)?, t));
+        } else if let Some(k) = key.strip_prefix(VAE) {
+            // The mid-block attention's projections are stored as 1x1 convolutions.
+            let t = if k.contains(".attn_1.") && t.dim() == 4 { t.flatten(1, -1) } else { t };
+            parts.entry("vae").or_default().push((vae_key(k, levels).ok_or_else(unknown)?, t));
+        } else if let (Some(k), false) = (key.strip_prefix(CLIP), open_clip) {
+            // Buffers (old files store them, some as corrupted floats): transformers recomputes them.
+            if !k.ends_with("position_ids") {
+                let name = if k.starts_with("text_model.") { k.to_string() } else { format!("text_model.{k}") };
+                parts.entry("text_encoder").or_default().push((name, t));
+            }
+        } else if let (Some(k), true) = (key.strip_prefix(OPEN_CLIP), open_clip) {
+            let layers = text_cfg.num_hidden_layers as usize;
+            open_clip::to_transformers(k, t, layers, parts.entry("text_encoder").or_default())
+                .map_err(|m| bad(format!("key {key} {m}")))?;
+        } else {
+            return Err(unknown());
+        }
+    }
+    let mut count = 0;
+    for (component, file_name) in
+        [("unet", crate::weights::WEIGHTS), ("vae", crate::weights::WEIGHTS), ("text_encoder", "model.safetensors")]
+    {
+        let tensors = parts.remove(component).unwrap_or_default();
+        if tensors.is_empty() {
+            return Err(bad(format!("no {component} weights")));
+        }
+        count += tensors.len();
+        data::checkpoint::save_tensors(&tensors, &dir.join(component).join(file_name))?;
+    }
+    Ok(count)
+}
+
+/// The tensors of a diffusers folder's text encoder under transformers 4's prefixed names
+/// (`text_model.…`), whichever layout the file uses.
+fn text_encoder_tensors(folder: &Path) -> Result<Vec<(String, Tensor)>> {
+    let path = folder.join("text_encoder").join("model.safetensors");
+    let file = data::checkpoint::read_tensors(&path)?;
+    let prefixed = file.keys().any(|k| k.starts_with("text_model."));
+    Ok(file.into_iter().map(|(k, t)| if prefixed { (k, t) } else { (format!("text_model.{k}"), t) }).collect())
+}
+
+/// Converts the diffusers folder `folder` into the single file `out` in latent-diffusion's
+/// names (written atomically): the UNet, the VAE (attention projections as 1x1 convolutions)
+/// and the text encoder, in OpenAI CLIP's names for a `quick_gelu` encoder (SD 1.x) or
+/// OpenCLIP's for a `gelu` one (SD 2.x). Tensors keep their precision unless `half`. A key
+/// with no single-file name is an error naming the file and the key. Returns the number of
+/// tensors written.
+pub fn to_single_file(folder: &Path, out: &Path, half: bool) -> Result<usize> {
+    let unet_files = ComponentFiles::in_pipeline(folder, "unet", "UNet2DConditionModel")?;
+    let vae_files = ComponentFiles::in_pipeline(folder, "vae", "AutoencoderKL")?;
+    let unet_cfg: UNetConfigFile = read_json(&unet_files.config)?;
+    let vae_cfg: VaeConfigFile = read_json(&vae_files.config)?;
+    let text_cfg_path = folder.join("text_encoder").join("config.json");
+    let text_cfg: ClipTextConfigFile = read_json(&text_cfg_path)?;
+    let lpb = unet_cfg.layers_per_block as usize;
+    let up_attention: Vec<bool> = unet_cfg.up_block_types.iter().map(|t| t.starts_with("CrossAttn")).collect();
+    let levels = vae_cfg.block_out_channels.len();
+    let mut named: Vec<(String, Tensor)> = vec![];
+    for (key, t) in data::checkpoint::read_tensors(&unet_files.weights)? {
+        let ldm = unet_ldm_key(&key, lpb, &up_attention).ok_or_else(|| Error::Format {
+            path: unet_files.weights.clone(),
+            msg: format!("key {key} has no single-file name"),
+        })?;
+        named.push((format!("{UNET}{ldm}"), t));
+    }
+    for (key, t) in data::checkpoint::read_tensors(&vae_files.weights)? {
+        let ldm = vae_ldm_key(&key, levels).ok_or_else(|| Error::Format {
+            path: vae_files.weights.clone(),
+            msg: format!("key {key} has no single-file name"),
+        })?;
+        let t = if vae_ldm_is_conv(&ldm) && t.dim() == 2 { t.unsqueeze(-1).unsqueeze(-1) } else { t };
+        named.push((format!("{VAE}{ldm}"), t));
+    }
+    let text = text_encoder_tensors(folder)?;
+    let text_path = folder.join("text_encoder").join("model.safetensors");
+    match text_cfg.hidden_act.as_str() {
+        "quick_gelu" => named.extend(
+            text.into_iter().filter(|(k, _)| !k.ends_with("position_ids")).map(|(k, t)| (format!("{CLIP}{k}"), t)),
+        ),
+        "gelu" => {
+            let converted =
+                open_clip::from_transformers(text).map_err(|msg| Error::Format { path: text_path.clone(), msg })?;
+            named.extend(converted.into_iter().map(|(k, t)| (format!("{OPEN_CLIP}{k}"), t)));
+        }
+        other => {
+            return Err(Error::Format {
+                path: text_cfg_path,
+                msg: format!(
+                    "hidden_act {other:?}: neither OpenAI CLIP's quick_gelu (SD 1.x) nor OpenCLIP's gelu (SD 2.x)"
+                ),
+            })
+        }
+    }
+    if half {
+        named = named
+            .into_iter()
+            .map(|(k, t)| (k, if t.is_floating_point() { t.to_kind(Kind::Half) } else { t }))
+            .collect();
+    }
+    data::checkpoint::save_tensors(&named, out)?;
+    Ok(named.len())
+}
