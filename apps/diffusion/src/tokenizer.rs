@@ -1,8 +1,9 @@
 //! CLIP's byte-level BPE tokenizer, as transformers 5's `CLIPTokenizer` (the tokenizer diffusers
-//! pipelines load) runs it, reading a diffusers `tokenizer/` folder: `vocab.json`, `merges.txt`,
-//! `tokenizer_config.json` (`model_max_length`) and, when present, `special_tokens_map.json`,
-//! whose tokens win over the config's as in transformers (SD 2.x pads with `!`, id 0; SD 1.x
-//! with `<|endoftext|>`).
+//! pipelines load) runs it, reading a diffusers `tokenizer/` folder: the vocabulary and merges
+//! from `vocab.json` and `merges.txt` (the hub's files, transformers 4's `save_pretrained`) or
+//! from `tokenizer.json` (all transformers 5's `save_pretrained` writes), `tokenizer_config.json`
+//! (`model_max_length`) and, when present, `special_tokens_map.json`, whose tokens win over the
+//! config's as in transformers (SD 2.x pads with `!`, id 0; SD 1.x with `<|endoftext|>`).
 //!
 //! The pipeline: the text is split around the special tokens (bos, eos, unk, pad) that appear in
 //! it verbatim; each piece is normalised (Unicode NFC, every whitespace run to one space, lower
@@ -93,13 +94,19 @@ impl ClipTokenizer {
         Self::from_dir(&model_dir.join("tokenizer"))
     }
 
-    /// Reads a tokenizer folder (`vocab.json`, `merges.txt`, `tokenizer_config.json`, optional
-    /// `special_tokens_map.json`). A missing file, key or token is an error naming the file.
+    /// Reads a tokenizer folder (`vocab.json` and `merges.txt`, or `tokenizer.json`;
+    /// `tokenizer_config.json`, optional `special_tokens_map.json`). A missing file, key or
+    /// token is an error naming the file.
     pub fn from_dir(dir: &Path) -> Result<ClipTokenizer> {
-        let vocab_path = dir.join("vocab.json");
-        let encoder: HashMap<String, i64> = read_json(&vocab_path)?;
-        let merges_path = dir.join("merges.txt");
-        let ranks = read_merges(&merges_path)?;
+        let (vocab_path, merges_path, json_path) =
+            (dir.join("vocab.json"), dir.join("merges.txt"), dir.join("tokenizer.json"));
+        let (encoder, ranks) = if !vocab_path.exists() && !merges_path.exists() && json_path.exists() {
+            read_tokenizer_json(&json_path)?
+        } else {
+            (read_json::<HashMap<String, i64>>(&vocab_path)?, read_merges(&merges_path)?)
+        };
+        // Where a special token missing from the vocabulary is reported.
+        let vocab_path = if vocab_path.exists() { vocab_path } else { json_path };
 
         let config_path = dir.join("tokenizer_config.json");
         let config: serde_json::Map<String, Value> = read_json(&config_path)?;
@@ -307,6 +314,43 @@ fn read_merges(path: &Path) -> Result<HashMap<(String, String), usize>> {
         }
     }
     Ok(ranks)
+}
+
+/// The vocabulary and merge ranks of a `tokenizer.json` (the `tokenizers` library's file) with
+/// a BPE model: `model.vocab` maps tokens to ids, `model.merges` lists the pairs in rank order,
+/// each as `[left, right]` (tokenizers 0.20 on) or `"left right"` (before).
+fn read_tokenizer_json(path: &Path) -> Result<(HashMap<String, i64>, HashMap<(String, String), usize>)> {
+    #[derive(serde::Deserialize)]
+    struct File {
+        model: Model,
+    }
+    #[derive(serde::Deserialize)]
+    struct Model {
+        #[serde(rename = "type")]
+        kind: Option<String>,
+        vocab: HashMap<String, i64>,
+        merges: Vec<Value>,
+    }
+    let file: File = read_json(path)?;
+    let model = file.model;
+    if let Some(kind) = model.kind.as_deref().filter(|&k| k != "BPE") {
+        return Err(format_err(path, format!("model.type is {kind:?}, expected \"BPE\" (CLIP's tokenizer)")));
+    }
+    let mut ranks = HashMap::new();
+    for (rank, merge) in model.merges.iter().enumerate() {
+        let pair = match merge {
+            Value::Array(p) => match p.as_slice() {
+                [Value::String(a), Value::String(b)] => Some((a.clone(), b.clone())),
+                _ => None,
+            },
+            Value::String(text) => text.split_once(' ').map(|(a, b)| (a.to_owned(), b.to_owned())),
+            _ => None,
+        };
+        let pair = pair.ok_or_else(|| format_err(path, format!("model.merges[{rank}] is not a pair: {merge}")))?;
+        // A repeated pair keeps its last rank, as for `merges.txt`.
+        ranks.insert(pair, rank);
+    }
+    Ok((model.vocab, ranks))
 }
 
 #[cfg(test)]

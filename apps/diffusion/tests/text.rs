@@ -44,8 +44,12 @@ fn temp_dir(name: &str) -> PathBuf {
 fn token_ids_match_transformers_exactly() {
     let refs = tokens_json();
     let prompts: Vec<&str> = refs["prompts"].as_array().unwrap().iter().map(|p| p.as_str().unwrap()).collect();
-    for (name, dir) in [("sd1", fixtures().join("tokenizer")), ("sd2", fixtures().join("sd2/tokenizer"))] {
-        let tok = ClipTokenizer::from_dir(&dir).unwrap();
+    // Each tokenizer in the hub's layout (vocab.json, merges.txt) and as transformers 5 saves it
+    // (tokenizer.json only).
+    for (name, dir) in
+        [("sd1", "tokenizer"), ("sd1", "tokenizer_v5"), ("sd2", "sd2/tokenizer"), ("sd2", "sd2/tokenizer_v5")]
+    {
+        let tok = ClipTokenizer::from_dir(&fixtures().join(dir)).unwrap();
         assert_eq!(tok.pad_id(), refs[name]["pad_token_id"].as_i64().unwrap(), "{name} pad id");
         assert_eq!(tok.max_len(), 77);
         let (ids, masks) = (ints(&refs[name]["input_ids"]), ints(&refs[name]["attention_mask"]));
@@ -115,6 +119,24 @@ fn tokenizer_errors_name_the_file_and_key() {
     std::fs::write(dir.join("special_tokens_map.json"), r#"{"pad_token": "<pad>"}"#).unwrap();
     let err = ClipTokenizer::from_dir(&dir).err().unwrap().to_string();
     assert!(err.contains("vocab.json") && err.contains("pad_token") && err.contains("<pad>"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+
+    // transformers 5's layout: a merge that is not a pair, a model that is not BPE.
+    let dir = temp_dir("tok-v5");
+    let src = fixtures().join("tokenizer_v5");
+    std::fs::copy(src.join("tokenizer_config.json"), dir.join("tokenizer_config.json")).unwrap();
+    let mut json: Value = serde_json::from_str(&std::fs::read_to_string(src.join("tokenizer.json")).unwrap()).unwrap();
+    json["model"]["merges"][3] = serde_json::json!(["a"]);
+    std::fs::write(dir.join("tokenizer.json"), json.to_string()).unwrap();
+    let err = ClipTokenizer::from_dir(&dir).err().unwrap().to_string();
+    assert!(err.contains("tokenizer.json") && err.contains("model.merges[3]"), "{err}");
+    json["model"]["type"] = "WordPiece".into();
+    std::fs::write(dir.join("tokenizer.json"), json.to_string()).unwrap();
+    let err = ClipTokenizer::from_dir(&dir).err().unwrap().to_string();
+    assert!(err.contains("tokenizer.json") && err.contains("WordPiece"), "{err}");
+    std::fs::remove_file(dir.join("tokenizer.json")).unwrap();
+    let err = ClipTokenizer::from_dir(&dir).err().unwrap().to_string();
+    assert!(err.contains("vocab.json"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
