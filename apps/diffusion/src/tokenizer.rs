@@ -43,7 +43,7 @@ pub struct Encoding {
 /// CLIP's tokenizer (see the module docs).
 pub struct ClipTokenizer {
     encoder: HashMap<String, i64>,
-    ranks: HashMap<(String, String), usize>,
+    ranks: MergeRanks,
     byte_chars: Vec<char>,
     pattern: Regex,
     whitespace: Regex,
@@ -298,9 +298,12 @@ impl ClipTokenizer {
     }
 }
 
+/// Each merge's rank (its position in the merge list) by its pair.
+type MergeRanks = HashMap<(String, String), usize>;
+
 /// `merges.txt`: a `#version` header line, then one `left right` pair per line, in rank order
 /// (CLIP reads at most 48,894 of them).
-fn read_merges(path: &Path) -> Result<HashMap<(String, String), usize>> {
+fn read_merges(path: &Path) -> Result<MergeRanks> {
     let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
     let mut ranks = HashMap::new();
     for (n, line) in text.trim().lines().enumerate().skip(1).take(49152 - 256 - 2) {
@@ -319,7 +322,7 @@ fn read_merges(path: &Path) -> Result<HashMap<(String, String), usize>> {
 /// The vocabulary and merge ranks of a `tokenizer.json` (the `tokenizers` library's file) with
 /// a BPE model: `model.vocab` maps tokens to ids, `model.merges` lists the pairs in rank order,
 /// each as `[left, right]` (tokenizers 0.20 on) or `"left right"` (before).
-fn read_tokenizer_json(path: &Path) -> Result<(HashMap<String, i64>, HashMap<(String, String), usize>)> {
+fn read_tokenizer_json(path: &Path) -> Result<(HashMap<String, i64>, MergeRanks)> {
     #[derive(serde::Deserialize)]
     struct File {
         model: Model,
