@@ -4,7 +4,8 @@
 //! Class-token pooling, pre-norm blocks, LayerNorm eps 1e-6, exact GELU, as timm's defaults.
 //!
 //! The model is written once, serially. Its four linear layers per block come from a
-//! [`Layers`] factory: [`Serial`] makes `nn::Linear`s; `crate::tensor_parallel` makes
+//! [`Layers`] factory: [`Serial`] makes `nn::Linear`s (and the blocks' LayerNorms, libtorch's
+//! or the fused kernel, as `--kernels` says); `crate::tensor_parallel` makes
 //! Megatron's column/row-parallel layers, and the same code then computes this rank's share of
 //! the heads and of the MLP's hidden features.
 use tch::nn::{self, Module};
@@ -164,6 +165,12 @@ impl Layer for nn::LayerNorm {
     }
 }
 
+impl Layer for kernels::LayerNorm {
+    fn forward(&self, x: &Tensor) -> anyhow::Result<Tensor> {
+        Ok(kernels::LayerNorm::forward(self, x)?)
+    }
+}
+
 /// Makes a block's linear layers (`inputs -> outputs` are the whole layer's features).
 pub trait Layers {
     /// Into which parts the heads and the MLP's hidden features are split (1: whole).
@@ -205,10 +212,21 @@ impl Region for Whole {
     }
 }
 
-/// The serial model's layers: timm's `nn.Linear`s.
-pub struct Serial;
+/// The serial model's layers: timm's `nn.Linear`s, and the blocks' LayerNorms run by `kernels`
+/// (the same parameters either way).
+pub struct Serial {
+    /// Which implementation runs the blocks' LayerNorms.
+    pub kernels: kernels::Backend,
+}
 
 impl Layers for Serial {
+    fn norm(&self, p: nn::Path, width: i64) -> anyhow::Result<Box<dyn Layer>> {
+        Ok(match self.kernels {
+            kernels::Backend::Torch => Box::new(layer_norm(p, width)),
+            fused => Box::new(kernels::LayerNorm::new(p, width, LAYER_NORM_EPS, fused)),
+        })
+    }
+
     fn parts(&self) -> i64 {
         1
     }
@@ -220,8 +238,11 @@ impl Layers for Serial {
     }
 }
 
+/// timm's LayerNorm eps.
+const LAYER_NORM_EPS: f64 = 1e-6;
+
 pub(crate) fn layer_norm(p: nn::Path, width: i64) -> nn::LayerNorm {
-    nn::layer_norm(p, vec![width], nn::LayerNormConfig { eps: 1e-6, ..Default::default() })
+    nn::layer_norm(p, vec![width], nn::LayerNormConfig { eps: LAYER_NORM_EPS, ..Default::default() })
 }
 
 #[derive(Debug)]
@@ -301,7 +322,13 @@ pub struct Vit {
 impl Vit {
     /// Creates the parameters under `p` (validate the config first).
     pub fn new(p: &nn::Path, cfg: VitConfig) -> Vit {
-        Self::build(p, cfg, &Serial).expect("serial layers are infallible")
+        Self::with_kernels(p, cfg, kernels::Backend::Torch)
+    }
+
+    /// [`Vit::new`] with the blocks' LayerNorms run by `kernels` (the fused kernel needs the
+    /// parameters on a CUDA device).
+    pub fn with_kernels(p: &nn::Path, cfg: VitConfig, kernels: kernels::Backend) -> Vit {
+        Self::build(p, cfg, &Serial { kernels }).expect("serial layers are infallible")
     }
 
     /// Creates the parameters under `p` with the blocks' linear layers from `layers` (the
