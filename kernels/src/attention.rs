@@ -35,7 +35,10 @@ pub fn attention_softmax(
     backend: Backend,
 ) -> Result<Tensor> {
     let [b, h, q, k] = x.size()[..] else {
-        return Err(crate::Error::invalid(format!("{OP}: x is {:?}, expected [batch, heads, queries, keys]", x.size())));
+        return Err(crate::Error::invalid(format!(
+            "{OP}: x is {:?}, expected [batch, heads, queries, keys]",
+            x.size()
+        )));
     };
     if let Some(m) = mask {
         ensure!(m.size() == [b, k], "{OP}: mask is {:?}, expected [batch, keys] = [{b}, {k}]", m.size());
@@ -90,7 +93,13 @@ fn fused(x: &Tensor, scale: f64, mask: Option<&Tensor>, bias: Option<&Tensor>) -
             .i64(per_batch)
             .i64(bias_rows)
             .f32(scale as f32);
-        KERNEL.launch(&format!("attention_softmax_forward_{suffix}"), device, (rows as u32, 1, 1), row_threads(cols), &mut a)?;
+        KERNEL.launch(
+            &format!("attention_softmax_forward_{suffix}"),
+            device,
+            (rows as u32, 1, 1),
+            row_threads(cols),
+            &mut a,
+        )?;
     }
     // The gradient flows to x and the bias (the mask is a constant).
     let mut inputs = vec![&x];
@@ -104,8 +113,20 @@ fn fused(x: &Tensor, scale: f64, mask: Option<&Tensor>, bias: Option<&Tensor>) -
         let dx = y.f_empty_like()?;
         let dlogits = if bias_grad { Some(y.f_empty_like()?) } else { None };
         if rows > 0 && cols > 0 {
-            let mut a = Args::default().tensor(y).tensor(&dy).tensor(&dx).opt(dlogits.as_ref()).i32(cols as i32).f32(scale as f32);
-            KERNEL.launch(&format!("attention_softmax_backward_{suffix}"), device, (rows as u32, 1, 1), row_threads(cols), &mut a)?;
+            let mut a = Args::default()
+                .tensor(y)
+                .tensor(&dy)
+                .tensor(&dx)
+                .opt(dlogits.as_ref())
+                .i32(cols as i32)
+                .f32(scale as f32);
+            KERNEL.launch(
+                &format!("attention_softmax_backward_{suffix}"),
+                device,
+                (rows as u32, 1, 1),
+                row_threads(cols),
+                &mut a,
+            )?;
         }
         let mut out: Vec<Option<Tensor>> = (0..n_inputs).map(|_| None).collect();
         out[0] = Some(dx);

@@ -55,7 +55,10 @@ pub fn write(kernel: &str, hash: u64, arch: u32, ptx: &str) {
         let _ = std::fs::remove_file(&tmp);
         static WARNED: AtomicBool = AtomicBool::new(false);
         if !WARNED.swap(true, Ordering::Relaxed) {
-            eprintln!("kernels: not caching compiled kernels in {} ({e}); set {CACHE_ENV} to a writable folder", path.display());
+            eprintln!(
+                "kernels: not caching compiled kernels in {} ({e}); set {CACHE_ENV} to a writable folder",
+                path.display()
+            );
         }
     }
 }

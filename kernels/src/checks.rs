@@ -26,7 +26,10 @@ pub(crate) fn cuda_device(op: &str, kind: Option<Kind>, tensors: &[(&str, &Tenso
                 t.device()
             )));
         };
-        ensure!(device.is_none_or(|first| first == d), "{op}: {name} is on cuda:{d}, other arguments on cuda:{device:?}");
+        ensure!(
+            device.is_none_or(|first| first == d),
+            "{op}: {name} is on cuda:{d}, other arguments on cuda:{device:?}"
+        );
         device = Some(d);
         if let Some(k) = kind {
             ensure!(t.kind() == k, "{op}: {name} is {:?}, expected {k:?} like the other arguments", t.kind());

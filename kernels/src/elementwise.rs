@@ -29,7 +29,12 @@ pub(crate) static KERNEL: Kernel = Kernel::new(
 
 fn check_bias(op: &str, x: &Tensor, bias: &Tensor) -> Result<i64> {
     let c = *x.size().last().unwrap_or(&0);
-    ensure!(bias.size() == [c], "{op}: bias is {:?}, expected [{c}] (the last dimension of x {:?})", bias.size(), x.size());
+    ensure!(
+        bias.size() == [c],
+        "{op}: bias is {:?}, expected [{c}] (the last dimension of x {:?})",
+        bias.size(),
+        x.size()
+    );
     Ok(c)
 }
 
@@ -110,9 +115,22 @@ pub fn bias_dropout_residual(
     let n = x.numel() as i64;
     let y = x.f_empty_like()?;
     if n > 0 {
-        let mut a =
-            Args::default().tensor(&x).tensor(&b).tensor(&r).opt(keep.as_ref()).tensor(&y).i64(n).i32(cols as i32).f32(scale as f32);
-        KERNEL.launch(&format!("bias_dropout_residual_forward_{suffix}"), device, (grid_blocks(n), 1, 1), 256, &mut a)?;
+        let mut a = Args::default()
+            .tensor(&x)
+            .tensor(&b)
+            .tensor(&r)
+            .opt(keep.as_ref())
+            .tensor(&y)
+            .i64(n)
+            .i32(cols as i32)
+            .f32(scale as f32);
+        KERNEL.launch(
+            &format!("bias_dropout_residual_forward_{suffix}"),
+            device,
+            (grid_blocks(n), 1, 1),
+            256,
+            &mut a,
+        )?;
     }
     let bias_kind = b.kind();
     let saved: Vec<Tensor> = keep.into_iter().collect();

@@ -58,7 +58,14 @@ impl Kernel {
     }
 
     /// Launches `function` on the current stream of CUDA device `device`.
-    pub fn launch(&self, function: &str, device: usize, grid: (u32, u32, u32), block: u32, args: &mut Args) -> Result<()> {
+    pub fn launch(
+        &self,
+        function: &str,
+        device: usize,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &mut Args,
+    ) -> Result<()> {
         crate::error::ensure!(grid.0 > 0 && grid.1 > 0 && grid.2 > 0, "{function}: empty launch grid {grid:?}");
         let (ctx, f) = self.function(function, device)?;
         let stream = engine::cuda::Stream::current(device)?;
@@ -76,14 +83,15 @@ impl Kernel {
     fn function(&self, function: &str, device: usize) -> Result<(sys::CUcontext, sys::CUfunction)> {
         static LOADED: OnceLock<Mutex<HashMap<(&'static str, usize), Loaded>>> = OnceLock::new();
         let mut loaded = LOADED.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
-        let key = (self.name, device);
-        if !loaded.contains_key(&key) {
-            loaded.insert(key, self.load(device)?);
-        }
-        let module = &loaded[&key];
-        let f = module.functions.get(function).copied().ok_or_else(|| {
-            Error::invalid(format!("kernel source {} defines no function {function}", self.name))
-        })?;
+        let module = match loaded.entry((self.name, device)) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => e.insert(self.load(device)?),
+        };
+        let f = module
+            .functions
+            .get(function)
+            .copied()
+            .ok_or_else(|| Error::invalid(format!("kernel source {} defines no function {function}", self.name)))?;
         Ok((module.ctx, f))
     }
 
@@ -149,7 +157,9 @@ struct ContextGuard;
 impl ContextGuard {
     fn push(ctx: sys::CUcontext) -> Result<ContextGuard> {
         // SAFETY: a retained primary context.
-        unsafe { sys::cuCtxPushCurrent_v2(ctx) }.result().map_err(|e| Error::driver("making the context current", e))?;
+        unsafe { sys::cuCtxPushCurrent_v2(ctx) }
+            .result()
+            .map_err(|e| Error::driver("making the context current", e))?;
         Ok(ContextGuard)
     }
 }

@@ -54,9 +54,22 @@ fn fused(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor>
     let mean = Tensor::f_empty([rows], stats)?;
     let rstd = Tensor::f_empty([rows], stats)?;
     if rows > 0 && cols > 0 {
-        let mut a =
-            Args::default().tensor(&x).tensor(&w).tensor(&b).tensor(&y).tensor(&mean).tensor(&rstd).i32(cols as i32).f32(eps as f32);
-        KERNEL.launch(&format!("layer_norm_forward_{suffix}"), device, (rows as u32, 1, 1), row_threads(cols), &mut a)?;
+        let mut a = Args::default()
+            .tensor(&x)
+            .tensor(&w)
+            .tensor(&b)
+            .tensor(&y)
+            .tensor(&mean)
+            .tensor(&rstd)
+            .i32(cols as i32)
+            .f32(eps as f32);
+        KERNEL.launch(
+            &format!("layer_norm_forward_{suffix}"),
+            device,
+            (rows as u32, 1, 1),
+            row_threads(cols),
+            &mut a,
+        )?;
     }
     let saved = vec![x.shallow_clone(), w.shallow_clone(), mean, rstd];
     let outputs = with_grad(OP, &[&x, weight, bias], vec![y], saved, move |grads, saved| {
@@ -64,8 +77,15 @@ fn fused(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor>
         let dy = grads[0].f_contiguous()?;
         let dx = x.f_empty_like()?;
         let (dw, db) = if rows > 0 && cols > 0 {
-            let mut a = Args::default().tensor(x).tensor(w).tensor(mean).tensor(rstd).tensor(&dy).tensor(&dx).i32(cols as i32);
-            KERNEL.launch(&format!("layer_norm_backward_input_{suffix}"), device, (rows as u32, 1, 1), row_threads(cols), &mut a)?;
+            let mut a =
+                Args::default().tensor(x).tensor(w).tensor(mean).tensor(rstd).tensor(&dy).tensor(&dx).i32(cols as i32);
+            KERNEL.launch(
+                &format!("layer_norm_backward_input_{suffix}"),
+                device,
+                (rows as u32, 1, 1),
+                row_threads(cols),
+                &mut a,
+            )?;
             // Partial column sums over blocks of rows, added up here.
             let per_part = ceil_div(rows, 256).max(1);
             let parts = ceil_div(rows, per_part);

@@ -58,9 +58,9 @@ impl Backend {
         match (choice, device) {
             (None, d) => Ok(Backend::default_for(d)),
             (Some(Backend::Fused), Device::Cuda(_)) | (Some(Backend::Torch), _) => Ok(choice.unwrap()),
-            (Some(Backend::Fused), d) => {
-                Err(Error::invalid(format!("--kernels fused needs a CUDA device; this run is on {d:?} (use --kernels torch)")))
-            }
+            (Some(Backend::Fused), d) => Err(Error::invalid(format!(
+                "--kernels fused needs a CUDA device; this run is on {d:?} (use --kernels torch)"
+            ))),
         }
     }
 }

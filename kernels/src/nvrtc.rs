@@ -132,7 +132,9 @@ fn describe(origin: String) -> std::result::Result<Nvrtc, String> {
         let mut n = 0;
         sys::nvrtcGetNumSupportedArchs(&mut n).result().map_err(|e| format!("nvrtcGetNumSupportedArchs: {e:?}"))?;
         let mut archs = vec![0; n.max(0) as usize];
-        sys::nvrtcGetSupportedArchs(archs.as_mut_ptr()).result().map_err(|e| format!("nvrtcGetSupportedArchs: {e:?}"))?;
+        sys::nvrtcGetSupportedArchs(archs.as_mut_ptr())
+            .result()
+            .map_err(|e| format!("nvrtcGetSupportedArchs: {e:?}"))?;
         let mut archs: Vec<u32> = archs.into_iter().map(|a| a as u32).collect();
         archs.sort_unstable();
         Ok(Nvrtc { origin, version: (major, minor), archs })

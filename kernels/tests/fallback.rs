@@ -95,7 +95,8 @@ fn bias_dropout_residual_keeps_what_its_mask_keeps() {
     let keep = kernels::dropout_mask(&[64, 31], 0.25, Device::Cpu).unwrap();
     let kept = keep.to_kind(Kind::Double).mean(Kind::Double).double_value(&[]);
     assert!((0.7..0.8).contains(&kept), "kept fraction {kept}");
-    let want = r.to_kind(Kind::Double) + (x.to_kind(Kind::Double) + b.to_kind(Kind::Double)) * keep.to_kind(Kind::Double) / 0.75;
+    let want = r.to_kind(Kind::Double)
+        + (x.to_kind(Kind::Double) + b.to_kind(Kind::Double)) * keep.to_kind(Kind::Double) / 0.75;
     assert_close(&y, &want, 1e-5, "train");
     let dy = Tensor::randn(y.size(), (Kind::Float, Device::Cpu));
     let (got, want) = (grads(&y, &dy, &[&x, &b, &r]), grads(&want, &dy.to_kind(Kind::Double), &[&x, &b, &r]));
@@ -121,11 +122,8 @@ fn problem(seed: i64) -> Vec<(Tensor, Tensor, bool)> {
 }
 
 /// Three steps of `ours` against three of the engine's optimizer on the same parameters.
-fn against_engine(
-    ours: impl Fn(&[OptimTensors], i32),
-    engine_opt: impl FnOnce(Vec<Param>) -> Box<dyn Optimizer>,
-) {
-    let mine: Vec<_> = problem(4).into_iter().map(|(w, g, a)| (w, g, a)).collect();
+fn against_engine(ours: impl Fn(&[OptimTensors], i32), engine_opt: impl FnOnce(Vec<Param>) -> Box<dyn Optimizer>) {
+    let mine = problem(4);
     let state: Vec<(Tensor, Tensor)> = mine.iter().map(|(w, _, _)| (w.zeros_like(), w.zeros_like())).collect();
     let theirs: Vec<Tensor> = mine.iter().map(|(w, _, _)| w.copy().set_requires_grad(true)).collect();
     let params: Vec<Param> =
@@ -140,7 +138,13 @@ fn against_engine(
             .iter()
             .zip(&state)
             .zip(&grads)
-            .map(|(((w, _, adapt), (m, v)), g)| OptimTensors { param: w, grad: g, exp_avg: m, exp_avg_sq: v, adapt: *adapt })
+            .map(|(((w, _, adapt), (m, v)), g)| OptimTensors {
+                param: w,
+                grad: g,
+                exp_avg: m,
+                exp_avg_sq: v,
+                adapt: *adapt,
+            })
             .collect();
         ours(&tensors, step);
         opt.step().unwrap();
@@ -162,7 +166,10 @@ fn adamw_step_equals_the_engines_adamw() {
 #[test]
 fn lamb_step_equals_the_engines_lamb() {
     let cfg = LambConfig { lr: 0.05, weight_decay: 0.1, ..Default::default() };
-    against_engine(|t, step| kernels::lamb_step(t, &cfg, step, Backend::Torch).unwrap(), |p| Box::new(Lamb::new(p, cfg)));
+    against_engine(
+        |t, step| kernels::lamb_step(t, &cfg, step, Backend::Torch).unwrap(),
+        |p| Box::new(Lamb::new(p, cfg)),
+    );
 }
 
 #[test]

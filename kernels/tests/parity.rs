@@ -36,7 +36,10 @@ fn assert_matches(fused: &Tensor, torch: &Tensor, reference: &Tensor, kind: Kind
     let err = |t: &Tensor| max_abs(&(t.to_kind(Kind::Double) - reference.to_kind(Kind::Double)));
     let scale = max_abs(reference).max(1.0);
     let (ours, theirs) = (err(fused), err(torch));
-    assert!(ours <= 2.0 * theirs + floor * scale, "{what} ({kind:?}): fused error {ours:e}, torch's {theirs:e}, scale {scale}");
+    assert!(
+        ours <= 2.0 * theirs + floor * scale,
+        "{what} ({kind:?}): fused error {ours:e}, torch's {theirs:e}, scale {scale}"
+    );
 }
 
 /// Output and input gradients of `f` for one backend, given leaf inputs and an output gradient.
@@ -175,7 +178,12 @@ fn optimizer_matches(step: impl Fn(&[OptimTensors], i32, Backend), tol: f64, wha
     let make = || -> Vec<[Tensor; 4]> {
         tch::manual_seed(5);
         let opts = (Kind::Float, dev);
-        shapes.iter().map(|s| [Tensor::randn(*s, opts), Tensor::randn(*s, opts), Tensor::zeros(*s, opts), Tensor::zeros(*s, opts)]).collect()
+        shapes
+            .iter()
+            .map(|s| {
+                [Tensor::randn(*s, opts), Tensor::randn(*s, opts), Tensor::zeros(*s, opts), Tensor::zeros(*s, opts)]
+            })
+            .collect()
     };
     let (fused, torch) = (make(), make());
     for (set, backend) in [(&fused, Backend::Fused), (&torch, Backend::Torch)] {

@@ -282,7 +282,10 @@ impl<'a> Trainer<'a> {
             Transforms::new(cfg.image_size as usize, cfg.in_channels as usize, splits.embedded, crop_scale);
         let device = args.job.launch.device(world)?;
         if sharding.active() && args.kernels == Some(kernels::Backend::Fused) {
-            bail!("--kernels fused covers the serial model's LayerNorms; with --tp {} the layers are libtorch's", args.tp);
+            bail!(
+                "--kernels fused covers the serial model's LayerNorms; with --tp {} the layers are libtorch's",
+                args.tp
+            );
         }
         let backend = kernels::Backend::resolve(args.kernels, device)?;
         let kind = args.precision.precision.kind();
