@@ -39,7 +39,7 @@ pack() {
   # The apps and benchmarks in release, as users run them.
   cargo build --locked --release -p vit -p fastfold -p diffusion
   for app in vit fastfold diffusion; do cp "target/release/$app" "$bin/" && strip "$bin/$app"; done
-  for spec in "engine gemini" "fastfold evoformer" "diffusion finetune"; do
+  for spec in "engine gemini" "fastfold evoformer" "diffusion finetune" "kernels kernels"; do
     set -- $spec
     exe="$(cargo bench --locked -p "$1" --bench "$2" --no-run --message-format=json 2>/dev/null |
       sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1)"
@@ -131,6 +131,7 @@ bench() {
   record "Evoformer block 256 x 128" 300 "$bin/bench-evoformer" --device cuda --residues 256 \
     --sequences 128 --warmup 3 --iters 10
   record "Gemini under a 4 GiB cap" 300 "$bin/bench-gemini" --device cuda --cap 4G
+  record "fused kernels against their libtorch compositions, bf16" 120 "$bin/bench-kernels" --iters 20
   record "SD 1.x UNet fine-tuning under a 4 GiB cap (diffusers needs internet: ours only)" 400 \
     "$bin/bench-finetune" --device cuda --cap 4G --resolution 512 --batch 1 --precision fp16 \
     --gradient-checkpointing --no-baseline
