@@ -57,8 +57,9 @@ impl Kernel {
         Ok(ptx)
     }
 
-    /// Launches `function` on the current stream of CUDA device `device`.
-    pub fn launch(
+    /// Launches `function` on the current stream of CUDA device `device`. Crate-private: the
+    /// arguments must match the kernel's signature, which each operation's wrapper guarantees.
+    pub(crate) fn launch(
         &self,
         function: &str,
         device: usize,
@@ -175,17 +176,17 @@ impl Drop for ContextGuard {
 /// A kernel's arguments in order, each in an 8-byte slot (the driver reads each parameter's
 /// size from the kernel's signature; slots hold the value in their low bytes).
 #[derive(Debug, Default)]
-pub struct Args(Vec<u64>);
+pub(crate) struct Args(Vec<u64>);
 
 impl Args {
     /// A tensor's data pointer (its own memory: callers check device, dtype and layout).
-    pub fn tensor(mut self, t: &Tensor) -> Args {
+    pub(crate) fn tensor(mut self, t: &Tensor) -> Args {
         self.0.push(t.data_ptr() as u64);
         self
     }
 
     /// An optional tensor: a null pointer when absent.
-    pub fn opt(self, t: Option<&Tensor>) -> Args {
+    pub(crate) fn opt(self, t: Option<&Tensor>) -> Args {
         match t {
             Some(t) => self.tensor(t),
             None => self.u64(0),
@@ -193,13 +194,13 @@ impl Args {
     }
 
     /// A 32-bit integer.
-    pub fn i32(mut self, v: i32) -> Args {
+    pub(crate) fn i32(mut self, v: i32) -> Args {
         self.0.push(v as u32 as u64);
         self
     }
 
     /// A 64-bit integer.
-    pub fn i64(self, v: i64) -> Args {
+    pub(crate) fn i64(self, v: i64) -> Args {
         self.u64(v as u64)
     }
 
@@ -209,7 +210,7 @@ impl Args {
     }
 
     /// A 32-bit float.
-    pub fn f32(mut self, v: f32) -> Args {
+    pub(crate) fn f32(mut self, v: f32) -> Args {
         self.0.push(v.to_bits() as u64);
         self
     }

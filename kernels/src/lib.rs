@@ -24,7 +24,7 @@ pub use attention::attention_softmax;
 pub use cache::CACHE_ENV;
 pub use elementwise::{bias_dropout_residual, bias_gelu, dropout_mask};
 pub use error::{Error, Result};
-pub use kernel::{Args, Kernel};
+pub use kernel::Kernel;
 pub use layer_norm::{layer_norm, LayerNorm};
 pub use nvrtc::{nvrtc, Nvrtc, NVRTC_ENV};
 pub use optim::{adamw_step, lamb_step, OptimTensors};
