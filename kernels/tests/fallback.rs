@@ -5,6 +5,14 @@ use engine::optim::{AdamW, AdamWConfig, Lamb, LambConfig, Optimizer, Param};
 use kernels::{Backend, OptimTensors};
 use tch::{Device, Kind, Tensor};
 
+/// libtorch's generators are global and the tests run on parallel threads: each test holds
+/// this while it seeds and draws, so that a seed gives the same numbers every run.
+static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn rng() -> std::sync::MutexGuard<'static, ()> {
+    RNG.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
     (a.to_kind(Kind::Double) - b.to_kind(Kind::Double)).abs().max().double_value(&[])
 }
@@ -26,6 +34,7 @@ fn grads(y: &Tensor, dy: &Tensor, inputs: &[&Tensor]) -> Vec<Tensor> {
 
 #[test]
 fn attention_softmax_equals_the_written_out_softmax() {
+    let _rng = rng();
     tch::manual_seed(0);
     let (b, h, q, k) = (3, 2, 5, 7);
     let x = leaf(&[b, h, q, k]);
@@ -50,6 +59,7 @@ fn attention_softmax_equals_the_written_out_softmax() {
 
 #[test]
 fn layer_norm_equals_the_written_out_normalisation() {
+    let _rng = rng();
     tch::manual_seed(1);
     let x = leaf(&[4, 3, 33]);
     let (w, b) = (leaf(&[33]), leaf(&[33]));
@@ -74,6 +84,7 @@ fn layer_norm_equals_the_written_out_normalisation() {
 
 #[test]
 fn bias_gelu_equals_the_written_out_erf_gelu() {
+    let _rng = rng();
     tch::manual_seed(2);
     let (x, b) = (leaf(&[5, 2, 19]), leaf(&[19]));
     let y = kernels::bias_gelu(&x, &b, Backend::Torch).unwrap();
@@ -88,6 +99,7 @@ fn bias_gelu_equals_the_written_out_erf_gelu() {
 
 #[test]
 fn bias_dropout_residual_keeps_what_its_mask_keeps() {
+    let _rng = rng();
     let (x, b, r) = (leaf(&[64, 31]), leaf(&[31]), leaf(&[64, 31]));
     tch::manual_seed(3);
     let y = kernels::bias_dropout_residual(&x, &b, &r, 0.25, true, Backend::Torch).unwrap();
@@ -156,6 +168,7 @@ fn against_engine(ours: impl Fn(&[OptimTensors], i32), engine_opt: impl FnOnce(V
 
 #[test]
 fn adamw_step_equals_the_engines_adamw() {
+    let _rng = rng();
     let cfg = AdamWConfig { lr: 0.05, weight_decay: 0.1, ..Default::default() };
     against_engine(
         |t, step| kernels::adamw_step(t, &cfg, step, Backend::Torch).unwrap(),
@@ -165,6 +178,7 @@ fn adamw_step_equals_the_engines_adamw() {
 
 #[test]
 fn lamb_step_equals_the_engines_lamb() {
+    let _rng = rng();
     let cfg = LambConfig { lr: 0.05, weight_decay: 0.1, ..Default::default() };
     against_engine(
         |t, step| kernels::lamb_step(t, &cfg, step, Backend::Torch).unwrap(),
@@ -174,6 +188,7 @@ fn lamb_step_equals_the_engines_lamb() {
 
 #[test]
 fn the_fused_path_names_what_it_cannot_take() {
+    let _rng = rng();
     let x = Tensor::zeros([2, 3, 4, 5], (Kind::Float, Device::Cpu));
     let err = kernels::attention_softmax(&x, 1.0, None, None, Backend::Fused).unwrap_err().to_string();
     assert!(err.contains("attention_softmax: x is on Cpu") && err.contains("CUDA"), "{err}");

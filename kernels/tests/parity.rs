@@ -10,6 +10,14 @@ use engine::optim::{AdamWConfig, LambConfig};
 use kernels::{Backend, OptimTensors};
 use tch::{Device, Kind, Tensor};
 
+/// libtorch's generators are global and the tests run on parallel threads: each test holds
+/// this while it seeds and draws, so that a seed gives the same numbers every run.
+static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn rng() -> std::sync::MutexGuard<'static, ()> {
+    RNG.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 fn gpu(test: &str) -> Option<Device> {
     suite_tests::cuda_devices(1, test).then_some(Device::Cuda(0))
 }
@@ -86,6 +94,7 @@ fn randn(shape: &[i64], dev: Device, grad: bool) -> Tensor {
 
 #[test]
 fn require_cuda_turns_a_missing_gpu_into_a_failure() {
+    let _rng = rng();
     if engine::cuda::is_available() {
         return; // Nothing to check: the GPU tests run for real here.
     }
@@ -101,6 +110,7 @@ fn require_cuda_turns_a_missing_gpu_into_a_failure() {
 
 #[test]
 fn attention_softmax_matches() {
+    let _rng = rng();
     let Some(dev) = gpu("attention_softmax_matches") else { return };
     tch::manual_seed(0);
     let softmax = |scale: f64, with_mask: bool, with_bias: bool| {
@@ -131,6 +141,7 @@ fn attention_softmax_matches() {
 
 #[test]
 fn layer_norm_matches() {
+    let _rng = rng();
     let Some(dev) = gpu("layer_norm_matches") else { return };
     tch::manual_seed(1);
     let ln = |t: &[Tensor], backend| kernels::layer_norm(&t[0], &t[1], &t[2], 1e-5, backend).unwrap();
@@ -146,6 +157,7 @@ fn layer_norm_matches() {
 
 #[test]
 fn bias_gelu_matches() {
+    let _rng = rng();
     let Some(dev) = gpu("bias_gelu_matches") else { return };
     tch::manual_seed(2);
     let f = |t: &[Tensor], backend| kernels::bias_gelu(&t[0], &t[1], backend).unwrap();
@@ -157,6 +169,7 @@ fn bias_gelu_matches() {
 
 #[test]
 fn bias_dropout_residual_matches() {
+    let _rng = rng();
     let Some(dev) = gpu("bias_dropout_residual_matches") else { return };
     for (p, train) in [(0.1, true), (0.5, true), (0.1, false)] {
         // The same seed before each call: both backends draw the same mask.
@@ -205,6 +218,7 @@ fn optimizer_matches(step: impl Fn(&[OptimTensors], i32, Backend), tol: f64, wha
 
 #[test]
 fn adamw_step_matches() {
+    let _rng = rng();
     let Some(dev) = gpu("adamw_step_matches") else { return };
     let cfg = AdamWConfig { lr: 0.01, weight_decay: 0.05, ..Default::default() };
     optimizer_matches(|t, s, b| kernels::adamw_step(t, &cfg, s, b).unwrap(), 1e-6, "adamw", dev);
@@ -212,6 +226,7 @@ fn adamw_step_matches() {
 
 #[test]
 fn lamb_step_matches() {
+    let _rng = rng();
     let Some(dev) = gpu("lamb_step_matches") else { return };
     let cfg = LambConfig { lr: 0.01, weight_decay: 0.05, ..Default::default() };
     // The norms are summed in f32 by atomics in any order: the trust ratios differ in the last bits.
@@ -220,6 +235,7 @@ fn lamb_step_matches() {
 
 #[test]
 fn kernels_run_on_the_current_stream() {
+    let _rng = rng();
     let Some(Device::Cuda(d)) = gpu("kernels_run_on_the_current_stream") else { return };
     let dev = Device::Cuda(d);
     let side = engine::cuda::Stream::from_pool(d, false).unwrap();
