@@ -203,6 +203,19 @@ mod tests {
     }
 
     #[test]
+    fn the_environment_variable_names_a_file_or_its_folder() {
+        // The only test that touches this variable.
+        let wheel = Path::new(env!("KERNELS_NVRTC_DIR"));
+        unsafe { std::env::set_var(NVRTC_ENV, wheel) };
+        let found = candidates().unwrap();
+        assert!(matches!(&found[1], Candidate::File(f) if f == &wheel.join(SONAME)), "{found:?}");
+        unsafe { std::env::set_var(NVRTC_ENV, "/nonexistent/libnvrtc.so.13") };
+        let err = candidates().unwrap_err();
+        unsafe { std::env::remove_var(NVRTC_ENV) };
+        assert!(err.contains("SUITE_NVRTC=/nonexistent/libnvrtc.so.13 names no file"), "{err}");
+    }
+
+    #[test]
     fn the_target_is_the_newest_arch_not_past_the_device() {
         let n = Nvrtc { origin: String::new(), version: (13, 0), archs: vec![75, 80, 86, 89, 90, 100] };
         assert_eq!(n.target_for(90).unwrap(), 90);
