@@ -3,8 +3,10 @@
 //! whose folder the build script records), else from [`NVRTC_ENV`], else by the system loader
 //! (`LD_LIBRARY_PATH`, `ld.so.cache`), in that order.
 //!
-//! cudarc opens NVRTC by its soname; loading it here first, by full path and with
-//! `RTLD_GLOBAL`, makes cudarc's lookup find this copy. NVRTC itself opens
+//! cudarc opens NVRTC by name (`libnvrtc.so`, then versioned names such as `libnvrtc.so.13`);
+//! loading it here first, by full path and with `RTLD_GLOBAL`, makes the versioned name resolve
+//! to this copy. (A CUDA toolkit's unversioned `libnvrtc.so` on the loader's path would be
+//! taken first; its PTX runs too, as the driver compiles any older PTX.) NVRTC itself opens
 //! `libnvrtc-builtins.so.*` by name at compile time, so that library is loaded from the same
 //! folder first.
 use std::ffi::{CStr, CString};
