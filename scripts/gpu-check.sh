@@ -2,7 +2,7 @@
 # Everything GPU in one command, for the rare machine with an NVIDIA GPU. That machine gets a
 # copy of the working tree but no Rust toolchain, so the binaries are built here first:
 #
-#   bash scripts/gpu-check.sh pack            # here: build, strip and list into gpu-bin/ (~50 MiB)
+#   bash scripts/gpu-check.sh pack            # here: build, strip and list into gpu-bin/ (~55 MiB)
 #   bash scripts/gpu-check.sh tests   OUT     # there: every CUDA test, SUITE_REQUIRE_CUDA=1
 #   bash scripts/gpu-check.sh kernels OUT     # there: the fused kernels' parity tests
 #   bash scripts/gpu-check.sh bench   OUT     # there: the GPU benchmarks, each beside its baseline
@@ -20,18 +20,26 @@ out="${2:-gpu-report}"
 bin="$root/gpu-bin"
 say() { printf '[gpu-check] %s\n' "$*" >&2; }
 
+# Copies the test executables of package $1 whose paths match $2 into $3, stripped.
+test_binaries() {
+  cargo test --locked -p "$1" --no-run --message-format=json 2>/dev/null |
+    sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | grep -E "$2" | while read -r exe; do
+      cp "$exe" "$3/" && strip "$3/$(basename "$exe")"
+    done
+}
+
 pack() {
   bash scripts/setup.sh
-  rm -rf "$bin" && mkdir -p "$bin/tests"
-  # Test executables of the engine's integration tests (debug, as CI builds them).
-  cargo test --locked -p suite-tests --no-run --message-format=json 2>/dev/null |
-    sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | while read -r exe; do
-      cp "$exe" "$bin/tests/" && strip "$bin/tests/$(basename "$exe")"
-    done
+  rm -rf "$bin" && mkdir -p "$bin/tests" "$bin/kernels"
+  # Test executables (debug, as CI builds them) of the engine's integration tests, and the
+  # kernels' PTX and parity tests (~5 MiB; the kernel sources travel inside the binaries and are
+  # compiled there by NVRTC; their CPU-only tests run in CI).
+  test_binaries suite-tests '.' "$bin/tests"
+  test_binaries kernels '/(ptx|parity)-[0-9a-f]+$' "$bin/kernels"
   # The apps and benchmarks in release, as users run them.
   cargo build --locked --release -p vit -p fastfold -p diffusion
   for app in vit fastfold diffusion; do cp "target/release/$app" "$bin/" && strip "$bin/$app"; done
-  for spec in "engine gemini" "fastfold evoformer" "diffusion finetune"; do
+  for spec in "engine gemini" "fastfold evoformer" "diffusion finetune" "kernels kernels"; do
     set -- $spec
     exe="$(cargo bench --locked -p "$1" --bench "$2" --no-run --message-format=json 2>/dev/null |
       sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1)"
@@ -48,6 +56,10 @@ environment() {
   py="${TORCH_PYTHON:-/opt/torch/.venv/bin/python}"
   site="$("$py" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')"
   export LD_LIBRARY_PATH="$site/torch/lib:$site/nvidia/cu13/lib:${LD_LIBRARY_PATH:-}"
+  # NVRTC for the fused kernels: the GPU machine's torch wheel's copy (nvidia-cuda-nvrtc), if
+  # it has one (else the system loader's); compiled kernels are cached outside the report.
+  if [ -e "$site/nvidia/cu13/lib/libnvrtc.so.13" ]; then export SUITE_NVRTC="$site/nvidia/cu13/lib"; fi
+  export SUITE_KERNEL_CACHE="${TMPDIR:-/tmp}/suite-kernel-cache"
   export SUITE_PYTHON="$py" SUITE_REQUIRE_CUDA=1
   built="$(cat "$bin/built-at")"
   if [ "$built" != "$root" ] && [ ! -e "$built" ]; then
@@ -103,13 +115,13 @@ tests() {
   done
 }
 
+# The kernels' tests: PTX compilation, the compositions, and parity of every fused kernel with
+# its composition (forward and backward, f32/bf16/f16) on this GPU.
 kernels() {
   environment
-  if ! grep -q 'fn ' kernels/src/lib.rs 2>/dev/null; then
-    printf '\n## kernels: none yet (kernels/ is empty)\n' >>"$report"
-    return 0
-  fi
-  record "kernels" 500 cargo test --locked -p kernels
+  for exe in "$bin"/kernels/*; do
+    record "kernels: $(basename "$exe")" 240 "$exe" --test-threads=1
+  done
 }
 
 bench() {
@@ -119,6 +131,7 @@ bench() {
   record "Evoformer block 256 x 128" 300 "$bin/bench-evoformer" --device cuda --residues 256 \
     --sequences 128 --warmup 3 --iters 10
   record "Gemini under a 4 GiB cap" 300 "$bin/bench-gemini" --device cuda --cap 4G
+  record "fused kernels against their libtorch compositions, bf16" 120 "$bin/bench-kernels" --iters 20
   record "SD 1.x UNet fine-tuning under a 4 GiB cap (diffusers needs internet: ours only)" 400 \
     "$bin/bench-finetune" --device cuda --cap 4G --resolution 512 --batch 1 --precision fp16 \
     --gradient-checkpointing --no-baseline

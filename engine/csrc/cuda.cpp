@@ -72,6 +72,9 @@ int64_t eng_cuda_stream_id(EngStream* s) { return s->stream.id(); }
 
 int eng_cuda_stream_device(EngStream* s) { return s->stream.device_index(); }
 
+// The raw cudaStream_t, for kernels launched outside libtorch (the NVRTC kernels of kernels/).
+void* eng_cuda_stream_raw(EngStream* s) { return static_cast<void*>(s->stream.stream()); }
+
 void eng_cuda_stream_free(EngStream* s) { delete s; }
 
 char* eng_cuda_event_new(int enable_timing, EngEvent** out) {

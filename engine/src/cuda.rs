@@ -86,6 +86,13 @@ impl Stream {
         unsafe { ffi::eng_cuda_stream_device(self.raw) }.max(0) as usize
     }
 
+    /// The raw `cudaStream_t` (a `CUstream` to the driver API), for launching kernels compiled
+    /// outside libtorch on this stream. Valid while the stream lives: a pool or current stream
+    /// of libtorch lives as long as the process.
+    pub fn raw_handle(&self) -> *mut std::ffi::c_void {
+        unsafe { ffi::eng_cuda_stream_raw(self.raw) }
+    }
+
     /// Marks `tensor` as used on this stream, so that the caching allocator does not hand its
     /// memory out again before the work queued here finishes.
     pub fn record_tensor(&self, tensor: &tch::Tensor) -> Result<()> {

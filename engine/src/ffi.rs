@@ -152,6 +152,7 @@ extern "C" {
     pub fn eng_cuda_stream_wait_event(s: *mut EngStream, e: *mut EngEvent) -> *mut c_char;
     pub fn eng_cuda_stream_id(s: *mut EngStream) -> i64;
     pub fn eng_cuda_stream_device(s: *mut EngStream) -> c_int;
+    pub fn eng_cuda_stream_raw(s: *mut EngStream) -> *mut std::ffi::c_void;
     pub fn eng_cuda_stream_free(s: *mut EngStream);
     pub fn eng_cuda_event_new(enable_timing: c_int, out: *mut *mut EngEvent) -> *mut c_char;
     pub fn eng_cuda_event_record(e: *mut EngEvent, s: *mut EngStream) -> *mut c_char;

@@ -1,5 +1,66 @@
-//! Fused GPU kernels: CUDA C compiled at run time by NVRTC, each paired with a libtorch
-//! fallback that runs on the CPU and serves as the kernel's test reference.
+//! Fused GPU kernels: CUDA C compiled at run time by NVRTC (through cudarc; no CUDA toolkit at
+//! build time), cached on disk by source hash and architecture, and launched on libtorch's
+//! current CUDA stream on the tensors' own memory. Every operation has a libtorch composition
+//! beside it ([`Backend::Torch`]): the path on the CPU, and the reference the kernels are tested
+//! against.
 //!
-//! The crate holds no kernels yet: the first ones come with the applications that need them
-//! (Evoformer attention and layer norm for FastFold, the optimizer updates for Gemini).
+//! - [`attention_softmax`]: Evoformer attention's scale + mask + pair bias + softmax;
+//! - [`layer_norm`] (and the [`LayerNorm`] layer);
+//! - [`bias_gelu`] and [`bias_dropout_residual`];
+//! - [`adamw_step`] and [`lamb_step`]: one launch updates every parameter (multi-tensor).
+//!
+//! Forward and backward for f32, bf16 and f16 (the optimizers: f32).
+mod attention;
+mod cache;
+mod checks;
+mod elementwise;
+mod error;
+mod kernel;
+mod layer_norm;
+mod nvrtc;
+mod optim;
+
+pub use attention::attention_softmax;
+pub use cache::CACHE_ENV;
+pub use elementwise::{bias_dropout_residual, bias_gelu, dropout_mask};
+pub use error::{Error, Result};
+pub use kernel::Kernel;
+pub use layer_norm::{layer_norm, LayerNorm};
+pub use nvrtc::{nvrtc, Nvrtc, NVRTC_ENV};
+pub use optim::{adamw_step, lamb_step, OptimTensors};
+
+use tch::Device;
+
+/// Every kernel source, for the compile checks.
+pub const ALL: &[&Kernel] = &[&attention::KERNEL, &layer_norm::KERNEL, &elementwise::KERNEL, &optim::KERNEL];
+
+/// Which implementation an operation runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Backend {
+    /// The fused CUDA kernels (CUDA tensors only).
+    Fused,
+    /// The libtorch composition (any device).
+    Torch,
+}
+
+impl Backend {
+    /// The default for a device: fused on CUDA, the composition elsewhere.
+    pub fn default_for(device: Device) -> Backend {
+        match device {
+            Device::Cuda(_) => Backend::Fused,
+            _ => Backend::Torch,
+        }
+    }
+
+    /// The backend for `--kernels` (`None`: the device's default); fused on a non-CUDA device
+    /// is an error naming the flag.
+    pub fn resolve(choice: Option<Backend>, device: Device) -> Result<Backend> {
+        match (choice, device) {
+            (None, d) => Ok(Backend::default_for(d)),
+            (Some(Backend::Fused), Device::Cuda(_)) | (Some(Backend::Torch), _) => Ok(choice.unwrap()),
+            (Some(Backend::Fused), d) => Err(Error::invalid(format!(
+                "--kernels fused needs a CUDA device; this run is on {d:?} (use --kernels torch)"
+            ))),
+        }
+    }
+}

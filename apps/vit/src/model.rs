@@ -6,7 +6,8 @@
 //! The model is written once, serially. Its parts come from a [`Layers`] factory: the four
 //! linear layers and two norms per block, the stem (patch embedding, class and position
 //! tokens), the head (final norm and classifier) and the attention of the blocks' queries,
-//! keys and values. [`Serial`] makes timm's modules; `crate::tensor_parallel` makes
+//! keys and values. [`Serial`] makes timm's modules (the blocks' LayerNorms libtorch's or
+//! the fused kernel, as `--kernels` says); `crate::tensor_parallel` makes
 //! Megatron's column/row-parallel layers or the 2D/2.5D/3D layers (`crate::multi_dim`), and
 //! `crate::sequence_parallel` ring or all-to-all attention, and the same code then computes
 //! this rank's share of the heads, the hidden features, the batch or the tokens.
@@ -167,6 +168,12 @@ impl Layer for nn::LayerNorm {
     }
 }
 
+impl Layer for kernels::LayerNorm {
+    fn forward(&self, x: &Tensor) -> anyhow::Result<Tensor> {
+        Ok(kernels::LayerNorm::forward(self, x)?)
+    }
+}
+
 /// Makes the model's parts: the blocks' linear layers and norms (`inputs -> outputs` are the whole
 /// layer's features), the stem, the head and attention; the defaults are timm's serial modules.
 pub trait Layers {
@@ -298,10 +305,21 @@ impl Region for Whole {
     }
 }
 
-/// The serial model's layers: timm's `nn.Linear`s (and the default stem, head and attention).
-pub struct Serial;
+/// The serial model's layers: timm's `nn.Linear`s, the blocks' LayerNorms run by `kernels` (the
+/// same parameters either way), and the default stem, head and attention.
+pub struct Serial {
+    /// Which implementation runs the blocks' LayerNorms.
+    pub kernels: kernels::Backend,
+}
 
 impl Layers for Serial {
+    fn norm(&self, p: nn::Path, width: i64) -> anyhow::Result<Box<dyn Layer>> {
+        Ok(match self.kernels {
+            kernels::Backend::Torch => Box::new(layer_norm(p, width)),
+            fused => Box::new(kernels::LayerNorm::new(p, width, LAYER_NORM_EPS, fused)),
+        })
+    }
+
     fn parts(&self) -> i64 {
         1
     }
@@ -313,8 +331,11 @@ impl Layers for Serial {
     }
 }
 
+/// timm's LayerNorm eps.
+const LAYER_NORM_EPS: f64 = 1e-6;
+
 pub(crate) fn layer_norm(p: nn::Path, width: i64) -> nn::LayerNorm {
-    nn::layer_norm(p, vec![width], nn::LayerNormConfig { eps: 1e-6, ..Default::default() })
+    nn::layer_norm(p, vec![width], nn::LayerNormConfig { eps: LAYER_NORM_EPS, ..Default::default() })
 }
 
 #[derive(Debug)]
@@ -393,7 +414,13 @@ pub struct Vit {
 impl Vit {
     /// Creates the parameters under `p` (validate the config first).
     pub fn new(p: &nn::Path, cfg: VitConfig) -> Vit {
-        Self::build(p, cfg, &Serial).expect("serial layers are infallible")
+        Self::with_kernels(p, cfg, kernels::Backend::Torch)
+    }
+
+    /// [`Vit::new`] with the blocks' LayerNorms run by `kernels` (the fused kernel needs the
+    /// parameters on a CUDA device).
+    pub fn with_kernels(p: &nn::Path, cfg: VitConfig, kernels: kernels::Backend) -> Vit {
+        Self::build(p, cfg, &Serial { kernels }).expect("serial layers are infallible")
     }
 
     /// Creates the parameters under `p` with its parts from `layers` (the config validated,

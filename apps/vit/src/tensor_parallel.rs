@@ -348,7 +348,7 @@ impl Sharding {
     /// of the same config built serially, e.g. from the run's seed).
     pub fn build(&self, serial: &VarStore, vs: &VarStore) -> anyhow::Result<Vit> {
         let base: Box<dyn Layers> = match &self.mode {
-            Mode::Whole => Box::new(Serial),
+            Mode::Whole => Box::new(Serial { kernels: kernels::Backend::Torch }),
             Mode::OneD { tp, sequence_parallel } => {
                 Box::new(TpLayers { tp: tp.clone(), sequence_parallel: *sequence_parallel })
             }

@@ -101,6 +101,11 @@ pub struct PretrainArgs {
     /// --sp, --sp-mode).
     #[command(flatten)]
     pub parallel: ParallelArgs,
+    /// What runs the blocks' LayerNorms: fused (a CUDA kernel compiled at run time) or torch
+    /// (libtorch's); by default fused on CUDA, torch elsewhere. The tensor-parallel layouts
+    /// (--tp above 1) use libtorch's.
+    #[arg(long, value_enum)]
+    pub kernels: Option<kernels::Backend>,
     /// ZeRO stage: 0 (plain data parallel), 1 (sharded optimizer state), 2 (and gradients).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
     pub zero: u8,
@@ -267,6 +272,14 @@ impl<'a> Trainer<'a> {
         let transforms =
             Transforms::new(cfg.image_size as usize, cfg.in_channels as usize, splits.embedded, crop_scale);
         let device = args.job.launch.device(world)?;
+        if sharding.active() && args.kernels == Some(kernels::Backend::Fused) {
+            bail!(
+                "--kernels fused covers the serial model's LayerNorms; with --tp {} --sp {} the layers are libtorch's",
+                args.parallel.tp,
+                args.parallel.sp
+            );
+        }
+        let backend = kernels::Backend::resolve(args.kernels, device)?;
         let kind = args.precision.precision.kind();
         let seed = args.seed.seed;
         let sampler = DistributedSampler {
@@ -291,7 +304,7 @@ impl<'a> Trainer<'a> {
         tch::manual_seed(seed as i64);
         let mut vs = VarStore::new(device);
         let model = match sharding.active() {
-            false => Vit::new(&vs.root(), cfg),
+            false => Vit::with_kernels(&vs.root(), cfg, backend),
             true => {
                 let serial = VarStore::new(device);
                 let _ = Vit::new(&serial.root(), cfg);

@@ -74,6 +74,8 @@ fn bad_settings_name_the_numbers() {
     assert!(err.contains("--model vit_huge_patch14_224: not a known model"), "{err}");
     let err = pretrain(&args("--steps 1 --resume"), &world).err().unwrap().to_string();
     assert!(err.contains("--resume needs --out"), "{err}");
+    let err = pretrain(&args("--steps 1 --device cpu --kernels fused"), &world).err().unwrap().to_string();
+    assert!(err.contains("--kernels fused needs a CUDA device"), "{err}");
 }
 
 #[test]

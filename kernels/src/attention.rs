@@ -1,0 +1,140 @@
+//! Evoformer attention's softmax: `softmax(x * scale + 1e9 (mask - 1) + bias)` over the keys,
+//! AlphaFold's masking convention, fused into one kernel forward and one backward.
+use tch::{Kind, Tensor};
+
+use crate::checks::{cuda_device, dtype, row_threads, rows_cols, with_grad};
+use crate::error::ensure;
+use crate::kernel::{Args, Kernel};
+use crate::{Backend, Result};
+
+pub(crate) static KERNEL: Kernel = Kernel::new(
+    "attention_softmax",
+    include_str!("cuda/softmax.cu"),
+    &[
+        "attention_softmax_forward_f32",
+        "attention_softmax_forward_bf16",
+        "attention_softmax_forward_f16",
+        "attention_softmax_backward_f32",
+        "attention_softmax_backward_bf16",
+        "attention_softmax_backward_f16",
+    ],
+    &[],
+);
+
+const OP: &str = "attention_softmax";
+
+/// Attention weights from logits `x` `[batch, heads, queries, keys]`: scaled by `scale`,
+/// masked by `mask` `[batch, keys]` (1 keeps a key, 0 drops it: `1e9 (mask - 1)` is added), and
+/// biased by `bias` `[heads, queries, keys]` (a pair bias shared across the batch) or
+/// `[batch, heads, queries, keys]`; softmax over the keys. Differentiable in `x` and `bias`.
+pub fn attention_softmax(
+    x: &Tensor,
+    scale: f64,
+    mask: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    backend: Backend,
+) -> Result<Tensor> {
+    let [b, h, q, k] = x.size()[..] else {
+        return Err(crate::Error::invalid(format!(
+            "{OP}: x is {:?}, expected [batch, heads, queries, keys]",
+            x.size()
+        )));
+    };
+    if let Some(m) = mask {
+        ensure!(m.size() == [b, k], "{OP}: mask is {:?}, expected [batch, keys] = [{b}, {k}]", m.size());
+    }
+    if let Some(bias) = bias {
+        let s = bias.size();
+        ensure!(
+            s == [h, q, k] || s == [b, h, q, k],
+            "{OP}: bias is {s:?}, expected [heads, queries, keys] = [{h}, {q}, {k}] or [batch, heads, queries, keys]"
+        );
+    }
+    match backend {
+        Backend::Torch => composition(x, scale, mask, bias),
+        Backend::Fused => fused(x, scale, mask, bias),
+    }
+}
+
+/// The libtorch composition.
+fn composition(x: &Tensor, scale: f64, mask: Option<&Tensor>, bias: Option<&Tensor>) -> Result<Tensor> {
+    let mut z = x.f_mul_scalar(scale)?;
+    if let Some(m) = mask {
+        let (b, k) = m.size2()?;
+        z = z.f_add(&m.f_to_kind(x.kind())?.f_sub_scalar(1.0)?.f_mul_scalar(1e9)?.f_reshape([b, 1, 1, k])?)?;
+    }
+    if let Some(bias) = bias {
+        z = z.f_add(bias)?;
+    }
+    Ok(z.f_softmax(-1, None::<Kind>)?)
+}
+
+fn fused(x: &Tensor, scale: f64, mask: Option<&Tensor>, bias: Option<&Tensor>) -> Result<Tensor> {
+    let x = x.f_contiguous()?;
+    let mask = mask.map(|m| m.f_to_kind(x.kind())?.f_contiguous()).transpose()?;
+    let bias_c = bias.map(|t| t.f_contiguous()).transpose()?;
+    let mut args = vec![("x", &x)];
+    args.extend(mask.as_ref().map(|m| ("mask", m)));
+    args.extend(bias_c.as_ref().map(|t| ("bias", t)));
+    let device = cuda_device(OP, Some(x.kind()), &args)?;
+    let suffix = dtype(OP, "x", &x)?;
+    let size = x.size();
+    let (rows, cols) = rows_cols(OP, &x)?;
+    let per_batch = size[1] * size[2];
+    let bias_rows = bias_c.as_ref().map_or(0, |t| t.numel() as i64 / cols.max(1));
+    let y = x.f_empty_like()?;
+    if rows > 0 && cols > 0 {
+        let mut a = Args::default()
+            .tensor(&x)
+            .opt(mask.as_ref())
+            .opt(bias_c.as_ref())
+            .tensor(&y)
+            .i32(cols as i32)
+            .i64(per_batch)
+            .i64(bias_rows)
+            .f32(scale as f32);
+        KERNEL.launch(
+            &format!("attention_softmax_forward_{suffix}"),
+            device,
+            (rows as u32, 1, 1),
+            row_threads(cols),
+            &mut a,
+        )?;
+    }
+    // The gradient flows to x and the bias (the mask is a constant).
+    let mut inputs = vec![&x];
+    inputs.extend(bias);
+    let bias_shared = bias.is_some_and(|t| t.dim() == 3);
+    let bias_grad = bias.is_some_and(|t| t.requires_grad());
+    let n_inputs = inputs.len();
+    let outputs = with_grad(OP, &inputs, vec![y.shallow_clone()], vec![y], move |grads, saved| {
+        let y = &saved[0];
+        let dy = grads[0].f_contiguous()?;
+        let dx = y.f_empty_like()?;
+        let dlogits = if bias_grad { Some(y.f_empty_like()?) } else { None };
+        if rows > 0 && cols > 0 {
+            let mut a = Args::default()
+                .tensor(y)
+                .tensor(&dy)
+                .tensor(&dx)
+                .opt(dlogits.as_ref())
+                .i32(cols as i32)
+                .f32(scale as f32);
+            KERNEL.launch(
+                &format!("attention_softmax_backward_{suffix}"),
+                device,
+                (rows as u32, 1, 1),
+                row_threads(cols),
+                &mut a,
+            )?;
+        }
+        let mut out: Vec<Option<Tensor>> = (0..n_inputs).map(|_| None).collect();
+        out[0] = Some(dx);
+        if let Some(d) = dlogits {
+            // A bias shared across the batch gets the sum of every batch element's gradient.
+            out[1] = Some(if bias_shared { d.f_sum_dim_intlist(0, false, None::<Kind>)? } else { d });
+        }
+        Ok(out)
+    })?;
+    Ok(outputs.into_iter().next().expect("one output"))
+}

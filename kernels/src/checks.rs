@@ -1,0 +1,80 @@
+//! What every fused path checks before launching (device, dtype, layout, shapes), with
+//! messages that name the operation and the argument; and the autograd connection.
+use tch::{Device, Kind, Tensor};
+
+use crate::error::ensure;
+use crate::{Error, Result};
+
+/// The kernels' name suffix for a tensor's dtype.
+pub(crate) fn dtype(op: &str, name: &str, t: &Tensor) -> Result<&'static str> {
+    match t.kind() {
+        Kind::Float => Ok("f32"),
+        Kind::BFloat16 => Ok("bf16"),
+        Kind::Half => Ok("f16"),
+        k => Err(Error::invalid(format!("{op}: {name} is {k:?}; the fused kernel takes f32, bf16 or f16"))),
+    }
+}
+
+/// The CUDA device all `tensors` are on, each checked to be there, of `kind` where given, and
+/// contiguous (the kernels index raw memory).
+pub(crate) fn cuda_device(op: &str, kind: Option<Kind>, tensors: &[(&str, &Tensor)]) -> Result<usize> {
+    let mut device = None;
+    for (name, t) in tensors {
+        let Device::Cuda(d) = t.device() else {
+            return Err(Error::invalid(format!(
+                "{op}: {name} is on {:?}; the fused kernel runs on CUDA tensors (use the torch backend)",
+                t.device()
+            )));
+        };
+        ensure!(
+            device.is_none_or(|first| first == d),
+            "{op}: {name} is on cuda:{d}, other arguments on cuda:{device:?}"
+        );
+        device = Some(d);
+        if let Some(k) = kind {
+            ensure!(t.kind() == k, "{op}: {name} is {:?}, expected {k:?} like the other arguments", t.kind());
+        }
+        ensure!(t.is_contiguous(), "{op}: {name} is not contiguous (strides {:?})", t.stride());
+    }
+    device.ok_or_else(|| Error::invalid(format!("{op}: no tensors")))
+}
+
+/// `rows x cols`, each fitting the kernels' 32-bit indices where they use them.
+pub(crate) fn rows_cols(op: &str, t: &Tensor) -> Result<(i64, i64)> {
+    let cols = *t.size().last().ok_or_else(|| Error::invalid(format!("{op}: a scalar input")))?;
+    let numel = t.numel() as i64;
+    let rows = if cols == 0 { 0 } else { numel / cols };
+    ensure!(cols <= i32::MAX as i64 && rows <= i32::MAX as i64, "{op}: {rows} x {cols} is too large for one launch");
+    Ok((rows, cols))
+}
+
+/// `a / b` rounded up, for positive `b`.
+pub(crate) fn ceil_div(a: i64, b: i64) -> i64 {
+    (a + b - 1) / b
+}
+
+/// Threads per block for a kernel that gives one block to each row of `cols` elements.
+pub(crate) fn row_threads(cols: i64) -> u32 {
+    (ceil_div(cols, 32) * 32).clamp(32, 256) as u32
+}
+
+/// Blocks for a grid-stride loop over `n` elements with 256 threads each.
+pub(crate) fn grid_blocks(n: i64) -> u32 {
+    ceil_div(n, 256).clamp(1, 1 << 20) as u32
+}
+
+/// Connects outputs computed by kernels to the autograd graph through `backward`, when any
+/// input requires grad (else returns them as they are).
+pub(crate) fn with_grad(
+    name: &'static str,
+    inputs: &[&Tensor],
+    outputs: Vec<Tensor>,
+    saved: Vec<Tensor>,
+    backward: impl FnMut(&[Tensor], &[Tensor]) -> engine::Result<Vec<Option<Tensor>>> + Send + 'static,
+) -> Result<Vec<Tensor>> {
+    if !inputs.iter().any(|t| t.requires_grad()) {
+        return Ok(outputs);
+    }
+    let forward = engine::autograd::Forward { outputs, saved, non_differentiable: Vec::new() };
+    Ok(engine::autograd::apply(name, inputs, move |_| Ok(forward), backward)?)
+}

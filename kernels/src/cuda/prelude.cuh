@@ -1,0 +1,69 @@
+// Prepended to every kernel source. NVRTC compiles here without the CUDA toolkit's headers, so
+// the 16-bit float types are plain bit patterns converted by hand (bf16: the high half of an
+// f32, rounded to nearest even as PyTorch does; f16: PTX's own conversions). All arithmetic is
+// done in f32.
+typedef unsigned short u16;
+typedef long long i64;
+struct bf16 { u16 bits; };
+struct f16 { u16 bits; };
+
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(bf16 x) { return __uint_as_float(((unsigned int)x.bits) << 16); }
+__device__ __forceinline__ float to_float(f16 x) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+  return f;
+}
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ bf16 from_float<bf16>(float x) {
+  unsigned int u = __float_as_uint(x);
+  bf16 r;
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    r.bits = 0x7fc0;  // NaN, as PyTorch writes it
+  } else {
+    r.bits = (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+  return r;
+}
+template <> __device__ __forceinline__ f16 from_float<f16>(float x) {
+  f16 r;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(x));
+  return r;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// The sum over the block, returned to every thread. blockDim.x is a multiple of 32 (at most
+// 1024); `scratch` holds 32 floats in shared memory and may be reused by the next call.
+__device__ float block_sum(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();  // a previous call's readers are done with scratch
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  return warp_sum(lane < warps ? scratch[lane] : 0.f);
+}
+
+__device__ float block_max(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  return warp_max(lane < warps ? scratch[lane] : NEG_INF);
+}
+
+// One kernel per dtype from a template: NAME_f32, NAME_bf16, NAME_f16.
+#define FOR_EACH_DTYPE(DEFINE) DEFINE(float, f32) DEFINE(bf16, bf16) DEFINE(f16, f16)

@@ -1,0 +1,151 @@
+//! Element-wise fusions after a linear layer whose bias is left out of the matmul:
+//! `gelu(x + bias)` and `residual + dropout(x + bias)`.
+use tch::{Device, Kind, Tensor};
+
+use crate::checks::{cuda_device, dtype, grid_blocks, rows_cols, with_grad};
+use crate::error::ensure;
+use crate::kernel::{Args, Kernel};
+use crate::{Backend, Result};
+
+pub(crate) static KERNEL: Kernel = Kernel::new(
+    "elementwise",
+    include_str!("cuda/elementwise.cu"),
+    &[
+        "bias_gelu_forward_f32",
+        "bias_gelu_forward_bf16",
+        "bias_gelu_forward_f16",
+        "bias_gelu_backward_f32",
+        "bias_gelu_backward_bf16",
+        "bias_gelu_backward_f16",
+        "bias_dropout_residual_forward_f32",
+        "bias_dropout_residual_forward_bf16",
+        "bias_dropout_residual_forward_f16",
+        "dropout_backward_f32",
+        "dropout_backward_bf16",
+        "dropout_backward_f16",
+    ],
+    &[],
+);
+
+fn check_bias(op: &str, x: &Tensor, bias: &Tensor) -> Result<i64> {
+    let c = *x.size().last().unwrap_or(&0);
+    ensure!(
+        bias.size() == [c],
+        "{op}: bias is {:?}, expected [{c}] (the last dimension of x {:?})",
+        bias.size(),
+        x.size()
+    );
+    Ok(c)
+}
+
+/// The bias's gradient: `dx` summed over every dimension but the last (in f32), as `kind`.
+fn bias_grad(dx: &Tensor, cols: i64, kind: Kind) -> tch::Result<Tensor> {
+    dx.f_reshape([-1, cols])?.f_sum_dim_intlist(0, false, Kind::Float)?.f_to_kind(kind)
+}
+
+/// `gelu(x + bias)` (the exact, erf form) with `bias` the size of the last dimension of `x`.
+pub fn bias_gelu(x: &Tensor, bias: &Tensor, backend: Backend) -> Result<Tensor> {
+    const OP: &str = "bias_gelu";
+    check_bias(OP, x, bias)?;
+    if backend == Backend::Torch {
+        return Ok(x.f_add(bias)?.f_gelu("none")?);
+    }
+    let x = x.f_contiguous()?;
+    let b = bias.f_contiguous()?;
+    let device = cuda_device(OP, Some(x.kind()), &[("x", &x), ("bias", &b)])?;
+    let suffix = dtype(OP, "x", &x)?;
+    let (_, cols) = rows_cols(OP, &x)?;
+    let n = x.numel() as i64;
+    let y = x.f_empty_like()?;
+    if n > 0 {
+        let mut a = Args::default().tensor(&x).tensor(&b).tensor(&y).i64(n).i32(cols as i32);
+        KERNEL.launch(&format!("bias_gelu_forward_{suffix}"), device, (grid_blocks(n), 1, 1), 256, &mut a)?;
+    }
+    let outputs = with_grad(OP, &[&x, bias], vec![y], vec![x.shallow_clone(), b], move |grads, saved| {
+        let [x, b] = saved else { unreachable!("two tensors saved") };
+        let dy = grads[0].f_contiguous()?;
+        let dx = x.f_empty_like()?;
+        if n > 0 {
+            let mut a = Args::default().tensor(x).tensor(b).tensor(&dy).tensor(&dx).i64(n).i32(cols as i32);
+            KERNEL.launch(&format!("bias_gelu_backward_{suffix}"), device, (grid_blocks(n), 1, 1), 256, &mut a)?;
+        }
+        let db = bias_grad(&dx, cols, b.kind())?;
+        Ok(vec![Some(dx), Some(db)])
+    })?;
+    Ok(outputs.into_iter().next().expect("one output"))
+}
+
+/// A dropout keep-mask: 1 (keep) with probability `1 - p`, else 0, one byte per element, drawn
+/// from libtorch's generator of `device` (so both backends, and activation checkpointing's
+/// recomputation, see the same mask).
+pub fn dropout_mask(shape: &[i64], p: f64, device: Device) -> Result<Tensor> {
+    ensure!((0.0..1.0).contains(&p), "dropout probability {p} is outside [0, 1)");
+    Ok(Tensor::f_empty(shape, (Kind::Uint8, device))?.f_bernoulli_float_(1.0 - p)?)
+}
+
+/// `residual + dropout(x + bias)`: with `train` and `p > 0` the elements are kept with
+/// probability `1 - p` and scaled by `1 / (1 - p)`; otherwise `residual + x + bias`.
+pub fn bias_dropout_residual(
+    x: &Tensor,
+    bias: &Tensor,
+    residual: &Tensor,
+    p: f64,
+    train: bool,
+    backend: Backend,
+) -> Result<Tensor> {
+    const OP: &str = "bias_dropout_residual";
+    check_bias(OP, x, bias)?;
+    ensure!(residual.size() == x.size(), "{OP}: residual is {:?}, x is {:?}", residual.size(), x.size());
+    let keep = if train && p > 0.0 { Some(dropout_mask(&x.size(), p, x.device())?) } else { None };
+    let scale = 1.0 / (1.0 - p);
+    if backend == Backend::Torch {
+        let v = x.f_add(bias)?;
+        let v = match &keep {
+            Some(k) => v.f_mul(k)?.f_mul_scalar(scale)?,
+            None => v,
+        };
+        return Ok(residual.f_add(&v)?);
+    }
+    let x = x.f_contiguous()?;
+    let b = bias.f_contiguous()?;
+    let r = residual.f_contiguous()?;
+    let device = cuda_device(OP, Some(x.kind()), &[("x", &x), ("bias", &b), ("residual", &r)])?;
+    let suffix = dtype(OP, "x", &x)?;
+    let (_, cols) = rows_cols(OP, &x)?;
+    let n = x.numel() as i64;
+    let y = x.f_empty_like()?;
+    if n > 0 {
+        let mut a = Args::default()
+            .tensor(&x)
+            .tensor(&b)
+            .tensor(&r)
+            .opt(keep.as_ref())
+            .tensor(&y)
+            .i64(n)
+            .i32(cols as i32)
+            .f32(scale as f32);
+        KERNEL.launch(
+            &format!("bias_dropout_residual_forward_{suffix}"),
+            device,
+            (grid_blocks(n), 1, 1),
+            256,
+            &mut a,
+        )?;
+    }
+    let bias_kind = b.kind();
+    let saved: Vec<Tensor> = keep.into_iter().collect();
+    let outputs = with_grad(OP, &[&x, bias, residual], vec![y], saved, move |grads, saved| {
+        let dy = grads[0].f_contiguous()?;
+        let dx = if let (Some(keep), true) = (saved.first(), n > 0) {
+            let dx = dy.f_empty_like()?;
+            let mut a = Args::default().tensor(&dy).tensor(keep).tensor(&dx).i64(n).f32(scale as f32);
+            KERNEL.launch(&format!("dropout_backward_{suffix}"), device, (grid_blocks(n), 1, 1), 256, &mut a)?;
+            dx
+        } else {
+            dy.shallow_clone()
+        };
+        let db = bias_grad(&dx, cols, bias_kind)?;
+        Ok(vec![Some(dx), Some(db), Some(dy)])
+    })?;
+    Ok(outputs.into_iter().next().expect("one output"))
+}

@@ -1,0 +1,145 @@
+//! LayerNorm over the last dimension, one block per row forward and backward, and a layer with
+//! the parameter names of `torch.nn.LayerNorm` (`weight`, `bias`).
+use tch::{nn, Kind, Tensor};
+
+use crate::checks::{ceil_div, cuda_device, dtype, row_threads, rows_cols, with_grad};
+use crate::error::ensure;
+use crate::kernel::{Args, Kernel};
+use crate::{Backend, Result};
+
+pub(crate) static KERNEL: Kernel = Kernel::new(
+    "layer_norm",
+    include_str!("cuda/layer_norm.cu"),
+    &[
+        "layer_norm_forward_f32",
+        "layer_norm_forward_bf16",
+        "layer_norm_forward_f16",
+        "layer_norm_backward_input_f32",
+        "layer_norm_backward_input_bf16",
+        "layer_norm_backward_input_f16",
+        "layer_norm_backward_params_f32",
+        "layer_norm_backward_params_bf16",
+        "layer_norm_backward_params_f16",
+    ],
+    &[],
+);
+
+const OP: &str = "layer_norm";
+
+/// `(x - mean) / sqrt(var + eps) * weight + bias` over the last dimension of `x`, with
+/// `weight` and `bias` of that size. Differentiable in all three.
+pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64, backend: Backend) -> Result<Tensor> {
+    let c = *x.size().last().unwrap_or(&0);
+    ensure!(
+        weight.size() == [c] && bias.size() == [c],
+        "{OP}: weight {:?} and bias {:?} must be [{c}], the last dimension of x {:?}",
+        weight.size(),
+        bias.size(),
+        x.size()
+    );
+    match backend {
+        Backend::Torch => Ok(x.f_layer_norm([c], Some(weight), Some(bias), eps, false)?),
+        Backend::Fused => fused(x, weight, bias, eps),
+    }
+}
+
+fn fused(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    let x = x.f_contiguous()?;
+    let (w, b) = (weight.f_contiguous()?, bias.f_contiguous()?);
+    let device = cuda_device(OP, Some(x.kind()), &[("x", &x), ("weight", &w), ("bias", &b)])?;
+    let suffix = dtype(OP, "x", &x)?;
+    let (rows, cols) = rows_cols(OP, &x)?;
+    let y = x.f_empty_like()?;
+    let stats = (Kind::Float, x.device());
+    let mean = Tensor::f_empty([rows], stats)?;
+    let rstd = Tensor::f_empty([rows], stats)?;
+    if rows > 0 && cols > 0 {
+        let mut a = Args::default()
+            .tensor(&x)
+            .tensor(&w)
+            .tensor(&b)
+            .tensor(&y)
+            .tensor(&mean)
+            .tensor(&rstd)
+            .i32(cols as i32)
+            .f32(eps as f32);
+        KERNEL.launch(
+            &format!("layer_norm_forward_{suffix}"),
+            device,
+            (rows as u32, 1, 1),
+            row_threads(cols),
+            &mut a,
+        )?;
+    }
+    let saved = vec![x.shallow_clone(), w.shallow_clone(), mean, rstd];
+    let outputs = with_grad(OP, &[&x, weight, bias], vec![y], saved, move |grads, saved| {
+        let [x, w, mean, rstd] = saved else { unreachable!("four tensors saved") };
+        let dy = grads[0].f_contiguous()?;
+        let dx = x.f_empty_like()?;
+        let (dw, db) = if rows > 0 && cols > 0 {
+            let mut a =
+                Args::default().tensor(x).tensor(w).tensor(mean).tensor(rstd).tensor(&dy).tensor(&dx).i32(cols as i32);
+            KERNEL.launch(
+                &format!("layer_norm_backward_input_{suffix}"),
+                device,
+                (rows as u32, 1, 1),
+                row_threads(cols),
+                &mut a,
+            )?;
+            // Partial column sums over blocks of rows, added up here.
+            let per_part = ceil_div(rows, 256).max(1);
+            let parts = ceil_div(rows, per_part);
+            let dw_parts = Tensor::f_empty([parts, cols], (Kind::Float, x.device()))?;
+            let db_parts = dw_parts.f_empty_like()?;
+            let mut a = Args::default()
+                .tensor(x)
+                .tensor(mean)
+                .tensor(rstd)
+                .tensor(&dy)
+                .tensor(&dw_parts)
+                .tensor(&db_parts)
+                .i32(rows as i32)
+                .i32(cols as i32)
+                .i32(per_part as i32);
+            let grid = (ceil_div(cols, 256) as u32, parts as u32, 1);
+            KERNEL.launch(&format!("layer_norm_backward_params_{suffix}"), device, grid, 256, &mut a)?;
+            let sum = |p: &Tensor| p.f_sum_dim_intlist(0, false, None::<Kind>)?.f_to_kind(w.kind());
+            (sum(&dw_parts)?, sum(&db_parts)?)
+        } else {
+            (w.f_zeros_like()?, w.f_zeros_like()?)
+        };
+        Ok(vec![Some(dx), Some(dw), Some(db)])
+    })?;
+    Ok(outputs.into_iter().next().expect("one output"))
+}
+
+/// LayerNorm over the last dimension with parameters `weight` (ones) and `bias` (zeros), as
+/// `torch.nn.LayerNorm` names them, run by the chosen backend.
+#[derive(Debug)]
+pub struct LayerNorm {
+    /// The scale.
+    pub weight: Tensor,
+    /// The shift.
+    pub bias: Tensor,
+    /// Added to the variance.
+    pub eps: f64,
+    /// Which implementation runs.
+    pub backend: Backend,
+}
+
+impl LayerNorm {
+    /// Creates `weight` and `bias` of size `width` under `p`.
+    pub fn new(p: nn::Path, width: i64, eps: f64, backend: Backend) -> LayerNorm {
+        LayerNorm {
+            weight: p.var("weight", &[width], nn::Init::Const(1.0)),
+            bias: p.var("bias", &[width], nn::Init::Const(0.0)),
+            eps,
+            backend,
+        }
+    }
+
+    /// The layer applied to `x`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        layer_norm(x, &self.weight, &self.bias, self.eps, self.backend)
+    }
+}

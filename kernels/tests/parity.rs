@@ -1,0 +1,255 @@
+//! On a GPU: every fused kernel equals its libtorch composition, forward and backward, on odd
+//! shapes, masks and strides. f32: within 1e-5 of the largest value compared (AdamW 1e-6).
+//! bf16 and f16: the fused result is at most twice as far from the f32 result as the
+//! composition is, plus 4e-3 (bf16) or 5e-4 (f16) of the largest value (the kernels compute in
+//! f32 and round once; the composition rounds after every operation).
+//!
+//! Without a GPU each test returns early with a notice, or fails under `SUITE_REQUIRE_CUDA=1`
+//! (scripts/gpu-check.sh sets it).
+use engine::optim::{AdamWConfig, LambConfig};
+use kernels::{Backend, OptimTensors};
+use tch::{Device, Kind, Tensor};
+
+/// libtorch's generators are global and the tests run on parallel threads: each test holds
+/// this while it seeds and draws, so that a seed gives the same numbers every run.
+static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn rng() -> std::sync::MutexGuard<'static, ()> {
+    RNG.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn gpu(test: &str) -> Option<Device> {
+    suite_tests::cuda_devices(1, test).then_some(Device::Cuda(0))
+}
+
+fn max_abs(t: &Tensor) -> f64 {
+    t.to_kind(Kind::Double).abs().max().double_value(&[])
+}
+
+/// `a` equals `b` within `tol` of the largest value of `b` (at least 1).
+fn assert_close(a: &Tensor, b: &Tensor, tol: f64, what: &str) {
+    assert_eq!(a.size(), b.size(), "{what}: shapes");
+    let d = max_abs(&(a.to_kind(Kind::Double) - b.to_kind(Kind::Double)));
+    let scale = max_abs(b).max(1.0);
+    assert!(d <= tol * scale, "{what}: max difference {d:e} > {tol:e} x {scale}");
+}
+
+/// The tolerance rule for a dtype: `fused` against `torch`, both judged by `reference` (f32).
+fn assert_matches(fused: &Tensor, torch: &Tensor, reference: &Tensor, kind: Kind, what: &str) {
+    let floor = match kind {
+        Kind::Float => return assert_close(fused, torch, 1e-5, what),
+        Kind::BFloat16 => 4e-3,
+        _ => 5e-4,
+    };
+    let err = |t: &Tensor| max_abs(&(t.to_kind(Kind::Double) - reference.to_kind(Kind::Double)));
+    let scale = max_abs(reference).max(1.0);
+    let (ours, theirs) = (err(fused), err(torch));
+    assert!(
+        ours <= 2.0 * theirs + floor * scale,
+        "{what} ({kind:?}): fused error {ours:e}, torch's {theirs:e}, scale {scale}"
+    );
+}
+
+/// Output and input gradients of `f` for one backend, given leaf inputs and an output gradient.
+fn run(f: &dyn Fn(&[Tensor], Backend) -> Tensor, inputs: &[Tensor], dy: &Tensor, backend: Backend) -> Vec<Tensor> {
+    let leaves: Vec<Tensor> = inputs.iter().map(|t| t.detach().copy().set_requires_grad(t.requires_grad())).collect();
+    let y = f(&leaves, backend);
+    let wrt: Vec<&Tensor> = leaves.iter().filter(|t| t.requires_grad()).collect();
+    let mut out = vec![y.detach()];
+    out.extend(Tensor::run_backward(&[(&y * dy).sum(Kind::Float)], &wrt, false, false));
+    out
+}
+
+/// Checks `f` in every dtype: fused against the composition; in bf16 and f16 both judged by the
+/// f32 composition on the same (rounded) inputs.
+fn check(test: &str, f: &dyn Fn(&[Tensor], Backend) -> Tensor, inputs: &[Tensor], out_shape: &[i64]) {
+    let dy32 = Tensor::randn(out_shape, (Kind::Float, inputs[0].device()));
+    let cast = |kind: Kind| -> Vec<Tensor> {
+        let cast = |t: &Tensor| if t.is_floating_point() { t.detach().to_kind(kind) } else { t.detach() };
+        inputs.iter().map(|t| cast(t).set_requires_grad(t.requires_grad())).collect()
+    };
+    for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
+        let (inputs, dy) = (cast(kind), dy32.to_kind(kind));
+        let fused = run(f, &inputs, &dy, Backend::Fused);
+        let torch = run(f, &inputs, &dy, Backend::Torch);
+        let rounded: Vec<Tensor> = inputs
+            .iter()
+            .map(|t| {
+                let up = if t.is_floating_point() { t.detach().to_kind(Kind::Float) } else { t.detach() };
+                up.set_requires_grad(t.requires_grad())
+            })
+            .collect();
+        let reference = run(f, &rounded, &dy.to_kind(Kind::Float), Backend::Torch);
+        let names = ["output"].into_iter().chain(std::iter::repeat("gradient"));
+        for (i, ((a, b), name)) in fused.iter().zip(&torch).zip(names).enumerate() {
+            assert_eq!(a.kind(), kind, "{test}: {name} {i} dtype");
+            assert_matches(a, b, &reference[i], kind, &format!("{test}: {name} {i}"));
+        }
+    }
+}
+
+fn randn(shape: &[i64], dev: Device, grad: bool) -> Tensor {
+    Tensor::randn(shape, (Kind::Float, dev)).set_requires_grad(grad)
+}
+
+#[test]
+fn require_cuda_turns_a_missing_gpu_into_a_failure() {
+    let _rng = rng();
+    if engine::cuda::is_available() {
+        return; // Nothing to check: the GPU tests run for real here.
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["layer_norm_matches", "--exact", "--test-threads=1"])
+        .env(suite_tests::REQUIRE_CUDA_ENV, "1")
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(!out.status.success(), "a GPU test passed without a GPU under SUITE_REQUIRE_CUDA=1:\n{text}");
+    assert!(text.contains("needs 1 CUDA device(s), found 0"), "{text}");
+}
+
+#[test]
+fn attention_softmax_matches() {
+    let _rng = rng();
+    let Some(dev) = gpu("attention_softmax_matches") else { return };
+    tch::manual_seed(0);
+    let softmax = |scale: f64, with_mask: bool, with_bias: bool| {
+        move |t: &[Tensor], backend| {
+            let mut it = t[1..].iter();
+            let mask = with_mask.then(|| it.next().unwrap());
+            let bias = with_bias.then(|| it.next().unwrap());
+            kernels::attention_softmax(&t[0], scale, mask, bias, backend).unwrap()
+        }
+    };
+    // Odd sizes; rows shorter than a warp, of one key, and longer than a block's threads.
+    for (b, h, q, k) in [(3, 5, 37, 97), (2, 3, 4, 1), (1, 2, 3, 1500), (2, 1, 5, 31)] {
+        let x = randn(&[b, h, q, k], dev, true) * 3.0;
+        let x = x.detach().set_requires_grad(true);
+        let mask = Tensor::rand([b, k], (Kind::Float, dev)).gt(0.3).to_kind(Kind::Float);
+        let _ = mask.narrow(1, 0, 1).fill_(1.0); // every row keeps a key
+        let shared = randn(&[h, q, k], dev, true);
+        let per_row = randn(&[b, h, q, k], dev, true);
+        let name = format!("attention_softmax {b}x{h}x{q}x{k}");
+        check(&name, &softmax(0.125, true, true), &[x.shallow_clone(), mask.shallow_clone(), shared], &[b, h, q, k]);
+        check(&name, &softmax(1.0, true, true), &[x.shallow_clone(), mask, per_row], &[b, h, q, k]);
+        check(&name, &softmax(0.5, false, false), &[x.shallow_clone()], &[b, h, q, k]);
+    }
+    // Strided logits: a transposed view is made contiguous first, with gradients flowing back.
+    let x = randn(&[2, 3, 11, 9], dev, false).transpose(2, 3).set_requires_grad(true);
+    check("attention_softmax strided", &softmax(0.3, false, false), &[x], &[2, 3, 9, 11]);
+}
+
+#[test]
+fn layer_norm_matches() {
+    let _rng = rng();
+    let Some(dev) = gpu("layer_norm_matches") else { return };
+    tch::manual_seed(1);
+    let ln = |t: &[Tensor], backend| kernels::layer_norm(&t[0], &t[1], &t[2], 1e-5, backend).unwrap();
+    for shape in [vec![7, 13, 129], vec![300, 1024], vec![5, 1], vec![1, 2500]] {
+        let c = *shape.last().unwrap();
+        let inputs = [randn(&shape, dev, true) * 2.0 + 0.5, randn(&[c], dev, true), randn(&[c], dev, true)];
+        let inputs = inputs.map(|t| t.detach().set_requires_grad(true));
+        check(&format!("layer_norm {shape:?}"), &ln, &inputs, &shape);
+    }
+    let x = randn(&[33, 17], dev, false).t_().set_requires_grad(true);
+    check("layer_norm strided", &ln, &[x, randn(&[33], dev, true), randn(&[33], dev, true)], &[17, 33]);
+}
+
+#[test]
+fn bias_gelu_matches() {
+    let _rng = rng();
+    let Some(dev) = gpu("bias_gelu_matches") else { return };
+    tch::manual_seed(2);
+    let f = |t: &[Tensor], backend| kernels::bias_gelu(&t[0], &t[1], backend).unwrap();
+    for shape in [vec![37, 513], vec![3, 5, 7], vec![1, 1]] {
+        let c = *shape.last().unwrap();
+        check(&format!("bias_gelu {shape:?}"), &f, &[randn(&shape, dev, true), randn(&[c], dev, true)], &shape);
+    }
+}
+
+#[test]
+fn bias_dropout_residual_matches() {
+    let _rng = rng();
+    let Some(dev) = gpu("bias_dropout_residual_matches") else { return };
+    for (p, train) in [(0.1, true), (0.5, true), (0.1, false)] {
+        // The same seed before each call: both backends draw the same mask.
+        let f = move |t: &[Tensor], backend| {
+            tch::manual_seed(3);
+            kernels::bias_dropout_residual(&t[0], &t[1], &t[2], p, train, backend).unwrap()
+        };
+        let shape = [41, 3, 77];
+        let inputs = [randn(&shape, dev, true), randn(&[77], dev, true), randn(&shape, dev, true)];
+        check(&format!("bias_dropout_residual p={p} train={train}"), &f, &inputs, &shape);
+    }
+}
+
+/// Three steps of a fused optimizer against three of the composition on the same tensors.
+fn optimizer_matches(step: impl Fn(&[OptimTensors], i32, Backend), tol: f64, what: &str, dev: Device) {
+    tch::manual_seed(4);
+    // Sizes around the kernels' chunk of 16384 elements, and a parameter that does not adapt.
+    let shapes: [&[i64]; 5] = [&[1], &[7, 5], &[16384 * 2 + 3], &[300, 301], &[16384]];
+    let make = || -> Vec<[Tensor; 4]> {
+        tch::manual_seed(5);
+        let opts = (Kind::Float, dev);
+        shapes
+            .iter()
+            .map(|s| {
+                [Tensor::randn(*s, opts), Tensor::randn(*s, opts), Tensor::zeros(*s, opts), Tensor::zeros(*s, opts)]
+            })
+            .collect()
+    };
+    let (fused, torch) = (make(), make());
+    for (set, backend) in [(&fused, Backend::Fused), (&torch, Backend::Torch)] {
+        for s in 1..=3 {
+            let tensors: Vec<OptimTensors> = set
+                .iter()
+                .enumerate()
+                .map(|(i, [w, g, m, v])| OptimTensors { param: w, grad: g, exp_avg: m, exp_avg_sq: v, adapt: i != 2 })
+                .collect();
+            step(&tensors, s, backend);
+        }
+    }
+    for (i, (a, b)) in fused.iter().zip(&torch).enumerate() {
+        for (j, name) in ["param", "grad", "exp_avg", "exp_avg_sq"].iter().enumerate() {
+            assert_close(&a[j], &b[j], tol, &format!("{what}: tensor {i}'s {name}"));
+        }
+    }
+}
+
+#[test]
+fn adamw_step_matches() {
+    let _rng = rng();
+    let Some(dev) = gpu("adamw_step_matches") else { return };
+    let cfg = AdamWConfig { lr: 0.01, weight_decay: 0.05, ..Default::default() };
+    optimizer_matches(|t, s, b| kernels::adamw_step(t, &cfg, s, b).unwrap(), 1e-6, "adamw", dev);
+}
+
+#[test]
+fn lamb_step_matches() {
+    let _rng = rng();
+    let Some(dev) = gpu("lamb_step_matches") else { return };
+    let cfg = LambConfig { lr: 0.01, weight_decay: 0.05, ..Default::default() };
+    // The norms are summed in f32 by atomics in any order: the trust ratios differ in the last bits.
+    optimizer_matches(|t, s, b| kernels::lamb_step(t, &cfg, s, b).unwrap(), 1e-5, "lamb", dev);
+}
+
+#[test]
+fn kernels_run_on_the_current_stream() {
+    let _rng = rng();
+    let Some(Device::Cuda(d)) = gpu("kernels_run_on_the_current_stream") else { return };
+    let dev = Device::Cuda(d);
+    let side = engine::cuda::Stream::from_pool(d, false).unwrap();
+    let main = engine::cuda::Stream::current(d).unwrap();
+    let a = Tensor::randn([4096, 4096], (Kind::Float, dev));
+    let b = Tensor::randn([4096], (Kind::Float, dev));
+    main.synchronize().unwrap();
+    side.set_current().unwrap();
+    // A slow producer queued on the side stream, then the fused kernel reading its output: on
+    // any other stream the kernel would read the product before it is written.
+    let x = a.matmul(&a).matmul(&a);
+    let y = kernels::bias_gelu(&x, &b, Backend::Fused).unwrap();
+    let want = kernels::bias_gelu(&x, &b, Backend::Torch).unwrap();
+    side.synchronize().unwrap();
+    main.set_current().unwrap();
+    assert_close(&y, &want, 1e-5, "bias_gelu after a producer on the side stream");
+}
