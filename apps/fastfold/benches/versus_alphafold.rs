@@ -1,0 +1,135 @@
+//! `fastfold`'s model against DeepMind's AlphaFold (JAX, the `alphafold` package of
+//! alphafold-colabfold) on the same features and the same random full-size `model_1_ptm`
+//! parameters, in one run, on the CPU: seconds per prediction (`recycles + 1` passes), peak
+//! resident memory, and the ratio AlphaFold / ours.
+//!
+//! `bash scripts/bench-fastfold-alphafold.sh [--residues 40,128,256] [--recycles 3]`.
+//! For each length, `benches/alphafold_baseline.py` makes the query's single-sequence features
+//! with AlphaFold's own pipeline and `process_features` (MSA padded to 508 clusters, extra MSA
+//! to 5,120 rows), draws the parameters, writes both, and times AlphaFold's second `predict`
+//! (its first compiles). Ours then runs in a fresh process on those files (so that each side's
+//! peak memory is its own), the second of two predictions timed likewise. Both in fp32.
+//! AlphaFold computes every padded row; ours drops the fully masked ones first, which does not
+//! change a number (`tests/masked_rows.rs`).
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{bail, ensure, Context};
+use clap::Parser;
+use engine::parallel::dap::Dap;
+use fastfold::features::Features;
+use fastfold::model::alphafold::AlphaFold;
+use fastfold::model::Params;
+use tch::{Device, Kind};
+
+const BASELINE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/alphafold_baseline.py");
+
+#[derive(Parser)]
+struct Args {
+    /// Query lengths, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "40,128")]
+    residues: Vec<usize>,
+    /// Recycling passes after the first (AlphaFold's default 3: 4 passes).
+    #[arg(long, default_value_t = 3)]
+    recycles: usize,
+    /// The Python with alphafold-colabfold, jax and dm-haiku.
+    #[arg(long, env = "ALPHAFOLD_PYTHON", default_value = ".venv-alphafold/bin/python")]
+    python: PathBuf,
+    /// Internal: run our side on the files in this folder and print its figures.
+    #[arg(long, hide = true)]
+    ours: Option<PathBuf>,
+    /// Passed by `cargo bench`; ignored.
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
+/// One side's figures for one length.
+struct Figures {
+    seconds: f64,
+    peak_bytes: u64,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    if let Some(dir) = &args.ours {
+        let f = ours(dir, args.recycles)?;
+        println!("ours {} {}", f.seconds, f.peak_bytes);
+        return Ok(());
+    }
+    println!(
+        "model_1_ptm full sizes, random parameters, single-sequence features processed by AlphaFold, \
+         {} passes, fp32, CPU ({} threads)",
+        args.recycles + 1,
+        tch::get_num_threads()
+    );
+    println!("\n| residues | AlphaFold s (first, with jit) | ours s | AlphaFold / ours | AlphaFold peak MiB | ours peak MiB |");
+    println!("|---:|---:|---:|---:|---:|---:|");
+    for &n in &args.residues {
+        let dir = std::env::temp_dir().join(format!("versus-alphafold-{}-{n}", std::process::id()));
+        let result = compare(&args, n, &dir);
+        let _ = std::fs::remove_dir_all(&dir);
+        let (theirs, first, mine) = result?;
+        let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+        println!(
+            "| {n} | {:.1} ({first:.1}) | {:.1} | {:.2} | {:.0} | {:.0} |",
+            theirs.seconds,
+            mine.seconds,
+            theirs.seconds / mine.seconds,
+            mib(theirs.peak_bytes),
+            mib(mine.peak_bytes)
+        );
+    }
+    Ok(())
+}
+
+/// AlphaFold's figures (and its first, compiling, call's seconds) and ours for `n` residues.
+fn compare(args: &Args, n: usize, dir: &Path) -> anyhow::Result<(Figures, f64, Figures)> {
+    let out = Command::new(&args.python)
+        .arg(BASELINE)
+        .args(["--residues", &n.to_string(), "--recycles", &args.recycles.to_string()])
+        .arg("--out")
+        .arg(dir)
+        .output()
+        .with_context(|| format!("running {}", args.python.display()))?;
+    if !out.status.success() {
+        bail!("{BASELINE} failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout.lines().rfind(|l| l.starts_with('{')).with_context(|| format!("no figures in:\n{stdout}"))?;
+    let json: serde_json::Value = serde_json::from_str(line)?;
+    let number = |key: &str| json[key].as_f64().with_context(|| format!("no {key} in {line}"));
+    let theirs = Figures { seconds: number("seconds")?, peak_bytes: number("peak_bytes")? as u64 };
+
+    let me = std::env::current_exe()?;
+    let out = Command::new(me)
+        .arg("--ours")
+        .arg(dir)
+        .args(["--recycles", &args.recycles.to_string()])
+        .output()
+        .context("running our side")?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let Some(fields) = stdout.lines().find_map(|l| l.strip_prefix("ours ")) else {
+        bail!("our side failed:\n{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    };
+    let mut fields = fields.split(' ');
+    let mut next = || fields.next().context("short figures line");
+    let mine = Figures { seconds: next()?.parse()?, peak_bytes: next()?.parse()? };
+    Ok((theirs, number("first_seconds")?, mine))
+}
+
+/// Our prediction on the parameters and features in `dir`, timed on its second run.
+fn ours(dir: &Path, recycles: usize) -> anyhow::Result<Figures> {
+    let params = Params::load_model(dir.join("params.npz"))?;
+    let features = Features::load_npz(&dir.join("features.npz"), Device::Cpu)?;
+    let model = AlphaFold::new(&params)?;
+    let mut seconds = 0.0;
+    for _ in 0..2 {
+        let start = Instant::now();
+        let pass = tch::no_grad(|| model.predict(&features, recycles, Kind::Float, &Dap::none(), None))?;
+        seconds = start.elapsed().as_secs_f64();
+        ensure!(bool::try_from(pass.structure.atom37.isfinite().all())?, "non-finite positions");
+    }
+    let peak_bytes = engine::process::peak_memory(Device::Cpu).context("no peak memory reading")?;
+    Ok(Figures { seconds, peak_bytes })
+}
