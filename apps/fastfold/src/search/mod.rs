@@ -8,9 +8,12 @@
 //! dropped) into the MSA the features are made from. `--msa-mode mmseqs2` runs ColabFold's
 //! local MMseqs2 search instead ([`mmseqs`]), saved as `msas/mmseqs2_uniref_env.a3m`.
 pub mod databases;
+pub mod hhr;
+pub mod mmcif;
 pub mod mmseqs;
 pub mod msa;
 pub mod stockholm;
+pub mod templates;
 pub mod tools;
 
 use std::ffi::OsString;
