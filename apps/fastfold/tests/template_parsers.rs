@@ -198,3 +198,36 @@ fn bad_mmcif_is_an_error_naming_the_file() {
     assert!(err.contains("2def.cif"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn featurised_hits_become_the_models_template_features() {
+    use fastfold::features::{process, FeatureConfig, RawFeatures, MAX_TEMPLATES};
+    use fastfold::residue_constants::{aatype_of, atom_order};
+    let e = expected();
+    let result = featurizer(&fixture("mmcif"), e["max_template_date"].as_str().unwrap())
+        .get_templates(&query(), &hits())
+        .unwrap();
+    let q = query();
+    let raw = RawFeatures { templates: Some(result.hits.clone()), ..RawFeatures::new(&q, None).unwrap() };
+    let config = FeatureConfig { max_msa_clusters: 4, max_extra_msa: 4, num_recycle: 1, ..FeatureConfig::default() };
+    let f = process(&raw, &config, 0, tch::Device::Cpu).unwrap();
+    let t = f.templates.expect("template features");
+    let n = q.len() as i64;
+    assert_eq!(t.aatype.size(), [2, MAX_TEMPLATES as i64, n]);
+    assert_eq!(t.all_atom_positions.size(), [2, MAX_TEMPLATES as i64, n, 37, 3]);
+    // Two hits, two padding slots.
+    assert_eq!(Vec::<f32>::try_from(&t.mask.get(0)).unwrap(), [1.0, 1.0, 0.0, 0.0]);
+    assert_eq!(t.all_atom_masks.get(0).narrow(0, 2, 2).sum(tch::Kind::Float).double_value(&[]), 0.0);
+    let (ca, cb) = (atom_order("CA").unwrap(), atom_order("CB").unwrap());
+    for (k, hit) in result.hits.iter().enumerate() {
+        for (i, c) in hit.sequence.chars().enumerate() {
+            let (k, ii) = (k as i64, i as i64);
+            let expected = if c == '-' { 21 } else { aatype_of(c) as i64 };
+            assert_eq!(t.aatype.int64_value(&[1, k, ii]), expected, "{} {i}", hit.domain_name);
+            let atom = if c == 'G' { ca } else { cb };
+            let beta = Vec::<f32>::try_from(&t.pseudo_beta.get(0).get(k).get(ii)).unwrap();
+            assert_eq!(beta, hit.positions[i][atom], "{} {i}", hit.domain_name);
+            assert_eq!(t.pseudo_beta_mask.double_value(&[0, k, ii]) as f32, hit.masks[i][atom]);
+        }
+    }
+}

@@ -11,8 +11,8 @@ use std::path::Path;
 use data::a3m::Msa;
 use data::{Error, Result};
 
-/// Parses Stockholm text; `source` names it in errors.
-pub fn parse(text: &str, source: &Path) -> Result<Msa> {
+/// Each sequence's (name, joined alignment), in order of first appearance.
+fn rows(text: &str, source: &Path) -> Result<Vec<(String, String)>> {
     let bad = |msg: String| Error::Format { path: source.to_path_buf(), msg };
     // (name, joined alignment) in order of first appearance.
     let mut rows: Vec<(String, String)> = Vec::new();
@@ -36,6 +36,55 @@ pub fn parse(text: &str, source: &Path) -> Result<Msa> {
         });
         rows[k].1.push_str(aligned);
     }
+    Ok(rows)
+}
+
+/// The query's alignment as hhsearch reads it for the template search, made as AlphaFold
+/// makes it from the UniRef90 result (`deduplicate_stockholm_msa`, then
+/// `convert_stockholm_to_a3m`): a row whose residues in the query's columns repeat an
+/// earlier row's is dropped, and a residue in a column where the query has a gap becomes a
+/// lower-case insertion (AlphaFold also removes all-gap columns first; they vanish in the
+/// A3M anyway). `source` names the text in errors.
+pub fn to_a3m(text: &str, source: &Path) -> Result<String> {
+    let rows = rows(text, source)?;
+    let Some((_, query)) = rows.first() else {
+        return Err(Error::Format { path: source.to_path_buf(), msg: "no aligned sequences".into() });
+    };
+    let in_query: Vec<bool> = query.chars().map(|c| c != '-').collect();
+    let mut descriptions: std::collections::HashMap<&str, String> = std::collections::HashMap::new();
+    for line in text.lines().filter(|l| l.starts_with("#=GS")) {
+        let mut parts = line.split_whitespace();
+        if let (Some(_), Some(name), Some("DE")) = (parts.next(), parts.next(), parts.next()) {
+            let rest: Vec<&str> = parts.collect();
+            descriptions.entry(name).or_insert_with(|| rest.join(" "));
+        }
+    }
+    let mut seen = HashSet::new();
+    let mut out = String::new();
+    for (name, aligned) in &rows {
+        let aligned: String = aligned.chars().filter(|&c| c != '.').collect();
+        let masked: String = aligned.chars().zip(&in_query).filter(|(_, &q)| q).map(|(c, _)| c).collect();
+        if !seen.insert(masked) {
+            continue;
+        }
+        let a3m: String = aligned
+            .chars()
+            .zip(&in_query)
+            .filter_map(|(c, &q)| match (q, c) {
+                (true, c) => Some(c),
+                (false, '-') => None,
+                (false, c) => Some(c.to_ascii_lowercase()),
+            })
+            .collect();
+        out += &format!(">{name} {}\n{a3m}\n", descriptions.get(name.as_str()).map_or("", String::as_str));
+    }
+    Ok(out)
+}
+
+/// Parses Stockholm text; `source` names it in errors.
+pub fn parse(text: &str, source: &Path) -> Result<Msa> {
+    let bad = |msg: String| Error::Format { path: source.to_path_buf(), msg };
+    let rows = rows(text, source)?;
     let Some((query_name, query)) = rows.first() else {
         return Err(bad("no aligned sequences (expected the query first, then the hits)".into()));
     };
