@@ -489,6 +489,18 @@ fn missing_databases_and_failing_tools_are_named() {
     let (ok, text) = predict(&root, &["--data-dir", data.to_str().unwrap()]);
     assert!(!ok && text.contains("--bfd-database-path") && text.contains("--uniref30-database-path"), "{text}");
 
+    // A pdb70 asked for but absent is named, and so is a missing mmCIF folder; a bad date is
+    // named with its flag.
+    let reduced = ["--data-dir", data.to_str().unwrap(), "--db-preset", "reduced_dbs"];
+    let mgnify_back = data.join("mgnify/mgy_clusters_2022_05.fa");
+    write(&mgnify_back, &fasta_db(14..20, &[], 0..0));
+    let (ok, text) = predict(&root, &[&reduced[..], &["--pdb70-database-path", "/nonexistent/pdb70"]].concat());
+    assert!(!ok && text.contains("/nonexistent/pdb70 (--pdb70-database-path)"), "{text}");
+    assert!(text.contains("mmcif_files (--template-mmcif-dir) is not a folder"), "{text}");
+    let (ok, text) = predict(&root, &[&reduced[..], &["--max-template-date", "2020-13-01"]].concat());
+    assert!(!ok && text.contains("--max-template-date \"2020-13-01\""), "{text}");
+    std::fs::remove_file(&mgnify_back).unwrap();
+
     // ColabFold's databases are named when absent.
     let (ok, text) = predict(&root, &["--data-dir", data.to_str().unwrap(), "--msa-mode", "mmseqs2"]);
     assert!(!ok && text.contains("uniref30_2302_db (--mmseqs-uniref-db)"), "{text}");

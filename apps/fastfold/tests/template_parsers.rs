@@ -231,3 +231,10 @@ fn featurised_hits_become_the_models_template_features() {
         }
     }
 }
+
+#[test]
+fn uniref90_alignment_goes_to_hhsearch_as_alphafold_converts_it() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/search/uniref90_hits.sto");
+    let ours = fastfold::search::stockholm::to_a3m(&std::fs::read_to_string(&path).unwrap(), &path).unwrap();
+    assert_eq!(ours, expected()["uniref90_a3m"].as_str().unwrap());
+}

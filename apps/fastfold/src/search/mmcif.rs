@@ -285,10 +285,13 @@ fn is_keyword(tok: &str) -> bool {
     tok.starts_with('_') || tok == "loop_" || tok.starts_with("data_") || tok.starts_with("save_") || tok == "global_"
 }
 
+/// A CIF token: its line, its text, whether it was quoted (a quoted `_x` is a value).
+type Token = (usize, String, bool);
+
 /// The tokens of CIF text: (line, text, quoted). Comments (`#` to the end of the line) are
 /// dropped; `'...'` and `"..."` end at a matching quote followed by a blank; a line starting
 /// with `;` opens a text field that the next such line closes.
-fn tokens(text: &str) -> std::result::Result<Vec<(usize, String, bool)>, (usize, String)> {
+fn tokens(text: &str) -> std::result::Result<Vec<Token>, (usize, String)> {
     let mut out = Vec::new();
     let mut lines = text.lines().enumerate().map(|(i, l)| (i + 1, l));
     while let Some((n, line)) = lines.next() {

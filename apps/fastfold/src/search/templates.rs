@@ -106,6 +106,8 @@ pub fn pdb_id_and_chain(name: &str) -> anyhow::Result<(String, String)> {
 
 /// Why a hit gives no features (kept as a warning).
 type Skip = String;
+/// (query position, template position) pairs.
+type Mapping = Vec<(usize, usize)>;
 
 impl Featurizer {
     /// The features of `hits` for `query`, best `Sum_probs` first, at most [`MAX_HITS`].
@@ -232,7 +234,7 @@ impl Featurizer {
         chain_id: &str,
         entry: &'a Mmcif,
         mapping: &[(usize, usize)],
-    ) -> anyhow::Result<Result<(&'a Chain, Vec<(usize, usize)>), Skip>> {
+    ) -> anyhow::Result<Result<(&'a Chain, Mapping), Skip>> {
         let chain = match entry.chain(chain_id) {
             Some(c) if !c.sequence.is_empty() => c,
             _ if entry.chains.len() == 1 => &entry.chains[0],
