@@ -3,7 +3,8 @@
 //! the wildcard match of a selenomethionine, kalign's realignment of a chain whose sequence
 //! changed, AlphaFold's date filter) against `templates.HhsearchHitFeaturizer.get_templates`
 //! on the fixtures of `fixtures/templates/` (written by `make_template_fixtures.py`: a
-//! hand-written hhsearch result and three synthetic mmCIF entries). AlphaFold's other
+//! hand-written hhsearch result, a real one from HH-suite's hhsearch, and three synthetic
+//! mmCIF entries); the A3M hhsearch is given against `convert_stockholm_to_a3m`. AlphaFold's other
 //! filters and the errors for malformed files are checked against values worked out here.
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -24,7 +25,11 @@ fn expected() -> Value {
 }
 
 fn hits() -> Vec<TemplateHit> {
-    let path = fixture("pdb_hits.hhr");
+    hits_of("pdb_hits.hhr")
+}
+
+fn hits_of(file: &str) -> Vec<TemplateHit> {
+    let path = fixture(file);
     hhr::parse(&std::fs::read_to_string(&path).unwrap(), &path).unwrap()
 }
 
@@ -50,8 +55,14 @@ fn scratch(name: &str) -> PathBuf {
 
 #[test]
 fn hhr_parses_as_alphafold_does() {
-    let e = expected();
     let ours = hits();
+    check_hits(&ours, &expected());
+    // The 1abc_A hit spans two blocks with a gap on each side.
+    assert!(ours[1].query.contains('-') && ours[1].hit_sequence.contains('-'));
+}
+
+/// `ours` equal AlphaFold's parse in `e["hits"]`.
+fn check_hits(ours: &[TemplateHit], e: &Value) {
     let theirs = e["hits"].as_array().unwrap();
     assert_eq!(ours.len(), theirs.len());
     for (h, t) in ours.iter().zip(theirs) {
@@ -65,8 +76,17 @@ fn hhr_parses_as_alphafold_does() {
         assert_eq!(h.indices_query, ints("indices_query"), "{}", h.name);
         assert_eq!(h.indices_hit, ints("indices_hit"), "{}", h.name);
     }
-    // The 1abc_A hit spans two blocks with a gap on each side.
-    assert!(ours[1].query.contains('-') && ours[1].hit_sequence.contains('-'));
+}
+
+#[test]
+fn real_hhsearch_output_parses_and_featurises_as_alphafold_does() {
+    let e = expected();
+    let ours = hits_of("hhsearch_hits.hhr");
+    assert_eq!(ours.len(), 3);
+    check_hits(&ours, &e["hhsearch"]);
+    let date = e["max_template_date"].as_str().unwrap();
+    let result = featurizer(&fixture("mmcif"), date).get_templates(&query(), &ours).unwrap();
+    check_against_alphafold(&result, &e["hhsearch"], "expected_hhsearch.npz");
 }
 
 #[test]
@@ -88,15 +108,15 @@ fn malformed_hhr_is_an_error_naming_file_and_line() {
     assert!(hhr::parse("Query query\n\nDone!\n", path).unwrap().is_empty());
 }
 
-fn check_against_alphafold(result: &TemplateSearchResult) {
-    let e = expected();
+/// `result` equals AlphaFold's features: names and sequences in `e`, arrays in `npz`.
+fn check_against_alphafold(result: &TemplateSearchResult, e: &Value, npz: &str) {
     let names: Vec<&str> = e["domain_names"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
     let sequences: Vec<&str> = e["sequences"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
     let ours_names: Vec<&str> = result.hits.iter().map(|h| h.domain_name.as_str()).collect();
     assert_eq!(ours_names, names);
     let ours_seqs: Vec<&str> = result.hits.iter().map(|h| h.sequence.as_str()).collect();
     assert_eq!(ours_seqs, sequences);
-    let npz: HashMap<String, Tensor> = Tensor::read_npz(fixture("expected.npz")).unwrap().into_iter().collect();
+    let npz: HashMap<String, Tensor> = Tensor::read_npz(fixture(npz)).unwrap().into_iter().collect();
     let probs = Vec::<f32>::try_from(&npz["template_sum_probs"]).unwrap();
     assert_eq!(result.hits.iter().map(|h| h.sum_probs).collect::<Vec<_>>(), probs);
     for (t, hit) in result.hits.iter().enumerate() {
@@ -120,7 +140,7 @@ fn hits_featurise_as_alphafold_does() {
     let e = expected();
     let date = e["max_template_date"].as_str().unwrap();
     let result = featurizer(&fixture("mmcif"), date).get_templates(&query(), &hits()).unwrap();
-    check_against_alphafold(&result);
+    check_against_alphafold(&result, &e, "expected.npz");
     // 3ghi was released after the date; 2def_B was realigned: both said.
     assert!(result.warnings.iter().any(|w| w.contains("3ghi") && w.contains("2021-05-01")), "{:?}", result.warnings);
     assert!(result.warnings.iter().any(|w| w.contains("2def") && w.contains("kalign")), "{:?}", result.warnings);
