@@ -497,6 +497,9 @@ fn missing_databases_and_failing_tools_are_named() {
     let (ok, text) = predict(&root, &[&reduced[..], &["--pdb70-database-path", "/nonexistent/pdb70"]].concat());
     assert!(!ok && text.contains("/nonexistent/pdb70 (--pdb70-database-path)"), "{text}");
     assert!(text.contains("mmcif_files (--template-mmcif-dir) is not a folder"), "{text}");
+    let seqres = ["--template-searcher", "hmmsearch", "--pdb-seqres-database-path", "/nonexistent/pdb_seqres.txt"];
+    let (ok, text) = predict(&root, &[&reduced[..], &seqres[..]].concat());
+    assert!(!ok && text.contains("/nonexistent/pdb_seqres.txt (--pdb-seqres-database-path) is not a file"), "{text}");
     let (ok, text) = predict(&root, &[&reduced[..], &["--max-template-date", "2020-13-01"]].concat());
     assert!(!ok && text.contains("--max-template-date \"2020-13-01\""), "{text}");
     std::fs::remove_file(&mgnify_back).unwrap();
@@ -646,6 +649,7 @@ fn template_data_dir(root: &Path) -> PathBuf {
         fasta += &format!(">{}rnd_A mol:protein length:{}\n{rnd}\n", 4 + i, rnd.len());
         write_mmcif(&mmcif.join(format!("{}rnd.cif", 4 + i)), &format!("{}RND", 4 + i), "2000-01-01", &[("A", &rnd)]);
     }
+    write(&data.join("pdb_seqres/pdb_seqres.txt"), &fasta);
     hhsuite_db(&pdb70, &fasta);
     write_mmcif(&mmcif.join("1tpl.cif"), "1TPL", "2010-05-05", &[("A", &h0)]);
     let other = random_sequence(60);
@@ -704,7 +708,7 @@ fn template_search_finds_and_featurises_templates() {
         let mut p: Vec<(String, f32)> = hits
             .iter()
             .filter(|h| h.name.starts_with("1tpl") || h.name.starts_with("2tpl"))
-            .map(|h| (h.name[..6].to_string(), h.sum_probs as f32))
+            .map(|h| (h.name[..6].to_string(), h.sum_probs.unwrap() as f32))
             .collect();
         p.sort_by(|a, b| b.1.partial_cmp(&a.1).unwrap());
         // hhsearch may list a second, weaker alignment to the same template.
@@ -712,52 +716,14 @@ fn template_search_finds_and_featurises_templates() {
     };
     assert_eq!(probs[..2], expected_probs);
     let order: Vec<String> = {
-        let mut p: Vec<(&str, f64)> = hits.iter().map(|h| (&h.name[..6], h.sum_probs)).collect();
+        let mut p: Vec<(&str, f64)> = hits.iter().map(|h| (&h.name[..6], h.sum_probs.unwrap())).collect();
         p.retain(|(n, _)| *n == "1tpl_A" || *n == "2tpl_B");
         p.sort_by(|a, b| b.1.partial_cmp(&a.1).unwrap());
         p.iter().take(2).map(|x| x.0.to_string()).collect()
     };
-    let aatype = f["template_aatype"].argmax(-1, false);
-    let positions = &f["template_all_atom_positions"];
-    let masks = &f["template_all_atom_masks"];
-    let n = QUERY.len() as i64;
-    assert_eq!(positions.size(), [probs.len() as i64, n, 37, 3]);
-    let ca = fastfold::residue_constants::atom_order("CA").unwrap() as i64;
+    assert_eq!(f["template_all_atom_positions"].size(), [probs.len() as i64, QUERY.len() as i64, 37, 3]);
     for (t, name) in order.iter().enumerate() {
-        let t = t as i64;
-        // Chain residue of query residue i: homologue 0 has substitutions only (residue i);
-        // 2tpl_B's chain is homologue 1 after two extra residues (residue i + 2).
-        let (chain, shift) = if name == "1tpl_A" {
-            (homologue(0), 0usize)
-        } else {
-            let mut c = format!("MS{}", homologue(1));
-            let new = if &c[40..41] == "W" { "Y" } else { "W" };
-            c.replace_range(40..41, new);
-            (c, 2)
-        };
-        let mut placed = 0;
-        for i in 0..n {
-            if masks.double_value(&[t, i, ca]) == 0.0 {
-                assert_eq!(aatype.int64_value(&[t, i]), 21, "{name}: residue {i} has no template residue");
-                continue;
-            }
-            placed += 1;
-            let k = i as usize + shift;
-            let letter = fastfold::residue_constants::ID_TO_HHBLITS_AA[aatype.int64_value(&[t, i]) as usize];
-            assert_eq!(letter, chain.as_bytes()[k] as char, "{name}: residue {i}");
-            for (j, atom) in TEMPLATE_ATOMS.iter().enumerate() {
-                let a = fastfold::residue_constants::atom_order(atom).unwrap() as i64;
-                let expected = if letter == 'G' && *atom == "CB" { None } else { Some(template_atom(k, j)) };
-                assert_eq!(masks.double_value(&[t, i, a]) == 1.0, expected.is_some(), "{name} {i} {atom}");
-                if let Some(p) = expected {
-                    let got = Vec::<f32>::try_from(&positions.get(t).get(i).get(a)).unwrap();
-                    assert_eq!(got, p, "{name}: residue {i} atom {atom}");
-                }
-            }
-            // Only backbone and CB atoms exist in these entries.
-            assert_eq!(masks.get(t).get(i).sum(tch::Kind::Float).double_value(&[]), expected_atoms(letter));
-        }
-        assert!(placed >= 60, "{name}: only {placed} query residues have a template residue");
+        check_template(&f, t as i64, name);
     }
     assert!(root.join("out/query/ranked_0.pdb").is_file());
 
@@ -776,6 +742,102 @@ fn template_search_finds_and_featurises_templates() {
     assert!(!ok && text.contains("1tpl.cif") && text.contains("not closed"), "{text}");
     write(&cif, &good);
     std::fs::remove_dir_all(&root).unwrap();
+}
+
+#[test]
+fn hmmsearch_template_search_against_pdb_seqres() {
+    let root = dir("hmmsearch");
+    let data = template_data_dir(&root);
+    let log = root.join("tools.log");
+    let hmmsearch = wrapper(&root.join("bin/hmmsearch"), &log, "exec hmmsearch \"$@\"");
+    let (ok, text) = predict(
+        &root,
+        &[
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--db-preset",
+            "reduced_dbs",
+            "--template-searcher",
+            "hmmsearch",
+            "--max-template-date",
+            "2020-01-01",
+            "--hmmsearch-binary-path",
+            hmmsearch.to_str().unwrap(),
+        ],
+    );
+    assert!(ok, "{text}");
+    let calls = std::fs::read_to_string(&log).unwrap();
+    let flags = "--noali --cpu 1 --F1 0.1 --F2 0.1 --F3 0.1 --incE 100 -E 100 --domE 100 --incdomE 100 -A ";
+    assert!(calls.lines().count() == 1 && calls.contains(flags), "hmmsearch's call: {calls}");
+    assert!(calls.trim_end().ends_with("pdb_seqres/pdb_seqres.txt"), "{calls}");
+    assert!(root.join("out/query/msas/pdb_hits.sto").is_file());
+    assert!(scratch_left(&root).is_empty(), "{:?}", scratch_left(&root));
+    // The featurised templates as printed, in hmmsearch's order (no scores: all 0).
+    let line = text.lines().find(|l| l.contains("featurised:")).unwrap_or_else(|| panic!("{text}"));
+    let names: Vec<&str> = line.split("featurised: ").nth(1).unwrap().split(", ").map(|n| &n[..6]).collect();
+    assert!(names.contains(&"1tpl_A") && names.contains(&"2tpl_B") && !names.contains(&"3tpl_A"), "{line}");
+    let f = features(&root);
+    let probs = Vec::<f32>::try_from(&f["template_sum_probs"].reshape([-1])).unwrap();
+    assert!(probs.len() == names.len() && probs.iter().all(|&p| p == 0.0), "{probs:?}");
+    for (t, name) in names.iter().enumerate() {
+        if *name == "1tpl_A" || *name == "2tpl_B" {
+            check_template(&f, t as i64, name);
+        }
+    }
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+/// Checks template `t` of the raw features `f`, hit `name` (1tpl_A or 2tpl_B of
+/// [`template_data_dir`]): each query residue with a template residue has one chain residue's
+/// letter and atoms (which residue, read back from its Cα), those residues in chain order, and
+/// at least 60 of them where substitutions put them (the same offset: homologues have no
+/// indels); the search tool may align a few end residues otherwise.
+fn check_template(f: &HashMap<String, Tensor>, t: i64, name: &str) {
+    let aatype = f["template_aatype"].argmax(-1, false);
+    let positions = &f["template_all_atom_positions"];
+    let masks = &f["template_all_atom_masks"];
+    let n = QUERY.len() as i64;
+    let ca = fastfold::residue_constants::atom_order("CA").unwrap() as i64;
+    {
+        // Chain residue of query residue i: homologue 0 has substitutions only (residue i);
+        // 2tpl_B's chain is homologue 1 after two extra residues (residue i + 2).
+        let (chain, shift) = if name == "1tpl_A" {
+            (homologue(0), 0usize)
+        } else {
+            let mut c = format!("MS{}", homologue(1));
+            let new = if &c[40..41] == "W" { "Y" } else { "W" };
+            c.replace_range(40..41, new);
+            (c, 2)
+        };
+        let mut placed = 0;
+        let mut previous = None;
+        for i in 0..n {
+            if masks.double_value(&[t, i, ca]) == 0.0 {
+                assert_eq!(aatype.int64_value(&[t, i]), 21, "{name}: residue {i} has no template residue");
+                continue;
+            }
+            // The chain residue whose Cα this is (x = 3.8 k + 0.6 sin 1).
+            let x = positions.double_value(&[t, i, ca, 0]);
+            let k = ((x - 0.6 * 1f64.sin()) / 3.8).round() as usize;
+            assert!(previous.is_none_or(|p| k > p), "{name}: residue {i} placed before residue {previous:?}");
+            previous = Some(k);
+            placed += (k == i as usize + shift) as usize;
+            let letter = fastfold::residue_constants::ID_TO_HHBLITS_AA[aatype.int64_value(&[t, i]) as usize];
+            assert_eq!(letter, chain.as_bytes()[k] as char, "{name}: residue {i}");
+            for (j, atom) in TEMPLATE_ATOMS.iter().enumerate() {
+                let a = fastfold::residue_constants::atom_order(atom).unwrap() as i64;
+                let expected = if letter == 'G' && *atom == "CB" { None } else { Some(template_atom(k, j)) };
+                assert_eq!(masks.double_value(&[t, i, a]) == 1.0, expected.is_some(), "{name} {i} {atom}");
+                if let Some(p) = expected {
+                    let got = Vec::<f32>::try_from(&positions.get(t).get(i).get(a)).unwrap();
+                    assert_eq!(got, p, "{name}: residue {i} atom {atom}");
+                }
+            }
+            // Only backbone and CB atoms exist in these entries.
+            assert_eq!(masks.get(t).get(i).sum(tch::Kind::Float).double_value(&[]), expected_atoms(letter));
+        }
+        assert!(placed >= 60, "{name}: only {placed} query residues have a template residue");
+    }
 }
 
 fn expected_atoms(letter: char) -> f64 {

@@ -39,6 +39,7 @@ fn featurizer(mmcif_dir: &Path, date: &str) -> Featurizer {
         max_template_date: date.to_string(),
         obsolete: HashMap::new(),
         kalign: Tool::new("kalign", None),
+        unique_sequences: false,
     }
 }
 
@@ -70,7 +71,7 @@ fn check_hits(ours: &[TemplateHit], e: &Value) {
         assert_eq!(h.index as u64, t["index"].as_u64().unwrap());
         assert_eq!(h.name, t["name"].as_str().unwrap());
         assert_eq!(h.aligned_cols as u64, t["aligned_cols"].as_u64().unwrap());
-        assert_eq!(h.sum_probs, t["sum_probs"].as_f64().unwrap());
+        assert_eq!(h.sum_probs, t["sum_probs"].as_f64());
         assert_eq!(h.query, t["query"].as_str().unwrap(), "{}", h.name);
         assert_eq!(h.hit_sequence, t["hit_sequence"].as_str().unwrap(), "{}", h.name);
         assert_eq!(h.indices_query, ints("indices_query"), "{}", h.name);
@@ -253,8 +254,31 @@ fn featurised_hits_become_the_models_template_features() {
 }
 
 #[test]
+fn hmmsearch_result_parses_and_featurises_as_alphafold_does() {
+    let e = expected();
+    let path = fixture("hmmsearch_hits.sto");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let a3m = fastfold::search::stockholm::to_a3m(&text, &path, false).unwrap();
+    let ours = fastfold::search::hmmsearch::parse(&a3m, &query(), &path).unwrap();
+    check_hits(&ours, &e["hmmsearch"]);
+    assert!(ours.iter().all(|h| h.sum_probs.is_none()));
+    let date = e["max_template_date"].as_str().unwrap();
+    let f = Featurizer { unique_sequences: true, ..featurizer(&fixture("mmcif"), date) };
+    let result = f.get_templates(&query(), &ours).unwrap();
+    check_against_alphafold(&result, &e["hmmsearch"], "expected_hmmsearch.npz");
+    // A hit header that names no chain is an error naming the file.
+    let bad = a3m.replacen("2def_B/1-32", "2def-B", 1);
+    let err = fastfold::search::hmmsearch::parse(&bad, &query(), &path).unwrap_err().to_string();
+    assert!(err.contains("hmmsearch_hits.sto") && err.contains("2def-B"), "{err}");
+}
+
+#[test]
 fn uniref90_alignment_goes_to_hhsearch_as_alphafold_converts_it() {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/search/uniref90_hits.sto");
-    let ours = fastfold::search::stockholm::to_a3m(&std::fs::read_to_string(&path).unwrap(), &path).unwrap();
+    use fastfold::search::stockholm::{deduplicate, remove_empty_columns, to_a3m};
+    let sto = deduplicate(&std::fs::read_to_string(&path).unwrap(), &path).unwrap();
+    let cleaned = remove_empty_columns(&sto);
+    assert_eq!(cleaned, expected()["uniref90_for_templates"].as_str().unwrap());
+    let ours = to_a3m(&cleaned, &path, true).unwrap();
     assert_eq!(ours, expected()["uniref90_a3m"].as_str().unwrap());
 }

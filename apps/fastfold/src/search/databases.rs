@@ -38,10 +38,22 @@ pub const SMALL_BFD: &str = "small_bfd/bfd-first_non_consensus_sequences.fasta";
 pub const UNIREF30: &str = "uniref30/UniRef30_2021_03";
 /// pdb70 (an HH-suite database prefix), searched with hhsearch for templates.
 pub const PDB70: &str = "pdb70/pdb70";
+/// The PDB's chain sequences (FASTA), searched with hmmsearch for templates.
+pub const PDB_SEQRES: &str = "pdb_seqres/pdb_seqres.txt";
 /// The PDB's mmCIF files, `<pdb id>.cif`.
 pub const MMCIF_DIR: &str = "pdb_mmcif/mmcif_files";
 /// The PDB's list of obsolete entries and their successors.
 pub const OBSOLETE: &str = "pdb_mmcif/obsolete.dat";
+
+/// Which tool searches for templates.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum TemplateSearcher {
+    /// hhsearch against pdb70 (AlphaFold's monomer pipeline).
+    #[default]
+    Hhsearch,
+    /// hmmbuild and hmmsearch against pdb_seqres (AlphaFold-Multimer's pipeline).
+    Hmmsearch,
+}
 
 /// `--data-dir` and the per-database overrides.
 #[derive(clap::Args, Debug, Clone, Default)]
@@ -77,6 +89,15 @@ pub struct DatabaseArgs {
     /// <data-dir>/pdb70/pdb70; without it, and without that folder, no template search).
     #[arg(long)]
     pub pdb70_database_path: Option<PathBuf>,
+    /// hhsearch against pdb70 (AlphaFold's monomer search) or hmmsearch against pdb_seqres
+    /// (AlphaFold-Multimer's) for templates.
+    #[arg(long, value_enum, default_value = "hhsearch")]
+    pub template_searcher: TemplateSearcher,
+    /// The PDB's sequences for --template-searcher hmmsearch (default:
+    /// <data-dir>/pdb_seqres/pdb_seqres.txt; without it, and without that file, no template
+    /// search).
+    #[arg(long)]
+    pub pdb_seqres_database_path: Option<PathBuf>,
     /// The templates' mmCIF files, <pdb id>.cif (default: <data-dir>/pdb_mmcif/mmcif_files).
     #[arg(long)]
     pub template_mmcif_dir: Option<PathBuf>,
@@ -95,11 +116,20 @@ pub enum Bfd {
     SmallBfd(PathBuf),
 }
 
+/// What the template search searches.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TemplateIndex {
+    /// pdb70 (an HH-suite database prefix), for hhsearch.
+    Pdb70(PathBuf),
+    /// pdb_seqres.txt (FASTA), for hmmsearch.
+    PdbSeqres(PathBuf),
+}
+
 /// The template search's databases.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TemplateDatabases {
-    /// pdb70 (an HH-suite database prefix).
-    pub pdb70: PathBuf,
+    /// pdb70 or pdb_seqres.
+    pub index: TemplateIndex,
     /// The folder of `<pdb id>.cif` files.
     pub mmcif_dir: PathBuf,
     /// obsolete.dat, when there is one.
@@ -130,6 +160,7 @@ impl DatabaseArgs {
                 &self.uniref30_database_path,
                 &self.small_bfd_database_path,
                 &self.pdb70_database_path,
+                &self.pdb_seqres_database_path,
             ]
             .iter()
             .any(|p| p.is_some())
@@ -178,22 +209,39 @@ impl DatabaseArgs {
         Ok(Databases { uniref90, mgnify, bfd, templates })
     }
 
-    /// The template databases: searched when --pdb70-database-path is given or
-    /// <data-dir>/pdb70/pdb70 exists; then the mmCIF folder must exist too (with `check`,
-    /// what is missing is added to `missing`).
+    /// The template databases: searched when the searcher's database is given
+    /// (--pdb70-database-path, --pdb-seqres-database-path) or is in the data directory
+    /// (pdb70/pdb70, pdb_seqres/pdb_seqres.txt); then the mmCIF folder must exist too (with
+    /// `check`, what is missing is added to `missing`).
     fn templates(&self, check: bool, missing: &mut Vec<String>) -> Option<TemplateDatabases> {
         let default = |rel: &str| self.data_dir.as_ref().map(|d| d.join(rel));
-        let pdb70 = match (&self.pdb70_database_path, default(PDB70)) {
-            (Some(p), _) => p.clone(),
-            (None, Some(p)) if hhsuite_database_exists(&p) => p,
-            _ => return None,
+        let index = match self.template_searcher {
+            TemplateSearcher::Hhsearch => {
+                let pdb70 = match (&self.pdb70_database_path, default(PDB70)) {
+                    (Some(p), _) => p.clone(),
+                    (None, Some(p)) if hhsuite_database_exists(&p) => p,
+                    _ => return None,
+                };
+                if check && !hhsuite_database_exists(&pdb70) {
+                    missing.push(format!(
+                        "{} (--pdb70-database-path) is not an HH-suite database (no <prefix>_*.ffindex/.ffdata files)",
+                        pdb70.display()
+                    ));
+                }
+                TemplateIndex::Pdb70(pdb70)
+            }
+            TemplateSearcher::Hmmsearch => {
+                let seqres = match (&self.pdb_seqres_database_path, default(PDB_SEQRES)) {
+                    (Some(p), _) => p.clone(),
+                    (None, Some(p)) if p.is_file() => p,
+                    _ => return None,
+                };
+                if check && !seqres.is_file() {
+                    missing.push(format!("{} (--pdb-seqres-database-path) is not a file", seqres.display()));
+                }
+                TemplateIndex::PdbSeqres(seqres)
+            }
         };
-        if check && !hhsuite_database_exists(&pdb70) {
-            missing.push(format!(
-                "{} (--pdb70-database-path) is not an HH-suite database (no <prefix>_*.ffindex/.ffdata files)",
-                pdb70.display()
-            ));
-        }
         let mmcif_dir = match (self.template_mmcif_dir.clone(), default(MMCIF_DIR)) {
             (Some(p), _) | (None, Some(p)) => p,
             (None, None) => {
@@ -209,7 +257,7 @@ impl DatabaseArgs {
             (None, Some(p)) if p.is_file() => Some(p),
             _ => None,
         };
-        Some(TemplateDatabases { pdb70, mmcif_dir, obsolete })
+        Some(TemplateDatabases { index, mmcif_dir, obsolete })
     }
 }
 

@@ -16,8 +16,9 @@ pub struct TemplateHit {
     pub name: String,
     /// Aligned columns.
     pub aligned_cols: usize,
-    /// HH-suite's sum of the alignment's posterior probabilities (the hits' ranking key).
-    pub sum_probs: f64,
+    /// HH-suite's sum of the alignment's posterior probabilities (the hits' ranking key);
+    /// `None` for hmmsearch hits, which have none.
+    pub sum_probs: Option<f64>,
     /// The query's aligned part, `-` where the hit has an insertion.
     pub query: String,
     /// The hit's aligned part, `-` where the query has an insertion.
@@ -62,7 +63,7 @@ fn parse_hit(lines: &[&str], first: usize, source: &Path) -> Result<TemplateHit>
         index,
         name,
         aligned_cols: summary.0 as usize,
-        sum_probs: summary.1,
+        sum_probs: Some(summary.1),
         query: String::new(),
         hit_sequence: String::new(),
         indices_query: Vec::new(),

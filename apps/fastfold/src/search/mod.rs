@@ -14,6 +14,7 @@
 //! ([`templates`]).
 pub mod databases;
 pub mod hhr;
+pub mod hmmsearch;
 pub mod mmcif;
 pub mod mmseqs;
 pub mod msa;
@@ -29,6 +30,7 @@ use anyhow::{bail, Context};
 use data::a3m::Msa;
 
 use databases::{Bfd, DatabaseArgs, Databases};
+use hhr::TemplateHit;
 use mmseqs::MmseqsDatabases;
 use tools::{threads, Tool, WorkDir};
 
@@ -42,8 +44,13 @@ const MMSEQS_FILE: &str = "mmseqs2_uniref_env.a3m";
 const JACKHMMER_CPUS: usize = 8;
 const HHBLITS_CPUS: usize = 4;
 const HHSEARCH_CPUS: usize = 2;
-/// Where the template search's hits are saved under `msas/`.
+const HMMSEARCH_CPUS: usize = 8;
+/// hmmsearch's thresholds in AlphaFold-Multimer's template search.
+const HMMSEARCH_FLAGS: [&str; 14] =
+    ["--F1", "0.1", "--F2", "0.1", "--F3", "0.1", "--incE", "100", "-E", "100", "--domE", "100", "--incdomE", "100"];
+/// Where the template search's hits are saved under `msas/` (AlphaFold's names).
 const PDB_HITS_FILE: &str = "pdb_hits.hhr";
+const PDB_HITS_STO: &str = "pdb_hits.sto";
 
 /// Which search finds the MSA.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -93,6 +100,12 @@ pub struct SearchArgs {
     /// The hhsearch binary (default: `hhsearch` on PATH).
     #[arg(long)]
     pub hhsearch_binary_path: Option<PathBuf>,
+    /// The hmmsearch binary (default: `hmmsearch` on PATH).
+    #[arg(long)]
+    pub hmmsearch_binary_path: Option<PathBuf>,
+    /// The hmmbuild binary (default: `hmmbuild` on PATH).
+    #[arg(long)]
+    pub hmmbuild_binary_path: Option<PathBuf>,
     /// The kalign binary, which realigns a template whose chain changed since pdb70 was
     /// built (default: `kalign` on PATH).
     #[arg(long)]
@@ -127,6 +140,8 @@ pub struct Search {
     jackhmmer: Tool,
     hhblits: Tool,
     hhsearch: Tool,
+    hmmsearch: Tool,
+    hmmbuild: Tool,
     kalign: Tool,
     mmseqs: Tool,
     max_template_date: String,
@@ -171,6 +186,8 @@ impl SearchArgs {
             jackhmmer: Tool::new("jackhmmer", self.jackhmmer_binary_path.as_deref()),
             hhblits: Tool::new("hhblits", self.hhblits_binary_path.as_deref()),
             hhsearch: Tool::new("hhsearch", self.hhsearch_binary_path.as_deref()),
+            hmmsearch: Tool::new("hmmsearch", self.hmmsearch_binary_path.as_deref()),
+            hmmbuild: Tool::new("hmmbuild", self.hmmbuild_binary_path.as_deref()),
             kalign: Tool::new("kalign", self.kalign_binary_path.as_deref()),
             // Later than any release date: no template is excluded by date.
             max_template_date: self.max_template_date.clone().unwrap_or_else(|| "9999-12-31".into()),
@@ -317,46 +334,19 @@ impl Ctx<'_> {
         Ok((stockholm::parse(&text, &path)?, text))
     }
 
-    /// The template search: hhsearch of the UniRef90 alignment `uniref90_sto` (as A3M)
-    /// against pdb70 as AlphaFold runs it (`-maxseq 1000000`), the result saved as
-    /// `pdb_hits.hhr`; its hits featurised for `sequence`. Hits dropped are reported.
+    /// The template search: the UniRef90 alignment `uniref90_sto` searched against pdb70
+    /// (hhsearch) or pdb_seqres (hmmsearch), its hits featurised for `sequence`. Hits
+    /// dropped are reported.
     fn templates(
         &self,
         sequence: &str,
         uniref90_sto: &str,
         db: &databases::TemplateDatabases,
     ) -> anyhow::Result<Vec<templates::TemplateHitFeatures>> {
-        let (path, text) = match self.saved(PDB_HITS_FILE)? {
-            Some(saved) => saved,
-            None => {
-                if !databases::hhsuite_database_exists(&db.pdb70) {
-                    bail!("hhsearch database {} has no <prefix>_*.ffindex/.ffdata files", db.pdb70.display());
-                }
-                let a3m = self.work.path().join("uniref90_hits.a3m");
-                let msa = stockholm::to_a3m(uniref90_sto, &self.msa_dir.join("uniref90_hits.sto"))?;
-                std::fs::write(&a3m, msa).with_context(|| format!("writing {}", a3m.display()))?;
-                let out = self.work.path().join(PDB_HITS_FILE);
-                let cpus = threads(self.search.cpus, HHSEARCH_CPUS);
-                let args: Vec<OsString> = vec![
-                    "-i".into(),
-                    a3m.into_os_string(),
-                    "-o".into(),
-                    out.clone().into_os_string(),
-                    "-maxseq".into(),
-                    "1000000".into(),
-                    "-cpu".into(),
-                    cpus.to_string().into(),
-                    "-d".into(),
-                    db.pdb70.clone().into_os_string(),
-                ];
-                self.search.hhsearch.run(&args, &db.pdb70)?;
-                let text = std::fs::read_to_string(&out).with_context(|| {
-                    format!("hhsearch against {} wrote no result {}", db.pdb70.display(), out.display())
-                })?;
-                (self.save(PDB_HITS_FILE, &text)?, text)
-            }
+        let (hits, path) = match &db.index {
+            databases::TemplateIndex::Pdb70(pdb70) => self.hhsearch(uniref90_sto, pdb70)?,
+            databases::TemplateIndex::PdbSeqres(seqres) => self.hmmsearch(sequence, uniref90_sto, seqres)?,
         };
-        let hits = hhr::parse(&text, &path)?;
         let obsolete = match &db.obsolete {
             Some(p) => templates::parse_obsolete(
                 &std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
@@ -368,6 +358,7 @@ impl Ctx<'_> {
             max_template_date: self.search.max_template_date.clone(),
             obsolete,
             kalign: self.search.kalign.clone(),
+            unique_sequences: matches!(db.index, databases::TemplateIndex::PdbSeqres(_)),
         };
         let result = featurizer.get_templates(sequence, &hits)?;
         if self.mode == Mode::Search {
@@ -385,6 +376,86 @@ impl Ctx<'_> {
             );
         }
         Ok(result.hits)
+    }
+
+    /// hmmbuild (`--hand --amino`) of the deduplicated UniRef90 alignment without its empty
+    /// columns, then hmmsearch of that model against `seqres` with AlphaFold-Multimer's
+    /// thresholds; the Stockholm result saved as `pdb_hits.sto`; its hits and that file.
+    fn hmmsearch(
+        &self,
+        sequence: &str,
+        uniref90_sto: &str,
+        seqres: &Path,
+    ) -> anyhow::Result<(Vec<TemplateHit>, PathBuf)> {
+        let (path, text) = match self.saved(PDB_HITS_STO)? {
+            Some(saved) => saved,
+            None => {
+                check_exists(seqres, "hmmsearch")?;
+                let source = self.msa_dir.join("uniref90_hits.sto");
+                let msa = stockholm::remove_empty_columns(&stockholm::deduplicate(uniref90_sto, &source)?);
+                let input = self.work.path().join("query.sto");
+                std::fs::write(&input, msa).with_context(|| format!("writing {}", input.display()))?;
+                let hmm = self.work.path().join("query.hmm");
+                let args: Vec<OsString> =
+                    vec!["--hand".into(), "--amino".into(), hmm.clone().into_os_string(), input.into_os_string()];
+                self.search.hmmbuild.run(&args, &source)?;
+                let out = self.work.path().join(PDB_HITS_STO);
+                let cpus = threads(self.search.cpus, HMMSEARCH_CPUS);
+                let mut args: Vec<OsString> = vec!["--noali".into(), "--cpu".into(), cpus.to_string().into()];
+                args.extend(HMMSEARCH_FLAGS.iter().map(OsString::from));
+                args.extend(["-A".into(), out.clone().into_os_string(), hmm.into_os_string(), seqres.into()]);
+                self.search.hmmsearch.run(&args, seqres)?;
+                let text = std::fs::read_to_string(&out).with_context(|| {
+                    format!("hmmsearch against {} wrote no alignment {}", seqres.display(), out.display())
+                })?;
+                (self.save(PDB_HITS_STO, &text)?, text)
+            }
+        };
+        // hmmsearch writes an empty file when nothing is found.
+        let hits = if text.trim().is_empty() {
+            Vec::new()
+        } else {
+            hmmsearch::parse(&stockholm::to_a3m(&text, &path, false)?, sequence, &path)?
+        };
+        Ok((hits, path))
+    }
+
+    /// hhsearch of the deduplicated UniRef90 alignment without its empty columns (as A3M) against pdb70 as AlphaFold
+    /// runs it (`-maxseq 1000000`), the result saved as `pdb_hits.hhr`; its hits and that file.
+    fn hhsearch(&self, uniref90_sto: &str, pdb70: &Path) -> anyhow::Result<(Vec<TemplateHit>, PathBuf)> {
+        let (path, text) = match self.saved(PDB_HITS_FILE)? {
+            Some(saved) => saved,
+            None => {
+                if !databases::hhsuite_database_exists(pdb70) {
+                    bail!("hhsearch database {} has no <prefix>_*.ffindex/.ffdata files", pdb70.display());
+                }
+                let a3m = self.work.path().join("uniref90_hits.a3m");
+                let source = self.msa_dir.join("uniref90_hits.sto");
+                let msa = stockholm::remove_empty_columns(&stockholm::deduplicate(uniref90_sto, &source)?);
+                let msa = stockholm::to_a3m(&msa, &source, true)?;
+                std::fs::write(&a3m, msa).with_context(|| format!("writing {}", a3m.display()))?;
+                let out = self.work.path().join(PDB_HITS_FILE);
+                let cpus = threads(self.search.cpus, HHSEARCH_CPUS);
+                let args: Vec<OsString> = vec![
+                    "-i".into(),
+                    a3m.into_os_string(),
+                    "-o".into(),
+                    out.clone().into_os_string(),
+                    "-maxseq".into(),
+                    "1000000".into(),
+                    "-cpu".into(),
+                    cpus.to_string().into(),
+                    "-d".into(),
+                    pdb70.into(),
+                ];
+                self.search.hhsearch.run(&args, pdb70)?;
+                let text = std::fs::read_to_string(&out).with_context(|| {
+                    format!("hhsearch against {} wrote no result {}", pdb70.display(), out.display())
+                })?;
+                (self.save(PDB_HITS_FILE, &text)?, text)
+            }
+        };
+        Ok((hhr::parse(&text, &path)?, path))
     }
 
     /// hhblits against `databases` with AlphaFold's settings (3 iterations, E-value 1e-3,

@@ -33,7 +33,7 @@ pub struct TemplateHitFeatures {
     pub masks: Vec<[f32; ATOM_TYPE_NUM]>,
     /// `<pdb id>_<chain>`.
     pub domain_name: String,
-    /// The hit's `Sum_probs`.
+    /// The hit's `Sum_probs` (0 for hmmsearch hits).
     pub sum_probs: f32,
 }
 
@@ -48,6 +48,9 @@ pub struct Featurizer {
     pub obsolete: HashMap<String, Option<String>>,
     /// The kalign binary for realignments.
     pub kalign: Tool,
+    /// Keep only the first hit giving each aligned template sequence (AlphaFold's
+    /// `HmmsearchHitFeaturizer`; its `HhsearchHitFeaturizer` keeps every hit).
+    pub unique_sequences: bool,
 }
 
 /// The featurised hits and, for each hit dropped, why.
@@ -114,8 +117,11 @@ impl Featurizer {
     /// Errors (a missing or malformed mmCIF file, kalign failing to run) name the file.
     pub fn get_templates(&self, query: &str, hits: &[TemplateHit]) -> anyhow::Result<TemplateSearchResult> {
         let mut sorted: Vec<&TemplateHit> = hits.iter().collect();
-        // Stable, as Python's sort: equal scores keep the file's order.
-        sorted.sort_by(|a, b| b.sum_probs.partial_cmp(&a.sum_probs).unwrap_or(std::cmp::Ordering::Equal));
+        // Stable, as Python's sort: equal scores keep the file's order; hits without scores
+        // (hmmsearch's) keep it too.
+        if hits.first().is_some_and(|h| h.sum_probs.is_some()) {
+            sorted.sort_by(|a, b| b.sum_probs.partial_cmp(&a.sum_probs).unwrap_or(std::cmp::Ordering::Equal));
+        }
         let mut result = TemplateSearchResult::default();
         let mut cache: HashMap<String, Mmcif> = HashMap::new();
         for hit in sorted {
@@ -124,8 +130,11 @@ impl Featurizer {
             }
             match self.process_hit(query, hit, &mut cache)? {
                 Ok((features, warning)) => {
-                    result.hits.push(features);
                     result.warnings.extend(warning);
+                    if self.unique_sequences && result.hits.iter().any(|h| h.sequence == features.sequence) {
+                        continue;
+                    }
+                    result.hits.push(features);
                 }
                 Err(skip) => result.warnings.push(format!("hit {} skipped: {skip}", hit.name)),
             }
@@ -163,7 +172,16 @@ impl Featurizer {
         if date > self.max_template_date.as_str() {
             return Ok(Err(format!("released {date}, after --max-template-date {}", self.max_template_date)));
         }
-        self.extract(entry, &pdb_id, &chain_id, mapping, &template_sequence, query, hit.sum_probs as f32, &path)
+        self.extract(
+            entry,
+            &pdb_id,
+            &chain_id,
+            mapping,
+            &template_sequence,
+            query,
+            hit.sum_probs.unwrap_or(0.0) as f32,
+            &path,
+        )
     }
 
     /// `_extract_template_features`: the chain found (or realigned), its atoms placed.
