@@ -304,8 +304,8 @@ pub struct Features {
     pub atom14_atom_exists: Tensor,
     /// [R, N, 37].
     pub atom37_atom_exists: Tensor,
-    /// Template features, when the batch has them (from `.npz` files of AlphaFold's pipeline;
-    /// this crate's own pipeline searches no templates).
+    /// Template features, when the batch has them (from the template search, or from `.npz`
+    /// files of AlphaFold's pipeline).
     pub templates: Option<TemplateFeatures>,
 }
 
