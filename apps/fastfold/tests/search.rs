@@ -674,6 +674,7 @@ fn template_search_finds_and_featurises_templates() {
         "2020-01-01",
         "--hhsearch-binary-path",
         hhsearch.to_str().unwrap(),
+        "--save-outputs",
     ];
     // The model has a template embedding, so the templates run through it.
     let predict =
@@ -726,6 +727,26 @@ fn template_search_finds_and_featurises_templates() {
         check_template(&f, t as i64, name);
     }
     assert!(root.join("out/query/ranked_0.pdb").is_file());
+
+    // The templates reach the model: without pdb70 (the same saved MSAs reused, so the same
+    // MSA features) the pair representation differs.
+    let outputs = |root: &Path| {
+        let dir = root.join("out/query");
+        let file = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .find(|p| p.to_string_lossy().ends_with("_outputs.npz"))
+            .unwrap_or_else(|| panic!("no --save-outputs file in {}", dir.display()));
+        npz(&file)
+    };
+    let with_templates = outputs(&root)["representations/pair"].copy();
+    std::fs::rename(data.join("pdb70"), data.join("pdb70.off")).unwrap();
+    let (ok, text) = predict(&root, &[&args[..6], &["--use-precomputed-msas", "--save-outputs"]].concat());
+    std::fs::rename(data.join("pdb70.off"), data.join("pdb70")).unwrap();
+    assert!(ok, "{text}");
+    assert!(!features(&root).contains_key("template_aatype"));
+    let diff = (&outputs(&root)["representations/pair"] - &with_templates).abs().max().double_value(&[]);
+    assert!(diff > 1e-3, "templates changed the pair representation by only {diff}");
 
     // A rerun reuses pdb_hits.hhr (hhsearch is not run: the binary given does not exist).
     let before = f["template_all_atom_positions"].copy();
