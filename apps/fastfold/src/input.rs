@@ -145,7 +145,8 @@ impl InputArgs {
                     let found = search
                         .run(&name, &r.sequence, &msas, mode)
                         .with_context(|| format!("searching for homologues of {}", r.name))?;
-                    RawFeatures::new(&r.sequence, Some((&found, &msas)))
+                    RawFeatures::new(&r.sequence, Some((&found.msa, &msas)))
+                        .map(|raw| RawFeatures { templates: found.templates, ..raw })
                 }
                 None => RawFeatures::new(&r.sequence, msa.as_ref().map(|(m, p)| (m, p.as_path()))),
             }

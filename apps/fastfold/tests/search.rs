@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use fastfold::model::{EvoformerConfig, ModelConfig, Params};
+use fastfold::model::{EvoformerConfig, ModelConfig, Params, TemplateConfig};
 use fastfold::search::stockholm;
 use tch::Tensor;
 
@@ -35,6 +35,17 @@ fn params_file() -> &'static Path {
     FILE.get_or_init(|| {
         let path = dir("params").join("params_tiny.npz");
         Params::random_model(&EvoformerConfig::tiny(), &ModelConfig::tiny(), 7).unwrap().save(&path).unwrap();
+        path
+    })
+}
+
+/// Tiny parameters with a template embedding (as `model_1`/`model_2` have one).
+fn template_params_file() -> &'static Path {
+    static FILE: OnceLock<PathBuf> = OnceLock::new();
+    FILE.get_or_init(|| {
+        let path = dir("template-params").join("params_tiny_templates.npz");
+        let model = ModelConfig { templates: Some(TemplateConfig::tiny()), ..ModelConfig::tiny() };
+        Params::random_model(&EvoformerConfig::tiny(), &model, 7).unwrap().save(&path).unwrap();
         path
     })
 }
@@ -161,17 +172,17 @@ fn mmseqs_db(prefix: &Path, fasta: &str) {
 
 /// Runs `fastfold predict` on the query; returns (success, stdout + stderr).
 fn predict(root: &Path, extra: &[&str]) -> (bool, String) {
-    predict_records(root, "out", &[("query", QUERY)], extra)
+    predict_records(root, "out", &[("query", QUERY)], params_file(), extra)
 }
 
 /// Runs `fastfold predict` on `records` (name, sequence) into `root/out`; returns (success,
 /// stdout + stderr).
-fn predict_records(root: &Path, out: &str, records: &[(&str, &str)], extra: &[&str]) -> (bool, String) {
+fn predict_records(root: &Path, out: &str, records: &[(&str, &str)], params: &Path, extra: &[&str]) -> (bool, String) {
     let fa = root.join("query.fasta");
     write(&fa, &records.iter().map(|(name, seq)| format!(">{name} test query\n{seq}\n")).collect::<String>());
     let out = root.join(out);
     let mut args: Vec<String> =
-        ["predict", fa.to_str().unwrap(), "--params", params_file().to_str().unwrap()].map(String::from).to_vec();
+        ["predict", fa.to_str().unwrap(), "--params", params.to_str().unwrap()].map(String::from).to_vec();
     args.extend(["--num-recycle", "0", "--search-cpus", "1", "-o", out.to_str().unwrap()].map(String::from));
     args.extend(extra.iter().map(|s| s.to_string()));
     // Its own temporary folder, to see that the search's scratch folders are removed.
@@ -326,7 +337,7 @@ fn two_records_on_two_ranks_search_once_each_and_match_one_rank() {
     let records = [("query", QUERY), ("second", second.as_str())];
     let common = ["--data-dir", data.to_str().unwrap(), "--db-preset", "reduced_dbs", "--save-outputs"];
     for (out, extra) in [("one", &[][..]), ("two", &["--nproc", "2"][..])] {
-        let (ok, text) = predict_records(&root, out, &records, &[&common[..], extra].concat());
+        let (ok, text) = predict_records(&root, out, &records, params_file(), &[&common[..], extra].concat());
         assert!(ok, "{out}: {text}");
     }
     for (name, seq) in records {
@@ -478,6 +489,21 @@ fn missing_databases_and_failing_tools_are_named() {
     let (ok, text) = predict(&root, &["--data-dir", data.to_str().unwrap()]);
     assert!(!ok && text.contains("--bfd-database-path") && text.contains("--uniref30-database-path"), "{text}");
 
+    // A pdb70 asked for but absent is named, and so is a missing mmCIF folder; a bad date is
+    // named with its flag.
+    let reduced = ["--data-dir", data.to_str().unwrap(), "--db-preset", "reduced_dbs"];
+    let mgnify_back = data.join("mgnify/mgy_clusters_2022_05.fa");
+    write(&mgnify_back, &fasta_db(14..20, &[], 0..0));
+    let (ok, text) = predict(&root, &[&reduced[..], &["--pdb70-database-path", "/nonexistent/pdb70"]].concat());
+    assert!(!ok && text.contains("/nonexistent/pdb70 (--pdb70-database-path)"), "{text}");
+    assert!(text.contains("mmcif_files (--template-mmcif-dir) is not a folder"), "{text}");
+    let seqres = ["--template-searcher", "hmmsearch", "--pdb-seqres-database-path", "/nonexistent/pdb_seqres.txt"];
+    let (ok, text) = predict(&root, &[&reduced[..], &seqres[..]].concat());
+    assert!(!ok && text.contains("/nonexistent/pdb_seqres.txt (--pdb-seqres-database-path) is not a file"), "{text}");
+    let (ok, text) = predict(&root, &[&reduced[..], &["--max-template-date", "2020-13-01"]].concat());
+    assert!(!ok && text.contains("--max-template-date \"2020-13-01\""), "{text}");
+    std::fs::remove_file(&mgnify_back).unwrap();
+
     // ColabFold's databases are named when absent.
     let (ok, text) = predict(&root, &["--data-dir", data.to_str().unwrap(), "--msa-mode", "mmseqs2"]);
     assert!(!ok && text.contains("uniref30_2302_db (--mmseqs-uniref-db)"), "{text}");
@@ -529,4 +555,316 @@ fn missing_databases_and_failing_tools_are_named() {
     let (ok, text) = predict(&root, &["--data-dir", data.to_str().unwrap(), "--msa", a3m.to_str().unwrap()]);
     assert!(!ok && text.contains("given.a3m") && text.contains("nothing to search"), "{text}");
     std::fs::remove_dir_all(&root).unwrap();
+}
+
+// ---------------------------------------------------------------- templates
+
+/// Position of atom `j` of SEQRES residue `i` in the synthetic template entries (consecutive
+/// Cα atoms about 3.8 Å apart), rounded as mmCIF files write them.
+fn template_atom(i: usize, j: usize) -> [f32; 3] {
+    let r = |x: f64| ((x * 1000.0).round() / 1000.0) as f32;
+    let (i, j) = (i as f64, j as f64);
+    [r(3.8 * i + 0.6 * j.sin()), r(1.5 * (0.5 * i).cos() + 0.8 * j.cos()), r(0.4 * j - 1.0)]
+}
+
+/// The backbone atoms written per residue (and CB but for glycine), in atom37 order names.
+const TEMPLATE_ATOMS: [&str; 5] = ["N", "CA", "C", "O", "CB"];
+
+/// A synthetic mmCIF entry `id` released on `date` with one protein chain per (author
+/// chain, sequence), each its own entity; every residue observed, backbone and CB atoms at
+/// [`template_atom`].
+fn write_mmcif(path: &Path, id: &str, date: &str, chains: &[(&str, &str)]) {
+    let three = |c: char| {
+        let names = fastfold::residue_constants::RESNAMES;
+        names[fastfold::residue_constants::aatype_of(c)]
+    };
+    let mut t = format!("data_{id}\n_entry.id {id}\nloop_\n_pdbx_audit_revision_history.ordinal\n");
+    t += &format!("_pdbx_audit_revision_history.revision_date\n1 {date}\n2 2024-01-01\n#\n");
+    t += "loop_\n_chem_comp.id\n_chem_comp.type\n";
+    for c in AA {
+        t += &format!("{} 'L-peptide linking'\n", three(*c as char));
+    }
+    t += "loop_\n_entity_poly_seq.entity_id\n_entity_poly_seq.num\n_entity_poly_seq.mon_id\n";
+    for (e, (_, seq)) in chains.iter().enumerate() {
+        for (k, c) in seq.chars().enumerate() {
+            t += &format!("{} {} {}\n", e + 1, k + 1, three(c));
+        }
+    }
+    t += "loop_\n_struct_asym.id\n_struct_asym.entity_id\n";
+    for (e, _) in chains.iter().enumerate() {
+        t += &format!("{} {}\n", (b'A' + e as u8) as char, e + 1);
+    }
+    let cols = "group_PDB id type_symbol label_atom_id label_alt_id label_comp_id label_asym_id label_entity_id \
+                label_seq_id pdbx_PDB_ins_code Cartn_x Cartn_y Cartn_z occupancy B_iso_or_equiv auth_seq_id \
+                auth_asym_id pdbx_PDB_model_num";
+    t += "loop_\n";
+    for c in cols.split_whitespace() {
+        t += &format!("_atom_site.{c}\n");
+    }
+    let mut n = 0;
+    for (e, (auth, seq)) in chains.iter().enumerate() {
+        for (k, c) in seq.chars().enumerate() {
+            for (j, atom) in TEMPLATE_ATOMS.iter().enumerate() {
+                if c == 'G' && *atom == "CB" {
+                    continue;
+                }
+                n += 1;
+                let [x, y, z] = template_atom(k, j);
+                let asym = (b'A' + e as u8) as char;
+                t += &format!(
+                    "ATOM {n} {} {atom} . {} {asym} {} {} ? {x:.3} {y:.3} {z:.3} 1.0 20.0 {} {auth} 1\n",
+                    &atom[..1],
+                    three(c),
+                    e + 1,
+                    k + 1,
+                    k + 1
+                );
+            }
+        }
+    }
+    write(path, &t);
+}
+
+/// Template search data on top of the reduced_dbs layout: pdb70 of three homologues of the
+/// query and unrelated sequences, and their mmCIF entries. 1tpl_A is homologue 0 (released
+/// 2010); 2tpl_B is homologue 1 with two residues before it, and one residue changed in the
+/// mmCIF file since pdb70 was built (so it is realigned with kalign; released 2012); 3tpl_A
+/// is homologue 4, released 2025.
+fn template_data_dir(root: &Path) -> PathBuf {
+    let data = reduced_data_dir(root);
+    let pdb70 = data.join("pdb70/pdb70");
+    std::fs::create_dir_all(pdb70.parent().unwrap()).unwrap();
+    let (h0, h1, h4) = (homologue(0), homologue(1), homologue(4));
+    let chain_b = format!("MS{h1}");
+    let mut changed = chain_b.clone();
+    let k = 40;
+    let new = if &changed[k..k + 1] == "W" { "Y" } else { "W" };
+    changed.replace_range(k..k + 1, new);
+    let mut fasta = format!(">1tpl_A mol:protein length:{}\n{h0}\n", h0.len());
+    fasta += &format!(">2tpl_B mol:protein length:{}\n{chain_b}\n", chain_b.len());
+    fasta += &format!(">3tpl_A mol:protein length:{}\n{h4}\n", h4.len());
+    let mmcif = data.join("pdb_mmcif/mmcif_files");
+    for i in 0..6 {
+        let rnd = random_sequence(40 + i);
+        fasta += &format!(">{}rnd_A mol:protein length:{}\n{rnd}\n", 4 + i, rnd.len());
+        write_mmcif(&mmcif.join(format!("{}rnd.cif", 4 + i)), &format!("{}RND", 4 + i), "2000-01-01", &[("A", &rnd)]);
+    }
+    write(&data.join("pdb_seqres/pdb_seqres.txt"), &fasta);
+    hhsuite_db(&pdb70, &fasta);
+    write_mmcif(&mmcif.join("1tpl.cif"), "1TPL", "2010-05-05", &[("A", &h0)]);
+    let other = random_sequence(60);
+    write_mmcif(&mmcif.join("2tpl.cif"), "2TPL", "2012-03-03", &[("A", &other), ("B", &changed)]);
+    write_mmcif(&mmcif.join("3tpl.cif"), "3TPL", "2025-02-02", &[("A", &h4)]);
+    data
+}
+
+#[test]
+fn template_search_finds_and_featurises_templates() {
+    let root = dir("templates");
+    let data = template_data_dir(&root);
+    let data_s = data.to_str().unwrap();
+    let log = root.join("tools.log");
+    let hhsearch = wrapper(&root.join("bin/hhsearch"), &log, "exec hhsearch \"$@\"");
+    let args = [
+        "--data-dir",
+        data_s,
+        "--db-preset",
+        "reduced_dbs",
+        "--max-template-date",
+        "2020-01-01",
+        "--hhsearch-binary-path",
+        hhsearch.to_str().unwrap(),
+        "--save-outputs",
+    ];
+    // The model has a template embedding, so the templates run through it.
+    let predict =
+        |root: &Path, extra: &[&str]| predict_records(root, "out", &[("query", QUERY)], template_params_file(), extra);
+    let (ok, text) = predict(&root, &args);
+    assert!(ok, "{text}");
+    // hhsearch ran once, with AlphaFold's settings, on the UniRef90 alignment.
+    let calls = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(calls.lines().count(), 1, "{calls}");
+    assert!(calls.contains("-maxseq 1000000 ") && calls.contains("-cpu 1 "), "{calls}");
+    assert!(calls.trim_end().ends_with(&format!("-d {}", data.join("pdb70/pdb70").display())), "{calls}");
+    assert!(scratch_left(&root).is_empty(), "{:?}", scratch_left(&root));
+
+    // The saved hits: the three homologues, best first by Sum_probs as featurised.
+    let hhr_path = root.join("out/query/msas/pdb_hits.hhr");
+    let hits = fastfold::search::hhr::parse(&std::fs::read_to_string(&hhr_path).unwrap(), &hhr_path).unwrap();
+    let names: BTreeSet<&str> = hits.iter().map(|h| &h.name[..6]).collect();
+    for name in ["1tpl_A", "2tpl_B", "3tpl_A"] {
+        assert!(names.contains(name), "{name} not among the hits {names:?}");
+    }
+    // 3tpl (2025) is after the date; 2tpl_B is realigned to the changed chain.
+    assert!(text.contains("3tpl") && text.contains("after --max-template-date 2020-01-01"), "{text}");
+    assert!(text.contains("2tpl_B") && text.contains("realigned with kalign"), "{text}");
+
+    let f = features(&root);
+    let probs = Vec::<f32>::try_from(&f["template_sum_probs"].reshape([-1])).unwrap();
+    // 1tpl_A and 2tpl_B first; unrelated entries hhsearch lists with low scores after them
+    // (AlphaFold keeps those too); never 3tpl_A.
+    assert!(probs.len() >= 2 && probs.windows(2).all(|w| w[0] >= w[1]), "{probs:?}");
+    assert!(probs[2..].iter().all(|&p| p < 20.0), "{probs:?}");
+    let expected_probs: Vec<f32> = {
+        let mut p: Vec<(String, f32)> = hits
+            .iter()
+            .filter(|h| h.name.starts_with("1tpl") || h.name.starts_with("2tpl"))
+            .map(|h| (h.name[..6].to_string(), h.sum_probs.unwrap() as f32))
+            .collect();
+        p.sort_by(|a, b| b.1.partial_cmp(&a.1).unwrap());
+        // hhsearch may list a second, weaker alignment to the same template.
+        p.iter().take(2).map(|x| x.1).collect()
+    };
+    assert_eq!(probs[..2], expected_probs);
+    let order: Vec<String> = {
+        let mut p: Vec<(&str, f64)> = hits.iter().map(|h| (&h.name[..6], h.sum_probs.unwrap())).collect();
+        p.retain(|(n, _)| *n == "1tpl_A" || *n == "2tpl_B");
+        p.sort_by(|a, b| b.1.partial_cmp(&a.1).unwrap());
+        p.iter().take(2).map(|x| x.0.to_string()).collect()
+    };
+    assert_eq!(f["template_all_atom_positions"].size(), [probs.len() as i64, QUERY.len() as i64, 37, 3]);
+    for (t, name) in order.iter().enumerate() {
+        check_template(&f, t as i64, name);
+    }
+    assert!(root.join("out/query/ranked_0.pdb").is_file());
+
+    // The templates reach the model: without pdb70 (the same saved MSAs reused, so the same
+    // MSA features) the pair representation differs.
+    let outputs = |root: &Path| {
+        let dir = root.join("out/query");
+        let file = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .find(|p| p.to_string_lossy().ends_with("_outputs.npz"))
+            .unwrap_or_else(|| panic!("no --save-outputs file in {}", dir.display()));
+        npz(&file)
+    };
+    let with_templates = outputs(&root)["representations/pair"].copy();
+    std::fs::rename(data.join("pdb70"), data.join("pdb70.off")).unwrap();
+    let (ok, text) = predict(&root, &[&args[..6], &["--use-precomputed-msas", "--save-outputs"]].concat());
+    std::fs::rename(data.join("pdb70.off"), data.join("pdb70")).unwrap();
+    assert!(ok, "{text}");
+    assert!(!features(&root).contains_key("template_aatype"));
+    let diff = (&outputs(&root)["representations/pair"] - &with_templates).abs().max().double_value(&[]);
+    assert!(diff > 1e-3, "templates changed the pair representation by only {diff}");
+
+    // A rerun reuses pdb_hits.hhr (hhsearch is not run: the binary given does not exist).
+    let before = f["template_all_atom_positions"].copy();
+    let reuse = [&args[..6], &["--hhsearch-binary-path", "/nonexistent/hhsearch", "--use-precomputed-msas"]].concat();
+    let (ok, text) = predict(&root, &reuse);
+    assert!(ok, "{text}");
+    assert!(features(&root)["template_all_atom_positions"].equal(&before));
+
+    // A bad mmCIF file is an error naming it.
+    let cif = data.join("pdb_mmcif/mmcif_files/1tpl.cif");
+    let good = std::fs::read_to_string(&cif).unwrap();
+    write(&cif, &good.replacen("_struct_asym.entity_id\n", "_struct_asym.entity_id\n'A 1\n", 1));
+    let (ok, text) = predict(&root, &reuse);
+    assert!(!ok && text.contains("1tpl.cif") && text.contains("not closed"), "{text}");
+    write(&cif, &good);
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+#[test]
+fn hmmsearch_template_search_against_pdb_seqres() {
+    let root = dir("hmmsearch");
+    let data = template_data_dir(&root);
+    let log = root.join("tools.log");
+    let hmmsearch = wrapper(&root.join("bin/hmmsearch"), &log, "exec hmmsearch \"$@\"");
+    let (ok, text) = predict(
+        &root,
+        &[
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--db-preset",
+            "reduced_dbs",
+            "--template-searcher",
+            "hmmsearch",
+            "--max-template-date",
+            "2020-01-01",
+            "--hmmsearch-binary-path",
+            hmmsearch.to_str().unwrap(),
+        ],
+    );
+    assert!(ok, "{text}");
+    let calls = std::fs::read_to_string(&log).unwrap();
+    let flags = "--noali --cpu 1 --F1 0.1 --F2 0.1 --F3 0.1 --incE 100 -E 100 --domE 100 --incdomE 100 -A ";
+    assert!(calls.lines().count() == 1 && calls.contains(flags), "hmmsearch's call: {calls}");
+    assert!(calls.trim_end().ends_with("pdb_seqres/pdb_seqres.txt"), "{calls}");
+    assert!(root.join("out/query/msas/pdb_hits.sto").is_file());
+    assert!(scratch_left(&root).is_empty(), "{:?}", scratch_left(&root));
+    // The featurised templates as printed, in hmmsearch's order (no scores: all 0).
+    let line = text.lines().find(|l| l.contains("featurised:")).unwrap_or_else(|| panic!("{text}"));
+    let names: Vec<&str> = line.split("featurised: ").nth(1).unwrap().split(", ").map(|n| &n[..6]).collect();
+    assert!(names.contains(&"1tpl_A") && names.contains(&"2tpl_B") && !names.contains(&"3tpl_A"), "{line}");
+    let f = features(&root);
+    let probs = Vec::<f32>::try_from(&f["template_sum_probs"].reshape([-1])).unwrap();
+    assert!(probs.len() == names.len() && probs.iter().all(|&p| p == 0.0), "{probs:?}");
+    for (t, name) in names.iter().enumerate() {
+        if *name == "1tpl_A" || *name == "2tpl_B" {
+            check_template(&f, t as i64, name);
+        }
+    }
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+/// Checks template `t` of the raw features `f`, hit `name` (1tpl_A or 2tpl_B of
+/// [`template_data_dir`]): each query residue with a template residue has one chain residue's
+/// letter and atoms (which residue, read back from its Cα), those residues in chain order, and
+/// at least 60 of them where substitutions put them (the same offset: homologues have no
+/// indels); the search tool may align a few end residues otherwise.
+fn check_template(f: &HashMap<String, Tensor>, t: i64, name: &str) {
+    let aatype = f["template_aatype"].argmax(-1, false);
+    let positions = &f["template_all_atom_positions"];
+    let masks = &f["template_all_atom_masks"];
+    let n = QUERY.len() as i64;
+    let ca = fastfold::residue_constants::atom_order("CA").unwrap() as i64;
+    {
+        // Chain residue of query residue i: homologue 0 has substitutions only (residue i);
+        // 2tpl_B's chain is homologue 1 after two extra residues (residue i + 2).
+        let (chain, shift) = if name == "1tpl_A" {
+            (homologue(0), 0usize)
+        } else {
+            let mut c = format!("MS{}", homologue(1));
+            let new = if &c[40..41] == "W" { "Y" } else { "W" };
+            c.replace_range(40..41, new);
+            (c, 2)
+        };
+        let mut placed = 0;
+        let mut previous = None;
+        for i in 0..n {
+            if masks.double_value(&[t, i, ca]) == 0.0 {
+                assert_eq!(aatype.int64_value(&[t, i]), 21, "{name}: residue {i} has no template residue");
+                continue;
+            }
+            // The chain residue whose Cα this is (x = 3.8 k + 0.6 sin 1).
+            let x = positions.double_value(&[t, i, ca, 0]);
+            let k = ((x - 0.6 * 1f64.sin()) / 3.8).round() as usize;
+            assert!(previous.is_none_or(|p| k > p), "{name}: residue {i} placed before residue {previous:?}");
+            previous = Some(k);
+            placed += (k == i as usize + shift) as usize;
+            let letter = fastfold::residue_constants::ID_TO_HHBLITS_AA[aatype.int64_value(&[t, i]) as usize];
+            assert_eq!(letter, chain.as_bytes()[k] as char, "{name}: residue {i}");
+            for (j, atom) in TEMPLATE_ATOMS.iter().enumerate() {
+                let a = fastfold::residue_constants::atom_order(atom).unwrap() as i64;
+                let expected = if letter == 'G' && *atom == "CB" { None } else { Some(template_atom(k, j)) };
+                assert_eq!(masks.double_value(&[t, i, a]) == 1.0, expected.is_some(), "{name} {i} {atom}");
+                if let Some(p) = expected {
+                    let got = Vec::<f32>::try_from(&positions.get(t).get(i).get(a)).unwrap();
+                    assert_eq!(got, p, "{name}: residue {i} atom {atom}");
+                }
+            }
+            // Only backbone and CB atoms exist in these entries.
+            assert_eq!(masks.get(t).get(i).sum(tch::Kind::Float).double_value(&[]), expected_atoms(letter));
+        }
+        assert!(placed >= 60, "{name}: only {placed} query residues have a template residue");
+    }
+}
+
+fn expected_atoms(letter: char) -> f64 {
+    if letter == 'G' {
+        4.0
+    } else {
+        5.0
+    }
 }

@@ -23,6 +23,11 @@ use data::{Error, Result};
 use tch::{Device, Kind, Tensor};
 
 use crate::residue_constants::{aatype_of, msa_class_of};
+use crate::search::templates::TemplateHitFeatures;
+
+/// Templates in a processed batch (AlphaFold's `max_templates`): fewer hits are padded with
+/// empty templates (mask 0), as `make_fixed_size` pads them.
+pub const MAX_TEMPLATES: usize = 4;
 
 pub use pipeline::process;
 
@@ -46,6 +51,10 @@ pub struct RawFeatures {
     pub deletion_matrix: Vec<Vec<f32>>,
     /// S, the number of distinct MSA rows.
     pub num_alignments: usize,
+    /// Template hits from the template search (best first, at most 20, as AlphaFold's
+    /// `TemplateHitFeaturizer` gives them), `None` when no template search ran; the first
+    /// [`MAX_TEMPLATES`] become the processed template features.
+    pub templates: Option<Vec<TemplateHitFeatures>>,
 }
 
 impl RawFeatures {
@@ -105,6 +114,7 @@ impl RawFeatures {
             num_alignments: rows.len(),
             msa: rows,
             deletion_matrix: deletions,
+            templates: None,
         })
     }
 }
@@ -294,8 +304,8 @@ pub struct Features {
     pub atom14_atom_exists: Tensor,
     /// [R, N, 37].
     pub atom37_atom_exists: Tensor,
-    /// Template features, when the batch has them (from `.npz` files of AlphaFold's pipeline;
-    /// this crate's own pipeline searches no templates).
+    /// Template features, when the batch has them (from the template search, or from `.npz`
+    /// files of AlphaFold's pipeline).
     pub templates: Option<TemplateFeatures>,
 }
 

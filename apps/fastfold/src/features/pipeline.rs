@@ -14,8 +14,9 @@ use data::{Error, Result};
 use tch::{Device, Kind, Tensor};
 
 use super::rng::Rng;
-use super::{FeatureConfig, Features, RawFeatures};
-use crate::residue_constants::Tables;
+use super::{FeatureConfig, Features, RawFeatures, TemplateFeatures, MAX_TEMPLATES};
+use crate::residue_constants::{aatype_of, atom_order, msa_class_of, Tables, ATOM_TYPE_NUM};
+use crate::search::templates::TemplateHitFeatures;
 
 /// MSA classes including the masked-MSA token (22).
 const MSA_CLASSES: i64 = 23;
@@ -311,6 +312,54 @@ pub fn process(raw: &RawFeatures, config: &FeatureConfig, seed: u64, device: Dev
         residx_atom37_to_atom14: repeat(&tables.atom37_to_atom14.index_select(0, &aatype), r),
         atom14_atom_exists: repeat(&tables.atom14_mask.index_select(0, &aatype), r),
         atom37_atom_exists: repeat(&tables.atom37_mask.index_select(0, &aatype), r),
-        templates: None,
+        templates: raw.templates.as_ref().map(|hits| templates(hits, n, r, device)).transpose()?,
+    })
+}
+
+/// The processed template features of `hits` (the first [`MAX_TEMPLATES`], padded to that
+/// many), repeated R times: as AlphaFold's `fix_templates_aatype` (residue types in our
+/// order, gaps 21), `make_template_mask` and `make_pseudo_beta` (Cβ, Cα for glycine) make them.
+fn templates(hits: &[TemplateHitFeatures], n: usize, r: i64, device: Device) -> Result<TemplateFeatures> {
+    let t = MAX_TEMPLATES;
+    let (ca, cb, gly) = (atom_order("CA").unwrap(), atom_order("CB").unwrap(), aatype_of('G') as i64);
+    let mut aatype = vec![0i64; t * n];
+    let mut positions = vec![0f32; t * n * ATOM_TYPE_NUM * 3];
+    let mut masks = vec![0f32; t * n * ATOM_TYPE_NUM];
+    let mut mask = vec![0f32; t];
+    let mut beta = vec![0f32; t * n * 3];
+    let mut beta_mask = vec![0f32; t * n];
+    for (k, hit) in hits.iter().take(t).enumerate() {
+        if hit.sequence.chars().count() != n || hit.positions.len() != n || hit.masks.len() != n {
+            return Err(Error::Format {
+                path: "<templates>".into(),
+                msg: format!("template {} does not have {n} residues", hit.domain_name),
+            });
+        }
+        mask[k] = 1.0;
+        for (i, c) in hit.sequence.chars().enumerate() {
+            let a = msa_class_of(c).ok_or_else(|| Error::Format {
+                path: "<templates>".into(),
+                msg: format!("template {}: {c:?} is not a residue", hit.domain_name),
+            })? as i64;
+            let at = k * n + i;
+            aatype[at] = a;
+            for j in 0..ATOM_TYPE_NUM {
+                positions[(at * ATOM_TYPE_NUM + j) * 3..][..3].copy_from_slice(&hit.positions[i][j]);
+                masks[at * ATOM_TYPE_NUM + j] = hit.masks[i][j];
+            }
+            let atom = if a == gly { ca } else { cb };
+            beta[at * 3..][..3].copy_from_slice(&hit.positions[i][atom]);
+            beta_mask[at] = hit.masks[i][atom];
+        }
+    }
+    let (t, n, k) = (t as i64, n as i64, ATOM_TYPE_NUM as i64);
+    let on = |v: Tensor, shape: &[i64]| repeat(&v.reshape(shape).to_device(device), r);
+    Ok(TemplateFeatures {
+        aatype: on(Tensor::from_slice(&aatype), &[t, n]),
+        all_atom_positions: on(Tensor::from_slice(&positions), &[t, n, k, 3]),
+        all_atom_masks: on(Tensor::from_slice(&masks), &[t, n, k]),
+        mask: on(Tensor::from_slice(&mask), &[t]),
+        pseudo_beta: on(Tensor::from_slice(&beta), &[t, n, 3]),
+        pseudo_beta_mask: on(Tensor::from_slice(&beta_mask), &[t, n]),
     })
 }

@@ -36,6 +36,24 @@ pub const BFD: &str = "bfd/bfd_metaclust_clu_complete_id30_c90_final_seq.sorted_
 pub const SMALL_BFD: &str = "small_bfd/bfd-first_non_consensus_sequences.fasta";
 /// UniRef30 (an HH-suite database prefix).
 pub const UNIREF30: &str = "uniref30/UniRef30_2021_03";
+/// pdb70 (an HH-suite database prefix), searched with hhsearch for templates.
+pub const PDB70: &str = "pdb70/pdb70";
+/// The PDB's chain sequences (FASTA), searched with hmmsearch for templates.
+pub const PDB_SEQRES: &str = "pdb_seqres/pdb_seqres.txt";
+/// The PDB's mmCIF files, `<pdb id>.cif`.
+pub const MMCIF_DIR: &str = "pdb_mmcif/mmcif_files";
+/// The PDB's list of obsolete entries and their successors.
+pub const OBSOLETE: &str = "pdb_mmcif/obsolete.dat";
+
+/// Which tool searches for templates.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum TemplateSearcher {
+    /// hhsearch against pdb70 (AlphaFold's monomer pipeline).
+    #[default]
+    Hhsearch,
+    /// hmmbuild and hmmsearch against pdb_seqres (AlphaFold-Multimer's pipeline).
+    Hmmsearch,
+}
 
 /// `--data-dir` and the per-database overrides.
 #[derive(clap::Args, Debug, Clone, Default)]
@@ -67,6 +85,26 @@ pub struct DatabaseArgs {
     /// <data-dir>/small_bfd/bfd-first_non_consensus_sequences.fasta).
     #[arg(long)]
     pub small_bfd_database_path: Option<PathBuf>,
+    /// pdb70, an HH-suite database prefix searched with hhsearch for templates (default:
+    /// <data-dir>/pdb70/pdb70; without it, and without that folder, no template search).
+    #[arg(long)]
+    pub pdb70_database_path: Option<PathBuf>,
+    /// hhsearch against pdb70 (AlphaFold's monomer search) or hmmsearch against pdb_seqres
+    /// (AlphaFold-Multimer's) for templates.
+    #[arg(long, value_enum, default_value = "hhsearch")]
+    pub template_searcher: TemplateSearcher,
+    /// The PDB's sequences for --template-searcher hmmsearch (default:
+    /// <data-dir>/pdb_seqres/pdb_seqres.txt; without it, and without that file, no template
+    /// search).
+    #[arg(long)]
+    pub pdb_seqres_database_path: Option<PathBuf>,
+    /// The templates' mmCIF files, <pdb id>.cif (default: <data-dir>/pdb_mmcif/mmcif_files).
+    #[arg(long)]
+    pub template_mmcif_dir: Option<PathBuf>,
+    /// The PDB's obsolete.dat: withdrawn templates dropped, replaced ones read from their
+    /// successor (default: <data-dir>/pdb_mmcif/obsolete.dat when it exists).
+    #[arg(long)]
+    pub obsolete_pdbs_path: Option<PathBuf>,
 }
 
 /// The third search of the preset.
@@ -78,6 +116,26 @@ pub enum Bfd {
     SmallBfd(PathBuf),
 }
 
+/// What the template search searches.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TemplateIndex {
+    /// pdb70 (an HH-suite database prefix), for hhsearch.
+    Pdb70(PathBuf),
+    /// pdb_seqres.txt (FASTA), for hmmsearch.
+    PdbSeqres(PathBuf),
+}
+
+/// The template search's databases.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TemplateDatabases {
+    /// pdb70 or pdb_seqres.
+    pub index: TemplateIndex,
+    /// The folder of `<pdb id>.cif` files.
+    pub mmcif_dir: PathBuf,
+    /// obsolete.dat, when there is one.
+    pub obsolete: Option<PathBuf>,
+}
+
 /// The databases one search uses, every path checked to exist.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Databases {
@@ -87,6 +145,8 @@ pub struct Databases {
     pub mgnify: PathBuf,
     /// BFD (and UniRef30) or the small BFD.
     pub bfd: Bfd,
+    /// pdb70 and the mmCIF files, when templates are searched for.
+    pub templates: Option<TemplateDatabases>,
 }
 
 impl DatabaseArgs {
@@ -99,6 +159,8 @@ impl DatabaseArgs {
                 &self.bfd_database_path,
                 &self.uniref30_database_path,
                 &self.small_bfd_database_path,
+                &self.pdb70_database_path,
+                &self.pdb_seqres_database_path,
             ]
             .iter()
             .any(|p| p.is_some())
@@ -136,6 +198,7 @@ impl DatabaseArgs {
                 Bfd::SmallBfd(path(&self.small_bfd_database_path, SMALL_BFD, "small-bfd-database-path", false))
             }
         };
+        let templates = self.templates(check, &mut missing);
         if !missing.is_empty() {
             bail!(
                 "homology search databases missing (--db-preset {}):\n  {}",
@@ -143,7 +206,58 @@ impl DatabaseArgs {
                 missing.join("\n  ")
             );
         }
-        Ok(Databases { uniref90, mgnify, bfd })
+        Ok(Databases { uniref90, mgnify, bfd, templates })
+    }
+
+    /// The template databases: searched when the searcher's database is given
+    /// (--pdb70-database-path, --pdb-seqres-database-path) or is in the data directory
+    /// (pdb70/pdb70, pdb_seqres/pdb_seqres.txt); then the mmCIF folder must exist too (with
+    /// `check`, what is missing is added to `missing`).
+    fn templates(&self, check: bool, missing: &mut Vec<String>) -> Option<TemplateDatabases> {
+        let default = |rel: &str| self.data_dir.as_ref().map(|d| d.join(rel));
+        let index = match self.template_searcher {
+            TemplateSearcher::Hhsearch => {
+                let pdb70 = match (&self.pdb70_database_path, default(PDB70)) {
+                    (Some(p), _) => p.clone(),
+                    (None, Some(p)) if hhsuite_database_exists(&p) => p,
+                    _ => return None,
+                };
+                if check && !hhsuite_database_exists(&pdb70) {
+                    missing.push(format!(
+                        "{} (--pdb70-database-path) is not an HH-suite database (no <prefix>_*.ffindex/.ffdata files)",
+                        pdb70.display()
+                    ));
+                }
+                TemplateIndex::Pdb70(pdb70)
+            }
+            TemplateSearcher::Hmmsearch => {
+                let seqres = match (&self.pdb_seqres_database_path, default(PDB_SEQRES)) {
+                    (Some(p), _) => p.clone(),
+                    (None, Some(p)) if p.is_file() => p,
+                    _ => return None,
+                };
+                if check && !seqres.is_file() {
+                    missing.push(format!("{} (--pdb-seqres-database-path) is not a file", seqres.display()));
+                }
+                TemplateIndex::PdbSeqres(seqres)
+            }
+        };
+        let mmcif_dir = match (self.template_mmcif_dir.clone(), default(MMCIF_DIR)) {
+            (Some(p), _) | (None, Some(p)) => p,
+            (None, None) => {
+                missing.push("--template-mmcif-dir (or --data-dir), for the template search".into());
+                PathBuf::new()
+            }
+        };
+        if check && !mmcif_dir.as_os_str().is_empty() && !mmcif_dir.is_dir() {
+            missing.push(format!("{} (--template-mmcif-dir) is not a folder", mmcif_dir.display()));
+        }
+        let obsolete = match (&self.obsolete_pdbs_path, default(OBSOLETE)) {
+            (Some(p), _) => Some(p.clone()),
+            (None, Some(p)) if p.is_file() => Some(p),
+            _ => None,
+        };
+        Some(TemplateDatabases { index, mmcif_dir, obsolete })
     }
 }
 

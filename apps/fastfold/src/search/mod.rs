@@ -7,10 +7,19 @@
 //! those files back instead of searching again. The three alignments are merged (duplicates
 //! dropped) into the MSA the features are made from. `--msa-mode mmseqs2` runs ColabFold's
 //! local MMseqs2 search instead ([`mmseqs`]), saved as `msas/mmseqs2_uniref_env.a3m`.
+//!
+//! Templates (with pdb70 in the data directory or `--pdb70-database-path`): the UniRef90
+//! alignment, as A3M, is searched against pdb70 with hhsearch (saved as `msas/pdb_hits.hhr`,
+//! reused as the alignments are), and the hits are featurised from the mmCIF files
+//! ([`templates`]).
 pub mod databases;
+pub mod hhr;
+pub mod hmmsearch;
+pub mod mmcif;
 pub mod mmseqs;
 pub mod msa;
 pub mod stockholm;
+pub mod templates;
 pub mod tools;
 
 use std::ffi::OsString;
@@ -21,6 +30,7 @@ use anyhow::{bail, Context};
 use data::a3m::Msa;
 
 use databases::{Bfd, DatabaseArgs, Databases};
+use hhr::TemplateHit;
 use mmseqs::MmseqsDatabases;
 use tools::{threads, Tool, WorkDir};
 
@@ -30,9 +40,17 @@ pub const UNIREF_MAX_HITS: usize = 10_000;
 pub const MGNIFY_MAX_HITS: usize = 501;
 /// Where ColabFold's search result is saved under `msas/`.
 const MMSEQS_FILE: &str = "mmseqs2_uniref_env.a3m";
-/// Threads AlphaFold gives jackhmmer and hhblits (`n_cpu`).
+/// Threads AlphaFold gives jackhmmer and hhblits (`n_cpu`), and hhsearch's own default.
 const JACKHMMER_CPUS: usize = 8;
 const HHBLITS_CPUS: usize = 4;
+const HHSEARCH_CPUS: usize = 2;
+const HMMSEARCH_CPUS: usize = 8;
+/// hmmsearch's thresholds in AlphaFold-Multimer's template search.
+const HMMSEARCH_FLAGS: [&str; 14] =
+    ["--F1", "0.1", "--F2", "0.1", "--F3", "0.1", "--incE", "100", "-E", "100", "--domE", "100", "--incdomE", "100"];
+/// Where the template search's hits are saved under `msas/` (AlphaFold's names).
+const PDB_HITS_FILE: &str = "pdb_hits.hhr";
+const PDB_HITS_STO: &str = "pdb_hits.sto";
 
 /// Which search finds the MSA.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -79,6 +97,23 @@ pub struct SearchArgs {
     /// The hhblits binary (default: `hhblits` on PATH).
     #[arg(long)]
     pub hhblits_binary_path: Option<PathBuf>,
+    /// The hhsearch binary (default: `hhsearch` on PATH).
+    #[arg(long)]
+    pub hhsearch_binary_path: Option<PathBuf>,
+    /// The hmmsearch binary (default: `hmmsearch` on PATH).
+    #[arg(long)]
+    pub hmmsearch_binary_path: Option<PathBuf>,
+    /// The hmmbuild binary (default: `hmmbuild` on PATH).
+    #[arg(long)]
+    pub hmmbuild_binary_path: Option<PathBuf>,
+    /// The kalign binary, which realigns a template whose chain changed since pdb70 was
+    /// built (default: `kalign` on PATH).
+    #[arg(long)]
+    pub kalign_binary_path: Option<PathBuf>,
+    /// Templates released after this date (YYYY-MM-DD) are not used (default: none is
+    /// excluded by date).
+    #[arg(long)]
+    pub max_template_date: Option<String>,
 }
 
 /// Whether a search may run the tools and write its results.
@@ -104,9 +139,22 @@ pub struct Search {
     plan: Plan,
     jackhmmer: Tool,
     hhblits: Tool,
+    hhsearch: Tool,
+    hmmsearch: Tool,
+    hmmbuild: Tool,
+    kalign: Tool,
     mmseqs: Tool,
+    max_template_date: String,
     cpus: Option<usize>,
     reuse: bool,
+}
+
+/// What the search found for one query.
+pub struct Found {
+    /// The merged MSA.
+    pub msa: Msa,
+    /// The featurised template hits (best first), `None` without a template search.
+    pub templates: Option<Vec<templates::TemplateHitFeatures>>,
 }
 
 impl SearchArgs {
@@ -119,6 +167,9 @@ impl SearchArgs {
         }
         if self.search_cpus == Some(0) {
             bail!("--search-cpus must be at least 1");
+        }
+        if let Some(date) = &self.max_template_date {
+            templates::check_date(date)?;
         }
         let check = mode == Mode::Search && !self.use_precomputed_msas;
         let plan = match self.msa_mode {
@@ -134,6 +185,12 @@ impl SearchArgs {
             plan,
             jackhmmer: Tool::new("jackhmmer", self.jackhmmer_binary_path.as_deref()),
             hhblits: Tool::new("hhblits", self.hhblits_binary_path.as_deref()),
+            hhsearch: Tool::new("hhsearch", self.hhsearch_binary_path.as_deref()),
+            hmmsearch: Tool::new("hmmsearch", self.hmmsearch_binary_path.as_deref()),
+            hmmbuild: Tool::new("hmmbuild", self.hmmbuild_binary_path.as_deref()),
+            kalign: Tool::new("kalign", self.kalign_binary_path.as_deref()),
+            // Later than any release date: no template is excluded by date.
+            max_template_date: self.max_template_date.clone().unwrap_or_else(|| "9999-12-31".into()),
             mmseqs: Tool::new("mmseqs", self.mmseqs_binary_path.as_deref()),
             cpus: self.search_cpus,
             reuse: self.use_precomputed_msas || mode == Mode::ReadSaved,
@@ -154,9 +211,10 @@ struct Step<'a> {
 }
 
 impl Search {
-    /// The merged MSA of `sequence` (the query named `name`), each database's alignment saved
-    /// in (or, reusing, read from) `msa_dir`; `mode` as [`SearchArgs::search`] was given.
-    pub fn run(&self, name: &str, sequence: &str, msa_dir: &Path, mode: Mode) -> anyhow::Result<Msa> {
+    /// The merged MSA of `sequence` (the query named `name`) and its templates, each
+    /// database's result saved in (or, reusing, read from) `msa_dir`; `mode` as
+    /// [`SearchArgs::search`] was given.
+    pub fn run(&self, name: &str, sequence: &str, msa_dir: &Path, mode: Mode) -> anyhow::Result<Found> {
         if mode == Mode::Search {
             std::fs::create_dir_all(msa_dir).with_context(|| format!("creating {}", msa_dir.display()))?;
         }
@@ -167,25 +225,29 @@ impl Search {
         let ctx = Ctx { search: self, query: &query, work: &work, msa_dir, mode };
         let db = match &self.plan {
             Plan::AlphaFold(db) => db,
-            Plan::Mmseqs(dbs) => return ctx.mmseqs(MMSEQS_FILE, dbs),
+            Plan::Mmseqs(dbs) => return Ok(Found { msa: ctx.mmseqs(MMSEQS_FILE, dbs)?, templates: None }),
         };
-        let uniref90 = ctx.jackhmmer(&Step {
+        let (uniref90, uniref90_sto) = ctx.jackhmmer(&Step {
             file: "uniref90_hits.sto",
             database: &db.uniref90,
             max_sequences: Some(UNIREF_MAX_HITS),
         })?;
-        let mgnify = ctx.jackhmmer(&Step {
+        let templates = match &db.templates {
+            Some(t) => Some(ctx.templates(sequence, &uniref90_sto, t)?),
+            None => None,
+        };
+        let (mgnify, _) = ctx.jackhmmer(&Step {
             file: "mgnify_hits.sto",
             database: &db.mgnify,
             max_sequences: Some(MGNIFY_MAX_HITS),
         })?;
         let bfd = match &db.bfd {
             Bfd::SmallBfd(path) => {
-                ctx.jackhmmer(&Step { file: "small_bfd_hits.sto", database: path, max_sequences: None })?
+                ctx.jackhmmer(&Step { file: "small_bfd_hits.sto", database: path, max_sequences: None })?.0
             }
             Bfd::Hhblits(paths) => ctx.hhblits("bfd_uniref_hits.a3m", paths)?,
         };
-        Ok(msa::merge(&[&uniref90, &bfd, &mgnify]))
+        Ok(Found { msa: msa::merge(&[&uniref90, &bfd, &mgnify]), templates })
     }
 }
 
@@ -222,8 +284,9 @@ impl Ctx<'_> {
     }
 
     /// jackhmmer against `step.database` with AlphaFold's settings (one iteration, E-value
-    /// 1e-4, its prefilter thresholds), the Stockholm output truncated and saved.
-    fn jackhmmer(&self, step: &Step) -> anyhow::Result<Msa> {
+    /// 1e-4, its prefilter thresholds), the Stockholm output truncated and saved; the
+    /// alignment and that text.
+    fn jackhmmer(&self, step: &Step) -> anyhow::Result<(Msa, String)> {
         let truncate = |text: &str| match step.max_sequences {
             Some(n) => stockholm::truncate(text, n),
             None => text.to_string(),
@@ -268,7 +331,131 @@ impl Ctx<'_> {
                 (self.save(step.file, &text)?, text)
             }
         };
-        Ok(stockholm::parse(&text, &path)?)
+        Ok((stockholm::parse(&text, &path)?, text))
+    }
+
+    /// The template search: the UniRef90 alignment `uniref90_sto` searched against pdb70
+    /// (hhsearch) or pdb_seqres (hmmsearch), its hits featurised for `sequence`. Hits
+    /// dropped are reported.
+    fn templates(
+        &self,
+        sequence: &str,
+        uniref90_sto: &str,
+        db: &databases::TemplateDatabases,
+    ) -> anyhow::Result<Vec<templates::TemplateHitFeatures>> {
+        let (hits, path) = match &db.index {
+            databases::TemplateIndex::Pdb70(pdb70) => self.hhsearch(uniref90_sto, pdb70)?,
+            databases::TemplateIndex::PdbSeqres(seqres) => self.hmmsearch(sequence, uniref90_sto, seqres)?,
+        };
+        let obsolete = match &db.obsolete {
+            Some(p) => templates::parse_obsolete(
+                &std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
+            ),
+            None => Default::default(),
+        };
+        let featurizer = templates::Featurizer {
+            mmcif_dir: db.mmcif_dir.clone(),
+            max_template_date: self.search.max_template_date.clone(),
+            obsolete,
+            kalign: self.search.kalign.clone(),
+            unique_sequences: matches!(db.index, databases::TemplateIndex::PdbSeqres(_)),
+        };
+        let result = featurizer.get_templates(sequence, &hits)?;
+        if self.mode == Mode::Search {
+            for warning in &result.warnings {
+                eprintln!("template search: {warning}");
+            }
+            let names: Vec<String> =
+                result.hits.iter().map(|h| format!("{} ({:.2})", h.domain_name, h.sum_probs)).collect();
+            eprintln!(
+                "template search: {} of {} hits in {} featurised: {}",
+                result.hits.len(),
+                hits.len(),
+                path.display(),
+                if names.is_empty() { "none".to_string() } else { names.join(", ") }
+            );
+        }
+        Ok(result.hits)
+    }
+
+    /// hmmbuild (`--hand --amino`) of the deduplicated UniRef90 alignment without its empty
+    /// columns, then hmmsearch of that model against `seqres` with AlphaFold-Multimer's
+    /// thresholds; the Stockholm result saved as `pdb_hits.sto`; its hits and that file.
+    fn hmmsearch(
+        &self,
+        sequence: &str,
+        uniref90_sto: &str,
+        seqres: &Path,
+    ) -> anyhow::Result<(Vec<TemplateHit>, PathBuf)> {
+        let (path, text) = match self.saved(PDB_HITS_STO)? {
+            Some(saved) => saved,
+            None => {
+                check_exists(seqres, "hmmsearch")?;
+                let source = self.msa_dir.join("uniref90_hits.sto");
+                let msa = stockholm::remove_empty_columns(&stockholm::deduplicate(uniref90_sto, &source)?);
+                let input = self.work.path().join("query.sto");
+                std::fs::write(&input, msa).with_context(|| format!("writing {}", input.display()))?;
+                let hmm = self.work.path().join("query.hmm");
+                let args: Vec<OsString> =
+                    vec!["--hand".into(), "--amino".into(), hmm.clone().into_os_string(), input.into_os_string()];
+                self.search.hmmbuild.run(&args, &source)?;
+                let out = self.work.path().join(PDB_HITS_STO);
+                let cpus = threads(self.search.cpus, HMMSEARCH_CPUS);
+                let mut args: Vec<OsString> = vec!["--noali".into(), "--cpu".into(), cpus.to_string().into()];
+                args.extend(HMMSEARCH_FLAGS.iter().map(OsString::from));
+                args.extend(["-A".into(), out.clone().into_os_string(), hmm.into_os_string(), seqres.into()]);
+                self.search.hmmsearch.run(&args, seqres)?;
+                let text = std::fs::read_to_string(&out).with_context(|| {
+                    format!("hmmsearch against {} wrote no alignment {}", seqres.display(), out.display())
+                })?;
+                (self.save(PDB_HITS_STO, &text)?, text)
+            }
+        };
+        // hmmsearch writes an empty file when nothing is found.
+        let hits = if text.trim().is_empty() {
+            Vec::new()
+        } else {
+            hmmsearch::parse(&stockholm::to_a3m(&text, &path, false)?, sequence, &path)?
+        };
+        Ok((hits, path))
+    }
+
+    /// hhsearch of the deduplicated UniRef90 alignment without its empty columns (as A3M) against pdb70 as AlphaFold
+    /// runs it (`-maxseq 1000000`), the result saved as `pdb_hits.hhr`; its hits and that file.
+    fn hhsearch(&self, uniref90_sto: &str, pdb70: &Path) -> anyhow::Result<(Vec<TemplateHit>, PathBuf)> {
+        let (path, text) = match self.saved(PDB_HITS_FILE)? {
+            Some(saved) => saved,
+            None => {
+                if !databases::hhsuite_database_exists(pdb70) {
+                    bail!("hhsearch database {} has no <prefix>_*.ffindex/.ffdata files", pdb70.display());
+                }
+                let a3m = self.work.path().join("uniref90_hits.a3m");
+                let source = self.msa_dir.join("uniref90_hits.sto");
+                let msa = stockholm::remove_empty_columns(&stockholm::deduplicate(uniref90_sto, &source)?);
+                let msa = stockholm::to_a3m(&msa, &source, true)?;
+                std::fs::write(&a3m, msa).with_context(|| format!("writing {}", a3m.display()))?;
+                let out = self.work.path().join(PDB_HITS_FILE);
+                let cpus = threads(self.search.cpus, HHSEARCH_CPUS);
+                let args: Vec<OsString> = vec![
+                    "-i".into(),
+                    a3m.into_os_string(),
+                    "-o".into(),
+                    out.clone().into_os_string(),
+                    "-maxseq".into(),
+                    "1000000".into(),
+                    "-cpu".into(),
+                    cpus.to_string().into(),
+                    "-d".into(),
+                    pdb70.into(),
+                ];
+                self.search.hhsearch.run(&args, pdb70)?;
+                let text = std::fs::read_to_string(&out).with_context(|| {
+                    format!("hhsearch against {} wrote no result {}", pdb70.display(), out.display())
+                })?;
+                (self.save(PDB_HITS_FILE, &text)?, text)
+            }
+        };
+        Ok((hhr::parse(&text, &path)?, path))
     }
 
     /// hhblits against `databases` with AlphaFold's settings (3 iterations, E-value 1e-3,
