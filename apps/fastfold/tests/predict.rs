@@ -3,9 +3,10 @@
 //! that chunking, DAP over 2 ranks, safetensors parameters and an equivalent features file all
 //! give the plain run's result; AlphaFold's presets set the MSA sizes and must match the
 //! parameters. Bad inputs are errors naming the flag, record or key.
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::OnceLock;
 
 use fastfold::features::{process, FeatureConfig, RawFeatures};
 use fastfold::input::InputArgs;
@@ -13,26 +14,12 @@ use fastfold::model::{EvoformerConfig, ModelConfig, Params};
 use fastfold::preset::Preset;
 use tch::{Device, Tensor};
 
-const BIN: &str = env!("CARGO_BIN_EXE_fastfold");
+use common::BIN;
 const SEQ_A: &str = "MKTAYIAKQRQISFVKSHFSRQ";
 const SEQ_B: &str = "GSWPEDLK";
 
 fn dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("fastfold-predict-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-/// One tiny parameter file shared by every test (drawn once: the draw uses torch's global
-/// generator, which parallel tests share).
-fn params_file() -> &'static Path {
-    static FILE: OnceLock<PathBuf> = OnceLock::new();
-    FILE.get_or_init(|| {
-        let path = dir("params").join("params_tiny.npz");
-        Params::random_model(&EvoformerConfig::tiny(), &ModelConfig::tiny(), 7).unwrap().save(&path).unwrap();
-        path
-    })
+    common::scratch("predict", name)
 }
 
 fn fasta(dir: &Path, records: &[(&str, &str)]) -> PathBuf {
@@ -69,7 +56,7 @@ fn predict_writes_pdb_confidence_and_raw_outputs() {
     let d = dir("files");
     let fa = fasta(&d, &[("first", SEQ_A), ("second/with:odd", SEQ_B)]);
     let out = d.join("out");
-    let params = params_file().to_str().unwrap();
+    let params = common::tiny_params().to_str().unwrap();
     let text = predict(&[
         fa.to_str().unwrap(),
         "--params",
@@ -139,7 +126,7 @@ fn chunking_dap_safetensors_and_a_features_file_give_the_plain_result() {
     let a3m = d.join("query.a3m");
     std::fs::write(&a3m, format!(">query\n{SEQ_A}\n>hit1\nMKTAYIAKQRQIS-VKSHFSRQ\n>hit2\nMKTAaYLAKQRQISFVKSHFcSRE\n>hit3\nMRTAYIAKQ--ISFVKAHFSRQ\n"))
         .unwrap();
-    let params = params_file().to_str().unwrap();
+    let params = common::tiny_params().to_str().unwrap();
     let run = |name: &str, extra: &[&str]| -> std::collections::HashMap<String, Tensor> {
         let out = d.join(name);
         let base = ["--recycles", "1", "--save-outputs", "-o", out.to_str().unwrap()];
@@ -154,7 +141,7 @@ fn chunking_dap_safetensors_and_a_features_file_give_the_plain_result() {
     assert!(ok, "{text}");
     let back = d.join("back.npz");
     assert!(fastfold(&["convert", safetensors.to_str().unwrap(), back.to_str().unwrap()]).0);
-    let original = outputs(params_file());
+    let original = outputs(common::tiny_params());
     let round = outputs(&back);
     assert_eq!(original.len(), round.len());
     for (k, t) in &original {
@@ -205,7 +192,7 @@ fn bf16_prediction_stays_in_range() {
     let d = dir("bf16");
     let fa = fasta(&d, &[("query", SEQ_B)]);
     let out = d.join("out");
-    let params = params_file().to_str().unwrap();
+    let params = common::tiny_params().to_str().unwrap();
     predict(&[
         fa.to_str().unwrap(),
         "--params",
@@ -225,7 +212,7 @@ fn bf16_prediction_stays_in_range() {
 #[test]
 fn bad_inputs_are_named() {
     let d = dir("bad");
-    let params = params_file().to_str().unwrap();
+    let params = common::tiny_params().to_str().unwrap();
     let out = d.join("out");
     let o = out.to_str().unwrap();
 
@@ -245,7 +232,7 @@ fn bad_inputs_are_named() {
     let (ok, text) = fastfold(&["predict", one.to_str().unwrap(), "--params", params, "--chunk-size", "0", "-o", o]);
     assert!(!ok && text.contains("--chunk-size"), "{text}");
 
-    let mut arrays = outputs(params_file());
+    let mut arrays = outputs(common::tiny_params());
     let key = "alphafold/alphafold_iteration/predicted_lddt_head/logits//weights";
     assert!(arrays.remove(key).is_some());
     let named: Vec<(String, Tensor)> = arrays.into_iter().collect();
@@ -282,7 +269,7 @@ fn presets_set_alphafold_msa_sizes_and_must_match_the_parameters() {
     // alignment of 1600 distinct rows: 512 clusters and 1024 extra rows.
     let d = dir("preset");
     let named = d.join("params_model_5_ptm.npz");
-    std::fs::copy(params_file(), &named).unwrap();
+    std::fs::copy(common::tiny_params(), &named).unwrap();
     let fa = fasta(&d, &[("q", SEQ_B)]);
     let letters: Vec<char> = "ACDEFGHIKLMNPQRSTVWY".chars().collect();
     let mut a3m = format!(">q\n{SEQ_B}\n");
@@ -315,14 +302,22 @@ fn presets_set_alphafold_msa_sizes_and_must_match_the_parameters() {
 
     // A preset that is not the parameters' network is an error naming where it came from.
     let wrong_name = d.join("params_model_3.npz");
-    std::fs::copy(params_file(), &wrong_name).unwrap();
+    std::fs::copy(common::tiny_params(), &wrong_name).unwrap();
     let out = d.join("out");
     let (fa, o) = (fa.to_str().unwrap(), out.to_str().unwrap());
     let (ok, text) = fastfold(&["predict", fa, "--params", wrong_name.to_str().unwrap(), "-o", o]);
     let expected = "params_model_3.npz is not model_3 (its file name): model_3 has no predicted-aligned-error head";
     assert!(!ok && text.contains(expected), "{text}");
-    let (ok, text) =
-        fastfold(&["predict", fa, "--params", params_file().to_str().unwrap(), "--preset", "model_1_ptm", "-o", o]);
+    let (ok, text) = fastfold(&[
+        "predict",
+        fa,
+        "--params",
+        common::tiny_params().to_str().unwrap(),
+        "--preset",
+        "model_1_ptm",
+        "-o",
+        o,
+    ]);
     assert!(!ok && text.contains("(--preset)") && text.contains("has a template embedding"), "{text}");
     assert!(!out.exists(), "nothing written after a failure");
 }
@@ -338,12 +333,12 @@ fn a_params_directory_runs_every_model_in_turn_ranked_by_ptm_with_timings() {
     let d = dir("models");
     let params = d.join("params");
     std::fs::create_dir_all(&params).unwrap();
-    std::fs::copy(params_file(), params.join("params_model_3_ptm.npz")).unwrap();
+    std::fs::copy(common::tiny_params(), params.join("params_model_3_ptm.npz")).unwrap();
     Params::random_model(&EvoformerConfig::tiny(), &ModelConfig::tiny(), 8)
         .unwrap()
         .save(params.join("params_model_5_ptm.safetensors"))
         .unwrap();
-    std::fs::copy(params_file(), params.join("other.npz")).unwrap();
+    std::fs::copy(common::tiny_params(), params.join("other.npz")).unwrap();
     let fa = fasta(&d, &[("first", SEQ_A), ("second", SEQ_B)]);
     let out = d.join("out");
     let (fa, p, o) = (fa.to_str().unwrap(), params.to_str().unwrap(), out.to_str().unwrap());
@@ -382,7 +377,8 @@ fn a_params_directory_runs_every_model_in_turn_ranked_by_ptm_with_timings() {
     assert_eq!(ranking["order"], serde_json::json!(["model_5_ptm"]));
     let (ok, text) = fastfold(&["predict", fa, "--params", p, "--models", "1", "-o", o]);
     assert!(!ok && text.contains("--models 1") && text.contains("no parameter file"), "{text}");
-    let (ok, text) = fastfold(&["predict", fa, "--params", params_file().to_str().unwrap(), "--models", "3", "-o", o]);
+    let (ok, text) =
+        fastfold(&["predict", fa, "--params", common::tiny_params().to_str().unwrap(), "--models", "3", "-o", o]);
     assert!(!ok && text.contains("--models 3") && text.contains("is a file"), "{text}");
 }
 
@@ -390,7 +386,7 @@ fn a_params_directory_runs_every_model_in_turn_ranked_by_ptm_with_timings() {
 fn recycling_stops_early_once_the_ca_distances_settle() {
     let d = dir("early");
     let fa = fasta(&d, &[("query", SEQ_B)]);
-    let params = params_file().to_str().unwrap();
+    let params = common::tiny_params().to_str().unwrap();
     let run = |name: &str, extra: &[&str]| {
         let out = d.join(name);
         let text = predict(

@@ -6,6 +6,8 @@
 //! found, no random sequence, residues and deletion counts where they must be), the merged
 //! MSA's depth in `features.npz`, the reuse of saved alignments, and the errors for a missing
 //! database, a missing tool, a failing tool and a malformed saved result.
+mod common;
+
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -15,7 +17,7 @@ use fastfold::model::{EvoformerConfig, ModelConfig, Params, TemplateConfig};
 use fastfold::search::stockholm;
 use tch::Tensor;
 
-const BIN: &str = env!("CARGO_BIN_EXE_fastfold");
+use common::BIN;
 const AA: &[u8] = b"ACDEFGHIKLMNPQRSTVWY";
 const QUERY: &str = "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQAPILSRVGDGTQDNLSGAEKAVQVKVKALPDAQFEVVH";
 /// Homologues with `INSERTION` after query residue 35, and with query residues 20..23 deleted.
@@ -24,19 +26,7 @@ const WITH_DELETION: [usize; 2] = [5, 11];
 const INSERTION: &str = "GSGSG";
 
 fn dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("fastfold-search-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn params_file() -> &'static Path {
-    static FILE: OnceLock<PathBuf> = OnceLock::new();
-    FILE.get_or_init(|| {
-        let path = dir("params").join("params_tiny.npz");
-        Params::random_model(&EvoformerConfig::tiny(), &ModelConfig::tiny(), 7).unwrap().save(&path).unwrap();
-        path
-    })
+    common::scratch("search", name)
 }
 
 /// Tiny parameters with a template embedding (as `model_1`/`model_2` have one).
@@ -172,7 +162,7 @@ fn mmseqs_db(prefix: &Path, fasta: &str) {
 
 /// Runs `fastfold predict` on the query; returns (success, stdout + stderr).
 fn predict(root: &Path, extra: &[&str]) -> (bool, String) {
-    predict_records(root, "out", &[("query", QUERY)], params_file(), extra)
+    predict_records(root, "out", &[("query", QUERY)], common::tiny_params(), extra)
 }
 
 /// Runs `fastfold predict` on `records` (name, sequence) into `root/out`; returns (success,
@@ -337,7 +327,7 @@ fn two_records_on_two_ranks_search_once_each_and_match_one_rank() {
     let records = [("query", QUERY), ("second", second.as_str())];
     let common = ["--data-dir", data.to_str().unwrap(), "--db-preset", "reduced_dbs", "--save-outputs"];
     for (out, extra) in [("one", &[][..]), ("two", &["--nproc", "2"][..])] {
-        let (ok, text) = predict_records(&root, out, &records, params_file(), &[&common[..], extra].concat());
+        let (ok, text) = predict_records(&root, out, &records, common::tiny_params(), &[&common[..], extra].concat());
         assert!(ok, "{out}: {text}");
     }
     for (name, seq) in records {

@@ -2,6 +2,8 @@
 //! (embedders, stacks under DAP, structure module, heads) on 2 ranks equal one process's; the
 //! `train` command lowers the loss, writes its log and parameters, and names a target that
 //! does not fit the input.
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -16,15 +18,12 @@ use fastfold::train::{Target, Trainer};
 use suite_tests::{dist_test, TestResult};
 use tch::{Device, Tensor};
 
-const BIN: &str = env!("CARGO_BIN_EXE_fastfold");
+use common::BIN;
 const SEQ: &str = "MKTAYIAKGRQISF";
 const A3M: &str = ">query\nMKTAYIAKGRQISF\n>h1\nMKTAYLAKGRQISF\n>h2\nMRTAYIAK-RQISW\n>h3\nMKSAYIAKGRQLSF\n>h4\nAKTAYIPKGRQISF\n>h5\nMKTAY--KGRQISY\n";
 
 fn dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("fastfold-train-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    common::scratch("train", name)
 }
 
 /// An ideal-ish alpha helix (3.6 residues per turn, 1.5 Å rise) with N, CA, C, O and CB atoms.
