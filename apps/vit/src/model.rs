@@ -7,6 +7,8 @@
 //! [`Layers`] factory: [`Serial`] makes `nn::Linear`s; `crate::tensor_parallel` makes
 //! Megatron's column/row-parallel layers, and the same code then computes this rank's share of
 //! the heads and of the MLP's hidden features.
+use std::rc::Rc;
+
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
@@ -257,8 +259,9 @@ impl Attention {
     }
 }
 
+/// A pre-norm transformer block.
 #[derive(Debug)]
-struct Block {
+pub struct Block {
     norm1: Box<dyn Layer>,
     attn: Attention,
     norm2: Box<dyn Layer>,
@@ -285,17 +288,89 @@ impl Block {
     }
 }
 
+/// The patch embedding with the class and position tokens: images to the residual stream.
+#[derive(Debug)]
+pub struct Embedding {
+    patch_embed: nn::Conv2D,
+    cls_token: Tensor,
+    pos_embed: Tensor,
+    region: Rc<dyn Region>,
+}
+
+impl Embedding {
+    fn forward(&self, images: &Tensor) -> anyhow::Result<Tensor> {
+        let b = images.size()[0];
+        let x = self.patch_embed.forward(images).f_flatten(2, -1)?.f_transpose(1, 2)?;
+        let cls = self.cls_token.f_expand([b, -1, -1], false)?.f_to_kind(x.kind())?;
+        self.region.enter(Tensor::f_cat(&[cls, x], 1)?.f_add(&self.pos_embed)?)
+    }
+}
+
+/// The final norm and the classifier on the class token: the residual stream to logits.
+#[derive(Debug)]
+pub struct Head {
+    region: Rc<dyn Region>,
+    norm: nn::LayerNorm,
+    head: nn::Linear,
+}
+
+impl Head {
+    fn forward(&self, x: &Tensor) -> anyhow::Result<Tensor> {
+        let x = self.region.leave(x.shallow_clone())?;
+        Ok(Module::forward(&self.head, &Module::forward(&self.norm, &x).f_select(1, 0)?))
+    }
+}
+
+/// One of the model's parts in the order they run: the embedding, each block, the head. A
+/// pipeline cuts the model between parts.
+#[derive(Debug)]
+pub enum Part {
+    /// Images to the residual stream (`patch_embed`, `cls_token`, `pos_embed`).
+    Embedding(Embedding),
+    /// Block `i` (`blocks.{i}`).
+    Block(i64, Block),
+    /// The residual stream to logits (`norm`, `head`).
+    Head(Head),
+}
+
+impl Part {
+    /// The part applied to its input (images for the embedding, the residual stream else).
+    pub fn forward(&self, x: &Tensor) -> anyhow::Result<Tensor> {
+        match self {
+            Part::Embedding(e) => e.forward(x),
+            Part::Block(_, b) => b.forward(x),
+            Part::Head(h) => h.forward(x),
+        }
+    }
+
+    /// Whether parameter `name` (timm's name) belongs to this part.
+    pub fn owns(&self, name: &str) -> bool {
+        let first = name.split('.').next().unwrap_or(name);
+        match self {
+            Part::Embedding(_) => matches!(first, "patch_embed" | "cls_token" | "pos_embed"),
+            Part::Block(i, _) => name.strip_prefix("blocks.").and_then(|r| r.split_once('.')).map(|(n, _)| n)
+                == Some(i.to_string().as_str()),
+            Part::Head(_) => matches!(first, "norm" | "head"),
+        }
+    }
+
+    /// The part's name, for printing a split.
+    pub fn name(&self) -> String {
+        match self {
+            Part::Embedding(_) => "embedding".to_string(),
+            Part::Block(i, _) => format!("blocks.{i}"),
+            Part::Head(_) => "head".to_string(),
+        }
+    }
+}
+
 /// A Vision Transformer classifier.
 #[derive(Debug)]
 pub struct Vit {
     cfg: VitConfig,
-    patch_embed: nn::Conv2D,
-    cls_token: Tensor,
-    pos_embed: Tensor,
-    region: Box<dyn Region>,
+    embedding: Embedding,
     blocks: Vec<Block>,
-    norm: nn::LayerNorm,
-    head: nn::Linear,
+    head: Head,
 }
 
 impl Vit {
@@ -309,22 +384,19 @@ impl Vit {
     pub fn build(p: &nn::Path, cfg: VitConfig, layers: &dyn Layers) -> anyhow::Result<Vit> {
         let conv = nn::ConvConfig { stride: cfg.patch_size, ..Default::default() };
         let tokens = cfg.num_patches() + 1;
+        let region: Rc<dyn Region> = layers.region().into();
         // Created in this order (libtorch's generator draws each in turn): the seed's weights.
-        let patch_embed = nn::conv2d(p / "patch_embed" / "proj", cfg.in_channels, cfg.width, cfg.patch_size, conv);
-        let cls_token = p.var("cls_token", &[1, 1, cfg.width], nn::Init::Randn { mean: 0.0, stdev: 1e-6 });
-        let pos_embed = p.var("pos_embed", &[1, tokens, cfg.width], nn::Init::Randn { mean: 0.0, stdev: 0.02 });
+        let embedding = Embedding {
+            patch_embed: nn::conv2d(p / "patch_embed" / "proj", cfg.in_channels, cfg.width, cfg.patch_size, conv),
+            cls_token: p.var("cls_token", &[1, 1, cfg.width], nn::Init::Randn { mean: 0.0, stdev: 1e-6 }),
+            pos_embed: p.var("pos_embed", &[1, tokens, cfg.width], nn::Init::Randn { mean: 0.0, stdev: 0.02 }),
+            region: region.clone(),
+        };
         let blocks =
             (0..cfg.depth).map(|i| Block::new(p / "blocks" / i, &cfg, layers)).collect::<anyhow::Result<_>>()?;
-        Ok(Vit {
-            patch_embed,
-            cls_token,
-            pos_embed,
-            region: layers.region(),
-            blocks,
-            norm: layer_norm(p / "norm", cfg.width),
-            head: linear(p / "head", cfg.width, cfg.num_classes),
-            cfg,
-        })
+        let head =
+            Head { region, norm: layer_norm(p / "norm", cfg.width), head: linear(p / "head", cfg.width, cfg.num_classes) };
+        Ok(Vit { cfg, embedding, blocks, head })
     }
 
     /// The architecture.
@@ -334,15 +406,17 @@ impl Vit {
 
     /// Logits `[batch, classes]` for images `[batch, channels, size, size]`.
     pub fn forward(&self, images: &Tensor) -> anyhow::Result<Tensor> {
-        let b = images.size()[0];
-        let x = self.patch_embed.forward(images).f_flatten(2, -1)?.f_transpose(1, 2)?;
-        let cls = self.cls_token.f_expand([b, -1, -1], false)?.f_to_kind(x.kind())?;
-        let mut x = self.region.enter(Tensor::f_cat(&[cls, x], 1)?.f_add(&self.pos_embed)?)?;
+        let mut x = self.embedding.forward(images)?;
         for block in &self.blocks {
             x = block.forward(&x)?;
         }
-        let x = self.region.leave(x)?;
-        Ok(Module::forward(&self.head, &Module::forward(&self.norm, &x).f_select(1, 0)?))
+        self.head.forward(&x)
+    }
+
+    /// The model's parts in the order they run (running them in turn is [`Vit::forward`]).
+    pub fn into_parts(self) -> Vec<Part> {
+        let blocks = self.blocks.into_iter().zip(0..).map(|(b, i)| Part::Block(i, b));
+        std::iter::once(Part::Embedding(self.embedding)).chain(blocks).chain([Part::Head(self.head)]).collect()
     }
 }
 
