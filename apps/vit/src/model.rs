@@ -348,8 +348,10 @@ impl Part {
         let first = name.split('.').next().unwrap_or(name);
         match self {
             Part::Embedding(_) => matches!(first, "patch_embed" | "cls_token" | "pos_embed"),
-            Part::Block(i, _) => name.strip_prefix("blocks.").and_then(|r| r.split_once('.')).map(|(n, _)| n)
-                == Some(i.to_string().as_str()),
+            Part::Block(i, _) => {
+                name.strip_prefix("blocks.").and_then(|r| r.split_once('.')).map(|(n, _)| n)
+                    == Some(i.to_string().as_str())
+            }
             Part::Head(_) => matches!(first, "norm" | "head"),
         }
     }
@@ -394,8 +396,11 @@ impl Vit {
         };
         let blocks =
             (0..cfg.depth).map(|i| Block::new(p / "blocks" / i, &cfg, layers)).collect::<anyhow::Result<_>>()?;
-        let head =
-            Head { region, norm: layer_norm(p / "norm", cfg.width), head: linear(p / "head", cfg.width, cfg.num_classes) };
+        let head = Head {
+            region,
+            norm: layer_norm(p / "norm", cfg.width),
+            head: linear(p / "head", cfg.width, cfg.num_classes),
+        };
         Ok(Vit { cfg, embedding, blocks, head })
     }
 

@@ -129,7 +129,7 @@ pub enum Model {
     /// Every part, run in turn.
     Whole(Vit),
     /// This rank's pipeline stages.
-    Stages(Box<Stages>),
+    Stages(Stages),
 }
 
 impl Model {
@@ -153,7 +153,7 @@ impl Model {
         let stages = Stages::new(model, vs, params, sharding, pp, args, micro_batches, device, announce)?;
         let mine = stages.pipe.params().iter().map(|p| p.name.clone()).collect::<Vec<_>>();
         let params = sharding.params(vs).into_iter().filter(|p| mine.contains(&p.name)).collect();
-        Ok((Model::Stages(Box::new(stages)), params))
+        Ok((Model::Stages(stages), params))
     }
 
     /// `parallel` (this rank's parameters' data-parallel wiring) made aware of the other
@@ -232,7 +232,10 @@ impl Stages {
             )
         })?;
         if announce {
-            println!("pipeline: {} schedule, {p} ranks x {v} virtual stage(s), {micro_batches} micro-batches", pick.kind().name());
+            println!(
+                "pipeline: {} schedule, {p} ranks x {v} virtual stage(s), {micro_batches} micro-batches",
+                pick.kind().name()
+            );
             // Virtual stage s runs on pipeline rank s % pp.
             for (s, (line, range)) in cut.to_string().lines().zip(&cut.ranges).enumerate() {
                 println!("  {line} on pipeline rank {}: {}", s % p, names[range.clone()].join(", "));
@@ -259,7 +262,11 @@ impl Stages {
     /// One step's micro-batches (`(images, soft targets)`, every one the same size) forward and
     /// backward through the pipeline; gradients are left local for `parallel.step` to reduce.
     /// Returns the mean loss on the rank holding the last stage, `None` elsewhere.
-    pub fn forward_backward(&mut self, parallel: &Parallelized, micro: &[(Tensor, Tensor)]) -> anyhow::Result<Option<f64>> {
+    pub fn forward_backward(
+        &mut self,
+        parallel: &Parallelized,
+        micro: &[(Tensor, Tensor)],
+    ) -> anyhow::Result<Option<f64>> {
         parallel.set_sync(false)?;
         let inputs: Vec<Tensor> = micro.iter().map(|(x, _)| x.shallow_clone()).collect();
         let scaler = parallel.scaler();

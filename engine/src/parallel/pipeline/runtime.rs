@@ -511,7 +511,12 @@ impl Pipeline {
 /// sizes.
 fn header_of(out: &Tensor, stage: usize) -> Result<Vec<i64>> {
     let shape = out.size();
-    ensure!(shape.len() + 2 <= HEADER, "stage {stage} outputs {} dimensions; at most {} cross", shape.len(), HEADER - 2);
+    ensure!(
+        shape.len() + 2 <= HEADER,
+        "stage {stage} outputs {} dimensions; at most {} cross",
+        shape.len(),
+        HEADER - 2
+    );
     let mut values = vec![0i64; HEADER];
     values[0] = shape.len() as i64;
     values[1] = code_of(out.kind())?;
