@@ -6,7 +6,9 @@
 //! The model is written once, serially. Its four linear layers per block come from a
 //! [`Layers`] factory: [`Serial`] makes `nn::Linear`s; `crate::tensor_parallel` makes
 //! Megatron's column/row-parallel layers, and the same code then computes this rank's share of
-//! the heads and of the MLP's hidden features.
+//! the heads and of the MLP's hidden features. [`Vit::into_parts`] gives the model as its parts
+//! in running order (the embedding, each block, the head): the units `crate::pipeline_parallel`
+//! cuts into stages.
 use std::rc::Rc;
 
 use tch::nn::{self, Module};

@@ -253,7 +253,11 @@ impl Stages {
             Ok(())
         })?;
         let schedule = Schedule::new(pick.kind(), p, micro_batches, v).map_err(|e| {
-            anyhow::anyhow!("--pp {p} --schedule {} with {micro_batches} micro-batches per step (the per-replica batch over --micro-batch): {e}", pick.kind().name())
+            let flag = clap::ValueEnum::to_possible_value(&pick).map_or_else(String::new, |v| v.get_name().to_string());
+            anyhow::anyhow!(
+                "--pp {p} --schedule {flag} with {micro_batches} micro-batches per step (the per-replica batch over \
+                 --micro-batch): {e}"
+            )
         })?;
         let pipe = Pipeline::new(pp, chunks, schedule, device)?;
         Ok(Stages { pipe, pp: pp.clone(), full_shapes })

@@ -1,5 +1,5 @@
-//! `vit pretrain --pp`: every schedule on 2 stages, pp x dp with ZeRO-1 and pp x tp on 4
-//! ranks, against one process (losses, every weight and the validation accuracy; fp32,
+//! `vit pretrain --pp`: every schedule on 2 stages (and fp16 with its loss scaler), pp x dp with
+//! ZeRO-1 and pp x tp on 4 ranks, against one process (losses, every weight and the validation accuracy; fp32,
 //! relative 1e-5, with LAMB and clipping, whose norms span the stages), checkpoints moving
 //! between pp=2 and pp=1, and layouts that do not fit.
 mod common;
@@ -26,6 +26,11 @@ dist_test!(pp_2_matches_one_process_under_every_schedule, 2, |world| {
         let pp = pretrain(&args(&format!("{line} --pp 2 --schedule {schedule}")), world)?;
         equal_runs(&pp, &one, &format!("pp=2 {schedule} vs 1 process"));
     }
+    // fp16: the loss scaled on the last stage, the overflow check over every stage.
+    let line = format!("{line} --precision fp16");
+    let one = pretrain(&args(&line), &single())?;
+    let pp = pretrain(&args(&format!("{line} --pp 2")), world)?;
+    equal_runs(&pp, &one, "pp=2 fp16 vs 1 process");
     TestResult::Ok(())
 });
 
