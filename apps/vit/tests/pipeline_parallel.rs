@@ -34,14 +34,16 @@ dist_test!(pp_2_matches_one_process_under_every_schedule, 2, |world| {
     TestResult::Ok(())
 });
 
-dist_test!(pp_2_by_dp_2_with_zero_1_and_pp_2_by_tp_2_match_one_process, 4, |world| {
-    // Per replica 16 examples in 4 micro-batches of 4 (pp x dp); 32 in 8 (pp x tp).
-    let line = format!("--steps 4 --micro-batch 4 {OPT}");
+dist_test!(pp_2_by_dp_2_with_zero_1_and_pp_2_by_tp_2_with_sp_match_one_process, 4, |world| {
+    // Per replica 16 examples in 4 micro-batches of 4 (pp x dp); 32 in 8 (pp x tp). 6x6 images
+    // in 2x2 patches: 9 patches and the class token, 5 tokens per rank under sequence
+    // parallelism, which is what crosses the stages then.
+    let line = format!("--steps 4 --micro-batch 4 --image-size 6 {OPT}");
     let one = pretrain(&args(&line), &single())?;
     let dp = pretrain(&args(&format!("{line} --pp 2 --zero 1")), world)?;
     equal_runs(&dp, &one, "pp=2 x dp=2 with ZeRO-1 vs 1 process");
-    let tp = pretrain(&args(&format!("{line} --pp 2 --tp 2 --schedule interleaved")), world)?;
-    equal_runs(&tp, &one, "pp=2 x tp=2 interleaved vs 1 process");
+    let tp = pretrain(&args(&format!("{line} --pp 2 --tp 2 --sequence-parallel --schedule interleaved")), world)?;
+    equal_runs(&tp, &one, "pp=2 x tp=2 with sequence parallelism, interleaved, vs 1 process");
     TestResult::Ok(())
 });
 
