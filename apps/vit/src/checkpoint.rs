@@ -1,5 +1,5 @@
 //! Training checkpoints under `--out`: `checkpoint-<step>/` holds the model (`model.safetensors`,
-//! fp32, full tensors under timm's names at any `--tp`), the optimizer state by parameter
+//! fp32, full tensors under timm's names at any `--tp` and `--pp`), the optimizer state by parameter
 //! name (`optimizer-rank<r>.safetensors`, one per ZeRO shard; one file when the state is
 //! replicated) and `trainer.json` (the step, the loss scaler, and the settings a resume
 //! must agree with). [`data::checkpoint_folders`] stages and commits the folder and switches
@@ -28,6 +28,9 @@ pub struct TrainerState {
     /// Tensor-parallel ranks (checkpoints from before `--tp` existed were made at 1).
     #[serde(default = "one")]
     pub tp: usize,
+    /// Pipeline stages (checkpoints from before `--pp` existed were made at 1).
+    #[serde(default = "one")]
+    pub pp: usize,
     /// Optimizer name.
     pub optimizer: String,
     /// Global batch.
@@ -47,7 +50,7 @@ pub struct TrainerState {
 impl TrainerState {
     /// Errors naming the first setting in which `self` (the checkpoint) and `run` differ.
     pub fn check_matches(&self, run: &TrainerState) -> anyhow::Result<()> {
-        // The number of ranks, the ZeRO stage and --tp may change: weights and optimizer state
+        // The number of ranks, the ZeRO stage, --tp and --pp may change: weights and optimizer state
         // are stored whole by parameter name, and each rank takes (and slices) its own.
         let pairs = [
             ("--optimizer", self.optimizer.clone(), run.optimizer.clone()),

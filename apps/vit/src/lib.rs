@@ -1,5 +1,5 @@
 //! Vision Transformer pretraining: the model, batch arithmetic, data sets and transforms, the
-//! training loop with its tensor-parallel layout, checkpoints and metrics, evaluation, and the benchmark.
+//! training loop with its tensor- and pipeline-parallel layouts, checkpoints and metrics, evaluation, and the benchmark.
 pub mod batch;
 pub mod bench;
 pub mod checkpoint;
@@ -8,6 +8,7 @@ pub mod eval;
 pub mod metrics;
 pub mod model;
 pub mod multi_dim;
+pub mod pipeline_parallel;
 pub mod sequence_parallel;
 pub mod tensor_parallel;
 pub mod train;

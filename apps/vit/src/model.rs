@@ -11,6 +11,10 @@
 //! Megatron's column/row-parallel layers or the 2D/2.5D/3D layers (`crate::multi_dim`), and
 //! `crate::sequence_parallel` ring or all-to-all attention, and the same code then computes
 //! this rank's share of the heads, the hidden features, the batch or the tokens.
+//! [`Vit::into_parts`] gives the model as its parts in running order (the stem, each block,
+//! the head; see [`Part`]): the units `crate::pipeline_parallel` cuts into stages.
+use std::rc::Rc;
+
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
@@ -373,8 +377,9 @@ impl Attention {
     }
 }
 
+/// A pre-norm transformer block.
 #[derive(Debug)]
-struct Block {
+pub struct Block {
     norm1: Box<dyn Layer>,
     attn: Attention,
     norm2: Box<dyn Layer>,
@@ -398,6 +403,53 @@ impl Block {
         let x = x + self.attn.forward(&self.norm1.forward(x)?)?;
         let h = self.fc1.forward(&self.norm2.forward(&x)?)?.f_gelu("none")?;
         Ok(&x + self.fc2.forward(&h)?)
+    }
+}
+
+/// One of the model's parts in the order they run: the stem, each block, the head. A
+/// pipeline cuts the model between parts; the region the blocks see is entered after the stem
+/// and left before the head, so running the parts in turn is [`Vit::forward`].
+#[derive(Debug)]
+pub enum Part {
+    /// Images to the residual stream as the blocks hold it (`patch_embed`, `cls_token`,
+    /// `pos_embed`).
+    Stem(Box<dyn Stem>, Rc<dyn Region>),
+    /// Block `i` (`blocks.{i}`).
+    Block(i64, Block),
+    /// The blocks' residual stream to logits (`norm`, `head`).
+    Head(Rc<dyn Region>, Box<dyn Head>),
+}
+
+impl Part {
+    /// The part applied to its input (images for the stem, the residual stream else).
+    pub fn forward(&self, x: &Tensor) -> anyhow::Result<Tensor> {
+        match self {
+            Part::Stem(stem, region) => region.enter(stem.forward(x)?),
+            Part::Block(_, b) => b.forward(x),
+            Part::Head(region, head) => head.forward(&region.leave(x.shallow_clone())?),
+        }
+    }
+
+    /// Whether parameter `name` (timm's name) belongs to this part.
+    pub fn owns(&self, name: &str) -> bool {
+        let first = name.split('.').next().unwrap_or(name);
+        match self {
+            Part::Stem(..) => matches!(first, "patch_embed" | "cls_token" | "pos_embed"),
+            Part::Block(i, _) => {
+                name.strip_prefix("blocks.").and_then(|r| r.split_once('.')).map(|(n, _)| n)
+                    == Some(i.to_string().as_str())
+            }
+            Part::Head(..) => matches!(first, "norm" | "head"),
+        }
+    }
+
+    /// The part's name, for printing a split.
+    pub fn name(&self) -> String {
+        match self {
+            Part::Stem(..) => "stem".to_string(),
+            Part::Block(i, _) => format!("blocks.{i}"),
+            Part::Head(..) => "head".to_string(),
+        }
     }
 }
 
@@ -445,6 +497,16 @@ impl Vit {
             x = block.forward(&x)?;
         }
         self.head.forward(&self.region.leave(x)?)
+    }
+
+    /// The model's parts in the order they run (running them in turn is [`Vit::forward`]).
+    pub fn into_parts(self) -> Vec<Part> {
+        let region: Rc<dyn Region> = self.region.into();
+        let blocks = self.blocks.into_iter().zip(0..).map(|(b, i)| Part::Block(i, b));
+        std::iter::once(Part::Stem(self.stem, region.clone()))
+            .chain(blocks)
+            .chain([Part::Head(region, self.head)])
+            .collect()
     }
 }
 

@@ -1,7 +1,8 @@
 //! `vit pretrain`: data-parallel ViT training with LAMB, LARS or AdamW, linear warmup then
 //! cosine decay, gradient accumulation, ZeRO 1/2, mixed precision, mixup and label smoothing,
 //! tensor parallelism (`--tp`, 1D/2D/2.5D/3D) and sequence parallelism (`--sp`), combined with
-//! data parallelism over the rest of the ranks, checkpoints with exact resume at any layout.
+//! data parallelism over the rest of the ranks, pipeline parallelism (`--pp`, see
+//! [`crate::pipeline_parallel`]), checkpoints with exact resume at any layout.
 //!
 //! One step: each rank runs `accumulation` micro-batches forward and backward (gradients
 //! synchronised only on the last, as the buckets fill), then optional unscaling (fp16), global
@@ -32,7 +33,8 @@ use crate::checkpoint::{self, TrainerState};
 use crate::datasets::{probe, DataArgs, Splits, Transforms};
 use crate::metrics::Record;
 use crate::model::{correct_top_k, Vit, VitConfig};
-use crate::tensor_parallel::{Mesh, ParallelArgs, Sharding};
+use crate::pipeline_parallel::{self, Model, PipelineArgs};
+use crate::tensor_parallel::{ParallelArgs, Sharding};
 
 /// Keys mixup's draws apart from the other streams of the same seed.
 const MIXUP_STREAM: u64 = 0x6d69_7875_7000;
@@ -106,6 +108,9 @@ pub struct PretrainArgs {
     /// (--tp above 1) use libtorch's.
     #[arg(long, value_enum)]
     pub kernels: Option<kernels::Backend>,
+    /// Pipeline parallelism: --pp, --schedule, --virtual-stages.
+    #[command(flatten)]
+    pub pipeline: PipelineArgs,
     /// ZeRO stage: 0 (plain data parallel), 1 (sharded optimizer state), 2 (and gradients).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
     pub zero: u8,
@@ -138,8 +143,8 @@ pub struct PretrainArgs {
 
 /// What a run ended with.
 pub struct Trained {
-    /// The model (the model's precision; under --tp this rank's slices; see `weights` for full
-    /// fp32 tensors).
+    /// The model (the model's precision; under --tp this rank's slices, under --pp its stages'
+    /// weights, the others empty; see `weights` for full fp32 tensors).
     pub vs: VarStore,
     /// The fp32 weights by name (master weights under mixed precision).
     pub weights: Vec<(String, Tensor)>,
@@ -205,7 +210,7 @@ pub fn evaluate(
 }
 
 /// Soft-target cross-entropy: mean over the batch of -sum(target * log_softmax(logits)).
-fn soft_cross_entropy(logits: &Tensor, targets: &Tensor) -> Tensor {
+pub(crate) fn soft_cross_entropy(logits: &Tensor, targets: &Tensor) -> Tensor {
     -(logits.log_softmax(1, Kind::Float) * targets).sum_dim_intlist(1, false, Kind::Float).mean(Kind::Float)
 }
 
@@ -238,7 +243,7 @@ pub struct Trainer<'a> {
     /// The blocks' split over the tensor-parallel group.
     sharding: Sharding,
     vs: VarStore,
-    model: Vit,
+    model: Model,
     parallel: Parallelized,
     loader: Option<Loader>,
     step: usize,
@@ -248,7 +253,7 @@ impl<'a> Trainer<'a> {
     /// The data, the model (the same initial weights on every rank from the seed) and its
     /// parallel wiring; an impossible batch split or an unknown model is an error naming it.
     pub fn new(args: &'a PretrainArgs, world: &'a World) -> anyhow::Result<Trainer<'a>> {
-        let mesh = Mesh::new(world, &args.parallel)?;
+        let (pp, mesh) = pipeline_parallel::mesh(world, &args.pipeline, &args.parallel)?;
         let (dp, ranks) = (mesh.data.clone(), mesh.data.size());
         let plan = BatchPlan::new(args.batch, ranks, args.micro_batch, 256).map_err(anyhow::Error::msg)?;
         if args.resume && args.out.is_none() {
@@ -314,6 +319,16 @@ impl<'a> Trainer<'a> {
         if kind != Kind::Float {
             vs.set_kind(kind);
         }
+        let (model, params) = Model::place(
+            model,
+            &vs,
+            &sharding,
+            pp.as_ref(),
+            &args.pipeline,
+            plan.accumulation,
+            device,
+            world.rank() == 0,
+        )?;
         let layout = ParallelPlan {
             zero: args.zero,
             compute: kind,
@@ -322,8 +337,7 @@ impl<'a> Trainer<'a> {
             ..ParallelPlan::default()
         };
         let optimizer = args.optimizer.clone();
-        let parallel =
-            parallelize(sharding.params(&vs), sharding.grads(), &layout, move |ps| optimizer.build(ps, peak))?;
+        let parallel = model.wire(parallelize(params, sharding.grads(), &layout, move |ps| optimizer.build(ps, peak))?);
         Ok(Trainer {
             args,
             world,
@@ -355,6 +369,7 @@ impl<'a> Trainer<'a> {
             world_size: self.world.size(),
             zero: self.args.zero,
             tp: self.sharding.size() as usize,
+            pp: self.args.pipeline.pp,
             optimizer: self.args.optimizer.optimizer.name().to_string(),
             global_batch: self.plan.global,
             seed: self.args.seed.seed,
@@ -434,6 +449,8 @@ impl<'a> Trainer<'a> {
         let mixup = Mixup { alpha: self.args.mixup, smoothing: self.args.smoothing };
         let classes = self.cfg.num_classes as usize;
         let mut loss_sum = 0.0;
+        // A pipeline takes the step's micro-batches together.
+        let mut queued = Vec::new();
         for m in 0..accumulation {
             let loader = self.loader.as_mut().context("the data loader")?;
             let mut batch = loader.next().context("the data loader stopped early")??;
@@ -441,14 +458,23 @@ impl<'a> Trainer<'a> {
             let targets = mixup.apply(&mut batch.pixels, &batch.labels, classes, &mut rng);
             let (images, _) = to_tensors(&batch, self.device, self.kind)?;
             let targets = Tensor::f_from_slice(&targets)?.f_view([-1, classes as i64])?.f_to_device(self.device)?;
-            let loss = soft_cross_entropy(&self.model.forward(&images)?, &targets) / accumulation as f64;
+            let Model::Whole(model) = &self.model else {
+                queued.push((images, targets));
+                continue;
+            };
+            let loss = soft_cross_entropy(&model.forward(&images)?, &targets) / accumulation as f64;
             self.parallel.backward(&loss, m + 1 == accumulation)?;
             loss_sum += loss.f_double_value(&[])?;
         }
+        let loss = match &mut self.model {
+            Model::Whole(_) => Some(loss_sum),
+            Model::Stages(stages) => stages.forward_backward(&self.parallel, &queued)?,
+        };
         let applied = self.parallel.step(lr, self.args.optimizer.clip_grad)?;
-        let loss = Tensor::from_slice(&[loss_sum]);
-        self.world.group.all_reduce(&loss, ReduceOp::Avg)?;
-        let loss = loss.double_value(&[0]);
+        // The mean over the ranks that hold a loss (under --pp, the last stage's).
+        let loss = Tensor::from_slice(&[loss.unwrap_or(0.0), loss.map_or(0.0, |_| 1.0)]);
+        self.world.group.all_reduce(&loss, ReduceOp::Sum)?;
+        let loss = loss.double_value(&[0]) / loss.double_value(&[1]);
         if !loss.is_finite() && self.parallel.scaler().is_none() {
             bail!("step {}: the loss is {loss}; lower --lr or use --clip-grad", step + 1);
         }
@@ -472,7 +498,13 @@ impl<'a> Trainer<'a> {
             return Ok(None);
         }
         let (val, t) = (&self.splits.val, &self.transforms.eval);
-        Ok(Some(evaluate(&self.model, val, t, &self.dp, self.device, self.kind)?))
+        Ok(Some(match &self.model {
+            Model::Whole(model) => evaluate(model, val, t, &self.dp, self.device, self.kind)?,
+            Model::Stages(stages) => {
+                let counts_here = stages.holds_loss() && self.sharding.rank() == 0;
+                stages.evaluate(val, t, &self.dp, &self.world.group, counts_here, self.device, self.kind)?
+            }
+        }))
     }
 
     /// Whether the step just taken is due a checkpoint (`--save-every`, else each epoch's end;
@@ -494,7 +526,11 @@ impl<'a> Trainer<'a> {
 
     /// Every weight in fp32 by timm name, full tensors on every rank (a collective).
     pub fn full_weights(&self) -> anyhow::Result<Vec<(String, Tensor)>> {
-        self.sharding.gather_all(&self.parallel.full_weights()?)
+        let local = self.sharding.gather_all(&self.parallel.full_weights()?)?;
+        match &self.model {
+            Model::Whole(_) => Ok(local),
+            Model::Stages(stages) => stages.gather(&local),
+        }
     }
 
     /// Rank 0 writes the final `model.safetensors` and `model.json` under `--out` (every rank
@@ -527,9 +563,9 @@ impl<'a> Trainer<'a> {
 
     fn announce(&self) {
         let (plan, ranks, dp, tp) = (self.plan, self.world.size(), self.dp.size(), self.sharding.size());
-        let sp = self.sharding.sp_size();
+        let (sp, pp) = (self.sharding.sp_size(), self.args.pipeline.pp);
         println!(
-            "vit pretrain: {} training / {} validation images, {ranks} rank(s) = {dp} data x {sp} sequence x {tp} tensor parallel, global batch {} = {dp} x {} micro-batch x {} accumulation, {} steps ({}/epoch), {:?}, {:?}, ZeRO {}",
+            "vit pretrain: {} training / {} validation images, {ranks} rank(s) = {pp} pipeline x {dp} data x {sp} sequence x {tp} tensor parallel, global batch {} = {dp} x {} micro-batch x {} accumulation, {} steps ({}/epoch), {:?}, {:?}, ZeRO {}",
             self.splits.train.len(),
             self.splits.val.len(),
             plan.global,

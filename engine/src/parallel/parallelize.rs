@@ -5,8 +5,11 @@
 //! drive micro-batches and steps through [`Parallelized`]. Under tensor parallelism the app
 //! splits its layers first (`vit`'s `tensor_parallel`) and passes the data-parallel group of
 //! its mesh here, with the split parameters marked (`Param::split_over`) so that clipping and
-//! LAMB/LARS take whole-parameter norms; the pipeline axis is to join as a field of
-//! [`ParallelPlan`].
+//! LAMB/LARS take whole-parameter norms. Under pipeline parallelism each stage parallelizes its
+//! own parameters over its data-parallel group, runs its micro-batches' backward passes without
+//! synchronising ([`Parallelized::set_sync`]) and sums the clipping norm over the stages
+//! ([`Parallelized::across_stages`]); LAMB's and LARS's trust ratios are per parameter, and a
+//! parameter lives on one stage, so they need nothing more.
 //!
 //! Under ZeRO 1 and 2 the fp32 masters are sharded with the optimizer state, so
 //! [`Parallelized::full_weights`] gathers them for checkpoints and evaluation.
@@ -60,6 +63,8 @@ pub struct Parallelized {
     stepper: Stepper,
     scaler: Option<LossScaler>,
     group: ProcessGroup,
+    /// The pipeline group whose stages hold the rest of the model.
+    stages: Option<ProcessGroup>,
 }
 
 /// Applies `plan` to `params` (the model's trainable parameters, the same order on every rank)
@@ -94,10 +99,25 @@ pub fn parallelize(
         (_, Some(device)) => Stepper::Sharded(ZeroOptimizer::with_masters(params, owners, group, device, build)?),
     };
     let scaler = (plan.compute == Kind::Half).then(LossScaler::default);
-    Ok(Parallelized { ddp, stepper, scaler, group: group.clone() })
+    Ok(Parallelized { ddp, stepper, scaler, group: group.clone(), stages: None })
 }
 
 impl Parallelized {
+    /// These parameters are one pipeline stage's, the other stages' ranks of `pp` holding the
+    /// rest of the model: the gradient norm (clipping, fp16's overflow check) then sums the
+    /// stages' squares, so every stage clips by and skips on the whole model's norm.
+    pub fn across_stages(mut self, pp: &ProcessGroup) -> Parallelized {
+        self.stages = (pp.size() > 1).then(|| pp.clone());
+        self
+    }
+
+    /// With `false`, backward passes accumulate gradients locally without communicating, for a
+    /// runtime that runs the backward passes itself (a pipeline's micro-batches); set `true`
+    /// before [`Self::step`], which then reduces every gradient at once.
+    pub fn set_sync(&self, sync: bool) -> Result<()> {
+        self.ddp.set_sync(sync)
+    }
+
     /// Every weight in fp32 by name, the same full tensors on every rank: what checkpoints
     /// and evaluation use. Under ZeRO with master weights these are gathered from their owners
     /// into fresh buffers (a collective: every rank calls it); otherwise they are the stepped
@@ -211,7 +231,13 @@ impl Parallelized {
         let finite = match (&self.scaler, clip) {
             (None, None) => true,
             (scaler, clip) => {
-                let norm = scaled_grad_norm(stepped, scaler.as_ref().map_or(1.0, |s| 1.0 / s.scale), held)?;
+                let mut norm = scaled_grad_norm(stepped, scaler.as_ref().map_or(1.0, |s| 1.0 / s.scale), held)?;
+                if let Some(pp) = &self.stages {
+                    // The stage's norm is the same on its data-parallel ranks; add the stages'.
+                    let squares = Tensor::from_slice(&[norm * norm]);
+                    pp.all_reduce(&squares, crate::dist::ReduceOp::Sum)?;
+                    norm = squares.f_double_value(&[0])?.sqrt();
+                }
                 if let Some(max) = clip {
                     clip_to(stepped, norm, max)?;
                 }

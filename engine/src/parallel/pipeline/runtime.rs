@@ -41,6 +41,8 @@ use crate::{Error, Result};
 const HEADER: usize = 10;
 /// Header tags live above every data tag.
 const HEADER_TAG: i32 = 1 << 29;
+/// Inference tags live above the headers.
+const INFER_TAG: i32 = 1 << 30;
 
 /// One rank's part of a pipeline and the schedule it runs.
 pub struct Pipeline {
@@ -144,6 +146,51 @@ impl Pipeline {
     /// Whether this rank runs the last virtual stage (where the loss lives).
     pub fn holds_loss(&self) -> bool {
         self.chunks.iter().any(|c| c.stage == self.schedule.stages() - 1)
+    }
+
+    /// Inference (evaluation): `input` (read on the rank holding stage 0; others pass `None`)
+    /// through every stage in order without recording gradients. Returns the last stage's
+    /// output on the rank holding it, `None` elsewhere. Each activation crosses with its shape
+    /// header, so successive calls may differ in batch size (a last, smaller evaluation batch);
+    /// every rank of the pipeline group makes the same calls. Not for use inside a step.
+    pub fn forward_only(&self, input: Option<&Tensor>) -> Result<Option<Tensor>> {
+        let (rank, stages) = (self.group.rank(), self.schedule.stages());
+        // Tags above the training step's data and header tags.
+        let tag = |stage: usize, header: bool| INFER_TAG + (2 * stage + header as usize) as i32;
+        let mut sends = Vec::new();
+        let mut output = None;
+        tch::no_grad(|| -> Result<()> {
+            for stage in (rank..stages).step_by(self.schedule.pp) {
+                let mut x = match stage {
+                    0 => input
+                        .ok_or_else(|| Error::invalid("pipeline: forward_only needs the input on stage 0"))?
+                        .shallow_clone(),
+                    _ => {
+                        let from = self.rank_of(stage - 1);
+                        let (shape, kind) = self.recv_header(from, tag(stage - 1, true))?;
+                        let x = Tensor::f_empty(&shape, (kind, self.device))?;
+                        self.group.recv(&x, from, tag(stage - 1, false))?;
+                        x
+                    }
+                };
+                for layer in &self.chunks[stage / self.schedule.pp].layers {
+                    x = layer.forward(&x)?;
+                }
+                if stage + 1 == stages {
+                    output = Some(x);
+                    break;
+                }
+                let to = self.rank_of(stage + 1);
+                let header = Tensor::from_slice(&header_of(&x, stage)?).f_to_device(self.device)?;
+                sends.push((self.group.send_async(&header, to, tag(stage, true))?, header));
+                sends.push((self.group.send_async(&x, to, tag(stage, false))?, x));
+            }
+            Ok(())
+        })?;
+        for (work, _keep_alive) in sends {
+            work.wait()?;
+        }
+        Ok(output)
     }
 
     /// One training step over `micro_batches` micro-batches: `inputs[i]` is micro-batch `i`'s
@@ -421,18 +468,22 @@ impl Pipeline {
         if let Some(b) = self.activation_buffers.get(&s) {
             return Ok(b.shallow_clone());
         }
-        let header = Tensor::f_zeros([HEADER as i64], (Kind::Int64, Device::Cpu))?;
-        let header = header.f_to_device(self.device)?;
-        self.group.recv(&header, self.rank_of(stage - 1), HEADER_TAG + (stage - 1) as i32)?;
-        let values = Vec::<i64>::try_from(header.f_to_device(Device::Cpu)?)?;
-        let (dims, kind) = (values[0] as usize, kind_of(values[1])?);
-        ensure!(dims + 2 <= HEADER, "a shape header with {dims} dimensions");
-        let shape = &values[2..2 + dims];
+        let (shape, kind) = self.recv_header(self.rank_of(stage - 1), HEADER_TAG + (stage - 1) as i32)?;
         for micro in 0..self.schedule.micro_batches {
-            let b = Tensor::f_empty(shape, (kind, self.device))?;
+            let b = Tensor::f_empty(&shape, (kind, self.device))?;
             self.activation_buffers.insert(Step { micro, chunk: s.chunk }, b);
         }
         Ok(self.activation_buffers[&s].shallow_clone())
+    }
+
+    /// The shape and dtype a shape header from group rank `from` announces.
+    fn recv_header(&self, from: usize, tag: i32) -> Result<(Vec<i64>, Kind)> {
+        let header = Tensor::f_zeros([HEADER as i64], (Kind::Int64, Device::Cpu))?.f_to_device(self.device)?;
+        self.group.recv(&header, from, tag)?;
+        let values = Vec::<i64>::try_from(header.f_to_device(Device::Cpu)?)?;
+        let (dims, kind) = (values[0] as usize, kind_of(values[1])?);
+        ensure!(dims + 2 <= HEADER, "a shape header with {dims} dimensions");
+        Ok((values[2..2 + dims].to_vec(), kind))
     }
 
     /// Before a chunk's first activation goes out, its shape and dtype; every later activation
@@ -448,22 +499,29 @@ impl Pipeline {
             );
             return Ok(());
         }
-        ensure!(
-            shape.len() + 2 <= HEADER,
-            "stage {stage} outputs {} dimensions; at most {} cross",
-            shape.len(),
-            HEADER - 2
-        );
-        let mut values = vec![0i64; HEADER];
-        values[0] = shape.len() as i64;
-        values[1] = code_of(kind)?;
-        values[2..2 + shape.len()].copy_from_slice(&shape);
-        let header = Tensor::from_slice(&values).f_to_device(self.device)?;
+        let header = Tensor::from_slice(&header_of(out, stage)?).f_to_device(self.device)?;
         let work = self.group.send_async(&header, self.rank_of(stage + 1), HEADER_TAG + stage as i32)?;
         state.sends.push((work, header));
         self.sent_shapes.insert(s.chunk, (shape, kind));
         Ok(())
     }
+}
+
+/// The shape header of stage `stage`'s output `out`: its number of dimensions, dtype code and
+/// sizes.
+fn header_of(out: &Tensor, stage: usize) -> Result<Vec<i64>> {
+    let shape = out.size();
+    ensure!(
+        shape.len() + 2 <= HEADER,
+        "stage {stage} outputs {} dimensions; at most {} cross",
+        shape.len(),
+        HEADER - 2
+    );
+    let mut values = vec![0i64; HEADER];
+    values[0] = shape.len() as i64;
+    values[1] = code_of(out.kind())?;
+    values[2..2 + shape.len()].copy_from_slice(&shape);
+    Ok(values)
 }
 
 /// A new leaf on `x`'s data, recording gradients when its dtype can have them.
@@ -530,6 +588,8 @@ mod tests {
                 assert!(err < 1e-6, "{kind:?}: gradient of {} off by {err}", p.name);
             }
             assert_eq!(pipe.peak_in_flight(), if kind == ScheduleKind::GPipe { 3 } else { 1 }, "{kind:?}");
+            let inferred = pipe.forward_only(Some(&x)).unwrap().unwrap();
+            assert!(!inferred.requires_grad() && inferred.allclose(&out, 1e-6, 1e-6, false), "{kind:?}: forward_only");
         }
     }
 

@@ -1,0 +1,364 @@
+//! Pipeline parallelism for the ViT (`vit pretrain --pp N`), on the engine's
+//! [`engine::parallel::pipeline`]: the model's parts (the stem, each block, the head; see
+//! [`Part`]) are the layers the engine's partitioner cuts into `pp x virtual-stages` stages,
+//! balancing parameter bytes, and each pipeline rank keeps its stages. The micro-batches of a
+//! step (the per-replica batch over `--micro-batch`) run under the chosen schedule; the loss
+//! lives on the last stage.
+//!
+//! The mesh is `pp x dp x tp` (tensor-parallel groups are runs of consecutive ranks, then the
+//! data-parallel replicas, then the stages; see [`ParallelDims`]). Each stage's parameters are
+//! wired by [`engine::parallel::parallelize`] over its data-parallel group (ZeRO included); the
+//! pipeline's backward passes accumulate without synchronising and the optimizer step reduces
+//! them at once. The gradient norm for clipping sums every stage's squares
+//! ([`Parallelized::across_stages`]), so it is the whole model's; LAMB's and LARS's trust
+//! ratios are per parameter, each held whole by one stage (or summed over the tensor-parallel
+//! group for split ones), so they equal one process's too. Under `--tp` each stage's blocks are
+//! split as [`crate::tensor_parallel`] splits them.
+//!
+//! Every rank builds the serial model from the seed (as one process would), keeps its stages'
+//! parts and frees the other parts' weights. Checkpoints and the final model hold the whole
+//! model's full tensors under timm's names: [`Stages::gather`] sums the stages' disjoint
+//! parameters over the pipeline group. Evaluation runs the pipeline's forward pass.
+use std::sync::Arc;
+
+use anyhow::{bail, Context};
+use data::augment::Transform;
+use data::loader::{make_batch, BatchSpec};
+use data::Dataset;
+use engine::dist::{ParallelDims, ProcessGroup, ReduceOp, World};
+use engine::optim::Param;
+use engine::parallel::pipeline::{self, assign, split, Balance, Pipeline, Schedule, ScheduleKind};
+use engine::parallel::Parallelized;
+use tch::nn::VarStore;
+use tch::{Device, Kind, Tensor};
+
+use crate::model::{correct_top_k, Part, Vit};
+use crate::tensor_parallel::{Mesh, ParallelArgs, Sharding, TpMode};
+use crate::train::{soft_cross_entropy, to_tensors};
+
+/// `--schedule`: the pipeline schedule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum SchedulePick {
+    /// All forwards, then all backwards: holds every micro-batch's activations.
+    Gpipe,
+    /// One forward, one backward (PipeDream-flush): holds at most --pp micro-batches.
+    #[value(name = "1f1b")]
+    OneFOneB,
+    /// 1F1B over --virtual-stages model chunks per rank: the bubble shrinks by that factor.
+    Interleaved,
+    /// ZB-H1: the backward split into input- and weight-gradient passes, the latter filling
+    /// the bubble.
+    Zb,
+}
+
+impl SchedulePick {
+    fn kind(self) -> ScheduleKind {
+        match self {
+            SchedulePick::Gpipe => ScheduleKind::GPipe,
+            SchedulePick::OneFOneB => ScheduleKind::OneFOneB,
+            SchedulePick::Interleaved => ScheduleKind::Interleaved,
+            SchedulePick::Zb => ScheduleKind::ZeroBubbleH1,
+        }
+    }
+}
+
+/// `vit pretrain`'s pipeline options.
+#[derive(clap::Args, Clone, Debug)]
+pub struct PipelineArgs {
+    /// Pipeline stages: the model's parts (stem, blocks, head) are cut into this many
+    /// stages over groups of ranks; --pp x --tp must divide the ranks, the rest are the
+    /// data-parallel replicas. A step's micro-batches (per-replica batch / --micro-batch) flow
+    /// through the stages. Composes with ZeRO and --tp-mode 1d (--sequence-parallel too), not
+    /// with --tp-mode 2d/2.5d/3d or --sp.
+    #[arg(long, default_value_t = 1)]
+    pub pp: usize,
+    /// The pipeline schedule (with --pp; default 1f1b).
+    #[arg(long, value_enum)]
+    pub schedule: Option<SchedulePick>,
+    /// Model chunks per pipeline rank (--schedule interleaved; default 2 there, else 1).
+    #[arg(long)]
+    pub virtual_stages: Option<usize>,
+}
+
+impl PipelineArgs {
+    /// The schedule and virtual stages asked for; the flags without --pp are an error.
+    fn schedule(&self) -> anyhow::Result<(SchedulePick, usize)> {
+        if self.pp == 0 {
+            bail!("--pp 0: a pipeline needs at least one stage");
+        }
+        if self.pp == 1 && (self.schedule.is_some() || self.virtual_stages.is_some()) {
+            bail!("--schedule and --virtual-stages need --pp 2 or more");
+        }
+        let pick = self.schedule.unwrap_or(SchedulePick::OneFOneB);
+        let v = self.virtual_stages.unwrap_or(if pick == SchedulePick::Interleaved { 2 } else { 1 });
+        Ok((pick, v))
+    }
+}
+
+/// The pipeline group of `world` for `--pp` (none for one stage) and the groups of each
+/// stage's ranks for `parallel` (without --pp, [`Mesh::new`]'s). A pipeline composes with
+/// data parallelism and 1D tensor parallelism (with or without --sequence-parallel); --pp with
+/// --tp-mode 2d/2.5d/3d or --sp, and sizes that do not divide the job, are errors naming the
+/// flags and numbers.
+pub fn mesh(
+    world: &World,
+    args: &PipelineArgs,
+    parallel: &ParallelArgs,
+) -> anyhow::Result<(Option<ProcessGroup>, Mesh)> {
+    args.schedule()?;
+    let pp = args.pp;
+    if pp == 1 {
+        return Ok((None, Mesh::new(world, parallel)?));
+    }
+    if parallel.tp_mode != TpMode::OneD || parallel.tp_depth != 1 {
+        bail!(
+            "--pp {pp} with --tp-mode {}: pipeline stages split their blocks with --tp-mode 1d only",
+            parallel.tp_mode.name()
+        );
+    }
+    if parallel.sp != 1 {
+        bail!("--pp {pp} with --sp {}: pipeline stages split tokens with --tp N --sequence-parallel only", parallel.sp);
+    }
+    let (ranks, tp) = (world.size(), parallel.tp);
+    if tp == 0 || !ranks.is_multiple_of(pp * tp) {
+        bail!("--pp {pp} x --tp {tp} = {} ranks per replica does not divide the job's {ranks} ranks", pp * tp);
+    }
+    let dims = ParallelDims { pp, dp: ranks / (pp * tp), sp: 1, tp }.build(&world.group)?;
+    let group = |axis: &str| dims.group(axis).cloned().with_context(|| format!("the mesh has no {axis} axis"));
+    let data = group("dp")?;
+    let tp = group("tp")?;
+    let mesh = Mesh { data: data.clone(), grads: data, tp: (tp.size() > 1).then_some(tp), sp: None };
+    Ok((Some(group("pp")?), mesh))
+}
+
+/// What a rank runs: the whole model (one process, data and tensor parallelism) or its
+/// stages of a pipeline.
+pub enum Model {
+    /// Every part, run in turn.
+    Whole(Vit),
+    /// This rank's pipeline stages.
+    Stages(Stages),
+}
+
+impl Model {
+    /// `model` (built in `vs`, split by `sharding`) placed on this rank: whole without a
+    /// pipeline group `pp`, else cut into stages of which this rank keeps its own (the other
+    /// parts' weights freed). Returns the parameters this rank trains, named and marked as
+    /// [`Sharding::params`] gives them. `micro_batches`: per step; `announce`: print the split.
+    #[allow(clippy::too_many_arguments)]
+    pub fn place(
+        model: Vit,
+        vs: &VarStore,
+        sharding: &Sharding,
+        pp: Option<&ProcessGroup>,
+        args: &PipelineArgs,
+        micro_batches: usize,
+        device: Device,
+        announce: bool,
+    ) -> anyhow::Result<(Model, Vec<Param>)> {
+        let params = sharding.params(vs);
+        let Some(pp) = pp else { return Ok((Model::Whole(model), params)) };
+        let stages = Stages::new(model, vs, params, sharding, pp, args, micro_batches, device, announce)?;
+        let mine = stages.pipe.params().iter().map(|p| p.name.clone()).collect::<Vec<_>>();
+        let params = sharding.params(vs).into_iter().filter(|p| mine.contains(&p.name)).collect();
+        Ok((Model::Stages(stages), params))
+    }
+
+    /// `parallel` (this rank's parameters' data-parallel wiring) made aware of the other
+    /// stages: the gradient norm is the whole model's.
+    pub fn wire(&self, parallel: Parallelized) -> Parallelized {
+        match self {
+            Model::Whole(_) => parallel,
+            Model::Stages(s) => parallel.across_stages(&s.pp),
+        }
+    }
+}
+
+/// One part of the ViT as a pipeline layer, with its parameters.
+struct PartLayer {
+    part: Part,
+    params: Vec<Param>,
+}
+
+impl pipeline::Layer for PartLayer {
+    fn forward(&self, input: &Tensor) -> engine::Result<Tensor> {
+        self.part.forward(input).map_err(|e| engine::Error::invalid(format!("{}: {e:#}", self.part.name())))
+    }
+
+    fn params(&self) -> Vec<Param> {
+        self.params.iter().map(Param::shallow_copy).collect()
+    }
+}
+
+/// This rank's stages of the pipeline and what gathering the whole model needs.
+pub struct Stages {
+    pipe: Pipeline,
+    pp: ProcessGroup,
+    /// Every parameter of the whole model with its full (unsplit) shape, sorted by name: the
+    /// layout of [`Stages::gather`].
+    full_shapes: Vec<(String, Vec<i64>)>,
+}
+
+impl Stages {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        model: Vit,
+        vs: &VarStore,
+        params: Vec<Param>,
+        sharding: &Sharding,
+        pp: &ProcessGroup,
+        args: &PipelineArgs,
+        micro_batches: usize,
+        device: Device,
+        announce: bool,
+    ) -> anyhow::Result<Stages> {
+        let (pick, v) = args.schedule()?;
+        let (p, depth) = (pp.size(), model.config().depth);
+        // Full shapes before the other stages' weights go (a collective over --tp).
+        let full_shapes = tch::no_grad(|| -> anyhow::Result<Vec<(String, Vec<i64>)>> {
+            params.iter().map(|q| Ok((q.name.clone(), sharding.gather(&q.name, &q.tensor)?.size()))).collect()
+        })?;
+        let parts = model.into_parts();
+        let names: Vec<String> = parts.iter().map(Part::name).collect();
+        let layers: Vec<Box<dyn pipeline::Layer>> = parts
+            .into_iter()
+            .map(|part| {
+                let params = params.iter().filter(|q| part.owns(&q.name)).map(Param::shallow_copy).collect();
+                Box::new(PartLayer { part, params }) as Box<dyn pipeline::Layer>
+            })
+            .collect();
+        let owned: usize = layers.iter().map(|l| l.params().len()).sum();
+        if owned != params.len() {
+            bail!("the ViT's parts own {owned} of its {} parameters", params.len());
+        }
+        let cut = split(&layers, p * v, Balance::ParameterBytes).map_err(|e| {
+            anyhow::anyhow!(
+                "--pp {p} x --virtual-stages {v} = {} stages: the model has {} parts to cut (stem, {depth} \
+                 blocks, head): {e}",
+                p * v,
+                depth + 2
+            )
+        })?;
+        if announce {
+            println!(
+                "pipeline: {} schedule, {p} ranks x {v} virtual stage(s), {micro_batches} micro-batches",
+                pick.kind().name()
+            );
+            // Virtual stage s runs on pipeline rank s % pp.
+            for (s, (line, range)) in cut.to_string().lines().zip(&cut.ranges).enumerate() {
+                println!("  {line} on pipeline rank {}: {}", s % p, names[range.clone()].join(", "));
+            }
+        }
+        let chunks = assign(layers, &cut, pp.rank(), p)?;
+        let mine: Vec<String> = chunks.iter().flat_map(|c| c.params()).map(|q| q.name).collect();
+        // The other stages' weights are not needed here: free them (the names stay in `vs`).
+        tch::no_grad(|| -> anyhow::Result<()> {
+            for (name, mut t) in vs.variables() {
+                if !mine.contains(&name) {
+                    t.set_data(&Tensor::f_empty([0], (t.kind(), t.device()))?);
+                }
+            }
+            Ok(())
+        })?;
+        let schedule = Schedule::new(pick.kind(), p, micro_batches, v).map_err(|e| {
+            let flag = clap::ValueEnum::to_possible_value(&pick).map_or_else(String::new, |v| v.get_name().to_string());
+            anyhow::anyhow!(
+                "--pp {p} --schedule {flag} with {micro_batches} micro-batches per step (the per-replica batch over \
+                 --micro-batch): {e}"
+            )
+        })?;
+        let pipe = Pipeline::new(pp, chunks, schedule, device)?;
+        Ok(Stages { pipe, pp: pp.clone(), full_shapes })
+    }
+
+    /// One step's micro-batches (`(images, soft targets)`, every one the same size) forward and
+    /// backward through the pipeline; gradients are left local for `parallel.step` to reduce.
+    /// Returns the mean loss on the rank holding the last stage, `None` elsewhere.
+    pub fn forward_backward(
+        &mut self,
+        parallel: &Parallelized,
+        micro: &[(Tensor, Tensor)],
+    ) -> anyhow::Result<Option<f64>> {
+        parallel.set_sync(false)?;
+        let inputs: Vec<Tensor> = micro.iter().map(|(x, _)| x.shallow_clone()).collect();
+        let scaler = parallel.scaler();
+        let mut sum = 0.0;
+        let mut loss = |i: usize, logits: &Tensor| -> engine::Result<Tensor> {
+            let l = soft_cross_entropy(logits, &micro[i].1);
+            sum += l.f_double_value(&[])?;
+            scaler.map_or(Ok(l.shallow_clone()), |s| s.scale_loss(&l))
+        };
+        let held = self.pipe.step(&inputs, &mut loss)?;
+        // The optimizer step reduces every gradient at once.
+        parallel.set_sync(true)?;
+        Ok(held.map(|_| sum / micro.len() as f64))
+    }
+
+    /// Top-1 and top-5 accuracy on `set` through the pipeline's forward pass: each
+    /// data-parallel replica evaluates every N-th example and the last stage counts (on one
+    /// rank of its tensor-parallel group: `counts_here` there), summed over `world`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn evaluate(
+        &self,
+        set: &Arc<dyn Dataset>,
+        transform: &Transform,
+        dp: &ProcessGroup,
+        world: &ProcessGroup,
+        counts_here: bool,
+        device: Device,
+        kind: Kind,
+    ) -> anyhow::Result<(f64, f64)> {
+        let (first, last) = (self.pp.rank() == 0, self.pipe.holds_loss());
+        let mine: Vec<usize> = (dp.rank()..set.len()).step_by(dp.size()).collect();
+        let mut counts = [0i64; 2];
+        for chunk in mine.chunks(256) {
+            // Images enter on the first stage; labels are read on the last.
+            let batch = match first || last {
+                true => Some(make_batch(set.as_ref(), transform, 0, &BatchSpec { indices: chunk.to_vec(), epoch: 0 })?),
+                false => None,
+            };
+            let tensors = batch.as_ref().map(|b| to_tensors(b, device, kind)).transpose()?;
+            let logits = self.pipe.forward_only(tensors.as_ref().filter(|_| first).map(|(x, _)| x))?;
+            if let (Some(logits), Some((_, labels)), true) = (logits, &tensors, counts_here) {
+                counts[0] += correct_top_k(&logits, labels, 1);
+                counts[1] += correct_top_k(&logits, labels, 5);
+            }
+        }
+        let counts = Tensor::from_slice(&counts);
+        world.all_reduce(&counts, ReduceOp::Sum)?;
+        let n = set.len() as f64;
+        Ok((counts.int64_value(&[0]) as f64 / n, counts.int64_value(&[1]) as f64 / n))
+    }
+
+    /// Whether this rank holds the last stage (where the loss is).
+    pub fn holds_loss(&self) -> bool {
+        self.pipe.holds_loss()
+    }
+
+    /// The whole model's full fp32 weights, sorted by name, on every rank, from `local` (this
+    /// stage's full tensors by name): every parameter lives on one stage, so the stages' lists
+    /// padded with zeros sum to the whole (a collective over the pipeline group).
+    pub fn gather(&self, local: &[(String, Tensor)]) -> anyhow::Result<Vec<(String, Tensor)>> {
+        let device = local.first().map_or(Device::Cpu, |(_, t)| t.device());
+        let flat: Vec<Tensor> = self
+            .full_shapes
+            .iter()
+            .map(|(name, shape)| match local.iter().find(|(n, _)| n == name) {
+                Some((_, t)) => Ok(t.f_to_kind(Kind::Float)?.f_reshape([-1])?),
+                None => Ok(Tensor::f_zeros([shape.iter().product::<i64>()], (Kind::Float, device))?),
+            })
+            .collect::<anyhow::Result<_>>()?;
+        let flat = Tensor::f_cat(&flat, 0)?;
+        self.pp.all_reduce(&flat, ReduceOp::Sum)?;
+        let mut offset = 0;
+        self.full_shapes
+            .iter()
+            .map(|(name, shape)| {
+                let n: i64 = shape.iter().product();
+                let t = flat.f_narrow(0, offset, n)?.f_view(shape.as_slice())?;
+                offset += n;
+                Ok((name.clone(), t))
+            })
+            .collect()
+    }
+}
