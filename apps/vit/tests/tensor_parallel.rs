@@ -179,7 +179,7 @@ dist_test!(dp_2_by_sp_2_and_tp_2_by_sp_2_match_one_process, 4, |world| {
 });
 
 dist_test!(tp_2d_matches_one_process_and_checkpoints_move_to_1d, 4, |world| {
-    let common = "--steps 10 --optimizer lamb --clip-grad 1.0 --save-every 100";
+    let common = "--steps 20 --optimizer lamb --clip-grad 1.0 --save-every 100";
     let one = pretrain(&args(common), &single())?;
     let grid = pretrain(&args(&format!("{common} --tp 4 --tp-mode 2d")), world)?;
     compare(&grid, &one, "2D on a 2 x 2 grid vs 1 process", 1e-5);
@@ -215,8 +215,8 @@ dist_test!(tp_2d_matches_one_process_and_checkpoints_move_to_1d, 4, |world| {
 });
 
 dist_test!(tp_2p5d_3d_and_dp_by_2d_match_one_process, 8, |world| {
-    // Few steps: eight ranks share CI's two cores.
-    let common = "--steps 4 --optimizer lamb --clip-grad 1.0";
+    // The 20 steps; eight ranks share CI's two cores, so each layout runs once.
+    let common = "--steps 20 --optimizer lamb --clip-grad 1.0";
     let one = pretrain(&args(common), &single())?;
     for (layout, what) in [
         ("--tp 8 --tp-mode 2.5d --tp-depth 2", "2.5D on 2 x 2 x 2"),
