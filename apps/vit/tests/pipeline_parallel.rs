@@ -4,8 +4,7 @@
 //! between pp=2 and pp=1, and layouts that do not fit.
 mod common;
 
-use common::{args, compare, job_dir, single};
-use engine::dist::World;
+use common::{args, compare, fresh, job_dir, joined, single};
 use suite_tests::{dist_test, TestResult};
 use vit::train::{pretrain, Trained};
 
@@ -46,22 +45,6 @@ dist_test!(pp_2_by_dp_2_with_zero_1_and_pp_2_by_tp_2_with_sp_match_one_process, 
     equal_runs(&tp, &one, "pp=2 x tp=2 with sequence parallelism, interleaved, vs 1 process");
     TestResult::Ok(())
 });
-
-fn fresh(world: &World, dirs: &[&std::path::Path]) -> TestResult {
-    if world.rank() == 0 {
-        for d in dirs {
-            let _ = std::fs::remove_dir_all(d);
-        }
-    }
-    world.group.barrier()?;
-    TestResult::Ok(())
-}
-
-/// `reference`'s losses up to the checkpoint followed by `rest`'s: the whole curve of a run
-/// resumed at step 3.
-fn joined(reference: &Trained, rest: Trained) -> Trained {
-    Trained { losses: [&reference.losses[..3], &rest.losses[..]].concat(), ..rest }
-}
 
 dist_test!(checkpoints_move_between_pp_2_and_pp_1, 2, |world| {
     let (at_pp2, at_pp1) = (job_dir("from-pp2"), job_dir("from-pp1"));

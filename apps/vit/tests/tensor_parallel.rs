@@ -4,7 +4,7 @@
 //! and checkpoints moving between layouts.
 mod common;
 
-use common::{args, compare, compare_with, job_dir, single};
+use common::{args, compare, compare_with, fresh, job_dir, joined, single};
 use engine::dist::World;
 use suite_tests::{dist_test, TestResult};
 use vit::train::{pretrain, Trained};
@@ -45,22 +45,6 @@ dist_test!(sequence_parallel_matches_one_process, 2, |world| {
     same_on_every_rank(&sp, world)?;
     TestResult::Ok(())
 });
-
-fn fresh(world: &World, dirs: &[&std::path::Path]) -> TestResult {
-    if world.rank() == 0 {
-        for d in dirs {
-            let _ = std::fs::remove_dir_all(d);
-        }
-    }
-    world.group.barrier()?;
-    TestResult::Ok(())
-}
-
-/// `reference`'s losses up to the checkpoint followed by `rest`'s: the whole curve of a run
-/// resumed at step 3.
-fn joined(reference: &Trained, rest: Trained) -> Trained {
-    Trained { losses: [&reference.losses[..3], &rest.losses[..]].concat(), ..rest }
-}
 
 dist_test!(dp_2_by_tp_2_with_zero_matches_one_process_and_resumes_at_tp_4, 4, |world| {
     let common = "--steps 20 --optimizer lamb --clip-grad 1.0 --save-every 100";

@@ -68,3 +68,22 @@ pub fn job_dir(name: &str) -> std::path::PathBuf {
     let port = std::env::var("MASTER_PORT").unwrap_or_default();
     std::env::temp_dir().join(format!("vit-job-{port}-{name}"))
 }
+
+/// Empties `dirs` (rank 0 removes them, every rank waits), for runs that save checkpoints.
+#[allow(dead_code)] // the multi-rank binaries' only
+pub fn fresh(world: &World, dirs: &[&std::path::Path]) -> suite_tests::TestResult {
+    if world.rank() == 0 {
+        for d in dirs {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
+    world.group.barrier()?;
+    suite_tests::TestResult::Ok(())
+}
+
+/// `reference`'s losses up to the checkpoint followed by `rest`'s: the whole curve of a run
+/// resumed at step 3.
+#[allow(dead_code)] // the multi-rank binaries' only
+pub fn joined(reference: &Trained, rest: Trained) -> Trained {
+    Trained { losses: [&reference.losses[..3], &rest.losses[..]].concat(), ..rest }
+}
