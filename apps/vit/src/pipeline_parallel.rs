@@ -5,9 +5,10 @@
 //! step (the per-replica batch over `--micro-batch`) run under the chosen schedule; the loss
 //! lives on the last stage.
 //!
-//! The mesh is `pp x dp x tp` (tensor-parallel groups are runs of consecutive ranks, then the
-//! data-parallel replicas, then the stages; see [`ParallelDims`]). Each stage's parameters are
-//! wired by [`engine::parallel::parallelize`] over its data-parallel group (ZeRO included); the
+//! The mesh is `pp x dp x sp x tp` (tensor-parallel groups are runs of consecutive ranks, then
+//! the sequence-parallel groups, the data-parallel replicas, the stages; see
+//! [`engine::dist::ParallelDims`] and [`Mesh`]). Each stage's parameters are wired by
+//! [`engine::parallel::parallelize`] over its data x sequence group (ZeRO included); the
 //! pipeline's backward passes accumulate without synchronising and the optimizer step reduces
 //! them at once. The gradient norm for clipping sums every stage's squares
 //! ([`Parallelized::across_stages`]), so it is the whole model's; LAMB's and LARS's trust
@@ -15,17 +16,25 @@
 //! group for split ones), so they equal one process's too. Under `--tp` each stage's blocks are
 //! split as [`crate::tensor_parallel`] splits them.
 //!
+//! Under `--sp` ([`crate::sequence_parallel`]) every rank of a stage's sequence group runs the
+//! stage's parts on its block of the tokens: the stem (on the first stage, whole on every
+//! sequence rank) keeps the rank's block, the blocks attend across the group, and the head
+//! (on the last stage) gathers the tokens back; what crosses between stages is each rank's
+//! token block `[micro-batch, tokens / sp, width]`, sent to the same sequence rank of the next
+//! stage, and the gradient of that block comes back. Every sequence rank of the last stage
+//! computes the same loss.
+//!
 //! Every rank builds the serial model from the seed (as one process would), keeps its stages'
 //! parts and frees the other parts' weights. Checkpoints and the final model hold the whole
 //! model's full tensors under timm's names: [`Stages::gather`] sums the stages' disjoint
 //! parameters over the pipeline group. Evaluation runs the pipeline's forward pass.
 use std::sync::Arc;
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use data::augment::Transform;
 use data::loader::{make_batch, BatchSpec};
 use data::Dataset;
-use engine::dist::{ParallelDims, ProcessGroup, ReduceOp, World};
+use engine::dist::{ProcessGroup, ReduceOp, World};
 use engine::optim::Param;
 use engine::parallel::pipeline::{self, assign, split, Balance, Pipeline, Schedule, ScheduleKind};
 use engine::parallel::Parallelized;
@@ -66,10 +75,10 @@ impl SchedulePick {
 #[derive(clap::Args, Clone, Debug)]
 pub struct PipelineArgs {
     /// Pipeline stages: the model's parts (stem, blocks, head) are cut into this many
-    /// stages over groups of ranks; --pp x --tp must divide the ranks, the rest are the
+    /// stages over groups of ranks; --pp x --tp x --sp must divide the ranks, the rest are the
     /// data-parallel replicas. A step's micro-batches (per-replica batch / --micro-batch) flow
-    /// through the stages. Composes with ZeRO and --tp-mode 1d (--sequence-parallel too), not
-    /// with --tp-mode 2d/2.5d/3d or --sp.
+    /// through the stages. Composes with ZeRO, --tp-mode 1d (--sequence-parallel too) and --sp
+    /// (ring or Ulysses), not with --tp-mode 2d/2.5d/3d.
     #[arg(long, default_value_t = 1)]
     pub pp: usize,
     /// The pipeline schedule (with --pp; default 1f1b).
@@ -95,40 +104,20 @@ impl PipelineArgs {
     }
 }
 
-/// The pipeline group of `world` for `--pp` (none for one stage) and the groups of each
-/// stage's ranks for `parallel` (without --pp, [`Mesh::new`]'s). A pipeline composes with
-/// data parallelism and 1D tensor parallelism (with or without --sequence-parallel); --pp with
-/// --tp-mode 2d/2.5d/3d or --sp, and sizes that do not divide the job, are errors naming the
-/// flags and numbers.
-pub fn mesh(
-    world: &World,
-    args: &PipelineArgs,
-    parallel: &ParallelArgs,
-) -> anyhow::Result<(Option<ProcessGroup>, Mesh)> {
+/// The groups of `world` for `--pp` and `parallel` ([`Mesh::new`]'s, with the pipeline group
+/// under --pp). A pipeline composes with data parallelism, 1D tensor parallelism (with or
+/// without --sequence-parallel) and --sp; --pp with --tp-mode 2d/2.5d/3d, and sizes that do
+/// not divide the job, are errors naming the flags and numbers.
+pub fn mesh(world: &World, args: &PipelineArgs, parallel: &ParallelArgs) -> anyhow::Result<Mesh> {
     args.schedule()?;
     let pp = args.pp;
-    if pp == 1 {
-        return Ok((None, Mesh::new(world, parallel)?));
-    }
-    if parallel.tp_mode != TpMode::OneD || parallel.tp_depth != 1 {
+    if pp > 1 && (parallel.tp_mode != TpMode::OneD || parallel.tp_depth != 1) {
         bail!(
             "--pp {pp} with --tp-mode {}: pipeline stages split their blocks with --tp-mode 1d only",
             parallel.tp_mode.name()
         );
     }
-    if parallel.sp != 1 {
-        bail!("--pp {pp} with --sp {}: pipeline stages split tokens with --tp N --sequence-parallel only", parallel.sp);
-    }
-    let (ranks, tp) = (world.size(), parallel.tp);
-    if tp == 0 || !ranks.is_multiple_of(pp * tp) {
-        bail!("--pp {pp} x --tp {tp} = {} ranks per replica does not divide the job's {ranks} ranks", pp * tp);
-    }
-    let dims = ParallelDims { pp, dp: ranks / (pp * tp), sp: 1, tp }.build(&world.group)?;
-    let group = |axis: &str| dims.group(axis).cloned().with_context(|| format!("the mesh has no {axis} axis"));
-    let data = group("dp")?;
-    let tp = group("tp")?;
-    let mesh = Mesh { data: data.clone(), grads: data, tp: (tp.size() > 1).then_some(tp), sp: None };
-    Ok((Some(group("pp")?), mesh))
+    Mesh::new(world, parallel, pp)
 }
 
 /// What a rank runs: the whole model (one process, data and tensor parallelism) or its
@@ -296,7 +285,8 @@ impl Stages {
 
     /// Top-1 and top-5 accuracy on `set` through the pipeline's forward pass: each
     /// data-parallel replica evaluates every N-th example and the last stage counts (on one
-    /// rank of its tensor-parallel group: `counts_here` there), summed over `world`.
+    /// rank of its tensor- and sequence-parallel groups: `counts_here` there), summed over
+    /// `world`.
     #[allow(clippy::too_many_arguments)]
     pub fn evaluate(
         &self,

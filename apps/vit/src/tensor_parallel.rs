@@ -32,7 +32,7 @@
 //! optimizer state (`{param}.{slot}`) alike.
 use anyhow::{bail, Context};
 use clap::ValueEnum;
-use engine::dist::{DeviceMesh, ParallelDims, ProcessGroup, World};
+use engine::dist::{ParallelDims, ProcessGroup, World};
 use engine::optim::{params_of, Param, StateDict};
 use engine::parallel::sequence::SequenceParallel;
 use engine::parallel::tensor::{
@@ -103,8 +103,10 @@ pub struct ParallelArgs {
     pub sp_mode: SpMode,
 }
 
-/// The groups of a job's ranks under [`ParallelArgs`]: `dp x sp x tp` (tensor-parallel groups
-/// are runs of consecutive ranks, sequence-parallel groups next, see [`ParallelDims`]).
+/// The groups of a job's ranks under [`ParallelArgs`] and `--pp`: `pp x dp x sp x tp`
+/// (tensor-parallel groups are runs of consecutive ranks, sequence-parallel groups next, then
+/// the data replicas, then the pipeline stages; see [`ParallelDims`]). Under a pipeline every
+/// group but `pipeline` lies within one stage.
 #[derive(Clone, Debug)]
 pub struct Mesh {
     /// The data-parallel replicas: they split the batch.
@@ -116,42 +118,57 @@ pub struct Mesh {
     pub tp: Option<ProcessGroup>,
     /// The sequence-parallel group (none for one rank).
     pub sp: Option<ProcessGroup>,
+    /// The pipeline group: the ranks at this rank's place in every stage (none for one stage).
+    pub pipeline: Option<ProcessGroup>,
 }
 
 impl Mesh {
-    /// The groups for `args` over `world`; sizes that do not fit are errors naming the flags
-    /// and numbers.
-    pub fn new(world: &World, args: &ParallelArgs) -> anyhow::Result<Mesh> {
+    /// The groups for `args` and `pp` pipeline stages over `world`; sizes that do not fit are
+    /// errors naming the flags and numbers.
+    pub fn new(world: &World, args: &ParallelArgs, pp: usize) -> anyhow::Result<Mesh> {
         let (ranks, tp, sp) = (world.size(), args.tp, args.sp);
-        if tp == 0 || sp == 0 || !ranks.is_multiple_of(tp * sp) {
-            let sizes = if sp == 1 { format!("--tp {tp}") } else { format!("--tp {tp} x --sp {sp}") };
+        let replica = pp * tp * sp;
+        if replica == 0 || !ranks.is_multiple_of(replica) {
+            let mut sizes = vec![format!("--tp {tp}")];
+            if pp != 1 {
+                sizes.insert(0, format!("--pp {pp}"));
+            }
+            if sp != 1 {
+                sizes.push(format!("--sp {sp}"));
+            }
+            let sizes = match pp {
+                1 => sizes.join(" x "),
+                _ => format!("{} = {replica} ranks per replica", sizes.join(" x ")),
+            };
             bail!("{sizes} does not divide the job's {ranks} ranks (--nproc or the launcher's world size)");
         }
         if args.tp_depth != 1 && args.tp_mode != TpMode::TwoPointFiveD {
             bail!("--tp-depth {} is for --tp-mode 2.5d, not {}", args.tp_depth, args.tp_mode.name());
         }
-        if tp * sp == 1 {
+        if replica == 1 {
             let g = world.group.clone();
-            return Ok(Mesh { data: g.clone(), grads: g, tp: None, sp: None });
+            return Ok(Mesh { data: g.clone(), grads: g, tp: None, sp: None, pipeline: None });
         }
-        let dp = ranks / (tp * sp);
-        let mesh = ParallelDims { pp: 1, dp, sp, tp }.build(&world.group)?;
-        let group = |m: &DeviceMesh, axis: &str| m.group(axis).cloned().with_context(|| format!("no {axis} axis"));
-        let data = group(&mesh, "dp")?;
+        let dp = ranks / replica;
+        let mesh = ParallelDims { pp, dp, sp, tp }.build(&world.group)?;
+        let group = |axis: &str| mesh.group(axis).cloned().with_context(|| format!("no {axis} axis"));
+        let data = group("dp")?;
         let grads = match sp {
             1 => data.clone(),
-            // The ranks at this rank's tensor-parallel index: `(d * sp + s) * tp + t`.
+            // The ranks of this rank's stage at its tensor-parallel index:
+            // `((stage * dp + d) * sp + s) * tp + t`.
             _ => {
                 let mut mine = None;
-                for t in 0..tp {
-                    let members: Vec<usize> = (0..dp * sp).map(|i| i * tp + t).collect();
-                    mine = world.group.subgroup(&members, &format!("dp_sp{t}"))?.or(mine);
+                for (stage, t) in (0..pp).flat_map(|stage| (0..tp).map(move |t| (stage, t))) {
+                    let members: Vec<usize> = (0..dp * sp).map(|i| (stage * dp * sp + i) * tp + t).collect();
+                    mine = world.group.subgroup(&members, &format!("dp_sp{}", stage * tp + t))?.or(mine);
                 }
                 mine.context("this rank is in no data x sequence group")?
             }
         };
-        let (tp, sp) = (group(&mesh, "tp")?, group(&mesh, "sp")?);
-        Ok(Mesh { data, grads, tp: (tp.size() > 1).then_some(tp), sp: (sp.size() > 1).then_some(sp) })
+        let (tp, sp, pipeline) = (group("tp")?, group("sp")?, group("pp")?);
+        let several = |g: ProcessGroup| (g.size() > 1).then_some(g);
+        Ok(Mesh { data, grads, tp: several(tp), sp: several(sp), pipeline: several(pipeline) })
     }
 }
 
@@ -325,6 +342,12 @@ impl Sharding {
     /// The sequence-parallel group's size.
     pub fn sp_size(&self) -> i64 {
         self.sp.size()
+    }
+
+    /// Whether this rank is the first of its tensor- and sequence-parallel groups, which all
+    /// compute the same logits: where a replica's evaluation counts are taken once.
+    pub fn leads(&self) -> bool {
+        self.rank() == 0 && self.sp.rank() == 0
     }
 
     /// What gradients are averaged over and ZeRO shards over (see [`Mesh::grads`]).

@@ -253,7 +253,7 @@ impl<'a> Trainer<'a> {
     /// The data, the model (the same initial weights on every rank from the seed) and its
     /// parallel wiring; an impossible batch split or an unknown model is an error naming it.
     pub fn new(args: &'a PretrainArgs, world: &'a World) -> anyhow::Result<Trainer<'a>> {
-        let (pp, mesh) = pipeline_parallel::mesh(world, &args.pipeline, &args.parallel)?;
+        let mesh = pipeline_parallel::mesh(world, &args.pipeline, &args.parallel)?;
         let (dp, ranks) = (mesh.data.clone(), mesh.data.size());
         let plan = BatchPlan::new(args.batch, ranks, args.micro_batch, 256).map_err(anyhow::Error::msg)?;
         if args.resume && args.out.is_none() {
@@ -323,7 +323,7 @@ impl<'a> Trainer<'a> {
             model,
             &vs,
             &sharding,
-            pp.as_ref(),
+            mesh.pipeline.as_ref(),
             &args.pipeline,
             plan.accumulation,
             device,
@@ -501,7 +501,7 @@ impl<'a> Trainer<'a> {
         Ok(Some(match &self.model {
             Model::Whole(model) => evaluate(model, val, t, &self.dp, self.device, self.kind)?,
             Model::Stages(stages) => {
-                let counts_here = stages.holds_loss() && self.sharding.rank() == 0;
+                let counts_here = stages.holds_loss() && self.sharding.leads();
                 stages.evaluate(val, t, &self.dp, &self.world.group, counts_here, self.device, self.kind)?
             }
         }))

@@ -1,5 +1,5 @@
 //! `vit pretrain --pp`: every schedule on 2 stages (and fp16 with its loss scaler), pp x dp with
-//! ZeRO-1 and pp x tp on 4 ranks, against one process (losses, every weight and the validation accuracy; fp32,
+//! ZeRO-1, pp x tp and pp x sp (ring and Ulysses) on 4 ranks, against one process (losses, every weight and the validation accuracy; fp32,
 //! relative 1e-5, with LAMB and clipping, whose norms span the stages), checkpoints moving
 //! between pp=2 and pp=1, and layouts that do not fit.
 mod common;
@@ -46,6 +46,37 @@ dist_test!(pp_2_by_dp_2_with_zero_1_and_pp_2_by_tp_2_with_sp_match_one_process, 
     TestResult::Ok(())
 });
 
+dist_test!(pp_2_by_sp_2_ring_and_ulysses_match_one_process_and_resume_at_1, 4, |world| {
+    // The 20 steps; 32 examples per step in 4 micro-batches of 8. 6x6 images in 2x2
+    // patches: 9 patches and the class token, so each sequence rank's block of 5 tokens,
+    // [8, 5, 64], is what crosses the stages. ZB-H1 runs each layer's backward twice (input
+    // gradient, then weight gradient), the ring's and the all-to-alls' exchanges with it.
+    let line = format!("--steps 20 --micro-batch 8 --image-size 6 {OPT}");
+    let one = pretrain(&args(&line), &single())?;
+    for mode in ["ring", "ulysses"] {
+        for schedule in ["1f1b", "zb"] {
+            let run = pretrain(&args(&format!("{line} --pp 2 --sp 2 --sp-mode {mode} --schedule {schedule}")), world)?;
+            equal_runs(&run, &one, &format!("pp=2 x sp=2 ({mode}, {schedule}) vs 1 process"));
+        }
+    }
+    // Saved at pp=2 x sp=2 under ZeRO-1 (each stage's two sequence ranks own an optimizer
+    // shard each), resumed by one process: the model file holds full tensors under timm's names.
+    let dir = job_dir("from-pp2-sp2");
+    fresh(world, &[&dir])?;
+    let out = format!("--save-every 100 --out {}", dir.display());
+    pretrain(&args(&format!("{line} {out} --pp 2 --sp 2 --zero 1 --stop-after 3")), world)?;
+    if world.rank() == 0 {
+        let file = data::checkpoint::read_tensors(&dir.join("checkpoint-3/model.safetensors"))?;
+        assert_eq!(file.len(), one.weights.len(), "every parameter of every stage");
+        assert_eq!(file["pos_embed"].size(), [1, 10, 64], "the position embedding of every token");
+        let rest = pretrain(&args(&format!("{line} {out} --resume")), &single())?;
+        assert_eq!(rest.losses.first().map(|l| l.0), Some(4), "continues at step 4");
+        compare(&joined(&one, rest), &one, "saved at pp=2 x sp=2 under ZeRO-1, resumed at 1 process", 1e-5);
+    }
+    fresh(world, &[&dir])?;
+    TestResult::Ok(())
+});
+
 dist_test!(checkpoints_move_between_pp_2_and_pp_1, 2, |world| {
     let (at_pp2, at_pp1) = (job_dir("from-pp2"), job_dir("from-pp1"));
     fresh(world, &[&at_pp2, &at_pp1])?;
@@ -79,7 +110,7 @@ dist_test!(layouts_that_do_not_fit_name_the_numbers, 2, |world| {
     let e = err("--steps 1 --pp 2 --tp 4 --tp-mode 2d");
     assert!(e.contains("--pp 2 with --tp-mode 2d: pipeline stages split their blocks with --tp-mode 1d only"), "{e}");
     let e = err("--steps 1 --pp 2 --sp 2 --image-size 6");
-    assert!(e.contains("--pp 2 with --sp 2: pipeline stages split tokens with --tp N --sequence-parallel only"), "{e}");
+    assert!(e.contains("--pp 2 x --tp 1 x --sp 2 = 4 ranks per replica does not divide the job's 2 ranks"), "{e}");
     // The digits model: 4 blocks, so 6 parts.
     let e = err("--steps 1 --micro-batch 4 --pp 2 --schedule interleaved --virtual-stages 4");
     assert!(e.contains("--pp 2 x --virtual-stages 4 = 8 stages: the model has 6 parts to cut"), "{e}");
