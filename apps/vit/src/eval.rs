@@ -47,7 +47,7 @@ pub fn run(args: &EvalArgs) -> anyhow::Result<(f64, f64)> {
     }
     let world = engine::dist::World::single(&engine::dist::InitOptions::default())?;
     let transforms = Transforms::new(cfg.image_size as usize, cfg.in_channels as usize, splits.embedded, 1.0);
-    let (top1, top5) = evaluate(&model, &val, &transforms.eval, &world.group, Device::Cpu, Kind::Float)?;
+    let (top1, top5) = evaluate(&model, &val, &transforms.eval, &world.group, 1, Device::Cpu, Kind::Float)?;
     println!("{} images: top-1 {:.2}%  top-5 {:.2}%", val.len(), 100.0 * top1, 100.0 * top5);
     Ok((top1, top5))
 }

@@ -9,14 +9,12 @@
 //!
 //! The logits are gathered whole (the head is small), so the loss is the one process's on
 //! every rank, and the layers' own collectives make every rank's gradient that of its block
-//! of the one-process parameter.
+//! of the one-process parameter. A batch must divide into the layout's batch blocks:
+//! evaluation pads its chunks with blank images and drops their logits.
 //!
 //! In 3D the residual stream stays in [`Orientation::Normal`]: `qkv` and `fc1` take it and
 //! give the swapped orientation, `proj` and `fc2` flip it back; the patch embedding therefore
 //! takes its patches swapped, and the head's logits come out swapped.
-use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::Arc;
-
 use anyhow::bail;
 use engine::dist::ProcessGroup;
 use engine::parallel::tensor::multi_dim::{
@@ -43,9 +41,6 @@ enum Shape {
 #[derive(Clone, Debug)]
 pub struct MultiDim {
     shape: Shape,
-    /// The examples in the forward pass under way (the stem pads them to whole batch blocks,
-    /// the head drops the padding).
-    batch: Arc<AtomicI64>,
 }
 
 /// LayerNorm's eps in timm's ViT.
@@ -75,7 +70,7 @@ impl MultiDim {
             }
             TpMode::OneD => bail!("--tp-mode 1d is Megatron's layout, not a multi-dimensional one"),
         };
-        let layout = MultiDim { shape, batch: Arc::new(AtomicI64::new(0)) };
+        let layout = MultiDim { shape };
         let q = layout.q();
         // The linear layers' input widths must divide into q blocks (2D) or q^2 (3D), their
         // outputs into q; the heads into q.
@@ -238,14 +233,13 @@ impl Layers for MultiDim {
         let block = cfg.width / q;
         let cls_token = p.var("cls_token", &[1, 1, block], nn::Init::Const(0.0));
         let pos_embed = p.var("pos_embed", &[1, cfg.num_patches() + 1, block], nn::Init::Const(0.0));
-        let batch = self.batch.clone();
-        Ok(Box::new(MultiStem { layout: self.clone(), proj, cls_token, pos_embed, patch_size: cfg.patch_size, batch }))
+        Ok(Box::new(MultiStem { layout: self.clone(), proj, cls_token, pos_embed, patch_size: cfg.patch_size }))
     }
 
     fn head(&self, p: &nn::Path, cfg: &VitConfig) -> anyhow::Result<Box<dyn Head>> {
         let norm = self.layer_norm(&(p / "norm"), cfg.width)?;
         let head = self.linear(&(p / "head"), cfg.width, cfg.num_classes, Orientation::Normal)?;
-        Ok(Box::new(MultiHead { layout: self.clone(), norm, head, batch: self.batch.clone() }))
+        Ok(Box::new(MultiHead { layout: self.clone(), norm, head }))
     }
 }
 
@@ -259,25 +253,18 @@ struct MultiStem {
     cls_token: Tensor,
     pos_embed: Tensor,
     patch_size: i64,
-    batch: Arc<AtomicI64>,
 }
 
 impl Stem for MultiStem {
     fn forward(&self, images: &Tensor) -> anyhow::Result<Tensor> {
         let (b, c, h, w) = images.size4()?;
-        // Training micro-batches divide into the batch blocks (checked up front); an
-        // evaluation chunk may not, and is padded with blank images the head drops again.
+        // Training micro-batches divide into the batch blocks (checked up front), and
+        // evaluation pads its chunks to whole blocks (`crate::train::evaluate`): the stem and
+        // the head may run on different pipeline stages, so neither pads for the other.
         let blocks = self.layout.batch_blocks();
-        self.batch.store(b, Ordering::Relaxed);
-        let padded = (b + blocks - 1) / blocks * blocks;
-        let images = match padded > b {
-            true => {
-                let blank = Tensor::f_zeros([padded - b, c, h, w], (images.kind(), images.device()))?;
-                Tensor::f_cat(&[images.shallow_clone(), blank], 0)?
-            }
-            false => images.shallow_clone(),
-        };
-        let b = padded;
+        if b % blocks != 0 {
+            bail!("a batch of {b} images does not split into the layout's {blocks} batch blocks");
+        }
         let p = self.patch_size;
         let (gh, gw) = (h / p, w / p);
         // [b, c, gh, p, gw, p] -> [b, gh, gw, c, p, p]: a patch's pixels in the order of the
@@ -304,14 +291,12 @@ struct MultiHead {
     layout: MultiDim,
     norm: Box<dyn Layer>,
     head: Box<dyn Layer>,
-    batch: Arc<AtomicI64>,
 }
 
 impl Head for MultiHead {
     fn forward(&self, x: &Tensor) -> anyhow::Result<Tensor> {
         let logits = self.head.forward(&self.norm.forward(x)?.f_select(1, 0)?)?;
-        let logits = self.layout.gather_output(&logits, Orientation::Swapped)?;
-        Ok(logits.f_narrow(0, 0, self.batch.load(Ordering::Relaxed))?)
+        self.layout.gather_output(&logits, Orientation::Swapped)
     }
 }
 

@@ -14,7 +14,9 @@
 //! ([`Parallelized::across_stages`]), so it is the whole model's; LAMB's and LARS's trust
 //! ratios are per parameter, each held whole by one stage (or summed over the tensor-parallel
 //! group for split ones), so they equal one process's too. Under `--tp` each stage's blocks are
-//! split as [`crate::tensor_parallel`] splits them.
+//! split as [`crate::tensor_parallel`] splits them; under `--tp-mode 2d|2.5d|3d` every part is
+//! split ([`crate::multi_dim`]), and each rank's block of the batch and the width crosses
+//! between stages.
 //!
 //! Under `--sp` ([`crate::sequence_parallel`]) every rank of a stage's sequence group runs the
 //! stage's parts on its block of the tokens: the stem (on the first stage, whole on every
@@ -42,8 +44,8 @@ use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 
 use crate::model::{correct_top_k, Part, Vit};
-use crate::tensor_parallel::{Mesh, ParallelArgs, Sharding, TpMode};
-use crate::train::{soft_cross_entropy, to_tensors};
+use crate::tensor_parallel::{Mesh, ParallelArgs, Sharding};
+use crate::train::{pad_to_blocks, soft_cross_entropy, to_tensors};
 
 /// `--schedule`: the pipeline schedule.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -77,8 +79,8 @@ pub struct PipelineArgs {
     /// Pipeline stages: the model's parts (stem, blocks, head) are cut into this many
     /// stages over groups of ranks; --pp x --tp x --sp must divide the ranks, the rest are the
     /// data-parallel replicas. A step's micro-batches (per-replica batch / --micro-batch) flow
-    /// through the stages. Composes with ZeRO, --tp-mode 1d (--sequence-parallel too) and --sp
-    /// (ring or Ulysses), not with --tp-mode 2d/2.5d/3d.
+    /// through the stages. Composes with ZeRO, every --tp-mode (1d with --sequence-parallel
+    /// too) and --sp (ring or Ulysses) inside the stages.
     #[arg(long, default_value_t = 1)]
     pub pp: usize,
     /// The pipeline schedule (with --pp; default 1f1b).
@@ -105,19 +107,12 @@ impl PipelineArgs {
 }
 
 /// The groups of `world` for `--pp` and `parallel` ([`Mesh::new`]'s, with the pipeline group
-/// under --pp). A pipeline composes with data parallelism, 1D tensor parallelism (with or
-/// without --sequence-parallel) and --sp; --pp with --tp-mode 2d/2.5d/3d, and sizes that do
-/// not divide the job, are errors naming the flags and numbers.
+/// under --pp): a pipeline composes with data parallelism and every tensor- and
+/// sequence-parallel layout inside its stages; sizes that do not divide the job are errors
+/// naming the flags and numbers.
 pub fn mesh(world: &World, args: &PipelineArgs, parallel: &ParallelArgs) -> anyhow::Result<Mesh> {
     args.schedule()?;
-    let pp = args.pp;
-    if pp > 1 && (parallel.tp_mode != TpMode::OneD || parallel.tp_depth != 1) {
-        bail!(
-            "--pp {pp} with --tp-mode {}: pipeline stages split their blocks with --tp-mode 1d only",
-            parallel.tp_mode.name()
-        );
-    }
-    Mesh::new(world, parallel, pp)
+    Mesh::new(world, parallel, args.pp)
 }
 
 /// What a rank runs: the whole model (one process, data and tensor parallelism) or its
@@ -286,7 +281,8 @@ impl Stages {
     /// Top-1 and top-5 accuracy on `set` through the pipeline's forward pass: each
     /// data-parallel replica evaluates every N-th example and the last stage counts (on one
     /// rank of its tensor- and sequence-parallel groups: `counts_here` there), summed over
-    /// `world`.
+    /// `world`. The first stage pads each chunk to a multiple of `blocks`
+    /// ([`crate::train::pad_to_blocks`]) and the last drops the padding's logits.
     #[allow(clippy::too_many_arguments)]
     pub fn evaluate(
         &self,
@@ -295,6 +291,7 @@ impl Stages {
         dp: &ProcessGroup,
         world: &ProcessGroup,
         counts_here: bool,
+        blocks: usize,
         device: Device,
         kind: Kind,
     ) -> anyhow::Result<(f64, f64)> {
@@ -308,8 +305,10 @@ impl Stages {
                 false => None,
             };
             let tensors = batch.as_ref().map(|b| to_tensors(b, device, kind)).transpose()?;
-            let logits = self.pipe.forward_only(tensors.as_ref().filter(|_| first).map(|(x, _)| x))?;
+            let input = tensors.as_ref().filter(|_| first).map(|(x, _)| pad_to_blocks(x, blocks)).transpose()?;
+            let logits = self.pipe.forward_only(input.as_ref())?;
             if let (Some(logits), Some((_, labels)), true) = (logits, &tensors, counts_here) {
+                let logits = logits.f_narrow(0, 0, labels.size()[0])?;
                 counts[0] += correct_top_k(&logits, labels, 1);
                 counts[1] += correct_top_k(&logits, labels, 5);
             }

@@ -316,17 +316,24 @@ impl Sharding {
     /// Checks that a micro-batch of `micro` examples splits as the layout needs (2D, 2.5D and
     /// 3D cut it over the grid or cube); the error names the numbers.
     pub fn check_batch(&self, micro: usize) -> anyhow::Result<()> {
-        if let Mode::Multi(m) = &self.mode {
-            let blocks = m.batch_blocks() as usize;
-            if !micro.is_multiple_of(blocks) {
-                bail!(
-                    "--tp {}: a micro-batch of {micro} examples per data-parallel rank does not split into the \
-                     layout's {blocks} batch blocks (choose --batch / --micro-batch to fit)",
-                    self.size()
-                );
-            }
+        let blocks = self.batch_blocks();
+        if !micro.is_multiple_of(blocks) {
+            bail!(
+                "--tp {}: a micro-batch of {micro} examples per data-parallel rank does not split into the \
+                 layout's {blocks} batch blocks (choose --batch / --micro-batch to fit)",
+                self.size()
+            );
         }
         Ok(())
+    }
+
+    /// Into how many blocks a batch is cut over the tensor-parallel group (2D, 2.5D and 3D
+    /// split it; 1 otherwise): every batch the model takes must divide by it.
+    pub fn batch_blocks(&self) -> usize {
+        match &self.mode {
+            Mode::Multi(m) => m.batch_blocks() as usize,
+            _ => 1,
+        }
     }
 
     /// The tensor-parallel group's size.

@@ -184,13 +184,30 @@ pub(crate) fn to_tensors(batch: &Batch, device: Device, kind: Kind) -> anyhow::R
     Ok((images, Tensor::f_from_slice(&batch.labels)?.f_to_device(device)?))
 }
 
+/// `images` `[n, c, h, w]` with blank images appended up to a multiple of `blocks` (the batch
+/// blocks of `--tp-mode 2d|2.5d|3d`, see [`Sharding::batch_blocks`]): for evaluation chunks,
+/// whose logits past the first `n` rows are then dropped.
+pub(crate) fn pad_to_blocks(images: &Tensor, blocks: usize) -> anyhow::Result<Tensor> {
+    let (n, blocks) = (images.size()[0], blocks as i64);
+    let missing = (blocks - n % blocks) % blocks;
+    if missing == 0 {
+        return Ok(images.shallow_clone());
+    }
+    let mut shape = images.size();
+    shape[0] = missing;
+    let blank = Tensor::f_zeros(&shape, (images.kind(), images.device()))?;
+    Ok(Tensor::f_cat(&[images.shallow_clone(), blank], 0)?)
+}
+
 /// Top-1 and top-5 accuracy on `set`, each rank evaluating every N-th example and the counts
-/// summed over the group.
+/// summed over the group; `blocks`: what every batch the model takes must divide by (chunks
+/// are padded to it).
 pub fn evaluate(
     model: &Vit,
     set: &Arc<dyn Dataset>,
     transform: &Transform,
     group: &ProcessGroup,
+    blocks: usize,
     device: Device,
     kind: Kind,
 ) -> anyhow::Result<(f64, f64)> {
@@ -199,7 +216,8 @@ pub fn evaluate(
     for chunk in mine.chunks(256) {
         let batch = make_batch(set.as_ref(), transform, 0, &BatchSpec { indices: chunk.to_vec(), epoch: 0 })?;
         let (images, labels) = to_tensors(&batch, device, kind)?;
-        let logits = tch::no_grad(|| model.forward(&images))?;
+        let padded = pad_to_blocks(&images, blocks)?;
+        let logits = tch::no_grad(|| model.forward(&padded))?.f_narrow(0, 0, images.size()[0])?;
         counts[0] += correct_top_k(&logits, &labels, 1);
         counts[1] += correct_top_k(&logits, &labels, 5);
     }
@@ -499,10 +517,13 @@ impl<'a> Trainer<'a> {
         }
         let (val, t) = (&self.splits.val, &self.transforms.eval);
         Ok(Some(match &self.model {
-            Model::Whole(model) => evaluate(model, val, t, &self.dp, self.device, self.kind)?,
+            Model::Whole(model) => {
+                evaluate(model, val, t, &self.dp, self.sharding.batch_blocks(), self.device, self.kind)?
+            }
             Model::Stages(stages) => {
                 let counts_here = stages.holds_loss() && self.sharding.leads();
-                stages.evaluate(val, t, &self.dp, &self.world.group, counts_here, self.device, self.kind)?
+                let (dp, world, blocks) = (&self.dp, &self.world.group, self.sharding.batch_blocks());
+                stages.evaluate(val, t, dp, world, counts_here, blocks, self.device, self.kind)?
             }
         }))
     }

@@ -1,7 +1,8 @@
 //! `vit pretrain --pp`: every schedule on 2 stages (and fp16 with its loss scaler), pp x dp with
-//! ZeRO-1, pp x tp and pp x sp (ring and Ulysses) on 4 ranks, against one process (losses, every weight and the validation accuracy; fp32,
-//! relative 1e-5, with LAMB and clipping, whose norms span the stages), checkpoints moving
-//! between pp=2 and pp=1, and layouts that do not fit.
+//! ZeRO-1, pp x tp and pp x sp (ring and Ulysses) on 4 ranks and pp x 2D on 8, against one
+//! process (losses, every weight and the validation accuracy; fp32, relative 1e-5, with LAMB
+//! and clipping, whose norms span the stages), checkpoints moving between pp=2 and pp=1, and
+//! layouts that do not fit.
 mod common;
 
 use common::{args, compare, fresh, job_dir, joined, single};
@@ -77,6 +78,21 @@ dist_test!(pp_2_by_sp_2_ring_and_ulysses_match_one_process_and_resume_at_1, 4, |
     TestResult::Ok(())
 });
 
+dist_test!(pp_2_by_2d_matches_one_process, 8, |world| {
+    // Two stages, each a 2 x 2 SUMMA grid: every part is split, and each rank's block of the
+    // batch and the width, [4, 17, 32] of each micro-batch of 8, crosses the stages. Eight
+    // ranks share CI's two cores, so 4 steps (as the schedules above); the 297 validation
+    // images leave a last chunk of 41, padded to the grid's 2 batch blocks on the first stage
+    // and cut back on the last.
+    let line = format!("--steps 4 --micro-batch 8 {OPT}");
+    let one = pretrain(&args(&line), &single())?;
+    for schedule in ["1f1b", "interleaved"] {
+        let run = pretrain(&args(&format!("{line} --pp 2 --tp 4 --tp-mode 2d --schedule {schedule}")), world)?;
+        equal_runs(&run, &one, &format!("pp=2 x 2D (q=2), {schedule}, vs 1 process"));
+    }
+    TestResult::Ok(())
+});
+
 dist_test!(checkpoints_move_between_pp_2_and_pp_1, 2, |world| {
     let (at_pp2, at_pp1) = (job_dir("from-pp2"), job_dir("from-pp1"));
     fresh(world, &[&at_pp2, &at_pp1])?;
@@ -108,7 +124,7 @@ dist_test!(layouts_that_do_not_fit_name_the_numbers, 2, |world| {
     let e = err("--steps 1 --pp 2 --tp 2");
     assert!(e.contains("--pp 2 x --tp 2 = 4 ranks per replica does not divide the job's 2 ranks"), "{e}");
     let e = err("--steps 1 --pp 2 --tp 4 --tp-mode 2d");
-    assert!(e.contains("--pp 2 with --tp-mode 2d: pipeline stages split their blocks with --tp-mode 1d only"), "{e}");
+    assert!(e.contains("--pp 2 x --tp 4 = 8 ranks per replica does not divide the job's 2 ranks"), "{e}");
     let e = err("--steps 1 --pp 2 --sp 2 --image-size 6");
     assert!(e.contains("--pp 2 x --tp 1 x --sp 2 = 4 ranks per replica does not divide the job's 2 ranks"), "{e}");
     // The digits model: 4 blocks, so 6 parts.
