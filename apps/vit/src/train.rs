@@ -337,7 +337,8 @@ impl<'a> Trainer<'a> {
             &sharding,
             pp.as_ref(),
             &args.pipeline,
-            plan.accumulation,
+            (plan.accumulation, plan.micro),
+            &world.group,
             device,
             world.rank() == 0,
         )?;
