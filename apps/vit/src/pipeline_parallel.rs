@@ -413,3 +413,33 @@ impl Stages {
             .collect()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use engine::parallel::pipeline::FnLayer;
+    use suite_tests::{dist_test, TestResult};
+
+    use super::*;
+
+    dist_test!(every_rank_cuts_rank_0s_measured_split, 2, |world| {
+        // Each rank finds a different part slow (rank 0 the last, rank 1 the first): measured
+        // alone they would cut 0..3 | 3..4 and 0..1 | 1..4. Both must cut rank 0's split.
+        let slow = if world.rank() == 0 { 3 } else { 0 };
+        let layers: Vec<Box<dyn pipeline::Layer>> = (0..4)
+            .map(|i| {
+                let delay = Duration::from_millis(if i == slow { 20 } else { 0 });
+                Box::new(FnLayer::new(Vec::new(), move |x: &Tensor, _: &[Param]| {
+                    std::thread::sleep(delay);
+                    Ok(x.f_mul_scalar(2.0)?)
+                })) as Box<dyn pipeline::Layer>
+            })
+            .collect();
+        let sample = Tensor::ones([2, 2], (Kind::Float, Device::Cpu));
+        let cut = measured_split(&layers, 2, &sample, &world.group)?;
+        assert_eq!(cut.ranges, vec![0..3, 3..4], "rank {}: {cut}", world.rank());
+        assert!(cut.costs[3] >= 0.02, "rank 0's slow part: {:?}", cut.costs);
+        TestResult::Ok(())
+    });
+}
