@@ -2,7 +2,8 @@
 //! ZB-H1) on 2 and 4 stages with 1, pp and 3 pp micro-batches gives the losses, every gradient
 //! and 20 steps of weights of one process on the whole batch (fp32, relative 1e-5); pp x dp on
 //! 4 ranks and tied parameters likewise; 1F1B holds at most pp micro-batches where GPipe holds
-//! them all; a failing stage ends the job naming its rank. The 2-stage schedules also run on
+//! them all; a failing stage ends the job naming its rank, and a hanging one within the
+//! collective timeout. The 2-stage schedules also run on
 //! CUDA/NCCL where two GPUs exist.
 use std::time::{Duration, Instant};
 
@@ -277,4 +278,38 @@ fn a_failing_stage_ends_the_job_naming_its_rank() {
     assert!(err.contains("rank 1 failed"), "{err}");
     assert!(err.contains("pipeline rank 1 (stage 1): F(micro 0, chunk 0): the loss went wrong on purpose"), "{err}");
     assert!(start.elapsed() < Duration::from_secs(30), "took {:?}", start.elapsed());
+}
+
+#[test]
+fn a_hanging_stage_ends_the_job_within_the_timeout_naming_the_ranks() {
+    const HANG: Duration = Duration::from_secs(300);
+    let start = Instant::now();
+    let test = test_name(module_path!(), "a_hanging_stage_ends_the_job_within_the_timeout_naming_the_ranks");
+    let result = run_job(2, &test, &[(engine::dist::launch::TIMEOUT_ENV, "4")], |world| {
+        let model = layers(false, Device::Cpu);
+        let chunks = assign(model, &split(&layers(false, Device::Cpu), 2, Balance::Count)?, world.rank(), 2)?;
+        let mut pipe =
+            Pipeline::new(&world.group, chunks, Schedule::new(ScheduleKind::OneFOneB, 2, 2, 1)?, Device::Cpu)?;
+        let (x, y) = batch(0, Device::Cpu);
+        let inputs = vec![x.narrow(0, 0, 6), x.narrow(0, 6, 6)];
+        for step in 0..3 {
+            // At the second step the last stage blocks (a stuck kernel, a dead file system)
+            // far longer than the 4-second collective timeout; the first stage is left waiting
+            // for a gradient.
+            let mut loss_of = |i: usize, out: &Tensor| -> engine::Result<Tensor> {
+                if step == 1 {
+                    std::thread::sleep(HANG);
+                }
+                Ok(mse(out, &y.narrow(0, 6 * i as i64, 6)))
+            };
+            pipe.step(&inputs, &mut loss_of)?;
+        }
+        Ok(())
+    });
+    let err = result.expect_err("the job must fail").to_string();
+    // The waiting rank's receive times out naming itself, its stage and the action; the
+    // launcher then ends the hanging rank instead of waiting for it.
+    assert!(err.contains("rank 0 failed"), "{err}");
+    assert!(err.contains("pipeline rank 0 (stage 0): B(micro 0, chunk 0)"), "{err}");
+    assert!(start.elapsed() < HANG / 5, "took {:?}", start.elapsed());
 }

@@ -14,7 +14,9 @@
 //! [`Vit::into_parts`] gives the model as its parts in running order (the stem, each block,
 //! the head; see [`Part`]): the units `crate::pipeline_parallel` cuts into stages.
 use std::rc::Rc;
+use std::sync::{Arc, Mutex};
 
+use anyhow::Context;
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
@@ -154,8 +156,9 @@ fn linear(p: nn::Path, inputs: i64, outputs: i64) -> nn::Linear {
 }
 
 /// A layer of a block acting on the last dimension of its input (a linear layer or a norm),
-/// serial or holding a block of its features.
-pub trait Layer: std::fmt::Debug {
+/// serial or holding a block of its features. `Send`: a checkpointed block may be recomputed
+/// on autograd's thread.
+pub trait Layer: std::fmt::Debug + Send {
     /// The layer applied to the last dimension of `x`.
     fn forward(&self, x: &Tensor) -> anyhow::Result<Tensor>;
 }
@@ -223,8 +226,9 @@ pub trait Head: std::fmt::Debug {
     fn forward(&self, x: &Tensor) -> anyhow::Result<Tensor>;
 }
 
-/// Attention over queries, keys and values `[batch, heads, tokens, head_dim]` (this rank's).
-pub trait Attend: std::fmt::Debug {
+/// Attention over queries, keys and values `[batch, heads, tokens, head_dim]` (this rank's;
+/// `Send` as [`Layer`]).
+pub trait Attend: std::fmt::Debug + Send {
     /// The attention output in the same layout.
     fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> anyhow::Result<Tensor>;
 }
@@ -377,9 +381,9 @@ impl Attention {
     }
 }
 
-/// A pre-norm transformer block.
+/// A pre-norm transformer block's layers.
 #[derive(Debug)]
-pub struct Block {
+struct BlockLayers {
     norm1: Box<dyn Layer>,
     attn: Attention,
     norm2: Box<dyn Layer>,
@@ -387,10 +391,10 @@ pub struct Block {
     fc2: Box<dyn Layer>,
 }
 
-impl Block {
-    fn new(p: nn::Path, cfg: &VitConfig, layers: &dyn Layers) -> anyhow::Result<Block> {
+impl BlockLayers {
+    fn new(p: nn::Path, cfg: &VitConfig, layers: &dyn Layers) -> anyhow::Result<BlockLayers> {
         let hidden = cfg.mlp_hidden();
-        Ok(Block {
+        Ok(BlockLayers {
             norm1: layers.norm(&p / "norm1", cfg.width)?,
             attn: Attention::new(&p / "attn", cfg, layers)?,
             norm2: layers.norm(&p / "norm2", cfg.width)?,
@@ -403,6 +407,38 @@ impl Block {
         let x = x + self.attn.forward(&self.norm1.forward(x)?)?;
         let h = self.fc1.forward(&self.norm2.forward(&x)?)?.f_gelu("none")?;
         Ok(&x + self.fc2.forward(&h)?)
+    }
+}
+
+/// A pre-norm transformer block, optionally run under activation checkpointing (timm's
+/// `set_grad_checkpointing`): its forward keeps only its input, and backward runs it again to
+/// get the activations it needs. The layers are shared with that recomputation, which may run
+/// on autograd's thread.
+#[derive(Debug)]
+pub struct Block {
+    layers: Arc<Mutex<BlockLayers>>,
+    checkpointing: bool,
+}
+
+impl Block {
+    fn new(p: nn::Path, cfg: &VitConfig, layers: &dyn Layers) -> anyhow::Result<Block> {
+        Ok(Block { layers: Arc::new(Mutex::new(BlockLayers::new(p, cfg, layers)?)), checkpointing: false })
+    }
+
+    fn forward(&self, x: &Tensor) -> anyhow::Result<Tensor> {
+        // Without a gradient to its input (evaluation) nothing is saved: run it plainly. A
+        // tensor-parallel block's recomputation repeats its collectives, in the same order on
+        // every rank of the group (each rank's backward reaches the block at the same point).
+        if self.checkpointing && x.requires_grad() {
+            let layers = self.layers.clone();
+            let mut out = engine::autograd::checkpoint(&[x], move |x| {
+                let layers = layers.lock().map_err(|_| engine::Error::invalid("a ViT block panicked earlier"))?;
+                Ok(vec![layers.forward(&x[0]).map_err(|e| engine::Error::invalid(format!("{e:#}")))?])
+            })?;
+            return out.pop().context("the checkpointed block gave no output");
+        }
+        let layers = self.layers.lock().map_err(|_| anyhow::anyhow!("a ViT block panicked earlier"))?;
+        layers.forward(x)
     }
 }
 
@@ -488,6 +524,14 @@ impl Vit {
     /// The architecture.
     pub fn config(&self) -> &VitConfig {
         &self.cfg
+    }
+
+    /// Runs each block under activation checkpointing (recomputed in backward) or not; the
+    /// parts of [`Vit::into_parts`] keep the setting.
+    pub fn set_gradient_checkpointing(&mut self, on: bool) {
+        for block in &mut self.blocks {
+            block.checkpointing = on;
+        }
     }
 
     /// Logits `[batch, classes]` for images `[batch, channels, size, size]`.

@@ -1,7 +1,7 @@
 //! Pipeline parallelism for the ViT (`vit pretrain --pp N`), on the engine's
 //! [`engine::parallel::pipeline`]: the model's parts (the stem, each block, the head; see
 //! [`Part`]) are the layers the engine's partitioner cuts into `pp x virtual-stages` stages,
-//! balancing parameter bytes, and each pipeline rank keeps its stages. The micro-batches of a
+//! balancing parameter bytes, part counts or measured times (`--pp-balance`), and each pipeline rank keeps its stages. The micro-batches of a
 //! step (the per-replica batch over `--micro-batch`) run under the chosen schedule; the loss
 //! lives on the last stage.
 //!
@@ -73,6 +73,18 @@ impl SchedulePick {
     }
 }
 
+/// `--pp-balance`: what the stages balance.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum BalancePick {
+    /// Parameter bytes (memory per stage).
+    Params,
+    /// The number of parts (stem, blocks, head count alike).
+    Layers,
+    /// Each part's measured forward and backward time on this device (one micro-batch, after
+    /// warm-up runs), as world rank 0 measured it: every rank cuts the same stages.
+    Time,
+}
+
 /// `vit pretrain`'s pipeline options.
 #[derive(clap::Args, Clone, Debug)]
 pub struct PipelineArgs {
@@ -89,6 +101,9 @@ pub struct PipelineArgs {
     /// Model chunks per pipeline rank (--schedule interleaved; default 2 there, else 1).
     #[arg(long)]
     pub virtual_stages: Option<usize>,
+    /// What the stages balance (with --pp; default params).
+    #[arg(long, value_enum)]
+    pub pp_balance: Option<BalancePick>,
 }
 
 impl PipelineArgs {
@@ -99,6 +114,9 @@ impl PipelineArgs {
         }
         if self.pp == 1 && (self.schedule.is_some() || self.virtual_stages.is_some()) {
             bail!("--schedule and --virtual-stages need --pp 2 or more");
+        }
+        if self.pp == 1 && self.pp_balance.is_some() {
+            bail!("--pp-balance needs --pp 2 or more");
         }
         let pick = self.schedule.unwrap_or(SchedulePick::OneFOneB);
         let v = self.virtual_stages.unwrap_or(if pick == SchedulePick::Interleaved { 2 } else { 1 });
@@ -128,7 +146,9 @@ impl Model {
     /// `model` (built in `vs`, split by `sharding`) placed on this rank: whole without a
     /// pipeline group `pp`, else cut into stages of which this rank keeps its own (the other
     /// parts' weights freed). Returns the parameters this rank trains, named and marked as
-    /// [`Sharding::params`] gives them. `micro_batches`: per step; `announce`: print the split.
+    /// [`Sharding::params`] gives them. `micro_batches`: per step, of `micro_size` examples;
+    /// `world`: every rank of the job (`--pp-balance time` takes rank 0's measurement);
+    /// `announce`: print the split.
     #[allow(clippy::too_many_arguments)]
     pub fn place(
         model: Vit,
@@ -136,13 +156,15 @@ impl Model {
         sharding: &Sharding,
         pp: Option<&ProcessGroup>,
         args: &PipelineArgs,
-        micro_batches: usize,
+        (micro_batches, micro_size): (usize, usize),
+        world: &ProcessGroup,
         device: Device,
         announce: bool,
     ) -> anyhow::Result<(Model, Vec<Param>)> {
         let params = sharding.params(vs);
         let Some(pp) = pp else { return Ok((Model::Whole(model), params)) };
-        let stages = Stages::new(model, vs, params, sharding, pp, args, micro_batches, device, announce)?;
+        let micro = (micro_batches, micro_size);
+        let stages = Stages::new(model, vs, params, sharding, pp, args, micro, world, device, announce)?;
         let mine = stages.pipe.params().iter().map(|p| p.name.clone()).collect::<Vec<_>>();
         let params = sharding.params(vs).into_iter().filter(|p| mine.contains(&p.name)).collect();
         Ok((Model::Stages(stages), params))
@@ -156,6 +178,24 @@ impl Model {
             Model::Stages(s) => parallel.across_stages(&s.pp),
         }
     }
+}
+
+/// Cuts `layers` into `stages` by their forward and backward times on `sample` as world rank 0
+/// measured them. Every rank measures (a tensor-parallel part's collectives need its whole
+/// group, and every rank then makes the same calls), and rank 0's times are broadcast, so
+/// every rank (every replica and stage) cuts the same split from the same numbers.
+fn measured_split(
+    layers: &[Box<dyn pipeline::Layer>],
+    stages: usize,
+    sample: &Tensor,
+    world: &ProcessGroup,
+) -> engine::Result<pipeline::Split> {
+    const WARMUP: usize = 2;
+    let measured = pipeline::split_measured(layers, stages, sample, WARMUP)?;
+    let costs = Tensor::f_from_slice(&measured.costs)?.f_to_device(sample.device())?;
+    world.broadcast(&costs, 0)?;
+    let costs = Vec::<f64>::try_from(costs.f_to_device(Device::Cpu)?)?;
+    pipeline::split_costs(costs, stages, measured.unit)
 }
 
 /// One part of the ViT as a pipeline layer, with its parameters.
@@ -192,12 +232,14 @@ impl Stages {
         sharding: &Sharding,
         pp: &ProcessGroup,
         args: &PipelineArgs,
-        micro_batches: usize,
+        (micro_batches, micro_size): (usize, usize),
+        world: &ProcessGroup,
         device: Device,
         announce: bool,
     ) -> anyhow::Result<Stages> {
         let (pick, v) = args.schedule()?;
         let (p, depth) = (pp.size(), model.config().depth);
+        let cfg = *model.config();
         // Full shapes before the other stages' weights go (a collective over --tp).
         let full_shapes = tch::no_grad(|| -> anyhow::Result<Vec<(String, Vec<i64>)>> {
             params.iter().map(|q| Ok((q.name.clone(), sharding.gather(&q.name, &q.tensor)?.size()))).collect()
@@ -215,7 +257,16 @@ impl Stages {
         if owned != params.len() {
             bail!("the ViT's parts own {owned} of its {} parameters", params.len());
         }
-        let cut = split(&layers, p * v, Balance::ParameterBytes).map_err(|e| {
+        let cut = match args.pp_balance.unwrap_or(BalancePick::Params) {
+            BalancePick::Params => split(&layers, p * v, Balance::ParameterBytes),
+            BalancePick::Layers => split(&layers, p * v, Balance::Count),
+            BalancePick::Time => {
+                let kind = params.first().map_or(Kind::Float, |q| q.tensor.kind());
+                let size = [micro_size as i64, cfg.in_channels, cfg.image_size, cfg.image_size];
+                measured_split(&layers, p * v, &Tensor::f_full(size, 0.5, (kind, device))?, world)
+            }
+        }
+        .map_err(|e| {
             anyhow::anyhow!(
                 "--pp {p} x --virtual-stages {v} = {} stages: the model has {} parts to cut (stem, {depth} \
                  blocks, head): {e}",
@@ -350,4 +401,34 @@ impl Stages {
             })
             .collect()
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use engine::parallel::pipeline::FnLayer;
+    use suite_tests::{dist_test, TestResult};
+
+    use super::*;
+
+    dist_test!(every_rank_cuts_rank_0s_measured_split, 2, |world| {
+        // Each rank finds a different part slow (rank 0 the last, rank 1 the first): measured
+        // alone they would cut 0..3 | 3..4 and 0..1 | 1..4. Both must cut rank 0's split.
+        let slow = if world.rank() == 0 { 3 } else { 0 };
+        let layers: Vec<Box<dyn pipeline::Layer>> = (0..4)
+            .map(|i| {
+                let delay = Duration::from_millis(if i == slow { 20 } else { 0 });
+                Box::new(FnLayer::new(Vec::new(), move |x: &Tensor, _: &[Param]| {
+                    std::thread::sleep(delay);
+                    Ok(x.f_mul_scalar(2.0)?)
+                })) as Box<dyn pipeline::Layer>
+            })
+            .collect();
+        let sample = Tensor::ones([2, 2], (Kind::Float, Device::Cpu));
+        let cut = measured_split(&layers, 2, &sample, &world.group)?;
+        assert_eq!(cut.ranges, vec![0..3, 3..4], "rank {}: {cut}", world.rank());
+        assert!(cut.costs[3] >= 0.02, "rank 0's slow part: {:?}", cut.costs);
+        TestResult::Ok(())
+    });
 }

@@ -33,7 +33,7 @@ use crate::checkpoint::{self, TrainerState};
 use crate::datasets::{probe, DataArgs, Splits, Transforms};
 use crate::metrics::Record;
 use crate::model::{correct_top_k, Vit, VitConfig};
-use crate::pipeline_parallel::{self, Model, PipelineArgs};
+use crate::pipeline_parallel::{self, Model, PipelineArgs, SchedulePick};
 use crate::tensor_parallel::{ParallelArgs, Sharding};
 
 /// Keys mixup's draws apart from the other streams of the same seed.
@@ -111,6 +111,12 @@ pub struct PretrainArgs {
     /// Pipeline parallelism: --pp, --schedule, --virtual-stages.
     #[command(flatten)]
     pub pipeline: PipelineArgs,
+    /// Activation checkpointing (timm's set_grad_checkpointing): each transformer block keeps
+    /// only its input between forward and backward and is recomputed in backward (about one
+    /// more forward of compute for much less activation memory); under --pp, each stage's
+    /// blocks. Not with --schedule zb, whose separate weight pass needs the blocks' graphs.
+    #[arg(long)]
+    pub gradient_checkpointing: bool,
     /// ZeRO stage: 0 (plain data parallel), 1 (sharded optimizer state), 2 (and gradients).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
     pub zero: u8,
@@ -272,6 +278,11 @@ impl<'a> Trainer<'a> {
     /// parallel wiring; an impossible batch split or an unknown model is an error naming it.
     pub fn new(args: &'a PretrainArgs, world: &'a World) -> anyhow::Result<Trainer<'a>> {
         let mesh = pipeline_parallel::mesh(world, &args.pipeline, &args.parallel)?;
+        if args.gradient_checkpointing && args.pipeline.schedule == Some(SchedulePick::Zb) {
+            // ZB-H1 runs each layer's graph twice (input gradients, later weight gradients);
+            // a checkpointed block has no graph to keep and would add its weight gradients twice.
+            bail!("--gradient-checkpointing with --schedule zb: the zero-bubble weight pass needs each block's graph; use gpipe, 1f1b or interleaved");
+        }
         let (dp, ranks) = (mesh.data.clone(), mesh.data.size());
         let plan = BatchPlan::new(args.batch, ranks, args.micro_batch, 256).map_err(anyhow::Error::msg)?;
         if args.resume && args.out.is_none() {
@@ -326,7 +337,7 @@ impl<'a> Trainer<'a> {
         // keeps its slices, so every layout starts from the same weights.
         tch::manual_seed(seed as i64);
         let mut vs = VarStore::new(device);
-        let model = match sharding.active() {
+        let mut model = match sharding.active() {
             false => Vit::with_kernels(&vs.root(), cfg, backend),
             true => {
                 let serial = VarStore::new(device);
@@ -337,13 +348,15 @@ impl<'a> Trainer<'a> {
         if kind != Kind::Float {
             vs.set_kind(kind);
         }
+        model.set_gradient_checkpointing(args.gradient_checkpointing);
         let (model, params) = Model::place(
             model,
             &vs,
             &sharding,
             mesh.pipeline.as_ref(),
             &args.pipeline,
-            plan.accumulation,
+            (plan.accumulation, plan.micro),
+            &world.group,
             device,
             world.rank() == 0,
         )?;

@@ -105,6 +105,8 @@ fn bad_flags_are_named() {
     assert!(!ok && text.contains("\"12x\" is not a batch size"), "{text}");
     let (ok, text) = vit(&["pretrain", "--zero", "3"]);
     assert!(!ok && text.contains("--zero"), "{text}");
+    let (ok, text) = vit(&["pretrain", "--pp", "2", "--pp-balance", "speed"]);
+    assert!(!ok && text.contains("invalid value 'speed' for '--pp-balance"), "{text}");
     let (ok, text) = vit(&["pretrain", "--batch", "30", "--nproc", "4", "--steps", "1", "--timeout", "30"]);
     assert!(!ok && text.contains("--batch 30 does not split over 4 ranks") && text.contains("rank"), "{text}");
 }

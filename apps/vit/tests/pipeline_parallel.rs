@@ -140,3 +140,18 @@ dist_test!(layouts_that_do_not_fit_name_the_numbers, 2, |world| {
     assert!(e.contains("--schedule and --virtual-stages need --pp 2 or more"), "{e}");
     TestResult::Ok(())
 });
+
+dist_test!(every_pp_balance_matches_one_process, 2, |world| {
+    // The split moves parts between stages, never the arithmetic: each balance equals one
+    // process. `time` cuts by world rank 0's measured times, broadcast, so both ranks cut alike
+    // (a disagreement would hang or fail the step, not pass it).
+    let line = format!("--steps 2 --micro-batch 8 {OPT}");
+    let one = pretrain(&args(&line), &single())?;
+    for balance in ["layers", "time"] {
+        let pp = pretrain(&args(&format!("{line} --pp 2 --pp-balance {balance}")), world)?;
+        equal_runs(&pp, &one, &format!("pp=2 balanced by {balance} vs 1 process"));
+    }
+    let e = format!("{:#}", pretrain(&args("--steps 1 --pp-balance time"), &single()).err().unwrap());
+    assert!(e.contains("--pp-balance needs --pp 2 or more"), "{e}");
+    TestResult::Ok(())
+});

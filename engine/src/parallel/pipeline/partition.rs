@@ -71,15 +71,21 @@ pub fn split(layers: &[Box<dyn Layer>], stages: usize, balance: Balance) -> Resu
     split_costs(costs, stages, unit)
 }
 
-/// Times one forward and backward of each layer (after `warmup` untimed ones), feeding each
-/// layer the previous layer's output starting from `sample`, and splits by those times. The
-/// measurement runs on `sample`'s device; it leaves no gradients behind.
+/// Times of each layer's forward and backward taken for [`split_measured`]: the median of
+/// this many runs, so one run disturbed by the rest of the machine does not move the split.
+const TIMED_RUNS: usize = 5;
+
+/// Times forward and backward of each layer (the median of [`TIMED_RUNS`] runs after `warmup`
+/// untimed ones), feeding each layer the previous layer's output starting from `sample`, and
+/// splits by those times. The measurement runs on `sample`'s device; it leaves no gradients
+/// behind.
 pub fn split_measured(layers: &[Box<dyn Layer>], stages: usize, sample: &Tensor, warmup: usize) -> Result<Split> {
     let mut costs = Vec::with_capacity(layers.len());
     let mut x = sample.f_detach()?;
     for (i, layer) in layers.iter().enumerate() {
-        let mut seconds = 0.0;
-        for run in 0..=warmup {
+        let mut times = Vec::with_capacity(TIMED_RUNS);
+        let mut next = None;
+        for run in 0..warmup + TIMED_RUNS {
             let input = x.f_detach()?.set_requires_grad(x.is_floating_point());
             let start = Instant::now();
             let out = layer.forward(&input)?;
@@ -89,14 +95,19 @@ pub fn split_measured(layers: &[Box<dyn Layer>], stages: usize, sample: &Tensor,
             }
             // A scalar read waits for the device, so the time covers the work.
             let _ = total.f_double_value(&[])?;
-            seconds = start.elapsed().as_secs_f64();
-            if run == warmup {
-                x = out.f_detach()?;
+            if run >= warmup {
+                times.push(start.elapsed().as_secs_f64());
             }
+            next = Some(out);
+        }
+        if let Some(out) = next {
+            x = out.f_detach()?;
         }
         for p in layer.params() {
             crate::autograd::set_grad(&p.tensor, None)?;
         }
+        times.sort_by(f64::total_cmp);
+        let seconds = times[times.len() / 2];
         ensure!(seconds.is_finite(), "pipeline: timing layer {i} gave {seconds}");
         costs.push(seconds);
     }
