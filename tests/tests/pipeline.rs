@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use engine::dist::{ParallelDims, ProcessGroup, ReduceOp};
 use engine::optim::{AdamW, AdamWConfig, Optimizer, Param};
 use engine::parallel::pipeline::{
-    assign, clip_grad_norm, simulate_ranks, split, sum_tied_gradients, Action, Balance, Costs, FnLayer, Layer, Pipeline,
-    Schedule, ScheduleKind, StepStats, Tied,
+    assign, clip_grad_norm, simulate_ranks, split, sum_tied_gradients, Action, Balance, Costs, FnLayer, Layer,
+    Pipeline, Schedule, ScheduleKind, StepStats, Tied,
 };
 use suite_tests::{dist_test, run_job, seeded, test_name, TestResult};
 use tch::{Device, Kind, Tensor};
@@ -251,11 +251,11 @@ dist_test!(tied_parameters_sum_their_gradients_across_stages, 2, |world| {
     Ok(())
 });
 
-/// Measuring a pipeline: every action is counted once, the timed parts are disjoint pieces of
-/// the step's wall time that cover nearly all of it (the rest is the runtime's bookkeeping),
-/// the last stage waits for its inputs, and the measured means feed the simulator. Wider
-/// layers than the equivalence tests', so that a pass takes about a millisecond and the
-/// bookkeeping stays a small share.
+// Measuring a pipeline: every action is counted once, the timed parts are disjoint pieces of
+// the step's wall time that cover nearly all of it (the rest is the runtime's bookkeeping),
+// the last stage waits for its inputs, and the measured means feed the simulator. Wider
+// layers than the equivalence tests', so that a pass takes about a millisecond and the
+// bookkeeping stays a small share.
 dist_test!(measured_steps_account_for_their_wall_time, 2, |world| {
     const WIDE: i64 = 256;
     const ROWS: i64 = 32;

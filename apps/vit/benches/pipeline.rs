@@ -219,7 +219,8 @@ fn rank_main(args: &Args, out: &Path) -> anyhow::Result<()> {
     };
     let mut results = Vec::new();
     for case in args.cases(p) {
-        let measured = run_case(args, &world, case, device).with_context(|| format!("{} m={}", case.label(), case.micro))?;
+        let measured =
+            run_case(args, &world, case, device).with_context(|| format!("{} m={}", case.label(), case.micro))?;
         if world.rank() == 0 {
             eprintln!("[pp={p}] {} m={}: {:.1} ms per step", case.label(), case.micro, measured.step * 1e3);
         }
@@ -460,11 +461,7 @@ fn main() -> anyhow::Result<()> {
         job(1, &out).context("the one-process job (pp=1)")?;
         eprintln!("[bench] {} pipeline ranks", args.pp);
         job(args.pp, &out).with_context(|| {
-            format!(
-                "the pipeline job (pp={}{})",
-                args.pp,
-                if args.device == "cuda" { ", NCCL" } else { ", Gloo" }
-            )
+            format!("the pipeline job (pp={}{})", args.pp, if args.device == "cuda" { ", NCCL" } else { ", Gloo" })
         })?;
         let one = read(&out, 1, 0)?.pop().context("the pp=1 job wrote no result")?;
         let ranks = (0..args.pp).map(|r| read(&out, args.pp, r)).collect::<anyhow::Result<Vec<_>>>()?;
