@@ -21,7 +21,9 @@
 //! start of the next, so in steady state this is the bubble. Simulated idle: the schedule's
 //! action lists run by the simulator with each rank's measured mean forward, backward and
 //! weight-pass times and the measured one-way time of an activation between neighbouring
-//! ranks. Peak memory: on CPU the engine's host allocator counter (bytes held by tensors in
+//! ranks. Posting: the share of the step spent posting sends and receives (on Gloo, a post
+//! can wait for the transport thread reading the same connection), which the simulator does not
+//! model; the rest of the step is computing. Peak memory: on CPU the engine's host allocator counter (bytes held by tensors in
 //! the rank's process: weights, gradients, AdamW state, activations, message buffers), on
 //! CUDA the caching allocator's peak allocated bytes; both over the timed steps. On CUDA the
 //! step time comes from unmeasured steps (measuring synchronizes after each action) and the
@@ -190,9 +192,11 @@ impl Case {
 struct Measured {
     /// Seconds per training step (rank 0's, between barriers).
     step: f64,
-    /// Summed over the measured steps: wall time inside the pipeline's step and waiting.
+    /// Summed over the measured steps: wall time inside the pipeline's step, waiting, and
+    /// posting sends and receives.
     wall: f64,
     waiting: f64,
+    posting: f64,
     /// Mean seconds per forward, backward and weight pass of a chunk.
     forward: f64,
     backward: f64,
@@ -318,6 +322,7 @@ fn run_case(args: &Args, world: &World, case: Case, device: Device) -> anyhow::R
         step: seconds,
         wall: total.wall,
         waiting: total.waiting,
+        posting: total.posting.seconds,
         forward: costs.forward,
         backward: costs.input_grad,
         weight: costs.weight_grad,
@@ -385,10 +390,10 @@ fn table(args: &Args, one: &Measured, ranks: &[Vec<Measured>]) -> anyhow::Result
     );
     s.push_str(
         "| schedule | micro-batches | step (ms) | speed-up over pp=1 | peak memory per stage (MiB) | in flight per \
-         stage | measured idle | simulated idle (measured costs) | textbook bubble |\n|---|---:|---:|---:|---|---|---:|---:|---:|\n",
+         stage | measured idle | posting | simulated idle (measured costs) | textbook bubble |\n|---|---:|---:|---:|---|---|---:|---:|---:|---:|\n",
     );
     s.push_str(&format!(
-        "| pp=1 (one process) | 1 | {:.1} | 1.00 | {} | 1 | - | - | - |\n",
+        "| pp=1 (one process) | 1 | {:.1} | 1.00 | {} | 1 | - | - | - | - |\n",
         one.step * 1e3,
         mib(one.peak_bytes)
     ));
@@ -405,11 +410,11 @@ fn table(args: &Args, one: &Measured, ranks: &[Vec<Measured>]) -> anyhow::Result
             hop: m.hop,
         });
         let simulated = simulate_ranks(&schedule, &rank_costs)?.bubble;
-        let (waiting, wall): (f64, f64) =
-            per_stage(ranks, i, |m| (m.waiting, m.wall)).iter().fold((0.0, 0.0), |(a, b), (w, t)| (a + w, b + t));
+        let sum = |f: fn(&Measured) -> f64| per_stage(ranks, i, f).iter().sum::<f64>();
+        let (waiting, posting, wall) = (sum(|m| m.waiting), sum(|m| m.posting), sum(|m| m.wall));
         let step = ranks[0][i].step;
         s.push_str(&format!(
-            "| {} | {} | {:.1} | {:.2} | {} | {} | {:.3} | {:.3} | {:.3} |\n",
+            "| {} | {} | {:.1} | {:.2} | {} | {} | {:.3} | {:.3} | {:.3} | {:.3} |\n",
             case.label(),
             case.micro,
             step * 1e3,
@@ -417,6 +422,7 @@ fn table(args: &Args, one: &Measured, ranks: &[Vec<Measured>]) -> anyhow::Result
             join(&per_stage(ranks, i, |m| mib(m.peak_bytes))),
             join(&per_stage(ranks, i, |m| m.in_flight.to_string())),
             waiting / wall,
+            posting / wall,
             simulated,
             textbook_bubble(case.kind, p, case.micro, case.v),
         ));

@@ -67,8 +67,8 @@ pub struct Pipeline {
     peak: usize,
     /// Whether steps are timed ([`Pipeline::measure`]).
     measuring: bool,
-    /// The last timed step's times.
-    stats: Option<StepStats>,
+    /// The last timed step's times (boxed: a pipeline stays small where it is unmeasured).
+    stats: Option<Box<StepStats>>,
     /// Seconds blocked on peers so far in this step (when measuring).
     waited: Cell<f64>,
 }
@@ -173,7 +173,7 @@ impl Pipeline {
 
     /// What the last step spent its time on, if it was measured.
     pub fn last_stats(&self) -> Option<&StepStats> {
-        self.stats.as_ref()
+        self.stats.as_deref()
     }
 
     /// Seconds a message shaped like `probe` takes from one pipeline rank to the next: group
@@ -322,7 +322,7 @@ impl Pipeline {
         if let Some(start) = start {
             stats.wall = start.elapsed().as_secs_f64();
             stats.waiting = self.waited.get();
-            self.stats = Some(stats);
+            self.stats = Some(Box::new(stats));
         }
         ensure!(
             state.held.is_empty(),
