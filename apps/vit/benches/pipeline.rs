@@ -11,7 +11,9 @@
 //! Fairness: the same model (same seed), the same global batch per step and the same intra-op
 //! thread budget: each pipeline rank has `--threads` threads and the one process `pp x
 //! --threads`; the one process runs the global batch in one pass (no micro-batches: what it
-//! would do given the memory). A step is forward, backward and an AdamW update of the rank's
+//! would do given the memory). The one process also runs with `--threads` threads, the
+//! pipeline's per-rank share, as a second reference: on a machine busy with other work, more
+//! OpenMP threads than free cores slow a step down many times, and that row shows it. A step is forward, backward and an AdamW update of the rank's
 //! parameters, with fresh gradients each step. The parts are cut into stages by parameter
 //! bytes, as `vit pretrain --pp` does.
 //!
@@ -129,7 +131,8 @@ impl Args {
     /// The cases a job of `p` ranks runs: one process runs the whole batch once.
     fn cases(&self, p: usize) -> Vec<Case> {
         if p == 1 {
-            return vec![Case { pick: None, kind: ScheduleKind::GPipe, micro: 1, v: 1 }];
+            let one = |threads| Case { pick: None, kind: ScheduleKind::GPipe, micro: 1, v: 1, threads };
+            return vec![one(self.pp * self.threads), one(self.threads)];
         }
         let mut cases = Vec::new();
         for &micro in &self.micro_batches() {
@@ -140,7 +143,7 @@ impl Args {
                     SchedulePick::Interleaved => (ScheduleKind::Interleaved, self.virtual_stages),
                     SchedulePick::Zb => (ScheduleKind::ZeroBubbleH1, 1),
                 };
-                cases.push(Case { pick: Some(pick), kind, micro, v });
+                cases.push(Case { pick: Some(pick), kind, micro, v, threads: self.threads });
             }
         }
         cases
@@ -175,12 +178,14 @@ struct Case {
     kind: ScheduleKind,
     micro: usize,
     v: usize,
+    /// Intra-op threads of each rank.
+    threads: usize,
 }
 
 impl Case {
     fn label(&self) -> String {
         match (self.pick, self.kind) {
-            (None, _) => "pp=1".into(),
+            (None, _) => format!("pp=1, {} thread(s)", self.threads),
             (Some(_), ScheduleKind::Interleaved) => format!("interleaved v={}", self.v),
             (Some(_), kind) => kind.name().into(),
         }
@@ -212,8 +217,6 @@ struct Measured {
 fn rank_main(args: &Args, out: &Path) -> anyhow::Result<()> {
     let world = dist::init(&InitOptions::default())?;
     let p = world.size();
-    let threads = args.threads * if p == 1 { args.pp } else { 1 };
-    tch::set_num_threads(i32::try_from(threads)?);
     let device = match args.device.as_str() {
         "cuda" => engine::device::DeviceKind::Cuda.device(world.env.local_rank)?,
         _ => {
@@ -223,6 +226,7 @@ fn rank_main(args: &Args, out: &Path) -> anyhow::Result<()> {
     };
     let mut results = Vec::new();
     for case in args.cases(p) {
+        tch::set_num_threads(i32::try_from(case.threads)?);
         let measured =
             run_case(args, &world, case, device).with_context(|| format!("{} m={}", case.label(), case.micro))?;
         if world.rank() == 0 {
@@ -364,7 +368,10 @@ fn join(values: &[String]) -> String {
     values.join(" / ")
 }
 
-fn table(args: &Args, one: &Measured, ranks: &[Vec<Measured>]) -> anyhow::Result<String> {
+/// `one`: the one process's measurements, with the pipeline's whole thread budget and then
+/// with one rank's share; `ranks`: each pipeline rank's, case by case.
+fn table(args: &Args, one: &[Measured], ranks: &[Vec<Measured>]) -> anyhow::Result<String> {
+    ensure!(one.len() == 2, "the pp=1 job wrote {} results, expected 2", one.len());
     let p = args.pp;
     let cfg = args.config()?;
     let memory = match args.device.as_str() {
@@ -373,7 +380,7 @@ fn table(args: &Args, one: &Measured, ranks: &[Vec<Measured>]) -> anyhow::Result
     };
     let mut s = format!(
         "\nViT depth {} width {} heads {} ({} px images, {} px patches, {} tokens), batch {} per step, fp32 on {}; \
-         pp={p} ranks x {} intra-op thread(s) against one process with {} thread(s); {} warm-up and {} timed \
+         pp={p} ranks x {} intra-op thread(s) against one process with {} thread(s) (and with {}); {} warm-up and {} timed \
          steps per case; memory: {memory} (MiB per stage, rank 0 first)\n\n",
         cfg.depth,
         cfg.width,
@@ -385,18 +392,26 @@ fn table(args: &Args, one: &Measured, ranks: &[Vec<Measured>]) -> anyhow::Result
         if args.device == "cuda" { "CUDA (NCCL)" } else { "CPU (Gloo)" },
         args.threads,
         p * args.threads,
+        args.threads,
         args.warmup,
         args.steps,
     );
     s.push_str(
-        "| schedule | micro-batches | step (ms) | speed-up over pp=1 | peak memory per stage (MiB) | in flight per \
-         stage | measured idle | posting | simulated idle (measured costs) | textbook bubble |\n|---|---:|---:|---:|---|---|---:|---:|---:|---:|\n",
+        "| schedule | micro-batches | step (ms) | speed-up over pp=1, same threads in all | over pp=1, one rank's \
+         threads | peak memory per stage (MiB) | in flight per stage | measured idle | posting | simulated idle \
+         (measured costs) | textbook bubble |\n|---|---:|---:|---:|---:|---|---|---:|---:|---:|---:|\n",
     );
-    s.push_str(&format!(
-        "| pp=1 (one process) | 1 | {:.1} | 1.00 | {} | 1 | - | - | - | - |\n",
-        one.step * 1e3,
-        mib(one.peak_bytes)
-    ));
+    let (budget, share) = (one[0].step, one[1].step);
+    for (case, m) in args.cases(1).iter().zip(one) {
+        s.push_str(&format!(
+            "| {} | 1 | {:.1} | {:.2} | {:.2} | {} | 1 | - | - | - | - |\n",
+            case.label(),
+            m.step * 1e3,
+            budget / m.step,
+            share / m.step,
+            mib(m.peak_bytes)
+        ));
+    }
     let mut costs_table = String::from(
         "\nMeasured mean costs per stage (ms; rank 0 first) and the one-way time of an activation between \
          neighbouring ranks:\n\n| schedule | micro-batches | forward | backward | weight pass | hop |\n|---|---:|---|---|---|---:|\n",
@@ -414,11 +429,12 @@ fn table(args: &Args, one: &Measured, ranks: &[Vec<Measured>]) -> anyhow::Result
         let (waiting, posting, wall) = (sum(|m| m.waiting), sum(|m| m.posting), sum(|m| m.wall));
         let step = ranks[0][i].step;
         s.push_str(&format!(
-            "| {} | {} | {:.1} | {:.2} | {} | {} | {:.3} | {:.3} | {:.3} | {:.3} |\n",
+            "| {} | {} | {:.1} | {:.2} | {:.2} | {} | {} | {:.3} | {:.3} | {:.3} | {:.3} |\n",
             case.label(),
             case.micro,
             step * 1e3,
-            one.step / step,
+            budget / step,
+            share / step,
             join(&per_stage(ranks, i, |m| mib(m.peak_bytes))),
             join(&per_stage(ranks, i, |m| m.in_flight.to_string())),
             waiting / wall,
@@ -469,7 +485,7 @@ fn main() -> anyhow::Result<()> {
         job(args.pp, &out).with_context(|| {
             format!("the pipeline job (pp={}{})", args.pp, if args.device == "cuda" { ", NCCL" } else { ", Gloo" })
         })?;
-        let one = read(&out, 1, 0)?.pop().context("the pp=1 job wrote no result")?;
+        let one = read(&out, 1, 0)?;
         let ranks = (0..args.pp).map(|r| read(&out, args.pp, r)).collect::<anyhow::Result<Vec<_>>>()?;
         table(&args, &one, &ranks)
     })();
