@@ -25,9 +25,9 @@
 //! is exactly its weight gradient; a deeper layer re-traverses its own internal activation
 //! gradients (finer layers split better).
 //!
-//! Measuring ([`Pipeline::measure`]): each action is timed, the time blocked in waits (through
-//! [`Pipeline::wait`]) is taken out of the action that waited, and the step's [`StepStats`] can
-//! be read after it ([`Pipeline::last_stats`]).
+//! Measuring ([`Pipeline::measure`]): each action is timed, the time blocked in waits (every
+//! wait goes through one method that counts it) is taken out of the action that waited, and the
+//! step's [`StepStats`] can be read after it ([`Pipeline::last_stats`]).
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::time::Instant;

@@ -6,8 +6,8 @@
 //! the simulator ([`StepStats::costs`]).
 //!
 //! Timing is off by default and then costs nothing: no clock is read. On CUDA, where kernels
-//! and NCCL's transfers run asynchronously to the host, a measuring pipeline synchronizes the
-//! device after each action and each wait, so the host's clock sees the device's time; that
+//! and NCCL's transfers run asynchronously to the host, a measuring pipeline synchronizes its
+//! stream after each action and each wait, so the host's clock sees the device's time; that
 //! removes the overlap of a rank's own compute with its own transfers, so measure in separate
 //! steps from those whose speed counts.
 use super::simulate::Costs;
