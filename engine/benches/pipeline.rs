@@ -133,7 +133,7 @@ fn main() -> anyhow::Result<()> {
     let predicted = |kind: ScheduleKind, v: usize| -> anyhow::Result<f64> {
         // A chunk holds 1/v of a rank's layers.
         let unit = 1.0 / v as f64;
-        let costs = Costs { forward: unit, input_grad: unit, weight_grad: unit };
+        let costs = Costs { forward: unit, input_grad: unit, weight_grad: unit, hop: 0.0 };
         Ok(simulate(&Schedule::new(kind, RANKS, MICRO, v)?, costs)?.makespan)
     };
     let one_f_one_b = predicted(ScheduleKind::OneFOneB, 1)?;

@@ -2,15 +2,17 @@
 //! ZB-H1) on 2 and 4 stages with 1, pp and 3 pp micro-batches gives the losses, every gradient
 //! and 20 steps of weights of one process on the whole batch (fp32, relative 1e-5); pp x dp on
 //! 4 ranks and tied parameters likewise; 1F1B holds at most pp micro-batches where GPipe holds
-//! them all; a failing stage ends the job naming its rank, and a hanging one within the
-//! collective timeout. The 2-stage schedules also run on
+//! them all; a measured step's parts (compute, posting, waiting) account for its wall time and
+//! its counts match the schedule; a failing stage ends the job naming its rank, and a hanging
+//! one within the collective timeout. The 2-stage schedules also run on
 //! CUDA/NCCL where two GPUs exist.
 use std::time::{Duration, Instant};
 
 use engine::dist::{ParallelDims, ProcessGroup, ReduceOp};
 use engine::optim::{AdamW, AdamWConfig, Optimizer, Param};
 use engine::parallel::pipeline::{
-    assign, clip_grad_norm, split, sum_tied_gradients, Balance, FnLayer, Layer, Pipeline, Schedule, ScheduleKind, Tied,
+    assign, clip_grad_norm, simulate_ranks, split, sum_tied_gradients, Action, Balance, Costs, FnLayer, Layer,
+    Pipeline, Schedule, ScheduleKind, StepStats, Tied,
 };
 use suite_tests::{dist_test, run_job, seeded, test_name, TestResult};
 use tch::{Device, Kind, Tensor};
@@ -246,6 +248,80 @@ dist_test!(tied_parameters_sum_their_gradients_across_stages, 2, |world| {
             clip: true,
             device: Device::Cpu,
         })?;
+    }
+    Ok(())
+});
+
+// Measuring a pipeline: every action is counted once, the timed parts are disjoint pieces of
+// the step's wall time that cover nearly all of it (the rest is the runtime's bookkeeping),
+// the last stage waits for its inputs, and the measured means feed the simulator. Wider
+// layers than the equivalence tests', so that a pass takes about a millisecond and the
+// bookkeeping stays a small share.
+dist_test!(measured_steps_account_for_their_wall_time, 2, |world| {
+    const WIDE: i64 = 256;
+    const ROWS: i64 = 32;
+    let pp = &world.group;
+    let (p, rank) = (pp.size(), pp.rank());
+    let wide = || -> Vec<Box<dyn Layer>> {
+        (0..4)
+            .map(|i| {
+                let w = (seeded(300 + i, &[WIDE, WIDE]) / (WIDE as f64).sqrt()).set_requires_grad(true);
+                Box::new(FnLayer::new(vec![Param::new(format!("w{i}"), &w)], |x: &Tensor, p: &[Param]| {
+                    Ok(x.f_matmul(&p[0].tensor)?.f_tanh()?)
+                })) as Box<dyn Layer>
+            })
+            .collect()
+    };
+    for (kind, micro) in [(ScheduleKind::GPipe, 4), (ScheduleKind::ZeroBubbleH1, 4)] {
+        let schedule = Schedule::new(kind, p, micro, 1)?;
+        let sends = schedule.actions[rank]
+            .iter()
+            .filter(|a| matches!(a, Action::SendActivation(_) | Action::SendGrad(_)))
+            .count();
+        let chunks = assign(wide(), &split(&wide(), p, Balance::Count)?, rank, p)?;
+        let mut pipe = Pipeline::new(pp, chunks, schedule.clone(), Device::Cpu)?;
+        let inputs: Vec<Tensor> = (0..micro as i64).map(|i| seeded(400 + i, &[ROWS, WIDE])).collect();
+        let mut loss = |_: usize, out: &Tensor| -> engine::Result<Tensor> { Ok(out.f_square()?.f_mean(Kind::Float)?) };
+        pipe.step(&inputs, &mut loss)?;
+        assert!(pipe.last_stats().is_none(), "an unmeasured step has no stats");
+        pipe.measure(true);
+        let mut total = StepStats::default();
+        for _ in 0..3 {
+            pipe.step(&inputs, &mut loss)?;
+            total.accumulate(pipe.last_stats().expect("a measured step has stats"));
+        }
+        let what = format!("{} rank {rank}", kind.name());
+        let weights = if kind == ScheduleKind::ZeroBubbleH1 { micro } else { 0 };
+        assert_eq!(
+            (total.steps, total.forward.count, total.backward.count, total.weight.count, total.posting.count),
+            (3, 3 * micro, 3 * micro, 3 * weights, 3 * sends),
+            "{what}: actions counted"
+        );
+        let covered = total.compute() + total.posting.seconds + total.waiting;
+        assert!(covered <= total.wall * (1.0 + 1e-9), "{what}: parts {covered} s exceed the wall {} s", total.wall);
+        assert!(covered >= 0.9 * total.wall, "{what}: parts {covered} s cover under 90% of the wall {} s", total.wall);
+        assert!(total.forward.mean() > 0.0 && total.backward.mean() > 0.0, "{what}: {total:?}");
+        if rank == p - 1 {
+            assert!(total.waiting > 0.0, "{what}: the last stage never waited for an activation");
+        }
+        // Every rank's measured costs, gathered, drive the simulator to a bubble between 0 and 1.
+        let hop = pipe.hop_time(&inputs[0], 5)?;
+        assert!(hop > 0.0, "{what}: hop time {hop}");
+        let c = total.costs(hop);
+        let mine = Tensor::from_slice(&[c.forward, c.input_grad, c.weight_grad]);
+        let all = pp.all_gather(&mine)?.view([p as i64, 3]);
+        let costs: Vec<_> = (0..p as i64)
+            .map(|r| Costs {
+                forward: all.double_value(&[r, 0]),
+                input_grad: all.double_value(&[r, 1]),
+                weight_grad: all.double_value(&[r, 2]),
+                hop,
+            })
+            .collect();
+        let sim = simulate_ranks(&schedule, &costs)?;
+        assert!(sim.bubble > 0.0 && sim.bubble < 1.0, "{what}: simulated {sim}");
+        pipe.measure(false);
+        assert!(pipe.last_stats().is_none(), "{what}: stats stay after measuring stopped");
     }
     Ok(())
 });

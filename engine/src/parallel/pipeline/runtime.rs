@@ -24,12 +24,19 @@
 //! ZB-H1 defers at most `pp - 1` weight passes. The weight pass of a layer that is one matmul
 //! is exactly its weight gradient; a deeper layer re-traverses its own internal activation
 //! gradients (finer layers split better).
+//!
+//! Measuring ([`Pipeline::measure`]): each action is timed, the time blocked in waits (every
+//! wait goes through one method that counts it) is taken out of the action that waited, and the
+//! step's [`StepStats`] can be read after it ([`Pipeline::last_stats`]).
+use std::cell::Cell;
 use std::collections::HashMap;
+use std::time::Instant;
 
 use tch::{Device, Kind, Tensor};
 
 use super::schedule::{Action, Schedule, Step};
 use super::stage::Chunk;
+use super::stats::StepStats;
 use crate::autograd;
 use crate::dist::{ProcessGroup, Work};
 use crate::error::ensure;
@@ -43,6 +50,8 @@ const HEADER: usize = 10;
 const HEADER_TAG: i32 = 1 << 29;
 /// Inference tags live above the headers.
 const INFER_TAG: i32 = 1 << 30;
+/// The tags of [`Pipeline::hop_time`]'s probe, above the inference tags.
+const PROBE_TAG: i32 = INFER_TAG + (1 << 29);
 
 /// One rank's part of a pipeline and the schedule it runs.
 pub struct Pipeline {
@@ -56,6 +65,12 @@ pub struct Pipeline {
     grad_buffers: HashMap<Step, Tensor>,
     held: usize,
     peak: usize,
+    /// Whether steps are timed ([`Pipeline::measure`]).
+    measuring: bool,
+    /// The last timed step's times (boxed: a pipeline stays small where it is unmeasured).
+    stats: Option<Box<StepStats>>,
+    /// Seconds blocked on peers so far in this step (when measuring).
+    waited: Cell<f64>,
 }
 
 /// A micro-batch's state on one chunk between its forward and its last backward pass.
@@ -124,6 +139,9 @@ impl Pipeline {
             grad_buffers: HashMap::new(),
             held: 0,
             peak: 0,
+            measuring: false,
+            stats: None,
+            waited: Cell::new(0.0),
         })
     }
 
@@ -141,6 +159,52 @@ impl Pipeline {
     /// yet) during the last step.
     pub fn peak_in_flight(&self) -> usize {
         self.peak
+    }
+
+    /// Times the following steps (`true`) or stops (`false`, the default, in which no clock is
+    /// read). On CUDA a measuring rank synchronizes its stream after each action and wait (see
+    /// [`StepStats`]).
+    pub fn measure(&mut self, on: bool) {
+        self.measuring = on;
+        if !on {
+            self.stats = None;
+        }
+    }
+
+    /// What the last step spent its time on, if it was measured.
+    pub fn last_stats(&self) -> Option<&StepStats> {
+        self.stats.as_deref()
+    }
+
+    /// Seconds a message shaped like `probe` takes from one pipeline rank to the next: group
+    /// ranks 0 and 1 pass it back and forth `rounds` times (after one untimed round) and halve
+    /// the mean round trip. Every rank of the group calls it; every rank gets rank 0's figure
+    /// (0 on one rank). Not for use inside a step.
+    pub fn hop_time(&self, probe: &Tensor, rounds: usize) -> Result<f64> {
+        let rank = self.group.rank();
+        let mut seconds = 0.0;
+        if self.group.size() > 1 && rank < 2 && rounds > 0 {
+            let buffer = Tensor::f_zeros(probe.size(), (probe.kind(), self.device))?;
+            let mut start = Instant::now();
+            for round in 0..=rounds {
+                if round == 1 {
+                    self.settle()?;
+                    start = Instant::now();
+                }
+                if rank == 0 {
+                    self.group.send(&buffer, 1, PROBE_TAG)?;
+                    self.group.recv(&buffer, 1, PROBE_TAG + 1)?;
+                } else {
+                    self.group.recv(&buffer, 0, PROBE_TAG)?;
+                    self.group.send(&buffer, 0, PROBE_TAG + 1)?;
+                }
+            }
+            self.settle()?;
+            seconds = start.elapsed().as_secs_f64() / (2 * rounds) as f64;
+        }
+        let shared = Tensor::from_slice(&[seconds]).f_to_device(self.device)?;
+        self.group.broadcast(&shared, 0)?;
+        Ok(shared.f_to_device(Device::Cpu)?.f_double_value(&[0])?)
     }
 
     /// Whether this rank runs the last virtual stage (where the loss lives).
@@ -210,12 +274,20 @@ impl Pipeline {
         }
         self.held = 0;
         self.peak = 0;
+        let start = self.clock();
+        self.waited.set(0.0);
+        let mut stats = StepStats { steps: 1, ..StepStats::default() };
         let mut state = StepState::default();
         let actions = self.schedule.actions[self.group.rank()].clone();
         for (k, &action) in actions.iter().enumerate() {
             if matches!(action, Action::Forward(_) | Action::Backward(_) | Action::Weight(_)) {
+                let t = self.clock();
                 self.prefetch(&actions[k + 1..], &mut state)?;
+                if let Some(t) = t {
+                    stats.posting.seconds += t.elapsed().as_secs_f64();
+                }
             }
+            let (t, waited) = (self.clock(), self.waited.get());
             self.run(action, &mut state, inputs, loss).map_err(|e| {
                 let s = match action {
                     Action::RecvActivation(s)
@@ -232,9 +304,25 @@ impl Pipeline {
                     self.schedule.stage_of(self.group.rank(), s.chunk)
                 ))
             })?;
+            if let Some(t) = t {
+                self.settle()?;
+                let busy = t.elapsed().as_secs_f64() - (self.waited.get() - waited);
+                match action {
+                    Action::Forward(_) => stats.forward.add(busy),
+                    Action::Backward(_) => stats.backward.add(busy),
+                    Action::Weight(_) => stats.weight.add(busy),
+                    Action::SendActivation(_) | Action::SendGrad(_) => stats.posting.add(busy),
+                    Action::RecvActivation(_) | Action::RecvGrad(_) => stats.posting.seconds += busy,
+                }
+            }
         }
         for (work, _keep_alive) in state.sends.drain(..) {
-            work.wait()?;
+            self.wait(work)?;
+        }
+        if let Some(start) = start {
+            stats.wall = start.elapsed().as_secs_f64();
+            stats.waiting = self.waited.get();
+            self.stats = Some(Box::new(stats));
         }
         ensure!(
             state.held.is_empty(),
@@ -244,6 +332,29 @@ impl Pipeline {
         match state.loss {
             Some(sum) => Ok(Some(sum.f_double_value(&[])?)),
             None => Ok(None),
+        }
+    }
+
+    /// The time now, when measuring.
+    fn clock(&self) -> Option<Instant> {
+        self.measuring.then(Instant::now)
+    }
+
+    /// Waits for `work`, counting the time blocked when measuring.
+    fn wait(&self, work: Work) -> Result<()> {
+        let Some(t) = self.clock() else { return work.wait() };
+        work.wait()?;
+        self.settle()?;
+        self.waited.set(self.waited.get() + t.elapsed().as_secs_f64());
+        Ok(())
+    }
+
+    /// On CUDA, blocks until this rank's stream has run what was queued (work waited for included),
+    /// so the host's clock covers it; nothing on the CPU.
+    fn settle(&self) -> Result<()> {
+        match self.device {
+            Device::Cuda(d) => crate::cuda::Stream::current(d)?.synchronize(),
+            _ => Ok(()),
         }
     }
 
@@ -369,7 +480,7 @@ impl Pipeline {
             inputs[s.micro].shallow_clone()
         } else {
             let work = state.receives.remove(&s).ok_or_else(|| Error::invalid("forward before its receive"))?;
-            work.wait()?;
+            self.wait(work)?;
             let buffer = &self.activation_buffers[&s];
             buffer.f_detach()?.set_requires_grad(buffer.is_floating_point())
         };
@@ -417,7 +528,7 @@ impl Pipeline {
             None
         } else {
             let work = state.grad_receives.remove(&s).ok_or_else(|| Error::invalid("backward before its receive"))?;
-            work.wait()?;
+            self.wait(work)?;
             Some(self.grad_buffers[&s].shallow_clone())
         };
         let mut held = state.held.remove(&s).ok_or_else(|| Error::invalid("backward before forward"))?;
@@ -479,7 +590,7 @@ impl Pipeline {
     /// The shape and dtype a shape header from group rank `from` announces.
     fn recv_header(&self, from: usize, tag: i32) -> Result<(Vec<i64>, Kind)> {
         let header = Tensor::f_zeros([HEADER as i64], (Kind::Int64, Device::Cpu))?.f_to_device(self.device)?;
-        self.group.recv(&header, from, tag)?;
+        self.wait(self.group.recv_async(&header, from, tag)?)?;
         let values = Vec::<i64>::try_from(header.f_to_device(Device::Cpu)?)?;
         let (dims, kind) = (values[0] as usize, kind_of(values[1])?);
         ensure!(dims + 2 <= HEADER, "a shape header with {dims} dimensions");

@@ -1,6 +1,8 @@
 //! Runs a [`Schedule`]'s action lists on a model of the machine: each rank executes its list in
 //! order, compute actions take fixed times, sends take none and never block, and a receive waits
-//! until its matching send has been posted, exactly the runtime's rules. From the timeline come
+//! until its matching send has been posted (plus a hop's transfer time, zero in the textbook
+//! model), exactly the runtime's rules. Costs may differ per rank ([`simulate_ranks`]), as
+//! measured stages do. From the timeline come
 //! the bubble fraction and the peak number of micro-batches each rank holds; a schedule whose
 //! ranks wait on each other forever is reported as a deadlock, naming what each rank waits for.
 use std::collections::HashMap;
@@ -9,8 +11,9 @@ use std::fmt;
 use super::schedule::{Action, Schedule, Step};
 use crate::{Error, Result};
 
-/// Time of one chunk's passes. Textbook analyses take `forward = input_grad = weight_grad`;
-/// an unsplit backward costs `input_grad + weight_grad`.
+/// Time of one chunk's passes, and of a message between neighbouring stages. Textbook analyses
+/// take `forward = input_grad = weight_grad` and `hop = 0`; an unsplit backward costs
+/// `input_grad + weight_grad`.
 #[derive(Clone, Copy, Debug)]
 pub struct Costs {
     /// A forward.
@@ -19,11 +22,13 @@ pub struct Costs {
     pub input_grad: f64,
     /// The weight-gradient half of a backward.
     pub weight_grad: f64,
+    /// From a send's posting to the message being received (charged to the receiver).
+    pub hop: f64,
 }
 
 impl Default for Costs {
     fn default() -> Costs {
-        Costs { forward: 1.0, input_grad: 1.0, weight_grad: 1.0 }
+        Costs { forward: 1.0, input_grad: 1.0, weight_grad: 1.0, hop: 0.0 }
     }
 }
 
@@ -58,11 +63,20 @@ struct Message {
     grad: bool,
 }
 
-/// Simulates `schedule` under `costs`. Errors: a deadlock (naming each stuck rank's action), a
-/// send nobody receives, or a compute action repeated or missing.
+/// Simulates `schedule` under `costs` on every rank. Errors: a deadlock (naming each stuck
+/// rank's action), a send nobody receives, or a compute action repeated or missing.
 pub fn simulate(schedule: &Schedule, costs: Costs) -> Result<Simulation> {
+    simulate_ranks(schedule, &vec![costs; schedule.pp])
+}
+
+/// Simulates `schedule` with rank `r`'s chunks costing `costs[r]` (e.g. each rank's measured
+/// means, [`super::StepStats::costs`]); errors as [`simulate`], and for a wrong number of costs.
+pub fn simulate_ranks(schedule: &Schedule, costs: &[Costs]) -> Result<Simulation> {
     let p = schedule.pp;
-    let backward_cost = if schedule.split_backward { costs.input_grad } else { costs.input_grad + costs.weight_grad };
+    if costs.len() != p {
+        return Err(Error::invalid(format!("pipeline simulation: {} costs for pp={p} ranks", costs.len())));
+    }
+    let backward_cost = |c: &Costs| if schedule.split_backward { c.input_grad } else { c.input_grad + c.weight_grad };
     let mut next = vec![0usize; p];
     let mut clock = vec![0.0f64; p];
     let mut busy = vec![0.0f64; p];
@@ -88,17 +102,17 @@ pub fn simulate(schedule: &Schedule, costs: Costs) -> Result<Simulation> {
                     Action::Forward(_) => {
                         held[r] += 1;
                         peak[r] = peak[r].max(held[r]);
-                        costs.forward
+                        costs[r].forward
                     }
                     Action::Backward(_) => {
                         if !schedule.split_backward {
                             held[r] -= 1;
                         }
-                        backward_cost
+                        backward_cost(&costs[r])
                     }
                     Action::Weight(_) => {
                         held[r] -= 1;
-                        costs.weight_grad
+                        costs[r].weight_grad
                     }
                     Action::SendActivation(_) | Action::SendGrad(_) => {
                         let m = message(r, a).expect("a send is a message");
@@ -111,7 +125,7 @@ pub fn simulate(schedule: &Schedule, costs: Costs) -> Result<Simulation> {
                         let m = message(r, a).expect("a receive is a message");
                         match posted.get(&m) {
                             Some(&sent) => {
-                                clock[r] = clock[r].max(sent);
+                                clock[r] = clock[r].max(sent + costs[r].hop);
                                 received += 1;
                                 0.0
                             }
@@ -331,6 +345,22 @@ mod tests {
         assert!(err.contains("deadlocks"), "{err}");
         assert!(err.contains("rank 0 waits in recv-grad(micro 0, chunk 0)"), "{err}");
         assert!(err.contains("rank 1 waits in recv-act(micro 0, chunk 0)"), "{err}");
+    }
+
+    /// Two stages, one micro-batch, hand-computed: F on rank 0, the hop, F and B on rank 1, the
+    /// hop back, B on rank 0.
+    #[test]
+    fn hops_and_per_rank_costs_lengthen_the_step() {
+        let s = Schedule::new(ScheduleKind::GPipe, 2, 1, 1).unwrap();
+        let unit = Costs { forward: 1.0, input_grad: 1.0, weight_grad: 0.0, hop: 0.0 };
+        let hop = simulate(&s, Costs { hop: 0.5, ..unit }).unwrap();
+        assert_eq!(hop.makespan, 5.0);
+        assert!((hop.bubble - (1.0 - 4.0 / 10.0)).abs() < 1e-12, "{hop}");
+        let slow = simulate_ranks(&s, &[unit, Costs { forward: 2.0, ..unit }]).unwrap();
+        assert_eq!(slow.makespan, 5.0);
+        assert!((slow.bubble - 0.5).abs() < 1e-12, "{slow}");
+        let err = simulate_ranks(&s, &[unit]).unwrap_err().to_string();
+        assert!(err.contains("1 costs for pp=2 ranks"), "{err}");
     }
 
     #[test]
