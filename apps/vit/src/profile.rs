@@ -42,13 +42,13 @@ pub fn block(cfg: &VitConfig, name: &str, batch: i64, elem_bytes: usize) -> Laye
     let h = r.layer_norm(&x);
     let qkv = r.linear(&h, 3 * w, Shard::Column);
     let attended = r.attention(&qkv, batch, cfg.heads, n, w / cfg.heads);
-    let proj = r.linear(&attended, w, Shard::Row);
-    let _ = proj;
+    // The projection's output is a temporary the residual add consumes.
+    r.linear(&attended, w, Shard::Row);
     let x = r.add(&x);
     let h = r.layer_norm(&x);
     let hidden = r.linear(&h, cfg.mlp_hidden(), Shard::Column);
     let hidden = r.activation(&hidden);
-    let _ = r.linear(&hidden, w, Shard::Row);
+    r.linear(&hidden, w, Shard::Row);
     let out = r.add(&x);
     r.finish(&out)
 }

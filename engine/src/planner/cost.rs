@@ -51,7 +51,7 @@ impl TpMode {
             modes.push(TpMode::TwoD);
         }
         for depth in 2..tp {
-            if tp % depth == 0 && is_power(tp / depth, 2) && tp / depth >= 4 {
+            if tp.is_multiple_of(depth) && is_power(tp / depth, 2) && tp / depth >= 4 {
                 modes.push(TpMode::TwoHalfD { depth });
             }
         }

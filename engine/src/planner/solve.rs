@@ -71,10 +71,10 @@ impl fmt::Display for Solution {
 
 /// Every plan for `nproc` ranks that `valid` accepts (the model's divisibility rules).
 pub fn plans(model: &Model, nproc: usize, valid: &dyn Fn(&Plan) -> bool) -> Vec<Plan> {
-    let divisors = |n: usize| (1..=n).filter(move |d| n % d == 0);
+    let divisors = |n: usize| (1..=n).filter(move |d| n.is_multiple_of(*d));
     let mut out = Vec::new();
     for dp in divisors(nproc) {
-        if model.global_batch % dp != 0 {
+        if !model.global_batch.is_multiple_of(dp) {
             continue;
         }
         for tp in divisors(nproc / dp) {
@@ -87,7 +87,7 @@ pub fn plans(model: &Model, nproc: usize, valid: &dyn Fn(&Plan) -> bool) -> Vec<
                 let micro: Vec<usize> = if pp == 1 {
                     vec![1]
                 } else {
-                    [pp, 2 * pp, 4 * pp].into_iter().filter(|m| per_rank % m == 0).collect()
+                    [pp, 2 * pp, 4 * pp].into_iter().filter(|m| per_rank.is_multiple_of(*m)).collect()
                 };
                 for tp_mode in TpMode::for_degree(tp) {
                     for &micro_batches in &micro {
