@@ -49,11 +49,12 @@ impl fmt::Display for Solution {
         let line = |f: &mut fmt::Formatter<'_>, r: &Ranked| {
             writeln!(
                 f,
-                "  {:>9.3} ms/step  {:>8.3} GiB  bubble {:>4.1}%  {}\n                                        {}",
+                "  {:>9.3} ms/step  {:>9.2} MiB  bubble {:>4.1}%  {}\n  {:>43}{}",
                 r.estimate.step_s * 1e3,
-                gib(r.estimate.memory_bytes),
+                r.estimate.memory_bytes / (1u64 << 20) as f64,
                 100.0 * r.estimate.bubble,
                 r.plan,
+                "",
                 r.plan.flags(self.global_batch)
             )
         };
