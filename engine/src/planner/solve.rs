@@ -1,8 +1,8 @@
 //! The solver: every plan for `nproc` ranks, modelled, the fastest that fits in memory chosen.
 //!
 //! Exhaustive search is exact here and cheap. The layouts are the ordered factorisations of
-//! `nproc` into dp x tp x sp x pp (a few hundred at most for the rank counts one job uses),
-//! times a handful of tensor-parallel modes, three ZeRO stages and a few micro-batch counts.
+//! `nproc` into dp x tp x sp x pp (84 for 64 ranks), times a handful of tensor-parallel modes,
+//! three ZeRO stages and a few micro-batch counts.
 //! Checkpointing is a set of blocks, but the blocks of a model are identical layers, so within a
 //! stage only how many are checkpointed changes the cost, and the stage holding the most
 //! micro-batches bounds the memory: searching the count per stage (0 to the stage's blocks)
