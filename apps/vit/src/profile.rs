@@ -61,3 +61,19 @@ fn head(cfg: &VitConfig, batch: i64, elem_bytes: usize) -> LayerProfile {
     let logits = r.linear(&cls, cfg.num_classes, Shard::None);
     r.finish(&logits)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vit_base_forward_is_the_published_17_6_gmacs() {
+        // timm / fvcore count ViT-B/16 at 224 px as 17.6 G multiply-adds per image.
+        let layers = profile(&VitConfig::base(16), 1, 4);
+        let macs: f64 = layers.iter().map(|l| l.forward_flops / 2.0).sum();
+        assert!((macs / 17.6e9 - 1.0).abs() < 0.01, "{macs}");
+        let params: f64 = layers.iter().map(|l| l.param_bytes / 4.0).sum();
+        // timm's vit_base_patch16_224: 86,567,656 parameters.
+        assert_eq!(params, 86_567_656.0);
+    }
+}
