@@ -20,6 +20,7 @@ pub mod job;
 pub mod metrics;
 pub mod optim;
 pub mod parallel;
+pub mod planner;
 pub mod process;
 pub mod progress;
 pub mod storage;

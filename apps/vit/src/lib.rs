@@ -9,6 +9,8 @@ pub mod metrics;
 pub mod model;
 pub mod multi_dim;
 pub mod pipeline_parallel;
+pub mod plan;
+pub mod profile;
 pub mod sequence_parallel;
 pub mod tensor_parallel;
 pub mod train;

@@ -41,6 +41,10 @@ fn main() -> anyhow::Result<()> {
     engine::process::keep_freed_memory();
     match Cli::parse() {
         Cli::Pretrain(args) => {
+            if args.planner.is_some() {
+                print!("{}", vit::plan::run(&args)?);
+                return Ok(());
+            }
             let Some(world) = args.job.launch.launch_or_join()? else { return Ok(()) };
             let trained = train::pretrain(&args, &world)?;
             if world.rank() == 0 {

@@ -117,6 +117,15 @@ pub struct PretrainArgs {
     /// blocks. Not with --schedule zb, whose separate weight pass needs the blocks' graphs.
     #[arg(long)]
     pub gradient_checkpointing: bool,
+    /// `plan`: print the automatic planner's layout, ZeRO stage and checkpointed blocks for
+    /// --nproc, --batch and the model (on --cluster), with predicted time and memory and the
+    /// runners-up, and exit without training.
+    #[arg(long = "parallel", value_enum)]
+    pub planner: Option<crate::plan::PlannerMode>,
+    /// The cluster the planner models (`cluster.json`: nodes, devices_per_node, memory_bytes,
+    /// peak_flops, intra_node_bandwidth, inter_node_bandwidth, latency_s; missing keys default).
+    #[arg(long)]
+    pub cluster: Option<PathBuf>,
     /// ZeRO stage: 0 (plain data parallel), 1 (sharded optimizer state), 2 (and gradients).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
     pub zero: u8,

@@ -110,3 +110,24 @@ fn bad_flags_are_named() {
     let (ok, text) = vit(&["pretrain", "--batch", "30", "--nproc", "4", "--steps", "1", "--timeout", "30"]);
     assert!(!ok && text.contains("--batch 30 does not split over 4 ranks") && text.contains("rank"), "{text}");
 }
+
+#[test]
+fn parallel_plan_prints_the_planner_choice_without_training() {
+    let dir = scratch("vit-cli", "plan");
+    let (ok, text) = vit(&["pretrain", "--parallel", "plan", "--nproc", "8", "--batch", "128"]);
+    assert!(ok, "{text}");
+    assert!(text.contains("plan (") && text.contains("ms/step") && text.contains("runners-up"), "{text}");
+    // 1 MB per device: only pipelined, checkpointed plans fit the digits model.
+    let tight = dir.join("cluster.json");
+    std::fs::write(&tight, r#"{"memory_bytes": 1e6}"#).unwrap();
+    let (ok, text) = vit(&["pretrain", "--parallel", "plan", "--nproc", "8", "--cluster", tight.to_str().unwrap()]);
+    assert!(ok, "{text}");
+    assert!(text.contains("blocks to checkpoint"), "{text}");
+    std::fs::write(&tight, r#"{"memory_bytes": 1e3}"#).unwrap();
+    let (ok, text) = vit(&["pretrain", "--parallel", "plan", "--nproc", "8", "--cluster", tight.to_str().unwrap()]);
+    assert!(!ok && text.contains("no plan fits") && text.contains("memory_bytes"), "{text}");
+    std::fs::write(&tight, r#"{"memory_byte": 1e6}"#).unwrap();
+    let (ok, text) = vit(&["pretrain", "--parallel", "plan", "--nproc", "8", "--cluster", tight.to_str().unwrap()]);
+    assert!(!ok && text.contains("cluster.json") && text.contains("memory_byte"), "{text}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -1,0 +1,46 @@
+//! The symbolic profile of a ViT block against the block itself on the CPU: its parameter bytes
+//! exactly, and the bytes its forward leaves allocated for the backward (plus its output) within
+//! 10%, measured as the resident-set growth with glibc made to map every buffer over 64 KiB on
+//! its own (so a freed temporary is returned at once and a kept one stays counted).
+use tch::nn::VarStore;
+use tch::{Device, Kind, Tensor};
+use vit::model::{Part, Vit, VitConfig};
+
+fn resident_bytes() -> f64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").expect("/proc/self/statm");
+    let pages: f64 = statm.split_whitespace().nth(1).expect("resident field").parse().expect("a number");
+    pages * 4096.0
+}
+
+#[test]
+fn block_parameter_and_activation_bytes_match_a_cpu_run() {
+    // SAFETY: mallopt only changes glibc's allocation policy; called before the buffers measured.
+    assert_eq!(unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, 64 << 10) }, 1);
+    tch::set_num_threads(1);
+    let cfg = VitConfig::tiny(16);
+    let batch = 16;
+    let vs = VarStore::new(Device::Cpu);
+    let parts = Vit::new(&vs.root(), cfg).into_parts();
+    let Part::Block(0, _) = &parts[1] else { panic!("part 1 is blocks.0") };
+    let predicted = vit::profile::block(&cfg, "blocks.0", batch, 4);
+
+    let params: i64 =
+        vs.variables().iter().filter(|(name, _)| name.starts_with("blocks.0.")).map(|(_, t)| t.numel() as i64).sum();
+    assert_eq!(predicted.param_bytes, (params * 4) as f64);
+
+    let x = Tensor::randn([batch, cfg.num_patches() + 1, cfg.width], (Kind::Float, Device::Cpu));
+    // A first step allocates the parameters' gradients and the kernels' one-time buffers.
+    parts[1].forward(&x).unwrap().sum(Kind::Float).backward();
+    let before = resident_bytes();
+    let y = parts[1].forward(&x).unwrap();
+    let grown = resident_bytes() - before;
+    let expected = predicted.saved_bytes + predicted.output_bytes;
+    let error = (grown - expected).abs() / expected;
+    assert!(
+        error <= 0.10,
+        "a block's forward kept {grown} bytes, the profile predicts {expected} ({:.1}% off)",
+        100.0 * error
+    );
+    eprintln!("blocks.0 at batch {batch}: kept {grown} bytes, predicted {expected} ({:.2}% off)", 100.0 * error);
+    drop(y);
+}

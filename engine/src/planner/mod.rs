@@ -1,0 +1,13 @@
+//! Automatic parallel planning (Colossal-Auto's idea): profile a model's layers symbolically
+//! ([`profile`]), model each layout's step time and memory on a [`Cluster`] ([`cost`]), and
+//! search the layouts, ZeRO stages and checkpointed blocks for the fastest that fits
+//! ([`solve`]).
+pub mod cluster;
+pub mod cost;
+pub mod profile;
+pub mod solve;
+
+pub use cluster::Cluster;
+pub use cost::{estimate, Estimate, Model, Plan, TpMode};
+pub use profile::{LayerProfile, Recorder, Shard, Sym};
+pub use solve::{plans, solve, Ranked, Solution};

@@ -1,0 +1,285 @@
+//! Symbolic profiling: a model's layers traced on shapes alone. A layer describes its forward
+//! to a [`Recorder`] op by op (linear, patch convolution, attention, norm, activation, add,
+//! view); each op's FLOPs and what autograd keeps for its backward follow from the shapes by
+//! the rules libtorch's CPU and CUDA kernels use, so nothing is allocated or computed.
+//!
+//! Why not libtorch's meta device: tch 0.24's `Device` has no `Meta`, and reaching it through
+//! the C++ bridge would still need a second, tensor-free copy of each model's forward to run
+//! there; the saved-for-backward bytes are therefore derived per op from the recorded forward
+//! shapes (the rules below), and checked against measured allocations of a real ViT block in
+//! `apps/vit/tests/profile.rs`.
+//!
+//! Tensors are tracked by storage, so views (reshapes, permutes, selects) cost nothing and a
+//! storage saved by two ops counts once. Each tensor also says whether 1D tensor parallelism
+//! splits it (a column-parallel output and what is computed from it) or replicates it: the cost
+//! model divides only the split share by the tensor-parallel degree.
+use std::collections::BTreeSet;
+
+/// A tensor as the recorder knows it: its storage, shape and whether 1D tensor parallelism
+/// splits it.
+#[derive(Clone, Debug)]
+pub struct Sym {
+    storage: usize,
+    /// The shape.
+    pub shape: Vec<i64>,
+    split: bool,
+}
+
+impl Sym {
+    /// Elements.
+    pub fn numel(&self) -> i64 {
+        self.shape.iter().product()
+    }
+    fn rows(&self) -> i64 {
+        self.numel() / self.shape.last().copied().unwrap_or(1)
+    }
+}
+
+/// How a linear layer is sharded under 1D (Megatron) tensor parallelism.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shard {
+    /// Replicated on every rank.
+    None,
+    /// Output features split; the input is replicated (its gradient is all-reduced backward).
+    Column,
+    /// Input features split; the output is all-reduced forward.
+    Row,
+}
+
+/// What one layer costs, per sample batch it was traced with.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LayerProfile {
+    /// The layer's name (`blocks.3`).
+    pub name: String,
+    /// Forward FLOPs of its matmuls, convolutions and attention.
+    pub forward_flops: f64,
+    /// The share of `forward_flops` that 1D tensor parallelism splits.
+    pub split_flops: f64,
+    /// Parameter bytes.
+    pub param_bytes: f64,
+    /// The share of `param_bytes` that 1D tensor parallelism splits.
+    pub split_param_bytes: f64,
+    /// Bytes of the layer's input (kept by its first op for backward, or by a checkpoint).
+    pub input_bytes: f64,
+    /// Bytes the layer creates and autograd keeps until its backward (the input not counted).
+    pub saved_bytes: f64,
+    /// The share of `saved_bytes` that 1D tensor parallelism splits.
+    pub split_saved_bytes: f64,
+    /// Bytes of the layer's output.
+    pub output_bytes: f64,
+    /// The largest short-lived buffer of the forward (a temporary freed inside the layer).
+    pub workspace_bytes: f64,
+    /// Bytes all-reduced forward by row-parallel outputs under 1D tensor parallelism (the same
+    /// again backward for the column-parallel inputs' gradients).
+    pub tp_allreduce_bytes: f64,
+    /// Bytes of the matmul operands (inputs and weights) that 2D/2.5D/3D layouts move.
+    pub matmul_operand_bytes: f64,
+    /// Bytes of the queries, keys and values sequence parallelism exchanges.
+    pub attention_qkv_bytes: f64,
+    /// Whether this is a repeated block the planner may checkpoint.
+    pub checkpointable: bool,
+}
+
+impl LayerProfile {
+    /// Backward FLOPs: each matmul's input and weight gradients cost as much as its forward.
+    pub fn backward_flops(&self) -> f64 {
+        2.0 * self.forward_flops
+    }
+}
+
+/// Records one layer's forward, op by op.
+#[derive(Debug)]
+pub struct Recorder {
+    elem: f64,
+    next_storage: usize,
+    storage_bytes: Vec<f64>,
+    storage_split: Vec<bool>,
+    saved: BTreeSet<usize>,
+    input_storage: usize,
+    profile: LayerProfile,
+}
+
+impl Recorder {
+    /// Starts layer `name` whose input has `shape`; activations are `elem_bytes` wide (4 for
+    /// f32). Returns the recorder and the input.
+    pub fn new(name: &str, shape: &[i64], elem_bytes: usize) -> (Recorder, Sym) {
+        let mut r = Recorder {
+            elem: elem_bytes as f64,
+            next_storage: 0,
+            storage_bytes: Vec::new(),
+            storage_split: Vec::new(),
+            saved: BTreeSet::new(),
+            input_storage: 0,
+            profile: LayerProfile { name: name.to_string(), ..Default::default() },
+        };
+        let x = r.fresh(shape.to_vec(), false);
+        r.profile.input_bytes = r.bytes(&x);
+        (r, x)
+    }
+
+    /// Marks the layer as a repeated block the planner may checkpoint.
+    pub fn checkpointable(&mut self) {
+        self.profile.checkpointable = true;
+    }
+
+    fn bytes(&self, x: &Sym) -> f64 {
+        x.numel() as f64 * self.elem
+    }
+
+    fn fresh(&mut self, shape: Vec<i64>, split: bool) -> Sym {
+        let s = Sym { storage: self.next_storage, shape, split };
+        self.next_storage += 1;
+        self.storage_bytes.push(self.bytes(&s));
+        self.storage_split.push(split);
+        // A freshly made tensor is a temporary until something saves it or it leaves the layer.
+        self.profile.workspace_bytes = self.profile.workspace_bytes.max(self.bytes(&s));
+        s
+    }
+
+    fn fresh_f32(&mut self, shape: Vec<i64>, split: bool) -> Sym {
+        let s = Sym { storage: self.next_storage, shape, split };
+        self.next_storage += 1;
+        self.storage_bytes.push(s.numel() as f64 * 4.0);
+        self.storage_split.push(split);
+        s
+    }
+
+    fn save(&mut self, x: &Sym) {
+        self.saved.insert(x.storage);
+    }
+
+    /// A parameter of `shape` (bytes in the activation width), split by 1D tensor parallelism
+    /// or not.
+    pub fn param(&mut self, shape: &[i64], split: bool) {
+        let b = shape.iter().product::<i64>() as f64 * self.elem;
+        self.profile.param_bytes += b;
+        if split {
+            self.profile.split_param_bytes += b;
+        }
+    }
+
+    fn flops(&mut self, f: f64, split: bool) {
+        self.profile.forward_flops += f;
+        if split {
+            self.profile.split_flops += f;
+        }
+    }
+
+    /// `x @ W^T + b` over the last dimension (`nn.Linear`): saves its input.
+    pub fn linear(&mut self, x: &Sym, out_features: i64, shard: Shard) -> Sym {
+        let inputs = *x.shape.last().expect("linear input has a feature dimension");
+        self.param(&[out_features, inputs], shard != Shard::None);
+        self.param(&[out_features], shard == Shard::Column);
+        let split = shard != Shard::None;
+        self.flops(2.0 * x.rows() as f64 * inputs as f64 * out_features as f64, split);
+        self.profile.matmul_operand_bytes += self.bytes(x) + (inputs * out_features) as f64 * self.elem;
+        self.save(x);
+        let mut shape = x.shape.clone();
+        *shape.last_mut().expect("checked") = out_features;
+        let out = self.fresh(shape, shard == Shard::Column);
+        if shard == Shard::Row {
+            self.profile.tp_allreduce_bytes += self.bytes(&out);
+        }
+        out
+    }
+
+    /// A convolution over `[b, c, h, w]` with a square kernel equal to its stride (a patch
+    /// embedding): saves its input.
+    pub fn patch_conv(&mut self, x: &Sym, out_channels: i64, kernel: i64) -> Sym {
+        let (b, c, h, w) = (x.shape[0], x.shape[1], x.shape[2], x.shape[3]);
+        let (oh, ow) = (h / kernel, w / kernel);
+        self.param(&[out_channels, c, kernel, kernel], false);
+        self.param(&[out_channels], false);
+        self.flops(2.0 * (b * oh * ow) as f64 * (c * kernel * kernel) as f64 * out_channels as f64, false);
+        self.save(x);
+        self.fresh(vec![b, out_channels, oh, ow], false)
+    }
+
+    /// LayerNorm over the last dimension with weight and bias: saves its input and the f32
+    /// mean and reciprocal deviation per row.
+    pub fn layer_norm(&mut self, x: &Sym) -> Sym {
+        let width = *x.shape.last().expect("norm input has a feature dimension");
+        self.param(&[width], false);
+        self.param(&[width], false);
+        self.save(x);
+        let rows = x.rows();
+        let mean = self.fresh_f32(vec![rows], false);
+        let rstd = self.fresh_f32(vec![rows], false);
+        self.save(&mean);
+        self.save(&rstd);
+        self.fresh(x.shape.clone(), x.split)
+    }
+
+    /// An elementwise activation that saves its input (GELU).
+    pub fn activation(&mut self, x: &Sym) -> Sym {
+        self.save(x);
+        self.fresh(x.shape.clone(), x.split)
+    }
+
+    /// `a + b` (residual, position embedding): saves nothing.
+    pub fn add(&mut self, a: &Sym) -> Sym {
+        self.fresh(a.shape.clone(), a.split)
+    }
+
+    /// A new tensor of `shape` from `x` that saves nothing (concatenation).
+    pub fn copy(&mut self, x: &Sym, shape: &[i64]) -> Sym {
+        self.fresh(shape.to_vec(), x.split)
+    }
+
+    /// A view of `x` as `shape` (same storage).
+    pub fn view(&mut self, x: &Sym, shape: &[i64]) -> Sym {
+        Sym { storage: x.storage, shape: shape.to_vec(), split: x.split }
+    }
+
+    /// Fused attention over `qkv` (one storage holding queries, keys and values of
+    /// `[batch, heads, tokens, head_dim]` each) as PyTorch's flash kernels run it: saves the
+    /// queries, keys and values, its output and the f32 log-sum-exp per query; the score tiles
+    /// stay in a per-thread workspace. Returns the output `[batch, tokens, heads * head_dim]`.
+    pub fn attention(&mut self, qkv: &Sym, batch: i64, heads: i64, tokens: i64, head_dim: i64) -> Sym {
+        let split = qkv.split;
+        self.flops(4.0 * (batch * heads) as f64 * (tokens * tokens) as f64 * head_dim as f64, split);
+        self.profile.attention_qkv_bytes += self.bytes(qkv);
+        self.save(qkv);
+        let out = self.fresh(vec![batch, tokens, heads * head_dim], split);
+        self.save(&out);
+        let lse = self.fresh_f32(vec![batch, heads, tokens], split);
+        self.save(&lse);
+        out
+    }
+
+    /// Ends the layer with `output`.
+    pub fn finish(mut self, output: &Sym) -> LayerProfile {
+        let p = &mut self.profile;
+        p.output_bytes = output.numel() as f64 * self.elem;
+        for &s in self.saved.iter().filter(|&&s| s != self.input_storage) {
+            p.saved_bytes += self.storage_bytes[s];
+            if self.storage_split[s] {
+                p.split_saved_bytes += self.storage_bytes[s];
+            }
+        }
+        self.profile
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn views_share_storage_and_saved_storage_counts_once() {
+        let (mut r, x) = Recorder::new("l", &[2, 3, 8], 4);
+        let h = r.linear(&x, 24, Shard::Column);
+        let v = r.view(&h, &[2, 3, 3, 8]);
+        let o = r.attention(&v, 2, 1, 3, 8);
+        let y = r.linear(&o, 8, Shard::Row);
+        let p = r.finish(&y);
+        // Saved: h (2*3*24), attention output (2*3*8) and its f32 lse (2*1*3); x is the input.
+        assert_eq!(p.saved_bytes, 4.0 * (144.0 + 48.0 + 6.0));
+        assert_eq!(p.split_saved_bytes, p.saved_bytes);
+        assert_eq!(p.input_bytes, 4.0 * 48.0);
+        assert_eq!(p.param_bytes, 4.0 * (24.0 * 8.0 + 24.0 + 8.0 * 8.0 + 8.0));
+        assert_eq!(p.split_param_bytes, 4.0 * (24.0 * 8.0 + 24.0 + 8.0 * 8.0));
+        assert_eq!(p.forward_flops, 2.0 * 6.0 * 8.0 * 24.0 + 4.0 * 2.0 * 9.0 * 8.0 + 2.0 * 6.0 * 8.0 * 8.0);
+        assert_eq!(p.tp_allreduce_bytes, 4.0 * 48.0);
+    }
+}

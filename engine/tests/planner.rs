@@ -1,0 +1,129 @@
+//! The solver on synthetic cost tables: its choice equals the optimum found by enumerating
+//! every plan independently, memory limits push it to sharding and checkpointing, and a limit
+//! nothing meets is an error naming the limit and the leanest plan's need.
+use engine::planner::{estimate, plans, solve, Cluster, LayerProfile, Model, Plan, TpMode};
+
+/// A model of `blocks` identical blocks between a small stem and head, per sample.
+fn synthetic(blocks: usize, global_batch: usize) -> Model {
+    let block = |i: usize| LayerProfile {
+        name: format!("blocks.{i}"),
+        forward_flops: 4e9,
+        split_flops: 3.8e9,
+        param_bytes: 28e6,
+        split_param_bytes: 27e6,
+        input_bytes: 1e6,
+        saved_bytes: 12e6,
+        split_saved_bytes: 8e6,
+        output_bytes: 1e6,
+        workspace_bytes: 4e6,
+        tp_allreduce_bytes: 2e6,
+        matmul_operand_bytes: 30e6,
+        attention_qkv_bytes: 3e6,
+        checkpointable: true,
+    };
+    let edge = |name: &str| LayerProfile {
+        name: name.into(),
+        forward_flops: 1e8,
+        param_bytes: 1e6,
+        input_bytes: 1e6,
+        saved_bytes: 1e6,
+        output_bytes: 1e6,
+        ..Default::default()
+    };
+    let mut layers = vec![edge("stem")];
+    layers.extend((0..blocks).map(block));
+    layers.push(edge("head"));
+    Model { layers, global_batch, optimizer_state_ratio: 2.0 }
+}
+
+fn cluster(memory_gib: f64) -> Cluster {
+    Cluster { memory_bytes: memory_gib * (1u64 << 30) as f64, peak_flops: 1e12, ..Cluster::default() }
+}
+
+/// The optimum by brute force: every plan, modelled, the fastest that fits.
+fn brute_force(model: &Model, c: &Cluster, nproc: usize) -> (Plan, f64) {
+    let mut best: Option<(Plan, f64)> = None;
+    for plan in plans(model, nproc, &|_| true) {
+        let e = estimate(model, c, &plan).unwrap();
+        if e.memory_bytes <= c.memory_bytes && best.as_ref().is_none_or(|(_, t)| e.step_s < *t) {
+            best = Some((plan, e.step_s));
+        }
+    }
+    best.expect("some plan fits")
+}
+
+#[test]
+fn the_solver_picks_the_enumerated_optimum() {
+    let model = synthetic(8, 64);
+    for (gib, nproc) in [(64.0, 8), (2.0, 8), (0.6, 8), (1.0, 4)] {
+        let c = cluster(gib);
+        let s = solve(&model, &c, nproc, 3, &|_| true).unwrap();
+        let (_, best_time) = brute_force(&model, &c, nproc);
+        assert_eq!(s.best.estimate.step_s, best_time, "{gib} GiB, {nproc} ranks: {s}");
+        assert!(s.best.estimate.memory_bytes <= c.memory_bytes);
+        assert!(s.runners_up.iter().all(|r| r.estimate.step_s >= s.best.estimate.step_s));
+        assert_eq!(s.best.plan.ranks(), nproc);
+    }
+}
+
+#[test]
+fn plenty_of_memory_and_a_fast_link_choose_plain_data_parallelism() {
+    let model = synthetic(8, 64);
+    let c = Cluster { intra_node_bandwidth: 1e15, latency_s: 0.0, ..cluster(64.0) };
+    let s = solve(&model, &c, 8, 0, &|_| true).unwrap();
+    let p = &s.best.plan;
+    // ZeRO-2 moves the bytes of an all-reduce, so it ties on time and wins on memory.
+    assert_eq!((p.dp, p.tp, p.sp, p.pp, p.zero, p.checkpoint.len()), (8, 1, 1, 1, 2, 0), "{s}");
+}
+
+#[test]
+fn a_tight_limit_is_met_by_sharding_or_recomputing() {
+    let model = synthetic(8, 64);
+    let roomy = solve(&model, &cluster(64.0), 8, 0, &|_| true).unwrap();
+    let limit = 0.5 * roomy.best.estimate.memory_bytes;
+    let c = Cluster { memory_bytes: limit, ..cluster(64.0) };
+    let tight = solve(&model, &c, 8, 0, &|_| true).unwrap();
+    assert!(tight.best.estimate.memory_bytes <= limit);
+    assert!(tight.best.estimate.step_s >= roomy.best.estimate.step_s);
+    assert_ne!(tight.best.plan, roomy.best.plan);
+}
+
+#[test]
+fn checkpointing_trades_memory_for_time() {
+    let model = synthetic(8, 64);
+    let c = cluster(64.0);
+    let base = Plan {
+        dp: 8,
+        tp: 1,
+        tp_mode: TpMode::OneD,
+        sp: 1,
+        pp: 1,
+        micro_batches: 1,
+        zero: 0,
+        checkpoint: Default::default(),
+    };
+    let all = Plan { checkpoint: (1..=8).collect(), ..base.clone() };
+    let (e0, e1) = (estimate(&model, &c, &base).unwrap(), estimate(&model, &c, &all).unwrap());
+    assert!(e1.memory_bytes < e0.memory_bytes && e1.step_s > e0.step_s, "{e0:?} {e1:?}");
+}
+
+#[test]
+fn nothing_fits_names_the_limit_and_the_leanest_need() {
+    let model = synthetic(8, 64);
+    let c = cluster(0.001);
+    let e = solve(&model, &c, 8, 3, &|_| true).unwrap_err().to_string();
+    assert!(e.contains("no plan fits the 0.001 GiB") && e.contains("memory_bytes") && e.contains("needs"), "{e}");
+}
+
+#[test]
+fn no_valid_layout_is_an_error() {
+    let e = solve(&synthetic(2, 64), &cluster(64.0), 4, 3, &|_| false).unwrap_err().to_string();
+    assert!(e.contains("no parallel layout of 4 ranks"), "{e}");
+}
+
+#[test]
+fn tensor_parallel_modes_match_their_grids() {
+    assert_eq!(TpMode::for_degree(2), vec![TpMode::OneD]);
+    assert_eq!(TpMode::for_degree(4), vec![TpMode::OneD, TpMode::TwoD]);
+    assert_eq!(TpMode::for_degree(8), vec![TpMode::OneD, TpMode::TwoHalfD { depth: 2 }, TpMode::ThreeD]);
+}
