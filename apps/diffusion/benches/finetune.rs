@@ -16,7 +16,7 @@ use anyhow::{ensure, Context};
 use clap::Parser;
 use diffusion::config::{UNetConfig, UNetConfigFile};
 use diffusion::finetune::{gemini_config, GeminiParts, UnetParams};
-use diffusion::unet::UNet2DConditionModel;
+use diffusion::unet::{Conditioning, UNet2DConditionModel};
 use engine::device::DeviceKind;
 use engine::gemini::{cap_device_memory, parse_bytes, CpuRule, Gemini};
 use engine::job::Precision;
@@ -118,7 +118,7 @@ fn ours(args: &Args, capped: bool) -> anyhow::Result<Measured> {
         let context = Tensor::f_randn([args.batch, TOKENS, file.cross_attention_dim], opts)?.f_to_kind(kind)?;
         let t = Tensor::f_randint(1000, [args.batch], (Kind::Int64, device))?;
         let runner = GeminiParts { gemini: &gemini, parts: &parts };
-        let pred = unet.forward_with(&noisy.f_to_kind(kind)?, &t, &context, &runner)?;
+        let pred = unet.forward_with(&noisy.f_to_kind(kind)?, &t, &Conditioning::text(context), &runner)?;
         let loss = pred.f_to_kind(Kind::Float)?.f_mse_loss(&noise, tch::Reduction::Mean)?;
         match &scaler {
             Some(s) => s.scale_loss(&loss)?.backward(),
