@@ -102,16 +102,17 @@ impl StableDiffusion {
         let tokenizer = ClipTokenizer::from_diffusers(root)?;
         let (mut text_encoder_vs, text_encoder) = ClipTextModel::load(&root.join("text_encoder"), device)?;
         let entries: serde_json::Map<String, serde_json::Value> = read_json(&index)?;
-        let text_encoder_2 =
-            match entries.get("text_encoder_2").is_some_and(|v| v.as_array().is_some_and(|a| !a[0].is_null())) {
-                true => {
-                    check_model_index(&index, "text_encoder_2", "CLIPTextModelWithProjection")?;
-                    let tokenizer = ClipTokenizer::from_dir(&root.join("tokenizer_2"))?;
-                    let (vs, model) = ClipTextModel::load_with_projection(&root.join("text_encoder_2"), device)?;
-                    Some(SecondEncoder { tokenizer, model, vs })
-                }
-                false => None,
-            };
+        // diffusers writes `[null, null]` for a component a pipeline class has but this one lacks.
+        let listed = |v: &serde_json::Value| v.as_array().and_then(|a| a.first()).is_some_and(|c| !c.is_null());
+        let mut text_encoder_2 = match entries.get("text_encoder_2").is_some_and(listed) {
+            true => {
+                check_model_index(&index, "text_encoder_2", "CLIPTextModelWithProjection")?;
+                let tokenizer = ClipTokenizer::from_dir(&root.join("tokenizer_2"))?;
+                let (vs, model) = ClipTextModel::load_with_projection(&root.join("text_encoder_2"), device)?;
+                Some(SecondEncoder { tokenizer, model, vs })
+            }
+            false => None,
+        };
         let force_zeros_for_empty_prompt = match entries.get("force_zeros_for_empty_prompt") {
             None => true,
             Some(v) => v.as_bool().ok_or_else(|| Error::Format {
@@ -121,7 +122,8 @@ impl StableDiffusion {
         };
         let (mut unet_vs, unet) =
             UNet2DConditionModel::load(&ComponentFiles::in_pipeline(root, "unet", "UNet2DConditionModel")?, device)?;
-        let (vae_vs, vae) = AutoencoderKL::load(&ComponentFiles::in_pipeline(root, "vae", "AutoencoderKL")?, device)?;
+        let (mut vae_vs, vae) =
+            AutoencoderKL::load(&ComponentFiles::in_pipeline(root, "vae", "AutoencoderKL")?, device)?;
         let scheduler = SchedulerFile::read(&root.join("scheduler").join("scheduler_config.json"))?;
         check_text_fits(root, &text_encoder, text_encoder_2.as_ref(), &unet)?;
         let (latent, input) = (vae.config().latent_channels, unet.config().in_channels);
@@ -136,11 +138,9 @@ impl StableDiffusion {
         for vs in [&mut text_encoder_vs, &mut unet_vs] {
             vs.set_kind(kind);
         }
-        let mut text_encoder_2 = text_encoder_2;
         if let Some(second) = text_encoder_2.as_mut() {
             second.vs.set_kind(kind);
         }
-        let mut vae_vs = vae_vs;
         if !vae.config().force_upcast {
             vae_vs.set_kind(kind);
         }

@@ -316,5 +316,8 @@ fn the_sample_command_takes_size_conditioning_and_folders_that_do_not_fit_are_na
     std::fs::write(&config, text).unwrap();
     let err = StableDiffusion::load(&broken, Device::Cpu, Kind::Float).err().unwrap().to_string();
     assert!(err.contains("add_embedding.linear_1.weight has shape [32, 36], expected [32, 40]"), "{err}");
+    // Single-file conversion is SD 1.x/2.x only, and says so.
+    let err = diffusion::single_file::to_single_file(&folder(), &dir.join("xl.safetensors"), false).unwrap_err();
+    assert!(err.to_string().contains("an SDXL UNet"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
