@@ -147,11 +147,18 @@ impl CaptionedImages {
     /// Image `i` decoded as RGB and prepared by `how` (see the module documentation), values
     /// in `[-1, 1]`; `rng` draws the crop offset and the flip.
     pub fn load(&self, i: usize, how: Preprocess, rng: &mut Rng) -> Result<Image> {
+        Ok(self.load_with_geometry(i, how, rng)?.0)
+    }
+
+    /// [`CaptionedImages::load`], and where the square came from, as SDXL's size and crop
+    /// conditioning records it.
+    pub fn load_with_geometry(&self, i: usize, how: Preprocess, rng: &mut Rng) -> Result<(Image, Geometry)> {
         let path = self.file(i);
         let img = decode(path, 3)?;
         if how.resolution == 0 {
             return Err(format_err(path, "resolution must be positive".into()));
         }
+        let original = (img.height, img.width);
         let img = resize_shorter(&img, how.resolution);
         let r = how.resolution;
         let (top, left) = match how.crop {
@@ -171,8 +178,21 @@ impl CaptionedImages {
                 }
             }
         }
-        Ok(Image::new(3, r, r, pixels))
+        // diffusers' SDXL script flips the resized image before cropping it, so a flipped
+        // crop's left edge is counted from the mirrored side.
+        let crop_left = if flip { img.width - r - left } else { left };
+        Ok((Image::new(3, r, r, pixels), Geometry { original, crop_top_left: (top, crop_left) }))
     }
+}
+
+/// Where a prepared square came from: the decoded image's `(height, width)` and the crop's
+/// `(top, left)` in the resized (and, when flipped, mirrored) image.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Geometry {
+    /// The image's size before resizing.
+    pub original: (usize, usize),
+    /// The crop's top-left corner.
+    pub crop_top_left: (usize, usize),
 }
 
 #[cfg(test)]
@@ -263,5 +283,20 @@ mod tests {
             saw_flip |= a.at(0, 5, 0) > a.at(0, 5, 9);
         }
         assert!(saw_flip, "some of 8 draws flip");
+        // The geometry SDXL conditions on: the decoded size, and the crop's corner in the
+        // resized 20x10 image, counted from the mirrored side when flipped.
+        let (_, g) = d.load_with_geometry(0, center, &mut Rng::keyed(0, 0, 0)).unwrap();
+        assert_eq!(g, Geometry { original: (20, 40), crop_top_left: (0, 5) });
+        let random = Preprocess { flip: false, ..flipped };
+        for k in 0..8 {
+            let (plain, g) = d.load_with_geometry(0, random, &mut Rng::keyed(1, k, 0)).unwrap();
+            let (mirrored, m) = d.load_with_geometry(0, flipped, &mut Rng::keyed(1, k, 0)).unwrap();
+            let left = g.crop_top_left.1;
+            assert!(left <= 10);
+            match plain == mirrored {
+                true => assert_eq!(m.crop_top_left.1, left),
+                false => assert_eq!(m.crop_top_left.1, 10 - left),
+            }
+        }
     }
 }

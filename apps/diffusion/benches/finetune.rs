@@ -1,5 +1,5 @@
 //! Stable Diffusion UNet fine-tuning steps (noise-prediction loss, backward, AdamW) with the
-//! SD 1.x architecture and random weights: ours under Gemini with `--cap` as the memory budget
+//! SD 1.x or (`--arch sdxl`) SDXL architecture and random weights: ours under Gemini with `--cap` as the memory budget
 //! (and, on a GPU, the allocator's cap), ours uncapped, and diffusers' `UNet2DConditionModel`
 //! in PyTorch eager (`benches/finetune_baseline.py`, fp32 weights under autocast, uncapped) in
 //! the same run; seconds per step, peak memory and the ratios.
@@ -8,6 +8,7 @@
 //! --batch 1 --precision fp16 --gradient-checkpointing` is the issue's measurement;
 //! `scripts/bench-diffusion.sh` sets up diffusers and runs it. Each configuration runs in its
 //! own process, so every peak (the allocator's on a GPU, the resident set on the CPU) is its own.
+//! SDXL's steps add its pooled text and size/crop time ids (random, as the text states).
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Instant;
@@ -16,7 +17,7 @@ use anyhow::{ensure, Context};
 use clap::Parser;
 use diffusion::config::{UNetConfig, UNetConfigFile};
 use diffusion::finetune::{gemini_config, GeminiParts, UnetParams};
-use diffusion::unet::UNet2DConditionModel;
+use diffusion::unet::{Conditioning, TextTime, UNet2DConditionModel};
 use engine::device::DeviceKind;
 use engine::gemini::{cap_device_memory, parse_bytes, CpuRule, Gemini};
 use engine::job::Precision;
@@ -26,6 +27,16 @@ use tch::{Device, Kind, Tensor};
 const BASELINE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/finetune_baseline.py");
 /// Tokens of CLIP's text states.
 const TOKENS: i64 = 77;
+
+/// Which UNet is trained.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Arch {
+    /// SD 1.x: widths 320,640,1280,1280, one transformer layer per block, CLIP ViT-L text (768).
+    Sd15,
+    /// SDXL: widths 320,640,1280, transformer layers 1,2,10, both encoders' text (2048), the
+    /// text-time embedding.
+    Sdxl,
+}
 
 #[derive(Parser, Debug, Clone)]
 #[command(about = "SD UNet fine-tuning steps: ours under a memory cap, uncapped, and diffusers eager")]
@@ -48,9 +59,16 @@ struct Args {
     /// Recompute each block's activations in backward (both sides).
     #[arg(long)]
     gradient_checkpointing: bool,
-    /// Widths of the resolution levels (SD 1.x: 320,640,1280,1280); smaller for a CPU check.
-    #[arg(long, value_delimiter = ',', default_value = "320,640,1280,1280")]
-    block_out_channels: Vec<i64>,
+    /// The architecture.
+    #[arg(long, value_enum, default_value_t = Arch::Sd15)]
+    arch: Arch,
+    /// Widths of the resolution levels (default: the architecture's); smaller for a CPU check.
+    #[arg(long, value_delimiter = ',')]
+    block_out_channels: Option<Vec<i64>>,
+    /// Transformer layers per block (default: the architecture's; SDXL 1,2,10); fewer for a
+    /// CPU check.
+    #[arg(long, value_delimiter = ',')]
+    transformer_depth: Option<Vec<i64>>,
     /// Timed steps (after `--warmup` untimed ones).
     #[arg(long, default_value_t = 3)]
     steps: usize,
@@ -76,10 +94,28 @@ struct Measured {
     parameters: Option<u64>,
 }
 
+/// SDXL base 1.0's `unet/config.json` (the keys that differ from diffusers' defaults).
+const SDXL: &str = r#"{
+    "block_out_channels": [320, 640, 1280], "attention_head_dim": [5, 10, 20],
+    "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+    "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+    "transformer_layers_per_block": [1, 2, 10], "cross_attention_dim": 2048, "use_linear_projection": true,
+    "addition_embed_type": "text_time", "addition_time_embed_dim": 256,
+    "projection_class_embeddings_input_dim": 2816, "sample_size": 128
+}"#;
+
 fn config(args: &Args) -> anyhow::Result<UNetConfigFile> {
     // diffusers' defaults are SD 1.x's UNet but for the text width (CLIP ViT-L/14: 768).
-    let mut file: UNetConfigFile = serde_json::from_str(r#"{"cross_attention_dim": 768, "sample_size": 64}"#)?;
-    file.block_out_channels = args.block_out_channels.clone();
+    let mut file: UNetConfigFile = match args.arch {
+        Arch::Sd15 => serde_json::from_str(r#"{"cross_attention_dim": 768, "sample_size": 64}"#)?,
+        Arch::Sdxl => serde_json::from_str(SDXL)?,
+    };
+    if let Some(widths) = &args.block_out_channels {
+        file.block_out_channels = widths.clone();
+    }
+    if let Some(depth) = &args.transformer_depth {
+        file.transformer_layers_per_block = serde_json::json!(depth);
+    }
     Ok(file)
 }
 
@@ -117,8 +153,20 @@ fn ours(args: &Args, capped: bool) -> anyhow::Result<Measured> {
         let noise = Tensor::f_randn([args.batch, 4, side, side], opts)?;
         let context = Tensor::f_randn([args.batch, TOKENS, file.cross_attention_dim], opts)?.f_to_kind(kind)?;
         let t = Tensor::f_randint(1000, [args.batch], (Kind::Int64, device))?;
+        let text_time = match &cfg.text_time {
+            Some(tt) => {
+                let r = args.resolution as f32;
+                let ids = Tensor::from_slice(&[r, r, 0.0, 0.0, r, r]).f_to_device(device)?;
+                Some(TextTime {
+                    text_embeds: Tensor::f_randn([args.batch, tt.pooled_dim(6)], opts)?.f_to_kind(kind)?,
+                    time_ids: ids.f_unsqueeze(0)?.f_expand([args.batch, 6], false)?,
+                })
+            }
+            None => None,
+        };
+        let cond = Conditioning { context, text_time };
         let runner = GeminiParts { gemini: &gemini, parts: &parts };
-        let pred = unet.forward_with(&noisy.f_to_kind(kind)?, &t, &context, &runner)?;
+        let pred = unet.forward_with(&noisy.f_to_kind(kind)?, &t, &cond, &runner)?;
         let loss = pred.f_to_kind(Kind::Float)?.f_mse_loss(&noise, tch::Reduction::Mean)?;
         match &scaler {
             Some(s) => s.scale_loss(&loss)?.backward(),
@@ -212,9 +260,14 @@ fn main() -> anyhow::Result<()> {
     // The first run reports the parameter count for the header.
     let capped = child("capped")?;
     println!(
-        "SD UNet fine-tuning step: {:.0}M parameters (widths {:?}), {} px, batch {}, {:?} compute over fp32 masters, AdamW, {}gradient checkpointing, on {}",
+        "{} UNet fine-tuning step: {:.0}M parameters (widths {:?}, transformer layers {}), {} px, batch {}, {:?} compute over fp32 masters, AdamW, {}gradient checkpointing, on {}",
+        match args.arch {
+            Arch::Sd15 => "SD 1.x",
+            Arch::Sdxl => "SDXL",
+        },
         capped.parameters.unwrap_or(0) as f64 / 1e6,
-        args.block_out_channels,
+        cfg.block_out_channels,
+        cfg.transformer_layers_per_block,
         args.resolution,
         args.batch,
         args.precision,

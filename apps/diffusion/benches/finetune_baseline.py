@@ -4,7 +4,9 @@
 The step of diffusers' `train_text_to_image.py` on random data: fp32 weights, the forward under
 autocast in the compute precision (with a GradScaler for fp16 on a GPU), mean squared error
 against the noise, backward, torch's AdamW (diffusers' default hyperparameters). No memory
-cap. Weights are diffusers' random initialisation of the given config.
+cap. Weights are diffusers' random initialisation of the given config. An SDXL config
+(`addition_embed_type: text_time`) also gets random pooled text and the time ids of an uncropped
+image at the resolution, as ours.
 
     python finetune_baseline.py CONFIG.json --device cpu --resolution 256 --batch 1 \
         --precision fp32 --steps 3 --warmup 1 [--gradient-checkpointing]
@@ -53,8 +55,14 @@ def main():
         noise = torch.randn(a.batch, 4, side, side, generator=g).to(device)
         context = torch.randn(a.batch, 77, config["cross_attention_dim"], generator=g).to(device)
         t = torch.randint(0, 1000, (a.batch,), generator=g).to(device)
+        added = None
+        if config.get("addition_embed_type") == "text_time":
+            pooled = config["projection_class_embeddings_input_dim"] - 6 * config["addition_time_embed_dim"]
+            r = float(a.resolution)
+            added = {"text_embeds": torch.randn(a.batch, pooled, generator=g).to(device),
+                     "time_ids": torch.tensor([[r, r, 0.0, 0.0, r, r]] * a.batch, device=device)}
         with torch.autocast(device.type, dtype=dtype, enabled=a.precision != "fp32"):
-            pred = unet(noisy, t, context).sample
+            pred = unet(noisy, t, context, added_cond_kwargs=added).sample
         loss = F.mse_loss(pred.float(), noise)
         scaler.scale(loss).backward()
         scaler.step(opt)

@@ -1,4 +1,5 @@
-//! CLIP's text encoder with transformers' `CLIPTextModel` key names, so a diffusers
+//! CLIP's text encoder with transformers' `CLIPTextModel` key names (and
+//! `CLIPTextModelWithProjection`'s `text_projection`, SDXL's second encoder), so a diffusers
 //! `text_encoder/` folder (`config.json` + `model.safetensors`) loads by name:
 //! `text_model.embeddings.{token,position}_embedding`,
 //! `text_model.encoder.layers.{i}.{self_attn.{q,k,v,out}_proj,layer_norm1,layer_norm2,mlp.fc1,mlp.fc2}`,
@@ -39,6 +40,9 @@ pub struct ClipTextConfigFile {
     pub layer_norm_eps: f64,
     /// The end-of-text id the pooled output is taken at (2 means "the largest id", an old config).
     pub eos_token_id: Option<i64>,
+    /// Width of `text_projection` (`CLIPTextModelWithProjection` only).
+    #[serde(default)]
+    pub projection_dim: Option<i64>,
 }
 
 /// The MLP activation.
@@ -71,6 +75,8 @@ pub struct ClipTextConfig {
     pub layer_norm_eps: f64,
     /// The end-of-text id (`None` or 2: pool at the largest id, as old configs did).
     pub eos_token_id: Option<i64>,
+    /// Width of `text_projection` (`CLIPTextModelWithProjection`).
+    pub projection_dim: Option<i64>,
 }
 
 impl ClipTextConfig {
@@ -114,6 +120,7 @@ impl ClipTextConfig {
             activation,
             layer_norm_eps: raw.layer_norm_eps,
             eos_token_id: raw.eos_token_id,
+            projection_dim: raw.projection_dim,
         })
     }
 }
@@ -191,6 +198,8 @@ pub struct ClipTextModel {
     position_embedding: nn::Embedding,
     layers: Vec<EncoderLayer>,
     final_layer_norm: nn::LayerNorm,
+    /// `CLIPTextModelWithProjection`'s `text_projection` (no bias).
+    text_projection: Option<nn::Linear>,
     cfg: ClipTextConfig,
     layout: KeyLayout,
 }
@@ -246,9 +255,22 @@ impl ClipTextModel {
                 vec![w],
                 nn::LayerNormConfig { eps: cfg.layer_norm_eps, ..Default::default() },
             ),
+            text_projection: None,
             cfg: cfg.clone(),
             layout: KeyLayout::Prefixed,
         }
+    }
+
+    /// transformers' `CLIPTextModelWithProjection` under `p`: the text model and
+    /// `text_projection` (hidden to `projection_dim`, no bias), randomly initialised.
+    pub fn new_with_projection(p: &nn::Path, cfg: &ClipTextConfig) -> Result<ClipTextModel> {
+        let width = cfg.projection_dim.filter(|&d| d > 0).ok_or_else(|| {
+            Error::Invalid("CLIPTextModelWithProjection needs a positive projection_dim in its config".into())
+        })?;
+        let mut model = ClipTextModel::new(p, cfg);
+        let no_bias = nn::LinearConfig { bias: false, ..Default::default() };
+        model.text_projection = Some(nn::linear(p / "text_projection", cfg.hidden_size, width, no_bias));
+        Ok(model)
     }
 
     /// Loads a diffusers `text_encoder/` folder (`config.json`, `model.safetensors`) onto `device`.
@@ -259,9 +281,28 @@ impl ClipTextModel {
     /// Loads a config and a weights file. A missing key or wrong shape is an error naming the
     /// file and key, and so is a key of the file that no parameter uses.
     pub fn load_files(config: &Path, weights: &Path, device: Device) -> Result<(nn::VarStore, ClipTextModel)> {
+        Self::load_as(config, weights, device, false)
+    }
+
+    /// Loads a `CLIPTextModelWithProjection` folder (SDXL's `text_encoder_2/`): the text
+    /// model and `text_projection.weight`.
+    pub fn load_with_projection(dir: &Path, device: Device) -> Result<(nn::VarStore, ClipTextModel)> {
+        Self::load_as(&dir.join("config.json"), &dir.join("model.safetensors"), device, true)
+    }
+
+    fn load_as(
+        config: &Path,
+        weights: &Path,
+        device: Device,
+        projection: bool,
+    ) -> Result<(nn::VarStore, ClipTextModel)> {
         let cfg = ClipTextConfig::from_file(config)?;
         let vs = nn::VarStore::new(device);
-        let mut model = ClipTextModel::new(&vs.root(), &cfg);
+        let mut model = match projection {
+            true => ClipTextModel::new_with_projection(&vs.root(), &cfg)
+                .map_err(|e| Error::Format { path: config.to_path_buf(), msg: e.to_string() })?,
+            false => ClipTextModel::new(&vs.root(), &cfg),
+        };
         let mut file = data::checkpoint::read_tensors(weights)?;
         model.layout = KeyLayout::detect(file.keys()).ok_or_else(|| Error::Format {
             path: weights.to_path_buf(),
@@ -335,6 +376,34 @@ impl ClipTextModel {
             x = layer.forward(&x, mask.as_ref());
         }
         Ok(self.final_layer_norm.forward(&x))
+    }
+
+    /// `(last_hidden_state, hidden_states[-2])` as transformers returns them with
+    /// `output_hidden_states=True`: the final layer norm's output, and the penultimate layer's
+    /// output without it (what SDXL conditions on). No attention mask, as SDXL runs them.
+    pub fn forward_penultimate(&self, ids: &Tensor) -> Result<(Tensor, Tensor)> {
+        self.check_ids(ids)?;
+        let n = ids.size()[1];
+        let positions = Tensor::f_arange(n, (Kind::Int64, ids.device()))?;
+        let mut x = self.token_embedding.forward(ids) + self.position_embedding.forward(&positions).unsqueeze(0);
+        let last = self.layers.len() - 1;
+        let mut penultimate = x.shallow_clone();
+        for (i, layer) in self.layers.iter().enumerate() {
+            if i == last {
+                penultimate = x.shallow_clone();
+            }
+            x = layer.forward(&x, None);
+        }
+        Ok((self.final_layer_norm.forward(&x), penultimate))
+    }
+
+    /// `CLIPTextModelWithProjection`'s `text_embeds`: `text_projection` of the pooled output
+    /// (see [`ClipTextModel::pooled`]); an error for a model without the projection.
+    pub fn text_embeds(&self, ids: &Tensor, last_hidden: &Tensor) -> Result<Tensor> {
+        let proj = self.text_projection.as_ref().ok_or_else(|| {
+            Error::Invalid("this text encoder has no text_projection (not a CLIPTextModelWithProjection)".into())
+        })?;
+        Ok(proj.forward(&self.pooled(ids, last_hidden)?))
     }
 
     /// transformers' `pooler_output`: each row of `last_hidden` at the row's first end-of-text

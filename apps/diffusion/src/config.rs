@@ -113,9 +113,24 @@ pub struct UNetConfigFile {
     /// Attention in float32 under half precision; accepted (SDPA keeps softmax in float32).
     #[serde(default)]
     pub upcast_attention: bool,
-    /// Transformer layers per block; only 1.
+    /// Transformer layers per down block: one number for all, or one per block (SDXL's
+    /// `[1, 2, 10]`); the up blocks take them reversed, the mid block the last.
     #[serde(default = "d_one")]
     pub transformer_layers_per_block: Value,
+    /// The up blocks' transformer layers where they are not the down blocks' reversed.
+    #[serde(default)]
+    pub reverse_transformer_layers_per_block: Option<Vec<i64>>,
+    /// `"text_time"` (SDXL): an embedding of the pooled text and the size/crop ids added to
+    /// the timestep embedding; absent or null for SD 1.x/2.x.
+    #[serde(default)]
+    pub addition_embed_type: Option<String>,
+    /// Width of the sinusoidal embedding of each of the time ids (SDXL: 256).
+    #[serde(default)]
+    pub addition_time_embed_dim: Option<i64>,
+    /// Input width of `add_embedding`: the pooled text's plus six time ids' embeddings (SDXL:
+    /// 1280 + 6 * 256 = 2816).
+    #[serde(default)]
+    pub projection_class_embeddings_input_dim: Option<i64>,
     /// Cross-attention in place of self-attention; only false.
     #[serde(default = "d_false")]
     pub only_cross_attention: Value,
@@ -165,10 +180,7 @@ impl UNetConfigFile {
 const UNET_FIXED: &[(&str, &[&str])] = &[
     ("center_input_sample", &["false"]),
     ("class_embed_type", &["null"]),
-    ("addition_embed_type", &["null"]),
-    ("addition_time_embed_dim", &["null"]),
     ("num_class_embeds", &["null"]),
-    ("projection_class_embeddings_input_dim", &["null"]),
     ("class_embeddings_concat", &["false"]),
     ("time_cond_proj_dim", &["null"]),
     ("time_embedding_type", &["\"positional\""]),
@@ -183,7 +195,6 @@ const UNET_FIXED: &[(&str, &[&str])] = &[
     ("resnet_time_scale_shift", &["\"default\""]),
     ("resnet_skip_time_act", &["false"]),
     ("resnet_out_scale_factor", &["1"]),
-    ("reverse_transformer_layers_per_block", &["null"]),
     ("cross_attention_norm", &["null"]),
     ("attention_type", &["\"default\""]),
     ("conv_in_kernel", &["3"]),
@@ -239,8 +250,63 @@ pub struct UNetConfig {
     pub flip_sin_to_cos: bool,
     /// Timestep embedding frequency shift.
     pub freq_shift: f64,
+    /// Transformer layers in each down block's transformers (unused for plain blocks).
+    pub down_depth: Vec<i64>,
+    /// Transformer layers in each up block's transformers, deepest block first.
+    pub up_depth: Vec<i64>,
+    /// SDXL's added text-time embedding, where the config asks for it.
+    pub text_time: Option<TextTimeConfig>,
     /// The file this was read from, written back when the model is saved.
     pub source: UNetConfigFile,
+}
+
+/// SDXL's `addition_embed_type = "text_time"`: `add_time_proj` (a sinusoidal embedding of each
+/// time id) and `add_embedding` (two linear layers from the pooled text and those embeddings
+/// to the timestep embedding's width).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TextTimeConfig {
+    /// Width of each time id's embedding.
+    pub time_embed_dim: i64,
+    /// Input width of `add_embedding` (pooled text width + time ids * `time_embed_dim`).
+    pub input_dim: i64,
+}
+
+impl TextTimeConfig {
+    /// The pooled text width this config takes with `ids` time ids (SDXL: 6).
+    pub fn pooled_dim(&self, ids: i64) -> i64 {
+        self.input_dim - ids * self.time_embed_dim
+    }
+}
+
+/// The transformer depth of each down block from `transformer_layers_per_block` (a number or
+/// one per block).
+fn depths(value: &Value, n: usize) -> std::result::Result<Vec<i64>, String> {
+    let bad = || format!("transformer_layers_per_block = {value} must be a positive integer or one per block ({n})");
+    let v: Vec<i64> = match value {
+        Value::Array(a) => a.iter().map(|x| x.as_i64().ok_or_else(bad)).collect::<std::result::Result<_, _>>()?,
+        v => vec![v.as_i64().ok_or_else(bad)?; n],
+    };
+    if v.len() != n || v.iter().any(|&d| d <= 0) {
+        return Err(bad());
+    }
+    Ok(v)
+}
+
+/// SDXL's text-time options: all three keys or none.
+fn text_time(f: &UNetConfigFile) -> std::result::Result<Option<TextTimeConfig>, String> {
+    match (f.addition_embed_type.as_deref(), f.addition_time_embed_dim, f.projection_class_embeddings_input_dim) {
+        (None, _, _) => Ok(None),
+        (Some("text_time"), Some(t), Some(i)) if t > 0 && t % 2 == 0 && i > 6 * t => {
+            Ok(Some(TextTimeConfig { time_embed_dim: t, input_dim: i }))
+        }
+        (Some("text_time"), t, i) => Err(format!(
+            "addition_embed_type = \"text_time\" needs an even positive addition_time_embed_dim (found {t:?}) and \
+             projection_class_embeddings_input_dim above 6 times it (found {i:?})"
+        )),
+        (Some(other), _, _) => {
+            Err(format!("addition_embed_type = {other:?} is not supported (supported: null or \"text_time\")"))
+        }
+    }
 }
 
 fn block_kinds(types: &[String], key: &str, cross: &str, plain: &str) -> std::result::Result<Vec<bool>, String> {
@@ -264,12 +330,6 @@ impl UNetConfig {
         check_fixed(&f.other, UNET_FIXED)?;
         if !matches!(f.act_fn.as_str(), "silu" | "swish") {
             return Err(format!("act_fn = {:?} is not supported (supported: \"silu\")", f.act_fn));
-        }
-        if f.transformer_layers_per_block.as_i64() != Some(1) {
-            return Err(format!(
-                "transformer_layers_per_block = {} is not supported (supported: 1)",
-                f.transformer_layers_per_block
-            ));
         }
         if f.only_cross_attention != Value::Bool(false) {
             return Err(format!(
@@ -310,6 +370,12 @@ impl UNetConfig {
         if f.in_channels <= 0 || f.out_channels <= 0 || f.layers_per_block <= 0 || f.cross_attention_dim <= 0 {
             return Err("in_channels, out_channels, layers_per_block and cross_attention_dim must be positive".into());
         }
+        let down_depth = depths(&f.transformer_layers_per_block, n)?;
+        let up_depth = match &f.reverse_transformer_layers_per_block {
+            Some(r) => depths(&Value::from(r.clone()), n)
+                .map_err(|e| e.replace("transformer_layers_per_block", "reverse_transformer_layers_per_block"))?,
+            None => down_depth.iter().rev().copied().collect(),
+        };
         if f.block_out_channels[0] % 2 != 0 {
             return Err(format!(
                 "block_out_channels[0] = {} must be even (timestep embedding)",
@@ -330,6 +396,9 @@ impl UNetConfig {
             norm_eps: f.norm_eps,
             flip_sin_to_cos: f.flip_sin_to_cos,
             freq_shift: f.freq_shift,
+            down_depth,
+            up_depth,
+            text_time: text_time(f)?,
             source: f.clone(),
         })
     }
@@ -381,6 +450,10 @@ pub struct VaeConfigFile {
     /// Self-attention in the mid blocks.
     #[serde(default = "d_true")]
     pub mid_block_add_attention: bool,
+    /// Decode in float32 even when the pipeline computes in fp16 (SD and SDXL's VAEs overflow
+    /// there), as diffusers' pipelines read it.
+    #[serde(default = "d_true")]
+    pub force_upcast: bool,
     /// Every other key, kept as written.
     #[serde(flatten)]
     pub other: Map<String, Value>,
@@ -417,7 +490,12 @@ impl VaeConfigFile {
 }
 
 /// VAE options not implemented here (SD3/Flux latents shift, spatial norms).
-const VAE_FIXED: &[(&str, &[&str])] = &[("shift_factor", &["null", "0"]), ("norm_type", &["\"group\""])];
+const VAE_FIXED: &[(&str, &[&str])] = &[
+    ("shift_factor", &["null", "0"]),
+    ("norm_type", &["\"group\""]),
+    ("latents_mean", &["null"]),
+    ("latents_std", &["null"]),
+];
 
 /// A validated VAE architecture.
 #[derive(Clone, Debug, PartialEq)]
@@ -444,6 +522,8 @@ pub struct VaeConfig {
     pub use_post_quant_conv: bool,
     /// Whether the mid blocks have attention.
     pub mid_block_add_attention: bool,
+    /// Whether decoding must run in float32 whatever the compute kind.
+    pub force_upcast: bool,
     /// The file this was read from.
     pub source: VaeConfigFile,
 }
@@ -490,6 +570,7 @@ impl VaeConfig {
             use_quant_conv: f.use_quant_conv,
             use_post_quant_conv: f.use_post_quant_conv,
             mid_block_add_attention: f.mid_block_add_attention,
+            force_upcast: f.force_upcast,
             source: f.clone(),
         })
     }
@@ -517,7 +598,20 @@ mod tests {
         let err = unet(r#"{"down_block_types": ["A", "B", "C", "D"]}"#).unwrap_err();
         assert!(err.contains("down_block_types has \"A\""), "{err}");
         assert!(unet(r#"{"resnet_out_scale_factor": 1.0, "mid_block_only_cross_attention": false}"#).is_ok());
-        let err = unet(r#"{"transformer_layers_per_block": 2}"#).unwrap_err();
-        assert!(err.contains("transformer_layers_per_block = 2"), "{err}");
+        let err = unet(r#"{"transformer_layers_per_block": [1, 2]}"#).unwrap_err();
+        assert!(err.contains("transformer_layers_per_block = [1,2] must be"), "{err}");
+        let xl = unet(r#"{"transformer_layers_per_block": [1, 2, 10, 10]}"#).unwrap();
+        assert_eq!((xl.down_depth, xl.up_depth), (vec![1, 2, 10, 10], vec![10, 10, 2, 1]));
+        assert_eq!(xl.text_time, None);
+        let xl = unet(
+            r#"{"addition_embed_type": "text_time", "addition_time_embed_dim": 256,
+                "projection_class_embeddings_input_dim": 2816}"#,
+        )
+        .unwrap();
+        assert_eq!(xl.text_time.map(|t| t.pooled_dim(6)), Some(1280));
+        let err = unet(r#"{"addition_embed_type": "text_time"}"#).unwrap_err();
+        assert!(err.contains("needs an even positive addition_time_embed_dim"), "{err}");
+        let err = unet(r#"{"addition_embed_type": "image"}"#).unwrap_err();
+        assert!(err.contains("addition_embed_type = \"image\" is not supported"), "{err}");
     }
 }

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 enum Cli {
     /// Text-to-image from a diffusers pipeline folder (DDIM, Euler, Euler ancestral, PNDM,
     /// DPM-Solver++ 2M, UniPC; classifier-free guidance).
-    Sample(SampleArgs),
+    Sample(Box<SampleArgs>),
     /// Fine-tune the UNet on captioned images under Gemini (`--gpu-mem` caps device memory).
     Finetune(Box<FinetuneArgs>),
     /// Convert between an original single-file checkpoint (A1111, ComfyUI) and a diffusers

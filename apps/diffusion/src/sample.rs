@@ -1,5 +1,7 @@
-//! Text-to-image sampling as diffusers' `StableDiffusionPipeline.__call__` does it: prompts and
-//! negative prompts through the text encoder, initial latents scaled by the sampler's initial
+//! Text-to-image sampling as diffusers' `StableDiffusionPipeline.__call__` (and
+//! `StableDiffusionXLPipeline.__call__`: both text encoders, the pooled projection, size/crop
+//! time ids, zeros as the negative when none is given) does it: prompts and negative prompts
+//! through the text encoder, initial latents scaled by the sampler's initial
 //! sigma, one loop for every [`Scheduler`] with classifier-free guidance (conditional and
 //! unconditional halves through the UNet as one batch; guidance 1 runs the conditional half
 //! alone), and the VAE decoder. Every random draw (initial latents, ancestral samplers' step
@@ -8,12 +10,13 @@
 use engine::job::{DeviceArgs, PrecisionArgs, SeedArgs};
 use tch::{Kind, Tensor};
 
-use crate::pipeline::StableDiffusion;
+use crate::pipeline::{SizeConditioning, StableDiffusion};
 use crate::scheduler::{self, Scheduler, SchedulerClass, SchedulerFile};
+use crate::unet::Conditioning;
 use crate::{Error, Result};
 
-/// A UNet forward: (sample, timesteps, encoder hidden states) to the prediction.
-pub type UNetCall<'a> = &'a dyn Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>;
+/// A UNet forward: (sample, timesteps, conditioning) to the prediction.
+pub type UNetCall<'a> = &'a dyn Fn(&Tensor, &Tensor, &Conditioning) -> Result<Tensor>;
 
 /// Keys of the seeded draws: initial latents, and each step's noise.
 const LATENTS_KEY: u64 = 0x5d_1f_f5_10;
@@ -110,8 +113,9 @@ pub struct SampleOptions {
     pub steps: usize,
     /// Classifier-free guidance scale (1: none).
     pub guidance: f64,
-    /// The negative prompt of every image ("" as diffusers' default).
-    pub negative_prompt: String,
+    /// The negative prompt of every image. `None` is diffusers' `negative_prompt=None`: "" for
+    /// SD 1.x/2.x, zeros for SDXL under `force_zeros_for_empty_prompt`.
+    pub negative_prompt: Option<String>,
     /// Image height in pixels.
     pub height: i64,
     /// Image width in pixels.
@@ -122,6 +126,9 @@ pub struct SampleOptions {
     pub images_per_prompt: usize,
     /// Seed of the initial latents and of ancestral samplers' step noise.
     pub seed: u64,
+    /// SDXL's size and crop conditioning (`None`: diffusers' defaults for the image size);
+    /// unused by SD 1.x/2.x.
+    pub size_conditioning: Option<SizeConditioning>,
 }
 
 impl StableDiffusion {
@@ -155,7 +162,7 @@ impl StableDiffusion {
     /// images first. `latents` replaces the seeded initial latents (unscaled, as diffusers'
     /// `latents=` argument).
     pub fn sample(&self, prompts: &[&str], opts: &SampleOptions, latents: Option<&Tensor>) -> Result<Tensor> {
-        self.sample_with(prompts, opts, latents, &|x, t, c| self.unet.forward(x, t, c))
+        self.sample_with(prompts, opts, latents, &|x, t, c| self.unet.forward_cond(x, t, c))
     }
 
     /// [`StableDiffusion::sample`] with the UNet run by `unet` (sample, timesteps, context):
@@ -186,13 +193,28 @@ impl StableDiffusion {
         let n = opts.images_per_prompt;
         let expanded: Vec<&str> = prompts.iter().flat_map(|p| std::iter::repeat_n(*p, n)).collect();
         let count = expanded.len();
-        let cond = self.encode_prompts(&expanded)?;
-        let context = match opts.guidance > 1.0 {
-            true => {
-                let negative = vec![opts.negative_prompt.as_str(); count];
-                Tensor::f_cat(&[self.encode_prompts(&negative)?, cond], 0)?
+        let sizes = [opts.size_conditioning.unwrap_or(SizeConditioning::uncropped(opts.height, opts.width))];
+        let cond = self.encode(&expanded, &sizes)?;
+        let context = match (opts.guidance > 1.0, &opts.negative_prompt) {
+            (false, _) => cond,
+            // SDXL's zeroed negative keeps the positive's time ids (no negative sizes given).
+            (true, None) if self.is_xl() && self.force_zeros_for_empty_prompt => {
+                let negative = Conditioning {
+                    context: cond.context.f_zeros_like()?,
+                    text_time: match &cond.text_time {
+                        Some(t) => Some(crate::unet::TextTime {
+                            text_embeds: t.text_embeds.f_zeros_like()?,
+                            time_ids: t.time_ids.shallow_clone(),
+                        }),
+                        None => None,
+                    },
+                };
+                Conditioning::cat(&[&negative, &cond])?
             }
-            false => cond,
+            (true, negative) => {
+                let negative = vec![negative.as_deref().unwrap_or(""); count];
+                Conditioning::cat(&[&self.encode(&negative, &sizes)?, &cond])?
+            }
         };
         let want = self.initial_latents(count, opts)?;
         let latents = match given.latents {
@@ -213,12 +235,13 @@ impl StableDiffusion {
     fn denoise(
         &self,
         latents: Tensor,
-        context: &Tensor,
+        context: &Conditioning,
         opts: &SampleOptions,
         step_noise: Option<&[Tensor]>,
         unet: UNetCall,
     ) -> Result<Tensor> {
         let (device, kind, guided) = (self.device(), self.kind(), opts.guidance > 1.0);
+        let context = &context.to_kind(kind)?;
         let predict = |x: &Tensor, t: f64| -> Result<Tensor> {
             let input = if guided { Tensor::f_cat(&[x, x], 0)? } else { x.shallow_clone() };
             // The UNet embeds timesteps in fp32 whatever their kind.
@@ -270,9 +293,10 @@ pub struct SampleArgs {
     /// The prompt (repeat the flag for several).
     #[arg(long, required = true)]
     pub prompt: Vec<String>,
-    /// What the images should not show.
-    #[arg(long, default_value = "")]
-    pub negative_prompt: String,
+    /// What the images should not show (default: none; SD 1.x/2.x encode "", SDXL uses zeros
+    /// where `model_index.json` sets `force_zeros_for_empty_prompt`, as diffusers).
+    #[arg(long)]
+    pub negative_prompt: Option<String>,
     /// Denoising steps.
     #[arg(long, default_value_t = 30)]
     pub steps: usize,
@@ -300,6 +324,15 @@ pub struct SampleArgs {
     /// Images per prompt.
     #[arg(long, default_value_t = 1)]
     pub num_images: usize,
+    /// SDXL: the original size conditioning, HEIGHT,WIDTH (default: the image size).
+    #[arg(long, value_parser = parse_pair)]
+    pub original_size: Option<(i64, i64)>,
+    /// SDXL: the crop top-left conditioning, TOP,LEFT.
+    #[arg(long, value_parser = parse_pair, default_value = "0,0")]
+    pub crops_coords_top_left: (i64, i64),
+    /// SDXL: the target size conditioning, HEIGHT,WIDTH (default: the image size).
+    #[arg(long, value_parser = parse_pair)]
+    pub target_size: Option<(i64, i64)>,
     /// Arithmetic precision of the text encoder and UNet.
     #[command(flatten)]
     pub precision: PrecisionArgs,
@@ -309,6 +342,15 @@ pub struct SampleArgs {
     /// The PNG to write; with several images, `<stem>-<i>.png` beside it.
     #[arg(short = 'o', long)]
     pub out: std::path::PathBuf,
+}
+
+/// `A,B` as two integers (a size or a crop corner, height or top first).
+fn parse_pair(s: &str) -> std::result::Result<(i64, i64), String> {
+    let parse = |v: &str| v.trim().parse::<i64>().ok().filter(|&x| x >= 0);
+    match s.split_once(',').map(|(a, b)| (parse(a), parse(b))) {
+        Some((Some(a), Some(b))) => Ok((a, b)),
+        _ => Err(format!("{s:?} is not two non-negative integers A,B")),
+    }
 }
 
 /// Where image `i` of `count` goes.
@@ -336,15 +378,25 @@ pub fn run(args: &SampleArgs) -> anyhow::Result<(Vec<std::path::PathBuf>, f64)> 
     eprintln!("scheduler: {name} ({})", sampler.class());
     let default_side = sd.unet.config().source.sample_size.map_or(512, |s| s * sd.vae_scale());
     let side = args.size.unwrap_or(default_side);
+    let (height, width) = (args.height.unwrap_or(side), args.width.unwrap_or(side));
+    let xl_flags = args.original_size.is_some() || args.target_size.is_some() || args.crops_coords_top_left != (0, 0);
+    if xl_flags && !sd.is_xl() {
+        anyhow::bail!("--original-size, --crops-coords-top-left and --target-size condition SDXL pipelines only");
+    }
     let opts = SampleOptions {
         steps: args.steps,
         guidance: args.guidance,
         negative_prompt: args.negative_prompt.clone(),
-        height: args.height.unwrap_or(side),
-        width: args.width.unwrap_or(side),
+        height,
+        width,
         sampler,
         images_per_prompt: args.num_images,
         seed: args.seed.seed,
+        size_conditioning: Some(SizeConditioning {
+            original: args.original_size.unwrap_or((height, width)),
+            crop_top_left: args.crops_coords_top_left,
+            target: args.target_size.unwrap_or((height, width)),
+        }),
     };
     let prompts: Vec<&str> = args.prompt.iter().map(String::as_str).collect();
     let start = std::time::Instant::now();

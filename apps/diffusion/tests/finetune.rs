@@ -9,6 +9,7 @@ use common::{finetune, pipeline, write_images};
 use diffusion::finetune::{gemini_config, loss, save_model, Batch, Draws, GeminiParts, UnetParams};
 use diffusion::pipeline::StableDiffusion;
 use diffusion::scheduler::{DdpmScheduler, SchedulerClass};
+use diffusion::unet::Conditioning;
 use engine::dist::World;
 use engine::gemini::{CpuRule, Event, Gemini, Placement, Replication};
 use engine::optim::{AdamW, AdamWConfig, Optimizer};
@@ -35,6 +36,7 @@ fn batch(step: usize, rows: std::ops::Range<usize>) -> (Batch, Draws) {
     let b = Batch {
         pixels: pixels.narrow(0, rows.start as i64, n as i64),
         captions: captions[rows.clone()].iter().map(|s| s.to_string()).collect(),
+        sizes: vec![],
     };
     (b, Draws::new(9, step, rows.start, n, [4, 8, 8], 1000))
 }
@@ -46,7 +48,8 @@ fn train_plain() -> Vec<(String, Tensor)> {
     let mut opt = AdamW::new(UnetParams::of(&sd.unet, &sd.unet_vs).unwrap().params, ADAMW);
     for step in 0..STEPS {
         let (b, d) = batch(step, 0..IMAGES);
-        let l = loss(&sd, &ddpm, &b, &d, 0.0, Some(5.0), Kind::Float, &|x, t, c| sd.unet.forward(x, t, c)).unwrap();
+        let l =
+            loss(&sd, &ddpm, &b, &d, 0.0, Some(5.0), Kind::Float, &|x, t, c| sd.unet.forward_cond(x, t, c)).unwrap();
         l.backward();
         opt.step().unwrap();
         opt.zero_grad();
@@ -75,7 +78,7 @@ fn train_gemini(
     for step in 0..STEPS {
         let (b, d) = batch(step, rows.clone());
         let runner = GeminiParts { gemini: &gemini, parts: &parts };
-        let unet = |x: &Tensor, t: &Tensor, c: &Tensor| sd.unet.forward_with(x, t, c, &runner);
+        let unet = |x: &Tensor, t: &Tensor, c: &Conditioning| sd.unet.forward_with(x, t, c, &runner);
         let l = loss(&sd, &ddpm, &b, &d, 0.0, Some(5.0), Kind::Float, &unet).unwrap();
         l.backward();
         gemini.finish_backward().unwrap();
@@ -313,17 +316,19 @@ fn lora_starts_at_the_base_model_trains_only_adapters_and_reloads() {
     let lora = Lora::new(&sd.unet_vs, 2, 4.0, 3).unwrap();
     let (b, d) = batch(0, 0..2);
     let before =
-        tch::no_grad(|| loss(&sd, &ddpm, &b, &d, 0.0, None, Kind::Float, &|x, t, c| sd.unet.forward(x, t, c))).unwrap();
+        tch::no_grad(|| loss(&sd, &ddpm, &b, &d, 0.0, None, Kind::Float, &|x, t, c| sd.unet.forward_cond(x, t, c)))
+            .unwrap();
     lora.apply().unwrap();
     let at_init =
-        tch::no_grad(|| loss(&sd, &ddpm, &b, &d, 0.0, None, Kind::Float, &|x, t, c| sd.unet.forward(x, t, c))).unwrap();
+        tch::no_grad(|| loss(&sd, &ddpm, &b, &d, 0.0, None, Kind::Float, &|x, t, c| sd.unet.forward_cond(x, t, c)))
+            .unwrap();
     assert!(before.equal(&at_init), "zero `up` leaves the model as it was");
 
     let mut opt = AdamW::new(lora.params(), AdamWConfig { lr: 1e-2, ..ADAMW });
     for step in 0..3 {
         lora.apply().unwrap();
         let (b, d) = batch(step, 0..2);
-        loss(&sd, &ddpm, &b, &d, 0.0, None, Kind::Float, &|x, t, c| sd.unet.forward(x, t, c)).unwrap().backward();
+        loss(&sd, &ddpm, &b, &d, 0.0, None, Kind::Float, &|x, t, c| sd.unet.forward_cond(x, t, c)).unwrap().backward();
         lora.backward().unwrap();
         opt.step().unwrap();
         opt.zero_grad();
@@ -353,9 +358,11 @@ fn lora_starts_at_the_base_model_trains_only_adapters_and_reloads() {
     let again = Lora::new(&fresh.unet_vs, 2, 4.0, 99).unwrap();
     again.load(&dir.join(LORA_WEIGHTS)).unwrap();
     let (b, d) = batch(5, 0..2);
-    let ours = tch::no_grad(|| loss(&sd, &ddpm, &b, &d, 0.0, None, Kind::Float, &|x, t, c| sd.unet.forward(x, t, c)));
-    let theirs =
-        tch::no_grad(|| loss(&fresh, &ddpm, &b, &d, 0.0, None, Kind::Float, &|x, t, c| fresh.unet.forward(x, t, c)));
+    let ours =
+        tch::no_grad(|| loss(&sd, &ddpm, &b, &d, 0.0, None, Kind::Float, &|x, t, c| sd.unet.forward_cond(x, t, c)));
+    let theirs = tch::no_grad(|| {
+        loss(&fresh, &ddpm, &b, &d, 0.0, None, Kind::Float, &|x, t, c| fresh.unet.forward_cond(x, t, c))
+    });
     let diff = (ours.unwrap() - theirs.unwrap()).abs().double_value(&[]);
     assert!(diff < 1e-6, "reloaded adapters give the same loss (difference {diff})");
     assert!(Lora::new(&fresh.unet_vs, 0, 1.0, 0).is_err());

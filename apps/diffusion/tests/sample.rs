@@ -9,6 +9,7 @@ use std::process::Command;
 
 use diffusion::pipeline::StableDiffusion;
 use diffusion::sample::{GivenNoise, SampleOptions, Sampler};
+use diffusion::unet::Conditioning;
 use tch::{Device, Kind, Tensor};
 
 fn fixtures() -> PathBuf {
@@ -27,12 +28,13 @@ fn options(sampler: Sampler, guidance: f64) -> SampleOptions {
     SampleOptions {
         steps: 4,
         guidance,
-        negative_prompt: String::new(),
+        negative_prompt: None,
         height: 16,
         width: 16,
         sampler,
         images_per_prompt: 1,
         seed: 0,
+        size_conditioning: None,
     }
 }
 
@@ -45,7 +47,7 @@ fn images_equal_diffusers_for_the_same_latents() {
     let prompts: Vec<&str> = prompts.iter().map(String::as_str).collect();
     let noise: Vec<Tensor> = reference["euler_a_noise"].unbind(0);
     let given = GivenNoise { latents: Some(&reference["latents"]), steps: Some(&noise) };
-    let unet = |x: &Tensor, t: &Tensor, c: &Tensor| sd.unet.forward(x, t, c);
+    let unet = |x: &Tensor, t: &Tensor, c: &Conditioning| sd.unet.forward_cond(x, t, c);
     let mut diffs = Vec::new();
     for (key, sampler, guidance) in [
         ("ddim", Sampler::Ddim, 7.5),

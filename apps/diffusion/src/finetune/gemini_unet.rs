@@ -20,7 +20,8 @@ pub struct UnetParams {
 
 impl UnetParams {
     /// The trainable parameters of `unet`, whose variables `vs` holds at its root, grouped by
-    /// part.
+    /// part. Every one of them decays (biases and norms too), as diffusers' scripts hand
+    /// `unet.parameters()` whole to `torch.optim.AdamW`.
     pub fn of(unet: &UNet2DConditionModel, vs: &VarStore) -> Result<UnetParams> {
         let prefixes = unet.parts();
         let part_of = |name: &str| {
@@ -34,7 +35,7 @@ impl UnetParams {
         for p in engine::optim::params_of(vs) {
             let part = part_of(&p.name)
                 .ok_or_else(|| Error::Invalid(format!("UNet parameter {} belongs to no part of the model", p.name)))?;
-            keyed.push((part, p));
+            keyed.push((part, p.with_adapt(true)));
         }
         // Stable: names stay sorted within a part.
         keyed.sort_by_key(|(part, _)| *part);

@@ -53,8 +53,9 @@ use engine::parallel::average_gradients;
 use tch::{Device, Kind, Tensor};
 
 use crate::lora::Lora;
-use crate::pipeline::StableDiffusion;
+use crate::pipeline::{SizeConditioning, StableDiffusion};
 use crate::scheduler::{DdpmScheduler, SchedulerClass};
+use crate::unet::Conditioning;
 use crate::Result;
 use ema::{Ema, EmaConfig};
 use validation::Validation;
@@ -256,11 +257,15 @@ impl<'a> Trainer<'a> {
         // The frozen parts compute in the training precision, as diffusers' `weight_dtype`.
         let kind = args.precision.precision.kind();
         let mut resident = Vec::new();
-        for (name, vs) in [("text encoder", &mut sd.text_encoder_vs), ("VAE", &mut sd.vae_vs)] {
+        let names = ["text encoder", "text encoder 2"];
+        for (name, vs) in names.into_iter().zip(sd.text_encoder_stores()) {
             vs.set_kind(kind);
             vs.set_device(device);
             resident.push((name, resident::bytes_of(vs)));
         }
+        sd.vae_vs.set_kind(kind);
+        sd.vae_vs.set_device(device);
+        resident.push(("VAE", resident::bytes_of(&sd.vae_vs)));
         if args.lora_rank.is_some() {
             // Under LoRA the UNet stays whole on the device in the compute kind.
             let unet = resident::bytes_of(&sd.unet_vs) / Kind::Float.elt_size_in_bytes() * kind.elt_size_in_bytes();
@@ -302,12 +307,12 @@ impl<'a> Trainer<'a> {
     }
 
     /// The UNet's prediction, through Gemini's parts or (LoRA) whole.
-    fn unet(&self, x: &Tensor, t: &Tensor, c: &Tensor) -> Result<Tensor> {
+    fn unet(&self, x: &Tensor, t: &Tensor, c: &Conditioning) -> Result<Tensor> {
         match &self.training {
             UnetTraining::Gemini { gemini, parts } => {
                 self.sd.unet.forward_with(x, t, c, &GeminiParts { gemini, parts })
             }
-            UnetTraining::Lora { .. } => self.sd.unet.forward(x, t, c),
+            UnetTraining::Lora { .. } => self.sd.unet.forward_cond(x, t, c),
         }
     }
 
@@ -320,18 +325,27 @@ impl<'a> Trainer<'a> {
         let indices = batch_indices(self.data.len(), seed, first, a.micro_batch);
         let mut pixels = Vec::with_capacity(a.micro_batch);
         let mut captions = Vec::with_capacity(a.micro_batch);
+        let mut sizes = Vec::with_capacity(a.micro_batch);
         for (k, &i) in indices.iter().enumerate() {
             let mut rng = Rng::keyed(seed, step as u64, (first + k) as u64);
-            let img = self.data.load(i, self.preprocess, &mut rng)?;
+            let (img, geometry) = self.data.load_with_geometry(i, self.preprocess, &mut rng)?;
             let r = img.height as i64;
             pixels.push(Tensor::from_slice(&img.pixels).reshape([3, r, r]));
+            // As train_text_to_image_sdxl.py: the image's size before resizing, the crop's
+            // corner, the training resolution.
+            let pair = |(a, b): (usize, usize)| (a as i64, b as i64);
+            sizes.push(SizeConditioning {
+                original: pair(geometry.original),
+                crop_top_left: pair(geometry.crop_top_left),
+                target: (r, r),
+            });
             let dropped = drops_caption(seed, step, first + k, a.caption_dropout);
             captions.push(if dropped { String::new() } else { self.data.caption(i).to_string() });
         }
         let side = a.resolution as i64 / self.sd.vae_scale();
         let latent = [self.sd.unet.config().in_channels, side, side];
         let draws = Draws::new(seed, step, first, a.micro_batch, latent, self.ddpm.config().num_train_timesteps);
-        Ok((Batch { pixels: Tensor::stack(&pixels, 0), captions }, draws))
+        Ok((Batch { pixels: Tensor::stack(&pixels, 0), captions, sizes }, draws))
     }
 
     /// One optimizer step over `--grad-accum` micro-batches; returns its log record.
@@ -343,7 +357,7 @@ impl<'a> Trainer<'a> {
             lora.apply()?;
         }
         let (a, kind) = (self.args, self.args.precision.precision.kind());
-        let unet = |x: &Tensor, t: &Tensor, c: &Tensor| self.unet(x, t, c);
+        let unet = |x: &Tensor, t: &Tensor, c: &Conditioning| self.unet(x, t, c);
         let mut total = 0.0;
         for micro in 0..a.grad_accum {
             let (batch, draws) = self.micro_batch(micro)?;
@@ -396,7 +410,7 @@ impl<'a> Trainer<'a> {
         if let Some((ema, gemini)) = swapped {
             ema.swap(gemini)?;
         }
-        let unet = |x: &Tensor, t: &Tensor, c: &Tensor| self.unet(x, t, c);
+        let unet = |x: &Tensor, t: &Tensor, c: &Conditioning| self.unet(x, t, c);
         let written = validation.run(&self.sd, &unet, self.step, &a.out, self.world.rank() == 0);
         // The trained weights come back even when sampling failed.
         if let Some((ema, gemini)) = swapped {

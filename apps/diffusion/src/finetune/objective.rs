@@ -1,5 +1,7 @@
-//! The fine-tuning objective of one micro-batch, as diffusers' `train_text_to_image.py`
-//! computes it: captions through the frozen text encoder, images through the frozen VAE encoder
+//! The fine-tuning objective of one micro-batch, as diffusers' `train_text_to_image.py` (and
+//! `train_text_to_image_sdxl.py`: both encoders' penultimate states, encoder 2's pooled
+//! projection and each image's size/crop time ids) computes it: captions through the frozen
+//! text encoder, images through the frozen VAE encoder
 //! (a posterior sample times the scaling factor), noise (optionally offset) added at uniform
 //! timesteps by the DDPM schedule, and the UNet's prediction against the epsilon or velocity
 //! target in mean squared error, optionally weighted by min-SNR-gamma. The random draws come
@@ -7,8 +9,9 @@
 use data::augment::Rng;
 use tch::{Kind, Tensor};
 
-use crate::pipeline::StableDiffusion;
+use crate::pipeline::{SizeConditioning, StableDiffusion};
 use crate::scheduler::DdpmScheduler;
+use crate::unet::Conditioning;
 use crate::Result;
 
 /// One micro-batch: pixels in [-1, 1] and captions.
@@ -17,6 +20,8 @@ pub struct Batch {
     pub pixels: Tensor,
     /// One caption per image.
     pub captions: Vec<String>,
+    /// SDXL: each image's original size, crop and target size (unused by SD 1.x/2.x).
+    pub sizes: Vec<SizeConditioning>,
 }
 
 /// The fixed random draws of one micro-batch, from the seed: posterior noise, noise, timesteps.
@@ -58,11 +63,11 @@ pub fn loss(
     noise_offset: f64,
     snr_gamma: Option<f64>,
     kind: Kind,
-    unet: &dyn Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>,
+    unet: &dyn Fn(&Tensor, &Tensor, &Conditioning) -> Result<Tensor>,
 ) -> Result<Tensor> {
     let device = sd.device();
     let captions: Vec<&str> = batch.captions.iter().map(String::as_str).collect();
-    let context = sd.encode_prompts(&captions)?.f_to_kind(kind)?;
+    let context = sd.encode(&captions, &batch.sizes)?.to_kind(kind)?;
     // The frozen VAE encodes in its own kind (the compute kind under `finetune`, as diffusers'
     // `weight_dtype`); the noise arithmetic and the target are fp32 from there.
     let latents = tch::no_grad(|| -> Result<Tensor> {

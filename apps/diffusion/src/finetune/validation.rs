@@ -37,12 +37,13 @@ impl Validation<'_> {
         let opts = SampleOptions {
             steps: 20,
             guidance: 7.5,
-            negative_prompt: String::new(),
+            negative_prompt: None,
             height: self.resolution as i64,
             width: self.resolution as i64,
             sampler: sd.scheduler.class().ok().and_then(Sampler::from_class).unwrap_or(Sampler::Ddim),
             images_per_prompt: self.images_per_prompt,
             seed: self.seed,
+            size_conditioning: None,
         };
         let dir = out.join("validation");
         if write {

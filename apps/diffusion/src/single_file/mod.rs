@@ -210,6 +210,12 @@ pub fn to_single_file(folder: &Path, out: &Path, half: bool) -> Result<usize> {
     let unet_files = ComponentFiles::in_pipeline(folder, "unet", "UNet2DConditionModel")?;
     let vae_files = ComponentFiles::in_pipeline(folder, "vae", "AutoencoderKL")?;
     let unet_cfg: UNetConfigFile = read_json(&unet_files.config)?;
+    if unet_cfg.addition_embed_type.is_some() {
+        return Err(Error::Format {
+            path: unet_files.config.clone(),
+            msg: "an SDXL UNet (addition_embed_type); single-file conversion covers SD 1.x and 2.x".into(),
+        });
+    }
     let vae_cfg: VaeConfigFile = read_json(&vae_files.config)?;
     let text_cfg_path = folder.join("text_encoder").join("config.json");
     let text_cfg: ClipTextConfigFile = read_json(&text_cfg_path)?;

@@ -32,9 +32,17 @@ impl Shared {
         ResnetBlock2D::new(p, cin, cout, Some(self.temb), self.groups, self.eps)
     }
 
-    fn transformer(&self, p: tch::nn::Path, dim: i64, heads: i64) -> Transformer2D {
-        Transformer2D::new(p, dim, heads, self.context, self.groups, self.linear)
+    fn transformer(&self, p: tch::nn::Path, dim: i64, attention: Attention) -> Transformer2D {
+        Transformer2D::new(p, dim, attention.depth, attention.heads, self.context, self.groups, self.linear)
     }
+}
+
+/// The transformers of a cross-attention block: heads, and layers in each (SDXL's
+/// `transformer_layers_per_block`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Attention {
+    pub heads: i64,
+    pub depth: i64,
 }
 
 /// One level of the down path.
@@ -46,20 +54,20 @@ pub(crate) struct DownBlock {
 }
 
 impl DownBlock {
-    /// `heads`: `Some` for a cross-attention block.
+    /// `attention`: `Some` for a cross-attention block.
     pub(crate) fn new(
         p: tch::nn::Path,
         s: &Shared,
         cin: i64,
         cout: i64,
         layers: i64,
-        heads: Option<i64>,
+        attention: Option<Attention>,
         last: bool,
     ) -> DownBlock {
         DownBlock {
             resnets: (0..layers).map(|j| s.resnet(&p / "resnets" / j, if j == 0 { cin } else { cout }, cout)).collect(),
-            attentions: heads
-                .map_or(vec![], |h| (0..layers).map(|j| s.transformer(&p / "attentions" / j, cout, h)).collect()),
+            attentions: attention
+                .map_or(vec![], |a| (0..layers).map(|j| s.transformer(&p / "attentions" / j, cout, a)).collect()),
             downsampler: (!last).then(|| Downsample::new(&p / "downsamplers" / 0, cout, false)),
         }
     }
@@ -91,13 +99,13 @@ pub(crate) struct MidBlock {
 }
 
 impl MidBlock {
-    pub(crate) fn new(p: tch::nn::Path, s: &Shared, channels: i64, heads: i64) -> MidBlock {
+    pub(crate) fn new(p: tch::nn::Path, s: &Shared, channels: i64, attention: Attention) -> MidBlock {
         MidBlock {
             resnets: [
                 s.resnet(&p / "resnets" / 0, channels, channels),
                 s.resnet(&p / "resnets" / 1, channels, channels),
             ],
-            attention: s.transformer(&p / "attentions" / 0, channels, heads),
+            attention: s.transformer(&p / "attentions" / 0, channels, attention),
         }
     }
 
@@ -130,7 +138,7 @@ impl UpBlock {
         s: &Shared,
         w: UpWidths,
         layers: i64,
-        heads: Option<i64>,
+        attention: Option<Attention>,
         last: bool,
     ) -> UpBlock {
         let resnet = |j: i64| {
@@ -140,8 +148,8 @@ impl UpBlock {
         };
         UpBlock {
             resnets: (0..layers).map(resnet).collect(),
-            attentions: heads
-                .map_or(vec![], |h| (0..layers).map(|j| s.transformer(&p / "attentions" / j, w.out, h)).collect()),
+            attentions: attention
+                .map_or(vec![], |a| (0..layers).map(|j| s.transformer(&p / "attentions" / j, w.out, a)).collect()),
             upsampler: (!last).then(|| Upsample::new(&p / "upsamplers" / 0, w.out)),
         }
     }

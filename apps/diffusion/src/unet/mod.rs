@@ -1,7 +1,7 @@
-//! diffusers' `UNet2DConditionModel`, the noise predictor of Stable Diffusion 1.x and 2.x, with
-//! diffusers' parameter names so `unet/diffusion_pytorch_model.safetensors` loads by name:
-//! `conv_in`, `time_embedding.linear_{1,2}`, `down_blocks.*`, `mid_block.*`, `up_blocks.*`,
-//! `conv_norm_out`, `conv_out`. Each down, mid and up block can be run under activation
+//! diffusers' `UNet2DConditionModel`, the noise predictor of Stable Diffusion 1.x, 2.x and XL,
+//! with diffusers' parameter names so `unet/diffusion_pytorch_model.safetensors` loads by name:
+//! `conv_in`, `time_embedding.linear_{1,2}`, SDXL's `add_embedding.linear_{1,2}`,
+//! `down_blocks.*`, `mid_block.*`, `up_blocks.*`, `conv_norm_out`, `conv_out`. Each down, mid and up block can be run under activation
 //! checkpointing (`engine::autograd::checkpoint`) to trade compute for memory in fine-tuning.
 mod blocks;
 pub(crate) mod resnet;
@@ -13,10 +13,10 @@ use std::sync::{Arc, Mutex};
 use tch::nn::{self, Module, VarStore};
 use tch::{Device, Kind, Tensor};
 
-use crate::config::{UNetConfig, UNetConfigFile};
+use crate::config::{TextTimeConfig, UNetConfig, UNetConfigFile};
 use crate::weights::{self, ComponentFiles};
 use crate::{Error, Result};
-use blocks::{DownBlock, MidBlock, Shared, UpBlock, UpWidths};
+use blocks::{Attention, DownBlock, MidBlock, Shared, UpBlock, UpWidths};
 use resnet::{conv3x3, group_norm};
 
 /// Sinusoidal embedding `[B, dim]` of timesteps `[B]` (DDPM's, as diffusers'
@@ -37,6 +37,77 @@ pub fn timestep_embedding(timesteps: &Tensor, dim: i64, flip_sin_to_cos: bool, s
     }
 }
 
+/// SDXL's added conditions (diffusers' `added_cond_kwargs`).
+#[derive(Debug)]
+pub struct TextTime {
+    /// The second text encoder's pooled projection `[B, pooled]`.
+    pub text_embeds: Tensor,
+    /// Original size, crop top-left and target size, `[B, 6]` (height before width).
+    pub time_ids: Tensor,
+}
+
+/// What the UNet is conditioned on besides the noisy sample and the timestep.
+#[derive(Debug)]
+pub struct Conditioning {
+    /// The text encoder's hidden states `[B, tokens, cross_attention_dim]`.
+    pub context: Tensor,
+    /// SDXL's added conditions; `None` for SD 1.x/2.x.
+    pub text_time: Option<TextTime>,
+}
+
+impl Conditioning {
+    /// Text states alone (SD 1.x/2.x).
+    pub fn text(context: Tensor) -> Conditioning {
+        Conditioning { context, text_time: None }
+    }
+
+    /// Rows of `parts` one after the other (classifier-free guidance's negative then positive).
+    pub fn cat(parts: &[&Conditioning]) -> Result<Conditioning> {
+        let context = Tensor::f_cat(&parts.iter().map(|c| &c.context).collect::<Vec<_>>(), 0)?;
+        let text_time = match parts.iter().map(|c| c.text_time.as_ref()).collect::<Option<Vec<_>>>() {
+            Some(tt) if !tt.is_empty() => Some(TextTime {
+                text_embeds: Tensor::f_cat(&tt.iter().map(|t| &t.text_embeds).collect::<Vec<_>>(), 0)?,
+                time_ids: Tensor::f_cat(&tt.iter().map(|t| &t.time_ids).collect::<Vec<_>>(), 0)?,
+            }),
+            _ => None,
+        };
+        Ok(Conditioning { context, text_time })
+    }
+
+    /// The same in `kind` (the time ids stay float32: they are embedded in float32).
+    pub fn to_kind(&self, kind: Kind) -> Result<Conditioning> {
+        Ok(Conditioning {
+            context: self.context.f_to_kind(kind)?,
+            text_time: match &self.text_time {
+                Some(t) => Some(TextTime {
+                    text_embeds: t.text_embeds.f_to_kind(kind)?,
+                    time_ids: t.time_ids.f_to_kind(Kind::Float)?,
+                }),
+                None => None,
+            },
+        })
+    }
+}
+
+/// SDXL's `add_embedding` (see [`TextTimeConfig`]).
+#[derive(Debug)]
+struct AddEmbedding {
+    cfg: TextTimeConfig,
+    linear_1: nn::Linear,
+    linear_2: nn::Linear,
+}
+
+impl AddEmbedding {
+    /// The input of `add_embedding`: the pooled text and each time id's sinusoidal embedding
+    /// (`add_time_proj`, the timestep embedding's frequencies), in `kind`.
+    fn input(&self, added: &TextTime, flip: bool, shift: f64, kind: Kind) -> Result<Tensor> {
+        let (b, ids) = (added.time_ids.size()[0], added.time_ids.size()[1]);
+        let time = timestep_embedding(&added.time_ids.f_flatten(0, -1)?, self.cfg.time_embed_dim, flip, shift)
+            .f_reshape([b, ids * self.cfg.time_embed_dim])?;
+        Ok(Tensor::f_cat(&[added.text_embeds.f_to_kind(Kind::Float)?, time], -1)?.f_to_kind(kind)?)
+    }
+}
+
 /// A block shared with the checkpointed segment that may recompute it during backward.
 type SharedBlock<B> = Arc<Mutex<B>>;
 
@@ -47,6 +118,7 @@ pub struct UNet2DConditionModel {
     conv_in: nn::Conv2D,
     linear_1: nn::Linear,
     linear_2: nn::Linear,
+    add_embedding: Option<AddEmbedding>,
     down_blocks: Vec<SharedBlock<DownBlock>>,
     mid_block: SharedBlock<MidBlock>,
     up_blocks: Vec<SharedBlock<UpBlock>>,
@@ -66,12 +138,14 @@ impl UNet2DConditionModel {
         let down_blocks = (0..n)
             .map(|i| {
                 let cin = if i == 0 { c0 } else { ch[i - 1] };
-                let heads = cfg.down_attention[i].then_some(cfg.heads[i]);
-                let block = DownBlock::new(&down / i, &s, cin, ch[i], cfg.layers_per_block, heads, i == n - 1);
+                let attention =
+                    cfg.down_attention[i].then_some(Attention { heads: cfg.heads[i], depth: cfg.down_depth[i] });
+                let block = DownBlock::new(&down / i, &s, cin, ch[i], cfg.layers_per_block, attention, i == n - 1);
                 Arc::new(Mutex::new(block))
             })
             .collect();
-        let mid_block = Arc::new(Mutex::new(MidBlock::new(p / "mid_block", &s, ch[n - 1], cfg.heads[n - 1])));
+        let mid = Attention { heads: cfg.heads[n - 1], depth: cfg.down_depth[n - 1] };
+        let mid_block = Arc::new(Mutex::new(MidBlock::new(p / "mid_block", &s, ch[n - 1], mid)));
         let up = p / "up_blocks";
         let up_blocks = (0..n)
             .map(|i| {
@@ -80,8 +154,9 @@ impl UNet2DConditionModel {
                 let level = n - 1 - i;
                 let widths =
                     UpWidths { prev: ch[(level + 1).min(n - 1)], out: ch[level], skip_in: ch[level.saturating_sub(1)] };
-                let heads = cfg.up_attention[i].then_some(cfg.heads[level]);
-                let block = UpBlock::new(&up / i, &s, widths, cfg.layers_per_block + 1, heads, i == n - 1);
+                let attention =
+                    cfg.up_attention[i].then_some(Attention { heads: cfg.heads[level], depth: cfg.up_depth[i] });
+                let block = UpBlock::new(&up / i, &s, widths, cfg.layers_per_block + 1, attention, i == n - 1);
                 Arc::new(Mutex::new(block))
             })
             .collect();
@@ -89,6 +164,11 @@ impl UNet2DConditionModel {
             conv_in: conv3x3(p / "conv_in", cfg.in_channels, c0, 1),
             linear_1: nn::linear(p / "time_embedding" / "linear_1", c0, s.temb, Default::default()),
             linear_2: nn::linear(p / "time_embedding" / "linear_2", s.temb, s.temb, Default::default()),
+            add_embedding: cfg.text_time.as_ref().map(|tt| AddEmbedding {
+                cfg: tt.clone(),
+                linear_1: nn::linear(p / "add_embedding" / "linear_1", tt.input_dim, s.temb, Default::default()),
+                linear_2: nn::linear(p / "add_embedding" / "linear_2", s.temb, s.temb, Default::default()),
+            }),
             down_blocks,
             mid_block,
             up_blocks,
@@ -132,16 +212,26 @@ impl UNet2DConditionModel {
     /// Predicted noise `[B, out_channels, H, W]` for `sample` `[B, in_channels, H, W]` at
     /// `timesteps` (`[B]`, or one for the whole batch) given `encoder_hidden_states`
     /// `[B, L, cross_attention_dim]`. H and W must be multiples of 2^(levels-1).
+    /// SDXL's UNet needs [`UNet2DConditionModel::forward_cond`].
     pub fn forward(&self, sample: &Tensor, timesteps: &Tensor, encoder_hidden_states: &Tensor) -> Result<Tensor> {
-        self.forward_with(sample, timesteps, encoder_hidden_states, &Direct)
+        self.forward_with(sample, timesteps, &Conditioning::text(encoder_hidden_states.shallow_clone()), &Direct)
+    }
+
+    /// [`UNet2DConditionModel::forward`] with SDXL's added conditions where the model has them.
+    pub fn forward_cond(&self, sample: &Tensor, timesteps: &Tensor, cond: &Conditioning) -> Result<Tensor> {
+        self.forward_with(sample, timesteps, cond, &Direct)
     }
 
     /// The parameter-name prefixes of each part of the model, in the order the forward runs
-    /// them: `time_embedding`, `conv_in`, `down_blocks.i`, `mid_block`, `up_blocks.i`, and the
+    /// them: `time_embedding` (with SDXL's `add_embedding`), `conv_in`, `down_blocks.i`, `mid_block`, `up_blocks.i`, and the
     /// head (`conv_norm_out`, `conv_out`).
     pub fn parts(&self) -> Vec<Vec<String>> {
         let n = self.down_blocks.len();
-        let mut parts = vec![vec!["time_embedding".to_string()], vec!["conv_in".to_string()]];
+        let mut time = vec!["time_embedding".to_string()];
+        if self.add_embedding.is_some() {
+            time.push("add_embedding".to_string());
+        }
+        let mut parts = vec![time, vec!["conv_in".to_string()]];
         parts.extend((0..n).map(|i| vec![format!("down_blocks.{i}")]));
         parts.push(vec!["mid_block".to_string()]);
         parts.extend((0..n).map(|i| vec![format!("up_blocks.{i}")]));
@@ -155,10 +245,12 @@ impl UNet2DConditionModel {
         &self,
         sample: &Tensor,
         timesteps: &Tensor,
-        encoder_hidden_states: &Tensor,
+        cond: &Conditioning,
         runner: &dyn PartRunner,
     ) -> Result<Tensor> {
+        let encoder_hidden_states = &cond.context;
         let (b, timesteps) = self.check_inputs(sample, timesteps, encoder_hidden_states)?;
+        let added = self.check_added(b, cond)?;
         let timesteps = timesteps.to_device(sample.device()).reshape([-1]).expand([b], false);
         let emb = timestep_embedding(
             &timesteps,
@@ -173,9 +265,17 @@ impl UNet2DConditionModel {
         // Parts are numbered in the order they run.
         let part = std::cell::Cell::new(0);
         let next = || part.replace(part.get() + 1);
-        let temb =
-            one(runner
-                .run(next(), &[&emb], &|x| Ok(vec![self.linear_2.forward(&self.linear_1.forward(&x[0]).silu())]))?)?;
+        let time_mlp = |l1: &nn::Linear, l2: &nn::Linear, x: &Tensor| l2.forward(&l1.forward(x).silu());
+        let temb = match (&self.add_embedding, added) {
+            (Some(add), Some(added)) => {
+                let input = add.input(added, self.cfg.flip_sin_to_cos, self.cfg.freq_shift, sample.kind())?;
+                one(runner.run(next(), &[&emb, &input], &|x| {
+                    let aug = time_mlp(&add.linear_1, &add.linear_2, &x[1]);
+                    Ok(vec![time_mlp(&self.linear_1, &self.linear_2, &x[0]) + aug])
+                })?)?
+            }
+            _ => one(runner.run(next(), &[&emb], &|x| Ok(vec![time_mlp(&self.linear_1, &self.linear_2, &x[0])]))?)?,
+        };
         let ctx = encoder_hidden_states;
         let mut h = one(runner.run(next(), &[sample], &|x| Ok(vec![self.conv_in.forward(&x[0])]))?)?;
         let mut skips = vec![h.shallow_clone()];
@@ -229,6 +329,33 @@ impl UNet2DConditionModel {
             )));
         }
         Ok((s[0], timesteps))
+    }
+
+    /// Checks SDXL's added conditions: present with the right shapes exactly when the model
+    /// has `add_embedding`.
+    fn check_added<'a>(&self, b: i64, cond: &'a Conditioning) -> Result<Option<&'a TextTime>> {
+        match (&self.add_embedding, &cond.text_time) {
+            (None, None) => Ok(None),
+            (None, Some(_)) => {
+                Err(Error::Invalid("text_embeds and time_ids given to a UNet without addition_embed_type".into()))
+            }
+            (Some(_), None) => Err(Error::Invalid(
+                "this UNet (addition_embed_type \"text_time\", SDXL) needs text_embeds and time_ids".into(),
+            )),
+            (Some(add), Some(tt)) => {
+                let (t, p) = (tt.time_ids.size(), tt.text_embeds.size());
+                let ids = t.get(1).copied().unwrap_or(0);
+                let pooled = add.cfg.pooled_dim(ids);
+                if t.len() != 2 || t[0] != b || ids <= 0 || p != [b, pooled] {
+                    return Err(Error::Invalid(format!(
+                        "UNet added conditions: time_ids {t:?} and text_embeds {p:?}; expected [{b}, ids] and \
+                         [{b}, pooled] with pooled + ids * {} = projection_class_embeddings_input_dim {}",
+                        add.cfg.time_embed_dim, add.cfg.input_dim
+                    )));
+                }
+                Ok(Some(tt))
+            }
+        }
     }
 
     /// Runs `f` on `block`, under checkpointing when it is on and gradients flow.

@@ -1,6 +1,7 @@
 //! diffusers' `Transformer2DModel` for continuous inputs, as the SD UNet uses it: GroupNorm,
-//! `proj_in` (1x1 conv in SD1, linear in SD2), one `BasicTransformerBlock` (self-attention,
-//! cross-attention on the text states, GEGLU feed-forward, each pre-LayerNorm and residual),
+//! `proj_in` (1x1 conv in SD1, linear in SD2 and SDXL), `depth` `BasicTransformerBlock`s (one
+//! in SD 1.x/2.x, up to 10 in SDXL; each self-attention, cross-attention on the text states,
+//! GEGLU feed-forward, each pre-LayerNorm and residual),
 //! `proj_out`, and a residual around the whole.
 use tch::nn::{self, Module};
 use tch::Tensor;
@@ -85,17 +86,27 @@ impl Projection {
 pub(crate) struct Transformer2D {
     norm: nn::GroupNorm,
     proj_in: Projection,
-    block: BasicTransformerBlock,
+    blocks: Vec<BasicTransformerBlock>,
     proj_out: Projection,
 }
 
 impl Transformer2D {
-    pub(crate) fn new(p: nn::Path, dim: i64, heads: i64, context_dim: i64, groups: i64, linear: bool) -> Transformer2D {
+    pub(crate) fn new(
+        p: nn::Path,
+        dim: i64,
+        depth: i64,
+        heads: i64,
+        context_dim: i64,
+        groups: i64,
+        linear: bool,
+    ) -> Transformer2D {
         Transformer2D {
             // diffusers fixes this GroupNorm's epsilon at 1e-6, whatever the UNet's norm_eps.
             norm: group_norm(&p / "norm", groups, dim, 1e-6),
             proj_in: Projection::new(&p / "proj_in", dim, linear),
-            block: BasicTransformerBlock::new(&p / "transformer_blocks" / 0, dim, heads, context_dim),
+            blocks: (0..depth)
+                .map(|i| BasicTransformerBlock::new(&p / "transformer_blocks" / i, dim, heads, context_dim))
+                .collect(),
             proj_out: Projection::new(&p / "proj_out", dim, linear),
         }
     }
@@ -109,7 +120,7 @@ impl Transformer2D {
             Projection::Conv(conv) => to_tokens(&conv.forward(&normed)),
             Projection::Linear(lin) => lin.forward(&to_tokens(&normed)),
         };
-        let tokens = self.block.forward(&tokens, context);
+        let tokens = self.blocks.iter().fold(tokens, |t, block| block.forward(&t, context));
         let out = match &self.proj_out {
             Projection::Conv(conv) => conv.forward(&to_map(&tokens)),
             Projection::Linear(lin) => to_map(&lin.forward(&tokens)),
