@@ -176,6 +176,7 @@ fn gemini(w: i64, depth: i64, device: Device, cap: u64) -> anyhow::Result<Outcom
                 search: (1 << 22, 1 << 26, 1 << 22),
                 home_buffers: 0,
                 compute: Kind::Float,
+                share_cpu_homes: true,
             },
             placement: Placement::Auto,
             prefetch: 2,

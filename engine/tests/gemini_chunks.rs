@@ -25,6 +25,8 @@ fn config(budget_chunks: usize) -> ChunkConfig {
         search: (16, 16, 1),
         home_buffers: 2,
         compute: Kind::Float,
+        // These tests watch payloads go and come back, as on a GPU.
+        share_cpu_homes: false,
     }
 }
 

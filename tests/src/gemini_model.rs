@@ -206,7 +206,14 @@ pub fn train_plain(rule: Rule, recipe: Recipe) -> Vec<Tensor> {
 /// Gemini's options for the tests: 1 KiB chunks, one chunk prefetched, one process.
 pub fn config(device: Device, budget: usize, placement: Placement, rule: Rule, compute: Kind) -> GeminiConfig {
     GeminiConfig {
-        chunks: ChunkConfig { device, budget, search: (CHUNK, CHUNK, 1), home_buffers: 0, compute },
+        chunks: ChunkConfig {
+            device,
+            budget,
+            search: (CHUNK, CHUNK, 1),
+            home_buffers: 0,
+            compute,
+            share_cpu_homes: true,
+        },
         placement,
         prefetch: 1,
         rule: chunk_rule(rule),

@@ -21,7 +21,7 @@ use diffusion::unet::{Conditioning, TextTime, UNet2DConditionModel};
 use engine::device::DeviceKind;
 use engine::gemini::{cap_device_memory, parse_bytes, CpuRule, Gemini};
 use engine::job::Precision;
-use engine::optim::{AdamWConfig, LossScaler};
+use engine::optim::{AdamW, AdamWConfig, LossScaler, Optimizer, Param};
 use tch::{Device, Kind, Tensor};
 
 const BASELINE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/finetune_baseline.py");
@@ -79,7 +79,7 @@ struct Args {
     #[arg(long)]
     no_baseline: bool,
     /// Internal: run one configuration of ours and print its JSON line.
-    #[arg(long, hide = true, value_parser = ["capped", "uncapped"])]
+    #[arg(long, hide = true, value_parser = ["capped", "uncapped", "plain"])]
     run: Option<String>,
     /// cargo bench passes this; ignored.
     #[arg(long, hide = true)]
@@ -126,14 +126,37 @@ fn sync(device: Device) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Trains under Gemini, with the budget and allocator cap when `capped`.
-fn ours(args: &Args, capped: bool) -> anyhow::Result<Measured> {
+/// How one configuration of ours trains.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// Under Gemini with the budget and allocator cap.
+    Capped,
+    /// Under Gemini without a budget.
+    Uncapped,
+    /// Without Gemini: the model's own tensors and the engine's tensor AdamW (fp32 only), to
+    /// tell the model's cost from Gemini's.
+    Plain,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Capped => "capped",
+            Mode::Uncapped => "uncapped",
+            Mode::Plain => "plain",
+        }
+    }
+}
+
+/// Trains as `mode` says.
+fn ours(args: &Args, mode: Mode) -> anyhow::Result<Measured> {
+    let capped = mode == Mode::Capped;
     let device = args.device.device(0)?;
     let cap = parse_bytes(&args.cap).context("--cap")?;
     let file = config(args)?;
     let cfg = UNetConfig::new(&file, Path::new("<benchmark config>"))?;
     tch::manual_seed(0);
-    let vs = tch::nn::VarStore::new(Device::Cpu);
+    let mut vs = tch::nn::VarStore::new(Device::Cpu);
     let mut unet = UNet2DConditionModel::new(&vs.root(), &cfg);
     unet.set_gradient_checkpointing(args.gradient_checkpointing);
     let UnetParams { params, parts } = UnetParams::of(&unet, &vs)?;
@@ -143,11 +166,26 @@ fn ours(args: &Args, capped: bool) -> anyhow::Result<Measured> {
     }
     let kind = args.precision.kind();
     let rule = CpuRule::AdamW(AdamWConfig::default());
-    let gemini = Gemini::new(&params, gemini_config(device, capped.then_some(cap), rule, kind, None))?;
+    let (gemini, mut plain) = if mode == Mode::Plain {
+        ensure!(args.precision == Precision::Fp32, "the plain configuration is fp32 only");
+        vs.set_device(device);
+        (None, Some(AdamW::new(params.iter().map(Param::shallow_copy).collect(), AdamWConfig::default())))
+    } else {
+        (Some(Gemini::new(&params, gemini_config(device, capped.then_some(cap), rule, kind, None))?), None)
+    };
     let mut scaler = (args.precision == Precision::Fp16).then(LossScaler::default);
     let side = args.resolution / 8;
     let opts = (Kind::Float, device);
-    let mut step = |i: usize| -> anyhow::Result<()> {
+    // Seconds in each phase of the timed steps: forward, backward, finish_backward, optimizer.
+    let mut phases = [0.0f64; 4];
+    let mut step = |i: usize, phases: &mut [f64; 4]| -> anyhow::Result<()> {
+        let mut lap = Instant::now();
+        let mut mark = |k: usize| -> anyhow::Result<()> {
+            sync(device)?;
+            phases[k] += lap.elapsed().as_secs_f64();
+            lap = Instant::now();
+            Ok(())
+        };
         tch::manual_seed(i as i64 + 1);
         let noisy = Tensor::f_randn([args.batch, 4, side, side], opts)?;
         let noise = Tensor::f_randn([args.batch, 4, side, side], opts)?;
@@ -165,14 +203,27 @@ fn ours(args: &Args, capped: bool) -> anyhow::Result<Measured> {
             None => None,
         };
         let cond = Conditioning { context, text_time };
-        let runner = GeminiParts { gemini: &gemini, parts: &parts };
-        let pred = unet.forward_with(&noisy.f_to_kind(kind)?, &t, &cond, &runner)?;
+        let pred = match &gemini {
+            Some(gemini) => {
+                unet.forward_with(&noisy.f_to_kind(kind)?, &t, &cond, &GeminiParts { gemini, parts: &parts })?
+            }
+            None => unet.forward_cond(&noisy, &t, &cond)?,
+        };
         let loss = pred.f_to_kind(Kind::Float)?.f_mse_loss(&noise, tch::Reduction::Mean)?;
+        mark(0)?;
         match &scaler {
             Some(s) => s.scale_loss(&loss)?.backward(),
             None => loss.backward(),
         }
+        mark(1)?;
+        let Some(gemini) = &gemini else {
+            let opt = plain.as_mut().expect("plain without Gemini");
+            opt.step()?;
+            opt.zero_grad();
+            return mark(3);
+        };
         gemini.finish_backward()?;
+        mark(2)?;
         let finite = match &scaler {
             Some(s) => gemini.unscale(s)?,
             None => true,
@@ -185,16 +236,25 @@ fn ours(args: &Args, capped: bool) -> anyhow::Result<Measured> {
         if let Some(s) = scaler.as_mut() {
             s.update(finite);
         }
-        sync(device)
+        mark(3)
     };
     for i in 0..args.warmup {
-        step(i)?;
+        step(i, &mut [0.0; 4])?;
     }
     let start = Instant::now();
     for i in 0..args.steps {
-        step(args.warmup + i)?;
+        step(args.warmup + i, &mut phases)?;
     }
     let seconds_per_step = start.elapsed().as_secs_f64() / args.steps.max(1) as f64;
+    let n = args.steps.max(1) as f64;
+    eprintln!(
+        "ours ({}): forward {:.3} s, backward {:.3} s, finish_backward {:.3} s, optimizer {:.3} s per step",
+        mode.name(),
+        phases[0] / n,
+        phases[1] / n,
+        phases[2] / n,
+        phases[3] / n
+    );
     Ok(Measured { seconds_per_step, peak_bytes: engine::process::peak_memory(device), parameters: Some(parameters) })
 }
 
@@ -243,7 +303,8 @@ fn gib(bytes: Option<u64>) -> String {
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     if let Some(which) = &args.run {
-        let m = ours(&args, which == "capped")?;
+        let mode = [Mode::Capped, Mode::Uncapped, Mode::Plain].into_iter().find(|m| m.name() == which);
+        let m = ours(&args, mode.context("--run")?)?;
         let json = serde_json::json!({
             "seconds_per_step": m.seconds_per_step,
             "peak_bytes": m.peak_bytes,
@@ -282,6 +343,10 @@ fn main() -> anyhow::Result<()> {
     let uncapped = child("uncapped")?;
     println!("| ours, Gemini, uncapped | {:.3} | {} |", uncapped.seconds_per_step, gib(uncapped.peak_bytes));
     println!("capped / uncapped step time: {:.2}", capped.seconds_per_step / uncapped.seconds_per_step);
+    if args.precision == Precision::Fp32 {
+        let plain = child("plain")?;
+        println!("| ours, no Gemini (tensor AdamW) | {:.3} | {} |", plain.seconds_per_step, gib(plain.peak_bytes));
+    }
     if args.no_baseline {
         return Ok(());
     }

@@ -40,7 +40,11 @@ pub fn run(args: &PretrainArgs) -> anyhow::Result<String> {
     );
     if !blocks.is_empty() {
         // --gradient-checkpointing checkpoints every block; a chosen subset has no flag yet.
-        let flag = if blocks.len() == cfg.depth as usize { "--gradient-checkpointing" } else { "a subset: not yet a vit flag" };
+        let flag = if blocks.len() == cfg.depth as usize {
+            "--gradient-checkpointing"
+        } else {
+            "a subset: not yet a vit flag"
+        };
         out += &format!("blocks to checkpoint ({flag}): {}\n", blocks.join(", "));
     }
     Ok(out)

@@ -95,7 +95,10 @@ impl ChunkOptimizer {
             .collect()
     }
 
-    /// Creates the chunks' optimizers where missing, on their homes' tiers.
+    /// Creates the chunks' optimizers where missing, where their homes live: the host loop for
+    /// homes in host memory (the host tier, and both tiers when the compute device is the CPU:
+    /// one fused pass per element there, where the tensor ops make eight), tensor ops on the
+    /// GPU.
     fn ensure_shards(&mut self, m: &ChunkManager) -> Result<()> {
         if self.shards.len() == m.chunk_count() && self.shards.iter().all(Option::is_some) {
             return Ok(());
@@ -104,7 +107,7 @@ impl ChunkOptimizer {
         for (c, shard) in self.shards.iter_mut().enumerate() {
             if shard.is_none() {
                 let segments = Self::segments(m, &m.pieces(c));
-                *shard = Some(if m.tier(c) == Tier::Host {
+                *shard = Some(if m.tier(c) == Tier::Host || m.home(c).device() == Device::Cpu {
                     ShardOptimizer::Host(HostOptimizer::new(self.rule, segments, m.home(c).numel()))
                 } else {
                     ShardOptimizer::Device(DeviceOptimizer::new(self.rule, segments, m.home(c))?)

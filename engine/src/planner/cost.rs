@@ -238,7 +238,8 @@ pub fn estimate(model: &Model, cluster: &Cluster, plan: &Plan) -> Result<Estimat
         stage_params.push(params);
     }
     let schedule = Schedule::new(ScheduleKind::OneFOneB, plan.pp, plan.micro_batches, 1)?;
-    let sim = simulate(&schedule, Costs { forward: worst_fwd, input_grad: worst_bwd, weight_grad: 0.0 })?;
+    // The sends are charged inside the forward and backward costs above, so no separate hop.
+    let sim = simulate(&schedule, Costs { forward: worst_fwd, input_grad: worst_bwd, weight_grad: 0.0, hop: 0.0 })?;
 
     let mut memory: f64 = 0.0;
     let mut state_worst: f64 = 0.0;

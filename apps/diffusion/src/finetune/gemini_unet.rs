@@ -83,6 +83,7 @@ pub fn gemini_config(
             search: (1 << 14, 1 << 25, 1 << 14),
             home_buffers: 0,
             compute,
+            share_cpu_homes: true,
         },
         placement: match budget {
             Some(_) => Placement::Auto,

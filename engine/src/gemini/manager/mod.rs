@@ -61,6 +61,12 @@ pub struct ChunkConfig {
     /// are fp32 masters whatever it is; bf16 or fp16 halves the device bytes of resident
     /// chunks and of their gathers.
     pub compute: Kind,
+    /// On the CPU, for fp32 compute and whole (unsharded) homes, make each payload the home
+    /// itself: loading and evicting are then bookkeeping (the budget is still kept), with no
+    /// copy and no freed memory to fault back in, and the optimizer's writes are what the
+    /// model reads next. Off, the CPU frees and refills payloads as a GPU does (tests of that
+    /// path).
+    pub share_cpu_homes: bool,
 }
 
 /// How chunks are spread over a data-parallel group.
@@ -97,6 +103,8 @@ struct Chunk {
     home: Tensor,
     tier: Tier,
     resident: bool,
+    /// The payload is the home (see [`ChunkConfig::share_cpu_homes`]).
+    shared: bool,
     /// Gradient accumulator beside the home copy, same shape.
     grad: Tensor,
     /// `[capacity]` gradient of the whole chunk on the compute device, collecting the
@@ -209,6 +217,7 @@ impl ChunkManager {
         let numels: Vec<usize> = params.iter().map(|p| p.tensor.numel()).collect();
         let (min, max, step) = cfg.search;
         let layout = Layout::search(&numels, min, max, step, shards);
+        let shared = cfg.share_cpu_homes && cfg.device == Device::Cpu && kind == Kind::Float && shards == 1;
         let shard_len = layout.chunk_size / shards;
         let mut manager = ChunkManager {
             device: cfg.device,
@@ -255,7 +264,11 @@ impl ChunkManager {
                 manager.places[i] = (c, s);
                 offset += n;
             }
-            let home = manager.on_tier(&master.f_narrow(0, manager.shard_offset as i64, shard_len as i64)?, tier)?;
+            let home = match shared {
+                // The payload holds the fp32 values already.
+                true => payload.shallow_clone(),
+                false => manager.on_tier(&master.f_narrow(0, manager.shard_offset as i64, shard_len as i64)?, tier)?,
+            };
             let grad = manager.on_tier(&home.f_zeros_like()?, tier)?;
             let chunk = Chunk {
                 slots,
@@ -264,12 +277,15 @@ impl ChunkManager {
                 home,
                 tier,
                 resident: false,
+                shared,
                 grad,
                 full_grad: None,
                 ready: None,
                 gather: None,
             };
-            resize_storage(&chunk.payload, 0)?;
+            if !shared {
+                resize_storage(&chunk.payload, 0)?;
+            }
             if tier == Tier::Device {
                 manager.charge(manager.home_buffers * chunk.home_bytes(), c)?;
             }
@@ -400,10 +416,14 @@ impl ChunkManager {
         } else {
             self.device_bytes -= bytes;
         }
-        let (home, grad) =
-            (self.on_tier(&self.chunks[chunk].home, tier)?, self.on_tier(&self.chunks[chunk].grad, tier)?);
+        // A shared home stays where it is: on the CPU both tiers are host memory.
+        if !self.chunks[chunk].shared {
+            let (home, grad) =
+                (self.on_tier(&self.chunks[chunk].home, tier)?, self.on_tier(&self.chunks[chunk].grad, tier)?);
+            let ch = &mut self.chunks[chunk];
+            (ch.home, ch.grad) = (home, grad);
+        }
         let ch = &mut self.chunks[chunk];
-        (ch.home, ch.grad) = (home, grad);
         ch.tier = tier;
         self.events.push(Event::MoveHome(chunk, tier));
         Ok(())

@@ -209,6 +209,22 @@ impl ChunkManager {
     fn load(&mut self, c: usize, ahead: bool) -> Result<()> {
         let bytes = self.chunks[c].bytes();
         self.charge(bytes, c)?;
+        if self.chunks[c].shared {
+            // The payload is the home: nothing to fill.
+        } else {
+            self.fill(c, ahead, bytes)?;
+        }
+        let ch = &mut self.chunks[c];
+        for s in &mut ch.slots {
+            s.move_to(TensorState::Hold)?;
+        }
+        ch.resident = true;
+        Ok(())
+    }
+
+    /// Allocates chunk `c`'s payload (`bytes`) and fills it from its home (see
+    /// [`ChunkManager::load`]).
+    fn fill(&mut self, c: usize, ahead: bool, bytes: usize) -> Result<()> {
         // The payload's memory comes from the compute stream's pool.
         resize_storage(&self.chunks[c].payload, bytes)?;
         match (&self.replication, self.device) {
@@ -232,11 +248,6 @@ impl ChunkManager {
                 tch::no_grad(|| ch.payload.shallow_clone().f_copy_(&ch.home))?;
             }
         }
-        let ch = &mut self.chunks[c];
-        for s in &mut ch.slots {
-            s.move_to(TensorState::Hold)?;
-        }
-        ch.resident = true;
         Ok(())
     }
 
@@ -285,7 +296,9 @@ impl ChunkManager {
         for s in &mut ch.slots {
             s.move_to(TensorState::Free)?;
         }
-        resize_storage(&ch.payload, 0)?;
+        if !ch.shared {
+            resize_storage(&ch.payload, 0)?;
+        }
         ch.resident = false;
         self.device_bytes -= ch.bytes();
         self.events.push(Event::Evict(c));
