@@ -326,17 +326,22 @@ dist_test!(measured_steps_account_for_their_wall_time, 2, |world| {
     Ok(())
 });
 
+/// The fault tests' pipeline: this rank's stage of the untied model on 2 stages under 1F1B,
+/// with batch 0 cut into 2 micro-batches of 6, and its targets.
+fn two_stages_1f1b(world: &engine::dist::World) -> engine::Result<(Pipeline, Vec<Tensor>, Tensor)> {
+    let model = layers(false, Device::Cpu);
+    let chunks = assign(model, &split(&layers(false, Device::Cpu), 2, Balance::Count)?, world.rank(), 2)?;
+    let pipe = Pipeline::new(&world.group, chunks, Schedule::new(ScheduleKind::OneFOneB, 2, 2, 1)?, Device::Cpu)?;
+    let (x, y) = batch(0, Device::Cpu);
+    Ok((pipe, vec![x.narrow(0, 0, 6), x.narrow(0, 6, 6)], y))
+}
+
 #[test]
 fn a_failing_stage_ends_the_job_naming_its_rank() {
     let start = Instant::now();
     let test = test_name(module_path!(), "a_failing_stage_ends_the_job_naming_its_rank");
     let result = run_job(2, &test, &[(engine::dist::launch::TIMEOUT_ENV, "4")], |world| {
-        let model = layers(false, Device::Cpu);
-        let chunks = assign(model, &split(&layers(false, Device::Cpu), 2, Balance::Count)?, world.rank(), 2)?;
-        let mut pipe =
-            Pipeline::new(&world.group, chunks, Schedule::new(ScheduleKind::OneFOneB, 2, 2, 1)?, Device::Cpu)?;
-        let (x, y) = batch(0, Device::Cpu);
-        let inputs = vec![x.narrow(0, 0, 6), x.narrow(0, 6, 6)];
+        let (mut pipe, inputs, y) = two_stages_1f1b(world)?;
         for step in 0..3 {
             // The last stage's loss fails at the second step; the first stage is then waiting
             // for a gradient that never comes.
@@ -362,12 +367,7 @@ fn a_hanging_stage_ends_the_job_within_the_timeout_naming_the_ranks() {
     let start = Instant::now();
     let test = test_name(module_path!(), "a_hanging_stage_ends_the_job_within_the_timeout_naming_the_ranks");
     let result = run_job(2, &test, &[(engine::dist::launch::TIMEOUT_ENV, "4")], |world| {
-        let model = layers(false, Device::Cpu);
-        let chunks = assign(model, &split(&layers(false, Device::Cpu), 2, Balance::Count)?, world.rank(), 2)?;
-        let mut pipe =
-            Pipeline::new(&world.group, chunks, Schedule::new(ScheduleKind::OneFOneB, 2, 2, 1)?, Device::Cpu)?;
-        let (x, y) = batch(0, Device::Cpu);
-        let inputs = vec![x.narrow(0, 0, 6), x.narrow(0, 6, 6)];
+        let (mut pipe, inputs, y) = two_stages_1f1b(world)?;
         for step in 0..3 {
             // At the second step the last stage blocks (a stuck kernel, a dead file system)
             // far longer than the 4-second collective timeout; the first stage is left waiting
