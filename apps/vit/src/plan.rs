@@ -60,11 +60,8 @@ fn runs(cfg: &VitConfig, plan: &Plan, global_batch: usize) -> bool {
             mode => {
                 // The grids cut the linear inputs into q blocks (q^2 for the cube), the outputs,
                 // heads and classes into q; every batch block count divides tp.
-                let (q, inputs) = match mode {
-                    TpMode::TwoD => (isqrt(tp), isqrt(tp)),
-                    TpMode::TwoHalfD { depth } => (isqrt(tp / depth as i64), isqrt(tp / depth as i64)),
-                    _ => (icbrt(tp), icbrt(tp).pow(2)),
-                };
+                let q = mode.side(plan.tp) as i64;
+                let inputs = if mode == TpMode::ThreeD { q * q } else { q };
                 let patch = cfg.in_channels * cfg.patch_size * cfg.patch_size;
                 cfg.heads % q == 0
                     && cfg.num_classes % q == 0
@@ -85,12 +82,4 @@ fn runs(cfg: &VitConfig, plan: &Plan, global_batch: usize) -> bool {
         }
     }
     plan.pp <= cfg.depth as usize + 2
-}
-
-fn isqrt(n: i64) -> i64 {
-    (n as f64).sqrt().round() as i64
-}
-
-fn icbrt(n: i64) -> i64 {
-    (n as f64).cbrt().round() as i64
 }

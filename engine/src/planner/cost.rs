@@ -62,7 +62,7 @@ impl TpMode {
     }
 
     /// The grid side `q` for `tp` ranks.
-    fn side(self, tp: usize) -> f64 {
+    pub fn side(self, tp: usize) -> f64 {
         match self {
             TpMode::OneD => tp as f64,
             TpMode::TwoD => (tp as f64).sqrt().round(),

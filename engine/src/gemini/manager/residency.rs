@@ -209,9 +209,8 @@ impl ChunkManager {
     fn load(&mut self, c: usize, ahead: bool) -> Result<()> {
         let bytes = self.chunks[c].bytes();
         self.charge(bytes, c)?;
-        if self.chunks[c].shared {
-            // The payload is the home: nothing to fill.
-        } else {
+        // A shared payload is the home: nothing to fill.
+        if !self.chunks[c].shared {
             self.fill(c, ahead, bytes)?;
         }
         let ch = &mut self.chunks[c];
