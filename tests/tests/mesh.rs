@@ -40,3 +40,15 @@ dist_test!(three_axis_mesh_on_4_ranks, 4, |world| {
     }
     Ok(())
 });
+
+// Every rank builds a mesh and drops it at once, as a job does when every rank reaches the same
+// configuration error right after building its groups. A rank that finishes connecting first
+// must not close its sockets while a slower member is still in Gloo's handshake with it
+// (that failed CI once as "Connection closed by peer" on the slower rank).
+dist_test!(meshes_dropped_right_after_creation_never_break_a_slower_member, 4, |world| {
+    for round in 0..40 {
+        let mesh = DeviceMesh::new(&world.group, &[("row", 2), ("col", 2)]);
+        mesh.map_err(|e| anyhow::anyhow!("round {round}: {e}"))?;
+    }
+    Ok(())
+});

@@ -123,7 +123,7 @@ impl ProcessGroup {
             },
             || format!("creating process group {name} (rank {rank} of {size})"),
         )?;
-        Ok(ProcessGroup(Arc::new(Inner {
+        let group = ProcessGroup(Arc::new(Inner {
             raw,
             store,
             rank,
@@ -133,7 +133,29 @@ impl ProcessGroup {
             loopback,
             subgroups: AtomicU64::new(0),
             bytes: std::iter::once(Arc::new(AtomicU64::new(0))).chain(parents.iter().cloned()).collect(),
-        })))
+        }));
+        group.wait_until_every_member_connected()?;
+        Ok(group)
+    }
+
+    /// Returns once every member has finished Gloo's connection handshake, as
+    /// `torch.distributed.new_group` does with its store-based barrier. Without it a member
+    /// that is done connecting may leave at once (every rank reaching the same configuration
+    /// error right after building its groups, say) and close its sockets while a slower member
+    /// is still in the handshake with it, which then fails with "Connection closed by peer".
+    fn wait_until_every_member_connected(&self) -> Result<()> {
+        if self.size() == 1 {
+            return Ok(());
+        }
+        let (counter, done) = ("eng-members-connected", "eng-every-member-connected");
+        let wrap = |e: Error| Error::Torch {
+            context: format!("process group {}: waiting for every member to finish connecting", self.name()),
+            message: e.to_string(),
+        };
+        if self.0.store.add(counter, 1).map_err(wrap)? == self.size() as i64 {
+            self.0.store.set(done, b"1").map_err(wrap)?;
+        }
+        self.0.store.get(done).map(drop).map_err(wrap)
     }
 
     /// Bytes this rank has handed to c10d in this group's collectives and in those of every

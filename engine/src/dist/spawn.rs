@@ -10,7 +10,7 @@ use std::net::TcpListener;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -20,6 +20,10 @@ use crate::{Error, Result};
 const TAIL_LINES: usize = 20;
 /// How long stopped ranks get to exit after SIGTERM before SIGKILL.
 const GRACE: Duration = Duration::from_secs(3);
+/// After a rank's failure is seen, how long the others may still fail by themselves before
+/// they are stopped: a rank whose peer died fails moments later, and the report should name
+/// the rank that failed first, not whichever the polling loop happened to look at first.
+const FAILURE_WINDOW: Duration = Duration::from_millis(200);
 
 /// What to run and how.
 #[derive(Clone, Debug)]
@@ -58,6 +62,9 @@ impl SpawnOptions {
 struct Rank {
     child: Child,
     tail: Arc<Mutex<VecDeque<String>>>,
+    /// When the rank's output streams first reached their end: the moment it exited, give or
+    /// take the readers' lag (unlike `try_wait`, which sees exits only when polled).
+    output_ended: Arc<OnceLock<Instant>>,
     readers: Vec<JoinHandle<()>>,
     status: Option<ExitStatus>,
 }
@@ -114,11 +121,12 @@ pub fn spawn(opts: &SpawnOptions) -> Result<()> {
             }
         };
         let tail = Arc::new(Mutex::new(VecDeque::new()));
+        let output_ended = Arc::new(OnceLock::new());
         let readers = vec![
-            forward(child.stdout.take().expect("piped"), rank, opts.echo, false, tail.clone()),
-            forward(child.stderr.take().expect("piped"), rank, opts.echo, true, tail.clone()),
+            forward(child.stdout.take().expect("piped"), rank, opts.echo, false, tail.clone(), output_ended.clone()),
+            forward(child.stderr.take().expect("piped"), rank, opts.echo, true, tail.clone(), output_ended.clone()),
         ];
-        ranks.push(Rank { child, tail, readers, status: None });
+        ranks.push(Rank { child, tail, output_ended, readers, status: None });
     }
     let result = supervise(&mut ranks, beats.as_ref().map(|(b, t)| (b.0.as_path(), *t)));
     for r in &mut ranks {
@@ -165,25 +173,9 @@ type Failure = (usize, Option<String>);
 fn supervise(ranks: &mut [Rank], beats: Option<(&Path, Duration)>) -> std::result::Result<(), Failure> {
     let mut next_check = Instant::now();
     loop {
-        let mut running = 0;
-        for i in 0..ranks.len() {
-            if ranks[i].status.is_some() {
-                continue;
-            }
-            match ranks[i].child.try_wait() {
-                Ok(Some(status)) => {
-                    ranks[i].status = Some(status);
-                    if !status.success() {
-                        stop(ranks);
-                        return Err((i, None));
-                    }
-                }
-                Ok(None) => running += 1,
-                Err(_) => {
-                    stop(ranks);
-                    return Err((i, None));
-                }
-            }
+        let (running, failed) = poll(ranks);
+        if !failed.is_empty() {
+            return Err((first_to_fail(ranks, failed), None));
         }
         if running == 0 {
             return Ok(());
@@ -200,6 +192,40 @@ fn supervise(ranks: &mut [Rank], beats: Option<(&Path, Duration)>) -> std::resul
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// Records the exits of ranks still running; returns how many still run and which failed.
+fn poll(ranks: &mut [Rank]) -> (usize, Vec<usize>) {
+    let (mut running, mut failed) = (0, vec![]);
+    for (i, r) in ranks.iter_mut().enumerate().filter(|(_, r)| r.status.is_none()) {
+        match r.child.try_wait() {
+            Ok(Some(status)) => {
+                r.status = Some(status);
+                if !status.success() {
+                    failed.push(i);
+                }
+            }
+            Ok(None) => running += 1,
+            // A rank that cannot be waited for counts as failed (`report` says so).
+            Err(_) => failed.push(i),
+        }
+    }
+    (running, failed)
+}
+
+/// Given the ranks seen failing, lets the others fail by themselves for [`FAILURE_WINDOW`],
+/// stops the rest, and returns the failed rank whose output ended first: the one that failed
+/// first, whose loss the others' errors ("connection closed by peer") are the echo of.
+fn first_to_fail(ranks: &mut [Rank], mut failed: Vec<usize>) -> usize {
+    let window_ends = Instant::now() + FAILURE_WINDOW;
+    while Instant::now() < window_ends {
+        std::thread::sleep(Duration::from_millis(20));
+        failed.extend(poll(ranks).1);
+    }
+    stop(ranks);
+    let ended = |i: usize| ranks[i].output_ended.get().copied();
+    // Earliest end first; a rank whose readers have not seen the end yet goes last; ties by rank.
+    failed.into_iter().min_by_key(|&i| (ended(i).is_none(), ended(i), i)).expect("at least one failed rank")
 }
 
 /// SIGTERM to every rank still running, then SIGKILL after a grace period.
@@ -255,6 +281,7 @@ fn forward(
     echo: bool,
     is_stderr: bool,
     tail: Arc<Mutex<VecDeque<String>>>,
+    ended: Arc<OnceLock<Instant>>,
 ) -> JoinHandle<()> {
     std::thread::spawn(move || {
         for line in BufReader::new(stream).lines() {
@@ -275,6 +302,7 @@ fn forward(
                 t.push_back(line);
             }
         }
+        let _ = ended.set(Instant::now());
     })
 }
 
