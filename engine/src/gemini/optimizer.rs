@@ -153,7 +153,8 @@ impl ChunkOptimizer {
         Ok(())
     }
 
-    /// One step of every chunk from its accumulated gradient, then clears the gradients.
+    /// One step of every chunk from its accumulated gradient, clearing the gradients (in the
+    /// update's own pass: see [`HostOptimizer::finish`]).
     pub fn step(&mut self, m: &mut ChunkManager) -> Result<()> {
         self.ensure_shards(m)?;
         let pieces: Vec<Vec<Piece>> = (0..m.chunk_count()).map(|c| m.pieces(c)).collect();
@@ -194,7 +195,6 @@ impl ChunkOptimizer {
                 ShardOptimizer::Device(o) => o.finish(home, grad, &sums)?,
             }
         }
-        Self::zero_grad(m)?;
         self.steps += 1;
         Ok(())
     }

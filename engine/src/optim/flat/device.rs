@@ -104,7 +104,8 @@ impl DeviceOptimizer {
         })
     }
 
-    /// Second half of a step: the update, with the whole parameters' sums (`[segments, 2]`).
+    /// Second half of a step: the update, with the whole parameters' sums (`[segments, 2]`);
+    /// clears `g` for the next accumulation (as [`super::HostOptimizer::finish`] does).
     pub fn finish(&mut self, w: &Tensor, g: &Tensor, sums: &[[f64; 2]]) -> Result<()> {
         tch::no_grad(|| -> Result<()> {
             for (seg, sums) in self.segments.iter().zip(sums) {
@@ -123,6 +124,7 @@ impl DeviceOptimizer {
                     }
                 }
             }
+            g.shallow_clone().f_zero_().map(drop)?;
             Ok(())
         })
     }
@@ -173,12 +175,13 @@ mod tests {
             let mut device = DeviceOptimizer::new(rule, segments.clone(), &w0).unwrap();
             let w_dev = w0.copy();
             for g in &grads {
-                let g_host = Vec::<f32>::try_from(g).unwrap();
-                host.step(&mut w_host, &g_host);
+                let mut g_host = Vec::<f32>::try_from(g).unwrap();
+                host.step(&mut w_host, &mut g_host);
                 let sums = device.prepare(&w_dev, g).unwrap();
                 let sums: Vec<[f64; 2]> =
                     Vec::<Vec<f64>>::try_from(sums).unwrap().into_iter().map(|r| [r[0], r[1]]).collect();
                 device.finish(&w_dev, g, &sums).unwrap();
+                assert_eq!(g.abs().max().double_value(&[]), 0.0, "{rule:?}: the gradient is cleared");
             }
             let expected = Tensor::from_slice(&w_host);
             let diff = (&w_dev - &expected).abs().max().double_value(&[]);

@@ -105,12 +105,12 @@ impl HostOptimizer {
     }
 
     /// One step over weights `w` with gradients `g` (both the buffer's length), in place on `w`,
-    /// with each segment's norms taken over this buffer: [`HostOptimizer::prepare`] then
-    /// [`HostOptimizer::finish`].
+    /// with each segment's norms taken over this buffer, clearing `g`: [`HostOptimizer::prepare`]
+    /// then [`HostOptimizer::finish`].
     ///
     /// # Panics
     /// If `w` or `g` is not the buffer's length.
-    pub fn step(&mut self, w: &mut [f32], g: &[f32]) {
+    pub fn step(&mut self, w: &mut [f32], g: &mut [f32]) {
         let sums = self.prepare(w, g);
         self.finish(w, g, &sums);
     }
@@ -146,27 +146,37 @@ impl HostOptimizer {
 
     /// Second half of a step: the update of `w` (and AdamW's and LARS's state), with the whole
     /// parameters' sums of squares (one pair per segment, as [`HostOptimizer::prepare`]
-    /// returned them, summed over pieces).
+    /// returned them, summed over pieces). Clears `g` for the next accumulation, in the same
+    /// pass that reads it: a separate zeroing pass would stream the whole buffer through memory
+    /// once more.
     ///
     /// # Panics
     /// If `w`, `g` or `sums` has the wrong length.
-    pub fn finish(&mut self, w: &mut [f32], g: &[f32], sums: &[[f64; 2]]) {
+    pub fn finish(&mut self, w: &mut [f32], g: &mut [f32], sums: &[[f64; 2]]) {
         assert_eq!(w.len(), self.len, "weights: wrong length");
         assert_eq!(g.len(), self.len, "gradients: wrong length");
         assert_eq!(sums.len(), self.segments.len(), "one pair of sums per segment");
         let HostOptimizer { rule, step, segments, m, v, .. } = self;
         for (s, sums) in segments.iter().zip(sums) {
             let r = s.range();
-            let (w, g) = (&mut w[r.clone()], &g[r.clone()]);
+            let (w, g) = (&mut w[r.clone()], &mut g[r.clone()]);
             let norms = s.adapt.then(|| (sums[0].sqrt(), sums[1].sqrt()));
             match *rule {
                 CpuRule::AdamW(c) => adamw(&c.at(*step, s.adapt), w, &mut m[r.clone()], &mut v[r], g),
-                CpuRule::Lamb(c) => lamb_finish(&c.at(*step, s.adapt), norms, w, &m[r.clone()], &v[r]),
+                CpuRule::Lamb(c) => lamb_finish(&c.at(*step, s.adapt), norms, w, &m[r.clone()], &v[r], g),
                 CpuRule::Lars(c) => {
                     let buf = if m.is_empty() { None } else { Some(&mut m[r]) };
                     lars(&c.at(norms), *step == 1, w, buf, g)
                 }
             }
+        }
+        // Padding between segments holds no gradient; clear it too, so all of `g` is zero.
+        let mut end = 0;
+        let mut starts: Vec<(usize, usize)> = segments.iter().map(|s| (s.offset, s.len)).collect();
+        starts.sort_unstable();
+        for (offset, len) in starts.into_iter().chain([(g.len(), 0)]) {
+            g[end..offset].fill(0.0);
+            end = offset + len;
         }
     }
 
@@ -189,15 +199,16 @@ impl HostOptimizer {
     }
 }
 
-/// One AdamW step on a segment.
-fn adamw(rule: &AdamWStep<f32>, w: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32]) {
+/// One AdamW step on a segment, clearing its gradient.
+fn adamw(rule: &AdamWStep<f32>, w: &mut [f32], m: &mut [f32], v: &mut [f32], g: &mut [f32]) {
     w.par_chunks_mut(BLOCK)
         .zip(m.par_chunks_mut(BLOCK))
         .zip(v.par_chunks_mut(BLOCK))
-        .zip(g.par_chunks(BLOCK))
+        .zip(g.par_chunks_mut(BLOCK))
         .for_each(|(((w, m), v), g)| {
             for (((w, m), v), g) in w.iter_mut().zip(m).zip(v).zip(g) {
                 let Ok(()) = rule.step(w, m, v, g);
+                *g = 0.0;
             }
         });
 }
@@ -228,31 +239,40 @@ fn lamb_prepare(rule: &LambStep<f32>, adapt: bool, w: &[f32], m: &mut [f32], v: 
     [sw, sr]
 }
 
-/// LAMB's second pass: `w -= r * (lr * ratio)`, the ratio from the whole parameter's norms.
-fn lamb_finish(rule: &LambStep<f32>, norms: Option<(f64, f64)>, w: &mut [f32], m: &[f32], v: &[f32]) {
+/// LAMB's second pass: `w -= r * (lr * ratio)`, the ratio from the whole parameter's norms;
+/// clears the gradient (read by the first pass).
+fn lamb_finish(rule: &LambStep<f32>, norms: Option<(f64, f64)>, w: &mut [f32], m: &[f32], v: &[f32], g: &mut [f32]) {
     let scale = rule.scale(norms);
-    w.par_chunks_mut(BLOCK).zip(m.par_chunks(BLOCK)).zip(v.par_chunks(BLOCK)).for_each(|((w, m), v)| {
-        for ((w, m), v) in w.iter_mut().zip(m).zip(v) {
-            let Ok(r) = rule.update(w, m, v);
-            let Ok(()) = rule.apply(w, &r, scale);
-        }
-    });
+    w.par_chunks_mut(BLOCK).zip(m.par_chunks(BLOCK)).zip(v.par_chunks(BLOCK)).zip(g.par_chunks_mut(BLOCK)).for_each(
+        |(((w, m), v), g)| {
+            for ((w, m), v) in w.iter_mut().zip(m).zip(v) {
+                let Ok(r) = rule.update(w, m, v);
+                let Ok(()) = rule.apply(w, &r, scale);
+            }
+            g.fill(0.0);
+        },
+    );
 }
 
-/// One LARS update on a segment (`first`: the momentum buffer's first step).
-fn lars(rule: &LarsStep<f32>, first: bool, w: &mut [f32], buf: Option<&mut [f32]>, g: &[f32]) {
+/// One LARS update on a segment (`first`: the momentum buffer's first step), clearing its
+/// gradient.
+fn lars(rule: &LarsStep<f32>, first: bool, w: &mut [f32], buf: Option<&mut [f32]>, g: &mut [f32]) {
     match buf {
-        None => w.par_chunks_mut(BLOCK).zip(g.par_chunks(BLOCK)).for_each(|(w, g)| {
+        None => w.par_chunks_mut(BLOCK).zip(g.par_chunks_mut(BLOCK)).for_each(|(w, g)| {
             for (w, g) in w.iter_mut().zip(g) {
                 let Ok(()) = rule.step(w, None, g);
+                *g = 0.0;
             }
         }),
         Some(buf) => {
-            w.par_chunks_mut(BLOCK).zip(buf.par_chunks_mut(BLOCK)).zip(g.par_chunks(BLOCK)).for_each(|((w, b), g)| {
-                for ((w, b), g) in w.iter_mut().zip(b).zip(g) {
-                    let Ok(()) = rule.step(w, Some((b, first)), g);
-                }
-            });
+            w.par_chunks_mut(BLOCK).zip(buf.par_chunks_mut(BLOCK)).zip(g.par_chunks_mut(BLOCK)).for_each(
+                |((w, b), g)| {
+                    for ((w, b), g) in w.iter_mut().zip(b).zip(g) {
+                        let Ok(()) = rule.step(w, Some((b, first)), g);
+                        *g = 0.0;
+                    }
+                },
+            );
         }
     }
 }
@@ -351,7 +371,9 @@ pub(super) mod tests {
                 set_grad(&p.tensor, Some(&Tensor::from_slice(&g[s.range()]).reshape(p.tensor.size())))?;
             }
             reference.step()?;
-            cpu.step(&mut w, &g);
+            let mut g = g;
+            cpu.step(&mut w, &mut g);
+            assert!(g.iter().all(|&x| x == 0.0), "step {step}: the gradient buffer is cleared");
             for (p, s) in reference.params().iter().zip(&segments) {
                 let expected = Vec::<f32>::try_from(p.tensor.detach().flatten(0, -1))?;
                 let d = rel_diff(&w[s.range()], &expected);
@@ -408,7 +430,7 @@ pub(super) mod tests {
                 let mut cpu = HostOptimizer::new(rule, segments.clone(), len);
                 let mut w = w0.clone();
                 for step in 0..3 {
-                    cpu.step(&mut w, &randn(len, 200 + step));
+                    cpu.step(&mut w, &mut randn(len, 200 + step));
                 }
                 (w, sum_squares(&randn(5 * BLOCK + 3, 7)))
             })
