@@ -9,8 +9,8 @@
 //! `cargo bench -p kernels --bench kernels -- [--iters 20] [--dtype bf16|f16|f32]`. Needs CUDA.
 use anyhow::{bail, Context};
 use engine::cuda::{Event, Stream};
-use engine::optim::{AdamWConfig, LambConfig};
-use kernels::{Backend, OptimTensors};
+use engine::optim::{AdamWConfig, LambConfig, LarsConfig};
+use kernels::{Backend, LarsTensors, OptimTensors};
 use tch::{Device, Kind, Tensor};
 
 struct Args {
@@ -164,6 +164,23 @@ fn main() -> anyhow::Result<()> {
         &|b| {
             step.set(step.get() + 1);
             Ok(kernels::lamb_step(&tensors, &lamb, step.get(), b)?)
+        },
+    )?;
+    // LARS with momentum, the buffer in the first moment's tensors.
+    let lars_cfg = LarsConfig { lr: 1e-5, ..Default::default() };
+    let lars: Vec<LarsTensors> = sets
+        .iter()
+        .map(|[w, g, m, _]| LarsTensors { param: w, grad: g, momentum_buffer: Some(m), adapt: w.dim() >= 2 })
+        .collect();
+    step.set(0);
+    // Norms read w and g; the update reads w, g, the buffer and writes w and the buffer.
+    row(
+        &format!("LARS step, {:.1}M parameters in {} tensors", numel as f64 / 1e6, shapes.len()),
+        7.0 * numel as f64 * 4.0,
+        n,
+        &|b| {
+            step.set(step.get() + 1);
+            Ok(kernels::lars_step(&lars, &lars_cfg, step.get(), b)?)
         },
     )?;
     Ok(())

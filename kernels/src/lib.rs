@@ -7,7 +7,8 @@
 //! - [`attention_softmax`]: Evoformer attention's scale + mask + pair bias + softmax;
 //! - [`layer_norm`] (and the [`LayerNorm`] layer);
 //! - [`bias_gelu`] and [`bias_dropout_residual`];
-//! - [`adamw_step`] and [`lamb_step`]: one launch updates every parameter (multi-tensor).
+//! - [`adamw_step`], [`lamb_step`] and [`lars_step`]: one launch updates every parameter
+//!   (multi-tensor).
 //!
 //! Forward and backward for f32, bf16 and f16 (the optimizers: f32).
 mod attention;
@@ -27,7 +28,7 @@ pub use error::{Error, Result};
 pub use kernel::Kernel;
 pub use layer_norm::{layer_norm, LayerNorm};
 pub use nvrtc::{nvrtc, Nvrtc, NVRTC_ENV};
-pub use optim::{adamw_step, lamb_step, OptimTensors};
+pub use optim::{adamw_step, lamb_step, lars_step, LarsTensors, OptimTensors};
 
 use tch::Device;
 

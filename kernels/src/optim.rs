@@ -1,7 +1,7 @@
-//! Multi-tensor AdamW and LAMB: one launch updates every parameter (LAMB: two, the second after
-//! the per-tensor norms of the weights and updates are known), through a table of the tensors'
-//! addresses. The arithmetic is the engine's (`engine::optim`), with its configurations.
-use engine::optim::{AdamWConfig, LambConfig};
+//! Multi-tensor AdamW, LAMB and LARS: one launch updates every parameter (LAMB and LARS: two,
+//! the second after the per-tensor norms are known), through a table of the tensors' addresses.
+//! The arithmetic is the engine's (`engine::optim`), with its configurations.
+use engine::optim::{AdamWConfig, LambConfig, LarsConfig};
 use tch::{Device, Kind, Tensor};
 
 use crate::checks::cuda_device;
@@ -12,7 +12,7 @@ use crate::{Backend, Error, Result};
 pub(crate) static KERNEL: Kernel = Kernel::new(
     "optim",
     include_str!("cuda/optim.cu"),
-    &["adamw_f32", "lamb_moments_f32", "lamb_apply_f32"],
+    &["adamw_f32", "lamb_moments_f32", "lamb_apply_f32", "lars_norms_f32", "lars_apply_f32"],
     // No multiply-add contraction: each operation rounds as in the engine's host executor.
     &["--fmad=false"],
 );
@@ -35,6 +35,48 @@ pub struct OptimTensors<'a> {
     pub exp_avg_sq: &'a Tensor,
     /// Whether weight decay and the trust ratio apply (see `engine::optim::Param`).
     pub adapt: bool,
+}
+
+impl OptimTensors<'_> {
+    fn row(&self) -> Row<'_> {
+        Row {
+            slots: [
+                ("param", Some(self.param)),
+                ("grad", Some(self.grad)),
+                ("exp_avg", Some(self.exp_avg)),
+                ("exp_avg_sq", Some(self.exp_avg_sq)),
+            ],
+            adapt: self.adapt,
+        }
+    }
+}
+
+/// One parameter's tensors for a LARS step: f32, one shape, updated in place.
+#[derive(Debug)]
+pub struct LarsTensors<'a> {
+    /// The weight.
+    pub param: &'a Tensor,
+    /// Its gradient.
+    pub grad: &'a Tensor,
+    /// The momentum buffer (its contents are ignored on step 1, which sets it); needed when
+    /// the momentum is not 0.
+    pub momentum_buffer: Option<&'a Tensor>,
+    /// Whether weight decay and the trust ratio apply (see `engine::optim::Param`).
+    pub adapt: bool,
+}
+
+impl LarsTensors<'_> {
+    fn row(&self) -> Row<'_> {
+        Row {
+            slots: [
+                ("param", Some(self.param)),
+                ("grad", Some(self.grad)),
+                ("momentum_buffer", self.momentum_buffer),
+                ("unused", None),
+            ],
+            adapt: self.adapt,
+        }
+    }
 }
 
 /// Adam's per-step scalars, computed in f64 as the engine does.
@@ -81,7 +123,8 @@ pub fn adamw_step(tensors: &[OptimTensors], cfg: &AdamWConfig, step: i32, backen
             Ok(())
         }
         Backend::Fused => {
-            let Some(table) = Table::new("adamw_step", tensors)? else { return Ok(()) };
+            let rows: Vec<Row> = tensors.iter().map(OptimTensors::row).collect();
+            let Some(table) = Table::new("adamw_step", &rows)? else { return Ok(()) };
             let decay = if cfg.weight_decay != 0.0 { decay } else { 1.0 };
             let mut a = adam.args(table.args()).f32(cfg.lr as f32).f32(decay as f32);
             KERNEL.launch("adamw_f32", table.device, table.grid(), THREADS, &mut a)
@@ -115,7 +158,8 @@ pub fn lamb_step(tensors: &[OptimTensors], cfg: &LambConfig, step: i32, backend:
             Ok(())
         }
         Backend::Fused => {
-            let Some(table) = Table::new("lamb_step", tensors)? else { return Ok(()) };
+            let rows: Vec<Row> = tensors.iter().map(OptimTensors::row).collect();
+            let Some(table) = Table::new("lamb_step", &rows)? else { return Ok(()) };
             let norms = Tensor::f_zeros([tensors.len() as i64, 2], (Kind::Float, Device::Cuda(table.device)))?;
             let wd = cfg.weight_decay as f32;
             let mut a = adam.args(table.args()).f32(wd).tensor(&norms);
@@ -126,18 +170,108 @@ pub fn lamb_step(tensors: &[OptimTensors], cfg: &LambConfig, step: i32, backend:
     })
 }
 
+/// Step `step` (counted from 1) of LARS over `tensors`: `d = (g + wd w) ratio` with
+/// `ratio = trust ||w|| / (||g|| + wd ||w|| + eps)` (1 where a norm is 0) for adapted tensors,
+/// else `d = g`; with momentum the buffer becomes `d` on step 1 and `buffer momentum + d` after,
+/// and `d` the buffer; `w = w - lr d`. Whole tensors only, as [`lamb_step`].
+pub fn lars_step(tensors: &[LarsTensors], cfg: &LarsConfig, step: i32, backend: Backend) -> Result<()> {
+    const OP: &str = "lars_step";
+    let rows: Vec<Row> = tensors.iter().map(LarsTensors::row).collect();
+    check_rows(OP, &rows, step)?;
+    if cfg.momentum != 0.0 {
+        if let Some(i) = tensors.iter().position(|t| t.momentum_buffer.is_none()) {
+            return Err(Error::invalid(format!("{OP}: momentum {} needs tensor {i}'s momentum_buffer", cfg.momentum)));
+        }
+    }
+    let first = step == 1;
+    tch::no_grad(|| match backend {
+        Backend::Torch => {
+            for t in tensors {
+                let mut d = t.grad.shallow_clone();
+                if t.adapt {
+                    let (w, g) = (t.param.f_norm()?.f_double_value(&[])?, t.grad.f_norm()?.f_double_value(&[])?);
+                    let ratio = if w > 0.0 && g > 0.0 {
+                        cfg.trust_coefficient * w / (g + cfg.weight_decay * w + cfg.eps)
+                    } else {
+                        1.0
+                    };
+                    d = t.grad.f_add(&t.param.f_mul_scalar(cfg.weight_decay)?)?.f_mul_scalar(ratio)?;
+                }
+                if let (Some(buf), true) = (t.momentum_buffer, cfg.momentum != 0.0) {
+                    let mut buf = buf.shallow_clone();
+                    if first {
+                        buf.f_copy_(&d)?;
+                    } else {
+                        let _ = buf.f_mul_scalar_(cfg.momentum)?.f_add_(&d)?;
+                    }
+                    d = buf;
+                }
+                let _ = t.param.shallow_clone().f_sub_(&d.f_mul_scalar(cfg.lr)?)?;
+            }
+            Ok(())
+        }
+        Backend::Fused => {
+            // Without momentum the kernel must not touch a buffer it was given.
+            let rows: Vec<Row> = rows
+                .into_iter()
+                .map(|mut r| {
+                    if cfg.momentum == 0.0 {
+                        r.slots[2].1 = None;
+                    }
+                    r
+                })
+                .collect();
+            let Some(table) = Table::new(OP, &rows)? else { return Ok(()) };
+            let norms = Tensor::f_zeros([tensors.len() as i64, 2], (Kind::Float, Device::Cuda(table.device)))?;
+            let mut a = table.args().tensor(&norms);
+            KERNEL.launch("lars_norms_f32", table.device, table.grid(), THREADS, &mut a)?;
+            let mut a = table
+                .args()
+                .f32(cfg.lr as f32)
+                .f32(cfg.momentum as f32)
+                .f32(cfg.weight_decay as f32)
+                .f32(cfg.trust_coefficient as f32)
+                .f32(cfg.eps as f32)
+                .i32(first as i32)
+                .tensor(&norms);
+            KERNEL.launch("lars_apply_f32", table.device, table.grid(), THREADS, &mut a)
+        }
+    })
+}
+
 fn check(op: &str, tensors: &[OptimTensors], step: i32) -> Result<()> {
+    check_rows(op, &tensors.iter().map(OptimTensors::row).collect::<Vec<_>>(), step)
+}
+
+fn check_rows(op: &str, rows: &[Row], step: i32) -> Result<()> {
     ensure!(step >= 1, "{op}: steps count from 1 (got {step})");
-    for (i, t) in tensors.iter().enumerate() {
-        let shape = t.param.size();
-        for (name, x) in [("grad", t.grad), ("exp_avg", t.exp_avg), ("exp_avg_sq", t.exp_avg_sq)] {
+    for (i, row) in rows.iter().enumerate() {
+        let shape = row.param().size();
+        for (name, x) in row.present().skip(1) {
             ensure!(x.size() == shape, "{op}: tensor {i}'s {name} is {:?}, its param {shape:?}", x.size());
         }
-        for (name, x) in [("param", t.param), ("grad", t.grad), ("exp_avg", t.exp_avg), ("exp_avg_sq", t.exp_avg_sq)] {
+        for (name, x) in row.present() {
             ensure!(x.kind() == Kind::Float, "{op}: tensor {i}'s {name} is {:?}; optimizer steps take f32", x.kind());
         }
     }
     Ok(())
+}
+
+/// One parameter's row of the kernels' table: the weight, the gradient and up to two state
+/// buffers (absent ones are null pointers), and whether it adapts.
+struct Row<'a> {
+    slots: [(&'static str, Option<&'a Tensor>); 4],
+    adapt: bool,
+}
+
+impl<'a> Row<'a> {
+    fn param(&self) -> &'a Tensor {
+        self.slots[0].1.expect("every row has its weight")
+    }
+
+    fn present(&self) -> impl Iterator<Item = (&'static str, &'a Tensor)> + '_ {
+        self.slots.iter().filter_map(|&(name, t)| t.map(|t| (name, t)))
+    }
 }
 
 /// The kernels' view of the tensors: 6 entries per tensor (the four addresses, the element
@@ -153,23 +287,18 @@ struct Table {
 
 impl Table {
     /// `None` when there is nothing to update.
-    fn new(op: &str, tensors: &[OptimTensors]) -> Result<Option<Table>> {
-        let mut all = Vec::new();
-        for t in tensors {
-            all.extend([("param", t.param), ("grad", t.grad), ("exp_avg", t.exp_avg), ("exp_avg_sq", t.exp_avg_sq)]);
-        }
+    fn new(op: &str, rows: &[Row]) -> Result<Option<Table>> {
+        let all: Vec<(&str, &Tensor)> = rows.iter().flat_map(Row::present).collect();
         if all.is_empty() {
             return Ok(None);
         }
         let device = cuda_device(op, Some(Kind::Float), &all)?;
-        let mut entries = Vec::with_capacity(tensors.len() * 6);
+        let mut entries = Vec::with_capacity(rows.len() * 6);
         let mut chunks = Vec::new();
-        for (i, t) in tensors.iter().enumerate() {
-            let n = t.param.numel() as i64;
-            for x in [t.param, t.grad, t.exp_avg, t.exp_avg_sq] {
-                entries.push(x.data_ptr() as i64);
-            }
-            entries.extend([n, t.adapt as i64]);
+        for (i, row) in rows.iter().enumerate() {
+            let n = row.param().numel() as i64;
+            entries.extend(row.slots.iter().map(|(_, t)| t.map_or(0, |t| t.data_ptr() as i64)));
+            entries.extend([n, row.adapt as i64]);
             chunks.extend((0..n).step_by(CHUNK as usize).flat_map(|start| [i as i64, start]));
         }
         if chunks.is_empty() {

@@ -1,8 +1,8 @@
 //! The libtorch compositions (the CPU path, and the reference the fused kernels are tested
 //! against on a GPU) equal the operations written out in f64, forward and backward, and the
 //! optimizer steps equal the engine's optimizers. Also: the fused path's argument checks.
-use engine::optim::{AdamW, AdamWConfig, Lamb, LambConfig, Optimizer, Param};
-use kernels::{Backend, OptimTensors};
+use engine::optim::{AdamW, AdamWConfig, Lamb, LambConfig, Lars, LarsConfig, Optimizer, Param};
+use kernels::{Backend, LarsTensors, OptimTensors};
 use tch::{Device, Kind, Tensor};
 
 /// libtorch's generators are global and the tests run on parallel threads: each test holds
@@ -184,6 +184,50 @@ fn lamb_step_equals_the_engines_lamb() {
         |t, step| kernels::lamb_step(t, &cfg, step, Backend::Torch).unwrap(),
         |p| Box::new(Lamb::new(p, cfg)),
     );
+}
+
+#[test]
+fn lars_step_equals_the_engines_lars_with_and_without_momentum() {
+    let _rng = rng();
+    for momentum in [0.9, 0.0] {
+        let cfg = LarsConfig { lr: 0.5, momentum, weight_decay: 1e-3, ..Default::default() };
+        let mine = problem(6);
+        let buffers: Vec<Tensor> = mine.iter().map(|(w, _, _)| w.zeros_like()).collect();
+        let theirs: Vec<Tensor> = mine.iter().map(|(w, _, _)| w.copy().set_requires_grad(true)).collect();
+        let params: Vec<Param> =
+            theirs.iter().enumerate().map(|(i, t)| Param::new(format!("p{i}"), t).with_adapt(mine[i].2)).collect();
+        let mut opt = Lars::new(params, cfg);
+        for step in 1..=3 {
+            let grads: Vec<Tensor> = mine.iter().map(|(_, g, _)| g * step as f64).collect();
+            for (g, t) in grads.iter().zip(&theirs) {
+                engine::autograd::set_grad(t, Some(g)).unwrap();
+            }
+            let tensors: Vec<LarsTensors> = mine
+                .iter()
+                .zip(&buffers)
+                .zip(&grads)
+                .map(|(((w, _, adapt), b), g)| LarsTensors {
+                    param: w,
+                    grad: g,
+                    momentum_buffer: Some(b),
+                    adapt: *adapt,
+                })
+                .collect();
+            kernels::lars_step(&tensors, &cfg, step, Backend::Torch).unwrap();
+            opt.step().unwrap();
+        }
+        for (i, ((w, _, _), t)) in mine.iter().zip(&theirs).enumerate() {
+            assert_close(w, &t.detach(), 1e-6, &format!("momentum {momentum}: parameter {i}"));
+        }
+        if momentum == 0.0 {
+            assert!(buffers.iter().all(|b| b.abs().max().double_value(&[]) == 0.0), "no momentum: buffers untouched");
+        }
+    }
+    // Momentum without a buffer is an error naming the tensor.
+    let (w, g) = (Tensor::ones([3], (Kind::Float, Device::Cpu)), Tensor::ones([3], (Kind::Float, Device::Cpu)));
+    let t = [LarsTensors { param: &w, grad: &g, momentum_buffer: None, adapt: true }];
+    let err = kernels::lars_step(&t, &LarsConfig::default(), 1, Backend::Torch).unwrap_err().to_string();
+    assert!(err.contains("lars_step: momentum 0.9 needs tensor 0's momentum_buffer"), "{err}");
 }
 
 #[test]

@@ -6,8 +6,8 @@
 //!
 //! Without a GPU each test returns early with a notice, or fails under `SUITE_REQUIRE_CUDA=1`
 //! (scripts/gpu-check.sh sets it).
-use engine::optim::{AdamWConfig, LambConfig};
-use kernels::{Backend, OptimTensors};
+use engine::optim::{AdamWConfig, LambConfig, LarsConfig};
+use kernels::{Backend, LarsTensors, OptimTensors};
 use tch::{Device, Kind, Tensor};
 
 /// libtorch's generators are global and the tests run on parallel threads: each test holds
@@ -231,6 +231,26 @@ fn lamb_step_matches() {
     let cfg = LambConfig { lr: 0.01, weight_decay: 0.05, ..Default::default() };
     // The norms are summed in f32 by atomics in any order: the trust ratios differ in the last bits.
     optimizer_matches(|t, s, b| kernels::lamb_step(t, &cfg, s, b).unwrap(), 1e-5, "lamb", dev);
+}
+
+#[test]
+fn lars_step_matches() {
+    let _rng = rng();
+    let Some(dev) = gpu("lars_step_matches") else { return };
+    for momentum in [0.9, 0.0] {
+        let cfg = LarsConfig { lr: 0.5, momentum, weight_decay: 1e-3, ..Default::default() };
+        // The momentum buffer rides in the exp_avg slot; exp_avg_sq must stay zero.
+        let step = |t: &[OptimTensors], s: i32, b: Backend| {
+            let lars: Vec<LarsTensors> = t
+                .iter()
+                .map(|t| LarsTensors { param: t.param, grad: t.grad, momentum_buffer: Some(t.exp_avg), adapt: t.adapt })
+                .collect();
+            kernels::lars_step(&lars, &cfg, s, b).unwrap()
+        };
+        // As LAMB: norms summed in f32 by atomics in any order, and the ratio in f32 (f64 in
+        // the composition).
+        optimizer_matches(step, 1e-5, &format!("lars, momentum {momentum}"), dev);
+    }
 }
 
 #[test]

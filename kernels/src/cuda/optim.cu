@@ -111,3 +111,51 @@ extern "C" __global__ void lamb_apply_f32(const i64* table, const i64* chunks, i
     e.w[i] = w - r * scale;
   }
 }
+
+// LARS, first launch: per adapted tensor the sums of squares of w and of g, added into
+// norms[2 t] and norms[2 t + 1] (zeroed by the caller). The table's first state slot is the
+// momentum buffer (null without momentum); the second is unused.
+extern "C" __global__ void lars_norms_f32(const i64* table, const i64* chunks, int chunk, float* norms) {
+  __shared__ float scratch[32];
+  const i64 t = chunks[2 * blockIdx.x];
+  const Entry e = entry(table, t);
+  if (!e.adapt) return;  // the same for the whole block
+  const i64 start = chunks[2 * blockIdx.x + 1], end = min(e.n, start + chunk);
+  float ww = 0.f, gg = 0.f;
+  for (i64 i = start + threadIdx.x; i < end; i += blockDim.x) {
+    const float w = e.w[i], g = e.g[i];
+    ww += w * w;
+    gg += g * g;
+  }
+  ww = block_sum(ww, scratch);
+  gg = block_sum(gg, scratch);
+  if (threadIdx.x == 0) {
+    atomicAdd(norms + 2 * t, ww);
+    atomicAdd(norms + 2 * t + 1, gg);
+  }
+}
+
+// LARS, second launch (engine/src/optim/lars.rs): d = (g + wd w) ratio for an adapted tensor,
+// ratio = trust ||w|| / (||g|| + wd ||w|| + eps) (1 where either norm is 0), else d = g; with a
+// momentum buffer b = d on the first step, else b = b momentum + d, and d = b; w = w - lr d.
+extern "C" __global__ void lars_apply_f32(const i64* table, const i64* chunks, int chunk, float lr, float momentum,
+                                          float wd, float trust, float eps, int first, const float* norms) {
+  const i64 t = chunks[2 * blockIdx.x];
+  const Entry e = entry(table, t);
+  const i64 start = chunks[2 * blockIdx.x + 1], end = min(e.n, start + chunk);
+  float ratio = 1.f;
+  if (e.adapt) {
+    const float wn = sqrtf(norms[2 * t]), gn = sqrtf(norms[2 * t + 1]);
+    if (wn > 0.f && gn > 0.f) ratio = trust * wn / (gn + wd * wn + eps);
+  }
+  for (i64 i = start + threadIdx.x; i < end; i += blockDim.x) {
+    const float w = e.w[i];
+    float d = e.adapt ? (e.g[i] + w * wd) * ratio : e.g[i];
+    if (e.m) {
+      const float b = first ? d : e.m[i] * momentum + d;
+      e.m[i] = b;
+      d = b;
+    }
+    e.w[i] = w - d * lr;
+  }
+}
