@@ -103,6 +103,21 @@ fn main() -> anyhow::Result<()> {
     })?;
     drop((x, dy));
 
+    // Triangle multiplication's gated projection at 256 residues, 128 channels: pair [256, 256, 128].
+    let (x, g, xb, gb) = (t(&[r, r, 128], true), t(&[r, r, 128], true), t(&[128], true), t(&[128], true));
+    let pair_mask = Tensor::ones([r, r], (k, dev));
+    let dy = Tensor::randn([r, r, 128], (k, dev));
+    let act = (r * r * 128) as f64;
+    row("sigmoid gate (masked) forward", 3.0 * act * e, n, &|b| {
+        let _ = tch::no_grad(|| kernels::sigmoid_gate(&x, &xb, &g, &gb, Some(&pair_mask), b))?;
+        Ok(())
+    })?;
+    // Backward reads x, g and dy and writes dx and dg.
+    row("sigmoid gate (masked) forward + backward", 8.0 * act * e, n, &|b| {
+        with_backward(kernels::sigmoid_gate(&x, &xb, &g, &gb, Some(&pair_mask), b)?, &dy)
+    })?;
+    drop((x, g, dy));
+
     // ViT-B/16 at batch 64: 64 x 197 tokens of width 768, MLP width 3072.
     let tokens = 64 * 197;
     let (x, w, bias) = (t(&[tokens, 768], true), t(&[768], true), t(&[768], true));

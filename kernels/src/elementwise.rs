@@ -27,7 +27,7 @@ pub(crate) static KERNEL: Kernel = Kernel::new(
     &[],
 );
 
-fn check_bias(op: &str, x: &Tensor, bias: &Tensor) -> Result<i64> {
+pub(crate) fn check_bias(op: &str, x: &Tensor, bias: &Tensor) -> Result<i64> {
     let c = *x.size().last().unwrap_or(&0);
     ensure!(
         bias.size() == [c],
@@ -39,7 +39,7 @@ fn check_bias(op: &str, x: &Tensor, bias: &Tensor) -> Result<i64> {
 }
 
 /// The bias's gradient: `dx` summed over every dimension but the last (in f32), as `kind`.
-fn bias_grad(dx: &Tensor, cols: i64, kind: Kind) -> tch::Result<Tensor> {
+pub(crate) fn bias_grad(dx: &Tensor, cols: i64, kind: Kind) -> tch::Result<Tensor> {
     dx.f_reshape([-1, cols])?.f_sum_dim_intlist(0, false, Kind::Float)?.f_to_kind(kind)
 }
 

@@ -7,6 +7,7 @@
 //! - [`attention_softmax`]: Evoformer attention's scale + mask + pair bias + softmax;
 //! - [`layer_norm`] (and the [`LayerNorm`] layer);
 //! - [`bias_gelu`] and [`bias_dropout_residual`];
+//! - [`sigmoid_gate`]: triangle multiplication's gated projections, the output gates;
 //! - [`adamw_step`], [`lamb_step`] and [`lars_step`]: one launch updates every parameter
 //!   (multi-tensor).
 //!
@@ -16,6 +17,7 @@ mod cache;
 mod checks;
 mod elementwise;
 mod error;
+mod gate;
 mod kernel;
 mod layer_norm;
 mod nvrtc;
@@ -25,6 +27,7 @@ pub use attention::attention_softmax;
 pub use cache::CACHE_ENV;
 pub use elementwise::{bias_dropout_residual, bias_gelu, dropout_mask};
 pub use error::{Error, Result};
+pub use gate::sigmoid_gate;
 pub use kernel::Kernel;
 pub use layer_norm::{layer_norm, LayerNorm};
 pub use nvrtc::{nvrtc, Nvrtc, NVRTC_ENV};
@@ -33,7 +36,8 @@ pub use optim::{adamw_step, lamb_step, lars_step, LarsTensors, OptimTensors};
 use tch::Device;
 
 /// Every kernel source, for the compile checks.
-pub const ALL: &[&Kernel] = &[&attention::KERNEL, &layer_norm::KERNEL, &elementwise::KERNEL, &optim::KERNEL];
+pub const ALL: &[&Kernel] =
+    &[&attention::KERNEL, &layer_norm::KERNEL, &elementwise::KERNEL, &gate::KERNEL, &optim::KERNEL];
 
 /// Which implementation an operation runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]

@@ -98,6 +98,35 @@ fn bias_gelu_equals_the_written_out_erf_gelu() {
 }
 
 #[test]
+fn sigmoid_gate_equals_the_written_out_gate() {
+    let _rng = rng();
+    tch::manual_seed(7);
+    let (x, g, xb, gb) = (leaf(&[4, 3, 6]), leaf(&[4, 3, 6]), leaf(&[6]), leaf(&[6]));
+    let mask = Tensor::from_slice(&[1f32, 0., 1., 1., 1., 0., 1., 1., 0., 1., 1., 1.]).reshape([4, 3]);
+    for m in [Some(&mask), None] {
+        let y = kernels::sigmoid_gate(&x, &xb, &g, &gb, m, Backend::Torch).unwrap();
+        // In f64: m (x + xb) / (1 + exp(-(g + gb))).
+        let d = |t: &Tensor| t.to_kind(Kind::Double);
+        let mut want = (d(&x) + d(&xb)) / ((-(d(&g) + d(&gb))).exp() + 1.0);
+        if let Some(m) = m {
+            want *= d(m).unsqueeze(-1);
+        }
+        assert_close(&y, &want, 1e-6, "y");
+        if m.is_some() {
+            assert_eq!(y.select(0, 0).select(0, 1).abs().max().double_value(&[]), 0.0, "a masked row is 0");
+        }
+        let dy = Tensor::randn(y.size(), (Kind::Float, Device::Cpu));
+        let inputs = [&x, &xb, &g, &gb];
+        let (got, want) = (grads(&y, &dy, &inputs), grads(&want, &dy.to_kind(Kind::Double), &inputs));
+        for (i, name) in ["dx", "dx_bias", "dgate", "dgate_bias"].iter().enumerate() {
+            assert_close(&got[i], &want[i], 1e-5, name);
+        }
+    }
+    let err = kernels::sigmoid_gate(&x, &xb, &g, &gb, Some(&mask.reshape([12])), Backend::Torch).unwrap_err();
+    assert!(err.to_string().contains("sigmoid_gate: mask is [12], expected [4, 3]"), "{err}");
+}
+
+#[test]
 fn bias_dropout_residual_keeps_what_its_mask_keeps() {
     let _rng = rng();
     let (x, b, r) = (leaf(&[64, 31]), leaf(&[31]), leaf(&[64, 31]));
@@ -239,6 +268,10 @@ fn the_fused_path_names_what_it_cannot_take() {
     let bad_bias = Tensor::zeros([3, 4], (Kind::Float, Device::Cpu));
     let err = kernels::attention_softmax(&x, 1.0, None, Some(&bad_bias), Backend::Torch).unwrap_err().to_string();
     assert!(err.contains("bias is [3, 4]"), "{err}");
+    let v = Tensor::zeros([2, 5], (Kind::Float, Device::Cpu));
+    let c = Tensor::zeros([5], (Kind::Float, Device::Cpu));
+    let err = kernels::sigmoid_gate(&v, &c, &v, &c, None, Backend::Fused).unwrap_err().to_string();
+    assert!(err.contains("sigmoid_gate: x is on Cpu") && err.contains("CUDA"), "{err}");
     let w = Tensor::ones([4], (Kind::Float, Device::Cpu));
     let err = kernels::layer_norm(&x, &w, &w, 1e-5, Backend::Torch).unwrap_err().to_string();
     assert!(err.contains("must be [5]"), "{err}");

@@ -168,6 +168,26 @@ fn bias_gelu_matches() {
 }
 
 #[test]
+fn sigmoid_gate_matches() {
+    let _rng = rng();
+    let Some(dev) = gpu("sigmoid_gate_matches") else { return };
+    tch::manual_seed(8);
+    // Odd sizes: a triangle update's pair [r, r, c] with its mask [r, r], and a flat case.
+    for (shape, masked) in [(vec![37, 29, 33], true), (vec![37, 29, 33], false), (vec![5, 1], true)] {
+        let c = *shape.last().unwrap();
+        let rows = &shape[..shape.len() - 1];
+        let mask = randn(rows, dev, false).ge(0.0).to_kind(Kind::Float);
+        let f = move |t: &[Tensor], backend| {
+            let m = masked.then(|| t[4].to_kind(t[0].kind()));
+            kernels::sigmoid_gate(&t[0], &t[1], &t[2], &t[3], m.as_ref(), backend).unwrap()
+        };
+        let inputs =
+            [randn(&shape, dev, true), randn(&[c], dev, true), randn(&shape, dev, true), randn(&[c], dev, true), mask];
+        check(&format!("sigmoid_gate {shape:?} masked={masked}"), &f, &inputs, &shape);
+    }
+}
+
+#[test]
 fn bias_dropout_residual_matches() {
     let _rng = rng();
     let Some(dev) = gpu("bias_dropout_residual_matches") else { return };

@@ -3,8 +3,6 @@
 // y = residual + mask (x + b) / (1 - p) (dropout with a keep-mask drawn by the caller, 1 byte
 // per element, or none) and its backward. Grid-stride loops over all n elements.
 
-#define GRID_STRIDE(i, n) for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)blockDim.x * gridDim.x)
-
 __device__ __forceinline__ float gelu(float z) { return 0.5f * z * (1.f + erff(z * 0.70710678118654752f)); }
 
 // d gelu / dz = Phi(z) + z phi(z).

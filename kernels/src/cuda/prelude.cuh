@@ -65,5 +65,8 @@ __device__ float block_max(float v, float* scratch) {
   return warp_max(lane < warps ? scratch[lane] : NEG_INF);
 }
 
+// A grid-stride loop over n elements.
+#define GRID_STRIDE(i, n) for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)blockDim.x * gridDim.x)
+
 // One kernel per dtype from a template: NAME_f32, NAME_bf16, NAME_f16.
 #define FOR_EACH_DTYPE(DEFINE) DEFINE(float, f32) DEFINE(bf16, bf16) DEFINE(f16, f16)
