@@ -31,10 +31,12 @@ test_binaries() {
 pack() {
   bash scripts/setup.sh
   rm -rf "$bin" && mkdir -p "$bin/tests" "$bin/kernels"
-  # Test executables (debug, as CI builds them) of the engine's integration tests, and the
-  # kernels' PTX and parity tests (~5 MiB; the kernel sources travel inside the binaries and are
-  # compiled there by NVRTC; their CPU-only tests run in CI).
+  # Test executables (debug, as CI builds them) of the engine's integration tests, the
+  # Evoformer's, and the kernels' PTX and parity tests (~5 MiB each; the kernel sources travel
+  # inside the binaries and are compiled there by NVRTC; their CPU-only tests run in CI).
   test_binaries suite-tests '.' "$bin/tests"
+  # The Evoformer's fused-kernel test (its other tests are CPU ones CI runs).
+  test_binaries fastfold '/evoformer-[0-9a-f]+$' "$bin/tests"
   test_binaries kernels '/(ptx|parity)-[0-9a-f]+$' "$bin/kernels"
   # The apps and benchmarks in release, as users run them.
   cargo build --locked --release -p vit -p fastfold -p diffusion

@@ -193,26 +193,33 @@ pub enum Query {
     Processed(Features),
 }
 
-/// `--chunk-size`.
+/// `--chunk-size` and `--kernels`: how the model's modules run.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ChunkArgs {
     /// Run attention, transitions, outer product mean and triangle ops in chunks of this many
     /// rows (less memory, same result).
     #[arg(long)]
     pub chunk_size: Option<i64>,
+    /// The attention softmax (scale, mask, pair bias), LayerNorms and triangle-update gates:
+    /// the fused CUDA kernels or libtorch's compositions (default: fused on CUDA, torch
+    /// elsewhere).
+    #[arg(long, value_enum)]
+    pub kernels: Option<kernels::Backend>,
 }
 
 impl ChunkArgs {
-    /// Checks the options and returns this rank's device and the DAP context over the job.
-    pub fn setup(&self, launch: &LaunchArgs, world: &World) -> anyhow::Result<(Device, Dap)> {
+    /// Checks the options and returns this rank's device, the DAP context over the job and the
+    /// kernels the modules run.
+    pub fn setup(&self, launch: &LaunchArgs, world: &World) -> anyhow::Result<(Device, Dap, kernels::Backend)> {
         if self.chunk_size.is_some_and(|c| c < 1) {
             bail!("--chunk-size must be at least 1");
         }
         let device = launch.device(world)?;
+        let kernels = kernels::Backend::resolve(self.kernels, device)?;
         let dap = match world.size() {
             1 => Dap::none(),
             _ => Dap::new(world.group.clone()),
         };
-        Ok((device, dap))
+        Ok((device, dap, kernels))
     }
 }

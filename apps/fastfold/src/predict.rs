@@ -108,7 +108,14 @@ struct Model {
 }
 
 impl Model {
-    fn load(args: &PredictArgs, file: &ModelFile, several: bool, kind: Kind, device: Device) -> anyhow::Result<Model> {
+    fn load(
+        args: &PredictArgs,
+        file: &ModelFile,
+        several: bool,
+        kind: Kind,
+        device: Device,
+        kernels: kernels::Backend,
+    ) -> anyhow::Result<Model> {
         if several && args.input.preset.is_some() {
             bail!("--preset names one preset, but --params {} gives several models", args.params.display());
         }
@@ -118,7 +125,7 @@ impl Model {
         if let Some(n) = args.structure_iterations {
             sizes.structure_iterations = n;
         }
-        let params = loaded.to_kind(kind)?.to_device(device, false)?;
+        let params = loaded.to_kind(kind)?.to_device(device, false)?.with_kernels(kernels);
         let net =
             AlphaFold::with_preset(&params, &sizes).with_context(|| format!("parameters {}", file.path.display()))?;
         Ok(Model { name: file.name.clone(), preset, net })
@@ -200,7 +207,7 @@ struct Runner<'a> {
 
 impl<'a> Runner<'a> {
     fn new(args: &'a PredictArgs, world: &'a World) -> anyhow::Result<Self> {
-        let (device, dap) = args.chunk.setup(&args.launch, world)?;
+        let (device, dap, kernels) = args.chunk.setup(&args.launch, world)?;
         let tolerance = args.recycle_early_stop_tolerance;
         if !(tolerance.is_finite() && tolerance >= 0.0) {
             bail!("--recycle-early-stop-tolerance must be a distance in Å, 0 or more, not {tolerance}");
@@ -212,7 +219,7 @@ impl<'a> Runner<'a> {
         let files = models::resolve(&args.params, args.models.as_deref())?;
         let models = files
             .iter()
-            .map(|f| Model::load(args, f, files.len() > 1, kind, device))
+            .map(|f| Model::load(args, f, files.len() > 1, kind, device, kernels))
             .collect::<anyhow::Result<Vec<_>>>()?;
         let processed_recycles = match &args.input.features {
             Some(_) => None,

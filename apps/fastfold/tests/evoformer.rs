@@ -46,6 +46,37 @@ fn chunked_equals_unchunked() {
     }
 }
 
+// On a GPU: the stacks with the fused kernels (attention softmax with mask and pair bias,
+// LayerNorm, triangle gates) equal libtorch's compositions, forward and the parameters'
+// gradients. Without a GPU this returns with a notice (a failure under SUITE_REQUIRE_CUDA=1).
+#[test]
+fn fused_kernels_equal_the_compositions_on_cuda() {
+    if !suite_tests::cuda_devices(1, "fused_kernels_equal_the_compositions_on_cuda") {
+        return;
+    }
+    let dev = Device::Cuda(0);
+    let params = Params::random(&EvoformerConfig::tiny(), 13).unwrap();
+    let grads_of = |backend: kernels::Backend| {
+        let p = params.to_device(dev, true).unwrap().with_kernels(backend);
+        let mut outs = vec![];
+        for (stack, c_m) in stacks(&p) {
+            let x = inputs(5, 7, c_m, p.config().c_z, 14).map(|t| t.to_device(dev));
+            let (m, z) = stack.forward(&x[0], &x[1], &x[2], &x[3], &Dap::none(), Some(3)).unwrap();
+            (m.square().sum(Kind::Float) + z.square().sum(Kind::Float)).backward();
+            outs.extend([m.detach(), z.detach()]);
+        }
+        outs.extend(p.iter().filter(|(_, t)| t.grad().defined()).map(|(_, t)| t.grad()));
+        outs
+    };
+    let (fused, torch) = (grads_of(kernels::Backend::Fused), grads_of(kernels::Backend::Torch));
+    assert_eq!(fused.len(), torch.len(), "the same outputs and gradients");
+    for (i, (a, b)) in fused.iter().zip(&torch).enumerate() {
+        let scale = b.abs().max().double_value(&[]).max(1.0);
+        let d = max_diff(a, b);
+        assert!(d <= 1e-4 * scale, "output or gradient {i}: differs by {d:e} (scale {scale:e}, tolerance 1e-4)");
+    }
+}
+
 #[test]
 fn masked_padding_does_not_change_real_positions() {
     let params = Params::random(&EvoformerConfig::tiny(), 3).unwrap();

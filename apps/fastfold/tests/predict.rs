@@ -231,6 +231,19 @@ fn bad_inputs_are_named() {
     let one = fasta(&d, &[("a", SEQ_B)]);
     let (ok, text) = fastfold(&["predict", one.to_str().unwrap(), "--params", params, "--chunk-size", "0", "-o", o]);
     assert!(!ok && text.contains("--chunk-size"), "{text}");
+    let (ok, text) = fastfold(&[
+        "predict",
+        one.to_str().unwrap(),
+        "--params",
+        params,
+        "--kernels",
+        "fused",
+        "--device",
+        "cpu",
+        "-o",
+        o,
+    ]);
+    assert!(!ok && text.contains("--kernels fused needs a CUDA device"), "{text}");
 
     let mut arrays = outputs(common::tiny_params());
     let key = "alphafold/alphafold_iteration/predicted_lddt_head/logits//weights";

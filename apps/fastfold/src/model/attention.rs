@@ -1,8 +1,9 @@
 //! AlphaFold's gated multi-head attention (supplementary Algorithm 7's core, `Attention` in
 //! `modules.py`) and global attention (Algorithm 19, `GlobalAttention`).
+use kernels::Backend;
 use tch::Tensor;
 
-use crate::model::layers::chunked;
+use crate::model::layers::{chunked, mask_bias};
 use crate::model::scope::{Init, Scope};
 use crate::model::Result;
 
@@ -21,6 +22,7 @@ pub struct Attention {
     output_w: Tensor,
     output_b: Tensor,
     head_dim: i64,
+    kernels: Backend,
 }
 
 impl Attention {
@@ -37,31 +39,31 @@ impl Attention {
             output_w: p.param("output_w", &[heads, head_dim, c], Init::Weight { fan_in: heads * head_dim })?,
             output_b: p.param("output_b", &[c], Init::Small)?,
             head_dim,
+            kernels: p.kernels(),
         })
     }
 
-    /// `x` [batch, len, c]; `key_bias` [batch, 1, 1, len] (from [`mask_bias`]); `pair_bias`
-    /// [heads, len, len]. Processes `chunk` batch rows at a time.
-    ///
-    /// [`mask_bias`]: crate::model::layers::mask_bias
-    pub fn forward(
-        &self,
-        x: &Tensor,
-        key_bias: &Tensor,
-        pair_bias: Option<&Tensor>,
-        chunk: Option<i64>,
-    ) -> Result<Tensor> {
+    /// `x` [batch, len, c]; `mask` [batch, len] (1 keeps a key; a dropped one gets AlphaFold's
+    /// `1e9 (mask - 1)` bias); `pair_bias` [heads, len, len]. Processes `chunk` batch rows at a
+    /// time.
+    pub fn forward(&self, x: &Tensor, mask: &Tensor, pair_bias: Option<&Tensor>, chunk: Option<i64>) -> Result<Tensor> {
         chunked(x.size()[0], chunk, |start, n| {
             let x = x.f_narrow(0, start, n)?;
-            let key_bias = key_bias.f_narrow(0, start, n)?;
+            let mask = mask.f_narrow(0, start, n)?;
             let q = einsum("bqa,ahc->bqhc", &x, &self.query_w)?.f_mul_scalar((self.head_dim as f64).powf(-0.5))?;
             let k = einsum("bka,ahc->bkhc", &x, &self.key_w)?;
             let v = einsum("bka,ahc->bkhc", &x, &self.value_w)?;
-            let mut logits = einsum("bqhc,bkhc->bhqk", &q, &k)?.f_add(&key_bias)?;
-            if let Some(b) = pair_bias {
-                logits = logits.f_add(b)?;
-            }
-            let weights = logits.f_softmax(-1, None)?;
+            let logits = einsum("bqhc,bkhc->bhqk", &q, &k)?;
+            let weights = match self.kernels {
+                Backend::Torch => {
+                    let mut logits = logits.f_add(&mask_bias(&mask)?)?;
+                    if let Some(b) = pair_bias {
+                        logits = logits.f_add(b)?;
+                    }
+                    logits.f_softmax(-1, None)?
+                }
+                Backend::Fused => kernels::attention_softmax(&logits, 1.0, Some(&mask), pair_bias, Backend::Fused)?,
+            };
             let avg = einsum("bhqk,bkhc->bqhc", &weights, &v)?;
             let gate = einsum("bqa,ahc->bqhc", &x, &self.gating_w)?.f_add(&self.gating_b)?.f_sigmoid()?;
             einsum("bqhc,hco->bqo", &avg.f_mul(&gate)?, &self.output_w)?.f_add(&self.output_b).map_err(Into::into)

@@ -33,6 +33,9 @@ pub enum Error {
     /// A collective or other engine operation failed.
     #[error(transparent)]
     Engine(#[from] engine::Error),
+    /// A fused kernel could not run.
+    #[error(transparent)]
+    Kernels(#[from] kernels::Error),
 }
 
 fn source_note(file: &Option<String>) -> String {

@@ -1,5 +1,6 @@
 //! Linear and LayerNorm with AlphaFold's array names, and the chunking helper every
 //! memory-heavy module uses.
+use kernels::Backend;
 use tch::Tensor;
 
 use crate::model::scope::{Init, Scope};
@@ -24,11 +25,21 @@ impl Linear {
 
     /// Applies the layer to the last dimension of `x`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = x.f_matmul(&self.weights)?;
+        let y = self.matmul(x)?;
         Ok(match &self.bias {
             Some(b) => y.f_add(b)?,
             None => y,
         })
+    }
+
+    /// `x @ weights` alone, for a fused kernel that adds the bias itself.
+    pub fn matmul(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.f_matmul(&self.weights)?)
+    }
+
+    /// The bias, if the layer has one.
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
     }
 }
 
@@ -37,6 +48,7 @@ pub struct LayerNorm {
     scale: Tensor,
     offset: Tensor,
     channels: i64,
+    kernels: Backend,
 }
 
 impl LayerNorm {
@@ -46,12 +58,16 @@ impl LayerNorm {
             scale: p.param("scale", &[channels], Init::One)?,
             offset: p.param("offset", &[channels], Init::Small)?,
             channels,
+            kernels: p.kernels(),
         })
     }
 
     /// Normalises the last dimension of `x`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(x.f_layer_norm([self.channels], Some(&self.scale), Some(&self.offset), 1e-5, true)?)
+        match self.kernels {
+            Backend::Torch => Ok(x.f_layer_norm([self.channels], Some(&self.scale), Some(&self.offset), 1e-5, true)?),
+            Backend::Fused => Ok(kernels::layer_norm(x, &self.scale, &self.offset, 1e-5, Backend::Fused)?),
+        }
     }
 }
 

@@ -9,7 +9,7 @@ use engine::parallel::dap::Dap;
 use tch::Tensor;
 
 use crate::model::attention::{Attention, GlobalAttention};
-use crate::model::layers::{chunked, mask_bias, LayerNorm, Linear};
+use crate::model::layers::{chunked, LayerNorm, Linear};
 use crate::model::scope::{Init, Scope};
 use crate::model::Result;
 
@@ -45,7 +45,7 @@ impl MsaRowAttentionWithPairBias {
     pub fn forward(&self, msa: &Tensor, mask: &Tensor, pair: &Tensor, dap: &Dap, chunk: Option<i64>) -> Result<Tensor> {
         let bias = pair_bias(&self.feat_2d_norm.forward(pair)?, &self.feat_2d_weights, dap)?;
         let x = self.query_norm.forward(msa)?;
-        self.attention.forward(&x, &mask_bias(mask)?, Some(&bias), chunk)
+        self.attention.forward(&x, mask, Some(&bias), chunk)
     }
 }
 
@@ -67,7 +67,7 @@ impl MsaColumnAttention {
     /// The update of col-split `msa` [s, r/N, c] (mask [s, r/N]); chunks over residues.
     pub fn forward(&self, msa: &Tensor, mask: &Tensor, chunk: Option<i64>) -> Result<Tensor> {
         let x = self.query_norm.forward(&msa.f_transpose(0, 1)?)?;
-        let out = self.attention.forward(&x, &mask_bias(&mask.f_transpose(0, 1)?)?, None, chunk)?;
+        let out = self.attention.forward(&x, &mask.f_transpose(0, 1)?, None, chunk)?;
         Ok(out.f_transpose(0, 1)?)
     }
 }

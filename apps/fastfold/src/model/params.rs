@@ -7,6 +7,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use kernels::Backend;
 use tch::{Device, Kind, Tensor};
 
 use crate::model::config::{EvoformerConfig, ModelConfig};
@@ -18,18 +19,26 @@ use crate::model::{Error, Result};
 pub struct Params {
     arrays: BTreeMap<String, Tensor>,
     config: EvoformerConfig,
+    kernels: Backend,
 }
 
 impl Params {
     /// A store of `arrays` (already checked against `config` by building the modules).
     pub(super) fn from_parts(arrays: BTreeMap<String, Tensor>, config: EvoformerConfig) -> Params {
-        Params { arrays, config }
+        Params { arrays, config, kernels: Backend::Torch }
+    }
+
+    /// The same arrays, building modules that run `kernels` (the fused CUDA kernels, or
+    /// libtorch's compositions: the default).
+    pub fn with_kernels(mut self, kernels: Backend) -> Params {
+        self.kernels = kernels;
+        self
     }
 
     /// The same arrays converted to `kind` (e.g. bf16 for inference).
     pub fn to_kind(&self, kind: Kind) -> Result<Params> {
         let arrays = self.arrays.iter().map(|(k, t)| Ok((k.clone(), t.f_to_kind(kind)?))).collect::<Result<_>>()?;
-        Ok(Params { arrays, config: self.config })
+        Ok(Params { arrays, config: self.config, kernels: self.kernels })
     }
 
     /// Writes every array under its AlphaFold name to `.npz` (stored, as numpy's `savez`) or, by
@@ -91,14 +100,14 @@ impl Params {
             .iter()
             .map(|(k, t)| Ok((k.clone(), t.f_detach()?.f_to_device(device)?.f_set_requires_grad(requires_grad)?)))
             .collect::<Result<_>>()?;
-        Ok(Params { arrays, config: self.config })
+        Ok(Params { arrays, config: self.config, kernels: self.kernels })
     }
 
     /// Builds the modules of one stack over these arrays, checking every shape and that every
     /// array of the stack is used.
     pub(crate) fn builder(&self) -> Builder {
         let arrays = self.arrays.iter().map(|(k, t)| (k.clone(), t.shallow_clone())).collect();
-        Builder::new(Mode::Load, arrays, None)
+        Builder::new(Mode::Load, arrays, None).with_kernels(self.kernels)
     }
 }
 

@@ -16,6 +16,7 @@
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
 
+use kernels::Backend;
 use tch::{Device, Kind, Tensor};
 
 use crate::model::{Error, Result};
@@ -50,12 +51,20 @@ pub(crate) struct Builder {
     arrays: RefCell<BTreeMap<String, Tensor>>,
     used: RefCell<BTreeSet<String>>,
     file: Option<String>,
+    kernels: Backend,
 }
 
 impl Builder {
     /// A builder over `arrays`; `file` names their file in errors.
     pub(crate) fn new(mode: Mode, arrays: BTreeMap<String, Tensor>, file: Option<String>) -> Builder {
-        Builder { mode, arrays: RefCell::new(arrays), used: RefCell::new(BTreeSet::new()), file }
+        let (arrays, used) = (RefCell::new(arrays), RefCell::new(BTreeSet::new()));
+        Builder { mode, arrays, used, file, kernels: Backend::Torch }
+    }
+
+    /// Modules built from here run `kernels` where they have fused ones.
+    pub(crate) fn with_kernels(mut self, kernels: Backend) -> Builder {
+        self.kernels = kernels;
+        self
     }
 
     /// Keys under `prefix` that no module asked for.
@@ -94,6 +103,11 @@ impl Scope<'_> {
     /// The sub-module `name`.
     pub fn sub(&self, name: &str) -> Self {
         Scope { builder: self.builder, path: format!("{}/{name}", self.path), block: self.block }
+    }
+
+    /// Which implementation the module's fused operations run.
+    pub fn kernels(&self) -> Backend {
+        self.builder.kernels
     }
 
     /// The array `name` of this module with per-block shape `shape`.

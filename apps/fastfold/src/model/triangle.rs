@@ -5,10 +5,11 @@
 //! [r/N, r, c_z] (mask [r/N, r]) and the "incoming" and "ending node" ones a col-split pair
 //! [r, r/N, c_z] (mask [r, r/N]); the result has the layout of the input.
 use engine::parallel::dap::Dap;
+use kernels::Backend;
 use tch::Tensor;
 
 use crate::model::attention::Attention;
-use crate::model::layers::{chunked, mask_bias, LayerNorm, Linear};
+use crate::model::layers::{chunked, LayerNorm, Linear};
 use crate::model::scope::{Init, Scope};
 use crate::model::Result;
 
@@ -34,6 +35,30 @@ pub struct TriangleMultiplication {
     center_layer_norm: LayerNorm,
     output_projection: Linear,
     gating_linear: Linear,
+    kernels: Backend,
+}
+
+/// `proj(x) * mask * sigmoid(gate(g))` (`mask` [.., 1], or none): the triangle update's gated
+/// projections (`g` = `x`) and its output gate. The fused kernel adds both layers' biases,
+/// the mask and the gate in one pass after bias-free matmuls.
+fn gated(
+    x: &Tensor,
+    proj: &Linear,
+    g: &Tensor,
+    gate: &Linear,
+    mask: Option<&Tensor>,
+    kernels: Backend,
+) -> Result<Tensor> {
+    if let (Backend::Fused, Some(pb), Some(gb)) = (kernels, proj.bias(), gate.bias()) {
+        let mask = mask.map(|m| m.f_squeeze_dim(-1)).transpose()?;
+        return Ok(kernels::sigmoid_gate(&proj.matmul(x)?, pb, &gate.matmul(g)?, gb, mask.as_ref(), Backend::Fused)?);
+    }
+    let y = proj.forward(x)?;
+    let y = match mask {
+        Some(m) => y.f_mul(m)?,
+        None => y,
+    };
+    Ok(y.f_mul(&gate.forward(g)?.f_sigmoid()?)?)
 }
 
 impl TriangleMultiplication {
@@ -49,6 +74,7 @@ impl TriangleMultiplication {
             center_layer_norm: LayerNorm::new(&p.sub("center_layer_norm"), c)?,
             output_projection: Linear::new(&p.sub("output_projection"), c, c_z, true)?,
             gating_linear: Linear::new(&p.sub("gating_linear"), c_z, c_z, true)?,
+            kernels: p.kernels(),
         })
     }
 
@@ -56,11 +82,8 @@ impl TriangleMultiplication {
     pub fn forward(&self, pair: &Tensor, mask: &Tensor, dap: &Dap, chunk: Option<i64>) -> Result<Tensor> {
         let x = self.layer_norm_input.forward(pair)?;
         let m = mask.f_unsqueeze(-1)?;
-        let gated = |proj: &Linear, gate: &Linear| -> Result<Tensor> {
-            Ok(proj.forward(&x)?.f_mul(&m)?.f_mul(&gate.forward(&x)?.f_sigmoid()?)?)
-        };
-        let left = gated(&self.left_projection, &self.left_gate)?;
-        let right = gated(&self.right_projection, &self.right_gate)?;
+        let left = gated(&x, &self.left_projection, &x, &self.left_gate, Some(&m), self.kernels)?;
+        let right = gated(&x, &self.right_projection, &x, &self.right_gate, Some(&m), self.kernels)?;
         // The sum over k needs the other endpoint's projections whole.
         let (right, rows) = match self.direction {
             Direction::Outgoing => (dap.all_gather(&right, 0)?, left.size()[0]),
@@ -75,9 +98,9 @@ impl TriangleMultiplication {
                     Tensor::f_einsum("kjc,kic->ijc", &[&left, &right.f_narrow(1, start, n)?], None::<&[i64]>)?
                 }
             };
-            let out = self.output_projection.forward(&self.center_layer_norm.forward(&prod)?)?;
-            let gate = self.gating_linear.forward(&x.f_narrow(0, start, n)?)?.f_sigmoid()?;
-            Ok(out.f_mul(&gate)?)
+            let normed = self.center_layer_norm.forward(&prod)?;
+            let rows = x.f_narrow(0, start, n)?;
+            gated(&normed, &self.output_projection, &rows, &self.gating_linear, None, self.kernels)
         })
     }
 }
@@ -113,7 +136,7 @@ impl TriangleAttention {
         let x = self.query_norm.forward(&pair)?;
         let local = Tensor::f_einsum("qkc,ch->hqk", &[&x, &self.feat_2d_weights], None::<&[i64]>)?;
         let bias = dap.all_gather(&local, 1)?;
-        let out = self.attention.forward(&x, &mask_bias(&mask)?, Some(&bias), chunk)?;
+        let out = self.attention.forward(&x, &mask, Some(&bias), chunk)?;
         Ok(match self.direction {
             Direction::Outgoing => out,
             Direction::Incoming => out.f_transpose(0, 1)?,
