@@ -35,8 +35,9 @@ pack() {
   # Evoformer's, and the kernels' PTX and parity tests (~5 MiB each; the kernel sources travel
   # inside the binaries and are compiled there by NVRTC; their CPU-only tests run in CI).
   test_binaries suite-tests '.' "$bin/tests"
-  # The Evoformer's fused-kernel test (its other tests are CPU ones CI runs).
+  # The apps' fused-kernel tests (the Evoformer's other tests are CPU ones CI runs).
   test_binaries fastfold '/evoformer-[0-9a-f]+$' "$bin/tests"
+  test_binaries vit '/kernels-[0-9a-f]+$' "$bin/tests"
   test_binaries kernels '/(ptx|parity)-[0-9a-f]+$' "$bin/kernels"
   # The apps and benchmarks in release, as users run them.
   cargo build --locked --release -p vit -p fastfold -p diffusion

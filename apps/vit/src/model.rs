@@ -191,6 +191,10 @@ pub trait Layers {
     /// A layer that takes its share of the input features and yields whole outputs
     /// (`attn.proj`, `mlp.fc2`).
     fn row(&self, p: nn::Path, inputs: i64, outputs: i64) -> anyhow::Result<Box<dyn Layer>>;
+    /// The MLP's first layer and its GELU (`mlp.fc1`): the column layer, then GELU.
+    fn column_gelu(&self, p: nn::Path, inputs: i64, outputs: i64) -> anyhow::Result<Box<dyn Layer>> {
+        Ok(Box::new(Gelu(self.column(p, inputs, outputs)?)))
+    }
     /// A block's LayerNorm (`norm1`, `norm2`).
     fn norm(&self, p: nn::Path, width: i64) -> anyhow::Result<Box<dyn Layer>> {
         Ok(Box::new(layer_norm(p, width)))
@@ -300,6 +304,28 @@ pub trait Region: std::fmt::Debug {
     fn leave(&self, x: Tensor) -> anyhow::Result<Tensor>;
 }
 
+/// A layer followed by GELU (the exact, erf form: timm's `nn.GELU`).
+#[derive(Debug)]
+struct Gelu(Box<dyn Layer>);
+
+impl Layer for Gelu {
+    fn forward(&self, x: &Tensor) -> anyhow::Result<Tensor> {
+        Ok(self.0.forward(x)?.f_gelu("none")?)
+    }
+}
+
+/// `nn.Linear` then GELU with the bias added by the fused `bias_gelu` kernel after a bias-free
+/// matmul (the same parameters, named as timm's `mlp.fc1`).
+#[derive(Debug)]
+struct FusedLinearGelu(nn::Linear);
+
+impl Layer for FusedLinearGelu {
+    fn forward(&self, x: &Tensor) -> anyhow::Result<Tensor> {
+        let bias = self.0.bs.as_ref().expect("timm's fc1 has a bias");
+        Ok(kernels::bias_gelu(&x.f_matmul(&self.0.ws.tr())?, bias, kernels::Backend::Fused)?)
+    }
+}
+
 /// The serial model's region: every token everywhere.
 #[derive(Debug)]
 struct Whole;
@@ -313,10 +339,11 @@ impl Region for Whole {
     }
 }
 
-/// The serial model's layers: timm's `nn.Linear`s, the blocks' LayerNorms run by `kernels` (the
-/// same parameters either way), and the default stem, head and attention.
+/// The serial model's layers: timm's `nn.Linear`s, the blocks' LayerNorms and the MLP's
+/// bias + GELU run by `kernels` (the same parameters either way), and the default stem, head and
+/// attention.
 pub struct Serial {
-    /// Which implementation runs the blocks' LayerNorms.
+    /// Which implementation runs the blocks' LayerNorms and the MLP's bias + GELU.
     pub kernels: kernels::Backend,
 }
 
@@ -325,6 +352,13 @@ impl Layers for Serial {
         Ok(match self.kernels {
             kernels::Backend::Torch => Box::new(layer_norm(p, width)),
             fused => Box::new(kernels::LayerNorm::new(p, width, LAYER_NORM_EPS, fused)),
+        })
+    }
+
+    fn column_gelu(&self, p: nn::Path, inputs: i64, outputs: i64) -> anyhow::Result<Box<dyn Layer>> {
+        Ok(match self.kernels {
+            kernels::Backend::Torch => Box::new(Gelu(Box::new(linear(p, inputs, outputs)))),
+            kernels::Backend::Fused => Box::new(FusedLinearGelu(linear(p, inputs, outputs))),
         })
     }
 
@@ -398,14 +432,14 @@ impl BlockLayers {
             norm1: layers.norm(&p / "norm1", cfg.width)?,
             attn: Attention::new(&p / "attn", cfg, layers)?,
             norm2: layers.norm(&p / "norm2", cfg.width)?,
-            fc1: layers.column(&p / "mlp" / "fc1", cfg.width, hidden)?,
+            fc1: layers.column_gelu(&p / "mlp" / "fc1", cfg.width, hidden)?,
             fc2: layers.row(&p / "mlp" / "fc2", hidden, cfg.width)?,
         })
     }
 
     fn forward(&self, x: &Tensor) -> anyhow::Result<Tensor> {
         let x = x + self.attn.forward(&self.norm1.forward(x)?)?;
-        let h = self.fc1.forward(&self.norm2.forward(&x)?)?.f_gelu("none")?;
+        let h = self.fc1.forward(&self.norm2.forward(&x)?)?;
         Ok(&x + self.fc2.forward(&h)?)
     }
 }

@@ -1,0 +1,37 @@
+//! On a GPU: the ViT with the fused kernels (the blocks' LayerNorms, the MLP's bias + GELU)
+//! equals the one with libtorch's compositions on the same parameters, logits and every
+//! parameter's gradient. Without a GPU the test returns with a notice (a failure under
+//! SUITE_REQUIRE_CUDA=1); scripts/gpu-check.sh packs and runs it.
+use tch::nn::VarStore;
+use tch::{Device, Kind, Tensor};
+use vit::model::{Vit, VitConfig};
+
+#[test]
+fn fused_kernels_equal_the_compositions_on_cuda() {
+    if !suite_tests::cuda_devices(1, "fused_kernels_equal_the_compositions_on_cuda") {
+        return;
+    }
+    let dev = Device::Cuda(0);
+    let cfg = VitConfig { image_size: 32, ..VitConfig::tiny(8) };
+    tch::manual_seed(3);
+    let images = Tensor::randn([5, 3, 32, 32], (Kind::Float, dev));
+    let run = |backend: kernels::Backend| {
+        tch::manual_seed(4);
+        let vs = VarStore::new(dev);
+        let model = Vit::with_kernels(&vs.root(), cfg, backend);
+        let logits = model.forward(&images).unwrap();
+        logits.square().sum(Kind::Float).backward();
+        let mut out = vec![("logits".to_string(), logits.detach())];
+        let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        out.extend(named.into_iter().map(|(n, t)| (n, t.grad())));
+        out
+    };
+    let (fused, torch) = (run(kernels::Backend::Fused), run(kernels::Backend::Torch));
+    assert_eq!(fused.len(), torch.len());
+    for ((name, a), (_, b)) in fused.iter().zip(&torch) {
+        let scale = b.abs().max().double_value(&[]).max(1e-3);
+        let d = (a - b).abs().max().double_value(&[]);
+        assert!(d <= 1e-4 * scale, "{name}: differs by {d:e} (scale {scale:e}, tolerance 1e-4 of it)");
+    }
+}
