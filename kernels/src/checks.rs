@@ -48,6 +48,17 @@ pub(crate) fn rows_cols(op: &str, t: &Tensor) -> Result<(i64, i64)> {
     Ok((rows, cols))
 }
 
+/// What an element-wise kernel over `tensors` needs, the first being `x` [.., cols] whose dtype
+/// the others share: their device (each checked by [`cuda_device`]), the kernel name suffix of
+/// the dtype, `cols` and the element count of `x`.
+pub(crate) fn elementwise(op: &str, tensors: &[(&str, &Tensor)]) -> Result<(usize, &'static str, i64, i64)> {
+    let (name, x) = tensors[0];
+    let device = cuda_device(op, Some(x.kind()), tensors)?;
+    let suffix = dtype(op, name, x)?;
+    let (_, cols) = rows_cols(op, x)?;
+    Ok((device, suffix, cols, x.numel() as i64))
+}
+
 /// `a / b` rounded up, for positive `b`.
 pub(crate) fn ceil_div(a: i64, b: i64) -> i64 {
     (a + b - 1) / b

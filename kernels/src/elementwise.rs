@@ -2,7 +2,7 @@
 //! `gelu(x + bias)` and `residual + dropout(x + bias)`.
 use tch::{Device, Kind, Tensor};
 
-use crate::checks::{cuda_device, dtype, grid_blocks, rows_cols, with_grad};
+use crate::checks::{elementwise, grid_blocks, with_grad};
 use crate::error::ensure;
 use crate::kernel::{Args, Kernel};
 use crate::{Backend, Result};
@@ -52,10 +52,7 @@ pub fn bias_gelu(x: &Tensor, bias: &Tensor, backend: Backend) -> Result<Tensor> 
     }
     let x = x.f_contiguous()?;
     let b = bias.f_contiguous()?;
-    let device = cuda_device(OP, Some(x.kind()), &[("x", &x), ("bias", &b)])?;
-    let suffix = dtype(OP, "x", &x)?;
-    let (_, cols) = rows_cols(OP, &x)?;
-    let n = x.numel() as i64;
+    let (device, suffix, cols, n) = elementwise(OP, &[("x", &x), ("bias", &b)])?;
     let y = x.f_empty_like()?;
     if n > 0 {
         let mut a = Args::default().tensor(&x).tensor(&b).tensor(&y).i64(n).i32(cols as i32);
@@ -109,10 +106,7 @@ pub fn bias_dropout_residual(
     let x = x.f_contiguous()?;
     let b = bias.f_contiguous()?;
     let r = residual.f_contiguous()?;
-    let device = cuda_device(OP, Some(x.kind()), &[("x", &x), ("bias", &b), ("residual", &r)])?;
-    let suffix = dtype(OP, "x", &x)?;
-    let (_, cols) = rows_cols(OP, &x)?;
-    let n = x.numel() as i64;
+    let (device, suffix, cols, n) = elementwise(OP, &[("x", &x), ("bias", &b), ("residual", &r)])?;
     let y = x.f_empty_like()?;
     if n > 0 {
         let mut a = Args::default()

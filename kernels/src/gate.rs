@@ -6,7 +6,7 @@
 //! operations and keeps their intermediates.
 use tch::Tensor;
 
-use crate::checks::{cuda_device, dtype, grid_blocks, rows_cols, with_grad};
+use crate::checks::{elementwise, grid_blocks, with_grad};
 use crate::elementwise::{bias_grad, check_bias};
 use crate::error::ensure;
 use crate::kernel::{Args, Kernel};
@@ -64,10 +64,7 @@ pub fn sigmoid_gate(
     if let Some(m) = &m {
         named.push(("mask", m));
     }
-    let device = cuda_device(OP, Some(x.kind()), &named)?;
-    let suffix = dtype(OP, "x", &x)?;
-    let (_, cols) = rows_cols(OP, &x)?;
-    let n = x.numel() as i64;
+    let (device, suffix, cols, n) = elementwise(OP, &named)?;
     let y = x.f_empty_like()?;
     if n > 0 {
         let mut a = Args::default()
