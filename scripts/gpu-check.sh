@@ -38,7 +38,7 @@ pack() {
   # The apps' fused-kernel tests (the Evoformer's other tests are CPU ones CI runs).
   test_binaries fastfold '/evoformer-[0-9a-f]+$' "$bin/tests"
   test_binaries vit '/kernels-[0-9a-f]+$' "$bin/tests"
-  test_binaries kernels '/(ptx|parity)-[0-9a-f]+$' "$bin/kernels"
+  test_binaries kernels '/(ptx|parity|engine_optimizers)-[0-9a-f]+$' "$bin/kernels"
   # The apps and benchmarks in release, as users run them.
   cargo build --locked --release -p vit -p fastfold -p diffusion
   for app in vit fastfold diffusion; do cp "target/release/$app" "$bin/" && strip "$bin/$app"; done

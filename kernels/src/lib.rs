@@ -31,7 +31,7 @@ pub use gate::sigmoid_gate;
 pub use kernel::Kernel;
 pub use layer_norm::{layer_norm, LayerNorm};
 pub use nvrtc::{nvrtc, Nvrtc, NVRTC_ENV};
-pub use optim::{adamw_step, lamb_step, lars_step, LarsTensors, OptimTensors};
+pub use optim::{adamw_step, install_optimizer_steps, lamb_step, lars_step, LarsTensors, MultiTensor, OptimTensors};
 
 use tch::Device;
 

@@ -1,6 +1,7 @@
 //! Multi-tensor AdamW, LAMB and LARS: one launch updates every parameter (LAMB and LARS: two,
 //! the second after the per-tensor norms are known), through a table of the tensors' addresses.
 //! The arithmetic is the engine's (`engine::optim`), with its configurations.
+use engine::optim::fused::{MultiTensorSteps, Rule, StepTensors};
 use engine::optim::{AdamWConfig, LambConfig, LarsConfig};
 use tch::{Device, Kind, Tensor};
 
@@ -237,6 +238,59 @@ pub fn lars_step(tensors: &[LarsTensors], cfg: &LarsConfig, step: i32, backend: 
             KERNEL.launch("lars_apply_f32", table.device, table.grid(), THREADS, &mut a)
         }
     })
+}
+
+/// [`adamw_step`], [`lamb_step`] and [`lars_step`] as the engine's multi-tensor steps
+/// (`engine::optim::fused::install`): an app run with `--kernels fused` installs them with
+/// [`Backend::Fused`], and the tensor optimizers of data parallelism and ZeRO then step every
+/// CUDA parameter in one launch (two for LAMB and LARS). With [`Backend::Torch`] they take f32
+/// tensors anywhere (the tests' way to check the engine's side on the CPU).
+#[derive(Debug)]
+pub struct MultiTensor(pub Backend);
+
+impl MultiTensorSteps for MultiTensor {
+    fn accepts(&self, t: &Tensor) -> bool {
+        (self.0 == Backend::Torch || t.device().is_cuda()) && t.kind() == Kind::Float && t.is_contiguous()
+    }
+
+    fn step(&self, rule: Rule, tensors: &[StepTensors], step: i32) -> engine::Result<()> {
+        fn state<'a>(t: &StepTensors<'a>, slot: usize) -> Result<&'a Tensor> {
+            t.state[slot].ok_or_else(|| Error::invalid(format!("Adam's state slot {slot} is missing")))
+        }
+        let adam = || -> Result<Vec<OptimTensors>> {
+            tensors
+                .iter()
+                .map(|t| {
+                    Ok(OptimTensors {
+                        param: t.param,
+                        grad: t.grad,
+                        exp_avg: state(t, 0)?,
+                        exp_avg_sq: state(t, 1)?,
+                        adapt: t.adapt,
+                    })
+                })
+                .collect()
+        };
+        let done = match rule {
+            Rule::AdamW(c) => adamw_step(&adam()?, &c, step, self.0),
+            Rule::Lamb(c) => lamb_step(&adam()?, &c, step, self.0),
+            Rule::Lars(c) => {
+                let lars: Vec<LarsTensors> = tensors
+                    .iter()
+                    .map(|t| LarsTensors { param: t.param, grad: t.grad, momentum_buffer: t.state[0], adapt: t.adapt })
+                    .collect();
+                lars_step(&lars, &c, step, self.0)
+            }
+        };
+        Ok(done?)
+    }
+}
+
+/// What an app's `--kernels` choice means for the engine's optimizers: the fused multi-tensor
+/// steps installed (`engine::optim::fused`) for [`Backend::Fused`], none for the compositions.
+pub fn install_optimizer_steps(backend: Backend) {
+    let fused = backend == Backend::Fused;
+    engine::optim::fused::install(fused.then(|| std::sync::Arc::new(MultiTensor(backend)) as _));
 }
 
 fn check(op: &str, tensors: &[OptimTensors], step: i32) -> Result<()> {

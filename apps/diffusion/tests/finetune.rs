@@ -282,6 +282,19 @@ fn the_command_trains_logs_validates_and_saves() {
         out.to_str().unwrap(),
     ]);
     assert!(!ok && text.contains("--gpu-mem 4X"), "{text}");
+    let (ok, text) = finetune(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--kernels",
+        "fused",
+        "--device",
+        "cpu",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(!ok && text.contains("--kernels fused needs a CUDA device"), "{text}");
     let missing = dir.join("nothing");
     let (ok, text) = finetune(&[
         "--model",

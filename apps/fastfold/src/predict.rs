@@ -114,7 +114,7 @@ impl Model {
         several: bool,
         kind: Kind,
         device: Device,
-        kernels: kernels::Backend,
+        backend: kernels::Backend,
     ) -> anyhow::Result<Model> {
         if several && args.input.preset.is_some() {
             bail!("--preset names one preset, but --params {} gives several models", args.params.display());
@@ -125,7 +125,7 @@ impl Model {
         if let Some(n) = args.structure_iterations {
             sizes.structure_iterations = n;
         }
-        let params = loaded.to_kind(kind)?.to_device(device, false)?.with_kernels(kernels);
+        let params = loaded.to_kind(kind)?.to_device(device, false)?.with_kernels(backend);
         let net =
             AlphaFold::with_preset(&params, &sizes).with_context(|| format!("parameters {}", file.path.display()))?;
         Ok(Model { name: file.name.clone(), preset, net })
@@ -207,7 +207,7 @@ struct Runner<'a> {
 
 impl<'a> Runner<'a> {
     fn new(args: &'a PredictArgs, world: &'a World) -> anyhow::Result<Self> {
-        let (device, dap, kernels) = args.chunk.setup(&args.launch, world)?;
+        let (device, dap, backend) = args.chunk.setup(&args.launch, world)?;
         let tolerance = args.recycle_early_stop_tolerance;
         if !(tolerance.is_finite() && tolerance >= 0.0) {
             bail!("--recycle-early-stop-tolerance must be a distance in Å, 0 or more, not {tolerance}");
@@ -219,7 +219,7 @@ impl<'a> Runner<'a> {
         let files = models::resolve(&args.params, args.models.as_deref())?;
         let models = files
             .iter()
-            .map(|f| Model::load(args, f, files.len() > 1, kind, device, kernels))
+            .map(|f| Model::load(args, f, files.len() > 1, kind, device, backend))
             .collect::<anyhow::Result<Vec<_>>>()?;
         let processed_recycles = match &args.input.features {
             Some(_) => None,

@@ -250,10 +250,11 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
     if args.steps == 0 {
         bail!("--steps must be at least 1");
     }
-    let (device, dap, kernels) = args.chunk.setup(&args.job.launch, world)?;
+    let (device, dap, backend) = args.chunk.setup(&args.job.launch, world)?;
+    kernels::install_optimizer_steps(backend);
     let params = Params::load_model(&args.params)
         .with_context(|| format!("--params {}", args.params.display()))?
-        .with_kernels(kernels);
+        .with_kernels(backend);
     let preset = args.input.preset(&params, &args.params)?;
     let mut inputs = args.input.load(args.recycles, preset, device)?;
     if inputs.len() != 1 {

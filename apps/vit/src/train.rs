@@ -323,6 +323,7 @@ impl<'a> Trainer<'a> {
             );
         }
         let backend = kernels::Backend::resolve(args.kernels, device)?;
+        kernels::install_optimizer_steps(backend);
         let kind = args.precision.precision.kind();
         let seed = args.seed.seed;
         let sampler = DistributedSampler {

@@ -87,6 +87,11 @@ impl AdamMoments {
         self.step
     }
 
+    /// Both moments' slots, one per parameter (for a multi-tensor step).
+    pub(crate) fn slots(&mut self) -> [&mut [Option<Tensor>]; 2] {
+        [&mut self.m, &mut self.v]
+    }
+
     /// Updates parameter `i`'s moments (zero before its first gradient) with gradient `g`.
     pub(crate) fn update(&mut self, i: usize, adam: &Adam<f64>, g: &Tensor) -> Result<(&Tensor, &Tensor)> {
         let m = state_for(&mut self.m[i], g)?;

@@ -1,6 +1,7 @@
 //! AdamW (Loshchilov & Hutter): Adam with weight decay applied to the weights directly.
 use super::adam::{Adam, AdamMoments};
 use super::elementwise::{Elementwise, Scalar};
+use super::fused::{self, Rule};
 use super::{Optimizer, Param};
 use crate::Result;
 
@@ -87,6 +88,9 @@ impl AdamW {
 impl Optimizer for AdamW {
     fn step(&mut self) -> Result<()> {
         let step = self.moments.next_step();
+        if fused::try_step(Rule::AdamW(self.cfg), &self.params, self.moments.slots(), [true, true], step)? {
+            return Ok(());
+        }
         tch::no_grad(|| -> Result<()> {
             for (i, p) in self.params.iter().enumerate() {
                 let g = p.tensor.grad();

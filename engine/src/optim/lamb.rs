@@ -3,6 +3,7 @@
 //! ||w|| / ||r||.
 use super::adam::{Adam, AdamMoments};
 use super::elementwise::{Elementwise, Scalar};
+use super::fused::{self, Rule};
 use super::{norms, Optimizer, Param};
 use crate::Result;
 
@@ -106,6 +107,9 @@ impl Lamb {
 impl Optimizer for Lamb {
     fn step(&mut self) -> Result<()> {
         let step = self.moments.next_step();
+        if fused::try_step(Rule::Lamb(self.cfg), &self.params, self.moments.slots(), [true, true], step)? {
+            return Ok(());
+        }
         tch::no_grad(|| -> Result<()> {
             for (i, p) in self.params.iter().enumerate() {
                 let g = p.tensor.grad();

@@ -4,6 +4,7 @@
 use tch::Tensor;
 
 use super::elementwise::{Elementwise, Scalar};
+use super::fused::{self, Rule};
 use super::state::{bytes_of, slots_from_state, slots_to_state, state_for};
 use super::{norms, Optimizer, Param};
 use crate::Result;
@@ -113,6 +114,19 @@ impl Lars {
 
 impl Optimizer for Lars {
     fn step(&mut self) -> Result<()> {
+        // A multi-tensor step marks every buffer's first step or none: it takes the parameters
+        // with a gradient only when their buffers are all new or all running.
+        let with_grad = self.params.iter().zip(&self.momentum).filter(|(p, _)| p.tensor.grad().defined());
+        let fresh: Vec<bool> = with_grad.map(|(_, b)| b.is_none()).collect();
+        if self.cfg.momentum == 0.0 || fresh.iter().all(|&f| f) || fresh.iter().all(|&f| !f) {
+            let step = if fresh.first() == Some(&true) { 1 } else { 2 };
+            let momentum = self.cfg.momentum != 0.0;
+            let mut unused: Vec<Option<Tensor>> = self.params.iter().map(|_| None).collect();
+            let slots = [self.momentum.as_mut_slice(), unused.as_mut_slice()];
+            if fused::try_step(Rule::Lars(self.cfg), &self.params, slots, [momentum, false], step)? {
+                return Ok(());
+            }
+        }
         tch::no_grad(|| -> Result<()> {
             for (i, p) in self.params.iter().enumerate() {
                 let g = p.tensor.grad();

@@ -12,6 +12,9 @@
 //! - [`flat::DeviceOptimizer`]: flat fp32 tensors where they live, with the host kernels'
 //!   rounding (both step Gemini's chunks, and their trust ratios add over shards).
 //!
+//! An app with fused multi-tensor kernels installs them ([`fused::install`]); the tensor
+//! optimizers then step every parameter in one call where those kernels take the tensors.
+//!
 //! Following common practice (timm, the LAMB paper's BERT setup), weight decay and the
 //! layer-wise trust ratio apply only to parameters marked `adapt`: by default every parameter
 //! of two or more dimensions, so biases and normalisation weights are left alone.
@@ -20,6 +23,7 @@ mod adamw;
 mod clip;
 mod elementwise;
 pub mod flat;
+pub mod fused;
 mod lamb;
 mod lars;
 pub mod precision;

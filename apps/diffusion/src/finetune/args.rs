@@ -68,6 +68,10 @@ pub struct FinetuneArgs {
     /// Cap on the device memory of the job (e.g. 4G); Gemini places the chunks to fit it.
     #[arg(long)]
     pub gpu_mem: Option<String>,
+    /// AdamW over Gemini's chunks on the GPU: the fused multi-tensor kernel or libtorch's
+    /// tensor operations (default: fused on CUDA, torch elsewhere).
+    #[arg(long, value_enum)]
+    pub kernels: Option<kernels::Backend>,
     /// Train LoRA adapters of this rank on the attention projections instead of the whole UNet
     /// (saved as `pytorch_lora_weights.safetensors`).
     #[arg(long)]

@@ -236,6 +236,7 @@ impl<'a> Trainer<'a> {
     pub fn new(args: &'a FinetuneArgs, world: &'a World) -> anyhow::Result<Trainer<'a>> {
         args.check()?;
         let device = args.job.launch.device(world)?;
+        kernels::install_optimizer_steps(kernels::Backend::resolve(args.kernels, device)?);
         let cap =
             args.gpu_mem.as_deref().map(|s| parse_bytes(s).with_context(|| format!("--gpu-mem {s}"))).transpose()?;
         if let Some(b) = cap {

@@ -4,6 +4,7 @@
 use tch::{Kind, Tensor};
 
 use super::{CpuRule, Segment};
+use crate::optim::fused::{self, Rule, StepTensors};
 use crate::Result;
 
 /// An optimizer stepping flat tensors (one chunk's home or shard) in place, its state in flat
@@ -105,8 +106,14 @@ impl DeviceOptimizer {
     }
 
     /// Second half of a step: the update, with the whole parameters' sums (`[segments, 2]`);
-    /// clears `g` for the next accumulation (as [`super::HostOptimizer::finish`] does).
+    /// clears `g` for the next accumulation (as [`super::HostOptimizer::finish`] does). AdamW,
+    /// which needs no norms, runs through the installed multi-tensor steps when they take the
+    /// segments (see [`crate::optim::fused`]); LAMB's and LARS's norms may span shards, so they
+    /// keep the tensor operations.
     pub fn finish(&mut self, w: &Tensor, g: &Tensor, sums: &[[f64; 2]]) -> Result<()> {
+        if self.finish_multi_tensor(w, g)? {
+            return Ok(g.shallow_clone().f_zero_().map(drop)?);
+        }
         tch::no_grad(|| -> Result<()> {
             for (seg, sums) in self.segments.iter().zip(sums) {
                 let [mut w, g, mut m, mut v] = self.views(seg, w, g)?;
@@ -127,6 +134,24 @@ impl DeviceOptimizer {
             g.shallow_clone().f_zero_().map(drop)?;
             Ok(())
         })
+    }
+}
+
+impl DeviceOptimizer {
+    /// AdamW over every segment in one call of the installed multi-tensor steps; whether it ran.
+    fn finish_multi_tensor(&self, w: &Tensor, g: &Tensor) -> Result<bool> {
+        let (CpuRule::AdamW(c), Some(steps)) = (self.rule, fused::installed()) else { return Ok(false) };
+        let views = self.segments.iter().map(|s| self.views(s, w, g)).collect::<Result<Vec<_>>>()?;
+        if views.is_empty() || !views.iter().flatten().all(|t| steps.accepts(t)) {
+            return Ok(false);
+        }
+        let tensors: Vec<StepTensors> = views
+            .iter()
+            .zip(&self.segments)
+            .map(|([w, g, m, v], s)| StepTensors { param: w, grad: g, state: [Some(m), Some(v)], adapt: s.adapt })
+            .collect();
+        tch::no_grad(|| steps.step(Rule::AdamW(c), &tensors, self.step))?;
+        Ok(true)
     }
 }
 
