@@ -103,6 +103,22 @@ fn main() -> anyhow::Result<()> {
     })?;
     drop((x, dy));
 
+    // The whole attention at the same sizes, head width 32: [128, 8, 256, 32] queries, keys and
+    // values; the composition materialises the [128, 8, 256, 256] weights, the fused kernel not.
+    let (qkv, bias) = ([s, h, r, 32], t(&[h, r, r], true));
+    let (qt, kt, vt) = (t(&qkv, true), t(&qkv, true), t(&qkv, true));
+    let dout = Tensor::randn(qkv, (k, dev));
+    let io = 4.0 * (s * h * r * 32) as f64 * e + (h * r * r) as f64 * e;
+    row("memory-efficient attention forward", io, n, &|b| {
+        let _ = tch::no_grad(|| kernels::memory_efficient_attention(&qt, &kt, &vt, 0.18, Some(&mask), Some(&bias), b))?;
+        Ok(())
+    })?;
+    row("memory-efficient attention forward + backward", 3.0 * io, n, &|b| {
+        let y = kernels::memory_efficient_attention(&qt, &kt, &vt, 0.18, Some(&mask), Some(&bias), b)?;
+        with_backward(y, &dout)
+    })?;
+    drop((qt, kt, vt, dout));
+
     // Triangle multiplication's gated projection at 256 residues, 128 channels: pair [256, 256, 128].
     let (x, g, xb, gb) = (t(&[r, r, 128], true), t(&[r, r, 128], true), t(&[128], true), t(&[128], true));
     let pair_mask = Tensor::ones([r, r], (k, dev));

@@ -5,6 +5,8 @@
 //! against.
 //!
 //! - [`attention_softmax`]: Evoformer attention's scale + mask + pair bias + softmax;
+//! - [`memory_efficient_attention`]: the whole attention with mask and pair bias, without
+//!   materialising the weights;
 //! - [`layer_norm`] (and the [`LayerNorm`] layer);
 //! - [`bias_gelu`] and [`bias_dropout_residual`];
 //! - [`sigmoid_gate`]: triangle multiplication's gated projections, the output gates;
@@ -20,6 +22,7 @@ mod error;
 mod gate;
 mod kernel;
 mod layer_norm;
+mod memory_efficient;
 mod nvrtc;
 mod optim;
 
@@ -30,14 +33,21 @@ pub use error::{Error, Result};
 pub use gate::sigmoid_gate;
 pub use kernel::Kernel;
 pub use layer_norm::{layer_norm, LayerNorm};
+pub use memory_efficient::memory_efficient_attention;
 pub use nvrtc::{nvrtc, Nvrtc, NVRTC_ENV};
 pub use optim::{adamw_step, install_optimizer_steps, lamb_step, lars_step, LarsTensors, MultiTensor, OptimTensors};
 
 use tch::Device;
 
 /// Every kernel source, for the compile checks.
-pub const ALL: &[&Kernel] =
-    &[&attention::KERNEL, &layer_norm::KERNEL, &elementwise::KERNEL, &gate::KERNEL, &optim::KERNEL];
+pub const ALL: &[&Kernel] = &[
+    &attention::KERNEL,
+    &memory_efficient::KERNEL,
+    &layer_norm::KERNEL,
+    &elementwise::KERNEL,
+    &gate::KERNEL,
+    &optim::KERNEL,
+];
 
 /// Which implementation an operation runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]

@@ -58,6 +58,37 @@ fn attention_softmax_equals_the_written_out_softmax() {
 }
 
 #[test]
+fn memory_efficient_attention_equals_the_written_out_attention() {
+    let _rng = rng();
+    tch::manual_seed(9);
+    let (b, h, nq, nk, d) = (2, 3, 5, 7, 4);
+    let (q, k, v) = (leaf(&[b, h, nq, d]), leaf(&[b, h, nk, d]), leaf(&[b, h, nk, d]));
+    let mask = Tensor::from_slice(&[1f32, 1., 0., 1., 1., 0., 1.]).repeat([b, 1]);
+    for bias_shape in [vec![h, nq, nk], vec![b, h, nq, nk]] {
+        let bias = leaf(&bias_shape);
+        let y = kernels::memory_efficient_attention(&q, &k, &v, 0.5, Some(&mask), Some(&bias), Backend::Torch).unwrap();
+        let d64 = |t: &Tensor| t.to_kind(Kind::Double);
+        let z = d64(&q).matmul(&d64(&k).transpose(-2, -1)) * 0.5
+            + (d64(&mask) - 1.0).reshape([b, 1, 1, nk]) * 1e9
+            + d64(&bias);
+        let e = (&z - z.amax([-1], true)).exp();
+        let want = (&e / e.sum_dim_intlist(-1, true, Kind::Double)).matmul(&d64(&v));
+        assert_close(&y, &want, 1e-6, "out");
+        let dy = Tensor::randn(y.size(), (Kind::Float, Device::Cpu));
+        let inputs = [&q, &k, &v, &bias];
+        let (got, want) = (grads(&y, &dy, &inputs), grads(&want, &dy.to_kind(Kind::Double), &inputs));
+        for (i, name) in ["dq", "dk", "dv", "dbias"].iter().enumerate() {
+            assert_close(&got[i], &want[i], 1e-5, name);
+        }
+    }
+    let err = kernels::memory_efficient_attention(&q, &k, &v.narrow(2, 0, 3), 1.0, None, None, Backend::Torch);
+    assert!(err.unwrap_err().to_string().contains("memory_efficient_attention: v is [2, 3, 3, 4], k is [2, 3, 7, 4]"));
+    let wide = Tensor::zeros([1, 1, 2, 65], (Kind::Float, Device::Cpu));
+    let err = kernels::memory_efficient_attention(&wide, &wide, &wide, 1.0, None, None, Backend::Fused).unwrap_err();
+    assert!(err.to_string().contains("at most 64"), "{err}");
+}
+
+#[test]
 fn layer_norm_equals_the_written_out_normalisation() {
     let _rng = rng();
     tch::manual_seed(1);

@@ -168,6 +168,31 @@ fn bias_gelu_matches() {
 }
 
 #[test]
+fn memory_efficient_attention_matches() {
+    let _rng = rng();
+    let Some(dev) = gpu("memory_efficient_attention_matches") else { return };
+    tch::manual_seed(10);
+    // Odd sizes around the warp's 32 lanes; AlphaFold's head widths 32 and 8, ViT's 64; a bias
+    // shared across the batch (pair bias) and one per row; masks with dropped keys.
+    for (b, h, nq, nk, d, shared) in [(3, 4, 37, 45, 32, true), (2, 2, 33, 31, 8, false), (1, 3, 5, 70, 64, true)] {
+        let mask = randn(&[b, nk], dev, false).ge(-1.0).to_kind(Kind::Float);
+        let bias_shape = if shared { vec![h, nq, nk] } else { vec![b, h, nq, nk] };
+        let f = |t: &[Tensor], backend| {
+            let m = t[4].to_kind(t[0].kind());
+            kernels::memory_efficient_attention(&t[0], &t[1], &t[2], 0.3, Some(&m), Some(&t[3]), backend).unwrap()
+        };
+        let inputs = [
+            randn(&[b, h, nq, d], dev, true),
+            randn(&[b, h, nk, d], dev, true),
+            randn(&[b, h, nk, d], dev, true),
+            randn(&bias_shape, dev, true),
+            mask,
+        ];
+        check(&format!("memory_efficient_attention {b}x{h}x{nq}x{nk}x{d}"), &f, &inputs, &[b, h, nq, d]);
+    }
+}
+
+#[test]
 fn sigmoid_gate_matches() {
     let _rng = rng();
     let Some(dev) = gpu("sigmoid_gate_matches") else { return };
