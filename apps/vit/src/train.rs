@@ -34,6 +34,7 @@ use crate::datasets::{probe, DataArgs, Splits, Transforms};
 use crate::metrics::Record;
 use crate::model::{correct_top_k, Vit, VitConfig};
 use crate::pipeline_parallel::{self, Model, PipelineArgs, SchedulePick};
+use crate::plan::PlannerMode;
 use crate::tensor_parallel::{ParallelArgs, Sharding};
 
 /// Keys mixup's draws apart from the other streams of the same seed.
@@ -119,7 +120,10 @@ pub struct PretrainArgs {
     pub gradient_checkpointing: bool,
     /// `plan`: print the automatic planner's layout, ZeRO stage and checkpointed blocks for
     /// --nproc, --batch and the model (on --cluster), with predicted time and memory and the
-    /// runners-up, and exit without training.
+    /// runners-up, and exit without training. `auto`: print the plan and train with it (the
+    /// plan sets --tp, --tp-mode, --tp-depth, --sp, --pp, --micro-batch, --zero and
+    /// --gradient-checkpointing; giving any of those, or --sequence-parallel, --sp-mode,
+    /// --schedule or --virtual-stages, beside it is an error naming the flag).
     #[arg(long = "parallel", value_enum)]
     pub planner: Option<crate::plan::PlannerMode>,
     /// The cluster the planner models (`cluster.json`: nodes, devices_per_node, memory_bytes,
@@ -623,8 +627,23 @@ impl<'a> Trainer<'a> {
     }
 }
 
-/// Runs `vit pretrain` as one rank of `world`.
+/// Runs `vit pretrain` as one rank of `world`. Under `--parallel auto` the planner's plan for
+/// the world's ranks fills in the layout flags first (rank 0 prints it), and the run is then
+/// the manual flags' run.
 pub fn pretrain(args: &PretrainArgs, world: &World) -> anyhow::Result<Trained> {
+    let planned;
+    let args = match args.planner {
+        None => args,
+        Some(PlannerMode::Plan) => bail!("--parallel plan prints the plan without training; use --parallel auto"),
+        Some(PlannerMode::Auto) => {
+            let (applied, _, text) = crate::plan::apply(args, world.size())?;
+            if world.rank() == 0 {
+                print!("{text}--parallel auto: training with the plan above\n");
+            }
+            planned = applied;
+            &planned
+        }
+    };
     let mut trainer = Trainer::new(args, world)?;
     if args.resume {
         trainer.resume()?;
