@@ -16,7 +16,7 @@ const LINE: &str = "--steps 3 --optimizer lamb --clip-grad 0.5";
 
 /// A device of 2 MB: 4 data-parallel replicas of the digits model (a batch of 8 each, LAMB's
 /// state whole or ZeRO-sharded) do not fit, so the planner has to split the model (it picks
-/// 2 pipeline stages x 2 replicas under ZeRO-2 with the default cluster's figures).
+/// 2 pipeline stages x 2 replicas with the default cluster's figures).
 const TIGHT: &str = r#"{"memory_bytes": 2e6}"#;
 
 dist_test!(auto_runs_the_planner_best_plan_and_matches_one_process, 4, |world| {
