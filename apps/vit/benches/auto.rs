@@ -15,16 +15,15 @@
 //! of the loss, so the ranks leave it together. Peak memory: the engine's host allocator
 //! counter (bytes held by tensors: weights, gradients, optimizer state, activations, message
 //! buffers) over the measured steps, the largest over the ranks. The prediction is for the
-//! cluster given with --cluster, else the planner's default one with `--nproc` devices: its
-//! FLOP/s and link figures are assumed, not measured on this machine, so the time error is
-//! mostly that scale; the ranking of layouts is what the planner needs right.
+//! cluster given with --cluster, else for the default one with this machine's matmul FLOP/s
+//! and link latency and bandwidth measured by the ranks first, as `--parallel auto` does.
 use std::time::Instant;
 
 use anyhow::Context;
 use clap::Parser;
-use engine::dist::{self, InitOptions, ReduceOp, SpawnOptions};
-use engine::planner::{estimate, plans, Cluster, Estimate, Plan};
-use tch::Tensor;
+use engine::dist::{self, InitOptions, ReduceOp, SpawnOptions, World};
+use engine::planner::{estimate, plans, Estimate, Plan};
+use tch::{Device, Tensor};
 use vit::plan::{choose, runs, with_plan};
 use vit::profile::planner_model;
 use vit::train::{PretrainArgs, Trainer};
@@ -64,13 +63,13 @@ struct Row {
     loss: f64,
 }
 
-/// Every plan vit runs on the job's ranks that the planner says fits, with its estimate.
-fn layouts(args: &PretrainArgs, nproc: usize) -> anyhow::Result<(Vec<(Plan, Estimate)>, Plan)> {
-    let (cfg, solution) = choose(args, nproc)?;
-    let cluster = match &args.cluster {
-        Some(path) => Cluster::load(path)?,
-        None => Cluster { devices_per_node: nproc, ..Cluster::default() },
-    };
+/// Every plan vit runs on the job's ranks that the planner says fits, with its estimate, the
+/// planner's choice and where the cluster's figures come from (a collective: the ranks
+/// measure the machine together unless --cluster is given).
+fn layouts(args: &PretrainArgs, world: &World) -> anyhow::Result<(Vec<(Plan, Estimate)>, Plan, String)> {
+    let nproc = world.size();
+    let (cluster, line) = vit::plan::cluster(args, nproc, Some(&world.group), Device::Cpu)?;
+    let (cfg, solution) = choose(args, nproc, &cluster)?;
     let model = planner_model(&cfg, args.batch);
     let mut out = Vec::new();
     for plan in plans(&model, nproc, &|p| runs(&cfg, p, args.batch)) {
@@ -79,7 +78,7 @@ fn layouts(args: &PretrainArgs, nproc: usize) -> anyhow::Result<(Vec<(Plan, Esti
             out.push((plan, e));
         }
     }
-    Ok((out, solution.best.plan))
+    Ok((out, solution.best.plan, line))
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -96,7 +95,10 @@ fn rank_main(args: &Args, out: &std::path::Path) -> anyhow::Result<()> {
     let world = dist::init(&InitOptions::default())?;
     engine::host_memory::track()?;
     tch::set_num_threads(i32::try_from(args.threads)?);
-    let (cases, auto) = layouts(&args.pretrain, world.size())?;
+    let (cases, auto, cluster) = layouts(&args.pretrain, &world)?;
+    if world.rank() == 0 {
+        eprintln!("[bench] {} layouts fit; the planner's choice: {auto}\n[bench] {cluster}", cases.len());
+    }
     let mut rows = Vec::new();
     for (i, (plan, predicted)) in cases.into_iter().enumerate() {
         let mut run = with_plan(&args.pretrain, &plan);
@@ -124,7 +126,7 @@ fn rank_main(args: &Args, out: &std::path::Path) -> anyhow::Result<()> {
         rows.push(row);
     }
     if world.rank() == 0 {
-        let text = table(args, world.size(), &rows, &auto)?;
+        let text = cluster + &table(args, world.size(), &rows, &auto)?;
         std::fs::write(out, text).with_context(|| format!("writing {}", out.display()))?;
     }
     Ok(())
@@ -193,8 +195,6 @@ fn main() -> anyhow::Result<()> {
     }
     anyhow::ensure!(args.measured_steps >= 1 && args.threads >= 1, "--measured-steps and --threads must be positive");
     let nproc = args.pretrain.job.launch.nproc;
-    let (cases, auto) = layouts(&args.pretrain, nproc)?;
-    eprintln!("[bench] {} layouts fit on {nproc} ranks; the planner's choice: {auto}", cases.len());
     let out = std::env::temp_dir().join(format!("bench-vit-auto-{}.md", std::process::id()));
     let spawned = dist::spawn(&SpawnOptions {
         nproc,

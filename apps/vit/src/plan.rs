@@ -2,7 +2,9 @@
 //! checkpointed blocks for the ranks, `--batch` and the model, printed without training
 //! (`plan`, for `--nproc`) or filled into the layout flags and trained with (`auto`, for the
 //! job's ranks; see [`apply`]).
-use engine::planner::{solve, Cluster, Plan, Solution, TpMode};
+use engine::dist::{ProcessGroup, World};
+use engine::planner::{calibrate, solve, Cluster, Plan, Solution, TpMode};
+use tch::Device;
 
 use crate::model::VitConfig;
 use crate::profile::planner_model;
@@ -39,35 +41,77 @@ fn layout_flags(args: &PretrainArgs) -> [(&'static str, bool); 12] {
     ]
 }
 
-/// The model's config and the planner's solution for `args` on `nproc` ranks. A layout flag
-/// set beside `--parallel` is an error naming it: the planner chooses all of them together,
-/// and honouring one as a constraint would hide that the rest were chosen around it.
-pub fn choose(args: &PretrainArgs, nproc: usize) -> anyhow::Result<(VitConfig, Solution)> {
+/// Errors unless every layout flag is at its default: the planner chooses all of them
+/// together, and honouring one as a constraint would hide that the rest were chosen around it.
+pub fn check_flags(args: &PretrainArgs) -> anyhow::Result<()> {
     if let Some((flag, _)) = layout_flags(args).into_iter().find(|(_, set)| *set) {
         anyhow::bail!(
             "--parallel chooses {flag} itself: leave {flag} out, or leave out --parallel and give the whole layout"
         );
     }
-    let cluster = match &args.cluster {
-        Some(path) => Cluster::load(path)?,
-        None => Cluster { devices_per_node: nproc, ..Cluster::default() },
+    Ok(())
+}
+
+/// The cluster the planner models for `nproc` ranks, and a line saying where its figures come
+/// from: `--cluster`'s file, else the default cluster with this machine's matmul FLOP/s and,
+/// given the job's `group` (a collective then: every rank calls it and gets the same
+/// figures), its links' latency and bandwidth measured ([`engine::planner::calibrate`]).
+pub fn cluster(
+    args: &PretrainArgs,
+    nproc: usize,
+    group: Option<&ProcessGroup>,
+    device: Device,
+) -> anyhow::Result<(Cluster, String)> {
+    let (cluster, source) = match &args.cluster {
+        Some(path) => (Cluster::load(path)?, format!("from {}", path.display())),
+        None => {
+            let base = Cluster { devices_per_node: nproc, ..Cluster::default() };
+            let measured = calibrate::calibrated(base, group, device)?;
+            let what = match group.is_some_and(|g| g.size() > 1) {
+                true => "matmul FLOP/s and link latency and bandwidth measured on this machine",
+                false => "matmul FLOP/s measured on this machine, link figures assumed",
+            };
+            (measured, format!("{what}; memory assumed, --cluster sets any of them"))
+        }
     };
     if nproc > cluster.devices() {
         anyhow::bail!("--nproc {nproc}: the cluster has {} devices", cluster.devices());
     }
+    let line = format!(
+        "cluster: {} x {} devices of {:.2} GiB, {:.1} GFLOP/s, links {:.2} GB/s and {:.1} us ({source})\n",
+        cluster.nodes,
+        cluster.devices_per_node,
+        cluster.memory_bytes / (1u64 << 30) as f64,
+        cluster.peak_flops / 1e9,
+        cluster.intra_node_bandwidth / 1e9,
+        cluster.latency_s * 1e6
+    );
+    Ok((cluster, line))
+}
+
+/// The model's config and the planner's solution for `args` on `nproc` ranks of `cluster`
+/// (a layout flag set beside `--parallel` is an error naming it).
+pub fn choose(args: &PretrainArgs, nproc: usize, cluster: &Cluster) -> anyhow::Result<(VitConfig, Solution)> {
+    check_flags(args)?;
     let splits = args.data.splits()?;
     let cfg =
         model_config(args.model.as_deref(), args.image_size, args.patch_size, splits.embedded, splits.train.as_ref())?;
     let model = planner_model(&cfg, args.batch);
-    let solution = solve(&model, &cluster, nproc, 4, &|p| runs(&cfg, p, args.batch))?;
+    let solution = solve(&model, cluster, nproc, 4, &|p| runs(&cfg, p, args.batch))?;
     Ok((cfg, solution))
 }
 
-/// The plan for `args` as text (the error names the flag or file that cannot work).
+/// The plan for `args` as text (the error names the flag or file that cannot work). Without
+/// `--cluster` the matmul is timed with this process's share of the cores for `--nproc` ranks
+/// (the threads are set so: this runs only as `vit pretrain --parallel plan`, which then exits).
 pub fn run(args: &PretrainArgs) -> anyhow::Result<String> {
     let nproc = args.job.launch.nproc;
-    let (cfg, solution) = choose(args, nproc)?;
-    Ok(describe(&cfg, &solution, args.batch, nproc))
+    check_flags(args)?;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    tch::set_num_threads(i32::try_from((cores / nproc.max(1)).max(1))?);
+    let (cluster, line) = self::cluster(args, nproc, None, Device::Cpu)?;
+    let (cfg, solution) = choose(args, nproc, &cluster)?;
+    Ok(line + &describe(&cfg, &solution, args.batch, nproc))
 }
 
 /// The model, the chosen plan with its predicted step time and memory per device, the
@@ -88,12 +132,16 @@ fn describe(cfg: &VitConfig, solution: &Solution, batch: usize, nproc: usize) ->
     out
 }
 
-/// `args` with the layout flags filled in from the planner's best plan for `nproc` ranks
+/// `args` with the layout flags filled in from the planner's best plan for `world`'s ranks
 /// (and `--parallel` cleared), and the plan as [`run`] prints it: `vit pretrain --parallel
-/// auto` then trains through the same path as the manual flags.
-pub fn apply(args: &PretrainArgs, nproc: usize) -> anyhow::Result<(PretrainArgs, Solution, String)> {
-    let (cfg, solution) = choose(args, nproc)?;
-    let text = describe(&cfg, &solution, args.batch, nproc);
+/// auto` then trains through the same path as the manual flags. A collective without
+/// `--cluster` (the ranks measure the machine together).
+pub fn apply(args: &PretrainArgs, world: &World) -> anyhow::Result<(PretrainArgs, Solution, String)> {
+    check_flags(args)?;
+    let nproc = world.size();
+    let (cluster, line) = cluster(args, nproc, Some(&world.group), args.job.launch.device(world)?)?;
+    let (cfg, solution) = choose(args, nproc, &cluster)?;
+    let text = line + &describe(&cfg, &solution, args.batch, nproc);
     Ok((with_plan(args, &solution.best.plan), solution, text))
 }
 

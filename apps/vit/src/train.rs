@@ -636,7 +636,7 @@ pub fn pretrain(args: &PretrainArgs, world: &World) -> anyhow::Result<Trained> {
         None => args,
         Some(PlannerMode::Plan) => bail!("--parallel plan prints the plan without training; use --parallel auto"),
         Some(PlannerMode::Auto) => {
-            let (applied, _, text) = crate::plan::apply(args, world.size())?;
+            let (applied, _, text) = crate::plan::apply(args, world)?;
             if world.rank() == 0 {
                 print!("{text}--parallel auto: training with the plan above\n");
             }

@@ -153,6 +153,7 @@ fn parallel_auto_prints_the_plan_then_trains_with_it() {
     let training = text.find("--parallel auto: training with the plan above").expect("the plan is run");
     let trained = text.find("validation top-1").expect("the run ends");
     assert!(plan < training && training < trained, "{text}");
+    assert!(text.contains("link latency and bandwidth measured on this machine"), "{text}");
     let (ok, text) = vit(&["pretrain", "--parallel", "auto", "--nproc", "2", "--zero", "1"]);
     assert!(!ok && text.contains("--parallel chooses --zero itself"), "{text}");
 }

@@ -1,13 +1,16 @@
 //! `vit pretrain --parallel auto`: the layout it trains with is the planner's best for the
 //! job's ranks (checked against every plan vit can run, each modelled here), the run equals
-//! one process, and a layout flag beside it is an error naming the flag.
+//! one process, the ranks' measurements of the machine (without --cluster) agree, and a
+//! layout flag beside it is an error naming the flag.
 #[allow(dead_code)] // Shared by the vit test binaries; this one uses part of it.
 mod common;
 
 use common::{args, compare, job_dir, single};
+use engine::dist::ReduceOp;
 use engine::planner::{estimate, plans, Cluster};
 use suite_tests::{dist_test, TestResult};
-use vit::plan::{apply, choose, runs};
+use tch::{Device, Tensor};
+use vit::plan::{apply, check_flags, choose, cluster, runs};
 use vit::profile::planner_model;
 use vit::train::pretrain;
 
@@ -25,13 +28,13 @@ dist_test!(auto_runs_the_planner_best_plan_and_matches_one_process, 4, |world| {
     let auto = args(&format!("{LINE} --parallel auto --cluster {}", cluster_path.display()));
 
     // The best plan by enumeration: every plan vit runs on 4 ranks, modelled one by one.
-    let (cfg, solution) = choose(&auto, 4)?;
-    let cluster = Cluster::load(&cluster_path)?;
+    let tight = Cluster::load(&cluster_path)?;
+    let (cfg, solution) = choose(&auto, 4, &tight)?;
     let model = planner_model(&cfg, 32);
     let mut fitting = Vec::new();
     for plan in plans(&model, 4, &|p| runs(&cfg, p, 32)) {
-        let e = estimate(&model, &cluster, &plan)?;
-        if e.memory_bytes <= cluster.memory_bytes {
+        let e = estimate(&model, &tight, &plan)?;
+        if e.memory_bytes <= tight.memory_bytes {
             fitting.push((e.step_s, plan));
         }
     }
@@ -42,7 +45,7 @@ dist_test!(auto_runs_the_planner_best_plan_and_matches_one_process, 4, |world| {
     assert!(!fitting.iter().any(|(_, p)| p.dp == 4 && p.checkpoint.is_empty()), "dp=4 fits: the test is weak");
 
     // What `--parallel auto` hands the trainer: the best plan's flags.
-    let (applied, _, text) = apply(&auto, world.size())?;
+    let (applied, _, text) = apply(&auto, world)?;
     assert!(text.contains(&best.to_string()), "{text}");
     let flags = (applied.parallel.tp, applied.parallel.sp, applied.pipeline.pp, applied.zero);
     assert_eq!(flags, (best.tp, best.sp, best.pp, best.zero), "layout flags of {best}");
@@ -56,6 +59,17 @@ dist_test!(auto_runs_the_planner_best_plan_and_matches_one_process, 4, |world| {
     let one = pretrain(&args(LINE), &single())?;
     compare(&run, &one, &format!("--parallel auto ({best}) vs 1 process"), 1e-4);
     std::fs::remove_file(&cluster_path)?;
+
+    // Without --cluster the ranks measure the machine together and must hold the same figures,
+    // or they would plan different layouts.
+    let (measured, line) = cluster(&args(LINE), 4, Some(&world.group), Device::Cpu)?;
+    assert!(line.contains("link latency and bandwidth measured"), "{line}");
+    let figures = [measured.peak_flops, measured.intra_node_bandwidth, measured.latency_s];
+    assert!(figures.iter().all(|f| f.is_finite() && *f > 0.0), "{figures:?}");
+    let (high, low) = (Tensor::from_slice(&figures), Tensor::from_slice(&figures));
+    world.group.all_reduce(&high, ReduceOp::Max)?;
+    world.group.all_reduce(&low, ReduceOp::Min)?;
+    assert_eq!(Vec::<f64>::try_from(&high)?, Vec::<f64>::try_from(&low)?, "every rank's figures");
     TestResult::Ok(())
 });
 
@@ -64,10 +78,11 @@ fn layout_flags_beside_auto_are_named() {
     for flag in
         ["--tp 2", "--tp-mode 2d", "--sp 2", "--pp 2", "--zero 1", "--micro-batch 8", "--gradient-checkpointing"]
     {
-        let err = apply(&args(&format!("--parallel auto {flag}")), 4).err().map(|e| e.to_string()).unwrap_or_default();
+        let err =
+            check_flags(&args(&format!("--parallel auto {flag}"))).err().map(|e| e.to_string()).unwrap_or_default();
         let name = flag.split_whitespace().next().unwrap();
         assert!(err.contains(&format!("--parallel chooses {name} itself")), "{flag}: {err}");
     }
     // A flag at its default value changes nothing.
-    assert!(apply(&args("--parallel auto --tp 1 --zero 0"), 4).is_ok());
+    assert!(check_flags(&args("--parallel auto --tp 1 --zero 0")).is_ok());
 }
