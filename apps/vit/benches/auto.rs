@@ -66,7 +66,7 @@ struct Row {
 /// Every plan vit runs on the job's ranks that the planner says fits, with its estimate, the
 /// planner's choice and where the cluster's figures come from (a collective: the ranks
 /// measure the machine together unless --cluster is given).
-fn layouts(args: &PretrainArgs, world: &World) -> anyhow::Result<(Vec<(Plan, Estimate)>, Plan, String)> {
+fn layouts(args: &PretrainArgs, world: &World) -> anyhow::Result<Layouts> {
     let nproc = world.size();
     let (cluster, line) = vit::plan::cluster(args, nproc, Some(&world.group), Device::Cpu)?;
     let (cfg, solution) = choose(args, nproc, &cluster)?;
@@ -78,7 +78,17 @@ fn layouts(args: &PretrainArgs, world: &World) -> anyhow::Result<(Vec<(Plan, Est
             out.push((plan, e));
         }
     }
-    Ok((out, solution.best.plan, line))
+    Ok(Layouts { cases: out, auto: solution.best.plan, cluster: line })
+}
+
+/// What [`layouts`] found.
+struct Layouts {
+    /// The plans that fit, with their estimates.
+    cases: Vec<(Plan, Estimate)>,
+    /// The planner's choice.
+    auto: Plan,
+    /// Where the cluster's figures come from.
+    cluster: String,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -95,7 +105,7 @@ fn rank_main(args: &Args, out: &std::path::Path) -> anyhow::Result<()> {
     let world = dist::init(&InitOptions::default())?;
     engine::host_memory::track()?;
     tch::set_num_threads(i32::try_from(args.threads)?);
-    let (cases, auto, cluster) = layouts(&args.pretrain, &world)?;
+    let Layouts { cases, auto, cluster } = layouts(&args.pretrain, &world)?;
     if world.rank() == 0 {
         eprintln!("[bench] {} layouts fit; the planner's choice: {auto}\n[bench] {cluster}", cases.len());
     }

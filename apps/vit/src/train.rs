@@ -638,7 +638,7 @@ pub fn pretrain(args: &PretrainArgs, world: &World) -> anyhow::Result<Trained> {
         Some(PlannerMode::Auto) => {
             let (applied, _, text) = crate::plan::apply(args, world)?;
             if world.rank() == 0 {
-                print!("{text}--parallel auto: training with the plan above\n");
+                println!("{text}--parallel auto: training with the plan above");
             }
             planned = applied;
             &planned
