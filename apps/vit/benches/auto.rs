@@ -46,6 +46,9 @@ struct Args {
     /// Intra-op threads per rank.
     #[arg(long, default_value_t = 1)]
     threads: usize,
+    /// Passed by `cargo bench`; ignored.
+    #[arg(long, hide = true)]
+    bench: bool,
     /// The model, batch, ranks (--nproc) and cluster, as `vit pretrain` takes them.
     #[command(flatten)]
     pretrain: PretrainArgs,
