@@ -16,14 +16,14 @@ pub enum PlannerMode {
     /// Print the plan and the runners-up, then exit.
     Plan,
     /// Choose the plan and train with it: the plan fills in the layout flags (--tp, --tp-mode,
-    /// --tp-depth, --sp, --pp, --micro-batch, --zero, --gradient-checkpointing), which must
-    /// then be left at their defaults.
+    /// --tp-depth, --sp, --pp, --micro-batch, --zero, --checkpoint-blocks), which must then be
+    /// left at their defaults (--gradient-checkpointing too).
     Auto,
 }
 
 /// The layout flags `--parallel` chooses, each with whether `args` sets it away from its
 /// default (a flag given at its default value changes nothing and is accepted).
-fn layout_flags(args: &PretrainArgs) -> [(&'static str, bool); 12] {
+fn layout_flags(args: &PretrainArgs) -> [(&'static str, bool); 13] {
     let (p, pp) = (&args.parallel, &args.pipeline);
     [
         ("--tp", p.tp != 1),
@@ -38,6 +38,7 @@ fn layout_flags(args: &PretrainArgs) -> [(&'static str, bool); 12] {
         ("--micro-batch", args.micro_batch.is_some()),
         ("--zero", args.zero != 0),
         ("--gradient-checkpointing", args.gradient_checkpointing),
+        ("--checkpoint-blocks", args.checkpoint_blocks.is_some()),
     ]
 }
 
@@ -127,7 +128,11 @@ fn describe(cfg: &VitConfig, solution: &Solution, batch: usize, nproc: usize) ->
         cfg.depth,
     );
     if !blocks.is_empty() {
-        out += &format!("blocks to checkpoint (--gradient-checkpointing): {}\n", blocks.join(", "));
+        let flag = match blocks.len() == cfg.depth as usize {
+            true => "--gradient-checkpointing".to_string(),
+            false => format!("--checkpoint-blocks {}", blocks.len()),
+        };
+        out += &format!("blocks to checkpoint ({flag}): {}\n", blocks.join(", "));
     }
     out
 }
@@ -161,16 +166,22 @@ pub fn with_plan(args: &PretrainArgs, plan: &Plan) -> PretrainArgs {
     out.pipeline.pp = plan.pp;
     out.micro_batch = Some(args.batch / (plan.dp * plan.micro_batches));
     out.zero = plan.zero;
-    // `runs` admits no checkpoint set but none and every block.
-    out.gradient_checkpointing = !plan.checkpoint.is_empty();
+    // `runs` admits the first k blocks (under a pipeline only none or all), which is what
+    // --checkpoint-blocks k checkpoints (k = depth: every block, as --gradient-checkpointing).
+    let k = plan.checkpoint.len();
+    out.gradient_checkpointing = false;
+    out.checkpoint_blocks = (k > 0).then_some(k);
     out
 }
 
-/// Whether `vit pretrain` runs `plan` for `cfg`: the layouts' own divisibility rules, and
-/// checkpointing every block or none (`--gradient-checkpointing` is all or nothing; the
-/// solver's other sets, the first k blocks of each stage, have no flag).
+/// Whether `vit pretrain` runs `plan` for `cfg`: the layouts' own divisibility rules, and a
+/// checkpoint set `--checkpoint-blocks` expresses: the model's first k blocks (its layers
+/// 1..=k, after the stem). Under a pipeline the solver's sets are the first k blocks of each
+/// stage, which is that only for none or all.
 pub fn runs(cfg: &VitConfig, plan: &Plan, global_batch: usize) -> bool {
-    if !(plan.checkpoint.is_empty() || plan.checkpoint.len() == cfg.depth as usize) {
+    let k = plan.checkpoint.len();
+    let leading = plan.checkpoint.iter().copied().eq(1..=k);
+    if !leading || (plan.pp > 1 && k != 0 && k != cfg.depth as usize) {
         return false;
     }
     let micro = global_batch / (plan.dp * plan.micro_batches);

@@ -1,6 +1,6 @@
 //! `vit pretrain --parallel auto`: the layout it trains with is the planner's best for the
 //! job's ranks (checked against every plan vit can run, each modelled here), the run equals
-//! one process, the ranks' measurements of the machine (without --cluster) agree, and a
+//! one process (a pipeline of data-parallel replicas; alone, the first blocks checkpointed), the ranks' measurements of the machine (without --cluster) agree, and a
 //! layout flag beside it is an error naming the flag.
 #[allow(dead_code)] // Shared by the vit test binaries; this one uses part of it.
 mod common;
@@ -50,7 +50,8 @@ dist_test!(auto_runs_the_planner_best_plan_and_matches_one_process, 4, |world| {
     let flags = (applied.parallel.tp, applied.parallel.sp, applied.pipeline.pp, applied.zero);
     assert_eq!(flags, (best.tp, best.sp, best.pp, best.zero), "layout flags of {best}");
     assert_eq!(applied.micro_batch, Some(32 / (best.dp * best.micro_batches)));
-    assert_eq!(applied.gradient_checkpointing, !best.checkpoint.is_empty());
+    let k = best.checkpoint.len();
+    assert_eq!(applied.checkpoint_blocks, (k > 0).then_some(k), "checkpointed blocks of {best}");
     assert!(applied.planner.is_none());
 
     // Trained with the plan, against one process. The plan splits the batch into smaller
@@ -58,6 +59,17 @@ dist_test!(auto_runs_the_planner_best_plan_and_matches_one_process, 4, |world| {
     let run = pretrain(&auto, world)?;
     let one = pretrain(&args(LINE), &single())?;
     compare(&run, &one, &format!("--parallel auto ({best}) vs 1 process"), 1e-4);
+
+    // One process with room for about half the blocks' activations: the planner checkpoints
+    // the first two blocks, applied as --checkpoint-blocks 2 (recomputation repeats the same
+    // fp32 operations: equal up to the rounding of the gradients' summation order).
+    if world.rank() == 0 {
+        std::fs::write(&cluster_path, r#"{"memory_bytes": 8.5e6}"#)?;
+        let (applied, solution, _) = apply(&auto, &single())?;
+        assert_eq!(applied.checkpoint_blocks, Some(2), "{}", solution.best.plan);
+        let run = pretrain(&auto, &single())?;
+        compare(&run, &one, "--parallel auto with 2 of 4 blocks checkpointed vs plain, 1 process", 1e-6);
+    }
     std::fs::remove_file(&cluster_path)?;
 
     // Without --cluster the ranks measure the machine together and must hold the same figures,
