@@ -114,7 +114,9 @@ impl Plan {
         self.dp * self.tp * self.sp * self.pp
     }
 
-    /// The `vit pretrain` flags that run this layout (`--micro-batch` for `global_batch`).
+    /// The `vit pretrain` flags that run this layout (`--micro-batch` for `global_batch`;
+    /// `--checkpoint-blocks` counts the checkpointed blocks, which vit takes as the model's
+    /// first ones: the sets its planner admits).
     pub fn flags(&self, global_batch: usize) -> String {
         let mut f = format!("--nproc {}", self.ranks());
         if self.tp > 1 {
@@ -128,6 +130,9 @@ impl Plan {
         }
         if self.zero > 0 {
             f += &format!(" --zero {}", self.zero);
+        }
+        if !self.checkpoint.is_empty() {
+            f += &format!(" --checkpoint-blocks {}", self.checkpoint.len());
         }
         f
     }
