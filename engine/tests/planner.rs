@@ -11,6 +11,7 @@ fn synthetic(blocks: usize, global_batch: usize) -> Model {
         split_flops: 3.8e9,
         param_bytes: 28e6,
         split_param_bytes: 27e6,
+        param_tensors: 12.0,
         input_bytes: 1e6,
         saved_bytes: 12e6,
         split_saved_bytes: 8e6,
@@ -25,6 +26,7 @@ fn synthetic(blocks: usize, global_batch: usize) -> Model {
         name: name.into(),
         forward_flops: 1e8,
         param_bytes: 1e6,
+        param_tensors: 1.0,
         input_bytes: 1e6,
         saved_bytes: 1e6,
         output_bytes: 1e6,
@@ -72,8 +74,9 @@ fn plenty_of_memory_and_a_fast_link_choose_plain_data_parallelism() {
     let c = Cluster { intra_node_bandwidth: 1e15, latency_s: 0.0, ..cluster(64.0) };
     let s = solve(&model, &c, 8, 0, &|_| true).unwrap();
     let p = &s.best.plan;
-    // ZeRO-2 moves the bytes of an all-reduce, so it ties on time and wins on memory.
-    assert_eq!((p.dp, p.tp, p.sp, p.pp, p.zero, p.checkpoint.len()), (8, 1, 1, 1, 2, 0), "{s}");
+    // The memory is to spare, and ZeRO's broadcasts after the step, however fast the link,
+    // cost time: no ZeRO stage.
+    assert_eq!((p.dp, p.tp, p.sp, p.pp, p.zero, p.checkpoint.len()), (8, 1, 1, 1, 0, 0), "{s}");
 }
 
 #[test]
@@ -126,4 +129,35 @@ fn tensor_parallel_modes_match_their_grids() {
     assert_eq!(TpMode::for_degree(2), vec![TpMode::OneD]);
     assert_eq!(TpMode::for_degree(4), vec![TpMode::OneD, TpMode::TwoD]);
     assert_eq!(TpMode::for_degree(8), vec![TpMode::OneD, TpMode::TwoHalfD { depth: 2 }, TpMode::ThreeD]);
+}
+
+#[test]
+fn zero_costs_its_broadcasts_when_links_cost_time() {
+    let model = synthetic(8, 64);
+    let c = cluster(64.0);
+    let at = |zero| {
+        let plan = Plan {
+            dp: 8,
+            tp: 1,
+            tp_mode: TpMode::OneD,
+            sp: 1,
+            pp: 1,
+            micro_batches: 1,
+            zero,
+            checkpoint: Default::default(),
+        };
+        estimate(&model, &c, &plan).unwrap()
+    };
+    let (plain, zero1, zero2) = (at(0), at(1), at(2));
+    // Each ZeRO stage adds the parameters' broadcast: an all-gather of their bytes plus a
+    // latency per tensor (98 tensors: 12 per block, one per edge layer).
+    let params: f64 = model.layers.iter().map(|l| l.param_bytes).sum();
+    let tensors: f64 = model.layers.iter().map(|l| l.param_tensors).sum();
+    let broadcast = c.all_gather(params, 8, 1) + tensors * c.latency_s;
+    assert!((zero1.step_s - plain.step_s - broadcast).abs() < 1e-12, "{plain:?} {zero1:?}");
+    assert_eq!(zero1.step_s, zero2.step_s);
+    assert!(zero2.memory_bytes < zero1.memory_bytes && zero1.memory_bytes < plain.memory_bytes);
+    // With the memory to spare, plain data parallelism is chosen over either stage.
+    let s = solve(&model, &c, 8, 0, &|p| p.tp == 1 && p.pp == 1 && p.sp == 1).unwrap();
+    assert_eq!(s.best.plan.zero, 0, "{s}");
 }

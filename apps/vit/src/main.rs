@@ -41,7 +41,7 @@ fn main() -> anyhow::Result<()> {
     engine::process::keep_freed_memory();
     match Cli::parse() {
         Cli::Pretrain(args) => {
-            if args.planner.is_some() {
+            if args.planner == Some(vit::plan::PlannerMode::Plan) {
                 print!("{}", vit::plan::run(&args)?);
                 return Ok(());
             }

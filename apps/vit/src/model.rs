@@ -563,8 +563,14 @@ impl Vit {
     /// Runs each block under activation checkpointing (recomputed in backward) or not; the
     /// parts of [`Vit::into_parts`] keep the setting.
     pub fn set_gradient_checkpointing(&mut self, on: bool) {
-        for block in &mut self.blocks {
-            block.checkpointing = on;
+        self.set_checkpointed_blocks(if on { self.blocks.len() } else { 0 });
+    }
+
+    /// Runs the first `first` blocks under activation checkpointing and the rest plainly (a
+    /// planner's middle ground between memory and recomputation).
+    pub fn set_checkpointed_blocks(&mut self, first: usize) {
+        for (i, block) in self.blocks.iter_mut().enumerate() {
+            block.checkpointing = i < first;
         }
     }
 

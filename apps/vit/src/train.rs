@@ -34,6 +34,7 @@ use crate::datasets::{probe, DataArgs, Splits, Transforms};
 use crate::metrics::Record;
 use crate::model::{correct_top_k, Vit, VitConfig};
 use crate::pipeline_parallel::{self, Model, PipelineArgs, SchedulePick};
+use crate::plan::PlannerMode;
 use crate::tensor_parallel::{ParallelArgs, Sharding};
 
 /// Keys mixup's draws apart from the other streams of the same seed.
@@ -117,9 +118,18 @@ pub struct PretrainArgs {
     /// blocks. Not with --schedule zb, whose separate weight pass needs the blocks' graphs.
     #[arg(long)]
     pub gradient_checkpointing: bool,
+    /// Checkpoint only the first this many transformer blocks (the rest keep their
+    /// activations): less recomputation than --gradient-checkpointing for some of its memory
+    /// saving; under --pp each block stays as set wherever its stage is.
+    #[arg(long, conflicts_with = "gradient_checkpointing")]
+    pub checkpoint_blocks: Option<usize>,
     /// `plan`: print the automatic planner's layout, ZeRO stage and checkpointed blocks for
     /// --nproc, --batch and the model (on --cluster), with predicted time and memory and the
-    /// runners-up, and exit without training.
+    /// runners-up, and exit without training. `auto`: print the plan and train with it (the
+    /// plan sets --tp, --tp-mode, --tp-depth, --sp, --pp, --micro-batch, --zero and
+    /// --checkpoint-blocks; giving any of those, or --gradient-checkpointing,
+    /// --sequence-parallel, --sp-mode, --schedule or --virtual-stages, beside it is an error
+    /// naming the flag).
     #[arg(long = "parallel", value_enum)]
     pub planner: Option<crate::plan::PlannerMode>,
     /// The cluster the planner models (`cluster.json`: nodes, devices_per_node, memory_bytes,
@@ -287,10 +297,12 @@ impl<'a> Trainer<'a> {
     /// parallel wiring; an impossible batch split or an unknown model is an error naming it.
     pub fn new(args: &'a PretrainArgs, world: &'a World) -> anyhow::Result<Trainer<'a>> {
         let mesh = pipeline_parallel::mesh(world, &args.pipeline, &args.parallel)?;
-        if args.gradient_checkpointing && args.pipeline.schedule == Some(SchedulePick::Zb) {
+        let checkpointing = args.gradient_checkpointing || args.checkpoint_blocks.is_some_and(|k| k > 0);
+        if checkpointing && args.pipeline.schedule == Some(SchedulePick::Zb) {
             // ZB-H1 runs each layer's graph twice (input gradients, later weight gradients);
             // a checkpointed block has no graph to keep and would add its weight gradients twice.
-            bail!("--gradient-checkpointing with --schedule zb: the zero-bubble weight pass needs each block's graph; use gpipe, 1f1b or interleaved");
+            let flag = if args.gradient_checkpointing { "--gradient-checkpointing" } else { "--checkpoint-blocks" };
+            bail!("{flag} with --schedule zb: the zero-bubble weight pass needs each block's graph; use gpipe, 1f1b or interleaved");
         }
         let (dp, ranks) = (mesh.data.clone(), mesh.data.size());
         let plan = BatchPlan::new(args.batch, ranks, args.micro_batch, 256).map_err(anyhow::Error::msg)?;
@@ -358,7 +370,13 @@ impl<'a> Trainer<'a> {
         if kind != Kind::Float {
             vs.set_kind(kind);
         }
-        model.set_gradient_checkpointing(args.gradient_checkpointing);
+        match args.checkpoint_blocks {
+            Some(k) if k > cfg.depth as usize => {
+                bail!("--checkpoint-blocks {k}: the model has {} blocks", cfg.depth)
+            }
+            Some(k) => model.set_checkpointed_blocks(k),
+            None => model.set_gradient_checkpointing(args.gradient_checkpointing),
+        }
         let (model, params) = Model::place(
             model,
             &vs,
@@ -624,8 +642,23 @@ impl<'a> Trainer<'a> {
     }
 }
 
-/// Runs `vit pretrain` as one rank of `world`.
+/// Runs `vit pretrain` as one rank of `world`. Under `--parallel auto` the planner's plan for
+/// the world's ranks fills in the layout flags first (rank 0 prints it), and the run is then
+/// the manual flags' run.
 pub fn pretrain(args: &PretrainArgs, world: &World) -> anyhow::Result<Trained> {
+    let planned;
+    let args = match args.planner {
+        None => args,
+        Some(PlannerMode::Plan) => bail!("--parallel plan prints the plan without training; use --parallel auto"),
+        Some(PlannerMode::Auto) => {
+            let (applied, _, text) = crate::plan::apply(args, world)?;
+            if world.rank() == 0 {
+                println!("{text}--parallel auto: training with the plan above");
+            }
+            planned = applied;
+            &planned
+        }
+    };
     let mut trainer = Trainer::new(args, world)?;
     if args.resume {
         trainer.resume()?;

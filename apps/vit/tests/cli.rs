@@ -131,3 +131,29 @@ fn parallel_plan_prints_the_planner_choice_without_training() {
     assert!(!ok && text.contains("cluster.json") && text.contains("memory_byte"), "{text}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn parallel_auto_prints_the_plan_then_trains_with_it() {
+    let (ok, text) = vit(&[
+        "pretrain",
+        "--parallel",
+        "auto",
+        "--nproc",
+        "2",
+        "--batch",
+        "16",
+        "--steps",
+        "2",
+        "--quiet",
+        "--timeout",
+        "60",
+    ]);
+    assert!(ok, "{text}");
+    let plan = text.find("ms/step").expect("the plan's predicted step time");
+    let training = text.find("--parallel auto: training with the plan above").expect("the plan is run");
+    let trained = text.find("validation top-1").expect("the run ends");
+    assert!(plan < training && training < trained, "{text}");
+    assert!(text.contains("link latency and bandwidth measured on this machine"), "{text}");
+    let (ok, text) = vit(&["pretrain", "--parallel", "auto", "--nproc", "2", "--zero", "1"]);
+    assert!(!ok && text.contains("--parallel chooses --zero itself"), "{text}");
+}

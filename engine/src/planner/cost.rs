@@ -8,9 +8,10 @@
 //! 2D/2.5D/3D matmuls; sequence parallelism's exchange of queries, keys, values and outputs;
 //! activations sent between stages), and the stages' micro-batches are laid out by the pipeline
 //! simulator ([`crate::parallel::pipeline::simulate`]) under 1F1B, so the bubble is the
-//! runtime's own; then the gradients are all-reduced over the data and sequence-parallel group
-//! (ZeRO's reduce-scatter plus all-gather move the same bytes). Checkpointed blocks run their
-//! forward again in the backward.
+//! runtime's own; then the gradients are all-reduced over the data and sequence-parallel group,
+//! and under ZeRO every parameter is broadcast from its owner after the step (as
+//! [`crate::parallel::zero`] does: an all-gather's bytes plus a latency per tensor).
+//! Checkpointed blocks run their forward again in the backward.
 //!
 //! Memory: parameters, gradients and the optimizer's two moments (sharded by ZeRO stage over
 //! the gradient group), plus per micro-batch in flight each layer's input and, unless the layer
@@ -113,7 +114,9 @@ impl Plan {
         self.dp * self.tp * self.sp * self.pp
     }
 
-    /// The `vit pretrain` flags that run this layout (`--micro-batch` for `global_batch`).
+    /// The `vit pretrain` flags that run this layout (`--micro-batch` for `global_batch`;
+    /// `--checkpoint-blocks` counts the checkpointed blocks, which vit takes as the model's
+    /// first ones: the sets its planner admits).
     pub fn flags(&self, global_batch: usize) -> String {
         let mut f = format!("--nproc {}", self.ranks());
         if self.tp > 1 {
@@ -127,6 +130,9 @@ impl Plan {
         }
         if self.zero > 0 {
             f += &format!(" --zero {}", self.zero);
+        }
+        if !self.checkpoint.is_empty() {
+            f += &format!(" --checkpoint-blocks {}", self.checkpoint.len());
         }
         f
     }
@@ -203,9 +209,11 @@ pub fn estimate(model: &Model, cluster: &Cluster, plan: &Plan) -> Result<Estimat
     let mut comm_worst: f64 = 0.0;
     let mut stage_memory = Vec::new();
     let mut stage_params = Vec::new();
+    let mut stage_tensors = Vec::new();
     for range in &split.ranges {
         let layers = &model.layers[range.clone()];
         let (mut fwd, mut comm_fwd, mut recompute, mut params, mut act, mut work) = (0.0, 0.0, 0.0, 0.0, 0.0, 0f64);
+        let mut tensors = 0.0;
         let mut recompute_peak: f64 = 0.0;
         for (i, l) in range.clone().zip(layers) {
             let flops = flops_of(l);
@@ -223,6 +231,7 @@ pub fn estimate(model: &Model, cluster: &Cluster, plan: &Plan) -> Result<Estimat
             }
             work = work.max(l.workspace_bytes * micro / (sp as f64 * if multi_dim { t } else { 1.0 }));
             params += shard(l.param_bytes, l.split_param_bytes);
+            tensors += l.param_tensors;
         }
         let last = &layers[layers.len() - 1];
         let send = if plan.pp > 1 {
@@ -236,6 +245,7 @@ pub fn estimate(model: &Model, cluster: &Cluster, plan: &Plan) -> Result<Estimat
         comm_worst = comm_worst.max(3.0 * comm_fwd + 2.0 * send);
         stage_memory.push((act, work + recompute_peak));
         stage_params.push(params);
+        stage_tensors.push(tensors);
     }
     let schedule = Schedule::new(ScheduleKind::OneFOneB, plan.pp, plan.micro_batches, 1)?;
     // The sends are charged inside the forward and backward costs above, so no separate hop.
@@ -244,14 +254,23 @@ pub fn estimate(model: &Model, cluster: &Cluster, plan: &Plan) -> Result<Estimat
     let mut memory: f64 = 0.0;
     let mut state_worst: f64 = 0.0;
     let mut sync_worst: f64 = 0.0;
-    for (s, ((act, extra), params)) in stage_memory.iter().zip(&stage_params).enumerate() {
+    for (s, (((act, extra), params), tensors)) in stage_memory.iter().zip(&stage_params).zip(&stage_tensors).enumerate()
+    {
         let grads = if plan.zero >= 2 { params / group } else { *params };
         let optimizer = model.optimizer_state_ratio * params / if plan.zero >= 1 { group } else { 1.0 };
         let state = params + grads + optimizer;
         let in_flight = sim.peak_in_flight[s] as f64;
         memory = memory.max(state + act * in_flight + extra);
         state_worst = state_worst.max(state);
-        sync_worst = sync_worst.max(cluster.all_reduce(*params, plan.dp * sp, tp));
+        let mut sync = cluster.all_reduce(*params, plan.dp * sp, tp);
+        if plan.zero >= 1 && plan.dp * sp > 1 {
+            // The engine's ZeRO broadcasts every parameter from its owner after the step (one
+            // collective per tensor, all in flight): the bytes of an all-gather, and a latency
+            // per tensor. ZeRO-2's reduce of each gradient to its owner is priced as the
+            // all-reduce above (no cheaper).
+            sync += cluster.all_gather(*params, plan.dp * sp, tp) + tensors * cluster.latency_s;
+        }
+        sync_worst = sync_worst.max(sync);
     }
     let m = plan.micro_batches as f64;
     Ok(Estimate {

@@ -59,6 +59,8 @@ pub struct LayerProfile {
     pub param_bytes: f64,
     /// The share of `param_bytes` that 1D tensor parallelism splits.
     pub split_param_bytes: f64,
+    /// Parameter tensors (ZeRO broadcasts each from its owner: one collective apiece).
+    pub param_tensors: f64,
     /// Bytes of the layer's input (kept by its first op for backward, or by a checkpoint).
     pub input_bytes: f64,
     /// Bytes the layer creates and autograd keeps until its backward (the input not counted).
@@ -153,6 +155,7 @@ impl Recorder {
     pub fn param(&mut self, shape: &[i64], split: bool) {
         let b = shape.iter().product::<i64>() as f64 * self.elem;
         self.profile.param_bytes += b;
+        self.profile.param_tensors += 1.0;
         if split {
             self.profile.split_param_bytes += b;
         }

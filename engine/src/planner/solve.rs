@@ -70,7 +70,8 @@ impl fmt::Display for Solution {
     }
 }
 
-/// Every plan for `nproc` ranks that `valid` accepts (the model's divisibility rules).
+/// Every plan for `nproc` ranks that `valid` accepts (the model's divisibility rules and the
+/// checkpoint sets it can run).
 pub fn plans(model: &Model, nproc: usize, valid: &dyn Fn(&Plan) -> bool) -> Vec<Plan> {
     let divisors = |n: usize| (1..=n).filter(move |d| n.is_multiple_of(*d));
     let mut out = Vec::new();
@@ -95,10 +96,9 @@ pub fn plans(model: &Model, nproc: usize, valid: &dyn Fn(&Plan) -> bool) -> Vec<
                         for zero in 0..=2u8 {
                             let base =
                                 Plan { dp, tp, tp_mode, sp, pp, micro_batches, zero, checkpoint: BTreeSet::new() };
-                            if !valid(&base) {
-                                continue;
-                            }
-                            out.extend(checkpoint_choices(model, &base));
+                            // Each checkpoint set is asked too: a model may checkpoint only
+                            // some sets (all blocks or none, say).
+                            out.extend(checkpoint_choices(model, &base).into_iter().filter(|p| valid(p)));
                         }
                     }
                 }

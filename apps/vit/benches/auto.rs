@@ -1,0 +1,225 @@
+//! The automatic planner against every manual layout: for `vit pretrain` on `--nproc` CPU ranks,
+//! every layout vit can run that the planner says fits (dp/tp/sp/pp sizes, tensor-parallel
+//! mode, micro-batches, ZeRO stage, checkpointing all blocks or none) trains a few steps in one
+//! job, and each prints the planner's predicted step time and peak memory per device beside
+//! the measured ones (the model's error), then the `--parallel auto` plan's measured step time
+//! over the best manual layout's.
+//!
+//! `cargo bench -p vit --bench auto -- [--nproc 4] [--batch 32] [--warmup-steps 2]
+//! [--measured-steps 5] [--threads 1] [--cluster cluster.json] [any vit pretrain flag: --model,
+//! --image-size, --patch-size, ...]` (`scripts/bench-auto.sh`).
+//!
+//! Every layout runs through `vit::train::Trainer`, the path `vit pretrain` takes, built from
+//! the same flags `--parallel auto` fills in ([`vit::plan::with_plan`]). Step time: the median
+//! of the measured steps (after the warm-up steps) on rank 0; each step ends in an all-reduce
+//! of the loss, so the ranks leave it together. Peak memory: the engine's host allocator
+//! counter (bytes held by tensors: weights, gradients, optimizer state, activations, message
+//! buffers) over the measured steps, the largest over the ranks. The prediction is for the
+//! cluster given with --cluster, else for the default one with this machine's matmul FLOP/s
+//! and link latency and bandwidth measured by the ranks first, as `--parallel auto` does.
+use std::time::Instant;
+
+use anyhow::Context;
+use clap::Parser;
+use engine::dist::{self, InitOptions, ReduceOp, SpawnOptions, World};
+use engine::planner::{estimate, plans, Estimate, Plan};
+use tch::{Device, Tensor};
+use vit::plan::{choose, runs, with_plan};
+use vit::profile::planner_model;
+use vit::train::{PretrainArgs, Trainer};
+
+/// Set in the ranks' environment: the file rank 0 writes the table to.
+const OUT_ENV: &str = "BENCH_VIT_AUTO_OUT";
+
+#[derive(Parser, Clone, Debug)]
+#[command(
+    about = "Every ViT layout that fits: predicted against measured step time and memory, and --parallel auto",
+    mut_arg("nproc", |a| a.default_value("4"))
+)]
+struct Args {
+    /// Steps run before the measured ones (each layout).
+    #[arg(long, default_value_t = 2)]
+    warmup_steps: usize,
+    /// Steps measured (each layout).
+    #[arg(long, default_value_t = 5)]
+    measured_steps: usize,
+    /// Intra-op threads per rank.
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// Passed by `cargo bench`; ignored.
+    #[arg(long, hide = true)]
+    bench: bool,
+    /// The model, batch, ranks (--nproc) and cluster, as `vit pretrain` takes them.
+    #[command(flatten)]
+    pretrain: PretrainArgs,
+}
+
+/// One layout's figures.
+struct Row {
+    plan: Plan,
+    predicted: Estimate,
+    /// Median step seconds.
+    step_s: f64,
+    /// Peak bytes on the fullest rank.
+    peak_bytes: f64,
+    /// The last step's loss (a sanity check that every layout trains the same model).
+    loss: f64,
+}
+
+/// Every plan vit runs on the job's ranks that the planner says fits, with its estimate, the
+/// planner's choice and where the cluster's figures come from (a collective: the ranks
+/// measure the machine together unless --cluster is given).
+fn layouts(args: &PretrainArgs, world: &World) -> anyhow::Result<Layouts> {
+    let nproc = world.size();
+    let (cluster, line) = vit::plan::cluster(args, nproc, Some(&world.group), Device::Cpu)?;
+    let (cfg, solution) = choose(args, nproc, &cluster)?;
+    let model = planner_model(&cfg, args.batch);
+    let mut out = Vec::new();
+    for plan in plans(&model, nproc, &|p| runs(&cfg, p, args.batch)) {
+        let e = estimate(&model, &cluster, &plan)?;
+        if e.memory_bytes <= cluster.memory_bytes {
+            out.push((plan, e));
+        }
+    }
+    Ok(Layouts { cases: out, auto: solution.best.plan, cluster: line })
+}
+
+/// What [`layouts`] found.
+struct Layouts {
+    /// The plans that fit, with their estimates.
+    cases: Vec<(Plan, Estimate)>,
+    /// The planner's choice.
+    auto: Plan,
+    /// Where the cluster's figures come from.
+    cluster: String,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+fn rank_main(args: &Args, out: &std::path::Path) -> anyhow::Result<()> {
+    let world = dist::init(&InitOptions::default())?;
+    engine::host_memory::track()?;
+    tch::set_num_threads(i32::try_from(args.threads)?);
+    let Layouts { cases, auto, cluster } = layouts(&args.pretrain, &world)?;
+    if world.rank() == 0 {
+        eprintln!("[bench] {} layouts fit; the planner's choice: {auto}\n[bench] {cluster}", cases.len());
+    }
+    let mut rows = Vec::new();
+    for (i, (plan, predicted)) in cases.into_iter().enumerate() {
+        let mut run = with_plan(&args.pretrain, &plan);
+        run.steps = Some(args.warmup_steps + args.measured_steps);
+        run.job.quiet = true;
+        let mut trainer = Trainer::new(&run, &world).with_context(|| format!("{plan}"))?;
+        for _ in 0..args.warmup_steps {
+            trainer.step()?;
+        }
+        engine::host_memory::reset_peak()?;
+        let mut times = Vec::new();
+        let mut loss = f64::NAN;
+        for _ in 0..args.measured_steps {
+            let start = Instant::now();
+            loss = trainer.step()?.record.loss;
+            times.push(start.elapsed().as_secs_f64());
+        }
+        let peak = Tensor::from_slice(&[engine::host_memory::stats()?.peak as f64]);
+        world.group.all_reduce(&peak, ReduceOp::Max)?;
+        drop(trainer);
+        let row = Row { plan, predicted, step_s: median(times), peak_bytes: peak.double_value(&[0]), loss };
+        if world.rank() == 0 {
+            eprintln!("[bench] {:>3}: {:.2} ms  {}", i + 1, row.step_s * 1e3, row.plan);
+        }
+        rows.push(row);
+    }
+    if world.rank() == 0 {
+        let text = cluster + &table(args, world.size(), &rows, &auto)?;
+        std::fs::write(out, text).with_context(|| format!("writing {}", out.display()))?;
+    }
+    Ok(())
+}
+
+fn mib(bytes: f64) -> f64 {
+    bytes / (1u64 << 20) as f64
+}
+
+/// The prediction's error relative to the measurement, in percent.
+fn error(predicted: f64, measured: f64) -> f64 {
+    100.0 * (predicted / measured - 1.0)
+}
+
+fn table(args: &Args, nproc: usize, rows: &[Row], auto: &Plan) -> anyhow::Result<String> {
+    let a = &args.pretrain;
+    let mut s = format!(
+        "\nViT on {nproc} CPU ranks ({} thread(s) each), global batch {}, {} layouts that the planner says fit; \
+         median of {} steps after {} warm-up steps\n\n\
+         | layout | predicted step (ms) | measured step (ms) | time error | predicted memory (MiB) | measured peak \
+         (MiB) | memory error | loss |\n|---|---|---|---|---|---|---|---|\n",
+        args.threads,
+        a.batch,
+        rows.len(),
+        args.measured_steps,
+        args.warmup_steps
+    );
+    for r in rows {
+        let mark = if &r.plan == auto { " (auto)" } else { "" };
+        s += &format!(
+            "| {}{mark} | {:.3} | {:.2} | {:+.0}% | {:.2} | {:.2} | {:+.0}% | {:.4} |\n",
+            r.plan,
+            r.predicted.step_s * 1e3,
+            r.step_s * 1e3,
+            error(r.predicted.step_s, r.step_s),
+            mib(r.predicted.memory_bytes),
+            mib(r.peak_bytes),
+            error(r.predicted.memory_bytes, r.peak_bytes),
+            r.loss
+        );
+    }
+    let best = rows.iter().min_by(|x, y| x.step_s.total_cmp(&y.step_s)).context("no layout ran")?;
+    let chosen = rows.iter().find(|r| &r.plan == auto).context("the auto plan is not among the layouts")?;
+    // Where the auto plan's measured time ranks it among the layouts.
+    let place = rows.iter().filter(|r| r.step_s < chosen.step_s).count() + 1;
+    let abs_errors = |f: fn(&Row) -> f64| median(rows.iter().map(f).collect());
+    s += &format!(
+        "\nmedian |time error| {:.0}%, median |memory error| {:.0}%\n\
+         auto plan: {auto}: {:.2} ms measured, place {place} of {} by measured time\n\
+         best manual layout: {}: {:.2} ms\nauto / best manual step time: {:.3}\n",
+        abs_errors(|r| error(r.predicted.step_s, r.step_s).abs()),
+        abs_errors(|r| error(r.predicted.memory_bytes, r.peak_bytes).abs()),
+        chosen.step_s * 1e3,
+        rows.len(),
+        best.plan,
+        best.step_s * 1e3,
+        chosen.step_s / best.step_s
+    );
+    Ok(s)
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    if let Ok(out) = std::env::var(OUT_ENV) {
+        return rank_main(&args, std::path::Path::new(&out));
+    }
+    anyhow::ensure!(args.measured_steps >= 1 && args.threads >= 1, "--measured-steps and --threads must be positive");
+    let nproc = args.pretrain.job.launch.nproc;
+    let out = std::env::temp_dir().join(format!("bench-vit-auto-{}.md", std::process::id()));
+    let spawned = dist::spawn(&SpawnOptions {
+        nproc,
+        program: std::env::current_exe()?,
+        args: std::env::args_os().skip(1).collect(),
+        env: vec![(OUT_ENV.into(), out.display().to_string())],
+        echo: true,
+        heartbeat: None,
+    });
+    let table = std::fs::read_to_string(&out);
+    let _ = std::fs::remove_file(&out);
+    spawned?;
+    print!("{}", table.with_context(|| format!("reading {}", out.display()))?);
+    Ok(())
+}

@@ -1,0 +1,100 @@
+//! `vit pretrain --parallel auto`: the layout it trains with is the planner's best for the
+//! job's ranks (checked against every plan vit can run, each modelled here), the run equals
+//! one process (a pipeline of data-parallel replicas; alone, the first blocks checkpointed), the ranks' measurements of the machine (without --cluster) agree, and a
+//! layout flag beside it is an error naming the flag.
+#[allow(dead_code)] // Shared by the vit test binaries; this one uses part of it.
+mod common;
+
+use common::{args, compare, job_dir, single};
+use engine::dist::ReduceOp;
+use engine::planner::{estimate, plans, Cluster};
+use suite_tests::{dist_test, TestResult};
+use tch::{Device, Tensor};
+use vit::plan::{apply, check_flags, choose, cluster, runs};
+use vit::profile::planner_model;
+use vit::train::pretrain;
+
+/// LAMB and clipping: their norms see the whole model, whatever the layout splits.
+const LINE: &str = "--steps 3 --optimizer lamb --clip-grad 0.5";
+
+/// A device of 2 MB: 4 data-parallel replicas of the digits model (a batch of 8 each, LAMB's
+/// state whole or ZeRO-sharded) do not fit, so the planner has to split the model (it picks
+/// 2 pipeline stages x 2 replicas with the default cluster's figures).
+const TIGHT: &str = r#"{"memory_bytes": 2e6}"#;
+
+dist_test!(auto_runs_the_planner_best_plan_and_matches_one_process, 4, |world| {
+    let cluster_path = job_dir(&format!("cluster-{}.json", world.rank()));
+    std::fs::write(&cluster_path, TIGHT)?;
+    let auto = args(&format!("{LINE} --parallel auto --cluster {}", cluster_path.display()));
+
+    // The best plan by enumeration: every plan vit runs on 4 ranks, modelled one by one.
+    let tight = Cluster::load(&cluster_path)?;
+    let (cfg, solution) = choose(&auto, 4, &tight)?;
+    let model = planner_model(&cfg, 32);
+    let mut fitting = Vec::new();
+    for plan in plans(&model, 4, &|p| runs(&cfg, p, 32)) {
+        let e = estimate(&model, &tight, &plan)?;
+        if e.memory_bytes <= tight.memory_bytes {
+            fitting.push((e.step_s, plan));
+        }
+    }
+    let fastest = fitting.iter().map(|(s, _)| *s).fold(f64::INFINITY, f64::min);
+    let best = &solution.best.plan;
+    assert_eq!(solution.best.estimate.step_s, fastest, "the chosen plan {best} is the fastest that fits");
+    assert!(fitting.iter().any(|(_, p)| p == best), "{best} is one of the fitting plans");
+    assert!(!fitting.iter().any(|(_, p)| p.dp == 4 && p.checkpoint.is_empty()), "dp=4 fits: the test is weak");
+
+    // What `--parallel auto` hands the trainer: the best plan's flags.
+    let (applied, _, text) = apply(&auto, world)?;
+    assert!(text.contains(&best.to_string()), "{text}");
+    let flags = (applied.parallel.tp, applied.parallel.sp, applied.pipeline.pp, applied.zero);
+    assert_eq!(flags, (best.tp, best.sp, best.pp, best.zero), "layout flags of {best}");
+    assert_eq!(applied.micro_batch, Some(32 / (best.dp * best.micro_batches)));
+    let k = best.checkpoint.len();
+    assert_eq!(applied.checkpoint_blocks, (k > 0).then_some(k), "checkpointed blocks of {best}");
+    assert!(applied.planner.is_none());
+
+    // Trained with the plan, against one process. The plan splits the batch into smaller
+    // micro-batches and sums their gradients in another order: fp32 rounding, well inside 1e-4.
+    let run = pretrain(&auto, world)?;
+    let one = pretrain(&args(LINE), &single())?;
+    compare(&run, &one, &format!("--parallel auto ({best}) vs 1 process"), 1e-4);
+
+    // One process with room for about half the blocks' activations: the planner checkpoints
+    // the first two blocks, applied as --checkpoint-blocks 2 (recomputation repeats the same
+    // fp32 operations: equal up to the rounding of the gradients' summation order).
+    if world.rank() == 0 {
+        std::fs::write(&cluster_path, r#"{"memory_bytes": 8.5e6}"#)?;
+        let (applied, solution, _) = apply(&auto, &single())?;
+        assert_eq!(applied.checkpoint_blocks, Some(2), "{}", solution.best.plan);
+        let run = pretrain(&auto, &single())?;
+        compare(&run, &one, "--parallel auto with 2 of 4 blocks checkpointed vs plain, 1 process", 1e-6);
+    }
+    std::fs::remove_file(&cluster_path)?;
+
+    // Without --cluster the ranks measure the machine together and must hold the same figures,
+    // or they would plan different layouts.
+    let (measured, line) = cluster(&args(LINE), 4, Some(&world.group), Device::Cpu)?;
+    assert!(line.contains("link latency and bandwidth measured"), "{line}");
+    let figures = [measured.peak_flops, measured.intra_node_bandwidth, measured.latency_s];
+    assert!(figures.iter().all(|f| f.is_finite() && *f > 0.0), "{figures:?}");
+    let (high, low) = (Tensor::from_slice(&figures), Tensor::from_slice(&figures));
+    world.group.all_reduce(&high, ReduceOp::Max)?;
+    world.group.all_reduce(&low, ReduceOp::Min)?;
+    assert_eq!(Vec::<f64>::try_from(&high)?, Vec::<f64>::try_from(&low)?, "every rank's figures");
+    TestResult::Ok(())
+});
+
+#[test]
+fn layout_flags_beside_auto_are_named() {
+    for flag in
+        ["--tp 2", "--tp-mode 2d", "--sp 2", "--pp 2", "--zero 1", "--micro-batch 8", "--gradient-checkpointing"]
+    {
+        let err =
+            check_flags(&args(&format!("--parallel auto {flag}"))).err().map(|e| e.to_string()).unwrap_or_default();
+        let name = flag.split_whitespace().next().unwrap();
+        assert!(err.contains(&format!("--parallel chooses {name} itself")), "{flag}: {err}");
+    }
+    // A flag at its default value changes nothing.
+    assert!(check_flags(&args("--parallel auto --tp 1 --zero 0")).is_ok());
+}
