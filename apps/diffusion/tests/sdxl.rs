@@ -3,8 +3,10 @@
 //! `fixtures/sdxl_reference.safetensors`): the UNet with its text-time embedding and per-block
 //! transformer depth, both text encoders (penultimate states, pooled projection), the prompt
 //! conditioning and a 3-step Euler loop of `StableDiffusionXLPipeline`, and one fine-tuning step
-//! of `train_text_to_image_sdxl.py` under Gemini; the command fine-tunes (full and LoRA) and
-//! samples; folders that do not fit together are named errors.
+//! of `train_text_to_image_sdxl.py` under Gemini and one LoRA step of
+//! `train_text_to_image_lora_sdxl.py` (peft's adapters; references by
+//! `fixtures/make_sdxl_lora_fixture.py`); the command fine-tunes (full and LoRA) and samples;
+//! folders that do not fit together are named errors.
 mod common;
 
 use std::collections::HashMap;
@@ -210,6 +212,57 @@ fn a_training_step_under_gemini_equals_train_text_to_image_sdxl() {
         // One AdamW step of lr 1e-3 moves each weight by at most about 1e-3.
         assert_close(ours, theirs, 0.0, 2e-6, &format!("{key} after one AdamW step"));
     }
+}
+
+#[test]
+fn a_lora_step_equals_train_text_to_image_lora_sdxl() {
+    use diffusion::lora::{Lora, LORA_WEIGHTS};
+    use engine::optim::{AdamW, Optimizer};
+    let r = reference();
+    let peft = data::checkpoint::read_tensors(&fixtures().join("sdxl_lora_reference.safetensors")).unwrap();
+    let stage = |prefix: &str| -> Vec<(String, Tensor)> {
+        let mut v: Vec<(String, Tensor)> = peft
+            .iter()
+            .filter_map(|(k, t)| k.strip_prefix(prefix).map(|n| (n.to_string(), t.shallow_clone())))
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    };
+    let sd = load();
+    let ddpm = DdpmScheduler::new(sd.scheduler.config(SchedulerClass::Ddpm).unwrap());
+    // Rank 2, alpha 4 (scale 2), starting from peft's adapters (their file layout: scale folded
+    // into `up`).
+    let lora = Lora::new(&sd.unet_vs, 2, 4.0, 0).unwrap();
+    let before = stage("before.");
+    assert_eq!(before.len(), 2 * 136, "peft adapts 136 projections of the tiny SDXL UNet");
+    assert_eq!(lora.params().len(), before.len(), "we adapt the modules peft adapts");
+    let dir = scratch("lora-step");
+    let start = dir.join("start.safetensors");
+    Tensor::write_safetensors(&before, &start).unwrap();
+    lora.load(&start).unwrap();
+    let adamw = AdamWConfig { lr: 1e-3, betas: (0.9, 0.999), eps: 1e-2, weight_decay: 1e-2 };
+    let mut opt = AdamW::new(lora.params(), adamw);
+    lora.apply().unwrap();
+    let (batch, draws) = training_batch(&r);
+    let unet = |x: &Tensor, t: &Tensor, c: &Conditioning| sd.unet.forward_cond(x, t, c);
+    let l = loss(&sd, &ddpm, &batch, &draws, 0.0, None, Kind::Float, &unet).unwrap();
+    assert_close(&l.reshape([1]), &peft["loss"], 1e-5, 0.0, "SDXL LoRA training loss");
+    l.backward();
+    lora.backward().unwrap();
+    opt.step().unwrap();
+    lora.save(&dir).unwrap();
+    let ours = data::checkpoint::read_tensors(&dir.join(LORA_WEIGHTS)).unwrap();
+    let after = stage("after.");
+    let mut moved = 0;
+    for (key, theirs) in &after {
+        let start = &before.iter().find(|(k, _)| k == key).unwrap().1;
+        moved += usize::from(!theirs.equal(start));
+        // One AdamW step of lr 1e-3 moves each value by at most about 1e-3 (2e-3 in `up`, which
+        // carries the scale 2).
+        assert_close(&ours[key], theirs, 0.0, 4e-6, &format!("{key} after one AdamW step"));
+    }
+    assert_eq!(moved, after.len(), "every adapter moved");
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// Runs `diffusion finetune` on the SDXL folder with `extra` flags; returns the output folder.
