@@ -50,7 +50,7 @@ fn main() -> anyhow::Result<()> {
 #[derive(clap::Args)]
 #[command(group = clap::ArgGroup::new("input").required(true).args(["checkpoint", "from_diffusers", "lora"]))]
 struct ConvertArgs {
-    /// A single-file checkpoint (`.safetensors`, SD 1.x or 2.x) to convert into a diffusers folder.
+    /// A single-file checkpoint (`.safetensors`, SD 1.x, 2.x or XL) to convert into a diffusers folder.
     #[arg(long)]
     checkpoint: Option<PathBuf>,
     /// The shipped configs to use for `--checkpoint` (default: sd1 for a CLIP text encoder,

@@ -265,6 +265,70 @@ fn a_lora_step_equals_train_text_to_image_lora_sdxl() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A component's tensors under transformers 4's prefixed names, whichever layout its file has.
+fn component_tensors(folder: &Path, component: &str, file: &str) -> HashMap<String, Tensor> {
+    let tensors = data::checkpoint::read_tensors(&folder.join(component).join(file)).unwrap();
+    let prefixed = !component.starts_with("text_encoder") || tensors.keys().any(|k| k.starts_with("text_model."));
+    tensors
+        .into_iter()
+        .map(
+            |(k, t)| {
+                if prefixed || k.starts_with("text_projection.") {
+                    (k, t)
+                } else {
+                    (format!("text_model.{k}"), t)
+                }
+            },
+        )
+        .collect()
+}
+
+#[test]
+fn sdxl_single_files_convert_both_ways() {
+    use diffusion::single_file::{to_diffusers, to_single_file, Configs};
+    let dir = scratch("single-file");
+    let file = dir.join("sdxl.safetensors");
+    to_single_file(&folder(), &file, false).unwrap();
+    let single = data::checkpoint::read_tensors(&file).unwrap();
+    // Stability's layout: the text-time embedding as `label_emb`, CLIP ViT-L under embedder 0 in
+    // transformers' names, OpenCLIP under embedder 1 with fused projections and `text_projection`
+    // [width, dim] applied as `x @ p`.
+    for key in [
+        "model.diffusion_model.label_emb.0.0.weight",
+        "model.diffusion_model.label_emb.0.2.bias",
+        "model.diffusion_model.input_blocks.4.1.transformer_blocks.0.attn2.to_k.weight",
+        "first_stage_model.decoder.mid.attn_1.q.weight",
+        "conditioner.embedders.0.transformer.text_model.encoder.layers.1.self_attn.q_proj.weight",
+        "conditioner.embedders.1.model.transformer.resblocks.1.attn.in_proj_weight",
+        "conditioner.embedders.1.model.ln_final.weight",
+    ] {
+        assert!(single.contains_key(key), "{key} missing");
+    }
+    assert_eq!(single["conditioner.embedders.1.model.text_projection"].size(), [24, 12]);
+    let back = dir.join("back");
+    to_diffusers(&file, &Configs::Folder(folder()), &back).unwrap();
+    for (component, name) in [
+        ("unet", "diffusion_pytorch_model.safetensors"),
+        ("vae", "diffusion_pytorch_model.safetensors"),
+        ("text_encoder", "model.safetensors"),
+        ("text_encoder_2", "model.safetensors"),
+    ] {
+        let (theirs, ours) = (component_tensors(&folder(), component, name), component_tensors(&back, component, name));
+        let wanted: Vec<&String> = theirs.keys().filter(|k| !k.ends_with("position_ids")).collect();
+        assert_eq!(ours.len(), wanted.len(), "{component}: tensors");
+        for k in wanted {
+            assert!(ours[k].equal(&theirs[k]), "{component}: {k} differs after the round trip");
+        }
+    }
+    assert!(back.join("tokenizer_2").is_dir() && back.join("text_encoder_2/config.json").is_file());
+    StableDiffusion::load(&back, Device::Cpu, Kind::Float).unwrap();
+    // SDXL's configs are not shipped: without a donor folder the error says what to give.
+    let err = to_diffusers(&file, &Configs::Shipped(None), &dir.join("no-configs")).unwrap_err().to_string();
+    assert!(err.contains("SDXL") && err.contains("--config-from"), "{err}");
+    assert!(!dir.join("no-configs").exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Runs `diffusion finetune` on the SDXL folder with `extra` flags; returns the output folder.
 fn finetune_run(test: &str, extra: &[&str]) -> PathBuf {
     let dir = scratch(test);
@@ -369,8 +433,5 @@ fn the_sample_command_takes_size_conditioning_and_folders_that_do_not_fit_are_na
     std::fs::write(&config, text).unwrap();
     let err = StableDiffusion::load(&broken, Device::Cpu, Kind::Float).err().unwrap().to_string();
     assert!(err.contains("add_embedding.linear_1.weight has shape [32, 36], expected [32, 40]"), "{err}");
-    // Single-file conversion is SD 1.x/2.x only, and says so.
-    let err = diffusion::single_file::to_single_file(&folder(), &dir.join("xl.safetensors"), false).unwrap_err();
-    assert!(err.to_string().contains("an SDXL UNet"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }

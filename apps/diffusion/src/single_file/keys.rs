@@ -30,6 +30,13 @@ pub fn unet_key(key: &str, layers_per_block: usize) -> Option<String> {
     if let Some(r) = key.strip_prefix("time_embed.2.") {
         return Some(format!("time_embedding.linear_2.{r}"));
     }
+    // SDXL's text-time embedding (`add_embedding`), `label_emb` in latent-diffusion.
+    if let Some(r) = key.strip_prefix("label_emb.0.0.") {
+        return Some(format!("add_embedding.linear_1.{r}"));
+    }
+    if let Some(r) = key.strip_prefix("label_emb.0.2.") {
+        return Some(format!("add_embedding.linear_2.{r}"));
+    }
     if let Some(r) = key.strip_prefix("input_blocks.0.0.") {
         return Some(format!("conv_in.{r}"));
     }
@@ -144,9 +151,11 @@ fn split_block(s: &str) -> Option<(usize, &str, usize, &str)> {
 /// upsampler then follows the attention at position 2, else the resnet at position 1).
 pub fn unet_ldm_key(key: &str, layers_per_block: usize, up_attention: &[bool]) -> Option<String> {
     let per = layers_per_block + 1;
-    const FIXED: [(&str, &str); 5] = [
+    const FIXED: [(&str, &str); 7] = [
         ("time_embedding.linear_1.", "time_embed.0."),
         ("time_embedding.linear_2.", "time_embed.2."),
+        ("add_embedding.linear_1.", "label_emb.0.0."),
+        ("add_embedding.linear_2.", "label_emb.0.2."),
         ("conv_in.", "input_blocks.0.0."),
         ("conv_norm_out.", "out.0."),
         ("conv_out.", "out.2."),

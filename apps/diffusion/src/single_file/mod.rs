@@ -1,11 +1,14 @@
 //! Original Stable Diffusion checkpoints in one file (`v1-5-pruned-emaonly.safetensors`,
-//! `v2-1_768-ema-pruned.safetensors`: `model.diffusion_model.*` for the UNet,
-//! `first_stage_model.*` for the VAE, and the text encoder as `cond_stage_model.transformer.*`
-//! (SD 1.x, OpenAI CLIP in transformers' names) or `cond_stage_model.model.*` (SD 2.x,
-//! OpenCLIP, see [`open_clip`])) to a diffusers folder and back.
+//! `v2-1_768-ema-pruned.safetensors`, `sd_xl_base_1.0.safetensors`: `model.diffusion_model.*`
+//! for the UNet, `first_stage_model.*` for the VAE, and the text encoder as
+//! `cond_stage_model.transformer.*` (SD 1.x, OpenAI CLIP in transformers' names) or
+//! `cond_stage_model.model.*` (SD 2.x, OpenCLIP, see [`open_clip`]), or SDXL's two as
+//! `conditioner.embedders.0.transformer.*` (CLIP ViT-L) and `conditioner.embedders.1.model.*`
+//! (OpenCLIP ViT-bigG with its projection)) to a diffusers folder and back.
 //!
 //! A single file holds no configuration and no tokenizer: they come from the configs shipped
-//! for SD 1.x and SD 2.x ([`Base`]), or from a diffusers folder of the same architecture. The
+//! for SD 1.x and SD 2.x ([`Base`]), or from a diffusers folder of the same architecture (the
+//! only source for SDXL, whose configs are not shipped). The
 //! written folder is loaded back before it appears, so a config that does not fit the weights
 //! is an error naming the key, not a folder that fails later. The way back writes the key
 //! names A1111 and ComfyUI load (those of diffusers' `convert_diffusers_to_original_stable_diffusion.py`).
@@ -32,6 +35,19 @@ const UNET: &str = "model.diffusion_model.";
 const VAE: &str = "first_stage_model.";
 const CLIP: &str = "cond_stage_model.transformer.";
 const OPEN_CLIP: &str = "cond_stage_model.model.";
+const SDXL_CLIP: &str = "conditioner.embedders.0.transformer.";
+const SDXL_OPEN_CLIP: &str = "conditioner.embedders.1.model.";
+
+/// Which text encoders a single file holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TextEncoders {
+    /// SD 1.x: OpenAI CLIP.
+    Clip,
+    /// SD 2.x: OpenCLIP.
+    OpenClip,
+    /// SDXL: CLIP ViT-L and OpenCLIP ViT-bigG with its projection.
+    Sdxl,
+}
 
 /// Where the configuration of a converted folder comes from.
 #[derive(Clone, Debug)]
@@ -65,12 +81,15 @@ fn staging_for(out: &Path) -> PathBuf {
 /// Copies the configs, tokenizer and scheduler of the diffusers folder `from` into `to`.
 fn copy_configs(from: &Path, to: &Path) -> Result<()> {
     let files = ["model_index.json", "unet/config.json", "vae/config.json", "text_encoder/config.json"];
-    for name in files {
+    // SDXL's second encoder and tokenizer, where the folder has them.
+    let second = from.join("text_encoder_2").is_dir();
+    let extra = second.then_some("text_encoder_2/config.json");
+    for name in files.into_iter().chain(extra) {
         let (src, dst) = (from.join(name), to.join(name));
         std::fs::create_dir_all(dst.parent().unwrap_or(to)).map_err(io(to))?;
         std::fs::copy(&src, &dst).map_err(io(&src))?;
     }
-    for dir in ["tokenizer", "scheduler"] {
+    for dir in ["tokenizer", "scheduler"].into_iter().chain(second.then_some("tokenizer_2")) {
         let (src, dst) = (from.join(dir), to.join(dir));
         std::fs::create_dir_all(&dst).map_err(io(&dst))?;
         for entry in std::fs::read_dir(&src).map_err(io(&src))? {
@@ -93,16 +112,26 @@ pub fn to_diffusers(checkpoint: &Path, configs: &Configs, out: &Path) -> Result<
     if !file.keys().any(|k| k.starts_with(UNET)) {
         return Err(bad(format!("no {UNET}* keys: not an original Stable Diffusion checkpoint")));
     }
-    let open_clip = match (file.keys().any(|k| k.starts_with(CLIP)), file.keys().any(|k| k.starts_with(OPEN_CLIP))) {
-        (true, false) => false,
-        (false, true) => true,
-        (true, true) => return Err(bad(format!("both {CLIP}* and {OPEN_CLIP}* keys: two text encoders"))),
-        (false, false) => {
-            return Err(bad(format!("no text encoder: neither {CLIP}* (SD 1.x) nor {OPEN_CLIP}* (SD 2.x) keys")))
+    let has = |prefix: &str| file.keys().any(|k| k.starts_with(prefix));
+    let text = match (has(CLIP), has(OPEN_CLIP), has(SDXL_CLIP) || has(SDXL_OPEN_CLIP)) {
+        (true, false, false) => TextEncoders::Clip,
+        (false, true, false) => TextEncoders::OpenClip,
+        (false, false, true) => TextEncoders::Sdxl,
+        (false, false, false) => {
+            return Err(bad(format!(
+            "no text encoder: neither {CLIP}* (SD 1.x), {OPEN_CLIP}* (SD 2.x) nor conditioner.embedders.* (SDXL) keys"
+        )))
         }
+        _ => return Err(bad("text encoder keys of more than one Stable Diffusion version".into())),
     };
+    let open_clip = text == TextEncoders::OpenClip;
     let base = match configs {
         Configs::Folder(_) => None,
+        Configs::Shipped(_) if text == TextEncoders::Sdxl => {
+            return Err(bad("an SDXL checkpoint (conditioner.embedders.* keys): SDXL's configs are not shipped; give \
+                 --config-from an SDXL diffusers folder"
+                .into()))
+        }
         Configs::Shipped(Some(b)) if b.open_clip() != open_clip => {
             let found = if open_clip { "an OpenCLIP (SD 2.x)" } else { "a CLIP (SD 1.x)" };
             return Err(bad(format!("--base {}: the file has {found} text encoder", b.name())));
@@ -118,7 +147,7 @@ pub fn to_diffusers(checkpoint: &Path, configs: &Configs, out: &Path) -> Result<
         } else if let Configs::Folder(from) = configs {
             copy_configs(from, &staging)?;
         }
-        let n = write_weights(file, open_clip, &staging, checkpoint)?;
+        let n = write_weights(file, text, &staging, checkpoint)?;
         crate::pipeline::StableDiffusion::load(&staging, Device::Cpu, Kind::Float).map_err(|e| {
             // Named as the folder would have been: the staging folder is removed.
             let e = e.to_string().replace(&staging.display().to_string(), &out.display().to_string());
@@ -141,11 +170,18 @@ pub fn to_diffusers(checkpoint: &Path, configs: &Configs, out: &Path) -> Result<
 
 /// Renames the file's tensors into the folder `dir`'s components (whose configs are there) and
 /// writes their weights; returns the number of tensors written.
-fn write_weights(file: HashMap<String, Tensor>, open_clip: bool, dir: &Path, checkpoint: &Path) -> Result<usize> {
+fn write_weights(file: HashMap<String, Tensor>, text: TextEncoders, dir: &Path, checkpoint: &Path) -> Result<usize> {
     let bad = |msg: String| Error::Format { path: checkpoint.to_path_buf(), msg };
     let unet_cfg: UNetConfigFile = read_json(&dir.join("unet").join("config.json"))?;
     let vae_cfg: VaeConfigFile = read_json(&dir.join("vae").join("config.json"))?;
     let text_cfg: ClipTextConfigFile = read_json(&dir.join("text_encoder").join("config.json"))?;
+    let sdxl = text == TextEncoders::Sdxl;
+    let text_2_layers = match sdxl {
+        true => read_json::<ClipTextConfigFile>(&dir.join("text_encoder_2").join("config.json"))?.num_hidden_layers,
+        false => 0,
+    } as usize;
+    // The OpenAI CLIP encoder's prefix in this file (SD 1.x's or SDXL's first).
+    let clip = if sdxl { SDXL_CLIP } else { CLIP };
     let (lpb, levels) = (unet_cfg.layers_per_block as usize, vae_cfg.block_out_channels.len());
     let mut parts: HashMap<&str, Vec<(String, Tensor)>> = HashMap::new();
     let mut entries: Vec<(String, Tensor)> = file.into_iter().collect();
@@ -163,24 +199,28 @@ fn write_weights(file: HashMap<String, Tensor>, open_clip: bool, dir: &Path, che
             // The mid-block attention's projections are stored as 1x1 convolutions.
             let t = if k.contains(".attn_1.") && t.dim() == 4 { t.flatten(1, -1) } else { t };
             parts.entry("vae").or_default().push((vae_key(k, levels).ok_or_else(unknown)?, t));
-        } else if let (Some(k), false) = (key.strip_prefix(CLIP), open_clip) {
+        } else if let (Some(k), false) = (key.strip_prefix(clip), text == TextEncoders::OpenClip) {
             // Buffers (old files store them, some as corrupted floats): transformers recomputes them.
             if !k.ends_with("position_ids") {
                 let name = if k.starts_with("text_model.") { k.to_string() } else { format!("text_model.{k}") };
                 parts.entry("text_encoder").or_default().push((name, t));
             }
-        } else if let (Some(k), true) = (key.strip_prefix(OPEN_CLIP), open_clip) {
+        } else if let (Some(k), true) = (key.strip_prefix(OPEN_CLIP), text == TextEncoders::OpenClip) {
             let layers = text_cfg.num_hidden_layers as usize;
-            open_clip::to_transformers(k, t, layers, parts.entry("text_encoder").or_default())
+            open_clip::to_transformers(k, t, layers, false, parts.entry("text_encoder").or_default())
+                .map_err(|m| bad(format!("key {key} {m}")))?;
+        } else if let (Some(k), true) = (key.strip_prefix(SDXL_OPEN_CLIP), sdxl) {
+            open_clip::to_transformers(k, t, text_2_layers, true, parts.entry("text_encoder_2").or_default())
                 .map_err(|m| bad(format!("key {key} {m}")))?;
         } else {
             return Err(unknown());
         }
     }
     let mut count = 0;
-    for (component, file_name) in
-        [("unet", crate::weights::WEIGHTS), ("vae", crate::weights::WEIGHTS), ("text_encoder", "model.safetensors")]
-    {
+    let components =
+        [("unet", crate::weights::WEIGHTS), ("vae", crate::weights::WEIGHTS), ("text_encoder", "model.safetensors")];
+    let second = sdxl.then_some(("text_encoder_2", "model.safetensors"));
+    for (component, file_name) in components.into_iter().chain(second) {
         let tensors = parts.remove(component).unwrap_or_default();
         if tensors.is_empty() {
             return Err(bad(format!("no {component} weights")));
@@ -191,31 +231,32 @@ fn write_weights(file: HashMap<String, Tensor>, open_clip: bool, dir: &Path, che
     Ok(count)
 }
 
-/// The tensors of a diffusers folder's text encoder under transformers 4's prefixed names
-/// (`text_model.…`), whichever layout the file uses.
-fn text_encoder_tensors(folder: &Path) -> Result<Vec<(String, Tensor)>> {
-    let path = folder.join("text_encoder").join("model.safetensors");
+/// The tensors of a diffusers folder's text encoder `component` under transformers 4's
+/// prefixed names (`text_model.…`; a projection stays `text_projection.weight`), whichever
+/// layout the file uses.
+fn text_encoder_tensors(folder: &Path, component: &str) -> Result<Vec<(String, Tensor)>> {
+    let path = folder.join(component).join("model.safetensors");
     let file = data::checkpoint::read_tensors(&path)?;
     let prefixed = file.keys().any(|k| k.starts_with("text_model."));
-    Ok(file.into_iter().map(|(k, t)| if prefixed { (k, t) } else { (format!("text_model.{k}"), t) }).collect())
+    let name = |k: String| match prefixed || k.starts_with("text_projection.") {
+        true => k,
+        false => format!("text_model.{k}"),
+    };
+    Ok(file.into_iter().map(|(k, t)| (name(k), t)).collect())
 }
 
 /// Converts the diffusers folder `folder` into the single file `out` in latent-diffusion's
 /// names (written atomically): the UNet, the VAE (attention projections as 1x1 convolutions)
 /// and the text encoder, in OpenAI CLIP's names for a `quick_gelu` encoder (SD 1.x) or
-/// OpenCLIP's for a `gelu` one (SD 2.x). Tensors keep their precision unless `half`. A key
-/// with no single-file name is an error naming the file and the key. Returns the number of
-/// tensors written.
+/// OpenCLIP's for a `gelu` one (SD 2.x); for SDXL (a UNet with `addition_embed_type`) both
+/// encoders under `conditioner.embedders.*`, as Stability's `sd_xl_base_1.0.safetensors`.
+/// Tensors keep their precision unless `half`. A key with no single-file name is an error
+/// naming the file and the key. Returns the number of tensors written.
 pub fn to_single_file(folder: &Path, out: &Path, half: bool) -> Result<usize> {
     let unet_files = ComponentFiles::in_pipeline(folder, "unet", "UNet2DConditionModel")?;
     let vae_files = ComponentFiles::in_pipeline(folder, "vae", "AutoencoderKL")?;
     let unet_cfg: UNetConfigFile = read_json(&unet_files.config)?;
-    if unet_cfg.addition_embed_type.is_some() {
-        return Err(Error::Format {
-            path: unet_files.config.clone(),
-            msg: "an SDXL UNet (addition_embed_type); single-file conversion covers SD 1.x and 2.x".into(),
-        });
-    }
+    let sdxl = unet_cfg.addition_embed_type.is_some();
     let vae_cfg: VaeConfigFile = read_json(&vae_files.config)?;
     let text_cfg_path = folder.join("text_encoder").join("config.json");
     let text_cfg: ClipTextConfigFile = read_json(&text_cfg_path)?;
@@ -238,8 +279,18 @@ pub fn to_single_file(folder: &Path, out: &Path, half: bool) -> Result<usize> {
         let t = if vae_ldm_is_conv(&ldm) && t.dim() == 2 { t.unsqueeze(-1).unsqueeze(-1) } else { t };
         named.push((format!("{VAE}{ldm}"), t));
     }
-    let text = text_encoder_tensors(folder)?;
+    let text = text_encoder_tensors(folder, "text_encoder")?;
     let text_path = folder.join("text_encoder").join("model.safetensors");
+    if sdxl {
+        named.extend(
+            text.into_iter().filter(|(k, _)| !k.ends_with("position_ids")).map(|(k, t)| (format!("{SDXL_CLIP}{k}"), t)),
+        );
+        let second = text_encoder_tensors(folder, "text_encoder_2")?;
+        let path = folder.join("text_encoder_2").join("model.safetensors");
+        let converted = open_clip::from_transformers(second).map_err(|msg| Error::Format { path, msg })?;
+        named.extend(converted.into_iter().map(|(k, t)| (format!("{SDXL_OPEN_CLIP}{k}"), t)));
+        return write_single_file(named, out, half);
+    }
     match text_cfg.hidden_act.as_str() {
         "quick_gelu" => named.extend(
             text.into_iter().filter(|(k, _)| !k.ends_with("position_ids")).map(|(k, t)| (format!("{CLIP}{k}"), t)),
@@ -258,6 +309,11 @@ pub fn to_single_file(folder: &Path, out: &Path, half: bool) -> Result<usize> {
             })
         }
     }
+    write_single_file(named, out, half)
+}
+
+/// Writes the single file (atomically), in fp16 with `half`; returns the number of tensors.
+fn write_single_file(mut named: Vec<(String, Tensor)>, out: &Path, half: bool) -> Result<usize> {
     if half {
         named = named
             .into_iter()

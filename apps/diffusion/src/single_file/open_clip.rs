@@ -1,5 +1,6 @@
 //! SD 2.x's text encoder between OpenCLIP's names (`cond_stage_model.model.*` in a single file)
-//! and transformers' `CLIPTextModel`.
+//! and transformers' `CLIPTextModel`, and SDXL's second one (`conditioner.embedders.1.model.*`)
+//! and `CLIPTextModelWithProjection`, which keeps every layer and the projection.
 //!
 //! OpenCLIP fuses each attention's query, key and value into `attn.in_proj_weight` `[3d, d]` and
 //! `in_proj_bias` `[3d]` (q, k, v stacked in that order, as `torch.nn.MultiheadAttention`);
@@ -28,11 +29,24 @@ const OUTER_PARTS: [(&str, &str); 3] = [
     ("ln_final.", "final_layer_norm."),
 ];
 
-/// Converts one OpenCLIP tensor (`key` without `cond_stage_model.model.`) into transformers'
-/// prefixed names (`text_model.…`), appended to `out`; `layers` is the text encoder's
-/// `num_hidden_layers`. Keys outside the text encoder add nothing; for an unknown key or a fused
-/// projection that does not split in three, the error says what is wrong (the caller names the key).
-pub fn to_transformers(key: &str, t: Tensor, layers: usize, out: &mut Vec<(String, Tensor)>) -> Result<(), String> {
+/// Converts one OpenCLIP tensor (`key` without its file prefix) into transformers' prefixed
+/// names (`text_model.…`), appended to `out`; `layers` is the text encoder's
+/// `num_hidden_layers`; with `projection` (a `CLIPTextModelWithProjection`, SDXL's second
+/// encoder) OpenCLIP's `text_projection` `[width, dim]` (applied as `x @ p`) becomes the linear
+/// layer's `text_projection.weight` `[dim, width]`. Keys outside the text encoder add nothing;
+/// for an unknown key or a fused projection that does not split in three, the error says what is
+/// wrong (the caller names the key).
+pub fn to_transformers(
+    key: &str,
+    t: Tensor,
+    layers: usize,
+    projection: bool,
+    out: &mut Vec<(String, Tensor)>,
+) -> Result<(), String> {
+    if projection && key == "text_projection" {
+        out.push(("text_projection.weight".to_string(), t.transpose(0, 1).contiguous()));
+        return Ok(());
+    }
     if NOT_TEXT_ENCODER.contains(&key) {
         return Ok(());
     }
@@ -67,14 +81,19 @@ pub fn to_transformers(key: &str, t: Tensor, layers: usize, out: &mut Vec<(Strin
     Ok(())
 }
 
-/// The OpenCLIP form (keys without `cond_stage_model.model.`) of a `CLIPTextModel`'s tensors
-/// in the prefixed layout: the inverse of [`to_transformers`] for the layers the model has.
-/// A query, key or value projection without its two partners is an error message naming it.
+/// The OpenCLIP form (keys without the file prefix) of a `CLIPTextModel`'s tensors in the
+/// prefixed layout (or a `CLIPTextModelWithProjection`'s, whose `text_projection.weight` becomes
+/// `text_projection`): the inverse of [`to_transformers`] for the layers the model has. A query,
+/// key or value projection without its two partners is an error message naming it.
 pub fn from_transformers(tensors: Vec<(String, Tensor)>) -> Result<Vec<(String, Tensor)>, String> {
     let mut out = vec![];
     // (layer, weight|bias) → [q, k, v]
     let mut fused: std::collections::BTreeMap<(usize, String), [Option<Tensor>; 3]> = Default::default();
     for (key, t) in tensors {
+        if key == "text_projection.weight" {
+            out.push(("text_projection".to_string(), t.transpose(0, 1).contiguous()));
+            continue;
+        }
         let unknown = || format!("key {key} has no OpenCLIP equivalent");
         let rest = key.strip_prefix("text_model.").ok_or_else(unknown)?;
         if rest == "embeddings.position_ids" {
