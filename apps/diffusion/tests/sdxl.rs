@@ -6,7 +6,7 @@
 //! of `train_text_to_image_sdxl.py` under Gemini and one LoRA step of
 //! `train_text_to_image_lora_sdxl.py` (peft's adapters; references by
 //! `fixtures/make_sdxl_lora_fixture.py`); the command fine-tunes (full and LoRA) and samples;
-//! folders that do not fit together are named errors.
+//! single files convert both ways; folders that do not fit together are named errors.
 mod common;
 
 use std::collections::HashMap;
