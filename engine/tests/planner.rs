@@ -91,20 +91,16 @@ fn a_tight_limit_is_met_by_sharding_or_recomputing() {
     assert_ne!(tight.best.plan, roomy.best.plan);
 }
 
+/// Plain data parallelism over 8 ranks at ZeRO stage `zero`, nothing checkpointed.
+fn data_parallel_8(zero: u8) -> Plan {
+    Plan { dp: 8, tp: 1, tp_mode: TpMode::OneD, sp: 1, pp: 1, micro_batches: 1, zero, checkpoint: Default::default() }
+}
+
 #[test]
 fn checkpointing_trades_memory_for_time() {
     let model = synthetic(8, 64);
     let c = cluster(64.0);
-    let base = Plan {
-        dp: 8,
-        tp: 1,
-        tp_mode: TpMode::OneD,
-        sp: 1,
-        pp: 1,
-        micro_batches: 1,
-        zero: 0,
-        checkpoint: Default::default(),
-    };
+    let base = data_parallel_8(0);
     let all = Plan { checkpoint: (1..=8).collect(), ..base.clone() };
     let (e0, e1) = (estimate(&model, &c, &base).unwrap(), estimate(&model, &c, &all).unwrap());
     assert!(e1.memory_bytes < e0.memory_bytes && e1.step_s > e0.step_s, "{e0:?} {e1:?}");
@@ -135,19 +131,7 @@ fn tensor_parallel_modes_match_their_grids() {
 fn zero_costs_its_broadcasts_when_links_cost_time() {
     let model = synthetic(8, 64);
     let c = cluster(64.0);
-    let at = |zero| {
-        let plan = Plan {
-            dp: 8,
-            tp: 1,
-            tp_mode: TpMode::OneD,
-            sp: 1,
-            pp: 1,
-            micro_batches: 1,
-            zero,
-            checkpoint: Default::default(),
-        };
-        estimate(&model, &c, &plan).unwrap()
-    };
+    let at = |zero| estimate(&model, &c, &data_parallel_8(zero)).unwrap();
     let (plain, zero1, zero2) = (at(0), at(1), at(2));
     // Each ZeRO stage adds the parameters' broadcast: an all-gather of their bytes plus a
     // latency per tensor (98 tensors: 12 per block, one per edge layer).

@@ -13,6 +13,25 @@
 
 #define MAX_D 64
 
+// The row this warp handles: blocks of (blockDim.x / 32) warps, one row each.
+__device__ __forceinline__ i64 warp_row() { return (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); }
+
+// Where query row `row` reads: its batch element, its bias row, and its batch element and
+// head's keys and values.
+template <typename T>
+struct QueryRow {
+  i64 b, bias_row;
+  const T* k;
+  const T* v;
+};
+
+template <typename T>
+__device__ __forceinline__ QueryRow<T> query_row(i64 row, const T* k, const T* v, const T* bias, int heads, int nq,
+                                                 int nk, int d, i64 bias_rows) {
+  const i64 bh = row / nq;
+  return QueryRow<T>{bh / heads, bias ? row % bias_rows : 0, k + bh * nk * d, v + bh * nk * d};
+}
+
 template <typename T>
 __device__ __forceinline__ float score(const float* qs, const T* kj, int d) {
   float s = 0.f;
@@ -34,11 +53,9 @@ template <typename T>
 __device__ void mea_forward(const T* q, const T* k, const T* v, const T* mask, const T* bias, T* out, float* lse,
                             i64 rows, int heads, int nq, int nk, int d, i64 bias_rows, float scale) {
   const int lane = threadIdx.x & 31;
-  const i64 row = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const i64 row = warp_row();
   if (row >= rows) return;
-  const i64 bh = row / nq, b = bh / heads, bias_row = bias ? row % bias_rows : 0;
-  const T* kb = k + bh * nk * d;
-  const T* vb = v + bh * nk * d;
+  const QueryRow<T> at = query_row(row, k, v, bias, heads, nq, nk, d, bias_rows);
   float qs[MAX_D], acc[MAX_D];
   for (int e = 0; e < d; ++e) {
     qs[e] = to_float(q[row * d + e]) * scale;
@@ -46,9 +63,9 @@ __device__ void mea_forward(const T* q, const T* k, const T* v, const T* mask, c
   }
   float m = NEG_INF, l = 0.f;
   for (int j = lane; j < nk; j += 32) {
-    const float s = logit_at(qs, kb + (i64)j * d, mask, bias, b, j, bias_row, nk, d);
+    const float s = logit_at(qs, at.k + (i64)j * d, mask, bias, at.b, j, at.bias_row, nk, d);
     if (s == NEG_INF) continue;
-    const T* vj = vb + (i64)j * d;
+    const T* vj = at.v + (i64)j * d;
     if (s > m) {
       const float f = expf(m - s);
       l = l * f + 1.f;
@@ -78,11 +95,9 @@ __device__ void mea_backward_queries(const T* q, const T* k, const T* v, const T
                                      const T* dout, const float* lse, float* delta, T* dq, float* dbias, i64 rows,
                                      int heads, int nq, int nk, int d, i64 bias_rows, float scale) {
   const int lane = threadIdx.x & 31;
-  const i64 row = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const i64 row = warp_row();
   if (row >= rows) return;
-  const i64 bh = row / nq, b = bh / heads, bias_row = bias ? row % bias_rows : 0;
-  const T* kb = k + bh * nk * d;
-  const T* vb = v + bh * nk * d;
+  const QueryRow<T> at = query_row(row, k, v, bias, heads, nq, nk, d, bias_rows);
   float qs[MAX_D], dos[MAX_D], acc[MAX_D];
   float dd = 0.f;
   for (int e = 0; e < d; ++e) {
@@ -93,11 +108,11 @@ __device__ void mea_backward_queries(const T* q, const T* k, const T* v, const T
   }
   const float lse_row = lse[row];
   for (int j = lane; j < nk; j += 32) {
-    const T* kj = kb + (i64)j * d;
-    const float p = expf(logit_at(qs, kj, mask, bias, b, j, bias_row, nk, d) - lse_row);
-    const float ds = p * (score(dos, vb + (i64)j * d, d) - dd);
+    const T* kj = at.k + (i64)j * d;
+    const float p = expf(logit_at(qs, kj, mask, bias, at.b, j, at.bias_row, nk, d) - lse_row);
+    const float ds = p * (score(dos, at.v + (i64)j * d, d) - dd);
     for (int e = 0; e < d; ++e) acc[e] += ds * to_float(kj[e]);
-    if (dbias) atomicAdd(dbias + bias_row * nk + j, ds);
+    if (dbias) atomicAdd(dbias + at.bias_row * nk + j, ds);
   }
   for (int e = 0; e < d; ++e) {
     const float a = warp_sum(acc[e]);
@@ -112,7 +127,7 @@ __device__ void mea_backward_keys(const T* q, const T* k, const T* v, const T* m
                                   const float* lse, const float* delta, T* dk, T* dv, i64 key_rows, int heads, int nq,
                                   int nk, int d, i64 bias_rows, float scale) {
   const int lane = threadIdx.x & 31;
-  const i64 key_row = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const i64 key_row = warp_row();
   if (key_row >= key_rows) return;
   const i64 bh = key_row / nk, b = bh / heads;
   const int j = key_row % nk;
