@@ -215,11 +215,11 @@ impl ChunkArgs {
             bail!("--chunk-size must be at least 1");
         }
         let device = launch.device(world)?;
-        let kernels = kernels::Backend::resolve(self.kernels, device)?;
+        let backend = kernels::Backend::resolve(self.kernels, device)?;
         let dap = match world.size() {
             1 => Dap::none(),
             _ => Dap::new(world.group.clone()),
         };
-        Ok((device, dap, kernels))
+        Ok((device, dap, backend))
     }
 }

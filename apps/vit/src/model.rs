@@ -357,8 +357,8 @@ impl Layers for Serial {
 
     fn column_gelu(&self, p: nn::Path, inputs: i64, outputs: i64) -> anyhow::Result<Box<dyn Layer>> {
         Ok(match self.kernels {
-            kernels::Backend::Torch => Box::new(Gelu(Box::new(linear(p, inputs, outputs)))),
             kernels::Backend::Fused => Box::new(FusedLinearGelu(linear(p, inputs, outputs))),
+            kernels::Backend::Torch => Box::new(Gelu(self.column(p, inputs, outputs)?)),
         })
     }
 

@@ -282,9 +282,7 @@ pub fn to_single_file(folder: &Path, out: &Path, half: bool) -> Result<usize> {
     let text = text_encoder_tensors(folder, "text_encoder")?;
     let text_path = folder.join("text_encoder").join("model.safetensors");
     if sdxl {
-        named.extend(
-            text.into_iter().filter(|(k, _)| !k.ends_with("position_ids")).map(|(k, t)| (format!("{SDXL_CLIP}{k}"), t)),
-        );
+        named.extend(under_prefix(text, SDXL_CLIP));
         let second = text_encoder_tensors(folder, "text_encoder_2")?;
         let path = folder.join("text_encoder_2").join("model.safetensors");
         let converted = open_clip::from_transformers(second).map_err(|msg| Error::Format { path, msg })?;
@@ -292,9 +290,7 @@ pub fn to_single_file(folder: &Path, out: &Path, half: bool) -> Result<usize> {
         return write_single_file(named, out, half);
     }
     match text_cfg.hidden_act.as_str() {
-        "quick_gelu" => named.extend(
-            text.into_iter().filter(|(k, _)| !k.ends_with("position_ids")).map(|(k, t)| (format!("{CLIP}{k}"), t)),
-        ),
+        "quick_gelu" => named.extend(under_prefix(text, CLIP)),
         "gelu" => {
             let converted =
                 open_clip::from_transformers(text).map_err(|msg| Error::Format { path: text_path.clone(), msg })?;
@@ -310,6 +306,12 @@ pub fn to_single_file(folder: &Path, out: &Path, half: bool) -> Result<usize> {
         }
     }
     write_single_file(named, out, half)
+}
+
+/// An OpenAI CLIP encoder's tensors under the file's `prefix`, without the position-id buffer
+/// (transformers recomputes it).
+fn under_prefix(text: Vec<(String, Tensor)>, prefix: &str) -> impl Iterator<Item = (String, Tensor)> + '_ {
+    text.into_iter().filter(|(k, _)| !k.ends_with("position_ids")).map(move |(k, t)| (format!("{prefix}{k}"), t))
 }
 
 /// Writes the single file (atomically), in fp16 with `half`; returns the number of tensors.
