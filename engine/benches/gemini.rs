@@ -177,6 +177,7 @@ fn gemini(w: i64, depth: i64, device: Device, cap: u64) -> anyhow::Result<Outcom
                 home_buffers: 0,
                 compute: Kind::Float,
                 share_cpu_homes: true,
+                trainable: true,
             },
             placement: Placement::Auto,
             prefetch: 2,

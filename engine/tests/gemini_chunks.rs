@@ -27,6 +27,7 @@ fn config(budget_chunks: usize) -> ChunkConfig {
         compute: Kind::Float,
         // These tests watch payloads go and come back, as on a GPU.
         share_cpu_homes: false,
+        trainable: true,
     }
 }
 
@@ -156,4 +157,23 @@ fn an_impossible_budget_and_an_illegal_change_are_named() {
     assert_eq!(m.device_bytes().0, 512);
     m.move_home(0, Tier::Host).unwrap();
     assert_eq!(m.device_bytes().0, 384);
+}
+
+#[test]
+fn frozen_chunks_keep_no_gradient_and_free_up_after_a_backward() {
+    let params = four();
+    for p in &params {
+        let _ = p.tensor.set_requires_grad(false);
+    }
+    let cfg = ChunkConfig { trainable: false, home_buffers: 1, ..config(1) };
+    let mut m = ChunkManager::new(&params, cfg, Tier::Host).unwrap();
+    // A backward through a frozen layer (its input's gradient) needs the weights, then is done
+    // with them: no gradient will arrive to wait for.
+    m.access(&[0]).unwrap();
+    m.done_backward(&[0]).unwrap();
+    assert_eq!(m.states(0), vec![TensorState::Hold]);
+    m.access(&[1]).unwrap();
+    assert!(!m.is_resident(0), "a one-chunk budget evicted the frozen chunk for the next");
+    let err = m.add_gradient(1, &Tensor::ones([4, 4], (Kind::Float, Device::Cpu))).unwrap_err().to_string();
+    assert!(err.contains("layers.1.weight") && err.contains("frozen"), "{err}");
 }

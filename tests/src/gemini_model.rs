@@ -213,6 +213,7 @@ pub fn config(device: Device, budget: usize, placement: Placement, rule: Rule, c
             home_buffers: 0,
             compute,
             share_cpu_homes: true,
+            trainable: true,
         },
         placement,
         prefetch: 1,

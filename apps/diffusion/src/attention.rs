@@ -17,13 +17,40 @@ pub fn multi_head(q: &Tensor, k: &Tensor, v: &Tensor, heads: i64) -> Tensor {
     out.transpose(1, 2).reshape([b, n, -1])
 }
 
+/// A LoRA adapter on one projection, as peft's `lora.Linear` adds it: `scale * up(down(x))`
+/// beside the frozen layer's own output. `down` [rank, in] and `up` [out, rank] stay fp32
+/// masters; they run in the input's kind.
+#[derive(Debug)]
+pub struct Adapter {
+    /// [rank, in].
+    pub down: Tensor,
+    /// [out, rank].
+    pub up: Tensor,
+    /// `alpha / rank`.
+    pub scale: f64,
+}
+
+impl Adapter {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let kind = x.kind();
+        x.matmul(&self.down.to_kind(kind).tr()).matmul(&self.up.to_kind(kind).tr()) * self.scale
+    }
+}
+
+/// The projections in diffusers' order and module names.
+pub const PROJECTIONS: [&str; 4] = ["to_q", "to_k", "to_v", "to_out.0"];
+
 /// Attention of queries from `x` over keys and values from a context (or `x` itself).
 #[derive(Debug)]
 pub struct Attention {
+    /// Module path (`down_blocks.1.attentions.0.transformer_blocks.0.attn1`).
+    name: String,
     to_q: nn::Linear,
     to_k: nn::Linear,
     to_v: nn::Linear,
     to_out: nn::Linear,
+    /// LoRA adapters on the projections, in [`PROJECTIONS`] order.
+    adapters: [Option<Adapter>; 4],
     heads: i64,
 }
 
@@ -34,6 +61,8 @@ impl Attention {
         let inner = heads * head_dim;
         let cfg = nn::LinearConfig { bias: qkv_bias, ..Default::default() };
         Attention {
+            name: p.components().collect::<Vec<_>>().join("."),
+            adapters: Default::default(),
             to_q: nn::linear(&p / "to_q", query_dim, inner, cfg),
             to_k: nn::linear(&p / "to_k", context_dim, inner, cfg),
             to_v: nn::linear(&p / "to_v", context_dim, inner, cfg),
@@ -46,9 +75,33 @@ impl Attention {
     /// (self-attention where `None`).
     pub fn forward(&self, x: &Tensor, context: Option<&Tensor>) -> Tensor {
         let context = context.unwrap_or(x);
-        let q = self.to_q.forward(x);
-        let (k, v) = (self.to_k.forward(context), self.to_v.forward(context));
-        self.to_out.forward(&multi_head(&q, &k, &v, self.heads))
+        let q = self.project(0, x);
+        let (k, v) = (self.project(1, context), self.project(2, context));
+        self.project(3, &multi_head(&q, &k, &v, self.heads))
+    }
+
+    /// Projection `i` of [`PROJECTIONS`], with its adapter when it has one.
+    fn project(&self, i: usize, x: &Tensor) -> Tensor {
+        let layer = [&self.to_q, &self.to_k, &self.to_v, &self.to_out][i];
+        match &self.adapters[i] {
+            Some(a) => layer.forward(x) + a.forward(x),
+            None => layer.forward(x),
+        }
+    }
+
+    /// The module path.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Projection `i`'s weight [out, in] (see [`PROJECTIONS`]).
+    pub fn weight(&self, i: usize) -> &Tensor {
+        &[&self.to_q, &self.to_k, &self.to_v, &self.to_out][i].ws
+    }
+
+    /// Puts `adapter` on projection `i` (see [`PROJECTIONS`]).
+    pub fn adapt(&mut self, i: usize, adapter: Adapter) {
+        self.adapters[i] = Some(adapter);
     }
 }
 

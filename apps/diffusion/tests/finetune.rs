@@ -319,66 +319,123 @@ fn the_command_trains_logs_validates_and_saves() {
     assert!(!ok && text.contains("img0"), "an image without a caption is named: {text}");
 }
 
-#[test]
-fn lora_starts_at_the_base_model_trains_only_adapters_and_reloads() {
-    use diffusion::lora::{Lora, LORA_WEIGHTS};
+/// LoRA adapters (rank 2, alpha 4) after `STEPS` steps on images `0..IMAGES`, over the frozen
+/// UNet whole (`chunks` None) or in Gemini's chunks (payloads really freed and refilled) with
+/// at most `budget` bytes resident when given; with the chunks and the trained model.
+fn train_lora(chunks: Option<Option<usize>>) -> (Option<Gemini>, Vec<(String, Tensor)>, StableDiffusion) {
+    use diffusion::lora::Lora;
     let sd = load();
     let ddpm = DdpmScheduler::new(sd.scheduler.config(SchedulerClass::Ddpm).unwrap());
-    let base: std::collections::HashMap<String, Tensor> =
-        sd.unet_vs.variables().into_iter().map(|(k, t)| (k, t.detach().copy())).collect();
-    let lora = Lora::new(&sd.unet_vs, 2, 4.0, 3).unwrap();
-    let (b, d) = batch(0, 0..2);
-    let before =
-        tch::no_grad(|| loss(&sd, &ddpm, &b, &d, 0.0, None, Kind::Float, &|x, t, c| sd.unet.forward_cond(x, t, c)))
-            .unwrap();
-    lora.apply().unwrap();
-    let at_init =
-        tch::no_grad(|| loss(&sd, &ddpm, &b, &d, 0.0, None, Kind::Float, &|x, t, c| sd.unet.forward_cond(x, t, c)))
-            .unwrap();
-    assert!(before.equal(&at_init), "zero `up` leaves the model as it was");
-
+    let lora = Lora::new(&sd.unet, &sd.unet_vs, 2, 4.0, 3, Device::Cpu).unwrap();
+    let base = chunks.map(|budget| {
+        let UnetParams { params, parts } = UnetParams::of(&sd.unet, &sd.unet_vs).unwrap();
+        let mut cfg = gemini_config(Device::Cpu, None, CpuRule::AdamW(ADAMW), Kind::Float, None);
+        cfg.chunks.trainable = false;
+        cfg.chunks.share_cpu_homes = false;
+        cfg.placement = Placement::Static { offload: 1.0 };
+        if let Some(b) = budget {
+            cfg.chunks.budget = b;
+        }
+        (Gemini::new(&params, cfg).unwrap(), parts)
+    });
     let mut opt = AdamW::new(lora.params(), AdamWConfig { lr: 1e-2, ..ADAMW });
-    for step in 0..3 {
-        lora.apply().unwrap();
-        let (b, d) = batch(step, 0..2);
-        loss(&sd, &ddpm, &b, &d, 0.0, None, Kind::Float, &|x, t, c| sd.unet.forward_cond(x, t, c)).unwrap().backward();
-        lora.backward().unwrap();
+    for step in 0..STEPS {
+        let (b, d) = batch(step, 0..IMAGES);
+        let l = match &base {
+            Some((gemini, parts)) => {
+                let runner = GeminiParts { gemini, parts };
+                loss(&sd, &ddpm, &b, &d, 0.0, None, Kind::Float, &|x, t, c| sd.unet.forward_with(x, t, c, &runner))
+            }
+            None => loss(&sd, &ddpm, &b, &d, 0.0, None, Kind::Float, &|x, t, c| sd.unet.forward_cond(x, t, c)),
+        };
+        l.unwrap().backward();
+        if let Some((gemini, _)) = &base {
+            gemini.finish_backward().unwrap();
+            gemini.step().unwrap();
+        }
         opt.step().unwrap();
         opt.zero_grad();
     }
-    lora.apply().unwrap();
-    let adapted: Vec<String> = lora
-        .params()
-        .iter()
-        .filter_map(|p| p.name.strip_suffix(".lora.up.weight").map(|m| format!("{m}.weight")))
-        .collect();
+    let adapters = lora.params().iter().map(|p| (p.name.clone(), p.tensor.detach().copy())).collect();
+    (base.map(|(gemini, _)| gemini), adapters, sd)
+}
+
+#[test]
+fn lora_starts_at_the_base_model_trains_only_adapters_and_reloads() {
+    use diffusion::lora::{Lora, LORA_WEIGHTS};
+    let plain = load();
+    let ddpm = DdpmScheduler::new(plain.scheduler.config(SchedulerClass::Ddpm).unwrap());
+    let (b, d) = batch(0, 0..2);
+    let unet_loss = |sd: &StableDiffusion, b: &Batch, d: &Draws| {
+        tch::no_grad(|| loss(sd, &ddpm, b, d, 0.0, None, Kind::Float, &|x, t, c| sd.unet.forward_cond(x, t, c)))
+            .unwrap()
+    };
+    let before = unet_loss(&plain, &b, &d);
+    let adapted = load();
+    let lora = Lora::new(&adapted.unet, &adapted.unet_vs, 2, 4.0, 3, Device::Cpu).unwrap();
+    assert!(before.equal(&unet_loss(&adapted, &b, &d)), "zero `up` leaves the model as it was");
+    assert!(Lora::new(&adapted.unet, &adapted.unet_vs, 0, 1.0, 0, Device::Cpu).is_err());
+    drop((lora, adapted));
+
+    let (_, adapters, sd) = train_lora(None);
     // The fixture has 4 transformers (down 1, mid 1, up 2), each with attn1 and attn2.
-    assert_eq!(adapted.len(), 4 * 2 * 4, "q, k, v and out of every attention are adapted");
+    assert_eq!(adapters.len(), 2 * 4 * 2 * 4, "down and up of q, k, v and out of every attention");
+    assert!(adapters.iter().all(|(_, t)| t.abs().sum(Kind::Float).double_value(&[]) > 0.0), "every adapter trained");
+    let base = plain.unet_vs.variables();
     for (name, t) in sd.unet_vs.variables() {
-        let unchanged = t.equal(&base[&name]);
-        assert_eq!(unchanged, !adapted.contains(&name), "{name}: only adapted weights change");
+        assert!(t.equal(&base[&name]), "{name}: the UNet's own weights stay as they were");
     }
-    assert!(lora.params().iter().all(|p| p.tensor.abs().sum(Kind::Float).double_value(&[]) > 0.0));
 
     let dir = std::env::temp_dir().join(format!("diffusion-lora-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    lora.save(&dir).unwrap();
+    let trained = Lora::new(&plain.unet, &plain.unet_vs, 2, 4.0, 99, Device::Cpu).unwrap();
+    let start = dir.join("trained.safetensors");
+    let scale_folded: Vec<(String, Tensor)> = adapters
+        .iter()
+        .map(|(k, t)| (format!("unet.{k}"), if k.ends_with(".up.weight") { t * 2.0 } else { t.shallow_clone() }))
+        .collect();
+    Tensor::write_safetensors(&scale_folded, &start).unwrap();
+    trained.load(&start).unwrap();
+    trained.save(&dir).unwrap();
     let file = Tensor::read_safetensors(dir.join(LORA_WEIGHTS)).unwrap();
     assert!(file
         .iter()
         .all(|(k, _)| k.starts_with("unet.") && (k.ends_with(".lora.down.weight") || k.ends_with(".lora.up.weight"))));
     let fresh = load();
-    let again = Lora::new(&fresh.unet_vs, 2, 4.0, 99).unwrap();
+    let again = Lora::new(&fresh.unet, &fresh.unet_vs, 2, 4.0, 7, Device::Cpu).unwrap();
     again.load(&dir.join(LORA_WEIGHTS)).unwrap();
     let (b, d) = batch(5, 0..2);
-    let ours =
-        tch::no_grad(|| loss(&sd, &ddpm, &b, &d, 0.0, None, Kind::Float, &|x, t, c| sd.unet.forward_cond(x, t, c)));
-    let theirs = tch::no_grad(|| {
-        loss(&fresh, &ddpm, &b, &d, 0.0, None, Kind::Float, &|x, t, c| fresh.unet.forward_cond(x, t, c))
-    });
-    let diff = (ours.unwrap() - theirs.unwrap()).abs().double_value(&[]);
+    let diff = (unet_loss(&sd, &b, &d) - unet_loss(&fresh, &b, &d)).abs().double_value(&[]);
     assert!(diff < 1e-6, "reloaded adapters give the same loss (difference {diff})");
-    assert!(Lora::new(&fresh.unet_vs, 0, 1.0, 0).is_err());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn lora_over_the_unet_streamed_by_gemini_equals_lora_over_the_whole_unet() {
+    let (_, whole, _) = train_lora(None);
+    let (probe, _, _) = train_lora(Some(None));
+    let probe = probe.unwrap();
+    let (chunks, bytes, widest) = {
+        let m = probe.manager().unwrap();
+        (m.chunk_count(), m.chunk_bytes(), m.widest_access())
+    };
+    assert!(widest < chunks, "the widest part needs {widest} of {chunks} chunks");
+    let budget = widest * bytes;
+    let (gemini, streamed, _) = train_lora(Some(Some(budget)));
+    // The same kernels on the same values: streaming changes where weights live, not the sums.
+    compare(&streamed, &whole, 1e-6, "LoRA over streamed chunks vs the whole UNet").unwrap();
+    let gemini = gemini.unwrap();
+    let m = gemini.manager().unwrap();
+    let loads = m.events().iter().filter(|e| matches!(e, Event::Load(_))).count();
+    assert!(loads > STEPS * chunks, "chunks came back within steps for the backward ({loads} loads)");
+    assert!(m.device_bytes().1 <= budget, "at most {budget} bytes resident, was {}", m.device_bytes().1);
+    assert!(!m.trainable());
+    drop(m);
+    // Frozen: the homes never change and nothing was stepped.
+    let base = load().unet_vs.variables();
+    for (name, t) in gemini.state_dict().unwrap() {
+        assert!(t.equal(&base[&name]), "{name} stays frozen");
+    }
 }
 
 #[test]

@@ -18,7 +18,7 @@ use diffusion::pipeline::{SizeConditioning, StableDiffusion};
 use diffusion::sample::{GivenNoise, SampleOptions, Sampler};
 use diffusion::scheduler::{DdpmScheduler, SchedulerClass};
 use diffusion::unet::{Conditioning, TextTime};
-use engine::gemini::{CpuRule, Gemini, Placement};
+use engine::gemini::{CpuRule, Event, Gemini, Placement};
 use engine::optim::AdamWConfig;
 use suite_tests::assert_close;
 use tch::{Device, Kind, Tensor};
@@ -215,7 +215,7 @@ fn a_training_step_under_gemini_equals_train_text_to_image_sdxl() {
 }
 
 #[test]
-fn a_lora_step_equals_train_text_to_image_lora_sdxl() {
+fn a_lora_step_over_the_unet_streamed_by_gemini_equals_train_text_to_image_lora_sdxl() {
     use diffusion::lora::{Lora, LORA_WEIGHTS};
     use engine::optim::{AdamW, Optimizer};
     let r = reference();
@@ -232,7 +232,7 @@ fn a_lora_step_equals_train_text_to_image_lora_sdxl() {
     let ddpm = DdpmScheduler::new(sd.scheduler.config(SchedulerClass::Ddpm).unwrap());
     // Rank 2, alpha 4 (scale 2), starting from peft's adapters (their file layout: scale folded
     // into `up`).
-    let lora = Lora::new(&sd.unet_vs, 2, 4.0, 0).unwrap();
+    let lora = Lora::new(&sd.unet, &sd.unet_vs, 2, 4.0, 0, Device::Cpu).unwrap();
     let before = stage("before.");
     assert_eq!(before.len(), 2 * 136, "peft adapts 136 projections of the tiny SDXL UNet");
     assert_eq!(lora.params().len(), before.len(), "we adapt the modules peft adapts");
@@ -242,13 +242,44 @@ fn a_lora_step_equals_train_text_to_image_lora_sdxl() {
     lora.load(&start).unwrap();
     let adamw = AdamWConfig { lr: 1e-3, betas: (0.9, 0.999), eps: 1e-2, weight_decay: 1e-2 };
     let mut opt = AdamW::new(lora.params(), adamw);
-    lora.apply().unwrap();
+    // The frozen UNet in Gemini's chunks with room for its widest part only: parts stream in
+    // for the forward and again for the backward, whose input gradients need the frozen weights.
+    let frozen = || {
+        let mut cfg = gemini_config(Device::Cpu, None, CpuRule::AdamW(adamw), Kind::Float, None);
+        cfg.chunks.trainable = false;
+        cfg.chunks.share_cpu_homes = false;
+        cfg.chunks.search = (1 << 10, 1 << 14, 1 << 10);
+        cfg.placement = Placement::Static { offload: 1.0 };
+        cfg
+    };
+    let (chunks, budget) = {
+        // Counted on a second copy: chunking takes the parameters' memory.
+        let other = load();
+        other.unet_vs.variables().values().for_each(|t| drop(t.set_requires_grad(false)));
+        let UnetParams { params, parts } = UnetParams::of(&other.unet, &other.unet_vs).unwrap();
+        let probe = Gemini::new(&params, frozen()).unwrap();
+        let m = probe.manager().unwrap();
+        let widest = parts.iter().map(|p| m.chunks_of(p).len()).max().unwrap();
+        (m.chunk_count(), widest * m.chunk_bytes())
+    };
+    let UnetParams { params, parts } = UnetParams::of(&sd.unet, &sd.unet_vs).unwrap();
+    let mut cfg = frozen();
+    cfg.chunks.budget = budget;
+    let base = Gemini::new(&params, cfg).unwrap();
     let (batch, draws) = training_batch(&r);
-    let unet = |x: &Tensor, t: &Tensor, c: &Conditioning| sd.unet.forward_cond(x, t, c);
+    let runner = GeminiParts { gemini: &base, parts: &parts };
+    let unet = |x: &Tensor, t: &Tensor, c: &Conditioning| sd.unet.forward_with(x, t, c, &runner);
     let l = loss(&sd, &ddpm, &batch, &draws, 0.0, None, Kind::Float, &unet).unwrap();
     assert_close(&l.reshape([1]), &peft["loss"], 1e-5, 0.0, "SDXL LoRA training loss");
     l.backward();
-    lora.backward().unwrap();
+    base.finish_backward().unwrap();
+    base.step().unwrap();
+    {
+        let m = base.manager().unwrap();
+        let evictions = m.events().iter().filter(|e| matches!(e, Event::Evict(_))).count();
+        assert!(evictions > chunks, "{chunks} chunks, {evictions} evictions: the UNet streamed forward and backward");
+        assert!(m.device_bytes().1 <= budget, "at most {budget} bytes resident, was {}", m.device_bytes().1);
+    }
     opt.step().unwrap();
     lora.save(&dir).unwrap();
     let ours = data::checkpoint::read_tensors(&dir.join(LORA_WEIGHTS)).unwrap();

@@ -58,9 +58,21 @@ fn poisoned<T>(_: T) -> Error {
 impl Gemini {
     /// Puts `params` (in execution order, the same on every rank) into chunks placed by the
     /// policy, and hooks their gradients.
+    /// Frozen parameters (`cfg.chunks.trainable` false) must not require gradients; they get
+    /// no hooks, and [`Gemini::step`] only ends the step.
     pub fn new(params: &[Param], cfg: GeminiConfig) -> Result<Gemini> {
         let mut chunks = cfg.chunks;
-        chunks.home_buffers = 2 + cfg.rule.state_slots().len();
+        chunks.home_buffers = match chunks.trainable {
+            true => 2 + cfg.rule.state_slots().len(),
+            // The home alone.
+            false => 1,
+        };
+        if let Some(p) = params.iter().find(|p| !chunks.trainable && p.tensor.requires_grad()) {
+            return Err(Error::invalid(format!(
+                "gemini: {} requires a gradient but the chunks are frozen (trainable: false)",
+                p.name
+            )));
+        }
         let first_tier = cfg.placement.first_tier()?;
         let mut manager = match cfg.replication {
             Some(rep) => ChunkManager::replicated(params, chunks, first_tier, rep)?,
@@ -68,7 +80,7 @@ impl Gemini {
         };
         cfg.placement.place_static(&mut manager)?;
         let manager = Arc::new(Mutex::new(manager));
-        for (i, p) in params.iter().enumerate() {
+        for (i, p) in params.iter().enumerate().filter(|_| chunks.trainable) {
             let m = Arc::downgrade(&manager);
             register_post_accumulate_grad_hook(&p.tensor, move |t| {
                 let Some(m) = m.upgrade() else { return Ok(()) };
@@ -204,7 +216,8 @@ impl Gemini {
         Ok(Some(norm))
     }
 
-    /// Ends a step without updating (an overflow under loss scaling): clears the gradients.
+    /// Ends a step without updating (an overflow under loss scaling, or every step of frozen
+    /// parameters): clears the gradients and frees the payloads.
     pub fn skip_step(&self) -> Result<()> {
         let mut m = self.manager()?;
         ChunkOptimizer::zero_grad(&m)?;
@@ -216,6 +229,9 @@ impl Gemini {
     /// payloads are stale after it and are freed (the next access reloads), and the first
     /// step's accesses become the trace.
     pub fn step(&self) -> Result<()> {
+        if !self.manager()?.trainable() {
+            return self.skip_step();
+        }
         let mut m = self.manager()?;
         // Payloads are stale after the step; freeing them first also waits for any prefetch
         // still reading a home the optimizer is about to write.

@@ -156,7 +156,7 @@ impl Trainer<'_> {
                     }
                 }
             }
-            UnetTraining::Lora { lora, opt } if rank == 0 => {
+            UnetTraining::Lora { lora, opt, .. } if rank == 0 => {
                 let raw: Vec<(String, Tensor)> = lora.params().into_iter().map(|p| (p.name, p.tensor)).collect();
                 data::checkpoint::save_tensors(&raw, &tmp.join(LORA))?;
                 data::checkpoint::save_tensors(&opt.borrow().state(), &tmp.join(LORA_OPTIMIZER))?;
@@ -192,7 +192,7 @@ impl Trainer<'_> {
                     ema.load(gemini, &dir.join("unet_ema"))?;
                 }
             }
-            UnetTraining::Lora { lora, opt } => {
+            UnetTraining::Lora { lora, opt, .. } => {
                 let path = dir.join(LORA);
                 let mut file = data::checkpoint::read_tensors(&path)?;
                 let raw: Vec<(String, Tensor)> = lora.params().into_iter().map(|p| (p.name, p.tensor)).collect();

@@ -19,9 +19,9 @@ pub struct UnetParams {
 }
 
 impl UnetParams {
-    /// The trainable parameters of `unet`, whose variables `vs` holds at its root, grouped by
-    /// part. Every one of them decays (biases and norms too), as diffusers' scripts hand
-    /// `unet.parameters()` whole to `torch.optim.AdamW`.
+    /// The parameters of `unet` (trained or frozen), whose variables `vs` holds at its root,
+    /// grouped by part. Every one of them decays (biases and norms too), as diffusers' scripts
+    /// hand `unet.parameters()` whole to `torch.optim.AdamW`.
     pub fn of(unet: &UNet2DConditionModel, vs: &VarStore) -> Result<UnetParams> {
         let prefixes = unet.parts();
         let part_of = |name: &str| {
@@ -32,7 +32,9 @@ impl UnetParams {
             })
         };
         let mut keyed = vec![];
-        for p in engine::optim::params_of(vs) {
+        let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        for p in vars.iter().map(|(name, t)| Param::new(name, t)) {
             let part = part_of(&p.name)
                 .ok_or_else(|| Error::Invalid(format!("UNet parameter {} belongs to no part of the model", p.name)))?;
             keyed.push((part, p.with_adapt(true)));
@@ -84,6 +86,7 @@ pub fn gemini_config(
             home_buffers: 0,
             compute,
             share_cpu_homes: true,
+            trainable: true,
         },
         placement: match budget {
             Some(_) => Placement::Auto,

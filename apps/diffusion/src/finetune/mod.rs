@@ -16,9 +16,10 @@
 //! UNet (time embedding, `conv_in`, every down, mid and up block, the head) is one Gemini
 //! module: only its chunks need be resident while it runs forward or backward.
 //!
-//! With `--lora-rank` only LoRA adapters train ([`crate::lora`]): the frozen UNet stays whole
-//! on the device in the compute kind, the adapters and their AdamW/LAMB state in fp32, their
-//! gradients averaged over the ranks.
+//! With `--lora-rank` only LoRA adapters train ([`crate::lora`]): the frozen UNet lives in
+//! Gemini's chunks as the trained one does (sharded over the ranks, streamed part by part
+//! within the budget) but with no gradients and no optimizer state; the adapters and their
+//! AdamW/LAMB state stay on the device in fp32, their gradients averaged over the ranks.
 //!
 //! Random draws (batch order, crops, flips, caption dropout, posterior samples, noise,
 //! timesteps) come from generators keyed by the seed, step and example, so a run is the same
@@ -61,7 +62,8 @@ use ema::{Ema, EmaConfig};
 use validation::Validation;
 
 /// What trains, as [`parallelize`] wired it: the whole UNet under Gemini (ZeRO-3 over the
-/// ranks), or LoRA adapters with a replicated tensor optimizer.
+/// ranks), or LoRA adapters with a replicated tensor optimizer over the frozen UNet in
+/// Gemini's chunks.
 pub enum UnetTraining {
     /// The UNet's parameters in Gemini's chunks, each part of the UNet its own module.
     Gemini {
@@ -76,10 +78,23 @@ pub enum UnetTraining {
         lora: Lora,
         /// Their optimizer.
         opt: std::cell::RefCell<Box<dyn Optimizer>>,
+        /// The frozen UNet's chunks (`trainable: false`).
+        base: Gemini,
+        /// Each part's parameter indices.
+        parts: Vec<Vec<usize>>,
     },
 }
 
 impl UnetTraining {
+    /// Gemini's chunks of the UNet (trained or frozen) and each part's parameters.
+    fn runner(&self) -> GeminiParts<'_> {
+        match self {
+            UnetTraining::Gemini { gemini, parts } | UnetTraining::Lora { base: gemini, parts, .. } => {
+                GeminiParts { gemini, parts }
+            }
+        }
+    }
+
     fn set_lr(&self, lr: f64) -> Result<()> {
         match self {
             UnetTraining::Gemini { gemini, .. } => gemini.optimizer()?.set_lr(lr),
@@ -92,7 +107,7 @@ impl UnetTraining {
     fn after_backward(&self) -> Result<()> {
         match self {
             UnetTraining::Gemini { gemini, .. } => Ok(gemini.finish_backward()?),
-            UnetTraining::Lora { lora, .. } => lora.backward(),
+            UnetTraining::Lora { base, .. } => Ok(base.finish_backward()?),
         }
     }
 
@@ -110,7 +125,9 @@ impl UnetTraining {
                 gemini.step()?;
                 Ok(Some(norm))
             }
-            UnetTraining::Lora { opt, .. } => {
+            UnetTraining::Lora { opt, base, .. } => {
+                // The frozen chunks' step only frees their payloads.
+                base.step()?;
                 let mut opt = opt.borrow_mut();
                 // One all-reduce for every adapter, the same on every rank even where a rank's
                 // backward left an adapter without a gradient.
@@ -184,32 +201,41 @@ pub fn drops_caption(seed: u64, step: usize, example: usize, p: f64) -> bool {
     p > 0.0 && Rng::keyed(seed ^ CAPTION_DROPOUT_KEY, step as u64, example as u64).uniform() < p
 }
 
-/// The parallel wiring, applied outside the UNet: with `--lora-rank`, adapters over the frozen
-/// UNet (whole on the device in the compute kind) and a replicated optimizer; otherwise the
-/// UNet's parameters in Gemini's chunks, sharded over the ranks (ZeRO-3) and placed within
-/// `budget` bytes of `device`.
+/// The parallel wiring, applied outside the UNet: its parameters in Gemini's chunks, sharded
+/// over the ranks (ZeRO-3) and placed within what `cap` bytes of `device` leave after the
+/// `resident` parts; trained, or with `--lora-rank` frozen under adapters (resident too) with
+/// a replicated optimizer.
 pub fn parallelize(
     sd: &mut StableDiffusion,
     args: &FinetuneArgs,
     world: &World,
     device: Device,
-    budget: Option<u64>,
-) -> Result<UnetTraining> {
+    cap: Option<u64>,
+    mut resident: Vec<resident::Part>,
+) -> anyhow::Result<UnetTraining> {
     let (kind, lr, seed) = (args.precision.precision.kind(), args.optimizer.lr, args.seed.seed);
-    Ok(match args.lora_rank {
+    let UnetParams { params, parts } = UnetParams::of(&sd.unet, &sd.unet_vs)?;
+    let replication = (world.size() > 1).then(|| Replication { group: world.group.clone(), shard: true });
+    let rule = args.optimizer.rule(lr);
+    let lora = match args.lora_rank {
         Some(rank) => {
-            sd.unet_vs.set_kind(kind);
-            sd.unet_vs.set_device(device);
-            let lora = Lora::new(&sd.unet_vs, rank, args.lora_alpha.unwrap_or(rank as f64), seed)?;
-            let opt = args.optimizer.build(lora.params(), lr);
-            UnetTraining::Lora { lora, opt: std::cell::RefCell::new(opt) }
+            let lora = Lora::new(&sd.unet, &sd.unet_vs, rank, args.lora_alpha.unwrap_or(rank as f64), seed, device)?;
+            // Weights, gradients and the optimizer's state.
+            resident.push(("LoRA adapters", (2 + rule.state_slots().len()) * lora.bytes()));
+            Some(lora)
         }
-        None => {
-            let UnetParams { params, parts } = UnetParams::of(&sd.unet, &sd.unet_vs)?;
-            let replication = (world.size() > 1).then(|| Replication { group: world.group.clone(), shard: true });
-            let config = gemini_config(device, budget, args.optimizer.rule(lr), kind, replication);
-            UnetTraining::Gemini { gemini: Gemini::new(&params, config)?, parts }
+        None => None,
+    };
+    let budget = cap.map(|cap| resident::budget_after(cap, &resident)).transpose()?;
+    let mut config = gemini_config(device, budget, rule, kind, replication);
+    config.chunks.trainable = lora.is_none();
+    let gemini = Gemini::new(&params, config)?;
+    Ok(match lora {
+        Some(lora) => {
+            let opt = std::cell::RefCell::new(args.optimizer.build(lora.params(), lr));
+            UnetTraining::Lora { lora, opt, base: gemini, parts }
         }
+        None => UnetTraining::Gemini { gemini, parts },
     })
 }
 
@@ -267,19 +293,13 @@ impl<'a> Trainer<'a> {
         sd.vae_vs.set_kind(kind);
         sd.vae_vs.set_device(device);
         resident.push(("VAE", resident::bytes_of(&sd.vae_vs)));
-        if args.lora_rank.is_some() {
-            // Under LoRA the UNet stays whole on the device in the compute kind.
-            let unet = resident::bytes_of(&sd.unet_vs) / Kind::Float.elt_size_in_bytes() * kind.elt_size_in_bytes();
-            resident.push(("UNet (frozen under LoRA)", unet));
-        }
-        let budget = cap.map(|cap| resident::budget_after(cap, &resident)).transpose()?;
         let multiple = sd.size_multiple() as usize;
         if !args.resolution.is_multiple_of(multiple) {
             bail!("--resolution {}: this model needs a multiple of {multiple} pixels", args.resolution);
         }
         sd.unet.set_gradient_checkpointing(args.gradient_checkpointing);
         let ddpm = DdpmScheduler::new(sd.scheduler.config(SchedulerClass::Ddpm)?);
-        let training = parallelize(&mut sd, args, world, device, budget)?;
+        let training = parallelize(&mut sd, args, world, device, cap, resident)?;
         let ema = match (&training, args.use_ema) {
             (UnetTraining::Gemini { gemini, .. }, true) => {
                 Some(Ema::new(gemini, EmaConfig::diffusers(args.ema_decay))?)
@@ -307,14 +327,9 @@ impl<'a> Trainer<'a> {
         })
     }
 
-    /// The UNet's prediction, through Gemini's parts or (LoRA) whole.
+    /// The UNet's prediction, part by part through Gemini's chunks.
     fn unet(&self, x: &Tensor, t: &Tensor, c: &Conditioning) -> Result<Tensor> {
-        match &self.training {
-            UnetTraining::Gemini { gemini, parts } => {
-                self.sd.unet.forward_with(x, t, c, &GeminiParts { gemini, parts })
-            }
-            UnetTraining::Lora { .. } => self.sd.unet.forward_cond(x, t, c),
-        }
+        self.sd.unet.forward_with(x, t, c, &self.training.runner())
     }
 
     /// This rank's micro-batch `micro` of the coming step: preprocessed images, captions and
@@ -354,9 +369,6 @@ impl<'a> Trainer<'a> {
         let start = Instant::now();
         let lr = self.schedule.at(self.step);
         self.training.set_lr(lr)?;
-        if let UnetTraining::Lora { lora, .. } = &self.training {
-            lora.apply()?;
-        }
         let (a, kind) = (self.args, self.args.precision.precision.kind());
         let unet = |x: &Tensor, t: &Tensor, c: &Conditioning| self.unet(x, t, c);
         let mut total = 0.0;
@@ -419,9 +431,7 @@ impl<'a> Trainer<'a> {
         }
         // Sampling's accesses are not a training step's: the next step starts at the beginning
         // of the recorded trace, so its prefetches follow it.
-        if let UnetTraining::Gemini { gemini, .. } = &self.training {
-            gemini.manager()?.end_step();
-        }
+        self.training.runner().gemini.manager()?.end_step();
         written
     }
 

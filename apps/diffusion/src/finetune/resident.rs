@@ -1,5 +1,5 @@
 //! What `--gpu-mem` must hold besides Gemini's chunks: the frozen parts that stay resident on
-//! the device in the compute kind (the text encoder and the VAE; under LoRA the UNet too).
+//! the device in the compute kind (the text encoder and the VAE; under LoRA the adapters too).
 //! Gemini's budget is what the cap leaves after them, so the plan can never exceed the cap.
 use anyhow::bail;
 use engine::gemini::human;

@@ -73,6 +73,11 @@ impl DownBlock {
     }
 
     /// The block's output and the skip states it leaves for the up path, in order.
+    /// Calls `f` on every attention module of the block's transformers, in order.
+    pub(crate) fn visit_attentions(&mut self, f: &mut dyn FnMut(&mut crate::attention::Attention)) {
+        self.attentions.iter_mut().for_each(|a| a.visit_attentions(f));
+    }
+
     pub(crate) fn forward(&self, x: &Tensor, temb: &Tensor, context: &Tensor) -> Vec<Tensor> {
         let mut skips = Vec::new();
         let mut h = x.shallow_clone();
@@ -107,6 +112,11 @@ impl MidBlock {
             ],
             attention: s.transformer(&p / "attentions" / 0, channels, attention),
         }
+    }
+
+    /// Calls `f` on every attention module of the block's transformers, in order.
+    pub(crate) fn visit_attentions(&mut self, f: &mut dyn FnMut(&mut crate::attention::Attention)) {
+        self.attention.visit_attentions(f);
     }
 
     pub(crate) fn forward(&self, x: &Tensor, temb: &Tensor, context: &Tensor) -> Tensor {
@@ -161,6 +171,11 @@ impl UpBlock {
 
     /// `skips`: this block's skip states in the order they are consumed (the down path's last
     /// state first).
+    /// Calls `f` on every attention module of the block's transformers, in order.
+    pub(crate) fn visit_attentions(&mut self, f: &mut dyn FnMut(&mut crate::attention::Attention)) {
+        self.attentions.iter_mut().for_each(|a| a.visit_attentions(f));
+    }
+
     pub(crate) fn forward(&self, x: &Tensor, skips: &[Tensor], temb: &Tensor, context: &Tensor) -> Tensor {
         let mut h = x.shallow_clone();
         for (j, (resnet, skip)) in self.resnets.iter().zip(skips).enumerate() {

@@ -209,6 +209,18 @@ impl UNet2DConditionModel {
         self.checkpointing = on;
     }
 
+    /// Calls `f` on every attention module (down, mid, up), e.g. to put LoRA adapters on them.
+    pub fn visit_attentions(&self, f: &mut dyn FnMut(&mut crate::attention::Attention)) -> Result<()> {
+        for b in &self.down_blocks {
+            b.lock().map_err(|_| poisoned())?.visit_attentions(f);
+        }
+        self.mid_block.lock().map_err(|_| poisoned())?.visit_attentions(f);
+        for b in &self.up_blocks {
+            b.lock().map_err(|_| poisoned())?.visit_attentions(f);
+        }
+        Ok(())
+    }
+
     /// Predicted noise `[B, out_channels, H, W]` for `sample` `[B, in_channels, H, W]` at
     /// `timesteps` (`[B]`, or one for the whole batch) given `encoder_hidden_states`
     /// `[B, L, cross_attention_dim]`. H and W must be multiples of 2^(levels-1).

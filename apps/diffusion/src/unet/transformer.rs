@@ -56,6 +56,11 @@ impl BasicTransformerBlock {
         }
     }
 
+    fn visit_attentions(&mut self, f: &mut dyn FnMut(&mut Attention)) {
+        f(&mut self.attn1);
+        f(&mut self.attn2);
+    }
+
     fn forward(&self, x: &Tensor, context: &Tensor) -> Tensor {
         let x = x + self.attn1.forward(&self.norm1.forward(x), None);
         let x = &x + self.attn2.forward(&self.norm2.forward(&x), Some(context));
@@ -109,6 +114,11 @@ impl Transformer2D {
                 .collect(),
             proj_out: Projection::new(&p / "proj_out", dim, linear),
         }
+    }
+
+    /// Calls `f` on every attention module, in order.
+    pub(crate) fn visit_attentions(&mut self, f: &mut dyn FnMut(&mut Attention)) {
+        self.blocks.iter_mut().for_each(|b| b.visit_attentions(f));
     }
 
     pub(crate) fn forward(&self, x: &Tensor, context: &Tensor) -> Tensor {

@@ -24,6 +24,11 @@ impl ChunkManager {
     /// [`ChunkManager::reduce`]) and its tensors go back to `Hold`.
     pub fn add_gradient(&mut self, i: usize, grad: &Tensor) -> Result<()> {
         let (c, s) = self.places[i];
+        crate::error::ensure!(
+            self.trainable,
+            "gemini: {} is frozen (its chunks keep no gradient) but got one",
+            self.chunks[c].slots[s].name
+        );
         self.chunks[c].slots[s].move_to(TensorState::ReadyForReduce)?;
         if self.replication.is_some() && self.chunks[c].full_grad.is_none() {
             self.allocate_full_grad(c)?;
@@ -59,7 +64,7 @@ impl ChunkManager {
     /// rank, whatever each rank's data made its backward touch. All are launched before any
     /// is waited for, so they are in flight together.
     fn reduce_agreed(&mut self) -> Result<()> {
-        let Some(rep) = &self.replication else { return Ok(()) };
+        let Some(rep) = self.replication.as_ref().filter(|_| self.trainable) else { return Ok(()) };
         let group = rep.group.clone();
         let local: Vec<f32> = self.chunks.iter().map(|ch| if ch.full_grad.is_some() { 1.0 } else { 0.0 }).collect();
         let flags = Tensor::from_slice(&local);

@@ -67,6 +67,11 @@ pub struct ChunkConfig {
     /// model reads next. Off, the CPU frees and refills payloads as a GPU does (tests of that
     /// path).
     pub share_cpu_homes: bool,
+    /// Whether the parameters train. Frozen ones (the base weights under LoRA) get no gradient
+    /// accumulator, no optimizer state and no gradient hook: each chunk is a home and a
+    /// payload, streamed in for the forward and again for the backward (which still needs the
+    /// weights for its input's gradient), evictable again as soon as each module is done.
+    pub trainable: bool,
 }
 
 /// How chunks are spread over a data-parallel group.
@@ -152,6 +157,7 @@ pub struct ChunkManager {
     device: Device,
     budget: usize,
     home_buffers: usize,
+    trainable: bool,
     chunks: Vec<Chunk>,
     /// (chunk, slot) of each registered parameter, by registration index.
     places: Vec<(usize, usize)>,
@@ -223,6 +229,7 @@ impl ChunkManager {
             device: cfg.device,
             budget: cfg.budget,
             home_buffers: cfg.home_buffers,
+            trainable: cfg.trainable,
             chunks: vec![],
             places: vec![(0, 0); params.len()],
             adapt: params.iter().map(|p| p.adapt).collect(),
@@ -269,7 +276,10 @@ impl ChunkManager {
                 true => payload.shallow_clone(),
                 false => manager.on_tier(&master.f_narrow(0, manager.shard_offset as i64, shard_len as i64)?, tier)?,
             };
-            let grad = manager.on_tier(&home.f_zeros_like()?, tier)?;
+            let grad = match cfg.trainable {
+                true => manager.on_tier(&home.f_zeros_like()?, tier)?,
+                false => Tensor::f_empty([0], (Kind::Float, home.device()))?,
+            };
             let chunk = Chunk {
                 slots,
                 kind,
@@ -372,6 +382,11 @@ impl ChunkManager {
     /// Lowers or raises the byte budget (the auto policy sets what model data may use).
     pub(crate) fn set_budget(&mut self, budget: usize) {
         self.budget = budget;
+    }
+
+    /// Whether the parameters train (see [`ChunkConfig::trainable`]).
+    pub fn trainable(&self) -> bool {
+        self.trainable
     }
 
     /// Whether the first step is still being recorded.

@@ -88,13 +88,17 @@ impl ChunkManager {
     }
 
     /// The module that used `params` finished its backward: those whose gradient has not
-    /// arrived wait in `HoldAfterBackward`.
+    /// arrived wait in `HoldAfterBackward`; frozen ones, which get none, are done (`Hold`).
     pub fn done_backward(&mut self, params: &[usize]) -> Result<()> {
+        let after = match self.trainable {
+            true => TensorState::HoldAfterBackward,
+            false => TensorState::Hold,
+        };
         for &i in params {
             let (c, s) = self.places[i];
             let slot = &mut self.chunks[c].slots[s];
             if slot.state == TensorState::Compute {
-                slot.move_to(TensorState::HoldAfterBackward)?;
+                slot.move_to(after)?;
             }
         }
         Ok(())
