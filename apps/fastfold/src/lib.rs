@@ -9,6 +9,7 @@ pub mod models;
 pub mod pdb;
 pub mod predict;
 pub mod preset;
+pub mod profile;
 pub mod ranking;
 pub mod residue_constants;
 pub mod search;

@@ -7,7 +7,7 @@
 //! the C++ bridge would still need a second, tensor-free copy of each model's forward to run
 //! there; the saved-for-backward bytes are therefore derived per op from the recorded forward
 //! shapes (the rules below), and checked against measured allocations of a real ViT block in
-//! `apps/vit/tests/profile.rs`.
+//! `apps/vit/tests/profile.rs` and of an Evoformer block in `apps/fastfold/tests/profile.rs`.
 //!
 //! Tensors are tracked by storage, so views (reshapes, permutes, selects) cost nothing and a
 //! storage saved by two ops counts once. Each tensor also says whether 1D tensor parallelism
@@ -15,14 +15,16 @@
 //! model divides only the split share by the tensor-parallel degree.
 use std::collections::BTreeSet;
 
-/// A tensor as the recorder knows it: its storage, shape and whether 1D tensor parallelism
-/// splits it.
+/// A tensor as the recorder knows it: its storage, shape, whether 1D tensor parallelism
+/// splits it and whether it needs a gradient (autograd saves an operand of a product only
+/// for the other operand's gradient).
 #[derive(Clone, Debug)]
 pub struct Sym {
     storage: usize,
     /// The shape.
     pub shape: Vec<i64>,
     split: bool,
+    grad: bool,
 }
 
 impl Sym {
@@ -61,13 +63,14 @@ pub struct LayerProfile {
     pub split_param_bytes: f64,
     /// Parameter tensors (ZeRO broadcasts each from its owner: one collective apiece).
     pub param_tensors: f64,
-    /// Bytes of the layer's input (kept by its first op for backward, or by a checkpoint).
+    /// Bytes of the layer's inputs (kept by their first ops for backward, or by a checkpoint).
     pub input_bytes: f64,
-    /// Bytes the layer creates and autograd keeps until its backward (the input not counted).
+    /// Bytes the layer creates and autograd keeps until its backward (its inputs and outputs
+    /// not counted: an output that is also saved counts once, in `output_bytes`).
     pub saved_bytes: f64,
     /// The share of `saved_bytes` that 1D tensor parallelism splits.
     pub split_saved_bytes: f64,
-    /// Bytes of the layer's output.
+    /// Bytes of the layer's outputs.
     pub output_bytes: f64,
     /// The largest short-lived buffer of the forward (a temporary freed inside the layer).
     pub workspace_bytes: f64,
@@ -97,7 +100,7 @@ pub struct Recorder {
     storage_bytes: Vec<f64>,
     storage_split: Vec<bool>,
     saved: BTreeSet<usize>,
-    input_storage: usize,
+    inputs: BTreeSet<usize>,
     profile: LayerProfile,
 }
 
@@ -111,12 +114,36 @@ impl Recorder {
             storage_bytes: Vec::new(),
             storage_split: Vec::new(),
             saved: BTreeSet::new(),
-            input_storage: 0,
+            inputs: BTreeSet::new(),
             profile: LayerProfile { name: name.to_string(), ..Default::default() },
         };
-        let x = r.fresh(shape.to_vec(), false);
-        r.profile.input_bytes = r.bytes(&x);
+        let x = r.input(shape);
         (r, x)
+    }
+
+    /// Another input of the layer, of `shape` (the Evoformer block's pair beside its MSA).
+    pub fn input(&mut self, shape: &[i64]) -> Sym {
+        let x = self.fresh(shape.to_vec(), false);
+        self.inputs.insert(x.storage);
+        self.profile.input_bytes += self.bytes(&x);
+        x
+    }
+
+    /// A weight of `shape` used as an operand ([`Recorder::einsum`]): its bytes count as
+    /// parameters, and saving it costs no activation memory.
+    pub fn weight(&mut self, shape: &[i64]) -> Sym {
+        self.param(shape, false);
+        Sym { grad: true, ..self.external(shape) }
+    }
+
+    /// A tensor made outside the layer that needs no gradient (a mask): saving it costs
+    /// nothing.
+    pub fn external(&mut self, shape: &[i64]) -> Sym {
+        let s = Sym { storage: self.next_storage, shape: shape.to_vec(), split: false, grad: false };
+        self.next_storage += 1;
+        self.storage_bytes.push(0.0);
+        self.storage_split.push(false);
+        s
     }
 
     /// Marks the layer as a repeated block the planner may checkpoint.
@@ -129,7 +156,7 @@ impl Recorder {
     }
 
     fn fresh(&mut self, shape: Vec<i64>, split: bool) -> Sym {
-        let s = Sym { storage: self.next_storage, shape, split };
+        let s = Sym { storage: self.next_storage, shape, split, grad: true };
         self.next_storage += 1;
         self.storage_bytes.push(self.bytes(&s));
         self.storage_split.push(split);
@@ -139,7 +166,7 @@ impl Recorder {
     }
 
     fn fresh_f32(&mut self, shape: Vec<i64>, split: bool) -> Sym {
-        let s = Sym { storage: self.next_storage, shape, split };
+        let s = Sym { storage: self.next_storage, shape, split, grad: true };
         self.next_storage += 1;
         self.storage_bytes.push(s.numel() as f64 * 4.0);
         self.storage_split.push(split);
@@ -219,6 +246,94 @@ impl Recorder {
         self.fresh(x.shape.clone(), x.split)
     }
 
+    /// An element-wise op whose backward reads its output (sigmoid, ReLU, softmax): saves
+    /// the output.
+    pub fn saves_output(&mut self, x: &Sym) -> Sym {
+        let out = self.fresh(x.shape.clone(), x.split);
+        self.save(&out);
+        out
+    }
+
+    /// `a * b` element-wise (`b` broadcast to `a`'s shape): saves each operand the other's
+    /// gradient needs (times a mask: only the mask, which costs nothing).
+    pub fn mul(&mut self, a: &Sym, b: &Sym) -> Sym {
+        if b.grad {
+            self.save(a);
+        }
+        if a.grad {
+            self.save(b);
+        }
+        self.fresh(a.shape.clone(), a.split || b.split)
+    }
+
+    /// `x / d` element-wise (`d` broadcast, needing no gradient): saves the divisor.
+    pub fn div(&mut self, x: &Sym, d: &Sym) -> Sym {
+        self.save(d);
+        self.fresh(x.shape.clone(), x.split)
+    }
+
+    /// Two-operand `einsum` as libtorch runs it (`sumproduct_pair`): both operands viewed in
+    /// the output's dimension order then the summed ones, each permuted to (dims both keep,
+    /// dims it alone keeps, summed dims) and reshaped to three dimensions for one `bmm`, which
+    /// saves both. Where a group of two or more dimensions is not adjacent and in order in
+    /// the operand's memory the reshape copies it, and the copy is what is saved. Operands
+    /// are taken as laid out in their subscripts' order (contiguous). Returns the output in
+    /// its subscripts' order (a view of the `bmm` result).
+    pub fn einsum(&mut self, equation: &str, a: &Sym, b: &Sym) -> Sym {
+        let (inputs, output) = equation.split_once("->").expect("an explicit einsum output");
+        let (left, right) = inputs.split_once(',').expect("two einsum operands");
+        let (left, right, output): (Vec<char>, Vec<char>, Vec<char>) =
+            (left.chars().collect(), right.chars().collect(), output.chars().collect());
+        let size = |c: char| {
+            left.iter()
+                .position(|&x| x == c)
+                .map(|i| a.shape[i])
+                .or_else(|| right.iter().position(|&x| x == c).map(|i| b.shape[i]))
+        };
+        // The output's dimensions, then the summed ones in order of appearance.
+        let mut order: Vec<char> = output.clone();
+        for &c in left.iter().chain(&right) {
+            if !order.contains(&c) {
+                order.push(c);
+            }
+        }
+        let flops = 2.0 * order.iter().map(|&c| size(c).expect("every subscript has a size") as f64).product::<f64>();
+        self.flops(flops, false);
+        let kept = |c: &char| output.contains(c);
+        let (both, sum): (Vec<char>, Vec<char>) =
+            order.iter().filter(|c| left.contains(c) && right.contains(c)).partition(|c| kept(c));
+        let only = |mine: &[char], other: &[char]| -> Vec<char> {
+            order.iter().copied().filter(|c| mine.contains(c) && !other.contains(c) && kept(c)).collect()
+        };
+        let (left_only, right_only) = (only(&left, &right), only(&right, &left));
+        // Each operand's groups in the order bmm wants them.
+        let left_groups = [both.clone(), left_only.clone(), sum.clone()];
+        let right_groups = [both, sum, right_only];
+        for (x, other, subscripts, groups) in [(a, b, &left, &left_groups), (b, a, &right, &right_groups)] {
+            if !other.grad {
+                continue;
+            }
+            let copied = groups.iter().any(|g| {
+                let dims: Vec<usize> = g
+                    .iter()
+                    .filter_map(|c| subscripts.iter().position(|s| s == c))
+                    .filter(|&i| x.shape[i] != 1)
+                    .collect();
+                dims.windows(2).any(|w| w[1] != w[0] + 1)
+            });
+            match copied {
+                true => {
+                    let copy = self.fresh(x.shape.clone(), x.split);
+                    self.save(&copy);
+                }
+                false => self.save(x),
+            }
+        }
+        let shape: Vec<i64> =
+            output.iter().map(|&c| size(c).expect("output subscripts appear in an operand")).collect();
+        self.fresh(shape, a.split || b.split)
+    }
+
     /// `a + b` (residual, position embedding): saves nothing.
     pub fn add(&mut self, a: &Sym) -> Sym {
         self.fresh(a.shape.clone(), a.split)
@@ -231,7 +346,7 @@ impl Recorder {
 
     /// A view of `x` as `shape` (same storage).
     pub fn view(&mut self, x: &Sym, shape: &[i64]) -> Sym {
-        Sym { storage: x.storage, shape: shape.to_vec(), split: x.split }
+        Sym { shape: shape.to_vec(), ..x.clone() }
     }
 
     /// Fused attention over `qkv` (one storage holding queries, keys and values of
@@ -251,10 +366,16 @@ impl Recorder {
     }
 
     /// Ends the layer with `output`.
-    pub fn finish(mut self, output: &Sym) -> LayerProfile {
+    pub fn finish(self, output: &Sym) -> LayerProfile {
+        self.finish_many(&[output])
+    }
+
+    /// Ends the layer with several outputs (the Evoformer block's MSA and pair).
+    pub fn finish_many(mut self, outputs: &[&Sym]) -> LayerProfile {
         let p = &mut self.profile;
-        p.output_bytes = output.numel() as f64 * self.elem;
-        for &s in self.saved.iter().filter(|&&s| s != self.input_storage) {
+        p.output_bytes = outputs.iter().map(|o| o.numel() as f64 * self.elem).sum();
+        let outs: BTreeSet<usize> = outputs.iter().map(|o| o.storage).collect();
+        for &s in self.saved.iter().filter(|s| !self.inputs.contains(s) && !outs.contains(s)) {
             p.saved_bytes += self.storage_bytes[s];
             if self.storage_split[s] {
                 p.split_saved_bytes += self.storage_bytes[s];
@@ -267,6 +388,27 @@ impl Recorder {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn einsum_saves_its_operands_or_the_copies_its_reshapes_make() {
+        let (mut r, x) = Recorder::new("l", &[2, 3, 8], 4);
+        let w = r.weight(&[8, 2, 4]);
+        // x viewed as [6, 8] and w as [8, 8]: saved as they are (the input and a weight).
+        let q = r.einsum("bqa,ahc->bqhc", &x, &w);
+        let k = r.einsum("bka,ahc->bkhc", &x, &w);
+        // bmm wants (b, h) merged, which are not adjacent in q or k: both are copied.
+        let logits = r.einsum("bqhc,bkhc->bhqk", &q, &k);
+        // Times a mask: only the mask is saved, and it costs nothing.
+        let mask = r.external(&[2, 2, 3, 3]);
+        let y = r.mul(&logits, &mask);
+        let p = r.finish(&y);
+        assert_eq!(p.saved_bytes, 4.0 * 2.0 * (2 * 3 * 2 * 4) as f64);
+        assert_eq!(p.param_bytes, 4.0 * 64.0);
+        let projections = 2.0 * (2 * 3 * 2 * 4 * 8) as f64;
+        assert_eq!(p.forward_flops, 2.0 * projections + 2.0 * (2 * 2 * 3 * 3 * 4) as f64);
+        assert_eq!(p.input_bytes, 4.0 * 48.0);
+        assert_eq!(p.output_bytes, 4.0 * 36.0);
+    }
 
     #[test]
     fn views_share_storage_and_saved_storage_counts_once() {
