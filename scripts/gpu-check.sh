@@ -36,8 +36,8 @@ pack() {
   # inside the binaries and are compiled there by NVRTC; their CPU-only tests run in CI).
   test_binaries suite-tests '.' "$bin/tests"
   # The apps' fused-kernel tests (the Evoformer's other tests are CPU ones CI runs).
-  test_binaries fastfold '/evoformer-[0-9a-f]+$' "$bin/tests"
-  test_binaries vit '/kernels-[0-9a-f]+$' "$bin/tests"
+  test_binaries fastfold '/(evoformer|profile)-[0-9a-f]+$' "$bin/tests"
+  test_binaries vit '/(kernels|profile)-[0-9a-f]+$' "$bin/tests"
   test_binaries kernels '/(ptx|parity|engine_optimizers)-[0-9a-f]+$' "$bin/kernels"
   # The apps and benchmarks in release, as users run them.
   cargo build --locked --release -p vit -p fastfold -p diffusion
@@ -113,6 +113,8 @@ tests() {
     case "$name" in
       # Every test of the CUDA file; elsewhere the CUDA variants (NCCL) and the Gemini GPU test.
       cuda-*) record "tests: $name" 300 "$exe" --test-threads=1 ;;
+      # The profiler's checks print measured against predicted bytes for the report.
+      profile-*) record "tests: $name (cuda)" 300 "$exe" --test-threads=1 --nocapture cuda ;;
       *) record "tests: $name (cuda)" 300 "$exe" --test-threads=1 cuda ;;
     esac
   done

@@ -8,6 +8,7 @@
 //! kept buffers here, and heap growth for the LayerNorm statistics under 64 KiB).
 use engine::parallel::dap::Dap;
 use fastfold::model::{BlockMasks, EvoformerConfig, EvoformerStack, Params, EVOFORMER};
+use kernels::Backend;
 use tch::{Device, Kind, Tensor};
 
 fn resident_bytes() -> f64 {
@@ -16,13 +17,9 @@ fn resident_bytes() -> f64 {
     pages * 4096.0
 }
 
-#[test]
-fn block_parameter_and_activation_bytes_match_a_cpu_run() {
-    // SAFETY: mallopt only changes glibc's allocation policy; called before the buffers measured.
-    assert_eq!(unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, 64 << 10) }, 1);
-    tch::set_num_threads(1);
-    // Small widths, shaped so that almost every kept tensor is over 64 KiB.
-    let cfg = EvoformerConfig {
+/// Small widths, shaped so that almost every kept tensor is over 64 KiB.
+fn small() -> EvoformerConfig {
+    EvoformerConfig {
         c_m: 32,
         c_z: 32,
         msa_heads: 4,
@@ -34,7 +31,15 @@ fn block_parameter_and_activation_bytes_match_a_cpu_run() {
         num_blocks: 1,
         num_extra_blocks: 1,
         ..EvoformerConfig::default()
-    };
+    }
+}
+
+#[test]
+fn block_parameter_and_activation_bytes_match_a_cpu_run() {
+    // SAFETY: mallopt only changes glibc's allocation policy; called before the buffers measured.
+    assert_eq!(unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, 64 << 10) }, 1);
+    tch::set_num_threads(1);
+    let cfg = small();
     let params = Params::random(&cfg, 0).unwrap().to_device(Device::Cpu, true).unwrap();
     let stack = EvoformerStack::main(&params).unwrap();
     let block = &stack.blocks()[0];
@@ -65,6 +70,45 @@ fn block_parameter_and_activation_bytes_match_a_cpu_run() {
             "{s} x {r}: the block's forward kept {grown} bytes, the profile predicts {expected} ({:.1}% off)",
             100.0 * error
         );
+        drop(kept);
+    }
+}
+
+// The same check against the CUDA caching allocator: the bytes it has allocated after the
+// forward less before, at the small widths and at AlphaFold's. Without a GPU this returns with
+// a notice (a failure under SUITE_REQUIRE_CUDA=1).
+#[test]
+fn block_kept_bytes_match_the_cuda_caching_allocator() {
+    if !suite_tests::cuda_devices(1, "block_kept_bytes_match_the_cuda_caching_allocator") {
+        return;
+    }
+    let dev = Device::Cuda(0);
+    let alphafold = EvoformerConfig { num_blocks: 1, num_extra_blocks: 1, ..EvoformerConfig::default() };
+    for (cfg, s, r) in [(small(), 16, 48), (alphafold, 64, 128)] {
+        // The profile traces libtorch's compositions, not the fused kernels.
+        let params = Params::random(&cfg, 0).unwrap().to_device(dev, true).unwrap().with_kernels(Backend::Torch);
+        let stack = EvoformerStack::main(&params).unwrap();
+        let block = &stack.blocks()[0];
+        let predicted = fastfold::profile::block(&cfg, "evoformer.0", s, r, 4);
+        let opts = (Kind::Float, dev);
+        let (msa, pair) = (Tensor::randn([s, r, cfg.c_m], opts), Tensor::randn([r, r, cfg.c_z], opts));
+        let dap = Dap::none();
+        let masks = BlockMasks::new(&Tensor::ones([s, r], opts), &Tensor::ones([r, r], opts), &dap).unwrap();
+        let (m, z) = block.forward(&msa, &pair, &masks, &dap, None).unwrap();
+        (m.sum(Kind::Float) + z.sum(Kind::Float)).backward();
+        drop((m, z));
+        let before = engine::cuda::memory_stats(0).unwrap().allocated;
+        let kept = block.forward(&msa, &pair, &masks, &dap, None).unwrap();
+        let grown = (engine::cuda::memory_stats(0).unwrap().allocated - before) as f64;
+        let expected = predicted.saved_bytes + predicted.output_bytes;
+        let error = (grown - expected).abs() / expected;
+        eprintln!(
+            "Evoformer block (c_m {}, c_z {}), {s} x {r}, cuda: kept {grown} bytes, predicted {expected} (ratio {:.3})",
+            cfg.c_m,
+            cfg.c_z,
+            grown / expected
+        );
+        assert!(error <= 0.10, "{s} x {r}: the caching allocator kept {grown} bytes, the profile predicts {expected}");
         drop(kept);
     }
 }

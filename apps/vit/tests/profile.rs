@@ -44,3 +44,33 @@ fn block_parameter_and_activation_bytes_match_a_cpu_run() {
     eprintln!("blocks.0 at batch {batch}: kept {grown} bytes, predicted {expected} ({:.2}% off)", 100.0 * error);
     drop(y);
 }
+
+// The same check against the CUDA caching allocator (bytes allocated after the forward less
+// before), where attention runs PyTorch's fused kernel as the profile assumes. Without a GPU
+// this returns with a notice (a failure under SUITE_REQUIRE_CUDA=1).
+#[test]
+fn block_kept_bytes_match_the_cuda_caching_allocator() {
+    if !suite_tests::cuda_devices(1, "block_kept_bytes_match_the_cuda_caching_allocator") {
+        return;
+    }
+    let dev = Device::Cuda(0);
+    for (cfg, batch) in [(VitConfig::tiny(16), 16), (VitConfig::base(16), 32)] {
+        let vs = VarStore::new(dev);
+        let parts = Vit::new(&vs.root(), cfg).into_parts();
+        let predicted = vit::profile::block(&cfg, "blocks.0", batch, 4);
+        let x = Tensor::randn([batch, cfg.num_patches() + 1, cfg.width], (Kind::Float, dev));
+        parts[1].forward(&x).unwrap().sum(Kind::Float).backward();
+        let before = engine::cuda::memory_stats(0).unwrap().allocated;
+        let y = parts[1].forward(&x).unwrap();
+        let grown = (engine::cuda::memory_stats(0).unwrap().allocated - before) as f64;
+        let expected = predicted.saved_bytes + predicted.output_bytes;
+        let error = (grown - expected).abs() / expected;
+        eprintln!(
+            "ViT block (width {}), batch {batch}, cuda: kept {grown} bytes, predicted {expected} (ratio {:.3})",
+            cfg.width,
+            grown / expected
+        );
+        assert!(error <= 0.10, "width {}: the caching allocator kept {grown} bytes, predicted {expected}", cfg.width);
+        drop(y);
+    }
+}
