@@ -215,3 +215,24 @@ pub fn settled_host_memory(group: &engine::dist::ProcessGroup) -> engine::Result
     }
     Ok(last)
 }
+
+/// Resident-set bytes of this process (`/proc/self/statm`): what a CPU step keeps allocated,
+/// measured as the growth across it.
+pub fn resident_bytes() -> f64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").expect("/proc/self/statm");
+    let pages: f64 = statm.split_whitespace().nth(1).expect("resident field").parse().expect("a number");
+    pages * 4096.0
+}
+
+/// Asserts that `measured` bytes are within `tolerance` (relative) of `predicted` bytes, and
+/// prints both with their ratio (the figure a memory model's check reports).
+pub fn assert_bytes_close(what: &str, measured: f64, predicted: f64, tolerance: f64) {
+    let error = (measured - predicted).abs() / predicted;
+    eprintln!("{what}: kept {measured} bytes, predicted {predicted} (ratio {:.3})", measured / predicted);
+    assert!(
+        error <= tolerance,
+        "{what}: kept {measured} bytes, the profile predicts {predicted} ({:.1}% off, tolerance {:.0}%)",
+        100.0 * error,
+        100.0 * tolerance
+    );
+}

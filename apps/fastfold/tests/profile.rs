@@ -11,12 +11,6 @@ use fastfold::model::{BlockMasks, EvoformerConfig, EvoformerStack, Params, EVOFO
 use kernels::Backend;
 use tch::{Device, Kind, Tensor};
 
-fn resident_bytes() -> f64 {
-    let statm = std::fs::read_to_string("/proc/self/statm").expect("/proc/self/statm");
-    let pages: f64 = statm.split_whitespace().nth(1).expect("resident field").parse().expect("a number");
-    pages * 4096.0
-}
-
 /// Small widths, shaped so that almost every kept tensor is over 64 KiB.
 fn small() -> EvoformerConfig {
     EvoformerConfig {
@@ -56,20 +50,11 @@ fn block_parameter_and_activation_bytes_match_a_cpu_run() {
         // A first step allocates the parameters' gradients and the kernels' one-time buffers.
         let (m, z) = block.forward(&msa, &pair, &masks, &dap, None).unwrap();
         (m.sum(Kind::Float) + z.sum(Kind::Float)).backward();
-        let before = resident_bytes();
+        let before = suite_tests::resident_bytes();
         let kept = block.forward(&msa, &pair, &masks, &dap, None).unwrap();
-        let grown = resident_bytes() - before;
+        let grown = suite_tests::resident_bytes() - before;
         let expected = predicted.saved_bytes + predicted.output_bytes;
-        let error = (grown - expected).abs() / expected;
-        eprintln!(
-            "Evoformer block, {s} x {r}: kept {grown} bytes, the profile predicts {expected} ({:.2}% off)",
-            100.0 * error
-        );
-        assert!(
-            error <= 0.10,
-            "{s} x {r}: the block's forward kept {grown} bytes, the profile predicts {expected} ({:.1}% off)",
-            100.0 * error
-        );
+        suite_tests::assert_bytes_close(&format!("Evoformer block, {s} x {r}, CPU"), grown, expected, 0.10);
         drop(kept);
     }
 }
@@ -101,14 +86,12 @@ fn block_kept_bytes_match_the_cuda_caching_allocator() {
         let kept = block.forward(&msa, &pair, &masks, &dap, None).unwrap();
         let grown = (engine::cuda::memory_stats(0).unwrap().allocated - before) as f64;
         let expected = predicted.saved_bytes + predicted.output_bytes;
-        let error = (grown - expected).abs() / expected;
-        eprintln!(
-            "Evoformer block (c_m {}, c_z {}), {s} x {r}, cuda: kept {grown} bytes, predicted {expected} (ratio {:.3})",
-            cfg.c_m,
-            cfg.c_z,
-            grown / expected
+        suite_tests::assert_bytes_close(
+            &format!("Evoformer block (c_m {}, c_z {}), {s} x {r}, cuda", cfg.c_m, cfg.c_z),
+            grown,
+            expected,
+            0.10,
         );
-        assert!(error <= 0.10, "{s} x {r}: the caching allocator kept {grown} bytes, the profile predicts {expected}");
         drop(kept);
     }
 }

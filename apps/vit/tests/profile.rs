@@ -6,12 +6,6 @@ use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 use vit::model::{Part, Vit, VitConfig};
 
-fn resident_bytes() -> f64 {
-    let statm = std::fs::read_to_string("/proc/self/statm").expect("/proc/self/statm");
-    let pages: f64 = statm.split_whitespace().nth(1).expect("resident field").parse().expect("a number");
-    pages * 4096.0
-}
-
 #[test]
 fn block_parameter_and_activation_bytes_match_a_cpu_run() {
     // SAFETY: mallopt only changes glibc's allocation policy; called before the buffers measured.
@@ -31,17 +25,11 @@ fn block_parameter_and_activation_bytes_match_a_cpu_run() {
     let x = Tensor::randn([batch, cfg.num_patches() + 1, cfg.width], (Kind::Float, Device::Cpu));
     // A first step allocates the parameters' gradients and the kernels' one-time buffers.
     parts[1].forward(&x).unwrap().sum(Kind::Float).backward();
-    let before = resident_bytes();
+    let before = suite_tests::resident_bytes();
     let y = parts[1].forward(&x).unwrap();
-    let grown = resident_bytes() - before;
+    let grown = suite_tests::resident_bytes() - before;
     let expected = predicted.saved_bytes + predicted.output_bytes;
-    let error = (grown - expected).abs() / expected;
-    assert!(
-        error <= 0.10,
-        "a block's forward kept {grown} bytes, the profile predicts {expected} ({:.1}% off)",
-        100.0 * error
-    );
-    eprintln!("blocks.0 at batch {batch}: kept {grown} bytes, predicted {expected} ({:.2}% off)", 100.0 * error);
+    suite_tests::assert_bytes_close(&format!("ViT-Ti blocks.0 at batch {batch}, CPU"), grown, expected, 0.10);
     drop(y);
 }
 
@@ -64,13 +52,12 @@ fn block_kept_bytes_match_the_cuda_caching_allocator() {
         let y = parts[1].forward(&x).unwrap();
         let grown = (engine::cuda::memory_stats(0).unwrap().allocated - before) as f64;
         let expected = predicted.saved_bytes + predicted.output_bytes;
-        let error = (grown - expected).abs() / expected;
-        eprintln!(
-            "ViT block (width {}), batch {batch}, cuda: kept {grown} bytes, predicted {expected} (ratio {:.3})",
-            cfg.width,
-            grown / expected
+        suite_tests::assert_bytes_close(
+            &format!("ViT block of width {} at batch {batch}, cuda", cfg.width),
+            grown,
+            expected,
+            0.10,
         );
-        assert!(error <= 0.10, "width {}: the caching allocator kept {grown} bytes, predicted {expected}", cfg.width);
         drop(y);
     }
 }
