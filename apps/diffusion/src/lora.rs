@@ -126,6 +126,44 @@ impl Lora {
         Ok(data::checkpoint::save_tensors(&self.named()?, &dir.join(LORA_WEIGHTS))?)
     }
 
+    /// Adds the adapters of a LoRA file (as [`Lora::save`] and diffusers' LoRA training
+    /// scripts write it: `unet.<module>.lora.down.weight` [rank, in] and `.lora.up.weight`
+    /// [out, rank], scale folded into `up`), times `multiplier` (diffusers' LoRA scale), to
+    /// the attention projections of `unet` it names, on `device`; for sampling. Any rank, any
+    /// subset of the projections; a key that names no projection, a missing half or a shape
+    /// that does not fit is an error naming the file and key. Returns the projections adapted.
+    pub fn attach_file(unet: &UNet2DConditionModel, path: &Path, multiplier: f64, device: Device) -> Result<usize> {
+        let mut file: HashMap<String, Tensor> = data::checkpoint::read_tensors(path)?;
+        let bad = |msg: String| Error::Format { path: path.to_path_buf(), msg };
+        let mut adapted = 0;
+        let mut failure = None;
+        unet.visit_attentions(&mut |a| {
+            for i in 0..PROJECTIONS.len() {
+                match take_adapter(&mut file, a, i, multiplier, device) {
+                    _ if failure.is_some() => return,
+                    Ok(Some(adapter)) => {
+                        a.adapt(i, adapter);
+                        adapted += 1;
+                    }
+                    Ok(None) => {}
+                    Err(msg) => failure = Some(bad(msg)),
+                }
+            }
+        })?;
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        if let Some(k) = file.keys().min() {
+            return Err(bad(format!(
+                "key {k} names no attention projection of the UNet (only UNet attention LoRA is read)"
+            )));
+        }
+        if adapted == 0 {
+            return Err(bad("no LoRA adapters in the file".into()));
+        }
+        Ok(adapted)
+    }
+
     /// Reads adapters saved by [`Lora::save`] (or by diffusers) into these adapters; a missing
     /// or mis-shaped key, or a key no adapter has, is an error naming the file and key.
     pub fn load(&self, path: &Path) -> Result<()> {
@@ -149,4 +187,34 @@ impl Lora {
         }
         Ok(())
     }
+}
+
+/// Projection `i` of `a`'s adapter from a LoRA file's tensors (removed from `file`), scaled by
+/// `multiplier`; `None` where the file does not adapt it; the message of what does not fit.
+fn take_adapter(
+    file: &mut HashMap<String, Tensor>,
+    a: &crate::attention::Attention,
+    i: usize,
+    multiplier: f64,
+    device: Device,
+) -> std::result::Result<Option<Adapter>, String> {
+    let module = format!("unet.{}.{}", a.name(), PROJECTIONS[i]);
+    let (down_key, up_key) = (format!("{module}.lora.down.weight"), format!("{module}.lora.up.weight"));
+    let (down, up) = match (file.remove(&down_key), file.remove(&up_key)) {
+        (None, None) => return Ok(None),
+        (Some(d), Some(u)) => (d, u),
+        (Some(_), None) => return Err(format!("missing key {up_key}")),
+        (None, Some(_)) => return Err(format!("missing key {down_key}")),
+    };
+    let (out, inp) = (a.weight(i).size()[0], a.weight(i).size()[1]);
+    let rank = down.size()[0];
+    if down.size() != [rank, inp] || up.size() != [out, rank] {
+        return Err(format!(
+            "keys {down_key} {:?} and {up_key} {:?} do not fit the projection's [{out}, {inp}] weight",
+            down.size(),
+            up.size()
+        ));
+    }
+    let to = |t: Tensor, m: f64| t.to_kind(Kind::Float).to_device(device) * m;
+    Ok(Some(Adapter { down: to(down, 1.0), up: to(up, multiplier), scale: 1.0 }))
 }

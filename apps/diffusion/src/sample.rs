@@ -333,6 +333,13 @@ pub struct SampleArgs {
     /// SDXL: the target size conditioning, HEIGHT,WIDTH (default: the image size).
     #[arg(long, value_parser = parse_pair)]
     pub target_size: Option<(i64, i64)>,
+    /// LoRA adapters to add to the UNet: a `pytorch_lora_weights.safetensors` as
+    /// `diffusion finetune --lora-rank` and diffusers' LoRA training scripts save it.
+    #[arg(long)]
+    pub lora: Option<std::path::PathBuf>,
+    /// How much of the LoRA adapters to add (diffusers' LoRA scale).
+    #[arg(long, default_value_t = 1.0, requires = "lora")]
+    pub lora_scale: f64,
     /// Arithmetic precision of the text encoder and UNet.
     #[command(flatten)]
     pub precision: PrecisionArgs,
@@ -370,6 +377,11 @@ pub fn run(args: &SampleArgs) -> anyhow::Result<(Vec<std::path::PathBuf>, f64)> 
     let sd = StableDiffusion::load(&args.model, device, args.precision.precision.kind())
         .with_context(|| format!("--model {}", args.model.display()))?;
     eprintln!("text encoder: {}", sd.text_encoder.key_layout());
+    if let Some(file) = &args.lora {
+        let adapted = crate::lora::Lora::attach_file(&sd.unet, file, args.lora_scale, device)
+            .with_context(|| format!("--lora {}", file.display()))?;
+        eprintln!("LoRA: {adapted} projections adapted from {} (scale {})", file.display(), args.lora_scale);
+    }
     let sampler = match args.scheduler {
         Some(s) => s,
         None => Sampler::default_for(&sd.scheduler).context("--scheduler not given")?,

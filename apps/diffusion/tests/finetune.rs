@@ -439,6 +439,83 @@ fn lora_over_the_unet_streamed_by_gemini_equals_lora_over_the_whole_unet() {
 }
 
 #[test]
+fn a_lora_file_added_for_sampling_equals_its_weights_merged() {
+    use diffusion::lora::{Lora, LORA_WEIGHTS};
+    let dir = std::env::temp_dir().join(format!("diffusion-lora-file-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // A file with non-zero adapters on every projection.
+    let source = load();
+    let lora = Lora::new(&source.unet, &source.unet_vs, 2, 2.0, 4, Device::Cpu).unwrap();
+    tch::manual_seed(3);
+    for p in lora.params().iter().filter(|p| p.name.ends_with(".up.weight")) {
+        tch::no_grad(|| p.tensor.detach().copy_(&(Tensor::randn_like(&p.tensor) * 0.1)));
+    }
+    lora.save(&dir).unwrap();
+    let file = dir.join(LORA_WEIGHTS);
+    let tensors = data::checkpoint::read_tensors(&file).unwrap();
+
+    let cfg = source.unet.config().clone();
+    tch::manual_seed(5);
+    let x = Tensor::randn([1, cfg.in_channels, 8, 8], (Kind::Float, Device::Cpu));
+    let t = Tensor::from_slice(&[10i64]);
+    let context = Tensor::randn([1, 7, cfg.cross_attention_dim], (Kind::Float, Device::Cpu));
+    let output = |sd: &StableDiffusion| tch::no_grad(|| sd.unet.forward(&x, &t, &context)).unwrap();
+    let base = output(&load());
+    // Added at scale 0.5, against the weights W + 0.5 * up @ down written into the UNet.
+    let added = load();
+    assert_eq!(Lora::attach_file(&added.unet, &file, 0.5, Device::Cpu).unwrap(), 32);
+    let merged = load();
+    let vars = merged.unet_vs.variables();
+    for (key, down) in tensors.iter().filter(|(k, _)| k.ends_with(".lora.down.weight")) {
+        let module = &key["unet.".len()..key.len() - ".lora.down.weight".len()];
+        let up = &tensors[&key.replace(".lora.down.", ".lora.up.")];
+        let w = &vars[&format!("{module}.weight")];
+        tch::no_grad(|| w.detach().copy_(&(w + up.matmul(down) * 0.5)));
+    }
+    let (ours, theirs) = (output(&added), output(&merged));
+    let diff = (&ours - &theirs).abs().max().double_value(&[]);
+    assert!(diff < 1e-5, "adapters against merged weights: {diff:e}");
+    assert!((&ours - &base).abs().max().double_value(&[]) > 1e-3, "the adapters change the output");
+    // Scale 0 is the base model exactly.
+    let zero = load();
+    Lora::attach_file(&zero.unet, &file, 0.0, Device::Cpu).unwrap();
+    assert!(output(&zero).equal(&base));
+
+    // Any subset of the projections; keys that fit nothing are named.
+    let write = |name: &str, t: Vec<(String, Tensor)>| {
+        let path = dir.join(name);
+        Tensor::write_safetensors(&t, &path).unwrap();
+        path
+    };
+    let queries = || -> Vec<(String, Tensor)> {
+        let mut q: Vec<(String, Tensor)> =
+            tensors.iter().filter(|(k, _)| k.contains(".to_q.")).map(|(k, t)| (k.clone(), t.shallow_clone())).collect();
+        q.sort_by(|a, b| a.0.cmp(&b.0));
+        q
+    };
+    assert_eq!(Lora::attach_file(&load().unet, &write("q.safetensors", queries()), 1.0, Device::Cpu).unwrap(), 8);
+    let mut stray = queries();
+    stray.push((
+        "text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora.down.weight".into(),
+        Tensor::zeros([2, 4], (Kind::Float, Device::Cpu)),
+    ));
+    let err =
+        Lora::attach_file(&load().unet, &write("stray.safetensors", stray), 1.0, Device::Cpu).unwrap_err().to_string();
+    assert!(err.contains("text_encoder.text_model") && err.contains("stray.safetensors"), "{err}");
+    let mut misfit = queries();
+    misfit[0].1 = Tensor::zeros([2, 3], (Kind::Float, Device::Cpu));
+    let err = Lora::attach_file(&load().unet, &write("misfit.safetensors", misfit), 1.0, Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains(&queries()[0].0) && err.contains("do not fit"), "{err}");
+    let half: Vec<(String, Tensor)> = queries().into_iter().filter(|(k, _)| k.ends_with(".lora.down.weight")).collect();
+    let err =
+        Lora::attach_file(&load().unet, &write("half.safetensors", half), 1.0, Device::Cpu).unwrap_err().to_string();
+    assert!(err.contains("missing key") && err.contains(".lora.up.weight"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
 fn the_command_trains_lora_adapters() {
     let dir = std::env::temp_dir().join(format!("diffusion-finetune-lora-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);

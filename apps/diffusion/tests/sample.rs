@@ -191,3 +191,45 @@ fn the_command_writes_pngs() {
     }
     assert!(text.contains("s per image"), "{text}");
 }
+
+#[test]
+fn the_command_adds_a_lora_file() {
+    use diffusion::lora::{Lora, LORA_WEIGHTS};
+    let dir = std::env::temp_dir().join(format!("diffusion-sample-lora-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let sd = load();
+    let lora = Lora::new(&sd.unet, &sd.unet_vs, 2, 2.0, 4, Device::Cpu).unwrap();
+    for p in lora.params().iter().filter(|p| p.name.ends_with(".up.weight")) {
+        tch::no_grad(|| p.tensor.detach().copy_(&(Tensor::randn_like(&p.tensor) * 0.5)));
+    }
+    lora.save(&dir).unwrap();
+    let run = |name: &str, extra: &[&str]| {
+        let out = dir.join(name);
+        let o = Command::new(env!("CARGO_BIN_EXE_diffusion"))
+            .args(["sample", "--model"])
+            .arg(fixtures().join("pipeline"))
+            .args(["--prompt", "a cat", "--steps", "2", "--scheduler", "euler"])
+            .args(extra)
+            .arg("-o")
+            .arg(&out)
+            .output()
+            .unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        (o.status.success(), text, out)
+    };
+    let file = dir.join(LORA_WEIGHTS);
+    let file = file.to_str().unwrap();
+    let (ok, text, plain) = run("plain.png", &[]);
+    assert!(ok, "{text}");
+    let (ok, text, none) = run("none.png", &["--lora", file, "--lora-scale", "0"]);
+    assert!(ok && text.contains("32 projections adapted"), "{text}");
+    let (ok, text, adapted) = run("adapted.png", &["--lora", file]);
+    assert!(ok, "{text}");
+    let pixels = |p: &Path| data::folder::decode(p, 3).unwrap().pixels;
+    assert_eq!(pixels(&plain), pixels(&none), "scale 0 samples the base model");
+    assert_ne!(pixels(&plain), pixels(&adapted), "the adapters change the image");
+    let (ok, text, _) = run("bad.png", &["--lora", dir.join("missing.safetensors").to_str().unwrap()]);
+    assert!(!ok && text.contains("--lora") && text.contains("missing.safetensors"), "{text}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
