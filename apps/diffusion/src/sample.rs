@@ -129,6 +129,10 @@ pub struct SampleOptions {
     /// SDXL's size and crop conditioning (`None`: diffusers' defaults for the image size);
     /// unused by SD 1.x/2.x.
     pub size_conditioning: Option<SizeConditioning>,
+    /// SDXL's size and crop conditioning of guidance's negative half (diffusers'
+    /// `negative_original_size`, `negative_crops_coords_top_left`, `negative_target_size`;
+    /// `None`: the same as the positive half's).
+    pub negative_size_conditioning: Option<SizeConditioning>,
 }
 
 impl StableDiffusion {
@@ -194,17 +198,19 @@ impl StableDiffusion {
         let expanded: Vec<&str> = prompts.iter().flat_map(|p| std::iter::repeat_n(*p, n)).collect();
         let count = expanded.len();
         let sizes = [opts.size_conditioning.unwrap_or(SizeConditioning::uncropped(opts.height, opts.width))];
+        let negative_sizes = [opts.negative_size_conditioning.unwrap_or(sizes[0])];
         let cond = self.encode(&expanded, &sizes)?;
         let context = match (opts.guidance > 1.0, &opts.negative_prompt) {
             (false, _) => cond,
-            // SDXL's zeroed negative keeps the positive's time ids (no negative sizes given).
+            // SDXL's zeroed negative: zero text states and pooled embedding, the negative
+            // sizes' time ids.
             (true, None) if self.is_xl() && self.force_zeros_for_empty_prompt => {
                 let negative = Conditioning {
                     context: cond.context.f_zeros_like()?,
                     text_time: match &cond.text_time {
                         Some(t) => Some(crate::unet::TextTime {
                             text_embeds: t.text_embeds.f_zeros_like()?,
-                            time_ids: t.time_ids.shallow_clone(),
+                            time_ids: SizeConditioning::tensor(&vec![negative_sizes[0]; count], self.device())?,
                         }),
                         None => None,
                     },
@@ -213,7 +219,7 @@ impl StableDiffusion {
             }
             (true, negative) => {
                 let negative = vec![negative.as_deref().unwrap_or(""); count];
-                Conditioning::cat(&[&self.encode(&negative, &sizes)?, &cond])?
+                Conditioning::cat(&[&self.encode(&negative, &negative_sizes)?, &cond])?
             }
         };
         let want = self.initial_latents(count, opts)?;
@@ -333,6 +339,17 @@ pub struct SampleArgs {
     /// SDXL: the target size conditioning, HEIGHT,WIDTH (default: the image size).
     #[arg(long, value_parser = parse_pair)]
     pub target_size: Option<(i64, i64)>,
+    /// SDXL: the original size conditioning of guidance's negative half, HEIGHT,WIDTH (with
+    /// --negative-target-size; without both the negative half takes the positive's sizes).
+    #[arg(long, value_parser = parse_pair, requires = "negative_target_size")]
+    pub negative_original_size: Option<(i64, i64)>,
+    /// SDXL: the crop top-left conditioning of guidance's negative half, TOP,LEFT.
+    #[arg(long, value_parser = parse_pair, default_value = "0,0")]
+    pub negative_crops_coords_top_left: (i64, i64),
+    /// SDXL: the target size conditioning of guidance's negative half, HEIGHT,WIDTH (with
+    /// --negative-original-size).
+    #[arg(long, value_parser = parse_pair, requires = "negative_original_size")]
+    pub negative_target_size: Option<(i64, i64)>,
     /// LoRA adapters to add to the UNet: a `pytorch_lora_weights.safetensors` as
     /// `diffusion finetune --lora-rank` and diffusers' LoRA training scripts save it.
     #[arg(long)]
@@ -391,9 +408,27 @@ pub fn run(args: &SampleArgs) -> anyhow::Result<(Vec<std::path::PathBuf>, f64)> 
     let default_side = sd.unet.config().source.sample_size.map_or(512, |s| s * sd.vae_scale());
     let side = args.size.unwrap_or(default_side);
     let (height, width) = (args.height.unwrap_or(side), args.width.unwrap_or(side));
-    let xl_flags = args.original_size.is_some() || args.target_size.is_some() || args.crops_coords_top_left != (0, 0);
+    let negative_sizes = match (args.negative_original_size, args.negative_target_size) {
+        (Some(original), Some(target)) => {
+            Some(SizeConditioning { original, crop_top_left: args.negative_crops_coords_top_left, target })
+        }
+        _ => None,
+    };
+    let xl_flags = args.original_size.is_some()
+        || args.target_size.is_some()
+        || args.crops_coords_top_left != (0, 0)
+        || negative_sizes.is_some()
+        || args.negative_crops_coords_top_left != (0, 0);
     if xl_flags && !sd.is_xl() {
-        anyhow::bail!("--original-size, --crops-coords-top-left and --target-size condition SDXL pipelines only");
+        anyhow::bail!(
+            "--original-size, --crops-coords-top-left, --target-size and their --negative-* forms condition SDXL pipelines only"
+        );
+    }
+    if args.negative_crops_coords_top_left != (0, 0) && negative_sizes.is_none() {
+        anyhow::bail!(
+            "--negative-crops-coords-top-left needs --negative-original-size and --negative-target-size \
+             (diffusers uses negative size conditioning only when both sizes are given)"
+        );
     }
     let opts = SampleOptions {
         steps: args.steps,
@@ -409,6 +444,7 @@ pub fn run(args: &SampleArgs) -> anyhow::Result<(Vec<std::path::PathBuf>, f64)> 
             crop_top_left: args.crops_coords_top_left,
             target: args.target_size.unwrap_or((height, width)),
         }),
+        negative_size_conditioning: negative_sizes,
     };
     let prompts: Vec<&str> = args.prompt.iter().map(String::as_str).collect();
     let start = std::time::Instant::now();

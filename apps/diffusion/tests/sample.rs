@@ -35,6 +35,7 @@ fn options(sampler: Sampler, guidance: f64) -> SampleOptions {
         images_per_prompt: 1,
         seed: 0,
         size_conditioning: None,
+        negative_size_conditioning: None,
     }
 }
 

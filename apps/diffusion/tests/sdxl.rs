@@ -148,6 +148,7 @@ fn euler_sampling_equals_the_sdxl_pipeline() {
             images_per_prompt: 1,
             seed: 0,
             size_conditioning,
+            negative_size_conditioning: None,
         };
         assert_eq!(opts.sampler, Sampler::Euler);
         let given = GivenNoise { latents: Some(&r["sample_latents"]), steps: None };
@@ -161,6 +162,48 @@ fn euler_sampling_equals_the_sdxl_pipeline() {
     // The two runs' conditioning differ, so the comparison above tells them apart.
     let (a, b) = (&r["sample_zero_images"], &r["sample_neg_images"]);
     assert!((a - b).abs().max().double_value(&[]) > 1e-3);
+}
+
+#[test]
+fn negative_size_conditioning_equals_the_sdxl_pipeline() {
+    let sd = load();
+    let r = reference();
+    let theirs = data::checkpoint::read_tensors(&fixtures().join("sdxl_negative_size_reference.safetensors")).unwrap();
+    let sizes = SizeConditioning { original: (32, 24), crop_top_left: (2, 4), target: (16, 16) };
+    let negative = SizeConditioning { original: (12, 20), crop_top_left: (1, 3), target: (8, 8) };
+    let unet = |x: &Tensor, t: &Tensor, c: &Conditioning| sd.unet.forward_cond(x, t, c);
+    let sample = |prompts: &[&str], negative_prompt: Option<&str>, latents: &Tensor| {
+        let opts = SampleOptions {
+            steps: 3,
+            guidance: 5.0,
+            negative_prompt: negative_prompt.map(str::to_string),
+            height: 16,
+            width: 16,
+            sampler: Sampler::Euler,
+            images_per_prompt: 1,
+            seed: 0,
+            size_conditioning: Some(sizes),
+            negative_size_conditioning: Some(negative),
+        };
+        sd.sample_given(prompts, &opts, GivenNoise { latents: Some(latents), steps: None }, &unet).unwrap()
+    };
+    // With a negative prompt, and with the zeroed negative of force_zeros_for_empty_prompt.
+    let first = r["sample_latents"].narrow(0, 0, 1);
+    for (name, negative_prompt) in [("negsize", Some("blurry, low quality")), ("negsize_zero", None)] {
+        let images = sample(&PROMPTS[..1], negative_prompt, &first);
+        let d =
+            (&images - theirs[&format!("sample_{name}_images")].permute([0, 3, 1, 2])).abs().max().double_value(&[]);
+        assert!(d < 1e-4, "{name}: images differ from diffusers' by {d}");
+    }
+    // The negative sizes matter: without them that image is the reference's `sample_neg`.
+    let without = (&theirs["sample_negsize_images"] - r["sample_neg_images"].narrow(0, 0, 1)).abs();
+    assert!(without.max().double_value(&[]) > 1e-3);
+    // Every negative row takes the negative sizes (diffusers alternates rows past the first; see
+    // the fixture script): two prompts together are each prompt alone.
+    let both = sample(&PROMPTS, Some("blurry, low quality"), &r["sample_latents"]);
+    let second = sample(&PROMPTS[1..], Some("blurry, low quality"), &r["sample_latents"].narrow(0, 1, 1));
+    let d = (both.narrow(0, 1, 1) - second).abs().max().double_value(&[]);
+    assert!(d < 1e-5, "the second prompt in a batch against alone: {d}");
 }
 
 /// The fine-tuning step's inputs from the reference: pixels, captions, time ids and draws.
@@ -444,6 +487,38 @@ fn the_sample_command_takes_size_conditioning_and_folders_that_do_not_fit_are_na
     let (ok, text) =
         run(&["--model", model.to_str().unwrap(), "--prompt", "x", "--original-size", "32", "-o", "y.png"]);
     assert!(!ok && text.contains("not two non-negative integers"), "{text}");
+    let (ok, text) = run(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "a red car",
+        "--steps",
+        "2",
+        "--negative-original-size",
+        "12,20",
+        "--negative-crops-coords-top-left",
+        "1,3",
+        "--negative-target-size",
+        "8,8",
+        "-o",
+        png.to_str().unwrap(),
+    ]);
+    assert!(ok, "{text}");
+    // diffusers takes negative sizes only as a pair; a lone one is refused rather than ignored.
+    let (ok, text) =
+        run(&["--model", model.to_str().unwrap(), "--prompt", "x", "--negative-target-size", "8,8", "-o", "y.png"]);
+    assert!(!ok && text.contains("--negative-original-size"), "{text}");
+    let (ok, text) = run(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "x",
+        "--negative-crops-coords-top-left",
+        "1,3",
+        "-o",
+        "y.png",
+    ]);
+    assert!(!ok && text.contains("needs --negative-original-size and --negative-target-size"), "{text}");
 
     // model_index.json without text_encoder_2 for a text-time UNet.
     let broken = dir.join("no_encoder_2");

@@ -44,6 +44,7 @@ impl Validation<'_> {
             images_per_prompt: self.images_per_prompt,
             seed: self.seed,
             size_conditioning: None,
+            negative_size_conditioning: None,
         };
         let dir = out.join("validation");
         if write {
