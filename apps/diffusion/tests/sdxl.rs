@@ -198,8 +198,8 @@ fn negative_size_conditioning_equals_the_sdxl_pipeline() {
     // The negative sizes matter: without them that image is the reference's `sample_neg`.
     let without = (&theirs["sample_negsize_images"] - r["sample_neg_images"].narrow(0, 0, 1)).abs();
     assert!(without.max().double_value(&[]) > 1e-3);
-    // Every negative row takes the negative sizes (diffusers alternates rows past the first; see
-    // the fixture script): two prompts together are each prompt alone.
+    // Every negative row takes the negative sizes (diffusers alternates the rows; see the
+    // fixture script): two prompts together are each prompt alone.
     let both = sample(&PROMPTS, Some("blurry, low quality"), &r["sample_latents"]);
     let second = sample(&PROMPTS[1..], Some("blurry, low quality"), &r["sample_latents"].narrow(0, 1, 1));
     let d = (both.narrow(0, 1, 1) - second).abs().max().double_value(&[]);
