@@ -229,24 +229,36 @@ fn training_batch(r: &HashMap<String, Tensor>) -> (Batch, Draws) {
     (batch, draws)
 }
 
+/// The reference batch's training loss with the UNet's parts run through `gemini`'s chunks,
+/// after its backward and Gemini's step.
+fn step_through_gemini(
+    sd: &StableDiffusion,
+    r: &HashMap<String, Tensor>,
+    gemini: &Gemini,
+    parts: &[Vec<usize>],
+) -> Tensor {
+    let ddpm = DdpmScheduler::new(sd.scheduler.config(SchedulerClass::Ddpm).unwrap());
+    let (batch, draws) = training_batch(r);
+    let runner = GeminiParts { gemini, parts };
+    let unet = |x: &Tensor, t: &Tensor, c: &Conditioning| sd.unet.forward_with(x, t, c, &runner);
+    let l = loss(sd, &ddpm, &batch, &draws, 0.0, None, Kind::Float, &unet).unwrap();
+    l.backward();
+    gemini.finish_backward().unwrap();
+    gemini.step().unwrap();
+    l
+}
+
 #[test]
 fn a_training_step_under_gemini_equals_train_text_to_image_sdxl() {
     let r = reference();
     let sd = load();
-    let ddpm = DdpmScheduler::new(sd.scheduler.config(SchedulerClass::Ddpm).unwrap());
     let UnetParams { params, parts } = UnetParams::of(&sd.unet, &sd.unet_vs).unwrap();
     let adamw = AdamWConfig { lr: 1e-3, betas: (0.9, 0.999), eps: 1e-2, weight_decay: 1e-2 };
     let mut cfg = gemini_config(Device::Cpu, None, CpuRule::AdamW(adamw), Kind::Float, None);
     cfg.placement = Placement::Static { offload: 1.0 };
     let gemini = Gemini::new(&params, cfg).unwrap();
-    let (batch, draws) = training_batch(&r);
-    let runner = GeminiParts { gemini: &gemini, parts: &parts };
-    let unet = |x: &Tensor, t: &Tensor, c: &Conditioning| sd.unet.forward_with(x, t, c, &runner);
-    let l = loss(&sd, &ddpm, &batch, &draws, 0.0, None, Kind::Float, &unet).unwrap();
+    let l = step_through_gemini(&sd, &r, &gemini, &parts);
     assert_close(&l.reshape([1]), &r["train_loss"], 1e-5, 0.0, "SDXL training loss");
-    l.backward();
-    gemini.finish_backward().unwrap();
-    gemini.step().unwrap();
     let after: HashMap<String, Tensor> = gemini.state_dict().unwrap().into_iter().collect();
     let before = load().unet_vs.variables();
     for (key, theirs) in r.iter().filter_map(|(k, v)| k.strip_prefix("train_after.").map(|n| (n, v))) {
@@ -272,7 +284,6 @@ fn a_lora_step_over_the_unet_streamed_by_gemini_equals_train_text_to_image_lora_
         v
     };
     let sd = load();
-    let ddpm = DdpmScheduler::new(sd.scheduler.config(SchedulerClass::Ddpm).unwrap());
     // Rank 2, alpha 4 (scale 2), starting from peft's adapters (their file layout: scale folded
     // into `up`).
     let lora = Lora::new(&sd.unet, &sd.unet_vs, 2, 4.0, 0, Device::Cpu).unwrap();
@@ -309,14 +320,8 @@ fn a_lora_step_over_the_unet_streamed_by_gemini_equals_train_text_to_image_lora_
     let mut cfg = frozen();
     cfg.chunks.budget = budget;
     let base = Gemini::new(&params, cfg).unwrap();
-    let (batch, draws) = training_batch(&r);
-    let runner = GeminiParts { gemini: &base, parts: &parts };
-    let unet = |x: &Tensor, t: &Tensor, c: &Conditioning| sd.unet.forward_with(x, t, c, &runner);
-    let l = loss(&sd, &ddpm, &batch, &draws, 0.0, None, Kind::Float, &unet).unwrap();
+    let l = step_through_gemini(&sd, &r, &base, &parts);
     assert_close(&l.reshape([1]), &peft["loss"], 1e-5, 0.0, "SDXL LoRA training loss");
-    l.backward();
-    base.finish_backward().unwrap();
-    base.step().unwrap();
     {
         let m = base.manager().unwrap();
         let evictions = m.events().iter().filter(|e| matches!(e, Event::Evict(_))).count();
