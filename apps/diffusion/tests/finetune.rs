@@ -126,6 +126,26 @@ fn gemini_training_equals_plain_training_and_saves_what_it_trained() {
 }
 
 #[test]
+fn the_frozen_text_encoder_and_vae_get_no_gradient() {
+    // As diffusers' scripts freeze them (`requires_grad_(False)`): backward stops at the text
+    // states, so neither encoder keeps activations for it nor computes weight gradients.
+    let mut sd = load();
+    let ddpm = DdpmScheduler::new(sd.scheduler.config(SchedulerClass::Ddpm).unwrap());
+    let (b, d) = batch(0, 0..2);
+    let l = loss(&sd, &ddpm, &b, &d, 0.0, None, Kind::Float, &|x, t, c| sd.unet.forward_cond(x, t, c)).unwrap();
+    l.backward();
+    let unet_grads = sd.unet_vs.variables().values().filter(|t| t.grad().defined()).count();
+    assert!(unet_grads > 0, "the UNet gets gradients");
+    let mut frozen = sd.text_encoder_stores().into_iter().map(|vs| vs.variables()).collect::<Vec<_>>();
+    frozen.push(sd.vae_vs.variables());
+    for vars in frozen {
+        for (name, t) in vars {
+            assert!(!t.grad().defined(), "{name} got a gradient");
+        }
+    }
+}
+
+#[test]
 fn parts_stream_through_a_budget_smaller_than_the_unet() {
     // Each part of the UNet is its own module: a budget of half the chunks' payloads holds
     // the widest part but not the model, so chunks are evicted and reloaded within a step.
