@@ -177,3 +177,18 @@ fn frozen_chunks_keep_no_gradient_and_free_up_after_a_backward() {
     let err = m.add_gradient(1, &Tensor::ones([4, 4], (Kind::Float, Device::Cpu))).unwrap_err().to_string();
     assert!(err.contains("layers.1.weight") && err.contains("frozen"), "{err}");
 }
+
+#[test]
+fn frozen_homes_keep_the_compute_kind() {
+    let params = four();
+    for p in &params {
+        let _ = p.tensor.set_requires_grad(false);
+    }
+    let rounded: Vec<Tensor> = params.iter().map(|p| p.tensor.detach().to_kind(Kind::Half)).collect();
+    let cfg = ChunkConfig { trainable: false, home_buffers: 1, compute: Kind::Half, ..config(4) };
+    let mut m = ChunkManager::new(&params, cfg, Tier::Device).unwrap();
+    // Homes on the device tier are charged: 2 bytes an element, one buffer a chunk.
+    assert_eq!(m.device_bytes().0, 4 * 16 * 2);
+    m.access(&[1]).unwrap();
+    assert!(params[1].tensor.equal(&rounded[1]), "the payload is the home's fp16 values");
+}

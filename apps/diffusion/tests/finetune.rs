@@ -627,5 +627,32 @@ fn frozen_parts_run_in_the_compute_precision_within_the_cap() {
     assert!(loss.is_finite() && loss > 0.0, "{csv}");
     let image = data::folder::decode(&out.join("validation").join("step-1-0.png"), 3).unwrap();
     assert!(image.pixels.iter().all(|p| p.is_finite()), "a decodable validation image");
+    // LoRA in bf16: the frozen UNet's chunks (homes and payloads in bf16) stream under the cap.
+    let lora_out = dir.join("lora");
+    let (ok, text) = finetune(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--resolution",
+        "16",
+        "--steps",
+        "2",
+        "--micro-batch",
+        "2",
+        "--precision",
+        "bf16",
+        "--lora-rank",
+        "2",
+        "--gpu-mem",
+        "1G",
+        "--metrics",
+        "log.csv",
+        "-o",
+        lora_out.to_str().unwrap(),
+    ]);
+    assert!(ok, "{text}");
+    let csv = std::fs::read_to_string(lora_out.join("log.csv")).unwrap();
+    assert!(csv.lines().skip(1).all(|l| l.split(',').nth(1).unwrap().parse::<f64>().unwrap().is_finite()), "{csv}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

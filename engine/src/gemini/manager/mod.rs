@@ -68,9 +68,11 @@ pub struct ChunkConfig {
     /// path).
     pub share_cpu_homes: bool,
     /// Whether the parameters train. Frozen ones (the base weights under LoRA) get no gradient
-    /// accumulator, no optimizer state and no gradient hook: each chunk is a home and a
-    /// payload, streamed in for the forward and again for the backward (which still needs the
-    /// weights for its input's gradient), evictable again as soon as each module is done.
+    /// accumulator, no optimizer state and no gradient hook, and their homes keep the compute
+    /// kind (nothing steps them; half the host memory under bf16/fp16): each chunk is a home
+    /// and a payload, streamed in for the forward and again for the backward (which still
+    /// needs the weights for its input's gradient), evictable again as soon as each module is
+    /// done.
     pub trainable: bool,
 }
 
@@ -103,8 +105,8 @@ struct Chunk {
     kind: Kind,
     /// `[capacity]` on the compute device; storage of zero bytes while not resident.
     payload: Tensor,
-    /// This rank's part of the home copy: `[capacity / shards]` fp32, elements
-    /// `shard_offset..` of the chunk.
+    /// This rank's part of the home copy: `[capacity / shards]` fp32 (frozen chunks: the
+    /// compute kind), elements `shard_offset..` of the chunk.
     home: Tensor,
     tier: Tier,
     resident: bool,
@@ -128,9 +130,9 @@ impl Chunk {
         self.payload.numel() * self.kind.elt_size_in_bytes()
     }
 
-    /// Bytes of one home-sized buffer (fp32).
+    /// Bytes of one home-sized buffer.
     fn home_bytes(&self) -> usize {
-        self.home.numel() * 4
+        self.home.numel() * self.home.kind().elt_size_in_bytes()
     }
 
     fn in_compute(&self) -> bool {
@@ -271,10 +273,15 @@ impl ChunkManager {
                 manager.places[i] = (c, s);
                 offset += n;
             }
+            // Frozen homes keep the compute kind: nothing steps them.
+            let home_kind = if cfg.trainable { Kind::Float } else { kind };
             let home = match shared {
                 // The payload holds the fp32 values already.
                 true => payload.shallow_clone(),
-                false => manager.on_tier(&master.f_narrow(0, manager.shard_offset as i64, shard_len as i64)?, tier)?,
+                false => manager.on_tier(
+                    &master.f_narrow(0, manager.shard_offset as i64, shard_len as i64)?.f_to_kind(home_kind)?,
+                    tier,
+                )?,
             };
             let grad = match cfg.trainable {
                 true => manager.on_tier(&home.f_zeros_like()?, tier)?,
@@ -394,7 +401,8 @@ impl ChunkManager {
         self.recording
     }
 
-    /// This rank's part of chunk `c`'s home copy (fp32, on the home's tier).
+    /// This rank's part of chunk `c`'s home copy (fp32, frozen chunks' in the compute kind; on
+    /// the home's tier).
     pub(crate) fn home(&self, c: usize) -> &Tensor {
         &self.chunks[c].home
     }
