@@ -3,6 +3,8 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
+# Space for the build (a full debug build of the workspace takes about 8 GB), for the log.
+df -h . | awk 'NR == 2 {print "[test] disk: " $4 " free of " $2}'
 # The GPU script runs only on GPU machines: here it must at least parse.
 bash -n scripts/gpu-check.sh
 cargo fmt --all -- --check
