@@ -88,9 +88,12 @@ fn masked_padding_does_not_change_real_positions() {
         let pad2 = |t: &Tensor, a: i64, b: i64| dap.pad_to(&dap.pad_to(t, 0, a).unwrap(), 1, b).unwrap();
         let padded = [pad2(&x[0], 6, 9), pad2(&x[1], 9, 9), pad2(&x[2], 6, 9), pad2(&x[3], 9, 9)];
         let (mp, zp) = run(&stack, &padded, None);
-        let dm = max_diff(&mp.narrow(0, 0, 4).narrow(1, 0, 6), &m);
-        let dz = max_diff(&zp.narrow(0, 0, 6).narrow(1, 0, 6), &z);
-        assert!(dm <= 1e-5 && dz <= 1e-5, "padding changed msa by {dm:e}, pair by {dz:e} (tolerance 1e-5)");
+        // The padded shapes sum in other orders: fp32 noise, relative to the largest value.
+        let scale = |t: &Tensor| t.abs().max().double_value(&[]).max(1.0);
+        let dm = max_diff(&mp.narrow(0, 0, 4).narrow(1, 0, 6), &m) / scale(&m);
+        let dz = max_diff(&zp.narrow(0, 0, 6).narrow(1, 0, 6), &z) / scale(&z);
+        eprintln!("padding changed msa by {dm:e}, pair by {dz:e} of their largest values");
+        assert!(dm <= 1e-5 && dz <= 1e-5, "padding changed msa by {dm:e}, pair by {dz:e} (relative tolerance 1e-5)");
     }
 }
 
