@@ -80,23 +80,27 @@ impl Attention {
         self.project(3, &multi_head(&q, &k, &v, self.heads))
     }
 
-    /// Projection `i` of [`PROJECTIONS`], with its adapter when it has one.
+    /// Projection `i` of [`PROJECTIONS`].
+    fn layer(&self, i: usize) -> &nn::Linear {
+        [&self.to_q, &self.to_k, &self.to_v, &self.to_out][i]
+    }
+
+    /// Projection `i` applied to `x`, with its adapter when it has one.
     fn project(&self, i: usize, x: &Tensor) -> Tensor {
-        let layer = [&self.to_q, &self.to_k, &self.to_v, &self.to_out][i];
         match &self.adapters[i] {
-            Some(a) => layer.forward(x) + a.forward(x),
-            None => layer.forward(x),
+            Some(a) => self.layer(i).forward(x) + a.forward(x),
+            None => self.layer(i).forward(x),
         }
     }
 
-    /// The module path.
-    pub fn name(&self) -> &str {
-        &self.name
+    /// Projection `i`'s module path (`...attn1.to_q`), as LoRA files name it.
+    pub fn projection(&self, i: usize) -> String {
+        format!("{}.{}", self.name, PROJECTIONS[i])
     }
 
     /// Projection `i`'s weight [out, in] (see [`PROJECTIONS`]).
     pub fn weight(&self, i: usize) -> &Tensor {
-        &[&self.to_q, &self.to_k, &self.to_v, &self.to_out][i].ws
+        &self.layer(i).ws
     }
 
     /// Puts `adapter` on projection `i` (see [`PROJECTIONS`]).

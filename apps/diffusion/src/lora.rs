@@ -58,13 +58,12 @@ impl Lora {
         for t in vs.variables().values() {
             let _ = t.set_requires_grad(false);
         }
-        let module = |a: &crate::attention::Attention, i: usize| format!("{}.{}", a.name(), PROJECTIONS[i]);
         // (module, in, out) of every projection.
         let mut found: Vec<(String, i64, i64)> = vec![];
         unet.visit_attentions(&mut |a| {
             for i in 0..PROJECTIONS.len() {
                 let size = a.weight(i).size();
-                found.push((module(a, i), size[1], size[0]));
+                found.push((a.projection(i), size[1], size[0]));
             }
         })?;
         if found.is_empty() {
@@ -86,7 +85,7 @@ impl Lora {
         let by_module: HashMap<&str, &Named> = adapters.iter().map(|n| (n.module.as_str(), n)).collect();
         unet.visit_attentions(&mut |a| {
             for i in 0..PROJECTIONS.len() {
-                let n = by_module[module(a, i).as_str()];
+                let n = by_module[a.projection(i).as_str()];
                 a.adapt(i, Adapter { down: n.down.shallow_clone(), up: n.up.shallow_clone(), scale });
             }
         })?;
@@ -198,7 +197,7 @@ fn take_adapter(
     multiplier: f64,
     device: Device,
 ) -> std::result::Result<Option<Adapter>, String> {
-    let module = format!("unet.{}.{}", a.name(), PROJECTIONS[i]);
+    let module = format!("unet.{}", a.projection(i));
     let (down_key, up_key) = (format!("{module}.lora.down.weight"), format!("{module}.lora.up.weight"));
     let (down, up) = match (file.remove(&down_key), file.remove(&up_key)) {
         (None, None) => return Ok(None),

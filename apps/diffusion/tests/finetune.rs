@@ -585,34 +585,30 @@ fn frozen_parts_run_in_the_compute_precision_within_the_cap() {
     let data = dir.join("images");
     write_images(&data);
     let (model, out) = (pipeline(), dir.join("run"));
-    let run = |cap: &str| {
-        finetune(&[
+    // bf16 under a cap of `cap` into `out`, with `extra` flags.
+    let bf16 = |cap: &str, out: &std::path::Path, extra: &[&str]| {
+        let common = [
             "--model",
             model.to_str().unwrap(),
             "--data",
             data.to_str().unwrap(),
             "--resolution",
             "16",
-            "--steps",
-            "1",
             "--micro-batch",
             "2",
             "--precision",
             "bf16",
-            "--validation-prompt",
-            "a red car",
-            "--validation-steps",
-            "1",
-            "--num-validation-images",
-            "1",
             "--metrics",
             "log.csv",
             "--gpu-mem",
             cap,
             "-o",
             out.to_str().unwrap(),
-        ])
+        ];
+        finetune(&[&common[..], extra].concat())
     };
+    let validated = ["--steps", "1", "--validation-prompt", "a red car", "--validation-steps", "1"];
+    let run = |cap: &str| bf16(cap, &out, &[&validated[..], &["--num-validation-images", "1"]].concat());
     // The frozen text encoder and VAE (bf16) alone are more than 16 KiB: named, with their bytes.
     let (ok, text) = run("16K");
     assert!(!ok, "{text}");
@@ -629,28 +625,7 @@ fn frozen_parts_run_in_the_compute_precision_within_the_cap() {
     assert!(image.pixels.iter().all(|p| p.is_finite()), "a decodable validation image");
     // LoRA in bf16: the frozen UNet's chunks (homes and payloads in bf16) stream under the cap.
     let lora_out = dir.join("lora");
-    let (ok, text) = finetune(&[
-        "--model",
-        model.to_str().unwrap(),
-        "--data",
-        data.to_str().unwrap(),
-        "--resolution",
-        "16",
-        "--steps",
-        "2",
-        "--micro-batch",
-        "2",
-        "--precision",
-        "bf16",
-        "--lora-rank",
-        "2",
-        "--gpu-mem",
-        "1G",
-        "--metrics",
-        "log.csv",
-        "-o",
-        lora_out.to_str().unwrap(),
-    ]);
+    let (ok, text) = bf16("1G", &lora_out, &["--steps", "2", "--lora-rank", "2"]);
     assert!(ok, "{text}");
     let csv = std::fs::read_to_string(lora_out.join("log.csv")).unwrap();
     assert!(csv.lines().skip(1).all(|l| l.split(',').nth(1).unwrap().parse::<f64>().unwrap().is_finite()), "{csv}");

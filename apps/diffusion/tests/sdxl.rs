@@ -492,11 +492,12 @@ fn the_sample_command_takes_size_conditioning_and_folders_that_do_not_fit_are_na
     let (ok, text) =
         run(&["--model", model.to_str().unwrap(), "--prompt", "x", "--original-size", "32", "-o", "y.png"]);
     assert!(!ok && text.contains("not two non-negative integers"), "{text}");
-    let (ok, text) = run(&[
-        "--model",
-        model.to_str().unwrap(),
-        "--prompt",
-        "a red car",
+    // The prompt and `flags` into `png`.
+    let sample = |flags: &[&str]| {
+        run(&[&["--model", model.to_str().unwrap(), "--prompt", "a red car"], flags, &["-o", png.to_str().unwrap()]]
+            .concat())
+    };
+    let (ok, text) = sample(&[
         "--steps",
         "2",
         "--negative-original-size",
@@ -505,24 +506,12 @@ fn the_sample_command_takes_size_conditioning_and_folders_that_do_not_fit_are_na
         "1,3",
         "--negative-target-size",
         "8,8",
-        "-o",
-        png.to_str().unwrap(),
     ]);
     assert!(ok, "{text}");
     // diffusers takes negative sizes only as a pair; a lone one is refused rather than ignored.
-    let (ok, text) =
-        run(&["--model", model.to_str().unwrap(), "--prompt", "x", "--negative-target-size", "8,8", "-o", "y.png"]);
+    let (ok, text) = sample(&["--negative-target-size", "8,8"]);
     assert!(!ok && text.contains("--negative-original-size"), "{text}");
-    let (ok, text) = run(&[
-        "--model",
-        model.to_str().unwrap(),
-        "--prompt",
-        "x",
-        "--negative-crops-coords-top-left",
-        "1,3",
-        "-o",
-        "y.png",
-    ]);
+    let (ok, text) = sample(&["--negative-crops-coords-top-left", "1,3"]);
     assert!(!ok && text.contains("needs --negative-original-size and --negative-target-size"), "{text}");
 
     // model_index.json without text_encoder_2 for a text-time UNet.

@@ -31,22 +31,23 @@ pub fn block(cfg: &EvoformerConfig, name: &str, seqs: i64, residues: i64, elem_b
     let msa = rec.add(&msa);
 
     outer_product_mean(&mut rec, &msa, cfg.opm_channels, cfg.c_z);
-    let pair = rec.add(&pair);
+    let mut pair = rec.add(&pair);
+    // Each update adds to the pair: the next one normalises (and saves) a new pair.
     for direction in [Direction::Outgoing, Direction::Incoming] {
         triangle_multiplication(&mut rec, &pair, cfg.tri_mul_channels, direction);
+        pair = rec.add(&pair);
     }
-    let pair = rec.add(&pair);
     // Triangle attention around the starting node, then the ending node (the transposed pair).
     for transposed in [false, true] {
-        let pair = match transposed {
+        let input = match transposed {
             true => rec.view(&pair, &[r, r, cfg.c_z]),
             false => pair.clone(),
         };
-        let x = rec.layer_norm(&pair);
+        let x = rec.layer_norm(&input);
         let bias = pair_bias(&mut rec, &x, cfg.pair_heads);
         attention(&mut rec, &x, Some(&bias), cfg.pair_heads, cfg.pair_head_dim);
+        pair = rec.add(&pair);
     }
-    let pair = rec.add(&pair);
     transition(&mut rec, &pair, cfg.transition_factor);
     let pair = rec.add(&pair);
     rec.finish_many(&[&msa, &pair])

@@ -2,7 +2,7 @@
 //! parameter bytes exactly, and the bytes its forward leaves allocated for the backward (plus
 //! its two outputs) within 10%, measured as the resident-set growth with glibc made to map
 //! every buffer over 64 KiB on its own (so a freed temporary is returned at once and a kept one
-//! stays counted). The measurement runs 3-5% above the prediction: probes of the attention,
+//! stays counted). The measurement runs 1-2% above the prediction: probes of the attention,
 //! triangle update and transition ops one by one matched the predicted buffers to the page,
 //! and the rest is the allocator's granularity (a page of header per mapped buffer, about 70
 //! kept buffers here, and heap growth for the LayerNorm statistics under 64 KiB).

@@ -80,7 +80,9 @@ impl Gemini {
         };
         cfg.placement.place_static(&mut manager)?;
         let manager = Arc::new(Mutex::new(manager));
-        for (i, p) in params.iter().enumerate().filter(|_| chunks.trainable) {
+        // Frozen parameters get no gradient, so no hook.
+        let hooked = if chunks.trainable { params } else { &[] };
+        for (i, p) in hooked.iter().enumerate() {
             let m = Arc::downgrade(&manager);
             register_post_accumulate_grad_hook(&p.tensor, move |t| {
                 let Some(m) = m.upgrade() else { return Ok(()) };
