@@ -2,74 +2,119 @@
 # Everything GPU in one command, for the rare machine with an NVIDIA GPU. That machine gets a
 # copy of the working tree but no Rust toolchain, so the binaries are built here first:
 #
-#   bash scripts/gpu-check.sh pack            # here: build, strip and list into gpu-bin/ (~55 MiB)
-#   bash scripts/gpu-check.sh tests   OUT     # there: every CUDA test, SUITE_REQUIRE_CUDA=1
-#   bash scripts/gpu-check.sh kernels OUT     # there: the fused kernels' parity tests
-#   bash scripts/gpu-check.sh bench   OUT     # there: the GPU benchmarks, each beside its baseline
-#   bash scripts/gpu-check.sh all     OUT     # there: the three stages
+#   bash scripts/gpu-check.sh pack                    # here: build, strip, compress into gpu-bin/
+#   bash scripts/gpu-check.sh all     OUT [SECONDS]   # there: tests, then benchmarks, in SECONDS
+#   bash scripts/gpu-check.sh tests   OUT [SECONDS]   # there: every CUDA and kernel test
+#   bash scripts/gpu-check.sh bench   OUT [SECONDS]   # there: the benchmarks, each beside its baseline
 #
-# Each stage stays under 9 minutes and appends to OUT/report.md (device, driver, versions, every
-# command with its result and figures). On the GPU machine libtorch comes from its own
-# torch install (TORCH_PYTHON, default /opt/torch/.venv/bin/python, the same 2.11.0+cu130 build
-# as ours); gpu-bin/ travels with the tree (`carry: ["gpu-bin"]`).
+# A session is lent a GPU for 15 minutes in all, starts included, so the whole check is one
+# call: `run` with `carry: ["gpu-bin"]`, `bash scripts/gpu-check.sh all $OUT 480`, timeout_s
+# 560. SECONDS (default 480) is a deadline for the whole stage: items are ordered by what they
+# prove, each gets at most what is left, and what no longer fits is reported as not run.
+# OUT/report.md (device, driver, versions, every command with its result and figures) grows
+# as items finish, and is printed at the end; OUT/logs.tar.gz holds every item's whole output.
+# libtorch there is the GPU machine's own torch install (TORCH_PYTHON, default
+# /opt/torch/.venv/bin/python, the same 2.11.0+cu130 build as ours).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 stage="${1:-}"
 out="${2:-gpu-report}"
-bin="$root/gpu-bin"
+budget="${3:-480}"
+pack_dir="$root/gpu-bin"
 say() { printf '[gpu-check] %s\n' "$*" >&2; }
 
-# Copies the test executables of package $1 whose paths match $2 into $3, stripped.
+# Copies the test executables of package $1 that hold tests matching filter $2 ('' for all)
+# into $3, stripped. A binary with no such test would only cost transfer.
 test_binaries() {
+  local exe
   cargo test --locked -p "$1" --no-run --message-format=json 2>/dev/null |
-    sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | grep -E "$2" | while read -r exe; do
-      cp "$exe" "$3/" && strip "$3/$(basename "$exe")"
+    sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | while read -r exe; do
+      if "$exe" --list $2 2>/dev/null | grep -q ': test$'; then
+        cp "$exe" "$3/" && strip "$3/$(basename "$exe")"
+      fi
     done
 }
 
 pack() {
   bash scripts/setup.sh
-  rm -rf "$bin" && mkdir -p "$bin/tests" "$bin/kernels"
-  # Test executables (debug, as CI builds them) of the engine's integration tests, the
-  # Evoformer's, and the kernels' PTX and parity tests (~5 MiB each; the kernel sources travel
-  # inside the binaries and are compiled there by NVRTC; their CPU-only tests run in CI).
-  test_binaries suite-tests '.' "$bin/tests"
-  # The apps' fused-kernel tests (the Evoformer's other tests are CPU ones CI runs).
-  test_binaries fastfold '/(evoformer|profile)-[0-9a-f]+$' "$bin/tests"
-  test_binaries vit '/(kernels|profile)-[0-9a-f]+$' "$bin/tests"
-  test_binaries kernels '/(ptx|parity|engine_optimizers)-[0-9a-f]+$' "$bin/kernels"
-  # The apps and benchmarks in release, as users run them.
-  cargo build --locked --release -p vit -p fastfold -p diffusion
-  for app in vit fastfold diffusion; do cp "target/release/$app" "$bin/" && strip "$bin/$app"; done
-  for spec in "engine gemini" "fastfold evoformer" "diffusion finetune" "kernels kernels" "vit pipeline"; do
+  local stage_dir="$root/target/gpu-bin"
+  rm -rf "$stage_dir" "$pack_dir" && mkdir -p "$stage_dir/tests" "$stage_dir/kernels" "$stage_dir/wheels" "$pack_dir"
+  # Test executables (debug, as CI builds them; their CPU tests run in CI). `tests/` runs the
+  # tests named *cuda* (the CUDA file and the kernels' binaries whole); `kernels/` the fused
+  # kernels' PTX, parity and optimizer tests (the sources travel inside the binaries and NVRTC
+  # compiles them there).
+  test_binaries suite-tests cuda "$stage_dir/tests"
+  test_binaries fastfold cuda "$stage_dir/tests"
+  test_binaries vit cuda "$stage_dir/tests"
+  test_binaries kernels '' "$stage_dir/kernels"
+  rm -f "$stage_dir"/kernels/{kernels,fallback}-* # the crate's unit tests and the fallbacks': CPU only
+  # The README's main job and the benchmarks in release, as users run them.
+  cargo build --locked --release -p vit
+  cp target/release/vit "$stage_dir/" && strip "$stage_dir/vit"
+  local spec exe
+  for spec in "engine gemini" "fastfold evoformer" "fastfold predict" "diffusion finetune" "kernels kernels"; do
     set -- $spec
     exe="$(cargo bench --locked -p "$1" --bench "$2" --no-run --message-format=json 2>/dev/null |
       sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1)"
-    cp "$exe" "$bin/bench-$2" && strip "$bin/bench-$2"
+    cp "$exe" "$stage_dir/bench-$2" && strip "$stage_dir/bench-$2"
   done
+  # diffusers for the fine-tuning baseline (that machine has torch and transformers, not
+  # diffusers, and no internet); its other requirements are there.
+  .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux2014_x86_64 -d "$stage_dir/wheels" diffusers==0.42.1 importlib_metadata==10.2.0
   # The benchmarks find their PyTorch baselines by this tree's path when they were built.
-  echo "$root" >"$bin/built-at"
-  du -sh "$bin" >&2
+  echo "$root" >"$stage_dir/built-at"
+  # One solid xz archive: the binaries share most of their code (80 MiB -> ~17 MiB), and the
+  # working tree plus what it carries must stay under 64 MiB.
+  tar -C "$stage_dir" -cf - . | xz -9 -T2 >"$pack_dir/gpu-bin.tar.xz"
+  local tree packed
+  tree="$(git ls-files -z | du -cb --files0-from=- | tail -n 1 | cut -f1)"
+  packed="$(stat -c %s "$pack_dir/gpu-bin.tar.xz")"
+  say "gpu-bin/gpu-bin.tar.xz: $((packed >> 20)) MiB; with the tracked tree $(((tree + packed) >> 20)) MiB of the 64 MiB that travel"
+  [ $((tree + packed)) -lt $((60 << 20)) ] || { say "too large to travel"; exit 1; }
 }
 
-# The GPU machine's libtorch, and the paths the packed binaries expect.
+# The GPU machine's libtorch, the unpacked binaries, and the paths they expect.
 environment() {
-  [ -d "$bin" ] || { say "no gpu-bin/: run 'bash scripts/gpu-check.sh pack' where cargo is, and carry gpu-bin"; exit 1; }
+  [ -s "$pack_dir/gpu-bin.tar.xz" ] ||
+    { say "no gpu-bin/gpu-bin.tar.xz: run 'bash scripts/gpu-check.sh pack' where cargo is, and carry gpu-bin"; exit 1; }
+  bin="${TMPDIR:-/tmp}/gpu-bin"
+  if [ ! -x "$bin/vit" ]; then
+    mkdir -p "$bin"
+    if command -v xz >/dev/null; then
+      tar -C "$bin" -xJf "$pack_dir/gpu-bin.tar.xz"
+    else
+      "${TORCH_PYTHON:-/opt/torch/.venv/bin/python}" -c \
+        'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="tar")' "$pack_dir/gpu-bin.tar.xz" "$bin"
+    fi
+  fi
   py="${TORCH_PYTHON:-/opt/torch/.venv/bin/python}"
   site="$("$py" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')"
   export LD_LIBRARY_PATH="$site/torch/lib:$site/nvidia/cu13/lib:${LD_LIBRARY_PATH:-}"
-  # NVRTC for the fused kernels: the GPU machine's torch wheel's copy (nvidia-cuda-nvrtc), if
-  # it has one (else the system loader's); compiled kernels are cached outside the report.
+  # NVRTC for the fused kernels: the torch wheel's copy (nvidia-cuda-nvrtc) if it has one, else
+  # the system loader's; compiled kernels are cached outside the report.
   if [ -e "$site/nvidia/cu13/lib/libnvrtc.so.13" ]; then export SUITE_NVRTC="$site/nvidia/cu13/lib"; fi
   export SUITE_KERNEL_CACHE="${TMPDIR:-/tmp}/suite-kernel-cache"
-  export SUITE_PYTHON="$py" SUITE_REQUIRE_CUDA=1
+  export SUITE_PYTHON="$py" SUITE_REQUIRE_CUDA=1 PYTHONUNBUFFERED=1
+  local wheels=("$bin"/wheels/*.whl)
+  if [ -e "${wheels[0]}" ] && [ ! -d "$bin/site" ]; then
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$bin/site" "${wheels[@]}" ||
+      say "diffusers did not install: the fine-tuning baseline will fail"
+  fi
+  export PYTHONPATH="$bin/site${PYTHONPATH:+:$PYTHONPATH}"
+  local built
   built="$(cat "$bin/built-at")"
   if [ "$built" != "$root" ] && [ ! -e "$built" ]; then
     mkdir -p "$(dirname "$built")" && ln -s "$root" "$built" || say "cannot link $built: baselines may not be found"
   fi
   mkdir -p "$out"
   report="$out/report.md"
+  logs="$(mktemp -d)/logs"
+  parts="$(dirname "$logs")/parts"
+  mkdir -p "$logs" "$parts"
+  deadline=$((SECONDS + budget))
+  trap finish EXIT
   if [ ! -s "$report" ]; then
     {
       echo "# GPU check, $(date -u +%Y-%m-%dT%H:%MZ)"
@@ -83,82 +128,120 @@ environment() {
   fi
 }
 
-# Runs a command under a time limit, appending it, its status and its output's tail to the report.
-record() {
-  local title="$1" limit="$2"
-  shift 2
-  local log status
-  log="$(mktemp)"
+# Keeps every item's whole output beside the report, and prints the report.
+finish() {
+  tar -C "$(dirname "$logs")" -czf "$out/logs.tar.gz" logs 2>/dev/null || true
+  local passed failed skipped
+  passed="$(grep -c '^## .*: passed$' "$report" || true)"
+  failed="$(grep -c '^## .*: FAILED' "$report" || true)"
+  skipped="$(grep -c '^## .*: not run' "$report" || true)"
+  printf '\n%s passed, %s failed, %s not run (of the %ss budget)\n' "$passed" "$failed" "$skipped" "$budget" >>"$report"
+  cat "$report"
+  [ "$failed" -eq 0 ] || exit 1
+}
+
+# Runs item $2 (title $3) with at most $4 seconds, or what is left before the deadline, and
+# writes its section (status and the lines of its output that carry results) to parts/$1.
+item() {
+  local key="$1" name="$2" title="$3" limit="$4"
+  shift 4
+  local left=$((deadline - SECONDS - 5)) status log="$logs/$name.log"
+  if [ "$left" -lt 20 ]; then
+    printf '\n## %s: not run (the budget was spent)\n' "$title" >"$parts/$key"
+    return 0
+  fi
+  [ "$limit" -le "$left" ] || limit="$left"
   set +e
   timeout "$limit" "$@" >"$log" 2>&1
   status=$?
   set -e
   {
     echo
-    echo "## $title: $([ "$status" -eq 0 ] && echo passed || echo "FAILED (exit $status)")"
+    case "$status" in
+      0) echo "## $title: passed" ;;
+      124) echo "## $title: FAILED (stopped after ${limit}s)" ;;
+      *) echo "## $title: FAILED (exit $status)" ;;
+    esac
     echo
     echo '```'
     echo "\$ $*"
-    grep -E '^test result|panicked|FAILED|skipped|ours|PyTorch|ratio|peak|img/s|ms|s/step|^\||NCCL|No table' "$log" | tail -n 40
+    grep -E '^device|^epoch|^test result|^test .* FAILED|panicked|FAILED|skipped|ms|GB/s|TFLOP|ratio|peak|img/s|s/step|^\||NCCL|bytes|^error|Error' "$log" | tail -n 40 || true
     echo '```'
-  } >>"$report"
-  rm -f "$log"
+  } >"$parts/$key"
+}
+
+# Appends the finished sections to the report in key order.
+collect() {
+  local part
+  for part in "$parts"/*; do
+    [ -e "$part" ] && cat "$part" >>"$report" && rm "$part"
+  done
   return 0
 }
 
+# Every CUDA test and the kernels' tests, with SUITE_REQUIRE_CUDA=1. Correctness tests run four
+# at a time (one GPU, each process its own allocator); the CUDA file, whose prefetch test times
+# copy against compute, runs alone afterwards.
 tests() {
-  environment
-  for exe in "$bin"/tests/*; do
+  local exe name n=0
+  for exe in "$bin"/kernels/* "$bin"/tests/*; do
     name="$(basename "$exe")"
-    case "$name" in
-      # Every test of the CUDA file; elsewhere the CUDA variants (NCCL) and the Gemini GPU test.
-      cuda-*) record "tests: $name" 300 "$exe" --test-threads=1 ;;
+    case "$name" in cuda-*) continue ;; esac
+    while [ "$(jobs -rp | wc -l)" -ge 4 ]; do wait -n || true; done
+    n=$((n + 1))
+    case "$exe" in
+      */kernels/*) OMP_NUM_THREADS=4 item "a$(printf %02d $n)" "$name" "kernels: $name" 300 "$exe" --test-threads=1 & ;;
       # The profiler's checks print measured against predicted bytes for the report.
-      profile-*) record "tests: $name (cuda)" 300 "$exe" --test-threads=1 --nocapture cuda ;;
-      *) record "tests: $name (cuda)" 300 "$exe" --test-threads=1 cuda ;;
+      *) OMP_NUM_THREADS=4 item "a$(printf %02d $n)" "$name" "tests: $name" 300 "$exe" --test-threads=1 --nocapture cuda & ;;
     esac
   done
-}
-
-# The kernels' tests: PTX compilation, the compositions, and parity of every fused kernel with
-# its composition (forward and backward, f32/bf16/f16) on this GPU.
-kernels() {
-  environment
-  for exe in "$bin"/kernels/*; do
-    record "kernels: $(basename "$exe")" 240 "$exe" --test-threads=1
+  wait
+  for exe in "$bin"/tests/cuda-*; do
+    item b "$(basename "$exe")" "tests: $(basename "$exe")" 120 "$exe" --test-threads=1 --nocapture
   done
+  collect
 }
 
+# The benchmarks, one at a time, most telling first; each prints ours beside its baseline, and
+# its section reaches the report as soon as it ends.
 bench() {
-  environment
-  record "vit bench, ViT-B/16 bf16" 300 "$bin/vit" bench --device cuda --precision bf16 \
-    --model vit_base_patch16_224 --batch 64 --seconds 20
-  record "Evoformer block 256 x 128" 300 "$bin/bench-evoformer" --device cuda --residues 256 \
-    --sequences 128 --warmup 3 --iters 10
-  record "Gemini under a 4 GiB cap" 300 "$bin/bench-gemini" --device cuda --cap 4G
-  record "fused kernels against their libtorch compositions, bf16" 120 "$bin/bench-kernels" --iters 20
-  # Two NCCL ranks want two GPUs; on one, NCCL's refusal is what the report shows.
-  record "ViT pipeline schedules on 2 ranks (NCCL) beside one process" 300 "$bin/bench-pipeline" --device cuda \
-    --pp 2 --batch 64 --micro-batches 2,8
-  record "SD 1.x UNet fine-tuning under a 4 GiB cap (diffusers needs internet: ours only)" 400 \
-    "$bin/bench-finetune" --device cuda --cap 4G --resolution 512 --batch 1 --precision fp16 \
-    --gradient-checkpointing --no-baseline
+  # --device auto must pick the GPU and say so first.
+  item c0 vit-pretrain "the README's main job (vit pretrain, --device auto)" 120 bash -c \
+    'set -o pipefail; "$1" pretrain --out "$2" --epochs 10 2>&1 | tee "$2.log" && grep -m 1 "^device:" "$2.log" | grep -q -- "-> cuda"' \
+    _ "$bin/vit" "$(dirname "$logs")/vit-digits"
+  collect
+  item c1 bench-kernels "fused kernels against their libtorch compositions, bf16" 90 "$bin/bench-kernels" --iters 20
+  collect
+  item c2 bench-evoformer "Evoformer block 256 x 128 against PyTorch eager" 150 "$bin/bench-evoformer" --device cuda \
+    --residues 256 --sequences 128 --warmup 3 --iters 10
+  collect
+  item c3 vit-bench "ViT-B/16 bf16 training against PyTorch eager" 150 "$bin/vit" bench --device cuda --precision bf16 \
+    --model vit_base_patch16_224 --batch 64 --seconds 15
+  collect
+  item c4 bench-predict "fastfold predict, model_1_ptm sizes, time and peak memory" 240 "$bin/bench-predict" --device cuda \
+    --residues 256,512,1024,2048 --chunk-size 64
+  collect
+  item c5 bench-finetune "SD 1.5 UNet fine-tuning at 512 px, fp16, under a 4 GiB cap, uncapped and diffusers" 240 \
+    "$bin/bench-finetune" --device cuda --cap 4G --resolution 512 --batch 1 --precision fp16 --gradient-checkpointing
+  collect
+  item c6 bench-gemini "Gemini's largest GPT-style model under a 4 GiB cap against plain training" 180 \
+    "$bin/bench-gemini" --device cuda --cap 4G --widths 1024,2048,3072,4096
+  collect
 }
 
 case "$stage" in
   pack) pack ;;
-  tests | kernels | bench)
+  tests | bench)
+    environment
     "$stage"
-    say "report: $out/report.md"
     ;;
   all)
+    environment
     tests
-    kernels
     bench
-    say "report: $out/report.md"
     ;;
   *)
-    sed -n '2,13p' "${BASH_SOURCE[0]}" >&2
+    sed -n '2,17p' "${BASH_SOURCE[0]}" >&2
     exit 2
     ;;
 esac

@@ -24,11 +24,19 @@ struct Args {
     depth: i64,
     widths: Vec<i64>,
     device: Device,
+    /// Whether `--device` was given: an explicit `cuda` without a GPU is an error, the default
+    /// only a notice (a plain `cargo bench` on a CPU machine).
+    device_given: bool,
 }
 
 fn args() -> anyhow::Result<Args> {
-    let mut a =
-        Args { cap: 4 << 30, depth: 8, widths: vec![1024, 1536, 2048, 2560, 3072, 4096], device: Device::Cuda(0) };
+    let mut a = Args {
+        cap: 4 << 30,
+        depth: 8,
+        widths: vec![1024, 1536, 2048, 2560, 3072, 4096],
+        device: Device::Cuda(0),
+        device_given: false,
+    };
     let mut it = std::env::args().skip(1).filter(|s| s != "--bench");
     while let Some(flag) = it.next() {
         let mut value = || it.next().with_context(|| format!("{flag} needs a value"));
@@ -43,7 +51,8 @@ fn args() -> anyhow::Result<Args> {
                     "cpu" => Device::Cpu,
                     "cuda" => Device::Cuda(0),
                     other => bail!("--device {other}: expected cpu or cuda"),
-                }
+                };
+                a.device_given = true;
             }
             other => bail!("unknown flag {other}"),
         }
@@ -207,7 +216,11 @@ fn main() -> anyhow::Result<()> {
     let a = args()?;
     if let Device::Cuda(_) = a.device {
         if !engine::cuda::is_available() {
-            println!("gemini bench: no CUDA device (pass --device cpu to check the program on the CPU)");
+            let message = "gemini bench: no CUDA device (pass --device cpu to check the program on the CPU)";
+            if a.device_given {
+                bail!("{message}");
+            }
+            println!("{message}");
             return Ok(());
         }
     }

@@ -313,9 +313,8 @@ fn main() -> anyhow::Result<()> {
         println!("{json}");
         return Ok(());
     }
-    if args.device.resolve() == DeviceKind::Cuda && !engine::cuda::is_available() {
-        println!("diffusion finetune bench: no CUDA device (pass --device cpu to check the program on the CPU)");
-        return Ok(());
+    if args.device == DeviceKind::Cuda && !engine::cuda::is_available() {
+        anyhow::bail!("diffusion finetune bench: --device cuda, but no CUDA device is visible (--device cpu checks the program on the CPU)");
     }
     let cfg = config(&args)?;
     // The first run reports the parameter count for the header.
