@@ -59,6 +59,12 @@ pack() {
       sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1)"
     cp "$exe" "$stage_dir/bench-$2" && strip "$stage_dir/bench-$2"
   done
+  # The shared libraries vit needs beyond glibc, libstdc++ and torch (HDF5 and what it links:
+  # the GPU machine may have none of them); there only the missing ones are used.
+  mkdir -p "$stage_dir/lib"
+  ldd "$stage_dir/vit" | awk '/=> \//{print $3}' |
+    grep -vE 'torch|\.venv|/(libc|libm|libdl|libpthread|librt|libutil|libresolv|libstdc\+\+|libgcc_s)\.so|ld-linux' |
+    while read -r lib; do cp -L "$lib" "$stage_dir/lib/"; done
   # diffusers for the fine-tuning baseline (that machine has torch and transformers, not
   # diffusers, and no internet); its other requirements are there.
   .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -92,6 +98,7 @@ environment() {
   py="${TORCH_PYTHON:-/opt/torch/.venv/bin/python}"
   site="$("$py" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')"
   export LD_LIBRARY_PATH="$site/torch/lib:$site/nvidia/cu13/lib:${LD_LIBRARY_PATH:-}"
+  provide_missing_libraries
   # NVRTC for the fused kernels: the torch wheel's copy (nvidia-cuda-nvrtc) if it has one, else
   # the system loader's; compiled kernels are cached outside the report.
   if [ -e "$site/nvidia/cu13/lib/libnvrtc.so.13" ]; then export SUITE_NVRTC="$site/nvidia/cu13/lib"; fi
@@ -126,6 +133,24 @@ environment() {
       echo '```'
     } >"$report"
   fi
+}
+
+# Links the packed copies of the shared libraries this machine lacks (and only those: the
+# system's own stay first) into a folder at the end of the search path, until nothing is
+# missing; what the pack lacks too is said.
+provide_missing_libraries() {
+  local dir="$bin/lib-missing" missing name round
+  mkdir -p "$dir"
+  export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$dir"
+  for round in 1 2 3 4 5 6; do
+    missing="$(for exe in "$bin"/vit "$bin"/bench-* "$bin"/tests/* "$bin"/kernels/*; do ldd "$exe"; done 2>/dev/null |
+      awk '/not found/{print $1}' | sort -u)"
+    [ -n "$missing" ] || return 0
+    for name in $missing; do
+      [ -e "$bin/lib/$name" ] || { say "$name: not on this machine and not packed"; return 0; }
+      ln -sf "$bin/lib/$name" "$dir/$name"
+    done
+  done
 }
 
 # Keeps every item's whole output beside the report, and prints the report.

@@ -1,6 +1,7 @@
 // CUDA streams, events and caching-allocator controls through a C ABI. Built on every machine
 // (the torch wheel carries the CUDA runtime); each entry point first checks that a device
 // exists, so a CPU-only machine gets an error message instead of a crash.
+#include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAEvent.h>
@@ -25,8 +26,12 @@ void require_cuda() {
   TORCH_CHECK(torch::cuda::is_available(), "CUDA not available: no CUDA device or driver on this machine");
 }
 
+// Every entry point that names a device initialises libtorch's CUDA state first: the caching
+// allocator's statistics, peak reset and cap throw "did you call init?" until something has
+// (libtorch does it lazily at the first CUDA tensor; Python at import).
 c10::DeviceIndex device_index(int device) {
   require_cuda();
+  at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
   int count = static_cast<int>(c10::cuda::device_count());
   TORCH_CHECK(device >= 0 && device < count, "CUDA device ", device, " does not exist (", count, " devices)");
   return static_cast<c10::DeviceIndex>(device);
@@ -145,13 +150,34 @@ char* eng_cuda_reset_peak_stats(int device) {
 char* eng_cuda_set_memory_fraction(double fraction, int device) {
   ENG_PROTECT({
     TORCH_CHECK(fraction > 0.0 && fraction <= 1.0, "memory fraction must be in (0, 1], got ", fraction);
+    // The allocator makes `device` current to read its total memory: keep the caller's.
+    c10::cuda::CUDAGuard guard(device_index(device));
     c10::cuda::CUDACachingAllocator::setMemoryFraction(fraction, device_index(device));
+  })
+}
+
+// A copy of CPU tensor `t` in page-locked memory. tch's pin_memory always passes a device,
+// which libtorch 2.11 answers with a deprecation warning on every call.
+char* eng_cuda_pin_memory(at::Tensor* t, at::Tensor** out) {
+  ENG_PROTECT({
+    require_cuda();
+    *out = new at::Tensor(t->pin_memory());
+  })
+}
+
+// dst.copy_(src) without waiting: from pinned host memory the copy is queued on the current
+// stream and the call returns (tch's copy_ always blocks).
+char* eng_cuda_copy_async(at::Tensor* dst, at::Tensor* src) {
+  ENG_PROTECT({
+    require_cuda();
+    dst->copy_(*src, /*non_blocking=*/true);
   })
 }
 
 char* eng_cuda_empty_cache() {
   ENG_PROTECT({
     require_cuda();
+    at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
     c10::cuda::CUDACachingAllocator::emptyCache();
   })
 }

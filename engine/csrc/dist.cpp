@@ -2,6 +2,7 @@
 // chosen per call by the tensor's device) and Work handles.
 #include <chrono>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -33,6 +34,7 @@ struct EngGroup {
   bool loopback;
   intrusive_ptr<c10d::Backend> gloo;
   intrusive_ptr<c10d::Backend> nccl;  // created on the first CUDA collective, like c10d does
+  std::mutex nccl_once;                // two threads' first CUDA collectives create it once
 };
 
 struct EngWork {
@@ -46,6 +48,7 @@ namespace {
 c10d::Backend& backend_for(EngGroup* g, const at::Tensor& t) {
   if (!t.is_cuda()) return *g->gloo;
 #ifdef USE_C10D_NCCL
+  std::lock_guard<std::mutex> lock(g->nccl_once);
   if (!g->nccl) {
     auto opts = c10d::ProcessGroupNCCL::Options::create();
     opts->timeout = g->timeout;
@@ -144,7 +147,7 @@ char* eng_group_new(EngStore* store, int rank, int size, int64_t timeout_ms, int
     }
     auto gloo_store = c10::make_intrusive<c10d::PrefixStore>("gloo", store->store);
     auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(gloo_store, rank, size, opts);
-    *out = new EngGroup{store->store, rank, size, timeout, loopback != 0, gloo, {}};
+    *out = new EngGroup{store->store, rank, size, timeout, loopback != 0, gloo, {}, {}};
   })
 }
 

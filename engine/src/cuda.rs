@@ -219,6 +219,24 @@ pub fn empty_cache() -> Result<()> {
     cuda_check(unsafe { ffi::eng_cuda_empty_cache() }, || "emptying the CUDA cache".into())
 }
 
+/// A copy of CPU tensor `t` in page-locked host memory, which copies to and from a GPU can read
+/// and write asynchronously.
+pub fn pinned(t: &tch::Tensor) -> Result<tch::Tensor> {
+    let mut out = std::ptr::null_mut();
+    cuda_check(unsafe { ffi::eng_cuda_pin_memory(t.raw(), &mut out) }, || "pinning host memory".into())?;
+    Ok(unsafe { tch::Tensor::from_ptr(out) })
+}
+
+/// Copies `src` into `dst` (same shape) on the current stream without waiting for the copy:
+/// asynchronous from pinned host memory (from pageable memory the driver still blocks).
+pub fn copy_async(dst: &tch::Tensor, src: &tch::Tensor) -> Result<()> {
+    tch::no_grad(|| {
+        cuda_check(unsafe { ffi::eng_cuda_copy_async(dst.raw(), src.raw()) }, || {
+            format!("copying {:?} {:?} into {:?} {:?}", src.size(), src.device(), dst.size(), dst.device())
+        })
+    })
+}
+
 /// Free and total bytes of `device` as the driver sees them.
 pub fn mem_get_info(device: usize) -> Result<(u64, u64)> {
     let (mut free, mut total) = (0i64, 0i64);

@@ -22,23 +22,37 @@ impl DeviceKind {
         }
     }
 
-    /// The device of the rank with local index `local_rank`: under CUDA GPU
-    /// `local_rank % device_count` (of those `CUDA_VISIBLE_DEVICES` shows), made this thread's
-    /// current device before anything is allocated; an error for `Cuda` without a GPU. The
-    /// choice `Auto` made is said on stderr by local rank 0.
-    pub fn device(self, local_rank: usize) -> crate::Result<tch::Device> {
-        let resolved = self.resolve();
+    /// The device of the rank with local index `local_rank` of the `local_ranks` on its node:
+    /// under CUDA GPU `local_rank % device_count` (of those `CUDA_VISIBLE_DEVICES` shows), made
+    /// this thread's current device before anything is allocated. NCCL needs a GPU per rank,
+    /// so with more ranks on the node than GPUs `Auto` computes on the CPU and `Cuda` is an
+    /// error, as it is without a GPU. The choice `Auto` made is said on stderr by local rank 0.
+    pub fn device(self, local_rank: usize, local_ranks: usize) -> crate::Result<tch::Device> {
+        let gpus = cuda::device_count();
+        let crowded = local_ranks > gpus && gpus > 0;
+        let resolved = match self.resolve() {
+            DeviceKind::Cuda if self == DeviceKind::Auto && crowded => DeviceKind::Cpu,
+            kind => kind,
+        };
         if self == DeviceKind::Auto && local_rank == 0 {
-            eprintln!("device: auto -> {resolved} ({} CUDA device(s) visible)", cuda::device_count());
+            let why = match crowded {
+                true => format!(", {local_ranks} ranks on this node: NCCL needs one per rank"),
+                false => String::new(),
+            };
+            eprintln!("device: auto -> {resolved} ({gpus} CUDA device(s) visible{why})");
         }
         match resolved {
-            DeviceKind::Cuda if cuda::is_available() => {
-                let d = local_rank % cuda::device_count();
+            DeviceKind::Cuda if gpus == 0 => {
+                Err(crate::Error::CudaUnavailable("--device cuda, but libtorch sees no CUDA device".into()))
+            }
+            DeviceKind::Cuda if crowded => Err(crate::Error::invalid(format!(
+                "--device cuda: {local_ranks} ranks on this node but {gpus} CUDA device(s) visible, and NCCL needs \
+                 one GPU per rank (--nproc {gpus}, or --device cpu)"
+            ))),
+            DeviceKind::Cuda => {
+                let d = local_rank % gpus;
                 cuda::set_device(d)?;
                 Ok(tch::Device::Cuda(d))
-            }
-            DeviceKind::Cuda => {
-                Err(crate::Error::CudaUnavailable("--device cuda, but libtorch sees no CUDA device".into()))
             }
             _ => Ok(tch::Device::Cpu),
         }
@@ -86,10 +100,20 @@ mod tests {
         assert_eq!(DeviceKind::Auto.resolve(), expected);
         assert_eq!(DeviceKind::Cpu.resolve(), DeviceKind::Cpu);
         assert_eq!(DeviceKind::Cuda.resolve(), DeviceKind::Cuda);
-        let device = DeviceKind::Auto.device(3).unwrap();
+        let device = DeviceKind::Auto.device(3, 4).unwrap();
         match cuda::device_count() {
-            0 => assert_eq!(device, tch::Device::Cpu),
-            n => assert_eq!(device, tch::Device::Cuda(3 % n)),
+            n if n >= 4 => assert_eq!(device, tch::Device::Cuda(3)),
+            // Fewer GPUs than ranks (none included): NCCL could not run, so the CPU.
+            _ => assert_eq!(device, tch::Device::Cpu),
         }
+    }
+
+    #[test]
+    fn cuda_needs_a_gpu_for_every_rank_of_the_node() {
+        let gpus = cuda::device_count();
+        let err = DeviceKind::Cuda.device(0, gpus + 1).unwrap_err().to_string();
+        let named = if gpus == 0 { "sees no CUDA device" } else { "NCCL needs one GPU per rank (--nproc" };
+        assert!(err.contains(named), "{err}");
+        assert_eq!(DeviceKind::Cpu.device(0, gpus + 1).unwrap(), tch::Device::Cpu);
     }
 }

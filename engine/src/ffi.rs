@@ -161,6 +161,8 @@ extern "C" {
     pub fn eng_cuda_event_elapsed_ms(start: *mut EngEvent, end: *mut EngEvent, ms: *mut f32) -> *mut c_char;
     pub fn eng_cuda_event_free(e: *mut EngEvent);
     pub fn eng_cuda_record_stream(t: *mut C_tensor, s: *mut EngStream) -> *mut c_char;
+    pub fn eng_cuda_pin_memory(t: *mut C_tensor, out: *mut *mut C_tensor) -> *mut c_char;
+    pub fn eng_cuda_copy_async(dst: *mut C_tensor, src: *mut C_tensor) -> *mut c_char;
     pub fn eng_cuda_synchronize(device: c_int) -> *mut c_char;
     pub fn eng_cuda_set_device(device: c_int) -> *mut c_char;
     pub fn eng_cuda_memory_stats(device: c_int, out: *mut i64) -> *mut c_char;

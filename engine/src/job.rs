@@ -69,7 +69,7 @@ impl LaunchArgs {
 
     /// This rank's device in `world`.
     pub fn device(&self, world: &World) -> Result<tch::Device> {
-        self.device.device.device(world.env.local_rank)
+        self.device.device.device(world.env.local_rank, world.env.local_world_size)
     }
 }
 

@@ -88,7 +88,8 @@ pub fn memory_efficient_attention(
     let rows = b * h * nq;
     let key_rows = b * h * nk;
     let bias_rows = bias_c.as_ref().map_or(0, |t| t.numel() as i64 / nk.max(1));
-    let out = q.f_empty_like()?;
+    // Without keys the weighted sum is empty: zeros, as the composition gives (no launch).
+    let out = if nk > 0 { q.f_empty_like()? } else { q.f_zeros_like()? };
     let lse = Tensor::f_empty([rows], (Kind::Float, q.device()))?;
     let blocks = move |n: i64| (ceil_div(n, WARPS).max(1) as u32, 1, 1);
     let threads = (32 * WARPS) as u32;

@@ -360,7 +360,7 @@ impl Table {
         }
         let blocks = u32::try_from(chunks.len() / 2).map_err(|_| Error::invalid(format!("{op}: too many elements")))?;
         let upload = |v: &[i64]| -> Result<Tensor> {
-            let host = Tensor::from_slice(v).f_pin_memory(Device::Cuda(device))?;
+            let host = engine::cuda::pinned(&Tensor::from_slice(v))?;
             Ok(host.f_to_device_(Device::Cuda(device), Kind::Int64, true, false)?)
         };
         Ok(Some(Table { device, entries: upload(&entries)?, chunks: upload(&chunks)?, blocks }))

@@ -26,6 +26,34 @@ fn require_cuda_turns_a_missing_gpu_into_a_failure() {
     assert!(text.contains("needs 1 CUDA device(s), found 0") && text.contains("SUITE_REQUIRE_CUDA=1"), "{text}");
 }
 
+/// The allocator's statistics, peak reset and cap work as a process's first CUDA calls:
+/// libtorch initialises CUDA lazily at the first tensor, so the bridge must do it itself (the
+/// Gemini cap comes before any tensor in `diffusion finetune --gpu-mem`). The test runs its
+/// body in a fresh process of this binary.
+#[test]
+fn allocator_calls_work_before_any_tensor() {
+    const CHILD: &str = "SUITE_FIRST_CUDA_CALL";
+    let Some(dev) = gpu() else { return };
+    if std::env::var_os(CHILD).is_none() {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["allocator_calls_work_before_any_tensor", "--exact", "--test-threads=1", "--nocapture"])
+            .env(CHILD, "1")
+            .output()
+            .unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success() && text.contains("1 passed"), "in a fresh process:\n{text}");
+        return;
+    }
+    cuda::reset_peak_stats(dev).unwrap();
+    let stats = cuda::memory_stats(dev).unwrap();
+    assert_eq!(stats.allocated, 0, "nothing allocated yet: {stats:?}");
+    cuda::set_memory_cap(1 << 30, dev).unwrap();
+    cuda::empty_cache().unwrap();
+    let t = Tensor::zeros([1024], (Kind::Float, Device::Cuda(dev)));
+    assert!(cuda::memory_stats(dev).unwrap().allocated >= 4096);
+    drop(t);
+}
+
 #[test]
 fn side_stream_work_is_ordered_by_events() {
     let Some(dev) = gpu() else { return };

@@ -151,7 +151,7 @@ impl Mode {
 /// Trains as `mode` says.
 fn ours(args: &Args, mode: Mode) -> anyhow::Result<Measured> {
     let capped = mode == Mode::Capped;
-    let device = args.device.device(0)?;
+    let device = args.device.device(0, 1)?;
     let cap = parse_bytes(&args.cap).context("--cap")?;
     let file = config(args)?;
     let cfg = UNetConfig::new(&file, Path::new("<benchmark config>"))?;

@@ -390,7 +390,7 @@ pub fn output_path(out: &std::path::Path, i: usize, count: usize) -> std::path::
 /// seconds per image.
 pub fn run(args: &SampleArgs) -> anyhow::Result<(Vec<std::path::PathBuf>, f64)> {
     use anyhow::Context;
-    let device = args.device.device.device(0)?;
+    let device = args.device.device.device(0, 1)?;
     let sd = StableDiffusion::load(&args.model, device, args.precision.precision.kind())
         .with_context(|| format!("--model {}", args.model.display()))?;
     eprintln!("text encoder: {}", sd.text_encoder.key_layout());

@@ -88,7 +88,7 @@ fn main() -> anyhow::Result<()> {
     if args.threads > 0 {
         tch::set_num_threads(args.threads);
     }
-    let device = args.device.device(0)?;
+    let device = args.device.device(0, 1)?;
     let kind = if args.bf16 { Kind::BFloat16 } else { Kind::Float };
     let base = if args.small { EvoformerConfig::tiny() } else { EvoformerConfig::default() };
     let cfg = EvoformerConfig { num_blocks: 1, num_extra_blocks: 0, ..base };

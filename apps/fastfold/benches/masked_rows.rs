@@ -89,7 +89,7 @@ fn time(model: &AlphaFold, features: &fastfold::features::Features, args: &Args)
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let device = args.device.device(0)?;
+    let device = args.device.device(0, 1)?;
     let cfg = EvoformerConfig { num_blocks: args.blocks, ..EvoformerConfig::default() };
     let params = Params::random_model(&cfg, &ModelConfig::default(), 0)?.to_device(device, false)?;
     let padded = AlphaFold::new(&params)?.drop_masked_rows(false);

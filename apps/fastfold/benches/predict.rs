@@ -38,7 +38,7 @@ struct Args {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let device = args.device.device(0)?;
+    let device = args.device.device(0, 1)?;
     let kind = if args.bf16 { Kind::BFloat16 } else { Kind::Float };
     let params = Params::random_model(&EvoformerConfig::default(), &ModelConfig::default(), 0)?;
     let params = params.to_kind(kind)?.to_device(device, false)?;

@@ -218,7 +218,7 @@ fn rank_main(args: &Args, out: &Path) -> anyhow::Result<()> {
     let world = dist::init(&InitOptions::default())?;
     let p = world.size();
     let device = match args.device.as_str() {
-        "cuda" => engine::device::DeviceKind::Cuda.device(world.env.local_rank)?,
+        "cuda" => engine::device::DeviceKind::Cuda.device(world.env.local_rank, world.env.local_world_size)?,
         _ => {
             engine::host_memory::track()?;
             Device::Cpu

@@ -204,7 +204,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
 /// Measures ours, then (unless `--no-baseline`) the PyTorch baseline with the same settings.
 pub fn bench(args: &BenchArgs) -> anyhow::Result<BenchReport> {
     let (model, config) = args.config()?;
-    let device = args.device.device.device(0)?;
+    let device = args.device.device.device(0, 1)?;
     let threads = match args.threads {
         Some(0) => bail!("--threads must be positive"),
         Some(n) => n,

@@ -110,7 +110,9 @@ pub fn run(args: &PretrainArgs) -> anyhow::Result<String> {
     check_flags(args)?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     tch::set_num_threads(i32::try_from((cores / nproc.max(1)).max(1))?);
-    let (cluster, line) = self::cluster(args, nproc, None, Device::Cpu)?;
+    // The matmul is timed where the run would compute (one GPU, or this share of the cores).
+    let device = args.job.launch.device.device.device(0, nproc)?;
+    let (cluster, line) = self::cluster(args, nproc, None, device)?;
     let (cfg, solution) = choose(args, nproc, &cluster)?;
     Ok(line + &describe(&cfg, &solution, args.batch, nproc))
 }

@@ -44,14 +44,23 @@ pub fn matmul_flops(device: Device) -> Result<f64> {
     Ok(flops / start.elapsed().as_secs_f64())
 }
 
-/// The fastest of `COLLECTIVE_REPS` all-reduces of `t` over `group`, in seconds.
+/// The fastest of `COLLECTIVE_REPS` all-reduces of `t` over `group`, in seconds. On a GPU
+/// NCCL's wait only orders the compute stream after the collective, so the host waits for the
+/// device before reading the clock.
 fn time_all_reduce(group: &ProcessGroup, t: &Tensor) -> Result<f64> {
-    group.all_reduce(t, ReduceOp::Sum)?;
+    let finished = || -> Result<()> {
+        group.all_reduce(t, ReduceOp::Sum)?;
+        if let Device::Cuda(d) = t.device() {
+            crate::cuda::synchronize(d)?;
+        }
+        Ok(())
+    };
+    finished()?;
     let mut best = f64::INFINITY;
     for _ in 0..COLLECTIVE_REPS {
         group.barrier()?;
         let start = Instant::now();
-        group.all_reduce(t, ReduceOp::Sum)?;
+        finished()?;
         best = best.min(start.elapsed().as_secs_f64());
     }
     Ok(best)

@@ -457,7 +457,7 @@ impl ChunkManager {
     fn on_tier(&self, t: &Tensor, tier: Tier) -> Result<Tensor> {
         Ok(match (tier, self.device) {
             (Tier::Device, device) => t.f_to_device(device)?.f_detach_copy()?,
-            (Tier::Host, Device::Cuda(d)) => t.f_to_device(Device::Cpu)?.f_pin_memory(Device::Cuda(d))?,
+            (Tier::Host, Device::Cuda(_)) => cuda::pinned(&t.f_to_device(Device::Cpu)?)?,
             (Tier::Host, _) => t.f_to_device(Device::Cpu)?.f_detach_copy()?,
         })
     }

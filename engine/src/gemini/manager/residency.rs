@@ -268,11 +268,18 @@ impl ChunkManager {
         side.wait_event(&before)?;
         side.set_current()?;
         let ch = &self.chunks[c];
-        // Pinned host homes copy asynchronously; the dtype cast runs on the side stream too.
+        // Pinned host homes copy asynchronously: straight into the payload when the dtypes
+        // agree; else the home's bytes cross as they are and the side stream casts them.
         let copied = tch::no_grad(|| -> Result<()> {
-            let staged = ch.home.f_to_dtype_layout((ch.home.kind(), self.device), true, false)?;
-            ch.payload.shallow_clone().f_copy_(&staged)?;
-            Ok(())
+            if ch.home.kind() == ch.payload.kind() {
+                cuda::copy_async(&ch.payload, &ch.home)?;
+            } else {
+                let staged = ch.home.f_to_dtype_layout((ch.home.kind(), self.device), true, false)?;
+                ch.payload.shallow_clone().f_copy_(&staged)?;
+            }
+            // Should the payload be freed before the copy ends (an error dropping the manager),
+            // its memory waits for the side stream.
+            side.record_tensor(&ch.payload)
         });
         main.set_current()?;
         copied?;
