@@ -1,7 +1,7 @@
 //! NVRTC, CUDA's run-time compiler, found without a CUDA toolkit: the library is loaded from the
-//! torch wheel's `nvidia/cu13/lib` (the pip package `nvidia-cuda-nvrtc`, a dependency of torch,
-//! whose folder the build script records), else from [`NVRTC_ENV`], else by the system loader
-//! (`LD_LIBRARY_PATH`, `ld.so.cache`), in that order.
+//! file or folder [`NVRTC_ENV`] names, else from the torch wheel's `nvidia/cu13/lib` (the pip
+//! package `nvidia-cuda-nvrtc`, a dependency of torch, whose folder the build script records),
+//! else by the system loader (`LD_LIBRARY_PATH`, `ld.so.cache`), in that order.
 //!
 //! cudarc opens NVRTC by name (`libnvrtc.so`, then versioned names such as `libnvrtc.so.13`);
 //! loading it here first, by full path and with `RTLD_GLOBAL`, makes the versioned name resolve
@@ -51,7 +51,8 @@ pub fn nvrtc() -> Result<&'static Nvrtc> {
 
 /// The places to look, in order.
 fn candidates() -> std::result::Result<Vec<Candidate>, String> {
-    let mut out = vec![Candidate::File(Path::new(env!("KERNELS_NVRTC_DIR")).join(SONAME))];
+    // The variable first: it is how a user (or gpu-check) overrides the build's copy.
+    let mut out = vec![];
     if let Some(v) = std::env::var_os(NVRTC_ENV) {
         let p = PathBuf::from(&v);
         let file = if p.is_dir() { p.join(SONAME) } else { p };
@@ -60,6 +61,7 @@ fn candidates() -> std::result::Result<Vec<Candidate>, String> {
         }
         out.push(Candidate::File(file));
     }
+    out.push(Candidate::File(Path::new(env!("KERNELS_NVRTC_DIR")).join(SONAME)));
     out.extend([SONAME, "libnvrtc.so"].map(|n| Candidate::Name(n.to_string())));
     Ok(out)
 }
@@ -210,7 +212,10 @@ mod tests {
         let wheel = Path::new(env!("KERNELS_NVRTC_DIR"));
         unsafe { std::env::set_var(NVRTC_ENV, wheel) };
         let found = candidates().unwrap();
-        assert!(matches!(&found[1], Candidate::File(f) if f == &wheel.join(SONAME)), "{found:?}");
+        assert!(
+            matches!(&found[0], Candidate::File(f) if f == &wheel.join(SONAME)),
+            "the variable comes first: {found:?}"
+        );
         unsafe { std::env::set_var(NVRTC_ENV, "/nonexistent/libnvrtc.so.13") };
         let err = candidates().unwrap_err();
         unsafe { std::env::remove_var(NVRTC_ENV) };
