@@ -128,7 +128,7 @@ char* eng_cuda_synchronize(int device) {
 }
 
 // out: allocated current, allocated peak, reserved current, reserved peak, active current,
-// number of allocation retries, number of OOMs.
+// number of allocation retries, number of OOMs, requested current.
 char* eng_cuda_memory_stats(int device, int64_t* out) {
   ENG_PROTECT({
     auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device_index(device));
@@ -140,6 +140,7 @@ char* eng_cuda_memory_stats(int device, int64_t* out) {
     out[4] = stats.active_bytes[agg].current;
     out[5] = stats.num_alloc_retries;
     out[6] = stats.num_ooms;
+    out[7] = stats.requested_bytes[agg].current;
   })
 }
 

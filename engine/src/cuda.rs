@@ -172,11 +172,14 @@ pub struct MemoryStats {
     pub alloc_retries: i64,
     /// Allocations that failed.
     pub ooms: i64,
+    /// Bytes the live tensors asked for (`allocated` less the allocator's rounding to 512
+    /// bytes and the small remainders it leaves inside reused blocks).
+    pub requested: i64,
 }
 
 /// The caching allocator's counters for `device`.
 pub fn memory_stats(device: usize) -> Result<MemoryStats> {
-    let mut v = [0i64; 7];
+    let mut v = [0i64; 8];
     cuda_check(unsafe { ffi::eng_cuda_memory_stats(device as i32, v.as_mut_ptr()) }, || {
         format!("reading memory statistics of cuda:{device}")
     })?;
@@ -188,6 +191,7 @@ pub fn memory_stats(device: usize) -> Result<MemoryStats> {
         active: v[4],
         alloc_retries: v[5],
         ooms: v[6],
+        requested: v[7],
     })
 }
 

@@ -167,17 +167,17 @@ fn gemini_prefetch_overlaps_the_copy_with_compute() {
     m.release_all().unwrap();
 
     // A replayed step without prefetch: chunk 1 loads at its access, on the compute stream.
-    // Times the load, and one product to size the compute at three loads.
+    // Times the load, and three products to size the compute at three loads.
     m.access(&[0]).unwrap();
     m.done(&[0]).unwrap();
     compute(2);
     let (a, b, c) = (mark(dev), Event::new(true).unwrap(), Event::new(true).unwrap());
-    compute(1);
+    compute(3);
     b.record(&Stream::current(dev).unwrap()).unwrap();
     m.access(&[1]).unwrap();
     c.record(&Stream::current(dev).unwrap()).unwrap();
     c.synchronize().unwrap();
-    let (product_ms, load_ms) = (a.elapsed_ms(&b).unwrap() as f64, b.elapsed_ms(&c).unwrap() as f64);
+    let (product_ms, load_ms) = (a.elapsed_ms(&b).unwrap() as f64 / 3.0, b.elapsed_ms(&c).unwrap() as f64);
     m.done(&[1]).unwrap();
     m.end_step();
     m.release_all().unwrap();

@@ -365,7 +365,7 @@ fn fp16_overflow_skips_the_step_and_backs_off() {
 }
 
 /// On a GPU (skipped without one; fails without one under `SUITE_REQUIRE_CUDA=1`): host homes, chunks loaded to the GPU under a 2-chunk
-/// budget with the caching allocator capped; training matches plain CPU training (relative
+/// budget with the caching allocator capped 64 MiB above what cuBLAS holds; training matches plain CPU training (relative
 /// 1e-4: GPU kernels round differently) and the allocator's peak stays under the cap.
 #[test]
 fn on_cuda_training_matches_and_stays_under_the_cap() {
@@ -374,8 +374,14 @@ fn on_cuda_training_matches_and_stays_under_the_cap() {
     }
     let dev = Device::Cuda(0);
     let plain = train_plain(Rule::Lamb, PLAIN);
-    let cap: u64 = 64 << 20;
-    engine::gemini::cap_device_memory(dev, cap).unwrap();
+    // cuBLAS takes a workspace per handle from the caching allocator at its first product, and
+    // backward runs on autograd's own thread with its own handle: both exist before the cap,
+    // which then bounds what training adds to them.
+    let w = Tensor::ones([8, 8], (Kind::Float, dev)).set_requires_grad(true);
+    w.matmul(&w).sum(Kind::Float).backward();
+    let base = engine::cuda::memory_stats(0).unwrap();
+    let room: u64 = 64 << 20;
+    engine::gemini::cap_device_memory(dev, base.reserved as u64 + room).unwrap();
     engine::cuda::reset_peak_stats(0).unwrap();
     let ps = parameters();
     let cfg = config(dev, TIGHT, Placement::Static { offload: 1.0 }, Rule::Lamb, Kind::Float);
@@ -397,7 +403,7 @@ fn on_cuda_training_matches_and_stays_under_the_cap() {
         let scale = r.abs().max().double_value(&[]);
         assert!(diff <= 1e-4 * scale, "cuda: {} differs by {diff:.2e}", p.name);
     }
-    let peak = engine::cuda::memory_stats(0).unwrap().peak_allocated as u64;
-    eprintln!("cuda: peak allocated {peak} bytes under a cap of {cap}");
-    assert!(peak <= cap);
+    let peak = (engine::cuda::memory_stats(0).unwrap().peak_allocated - base.allocated) as u64;
+    eprintln!("cuda: peak allocated {peak} bytes beyond the workspaces, under a cap of {room} more");
+    assert!(peak <= room);
 }
