@@ -34,8 +34,9 @@ fn block_parameter_and_activation_bytes_match_a_cpu_run() {
 }
 
 // The same check against the CUDA caching allocator (bytes the live tensors requested after
-// the forward less before: without its 512-byte rounding and reused blocks' remainders), where attention runs PyTorch's fused kernel as the profile assumes. Without a GPU
-// this returns with a notice (a failure under SUITE_REQUIRE_CUDA=1).
+// the forward less before: without its 512-byte rounding and reused blocks' remainders), where
+// attention runs PyTorch's fused kernel as the profile assumes. Without a GPU this returns with
+// a notice (a failure under SUITE_REQUIRE_CUDA=1).
 #[test]
 fn block_kept_bytes_match_the_cuda_caching_allocator() {
     if !suite_tests::cuda_devices(1, "block_kept_bytes_match_the_cuda_caching_allocator") {
