@@ -69,8 +69,10 @@ fn marker(m: &Shared, x: &Tensor, action: fn(&mut ChunkManager, usize) -> engine
     out.unwrap().remove(0)
 }
 
-#[test]
-fn gradients_through_released_and_restored_parameters_are_exact() {
+/// Four tanh layers' forward and backward on `x` with parameters in a manager of
+/// `budget_chunks` (lean residency or not), against the same layers as plain tensors: the
+/// gradients agree exactly. Returns the manager's events and its peak device bytes.
+fn layers_through_chunks(budget_chunks: usize, lean: bool) -> (Vec<Event>, usize) {
     let x = Tensor::randn([3, 4], (Kind::Float, Device::Cpu)).set_requires_grad(true);
     let reference: Vec<Param> =
         four().into_iter().map(|p| Param::new(&p.name, &p.tensor.detach().copy().set_requires_grad(true))).collect();
@@ -80,9 +82,9 @@ fn gradients_through_released_and_restored_parameters_are_exact() {
     // The same starting values (tests run in parallel threads sharing the global generator).
     let params: Vec<Param> =
         reference.iter().map(|p| Param::new(&p.name, &p.tensor.detach().copy().set_requires_grad(true))).collect();
-    // Budget of two chunks: forward evicts the first layers, backward brings them back.
-    let m: Shared =
-        std::sync::Arc::new(std::sync::Mutex::new(ChunkManager::new(&params, config(2), Tier::Host).unwrap()));
+    let mut manager = ChunkManager::new(&params, config(budget_chunks), Tier::Host).unwrap();
+    manager.set_lean(lean);
+    let m: Shared = std::sync::Arc::new(std::sync::Mutex::new(manager));
     let mut h = x.detach().set_requires_grad(true);
     for (i, p) in params.iter().enumerate() {
         m.lock().unwrap().access(&[i]).unwrap();
@@ -90,15 +92,36 @@ fn gradients_through_released_and_restored_parameters_are_exact() {
         h = marker(&m, &input.matmul(&p.tensor.tr()).tanh(), |m, c| m.access(&[c]), i);
         m.lock().unwrap().done(&[i]).unwrap();
     }
-    assert!(m.lock().unwrap().events().contains(&Event::Evict(0)), "layer 0 left during forward");
     h.sum(Kind::Float).backward();
     for (p, r) in params.iter().zip(&reference) {
         let (g, e) = (p.tensor.grad(), r.tensor.grad());
         assert!(g.allclose(&e, 1e-6, 1e-7, false), "{}: {g:?} vs {e:?}", p.name);
     }
     let m = m.lock().unwrap();
-    let (now, peak) = m.device_bytes();
-    assert!(peak <= 2 * 64 && now <= 2 * 64, "accounted bytes within the budget: {now} now, {peak} peak");
+    (m.events().to_vec(), m.device_bytes().1)
+}
+
+#[test]
+fn gradients_through_released_and_restored_parameters_are_exact() {
+    // Budget of two chunks: forward evicts the first layers, backward brings them back.
+    let (events, peak) = layers_through_chunks(2, false);
+    let evicted = events.iter().position(|e| *e == Event::Evict(0)).expect("layer 0 left");
+    let reloaded = events.iter().rposition(|e| *e == Event::Load(0)).unwrap();
+    assert!(evicted < reloaded && reloaded > 0, "layer 0 left during forward and came back: {events:?}");
+    assert!(peak <= 2 * 64, "accounted bytes within the budget: {peak} peak");
+}
+
+#[test]
+fn lean_residency_keeps_a_chunk_only_while_a_module_uses_it() {
+    // Room for all four, yet each leaves once its layer is done, forward and backward.
+    let (events, peak) = layers_through_chunks(4, true);
+    let loads = events.iter().filter(|e| matches!(e, Event::Load(_))).count();
+    let evictions = events.iter().filter(|e| matches!(e, Event::Evict(_))).count();
+    assert_eq!((loads, evictions), (8, 8), "each chunk loaded and left twice: {events:?}");
+    assert_eq!(peak, 64, "one chunk on the device at a time");
+    // Without it, the chunks stay while they fit.
+    let (events, peak) = layers_through_chunks(4, false);
+    assert!(!events.iter().any(|e| matches!(e, Event::Evict(_))) && peak == 4 * 64, "{events:?}");
 }
 
 #[test]

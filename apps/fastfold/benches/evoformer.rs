@@ -44,6 +44,10 @@ struct Args {
     /// The tiny test configuration instead of AlphaFold's sizes.
     #[arg(long)]
     small: bool,
+    /// Our side's attention softmax, LayerNorms and gates: fused CUDA kernels or libtorch's
+    /// compositions (default: fused on CUDA, as `fastfold predict` runs; the baseline is eager).
+    #[arg(long, value_enum)]
+    kernels: Option<kernels::Backend>,
     /// CPU threads (both sides; 0: libtorch's default).
     #[arg(long, default_value_t = 0)]
     threads: i32,
@@ -102,7 +106,8 @@ fn main() -> anyhow::Result<()> {
         (Tensor::ones([s, n], (Kind::Float, Device::Cpu)), Tensor::ones([n, n], (Kind::Float, Device::Cpu)));
     let on = |t: &Tensor| t.to_device(device).to_kind(kind);
 
-    let p = params.to_kind(kind)?.to_device(device, true)?;
+    let backend = kernels::Backend::resolve(args.kernels, device)?;
+    let p = params.to_kind(kind)?.to_device(device, true)?.with_kernels(backend);
     let stack = EvoformerStack::main(&p)?;
     let dap = Dap::none();
     let (m_in, z_in, mm, pm) = (on(&msa), on(&pair), on(&msa_mask), on(&pair_mask));
@@ -129,7 +134,7 @@ fn main() -> anyhow::Result<()> {
     let peak = engine::process::peak_memory(device);
     let mib = |b: Option<u64>| b.map_or("-".to_string(), |b| format!("{:.0}", b as f64 / (1 << 20) as f64));
     println!(
-        "Evoformer block, {s} sequences x {n} residues, c_m {} c_z {}, {} on {device:?}{}",
+        "Evoformer block, {s} sequences x {n} residues, c_m {} c_z {}, {} on {device:?}, kernels {backend:?}{}",
         cfg.c_m,
         cfg.c_z,
         if args.bf16 { "bf16" } else { "fp32" },

@@ -28,6 +28,10 @@ struct Args {
     /// bf16 instead of fp32.
     #[arg(long)]
     bf16: bool,
+    /// The attention softmax, LayerNorms and gates: fused CUDA kernels or libtorch's
+    /// compositions (default: fused on CUDA, as `fastfold predict` runs).
+    #[arg(long, value_enum)]
+    kernels: Option<kernels::Backend>,
     /// Device.
     #[arg(long, default_value_t = DeviceKind::Cpu)]
     device: DeviceKind,
@@ -41,10 +45,11 @@ fn main() -> anyhow::Result<()> {
     let device = args.device.device(0, 1)?;
     let kind = if args.bf16 { Kind::BFloat16 } else { Kind::Float };
     let params = Params::random_model(&EvoformerConfig::default(), &ModelConfig::default(), 0)?;
-    let params = params.to_kind(kind)?.to_device(device, false)?;
+    let backend = kernels::Backend::resolve(args.kernels, device)?;
+    let params = params.to_kind(kind)?.to_device(device, false)?.with_kernels(backend);
     let model = AlphaFold::new(&params)?;
     println!(
-        "single-sequence predict, model_1_ptm sizes (random weights), {} recycles, {} on {device:?}{}",
+        "single-sequence predict, model_1_ptm sizes (random weights), {} recycles, {} on {device:?}, kernels {backend:?}{}",
         args.recycles,
         if args.bf16 { "bf16" } else { "fp32" },
         args.chunk_size.map(|c| format!(", chunk {c}")).unwrap_or_default()
@@ -52,11 +57,21 @@ fn main() -> anyhow::Result<()> {
     println!("| residues | seconds | peak MiB |");
     println!("|---|---|---|");
     let letters = b"ARNDCQEGHILKMFPSTWYV";
-    for &n in &args.residues {
+    let features = |n: usize| {
         let sequence: String = (0..n).map(|i| letters[(i * 7 + i / 3) % 20] as char).collect();
         let raw = RawFeatures::new(&sequence, None)?;
         let config = FeatureConfig { num_recycle: args.recycles, ..FeatureConfig::default() };
-        let features = process(&raw, &config, 0, device)?;
+        process(&raw, &config, 0, device)
+    };
+    if let tch::Device::Cuda(d) = device {
+        // An untimed short run first: the first length would otherwise carry CUDA's lazy
+        // module loading, the libraries' handles and the kernels' compilation.
+        let warm = features(16)?;
+        tch::no_grad(|| model.predict(&warm, args.recycles, kind, &Dap::none(), args.chunk_size))?;
+        engine::cuda::synchronize(d)?;
+    }
+    for &n in &args.residues {
+        let features = features(n)?;
         if let tch::Device::Cuda(d) = device {
             engine::cuda::reset_peak_stats(d)?;
         }

@@ -105,6 +105,10 @@ pub struct BenchArgs {
     /// Measure ours only; skip the PyTorch baseline.
     #[arg(long)]
     pub no_baseline: bool,
+    /// Our LayerNorms, bias + GELU and optimizer step: fused CUDA kernels or libtorch's
+    /// compositions (default: fused on CUDA, as `vit pretrain` runs; the baseline is eager).
+    #[arg(long, value_enum)]
+    pub kernels: Option<kernels::Backend>,
 }
 
 /// One side's measurement.
@@ -216,8 +220,10 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<BenchReport> {
     // Before the long part, so that a missing interpreter fails at once.
     let python = (!args.no_baseline).then(baseline_python).transpose()?;
 
-    eprintln!("[bench] ours: {model}, {threads} threads, about {} s", args.seconds);
-    let ours = measure_ours(&config, args, device).context("measuring our ViT")?;
+    let backend = kernels::Backend::resolve(args.kernels, device)?;
+    kernels::install_optimizer_steps(backend);
+    eprintln!("[bench] ours: {model}, kernels {backend:?}, {threads} threads, about {} s", args.seconds);
+    let ours = measure_ours(&config, args, device, backend).context("measuring our ViT")?;
     if device.is_cuda() {
         // Hand our cached blocks back so that the baseline's process finds the memory free.
         engine::cuda::empty_cache()?;
@@ -243,10 +249,15 @@ struct Trainer {
 }
 
 impl Trainer {
-    fn new(cfg: &VitConfig, precision: Precision, device: Device) -> anyhow::Result<Trainer> {
+    fn new(
+        cfg: &VitConfig,
+        precision: Precision,
+        device: Device,
+        backend: kernels::Backend,
+    ) -> anyhow::Result<Trainer> {
         tch::manual_seed(0);
         let mut vs = VarStore::new(device);
-        let model = Vit::new(&vs.root(), *cfg);
+        let model = Vit::with_kernels(&vs.root(), *cfg, backend);
         let (params, master, opt) = match precision {
             Precision::Fp32 => {
                 let params = params_of(&vs);
@@ -303,8 +314,13 @@ fn synchronize(device: Device) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn measure_ours(cfg: &VitConfig, args: &BenchArgs, device: Device) -> anyhow::Result<Throughput> {
-    let mut trainer = Trainer::new(cfg, args.precision.precision, device)?;
+fn measure_ours(
+    cfg: &VitConfig,
+    args: &BenchArgs,
+    device: Device,
+    backend: kernels::Backend,
+) -> anyhow::Result<Throughput> {
+    let mut trainer = Trainer::new(cfg, args.precision.precision, device, backend)?;
     let kind = args.precision.precision.kind();
     let (b, c, s) = (args.batch as i64, cfg.in_channels, cfg.image_size);
     let images = Tensor::f_randn([b, c, s, s], (kind, device))?;
@@ -544,7 +560,7 @@ mod tests {
     fn a_step_updates_the_weights_and_leaves_no_gradients() {
         let (_, cfg) = parse(TINY).config().unwrap();
         for (precision, kind) in [(Precision::Fp32, Kind::Float), (Precision::Bf16, Kind::BFloat16)] {
-            let mut trainer = Trainer::new(&cfg, precision, Device::Cpu).unwrap();
+            let mut trainer = Trainer::new(&cfg, precision, Device::Cpu, kernels::Backend::Torch).unwrap();
             let images = Tensor::randn([2, 3, 8, 8], (kind, Device::Cpu));
             let labels = Tensor::from_slice(&[0i64, 2]);
             // The weights AdamW updates: the model's in fp32, the fp32 masters under bf16 (a

@@ -50,6 +50,10 @@ impl Placement {
     }
 }
 
+/// On a GPU, the share of the budget the auto policy's plan fills; the rest absorbs the caching
+/// allocator's fragmentation (Colossal-AI's `steady_cuda_cap_ratio` is the same 0.9).
+const STEADY_SHARE: f64 = 0.9;
+
 /// Device bytes in use before the warm-up step, with the allocator's peak reset so that the
 /// step's own peak can be read after it (GPU only; `0` elsewhere).
 pub(crate) fn device_baseline(device: Device) -> Result<i64> {
@@ -62,20 +66,32 @@ pub(crate) fn device_baseline(device: Device) -> Result<i64> {
     })
 }
 
-/// The auto policy's plan: the budget less the non-model peak is what model data may use;
-/// of that, the working set (the widest module's chunks, the `prefetch` ones and a gradient
-/// chunk in flight) stays free for payloads, and homes move to the device in chunk order
-/// while they fit. `baseline` is [`device_baseline`] from before the warm-up step.
+/// The auto policy's warm-up step on a GPU keeps chunks only while modules use them (see
+/// [`ChunkManager::set_lean`]): its activations share the cap but are measured only after it.
+pub(crate) fn begin_warmup(m: &mut ChunkManager) {
+    m.set_lean(matches!(m.device(), Device::Cuda(_)));
+}
+
+/// The auto policy's plan: the budget (on a GPU [`STEADY_SHARE`] of it) less the non-model
+/// peak is what model data may use; of that, the working set (the widest module's chunks, the
+/// `prefetch` ones with what their copies stage, and a gradient chunk in flight) stays free for
+/// payloads, and homes move to the device in chunk order while they fit. `baseline` is
+/// [`device_baseline`] from before the warm-up step.
 pub(crate) fn place_after_warmup(m: &mut ChunkManager, baseline: i64, prefetch: usize) -> Result<()> {
-    let non_model = match m.device() {
+    m.set_lean(false);
+    let (non_model, budget) = match m.device() {
         Device::Cuda(d) => {
             let peak = crate::cuda::memory_stats(d)?.peak_allocated - baseline;
-            (peak.max(0) as usize).saturating_sub(m.device_bytes().1)
+            let non_model = (peak.max(0) as usize).saturating_sub(m.device_bytes().1);
+            (non_model, (m.budget() as f64 * STEADY_SHARE) as usize)
         }
+        _ => (0, m.budget()),
+    };
+    let staging = match m.device() {
+        Device::Cuda(_) => prefetch * m.staging_bytes(),
         _ => 0,
     };
-    let working = (m.widest_access() + prefetch + 1) * m.chunk_bytes();
-    let budget = m.budget();
+    let working = (m.widest_access() + prefetch + 1) * m.chunk_bytes() + staging;
     if non_model + working > budget {
         return Err(Error::invalid(format!(
             "gemini: the warm-up step needed {} besides model data and the widest module needs {} of chunks, together more than the {} budget",

@@ -175,6 +175,8 @@ pub struct ChunkManager {
     recording: bool,
     /// The most chunks one access has needed.
     widest: usize,
+    /// Evict each chunk as soon as no module uses it (see [`ChunkManager::set_lean`]).
+    lean: bool,
     /// The GPU side stream prefetches copy on (created at the first).
     side: Option<cuda::Stream>,
     /// Position in the trace during a replayed step.
@@ -242,6 +244,7 @@ impl ChunkManager {
             trace: vec![],
             recording: true,
             widest: 0,
+            lean: false,
             side: None,
             cursor: 0,
             events: vec![],
@@ -399,6 +402,25 @@ impl ChunkManager {
     /// Whether the first step is still being recorded.
     pub fn recording(&self) -> bool {
         self.recording
+    }
+
+    /// Lean residency: a chunk leaves the device as soon as no module uses it (after a
+    /// module's forward, or its backward for frozen chunks), instead of when room is needed.
+    /// Gemini's auto policy runs its warm-up step so on a GPU, where the activations, not yet
+    /// measured, share the allocator's cap with the chunks; the step costs reloads instead of
+    /// running out of memory.
+    pub fn set_lean(&mut self, lean: bool) {
+        self.lean = lean;
+    }
+
+    /// Device bytes a prefetch stages beside the payload it fills: a copy of the home when its
+    /// dtype is not the payload's (the cast runs on the device), else none.
+    pub fn staging_bytes(&self) -> usize {
+        let ch = &self.chunks[0];
+        match ch.home.kind() == ch.kind {
+            true => 0,
+            false => ch.home_bytes(),
+        }
     }
 
     /// This rank's part of chunk `c`'s home copy (fp32, frozen chunks' in the compute kind; on

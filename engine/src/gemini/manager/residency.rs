@@ -84,7 +84,8 @@ impl ChunkManager {
                 )));
             }
         }
-        self.move_params(params, TensorState::Hold)
+        self.move_params(params, TensorState::Hold)?;
+        self.leave_if_lean(params)
     }
 
     /// The module that used `params` finished its backward: those whose gradient has not
@@ -99,6 +100,19 @@ impl ChunkManager {
             let slot = &mut self.chunks[c].slots[s];
             if slot.state == TensorState::Compute {
                 slot.move_to(after)?;
+            }
+        }
+        self.leave_if_lean(params)
+    }
+
+    /// Under lean residency, evicts the chunks of `params` that no module uses any more.
+    fn leave_if_lean(&mut self, params: &[usize]) -> Result<()> {
+        if !self.lean {
+            return Ok(());
+        }
+        for c in self.chunks_of(params) {
+            if self.chunks[c].resident && !self.chunks[c].in_compute() {
+                self.evict(c)?;
             }
         }
         Ok(())
