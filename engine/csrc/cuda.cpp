@@ -152,8 +152,9 @@ char* eng_cuda_set_memory_fraction(double fraction, int device) {
   ENG_PROTECT({
     TORCH_CHECK(fraction > 0.0 && fraction <= 1.0, "memory fraction must be in (0, 1], got ", fraction);
     // The allocator makes `device` current to read its total memory: keep the caller's.
-    c10::cuda::CUDAGuard guard(device_index(device));
-    c10::cuda::CUDACachingAllocator::setMemoryFraction(fraction, device_index(device));
+    const auto index = device_index(device);
+    c10::cuda::CUDAGuard guard(index);
+    c10::cuda::CUDACachingAllocator::setMemoryFraction(fraction, index);
   })
 }
 

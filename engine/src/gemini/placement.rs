@@ -48,6 +48,13 @@ impl Placement {
         }
         Ok(())
     }
+
+    /// The auto policy's warm-up step on a GPU keeps chunks only while modules use them (see
+    /// [`ChunkManager::set_lean`]): its activations share the cap but are measured only after
+    /// it.
+    pub(crate) fn begin_warmup(&self, m: &mut ChunkManager) {
+        m.set_lean(*self == Placement::Auto && matches!(m.device(), Device::Cuda(_)));
+    }
 }
 
 /// On a GPU, the share of the budget the auto policy's plan fills; the rest absorbs the caching
@@ -66,12 +73,6 @@ pub(crate) fn device_baseline(device: Device) -> Result<i64> {
     })
 }
 
-/// The auto policy's warm-up step on a GPU keeps chunks only while modules use them (see
-/// [`ChunkManager::set_lean`]): its activations share the cap but are measured only after it.
-pub(crate) fn begin_warmup(m: &mut ChunkManager) {
-    m.set_lean(matches!(m.device(), Device::Cuda(_)));
-}
-
 /// The auto policy's plan: the budget (on a GPU [`STEADY_SHARE`] of it) less the non-model
 /// peak is what model data may use; of that, the working set (the widest module's chunks, the
 /// `prefetch` ones with what their copies stage, and a gradient chunk in flight) stays free for
@@ -79,17 +80,13 @@ pub(crate) fn begin_warmup(m: &mut ChunkManager) {
 /// [`device_baseline`] from before the warm-up step.
 pub(crate) fn place_after_warmup(m: &mut ChunkManager, baseline: i64, prefetch: usize) -> Result<()> {
     m.set_lean(false);
-    let (non_model, budget) = match m.device() {
+    let (non_model, budget, staging) = match m.device() {
         Device::Cuda(d) => {
             let peak = crate::cuda::memory_stats(d)?.peak_allocated - baseline;
             let non_model = (peak.max(0) as usize).saturating_sub(m.device_bytes().1);
-            (non_model, (m.budget() as f64 * STEADY_SHARE) as usize)
+            (non_model, (m.budget() as f64 * STEADY_SHARE) as usize, prefetch * m.staging_bytes())
         }
-        _ => (0, m.budget()),
-    };
-    let staging = match m.device() {
-        Device::Cuda(_) => prefetch * m.staging_bytes(),
-        _ => 0,
+        _ => (0, m.budget(), 0),
     };
     let working = (m.widest_access() + prefetch + 1) * m.chunk_bytes() + staging;
     if non_model + working > budget {

@@ -79,9 +79,7 @@ impl Gemini {
             None => ChunkManager::new(params, chunks, first_tier)?,
         };
         cfg.placement.place_static(&mut manager)?;
-        if cfg.placement == Placement::Auto {
-            placement::begin_warmup(&mut manager);
-        }
+        cfg.placement.begin_warmup(&mut manager);
         let manager = Arc::new(Mutex::new(manager));
         // Frozen parameters get no gradient, so no hook.
         let hooked = if chunks.trainable { params } else { &[] };
