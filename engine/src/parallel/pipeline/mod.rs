@@ -10,6 +10,7 @@
 //! averaging gradients over the `dp` group after [`Pipeline::step`], and the global gradient
 //! norm sums over `pp` ([`clip_grad_norm`]). The loss lives on the last stage; parameters held by
 //! several stages are summed with [`Tied`].
+mod p2p_order;
 mod partition;
 mod runtime;
 mod schedule;
@@ -18,6 +19,7 @@ mod stage;
 mod stats;
 mod tied;
 
+pub use p2p_order::check_p2p_order;
 pub use partition::{split, split_costs, split_measured, Balance, Split};
 pub use runtime::Pipeline;
 pub use schedule::{Action, Schedule, ScheduleKind, Step};

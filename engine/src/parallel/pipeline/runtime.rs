@@ -10,11 +10,12 @@
 //! so a step allocates no communication buffers. Every micro-batch of a chunk must therefore
 //! have the same activation shape.
 //!
-//! On NCCL (not yet run on a GPU) each neighbour pair's sends and receives share one
-//! stream per rank, and a send larger than NCCL's staging buffer completes only once the peer's
-//! receive runs; the order above (a rank's send before its next receive from the same peer) is
-//! then safe only for messages that fit the buffer. Megatron pairs such exchanges into one
-//! NCCL group (`batch_isend_irecv`); the bridge does not offer that yet.
+//! On NCCL (not yet run on two GPUs) tags do not match messages, each neighbour pair's sends
+//! and receives share one stream per rank, and a send larger than NCCL's staging buffer
+//! completes only once the peer's receive runs. The lists [`Schedule::new`] builds order every
+//! pair's exchanges the same way on both sides, which is safe under those rules, and on a GPU
+//! [`Pipeline::new`] checks any list against them ([`super::check_p2p_order`]) rather than let a
+//! step hang.
 //!
 //! Split backward (ZB-H1): each layer runs on a detached copy of its input, so a chunk's graph
 //! is one small graph per layer. The input-gradient pass walks the layers backwards computing
@@ -99,7 +100,8 @@ struct StepState {
 impl Pipeline {
     /// A pipeline rank holding `chunks` (from [`super::assign`]; chunk `c` must be virtual
     /// stage `c * pp + rank`) over the pipeline `group`, running `schedule`. Receive buffers
-    /// are made on `device`.
+    /// are made on `device`. On a GPU, a schedule whose exchanges would hang or cross on NCCL
+    /// is an error.
     pub fn new(group: &ProcessGroup, chunks: Vec<Chunk>, schedule: Schedule, device: Device) -> Result<Pipeline> {
         let (p, v, m) = (schedule.pp, schedule.virtual_stages, schedule.micro_batches);
         ensure!(
@@ -123,6 +125,11 @@ impl Pipeline {
                 chunk.stage
             );
             ensure!(!chunk.layers.is_empty(), "pipeline: stage {want} has no layers");
+        }
+        if device.is_cuda() {
+            for first_step in [true, false] {
+                super::check_p2p_order(&schedule, first_step)?;
+            }
         }
         ensure!(
             (m * p * v * 2) < HEADER_TAG as usize,
@@ -434,8 +441,8 @@ impl Pipeline {
     /// Posts the receives that feed the next compute action before this one runs, so their
     /// data moves while this rank computes (Gloo moves a message once both sides have posted).
     /// Only receives whose buffers exist (every step after the first), and only on CPU: on
-    /// NCCL a receive queued early on the pair's stream could sit ahead of a send the peer
-    /// needs first.
+    /// NCCL a receive queued ahead of the order both sides agreed on could sit ahead of a send
+    /// the peer needs first.
     fn prefetch(&mut self, ahead: &[Action], state: &mut StepState) -> Result<()> {
         if self.device != Device::Cpu {
             return Ok(());

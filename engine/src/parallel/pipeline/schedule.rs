@@ -7,6 +7,7 @@
 //! Virtual stages: with `v` chunks per rank the model is cut into `pp * v` pieces, and chunk `c`
 //! of rank `r` is virtual stage `c * pp + r` (Megatron's interleaved layout), so consecutive
 //! virtual stages sit on consecutive ranks and every boundary is a neighbour exchange.
+use std::collections::HashSet;
 use std::fmt;
 
 use crate::error::ensure;
@@ -47,9 +48,9 @@ pub struct Step {
     pub chunk: usize,
 }
 
-/// One thing a rank does. Sends never block (they are waited for at the end of the step);
-/// receives block until the matching send has been posted.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// One thing a rank does. Sends and receives are posted without blocking (sends are waited for
+/// at the end of the step); the compute that consumes a receive waits for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Action {
     /// Receive this step's input activation from the previous virtual stage.
     RecvActivation(Step),
@@ -134,7 +135,7 @@ impl Schedule {
             })
             .collect();
         let split_backward = kind == ScheduleKind::ZeroBubbleH1;
-        let actions = compute.into_iter().enumerate().map(|(r, list)| with_communication(&list, r, p, v)).collect();
+        let actions = with_communication(&compute, p, v)?;
         Ok(Schedule { kind, pp: p, micro_batches: m, virtual_stages: v, split_backward, actions })
     }
 
@@ -237,37 +238,71 @@ fn interleaved(p: usize, r: usize, m: usize, v: usize) -> Vec<Action> {
     list
 }
 
-/// Adds the exchanges around each compute action: a forward receives its input from the
-/// previous virtual stage and sends its output on; a backward receives its output's gradient
-/// and sends its input's gradient back. The first and last virtual stages skip the missing side.
-fn with_communication(compute: &[Action], rank: usize, p: usize, v: usize) -> Vec<Action> {
+/// Adds the exchanges to every rank's compute order, placing them in one order that every
+/// pair of ranks agrees on. NCCL needs that (see [`super::check_p2p_order`]): it ignores tags,
+/// pairing the k-th send to a peer with the k-th receive from it, and each pair's transfers run
+/// in one queue per side, so two ranks that each send the other something large before
+/// receiving wait on each other forever (1F1B's steady state does, with each exchange placed
+/// beside its compute).
+///
+/// The order comes from playing the schedule in rounds: in each round every rank runs its next
+/// compute if its input has arrived, then each message that a compute of the round produced is
+/// delivered at once, as a send on its rank's list and a receive on the receiving rank's list.
+/// Both sides of every pair of ranks thus list their exchanges in the order of one run of the
+/// whole schedule. A receive lands where its message arrived in that run, which is at or before
+/// the compute that needs it (the compute waits for it, the receive itself does not); a send
+/// follows the compute that produced it within the same round. The first and last virtual stages
+/// skip the missing side. Errors: a compute order that waits on itself.
+fn with_communication(compute: &[Vec<Action>], p: usize, v: usize) -> Result<Vec<Vec<Action>>> {
     let last = p * v - 1;
-    let stage = |s: &Step| s.chunk * p + rank;
-    let mut out = Vec::with_capacity(compute.len() * 3);
-    for &a in compute {
-        match a {
-            Action::Forward(s) => {
-                if stage(&s) > 0 {
-                    out.push(Action::RecvActivation(s));
-                }
-                out.push(a);
-                if stage(&s) < last {
-                    out.push(Action::SendActivation(s));
-                }
+    let step_at = |stage: usize, micro: usize| Step { micro, chunk: stage / p };
+    let mut out: Vec<Vec<Action>> = compute.iter().map(|c| Vec::with_capacity(c.len() * 3)).collect();
+    let mut next = vec![0usize; p];
+    // Receives delivered, by receiving rank, not yet consumed by their compute.
+    let mut arrived: HashSet<(usize, Action)> = HashSet::new();
+    while (0..p).any(|r| next[r] < compute[r].len()) {
+        let mut delivered = Vec::new();
+        let mut progressed = false;
+        for r in 0..p {
+            let Some(&a) = compute[r].get(next[r]) else { continue };
+            let stage = |s: &Step| s.chunk * p + r;
+            let input = match a {
+                Action::Forward(s) if stage(&s) > 0 => Some(Action::RecvActivation(s)),
+                Action::Backward(s) if stage(&s) < last => Some(Action::RecvGrad(s)),
+                _ => None,
+            };
+            if input.is_some_and(|i| !arrived.remove(&(r, i))) {
+                continue;
             }
-            Action::Backward(s) => {
-                if stage(&s) < last {
-                    out.push(Action::RecvGrad(s));
+            out[r].push(a);
+            next[r] += 1;
+            progressed = true;
+            match a {
+                Action::Forward(s) if stage(&s) < last => {
+                    let to = stage(&s) + 1;
+                    delivered.push((
+                        r,
+                        Action::SendActivation(s),
+                        to % p,
+                        Action::RecvActivation(step_at(to, s.micro)),
+                    ));
                 }
-                out.push(a);
-                if stage(&s) > 0 {
-                    out.push(Action::SendGrad(s));
+                Action::Backward(s) if stage(&s) > 0 => {
+                    let to = stage(&s) - 1;
+                    delivered.push((r, Action::SendGrad(s), to % p, Action::RecvGrad(step_at(to, s.micro))));
                 }
+                _ => {}
             }
-            other => out.push(other),
+        }
+        // Only a compute delivers, so a round without deliveries or computes is a cycle.
+        ensure!(progressed, "pipeline: the compute orders wait on each other");
+        for (from, send, to, receive) in delivered {
+            out[from].push(send);
+            out[to].push(receive);
+            arrived.insert((to, receive));
         }
     }
-    out
+    Ok(out)
 }
 
 #[cfg(test)]

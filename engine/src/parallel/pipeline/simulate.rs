@@ -1,11 +1,12 @@
 //! Runs a [`Schedule`]'s action lists on a model of the machine: each rank executes its list in
-//! order, compute actions take fixed times, sends take none and never block, and a receive waits
-//! until its matching send has been posted (plus a hop's transfer time, zero in the textbook
-//! model), exactly the runtime's rules. Costs may differ per rank ([`simulate_ranks`]), as
+//! order, compute actions take fixed times, sends and receives take none and never block, and
+//! the compute that consumes a receive waits until the matching send has been posted (plus a
+//! hop's transfer time, zero in the textbook model), exactly the runtime's rules. (NCCL's
+//! stricter rules are checked apart, by [`super::check_p2p_order`].) Costs may differ per rank ([`simulate_ranks`]), as
 //! measured stages do. From the timeline come
 //! the bubble fraction and the peak number of micro-batches each rank holds; a schedule whose
 //! ranks wait on each other forever is reported as a deadlock, naming what each rank waits for.
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 
 use super::schedule::{Action, Schedule, Step};
@@ -83,7 +84,10 @@ pub fn simulate_ranks(schedule: &Schedule, costs: &[Costs]) -> Result<Simulation
     let mut held = vec![0usize; p];
     let mut peak = vec![0usize; p];
     let mut posted: HashMap<Message, f64> = HashMap::new();
+    // Per rank, the receives posted and not yet consumed.
+    let mut pending: Vec<HashSet<Message>> = vec![HashSet::new(); p];
     let mut received = 0usize;
+    let last = schedule.stages() - 1;
     let message = |rank: usize, a: &Action| -> Option<Message> {
         let stage = |s: &Step| schedule.stage_of(rank, s.chunk);
         match a {
@@ -91,6 +95,10 @@ pub fn simulate_ranks(schedule: &Schedule, costs: &[Costs]) -> Result<Simulation
             Action::RecvActivation(s) => Some(Message { micro: s.micro, stage: stage(s) - 1, grad: false }),
             Action::SendGrad(s) => Some(Message { micro: s.micro, stage: stage(s) - 1, grad: true }),
             Action::RecvGrad(s) => Some(Message { micro: s.micro, stage: stage(s), grad: true }),
+            // What a compute consumes: a forward its input, an unsplit or input-gradient
+            // backward its output's gradient.
+            Action::Forward(s) if stage(s) > 0 => Some(Message { micro: s.micro, stage: stage(s) - 1, grad: false }),
+            Action::Backward(s) if stage(s) < last => Some(Message { micro: s.micro, stage: stage(s), grad: true }),
             _ => None,
         }
     };
@@ -98,6 +106,17 @@ pub fn simulate_ranks(schedule: &Schedule, costs: &[Costs]) -> Result<Simulation
         let mut progressed = false;
         for r in 0..p {
             while let Some(a) = schedule.actions[r].get(next[r]) {
+                if let (Action::Forward(_) | Action::Backward(_), Some(m)) = (a, message(r, a)) {
+                    if !pending[r].contains(&m) {
+                        return Err(Error::invalid(format!(
+                            "pipeline simulation: rank {r} runs {a} before its receive"
+                        )));
+                    }
+                    let Some(&sent) = posted.get(&m) else { break };
+                    clock[r] = clock[r].max(sent + costs[r].hop);
+                    pending[r].remove(&m);
+                    received += 1;
+                }
                 let cost = match a {
                     Action::Forward(_) => {
                         held[r] += 1;
@@ -123,14 +142,10 @@ pub fn simulate_ranks(schedule: &Schedule, costs: &[Costs]) -> Result<Simulation
                     }
                     Action::RecvActivation(_) | Action::RecvGrad(_) => {
                         let m = message(r, a).expect("a receive is a message");
-                        match posted.get(&m) {
-                            Some(&sent) => {
-                                clock[r] = clock[r].max(sent + costs[r].hop);
-                                received += 1;
-                                0.0
-                            }
-                            None => break,
+                        if !pending[r].insert(m) {
+                            return Err(Error::invalid(format!("pipeline simulation: rank {r} posts {a} twice")));
                         }
+                        0.0
                     }
                 };
                 clock[r] += cost;
@@ -319,7 +334,7 @@ mod tests {
 
     #[test]
     fn a_bad_order_is_a_deadlock_naming_the_ranks() {
-        // Rank 0 waits for the gradient of micro-batch 0 before sending its activation.
+        // Rank 0 runs the backward of micro-batch 0 before sending its activation on.
         let s = |micro| Step { micro, chunk: 0 };
         let bad = Schedule::from_actions(
             ScheduleKind::OneFOneB,
@@ -330,8 +345,8 @@ mod tests {
                 vec![
                     Action::Forward(s(0)),
                     Action::RecvGrad(s(0)),
-                    Action::SendActivation(s(0)),
                     Action::Backward(s(0)),
+                    Action::SendActivation(s(0)),
                 ],
                 vec![
                     Action::RecvActivation(s(0)),
@@ -343,8 +358,13 @@ mod tests {
         );
         let err = simulate(&bad, Costs::default()).unwrap_err().to_string();
         assert!(err.contains("deadlocks"), "{err}");
-        assert!(err.contains("rank 0 waits in recv-grad(micro 0, chunk 0)"), "{err}");
-        assert!(err.contains("rank 1 waits in recv-act(micro 0, chunk 0)"), "{err}");
+        assert!(err.contains("rank 0 waits in B(micro 0, chunk 0)"), "{err}");
+        assert!(err.contains("rank 1 waits in F(micro 0, chunk 0)"), "{err}");
+        // A compute whose receive was never posted is refused.
+        let mut unposted = bad.clone();
+        unposted.actions[1].remove(0);
+        let err = simulate(&unposted, Costs::default()).unwrap_err().to_string();
+        assert!(err.contains("rank 1 runs F(micro 0, chunk 0) before its receive"), "{err}");
     }
 
     /// Two stages, one micro-batch, hand-computed: F on rank 0, the hop, F and B on rank 1, the
