@@ -220,3 +220,63 @@ fn gemini_prefetch_overlaps_the_copy_with_compute() {
         "copy and compute did not overlap: {total_ms:.2} ms against {load_ms:.2} + {compute_ms:.2} ms one after the other"
     );
 }
+
+/// A bf16 payload prefetched from its fp32 host home stages the home on the device while the
+/// side stream casts it. A prefetch goes ahead only when payload and staged copy both fit the
+/// budget; else it evicts nothing and the chunk loads at its access (converting on the host),
+/// so the allocator's peak stays within the budget either way.
+#[test]
+fn gemini_prefetch_leaves_room_for_its_staged_copy() {
+    let Some(dev) = gpu() else { return };
+    let device = Device::Cuda(dev);
+    // Two parameters, one chunk each: 32 MiB payloads in bf16, 64 MiB staged in fp32.
+    const NUMEL: usize = 16 << 20;
+    let params: Vec<Param> = (0..2)
+        .map(|i| {
+            tch::manual_seed(i);
+            let t = Tensor::randn([NUMEL as i64], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+            Param::new(format!("w{i}"), &t)
+        })
+        .collect();
+    let expected: Vec<Tensor> = params.iter().map(|p| p.tensor.detach().to_kind(Kind::BFloat16)).collect();
+    let (payload, staged) = (NUMEL * 2, NUMEL * 4);
+    for (budget, prefetched) in [(2 * payload, false), (2 * payload + staged, true)] {
+        let cfg = ChunkConfig {
+            device,
+            budget,
+            search: (NUMEL, NUMEL, 1),
+            home_buffers: 2,
+            compute: Kind::BFloat16,
+            share_cpu_homes: false,
+            trainable: true,
+        };
+        let mut m = ChunkManager::new(&params, cfg, Tier::Host).unwrap();
+        assert_eq!(m.staging_bytes(), staged);
+        // Step 1 records the trace (chunk 0, then chunk 1).
+        for c in 0..2 {
+            m.access(&[c]).unwrap();
+            m.done(&[c]).unwrap();
+        }
+        m.end_step();
+        m.release_all().unwrap();
+        cuda::synchronize(dev).unwrap();
+        let start = cuda::memory_stats(dev).unwrap().allocated;
+        cuda::reset_peak_stats(dev).unwrap();
+        m.access(&[0]).unwrap();
+        m.done(&[0]).unwrap();
+        let before = m.events().len();
+        m.prefetch(1).unwrap();
+        m.access(&[1]).unwrap();
+        cuda::synchronize(dev).unwrap();
+        let peak = cuda::memory_stats(dev).unwrap().peak_allocated - start;
+        let want = if prefetched { ChunkEvent::Prefetch(1) } else { ChunkEvent::Load(1) };
+        assert_eq!(m.events()[before..], [want], "budget {budget}: the step's events after chunk 0");
+        assert!(peak as usize <= budget, "budget {budget}: the allocator peaked {peak} bytes above the step's start");
+        for (p, e) in params.iter().zip(&expected) {
+            assert!(p.tensor.to_device(Device::Cpu).equal(e), "{}: the loaded values are the home's", p.name);
+        }
+        m.done(&[1]).unwrap();
+        m.end_step();
+        m.release_all().unwrap();
+    }
+}

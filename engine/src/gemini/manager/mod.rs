@@ -413,13 +413,22 @@ impl ChunkManager {
         self.lean = lean;
     }
 
-    /// Device bytes a prefetch stages beside the payload it fills: a copy of the home when its
-    /// dtype is not the payload's (the cast runs on the device), else none.
+    /// The most device bytes a prefetch stages beside the payload it fills (see
+    /// [`ChunkManager::staging_of`]), over the chunks as their homes now lie.
     pub fn staging_bytes(&self) -> usize {
-        let ch = &self.chunks[0];
-        match ch.home.kind() == ch.kind {
-            true => 0,
-            false => ch.home_bytes(),
+        (0..self.chunks.len()).map(|c| self.staging_of(c)).max().unwrap_or(0)
+    }
+
+    /// Device bytes a prefetch of chunk `c` stages beside its payload while the copy lasts: on
+    /// a GPU, a copy of a host home whose dtype is not the payload's (its bytes cross as they
+    /// are and the cast runs on the device), else none.
+    pub(crate) fn staging_of(&self, c: usize) -> usize {
+        let ch = &self.chunks[c];
+        let staged = self.device.is_cuda() && ch.home.device() != self.device && ch.home.kind() != ch.kind;
+        if staged {
+            ch.home_bytes()
+        } else {
+            0
         }
     }
 

@@ -130,9 +130,10 @@ impl ChunkManager {
     }
 
     /// Loads the next `depth` chunks of the trace that are not resident ahead of their use
-    /// (in trace order), evicting only chunks
-    /// whose next use is farther away than the one loaded (so a prefetch never costs a reload
-    /// sooner than it saves one).
+    /// (in trace order), evicting only chunks whose next use is farther away than the one
+    /// loaded (so a prefetch never costs a reload sooner than it saves one). A chunk whose
+    /// payload and staged copy ([`ChunkManager::staging_of`]) do not fit is left to its access,
+    /// whose load converts on the host and stages nothing on the device.
     pub fn prefetch(&mut self, depth: usize) -> Result<()> {
         if self.recording {
             return Ok(());
@@ -151,7 +152,18 @@ impl ChunkManager {
             if self.chunks[c].resident {
                 continue;
             }
-            let need = self.chunks[c].bytes();
+            // The staged copy of the home is not charged (it is freed once the copy ends), but
+            // it must fit while it lasts.
+            let need = self.chunks[c].bytes() + self.staging_of(c);
+            // Evict nothing for a prefetch that cannot fit even once every chunk used later
+            // than it is gone.
+            let later: usize = (0..self.chunks.len())
+                .filter(|&v| self.evictable(v, &[c]) && self.next_use(v) > distance)
+                .map(|v| self.chunks[v].bytes())
+                .sum();
+            if self.device_bytes.saturating_sub(later) + need > self.budget {
+                return Ok(());
+            }
             while self.device_bytes + need > self.budget {
                 match self.victim(&[c]) {
                     Some((victim, next)) if next > distance => self.evict(victim)?,
@@ -209,16 +221,24 @@ impl ChunkManager {
     /// The resident chunk not in use whose next access in the trace is farthest (never used
     /// again comes first), with that distance; while recording, the least recently loaded.
     fn victim(&self, pinned: &[usize]) -> Option<(usize, usize)> {
-        let candidates = (0..self.chunks.len())
-            .filter(|&c| self.chunks[c].resident && !self.chunks[c].in_compute() && !pinned.contains(&c));
+        let candidates = (0..self.chunks.len()).filter(|&c| self.evictable(c, pinned));
         if self.recording {
             let loaded_at = |c: usize| {
                 self.events.iter().rposition(|e| matches!(e, Event::Load(x) | Event::Prefetch(x) if *x == c))
             };
             return candidates.min_by_key(|&c| loaded_at(c)).map(|c| (c, usize::MAX));
         }
-        let next_use = |c: usize| self.trace[self.cursor..].iter().position(|&x| x == c).unwrap_or(usize::MAX);
-        candidates.map(|c| (c, next_use(c))).max_by_key(|&(c, next)| (next, c))
+        candidates.map(|c| (c, self.next_use(c))).max_by_key(|&(c, next)| (next, c))
+    }
+
+    /// Whether chunk `c` could be evicted now: resident, not in use, not in `pinned`.
+    fn evictable(&self, c: usize, pinned: &[usize]) -> bool {
+        self.chunks[c].resident && !self.chunks[c].in_compute() && !pinned.contains(&c)
+    }
+
+    /// How many accesses ahead in the trace chunk `c` is used next (`usize::MAX`: not again).
+    fn next_use(&self, c: usize) -> usize {
+        self.trace[self.cursor..].iter().position(|&x| x == c).unwrap_or(usize::MAX)
     }
 
     /// Makes chunk `c`'s payload resident. `ahead`: a prefetch, which on a GPU copies on a
