@@ -8,7 +8,10 @@
 //! - an operation's stream first waits for the compute queued before it (the tensor it sends or
 //!   overwrites), and a compute waits for the receive it consumes, but the host runs ahead;
 //! - except at a chunk's first activation, whose shape header the host reads before it goes on
-//!   (the header crosses on the same streams, just before the activation).
+//!   (the header crosses on the same streams, just before the activation);
+//! - and, in the first step, at the first operation between two ranks: NCCL creates the pair's
+//!   communicator then, which holds each host until the other reaches its own first operation
+//!   with it.
 //!
 //! [`check_p2p_order`] plays every rank's list on that model of the GPUs and reports a message
 //! that would arrive in the wrong buffer, or a cycle of waits (a hang), naming what each rank
@@ -51,6 +54,9 @@ struct Rank {
     computes: Vec<(usize, Option<usize>)>,
     /// List positions of the receives whose shape header the host reads before going on.
     blocking: Vec<usize>,
+    /// In the first step, per peer, the list position of the first operation with it, until the
+    /// pair's communicator exists.
+    connecting: BTreeMap<usize, usize>,
     /// Computes run, headers read, and the data receives completed (by list position).
     computed: usize,
     headers_read: usize,
@@ -64,6 +70,7 @@ impl Rank {
             streams: BTreeMap::new(),
             computes: Vec::new(),
             blocking: Vec::new(),
+            connecting: BTreeMap::new(),
             computed: 0,
             headers_read: 0,
             received: HashSet::new(),
@@ -107,6 +114,9 @@ impl Rank {
                 }
             }
         }
+        if first_step {
+            rank.connecting = rank.streams.iter().filter_map(|(&peer, ops)| Some((peer, ops.front()?.at))).collect();
+        }
         rank
     }
 
@@ -115,11 +125,22 @@ impl Rank {
         self.blocking.get(self.headers_read).copied().unwrap_or(usize::MAX)
     }
 
+    /// The list position of the first operation whose communicator does not exist yet: the
+    /// host issues nothing from there on until it does.
+    fn connect_at(&self) -> usize {
+        self.connecting.values().copied().min().unwrap_or(usize::MAX)
+    }
+
+    /// Whether the host waits to connect to `peer` (it reached its first operation with it).
+    fn waits_to_connect(&self, peer: usize) -> bool {
+        self.connecting.get(&peer).is_some_and(|&at| at == self.connect_at() && at <= self.host_at())
+    }
+
     /// Runs the computes whose receives are in; whether any ran.
     fn run_computes(&mut self) -> bool {
         let before = self.computed;
         while let Some(&(at, input)) = self.computes.get(self.computed) {
-            if at >= self.host_at() || input.is_some_and(|i| !self.received.contains(&i)) {
+            if at >= self.host_at().min(self.connect_at()) || input.is_some_and(|i| !self.received.contains(&i)) {
                 break;
             }
             self.computed += 1;
@@ -132,7 +153,8 @@ impl Rank {
     fn ready_head(&self, peer: usize) -> Option<Op> {
         let op = *self.streams.get(&peer)?.front()?;
         let host = self.host_at();
-        let issued = op.at < host || (op.at == host && matches!(op.message, Message::Header { .. }));
+        let issued = op.at < self.connect_at()
+            && (op.at < host || (op.at == host && matches!(op.message, Message::Header { .. })));
         let computes_done = self.computes.get(self.computed).is_none_or(|&(next, _)| next > op.at);
         (issued && computes_done).then_some(op)
     }
@@ -164,7 +186,9 @@ impl Rank {
             .map_or("its end".to_string(), |&(at, _)| schedule.actions[r][at].to_string());
         let heads: Vec<String> = self.streams.values().filter_map(VecDeque::front).map(Op::describe).collect();
         let heads = if heads.is_empty() { "nothing queued".to_string() } else { heads.join(", ") };
-        Some(format!("rank {r} at {next} with {heads}"))
+        let connecting = self.connecting.keys().find(|&&peer| self.waits_to_connect(peer));
+        let host = connecting.map_or(String::new(), |peer| format!(", its host connecting to rank {peer}"));
+        Some(format!("rank {r} at {next} with {heads}{host}"))
     }
 }
 
@@ -179,6 +203,15 @@ pub fn check_p2p_order(schedule: &Schedule, first_step: bool) -> Result<()> {
         let mut progressed = false;
         for rank in &mut ranks {
             progressed |= rank.run_computes();
+        }
+        for a in 0..p {
+            for b in a + 1..p {
+                if ranks[a].waits_to_connect(b) && ranks[b].waits_to_connect(a) {
+                    ranks[a].connecting.remove(&b);
+                    ranks[b].connecting.remove(&a);
+                    progressed = true;
+                }
+            }
         }
         // A transfer runs when both sides' heads are ready and one sends what the other
         // receives (the matching above made sure it is the same message).
@@ -360,13 +393,14 @@ mod tests {
         );
     }
 
-    /// A receive the host must read (a chunk's first shape header) stops it issuing anything
-    /// after: on three ranks, rank 0 posting the receive of its second chunk's input before
-    /// sending its first chunk's output is harmless once the shapes are known (the two go to
-    /// different peers), but in the first step the host waits for a header that needs that
-    /// very output to exist.
+    /// In the first step the host stops where a pair's communicator is created and where it
+    /// reads a chunk's first shape header. On three ranks, rank 0 posting the receive of its
+    /// second chunk's input (from rank 2) before sending its first chunk's output (to rank 1)
+    /// is harmless once the shapes are known and the pairs connected (the two go to different
+    /// peers), but in the first step rank 0's host waits there for rank 2, which waits for rank
+    /// 1, which waits for that very output.
     #[test]
-    fn a_shape_header_stops_the_host() {
+    fn the_first_step_stops_the_host() {
         let mut early = Schedule::new(ScheduleKind::Interleaved, 3, 1, 2).unwrap();
         let receive = Action::RecvActivation(Step { micro: 0, chunk: 1 });
         let list = &mut early.actions[0];
@@ -377,6 +411,11 @@ mod tests {
         check_p2p_order(&early, false).unwrap();
         let err = check_p2p_order(&early, true).unwrap_err().to_string();
         assert!(err.contains("hangs on NCCL"), "{err}");
+        for (rank, peer) in [(0, 2), (1, 0), (2, 1)] {
+            let waits = format!("rank {rank} at F(micro 0, chunk ");
+            let stop = err.split("; ").find(|part| part.contains(&waits)).unwrap_or_else(|| panic!("{err}"));
+            assert!(stop.ends_with(&format!("its host connecting to rank {peer}")), "{err}");
+        }
         assert!(err.contains("receive from rank 2 (shape header after stage 2)"), "{err}");
     }
 }
