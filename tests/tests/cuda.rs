@@ -123,6 +123,40 @@ fn mark(dev: usize) -> Event {
     e
 }
 
+/// Two trainable fp32 parameters of `numel` seeded random values.
+fn two_params(numel: usize) -> Vec<Param> {
+    (0..2)
+        .map(|i| {
+            tch::manual_seed(i);
+            let t = Tensor::randn([numel as i64], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+            Param::new(format!("w{i}"), &t)
+        })
+        .collect()
+}
+
+/// A chunk manager on `device` holding `params` one per chunk, homes in (pinned) host memory,
+/// payloads in `compute`, after a step that recorded the trace (chunk 0, then chunk 1).
+fn two_chunks_recorded(params: &[Param], device: Device, budget: usize, compute: Kind) -> ChunkManager {
+    let numel = params[0].tensor.numel();
+    let cfg = ChunkConfig {
+        device,
+        budget,
+        search: (numel, numel, 1),
+        home_buffers: 2,
+        compute,
+        share_cpu_homes: false,
+        trainable: true,
+    };
+    let mut m = ChunkManager::new(params, cfg, Tier::Host).unwrap();
+    for c in 0..2 {
+        m.access(&[c]).unwrap();
+        m.done(&[c]).unwrap();
+    }
+    m.end_step();
+    m.release_all().unwrap();
+    m
+}
+
 /// Gemini claims its prefetch overlaps the copy of a chunk from its pinned host home with the
 /// compute already running (`residency.rs`, a side stream). Checked with CUDA events rather
 /// than assumed: the prefetch call returns without waiting for the copy, and copy plus compute
@@ -132,39 +166,17 @@ fn mark(dev: usize) -> Event {
 fn gemini_prefetch_overlaps_the_copy_with_compute() {
     let Some(dev) = gpu() else { return };
     let device = Device::Cuda(dev);
-    // Two parameters of 256 MiB, one chunk each, homes in (pinned) host memory.
+    // Two parameters of 256 MiB.
     const NUMEL: usize = 64 << 20;
-    let params: Vec<Param> = (0..2)
-        .map(|i| {
-            tch::manual_seed(i);
-            let t = Tensor::randn([NUMEL as i64], (Kind::Float, Device::Cpu)).set_requires_grad(true);
-            Param::new(format!("w{i}"), &t)
-        })
-        .collect();
+    let params = two_params(NUMEL);
     let expected: Vec<Tensor> = params.iter().map(|p| p.tensor.detach().copy()).collect();
-    let cfg = ChunkConfig {
-        device,
-        budget: 2 * NUMEL * 4,
-        search: (NUMEL, NUMEL, 1),
-        home_buffers: 2,
-        compute: Kind::Float,
-        share_cpu_homes: false,
-        trainable: true,
-    };
-    let mut m = ChunkManager::new(&params, cfg, Tier::Host).unwrap();
+    let mut m = two_chunks_recorded(&params, device, 2 * NUMEL * 4, Kind::Float);
     let x = Tensor::randn([4096, 4096], (Kind::Float, device));
     let compute = |n: usize| {
         for _ in 0..n {
             let _ = x.matmul(&x);
         }
     };
-    // Step 1 records the trace (chunk 0, then chunk 1).
-    for c in 0..2 {
-        m.access(&[c]).unwrap();
-        m.done(&[c]).unwrap();
-    }
-    m.end_step();
-    m.release_all().unwrap();
 
     // A replayed step without prefetch: chunk 1 loads at its access, on the compute stream.
     // Times the load, and three products to size the compute at three loads.
@@ -229,36 +241,15 @@ fn gemini_prefetch_overlaps_the_copy_with_compute() {
 fn gemini_prefetch_leaves_room_for_its_staged_copy() {
     let Some(dev) = gpu() else { return };
     let device = Device::Cuda(dev);
-    // Two parameters, one chunk each: 32 MiB payloads in bf16, 64 MiB staged in fp32.
+    // Two parameters: 32 MiB payloads in bf16, 64 MiB staged in fp32.
     const NUMEL: usize = 16 << 20;
-    let params: Vec<Param> = (0..2)
-        .map(|i| {
-            tch::manual_seed(i);
-            let t = Tensor::randn([NUMEL as i64], (Kind::Float, Device::Cpu)).set_requires_grad(true);
-            Param::new(format!("w{i}"), &t)
-        })
-        .collect();
-    let expected: Vec<Tensor> = params.iter().map(|p| p.tensor.detach().to_kind(Kind::BFloat16)).collect();
     let (payload, staged) = (NUMEL * 2, NUMEL * 4);
     for (budget, prefetched) in [(2 * payload, false), (2 * payload + staged, true)] {
-        let cfg = ChunkConfig {
-            device,
-            budget,
-            search: (NUMEL, NUMEL, 1),
-            home_buffers: 2,
-            compute: Kind::BFloat16,
-            share_cpu_homes: false,
-            trainable: true,
-        };
-        let mut m = ChunkManager::new(&params, cfg, Tier::Host).unwrap();
+        // Fresh parameters for each manager: a manager makes them views into its payloads.
+        let params = two_params(NUMEL);
+        let expected: Vec<Tensor> = params.iter().map(|p| p.tensor.detach().to_kind(Kind::BFloat16)).collect();
+        let mut m = two_chunks_recorded(&params, device, budget, Kind::BFloat16);
         assert_eq!(m.staging_bytes(), staged);
-        // Step 1 records the trace (chunk 0, then chunk 1).
-        for c in 0..2 {
-            m.access(&[c]).unwrap();
-            m.done(&[c]).unwrap();
-        }
-        m.end_step();
-        m.release_all().unwrap();
         cuda::synchronize(dev).unwrap();
         let start = cuda::memory_stats(dev).unwrap().allocated;
         cuda::reset_peak_stats(dev).unwrap();

@@ -301,88 +301,42 @@ mod tests {
         Step { micro, chunk: 0 }
     }
 
+    /// `schedule` with `action` moved on `rank` to just before `before`. The simulator (Gloo's
+    /// rules) still runs it.
+    fn moved(mut schedule: Schedule, rank: usize, action: Action, before: Action) -> Schedule {
+        let list = &mut schedule.actions[rank];
+        list.retain(|&a| a != action);
+        let at = list.iter().position(|&a| a == before).expect("the action to move before");
+        list.insert(at, action);
+        super::super::simulate(&schedule, super::super::Costs::default()).unwrap();
+        schedule
+    }
+
     /// 1F1B on two ranks with each exchange beside its compute: rank 0 sends micro-batch 1's
     /// activation while rank 1 sends micro-batch 0's gradient, and neither receives.
     #[test]
     fn exchanges_beside_their_computes_hang_1f1b() {
-        use Action::*;
-        let beside = Schedule::from_actions(
-            ScheduleKind::OneFOneB,
-            2,
-            1,
-            false,
-            vec![
-                vec![
-                    Forward(s(0)),
-                    SendActivation(s(0)),
-                    Forward(s(1)),
-                    SendActivation(s(1)),
-                    RecvGrad(s(0)),
-                    Backward(s(0)),
-                    RecvGrad(s(1)),
-                    Backward(s(1)),
-                ],
-                vec![
-                    RecvActivation(s(0)),
-                    Forward(s(0)),
-                    Backward(s(0)),
-                    SendGrad(s(0)),
-                    RecvActivation(s(1)),
-                    Forward(s(1)),
-                    Backward(s(1)),
-                    SendGrad(s(1)),
-                ],
-            ],
-        );
-        // Gloo's rules (the simulator's) run it.
-        super::super::simulate(&beside, super::super::Costs::default()).unwrap();
+        let built = Schedule::new(ScheduleKind::OneFOneB, 2, 2, 1).unwrap();
+        check_p2p_order(&built, true).unwrap();
+        // Rank 1 receives micro-batch 1's activation before sending micro-batch 0's gradient.
+        let (receive, forward) = (Action::RecvActivation(s(1)), Action::Forward(s(1)));
+        let pos = |a: Action| built.actions[1].iter().position(|&b| b == a).unwrap();
+        assert!(pos(receive) < pos(Action::SendGrad(s(0))), "{:?}", built.actions[1]);
+        let beside = moved(built, 1, receive, forward);
         for first_step in [true, false] {
             let err = check_p2p_order(&beside, first_step).unwrap_err().to_string();
             assert!(err.contains("hangs on NCCL"), "{err}");
             assert!(err.contains("send to rank 1 (activation of micro-batch 1 after stage 0)"), "{err}");
             assert!(err.contains("send to rank 0 (gradient of micro-batch 0 after stage 0)"), "{err}");
         }
-        // The order Schedule::new builds receives micro-batch 1's activation first.
-        let built = Schedule::new(ScheduleKind::OneFOneB, 2, 2, 1).unwrap();
-        let pos = |a: Action| built.actions[1].iter().position(|&b| b == a).unwrap();
-        assert!(pos(RecvActivation(s(1))) < pos(SendGrad(s(0))), "{:?}", built.actions[1]);
-        check_p2p_order(&built, true).unwrap();
     }
 
     /// Tags do not match messages on NCCL: receiving two activations in the other order would
     /// fill each buffer with the other's data.
     #[test]
     fn messages_received_out_of_order_are_named() {
-        use Action::*;
-        let swapped = Schedule::from_actions(
-            ScheduleKind::GPipe,
-            2,
-            1,
-            false,
-            vec![
-                vec![
-                    Forward(s(0)),
-                    SendActivation(s(0)),
-                    Forward(s(1)),
-                    SendActivation(s(1)),
-                    RecvGrad(s(0)),
-                    RecvGrad(s(1)),
-                    Backward(s(0)),
-                    Backward(s(1)),
-                ],
-                vec![
-                    RecvActivation(s(1)),
-                    RecvActivation(s(0)),
-                    Forward(s(0)),
-                    Forward(s(1)),
-                    Backward(s(0)),
-                    SendGrad(s(0)),
-                    Backward(s(1)),
-                    SendGrad(s(1)),
-                ],
-            ],
-        );
-        super::super::simulate(&swapped, super::super::Costs::default()).unwrap();
+        let built = Schedule::new(ScheduleKind::GPipe, 2, 2, 1).unwrap();
+        let swapped = moved(built, 1, Action::RecvActivation(s(1)), Action::RecvActivation(s(0)));
         let err = check_p2p_order(&swapped, false).unwrap_err().to_string();
         assert!(
             err.contains(
@@ -401,13 +355,10 @@ mod tests {
     /// 1, which waits for that very output.
     #[test]
     fn the_first_step_stops_the_host() {
-        let mut early = Schedule::new(ScheduleKind::Interleaved, 3, 1, 2).unwrap();
+        let built = Schedule::new(ScheduleKind::Interleaved, 3, 1, 2).unwrap();
         let receive = Action::RecvActivation(Step { micro: 0, chunk: 1 });
-        let list = &mut early.actions[0];
-        assert_eq!(list[0], Action::Forward(s(0)));
-        list.retain(|&a| a != receive);
-        list.insert(1, receive);
-        super::super::simulate(&early, super::super::Costs::default()).unwrap();
+        assert_eq!(built.actions[0][..2], [Action::Forward(s(0)), Action::SendActivation(s(0))]);
+        let early = moved(built, 0, receive, Action::SendActivation(s(0)));
         check_p2p_order(&early, false).unwrap();
         let err = check_p2p_order(&early, true).unwrap_err().to_string();
         assert!(err.contains("hangs on NCCL"), "{err}");
