@@ -1,13 +1,20 @@
 //! CUDA streams, events, allocator statistics and the memory cap. These need a GPU: without
 //! one each test returns early with a notice, or fails under `SUITE_REQUIRE_CUDA=1` (the
 //! CPU-only behaviour is checked in faults.rs).
+use std::sync::{Mutex, MutexGuard};
+
 use engine::cuda::{self, Event, Stream};
 use engine::gemini::{ChunkConfig, ChunkManager, Event as ChunkEvent, Tier};
 use engine::optim::Param;
 use tch::{Device, Kind, Tensor};
 
-fn gpu() -> Option<usize> {
-    suite_tests::cuda_devices(1, "this CUDA test").then_some(0)
+/// The GPU, to one test at a time: the tests read the process's allocator statistics, cap
+/// its memory and time copies, which tests running beside them would disturb (a plain `cargo
+/// test` runs them in parallel).
+fn gpu() -> Option<(usize, MutexGuard<'static, ()>)> {
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+    suite_tests::cuda_devices(1, "this CUDA test")
+        .then(|| (0, ONE_AT_A_TIME.lock().unwrap_or_else(|poisoned| poisoned.into_inner())))
 }
 
 #[test]
@@ -33,7 +40,7 @@ fn require_cuda_turns_a_missing_gpu_into_a_failure() {
 #[test]
 fn allocator_calls_work_before_any_tensor() {
     const CHILD: &str = "SUITE_FIRST_CUDA_CALL";
-    let Some(dev) = gpu() else { return };
+    let Some((dev, _one_at_a_time)) = gpu() else { return };
     if std::env::var_os(CHILD).is_none() {
         let out = std::process::Command::new(std::env::current_exe().unwrap())
             .args(["allocator_calls_work_before_any_tensor", "--exact", "--test-threads=1", "--nocapture"])
@@ -56,7 +63,7 @@ fn allocator_calls_work_before_any_tensor() {
 
 #[test]
 fn side_stream_work_is_ordered_by_events() {
-    let Some(dev) = gpu() else { return };
+    let Some((dev, _one_at_a_time)) = gpu() else { return };
     let main = Stream::current(dev).unwrap();
     let side = Stream::from_pool(dev, false).unwrap();
     assert_ne!(main.id(), side.id(), "a pool stream is not the current stream");
@@ -85,7 +92,7 @@ fn side_stream_work_is_ordered_by_events() {
 
 #[test]
 fn allocator_statistics_track_tensors() {
-    let Some(dev) = gpu() else { return };
+    let Some((dev, _one_at_a_time)) = gpu() else { return };
     cuda::synchronize(dev).unwrap();
     cuda::reset_peak_stats(dev).unwrap();
     let before = cuda::memory_stats(dev).unwrap();
@@ -102,7 +109,7 @@ fn allocator_statistics_track_tensors() {
 
 #[test]
 fn memory_cap_turns_large_allocations_into_errors() {
-    let Some(dev) = gpu() else { return };
+    let Some((dev, _one_at_a_time)) = gpu() else { return };
     cuda::empty_cache().unwrap();
     cuda::set_memory_cap(1 << 30, dev).unwrap(); // 1 GiB
     let small = Tensor::f_zeros([128, 1024, 1024], (Kind::Float, Device::Cuda(dev))); // 512 MiB
@@ -164,7 +171,7 @@ fn two_chunks_recorded(params: &[Param], device: Device, budget: usize, compute:
 /// the compute alone. A pageable home, or a copy on the compute stream, would serialise them.
 #[test]
 fn gemini_prefetch_overlaps_the_copy_with_compute() {
-    let Some(dev) = gpu() else { return };
+    let Some((dev, _one_at_a_time)) = gpu() else { return };
     let device = Device::Cuda(dev);
     // Two parameters of 256 MiB.
     const NUMEL: usize = 64 << 20;
@@ -239,7 +246,7 @@ fn gemini_prefetch_overlaps_the_copy_with_compute() {
 /// so the allocator's peak stays within the budget either way.
 #[test]
 fn gemini_prefetch_leaves_room_for_its_staged_copy() {
-    let Some(dev) = gpu() else { return };
+    let Some((dev, _one_at_a_time)) = gpu() else { return };
     let device = Device::Cuda(dev);
     // Two parameters: 32 MiB payloads in bf16, 64 MiB staged in fp32.
     const NUMEL: usize = 16 << 20;

@@ -421,7 +421,9 @@ impl ChunkManager {
 
     /// Device bytes a prefetch of chunk `c` stages beside its payload while the copy lasts: on
     /// a GPU, a copy of a host home whose dtype is not the payload's (its bytes cross as they
-    /// are and the cast runs on the device), else none.
+    /// are and the cast runs on the device), else none. Not counted: a sharded chunk's gather
+    /// input, its shard in the compute dtype on the device until the chunk's access (ZeRO-3 over
+    /// several GPUs).
     pub(crate) fn staging_of(&self, c: usize) -> usize {
         let ch = &self.chunks[c];
         let staged = self.device.is_cuda() && ch.home.device() != self.device && ch.home.kind() != ch.kind;

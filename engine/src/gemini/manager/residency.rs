@@ -133,7 +133,7 @@ impl ChunkManager {
     /// (in trace order), evicting only chunks whose next use is farther away than the one
     /// loaded (so a prefetch never costs a reload sooner than it saves one). A chunk whose
     /// payload and staged copy ([`ChunkManager::staging_of`]) do not fit is left to its access,
-    /// whose load converts on the host and stages nothing on the device.
+    /// whose load of a whole chunk converts on the host and stages nothing on the device.
     pub fn prefetch(&mut self, depth: usize) -> Result<()> {
         if self.recording {
             return Ok(());

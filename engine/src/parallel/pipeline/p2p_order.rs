@@ -6,17 +6,20 @@
 //!   buffer completes only when both sides' operations run at once: a send at the head of one
 //!   side's stream waits for the matching receive to reach the head of the other's;
 //! - an operation's stream first waits for the compute queued before it (the tensor it sends or
-//!   overwrites), and a compute waits for the receive it consumes, but the host runs ahead;
-//! - except at a chunk's first activation, whose shape header the host reads before it goes on
-//!   (the header crosses on the same streams, just before the activation);
-//! - and, in the first step, at the first operation between two ranks: NCCL creates the pair's
-//!   communicator then, which holds each host until the other reaches its own first operation
-//!   with it.
+//!   overwrites), and a compute waits for the receive it consumes.
 //!
-//! [`check_p2p_order`] plays every rank's list on that model of the GPUs and reports a message
-//! that would arrive in the wrong buffer, or a cycle of waits (a hang), naming what each rank
-//! waits for.
-use std::collections::{BTreeMap, HashSet, VecDeque};
+//! The host queues all of that and runs ahead, except where it waits ([`HostStep`]):
+//! - in the first step, where NCCL creates a pair's communicator (the pair's first exchange) and
+//!   connects each direction (its first exchange that way), which holds both hosts until each
+//!   reaches that point; where it copies a chunk's shape header to or from the device (a
+//!   blocking copy, which waits for the compute queued before); and where it reads a received
+//!   header before going on;
+//! - in a measured step ([`super::Pipeline::measure`]), after every compute, which it waits for.
+//!
+//! [`check_p2p_order`] plays every rank's list on that model, for a first and a later step,
+//! measured or not, and reports a message that would arrive in the wrong buffer, or a cycle of
+//! waits (a hang), naming what each rank waits for.
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 
 use super::schedule::{Action, Schedule};
 use crate::{Error, Result};
@@ -29,14 +32,24 @@ enum Message {
     Header { stage: usize },
 }
 
+fn describe(m: Message) -> String {
+    match m {
+        Message::Data { micro, stage, grad: false } => format!("activation of micro-batch {micro} after stage {stage}"),
+        Message::Data { micro, stage, grad: true } => format!("gradient of micro-batch {micro} after stage {stage}"),
+        Message::Header { stage } => format!("shape header after stage {stage}"),
+    }
+}
+
 /// One operation on a pair's stream.
 #[derive(Clone, Copy, Debug)]
 struct Op {
-    /// Position in the rank's list of the action that issues it (the host issues in order).
-    at: usize,
+    /// Its index among the rank's operations.
+    id: usize,
     send: bool,
     peer: usize,
     message: Message,
+    /// How many of the rank's computes the host had queued when it issued the operation.
+    after_computes: usize,
 }
 
 impl Op {
@@ -46,136 +59,190 @@ impl Op {
     }
 }
 
-/// One rank on the model: its streams and how far its host and its computes got.
+/// What the host does next, in order.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum HostStep {
+    /// Queues a compute (by its index among the rank's computes).
+    Compute(usize),
+    /// Queues an operation (by its index).
+    Issue(usize),
+    /// Waits until every compute queued so far has run.
+    Sync,
+    /// Waits until `peer` reaches its own `Pair` step with this rank.
+    Pair(usize),
+    /// Waits until `peer` reaches its `Direction` step the other way.
+    Direction { peer: usize, send: bool },
+    /// Waits until the operation (a header's receive) completed.
+    Read(usize),
+}
+
+impl HostStep {
+    /// The step a peer must reach for this one to pass (for the two that need one).
+    fn partner(self, me: usize) -> Option<(usize, HostStep)> {
+        match self {
+            HostStep::Pair(peer) => Some((peer, HostStep::Pair(me))),
+            HostStep::Direction { peer, send } => Some((peer, HostStep::Direction { peer: me, send: !send })),
+            _ => None,
+        }
+    }
+}
+
+/// One rank on the model: its host's steps, its streams, and how far each got.
 struct Rank {
-    /// Operations per peer, in issue order (ordered by peer, so messages are too).
-    streams: BTreeMap<usize, VecDeque<Op>>,
-    /// Each compute action's list position, and the position of the receive it consumes.
+    host: Vec<HostStep>,
+    /// The next host step to take.
+    at: usize,
+    ops: Vec<Op>,
+    /// Per peer, the operations on that pair's stream not yet complete (ids, in order).
+    streams: BTreeMap<usize, VecDeque<usize>>,
+    /// For each compute: its action's list position, and the receive it consumes (op id).
     computes: Vec<(usize, Option<usize>)>,
-    /// List positions of the receives whose shape header the host reads before going on.
-    blocking: Vec<usize>,
-    /// In the first step, per peer, the list position of the first operation with it, until the
-    /// pair's communicator exists.
-    connecting: BTreeMap<usize, usize>,
-    /// Computes run, headers read, and the data receives completed (by list position).
+    queued: usize,
     computed: usize,
-    headers_read: usize,
-    received: HashSet<usize>,
+    issued: usize,
+    completed: HashSet<usize>,
 }
 
 impl Rank {
-    fn new(schedule: &Schedule, r: usize, first_step: bool) -> Rank {
-        let (p, list) = (schedule.pp, &schedule.actions[r]);
+    fn new(schedule: &Schedule, r: usize, first_step: bool, measured: bool) -> Result<Rank> {
+        let p = schedule.pp;
         let mut rank = Rank {
+            host: Vec::new(),
+            at: 0,
+            ops: Vec::new(),
             streams: BTreeMap::new(),
             computes: Vec::new(),
-            blocking: Vec::new(),
-            connecting: BTreeMap::new(),
+            queued: 0,
             computed: 0,
-            headers_read: 0,
-            received: HashSet::new(),
+            issued: 0,
+            completed: HashSet::new(),
         };
+        // The receive each action's data arrives by, and the directions and pairs met so far.
+        let mut data_receive: HashMap<Action, usize> = HashMap::new();
+        let (mut pairs, mut directions) = (HashSet::new(), HashSet::new());
         let (mut headers_sent, mut headers_received) = (HashSet::new(), HashSet::new());
-        for (at, a) in list.iter().enumerate() {
-            let mut push = |send: bool, peer: usize, message: Message| {
-                rank.streams.entry(peer).or_default().push_back(Op { at, send, peer, message });
-            };
-            match *a {
-                Action::Forward(s) | Action::Backward(s) | Action::Weight(s) => {
-                    let wanted = match *a {
-                        Action::Forward(_) => Some(Action::RecvActivation(s)),
-                        Action::Backward(_) => Some(Action::RecvGrad(s)),
+        for (at, &a) in schedule.actions[r].iter().enumerate() {
+            let s = a.step();
+            let stage = schedule.stage_of(r, s.chunk);
+            let (send, peer, message, header) = match a {
+                Action::Forward(_) | Action::Backward(_) | Action::Weight(_) => {
+                    let input = match a {
+                        Action::Forward(_) if stage > 0 => Some(Action::RecvActivation(s)),
+                        Action::Backward(_) if stage + 1 < schedule.stages() => Some(Action::RecvGrad(s)),
                         _ => None,
                     };
-                    rank.computes.push((at, wanted.and_then(|w| list[..at].iter().position(|&b| b == w))));
-                }
-                Action::SendActivation(s) => {
-                    let stage = schedule.stage_of(r, s.chunk);
-                    if first_step && headers_sent.insert(s.chunk) {
-                        push(true, (stage + 1) % p, Message::Header { stage });
+                    let input = match input {
+                        Some(i) => Some(*data_receive.get(&i).ok_or_else(|| {
+                            Error::invalid(format!("pipeline schedule: rank {r} runs {a} before its receive"))
+                        })?),
+                        None => None,
+                    };
+                    rank.host.push(HostStep::Compute(rank.computes.len()));
+                    rank.computes.push((at, input));
+                    if measured {
+                        rank.host.push(HostStep::Sync);
                     }
-                    push(true, (stage + 1) % p, Message::Data { micro: s.micro, stage, grad: false });
+                    continue;
                 }
-                Action::RecvActivation(s) => {
-                    let stage = schedule.stage_of(r, s.chunk) - 1;
-                    if first_step && headers_received.insert(s.chunk) {
-                        push(false, stage % p, Message::Header { stage });
-                        rank.blocking.push(at);
-                    }
-                    push(false, stage % p, Message::Data { micro: s.micro, stage, grad: false });
+                Action::SendActivation(_) => {
+                    let header = first_step && headers_sent.insert(s.chunk);
+                    (true, (stage + 1) % p, Message::Data { micro: s.micro, stage, grad: false }, header)
                 }
-                Action::SendGrad(s) => {
-                    let stage = schedule.stage_of(r, s.chunk) - 1;
-                    push(true, stage % p, Message::Data { micro: s.micro, stage, grad: true });
+                Action::RecvActivation(_) => {
+                    let header = first_step && headers_received.insert(s.chunk);
+                    (false, (stage - 1) % p, Message::Data { micro: s.micro, stage: stage - 1, grad: false }, header)
                 }
-                Action::RecvGrad(s) => {
-                    let stage = schedule.stage_of(r, s.chunk);
-                    push(false, (stage + 1) % p, Message::Data { micro: s.micro, stage, grad: true });
+                Action::SendGrad(_) => {
+                    (true, (stage - 1) % p, Message::Data { micro: s.micro, stage: stage - 1, grad: true }, false)
+                }
+                Action::RecvGrad(_) => {
+                    (false, (stage + 1) % p, Message::Data { micro: s.micro, stage, grad: true }, false)
+                }
+            };
+            // The runtime copies a header between host and device with a blocking copy, then
+            // sends or receives it on the pair's stream ahead of the data.
+            if header {
+                rank.host.push(HostStep::Sync);
+            }
+            if first_step && pairs.insert(peer) {
+                rank.host.push(HostStep::Pair(peer));
+            }
+            if first_step && directions.insert((peer, send)) {
+                rank.host.push(HostStep::Direction { peer, send });
+            }
+            let push = |rank: &mut Rank, message: Message| {
+                let id = rank.ops.len();
+                rank.ops.push(Op { id, send, peer, message, after_computes: rank.computes.len() });
+                rank.streams.entry(peer).or_default().push_back(id);
+                rank.host.push(HostStep::Issue(id));
+                id
+            };
+            if header {
+                let (Message::Data { stage: boundary, .. } | Message::Header { stage: boundary }) = message;
+                let id = push(&mut rank, Message::Header { stage: boundary });
+                // Reading it is a blocking copy to the host too.
+                if !send {
+                    rank.host.extend([HostStep::Read(id), HostStep::Sync]);
                 }
             }
+            let id = push(&mut rank, message);
+            if !send {
+                data_receive.insert(a, id);
+            }
         }
-        if first_step {
-            rank.connecting = rank.streams.iter().filter_map(|(&peer, ops)| Some((peer, ops.front()?.at))).collect();
+        Ok(rank)
+    }
+
+    /// Takes the host steps that need nothing from other ranks; whether any was taken.
+    fn advance_host(&mut self) -> bool {
+        let start = self.at;
+        while let Some(&step) = self.host.get(self.at) {
+            match step {
+                HostStep::Compute(_) => self.queued += 1,
+                HostStep::Issue(_) => self.issued += 1,
+                HostStep::Sync if self.computed == self.queued => {}
+                HostStep::Read(id) if self.completed.contains(&id) => {}
+                _ => break,
+            }
+            self.at += 1;
         }
-        rank
+        self.at > start
     }
 
-    /// The list position the host has not passed: the first header it has yet to read.
-    fn host_at(&self) -> usize {
-        self.blocking.get(self.headers_read).copied().unwrap_or(usize::MAX)
+    /// The host step it waits at, if any.
+    fn waits_at(&self) -> Option<HostStep> {
+        self.host.get(self.at).copied()
     }
 
-    /// The list position of the first operation whose communicator does not exist yet: the
-    /// host issues nothing from there on until it does.
-    fn connect_at(&self) -> usize {
-        self.connecting.values().copied().min().unwrap_or(usize::MAX)
-    }
-
-    /// Whether the host waits to connect to `peer` (it reached its first operation with it).
-    fn waits_to_connect(&self, peer: usize) -> bool {
-        self.connecting.get(&peer).is_some_and(|&at| at == self.connect_at() && at <= self.host_at())
-    }
-
-    /// Runs the computes whose receives are in; whether any ran.
+    /// Runs the queued computes whose receives are in; whether any ran.
     fn run_computes(&mut self) -> bool {
-        let before = self.computed;
-        while let Some(&(at, input)) = self.computes.get(self.computed) {
-            if at >= self.host_at().min(self.connect_at()) || input.is_some_and(|i| !self.received.contains(&i)) {
-                break;
+        let start = self.computed;
+        while self.computed < self.queued {
+            match self.computes[self.computed].1 {
+                Some(input) if !self.completed.contains(&input) => break,
+                _ => self.computed += 1,
             }
-            self.computed += 1;
         }
-        self.computed > before
+        self.computed > start
     }
 
-    /// The head of the stream to `peer`, if the host issued it and the computes queued before
-    /// it ran (a header receive is issued with its action, ahead of that action's data).
+    /// The head of the stream to `peer`, if it was issued and the computes queued before it ran.
     fn ready_head(&self, peer: usize) -> Option<Op> {
-        let op = *self.streams.get(&peer)?.front()?;
-        let host = self.host_at();
-        let issued = op.at < self.connect_at()
-            && (op.at < host || (op.at == host && matches!(op.message, Message::Header { .. })));
-        let computes_done = self.computes.get(self.computed).is_none_or(|&(next, _)| next > op.at);
-        (issued && computes_done).then_some(op)
+        let op = self.ops[*self.streams.get(&peer)?.front()?];
+        (op.id < self.issued && self.computed >= op.after_computes).then_some(op)
     }
 
-    /// Completes the head of the stream to `peer`.
     fn complete_head(&mut self, peer: usize) {
-        let op = self.streams.get_mut(&peer).and_then(VecDeque::pop_front).expect("a head to complete");
-        match op.message {
-            _ if op.send => {}
-            Message::Header { .. } => self.headers_read += 1,
-            Message::Data { .. } => {
-                self.received.insert(op.at);
-            }
-        }
+        let id = self.streams.get_mut(&peer).and_then(VecDeque::pop_front).expect("a head to complete");
+        self.completed.insert(id);
     }
 
     fn done(&self) -> bool {
-        self.computed == self.computes.len() && self.streams.values().all(VecDeque::is_empty)
+        self.at == self.host.len() && self.computed == self.queued && self.streams.values().all(VecDeque::is_empty)
     }
 
-    /// Where a stuck rank stands: its next compute and the heads of its streams.
+    /// Where a stuck rank stands: its next compute, the heads of its streams, and what its host
+    /// waits for.
     fn stuck(&self, r: usize, schedule: &Schedule) -> Option<String> {
         if self.done() {
             return None;
@@ -184,37 +251,58 @@ impl Rank {
             .computes
             .get(self.computed)
             .map_or("its end".to_string(), |&(at, _)| schedule.actions[r][at].to_string());
-        let heads: Vec<String> = self.streams.values().filter_map(VecDeque::front).map(Op::describe).collect();
+        let heads: Vec<String> =
+            self.streams.values().filter_map(VecDeque::front).map(|&id| self.ops[id].describe()).collect();
         let heads = if heads.is_empty() { "nothing queued".to_string() } else { heads.join(", ") };
-        let connecting = self.connecting.keys().find(|&&peer| self.waits_to_connect(peer));
-        let host = connecting.map_or(String::new(), |peer| format!(", its host connecting to rank {peer}"));
+        let host = match self.waits_at() {
+            Some(HostStep::Sync) => ", its host waiting for its computes".to_string(),
+            Some(HostStep::Pair(peer)) => format!(", its host creating the communicator with rank {peer}"),
+            Some(HostStep::Direction { peer, send: true }) => format!(", its host connecting to rank {peer}"),
+            Some(HostStep::Direction { peer, send: false }) => format!(", its host connecting from rank {peer}"),
+            Some(HostStep::Read(id)) => format!(", its host reading the {}", describe(self.ops[id].message)),
+            _ => String::new(),
+        };
         Some(format!("rank {r} at {next} with {heads}{host}"))
     }
 }
 
-/// Checks `schedule` on the model above, for a training step whose headers cross (the first
-/// step, which has every exchange later steps have, and more) when `first_step`, else for a
-/// later one. Errors name the ranks and actions involved.
-pub fn check_p2p_order(schedule: &Schedule, first_step: bool) -> Result<()> {
+/// Checks `schedule` on the model above, for the first step (which creates the communicators
+/// and sends the shape headers) and for a later one, each measured and not. Errors name the
+/// ranks, their next computes, their streams' heads and what their hosts wait for.
+pub fn check_p2p_order(schedule: &Schedule) -> Result<()> {
+    for first_step in [true, false] {
+        for measured in [false, true] {
+            play(schedule, first_step, measured)?;
+        }
+    }
+    Ok(())
+}
+
+/// One step of `schedule` on the model.
+fn play(schedule: &Schedule, first_step: bool, measured: bool) -> Result<()> {
+    schedule.check_stages()?;
     let p = schedule.pp;
-    let mut ranks: Vec<Rank> = (0..p).map(|r| Rank::new(schedule, r, first_step)).collect();
+    let mut ranks = (0..p).map(|r| Rank::new(schedule, r, first_step, measured)).collect::<Result<Vec<Rank>>>()?;
     check_fifo_matching(schedule, &ranks)?;
     loop {
         let mut progressed = false;
         for rank in &mut ranks {
+            progressed |= rank.advance_host();
             progressed |= rank.run_computes();
         }
+        // Two hosts waiting for each other (a pair's communicator, a direction's connection)
+        // both go on.
         for a in 0..p {
-            for b in a + 1..p {
-                if ranks[a].waits_to_connect(b) && ranks[b].waits_to_connect(a) {
-                    ranks[a].connecting.remove(&b);
-                    ranks[b].connecting.remove(&a);
+            if let Some((b, want)) = ranks[a].waits_at().and_then(|step| step.partner(a)) {
+                if b > a && ranks[b].waits_at() == Some(want) {
+                    ranks[a].at += 1;
+                    ranks[b].at += 1;
                     progressed = true;
                 }
             }
         }
         // A transfer runs when both sides' heads are ready and one sends what the other
-        // receives (the matching above made sure it is the same message).
+        // receives (the matching below made sure it is the same message).
         for a in 0..p {
             for b in a + 1..p {
                 while let (Some(x), Some(y)) = (ranks[a].ready_head(b), ranks[b].ready_head(a)) {
@@ -232,8 +320,10 @@ pub fn check_p2p_order(schedule: &Schedule, first_step: bool) -> Result<()> {
         }
         if !progressed {
             let stuck: Vec<String> = ranks.iter().enumerate().filter_map(|(r, rank)| rank.stuck(r, schedule)).collect();
+            let step = if first_step { "first step" } else { "later steps" };
+            let measured = if measured { ", measured" } else { "" };
             return Err(Error::invalid(format!(
-                "pipeline schedule {} hangs on NCCL: {}",
+                "pipeline schedule {} hangs on NCCL ({step}{measured}): {}",
                 schedule.kind.name(),
                 stuck.join("; ")
             )));
@@ -244,11 +334,13 @@ pub fn check_p2p_order(schedule: &Schedule, first_step: bool) -> Result<()> {
 /// NCCL pairs the k-th send from a to b with the k-th receive b posts from a; both must be the
 /// same message.
 fn check_fifo_matching(schedule: &Schedule, ranks: &[Rank]) -> Result<()> {
+    let messages = |rank: &Rank, peer: usize, send: bool| -> Vec<Message> {
+        rank.ops.iter().filter(|op| op.peer == peer && op.send == send).map(|op| op.message).collect()
+    };
     for (a, rank) in ranks.iter().enumerate() {
-        for (&b, ops) in &rank.streams {
-            let sent = ops.iter().filter(|op| op.send).map(|op| op.message);
-            let expected = ranks[b].streams.get(&a).into_iter().flatten().filter(|op| !op.send).map(|op| op.message);
-            for (k, (s, e)) in sent.zip(expected).enumerate() {
+        for &b in rank.streams.keys() {
+            let expected = messages(&ranks[b], a, false);
+            for (k, (s, e)) in messages(rank, b, true).into_iter().zip(expected).enumerate() {
                 if s != e {
                     return Err(Error::invalid(format!(
                         "pipeline schedule {}: on NCCL, the message {k} rank {a} sends to rank {b} is {} but rank {b} \
@@ -262,14 +354,6 @@ fn check_fifo_matching(schedule: &Schedule, ranks: &[Rank]) -> Result<()> {
         }
     }
     Ok(())
-}
-
-fn describe(m: Message) -> String {
-    match m {
-        Message::Data { micro, stage, grad: false } => format!("activation of micro-batch {micro} after stage {stage}"),
-        Message::Data { micro, stage, grad: true } => format!("gradient of micro-batch {micro} after stage {stage}"),
-        Message::Header { stage } => format!("shape header after stage {stage}"),
-    }
 }
 
 #[cfg(test)]
@@ -288,10 +372,7 @@ mod tests {
                 }
                 for (kind, v) in cases {
                     let s = Schedule::new(kind, p, m, v).unwrap();
-                    for first_step in [true, false] {
-                        check_p2p_order(&s, first_step)
-                            .unwrap_or_else(|e| panic!("{kind:?} p={p} m={m} v={v} first_step={first_step}: {e}"));
-                    }
+                    check_p2p_order(&s).unwrap_or_else(|e| panic!("{kind:?} p={p} m={m} v={v}: {e}"));
                 }
             }
         }
@@ -317,14 +398,14 @@ mod tests {
     #[test]
     fn exchanges_beside_their_computes_hang_1f1b() {
         let built = Schedule::new(ScheduleKind::OneFOneB, 2, 2, 1).unwrap();
-        check_p2p_order(&built, true).unwrap();
+        check_p2p_order(&built).unwrap();
         // Rank 1 receives micro-batch 1's activation before sending micro-batch 0's gradient.
         let (receive, forward) = (Action::RecvActivation(s(1)), Action::Forward(s(1)));
         let pos = |a: Action| built.actions[1].iter().position(|&b| b == a).unwrap();
         assert!(pos(receive) < pos(Action::SendGrad(s(0))), "{:?}", built.actions[1]);
         let beside = moved(built, 1, receive, forward);
         for first_step in [true, false] {
-            let err = check_p2p_order(&beside, first_step).unwrap_err().to_string();
+            let err = play(&beside, first_step, false).unwrap_err().to_string();
             assert!(err.contains("hangs on NCCL"), "{err}");
             assert!(err.contains("send to rank 1 (activation of micro-batch 1 after stage 0)"), "{err}");
             assert!(err.contains("send to rank 0 (gradient of micro-batch 0 after stage 0)"), "{err}");
@@ -337,10 +418,10 @@ mod tests {
     fn messages_received_out_of_order_are_named() {
         let built = Schedule::new(ScheduleKind::GPipe, 2, 2, 1).unwrap();
         let swapped = moved(built, 1, Action::RecvActivation(s(1)), Action::RecvActivation(s(0)));
-        let err = check_p2p_order(&swapped, false).unwrap_err().to_string();
+        let err = check_p2p_order(&swapped).unwrap_err().to_string();
         assert!(
             err.contains(
-                "the message 0 rank 0 sends to rank 1 is activation of micro-batch 0 after stage 0 but rank 1 receives \
+                "the message 1 rank 0 sends to rank 1 is activation of micro-batch 0 after stage 0 but rank 1 receives \
                  it as activation of micro-batch 1 after stage 0"
             ),
             "{err}"
@@ -359,14 +440,59 @@ mod tests {
         let receive = Action::RecvActivation(Step { micro: 0, chunk: 1 });
         assert_eq!(built.actions[0][..2], [Action::Forward(s(0)), Action::SendActivation(s(0))]);
         let early = moved(built, 0, receive, Action::SendActivation(s(0)));
-        check_p2p_order(&early, false).unwrap();
-        let err = check_p2p_order(&early, true).unwrap_err().to_string();
+        play(&early, false, false).unwrap();
+        play(&early, false, true).unwrap();
+        let err = play(&early, true, false).unwrap_err().to_string();
         assert!(err.contains("hangs on NCCL"), "{err}");
         for (rank, peer) in [(0, 2), (1, 0), (2, 1)] {
             let waits = format!("rank {rank} at F(micro 0, chunk ");
             let stop = err.split("; ").find(|part| part.contains(&waits)).unwrap_or_else(|| panic!("{err}"));
-            assert!(stop.ends_with(&format!("its host connecting to rank {peer}")), "{err}");
+            assert!(stop.ends_with(&format!("its host creating the communicator with rank {peer}")), "{err}");
         }
         assert!(err.contains("receive from rank 2 (shape header after stage 2)"), "{err}");
+    }
+
+    /// NCCL connects each direction of a pair at its first exchange that way, holding both
+    /// hosts. Rank 2 receiving micro-batch 0's gradient from rank 0 early (before its backward
+    /// of chunk 1, which that gradient needs) is harmless once connected, but in the first step
+    /// its host waits there for rank 0's first send to it: that very gradient.
+    #[test]
+    fn each_direction_connects_at_its_first_exchange() {
+        let mut early = Schedule::new(ScheduleKind::Interleaved, 3, 3, 2).unwrap();
+        let receive = Action::RecvGrad(s(0));
+        let list = &mut early.actions[2];
+        list.retain(|&a| a != receive);
+        let after = list.iter().position(|&a| a == Action::SendActivation(s(2))).unwrap();
+        list.insert(after + 1, receive);
+        super::super::simulate(&early, super::super::Costs::default()).unwrap();
+        play(&early, false, false).unwrap();
+        let err = play(&early, true, false).unwrap_err().to_string();
+        assert!(err.contains("hangs on NCCL (first step)"), "{err}");
+        assert!(err.contains("its host connecting from rank 0"), "{err}");
+    }
+
+    /// Hand-written lists are checked before they are walked: an exchange where no neighbour
+    /// is, or a chunk the schedule does not have, is an error naming it, not a panic.
+    #[test]
+    fn impossible_exchanges_are_named() {
+        let mut bad = Schedule::new(ScheduleKind::GPipe, 2, 1, 1).unwrap();
+        bad.actions[0].insert(0, Action::RecvActivation(s(0)));
+        for err in [
+            check_p2p_order(&bad).unwrap_err(),
+            super::super::simulate(&bad, super::super::Costs::default()).unwrap_err(),
+        ] {
+            let err = err.to_string();
+            assert!(
+                err.contains("rank 0 has recv-act(micro 0, chunk 0) on stage 0, which has no neighbour there"),
+                "{err}"
+            );
+        }
+        let mut bad = Schedule::new(ScheduleKind::GPipe, 2, 1, 1).unwrap();
+        bad.actions[1].push(Action::Weight(Step { micro: 0, chunk: 1 }));
+        let err = check_p2p_order(&bad).unwrap_err().to_string();
+        assert!(err.contains("rank 1 has W(micro 0, chunk 1), beyond its 1 chunks and 1 micro-batches"), "{err}");
+        let empty = Schedule::from_actions(ScheduleKind::GPipe, 1, 0, false, vec![vec![]]);
+        let err = super::super::simulate(&empty, super::super::Costs::default()).unwrap_err().to_string();
+        assert!(err.contains("virtual_stages=0 must be at least 1"), "{err}");
     }
 }

@@ -126,10 +126,9 @@ impl Pipeline {
             );
             ensure!(!chunk.layers.is_empty(), "pipeline: stage {want} has no layers");
         }
+        schedule.check_stages()?;
         if device.is_cuda() {
-            for first_step in [true, false] {
-                super::check_p2p_order(&schedule, first_step)?;
-            }
+            super::check_p2p_order(&schedule)?;
         }
         ensure!(
             (m * p * v * 2) < HEADER_TAG as usize,
@@ -296,19 +295,10 @@ impl Pipeline {
             }
             let (t, waited) = (self.clock(), self.waited.get());
             self.run(action, &mut state, inputs, loss).map_err(|e| {
-                let s = match action {
-                    Action::RecvActivation(s)
-                    | Action::Forward(s)
-                    | Action::SendActivation(s)
-                    | Action::RecvGrad(s)
-                    | Action::Backward(s)
-                    | Action::SendGrad(s)
-                    | Action::Weight(s) => s,
-                };
                 Error::invalid(format!(
                     "pipeline rank {} (stage {}): {action}: {e}",
                     self.group.rank(),
-                    self.schedule.stage_of(self.group.rank(), s.chunk)
+                    self.schedule.stage_of(self.group.rank(), action.step().chunk)
                 ))
             })?;
             if let Some(t) = t {

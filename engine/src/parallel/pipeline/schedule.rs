@@ -49,7 +49,8 @@ pub struct Step {
 }
 
 /// One thing a rank does. Sends and receives are posted without blocking (sends are waited for
-/// at the end of the step); the compute that consumes a receive waits for it.
+/// at the end of the step; in the first step a chunk's first activation receive reads its shape
+/// header first); the compute that consumes a receive waits for it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Action {
     /// Receive this step's input activation from the previous virtual stage.
@@ -67,6 +68,21 @@ pub enum Action {
     SendGrad(Step),
     /// The deferred weight-gradient pass of a split backward.
     Weight(Step),
+}
+
+impl Action {
+    /// The micro-batch and chunk the action is about.
+    pub fn step(&self) -> Step {
+        match *self {
+            Action::RecvActivation(s)
+            | Action::Forward(s)
+            | Action::SendActivation(s)
+            | Action::RecvGrad(s)
+            | Action::Backward(s)
+            | Action::SendGrad(s)
+            | Action::Weight(s) => s,
+        }
+    }
 }
 
 impl fmt::Display for Action {
@@ -160,6 +176,44 @@ impl Schedule {
     pub fn stage_of(&self, rank: usize, chunk: usize) -> usize {
         chunk * self.pp + rank
     }
+
+    /// Checks what hand-written lists ([`Schedule::from_actions`]) may get wrong before
+    /// anything walks them: every rank has a list, every chunk exists, and exchanges go only
+    /// where a neighbouring stage is (nothing before the first stage or after the last).
+    pub fn check_stages(&self) -> Result<()> {
+        ensure!(
+            self.pp >= 1 && self.virtual_stages >= 1,
+            "pipeline schedule {}: pp={} and virtual_stages={} must be at least 1",
+            self.kind.name(),
+            self.pp,
+            self.virtual_stages
+        );
+        let last = self.stages() - 1;
+        for (rank, list) in self.actions.iter().enumerate() {
+            for a in list {
+                let s = a.step();
+                ensure!(
+                    s.chunk < self.virtual_stages && s.micro < self.micro_batches,
+                    "pipeline schedule {}: rank {rank} has {a}, beyond its {} chunks and {} micro-batches",
+                    self.kind.name(),
+                    self.virtual_stages,
+                    self.micro_batches
+                );
+                let stage = self.stage_of(rank, s.chunk);
+                let beyond = match a {
+                    Action::RecvActivation(_) | Action::SendGrad(_) => stage == 0,
+                    Action::SendActivation(_) | Action::RecvGrad(_) => stage == last,
+                    _ => false,
+                };
+                ensure!(
+                    !beyond,
+                    "pipeline schedule {}: rank {rank} has {a} on stage {stage}, which has no neighbour there",
+                    self.kind.name()
+                );
+            }
+        }
+        Ok(())
+    }
 }
 
 fn forward(micro: usize, chunk: usize) -> Action {
@@ -242,8 +296,8 @@ fn interleaved(p: usize, r: usize, m: usize, v: usize) -> Vec<Action> {
 /// pair of ranks agrees on. NCCL needs that (see [`super::check_p2p_order`]): it ignores tags,
 /// pairing the k-th send to a peer with the k-th receive from it, and each pair's transfers run
 /// in one queue per side, so two ranks that each send the other something large before
-/// receiving wait on each other forever (1F1B's steady state does, with each exchange placed
-/// beside its compute).
+/// receiving wait on each other forever (1F1B's steady state would, with each exchange placed
+/// beside its compute, for activations larger than NCCL's buffer).
 ///
 /// The order comes from playing the schedule in rounds: in each round every rank runs its next
 /// compute if its input has arrived, then each message that a compute of the round produced is

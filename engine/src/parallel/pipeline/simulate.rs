@@ -77,6 +77,7 @@ pub fn simulate_ranks(schedule: &Schedule, costs: &[Costs]) -> Result<Simulation
     if costs.len() != p {
         return Err(Error::invalid(format!("pipeline simulation: {} costs for pp={p} ranks", costs.len())));
     }
+    schedule.check_stages()?;
     let backward_cost = |c: &Costs| if schedule.split_backward { c.input_grad } else { c.input_grad + c.weight_grad };
     let mut next = vec![0usize; p];
     let mut clock = vec![0.0f64; p];
