@@ -75,8 +75,9 @@ pub(crate) fn device_baseline(device: Device) -> Result<i64> {
 
 /// The auto policy's plan: the budget (on a GPU [`STEADY_SHARE`] of it) less the non-model
 /// peak is what model data may use; of that, the working set (the widest module's chunks, the
-/// `prefetch` ones with what their copies stage, and a gradient chunk in flight) stays free for
-/// payloads, and homes move to the device in chunk order while they fit. `baseline` is
+/// `prefetch` ones, a gradient chunk in flight, and the copy a prefetch stages: one at a time,
+/// since each is freed once its cast is queued, and its stream reuses the memory) stays free
+/// for payloads, and homes move to the device in chunk order while they fit. `baseline` is
 /// [`device_baseline`] from before the warm-up step.
 pub(crate) fn place_after_warmup(m: &mut ChunkManager, baseline: i64, prefetch: usize) -> Result<()> {
     m.set_lean(false);
@@ -84,7 +85,8 @@ pub(crate) fn place_after_warmup(m: &mut ChunkManager, baseline: i64, prefetch: 
         Device::Cuda(d) => {
             let peak = crate::cuda::memory_stats(d)?.peak_allocated - baseline;
             let non_model = (peak.max(0) as usize).saturating_sub(m.device_bytes().1);
-            (non_model, (m.budget() as f64 * STEADY_SHARE) as usize, prefetch * m.staging_bytes())
+            let staging = if prefetch > 0 { m.staging_bytes() } else { 0 };
+            (non_model, (m.budget() as f64 * STEADY_SHARE) as usize, staging)
         }
         _ => (0, m.budget(), 0),
     };
