@@ -178,8 +178,9 @@ impl Schedule {
     }
 
     /// Checks what hand-written lists ([`Schedule::from_actions`]) may get wrong before
-    /// anything walks them: every rank has a list, every chunk exists, and exchanges go only
-    /// where a neighbouring stage is (nothing before the first stage or after the last).
+    /// anything walks them: at least one rank and one chunk per rank, every action's chunk and
+    /// micro-batch within the schedule's, and exchanges only where a neighbouring stage is
+    /// (nothing before the first stage or after the last).
     pub fn check_stages(&self) -> Result<()> {
         ensure!(
             self.pp >= 1 && self.virtual_stages >= 1,

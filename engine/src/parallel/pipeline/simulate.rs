@@ -1,11 +1,11 @@
 //! Runs a [`Schedule`]'s action lists on a model of the machine: each rank executes its list in
 //! order, compute actions take fixed times, sends and receives take none and never block, and
 //! the compute that consumes a receive waits until the matching send has been posted (plus a
-//! hop's transfer time, zero in the textbook model), exactly the runtime's rules. (NCCL's
-//! stricter rules are checked apart, by [`super::check_p2p_order`].) Costs may differ per rank ([`simulate_ranks`]), as
-//! measured stages do. From the timeline come
-//! the bubble fraction and the peak number of micro-batches each rank holds; a schedule whose
-//! ranks wait on each other forever is reported as a deadlock, naming what each rank waits for.
+//! hop's transfer time, zero in the textbook model), exactly the runtime's rules on Gloo
+//! (NCCL's stricter ones are checked apart, by [`super::check_p2p_order`]). Costs may differ per
+//! rank ([`simulate_ranks`]), as measured stages do. From the timeline come the bubble fraction
+//! and the peak number of micro-batches each rank holds; a schedule whose ranks wait on each
+//! other forever is reported as a deadlock, naming what each rank waits for.
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 
