@@ -155,14 +155,16 @@ impl ChunkManager {
             // The staged copy of the home is not charged (it is freed once the copy ends), but
             // it must fit while it lasts.
             let need = self.chunks[c].bytes() + self.staging_of(c);
-            // Evict nothing for a prefetch that cannot fit even once every chunk used later
-            // than it is gone.
-            let later: usize = (0..self.chunks.len())
-                .filter(|&v| self.evictable(v, &[c]) && self.next_use(v) > distance)
-                .map(|v| self.chunks[v].bytes())
-                .sum();
-            if self.device_bytes.saturating_sub(later) + need > self.budget {
-                return Ok(());
+            if self.device_bytes + need > self.budget {
+                // Evict nothing for a prefetch that cannot fit even once every chunk used
+                // later than it is gone.
+                let later: usize = (0..self.chunks.len())
+                    .filter(|&v| self.evictable(v, &[c]) && self.next_use(v) > distance)
+                    .map(|v| self.chunks[v].bytes())
+                    .sum();
+                if self.device_bytes.saturating_sub(later) + need > self.budget {
+                    return Ok(());
+                }
             }
             while self.device_bytes + need > self.budget {
                 match self.victim(&[c]) {

@@ -21,22 +21,26 @@
 //! waits (a hang), naming what each rank waits for.
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 
-use super::schedule::{Action, Schedule};
+use super::schedule::{Action, Message, Schedule};
 use crate::{Error, Result};
 
-/// What crosses a boundary: micro-batch `micro`'s activation or gradient across the boundary
-/// after virtual stage `stage`, or that boundary's shape header.
+/// What crosses a pair's stream: a message, or the shape header of the boundary after virtual
+/// stage `boundary` (in the first step, ahead of the chunk's first activation).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
-enum Message {
-    Data { micro: usize, stage: usize, grad: bool },
-    Header { stage: usize },
+enum Crossing {
+    Data(Message),
+    Header { boundary: usize },
 }
 
-fn describe(m: Message) -> String {
-    match m {
-        Message::Data { micro, stage, grad: false } => format!("activation of micro-batch {micro} after stage {stage}"),
-        Message::Data { micro, stage, grad: true } => format!("gradient of micro-batch {micro} after stage {stage}"),
-        Message::Header { stage } => format!("shape header after stage {stage}"),
+fn describe(c: Crossing) -> String {
+    match c {
+        Crossing::Data(Message { micro, boundary, grad: false }) => {
+            format!("activation of micro-batch {micro} after stage {boundary}")
+        }
+        Crossing::Data(Message { micro, boundary, grad: true }) => {
+            format!("gradient of micro-batch {micro} after stage {boundary}")
+        }
+        Crossing::Header { boundary } => format!("shape header after stage {boundary}"),
     }
 }
 
@@ -47,7 +51,7 @@ struct Op {
     id: usize,
     send: bool,
     peer: usize,
-    message: Message,
+    crossing: Crossing,
     /// How many of the rank's computes the host had queued when it issued the operation.
     after_computes: usize,
 }
@@ -55,7 +59,7 @@ struct Op {
 impl Op {
     fn describe(&self) -> String {
         let (verb, direction) = if self.send { ("send", "to") } else { ("receive", "from") };
-        format!("{verb} {direction} rank {} ({})", self.peer, describe(self.message))
+        format!("{verb} {direction} rank {} ({})", self.peer, describe(self.crossing))
     }
 }
 
@@ -117,22 +121,18 @@ impl Rank {
             issued: 0,
             completed: HashSet::new(),
         };
-        // The receive each action's data arrives by, and the directions and pairs met so far.
-        let mut data_receive: HashMap<Action, usize> = HashMap::new();
+        // The receive each message arrives by, and the directions and pairs met so far.
+        let mut receive_of: HashMap<Message, usize> = HashMap::new();
         let (mut pairs, mut directions) = (HashSet::new(), HashSet::new());
         let (mut headers_sent, mut headers_received) = (HashSet::new(), HashSet::new());
         for (at, &a) in schedule.actions[r].iter().enumerate() {
-            let s = a.step();
-            let stage = schedule.stage_of(r, s.chunk);
-            let (send, peer, message, header) = match a {
+            let message = schedule.message(r, a);
+            let send = match a {
+                Action::SendActivation(_) | Action::SendGrad(_) => true,
+                Action::RecvActivation(_) | Action::RecvGrad(_) => false,
                 Action::Forward(_) | Action::Backward(_) | Action::Weight(_) => {
-                    let input = match a {
-                        Action::Forward(_) if stage > 0 => Some(Action::RecvActivation(s)),
-                        Action::Backward(_) if stage + 1 < schedule.stages() => Some(Action::RecvGrad(s)),
-                        _ => None,
-                    };
-                    let input = match input {
-                        Some(i) => Some(*data_receive.get(&i).ok_or_else(|| {
+                    let input = match message {
+                        Some(m) => Some(*receive_of.get(&m).ok_or_else(|| {
                             Error::invalid(format!("pipeline schedule: rank {r} runs {a} before its receive"))
                         })?),
                         None => None,
@@ -144,21 +144,17 @@ impl Rank {
                     }
                     continue;
                 }
-                Action::SendActivation(_) => {
-                    let header = first_step && headers_sent.insert(s.chunk);
-                    (true, (stage + 1) % p, Message::Data { micro: s.micro, stage, grad: false }, header)
-                }
-                Action::RecvActivation(_) => {
-                    let header = first_step && headers_received.insert(s.chunk);
-                    (false, (stage - 1) % p, Message::Data { micro: s.micro, stage: stage - 1, grad: false }, header)
-                }
-                Action::SendGrad(_) => {
-                    (true, (stage - 1) % p, Message::Data { micro: s.micro, stage: stage - 1, grad: true }, false)
-                }
-                Action::RecvGrad(_) => {
-                    (false, (stage + 1) % p, Message::Data { micro: s.micro, stage, grad: true }, false)
-                }
             };
+            let message = message.expect("an exchange is a message");
+            // Activations go to the stage after the boundary, gradients to the one before.
+            let peer = if send != message.grad { (message.boundary + 1) % p } else { message.boundary % p };
+            let chunk = a.step().chunk;
+            let header = first_step
+                && match a {
+                    Action::SendActivation(_) => headers_sent.insert(chunk),
+                    Action::RecvActivation(_) => headers_received.insert(chunk),
+                    _ => false,
+                };
             // The runtime copies a header between host and device with a blocking copy, then
             // sends or receives it on the pair's stream ahead of the data.
             if header {
@@ -170,24 +166,23 @@ impl Rank {
             if first_step && directions.insert((peer, send)) {
                 rank.host.push(HostStep::Direction { peer, send });
             }
-            let push = |rank: &mut Rank, message: Message| {
+            let push = |rank: &mut Rank, crossing: Crossing| {
                 let id = rank.ops.len();
-                rank.ops.push(Op { id, send, peer, message, after_computes: rank.computes.len() });
+                rank.ops.push(Op { id, send, peer, crossing, after_computes: rank.computes.len() });
                 rank.streams.entry(peer).or_default().push_back(id);
                 rank.host.push(HostStep::Issue(id));
                 id
             };
             if header {
-                let (Message::Data { stage: boundary, .. } | Message::Header { stage: boundary }) = message;
-                let id = push(&mut rank, Message::Header { stage: boundary });
+                let id = push(&mut rank, Crossing::Header { boundary: message.boundary });
                 // Reading it is a blocking copy to the host too.
                 if !send {
                     rank.host.extend([HostStep::Read(id), HostStep::Sync]);
                 }
             }
-            let id = push(&mut rank, message);
+            let id = push(&mut rank, Crossing::Data(message));
             if !send {
-                data_receive.insert(a, id);
+                receive_of.insert(message, id);
             }
         }
         Ok(rank)
@@ -259,7 +254,7 @@ impl Rank {
             Some(HostStep::Pair(peer)) => format!(", its host creating the communicator with rank {peer}"),
             Some(HostStep::Direction { peer, send: true }) => format!(", its host connecting to rank {peer}"),
             Some(HostStep::Direction { peer, send: false }) => format!(", its host connecting from rank {peer}"),
-            Some(HostStep::Read(id)) => format!(", its host reading the {}", describe(self.ops[id].message)),
+            Some(HostStep::Read(id)) => format!(", its host reading the {}", describe(self.ops[id].crossing)),
             _ => String::new(),
         };
         Some(format!("rank {r} at {next} with {heads}{host}"))
@@ -270,6 +265,7 @@ impl Rank {
 /// and sends the shape headers) and for a later one, each measured and not. Errors name the
 /// ranks, their next computes, their streams' heads and what their hosts wait for.
 pub fn check_p2p_order(schedule: &Schedule) -> Result<()> {
+    schedule.check_stages()?;
     for first_step in [true, false] {
         for measured in [false, true] {
             play(schedule, first_step, measured)?;
@@ -278,9 +274,8 @@ pub fn check_p2p_order(schedule: &Schedule) -> Result<()> {
     Ok(())
 }
 
-/// One step of `schedule` on the model.
+/// One step of `schedule` (checked by [`Schedule::check_stages`]) on the model.
 fn play(schedule: &Schedule, first_step: bool, measured: bool) -> Result<()> {
-    schedule.check_stages()?;
     let p = schedule.pp;
     let mut ranks = (0..p).map(|r| Rank::new(schedule, r, first_step, measured)).collect::<Result<Vec<Rank>>>()?;
     check_fifo_matching(schedule, &ranks)?;
@@ -334,8 +329,8 @@ fn play(schedule: &Schedule, first_step: bool, measured: bool) -> Result<()> {
 /// NCCL pairs the k-th send from a to b with the k-th receive b posts from a; both must be the
 /// same message.
 fn check_fifo_matching(schedule: &Schedule, ranks: &[Rank]) -> Result<()> {
-    let messages = |rank: &Rank, peer: usize, send: bool| -> Vec<Message> {
-        rank.ops.iter().filter(|op| op.peer == peer && op.send == send).map(|op| op.message).collect()
+    let messages = |rank: &Rank, peer: usize, send: bool| -> Vec<Crossing> {
+        rank.ops.iter().filter(|op| op.peer == peer && op.send == send).map(|op| op.crossing).collect()
     };
     for (a, rank) in ranks.iter().enumerate() {
         for &b in rank.streams.keys() {

@@ -48,6 +48,15 @@ pub struct Step {
     pub chunk: usize,
 }
 
+/// What crosses between neighbouring virtual stages: micro-batch `micro`'s activation (forward)
+/// or gradient (backward, `grad`) across the boundary after virtual stage `boundary`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(super) struct Message {
+    pub micro: usize,
+    pub boundary: usize,
+    pub grad: bool,
+}
+
 /// One thing a rank does. Sends and receives are posted without blocking (sends are waited for
 /// at the end of the step; in the first step a chunk's first activation receive reads its shape
 /// header first); the compute that consumes a receive waits for it.
@@ -175,6 +184,25 @@ impl Schedule {
     /// The virtual stage of `chunk` on `rank`.
     pub fn stage_of(&self, rank: usize, chunk: usize) -> usize {
         chunk * self.pp + rank
+    }
+
+    /// The message `rank`'s action `a` sends or receives or, for a compute, consumes (a forward
+    /// its input, a backward its output's gradient); `None` for the first stage's forwards, the
+    /// last stage's backwards and weight passes. The list must have passed
+    /// [`Schedule::check_stages`].
+    pub(super) fn message(&self, rank: usize, a: Action) -> Option<Message> {
+        let s = a.step();
+        let stage = self.stage_of(rank, s.chunk);
+        let (boundary, grad) = match a {
+            Action::SendActivation(_) => (stage, false),
+            Action::RecvActivation(_) => (stage - 1, false),
+            Action::Forward(_) if stage > 0 => (stage - 1, false),
+            Action::SendGrad(_) => (stage - 1, true),
+            Action::RecvGrad(_) => (stage, true),
+            Action::Backward(_) if stage + 1 < self.stages() => (stage, true),
+            _ => return None,
+        };
+        Some(Message { micro: s.micro, boundary, grad })
     }
 
     /// Checks what hand-written lists ([`Schedule::from_actions`]) may get wrong before

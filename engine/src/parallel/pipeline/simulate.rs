@@ -9,7 +9,7 @@
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 
-use super::schedule::{Action, Schedule, Step};
+use super::schedule::{Action, Message, Schedule, Step};
 use crate::{Error, Result};
 
 /// Time of one chunk's passes, and of a message between neighbouring stages. Textbook analyses
@@ -55,15 +55,6 @@ impl fmt::Display for Simulation {
     }
 }
 
-/// Which exchange a send or receive is: the boundary after virtual stage `stage` (activations
-/// cross it forward, gradients backward) for micro-batch `micro`.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
-struct Message {
-    micro: usize,
-    stage: usize,
-    grad: bool,
-}
-
 /// Simulates `schedule` under `costs` on every rank. Errors: a deadlock (naming each stuck
 /// rank's action), a send nobody receives, or a compute action repeated or missing.
 pub fn simulate(schedule: &Schedule, costs: Costs) -> Result<Simulation> {
@@ -88,26 +79,11 @@ pub fn simulate_ranks(schedule: &Schedule, costs: &[Costs]) -> Result<Simulation
     // Per rank, the receives posted and not yet consumed.
     let mut pending: Vec<HashSet<Message>> = vec![HashSet::new(); p];
     let mut received = 0usize;
-    let last = schedule.stages() - 1;
-    let message = |rank: usize, a: &Action| -> Option<Message> {
-        let stage = |s: &Step| schedule.stage_of(rank, s.chunk);
-        match a {
-            Action::SendActivation(s) => Some(Message { micro: s.micro, stage: stage(s), grad: false }),
-            Action::RecvActivation(s) => Some(Message { micro: s.micro, stage: stage(s) - 1, grad: false }),
-            Action::SendGrad(s) => Some(Message { micro: s.micro, stage: stage(s) - 1, grad: true }),
-            Action::RecvGrad(s) => Some(Message { micro: s.micro, stage: stage(s), grad: true }),
-            // What a compute consumes: a forward its input, an unsplit or input-gradient
-            // backward its output's gradient.
-            Action::Forward(s) if stage(s) > 0 => Some(Message { micro: s.micro, stage: stage(s) - 1, grad: false }),
-            Action::Backward(s) if stage(s) < last => Some(Message { micro: s.micro, stage: stage(s), grad: true }),
-            _ => None,
-        }
-    };
     loop {
         let mut progressed = false;
         for r in 0..p {
             while let Some(a) = schedule.actions[r].get(next[r]) {
-                if let (Action::Forward(_) | Action::Backward(_), Some(m)) = (a, message(r, a)) {
+                if let (Action::Forward(_) | Action::Backward(_), Some(m)) = (a, schedule.message(r, *a)) {
                     if !pending[r].contains(&m) {
                         return Err(Error::invalid(format!(
                             "pipeline simulation: rank {r} runs {a} before its receive"
@@ -135,14 +111,14 @@ pub fn simulate_ranks(schedule: &Schedule, costs: &[Costs]) -> Result<Simulation
                         costs[r].weight_grad
                     }
                     Action::SendActivation(_) | Action::SendGrad(_) => {
-                        let m = message(r, a).expect("a send is a message");
+                        let m = schedule.message(r, *a).expect("a send is a message");
                         if posted.insert(m, clock[r]).is_some() {
                             return Err(Error::invalid(format!("pipeline simulation: rank {r} sends {a} twice")));
                         }
                         0.0
                     }
                     Action::RecvActivation(_) | Action::RecvGrad(_) => {
-                        let m = message(r, a).expect("a receive is a message");
+                        let m = schedule.message(r, *a).expect("a receive is a message");
                         if !pending[r].insert(m) {
                             return Err(Error::invalid(format!("pipeline simulation: rank {r} posts {a} twice")));
                         }
