@@ -2,7 +2,7 @@
 //! AlphaFold's masking convention, fused into one kernel forward and one backward.
 use tch::{Kind, Tensor};
 
-use crate::checks::{cuda_device, dtype, row_threads, rows_cols, with_grad};
+use crate::checks::{dtype, row_threads, rows_cols, target, with_grad};
 use crate::error::ensure;
 use crate::kernel::{Args, Kernel};
 use crate::{Backend, Result};
@@ -76,7 +76,7 @@ fn fused(x: &Tensor, scale: f64, mask: Option<&Tensor>, bias: Option<&Tensor>) -
     let mut args = vec![("x", &x)];
     args.extend(mask.as_ref().map(|m| ("mask", m)));
     args.extend(bias_c.as_ref().map(|t| ("bias", t)));
-    let device = cuda_device(OP, Some(x.kind()), &args)?;
+    let at = target(OP, Some(x.kind()), &args)?;
     let suffix = dtype(OP, "x", &x)?;
     let size = x.size();
     let (rows, cols) = rows_cols(OP, &x)?;
@@ -95,7 +95,7 @@ fn fused(x: &Tensor, scale: f64, mask: Option<&Tensor>, bias: Option<&Tensor>) -
             .f32(scale as f32);
         KERNEL.launch(
             &format!("attention_softmax_forward_{suffix}"),
-            device,
+            at,
             (rows as u32, 1, 1),
             row_threads(cols),
             &mut a,
@@ -122,7 +122,7 @@ fn fused(x: &Tensor, scale: f64, mask: Option<&Tensor>, bias: Option<&Tensor>) -
                 .f32(scale as f32);
             KERNEL.launch(
                 &format!("attention_softmax_backward_{suffix}"),
-                device,
+                at,
                 (rows as u32, 1, 1),
                 row_threads(cols),
                 &mut a,

@@ -3,6 +3,7 @@
 use tch::{Device, Kind, Tensor};
 
 use crate::error::ensure;
+use crate::kernel::Target;
 use crate::{Error, Result};
 
 /// The kernels' name suffix for a tensor's dtype.
@@ -15,28 +16,34 @@ pub(crate) fn dtype(op: &str, name: &str, t: &Tensor) -> Result<&'static str> {
     }
 }
 
-/// The CUDA device all `tensors` are on, each checked to be there, of `kind` where given, and
-/// contiguous (the kernels index raw memory).
-pub(crate) fn cuda_device(op: &str, kind: Option<Kind>, tensors: &[(&str, &Tensor)]) -> Result<usize> {
-    let mut device = None;
+/// Where a launch on `tensors` runs: the CUDA device they are all on, or the CPU emulator for
+/// CPU tensors once it is enabled. Each tensor is checked to be there, of `kind` where given,
+/// and contiguous (the kernels index raw memory).
+pub(crate) fn target(op: &str, kind: Option<Kind>, tensors: &[(&str, &Tensor)]) -> Result<Target> {
+    let mut target = None;
     for (name, t) in tensors {
-        let Device::Cuda(d) = t.device() else {
-            return Err(Error::invalid(format!(
-                "{op}: {name} is on {:?}; the fused kernel runs on CUDA tensors (use the torch backend)",
-                t.device()
-            )));
+        let here = match t.device() {
+            Device::Cuda(d) => Target::Cuda(d),
+            Device::Cpu if crate::emulator::enabled() => Target::Emulator,
+            other => {
+                return Err(Error::invalid(format!(
+                    "{op}: {name} is on {other:?}; the fused kernel runs on CUDA tensors (use the torch backend)"
+                )))
+            }
         };
         ensure!(
-            device.is_none_or(|first| first == d),
-            "{op}: {name} is on cuda:{d}, other arguments on cuda:{device:?}"
+            target.is_none_or(|first| first == here),
+            "{op}: {name} is on {:?}, other arguments on {:?}",
+            here.device(),
+            target.map(Target::device)
         );
-        device = Some(d);
+        target = Some(here);
         if let Some(k) = kind {
             ensure!(t.kind() == k, "{op}: {name} is {:?}, expected {k:?} like the other arguments", t.kind());
         }
         ensure!(t.is_contiguous(), "{op}: {name} is not contiguous (strides {:?})", t.stride());
     }
-    device.ok_or_else(|| Error::invalid(format!("{op}: no tensors")))
+    target.ok_or_else(|| Error::invalid(format!("{op}: no tensors")))
 }
 
 /// `rows x cols`, each fitting the kernels' 32-bit indices where they use them.
@@ -49,14 +56,14 @@ pub(crate) fn rows_cols(op: &str, t: &Tensor) -> Result<(i64, i64)> {
 }
 
 /// What an element-wise kernel over `tensors` needs, the first being `x` [.., cols] whose dtype
-/// the others share: their device (each checked by [`cuda_device`]), the kernel name suffix of
-/// the dtype, `cols` and the element count of `x`.
-pub(crate) fn elementwise(op: &str, tensors: &[(&str, &Tensor)]) -> Result<(usize, &'static str, i64, i64)> {
+/// the others share: where it runs (each checked by [`target`]), the kernel name suffix of the
+/// dtype, `cols` and the element count of `x`.
+pub(crate) fn elementwise(op: &str, tensors: &[(&str, &Tensor)]) -> Result<(Target, &'static str, i64, i64)> {
     let (name, x) = tensors[0];
-    let device = cuda_device(op, Some(x.kind()), tensors)?;
+    let target = target(op, Some(x.kind()), tensors)?;
     let suffix = dtype(op, name, x)?;
     let (_, cols) = rows_cols(op, x)?;
-    Ok((device, suffix, cols, x.numel() as i64))
+    Ok((target, suffix, cols, x.numel() as i64))
 }
 
 /// `a / b` rounded up, for positive `b`.

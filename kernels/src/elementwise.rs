@@ -52,11 +52,11 @@ pub fn bias_gelu(x: &Tensor, bias: &Tensor, backend: Backend) -> Result<Tensor> 
     }
     let x = x.f_contiguous()?;
     let b = bias.f_contiguous()?;
-    let (device, suffix, cols, n) = elementwise(OP, &[("x", &x), ("bias", &b)])?;
+    let (at, suffix, cols, n) = elementwise(OP, &[("x", &x), ("bias", &b)])?;
     let y = x.f_empty_like()?;
     if n > 0 {
         let mut a = Args::default().tensor(&x).tensor(&b).tensor(&y).i64(n).i32(cols as i32);
-        KERNEL.launch(&format!("bias_gelu_forward_{suffix}"), device, (grid_blocks(n), 1, 1), 256, &mut a)?;
+        KERNEL.launch(&format!("bias_gelu_forward_{suffix}"), at, (grid_blocks(n), 1, 1), 256, &mut a)?;
     }
     let outputs = with_grad(OP, &[&x, bias], vec![y], vec![x.shallow_clone(), b], move |grads, saved| {
         let [x, b] = saved else { unreachable!("two tensors saved") };
@@ -64,7 +64,7 @@ pub fn bias_gelu(x: &Tensor, bias: &Tensor, backend: Backend) -> Result<Tensor> 
         let dx = x.f_empty_like()?;
         if n > 0 {
             let mut a = Args::default().tensor(x).tensor(b).tensor(&dy).tensor(&dx).i64(n).i32(cols as i32);
-            KERNEL.launch(&format!("bias_gelu_backward_{suffix}"), device, (grid_blocks(n), 1, 1), 256, &mut a)?;
+            KERNEL.launch(&format!("bias_gelu_backward_{suffix}"), at, (grid_blocks(n), 1, 1), 256, &mut a)?;
         }
         let db = bias_grad(&dx, cols, b.kind())?;
         Ok(vec![Some(dx), Some(db)])
@@ -106,7 +106,7 @@ pub fn bias_dropout_residual(
     let x = x.f_contiguous()?;
     let b = bias.f_contiguous()?;
     let r = residual.f_contiguous()?;
-    let (device, suffix, cols, n) = elementwise(OP, &[("x", &x), ("bias", &b), ("residual", &r)])?;
+    let (at, suffix, cols, n) = elementwise(OP, &[("x", &x), ("bias", &b), ("residual", &r)])?;
     let y = x.f_empty_like()?;
     if n > 0 {
         let mut a = Args::default()
@@ -118,13 +118,7 @@ pub fn bias_dropout_residual(
             .i64(n)
             .i32(cols as i32)
             .f32(scale as f32);
-        KERNEL.launch(
-            &format!("bias_dropout_residual_forward_{suffix}"),
-            device,
-            (grid_blocks(n), 1, 1),
-            256,
-            &mut a,
-        )?;
+        KERNEL.launch(&format!("bias_dropout_residual_forward_{suffix}"), at, (grid_blocks(n), 1, 1), 256, &mut a)?;
     }
     let bias_kind = b.kind();
     let saved: Vec<Tensor> = keep.into_iter().collect();
@@ -133,7 +127,7 @@ pub fn bias_dropout_residual(
         let dx = if let (Some(keep), true) = (saved.first(), n > 0) {
             let dx = dy.f_empty_like()?;
             let mut a = Args::default().tensor(&dy).tensor(keep).tensor(&dx).i64(n).f32(scale as f32);
-            KERNEL.launch(&format!("dropout_backward_{suffix}"), device, (grid_blocks(n), 1, 1), 256, &mut a)?;
+            KERNEL.launch(&format!("dropout_backward_{suffix}"), at, (grid_blocks(n), 1, 1), 256, &mut a)?;
             dx
         } else {
             dy.shallow_clone()

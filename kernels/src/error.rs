@@ -18,6 +18,9 @@ pub enum Error {
         /// NVRTC's log.
         log: String,
     },
+    /// The CPU emulator (tests without a GPU) could not build, load or run a kernel.
+    #[error("kernel emulator: {0}")]
+    Emulator(String),
     /// A CUDA driver call failed.
     #[error("CUDA driver: {context}: {message}")]
     Driver {

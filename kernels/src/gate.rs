@@ -64,7 +64,7 @@ pub fn sigmoid_gate(
     if let Some(m) = &m {
         named.push(("mask", m));
     }
-    let (device, suffix, cols, n) = elementwise(OP, &named)?;
+    let (at, suffix, cols, n) = elementwise(OP, &named)?;
     let y = x.f_empty_like()?;
     if n > 0 {
         let mut a = Args::default()
@@ -76,7 +76,7 @@ pub fn sigmoid_gate(
             .tensor(&y)
             .i64(n)
             .i32(cols as i32);
-        KERNEL.launch(&format!("sigmoid_gate_forward_{suffix}"), device, (grid_blocks(n), 1, 1), 256, &mut a)?;
+        KERNEL.launch(&format!("sigmoid_gate_forward_{suffix}"), at, (grid_blocks(n), 1, 1), 256, &mut a)?;
     }
     let bias_kind = xb.kind();
     let mut saved = vec![x.shallow_clone(), xb.shallow_clone(), g.shallow_clone(), gb.shallow_clone()];
@@ -97,7 +97,7 @@ pub fn sigmoid_gate(
                 .tensor(&dg)
                 .i64(n)
                 .i32(cols as i32);
-            KERNEL.launch(&format!("sigmoid_gate_backward_{suffix}"), device, (grid_blocks(n), 1, 1), 256, &mut a)?;
+            KERNEL.launch(&format!("sigmoid_gate_backward_{suffix}"), at, (grid_blocks(n), 1, 1), 256, &mut a)?;
         }
         let (dxb, dgb) = (bias_grad(&dx, cols, bias_kind)?, bias_grad(&dg, cols, bias_kind)?);
         Ok(vec![Some(dx), Some(dxb), Some(dg), Some(dgb)])

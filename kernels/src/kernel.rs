@@ -15,6 +15,23 @@ use crate::{cache, Error, Result};
 /// every kernel source.
 const PRELUDE: &str = include_str!("cuda/prelude.cuh");
 
+/// Where a launch runs: a CUDA device, or the CPU emulator (tests without a GPU).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Target {
+    Cuda(usize),
+    Emulator,
+}
+
+impl Target {
+    /// The device of the tensors a launch here takes.
+    pub(crate) fn device(self) -> tch::Device {
+        match self {
+            Target::Cuda(d) => tch::Device::Cuda(d),
+            Target::Emulator => tch::Device::Cpu,
+        }
+    }
+}
+
 /// A CUDA C source and the `extern "C"` kernels it defines.
 #[derive(Debug)]
 pub struct Kernel {
@@ -57,20 +74,25 @@ impl Kernel {
         Ok(ptx)
     }
 
-    /// Launches `function` on the current stream of CUDA device `device`. Crate-private: the
-    /// arguments must match the kernel's signature, which each operation's wrapper guarantees.
+    /// Launches `function` at `target`: on the current stream of a CUDA device, or on the CPU
+    /// emulator. Crate-private: the arguments must match the kernel's signature, which each
+    /// operation's wrapper guarantees.
     pub(crate) fn launch(
         &self,
         function: &str,
-        device: usize,
+        target: Target,
         grid: (u32, u32, u32),
         block: u32,
         args: &mut Args,
     ) -> Result<()> {
         crate::error::ensure!(grid.0 > 0 && grid.1 > 0 && grid.2 > 0, "{function}: empty launch grid {grid:?}");
+        let device = match target {
+            Target::Cuda(device) => device,
+            Target::Emulator => return crate::emulator::launch(self, function, grid, block, args),
+        };
         let (ctx, f) = self.function(function, device)?;
         let stream = engine::cuda::Stream::current(device)?;
-        let mut params: Vec<*mut c_void> = args.0.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect();
+        let mut params = args.slots();
         let _current = ContextGuard::push(ctx)?;
         // SAFETY: the function comes from a module loaded in `ctx`, the arguments match its
         // signature (each kernel's wrapper builds them), and every pointer is a live tensor's
@@ -213,6 +235,18 @@ impl Args {
     pub(crate) fn f32(mut self, v: f32) -> Args {
         self.0.push(v.to_bits() as u64);
         self
+    }
+
+    /// `self`'s arguments followed by `more`'s.
+    #[cfg(test)]
+    pub(crate) fn append(mut self, more: Args) -> Args {
+        self.0.extend(more.0);
+        self
+    }
+
+    /// A pointer to each slot, as a launch takes them.
+    pub(crate) fn slots(&mut self) -> Vec<*mut c_void> {
+        self.0.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect()
     }
 }
 

@@ -2,7 +2,7 @@
 //! the parameter names of `torch.nn.LayerNorm` (`weight`, `bias`).
 use tch::{nn, Kind, Tensor};
 
-use crate::checks::{ceil_div, cuda_device, dtype, row_threads, rows_cols, with_grad};
+use crate::checks::{ceil_div, dtype, row_threads, rows_cols, target, with_grad};
 use crate::error::ensure;
 use crate::kernel::{Args, Kernel};
 use crate::{Backend, Result};
@@ -46,7 +46,7 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64, backend:
 fn fused(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
     let x = x.f_contiguous()?;
     let (w, b) = (weight.f_contiguous()?, bias.f_contiguous()?);
-    let device = cuda_device(OP, Some(x.kind()), &[("x", &x), ("weight", &w), ("bias", &b)])?;
+    let at = target(OP, Some(x.kind()), &[("x", &x), ("weight", &w), ("bias", &b)])?;
     let suffix = dtype(OP, "x", &x)?;
     let (rows, cols) = rows_cols(OP, &x)?;
     let y = x.f_empty_like()?;
@@ -63,13 +63,7 @@ fn fused(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor>
             .tensor(&rstd)
             .i32(cols as i32)
             .f32(eps as f32);
-        KERNEL.launch(
-            &format!("layer_norm_forward_{suffix}"),
-            device,
-            (rows as u32, 1, 1),
-            row_threads(cols),
-            &mut a,
-        )?;
+        KERNEL.launch(&format!("layer_norm_forward_{suffix}"), at, (rows as u32, 1, 1), row_threads(cols), &mut a)?;
     }
     let saved = vec![x.shallow_clone(), w.shallow_clone(), mean, rstd];
     let outputs = with_grad(OP, &[&x, weight, bias], vec![y], saved, move |grads, saved| {
@@ -81,7 +75,7 @@ fn fused(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor>
                 Args::default().tensor(x).tensor(w).tensor(mean).tensor(rstd).tensor(&dy).tensor(&dx).i32(cols as i32);
             KERNEL.launch(
                 &format!("layer_norm_backward_input_{suffix}"),
-                device,
+                at,
                 (rows as u32, 1, 1),
                 row_threads(cols),
                 &mut a,
@@ -102,7 +96,7 @@ fn fused(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor>
                 .i32(cols as i32)
                 .i32(per_part as i32);
             let grid = (ceil_div(cols, 256) as u32, parts as u32, 1);
-            KERNEL.launch(&format!("layer_norm_backward_params_{suffix}"), device, grid, 256, &mut a)?;
+            KERNEL.launch(&format!("layer_norm_backward_params_{suffix}"), at, grid, 256, &mut a)?;
             let sum = |p: &Tensor| p.f_sum_dim_intlist(0, false, None::<Kind>)?.f_to_kind(w.kind());
             (sum(&dw_parts)?, sum(&db_parts)?)
         } else {

@@ -18,6 +18,7 @@ mod attention;
 mod cache;
 mod checks;
 mod elementwise;
+pub mod emulator;
 mod error;
 mod gate;
 mod kernel;

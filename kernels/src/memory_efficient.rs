@@ -4,7 +4,7 @@
 //! The forward keeps each query's log-sum-exp; the backward recomputes the weights from it.
 use tch::{Kind, Tensor};
 
-use crate::checks::{ceil_div, cuda_device, dtype, with_grad};
+use crate::checks::{ceil_div, dtype, target, with_grad};
 use crate::error::ensure;
 use crate::kernel::{Args, Kernel};
 use crate::{Backend, Result};
@@ -83,7 +83,7 @@ pub fn memory_efficient_attention(
     let mut named = vec![("q", &q), ("k", &k), ("v", &v)];
     named.extend(mask.as_ref().map(|m| ("mask", m)));
     named.extend(bias_c.as_ref().map(|t| ("bias", t)));
-    let device = cuda_device(OP, Some(q.kind()), &named)?;
+    let at = target(OP, Some(q.kind()), &named)?;
     let suffix = dtype(OP, "q", &q)?;
     let rows = b * h * nq;
     let key_rows = b * h * nk;
@@ -97,7 +97,7 @@ pub fn memory_efficient_attention(
     if rows > 0 && nk > 0 {
         let a = Args::default().tensor(&q).tensor(&k).tensor(&v).opt(mask.as_ref()).opt(bias_c.as_ref());
         let mut a = tail(a.tensor(&out).tensor(&lse), rows).i64(bias_rows).f32(scale as f32);
-        KERNEL.launch(&format!("mea_forward_{suffix}"), device, blocks(rows), threads, &mut a)?;
+        KERNEL.launch(&format!("mea_forward_{suffix}"), at, blocks(rows), threads, &mut a)?;
     }
     let mut inputs = vec![&q, &k, &v];
     inputs.extend(bias_c.as_ref());
@@ -121,11 +121,11 @@ pub fn memory_efficient_attention(
             let a = Args::default().tensor(q).tensor(k).tensor(v).opt(mask).opt(bias).tensor(out).tensor(&dout);
             let a = a.tensor(lse).tensor(&delta).tensor(&dq).opt(dbias.as_ref());
             let mut a = tail(a, rows).i64(bias_rows).f32(scale as f32);
-            KERNEL.launch(&format!("mea_backward_queries_{suffix}"), device, blocks(rows), threads, &mut a)?;
+            KERNEL.launch(&format!("mea_backward_queries_{suffix}"), at, blocks(rows), threads, &mut a)?;
             let a = Args::default().tensor(q).tensor(k).tensor(v).opt(mask).opt(bias).tensor(&dout).tensor(lse);
             let a = a.tensor(&delta).tensor(&dk).tensor(&dv);
             let mut a = tail(a, key_rows).i64(bias_rows).f32(scale as f32);
-            KERNEL.launch(&format!("mea_backward_keys_{suffix}"), device, blocks(key_rows), threads, &mut a)?;
+            KERNEL.launch(&format!("mea_backward_keys_{suffix}"), at, blocks(key_rows), threads, &mut a)?;
         }
         let mut out: Vec<Option<Tensor>> = vec![Some(dq), Some(dk), Some(dv)];
         if n_inputs == 4 {

@@ -5,9 +5,9 @@ use engine::optim::fused::{MultiTensorSteps, Rule, StepTensors};
 use engine::optim::{AdamWConfig, LambConfig, LarsConfig};
 use tch::{Device, Kind, Tensor};
 
-use crate::checks::cuda_device;
+use crate::checks::target;
 use crate::error::ensure;
-use crate::kernel::{Args, Kernel};
+use crate::kernel::{Args, Kernel, Target};
 use crate::{Backend, Error, Result};
 
 pub(crate) static KERNEL: Kernel = Kernel::new(
@@ -128,7 +128,7 @@ pub fn adamw_step(tensors: &[OptimTensors], cfg: &AdamWConfig, step: i32, backen
             let Some(table) = Table::new("adamw_step", &rows)? else { return Ok(()) };
             let decay = if cfg.weight_decay != 0.0 { decay } else { 1.0 };
             let mut a = adam.args(table.args()).f32(cfg.lr as f32).f32(decay as f32);
-            KERNEL.launch("adamw_f32", table.device, table.grid(), THREADS, &mut a)
+            KERNEL.launch("adamw_f32", table.at, table.grid(), THREADS, &mut a)
         }
     })
 }
@@ -161,12 +161,12 @@ pub fn lamb_step(tensors: &[OptimTensors], cfg: &LambConfig, step: i32, backend:
         Backend::Fused => {
             let rows: Vec<Row> = tensors.iter().map(OptimTensors::row).collect();
             let Some(table) = Table::new("lamb_step", &rows)? else { return Ok(()) };
-            let norms = Tensor::f_zeros([tensors.len() as i64, 2], (Kind::Float, Device::Cuda(table.device)))?;
+            let norms = Tensor::f_zeros([tensors.len() as i64, 2], (Kind::Float, table.at.device()))?;
             let wd = cfg.weight_decay as f32;
             let mut a = adam.args(table.args()).f32(wd).tensor(&norms);
-            KERNEL.launch("lamb_moments_f32", table.device, table.grid(), THREADS, &mut a)?;
+            KERNEL.launch("lamb_moments_f32", table.at, table.grid(), THREADS, &mut a)?;
             let mut a = adam.args(table.args()).f32(wd).f32(cfg.lr as f32).tensor(&norms);
-            KERNEL.launch("lamb_apply_f32", table.device, table.grid(), THREADS, &mut a)
+            KERNEL.launch("lamb_apply_f32", table.at, table.grid(), THREADS, &mut a)
         }
     })
 }
@@ -223,9 +223,9 @@ pub fn lars_step(tensors: &[LarsTensors], cfg: &LarsConfig, step: i32, backend: 
                 })
                 .collect();
             let Some(table) = Table::new(OP, &rows)? else { return Ok(()) };
-            let norms = Tensor::f_zeros([tensors.len() as i64, 2], (Kind::Float, Device::Cuda(table.device)))?;
+            let norms = Tensor::f_zeros([tensors.len() as i64, 2], (Kind::Float, table.at.device()))?;
             let mut a = table.args().tensor(&norms);
-            KERNEL.launch("lars_norms_f32", table.device, table.grid(), THREADS, &mut a)?;
+            KERNEL.launch("lars_norms_f32", table.at, table.grid(), THREADS, &mut a)?;
             let mut a = table
                 .args()
                 .f32(cfg.lr as f32)
@@ -235,7 +235,7 @@ pub fn lars_step(tensors: &[LarsTensors], cfg: &LarsConfig, step: i32, backend: 
                 .f32(cfg.eps as f32)
                 .i32(first as i32)
                 .tensor(&norms);
-            KERNEL.launch("lars_apply_f32", table.device, table.grid(), THREADS, &mut a)
+            KERNEL.launch("lars_apply_f32", table.at, table.grid(), THREADS, &mut a)
         }
     })
 }
@@ -333,7 +333,8 @@ impl<'a> Row<'a> {
 /// pinned memory without waiting (the tensors are kept alive until the copy has run by the
 /// caching allocators).
 struct Table {
-    device: usize,
+    /// Where the tensors are and the launches run.
+    at: Target,
     entries: Tensor,
     chunks: Tensor,
     blocks: u32,
@@ -346,7 +347,7 @@ impl Table {
         if all.is_empty() {
             return Ok(None);
         }
-        let device = cuda_device(op, Some(Kind::Float), &all)?;
+        let at = target(op, Some(Kind::Float), &all)?;
         let mut entries = Vec::with_capacity(rows.len() * 6);
         let mut chunks = Vec::new();
         for (i, row) in rows.iter().enumerate() {
@@ -360,10 +361,15 @@ impl Table {
         }
         let blocks = u32::try_from(chunks.len() / 2).map_err(|_| Error::invalid(format!("{op}: too many elements")))?;
         let upload = |v: &[i64]| -> Result<Tensor> {
-            let host = engine::cuda::pinned(&Tensor::from_slice(v))?;
-            Ok(host.f_to_device_(Device::Cuda(device), Kind::Int64, true, false)?)
+            let host = Tensor::from_slice(v);
+            match at {
+                Target::Cuda(d) => {
+                    Ok(engine::cuda::pinned(&host)?.f_to_device_(Device::Cuda(d), Kind::Int64, true, false)?)
+                }
+                Target::Emulator => Ok(host),
+            }
         };
-        Ok(Some(Table { device, entries: upload(&entries)?, chunks: upload(&chunks)?, blocks }))
+        Ok(Some(Table { at, entries: upload(&entries)?, chunks: upload(&chunks)?, blocks }))
     }
 
     fn args(&self) -> Args {

@@ -23,11 +23,30 @@ pub fn cuda_devices(devices: usize, test: &str) -> bool {
         return true;
     }
     let message = format!("{test}: needs {devices} CUDA device(s), found {found}");
-    if found == 0 && std::env::var(REQUIRE_CUDA_ENV).as_deref() == Ok("1") {
+    if found == 0 && cuda_required() {
         panic!("{message} ({REQUIRE_CUDA_ENV}=1: a missing GPU is a failure, not a skip)");
     }
     eprintln!("skipped: {message}");
     false
+}
+
+/// Where a test of the fused kernels runs: CUDA device 0 where there is one; else the CPU after
+/// `enable_emulator` (`kernels::emulator::enable`, passed in because the kernels crate's own
+/// tests use this crate), which runs the same kernels compiled as C++. Under
+/// [`REQUIRE_CUDA_ENV`]`=1` a missing GPU fails the test instead.
+pub fn cuda_or_emulator(test: &str, enable_emulator: fn()) -> tch::Device {
+    if engine::cuda::device_count() > 0 || cuda_required() {
+        assert!(cuda_devices(1, test), "a CUDA device was found");
+        return tch::Device::Cuda(0);
+    }
+    eprintln!("{test}: no CUDA device; the kernels run on the CPU emulator");
+    enable_emulator();
+    tch::Device::Cpu
+}
+
+/// Whether [`REQUIRE_CUDA_ENV`] is `1`.
+pub fn cuda_required() -> bool {
+    std::env::var(REQUIRE_CUDA_ENV).as_deref() == Ok("1")
 }
 
 /// Set in the child processes to the name of the test they run.

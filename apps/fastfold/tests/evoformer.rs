@@ -46,15 +46,15 @@ fn chunked_equals_unchunked() {
     }
 }
 
-// On a GPU: the stacks with the fused kernels (attention softmax with mask and pair bias,
-// LayerNorm, triangle gates) equal libtorch's compositions, forward and the parameters'
-// gradients. Without a GPU this returns with a notice (a failure under SUITE_REQUIRE_CUDA=1).
+// The stacks with the fused kernels (attention softmax with mask and pair bias, LayerNorm,
+// triangle gates) equal libtorch's compositions, forward and the parameters' gradients. On a
+// GPU; without one, on the CPU emulator (a failure under SUITE_REQUIRE_CUDA=1).
 #[test]
-fn fused_kernels_equal_the_compositions_on_cuda() {
-    if !suite_tests::cuda_devices(1, "fused_kernels_equal_the_compositions_on_cuda") {
-        return;
-    }
-    let dev = Device::Cuda(0);
+fn fused_kernels_equal_the_compositions_on_cuda_or_the_emulator() {
+    let dev = suite_tests::cuda_or_emulator(
+        "fused_kernels_equal_the_compositions_on_cuda_or_the_emulator",
+        kernels::emulator::enable,
+    );
     let params = Params::random(&EvoformerConfig::tiny(), 13).unwrap();
     let grads_of = |backend: kernels::Backend| {
         let p = params.to_device(dev, true).unwrap().with_kernels(backend);

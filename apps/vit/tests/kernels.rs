@@ -1,17 +1,17 @@
-//! On a GPU: the ViT with the fused kernels (the blocks' LayerNorms, the MLP's bias + GELU)
-//! equals the one with libtorch's compositions on the same parameters, logits and every
-//! parameter's gradient. Without a GPU the test returns with a notice (a failure under
-//! SUITE_REQUIRE_CUDA=1); scripts/gpu-check.sh packs and runs it.
+//! The ViT with the fused kernels (the blocks' LayerNorms, the MLP's bias + GELU) equals the one
+//! with libtorch's compositions on the same parameters, logits and every parameter's gradient.
+//! On a GPU; without one, on the CPU emulator (a failure under SUITE_REQUIRE_CUDA=1).
+//! scripts/gpu-check.sh packs and runs it.
 use tch::nn::VarStore;
-use tch::{Device, Kind, Tensor};
+use tch::{Kind, Tensor};
 use vit::model::{Vit, VitConfig};
 
 #[test]
-fn fused_kernels_equal_the_compositions_on_cuda() {
-    if !suite_tests::cuda_devices(1, "fused_kernels_equal_the_compositions_on_cuda") {
-        return;
-    }
-    let dev = Device::Cuda(0);
+fn fused_kernels_equal_the_compositions_on_cuda_or_the_emulator() {
+    let dev = suite_tests::cuda_or_emulator(
+        "fused_kernels_equal_the_compositions_on_cuda_or_the_emulator",
+        kernels::emulator::enable,
+    );
     let cfg = VitConfig { image_size: 32, ..VitConfig::tiny(8) };
     tch::manual_seed(3);
     let images = Tensor::randn([5, 3, 32, 32], (Kind::Float, dev));

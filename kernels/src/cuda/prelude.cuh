@@ -9,13 +9,24 @@ struct f16 { u16 bits; };
 
 #define NEG_INF __int_as_float(0xff800000)
 
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(bf16 x) { return __uint_as_float(((unsigned int)x.bits) << 16); }
-__device__ __forceinline__ float to_float(f16 x) {
+// f16 <-> f32 by PTX's conversions (round to nearest even). The CPU emulator
+// (kernels/src/cuda/emulator.hpp) defines its own.
+#ifndef KERNELS_EMULATOR
+__device__ __forceinline__ float f16_bits_to_float(u16 h) {
   float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
   return f;
 }
+__device__ __forceinline__ u16 float_to_f16_bits(float x) {
+  u16 h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+  return h;
+}
+#endif
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(bf16 x) { return __uint_as_float(((unsigned int)x.bits) << 16); }
+__device__ __forceinline__ float to_float(f16 x) { return f16_bits_to_float(x.bits); }
 
 template <typename T> __device__ __forceinline__ T from_float(float x);
 template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
@@ -31,7 +42,7 @@ template <> __device__ __forceinline__ bf16 from_float<bf16>(float x) {
 }
 template <> __device__ __forceinline__ f16 from_float<f16>(float x) {
   f16 r;
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(x));
+  r.bits = float_to_f16_bits(x);
   return r;
 }
 

@@ -1,0 +1,309 @@
+// The CUDA C the kernels use, on the CPU: prepended to a kernel source (before the prelude) when
+// kernels/src/emulator.rs compiles it with the system C++ compiler, so that tests without a GPU
+// run every kernel through the same launch code as on a device.
+//
+// A launch runs its blocks one after another on the calling thread. A block's threads are
+// fibers (ucontext) switched cooperatively: a thread runs until it reaches __syncthreads or a
+// warp shuffle, or returns. A barrier opens when every thread it concerns has reached it: all of
+// the block's for __syncthreads, the warp's 32 lanes for a shuffle, which then reads every lane's
+// value before any lane goes on. Each warp runs as far ahead of the others as the barriers let
+// it, in alternating orders (run_block), so that code missing a barrier reads or overwrites
+// shared memory too early here too. The emulator is stricter than the hardware where the
+// hardware forgives undefined code: a __syncthreads that some threads never reach (they
+// returned, or wait at a shuffle), a shuffle that some lanes never reach, or a shuffle over a
+// partial warp fails the launch with a message instead of running.
+//
+// __shared__ variables are thread-local statics: one copy per calling thread, shared by the
+// block's fibers, and blocks never overlap. Atomics are plain read-modify-writes for the same
+// reason.
+#include <ucontext.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#define KERNELS_EMULATOR 1
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static thread_local
+
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+};
+// The running fiber's indices, set by the scheduler before it resumes a fiber.
+inline thread_local dim3 threadIdx, blockIdx, blockDim, gridDim;
+
+inline float __int_as_float(int i) {
+  float f;
+  std::memcpy(&f, &i, 4);
+  return f;
+}
+inline float __uint_as_float(unsigned u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline unsigned __float_as_uint(float f) {
+  unsigned u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
+// CUDA's integer min, for mixed int and long long arguments as device code writes them.
+template <typename A, typename B>
+inline std::common_type_t<A, B> min(A a, B b) {
+  return a < b ? a : b;
+}
+inline float atomicAdd(float* p, float v) {
+  const float old = *p;
+  *p = old + v;
+  return old;
+}
+
+// f16 conversions rounding to nearest even, as PTX's cvt.rn does (the prelude's PTX versions
+// stand aside when KERNELS_EMULATOR is defined).
+inline float f16_bits_to_float(unsigned short h) {
+  _Float16 f;
+  std::memcpy(&f, &h, 2);
+  return (float)f;
+}
+inline unsigned short float_to_f16_bits(float x) {
+  const _Float16 f = (_Float16)x;
+  unsigned short h;
+  std::memcpy(&h, &f, 2);
+  return h;
+}
+
+namespace emu {
+
+enum class Wait { Running, Block, Warp, Done };
+
+struct Fiber {
+  ucontext_t ctx;
+  Wait wait = Wait::Done;
+  std::uint64_t value = 0, result = 0;  // a shuffle's value in, and the value it reads
+  int lane_mask = 0;
+};
+
+// One launch on the calling thread.
+struct Launch {
+  ucontext_t scheduler;
+  std::vector<Fiber> fibers;
+  int current = 0;
+  void (*body)(void*) = nullptr;  // runs the kernel with its arguments
+  void* bound = nullptr;
+  std::string error;
+};
+
+inline thread_local Launch* active = nullptr;
+
+// Fibers' stacks, kept per calling thread across launches.
+constexpr std::size_t STACK = 64 * 1024;
+inline thread_local std::vector<std::unique_ptr<char[]>> stacks;
+
+inline Fiber& me() { return active->fibers[active->current]; }
+
+inline void wait(Wait w) {
+  Fiber& f = me();
+  f.wait = w;
+  swapcontext(&f.ctx, &active->scheduler);
+}
+
+inline dim3 thread_index(int t, const dim3& b) {
+  const unsigned u = (unsigned)t;
+  return dim3{u % b.x, (u / b.x) % b.y, u / (b.x * b.y)};
+}
+
+inline std::string where(int t, const dim3& b) {
+  const dim3 i = thread_index(t, b);
+  return "thread (" + std::to_string(i.x) + "," + std::to_string(i.y) + "," + std::to_string(i.z) + ")";
+}
+
+// Fails the launch from inside a thread: the scheduler stops at once, and this fiber is never
+// resumed.
+inline void fail(const std::string& why) {
+  if (active->error.empty()) active->error = where(active->current, blockDim) + ": " + why;
+  wait(Wait::Done);
+}
+
+inline void entry() {
+  active->body(active->bound);
+  me().wait = Wait::Done;  // returning resumes the scheduler (uc_link)
+}
+
+// Opens warp `w`'s shuffle if all its lanes wait there: every lane reads its partner's value
+// before any goes on. False (error set) for a shuffle in a partial warp.
+inline bool open_shuffle(Launch& L, int w, bool& opened) {
+  const int n = (int)L.fibers.size(), lo = w * 32, hi = std::min(n, lo + 32);
+  int waiting = 0;
+  for (int t = lo; t < hi; ++t) waiting += L.fibers[t].wait == Wait::Warp;
+  opened = waiting == 32;
+  if (waiting > 0 && hi - lo < 32) {
+    L.error = "a warp shuffle in a partial warp of " + std::to_string(hi - lo) + " threads";
+    return false;
+  }
+  if (!opened) return true;  // the other lanes may still arrive
+  for (int t = lo; t < hi; ++t) {
+    Fiber& f = L.fibers[t];
+    const int from = (t - lo) ^ f.lane_mask;
+    f.result = from < 32 ? L.fibers[lo + from].value : f.value;
+    f.wait = Wait::Running;
+  }
+  return true;
+}
+
+// Runs warp `w` as far as it goes alone: its lanes, each to its next wait, and again through
+// every shuffle of the whole warp, until they wait at __syncthreads, at a shuffle some lane has
+// not reached, or return. False on an error.
+inline bool run_warp(Launch& L, int w) {
+  const int n = (int)L.fibers.size(), lo = w * 32, hi = std::min(n, lo + 32);
+  for (bool opened = true; opened;) {
+    for (int t = lo; t < hi; ++t) {
+      if (L.fibers[t].wait != Wait::Running) continue;
+      L.current = t;
+      threadIdx = thread_index(t, blockDim);
+      swapcontext(&L.scheduler, &L.fibers[t].ctx);
+      if (!L.error.empty()) return false;
+    }
+    if (!open_shuffle(L, w, opened)) return false;
+  }
+  return true;
+}
+
+// With every warp stopped: opens __syncthreads if every thread waits there; true when the
+// block is done. False (error set) when nothing can open.
+inline bool open_barrier(Launch& L, bool& done) {
+  const int n = (int)L.fibers.size();
+  int at_block = 0, returned = 0;
+  for (const Fiber& f : L.fibers) {
+    at_block += f.wait == Wait::Block;
+    returned += f.wait == Wait::Done;
+  }
+  done = returned == n;
+  if (at_block == n) {
+    for (Fiber& f : L.fibers) f.wait = Wait::Running;
+    return true;
+  }
+  if (done) return true;
+  if (at_block == n - returned) {
+    L.error = "__syncthreads reached by " + std::to_string(at_block) + " of " + std::to_string(n) +
+              " threads; the others returned";
+    return false;
+  }
+  // Some lanes wait at a shuffle that others never reach.
+  for (int t = 0; t < n; ++t) {
+    if (L.fibers[t].wait != Wait::Warp) continue;
+    for (int u = t / 32 * 32; u < std::min(n, t / 32 * 32 + 32); ++u) {
+      if (L.fibers[u].wait != Wait::Warp) {
+        L.error = "a warp shuffle reached by " + where(t, blockDim) + " but not by " + where(u, blockDim) +
+                  (L.fibers[u].wait == Wait::Done ? ", which returned" : ", which waits at __syncthreads");
+        return false;
+      }
+    }
+  }
+  L.error = "the block's threads wait at barriers that cannot open";
+  return false;
+}
+
+// Runs one block to completion; false on an error. Each warp runs as far ahead of the others
+// as the code lets it, first to last in even blocks and last to first in odd ones, so that a
+// missing __syncthreads shows as a warp reading or overwriting shared memory too early.
+inline bool run_block(Launch& L, bool reverse) {
+  const int n = (int)L.fibers.size(), warps = (n + 31) / 32;
+  for (int t = 0; t < n; ++t) {
+    Fiber& f = L.fibers[t];
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = stacks[t].get();
+    f.ctx.uc_stack.ss_size = STACK;
+    f.ctx.uc_link = &L.scheduler;
+    makecontext(&f.ctx, entry, 0);
+    f.wait = Wait::Running;
+  }
+  for (bool done = false; !done;) {
+    for (int i = 0; i < warps; ++i) {
+      if (!run_warp(L, reverse ? warps - 1 - i : i)) return false;
+    }
+    if (!open_barrier(L, done)) return false;
+  }
+  return true;
+}
+
+// Runs `body(bound)` as a kernel over `grid` x `block`. Returns 0, or 1 with a message in
+// `err` (NUL-terminated, cut to `err_len`).
+inline int run(const unsigned* grid, const unsigned* block, void (*body)(void*), void* bound, char* err,
+               std::size_t err_len) {
+  Launch L;
+  L.body = body;
+  L.bound = bound;
+  const dim3 g{grid[0], grid[1], grid[2]}, b{block[0], block[1], block[2]};
+  const long threads = (long)b.x * b.y * b.z;
+  auto failed = [&](const std::string& why) {
+    std::snprintf(err, err_len, "%s", why.c_str());
+    return 1;
+  };
+  if (threads < 1 || threads > 1024) return failed("a block of " + std::to_string(threads) + " threads");
+  L.fibers.resize(threads);
+  while (stacks.size() < (std::size_t)threads) stacks.emplace_back(new char[STACK]);
+  Launch* outer = active;
+  active = &L;
+  gridDim = g;
+  blockDim = b;
+  int rc = 0;
+  for (unsigned z = 0; z < g.z && rc == 0; ++z)
+    for (unsigned y = 0; y < g.y && rc == 0; ++y)
+      for (unsigned x = 0; x < g.x && rc == 0; ++x) {
+        blockIdx = dim3{x, y, z};
+        if (!run_block(L, (x + y + z) % 2 == 1)) {
+          rc = failed("block (" + std::to_string(x) + "," + std::to_string(y) + "," + std::to_string(z) + "), " +
+                      L.error);
+        }
+      }
+  active = outer;
+  return rc;
+}
+
+// Calls a kernel with its arguments read from the launcher's slots, each holding one argument
+// in its low bytes as the CUDA driver reads them.
+template <typename... A, std::size_t... I>
+void call(void (*f)(A...), void** slots, std::index_sequence<I...>) {
+  f(*static_cast<std::remove_cv_t<A>*>(slots[I])...);
+}
+
+template <typename... A>
+int launch(void (*f)(A...), const unsigned* grid, const unsigned* block, void** slots, char* err,
+           std::size_t err_len) {
+  struct Bound {
+    void (*f)(A...);
+    void** slots;
+  } bound{f, slots};
+  auto body = [](void* p) {
+    auto* b = static_cast<Bound*>(p);
+    call(b->f, b->slots, std::index_sequence_for<A...>{});
+  };
+  return run(grid, block, body, &bound, err, err_len);
+}
+
+}  // namespace emu
+
+inline void __syncthreads() { emu::wait(emu::Wait::Block); }
+
+template <typename T>
+T __shfl_xor_sync(unsigned mask, T v, int lane_mask) {
+  static_assert(sizeof(T) <= 8, "a shuffle of at most 8 bytes");
+  if (mask != 0xffffffffu) emu::fail("a shuffle with a partial mask (the emulator takes full warps only)");
+  emu::Fiber& f = emu::me();
+  std::memcpy(&f.value, &v, sizeof v);
+  f.lane_mask = lane_mask;
+  emu::wait(emu::Wait::Warp);
+  T r;
+  std::memcpy(&r, &emu::me().result, sizeof r);
+  return r;
+}
