@@ -19,6 +19,8 @@ const RUNTIME: &str = include_str!("cuda/emulator.hpp");
 
 /// The compiler, from `CXX` as build tools read it, else `c++`.
 const CXX_ENV: &str = "CXX";
+/// Extra compiler flags, split at spaces (the parity tests' AddressSanitizer run sets them).
+const CXXFLAGS_ENV: &str = "CXXFLAGS";
 
 static ENABLED: AtomicBool = AtomicBool::new(false);
 
@@ -128,8 +130,9 @@ fn dl_error() -> String {
 /// absent. Written under a temporary name and renamed, so no reader sees half a library.
 fn compile(kernel: &Kernel) -> Result<PathBuf> {
     let compiler = std::env::var(CXX_ENV).ok().filter(|c| !c.is_empty()).unwrap_or_else(|| "c++".into());
+    let flags = std::env::var(CXXFLAGS_ENV).unwrap_or_default();
     let source = source(kernel);
-    let hash = cache::fnv1a(&[source.as_bytes(), compiler.as_bytes()]);
+    let hash = cache::fnv1a(&[source.as_bytes(), compiler.as_bytes(), flags.as_bytes()]);
     let dir = cache::dir().filter(|d| std::fs::create_dir_all(d).is_ok()).unwrap_or_else(std::env::temp_dir);
     let library = dir.join(format!("{}-{hash:016x}-emulator.so", kernel.name));
     if library.exists() {
@@ -137,7 +140,7 @@ fn compile(kernel: &Kernel) -> Result<PathBuf> {
     }
     let tmp = |ext: &str| library.with_extension(format!("{ext}.tmp{}", std::process::id()));
     let (cpp, so) = (tmp("cpp"), tmp("so"));
-    let outcome = build(&compiler, &source, &cpp, &so).and_then(|()| {
+    let outcome = build(&compiler, &flags, &source, &cpp, &so).and_then(|()| {
         std::fs::rename(&so, &library)
             .map_err(|e| Error::Emulator(format!("moving {} to {}: {e}", so.display(), library.display())))
     });
@@ -149,12 +152,14 @@ fn compile(kernel: &Kernel) -> Result<PathBuf> {
     })
 }
 
-fn build(compiler: &str, source: &str, cpp: &Path, so: &Path) -> Result<()> {
+fn build(compiler: &str, flags: &str, source: &str, cpp: &Path, so: &Path) -> Result<()> {
     std::fs::write(cpp, source).map_err(|e| Error::Emulator(format!("writing {}: {e}", cpp.display())))?;
     // No contraction into multiply-adds: each operation rounds on its own, as the optimizers'
     // source asks of NVRTC (the other kernels' tolerances allow either).
     let out = std::process::Command::new(compiler)
-        .args(["-std=c++17", "-O2", "-fPIC", "-shared", "-ffp-contract=off", "-o"])
+        .args(["-std=c++17", "-O2", "-fPIC", "-shared", "-ffp-contract=off"])
+        .args(flags.split_whitespace())
+        .arg("-o")
         .arg(so)
         .args(["-x", "c++"]) // the temporary file's name does not end in .cpp
         .arg(cpp)

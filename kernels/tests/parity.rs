@@ -7,8 +7,8 @@
 //! 1e-6 (AdamW) or 1e-5 (LAMB, LARS) of the composition.
 //!
 //! Without a GPU they run on the CPU emulator (`kernels::emulator`): the same kernels, compiled
-//! as C++, through the same wrappers and launch shapes. Under `SUITE_REQUIRE_CUDA=1`
-//! (scripts/gpu-check.sh sets it) a missing GPU fails them instead.
+//! as C++, through the same wrappers and launch shapes, and once more under AddressSanitizer.
+//! Under `SUITE_REQUIRE_CUDA=1` (scripts/gpu-check.sh sets it) a missing GPU fails them instead.
 use engine::optim::{AdamWConfig, LambConfig, LarsConfig};
 use kernels::{Backend, LarsTensors, OptimTensors};
 use tch::{Device, Kind, Tensor};
@@ -109,6 +109,35 @@ fn require_cuda_turns_a_missing_gpu_into_a_failure() {
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(!out.status.success(), "a GPU test passed without a GPU under SUITE_REQUIRE_CUDA=1:\n{text}");
     assert!(text.contains("needs 1 CUDA device(s), found 0"), "{text}");
+}
+
+/// Without a GPU: the emulated tests again, in a child process under AddressSanitizer (the
+/// kernels compiled with `-fsanitize=address`, its runtime preloaded so that libtorch's CPU
+/// tensors get red zones). A kernel that reads or writes past its tensors fails here, rather
+/// than with an illegal address on a GPU, which ends the process there.
+#[test]
+fn kernels_stay_within_their_tensors() {
+    if engine::cuda::device_count() > 0 || suite_tests::cuda_required() {
+        return; // On a GPU the tests above run there.
+    }
+    let compiler = std::env::var("CXX").ok().filter(|c| !c.is_empty()).unwrap_or_else(|| "c++".into());
+    let runtime = std::process::Command::new(&compiler).arg("-print-file-name=libasan.so").output().unwrap();
+    let runtime = String::from_utf8_lossy(&runtime.stdout).trim().to_string();
+    assert!(
+        std::path::Path::new(&runtime).is_absolute() && std::path::Path::new(&runtime).exists(),
+        "{compiler} names no AddressSanitizer runtime (-print-file-name=libasan.so gave {runtime:?}); install g++"
+    );
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["_matches", "--test-threads=2"])
+        .env("LD_PRELOAD", &runtime)
+        .env("CXXFLAGS", "-fsanitize=address -fno-omit-frame-pointer -fno-sanitize-address-use-after-scope")
+        // The fibers' stacks are switched by hand: no fake stacks for returns.
+        .env("ASAN_OPTIONS", "detect_leaks=0:detect_stack_use_after_return=0:halt_on_error=1")
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "the emulated kernels under AddressSanitizer:\n{text}");
+    assert!(text.contains("test result: ok. 9 passed"), "all nine emulated tests ran:\n{text}");
 }
 
 #[test]
