@@ -19,8 +19,10 @@ const RUNTIME: &str = include_str!("cuda/emulator.hpp");
 
 /// The compiler, from `CXX` as build tools read it, else `c++`.
 const CXX_ENV: &str = "CXX";
-/// Extra compiler flags, split at spaces (the parity tests' AddressSanitizer run sets them).
-const CXXFLAGS_ENV: &str = "CXXFLAGS";
+/// Extra compiler flags, split at spaces (the parity tests' AddressSanitizer run sets them). Not
+/// `CXXFLAGS`: flags an environment sets for builds in general (`-ffp-contract=fast`,
+/// sanitizers) must not reach the emulator unasked.
+pub const FLAGS_ENV: &str = "SUITE_EMULATOR_CXXFLAGS";
 
 static ENABLED: AtomicBool = AtomicBool::new(false);
 
@@ -130,15 +132,18 @@ fn dl_error() -> String {
 /// absent. Written under a temporary name and renamed, so no reader sees half a library.
 fn compile(kernel: &Kernel) -> Result<PathBuf> {
     let compiler = std::env::var(CXX_ENV).ok().filter(|c| !c.is_empty()).unwrap_or_else(|| "c++".into());
-    let flags = std::env::var(CXXFLAGS_ENV).unwrap_or_default();
+    let flags = std::env::var(FLAGS_ENV).unwrap_or_default();
     let source = source(kernel);
-    let hash = cache::fnv1a(&[source.as_bytes(), compiler.as_bytes(), flags.as_bytes()]);
+    let version = compiler_version(&compiler);
+    let hash = cache::fnv1a(&[source.as_bytes(), compiler.as_bytes(), version.as_bytes(), flags.as_bytes()]);
     let dir = cache::dir().filter(|d| std::fs::create_dir_all(d).is_ok()).unwrap_or_else(std::env::temp_dir);
     let library = dir.join(format!("{}-{hash:016x}-emulator.so", kernel.name));
     if library.exists() {
         return Ok(library);
     }
-    let tmp = |ext: &str| library.with_extension(format!("{ext}.tmp{}", std::process::id()));
+    // The process id and the time: processes of several machines may share a cache folder.
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let tmp = |ext: &str| library.with_extension(format!("{ext}.tmp{}-{nanos}", std::process::id()));
     let (cpp, so) = (tmp("cpp"), tmp("so"));
     let outcome = build(&compiler, &flags, &source, &cpp, &so).and_then(|()| {
         std::fs::rename(&so, &library)
@@ -152,14 +157,25 @@ fn compile(kernel: &Kernel) -> Result<PathBuf> {
     })
 }
 
+/// What `compiler --version` prints (empty if it cannot run: `build` then says why), so that
+/// an upgraded compiler builds the libraries again.
+fn compiler_version(compiler: &str) -> String {
+    std::process::Command::new(compiler)
+        .arg("--version")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default()
+}
+
 fn build(compiler: &str, flags: &str, source: &str, cpp: &Path, so: &Path) -> Result<()> {
     std::fs::write(cpp, source).map_err(|e| Error::Emulator(format!("writing {}: {e}", cpp.display())))?;
-    // No contraction into multiply-adds: each operation rounds on its own, as the optimizers'
-    // source asks of NVRTC (the other kernels' tolerances allow either).
+    // No contraction into multiply-adds (last, so that no extra flag turns it back on): each
+    // operation rounds on its own, as the optimizers' source asks of NVRTC (the other kernels'
+    // tolerances allow either).
     let out = std::process::Command::new(compiler)
-        .args(["-std=c++17", "-O2", "-fPIC", "-shared", "-ffp-contract=off"])
+        .args(["-std=c++17", "-O2", "-fPIC", "-shared"])
         .args(flags.split_whitespace())
-        .arg("-o")
+        .args(["-ffp-contract=off", "-o"])
         .arg(so)
         .args(["-x", "c++"]) // the temporary file's name does not end in .cpp
         .arg(cpp)

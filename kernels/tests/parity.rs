@@ -38,6 +38,9 @@ fn assert_close(a: &Tensor, b: &Tensor, tol: f64, what: &str) {
 }
 
 /// The tolerance rule for a dtype: `fused` against `torch`, both judged by `reference` (f64).
+/// Over the whole tensor, not element by element: in bf16 and f16 a single rounding of the
+/// largest value takes most of the floor, and an element where the composition happens to be
+/// exact would leave nothing for the kernel's one rounding.
 fn assert_matches(fused: &Tensor, torch: &Tensor, reference: &Tensor, kind: Kind, what: &str) {
     let floor = match kind {
         Kind::Float => 1e-5,
@@ -130,7 +133,10 @@ fn kernels_stay_within_their_tensors() {
     let out = std::process::Command::new(std::env::current_exe().unwrap())
         .args(["_matches", "--test-threads=2"])
         .env("LD_PRELOAD", &runtime)
-        .env("CXXFLAGS", "-fsanitize=address -fno-omit-frame-pointer -fno-sanitize-address-use-after-scope")
+        .env(
+            kernels::emulator::FLAGS_ENV,
+            "-fsanitize=address -fno-omit-frame-pointer -fno-sanitize-address-use-after-scope",
+        )
         // The fibers' stacks are switched by hand: no fake stacks for returns.
         .env("ASAN_OPTIONS", "detect_leaks=0:detect_stack_use_after_return=0:halt_on_error=1")
         .output()

@@ -88,7 +88,7 @@ fn worker(test: &str) -> std::process::Command {
 }
 
 fn free_port() -> String {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string()
+    engine::dist::spawn::free_port().unwrap().to_string()
 }
 
 #[test]
@@ -183,7 +183,7 @@ fn a_job_whose_ranks_run_no_test_fails() {
 #[test]
 fn rendezvous_without_peers_times_out() {
     let start = Instant::now();
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = engine::dist::spawn::free_port().unwrap();
     let err = Store::tcp("127.0.0.1", port, true, 2, Duration::from_secs(1)).unwrap_err().to_string();
     assert!(err.contains("rendezvous: hosting TCP store 127.0.0.1"), "{err}");
     assert!(start.elapsed() < Duration::from_secs(20), "took {:?}", start.elapsed());

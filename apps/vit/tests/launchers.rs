@@ -10,9 +10,9 @@ use tch::Tensor;
 
 const VIT: &str = env!("CARGO_BIN_EXE_vit");
 
-/// A port no one listens on now.
+/// A port no one listens on now (outside the ephemeral range, as the spawner picks them).
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    engine::dist::spawn::free_port().unwrap()
 }
 
 fn pretrain_args(out: &Path) -> Vec<String> {

@@ -14,7 +14,8 @@
 // partial warp fails the launch with a message instead of running.
 //
 // __shared__ variables are thread-local statics: one copy per calling thread, shared by the
-// block's fibers, and blocks never overlap. Atomics are plain read-modify-writes for the same
+// block's fibers, and blocks never overlap (a block finds the previous block's values there,
+// not garbage). Atomics are plain read-modify-writes for the same
 // reason.
 #include <ucontext.h>
 
@@ -23,6 +24,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -95,7 +97,7 @@ struct Fiber {
 
 // One launch on the calling thread.
 struct Launch {
-  ucontext_t scheduler;
+  ucontext_t scheduler{};  // zeroed: AddressSanitizer reads its stack fields at each switch
   std::vector<Fiber> fibers;
   int current = 0;
   void (*body)(void*) = nullptr;  // runs the kernel with its arguments
@@ -153,8 +155,8 @@ inline bool open_shuffle(Launch& L, int w, bool& opened) {
   if (!opened) return true;  // the other lanes may still arrive
   for (int t = lo; t < hi; ++t) {
     Fiber& f = L.fibers[t];
-    const int from = (t - lo) ^ f.lane_mask;
-    f.result = from < 32 ? L.fibers[lo + from].value : f.value;
+    // PTX's shfl.bfly reads the mask's low five bits.
+    f.result = L.fibers[lo + ((t - lo) ^ (f.lane_mask & 31))].value;
     f.wait = Wait::Running;
   }
   return true;
@@ -288,7 +290,13 @@ int launch(void (*f)(A...), const unsigned* grid, const unsigned* block, void** 
     auto* b = static_cast<Bound*>(p);
     call(b->f, b->slots, std::index_sequence_for<A...>{});
   };
-  return run(grid, block, body, &bound, err, err_len);
+  // Nothing may unwind into the Rust caller.
+  try {
+    return run(grid, block, body, &bound, err, err_len);
+  } catch (const std::exception& e) {
+    std::snprintf(err, err_len, "%s", e.what());
+    return 1;
+  }
 }
 
 }  // namespace emu
