@@ -15,8 +15,7 @@
 //
 // __shared__ variables are thread-local statics: one copy per calling thread, shared by the
 // block's fibers, and blocks never overlap (a block finds the previous block's values there,
-// not garbage). Atomics are plain read-modify-writes for the same
-// reason.
+// not garbage). Atomics are plain read-modify-writes for the same reason.
 #include <ucontext.h>
 
 #include <algorithm>
