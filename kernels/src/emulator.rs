@@ -17,7 +17,7 @@ use crate::{cache, Error, Result};
 /// Makes the emulator's CUDA: threads, barriers, shuffles, atomics and intrinsics in C++.
 const RUNTIME: &str = include_str!("cuda/emulator.hpp");
 
-/// The compiler, from `CXX` as build tools read it, else `c++`.
+/// Names the compiler, as build tools read it.
 const CXX_ENV: &str = "CXX";
 /// Extra compiler flags, split at spaces (the parity tests' AddressSanitizer run sets them). Not
 /// `CXXFLAGS`: flags an environment sets for builds in general (`-ffp-contract=fast`,
@@ -40,6 +40,11 @@ pub fn enabled() -> bool {
 /// A kernel's entry point in the emulator's library: grid and block sizes (3 each), the
 /// argument slots, and a buffer for the message of a failed launch.
 type Entry = unsafe extern "C" fn(*const u32, *const u32, *mut *mut c_void, *mut c_char, usize) -> c_int;
+
+/// The C++ compiler the emulator uses: `CXX`, else `c++`.
+pub fn compiler() -> String {
+    std::env::var(CXX_ENV).ok().filter(|c| !c.is_empty()).unwrap_or_else(|| "c++".into())
+}
 
 /// Runs `function` of `kernel` on the CPU.
 pub(crate) fn launch(
@@ -131,11 +136,10 @@ fn dl_error() -> String {
 /// The kernel's library: from the cache folder (else the temporary folder), compiled there if
 /// absent. Written under a temporary name and renamed, so no reader sees half a library.
 fn compile(kernel: &Kernel) -> Result<PathBuf> {
-    let compiler = std::env::var(CXX_ENV).ok().filter(|c| !c.is_empty()).unwrap_or_else(|| "c++".into());
+    let compiler = compiler();
     let flags = std::env::var(FLAGS_ENV).unwrap_or_default();
     let source = source(kernel);
-    let version = compiler_version(&compiler);
-    let hash = cache::fnv1a(&[source.as_bytes(), compiler.as_bytes(), version.as_bytes(), flags.as_bytes()]);
+    let hash = cache::fnv1a(&[source.as_bytes(), compiler.as_bytes(), compiler_version(), flags.as_bytes()]);
     let dir = cache::dir().filter(|d| std::fs::create_dir_all(d).is_ok()).unwrap_or_else(std::env::temp_dir);
     let library = dir.join(format!("{}-{hash:016x}-emulator.so", kernel.name));
     if library.exists() {
@@ -157,14 +161,13 @@ fn compile(kernel: &Kernel) -> Result<PathBuf> {
     })
 }
 
-/// What `compiler --version` prints (empty if it cannot run: `build` then says why), so that
-/// an upgraded compiler builds the libraries again.
-fn compiler_version(compiler: &str) -> String {
-    std::process::Command::new(compiler)
-        .arg("--version")
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-        .unwrap_or_default()
+/// What the compiler's `--version` prints (empty if it cannot run: `build` then says why), so
+/// that an upgraded compiler builds the libraries again. Asked once per process.
+fn compiler_version() -> &'static [u8] {
+    static VERSION: OnceLock<Vec<u8>> = OnceLock::new();
+    VERSION.get_or_init(|| {
+        std::process::Command::new(compiler()).arg("--version").output().map(|o| o.stdout).unwrap_or_default()
+    })
 }
 
 fn build(compiler: &str, flags: &str, source: &str, cpp: &Path, so: &Path) -> Result<()> {

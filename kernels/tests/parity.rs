@@ -123,7 +123,7 @@ fn kernels_stay_within_their_tensors() {
     if engine::cuda::device_count() > 0 || suite_tests::cuda_required() {
         return; // On a GPU the tests above run there.
     }
-    let compiler = std::env::var("CXX").ok().filter(|c| !c.is_empty()).unwrap_or_else(|| "c++".into());
+    let compiler = kernels::emulator::compiler();
     let runtime = std::process::Command::new(&compiler).arg("-print-file-name=libasan.so").output().unwrap();
     let runtime = String::from_utf8_lossy(&runtime.stdout).trim().to_string();
     assert!(

@@ -35,13 +35,14 @@ pub fn cuda_devices(devices: usize, test: &str) -> bool {
 /// tests use this crate), which runs the same kernels compiled as C++. Under
 /// [`REQUIRE_CUDA_ENV`]`=1` a missing GPU fails the test instead.
 pub fn cuda_or_emulator(test: &str, enable_emulator: fn()) -> tch::Device {
-    if engine::cuda::device_count() > 0 || cuda_required() {
-        assert!(cuda_devices(1, test), "a CUDA device was found");
-        return tch::Device::Cuda(0);
+    if engine::cuda::device_count() == 0 && !cuda_required() {
+        eprintln!("{test}: no CUDA device; the kernels run on the CPU emulator");
+        enable_emulator();
+        return tch::Device::Cpu;
     }
-    eprintln!("{test}: no CUDA device; the kernels run on the CPU emulator");
-    enable_emulator();
-    tch::Device::Cpu
+    // With no device this panics (REQUIRE_CUDA_ENV is set).
+    assert!(cuda_devices(1, test));
+    tch::Device::Cuda(0)
 }
 
 /// Whether [`REQUIRE_CUDA_ENV`] is `1`.

@@ -317,9 +317,8 @@ pub fn free_port() -> Result<u16> {
     let (start, end) = if lo > 11_000 { (10_000, lo - 1) } else { (hi.saturating_add(1).max(10_000), u16::MAX) };
     if start < end {
         use std::hash::{BuildHasher, Hasher};
-        // A random starting point without a dependency: std's hasher keys are random per process.
-        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        h.write_u32(std::process::id());
+        // A random starting point without a dependency: std's hasher keys are random.
+        let h = std::collections::hash_map::RandomState::new().build_hasher();
         let span = (end - start) as u64 + 1;
         let first = h.finish() % span;
         for i in 0..span.min(200) {

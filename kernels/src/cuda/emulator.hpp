@@ -253,7 +253,6 @@ inline int run(const unsigned* grid, const unsigned* block, void (*body)(void*),
   if (threads < 1 || threads > 1024) return failed("a block of " + std::to_string(threads) + " threads");
   L.fibers.resize(threads);
   while (stacks.size() < (std::size_t)threads) stacks.emplace_back(new char[STACK]);
-  Launch* outer = active;
   active = &L;
   gridDim = g;
   blockDim = b;
@@ -267,7 +266,7 @@ inline int run(const unsigned* grid, const unsigned* block, void (*body)(void*),
                       L.error);
         }
       }
-  active = outer;
+  active = nullptr;
   return rc;
 }
 
