@@ -1,6 +1,6 @@
 //! What every fused path checks before launching (device, dtype, layout, shapes), with
 //! messages that name the operation and the argument; and the autograd connection.
-use tch::{Device, Kind, Tensor};
+use tch::{Kind, Tensor};
 
 use crate::error::ensure;
 use crate::kernel::Target;
@@ -22,15 +22,12 @@ pub(crate) fn dtype(op: &str, name: &str, t: &Tensor) -> Result<&'static str> {
 pub(crate) fn target(op: &str, kind: Option<Kind>, tensors: &[(&str, &Tensor)]) -> Result<Target> {
     let mut target = None;
     for (name, t) in tensors {
-        let here = match t.device() {
-            Device::Cuda(d) => Target::Cuda(d),
-            Device::Cpu if crate::emulator::enabled() => Target::Emulator,
-            other => {
-                return Err(Error::invalid(format!(
-                    "{op}: {name} is on {other:?}; the fused kernel runs on CUDA tensors (use the torch backend)"
-                )))
-            }
-        };
+        let here = Target::of(t.device()).ok_or_else(|| {
+            Error::invalid(format!(
+                "{op}: {name} is on {:?}; the fused kernel runs on CUDA tensors (use the torch backend)",
+                t.device()
+            ))
+        })?;
         ensure!(
             target.is_none_or(|first| first == here),
             "{op}: {name} is on {:?}, other arguments on {:?}",

@@ -32,7 +32,13 @@ pub fn enable() {
     ENABLED.store(true, Ordering::Relaxed);
 }
 
-/// Whether [`enable`] was called.
+/// From now on, in this process, fused operations refuse CPU tensors again (a test that
+/// emulated them hands the CPU back to the tests that assert the refusal).
+pub fn disable() {
+    ENABLED.store(false, Ordering::Relaxed);
+}
+
+/// Whether the emulator is enabled.
 pub fn enabled() -> bool {
     ENABLED.load(Ordering::Relaxed)
 }

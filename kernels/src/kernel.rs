@@ -23,6 +23,16 @@ pub(crate) enum Target {
 }
 
 impl Target {
+    /// Where a launch on tensors of `device` runs, if anywhere: CUDA devices, and the CPU once
+    /// the emulator is enabled.
+    pub(crate) fn of(device: tch::Device) -> Option<Target> {
+        match device {
+            tch::Device::Cuda(d) => Some(Target::Cuda(d)),
+            tch::Device::Cpu if crate::emulator::enabled() => Some(Target::Emulator),
+            _ => None,
+        }
+    }
+
     /// The device of the tensors a launch here takes.
     pub(crate) fn device(self) -> tch::Device {
         match self {

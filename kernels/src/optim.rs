@@ -250,7 +250,7 @@ pub struct MultiTensor(pub Backend);
 
 impl MultiTensorSteps for MultiTensor {
     fn accepts(&self, t: &Tensor) -> bool {
-        (self.0 == Backend::Torch || t.device().is_cuda()) && t.kind() == Kind::Float && t.is_contiguous()
+        (self.0 == Backend::Torch || Target::of(t.device()).is_some()) && t.kind() == Kind::Float && t.is_contiguous()
     }
 
     fn step(&self, rule: Rule, tensors: &[StepTensors], step: i32) -> engine::Result<()> {

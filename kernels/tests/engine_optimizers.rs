@@ -1,9 +1,10 @@
 //! The engine's tensor optimizers with multi-tensor steps installed (`engine::optim::fused`)
 //! equal the same optimizers stepping tensor by tensor. On the CPU the installed steps are the
 //! compositions (`MultiTensor(Backend::Torch)`), which checks the engine's side: what it hands
-//! over (state, adapt flags, LARS's first step) and when it steps by itself instead; on a GPU
-//! the fused kernels (scripts/gpu-check.sh runs this binary there). The installed steps are
-//! process-wide, so this binary's tests take turns.
+//! over (state, adapt flags, LARS's first step) and when it steps by itself instead. The fused
+//! kernels run on a GPU (scripts/gpu-check.sh runs this binary there), else on the CPU emulator.
+//! The installed steps and the emulator switch are process-wide, so this binary's tests take
+//! turns.
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -94,15 +95,29 @@ fn installed_steps_equal_the_tensor_optimizers_on_the_cpu() {
     assert_eq!(calls, 0, "CPU tensors are not handed to the fused kernels");
 }
 
-#[test]
-fn fused_steps_equal_the_tensor_optimizers_on_cuda() {
-    let _turn = TURN.lock().unwrap_or_else(|p| p.into_inner());
-    if !suite_tests::cuda_devices(1, "fused_steps_equal_the_tensor_optimizers_on_cuda") {
-        return;
+/// Where the fused side runs: CUDA, else the CPU emulator, switched off again when the test
+/// ends (the switch is process-wide, and the CPU test asserts that CPU tensors are refused).
+struct Fused(Device);
+
+impl Fused {
+    fn device(test: &str) -> Fused {
+        Fused(suite_tests::cuda_or_emulator(test, kernels::emulator::enable))
     }
+}
+
+impl Drop for Fused {
+    fn drop(&mut self) {
+        kernels::emulator::disable();
+    }
+}
+
+#[test]
+fn fused_steps_equal_the_tensor_optimizers_on_cuda_or_the_emulator() {
+    let _turn = TURN.lock().unwrap_or_else(|p| p.into_inner());
+    let fused = Fused::device("fused_steps_equal_the_tensor_optimizers_on_cuda_or_the_emulator");
     for (name, make, expected) in rules() {
         // As the kernels' parity tests: f32 norms summed by atomics in any order.
-        let calls = compare(Device::Cuda(0), Backend::Fused, 1e-5, &make);
+        let calls = compare(fused.0, Backend::Fused, 1e-5, &make);
         assert_eq!(calls, expected, "{name}: steps through the fused kernels");
     }
 }
@@ -148,7 +163,6 @@ fn device_optimizer_matches(dev: Device, backend: Backend, tol: f64) -> usize {
 fn device_homes_step_through_the_installed_steps() {
     let _turn = TURN.lock().unwrap_or_else(|p| p.into_inner());
     assert_eq!(device_optimizer_matches(Device::Cpu, Backend::Torch, 1e-6), 3, "every step");
-    if suite_tests::cuda_devices(1, "device_homes_step_through_the_installed_steps (cuda part)") {
-        assert_eq!(device_optimizer_matches(Device::Cuda(0), Backend::Fused, 1e-5), 3, "every step, fused");
-    }
+    let fused = Fused::device("device_homes_step_through_the_installed_steps (fused part)");
+    assert_eq!(device_optimizer_matches(fused.0, Backend::Fused, 1e-5), 3, "every step, fused");
 }
