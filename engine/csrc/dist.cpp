@@ -83,16 +83,21 @@ void eng_free_error(char* err) { std::free(err); }
 
 const char* eng_torch_version() { return TORCH_VERSION; }
 
-char* eng_store_tcp(const char* host, uint16_t port, int is_server, int world_size,
-                    int64_t timeout_ms, EngStore** out) {
+// A server waits for `workers` clients (itself included) before returning; with 0 it waits
+// for none (an agent's store, which is no worker). Port 0 asks the kernel for one; the port
+// bound is returned in `bound_port`.
+char* eng_store_tcp(const char* host, uint16_t port, int is_server, int workers,
+                    int64_t timeout_ms, uint16_t* bound_port, EngStore** out) {
   ENG_PROTECT({
     c10d::TCPStoreOptions opts;
     opts.port = port;
     opts.isServer = is_server != 0;
-    opts.numWorkers = world_size;
-    opts.waitWorkers = true;
+    if (workers > 0) opts.numWorkers = workers;
+    opts.waitWorkers = workers > 0;
     opts.timeout = milliseconds(timeout_ms);
-    *out = new EngStore{c10::make_intrusive<c10d::TCPStore>(host, opts)};
+    auto store = c10::make_intrusive<c10d::TCPStore>(host, opts);
+    *bound_port = store->getPort();
+    *out = new EngStore{std::move(store)};
   })
 }
 

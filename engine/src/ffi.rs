@@ -34,8 +34,9 @@ extern "C" {
         host: *const c_char,
         port: u16,
         is_server: c_int,
-        world_size: c_int,
+        workers: c_int,
         timeout_ms: i64,
+        bound_port: *mut u16,
         out: *mut *mut EngStore,
     ) -> *mut c_char;
     pub fn eng_store_hash(out: *mut *mut EngStore) -> *mut c_char;

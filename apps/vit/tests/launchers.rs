@@ -1,7 +1,8 @@
 //! The launchers clusters use, started for real on this machine: `torchrun --nproc-per-node 2`
 //! (from the project's Python environment) and OpenMPI's `mpirun -np 2` (installed by
 //! `scripts/setup.sh`) each run `vit pretrain`, and the trained weights equal the engine's own
-//! spawner's run bit for bit. Under mpirun no `MASTER_ADDR` is needed on one node.
+//! spawner's run bit for bit. Under mpirun no `MASTER_ADDR` is needed on one node; under
+//! torchrun its agent hosts the rendezvous store and rank 0 only connects to it.
 use std::path::Path;
 use std::process::Command;
 
@@ -25,6 +26,9 @@ fn run(mut cmd: Command, what: &str) {
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "{what} failed:\n{text}");
     assert!(text.contains("2 rank(s)"), "{what} did not run 2 ranks:\n{text}");
+    // torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE): a rank 0 that tried to
+    // as well would fail to bind its port, and libtorch would print an error before going on.
+    assert!(!text.contains("failed to bind"), "{what}: a rank tried to host the launcher's store:\n{text}");
 }
 
 fn weights(dir: &Path) -> Vec<(String, Tensor)> {

@@ -38,7 +38,7 @@ static WAITING: AtomicUsize = AtomicUsize::new(0);
 /// The store the counters live in (set once this rank's heartbeat runs).
 static STORE: OnceLock<Store> = OnceLock::new();
 /// Set when the job's world is dropped: the heartbeat thread stops touching the store, whose
-/// host (rank 0) may be exiting.
+/// host (rank 0, unless the launcher hosts it) may be exiting.
 static STOPPED: AtomicBool = AtomicBool::new(false);
 
 fn now_ms() -> u64 {

@@ -14,6 +14,9 @@ pub const TIMEOUT_ENV: &str = "ENGINE_DIST_TIMEOUT";
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 /// torchrun's default master port, used when a launcher names none.
 pub const DEFAULT_PORT: u16 = 29500;
+/// Set to `True` by a launcher that hosts the rendezvous store itself (torchrun's agent, and
+/// this engine's spawner): every rank then connects as a client, rank 0 included.
+pub const AGENT_STORE_ENV: &str = "TORCHELASTIC_USE_AGENT_STORE";
 
 /// Where this process sits in the job, as read from a launcher's environment.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -30,6 +33,8 @@ pub struct LaunchEnv {
     pub master_addr: String,
     /// Port of the rendezvous store.
     pub master_port: u16,
+    /// Whether the launcher hosts the store ([`AGENT_STORE_ENV`]); else rank 0 does.
+    pub agent_store: bool,
     /// Which launcher these values came from.
     pub launcher: Launcher,
 }
@@ -122,6 +127,8 @@ impl LaunchEnv {
             local_world_size,
             master_addr,
             master_port,
+            // torchrun's spelling, as its workers read it: Python's str(True).
+            agent_store: launcher == Launcher::Torchrun && get(AGENT_STORE_ENV) == Some("True"),
             launcher,
         }))
     }
@@ -200,6 +207,7 @@ impl World {
             local_world_size: 1,
             master_addr: "127.0.0.1".into(),
             master_port: 0,
+            agent_store: false,
             launcher: Launcher::Torchrun,
         };
         let group = ProcessGroup::new(Store::in_memory()?, 0, vec![0], "world", opts.timeout, true)?;
@@ -227,13 +235,15 @@ impl Drop for World {
 }
 
 /// Joins the job described by the environment, or makes a world of one when no launcher's
-/// variables are set. Rank 0 hosts the TCP store; every rank waits at most `opts.timeout`.
+/// variables are set. The launcher hosts the TCP store where it says so (torchrun's agent,
+/// the engine's spawner), else rank 0 does; every rank waits at most `opts.timeout`.
 pub fn init(opts: &InitOptions) -> Result<World> {
     let env = match LaunchEnv::from_env()? {
         Some(env) => env,
         None => return World::single(opts),
     };
-    let store = Store::tcp(&env.master_addr, env.master_port, env.rank == 0, env.world_size, opts.timeout)?;
+    let host = env.rank == 0 && !env.agent_store;
+    let store = Store::tcp(&env.master_addr, env.master_port, host, env.world_size, opts.timeout)?;
     if env.world_size > 1 {
         super::heartbeat::start(&store, env.rank)?;
     }
@@ -266,6 +276,30 @@ mod tests {
         assert_eq!((env.master_addr.as_str(), env.master_port), ("node0", 1234));
         assert_eq!(env.launcher, Launcher::Torchrun);
         assert!(!env.is_loopback());
+        assert!(!env.agent_store, "rank 0 hosts the store unless the launcher says it does");
+    }
+
+    #[test]
+    fn a_launcher_that_hosts_the_store_says_so() {
+        let with = |flag: &str| {
+            let env = LaunchEnv::from_vars(&vars(&[
+                ("RANK", "0"),
+                ("WORLD_SIZE", "2"),
+                ("MASTER_ADDR", "127.0.0.1"),
+                (AGENT_STORE_ENV, flag),
+            ]));
+            env.unwrap().unwrap().agent_store
+        };
+        assert!(with("True"));
+        assert!(!with("False"));
+        // Slurm's and OpenMPI's ranks host their own store, whatever a parent torchrun left behind.
+        let env = LaunchEnv::from_vars(&vars(&[
+            ("OMPI_COMM_WORLD_RANK", "0"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            (AGENT_STORE_ENV, "True"),
+        ]));
+        assert!(!env.unwrap().unwrap().agent_store);
     }
 
     #[test]

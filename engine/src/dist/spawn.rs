@@ -1,5 +1,6 @@
 //! The local spawner behind every binary's `--nproc N`: re-executes a program N times with
-//! torchrun's environment variables (never forking a process that has started libtorch),
+//! torchrun's environment variables (fork and exec: no rank runs in a forked copy of a process
+//! that has started libtorch), hosts the job's rendezvous store as torchrun's agent does,
 //! prefixes each rank's output, and when one rank fails stops the others and reports which
 //! rank failed and why. With a heartbeat timeout it also ends a job whose rank is stuck
 //! outside collectives (see [`super::heartbeat`]), naming that rank.
@@ -14,6 +15,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::store::Store;
 use crate::{Error, Result};
 
 /// Lines of each rank's output kept for the failure report.
@@ -75,7 +77,10 @@ pub fn spawn(opts: &SpawnOptions) -> Result<()> {
     if opts.nproc == 0 {
         return Err(Error::invalid("--nproc must be at least 1"));
     }
-    let port = free_port()?;
+    // The spawner hosts the job's store, as torchrun's agent does: bound here before any rank
+    // starts, it cannot be taken by another process in between, and it outlives a failed rank.
+    let store = Store::agent(super::launch::DEFAULT_TIMEOUT)?;
+    let port = store.port().expect("a TCP store has a port");
     let beats = match opts.heartbeat {
         Some(timeout) => Some((Heartbeats::new(port)?, timeout)),
         None => None,
@@ -93,6 +98,7 @@ pub fn spawn(opts: &SpawnOptions) -> Result<()> {
             .env("LOCAL_WORLD_SIZE", opts.nproc.to_string())
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string())
+            .env(super::launch::AGENT_STORE_ENV, "True")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());

@@ -9,6 +9,8 @@ use crate::Result;
 pub struct Store {
     raw: *mut EngStore,
     describe: String,
+    /// The TCP port, for a TCP store.
+    port: Option<u16>,
 }
 
 // SAFETY: c10d stores are internally synchronised; the handle is only freed on drop.
@@ -19,33 +21,51 @@ impl Store {
     /// Connects to (or, with `is_server`, hosts) the TCP store at `host:port`. The server waits
     /// up to `timeout` for all `world_size` ranks to connect; clients retry until `timeout`.
     pub fn tcp(host: &str, port: u16, is_server: bool, world_size: usize, timeout: Duration) -> Result<Store> {
+        let role = if is_server { "hosting" } else { "connecting to" };
+        let what = format!("rendezvous: {role} TCP store {host}:{port} (world size {world_size}, timeout {timeout:?})");
+        Self::open(host, port, is_server, world_size, timeout, what)
+    }
+
+    /// Hosts a job's store as its launcher does (torchrun's agent store): on a port the kernel
+    /// picks, held from before any rank starts (so no other process can take it in between),
+    /// for ranks that all connect as clients. It waits for none of them; their rendezvous in
+    /// the store does, up to their own timeout. `timeout` bounds this host's own requests.
+    pub fn agent(timeout: Duration) -> Result<Store> {
+        Self::open("127.0.0.1", 0, true, 0, timeout, "rendezvous: hosting the job's TCP store".into())
+    }
+
+    /// `workers`: how many clients (a server's own included) a server waits for; 0 for none.
+    fn open(host: &str, port: u16, is_server: bool, workers: usize, timeout: Duration, what: String) -> Result<Store> {
         let c_host = cstring(host)?;
-        let describe = format!("TCP store {host}:{port}");
-        let mut raw = std::ptr::null_mut();
+        let workers = i32::try_from(workers).map_err(|_| crate::Error::invalid(format!("{what}: too many ranks")))?;
+        let (mut raw, mut bound) = (std::ptr::null_mut(), 0u16);
         check(
             unsafe {
                 ffi::eng_store_tcp(
                     c_host.as_ptr(),
                     port,
                     is_server as i32,
-                    world_size as i32,
+                    workers,
                     timeout_ms(timeout),
+                    &mut bound,
                     &mut raw,
                 )
             },
-            || {
-                let role = if is_server { "hosting" } else { "connecting to" };
-                format!("rendezvous: {role} {describe} (world size {world_size}, timeout {timeout:?})")
-            },
+            || what,
         )?;
-        Ok(Store { raw, describe })
+        Ok(Store { raw, describe: format!("TCP store {host}:{bound}"), port: Some(bound) })
+    }
+
+    /// The port of a TCP store (the one bound, where the kernel picked it).
+    pub fn port(&self) -> Option<u16> {
+        self.port
     }
 
     /// A store in this process's memory, for a world of one.
     pub fn in_memory() -> Result<Store> {
         let mut raw = std::ptr::null_mut();
         check(unsafe { ffi::eng_store_hash(&mut raw) }, || "creating an in-memory store".into())?;
-        Ok(Store { raw, describe: "in-memory store".into() })
+        Ok(Store { raw, describe: "in-memory store".into(), port: None })
     }
 
     /// A view of this store whose keys all start with `prefix`.
@@ -55,7 +75,7 @@ impl Store {
         check(unsafe { ffi::eng_store_prefix(self.raw, c_prefix.as_ptr(), &mut raw) }, || {
             format!("prefixing {} with {prefix:?}", self.describe)
         })?;
-        Ok(Store { raw, describe: format!("{}/{prefix}", self.describe) })
+        Ok(Store { raw, describe: format!("{}/{prefix}", self.describe), port: self.port })
     }
 
     /// Sets `key` to `value`.
@@ -115,4 +135,24 @@ impl std::fmt::Debug for Store {
 
 pub(crate) fn timeout_ms(timeout: Duration) -> i64 {
     i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_agent_store_serves_ranks_that_all_connect_as_clients() {
+        let timeout = Duration::from_secs(10);
+        let agent = Store::agent(timeout).unwrap();
+        let port = agent.port().unwrap();
+        assert_ne!(port, 0, "the port the kernel picked");
+        // Two ranks, rank 0 included, connect; neither hosts (the port is taken: a rank that
+        // tried would fail to bind).
+        let ranks: Vec<Store> = (0..2).map(|_| Store::tcp("127.0.0.1", port, false, 2, timeout).unwrap()).collect();
+        ranks[0].set("from rank 0", b"hello").unwrap();
+        assert_eq!(ranks[1].get("from rank 0").unwrap(), b"hello");
+        assert_eq!(agent.get("from rank 0").unwrap(), b"hello", "one store, the agent's");
+        assert!(Store::tcp("127.0.0.1", port, true, 2, timeout).is_err(), "a second host on the agent's port");
+    }
 }
