@@ -1,5 +1,5 @@
-//! Key-value stores for rendezvous: c10d's `TCPStore` (one server on the master, every rank a
-//! client) and an in-memory store for single-process jobs.
+//! Key-value stores for rendezvous: c10d's `TCPStore` (one server, hosted by rank 0 or by the
+//! launcher, every rank a client) and an in-memory store for single-process jobs.
 use std::time::Duration;
 
 use crate::ffi::{self, check, cstring, EngStore};
