@@ -148,6 +148,46 @@ fn a_peer_killed_under_torchrun_is_named_by_the_survivor() {
 }
 
 #[test]
+fn a_restarted_job_reads_no_key_of_its_failed_start() {
+    // A launcher that restarts a failed job (torchrun --max-restarts) keeps hosting the same
+    // store, with what the failed start left in it. Here that is a member count past the
+    // world's size where the world's creation counts its connected members: read by the
+    // second start, no member would see the count reach 2, and every one would wait in vain.
+    let test = name("a_restarted_job_reads_no_key_of_its_failed_start");
+    if std::env::var(WORKER_ENV).as_deref() == Ok(test.as_str()) {
+        let _ = run_job(2, &test, &[], |world| {
+            let x = Tensor::ones([4], (Kind::Float, Device::Cpu));
+            world.group.all_reduce(&x, ReduceOp::Sum)?;
+            anyhow::ensure!(x.double_value(&[0]) == 2.0, "the sum of two ranks");
+            Ok(())
+        });
+        return;
+    }
+    let agent = Store::agent(Duration::from_secs(20)).unwrap();
+    let first_start = agent.prefixed("attempt_0").unwrap();
+    first_start.add("eng-members-connected", 5).unwrap();
+    agent.add("eng-members-connected", 5).unwrap(); // as a launcher that prefixes nothing
+    let port = agent.port().unwrap().to_string();
+    let children: Vec<_> = (0..2)
+        .map(|rank| {
+            worker(&test)
+                .envs([("RANK", rank.to_string()), ("WORLD_SIZE", "2".into()), ("MASTER_PORT", port.clone())])
+                .envs([("MASTER_ADDR", "127.0.0.1"), (dist::launch::TIMEOUT_ENV, SHORT)])
+                .envs([(dist::launch::AGENT_STORE_ENV, "True"), (dist::launch::RESTART_COUNT_ENV, "1")])
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for (rank, child) in children.into_iter().enumerate() {
+        let out = child.wait_with_output().unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success() && text.contains("test result: ok. 1 passed"), "rank {rank}:\n{text}");
+    }
+}
+
+#[test]
 fn a_collective_that_never_completes_times_out() {
     let start = Instant::now();
     let result = run_job(

@@ -110,8 +110,10 @@ impl ProcessGroup {
         let size = global_ranks.len();
         ensure!(rank < size, "rank {rank} is not in group {name} of size {size}");
         let mut raw = std::ptr::null_mut();
-        check(
-            unsafe {
+        let what = format!("creating process group {name} (rank {rank} of {size})");
+        // Gloo connects the group's pairs here, and its handshake can outlast its timeout.
+        let created =
+            super::deadline::or_exit(timeout.saturating_add(super::deadline::GRACE), what.clone(), || unsafe {
                 ffi::eng_group_new(
                     store.raw(),
                     rank as i32,
@@ -120,9 +122,8 @@ impl ProcessGroup {
                     loopback as i32,
                     &mut raw,
                 )
-            },
-            || format!("creating process group {name} (rank {rank} of {size})"),
-        )?;
+            });
+        check(created, || what)?;
         let group = ProcessGroup(Arc::new(Inner {
             raw,
             store,

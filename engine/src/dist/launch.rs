@@ -17,6 +17,8 @@ pub const DEFAULT_PORT: u16 = 29500;
 /// Set to `True` by a launcher that hosts the rendezvous store itself (torchrun's agent, and
 /// this engine's spawner): every rank then connects as a client, rank 0 included.
 pub const AGENT_STORE_ENV: &str = "TORCHELASTIC_USE_AGENT_STORE";
+/// How many times torchrun has restarted the job's workers (`--max-restarts`).
+pub const RESTART_COUNT_ENV: &str = "TORCHELASTIC_RESTART_COUNT";
 
 /// Where this process sits in the job, as read from a launcher's environment.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -35,6 +37,9 @@ pub struct LaunchEnv {
     pub master_port: u16,
     /// Whether the launcher hosts the store ([`AGENT_STORE_ENV`]); else rank 0 does.
     pub agent_store: bool,
+    /// Which start of the job this is: 0, then 1, 2, ... after each restart by the launcher
+    /// ([`RESTART_COUNT_ENV`]).
+    pub attempt: usize,
     /// Which launcher these values came from.
     pub launcher: Launcher,
 }
@@ -129,6 +134,7 @@ impl LaunchEnv {
             master_port,
             // torchrun's spelling, as its workers read it: Python's str(True).
             agent_store: launcher == Launcher::Torchrun && get(AGENT_STORE_ENV) == Some("True"),
+            attempt: if launcher == Launcher::Torchrun { optional(vars, RESTART_COUNT_ENV)?.unwrap_or(0) } else { 0 },
             launcher,
         }))
     }
@@ -208,6 +214,7 @@ impl World {
             master_addr: "127.0.0.1".into(),
             master_port: 0,
             agent_store: false,
+            attempt: 0,
             launcher: Launcher::Torchrun,
         };
         let group = ProcessGroup::new(Store::in_memory()?, 0, vec![0], "world", opts.timeout, true)?;
@@ -243,7 +250,13 @@ pub fn init(opts: &InitOptions) -> Result<World> {
         None => return World::single(opts),
     };
     let host = env.rank == 0 && !env.agent_store;
-    let store = Store::tcp(&env.master_addr, env.master_port, host, env.world_size, opts.timeout)?;
+    let mut store = Store::tcp(&env.master_addr, env.master_port, host, env.world_size, opts.timeout)?;
+    if env.agent_store {
+        // The launcher's store outlives a failed start (torchrun --max-restarts) with that
+        // start's keys in it: each start works under its own prefix, or its ranks would read the
+        // dead ranks' addresses and connect to nothing.
+        store = store.prefixed(&format!("attempt_{}", env.attempt))?;
+    }
     if env.world_size > 1 {
         super::heartbeat::start(&store, env.rank)?;
     }
@@ -292,6 +305,13 @@ mod tests {
         };
         assert!(with("True"));
         assert!(!with("False"));
+        let restarted = LaunchEnv::from_vars(&vars(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            (RESTART_COUNT_ENV, "2"),
+        ]));
+        assert_eq!(restarted.unwrap().unwrap().attempt, 2);
         // Slurm's and OpenMPI's ranks host their own store, whatever a parent torchrun left behind.
         let env = LaunchEnv::from_vars(&vars(&[
             ("OMPI_COMM_WORLD_RANK", "0"),

@@ -1,6 +1,7 @@
 //! The distributed runtime: stores, process groups and their collectives, device meshes,
 //! joining a job from a launcher's environment, the local `--nproc` spawner and the ranks'
 //! heartbeats.
+mod deadline;
 mod group;
 pub mod heartbeat;
 pub mod launch;
