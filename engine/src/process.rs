@@ -56,17 +56,7 @@ pub fn report() -> String {
         }
     }
     let _ = match LaunchEnv::from_env() {
-        Ok(Some(env)) => writeln!(
-            out,
-            "job           rank {} of {} (local {} of {}) via {:?}, rendezvous {}:{}",
-            env.rank,
-            env.world_size,
-            env.local_rank,
-            env.local_world_size,
-            env.launcher,
-            env.master_addr,
-            env.master_port
-        ),
+        Ok(Some(env)) => writeln!(out, "job           {}", env.describe()),
         Ok(None) => writeln!(out, "job           single process (no launcher variables set)"),
         Err(e) => writeln!(out, "job           {e}"),
     };

@@ -139,6 +139,22 @@ impl LaunchEnv {
         }))
     }
 
+    /// Where this rank sits and where the job meets, in one line (`env` subcommands print it).
+    pub fn describe(&self) -> String {
+        let host = if self.agent_store { "the launcher" } else { "rank 0" };
+        let restart = if self.attempt > 0 { format!(", restart {}", self.attempt) } else { String::new() };
+        format!(
+            "rank {} of {} (local {} of {}) via {:?}, rendezvous {}:{} hosted by {host}{restart}",
+            self.rank,
+            self.world_size,
+            self.local_rank,
+            self.local_world_size,
+            self.launcher,
+            self.master_addr,
+            self.master_port
+        )
+    }
+
     /// Whether the rendezvous host is this machine's loopback address (a single-node job).
     pub fn is_loopback(&self) -> bool {
         self.master_addr == "localhost" || self.master_addr.parse::<IpAddr>().is_ok_and(|a| a.is_loopback())
@@ -301,17 +317,23 @@ mod tests {
                 ("MASTER_ADDR", "127.0.0.1"),
                 (AGENT_STORE_ENV, flag),
             ]));
-            env.unwrap().unwrap().agent_store
+            env.unwrap().unwrap()
         };
-        assert!(with("True"));
-        assert!(!with("False"));
+        assert!(with("True").agent_store);
+        assert!(with("True").describe().ends_with("rendezvous 127.0.0.1:29500 hosted by the launcher"));
+        assert!(!with("False").agent_store);
         let restarted = LaunchEnv::from_vars(&vars(&[
             ("RANK", "0"),
             ("WORLD_SIZE", "2"),
             ("MASTER_ADDR", "127.0.0.1"),
             (RESTART_COUNT_ENV, "2"),
         ]));
-        assert_eq!(restarted.unwrap().unwrap().attempt, 2);
+        let restarted = restarted.unwrap().unwrap();
+        assert_eq!(restarted.attempt, 2);
+        assert_eq!(
+            restarted.describe(),
+            "rank 0 of 2 (local 0 of 2) via Torchrun, rendezvous 127.0.0.1:29500 hosted by rank 0, restart 2"
+        );
         // Slurm's and OpenMPI's ranks host their own store, whatever a parent torchrun left behind.
         let env = LaunchEnv::from_vars(&vars(&[
             ("OMPI_COMM_WORLD_RANK", "0"),
