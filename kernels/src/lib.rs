@@ -69,11 +69,12 @@ impl Backend {
     }
 
     /// The backend for `--kernels` (`None`: the device's default); fused on a non-CUDA device
-    /// is an error naming the flag.
+    /// is an error naming the flag (but for the CPU while the emulator is on: tests).
     pub fn resolve(choice: Option<Backend>, device: Device) -> Result<Backend> {
         match (choice, device) {
             (None, d) => Ok(Backend::default_for(d)),
-            (Some(Backend::Fused), Device::Cuda(_)) | (Some(Backend::Torch), _) => Ok(choice.unwrap()),
+            (Some(Backend::Torch), _) => Ok(Backend::Torch),
+            (Some(Backend::Fused), d) if kernel::Target::of(d).is_some() => Ok(Backend::Fused),
             (Some(Backend::Fused), d) => Err(Error::invalid(format!(
                 "--kernels fused needs a CUDA device; this run is on {d:?} (use --kernels torch)"
             ))),

@@ -1,13 +1,24 @@
 //! The ViT with the fused kernels (the blocks' LayerNorms, the MLP's bias + GELU) equals the one
-//! with libtorch's compositions on the same parameters, logits and every parameter's gradient.
-//! On a GPU; without one, on the CPU emulator (a failure under SUITE_REQUIRE_CUDA=1).
-//! scripts/gpu-check.sh packs and runs it.
+//! with libtorch's compositions on the same parameters, logits and every parameter's gradient;
+//! and `vit pretrain --kernels fused` (those kernels and the installed multi-tensor optimizer
+//! steps) trains as `--kernels torch` does. On a GPU; without one, on the CPU emulator (a
+//! failure under SUITE_REQUIRE_CUDA=1). scripts/gpu-check.sh packs and runs it.
+#[allow(dead_code)] // Shared by the vit test binaries; this one uses part of it.
+mod common;
+
+use common::{args, compare, single};
 use tch::nn::VarStore;
 use tch::{Kind, Tensor};
 use vit::model::{Vit, VitConfig};
+use vit::train::pretrain;
+
+/// libtorch's random generator is process-wide: the tests take turns, or each would draw from
+/// the other's seeded sequence.
+static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 #[test]
 fn fused_kernels_equal_the_compositions_on_cuda_or_the_emulator() {
+    let _turn = TURN.lock().unwrap_or_else(|p| p.into_inner());
     let dev = suite_tests::cuda_or_emulator(
         "fused_kernels_equal_the_compositions_on_cuda_or_the_emulator",
         kernels::emulator::enable,
@@ -34,4 +45,23 @@ fn fused_kernels_equal_the_compositions_on_cuda_or_the_emulator() {
         let d = (a - b).abs().max().double_value(&[]);
         assert!(d <= 1e-4 * scale, "{name}: differs by {d:e} (scale {scale:e}, tolerance 1e-4 of it)");
     }
+}
+
+#[test]
+fn training_with_fused_kernels_equals_the_compositions_on_cuda_or_the_emulator() {
+    let _turn = TURN.lock().unwrap_or_else(|p| p.into_inner());
+    let dev = suite_tests::cuda_or_emulator(
+        "training_with_fused_kernels_equals_the_compositions_on_cuda_or_the_emulator",
+        kernels::emulator::enable,
+    );
+    let device = if dev.is_cuda() { "cuda" } else { "cpu" };
+    // The main job's model; LAMB steps every parameter through the fused kernels (two launches).
+    let line = format!("--steps 2 --batch 8 --optimizer lamb --device {device}");
+    let torch = pretrain(&args(&format!("{line} --kernels torch")), &single()).unwrap();
+    assert!(engine::optim::fused::installed().is_none(), "--kernels torch installs no optimizer steps");
+    let fused = pretrain(&args(&format!("{line} --kernels fused")), &single()).unwrap();
+    assert!(engine::optim::fused::installed().is_some(), "--kernels fused installs the optimizer steps");
+    engine::optim::fused::install(None);
+    // f32 throughout: the kernels' sums in another order, over two steps.
+    compare(&fused, &torch, "--kernels fused vs torch", 1e-4);
 }
