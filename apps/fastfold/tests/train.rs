@@ -1,7 +1,7 @@
 //! Training on a tiny random model against a synthetic helix: gradients of the whole network
 //! (embedders, stacks under DAP, structure module, heads) on 2 ranks equal one process's; the
 //! `train` command lowers the loss, writes its log and parameters, and names a target that
-//! does not fit the input.
+//! does not fit the input; and it trains alike with the fused kernels.
 mod common;
 
 use std::path::{Path, PathBuf};
@@ -177,4 +177,82 @@ fn train_command_lowers_the_loss_and_two_ranks_agree() {
         .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("short.pdb") && err.contains("10 residues"), "{err}");
+}
+
+/// `fastfold train --kernels fused` (the stacks' fused kernels and the installed fused optimizer
+/// steps) trains as `--kernels torch` does: on a GPU, else on the CPU emulator (a failure under
+/// SUITE_REQUIRE_CUDA=1; scripts/gpu-check.sh runs it there).
+#[test]
+fn training_with_fused_kernels_equals_the_compositions_on_cuda_or_the_emulator() {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: fastfold::train::TrainArgs,
+    }
+    let dev = suite_tests::cuda_or_emulator(
+        "training_with_fused_kernels_equals_the_compositions_on_cuda_or_the_emulator",
+        kernels::emulator::enable,
+    );
+    let d = dir("kernels");
+    let (fasta, a3m, pdb, params) = (d.join("q.fasta"), d.join("q.a3m"), d.join("q.pdb"), d.join("init.npz"));
+    std::fs::write(&fasta, format!(">q\n{SEQ}\n")).unwrap();
+    std::fs::write(&a3m, A3M).unwrap();
+    helix(SEQ).write(&pdb).unwrap();
+    Params::random_model(&EvoformerConfig::tiny(), &ModelConfig::tiny(), 13).unwrap().save(&params).unwrap();
+    let world = World::single(&engine::dist::InitOptions { timeout: suite_tests::TEST_TIMEOUT }).unwrap();
+    let train = |backend: &str| {
+        let out = d.join(backend);
+        let words = [
+            "fastfold",
+            "--quiet",
+            "--steps",
+            "2",
+            "--lr",
+            "3e-3",
+            "--device",
+            if dev.is_cuda() { "cuda" } else { "cpu" },
+            "--kernels",
+            backend,
+            "--msa",
+            a3m.to_str().unwrap(),
+            "--target",
+            pdb.to_str().unwrap(),
+            "--params",
+            params.to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+            fasta.to_str().unwrap(),
+        ];
+        let log = fastfold::train::run(&Cli::parse_from(words).args, &world).unwrap();
+        (log, Params::load_model(out.join("params.npz")).unwrap())
+    };
+    let (torch_log, torch) = train("torch");
+    assert!(engine::optim::fused::installed().is_none(), "--kernels torch installs no optimizer steps");
+    let (fused_log, fused) = train("fused");
+    assert!(engine::optim::fused::installed().is_some(), "--kernels fused installs the optimizer steps");
+    engine::optim::fused::install(None);
+    for (a, b) in fused_log.iter().zip(&torch_log) {
+        assert!(
+            (a.loss - b.loss).abs() <= 1e-4 * b.loss.abs(),
+            "step {}: loss {} fused, {} torch",
+            a.step,
+            a.loss,
+            b.loss
+        );
+    }
+    let mut worst = (0.0, String::new());
+    for ((name, a), (_, b)) in fused.iter().zip(torch.iter()) {
+        let d = (a - b).abs().max().double_value(&[]) / b.abs().max().double_value(&[]).max(1e-6);
+        if d > worst.0 {
+            worst = (d, name.to_string());
+        }
+    }
+    // Measured on the emulator: 3.4e-6 (a LayerNorm offset); f32 sums in another order, through
+    // Adam's division by the gradients' running scale.
+    assert!(worst.0 <= 1e-4, "{}: differs by {:.3e} of its largest value", worst.1, worst.0);
+    // The fused optimizer steps sum in another order and leave some trace: parameters
+    // bit-identical to torch's would mean that they never ran. (The tiny model's forward can
+    // match torch's bit for bit: its first loss did here.)
+    assert!(worst.0 > 0.0, "--kernels fused gave torch's parameters bit for bit");
 }
