@@ -115,31 +115,43 @@ fn log(out: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(out.join("log.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
 }
 
+/// A training job's inputs written to `dir(name)`: the query, its MSA, the helix as its target
+/// and a tiny random model.
+struct Inputs {
+    dir: PathBuf,
+    fasta: PathBuf,
+    a3m: PathBuf,
+    pdb: PathBuf,
+    params: PathBuf,
+}
+
+impl Inputs {
+    fn new(name: &str, seed: i64) -> Inputs {
+        let dir = dir(name);
+        let (fasta, a3m, pdb, params) =
+            (dir.join("q.fasta"), dir.join("q.a3m"), dir.join("q.pdb"), dir.join("init.npz"));
+        std::fs::write(&fasta, format!(">q\n{SEQ}\n")).unwrap();
+        std::fs::write(&a3m, A3M).unwrap();
+        helix(SEQ).write(&pdb).unwrap();
+        Params::random_model(&EvoformerConfig::tiny(), &ModelConfig::tiny(), seed).unwrap().save(&params).unwrap();
+        Inputs { dir, fasta, a3m, pdb, params }
+    }
+
+    /// `train`'s arguments naming them, writing to `out`.
+    fn args(&self, out: &Path) -> Vec<String> {
+        let path = |p: &Path| p.display().to_string();
+        let mut args = vec![path(&self.fasta), "--msa".into(), path(&self.a3m), "--target".into(), path(&self.pdb)];
+        args.extend(["--params".into(), path(&self.params), "-o".into(), path(out)]);
+        args
+    }
+}
+
 #[test]
 fn train_command_lowers_the_loss_and_two_ranks_agree() {
-    let d = dir("cli");
-    let fasta = d.join("q.fasta");
-    std::fs::write(&fasta, format!(">q\n{SEQ}\n")).unwrap();
-    let a3m = d.join("q.a3m");
-    std::fs::write(&a3m, A3M).unwrap();
-    let pdb = d.join("q.pdb");
-    helix(SEQ).write(&pdb).unwrap();
-    let params = d.join("init.npz");
-    Params::random_model(&EvoformerConfig::tiny(), &ModelConfig::tiny(), 12).unwrap().save(&params).unwrap();
+    let inputs = Inputs::new("cli", 12);
+    let (d, fasta, params) = (&inputs.dir, &inputs.fasta, &inputs.params);
     let train = |out: &Path, extra: &[&str]| {
-        let base = [
-            "train",
-            fasta.to_str().unwrap(),
-            "--msa",
-            a3m.to_str().unwrap(),
-            "--target",
-            pdb.to_str().unwrap(),
-            "--params",
-            params.to_str().unwrap(),
-            "-o",
-            out.to_str().unwrap(),
-        ];
-        let o = Command::new(BIN).args(base).args(extra).output().unwrap();
+        let o = Command::new(BIN).arg("train").args(inputs.args(out)).args(extra).output().unwrap();
         let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
         (o.status.success(), text)
     };
@@ -151,7 +163,7 @@ fn train_command_lowers_the_loss_and_two_ranks_agree() {
     let (first, last) = (steps[0]["loss"].as_f64().unwrap(), steps[7]["loss"].as_f64().unwrap());
     assert!(last < first, "8 Adam steps on one target: loss {first} -> {last}");
     let trained = Params::load_model(one.join("params.npz")).unwrap();
-    let initial = Params::load_model(&params).unwrap();
+    let initial = Params::load_model(params).unwrap();
     let moved = trained.iter().zip(initial.iter()).filter(|((_, a), (_, b))| !a.equal(b)).count();
     assert!(moved * 2 > trained.len(), "most arrays change ({moved} of {})", trained.len());
 
@@ -194,36 +206,13 @@ fn training_with_fused_kernels_equals_the_compositions_on_cuda_or_the_emulator()
         "training_with_fused_kernels_equals_the_compositions_on_cuda_or_the_emulator",
         kernels::emulator::enable,
     );
-    let d = dir("kernels");
-    let (fasta, a3m, pdb, params) = (d.join("q.fasta"), d.join("q.a3m"), d.join("q.pdb"), d.join("init.npz"));
-    std::fs::write(&fasta, format!(">q\n{SEQ}\n")).unwrap();
-    std::fs::write(&a3m, A3M).unwrap();
-    helix(SEQ).write(&pdb).unwrap();
-    Params::random_model(&EvoformerConfig::tiny(), &ModelConfig::tiny(), 13).unwrap().save(&params).unwrap();
+    let inputs = Inputs::new("kernels", 13);
     let world = World::single(&engine::dist::InitOptions { timeout: suite_tests::TEST_TIMEOUT }).unwrap();
     let train = |backend: &str| {
-        let out = d.join(backend);
-        let words = [
-            "fastfold",
-            "--quiet",
-            "--steps",
-            "2",
-            "--lr",
-            "3e-3",
-            "--device",
-            if dev.is_cuda() { "cuda" } else { "cpu" },
-            "--kernels",
-            backend,
-            "--msa",
-            a3m.to_str().unwrap(),
-            "--target",
-            pdb.to_str().unwrap(),
-            "--params",
-            params.to_str().unwrap(),
-            "-o",
-            out.to_str().unwrap(),
-            fasta.to_str().unwrap(),
-        ];
+        let out = inputs.dir.join(backend);
+        let device = if dev.is_cuda() { "cuda" } else { "cpu" };
+        let flags = ["fastfold", "--quiet", "--steps", "2", "--lr", "3e-3", "--device", device, "--kernels", backend];
+        let words = flags.iter().map(|w| w.to_string()).chain(inputs.args(&out));
         let log = fastfold::train::run(&Cli::parse_from(words).args, &world).unwrap();
         (log, Params::load_model(out.join("params.npz")).unwrap())
     };

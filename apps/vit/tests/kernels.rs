@@ -16,13 +16,15 @@ use vit::train::pretrain;
 /// the other's seeded sequence.
 static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// Waits for `test`'s turn, and picks its device: CUDA, else the CPU emulator.
+fn turn(test: &str) -> (std::sync::MutexGuard<'static, ()>, tch::Device) {
+    let turn = TURN.lock().unwrap_or_else(|p| p.into_inner());
+    (turn, suite_tests::cuda_or_emulator(test, kernels::emulator::enable))
+}
+
 #[test]
 fn fused_kernels_equal_the_compositions_on_cuda_or_the_emulator() {
-    let _turn = TURN.lock().unwrap_or_else(|p| p.into_inner());
-    let dev = suite_tests::cuda_or_emulator(
-        "fused_kernels_equal_the_compositions_on_cuda_or_the_emulator",
-        kernels::emulator::enable,
-    );
+    let (_turn, dev) = turn("fused_kernels_equal_the_compositions_on_cuda_or_the_emulator");
     let cfg = VitConfig { image_size: 32, ..VitConfig::tiny(8) };
     tch::manual_seed(3);
     let images = Tensor::randn([5, 3, 32, 32], (Kind::Float, dev));
@@ -49,11 +51,7 @@ fn fused_kernels_equal_the_compositions_on_cuda_or_the_emulator() {
 
 #[test]
 fn training_with_fused_kernels_equals_the_compositions_on_cuda_or_the_emulator() {
-    let _turn = TURN.lock().unwrap_or_else(|p| p.into_inner());
-    let dev = suite_tests::cuda_or_emulator(
-        "training_with_fused_kernels_equals_the_compositions_on_cuda_or_the_emulator",
-        kernels::emulator::enable,
-    );
+    let (_turn, dev) = turn("training_with_fused_kernels_equals_the_compositions_on_cuda_or_the_emulator");
     let device = if dev.is_cuda() { "cuda" } else { "cpu" };
     // The main job's model; LAMB steps every parameter through the fused kernels (two launches).
     let line = format!("--steps 2 --batch 8 --optimizer lamb --device {device}");
