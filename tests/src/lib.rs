@@ -5,6 +5,9 @@
 use std::time::Duration;
 
 pub mod gemini_model;
+mod ports;
+
+pub use ports::free_port;
 
 use engine::dist::{self, InitOptions, SpawnOptions, World};
 use tch::{Device, Tensor};

@@ -87,8 +87,22 @@ fn worker(test: &str) -> std::process::Command {
     cmd
 }
 
-fn free_port() -> String {
-    engine::dist::spawn::free_port().unwrap().to_string()
+/// Two ranks of `test` started by hand, no supervisor, meeting at `port` on this machine with a
+/// collective timeout of `timeout` seconds and `env` besides; returns each rank's output.
+fn two_ranks(test: &str, port: &str, timeout: &str, env: &[(&str, &str)]) -> Vec<std::process::Output> {
+    let children: Vec<_> = (0..2)
+        .map(|rank| {
+            worker(test)
+                .envs([("RANK", rank.to_string()), ("WORLD_SIZE", "2".into()), ("MASTER_PORT", port.into())])
+                .envs([("MASTER_ADDR", "127.0.0.1"), (dist::launch::TIMEOUT_ENV, timeout)])
+                .envs(env.iter().copied())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    children.into_iter().map(|c| c.wait_with_output().unwrap()).collect()
 }
 
 #[test]
@@ -100,20 +114,8 @@ fn a_peer_killed_without_a_supervisor_is_named_by_the_survivor() {
         let _ = run_job(2, &test, &[], killed_peer_body);
         return;
     }
-    let port = free_port();
     let start = Instant::now();
-    let children: Vec<_> = (0..2)
-        .map(|rank| {
-            worker(&test)
-                .envs([("RANK", rank.to_string()), ("WORLD_SIZE", "2".into()), ("MASTER_PORT", port.clone())])
-                .envs([("MASTER_ADDR", "127.0.0.1"), (dist::launch::TIMEOUT_ENV, "20")])
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    let outputs: Vec<_> = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    let outputs = two_ranks(&test, &suite_tests::free_port().to_string(), "20", &[]);
     let survivor = String::from_utf8_lossy(&outputs[0].stderr).into_owned();
     assert!(!outputs[0].status.success(), "rank 0 must fail");
     assert!(survivor.contains("all_reduce on rank 0 of group world (size 2) failed"), "{survivor}");
@@ -135,7 +137,7 @@ fn a_peer_killed_under_torchrun_is_named_by_the_survivor() {
     let start = Instant::now();
     let out = std::process::Command::new(python)
         .args(["-m", "torch.distributed.run", "--no-python", "--nproc-per-node", "2", "--monitor-interval", "10"])
-        .args(["--master-port", &free_port()])
+        .args(["--master-port", &suite_tests::free_port().to_string()])
         .arg(std::env::current_exe().unwrap())
         .args([test.as_str(), "--exact", "--nocapture", "--test-threads=1"])
         .envs([(WORKER_ENV, test.as_str()), ("RUST_BACKTRACE", "0"), (dist::launch::TIMEOUT_ENV, "20")])
@@ -168,20 +170,8 @@ fn a_restarted_job_reads_no_key_of_its_failed_start() {
     first_start.add("eng-members-connected", 5).unwrap();
     agent.add("eng-members-connected", 5).unwrap(); // as a launcher that prefixes nothing
     let port = agent.port().unwrap().to_string();
-    let children: Vec<_> = (0..2)
-        .map(|rank| {
-            worker(&test)
-                .envs([("RANK", rank.to_string()), ("WORLD_SIZE", "2".into()), ("MASTER_PORT", port.clone())])
-                .envs([("MASTER_ADDR", "127.0.0.1"), (dist::launch::TIMEOUT_ENV, SHORT)])
-                .envs([(dist::launch::AGENT_STORE_ENV, "True"), (dist::launch::RESTART_COUNT_ENV, "1")])
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    for (rank, child) in children.into_iter().enumerate() {
-        let out = child.wait_with_output().unwrap();
+    let env = [(dist::launch::AGENT_STORE_ENV, "True"), (dist::launch::RESTART_COUNT_ENV, "1")];
+    for (rank, out) in two_ranks(&test, &port, SHORT, &env).into_iter().enumerate() {
         let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
         assert!(out.status.success() && text.contains("test result: ok. 1 passed"), "rank {rank}:\n{text}");
     }
@@ -223,7 +213,7 @@ fn a_job_whose_ranks_run_no_test_fails() {
 #[test]
 fn rendezvous_without_peers_times_out() {
     let start = Instant::now();
-    let port = engine::dist::spawn::free_port().unwrap();
+    let port = suite_tests::free_port();
     let err = Store::tcp("127.0.0.1", port, true, 2, Duration::from_secs(1)).unwrap_err().to_string();
     assert!(err.contains("rendezvous: hosting TCP store 127.0.0.1"), "{err}");
     // The cause, not only the context: a port someone else holds fails with the same prefix.

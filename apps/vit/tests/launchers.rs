@@ -7,15 +7,10 @@
 use std::path::Path;
 use std::process::Command;
 
-use suite_tests::{scratch, sorted_safetensors};
+use suite_tests::{free_port, scratch, sorted_safetensors};
 use tch::Tensor;
 
 const VIT: &str = env!("CARGO_BIN_EXE_vit");
-
-/// A port no one listens on now (outside the ephemeral range, as the spawner picks them).
-fn free_port() -> u16 {
-    engine::dist::spawn::free_port().unwrap()
-}
 
 fn pretrain_args(out: &Path) -> Vec<String> {
     let flags = "pretrain --quiet --steps 4 --batch 32 --warmup 2 --lr 4e-3 --zero 1 --timeout 60 --out";
