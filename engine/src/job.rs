@@ -44,17 +44,19 @@ pub struct LaunchArgs {
     #[command(flatten)]
     pub device: DeviceArgs,
     /// Local ranks to spawn (under torchrun, Slurm or mpirun the launcher decides).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub nproc: usize,
     /// Rendezvous and collective timeout in seconds.
-    #[arg(long, default_value_t = 300.0)]
+    #[arg(long, default_value_t = 300.0, value_parser = seconds)]
     pub timeout: f64,
 }
 
 impl LaunchArgs {
     /// The rendezvous and collective timeout.
     pub fn timeout(&self) -> Duration {
-        Duration::from_secs_f64(self.timeout)
+        // `seconds` admitted the flag; a struct built by hand with a value out of range waits
+        // the longest time a Duration holds rather than panicking.
+        Duration::try_from_secs_f64(self.timeout).unwrap_or(Duration::MAX)
     }
 
     /// Joins the job as one of its ranks. Run without a launcher and with `--nproc` above 1,
@@ -173,13 +175,13 @@ pub struct OptimizerArgs {
     #[arg(long, value_enum, default_value_t = OptimizerKind::Adamw)]
     pub optimizer: OptimizerKind,
     /// Peak learning rate.
-    #[arg(long, default_value_t = 1e-3)]
+    #[arg(long, default_value_t = 1e-3, value_parser = positive)]
     pub lr: f64,
     /// Weight decay (not applied to biases and norm weights).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, value_parser = non_negative)]
     pub weight_decay: f64,
     /// Clip the global gradient norm to this value (diffusers' --max-grad-norm).
-    #[arg(long, visible_alias = "max-grad-norm")]
+    #[arg(long, visible_alias = "max-grad-norm", value_parser = positive)]
     pub clip_grad: Option<f64>,
 }
 
@@ -226,8 +228,43 @@ pub struct ScheduleArgs {
     #[arg(long, value_enum, default_value_t = DecayKind::Constant)]
     pub decay: DecayKind,
     /// Final learning rate as a share of the peak (cosine and linear decay).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, value_parser = share)]
     pub min_lr_ratio: f64,
+}
+
+// Value parsers for the numeric flags: clap names the flag and the value in the error, so a
+// NaN learning rate or a negative timeout stops the command before it starts (a NaN rate would
+// train to NaN weights and save them; a negative timeout would panic in Duration).
+
+fn number(s: &str) -> std::result::Result<f64, String> {
+    let x: f64 = s.trim().parse().map_err(|e| format!("{e}"))?;
+    if x.is_finite() {
+        Ok(x)
+    } else {
+        Err("must be a finite number".into())
+    }
+}
+
+/// A finite number above 0.
+pub fn positive(s: &str) -> std::result::Result<f64, String> {
+    number(s).and_then(|x| if x > 0.0 { Ok(x) } else { Err("must be above 0".into()) })
+}
+
+/// A finite number of at least 0.
+pub fn non_negative(s: &str) -> std::result::Result<f64, String> {
+    number(s).and_then(|x| if x >= 0.0 { Ok(x) } else { Err("must be at least 0".into()) })
+}
+
+/// A finite number from 0 to 1.
+pub fn share(s: &str) -> std::result::Result<f64, String> {
+    number(s).and_then(|x| if (0.0..=1.0).contains(&x) { Ok(x) } else { Err("must be from 0 to 1".into()) })
+}
+
+/// A timeout in seconds: above 0 and at most a year (c10d counts its timeouts in
+/// milliseconds).
+pub fn seconds(s: &str) -> std::result::Result<f64, String> {
+    const YEAR: f64 = 365.0 * 24.0 * 3600.0;
+    positive(s).and_then(|x| if x <= YEAR { Ok(x) } else { Err(format!("must be at most {YEAR} (a year)")) })
 }
 
 impl ScheduleArgs {
@@ -278,6 +315,37 @@ mod tests {
         assert!(err.contains("fp16") && err.contains("fp32, bf16"), "{err}");
         let s = c.schedule.schedule(1.0, 10);
         assert_eq!((s.at(0), s.at(9)), (0.2, 1.0));
+    }
+
+    #[test]
+    fn numeric_flags_out_of_range_are_errors_naming_the_flag() {
+        for (flag, value) in [
+            ("--timeout", "-1"),
+            ("--timeout", "0"),
+            ("--timeout", "nan"),
+            ("--timeout", "1e30"),
+            ("--nproc", "0"),
+            ("--lr", "nan"),
+            ("--lr", "-1"),
+            ("--lr", "0"),
+            ("--lr", "inf"),
+            ("--weight-decay", "-5"),
+            ("--weight-decay", "nan"),
+            ("--clip-grad", "0"),
+            ("--clip-grad", "-1"),
+            ("--max-grad-norm", "nan"),
+            ("--min-lr-ratio", "1.5"),
+            ("--min-lr-ratio", "-0.1"),
+        ] {
+            let err =
+                Command::try_parse_from(["x".to_string(), format!("{flag}={value}")]).err().map(|e| e.to_string());
+            let err = err.unwrap_or_else(|| panic!("{flag} {value} was accepted"));
+            let named = if flag == "--max-grad-norm" { "--clip-grad" } else { flag };
+            assert!(err.contains(named) && err.contains(value), "{flag} {value}: {err}");
+        }
+        let c =
+            Command::try_parse_from(["x", "--timeout", "0.5", "--weight-decay", "0", "--min-lr-ratio", "1"]).unwrap();
+        assert_eq!((c.job.launch.timeout(), c.optimizer.weight_decay), (Duration::from_millis(500), 0.0));
     }
 
     #[test]

@@ -34,7 +34,7 @@ pub struct InputArgs {
     pub preset: Option<Preset>,
     /// MSA rows kept as cluster centres (AlphaFold's `max_msa_clusters`; default: the
     /// preset's).
-    #[arg(long)]
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub max_msa_clusters: Option<usize>,
     /// Further rows kept as the extra MSA (AlphaFold's `max_extra_msa`; default: the
     /// preset's).
@@ -46,6 +46,17 @@ pub struct InputArgs {
 }
 
 /// A name usable as a file-name stem: path separators and odd characters become `_`.
+/// Recycling passes, at most 1,000 (each pass processed here samples its own MSA features, so
+/// the count sizes memory): the value parser of `--num-recycle` and train's `--recycles`.
+pub fn recycles(s: &str) -> Result<usize, String> {
+    const MAX: usize = 1000;
+    match s.trim().parse::<usize>() {
+        Ok(n) if n <= MAX => Ok(n),
+        Ok(_) => Err(format!("at most {MAX} recycles")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 fn file_stem(name: &str) -> String {
     let s: String =
         name.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '_' }).collect();
@@ -198,7 +209,7 @@ pub enum Query {
 pub struct ChunkArgs {
     /// Run attention, transitions, outer product mean and triangle ops in chunks of this many
     /// rows (less memory, same result).
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(i64).range(1..))]
     pub chunk_size: Option<i64>,
     /// The attention softmax (scale, mask, pair bias), LayerNorms and triangle-update gates:
     /// the fused CUDA kernels or libtorch's compositions (default: fused on CUDA, torch
@@ -211,9 +222,6 @@ impl ChunkArgs {
     /// Checks the options and returns this rank's device, the DAP context over the job and the
     /// kernels the modules run.
     pub fn setup(&self, launch: &LaunchArgs, world: &World) -> anyhow::Result<(Device, Dap, kernels::Backend)> {
-        if self.chunk_size.is_some_and(|c| c < 1) {
-            bail!("--chunk-size must be at least 1");
-        }
         let device = launch.device(world)?;
         let backend = kernels::Backend::resolve(self.kernels, device)?;
         let dap = match world.size() {

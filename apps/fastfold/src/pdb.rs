@@ -201,8 +201,10 @@ impl Structure {
             let mut xyz = [0f32; 3];
             for (k, (a, b)) in [(30, 38), (38, 46), (46, 54)].into_iter().enumerate() {
                 xyz[k] = field(a, b)
-                    .parse()
-                    .map_err(|_| bad(no, format!("coordinate {:?} is not a number", field(a, b))))?;
+                    .parse::<f32>()
+                    .ok()
+                    .filter(|x| x.is_finite())
+                    .ok_or_else(|| bad(no, format!("coordinate {:?} is not a finite number", field(a, b))))?;
             }
             let r = s.aatype.len() - 1;
             if s.mask[r][atom] == 0.0 {

@@ -55,15 +55,15 @@ pub struct PredictArgs {
     pub out: PathBuf,
     /// Recycling passes after the first, at most (default 3; with --features, all the file
     /// has).
-    #[arg(long = "num-recycle", visible_alias = "recycles")]
+    #[arg(long = "num-recycle", visible_alias = "recycles", value_parser = crate::input::recycles)]
     pub recycles: Option<usize>,
     /// Stop recycling after a pass whose CA-CA distance matrix changed by less than this (RMS,
     /// Å) from the pass before, as ColabFold's flag of this name; 0 runs every pass.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, value_parser = engine::job::non_negative)]
     pub recycle_early_stop_tolerance: f64,
     /// Structure-module iterations (default: the preset's, 8 for every AlphaFold model; the
     /// parameters cannot show it).
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(i64).range(1..=1000))]
     pub structure_iterations: Option<i64>,
     /// Arithmetic precision.
     #[command(flatten)]
@@ -208,13 +208,6 @@ struct Runner<'a> {
 impl<'a> Runner<'a> {
     fn new(args: &'a PredictArgs, world: &'a World) -> anyhow::Result<Self> {
         let (device, dap, backend) = args.chunk.setup(&args.launch, world)?;
-        let tolerance = args.recycle_early_stop_tolerance;
-        if !(tolerance.is_finite() && tolerance >= 0.0) {
-            bail!("--recycle-early-stop-tolerance must be a distance in Å, 0 or more, not {tolerance}");
-        }
-        if args.structure_iterations.is_some_and(|n| n < 1) {
-            bail!("--structure-iterations must be at least 1");
-        }
         let kind = args.precision.precision.kind();
         let files = models::resolve(&args.params, args.models.as_deref())?;
         let models = files

@@ -70,7 +70,7 @@ pub struct TrainArgs {
     #[command(flatten)]
     pub optimizer: OptimizerArgs,
     /// Recycling passes before the one that is trained (AlphaFold samples 0..=3).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = crate::input::recycles)]
     pub recycles: usize,
     /// Device, ranks, progress and the training log.
     #[command(flatten)]
@@ -120,7 +120,14 @@ impl Target {
         );
         let frame_mask = mask.select(1, n_at) * mask.select(1, ca) * mask.select(1, c);
         let gly = aatype.eq(7).to_kind(Kind::Float);
-        let pseudo_beta_mask = &gly * mask.select(1, ca) + (1.0 - &gly) * mask.select(1, cb);
+        let pseudo_beta_mask: Tensor = &gly * mask.select(1, ca) + (1.0 - &gly) * mask.select(1, cb);
+        // Without them a loss term is 0 and training would go on, silently, without it.
+        if frame_mask.sum(Kind::Float).double_value(&[]) == 0.0 {
+            bail!("{source}: no residue has the N, CA and C atoms that backbone FAPE needs");
+        }
+        if pseudo_beta_mask.sum(Kind::Float).double_value(&[]) == 0.0 {
+            bail!("{source}: no residue has the CB atom (CA for glycine) that the distogram loss needs");
+        }
         Ok(Target { frames, frame_mask, pseudo_beta: pseudo_beta(aatype, &positions)?, pseudo_beta_mask })
     }
 }
@@ -284,6 +291,10 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
             grad_norm,
             seconds: start.elapsed().as_secs_f64(),
         };
+        // Every rank holds the same loss (DAP gathers before the loss), so all stop together.
+        if !entry.loss.is_finite() {
+            bail!("step {step}: the loss is {}; lower --lr or use --clip-grad (no parameters written)", entry.loss);
+        }
         if let Some(m) = metrics.as_mut() {
             m.write(&entry)?;
         }

@@ -176,6 +176,10 @@ fn a_missing_or_mis_shaped_array_is_named() {
     let loaded = loaded.unwrap();
     assert_eq!(loaded.model_config().unwrap().aligned_error_bins, None);
     assert!(Heads::new(&loaded).unwrap().aligned_error.is_none());
+
+    // Without only its weights, the head's bias has no user: an error, not a silent non-_ptm.
+    let err = load_modified(&p, &key, None, "half_ptm.npz").err().expect("a half head fails").to_string();
+    assert!(err.contains("half_ptm.npz") && err.contains("1 arrays no module uses") && err.contains(&bias), "{err}");
 }
 
 #[test]

@@ -401,6 +401,23 @@ fn npz_errors_name_the_key_and_both_shapes() {
     assert!(err.contains("key extra_msa_mask: expected shape [2, 1, 3], found [2, 1, 4]"), "{err}");
     let err = Features::load_npz(Path::new("/no/such/f.npz"), Device::Cpu).unwrap_err().to_string();
     assert!(err.contains("/no/such/f.npz") && err.contains("No such file"), "{err}");
+
+    // Values the model cannot take are named by key before any model runs: out-of-range
+    // classes (libtorch's one_hot would fail without naming them), NaN, an empty dimension.
+    let named = |key: &str| f.named().into_iter().find(|(n, _)| *n == key).unwrap().1.shallow_clone();
+    let err = write("aatype", Some(named("aatype").fill(21)));
+    assert!(
+        err.contains("npz-bad/aatype.npz") && err.contains("key aatype: values from 21 to 21, the model takes 0 to 20"),
+        "{err}"
+    );
+    let err = write("extra_msa", Some(named("extra_msa").fill(-1)));
+    assert!(err.contains("key extra_msa: values from -1 to -1, the model takes 0 to 22"), "{err}");
+    let msa_feat = named("msa_feat").copy();
+    let _ = msa_feat.get(0).get(0).get(0).get(0).fill_(f64::NAN);
+    let err = write("msa_feat", Some(msa_feat));
+    assert!(err.contains("key msa_feat: NaN or infinite values"), "{err}");
+    let err = write("msa_feat", Some(named("msa_feat").narrow(1, 0, 0)));
+    assert!(err.contains("key msa_feat: shape [2, 0, 3, 49] has no MSA row (S)"), "{err}");
 }
 
 #[test]
@@ -437,6 +454,10 @@ fn pdb_reads_back_what_it_writes_and_names_bad_lines() {
     let broken = text.replacen("   0.123", "   0.1x3", 1);
     let err = Structure::parse(&broken, Path::new("broken.pdb"), None).unwrap_err().to_string();
     assert!(err.contains("broken.pdb") && err.contains("line 2") && err.contains("0.1x3"), "{err}");
+    // A coordinate that parses but is not finite would train to NaN weights.
+    let nan = text.replacen("   0.123", "     nan", 1);
+    let err = Structure::parse(&nan, Path::new("nan.pdb"), None).unwrap_err().to_string();
+    assert!(err.contains("nan.pdb") && err.contains("line 2") && err.contains("not a finite number"), "{err}");
     let err = Structure::parse("HEADER nothing\n", Path::new("empty.pdb"), None).unwrap_err().to_string();
     assert!(err.contains("empty.pdb") && err.contains("no ATOM records"), "{err}");
 }

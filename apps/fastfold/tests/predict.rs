@@ -418,7 +418,15 @@ fn recycling_stops_early_once_the_ca_distances_settle() {
     assert!(max_diff(&early["final_atom_positions"], &one["final_atom_positions"]) < 1e-4);
 
     let o = d.join("bad").to_str().unwrap().to_string();
-    for (flag, value) in [("--recycle-early-stop-tolerance", "-1"), ("--structure-iterations", "0")] {
+    for (flag, value) in [
+        ("--recycle-early-stop-tolerance", "-1"),
+        ("--recycle-early-stop-tolerance", "nan"),
+        ("--structure-iterations", "0"),
+        ("--structure-iterations", "1001"),
+        ("--num-recycle", "18446744073709551615"),
+        ("--max-msa-clusters", "0"),
+        ("--timeout", "-1"),
+    ] {
         let flag_value = format!("{flag}={value}");
         let (ok, text) = fastfold(&["predict", fa.to_str().unwrap(), "--params", params, &flag_value, "-o", &o]);
         assert!(!ok && text.contains(flag), "{text}");

@@ -127,4 +127,10 @@ fn malformed_stockholm_is_an_error_naming_the_file_and_line() {
     assert!(err.contains("\"hit\"") && err.contains("3 alignment columns"), "{err}");
     let err = stockholm::parse("# STOCKHOLM 1.0\n//\n", path).unwrap_err().to_string();
     assert!(err.contains("no aligned sequences"), "{err}");
+    // Named here, with the file: the merged MSA of several files would no longer know it.
+    let err = stockholm::parse("query MK-TA\nhit MK1TA\nbad MKT1A\n", path).unwrap_err().to_string();
+    assert!(
+        err.contains("uniref90_hits.sto") && err.contains("\"bad\", column 4: '1' is not an alignment code"),
+        "{err}"
+    );
 }

@@ -213,6 +213,10 @@ fn bad_mmcif_is_an_error_naming_the_file() {
     std::fs::write(dir.join("2def.cif"), text.replacen("1 2015-06-01", "1", 1)).unwrap();
     let err = format!("{:#}", f.get_templates(&query(), &hits()).unwrap_err());
     assert!(err.contains("2def.cif") && err.contains("not a multiple"), "{err}");
+    // A coordinate that parses but is not finite.
+    std::fs::write(dir.join("2def.cif"), text.replacen("0.589 1.986", "nan 1.986", 1)).unwrap();
+    let err = format!("{:#}", f.get_templates(&query(), &hits()).unwrap_err());
+    assert!(err.contains("2def.cif") && err.contains("_atom_site.Cartn_x \"nan\" is not a finite number"), "{err}");
     // A missing entry.
     std::fs::remove_file(dir.join("2def.cif")).unwrap();
     let err = format!("{:#}", f.get_templates(&query(), &hits()).unwrap_err());

@@ -137,6 +137,18 @@ fn template_parameters_round_trip_and_stray_arrays_are_named() {
     data::checkpoint::save_npz(&arrays, &stray).unwrap();
     let err = Params::load_model(&stray).err().unwrap().to_string();
     assert!(err.contains("template_embedding/stray//weights") && err.contains("stray.npz"), "{err}");
+
+    // Without the array that marks a template embedding, its other arrays have no user: an
+    // error naming them, not a model that drops its templates silently.
+    let arrays: Vec<(String, Tensor)> =
+        Tensor::read_npz(&path).unwrap().into_iter().filter(|(k, _)| k != key).collect();
+    let partial = d.join("partial.npz");
+    data::checkpoint::save_npz(&arrays, &partial).unwrap();
+    let err = Params::load_model(&partial).err().unwrap().to_string();
+    assert!(
+        err.contains("partial.npz") && err.contains("no module uses") && err.contains("template_embedding/"),
+        "{err}"
+    );
 }
 
 fn features_with(t: Option<TemplateFeatures>) -> Features {
@@ -196,4 +208,21 @@ fn template_features_load_from_npz_and_bad_shapes_are_named() {
     data::checkpoint::save_npz(&arrays, &bad).unwrap();
     let err = Features::load_npz(&bad, Device::Cpu).unwrap_err().to_string();
     assert!(err.contains("bad.npz") && err.contains("template_pseudo_beta_mask") && err.contains("[2, 1, 3]"), "{err}");
+
+    // Any template key asks for all six: a file without the first (which once decided whether
+    // templates were there) would otherwise lose its templates silently.
+    let arrays: Vec<(String, Tensor)> =
+        Tensor::read_npz(&path).unwrap().into_iter().filter(|(k, _)| k != "template_aatype").collect();
+    data::checkpoint::save_npz(&arrays, &bad).unwrap();
+    let err = Features::load_npz(&bad, Device::Cpu).unwrap_err().to_string();
+    assert!(err.contains("bad.npz") && err.contains("missing key template_aatype"), "{err}");
+    let mut arrays: Vec<(String, Tensor)> = Tensor::read_npz(&path).unwrap();
+    for (k, v) in arrays.iter_mut() {
+        if k == "template_aatype" {
+            *v = v.fill(22);
+        }
+    }
+    data::checkpoint::save_npz(&arrays, &bad).unwrap();
+    let err = Features::load_npz(&bad, Device::Cpu).unwrap_err().to_string();
+    assert!(err.contains("key template_aatype: values from 22 to 22, the model takes 0 to 21"), "{err}");
 }

@@ -111,6 +111,28 @@ fn compare(world: &World) -> TestResult {
 
 dist_test!(two_ranks_give_one_rank_gradients, 2, |world| { compare(world) });
 
+/// A target without the atoms of one loss term is an error, not a term that stays 0.
+#[test]
+fn a_target_without_backbone_frames_or_pseudo_beta_atoms_is_named() {
+    // Without a glycine, whose pseudo-beta atom is its CA.
+    let seq = SEQ.replace('G', "A");
+    let aatype = Tensor::from_slice(&seq.chars().map(|c| aatype_of(c) as i64).collect::<Vec<_>>());
+    let without = |atoms: &[&str]| {
+        let mut s = helix(&seq);
+        for m in &mut s.mask {
+            for a in atoms {
+                m[atom_order(a).unwrap()] = 0.0;
+            }
+        }
+        Target::new(&s, &aatype, "t.pdb").err().map(|e| e.to_string())
+    };
+    assert_eq!(without(&[]), None, "the whole helix is a target");
+    let err = without(&["N"]).expect("no N atoms");
+    assert!(err.contains("t.pdb: no residue has the N, CA and C atoms"), "{err}");
+    let err = without(&["CB"]).expect("no CB atoms");
+    assert!(err.contains("t.pdb: no residue has the CB atom"), "{err}");
+}
+
 fn log(out: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(out.join("log.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
 }

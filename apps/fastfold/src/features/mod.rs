@@ -361,9 +361,51 @@ fn take_checked(
                 .collect();
             return Err(bad(format!("key {name}: expected shape [{}], found {found:?}", expected.join(", "))));
         }
-        out.push(t.f_to_kind(kind).map_err(|e| bad(format!("key {name}: {e}")))?);
+        // Every size but the extra MSA's must be at least 1: the model takes the query row, a
+        // residue, a recycling slice and (when the keys are there) a template.
+        if let Some((d, _)) = dims.iter().zip(&found).find(|(d, &f)| f == 0 && !matches!(d, Dim::E)) {
+            return Err(bad(format!("key {name}: shape {found:?} has no {}", dim_name(*d))));
+        }
+        let t = t.f_to_kind(kind).map_err(|e| bad(format!("key {name}: {e}")))?;
+        check_values(name, &t).map_err(bad)?;
+        out.push(t);
     }
     Ok(out)
+}
+
+/// The integer features the model one-hot encodes or looks up, and their classes (values
+/// 0..classes): residue types with unknown, MSA classes with gap and mask, template residue
+/// types with gap.
+const CLASSES: [(&str, i64); 4] = [("aatype", 21), ("true_msa", 23), ("extra_msa", 23), ("template_aatype", 22)];
+
+/// Values the model cannot take, named: non-finite floats, integer classes out of range.
+fn check_values(name: &str, t: &Tensor) -> std::result::Result<(), String> {
+    if t.numel() == 0 {
+        return Ok(());
+    }
+    let e = |e: tch::TchError| format!("key {name}: {e}");
+    if t.is_floating_point() {
+        if t.f_isfinite().and_then(|f| f.f_all()).map_err(e)?.int64_value(&[]) == 0 {
+            return Err(format!("key {name}: NaN or infinite values"));
+        }
+    } else if let Some(&(_, classes)) = CLASSES.iter().find(|(n, _)| *n == name) {
+        let (lo, hi) = (t.f_min().map_err(e)?.int64_value(&[]), t.f_max().map_err(e)?.int64_value(&[]));
+        if lo < 0 || hi >= classes {
+            return Err(format!("key {name}: values from {lo} to {hi}, the model takes 0 to {}", classes - 1));
+        }
+    }
+    Ok(())
+}
+
+fn dim_name(d: Dim) -> &'static str {
+    match d {
+        Dim::R => "recycling slice (R)",
+        Dim::N => "residue (N)",
+        Dim::S => "MSA row (S)",
+        Dim::E => "extra MSA row (E)",
+        Dim::T => "template (T)",
+        Dim::K(_) => "entry",
+    }
 }
 
 impl Features {
@@ -430,7 +472,9 @@ impl Features {
         let bad = |msg: String| Error::Format { path: source.to_path_buf(), msg };
         let all: [Tensor; 19] = out.try_into().map_err(|_| bad("feature count mismatch".into()))?;
         let mut features = Features::from_array(all);
-        if map.contains_key(TEMPLATE_SCHEMA[0].0) {
+        // Any template key asks for all of them: a file missing one would otherwise lose its
+        // templates silently.
+        if TEMPLATE_SCHEMA.iter().any(|(name, ..)| map.contains_key(*name)) {
             let t = take_checked(&mut map, &TEMPLATE_SCHEMA, &mut sizes, source)?;
             let t: [Tensor; 6] = t.try_into().map_err(|_| bad("template feature count mismatch".into()))?;
             features.templates = Some(TemplateFeatures::from_array(t));

@@ -11,7 +11,7 @@ use crate::model::config::{EvoformerConfig, ModelConfig};
 use crate::model::embedders::Embedders;
 use crate::model::evoformer::EvoformerStack;
 use crate::model::heads::Heads;
-use crate::model::keys::{EVOFORMER, EXTRA_MSA, STRUCTURE_MODULE, TEMPLATE_ARRAYS};
+use crate::model::keys::{EVOFORMER, EXTRA_MSA};
 use crate::model::params::{read_arrays, Params};
 use crate::model::scope::{Builder, Mode};
 use crate::model::structure::StructureModule;
@@ -75,17 +75,21 @@ impl Params {
         };
         let builder = Builder::new(Mode::Load, map, Some(file.clone()));
         build(&builder, &config, model.as_ref())?;
-        let mut checked = vec![format!("{EVOFORMER}/"), format!("{EXTRA_MSA}/")];
-        if let Some(m) = &model {
-            checked.push(format!("{STRUCTURE_MODULE}/"));
-            if m.templates.is_some() {
-                checked.push(TEMPLATE_ARRAYS.to_string());
-            }
-        }
+        // Optional modules (templates, the PAE head) are built when their first array is there,
+        // so a file missing one of their others would drop the module silently: with the model,
+        // every array of the file must have a user.
+        let checked = match model {
+            Some(_) => vec![String::new()],
+            None => vec![format!("{EVOFORMER}/"), format!("{EXTRA_MSA}/")],
+        };
         for prefix in checked {
             let unused = builder.unused_under(&prefix);
             if !unused.is_empty() {
-                return Err(Error::Invalid(format!("{file}: arrays no module of the stacks uses: {unused:?}")));
+                return Err(Error::Invalid(format!(
+                    "{file}: {} arrays no module uses (is an array of their module missing?): {:?}",
+                    unused.len(),
+                    &unused[..unused.len().min(8)]
+                )));
             }
         }
         Ok(Params::from_parts(builder.into_used(), config))

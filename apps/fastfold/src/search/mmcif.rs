@@ -147,7 +147,10 @@ pub fn parse(text: &str, source: &Path) -> Result<Mmcif> {
     let occupancy = items.get("_atom_site.occupancy");
     let first_model = model.first().cloned().unwrap_or_default();
     let number = |v: &str, what: &str| -> Result<f32> {
-        v.parse().map_err(|_| bad(format!("_atom_site.{what} {v:?} is not a number")))
+        v.parse::<f32>()
+            .ok()
+            .filter(|x| x.is_finite())
+            .ok_or_else(|| bad(format!("_atom_site.{what} {v:?} is not a finite number")))
     };
     // Structure residues by (author chain, hetero flag, author number, insertion code):
     // residue name and atoms with their occupancy and alternative location.

@@ -11,6 +11,8 @@ use std::path::Path;
 use data::a3m::Msa;
 use data::{Error, Result};
 
+use crate::residue_constants::msa_class_of;
+
 /// Each sequence's (name, joined alignment), in order of first appearance.
 fn rows(text: &str, source: &Path) -> Result<Vec<(String, String)>> {
     let bad = |msg: String| Error::Format { path: source.to_path_buf(), msg };
@@ -153,8 +155,12 @@ pub fn parse(text: &str, source: &Path) -> Result<Msa> {
         let mut row = String::new();
         let mut deletions = Vec::new();
         let mut pending = 0;
-        for (&c, &q) in aligned.iter().zip(&query) {
+        for (j, (&c, &q)) in aligned.iter().zip(&query).enumerate() {
             if q != '-' {
+                // Checked here, where the file is known: the merged MSA no longer knows it.
+                if msa_class_of(c).is_none() {
+                    return Err(bad(format!("sequence {name:?}, column {}: {c:?} is not an alignment code", j + 1)));
+                }
                 row.push(c);
                 deletions.push(pending);
                 pending = 0;
