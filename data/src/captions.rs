@@ -66,14 +66,16 @@ impl CaptionedImages {
                 .into_iter()
                 .map(|image| {
                     let caption = image.with_extension("txt");
-                    let text = std::fs::read_to_string(&caption).map_err(|_| {
-                        format_err(
+                    let text = std::fs::read_to_string(&caption).map_err(|e| match e.kind() {
+                        std::io::ErrorKind::NotFound => format_err(
                             &image,
                             format!(
                                 "no caption: expected {} (or a metadata.jsonl in the folder, or an instance prompt)",
                                 caption.display()
                             ),
-                        )
+                        ),
+                        // There but unreadable (not UTF-8, a folder, no permission): say why.
+                        _ => format_err(&caption, format!("caption of {}: {e}", image.display())),
                     })?;
                     Ok((image, text.trim().to_string()))
                 })
@@ -239,6 +241,10 @@ mod tests {
         png(&s.0.join("a.png"), 8, 8);
         let err = CaptionedImages::open(&s.0, None).unwrap_err().to_string();
         assert!(err.contains("a.png: no caption: expected") && err.contains("a.txt"), "{err}");
+        fs::write(s.0.join("a.txt"), b"\xff\xfe not UTF-8").unwrap();
+        let err = CaptionedImages::open(&s.0, None).unwrap_err().to_string();
+        assert!(err.contains("a.txt: caption of") && err.contains("UTF-8"), "{err}");
+        fs::remove_file(s.0.join("a.txt")).unwrap();
         fs::write(s.0.join("metadata.jsonl"), "{\"file_name\": \"a.png\"}\n").unwrap();
         let err = CaptionedImages::open(&s.0, None).unwrap_err().to_string();
         assert!(err.contains("metadata.jsonl: line 1: expected"), "{err}");

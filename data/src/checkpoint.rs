@@ -31,8 +31,8 @@ pub fn load_safetensors(vs: &VarStore, path: &Path) -> Result<Vec<String>> {
     Ok(unused)
 }
 
-/// Copies `file`'s tensors into `targets` by name, taking them out of `file`; a missing key or
-/// a shape mismatch is an error naming `path`, the key and both shapes.
+/// Copies `file`'s tensors into `targets` by name, taking them out of `file`; a missing key, a
+/// shape mismatch or integers for a floating-point target is an error naming `path` and the key.
 pub fn copy_into(targets: &[(String, Tensor)], file: &mut HashMap<String, Tensor>, path: &Path) -> Result<()> {
     let bad = |msg: String| Error::Format { path: path.to_path_buf(), msg };
     tch::no_grad(|| {
@@ -42,6 +42,11 @@ pub fn copy_into(targets: &[(String, Tensor)], file: &mut HashMap<String, Tensor
                 .ok_or_else(|| bad(format!("missing key {name} (expected shape {:?})", var.size())))?;
             if src.size() != var.size() {
                 return Err(bad(format!("key {name} has shape {:?}, expected {:?}", src.size(), var.size())));
+            }
+            // Floats convert (fp16 and bf16 files load into fp32 models); integers or booleans
+            // in place of weights mean a wrong or damaged file, not values to cast.
+            if var.is_floating_point() && !src.is_floating_point() {
+                return Err(bad(format!("key {name} holds {:?} values, expected floating point", src.kind())));
             }
             var.shallow_clone().f_copy_(&src).map_err(|e| bad(format!("key {name}: {e}")))?;
         }
@@ -125,6 +130,16 @@ mod tests {
         let _ = extra.root().var("head", &[1], Init::Const(0.0));
         let err = load_safetensors(&extra, &path).unwrap_err().to_string();
         assert!(err.contains("missing key head") && err.contains("model.safetensors"), "{err}");
+        // Integers where weights belong are an error, not values to cast; fp16 converts.
+        let mut file: HashMap<String, Tensor> =
+            [("layer.weight".to_string(), Tensor::ones([3, 2], (tch::Kind::Int, tch::Device::Cpu)))].into();
+        let targets = [("layer.weight".to_string(), b.variables()["layer.weight"].shallow_clone())];
+        let err = copy_into(&targets, &mut file, &path).unwrap_err().to_string();
+        assert!(err.contains("key layer.weight holds Int values, expected floating point"), "{err}");
+        let mut file: HashMap<String, Tensor> =
+            [("layer.weight".to_string(), Tensor::ones([3, 2], (tch::Kind::Half, tch::Device::Cpu)))].into();
+        copy_into(&targets, &mut file, &path).unwrap();
+        assert_eq!(b.variables()["layer.weight"].sum(tch::Kind::Float).double_value(&[]), 6.0);
         std::fs::write(dir.join("bad.safetensors"), b"not really").unwrap();
         let err = load_safetensors(&b, &dir.join("bad.safetensors")).unwrap_err().to_string();
         assert!(err.contains("bad.safetensors: not a readable safetensors file"), "{err}");

@@ -54,14 +54,13 @@ impl ImageFolder {
         let mut files = Vec::new();
         for (label, (_, dir)) in class_dirs.iter().enumerate() {
             let mut images: Vec<PathBuf> = list(dir)?.into_iter().filter(|p| is_image(p)).collect();
+            // As torchvision's ImageFolder: a class without images is an error, not a label
+            // the model must learn with no example.
+            if images.is_empty() {
+                return Err(format_err(dir, "no .jpg, .jpeg or .png files in this class folder".into()));
+            }
             images.sort();
             files.extend(images.into_iter().map(|p| (p, label as i64)));
-        }
-        if files.is_empty() {
-            return Err(format_err(
-                root,
-                format!("no .jpg, .jpeg or .png files in its {} class folders", class_dirs.len()),
-            ));
         }
         let classes = class_dirs.into_iter().map(|(name, _)| name).collect();
         Ok(ImageFolder { root: root.to_path_buf(), channels, classes, files })
@@ -228,6 +227,10 @@ pub(crate) mod tests {
         assert_eq!(names, ["a0.png", "a1.png", "b.PNG"]);
         let labels: Vec<_> = (0..3).map(|i| folder.get(i).unwrap().1).collect();
         assert_eq!(labels, [0, 0, 1]);
+        // A class folder without images is an error naming it (torchvision's ImageFolder too).
+        fs::create_dir(dir.0.join("cat")).unwrap();
+        let err = ImageFolder::open(&dir.0, 3).err().unwrap().to_string();
+        assert!(err.contains("cat") && err.contains("no .jpg, .jpeg or .png files in this class folder"), "{err}");
     }
 
     #[test]
@@ -294,7 +297,10 @@ pub(crate) mod tests {
         assert!(err.to_string().contains("no .jpg"), "{err}");
 
         make_folder(&dir.0, 2, 2);
-        assert!(ImageFolder::open(&dir.0, 3).is_ok(), "an empty class folder is allowed");
+        let err = ImageFolder::open(&dir.0, 3).unwrap_err();
+        assert!(err.to_string().contains("empty: no .jpg"), "an empty class folder beside full ones: {err}");
+        fs::remove_dir(dir.0.join("empty")).unwrap();
+        assert!(ImageFolder::open(&dir.0, 3).is_ok());
         let err = ImageFolder::open(&dir.0, 4).unwrap_err();
         assert!(err.to_string().contains("channels must be 1 or 3"), "{err}");
     }

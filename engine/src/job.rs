@@ -236,7 +236,8 @@ pub struct ScheduleArgs {
 // NaN learning rate or a negative timeout stops the command before it starts (a NaN rate would
 // train to NaN weights and save them; a negative timeout would panic in Duration).
 
-fn number(s: &str) -> std::result::Result<f64, String> {
+/// A finite number.
+pub fn finite(s: &str) -> std::result::Result<f64, String> {
     let x: f64 = s.trim().parse().map_err(|e| format!("{e}"))?;
     if x.is_finite() {
         Ok(x)
@@ -247,17 +248,22 @@ fn number(s: &str) -> std::result::Result<f64, String> {
 
 /// A finite number above 0.
 pub fn positive(s: &str) -> std::result::Result<f64, String> {
-    number(s).and_then(|x| if x > 0.0 { Ok(x) } else { Err("must be above 0".into()) })
+    finite(s).and_then(|x| if x > 0.0 { Ok(x) } else { Err("must be above 0".into()) })
 }
 
 /// A finite number of at least 0.
 pub fn non_negative(s: &str) -> std::result::Result<f64, String> {
-    number(s).and_then(|x| if x >= 0.0 { Ok(x) } else { Err("must be at least 0".into()) })
+    finite(s).and_then(|x| if x >= 0.0 { Ok(x) } else { Err("must be at least 0".into()) })
 }
 
 /// A finite number from 0 to 1.
 pub fn share(s: &str) -> std::result::Result<f64, String> {
-    number(s).and_then(|x| if (0.0..=1.0).contains(&x) { Ok(x) } else { Err("must be from 0 to 1".into()) })
+    finite(s).and_then(|x| if (0.0..=1.0).contains(&x) { Ok(x) } else { Err("must be from 0 to 1".into()) })
+}
+
+/// A finite number above 0 and at most 1.
+pub fn positive_share(s: &str) -> std::result::Result<f64, String> {
+    positive(s).and_then(|x| if x <= 1.0 { Ok(x) } else { Err("must be above 0 and at most 1".into()) })
 }
 
 /// A timeout in seconds: above 0 and at most a year (c10d counts its timeouts in

@@ -77,6 +77,14 @@ fn replay<O: Optimizer>(f: &Fixture, name: &str, make: impl Fn(Vec<Param>) -> O)
         if step == f.grads.len() / 2 {
             let mut state: engine::optim::StateDict = opt.state().into_iter().map(|(k, t)| (k, t.copy())).collect();
             assert!(!state.is_empty(), "{name} has state after {step} steps");
+            // A checkpoint whose slots hold integers (a damaged or foreign file) is refused.
+            let mut ints: engine::optim::StateDict = state
+                .iter()
+                .map(|(k, t)| (k.clone(), if t.dim() > 0 { t.to_kind(Kind::Int64) } else { t.shallow_clone() }))
+                .collect();
+            let fresh = make(opt.params().iter().map(|p| p.shallow_copy()).collect()).load_state(&mut ints);
+            let err = fresh.err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(err.contains("holds Int64 values, expected floating point"), "{name}: {err}");
             let same = opt.params().iter().map(|p| p.shallow_copy());
             opt = make(same.collect());
             opt.load_state(&mut state).unwrap();

@@ -307,9 +307,21 @@ dist_test!(checkpoint_saved_on_2_ranks_resumes_on_1, 2, |world| {
             no_hooks,
         );
         assert_same(&params, &plain, "saved on 2 ranks at step 5, resumed on 1");
+        // Damaged pieces are named: integers, then pieces cut short.
+        let (_, _, _, g) = train_gemini(rule, PLAIN, &single, 0..0, no_hooks, no_hooks);
+        let shard = dir.join("optimizer-00001-of-00002.safetensors");
+        let saved = Tensor::read_safetensors(&shard)?;
+        let damaged = |f: &dyn Fn(&Tensor) -> Tensor| -> Vec<(String, Tensor)> {
+            saved.iter().map(|(k, t)| (k.clone(), f(t))).collect()
+        };
+        Tensor::write_safetensors(&damaged(&|t| t.to_kind(Kind::Int)), &shard)?;
+        let err = g.load_optimizer(&dir).unwrap_err().to_string();
+        assert!(err.contains("optimizer-00001-of-00002.safetensors") && err.contains("flat floating-point"), "{err}");
+        Tensor::write_safetensors(&damaged(&|t| t.narrow(0, 0, t.numel() as i64 / 2)), &shard)?;
+        let err = g.load_optimizer(&dir).unwrap_err().to_string();
+        assert!(err.contains("the stored pieces cover"), "{err}");
         // A missing shard file is named.
         std::fs::remove_file(dir.join("optimizer-00001-of-00002.safetensors"))?;
-        let (_, _, _, g) = train_gemini(rule, PLAIN, &single, 0..0, no_hooks, no_hooks);
         let err = g.load_optimizer(&dir).unwrap_err().to_string();
         assert!(err.contains("optimizer-00001-of-00002.safetensors"), "{err}");
         std::fs::remove_dir_all(&dir)?;

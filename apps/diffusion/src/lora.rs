@@ -176,6 +176,9 @@ impl Lora {
                     if v.size() != t.size() {
                         return Err(bad(format!("key {key}: shape {:?}, expected {:?}", v.size(), t.size())));
                     }
+                    if !v.is_floating_point() {
+                        return Err(bad(format!("key {key} holds {:?} values, expected floating point", v.kind())));
+                    }
                     t.detach().f_copy_(&v.f_to_kind(Kind::Float)?.f_mul_scalar(scale)?)?;
                 }
             }
@@ -206,13 +209,16 @@ fn take_adapter(
         (None, Some(_)) => return Err(format!("missing key {down_key}")),
     };
     let (out, inp) = (a.weight(i).size()[0], a.weight(i).size()[1]);
-    let rank = down.size()[0];
+    let rank = down.size().first().copied().unwrap_or(0);
     if down.size() != [rank, inp] || up.size() != [out, rank] {
         return Err(format!(
             "keys {down_key} {:?} and {up_key} {:?} do not fit the projection's [{out}, {inp}] weight",
             down.size(),
             up.size()
         ));
+    }
+    if let Some((key, t)) = [(&down_key, &down), (&up_key, &up)].into_iter().find(|(_, t)| !t.is_floating_point()) {
+        return Err(format!("key {key} holds {:?} values, expected floating point", t.kind()));
     }
     let to = |t: Tensor, m: f64| t.to_kind(Kind::Float).to_device(device) * m;
     Ok(Some(Adapter { down: to(down, 1.0), up: to(up, multiplier), scale: 1.0 }))

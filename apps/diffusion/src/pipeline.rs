@@ -101,6 +101,12 @@ impl StableDiffusion {
         check_model_index(&index, "text_encoder", "CLIPTextModel")?;
         let tokenizer = ClipTokenizer::from_diffusers(root)?;
         let (mut text_encoder_vs, text_encoder) = ClipTextModel::load(&root.join("text_encoder"), device)?;
+        let fits = |t: &ClipTokenizer, tokenizer: &str, model: &ClipTextModel, encoder: &str| {
+            let c = model.config();
+            let config = root.join(encoder).join("config.json");
+            t.check_fits(&root.join(tokenizer), &config, c.vocab_size, c.max_positions)
+        };
+        fits(&tokenizer, "tokenizer", &text_encoder, "text_encoder")?;
         let entries: serde_json::Map<String, serde_json::Value> = read_json(&index)?;
         // diffusers writes `[null, null]` for a component a pipeline class has but this one lacks.
         let listed = |v: &serde_json::Value| v.as_array().and_then(|a| a.first()).is_some_and(|c| !c.is_null());
@@ -109,6 +115,7 @@ impl StableDiffusion {
                 check_model_index(&index, "text_encoder_2", "CLIPTextModelWithProjection")?;
                 let tokenizer = ClipTokenizer::from_dir(&root.join("tokenizer_2"))?;
                 let (vs, model) = ClipTextModel::load_with_projection(&root.join("text_encoder_2"), device)?;
+                fits(&tokenizer, "tokenizer_2", &model, "text_encoder_2")?;
                 Some(SecondEncoder { tokenizer, model, vs })
             }
             false => None,

@@ -312,7 +312,7 @@ pub struct SampleArgs {
     #[arg(long, value_enum)]
     pub scheduler: Option<Sampler>,
     /// Classifier-free guidance scale (1 turns guidance off).
-    #[arg(long, default_value_t = 7.5)]
+    #[arg(long, default_value_t = 7.5, value_parser = engine::job::finite)]
     pub guidance: f64,
     /// Seed of the initial latents (and Euler ancestral's step noise): the same seed gives the
     /// same image.
@@ -355,7 +355,7 @@ pub struct SampleArgs {
     #[arg(long)]
     pub lora: Option<std::path::PathBuf>,
     /// How much of the LoRA adapters to add (diffusers' LoRA scale).
-    #[arg(long, default_value_t = 1.0, requires = "lora")]
+    #[arg(long, default_value_t = 1.0, requires = "lora", value_parser = engine::job::finite)]
     pub lora_scale: f64,
     /// Arithmetic precision of the text encoder and UNet.
     #[command(flatten)]
@@ -447,6 +447,18 @@ pub fn run(args: &SampleArgs) -> anyhow::Result<(Vec<std::path::PathBuf>, f64)> 
         negative_size_conditioning: negative_sizes,
     };
     let prompts: Vec<&str> = args.prompt.iter().map(String::as_str).collect();
+    // As diffusers, say what CLIP's length truncates rather than drop it silently.
+    let negative = args.negative_prompt.iter().map(|p| ("the negative prompt".to_string(), p.as_str()));
+    let named = prompts.iter().enumerate().map(|(i, p)| (format!("prompt {}", i + 1), *p));
+    for (what, text) in named.chain(negative) {
+        let (tokens, kept) = sd.tokenizer.token_count(text);
+        if tokens > kept {
+            eprintln!(
+                "warning: {what} has {tokens} tokens; CLIP reads the first {kept}, the last {} are dropped",
+                tokens - kept
+            );
+        }
+    }
     let start = std::time::Instant::now();
     let images = sd.sample(&prompts, &opts, None)?;
     let count = images.size()[0] as usize;

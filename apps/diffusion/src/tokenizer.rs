@@ -226,6 +226,37 @@ impl ClipTokenizer {
         pieces
     }
 
+    /// Checks that the text encoder configured by `encoder_config` can take every id and the
+    /// length this tokenizer (read from `dir`) produces, so a mismatched pair of folders is an
+    /// error at load naming both files, not an index error at the first prompt.
+    pub fn check_fits(&self, dir: &Path, encoder_config: &Path, vocab_size: i64, max_positions: i64) -> Result<()> {
+        let specials = self.specials.iter().map(|(_, id)| *id).chain([self.bos, self.eos, self.pad, self.unk]);
+        let top = self.encoder.values().copied().chain(specials).max().unwrap_or(0);
+        if top >= vocab_size {
+            return Err(format_err(
+                dir,
+                format!("token ids reach {top}; {} has vocab_size {vocab_size}", encoder_config.display()),
+            ));
+        }
+        if self.max_len as i64 > max_positions {
+            return Err(format_err(
+                &dir.join("tokenizer_config.json"),
+                format!(
+                    "model_max_length {} exceeds max_position_embeddings {max_positions} of {}",
+                    self.max_len,
+                    encoder_config.display()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The text's tokens and how many of them [`ClipTokenizer::encode`] keeps (`max_len`
+    /// less the start and end tokens), so callers can say what truncation drops.
+    pub fn token_count(&self, text: &str) -> (usize, usize) {
+        (self.token_ids(text).len(), self.max_len - 2)
+    }
+
     /// `<|startoftext|>` + ids + `<|endoftext|>`, truncated and padded to `max_len`.
     pub fn encode(&self, text: &str) -> Encoding {
         let mut ids = self.token_ids(text);

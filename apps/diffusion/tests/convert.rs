@@ -6,6 +6,7 @@
 //! convert to kohya's names, and bad input is named.
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::process::Command;
 
 use diffusion::config::{read_json, UNetConfig, UNetConfigFile, VaeConfig, VaeConfigFile};
 use diffusion::scheduler::{PredictionType, SchedulerFile};
@@ -244,6 +245,12 @@ fn bad_input_is_named_and_nothing_is_written() {
     assert!(err.contains("exists"), "{err}");
     std::fs::remove_dir_all(&out).unwrap();
 
+    // A donor folder whose config does not parse is named (not the removed staging copy).
+    let donor = scratch("bad-donor").join("configs");
+    assert!(Command::new("cp").arg("-r").arg(convert_fixture("sd2/configs")).arg(&donor).status().unwrap().success());
+    std::fs::write(donor.join("unet/config.json"), "{ not json").unwrap();
+    expect_err(&single, &Configs::Folder(donor.clone()), &[&donor.join("unet/config.json").display().to_string()]);
+
     // Back to one file: a VAE key with no single-file name.
     let folder = dir.join("folder");
     to_diffusers(&single, &configs, &folder).unwrap();
@@ -254,6 +261,19 @@ fn bad_input_is_named_and_nothing_is_written() {
     let target = dir.join("single.safetensors");
     let err = to_single_file(&folder, &target, false).unwrap_err().to_string();
     assert!(err.contains("diffusion_pytorch_model.safetensors") && err.contains("decoder.extra.weight"), "{err}");
+    assert!(!target.exists());
+    // A folder that does not load (a UNet weight missing) is named, not renamed into a file
+    // that no tool can load back.
+    vt.retain(|(k, _)| k != "decoder.extra.weight");
+    data::checkpoint::save_tensors(&vt, &vae).unwrap();
+    let unet = folder.join("unet/diffusion_pytorch_model.safetensors");
+    let ut: Vec<(String, Tensor)> = read(&unet).into_iter().filter(|(k, _)| k != "conv_in.bias").collect();
+    data::checkpoint::save_tensors(&ut, &unet).unwrap();
+    let err = to_single_file(&folder, &target, false).unwrap_err().to_string();
+    assert!(
+        err.contains("unet/diffusion_pytorch_model.safetensors") && err.contains("missing key conv_in.bias"),
+        "{err}"
+    );
     assert!(!target.exists());
 }
 

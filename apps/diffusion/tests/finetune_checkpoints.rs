@@ -305,6 +305,11 @@ fn bad_resume_folders_are_named() {
         (&["--use-ema", "--lora-rank", "2"], "--lora-rank"),
         (&["--checkpoints-total-limit", "0"], "--checkpoints-total-limit 0"),
         (&["--validation-steps", "5"], "--validation-steps needs --validation-prompt"),
+        // Numbers that would train to NaN weights (and save them) are refused by flag.
+        (&["--lr", "nan"], "--lr"),
+        (&["--noise-offset", "nan"], "--noise-offset"),
+        (&["--snr-gamma", "0"], "--snr-gamma"),
+        (&["--lora-rank", "2", "--lora-alpha", "0"], "--lora-alpha"),
     ] {
         let mut args =
             vec!["--model", model.to_str().unwrap(), "--data", data.to_str().unwrap(), "-o", out.to_str().unwrap()];

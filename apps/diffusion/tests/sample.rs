@@ -168,6 +168,23 @@ fn bad_sizes_and_missing_files_are_named() {
     std::fs::remove_file(copy.join("vae/diffusion_pytorch_model.fp16.safetensors")).unwrap();
     let err = StableDiffusion::load(&copy, Device::Cpu, Kind::Float).err().unwrap().to_string();
     assert!(err.contains("vae/diffusion_pytorch_model.safetensors") && err.contains("missing"), "{err}");
+
+    // A tokenizer that does not fit its text encoder is named at load, with both files.
+    let copy = pipeline_copy("mismatched");
+    let config = copy.join("tokenizer/tokenizer_config.json");
+    let mut json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
+    json["model_max_length"] = 200.into();
+    std::fs::write(&config, json.to_string()).unwrap();
+    let err = StableDiffusion::load(&copy, Device::Cpu, Kind::Float).err().unwrap().to_string();
+    assert!(err.contains("tokenizer_config.json: model_max_length 200 exceeds max_position_embeddings"), "{err}");
+    assert!(err.contains("text_encoder/config.json"), "{err}");
+    std::fs::copy(fixtures().join("pipeline/tokenizer/tokenizer_config.json"), &config).unwrap();
+    let vocab = copy.join("tokenizer/vocab.json");
+    let mut json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&vocab).unwrap()).unwrap();
+    json["zzz</w>"] = 5000.into();
+    std::fs::write(&vocab, json.to_string()).unwrap();
+    let err = StableDiffusion::load(&copy, Device::Cpu, Kind::Float).err().unwrap().to_string();
+    assert!(err.contains("tokenizer: token ids reach 5000") && err.contains("has vocab_size 606"), "{err}");
     std::fs::remove_dir_all(copy.parent().unwrap()).unwrap();
 }
 
@@ -232,5 +249,18 @@ fn the_command_adds_a_lora_file() {
     assert_ne!(pixels(&plain), pixels(&adapted), "the adapters change the image");
     let (ok, text, _) = run("bad.png", &["--lora", dir.join("missing.safetensors").to_str().unwrap()]);
     assert!(!ok && text.contains("--lora") && text.contains("missing.safetensors"), "{text}");
+    // Integer adapters are a damaged file, not values to cast.
+    let ints: Vec<(String, Tensor)> =
+        Tensor::read_safetensors(file).unwrap().into_iter().map(|(k, t)| (k, t.to_kind(tch::Kind::Int))).collect();
+    let int_file = dir.join("ints.safetensors");
+    Tensor::write_safetensors(&ints, &int_file).unwrap();
+    let (ok, text, _) = run("ints.png", &["--lora", int_file.to_str().unwrap()]);
+    assert!(!ok && text.contains("ints.safetensors") && text.contains("holds Int values"), "{text}");
+    let (ok, text, _) = run("nan.png", &["--lora", file, "--lora-scale", "nan"]);
+    assert!(!ok && text.contains("--lora-scale"), "{text}");
+    // A prompt past CLIP's length is truncated, as in diffusers, with a warning saying so.
+    let long = ["a cat"; 60].join(" and ");
+    let (ok, text, _) = run("long.png", &["--prompt", &long]);
+    assert!(ok && text.contains("warning: prompt 2 has") && text.contains("are dropped"), "{text}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

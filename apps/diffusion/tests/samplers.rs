@@ -168,6 +168,7 @@ fn bad_keys_and_values_are_named() {
     use SchedulerClass::*;
     for (class, json, key) in [
         (Pndm, r#"{"prediction_type": "sample"}"#, "prediction_type"),
+        (Ddim, r#"{"steps_offset": 5000}"#, "steps_offset 5000 is outside 0..1000"),
         (EulerAncestralDiscrete, r#"{"prediction_type": "sample"}"#, "prediction_type"),
         (EulerAncestralDiscrete, r#"{"rescale_betas_zero_snr": true}"#, "rescale_betas_zero_snr"),
         (DpmSolverMultistep, r#"{"algorithm_type": "sde-dpmsolver++"}"#, "algorithm_type"),

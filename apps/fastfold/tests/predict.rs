@@ -141,6 +141,9 @@ fn chunking_dap_safetensors_and_a_features_file_give_the_plain_result() {
     assert!(ok, "{text}");
     let back = d.join("back.npz");
     assert!(fastfold(&["convert", safetensors.to_str().unwrap(), back.to_str().unwrap()]).0);
+    let pt = d.join("params.pt");
+    let (ok, text) = fastfold(&["convert", params, pt.to_str().unwrap()]);
+    assert!(!ok && text.contains("params.pt: the output must end in .npz or .safetensors") && !pt.exists(), "{text}");
     let original = outputs(common::tiny_params());
     let round = outputs(&back);
     assert_eq!(original.len(), round.len());

@@ -211,11 +211,12 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<BenchReport> {
     let device = args.device.device.device(0, 1)?;
     let threads = match args.threads {
         Some(0) => bail!("--threads must be positive"),
+        // libtorch would start them all (and the run would crawl or hang starting them).
+        Some(n) if n > 1024 => bail!("--threads {n}: at most 1024"),
         Some(n) => n,
         None => tch::get_num_threads().max(1) as usize,
     };
-    let threads_i32 = i32::try_from(threads).context("--threads is too large")?;
-    tch::set_num_threads(threads_i32);
+    tch::set_num_threads(threads as i32);
 
     // Before the long part, so that a missing interpreter fails at once.
     let python = (!args.no_baseline).then(baseline_python).transpose()?;

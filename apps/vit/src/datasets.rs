@@ -18,12 +18,12 @@ pub struct DataArgs {
     /// Validation images in the same forms; without it a fixed share of --data is held out.
     #[arg(long)]
     pub val_data: Option<PathBuf>,
-    /// Share of --data held out for validation when --val-data is not given.
-    #[arg(long, default_value_t = 0.1)]
-    pub val_fraction: f64,
-    /// Colour channels to decode image folders to (1 or 3).
-    #[arg(long, default_value_t = 3)]
-    pub channels: usize,
+    /// Share of --data held out for validation when --val-data is not given (default 0.1).
+    #[arg(long, value_parser = engine::job::share, conflicts_with = "val_data")]
+    pub val_fraction: Option<f64>,
+    /// Colour channels to decode image folders to, 1 or 3 (default 3).
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=3))]
+    pub channels: Option<usize>,
 }
 
 /// Training and validation sets.
@@ -52,15 +52,23 @@ impl DataArgs {
     /// The training and validation sets these arguments name.
     pub fn splits(&self) -> anyhow::Result<Splits> {
         let Some(path) = &self.data else {
-            if self.val_data.is_some() {
-                bail!("--val-data needs --data");
+            // The digits are 1-channel with a fixed split: these flags would be ignored.
+            for (flag, given) in [
+                ("--val-data", self.val_data.is_some()),
+                ("--val-fraction", self.val_fraction.is_some()),
+                ("--channels", self.channels.is_some()),
+            ] {
+                if given {
+                    bail!("{flag} needs --data (the embedded digits have one channel and a fixed split)");
+                }
             }
             let (train, val) = digits::split();
             return Ok(Splits { train: Arc::new(train), val: Arc::new(val), embedded: true });
         };
-        let all = open(path, self.channels)?;
+        let channels = self.channels.unwrap_or(3);
+        let all = open(path, channels)?;
         if let Some(val_path) = &self.val_data {
-            let val = open(val_path, self.channels)?;
+            let val = open(val_path, channels)?;
             if val.classes() != all.classes() || val.channels() != all.channels() {
                 bail!(
                     "--val-data {} has classes {:?} and {} channels; --data {} has {:?} and {}",
@@ -74,10 +82,11 @@ impl DataArgs {
             }
             return Ok(Splits { train: all, val, embedded: false });
         }
-        if !(0.0..1.0).contains(&self.val_fraction) {
-            bail!("--val-fraction {} is not in [0, 1)", self.val_fraction);
+        let fraction = self.val_fraction.unwrap_or(0.1);
+        if fraction >= 1.0 {
+            bail!("--val-fraction {fraction}: some of --data must stay for training");
         }
-        let held = ((all.len() as f64 * self.val_fraction).round() as usize).min(all.len().saturating_sub(1));
+        let held = ((all.len() as f64 * fraction).round() as usize).min(all.len().saturating_sub(1));
         let order: Vec<usize> = digits::permutation(all.len(), 0x5eed).into_iter().map(|i| i as usize).collect();
         let (train, val) = order.split_at(all.len() - held);
         Ok(Splits {

@@ -30,9 +30,13 @@ pub fn run(args: &EvalArgs) -> anyhow::Result<(f64, f64)> {
     cfg.validate().map_err(|e| anyhow::anyhow!("{}: {e}", cfg_path.display()))?;
     let splits = args.data.splits()?;
     let val = splits.val;
+    if val.is_empty() {
+        anyhow::bail!("no images to evaluate: --val-fraction 0 holds none of --data out");
+    }
     if val.channels() as i64 != cfg.in_channels || val.classes().len() as i64 != cfg.num_classes {
         anyhow::bail!(
-            "the model takes {} channels and {} classes; the data set has {} and {}",
+            "{} takes {} channels and {} classes; the data set has {} and {}",
+            cfg_path.display(),
             cfg.in_channels,
             cfg.num_classes,
             val.channels(),

@@ -28,11 +28,11 @@ enum DataCommand {
         folder: PathBuf,
         /// The HDF5 file to write.
         out: PathBuf,
-        /// Side in pixels every image is resized to (after a centre square crop).
-        #[arg(long, default_value_t = 224)]
+        /// Side in pixels every image is resized to (after a centre square crop), 1 to 4096.
+        #[arg(long, default_value_t = 224, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=4096))]
         size: usize,
         /// Colour channels (1 or 3).
-        #[arg(long, default_value_t = 3)]
+        #[arg(long, default_value_t = 3, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=3))]
         channels: usize,
     },
 }
@@ -48,12 +48,18 @@ fn main() -> anyhow::Result<()> {
             let Some(world) = args.job.launch.launch_or_join()? else { return Ok(()) };
             let trained = train::pretrain(&args, &world)?;
             if world.rank() == 0 {
-                println!(
-                    "validation top-1 {:.2}%  top-5 {:.2}% after {:.1} s",
-                    100.0 * trained.val_top1,
-                    100.0 * trained.val_top5,
-                    trained.seconds
-                );
+                match (trained.val_top1, trained.val_top5) {
+                    (Some(top1), Some(top5)) => println!(
+                        "validation top-1 {:.2}%  top-5 {:.2}% after {:.1} s",
+                        100.0 * top1,
+                        100.0 * top5,
+                        trained.seconds
+                    ),
+                    _ => println!(
+                        "done after {:.1} s; not validated (no validation set, or no epoch ended)",
+                        trained.seconds
+                    ),
+                }
             }
         }
         Cli::Eval(args) => {

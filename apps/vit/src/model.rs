@@ -135,6 +135,14 @@ impl VitConfig {
         if c.in_channels <= 0 || c.num_classes <= 0 || c.depth <= 0 || c.mlp_ratio <= 0.0 {
             return Err(format!("channels, classes, depth and mlp ratio must be positive: {c:?}"));
         }
+        if !c.mlp_ratio.is_finite() || c.mlp_hidden() < 1 {
+            return Err(format!(
+                "mlp ratio {} gives width {} an MLP of {} features",
+                c.mlp_ratio,
+                c.width,
+                c.mlp_hidden()
+            ));
+        }
         Ok(())
     }
 

@@ -257,6 +257,9 @@ impl Sharding {
     pub fn new(mesh: &Mesh, args: &ParallelArgs, cfg: &VitConfig) -> anyhow::Result<Sharding> {
         let n = args.tp as i64;
         let tokens = cfg.num_patches() + 1;
+        if args.sequence_parallel && n < 2 {
+            bail!("--sequence-parallel splits the tokens over the tensor-parallel ranks: it needs --tp 2 or more");
+        }
         if args.sequence_parallel && args.tp_mode != TpMode::OneD {
             bail!("--sequence-parallel is Megatron's, for --tp-mode 1d (2d, 2.5d and 3d split the batch instead)");
         }

@@ -76,7 +76,7 @@ pub struct PretrainArgs {
     #[command(flatten)]
     pub optimizer: OptimizerArgs,
     /// Scale --lr linearly by --batch / this batch (the linear scaling rule; off by default).
-    #[arg(long)]
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub lr_base_batch: Option<usize>,
     /// The learning-rate schedule.
     #[command(flatten)]
@@ -88,14 +88,14 @@ pub struct PretrainArgs {
     #[arg(long)]
     pub steps: Option<usize>,
     /// Mixup's Beta(alpha, alpha); 0 turns mixup off.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, value_parser = engine::job::non_negative)]
     pub mixup: f64,
     /// Label smoothing.
-    #[arg(long, default_value_t = 0.1)]
+    #[arg(long, default_value_t = 0.1, value_parser = engine::job::share)]
     pub smoothing: f64,
     /// Smallest area share of the random resized crop (default 0.7 for the digits, 0.08 for
     /// photos as torchvision).
-    #[arg(long)]
+    #[arg(long, value_parser = engine::job::positive_share)]
     pub crop_scale: Option<f64>,
     /// Arithmetic precision (bf16 and fp16 keep fp32 master weights and optimizer state).
     #[command(flatten)]
@@ -175,10 +175,11 @@ pub struct Trained {
     pub weights: Vec<(String, Tensor)>,
     /// Mean loss of each step taken by this invocation, by step number (1-based).
     pub losses: Vec<(usize, f64)>,
-    /// Validation top-1 accuracy after the last step, in [0, 1].
-    pub val_top1: f64,
-    /// Validation top-5 accuracy after the last step.
-    pub val_top5: f64,
+    /// Validation top-1 accuracy at the last epoch's end, in [0, 1] (`None` without a
+    /// validation set, or when no epoch ended).
+    pub val_top1: Option<f64>,
+    /// Validation top-5 accuracy at the last epoch's end.
+    pub val_top5: Option<f64>,
     /// Wall time of the training loop.
     pub seconds: f64,
 }
@@ -310,9 +311,11 @@ impl<'a> Trainer<'a> {
             bail!("--resume needs --out (the folder of the run to continue)");
         }
         let splits = args.data.splits()?;
-        probe(splits.train.as_ref(), "the training set")?;
+        let named = |p: Option<&PathBuf>| p.map_or("the embedded digits".to_string(), |p| p.display().to_string());
+        probe(splits.train.as_ref(), &format!("the training set ({})", named(args.data.data.as_ref())))?;
         if !splits.val.is_empty() {
-            probe(splits.val.as_ref(), "the validation set")?;
+            let val_source = named(args.data.val_data.as_ref().or(args.data.data.as_ref()));
+            probe(splits.val.as_ref(), &format!("the validation set ({val_source})"))?;
         }
         let cfg = model_config(
             args.model.as_deref(),
@@ -672,13 +675,13 @@ pub fn pretrain(args: &PretrainArgs, world: &World) -> anyhow::Result<Trained> {
     let progress = engine::progress::progress_bar(rank == 0 && !args.job.quiet, total, start_step);
     let start = Instant::now();
     let mut losses = vec![];
-    let (mut val_top1, mut val_top5) = (0.0, 0.0);
+    let (mut val_top1, mut val_top5) = (None, None);
     while trainer.steps_done() < end {
         let StepOutcome { mut record, epoch_end } = trainer.step()?;
         let s = &mut record;
         losses.push((s.step, s.loss));
         if let Some((top1, top5)) = if epoch_end { trainer.evaluate()? } else { None } {
-            (val_top1, val_top5, s.val_top1, s.val_top5) = (top1, top5, Some(top1), Some(top5));
+            (val_top1, val_top5, s.val_top1, s.val_top5) = (Some(top1), Some(top5), Some(top1), Some(top5));
             if rank == 0 {
                 progress.suspend(|| {
                     println!(

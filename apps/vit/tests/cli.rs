@@ -48,6 +48,9 @@ fn pretrain_then_eval_reports_the_same_accuracy() {
         text.contains(&format!("297 images: top-1 {trained:.2}%")),
         "eval agrees with training's {trained}: {text}"
     );
+    // Flags the embedded digits would ignore are errors naming them.
+    let (ok, text) = vit(&["eval", out.to_str().unwrap(), "--val-fraction", "0.5"]);
+    assert!(!ok && text.contains("--val-fraction needs --data"), "{text}");
     // A weights file with a key missing is named.
     let weights = out.join("model.safetensors");
     let mut tensors = tch::Tensor::read_safetensors(&weights).unwrap();
@@ -86,6 +89,14 @@ fn folder_to_hdf5_and_training_on_both() {
         assert!(ok, "{}: {text}", data.display());
         assert!(text.contains("12 training / 4 validation images"), "{text}");
     }
+    // Nothing held out: training says it did not validate (not an accuracy of 0%), eval that
+    // it has nothing to evaluate.
+    let out = dir.join("unvalidated");
+    let args = ["--steps", "1", "--batch", "8", "--val-fraction", "0", "--out", out.to_str().unwrap()];
+    let (ok, text) = pretrain_tiny(&[&args[..], &["--data", folder.to_str().unwrap()]].concat());
+    assert!(ok && text.contains("not validated") && !text.contains("validation top-1"), "{text}");
+    let (ok, text) = vit(&["eval", out.to_str().unwrap(), "--data", folder.to_str().unwrap(), "--val-fraction", "0"]);
+    assert!(!ok && text.contains("no images to evaluate"), "{text}");
     // A corrupt image is named.
     std::fs::write(folder.join("b").join("broken.png"), b"not a png").unwrap();
     let (ok, text) =
@@ -105,6 +116,22 @@ fn bad_flags_are_named() {
     assert!(!ok && text.contains("\"12x\" is not a batch size"), "{text}");
     let (ok, text) = vit(&["pretrain", "--zero", "3"]);
     assert!(!ok && text.contains("--zero"), "{text}");
+    // Numbers out of range stop the command before it starts, naming the flag.
+    for (flag, value) in [
+        ("--lr", "nan"),
+        ("--mixup", "-1"),
+        ("--smoothing", "2"),
+        ("--crop-scale", "0"),
+        ("--lr-base-batch", "0"),
+        ("--nproc", "0"),
+        ("--timeout", "inf"),
+        ("--channels", "0"),
+    ] {
+        let (ok, text) = vit(&["pretrain", &format!("{flag}={value}")]);
+        assert!(!ok && text.contains(&format!("invalid value '{value}' for '{flag}")), "{text}");
+    }
+    let (ok, text) = vit(&["pretrain", "--sequence-parallel", "--steps", "1"]);
+    assert!(!ok && text.contains("--sequence-parallel") && text.contains("--tp 2 or more"), "{text}");
     let (ok, text) = vit(&["pretrain", "--pp", "2", "--pp-balance", "speed"]);
     assert!(!ok && text.contains("invalid value 'speed' for '--pp-balance"), "{text}");
     let (ok, text) = vit(&["pretrain", "--batch", "30", "--nproc", "4", "--steps", "1", "--timeout", "30"]);

@@ -132,6 +132,15 @@ impl Gemini {
                 };
                 let start: usize =
                     start.parse().map_err(|_| Error::invalid(format!("{}: unexpected key {key}", path.display())))?;
+                // Pieces are flat runs of fp32 state: another shape or kind is a damaged file.
+                if t.dim() != 1 || !t.is_floating_point() {
+                    return Err(Error::invalid(format!(
+                        "{}: key {key} is {:?} {:?}, expected a flat floating-point piece",
+                        path.display(),
+                        t.kind(),
+                        t.size()
+                    )));
+                }
                 pieces.entry((name.to_string(), slot.to_string())).or_default().push((start, t));
             }
         }
@@ -153,7 +162,12 @@ impl Gemini {
                     covered += b - a;
                 }
             }
-            crate::error::ensure!(covered == len, "{}", missing());
+            crate::error::ensure!(
+                covered == len,
+                "{}: {slot} state of {name}[{first}..{}]: the stored pieces cover {covered} of its {len} elements",
+                dir.display(),
+                first + len
+            );
             Ok(out)
         };
         self.optimizer()?.load_state_pieces(&m, index.steps, &mut lookup)

@@ -43,6 +43,11 @@ pub(crate) fn slots_from_state(
                     t.size(),
                     p.tensor.size()
                 );
+                crate::error::ensure!(
+                    t.is_floating_point(),
+                    "optimizer state {key} holds {:?} values, expected floating point",
+                    t.kind()
+                );
                 Some(t.f_to_kind(p.tensor.kind())?.f_to_device(p.tensor.device())?)
             }
             None => None,

@@ -57,10 +57,10 @@ pub struct FinetuneArgs {
     #[command(flatten)]
     pub schedule: ScheduleArgs,
     /// Min-SNR-gamma loss weighting (Hang et al. 2023; 5 is the usual value).
-    #[arg(long)]
+    #[arg(long, value_parser = engine::job::positive)]
     pub snr_gamma: Option<f64>,
     /// Offset noise (adds `offset * N(0, 1)` per image and channel).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, value_parser = engine::job::non_negative)]
     pub noise_offset: f64,
     /// Compute precision.
     #[command(flatten)]
@@ -77,7 +77,7 @@ pub struct FinetuneArgs {
     #[arg(long)]
     pub lora_rank: Option<i64>,
     /// LoRA's alpha (the update is scaled by alpha / rank; default: the rank).
-    #[arg(long)]
+    #[arg(long, value_parser = engine::job::positive)]
     pub lora_alpha: Option<f64>,
     /// Device, ranks, progress and the log file.
     #[command(flatten)]

@@ -300,6 +300,13 @@ impl SchedulerConfig {
         if clip_sample && raw.clip_sample_range <= 0.0 {
             return Err(format!("clip_sample_range is {}, expected positive", raw.clip_sample_range));
         }
+        // Added to every inference timestep, which must stay a training timestep.
+        if !(0..raw.num_train_timesteps).contains(&raw.steps_offset) {
+            return Err(format!(
+                "steps_offset {} is outside 0..{} (num_train_timesteps)",
+                raw.steps_offset, raw.num_train_timesteps
+            ));
+        }
         let solver = options::solver(raw, class)?;
         Ok(SchedulerConfig {
             class,

@@ -147,7 +147,14 @@ pub fn to_diffusers(checkpoint: &Path, configs: &Configs, out: &Path) -> Result<
         } else if let Configs::Folder(from) = configs {
             copy_configs(from, &staging)?;
         }
-        let n = write_weights(file, text, &staging, checkpoint)?;
+        let n = write_weights(file, text, &staging, checkpoint).map_err(|e| {
+            // The configs it reads are copies: name their source, not the removed staging folder.
+            let source = match configs {
+                Configs::Folder(from) => from.as_path(),
+                Configs::Shipped(_) => out,
+            };
+            Error::Invalid(e.to_string().replace(&staging.display().to_string(), &source.display().to_string()))
+        })?;
         crate::pipeline::StableDiffusion::load(&staging, Device::Cpu, Kind::Float).map_err(|e| {
             // Named as the folder would have been: the staging folder is removed.
             let e = e.to_string().replace(&staging.display().to_string(), &out.display().to_string());
@@ -251,8 +258,12 @@ fn text_encoder_tensors(folder: &Path, component: &str) -> Result<Vec<(String, T
 /// OpenCLIP's for a `gelu` one (SD 2.x); for SDXL (a UNet with `addition_embed_type`) both
 /// encoders under `conditioner.embedders.*`, as Stability's `sd_xl_base_1.0.safetensors`.
 /// Tensors keep their precision unless `half`. A key with no single-file name is an error
-/// naming the file and the key. Returns the number of tensors written.
+/// naming the file and the key; so is a folder that does not load (a missing or mis-shaped
+/// weight, integers for weights): it is loaded first, as sampling would. Returns the number of
+/// tensors written.
 pub fn to_single_file(folder: &Path, out: &Path, half: bool) -> Result<usize> {
+    // The renaming below takes any tensor: loading checks every key, shape and kind first.
+    drop(crate::pipeline::StableDiffusion::load(folder, Device::Cpu, Kind::Float)?);
     let unet_files = ComponentFiles::in_pipeline(folder, "unet", "UNet2DConditionModel")?;
     let vae_files = ComponentFiles::in_pipeline(folder, "vae", "AutoencoderKL")?;
     let unet_cfg: UNetConfigFile = read_json(&unet_files.config)?;

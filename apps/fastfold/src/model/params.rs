@@ -115,6 +115,10 @@ impl Params {
 /// the extensions), names, kinds and values unchanged, including arrays the model does not
 /// read (template stacks); returns the number of arrays.
 pub fn convert(input: &Path, output: &Path) -> Result<usize> {
+    // The output's extension picks the format: another one would get an .npz under its name.
+    if !output.extension().is_some_and(|e| e == "npz" || e == "safetensors") {
+        return Err(Error::Invalid(format!("{}: the output must end in .npz or .safetensors", output.display())));
+    }
     let arrays = read_arrays(input)?;
     write_arrays(&arrays, output)?;
     Ok(arrays.len())
