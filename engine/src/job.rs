@@ -44,7 +44,7 @@ pub struct LaunchArgs {
     #[command(flatten)]
     pub device: DeviceArgs,
     /// Local ranks to spawn (under torchrun, Slurm or mpirun the launcher decides).
-    #[arg(long, default_value_t = 1, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    #[arg(long, default_value_t = 1, value_parser = count(1..))]
     pub nproc: usize,
     /// Rendezvous and collective timeout in seconds.
     #[arg(long, default_value_t = 300.0, value_parser = seconds)]
@@ -235,6 +235,11 @@ pub struct ScheduleArgs {
 // Value parsers for the numeric flags: clap names the flag and the value in the error, so a
 // NaN learning rate or a negative timeout stops the command before it starts (a NaN rate would
 // train to NaN weights and save them; a negative timeout would panic in Duration).
+
+/// A count within `range` (a `usize` flag: clap's own parsers range only fixed-width types).
+pub fn count(range: impl std::ops::RangeBounds<u64>) -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::new().range(range)
+}
 
 /// A finite number.
 pub fn finite(s: &str) -> std::result::Result<f64, String> {

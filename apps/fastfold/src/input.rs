@@ -34,7 +34,7 @@ pub struct InputArgs {
     pub preset: Option<Preset>,
     /// MSA rows kept as cluster centres (AlphaFold's `max_msa_clusters`; default: the
     /// preset's).
-    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    #[arg(long, value_parser = engine::job::count(1..))]
     pub max_msa_clusters: Option<usize>,
     /// Further rows kept as the extra MSA (AlphaFold's `max_extra_msa`; default: the
     /// preset's).
@@ -45,18 +45,11 @@ pub struct InputArgs {
     pub seed: SeedArgs,
 }
 
-/// A name usable as a file-name stem: path separators and odd characters become `_`.
-/// Recycling passes, at most 1,000 (each pass processed here samples its own MSA features, so
-/// the count sizes memory): the value parser of `--num-recycle` and train's `--recycles`.
-pub fn recycles(s: &str) -> Result<usize, String> {
-    const MAX: usize = 1000;
-    match s.trim().parse::<usize>() {
-        Ok(n) if n <= MAX => Ok(n),
-        Ok(_) => Err(format!("at most {MAX} recycles")),
-        Err(e) => Err(e.to_string()),
-    }
-}
+/// The most recycling passes `--num-recycle` and train's `--recycles` take (each pass
+/// processed here samples its own MSA features, so the count sizes memory).
+pub const MAX_RECYCLES: u64 = 1000;
 
+/// A name usable as a file-name stem: path separators and odd characters become `_`.
 fn file_stem(name: &str) -> String {
     let s: String =
         name.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '_' }).collect();

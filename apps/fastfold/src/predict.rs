@@ -55,7 +55,7 @@ pub struct PredictArgs {
     pub out: PathBuf,
     /// Recycling passes after the first, at most (default 3; with --features, all the file
     /// has).
-    #[arg(long = "num-recycle", visible_alias = "recycles", value_parser = crate::input::recycles)]
+    #[arg(long = "num-recycle", visible_alias = "recycles", value_parser = engine::job::count(0..=crate::input::MAX_RECYCLES))]
     pub recycles: Option<usize>,
     /// Stop recycling after a pass whose CA-CA distance matrix changed by less than this (RMS,
     /// Å) from the pass before, as ColabFold's flag of this name; 0 runs every pass.

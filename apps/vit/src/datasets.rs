@@ -22,7 +22,7 @@ pub struct DataArgs {
     #[arg(long, value_parser = engine::job::share, conflicts_with = "val_data")]
     pub val_fraction: Option<f64>,
     /// Colour channels to decode image folders to, 1 or 3 (default 3).
-    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=3))]
+    #[arg(long, value_parser = engine::job::count(1..=3))]
     pub channels: Option<usize>,
 }
 

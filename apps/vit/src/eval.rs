@@ -31,7 +31,7 @@ pub fn run(args: &EvalArgs) -> anyhow::Result<(f64, f64)> {
     let splits = args.data.splits()?;
     let val = splits.val;
     if val.is_empty() {
-        anyhow::bail!("no images to evaluate: --val-fraction 0 holds none of --data out");
+        anyhow::bail!("no images to evaluate: the validation set is empty (--val-fraction 0, or an empty --val-data)");
     }
     if val.channels() as i64 != cfg.in_channels || val.classes().len() as i64 != cfg.num_classes {
         anyhow::bail!(

@@ -76,7 +76,7 @@ pub struct PretrainArgs {
     #[command(flatten)]
     pub optimizer: OptimizerArgs,
     /// Scale --lr linearly by --batch / this batch (the linear scaling rule; off by default).
-    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    #[arg(long, value_parser = engine::job::count(1..))]
     pub lr_base_batch: Option<usize>,
     /// The learning-rate schedule.
     #[command(flatten)]
