@@ -91,7 +91,7 @@ pub fn latest(out: &Path) -> Result<Option<PathBuf>> {
     };
     let name = name.trim();
     let dir = out.join(name);
-    if name.is_empty() || name.contains('/') || !dir.is_dir() {
+    if parse(name).is_none() || !dir.is_dir() {
         return Err(Error::Format {
             path: pointer,
             msg: format!("names {:?}, which is not a checkpoint folder under {}", name, out.display()),
@@ -227,5 +227,11 @@ mod tests {
         fs::write(out.join(LATEST), "checkpoint-9").unwrap();
         let err = latest(&out).unwrap_err().to_string();
         assert!(err.contains("latest") && err.contains("checkpoint-9"), "{err}");
+        // Only a checkpoint folder's name: not the output folder itself, nor its parent.
+        for name in [".", "..", "/"] {
+            fs::write(out.join(LATEST), name).unwrap();
+            let err = latest(&out).unwrap_err().to_string();
+            assert!(err.contains("which is not a checkpoint folder"), "{name}: {err}");
+        }
     }
 }

@@ -47,7 +47,7 @@ pub struct LaunchArgs {
     #[arg(long, default_value_t = 1, value_parser = count(1..))]
     pub nproc: usize,
     /// Rendezvous and collective timeout in seconds.
-    #[arg(long, default_value_t = 300.0, value_parser = seconds)]
+    #[arg(long, default_value_t = 300.0, value_parser = seconds, env = crate::dist::launch::TIMEOUT_ENV)]
     pub timeout: f64,
 }
 

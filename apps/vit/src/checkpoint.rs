@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use data::checkpoint_folders;
 use engine::dist::World;
-use engine::optim::{Optimizer, StateDict};
+use engine::optim::StateDict;
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
 
@@ -141,17 +141,12 @@ impl Saved {
         Ok(())
     }
 
-    /// Restores this rank's optimizer state from every rank's saved file, so a run on another
-    /// number of ranks or another ZeRO stage takes its own parameters' entries wherever they
-    /// were saved (state is stored by parameter name); a missing entry is an error naming it.
-    pub fn load_optimizer(&self, opt: &mut dyn Optimizer) -> anyhow::Result<()> {
-        let mut dict = self.read_optimizer()?;
-        opt.load_state(&mut dict).with_context(|| format!("loading the optimizer state of {}", self.dir.display()))?;
-        Ok(())
-    }
-
-    /// Every rank's saved optimizer state in one dictionary by name (full tensors).
-    pub fn read_optimizer(&self) -> anyhow::Result<StateDict> {
+    /// Every rank's saved optimizer state in one dictionary by name (full tensors), so a run on
+    /// another number of ranks or another ZeRO stage takes its own parameters' entries wherever
+    /// they were saved. Checked complete against the model's `weights`: every ViT weight has a
+    /// gradient at every step, so each has every slot the files hold, and a missing entry is a
+    /// lost or damaged file (an error naming it), not a parameter that starts afresh.
+    pub fn read_optimizer(&self, weights: &[(String, Tensor)]) -> anyhow::Result<StateDict> {
         let mut files: Vec<PathBuf> = std::fs::read_dir(&self.dir)
             .with_context(|| format!("listing {}", self.dir.display()))?
             .filter_map(|e| e.ok().map(|e| e.path()))
@@ -167,6 +162,21 @@ impl Saved {
         let mut dict = StateDict::new();
         for path in &files {
             dict.extend(data::checkpoint::read_tensors(path)?);
+        }
+        let names: std::collections::HashSet<&str> = weights.iter().map(|(n, _)| n.as_str()).collect();
+        let slots: std::collections::BTreeSet<&str> = dict
+            .keys()
+            .filter_map(|k| k.rsplit_once('.'))
+            .filter(|(name, _)| names.contains(name))
+            .map(|(_, slot)| slot)
+            .collect();
+        for (name, _) in weights {
+            if let Some(slot) = slots.iter().find(|s| !dict.contains_key(&format!("{name}.{s}"))) {
+                bail!(
+                    "{}: the optimizer state has no {name}.{slot} (a missing or damaged optimizer-rank file?)",
+                    self.dir.display()
+                );
+            }
         }
         Ok(dict)
     }

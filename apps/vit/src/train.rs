@@ -155,7 +155,7 @@ pub struct PretrainArgs {
     #[arg(long)]
     pub resume: bool,
     /// Checkpoint every this many steps (default: at each epoch end).
-    #[arg(long)]
+    #[arg(long, value_parser = engine::job::count(1..))]
     pub save_every: Option<usize>,
     /// Stop after this many steps in total (checkpointing first when --out is given) while the
     /// schedule still follows --steps/--epochs: for time-limited jobs continued with --resume.
@@ -310,6 +310,16 @@ impl<'a> Trainer<'a> {
         if args.resume && args.out.is_none() {
             bail!("--resume needs --out (the folder of the run to continue)");
         }
+        // Starting afresh over a saved run replaces its checkpoint at the first save: say so.
+        if let (Some(out), false, 0) = (&args.out, args.resume, world.rank()) {
+            if let Ok(Some(dir)) = data::checkpoint_folders::latest(out) {
+                eprintln!(
+                    "note: {} holds {}; this run starts afresh and replaces it (--resume continues it)",
+                    out.display(),
+                    dir.file_name().map_or(dir.display().to_string(), |n| n.to_string_lossy().into_owned())
+                );
+            }
+        }
         let splits = args.data.splits()?;
         let named = |p: Option<&PathBuf>| p.map_or("the embedded digits".to_string(), |p| p.display().to_string());
         probe(splits.train.as_ref(), &format!("the training set ({})", named(args.data.data.as_ref())))?;
@@ -454,7 +464,7 @@ impl<'a> Trainer<'a> {
         let full = self.sharding.gather_all(&self.parallel.full_weights()?)?;
         saved.load_model(&full)?;
         self.parallel.load_full_weights(&self.sharding.shard_all(&full)?)?;
-        let mut state = saved.read_optimizer()?;
+        let mut state = saved.read_optimizer(&full)?;
         self.sharding.shard_state(&mut state)?;
         self.parallel
             .optimizer_mut()
@@ -464,6 +474,18 @@ impl<'a> Trainer<'a> {
             s.resume(saved.state.loss_scale, saved.state.clean_steps);
         }
         self.step = saved.state.step;
+        // Past the end, the loop would not run and the command would end as if it had trained.
+        if self.step > self.total {
+            bail!(
+                "{} is at step {}, past this run's {} steps (--steps / --epochs)",
+                saved.dir.display(),
+                self.step,
+                self.total
+            );
+        }
+        if let Some(stop) = self.args.stop_after.filter(|&s| s < self.step) {
+            bail!("--stop-after {stop} is before {}'s step {}", saved.dir.display(), self.step);
+        }
         if self.world.rank() == 0 {
             println!("resuming from {} (step {})", saved.dir.display(), self.step);
         }

@@ -95,6 +95,9 @@ fn folder_to_hdf5_and_training_on_both() {
     let args = ["--steps", "1", "--batch", "8", "--val-fraction", "0", "--out", out.to_str().unwrap()];
     let (ok, text) = pretrain_tiny(&[&args[..], &["--data", folder.to_str().unwrap()]].concat());
     assert!(ok && text.contains("not validated") && !text.contains("validation top-1"), "{text}");
+    // Starting afresh over that run says that its checkpoint will be replaced.
+    let (ok, text) = pretrain_tiny(&[&args[..], &["--data", folder.to_str().unwrap()]].concat());
+    assert!(ok && text.contains("holds checkpoint-1; this run starts afresh and replaces it"), "{text}");
     let (ok, text) = vit(&["eval", out.to_str().unwrap(), "--data", folder.to_str().unwrap(), "--val-fraction", "0"]);
     assert!(!ok && text.contains("no images to evaluate"), "{text}");
     // A corrupt image is named.
@@ -126,10 +129,19 @@ fn bad_flags_are_named() {
         ("--nproc", "0"),
         ("--timeout", "inf"),
         ("--channels", "0"),
+        ("--save-every", "0"),
     ] {
         let (ok, text) = vit(&["pretrain", &format!("{flag}={value}")]);
         assert!(!ok && text.contains(&format!("invalid value '{value}' for '{flag}")), "{text}");
     }
+    // A --nproc that a launcher's variables contradict is named, not silently ignored.
+    let out = Command::new(env!("CARGO_BIN_EXE_vit"))
+        .args(["pretrain", "--nproc", "2", "--steps", "1"])
+        .envs([("SLURM_PROCID", "0"), ("SLURM_NTASKS", "1"), ("SLURM_JOB_NODELIST", "localhost")])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && text.contains("--nproc 2, but this process is rank 0 of 1"), "{text}");
     let (ok, text) = vit(&["pretrain", "--sequence-parallel", "--steps", "1"]);
     assert!(!ok && text.contains("--sequence-parallel") && text.contains("--tp 2 or more"), "{text}");
     let (ok, text) = vit(&["pretrain", "--pp", "2", "--pp-balance", "speed"]);

@@ -60,6 +60,24 @@ fn resume_repeats_the_uninterrupted_run() {
         .unwrap()
         .to_string();
     assert!(err.contains("--optimizer lamb, this run has adamw"), "{err}");
+    // A checkpoint past the run's end is named, not a run that ends at once as if it trained.
+    let err = pretrain(
+        &args(&format!("--steps 6 --save-every 100 --mixup 0.4 --clip-grad 1.0 --out {} --resume", b.display())),
+        &world,
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(err.contains("is at step 8, past this run's 6 steps"), "{err}");
+    // A checkpoint whose optimizer file lost an entry is refused, naming it; resumed, that
+    // weight's moments would silently start again from zero.
+    let file = data::checkpoint_folders::latest(&b).unwrap().unwrap().join("optimizer-rank0.safetensors");
+    let key = "blocks.0.attn.qkv.weight.exp_avg";
+    let kept: Vec<(String, tch::Tensor)> =
+        tch::Tensor::read_safetensors(&file).unwrap().into_iter().filter(|(k, _)| k != key).collect();
+    tch::Tensor::write_safetensors(&kept, &file).unwrap();
+    let err = pretrain(&args(&format!("{common} --out {} --resume", b.display())), &world).err().unwrap().to_string();
+    assert!(err.contains(&format!("the optimizer state has no {key}")), "{err}");
     std::fs::remove_dir_all(&root).unwrap();
 }
 

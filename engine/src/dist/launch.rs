@@ -70,7 +70,8 @@ impl LaunchEnv {
             Some(p) => parse::<u16>("MASTER_PORT", p)?,
             None => DEFAULT_PORT,
         };
-        let (launcher, rank, world, local_rank, local_world) = if get("RANK").is_some() && get("WORLD_SIZE").is_some() {
+        // Either of torchrun's pair alone is a broken launch, not a job of one process.
+        let (launcher, rank, world, local_rank, local_world) = if get("RANK").is_some() || get("WORLD_SIZE").is_some() {
             (
                 Launcher::Torchrun,
                 required(vars, "RANK")?,
@@ -92,11 +93,7 @@ impl LaunchEnv {
                 required(vars, "SLURM_PROCID")?,
                 required(vars, "SLURM_NTASKS")?,
                 optional(vars, "SLURM_LOCALID")?,
-                match get("SLURM_NTASKS_PER_NODE") {
-                    // "4" or "4(x2)" or "4,3": the count on the first node is ours only if uniform.
-                    Some(v) if v.chars().all(|c| c.is_ascii_digit()) => Some(parse("SLURM_NTASKS_PER_NODE", v)?),
-                    _ => None,
-                },
+                slurm_tasks_here(vars)?,
             )
         } else {
             return Ok(None);
@@ -124,7 +121,18 @@ impl LaunchEnv {
             return Err(Error::Launch(format!("rank {rank} is not below the world size {world}")));
         }
         let local_world_size = local_world.unwrap_or(world);
-        let local_rank = local_rank.unwrap_or(rank % local_world_size.max(1));
+        // The local values pick each rank's GPU: out of range, two ranks would share one.
+        if local_world_size == 0 || local_world_size > world {
+            return Err(Error::Launch(format!(
+                "{launcher:?} job: {local_world_size} ranks on this node, outside 1..={world} (the world size)"
+            )));
+        }
+        let local_rank = local_rank.unwrap_or(rank % local_world_size);
+        if local_rank >= local_world_size {
+            return Err(Error::Launch(format!(
+                "{launcher:?} job: local rank {local_rank} is not below the {local_world_size} ranks on this node"
+            )));
+        }
         Ok(Some(LaunchEnv {
             rank,
             world_size: world,
@@ -158,6 +166,35 @@ impl LaunchEnv {
     /// Whether the rendezvous host is this machine's loopback address (a single-node job).
     pub fn is_loopback(&self) -> bool {
         self.master_addr == "localhost" || self.master_addr.parse::<IpAddr>().is_ok_and(|a| a.is_loopback())
+    }
+}
+
+/// Slurm's task count on this node: from `SLURM_STEP_TASKS_PER_NODE` (srun's step), else
+/// `SLURM_TASKS_PER_NODE`, else `SLURM_NTASKS_PER_NODE`, each a compressed per-node list such
+/// as `4(x2),3`, read at `SLURM_NODEID` (a uniform list needs no node id). `None` when none
+/// of them is set.
+fn slurm_tasks_here(vars: &HashMap<String, String>) -> Result<Option<usize>> {
+    let names = ["SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"];
+    let Some((name, spec)) = names.iter().find_map(|n| vars.get(*n).map(|v| (*n, v.as_str()))) else {
+        return Ok(None);
+    };
+    let bad = || Error::Launch(format!("{name}={spec:?} is not a Slurm task count list such as 4(x2),3"));
+    let mut counts = Vec::new();
+    for part in spec.split(',') {
+        let (count, times) = match part.split_once("(x") {
+            Some((c, rest)) => (c, rest.strip_suffix(')').ok_or_else(bad)?),
+            None => (part, "1"),
+        };
+        let (count, times): (usize, usize) =
+            (count.trim().parse().map_err(|_| bad())?, times.parse().map_err(|_| bad())?);
+        counts.extend(std::iter::repeat_n(count, times));
+    }
+    match optional(vars, "SLURM_NODEID")? {
+        Some(node) => counts.get(node).copied().map(Some).ok_or_else(|| {
+            Error::Launch(format!("SLURM_NODEID={node} is past the {} nodes of {name}={spec:?}", counts.len()))
+        }),
+        None if counts.windows(2).all(|w| w[0] == w[1]) => Ok(counts.first().copied()),
+        None => Err(Error::Launch(format!("{name}={spec:?} differs between nodes and SLURM_NODEID is not set"))),
     }
 }
 
@@ -204,9 +241,17 @@ impl Default for InitOptions {
     }
 }
 
-/// The timeout given by [`TIMEOUT_ENV`], if it is set and valid.
+/// The timeout given by [`TIMEOUT_ENV`], if it is set and valid (an invalid value is said,
+/// and ignored).
 pub fn timeout_from_env() -> Option<Duration> {
-    std::env::var(TIMEOUT_ENV).ok()?.parse::<f64>().ok().filter(|s| *s > 0.0).map(Duration::from_secs_f64)
+    let value = std::env::var(TIMEOUT_ENV).ok()?;
+    match crate::job::seconds(&value) {
+        Ok(s) => Some(Duration::from_secs_f64(s)),
+        Err(why) => {
+            eprintln!("warning: {TIMEOUT_ENV}={value:?} is not a timeout in seconds ({why}); ignored");
+            None
+        }
+    }
 }
 
 /// This process's place in the job and the group of all ranks.
@@ -358,6 +403,44 @@ mod tests {
         assert_eq!((env.rank, env.world_size, env.local_rank, env.local_world_size), (5, 8, 1, 4));
         assert_eq!((env.master_addr.as_str(), env.master_port), ("gpu007", DEFAULT_PORT));
         assert_eq!(env.launcher, Launcher::Slurm);
+    }
+
+    #[test]
+    fn slurm_counts_the_tasks_of_this_node() {
+        let slurm = |extra: &[(&str, &str)]| {
+            let base = [("SLURM_PROCID", "5"), ("SLURM_NTASKS", "7"), ("SLURM_LOCALID", "1"), ("MASTER_ADDR", "h")];
+            LaunchEnv::from_vars(&vars(&[&base[..], extra].concat())).map(|e| e.unwrap().local_world_size)
+        };
+        // Without --ntasks-per-node: only the compressed list says how many run here.
+        assert_eq!(slurm(&[("SLURM_TASKS_PER_NODE", "4(x1),3"), ("SLURM_NODEID", "1")]).unwrap(), 3);
+        assert_eq!(slurm(&[("SLURM_TASKS_PER_NODE", "2(x2),3"), ("SLURM_NODEID", "1")]).unwrap(), 2);
+        // srun's step list wins over the job's.
+        let step = [("SLURM_STEP_TASKS_PER_NODE", "2(x3),1"), ("SLURM_TASKS_PER_NODE", "7"), ("SLURM_NODEID", "2")];
+        assert_eq!(slurm(&step).unwrap(), 2);
+        let err = slurm(&[("SLURM_TASKS_PER_NODE", "4,3")]).unwrap_err().to_string();
+        assert!(err.contains("differs between nodes and SLURM_NODEID is not set"), "{err}");
+        let err = slurm(&[("SLURM_TASKS_PER_NODE", "4(x2"), ("SLURM_NODEID", "0")]).unwrap_err().to_string();
+        assert!(err.contains("SLURM_TASKS_PER_NODE=\"4(x2\" is not a Slurm task count list"), "{err}");
+        let err = slurm(&[("SLURM_TASKS_PER_NODE", "4"), ("SLURM_NODEID", "3")]).unwrap_err().to_string();
+        assert!(err.contains("SLURM_NODEID=3 is past the 1 nodes"), "{err}");
+    }
+
+    #[test]
+    fn local_ranks_out_of_range_are_errors() {
+        let torchrun = |local: &str, local_world: &str| {
+            let v = [("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", local), ("LOCAL_WORLD_SIZE", local_world)];
+            LaunchEnv::from_vars(&vars(&[&v[..], &[("MASTER_ADDR", "127.0.0.1")]].concat())).map(|e| e.unwrap())
+        };
+        assert_eq!(torchrun("1", "2").unwrap().local_rank, 1);
+        let err = torchrun("3", "2").unwrap_err().to_string();
+        assert!(err.contains("local rank 3 is not below the 2 ranks on this node"), "{err}");
+        for local_world in ["0", "3"] {
+            let err = torchrun("0", local_world).unwrap_err().to_string();
+            assert!(err.contains(&format!("{local_world} ranks on this node, outside 1..=2")), "{err}");
+        }
+        // One of torchrun's pair alone is a broken launch, not a world of one.
+        let err = LaunchEnv::from_vars(&vars(&[("RANK", "1")])).unwrap_err().to_string();
+        assert!(err.contains("WORLD_SIZE is not set"), "{err}");
     }
 
     #[test]

@@ -146,7 +146,19 @@ pub fn spawn(opts: &SpawnOptions) -> Result<()> {
 /// started by a launcher; returns whether it did (the caller then exits with the result).
 /// `timeout` is also the heartbeat limit (see [`SpawnOptions::heartbeat`]).
 pub fn maybe_relaunch(nproc: usize, timeout: Duration) -> Result<bool> {
-    if nproc <= 1 || super::launch::LaunchEnv::from_env()?.is_some() {
+    if let Some(env) = super::launch::LaunchEnv::from_env()? {
+        // Under a launcher it decides the ranks; a --nproc that disagrees would be ignored
+        // silently (the spawner's own ranks carry their --nproc, which agrees).
+        if nproc > 1 && nproc != env.local_world_size && nproc != env.world_size {
+            return Err(Error::invalid(format!(
+                "--nproc {nproc}, but this process is {}: the launcher decides the ranks (drop --nproc, or \
+                 unset its variables to spawn {nproc} ranks here)",
+                env.describe()
+            )));
+        }
+        return Ok(false);
+    }
+    if nproc <= 1 {
         return Ok(false);
     }
     spawn(&SpawnOptions { heartbeat: Some(timeout), ..SpawnOptions::this_program(nproc)? })?;
