@@ -29,7 +29,7 @@ use crate::model::embedders::pseudo_beta;
 use crate::model::heads::{DISTOGRAM_FIRST_BREAK, DISTOGRAM_LAST_BREAK};
 use crate::model::{Params, EVOFORMER, EXTRA_MSA};
 use crate::pdb::Structure;
-use crate::residue_constants::{atom_order, UNK_RESTYPE_INDEX};
+use crate::residue_constants::{atom_order, RESNAMES, UNK_RESTYPE_INDEX};
 
 /// Weight of the backbone FAPE (half of AlphaFold's structure-module weight of 1).
 pub const FAPE_WEIGHT: f64 = 0.5;
@@ -103,7 +103,13 @@ impl Target {
         if let Some(i) =
             (0..n as usize).find(|&i| s.aatype[i] != ours[i] as usize && ours[i] as usize != UNK_RESTYPE_INDEX)
         {
-            bail!("{source}: residue {} is {} in the structure, {} in the input", i + 1, s.aatype[i], ours[i]);
+            let name = |a: usize| RESNAMES.get(a).copied().unwrap_or("?");
+            bail!(
+                "{source}: residue {} is {} in the structure, {} in the input",
+                i + 1,
+                name(s.aatype[i]),
+                name(ours[i] as usize)
+            );
         }
         let device = aatype.device();
         let flat: Vec<f32> = s.positions.iter().flatten().flatten().copied().collect();

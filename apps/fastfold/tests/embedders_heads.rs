@@ -163,6 +163,10 @@ fn a_missing_or_mis_shaped_array_is_named() {
     let msg = err.to_string();
     assert!(msg.contains(&key) && msg.contains("[11, 11]") && msg.contains("[11, 12]"), "{msg}");
     assert!(msg.contains("shape.npz"), "the message names the file: {msg}");
+    // An array whose rank the sizes are read from, as a scalar: named with the file too.
+    let key = format!("{ITERATION}/distogram_head/half_logits//weights");
+    let err = load_modified(&p, &key, Some(Tensor::from(1.0f32)), "scalar.npz").err().expect("fails").to_string();
+    assert!(err.contains("scalar.npz") && err.contains(&key) && err.contains("expected 2 dimensions"), "{err}");
 
     // Without the aligned-error head (a non-_ptm set) the store loads, without that head.
     let key = format!("{ITERATION}/predicted_aligned_error_head/logits//weights");

@@ -111,9 +111,10 @@ fn compare(world: &World) -> TestResult {
 
 dist_test!(two_ranks_give_one_rank_gradients, 2, |world| { compare(world) });
 
-/// A target without the atoms of one loss term is an error, not a term that stays 0.
+/// A target without the atoms of one loss term is an error, not a term that stays 0; one of
+/// other residues names them.
 #[test]
-fn a_target_without_backbone_frames_or_pseudo_beta_atoms_is_named() {
+fn bad_targets_are_named() {
     // Without a glycine, whose pseudo-beta atom is its CA.
     let seq = SEQ.replace('G', "A");
     let aatype = Tensor::from_slice(&seq.chars().map(|c| aatype_of(c) as i64).collect::<Vec<_>>());
@@ -131,6 +132,9 @@ fn a_target_without_backbone_frames_or_pseudo_beta_atoms_is_named() {
     assert!(err.contains("t.pdb: no residue has the N, CA and C atoms"), "{err}");
     let err = without(&["CB"]).expect("no CB atoms");
     assert!(err.contains("t.pdb: no residue has the CB atom"), "{err}");
+    let other = Tensor::from_slice(&seq.replacen('M', "W", 1).chars().map(|c| aatype_of(c) as i64).collect::<Vec<_>>());
+    let err = Target::new(&helix(&seq), &other, "t.pdb").err().unwrap().to_string();
+    assert!(err.contains("t.pdb: residue 1 is MET in the structure, TRP in the input"), "{err}");
 }
 
 fn log(out: &Path) -> Vec<serde_json::Value> {

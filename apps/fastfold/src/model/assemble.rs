@@ -117,6 +117,6 @@ fn with_file(e: Error, file: &str) -> Error {
     match e {
         Error::Missing { key, .. } => Error::Missing { key, file: Some(file.into()) },
         Error::Shape { key, expected, found, .. } => Error::Shape { key, expected, found, file: Some(file.into()) },
-        other => other,
+        other => Error::Invalid(format!("{file}: {other}")),
     }
 }
