@@ -310,6 +310,9 @@ fn bad_resume_folders_are_named() {
         (&["--noise-offset", "nan"], "--noise-offset"),
         (&["--snr-gamma", "0"], "--snr-gamma"),
         (&["--lora-rank", "2", "--lora-alpha", "0"], "--lora-alpha"),
+        // Flags that mean nothing without their partner.
+        (&["--lora-alpha", "4"], "--lora-rank"),
+        (&["--num-validation-images", "3"], "--validation-prompt"),
     ] {
         let mut args =
             vec!["--model", model.to_str().unwrap(), "--data", data.to_str().unwrap(), "-o", out.to_str().unwrap()];
@@ -317,6 +320,14 @@ fn bad_resume_folders_are_named() {
         let (ok, text) = finetune(&args);
         assert!(!ok && text.contains(named), "{flags:?}: {text}");
     }
+    // A checkpoint past --steps is named, not a run that ends at once as if it trained.
+    let reference_checkpoint = reference().join("checkpoint-6");
+    let mut args =
+        vec!["--model", model.to_str().unwrap(), "--data", data.to_str().unwrap(), "-o", out.to_str().unwrap()];
+    args.extend(FLAGS);
+    args.extend(["--steps", "4", "--micro-batch", "2", "--resume", reference_checkpoint.to_str().unwrap()]);
+    let (ok, text) = finetune(&args);
+    assert!(!ok && text.contains("is at step 6, past --steps 4"), "{text}");
     let text = try_resume("/nonexistent/checkpoint-4");
     assert!(text.contains("--resume /nonexistent/checkpoint-4"), "{text}");
 

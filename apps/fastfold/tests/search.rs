@@ -492,6 +492,8 @@ fn missing_databases_and_failing_tools_are_named() {
     assert!(!ok && text.contains("/nonexistent/pdb_seqres.txt (--pdb-seqres-database-path) is not a file"), "{text}");
     let (ok, text) = predict(&root, &[&reduced[..], &["--max-template-date", "2020-13-01"]].concat());
     assert!(!ok && text.contains("--max-template-date \"2020-13-01\""), "{text}");
+    let (ok, text) = predict(&root, &[&reduced[..], &["--max-template-date", "2021-02-29"]].concat());
+    assert!(!ok && text.contains("--max-template-date \"2021-02-29\""), "not a leap year: {text}");
     std::fs::remove_file(&mgnify_back).unwrap();
 
     // ColabFold's databases are named when absent.
@@ -538,6 +540,41 @@ fn missing_databases_and_failing_tools_are_named() {
     );
     assert!(!ok && text.contains("noise line 40") && text.contains("noise line 21"), "{text}");
     assert!(!text.contains("noise line 20\n") && text.contains("exit status: 3"), "{text}");
+
+    // A tool that exits cleanly with output that does not parse: named, its output kept aside
+    // as .rejected (not reused by --use-precomputed-msas, which would fail on it again).
+    let garbage = wrapper(
+        &root.join("bin/garbage"),
+        &log,
+        "while [ \"$1\" != -A ]; do shift; done; echo 'this is garbage' > \"$2\"",
+    );
+    let (ok, text) = predict(&root, &[&reduced[..], &["--jackhmmer-binary-path", garbage.to_str().unwrap()]].concat());
+    let msas = root.join("out/query/msas");
+    assert!(
+        !ok && text.contains("the tool's output is kept as") && text.contains("uniref90_hits.sto.rejected"),
+        "{text}"
+    );
+    assert!(!msas.join("uniref90_hits.sto").exists() && msas.join("uniref90_hits.sto.rejected").exists());
+    assert!(text.contains("running jackhmmer against"), "each tool run is said: {text}");
+
+    // Search options without a search, and database flags the preset does not use, are named
+    // rather than ignored.
+    for (extra, named) in [
+        (&["--use-precomputed-msas"][..], "--use-precomputed-msas applies to the homology search"),
+        (&["--msa-mode", "mmseqs2"], "--msa-mode mmseqs2 applies to the homology search"),
+        (&["--max-template-date", "2020-01-01"], "--max-template-date applies to the homology search"),
+    ] {
+        let (ok, text) = predict(&root, extra);
+        assert!(!ok && text.contains(named), "{extra:?}: {text}");
+    }
+    let ignored = [
+        ("--bfd-database-path", "is not used with --db-preset reduced_dbs"),
+        ("--mmseqs-uniref-db", "needs --msa-mode mmseqs2"),
+    ];
+    for (flag, named) in ignored {
+        let (ok, text) = predict(&root, &[&reduced[..], &[flag, "/nonexistent/x"]].concat());
+        assert!(!ok && text.contains(&format!("{flag} {named}")), "{flag}: {text}");
+    }
 
     // An alignment given and a search asked for: one or the other.
     let a3m = root.join("given.a3m");

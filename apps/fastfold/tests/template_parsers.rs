@@ -105,6 +105,11 @@ fn malformed_hhr_is_an_error_naming_file_and_line() {
     assert_ne!(broken, text);
     let err = hhr::parse(&broken, path).unwrap_err().to_string();
     assert!(err.contains("does not match its query line"), "{err}");
+    // A score that is not a number (it would sort ahead of every real hit).
+    let broken = text.replacen("Sum_probs=30.5", "Sum_probs=nan", 1);
+    assert_ne!(broken, text);
+    let err = hhr::parse(&broken, path).unwrap_err().to_string();
+    assert!(err.contains("bad.hhr") && err.contains("line 16"), "{err}");
     // No hits at all is no error.
     assert!(hhr::parse("Query query\n\nDone!\n", path).unwrap().is_empty());
 }
@@ -185,6 +190,8 @@ fn alphafolds_filters_drop_hits() {
     );
     assert_eq!(obsolete.get("3ghi"), Some(&Some("1abc".to_string())));
     assert_eq!(obsolete.get("2def"), Some(&None));
+    // A line whose id columns split a multi-byte character is skipped, not a panic.
+    assert!(parse_obsolete("OBSLTE             \u{e9}abc\n").is_empty());
     let f = Featurizer { obsolete, ..f };
     let r = f.get_templates(&q, &all).unwrap();
     assert!(r.warnings.iter().any(|w| w.contains("2def is obsolete")), "{:?}", r.warnings);

@@ -23,7 +23,8 @@ pub fn parse_bytes(text: &str) -> Result<u64> {
         _ => return Err(bad()),
     };
     let bytes = value * (1u64 << shift) as f64;
-    if !bytes.is_finite() || bytes < 1.0 || bytes > u64::MAX as f64 {
+    // "1.5" without a unit would be 1 byte: a unit was meant.
+    if !bytes.is_finite() || bytes < 1.0 || bytes > u64::MAX as f64 || bytes.fract() != 0.0 {
         return Err(bad());
     }
     Ok(bytes as u64)
@@ -65,7 +66,7 @@ mod tests {
         assert_eq!(parse_bytes("1.5GiB").unwrap(), 3 << 29);
         assert_eq!(parse_bytes(" 64kb ").unwrap(), 64 << 10);
         assert_eq!(parse_bytes("4096").unwrap(), 4096);
-        for bad in ["", "G", "4X", "-1G", "0", "1..2G"] {
+        for bad in ["", "G", "4X", "-1G", "0", "1..2G", "1.5"] {
             let err = parse_bytes(bad).unwrap_err().to_string();
             assert!(err.contains("is not a byte count"), "{bad}: {err}");
         }

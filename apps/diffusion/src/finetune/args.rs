@@ -77,7 +77,7 @@ pub struct FinetuneArgs {
     #[arg(long)]
     pub lora_rank: Option<i64>,
     /// LoRA's alpha (the update is scaled by alpha / rank; default: the rank).
-    #[arg(long, value_parser = engine::job::positive)]
+    #[arg(long, value_parser = engine::job::positive, requires = "lora_rank")]
     pub lora_alpha: Option<f64>,
     /// Device, ranks, progress and the log file.
     #[command(flatten)]
@@ -121,7 +121,7 @@ pub struct FinetuneArgs {
     #[arg(long)]
     pub validation_steps: Option<usize>,
     /// Validation images per prompt.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, requires = "validation_prompts")]
     pub num_validation_images: usize,
 }
 

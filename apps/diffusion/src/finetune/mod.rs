@@ -464,7 +464,13 @@ pub fn run(args: &FinetuneArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
     let rank = world.rank();
     if let Some(resume) = &args.resume {
         match checkpoint::resume_dir(resume, &args.out)? {
-            Some(dir) => trainer.resume(&dir)?,
+            Some(dir) => {
+                trainer.resume(&dir)?;
+                // Past the end the loop would not run, and the run would end as if it trained.
+                if trainer.step > args.steps {
+                    bail!("{} is at step {}, past --steps {}", dir.display(), trainer.step, args.steps);
+                }
+            }
             None if rank == 0 => {
                 eprintln!("--resume latest: no checkpoint under {}; starting a new run", args.out.display())
             }

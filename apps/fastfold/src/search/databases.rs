@@ -152,18 +152,50 @@ pub struct Databases {
 impl DatabaseArgs {
     /// Whether a search was asked for (a data directory or any database flag).
     pub fn requested(&self) -> bool {
-        self.data_dir.is_some()
-            || [
-                &self.uniref90_database_path,
-                &self.mgnify_database_path,
-                &self.bfd_database_path,
-                &self.uniref30_database_path,
-                &self.small_bfd_database_path,
-                &self.pdb70_database_path,
-                &self.pdb_seqres_database_path,
-            ]
-            .iter()
-            .any(|p| p.is_some())
+        self.data_dir.is_some() || self.given().iter().take(7).any(|(_, given)| *given)
+    }
+
+    /// Each path flag of AlphaFold's search and whether it was given (the databases first,
+    /// then the template search's files).
+    fn given(&self) -> [(&'static str, bool); 9] {
+        [
+            ("--uniref90-database-path", self.uniref90_database_path.is_some()),
+            ("--mgnify-database-path", self.mgnify_database_path.is_some()),
+            ("--bfd-database-path", self.bfd_database_path.is_some()),
+            ("--uniref30-database-path", self.uniref30_database_path.is_some()),
+            ("--small-bfd-database-path", self.small_bfd_database_path.is_some()),
+            ("--pdb70-database-path", self.pdb70_database_path.is_some()),
+            ("--pdb-seqres-database-path", self.pdb_seqres_database_path.is_some()),
+            ("--template-mmcif-dir", self.template_mmcif_dir.is_some()),
+            ("--obsolete-pdbs-path", self.obsolete_pdbs_path.is_some()),
+        ]
+    }
+
+    /// The path flags given that ColabFold's MMseqs2 search does not use (it reads its own
+    /// databases and searches no templates).
+    pub fn unused_by_mmseqs(&self) -> Vec<String> {
+        let given = self.given().into_iter().filter(|(_, given)| *given);
+        given.map(|(flag, _)| format!("{flag} is not used with --msa-mode mmseqs2")).collect()
+    }
+
+    /// The database flags given that the preset and template searcher do not use (AlphaFold's
+    /// run_alphafold refuses them too): each would be ignored silently.
+    pub fn unused(&self) -> Vec<String> {
+        let full = self.db_preset == DbPreset::FullDbs;
+        let hhsearch = self.template_searcher == TemplateSearcher::Hhsearch;
+        let preset = format!("--db-preset {}", self.db_preset.name());
+        let searcher = format!("--template-searcher {}", if hhsearch { "hhsearch" } else { "hmmsearch" });
+        [
+            ("--bfd-database-path", self.bfd_database_path.is_some() && !full, &preset),
+            ("--uniref30-database-path", self.uniref30_database_path.is_some() && !full, &preset),
+            ("--small-bfd-database-path", self.small_bfd_database_path.is_some() && full, &preset),
+            ("--pdb70-database-path", self.pdb70_database_path.is_some() && !hhsearch, &searcher),
+            ("--pdb-seqres-database-path", self.pdb_seqres_database_path.is_some() && hhsearch, &searcher),
+        ]
+        .into_iter()
+        .filter(|(_, unused, _)| *unused)
+        .map(|(flag, _, why)| format!("{flag} is not used with {why}"))
+        .collect()
     }
 
     /// The preset's databases; `Err` names every one that is missing, with its flag. With

@@ -100,7 +100,7 @@ fn parse_hit(lines: &[&str], first: usize, source: &Path) -> Result<TemplateHit>
 
 /// (Aligned_cols, Sum_probs) of a summary line `Probab=.. E-value=.. Score=.. Aligned_cols=..
 /// Identities=..% Similarity=.. Sum_probs=.. Template_Neff=..` (every field must be there,
-/// in that order, and be a number).
+/// in that order, and be a finite number: a NaN would sort ahead of every real hit).
 fn summary(line: &str) -> Option<(f64, f64)> {
     let labels = [
         "Probab=",
@@ -122,7 +122,7 @@ fn summary(line: &str) -> Option<(f64, f64)> {
         let value = value.trim();
         // Identities is a percentage.
         let value = if next == Some(&"Similarity=") { value.strip_suffix('%')? } else { value };
-        values.push(value.trim().parse::<f64>().ok()?);
+        values.push(value.trim().parse::<f64>().ok().filter(|v| v.is_finite())?);
         rest = after;
     }
     Some((values[3], values[6]))

@@ -163,10 +163,41 @@ impl SearchArgs {
     /// reading saved results, or when reusing them: a rerun needs only its `msas/`).
     pub fn search(&self, mode: Mode) -> anyhow::Result<Option<Search>> {
         if !self.requested() {
+            // Without databases no search runs: a search option would be ignored silently (and
+            // --use-precomputed-msas would overwrite the saved search with a single sequence).
+            // (--search-cpus, a resource knob, may stay in a script that sometimes searches.)
+            let given = [
+                ("--msa-mode mmseqs2", self.msa_mode == MsaMode::Mmseqs2),
+                ("--use-precomputed-msas", self.use_precomputed_msas),
+                ("--max-template-date", self.max_template_date.is_some()),
+                ("--jackhmmer-binary-path", self.jackhmmer_binary_path.is_some()),
+                ("--hhblits-binary-path", self.hhblits_binary_path.is_some()),
+                ("--hhsearch-binary-path", self.hhsearch_binary_path.is_some()),
+                ("--hmmsearch-binary-path", self.hmmsearch_binary_path.is_some()),
+                ("--hmmbuild-binary-path", self.hmmbuild_binary_path.is_some()),
+                ("--kalign-binary-path", self.kalign_binary_path.is_some()),
+                ("--mmseqs-binary-path", self.mmseqs_binary_path.is_some()),
+            ];
+            if let Some((flag, _)) = given.iter().find(|(_, given)| *given) {
+                bail!("{flag} applies to the homology search, which needs --data-dir or the databases' flags");
+            }
             return Ok(None);
         }
         if self.search_cpus == Some(0) {
             bail!("--search-cpus must be at least 1");
+        }
+        let mut unused = match self.msa_mode {
+            MsaMode::Alphafold => self.databases.unused(),
+            MsaMode::Mmseqs2 => self.databases.unused_by_mmseqs(),
+        };
+        let mmseqs = [("--mmseqs-uniref-db", &self.mmseqs_uniref_db), ("--mmseqs-env-db", &self.mmseqs_env_db)];
+        if self.msa_mode == MsaMode::Alphafold {
+            unused.extend(
+                mmseqs.iter().filter(|(_, p)| p.is_some()).map(|(f, _)| format!("{f} needs --msa-mode mmseqs2")),
+            );
+        }
+        if !unused.is_empty() {
+            bail!("search options that would be ignored:\n  {}", unused.join("\n  "));
         }
         if let Some(date) = &self.max_template_date {
             templates::check_date(date)?;
@@ -275,6 +306,22 @@ impl Ctx<'_> {
         Ok(None)
     }
 
+    /// `parse`'s result on the saved result at `path`. A `fresh` one (just written by its tool)
+    /// that does not parse is renamed `<file>.rejected`: kept to look at, and not reused by a
+    /// rerun with --use-precomputed-msas, which searches again instead.
+    fn parsed<T>(&self, path: &Path, fresh: bool, parse: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
+        let result = parse();
+        if fresh && result.is_err() {
+            let mut rejected = path.as_os_str().to_owned();
+            rejected.push(".rejected");
+            let rejected = PathBuf::from(rejected);
+            if std::fs::rename(path, &rejected).is_ok() {
+                return result.with_context(|| format!("the tool's output is kept as {}", rejected.display()));
+            }
+        }
+        result
+    }
+
     /// Saves `text` as `file` under the query's `msas/` (whole or not at all).
     fn save(&self, file: &str, text: &str) -> anyhow::Result<PathBuf> {
         let path = self.msa_dir.join(file);
@@ -291,8 +338,8 @@ impl Ctx<'_> {
             Some(n) => stockholm::truncate(text, n),
             None => text.to_string(),
         };
-        let (path, text) = match self.saved(step.file)? {
-            Some((path, text)) => (path, truncate(&text)),
+        let (path, text, fresh) = match self.saved(step.file)? {
+            Some((path, text)) => (path, truncate(&text), false),
             None => {
                 check_exists(step.database, "jackhmmer")?;
                 let out = self.work.path().join(step.file);
@@ -328,10 +375,10 @@ impl Ctx<'_> {
                     format!("jackhmmer against {} wrote no alignment {}", step.database.display(), out.display())
                 })?;
                 let text = truncate(&text);
-                (self.save(step.file, &text)?, text)
+                (self.save(step.file, &text)?, text, true)
             }
         };
-        Ok((stockholm::parse(&text, &path)?, text))
+        Ok((self.parsed(&path, fresh, || Ok(stockholm::parse(&text, &path)?))?, text))
     }
 
     /// The template search: the UniRef90 alignment `uniref90_sto` searched against pdb70
@@ -387,8 +434,8 @@ impl Ctx<'_> {
         uniref90_sto: &str,
         seqres: &Path,
     ) -> anyhow::Result<(Vec<TemplateHit>, PathBuf)> {
-        let (path, text) = match self.saved(PDB_HITS_STO)? {
-            Some(saved) => saved,
+        let (path, text, fresh) = match self.saved(PDB_HITS_STO)? {
+            Some((path, text)) => (path, text, false),
             None => {
                 check_exists(seqres, "hmmsearch")?;
                 let source = self.msa_dir.join("uniref90_hits.sto");
@@ -408,14 +455,16 @@ impl Ctx<'_> {
                 let text = std::fs::read_to_string(&out).with_context(|| {
                     format!("hmmsearch against {} wrote no alignment {}", seqres.display(), out.display())
                 })?;
-                (self.save(PDB_HITS_STO, &text)?, text)
+                (self.save(PDB_HITS_STO, &text)?, text, true)
             }
         };
         // hmmsearch writes an empty file when nothing is found.
         let hits = if text.trim().is_empty() {
             Vec::new()
         } else {
-            hmmsearch::parse(&stockholm::to_a3m(&text, &path, false)?, sequence, &path)?
+            self.parsed(&path, fresh, || {
+                Ok(hmmsearch::parse(&stockholm::to_a3m(&text, &path, false)?, sequence, &path)?)
+            })?
         };
         Ok((hits, path))
     }
@@ -423,8 +472,8 @@ impl Ctx<'_> {
     /// hhsearch of the deduplicated UniRef90 alignment without its empty columns (as A3M) against pdb70 as AlphaFold
     /// runs it (`-maxseq 1000000`), the result saved as `pdb_hits.hhr`; its hits and that file.
     fn hhsearch(&self, uniref90_sto: &str, pdb70: &Path) -> anyhow::Result<(Vec<TemplateHit>, PathBuf)> {
-        let (path, text) = match self.saved(PDB_HITS_FILE)? {
-            Some(saved) => saved,
+        let (path, text, fresh) = match self.saved(PDB_HITS_FILE)? {
+            Some((path, text)) => (path, text, false),
             None => {
                 if !databases::hhsuite_database_exists(pdb70) {
                     bail!("hhsearch database {} has no <prefix>_*.ffindex/.ffdata files", pdb70.display());
@@ -452,17 +501,17 @@ impl Ctx<'_> {
                 let text = std::fs::read_to_string(&out).with_context(|| {
                     format!("hhsearch against {} wrote no result {}", pdb70.display(), out.display())
                 })?;
-                (self.save(PDB_HITS_FILE, &text)?, text)
+                (self.save(PDB_HITS_FILE, &text)?, text, true)
             }
         };
-        Ok((hhr::parse(&text, &path)?, path))
+        Ok((self.parsed(&path, fresh, || Ok(hhr::parse(&text, &path)?))?, path))
     }
 
     /// hhblits against `databases` with AlphaFold's settings (3 iterations, E-value 1e-3,
     /// its prefilter and realignment limits), the A3M output saved as `file`.
     fn hhblits(&self, file: &str, databases: &[PathBuf]) -> anyhow::Result<Msa> {
-        let (path, text) = match self.saved(file)? {
-            Some(saved) => saved,
+        let (path, text, fresh) = match self.saved(file)? {
+            Some((path, text)) => (path, text, false),
             None => {
                 for db in databases {
                     check_hhsuite(db)?;
@@ -491,25 +540,25 @@ impl Ctx<'_> {
                 let text = std::fs::read_to_string(&out).with_context(|| {
                     format!("hhblits against {} wrote no alignment {}", named.display(), out.display())
                 })?;
-                (self.save(file, &text)?, text)
+                (self.save(file, &text)?, text, true)
             }
         };
-        Ok(data::a3m::parse(&text, &path)?)
+        self.parsed(&path, fresh, || Ok(data::a3m::parse(&text, &path)?))
     }
 }
 
 impl Ctx<'_> {
     /// ColabFold's search in `dbs`, its A3M saved as `file`.
     fn mmseqs(&self, file: &str, dbs: &MmseqsDatabases) -> anyhow::Result<Msa> {
-        let (path, text) = match self.saved(file)? {
-            Some(saved) => saved,
+        let (path, text, fresh) = match self.saved(file)? {
+            Some((path, text)) => (path, text, false),
             None => {
                 let cpus = threads(self.search.cpus, usize::MAX);
                 let text = mmseqs::search(&self.search.mmseqs, dbs, self.query, self.work.path(), cpus)?;
-                (self.save(file, &text)?, text)
+                (self.save(file, &text)?, text, true)
             }
         };
-        Ok(data::a3m::parse(&text, &path)?)
+        self.parsed(&path, fresh, || Ok(data::a3m::parse(&text, &path)?))
     }
 }
 

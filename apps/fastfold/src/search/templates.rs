@@ -65,9 +65,22 @@ pub struct TemplateSearchResult {
 /// Checks a `YYYY-MM-DD` date (as `--max-template-date` takes it).
 pub fn check_date(date: &str) -> anyhow::Result<()> {
     let parts: Vec<&str> = date.split('-').collect();
-    let ok = matches!(parts[..], [y, m, d] if y.len() == 4 && m.len() == 2 && d.len() == 2
-        && parts.iter().all(|p| p.chars().all(|c| c.is_ascii_digit()))
-        && (1..=12).contains(&m.parse::<u32>().unwrap_or(0)) && (1..=31).contains(&d.parse::<u32>().unwrap_or(0)));
+    let digits = parts.iter().all(|p| !p.is_empty() && p.chars().all(|c| c.is_ascii_digit()));
+    let ok = match parts[..] {
+        [y, m, d] if digits && y.len() == 4 && m.len() == 2 && d.len() == 2 => {
+            let (y, m, d) =
+                (y.parse::<u32>().unwrap_or(0), m.parse::<u32>().unwrap_or(0), d.parse::<u32>().unwrap_or(0));
+            let leap = y % 4 == 0 && (y % 100 != 0 || y % 400 == 0);
+            let days = match m {
+                2 if leap => 29,
+                2 => 28,
+                4 | 6 | 9 | 11 => 30,
+                _ => 31,
+            };
+            (1..=12).contains(&m) && (1..=days).contains(&d)
+        }
+        _ => false,
+    };
     if !ok {
         bail!("--max-template-date {date:?} is not a date YYYY-MM-DD");
     }
@@ -86,8 +99,8 @@ pub fn parse_obsolete(text: &str) -> HashMap<String, Option<String>> {
             if let (Some(from), Some(to)) = (line.get(20..24), line.get(29..33)) {
                 out.insert(from.to_lowercase(), Some(to.to_lowercase()));
             }
-        } else if line.len() == 24 {
-            out.insert(line[20..24].to_lowercase(), None);
+        } else if let (24, Some(from)) = (line.len(), line.get(20..24)) {
+            out.insert(from.to_lowercase(), None);
         }
     }
     out

@@ -30,6 +30,10 @@ impl Tool {
     /// Runs the tool with `args` against `database` (named in errors only); stdout is
     /// discarded (the tools write their results to files named in `args`).
     pub fn run(&self, args: &[OsString], database: &Path) -> anyhow::Result<()> {
+        // A search can take hours: say which tool runs against which database, and for how long
+        // (AlphaFold logs the same), so a stuck tool is seen as one.
+        eprintln!("running {} against {}", self.name, database.display());
+        let start = std::time::Instant::now();
         let output = Command::new(&self.binary)
             .args(args)
             .stdin(Stdio::null())
@@ -63,6 +67,7 @@ impl Tool {
                 if tail.is_empty() { "(nothing on stderr)".to_string() } else { tail }
             );
         }
+        eprintln!("{} against {}: done in {:.1} s", self.name, database.display(), start.elapsed().as_secs_f64());
         Ok(())
     }
 }
