@@ -24,7 +24,8 @@ pub fn parse_bytes(text: &str) -> Result<u64> {
     };
     let bytes = value * (1u64 << shift) as f64;
     // "1.5" without a unit would be 1 byte: a unit was meant.
-    if !bytes.is_finite() || bytes < 1.0 || bytes > u64::MAX as f64 || bytes.fract() != 0.0 {
+    let fractional_bytes = shift == 0 && value.fract() != 0.0;
+    if !bytes.is_finite() || bytes < 1.0 || bytes > u64::MAX as f64 || fractional_bytes {
         return Err(bad());
     }
     Ok(bytes as u64)
@@ -64,6 +65,7 @@ mod tests {
         assert_eq!(parse_bytes("4G").unwrap(), 4 << 30);
         assert_eq!(parse_bytes("512M").unwrap(), 512 << 20);
         assert_eq!(parse_bytes("1.5GiB").unwrap(), 3 << 29);
+        assert_eq!(parse_bytes("1.1G").unwrap(), (1.1 * (1u64 << 30) as f64) as u64);
         assert_eq!(parse_bytes(" 64kb ").unwrap(), 64 << 10);
         assert_eq!(parse_bytes("4096").unwrap(), 4096);
         for bad in ["", "G", "4X", "-1G", "0", "1..2G", "1.5"] {

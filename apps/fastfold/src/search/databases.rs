@@ -152,12 +152,11 @@ pub struct Databases {
 impl DatabaseArgs {
     /// Whether a search was asked for (a data directory or any database flag).
     pub fn requested(&self) -> bool {
-        self.data_dir.is_some() || self.given().iter().take(7).any(|(_, given)| *given)
+        self.data_dir.is_some() || self.databases_given().iter().any(|(_, given)| *given)
     }
 
-    /// Each path flag of AlphaFold's search and whether it was given (the databases first,
-    /// then the template search's files).
-    fn given(&self) -> [(&'static str, bool); 9] {
+    /// Each database flag and whether it was given.
+    fn databases_given(&self) -> [(&'static str, bool); 7] {
         [
             ("--uniref90-database-path", self.uniref90_database_path.is_some()),
             ("--mgnify-database-path", self.mgnify_database_path.is_some()),
@@ -166,15 +165,17 @@ impl DatabaseArgs {
             ("--small-bfd-database-path", self.small_bfd_database_path.is_some()),
             ("--pdb70-database-path", self.pdb70_database_path.is_some()),
             ("--pdb-seqres-database-path", self.pdb_seqres_database_path.is_some()),
-            ("--template-mmcif-dir", self.template_mmcif_dir.is_some()),
-            ("--obsolete-pdbs-path", self.obsolete_pdbs_path.is_some()),
         ]
     }
 
     /// The path flags given that ColabFold's MMseqs2 search does not use (it reads its own
     /// databases and searches no templates).
     pub fn unused_by_mmseqs(&self) -> Vec<String> {
-        let given = self.given().into_iter().filter(|(_, given)| *given);
+        let files = [
+            ("--template-mmcif-dir", self.template_mmcif_dir.is_some()),
+            ("--obsolete-pdbs-path", self.obsolete_pdbs_path.is_some()),
+        ];
+        let given = self.databases_given().into_iter().chain(files).filter(|(_, given)| *given);
         given.map(|(flag, _)| format!("{flag} is not used with --msa-mode mmseqs2")).collect()
     }
 
