@@ -45,9 +45,18 @@ pub fn run(args: &EvalArgs) -> anyhow::Result<(f64, f64)> {
     }
     let vs = VarStore::new(Device::Cpu);
     let model = Vit::new(&vs.root(), cfg);
-    let unused = data::checkpoint::load_safetensors(&vs, &dir.join("model.safetensors"))?;
+    let weights = dir.join("model.safetensors");
+    let unused = data::checkpoint::load_safetensors(&vs, &weights)?;
+    // Weights the model does not take mean that model.json describes another model (fewer
+    // blocks, say): evaluating what it does take would give a silently wrong accuracy.
     if !unused.is_empty() {
-        eprintln!("note: {} unused keys in the weights, e.g. {}", unused.len(), unused[0]);
+        anyhow::bail!(
+            "{}: {} keys that the model of {} does not have, e.g. {}",
+            weights.display(),
+            unused.len(),
+            cfg_path.display(),
+            unused[0]
+        );
     }
     let world = engine::dist::World::single(&engine::dist::InitOptions::default())?;
     let transforms = Transforms::new(cfg.image_size as usize, cfg.in_channels as usize, splits.embedded, 1.0);

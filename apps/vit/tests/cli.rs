@@ -51,6 +51,16 @@ fn pretrain_then_eval_reports_the_same_accuracy() {
     // Flags the embedded digits would ignore are errors naming them.
     let (ok, text) = vit(&["eval", out.to_str().unwrap(), "--val-fraction", "0.5"]);
     assert!(!ok && text.contains("--val-fraction needs --data"), "{text}");
+    // A model.json of fewer blocks than the weights hold is named, not evaluated with the
+    // blocks it has.
+    let config = out.join("model.json");
+    let json = std::fs::read_to_string(&config).unwrap();
+    let mut cfg: serde_json::Value = serde_json::from_str(&json).unwrap();
+    cfg["depth"] = (cfg["depth"].as_i64().unwrap() - 1).into();
+    std::fs::write(&config, cfg.to_string()).unwrap();
+    let (ok, text) = vit(&["eval", out.to_str().unwrap()]);
+    assert!(!ok && text.contains("keys that the model of") && text.contains("model.json"), "{text}");
+    std::fs::write(&config, json).unwrap();
     // A weights file with a key missing is named.
     let weights = out.join("model.safetensors");
     let mut tensors = tch::Tensor::read_safetensors(&weights).unwrap();
