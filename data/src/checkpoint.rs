@@ -43,15 +43,23 @@ pub fn copy_into(targets: &[(String, Tensor)], file: &mut HashMap<String, Tensor
             if src.size() != var.size() {
                 return Err(bad(format!("key {name} has shape {:?}, expected {:?}", src.size(), var.size())));
             }
-            // Floats convert (fp16 and bf16 files load into fp32 models); integers or booleans
-            // in place of weights mean a wrong or damaged file, not values to cast.
-            if var.is_floating_point() && !src.is_floating_point() {
-                return Err(bad(format!("key {name} holds {:?} values, expected floating point", src.kind())));
+            if var.is_floating_point() {
+                floating(name, &src).map_err(bad)?;
             }
             var.shallow_clone().f_copy_(&src).map_err(|e| bad(format!("key {name}: {e}")))?;
         }
         Ok(())
     })
+}
+
+/// Checks that the tensor read as `key` holds floats, as weights do: floats convert (fp16 and
+/// bf16 files load into fp32 models), but integers or booleans in place of weights mean a wrong
+/// or damaged file, not values to cast.
+pub fn floating(key: &str, t: &Tensor) -> std::result::Result<(), String> {
+    match t.is_floating_point() {
+        true => Ok(()),
+        false => Err(format!("key {key} holds {:?} values, expected floating point", t.kind())),
+    }
 }
 
 /// Writes every variable of `vs` to `path` as safetensors (through a temporary file).

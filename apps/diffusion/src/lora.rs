@@ -176,9 +176,7 @@ impl Lora {
                     if v.size() != t.size() {
                         return Err(bad(format!("key {key}: shape {:?}, expected {:?}", v.size(), t.size())));
                     }
-                    if !v.is_floating_point() {
-                        return Err(bad(format!("key {key} holds {:?} values, expected floating point", v.kind())));
-                    }
+                    data::checkpoint::floating(&key, &v).map_err(bad)?;
                     t.detach().f_copy_(&v.f_to_kind(Kind::Float)?.f_mul_scalar(scale)?)?;
                 }
             }
@@ -217,9 +215,8 @@ fn take_adapter(
             up.size()
         ));
     }
-    if let Some((key, t)) = [(&down_key, &down), (&up_key, &up)].into_iter().find(|(_, t)| !t.is_floating_point()) {
-        return Err(format!("key {key} holds {:?} values, expected floating point", t.kind()));
-    }
+    data::checkpoint::floating(&down_key, &down)?;
+    data::checkpoint::floating(&up_key, &up)?;
     let to = |t: Tensor, m: f64| t.to_kind(Kind::Float).to_device(device) * m;
     Ok(Some(Adapter { down: to(down, 1.0), up: to(up, multiplier), scale: 1.0 }))
 }

@@ -703,7 +703,8 @@ pub fn pretrain(args: &PretrainArgs, world: &World) -> anyhow::Result<Trained> {
         let s = &mut record;
         losses.push((s.step, s.loss));
         if let Some((top1, top5)) = if epoch_end { trainer.evaluate()? } else { None } {
-            (val_top1, val_top5, s.val_top1, s.val_top5) = (Some(top1), Some(top5), Some(top1), Some(top5));
+            (s.val_top1, s.val_top5) = (Some(top1), Some(top5));
+            (val_top1, val_top5) = (s.val_top1, s.val_top5);
             if rank == 0 {
                 progress.suspend(|| {
                     println!(

@@ -186,16 +186,7 @@ impl SearchArgs {
         if self.search_cpus == Some(0) {
             bail!("--search-cpus must be at least 1");
         }
-        let mut unused = match self.msa_mode {
-            MsaMode::Alphafold => self.databases.unused(),
-            MsaMode::Mmseqs2 => self.databases.unused_by_mmseqs(),
-        };
-        let mmseqs = [("--mmseqs-uniref-db", &self.mmseqs_uniref_db), ("--mmseqs-env-db", &self.mmseqs_env_db)];
-        if self.msa_mode == MsaMode::Alphafold {
-            unused.extend(
-                mmseqs.iter().filter(|(_, p)| p.is_some()).map(|(f, _)| format!("{f} needs --msa-mode mmseqs2")),
-            );
-        }
+        let unused = self.unused();
         if !unused.is_empty() {
             bail!("search options that would be ignored:\n  {}", unused.join("\n  "));
         }
@@ -226,6 +217,21 @@ impl SearchArgs {
             cpus: self.search_cpus,
             reuse: self.use_precomputed_msas || mode == Mode::ReadSaved,
         }))
+    }
+
+    /// The database flags given that the chosen search does not use: AlphaFold's paths outside
+    /// the preset and searcher, or under --msa-mode mmseqs2; ColabFold's under alphafold.
+    fn unused(&self) -> Vec<String> {
+        match self.msa_mode {
+            MsaMode::Mmseqs2 => self.databases.unused_by_mmseqs(),
+            MsaMode::Alphafold => {
+                let mmseqs = [("--mmseqs-uniref-db", &self.mmseqs_uniref_db), ("--mmseqs-env-db", &self.mmseqs_env_db)];
+                let mmseqs = mmseqs.into_iter().filter(|(_, p)| p.is_some());
+                let mut unused = self.databases.unused();
+                unused.extend(mmseqs.map(|(flag, _)| format!("{flag} needs --msa-mode mmseqs2")));
+                unused
+            }
+        }
     }
 
     /// Whether a search was asked for: a data directory or any database flag.
