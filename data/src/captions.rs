@@ -16,7 +16,7 @@
 use std::path::{Path, PathBuf};
 
 use crate::augment::Rng;
-use crate::folder::{decode, is_image, list, resize_shorter};
+use crate::folder::{decode_oriented, is_image, list, resize_shorter};
 use crate::images::Image;
 use crate::{Error, Result};
 
@@ -45,6 +45,9 @@ pub struct Preprocess {
 pub struct CaptionedImages {
     root: PathBuf,
     items: Vec<(PathBuf, String)>,
+    /// Turn images upright by their EXIF orientation: DreamBooth's scripts do
+    /// (`exif_transpose`), diffusers' text-to-image script does not.
+    upright: bool,
 }
 
 fn format_err(path: &Path, msg: String) -> Error {
@@ -61,7 +64,9 @@ impl CaptionedImages {
         let metadata = root.join("metadata.jsonl");
         let items = match instance_prompt {
             Some(prompt) => Self::images(root)?.into_iter().map(|p| (p, prompt.to_string())).collect(),
-            None if metadata.is_file() => Self::from_metadata(root, &metadata)?,
+            // There but not a file (a folder, say) is an error from reading it, not a reason
+            // to take the .txt captions instead.
+            None if metadata.exists() => Self::from_metadata(root, &metadata)?,
             None => Self::images(root)?
                 .into_iter()
                 .map(|image| {
@@ -82,13 +87,21 @@ impl CaptionedImages {
                 .collect::<Result<Vec<_>>>()?,
         };
         if items.is_empty() {
-            return Err(format_err(root, "no jpg, jpeg or png images".into()));
+            return Err(format_err(root, format!("no images ({})", crate::folder::EXTENSIONS.join(", "))));
         }
-        Ok(CaptionedImages { root: root.to_path_buf(), items })
+        Ok(CaptionedImages { root: root.to_path_buf(), items, upright: instance_prompt.is_some() })
     }
 
+    /// The images in `root` (not in its subfolders), sorted; hidden files (`.name`, such as
+    /// macOS's `._photo.jpg`) are left out, as Hugging Face's imagefolder leaves them.
     fn images(root: &Path) -> Result<Vec<PathBuf>> {
-        let mut images: Vec<PathBuf> = list(root)?.into_iter().filter(|p| is_image(p)).collect();
+        let mut images = Vec::new();
+        for path in list(root)? {
+            let hidden = path.file_name().is_some_and(|n| n.as_encoded_bytes().starts_with(b"."));
+            if !hidden && is_image(&path)? {
+                images.push(path);
+            }
+        }
         images.sort();
         Ok(images)
     }
@@ -101,6 +114,8 @@ impl CaptionedImages {
         }
         let text =
             std::fs::read_to_string(metadata).map_err(|source| Error::Io { path: metadata.to_path_buf(), source })?;
+        // Windows editors may start the file with a byte-order mark, which JSON does not allow.
+        let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
         let mut items = vec![];
         for (n, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
             let entry: Entry = serde_json::from_str(line).map_err(|e| {
@@ -113,8 +128,9 @@ impl CaptionedImages {
             items.push((image, entry.text));
         }
         // Images the metadata leaves out have no caption.
+        let listed: std::collections::HashSet<&PathBuf> = items.iter().map(|(p, _)| p).collect();
         for image in Self::images(root)? {
-            if !items.iter().any(|(p, _)| p == &image) {
+            if !listed.contains(&image) {
                 return Err(format_err(&image, format!("no caption: not listed in {}", metadata.display())));
             }
         }
@@ -156,7 +172,7 @@ impl CaptionedImages {
     /// conditioning records it.
     pub fn load_with_geometry(&self, i: usize, how: Preprocess, rng: &mut Rng) -> Result<(Image, Geometry)> {
         let path = self.file(i);
-        let img = decode(path, 3)?;
+        let img = decode_oriented(path, 3, self.upright)?;
         if how.resolution == 0 {
             return Err(format_err(path, "resolution must be positive".into()));
         }
@@ -254,7 +270,17 @@ mod tests {
         fs::write(s.0.join("metadata.jsonl"), "").unwrap();
         let err = CaptionedImages::open(&s.0, None).unwrap_err().to_string();
         assert!(err.contains("a.png: no caption: not listed in"), "{err}");
+        // A byte-order mark is skipped; hidden files (macOS's `._a.png`) are not images.
+        fs::write(s.0.join("metadata.jsonl"), "\u{feff}{\"file_name\": \"a.png\", \"text\": \"x\"}\n").unwrap();
+        fs::write(s.0.join("._a.png"), b"AppleDouble").unwrap();
+        assert_eq!(CaptionedImages::open(&s.0, None).unwrap().len(), 1);
+        fs::remove_file(s.0.join("._a.png")).unwrap();
+        // A metadata.jsonl that is a folder is named, not passed over for .txt captions.
         fs::remove_file(s.0.join("metadata.jsonl")).unwrap();
+        fs::create_dir(s.0.join("metadata.jsonl")).unwrap();
+        let err = CaptionedImages::open(&s.0, None).unwrap_err().to_string();
+        assert!(err.contains("metadata.jsonl"), "{err}");
+        fs::remove_dir(s.0.join("metadata.jsonl")).unwrap();
         fs::write(s.0.join("b.png"), b"not a png").unwrap();
         let d = CaptionedImages::open(&s.0, Some("p")).unwrap();
         let how = Preprocess { resolution: 4, crop: CropMode::Center, flip: false };
@@ -262,7 +288,7 @@ mod tests {
         assert!(err.contains("b.png: cannot decode image"), "{err}");
         let empty = Scratch::new("captions-empty");
         let err = CaptionedImages::open(&empty.0, Some("p")).unwrap_err().to_string();
-        assert!(err.contains("no jpg, jpeg or png images"), "{err}");
+        assert!(err.contains("no images (jpg, jpeg, png"), "{err}");
     }
 
     #[test]

@@ -9,17 +9,19 @@
 use crate::images::{Dataset, Image};
 use crate::{Error, Result};
 use image::imageops::{self, FilterType};
-use image::{ImageBuffer, ImageReader, Luma};
+use image::{ImageBuffer, ImageDecoder, ImageReader, Luma};
 use std::fs;
 use std::path::{Path, PathBuf};
 
-/// Extensions (compared case-insensitively) of the files taken as images.
-const EXTENSIONS: [&str; 3] = ["jpg", "jpeg", "png"];
+/// Extensions (compared case-insensitively) of the files taken as images: torchvision's
+/// `IMG_EXTENSIONS`.
+pub const EXTENSIONS: [&str; 9] = ["jpg", "jpeg", "png", "ppm", "bmp", "pgm", "tif", "tiff", "webp"];
 
 /// The images of a folder with one subfolder per class. Classes are the subfolder names in
-/// sorted order (a label is the index of its class); the images of a class are its files with
-/// a `jpg`, `jpeg` or `png` extension, sorted by path. Other files, and anything nested deeper,
-/// are ignored. Each image is decoded at its own size when it is read.
+/// sorted order (a label is the index of its class); the images of a class are the files with
+/// one of [`EXTENSIONS`] anywhere under its folder (symbolic links followed), in torchvision's
+/// order (by folder, then by name). Other files are ignored. Each image is decoded at its own
+/// size when it is read.
 #[derive(Clone, Debug)]
 pub struct ImageFolder {
     root: PathBuf,
@@ -53,13 +55,15 @@ impl ImageFolder {
         class_dirs.sort();
         let mut files = Vec::new();
         for (label, (_, dir)) in class_dirs.iter().enumerate() {
-            let mut images: Vec<PathBuf> = list(dir)?.into_iter().filter(|p| is_image(p)).collect();
+            let images = images_under(dir)?;
             // As torchvision's ImageFolder: a class without images is an error, not a label
             // the model must learn with no example.
             if images.is_empty() {
-                return Err(format_err(dir, "no .jpg, .jpeg or .png files in this class folder".into()));
+                return Err(format_err(
+                    dir,
+                    format!("no image files ({}) in this class folder", EXTENSIONS.join(", ")),
+                ));
             }
-            images.sort();
             files.extend(images.into_iter().map(|p| (p, label as i64)));
         }
         let classes = class_dirs.into_iter().map(|(name, _)| name).collect();
@@ -96,17 +100,48 @@ impl Dataset for ImageFolder {
     }
 }
 
-/// Decodes the image file at `path` as grey (`channels` 1) or RGB (3), at its own size.
+/// Decodes the image file at `path` as grey (`channels` 1) or RGB (3), at its own size, as
+/// Pillow's `convert("L")`/`convert("RGB")` would. A JPEG cut short is an error, as in Pillow
+/// ("image file is truncated"), not an image whose missing part is grey.
 pub fn decode(path: &Path, channels: usize) -> Result<Image> {
-    let reader = ImageReader::open(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+    decode_oriented(path, channels, false)
+}
+
+/// [`decode`], turned upright by the file's EXIF orientation first when `upright` (Pillow's
+/// `ImageOps.exif_transpose`, which diffusers' DreamBooth scripts apply).
+pub fn decode_oriented(path: &Path, channels: usize, upright: bool) -> Result<Image> {
+    if channels != 1 && channels != 3 {
+        return Err(format_err(path, format!("channels must be 1 or 3, not {channels}")));
+    }
+    let bytes = fs::read(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+    if let Err(msg) = jpeg_complete(&bytes) {
+        return Err(format_err(path, format!("cannot decode image: {msg}")));
+    }
     // Trust the file's first bytes over its extension: a PNG named .jpg still decodes.
-    let reader = reader.with_guessed_format().map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
-    let img = reader.decode().map_err(|e| format_err(path, format!("cannot decode image: {e}")))?;
+    let reader = ImageReader::new(std::io::Cursor::new(&bytes))
+        .with_guessed_format()
+        .map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+    let cannot = |e: image::ImageError| format_err(path, format!("cannot decode image: {e}"));
+    let mut decoder = reader.into_decoder().map_err(cannot)?;
+    let orientation = match upright {
+        true => decoder.orientation().map_err(cannot)?,
+        false => image::metadata::Orientation::NoTransforms,
+    };
+    let mut img = image::DynamicImage::from_decoder(decoder).map_err(cannot)?;
+    img.apply_orientation(orientation);
     let (width, height) = (img.width() as usize, img.height() as usize);
+    let grey_source = !img.color().has_color();
     let interleaved = match channels {
-        1 => img.into_luma8().into_raw(),
-        3 => img.into_rgb8().into_raw(),
-        _ => return Err(format_err(path, format!("channels must be 1 or 3, not {channels}"))),
+        1 if grey_source => img.into_luma8().into_raw(),
+        // ITU-R 601-2 luma with Pillow's fixed-point weights and rounding (the `image`
+        // crate's own conversion weighs by Rec. 709).
+        1 => img
+            .into_rgb8()
+            .into_raw()
+            .chunks_exact(3)
+            .map(|p| ((p[0] as u32 * 19595 + p[1] as u32 * 38470 + p[2] as u32 * 7471 + 0x8000) >> 16) as u8)
+            .collect(),
+        _ => img.into_rgb8().into_raw(),
     };
     // Interleaved `[y, x, c]` bytes to channel-major `[c, y, x]` values in [0, 1].
     let plane = height * width;
@@ -172,9 +207,91 @@ pub(crate) fn list(dir: &Path) -> Result<Vec<PathBuf>> {
     fs::read_dir(dir).map_err(io_err)?.map(|e| e.map(|e| e.path()).map_err(io_err)).collect()
 }
 
-pub(crate) fn is_image(path: &Path) -> bool {
+/// Whether `path` is named as an image (one of [`EXTENSIONS`]) and is a file; a symbolic link
+/// named so that leads nowhere is an error naming it, not an image silently left out.
+pub(crate) fn is_image(path: &Path) -> Result<bool> {
     let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
-    path.is_file() && EXTENSIONS.iter().any(|known| ext.eq_ignore_ascii_case(known))
+    if !EXTENSIONS.iter().any(|known| ext.eq_ignore_ascii_case(known)) {
+        return Ok(false);
+    }
+    if !path.exists() && path.symlink_metadata().is_ok() {
+        return Err(format_err(path, "a symbolic link to nothing".into()));
+    }
+    Ok(path.is_file())
+}
+
+/// The image files anywhere under `dir` (symbolic links followed, as torchvision's
+/// `os.walk(followlinks=True)`), ordered as torchvision orders them: by folder path, then by
+/// file name, both as bytes. A link back to a folder above is an error naming it.
+fn images_under(dir: &Path) -> Result<Vec<PathBuf>> {
+    fn walk(dir: &Path, above: &mut Vec<PathBuf>, found: &mut Vec<PathBuf>) -> Result<()> {
+        let real = fs::canonicalize(dir).map_err(|source| Error::Io { path: dir.to_path_buf(), source })?;
+        if above.contains(&real) {
+            return Err(format_err(dir, "a symbolic link loop (a folder inside itself)".into()));
+        }
+        above.push(real);
+        for path in list(dir)? {
+            if path.is_dir() {
+                walk(&path, above, found)?;
+            } else if is_image(&path)? {
+                found.push(path);
+            }
+        }
+        above.pop();
+        Ok(())
+    }
+    let mut found = Vec::new();
+    walk(dir, &mut Vec::new(), &mut found)?;
+    let key = |p: &PathBuf| {
+        let bytes = |p: &Path| p.as_os_str().as_encoded_bytes().to_vec();
+        (p.parent().map(bytes).unwrap_or_default(), p.file_name().map(|n| n.as_encoded_bytes().to_vec()))
+    };
+    found.sort_by_key(key);
+    Ok(found)
+}
+
+/// `Err` with what is wrong when `bytes` are a JPEG that ends before its end-of-image marker
+/// (a file cut short); `Ok` for a whole JPEG and for anything else. The markers are followed
+/// by their lengths, so an embedded thumbnail's own end marker does not count, and entropy-
+/// coded data is scanned to the next marker (where `0xFF` is followed by a byte other than a
+/// stuffed `0x00` or a restart marker).
+fn jpeg_complete(bytes: &[u8]) -> std::result::Result<(), String> {
+    if !bytes.starts_with(&[0xFF, 0xD8]) {
+        return Ok(());
+    }
+    let cut = || Err("the JPEG data ends before its end-of-image marker (the file is truncated)".to_string());
+    let mut at = 2;
+    loop {
+        // Skip to the next marker (libjpeg passes over stray bytes between segments too).
+        while at < bytes.len() && bytes[at] != 0xFF {
+            at += 1;
+        }
+        while at < bytes.len() && bytes[at] == 0xFF {
+            at += 1;
+        }
+        let Some(&marker) = bytes.get(at) else { return cut() };
+        at += 1;
+        match marker {
+            0xD9 => return Ok(()),
+            0x01 | 0xD0..=0xD7 => continue,
+            _ => {}
+        }
+        let Some(len) = bytes.get(at..at + 2).map(|l| u16::from_be_bytes([l[0], l[1]]) as usize) else { return cut() };
+        at += len;
+        if at > bytes.len() {
+            return cut();
+        }
+        if marker == 0xDA {
+            // Entropy-coded data up to the next real marker.
+            let starts_marker = |i: usize| bytes[i] == 0xFF && !matches!(bytes[i + 1], 0x00 | 0xD0..=0xD7 | 0xFF);
+            while at + 1 < bytes.len() && !starts_marker(at) {
+                at += 1;
+            }
+            if at + 1 >= bytes.len() {
+                return cut();
+            }
+        }
+    }
 }
 
 /// Helpers shared with the tests of [`crate::h5`].
@@ -230,7 +347,26 @@ pub(crate) mod tests {
         // A class folder without images is an error naming it (torchvision's ImageFolder too).
         fs::create_dir(dir.0.join("cat")).unwrap();
         let err = ImageFolder::open(&dir.0, 3).err().unwrap().to_string();
-        assert!(err.contains("cat") && err.contains("no .jpg, .jpeg or .png files in this class folder"), "{err}");
+        assert!(err.contains("cat") && err.contains("no image files (jpg, jpeg, png, ppm"), "{err}");
+        fs::remove_dir(dir.0.join("cat")).unwrap();
+        // As torchvision: images in subfolders belong to the class, ordered by folder then by
+        // name, in every format torchvision's extensions name; a link to nothing is named.
+        fs::create_dir(dir.0.join("ant").join("sub")).unwrap();
+        RgbImage::from_fn(4, 3, |x, y| Rgb(colour(3, x, y))).save(dir.0.join("ant").join("sub").join("0.png")).unwrap();
+        RgbImage::from_fn(4, 3, |x, y| Rgb(colour(4, x, y))).save(dir.0.join("ant").join("z.bmp")).unwrap();
+        let folder = ImageFolder::open(&dir.0, 3).unwrap();
+        let names: Vec<_> =
+            (0..folder.len()).map(|i| folder.file(i).strip_prefix(&dir.0).unwrap().to_owned()).collect();
+        let want = ["ant/a0.png", "ant/a1.png", "ant/z.bmp", "ant/sub/0.png", "bee/b.PNG"];
+        assert_eq!(names, want.map(PathBuf::from));
+        assert_eq!(folder.get(2).unwrap().0.at(0, 1, 2), f32::from(colour(4, 2, 1)[0]) / 255.0, "the BMP decodes");
+        std::os::unix::fs::symlink(dir.0.join("nowhere.png"), dir.0.join("bee").join("gone.png")).unwrap();
+        let err = ImageFolder::open(&dir.0, 3).err().unwrap().to_string();
+        assert!(err.contains("gone.png: a symbolic link to nothing"), "{err}");
+        fs::remove_file(dir.0.join("bee").join("gone.png")).unwrap();
+        std::os::unix::fs::symlink(dir.0.join("ant"), dir.0.join("ant").join("sub").join("up")).unwrap();
+        let err = ImageFolder::open(&dir.0, 3).err().unwrap().to_string();
+        assert!(err.contains("symbolic link loop"), "{err}");
     }
 
     #[test]
@@ -250,10 +386,46 @@ pub(crate) mod tests {
         make_folder(&dir.0, 4, 3);
         let (img, label) = ImageFolder::open(&dir.0, 1).unwrap().get(0).unwrap();
         assert_eq!((img.channels, img.height, img.width, label), (1, 3, 4, 0));
-        // image's RGB to luma weights (BT.709), rounded to a byte.
+        // Pillow's ITU-R 601-2 luma (`convert("L")`), rounded to a byte.
         let [r, g, b] = colour(1, 3, 2).map(f32::from);
-        let luma = (0.2126 * r + 0.7152 * g + 0.0722 * b).round();
-        assert!((img.at(0, 2, 3) * 255.0 - luma).abs() <= 1.0, "{} vs {luma}", img.at(0, 2, 3) * 255.0);
+        let luma = (0.299 * r + 0.587 * g + 0.114 * b).round();
+        assert!((img.at(0, 2, 3) * 255.0 - luma).abs() <= 0.5, "{} vs {luma}", img.at(0, 2, 3) * 255.0);
+        // Pure red, green and blue as Pillow makes them grey.
+        let path = dir.0.join("primaries.png");
+        RgbImage::from_fn(3, 1, |x, _| Rgb(std::array::from_fn(|c| if c == x as usize { 255 } else { 0 })))
+            .save(&path)
+            .unwrap();
+        let grey = decode(&path, 1).unwrap();
+        assert_eq!(grey.pixels.iter().map(|v| (v * 255.0).round() as u8).collect::<Vec<_>>(), [76, 150, 29]);
+    }
+
+    #[test]
+    fn a_truncated_jpeg_is_an_error_and_exif_orientation_turns_images_upright() {
+        let dir = Scratch::new("truncated");
+        let path = dir.0.join("x.jpg");
+        RgbImage::from_fn(40, 48, |x, y| Rgb([(x * 6) as u8, (y * 5) as u8, 90])).save(&path).unwrap();
+        let whole = fs::read(&path).unwrap();
+        assert!(decode(&path, 3).is_ok());
+        for cut in [whole.len() / 2, whole.len() - 2] {
+            fs::write(&path, &whole[..cut]).unwrap();
+            let err = decode(&path, 3).unwrap_err().to_string();
+            assert!(err.contains("x.jpg") && err.contains("truncated"), "cut at {cut}: {err}");
+        }
+        // A 2x1 PNG whose EXIF says "rotate 90 degrees clockwise" (orientation 6).
+        let exif =
+            [b"MM\0*".as_slice(), &[0, 0, 0, 8, 0, 1, 0x01, 0x12, 0, 3, 0, 0, 0, 1, 0, 6, 0, 0, 0, 0, 0, 0]].concat();
+        let png = dir.0.join("turned.png");
+        let mut bytes = Vec::new();
+        let mut encoder = image::codecs::png::PngEncoder::new(&mut bytes);
+        image::ImageEncoder::set_exif_metadata(&mut encoder, exif).unwrap();
+        image::ImageEncoder::write_image(encoder, &[255, 0, 0, 0, 0, 255], 2, 1, image::ExtendedColorType::Rgb8)
+            .unwrap();
+        fs::write(&png, bytes).unwrap();
+        let as_stored = decode(&png, 3).unwrap();
+        assert_eq!((as_stored.height, as_stored.width), (1, 2));
+        let upright = decode_oriented(&png, 3, true).unwrap();
+        assert_eq!((upright.height, upright.width), (2, 1));
+        assert_eq!((upright.at(0, 0, 0), upright.at(2, 1, 0)), (1.0, 1.0), "red on top, blue below");
     }
 
     #[test]
@@ -294,11 +466,11 @@ pub(crate) mod tests {
 
         fs::create_dir(dir.0.join("empty")).unwrap();
         let err = ImageFolder::open(&dir.0, 3).unwrap_err();
-        assert!(err.to_string().contains("no .jpg"), "{err}");
+        assert!(err.to_string().contains("no image files"), "{err}");
 
         make_folder(&dir.0, 2, 2);
         let err = ImageFolder::open(&dir.0, 3).unwrap_err();
-        assert!(err.to_string().contains("empty: no .jpg"), "an empty class folder beside full ones: {err}");
+        assert!(err.to_string().contains("empty: no image files"), "an empty class folder beside full ones: {err}");
         fs::remove_dir(dir.0.join("empty")).unwrap();
         assert!(ImageFolder::open(&dir.0, 3).is_ok());
         let err = ImageFolder::open(&dir.0, 4).unwrap_err();

@@ -86,6 +86,10 @@ impl Hdf5Images {
             .iter()
             .map(|s| s.as_str().to_string())
             .collect();
+        let mut seen = std::collections::HashSet::new();
+        if let Some(twice) = classes.iter().find(|c| !seen.insert(c.as_str())) {
+            return Err(err(format!("dataset `classes`: {twice:?} appears twice (two labels would name one class)")));
+        }
 
         let labels = dataset(&file, path, "labels", 1, TypeDescriptor::Integer(IntSize::U8), "int64")?;
         let labels = labels.read_raw::<i64>().map_err(|e| err(format!("dataset `labels`: {e}")))?;
@@ -242,6 +246,7 @@ pub fn write_hdf5(
     };
     let name = path.file_name().ok_or_else(|| io_err(path)(std::io::Error::other("not a file path")))?;
     let tmp = path.with_file_name(format!(".{}.tmp-{}", name.to_string_lossy(), std::process::id()));
+    let _live = crate::temporaries::Temporary::new(&tmp);
     let result = write_file(&tmp, path, shape, classes, count, examples)
         // Every HDF5 handle is closed by now; make the bytes durable before the rename.
         .and_then(|()| fs::File::open(&tmp).and_then(|f| f.sync_all()).map_err(io_err(&tmp)))
@@ -329,6 +334,14 @@ fn write_file(
     file.flush().map_err(h5("flush"))
 }
 
+/// Whether `path` is named as an HDF5 file (`.h5` or `.hdf5`, in any case): how the trainers
+/// tell an HDF5 data set from an image folder.
+pub fn is_hdf5_path(path: &Path) -> bool {
+    path.extension()
+        .and_then(|e| e.to_str())
+        .is_some_and(|e| e.eq_ignore_ascii_case("h5") || e.eq_ignore_ascii_case("hdf5"))
+}
+
 /// Converts the [`ImageFolder`] at `folder` into an HDF5 file at `out` (see [`write_hdf5`]):
 /// each image decoded with `channels` channels, cropped to its centred square and resized to
 /// `size` x `size` by [`resize_square`]. Images are decoded in parallel, a batch at a time, so
@@ -336,6 +349,12 @@ fn write_file(
 pub fn convert_folder(folder: &Path, out: &Path, size: usize, channels: usize) -> Result<usize> {
     if size == 0 {
         return Err(Error::Format { path: out.to_path_buf(), msg: "image size must be positive".into() });
+    }
+    if !is_hdf5_path(out) {
+        return Err(Error::Format {
+            path: out.to_path_buf(),
+            msg: "the output must end in .h5 or .hdf5 (the trainers tell HDF5 data by its extension)".into(),
+        });
     }
     let images = ImageFolder::open(folder, channels)?;
     let n = images.len();
@@ -439,6 +458,17 @@ mod tests {
         let err = write_hdf5(&out, [1, 1, 1], &["only".to_string()], 2, examples).unwrap_err();
         assert!(err.to_string().contains("label 1 of example 1"), "{err}");
         assert_eq!(fs::read_dir(&dir.0).unwrap().count(), 1, "only src, no output or temporary file");
+
+        // An output the trainers would not read as HDF5 is refused before any work.
+        fs::remove_file(&bad).unwrap();
+        let err = convert_folder(&src, &dir.0.join("out.txt"), 4, 3).unwrap_err().to_string();
+        assert!(err.contains("out.txt: the output must end in .h5 or .hdf5"), "{err}");
+        assert!(is_hdf5_path(Path::new("x.H5")) && is_hdf5_path(Path::new("x.Hdf5")) && !is_hdf5_path(Path::new("h5")));
+        // Two classes of one name are refused when read.
+        let examples = (0..2).map(|i| Ok((Image::new(1, 1, 1, vec![0.0]), i)));
+        write_hdf5(&out, [1, 1, 1], &["ant".to_string(), "ant".to_string()], 2, examples).unwrap();
+        let err = Hdf5Images::open(&out).err().unwrap().to_string();
+        assert!(err.contains("\"ant\" appears twice"), "{err}");
     }
 
     #[test]

@@ -57,6 +57,28 @@ impl Image {
     }
 }
 
+/// Writes each image to its path as [`Image::write_png`] does, all or none: the images of one
+/// run are a set, and a part of it would read as the output of a run with fewer images. When
+/// one fails, those written before it are removed and the error says which one failed.
+pub fn write_pngs(images: &[(std::path::PathBuf, Image)]) -> Result<()> {
+    for (i, (path, image)) in images.iter().enumerate() {
+        if let Err(e) = image.write_png(path) {
+            for (done, _) in &images[..i] {
+                let _ = std::fs::remove_file(done);
+            }
+            return Err(crate::Error::Format {
+                path: path.clone(),
+                msg: format!(
+                    "writing image {} of {}: {e}; the {i} written before it were removed",
+                    i + 1,
+                    images.len()
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// A labelled image data set.
 pub trait Dataset: Send + Sync {
     /// Number of examples.

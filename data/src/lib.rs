@@ -15,6 +15,7 @@ pub mod images;
 pub mod loader;
 pub mod npz;
 pub mod sampler;
+pub mod temporaries;
 
 pub use captions::CaptionedImages;
 pub use folder::ImageFolder;
@@ -73,6 +74,7 @@ pub fn write_atomic<E: From<Error>>(
         .file_name()
         .ok_or_else(|| Error::Io { path: path.to_path_buf(), source: std::io::Error::other("not a file path") })?;
     let tmp = dir.join(format!(".{}.tmp-{}", name.to_string_lossy(), std::process::id()));
+    let _live = temporaries::Temporary::new(&tmp);
     let result = (|| {
         let mut out = BufWriter::new(File::create(&tmp).map_err(io_err(&tmp))?);
         write(&mut out)?;

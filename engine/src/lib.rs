@@ -13,6 +13,7 @@ pub mod cuda;
 pub mod device;
 pub mod dist;
 mod error;
+pub mod failure;
 mod ffi;
 pub mod gemini;
 pub mod host_memory;

@@ -1,7 +1,7 @@
 //! Training logs: one record per step as JSON lines or CSV, chosen by the file's extension, for
 //! every trainer. On resume, records after the checkpoint's step are dropped, so the file reads
 //! as one uninterrupted run.
-use std::fs::File;
+use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 
@@ -17,10 +17,13 @@ pub trait Record: serde::Serialize {
     fn csv_row(&self) -> String;
 }
 
-/// An open metrics file (see the module docs).
+/// An open metrics file (see the module docs). The file is written from the first record on,
+/// so a run that fails before its first step leaves an earlier log as it was and no empty one.
 pub struct Metrics {
     path: PathBuf,
-    file: File,
+    file: Option<File>,
+    /// The lines that go before the first record: the CSV header and the records kept on resume.
+    leading: Vec<String>,
     csv: bool,
 }
 
@@ -31,19 +34,21 @@ fn io_error(path: &Path, e: std::io::Error) -> Error {
 impl Metrics {
     /// Opens `path` for records of `R` (`.csv` for CSV, anything else JSON lines). From
     /// scratch (`resume_step` None) the file is replaced; on resume, records up to
-    /// `resume_step` are kept.
+    /// `resume_step` are kept. Whether `path` can be written is checked here, before any step.
     pub fn open<R: Record>(path: &Path, resume_step: Option<usize>) -> Result<Metrics> {
         let csv = path.extension().is_some_and(|e| e == "csv");
         let kept = match resume_step {
             Some(step) if path.exists() => kept_lines(path, csv, step)?,
             _ => vec![],
         };
-        let mut file = File::create(path).map_err(|e| io_error(path, e))?;
-        let header = csv.then_some(R::CSV_HEADER);
-        for line in header.into_iter().map(str::to_owned).chain(kept) {
-            writeln!(file, "{line}").map_err(|e| io_error(path, e))?;
+        if path.exists() {
+            OpenOptions::new().append(true).open(path).map_err(|e| io_error(path, e))?;
+        } else {
+            OpenOptions::new().write(true).create_new(true).open(path).map_err(|e| io_error(path, e))?;
+            std::fs::remove_file(path).map_err(|e| io_error(path, e))?;
         }
-        Ok(Metrics { path: path.to_path_buf(), file, csv })
+        let header = csv.then(|| R::CSV_HEADER.to_owned());
+        Ok(Metrics { path: path.to_path_buf(), file: None, leading: header.into_iter().chain(kept).collect(), csv })
     }
 
     /// Appends one record and flushes it, so the log is current if the job dies.
@@ -52,7 +57,18 @@ impl Metrics {
             true => r.csv_row(),
             false => serde_json::to_string(r).map_err(|e| Error::Invalid(format!("metrics record: {e}")))?,
         };
-        writeln!(self.file, "{line}").and_then(|()| self.file.flush()).map_err(|e| io_error(&self.path, e))
+        let path = &self.path;
+        let file = match &mut self.file {
+            Some(file) => file,
+            None => {
+                let mut file = File::create(path).map_err(|e| io_error(path, e))?;
+                for line in self.leading.drain(..) {
+                    writeln!(file, "{line}").map_err(|e| io_error(path, e))?;
+                }
+                self.file.insert(file)
+            }
+        };
+        writeln!(file, "{line}").and_then(|()| file.flush()).map_err(|e| io_error(path, e))
     }
 }
 
@@ -102,7 +118,9 @@ mod tests {
             let mut m = Metrics::open::<Step>(&path, None).unwrap();
             (1..=4).for_each(|s| m.write(&record(s)).unwrap());
             drop(m);
+            // Until its first record a resumed run leaves the log as it was.
             let mut m = Metrics::open::<Step>(&path, Some(2)).unwrap();
+            assert_eq!(std::fs::read_to_string(&path).unwrap().lines().count(), 4 + name.ends_with("csv") as usize);
             m.write(&record(3)).unwrap();
             let text = std::fs::read_to_string(&path).unwrap();
             let lines: Vec<&str> = text.lines().collect();
@@ -115,6 +133,19 @@ mod tests {
                 assert!(lines[1].contains("\"val\":0.5") && lines[2].starts_with("{\"step\":3"), "{text}");
             }
         }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_run_without_records_writes_no_file_and_an_unwritable_path_fails_at_open() {
+        let dir = std::env::temp_dir().join(format!("engine-metrics-none-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("m.csv");
+        drop(Metrics::open::<Step>(&path, None).unwrap());
+        assert!(!path.exists(), "an empty log was left");
+        let missing = dir.join("no-such-folder/m.jsonl");
+        let err = Metrics::open::<Step>(&missing, None).err().unwrap().to_string();
+        assert!(err.contains("no-such-folder/m.jsonl"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -300,3 +300,20 @@ dist_test!(average_gradients_handles_gradients_missing_on_some_ranks, 2, |world|
     assert!(!c.grad().defined(), "no gradient anywhere stays none");
     Ok(())
 });
+
+dist_test!(fp16_gradients_whose_sum_overflows_average_as_their_mean, 2, |world| {
+    // 40000 on each of 2 ranks: the sum (80000) is past fp16's largest value (65504), their
+    // mean is not. Loss-scaled fp16 gradients sit near that edge, so each rank divides before
+    // the sum (as PyTorch DDP's default hook does), through buckets and the one-call average.
+    let fp16 = (Kind::Half, tch::Device::Cpu);
+    let p = Tensor::zeros([4], fp16).set_requires_grad(true);
+    let ddp = DataParallel::new(&[Param::new("p", &p)], &world.group, DataParallelConfig::default())?;
+    (&p * 40000.0).sum(Kind::Half).backward();
+    ddp.finish_gradients()?;
+    assert_eq!(Vec::<f32>::try_from(p.grad().to_kind(Kind::Float))?, vec![40000.0; 4], "bucketed average");
+    let q = Tensor::zeros([3], fp16).set_requires_grad(true);
+    (&q * 40000.0).sum(Kind::Half).backward();
+    engine::parallel::average_gradients(&[Param::new("q", &q)], &world.group)?;
+    assert_eq!(Vec::<f32>::try_from(q.grad().to_kind(Kind::Float))?, vec![40000.0; 3], "one-call average");
+    Ok(())
+});

@@ -269,6 +269,26 @@ dist_test!(replicated_chunks_on_2_ranks_match_one_process, 2, |world| {
     on_two_ranks(world, false, Placement::Static { offload: 1.0 }, PLAIN)
 });
 
+dist_test!(auto_placement_on_2_ranks_leaves_room_for_the_gradients_reduced_at_the_end, 2, |world| {
+    // Over a group every chunk's whole gradient waits on the device for the reductions at the
+    // end of backward (6 chunks of 1 KiB here): the plan keeps room for them beside the
+    // working set, so homes moved to the device after the warm-up step never crowd them out.
+    let budget = 20 * 1024;
+    let plain = train_plain(Rule::AdamW, PLAIN);
+    let setup = Setup { placement: Placement::Auto, budget, group: Some((world.group.clone(), false)) };
+    let (params, _, peak, g) = train_gemini(Rule::AdamW, PLAIN, &setup, 0..STEPS, no_hooks, no_hooks);
+    let m = g.manager()?;
+    let gradients = m.chunk_count() * 4 * CHUNK;
+    assert_eq!(m.reduced_gradient_bytes(), gradients);
+    let working = (m.widest_access() + 2) * 4 * CHUNK + gradients;
+    let on_device = (0..m.chunk_count()).filter(|&c| m.tier(c) == Tier::Device).count();
+    assert_eq!(on_device, (budget - working) / (4 * 4 * CHUNK), "homes moved to the device while they fit");
+    assert!(on_device >= 1);
+    assert!(peak <= budget, "{peak} > {budget}");
+    assert_same(&params, &plain, "2 ranks, replicated chunks, auto placement");
+    Ok(())
+});
+
 dist_test!(checkpoint_saved_on_2_ranks_resumes_on_1, 2, |world| {
     let dir = std::env::temp_dir().join(format!("gemini-ckpt-{}", world.env.master_port));
     let rule = Rule::Lamb;

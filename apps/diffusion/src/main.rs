@@ -20,8 +20,13 @@ enum Cli {
     Env,
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
+    engine::failure::exit_code(run())
+}
+
+fn run() -> anyhow::Result<()> {
     engine::process::keep_freed_memory();
+    data::temporaries::remove_on_interrupt();
     match Cli::parse() {
         Cli::Sample(args) => {
             let (paths, seconds) = sample::run(&args)?;

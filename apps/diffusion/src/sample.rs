@@ -466,11 +466,10 @@ pub fn run(args: &SampleArgs) -> anyhow::Result<(Vec<std::path::PathBuf>, f64)> 
     if let Some(dir) = args.out.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
-    let mut written = Vec::with_capacity(count);
-    for i in 0..count {
-        let path = output_path(&args.out, i, count);
-        to_image(&images, i as i64)?.write_png(&path)?;
-        written.push(path);
-    }
+    let images = (0..count)
+        .map(|i| Ok((output_path(&args.out, i, count), to_image(&images, i as i64)?)))
+        .collect::<Result<Vec<_>>>()?;
+    data::images::write_pngs(&images)?;
+    let written = images.into_iter().map(|(path, _)| path).collect();
     Ok((written, seconds))
 }

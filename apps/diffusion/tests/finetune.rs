@@ -291,6 +291,9 @@ fn the_command_trains_logs_validates_and_saves() {
         out.to_str().unwrap(),
     ]);
     assert!(!ok && text.contains("--resolution 18") && text.contains("multiple of 4"), "{text}");
+    let huge = ["--model", model.to_str().unwrap(), "--data", data.to_str().unwrap(), "--resolution", "16384"];
+    let (ok, text) = finetune(&[&huge[..], &["-o", out.to_str().unwrap()]].concat());
+    assert!(!ok && text.contains("invalid value '16384' for '--resolution"), "{text}");
     let (ok, text) = finetune(&[
         "--model",
         model.to_str().unwrap(),

@@ -208,6 +208,28 @@ fn the_command_writes_pngs() {
         assert_eq!((img.channels, img.height, img.width), (3, 16, 16), "{}", path.display());
     }
     assert!(text.contains("s per image"), "{text}");
+
+    // A set that cannot be written whole is not written at all: with `cat-1.png` a folder,
+    // the first image is removed again and the error says which image failed.
+    std::fs::remove_file(dir.join("cat-0.png")).unwrap();
+    std::fs::remove_file(dir.join("cat-1.png")).unwrap();
+    std::fs::create_dir(dir.join("cat-1.png")).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_diffusion"))
+        .args(["sample", "--model"])
+        .arg(fixtures().join("pipeline"))
+        .args(["--prompt", "a cat", "--steps", "1", "--num-images", "2", "-o"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success()
+            && text.contains("writing image 2 of 2")
+            && text.contains("the 1 written before it were removed"),
+        "{text}"
+    );
+    assert!(!dir.join("cat-0.png").exists(), "a half set of images was left behind");
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

@@ -23,8 +23,10 @@ pub struct InputArgs {
     /// sequence runs alone (single-sequence mode).
     #[arg(long)]
     pub msa: Option<PathBuf>,
-    /// Already-processed features (`.npz` under AlphaFold's feature names, with the leading
-    /// recycling dimension), in place of FASTA and MSA.
+    /// Features in place of FASTA and MSA: processed ones (`.npz` under AlphaFold's feature
+    /// names, with the leading recycling dimension; every model runs on them as they are), or
+    /// the raw `features.npz` that predict writes beside its outputs (AlphaFold's
+    /// `features.pkl` arrays; processed here per model, as FASTA input is).
     #[arg(long, conflicts_with_all = ["fasta", "msa"])]
     pub features: Option<PathBuf>,
     /// AlphaFold's model preset (model_1 ... model_5, optionally _ptm) whose MSA sizes apply;
@@ -111,9 +113,14 @@ impl InputArgs {
             self.check_searchable()?;
         }
         if let Some(path) = &self.features {
-            let features = Features::load_npz(path, device)?;
+            let arrays = data::npz::read(path)?;
+            let names: Vec<&str> = arrays.iter().map(|(k, _)| k.as_str()).collect();
+            let query = match RawFeatures::are_raw(&names) {
+                true => Query::Raw(RawFeatures::from_npz_arrays(arrays, path)?),
+                false => Query::Processed(Features::from_npz_arrays(arrays, path, device)?),
+            };
             let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-            return Ok(vec![(file_stem(&name), Query::Processed(features))]);
+            return Ok(vec![(file_stem(&name), query)]);
         }
         let Some(fasta) = &self.fasta else { bail!("give a FASTA file or --features") };
         let records = data::fasta::read(fasta)?;
@@ -193,7 +200,7 @@ impl InputArgs {
 pub enum Query {
     /// From FASTA (and A3M).
     Raw(RawFeatures),
-    /// From `--features`: every model runs on them as they are.
+    /// From a processed `--features` file: every model runs on them as they are.
     Processed(Features),
 }
 

@@ -24,8 +24,13 @@ enum Cli {
     Env,
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
+    engine::failure::exit_code(run())
+}
+
+fn run() -> anyhow::Result<()> {
     engine::process::keep_freed_memory();
+    data::temporaries::remove_on_interrupt();
     match Cli::parse() {
         Cli::Predict(args) => {
             let Some(world) = args.launch.launch_or_join()? else { return Ok(()) };

@@ -144,6 +144,7 @@ pub fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predicted>> 
     let mut done = Vec::new();
     for (name, query) in &queries {
         let dir = args.out.join(name);
+        let created = world.rank() == 0 && !dir.exists();
         if world.rank() == 0 {
             std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
         }
@@ -151,7 +152,17 @@ pub fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predicted>> 
         timings.add("features", read_seconds);
         let mut scores = Vec::new();
         for model in &runner.models {
-            let p = runner.predict(model, name, query, &dir, &mut timings)?;
+            let p = match runner.predict(model, name, query, &dir, &mut timings) {
+                Ok(p) => p,
+                Err(e) => {
+                    // A query folder this run made and wrote nothing to goes with the failure
+                    // (`remove_dir` removes only an empty folder).
+                    if created {
+                        let _ = std::fs::remove_dir(&dir);
+                    }
+                    return Err(e);
+                }
+            };
             scores.push((p.model.clone(), p.mean_plddt, p.ptm));
             done.push(p);
         }
@@ -200,9 +211,6 @@ struct Runner<'a> {
     dap: Dap,
     kind: Kind,
     models: Vec<Model>,
-    /// Recycles when the features are processed here (they get the slices the recycles need);
-    /// `None` with a features file, which has its own.
-    processed_recycles: Option<usize>,
 }
 
 impl<'a> Runner<'a> {
@@ -214,11 +222,7 @@ impl<'a> Runner<'a> {
             .iter()
             .map(|f| Model::load(args, f, files.len() > 1, kind, device, backend))
             .collect::<anyhow::Result<Vec<_>>>()?;
-        let processed_recycles = match &args.input.features {
-            Some(_) => None,
-            None => Some(args.recycles.unwrap_or(3)),
-        };
-        Ok(Runner { args, world, device, dap, kind, models, processed_recycles })
+        Ok(Runner { args, world, device, dap, kind, models })
     }
 
     /// `model` on `query`: its features processed for the model's preset, the prediction, and
@@ -233,11 +237,17 @@ impl<'a> Runner<'a> {
     ) -> anyhow::Result<Predicted> {
         let args = self.args;
         let start = Instant::now();
-        let features =
-            args.input.process(query, self.processed_recycles.unwrap_or(0), model.preset, self.device, name)?;
+        // Features processed here get the slices the recycles need; a processed file has its own.
+        let processed_recycles = match query {
+            Query::Raw(_) => Some(args.recycles.unwrap_or(3)),
+            Query::Processed(_) => None,
+        };
+        let features = args.input.process(query, processed_recycles.unwrap_or(0), model.preset, self.device, name)?;
         timings.add(format!("process_features_{}", model.name), start.elapsed().as_secs_f64());
-        let recycling =
-            Recycling { max: self.max_recycles(&features)?, early_stop_tolerance: args.recycle_early_stop_tolerance };
+        let recycling = Recycling {
+            max: self.max_recycles(&features, processed_recycles)?,
+            early_stop_tolerance: args.recycle_early_stop_tolerance,
+        };
         let start = Instant::now();
         let (pass, recycles) = tch::no_grad(|| {
             model.net.predict_recycling(&features, recycling, self.kind, &self.dap, args.chunk.chunk_size)
@@ -265,9 +275,9 @@ impl<'a> Runner<'a> {
 
     /// The most recycles to run on `features`: `--num-recycle` (default 3) when processed here,
     /// else `--num-recycle` if the file has the slices, by default all it has.
-    fn max_recycles(&self, features: &Features) -> anyhow::Result<usize> {
+    fn max_recycles(&self, features: &Features, processed_recycles: Option<usize>) -> anyhow::Result<usize> {
         let available = features.num_iterations().max(1) as usize;
-        Ok(match (self.processed_recycles, self.args.recycles) {
+        Ok(match (processed_recycles, self.args.recycles) {
             (Some(r), _) => r,
             (None, Some(r)) if r >= available => bail!(
                 "--num-recycle {r} needs {} recycling slices of features, but --features {} has {available}",

@@ -8,8 +8,9 @@ pub fn parse_batch(s: &str) -> Result<usize, String> {
         Some(d) => (d, 1024),
         None => (t.as_str(), 1),
     };
-    match digits.parse::<usize>() {
-        Ok(n) if n > 0 => Ok(n * scale),
+    match digits.parse::<usize>().ok().filter(|&n| n > 0).map(|n| n.checked_mul(scale)) {
+        Some(Some(n)) => Ok(n),
+        Some(None) => Err(format!("{s:?} is more examples than can be counted")),
         _ => Err(format!("{s:?} is not a batch size (a positive number, optionally with a k suffix)")),
     }
 }

@@ -45,6 +45,9 @@ pub struct TrainerState {
     pub clean_steps: usize,
     /// The model's architecture.
     pub model: VitConfig,
+    /// Class names by label (absent in checkpoints from before they were saved).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub classes: Option<Vec<String>>,
 }
 
 impl TrainerState {
@@ -63,6 +66,9 @@ impl TrainerState {
             if saved != now {
                 bail!("cannot resume: the checkpoint was trained with {what} {saved}, this run has {now}");
             }
+        }
+        if let (Some(saved), Some(now)) = (&self.classes, &run.classes) {
+            crate::model::check_classes(saved, now, "cannot resume: the checkpoint", "--data")?;
         }
         Ok(())
     }

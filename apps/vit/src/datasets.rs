@@ -36,13 +36,24 @@ pub struct Splits {
     pub embedded: bool,
 }
 
-/// Opens a folder or HDF5 data set; the error names the path.
-pub fn open(path: &Path, channels: usize) -> anyhow::Result<Arc<dyn Dataset>> {
-    let is_h5 = path.extension().is_some_and(|e| e == "h5" || e == "hdf5");
-    Ok(if is_h5 {
-        Arc::new(Hdf5Images::open(path)?)
+/// Opens a folder (decoded to `channels`, 3 by default) or an HDF5 data set (whose channels
+/// were fixed when it was converted: another `channels` is an error); the error names the path.
+pub fn open(path: &Path, channels: Option<usize>) -> anyhow::Result<Arc<dyn Dataset>> {
+    if !path.exists() {
+        bail!("{}: does not exist", path.display());
+    }
+    Ok(if data::h5::is_hdf5_path(path) {
+        let h5 = Hdf5Images::open(path)?;
+        if let Some(c) = channels.filter(|&c| c != h5.channels()) {
+            bail!(
+                "--channels {c}: {} holds {}-channel images (fixed when it was converted)",
+                path.display(),
+                h5.channels()
+            );
+        }
+        Arc::new(h5)
     } else if path.is_dir() {
-        Arc::new(ImageFolder::open(path, channels)?)
+        Arc::new(ImageFolder::open(path, channels.unwrap_or(3))?)
     } else {
         bail!("{}: neither a folder of class subfolders nor an .h5/.hdf5 file", path.display())
     })
@@ -65,7 +76,7 @@ impl DataArgs {
             let (train, val) = digits::split();
             return Ok(Splits { train: Arc::new(train), val: Arc::new(val), embedded: true });
         };
-        let channels = self.channels.unwrap_or(3);
+        let channels = self.channels;
         let all = open(path, channels)?;
         if let Some(val_path) = &self.val_data {
             let val = open(val_path, channels)?;

@@ -6,7 +6,7 @@ use tch::nn::VarStore;
 use tch::{Device, Kind};
 
 use crate::datasets::{DataArgs, Transforms};
-use crate::model::{Vit, VitConfig};
+use crate::model::{ModelFile, Vit};
 use crate::train::evaluate;
 
 /// Options of `vit eval`.
@@ -25,8 +25,9 @@ pub fn run(args: &EvalArgs) -> anyhow::Result<(f64, f64)> {
     let dir = &args.checkpoint;
     let cfg_path = dir.join("model.json");
     let text = std::fs::read_to_string(&cfg_path).with_context(|| format!("reading {}", cfg_path.display()))?;
-    let cfg: VitConfig =
+    let file: ModelFile =
         serde_json::from_str(&text).with_context(|| format!("{}: not a model description", cfg_path.display()))?;
+    let cfg = file.config;
     cfg.validate().map_err(|e| anyhow::anyhow!("{}: {e}", cfg_path.display()))?;
     let splits = args.data.splits()?;
     let val = splits.val;
@@ -42,6 +43,9 @@ pub fn run(args: &EvalArgs) -> anyhow::Result<(f64, f64)> {
             val.channels(),
             val.classes().len()
         );
+    }
+    if let Some(trained) = &file.label_names {
+        crate::model::check_classes(trained, val.classes(), &cfg_path.display().to_string(), "the data set")?;
     }
     let vs = VarStore::new(Device::Cpu);
     let model = Vit::new(&vs.root(), cfg);

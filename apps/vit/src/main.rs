@@ -37,9 +37,23 @@ enum DataCommand {
     },
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
+    engine::failure::exit_code(run())
+}
+
+fn run() -> anyhow::Result<()> {
     engine::process::keep_freed_memory();
-    match Cli::parse() {
+    data::temporaries::remove_on_interrupt();
+    let matches = <Cli as clap::CommandFactory>::command().get_matches();
+    let mut cli = <Cli as clap::FromArgMatches>::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    if let (Cli::Pretrain(args), Some(("pretrain", given))) = (&mut cli, matches.subcommand()) {
+        args.given = given
+            .ids()
+            .filter(|id| given.value_source(id.as_str()) == Some(clap::parser::ValueSource::CommandLine))
+            .map(|id| id.to_string())
+            .collect();
+    }
+    match cli {
         Cli::Pretrain(args) => {
             if args.planner == Some(vit::plan::PlannerMode::Plan) {
                 print!("{}", vit::plan::run(&args)?);

@@ -41,6 +41,35 @@ pub struct VitConfig {
     pub mlp_ratio: f64,
 }
 
+/// `model.json`: the architecture and the class names by label (timm's `label_names`), so a
+/// model is evaluated or resumed only on data whose folders give the same labels.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct ModelFile {
+    /// The architecture.
+    #[serde(flatten)]
+    pub config: VitConfig,
+    /// Class names in label order (absent in files written before they were saved).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub label_names: Option<Vec<String>>,
+}
+
+/// An error when `data`'s classes are not the `trained` ones in the same order: the labels
+/// would then mean other classes, and accuracy or further training would be silently wrong.
+pub fn check_classes(trained: &[String], data: &[String], trained_where: &str, data_where: &str) -> anyhow::Result<()> {
+    if trained == data {
+        return Ok(());
+    }
+    let first = trained.iter().zip(data).position(|(a, b)| a != b).unwrap_or(trained.len().min(data.len()));
+    let name = |names: &[String]| names.get(first).map_or("none".to_string(), |n| format!("{n:?}"));
+    anyhow::bail!(
+        "{trained_where} was trained on {} classes, {data_where} has {}; label {first} is {} there and {} here",
+        trained.len(),
+        data.len(),
+        name(trained),
+        name(data)
+    )
+}
+
 impl VitConfig {
     fn sized(width: i64, depth: i64, heads: i64, patch_size: i64) -> VitConfig {
         VitConfig {

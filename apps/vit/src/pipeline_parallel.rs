@@ -120,6 +120,14 @@ impl PipelineArgs {
         }
         let pick = self.schedule.unwrap_or(SchedulePick::OneFOneB);
         let v = self.virtual_stages.unwrap_or(if pick == SchedulePick::Interleaved { 2 } else { 1 });
+        if v == 0 || self.pp.checked_mul(v).is_none() {
+            bail!("--virtual-stages {v}: give 1 or more, and few enough to count --pp x --virtual-stages chunks");
+        }
+        if v > 1 && pick != SchedulePick::Interleaved {
+            bail!(
+                "--virtual-stages {v} needs --schedule interleaved (the other schedules run one model chunk per rank)"
+            );
+        }
         Ok((pick, v))
     }
 }
@@ -316,12 +324,11 @@ impl Stages {
     ) -> anyhow::Result<Option<f64>> {
         parallel.set_sync(false)?;
         let inputs: Vec<Tensor> = micro.iter().map(|(x, _)| x.shallow_clone()).collect();
-        let scaler = parallel.scaler();
         let mut sum = 0.0;
         let mut loss = |i: usize, logits: &Tensor| -> engine::Result<Tensor> {
             let l = soft_cross_entropy(logits, &micro[i].1);
             sum += l.f_double_value(&[])?;
-            scaler.map_or(Ok(l.shallow_clone()), |s| s.scale_loss(&l))
+            parallel.loss_to_backpropagate(&l)
         };
         let held = self.pipe.step(&inputs, &mut loss)?;
         // The optimizer step reduces every gradient at once.

@@ -21,22 +21,23 @@ pub enum PlannerMode {
     Auto,
 }
 
-/// The layout flags `--parallel` chooses, each with whether `args` sets it away from its
-/// default (a flag given at its default value changes nothing and is accepted).
+/// The layout flags `--parallel` chooses, each with whether `args` sets it: given on the
+/// command line (`args.given`, even at its default value) or away from its default.
 fn layout_flags(args: &PretrainArgs) -> [(&'static str, bool); 13] {
     let (p, pp) = (&args.parallel, &args.pipeline);
+    let given = |id: &str| args.given.iter().any(|g| g == id);
     [
-        ("--tp", p.tp != 1),
-        ("--tp-mode", p.tp_mode != crate::tensor_parallel::TpMode::OneD),
-        ("--tp-depth", p.tp_depth != 1),
+        ("--tp", given("tp") || p.tp != 1),
+        ("--tp-mode", given("tp_mode") || p.tp_mode != crate::tensor_parallel::TpMode::OneD),
+        ("--tp-depth", given("tp_depth") || p.tp_depth != 1),
         ("--sequence-parallel", p.sequence_parallel),
-        ("--sp", p.sp != 1),
-        ("--sp-mode", p.sp_mode != crate::sequence_parallel::SpMode::Ulysses),
-        ("--pp", pp.pp != 1),
+        ("--sp", given("sp") || p.sp != 1),
+        ("--sp-mode", given("sp_mode") || p.sp_mode != crate::sequence_parallel::SpMode::Ulysses),
+        ("--pp", given("pp") || pp.pp != 1),
         ("--schedule", pp.schedule.is_some()),
         ("--virtual-stages", pp.virtual_stages.is_some()),
         ("--micro-batch", args.micro_batch.is_some()),
-        ("--zero", args.zero != 0),
+        ("--zero", given("zero") || args.zero != 0),
         ("--gradient-checkpointing", args.gradient_checkpointing),
         ("--checkpoint-blocks", args.checkpoint_blocks.is_some()),
     ]

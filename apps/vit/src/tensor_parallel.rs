@@ -127,7 +127,16 @@ impl Mesh {
     /// errors naming the flags and numbers.
     pub fn new(world: &World, args: &ParallelArgs, pp: usize) -> anyhow::Result<Mesh> {
         let (ranks, tp, sp) = (world.size(), args.tp, args.sp);
-        let replica = pp * tp * sp;
+        let Some(replica) = pp.checked_mul(tp).and_then(|r| r.checked_mul(sp)) else {
+            bail!("--pp {pp} x --tp {tp} x --sp {sp} is more ranks than can be counted");
+        };
+        // Modes that would change nothing at their sizes are errors, not silently ignored.
+        if tp == 1 && args.tp_mode != TpMode::OneD {
+            bail!("--tp-mode {} splits the model over --tp ranks: it needs --tp 2 or more", args.tp_mode.name());
+        }
+        if sp == 1 && args.sp_mode != SpMode::Ulysses {
+            bail!("--sp-mode ring is how --sp ranks attend: it needs --sp 2 or more");
+        }
         if replica == 0 || !ranks.is_multiple_of(replica) {
             let mut sizes = vec![format!("--tp {tp}")];
             if pp != 1 {
@@ -276,7 +285,11 @@ impl Sharding {
                 check(cfg, n).map_err(anyhow::Error::msg)?;
                 Mode::OneD { tp: TensorParallel::new(g.clone()), sequence_parallel: args.sequence_parallel }
             }
-            (Some(g), mode) => Mode::Multi(MultiDim::new(g, mode, args.tp_depth as i64, cfg)?),
+            (Some(g), mode) => {
+                let depth = i64::try_from(args.tp_depth)
+                    .map_err(|_| anyhow::anyhow!("--tp-depth {}: too deep", args.tp_depth))?;
+                Mode::Multi(MultiDim::new(g, mode, depth, cfg)?)
+            }
         };
         let sp = args.sp as i64;
         if sp > 1 {

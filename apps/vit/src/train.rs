@@ -32,7 +32,7 @@ use crate::batch::{parse_batch, BatchPlan};
 use crate::checkpoint::{self, TrainerState};
 use crate::datasets::{probe, DataArgs, Splits, Transforms};
 use crate::metrics::Record;
-use crate::model::{correct_top_k, Vit, VitConfig};
+use crate::model::{correct_top_k, ModelFile, Vit, VitConfig};
 use crate::pipeline_parallel::{self, Model, PipelineArgs, SchedulePick};
 use crate::plan::PlannerMode;
 use crate::tensor_parallel::{ParallelArgs, Sharding};
@@ -134,7 +134,7 @@ pub struct PretrainArgs {
     pub planner: Option<crate::plan::PlannerMode>,
     /// The cluster the planner models (`cluster.json`: nodes, devices_per_node, memory_bytes,
     /// peak_flops, intra_node_bandwidth, inter_node_bandwidth, latency_s; missing keys default).
-    #[arg(long)]
+    #[arg(long, requires = "planner")]
     pub cluster: Option<PathBuf>,
     /// ZeRO stage: 0 (plain data parallel), 1 (sharded optimizer state), 2 (and gradients).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
@@ -142,6 +142,10 @@ pub struct PretrainArgs {
     /// Keep the fp32 master weights and optimizer state in CPU memory (with --device cuda).
     #[arg(long)]
     pub offload_optimizer: bool,
+    /// The argument ids given on the command line, not defaulted (`main` sets them from
+    /// clap's matches): `--parallel` refuses a layout flag given even at its default value.
+    #[arg(skip)]
+    pub given: Vec<String>,
     /// Device, ranks, progress and the metrics file.
     #[command(flatten)]
     pub job: JobArgs,
@@ -159,7 +163,7 @@ pub struct PretrainArgs {
     pub save_every: Option<usize>,
     /// Stop after this many steps in total (checkpointing first when --out is given) while the
     /// schedule still follows --steps/--epochs: for time-limited jobs continued with --resume.
-    #[arg(long)]
+    #[arg(long, value_parser = engine::job::count(1..))]
     pub stop_after: Option<usize>,
     /// Decode and augmentation threads per rank (default: the cores available to the rank).
     #[arg(long, default_value_t = engine::process::cores_per_rank())]
@@ -449,6 +453,7 @@ impl<'a> Trainer<'a> {
             loss_scale: scaler.map_or(1.0, |s| s.scale),
             clean_steps: scaler.map_or(0, |s| s.clean_steps()),
             model: self.cfg,
+            classes: Some(self.splits.train.classes().to_vec()),
         }
     }
 
@@ -627,7 +632,8 @@ impl<'a> Trainer<'a> {
         if let (Some(dir), 0) = (&self.args.out, self.world.rank()) {
             let path = dir.join("model.safetensors");
             data::checkpoint::save_tensors(&weights, &path)?;
-            let json = serde_json::to_string_pretty(&self.cfg)?;
+            let file = ModelFile { config: self.cfg, label_names: Some(self.splits.train.classes().to_vec()) };
+            let json = serde_json::to_string_pretty(&file)?;
             data::write_atomic::<anyhow::Error>(&dir.join("model.json"), |w| {
                 Ok(std::io::Write::write_all(w, json.as_bytes())?)
             })?;
@@ -664,6 +670,11 @@ impl<'a> Trainer<'a> {
             self.args.precision.precision,
             self.args.zero
         );
+        if self.args.offload_optimizer && self.device == Device::Cpu {
+            println!(
+                "note: --offload-optimizer keeps the optimizer state in CPU memory, where a CPU run has it already"
+            );
+        }
     }
 }
 

@@ -99,6 +99,12 @@ fn folder_to_hdf5_and_training_on_both() {
         assert!(ok, "{}: {text}", data.display());
         assert!(text.contains("12 training / 4 validation images"), "{text}");
     }
+    // An HDF5 file's channels were fixed when it was converted: --channels cannot change them.
+    let (ok, text) =
+        pretrain_tiny(&["--steps", "1", "--batch", "8", "--channels", "1", "--data", h5.to_str().unwrap()]);
+    assert!(!ok && text.contains("--channels 1") && text.contains("3-channel images"), "{text}");
+    let (ok, text) = pretrain_tiny(&["--steps", "1", "--data", dir.join("missing").to_str().unwrap()]);
+    assert!(!ok && text.contains("missing: does not exist"), "{text}");
     // Nothing held out: training says it did not validate (not an accuracy of 0%), eval that
     // it has nothing to evaluate.
     let out = dir.join("unvalidated");
@@ -110,6 +116,20 @@ fn folder_to_hdf5_and_training_on_both() {
     assert!(ok && text.contains("holds checkpoint-1; this run starts afresh and replaces it"), "{text}");
     let (ok, text) = vit(&["eval", out.to_str().unwrap(), "--data", folder.to_str().unwrap(), "--val-fraction", "0"]);
     assert!(!ok && text.contains("no images to evaluate"), "{text}");
+    // Data whose folders give the labels other names is neither evaluated nor trained on
+    // further: label 1 would mean another class.
+    let renamed = dir.join("renamed");
+    std::fs::create_dir_all(&renamed).unwrap();
+    std::fs::rename(folder.join("b"), renamed.join("c")).unwrap();
+    std::fs::rename(folder.join("a"), renamed.join("a")).unwrap();
+    let renamed_data = ["--data", renamed.to_str().unwrap()];
+    let (ok, text) = vit(&[&["eval", out.to_str().unwrap(), "--val-fraction", "0.5"][..], &renamed_data].concat());
+    assert!(!ok && text.contains("model.json was trained on 2 classes") && text.contains("label 1 is \"b\""), "{text}");
+    let resume = ["--steps", "2", "--batch", "8", "--val-fraction", "0", "--resume", "--out", out.to_str().unwrap()];
+    let (ok, text) = pretrain_tiny(&[&resume[..], &renamed_data].concat());
+    assert!(!ok && text.contains("cannot resume") && text.contains("\"c\" here"), "{text}");
+    std::fs::rename(renamed.join("a"), folder.join("a")).unwrap();
+    std::fs::rename(renamed.join("c"), folder.join("b")).unwrap();
     // A corrupt image is named.
     std::fs::write(folder.join("b").join("broken.png"), b"not a png").unwrap();
     let (ok, text) =
@@ -120,6 +140,34 @@ fn folder_to_hdf5_and_training_on_both() {
     std::fs::write(&bad, b"not hdf5 at all").unwrap();
     let (ok, text) = vit(&["pretrain", "--quiet", "--data", bad.to_str().unwrap()]);
     assert!(!ok && text.contains("bad.h5"), "{text}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn an_interrupted_conversion_leaves_no_temporary_file() {
+    use std::os::unix::process::ExitStatusExt;
+    let dir = scratch("vit-cli", "interrupt");
+    let folder = dir.join("images");
+    image_folder(&folder, 20);
+    let out = dir.join("big.h5");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_vit"))
+        .args(["data", "convert", folder.to_str().unwrap(), out.to_str().unwrap(), "--size", "1024"])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let temporary = || {
+        std::fs::read_dir(&dir).unwrap().any(|e| e.unwrap().file_name().to_string_lossy().starts_with(".big.h5.tmp-"))
+    };
+    let start = std::time::Instant::now();
+    while !temporary() {
+        assert!(child.try_wait().unwrap().is_none(), "the conversion ended before it could be interrupted");
+        assert!(start.elapsed().as_secs() < 60, "no temporary file after a minute");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert!(Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap().success());
+    let status = child.wait().unwrap();
+    assert_eq!(status.signal(), Some(2), "ends as interrupted: {status:?}");
+    assert!(!temporary() && !out.exists(), "an interrupted conversion left a file behind");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -158,6 +206,22 @@ fn bad_flags_are_named() {
     assert!(!ok && text.contains("invalid value 'speed' for '--pp-balance"), "{text}");
     let (ok, text) = vit(&["pretrain", "--batch", "30", "--nproc", "4", "--steps", "1", "--timeout", "30"]);
     assert!(!ok && text.contains("--batch 30 does not split over 4 ranks") && text.contains("rank"), "{text}");
+    // Flags that would change nothing at the sizes given are errors, not silently ignored;
+    // sizes past counting are errors, not wrapped to 0.
+    for (line, needle) in [
+        ("--cluster c.json", "--parallel"),
+        ("--tp-mode 2.5d --tp-depth 2", "--tp-mode 2.5d splits the model over --tp ranks: it needs --tp 2 or more"),
+        ("--sp-mode ring", "--sp-mode ring is how --sp ranks attend: it needs --sp 2 or more"),
+        ("--pp 2 --virtual-stages 2", "--virtual-stages 2 needs --schedule interleaved"),
+        ("--batch 18014398509481984k", "is more examples than can be counted"),
+        ("--pp 4294967296 --tp 4294967296", "is more ranks than can be counted"),
+        // --parallel chooses the layout: a layout flag beside it is named even at its default.
+        ("--parallel auto --pp 1", "--parallel chooses --pp itself"),
+        ("--parallel plan --zero 0", "--parallel chooses --zero itself"),
+    ] {
+        let (ok, text) = vit(&[&["pretrain", "--steps", "1"][..], &line.split(' ').collect::<Vec<_>>()].concat());
+        assert!(!ok && text.contains(needle), "{line}: {text}");
+    }
 }
 
 #[test]
@@ -178,6 +242,9 @@ fn parallel_plan_prints_the_planner_choice_without_training() {
     std::fs::write(&tight, r#"{"memory_byte": 1e6}"#).unwrap();
     let (ok, text) = vit(&["pretrain", "--parallel", "plan", "--nproc", "8", "--cluster", tight.to_str().unwrap()]);
     assert!(!ok && text.contains("cluster.json") && text.contains("memory_byte"), "{text}");
+    // 16 examples on 3 ranks: only 3 stages of 4 micro-batches of 4 divide them.
+    let (ok, text) = vit(&["pretrain", "--parallel", "plan", "--nproc", "3", "--batch", "16"]);
+    assert!(ok && text.contains("--pp 3 --micro-batch 4"), "{text}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

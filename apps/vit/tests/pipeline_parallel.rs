@@ -135,7 +135,7 @@ dist_test!(layouts_that_do_not_fit_name_the_numbers, 2, |world| {
     assert!(e.contains("with 3 micro-batches per step"), "{e}");
     assert!(e.contains("micro_batches=3 to be a multiple of pp=2"), "{e}");
     let e = err("--steps 1 --pp 2 --virtual-stages 2");
-    assert!(e.contains("1f1b takes virtual_stages=1, got 2"), "{e}");
+    assert!(e.contains("--virtual-stages 2 needs --schedule interleaved"), "{e}");
     let e = format!("{:#}", pretrain(&args("--steps 1 --schedule zb"), &single()).err().unwrap());
     assert!(e.contains("--schedule and --virtual-stages need --pp 2 or more"), "{e}");
     TestResult::Ok(())

@@ -2,7 +2,7 @@
 //! accumulation against one process, and resume against an uninterrupted run.
 mod common;
 
-use common::{args, compare, job_dir, single};
+use common::{args, compare, compare_with, job_dir, single};
 use suite_tests::{dist_test, TestResult};
 use vit::train::{pretrain, Trained};
 
@@ -114,6 +114,19 @@ fn bf16_and_fp16_train_on_fp32_master_weights_close_to_fp32() {
         );
     }
 }
+
+dist_test!(fp16_on_4_ranks_follows_the_one_process_run, 4, |world| {
+    // Each rank's loss is divided by the 4 ranks before backward, as gradient accumulation
+    // divides a micro-batch's: its fp16 gradients are its share of the batch's, and overflow
+    // no sooner than one process's (undivided, the first step overflowed on 4 ranks only and
+    // was skipped, and every later loss differed by a few percent).
+    let line = "--steps 6 --warmup 1 --batch 16 --precision fp16";
+    let dp = pretrain(&args(line), world)?;
+    let one = pretrain(&args(line), &single())?;
+    // fp16 rounds the two layouts' sums differently.
+    compare_with(&dp, &one, "fp16 on 4 ranks vs 1 process", 2e-3, f64::INFINITY);
+    TestResult::Ok(())
+});
 
 dist_test!(offloaded_optimizer_state_matches_plain_zero, 2, |world| {
     let plain = pretrain(&args("--steps 6 --zero 1"), world)?;

@@ -98,6 +98,9 @@ impl LaunchEnv {
         } else {
             return Ok(None);
         };
+        if world == 0 {
+            return Err(Error::Launch(format!("{launcher:?} job of 0 ranks: the world size must be at least 1")));
+        }
         let master_addr = match (get("MASTER_ADDR"), launcher) {
             (Some(a), _) => a.to_string(),
             (None, Launcher::Slurm) => {
@@ -483,6 +486,8 @@ mod tests {
 
     #[test]
     fn bad_values_name_the_variable() {
+        let err = LaunchEnv::from_vars(&vars(&[("RANK", "0"), ("WORLD_SIZE", "0")])).unwrap_err().to_string();
+        assert!(err.contains("job of 0 ranks: the world size must be at least 1"), "{err}");
         let err = LaunchEnv::from_vars(&vars(&[("RANK", "x"), ("WORLD_SIZE", "2")])).unwrap_err();
         assert!(err.to_string().contains("RANK=\"x\""), "{err}");
         let err = LaunchEnv::from_vars(&vars(&[("RANK", "2"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")])).unwrap_err();

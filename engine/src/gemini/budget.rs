@@ -25,6 +25,9 @@ pub fn parse_bytes(text: &str) -> Result<u64> {
     let bytes = value * (1u64 << shift) as f64;
     // "1.5" without a unit would be 1 byte: a unit was meant.
     let fractional_bytes = shift == 0 && value.fract() != 0.0;
+    if bytes == 0.0 && !fractional_bytes {
+        return Err(Error::invalid(format!("{text:?}: a memory budget must be more than 0 bytes")));
+    }
     if !bytes.is_finite() || bytes < 1.0 || bytes > u64::MAX as f64 || fractional_bytes {
         return Err(bad());
     }
@@ -68,9 +71,13 @@ mod tests {
         assert_eq!(parse_bytes("1.1G").unwrap(), (1.1 * (1u64 << 30) as f64) as u64);
         assert_eq!(parse_bytes(" 64kb ").unwrap(), 64 << 10);
         assert_eq!(parse_bytes("4096").unwrap(), 4096);
-        for bad in ["", "G", "4X", "-1G", "0", "1..2G", "1.5"] {
+        for bad in ["", "G", "4X", "-1G", "1..2G", "1.5", "0.5"] {
             let err = parse_bytes(bad).unwrap_err().to_string();
             assert!(err.contains("is not a byte count"), "{bad}: {err}");
+        }
+        for zero in ["0", "0G", "0.0M"] {
+            let err = parse_bytes(zero).unwrap_err().to_string();
+            assert!(err.contains("must be more than 0 bytes"), "{zero}: {err}");
         }
         assert!(cap_device_memory(Device::Cpu, 1 << 30).is_ok());
     }

@@ -75,10 +75,11 @@ pub(crate) fn device_baseline(device: Device) -> Result<i64> {
 
 /// The auto policy's plan: the budget (on a GPU [`STEADY_SHARE`] of it) less the non-model
 /// peak is what model data may use; of that, the working set (the widest module's chunks, the
-/// `prefetch` ones, a gradient chunk in flight, and the copy a prefetch stages: one at a time,
-/// since each is freed once its cast is queued, and its stream reuses the memory) stays free
-/// for payloads, and homes move to the device in chunk order while they fit. `baseline` is
-/// [`device_baseline`] from before the warm-up step.
+/// `prefetch` ones, a gradient chunk in flight, the copy a prefetch stages: one at a time,
+/// since each is freed once its cast is queued, and its stream reuses the memory; and over a
+/// data-parallel group the whole gradients that wait for the end of backward to be reduced)
+/// stays free for payloads, and homes move to the device in chunk order while they fit.
+/// `baseline` is [`device_baseline`] from before the warm-up step.
 pub(crate) fn place_after_warmup(m: &mut ChunkManager, baseline: i64, prefetch: usize) -> Result<()> {
     m.set_lean(false);
     let (non_model, budget, staging) = match m.device() {
@@ -90,7 +91,7 @@ pub(crate) fn place_after_warmup(m: &mut ChunkManager, baseline: i64, prefetch: 
         }
         _ => (0, m.budget(), 0),
     };
-    let working = (m.widest_access() + prefetch + 1) * m.chunk_bytes() + staging;
+    let working = (m.widest_access() + prefetch + 1) * m.chunk_bytes() + staging + m.reduced_gradient_bytes();
     if non_model + working > budget {
         return Err(Error::invalid(format!(
             "gemini: the warm-up step needed {} besides model data and the widest module needs {} of chunks, together more than the {} budget",

@@ -37,11 +37,15 @@ pub struct DataParallelConfig {
     pub bucket_bytes: usize,
     /// Broadcast rank 0's parameters to every rank at construction.
     pub broadcast_parameters: bool,
+    /// Divide the gradients by the group's size in the reduction (PyTorch DDP's average);
+    /// `false` when each rank's loss was divided by it before backward (as
+    /// [`crate::parallel::Parallelized`] does), so that the reduction sums.
+    pub average: bool,
 }
 
 impl Default for DataParallelConfig {
     fn default() -> Self {
-        DataParallelConfig { bucket_bytes: 25 << 20, broadcast_parameters: true }
+        DataParallelConfig { bucket_bytes: 25 << 20, broadcast_parameters: true, average: true }
     }
 }
 
@@ -99,6 +103,8 @@ struct State {
     /// Buckets this rank is sending to another owner, oldest first (ZeRO-2).
     sending: VecDeque<usize>,
     bytes: GradientBytes,
+    /// See [`DataParallelConfig::average`].
+    average: bool,
 }
 
 /// Averages gradients over a data-parallel group. See the module documentation.
@@ -156,6 +162,7 @@ impl DataParallel {
             had_grad: vec![false; tensors.len()],
             sending: VecDeque::new(),
             bytes: GradientBytes::default(),
+            average: cfg.average,
         }));
         for (i, t) in tensors.iter().enumerate() {
             let weak: Weak<Mutex<State>> = Arc::downgrade(&state);
@@ -193,7 +200,6 @@ impl DataParallel {
         while s.next < s.buckets.len() {
             s.launch_next()?;
         }
-        let n = s.group.size() as f64;
         for b in 0..s.buckets.len() {
             // A bucket sent to its owner may have been waited for (and dropped) already.
             let Some((work, flat)) = s.buckets[b].in_flight.take() else { continue };
@@ -203,7 +209,7 @@ impl DataParallel {
                 continue;
             }
             let members: Vec<Tensor> = s.buckets[b].members.iter().map(|&i| s.params[i].shallow_clone()).collect();
-            let fresh = write_back_average(&members, &flat, n)?;
+            let fresh = write_back(&members, &flat)?;
             s.bytes.sub(byte_size(&flat));
             s.bytes.add(fresh);
         }
@@ -259,7 +265,7 @@ impl State {
     fn launch_next(&mut self) -> Result<()> {
         let b = self.next;
         let members: Vec<Tensor> = self.buckets[b].members.iter().map(|&i| self.params[i].shallow_clone()).collect();
-        let flat = flatten_with_flags(&members)?;
+        let flat = flatten_with_flags(&members, if self.average { self.group.size() as f64 } else { 1.0 })?;
         let work = match self.bucket_owner(b) {
             Some(owner) => self.group.reduce_async(&flat, owner, ReduceOp::Sum)?,
             None => self.group.all_reduce_async(&flat, ReduceOp::Sum)?,
@@ -333,7 +339,7 @@ pub fn average_gradients(params: &[Param], group: &ProcessGroup) -> Result<()> {
     reduce_gradients(&tensors, group, group.size() as f64)
 }
 
-/// Sums the gradients of `params` over `group` and divides by `divide_by`, with one
+/// Divides the gradients of `params` by `divide_by` and sums them over `group`, with one
 /// all-reduce (see [`average_gradients`]); the sum alone with 1.
 pub(crate) fn reduce_gradients(params: &[Tensor], group: &ProcessGroup, divide_by: f64) -> Result<()> {
     if group.size() == 1 || params.is_empty() {
@@ -344,21 +350,23 @@ pub(crate) fn reduce_gradients(params: &[Tensor], group: &ProcessGroup, divide_b
         params.iter().all(|t| (t.kind(), t.device()) == first),
         "reducing gradients: parameters of several dtypes or devices"
     );
-    let flat = flatten_with_flags(params)?;
+    let flat = flatten_with_flags(params, divide_by)?;
     group.all_reduce(&flat, ReduceOp::Sum)?;
-    write_back_average(params, &flat, divide_by).map(drop)
+    write_back(params, &flat).map(drop)
 }
 
-/// The gradients of `params` (zeros where one has none) in one flat buffer, followed by one
-/// 0/1 flag per parameter saying whether it had a gradient: what a bucket reduces.
-fn flatten_with_flags(params: &[Tensor]) -> Result<Tensor> {
+/// The gradients of `params` divided by `divide_by` (zeros where one has none) in one flat
+/// buffer, followed by one 0/1 flag per parameter saying whether it had a gradient: what a
+/// bucket reduces. Dividing before the sum, as PyTorch DDP's default hook does, keeps a sum
+/// of loss-scaled fp16 gradients from overflowing where their average would not.
+fn flatten_with_flags(params: &[Tensor], divide_by: f64) -> Result<Tensor> {
     let mut pieces = Vec::with_capacity(params.len() + 1);
     let mut used = Vec::with_capacity(params.len());
     for p in params {
         let g = p.grad();
         used.push(g.defined() as u8 as f64);
         pieces.push(match g.defined() {
-            true => g.f_flatten(0, -1)?,
+            true => g.f_flatten(0, -1)?.f_div_scalar(divide_by)?,
             false => Tensor::f_zeros([p.numel() as i64], (p.kind(), p.device()))?,
         });
     }
@@ -366,20 +374,20 @@ fn flatten_with_flags(params: &[Tensor]) -> Result<Tensor> {
     Ok(tch::no_grad(|| Tensor::f_cat(&pieces, 0))?)
 }
 
-/// Sets each parameter's gradient to its part of the summed `flat` divided by `n`, where any
-/// rank had one (the flags after the gradients say); returns the bytes of gradients set.
-fn write_back_average(params: &[Tensor], flat: &Tensor, n: f64) -> Result<usize> {
+/// Sets each parameter's gradient to its part of the reduced `flat`, where any rank had one
+/// (the flags after the gradients say); returns the bytes of gradients set.
+fn write_back(params: &[Tensor], flat: &Tensor) -> Result<usize> {
     let total: i64 = params.iter().map(|p| p.numel() as i64).sum();
     let used = flat.f_narrow(0, total, params.len() as i64)?.f_to_kind(Kind::Double)?.f_to_device(tch::Device::Cpu)?;
     let used = Vec::<f64>::try_from(used)?;
     let (mut offset, mut fresh) = (0, 0);
     for (p, used) in params.iter().zip(used) {
         let numel = p.numel() as i64;
-        let avg = flat.f_narrow(0, offset, numel)?.f_view(p.size().as_slice())?.f_div_scalar(n)?;
+        let reduced = flat.f_narrow(0, offset, numel)?.f_view(p.size().as_slice())?;
         offset += numel;
         if used > 0.0 {
-            set_grad(p, Some(&avg))?;
-            fresh += byte_size(&avg);
+            set_grad(p, Some(&reduced))?;
+            fresh += byte_size(&reduced);
         }
     }
     Ok(fresh)

@@ -79,7 +79,9 @@ pub fn parallelize(
     crate::error::ensure!(plan.zero <= 2, "ZeRO stage {} does not exist (0, 1 or 2)", plan.zero);
     let owners = partition(&params, group.size());
     // Broadcasts rank 0's weights; the masters below are copied from them.
-    let cfg = DataParallelConfig { bucket_bytes: plan.bucket_bytes, ..DataParallelConfig::default() };
+    // Each rank's loss is divided by the group's size before backward (see
+    // `Parallelized::loss_to_backpropagate`): the reduction sums.
+    let cfg = DataParallelConfig { bucket_bytes: plan.bucket_bytes, average: false, ..DataParallelConfig::default() };
     let ddp = match plan.zero {
         2 => DataParallel::new_sharded(&params, group, cfg, owners.clone())?,
         _ => DataParallel::new(&params, group, cfg)?,
@@ -201,11 +203,20 @@ impl Parallelized {
     /// gradients are synchronised during the `last` micro-batch's backward only.
     pub fn backward(&self, loss: &Tensor, last: bool) -> Result<()> {
         self.ddp.set_sync(last)?;
-        let scaled = match &self.scaler {
-            Some(s) => s.scale_loss(loss)?,
-            None => loss.shallow_clone(),
-        };
-        backward(&[&scaled], &[None], false)
+        backward(&[&self.loss_to_backpropagate(loss)?], &[None], false)
+    }
+
+    /// What a rank backpropagates for its `loss` (the mean over its examples): divided by the
+    /// group's size, so its gradients are its share of the mean over every rank's examples and
+    /// the reduction sums them, and times the fp16 loss scale. Dividing first, as gradient
+    /// accumulation divides each micro-batch's loss, keeps a rank's fp16 gradients from
+    /// overflowing where one process's over the whole batch would not.
+    pub fn loss_to_backpropagate(&self, loss: &Tensor) -> Result<Tensor> {
+        let share = loss.f_div_scalar(self.group.size() as f64)?;
+        Ok(match &self.scaler {
+            Some(s) => s.scale_loss(&share)?,
+            None => share,
+        })
     }
 
     /// After the last micro-batch: finishes the gradient reduction, unscales (fp16), clips the

@@ -86,10 +86,17 @@ pub fn plans(model: &Model, nproc: usize, valid: &dyn Fn(&Plan) -> bool) -> Vec<
                     continue;
                 }
                 let per_rank = model.global_batch / dp;
+                // A pipeline's micro-batch counts: those from pp (the least that fills it) to
+                // 4 pp that divide the batch, or else the least above that does (a batch of
+                // 16 on 3 stages runs as 4 micro-batches).
                 let micro: Vec<usize> = if pp == 1 {
                     vec![1]
                 } else {
-                    [pp, 2 * pp, 4 * pp].into_iter().filter(|m| per_rank.is_multiple_of(*m)).collect()
+                    let fits: Vec<usize> = (pp..=4 * pp).filter(|m| per_rank.is_multiple_of(*m)).collect();
+                    match fits.is_empty() {
+                        true => (4 * pp..=per_rank).find(|m| per_rank.is_multiple_of(*m)).into_iter().collect(),
+                        false => fits,
+                    }
                 };
                 for tp_mode in TpMode::for_degree(tp) {
                     for &micro_batches in &micro {

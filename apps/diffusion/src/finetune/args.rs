@@ -29,8 +29,8 @@ pub struct FinetuneArgs {
     /// `checkpoint-<step>/` and `latest`.
     #[arg(short = 'o', long)]
     pub out: PathBuf,
-    /// Training resolution (square, pixels).
-    #[arg(long, default_value_t = 512)]
+    /// Training resolution (square, pixels), 1 to 4096.
+    #[arg(long, default_value_t = 512, value_parser = engine::job::count(1..=4096))]
     pub resolution: usize,
     /// Crop the centre square (default: a random square).
     #[arg(long)]

@@ -490,7 +490,11 @@ pub fn run(args: &FinetuneArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
     let progress = engine::progress::progress_bar(rank == 0 && !args.job.quiet, args.steps, first - 1);
     let every = |n: usize, step: usize| n > 0 && step.is_multiple_of(n);
     for step in first..=args.steps {
-        let entry = trainer.step()?;
+        // A step that does not fit names the cap it ran under.
+        let entry = trainer.step().with_context(|| match &args.gpu_mem {
+            Some(cap) => format!("step {step} under --gpu-mem {cap}"),
+            None => format!("step {step}"),
+        })?;
         if let Some(m) = metrics.as_mut() {
             m.write(&entry)?;
         }

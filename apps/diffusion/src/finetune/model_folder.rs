@@ -21,16 +21,51 @@ fn copy_tree(from: &Path, to: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Writes `out/model/`: the base folder with the UNet replaced by `weights` (fp32, diffusers'
-/// names), through a staging folder renamed into place.
-pub fn save_model(base: &Path, weights: &[(String, Tensor)], out: &Path) -> Result<PathBuf> {
-    let target = out.join("model");
-    let staging = out.join(format!(".model.staging-{}", std::process::id()));
+/// The staging folder a save writes, and where it moves the previous `model/` while it swaps
+/// the two (one run writes an `--out` at a time, so the names are fixed: a run killed midway is
+/// recovered by the next, see [`recover`]).
+const STAGING: &str = ".model.staging";
+const OLD: &str = ".model.old";
+
+/// Undoes what a save killed midway left under `out`: its staging folder is removed, and a
+/// previous model it had moved aside goes back to `model/` if that is missing (a kill between
+/// the swap's two renames), else is removed. Names with a suffix are earlier versions'
+/// (`.model.staging-<pid>`).
+fn recover(out: &Path, target: &Path) -> Result<()> {
     let io = |path: &Path| {
         let path = path.to_path_buf();
         move |source| Error::Io { path, source }
     };
-    let _ = std::fs::remove_dir_all(&staging);
+    let Ok(entries) = std::fs::read_dir(out) else { return Ok(()) };
+    let mut entries: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
+    entries.sort();
+    for path in entries {
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        if !path.is_dir() {
+            continue;
+        }
+        if name.starts_with(STAGING) {
+            std::fs::remove_dir_all(&path).map_err(io(&path))?;
+        } else if name.starts_with(OLD) {
+            match target.exists() {
+                false => std::fs::rename(&path, target).map_err(io(target))?,
+                true => std::fs::remove_dir_all(&path).map_err(io(&path))?,
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Writes `out/model/`: the base folder with the UNet replaced by `weights` (fp32, diffusers'
+/// names), through a staging folder renamed into place.
+pub fn save_model(base: &Path, weights: &[(String, Tensor)], out: &Path) -> Result<PathBuf> {
+    let target = out.join("model");
+    let staging = out.join(STAGING);
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| Error::Io { path, source }
+    };
+    recover(out, &target)?;
     let result = (|| -> Result<()> {
         for entry in std::fs::read_dir(base).map_err(io(base))? {
             let entry = entry.map_err(io(base))?;
@@ -51,7 +86,7 @@ pub fn save_model(base: &Path, weights: &[(String, Tensor)], out: &Path) -> Resu
         std::fs::create_dir_all(&unet).map_err(io(&unet))?;
         std::fs::copy(base.join("unet").join("config.json"), unet.join("config.json")).map_err(io(&unet))?;
         data::checkpoint::save_tensors(weights, &unet.join(crate::weights::WEIGHTS))?;
-        let old = out.join(format!(".model.old-{}", std::process::id()));
+        let old = out.join(OLD);
         if target.exists() {
             std::fs::rename(&target, &old).map_err(io(&target))?;
         }
@@ -63,4 +98,31 @@ pub fn save_model(base: &Path, weights: &[(String, Tensor)], out: &Path) -> Resu
         let _ = std::fs::remove_dir_all(&staging);
     }
     result.map(|()| target)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_save_killed_midway_is_undone_by_the_next() {
+        let out = std::env::temp_dir().join(format!("diffusion-model-folder-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&out);
+        let target = out.join("model");
+        // Killed between the swap's renames: the previous model is aside, a staging folder half written.
+        for dir in [".model.old-17", ".model.staging-17/unet"] {
+            std::fs::create_dir_all(out.join(dir)).unwrap();
+        }
+        std::fs::write(out.join(".model.old-17/model_index.json"), "{}").unwrap();
+        recover(&out, &target).unwrap();
+        assert!(target.join("model_index.json").exists(), "the previous model is back");
+        // Killed after the swap: the previous model is removed, the new one kept.
+        std::fs::create_dir_all(out.join(OLD)).unwrap();
+        recover(&out, &target).unwrap();
+        let left: Vec<String> =
+            std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        assert_eq!(left, ["model"]);
+        assert!(target.join("model_index.json").exists());
+        std::fs::remove_dir_all(&out).unwrap();
+    }
 }

@@ -50,7 +50,7 @@ impl Validation<'_> {
         if write {
             std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
         }
-        let mut paths = vec![];
+        let mut named = vec![];
         for (p, prompt) in self.prompts.iter().enumerate() {
             let images = sd.sample_with(&[prompt.as_str()], &opts, None, unet)?;
             if !write {
@@ -58,10 +58,10 @@ impl Validation<'_> {
             }
             for j in 0..self.images_per_prompt {
                 let path = dir.join(format!("step-{step}-{}.png", p * self.images_per_prompt + j));
-                to_image(&images, j as i64)?.write_png(&path)?;
-                paths.push(path);
+                named.push((path, to_image(&images, j as i64)?));
             }
         }
-        Ok(paths)
+        data::images::write_pngs(&named)?;
+        Ok(named.into_iter().map(|(path, _)| path).collect())
     }
 }

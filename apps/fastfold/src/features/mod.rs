@@ -488,9 +488,12 @@ impl Features {
     /// the key, the expected and the found shape; other keys (e.g. `random_crop_to_size_seed`)
     /// are ignored.
     pub fn load_npz(path: &Path, device: Device) -> Result<Features> {
-        let tensors = data::npz::read(path)?;
-        let map = tensors.into_iter().map(|(k, t)| (k, t.to_device(device))).collect();
-        Features::from_map(map, path)
+        Features::from_npz_arrays(data::npz::read(path)?, path, device)
+    }
+
+    /// [`Features::load_npz`] of arrays already read from `path`.
+    pub fn from_npz_arrays(arrays: Vec<(String, Tensor)>, path: &Path, device: Device) -> Result<Features> {
+        Features::from_map(arrays.into_iter().map(|(k, t)| (k, t.to_device(device))).collect(), path)
     }
 
     /// Writes the features to `path` as `.npz` under AlphaFold's names (int64 and float32),

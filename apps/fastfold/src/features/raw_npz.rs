@@ -1,13 +1,19 @@
 //! Raw features saved as AlphaFold saves them beside its predictions (`features.pkl`): the
 //! numeric arrays of `make_sequence_features` and `make_msa_features` under their names and
 //! encodings (one-hot `aatype`, MSA rows in HHblits' alphabet), as `.npz`, so a searched MSA
-//! can be inspected or compared with AlphaFold's.
+//! can be inspected or compared with AlphaFold's, and read back (`predict --features`) to
+//! predict again without searching, as AlphaFold users rerun from `features.pkl`.
+use std::collections::HashMap;
 use std::path::Path;
 
+use anyhow::{bail, Context};
 use tch::{Kind, Tensor};
 
 use super::RawFeatures;
-use crate::residue_constants::{ID_TO_HHBLITS_AA, RESTYPES_WITH_X, RESTYPES_WITH_X_AND_GAP};
+use crate::residue_constants::{
+    map_hhblits_aatype_to_our_aatype, ATOM_TYPE_NUM, ID_TO_HHBLITS_AA, RESTYPES_WITH_X, RESTYPES_WITH_X_AND_GAP,
+};
+use crate::search::templates::TemplateHitFeatures;
 
 impl RawFeatures {
     /// Writes `features.npz`-style arrays to `path` (whole or not at all).
@@ -58,5 +64,187 @@ impl RawFeatures {
             ]);
         }
         Ok(data::checkpoint::save_npz(&named, path)?)
+    }
+}
+
+impl RawFeatures {
+    /// Whether `.npz` arrays are raw features (what [`RawFeatures::save_npz`] writes, with
+    /// the raw MSA's `deletion_matrix_int`) rather than processed ones (`msa_feat`).
+    pub fn are_raw(names: &[&str]) -> bool {
+        names.contains(&"deletion_matrix_int") && !names.contains(&"msa_feat")
+    }
+
+    /// Reads the arrays [`RawFeatures::save_npz`] writes, from `path` (named in every error):
+    /// one-hot `aatype` [N, 21], `residue_index` and `between_segment_residues` [N], the MSA
+    /// [S, N] in HHblits' classes with `deletion_matrix_int`, and the template arrays if any.
+    pub fn from_npz_arrays(arrays: Vec<(String, Tensor)>, path: &Path) -> anyhow::Result<RawFeatures> {
+        let mut map: HashMap<String, Tensor> = arrays.into_iter().collect();
+        let has_templates = map.contains_key("template_aatype");
+        let mut take = |key: &str, shape: &[Option<i64>]| -> anyhow::Result<Tensor> {
+            let t = map.remove(key).with_context(|| format!("{}: raw features without {key}", path.display()))?;
+            let fits =
+                t.dim() == shape.len() && t.size().iter().zip(shape).all(|(&d, want)| want.is_none_or(|w| w == d));
+            let want: Vec<String> = shape.iter().map(|d| d.map_or("_".into(), |d| d.to_string())).collect();
+            if !fits {
+                bail!("{}: key {key}: expected shape [{}], found {:?}", path.display(), want.join(", "), t.size());
+            }
+            let t = t.to_kind(Kind::Double);
+            if !bool::try_from(t.isfinite().all())? {
+                bail!("{}: key {key} holds NaN or infinite values", path.display());
+            }
+            Ok(t)
+        };
+        let onehot = take("aatype", &[None, Some(RESTYPES_WITH_X.len() as i64)])?;
+        let n = onehot.size()[0];
+        if n == 0 {
+            bail!("{}: key aatype: no residues", path.display());
+        }
+        let aatype = one_hot_classes(&onehot, "aatype", path)?;
+        let residue_index = integers(&take("residue_index", &[Some(n)])?, "residue_index", path)?;
+        let between_segment_residues =
+            integers(&take("between_segment_residues", &[Some(n)])?, "between_segment_residues", path)?;
+        let hhblits = take("msa", &[None, Some(n)])?;
+        let s = hhblits.size()[0];
+        let deletions = take("deletion_matrix_int", &[Some(s), Some(n)])?;
+        let to_ours = map_hhblits_aatype_to_our_aatype();
+        let msa = integers(&hhblits, "msa", path)?
+            .chunks(n as usize)
+            .enumerate()
+            .map(|(row, ids)| {
+                ids.iter()
+                    .map(|&id| match usize::try_from(id).ok().and_then(|id| to_ours.get(id)) {
+                        Some(&k) => Ok(k as i64),
+                        None => bail!("{}: key msa: row {row} holds {id}, not an HHblits class 0..=21", path.display()),
+                    })
+                    .collect::<anyhow::Result<Vec<i64>>>()
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        if msa.first() != Some(&aatype) {
+            bail!("{}: key msa: row 0 is not the query of aatype", path.display());
+        }
+        let deletion_matrix: Vec<Vec<f32>> = Vec::<f64>::try_from(deletions.flatten(0, -1))?
+            .chunks(n as usize)
+            .map(|r| r.iter().map(|&d| d as f32).collect())
+            .collect();
+        let templates = match has_templates {
+            false => None,
+            true => {
+                let k = ATOM_TYPE_NUM as i64;
+                let ids = take("template_aatype", &[None, Some(n), Some(ID_TO_HHBLITS_AA.len() as i64)])?;
+                let t = ids.size()[0];
+                let ids = one_hot_classes(&ids.flatten(0, 1), "template_aatype", path)?;
+                let positions = take("template_all_atom_positions", &[Some(t), Some(n), Some(k), Some(3)])?;
+                let masks = take("template_all_atom_masks", &[Some(t), Some(n), Some(k)])?;
+                let probs = take("template_sum_probs", &[Some(t), Some(1)])?;
+                let positions = Vec::<f64>::try_from(positions.flatten(0, -1))?;
+                let masks = Vec::<f64>::try_from(masks.flatten(0, -1))?;
+                let probs = Vec::<f64>::try_from(probs.flatten(0, -1))?;
+                let (n, k) = (n as usize, k as usize);
+                let hits = (0..t as usize)
+                    .map(|h| TemplateHitFeatures {
+                        sequence: ids[h * n..(h + 1) * n].iter().map(|&id| ID_TO_HHBLITS_AA[id as usize]).collect(),
+                        positions: (0..n)
+                            .map(|r| {
+                                std::array::from_fn(|a| {
+                                    std::array::from_fn(|x| positions[((h * n + r) * k + a) * 3 + x] as f32)
+                                })
+                            })
+                            .collect(),
+                        masks: (0..n).map(|r| std::array::from_fn(|a| masks[(h * n + r) * k + a] as f32)).collect(),
+                        domain_name: format!("template {} of {}", h + 1, path.display()),
+                        sum_probs: probs[h] as f32,
+                    })
+                    .collect();
+                Some(hits)
+            }
+        };
+        Ok(RawFeatures {
+            aatype,
+            between_segment_residues,
+            residue_index,
+            seq_length: n as usize,
+            num_alignments: msa.len(),
+            msa,
+            deletion_matrix,
+            templates,
+        })
+    }
+}
+
+/// The class of each row of a one-hot `[rows, classes]` array; a row that is not one-hot is an
+/// error naming `key`.
+fn one_hot_classes(onehot: &Tensor, key: &str, path: &Path) -> anyhow::Result<Vec<i64>> {
+    let classes = onehot.size()[1] as usize;
+    let values = Vec::<f64>::try_from(onehot.flatten(0, -1))?;
+    values
+        .chunks(classes)
+        .enumerate()
+        .map(|(i, row)| match row.iter().filter(|&&v| v != 0.0).count() == 1 && row.iter().sum::<f64>() == 1.0 {
+            true => Ok(row.iter().position(|&v| v == 1.0).unwrap_or(0) as i64),
+            false => bail!("{}: key {key}: row {i} is not one-hot", path.display()),
+        })
+        .collect()
+}
+
+/// A tensor's values (checked finite by the caller) as integers; a fraction is an error
+/// naming `key`.
+fn integers(t: &Tensor, key: &str, path: &Path) -> anyhow::Result<Vec<i64>> {
+    Vec::<f64>::try_from(t.flatten(0, -1))?
+        .into_iter()
+        .map(|v| match v.fract() == 0.0 {
+            true => Ok(v as i64),
+            false => bail!("{}: key {key} holds {v}, not an integer", path.display()),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn saved_raw_features_read_back_the_same_and_damage_is_named() {
+        let msa = data::a3m::Msa {
+            sequences: vec!["MKTAY".into(), "MK-AW".into()],
+            deletion_matrix: vec![vec![0; 5], vec![0, 2, 0, 0, 1]],
+            descriptions: vec!["query".into(), "hit".into()],
+        };
+        let mut raw = RawFeatures::new("MKTAY", Some((&msa, Path::new("q.a3m")))).unwrap();
+        let mut positions = vec![[[0f32; 3]; ATOM_TYPE_NUM]; 5];
+        positions[1][1] = [1.5, -2.0, 3.25];
+        let mut masks = vec![[0f32; ATOM_TYPE_NUM]; 5];
+        masks[1][1] = 1.0;
+        let hit = TemplateHitFeatures {
+            sequence: "-KTAW".into(),
+            positions,
+            masks,
+            domain_name: "1abc_A".into(),
+            sum_probs: 42.5,
+        };
+        raw.templates = Some(vec![hit.clone()]);
+        let dir = std::env::temp_dir().join(format!("fastfold-raw-npz-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("features.npz");
+        raw.save_npz(&path).unwrap();
+        let back = RawFeatures::from_npz_arrays(data::npz::read(&path).unwrap(), &path).unwrap();
+        assert_eq!((&back.aatype, &back.msa, &back.deletion_matrix), (&raw.aatype, &raw.msa, &raw.deletion_matrix));
+        assert_eq!((&back.residue_index, back.seq_length, back.num_alignments), (&raw.residue_index, 5, 2));
+        let t = &back.templates.as_ref().unwrap()[0];
+        assert_eq!(
+            (&t.sequence, &t.positions, &t.masks, t.sum_probs),
+            (&hit.sequence, &hit.positions, &hit.masks, 42.5)
+        );
+        // A damaged array is named.
+        let mut arrays = data::npz::read(&path).unwrap();
+        for (k, t) in &mut arrays {
+            if k == "aatype" {
+                *t = t.zeros_like();
+            }
+        }
+        let names: Vec<&str> = arrays.iter().map(|(k, _)| k.as_str()).collect();
+        assert!(RawFeatures::are_raw(&names));
+        let err = RawFeatures::from_npz_arrays(arrays, &path).unwrap_err().to_string();
+        assert!(err.contains("features.npz: key aatype: row 0 is not one-hot"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

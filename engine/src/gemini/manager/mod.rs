@@ -379,6 +379,16 @@ impl ChunkManager {
         self.chunks[0].bytes()
     }
 
+    /// Device bytes of the whole fp32 gradients a data-parallel backward keeps until its end,
+    /// where they are reduced together (see `gradients.rs`): every chunk's, at the last
+    /// gradient; none without a group or without training.
+    pub fn reduced_gradient_bytes(&self) -> usize {
+        match (&self.replication, self.trainable) {
+            (Some(_), true) => self.chunks.iter().map(|c| c.payload.numel() * 4).sum(),
+            _ => 0,
+        }
+    }
+
     /// The most chunks one module has needed at once so far.
     pub fn widest_access(&self) -> usize {
         self.widest

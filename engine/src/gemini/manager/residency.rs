@@ -208,7 +208,7 @@ impl ChunkManager {
             let Some((victim, _)) = self.victim(pinned) else {
                 let busy: Vec<usize> = (0..self.chunks.len()).filter(|&i| self.chunks[i].resident).collect();
                 return Err(Error::invalid(format!(
-                    "gemini: {} more are needed on the device for chunk {}, {} of the {} budget are taken (resident chunks in use: {busy:?}); raise the memory budget or offload more",
+                    "gemini: {} more are needed on the device for chunk {}, {} of the {} budget are taken (resident chunks in use: {busy:?}); raise the memory budget (or, with a static placement, offload more chunks)",
                     human(need),
                     pinned.first().copied().unwrap_or(0),
                     human(self.device_bytes),

@@ -87,13 +87,15 @@ impl LinearConfig {
 /// `x` (this rank's block of the hidden dimension, `width` in all) normalised over the whole
 /// hidden dimension: mean and variance sums all-reduced over `hidden`, the group that splits
 /// it (differentiably). The affine part is the caller's: its parameters are shared differently
-/// in each layout.
+/// in each layout. Computed in fp32 and returned in `x`'s dtype, as libtorch's LayerNorm does
+/// for bf16 and fp16 inputs.
 fn normalise_split_hidden(x: &Tensor, width: i64, eps: f64, hidden: &crate::dist::ProcessGroup) -> Result<Tensor> {
     let sum_last = |t: &Tensor| t.f_sum_dim_intlist(&[-1i64][..], true, tch::Kind::Float);
-    let mean = comm::all_reduce(&sum_last(x)?, hidden)?.f_div_scalar(width as f64)?;
-    let centred = x.f_sub(&mean)?;
+    let x32 = x.f_to_kind(tch::Kind::Float)?;
+    let mean = comm::all_reduce(&sum_last(&x32)?, hidden)?.f_div_scalar(width as f64)?;
+    let centred = x32.f_sub(&mean)?;
     let var = comm::all_reduce(&sum_last(&centred.f_square()?)?, hidden)?.f_div_scalar(width as f64)?;
-    Ok(centred.f_mul(&var.f_add_scalar(eps)?.f_rsqrt()?)?)
+    Ok(centred.f_mul(&var.f_add_scalar(eps)?.f_rsqrt()?)?.f_to_kind(x.kind())?)
 }
 
 fn full_shape(weight: &Tensor, bias: Option<&Tensor>, name: &str) -> Result<(i64, i64)> {

@@ -1,0 +1,80 @@
+//! The temporary files being written (by [`crate::write_atomic`] and the HDF5 writer, before
+//! their rename into place), removed when the process is interrupted (SIGINT, SIGTERM) as
+//! they are on an error: Ctrl-C during `vit data convert` or a checkpoint leaves no
+//! `.name.tmp-<pid>` behind.
+//!
+//! A signal handler may only do what is async-signal-safe, so it writes the signal's number
+//! to a pipe; a thread waiting on the pipe removes the files, restores the signal's default
+//! action and raises it again, so the process still ends as interrupted (status 130 in a
+//! shell) and a launcher still sees which signal ended it.
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::{Mutex, Once};
+
+/// The temporary files alive now.
+static LIVE: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+/// The pipe's write end (-1 until [`remove_on_interrupt`] has run).
+static PIPE: AtomicI32 = AtomicI32::new(-1);
+const SIGNALS: [libc::c_int; 2] = [libc::SIGINT, libc::SIGTERM];
+
+/// A temporary file in the making: registered while alive, so an interrupt removes it.
+pub(crate) struct Temporary(PathBuf);
+
+impl Temporary {
+    pub(crate) fn new(path: &Path) -> Temporary {
+        LIVE.lock().unwrap_or_else(|e| e.into_inner()).push(path.to_path_buf());
+        Temporary(path.to_path_buf())
+    }
+}
+
+impl Drop for Temporary {
+    fn drop(&mut self) {
+        let mut live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = live.iter().position(|p| *p == self.0) {
+            live.swap_remove(i);
+        }
+    }
+}
+
+extern "C" fn on_signal(signal: libc::c_int) {
+    let byte = signal as u8;
+    // SAFETY: write(2) is async-signal-safe; the pipe's end stays open for the process's life.
+    unsafe { libc::write(PIPE.load(Ordering::Relaxed), (&byte as *const u8).cast(), 1) };
+}
+
+/// Installs the removal on SIGINT and SIGTERM (once per process; later calls do nothing).
+/// The apps call it first thing in `main`.
+pub fn remove_on_interrupt() {
+    static INSTALL: Once = Once::new();
+    INSTALL.call_once(|| {
+        let mut fds = [0 as libc::c_int; 2];
+        // SAFETY: `fds` has room for the two descriptors pipe(2) returns.
+        if unsafe { libc::pipe(fds.as_mut_ptr()) } != 0 {
+            return;
+        }
+        PIPE.store(fds[1], Ordering::Relaxed);
+        let read_end = fds[0];
+        let spawned = std::thread::Builder::new().name("interrupts".into()).spawn(move || {
+            let mut byte = 0u8;
+            // SAFETY: one byte into a live local.
+            while unsafe { libc::read(read_end, (&mut byte as *mut u8).cast(), 1) } != 1 {}
+            for path in LIVE.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+                let _ = std::fs::remove_file(path);
+            }
+            let signal = libc::c_int::from(byte);
+            // SAFETY: restoring the default action and raising the signal ends the process as
+            // the signal would have.
+            unsafe {
+                libc::signal(signal, libc::SIG_DFL);
+                libc::raise(signal);
+            }
+        });
+        if spawned.is_err() {
+            return;
+        }
+        for signal in SIGNALS {
+            // SAFETY: the handler only writes to the pipe.
+            unsafe { libc::signal(signal, on_signal as *const () as libc::sighandler_t) };
+        }
+    });
+}
