@@ -94,6 +94,7 @@ fn staged(path: &Path, write: impl FnOnce(&Path) -> std::result::Result<(), tch:
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let staging =
         dir.join(format!(".{}.staging-{}", path.file_name().unwrap_or_default().to_string_lossy(), std::process::id()));
+    let _live = crate::temporaries::Temporary::new(&staging);
     let result =
         write(&staging).map_err(|e| Error::Format { path: path.to_path_buf(), msg: e.to_string() }).and_then(|()| {
             let io = |source| Error::Io { path: staging.clone(), source };

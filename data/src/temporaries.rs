@@ -1,7 +1,7 @@
-//! The temporary files being written (by [`crate::write_atomic`] and the HDF5 writer, before
-//! their rename into place), removed when the process is interrupted (SIGINT, SIGTERM) as
-//! they are on an error: Ctrl-C during `vit data convert` or a checkpoint leaves no
-//! `.name.tmp-<pid>` behind.
+//! The temporary files and staging folders being written (by [`crate::write_atomic`], the
+//! tensor and HDF5 writers and the apps' staged folders, before their rename into place),
+//! removed when the process is interrupted (SIGINT, SIGTERM) as they are on an error: Ctrl-C
+//! during `vit data convert`, a conversion or a checkpoint leaves no `.name.tmp-<pid>` behind.
 //!
 //! A signal handler may only do what is async-signal-safe, so it writes the signal's number
 //! to a pipe; a thread waiting on the pipe removes the files, restores the signal's default
@@ -17,11 +17,13 @@ static LIVE: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
 static PIPE: AtomicI32 = AtomicI32::new(-1);
 const SIGNALS: [libc::c_int; 2] = [libc::SIGINT, libc::SIGTERM];
 
-/// A temporary file in the making: registered while alive, so an interrupt removes it.
-pub(crate) struct Temporary(PathBuf);
+/// A temporary file or staging folder in the making: registered while alive, so an interrupt
+/// removes it (the owner removes or renames it otherwise).
+pub struct Temporary(PathBuf);
 
 impl Temporary {
-    pub(crate) fn new(path: &Path) -> Temporary {
+    /// Registers `path` until the returned value is dropped.
+    pub fn new(path: &Path) -> Temporary {
         LIVE.lock().unwrap_or_else(|e| e.into_inner()).push(path.to_path_buf());
         Temporary(path.to_path_buf())
     }
@@ -59,7 +61,10 @@ pub fn remove_on_interrupt() {
             // SAFETY: one byte into a live local.
             while unsafe { libc::read(read_end, (&mut byte as *mut u8).cast(), 1) } != 1 {}
             for path in LIVE.lock().unwrap_or_else(|e| e.into_inner()).iter() {
-                let _ = std::fs::remove_file(path);
+                let _ = match path.is_dir() {
+                    true => std::fs::remove_dir_all(path),
+                    false => std::fs::remove_file(path),
+                };
             }
             let signal = libc::c_int::from(byte);
             // SAFETY: restoring the default action and raising the signal ends the process as

@@ -461,6 +461,13 @@ pub fn run(args: &SampleArgs) -> anyhow::Result<(Vec<std::path::PathBuf>, f64)> 
     }
     let start = std::time::Instant::now();
     let images = sd.sample(&prompts, &opts, None)?;
+    // NaN pixels would be written as black: say so instead of writing them.
+    if !bool::try_from(images.f_isfinite()?.f_all()?)? {
+        anyhow::bail!(
+            "sampling gave NaN or infinite pixels (from the weights, the LoRA file or the scheduler's settings); \
+             no image written"
+        );
+    }
     let count = images.size()[0] as usize;
     let seconds = start.elapsed().as_secs_f64() / count as f64;
     if let Some(dir) = args.out.parent().filter(|d| !d.as_os_str().is_empty()) {

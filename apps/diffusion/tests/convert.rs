@@ -221,6 +221,41 @@ fn bad_input_is_named_and_nothing_is_written() {
         &["extra.safetensors", "cond_stage_model.model.visual.proj"],
     );
 
+    // A key under input_blocks.0 that is not conv_in has no name (its block index once wrapped).
+    let mut wrapped = copy(&tensors);
+    wrapped
+        .push(("model.diffusion_model.input_blocks.0.1.weight".into(), Tensor::zeros([2], (Kind::Half, Device::Cpu))));
+    expect_err(
+        &save("wrapped.safetensors", &wrapped),
+        &configs,
+        &["input_blocks.0.1.weight has no diffusers equivalent"],
+    );
+
+    // Two keys for one diffusers name (SD 1's text encoder under both of its layouts): named,
+    // not a panic of the writer.
+    let sd1: Vec<(String, Tensor)> = Tensor::read_safetensors(convert_fixture("sd1/single_file.safetensors")).unwrap();
+    let prefixed = "cond_stage_model.transformer.text_model.";
+    let (key, t) = sd1
+        .iter()
+        .find(|(k, _)| k.starts_with(prefixed) && !k.ends_with("position_ids"))
+        .map(|(k, t)| (k.clone(), t.copy()))
+        .unwrap();
+    let alias = key.replace(prefixed, "cond_stage_model.transformer.");
+    let mut twice = copy(&sd1);
+    twice.push((alias.clone(), t));
+    let sd1_configs = Configs::Folder(convert_fixture("sd1/configs"));
+    expect_err(&save("twice.safetensors", &twice), &sd1_configs, &[&key, &alias, "both convert to text_encoder's"]);
+
+    // OpenCLIP blocks past the config's layers: only SD 2's last one is dropped, as diffusers
+    // drops it; any other is an error, not silently lost.
+    let fewer = scratch("fewer-layers").join("configs");
+    assert!(Command::new("cp").arg("-r").arg(convert_fixture("sd2/configs")).arg(&fewer).status().unwrap().success());
+    let text_config = fewer.join("text_encoder/config.json");
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&text_config).unwrap()).unwrap();
+    cfg["num_hidden_layers"] = (cfg["num_hidden_layers"].as_i64().unwrap() - 1).into();
+    std::fs::write(&text_config, cfg.to_string()).unwrap();
+    expect_err(&single, &Configs::Folder(fewer), &["past the text encoder config's num_hidden_layers"]);
+
     // A missing UNet key: the converted folder does not load, the key is named.
     let missing = "model.diffusion_model.out.2.weight";
     tensors.retain(|(k, _)| k != missing);
@@ -262,6 +297,9 @@ fn bad_input_is_named_and_nothing_is_written() {
     let err = to_single_file(&folder, &target, false).unwrap_err().to_string();
     assert!(err.contains("diffusion_pytorch_model.safetensors") && err.contains("decoder.extra.weight"), "{err}");
     assert!(!target.exists());
+    // An output inside the folder would overwrite what it converts.
+    let err = to_single_file(&folder, &folder.join("unet/diffusion_pytorch_model.safetensors"), false).unwrap_err();
+    assert!(err.to_string().contains("is inside the folder being converted"), "{err}");
     // A folder that does not load (a UNet weight missing) is named, not renamed into a file
     // that no tool can load back.
     vt.retain(|(k, _)| k != "decoder.extra.weight");

@@ -280,6 +280,13 @@ fn the_command_adds_a_lora_file() {
     assert!(!ok && text.contains("ints.safetensors") && text.contains("holds Int values"), "{text}");
     let (ok, text, _) = run("nan.png", &["--lora", file, "--lora-scale", "nan"]);
     assert!(!ok && text.contains("--lora-scale"), "{text}");
+    // Adapters of NaN make NaN pixels: an error, not a black PNG.
+    let nans: Vec<(String, Tensor)> =
+        Tensor::read_safetensors(file).unwrap().into_iter().map(|(k, t)| (k, t.full_like(f64::NAN))).collect();
+    let nan_file = dir.join("nans.safetensors");
+    Tensor::write_safetensors(&nans, &nan_file).unwrap();
+    let (ok, text, out) = run("nans.png", &["--lora", nan_file.to_str().unwrap()]);
+    assert!(!ok && text.contains("NaN or infinite pixels") && !out.exists(), "{text}");
     // A prompt past CLIP's length is truncated, as in diffusers, with a warning saying so.
     let long = ["a cat"; 60].join(" and ");
     let (ok, text, _) = run("long.png", &["--prompt", &long]);

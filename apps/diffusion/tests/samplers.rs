@@ -169,6 +169,9 @@ fn bad_keys_and_values_are_named() {
     for (class, json, key) in [
         (Pndm, r#"{"prediction_type": "sample"}"#, "prediction_type"),
         (Ddim, r#"{"steps_offset": 5000}"#, "steps_offset 5000 is outside 0..1000"),
+        // Karras sigmas from these would be NaN: a black image.
+        (DpmSolverMultistep, r#"{"use_karras_sigmas": true, "sigma_max": -1.0}"#, "sigma_max is -1"),
+        (DpmSolverMultistep, r#"{"sigma_min": 2.0, "sigma_max": 1.0}"#, "sigma_min 2 is not below sigma_max 1"),
         (EulerAncestralDiscrete, r#"{"prediction_type": "sample"}"#, "prediction_type"),
         (EulerAncestralDiscrete, r#"{"rescale_betas_zero_snr": true}"#, "rescale_betas_zero_snr"),
         (DpmSolverMultistep, r#"{"algorithm_type": "sde-dpmsolver++"}"#, "algorithm_type"),
@@ -261,4 +264,13 @@ fn the_default_sampler_is_the_class_the_file_names() {
         assert!(err.contains("pipe/scheduler/scheduler_config.json"), "{err}");
         assert!(words.iter().all(|w| err.contains(w)), "{json}: {err}");
     }
+}
+
+#[test]
+fn leading_timesteps_past_the_training_range_name_steps_offset() {
+    // SD 1.5's schedule (steps_offset 1, leading): 1000 steps would start at timestep 1000.
+    let cfg = config_of(r#"{"steps_offset": 1, "timestep_spacing": "leading"}"#, SchedulerClass::Ddim).unwrap();
+    let err = cfg.spaced_timesteps(1000, true).unwrap_err().to_string();
+    assert!(err.contains("steps_offset 1") && err.contains("timestep 1000"), "{err}");
+    assert_eq!(cfg.spaced_timesteps(999, true).unwrap()[0], 999.0);
 }

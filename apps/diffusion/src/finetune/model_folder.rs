@@ -66,6 +66,7 @@ pub fn save_model(base: &Path, weights: &[(String, Tensor)], out: &Path) -> Resu
         move |source| Error::Io { path, source }
     };
     recover(out, &target)?;
+    let _live = data::temporaries::Temporary::new(&staging);
     let result = (|| -> Result<()> {
         for entry in std::fs::read_dir(base).map_err(io(base))? {
             let entry = entry.map_err(io(base))?;

@@ -307,6 +307,17 @@ impl SchedulerConfig {
                 raw.steps_offset, raw.num_train_timesteps
             ));
         }
+        // Karras sigmas run from sigma_max down to sigma_min through their 1/7th powers.
+        for (key, value) in [("sigma_min", raw.sigma_min), ("sigma_max", raw.sigma_max)] {
+            if let Some(v) = value.filter(|v| !(v.is_finite() && *v >= 0.0)) {
+                return Err(format!("{key} is {v}, expected a finite value of at least 0"));
+            }
+        }
+        if let (Some(lo), Some(hi)) = (raw.sigma_min, raw.sigma_max) {
+            if lo >= hi {
+                return Err(format!("sigma_min {lo} is not below sigma_max {hi}"));
+            }
+        }
         let solver = options::solver(raw, class)?;
         Ok(SchedulerConfig {
             class,
@@ -366,6 +377,15 @@ impl SchedulerConfig {
             }
             TimestepSpacing::Leading => {
                 let ratio = n / k;
+                // The first timestep, (k - 1) r + steps_offset, must stay a training timestep.
+                if (k - 1) * ratio + self.steps_offset >= n {
+                    return Err(Error::Invalid(format!(
+                        "{steps} inference steps with \"leading\" spacing and steps_offset {} would start at \
+                         timestep {}, past num_train_timesteps {n}: take fewer steps",
+                        self.steps_offset,
+                        (k - 1) * ratio + self.steps_offset
+                    )));
+                }
                 (0..k).rev().map(|i| (i * ratio + self.steps_offset) as f64).collect()
             }
             TimestepSpacing::Trailing => {

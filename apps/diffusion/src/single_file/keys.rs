@@ -49,7 +49,9 @@ pub fn unet_key(key: &str, layers_per_block: usize) -> Option<String> {
     if let Some(s) = key.strip_prefix("input_blocks.") {
         let (i, s) = split_index(s)?;
         let (part, rest) = split_index(s)?;
-        let (block, layer) = ((i - 1) / per, (i - 1) % per);
+        // Block 0 is `conv_in` (above): a key under input_blocks.0 that is not has no name.
+        let i = i.checked_sub(1)?;
+        let (block, layer) = (i / per, i % per);
         return match (layer == layers_per_block, part) {
             (true, 0) => rest.strip_prefix("op.").map(|r| format!("down_blocks.{block}.downsamplers.0.conv.{r}")),
             (false, 0) => Some(format!("down_blocks.{block}.resnets.{layer}.{}", resnet_part(rest))),

@@ -140,6 +140,7 @@ pub fn to_diffusers(checkpoint: &Path, configs: &Configs, out: &Path) -> Result<
     };
     let staging = staging_for(out);
     let _ = std::fs::remove_dir_all(&staging);
+    let _live = data::temporaries::Temporary::new(&staging);
     let result = (|| -> Result<usize> {
         // `base` is `None` exactly for a donor folder.
         if let Some(b) = base {
@@ -191,6 +192,9 @@ fn write_weights(file: HashMap<String, Tensor>, text: TextEncoders, dir: &Path, 
     let clip = if sdxl { SDXL_CLIP } else { CLIP };
     let (lpb, levels) = (unet_cfg.layers_per_block as usize, vae_cfg.block_out_channels.len());
     let mut parts: HashMap<&str, Vec<(String, Tensor)>> = HashMap::new();
+    // Which file key each converted name came from: two keys for one name are an error (which
+    // tensor the folder should hold is not for the converter to guess).
+    let mut sources: HashMap<(&str, String), String> = HashMap::new();
     let mut entries: Vec<(String, Tensor)> = file.into_iter().collect();
     entries.sort_by(|a, b| a.0.cmp(&b.0));
     for (key, t) in entries {
@@ -200,6 +204,7 @@ fn write_weights(file: HashMap<String, Tensor>, text: TextEncoders, dir: &Path, 
             continue;
         }
         let unknown = || bad(format!("key {key} has no diffusers equivalent"));
+        let before: Vec<(&str, usize)> = parts.iter().map(|(c, v)| (*c, v.len())).collect();
         if let Some(k) = key.strip_prefix(UNET) {
             parts.entry("unet").or_default().push((unet_key(k, lpb).ok_or_else(unknown)?, t));
         } else if let Some(k) = key.strip_prefix(VAE) {
@@ -221,6 +226,14 @@ fn write_weights(file: HashMap<String, Tensor>, text: TextEncoders, dir: &Path, 
                 .map_err(|m| bad(format!("key {key} {m}")))?;
         } else {
             return Err(unknown());
+        }
+        for (component, tensors) in &parts {
+            let had = before.iter().find(|(c, _)| c == component).map_or(0, |(_, n)| *n);
+            for (name, _) in &tensors[had..] {
+                if let Some(first) = sources.insert((*component, name.clone()), key.clone()) {
+                    return Err(bad(format!("keys {first} and {key} both convert to {component}'s {name}")));
+                }
+            }
         }
     }
     let mut count = 0;
@@ -262,6 +275,16 @@ fn text_encoder_tensors(folder: &Path, component: &str) -> Result<Vec<(String, T
 /// weight, integers for weights): it is loaded first, as sampling would. Returns the number of
 /// tensors written.
 pub fn to_single_file(folder: &Path, out: &Path, half: bool) -> Result<usize> {
+    // Written over a file of the folder, the output would replace the input it converts.
+    let inside = |o: &Path| std::fs::canonicalize(folder).is_ok_and(|f| o.starts_with(f));
+    let out_dir = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    if std::fs::canonicalize(out_dir).is_ok_and(|d| inside(&d)) {
+        return Err(Error::Invalid(format!(
+            "--out {} is inside the folder being converted ({}); write it elsewhere",
+            out.display(),
+            folder.display()
+        )));
+    }
     // The renaming below takes any tensor: loading checks every key, shape and kind first.
     drop(crate::pipeline::StableDiffusion::load(folder, Device::Cpu, Kind::Float)?);
     let unet_files = ComponentFiles::in_pipeline(folder, "unet", "UNet2DConditionModel")?;

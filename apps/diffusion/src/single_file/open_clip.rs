@@ -58,8 +58,14 @@ pub fn to_transformers(
     let s = key.strip_prefix("transformer.resblocks.").ok_or_else(unknown)?;
     let (i, rest) = s.split_once('.').ok_or_else(unknown)?;
     let i: usize = i.parse().map_err(|_| unknown())?;
-    if i >= layers {
+    // SD 2.x's encoder is the OpenCLIP model without its last block (the pipeline reads the
+    // penultimate layer): diffusers drops that block, and so does this. Any other block past the
+    // config's layers would be dropped silently.
+    if i == layers && !projection {
         return Ok(());
+    }
+    if i >= layers {
+        return Err(format!("is block {i}, past the text encoder config's num_hidden_layers {layers}"));
     }
     let layer = format!("text_model.encoder.layers.{i}");
     if let Some(kind) = rest.strip_prefix("attn.in_proj_") {
