@@ -22,7 +22,8 @@ enum Cli {
 
 #[derive(Subcommand)]
 enum DataCommand {
-    /// Convert a folder of class subfolders (JPEG/PNG) into one HDF5 file.
+    /// Convert a folder of class subfolders (read as torchvision's ImageFolder reads it: JPEG,
+    /// PNG, PPM/PGM, BMP, TIFF, WebP, in subfolders too) into one HDF5 file.
     Convert {
         /// The image folder.
         folder: PathBuf,
