@@ -473,10 +473,10 @@ pub fn run(args: &SampleArgs) -> anyhow::Result<(Vec<std::path::PathBuf>, f64)> 
     if let Some(dir) = args.out.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
-    let images = (0..count)
+    let named = (0..count)
         .map(|i| Ok((output_path(&args.out, i, count), to_image(&images, i as i64)?)))
         .collect::<Result<Vec<_>>>()?;
-    data::images::write_pngs(&images)?;
-    let written = images.into_iter().map(|(path, _)| path).collect();
+    data::images::write_pngs(&named)?;
+    let written = named.into_iter().map(|(path, _)| path).collect();
     Ok((written, seconds))
 }

@@ -366,6 +366,8 @@ fn flatten_with_flags(params: &[Tensor], divide_by: f64) -> Result<Tensor> {
         let g = p.grad();
         used.push(g.defined() as u8 as f64);
         pieces.push(match g.defined() {
+            // Dividing by 1 would copy every gradient for nothing (the summing callers).
+            true if divide_by == 1.0 => g.f_flatten(0, -1)?,
             true => g.f_flatten(0, -1)?.f_div_scalar(divide_by)?,
             false => Tensor::f_zeros([p.numel() as i64], (p.kind(), p.device()))?,
         });

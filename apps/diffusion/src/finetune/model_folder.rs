@@ -6,6 +6,11 @@ use tch::Tensor;
 
 use crate::{Error, Result};
 
+/// An I/O error's mapping, naming `path`.
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
+    move |source| Error::Io { path: path.to_path_buf(), source }
+}
+
 /// Copies a file tree (the components that fine-tuning does not change).
 fn copy_tree(from: &Path, to: &Path) -> std::io::Result<()> {
     std::fs::create_dir_all(to)?;
@@ -32,10 +37,6 @@ const OLD: &str = ".model.old";
 /// the swap's two renames), else is removed. Names with a suffix are earlier versions'
 /// (`.model.staging-<pid>`).
 fn recover(out: &Path, target: &Path) -> Result<()> {
-    let io = |path: &Path| {
-        let path = path.to_path_buf();
-        move |source| Error::Io { path, source }
-    };
     let Ok(entries) = std::fs::read_dir(out) else { return Ok(()) };
     let mut entries: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
     entries.sort();
@@ -61,10 +62,6 @@ fn recover(out: &Path, target: &Path) -> Result<()> {
 pub fn save_model(base: &Path, weights: &[(String, Tensor)], out: &Path) -> Result<PathBuf> {
     let target = out.join("model");
     let staging = out.join(STAGING);
-    let io = |path: &Path| {
-        let path = path.to_path_buf();
-        move |source| Error::Io { path, source }
-    };
     recover(out, &target)?;
     let _live = data::temporaries::Temporary::new(&staging);
     let result = (|| -> Result<()> {

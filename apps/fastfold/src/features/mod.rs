@@ -159,7 +159,7 @@ impl Default for FeatureConfig {
     }
 }
 
-/// Dimension names of the processed features' shapes.
+/// Dimension names of the feature arrays' shapes (processed and raw).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Dim {
     /// Recycling iterations.

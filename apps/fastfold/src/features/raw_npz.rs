@@ -6,10 +6,10 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use tch::{Kind, Tensor};
 
-use super::RawFeatures;
+use super::{take_checked, Dim, RawFeatures};
 use crate::residue_constants::{
     map_hhblits_aatype_to_our_aatype, ATOM_TYPE_NUM, ID_TO_HHBLITS_AA, RESTYPES_WITH_X, RESTYPES_WITH_X_AND_GAP,
 };
@@ -67,6 +67,30 @@ impl RawFeatures {
     }
 }
 
+/// The raw arrays [`RawFeatures::save_npz`] writes (AlphaFold's `features.pkl`), read in
+/// float64 whatever their stored kind.
+const RAW_SCHEMA: [(&str, &[Dim], Kind); 5] = {
+    use Dim::*;
+    [
+        ("aatype", &[N, K(RESTYPES_WITH_X.len() as i64)], Kind::Double),
+        ("residue_index", &[N], Kind::Double),
+        ("between_segment_residues", &[N], Kind::Double),
+        ("msa", &[S, N], Kind::Double),
+        ("deletion_matrix_int", &[S, N], Kind::Double),
+    ]
+};
+
+/// The raw template arrays, when a template search ran.
+const RAW_TEMPLATE_SCHEMA: [(&str, &[Dim], Kind); 4] = {
+    use Dim::*;
+    [
+        ("template_aatype", &[T, N, K(ID_TO_HHBLITS_AA.len() as i64)], Kind::Double),
+        ("template_all_atom_positions", &[T, N, K(ATOM_TYPE_NUM as i64), K(3)], Kind::Double),
+        ("template_all_atom_masks", &[T, N, K(ATOM_TYPE_NUM as i64)], Kind::Double),
+        ("template_sum_probs", &[T, K(1)], Kind::Double),
+    ]
+};
+
 impl RawFeatures {
     /// Whether `.npz` arrays are raw features (what [`RawFeatures::save_npz`] writes, with
     /// the raw MSA's `deletion_matrix_int`) rather than processed ones (`msa_feat`).
@@ -80,32 +104,14 @@ impl RawFeatures {
     pub fn from_npz_arrays(arrays: Vec<(String, Tensor)>, path: &Path) -> anyhow::Result<RawFeatures> {
         let mut map: HashMap<String, Tensor> = arrays.into_iter().collect();
         let has_templates = map.contains_key("template_aatype");
-        let mut take = |key: &str, shape: &[Option<i64>]| -> anyhow::Result<Tensor> {
-            let t = map.remove(key).with_context(|| format!("{}: raw features without {key}", path.display()))?;
-            let fits =
-                t.dim() == shape.len() && t.size().iter().zip(shape).all(|(&d, want)| want.is_none_or(|w| w == d));
-            let want: Vec<String> = shape.iter().map(|d| d.map_or("_".into(), |d| d.to_string())).collect();
-            if !fits {
-                bail!("{}: key {key}: expected shape [{}], found {:?}", path.display(), want.join(", "), t.size());
-            }
-            let t = t.to_kind(Kind::Double);
-            if !bool::try_from(t.isfinite().all())? {
-                bail!("{}: key {key} holds NaN or infinite values", path.display());
-            }
-            Ok(t)
-        };
-        let onehot = take("aatype", &[None, Some(RESTYPES_WITH_X.len() as i64)])?;
+        // Shapes, sizes and finite values checked as the processed features' are.
+        let mut sizes = HashMap::new();
+        let [onehot, residue_index, between_segment_residues, hhblits, deletions]: [Tensor; 5] =
+            take_checked(&mut map, &RAW_SCHEMA, &mut sizes, path)?.try_into().expect("one tensor per schema entry");
         let n = onehot.size()[0];
-        if n == 0 {
-            bail!("{}: key aatype: no residues", path.display());
-        }
         let aatype = one_hot_classes(&onehot, "aatype", path)?;
-        let residue_index = integers(&take("residue_index", &[Some(n)])?, "residue_index", path)?;
-        let between_segment_residues =
-            integers(&take("between_segment_residues", &[Some(n)])?, "between_segment_residues", path)?;
-        let hhblits = take("msa", &[None, Some(n)])?;
-        let s = hhblits.size()[0];
-        let deletions = take("deletion_matrix_int", &[Some(s), Some(n)])?;
+        let residue_index = integers(&residue_index, "residue_index", path)?;
+        let between_segment_residues = integers(&between_segment_residues, "between_segment_residues", path)?;
         let to_ours = map_hhblits_aatype_to_our_aatype();
         let msa = integers(&hhblits, "msa", path)?
             .chunks(n as usize)
@@ -129,17 +135,16 @@ impl RawFeatures {
         let templates = match has_templates {
             false => None,
             true => {
-                let k = ATOM_TYPE_NUM as i64;
-                let ids = take("template_aatype", &[None, Some(n), Some(ID_TO_HHBLITS_AA.len() as i64)])?;
+                let [ids, positions, masks, probs]: [Tensor; 4] =
+                    take_checked(&mut map, &RAW_TEMPLATE_SCHEMA, &mut sizes, path)?
+                        .try_into()
+                        .expect("one tensor per schema entry");
                 let t = ids.size()[0];
                 let ids = one_hot_classes(&ids.flatten(0, 1), "template_aatype", path)?;
-                let positions = take("template_all_atom_positions", &[Some(t), Some(n), Some(k), Some(3)])?;
-                let masks = take("template_all_atom_masks", &[Some(t), Some(n), Some(k)])?;
-                let probs = take("template_sum_probs", &[Some(t), Some(1)])?;
                 let positions = Vec::<f64>::try_from(positions.flatten(0, -1))?;
                 let masks = Vec::<f64>::try_from(masks.flatten(0, -1))?;
                 let probs = Vec::<f64>::try_from(probs.flatten(0, -1))?;
-                let (n, k) = (n as usize, k as usize);
+                let (n, k) = (n as usize, ATOM_TYPE_NUM);
                 let hits = (0..t as usize)
                     .map(|h| TemplateHitFeatures {
                         sequence: ids[h * n..(h + 1) * n].iter().map(|&id| ID_TO_HHBLITS_AA[id as usize]).collect(),
