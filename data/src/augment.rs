@@ -187,6 +187,13 @@ impl Transform {
         }
     }
 
+    /// The normalisation after the geometry.
+    pub fn normalize(&self) -> &Normalize {
+        match self {
+            Transform::Train { normalize, .. } | Transform::Eval { normalize, .. } => normalize,
+        }
+    }
+
     /// Transforms one image with draws from `rng`.
     pub fn apply(&self, img: &Image, rng: &mut Rng) -> Image {
         match self {

@@ -180,7 +180,12 @@ impl CaptionedImages {
         let img = resize_shorter(&img, how.resolution);
         let r = how.resolution;
         let (top, left) = match how.crop {
-            CropMode::Center => ((img.height - r) / 2, (img.width - r) / 2),
+            // torchvision's CenterCrop (and the SDXL script's crop corner):
+            // `int(round((side - r) / 2))`, Python's round, halves to even.
+            CropMode::Center => {
+                let centre = |side: usize| ((side - r) as f64 / 2.0).round_ties_even() as usize;
+                (centre(img.height), centre(img.width))
+            }
             CropMode::Random => (
                 (rng.uniform() * (img.height - r + 1) as f64) as usize,
                 (rng.uniform() * (img.width - r + 1) as f64) as usize,
@@ -289,6 +294,21 @@ mod tests {
         let empty = Scratch::new("captions-empty");
         let err = CaptionedImages::open(&empty.0, Some("p")).unwrap_err().to_string();
         assert!(err.contains("no images (jpg, jpeg, png"), "{err}");
+    }
+
+    #[test]
+    fn centre_crops_are_torchvisions() {
+        // Resize(16) then CenterCrop(16): the long side int(16 * long / short), the crop's
+        // corner int(round((side - 16) / 2)) with Python's halves to even.
+        let s = Scratch::new("captions-centre");
+        for (w, h, left) in [(27, 20, 2), (29, 20, 4), (37, 24, 4), (20, 29, 0)] {
+            png(&s.0.join("x.png"), w, h);
+            let d = CaptionedImages::open(&s.0, Some("p")).unwrap();
+            let how = Preprocess { resolution: 16, crop: CropMode::Center, flip: false };
+            let (_, geometry) = d.load_with_geometry(0, how, &mut Rng::keyed(0, 0, 0)).unwrap();
+            let top = if h > w { 4 } else { 0 };
+            assert_eq!(geometry.crop_top_left, (top, left), "{w}x{h}");
+        }
     }
 
     #[test]

@@ -9,13 +9,98 @@ use tch::Tensor;
 use crate::{Error, Result};
 
 /// Every tensor of the safetensors file at `path`, by name; an unreadable file is an error
-/// naming it.
+/// naming it, and a header entry that does not describe its bytes (an unknown dtype, a shape
+/// whose size is not its byte range, a range outside the file) one naming the key too.
 pub fn read_tensors(path: &Path) -> Result<HashMap<String, Tensor>> {
+    let (header, data_bytes) = read_header(path)?;
+    for (key, entry) in header.iter().filter(|(k, _)| *k != "__metadata__") {
+        check_entry(entry, data_bytes)
+            .map_err(|msg| Error::Format { path: path.to_path_buf(), msg: format!("key {key}: {msg}") })?;
+    }
     let tensors = Tensor::read_safetensors(path).map_err(|e| Error::Format {
         path: path.to_path_buf(),
         msg: format!("not a readable safetensors file: {e}"),
     })?;
     Ok(tensors.into_iter().collect())
+}
+
+/// The `__metadata__` strings of the safetensors file at `path` (empty when it has none), read
+/// from its header alone; a header that is not safetensors' is an error naming the file.
+pub fn read_metadata(path: &Path) -> Result<HashMap<String, String>> {
+    let (header, _) = read_header(path)?;
+    let Some(metadata) = header.get("__metadata__") else { return Ok(HashMap::new()) };
+    serde_json::from_value(metadata.clone()).map_err(|e| Error::Format {
+        path: path.to_path_buf(),
+        msg: format!("__metadata__ is not a map of strings to strings: {e}"),
+    })
+}
+
+/// The JSON header of the safetensors file at `path`, and the bytes of data after it.
+fn read_header(path: &Path) -> Result<(serde_json::Map<String, serde_json::Value>, u64)> {
+    use std::io::Read;
+    let bad = |msg: String| Error::Format { path: path.to_path_buf(), msg };
+    let io = |source| Error::Io { path: path.to_path_buf(), source };
+    let mut file = std::fs::File::open(path).map_err(io)?;
+    let size = file.metadata().map_err(io)?.len();
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len)
+        .map_err(|_| bad("not a readable safetensors file: shorter than its header's length".into()))?;
+    let len = u64::from_le_bytes(len);
+    // The safetensors crate's own bound on a header, and the file's size.
+    if len > 100_000_000 || len > size - 8 {
+        return Err(bad(format!("not a readable safetensors file: a header of {len} bytes in a file of {size}")));
+    }
+    let mut header = vec![0u8; len as usize];
+    file.read_exact(&mut header).map_err(io)?;
+    let header: serde_json::Value = serde_json::from_slice(&header)
+        .map_err(|e| bad(format!("not a readable safetensors file: its header: {e}")))?;
+    match header {
+        serde_json::Value::Object(map) => Ok((map, size - 8 - len)),
+        _ => Err(bad("not a readable safetensors file: its header is not a JSON object".into())),
+    }
+}
+
+/// Whether one header entry describes `{"dtype", "shape", "data_offsets"}` that fit a data
+/// section of `data_bytes`; the message says what does not.
+fn check_entry(entry: &serde_json::Value, data_bytes: u64) -> std::result::Result<(), String> {
+    let dtype = entry.get("dtype").and_then(|d| d.as_str()).ok_or("no dtype")?;
+    let width: u64 = match dtype {
+        "BOOL" | "U8" | "I8" | "F8_E5M2" | "F8_E4M3" => 1,
+        "I16" | "U16" | "F16" | "BF16" => 2,
+        "I32" | "U32" | "F32" => 4,
+        "I64" | "U64" | "F64" => 8,
+        _ => return Err(format!("dtype {dtype} is not one safetensors stores")),
+    };
+    let shape = entry.get("shape").and_then(|s| s.as_array()).ok_or("no shape")?;
+    let shape: Vec<u64> = shape
+        .iter()
+        .map(|d| d.as_u64())
+        .collect::<Option<_>>()
+        .ok_or_else(|| format!("shape {} is not a list of sizes", entry["shape"]))?;
+    let bytes = shape
+        .iter()
+        .try_fold(width, |b, &d| b.checked_mul(d))
+        .ok_or_else(|| format!("shape {shape:?} is too large"))?;
+    let offsets = entry.get("data_offsets").and_then(|o| o.as_array()).ok_or("no data_offsets")?;
+    let (start, end) = match offsets[..] {
+        [ref s, ref e] => (s.as_u64(), e.as_u64()),
+        _ => (None, None),
+    };
+    let (Some(start), Some(end)) = (start, end) else {
+        return Err(format!("data_offsets {offsets:?} are not two byte positions"));
+    };
+    if start > end || end > data_bytes {
+        return Err(format!(
+            "data_offsets [{start}, {end}] are not a range within the file's {data_bytes} bytes of data"
+        ));
+    }
+    if end - start != bytes {
+        return Err(format!(
+            "{dtype} {shape:?} needs {bytes} bytes, and data_offsets [{start}, {end}] hold {}",
+            end - start
+        ));
+    }
+    Ok(())
 }
 
 /// Copies every variable of `vs` from the safetensors file at `path`. A missing key or a

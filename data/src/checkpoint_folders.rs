@@ -29,15 +29,31 @@ pub fn staging(out: &Path, step: usize) -> PathBuf {
     out.join(format!("{PREFIX}{step}.tmp"))
 }
 
+/// A staging folder being written, registered with [`crate::temporaries`] while this lives:
+/// the process that began it keeps it until [`commit`], so that Ctrl-C leaves no half-written
+/// `checkpoint-<step>.tmp/` behind.
+pub struct Staging {
+    dir: PathBuf,
+    _live: crate::temporaries::Temporary,
+}
+
+impl Staging {
+    /// The folder.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
 /// Creates the staging folder of step `step` under `out`, empty (what a crashed attempt left
 /// there is removed). One process calls it before any writes into the folder.
-pub fn begin(out: &Path, step: usize) -> Result<PathBuf> {
+pub fn begin(out: &Path, step: usize) -> Result<Staging> {
     let dir = staging(out, step);
+    let live = crate::temporaries::Temporary::new(&dir);
     if dir.exists() {
         fs::remove_dir_all(&dir).map_err(io(&dir))?;
     }
     fs::create_dir_all(&dir).map_err(io(&dir))?;
-    Ok(dir)
+    Ok(Staging { dir, _live: live })
 }
 
 /// Commits step `step`'s staging folder as described in the module documentation, keeping at
@@ -167,9 +183,9 @@ mod tests {
     }
 
     fn save(out: &Path, step: usize, keep: Option<usize>) -> PathBuf {
-        let dir = begin(out, step).unwrap();
-        fs::create_dir_all(dir.join("unet")).unwrap();
-        fs::write(dir.join("unet/weights"), step.to_string()).unwrap();
+        let staging = begin(out, step).unwrap();
+        fs::create_dir_all(staging.dir().join("unet")).unwrap();
+        fs::write(staging.dir().join("unet/weights"), step.to_string()).unwrap();
         commit(out, step, keep).unwrap()
     }
 
@@ -202,6 +218,7 @@ mod tests {
         save(&out, 10, None);
         let all: Vec<_> = committed(&out).unwrap().iter().map(|p| p.file_name().unwrap().to_owned()).collect();
         assert_eq!(all, ["checkpoint-4", "checkpoint-6", "checkpoint-10"]);
+        fs::remove_dir_all(&out).unwrap();
     }
 
     #[test]
@@ -211,14 +228,15 @@ mod tests {
         // A crash while writing step 4 leaves its staging folder, and one during a removal a
         // renamed-away folder: neither is a checkpoint.
         let stale = begin(&out, 4).unwrap();
-        fs::write(stale.join("half"), b"x").unwrap();
+        fs::write(stale.dir().join("half"), b"x").unwrap();
         fs::create_dir_all(out.join("checkpoint-1.removing")).unwrap();
         assert_eq!(latest(&out).unwrap().unwrap().file_name().unwrap(), "checkpoint-2");
         assert_eq!(committed(&out).unwrap().len(), 1);
         let again = begin(&out, 4).unwrap();
-        assert!(!again.join("half").exists(), "begin starts from an empty folder");
+        assert!(!again.dir().join("half").exists(), "begin starts from an empty folder");
         save(&out, 4, None);
         assert_eq!(names(&out), ["checkpoint-2", "checkpoint-4", "latest"]);
+        fs::remove_dir_all(&out).unwrap();
     }
 
     #[test]
@@ -233,5 +251,6 @@ mod tests {
             let err = latest(&out).unwrap_err().to_string();
             assert!(err.contains("which is not a checkpoint folder"), "{name}: {err}");
         }
+        fs::remove_dir_all(&out).unwrap();
     }
 }

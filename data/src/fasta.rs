@@ -2,9 +2,11 @@
 //!
 //! Sequences are read the way AlphaFold's pipeline reads them (`parsers.parse_fasta`, then
 //! `residue_constants.sequence_to_onehot(map_unknown_to_x=True)`): whitespace is removed and
-//! letters are upper-cased. The 20 standard amino acids and `X` are kept; the ambiguity and
-//! rare codes `B`, `Z`, `U`, `O` and `J` are read as `X`, which is what AlphaFold does with any
-//! letter outside the 20 (its `aatype` maps them to the unknown type). Anything else (digits,
+//! letters are upper-cased. The 20 standard amino acids, `X` and the ambiguity and rare codes
+//! `B`, `Z`, `U`, `O` and `J` are kept as written: AlphaFold keeps them too, its `aatype` maps
+//! them to the unknown type while its MSA (`HHBLITS_AA_TO_ID`, the query row included) reads
+//! `B`, `Z`, `U` as `D`, `E`, `C`, and the search tools get the sequence unchanged, so the
+//! mapping belongs to each consumer, not to the reader. Anything else (digits,
 //! `*`, `-`, `.`) is an error naming the file, the record, the 1-based position in the
 //! sequence and the character, so a stray stop codon or an alignment passed by mistake is
 //! caught here rather than folded silently.
@@ -20,27 +22,22 @@ pub struct FastaRecord {
     pub name: String,
     /// The whole header line after `>`, trimmed.
     pub description: String,
-    /// One upper-case letter per residue from `ACDEFGHIKLMNPQRSTVWYX`.
+    /// One upper-case letter per residue from `ACDEFGHIKLMNPQRSTVWYX` and `BZUOJ`.
     pub sequence: String,
 }
 
 /// The 20 standard amino-acid letters, in AlphaFold's `restypes` order.
 pub const STANDARD_AMINO_ACIDS: &str = "ARNDCQEGHILKMFPSTWYV";
 
-/// Letters accepted but read as `X` (ambiguous or non-standard residues).
-pub const READ_AS_UNKNOWN: &str = "BZUOJ";
+/// Letters accepted and kept, though outside the 20 (ambiguous or non-standard residues):
+/// AlphaFold's residue type for them is `X`, its MSA class `D`, `E`, `C`, `X`, `X`.
+pub const NON_STANDARD: &str = "BZUOJ";
 
-/// The residue letter a sequence character stands for, or `None` if it is not an
-/// amino-acid code. Upper- and lower-case are the same residue.
+/// The residue letter a sequence character stands for (upper-cased), or `None` if it is not
+/// an amino-acid code. Upper- and lower-case are the same residue.
 pub fn residue_letter(c: char) -> Option<char> {
     let up = c.to_ascii_uppercase();
-    if STANDARD_AMINO_ACIDS.contains(up) || up == 'X' {
-        Some(up)
-    } else if READ_AS_UNKNOWN.contains(up) {
-        Some('X')
-    } else {
-        None
-    }
+    (STANDARD_AMINO_ACIDS.contains(up) || up == 'X' || NON_STANDARD.contains(up)).then_some(up)
 }
 
 /// Reads every record of the FASTA file at `path`.
@@ -54,6 +51,8 @@ pub fn parse(text: &str, source: &Path) -> Result<Vec<FastaRecord>> {
     let bad = |msg: String| Error::Format { path: source.to_path_buf(), msg };
     let mut records: Vec<FastaRecord> = Vec::new();
     let mut names = HashSet::new();
+    // A byte-order mark (some Windows editors write one) is not sequence data.
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     for (line_index, line) in text.lines().enumerate() {
         let line_no = line_index + 1;
         let line = line.trim();
@@ -85,7 +84,7 @@ pub fn parse(text: &str, source: &Path) -> Result<Vec<FastaRecord>> {
             let residue = residue_letter(c).ok_or_else(|| {
                 bad(format!(
                     "record {:?}, position {position} (line {line_no}): {c:?} is not an amino-acid code \
-                     (expected one of {STANDARD_AMINO_ACIDS}, X, or {READ_AS_UNKNOWN} read as X)",
+                     (expected one of {STANDARD_AMINO_ACIDS}, X or {NON_STANDARD})",
                     record.name
                 ))
             })?;

@@ -153,19 +153,16 @@ pub fn decode_oriented(path: &Path, channels: usize, upright: bool) -> Result<Im
 }
 
 /// `img` resized so that its shorter side is `size` (the aspect ratio kept, the longer side
-/// rounded), with the triangle filter of [`resize_square`] (torchvision's antialiased
-/// `Resize(size)`).
+/// `size * long / short` truncated, as torchvision computes it), with the triangle filter of
+/// [`resize_square`] (torchvision's antialiased `Resize(size)`).
 ///
 /// # Panics
 /// If `size` is 0 or `img` has no pixels.
 pub fn resize_shorter(img: &Image, size: usize) -> Image {
     assert!(size > 0 && img.height > 0 && img.width > 0, "resize_shorter needs a non-empty image and size");
-    let scale = size as f64 / img.height.min(img.width) as f64;
-    let (h, w) = if img.height <= img.width {
-        (size, ((img.width as f64 * scale).round() as usize).max(size))
-    } else {
-        (((img.height as f64 * scale).round() as usize).max(size), size)
-    };
+    let (short, long) = (img.height.min(img.width), img.height.max(img.width));
+    let resized_long = (size * long / short).max(size);
+    let (h, w) = if img.height <= img.width { (size, resized_long) } else { (resized_long, size) };
     crop_and_resize(img, (0, 0, img.width, img.height), w, h)
 }
 

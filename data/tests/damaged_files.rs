@@ -58,6 +58,24 @@ fn damaged_safetensors_are_errors_naming_the_file() {
     });
     // Every truncation is an error; flips inside the data are not detectable (no checksum).
     assert!(errors >= 150, "{errors} of 300 damaged files were errors");
+    // A header that lies about one tensor is an error naming its key.
+    let header_of = |entry: &str| {
+        let json = format!(r#"{{"a.bias":{{"dtype":"F32","shape":[2],"data_offsets":[0,8]}},"a.weight":{entry}}}"#);
+        let mut bytes = (json.len() as u64).to_le_bytes().to_vec();
+        bytes.extend(json.as_bytes());
+        bytes.extend([0u8; 24]);
+        let path = dir.join("lying.safetensors");
+        std::fs::write(&path, bytes).unwrap();
+        data::checkpoint::read_tensors(&path).unwrap_err().to_string()
+    };
+    for (entry, says) in [
+        (r#"{"dtype":"F32","shape":[8],"data_offsets":[8,24]}"#, "F32 [8] needs 32 bytes"),
+        (r#"{"dtype":"F31","shape":[4],"data_offsets":[8,24]}"#, "dtype F31"),
+        (r#"{"dtype":"F32","shape":[4],"data_offsets":[8,40]}"#, "not a range within"),
+    ] {
+        let err = header_of(entry);
+        assert!(err.contains("lying.safetensors") && err.contains("key a.weight") && err.contains(says), "{err}");
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

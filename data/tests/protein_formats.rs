@@ -20,7 +20,8 @@ fn fasta_records_are_named_cleaned_and_upper_cased() {
     assert_eq!(recs[0].description, "query one two");
     assert_eq!(recs[0].sequence, "MKTAYIAK");
     assert_eq!(recs[1].name, "second");
-    assert_eq!(recs[1].sequence, "GGGXXXXX", "B Z U O J read as X");
+    // Kept as written, as AlphaFold keeps them (the old reader turned them into X).
+    assert_eq!(recs[1].sequence, "GGGBZUOJ", "B Z U O J kept");
 }
 
 #[test]
@@ -37,6 +38,8 @@ fn fasta_errors_name_file_record_position_and_character() {
     assert!(fasta_err("").contains("no FASTA records"));
     assert!(fasta_err("\n  \n").contains("no FASTA records"));
     assert!(fasta_err(">\nMK\n").contains("header has no name"));
+    // A byte-order mark is not sequence data.
+    assert_eq!(fasta::parse("\u{feff}>a\nMK\n", src()).unwrap()[0].sequence, "MK");
 }
 
 #[test]

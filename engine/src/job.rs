@@ -46,8 +46,9 @@ pub struct LaunchArgs {
     /// Local ranks to spawn (under torchrun, Slurm or mpirun the launcher decides).
     #[arg(long, default_value_t = 1, value_parser = count(1..))]
     pub nproc: usize,
-    /// Rendezvous and collective timeout in seconds.
-    #[arg(long, default_value_t = 300.0, value_parser = seconds, env = crate::dist::launch::TIMEOUT_ENV)]
+    /// Rendezvous and collective timeout in seconds; under the spawner (--nproc) also the
+    /// longest a rank may go without progress (a micro-batch, a collective) or a heartbeat.
+    #[arg(long, default_value_t = 300.0, value_parser = timeout_seconds, env = crate::dist::launch::TIMEOUT_ENV)]
     pub timeout: f64,
 }
 
@@ -177,7 +178,8 @@ pub struct OptimizerArgs {
     /// Peak learning rate.
     #[arg(long, default_value_t = 1e-3, value_parser = positive)]
     pub lr: f64,
-    /// Weight decay (not applied to biases and norm weights).
+    /// Weight decay (vit: not on biases and norm weights, as timm; diffusion: on every
+    /// parameter, as diffusers' scripts).
     #[arg(long, default_value_t = 0.0, value_parser = non_negative)]
     pub weight_decay: f64,
     /// Clip the global gradient norm to this value (diffusers' --max-grad-norm).
@@ -278,6 +280,16 @@ pub fn seconds(s: &str) -> std::result::Result<f64, String> {
     positive(s).and_then(|x| if x <= YEAR { Ok(x) } else { Err(format!("must be at most {YEAR} (a year)")) })
 }
 
+/// [`seconds`] for `--timeout`, whose error says when the value came from
+/// `ENGINE_DIST_TIMEOUT` (clap names only the flag).
+fn timeout_seconds(s: &str) -> std::result::Result<f64, String> {
+    let env = crate::dist::launch::TIMEOUT_ENV;
+    seconds(s).map_err(|e| match std::env::var(env) {
+        Ok(v) if v == s => format!("{e} (the value of {env}, which --timeout defaults to)"),
+        _ => e,
+    })
+}
+
 impl ScheduleArgs {
     /// The schedule from `peak` over `total` steps.
     pub fn schedule(&self, peak: f64, total: usize) -> LrSchedule {
@@ -325,7 +337,7 @@ mod tests {
         let err = Command::try_parse_from(["x", "--precision", "fp16"]).err().unwrap().to_string();
         assert!(err.contains("fp16") && err.contains("fp32, bf16"), "{err}");
         let s = c.schedule.schedule(1.0, 10);
-        assert_eq!((s.at(0), s.at(9)), (0.2, 1.0));
+        assert_eq!((s.at(0), s.at(1), s.at(9)), (0.0, 0.2, 1.0));
     }
 
     #[test]

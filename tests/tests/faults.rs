@@ -38,31 +38,44 @@ fn a_rank_that_exits_early_ends_the_job_naming_it() {
     assert!(start.elapsed() < Duration::from_secs(30), "took {:?}", start.elapsed());
 }
 
+/// The error of a 2-rank job under a 3 s heartbeat limit whose rank 1 runs `stall` after a
+/// first collective, while rank 0 waits in the next one (left to the collective's 60 s
+/// timeout: the heartbeat must name rank 1 long before).
+fn job_with_a_stalled_rank(test: &str, stall: fn() -> TestResult) -> String {
+    let start = Instant::now();
+    let result = run_job_with_heartbeat(2, &name(test), &[], Some(Duration::from_secs(3)), |world| {
+        let x = Tensor::ones([4], (Kind::Float, Device::Cpu));
+        world.group.all_reduce(&x, ReduceOp::Sum)?;
+        if world.rank() == 1 {
+            stall()?;
+        }
+        world.group.all_reduce(&x, ReduceOp::Sum)?;
+        Ok(())
+    });
+    assert!(start.elapsed() < Duration::from_secs(30), "took {:?}", start.elapsed());
+    result.expect_err("the job must fail").to_string()
+}
+
 #[test]
 fn a_rank_stuck_outside_collectives_is_ended_by_the_heartbeat_naming_it() {
-    let start = Instant::now();
-    let result = run_job_with_heartbeat(
-        2,
-        &name("a_rank_stuck_outside_collectives_is_ended_by_the_heartbeat_naming_it"),
-        &[],
-        Some(Duration::from_secs(3)),
-        |world| {
-            let x = Tensor::ones([4], (Kind::Float, Device::Cpu));
-            world.group.all_reduce(&x, ReduceOp::Sum)?;
-            if world.rank() == 1 {
-                // Alive, heartbeat thread running, but no progress (a hung data loader, say).
-                std::thread::sleep(Duration::from_secs(120));
-            }
-            // Rank 0 waits in a collective: the heartbeat leaves it to the collective's
-            // (60 s) timeout, and names rank 1 long before.
-            world.group.all_reduce(&x, ReduceOp::Sum)?;
-            Ok(())
-        },
-    );
-    let err = result.expect_err("the job must fail").to_string();
+    // Alive, heartbeat thread running, but no progress (a hung data loader, say).
+    let err = job_with_a_stalled_rank("a_rank_stuck_outside_collectives_is_ended_by_the_heartbeat_naming_it", || {
+        std::thread::sleep(Duration::from_secs(120));
+        Ok(())
+    });
     assert!(err.contains("rank 1 failed: rank 1 made no progress for"), "{err}");
     assert!(err.contains("outside collectives (--timeout 3.0 s)"), "{err}");
-    assert!(start.elapsed() < Duration::from_secs(30), "took {:?}", start.elapsed());
+}
+
+#[test]
+fn a_stopped_rank_is_ended_by_the_heartbeat_naming_it() {
+    // Stopped whole (SIGSTOP, a debugger, a swapped-out node): no pulses at all.
+    let err = job_with_a_stalled_rank("a_stopped_rank_is_ended_by_the_heartbeat_naming_it", || {
+        std::process::Command::new("kill").args(["-STOP", &std::process::id().to_string()]).status()?;
+        Ok(())
+    });
+    assert!(err.contains("rank 1 failed: rank 1 stopped responding: no heartbeat for"), "{err}");
+    assert!(err.contains("(--timeout 3.0 s)"), "{err}");
 }
 
 /// Rank 1 is SIGKILLed after a first collective; rank 0's next collective must fail naming it.

@@ -18,6 +18,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::config::read_json;
 use crate::error::{Error, Result};
+use crate::weights::{ComponentFiles, TRANSFORMERS_STEM};
 
 /// `text_encoder/config.json` as transformers writes it (`CLIPTextConfig`); other keys are ignored.
 #[derive(Clone, Debug, Deserialize)]
@@ -273,9 +274,11 @@ impl ClipTextModel {
         Ok(model)
     }
 
-    /// Loads a diffusers `text_encoder/` folder (`config.json`, `model.safetensors`) onto `device`.
+    /// Loads a diffusers `text_encoder/` folder (`config.json`, `model.safetensors` or its fp16
+    /// variant or shards: see [`crate::weights`]) onto `device`.
     pub fn load(dir: &Path, device: Device) -> Result<(nn::VarStore, ClipTextModel)> {
-        Self::load_files(&dir.join("config.json"), &dir.join("model.safetensors"), device)
+        let files = ComponentFiles::with_stem(dir, TRANSFORMERS_STEM)?;
+        Self::load_files(&files.config, &files.weights, device)
     }
 
     /// Loads a config and a weights file. A missing key or wrong shape is an error naming the
@@ -287,7 +290,8 @@ impl ClipTextModel {
     /// Loads a `CLIPTextModelWithProjection` folder (SDXL's `text_encoder_2/`): the text
     /// model and `text_projection.weight`.
     pub fn load_with_projection(dir: &Path, device: Device) -> Result<(nn::VarStore, ClipTextModel)> {
-        Self::load_as(&dir.join("config.json"), &dir.join("model.safetensors"), device, true)
+        let files = ComponentFiles::with_stem(dir, TRANSFORMERS_STEM)?;
+        Self::load_as(&files.config, &files.weights, device, true)
     }
 
     fn load_as(
@@ -303,7 +307,7 @@ impl ClipTextModel {
                 .map_err(|e| Error::Format { path: config.to_path_buf(), msg: e.to_string() })?,
             false => ClipTextModel::new(&vs.root(), &cfg),
         };
-        let mut file = data::checkpoint::read_tensors(weights)?;
+        let mut file = crate::weights::read(weights)?;
         model.layout = KeyLayout::detect(file.keys()).ok_or_else(|| Error::Format {
             path: weights.to_path_buf(),
             msg: format!(

@@ -7,6 +7,7 @@ pub mod config;
 pub mod error;
 pub mod finetune;
 pub mod lora;
+pub mod lora_file;
 pub mod pipeline;
 pub mod sample;
 pub mod scheduler;

@@ -17,6 +17,7 @@ use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 
 use crate::attention::{Adapter, PROJECTIONS};
+use crate::lora_file::LoraFile;
 use crate::unet::UNet2DConditionModel;
 use crate::{Error, Result};
 
@@ -42,8 +43,9 @@ pub struct Lora {
 impl Lora {
     /// Adapters of `rank` (scale `alpha / rank`), fp32 on `device`, on every attention
     /// projection of `unet`, whose variables `vs` holds; every UNet variable stops requiring a
-    /// gradient. `down` is drawn from `seed` (uniform in ±1/sqrt(in), as peft's Kaiming init;
-    /// one stream per projection in name order), `up` is zero.
+    /// gradient. `down` is drawn from `seed` (normal with std 1/rank, peft's "gaussian" init,
+    /// which diffusers' LoRA training scripts ask for; one stream per projection in name
+    /// order), `up` is zero.
     pub fn new(
         unet: &UNet2DConditionModel,
         vs: &VarStore,
@@ -73,8 +75,8 @@ impl Lora {
         let mut adapters = vec![];
         for (k, (name, inp, out)) in found.into_iter().enumerate() {
             let mut rng = data::augment::Rng::keyed(seed, k as u64, 0x10_4a);
-            let bound = 1.0 / (inp as f64).sqrt();
-            let values: Vec<f32> = (0..rank * inp).map(|_| rng.range(-bound, bound) as f32).collect();
+            let std = 1.0 / rank as f64;
+            let values: Vec<f32> = (0..rank * inp).map(|_| (rng.normal() * std) as f32).collect();
             adapters.push(Named {
                 module: name,
                 down: Tensor::from_slice(&values).reshape([rank, inp]).to_device(device).set_requires_grad(true),
@@ -125,14 +127,14 @@ impl Lora {
         Ok(data::checkpoint::save_tensors(&self.named()?, &dir.join(LORA_WEIGHTS))?)
     }
 
-    /// Adds the adapters of a LoRA file (as [`Lora::save`] and diffusers' LoRA training
-    /// scripts write it: `unet.<module>.lora.down.weight` [rank, in] and `.lora.up.weight`
-    /// [out, rank], scale folded into `up`), times `multiplier` (diffusers' LoRA scale), to
-    /// the attention projections of `unet` it names, on `device`; for sampling. Any rank, any
-    /// subset of the projections; a key that names no projection, a missing half or a shape
-    /// that does not fit is an error naming the file and key. Returns the projections adapted.
+    /// Adds the adapters of a LoRA file (diffusers', peft's or kohya's naming, each at the
+    /// scale its loaders apply: see [`crate::lora_file`]), times `multiplier` (diffusers' LoRA
+    /// scale), to the attention projections of `unet` it names, on `device`; for sampling. Any
+    /// rank, any subset of the projections; a key that names no projection, a missing half or
+    /// a shape that does not fit is an error naming the file and key. Returns the projections
+    /// adapted.
     pub fn attach_file(unet: &UNet2DConditionModel, path: &Path, multiplier: f64, device: Device) -> Result<usize> {
-        let mut file: HashMap<String, Tensor> = data::checkpoint::read_tensors(path)?;
+        let mut file = LoraFile::read(path)?;
         let bad = |msg: String| Error::Format { path: path.to_path_buf(), msg };
         let mut adapted = 0;
         let mut failure = None;
@@ -152,13 +154,11 @@ impl Lora {
         if let Some(e) = failure {
             return Err(e);
         }
-        if let Some(k) = file.keys().min() {
+        if let Some(a) = file.into_rest().into_values().next() {
             return Err(bad(format!(
-                "key {k} names no attention projection of the UNet (only UNet attention LoRA is read)"
+                "key {} names no attention projection of the UNet (only UNet attention LoRA is read)",
+                a.down_key
             )));
-        }
-        if adapted == 0 {
-            return Err(bad("no LoRA adapters in the file".into()));
         }
         Ok(adapted)
     }
@@ -189,34 +189,26 @@ impl Lora {
     }
 }
 
-/// Projection `i` of `a`'s adapter from a LoRA file's tensors (removed from `file`), scaled by
+/// Projection `i` of `a`'s adapter from a LoRA file (taken out of it), scaled by
 /// `multiplier`; `None` where the file does not adapt it; the message of what does not fit.
 fn take_adapter(
-    file: &mut HashMap<String, Tensor>,
+    file: &mut LoraFile,
     a: &crate::attention::Attention,
     i: usize,
     multiplier: f64,
     device: Device,
 ) -> std::result::Result<Option<Adapter>, String> {
-    let module = format!("unet.{}", a.projection(i));
-    let (down_key, up_key) = (format!("{module}.lora.down.weight"), format!("{module}.lora.up.weight"));
-    let (down, up) = match (file.remove(&down_key), file.remove(&up_key)) {
-        (None, None) => return Ok(None),
-        (Some(d), Some(u)) => (d, u),
-        (Some(_), None) => return Err(format!("missing key {up_key}")),
-        (None, Some(_)) => return Err(format!("missing key {down_key}")),
-    };
+    let Some(found) = file.take(&a.projection(i)) else { return Ok(None) };
     let (out, inp) = (a.weight(i).size()[0], a.weight(i).size()[1]);
-    let rank = down.size().first().copied().unwrap_or(0);
-    if down.size() != [rank, inp] || up.size() != [out, rank] {
+    let rank = found.down.size()[0];
+    if found.down.size() != [rank, inp] || found.up.size() != [out, rank] {
         return Err(format!(
-            "keys {down_key} {:?} and {up_key} {:?} do not fit the projection's [{out}, {inp}] weight",
-            down.size(),
-            up.size()
+            "keys {} {:?} and {} {:?} do not fit the projection's [{out}, {inp}] weight",
+            found.down_key,
+            found.down.size(),
+            found.up_key,
+            found.up.size()
         ));
     }
-    data::checkpoint::floating(&down_key, &down)?;
-    data::checkpoint::floating(&up_key, &up)?;
-    let to = |t: Tensor, m: f64| t.to_kind(Kind::Float).to_device(device) * m;
-    Ok(Some(Adapter { down: to(down, 1.0), up: to(up, multiplier), scale: 1.0 }))
+    Ok(Some(Adapter { down: found.down.to_device(device), up: found.up.to_device(device) * multiplier, scale: 1.0 }))
 }

@@ -72,7 +72,8 @@ struct ConvertArgs {
     /// With `--from-diffusers`: store floating-point tensors as fp16.
     #[arg(long)]
     half: bool,
-    /// A diffusers LoRA file (`pytorch_lora_weights.safetensors`) to convert into kohya's layout.
+    /// A LoRA file (`pytorch_lora_weights.safetensors`, diffusers' or peft's naming) to convert
+    /// into kohya's layout.
     #[arg(long)]
     lora: Option<PathBuf>,
     /// What to write: the diffusers folder (must not exist) or the `.safetensors` file.

@@ -350,8 +350,9 @@ pub struct SampleArgs {
     /// --negative-original-size).
     #[arg(long, value_parser = parse_pair, requires = "negative_original_size")]
     pub negative_target_size: Option<(i64, i64)>,
-    /// LoRA adapters to add to the UNet: a `pytorch_lora_weights.safetensors` as
-    /// `diffusion finetune --lora-rank` and diffusers' LoRA training scripts save it.
+    /// LoRA adapters to add to the UNet: a `pytorch_lora_weights.safetensors` as `diffusion
+    /// finetune --lora-rank`, diffusers' LoRA training scripts or peft save it, or a kohya
+    /// file, each at the scale its metadata or `.alpha` keys give.
     #[arg(long)]
     pub lora: Option<std::path::PathBuf>,
     /// How much of the LoRA adapters to add (diffusers' LoRA scale).

@@ -1,10 +1,13 @@
 //! A diffusers component on disk: `<pipeline>/model_index.json` names the component's class,
 //! `<pipeline>/<component>/config.json` its architecture and
-//! `<pipeline>/<component>/diffusion_pytorch_model.safetensors` its weights by module path.
-//! Where only the half-precision variant `diffusion_pytorch_model.fp16.safetensors` exists
-//! (as many hub repositories ship it), that file is used and its values are converted to the
-//! VarStore's precision as they are copied. Loading is strict: every parameter must be in the
-//! file with its shape, and every key of the file must be used.
+//! `<pipeline>/<component>/diffusion_pytorch_model.safetensors` its weights by module path
+//! (`model.safetensors` for the transformers text encoders). Where only the half-precision
+//! variant `<stem>.fp16.safetensors` exists (as many hub repositories ship it), that file is
+//! used, its values converted to the VarStore's precision as they are copied; weights saved in
+//! shards are read through their index (`<stem>.safetensors.index.json`, or its fp16 variant
+//! `<stem>.safetensors.index.fp16.json`), as `from_pretrained` reads them. Loading is strict:
+//! every parameter must be in the files with its shape, and every key of the files must be
+//! used.
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -17,8 +20,10 @@ use crate::{Error, Result};
 
 /// The weights file diffusers' `save_pretrained` writes.
 pub const WEIGHTS: &str = "diffusion_pytorch_model.safetensors";
-/// The half-precision variant, used where [`WEIGHTS`] is absent.
-pub const WEIGHTS_FP16: &str = "diffusion_pytorch_model.fp16.safetensors";
+/// The stem of a diffusers model's weight files.
+pub const DIFFUSERS_STEM: &str = "diffusion_pytorch_model";
+/// The stem of a transformers model's weight files (the text encoders).
+pub const TRANSFORMERS_STEM: &str = "model";
 /// A component's configuration.
 pub const CONFIG: &str = "config.json";
 
@@ -32,21 +37,32 @@ pub struct ComponentFiles {
 }
 
 impl ComponentFiles {
-    /// The files of the component folder `dir` (e.g. `sd15/unet`); a missing file is an error
-    /// naming it.
+    /// The files of the diffusers component folder `dir` (e.g. `sd15/unet`); a missing file is
+    /// an error naming it.
     pub fn in_dir(dir: &Path) -> Result<ComponentFiles> {
-        let missing = |path: PathBuf, msg: &str| Error::Format { path, msg: msg.into() };
+        Self::with_stem(dir, DIFFUSERS_STEM)
+    }
+
+    /// The files of the component folder `dir` whose weight files are named `<stem>.*`, taking
+    /// the first that exists of: the plain file, the shards' index, the fp16 variant, the fp16
+    /// shards' index (plain weights first in either layout, as `from_pretrained` without a
+    /// variant reads them).
+    pub fn with_stem(dir: &Path, stem: &str) -> Result<ComponentFiles> {
+        let missing = |path: PathBuf, msg: String| Error::Format { path, msg };
         let config = dir.join(CONFIG);
         if !config.is_file() {
-            return Err(missing(config, "missing: a diffusers component folder holds its config.json"));
+            return Err(missing(config, "missing: a diffusers component folder holds its config.json".into()));
         }
-        let (plain, half) = (dir.join(WEIGHTS), dir.join(WEIGHTS_FP16));
-        let weights = match (plain.is_file(), half.is_file()) {
-            (true, _) => plain,
-            (false, true) => half,
-            (false, false) => return Err(missing(plain, &format!("missing, and so is {WEIGHTS_FP16}"))),
+        let names = weight_names(stem);
+        if let Some(weights) = names.iter().map(|n| dir.join(n)).find(|p| p.is_file()) {
+            return Ok(ComponentFiles { config, weights });
+        }
+        let pickle = [format!("{stem}.bin"), format!("{stem}.fp16.bin")].into_iter().find(|n| dir.join(n).is_file());
+        let hint = match pickle {
+            Some(bin) => format!("; {bin} is there, a PyTorch pickle, which is not read: save it as safetensors"),
+            None => String::new(),
         };
-        Ok(ComponentFiles { config, weights })
+        Err(missing(dir.join(&names[0]), format!("missing, and so are {}{hint}", names[1..].join(", "))))
     }
 
     /// The files of `component` in the pipeline folder `root`, after checking that
@@ -55,6 +71,54 @@ impl ComponentFiles {
         crate::config::check_model_index(&root.join("model_index.json"), component, class)?;
         Self::in_dir(&root.join(component))
     }
+}
+
+/// The weight files of a component whose files are named `<stem>.*`, in the order they are
+/// looked for: plain, plain shards' index, fp16 variant, fp16 variant shards' index.
+pub fn weight_names(stem: &str) -> [String; 4] {
+    [
+        format!("{stem}.safetensors"),
+        format!("{stem}.safetensors.index.json"),
+        format!("{stem}.fp16.safetensors"),
+        format!("{stem}.safetensors.index.fp16.json"),
+    ]
+}
+
+/// Every tensor of a component's weights, by key: the safetensors file at `path`, or, for a
+/// shards' index (`*.index*.json`), of the shards it names beside it. Each key of the index
+/// must be in its shard and each shard's keys in the index; a mismatch is an error naming the
+/// index, the shard and the key.
+pub fn read(path: &Path) -> Result<HashMap<String, Tensor>> {
+    if path.extension().is_none_or(|e| e != "json") {
+        return Ok(data::checkpoint::read_tensors(path)?);
+    }
+    let bad = |msg: String| Error::Format { path: path.to_path_buf(), msg };
+    let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+    #[derive(serde::Deserialize)]
+    struct Index {
+        weight_map: std::collections::BTreeMap<String, String>,
+    }
+    let index: Index = serde_json::from_str(&text).map_err(|e| bad(format!("not a shards' index: {e}")))?;
+    let mut by_shard: std::collections::BTreeMap<&str, Vec<&str>> = Default::default();
+    for (key, shard) in &index.weight_map {
+        by_shard.entry(shard.as_str()).or_default().push(key.as_str());
+    }
+    let folder = path.parent().unwrap_or(Path::new("."));
+    let mut all = HashMap::new();
+    for (shard, keys) in by_shard {
+        if Path::new(shard).file_name() != Some(std::ffi::OsStr::new(shard)) {
+            return Err(bad(format!("shard {shard:?} is not a file name beside the index")));
+        }
+        let mut tensors = data::checkpoint::read_tensors(&folder.join(shard))?;
+        for key in keys {
+            let t = tensors.remove(key).ok_or_else(|| bad(format!("key {key} is not in its shard {shard}")))?;
+            all.insert(key.to_string(), t);
+        }
+        if let Some(extra) = tensors.keys().min() {
+            return Err(bad(format!("key {extra} of shard {shard} is not in the index")));
+        }
+    }
+    Ok(all)
 }
 
 /// Fills every variable of `vs` from the safetensors file at `path`. `rename` maps a file key
@@ -66,7 +130,7 @@ pub fn load_into(vs: &VarStore, path: &Path, rename: impl Fn(&str) -> Option<Str
     let bad = |msg: String| Error::Format { path: path.to_path_buf(), msg };
     let vars = vs.variables();
     let mut file: HashMap<String, Tensor> = HashMap::new();
-    for (key, tensor) in data::checkpoint::read_tensors(path)? {
+    for (key, tensor) in read(path)? {
         let (name, tensor) = match rename(&key) {
             Some(name) => {
                 let tensor = match vars.get(&name) {

@@ -142,6 +142,17 @@ fn a_resumed_run_repeats_the_uninterrupted_one_bit_for_bit() {
     assert!(model.iter().all(|(k, t)| t.equal(&ema[k])));
     let trained = tensors(&a.join(UNET));
     assert!(model.iter().any(|(k, t)| !t.equal(&trained[k])), "the EMA is not the trained weights");
+
+    // A resume at another learning rate is refused: diffusers' keeps the saved rate whatever
+    // the flag says.
+    let (model, data) = (pipeline(), images());
+    let mut args =
+        vec!["--model", model.to_str().unwrap(), "--data", data.to_str().unwrap(), "-o", out.to_str().unwrap()];
+    args.extend(FLAGS.iter().map(|f| if *f == "1e-3" { "5e-3" } else { f }));
+    args.extend(every_2("8"));
+    args.extend(["--micro-batch", "2", "--resume", "latest"]);
+    let (ok, text) = finetune(&args);
+    assert!(!ok && text.contains("it was trained with --lr 0.001, this run has 0.005"), "{text}");
 }
 
 #[test]

@@ -131,6 +131,74 @@ fn the_scheduler_defaults_to_the_class_the_folder_names() {
     }
 }
 
+fn copy_tree(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        match entry.file_type().unwrap().is_dir() {
+            true => copy_tree(&entry.path(), &to.join(entry.file_name())),
+            false => drop(std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap()),
+        }
+    }
+}
+
+/// The fixture pipeline as current diffusers saves it sharded (`save_pretrained(max_shard_size=
+/// ...)`, an index per component) and as the fp16 variant only (`variant="fp16"`, the text
+/// encoder's `model.fp16.safetensors` included): every component loads, with the weights of the
+/// plain folder (rounded to fp16 for the variant). (`fixtures/make_layouts_fixture.py`)
+#[test]
+fn pipelines_in_every_weight_layout_load_the_same_weights() {
+    let plain = load();
+    let layouts = fixtures().join("layouts");
+    let stores = |sd: &StableDiffusion| {
+        [
+            ("text_encoder", sd.text_encoder_vs.variables()),
+            ("unet", sd.unet_vs.variables()),
+            ("vae", sd.vae_vs.variables()),
+        ]
+    };
+    for (layout, half) in [("sharded", false), ("fp16", true)] {
+        let sd = StableDiffusion::load(&layouts.join(layout), Device::Cpu, Kind::Float)
+            .unwrap_or_else(|e| panic!("{layout}: {e}"));
+        for ((component, want), (_, got)) in stores(&plain).into_iter().zip(stores(&sd)) {
+            assert_eq!(want.len(), got.len(), "{layout} {component}");
+            for (name, w) in want {
+                let w = if half { w.to_kind(Kind::Half).to_kind(Kind::Float) } else { w };
+                assert!(got[&name].equal(&w), "{layout} {component}: {name}");
+            }
+        }
+    }
+    // Plain shards beside an fp16 variant file: the plain weights, as from_pretrained reads them.
+    let mixed = std::env::temp_dir().join(format!("diffusion-mixed-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&mixed);
+    copy_tree(&layouts.join("sharded"), &mixed);
+    let variant = "unet/diffusion_pytorch_model.fp16.safetensors";
+    std::fs::copy(layouts.join("fp16").join(variant), mixed.join(variant)).unwrap();
+    let sd = StableDiffusion::load(&mixed, Device::Cpu, Kind::Float).unwrap();
+    let want = plain.unet_vs.variables();
+    assert!(sd.unet_vs.variables().iter().all(|(k, t)| t.equal(&want[k])), "the plain shards, not the variant");
+    std::fs::remove_dir_all(&mixed).unwrap();
+    // An index that leaves out a key of its shard, or names one the shard lacks, is named.
+    let dir = std::env::temp_dir().join(format!("diffusion-sharded-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    copy_tree(&layouts.join("sharded/unet"), &dir);
+    let index_path = dir.join("diffusion_pytorch_model.safetensors.index.json");
+    let index: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&index_path).unwrap()).unwrap();
+    let read = |index: &serde_json::Value| {
+        std::fs::write(&index_path, index.to_string()).unwrap();
+        diffusion::weights::read(&index_path).map(|_| ()).unwrap_err().to_string()
+    };
+    let mut fewer = index.clone();
+    fewer["weight_map"].as_object_mut().unwrap().remove("conv_in.bias");
+    assert!(read(&fewer).contains("key conv_in.bias of shard"), "{}", read(&fewer));
+    let mut more = index.clone();
+    let shard = index["weight_map"]["conv_in.bias"].clone();
+    more["weight_map"]["conv_in.extra"] = shard;
+    assert!(read(&more).contains("key conv_in.extra is not in its shard"), "{}", read(&more));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn seeds_reproduce_and_differ() {
     let sd = load();

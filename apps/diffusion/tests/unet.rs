@@ -152,9 +152,16 @@ fn bad_folders_and_configs_are_named_errors() {
     std::fs::write(dir.join("unet/config.json"), config.to_string()).unwrap();
     let err = ComponentFiles::in_pipeline(&dir, "unet", "UNet2DConditionModel").unwrap_err().to_string();
     assert!(
-        err.contains("diffusion_pytorch_model.safetensors: missing, and so is diffusion_pytorch_model.fp16"),
+        err.contains(
+            "diffusion_pytorch_model.safetensors: missing, and so are diffusion_pytorch_model.safetensors.index.json"
+        ),
         "{err}"
     );
+    // A PyTorch pickle is named, not taken for nothing.
+    std::fs::write(dir.join("unet/diffusion_pytorch_model.bin"), b"pickle").unwrap();
+    let err = ComponentFiles::in_pipeline(&dir, "unet", "UNet2DConditionModel").unwrap_err().to_string();
+    assert!(err.contains("diffusion_pytorch_model.bin is there, a PyTorch pickle"), "{err}");
+    std::fs::remove_file(dir.join("unet/diffusion_pytorch_model.bin")).unwrap();
     std::fs::copy(
         fixture("sd1").join("unet/diffusion_pytorch_model.safetensors"),
         dir.join("unet/diffusion_pytorch_model.safetensors"),

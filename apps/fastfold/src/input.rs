@@ -2,6 +2,7 @@
 //! and an optional A3M alignment through AlphaFold's feature pipeline, or an already-processed
 //! `.npz`), and the device, ranks, chunking and timeout a run uses.
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 use anyhow::{bail, Context};
 use engine::dist::World;
@@ -19,7 +20,8 @@ use crate::search::{Mode, Search};
 pub struct InputArgs {
     /// FASTA file; every record is a query (not with --features).
     pub fasta: Option<PathBuf>,
-    /// Precomputed alignment (A3M) of the query; FASTA with one record only. Without it the
+    /// Precomputed alignment of the query: A3M, or Stockholm as jackhmmer writes it; FASTA
+    /// with one record only. Without it the
     /// sequence runs alone (single-sequence mode).
     #[arg(long)]
     pub msa: Option<PathBuf>,
@@ -50,6 +52,20 @@ pub struct InputArgs {
 /// The most recycling passes `--num-recycle` and train's `--recycles` take (each pass
 /// processed here samples its own MSA features, so the count sizes memory).
 pub const MAX_RECYCLES: u64 = 1000;
+
+/// The longest query folder name: file systems allow 255 bytes, less the staging folder's
+/// `.<name>.partial-<pid>` around it.
+const MAX_NAME: usize = 200;
+
+/// The `--msa` alignment: A3M, or Stockholm (as jackhmmer writes it, recognised by its
+/// `# STOCKHOLM` header) read as AlphaFold's `parse_stockholm` reads it.
+fn read_msa(path: &Path) -> anyhow::Result<data::a3m::Msa> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading --msa {}", path.display()))?;
+    if text.trim_start_matches('\u{feff}').trim_start().starts_with("# STOCKHOLM") {
+        return Ok(crate::search::stockholm::parse(&text, path)?);
+    }
+    Ok(data::a3m::parse(&text, path)?)
+}
 
 /// A name usable as a file-name stem: path separators and odd characters become `_`.
 fn file_stem(name: &str) -> String {
@@ -88,7 +104,7 @@ impl InputArgs {
     ) -> anyhow::Result<Vec<(String, Features)>> {
         self.read(device, None)?
             .into_iter()
-            .map(|(name, query)| Ok((name.clone(), self.process(&query, recycles, preset, device, &name)?)))
+            .map(|q| Ok((q.name.clone(), self.process(&q.query, recycles, preset, device, &q.name)?)))
             .collect()
     }
 
@@ -107,8 +123,12 @@ impl InputArgs {
     /// name or the features file's stem, made safe for file names; two records that would
     /// share a name are an error, since each gets its own output folder). With `search`
     /// (the search, the output folder, the mode), each record's MSA comes from a homology
-    /// search whose alignments go to `<out>/<name>/msas/`.
-    pub fn read(&self, device: Device, search: Option<(&Search, &Path, Mode)>) -> anyhow::Result<Vec<(String, Query)>> {
+    /// search whose alignments go to `<out>/<name>/msas/`. Each query has the seconds its
+    /// reading and search took (see [`ReadQuery::seconds`]).
+    pub fn read(&self, device: Device, search: Option<(&Search, &Path, Mode)>) -> anyhow::Result<Vec<ReadQuery>> {
+        // Each query's time runs from the end of the one before, so the first's also has the
+        // reading of the files the queries share (FASTA, --msa).
+        let mut start = Instant::now();
         if search.is_some() {
             self.check_searchable()?;
         }
@@ -120,7 +140,7 @@ impl InputArgs {
                 false => Query::Processed(Features::from_npz_arrays(arrays, path, device)?),
             };
             let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-            return Ok(vec![(file_stem(&name), query)]);
+            return Ok(vec![ReadQuery { name: file_stem(&name), query, seconds: start.elapsed().as_secs_f64() }]);
         }
         let Some(fasta) = &self.fasta else { bail!("give a FASTA file or --features") };
         let records = data::fasta::read(fasta)?;
@@ -136,13 +156,23 @@ impl InputArgs {
                     records.len()
                 )
             }
-            Some(path) => Some((data::a3m::read(path)?, path.clone())),
+            Some(path) => Some((read_msa(path)?, path.clone())),
             None => None,
         };
-        let mut read: Vec<(String, Query)> = Vec::with_capacity(records.len());
+        let mut read: Vec<ReadQuery> = Vec::with_capacity(records.len());
         for (i, r) in records.iter().enumerate() {
             let name = file_stem(&r.name);
-            if let Some(j) = read.iter().position(|(n, _)| *n == name) {
+            if name.len() > MAX_NAME {
+                bail!(
+                    "{}: record {} ({:.40}...) has a name of {} characters; its output folder's name allows \
+                     {MAX_NAME}: shorten the header's first word",
+                    fasta.display(),
+                    i + 1,
+                    r.name,
+                    name.len()
+                );
+            }
+            if let Some(j) = read.iter().position(|q| q.name == name) {
                 bail!(
                     "{}: records {} and {} are both named {name:?} as output folders; rename one",
                     fasta.display(),
@@ -162,7 +192,8 @@ impl InputArgs {
                 None => RawFeatures::new(&r.sequence, msa.as_ref().map(|(m, p)| (m, p.as_path()))),
             }
             .with_context(|| format!("record {}", r.name))?;
-            read.push((name, Query::Raw(raw)));
+            read.push(ReadQuery { name, query: Query::Raw(raw), seconds: start.elapsed().as_secs_f64() });
+            start = Instant::now();
         }
         Ok(read)
     }
@@ -193,6 +224,19 @@ impl InputArgs {
         };
         process(raw, &config, self.seed.seed, device).with_context(|| format!("processing the features of {name}"))
     }
+}
+
+/// One query as [`InputArgs::read`] gives it.
+pub struct ReadQuery {
+    /// The FASTA record's name or the features file's stem, made safe for file names (its
+    /// output folder's name).
+    pub name: String,
+    /// Its features.
+    pub query: Query,
+    /// Seconds of its reading and homology search (AlphaFold's `features` step, which
+    /// `run_alphafold.py` times per FASTA file); the first query's include the reading of the
+    /// input files the queries share.
+    pub seconds: f64,
 }
 
 /// One query as read: raw features for AlphaFold's pipeline to process per preset (as

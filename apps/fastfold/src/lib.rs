@@ -10,6 +10,7 @@ pub mod pdb;
 pub mod predict;
 pub mod preset;
 pub mod profile;
+pub mod query_folder;
 pub mod ranking;
 pub mod residue_constants;
 pub mod search;

@@ -13,7 +13,9 @@ use std::path::Path;
 use data::{Error, Result};
 use tch::{Kind, Tensor};
 
-use crate::residue_constants::{atom_order, ATOM_TYPES, ATOM_TYPE_NUM, RESNAMES, UNK_RESTYPE_INDEX};
+use crate::residue_constants::{
+    amino_acid_aatype, residue_atom_order, ATOM_TYPES, ATOM_TYPE_NUM, RESNAMES, UNK_RESTYPE_INDEX,
+};
 
 /// A predicted structure in the atom37 layout, on the CPU.
 #[derive(Clone, Debug, PartialEq)]
@@ -146,12 +148,15 @@ impl Structure {
         Ok(text)
     }
 
-    /// Reads the `ATOM` records of the first model and of one chain (`chain`, or the first
-    /// chain met) from PDB text, as AlphaFold's `protein.from_pdb_string` does: residues in
-    /// file order, residue names outside the 20 read as unknown (`X`), atoms outside the
-    /// residue's atom37 set (hydrogens, alternate names) skipped, the first of alternate
-    /// locations kept. B-factors are the file's (per residue, from its CA or first atom).
-    /// `source` names the text in errors, with the line number.
+    /// Reads the polymer residues of the first model and of one chain (`chain`, or the first
+    /// chain met) from PDB text, as AlphaFold's training data reads a chain's residues from
+    /// mmCIF: residues in file order; `ATOM` records are residues, residue names outside the
+    /// 20 read as unknown (`X`); of the `HETATM` groups only amino acids (the 20 standard
+    /// names, and selenomethionine, MSE, read as MET with its SE as SD) are residues, and
+    /// ligands, ions and waters are not; atoms matched by name (others, such as hydrogens,
+    /// skipped), residues without any known atom skipped, and of alternative locations the
+    /// most occupied (see [`keeps_new_location`]). B-factors are the file's (per residue, from
+    /// its CA or first atom). `source` names the text in errors, with the line number.
     pub fn parse(text: &str, source: &Path, chain: Option<char>) -> Result<Structure> {
         let bad =
             |line: usize, msg: String| Error::Format { path: source.to_path_buf(), msg: format!("line {line}: {msg}") };
@@ -162,42 +167,50 @@ impl Structure {
             mask: Vec::new(),
             b_factors: Vec::new(),
         };
+        // The kept location's occupancy of each atom, per residue.
+        let mut occupancy: Vec<[f32; ATOM_TYPE_NUM]> = Vec::new();
         let mut chain = chain;
-        let mut current: Option<(i64, char)> = None;
+        let mut current: Option<(bool, i64, char)> = None;
         for (i, line) in text.lines().enumerate() {
             let no = i + 1;
             if line.starts_with("ENDMDL") {
                 break;
             }
-            if !line.starts_with("ATOM  ") {
+            let hetero = line.starts_with("HETATM");
+            if !(hetero || line.starts_with("ATOM  ")) {
+                continue;
+            }
+            let field = |a: usize, b: usize| line.get(a..b.min(line.len())).unwrap_or("").trim();
+            let char_at = |a: usize| line.get(a..a + 1).and_then(|c| c.chars().next()).unwrap_or(' ');
+            let resname = field(17, 20);
+            // AlphaFold trains on an mmCIF chain's polymer residues; in a PDB file the other
+            // groups listed under the chain are HETATM records: ligands (ACT), ions (calcium,
+            // whose atom is named CA) and waters would each become an X residue of the atoms
+            // whose names are atom37's. Of the HETATM groups only amino acids (MSE) are kept.
+            if hetero && amino_acid_aatype(resname).is_none() {
                 continue;
             }
             if line.len() < 54 {
                 return Err(bad(no, format!("ATOM record of {} characters, coordinates need 54", line.len())));
             }
-            let field = |a: usize, b: usize| line.get(a..b.min(line.len())).unwrap_or("").trim();
-            let char_at = |a: usize| line.get(a..a + 1).and_then(|c| c.chars().next()).unwrap_or(' ');
             let this_chain = char_at(21);
             if *chain.get_or_insert(this_chain) != this_chain {
-                continue;
-            }
-            if !matches!(char_at(16), ' ' | 'A') {
                 continue;
             }
             let res_seq: i64 = field(22, 26)
                 .parse()
                 .map_err(|_| bad(no, format!("residue number {:?} is not an integer", field(22, 26))))?;
             let icode = char_at(26);
-            if current != Some((res_seq, icode)) {
-                current = Some((res_seq, icode));
-                let name = field(17, 20);
-                s.aatype.push(RESNAMES.iter().position(|r| *r == name).unwrap_or(UNK_RESTYPE_INDEX));
+            if current != Some((hetero, res_seq, icode)) {
+                current = Some((hetero, res_seq, icode));
+                s.aatype.push(amino_acid_aatype(resname).unwrap_or(UNK_RESTYPE_INDEX));
                 s.residue_index.push(res_seq - 1);
                 s.positions.push([[0.0; 3]; ATOM_TYPE_NUM]);
                 s.mask.push([0.0; ATOM_TYPE_NUM]);
                 s.b_factors.push(field(60, 66).parse().unwrap_or(0.0));
+                occupancy.push([0.0; ATOM_TYPE_NUM]);
             }
-            let Some(atom) = atom_order(field(12, 16)) else { continue };
+            let Some(atom) = residue_atom_order(resname, field(12, 16)) else { continue };
             let mut xyz = [0f32; 3];
             for (k, (a, b)) in [(30, 38), (38, 46), (46, 54)].into_iter().enumerate() {
                 xyz[k] = field(a, b)
@@ -206,20 +219,35 @@ impl Structure {
                     .filter(|x| x.is_finite())
                     .ok_or_else(|| bad(no, format!("coordinate {:?} is not a finite number", field(a, b))))?;
             }
+            let occ = field(54, 60).parse::<f32>().unwrap_or(1.0);
             let r = s.aatype.len() - 1;
-            if s.mask[r][atom] == 0.0 {
+            let altloc = char_at(16) != ' ';
+            if s.mask[r][atom] == 0.0 || keeps_new_location(occupancy[r][atom], occ, altloc) {
                 s.positions[r][atom] = xyz;
                 s.mask[r][atom] = 1.0;
+                occupancy[r][atom] = occ;
                 if field(12, 16) == "CA" {
                     s.b_factors[r] = field(60, 66).parse().unwrap_or(s.b_factors[r]);
                 }
             }
         }
+        s.drop_residues_without_atoms();
         if s.aatype.is_empty() {
             let which = chain.map(|c| format!(" of chain {c:?}")).unwrap_or_default();
             return Err(Error::Format { path: source.to_path_buf(), msg: format!("no ATOM records{which}") });
         }
         Ok(s)
+    }
+
+    /// Leaves out residues with no atom37 atom (a residue of hydrogens only), as AlphaFold's
+    /// `from_pdb_string` skips them.
+    fn drop_residues_without_atoms(&mut self) {
+        let keep: Vec<bool> = self.mask.iter().map(|m| m.iter().any(|&v| v > 0.5)).collect();
+        retain_where(&mut self.aatype, &keep);
+        retain_where(&mut self.residue_index, &keep);
+        retain_where(&mut self.positions, &keep);
+        retain_where(&mut self.mask, &keep);
+        retain_where(&mut self.b_factors, &keep);
     }
 
     /// Reads a PDB file (see [`Structure::parse`]).
@@ -235,4 +263,19 @@ impl Structure {
             w.write_all(text.as_bytes()).map_err(|source| Error::Io { path: path.to_path_buf(), source })
         })
     }
+}
+
+/// Keeps the items of `v` whose entry in `keep` is true.
+fn retain_where<T>(v: &mut Vec<T>, keep: &[bool]) {
+    let mut k = keep.iter();
+    v.retain(|_| *k.next().unwrap_or(&true));
+}
+
+/// Whether another location of an atom already read (`seen` its occupancy), at `occupancy`,
+/// replaces it: Biopython's `DisorderedAtom`, which AlphaFold's PDB and mmCIF readers go
+/// through, selects the most occupied location whatever its label, the first of equals. An
+/// atom repeated without an alternative location label keeps the first. The template
+/// (mmCIF) reader and the target (PDB) reader share this rule.
+pub(crate) fn keeps_new_location(seen: f32, occupancy: f32, altloc: bool) -> bool {
+    altloc && occupancy > seen
 }

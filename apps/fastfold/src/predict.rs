@@ -19,14 +19,15 @@ use tch::{Device, Kind, Tensor};
 
 use crate::confidence::Confidence;
 use crate::features::Features;
-use crate::input::{ChunkArgs, InputArgs, Query};
+use crate::input::{ChunkArgs, InputArgs, Query, ReadQuery};
 use crate::model::alphafold::{AlphaFold, Pass};
-use crate::model::heads::{DISTOGRAM_FIRST_BREAK, DISTOGRAM_LAST_BREAK};
+use crate::model::heads::{DISTOGRAM_FIRST_BREAK, DISTOGRAM_LAST_BREAK, MAX_ERROR_BIN};
 use crate::model::recycling::Recycling;
 use crate::model::Params;
 use crate::models::{self, ModelChoice, ModelFile};
 use crate::pdb::Structure;
 use crate::preset::Preset;
+use crate::query_folder::QueryFolder;
 use crate::ranking::{Ranking, Timings};
 use crate::search::{Mode, SearchArgs};
 
@@ -132,50 +133,23 @@ impl Model {
     }
 }
 
-/// Runs every model on every input in turn; rank 0 writes each query's folder. Returns the
-/// summaries, query by query, model by model.
+/// Runs every model on every input in turn; rank 0 writes each query's folder, replacing the
+/// files of an earlier run there only once every model has run (see [`QueryFolder`]).
+/// Returns the summaries, query by query, model by model.
 pub fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predicted>> {
     let runner = Runner::new(args, world)?;
-    let read_start = Instant::now();
-    let queries = read_inputs(args, world, runner.device)?;
-    // AlphaFold's `features` step: the reading of the input files and the homology search,
-    // for all queries.
-    let read_seconds = read_start.elapsed().as_secs_f64();
-    let mut done = Vec::new();
-    for (name, query) in &queries {
-        let dir = args.out.join(name);
-        let created = world.rank() == 0 && !dir.exists();
-        if world.rank() == 0 {
-            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-        }
-        let mut timings = Timings::default();
-        timings.add("features", read_seconds);
-        let mut scores = Vec::new();
-        for model in &runner.models {
-            let p = match runner.predict(model, name, query, &dir, &mut timings) {
-                Ok(p) => p,
-                Err(e) => {
-                    // A query folder this run made and wrote nothing to goes with the failure
-                    // (`remove_dir` removes only an empty folder).
-                    if created {
-                        let _ = std::fs::remove_dir(&dir);
-                    }
-                    return Err(e);
-                }
-            };
-            scores.push((p.model.clone(), p.mean_plddt, p.ptm));
-            done.push(p);
-        }
-        if world.rank() == 0 {
-            write_ranking(&dir, &Ranking::new(&scores), &timings)?;
-        }
+    let out_existed = args.out.exists();
+    let result = runner.run_all();
+    if result.is_err() && !out_existed {
+        // An output folder made for a failed run, left empty (`remove_dir` removes only that).
+        let _ = std::fs::remove_dir(&args.out);
     }
-    Ok(done)
+    result
 }
 
-/// The queries: with a search, rank 0 searches (saving the alignments and each query's
-/// `features.npz` under its folder) while the other ranks wait, then read what it saved.
-fn read_inputs(args: &PredictArgs, world: &World, device: Device) -> anyhow::Result<Vec<(String, Query)>> {
+/// The queries: with a search, rank 0 searches (saving the alignments under each query's
+/// folder) while the other ranks wait, then read what it saved.
+fn read_inputs(args: &PredictArgs, world: &World, device: Device) -> anyhow::Result<Vec<ReadQuery>> {
     let out = args.out.as_path();
     let mode = if world.rank() == 0 { Mode::Search } else { Mode::ReadSaved };
     if args.search.requested() {
@@ -187,17 +161,8 @@ fn read_inputs(args: &PredictArgs, world: &World, device: Device) -> anyhow::Res
         world.group.barrier().context("waiting for rank 0's homology search")?;
     }
     let queries = args.input.read(device, search.as_ref().map(|s| (s, out, mode)))?;
-    if mode == Mode::Search {
-        for (name, query) in &queries {
-            if let Query::Raw(raw) = query {
-                let dir = out.join(name);
-                std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-                raw.save_npz(&dir.join("features.npz"))?;
-            }
-        }
-        if several {
-            world.group.barrier().context("telling the other ranks the homology search is done")?;
-        }
+    if mode == Mode::Search && several {
+        world.group.barrier().context("telling the other ranks the homology search is done")?;
     }
     Ok(queries)
 }
@@ -223,6 +188,47 @@ impl<'a> Runner<'a> {
             .map(|f| Model::load(args, f, files.len() > 1, kind, device, backend))
             .collect::<anyhow::Result<Vec<_>>>()?;
         Ok(Runner { args, world, device, dap, kind, models })
+    }
+
+    /// Every input in turn, every model on it; the summaries, query by query, model by model.
+    fn run_all(&self) -> anyhow::Result<Vec<Predicted>> {
+        let queries = read_inputs(self.args, self.world, self.device)?;
+        let mut done = Vec::new();
+        for q in &queries {
+            self.predict_query(q, &mut done)?;
+        }
+        Ok(done)
+    }
+
+    /// Every model on one query, each summary pushed to `done`; rank 0 writes the query's raw
+    /// features and the models' files to a staging folder, moved into the query's folder at
+    /// the end (and removed on an error), with the query's own reading and search time as
+    /// its `features` step.
+    fn predict_query(&self, read: &ReadQuery, done: &mut Vec<Predicted>) -> anyhow::Result<()> {
+        let (name, query) = (read.name.as_str(), &read.query);
+        let folder = match self.world.rank() {
+            0 => Some(QueryFolder::open(&self.args.out, name)?),
+            _ => None,
+        };
+        let staging = folder.as_ref().map_or(PathBuf::new(), |f| f.staging.clone());
+        if let (Some(_), Query::Raw(raw)) = (&folder, query) {
+            raw.save_npz(&staging.join("features.npz"))?;
+        }
+        let mut timings = Timings::default();
+        timings.add("features", read.seconds);
+        let mut scores = Vec::new();
+        for model in &self.models {
+            let p = self.predict(model, name, query, &staging, &mut timings)?;
+            scores.push((p.model.clone(), p.mean_plddt));
+            done.push(p);
+        }
+        match folder {
+            Some(folder) => {
+                write_ranking(&staging, &Ranking::new(&scores), &timings)?;
+                folder.commit()
+            }
+            None => Ok(()),
+        }
     }
 
     /// `model` on `query`: its features processed for the model's preset, the prediction, and
@@ -259,7 +265,8 @@ impl<'a> Runner<'a> {
         let (aatype, residue_index) = (first.aatype.squeeze_dim(0), first.residue_index.squeeze_dim(0));
         let confidence = Confidence::from_logits(&pass.heads.lddt, pass.heads.aligned_error.as_ref())?;
         if self.world.rank() == 0 {
-            write_outputs(args, dir, &model.name, &pass, &aatype, &residue_index, &confidence)?;
+            let outputs = ModelOutputs { pass: &pass, recycles, confidence: &confidence };
+            write_outputs(args, dir, &model.name, &outputs, &aatype, &residue_index)?;
         }
         Ok(Predicted {
             residues: aatype.size()[0],
@@ -302,39 +309,58 @@ fn write_ranking(dir: &Path, ranking: &Ranking, timings: &Timings) -> anyhow::Re
     timings.write(&dir.join("timings.json"))
 }
 
+/// What one model's prediction gives to write: the last pass, the recycles run and the
+/// confidence measures.
+pub struct ModelOutputs<'a> {
+    /// The last recycling pass.
+    pub pass: &'a Pass,
+    /// Recycling passes run after the first.
+    pub recycles: usize,
+    /// pLDDT, and PAE and pTM with the aligned-error head.
+    pub confidence: &'a Confidence,
+}
+
 /// `<model>_unrelaxed.pdb`, `<model>_confidence.json` and, with `--save-outputs`,
 /// `<model>_outputs.npz` in the query's folder `dir`.
 fn write_outputs(
     args: &PredictArgs,
     dir: &Path,
     model: &str,
-    pass: &Pass,
+    outputs: &ModelOutputs,
     aatype: &Tensor,
     residue_index: &Tensor,
-    confidence: &Confidence,
 ) -> anyhow::Result<()> {
-    let s = &pass.structure;
-    let plddt = pass.heads.plddt();
+    let s = &outputs.pass.structure;
+    let plddt = outputs.pass.heads.plddt();
     let pdb = dir.join(format!("{model}_unrelaxed.pdb"));
     Structure::from_tensors(aatype, residue_index, &s.atom37, &s.atom37_mask, &plddt)?.write(&pdb)?;
-    confidence.write(&dir.join(format!("{model}_confidence.json")))?;
+    outputs.confidence.write(&dir.join(format!("{model}_confidence.json")))?;
     if args.save_outputs {
-        save_outputs(&dir.join(format!("{model}_outputs.npz")), pass)?;
+        save_outputs(&dir.join(format!("{model}_outputs.npz")), outputs)?;
     }
     Ok(())
 }
 
-/// The raw outputs under AlphaFold's output names (its result dictionary flattened with `/`).
-pub fn save_outputs(path: &Path, pass: &Pass) -> anyhow::Result<()> {
+/// The raw outputs under AlphaFold's names: the result dictionary of its `RunModel.predict`
+/// (as `run_alphafold.py` saves it in `result_<model>.pkl`) flattened with `/`, the
+/// entries this model computes. The structure module's atoms under `structure_module/`;
+/// beside the heads' logits, the confidence measures `get_confidence_metrics` adds
+/// (`plddt`, `ranking_confidence`: mean pLDDT for monomer models; with the aligned-error
+/// head `aligned_confidence_probs`, `predicted_aligned_error`, `max_predicted_aligned_error`
+/// and `ptm`), and `num_recycles`, the recycles run.
+pub fn save_outputs(path: &Path, outputs: &ModelOutputs) -> anyhow::Result<()> {
+    let (pass, confidence) = (outputs.pass, outputs.confidence);
     let h = &pass.heads;
     let s = &pass.structure;
     let distogram_bins = h.distogram.size()[2];
     let edges =
         Tensor::linspace(DISTOGRAM_FIRST_BREAK, DISTOGRAM_LAST_BREAK, distogram_bins - 1, (Kind::Float, Device::Cpu));
     let mut named: Vec<(String, Tensor)> = vec![
-        ("final_atom_positions".into(), s.atom37.shallow_clone()),
-        ("final_atom_mask".into(), s.atom37_mask.shallow_clone()),
+        ("structure_module/final_atom_positions".into(), s.atom37.shallow_clone()),
+        ("structure_module/final_atom_mask".into(), s.atom37_mask.shallow_clone()),
         ("plddt".into(), h.plddt()),
+        ("ranking_confidence".into(), Tensor::from(confidence.mean_plddt)),
+        ("num_recycles".into(), Tensor::from(outputs.recycles as i64)),
         ("distogram/logits".into(), h.distogram.shallow_clone()),
         ("distogram/bin_edges".into(), edges),
         ("predicted_lddt/logits".into(), h.lddt.shallow_clone()),
@@ -346,10 +372,14 @@ pub fn save_outputs(path: &Path, pass: &Pass) -> anyhow::Result<()> {
         ("representations/structure_module".into(), s.single.shallow_clone()),
     ];
     if let (Some(logits), Some((pae, max))) = (&h.aligned_error, h.predicted_aligned_error()) {
+        let bins = logits.size().last().copied().unwrap_or(2);
+        let breaks = Tensor::linspace(0.0, MAX_ERROR_BIN, bins - 1, (Kind::Float, Device::Cpu));
         named.push(("predicted_aligned_error/logits".into(), logits.shallow_clone()));
+        named.push(("predicted_aligned_error/breaks".into(), breaks));
+        named.push(("aligned_confidence_probs".into(), logits.to_kind(Kind::Float).softmax(-1, Kind::Float)));
         named.push(("predicted_aligned_error".into(), pae));
         named.push(("max_predicted_aligned_error".into(), Tensor::from(max)));
-        named.push(("ptm".into(), Tensor::from(h.ptm().unwrap_or(f64::NAN))));
+        named.push(("ptm".into(), Tensor::from(confidence.ptm.unwrap_or(f64::NAN))));
     }
     let named: Vec<(String, Tensor)> = named
         .into_iter()

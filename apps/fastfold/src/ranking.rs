@@ -1,26 +1,18 @@
 //! What `run_alphafold.py` writes beside the models of one query: the models ranked by
 //! confidence (`ranked_<i>.pdb`, `ranking_debug.json`) and the time each step took
-//! (`timings.json`), in AlphaFold's formats.
+//! (`timings.json`), in AlphaFold's formats: `json.dumps(..., indent=4)` of Python dicts,
+//! whose keys keep the order they were added in.
 use std::path::Path;
 
-use serde_json::{json, Map, Value};
+use serde::ser::{SerializeMap, Serializer};
+use serde::Serialize;
 
-/// The measure models are ranked by.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Measure {
-    /// Mean pLDDT (AlphaFold's monomer ranking; `ranking_debug.json` key `plddts`).
-    Plddt,
-    /// Predicted TM-score, when every model has the aligned-error head (`_ptm` sets; key
-    /// `ptm`).
-    Ptm,
-}
-
-/// The models of one query, best first.
+/// The models of one query, best first, by mean pLDDT: AlphaFold's monomer pipelines rank
+/// every model this way (`ranking_confidence = mean(plddt)`), the `_ptm` sets too; only
+/// AlphaFold-Multimer ranks by `iptm+ptm`, and the pTM stays in the confidence files.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Ranking {
-    /// What the scores are.
-    pub measure: Measure,
-    /// Each model's score, in the order the models ran.
+    /// Each model's mean pLDDT, in the order the models ran.
     pub scores: Vec<(String, f64)>,
     /// Model names, highest score first (ties keep the running order, as Python's stable
     /// sort does).
@@ -28,33 +20,29 @@ pub struct Ranking {
 }
 
 impl Ranking {
-    /// Ranks `(model, mean pLDDT, pTM)`: by pTM when every model has one, else by pLDDT.
-    pub fn new(models: &[(String, f64, Option<f64>)]) -> Ranking {
-        let ptm: Option<Vec<f64>> = models.iter().map(|m| m.2).collect();
-        let (measure, scores): (Measure, Vec<f64>) = match ptm {
-            Some(ptm) if !models.is_empty() => (Measure::Ptm, ptm),
-            _ => (Measure::Plddt, models.iter().map(|m| m.1).collect()),
-        };
-        let scores: Vec<(String, f64)> = models.iter().map(|m| m.0.clone()).zip(scores).collect();
+    /// Ranks `(model, mean pLDDT)`.
+    pub fn new(models: &[(String, f64)]) -> Ranking {
+        let scores = models.to_vec();
         let mut order: Vec<&(String, f64)> = scores.iter().collect();
         order.sort_by(|a, b| b.1.total_cmp(&a.1));
         let order = order.into_iter().map(|(name, _)| name.clone()).collect();
-        Ranking { measure, scores, order }
+        Ranking { scores, order }
     }
 
-    /// AlphaFold's `ranking_debug.json`: `{"plddts" | "ptm": {model: score}, "order": [...]}`.
-    pub fn to_json(&self) -> Value {
-        let label = match self.measure {
-            Measure::Plddt => "plddts",
-            Measure::Ptm => "ptm",
-        };
-        let scores: Map<String, Value> = self.scores.iter().map(|(n, s)| (n.clone(), json!(s))).collect();
-        json!({ label: scores, "order": self.order })
+    /// AlphaFold's monomer `ranking_debug.json`: `{"plddts": {model: score}, "order": [...]}`,
+    /// the models in the order they ran.
+    pub fn to_json(&self) -> anyhow::Result<String> {
+        #[derive(Serialize)]
+        struct RankingDebug<'a> {
+            plddts: InOrder<'a>,
+            order: &'a [String],
+        }
+        to_json(&RankingDebug { plddts: InOrder(&self.scores), order: &self.order })
     }
 
     /// Writes `ranking_debug.json` to `path` (through a temporary file).
     pub fn write(&self, path: &Path) -> anyhow::Result<()> {
-        write_json(path, &self.to_json())
+        write_json(path, &self.to_json()?)
     }
 }
 
@@ -69,15 +57,43 @@ impl Timings {
         self.0.push((key.into(), seconds));
     }
 
+    /// `timings.json`: `{step: seconds}` in the order the steps ran.
+    pub fn to_json(&self) -> anyhow::Result<String> {
+        to_json(&InOrder(&self.0))
+    }
+
     /// Writes `timings.json` to `path` (through a temporary file).
     pub fn write(&self, path: &Path) -> anyhow::Result<()> {
-        let map: Map<String, Value> = self.0.iter().map(|(k, s)| (k.clone(), json!(s))).collect();
-        write_json(path, &Value::Object(map))
+        write_json(path, &self.to_json()?)
     }
 }
 
-fn write_json(path: &Path, value: &Value) -> anyhow::Result<()> {
-    data::write_atomic(path, |w| -> anyhow::Result<()> { Ok(serde_json::to_writer_pretty(w, value)?) })
+/// A JSON object of `(key, number)` entries in their order. serde_json's `Map` sorts its keys
+/// (its `preserve_order` feature would change every JSON file of the workspace), so the
+/// entries are serialised one by one.
+struct InOrder<'a>(&'a [(String, f64)]);
+
+impl Serialize for InOrder<'_> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let mut map = serializer.serialize_map(Some(self.0.len()))?;
+        for (key, value) in self.0 {
+            map.serialize_entry(key, value)?;
+        }
+        map.end()
+    }
+}
+
+/// `value` as Python's `json.dumps(value, indent=4)` writes it.
+fn to_json(value: &impl Serialize) -> anyhow::Result<String> {
+    let mut text = Vec::new();
+    let formatter = serde_json::ser::PrettyFormatter::with_indent(b"    ");
+    value.serialize(&mut serde_json::Serializer::with_formatter(&mut text, formatter))?;
+    Ok(String::from_utf8(text)?)
+}
+
+fn write_json(path: &Path, text: &str) -> anyhow::Result<()> {
+    use std::io::Write;
+    data::write_atomic(path, |w| -> anyhow::Result<()> { Ok(w.write_all(text.as_bytes())?) })
 }
 
 #[cfg(test)]
@@ -85,13 +101,45 @@ mod tests {
     use super::*;
 
     #[test]
-    fn ptm_ranks_when_every_model_has_it_else_mean_plddt() {
-        let m = |n: &str, plddt: f64, ptm: Option<f64>| (n.to_string(), plddt, ptm);
-        let r = Ranking::new(&[m("model_1_ptm", 80.0, Some(0.5)), m("model_2_ptm", 70.0, Some(0.7))]);
-        assert_eq!(r.order, ["model_2_ptm", "model_1_ptm"]);
-        assert_eq!(r.to_json(), json!({"ptm": {"model_1_ptm": 0.5, "model_2_ptm": 0.7}, "order": r.order}));
-        let r = Ranking::new(&[m("model_1", 60.0, None), m("model_2_ptm", 70.0, Some(0.7)), m("model_3", 60.0, None)]);
-        assert_eq!(r.measure, Measure::Plddt);
+    fn models_rank_by_mean_plddt_even_with_ptm() {
+        // The old ranking took pTM when every model had one: model_2_ptm (pTM 0.7) first.
+        let m = |n: &str, plddt: f64| (n.to_string(), plddt);
+        let r = Ranking::new(&[m("model_1_ptm", 80.0), m("model_2_ptm", 70.0)]);
+        assert_eq!(r.order, ["model_1_ptm", "model_2_ptm"]);
+        let json: serde_json::Value = serde_json::from_str(&r.to_json().unwrap()).unwrap();
+        let want = serde_json::json!({"plddts": {"model_1_ptm": 80.0, "model_2_ptm": 70.0}, "order": r.order});
+        assert_eq!(json, want);
+        let r = Ranking::new(&[m("model_1", 60.0), m("model_2_ptm", 70.0), m("model_3", 60.0)]);
         assert_eq!(r.order, ["model_2_ptm", "model_1", "model_3"], "ties keep the running order");
+    }
+
+    #[test]
+    fn json_keeps_the_order_the_steps_and_models_ran_in() {
+        // serde_json's Map sorted the keys: `predict_and_compile_*` before `process_features_*`,
+        // `order` before `plddts`, model_5 before model_3.
+        let mut t = Timings::default();
+        for (key, seconds) in [
+            ("features", 1.5),
+            ("process_features_model_5", 0.25),
+            ("predict_and_compile_model_5", 2.0),
+            ("process_features_model_3", 0.5),
+            ("predict_and_compile_model_3", 3.0),
+        ] {
+            t.add(key, seconds);
+        }
+        let want = "{\n    \"features\": 1.5,\n    \"process_features_model_5\": 0.25,\n    \
+                    \"predict_and_compile_model_5\": 2.0,\n    \"process_features_model_3\": 0.5,\n    \
+                    \"predict_and_compile_model_3\": 3.0\n}";
+        let dir = std::env::temp_dir().join(format!("fastfold-ranking-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let written = |name: &str| std::fs::read_to_string(dir.join(name)).unwrap();
+        t.write(&dir.join("timings.json")).unwrap();
+        assert_eq!(written("timings.json"), want);
+        let r = Ranking::new(&[("model_5".into(), 70.0), ("model_3".into(), 80.0)]);
+        let want = "{\n    \"plddts\": {\n        \"model_5\": 70.0,\n        \"model_3\": 80.0\n    },\n    \
+                    \"order\": [\n        \"model_3\",\n        \"model_5\"\n    ]\n}";
+        r.write(&dir.join("ranking_debug.json")).unwrap();
+        assert_eq!(written("ranking_debug.json"), want, "as json.dumps(indent=4) writes it");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

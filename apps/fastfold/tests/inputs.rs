@@ -269,6 +269,26 @@ fn raw_features_follow_alphafolds_data_pipeline() {
     assert!(err.contains("other.a3m: query row differs from the sequence at position 10"), "{err}");
 }
 
+#[test]
+fn non_standard_letters_keep_their_msa_class_with_or_without_an_alignment() {
+    // AlphaFold's aatype reads B, Z, U, O, J as X, but its MSA (query row included) reads
+    // B, Z, U as D, E, C: single-sequence mode and an A3M of the query alone must agree. The
+    // old FASTA reader turned them into X first, so the single-sequence query row had X.
+    let text = ">u\nMKTAYUAKQRBZOJ\n";
+    let record = data::fasta::parse(text, Path::new("u.fa")).unwrap().remove(0);
+    assert_eq!(record.sequence, "MKTAYUAKQRBZOJ");
+    let msa = a3m::parse(text, Path::new("u.a3m")).unwrap();
+    let single = RawFeatures::new(&record.sequence, None).unwrap();
+    let aligned = RawFeatures::new(&record.sequence, Some((&msa, Path::new("u.a3m")))).unwrap();
+    assert_eq!(single, aligned);
+    let class = |c: char| rc::RESTYPES_WITH_X_AND_GAP.iter().position(|&r| r == c).unwrap() as i64;
+    let x = class('X');
+    assert_eq!((single.aatype[4], single.aatype[5]), (class('Y'), x), "U's residue type is X");
+    assert_eq!(single.aatype[10..], [x; 4], "B Z O J");
+    assert_eq!(single.msa[0][5], class('C'), "U is C in the MSA");
+    assert_eq!(single.msa[0][10..], [class('D'), class('E'), x, x], "B Z O J");
+}
+
 fn small_config() -> FeatureConfig {
     FeatureConfig { max_msa_clusters: 3, max_extra_msa: 1, num_recycle: 1, ..FeatureConfig::default() }
 }
@@ -420,6 +440,70 @@ fn npz_errors_name_the_key_and_both_shapes() {
     assert!(err.contains("key msa_feat: shape [2, 0, 3, 49] has no MSA row (S)"), "{err}");
 }
 
+/// One fixed-column PDB atom record.
+fn atom_record(record: &str, name: &str, altloc: char, resname: &str, res_seq: i64, x: f32, occupancy: f32) -> String {
+    format!("{record:<6}{:>5}  {name:<3}{altloc}{resname:>3} A{res_seq:>4}    {x:>8.3}{:>8.3}{:>8.3}{occupancy:>6.2}{:>6.2}\n", 1, 0.0, 0.0, 50.0)
+}
+
+#[test]
+fn pdb_target_keeps_the_most_occupied_location_and_hetatm_amino_acids() {
+    // Alternative locations as Biopython (under AlphaFold's readers) picks them: the old
+    // reader kept altloc ' ' or 'A' only and skipped HETATM records, so it lost residue 2's
+    // atoms and the MSE.
+    let text = [
+        atom_record("ATOM", "N", ' ', "ALA", 1, 1.0, 1.0),
+        atom_record("ATOM", "CA", 'A', "ALA", 1, 2.0, 0.3),
+        atom_record("ATOM", "CA", 'B', "ALA", 1, 3.0, 0.7),
+        atom_record("ATOM", "CA", 'C', "ALA", 1, 4.0, 0.7),
+        atom_record("ATOM", "N", 'B', "GLY", 2, 5.0, 0.5),
+        atom_record("ATOM", "CA", 'B', "GLY", 2, 6.0, 0.5),
+        atom_record("HETATM", "N", ' ', "MSE", 3, 7.0, 1.0),
+        atom_record("HETATM", "CA", ' ', "MSE", 3, 8.0, 1.0),
+        atom_record("HETATM", "SE", ' ', "MSE", 3, 9.0, 1.0),
+        atom_record("HETATM", "C1", ' ', "NAG", 4, 10.0, 1.0),
+        atom_record("HETATM", "O", ' ', "HOH", 5, 11.0, 1.0),
+    ]
+    .concat();
+    let s = Structure::parse(&text, Path::new("target.pdb"), None).unwrap();
+    let (ca, n, sd) = (rc::atom_order("CA").unwrap(), rc::atom_order("N").unwrap(), rc::atom_order("SD").unwrap());
+    assert_eq!(s.positions[0][ca][0], 3.0, "the more occupied B, not A, and not the equally occupied C");
+    assert_eq!(s.residue_index, [0, 1, 2], "ALA, GLY (altloc B only), MSE; the ligand and the water are not read");
+    assert_eq!((s.mask[1][n], s.mask[1][ca]), (1.0, 1.0), "altloc B alone is read");
+    assert_eq!(s.aatype[2], rc::aatype_of('M'), "MSE is MET");
+    assert_eq!((s.positions[2][ca][0], s.positions[2][sd][0], s.mask[2][sd]), (8.0, 9.0, 1.0), "MSE's SE is SD");
+}
+
+#[test]
+fn pdb_target_reads_a_crystal_structures_chain_as_its_polymer_residues() {
+    // A chain as crystal structures list it: selenomethionine first, then the protein, then
+    // an acetate, a calcium ion (atom CA) and waters under the same chain. The old reader
+    // made MSE an X ("residue 1 is UNK in the structure, MET in the input") and the acetate
+    // and the ion residues ("24 residues, the input has 22" for a 22-residue protein).
+    let text = [
+        atom_record("HETATM", "N", ' ', "MSE", 1, 1.0, 1.0),
+        atom_record("HETATM", "CA", ' ', "MSE", 1, 2.0, 1.0),
+        atom_record("HETATM", "CG", ' ', "MSE", 1, 3.0, 1.0),
+        atom_record("HETATM", "SE", ' ', "MSE", 1, 4.0, 1.0),
+        atom_record("ATOM", "N", ' ', "LYS", 2, 5.0, 1.0),
+        atom_record("ATOM", "CA", ' ', "LYS", 2, 6.0, 1.0),
+        atom_record("HETATM", "CA", ' ', "ALA", 3, 7.0, 1.0),
+        atom_record("HETATM", "C", ' ', "ACT", 201, 10.0, 1.0),
+        atom_record("HETATM", "O", ' ', "ACT", 201, 11.0, 1.0),
+        atom_record("HETATM", "CA", ' ', " CA", 202, 12.0, 1.0),
+        atom_record("HETATM", "O", ' ', "HOH", 301, 13.0, 1.0),
+        // A ligand's record too short for coordinates is not read, so not an error.
+        "HETATM 1001  C1  NAG A 401\n".to_string(),
+    ]
+    .concat();
+    let s = Structure::parse(&text, Path::new("crystal.pdb"), None).unwrap();
+    let aa = |c: char| rc::aatype_of(c);
+    assert_eq!(s.aatype, [aa('M'), aa('K'), aa('A')], "MSE, LYS and a HETATM ALA; no ligand, ion or water");
+    assert_eq!(s.residue_index, [0, 1, 2]);
+    let (ca, sd) = (rc::atom_order("CA").unwrap(), rc::atom_order("SD").unwrap());
+    assert_eq!((s.positions[0][sd][0], s.positions[2][ca][0]), (4.0, 7.0));
+    assert_eq!(s.mask.iter().map(|m| m.iter().sum::<f32>()).collect::<Vec<_>>(), [4.0, 2.0, 1.0]);
+}
+
 #[test]
 fn pdb_reads_back_what_it_writes_and_names_bad_lines() {
     let s = two_residues();
@@ -442,7 +526,7 @@ fn pdb_reads_back_what_it_writes_and_names_bad_lines() {
     }
     // Hydrogens, other chains, alternate locations and later models are skipped; an unknown
     // residue name is X.
-    let extra = "ATOM      1  N   MSE B   5      11.000  12.000  13.000  1.00 50.00           N\n\
+    let extra = "ATOM      1  N   PTR B   5      11.000  12.000  13.000  1.00 50.00           N\n\
                  ATOM      2  H   GLY A   2       1.000   2.000   3.000  1.00 10.00           H\n";
     let mixed = format!("{}{extra}", text.replace("ENDMDL", "ENDMDX"));
     let back = Structure::parse(&mixed, Path::new("mixed.pdb"), Some('A')).unwrap();

@@ -8,11 +8,14 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use fastfold::features::{process, FeatureConfig, RawFeatures};
+use engine::parallel::dap::Dap;
+use fastfold::features::{process, FeatureConfig, Features, RawFeatures};
 use fastfold::input::InputArgs;
+use fastfold::model::alphafold::AlphaFold;
 use fastfold::model::{EvoformerConfig, ModelConfig, Params};
+use fastfold::pdb::Structure;
 use fastfold::preset::Preset;
-use tch::{Device, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use common::BIN;
 const SEQ_A: &str = "MKTAYIAKQRQISFVKSHFSRQ";
@@ -76,7 +79,7 @@ fn predict_writes_pdb_confidence_and_raw_outputs() {
         let pdb = std::fs::read_to_string(out.join(name).join("tiny_unrelaxed.pdb")).unwrap();
         let atoms: Vec<&str> = pdb.lines().filter(|l| l.starts_with("ATOM")).collect();
         let raw = outputs(&out.join(name).join("tiny_outputs.npz"));
-        let mask = &raw["final_atom_mask"];
+        let mask = &raw["structure_module/final_atom_mask"];
         assert_eq!(mask.size(), [n as i64, 37]);
         assert_eq!(atoms.len() as f64, mask.sum(tch::Kind::Double).double_value(&[]), "one ATOM record per atom");
         for line in &atoms {
@@ -101,9 +104,19 @@ fn predict_writes_pdb_confidence_and_raw_outputs() {
 
         let n = n as i64;
         let c = EvoformerConfig::tiny();
+        // AlphaFold's result dictionary (RunModel.predict) as result_model_*.pkl holds it: the
+        // old file had final_atom_positions and final_atom_mask at the top level and lacked
+        // ranking_confidence, num_recycles and aligned_confidence_probs.
         for (key, shape) in [
-            ("final_atom_positions", vec![n, 37, 3]),
+            ("structure_module/final_atom_positions", vec![n, 37, 3]),
+            ("structure_module/final_atom_mask", vec![n, 37]),
             ("plddt", vec![n]),
+            ("ranking_confidence", vec![]),
+            ("num_recycles", vec![]),
+            ("aligned_confidence_probs", vec![n, n, 64]),
+            ("predicted_aligned_error/logits", vec![n, n, 64]),
+            ("predicted_aligned_error/breaks", vec![63]),
+            ("max_predicted_aligned_error", vec![]),
             ("distogram/logits", vec![n, n, 64]),
             ("distogram/bin_edges", vec![63]),
             ("predicted_lddt/logits", vec![n, 50]),
@@ -114,8 +127,19 @@ fn predict_writes_pdb_confidence_and_raw_outputs() {
             ("predicted_aligned_error", vec![n, n]),
             ("ptm", vec![]),
         ] {
-            assert_eq!(raw[key].size(), shape, "{key}");
+            let t = raw.get(key).unwrap_or_else(|| panic!("no {key} in {:?}", raw.keys()));
+            assert_eq!(t.size(), shape, "{key}");
         }
+        assert!(!raw.contains_key("final_atom_positions") && !raw.contains_key("final_atom_mask"));
+        let mean_plddt = json["mean_plddt"].as_f64().unwrap();
+        assert!((raw["ranking_confidence"].double_value(&[]) - mean_plddt).abs() < 1e-3, "mean pLDDT");
+        assert_eq!(raw["num_recycles"].int64_value(&[]), 1);
+        let probs = &raw["aligned_confidence_probs"];
+        assert!((probs.sum_dim_intlist(-1, false, tch::Kind::Double) - 1.0).abs().max().double_value(&[]) < 1e-5);
+        let want = raw["predicted_aligned_error/logits"].softmax(-1, tch::Kind::Float);
+        assert!(max_diff(probs, &want) < 1e-6, "softmax of the PAE logits");
+        let breaks = &raw["predicted_aligned_error/breaks"];
+        assert_eq!((breaks.double_value(&[0]), breaks.double_value(&[62])), (0.0, 31.0));
     }
 }
 
@@ -178,7 +202,7 @@ fn chunking_dap_safetensors_and_a_features_file_give_the_plain_result() {
         // fp32; reordered sums (chunks, all-to-alls) differ in the last bits, which eight
         // structure-module iterations turn into ~1e-4 Å (the PDB writes 1e-3 Å).
         for (key, tol) in [
-            ("final_atom_positions", 1e-3),
+            ("structure_module/final_atom_positions", 1e-3),
             ("distogram/logits", 1e-4),
             ("predicted_lddt/logits", 1e-4),
             ("representations/pair", 1e-4),
@@ -206,7 +230,7 @@ fn bf16_prediction_stays_in_range() {
         out.to_str().unwrap(),
     ]);
     let raw = outputs(&out.join("query/tiny_outputs.npz"));
-    assert!(bool::try_from(raw["final_atom_positions"].isfinite().all()).unwrap());
+    assert!(bool::try_from(raw["structure_module/final_atom_positions"].isfinite().all()).unwrap());
     let plddt = &raw["plddt"];
     assert!(plddt.min().double_value(&[]) >= 0.0 && plddt.max().double_value(&[]) <= 100.0);
 }
@@ -342,7 +366,7 @@ fn json(path: &Path) -> serde_json::Value {
 }
 
 #[test]
-fn a_params_directory_runs_every_model_in_turn_ranked_by_ptm_with_timings() {
+fn a_params_directory_runs_every_model_in_turn_ranked_by_mean_plddt_with_timings() {
     // Two tiny sets (no templates, a PAE head) under release names of models without
     // templates, and a file that is not a release name (ignored).
     let d = dir("models");
@@ -362,7 +386,9 @@ fn a_params_directory_runs_every_model_in_turn_ranked_by_ptm_with_timings() {
         let q = out.join(name);
         assert!(text.contains(&format!("{name} model_3_ptm:")) && text.contains(&format!("{name} model_5_ptm:")));
         let ranking = json(&q.join("ranking_debug.json"));
-        let scores = ranking["ptm"].as_object().expect("ranked by pTM: every set has the PAE head");
+        // AlphaFold ranks monomer models by mean pLDDT, `_ptm` sets included (not by pTM).
+        assert!(ranking.get("ptm").is_none(), "{ranking}");
+        let scores = ranking["plddts"].as_object().expect("ranked by mean pLDDT");
         let order: Vec<&str> = ranking["order"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
         assert_eq!(scores.len(), 2);
         assert!(scores[order[0]].as_f64().unwrap() >= scores[order[1]].as_f64().unwrap(), "{ranking}");
@@ -370,19 +396,26 @@ fn a_params_directory_runs_every_model_in_turn_ranked_by_ptm_with_timings() {
             let ranked = std::fs::read(q.join(format!("ranked_{i}.pdb"))).unwrap();
             assert_eq!(ranked, std::fs::read(q.join(format!("{model}_unrelaxed.pdb"))).unwrap());
             let confidence = json(&q.join(format!("{model}_confidence.json")));
-            assert_eq!(confidence["ptm"].as_f64(), scores[*model].as_f64());
+            assert_eq!(confidence["mean_plddt"].as_f64(), scores[*model].as_f64());
+            assert!(confidence["ptm"].as_f64().is_some(), "pTM still reported");
         }
         let timings = json(&q.join("timings.json"));
         let keys: Vec<&String> = timings.as_object().unwrap().keys().collect();
-        for key in [
+        let ran = [
             "features",
             "process_features_model_3_ptm",
             "predict_and_compile_model_3_ptm",
             "process_features_model_5_ptm",
             "predict_and_compile_model_5_ptm",
-        ] {
+        ];
+        for key in ran {
             assert!(timings[key].as_f64().is_some_and(|t| t >= 0.0), "timings.json has {keys:?}");
         }
+        // In the order they ran, as AlphaFold's json.dump of its dict writes them (the old
+        // file had them sorted).
+        let text = std::fs::read_to_string(q.join("timings.json")).unwrap();
+        let at: Vec<usize> = ran.iter().map(|k| text.find(&format!("\"{k}\"")).unwrap()).collect();
+        assert!(at.windows(2).all(|w| w[0] < w[1]), "{text}");
     }
 
     // --models picks; a number the directory lacks is an error naming the flag.
@@ -417,7 +450,9 @@ fn recycling_stops_early_once_the_ca_distances_settle() {
     let (text, early) = run("early", &["--num-recycle", "3", "--recycle-early-stop-tolerance", "1e9"]);
     assert!(text.contains("1 recycles"), "{text}");
     let (_, one) = run("one", &["--num-recycle", "1"]);
-    assert!(max_diff(&early["final_atom_positions"], &one["final_atom_positions"]) < 1e-4);
+    let positions = "structure_module/final_atom_positions";
+    assert!(max_diff(&early[positions], &one[positions]) < 1e-4);
+    assert_eq!((early["num_recycles"].int64_value(&[]), one["num_recycles"].int64_value(&[])), (1, 1));
 
     let o = d.join("bad").to_str().unwrap().to_string();
     for (flag, value) in [
@@ -456,4 +491,254 @@ fn recycling_stops_early_once_the_ca_distances_settle() {
     let two = fasta(&d, &[("a/b", SEQ_A), ("a:b", SEQ_B)]);
     let (ok, text) = fastfold(&["predict", two.to_str().unwrap(), "--params", params, "-o", &o]);
     assert!(!ok && text.contains("records 1 and 2") && text.contains("\"a_b\""), "{text}");
+}
+
+/// The residue axis of each processed feature (none for `seq_length` and the row masks).
+fn residue_axis(name: &str) -> Option<i64> {
+    match name {
+        "seq_length" | "msa_row_mask" | "extra_msa_row_mask" => None,
+        n if n.starts_with("msa_") || n.starts_with("extra_") || n == "bert_mask" || n == "true_msa" => Some(2),
+        _ => Some(1),
+    }
+}
+
+/// `f` padded to `n` residues as AlphaFold's `make_fixed_size` pads (zeros: `aatype` 0,
+/// `residue_index` 0, `seq_mask` 0), `seq_length` unchanged.
+fn pad_residues(f: &Features, n: i64) -> Vec<(&'static str, Tensor)> {
+    f.named()
+        .into_iter()
+        .map(|(name, t)| match residue_axis(name) {
+            Some(axis) => {
+                let mut shape = t.size();
+                shape[axis as usize] = n - shape[axis as usize];
+                (name, Tensor::cat(&[t.shallow_clone(), Tensor::zeros(shape, (t.kind(), t.device()))], axis))
+            }
+            None => (name, t.shallow_clone()),
+        })
+        .collect()
+}
+
+/// The processed batch of `named` as it is (the loader would cut residue padding).
+fn uncut(named: Vec<(&'static str, Tensor)>) -> Features {
+    let mut m: std::collections::HashMap<&str, Tensor> = named.into_iter().collect();
+    let mut take = |k: &str| m.remove(k).unwrap();
+    Features {
+        aatype: take("aatype"),
+        residue_index: take("residue_index"),
+        seq_length: take("seq_length"),
+        seq_mask: take("seq_mask"),
+        target_feat: take("target_feat"),
+        msa_feat: take("msa_feat"),
+        msa_mask: take("msa_mask"),
+        msa_row_mask: take("msa_row_mask"),
+        bert_mask: take("bert_mask"),
+        true_msa: take("true_msa"),
+        extra_msa: take("extra_msa"),
+        extra_has_deletion: take("extra_has_deletion"),
+        extra_deletion_value: take("extra_deletion_value"),
+        extra_msa_mask: take("extra_msa_mask"),
+        extra_msa_row_mask: take("extra_msa_row_mask"),
+        residx_atom14_to_atom37: take("residx_atom14_to_atom37"),
+        residx_atom37_to_atom14: take("residx_atom37_to_atom14"),
+        atom14_atom_exists: take("atom14_atom_exists"),
+        atom37_atom_exists: take("atom37_atom_exists"),
+        templates: None,
+    }
+}
+
+#[test]
+fn padded_features_give_the_unpadded_result_without_padding_residues() {
+    // processed_features.npz (3 residues) padded to 5 as ColabFold pads its queries.
+    let d = dir("padded");
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/processed_features.npz");
+    let f = Features::load_npz(&fixture, Device::Cpu).unwrap();
+    let padded_npz = d.join("padded.npz");
+    Tensor::write_npz(&pad_residues(&f, 5), &padded_npz).unwrap();
+
+    // Cutting the padding before the model is sound: the model's masks keep the padded
+    // residues from changing the real ones (the padded batch run as it is, not cut).
+    let net = AlphaFold::new(&Params::load_model(common::tiny_params()).unwrap()).unwrap();
+    let run = |f: &Features| tch::no_grad(|| net.predict(f, 1, Kind::Float, &Dap::none(), None)).unwrap();
+    let (want, got) = (run(&f), run(&uncut(pad_residues(&f, 5))));
+    let real = |t: &Tensor| t.narrow(0, 0, 3);
+    let positions = |p: &fastfold::model::alphafold::Pass| &p.structure.atom37 * p.structure.atom37_mask.unsqueeze(-1);
+    for (what, w, g) in [
+        ("final_atom_positions", positions(&want), real(&positions(&got))),
+        ("plddt", want.heads.plddt(), real(&got.heads.plddt())),
+        ("pair", want.recycled.pair.shallow_clone(), real(&got.recycled.pair).narrow(1, 0, 3)),
+    ] {
+        let diff = max_diff(&w, &g);
+        eprintln!("{what}: padded and unpadded differ by {diff:.2e}");
+        assert!(diff < 1e-3, "{what}: the padded run differs at the real residues by {diff}");
+    }
+
+    // End to end: the padding is gone from every output, which equal the unpadded run's.
+    let params = common::tiny_params().to_str().unwrap();
+    let run = |file: &Path, name: &str| {
+        let out = d.join(name);
+        predict(&["--features", file.to_str().unwrap(), "--params", params, "-o", out.to_str().unwrap()]);
+        let q = out.join(file.file_stem().unwrap());
+        (std::fs::read_to_string(q.join("tiny_unrelaxed.pdb")).unwrap(), json(&q.join("tiny_confidence.json")))
+    };
+    let (pdb, confidence) = run(&padded_npz, "padded");
+    let (want_pdb, want_confidence) = run(&fixture, "unpadded");
+    assert_eq!(pdb, want_pdb, "the padded input's PDB is the unpadded one's");
+    assert_eq!(confidence, want_confidence);
+    assert_eq!(confidence["plddt"].as_array().unwrap().len(), 3, "no pLDDT for padding");
+    assert_eq!(confidence["pae"].as_array().unwrap().len(), 3, "no PAE for padding");
+    let s = Structure::parse(&pdb, Path::new("padded.pdb"), None).unwrap();
+    // The third residue is X (no atoms to write); the old output added ALA A 1 after it.
+    assert_eq!(s.residue_index, [0, 1], "no padded residue");
+
+    // Padding not at the end (a hole in seq_mask) cannot be cut: an error naming the key.
+    let mut holes = pad_residues(&f, 5);
+    let mask = Tensor::from_slice(&[1f32, 0., 1., 1., 0.]).unsqueeze(0).repeat([2, 1]);
+    holes.iter_mut().find(|(k, _)| *k == "seq_mask").unwrap().1 = mask;
+    let holes_npz = d.join("holes.npz");
+    Tensor::write_npz(&holes, &holes_npz).unwrap();
+    let out = d.join("holes");
+    let (ok, text) = fastfold(&[
+        "predict",
+        "--features",
+        holes_npz.to_str().unwrap(),
+        "--params",
+        params,
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(!ok && text.contains("holes.npz") && text.contains("key seq_mask: residue 2 is masked"), "{text}");
+}
+
+/// Every file under `dir` (relative path) with its bytes.
+fn snapshot(dir: &Path) -> std::collections::BTreeMap<PathBuf, Vec<u8>> {
+    let mut files = std::collections::BTreeMap::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            for (rel, bytes) in snapshot(&path) {
+                files.insert(Path::new(path.file_name().unwrap()).join(rel), bytes);
+            }
+        } else {
+            files.insert(PathBuf::from(path.file_name().unwrap()), std::fs::read(&path).unwrap());
+        }
+    }
+    files
+}
+
+/// The tiny parameters with `key` changed by `change`, saved as `path`.
+fn changed_params(path: &Path, key: &str, change: impl Fn(&Tensor) -> Tensor) {
+    let named: Vec<(String, Tensor)> = outputs(common::tiny_params())
+        .into_iter()
+        .map(|(k, t)| if k == key { (k, change(&t)) } else { (k, t) })
+        .collect();
+    data::checkpoint::save_npz(&named, path).unwrap();
+}
+
+#[test]
+fn a_rerun_replaces_the_earlier_runs_files() {
+    let d = dir("rerun");
+    let params = d.join("params");
+    std::fs::create_dir_all(&params).unwrap();
+    for name in ["params_model_3_ptm.npz", "params_model_5_ptm.npz"] {
+        std::fs::copy(common::tiny_params(), params.join(name)).unwrap();
+    }
+    let fa = fasta(&d, &[("q", SEQ_B)]);
+    let out = d.join("out");
+    let (fa, p, o) = (fa.to_str().unwrap(), params.to_str().unwrap(), out.to_str().unwrap());
+    predict(&[fa, "--params", p, "--num-recycle", "0", "--save-outputs", "-o", o]);
+    let q = out.join("q");
+    assert!(q.join("ranked_1.pdb").exists() && q.join("model_3_ptm_outputs.npz").exists());
+    std::fs::write(q.join("notes.txt"), "the user's").unwrap();
+    // The user's own file, named like a model's (the old rule removed it), and the staging
+    // folder of a run killed outright (here a process that has exited).
+    std::fs::write(q.join("af_reference_confidence.json"), "{}").unwrap();
+    let mut exited = Command::new("true").spawn().unwrap();
+    exited.wait().unwrap();
+    let killed = out.join(format!(".q.partial-{}", exited.id()));
+    std::fs::create_dir_all(&killed).unwrap();
+    std::fs::write(killed.join("model_3_ptm_unrelaxed.pdb"), "half").unwrap();
+
+    // Again with one model and no raw outputs: nothing of the first run's models stays (the
+    // old code left model_3_ptm's files, ranked_1.pdb and the raw outputs beside the new run).
+    predict(&[fa, "--params", p, "--models", "5", "--num-recycle", "0", "-o", o]);
+    let names: std::collections::BTreeSet<String> =
+        std::fs::read_dir(&q).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    let want = [
+        "af_reference_confidence.json",
+        "features.npz",
+        "model_5_ptm_confidence.json",
+        "model_5_ptm_unrelaxed.pdb",
+        "notes.txt",
+        "ranked_0.pdb",
+        "ranking_debug.json",
+        "timings.json",
+    ];
+    assert_eq!(names, want.iter().map(|s| s.to_string()).collect(), "only this run's files (and the user's)");
+    assert_eq!(json(&q.join("ranking_debug.json"))["order"], serde_json::json!(["model_5_ptm"]));
+    let left: Vec<_> = std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(left, ["q"], "no staging folder left in {o}, the killed run's included");
+}
+
+#[test]
+fn a_failed_run_leaves_no_half_written_folder_and_the_earlier_run_as_it_was() {
+    let d = dir("failed");
+    let fa = fasta(&d, &[("q", SEQ_B)]);
+    let out = d.join("out");
+    let (fa, o) = (fa.to_str().unwrap(), out.to_str().unwrap());
+    // Translations of 10^6 Å per structure-module iteration: coordinates that do not fit the
+    // PDB's 8.3f columns, an error only once the model has run.
+    let far = d.join("params_far.npz");
+    let key = "alphafold/alphafold_iteration/structure_module/fold_iteration/affine_update//bias";
+    changed_params(&far, key, |b| b.ones_like() * 1e5);
+    let far = far.to_str().unwrap();
+
+    // A new query's folder: the old code left it with only features.npz.
+    let (ok, text) = fastfold(&["predict", fa, "--params", far, "--num-recycle", "0", "-o", o]);
+    assert!(!ok && text.contains("do not fit 8.3f"), "{text}");
+    assert!(!out.exists(), "a failed run left {:?}", snapshot(&out));
+
+    // A folder from an earlier run keeps its files, unchanged.
+    let params = common::tiny_params().to_str().unwrap();
+    predict(&[fa, "--params", params, "--num-recycle", "0", "-o", o]);
+    let before = snapshot(&out);
+    let (ok, text) = fastfold(&["predict", fa, "--params", far, "--num-recycle", "1", "-o", o]);
+    assert!(!ok && text.contains("do not fit 8.3f"), "{text}");
+    assert!(snapshot(&out) == before, "the failed run changed the earlier run's files");
+
+    // A NaN weight is named when the parameters load, not as NaN coordinates.
+    let nan = d.join("params_nan.npz");
+    changed_params(&nan, key, |b| b.full_like(f64::NAN));
+    let (ok, text) = fastfold(&["predict", fa, "--params", nan.to_str().unwrap(), "-o", o]);
+    assert!(!ok && text.contains("params_nan.npz") && text.contains(key) && text.contains("NaN"), "{text}");
+}
+
+#[test]
+fn small_input_mistakes_are_read_or_named() {
+    let d = dir("small");
+    let params = common::tiny_params().to_str().unwrap();
+    let out = d.join("out");
+    let o = out.to_str().unwrap();
+    // A byte-order mark before the first header is skipped (it was "sequence data before the
+    // first '>' header").
+    let bom = d.join("bom.fasta");
+    std::fs::write(&bom, format!("\u{feff}>bom\n{SEQ_B}\n")).unwrap();
+    predict(&[bom.to_str().unwrap(), "--params", params, "--num-recycle", "0", "-o", o]);
+
+    // --msa in Stockholm (jackhmmer's output) is read as such, to the A3M's rows.
+    let fa = fasta(&d, &[("sto", SEQ_B)]);
+    let sto = d.join("sto.sto");
+    std::fs::write(&sto, format!("# STOCKHOLM 1.0\n\nsto {SEQ_B}\nhit GSWPE-LK\n//\n")).unwrap();
+    predict(&[fa.to_str().unwrap(), "--msa", sto.to_str().unwrap(), "--params", params, "--num-recycle", "0", "-o", o]);
+    let msa = &outputs(&out.join("sto/features.npz"))["msa"];
+    assert_eq!(msa.size(), [2, SEQ_B.len() as i64], "the query and the hit");
+
+    // A header too long for a folder name is named with its record when the FASTA is read.
+    let long = fasta(&d, &[(&"L".repeat(300), SEQ_B)]);
+    let (ok, text) = fastfold(&["predict", long.to_str().unwrap(), "--params", params, "-o", o]);
+    assert!(!ok && text.contains("record 1") && text.contains("300 characters"), "{text}");
+
+    // convert into a folder that does not exist names it (was IoError(Os {..}) of a staging file).
+    let missing = d.join("missing/dir/x.safetensors");
+    let (ok, text) = fastfold(&["convert", params, missing.to_str().unwrap()]);
+    assert!(!ok && text.contains("missing/dir does not exist") && !text.contains("IoError"), "{text}");
 }

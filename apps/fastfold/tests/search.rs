@@ -347,6 +347,43 @@ fn two_records_on_two_ranks_search_once_each_and_match_one_rank() {
 }
 
 #[test]
+fn each_query_has_its_own_search_time_and_timings_keep_their_order() {
+    // run_alphafold.py times each FASTA file's features step; the old code gave every query
+    // the reading and search time of all queries together, and wrote the keys sorted.
+    let root = dir("timings");
+    let data = reduced_data_dir(&root);
+    let log = root.join("jackhmmer.log");
+    // The second query's three searches (the wrapper logs each before its body) sleep 0.5 s.
+    let body = format!("if [ \"$(wc -l < '{}')\" -gt 3 ]; then sleep 0.5; fi\nexec jackhmmer \"$@\"", log.display());
+    let jackhmmer = wrapper(&root.join("bin/jackhmmer"), &log, &body);
+    let second = homologue(7);
+    let records = [("query", QUERY), ("second", second.as_str())];
+    let args = ["--data-dir", data.to_str().unwrap(), "--db-preset", "reduced_dbs", "--jackhmmer-binary-path"];
+    let (ok, text) = predict_records(
+        &root,
+        "out",
+        &records,
+        common::tiny_params(),
+        &[&args[..], &[jackhmmer.to_str().unwrap()]].concat(),
+    );
+    assert!(ok, "{text}");
+    assert_eq!(std::fs::read_to_string(&log).unwrap().lines().count(), 6, "three searches per query");
+    let timings = |name: &str| std::fs::read_to_string(root.join("out").join(name).join("timings.json")).unwrap();
+    let features = |name: &str| {
+        let json: serde_json::Value = serde_json::from_str(&timings(name)).unwrap();
+        json["features"].as_f64().unwrap()
+    };
+    let (first, second) = (features("query"), features("second"));
+    assert!(second - first > 1.0, "features: {first} s for the first query, {second} s for the second");
+    let text = timings("query");
+    let at = |key: &str| text.find(&format!("\"{key}\"")).unwrap_or_else(|| panic!("no {key} in {text}"));
+    assert!(
+        at("features") < at("process_features_tiny") && at("process_features_tiny") < at("predict_and_compile_tiny")
+    );
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+#[test]
 fn full_dbs_search_runs_hhblits_on_bfd_and_uniref30() {
     let root = dir("full");
     let data = root.join("data");

@@ -95,9 +95,8 @@ pub fn save(
     optimizer: Option<&[(String, Tensor)]>,
 ) -> anyhow::Result<()> {
     let tmp = checkpoint_folders::staging(out, state.step);
-    if world.rank() == 0 {
-        checkpoint_folders::begin(out, state.step)?;
-    }
+    // Held until the commit: Ctrl-C before it removes the half-written folder.
+    let _staging = (world.rank() == 0).then(|| checkpoint_folders::begin(out, state.step)).transpose()?;
     world.group.barrier()?;
     if let Some(entries) = optimizer {
         data::checkpoint::save_tensors(entries, &optimizer_file(&tmp, world.rank()))?;

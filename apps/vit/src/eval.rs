@@ -1,18 +1,20 @@
 //! `vit eval`: top-1 and top-5 accuracy of a trained model on a data set.
 use std::path::PathBuf;
 
-use anyhow::Context;
 use tch::nn::VarStore;
 use tch::{Device, Kind};
 
 use crate::datasets::{DataArgs, Transforms};
-use crate::model::{ModelFile, Vit};
+use crate::model::Vit;
+use crate::model_file::ModelFile;
 use crate::train::evaluate;
+use data::augment::Transform;
 
 /// Options of `vit eval`.
 #[derive(clap::Args, Clone, Debug)]
 pub struct EvalArgs {
-    /// A `vit pretrain --out` folder (model.json and model.safetensors).
+    /// A `vit pretrain --out` folder (model.json and model.safetensors), or a folder timm saved
+    /// (timm's config.json and model.safetensors).
     pub checkpoint: PathBuf,
     /// Images to evaluate: the validation split of these data arguments (all of --val-data if
     /// given; the embedded digits' validation split by default).
@@ -23,12 +25,13 @@ pub struct EvalArgs {
 /// The top-1 and top-5 accuracy; prints them.
 pub fn run(args: &EvalArgs) -> anyhow::Result<(f64, f64)> {
     let dir = &args.checkpoint;
-    let cfg_path = dir.join("model.json");
-    let text = std::fs::read_to_string(&cfg_path).with_context(|| format!("reading {}", cfg_path.display()))?;
-    let file: ModelFile =
-        serde_json::from_str(&text).with_context(|| format!("{}: not a model description", cfg_path.display()))?;
+    let (file, cfg_path) = ModelFile::read(dir)?;
     let cfg = file.config;
-    cfg.validate().map_err(|e| anyhow::anyhow!("{}: {e}", cfg_path.display()))?;
+    if cfg_path.ends_with(crate::model_file::TIMM_CONFIG) {
+        if let Some(note) = ModelFile::timm_preprocessing_note(dir) {
+            println!("{note}");
+        }
+    }
     let splits = args.data.splits()?;
     let val = splits.val;
     if val.is_empty() {
@@ -63,8 +66,13 @@ pub fn run(args: &EvalArgs) -> anyhow::Result<(f64, f64)> {
         );
     }
     let world = engine::dist::World::single(&engine::dist::InitOptions::default())?;
-    let transforms = Transforms::new(cfg.image_size as usize, cfg.in_channels as usize, splits.embedded, 1.0);
-    let (top1, top5) = evaluate(&model, &val, &transforms.eval, &world.group, 1, Device::Cpu, Kind::Float)?;
+    // The model's own normalisation (files before it was recorded: what training would use on
+    // this data).
+    let mut eval = Transforms::new(cfg.image_size as usize, cfg.in_channels as usize, splits.embedded, 1.0).eval;
+    if let Some(normalize) = file.normalize() {
+        eval = Transform::Eval { size: cfg.image_size as usize, normalize };
+    }
+    let (top1, top5) = evaluate(&model, &val, &eval, &world.group, 1, Device::Cpu, Kind::Float)?;
     println!("{} images: top-1 {:.2}%  top-5 {:.2}%", val.len(), 100.0 * top1, 100.0 * top5);
     Ok((top1, top5))
 }

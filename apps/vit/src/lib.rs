@@ -7,6 +7,7 @@ pub mod datasets;
 pub mod eval;
 pub mod metrics;
 pub mod model;
+pub mod model_file;
 pub mod multi_dim;
 pub mod pipeline_parallel;
 pub mod plan;

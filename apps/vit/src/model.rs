@@ -41,18 +41,6 @@ pub struct VitConfig {
     pub mlp_ratio: f64,
 }
 
-/// `model.json`: the architecture and the class names by label (timm's `label_names`), so a
-/// model is evaluated or resumed only on data whose folders give the same labels.
-#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
-pub struct ModelFile {
-    /// The architecture.
-    #[serde(flatten)]
-    pub config: VitConfig,
-    /// Class names in label order (absent in files written before they were saved).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub label_names: Option<Vec<String>>,
-}
-
 /// An error when `data`'s classes are not the `trained` ones in the same order: the labels
 /// would then mean other classes, and accuracy or further training would be silently wrong.
 pub fn check_classes(trained: &[String], data: &[String], trained_where: &str, data_where: &str) -> anyhow::Result<()> {

@@ -80,10 +80,10 @@ pub fn cluster(
         anyhow::bail!("--nproc {nproc}: the cluster has {} devices", cluster.devices());
     }
     let line = format!(
-        "cluster: {} x {} devices of {:.2} GiB, {:.1} GFLOP/s, links {:.2} GB/s and {:.1} us ({source})\n",
+        "cluster: {} x {} devices of {}, {:.1} GFLOP/s, links {:.2} GB/s and {:.1} us ({source})\n",
         cluster.nodes,
         cluster.devices_per_node,
-        cluster.memory_bytes / (1u64 << 30) as f64,
+        engine::gemini::budget::human(cluster.memory_bytes as usize),
         cluster.peak_flops / 1e9,
         cluster.intra_node_bandwidth / 1e9,
         cluster.latency_s * 1e6

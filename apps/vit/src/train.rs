@@ -32,7 +32,8 @@ use crate::batch::{parse_batch, BatchPlan};
 use crate::checkpoint::{self, TrainerState};
 use crate::datasets::{probe, DataArgs, Splits, Transforms};
 use crate::metrics::Record;
-use crate::model::{correct_top_k, ModelFile, Vit, VitConfig};
+use crate::model::{correct_top_k, Vit, VitConfig};
+use crate::model_file::ModelFile;
 use crate::pipeline_parallel::{self, Model, PipelineArgs, SchedulePick};
 use crate::plan::PlannerMode;
 use crate::tensor_parallel::{ParallelArgs, Sharding};
@@ -541,6 +542,9 @@ impl<'a> Trainer<'a> {
         // A pipeline takes the step's micro-batches together.
         let mut queued = Vec::new();
         for m in 0..accumulation {
+            // Each micro-batch is progress: a step of many accumulated micro-batches has no
+            // collective until its last, and must not look stalled to the spawner.
+            engine::dist::heartbeat::beat();
             let loader = self.loader.as_mut().context("the data loader")?;
             let mut batch = loader.next().context("the data loader stopped early")??;
             let mut rng = Rng::keyed(seed ^ MIXUP_STREAM, step as u64, (rank * accumulation + m) as u64);
@@ -625,19 +629,23 @@ impl<'a> Trainer<'a> {
         }
     }
 
-    /// Rank 0 writes the final `model.safetensors` and `model.json` under `--out` (every rank
+    /// Rank 0 writes the final `model.safetensors`, `model.json` and timm's `config.json` under
+    /// `--out` (every rank
     /// calls this: the weights are gathered first).
     fn save_model(&self) -> anyhow::Result<()> {
         let weights = self.full_weights()?;
         if let (Some(dir), 0) = (&self.args.out, self.world.rank()) {
             let path = dir.join("model.safetensors");
             data::checkpoint::save_tensors(&weights, &path)?;
-            let file = ModelFile { config: self.cfg, label_names: Some(self.splits.train.classes().to_vec()) };
-            let json = serde_json::to_string_pretty(&file)?;
-            data::write_atomic::<anyhow::Error>(&dir.join("model.json"), |w| {
-                Ok(std::io::Write::write_all(w, json.as_bytes())?)
-            })?;
-            println!("saved {} and model.json", path.display());
+            let normalize = self.transforms.eval.normalize();
+            let file = ModelFile {
+                config: self.cfg,
+                label_names: Some(self.splits.train.classes().to_vec()),
+                mean: Some(ModelFile::decimals(&normalize.mean)),
+                std: Some(ModelFile::decimals(&normalize.std)),
+            };
+            file.write(dir)?;
+            println!("saved {}, model.json and timm's config.json", path.display());
         }
         Ok(())
     }

@@ -48,6 +48,20 @@ fn pretrain_then_eval_reports_the_same_accuracy() {
         text.contains(&format!("297 images: top-1 {trained:.2}%")),
         "eval agrees with training's {trained}: {text}"
     );
+    // timm's config.json describes the same model and preprocessing: alone (as a folder timm
+    // saved), it evaluates the same.
+    let timm: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(timm["model_args"]["embed_dim"], 64, "{timm}");
+    assert_eq!(timm["pretrained_cfg"]["mean"], serde_json::json!([0.5]), "{timm}");
+    assert_eq!(timm["label_names"][9], "9", "{timm}");
+    let timm_only = dir.join("timm");
+    std::fs::create_dir_all(&timm_only).unwrap();
+    for file in ["config.json", "model.safetensors"] {
+        std::fs::copy(out.join(file), timm_only.join(file)).unwrap();
+    }
+    let (ok, text) = vit(&["eval", timm_only.to_str().unwrap()]);
+    assert!(ok && text.contains(&format!("297 images: top-1 {trained:.2}%")), "{text}");
     // Flags the embedded digits would ignore are errors naming them.
     let (ok, text) = vit(&["eval", out.to_str().unwrap(), "--val-fraction", "0.5"]);
     assert!(!ok && text.contains("--val-fraction needs --data"), "{text}");
@@ -171,6 +185,53 @@ fn an_interrupted_conversion_leaves_no_temporary_file() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Ctrl-C (SIGINT to the whole foreground process group) of a 2-rank run that checkpoints
+/// every step: the job ends as interrupted, its ranks with it, and nothing is left behind: no
+/// staging folder beside the checkpoints, nothing in the temporary folder (the spawner's
+/// heartbeats included), and `latest` still names a complete checkpoint.
+#[test]
+fn an_interrupted_multi_rank_run_leaves_nothing_behind() {
+    use std::os::unix::process::{CommandExt, ExitStatusExt};
+    let dir = scratch("vit-cli", "interrupt-run");
+    let (out, tmp) = (dir.join("run"), dir.join("tmp"));
+    std::fs::create_dir_all(&tmp).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_vit"))
+        .args(["pretrain", "--quiet", "--nproc", "2", "--steps", "100000", "--batch", "16", "--save-every", "1"])
+        .args(["--timeout", "60", "--out", out.to_str().unwrap()])
+        .env("TMPDIR", &tmp)
+        .process_group(0)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    // A second commit: the ranks are past start-up, beating, and checkpointing step after step.
+    let latest = || std::fs::read_to_string(out.join("latest")).unwrap_or_default();
+    while matches!(latest().trim(), "" | "checkpoint-1") {
+        assert!(child.try_wait().unwrap().is_none(), "the run ended before it could be interrupted");
+        assert!(start.elapsed().as_secs() < 120, "no checkpoint after two minutes");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    // SAFETY: signalling the process group this test created.
+    unsafe { libc::killpg(child.id() as i32, libc::SIGINT) };
+    let status = child.wait().unwrap();
+    assert_eq!(status.signal(), Some(libc::SIGINT), "ends as interrupted: {status:?}");
+    // The ranks end with it (they got the same SIGINT).
+    // SAFETY: signal 0 only asks whether the group still has members.
+    while unsafe { libc::killpg(child.id() as i32, 0) } == 0 {
+        assert!(start.elapsed().as_secs() < 180, "ranks still running after the interrupt");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let left: Vec<_> = std::fs::read_dir(&tmp).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert!(left.is_empty(), "left in the temporary folder: {left:?}");
+    let names: Vec<String> =
+        std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert!(!names.iter().any(|n| n.ends_with(".tmp") || n.contains(".tmp-")), "half-written files: {names:?}");
+    let latest = std::fs::read_to_string(out.join("latest")).unwrap();
+    assert!(out.join(latest.trim()).join("trainer.json").exists(), "latest names {latest}: {names:?}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn bad_flags_are_named() {
     let (ok, text) = vit(&["pretrain", "--batch", "12x"]);
@@ -192,6 +253,14 @@ fn bad_flags_are_named() {
         let (ok, text) = vit(&["pretrain", &format!("{flag}={value}")]);
         assert!(!ok && text.contains(&format!("invalid value '{value}' for '{flag}")), "{text}");
     }
+    // A bad timeout from the environment names the variable (clap names only the flag).
+    let out = Command::new(env!("CARGO_BIN_EXE_vit"))
+        .args(["pretrain", "--steps", "1"])
+        .env("ENGINE_DIST_TIMEOUT", "soon")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && text.contains("the value of ENGINE_DIST_TIMEOUT"), "{text}");
     // A --nproc that a launcher's variables contradict is named, not silently ignored.
     let out = Command::new(env!("CARGO_BIN_EXE_vit"))
         .args(["pretrain", "--nproc", "2", "--steps", "1"])

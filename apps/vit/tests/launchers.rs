@@ -88,3 +88,53 @@ fn torchrun_and_mpirun_jobs_equal_the_spawners() {
     assert_same(&mpirun, &spawned, "mpirun");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Processes started by hand with launcher variables that do not make one job: two given the
+/// same RANK, and ranks that disagree on WORLD_SIZE. Each is an error naming the variable,
+/// within the timeout, where the job would otherwise hang (or a duplicate train in its twin's
+/// place and the job report success).
+#[test]
+fn ranks_given_twice_or_disagreeing_on_the_world_size_are_named() {
+    let dir = scratch("vit-launchers", "membership");
+    let start = |rank: usize, world: usize, port: u16, out: &Path| {
+        Command::new(VIT)
+            .args(["pretrain", "--quiet", "--steps", "2", "--batch", "8", "--timeout", "10", "--out"])
+            .arg(out)
+            .envs([("RANK", rank.to_string()), ("WORLD_SIZE", world.to_string()), ("MASTER_PORT", port.to_string())])
+            .envs([("LOCAL_RANK", rank.to_string()), ("LOCAL_WORLD_SIZE", world.to_string())])
+            .envs([("MASTER_ADDR", "127.0.0.1"), ("RUST_BACKTRACE", "0")])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let finish = |children: Vec<std::process::Child>| -> Vec<(bool, String)> {
+        children
+            .into_iter()
+            .map(|c| {
+                let out = c.wait_with_output().unwrap();
+                (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+            })
+            .collect()
+    };
+    let began = std::time::Instant::now();
+    let port = free_port();
+    let twice = finish(vec![
+        start(0, 2, port, &dir.join("a")),
+        start(1, 2, port, &dir.join("a")),
+        start(1, 2, port, &dir.join("a")),
+    ]);
+    let named: Vec<&(bool, String)> =
+        twice.iter().filter(|(_, e)| e.contains("RANK=1: another process of this job has the same rank")).collect();
+    assert_eq!(named.len(), 1, "{twice:#?}");
+    assert!(!named[0].0, "the duplicate fails");
+    assert_eq!(twice.iter().filter(|(ok, _)| *ok).count(), 2, "the job of ranks 0 and 1 trains: {twice:#?}");
+
+    let port = free_port();
+    let sizes = finish(vec![start(0, 2, port, &dir.join("b")), start(1, 3, port, &dir.join("b"))]);
+    assert!(sizes.iter().all(|(ok, _)| !ok), "{sizes:#?}");
+    assert!(sizes[1].1.contains("WORLD_SIZE=3 here, but rank 0 has WORLD_SIZE=2"), "{}", sizes[1].1);
+    assert!(sizes[0].1.contains("lost peer: rank 1"), "rank 0 names its missing peer: {}", sizes[0].1);
+    assert!(began.elapsed() < std::time::Duration::from_secs(90), "took {:?}", began.elapsed());
+    std::fs::remove_dir_all(&dir).unwrap();
+}

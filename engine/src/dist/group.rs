@@ -123,7 +123,15 @@ impl ProcessGroup {
                     &mut raw,
                 )
             });
-        check(created, || what)?;
+        // A peer that never connects (stopped, or gone before its address was published) is
+        // named by its silent heartbeat, as a failed collective's is.
+        check(created, || match size > 1 {
+            true => match crate::dist::heartbeat::lost_peers(&global_ranks, global_ranks[rank]) {
+                Some(lost) => format!("{what}; {lost}"),
+                None => what,
+            },
+            false => what,
+        })?;
         let group = ProcessGroup(Arc::new(Inner {
             raw,
             store,

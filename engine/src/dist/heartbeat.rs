@@ -8,23 +8,31 @@
 //!   stopped ([`lost_peers`]).
 //! - A rank alive but stuck outside collectives (a hung data loader, an endless loop): its
 //!   peers wait in a collective until the timeout and then report their own operation. Under
-//!   the engine's spawner each rank also writes a small heartbeat file saying when it last
-//!   made progress (a step, a completed collective) and whether it is waiting in a
-//!   collective; the spawner ends the job when a rank has been neither progressing nor
-//!   waiting for longer than `--timeout`, and names it ([`stalled`]).
+//!   the engine's spawner each rank also sends the spawner a pulse through a pipe a few times
+//!   a second, saying how long ago it last made progress (a step, a completed collective) and
+//!   whether it is waiting in a collective; the spawner ends the job when a rank has been
+//!   neither progressing nor waiting for longer than `--timeout`, and names it
+//!   ([`Pulses::stalled`]). A pipe, not a file: nothing is left on disk when the job is
+//!   killed or interrupted.
 //!
 //! Nothing is enforced before a rank's first progress (start-up: loading data, building the
 //! model), and a rank inside a collective is left to the collective's own timeout.
-use std::path::{Path, PathBuf};
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::OnceLock;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::dist::store::Store;
 use crate::Result;
 
-/// Set by the spawner: the folder where each rank writes its heartbeat file.
-pub const HEARTBEAT_DIR_ENV: &str = "ENGINE_HEARTBEAT_DIR";
+/// Set by the spawner: the descriptor of the pipe (its write end) each rank sends pulses to.
+pub const HEARTBEAT_FD_ENV: &str = "ENGINE_HEARTBEAT_FD";
+/// A pulse: milliseconds since the rank's last progress (`u64::MAX`: none yet) and the number
+/// of collectives it is waiting in, as two little-endian u64s. Under `PIPE_BUF`, so each
+/// write arrives whole.
+const PULSE_BYTES: usize = 16;
 /// How often a rank publishes its heartbeat.
 const INTERVAL: Duration = Duration::from_millis(250);
 /// How long a peer's counter must stand still to count as lost (several intervals: a busy
@@ -81,23 +89,22 @@ pub(crate) fn start(store: &Store, rank: usize) -> Result<()> {
     }
     let own = store.prefixed("")?;
     let _ = STORE.set(store.prefixed("")?);
-    let file = std::env::var_os(HEARTBEAT_DIR_ENV).map(|d| file_of(Path::new(&d), rank));
+    let mut pipe = spawner_pipe();
     std::thread::Builder::new()
         .name(format!("heartbeat-{rank}"))
         .spawn(move || {
+            let mut store_answers = true;
             while !STOPPED.load(Ordering::Relaxed) {
-                // Failures are ignored: the store's host may be gone (the job is ending), and
-                // the heartbeat must never be what fails a job.
-                let _ = own.add(&counter_key(rank), 1);
-                if let Some(path) = &file {
-                    let _ = write_pulse(path);
+                // Failures are not errors: the store's host may be gone (the job is ending), and
+                // the heartbeat must never be what fails a job. After one, the store is left
+                // alone (libtorch logs every failed request at length).
+                store_answers = store_answers && own.add(&counter_key(rank), 1).is_ok();
+                if let Some(pipe) = &mut pipe {
+                    let _ = pipe.write_all(&pulse());
                 }
                 std::thread::sleep(INTERVAL);
             }
-            // No file: the spawner judges nothing of a rank that is finishing.
-            if let Some(path) = &file {
-                let _ = std::fs::remove_file(path);
-            }
+            // Leaving closes the pipe: the spawner judges nothing of a rank that is finishing.
         })
         .map_err(|e| crate::Error::io("starting the heartbeat thread", e))?;
     Ok(())
@@ -109,18 +116,39 @@ pub(crate) fn stop() {
     STOPPED.store(true, Ordering::Relaxed);
 }
 
-fn file_of(dir: &Path, rank: usize) -> PathBuf {
-    dir.join(format!("rank-{rank}"))
+/// The pipe the spawner gave this rank (see [`HEARTBEAT_FD_ENV`]), made close-on-exec (the
+/// rank's own subprocesses must not hold it open) and non-blocking (a stopped spawner must not
+/// block the heartbeat). None outside the spawner, or when the descriptor is not a pipe: the
+/// variable may have been inherited by a process that does not have the spawner's pipe.
+fn spawner_pipe() -> Option<File> {
+    let fd: RawFd = std::env::var(HEARTBEAT_FD_ENV).ok()?.parse().ok().filter(|&fd| fd > 2)?;
+    // SAFETY: fstat and fcntl only read and set flags of a descriptor number, open or not.
+    unsafe {
+        let mut stat: libc::stat = std::mem::zeroed();
+        if libc::fstat(fd, &mut stat) != 0 || stat.st_mode & libc::S_IFMT != libc::S_IFIFO {
+            return None;
+        }
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        if flags < 0 || flags & libc::O_ACCMODE != libc::O_WRONLY {
+            return None;
+        }
+        libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
+        libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK);
+        // SAFETY: an open pipe's write end that nothing else in this process owns.
+        Some(File::from_raw_fd(fd))
+    }
 }
 
-/// Writes `<now> <last progress> <waiting>` (whole, through a rename: the spawner never reads
-/// half a line).
-fn write_pulse(path: &Path) -> std::io::Result<()> {
-    let line =
-        format!("{} {} {}\n", now_ms(), LAST_PROGRESS_MS.load(Ordering::Relaxed), WAITING.load(Ordering::Relaxed));
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, line)?;
-    std::fs::rename(&tmp, path)
+/// This rank's pulse now (see [`PULSE_BYTES`]).
+fn pulse() -> [u8; PULSE_BYTES] {
+    let since = match LAST_PROGRESS_MS.load(Ordering::Relaxed) {
+        0 => u64::MAX,
+        at => now_ms().saturating_sub(at),
+    };
+    let mut bytes = [0; PULSE_BYTES];
+    bytes[..8].copy_from_slice(&since.to_le_bytes());
+    bytes[8..].copy_from_slice(&(WAITING.load(Ordering::Relaxed) as u64).to_le_bytes());
+    bytes
 }
 
 /// Which of `ranks` (global ranks, this one excluded) stopped beating: their counters did not
@@ -146,29 +174,75 @@ pub(crate) fn lost_peers(ranks: &[usize], me: usize) -> Option<String> {
     }
 }
 
-/// Whether the heartbeat file of `rank` under `dir` shows a rank stuck for longer than
-/// `timeout`: alive but neither progressing nor waiting in a collective, or not writing its
-/// heartbeat at all (stopped). None while it is fine, before its first progress, or when it
-/// writes no heartbeat.
-pub(crate) fn stalled(dir: &Path, rank: usize, timeout: Duration) -> Option<String> {
-    let text = std::fs::read_to_string(file_of(dir, rank)).ok()?;
-    let fields: Vec<u64> = text.split_whitespace().filter_map(|f| f.parse().ok()).collect();
-    let [written, progress, waiting] = fields[..] else { return None };
-    let now = now_ms();
-    let limit = timeout.as_millis() as u64;
-    if now.saturating_sub(written) > limit {
-        return Some(format!(
-            "rank {rank} stopped responding: no heartbeat for {:.1} s (--timeout {:.1} s)",
-            now.saturating_sub(written) as f64 / 1e3,
-            timeout.as_secs_f64()
-        ));
+/// A pipe for one rank's pulses: the spawner's read end, and the write end to pass to the
+/// rank (see [`HEARTBEAT_FD_ENV`]; both close-on-exec, so that only the rank it is meant for
+/// inherits the write end, once it is cleared there).
+pub(crate) fn pipe() -> Result<(File, OwnedFd)> {
+    let mut fds: [RawFd; 2] = [-1; 2];
+    // SAFETY: `fds` has room for the two descriptors pipe2(2) returns.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(crate::Error::io("creating a heartbeat pipe", std::io::Error::last_os_error()));
     }
-    if progress > 0 && waiting == 0 && now.saturating_sub(progress) > limit {
-        return Some(format!(
-            "rank {rank} made no progress for {:.1} s outside collectives (--timeout {:.1} s)",
-            now.saturating_sub(progress) as f64 / 1e3,
-            timeout.as_secs_f64()
-        ));
+    // SAFETY: both descriptors were just opened and are owned by nothing else.
+    Ok(unsafe { (File::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+/// The last pulse from a rank: when it arrived, how long before that the rank last made
+/// progress (None: not yet), and whether it was waiting in a collective.
+struct Pulse {
+    at: Instant,
+    since_progress: Option<Duration>,
+    waiting: bool,
+}
+
+/// The spawner's view of one rank's heartbeat, kept current by a thread reading its pipe.
+pub(crate) struct Pulses(Arc<Mutex<Option<Pulse>>>);
+
+impl Pulses {
+    /// Reads `pipe` (the read end from [`pipe`]) until the rank closes it or exits. The thread
+    /// is not joined: a subprocess the rank started before its heartbeat may hold the pipe.
+    pub(crate) fn listen(mut pipe: File) -> Pulses {
+        let last = Arc::new(Mutex::new(None));
+        let shared = last.clone();
+        std::thread::spawn(move || {
+            let mut bytes = [0; PULSE_BYTES];
+            while pipe.read_exact(&mut bytes).is_ok() {
+                let word = |i: usize| u64::from_le_bytes(bytes[i..i + 8].try_into().expect("8 bytes"));
+                let pulse = Pulse {
+                    at: Instant::now(),
+                    since_progress: (word(0) != u64::MAX).then(|| Duration::from_millis(word(0))),
+                    waiting: word(8) > 0,
+                };
+                *shared.lock().unwrap_or_else(|e| e.into_inner()) = Some(pulse);
+            }
+            // Closed: the rank is finishing (or gone, which the spawner sees by itself).
+            *shared.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        });
+        Pulses(last)
     }
-    None
+
+    /// Whether `rank` has been stuck for longer than `timeout`: alive but neither progressing
+    /// nor waiting in a collective, or not sending pulses at all (stopped). None while it is
+    /// fine, before its first progress, or when it sends no pulses.
+    pub(crate) fn stalled(&self, rank: usize, timeout: Duration) -> Option<String> {
+        let last = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let pulse = last.as_ref()?;
+        let silent = pulse.at.elapsed();
+        if silent > timeout {
+            return Some(format!(
+                "rank {rank} stopped responding: no heartbeat for {:.1} s (--timeout {:.1} s)",
+                silent.as_secs_f64(),
+                timeout.as_secs_f64()
+            ));
+        }
+        let idle = pulse.since_progress.map(|since| since + silent)?;
+        if !pulse.waiting && idle > timeout {
+            return Some(format!(
+                "rank {rank} made no progress for {:.1} s outside collectives (--timeout {:.1} s)",
+                idle.as_secs_f64(),
+                timeout.as_secs_f64()
+            ));
+        }
+        None
+    }
 }

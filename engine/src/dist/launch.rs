@@ -322,11 +322,50 @@ pub fn init(opts: &InitOptions) -> Result<World> {
         store = store.prefixed(&format!("attempt_{}", env.attempt))?;
     }
     if env.world_size > 1 {
+        check_membership(&store, &env)?;
         super::heartbeat::start(&store, env.rank)?;
     }
     let group =
         ProcessGroup::new(store, env.rank, (0..env.world_size).collect(), "world", opts.timeout, env.is_loopback())?;
     Ok(World { env, group })
+}
+
+impl Launcher {
+    /// The variables that give a rank and the world size under this launcher.
+    fn variables(&self) -> (&'static str, &'static str) {
+        match self {
+            Launcher::Torchrun => ("RANK", "WORLD_SIZE"),
+            Launcher::OpenMpi => ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+            Launcher::Slurm => ("SLURM_PROCID", "SLURM_NTASKS"),
+        }
+    }
+}
+
+/// Each rank claims its rank in the store and compares its world size with rank 0's: two
+/// processes given one rank, or ranks that disagree on the world size, are errors naming the
+/// variable, where the collectives would otherwise hang until their timeout (or a duplicate
+/// would train in its twin's place).
+fn check_membership(store: &Store, env: &LaunchEnv) -> Result<()> {
+    let (rank_var, size_var) = env.launcher.variables();
+    if store.add(&format!("engine/joined/{}", env.rank), 1)? > 1 {
+        return Err(Error::invalid(format!(
+            "{rank_var}={}: another process of this job has the same rank (each needs its own, below {size_var}={})",
+            env.rank, env.world_size
+        )));
+    }
+    const WORLD_KEY: &str = "engine/world_size";
+    if env.rank == 0 {
+        return store.set(WORLD_KEY, env.world_size.to_string().as_bytes());
+    }
+    let theirs = store.get(WORLD_KEY)?;
+    let theirs = String::from_utf8_lossy(&theirs);
+    if theirs != env.world_size.to_string() {
+        return Err(Error::invalid(format!(
+            "{size_var}={} here, but rank 0 has {size_var}={theirs}: every rank needs the same world size",
+            env.world_size
+        )));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

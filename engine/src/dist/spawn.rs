@@ -7,13 +7,15 @@
 use std::collections::VecDeque;
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Read, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::heartbeat;
 use super::store::Store;
 use crate::{Error, Result};
 
@@ -67,6 +69,8 @@ struct Rank {
     /// take the readers' lag (unlike `try_wait`, which sees exits only when polled).
     output_ended: Arc<OnceLock<Instant>>,
     readers: Vec<JoinHandle<()>>,
+    /// Its heartbeat, when the job has one.
+    pulses: Option<heartbeat::Pulses>,
     status: Option<ExitStatus>,
 }
 
@@ -80,10 +84,6 @@ pub fn spawn(opts: &SpawnOptions) -> Result<()> {
     // starts, it cannot be taken by another process in between, and it outlives a failed rank.
     let store = Store::agent(super::launch::DEFAULT_TIMEOUT)?;
     let port = store.port().expect("a TCP store has a port");
-    let beats = match opts.heartbeat {
-        Some(timeout) => Some((Heartbeats::new(port)?, timeout)),
-        None => None,
-    };
     // Each rank gets an even share of the cores for its intra-op threads, as torchrun does;
     // oversubscribed OpenMP threads make every collective wait on the slowest rank.
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).div_ceil(opts.nproc).max(1);
@@ -107,18 +107,27 @@ pub fn spawn(opts: &SpawnOptions) -> Result<()> {
         for (k, v) in &opts.env {
             cmd.env(k, v);
         }
-        if let Some((beats, _)) = &beats {
-            cmd.env(super::heartbeat::HEARTBEAT_DIR_ENV, &beats.0);
+        let pipe = opts.heartbeat.map(|_| heartbeat::pipe()).transpose()?;
+        let pulse_fd = pipe.as_ref().map(|(_, write)| write.as_raw_fd());
+        if let Some(fd) = pulse_fd {
+            cmd.env(heartbeat::HEARTBEAT_FD_ENV, fd.to_string());
         }
         // A rank outlives no spawner: if this process dies (killed by a scheduler, say), the
-        // kernel sends each rank SIGTERM.
+        // kernel sends each rank SIGTERM. The rank keeps its heartbeat pipe across exec.
         unsafe {
-            cmd.pre_exec(|| {
+            cmd.pre_exec(move || {
                 libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+                if let Some(fd) = pulse_fd {
+                    libc::fcntl(fd, libc::F_SETFD, 0);
+                }
                 Ok(())
             });
         }
-        let mut child = match cmd.spawn() {
+        let spawned = cmd.spawn();
+        // The rank has its copy of the write end now (or never will): the reader sees the
+        // pipe close when the rank closes it.
+        let pulses = pipe.map(|(read, _write)| heartbeat::Pulses::listen(read));
+        let mut child = match spawned {
             Ok(child) => child,
             Err(e) => {
                 stop(&mut ranks);
@@ -131,9 +140,9 @@ pub fn spawn(opts: &SpawnOptions) -> Result<()> {
             forward(child.stdout.take().expect("piped"), rank, opts.echo, false, tail.clone(), output_ended.clone()),
             forward(child.stderr.take().expect("piped"), rank, opts.echo, true, tail.clone(), output_ended.clone()),
         ];
-        ranks.push(Rank { child, tail, output_ended, readers, status: None });
+        ranks.push(Rank { child, tail, output_ended, readers, pulses, status: None });
     }
-    let result = supervise(&mut ranks, beats.as_ref().map(|(b, t)| (b.0.as_path(), *t)));
+    let result = supervise(&mut ranks, opts.heartbeat);
     for r in &mut ranks {
         for h in r.readers.drain(..) {
             let _ = h.join();
@@ -165,29 +174,12 @@ pub fn maybe_relaunch(nproc: usize, timeout: Duration) -> Result<bool> {
     Ok(true)
 }
 
-/// The folder the ranks write their heartbeat files to, removed with the job.
-struct Heartbeats(PathBuf);
-
-impl Heartbeats {
-    fn new(port: u16) -> Result<Heartbeats> {
-        let dir = std::env::temp_dir().join(format!("engine-heartbeat-{}-{port}", std::process::id()));
-        std::fs::create_dir_all(&dir).map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
-        Ok(Heartbeats(dir))
-    }
-}
-
-impl Drop for Heartbeats {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// Why supervision ended a job: the rank, and a reason when it did not exit by itself.
 type Failure = (usize, Option<String>);
 
-/// Waits for all ranks; on the first failure (an exit, or a stalled heartbeat in `beats`:
-/// its folder and limit) stops the rest and returns the rank.
-fn supervise(ranks: &mut [Rank], beats: Option<(&Path, Duration)>) -> std::result::Result<(), Failure> {
+/// Waits for all ranks; on the first failure (an exit, or a heartbeat stalled for longer than
+/// `heartbeat`) stops the rest and returns the rank.
+fn supervise(ranks: &mut [Rank], heartbeat: Option<Duration>) -> std::result::Result<(), Failure> {
     let mut next_check = Instant::now();
     loop {
         let (running, failed) = poll(ranks);
@@ -197,11 +189,11 @@ fn supervise(ranks: &mut [Rank], beats: Option<(&Path, Duration)>) -> std::resul
         if running == 0 {
             return Ok(());
         }
-        if let Some((dir, timeout)) = beats.filter(|_| Instant::now() >= next_check) {
+        if let Some(timeout) = heartbeat.filter(|_| Instant::now() >= next_check) {
             next_check = Instant::now() + Duration::from_millis(250);
             let stalled = (0..ranks.len())
                 .filter(|&i| ranks[i].status.is_none())
-                .find_map(|i| super::heartbeat::stalled(dir, i, timeout).map(|why| (i, why)));
+                .find_map(|i| ranks[i].pulses.as_ref()?.stalled(i, timeout).map(|why| (i, why)));
             if let Some((i, why)) = stalled {
                 stop(ranks);
                 return Err((i, Some(why)));

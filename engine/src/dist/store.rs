@@ -39,20 +39,28 @@ impl Store {
         let c_host = cstring(host)?;
         let workers = i32::try_from(workers).map_err(|_| crate::Error::invalid(format!("{what}: too many ranks")))?;
         let (mut raw, mut bound) = (std::ptr::null_mut(), 0u16);
-        check(
-            unsafe {
-                ffi::eng_store_tcp(
-                    c_host.as_ptr(),
-                    port,
-                    is_server as i32,
-                    workers,
-                    timeout_ms(timeout),
-                    &mut bound,
-                    &mut raw,
-                )
-            },
-            || what,
-        )?;
+        let mut connect = || unsafe {
+            ffi::eng_store_tcp(
+                c_host.as_ptr(),
+                port,
+                is_server as i32,
+                workers,
+                timeout_ms(timeout),
+                &mut bound,
+                &mut raw,
+            )
+        };
+        // A client can wait past its timeout: libtorch retries a connection once more after it,
+        // and a port held by a program that is not a store never answers at all.
+        let created = match is_server {
+            true => connect(),
+            false => super::deadline::or_exit(
+                timeout.saturating_add(super::deadline::GRACE),
+                format!("{what}: no store answered (is rank 0 running, and is the port not another program's?)"),
+                connect,
+            ),
+        };
+        check(created, || what)?;
         Ok(Store { raw, describe: format!("TCP store {host}:{bound}"), port: Some(bound) })
     }
 
@@ -154,5 +162,35 @@ mod tests {
         assert_eq!(ranks[1].get("from rank 0").unwrap(), b"hello");
         assert_eq!(agent.get("from rank 0").unwrap(), b"hello", "one store, the agent's");
         assert!(Store::tcp("127.0.0.1", port, true, 2, timeout).is_err(), "a second host on the agent's port");
+    }
+
+    const CHILD_ENV: &str = "ENGINE_STORE_TEST_PORT";
+
+    #[test]
+    fn a_port_held_by_another_program_ends_a_client_naming_it() {
+        if let Ok(port) = std::env::var(CHILD_ENV) {
+            let _ = Store::tcp("127.0.0.1", port.parse().unwrap(), false, 2, Duration::from_millis(500));
+            return;
+        }
+        // A program that accepts connections and never answers: libtorch's client waits for
+        // its handshake's reply for good.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        std::thread::spawn(move || {
+            let held: Vec<_> = listener.incoming().collect();
+            drop(held);
+        });
+        let start = std::time::Instant::now();
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "dist::store::tests::a_port_held_by_another_program_ends_a_client_naming_it"])
+            .args(["--nocapture", "--test-threads=1"])
+            .env(CHILD_ENV, port.to_string())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "exit status; stderr:\n{stderr}");
+        assert!(stderr.contains(&format!("connecting to TCP store 127.0.0.1:{port}")), "{stderr}");
+        assert!(stderr.contains("no store answered"), "{stderr}");
+        assert!(start.elapsed() < Duration::from_secs(40), "took {:?}", start.elapsed());
     }
 }

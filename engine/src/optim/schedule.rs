@@ -12,7 +12,9 @@ pub enum Decay {
     Linear,
 }
 
-/// Linear warmup from 0 to `peak` over `warmup` steps, then `decay` to `floor` at `total`.
+/// Linear warmup from 0 to `peak` over `warmup` steps, then `decay` to `floor` at `total`: the
+/// schedules of transformers' and diffusers' `get_scheduler` (`get_cosine_schedule_with_warmup`
+/// and friends), whose first step runs at 0 and whose step `warmup` reaches the peak.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LrSchedule {
     /// Learning rate at the end of warmup.
@@ -31,7 +33,7 @@ impl LrSchedule {
     /// The learning rate of step `step` (counted from 0).
     pub fn at(&self, step: usize) -> f64 {
         if step < self.warmup {
-            return self.peak * (step + 1) as f64 / self.warmup as f64;
+            return self.peak * step as f64 / self.warmup as f64;
         }
         let span = self.total.saturating_sub(self.warmup).max(1) as f64;
         let progress = ((step - self.warmup) as f64 / span).min(1.0);
@@ -57,7 +59,8 @@ mod tests {
     #[test]
     fn warmup_then_cosine_and_linear() {
         let s = LrSchedule { peak: 1.0, floor: 0.0, warmup: 4, total: 14, decay: Decay::Cosine };
-        assert_eq!([s.at(0), s.at(1), s.at(3)], [0.25, 0.5, 1.0]);
+        // As diffusers' get_scheduler("cosine", num_warmup_steps=4, num_training_steps=14).
+        assert_eq!([s.at(0), s.at(1), s.at(3)], [0.0, 0.25, 0.75]);
         assert!((s.at(4) - 1.0).abs() < 1e-12);
         assert!((s.at(9) - 0.5).abs() < 1e-12, "half way down the cosine");
         assert!(s.at(14).abs() < 1e-12 && s.at(100).abs() < 1e-12, "stays at the floor");

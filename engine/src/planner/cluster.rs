@@ -46,7 +46,13 @@ impl Cluster {
     /// Reads `path`; the error names the file and the key or value that is wrong.
     pub fn load(path: &Path) -> Result<Cluster> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
-        let c: Cluster = serde_json::from_str(&text).map_err(|e| Error::invalid(format!("{}: {e}", path.display())))?;
+        let bad = |e: String| Error::invalid(format!("{}: {e}", path.display()));
+        let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+        // serde would read a list as the fields in order (`[]`: every default).
+        if !value.is_object() {
+            return Err(bad("not a JSON object of cluster keys".into()));
+        }
+        let c: Cluster = serde_json::from_value(value).map_err(|e| bad(e.to_string()))?;
         c.validate().map_err(|e| Error::invalid(format!("{}: {e}", path.display())))?;
         Ok(c)
     }
@@ -67,8 +73,9 @@ impl Cluster {
                 return Err(format!("{key} must be a positive number, got {v}"));
             }
         }
-        if !(self.latency_s.is_finite() && self.latency_s >= 0.0) {
-            return Err(format!("latency_s must be >= 0, got {}", self.latency_s));
+        // A second per message is no cluster's link: a unit mistake (microseconds given).
+        if !(self.latency_s.is_finite() && (0.0..1.0).contains(&self.latency_s)) {
+            return Err(format!("latency_s must be at least 0 and under 1 second, got {}", self.latency_s));
         }
         Ok(())
     }
@@ -131,6 +138,12 @@ mod tests {
         std::fs::write(&bad, r#"{"memory_bytes": -1}"#).unwrap();
         let e = Cluster::load(&bad).unwrap_err().to_string();
         assert!(e.contains("memory_bytes"), "{e}");
+        std::fs::write(&bad, "[]").unwrap();
+        let e = Cluster::load(&bad).unwrap_err().to_string();
+        assert!(e.contains("not a JSON object"), "{e}");
+        std::fs::write(&bad, r#"{"latency_s": 20}"#).unwrap();
+        let e = Cluster::load(&bad).unwrap_err().to_string();
+        assert!(e.contains("latency_s must be at least 0 and under 1 second"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -17,17 +17,17 @@ use engine::job::{JobArgs, OptimizerArgs, PrecisionArgs, ScheduleArgs, SeedArgs}
 )]
 pub struct FinetuneArgs {
     /// The diffusers pipeline folder to start from.
-    #[arg(long)]
+    #[arg(long, visible_alias = "pretrained-model-name-or-path")]
     pub model: PathBuf,
     /// The image folder (captions in metadata.jsonl or .txt files, or --instance-prompt).
-    #[arg(long)]
+    #[arg(long, visible_aliases = ["train-data-dir", "instance-data-dir"])]
     pub data: PathBuf,
     /// DreamBooth: every image takes this prompt (caption files are not read).
     #[arg(long)]
     pub instance_prompt: Option<String>,
     /// Output directory: `model/` (a diffusers folder), the training log, `validation/`,
     /// `checkpoint-<step>/` and `latest`.
-    #[arg(short = 'o', long)]
+    #[arg(short = 'o', long, visible_alias = "output-dir")]
     pub out: PathBuf,
     /// Training resolution (square, pixels), 1 to 4096.
     #[arg(long, default_value_t = 512, value_parser = engine::job::count(1..=4096))]
@@ -48,7 +48,7 @@ pub struct FinetuneArgs {
     #[arg(long, visible_alias = "gradient-accumulation-steps", default_value_t = 1)]
     pub grad_accum: usize,
     /// Optimizer steps.
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, visible_alias = "max-train-steps", default_value_t = 100)]
     pub steps: usize,
     /// The optimizer (AdamW by default, with diffusers' weight decay 1e-2 and clip 1).
     #[command(flatten)]

@@ -44,6 +44,9 @@ pub struct TrainerState {
     pub seed: u64,
     /// Optimizer name.
     pub optimizer: String,
+    /// Peak learning rate (absent in checkpoints written before it was recorded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lr: Option<f64>,
     /// fp32, bf16 or fp16.
     pub precision: String,
     /// LoRA's rank, if adapters train.
@@ -65,6 +68,10 @@ impl TrainerState {
         let show = |x: Option<f64>| x.map_or("none".to_string(), |x| x.to_string());
         let pairs = [
             ("--optimizer", self.optimizer.clone(), run.optimizer.clone()),
+            // diffusers' resume (accelerate's load_state) keeps the saved optimizer's and
+            // scheduler's rates whatever --learning_rate says; a new rate is refused, not
+            // silently applied or ignored.
+            ("--lr", show(self.lr), show(run.lr.filter(|_| self.lr.is_some()))),
             (
                 "a global batch (ranks x --micro-batch x --grad-accum) of",
                 self.global_batch.to_string(),
@@ -118,6 +125,7 @@ impl Trainer<'_> {
             global_batch: a.micro_batch * a.grad_accum * self.world.size(),
             seed: a.seed.seed,
             optimizer: a.optimizer.optimizer.name().to_string(),
+            lr: Some(a.optimizer.lr),
             precision: a.precision.precision.name().to_string(),
             lora_rank: a.lora_rank,
             lora_alpha: a.lora_rank.map(|r| a.lora_alpha.unwrap_or(r as f64)),
@@ -132,9 +140,8 @@ impl Trainer<'_> {
     pub fn save_checkpoint(&self) -> anyhow::Result<()> {
         let (out, step, rank) = (&self.args.out, self.step, self.world.rank());
         let tmp = checkpoint_folders::staging(out, step);
-        if rank == 0 {
-            checkpoint_folders::begin(out, step)?;
-        }
+        // Held until the commit: Ctrl-C before it removes the half-written folder.
+        let _staging = (rank == 0).then(|| checkpoint_folders::begin(out, step)).transpose()?;
         self.world.group.barrier()?;
         match &self.training {
             UnetTraining::Gemini { gemini, .. } => {

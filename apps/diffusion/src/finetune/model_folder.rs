@@ -57,8 +57,52 @@ fn recover(out: &Path, target: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Gives a component copied from the base folder plain fp32 weights where the base has only
+/// the fp16 variant's (single or sharded): `save_pretrained` writes plain names, which
+/// `from_pretrained` finds without `variant="fp16"`, and the UNet beside it is fp32, so a
+/// component left in fp16 would fail its first call in a pipeline loaded as saved.
+fn plain_names(component: &Path) -> Result<()> {
+    use crate::weights::{weight_names, DIFFUSERS_STEM, TRANSFORMERS_STEM};
+    for stem in [DIFFUSERS_STEM, TRANSFORMERS_STEM] {
+        let [plain, plain_index, variant, variant_index] = weight_names(stem).map(|n| component.join(n));
+        if plain.exists() || plain_index.exists() {
+            continue;
+        }
+        let Some(from) = [&variant, &variant_index].into_iter().find(|p| p.is_file()) else { continue };
+        let mut tensors: Vec<(String, Tensor)> = crate::weights::read(from)?
+            .into_iter()
+            .map(|(k, t)| {
+                let t = if t.is_floating_point() { t.to_kind(tch::Kind::Float) } else { t };
+                (k, t)
+            })
+            .collect();
+        tensors.sort_by(|a, b| a.0.cmp(&b.0));
+        data::checkpoint::save_tensors(&tensors, &plain)?;
+        remove_variant(component, from)?;
+    }
+    Ok(())
+}
+
+/// Removes the variant weights `file` (and, for a shards' index, the shards it names) from the
+/// staging copy of a component.
+fn remove_variant(component: &Path, file: &Path) -> Result<()> {
+    if file.extension().is_some_and(|e| e == "json") {
+        let text = std::fs::read_to_string(file).map_err(io(file))?;
+        let index: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| Error::Format { path: file.to_path_buf(), msg: e.to_string() })?;
+        let shards: std::collections::BTreeSet<&str> =
+            index["weight_map"].as_object().into_iter().flatten().filter_map(|(_, v)| v.as_str()).collect();
+        for shard in shards {
+            let path = component.join(shard);
+            std::fs::remove_file(&path).map_err(io(&path))?;
+        }
+    }
+    std::fs::remove_file(file).map_err(io(file))
+}
+
 /// Writes `out/model/`: the base folder with the UNet replaced by `weights` (fp32, diffusers'
-/// names), through a staging folder renamed into place.
+/// names), through a staging folder renamed into place; components kept from the base have
+/// plain weight names (see [`plain_names`]).
 pub fn save_model(base: &Path, weights: &[(String, Tensor)], out: &Path) -> Result<PathBuf> {
     let target = out.join("model");
     let staging = out.join(STAGING);
@@ -73,7 +117,10 @@ pub fn save_model(base: &Path, weights: &[(String, Tensor)], out: &Path) -> Resu
                 continue;
             }
             match entry.file_type().map_err(io(&entry.path()))?.is_dir() {
-                true => copy_tree(&entry.path(), &to).map_err(io(&to))?,
+                true => {
+                    copy_tree(&entry.path(), &to).map_err(io(&to))?;
+                    plain_names(&to)?;
+                }
                 false => {
                     std::fs::create_dir_all(&staging).map_err(io(&staging))?;
                     std::fs::copy(entry.path(), &to).map_err(io(&to))?;

@@ -255,8 +255,8 @@ fn write_weights(file: HashMap<String, Tensor>, text: TextEncoders, dir: &Path, 
 /// prefixed names (`text_model.…`; a projection stays `text_projection.weight`), whichever
 /// layout the file uses.
 fn text_encoder_tensors(folder: &Path, component: &str) -> Result<Vec<(String, Tensor)>> {
-    let path = folder.join(component).join("model.safetensors");
-    let file = data::checkpoint::read_tensors(&path)?;
+    let path = ComponentFiles::with_stem(&folder.join(component), crate::weights::TRANSFORMERS_STEM)?.weights;
+    let file = crate::weights::read(&path)?;
     let prefixed = file.keys().any(|k| k.starts_with("text_model."));
     let name = |k: String| match prefixed || k.starts_with("text_projection.") {
         true => k,
@@ -298,14 +298,14 @@ pub fn to_single_file(folder: &Path, out: &Path, half: bool) -> Result<usize> {
     let up_attention: Vec<bool> = unet_cfg.up_block_types.iter().map(|t| t.starts_with("CrossAttn")).collect();
     let levels = vae_cfg.block_out_channels.len();
     let mut named: Vec<(String, Tensor)> = vec![];
-    for (key, t) in data::checkpoint::read_tensors(&unet_files.weights)? {
+    for (key, t) in crate::weights::read(&unet_files.weights)? {
         let ldm = unet_ldm_key(&key, lpb, &up_attention).ok_or_else(|| Error::Format {
             path: unet_files.weights.clone(),
             msg: format!("key {key} has no single-file name"),
         })?;
         named.push((format!("{UNET}{ldm}"), t));
     }
-    for (key, t) in data::checkpoint::read_tensors(&vae_files.weights)? {
+    for (key, t) in crate::weights::read(&vae_files.weights)? {
         let ldm = vae_ldm_key(&key, levels).ok_or_else(|| Error::Format {
             path: vae_files.weights.clone(),
             msg: format!("key {key} has no single-file name"),
@@ -314,11 +314,12 @@ pub fn to_single_file(folder: &Path, out: &Path, half: bool) -> Result<usize> {
         named.push((format!("{VAE}{ldm}"), t));
     }
     let text = text_encoder_tensors(folder, "text_encoder")?;
-    let text_path = folder.join("text_encoder").join("model.safetensors");
+    let text_path = ComponentFiles::with_stem(&folder.join("text_encoder"), crate::weights::TRANSFORMERS_STEM)?.weights;
     if sdxl {
         named.extend(under_prefix(text, SDXL_CLIP));
         let second = text_encoder_tensors(folder, "text_encoder_2")?;
-        let path = folder.join("text_encoder_2").join("model.safetensors");
+        let path =
+            ComponentFiles::with_stem(&folder.join("text_encoder_2"), crate::weights::TRANSFORMERS_STEM)?.weights;
         let converted = open_clip::from_transformers(second).map_err(|msg| Error::Format { path, msg })?;
         named.extend(converted.into_iter().map(|(k, t)| (format!("{SDXL_OPEN_CLIP}{k}"), t)));
         return write_single_file(named, out, half);

@@ -11,6 +11,7 @@
 //!
 //! Kinds: index features (`aatype`, `residue_index`, `seq_length`, `true_msa`, `extra_msa`,
 //! `residx_*`) are int64, everything else float32, whatever the file stored.
+mod padding;
 mod pipeline;
 mod raw_npz;
 pub mod rng;
@@ -465,7 +466,8 @@ impl Features {
 
     /// Builds the struct from tensors by name, checking every shape against the schema (the
     /// dimensions R, N, S, E must agree across features) and converting kinds. `source` names
-    /// the origin in errors. Keys not in the schema are ignored.
+    /// the origin in errors. Keys not in the schema are ignored. Residues padded after the
+    /// real ones (`seq_mask` 0, as ColabFold pads) are removed.
     fn from_map(mut map: HashMap<String, Tensor>, source: &Path) -> Result<Features> {
         let mut sizes: HashMap<String, i64> = HashMap::new();
         let out = take_checked(&mut map, &SCHEMA, &mut sizes, source)?;
@@ -479,7 +481,7 @@ impl Features {
             let t: [Tensor; 6] = t.try_into().map_err(|_| bad("template feature count mismatch".into()))?;
             features.templates = Some(TemplateFeatures::from_array(t));
         }
-        Ok(features)
+        features.without_residue_padding(source)
     }
 
     /// Loads AlphaFold's processed feature dictionary saved with `numpy.savez` under its own

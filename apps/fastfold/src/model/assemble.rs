@@ -66,6 +66,10 @@ impl Params {
         let mut map = BTreeMap::new();
         for (name, t) in arrays {
             let t = if t.kind() == Kind::Float { t } else { t.f_to_kind(Kind::Float)? };
+            // A NaN weight would only surface as NaN coordinates at the PDB writer.
+            if !bool::try_from(t.f_isfinite()?.f_all()?)? {
+                return Err(Error::Invalid(format!("parameter {name} has NaN or infinite values (in {file})")));
+            }
             map.insert(name, t);
         }
         let config = EvoformerConfig::infer(&map).map_err(|e| with_file(e, &file))?;

@@ -119,6 +119,11 @@ pub fn convert(input: &Path, output: &Path) -> Result<usize> {
     if !output.extension().is_some_and(|e| e == "npz" || e == "safetensors") {
         return Err(Error::Invalid(format!("{}: the output must end in .npz or .safetensors", output.display())));
     }
+    // Otherwise the writer's error names its temporary file, not the missing folder.
+    let parent = output.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    if !parent.is_dir() {
+        return Err(Error::Invalid(format!("{}: the folder {} does not exist", output.display(), parent.display())));
+    }
     let arrays = read_arrays(input)?;
     write_arrays(&arrays, output)?;
     Ok(arrays.len())

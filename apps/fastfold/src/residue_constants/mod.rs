@@ -58,6 +58,28 @@ pub fn atom_order(name: &str) -> Option<usize> {
     ATOM_TYPES.iter().position(|&a| a == name)
 }
 
+/// Selenomethionine's residue name. AlphaFold reads it as methionine: its mmCIF parser gives
+/// it the letter M (Biopython's `protein_letters_3to1`), and `_get_atom_positions` puts its
+/// selenium (`SE`) in methionine's `SD` slot.
+pub const SELENOMETHIONINE: &str = "MSE";
+
+/// The `aatype` of a residue name that is one of the 20 amino acids, or selenomethionine (read
+/// as MET); `None` for any other name.
+pub fn amino_acid_aatype(residue: &str) -> Option<usize> {
+    let residue = if residue == SELENOMETHIONINE { "MET" } else { residue };
+    RESNAMES[..RESTYPE_NUM].iter().position(|&r| r == residue)
+}
+
+/// The atom37 index of atom `atom` of residue `residue`: its name's, except that
+/// selenomethionine's selenium takes methionine's `SD` (see [`SELENOMETHIONINE`]).
+pub fn residue_atom_order(residue: &str, atom: &str) -> Option<usize> {
+    match atom_order(atom) {
+        Some(index) => Some(index),
+        None if residue == SELENOMETHIONINE && atom.eq_ignore_ascii_case("SE") => atom_order("SD"),
+        None => None,
+    }
+}
+
 /// HHblits' class of an MSA character (`HHBLITS_AA_TO_ID`): the 20 amino acids in
 /// alphabetical one-letter order, 20 = `X` (also `J`, `O`), 21 = gap; `B`, `Z`, `U` read as
 /// `D`, `E`, `C`. `None` for anything else.

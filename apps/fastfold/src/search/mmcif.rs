@@ -196,7 +196,7 @@ pub fn parse(text: &str, source: &Path) -> Result<Mmcif> {
         let (_, atoms) = structure.entry(key).or_insert_with(|| (comp[i].clone(), Vec::new()));
         match atoms.iter_mut().find(|(a, _)| a.name == atom.name) {
             // Another location of an atom seen: keep the more occupied one.
-            Some(seen) if altloc && occ > seen.1 => *seen = (atom, occ),
+            Some(seen) if crate::pdb::keeps_new_location(seen.1, occ, altloc) => *seen = (atom, occ),
             Some(_) => {}
             None => atoms.push((atom, occ)),
         }

@@ -15,7 +15,7 @@ use anyhow::{bail, Context};
 use super::hhr::TemplateHit;
 use super::mmcif::{self, Chain, Mmcif};
 use super::tools::{Tool, WorkDir};
-use crate::residue_constants::{atom_order, ATOM_TYPE_NUM};
+use crate::residue_constants::{atom_order, residue_atom_order, ATOM_TYPE_NUM};
 
 /// Hits featurised per query (AlphaFold's `MAX_TEMPLATE_HITS`); the model uses the first 4.
 pub const MAX_HITS: usize = 20;
@@ -385,12 +385,7 @@ fn atom_positions(chain: &Chain) -> Result<Atoms, Skip> {
         let mut mask = [0.0f32; ATOM_TYPE_NUM];
         if let Some(res) = residue {
             for atom in &res.atoms {
-                let slot = match atom_order(&atom.name) {
-                    Some(k) => Some(k),
-                    None if atom.name.eq_ignore_ascii_case("SE") && res.name == "MSE" => atom_order("SD"),
-                    None => None,
-                };
-                if let Some(k) = slot {
+                if let Some(k) = residue_atom_order(&res.name, &atom.name) {
                     pos[k] = atom.position;
                     mask[k] = 1.0;
                 }
