@@ -50,8 +50,9 @@ pub fn remove_on_interrupt() {
     static INSTALL: Once = Once::new();
     INSTALL.call_once(|| {
         let mut fds = [0 as libc::c_int; 2];
-        // SAFETY: `fds` has room for the two descriptors pipe(2) returns.
-        if unsafe { libc::pipe(fds.as_mut_ptr()) } != 0 {
+        // SAFETY: `fds` has room for the two descriptors pipe2(2) returns. Close-on-exec: the
+        // programs this process runs (search tools, ranks) must not hold its pipe.
+        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
             return;
         }
         PIPE.store(fds[1], Ordering::Relaxed);

@@ -47,7 +47,8 @@ pub struct LaunchArgs {
     #[arg(long, default_value_t = 1, value_parser = count(1..))]
     pub nproc: usize,
     /// Rendezvous and collective timeout in seconds; under the spawner (--nproc) also the
-    /// longest a rank may go without progress (a micro-batch, a collective) or a heartbeat.
+    /// longest a rank may go without progress (a micro-batch, an evaluation batch, a Gemini
+    /// chunk access, a collective) or a heartbeat.
     #[arg(long, default_value_t = 300.0, value_parser = timeout_seconds, env = crate::dist::launch::TIMEOUT_ENV)]
     pub timeout: f64,
 }

@@ -384,6 +384,31 @@ fn each_query_has_its_own_search_time_and_timings_keep_their_order() {
 }
 
 #[test]
+fn search_tools_hold_no_descriptor_of_the_rank() {
+    // A tool that held the rank's pipes or sockets kept them open past the rank's death.
+    let root = dir("descriptors");
+    let data = reduced_data_dir(&root);
+    let (log, fds) = (root.join("jackhmmer.log"), root.join("fds.txt"));
+    let body = format!(
+        "for f in /proc/$$/fd/*; do n=${{f##*/}}; [ \"$n\" -gt 2 ] && readlink \"$f\"; done >> '{}'\nexec jackhmmer \"$@\"",
+        fds.display()
+    );
+    let jackhmmer = wrapper(&root.join("bin/jackhmmer"), &log, &body);
+    let args = ["--data-dir", data.to_str().unwrap(), "--db-preset", "reduced_dbs", "--jackhmmer-binary-path"];
+    let (ok, text) = predict_records(
+        &root,
+        "out",
+        &[("query", QUERY)],
+        common::tiny_params(),
+        &[&args[..], &[jackhmmer.to_str().unwrap()]].concat(),
+    );
+    assert!(ok, "{text}");
+    let held = std::fs::read_to_string(&fds).unwrap();
+    assert!(!held.contains("pipe:") && !held.contains("socket:"), "the tool held: {held}");
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+#[test]
 fn full_dbs_search_runs_hhblits_on_bfd_and_uniref30() {
     let root = dir("full");
     let data = root.join("data");

@@ -245,6 +245,8 @@ pub fn evaluate(
     let mine: Vec<usize> = (group.rank()..set.len()).step_by(group.size()).collect();
     let mut counts = [0i64; 2];
     for chunk in mine.chunks(256) {
+        // Each batch of the evaluation is progress (the spawner's heartbeat).
+        engine::dist::heartbeat::beat();
         let batch = make_batch(set.as_ref(), transform, 0, &BatchSpec { indices: chunk.to_vec(), epoch: 0 })?;
         let (images, labels) = to_tensors(&batch, device, kind)?;
         let padded = pad_to_blocks(&images, blocks)?;

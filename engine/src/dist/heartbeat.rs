@@ -27,7 +27,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use crate::dist::store::Store;
 use crate::Result;
 
-/// Set by the spawner: the descriptor of the pipe (its write end) each rank sends pulses to.
+/// Set by the spawner: the descriptor of the pipe (its write end) each rank sends pulses to,
+/// with the pipe's device and inode (`<fd>:<dev>:<ino>`).
 pub const HEARTBEAT_FD_ENV: &str = "ENGINE_HEARTBEAT_FD";
 /// A pulse: milliseconds since the rank's last progress (`u64::MAX`: none yet) and the number
 /// of collectives it is waiting in, as two little-endian u64s. Under `PIPE_BUF`, so each
@@ -118,14 +119,25 @@ pub(crate) fn stop() {
 
 /// The pipe the spawner gave this rank (see [`HEARTBEAT_FD_ENV`]), made close-on-exec (the
 /// rank's own subprocesses must not hold it open) and non-blocking (a stopped spawner must not
-/// block the heartbeat). None outside the spawner, or when the descriptor is not a pipe: the
-/// variable may have been inherited by a process that does not have the spawner's pipe.
+/// block the heartbeat). None outside the spawner, or when the descriptor is not the pipe the
+/// variable names: a variable inherited or set by hand must not make the heartbeat write into
+/// whatever holds that number here (this process's own interrupt pipe, a redirected stdout).
 fn spawner_pipe() -> Option<File> {
-    let fd: RawFd = std::env::var(HEARTBEAT_FD_ENV).ok()?.parse().ok().filter(|&fd| fd > 2)?;
+    pipe_of(&std::env::var(HEARTBEAT_FD_ENV).ok()?)
+}
+
+/// [`spawner_pipe`] for the variable's `value`.
+fn pipe_of(value: &str) -> Option<File> {
+    let mut fields = value.split(':').map(|f| f.parse::<u64>().ok());
+    let (Some(Some(fd)), Some(Some(dev)), Some(Some(ino)), None) =
+        (fields.next(), fields.next(), fields.next(), fields.next())
+    else {
+        return None;
+    };
+    let fd = RawFd::try_from(fd).ok().filter(|&fd| fd > 2)?;
     // SAFETY: fstat and fcntl only read and set flags of a descriptor number, open or not.
     unsafe {
-        let mut stat: libc::stat = std::mem::zeroed();
-        if libc::fstat(fd, &mut stat) != 0 || stat.st_mode & libc::S_IFMT != libc::S_IFIFO {
+        if identity(fd) != Some((dev, ino)) {
             return None;
         }
         let flags = libc::fcntl(fd, libc::F_GETFL);
@@ -134,9 +146,27 @@ fn spawner_pipe() -> Option<File> {
         }
         libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
         libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK);
-        // SAFETY: an open pipe's write end that nothing else in this process owns.
+        // SAFETY: the spawner's pipe (the same pipe object), which nothing else here owns.
         Some(File::from_raw_fd(fd))
     }
+}
+
+/// The device and inode of the pipe open as `fd`; None for a descriptor that is not a pipe.
+fn identity(fd: RawFd) -> Option<(u64, u64)> {
+    // SAFETY: fstat writes into a zeroed stat of the right type.
+    let mut stat: libc::stat = unsafe { std::mem::zeroed() };
+    if unsafe { libc::fstat(fd, &mut stat) } != 0 || stat.st_mode & libc::S_IFMT != libc::S_IFIFO {
+        return None;
+    }
+    Some((stat.st_dev as u64, stat.st_ino as u64))
+}
+
+/// The [`HEARTBEAT_FD_ENV`] value that gives a rank the write end `fd` of its pipe: the
+/// descriptor's number and the pipe's identity, which the rank checks.
+pub(crate) fn pipe_variable(fd: RawFd) -> Result<String> {
+    let (dev, ino) = identity(fd)
+        .ok_or_else(|| crate::Error::io("reading a heartbeat pipe's identity", std::io::Error::last_os_error()))?;
+    Ok(format!("{fd}:{dev}:{ino}"))
 }
 
 /// This rank's pulse now (see [`PULSE_BYTES`]).
@@ -244,5 +274,29 @@ impl Pulses {
             ));
         }
         None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsRawFd;
+
+    #[test]
+    fn only_the_pipe_the_variable_names_is_written_to() {
+        let (_read, write) = pipe().unwrap();
+        let (_other_read, other) = pipe().unwrap();
+        let named = pipe_variable(write.as_raw_fd()).unwrap();
+        // Another pipe under the number the variable gives (a variable set by hand, or one
+        // inherited by a process whose descriptor of that number is something else).
+        let (fd, identity) = named.split_once(':').unwrap();
+        let stolen = format!("{}:{identity}", other.as_raw_fd());
+        for value in [stolen.as_str(), "1", "4", "abc", "-1:0:0", &format!("{fd}:0:0")] {
+            assert!(pipe_of(value).is_none(), "{value}");
+        }
+        let file = pipe_of(&named).expect("the spawner's pipe");
+        // The descriptor now belongs to `file`; `write` must not close it again.
+        std::mem::forget(write);
+        drop(file);
     }
 }

@@ -314,7 +314,11 @@ pub fn init(opts: &InitOptions) -> Result<World> {
         None => return World::single(opts),
     };
     let host = env.rank == 0 && !env.agent_store;
-    let mut store = Store::tcp(&env.master_addr, env.master_port, host, env.world_size, opts.timeout)?;
+    // Rank 0 does not wait in the store for the others to connect (a world size of 0 there):
+    // it publishes its world size at once, so that a rank launched with another one is named
+    // (`check_membership`) rather than every rank waiting out the timeout; the process
+    // group's rendezvous waits for the peers, and names those that never come.
+    let mut store = Store::tcp(&env.master_addr, env.master_port, host, 0, opts.timeout)?;
     if env.agent_store {
         // The launcher's store outlives a failed start (torchrun --max-restarts) with that
         // start's keys in it: each start works under its own prefix, or its ranks would read the

@@ -110,7 +110,7 @@ pub fn spawn(opts: &SpawnOptions) -> Result<()> {
         let pipe = opts.heartbeat.map(|_| heartbeat::pipe()).transpose()?;
         let pulse_fd = pipe.as_ref().map(|(_, write)| write.as_raw_fd());
         if let Some(fd) = pulse_fd {
-            cmd.env(heartbeat::HEARTBEAT_FD_ENV, fd.to_string());
+            cmd.env(heartbeat::HEARTBEAT_FD_ENV, heartbeat::pipe_variable(fd)?);
         }
         // A rank outlives no spawner: if this process dies (killed by a scheduler, say), the
         // kernel sends each rank SIGTERM. The rank keeps its heartbeat pipe across exec.

@@ -18,11 +18,13 @@ unsafe impl Send for Store {}
 unsafe impl Sync for Store {}
 
 impl Store {
-    /// Connects to (or, with `is_server`, hosts) the TCP store at `host:port`. The server waits
-    /// up to `timeout` for all `world_size` ranks to connect; clients retry until `timeout`.
+    /// Connects to (or, with `is_server`, hosts) the TCP store at `host:port`. A server given
+    /// a `world_size` waits up to `timeout` for that many ranks to connect (0: for none);
+    /// clients retry until `timeout`.
     pub fn tcp(host: &str, port: u16, is_server: bool, world_size: usize, timeout: Duration) -> Result<Store> {
         let role = if is_server { "hosting" } else { "connecting to" };
-        let what = format!("rendezvous: {role} TCP store {host}:{port} (world size {world_size}, timeout {timeout:?})");
+        let waits = if is_server && world_size > 0 { format!("world size {world_size}, ") } else { String::new() };
+        let what = format!("rendezvous: {role} TCP store {host}:{port} ({waits}timeout {timeout:?})");
         Self::open(host, port, is_server, world_size, timeout, what)
     }
 

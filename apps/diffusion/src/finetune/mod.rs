@@ -373,6 +373,9 @@ impl<'a> Trainer<'a> {
         let unet = |x: &Tensor, t: &Tensor, c: &Conditioning| self.unet(x, t, c);
         let mut total = 0.0;
         for micro in 0..a.grad_accum {
+            // Each micro-batch is progress (the spawner's heartbeat; Gemini's chunk accesses
+            // count too, within it).
+            engine::dist::heartbeat::beat();
             let (batch, draws) = self.micro_batch(micro)?;
             let l = loss(&self.sd, &self.ddpm, &batch, &draws, a.noise_offset, a.snr_gamma, kind, &unet)?;
             total += l.double_value(&[]);

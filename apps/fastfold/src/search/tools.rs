@@ -3,6 +3,7 @@
 //! tool, the database it searched and the last lines of its stderr, which is where HMMER and
 //! HH-suite say what went wrong.
 use std::ffi::OsString;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -34,27 +35,35 @@ impl Tool {
         // (AlphaFold logs the same), so a stuck tool is seen as one.
         eprintln!("running {} against {}", self.name, database.display());
         let start = std::time::Instant::now();
-        let output = Command::new(&self.binary)
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .output()
-            .map_err(|e| {
-                anyhow::anyhow!(
-                    "cannot run {} ({}) against {}: {e}{}",
-                    self.name,
-                    self.binary.display(),
-                    database.display(),
-                    match e.kind() {
-                        std::io::ErrorKind::NotFound => {
-                            " (install HMMER and HH-suite: scripts/setup.sh, or apt-get install hmmer hhsuite, \
+        let mut command = Command::new(&self.binary);
+        command.args(args).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
+        // A tool outlives no rank: it gets SIGTERM when this process dies (a rank the spawner
+        // stops, or one killed), and it holds none of the rank's descriptors (Gloo's sockets,
+        // the interrupt pipe), which libtorch does not open close-on-exec.
+        // SAFETY: prctl and close_range are async-signal-safe; errors (an old kernel without
+        // close_range) leave the tool as it would otherwise be.
+        unsafe {
+            command.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+                libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, libc::CLOSE_RANGE_CLOEXEC);
+                Ok(())
+            });
+        }
+        let output = command.output().map_err(|e| {
+            anyhow::anyhow!(
+                "cannot run {} ({}) against {}: {e}{}",
+                self.name,
+                self.binary.display(),
+                database.display(),
+                match e.kind() {
+                    std::io::ErrorKind::NotFound => {
+                        " (install HMMER and HH-suite: scripts/setup.sh, or apt-get install hmmer hhsuite, \
                              or give the binary's path with its --*-binary-path flag)"
-                        }
-                        _ => "",
                     }
-                )
-            })?;
+                    _ => "",
+                }
+            )
+        })?;
         if !output.status.success() {
             let stderr = String::from_utf8_lossy(&output.stderr);
             let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
@@ -82,9 +91,11 @@ pub fn threads(requested: Option<usize>, default: usize) -> usize {
 }
 
 /// A scratch folder under the system's temporary directory, removed with everything in it
-/// when dropped (also when the search fails half-way).
+/// when dropped (also when the search fails half-way, and on Ctrl-C or SIGTERM: it is
+/// registered with [`data::temporaries`]).
 pub struct WorkDir {
     path: PathBuf,
+    _live: data::temporaries::Temporary,
 }
 
 impl WorkDir {
@@ -93,9 +104,10 @@ impl WorkDir {
         static NEXT: AtomicUsize = AtomicUsize::new(0);
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
         let path = std::env::temp_dir().join(format!("fastfold-{prefix}-{}-{n}", std::process::id()));
+        let live = data::temporaries::Temporary::new(&path);
         let _ = std::fs::remove_dir_all(&path);
         std::fs::create_dir_all(&path).with_context(|| format!("creating the scratch folder {}", path.display()))?;
-        Ok(WorkDir { path })
+        Ok(WorkDir { path, _live: live })
     }
 
     /// The folder.

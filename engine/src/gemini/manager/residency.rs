@@ -37,6 +37,9 @@ impl ChunkManager {
     /// enough) and the parameters `Compute`. Other tensors sharing those chunks keep their
     /// state.
     pub fn access(&mut self, params: &[usize]) -> Result<()> {
+        // A part of the model about to run is progress (the spawner's heartbeat), however long
+        // a step goes without a collective.
+        crate::dist::heartbeat::beat();
         let chunks = self.chunks_of(params);
         self.widest = self.widest.max(chunks.len());
         for &c in &chunks {
