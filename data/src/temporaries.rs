@@ -2,6 +2,7 @@
 //! tensor and HDF5 writers and the apps' staged folders, before their rename into place),
 //! removed when the process is interrupted (SIGINT, SIGTERM) as they are on an error: Ctrl-C
 //! during `vit data convert`, a conversion or a checkpoint leaves no `.name.tmp-<pid>` behind.
+//! Subprocess groups registered as [`ChildGroup`]s are sent SIGTERM first.
 //!
 //! A signal handler may only do what is async-signal-safe, so it writes the signal's number
 //! to a pipe; a thread waiting on the pipe removes the files, restores the signal's default
@@ -13,6 +14,8 @@ use std::sync::{Mutex, Once};
 
 /// The temporary files alive now.
 static LIVE: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+/// The process groups of the subprocesses running now.
+static GROUPS: Mutex<Vec<libc::pid_t>> = Mutex::new(Vec::new());
 /// The pipe's write end (-1 until [`remove_on_interrupt`] has run).
 static PIPE: AtomicI32 = AtomicI32::new(-1);
 const SIGNALS: [libc::c_int; 2] = [libc::SIGINT, libc::SIGTERM];
@@ -34,6 +37,29 @@ impl Drop for Temporary {
         let mut live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(i) = live.iter().position(|p| *p == self.0) {
             live.swap_remove(i);
+        }
+    }
+}
+
+/// A subprocess running in its own process group (the leader `pid`), registered while alive
+/// so that an interrupt ends the whole group: a tool started through a wrapper script has
+/// children the wrapper's own death would leave running.
+pub struct ChildGroup(libc::pid_t);
+
+impl ChildGroup {
+    /// Registers the group led by `pid` until the returned value is dropped.
+    pub fn new(pid: u32) -> ChildGroup {
+        let pid = pid as libc::pid_t;
+        GROUPS.lock().unwrap_or_else(|e| e.into_inner()).push(pid);
+        ChildGroup(pid)
+    }
+}
+
+impl Drop for ChildGroup {
+    fn drop(&mut self) {
+        let mut groups = GROUPS.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = groups.iter().position(|&p| p == self.0) {
+            groups.swap_remove(i);
         }
     }
 }
@@ -61,6 +87,10 @@ pub fn remove_on_interrupt() {
             let mut byte = 0u8;
             // SAFETY: one byte into a live local.
             while unsafe { libc::read(read_end, (&mut byte as *mut u8).cast(), 1) } != 1 {}
+            for &group in GROUPS.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+                // SAFETY: signalling a process group this process started.
+                unsafe { libc::killpg(group, libc::SIGTERM) };
+            }
             for path in LIVE.lock().unwrap_or_else(|e| e.into_inner()).iter() {
                 let _ = match path.is_dir() {
                     true => std::fs::remove_dir_all(path),

@@ -150,10 +150,11 @@ impl Structure {
 
     /// Reads the polymer residues of the first model and of one chain (`chain`, or the first
     /// chain met) from PDB text, as AlphaFold's training data reads a chain's residues from
-    /// mmCIF: residues in file order; `ATOM` records are residues, residue names outside the
-    /// 20 read as unknown (`X`); of the `HETATM` groups only amino acids (the 20 standard
-    /// names, and selenomethionine, MSE, read as MET with its SE as SD) are residues, and
-    /// ligands, ions and waters are not; atoms matched by name (others, such as hydrogens,
+    /// mmCIF: residues in file order up to the chain's `TER`; `ATOM` records are residues,
+    /// residue names outside the 20 read as unknown (`X`); of the `HETATM` groups only amino
+    /// acids (the 20 standard names; selenomethionine, MSE, read as MET with its SE as SD;
+    /// modified ones with a backbone, such as SEP, as X) are residues, and ligands, ions and
+    /// waters are not (see [`Structure::drop_non_polymer`]); atoms matched by name (others, such as hydrogens,
     /// skipped), residues without any known atom skipped, and of alternative locations the
     /// most occupied (see [`keeps_new_location`]). B-factors are the file's (per residue, from
     /// its CA or first atom). `source` names the text in errors, with the line number.
@@ -171,30 +172,36 @@ impl Structure {
         let mut occupancy: Vec<[f32; ATOM_TYPE_NUM]> = Vec::new();
         let mut chain = chain;
         let mut current: Option<(bool, i64, char)> = None;
+        // Per residue: read from HETATM records; and whether the chain's TER has passed.
+        let (mut heteros, mut ended) = (Vec::new(), false);
         for (i, line) in text.lines().enumerate() {
             let no = i + 1;
             if line.starts_with("ENDMDL") {
                 break;
             }
             let hetero = line.starts_with("HETATM");
-            if !(hetero || line.starts_with("ATOM  ")) {
-                continue;
-            }
             let field = |a: usize, b: usize| line.get(a..b.min(line.len())).unwrap_or("").trim();
             let char_at = |a: usize| line.get(a..a + 1).and_then(|c| c.chars().next()).unwrap_or(' ');
             let resname = field(17, 20);
-            // AlphaFold trains on an mmCIF chain's polymer residues; in a PDB file the other
-            // groups listed under the chain are HETATM records: ligands (ACT), ions (calcium,
-            // whose atom is named CA) and waters would each become an X residue of the atoms
-            // whose names are atom37's. Of the HETATM groups only amino acids (MSE) are kept.
-            if hetero && amino_acid_aatype(resname).is_none() {
+            if line.starts_with("TER") {
+                // The chain's polymer ends here: what the file lists under it afterwards
+                // (ligands, a free amino acid, waters) is not one of its residues.
+                let ter_chain = char_at(21);
+                ended |= chain.is_some_and(|c| c == ter_chain || ter_chain == ' ');
+                continue;
+            }
+            if !(hetero || line.starts_with("ATOM  ")) {
                 continue;
             }
             if line.len() < 54 {
+                // A HETATM record without coordinates is a group's that is not read (a ligand's).
+                if hetero {
+                    continue;
+                }
                 return Err(bad(no, format!("ATOM record of {} characters, coordinates need 54", line.len())));
             }
             let this_chain = char_at(21);
-            if *chain.get_or_insert(this_chain) != this_chain {
+            if *chain.get_or_insert(this_chain) != this_chain || ended {
                 continue;
             }
             let res_seq: i64 = field(22, 26)
@@ -203,6 +210,7 @@ impl Structure {
             let icode = char_at(26);
             if current != Some((hetero, res_seq, icode)) {
                 current = Some((hetero, res_seq, icode));
+                heteros.push(hetero);
                 s.aatype.push(amino_acid_aatype(resname).unwrap_or(UNK_RESTYPE_INDEX));
                 s.residue_index.push(res_seq - 1);
                 s.positions.push([[0.0; 3]; ATOM_TYPE_NUM]);
@@ -231,6 +239,7 @@ impl Structure {
                 }
             }
         }
+        s.drop_non_polymer(&heteros);
         s.drop_residues_without_atoms();
         if s.aatype.is_empty() {
             let which = chain.map(|c| format!(" of chain {c:?}")).unwrap_or_default();
@@ -241,13 +250,34 @@ impl Structure {
 
     /// Leaves out residues with no atom37 atom (a residue of hydrogens only), as AlphaFold's
     /// `from_pdb_string` skips them.
+    /// Drops the HETATM groups that are not amino acids of the chain: AlphaFold trains on an
+    /// mmCIF chain's polymer residues, and in a PDB file the other groups listed under the
+    /// chain are HETATM records, such as ligands (ACT), ions (calcium, whose one atom is named
+    /// CA) and waters, each of which would become an X residue of its atoms with atom37 names.
+    /// A HETATM group stays when it is an amino acid by name (MSE) or a modified one (SEP, TPO,
+    /// MLY, a D-amino acid: X, as AlphaFold's `from_pdb_string` reads them), which is to say
+    /// when it has the backbone N, CA and C a polymer residue has.
+    fn drop_non_polymer(&mut self, heteros: &[bool]) {
+        let backbone = ["N", "CA", "C"].map(|a| ATOM_TYPES.iter().position(|t| *t == a).expect("atom37 backbone"));
+        let keep: Vec<bool> = (0..self.aatype.len())
+            .map(|r| {
+                !heteros[r] || self.aatype[r] != UNK_RESTYPE_INDEX || backbone.iter().all(|&a| self.mask[r][a] > 0.5)
+            })
+            .collect();
+        self.retain(&keep);
+    }
+
+    fn retain(&mut self, keep: &[bool]) {
+        retain_where(&mut self.aatype, keep);
+        retain_where(&mut self.residue_index, keep);
+        retain_where(&mut self.positions, keep);
+        retain_where(&mut self.mask, keep);
+        retain_where(&mut self.b_factors, keep);
+    }
+
     fn drop_residues_without_atoms(&mut self) {
         let keep: Vec<bool> = self.mask.iter().map(|m| m.iter().any(|&v| v > 0.5)).collect();
-        retain_where(&mut self.aatype, &keep);
-        retain_where(&mut self.residue_index, &keep);
-        retain_where(&mut self.positions, &keep);
-        retain_where(&mut self.mask, &keep);
-        retain_where(&mut self.b_factors, &keep);
+        self.retain(&keep);
     }
 
     /// Reads a PDB file (see [`Structure::parse`]).

@@ -100,8 +100,12 @@ impl Target {
         if s.aatype.len() as i64 != n {
             bail!("{source}: {} residues, the input has {n}", s.aatype.len());
         }
-        if let Some(i) =
-            (0..n as usize).find(|&i| s.aatype[i] != ours[i] as usize && ours[i] as usize != UNK_RESTYPE_INDEX)
+        // An unknown residue on either side matches: the input's X is any residue, and the
+        // structure's is a modified one (SEP, a D-amino acid) whose parent the input names, as
+        // AlphaFold's mmCIF reader maps it.
+        let unknown = |a: usize| a == UNK_RESTYPE_INDEX;
+        if let Some(i) = (0..n as usize)
+            .find(|&i| s.aatype[i] != ours[i] as usize && !unknown(ours[i] as usize) && !unknown(s.aatype[i]))
         {
             let name = |a: usize| RESNAMES.get(a).copied().unwrap_or("?");
             bail!(

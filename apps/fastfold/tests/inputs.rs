@@ -486,7 +486,16 @@ fn pdb_target_reads_a_crystal_structures_chain_as_its_polymer_residues() {
         atom_record("HETATM", "SE", ' ', "MSE", 1, 4.0, 1.0),
         atom_record("ATOM", "N", ' ', "LYS", 2, 5.0, 1.0),
         atom_record("ATOM", "CA", ' ', "LYS", 2, 6.0, 1.0),
-        atom_record("HETATM", "CA", ' ', "ALA", 3, 7.0, 1.0),
+        // A phosphoserine: a modified amino acid with its backbone, X as AlphaFold reads it.
+        atom_record("HETATM", "N", ' ', "SEP", 3, 6.5, 1.0),
+        atom_record("HETATM", "CA", ' ', "SEP", 3, 6.6, 1.0),
+        atom_record("HETATM", "C", ' ', "SEP", 3, 6.7, 1.0),
+        atom_record("HETATM", "CA", ' ', "ALA", 4, 7.0, 1.0),
+        "TER       1      ALA A   4\n".to_string(),
+        // After the chain's TER: not its residues, amino acid or not.
+        atom_record("HETATM", "N", ' ', "GLY", 501, 8.0, 1.0),
+        atom_record("HETATM", "CA", ' ', "GLY", 501, 8.1, 1.0),
+        atom_record("HETATM", "C", ' ', "GLY", 501, 8.2, 1.0),
         atom_record("HETATM", "C", ' ', "ACT", 201, 10.0, 1.0),
         atom_record("HETATM", "O", ' ', "ACT", 201, 11.0, 1.0),
         atom_record("HETATM", "CA", ' ', " CA", 202, 12.0, 1.0),
@@ -497,11 +506,12 @@ fn pdb_target_reads_a_crystal_structures_chain_as_its_polymer_residues() {
     .concat();
     let s = Structure::parse(&text, Path::new("crystal.pdb"), None).unwrap();
     let aa = |c: char| rc::aatype_of(c);
-    assert_eq!(s.aatype, [aa('M'), aa('K'), aa('A')], "MSE, LYS and a HETATM ALA; no ligand, ion or water");
-    assert_eq!(s.residue_index, [0, 1, 2]);
+    let x = rc::UNK_RESTYPE_INDEX;
+    assert_eq!(s.aatype, [aa('M'), aa('K'), x, aa('A')], "MSE, LYS, SEP and a HETATM ALA; nothing after TER");
+    assert_eq!(s.residue_index, [0, 1, 2, 3]);
     let (ca, sd) = (rc::atom_order("CA").unwrap(), rc::atom_order("SD").unwrap());
-    assert_eq!((s.positions[0][sd][0], s.positions[2][ca][0]), (4.0, 7.0));
-    assert_eq!(s.mask.iter().map(|m| m.iter().sum::<f32>()).collect::<Vec<_>>(), [4.0, 2.0, 1.0]);
+    assert_eq!((s.positions[0][sd][0], s.positions[3][ca][0]), (4.0, 7.0));
+    assert_eq!(s.mask.iter().map(|m| m.iter().sum::<f32>()).collect::<Vec<_>>(), [4.0, 2.0, 3.0, 1.0]);
 }
 
 #[test]

@@ -409,6 +409,49 @@ fn search_tools_hold_no_descriptor_of_the_rank() {
 }
 
 #[test]
+fn an_interrupted_search_ends_its_tools_and_their_children() {
+    // A tool started through a wrapper script runs in the wrapper's child, which the
+    // wrapper's own death would leave running; SIGTERM to fastfold must end both, and
+    // remove the search's scratch folder.
+    use std::os::unix::process::ExitStatusExt;
+    let root = dir("interrupted");
+    let data = reduced_data_dir(&root);
+    let marker = format!("{}.{}", 30 + std::process::id() % 1000, 4159);
+    let jackhmmer = wrapper(&root.join("bin/jackhmmer"), &root.join("jackhmmer.log"), &format!("sleep {marker}"));
+    let fa = root.join("query.fasta");
+    write(&fa, &format!(">query test query\n{QUERY}\n"));
+    let tmp = root.join("tmp");
+    std::fs::create_dir_all(&tmp).unwrap();
+    let mut child = Command::new(BIN)
+        .args(["predict", fa.to_str().unwrap(), "--params", common::tiny_params().to_str().unwrap()])
+        .args(["-o", root.join("out").to_str().unwrap(), "--data-dir", data.to_str().unwrap()])
+        .args(["--db-preset", "reduced_dbs", "--jackhmmer-binary-path", jackhmmer.to_str().unwrap()])
+        .env("TMPDIR", &tmp)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let sleeping = || {
+        let out = Command::new("pgrep").args(["-f", &format!("sleep {marker}")]).output().unwrap();
+        !out.stdout.is_empty()
+    };
+    let start = std::time::Instant::now();
+    while !sleeping() {
+        assert!(start.elapsed().as_secs() < 120, "the tool never started");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap().success());
+    assert_eq!(child.wait().unwrap().signal(), Some(libc::SIGTERM));
+    let ended = std::time::Instant::now();
+    while sleeping() {
+        assert!(ended.elapsed().as_secs() < 10, "the tool's child outlived fastfold");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(scratch_left(&root).is_empty(), "{:?}", scratch_left(&root));
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+#[test]
 fn full_dbs_search_runs_hhblits_on_bfd_and_uniref30() {
     let root = dir("full");
     let data = root.join("data");

@@ -135,6 +135,10 @@ fn bad_targets_are_named() {
     let other = Tensor::from_slice(&seq.replacen('M', "W", 1).chars().map(|c| aatype_of(c) as i64).collect::<Vec<_>>());
     let err = Target::new(&helix(&seq), &other, "t.pdb").err().unwrap().to_string();
     assert!(err.contains("t.pdb: residue 1 is MET in the structure, TRP in the input"), "{err}");
+    // A modified residue (SEP, read as X) matches the parent the input names.
+    let mut modified = helix(&seq);
+    modified.aatype[0] = fastfold::residue_constants::UNK_RESTYPE_INDEX;
+    assert!(Target::new(&modified, &aatype, "t.pdb").is_ok());
 }
 
 fn log(out: &Path) -> Vec<serde_json::Value> {

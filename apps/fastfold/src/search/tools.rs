@@ -38,32 +38,41 @@ impl Tool {
         let mut command = Command::new(&self.binary);
         command.args(args).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
         // A tool outlives no rank: it gets SIGTERM when this process dies (a rank the spawner
-        // stops, or one killed), and it holds none of the rank's descriptors (Gloo's sockets,
-        // the interrupt pipe), which libtorch does not open close-on-exec.
-        // SAFETY: prctl and close_range are async-signal-safe; errors (an old kernel without
-        // close_range) leave the tool as it would otherwise be.
+        // stops, or one killed), its whole process group does when this one is interrupted
+        // (a wrapper script's children included), and it holds none of the rank's
+        // descriptors (Gloo's sockets, the interrupt pipe), which libtorch does not open
+        // close-on-exec.
+        // SAFETY: setpgid, prctl and close_range are async-signal-safe; errors (an old kernel
+        // without close_range) leave the tool as it would otherwise be.
         unsafe {
             command.pre_exec(|| {
+                libc::setpgid(0, 0);
                 libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
                 libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, libc::CLOSE_RANGE_CLOEXEC);
                 Ok(())
             });
         }
-        let output = command.output().map_err(|e| {
-            anyhow::anyhow!(
-                "cannot run {} ({}) against {}: {e}{}",
-                self.name,
-                self.binary.display(),
-                database.display(),
-                match e.kind() {
-                    std::io::ErrorKind::NotFound => {
-                        " (install HMMER and HH-suite: scripts/setup.sh, or apt-get install hmmer hhsuite, \
+        let output = command
+            .spawn()
+            .and_then(|child| {
+                let _group = data::temporaries::ChildGroup::new(child.id());
+                child.wait_with_output()
+            })
+            .map_err(|e| {
+                anyhow::anyhow!(
+                    "cannot run {} ({}) against {}: {e}{}",
+                    self.name,
+                    self.binary.display(),
+                    database.display(),
+                    match e.kind() {
+                        std::io::ErrorKind::NotFound => {
+                            " (install HMMER and HH-suite: scripts/setup.sh, or apt-get install hmmer hhsuite, \
                              or give the binary's path with its --*-binary-path flag)"
+                        }
+                        _ => "",
                     }
-                    _ => "",
-                }
-            )
-        })?;
+                )
+            })?;
         if !output.status.success() {
             let stderr = String::from_utf8_lossy(&output.stderr);
             let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
