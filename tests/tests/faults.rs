@@ -71,7 +71,10 @@ fn a_rank_stuck_outside_collectives_is_ended_by_the_heartbeat_naming_it() {
 fn a_stopped_rank_is_ended_by_the_heartbeat_naming_it() {
     // Stopped whole (SIGSTOP, a debugger, a swapped-out node): no pulses at all.
     let err = job_with_a_stalled_rank("a_stopped_rank_is_ended_by_the_heartbeat_naming_it", || {
-        std::process::Command::new("kill").args(["-STOP", &std::process::id().to_string()]).status()?;
+        // raise(3), not kill(1): the stop takes effect before it returns, so the rank cannot
+        // slip into its next collective first (seen once under load).
+        // SAFETY: stopping this process, as a debugger or job control would.
+        unsafe { libc::raise(libc::SIGSTOP) };
         Ok(())
     });
     assert!(err.contains("rank 1 failed: rank 1 stopped responding: no heartbeat for"), "{err}");

@@ -58,6 +58,7 @@ inline unsigned __float_as_uint(float f) {
   return u;
 }
 inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
+inline float __fmul_rn(float a, float b) { return a * b; }
 // CUDA's integer min, for mixed int and long long arguments as device code writes them.
 template <typename A, typename B>
 inline std::common_type_t<A, B> min(A a, B b) {
