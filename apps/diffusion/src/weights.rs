@@ -84,6 +84,24 @@ pub fn weight_names(stem: &str) -> [String; 4] {
     ]
 }
 
+/// A shards' index (`*.safetensors.index*.json`): each key's shard, a file name beside the
+/// index (anything else is an error naming the index).
+pub fn read_index(path: &Path) -> Result<std::collections::BTreeMap<String, String>> {
+    let bad = |msg: String| Error::Format { path: path.to_path_buf(), msg };
+    let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+    #[derive(serde::Deserialize)]
+    struct Index {
+        weight_map: std::collections::BTreeMap<String, String>,
+    }
+    let index: Index = serde_json::from_str(&text).map_err(|e| bad(format!("not a shards' index: {e}")))?;
+    if let Some(shard) =
+        index.weight_map.values().find(|s| Path::new(s).file_name() != Some(std::ffi::OsStr::new(s.as_str())))
+    {
+        return Err(bad(format!("shard {shard:?} is not a file name beside the index")));
+    }
+    Ok(index.weight_map)
+}
+
 /// Every tensor of a component's weights, by key: the safetensors file at `path`, or, for a
 /// shards' index (`*.index*.json`), of the shards it names beside it. Each key of the index
 /// must be in its shard and each shard's keys in the index; a mismatch is an error naming the
@@ -93,26 +111,17 @@ pub fn read(path: &Path) -> Result<HashMap<String, Tensor>> {
         return Ok(data::checkpoint::read_tensors(path)?);
     }
     let bad = |msg: String| Error::Format { path: path.to_path_buf(), msg };
-    let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
-    #[derive(serde::Deserialize)]
-    struct Index {
-        weight_map: std::collections::BTreeMap<String, String>,
-    }
-    let index: Index = serde_json::from_str(&text).map_err(|e| bad(format!("not a shards' index: {e}")))?;
-    let mut by_shard: std::collections::BTreeMap<&str, Vec<&str>> = Default::default();
-    for (key, shard) in &index.weight_map {
-        by_shard.entry(shard.as_str()).or_default().push(key.as_str());
+    let mut by_shard: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    for (key, shard) in read_index(path)? {
+        by_shard.entry(shard).or_default().push(key);
     }
     let folder = path.parent().unwrap_or(Path::new("."));
     let mut all = HashMap::new();
     for (shard, keys) in by_shard {
-        if Path::new(shard).file_name() != Some(std::ffi::OsStr::new(shard)) {
-            return Err(bad(format!("shard {shard:?} is not a file name beside the index")));
-        }
-        let mut tensors = data::checkpoint::read_tensors(&folder.join(shard))?;
+        let mut tensors = data::checkpoint::read_tensors(&folder.join(&shard))?;
         for key in keys {
-            let t = tensors.remove(key).ok_or_else(|| bad(format!("key {key} is not in its shard {shard}")))?;
-            all.insert(key.to_string(), t);
+            let t = tensors.remove(&key).ok_or_else(|| bad(format!("key {key} is not in its shard {shard}")))?;
+            all.insert(key, t);
         }
         if let Some(extra) = tensors.keys().min() {
             return Err(bad(format!("key {extra} of shard {shard} is not in the index")));

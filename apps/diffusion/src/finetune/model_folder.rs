@@ -87,11 +87,7 @@ fn plain_names(component: &Path) -> Result<()> {
 /// staging copy of a component.
 fn remove_variant(component: &Path, file: &Path) -> Result<()> {
     if file.extension().is_some_and(|e| e == "json") {
-        let text = std::fs::read_to_string(file).map_err(io(file))?;
-        let index: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| Error::Format { path: file.to_path_buf(), msg: e.to_string() })?;
-        let shards: std::collections::BTreeSet<&str> =
-            index["weight_map"].as_object().into_iter().flatten().filter_map(|(_, v)| v.as_str()).collect();
+        let shards: std::collections::BTreeSet<String> = crate::weights::read_index(file)?.into_values().collect();
         for shard in shards {
             let path = component.join(shard);
             std::fs::remove_file(&path).map_err(io(&path))?;
