@@ -26,12 +26,16 @@ pack_dir="$root/gpu-bin"
 say() { printf '[gpu-check] %s\n' "$*" >&2; }
 
 # Copies the test executables of package $1 that hold tests matching filter $2 ('' for all)
-# into $3, stripped. A binary with no such test would only cost transfer.
+# into $3, stripped. A binary with no such test would only cost transfer. The list is read
+# whole before it is searched: `--list | grep -q` under pipefail drops a binary whenever grep
+# exits before the list is written (the harness then fails on the closed pipe), which is how
+# the CUDA file's binary went missing from the first GPU run.
 test_binaries() {
-  local exe
+  local exe listed
   cargo test --locked -p "$1" --no-run --message-format=json 2>/dev/null |
     sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | while read -r exe; do
-      if "$exe" --list $2 2>/dev/null | grep -q ': test$'; then
+      listed="$("$exe" --list $2 2>/dev/null)" || { say "$exe --list failed"; exit 1; }
+      if grep -q ': test$' <<<"$listed"; then
         cp "$exe" "$3/" && strip "$3/$(basename "$exe")"
       fi
     done
@@ -49,6 +53,7 @@ pack() {
   test_binaries fastfold cuda "$stage_dir/tests"
   test_binaries vit cuda "$stage_dir/tests"
   test_binaries kernels '' "$stage_dir/kernels"
+  compgen -G "$stage_dir/tests/cuda-*" >/dev/null || { say "the CUDA file's test binary was not packed"; exit 1; }
   rm -f "$stage_dir"/kernels/{kernels,fallback}-* # the crate's unit tests and the fallbacks': CPU only
   # The README's main job and the benchmarks in release, as users run them.
   cargo build --locked --release -p vit
@@ -241,8 +246,8 @@ bench() {
   item c2 bench-evoformer "Evoformer block 256 x 128 against PyTorch eager" 150 "$bin/bench-evoformer" --device cuda \
     --residues 256 --sequences 128 --warmup 3 --iters 10
   collect
-  item c3 vit-bench "ViT-B/16 bf16 training against PyTorch eager" 150 "$bin/vit" bench --device cuda --precision bf16 \
-    --model vit_base_patch16_224 --batch 64 --seconds 10
+  item c3 vit-bench "ViT-B/16 bf16 training against PyTorch eager and torch.compile" 240 "$bin/vit" bench \
+    --device cuda --precision bf16 --model vit_base_patch16_224 --batch 64 --seconds 10 --compiled-baseline
   collect
   item c4 bench-predict "fastfold predict, model_1_ptm sizes, time and peak memory" 240 "$bin/bench-predict" --device cuda \
     --residues 256,512,1024,2048 --chunk-size 64

@@ -9,6 +9,8 @@ df -h . | awk 'NR == 2 {print "[test] disk: " $4 " free of " $2}'
 bash -n scripts/gpu-check.sh
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
+# Every fused kernel assembles for the H100's sm_90 without spilling (no GPU needed).
+bash scripts/kernel-registers.sh 90 >/dev/null
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
 set +e

@@ -73,6 +73,12 @@ fn marker(m: &Shared, x: &Tensor, action: fn(&mut ChunkManager, usize) -> engine
 /// `budget_chunks` (lean residency or not), against the same layers as plain tensors: the
 /// gradients agree exactly. Returns the manager's events and its peak device bytes.
 fn layers_through_chunks(budget_chunks: usize, lean: bool) -> (Vec<Event>, usize) {
+    // libtorch's first CPU tanh, run by several threads at once, can come out up to 3e-5 off
+    // (seen here in 1 run of 40, the reference's first layer off against f64 while the same
+    // inputs later give the right values): one tanh before any test's, and the comparison below
+    // sees only float rounding.
+    static WARM: std::sync::Once = std::sync::Once::new();
+    WARM.call_once(|| drop(Tensor::ones([3, 4], (Kind::Float, Device::Cpu)).tanh()));
     let x = Tensor::randn([3, 4], (Kind::Float, Device::Cpu)).set_requires_grad(true);
     let reference: Vec<Param> =
         four().into_iter().map(|p| Param::new(&p.name, &p.tensor.detach().copy().set_requires_grad(true))).collect();

@@ -2,7 +2,7 @@
 //! AlphaFold's masking convention, fused into one kernel forward and one backward.
 use tch::{Kind, Tensor};
 
-use crate::checks::{dtype, row_threads, rows_cols, target, with_grad};
+use crate::checks::{dtype, launch_rows, quads, rows_cols, target, with_grad};
 use crate::error::ensure;
 use crate::kernel::{Args, Kernel};
 use crate::{Backend, Result};
@@ -17,6 +17,12 @@ pub(crate) static KERNEL: Kernel = Kernel::new(
         "attention_softmax_backward_f32",
         "attention_softmax_backward_bf16",
         "attention_softmax_backward_f16",
+        "attention_softmax_forward_warp_f32",
+        "attention_softmax_forward_warp_bf16",
+        "attention_softmax_forward_warp_f16",
+        "attention_softmax_backward_warp_f32",
+        "attention_softmax_backward_warp_bf16",
+        "attention_softmax_backward_warp_f16",
     ],
     &[],
 );
@@ -84,22 +90,12 @@ fn fused(x: &Tensor, scale: f64, mask: Option<&Tensor>, bias: Option<&Tensor>) -
     let bias_rows = bias_c.as_ref().map_or(0, |t| t.numel() as i64 / cols.max(1));
     let y = x.f_empty_like()?;
     if rows > 0 && cols > 0 {
-        let mut a = Args::default()
-            .tensor(&x)
-            .opt(mask.as_ref())
-            .opt(bias_c.as_ref())
-            .tensor(&y)
-            .i32(cols as i32)
-            .i64(per_batch)
-            .i64(bias_rows)
-            .f32(scale as f32);
-        KERNEL.launch(
-            &format!("attention_softmax_forward_{suffix}"),
-            at,
-            (rows as u32, 1, 1),
-            row_threads(cols),
-            &mut a,
-        )?;
+        let none = Tensor::new();
+        let vec = quads(cols, &[&x, mask.as_ref().unwrap_or(&none), bias_c.as_ref().unwrap_or(&none), &y]);
+        let a = Args::default().tensor(&x).opt(mask.as_ref()).opt(bias_c.as_ref()).tensor(&y);
+        let a = a.i64(rows).i32(cols as i32).i64(per_batch).i64(bias_rows);
+        let mut a = a.f32(scale as f32).i32(vec.into());
+        launch_rows(&KERNEL, "attention_softmax_forward", suffix, at, (rows, cols), &mut a)?;
     }
     // The gradient flows to x and the bias (the mask is a constant).
     let mut inputs = vec![&x];
@@ -113,20 +109,10 @@ fn fused(x: &Tensor, scale: f64, mask: Option<&Tensor>, bias: Option<&Tensor>) -
         let dx = y.f_empty_like()?;
         let dlogits = if bias_grad { Some(y.f_empty_like()?) } else { None };
         if rows > 0 && cols > 0 {
-            let mut a = Args::default()
-                .tensor(y)
-                .tensor(&dy)
-                .tensor(&dx)
-                .opt(dlogits.as_ref())
-                .i32(cols as i32)
-                .f32(scale as f32);
-            KERNEL.launch(
-                &format!("attention_softmax_backward_{suffix}"),
-                at,
-                (rows as u32, 1, 1),
-                row_threads(cols),
-                &mut a,
-            )?;
+            let vec = quads(cols, &[y, &dy, &dx, dlogits.as_ref().unwrap_or(&Tensor::new())]);
+            let a = Args::default().tensor(y).tensor(&dy).tensor(&dx).opt(dlogits.as_ref());
+            let mut a = a.i64(rows).i32(cols as i32).f32(scale as f32).i32(vec.into());
+            launch_rows(&KERNEL, "attention_softmax_backward", suffix, at, (rows, cols), &mut a)?;
         }
         let mut out: Vec<Option<Tensor>> = (0..n_inputs).map(|_| None).collect();
         out[0] = Some(dx);

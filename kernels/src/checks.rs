@@ -3,7 +3,7 @@
 use tch::{Kind, Tensor};
 
 use crate::error::ensure;
-use crate::kernel::Target;
+use crate::kernel::{Args, Kernel, Target};
 use crate::{Error, Result};
 
 /// The kernels' name suffix for a tensor's dtype.
@@ -68,9 +68,42 @@ pub(crate) fn ceil_div(a: i64, b: i64) -> i64 {
     (a + b - 1) / b
 }
 
+/// Rows of at most this many elements go one warp each (`WARP_COLS` in prelude.cuh).
+pub(crate) const WARP_COLS: i64 = 1024;
+
+/// Launches a row kernel over `rows` rows of `cols`: `{function}_warp_{suffix}`, a warp per row
+/// four to a block, for rows of up to [`WARP_COLS`]; else `{function}_{suffix}`, a block per row.
+/// The two take the same arguments.
+pub(crate) fn launch_rows(
+    kernel: &Kernel,
+    function: &str,
+    suffix: &str,
+    at: Target,
+    (rows, cols): (i64, i64),
+    args: &mut Args,
+) -> Result<()> {
+    if cols <= WARP_COLS {
+        let grid = (ceil_div(rows, 4).max(1) as u32, 1, 1);
+        kernel.launch(&format!("{function}_warp_{suffix}"), at, grid, 128, args)
+    } else {
+        kernel.launch(&format!("{function}_{suffix}"), at, (rows as u32, 1, 1), row_threads(cols), args)
+    }
+}
+
 /// Threads per block for a kernel that gives one block to each row of `cols` elements.
 pub(crate) fn row_threads(cols: i64) -> u32 {
     (ceil_div(cols, 32) * 32).clamp(32, 256) as u32
+}
+
+/// Whether a kernel may move four elements per access (`Quad` in prelude.cuh): `cols` a
+/// multiple of 4 and every tensor's memory aligned to four of its elements (a contiguous view
+/// into the middle of a storage may not be). Undefined tensors (absent options) pass.
+pub(crate) fn quads(cols: i64, tensors: &[&Tensor]) -> bool {
+    cols % 4 == 0
+        && tensors
+            .iter()
+            .filter(|t| t.defined())
+            .all(|t| (t.data_ptr() as usize).is_multiple_of(4 * t.kind().elt_size_in_bytes()))
 }
 
 /// Blocks for a grid-stride loop over `n` elements with 256 threads each.

@@ -2,7 +2,7 @@
 //! `gelu(x + bias)` and `residual + dropout(x + bias)`.
 use tch::{Device, Kind, Tensor};
 
-use crate::checks::{elementwise, grid_blocks, with_grad};
+use crate::checks::{ceil_div, elementwise, grid_blocks, quads, with_grad};
 use crate::error::ensure;
 use crate::kernel::{Args, Kernel};
 use crate::{Backend, Result};
@@ -54,17 +54,21 @@ pub fn bias_gelu(x: &Tensor, bias: &Tensor, backend: Backend) -> Result<Tensor> 
     let b = bias.f_contiguous()?;
     let (at, suffix, cols, n) = elementwise(OP, &[("x", &x), ("bias", &b)])?;
     let y = x.f_empty_like()?;
+    let grid = (grid_blocks(ceil_div(n, 4)), 1, 1);
     if n > 0 {
-        let mut a = Args::default().tensor(&x).tensor(&b).tensor(&y).i64(n).i32(cols as i32);
-        KERNEL.launch(&format!("bias_gelu_forward_{suffix}"), at, (grid_blocks(n), 1, 1), 256, &mut a)?;
+        let vec = quads(cols, &[&x, &b, &y]);
+        let mut a = Args::default().tensor(&x).tensor(&b).tensor(&y).i64(n).i32(cols as i32).i32(vec.into());
+        KERNEL.launch(&format!("bias_gelu_forward_{suffix}"), at, grid, 256, &mut a)?;
     }
     let outputs = with_grad(OP, &[&x, bias], vec![y], vec![x.shallow_clone(), b], move |grads, saved| {
         let [x, b] = saved else { unreachable!("two tensors saved") };
         let dy = grads[0].f_contiguous()?;
         let dx = x.f_empty_like()?;
         if n > 0 {
-            let mut a = Args::default().tensor(x).tensor(b).tensor(&dy).tensor(&dx).i64(n).i32(cols as i32);
-            KERNEL.launch(&format!("bias_gelu_backward_{suffix}"), at, (grid_blocks(n), 1, 1), 256, &mut a)?;
+            let vec = quads(cols, &[x, b, &dy, &dx]);
+            let a = Args::default().tensor(x).tensor(b).tensor(&dy).tensor(&dx);
+            let mut a = a.i64(n).i32(cols as i32).i32(vec.into());
+            KERNEL.launch(&format!("bias_gelu_backward_{suffix}"), at, grid, 256, &mut a)?;
         }
         let db = bias_grad(&dx, cols, b.kind())?;
         Ok(vec![Some(dx), Some(db)])
@@ -108,7 +112,9 @@ pub fn bias_dropout_residual(
     let r = residual.f_contiguous()?;
     let (at, suffix, cols, n) = elementwise(OP, &[("x", &x), ("bias", &b), ("residual", &r)])?;
     let y = x.f_empty_like()?;
+    let grid = (grid_blocks(ceil_div(n, 4)), 1, 1);
     if n > 0 {
+        let vec = quads(cols, &[&x, &b, &r, &y, keep.as_ref().unwrap_or(&Tensor::new())]);
         let mut a = Args::default()
             .tensor(&x)
             .tensor(&b)
@@ -117,8 +123,9 @@ pub fn bias_dropout_residual(
             .tensor(&y)
             .i64(n)
             .i32(cols as i32)
-            .f32(scale as f32);
-        KERNEL.launch(&format!("bias_dropout_residual_forward_{suffix}"), at, (grid_blocks(n), 1, 1), 256, &mut a)?;
+            .f32(scale as f32)
+            .i32(vec.into());
+        KERNEL.launch(&format!("bias_dropout_residual_forward_{suffix}"), at, grid, 256, &mut a)?;
     }
     let bias_kind = b.kind();
     let saved: Vec<Tensor> = keep.into_iter().collect();
@@ -126,8 +133,9 @@ pub fn bias_dropout_residual(
         let dy = grads[0].f_contiguous()?;
         let dx = if let (Some(keep), true) = (saved.first(), n > 0) {
             let dx = dy.f_empty_like()?;
-            let mut a = Args::default().tensor(&dy).tensor(keep).tensor(&dx).i64(n).f32(scale as f32);
-            KERNEL.launch(&format!("dropout_backward_{suffix}"), at, (grid_blocks(n), 1, 1), 256, &mut a)?;
+            let vec = quads(cols, &[&dy, keep, &dx]);
+            let mut a = Args::default().tensor(&dy).tensor(keep).tensor(&dx).i64(n).f32(scale as f32).i32(vec.into());
+            KERNEL.launch(&format!("dropout_backward_{suffix}"), at, grid, 256, &mut a)?;
             dx
         } else {
             dy.shallow_clone()

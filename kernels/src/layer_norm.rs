@@ -1,8 +1,9 @@
-//! LayerNorm over the last dimension, one block per row forward and backward, and a layer with
-//! the parameter names of `torch.nn.LayerNorm` (`weight`, `bias`).
+//! LayerNorm over the last dimension, one warp per row forward and backward (one block per row
+//! past 1,024 elements), and a layer with the parameter names of `torch.nn.LayerNorm`
+//! (`weight`, `bias`).
 use tch::{nn, Kind, Tensor};
 
-use crate::checks::{ceil_div, dtype, row_threads, rows_cols, target, with_grad};
+use crate::checks::{ceil_div, dtype, launch_rows, quads, rows_cols, target, with_grad};
 use crate::error::ensure;
 use crate::kernel::{Args, Kernel};
 use crate::{Backend, Result};
@@ -20,6 +21,12 @@ pub(crate) static KERNEL: Kernel = Kernel::new(
         "layer_norm_backward_params_f32",
         "layer_norm_backward_params_bf16",
         "layer_norm_backward_params_f16",
+        "layer_norm_forward_warp_f32",
+        "layer_norm_forward_warp_bf16",
+        "layer_norm_forward_warp_f16",
+        "layer_norm_backward_input_warp_f32",
+        "layer_norm_backward_input_warp_bf16",
+        "layer_norm_backward_input_warp_f16",
     ],
     &[],
 );
@@ -54,16 +61,10 @@ fn fused(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor>
     let mean = Tensor::f_empty([rows], stats)?;
     let rstd = Tensor::f_empty([rows], stats)?;
     if rows > 0 && cols > 0 {
-        let mut a = Args::default()
-            .tensor(&x)
-            .tensor(&w)
-            .tensor(&b)
-            .tensor(&y)
-            .tensor(&mean)
-            .tensor(&rstd)
-            .i32(cols as i32)
-            .f32(eps as f32);
-        KERNEL.launch(&format!("layer_norm_forward_{suffix}"), at, (rows as u32, 1, 1), row_threads(cols), &mut a)?;
+        let vec = quads(cols, &[&x, &w, &b, &y]);
+        let a = Args::default().tensor(&x).tensor(&w).tensor(&b).tensor(&y).tensor(&mean).tensor(&rstd);
+        let mut a = a.i64(rows).i32(cols as i32).f32(eps as f32).i32(vec.into());
+        launch_rows(&KERNEL, "layer_norm_forward", suffix, at, (rows, cols), &mut a)?;
     }
     let saved = vec![x.shallow_clone(), w.shallow_clone(), mean, rstd];
     let outputs = with_grad(OP, &[&x, weight, bias], vec![y], saved, move |grads, saved| {
@@ -71,15 +72,10 @@ fn fused(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor>
         let dy = grads[0].f_contiguous()?;
         let dx = x.f_empty_like()?;
         let (dw, db) = if rows > 0 && cols > 0 {
-            let mut a =
-                Args::default().tensor(x).tensor(w).tensor(mean).tensor(rstd).tensor(&dy).tensor(&dx).i32(cols as i32);
-            KERNEL.launch(
-                &format!("layer_norm_backward_input_{suffix}"),
-                at,
-                (rows as u32, 1, 1),
-                row_threads(cols),
-                &mut a,
-            )?;
+            let vec = quads(cols, &[x, w, &dy, &dx]);
+            let a = Args::default().tensor(x).tensor(w).tensor(mean).tensor(rstd).tensor(&dy).tensor(&dx);
+            let mut a = a.i64(rows).i32(cols as i32).i32(vec.into());
+            launch_rows(&KERNEL, "layer_norm_backward_input", suffix, at, (rows, cols), &mut a)?;
             // Partial column sums over blocks of rows, added up here.
             let per_part = ceil_div(rows, 256).max(1);
             let parts = ceil_div(rows, per_part);

@@ -29,8 +29,9 @@ pub(crate) static KERNEL: Kernel = Kernel::new(
 const OP: &str = "memory_efficient_attention";
 /// The largest head width the kernels keep in registers (AlphaFold's are 8 to 32, ViT's 64).
 const MAX_HEAD_DIM: i64 = 64;
-/// Rows (one warp each) per block.
-const WARPS: i64 = 4;
+/// The rows (queries, or keys in the backward's second pass) a block of 128 threads owns.
+const BLOCK_ROWS: i64 = 32;
+const THREADS: u32 = 128;
 
 /// Attention of queries `q` `[batch, heads, queries, dim]` over keys and values `k`, `v`
 /// `[batch, heads, keys, dim]`: weights `softmax(q k^T scale + 1e9 (mask - 1) + bias)` with
@@ -86,18 +87,20 @@ pub fn memory_efficient_attention(
     let at = target(OP, Some(q.kind()), &named)?;
     let suffix = dtype(OP, "q", &q)?;
     let rows = b * h * nq;
-    let key_rows = b * h * nk;
     let bias_rows = bias_c.as_ref().map_or(0, |t| t.numel() as i64 / nk.max(1));
     // Without keys the weighted sum is empty: zeros, as the composition gives (no launch).
     let out = if nk > 0 { q.f_empty_like()? } else { q.f_zeros_like()? };
     let lse = Tensor::f_empty([rows], (Kind::Float, q.device()))?;
-    let blocks = move |n: i64| (ceil_div(n, WARPS).max(1) as u32, 1, 1);
-    let threads = (32 * WARPS) as u32;
-    let tail = move |a: Args, rows: i64| a.i64(rows).i32(h as i32).i32(nq as i32).i32(nk as i32).i32(d as i32);
+    // One block per BLOCK_ROWS rows of each batch element and head (a grid's x is below 2^31).
+    let grid = move |n: i64| ceil_div(n, BLOCK_ROWS) * b * h;
+    ensure!(grid(nq.max(nk)) < 1 << 31, "{OP}: {b} x {h} x {} rows need more blocks than a launch has", nq.max(nk));
+    let blocks = move |n: i64| (grid(n).max(1) as u32, 1, 1);
+    let tail =
+        move |a: Args| a.i32(h as i32).i32(nq as i32).i32(nk as i32).i32(d as i32).i64(bias_rows).f32(scale as f32);
     if rows > 0 && nk > 0 {
         let a = Args::default().tensor(&q).tensor(&k).tensor(&v).opt(mask.as_ref()).opt(bias_c.as_ref());
-        let mut a = tail(a.tensor(&out).tensor(&lse), rows).i64(bias_rows).f32(scale as f32);
-        KERNEL.launch(&format!("mea_forward_{suffix}"), at, blocks(rows), threads, &mut a)?;
+        let mut a = tail(a.tensor(&out).tensor(&lse));
+        KERNEL.launch(&format!("mea_forward_{suffix}"), at, blocks(nq), THREADS, &mut a)?;
     }
     let mut inputs = vec![&q, &k, &v];
     inputs.extend(bias_c.as_ref());
@@ -120,12 +123,12 @@ pub fn memory_efficient_attention(
         if rows > 0 && nk > 0 {
             let a = Args::default().tensor(q).tensor(k).tensor(v).opt(mask).opt(bias).tensor(out).tensor(&dout);
             let a = a.tensor(lse).tensor(&delta).tensor(&dq).opt(dbias.as_ref());
-            let mut a = tail(a, rows).i64(bias_rows).f32(scale as f32);
-            KERNEL.launch(&format!("mea_backward_queries_{suffix}"), at, blocks(rows), threads, &mut a)?;
+            let mut a = tail(a.i64(rows));
+            KERNEL.launch(&format!("mea_backward_queries_{suffix}"), at, blocks(nq), THREADS, &mut a)?;
             let a = Args::default().tensor(q).tensor(k).tensor(v).opt(mask).opt(bias).tensor(&dout).tensor(lse);
             let a = a.tensor(&delta).tensor(&dk).tensor(&dv);
-            let mut a = tail(a, key_rows).i64(bias_rows).f32(scale as f32);
-            KERNEL.launch(&format!("mea_backward_keys_{suffix}"), at, blocks(key_rows), threads, &mut a)?;
+            let mut a = tail(a);
+            KERNEL.launch(&format!("mea_backward_keys_{suffix}"), at, blocks(nk), THREADS, &mut a)?;
         }
         let mut out: Vec<Option<Tensor>> = vec![Some(dq), Some(dk), Some(dv)];
         if n_inputs == 4 {

@@ -159,8 +159,11 @@ fn attention_softmax_matches() {
             kernels::attention_softmax(&t[0], scale, mask, bias, backend).unwrap()
         }
     };
-    // Odd sizes; rows shorter than a warp, of one key, and longer than a block's threads.
-    for (b, h, q, k) in [(3, 5, 37, 97), (2, 3, 4, 1), (1, 2, 3, 1500), (2, 1, 5, 31)] {
+    // Odd sizes; rows shorter than a warp, of one key, of a multiple of 4 keys (vector accesses),
+    // as long as a warp takes (1024) and longer (a block per row).
+    for (b, h, q, k) in
+        [(3, 5, 37, 97), (2, 3, 4, 1), (1, 2, 3, 1500), (2, 1, 5, 31), (2, 3, 5, 64), (1, 2, 3, 1024), (1, 1, 2, 1028)]
+    {
         let x = randn(&[b, h, q, k], dev, true) * 3.0;
         let x = x.detach().set_requires_grad(true);
         let mask = Tensor::rand([b, k], (Kind::Float, dev)).gt(0.3).to_kind(Kind::Float);
@@ -183,7 +186,9 @@ fn layer_norm_matches() {
     let dev = device("layer_norm_matches");
     tch::manual_seed(1);
     let ln = |t: &[Tensor], backend| kernels::layer_norm(&t[0], &t[1], &t[2], 1e-5, backend).unwrap();
-    for shape in [vec![7, 13, 129], vec![300, 1024], vec![5, 1], vec![1, 2500]] {
+    // A warp per row up to 1024 columns (with vector accesses where a multiple of 4), a block
+    // per row past it.
+    for shape in [vec![7, 13, 129], vec![4, 6, 768], vec![300, 1024], vec![5, 1], vec![1, 2500], vec![3, 1028]] {
         let c = *shape.last().unwrap();
         let inputs = [randn(&shape, dev, true) * 2.0 + 0.5, randn(&[c], dev, true), randn(&[c], dev, true)];
         let inputs = inputs.map(|t| t.detach().set_requires_grad(true));
@@ -199,7 +204,8 @@ fn bias_gelu_matches() {
     let dev = device("bias_gelu_matches");
     tch::manual_seed(2);
     let f = |t: &[Tensor], backend| kernels::bias_gelu(&t[0], &t[1], backend).unwrap();
-    for shape in [vec![37, 513], vec![3, 5, 7], vec![1, 1]] {
+    // Rows of a multiple of 4 (vector accesses) and not, short and long.
+    for shape in [vec![37, 513], vec![37, 512], vec![3, 5, 7], vec![3, 5, 8], vec![1, 1]] {
         let c = *shape.last().unwrap();
         check(&format!("bias_gelu {shape:?}"), &f, &[randn(&shape, dev, true), randn(&[c], dev, true)], &shape);
     }
@@ -210,9 +216,12 @@ fn memory_efficient_attention_matches() {
     let _rng = rng();
     let dev = device("memory_efficient_attention_matches");
     tch::manual_seed(10);
-    // Odd sizes around the warp's 32 lanes; AlphaFold's head widths 32 and 8, ViT's 64; a bias
-    // shared across the batch (pair bias) and one per row; masks with dropped keys.
-    for (b, h, nq, nk, d, shared) in [(3, 4, 37, 45, 32, true), (2, 2, 33, 31, 8, false), (1, 3, 5, 70, 64, true)] {
+    // Odd sizes around the blocks' 32 rows and the 32- and 64-wide tiles (several of each, and
+    // partial ones); AlphaFold's head widths 32, 16 and 8, ViT's 64; a bias shared across the
+    // batch (pair bias) and one per row; masks with dropped keys.
+    for (b, h, nq, nk, d, shared) in
+        [(3, 4, 37, 45, 32, true), (2, 2, 33, 31, 8, false), (1, 3, 5, 70, 64, true), (2, 1, 70, 135, 16, false)]
+    {
         let mask = randn(&[b, nk], dev, false).ge(-1.0).to_kind(Kind::Float);
         let bias_shape = if shared { vec![h, nq, nk] } else { vec![b, h, nq, nk] };
         let f = |t: &[Tensor], backend| {
@@ -260,10 +269,38 @@ fn bias_dropout_residual_matches() {
             tch::manual_seed(3);
             kernels::bias_dropout_residual(&t[0], &t[1], &t[2], p, train, backend).unwrap()
         };
-        let shape = [41, 3, 77];
-        let inputs = [randn(&shape, dev, true), randn(&[77], dev, true), randn(&shape, dev, true)];
-        check(&format!("bias_dropout_residual p={p} train={train}"), &f, &inputs, &shape);
+        for shape in [[41, 3, 77], [41, 3, 76]] {
+            let inputs = [randn(&shape, dev, true), randn(&[shape[2]], dev, true), randn(&shape, dev, true)];
+            check(&format!("bias_dropout_residual {shape:?} p={p} train={train}"), &f, &inputs, &shape);
+        }
     }
+}
+
+/// A contiguous view starting one element into its storage: aligned to no vector access.
+fn misaligned(shape: &[i64], dev: Device) -> Tensor {
+    let n: i64 = shape.iter().product();
+    Tensor::randn([n + 1], (Kind::Float, dev)).narrow(0, 1, n).view(shape)
+}
+
+#[test]
+fn misaligned_inputs_take_the_element_path() {
+    let _rng = rng();
+    let dev = device("misaligned_inputs_take_the_element_path");
+    tch::manual_seed(11);
+    let (x, r) = (misaligned(&[9, 8], dev), misaligned(&[9, 8], dev));
+    let b = misaligned(&[8], dev);
+    assert!(x.is_contiguous() && !(x.data_ptr() as usize).is_multiple_of(16));
+    let gelu = |backend| kernels::bias_gelu(&x, &b, backend).unwrap();
+    assert_close(&gelu(Backend::Fused), &gelu(Backend::Torch), 1e-6, "bias_gelu misaligned");
+    let add = |backend| kernels::bias_dropout_residual(&x, &b, &r, 0.0, false, backend).unwrap();
+    assert_close(&add(Backend::Fused), &add(Backend::Torch), 1e-6, "bias_dropout_residual misaligned");
+    let w = misaligned(&[8], dev);
+    let ln = |backend| kernels::layer_norm(&x, &w, &b, 1e-5, backend).unwrap();
+    assert_close(&ln(Backend::Fused), &ln(Backend::Torch), 1e-5, "layer_norm misaligned");
+    let logits = misaligned(&[1, 3, 3, 8], dev);
+    let (mask, bias) = (misaligned(&[1, 8], dev).ge(-1.0).to_kind(Kind::Float), misaligned(&[3, 3, 8], dev));
+    let softmax = |backend| kernels::attention_softmax(&logits, 0.5, Some(&mask), Some(&bias), backend).unwrap();
+    assert_close(&softmax(Backend::Fused), &softmax(Backend::Torch), 1e-6, "attention_softmax misaligned");
 }
 
 /// Three steps of a fused optimizer against three of the composition on the same tensors.

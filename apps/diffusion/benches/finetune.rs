@@ -78,6 +78,10 @@ struct Args {
     /// Skip diffusers.
     #[arg(long)]
     no_baseline: bool,
+    /// The optimizer's steps on the device, as `diffusion finetune --kernels` (default: fused
+    /// on CUDA, which update the homes in place).
+    #[arg(long, value_enum)]
+    kernels: Option<kernels::Backend>,
     /// Internal: run one configuration of ours and print its JSON line.
     #[arg(long, hide = true, value_parser = ["capped", "uncapped", "plain"])]
     run: Option<String>,
@@ -152,6 +156,7 @@ impl Mode {
 fn ours(args: &Args, mode: Mode) -> anyhow::Result<Measured> {
     let capped = mode == Mode::Capped;
     let device = args.device.device(0, 1)?;
+    kernels::install_optimizer_steps(kernels::Backend::resolve(args.kernels, device)?);
     let cap = parse_bytes(&args.cap).context("--cap")?;
     let file = config(args)?;
     let cfg = UNetConfig::new(&file, Path::new("<benchmark config>"))?;

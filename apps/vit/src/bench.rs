@@ -11,6 +11,11 @@
 //! run until `--seconds` have passed (or `--steps` have run), then the device is synchronised
 //! once and the rate is steps x batch over the time to that point.
 //!
+//! `--compiled-baseline` adds a third side, the same PyTorch model under `torch.compile`
+//! (inductor; forward and backward compiled during at least three warm-up steps, the optimizer
+//! eager). Where torch.compile cannot run (no Triton or no C compiler on the machine), the
+//! table says so and why instead of a figure.
+//!
 //! Precision (`--precision`):
 //! - `fp32`: everything in float32 on both sides.
 //! - `bf16`: bf16 weights and activations with fp32 master weights: the backward's bf16
@@ -105,6 +110,9 @@ pub struct BenchArgs {
     /// Measure ours only; skip the PyTorch baseline.
     #[arg(long)]
     pub no_baseline: bool,
+    /// Also measure the baseline under torch.compile (compiling takes a minute or more).
+    #[arg(long, conflicts_with = "no_baseline")]
+    pub compiled_baseline: bool,
     /// Our LayerNorms, bias + GELU and optimizer step: fused CUDA kernels or libtorch's
     /// compositions (default: fused on CUDA, as `vit pretrain` runs; the baseline is eager).
     #[arg(long, value_enum)]
@@ -137,6 +145,8 @@ pub struct BenchReport {
     pub ours: Throughput,
     /// PyTorch's, unless `--no-baseline`.
     pub baseline: Option<Throughput>,
+    /// PyTorch's under torch.compile with `--compiled-baseline`, or why it could not run.
+    pub compiled: Option<Result<Throughput, String>>,
 }
 
 impl BenchArgs {
@@ -229,15 +239,20 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<BenchReport> {
         // Hand our cached blocks back so that the baseline's process finds the memory free.
         engine::cuda::empty_cache()?;
     }
-    let baseline = match python {
-        None => None,
+    let (baseline, compiled) = match python {
+        None => (None, None),
         Some(python) => {
             eprintln!("[bench] PyTorch eager: {BASELINE}");
-            let measured = measure_baseline(&python, &config, args, threads);
-            Some(measured.context("measuring the PyTorch baseline")?)
+            let measured = measure_baseline(&python, &config, args, threads, false);
+            let eager = measured.context("measuring the PyTorch baseline")?;
+            let compiled = args.compiled_baseline.then(|| {
+                eprintln!("[bench] PyTorch torch.compile: {BASELINE} --compile");
+                measure_baseline(&python, &config, args, threads, true).map_err(|e| format!("{e:#}"))
+            });
+            (Some(eager), compiled)
         }
     };
-    Ok(BenchReport { model, config, threads, ours, baseline })
+    Ok(BenchReport { model, config, threads, ours, baseline, compiled })
 }
 
 /// The model, optimizer and precision machinery of our side.
@@ -363,8 +378,9 @@ fn done(args: &BenchArgs, steps: usize, start: Instant) -> bool {
     }
 }
 
-/// The baseline's command line for the same settings.
-fn baseline_args(cfg: &VitConfig, args: &BenchArgs, threads: usize) -> Vec<String> {
+/// The baseline's command line for the same settings (`compile`: under torch.compile, which
+/// compiles during its warm-up, so that takes at least three steps).
+fn baseline_args(cfg: &VitConfig, args: &BenchArgs, threads: usize, compile: bool) -> Vec<String> {
     // PyTorch's defaults, which AdamWConfig::default() repeats; passed to be explicit.
     let adamw = AdamWConfig::default();
     let mut a: Vec<String> = [
@@ -377,7 +393,7 @@ fn baseline_args(cfg: &VitConfig, args: &BenchArgs, threads: usize) -> Vec<Strin
         ("--channels", cfg.in_channels.to_string()),
         ("--classes", cfg.num_classes.to_string()),
         ("--batch", args.batch.to_string()),
-        ("--warmup", args.warmup.to_string()),
+        ("--warmup", if compile { args.warmup.max(3) } else { args.warmup }.to_string()),
         ("--seconds", args.seconds.to_string()),
         ("--threads", threads.to_string()),
         ("--lr", adamw.lr.to_string()),
@@ -396,6 +412,9 @@ fn baseline_args(cfg: &VitConfig, args: &BenchArgs, threads: usize) -> Vec<Strin
         BaselineBf16::Autocast => "autocast",
     };
     a.extend(["--device", device.as_str(), "--precision", precision, "--bf16", bf16].map(String::from));
+    if compile {
+        a.push("--compile".into());
+    }
     a
 }
 
@@ -410,15 +429,25 @@ fn baseline_python() -> anyhow::Result<String> {
     Ok(python)
 }
 
-fn measure_baseline(python: &str, cfg: &VitConfig, args: &BenchArgs, threads: usize) -> anyhow::Result<Throughput> {
+fn measure_baseline(
+    python: &str,
+    cfg: &VitConfig,
+    args: &BenchArgs,
+    threads: usize,
+    compile: bool,
+) -> anyhow::Result<Throughput> {
     let output = Command::new(python)
         .arg(BASELINE)
-        .args(baseline_args(cfg, args, threads))
+        .args(baseline_args(cfg, args, threads, compile))
         .stdin(Stdio::null())
-        .stderr(Stdio::inherit())
+        .stderr(Stdio::piped())
         .output()
         .with_context(|| format!("running {python} {BASELINE}"))?;
-    ensure!(output.status.success(), "{BASELINE} failed ({})", output.status);
+    // Passed on whole; a failure is named by its last line (a Python exception's message).
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    eprint!("{stderr}");
+    let last = stderr.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no message");
+    ensure!(output.status.success(), "{BASELINE} failed ({}): {last}", output.status);
     let stdout = String::from_utf8_lossy(&output.stdout);
     let line = stdout
         .lines()
@@ -469,9 +498,31 @@ fn table(args: &BenchArgs, r: &BenchReport) -> String {
         let theirs_peak = r.baseline.and_then(|b| b.peak_memory_bytes);
         s += &format!(" {} | {} |", mib(r.ours.peak_memory_bytes), mib(theirs_peak));
     }
+    match &r.compiled {
+        Some(Ok(c)) => {
+            s += &format!(
+                "\n| {} (PyTorch torch.compile) | {} | {} | {} | {:.2} | {:.2} | {:.2} |",
+                r.model,
+                r.config.image_size,
+                args.batch,
+                r.threads,
+                r.ours.images_per_s,
+                c.images_per_s,
+                r.ours.images_per_s / c.images_per_s
+            );
+            if cuda {
+                s += &format!(" {} | {} |", mib(r.ours.peak_memory_bytes), mib(c.peak_memory_bytes));
+            }
+        }
+        Some(Err(why)) => s += &format!("\ntorch.compile baseline not measured: {why}"),
+        None => {}
+    }
     s += &format!("\ntimed: ours {} steps in {:.2} s", r.ours.steps, r.ours.seconds);
     if let Some(b) = &r.baseline {
         s += &format!(", PyTorch {} steps in {:.2} s", b.steps, b.seconds);
+    }
+    if let Some(Ok(c)) = &r.compiled {
+        s += &format!(", torch.compile {} steps in {:.2} s", c.steps, c.seconds);
     }
     s + "\n"
 }
@@ -543,18 +594,39 @@ mod tests {
     }
 
     #[test]
-    fn both_sides_train_a_tiny_vit() {
+    fn every_side_trains_a_tiny_vit() {
         let mut args = parse(TINY);
         args.no_baseline = std::env::var_os("SUITE_PYTHON").is_none();
+        // torch.compile on the CPU: inductor's C++ (about 30 s here, the first time).
+        args.compiled_baseline = !args.no_baseline;
         let report = bench(&args).unwrap();
         assert_eq!(report.ours.steps, 2);
         assert!(report.ours.images_per_s > 0.0);
+        let text = table(&args, &report);
+        assert!(text.contains("| custom w16 d1 h2 p4 | 8 | 2 |"), "{text}");
         if let Some(b) = report.baseline {
             assert_eq!(b.steps, 2);
             assert!(b.images_per_s > 0.0);
+            let compiled = report.compiled.expect("asked for").unwrap();
+            assert_eq!(compiled.steps, 2);
+            assert!(text.contains("| custom w16 d1 h2 p4 (PyTorch torch.compile) | 8 | 2 |"), "{text}");
         }
+    }
+
+    #[test]
+    fn a_compiled_baseline_that_cannot_run_is_reported_not_fatal() {
+        let args = parse(TINY);
+        let (model, config) = args.config().unwrap();
+        let side = Throughput { images_per_s: 10.0, steps: 2, seconds: 0.4, peak_memory_bytes: None };
+        let why = "vit_baseline.py failed (exit status: 1): BackendCompilerFailed: no C compiler".to_string();
+        let report =
+            BenchReport { model, config, threads: 1, ours: side, baseline: Some(side), compiled: Some(Err(why)) };
         let text = table(&args, &report);
-        assert!(text.contains("| custom w16 d1 h2 p4 | 8 | 2 |"), "{text}");
+        assert!(
+            text.contains("torch.compile baseline not measured: vit_baseline.py failed (exit status: 1)"),
+            "{text}"
+        );
+        assert!(!text.contains("(PyTorch torch.compile) |"), "{text}");
     }
 
     #[test]

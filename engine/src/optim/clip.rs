@@ -48,6 +48,29 @@ pub fn scaled_grad_norm(params: &[Param], scale: f64, held: Held) -> Result<f64>
     Ok(sum.f_double_value(&[0])?.sqrt())
 }
 
+/// Elements squared in f64 at a time by [`square_sum`]: 32 MiB. A Gemini chunk's gradient (up
+/// to 32M elements, on a GPU whose budget the placement has planned to the last block) would
+/// otherwise take two f64 copies of 256 MiB each.
+const SQUARE_SLICE: i64 = 1 << 22;
+
+/// The sum of the squares of `t` in f64, a 0-d tensor where `t` lives, over slices of at most
+/// [`SQUARE_SLICE`] elements, so that the f64 copies stay small whatever the tensor's size.
+pub(crate) fn square_sum(t: &Tensor) -> Result<Tensor> {
+    let flat = t.f_reshape([-1])?;
+    let n = flat.numel() as i64;
+    let slice = |at: i64, len: i64| -> Result<Tensor> {
+        Ok(flat.f_narrow(0, at, len)?.f_to_kind(Kind::Double)?.f_square()?.f_sum(Kind::Double)?)
+    };
+    if n <= SQUARE_SLICE {
+        return slice(0, n);
+    }
+    let mut sum = slice(0, SQUARE_SLICE)?;
+    for at in (SQUARE_SLICE..n).step_by(SQUARE_SLICE as usize) {
+        sum = sum.f_add(&slice(at, SQUARE_SLICE.min(n - at))?)?;
+    }
+    Ok(sum)
+}
+
 /// Multiplies the gradients of `params` by `scale` (skipped when 1) and returns the sum of
 /// their squares, `[1]` in f64 on the host.
 fn sum_of_squares(params: &[&Param], scale: f64) -> Result<Tensor> {
@@ -59,7 +82,7 @@ fn sum_of_squares(params: &[&Param], scale: f64) -> Result<Tensor> {
             if scale != 1.0 {
                 let _ = g.shallow_clone().f_mul_scalar_(scale)?;
             }
-            let square = g.f_to_kind(Kind::Double)?.f_square()?.f_sum(Kind::Double)?;
+            let square = square_sum(g)?;
             // A shard on several ranks of its group counts once in the group's sum.
             squares.push(if *copies > 1 { square.f_div_scalar(*copies as f64)? } else { square });
         }
@@ -114,6 +137,20 @@ pub fn clip_grad_norm(params: &[Param], max_norm: f64, sharded: Option<&ProcessG
 mod tests {
     use super::*;
     use tch::Tensor;
+
+    #[test]
+    fn squares_are_summed_in_slices_to_the_whole_sum() {
+        // Two whole slices and a partial one, values whose squares an f32 sum would round.
+        let n = 2 * SQUARE_SLICE + 5;
+        let t = (Tensor::arange(n, (Kind::Float, tch::Device::Cpu)) * 1e-3 + 1.0).reshape([n, 1]);
+        let exact: f64 = (0..n).map(|i| (i as f32 * 1e-3 + 1.0) as f64).map(|x| x * x).sum();
+        let got = square_sum(&t).unwrap().double_value(&[]);
+        assert!((got - exact).abs() <= 1e-12 * exact, "{got} against {exact}");
+        // An f64 tensor is read, not squared in place.
+        let d = Tensor::from_slice(&[3.0f64, 4.0]);
+        assert_eq!(square_sum(&d).unwrap().double_value(&[]), 25.0);
+        assert_eq!(Vec::<f64>::try_from(&d).unwrap(), [3.0, 4.0]);
+    }
 
     #[test]
     fn clips_to_the_global_norm() {

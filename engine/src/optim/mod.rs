@@ -181,8 +181,7 @@ pub(crate) fn norms(p: &Param, a: &Tensor, b: &Tensor) -> Result<(f64, f64)> {
     let Some(group) = &p.split_over else {
         return Ok((a.f_norm()?.f_double_value(&[])?, b.f_norm()?.f_double_value(&[])?));
     };
-    let square = |t: &Tensor| t.f_to_kind(tch::Kind::Double)?.f_square()?.f_sum(tch::Kind::Double);
-    let squares = Tensor::f_stack(&[square(a)?, square(b)?], 0)?.f_div_scalar(p.copies as f64)?;
+    let squares = Tensor::f_stack(&[clip::square_sum(a)?, clip::square_sum(b)?], 0)?.f_div_scalar(p.copies as f64)?;
     group.all_reduce(&squares, crate::dist::ReduceOp::Sum)?;
     let squares = squares.f_to_device(tch::Device::Cpu)?;
     Ok((squares.f_double_value(&[0])?.sqrt(), squares.f_double_value(&[1])?.sqrt()))

@@ -4,165 +4,318 @@
 // bias with `bias_rows` rows of Nk (H * Nq: a pair bias shared across the batch; B * H * Nq: one
 // per row) and query row r using row r % bias_rows (or null).
 //
-// One warp per row (a query forward and in the backward's first pass, a key in its second);
-// the lanes share the row's keys (or queries) and each keeps its own online-softmax state,
-// merged across the warp at the end. The forward saves each query's log-sum-exp; the backward
-// recomputes the weights from it (FlashAttention's recomputation): the first pass gives dq and
-// the bias gradient (added over the batch for a shared bias), and D = sum(dout out) per query;
-// the second gives dk and dv without atomics.
+// Tiled as FlashAttention-2 on CUDA cores. A block of 128 threads owns ROWS = 32 rows of one
+// batch element and head (queries; keys in the backward's second pass) and walks the other side
+// in tiles staged in shared memory, so each key (or query) is read from global memory once per
+// 32 rows, coalesced. Thread t owns rows 4 (t / 16) + i (i < 4) and, of a tile, the columns
+// t % 16 + 16 j: the 16 threads of a row group are half a warp, so a row's reductions are four
+// shuffles. Both operands of a product are stored transposed ([dim][row]): the rows at a stride
+// of 36 (read as aligned 4-vectors, the other half-warp 16 banks away), the tiles at an odd
+// stride (read by 16 consecutive lanes, and written by a coalesced load, without bank
+// conflicts).
+//
+// The forward keeps each query's log-sum-exp; the backward recomputes the weights from it
+// (FlashAttention's recomputation) in two passes without atomics on q, k or v: the first over
+// query blocks gives dq, the bias gradient (atomically added over the batch where the bias is
+// shared) and delta = sum(dout out) per query; the second over key blocks gives dk and dv.
 
 #define MAX_D 64
+#define ROWS 32
+#define ROW_STRIDE (ROWS + 4)
+// The forward's key tiles, and the backward's tiles (smaller: each pass stages two operands of
+// the tile and two of its own rows within 48 KiB of static shared memory).
+#define FWD_TILE 64
+#define BWD_TILE 32
 
-// The row this warp handles: blocks of (blockDim.x / 32) warps, one row each.
-__device__ __forceinline__ i64 warp_row() { return (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); }
-
-// Where query row `row` reads: its batch element, its bias row, and its batch element and
-// head's keys and values.
-template <typename T>
-struct QueryRow {
-  i64 b, bias_row;
-  const T* k;
-  const T* v;
+struct alignas(16) f32x4 {
+  float x, y, z, w;
 };
 
-template <typename T>
-__device__ __forceinline__ QueryRow<T> query_row(i64 row, const T* k, const T* v, const T* bias, int heads, int nq,
-                                                 int nk, int d, i64 bias_rows) {
-  const i64 bh = row / nq;
-  return QueryRow<T>{bh / heads, bias ? row % bias_rows : 0, k + bh * nk * d, v + bh * nk * d};
+__device__ __forceinline__ int row_group() { return threadIdx.x >> 4; }
+__device__ __forceinline__ int col_lane() { return threadIdx.x & 15; }
+
+// The maximum and sum over the 16 threads of a row group (a half-warp; every lane of the warp
+// takes part).
+__device__ __forceinline__ float group_max(float v) {
+  for (int o = 8; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ float group_sum(float v) {
+  for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
 }
 
+// Stages rows [0, n) of the row-major `src` (d values each) transposed into dst[e * stride + r],
+// times `scale`, with zeros for rows at or past `valid`. Consecutive threads read consecutive
+// values: the n * d values are contiguous in global memory.
 template <typename T>
-__device__ __forceinline__ float score(const float* qs, const T* kj, int d) {
+__device__ void stage_transposed(float* dst, int stride, const T* src, int n, int valid, int d, float scale) {
+  for (int idx = threadIdx.x; idx < n * d; idx += blockDim.x) {
+    const int r = idx / d, e = idx - r * d;
+    dst[e * stride + r] = r < valid ? to_float(src[(i64)r * d + e]) * scale : 0.f;
+  }
+}
+
+// acc[i][j] += sum_e rows[e][4 g + i] * cols[e][c + 16 j]: the thread's block of a product of
+// the block's rows (stride ROW_STRIDE) with a tile's columns (stride `col_stride`).
+template <int J>
+__device__ __forceinline__ void dot_tile(float (&acc)[4][J], const float* rows, const float* cols, int col_stride,
+                                         int d) {
+  const int g = row_group(), c = col_lane();
+  for (int e = 0; e < d; ++e) {
+    const f32x4 a = *reinterpret_cast<const f32x4*>(rows + e * ROW_STRIDE + 4 * g);
+    const float* b = cols + e * col_stride + c;
+    for (int j = 0; j < J; ++j) {
+      const float bj = b[16 * j];
+      acc[0][j] += a.x * bj;
+      acc[1][j] += a.y * bj;
+      acc[2][j] += a.z * bj;
+      acc[3][j] += a.w * bj;
+    }
+  }
+}
+
+// acc[i][k] += sum_{j < n} w[(4 g + i) * w_stride + j] * cols[(c + 16 k) * col_stride + j]: the
+// thread's rows of weights (in shared memory, rows of w_stride, a multiple of 4) times a staged
+// tile, for the dims c + 16 k below d. n is a multiple of 4.
+__device__ __forceinline__ void weigh_tile(float (&acc)[4][MAX_D / 16], const float* w, int w_stride,
+                                           const float* cols, int col_stride, int n, int d) {
+  const int g = row_group(), c = col_lane();
+  for (int j = 0; j < n; j += 4) {
+    f32x4 p[4];
+    for (int i = 0; i < 4; ++i) p[i] = *reinterpret_cast<const f32x4*>(w + (4 * g + i) * w_stride + j);
+    for (int k = 0; k < MAX_D / 16; ++k) {
+      if (c + 16 * k >= d) break;
+      const float* v = cols + (c + 16 * k) * col_stride + j;
+      const float v0 = v[0], v1 = v[1], v2 = v[2], v3 = v[3];
+      for (int i = 0; i < 4; ++i) acc[i][k] += p[i].x * v0 + p[i].y * v1 + p[i].z * v2 + p[i].w * v3;
+    }
+  }
+}
+
+// What a logit adds to q.k scale: the key mask's 1e9 (mask - 1) and the bias.
+template <typename T>
+__device__ __forceinline__ float logit_terms(const T* mask, const T* bias, i64 b, i64 bias_row, int j, int nk) {
   float s = 0.f;
-  for (int e = 0; e < d; ++e) s += qs[e] * to_float(kj[e]);
-  return s;
-}
-
-// The logit of query row `row` (batch `b`) and key `j`, from the scaled query `qs`.
-template <typename T>
-__device__ __forceinline__ float logit_at(const float* qs, const T* kj, const T* mask, const T* bias, i64 b, int j,
-                                          i64 bias_row, int nk, int d) {
-  float s = score(qs, kj, d);
   if (mask) s += 1e9f * (to_float(mask[b * nk + j]) - 1.f);
   if (bias) s += to_float(bias[bias_row * nk + j]);
   return s;
 }
 
+__device__ __forceinline__ int round_up4(int n) { return (n + 3) & ~3; }
+
+// Writes the thread's rows of `acc` times `scale` to out[(first + 4 g + i) * d + dim] for rows
+// below `valid`.
 template <typename T>
-__device__ void mea_forward(const T* q, const T* k, const T* v, const T* mask, const T* bias, T* out, float* lse,
-                            i64 rows, int heads, int nq, int nk, int d, i64 bias_rows, float scale) {
-  const int lane = threadIdx.x & 31;
-  const i64 row = warp_row();
-  if (row >= rows) return;
-  const QueryRow<T> at = query_row(row, k, v, bias, heads, nq, nk, d, bias_rows);
-  float qs[MAX_D], acc[MAX_D];
-  for (int e = 0; e < d; ++e) {
-    qs[e] = to_float(q[row * d + e]) * scale;
-    acc[e] = 0.f;
+__device__ void write_rows(T* out, const float (&acc)[4][MAX_D / 16], int valid, int d, float scale) {
+  const int g = row_group(), c = col_lane();
+  for (int i = 0; i < 4; ++i) {
+    if (4 * g + i >= valid) continue;
+    for (int k = 0; k < MAX_D / 16; ++k)
+      if (c + 16 * k < d) out[(i64)(4 * g + i) * d + c + 16 * k] = from_float<T>(acc[i][k] * scale);
   }
-  float m = NEG_INF, l = 0.f;
-  for (int j = lane; j < nk; j += 32) {
-    const float s = logit_at(qs, at.k + (i64)j * d, mask, bias, at.b, j, at.bias_row, nk, d);
-    if (s == NEG_INF) continue;
-    const T* vj = at.v + (i64)j * d;
-    if (s > m) {
-      const float f = expf(m - s);
-      l = l * f + 1.f;
-      for (int e = 0; e < d; ++e) acc[e] = acc[e] * f + to_float(vj[e]);
-      m = s;
-    } else {
-      const float p = expf(s - m);
-      l += p;
-      for (int e = 0; e < d; ++e) acc[e] += p * to_float(vj[e]);
-    }
-  }
-  const float mt = warp_max(m);
-  const float f = m == NEG_INF ? 0.f : expf(m - mt);
-  const float lt = warp_sum(l * f);
-  for (int e = 0; e < d; ++e) {
-    const float a = warp_sum(acc[e] * f);
-    if (lane == 0) out[row * d + e] = from_float<T>(a / lt);
-  }
-  if (lane == 0) lse[row] = mt + logf(lt);
 }
 
-// First pass, one warp per query row: delta = sum(dout out); dq = scale sum_j ds_ij k_j with
-// ds = p (dout . v_j - delta); the bias gradient gets ds (atomically: a shared bias adds the
-// batch's rows).
+// Grid: one block per 32 queries of each batch element and head, ceil(Nq / 32) B H blocks.
+template <typename T>
+__device__ void mea_forward(const T* q, const T* k, const T* v, const T* mask, const T* bias, T* out, float* lse,
+                            int heads, int nq, int nk, int d, i64 bias_rows, float scale) {
+  alignas(16) __shared__ float q_t[MAX_D * ROW_STRIDE];
+  // The key tile, then (once the scores are taken) the weights [row][key] at a stride of 68.
+  alignas(16) __shared__ float k_t[MAX_D * (FWD_TILE + 1)];
+  alignas(16) __shared__ float v_t[MAX_D * (FWD_TILE + 1)];
+  const int tiles = (nq + ROWS - 1) / ROWS;
+  const i64 bh = blockIdx.x / tiles, b = bh / heads;
+  const int first = (blockIdx.x % tiles) * ROWS, valid = min(ROWS, nq - first);
+  const int g = row_group(), c = col_lane();
+  const i64 row0 = bh * nq + first;  // the block's first query row
+  k += bh * nk * d;
+  v += bh * nk * d;
+  stage_transposed(q_t, ROW_STRIDE, q + row0 * d, ROWS, valid, d, scale);
+  float o[4][MAX_D / 16] = {}, m[4], l[4] = {};
+  for (int i = 0; i < 4; ++i) m[i] = NEG_INF;
+  float* p_s = k_t;
+  const int p_stride = FWD_TILE + 4;
+  for (int j0 = 0; j0 < nk; j0 += FWD_TILE) {
+    const int n = min(FWD_TILE, nk - j0);
+    __syncthreads();  // the previous tile's readers are done
+    stage_transposed(k_t, FWD_TILE + 1, k + (i64)j0 * d, FWD_TILE, n, d, 1.f);
+    stage_transposed(v_t, FWD_TILE + 1, v + (i64)j0 * d, FWD_TILE, n, d, 1.f);
+    __syncthreads();
+    float s[4][FWD_TILE / 16] = {};
+    dot_tile(s, q_t, k_t, FWD_TILE + 1, d);
+    for (int i = 0; i < 4; ++i) {
+      const i64 bias_row = bias ? (row0 + 4 * g + i) % bias_rows : 0;
+      float tile_max = NEG_INF;
+      for (int j = 0; j < FWD_TILE / 16; ++j) {
+        const int key = c + 16 * j;
+        const bool live = key < n && 4 * g + i < valid;
+        s[i][j] = live ? s[i][j] + logit_terms(mask, bias, b, bias_row, j0 + key, nk) : NEG_INF;
+        tile_max = fmaxf(tile_max, s[i][j]);
+      }
+      const float m_new = fmaxf(m[i], group_max(tile_max));
+      // Nothing but -inf so far: no weight, and nothing to rescale.
+      const float f = m_new == NEG_INF ? 1.f : expf(m[i] - m_new);
+      for (int j = 0; j < FWD_TILE / 16; ++j) s[i][j] = m_new == NEG_INF ? 0.f : expf(s[i][j] - m_new);
+      l[i] *= f;
+      for (int j = 0; j < FWD_TILE / 16; ++j) l[i] += s[i][j];
+      for (int k2 = 0; k2 < MAX_D / 16; ++k2) o[i][k2] *= f;
+      m[i] = m_new;
+    }
+    __syncthreads();  // every thread is done with the key tile: its space takes the weights
+    for (int i = 0; i < 4; ++i)
+      for (int j = 0; j < FWD_TILE / 16; ++j) p_s[(4 * g + i) * p_stride + c + 16 * j] = s[i][j];
+    __syncthreads();
+    weigh_tile(o, p_s, p_stride, v_t, FWD_TILE + 1, round_up4(n), d);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const float total = group_sum(l[i]);
+    for (int k2 = 0; k2 < MAX_D / 16; ++k2) o[i][k2] /= total;
+    if (c == 0 && 4 * g + i < valid) lse[row0 + 4 * g + i] = m[i] + logf(total);
+  }
+  write_rows(out + row0 * d, o, valid, d, 1.f);
+}
+
+// First pass, one block per 32 queries: delta = sum(dout out); with p = exp(logit - lse) and
+// ds = p (dout . v_j - delta), dq = scale sum_j ds k_j and the bias gradient gets ds (added
+// atomically where the bias is shared across the batch, stored where each row has its own).
 template <typename T>
 __device__ void mea_backward_queries(const T* q, const T* k, const T* v, const T* mask, const T* bias, const T* out,
                                      const T* dout, const float* lse, float* delta, T* dq, float* dbias, i64 rows,
                                      int heads, int nq, int nk, int d, i64 bias_rows, float scale) {
-  const int lane = threadIdx.x & 31;
-  const i64 row = warp_row();
-  if (row >= rows) return;
-  const QueryRow<T> at = query_row(row, k, v, bias, heads, nq, nk, d, bias_rows);
-  float qs[MAX_D], dos[MAX_D], acc[MAX_D];
-  float dd = 0.f;
-  for (int e = 0; e < d; ++e) {
-    qs[e] = to_float(q[row * d + e]) * scale;
-    dos[e] = to_float(dout[row * d + e]);
-    dd += dos[e] * to_float(out[row * d + e]);
-    acc[e] = 0.f;
+  alignas(16) __shared__ float q_t[MAX_D * ROW_STRIDE];
+  alignas(16) __shared__ float do_t[MAX_D * ROW_STRIDE];
+  alignas(16) __shared__ float k_t[MAX_D * (BWD_TILE + 1)];
+  alignas(16) __shared__ float v_t[MAX_D * (BWD_TILE + 1)];
+  alignas(16) __shared__ float ds_s[ROWS * ROW_STRIDE];
+  __shared__ float delta_s[ROWS];
+  const int tiles = (nq + ROWS - 1) / ROWS;
+  const i64 bh = blockIdx.x / tiles, b = bh / heads;
+  const int first = (blockIdx.x % tiles) * ROWS, valid = min(ROWS, nq - first);
+  const int g = row_group(), c = col_lane();
+  const i64 row0 = bh * nq + first;
+  k += bh * nk * d;
+  v += bh * nk * d;
+  stage_transposed(q_t, ROW_STRIDE, q + row0 * d, ROWS, valid, d, scale);
+  stage_transposed(do_t, ROW_STRIDE, dout + row0 * d, ROWS, valid, d, 1.f);
+  __syncthreads();
+  if (threadIdx.x < ROWS) {
+    const int r = threadIdx.x;
+    float dd = 0.f;
+    if (r < valid)
+      for (int e = 0; e < d; ++e) dd += do_t[e * ROW_STRIDE + r] * to_float(out[(row0 + r) * d + e]);
+    delta_s[r] = dd;
+    if (r < valid) delta[row0 + r] = dd;
   }
-  const float lse_row = lse[row];
-  for (int j = lane; j < nk; j += 32) {
-    const T* kj = at.k + (i64)j * d;
-    const float p = expf(logit_at(qs, kj, mask, bias, at.b, j, at.bias_row, nk, d) - lse_row);
-    const float ds = p * (score(dos, at.v + (i64)j * d, d) - dd);
-    for (int e = 0; e < d; ++e) acc[e] += ds * to_float(kj[e]);
-    if (dbias) atomicAdd(dbias + at.bias_row * nk + j, ds);
+  // The bias is shared when several batch elements' rows read each of its rows.
+  const bool shared_bias = bias_rows < rows;
+  float dq_acc[4][MAX_D / 16] = {}, lse_r[4];
+  for (int i = 0; i < 4; ++i) lse_r[i] = 4 * g + i < valid ? lse[row0 + 4 * g + i] : 0.f;
+  for (int j0 = 0; j0 < nk; j0 += BWD_TILE) {
+    const int n = min(BWD_TILE, nk - j0);
+    __syncthreads();  // delta_s is written; the previous tile's readers are done
+    stage_transposed(k_t, BWD_TILE + 1, k + (i64)j0 * d, BWD_TILE, n, d, 1.f);
+    stage_transposed(v_t, BWD_TILE + 1, v + (i64)j0 * d, BWD_TILE, n, d, 1.f);
+    __syncthreads();
+    float s[4][BWD_TILE / 16] = {}, dp[4][BWD_TILE / 16] = {};
+    dot_tile(s, q_t, k_t, BWD_TILE + 1, d);
+    dot_tile(dp, do_t, v_t, BWD_TILE + 1, d);
+    for (int i = 0; i < 4; ++i) {
+      const i64 row = row0 + 4 * g + i, bias_row = bias ? row % bias_rows : 0;
+      for (int j = 0; j < BWD_TILE / 16; ++j) {
+        const int key = c + 16 * j;
+        float ds = 0.f;
+        if (key < n && 4 * g + i < valid) {
+          const float p = expf(s[i][j] + logit_terms(mask, bias, b, bias_row, j0 + key, nk) - lse_r[i]);
+          ds = p * (dp[i][j] - delta_s[4 * g + i]);
+          if (dbias) {
+            float* at = dbias + bias_row * nk + j0 + key;
+            if (shared_bias) atomicAdd(at, ds);
+            else *at = ds;
+          }
+        }
+        ds_s[(4 * g + i) * ROW_STRIDE + key] = ds;
+      }
+    }
+    __syncthreads();
+    weigh_tile(dq_acc, ds_s, ROW_STRIDE, k_t, BWD_TILE + 1, round_up4(n), d);
   }
-  for (int e = 0; e < d; ++e) {
-    const float a = warp_sum(acc[e]);
-    if (lane == 0) dq[row * d + e] = from_float<T>(a * scale);
-  }
-  if (lane == 0) delta[row] = dd;
+  write_rows(dq + row0 * d, dq_acc, valid, d, scale);
 }
 
-// Second pass, one warp per key row: dk = scale sum_i ds_ij q_i, dv = sum_i p_ij dout_i.
+// Second pass, one block per 32 keys: dk = scale sum_i ds_ij q_i, dv = sum_i p_ij dout_i. The
+// bias tile is staged [query][key] by a coalesced load and read across.
 template <typename T>
 __device__ void mea_backward_keys(const T* q, const T* k, const T* v, const T* mask, const T* bias, const T* dout,
-                                  const float* lse, const float* delta, T* dk, T* dv, i64 key_rows, int heads, int nq,
-                                  int nk, int d, i64 bias_rows, float scale) {
-  const int lane = threadIdx.x & 31;
-  const i64 key_row = warp_row();
-  if (key_row >= key_rows) return;
-  const i64 bh = key_row / nk, b = bh / heads;
-  const int j = key_row % nk;
-  const T* kj = k + key_row * d;
-  const T* vj = v + key_row * d;
-  float dk_acc[MAX_D], dv_acc[MAX_D], qs[MAX_D], dos[MAX_D];
-  for (int e = 0; e < d; ++e) dk_acc[e] = dv_acc[e] = 0.f;
-  for (int i = lane; i < nq; i += 32) {
-    const i64 row = bh * nq + i;
-    for (int e = 0; e < d; ++e) {
-      qs[e] = to_float(q[row * d + e]) * scale;
-      dos[e] = to_float(dout[row * d + e]);
-    }
-    const i64 bias_row = bias ? row % bias_rows : 0;
-    const float p = expf(logit_at(qs, kj, mask, bias, b, j, bias_row, nk, d) - lse[row]);
-    const float ds = p * (score(dos, vj, d) - delta[row]);
-    for (int e = 0; e < d; ++e) {
-      dk_acc[e] += ds * qs[e];  // qs is q scale: dk = scale sum ds q
-      dv_acc[e] += p * dos[e];
-    }
+                                  const float* lse, const float* delta, T* dk, T* dv, int heads, int nq, int nk, int d,
+                                  i64 bias_rows, float scale) {
+  alignas(16) __shared__ float k_t[MAX_D * ROW_STRIDE];
+  alignas(16) __shared__ float v_t[MAX_D * ROW_STRIDE];
+  alignas(16) __shared__ float q_t[MAX_D * (BWD_TILE + 1)];
+  alignas(16) __shared__ float do_t[MAX_D * (BWD_TILE + 1)];
+  alignas(16) __shared__ float p_s[ROWS * ROW_STRIDE];
+  alignas(16) __shared__ float ds_s[ROWS * ROW_STRIDE];
+  __shared__ float bias_s[BWD_TILE * (ROWS + 1)];
+  __shared__ float lse_s[BWD_TILE], delta_s[BWD_TILE];
+  const int tiles = (nk + ROWS - 1) / ROWS;
+  const i64 bh = blockIdx.x / tiles, b = bh / heads;
+  const int first = (blockIdx.x % tiles) * ROWS, valid = min(ROWS, nk - first);
+  const int g = row_group(), c = col_lane();
+  const i64 key0 = bh * nk + first;  // the block's first key row
+  stage_transposed(k_t, ROW_STRIDE, k + key0 * d, ROWS, valid, d, 1.f);
+  stage_transposed(v_t, ROW_STRIDE, v + key0 * d, ROWS, valid, d, 1.f);
+  float mask_r[4];
+  for (int i = 0; i < 4; ++i) {
+    const int key = first + 4 * g + i;
+    mask_r[i] = mask && 4 * g + i < valid ? 1e9f * (to_float(mask[b * nk + key]) - 1.f) : 0.f;
   }
-  for (int e = 0; e < d; ++e) {
-    const float a = warp_sum(dk_acc[e]), c = warp_sum(dv_acc[e]);
-    if (lane == 0) {
-      dk[key_row * d + e] = from_float<T>(a);
-      dv[key_row * d + e] = from_float<T>(c);
+  float dk_acc[4][MAX_D / 16] = {}, dv_acc[4][MAX_D / 16] = {};
+  const i64 qrow0 = bh * nq;
+  for (int i0 = 0; i0 < nq; i0 += BWD_TILE) {
+    const int n = min(BWD_TILE, nq - i0);
+    __syncthreads();  // the previous tile's readers are done
+    stage_transposed(q_t, BWD_TILE + 1, q + (qrow0 + i0) * d, BWD_TILE, n, d, scale);
+    stage_transposed(do_t, BWD_TILE + 1, dout + (qrow0 + i0) * d, BWD_TILE, n, d, 1.f);
+    if (threadIdx.x < BWD_TILE) {
+      const int r = threadIdx.x;
+      lse_s[r] = r < n ? lse[qrow0 + i0 + r] : 0.f;
+      delta_s[r] = r < n ? delta[qrow0 + i0 + r] : 0.f;
     }
+    if (bias)
+      for (int idx = threadIdx.x; idx < BWD_TILE * ROWS; idx += blockDim.x) {
+        const int r = idx / ROWS, key = idx % ROWS;
+        bias_s[r * (ROWS + 1) + key] =
+            r < n && key < valid ? to_float(bias[((qrow0 + i0 + r) % bias_rows) * nk + first + key]) : 0.f;
+      }
+    __syncthreads();
+    float s[4][BWD_TILE / 16] = {}, dp[4][BWD_TILE / 16] = {};
+    dot_tile(s, k_t, q_t, BWD_TILE + 1, d);
+    dot_tile(dp, v_t, do_t, BWD_TILE + 1, d);
+    for (int i = 0; i < 4; ++i)
+      for (int j = 0; j < BWD_TILE / 16; ++j) {
+        const int qi = c + 16 * j;
+        float p = 0.f, ds = 0.f;
+        if (qi < n && 4 * g + i < valid) {
+          const float z = s[i][j] + mask_r[i] + (bias ? bias_s[qi * (ROWS + 1) + 4 * g + i] : 0.f);
+          p = expf(z - lse_s[qi]);
+          ds = p * (dp[i][j] - delta_s[qi]);
+        }
+        p_s[(4 * g + i) * ROW_STRIDE + qi] = p;
+        ds_s[(4 * g + i) * ROW_STRIDE + qi] = ds;
+      }
+    __syncthreads();
+    weigh_tile(dv_acc, p_s, ROW_STRIDE, do_t, BWD_TILE + 1, round_up4(n), d);
+    weigh_tile(dk_acc, ds_s, ROW_STRIDE, q_t, BWD_TILE + 1, round_up4(n), d);  // q_t is q scale
   }
+  write_rows(dk + key0 * d, dk_acc, valid, d, 1.f);
+  write_rows(dv + key0 * d, dv_acc, valid, d, 1.f);
 }
 
 #define DEFINE(T, S)                                                                                              \
   extern "C" __global__ void mea_forward_##S(const T* q, const T* k, const T* v, const T* mask, const T* bias,   \
-                                             T* out, float* lse, i64 rows, int heads, int nq, int nk, int d,      \
+                                             T* out, float* lse, int heads, int nq, int nk, int d,                \
                                              i64 bias_rows, float scale) {                                        \
-    mea_forward<T>(q, k, v, mask, bias, out, lse, rows, heads, nq, nk, d, bias_rows, scale);                      \
+    mea_forward<T>(q, k, v, mask, bias, out, lse, heads, nq, nk, d, bias_rows, scale);                            \
   }                                                                                                               \
   extern "C" __global__ void mea_backward_queries_##S(                                                           \
       const T* q, const T* k, const T* v, const T* mask, const T* bias, const T* out, const T* dout,              \
@@ -173,9 +326,8 @@ __device__ void mea_backward_keys(const T* q, const T* k, const T* v, const T* m
   }                                                                                                               \
   extern "C" __global__ void mea_backward_keys_##S(const T* q, const T* k, const T* v, const T* mask,            \
                                                    const T* bias, const T* dout, const float* lse,                \
-                                                   const float* delta, T* dk, T* dv, i64 key_rows, int heads,     \
-                                                   int nq, int nk, int d, i64 bias_rows, float scale) {           \
-    mea_backward_keys<T>(q, k, v, mask, bias, dout, lse, delta, dk, dv, key_rows, heads, nq, nk, d, bias_rows,    \
-                         scale);                                                                                  \
+                                                   const float* delta, T* dk, T* dv, int heads, int nq, int nk,   \
+                                                   int d, i64 bias_rows, float scale) {                           \
+    mea_backward_keys<T>(q, k, v, mask, bias, dout, lse, delta, dk, dv, heads, nq, nk, d, bias_rows, scale);      \
   }
 FOR_EACH_DTYPE(DEFINE)

@@ -314,3 +314,10 @@ T __shfl_xor_sync(unsigned mask, T v, int lane_mask) {
   std::memcpy(&r, &emu::me().result, sizeof r);
   return r;
 }
+
+// A vector access (prelude.cuh's load_quad/store_quad) at an address the hardware would fault
+// on fails the launch here too.
+inline void emu_check_aligned(const void* p, std::size_t align) {
+  if (reinterpret_cast<std::uintptr_t>(p) % align != 0)
+    emu::fail("a " + std::to_string(align) + "-byte vector access at a misaligned address");
+}

@@ -76,6 +76,74 @@ __device__ float block_max(float v, float* scratch) {
   return warp_max(lane < warps ? scratch[lane] : NEG_INF);
 }
 
+// Four consecutive elements moved as one access (16 bytes of f32, 8 of bf16 or f16): memory
+// bound kernels reach the device's bandwidth only with vector accesses. The address must be
+// aligned to the four elements (the emulator fails a launch where it is not).
+template <typename T>
+struct alignas(4 * sizeof(T)) Quad {
+  T v[4];
+};
+
+template <typename T>
+__device__ __forceinline__ Quad<T> load_quad(const T* p) {
+#ifdef KERNELS_EMULATOR
+  emu_check_aligned(p, sizeof(Quad<T>));
+  Quad<T> q;
+  memcpy(&q, p, sizeof q);
+  return q;
+#else
+  return *reinterpret_cast<const Quad<T>*>(p);
+#endif
+}
+
+template <typename T>
+__device__ __forceinline__ void store_quad(T* p, const Quad<T>& q) {
+#ifdef KERNELS_EMULATOR
+  emu_check_aligned(p, sizeof(Quad<T>));
+  memcpy(p, &q, sizeof q);
+#else
+  *reinterpret_cast<Quad<T>*>(p) = q;
+#endif
+}
+
+// Elements p[0..n) (n <= 4) as floats, zeros after: one vector access for four elements where
+// `vec` (p then aligned), else one access per element (none for n = 0).
+template <typename T>
+__device__ __forceinline__ void load4(const T* p, int n, bool vec, float (&out)[4]) {
+  if (vec && n == 4) {
+    const Quad<T> q = load_quad(p);
+    for (int k = 0; k < 4; ++k) out[k] = to_float(q.v[k]);
+  } else {
+    for (int k = 0; k < 4; ++k) out[k] = k < n ? to_float(p[k]) : 0.f;
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void store4(T* p, int n, bool vec, const float (&in)[4]) {
+  if (vec && n == 4) {
+    Quad<T> q;
+    for (int k = 0; k < 4; ++k) q.v[k] = from_float<T>(in[k]);
+    store_quad(p, q);
+  } else {
+    // A constant trip count: the loop unrolls and `in` stays in registers.
+    for (int k = 0; k < 4; ++k)
+      if (k < n) p[k] = from_float<T>(in[k]);
+  }
+}
+
+// Row kernels give rows of up to WARP_COLS elements one warp each, the row in registers: lane l
+// holds the quads l + 32 j (j < WARP_COLS / 128), so a quad's four elements are one access and
+// the warp's accesses are contiguous. Blocks hold blockDim.x / 32 rows.
+#define WARP_COLS 1024
+#define WARP_QUADS (WARP_COLS / 128)
+
+__device__ __forceinline__ i64 warp_row() { return (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); }
+
+// The first column of lane `lane`'s quad j, and how many of its four lie in a row of `cols`
+// (none, or fewer than four at the row's end).
+__device__ __forceinline__ int quad_col(int lane, int j) { return 4 * (lane + 32 * j); }
+__device__ __forceinline__ int quad_len(int c, int cols) { return c >= cols ? 0 : min(4, cols - c); }
+
 // A grid-stride loop over n elements.
 #define GRID_STRIDE(i, n) for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)blockDim.x * gridDim.x)
 

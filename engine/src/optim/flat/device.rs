@@ -4,6 +4,7 @@
 use tch::{Kind, Tensor};
 
 use super::{CpuRule, Segment};
+use crate::optim::clip::square_sum;
 use crate::optim::fused::{self, Rule, StepTensors};
 use crate::Result;
 
@@ -153,11 +154,6 @@ impl DeviceOptimizer {
         tch::no_grad(|| steps.step(Rule::AdamW(c), &tensors, self.step))?;
         Ok(true)
     }
-}
-
-/// The sum of squares in f64, as a 0-d tensor where `x` lives.
-fn square_sum(x: &Tensor) -> Result<Tensor> {
-    Ok(x.f_to_kind(Kind::Double)?.f_square()?.f_sum(Kind::Double)?)
 }
 
 #[cfg(test)]
