@@ -29,10 +29,11 @@ say() { printf '[gpu-check] %s\n' "$*" >&2; }
 # into $3, stripped. A binary with no such test would only cost transfer. The list is read
 # whole before it is searched: `--list | grep -q` under pipefail drops a binary whenever grep
 # exits before the list is written (the harness then fails on the closed pipe), which is how
-# the CUDA file's binary went missing from the first GPU run.
+# the CUDA file's binary went missing from the first GPU run. Only the test harnesses (artifacts
+# built with the test profile) are listed, not the package's programs built beside them.
 test_binaries() {
   local exe listed
-  cargo test --locked -p "$1" --no-run --message-format=json 2>/dev/null |
+  cargo test --locked -p "$1" --no-run --message-format=json 2>/dev/null | grep '"test":true},"features"' |
     sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | while read -r exe; do
       listed="$("$exe" --list $2 2>/dev/null)" || { say "$exe --list failed"; exit 1; }
       if grep -q ': test$' <<<"$listed"; then
