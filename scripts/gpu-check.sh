@@ -250,7 +250,7 @@ bench() {
   item c3 vit-bench "ViT-B/16 bf16 training against PyTorch eager and torch.compile" 240 "$bin/vit" bench \
     --device cuda --precision bf16 --model vit_base_patch16_224 --batch 64 --seconds 10 --compiled-baseline
   collect
-  item c4 bench-predict "fastfold predict, model_1_ptm sizes, time and peak memory" 240 "$bin/bench-predict" --device cuda \
+  item c4 bench-predict "fastfold predict, model_1_ptm sizes, time and peak memory, the longest that fits (predicted)" 240 "$bin/bench-predict" --device cuda \
     --residues 256,512,1024,2048 --chunk-size 64
   collect
   item c5 bench-finetune "SD 1.5 UNet fine-tuning at 512 px, fp16, under a 4 GiB cap, uncapped and diffusers" 240 \

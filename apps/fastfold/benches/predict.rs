@@ -1,6 +1,9 @@
 //! A full single-sequence prediction with AlphaFold's sizes (`model_1_ptm`: 48 Evoformer
 //! blocks, 4 extra-MSA blocks, templates, structure module, heads; random weights) for each
-//! requested length: wall time and peak memory.
+//! requested length: wall time and peak memory. On a GPU, with three or more lengths, it then
+//! predicts the longest sequence that fits the device's memory from a quadratic fit of the
+//! measured peaks (the pair representation grows with the square of the length), said as a
+//! prediction: running it would take longer than a benchmark should.
 //!
 //! `cargo bench -p fastfold --bench predict -- --residues 256,512 --device cuda --chunk-size 64`
 use std::time::Instant;
@@ -70,6 +73,7 @@ fn main() -> anyhow::Result<()> {
         tch::no_grad(|| model.predict(&warm, args.recycles, kind, &Dap::none(), args.chunk_size))?;
         engine::cuda::synchronize(d)?;
     }
+    let mut peaks = vec![];
     for &n in &args.residues {
         let features = features(n)?;
         if let tch::Device::Cuda(d) = device {
@@ -85,9 +89,66 @@ fn main() -> anyhow::Result<()> {
             bool::try_from(pass.structure.atom37.isfinite().all())?,
             "non-finite positions at {n} residues"
         );
-        let peak =
-            engine::process::peak_memory(device).map_or("-".into(), |b| format!("{:.0}", b as f64 / (1 << 20) as f64));
+        let peak = engine::process::peak_memory(device);
+        peaks.extend(peak.map(|b| (n as f64, b as f64)));
+        let peak = peak.map_or("-".into(), |b| format!("{:.0}", b as f64 / (1 << 20) as f64));
         println!("| {n} | {seconds:.1} | {peak} |");
     }
+    if let (tch::Device::Cuda(d), true) = (device, peaks.len() >= 3) {
+        // What the peaks may reach: the free memory once the cache is handed back, plus what
+        // is allocated now (the weights, which the peaks include).
+        engine::cuda::empty_cache()?;
+        let (free, _) = engine::cuda::mem_get_info(d)?;
+        let budget = free as f64 + engine::cuda::memory_stats(d)?.allocated as f64;
+        match longest_within(&peaks, budget) {
+            Some(n) => println!(
+                "longest sequence that fits {:.1} GiB, predicted from a quadratic fit of the peaks above (not run): {n} residues",
+                budget / (1u64 << 30) as f64
+            ),
+            None => println!("the peaks above do not grow as a quadratic: no prediction of the longest sequence"),
+        }
+    }
     Ok(())
+}
+
+/// The longest length (a multiple of 16) whose peak, from the least-squares quadratic through
+/// `(length, bytes)`, stays within `budget` bytes; None when the fit does not grow.
+fn longest_within(points: &[(f64, f64)], budget: f64) -> Option<usize> {
+    // Normal equations of p = c0 + c1 x + c2 x^2 with x in thousands of residues (conditioning).
+    let mut m = [[0.0f64; 4]; 3];
+    for &(n, p) in points {
+        let x = n / 1000.0;
+        let row = [1.0, x, x * x];
+        for i in 0..3 {
+            for j in 0..3 {
+                m[i][j] += row[i] * row[j];
+            }
+            m[i][3] += row[i] * p;
+        }
+    }
+    // Gauss-Jordan elimination with partial pivoting.
+    for col in 0..3 {
+        let pivot = (col..3).max_by(|&a, &b| m[a][col].abs().total_cmp(&m[b][col].abs()))?;
+        m.swap(col, pivot);
+        if m[col][col].abs() < 1e-12 {
+            return None;
+        }
+        for r in 0..3 {
+            if r != col {
+                let (f, pivot_row) = (m[r][col] / m[col][col], m[col]);
+                for (x, p) in m[r].iter_mut().zip(pivot_row).skip(col) {
+                    *x -= f * p;
+                }
+            }
+        }
+    }
+    let [c0, c1, c2] = [0, 1, 2].map(|i| m[i][3] / m[i][i]);
+    if c2 <= 0.0 {
+        return None;
+    }
+    // The larger root of c2 x^2 + c1 x + (c0 - budget) = 0.
+    let disc = c1 * c1 - 4.0 * c2 * (c0 - budget);
+    let x = (-c1 + disc.max(0.0).sqrt()) / (2.0 * c2);
+    let n = (x * 1000.0 / 16.0).floor() as usize * 16;
+    (n > 0).then_some(n)
 }
