@@ -48,18 +48,20 @@ pub fn scaled_grad_norm(params: &[Param], scale: f64, held: Held) -> Result<f64>
     Ok(sum.f_double_value(&[0])?.sqrt())
 }
 
-/// Elements squared in f64 at a time by [`square_sum`]: 32 MiB. A Gemini chunk's gradient (up
-/// to 32M elements, on a GPU whose budget the placement has planned to the last block) would
-/// otherwise take two f64 copies of 256 MiB each.
+/// Elements taken to f64 at a time by [`square_sum`]: a 32 MiB copy. A Gemini chunk's gradient
+/// (up to 32M elements, on a GPU whose budget the placement has planned to the last block)
+/// would otherwise take an f64 copy of 256 MiB, and its squares as much again.
 const SQUARE_SLICE: i64 = 1 << 22;
 
 /// The sum of the squares of `t` in f64, a 0-d tensor where `t` lives, over slices of at most
-/// [`SQUARE_SLICE`] elements, so that the f64 copies stay small whatever the tensor's size.
+/// [`SQUARE_SLICE`] elements (each slice's dot product with itself: no second copy for the
+/// squares), so that the f64 memory stays small whatever the tensor's size.
 pub(crate) fn square_sum(t: &Tensor) -> Result<Tensor> {
     let flat = t.f_reshape([-1])?;
     let n = flat.numel() as i64;
     let slice = |at: i64, len: i64| -> Result<Tensor> {
-        Ok(flat.f_narrow(0, at, len)?.f_to_kind(Kind::Double)?.f_square()?.f_sum(Kind::Double)?)
+        let x = flat.f_narrow(0, at, len)?.f_to_kind(Kind::Double)?;
+        Ok(x.f_dot(&x)?)
     };
     if n <= SQUARE_SLICE {
         return slice(0, n);
@@ -146,6 +148,7 @@ mod tests {
         let exact: f64 = (0..n).map(|i| (i as f32 * 1e-3 + 1.0) as f64).map(|x| x * x).sum();
         let got = square_sum(&t).unwrap().double_value(&[]);
         assert!((got - exact).abs() <= 1e-12 * exact, "{got} against {exact}");
+        assert_eq!(square_sum(&Tensor::zeros([0, 3], (Kind::Float, tch::Device::Cpu))).unwrap().double_value(&[]), 0.0);
         // An f64 tensor is read, not squared in place.
         let d = Tensor::from_slice(&[3.0f64, 4.0]);
         assert_eq!(square_sum(&d).unwrap().double_value(&[]), 25.0);
