@@ -1,7 +1,9 @@
 //! Memory-efficient attention with AlphaFold's key mask and pair bias:
 //! `softmax(q k^T scale + 1e9 (mask - 1) + bias) v` without materialising the weights, so a
 //! long sequence's `[heads, queries, keys]` logits never exist (the pair bias, an input, does).
-//! The forward keeps each query's log-sum-exp; the backward recomputes the weights from it.
+//! The forward keeps each query's largest logit and log-sum of exponentials apart (a fully
+//! masked query's -1e9 would round a single log-sum-exp); the backward recomputes the weights
+//! from them.
 use tch::{Kind, Tensor};
 
 use crate::checks::{ceil_div, dtype, target, with_grad};
@@ -90,7 +92,8 @@ pub fn memory_efficient_attention(
     let bias_rows = bias_c.as_ref().map_or(0, |t| t.numel() as i64 / nk.max(1));
     // Without keys the weighted sum is empty: zeros, as the composition gives (no launch).
     let out = if nk > 0 { q.f_empty_like()? } else { q.f_zeros_like()? };
-    let lse = Tensor::f_empty([rows], (Kind::Float, q.device()))?;
+    // Each query's largest logit and log-sum of exponentials, apart (see attention.cu).
+    let stats = Tensor::f_empty([rows, 2], (Kind::Float, q.device()))?;
     // One block per BLOCK_ROWS rows of each batch element and head (a grid's x is below 2^31).
     let grid = move |n: i64| ceil_div(n, BLOCK_ROWS) * b * h;
     ensure!(grid(nq.max(nk)) < 1 << 31, "{OP}: {b} x {h} x {} rows need more blocks than a launch has", nq.max(nk));
@@ -99,19 +102,19 @@ pub fn memory_efficient_attention(
         move |a: Args| a.i32(h as i32).i32(nq as i32).i32(nk as i32).i32(d as i32).i64(bias_rows).f32(scale as f32);
     if rows > 0 && nk > 0 {
         let a = Args::default().tensor(&q).tensor(&k).tensor(&v).opt(mask.as_ref()).opt(bias_c.as_ref());
-        let mut a = tail(a.tensor(&out).tensor(&lse));
+        let mut a = tail(a.tensor(&out).tensor(&stats));
         KERNEL.launch(&format!("mea_forward_{suffix}"), at, blocks(nq), THREADS, &mut a)?;
     }
     let mut inputs = vec![&q, &k, &v];
     inputs.extend(bias_c.as_ref());
     let bias_grad = bias.is_some_and(|t| t.requires_grad());
     let bias_shape = bias.map(|t| t.size());
-    let mut saved = vec![q.shallow_clone(), k.shallow_clone(), v.shallow_clone(), out.shallow_clone(), lse];
+    let mut saved = vec![q.shallow_clone(), k.shallow_clone(), v.shallow_clone(), out.shallow_clone(), stats];
     saved.push(mask.unwrap_or_default());
     saved.push(bias_c.as_ref().map_or_else(Tensor::new, Tensor::shallow_clone));
     let n_inputs = inputs.len();
     let outputs = with_grad(OP, &inputs, vec![out], saved, move |grads, saved| {
-        let [q, k, v, out, lse, mask, bias] = saved else { unreachable!("seven tensors saved") };
+        let [q, k, v, out, stats, mask, bias] = saved else { unreachable!("seven tensors saved") };
         let (mask, bias) = (mask.defined().then_some(mask), bias.defined().then_some(bias));
         let dout = grads[0].f_contiguous()?;
         let (dq, dk, dv) = (q.f_zeros_like()?, k.f_zeros_like()?, v.f_zeros_like()?);
@@ -122,10 +125,10 @@ pub fn memory_efficient_attention(
         };
         if rows > 0 && nk > 0 {
             let a = Args::default().tensor(q).tensor(k).tensor(v).opt(mask).opt(bias).tensor(out).tensor(&dout);
-            let a = a.tensor(lse).tensor(&delta).tensor(&dq).opt(dbias.as_ref());
+            let a = a.tensor(stats).tensor(&delta).tensor(&dq).opt(dbias.as_ref());
             let mut a = tail(a.i64(rows));
             KERNEL.launch(&format!("mea_backward_queries_{suffix}"), at, blocks(nq), THREADS, &mut a)?;
-            let a = Args::default().tensor(q).tensor(k).tensor(v).opt(mask).opt(bias).tensor(&dout).tensor(lse);
+            let a = Args::default().tensor(q).tensor(k).tensor(v).opt(mask).opt(bias).tensor(&dout).tensor(stats);
             let a = a.tensor(&delta).tensor(&dk).tensor(&dv);
             let mut a = tail(a);
             KERNEL.launch(&format!("mea_backward_keys_{suffix}"), at, blocks(nk), THREADS, &mut a)?;

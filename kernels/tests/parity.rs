@@ -219,9 +219,13 @@ fn memory_efficient_attention_matches() {
     // Odd sizes around the blocks' 32 rows and the 32- and 64-wide tiles (several of each, and
     // partial ones); AlphaFold's head widths 32, 16 and 8, ViT's 64; a bias shared across the
     // batch (pair bias) and one per row; masks with dropped keys.
-    for (b, h, nq, nk, d, shared) in
-        [(3, 4, 37, 45, 32, true), (2, 2, 33, 31, 8, false), (1, 3, 5, 70, 64, true), (2, 1, 70, 135, 16, false)]
-    {
+    for (b, h, nq, nk, d, shared) in [
+        (3, 4, 37, 45, 32, true),
+        (2, 2, 33, 31, 8, false),
+        (1, 3, 5, 70, 64, true),
+        (2, 1, 70, 135, 16, false),
+        (1, 1, 1, 1, 1, true),
+    ] {
         let mask = randn(&[b, nk], dev, false).ge(-1.0).to_kind(Kind::Float);
         let bias_shape = if shared { vec![h, nq, nk] } else { vec![b, h, nq, nk] };
         let f = |t: &[Tensor], backend| {
@@ -236,6 +240,36 @@ fn memory_efficient_attention_matches() {
             mask,
         ];
         check(&format!("memory_efficient_attention {b}x{h}x{nq}x{nk}x{d}"), &f, &inputs, &[b, h, nq, d]);
+    }
+}
+
+/// A query whose keys are all masked gets uniform weights, as the f32 composition gives it (the
+/// -1e9 swamps the scores; in f16 the composition's -1e9 overflows to NaN instead, and in f64 it
+/// keeps the scores, so only f32 sets the bar). Its backward once read a log-sum-exp whose
+/// log-sum -1e9 had rounded away: weights of 1, gradients `keys` times too large.
+#[test]
+fn fully_masked_queries_get_the_compositions_uniform_weights() {
+    let _rng = rng();
+    let dev = device("fully_masked_queries_get_the_compositions_uniform_weights");
+    tch::manual_seed(12);
+    let (b, h, nq, nk, d) = (2, 2, 37, 45, 16);
+    let mask = Tensor::ones([b, nk], (Kind::Float, dev));
+    let _ = mask.get(1).fill_(0.0);
+    let f = |t: &[Tensor], backend| {
+        kernels::memory_efficient_attention(&t[0], &t[1], &t[2], 0.3, Some(&t[4]), Some(&t[3]), backend).unwrap()
+    };
+    let inputs = [
+        randn(&[b, h, nq, d], dev, true),
+        randn(&[b, h, nk, d], dev, true),
+        randn(&[b, h, nk, d], dev, true),
+        randn(&[h, nq, nk], dev, true),
+        mask,
+    ];
+    let dy = Tensor::randn([b, h, nq, d], (Kind::Float, dev));
+    let fused = run(&f, &inputs, &dy, Backend::Fused);
+    let torch = run(&f, &inputs, &dy, Backend::Torch);
+    for (i, (a, e)) in fused.iter().zip(&torch).enumerate() {
+        assert_close(a, e, 1e-5, &format!("fully masked: output {i}"));
     }
 }
 

@@ -14,8 +14,12 @@
 // stride (read by 16 consecutive lanes, and written by a coalesced load, without bank
 // conflicts).
 //
-// The forward keeps each query's log-sum-exp; the backward recomputes the weights from it
-// (FlashAttention's recomputation) in two passes without atomics on q, k or v: the first over
+// The forward keeps each query's softmax statistics, its largest logit m and log l, l the sum of
+// exp(logit - m), apart (as [rows, 2]): the backward recomputes the weights as
+// exp((logit - m) - log l) (FlashAttention's recomputation). One log-sum-exp m + log l would
+// round log l away where m is AlphaFold's -1e9 (a query whose keys are all masked: uniform
+// weights in the forward, each 1 in a backward reading m + log l, the gradients nk times too
+// large). The backward runs in two passes without atomics on q, k or v: the first over
 // query blocks gives dq, the bias gradient (atomically added over the batch where the bias is
 // shared) and delta = sum(dout out) per query; the second over key blocks gives dk and dv.
 
@@ -118,7 +122,7 @@ __device__ void write_rows(T* out, const float (&acc)[4][MAX_D / 16], int valid,
 
 // Grid: one block per 32 queries of each batch element and head, ceil(Nq / 32) B H blocks.
 template <typename T>
-__device__ void mea_forward(const T* q, const T* k, const T* v, const T* mask, const T* bias, T* out, float* lse,
+__device__ void mea_forward(const T* q, const T* k, const T* v, const T* mask, const T* bias, T* out, float* stats,
                             int heads, int nq, int nk, int d, i64 bias_rows, float scale) {
   alignas(16) __shared__ float q_t[MAX_D * ROW_STRIDE];
   // The key tile, then (once the scores are taken) the weights [row][key] at a stride of 68.
@@ -171,17 +175,23 @@ __device__ void mea_forward(const T* q, const T* k, const T* v, const T* mask, c
   for (int i = 0; i < 4; ++i) {
     const float total = group_sum(l[i]);
     for (int k2 = 0; k2 < MAX_D / 16; ++k2) o[i][k2] /= total;
-    if (c == 0 && 4 * g + i < valid) lse[row0 + 4 * g + i] = m[i] + logf(total);
+    if (c == 0 && 4 * g + i < valid) {
+      stats[2 * (row0 + 4 * g + i)] = m[i];
+      stats[2 * (row0 + 4 * g + i) + 1] = logf(total);
+    }
   }
   write_rows(out + row0 * d, o, valid, d, 1.f);
 }
 
-// First pass, one block per 32 queries: delta = sum(dout out); with p = exp(logit - lse) and
+// The weight of a logit z in a row with statistics `m_logl` (see above).
+__device__ __forceinline__ float weight(float z, const float* m_logl) { return expf((z - m_logl[0]) - m_logl[1]); }
+
+// First pass, one block per 32 queries: delta = sum(dout out); with p the weights and
 // ds = p (dout . v_j - delta), dq = scale sum_j ds k_j and the bias gradient gets ds (added
 // atomically where the bias is shared across the batch, stored where each row has its own).
 template <typename T>
 __device__ void mea_backward_queries(const T* q, const T* k, const T* v, const T* mask, const T* bias, const T* out,
-                                     const T* dout, const float* lse, float* delta, T* dq, float* dbias, i64 rows,
+                                     const T* dout, const float* stats, float* delta, T* dq, float* dbias, i64 rows,
                                      int heads, int nq, int nk, int d, i64 bias_rows, float scale) {
   alignas(16) __shared__ float q_t[MAX_D * ROW_STRIDE];
   alignas(16) __shared__ float do_t[MAX_D * ROW_STRIDE];
@@ -209,8 +219,9 @@ __device__ void mea_backward_queries(const T* q, const T* k, const T* v, const T
   }
   // The bias is shared when several batch elements' rows read each of its rows.
   const bool shared_bias = bias_rows < rows;
-  float dq_acc[4][MAX_D / 16] = {}, lse_r[4];
-  for (int i = 0; i < 4; ++i) lse_r[i] = 4 * g + i < valid ? lse[row0 + 4 * g + i] : 0.f;
+  float dq_acc[4][MAX_D / 16] = {}, stats_r[4][2];
+  for (int i = 0; i < 4; ++i)
+    for (int t = 0; t < 2; ++t) stats_r[i][t] = 4 * g + i < valid ? stats[2 * (row0 + 4 * g + i) + t] : 0.f;
   for (int j0 = 0; j0 < nk; j0 += BWD_TILE) {
     const int n = min(BWD_TILE, nk - j0);
     __syncthreads();  // delta_s is written; the previous tile's readers are done
@@ -226,7 +237,7 @@ __device__ void mea_backward_queries(const T* q, const T* k, const T* v, const T
         const int key = c + 16 * j;
         float ds = 0.f;
         if (key < n && 4 * g + i < valid) {
-          const float p = expf(s[i][j] + logit_terms(mask, bias, b, bias_row, j0 + key, nk) - lse_r[i]);
+          const float p = weight(s[i][j] + logit_terms(mask, bias, b, bias_row, j0 + key, nk), stats_r[i]);
           ds = p * (dp[i][j] - delta_s[4 * g + i]);
           if (dbias) {
             float* at = dbias + bias_row * nk + j0 + key;
@@ -247,7 +258,7 @@ __device__ void mea_backward_queries(const T* q, const T* k, const T* v, const T
 // bias tile is staged [query][key] by a coalesced load and read across.
 template <typename T>
 __device__ void mea_backward_keys(const T* q, const T* k, const T* v, const T* mask, const T* bias, const T* dout,
-                                  const float* lse, const float* delta, T* dk, T* dv, int heads, int nq, int nk, int d,
+                                  const float* stats, const float* delta, T* dk, T* dv, int heads, int nq, int nk, int d,
                                   i64 bias_rows, float scale) {
   alignas(16) __shared__ float k_t[MAX_D * ROW_STRIDE];
   alignas(16) __shared__ float v_t[MAX_D * ROW_STRIDE];
@@ -256,7 +267,7 @@ __device__ void mea_backward_keys(const T* q, const T* k, const T* v, const T* m
   alignas(16) __shared__ float p_s[ROWS * ROW_STRIDE];
   alignas(16) __shared__ float ds_s[ROWS * ROW_STRIDE];
   __shared__ float bias_s[BWD_TILE * (ROWS + 1)];
-  __shared__ float lse_s[BWD_TILE], delta_s[BWD_TILE];
+  __shared__ float stats_s[BWD_TILE][2], delta_s[BWD_TILE];
   const int tiles = (nk + ROWS - 1) / ROWS;
   const i64 bh = blockIdx.x / tiles, b = bh / heads;
   const int first = (blockIdx.x % tiles) * ROWS, valid = min(ROWS, nk - first);
@@ -278,7 +289,7 @@ __device__ void mea_backward_keys(const T* q, const T* k, const T* v, const T* m
     stage_transposed(do_t, BWD_TILE + 1, dout + (qrow0 + i0) * d, BWD_TILE, n, d, 1.f);
     if (threadIdx.x < BWD_TILE) {
       const int r = threadIdx.x;
-      lse_s[r] = r < n ? lse[qrow0 + i0 + r] : 0.f;
+      for (int t = 0; t < 2; ++t) stats_s[r][t] = r < n ? stats[2 * (qrow0 + i0 + r) + t] : 0.f;
       delta_s[r] = r < n ? delta[qrow0 + i0 + r] : 0.f;
     }
     if (bias)
@@ -297,7 +308,7 @@ __device__ void mea_backward_keys(const T* q, const T* k, const T* v, const T* m
         float p = 0.f, ds = 0.f;
         if (qi < n && 4 * g + i < valid) {
           const float z = s[i][j] + mask_r[i] + (bias ? bias_s[qi * (ROWS + 1) + 4 * g + i] : 0.f);
-          p = expf(z - lse_s[qi]);
+          p = weight(z, stats_s[qi]);
           ds = p * (dp[i][j] - delta_s[qi]);
         }
         p_s[(4 * g + i) * ROW_STRIDE + qi] = p;
@@ -313,21 +324,21 @@ __device__ void mea_backward_keys(const T* q, const T* k, const T* v, const T* m
 
 #define DEFINE(T, S)                                                                                              \
   extern "C" __global__ void mea_forward_##S(const T* q, const T* k, const T* v, const T* mask, const T* bias,   \
-                                             T* out, float* lse, int heads, int nq, int nk, int d,                \
+                                             T* out, float* stats, int heads, int nq, int nk, int d,              \
                                              i64 bias_rows, float scale) {                                        \
-    mea_forward<T>(q, k, v, mask, bias, out, lse, heads, nq, nk, d, bias_rows, scale);                            \
+    mea_forward<T>(q, k, v, mask, bias, out, stats, heads, nq, nk, d, bias_rows, scale);                          \
   }                                                                                                               \
   extern "C" __global__ void mea_backward_queries_##S(                                                           \
       const T* q, const T* k, const T* v, const T* mask, const T* bias, const T* out, const T* dout,              \
-      const float* lse, float* delta, T* dq, float* dbias, i64 rows, int heads, int nq, int nk, int d,            \
+      const float* stats, float* delta, T* dq, float* dbias, i64 rows, int heads, int nq, int nk, int d,          \
       i64 bias_rows, float scale) {                                                                               \
-    mea_backward_queries<T>(q, k, v, mask, bias, out, dout, lse, delta, dq, dbias, rows, heads, nq, nk, d,        \
+    mea_backward_queries<T>(q, k, v, mask, bias, out, dout, stats, delta, dq, dbias, rows, heads, nq, nk, d,      \
                             bias_rows, scale);                                                                    \
   }                                                                                                               \
   extern "C" __global__ void mea_backward_keys_##S(const T* q, const T* k, const T* v, const T* mask,            \
-                                                   const T* bias, const T* dout, const float* lse,                \
+                                                   const T* bias, const T* dout, const float* stats,              \
                                                    const float* delta, T* dk, T* dv, int heads, int nq, int nk,   \
                                                    int d, i64 bias_rows, float scale) {                           \
-    mea_backward_keys<T>(q, k, v, mask, bias, dout, lse, delta, dk, dv, heads, nq, nk, d, bias_rows, scale);      \
+    mea_backward_keys<T>(q, k, v, mask, bias, dout, stats, delta, dk, dv, heads, nq, nk, d, bias_rows, scale);    \
   }
 FOR_EACH_DTYPE(DEFINE)
