@@ -271,6 +271,27 @@ fn fully_masked_queries_get_the_compositions_uniform_weights() {
     for (i, (a, e)) in fused.iter().zip(&torch).enumerate() {
         assert_close(a, e, 1e-5, &format!("fully masked: output {i}"));
     }
+    // A rounding tie near -1e9 (floats step by 64 there): score -40, bias 32 against score 0,
+    // bias -64. Taken as (score + mask) + bias, as the composition does, the weights are 1 and
+    // e^-64; a pass that added mask + bias first rounded the tie the other way and weighed the
+    // first key e^64 against its forward (dv 3.1e27 where 1 is right).
+    let t = |v: &[f32], shape: &[i64]| Tensor::from_slice(v).view(shape).to_device(dev).set_requires_grad(true);
+    let inputs = [
+        t(&[1.0], &[1, 1, 1, 1]),
+        t(&[-40.0, 0.0], &[1, 1, 2, 1]),
+        t(&[1.0, 2.0], &[1, 1, 2, 1]),
+        t(&[32.0, -64.0], &[1, 1, 2]),
+        Tensor::zeros([1, 2], (Kind::Float, dev)),
+    ];
+    let f = |t: &[Tensor], backend| {
+        kernels::memory_efficient_attention(&t[0], &t[1], &t[2], 1.0, Some(&t[4]), Some(&t[3]), backend).unwrap()
+    };
+    let dy = Tensor::ones([1, 1, 1, 1], (Kind::Float, dev));
+    let fused = run(&f, &inputs, &dy, Backend::Fused);
+    let torch = run(&f, &inputs, &dy, Backend::Torch);
+    for (i, (a, e)) in fused.iter().zip(&torch).enumerate() {
+        assert_close(a, e, 1e-5, &format!("rounding tie: output {i}"));
+    }
 }
 
 #[test]

@@ -97,10 +97,12 @@ __device__ __forceinline__ void weigh_tile(float (&acc)[4][MAX_D / 16], const fl
   }
 }
 
-// What a logit adds to q.k scale: the key mask's 1e9 (mask - 1) and the bias.
+// The logit from the score s = q.k scale: the key mask's 1e9 (mask - 1) added, then the bias,
+// in that order in every pass (the composition's). Near -1e9 a float has steps of 64, so
+// another order can round a tie the other way, and a fully masked query's weights, taken
+// relative to its largest logit, then differ by e^64 between the passes.
 template <typename T>
-__device__ __forceinline__ float logit_terms(const T* mask, const T* bias, i64 b, i64 bias_row, int j, int nk) {
-  float s = 0.f;
+__device__ __forceinline__ float logit(float s, const T* mask, const T* bias, i64 b, i64 bias_row, int j, int nk) {
   if (mask) s += 1e9f * (to_float(mask[b * nk + j]) - 1.f);
   if (bias) s += to_float(bias[bias_row * nk + j]);
   return s;
@@ -154,7 +156,7 @@ __device__ void mea_forward(const T* q, const T* k, const T* v, const T* mask, c
       for (int j = 0; j < FWD_TILE / 16; ++j) {
         const int key = c + 16 * j;
         const bool live = key < n && 4 * g + i < valid;
-        s[i][j] = live ? s[i][j] + logit_terms(mask, bias, b, bias_row, j0 + key, nk) : NEG_INF;
+        s[i][j] = live ? logit(s[i][j], mask, bias, b, bias_row, j0 + key, nk) : NEG_INF;
         tile_max = fmaxf(tile_max, s[i][j]);
       }
       const float m_new = fmaxf(m[i], group_max(tile_max));
@@ -237,7 +239,7 @@ __device__ void mea_backward_queries(const T* q, const T* k, const T* v, const T
         const int key = c + 16 * j;
         float ds = 0.f;
         if (key < n && 4 * g + i < valid) {
-          const float p = weight(s[i][j] + logit_terms(mask, bias, b, bias_row, j0 + key, nk), stats_r[i]);
+          const float p = weight(logit(s[i][j], mask, bias, b, bias_row, j0 + key, nk), stats_r[i]);
           ds = p * (dp[i][j] - delta_s[4 * g + i]);
           if (dbias) {
             float* at = dbias + bias_row * nk + j0 + key;
@@ -307,6 +309,7 @@ __device__ void mea_backward_keys(const T* q, const T* k, const T* v, const T* m
         const int qi = c + 16 * j;
         float p = 0.f, ds = 0.f;
         if (qi < n && 4 * g + i < valid) {
+          // (s + mask) + bias: the order of `logit`, which the other passes use.
           const float z = s[i][j] + mask_r[i] + (bias ? bias_s[qi * (ROWS + 1) + 4 * g + i] : 0.f);
           p = weight(z, stats_s[qi]);
           ds = p * (dp[i][j] - delta_s[qi]);

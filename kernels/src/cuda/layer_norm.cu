@@ -58,11 +58,12 @@ __device__ void ln_backward_params(const T* x, const float* mean, const float* r
                                    float* db_parts, int rows, int cols, int rows_per_part) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= cols) return;
-  const int start = blockIdx.y * rows_per_part;
-  const int end = min(rows, start + rows_per_part);
+  // 64-bit: the last part's start + rows_per_part may pass 2^31 for rows near it.
+  const i64 start = (i64)blockIdx.y * rows_per_part;
+  const i64 end = min((i64)rows, start + rows_per_part);
   float dw = 0.f, db = 0.f;
-  for (int r = start; r < end; ++r) {
-    const i64 i = (i64)r * cols + c;
+  for (i64 r = start; r < end; ++r) {
+    const i64 i = r * cols + c;
     const float g = to_float(dy[i]);
     dw += g * (to_float(x[i]) - mean[r]) * rstd[r];
     db += g;
