@@ -248,8 +248,6 @@ impl Structure {
         Ok(s)
     }
 
-    /// Leaves out residues with no atom37 atom (a residue of hydrogens only), as AlphaFold's
-    /// `from_pdb_string` skips them.
     /// Drops the HETATM groups that are not amino acids of the chain: AlphaFold trains on an
     /// mmCIF chain's polymer residues, and in a PDB file the other groups listed under the
     /// chain are HETATM records, such as ligands (ACT), ions (calcium, whose one atom is named
@@ -267,6 +265,7 @@ impl Structure {
         self.retain(&keep);
     }
 
+    /// Keeps the residues where `keep` is true, in every per-residue field.
     fn retain(&mut self, keep: &[bool]) {
         retain_where(&mut self.aatype, keep);
         retain_where(&mut self.residue_index, keep);
@@ -275,6 +274,8 @@ impl Structure {
         retain_where(&mut self.b_factors, keep);
     }
 
+    /// Leaves out residues with no atom37 atom (a residue of hydrogens only), as AlphaFold's
+    /// `from_pdb_string` skips them.
     fn drop_residues_without_atoms(&mut self) {
         let keep: Vec<bool> = self.mask.iter().map(|m| m.iter().any(|&v| v > 0.5)).collect();
         self.retain(&keep);

@@ -277,11 +277,6 @@ __device__ void mea_backward_keys(const T* q, const T* k, const T* v, const T* m
   const i64 key0 = bh * nk + first;  // the block's first key row
   stage_transposed(k_t, ROW_STRIDE, k + key0 * d, ROWS, valid, d, 1.f);
   stage_transposed(v_t, ROW_STRIDE, v + key0 * d, ROWS, valid, d, 1.f);
-  float mask_r[4];
-  for (int i = 0; i < 4; ++i) {
-    const int key = first + 4 * g + i;
-    mask_r[i] = mask && 4 * g + i < valid ? 1e9f * (to_float(mask[b * nk + key]) - 1.f) : 0.f;
-  }
   float dk_acc[4][MAX_D / 16] = {}, dv_acc[4][MAX_D / 16] = {};
   const i64 qrow0 = bh * nq;
   for (int i0 = 0; i0 < nq; i0 += BWD_TILE) {
@@ -309,8 +304,9 @@ __device__ void mea_backward_keys(const T* q, const T* k, const T* v, const T* m
         const int qi = c + 16 * j;
         float p = 0.f, ds = 0.f;
         if (qi < n && 4 * g + i < valid) {
-          // (s + mask) + bias: the order of `logit`, which the other passes use.
-          const float z = s[i][j] + mask_r[i] + (bias ? bias_s[qi * (ROWS + 1) + 4 * g + i] : 0.f);
+          // `logit`'s order, (s + mask) + bias, with the bias from the staged tile.
+          const float z = logit(s[i][j], mask, (const T*)nullptr, b, 0, first + 4 * g + i, nk) +
+                          (bias ? bias_s[qi * (ROWS + 1) + 4 * g + i] : 0.f);
           p = weight(z, stats_s[qi]);
           ds = p * (dp[i][j] - delta_s[qi]);
         }
