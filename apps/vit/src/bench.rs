@@ -429,6 +429,46 @@ fn baseline_python() -> anyhow::Result<String> {
     Ok(python)
 }
 
+/// The variable that points inductor at its on-disk cache.
+const INDUCTOR_CACHE: &str = "TORCHINDUCTOR_CACHE_DIR";
+
+/// The baseline's process. Under torch.compile it gets an inductor cache of its own, which
+/// `measure_baseline` removes afterwards: inductor's default cache (`/tmp/torchinductor_$USER`)
+/// is shared by every checkout and every machine that shares `/tmp`, and its keys leave out the
+/// CPU's vector instructions, so a graph cached under AVX-512 and reloaded under AVX2 fails to
+/// build or crashes the process (a bus error here, with `ATEN_CPU_CAPABILITY=avx2`). Each run
+/// pays for its compile, which the warm-up steps keep out of the timing.
+fn baseline_command(python: &str, cfg: &VitConfig, args: &BenchArgs, threads: usize, compile: bool) -> Command {
+    let mut command = Command::new(python);
+    command.arg(BASELINE).args(baseline_args(cfg, args, threads, compile));
+    if compile {
+        let cache = std::env::temp_dir().join(format!("vit-bench-inductor-{}", std::process::id()));
+        command.env(INDUCTOR_CACHE, cache);
+    }
+    command
+}
+
+/// What a failed baseline's stderr says went wrong: its last Python exception line and, where
+/// a compiler ran, the compiler's first error (torch.compile's own last lines are advice on
+/// logging, not the cause).
+fn failure_summary(stderr: &str) -> String {
+    let lines = || stderr.lines().map(str::trim_end).filter(|l| !l.trim().is_empty());
+    let is_exception = |line: &&str| {
+        let Some((name, _)) = line.split_once(':') else { return false };
+        let last = name.rsplit('.').next().unwrap_or(name);
+        !name.starts_with(char::is_whitespace)
+            && name.split('.').all(|part| !part.is_empty() && part.chars().all(|c| c.is_alphanumeric() || c == '_'))
+            && ["Error", "Exception", "Failed", "Interrupt"].iter().any(|end| last.ends_with(end))
+    };
+    let exception = lines().rfind(is_exception);
+    let compiler = lines().find(|l| l.contains("error:") && !is_exception(l));
+    match (exception, compiler) {
+        (Some(e), Some(c)) => format!("{e} [{}]", c.trim()),
+        (Some(line), None) | (None, Some(line)) => line.trim().to_string(),
+        (None, None) => lines().next_back().unwrap_or("no message").trim().to_string(),
+    }
+}
+
 fn measure_baseline(
     python: &str,
     cfg: &VitConfig,
@@ -436,18 +476,17 @@ fn measure_baseline(
     threads: usize,
     compile: bool,
 ) -> anyhow::Result<Throughput> {
-    let output = Command::new(python)
-        .arg(BASELINE)
-        .args(baseline_args(cfg, args, threads, compile))
-        .stdin(Stdio::null())
-        .stderr(Stdio::piped())
-        .output()
-        .with_context(|| format!("running {python} {BASELINE}"))?;
-    // Passed on whole; a failure is named by its last line (a Python exception's message).
+    let mut command = baseline_command(python, cfg, args, threads, compile);
+    let output = command.stdin(Stdio::null()).stderr(Stdio::piped()).output();
+    if let Some((_, Some(cache))) = command.get_envs().find(|(k, _)| *k == INDUCTOR_CACHE) {
+        // Best effort: a cache left behind is only disk space, never read again.
+        let _ = std::fs::remove_dir_all(cache);
+    }
+    let output = output.with_context(|| format!("running {python} {BASELINE}"))?;
+    // Passed on whole; a failure is named by the lines that say what went wrong.
     let stderr = String::from_utf8_lossy(&output.stderr);
     eprint!("{stderr}");
-    let last = stderr.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no message");
-    ensure!(output.status.success(), "{BASELINE} failed ({}): {last}", output.status);
+    ensure!(output.status.success(), "{BASELINE} failed ({}): {}", output.status, failure_summary(&stderr));
     let stdout = String::from_utf8_lossy(&output.stdout);
     let line = stdout
         .lines()
@@ -627,6 +666,40 @@ mod tests {
             "{text}"
         );
         assert!(!text.contains("(PyTorch torch.compile) |"), "{text}");
+    }
+
+    #[test]
+    fn a_compiled_baseline_builds_in_an_inductor_cache_of_its_own() {
+        let args = parse(TINY);
+        let (_, cfg) = args.config().unwrap();
+        let cache_of = |compile| {
+            let command = baseline_command("python3", &cfg, &args, 1, compile);
+            let found = command.get_envs().find(|(k, _)| *k == INDUCTOR_CACHE).and_then(|(_, v)| v);
+            found.map(|v| v.to_owned())
+        };
+        assert_eq!(cache_of(false), None);
+        let cache = std::path::PathBuf::from(cache_of(true).expect("torch.compile's run sets the cache"));
+        assert!(cache.starts_with(std::env::temp_dir()), "{}", cache.display());
+        assert!(cache.to_string_lossy().contains(&std::process::id().to_string()), "{}", cache.display());
+    }
+
+    #[test]
+    fn a_failed_baseline_is_named_by_its_exception_and_its_compiler_error() {
+        // The shape of the CI failure: inductor's C++ compile failing, dynamo's advice last.
+        let stderr = "Traceback (most recent call last):\n  File \"vit_baseline.py\", line 205, in <module>\n    \
+                      main()\ntorch._dynamo.exc.BackendCompilerFailed: backend='inductor' raised:\n\
+                      CppCompileError: C++ compile error\n\nCommand:\ng++ /tmp/x/main.cpp -O3\n\nOutput:\n\
+                      /tmp/x/main.cpp:12:5: error: '__m512' was not declared in this scope\n\
+                      /tmp/x/main.cpp:13:5: error: second\n\n\
+                      Set TORCHDYNAMO_VERBOSE=1 for the internal stack trace\n";
+        assert_eq!(
+            failure_summary(stderr),
+            "CppCompileError: C++ compile error [/tmp/x/main.cpp:12:5: error: '__m512' was not declared in this scope]"
+        );
+        let plain = "Traceback (most recent call last):\n  File \"x.py\", line 1\nRuntimeError: CUDA out of memory\n";
+        assert_eq!(failure_summary(plain), "RuntimeError: CUDA out of memory");
+        assert_eq!(failure_summary("killed\n\n"), "killed");
+        assert_eq!(failure_summary(""), "no message");
     }
 
     #[test]
