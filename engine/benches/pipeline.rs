@@ -106,6 +106,7 @@ fn main() -> anyhow::Result<()> {
         return rank_main(out.into());
     }
     let dir = std::env::temp_dir().join(format!("bench-pipeline-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir)?;
     let (ours_path, theirs_path) = (dir.join("ours.json"), dir.join("torch.json"));
     dist::spawn(&SpawnOptions {

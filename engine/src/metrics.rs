@@ -111,6 +111,7 @@ mod tests {
     #[test]
     fn resume_keeps_records_up_to_the_checkpoint() {
         let dir = std::env::temp_dir().join(format!("engine-metrics-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let record = |step| Step { step, loss: 1.5, val: (step == 2).then_some(0.5) };
         for name in ["m.jsonl", "m.csv"] {
@@ -139,6 +140,7 @@ mod tests {
     #[test]
     fn a_run_without_records_writes_no_file_and_an_unwritable_path_fails_at_open() {
         let dir = std::env::temp_dir().join(format!("engine-metrics-none-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("m.csv");
         drop(Metrics::open::<Step>(&path, None).unwrap());

@@ -355,6 +355,7 @@ fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     let dir: PathBuf = std::env::temp_dir().join(format!("diffusion-bench-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir)?;
     let config_path = dir.join("config.json");
     std::fs::write(&config_path, serde_json::to_string_pretty(&cfg)?)?;

@@ -424,6 +424,7 @@ fn lora_starts_at_the_base_model_trains_only_adapters_and_reloads() {
     }
 
     let dir = std::env::temp_dir().join(format!("diffusion-lora-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let trained = Lora::new(&plain.unet, &plain.unet_vs, 2, 4.0, 99, Device::Cpu).unwrap();
     let start = dir.join("trained.safetensors");
@@ -480,6 +481,7 @@ fn lora_over_the_unet_streamed_by_gemini_equals_lora_over_the_whole_unet() {
 fn a_lora_file_added_for_sampling_equals_its_weights_merged() {
     use diffusion::lora::{Lora, LORA_WEIGHTS};
     let dir = std::env::temp_dir().join(format!("diffusion-lora-file-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     // A file with non-zero adapters on every projection.
     let source = load();
@@ -562,6 +564,7 @@ fn lora_files_of_every_naming_add_what_diffusers_fuses() {
     use diffusion::lora::Lora;
     let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/lora");
     let dir = std::env::temp_dir().join(format!("diffusion-lora-namings-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let cfg = load().unet.config().clone();
     tch::manual_seed(5);

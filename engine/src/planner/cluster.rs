@@ -126,6 +126,7 @@ mod tests {
     #[test]
     fn missing_keys_default_and_unknown_keys_are_named() {
         let dir = std::env::temp_dir().join(format!("cluster-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let good = dir.join("good.json");
         std::fs::write(&good, r#"{"devices_per_node": 4, "peak_flops": 1e12}"#).unwrap();
