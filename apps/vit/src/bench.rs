@@ -26,7 +26,7 @@
 //!   the usual PyTorch recipe; it keeps the layer norms, the residual stream and the weights
 //!   in fp32 (casting them to bf16 for each matmul), so it moves more bytes per step than we
 //!   do and that ratio flatters us.
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
@@ -432,12 +432,13 @@ fn baseline_python() -> anyhow::Result<String> {
 /// The variable that points inductor at its on-disk cache.
 const INDUCTOR_CACHE: &str = "TORCHINDUCTOR_CACHE_DIR";
 
-/// The baseline's process. Under torch.compile it gets an inductor cache of its own, which
-/// `measure_baseline` removes afterwards: inductor's default cache (`/tmp/torchinductor_$USER`)
-/// is shared by every checkout and every machine that shares `/tmp`, and its keys leave out the
-/// CPU's vector instructions, so a graph cached under AVX-512 and reloaded under AVX2 fails to
-/// build or crashes the process (a bus error here, with `ATEN_CPU_CAPABILITY=avx2`). Each run
-/// pays for its compile, which the warm-up steps keep out of the timing.
+/// The baseline's process. Under torch.compile it gets an empty inductor cache of its own,
+/// which `measure_baseline` empties before and removes after: inductor's default cache
+/// (`/tmp/torchinductor_$USER`) is shared by every checkout and every machine that shares
+/// `/tmp`, and its keys leave out the CPU's vector instructions. A graph cached under AVX-512
+/// and reloaded under AVX2 crashed the baseline here (a bus error; heap corruption the other
+/// way round, with `ATEN_CPU_CAPABILITY` choosing), and CI failed building a graph that this
+/// machine had cached. Each run pays for its compile, which the warm-up keeps out of the timing.
 fn baseline_command(python: &str, cfg: &VitConfig, args: &BenchArgs, threads: usize, compile: bool) -> Command {
     let mut command = Command::new(python);
     command.arg(BASELINE).args(baseline_args(cfg, args, threads, compile));
@@ -477,11 +478,17 @@ fn measure_baseline(
     compile: bool,
 ) -> anyhow::Result<Throughput> {
     let mut command = baseline_command(python, cfg, args, threads, compile);
+    let cache = command.get_envs().find(|(k, _)| *k == INDUCTOR_CACHE).and_then(|(_, v)| v).map(PathBuf::from);
+    // Emptied first too: an earlier process with this id may have left one. A cache that is
+    // not there is what both calls want.
+    let clear = || {
+        if let Some(cache) = &cache {
+            let _ = std::fs::remove_dir_all(cache);
+        }
+    };
+    clear();
     let output = command.stdin(Stdio::null()).stderr(Stdio::piped()).output();
-    if let Some((_, Some(cache))) = command.get_envs().find(|(k, _)| *k == INDUCTOR_CACHE) {
-        // Best effort: a cache left behind is only disk space, never read again.
-        let _ = std::fs::remove_dir_all(cache);
-    }
+    clear();
     let output = output.with_context(|| format!("running {python} {BASELINE}"))?;
     // Passed on whole; a failure is named by the lines that say what went wrong.
     let stderr = String::from_utf8_lossy(&output.stderr);
@@ -685,7 +692,8 @@ mod tests {
 
     #[test]
     fn a_failed_baseline_is_named_by_its_exception_and_its_compiler_error() {
-        // The shape of the CI failure: inductor's C++ compile failing, dynamo's advice last.
+        // The shape of the CI failure, inductor's C++ compile failing with dynamo's advice last
+        // (CI's log had cut the compiler's output: this error line is made up).
         let stderr = "Traceback (most recent call last):\n  File \"vit_baseline.py\", line 205, in <module>\n    \
                       main()\ntorch._dynamo.exc.BackendCompilerFailed: backend='inductor' raised:\n\
                       CppCompileError: C++ compile error\n\nCommand:\ng++ /tmp/x/main.cpp -O3\n\nOutput:\n\
