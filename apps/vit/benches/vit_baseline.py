@@ -141,6 +141,11 @@ def main():
     ]
     opt = torch.optim.AdamW(groups, lr=a.lr)
     if a.compile:
+        # `vit bench` gives each run a cache of its own, where a precompiled header (120 MB
+        # for the CPU's C++ kernels, about 3 s to build) would never be used again.
+        from torch._inductor import config as inductor_config
+
+        inductor_config.cpp_cache_precompile_headers = False
         # Parameters stay the module's own: the optimizer and master copies above hold them.
         model = torch.compile(model)
 

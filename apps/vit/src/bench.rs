@@ -429,22 +429,25 @@ fn baseline_python() -> anyhow::Result<String> {
     Ok(python)
 }
 
-/// The variable that points inductor at its on-disk cache.
+/// The variables that point inductor at its cache and Python at its temporary folder (where
+/// inductor keeps its precompiled headers whatever the cache).
 const INDUCTOR_CACHE: &str = "TORCHINDUCTOR_CACHE_DIR";
+const PYTHON_TMPDIR: &str = "TMPDIR";
 
-/// The baseline's process. Under torch.compile it gets an empty inductor cache of its own,
-/// which `measure_baseline` empties before and removes after: inductor's default cache
-/// (`/tmp/torchinductor_$USER`) is shared by every checkout and every machine that shares
-/// `/tmp`, and its keys leave out the CPU's vector instructions. A graph cached under AVX-512
-/// and reloaded under AVX2 crashed the baseline here (a bus error; heap corruption the other
-/// way round, with `ATEN_CPU_CAPABILITY` choosing), and CI failed building a graph that this
-/// machine had cached. Each run pays for its compile, which the warm-up keeps out of the timing.
+/// The baseline's process. Under torch.compile, everything inductor writes goes to a folder of
+/// its own, which `measure_baseline` empties before the run and removes after it. Inductor's
+/// default cache (`/tmp/torchinductor_$USER`) is shared by every checkout, and by every
+/// machine that shares `/tmp`; its keys leave out the CPU's vector instructions. A graph cached
+/// under AVX-512 and reloaded under AVX2 crashed the baseline here (a bus error; heap
+/// corruption the other way round, with `ATEN_CPU_CAPABILITY` choosing), and CI failed
+/// building a graph that this machine had cached. Each run pays for its compile, which the
+/// warm-up keeps out of the timing.
 fn baseline_command(python: &str, cfg: &VitConfig, args: &BenchArgs, threads: usize, compile: bool) -> Command {
     let mut command = Command::new(python);
     command.arg(BASELINE).args(baseline_args(cfg, args, threads, compile));
     if compile {
-        let cache = std::env::temp_dir().join(format!("vit-bench-inductor-{}", std::process::id()));
-        command.env(INDUCTOR_CACHE, cache);
+        let private = std::env::temp_dir().join(format!("vit-bench-inductor-{}", std::process::id()));
+        command.env(INDUCTOR_CACHE, private.join("cache")).env(PYTHON_TMPDIR, private);
     }
     command
 }
@@ -478,17 +481,21 @@ fn measure_baseline(
     compile: bool,
 ) -> anyhow::Result<Throughput> {
     let mut command = baseline_command(python, cfg, args, threads, compile);
-    let cache = command.get_envs().find(|(k, _)| *k == INDUCTOR_CACHE).and_then(|(_, v)| v).map(PathBuf::from);
-    // Emptied first too: an earlier process with this id may have left one. A cache that is
-    // not there is what both calls want.
-    let clear = || {
-        if let Some(cache) = &cache {
-            let _ = std::fs::remove_dir_all(cache);
+    let private = command.get_envs().find(|(k, _)| *k == PYTHON_TMPDIR).and_then(|(_, v)| v).map(PathBuf::from);
+    // A folder that is not there is what removing wants: an earlier process with this id may
+    // have left one, and this run's is not needed after it.
+    let remove = || {
+        if let Some(private) = &private {
+            let _ = std::fs::remove_dir_all(private);
         }
     };
-    clear();
+    remove();
+    if let Some(private) = &private {
+        // Python takes a TMPDIR that does not exist for /tmp, silently.
+        std::fs::create_dir_all(private).with_context(|| format!("creating {}", private.display()))?;
+    }
     let output = command.stdin(Stdio::null()).stderr(Stdio::piped()).output();
-    clear();
+    remove();
     let output = output.with_context(|| format!("running {python} {BASELINE}"))?;
     // Passed on whole; a failure is named by the lines that say what went wrong.
     let stderr = String::from_utf8_lossy(&output.stderr);
@@ -676,18 +683,20 @@ mod tests {
     }
 
     #[test]
-    fn a_compiled_baseline_builds_in_an_inductor_cache_of_its_own() {
+    fn a_compiled_baseline_builds_in_a_folder_of_its_own() {
         let args = parse(TINY);
         let (_, cfg) = args.config().unwrap();
-        let cache_of = |compile| {
+        let env = |compile, key| {
             let command = baseline_command("python3", &cfg, &args, 1, compile);
-            let found = command.get_envs().find(|(k, _)| *k == INDUCTOR_CACHE).and_then(|(_, v)| v);
-            found.map(|v| v.to_owned())
+            let found = command.get_envs().find(|(k, _)| *k == key).and_then(|(_, v)| v);
+            found.map(PathBuf::from)
         };
-        assert_eq!(cache_of(false), None);
-        let cache = std::path::PathBuf::from(cache_of(true).expect("torch.compile's run sets the cache"));
-        assert!(cache.starts_with(std::env::temp_dir()), "{}", cache.display());
-        assert!(cache.to_string_lossy().contains(&std::process::id().to_string()), "{}", cache.display());
+        assert_eq!((env(false, INDUCTOR_CACHE), env(false, PYTHON_TMPDIR)), (None, None));
+        let private = env(true, PYTHON_TMPDIR).expect("torch.compile's run has a temporary folder of its own");
+        assert!(private.starts_with(std::env::temp_dir()) && private != std::env::temp_dir(), "{}", private.display());
+        assert!(private.to_string_lossy().contains(&std::process::id().to_string()), "{}", private.display());
+        let cache = env(true, INDUCTOR_CACHE).expect("and a cache");
+        assert!(cache.starts_with(&private), "{} outside {}", cache.display(), private.display());
     }
 
     #[test]
