@@ -209,9 +209,7 @@ mod tests {
 
     #[test]
     fn round_trip_and_key_errors() {
-        let dir = std::env::temp_dir().join(format!("ckpt-test-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = crate::scratch("safetensors");
         let path = dir.join("model.safetensors");
         let a = store(3);
         save_safetensors(&a, &path).unwrap();

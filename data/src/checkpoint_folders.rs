@@ -175,13 +175,6 @@ fn sync_tree(dir: &Path) -> Result<()> {
 mod tests {
     use super::*;
 
-    fn scratch(name: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("data-ckpt-{}-{name}", std::process::id()));
-        let _ = fs::remove_dir_all(&dir);
-        fs::create_dir_all(&dir).unwrap();
-        dir
-    }
-
     fn save(out: &Path, step: usize, keep: Option<usize>) -> PathBuf {
         let staging = begin(out, step).unwrap();
         fs::create_dir_all(staging.dir().join("unet")).unwrap();
@@ -198,7 +191,7 @@ mod tests {
 
     #[test]
     fn keeps_the_newest_and_latest_names_a_complete_folder() {
-        let out = scratch("keep");
+        let out = crate::scratch("ckpt-keep");
         assert_eq!(latest(&out).unwrap(), None, "nothing committed yet");
         for step in [2, 4, 6, 8] {
             let dir = save(&out, step, Some(2));
@@ -223,7 +216,7 @@ mod tests {
 
     #[test]
     fn a_crashed_attempt_is_never_latest_and_is_cleaned_up() {
-        let out = scratch("crash");
+        let out = crate::scratch("ckpt-crash");
         save(&out, 2, None);
         // A crash while writing step 4 leaves its staging folder, and one during a removal a
         // renamed-away folder: neither is a checkpoint.
@@ -241,7 +234,7 @@ mod tests {
 
     #[test]
     fn a_dangling_latest_is_an_error_naming_it() {
-        let out = scratch("dangling");
+        let out = crate::scratch("ckpt-dangling");
         fs::write(out.join(LATEST), "checkpoint-9").unwrap();
         let err = latest(&out).unwrap_err().to_string();
         assert!(err.contains("latest") && err.contains("checkpoint-9"), "{err}");

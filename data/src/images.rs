@@ -179,9 +179,7 @@ mod tests {
 
     #[test]
     fn png_round_trip_and_bad_channel_count() {
-        let dir = std::env::temp_dir().join(format!("data-png-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = crate::scratch("png");
         let pixels: Vec<f32> = (0..3 * 4 * 5).map(|i| (i % 7) as f32 / 6.0).collect();
         let img = Image::new(3, 4, 5, pixels);
         let path = dir.join("x.png");

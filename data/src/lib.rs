@@ -89,17 +89,20 @@ pub fn write_atomic<E: From<Error>>(
     result
 }
 
+/// A fresh, empty folder for the crate's unit test `name`, private to this process (emptied
+/// first: a crashed earlier process with this id may have left one).
+#[cfg(test)]
+pub(crate) fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("data-test-{}-{name}", std::process::id()));
+    let _ = fs::remove_dir_all(&dir);
+    fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::io::Write;
-
-    fn scratch(name: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("data-test-{}-{name}", std::process::id()));
-        let _ = fs::remove_dir_all(&dir);
-        fs::create_dir_all(&dir).unwrap();
-        dir
-    }
 
     #[test]
     fn writes_the_whole_file() {

@@ -423,9 +423,7 @@ fn lora_starts_at_the_base_model_trains_only_adapters_and_reloads() {
         assert!(t.equal(&base[&name]), "{name}: the UNet's own weights stay as they were");
     }
 
-    let dir = std::env::temp_dir().join(format!("diffusion-lora-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = suite_tests::scratch("diffusion", "lora");
     let trained = Lora::new(&plain.unet, &plain.unet_vs, 2, 4.0, 99, Device::Cpu).unwrap();
     let start = dir.join("trained.safetensors");
     let scale_folded: Vec<(String, Tensor)> = adapters
@@ -480,9 +478,7 @@ fn lora_over_the_unet_streamed_by_gemini_equals_lora_over_the_whole_unet() {
 #[test]
 fn a_lora_file_added_for_sampling_equals_its_weights_merged() {
     use diffusion::lora::{Lora, LORA_WEIGHTS};
-    let dir = std::env::temp_dir().join(format!("diffusion-lora-file-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = suite_tests::scratch("diffusion", "lora-file");
     // A file with non-zero adapters on every projection.
     let source = load();
     let lora = Lora::new(&source.unet, &source.unet_vs, 2, 2.0, 4, Device::Cpu).unwrap();
@@ -563,9 +559,7 @@ fn a_lora_file_added_for_sampling_equals_its_weights_merged() {
 fn lora_files_of_every_naming_add_what_diffusers_fuses() {
     use diffusion::lora::Lora;
     let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/lora");
-    let dir = std::env::temp_dir().join(format!("diffusion-lora-namings-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = suite_tests::scratch("diffusion", "lora-namings");
     let cfg = load().unet.config().clone();
     tch::manual_seed(5);
     let x = Tensor::randn([1, cfg.in_channels, 8, 8], (Kind::Float, Device::Cpu));

@@ -92,9 +92,7 @@ fn each_class_fills_the_keys_a_file_lacks_with_its_own_defaults() {
     // Keys a file names win over every class's default; absent ones take DDIM's when DDIM reads.
     let sd15 = config("sd15_pndm", SchedulerClass::Ddim);
     assert!(!sd15.set_alpha_to_one && sd15.clip_sample.is_none() && sd15.steps_offset == 1);
-    let dir = std::env::temp_dir().join(format!("diffusion-sched-defaults-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = suite_tests::scratch("diffusion", "sched-defaults");
     let path = dir.join("scheduler_config.json");
     std::fs::write(&path, "{}").unwrap();
     let ddim = SchedulerConfig::from_file(&path, SchedulerClass::Ddim).unwrap();
@@ -162,9 +160,7 @@ fn ddpm_training_quantities_match_diffusers() {
 
 #[test]
 fn bad_configs_and_arguments_are_errors() {
-    let dir = std::env::temp_dir().join(format!("diffusion-sched-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = suite_tests::scratch("diffusion", "sched");
     let path = dir.join("scheduler_config.json");
     for (json, class, key) in [
         (r#"{"beta_schedule": "cosine"}"#, SchedulerClass::Ddim, "beta_schedule"),

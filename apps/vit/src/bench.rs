@@ -441,15 +441,21 @@ const PYTHON_TMPDIR: &str = "TMPDIR";
 /// under AVX-512 and reloaded under AVX2 crashed the baseline here (a bus error; heap
 /// corruption the other way round, with `ATEN_CPU_CAPABILITY` choosing), and CI failed
 /// building a graph that this machine had cached. Each run pays for its compile, which the
-/// warm-up keeps out of the timing.
-fn baseline_command(python: &str, cfg: &VitConfig, args: &BenchArgs, threads: usize, compile: bool) -> Command {
+/// warm-up keeps out of the timing. Returns the command and that folder.
+fn baseline_command(
+    python: &str,
+    cfg: &VitConfig,
+    args: &BenchArgs,
+    threads: usize,
+    compile: bool,
+) -> (Command, Option<PathBuf>) {
     let mut command = Command::new(python);
     command.arg(BASELINE).args(baseline_args(cfg, args, threads, compile));
-    if compile {
-        let private = std::env::temp_dir().join(format!("vit-bench-inductor-{}", std::process::id()));
+    let private = compile.then(|| std::env::temp_dir().join(format!("vit-bench-inductor-{}", std::process::id())));
+    if let Some(private) = &private {
         command.env(INDUCTOR_CACHE, private.join("cache")).env(PYTHON_TMPDIR, private);
     }
-    command
+    (command, private)
 }
 
 /// What a failed baseline's stderr says went wrong: its last Python exception line and, where
@@ -480,8 +486,7 @@ fn measure_baseline(
     threads: usize,
     compile: bool,
 ) -> anyhow::Result<Throughput> {
-    let mut command = baseline_command(python, cfg, args, threads, compile);
-    let private = command.get_envs().find(|(k, _)| *k == PYTHON_TMPDIR).and_then(|(_, v)| v).map(PathBuf::from);
+    let (mut command, private) = baseline_command(python, cfg, args, threads, compile);
     // A folder that is not there is what removing wants: an earlier process with this id may
     // have left one, and this run's is not needed after it.
     let remove = || {
@@ -687,7 +692,7 @@ mod tests {
         let args = parse(TINY);
         let (_, cfg) = args.config().unwrap();
         let env = |compile, key| {
-            let command = baseline_command("python3", &cfg, &args, 1, compile);
+            let (command, _) = baseline_command("python3", &cfg, &args, 1, compile);
             let found = command.get_envs().find(|(k, _)| *k == key).and_then(|(_, v)| v);
             found.map(PathBuf::from)
         };

@@ -63,10 +63,7 @@ pub(crate) fn square_sum(t: &Tensor) -> Result<Tensor> {
         let x = flat.f_narrow(0, at, len)?.f_to_kind(Kind::Double)?;
         Ok(x.f_dot(&x)?)
     };
-    if n <= SQUARE_SLICE {
-        return slice(0, n);
-    }
-    let mut sum = slice(0, SQUARE_SLICE)?;
+    let mut sum = slice(0, SQUARE_SLICE.min(n))?;
     for at in (SQUARE_SLICE..n).step_by(SQUARE_SLICE as usize) {
         sum = sum.f_add(&slice(at, SQUARE_SLICE.min(n - at))?)?;
     }
