@@ -152,17 +152,14 @@ fn images_per_second(args: &Args, dataset: Arc<dyn Dataset>) -> anyhow::Result<f
 
 /// torchvision's rates for the JPEG folder and the HDF5 file, in that order.
 fn baseline(args: &Args, folder: &Path, h5: &Path) -> anyhow::Result<(f64, f64)> {
-    let out = Command::new(&args.python)
-        .arg(BASELINE)
-        .args(["--folder", &folder.to_string_lossy(), "--h5", &h5.to_string_lossy()])
-        .args(["--workers", &args.workers.to_string(), "--batch", &args.batch.to_string()])
-        .args(["--seconds", &args.seconds.to_string(), "--crop", &CROP.to_string()])
-        .output()
-        .with_context(|| format!("running {}", args.python.display()))?;
-    if !out.status.success() {
-        bail!("{BASELINE} failed:\n{}", String::from_utf8_lossy(&out.stderr));
-    }
-    let text = String::from_utf8_lossy(&out.stdout);
+    let text = engine::baseline::run(
+        Command::new(&args.python)
+            .arg(BASELINE)
+            .args(["--folder", &folder.to_string_lossy(), "--h5", &h5.to_string_lossy()])
+            .args(["--workers", &args.workers.to_string(), "--batch", &args.batch.to_string()])
+            .args(["--seconds", &args.seconds.to_string(), "--crop", &CROP.to_string()]),
+        BASELINE,
+    )?;
     let rate = |key: &str| -> anyhow::Result<f64> {
         let line = text.lines().find(|l| l.starts_with(key)).with_context(|| format!("no {key} in:\n{text}"))?;
         Ok(line[key.len()..].trim().parse()?)

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use engine::dist::{self, InitOptions, ProcessGroup, ReduceOp, SpawnOptions};
 use tch::{Device, Kind, Tensor};
 
@@ -109,17 +109,15 @@ fn main() -> anyhow::Result<()> {
         heartbeat: None,
     })?;
 
-    let python = std::env::var("SUITE_PYTHON").context("SUITE_PYTHON is not set: run scripts/setup.sh")?;
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("benches/collectives_baseline.py");
-    let status = Command::new(&python)
-        .arg(&script)
-        .arg(&theirs_path)
-        .env("OMP_NUM_THREADS", std::env::var("OMP_NUM_THREADS").unwrap_or_else(|_| "1".into()))
-        .status()
-        .with_context(|| format!("running {}", script.display()))?;
-    if !status.success() {
-        bail!("the PyTorch baseline failed ({status})");
-    }
+    // It writes its figures to a file, beside ours.
+    engine::baseline::run(
+        Command::new(engine::baseline::python()?)
+            .arg(&script)
+            .arg(&theirs_path)
+            .env("OMP_NUM_THREADS", std::env::var("OMP_NUM_THREADS").unwrap_or_else(|_| "1".into())),
+        "the PyTorch baseline",
+    )?;
 
     let (ours, theirs) = (read(&ours_path)?, read(&theirs_path)?);
     println!("\nbus bandwidth, {RANKS} ranks, Gloo on loopback, CPU float32 tensors (GB/s)");

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Instant;
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use engine::dist::{self, InitOptions, SpawnOptions};
 use engine::optim::Param;
 use engine::parallel::pipeline::{
@@ -118,17 +118,15 @@ fn main() -> anyhow::Result<()> {
         heartbeat: None,
     })?;
 
-    let python = std::env::var("SUITE_PYTHON").context("SUITE_PYTHON is not set: run scripts/setup.sh")?;
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("benches/pipeline_baseline.py");
-    let status = Command::new(&python)
-        .arg(&script)
-        .arg(&theirs_path)
-        .args([LAYERS, WIDTH as usize, BATCH as usize, MICRO, WARMUP, STEPS].map(|n| n.to_string()))
-        .status()
-        .with_context(|| format!("running {}", script.display()))?;
-    if !status.success() {
-        bail!("the PyTorch baseline failed ({status})");
-    }
+    // It writes its figures to a file, beside ours.
+    engine::baseline::run(
+        Command::new(engine::baseline::python()?)
+            .arg(&script)
+            .arg(&theirs_path)
+            .args([LAYERS, WIDTH as usize, BATCH as usize, MICRO, WARMUP, STEPS].map(|n| n.to_string())),
+        "the PyTorch baseline",
+    )?;
 
     let (ours, theirs) = (read(&ours_path)?, read(&theirs_path)?);
     let predicted = |kind: ScheduleKind, v: usize| -> anyhow::Result<f64> {

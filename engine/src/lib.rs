@@ -3,12 +3,13 @@
 //! extensions (custom functions, gradient hooks, differentiable and asynchronous collectives,
 //! activation checkpointing), optimizers and schedules, Gemini, and CUDA utilities; and what
 //! every job command shares: its flags ([`job`]), device ([`device`]), progress bar
-//! ([`progress`]), training log ([`metrics`]) and process facts ([`process`]). Tensors are
-//! tch's; the few libtorch internals tch does not expose go through one small C++ bridge
-//! (`csrc/`).
+//! ([`progress`]), training log ([`metrics`]) and process facts ([`process`]); and how every
+//! benchmark runs its baseline ([`baseline`]). Tensors are tch's; the few libtorch internals
+//! tch does not expose go through one small C++ bridge (`csrc/`).
 #![warn(missing_docs)]
 
 pub mod autograd;
+pub mod baseline;
 pub mod cuda;
 pub mod device;
 pub mod dist;

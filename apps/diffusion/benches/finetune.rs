@@ -10,7 +10,7 @@
 //! own process, so every peak (the allocator's on a GPU, the resident set on the CPU) is its own.
 //! SDXL's steps add its pooled text and size/crop time ids (random, as the text states).
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Instant;
 
 use anyhow::{ensure, Context};
@@ -271,24 +271,18 @@ fn child(which: &str) -> anyhow::Result<Measured> {
     parse_child(cmd, &format!("ours ({which})"))
 }
 
-/// Runs `cmd` and reads the JSON line it prints last.
+/// Runs `cmd` and reads the figures it prints last.
 fn parse_child(mut cmd: Command, what: &str) -> anyhow::Result<Measured> {
-    let output =
-        cmd.stdin(Stdio::null()).stderr(Stdio::inherit()).output().with_context(|| format!("running {what}"))?;
-    ensure!(output.status.success(), "{what} failed ({})", output.status);
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let line =
-        stdout.lines().rev().find(|l| l.starts_with('{')).with_context(|| format!("{what} printed no JSON line"))?;
-    let json: serde_json::Value = serde_json::from_str(line)?;
-    let seconds_per_step =
-        json["seconds_per_step"].as_f64().with_context(|| format!("no seconds_per_step in {line}"))?;
-    Ok(Measured { seconds_per_step, peak_bytes: json["peak_bytes"].as_u64(), parameters: json["parameters"].as_u64() })
+    let json = engine::baseline::last_json(&engine::baseline::run(&mut cmd, what)?, what)?;
+    Ok(Measured {
+        seconds_per_step: engine::baseline::number(&json, "seconds_per_step")?,
+        peak_bytes: json["peak_bytes"].as_u64(),
+        parameters: json["parameters"].as_u64(),
+    })
 }
 
 fn diffusers(args: &Args, config_path: &Path) -> anyhow::Result<Measured> {
-    let python = std::env::var("SUITE_PYTHON")
-        .context("SUITE_PYTHON is not set: run through scripts/bench-diffusion.sh or cargo (or pass --no-baseline)")?;
-    let mut cmd = Command::new(&python);
+    let mut cmd = Command::new(engine::baseline::python()?);
     cmd.arg(BASELINE)
         .arg(config_path)
         .args(["--device", if args.device.resolve() == DeviceKind::Cpu { "cpu" } else { "cuda" }])

@@ -5,10 +5,10 @@
 //! `cargo bench -p fastfold --bench evoformer -- --residues 256 --sequences 128 --device cuda`
 //! is the shape OpenFold and FastFold report; `scripts/bench-fastfold.sh` runs it.
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Instant;
 
-use anyhow::{ensure, Context};
+use anyhow::ensure;
 use clap::Parser;
 use engine::device::DeviceKind;
 use engine::parallel::dap::Dap;
@@ -164,26 +164,21 @@ fn main() -> anyhow::Result<()> {
     .map(|(k, t)| (k.to_string(), t.shallow_clone()))
     .collect();
     data::checkpoint::save_npz(&named, &inputs_path)?;
-    let python = std::env::var("SUITE_PYTHON")
-        .context("SUITE_PYTHON is not set: run through scripts/bench-fastfold.sh or cargo (or pass --no-baseline)")?;
-    let output = Command::new(&python)
-        .arg(BASELINE)
-        .arg(&params_path)
-        .arg(&inputs_path)
-        .args(["--device", if device == Device::Cpu { "cpu" } else { "cuda" }])
-        .args(["--precision", if args.bf16 { "bf16" } else { "fp32" }])
-        .args(["--iters", &args.iters.to_string(), "--warmup", &args.warmup.to_string()])
-        .args(["--threads", &args.threads.to_string()])
-        .stdin(Stdio::null())
-        .stderr(Stdio::inherit())
-        .output()
-        .with_context(|| format!("running {python} {BASELINE}"))?;
+    let python = engine::baseline::python()?;
+    let stdout = engine::baseline::run(
+        Command::new(&python)
+            .arg(BASELINE)
+            .arg(&params_path)
+            .arg(&inputs_path)
+            .args(["--device", if device == Device::Cpu { "cpu" } else { "cuda" }])
+            .args(["--precision", if args.bf16 { "bf16" } else { "fp32" }])
+            .args(["--iters", &args.iters.to_string(), "--warmup", &args.warmup.to_string()])
+            .args(["--threads", &args.threads.to_string()]),
+        BASELINE,
+    );
     let _ = std::fs::remove_dir_all(&dir);
-    ensure!(output.status.success(), "{BASELINE} failed ({})", output.status);
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let line = stdout.lines().rev().find(|l| l.starts_with('{')).context("the baseline printed no JSON line")?;
-    let json: serde_json::Value = serde_json::from_str(line)?;
-    let num = |k: &str| json[k].as_f64().with_context(|| format!("no {k} in {line}"));
+    let json = engine::baseline::last_json(&stdout?, BASELINE)?;
+    let num = |k: &str| engine::baseline::number(&json, k);
     let (bf, bfb, diff) = (num("forward_ms")?, num("forward_backward_ms")?, num("max_abs_diff")?);
     let tolerance = if args.bf16 { 0.5 } else { 1e-3 };
     ensure!(diff <= tolerance, "the baseline's outputs differ from ours by {diff} (tolerance {tolerance})");

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
-use anyhow::{bail, ensure, Context};
+use anyhow::{ensure, Context};
 use clap::Parser;
 use engine::parallel::dap::Dap;
 use fastfold::features::Features;
@@ -85,33 +85,24 @@ fn main() -> anyhow::Result<()> {
 
 /// AlphaFold's figures (and its first, compiling, call's seconds) and ours for `n` residues.
 fn compare(args: &Args, n: usize, dir: &Path) -> anyhow::Result<(Figures, f64, Figures)> {
-    let out = Command::new(&args.python)
-        .arg(BASELINE)
-        .args(["--residues", &n.to_string(), "--recycles", &args.recycles.to_string()])
-        .arg("--out")
-        .arg(dir)
-        .output()
-        .with_context(|| format!("running {}", args.python.display()))?;
-    if !out.status.success() {
-        bail!("{BASELINE} failed:\n{}", String::from_utf8_lossy(&out.stderr));
-    }
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let line = stdout.lines().rfind(|l| l.starts_with('{')).with_context(|| format!("no figures in:\n{stdout}"))?;
-    let json: serde_json::Value = serde_json::from_str(line)?;
-    let number = |key: &str| json[key].as_f64().with_context(|| format!("no {key} in {line}"));
+    let stdout = engine::baseline::run(
+        Command::new(&args.python)
+            .arg(BASELINE)
+            .args(["--residues", &n.to_string(), "--recycles", &args.recycles.to_string()])
+            .arg("--out")
+            .arg(dir),
+        BASELINE,
+    )?;
+    let json = engine::baseline::last_json(&stdout, BASELINE)?;
+    let number = |key: &str| engine::baseline::number(&json, key);
     let theirs = Figures { seconds: number("seconds")?, peak_bytes: number("peak_bytes")? as u64 };
 
     let me = std::env::current_exe()?;
-    let out = Command::new(me)
-        .arg("--ours")
-        .arg(dir)
-        .args(["--recycles", &args.recycles.to_string()])
-        .output()
-        .context("running our side")?;
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let Some(fields) = stdout.lines().find_map(|l| l.strip_prefix("ours ")) else {
-        bail!("our side failed:\n{stdout}{}", String::from_utf8_lossy(&out.stderr));
-    };
+    let stdout = engine::baseline::run(
+        Command::new(me).arg("--ours").arg(dir).args(["--recycles", &args.recycles.to_string()]),
+        "our side",
+    )?;
+    let fields = stdout.lines().find_map(|l| l.strip_prefix("ours ")).context("our side printed no figures")?;
     let mut fields = fields.split(' ');
     let mut next = || fields.next().context("short figures line");
     let mine = Figures { seconds: next()?.parse()?, peak_bytes: next()?.parse()? };

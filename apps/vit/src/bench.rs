@@ -27,7 +27,7 @@
 //!   in fp32 (casting them to bf16 for each matmul), so it moves more bytes per step than we
 //!   do and that ratio flatters us.
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Instant;
 
 use anyhow::{bail, ensure, Context};
@@ -418,15 +418,10 @@ fn baseline_args(cfg: &VitConfig, args: &BenchArgs, threads: usize, compile: boo
     a
 }
 
-/// The interpreter from `SUITE_PYTHON` (which `cargo run` sets from .cargo/config.toml), once
-/// the baseline script is known to exist.
+/// The baseline's interpreter, once its script is known to exist.
 fn baseline_python() -> anyhow::Result<String> {
-    let python = std::env::var("SUITE_PYTHON").context(
-        "SUITE_PYTHON is not set: run scripts/setup.sh and start the bench through cargo, or set it to a Python \
-         with torch (or pass --no-baseline)",
-    )?;
     ensure!(Path::new(BASELINE).is_file(), "the baseline script {BASELINE} is missing");
-    Ok(python)
+    engine::baseline::python()
 }
 
 /// The variables that point inductor at its cache and Python at its temporary folder (where
@@ -458,27 +453,6 @@ fn baseline_command(
     (command, private)
 }
 
-/// What a failed baseline's stderr says went wrong: its last Python exception line and, where
-/// a compiler ran, the compiler's first error (torch.compile's own last lines are advice on
-/// logging, not the cause).
-fn failure_summary(stderr: &str) -> String {
-    let lines = || stderr.lines().map(str::trim_end).filter(|l| !l.trim().is_empty());
-    let is_exception = |line: &&str| {
-        let Some((name, _)) = line.split_once(':') else { return false };
-        let last = name.rsplit('.').next().unwrap_or(name);
-        !name.starts_with(char::is_whitespace)
-            && name.split('.').all(|part| !part.is_empty() && part.chars().all(|c| c.is_alphanumeric() || c == '_'))
-            && ["Error", "Exception", "Failed", "Interrupt"].iter().any(|end| last.ends_with(end))
-    };
-    let exception = lines().rfind(is_exception);
-    let compiler = lines().find(|l| l.contains("error:") && !is_exception(l));
-    match (exception, compiler) {
-        (Some(e), Some(c)) => format!("{e} [{}]", c.trim()),
-        (Some(line), None) | (None, Some(line)) => line.trim().to_string(),
-        (None, None) => lines().next_back().unwrap_or("no message").trim().to_string(),
-    }
-}
-
 fn measure_baseline(
     python: &str,
     cfg: &VitConfig,
@@ -499,22 +473,10 @@ fn measure_baseline(
         // Python takes a TMPDIR that does not exist for /tmp, silently.
         std::fs::create_dir_all(private).with_context(|| format!("creating {}", private.display()))?;
     }
-    let output = command.stdin(Stdio::null()).stderr(Stdio::piped()).output();
+    let stdout = engine::baseline::run(&mut command, BASELINE);
     remove();
-    let output = output.with_context(|| format!("running {python} {BASELINE}"))?;
-    // Passed on whole; a failure is named by the lines that say what went wrong.
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    eprint!("{stderr}");
-    ensure!(output.status.success(), "{BASELINE} failed ({}): {}", output.status, failure_summary(&stderr));
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let line = stdout
-        .lines()
-        .rev()
-        .find(|l| l.trim_start().starts_with('{'))
-        .with_context(|| format!("{BASELINE} printed no JSON line; its output was:\n{stdout}"))?;
-    let json: serde_json::Value =
-        serde_json::from_str(line).with_context(|| format!("parsing the baseline's output {line:?}"))?;
-    let number = |key: &str| json[key].as_f64().with_context(|| format!("no number {key:?} in {line}"));
+    let json = engine::baseline::last_json(&stdout?, BASELINE)?;
+    let number = |key: &str| engine::baseline::number(&json, key);
     Ok(Throughput {
         images_per_s: number("images_per_s")?,
         steps: number("steps")? as usize,
@@ -702,26 +664,6 @@ mod tests {
         assert!(private.to_string_lossy().contains(&std::process::id().to_string()), "{}", private.display());
         let cache = env(true, INDUCTOR_CACHE).expect("and a cache");
         assert!(cache.starts_with(&private), "{} outside {}", cache.display(), private.display());
-    }
-
-    #[test]
-    fn a_failed_baseline_is_named_by_its_exception_and_its_compiler_error() {
-        // The shape of the CI failure, inductor's C++ compile failing with dynamo's advice last
-        // (CI's log had cut the compiler's output: this error line is made up).
-        let stderr = "Traceback (most recent call last):\n  File \"vit_baseline.py\", line 205, in <module>\n    \
-                      main()\ntorch._dynamo.exc.BackendCompilerFailed: backend='inductor' raised:\n\
-                      CppCompileError: C++ compile error\n\nCommand:\ng++ /tmp/x/main.cpp -O3\n\nOutput:\n\
-                      /tmp/x/main.cpp:12:5: error: '__m512' was not declared in this scope\n\
-                      /tmp/x/main.cpp:13:5: error: second\n\n\
-                      Set TORCHDYNAMO_VERBOSE=1 for the internal stack trace\n";
-        assert_eq!(
-            failure_summary(stderr),
-            "CppCompileError: C++ compile error [/tmp/x/main.cpp:12:5: error: '__m512' was not declared in this scope]"
-        );
-        let plain = "Traceback (most recent call last):\n  File \"x.py\", line 1\nRuntimeError: CUDA out of memory\n";
-        assert_eq!(failure_summary(plain), "RuntimeError: CUDA out of memory");
-        assert_eq!(failure_summary("killed\n\n"), "killed");
-        assert_eq!(failure_summary(""), "no message");
     }
 
     #[test]
