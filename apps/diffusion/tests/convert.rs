@@ -23,10 +23,7 @@ fn convert_fixture(v: &str) -> PathBuf {
 }
 
 fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("diffusion-convert-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    suite_tests::scratch("diffusion-convert", name)
 }
 
 fn read(path: &Path) -> HashMap<String, Tensor> {

@@ -33,10 +33,7 @@ const FLAGS: [&str; 11] = [
 ];
 
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("diffusion-ckpt-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    suite_tests::scratch("diffusion-ckpt", name)
 }
 
 /// The image folder every run trains on.

@@ -43,10 +43,7 @@ fn load() -> StableDiffusion {
 
 /// A fresh folder under the system temp dir for one test.
 fn scratch(test: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("diffusion-sdxl-{}-{test}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    suite_tests::scratch("diffusion-sdxl", test)
 }
 
 fn copy_tree(from: &Path, to: &Path) {

@@ -13,10 +13,7 @@ fn fixtures() -> PathBuf {
 }
 
 fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("diffusion-single-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    suite_tests::scratch("diffusion-single", name)
 }
 
 #[test]

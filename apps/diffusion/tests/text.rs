@@ -34,10 +34,7 @@ fn assert_close(got: &Tensor, want: &Tensor, tol: f64, what: &str) {
 }
 
 fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("diffusion-text-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    suite_tests::scratch("diffusion-text", name)
 }
 
 #[test]

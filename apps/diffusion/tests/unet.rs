@@ -25,10 +25,7 @@ fn load(name: &str) -> (tch::nn::VarStore, UNet2DConditionModel) {
 
 /// A fresh folder under the system temp dir for one test.
 fn scratch(test: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("diffusion-unet-{}-{test}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    suite_tests::scratch("diffusion-unet", test)
 }
 
 fn check_against_diffusers(name: &str) {

@@ -143,9 +143,7 @@ mod tests {
     use super::*;
 
     fn scratch(name: &str, files: &[&str]) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("fastfold-models-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
+        let d = suite_tests::scratch("fastfold-models", name);
         for f in files {
             std::fs::write(d.join(f), b"").unwrap();
         }

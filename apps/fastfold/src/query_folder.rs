@@ -148,10 +148,7 @@ mod tests {
     use super::*;
 
     fn scratch(name: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("fastfold-query-folder-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        dir
+        suite_tests::scratch("fastfold-query-folder", name)
     }
 
     fn names(dir: &Path) -> std::collections::BTreeSet<String> {

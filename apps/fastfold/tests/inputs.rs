@@ -8,10 +8,7 @@ use fastfold::residue_constants as rc;
 use tch::{Device, Kind, Tensor};
 
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("fastfold-inputs-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    suite_tests::scratch("fastfold-inputs", name)
 }
 
 fn fixture(name: &str) -> PathBuf {

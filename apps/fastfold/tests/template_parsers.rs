@@ -48,10 +48,7 @@ fn query() -> String {
 }
 
 fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("fastfold-template-parsers-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    suite_tests::scratch("fastfold-template-parsers", name)
 }
 
 #[test]

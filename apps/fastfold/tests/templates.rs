@@ -16,10 +16,7 @@ const F: (Kind, Device) = (Kind::Float, Device::Cpu);
 const SEQ: &str = "MRFKGS";
 
 fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("fastfold-templates-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    suite_tests::scratch("fastfold-templates", name)
 }
 
 /// Standard dihedral angle of four points (radians), by the cross-product formula.

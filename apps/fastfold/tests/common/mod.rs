@@ -10,10 +10,7 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_fastfold");
 
 /// An empty scratch folder `fastfold-<binary>-<pid>-<name>` under the temp dir.
 pub fn scratch(binary: &str, name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("fastfold-{binary}-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    suite_tests::scratch(&format!("fastfold-{binary}"), name)
 }
 
 /// One tiny parameter file shared by every test of a binary (drawn once: the draw uses
