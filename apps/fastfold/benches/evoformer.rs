@@ -164,9 +164,8 @@ fn main() -> anyhow::Result<()> {
     .map(|(k, t)| (k.to_string(), t.shallow_clone()))
     .collect();
     data::checkpoint::save_npz(&named, &inputs_path)?;
-    let python = engine::baseline::python()?;
     let stdout = engine::baseline::run(
-        Command::new(&python)
+        Command::new(engine::baseline::python()?)
             .arg(BASELINE)
             .arg(&params_path)
             .arg(&inputs_path)
