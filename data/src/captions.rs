@@ -225,7 +225,6 @@ mod tests {
     use image::{Rgb, RgbImage};
 
     use super::*;
-    use crate::folder::tests::Scratch;
 
     /// A `w` x `h` PNG whose red channel rises left to right.
     fn png(path: &Path, w: u32, h: u32) {
@@ -234,65 +233,65 @@ mod tests {
 
     #[test]
     fn captions_from_metadata_side_files_or_an_instance_prompt() {
-        let s = Scratch::new("captions-sources");
-        png(&s.0.join("b.png"), 8, 6);
-        png(&s.0.join("a.jpg"), 6, 8);
+        let s = crate::scratch("captions-sources");
+        png(&s.join("b.png"), 8, 6);
+        png(&s.join("a.jpg"), 6, 8);
         // Side files.
-        fs::write(s.0.join("a.txt"), "a photo of a cat\n").unwrap();
-        fs::write(s.0.join("b.txt"), "a dog").unwrap();
-        let d = CaptionedImages::open(&s.0, None).unwrap();
+        fs::write(s.join("a.txt"), "a photo of a cat\n").unwrap();
+        fs::write(s.join("b.txt"), "a dog").unwrap();
+        let d = CaptionedImages::open(&s, None).unwrap();
         assert_eq!(d.len(), 2);
         assert_eq!((d.file(0).file_name().unwrap(), d.caption(0)), ("a.jpg".as_ref(), "a photo of a cat"));
         // DreamBooth.
-        let d = CaptionedImages::open(&s.0, Some("a photo of sks dog")).unwrap();
+        let d = CaptionedImages::open(&s, Some("a photo of sks dog")).unwrap();
         assert!((0..2).all(|i| d.caption(i) == "a photo of sks dog"));
         // metadata.jsonl wins over side files.
         fs::write(
-            s.0.join("metadata.jsonl"),
+            s.join("metadata.jsonl"),
             "{\"file_name\": \"b.png\", \"text\": \"from metadata\"}\n\n{\"file_name\": \"a.jpg\", \"text\": \"second\"}\n",
         )
         .unwrap();
-        let d = CaptionedImages::open(&s.0, None).unwrap();
+        let d = CaptionedImages::open(&s, None).unwrap();
         assert_eq!((d.caption(0), d.caption(1)), ("from metadata", "second"));
     }
 
     #[test]
     fn missing_captions_bad_metadata_and_corrupt_images_are_named() {
-        let s = Scratch::new("captions-errors");
-        png(&s.0.join("a.png"), 8, 8);
-        let err = CaptionedImages::open(&s.0, None).unwrap_err().to_string();
+        let s = crate::scratch("captions-errors");
+        png(&s.join("a.png"), 8, 8);
+        let err = CaptionedImages::open(&s, None).unwrap_err().to_string();
         assert!(err.contains("a.png: no caption: expected") && err.contains("a.txt"), "{err}");
-        fs::write(s.0.join("a.txt"), b"\xff\xfe not UTF-8").unwrap();
-        let err = CaptionedImages::open(&s.0, None).unwrap_err().to_string();
+        fs::write(s.join("a.txt"), b"\xff\xfe not UTF-8").unwrap();
+        let err = CaptionedImages::open(&s, None).unwrap_err().to_string();
         assert!(err.contains("a.txt: caption of") && err.contains("UTF-8"), "{err}");
-        fs::remove_file(s.0.join("a.txt")).unwrap();
-        fs::write(s.0.join("metadata.jsonl"), "{\"file_name\": \"a.png\"}\n").unwrap();
-        let err = CaptionedImages::open(&s.0, None).unwrap_err().to_string();
+        fs::remove_file(s.join("a.txt")).unwrap();
+        fs::write(s.join("metadata.jsonl"), "{\"file_name\": \"a.png\"}\n").unwrap();
+        let err = CaptionedImages::open(&s, None).unwrap_err().to_string();
         assert!(err.contains("metadata.jsonl: line 1: expected"), "{err}");
-        fs::write(s.0.join("metadata.jsonl"), "{\"file_name\": \"gone.png\", \"text\": \"x\"}\n").unwrap();
-        let err = CaptionedImages::open(&s.0, None).unwrap_err().to_string();
+        fs::write(s.join("metadata.jsonl"), "{\"file_name\": \"gone.png\", \"text\": \"x\"}\n").unwrap();
+        let err = CaptionedImages::open(&s, None).unwrap_err().to_string();
         assert!(err.contains("line 1:") && err.contains("gone.png does not exist"), "{err}");
-        fs::write(s.0.join("metadata.jsonl"), "").unwrap();
-        let err = CaptionedImages::open(&s.0, None).unwrap_err().to_string();
+        fs::write(s.join("metadata.jsonl"), "").unwrap();
+        let err = CaptionedImages::open(&s, None).unwrap_err().to_string();
         assert!(err.contains("a.png: no caption: not listed in"), "{err}");
         // A byte-order mark is skipped; hidden files (macOS's `._a.png`) are not images.
-        fs::write(s.0.join("metadata.jsonl"), "\u{feff}{\"file_name\": \"a.png\", \"text\": \"x\"}\n").unwrap();
-        fs::write(s.0.join("._a.png"), b"AppleDouble").unwrap();
-        assert_eq!(CaptionedImages::open(&s.0, None).unwrap().len(), 1);
-        fs::remove_file(s.0.join("._a.png")).unwrap();
+        fs::write(s.join("metadata.jsonl"), "\u{feff}{\"file_name\": \"a.png\", \"text\": \"x\"}\n").unwrap();
+        fs::write(s.join("._a.png"), b"AppleDouble").unwrap();
+        assert_eq!(CaptionedImages::open(&s, None).unwrap().len(), 1);
+        fs::remove_file(s.join("._a.png")).unwrap();
         // A metadata.jsonl that is a folder is named, not passed over for .txt captions.
-        fs::remove_file(s.0.join("metadata.jsonl")).unwrap();
-        fs::create_dir(s.0.join("metadata.jsonl")).unwrap();
-        let err = CaptionedImages::open(&s.0, None).unwrap_err().to_string();
+        fs::remove_file(s.join("metadata.jsonl")).unwrap();
+        fs::create_dir(s.join("metadata.jsonl")).unwrap();
+        let err = CaptionedImages::open(&s, None).unwrap_err().to_string();
         assert!(err.contains("metadata.jsonl"), "{err}");
-        fs::remove_dir(s.0.join("metadata.jsonl")).unwrap();
-        fs::write(s.0.join("b.png"), b"not a png").unwrap();
-        let d = CaptionedImages::open(&s.0, Some("p")).unwrap();
+        fs::remove_dir(s.join("metadata.jsonl")).unwrap();
+        fs::write(s.join("b.png"), b"not a png").unwrap();
+        let d = CaptionedImages::open(&s, Some("p")).unwrap();
         let how = Preprocess { resolution: 4, crop: CropMode::Center, flip: false };
         let err = d.load(1, how, &mut Rng::keyed(0, 0, 0)).unwrap_err().to_string();
         assert!(err.contains("b.png: cannot decode image"), "{err}");
-        let empty = Scratch::new("captions-empty");
-        let err = CaptionedImages::open(&empty.0, Some("p")).unwrap_err().to_string();
+        let empty = crate::scratch("captions-empty");
+        let err = CaptionedImages::open(&empty, Some("p")).unwrap_err().to_string();
         assert!(err.contains("no images (jpg, jpeg, png"), "{err}");
     }
 
@@ -300,10 +299,10 @@ mod tests {
     fn centre_crops_are_torchvisions() {
         // Resize(16) then CenterCrop(16): the long side int(16 * long / short), the crop's
         // corner int(round((side - 16) / 2)) with Python's halves to even.
-        let s = Scratch::new("captions-centre");
+        let s = crate::scratch("captions-centre");
         for (w, h, left) in [(27, 20, 2), (29, 20, 4), (37, 24, 4), (20, 29, 0)] {
-            png(&s.0.join("x.png"), w, h);
-            let d = CaptionedImages::open(&s.0, Some("p")).unwrap();
+            png(&s.join("x.png"), w, h);
+            let d = CaptionedImages::open(&s, Some("p")).unwrap();
             let how = Preprocess { resolution: 16, crop: CropMode::Center, flip: false };
             let (_, geometry) = d.load_with_geometry(0, how, &mut Rng::keyed(0, 0, 0)).unwrap();
             let top = if h > w { 4 } else { 0 };
@@ -313,9 +312,9 @@ mod tests {
 
     #[test]
     fn load_resizes_crops_flips_and_scales() {
-        let s = Scratch::new("captions-load");
-        png(&s.0.join("wide.png"), 40, 20);
-        let d = CaptionedImages::open(&s.0, Some("p")).unwrap();
+        let s = crate::scratch("captions-load");
+        png(&s.join("wide.png"), 40, 20);
+        let d = CaptionedImages::open(&s, Some("p")).unwrap();
         let center = Preprocess { resolution: 10, crop: CropMode::Center, flip: false };
         let img = d.load(0, center, &mut Rng::keyed(0, 0, 0)).unwrap();
         assert_eq!((img.channels, img.height, img.width), (3, 10, 10));

@@ -211,7 +211,6 @@ mod tests {
         save(&out, 10, None);
         let all: Vec<_> = committed(&out).unwrap().iter().map(|p| p.file_name().unwrap().to_owned()).collect();
         assert_eq!(all, ["checkpoint-4", "checkpoint-6", "checkpoint-10"]);
-        fs::remove_dir_all(&out).unwrap();
     }
 
     #[test]
@@ -229,7 +228,6 @@ mod tests {
         assert!(!again.dir().join("half").exists(), "begin starts from an empty folder");
         save(&out, 4, None);
         assert_eq!(names(&out), ["checkpoint-2", "checkpoint-4", "latest"]);
-        fs::remove_dir_all(&out).unwrap();
     }
 
     #[test]
@@ -244,6 +242,5 @@ mod tests {
             let err = latest(&out).unwrap_err().to_string();
             assert!(err.contains("which is not a checkpoint folder"), "{name}: {err}");
         }
-        fs::remove_dir_all(&out).unwrap();
     }
 }

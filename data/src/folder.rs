@@ -297,24 +297,6 @@ pub(crate) mod tests {
     use super::*;
     use image::{Rgb, RgbImage};
 
-    /// A scratch folder named after the process and the test, removed when dropped.
-    pub(crate) struct Scratch(pub PathBuf);
-
-    impl Scratch {
-        pub(crate) fn new(name: &str) -> Scratch {
-            let dir = std::env::temp_dir().join(format!("data-folder-test-{}-{name}", std::process::id()));
-            let _ = fs::remove_dir_all(&dir);
-            fs::create_dir_all(&dir).unwrap();
-            Scratch(dir)
-        }
-    }
-
-    impl Drop for Scratch {
-        fn drop(&mut self) {
-            let _ = fs::remove_dir_all(&self.0);
-        }
-    }
-
     /// The colour of pixel (`x`, `y`) of image `n`: distinct in every channel and position.
     pub(crate) fn colour(n: u8, x: u32, y: u32) -> [u8; 3] {
         [n * 40 + x as u8, 10 * y as u8, 255 - n * 30 - x as u8]
@@ -332,9 +314,9 @@ pub(crate) mod tests {
 
     #[test]
     fn lists_classes_and_files_in_sorted_order() {
-        let dir = Scratch::new("list");
-        make_folder(&dir.0, 4, 3);
-        let folder = ImageFolder::open(&dir.0, 3).unwrap();
+        let dir = crate::scratch("list");
+        make_folder(&dir, 4, 3);
+        let folder = ImageFolder::open(&dir, 3).unwrap();
         assert_eq!(folder.classes(), ["ant", "bee"]);
         assert_eq!(folder.len(), 3, "notes.txt is not an image");
         let names: Vec<_> = (0..3).map(|i| folder.file(i).file_name().unwrap().to_str().unwrap()).collect();
@@ -342,35 +324,34 @@ pub(crate) mod tests {
         let labels: Vec<_> = (0..3).map(|i| folder.get(i).unwrap().1).collect();
         assert_eq!(labels, [0, 0, 1]);
         // A class folder without images is an error naming it (torchvision's ImageFolder too).
-        fs::create_dir(dir.0.join("cat")).unwrap();
-        let err = ImageFolder::open(&dir.0, 3).err().unwrap().to_string();
+        fs::create_dir(dir.join("cat")).unwrap();
+        let err = ImageFolder::open(&dir, 3).err().unwrap().to_string();
         assert!(err.contains("cat") && err.contains("no image files (jpg, jpeg, png, ppm"), "{err}");
-        fs::remove_dir(dir.0.join("cat")).unwrap();
+        fs::remove_dir(dir.join("cat")).unwrap();
         // As torchvision: images in subfolders belong to the class, ordered by folder then by
         // name, in every format torchvision's extensions name; a link to nothing is named.
-        fs::create_dir(dir.0.join("ant").join("sub")).unwrap();
-        RgbImage::from_fn(4, 3, |x, y| Rgb(colour(3, x, y))).save(dir.0.join("ant").join("sub").join("0.png")).unwrap();
-        RgbImage::from_fn(4, 3, |x, y| Rgb(colour(4, x, y))).save(dir.0.join("ant").join("z.bmp")).unwrap();
-        let folder = ImageFolder::open(&dir.0, 3).unwrap();
-        let names: Vec<_> =
-            (0..folder.len()).map(|i| folder.file(i).strip_prefix(&dir.0).unwrap().to_owned()).collect();
+        fs::create_dir(dir.join("ant").join("sub")).unwrap();
+        RgbImage::from_fn(4, 3, |x, y| Rgb(colour(3, x, y))).save(dir.join("ant").join("sub").join("0.png")).unwrap();
+        RgbImage::from_fn(4, 3, |x, y| Rgb(colour(4, x, y))).save(dir.join("ant").join("z.bmp")).unwrap();
+        let folder = ImageFolder::open(&dir, 3).unwrap();
+        let names: Vec<_> = (0..folder.len()).map(|i| folder.file(i).strip_prefix(&dir).unwrap().to_owned()).collect();
         let want = ["ant/a0.png", "ant/a1.png", "ant/z.bmp", "ant/sub/0.png", "bee/b.PNG"];
         assert_eq!(names, want.map(PathBuf::from));
         assert_eq!(folder.get(2).unwrap().0.at(0, 1, 2), f32::from(colour(4, 2, 1)[0]) / 255.0, "the BMP decodes");
-        std::os::unix::fs::symlink(dir.0.join("nowhere.png"), dir.0.join("bee").join("gone.png")).unwrap();
-        let err = ImageFolder::open(&dir.0, 3).err().unwrap().to_string();
+        std::os::unix::fs::symlink(dir.join("nowhere.png"), dir.join("bee").join("gone.png")).unwrap();
+        let err = ImageFolder::open(&dir, 3).err().unwrap().to_string();
         assert!(err.contains("gone.png: a symbolic link to nothing"), "{err}");
-        fs::remove_file(dir.0.join("bee").join("gone.png")).unwrap();
-        std::os::unix::fs::symlink(dir.0.join("ant"), dir.0.join("ant").join("sub").join("up")).unwrap();
-        let err = ImageFolder::open(&dir.0, 3).err().unwrap().to_string();
+        fs::remove_file(dir.join("bee").join("gone.png")).unwrap();
+        std::os::unix::fs::symlink(dir.join("ant"), dir.join("ant").join("sub").join("up")).unwrap();
+        let err = ImageFolder::open(&dir, 3).err().unwrap().to_string();
         assert!(err.contains("symbolic link loop"), "{err}");
     }
 
     #[test]
     fn decodes_rgb_channel_major() {
-        let dir = Scratch::new("rgb");
-        make_folder(&dir.0, 4, 3);
-        let (img, _) = ImageFolder::open(&dir.0, 3).unwrap().get(2).unwrap();
+        let dir = crate::scratch("rgb");
+        make_folder(&dir, 4, 3);
+        let (img, _) = ImageFolder::open(&dir, 3).unwrap().get(2).unwrap();
         assert_eq!((img.channels, img.height, img.width), (3, 3, 4));
         for (y, x, c) in [(0, 0, 0), (2, 3, 1), (1, 2, 2)] {
             assert_eq!(img.at(c, y, x), f32::from(colour(2, x as u32, y as u32)[c]) / 255.0, "c{c} y{y} x{x}");
@@ -379,16 +360,16 @@ pub(crate) mod tests {
 
     #[test]
     fn decodes_grey_with_one_channel() {
-        let dir = Scratch::new("grey");
-        make_folder(&dir.0, 4, 3);
-        let (img, label) = ImageFolder::open(&dir.0, 1).unwrap().get(0).unwrap();
+        let dir = crate::scratch("grey");
+        make_folder(&dir, 4, 3);
+        let (img, label) = ImageFolder::open(&dir, 1).unwrap().get(0).unwrap();
         assert_eq!((img.channels, img.height, img.width, label), (1, 3, 4, 0));
         // Pillow's ITU-R 601-2 luma (`convert("L")`), rounded to a byte.
         let [r, g, b] = colour(1, 3, 2).map(f32::from);
         let luma = (0.299 * r + 0.587 * g + 0.114 * b).round();
         assert!((img.at(0, 2, 3) * 255.0 - luma).abs() <= 0.5, "{} vs {luma}", img.at(0, 2, 3) * 255.0);
         // Pure red, green and blue as Pillow makes them grey.
-        let path = dir.0.join("primaries.png");
+        let path = dir.join("primaries.png");
         RgbImage::from_fn(3, 1, |x, _| Rgb(std::array::from_fn(|c| if c == x as usize { 255 } else { 0 })))
             .save(&path)
             .unwrap();
@@ -398,8 +379,8 @@ pub(crate) mod tests {
 
     #[test]
     fn a_truncated_jpeg_is_an_error_and_exif_orientation_turns_images_upright() {
-        let dir = Scratch::new("truncated");
-        let path = dir.0.join("x.jpg");
+        let dir = crate::scratch("truncated");
+        let path = dir.join("x.jpg");
         RgbImage::from_fn(40, 48, |x, y| Rgb([(x * 6) as u8, (y * 5) as u8, 90])).save(&path).unwrap();
         let whole = fs::read(&path).unwrap();
         assert!(decode(&path, 3).is_ok());
@@ -411,7 +392,7 @@ pub(crate) mod tests {
         // A 2x1 PNG whose EXIF says "rotate 90 degrees clockwise" (orientation 6).
         let exif =
             [b"MM\0*".as_slice(), &[0, 0, 0, 8, 0, 1, 0x01, 0x12, 0, 3, 0, 0, 0, 1, 0, 6, 0, 0, 0, 0, 0, 0]].concat();
-        let png = dir.0.join("turned.png");
+        let png = dir.join("turned.png");
         let mut bytes = Vec::new();
         let mut encoder = image::codecs::png::PngEncoder::new(&mut bytes);
         image::ImageEncoder::set_exif_metadata(&mut encoder, exif).unwrap();
@@ -427,10 +408,10 @@ pub(crate) mod tests {
 
     #[test]
     fn decodes_jpeg_whatever_the_case_of_its_extension() {
-        let dir = Scratch::new("jpeg");
-        fs::create_dir(dir.0.join("cat")).unwrap();
-        RgbImage::from_pixel(8, 8, Rgb([200, 100, 50])).save(dir.0.join("cat").join("x.JPG")).unwrap();
-        let (img, _) = ImageFolder::open(&dir.0, 3).unwrap().get(0).unwrap();
+        let dir = crate::scratch("jpeg");
+        fs::create_dir(dir.join("cat")).unwrap();
+        RgbImage::from_pixel(8, 8, Rgb([200, 100, 50])).save(dir.join("cat").join("x.JPG")).unwrap();
+        let (img, _) = ImageFolder::open(&dir, 3).unwrap().get(0).unwrap();
         assert_eq!((img.channels, img.height, img.width), (3, 8, 8));
         // JPEG is lossy, but a flat colour survives to within a few levels.
         for (c, want) in [200.0, 100.0, 50.0].into_iter().enumerate() {
@@ -440,11 +421,11 @@ pub(crate) mod tests {
 
     #[test]
     fn a_corrupt_file_names_the_file() {
-        let dir = Scratch::new("corrupt");
-        make_folder(&dir.0, 4, 3);
-        let bad = dir.0.join("bee").join("c.png");
+        let dir = crate::scratch("corrupt");
+        make_folder(&dir, 4, 3);
+        let bad = dir.join("bee").join("c.png");
         fs::write(&bad, b"\x89PNG garbage, not an image").unwrap();
-        let folder = ImageFolder::open(&dir.0, 3).unwrap();
+        let folder = ImageFolder::open(&dir, 3).unwrap();
         assert_eq!(folder.file(3), bad);
         let err = folder.get(3).unwrap_err();
         assert!(matches!(&err, Error::Format { path, .. } if *path == bad), "{err}");
@@ -452,25 +433,25 @@ pub(crate) mod tests {
 
     #[test]
     fn bad_folders_are_errors_naming_the_path() {
-        let dir = Scratch::new("bad");
-        let missing = dir.0.join("missing");
+        let dir = crate::scratch("bad");
+        let missing = dir.join("missing");
         let err = ImageFolder::open(&missing, 3).unwrap_err();
         assert!(matches!(&err, Error::Io { path, .. } if *path == missing), "{err}");
 
-        fs::write(dir.0.join("loose.png"), b"").unwrap();
-        let err = ImageFolder::open(&dir.0, 3).unwrap_err();
+        fs::write(dir.join("loose.png"), b"").unwrap();
+        let err = ImageFolder::open(&dir, 3).unwrap_err();
         assert!(err.to_string().contains("no class folders") && err.to_string().contains("bad"), "{err}");
 
-        fs::create_dir(dir.0.join("empty")).unwrap();
-        let err = ImageFolder::open(&dir.0, 3).unwrap_err();
+        fs::create_dir(dir.join("empty")).unwrap();
+        let err = ImageFolder::open(&dir, 3).unwrap_err();
         assert!(err.to_string().contains("no image files"), "{err}");
 
-        make_folder(&dir.0, 2, 2);
-        let err = ImageFolder::open(&dir.0, 3).unwrap_err();
+        make_folder(&dir, 2, 2);
+        let err = ImageFolder::open(&dir, 3).unwrap_err();
         assert!(err.to_string().contains("empty: no image files"), "an empty class folder beside full ones: {err}");
-        fs::remove_dir(dir.0.join("empty")).unwrap();
-        assert!(ImageFolder::open(&dir.0, 3).is_ok());
-        let err = ImageFolder::open(&dir.0, 4).unwrap_err();
+        fs::remove_dir(dir.join("empty")).unwrap();
+        assert!(ImageFolder::open(&dir, 3).is_ok());
+        let err = ImageFolder::open(&dir, 4).unwrap_err();
         assert!(err.to_string().contains("channels must be 1 or 3"), "{err}");
     }
 

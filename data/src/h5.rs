@@ -377,7 +377,7 @@ pub fn convert_folder(folder: &Path, out: &Path, size: usize, channels: usize) -
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::folder::tests::{colour, make_folder, Scratch};
+    use crate::folder::tests::{colour, make_folder};
 
     fn assert_close(a: &Image, b: &Image) {
         assert_eq!((a.channels, a.height, a.width), (b.channels, b.height, b.width));
@@ -388,8 +388,8 @@ mod tests {
 
     #[test]
     fn converts_a_folder_and_reads_it_back() {
-        let dir = Scratch::new("h5-convert");
-        let (src, out) = (dir.0.join("src"), dir.0.join("out.h5"));
+        let dir = crate::scratch("h5-convert");
+        let (src, out) = (dir.join("src"), dir.join("out.h5"));
         // 6 wide, 4 high: the centred square is columns 1..5, already the size asked for.
         make_folder(&src, 6, 4);
         assert_eq!(convert_folder(&src, &out, 4, 3).unwrap(), 3);
@@ -415,13 +415,13 @@ mod tests {
             assert_close(&got, &resize_square(&want, 3));
             assert_eq!(label, want_label);
         }
-        assert_eq!(fs::read_dir(&dir.0).unwrap().count(), 2, "src and out.h5, no temporary file");
+        assert_eq!(fs::read_dir(&dir).unwrap().count(), 2, "src and out.h5, no temporary file");
     }
 
     #[test]
     fn writes_more_than_one_batch() {
-        let dir = Scratch::new("h5-batches");
-        let path = dir.0.join("many.h5");
+        let dir = crate::scratch("h5-batches");
+        let path = dir.join("many.h5");
         let n = BATCH * 2 + 3;
         let example = |i: usize| (Image::new(1, 1, 2, vec![(i % 256) as f32 / 255.0, 1.0]), (i % 2) as i64);
         let classes = ["even".to_string(), "odd".to_string()];
@@ -435,33 +435,33 @@ mod tests {
 
     #[test]
     fn an_empty_data_set_round_trips() {
-        let dir = Scratch::new("h5-zero");
-        let path = dir.0.join("z.h5");
+        let dir = crate::scratch("h5-zero");
+        let path = dir.join("z.h5");
         write_hdf5(&path, [1, 1, 1], &["a".to_string()], 0, std::iter::empty()).unwrap();
         assert_eq!(Hdf5Images::open(&path).unwrap().len(), 0);
     }
 
     #[test]
     fn a_failed_conversion_leaves_no_file() {
-        let dir = Scratch::new("h5-fail");
-        let (src, out) = (dir.0.join("src"), dir.0.join("out.h5"));
+        let dir = crate::scratch("h5-fail");
+        let (src, out) = (dir.join("src"), dir.join("out.h5"));
         make_folder(&src, 4, 4);
         let bad = src.join("bee").join("c.png");
         fs::write(&bad, b"garbage").unwrap();
         let err = convert_folder(&src, &out, 4, 3).unwrap_err();
         assert!(matches!(&err, Error::Format { path, .. } if *path == bad), "{err}");
         assert!(!out.exists());
-        assert_eq!(fs::read_dir(&dir.0).unwrap().count(), 1, "only src, no temporary file");
+        assert_eq!(fs::read_dir(&dir).unwrap().count(), 1, "only src, no temporary file");
 
         // The writer's own checks fail the same way: a label outside the classes.
         let examples = (0..2).map(|i| Ok((Image::new(1, 1, 1, vec![0.0]), i)));
         let err = write_hdf5(&out, [1, 1, 1], &["only".to_string()], 2, examples).unwrap_err();
         assert!(err.to_string().contains("label 1 of example 1"), "{err}");
-        assert_eq!(fs::read_dir(&dir.0).unwrap().count(), 1, "only src, no output or temporary file");
+        assert_eq!(fs::read_dir(&dir).unwrap().count(), 1, "only src, no output or temporary file");
 
         // An output the trainers would not read as HDF5 is refused before any work.
         fs::remove_file(&bad).unwrap();
-        let err = convert_folder(&src, &dir.0.join("out.txt"), 4, 3).unwrap_err().to_string();
+        let err = convert_folder(&src, &dir.join("out.txt"), 4, 3).unwrap_err().to_string();
         assert!(err.contains("out.txt: the output must end in .h5 or .hdf5"), "{err}");
         assert!(is_hdf5_path(Path::new("x.H5")) && is_hdf5_path(Path::new("x.Hdf5")) && !is_hdf5_path(Path::new("h5")));
         // Two classes of one name are refused when read.
@@ -473,8 +473,8 @@ mod tests {
 
     #[test]
     fn direct_reads_equal_reads_through_the_library() {
-        let dir = Scratch::new("h5-direct");
-        let path = dir.0.join("rgb.h5");
+        let dir = crate::scratch("h5-direct");
+        let path = dir.join("rgb.h5");
         let n = 5;
         let example = |i: usize| {
             let pixels = (0..3 * 2 * 4).map(|j| ((i * 31 + j * 7) % 256) as f32 / 255.0).collect();
@@ -494,8 +494,8 @@ mod tests {
 
     #[test]
     fn chunked_images_are_read_through_the_library() {
-        let dir = Scratch::new("h5-chunked");
-        let path = dir.0.join("chunked.h5");
+        let dir = crate::scratch("h5-chunked");
+        let path = dir.join("chunked.h5");
         write_with(&path, Fault::None);
         let file = hdf5::File::open_rw(&path).unwrap();
         file.unlink("images").unwrap();
@@ -510,8 +510,8 @@ mod tests {
 
     #[test]
     fn a_truncated_file_is_an_error_naming_it() {
-        let dir = Scratch::new("h5-truncated");
-        let path = dir.0.join("cut.h5");
+        let dir = crate::scratch("h5-truncated");
+        let path = dir.join("cut.h5");
         let example = |i: usize| Ok((Image::new(1, 16, 16, vec![i as f32 / 255.0; 256]), 0));
         write_hdf5(&path, [1, 16, 16], &["a".to_string()], 8, (0..8).map(example)).unwrap();
         let len = fs::metadata(&path).unwrap().len();
@@ -560,8 +560,8 @@ mod tests {
 
     #[test]
     fn schema_violations_name_the_file_and_the_dataset() {
-        let dir = Scratch::new("h5-schema");
-        let path = dir.0.join("x.h5");
+        let dir = crate::scratch("h5-schema");
+        let path = dir.join("x.h5");
         write_with(&path, Fault::None);
         assert_eq!(Hdf5Images::open(&path).unwrap().len(), 2, "the unbroken file is valid");
         for (fault, expected) in [
@@ -586,8 +586,8 @@ mod tests {
 
     #[test]
     fn a_missing_or_foreign_file_is_an_error() {
-        let dir = Scratch::new("h5-foreign");
-        let path = dir.0.join("x.h5");
+        let dir = crate::scratch("h5-foreign");
+        let path = dir.join("x.h5");
         assert!(matches!(Hdf5Images::open(&path), Err(Error::Io { path: p, .. }) if p == path));
         fs::write(&path, b"not hdf5").unwrap();
         let err = Hdf5Images::open(&path).unwrap_err();

@@ -191,6 +191,5 @@ mod tests {
         let err = Image::new(2, 1, 1, vec![0.0, 0.0]).write_png(&dir.join("y.png")).unwrap_err().to_string();
         assert!(err.contains("y.png: PNG output needs 1 or 3 channels, not 2"), "{err}");
         assert!(!dir.join("y.png").exists());
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -89,14 +89,10 @@ pub fn write_atomic<E: From<Error>>(
     result
 }
 
-/// A fresh, empty folder for the crate's unit test `name`, private to this process (emptied
-/// first: a crashed earlier process with this id may have left one).
+/// A scratch folder for the crate's unit test `name`.
 #[cfg(test)]
-pub(crate) fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("data-test-{}-{name}", std::process::id()));
-    let _ = fs::remove_dir_all(&dir);
-    fs::create_dir_all(&dir).unwrap();
-    dir
+pub(crate) fn scratch(name: &str) -> suite_tests::Scratch {
+    suite_tests::scratch("data-test", name)
 }
 
 #[cfg(test)]

@@ -6,7 +6,7 @@ use std::path::Path;
 
 mod support;
 
-use support::{scratch, Lcg};
+use support::Lcg;
 
 use data::Dataset;
 use tch::{Device, Kind, Tensor};
@@ -42,7 +42,7 @@ fn mutate(good: &[u8], path: &Path, rounds: usize, read: impl Fn(&Path) -> Resul
 
 #[test]
 fn damaged_safetensors_are_errors_naming_the_file() {
-    let dir = scratch("damaged", "st");
+    let dir = suite_tests::scratch("data-damaged", "st");
     let good = dir.join("good.safetensors");
     let weights = vec![
         ("a.weight".to_string(), Tensor::arange(64, (Kind::Float, Device::Cpu)).view([8, 8])),
@@ -76,12 +76,11 @@ fn damaged_safetensors_are_errors_naming_the_file() {
         let err = header_of(entry);
         assert!(err.contains("lying.safetensors") && err.contains("key a.weight") && err.contains(says), "{err}");
     }
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
 fn damaged_png_and_jpeg_images_are_errors_naming_the_file() {
-    let dir = scratch("damaged", "img");
+    let dir = suite_tests::scratch("data-damaged", "img");
     let img = image::RgbImage::from_fn(24, 16, |x, y| image::Rgb([(x * 10) as u8, (y * 15) as u8, 99]));
     for ext in ["png", "jpg"] {
         let good = dir.join(format!("good.{ext}"));
@@ -94,12 +93,11 @@ fn damaged_png_and_jpeg_images_are_errors_naming_the_file() {
         });
         assert!(errors >= 50, "{ext}: {errors} of 200 damaged files were errors");
     }
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
 fn damaged_hdf5_image_sets_are_errors_naming_the_file() {
-    let dir = scratch("damaged", "h5");
+    let dir = suite_tests::scratch("data-damaged", "h5");
     let folder = dir.join("imgs");
     for (class, base) in [("a", 20u8), ("b", 200u8)] {
         std::fs::create_dir_all(folder.join(class)).unwrap();
@@ -119,5 +117,4 @@ fn damaged_hdf5_image_sets_are_errors_naming_the_file() {
         Ok(())
     });
     assert!(errors >= 100, "{errors} of 200 damaged files were errors");
-    std::fs::remove_dir_all(&dir).unwrap();
 }

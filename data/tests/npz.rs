@@ -6,7 +6,7 @@ use std::path::Path;
 
 mod support;
 
-use support::{scratch, Lcg};
+use support::Lcg;
 
 use data::npz;
 use tch::{Device, Kind, Tensor};
@@ -50,7 +50,7 @@ fn arrays() -> Vec<(String, Tensor)> {
 
 #[test]
 fn arrays_of_every_supported_dtype_round_trip_and_match_tch() {
-    let dir = scratch("npz", "roundtrip");
+    let dir = suite_tests::scratch("data-npz", "roundtrip");
     let path = dir.join("a.npz");
     let want = arrays();
     data::checkpoint::save_npz(&want, &path).unwrap();
@@ -70,12 +70,11 @@ fn arrays_of_every_supported_dtype_round_trip_and_match_tch() {
     // Booleans (tch does not write them; NumPy does, one byte each).
     zip_file(&path, &[("m", npy("{'descr': '|b1', 'fortran_order': False, 'shape': (3,), }", &[1, 0, 1]))]);
     assert!(npz::read(&path).unwrap()[0].1.equal(&Tensor::from_slice(&[true, false, true])));
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
 fn a_header_declaring_more_data_than_the_entry_holds_is_named() {
-    let dir = scratch("npz", "short");
+    let dir = suite_tests::scratch("data-npz", "short");
     let path = dir.join("short.npz");
     let data: Vec<u8> = (0..6).flat_map(|v| (v as f32).to_le_bytes()).collect();
     let header = "{'descr': '<f4', 'fortran_order': False, 'shape': (1000, 1000), }";
@@ -92,12 +91,11 @@ fn a_header_declaring_more_data_than_the_entry_holds_is_named() {
         let err = npz::read(&path).unwrap_err().to_string();
         assert!(err.contains("array a") && err.contains(what), "{header}: {err}");
     }
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
 fn hundreds_of_damaged_files_are_errors_not_panics() {
-    let dir = scratch("npz", "mutants");
+    let dir = suite_tests::scratch("data-npz", "mutants");
     let good = dir.join("good.npz");
     data::checkpoint::save_npz(&arrays(), &good).unwrap();
     let bytes = std::fs::read(&good).unwrap();
@@ -150,5 +148,4 @@ fn hundreds_of_damaged_files_are_errors_not_panics() {
         }
     }
     assert!(errors > 200, "only {errors} of 300 damaged files were errors ({loaded} loaded)");
-    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -12,7 +12,7 @@ use anyhow::{ensure, Context};
 pub fn python() -> anyhow::Result<String> {
     std::env::var("SUITE_PYTHON").context(
         "SUITE_PYTHON is not set: run scripts/setup.sh and start the benchmark through cargo, or set it to a \
-         Python with torch",
+         Python with torch (or, where the benchmark has it, pass --no-baseline to measure ours alone)",
     )
 }
 

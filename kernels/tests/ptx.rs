@@ -5,8 +5,8 @@ use kernels::{nvrtc, ALL, CACHE_ENV};
 
 #[test]
 fn every_kernel_compiles_to_ptx_for_sm80_and_sm90_and_is_cached() {
-    let cache = std::env::temp_dir().join(format!("kernels-ptx-test-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&cache);
+    let scratch = suite_tests::scratch("kernels", "ptx");
+    let cache = scratch.join("cache");
     // The only test in this binary: no other thread reads the environment meanwhile.
     unsafe { std::env::set_var(CACHE_ENV, &cache) };
     let nvrtc = nvrtc().unwrap_or_else(|e| panic!("{e}"));
@@ -35,5 +35,4 @@ fn every_kernel_compiles_to_ptx_for_sm80_and_sm90_and_is_cached() {
     std::fs::write(file, "// cached\n").unwrap();
     let layer_norm = ALL.iter().find(|k| k.name == "layer_norm").unwrap();
     assert_eq!(layer_norm.ptx(90).unwrap(), "// cached\n");
-    std::fs::remove_dir_all(&cache).unwrap();
 }

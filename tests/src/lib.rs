@@ -6,8 +6,10 @@ use std::time::Duration;
 
 pub mod gemini_model;
 mod ports;
+mod scratch;
 
 pub use ports::free_port;
+pub use scratch::{scratch, Scratch};
 
 use engine::dist::{self, InitOptions, SpawnOptions, World};
 use tch::{Device, Tensor};
@@ -194,15 +196,6 @@ pub fn assert_close(actual: &Tensor, expected: &Tensor, rtol: f64, atol: f64, wh
     let excess = (&diff - &bound).max().double_value(&[]);
     let max_diff = diff.max().double_value(&[]);
     assert!(excess <= 0.0, "{what}: max abs difference {max_diff:e} exceeds rtol {rtol:e} / atol {atol:e}");
-}
-
-/// A fresh, empty folder under the system's temporary directory for test `name` of `suite`,
-/// private to this process.
-pub fn scratch(suite: &str, name: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("{suite}-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("creating a scratch folder");
-    dir
 }
 
 /// Every tensor of a safetensors file, sorted by name (the file's order is not).

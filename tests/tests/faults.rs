@@ -150,8 +150,11 @@ fn a_peer_killed_under_torchrun_is_named_by_the_survivor() {
         return;
     }
     let python = std::env::var("SUITE_PYTHON").expect("SUITE_PYTHON (set by scripts/setup.sh's cargo config)");
+    // torchrun's agent leaves its log folder under Python's temporary directory: a scratch one.
+    let tmp = suite_tests::scratch("suite-faults", "torchrun");
     let start = Instant::now();
     let out = std::process::Command::new(python)
+        .env("TMPDIR", &tmp)
         .args(["-m", "torch.distributed.run", "--no-python", "--nproc-per-node", "2", "--monitor-interval", "10"])
         .args(["--master-port", &suite_tests::free_port().to_string()])
         .arg(std::env::current_exe().unwrap())

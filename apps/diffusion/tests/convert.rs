@@ -22,7 +22,7 @@ fn convert_fixture(v: &str) -> PathBuf {
     fixtures().join("convert").join(v)
 }
 
-fn scratch(name: &str) -> PathBuf {
+fn scratch(name: &str) -> suite_tests::Scratch {
     suite_tests::scratch("diffusion-convert", name)
 }
 
@@ -62,7 +62,8 @@ fn component_files(folder: &Path) -> Vec<(&'static str, PathBuf)> {
 
 /// Our folder from the single file of `v` equals diffusers' `from_single_file` folder.
 fn single_file_converts_as_diffusers_does(v: &str) {
-    let out = scratch(&format!("{v}-to-diffusers")).join("model");
+    let out_scratch = scratch(&format!("{v}-to-diffusers"));
+    let out = out_scratch.join("model");
     let configs = Configs::Folder(convert_fixture(v).join("configs"));
     let done = to_diffusers(&convert_fixture(v).join("single_file.safetensors"), &configs, &out).unwrap();
     let expected = convert_fixture(v).join("diffusers");
@@ -95,7 +96,8 @@ fn sd2_single_file_converts_as_diffusers_does() {
 
 /// Our single file from diffusers' folder of `v` equals what diffusers' script writes.
 fn folder_converts_as_the_script_does(v: &str) {
-    let out = scratch(&format!("{v}-to-single")).join("model.safetensors");
+    let out_scratch = scratch(&format!("{v}-to-single"));
+    let out = out_scratch.join("model.safetensors");
     let n = to_single_file(&convert_fixture(v).join("diffusers"), &out, false).unwrap();
     let theirs = read(&convert_fixture(v).join("script.safetensors"));
     assert_eq!(assert_same(&read(&out), &theirs, "single file"), n);
@@ -132,7 +134,8 @@ fn folder_to_single_file_and_back_is_exact() {
 
 #[test]
 fn half_stores_fp16() {
-    let out = scratch("half").join("model.safetensors");
+    let out_scratch = scratch("half");
+    let out = out_scratch.join("model.safetensors");
     // The SD 1.x fixture folder of the sampling tests stores fp32 text-encoder weights.
     to_single_file(&fixtures().join("pipeline"), &out, true).unwrap();
     let file = read(&out);
@@ -245,7 +248,8 @@ fn bad_input_is_named_and_nothing_is_written() {
 
     // OpenCLIP blocks past the config's layers: only SD 2's last one is dropped, as diffusers
     // drops it; any other is an error, not silently lost.
-    let fewer = scratch("fewer-layers").join("configs");
+    let fewer_scratch = scratch("fewer-layers");
+    let fewer = fewer_scratch.join("configs");
     assert!(Command::new("cp").arg("-r").arg(convert_fixture("sd2/configs")).arg(&fewer).status().unwrap().success());
     let text_config = fewer.join("text_encoder/config.json");
     let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&text_config).unwrap()).unwrap();
@@ -278,7 +282,8 @@ fn bad_input_is_named_and_nothing_is_written() {
     std::fs::remove_dir_all(&out).unwrap();
 
     // A donor folder whose config does not parse is named (not the removed staging copy).
-    let donor = scratch("bad-donor").join("configs");
+    let donor_scratch = scratch("bad-donor");
+    let donor = donor_scratch.join("configs");
     assert!(Command::new("cp").arg("-r").arg(convert_fixture("sd2/configs")).arg(&donor).status().unwrap().success());
     std::fs::write(donor.join("unet/config.json"), "{ not json").unwrap();
     expect_err(&single, &Configs::Folder(donor.clone()), &[&donor.join("unet/config.json").display().to_string()]);

@@ -5,7 +5,7 @@
 //! batch; bad inputs are named.
 mod common;
 
-use common::{finetune, pipeline, write_images};
+use common::{finetune, pipeline, write_images, SMALL_RUN};
 use diffusion::finetune::{gemini_config, loss, save_model, Batch, Draws, GeminiParts, UnetParams};
 use diffusion::pipeline::StableDiffusion;
 use diffusion::scheduler::{DdpmScheduler, SchedulerClass};
@@ -111,9 +111,7 @@ fn gemini_training_equals_plain_training_and_saves_what_it_trained() {
     let moved = plain.iter().filter(|(k, t)| !t.equal(&base[k])).count();
     assert!(moved * 2 > plain.len(), "training moved most tensors ({moved} of {})", plain.len());
 
-    let out = std::env::temp_dir().join(format!("diffusion-finetune-save-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&out);
-    std::fs::create_dir_all(&out).unwrap();
+    let out = suite_tests::scratch("diffusion-finetune", "save");
     let model = save_model(&pipeline(), &gemini, &out).unwrap();
     let reloaded = StableDiffusion::load(&model, Device::Cpu, Kind::Float).unwrap();
     let vars = reloaded.unet_vs.variables();
@@ -130,7 +128,6 @@ fn gemini_training_equals_plain_training_and_saves_what_it_trained() {
     assert!(vae.values().all(|t| t.kind() == Kind::Float));
     let leftovers: Vec<_> = std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(leftovers, vec![std::ffi::OsString::from("model")], "no staging folder left");
-    std::fs::remove_dir_all(&out).unwrap();
 }
 
 #[test]
@@ -186,43 +183,17 @@ dist_test!(two_ranks_equal_one_process, 2, |world| {
 
 #[test]
 fn the_command_trains_logs_validates_and_saves() {
-    let dir = std::env::temp_dir().join(format!("diffusion-finetune-cli-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = suite_tests::scratch("diffusion-finetune", "cli");
     let data = dir.join("images");
     write_images(&data);
     let out = dir.join("run");
     let model = pipeline();
-    let (ok, text) = finetune(&[
-        "--model",
-        model.to_str().unwrap(),
-        "--data",
-        data.to_str().unwrap(),
-        "--resolution",
-        "16",
-        "--steps",
-        "2",
-        "--micro-batch",
-        "2",
-        "--lr",
-        "1e-3",
-        "--random-flip",
-        "--snr-gamma",
-        "5",
-        "--validation-prompt",
-        "a red car",
-        "--validation-prompt",
-        "the sea",
-        "--validation-steps",
-        "1",
-        "--num-validation-images",
-        "2",
-        "--metrics",
-        "log.csv",
-        "--gpu-mem",
-        "1G",
-        "-o",
-        out.to_str().unwrap(),
-    ]);
+    // Two prompts, two images each after every step; the losses in a CSV; under a cap.
+    let validation = ["--validation-prompt", "a red car", "--validation-prompt", "the sea"];
+    let every_step = ["--validation-steps", "1", "--num-validation-images", "2"];
+    let other = ["--snr-gamma", "5", "--metrics", "log.csv", "--gpu-mem", "1G"];
+    let flags = [&SMALL_RUN[..], &validation, &every_step, &other].concat();
+    let (ok, text) = finetune(&model, &data, &out, &flags);
     assert!(ok, "{text}");
     let csv = std::fs::read_to_string(out.join("log.csv")).unwrap();
     let rows: Vec<Vec<&str>> = csv.lines().map(|l| l.split(',').collect()).collect();
@@ -254,28 +225,12 @@ fn the_command_trains_logs_validates_and_saves() {
 
     // Activation checkpointing inside the Gemini module gives the same steps.
     let again = dir.join("checkpointed");
-    let (ok, text) = finetune(&[
-        "--model",
-        model.to_str().unwrap(),
-        "--data",
-        data.to_str().unwrap(),
-        "--resolution",
-        "16",
-        "--steps",
-        "2",
-        "--micro-batch",
-        "2",
-        "--lr",
-        "1e-3",
-        "--random-flip",
-        "--snr-gamma",
-        "5",
-        "--gpu-mem",
-        "1G",
-        "--gradient-checkpointing",
-        "-o",
-        again.to_str().unwrap(),
-    ]);
+    let (ok, text) = finetune(
+        &model,
+        &data,
+        &again,
+        &[&SMALL_RUN[..], &["--snr-gamma", "5", "--gpu-mem", "1G", "--gradient-checkpointing"]].concat(),
+    );
     assert!(ok, "{text}");
     let log2: Vec<serde_json::Value> = std::fs::read_to_string(again.join("log.jsonl"))
         .unwrap()
@@ -288,65 +243,19 @@ fn the_command_trains_logs_validates_and_saves() {
         // The CSV rounds to 6 decimals.
         assert!((a - b).abs() <= 1e-5 * a.abs().max(1e-1), "loss {b} with checkpointing, {a} without");
     }
-    let (ok, text) = finetune(&[
-        "--model",
-        model.to_str().unwrap(),
-        "--data",
-        data.to_str().unwrap(),
-        "--resolution",
-        "18",
-        "-o",
-        out.to_str().unwrap(),
-    ]);
+    let (ok, text) = finetune(&model, &data, &out, &["--resolution", "18"]);
     assert!(!ok && text.contains("--resolution 18") && text.contains("multiple of 4"), "{text}");
-    let huge = ["--model", model.to_str().unwrap(), "--data", data.to_str().unwrap(), "--resolution", "16384"];
-    let (ok, text) = finetune(&[&huge[..], &["-o", out.to_str().unwrap()]].concat());
+    let (ok, text) = finetune(&model, &data, &out, &["--resolution", "16384"]);
     assert!(!ok && text.contains("invalid value '16384' for '--resolution"), "{text}");
-    let (ok, text) = finetune(&[
-        "--model",
-        model.to_str().unwrap(),
-        "--data",
-        data.to_str().unwrap(),
-        "--gpu-mem",
-        "4X",
-        "-o",
-        out.to_str().unwrap(),
-    ]);
+    let (ok, text) = finetune(&model, &data, &out, &["--gpu-mem", "4X"]);
     assert!(!ok && text.contains("--gpu-mem 4X"), "{text}");
-    let (ok, text) = finetune(&[
-        "--model",
-        model.to_str().unwrap(),
-        "--data",
-        data.to_str().unwrap(),
-        "--kernels",
-        "fused",
-        "--device",
-        "cpu",
-        "-o",
-        out.to_str().unwrap(),
-    ]);
+    let (ok, text) = finetune(&model, &data, &out, &["--kernels", "fused", "--device", "cpu"]);
     assert!(!ok && text.contains("--kernels fused needs a CUDA device"), "{text}");
     let missing = dir.join("nothing");
-    let (ok, text) = finetune(&[
-        "--model",
-        model.to_str().unwrap(),
-        "--data",
-        missing.to_str().unwrap(),
-        "-o",
-        out.to_str().unwrap(),
-    ]);
+    let (ok, text) = finetune(&model, &missing, &out, &[]);
     assert!(!ok && text.contains("nothing"), "{text}");
     std::fs::remove_file(data.join("metadata.jsonl")).unwrap();
-    let (ok, text) = finetune(&[
-        "--model",
-        model.to_str().unwrap(),
-        "--data",
-        data.to_str().unwrap(),
-        "--resolution",
-        "16",
-        "-o",
-        out.to_str().unwrap(),
-    ]);
+    let (ok, text) = finetune(&model, &data, &out, &["--resolution", "16"]);
     assert!(!ok && text.contains("img0"), "an image without a caption is named: {text}");
 }
 
@@ -443,7 +352,6 @@ fn lora_starts_at_the_base_model_trains_only_adapters_and_reloads() {
     let (b, d) = batch(5, 0..2);
     let diff = (unet_loss(&sd, &b, &d) - unet_loss(&fresh, &b, &d)).abs().double_value(&[]);
     assert!(diff < 1e-6, "reloaded adapters give the same loss (difference {diff})");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
@@ -548,7 +456,6 @@ fn a_lora_file_added_for_sampling_equals_its_weights_merged() {
     let err =
         Lora::attach_file(&load().unet, &write("half.safetensors", half), 1.0, Device::Cpu).unwrap_err().to_string();
     assert!(err.contains("missing key") && err.contains(".lora.up.weight"), "{err}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// LoRA files as current diffusers, peft and kohya's tools write them (rank 2, alpha 6: scale
@@ -584,66 +491,37 @@ fn lora_files_of_every_naming_add_what_diffusers_fuses() {
             assert!(diff < 1e-5, "{}: {diff:e}", path.display());
         }
     }
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
 fn the_command_trains_lora_adapters() {
-    let dir = std::env::temp_dir().join(format!("diffusion-finetune-lora-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = suite_tests::scratch("diffusion-finetune", "lora");
     let data = dir.join("images");
     write_images(&data);
     let out = dir.join("run");
     let model = pipeline();
-    let (ok, text) = finetune(&[
-        "--model",
-        model.to_str().unwrap(),
-        "--data",
-        data.to_str().unwrap(),
-        "--resolution",
-        "16",
-        "--steps",
-        "2",
-        "--lora-rank",
-        "2",
-        "--lr",
-        "1e-3",
-        "--center-crop",
-        "-o",
-        out.to_str().unwrap(),
-    ]);
+    let (ok, text) = finetune(
+        &model,
+        &data,
+        &out,
+        &["--resolution", "16", "--steps", "2", "--lora-rank", "2", "--lr", "1e-3", "--center-crop"],
+    );
     assert!(ok, "{text}");
     assert!(out.join(diffusion::lora::LORA_WEIGHTS).is_file());
     assert!(!out.join("model").exists(), "LoRA saves the adapters, not a model folder");
-    let (ok, text) = finetune(&[
-        "--model",
-        model.to_str().unwrap(),
-        "--data",
-        data.to_str().unwrap(),
-        "--resolution",
-        "16",
-        "--lora-rank",
-        "0",
-        "-o",
-        out.to_str().unwrap(),
-    ]);
+    let (ok, text) = finetune(&model, &data, &out, &["--resolution", "16", "--lora-rank", "0"]);
     assert!(!ok && text.contains("--lora-rank 0"), "{text}");
 }
 
 #[test]
 fn frozen_parts_run_in_the_compute_precision_within_the_cap() {
-    let dir = std::env::temp_dir().join(format!("diffusion-finetune-bf16-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = suite_tests::scratch("diffusion-finetune", "bf16");
     let data = dir.join("images");
     write_images(&data);
     let (model, out) = (pipeline(), dir.join("run"));
     // bf16 under a cap of `cap` into `out`, with `extra` flags.
     let bf16 = |cap: &str, out: &std::path::Path, extra: &[&str]| {
         let common = [
-            "--model",
-            model.to_str().unwrap(),
-            "--data",
-            data.to_str().unwrap(),
             "--resolution",
             "16",
             "--micro-batch",
@@ -654,10 +532,8 @@ fn frozen_parts_run_in_the_compute_precision_within_the_cap() {
             "log.csv",
             "--gpu-mem",
             cap,
-            "-o",
-            out.to_str().unwrap(),
         ];
-        finetune(&[&common[..], extra].concat())
+        finetune(&model, &data, out, &[&common[..], extra].concat())
     };
     let validated = ["--steps", "1", "--validation-prompt", "a red car", "--validation-steps", "1"];
     let run = |cap: &str| bf16(cap, &out, &[&validated[..], &["--num-validation-images", "1"]].concat());
@@ -681,5 +557,4 @@ fn frozen_parts_run_in_the_compute_precision_within_the_cap() {
     assert!(ok, "{text}");
     let csv = std::fs::read_to_string(lora_out.join("log.csv")).unwrap();
     assert!(csv.lines().skip(1).all(|l| l.split(',').nth(1).unwrap().parse::<f64>().unwrap().is_finite()), "{csv}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -32,7 +32,7 @@ const FLAGS: [&str; 11] = [
     "--quiet",
 ];
 
-fn scratch(name: &str) -> PathBuf {
+fn scratch(name: &str) -> suite_tests::Scratch {
     suite_tests::scratch("diffusion-ckpt", name)
 }
 
@@ -40,7 +40,7 @@ fn scratch(name: &str) -> PathBuf {
 fn images() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let dir = scratch("images");
+        let dir = scratch("images").until_exit();
         write_images(&dir);
         dir
     })
@@ -49,12 +49,8 @@ fn images() -> &'static Path {
 /// Runs `finetune` on the images into `out` with [`FLAGS`] and `extra`; panics with its output
 /// when it fails.
 fn run(out: &Path, extra: &[&str]) -> String {
-    let (model, data) = (pipeline(), images());
-    let mut args =
-        vec!["--model", model.to_str().unwrap(), "--data", data.to_str().unwrap(), "-o", out.to_str().unwrap()];
-    args.extend(FLAGS);
-    args.extend(extra);
-    let (ok, text) = finetune(&args);
+    let args = [&FLAGS[..], extra].concat();
+    let (ok, text) = finetune(&pipeline(), images(), out, &args);
     assert!(ok, "finetune {args:?} failed: {text}");
     text
 }
@@ -68,7 +64,7 @@ fn every_2(steps: &'static str) -> [&'static str; 4] {
 fn reference() -> &'static Path {
     static OUT: OnceLock<PathBuf> = OnceLock::new();
     OUT.get_or_init(|| {
-        let out = scratch("reference");
+        let out = scratch("reference").until_exit();
         run(&out, &[&every_2("6")[..], &["--micro-batch", "2", "--checkpoints-total-limit", "2"]].concat());
         out
     })
@@ -143,12 +139,10 @@ fn a_resumed_run_repeats_the_uninterrupted_one_bit_for_bit() {
     // A resume at another learning rate is refused: diffusers' keeps the saved rate whatever
     // the flag says.
     let (model, data) = (pipeline(), images());
-    let mut args =
-        vec!["--model", model.to_str().unwrap(), "--data", data.to_str().unwrap(), "-o", out.to_str().unwrap()];
-    args.extend(FLAGS.iter().map(|f| if *f == "1e-3" { "5e-3" } else { f }));
+    let mut args: Vec<&str> = FLAGS.iter().map(|f| if *f == "1e-3" { "5e-3" } else { f }).collect();
     args.extend(every_2("8"));
     args.extend(["--micro-batch", "2", "--resume", "latest"]);
-    let (ok, text) = finetune(&args);
+    let (ok, text) = finetune(&model, data, &out, &args);
     assert!(!ok && text.contains("it was trained with --lr 0.001, this run has 0.005"), "{text}");
 }
 
@@ -167,12 +161,10 @@ fn a_checkpoint_from_two_ranks_resumes_on_one() {
 
     // The global batch must stay: 1 rank with 1 image is another data order.
     let (model, data) = (pipeline(), images());
-    let mut args =
-        vec!["--model", model.to_str().unwrap(), "--data", data.to_str().unwrap(), "-o", out.to_str().unwrap()];
-    args.extend(FLAGS);
+    let mut args = FLAGS.to_vec();
     args.extend(every_2("6"));
     args.extend(["--resume", "latest"]);
-    let (ok, text) = finetune(&args);
+    let (ok, text) = finetune(&model, data, &out, &args);
     assert!(!ok && text.contains("global batch") && text.contains("checkpoint-4"), "{text}");
 
     run(&out, &[&every_2("6")[..], &["--micro-batch", "2", "--resume", "latest"]].concat());
@@ -188,24 +180,10 @@ fn a_checkpoint_from_two_ranks_resumes_on_one() {
 fn lora_adapters_resume_bit_for_bit_and_two_ranks_equal_one() {
     let (model, data) = (pipeline(), images());
     let lora = |out: &Path, extra: &[&str]| {
-        let mut args = vec![
-            "--model",
-            model.to_str().unwrap(),
-            "--data",
-            data.to_str().unwrap(),
-            "-o",
-            out.to_str().unwrap(),
-            "--resolution",
-            "16",
-            "--lr",
-            "1e-2",
-            "--lora-rank",
-            "2",
-            "--quiet",
-        ];
+        let mut args = vec!["--resolution", "16", "--lr", "1e-2", "--lora-rank", "2", "--quiet"];
         args.extend(every_2("6"));
         args.extend(extra);
-        let (ok, text) = finetune(&args);
+        let (ok, text) = finetune(&model, data, out, &args);
         assert!(ok, "finetune {args:?} failed: {text}");
     };
     let (full, resumed, ranks) = (scratch("lora-full"), scratch("lora-resumed"), scratch("lora-ranks"));
@@ -300,11 +278,9 @@ fn bad_resume_folders_are_named() {
     let out = scratch("bad");
     let (model, data) = (pipeline(), images());
     let try_resume = |resume: &str| {
-        let mut args =
-            vec!["--model", model.to_str().unwrap(), "--data", data.to_str().unwrap(), "-o", out.to_str().unwrap()];
-        args.extend(FLAGS);
+        let mut args = FLAGS.to_vec();
         args.extend(["--steps", "6", "--micro-batch", "2", "--resume", resume]);
-        let (ok, text) = finetune(&args);
+        let (ok, text) = finetune(&model, data, &out, &args);
         assert!(!ok, "--resume {resume} should fail: {text}");
         text
     };
@@ -322,19 +298,14 @@ fn bad_resume_folders_are_named() {
         (&["--lora-alpha", "4"], "--lora-rank"),
         (&["--num-validation-images", "3"], "--validation-prompt"),
     ] {
-        let mut args =
-            vec!["--model", model.to_str().unwrap(), "--data", data.to_str().unwrap(), "-o", out.to_str().unwrap()];
-        args.extend(flags);
-        let (ok, text) = finetune(&args);
+        let (ok, text) = finetune(&model, data, &out, flags);
         assert!(!ok && text.contains(named), "{flags:?}: {text}");
     }
     // A checkpoint past --steps is named, not a run that ends at once as if it trained.
     let reference_checkpoint = reference().join("checkpoint-6");
-    let mut args =
-        vec!["--model", model.to_str().unwrap(), "--data", data.to_str().unwrap(), "-o", out.to_str().unwrap()];
-    args.extend(FLAGS);
+    let mut args = FLAGS.to_vec();
     args.extend(["--steps", "4", "--micro-batch", "2", "--resume", reference_checkpoint.to_str().unwrap()]);
-    let (ok, text) = finetune(&args);
+    let (ok, text) = finetune(&model, data, &out, &args);
     assert!(!ok && text.contains("is at step 6, past --steps 4"), "{text}");
     let text = try_resume("/nonexistent/checkpoint-4");
     assert!(text.contains("--resume /nonexistent/checkpoint-4"), "{text}");

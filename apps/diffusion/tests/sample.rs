@@ -74,22 +74,20 @@ fn differs_by(ours: &Tensor, theirs: &Tensor) -> f64 {
     (ours - theirs.permute([0, 3, 1, 2])).abs().max().double_value(&[])
 }
 
-/// A copy of the tiny pipeline in a temporary folder of its own (its parent).
-fn pipeline_copy(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("diffusion-sample-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+/// A copy of the tiny pipeline, `pipe` in a scratch folder of its own (returned with it).
+fn pipeline_copy(tag: &str) -> (suite_tests::Scratch, PathBuf) {
+    let dir = suite_tests::scratch("diffusion-sample", tag);
     let copy = dir.join("pipe");
     let status = Command::new("cp").args(["-r"]).arg(fixtures().join("pipeline")).arg(&copy).status().unwrap();
     assert!(status.success());
-    copy
+    (dir, copy)
 }
 
-/// A copy of the tiny pipeline whose scheduler config is `config`.
-fn pipeline_with_scheduler(tag: &str, config: &str) -> PathBuf {
-    let copy = pipeline_copy(tag);
+/// A copy of the tiny pipeline whose scheduler config is `config` (with its scratch folder).
+fn pipeline_with_scheduler(tag: &str, config: &str) -> (suite_tests::Scratch, PathBuf) {
+    let (dir, copy) = pipeline_copy(tag);
     std::fs::write(copy.join("scheduler/scheduler_config.json"), config).unwrap();
-    copy
+    (dir, copy)
 }
 
 #[test]
@@ -98,7 +96,7 @@ fn the_scheduler_defaults_to_the_class_the_folder_names() {
     assert_eq!(Sampler::default_for(&sd.scheduler).unwrap(), Sampler::Ddim);
     // SD 1.5's own file (PNDM, PLMS only) has the tiny pipeline's schedule.
     let sd15 = std::fs::read_to_string(fixtures().join("schedulers/sd15_pndm/scheduler_config.json")).unwrap();
-    let folder = pipeline_with_scheduler("pndm", &sd15);
+    let (_pndm, folder) = pipeline_with_scheduler("pndm", &sd15);
     let sd = StableDiffusion::load(&folder, Device::Cpu, Kind::Float).unwrap();
     let sampler = Sampler::default_for(&sd.scheduler).unwrap();
     assert_eq!(sampler, Sampler::Pndm);
@@ -123,12 +121,9 @@ fn the_scheduler_defaults_to_the_class_the_folder_names() {
     };
     let (ok, text) = run(&folder);
     assert!(ok && text.contains("scheduler: pndm (PNDMScheduler)"), "{text}");
-    let lms = pipeline_with_scheduler("lms", &sd15.replace("PNDMScheduler", "LMSDiscreteScheduler"));
+    let (_lms, lms) = pipeline_with_scheduler("lms", &sd15.replace("PNDMScheduler", "LMSDiscreteScheduler"));
     let (ok, text) = run(&lms);
     assert!(!ok && text.contains("scheduler/scheduler_config.json") && text.contains("LMSDiscreteScheduler"), "{text}");
-    for f in [folder, lms] {
-        std::fs::remove_dir_all(f.parent().unwrap()).unwrap();
-    }
 }
 
 fn copy_tree(from: &Path, to: &Path) {
@@ -169,19 +164,15 @@ fn pipelines_in_every_weight_layout_load_the_same_weights() {
         }
     }
     // Plain shards beside an fp16 variant file: the plain weights, as from_pretrained reads them.
-    let mixed = std::env::temp_dir().join(format!("diffusion-mixed-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&mixed);
+    let mixed = suite_tests::scratch("diffusion-sample", "mixed");
     copy_tree(&layouts.join("sharded"), &mixed);
     let variant = "unet/diffusion_pytorch_model.fp16.safetensors";
     std::fs::copy(layouts.join("fp16").join(variant), mixed.join(variant)).unwrap();
     let sd = StableDiffusion::load(&mixed, Device::Cpu, Kind::Float).unwrap();
     let want = plain.unet_vs.variables();
     assert!(sd.unet_vs.variables().iter().all(|(k, t)| t.equal(&want[k])), "the plain shards, not the variant");
-    std::fs::remove_dir_all(&mixed).unwrap();
     // An index that leaves out a key of its shard, or names one the shard lacks, is named.
-    let dir = std::env::temp_dir().join(format!("diffusion-sharded-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = suite_tests::scratch("diffusion-sample", "sharded");
     copy_tree(&layouts.join("sharded/unet"), &dir);
     let index_path = dir.join("diffusion_pytorch_model.safetensors.index.json");
     let index: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&index_path).unwrap()).unwrap();
@@ -196,7 +187,6 @@ fn pipelines_in_every_weight_layout_load_the_same_weights() {
     let shard = index["weight_map"]["conv_in.bias"].clone();
     more["weight_map"]["conv_in.extra"] = shard;
     assert!(read(&more).contains("key conv_in.extra is not in its shard"), "{}", read(&more));
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
@@ -232,13 +222,13 @@ fn bad_sizes_and_missing_files_are_named() {
     let err = sd.sample(&["x"], &opts, None).unwrap_err().to_string();
     assert!(err.contains("--height 18") && err.contains("multiple of 4"), "{err}");
 
-    let copy = pipeline_copy("broken");
+    let (_broken, copy) = pipeline_copy("broken");
     std::fs::remove_file(copy.join("vae/diffusion_pytorch_model.fp16.safetensors")).unwrap();
     let err = StableDiffusion::load(&copy, Device::Cpu, Kind::Float).err().unwrap().to_string();
     assert!(err.contains("vae/diffusion_pytorch_model.safetensors") && err.contains("missing"), "{err}");
 
     // A tokenizer that does not fit its text encoder is named at load, with both files.
-    let copy = pipeline_copy("mismatched");
+    let (_mismatched, copy) = pipeline_copy("mismatched");
     let config = copy.join("tokenizer/tokenizer_config.json");
     let mut json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
     json["model_max_length"] = 200.into();
@@ -253,13 +243,11 @@ fn bad_sizes_and_missing_files_are_named() {
     std::fs::write(&vocab, json.to_string()).unwrap();
     let err = StableDiffusion::load(&copy, Device::Cpu, Kind::Float).err().unwrap().to_string();
     assert!(err.contains("tokenizer: token ids reach 5000") && err.contains("has vocab_size 606"), "{err}");
-    std::fs::remove_dir_all(copy.parent().unwrap()).unwrap();
 }
 
 #[test]
 fn the_command_writes_pngs() {
-    let dir = std::env::temp_dir().join(format!("diffusion-sample-cli-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = suite_tests::scratch("diffusion-sample", "cli");
     let out = dir.join("cat.png");
     let o = Command::new(env!("CARGO_BIN_EXE_diffusion"))
         .args(["sample", "--model"])
@@ -297,15 +285,12 @@ fn the_command_writes_pngs() {
         "{text}"
     );
     assert!(!dir.join("cat-0.png").exists(), "a half set of images was left behind");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
 fn the_command_adds_a_lora_file() {
     use diffusion::lora::{Lora, LORA_WEIGHTS};
-    let dir = std::env::temp_dir().join(format!("diffusion-sample-lora-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = suite_tests::scratch("diffusion-sample", "lora");
     let sd = load();
     let lora = Lora::new(&sd.unet, &sd.unet_vs, 2, 2.0, 4, Device::Cpu).unwrap();
     for p in lora.params().iter().filter(|p| p.name.ends_with(".up.weight")) {
@@ -359,5 +344,4 @@ fn the_command_adds_a_lora_file() {
     let long = ["a cat"; 60].join(" and ");
     let (ok, text, _) = run("long.png", &["--prompt", &long]);
     assert!(ok && text.contains("warning: prompt 2 has") && text.contains("are dropped"), "{text}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }

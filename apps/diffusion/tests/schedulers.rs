@@ -99,7 +99,6 @@ fn each_class_fills_the_keys_a_file_lacks_with_its_own_defaults() {
     assert!(ddim.set_alpha_to_one && ddim.clip_sample == Some(1.0) && ddim.steps_offset == 0);
     let euler = SchedulerConfig::from_file(&path, SchedulerClass::EulerDiscrete).unwrap();
     assert!(!euler.set_alpha_to_one && euler.clip_sample.is_none());
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

@@ -12,7 +12,7 @@ mod common;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use common::{finetune, write_images};
+use common::{finetune, write_images, SMALL_RUN};
 use diffusion::finetune::{gemini_config, loss, Batch, Draws, GeminiParts, UnetParams};
 use diffusion::pipeline::{SizeConditioning, StableDiffusion};
 use diffusion::sample::{GivenNoise, SampleOptions, Sampler};
@@ -42,7 +42,7 @@ fn load() -> StableDiffusion {
 }
 
 /// A fresh folder under the system temp dir for one test.
-fn scratch(test: &str) -> PathBuf {
+fn scratch(test: &str) -> suite_tests::Scratch {
     suite_tests::scratch("diffusion-sdxl", test)
 }
 
@@ -338,7 +338,6 @@ fn a_lora_step_over_the_unet_streamed_by_gemini_equals_train_text_to_image_lora_
         assert_close(&ours[key], theirs, 0.0, 4e-6, &format!("{key} after one AdamW step"));
     }
     assert_eq!(moved, after.len(), "every adapter moved");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// A component's tensors under transformers 4's prefixed names, whichever layout its file has.
@@ -402,47 +401,27 @@ fn sdxl_single_files_convert_both_ways() {
     let err = to_diffusers(&file, &Configs::Shipped(None), &dir.join("no-configs")).unwrap_err().to_string();
     assert!(err.contains("SDXL") && err.contains("--config-from"), "{err}");
     assert!(!dir.join("no-configs").exists());
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// Runs `diffusion finetune` on the SDXL folder with `extra` flags; returns the output folder.
-fn finetune_run(test: &str, extra: &[&str]) -> PathBuf {
+/// Runs `diffusion finetune` on the SDXL folder with `extra` flags; returns the scratch folder
+/// and the output folder in it.
+fn finetune_run(test: &str, extra: &[&str]) -> (suite_tests::Scratch, PathBuf) {
     let dir = scratch(test);
     let data = dir.join("images");
     write_images(&data);
     let out = dir.join("run");
     let model = folder();
-    let mut args = vec![
-        "--model",
-        model.to_str().unwrap(),
-        "--data",
-        data.to_str().unwrap(),
-        "--resolution",
-        "16",
-        "--steps",
-        "2",
-        "--micro-batch",
-        "2",
-        "--lr",
-        "1e-3",
-        "--random-flip",
-        "--metrics",
-        "log.csv",
-        "-o",
-        out.to_str().unwrap(),
-    ];
-    args.extend_from_slice(extra);
-    let (ok, text) = finetune(&args);
+    let (ok, text) = finetune(&model, &data, &out, &[&SMALL_RUN[..], &["--metrics", "log.csv"], extra].concat());
     assert!(ok, "{text}");
     let csv = std::fs::read_to_string(out.join("log.csv")).unwrap();
     let losses: Vec<f64> = csv.lines().skip(1).map(|l| l.split(',').nth(1).unwrap().parse().unwrap()).collect();
     assert!(losses.len() == 2 && losses.iter().all(|l| l.is_finite() && *l > 0.0), "{csv}");
-    out
+    (dir, out)
 }
 
 #[test]
 fn the_command_fine_tunes_sdxl_fully_and_with_lora() {
-    let out = finetune_run("full", &["--validation-prompt", "a red car", "--gpu-mem", "1G"]);
+    let (_full, out) = finetune_run("full", &["--validation-prompt", "a red car", "--gpu-mem", "1G"]);
     let model = out.join("model");
     let tuned = StableDiffusion::load(&model, Device::Cpu, Kind::Float).unwrap();
     assert!(tuned.is_xl() && model.join("text_encoder_2/model.safetensors").is_file());
@@ -451,7 +430,7 @@ fn the_command_fine_tunes_sdxl_fully_and_with_lora() {
     assert!(moved * 2 > base.len(), "training moved most tensors ({moved} of {})", base.len());
     assert!(out.join("validation/step-2-0.png").is_file());
 
-    let out = finetune_run("lora", &["--lora-rank", "2"]);
+    let (_lora, out) = finetune_run("lora", &["--lora-rank", "2"]);
     let files: Vec<_> = std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().file_name()).collect();
     let adapters = files.iter().find(|f| f.to_string_lossy().ends_with(".safetensors"));
     let adapters = out.join(adapters.unwrap_or_else(|| panic!("no adapter file in {files:?}")));

@@ -12,13 +12,14 @@ fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
 }
 
-fn scratch(name: &str) -> PathBuf {
+fn scratch(name: &str) -> suite_tests::Scratch {
     suite_tests::scratch("diffusion-single", name)
 }
 
 #[test]
 fn the_single_file_converts_to_the_pipeline() {
-    let out = scratch("ok").join("sd");
+    let out_scratch = scratch("ok");
+    let out = out_scratch.join("sd");
     let donor = Configs::Folder(fixtures().join("pipeline"));
     let n = to_diffusers(&fixtures().join("single_file.safetensors"), &donor, &out).unwrap().tensors;
     let ours = StableDiffusion::load(&out, Device::Cpu, Kind::Float).unwrap();

@@ -33,7 +33,7 @@ fn assert_close(got: &Tensor, want: &Tensor, tol: f64, what: &str) {
     assert!(diff <= tol, "{what}: max abs difference {diff} above {tol}");
 }
 
-fn temp_dir(name: &str) -> PathBuf {
+fn temp_dir(name: &str) -> suite_tests::Scratch {
     suite_tests::scratch("diffusion-text", name)
 }
 
@@ -134,7 +134,6 @@ fn tokenizer_errors_name_the_file_and_key() {
     std::fs::remove_file(dir.join("tokenizer.json")).unwrap();
     let err = ClipTokenizer::from_dir(&dir).err().unwrap().to_string();
     assert!(err.contains("vocab.json"), "{err}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
@@ -194,7 +193,6 @@ fn text_encoder_loads_the_layouts_of_transformers_4_and_5() {
     Tensor::write_safetensors(&weights, dir.join("model.safetensors")).unwrap();
     let err = ClipTextModel::load(&dir, Device::Cpu).unwrap_err().to_string();
     assert!(err.contains("token_embedding") && err.contains("model.safetensors"), "{err}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
@@ -226,5 +224,4 @@ fn text_encoder_rejects_bad_inputs_and_files() {
     std::fs::write(dir.join("config.json"), r#"{"vocab_size": 10}"#).unwrap();
     let err = ClipTextModel::load(&dir, Device::Cpu).unwrap_err().to_string();
     assert!(err.contains("config.json") && err.contains("hidden_size"), "{err}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -24,7 +24,7 @@ fn load(name: &str) -> (tch::nn::VarStore, UNet2DConditionModel) {
 }
 
 /// A fresh folder under the system temp dir for one test.
-fn scratch(test: &str) -> PathBuf {
+fn scratch(test: &str) -> suite_tests::Scratch {
     suite_tests::scratch("diffusion-unet", test)
 }
 
@@ -91,7 +91,6 @@ fn saved_unet_reloads_with_same_outputs() {
     let r = reference("sd1");
     let out = tch::no_grad(|| again.forward(&r["sample"], &r["timesteps"], &r["encoder_hidden_states"])).unwrap();
     assert_close(&out, &r["out"], 0.0, 1e-4, "reloaded output");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// Copies the sd1 pipeline to `dir`, changing its weights with `edit`; returns the load error.
@@ -169,7 +168,6 @@ fn bad_folders_and_configs_are_named_errors() {
     let files = ComponentFiles::in_pipeline(&dir, "unet", "UNet2DConditionModel").unwrap();
     let err = UNet2DConditionModel::load(&files, Device::Cpu).unwrap_err().to_string();
     assert!(err.contains("config.json: class_embed_type = \"timestep\" is not supported"), "{err}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

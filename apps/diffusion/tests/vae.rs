@@ -51,8 +51,7 @@ fn old_attention_names_load_and_match_diffusers() {
 
 #[test]
 fn saved_vae_uses_current_names_and_reloads() {
-    let dir = std::env::temp_dir().join(format!("diffusion-vae-{}-save", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = suite_tests::scratch("diffusion-vae", "save");
     let (vs, vae) = load("old_names");
     vae.save(&vs, &dir).unwrap();
     let saved = data::checkpoint::read_tensors(&dir.join("diffusion_pytorch_model.safetensors")).unwrap();
@@ -62,7 +61,6 @@ fn saved_vae_uses_current_names_and_reloads() {
     assert!(!saved.keys().any(|k| k.contains(".query.")), "old names written back");
     let (_vs2, again) = AutoencoderKL::load(&ComponentFiles::in_dir(&dir).unwrap(), Device::Cpu).unwrap();
     check_against_diffusers("old_names", &again);
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

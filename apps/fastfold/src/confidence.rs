@@ -134,8 +134,7 @@ mod tests {
 
     #[test]
     fn confidence_json_has_what_the_heads_give() {
-        let dir = std::env::temp_dir().join(format!("fastfold-confidence-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = suite_tests::scratch("fastfold", "confidence");
         let lddt = Tensor::zeros([4, 50], (Kind::Float, Device::Cpu));
         let c = Confidence::from_logits(&lddt, None).unwrap();
         c.write(&dir.join("a.json")).unwrap();
@@ -148,6 +147,5 @@ mod tests {
         let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("b.json")).unwrap()).unwrap();
         assert_eq!(v["pae"].as_array().unwrap().len(), 4);
         assert!(v["ptm"].as_f64().unwrap() > 0.0 && (v["max_pae"].as_f64().unwrap() - 31.75).abs() < 1e-5);
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

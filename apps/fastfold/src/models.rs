@@ -142,7 +142,7 @@ fn release_files(dir: &Path) -> anyhow::Result<BTreeMap<String, PathBuf>> {
 mod tests {
     use super::*;
 
-    fn scratch(name: &str, files: &[&str]) -> PathBuf {
+    fn scratch(name: &str, files: &[&str]) -> suite_tests::Scratch {
         let d = suite_tests::scratch("fastfold-models", name);
         for f in files {
             std::fs::write(d.join(f), b"").unwrap();

@@ -147,7 +147,7 @@ impl Drop for QueryFolder {
 mod tests {
     use super::*;
 
-    fn scratch(name: &str) -> PathBuf {
+    fn scratch(name: &str) -> suite_tests::Scratch {
         suite_tests::scratch("fastfold-query-folder", name)
     }
 
@@ -190,7 +190,6 @@ mod tests {
         want.extend(["msas", "model_3_unrelaxed.pdb", "ranked_0.pdb", "ranking_debug.json"].map(String::from));
         assert_eq!(names(&q), want);
         assert_eq!(names(&out), ["q".to_string()].into(), "the staging folder moved in");
-        std::fs::remove_dir_all(&out).unwrap();
     }
 
     #[test]
@@ -212,7 +211,6 @@ mod tests {
         std::fs::write(q.join("ranking_debug.json"), r#"{"order": ["../escape", "", 3]}"#).unwrap();
         QueryFolder::open(&out, "q").unwrap().commit().unwrap();
         assert!(out.join("escape_unrelaxed.pdb").exists());
-        std::fs::remove_dir_all(&out).unwrap();
     }
 
     #[test]
@@ -241,7 +239,6 @@ mod tests {
         }
         assert!(left.contains(folder.staging.file_name().unwrap().to_str().unwrap()));
         drop(folder);
-        std::fs::remove_dir_all(&out).unwrap();
     }
 
     #[test]

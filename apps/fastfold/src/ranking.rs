@@ -130,8 +130,7 @@ mod tests {
         let want = "{\n    \"features\": 1.5,\n    \"process_features_model_5\": 0.25,\n    \
                     \"predict_and_compile_model_5\": 2.0,\n    \"process_features_model_3\": 0.5,\n    \
                     \"predict_and_compile_model_3\": 3.0\n}";
-        let dir = std::env::temp_dir().join(format!("fastfold-ranking-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = suite_tests::scratch("fastfold", "ranking");
         let written = |name: &str| std::fs::read_to_string(dir.join(name)).unwrap();
         t.write(&dir.join("timings.json")).unwrap();
         assert_eq!(written("timings.json"), want);
@@ -140,6 +139,5 @@ mod tests {
                     \"order\": [\n        \"model_3\",\n        \"model_5\"\n    ]\n}";
         r.write(&dir.join("ranking_debug.json")).unwrap();
         assert_eq!(written("ranking_debug.json"), want, "as json.dumps(indent=4) writes it");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

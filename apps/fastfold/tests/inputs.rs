@@ -7,7 +7,7 @@ use fastfold::pdb::Structure;
 use fastfold::residue_constants as rc;
 use tch::{Device, Kind, Tensor};
 
-fn scratch(name: &str) -> PathBuf {
+fn scratch(name: &str) -> suite_tests::Scratch {
     suite_tests::scratch("fastfold-inputs", name)
 }
 

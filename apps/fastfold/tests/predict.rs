@@ -21,7 +21,7 @@ use common::BIN;
 const SEQ_A: &str = "MKTAYIAKQRQISFVKSHFSRQ";
 const SEQ_B: &str = "GSWPEDLK";
 
-fn dir(name: &str) -> PathBuf {
+fn dir(name: &str) -> suite_tests::Scratch {
     common::scratch("predict", name)
 }
 

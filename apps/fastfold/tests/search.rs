@@ -25,7 +25,7 @@ const WITH_INSERTION: [usize; 3] = [3, 9, 15];
 const WITH_DELETION: [usize; 2] = [5, 11];
 const INSERTION: &str = "GSGSG";
 
-fn dir(name: &str) -> PathBuf {
+fn dir(name: &str) -> suite_tests::Scratch {
     common::scratch("search", name)
 }
 
@@ -33,7 +33,7 @@ fn dir(name: &str) -> PathBuf {
 fn template_params_file() -> &'static Path {
     static FILE: OnceLock<PathBuf> = OnceLock::new();
     FILE.get_or_init(|| {
-        let path = dir("template-params").join("params_tiny_templates.npz");
+        let path = dir("template-params").until_exit().join("params_tiny_templates.npz");
         let model = ModelConfig { templates: Some(TemplateConfig::tiny()), ..ModelConfig::tiny() };
         Params::random_model(&EvoformerConfig::tiny(), &model, 7).unwrap().save(&path).unwrap();
         path
@@ -314,7 +314,6 @@ fn reduced_dbs_search_finds_the_homologues_and_feeds_the_model() {
     write(&msas.join("mgnify_hits.sto"), "# STOCKHOLM 1.0\nquery MKT AAA\n//\n");
     let (ok, text) = predict(&root, &[&no_tool[..], &["--use-precomputed-msas"]].concat());
     assert!(!ok && text.contains("mgnify_hits.sto") && text.contains("line 2"), "{text}");
-    std::fs::remove_dir_all(&root).unwrap();
 }
 
 #[test]
@@ -343,7 +342,6 @@ fn two_records_on_two_ranks_search_once_each_and_match_one_rank() {
             assert!(diff < 1e-4, "{name}: {key} differs between 1 and 2 ranks by {diff}");
         }
     }
-    std::fs::remove_dir_all(&root).unwrap();
 }
 
 #[test]
@@ -380,7 +378,6 @@ fn each_query_has_its_own_search_time_and_timings_keep_their_order() {
     assert!(
         at("features") < at("process_features_tiny") && at("process_features_tiny") < at("predict_and_compile_tiny")
     );
-    std::fs::remove_dir_all(&root).unwrap();
 }
 
 #[test]
@@ -405,7 +402,6 @@ fn search_tools_hold_no_descriptor_of_the_rank() {
     assert!(ok, "{text}");
     let held = std::fs::read_to_string(&fds).unwrap();
     assert!(!held.contains("pipe:") && !held.contains("socket:"), "the tool held: {held}");
-    std::fs::remove_dir_all(&root).unwrap();
 }
 
 #[test]
@@ -448,7 +444,6 @@ fn an_interrupted_search_ends_its_tools_and_their_children() {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     assert!(scratch_left(&root).is_empty(), "{:?}", scratch_left(&root));
-    std::fs::remove_dir_all(&root).unwrap();
 }
 
 #[test]
@@ -514,7 +509,6 @@ fn full_dbs_search_runs_hhblits_on_bfd_and_uniref30() {
     // differently from jackhmmer (then it is a row of its own).
     let n = num_alignments(&features(&root));
     assert!(n == 1 + 22 || n == 1 + 23, "merged depth {n}");
-    std::fs::remove_dir_all(&root).unwrap();
 }
 
 #[test]
@@ -569,7 +563,6 @@ fn mmseqs2_mode_runs_colabfolds_search() {
         }
     }
     assert_eq!(num_alignments(&features(&root)), 1 + 20);
-    std::fs::remove_dir_all(&root).unwrap();
 }
 
 #[test]
@@ -686,7 +679,6 @@ fn missing_databases_and_failing_tools_are_named() {
     write(&a3m, &format!(">query\n{QUERY}\n"));
     let (ok, text) = predict(&root, &["--data-dir", data.to_str().unwrap(), "--msa", a3m.to_str().unwrap()]);
     assert!(!ok && text.contains("given.a3m") && text.contains("nothing to search"), "{text}");
-    std::fs::remove_dir_all(&root).unwrap();
 }
 
 // ---------------------------------------------------------------- templates
@@ -894,7 +886,6 @@ fn template_search_finds_and_featurises_templates() {
     let (ok, text) = predict(&root, &reuse);
     assert!(!ok && text.contains("1tpl.cif") && text.contains("not closed"), "{text}");
     write(&cif, &good);
-    std::fs::remove_dir_all(&root).unwrap();
 }
 
 #[test]
@@ -937,7 +928,6 @@ fn hmmsearch_template_search_against_pdb_seqres() {
             check_template(&f, t as i64, name);
         }
     }
-    std::fs::remove_dir_all(&root).unwrap();
 }
 
 /// Checks template `t` of the raw features `f`, hit `name` (1tpl_A or 2tpl_B of

@@ -107,15 +107,13 @@ fn merged_msa_features_equal_alphafold_make_msa_features() {
     assert!(raw.num_alignments > u.len() - 1 && raw.num_alignments < u.len() + b.len() + m.len());
 
     // features.npz holds AlphaFold's raw encoding (HHblits ids).
-    let dir = std::env::temp_dir().join(format!("fastfold-search-parsers-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = suite_tests::scratch("fastfold", "search-parsers");
     let path = dir.join("features.npz");
     raw.save_npz(&path).unwrap();
     let saved: std::collections::HashMap<String, Tensor> = Tensor::read_npz(&path).unwrap().into_iter().collect();
     let msa: Vec<Vec<i64>> = Vec::<Vec<i64>>::try_from(&saved["msa"].to_kind(tch::Kind::Int64)).unwrap();
     assert_eq!(msa, ints(&e["msa_hhblits"]));
     assert_eq!(saved["aatype"].size(), vec![QUERY.len() as i64, 21]);
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

@@ -151,8 +151,7 @@ fn the_iteration_count_comes_from_the_preset_not_the_arrays() {
 
 #[test]
 fn parameters_round_trip_and_a_missing_array_is_named() {
-    let dir = std::env::temp_dir().join(format!("fastfold-structure-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = suite_tests::scratch("fastfold", "structure");
     let path = dir.join("p.npz");
     let p = params();
     p.save(&path).unwrap();
@@ -275,8 +274,7 @@ fn atom37_follows_residue_constants_for_every_residue_type() {
 
 #[test]
 fn a_mis_shaped_array_is_named_with_both_shapes() {
-    let dir = std::env::temp_dir().join(format!("fastfold-structure-shape-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = suite_tests::scratch("fastfold", "structure-shape");
     let path = dir.join("p.npz");
     params().save(&path).unwrap();
     let c_s = ModelConfig::tiny().structure.c_s;
@@ -297,7 +295,6 @@ fn a_mis_shaped_array_is_named_with_both_shapes() {
     let (expected, found) = (format!("[{c_s}, {c_s}]"), format!("[{c_s}, {}]", c_s + 1));
     assert!(err.contains(key) && err.contains(&expected) && err.contains(&found), "{err}");
     assert!(err.contains("bad.npz"), "{err}");
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]

@@ -47,7 +47,7 @@ fn query() -> String {
     expected()["query"].as_str().unwrap().to_string()
 }
 
-fn scratch(name: &str) -> PathBuf {
+fn scratch(name: &str) -> suite_tests::Scratch {
     suite_tests::scratch("fastfold-template-parsers", name)
 }
 
@@ -225,7 +225,6 @@ fn bad_mmcif_is_an_error_naming_the_file() {
     std::fs::remove_file(dir.join("2def.cif")).unwrap();
     let err = format!("{:#}", f.get_templates(&query(), &hits()).unwrap_err());
     assert!(err.contains("2def.cif"), "{err}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

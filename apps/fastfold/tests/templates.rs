@@ -2,8 +2,6 @@
 //! parameters' names and shapes (inferred back, stray arrays named), template features read
 //! from `.npz`, and the model: padding template slots change nothing, real ones change the
 //! prediction.
-use std::path::PathBuf;
-
 use engine::parallel::dap::Dap;
 use fastfold::features::{process, FeatureConfig, Features, RawFeatures, TemplateFeatures};
 use fastfold::model::alphafold::AlphaFold;
@@ -15,7 +13,7 @@ use tch::{Device, Kind, Tensor};
 const F: (Kind, Device) = (Kind::Float, Device::Cpu);
 const SEQ: &str = "MRFKGS";
 
-fn scratch(name: &str) -> PathBuf {
+fn scratch(name: &str) -> suite_tests::Scratch {
     suite_tests::scratch("fastfold-templates", name)
 }
 

@@ -22,7 +22,7 @@ use common::BIN;
 const SEQ: &str = "MKTAYIAKGRQISF";
 const A3M: &str = ">query\nMKTAYIAKGRQISF\n>h1\nMKTAYLAKGRQISF\n>h2\nMRTAYIAK-RQISW\n>h3\nMKSAYIAKGRQLSF\n>h4\nAKTAYIPKGRQISF\n>h5\nMKTAY--KGRQISY\n";
 
-fn dir(name: &str) -> PathBuf {
+fn dir(name: &str) -> suite_tests::Scratch {
     common::scratch("train", name)
 }
 
@@ -82,8 +82,7 @@ fn gradients(
 
 fn compare(world: &World) -> TestResult {
     let params = Params::random_model(&EvoformerConfig::tiny(), &ModelConfig::tiny(), 11)?;
-    let d = std::env::temp_dir().join(format!("fastfold-train-dap-{}-{}", std::process::id(), world.rank()));
-    std::fs::create_dir_all(&d)?;
+    let d = dir("dap");
     let f = features(&d.join("q.a3m"));
     let target = helix(SEQ);
     let (loss_one, one) = gradients(&params, &f, &target, &Dap::none())?;
@@ -148,7 +147,7 @@ fn log(out: &Path) -> Vec<serde_json::Value> {
 /// A training job's inputs written to `dir(name)`: the query, its MSA, the helix as its target
 /// and a tiny random model.
 struct Inputs {
-    dir: PathBuf,
+    dir: suite_tests::Scratch,
     fasta: PathBuf,
     a3m: PathBuf,
     pdb: PathBuf,

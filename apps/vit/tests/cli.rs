@@ -82,7 +82,6 @@ fn pretrain_then_eval_reports_the_same_accuracy() {
     tch::Tensor::write_safetensors(&tensors, &weights).unwrap();
     let (ok, text) = vit(&["eval", out.to_str().unwrap()]);
     assert!(!ok && text.contains("missing key head.bias") && text.contains("model.safetensors"), "{text}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// `vit pretrain` on a tiny ViT for 8x8 inputs, with extra arguments.
@@ -154,7 +153,6 @@ fn folder_to_hdf5_and_training_on_both() {
     std::fs::write(&bad, b"not hdf5 at all").unwrap();
     let (ok, text) = vit(&["pretrain", "--quiet", "--data", bad.to_str().unwrap()]);
     assert!(!ok && text.contains("bad.h5"), "{text}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
@@ -182,7 +180,6 @@ fn an_interrupted_conversion_leaves_no_temporary_file() {
     let status = child.wait().unwrap();
     assert_eq!(status.signal(), Some(2), "ends as interrupted: {status:?}");
     assert!(!temporary() && !out.exists(), "an interrupted conversion left a file behind");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// Ctrl-C (SIGINT to the whole foreground process group) of a 2-rank run that checkpoints
@@ -229,7 +226,6 @@ fn an_interrupted_multi_rank_run_leaves_nothing_behind() {
     assert!(!names.iter().any(|n| n.ends_with(".tmp") || n.contains(".tmp-")), "half-written files: {names:?}");
     let latest = std::fs::read_to_string(out.join("latest")).unwrap();
     assert!(out.join(latest.trim()).join("trainer.json").exists(), "latest names {latest}: {names:?}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
@@ -314,7 +310,6 @@ fn parallel_plan_prints_the_planner_choice_without_training() {
     // 16 examples on 3 ranks: only 3 stages of 4 micro-batches of 4 divide them.
     let (ok, text) = vit(&["pretrain", "--parallel", "plan", "--nproc", "3", "--batch", "16"]);
     assert!(ok && text.contains("--pp 3 --micro-batch 4"), "{text}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

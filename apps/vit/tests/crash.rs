@@ -97,5 +97,4 @@ fn killed_ten_times_and_resumed_ends_as_an_uninterrupted_run() {
     let steps: Vec<u64> =
         log.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap()).collect();
     assert_eq!(steps, (1..=64).collect::<Vec<u64>>());
-    std::fs::remove_dir_all(&dir).unwrap();
 }

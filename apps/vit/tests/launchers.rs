@@ -48,8 +48,11 @@ fn torchrun_and_mpirun_jobs_equal_the_spawners() {
 
     let python = std::env::var("SUITE_PYTHON").expect("SUITE_PYTHON (set by scripts/setup.sh's cargo config)");
     let torchrun = dir.join("torchrun");
+    // torchrun's agent keeps its logs in a folder under Python's temporary directory, which it
+    // leaves behind: in the scratch folder, they go with it.
     let mut cmd = Command::new(python);
-    cmd.args(["-m", "torch.distributed.run", "--no-python", "--nproc-per-node", "2"])
+    cmd.env("TMPDIR", &dir)
+        .args(["-m", "torch.distributed.run", "--no-python", "--nproc-per-node", "2"])
         .args(["--master-port", &free_port().to_string(), VIT])
         .args(pretrain_args(&torchrun));
     run(cmd, "torchrun");
@@ -70,7 +73,8 @@ fn torchrun_and_mpirun_jobs_equal_the_spawners() {
     std::fs::write(&flaky, script.join("\n") + "\n").unwrap();
     std::fs::set_permissions(&flaky, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     let mut cmd = Command::new(std::env::var("SUITE_PYTHON").unwrap());
-    cmd.args(["-m", "torch.distributed.run", "--no-python", "--nproc-per-node", "2", "--max-restarts", "1"])
+    cmd.env("TMPDIR", &dir)
+        .args(["-m", "torch.distributed.run", "--no-python", "--nproc-per-node", "2", "--max-restarts", "1"])
         .args(["--master-port", &free_port().to_string()])
         .arg(&flaky)
         .args(pretrain_args(&restarted));
@@ -86,7 +90,6 @@ fn torchrun_and_mpirun_jobs_equal_the_spawners() {
         .env_remove("MASTER_ADDR");
     run(cmd, "mpirun (Debian's openmpi-bin, installed by scripts/setup.sh)");
     assert_same(&mpirun, &spawned, "mpirun");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// Processes started by hand with launcher variables that do not make one job: two given the
@@ -142,5 +145,4 @@ fn ranks_given_twice_or_disagreeing_on_the_world_size_are_named() {
     assert!(sizes[1].1.contains("WORLD_SIZE=2 here, but rank 0 has WORLD_SIZE=3"), "{}", sizes[1].1);
     assert!(!sizes[0].0, "{}", sizes[0].1);
     assert!(began.elapsed() < std::time::Duration::from_secs(120), "took {:?}", began.elapsed());
-    std::fs::remove_dir_all(&dir).unwrap();
 }

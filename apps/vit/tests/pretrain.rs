@@ -36,8 +36,7 @@ fn four_micro_batches_of_8_equal_one_batch_of_32() {
 
 #[test]
 fn resume_repeats_the_uninterrupted_run() {
-    let root = std::env::temp_dir().join(format!("vit-resume-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&root);
+    let root = suite_tests::scratch("vit", "resume");
     let (a, b) = (root.join("whole"), root.join("resumed"));
     let world = single();
     let common = "--steps 8 --save-every 100 --mixup 0.4 --clip-grad 1.0";
@@ -78,7 +77,6 @@ fn resume_repeats_the_uninterrupted_run() {
     tch::Tensor::write_safetensors(&kept, &file).unwrap();
     let err = pretrain(&args(&format!("{common} --out {} --resume", b.display())), &world).err().unwrap().to_string();
     assert!(err.contains(&format!("the optimizer state has no {key}")), "{err}");
-    std::fs::remove_dir_all(&root).unwrap();
 }
 
 #[test]

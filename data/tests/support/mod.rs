@@ -1,14 +1,4 @@
-//! What the data crate's file tests share: scratch folders and the mutations' generator.
-use std::path::PathBuf;
-
-/// A fresh, empty folder under the system's temporary directory for test `name` of `suite`.
-pub fn scratch(suite: &str, name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("data-{suite}-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
+//! What the data crate's file tests share: the mutations' generator.
 /// A small deterministic generator for the mutations.
 pub struct Lcg(pub u64);
 

@@ -147,8 +147,7 @@ mod tests {
 
     #[test]
     fn a_save_killed_midway_is_undone_by_the_next() {
-        let out = std::env::temp_dir().join(format!("diffusion-model-folder-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&out);
+        let out = suite_tests::scratch("diffusion", "model-folder");
         let target = out.join("model");
         // Killed between the swap's renames: the previous model is aside, a staging folder half written.
         for dir in [".model.old-17", ".model.staging-17/unet"] {
@@ -164,6 +163,5 @@ mod tests {
             std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
         assert_eq!(left, ["model"]);
         assert!(target.join("model_index.json").exists());
-        std::fs::remove_dir_all(&out).unwrap();
     }
 }

@@ -22,8 +22,24 @@ pub fn write_images(dir: &Path) {
     std::fs::write(dir.join("metadata.jsonl"), meta).unwrap();
 }
 
-/// Runs `diffusion finetune args`: whether it succeeded, and its output.
-pub fn finetune(args: &[&str]) -> (bool, String) {
-    let o = Command::new(env!("CARGO_BIN_EXE_diffusion")).arg("finetune").args(args).output().unwrap();
+/// Two steps of two 16 px images each, at learning rate 1e-3, flipped at random: the runs
+/// that check what the command writes.
+pub const SMALL_RUN: [&str; 9] =
+    ["--resolution", "16", "--steps", "2", "--micro-batch", "2", "--lr", "1e-3", "--random-flip"];
+
+/// Runs `diffusion finetune --model <model> --data <data> <flags> -o <out>`: whether it
+/// succeeded, and its output.
+pub fn finetune(model: &Path, data: &Path, out: &Path, flags: &[&str]) -> (bool, String) {
+    let o = Command::new(env!("CARGO_BIN_EXE_diffusion"))
+        .arg("finetune")
+        .arg("--model")
+        .arg(model)
+        .arg("--data")
+        .arg(data)
+        .args(flags)
+        .arg("-o")
+        .arg(out)
+        .output()
+        .unwrap();
     (o.status.success(), format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)))
 }

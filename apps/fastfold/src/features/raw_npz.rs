@@ -227,8 +227,7 @@ mod tests {
             sum_probs: 42.5,
         };
         raw.templates = Some(vec![hit.clone()]);
-        let dir = std::env::temp_dir().join(format!("fastfold-raw-npz-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = suite_tests::scratch("fastfold", "raw-npz");
         let path = dir.join("features.npz");
         raw.save_npz(&path).unwrap();
         let back = RawFeatures::from_npz_arrays(data::npz::read(&path).unwrap(), &path).unwrap();
@@ -250,6 +249,5 @@ mod tests {
         assert!(RawFeatures::are_raw(&names));
         let err = RawFeatures::from_npz_arrays(arrays, &path).unwrap_err().to_string();
         assert!(err.contains("features.npz: key aatype: row 0 is not one-hot"), "{err}");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

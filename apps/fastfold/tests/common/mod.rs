@@ -9,7 +9,7 @@ use fastfold::model::{EvoformerConfig, ModelConfig, Params};
 pub const BIN: &str = env!("CARGO_BIN_EXE_fastfold");
 
 /// An empty scratch folder `fastfold-<binary>-<pid>-<name>` under the temp dir.
-pub fn scratch(binary: &str, name: &str) -> PathBuf {
+pub fn scratch(binary: &str, name: &str) -> suite_tests::Scratch {
     suite_tests::scratch(&format!("fastfold-{binary}"), name)
 }
 
@@ -18,7 +18,7 @@ pub fn scratch(binary: &str, name: &str) -> PathBuf {
 pub fn tiny_params() -> &'static Path {
     static FILE: OnceLock<PathBuf> = OnceLock::new();
     FILE.get_or_init(|| {
-        let path = scratch("params", "tiny").join("params_tiny.npz");
+        let path = scratch("params", "tiny").until_exit().join("params_tiny.npz");
         Params::random_model(&EvoformerConfig::tiny(), &ModelConfig::tiny(), 7).unwrap().save(&path).unwrap();
         path
     })
