@@ -605,17 +605,7 @@ fn missing_databases_and_failing_tools_are_named() {
     write(&bad, "this is not a FASTA file\n");
     let mgnify = data.join("mgnify/mgy_clusters_2022_05.fa");
     write(&mgnify, &fasta_db(14..20, &[], 0..0));
-    let (ok, text) = predict(
-        &root,
-        &[
-            "--data-dir",
-            data.to_str().unwrap(),
-            "--db-preset",
-            "reduced_dbs",
-            "--uniref90-database-path",
-            bad.to_str().unwrap(),
-        ],
-    );
+    let (ok, text) = predict(&root, &[&reduced[..], &["--uniref90-database-path", bad.to_str().unwrap()]].concat());
     assert!(!ok && text.contains("jackhmmer failed against") && text.contains("bad.fasta"), "{text}");
     assert!(text.to_lowercase().contains("pars") || text.to_lowercase().contains("format"), "stderr quoted: {text}");
     assert!(!root.join("out/query/msas/uniref90_hits.sto").exists());
@@ -625,17 +615,7 @@ fn missing_databases_and_failing_tools_are_named() {
     let log = root.join("noisy.log");
     let noisy =
         wrapper(&root.join("bin/noisy"), &log, "for i in $(seq 1 40); do echo \"noise line $i\" >&2; done; exit 3");
-    let (ok, text) = predict(
-        &root,
-        &[
-            "--data-dir",
-            data.to_str().unwrap(),
-            "--db-preset",
-            "reduced_dbs",
-            "--jackhmmer-binary-path",
-            noisy.to_str().unwrap(),
-        ],
-    );
+    let (ok, text) = predict(&root, &[&reduced[..], &["--jackhmmer-binary-path", noisy.to_str().unwrap()]].concat());
     assert!(!ok && text.contains("noise line 40") && text.contains("noise line 21"), "{text}");
     assert!(!text.contains("noise line 20\n") && text.contains("exit status: 3"), "{text}");
 
