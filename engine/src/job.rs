@@ -239,9 +239,30 @@ pub struct ScheduleArgs {
 // NaN learning rate or a negative timeout stops the command before it starts (a NaN rate would
 // train to NaN weights and save them; a negative timeout would panic in Duration).
 
-/// A count within `range` (a `usize` flag: clap's own parsers range only fixed-width types).
-pub fn count(range: impl std::ops::RangeBounds<u64>) -> clap::builder::RangedU64ValueParser<usize> {
-    clap::builder::RangedU64ValueParser::new().range(range)
+/// A count within `range` (a `usize` flag), refused in words: "must be at least 1", "must be
+/// from 0 to 2" (clap's ranged parser says "0 is not in 1..18446744073709551615").
+pub fn count(range: impl std::ops::RangeBounds<u64>) -> impl clap::builder::TypedValueParser<Value = usize> {
+    use std::ops::Bound;
+    let low = match range.start_bound() {
+        Bound::Included(&n) => n,
+        Bound::Excluded(&n) => n.saturating_add(1),
+        Bound::Unbounded => 0,
+    };
+    let high = match range.end_bound() {
+        Bound::Included(&n) => Some(n),
+        Bound::Excluded(&n) => Some(n.saturating_sub(1)),
+        Bound::Unbounded => None,
+    };
+    move |s: &str| -> std::result::Result<usize, String> {
+        let n: u64 = s.trim().parse().map_err(|_| "must be a whole number".to_string())?;
+        if n >= low && high.is_none_or(|high| n <= high) {
+            return usize::try_from(n).map_err(|_| "is too large".to_string());
+        }
+        Err(match high {
+            None => format!("must be at least {low}"),
+            Some(high) => format!("must be from {low} to {high}"),
+        })
+    }
 }
 
 /// A finite number.
@@ -349,6 +370,8 @@ mod tests {
             ("--timeout", "nan"),
             ("--timeout", "1e30"),
             ("--nproc", "0"),
+            ("--nproc", "-1"),
+            ("--nproc", "two"),
             ("--lr", "nan"),
             ("--lr", "-1"),
             ("--lr", "0"),
@@ -367,6 +390,8 @@ mod tests {
             let named = if flag == "--max-grad-norm" { "--clip-grad" } else { flag };
             assert!(err.contains(named) && err.contains(value), "{flag} {value}: {err}");
         }
+        let err = Command::try_parse_from(["x", "--nproc", "0"]).err().unwrap().to_string();
+        assert!(err.contains("must be at least 1"), "{err}");
         let c =
             Command::try_parse_from(["x", "--timeout", "0.5", "--weight-decay", "0", "--min-lr-ratio", "1"]).unwrap();
         assert_eq!((c.job.launch.timeout(), c.optimizer.weight_decay), (Duration::from_millis(500), 0.0));

@@ -71,7 +71,7 @@ pub struct PretrainArgs {
     pub batch: usize,
     /// Examples per forward/backward on one rank (default: the largest divisor of the per-rank
     /// batch up to 256); the rest of the per-rank batch is gradient accumulation.
-    #[arg(long)]
+    #[arg(long, value_parser = engine::job::count(1..))]
     pub micro_batch: Option<usize>,
     /// The optimizer and its hyper-parameters.
     #[command(flatten)]
@@ -83,10 +83,10 @@ pub struct PretrainArgs {
     #[command(flatten)]
     pub schedule: ScheduleArgs,
     /// Epochs (passes over the training set).
-    #[arg(long, default_value_t = 60)]
+    #[arg(long, default_value_t = 60, value_parser = engine::job::count(1..))]
     pub epochs: usize,
     /// Optimizer steps, overriding --epochs.
-    #[arg(long)]
+    #[arg(long, value_parser = engine::job::count(1..))]
     pub steps: Option<usize>,
     /// Mixup's Beta(alpha, alpha); 0 turns mixup off.
     #[arg(long, default_value_t = 0.0, value_parser = engine::job::non_negative)]

@@ -2,7 +2,7 @@
 //! accumulation against one process, and resume against an uninterrupted run.
 mod common;
 
-use common::{args, compare, compare_with, job_dir, single};
+use common::{args, compare, compare_with, job_dir, refused, single};
 use suite_tests::{dist_test, TestResult};
 use vit::train::{pretrain, Trained};
 
@@ -92,6 +92,11 @@ fn bad_settings_name_the_numbers() {
     assert!(err.contains("--resume needs --out"), "{err}");
     let err = pretrain(&args("--steps 1 --device cpu --kernels fused"), &world).err().unwrap().to_string();
     assert!(err.contains("--kernels fused needs a CUDA device"), "{err}");
+    // Counts of nothing are refused by flag (--epochs 0 saved the untrained model as if trained).
+    for flag in ["--epochs", "--steps", "--micro-batch", "--tp", "--tp-depth", "--sp"] {
+        let err = refused(&format!("{flag} 0"));
+        assert!(err.contains(&format!("'0' for '{flag}")) && err.contains("must be at least 1"), "{flag} 0: {err}");
+    }
 }
 
 #[test]

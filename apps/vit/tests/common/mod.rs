@@ -25,6 +25,15 @@ pub fn args(line: &str) -> PretrainArgs {
     Cli::parse_from(words).args
 }
 
+/// What clap says about command line `line` (after `vit pretrain`), which it must refuse.
+#[allow(dead_code)] // pretrain.rs's only
+pub fn refused(line: &str) -> String {
+    match Cli::try_parse_from(["vit"].into_iter().chain(line.split_whitespace())) {
+        Ok(_) => panic!("{line} was accepted"),
+        Err(e) => e.to_string(),
+    }
+}
+
 pub fn single() -> World {
     World::single(&InitOptions { timeout: TEST_TIMEOUT }).unwrap()
 }
