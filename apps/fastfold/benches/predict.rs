@@ -100,7 +100,7 @@ fn main() -> anyhow::Result<()> {
         engine::cuda::empty_cache()?;
         let (free, _) = engine::cuda::mem_get_info(d)?;
         let budget = free as f64 + engine::cuda::memory_stats(d)?.allocated as f64;
-        match longest_within(&peaks, budget) {
+        match longest_within(&peaks, budget)? {
             Some(n) => println!(
                 "longest sequence that fits {:.1} GiB, predicted from a quadratic fit of the peaks above (not run): {n} residues",
                 budget / (1u64 << 30) as f64
@@ -112,43 +112,25 @@ fn main() -> anyhow::Result<()> {
 }
 
 /// The longest length (a multiple of 16) whose peak, from the least-squares quadratic through
-/// `(length, bytes)`, stays within `budget` bytes; None when the fit does not grow.
-fn longest_within(points: &[(f64, f64)], budget: f64) -> Option<usize> {
-    // Normal equations of p = c0 + c1 x + c2 x^2 with x in thousands of residues (conditioning).
-    let mut m = [[0.0f64; 4]; 3];
-    for &(n, p) in points {
-        let x = n / 1000.0;
-        let row = [1.0, x, x * x];
-        for i in 0..3 {
-            for j in 0..3 {
-                m[i][j] += row[i] * row[j];
-            }
-            m[i][3] += row[i] * p;
-        }
+/// `(length, bytes)`, stays within `budget` bytes; None when the points do not fix a quadratic
+/// or it does not grow.
+fn longest_within(points: &[(f64, f64)], budget: f64) -> anyhow::Result<Option<usize>> {
+    // p = c0 + c1 x + c2 x^2 with x in thousands of residues (conditioning).
+    let rows: Vec<f64> = points.iter().flat_map(|&(n, _)| [1.0, n / 1e3, (n / 1e3).powi(2)]).collect();
+    let a = tch::Tensor::from_slice(&rows).view([-1, 3]);
+    let b = tch::Tensor::from_slice(&points.iter().map(|&(_, p)| p).collect::<Vec<_>>()).view([-1, 1]);
+    let (c, _, rank, _) = a.f_linalg_lstsq(&b, None, "gelsd")?;
+    if rank.int64_value(&[]) < 3 {
+        return Ok(None);
     }
-    // Gauss-Jordan elimination with partial pivoting.
-    for col in 0..3 {
-        let pivot = (col..3).max_by(|&a, &b| m[a][col].abs().total_cmp(&m[b][col].abs()))?;
-        m.swap(col, pivot);
-        if m[col][col].abs() < 1e-12 {
-            return None;
-        }
-        for r in 0..3 {
-            if r != col {
-                let (f, pivot_row) = (m[r][col] / m[col][col], m[col]);
-                for (x, p) in m[r].iter_mut().zip(pivot_row).skip(col) {
-                    *x -= f * p;
-                }
-            }
-        }
-    }
-    let [c0, c1, c2] = [0, 1, 2].map(|i| m[i][3] / m[i][i]);
+    let c = Vec::<f64>::try_from(c.view([-1]))?;
+    let (c0, c1, c2) = (c[0], c[1], c[2]);
     if c2 <= 0.0 {
-        return None;
+        return Ok(None);
     }
     // The larger root of c2 x^2 + c1 x + (c0 - budget) = 0.
     let disc = c1 * c1 - 4.0 * c2 * (c0 - budget);
     let x = (-c1 + disc.max(0.0).sqrt()) / (2.0 * c2);
     let n = (x * 1000.0 / 16.0).floor() as usize * 16;
-    (n > 0).then_some(n)
+    Ok((n > 0).then_some(n))
 }
