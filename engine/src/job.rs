@@ -254,7 +254,8 @@ pub fn count(range: impl std::ops::RangeBounds<u64>) -> impl clap::builder::Type
         Bound::Unbounded => None,
     };
     move |s: &str| -> std::result::Result<usize, String> {
-        let n: u64 = s.trim().parse().map_err(|_| "must be a whole number".to_string())?;
+        let digits = !s.trim().is_empty() && s.trim().bytes().all(|b| b.is_ascii_digit());
+        let n: u64 = s.trim().parse().map_err(|_| if digits { "is too large" } else { "must be a whole number" })?;
         if n >= low && high.is_none_or(|high| n <= high) {
             return usize::try_from(n).map_err(|_| "is too large".to_string());
         }
@@ -372,6 +373,7 @@ mod tests {
             ("--nproc", "0"),
             ("--nproc", "-1"),
             ("--nproc", "two"),
+            ("--nproc", "99999999999999999999"),
             ("--lr", "nan"),
             ("--lr", "-1"),
             ("--lr", "0"),

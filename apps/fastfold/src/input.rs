@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{bail, Context};
+use clap::builder::TypedValueParser;
 use engine::dist::World;
 use engine::job::{LaunchArgs, SeedArgs};
 use engine::parallel::dap::Dap;
@@ -253,7 +254,7 @@ pub enum Query {
 pub struct ChunkArgs {
     /// Run attention, transitions, outer product mean and triangle ops in chunks of this many
     /// rows (less memory, same result).
-    #[arg(long, value_parser = clap::value_parser!(i64).range(1..))]
+    #[arg(long, value_parser = engine::job::count(1..).try_map(i64::try_from))]
     pub chunk_size: Option<i64>,
     /// The attention softmax (scale, mask, pair bias), LayerNorms and triangle-update gates:
     /// the fused CUDA kernels or libtorch's compositions (default: fused on CUDA, torch

@@ -12,6 +12,7 @@ use std::time::Instant;
 use std::io::Write;
 
 use anyhow::{bail, Context};
+use clap::builder::TypedValueParser;
 use engine::dist::World;
 use engine::job::{LaunchArgs, Precision, PrecisionArgs};
 use engine::parallel::dap::Dap;
@@ -64,7 +65,7 @@ pub struct PredictArgs {
     pub recycle_early_stop_tolerance: f64,
     /// Structure-module iterations (default: the preset's, 8 for every AlphaFold model; the
     /// parameters cannot show it).
-    #[arg(long, value_parser = clap::value_parser!(i64).range(1..=1000))]
+    #[arg(long, value_parser = engine::job::count(1..=1000).try_map(i64::try_from))]
     pub structure_iterations: Option<i64>,
     /// Arithmetic precision.
     #[command(flatten)]

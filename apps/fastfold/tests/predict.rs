@@ -256,7 +256,7 @@ fn bad_inputs_are_named() {
 
     let one = fasta(&d, &[("a", SEQ_B)]);
     let (ok, text) = fastfold(&["predict", one.to_str().unwrap(), "--params", params, "--chunk-size", "0", "-o", o]);
-    assert!(!ok && text.contains("--chunk-size"), "{text}");
+    assert!(!ok && text.contains("'0' for '--chunk-size") && text.contains("must be at least 1"), "{text}");
     let (ok, text) = fastfold(&[
         "predict",
         one.to_str().unwrap(),
