@@ -297,6 +297,11 @@ fn bad_resume_folders_are_named() {
         // Flags that mean nothing without their partner.
         (&["--lora-alpha", "4"], "--lora-rank"),
         (&["--num-validation-images", "3"], "--validation-prompt"),
+        // Counts of nothing, refused by flag.
+        (&["--steps", "0"], "'0' for '--steps <STEPS>': must be at least 1"),
+        (&["--micro-batch", "0"], "'0' for '--micro-batch <MICRO_BATCH>': must be at least 1"),
+        (&["--grad-accum", "0"], "'0' for '--grad-accum <GRAD_ACCUM>': must be at least 1"),
+        (&["--num-validation-images", "0"], "'0' for '--num-validation-images <NUM_VALIDATION_IMAGES>'"),
     ] {
         let (ok, text) = finetune(&model, data, &out, flags);
         assert!(!ok && text.contains(named), "{flags:?}: {text}");

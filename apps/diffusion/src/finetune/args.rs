@@ -39,16 +39,16 @@ pub struct FinetuneArgs {
     #[arg(long)]
     pub random_flip: bool,
     /// Images per rank per micro-batch (diffusers' --train-batch-size).
-    #[arg(long, visible_alias = "train-batch-size", default_value_t = 1)]
+    #[arg(long, visible_alias = "train-batch-size", default_value_t = 1, value_parser = engine::job::count(1..))]
     pub micro_batch: usize,
     /// Recompute each UNet block's activations in backward instead of keeping them.
     #[arg(long)]
     pub gradient_checkpointing: bool,
     /// Micro-batches per optimizer step (diffusers' --gradient-accumulation-steps).
-    #[arg(long, visible_alias = "gradient-accumulation-steps", default_value_t = 1)]
+    #[arg(long, visible_alias = "gradient-accumulation-steps", default_value_t = 1, value_parser = engine::job::count(1..))]
     pub grad_accum: usize,
     /// Optimizer steps.
-    #[arg(long, visible_alias = "max-train-steps", default_value_t = 100)]
+    #[arg(long, visible_alias = "max-train-steps", default_value_t = 100, value_parser = engine::job::count(1..))]
     pub steps: usize,
     /// The optimizer (AdamW by default, with diffusers' weight decay 1e-2 and clip 1).
     #[command(flatten)]
@@ -121,16 +121,13 @@ pub struct FinetuneArgs {
     #[arg(long)]
     pub validation_steps: Option<usize>,
     /// Validation images per prompt.
-    #[arg(long, default_value_t = 4, requires = "validation_prompts")]
+    #[arg(long, default_value_t = 4, requires = "validation_prompts", value_parser = engine::job::count(1..))]
     pub num_validation_images: usize,
 }
 
 impl FinetuneArgs {
     /// Errors naming the first flag whose value cannot work.
     pub fn check(&self) -> anyhow::Result<()> {
-        if self.resolution == 0 || self.micro_batch == 0 || self.grad_accum == 0 || self.steps == 0 {
-            bail!("--resolution, --micro-batch, --grad-accum and --steps must be at least 1");
-        }
         if !(0.0..=1.0).contains(&self.caption_dropout) {
             bail!("--caption-dropout {}: a probability in [0, 1] is needed", self.caption_dropout);
         }
@@ -148,9 +145,6 @@ impl FinetuneArgs {
         }
         if self.validation_steps.is_some() && self.validation_prompts.is_empty() {
             bail!("--validation-steps needs --validation-prompt");
-        }
-        if self.num_validation_images == 0 {
-            bail!("--num-validation-images must be at least 1");
         }
         Ok(())
     }
