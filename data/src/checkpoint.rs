@@ -180,6 +180,9 @@ fn staged(path: &Path, write: impl FnOnce(&Path) -> std::result::Result<(), tch:
     let staging =
         dir.join(format!(".{}.staging-{}", path.file_name().unwrap_or_default().to_string_lossy(), std::process::id()));
     let _live = crate::temporaries::Temporary::new(&staging);
+    // tch's error for a place it cannot write is a debug dump naming the staging file: trying
+    // the place first gives one that names the target.
+    std::fs::File::create(&staging).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
     let result =
         write(&staging).map_err(|e| Error::Format { path: path.to_path_buf(), msg: e.to_string() }).and_then(|()| {
             let io = |source| Error::Io { path: staging.clone(), source };
@@ -236,5 +239,20 @@ mod tests {
         std::fs::write(dir.join("bad.safetensors"), b"not really").unwrap();
         let err = load_safetensors(&b, &dir.join("bad.safetensors")).unwrap_err().to_string();
         assert!(err.contains("bad.safetensors: not a readable safetensors file"), "{err}");
+    }
+
+    #[test]
+    fn a_place_that_cannot_be_written_is_named() {
+        let dir = crate::scratch("unwritable");
+        for path in [dir.join("missing/model.safetensors"), dir.join("missing/params.npz")] {
+            let named = [("w".to_string(), Tensor::ones([2], (tch::Kind::Float, tch::Device::Cpu)))];
+            let err = match path.extension().unwrap().to_str() {
+                Some("npz") => save_npz(&named, &path),
+                _ => save_tensors(&named, &path),
+            };
+            let err = err.unwrap_err().to_string();
+            assert_eq!(err, format!("{}: No such file or directory (os error 2)", path.display()));
+        }
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "nothing written");
     }
 }
