@@ -172,28 +172,11 @@ fn on_cpu(named: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
     named.iter().map(|(n, t)| (n.clone(), t.detach().to_device(tch::Device::Cpu).contiguous())).collect()
 }
 
-/// Runs `write` on a staging path beside `path`, syncs it, then renames it into place and syncs
-/// the directory, so the target is durably either the old file or the whole new one (tch
-/// writes only to paths); the staging file is removed on failure.
+/// Runs tch's `write` through [`crate::write_staged`], naming `path` in its errors.
 fn staged(path: &Path, write: impl FnOnce(&Path) -> std::result::Result<(), tch::TchError>) -> Result<()> {
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let staging =
-        dir.join(format!(".{}.staging-{}", path.file_name().unwrap_or_default().to_string_lossy(), std::process::id()));
-    let _live = crate::temporaries::Temporary::new(&staging);
-    // tch's error for a place it cannot write is a debug dump naming the staging file: trying
-    // the place first gives one that names the target.
-    std::fs::File::create(&staging).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
-    let result =
-        write(&staging).map_err(|e| Error::Format { path: path.to_path_buf(), msg: e.to_string() }).and_then(|()| {
-            let io = |source| Error::Io { path: staging.clone(), source };
-            std::fs::File::open(&staging).and_then(|f| f.sync_all()).map_err(io)?;
-            std::fs::rename(&staging, path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
-            crate::sync_dir(dir)
-        });
-    if result.is_err() {
-        let _ = std::fs::remove_file(&staging);
-    }
-    result
+    crate::write_staged(path, |tmp| {
+        write(tmp).map_err(|e| Error::Format { path: path.to_path_buf(), msg: e.to_string() })
+    })
 }
 
 #[cfg(test)]

@@ -240,21 +240,8 @@ pub fn write_hdf5(
     count: usize,
     examples: impl Iterator<Item = Result<(Image, i64)>>,
 ) -> Result<()> {
-    let io_err = |path: &Path| {
-        let path = path.to_path_buf();
-        move |source| Error::Io { path, source }
-    };
-    let name = path.file_name().ok_or_else(|| io_err(path)(std::io::Error::other("not a file path")))?;
-    let tmp = path.with_file_name(format!(".{}.tmp-{}", name.to_string_lossy(), std::process::id()));
-    let _live = crate::temporaries::Temporary::new(&tmp);
-    let result = write_file(&tmp, path, shape, classes, count, examples)
-        // Every HDF5 handle is closed by now; make the bytes durable before the rename.
-        .and_then(|()| fs::File::open(&tmp).and_then(|f| f.sync_all()).map_err(io_err(&tmp)))
-        .and_then(|()| fs::rename(&tmp, path).map_err(io_err(path)));
-    if result.is_err() {
-        let _ = fs::remove_file(&tmp);
-    }
-    result
+    // Every HDF5 handle is closed when write_file returns, before the sync and rename.
+    crate::write_staged(path, |tmp| write_file(tmp, path, shape, classes, count, examples))
 }
 
 /// The body of [`write_hdf5`]: writes `tmp`; errors name `path`, the file being made.

@@ -62,12 +62,13 @@ pub fn sync_dir(dir: &Path) -> Result<()> {
     File::open(dir).and_then(|d| d.sync_all()).map_err(io_err(dir))
 }
 
-/// Writes `path` through `write`: the bytes go to a temporary file beside it, which is synced,
-/// renamed over `path` only once `write` succeeds, and made durable with its directory. On any
-/// error the temporary file is removed and `path` is left as it was.
-pub fn write_atomic<E: From<Error>>(
+/// Writes `path` through `write`, which is handed a temporary path beside it to write (for
+/// libraries that write only by path: tch, HDF5). The temporary file is synced, renamed over
+/// `path` only once `write` succeeds, and made durable with its directory; on any error it is
+/// removed and `path` is left as it was.
+pub fn write_staged<E: From<Error>>(
     path: &Path,
-    write: impl FnOnce(&mut BufWriter<File>) -> std::result::Result<(), E>,
+    write: impl FnOnce(&Path) -> std::result::Result<(), E>,
 ) -> std::result::Result<(), E> {
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let name = path
@@ -76,10 +77,11 @@ pub fn write_atomic<E: From<Error>>(
     let tmp = dir.join(format!(".{}.tmp-{}", name.to_string_lossy(), std::process::id()));
     let _live = temporaries::Temporary::new(&tmp);
     let result = (|| {
-        let mut out = BufWriter::new(File::create(&tmp).map_err(io_err(&tmp))?);
-        write(&mut out)?;
-        let file = out.into_inner().map_err(|e| io_err(&tmp)(e.into_error()))?;
-        file.sync_all().map_err(io_err(&tmp))?;
+        // Made here first, so that a place that cannot be written is named by `path` (the
+        // libraries name the temporary file, tch in a debug dump).
+        File::create(&tmp).map_err(io_err(path))?;
+        write(&tmp)?;
+        File::open(&tmp).and_then(|f| f.sync_all()).map_err(io_err(&tmp))?;
         fs::rename(&tmp, path).map_err(io_err(path))?;
         Ok(sync_dir(dir)?)
     })();
@@ -87,6 +89,20 @@ pub fn write_atomic<E: From<Error>>(
         let _ = fs::remove_file(&tmp);
     }
     result
+}
+
+/// Writes `path` through `write` on a buffered writer, as [`write_staged`] does: `path` is
+/// either left as it was or replaced whole.
+pub fn write_atomic<E: From<Error>>(
+    path: &Path,
+    write: impl FnOnce(&mut BufWriter<File>) -> std::result::Result<(), E>,
+) -> std::result::Result<(), E> {
+    write_staged(path, |tmp| {
+        let mut out = BufWriter::new(File::create(tmp).map_err(io_err(tmp))?);
+        write(&mut out)?;
+        out.into_inner().map_err(|e| io_err(tmp)(e.into_error()))?;
+        Ok(())
+    })
 }
 
 /// A scratch folder for the crate's unit test `name`.
@@ -128,6 +144,6 @@ mod tests {
     fn a_missing_directory_names_the_file() {
         let path = Path::new("/nonexistent-dir-for-test/out.bin");
         let err = write_atomic::<Error>(path, |_| Ok(())).unwrap_err();
-        assert!(err.to_string().contains("/nonexistent-dir-for-test/.out.bin.tmp-"), "{err}");
+        assert_eq!(err.to_string(), "/nonexistent-dir-for-test/out.bin: No such file or directory (os error 2)");
     }
 }
