@@ -93,7 +93,7 @@ pub struct PipelineArgs {
     /// data-parallel replicas. A step's micro-batches (per-replica batch / --micro-batch) flow
     /// through the stages. Composes with ZeRO, every --tp-mode (1d with --sequence-parallel
     /// too) and --sp (ring or Ulysses) inside the stages.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = engine::job::count(1..))]
     pub pp: usize,
     /// The pipeline schedule (with --pp; default 1f1b).
     #[arg(long, value_enum)]
@@ -109,9 +109,6 @@ pub struct PipelineArgs {
 impl PipelineArgs {
     /// The schedule and virtual stages asked for; the flags without --pp are an error.
     fn schedule(&self) -> anyhow::Result<(SchedulePick, usize)> {
-        if self.pp == 0 {
-            bail!("--pp 0: a pipeline needs at least one stage");
-        }
         if self.pp == 1 && (self.schedule.is_some() || self.virtual_stages.is_some()) {
             bail!("--schedule and --virtual-stages need --pp 2 or more");
         }

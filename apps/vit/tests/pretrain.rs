@@ -93,7 +93,7 @@ fn bad_settings_name_the_numbers() {
     let err = pretrain(&args("--steps 1 --device cpu --kernels fused"), &world).err().unwrap().to_string();
     assert!(err.contains("--kernels fused needs a CUDA device"), "{err}");
     // Counts of nothing are refused by flag (--epochs 0 saved the untrained model as if trained).
-    for flag in ["--epochs", "--steps", "--micro-batch", "--tp", "--tp-depth", "--sp"] {
+    for flag in ["--epochs", "--steps", "--micro-batch", "--tp", "--tp-depth", "--sp", "--pp"] {
         let err = refused(&format!("{flag} 0"));
         assert!(err.contains(&format!("'0' for '{flag}")) && err.contains("must be at least 1"), "{flag} 0: {err}");
     }
