@@ -140,20 +140,46 @@ fn seconds_per_step(device: Device, mut step: impl FnMut() -> anyhow::Result<()>
     Ok(elapsed / STEPS as f64)
 }
 
-/// Runs `run`, catching an out-of-memory panic as an error, and reads the peak memory.
-fn measure(what: &str, device: Device, run: impl FnOnce() -> anyhow::Result<f64>) -> anyhow::Result<Outcome> {
+/// Runs `run`, catching a panic (tch panics on CUDA's out-of-memory) as an error with the
+/// panic's message, and reads the peak memory.
+fn measure(device: Device, run: impl FnOnce() -> anyhow::Result<f64>) -> anyhow::Result<Outcome> {
     let result = std::panic::catch_unwind(AssertUnwindSafe(run));
     let peak = peak_and_reset(device);
     match result {
         Ok(Ok(s)) => Ok(Outcome { seconds_per_step: s, peak }),
         Ok(Err(e)) => Err(e),
-        Err(_) => bail!("out of memory (or another failure) in {what}"),
+        Err(payload) => {
+            let message = payload
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| payload.downcast_ref::<&str>().copied())
+                .unwrap_or("a panic without a message");
+            bail!("{message}")
+        }
+    }
+}
+
+/// A run's cells in the table: its step time and peak, or why there are none. Out of memory
+/// is the expected failure and reads "OOM"; any other failure reads "failed", and its cause is
+/// printed under the row.
+fn cells(outcome: &anyhow::Result<Outcome>) -> (String, String, Option<String>) {
+    match outcome {
+        Ok(o) => (format!("{:.3}", o.seconds_per_step), format!("{:.2} GiB", gib(o.peak)), None),
+        Err(e) => {
+            let cause = format!("{e:#}");
+            if cause.to_lowercase().contains("out of memory") {
+                ("OOM".into(), "-".into(), None)
+            } else {
+                // The first line: a libtorch error goes on with its C++ backtrace.
+                ("failed".into(), "-".into(), Some(cause.lines().next().unwrap_or_default().to_string()))
+            }
+        }
     }
 }
 
 /// Trains plainly on `device`; `Err` when it does not fit (out of memory).
 fn plain(w: i64, depth: i64, device: Device) -> anyhow::Result<Outcome> {
-    measure("plain training", device, || {
+    measure(device, || {
         let ps: Vec<Param> = parameters(w, depth)
             .into_iter()
             .map(|p| Param::new(&p.name, &p.tensor.detach().to_device(device).set_requires_grad(true)))
@@ -175,7 +201,7 @@ fn plain(w: i64, depth: i64, device: Device) -> anyhow::Result<Outcome> {
 
 /// Trains under Gemini with a budget of `cap` bytes.
 fn gemini(w: i64, depth: i64, device: Device, cap: u64) -> anyhow::Result<Outcome> {
-    measure("Gemini", device, || {
+    measure(device, || {
         let ps = parameters(w, depth);
         let tensors: Vec<Tensor> = ps.iter().map(|p| p.tensor.shallow_clone()).collect();
         let cfg = GeminiConfig {
@@ -224,8 +250,8 @@ fn main() -> anyhow::Result<()> {
             return Ok(());
         }
     }
-    // Panics inside the runs are expected (out of memory): keep their messages short.
-    std::panic::set_hook(Box::new(|info| eprintln!("  (failed: {})", info.to_string().lines().next().unwrap_or(""))));
+    // Panics inside the runs are expected (tch's out of memory): `measure` reports them.
+    std::panic::set_hook(Box::new(|_| {}));
     println!("cap {:.2} GiB, depth {}, batch {BATCH} x {SEQ} tokens, AdamW fp32", gib(a.cap as i64), a.depth);
     println!(
         "{:>6} {:>10} {:>14} {:>14} {:>14} {:>14}",
@@ -237,12 +263,11 @@ fn main() -> anyhow::Result<()> {
         let params = 12 * w * w * a.depth;
         let p = plain(w, a.depth, a.device);
         let g = gemini(w, a.depth, a.device, a.cap);
-        let show = |o: &anyhow::Result<Outcome>| match o {
-            Ok(o) => (format!("{:.3}", o.seconds_per_step), format!("{:.2} GiB", gib(o.peak))),
-            Err(_) => ("OOM".into(), "-".into()),
-        };
-        let ((ps, pp), (gs, gp)) = (show(&p), show(&g));
+        let ((ps, pp, p_why), (gs, gp, g_why)) = (cells(&p), cells(&g));
         println!("{w:>6} {:>9.0}M {ps:>14} {pp:>14} {gs:>14} {gp:>14}", params as f64 / 1e6);
+        for why in [p_why, g_why].into_iter().flatten() {
+            println!("        ({why})");
+        }
         if p.is_ok() {
             largest.0 = Some(w);
         }
@@ -260,7 +285,10 @@ fn main() -> anyhow::Result<()> {
                 gib(o.peak),
                 capped / o.seconds_per_step
             ),
-            Err(e) => println!("width {w}: plain training does not fit even uncapped ({e})"),
+            Err(e) => println!(
+                "width {w}: plain training failed even uncapped ({})",
+                format!("{e:#}").lines().next().unwrap_or_default()
+            ),
         }
     }
     Ok(())
