@@ -158,8 +158,8 @@ char* eng_group_new(EngStore* store, int rank, int size, int64_t timeout_ms, int
 
 // An NCCL backend is aborted before it goes. Its destructor would do the same (abort, which
 // does not block, rather than shutdown, which waits for pending work that a failed peer may
-// never finish), but first warns on stderr that destroy_process_group() was not called, which
-// a libtorch program has no such call to make: seen at the end of every CUDA run.
+// never finish), but first warns on stderr that destroy_process_group() was not called (a
+// Python call a libtorch program cannot make): seen at the end of every CUDA run.
 void eng_group_free(EngGroup* g) {
   if (g->nccl) {
     try {
