@@ -148,14 +148,7 @@ fn measure(device: Device, run: impl FnOnce() -> anyhow::Result<f64>) -> anyhow:
     match result {
         Ok(Ok(s)) => Ok(Outcome { seconds_per_step: s, peak }),
         Ok(Err(e)) => Err(e),
-        Err(payload) => {
-            let message = payload
-                .downcast_ref::<String>()
-                .map(String::as_str)
-                .or_else(|| payload.downcast_ref::<&str>().copied())
-                .unwrap_or("a panic without a message");
-            bail!("{message}")
-        }
+        Err(payload) => bail!("{}", engine::failure::panic_message(&*payload)),
     }
 }
 

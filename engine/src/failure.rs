@@ -21,6 +21,16 @@ pub fn exit_code(result: anyhow::Result<()>) -> ExitCode {
     }
 }
 
+/// The message a panic was raised with (`panic!` with arguments gives a `String`, without a
+/// `&str`), or "a panic without a message".
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> &str {
+    payload
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("a panic without a message")
+}
+
 /// The error and its new causes as anyhow lays them out (`Caused by:`, one numbered line
 /// each), C++ stack frames left out.
 pub fn describe(err: &anyhow::Error) -> String {

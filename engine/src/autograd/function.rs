@@ -93,14 +93,7 @@ pub(crate) fn guard(name: &str, f: impl FnOnce() -> Result<()>) -> *mut c_char {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(())) => std::ptr::null_mut(),
         Ok(Err(e)) => c_error(&format!("{name}: {e}")),
-        Err(panic) => {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "panic".into());
-            c_error(&format!("{name}: panicked: {what}"))
-        }
+        Err(panic) => c_error(&format!("{name}: panicked: {}", crate::failure::panic_message(&*panic))),
     }
 }
 
