@@ -1,7 +1,8 @@
 //! The solver on synthetic cost tables: its choice equals the optimum found by enumerating
 //! every plan independently, memory limits push it to sharding and checkpointing, and a limit
 //! nothing meets is an error naming the limit and the leanest plan's need.
-use engine::planner::{estimate, plans, solve, Cluster, LayerProfile, Model, Plan, TpMode};
+use engine::parallel::tensor::TpMode;
+use engine::planner::{estimate, plans, solve, Cluster, LayerProfile, Model, Plan};
 
 /// A model of `blocks` identical blocks between a small stem and head, per sample.
 fn synthetic(blocks: usize, global_batch: usize) -> Model {
@@ -93,7 +94,17 @@ fn a_tight_limit_is_met_by_sharding_or_recomputing() {
 
 /// Plain data parallelism over 8 ranks at ZeRO stage `zero`, nothing checkpointed.
 fn data_parallel_8(zero: u8) -> Plan {
-    Plan { dp: 8, tp: 1, tp_mode: TpMode::OneD, sp: 1, pp: 1, micro_batches: 1, zero, checkpoint: Default::default() }
+    Plan {
+        dp: 8,
+        tp: 1,
+        tp_mode: TpMode::OneD,
+        tp_depth: 1,
+        sp: 1,
+        pp: 1,
+        micro_batches: 1,
+        zero,
+        checkpoint: Default::default(),
+    }
 }
 
 #[test]
@@ -122,9 +133,9 @@ fn no_valid_layout_is_an_error() {
 
 #[test]
 fn tensor_parallel_modes_match_their_grids() {
-    assert_eq!(TpMode::for_degree(2), vec![TpMode::OneD]);
-    assert_eq!(TpMode::for_degree(4), vec![TpMode::OneD, TpMode::TwoD]);
-    assert_eq!(TpMode::for_degree(8), vec![TpMode::OneD, TpMode::TwoHalfD { depth: 2 }, TpMode::ThreeD]);
+    assert_eq!(TpMode::for_degree(2), vec![(TpMode::OneD, 1)]);
+    assert_eq!(TpMode::for_degree(4), vec![(TpMode::OneD, 1), (TpMode::TwoD, 1)]);
+    assert_eq!(TpMode::for_degree(8), vec![(TpMode::OneD, 1), (TpMode::TwoHalfD, 2), (TpMode::ThreeD, 1)]);
 }
 
 #[test]

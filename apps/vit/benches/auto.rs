@@ -10,7 +10,7 @@
 //! --image-size, --patch-size, ...]` (`scripts/bench-auto.sh`).
 //!
 //! Every layout runs through `vit::train::Trainer`, the path `vit pretrain` takes, built from
-//! the same flags `--parallel auto` fills in ([`vit::plan::with_plan`]). Step time: the median
+//! the same layout `--parallel auto` trains with ([`vit::layout::Layout::from_plan`]). Step time: the median
 //! of the measured steps (after the warm-up steps) on rank 0; each step ends in an all-reduce
 //! of the loss, so the ranks leave it together. Peak memory: the engine's host allocator
 //! counter (bytes held by tensors: weights, gradients, optimizer state, activations, message
@@ -24,9 +24,11 @@ use clap::Parser;
 use engine::dist::{self, InitOptions, ReduceOp, SpawnOptions, World};
 use engine::planner::{estimate, plans, Estimate, Plan};
 use tch::{Device, Tensor};
-use vit::plan::{choose, runs, with_plan};
+use vit::args::PretrainArgs;
+use vit::layout::Layout;
+use vit::plan::{choose, runs};
 use vit::profile::planner_model;
-use vit::train::{PretrainArgs, Trainer};
+use vit::train::Trainer;
 
 /// Set in the ranks' environment: the file rank 0 writes the table to.
 const OUT_ENV: &str = "BENCH_VIT_AUTO_OUT";
@@ -81,7 +83,7 @@ fn layouts(args: &PretrainArgs, world: &World) -> anyhow::Result<Layouts> {
             out.push((plan, e));
         }
     }
-    Ok(Layouts { cases: out, auto: solution.best.plan, cluster: line })
+    Ok(Layouts { cases: out, auto: solution.best.plan, cluster: line, depth: cfg.depth as usize })
 }
 
 /// What [`layouts`] found.
@@ -92,6 +94,8 @@ struct Layouts {
     auto: Plan,
     /// Where the cluster's figures come from.
     cluster: String,
+    /// The model's blocks.
+    depth: usize,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -108,16 +112,18 @@ fn rank_main(args: &Args, out: &std::path::Path) -> anyhow::Result<()> {
     let world = dist::init(&InitOptions::default())?;
     engine::host_memory::track()?;
     tch::set_num_threads(i32::try_from(args.threads)?);
-    let Layouts { cases, auto, cluster } = layouts(&args.pretrain, &world)?;
+    let Layouts { cases, auto, cluster, depth } = layouts(&args.pretrain, &world)?;
     if world.rank() == 0 {
         eprintln!("[bench] {} layouts fit; the planner's choice: {auto}\n[bench] {cluster}", cases.len());
     }
     let mut rows = Vec::new();
     for (i, (plan, predicted)) in cases.into_iter().enumerate() {
-        let mut run = with_plan(&args.pretrain, &plan);
+        let mut run = args.pretrain.clone();
+        run.layout.planner = None;
         run.steps = Some(args.warmup_steps + args.measured_steps);
         run.job.quiet = true;
-        let mut trainer = Trainer::new(&run, &world).with_context(|| format!("{plan}"))?;
+        let layout = Layout::from_plan(&plan, run.batch, depth)?;
+        let mut trainer = Trainer::new(&run, layout, &world).with_context(|| format!("{plan}"))?;
         for _ in 0..args.warmup_steps {
             trainer.step()?;
         }

@@ -45,7 +45,6 @@ use serde::{Deserialize, Serialize};
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 use vit::model::{Vit, VitConfig};
-use vit::pipeline_parallel::SchedulePick;
 
 /// Set in the ranks' environment: the folder their results go to.
 const OUT_ENV: &str = "BENCH_VIT_PIPELINE_OUT";
@@ -60,7 +59,7 @@ struct Args {
     pp: usize,
     /// Schedules to run (interleaved with --virtual-stages chunks per rank).
     #[arg(long, value_enum, value_delimiter = ',', default_values = ["gpipe", "1f1b", "interleaved", "zb"])]
-    schedules: Vec<SchedulePick>,
+    schedules: Vec<ScheduleKind>,
     /// Chunks per rank for the interleaved schedule.
     #[arg(long, default_value_t = 2)]
     virtual_stages: usize,
@@ -131,19 +130,14 @@ impl Args {
     /// The cases a job of `p` ranks runs: one process runs the whole batch once.
     fn cases(&self, p: usize) -> Vec<Case> {
         if p == 1 {
-            let one = |threads| Case { pick: None, kind: ScheduleKind::GPipe, micro: 1, v: 1, threads };
+            let one = |threads| Case { pipelined: false, kind: ScheduleKind::GPipe, micro: 1, v: 1, threads };
             return vec![one(self.pp * self.threads), one(self.threads)];
         }
         let mut cases = Vec::new();
         for &micro in &self.micro_batches() {
-            for &pick in &self.schedules {
-                let (kind, v) = match pick {
-                    SchedulePick::Gpipe => (ScheduleKind::GPipe, 1),
-                    SchedulePick::OneFOneB => (ScheduleKind::OneFOneB, 1),
-                    SchedulePick::Interleaved => (ScheduleKind::Interleaved, self.virtual_stages),
-                    SchedulePick::Zb => (ScheduleKind::ZeroBubbleH1, 1),
-                };
-                cases.push(Case { pick: Some(pick), kind, micro, v, threads: self.threads });
+            for &kind in &self.schedules {
+                let v = if kind == ScheduleKind::Interleaved { self.virtual_stages } else { 1 };
+                cases.push(Case { pipelined: true, kind, micro, v, threads: self.threads });
             }
         }
         cases
@@ -162,7 +156,7 @@ impl Args {
         }
         let parts = self.depth as usize + 2;
         ensure!(
-            self.pp * self.virtual_stages <= parts || !self.schedules.contains(&SchedulePick::Interleaved),
+            self.pp * self.virtual_stages <= parts || !self.schedules.contains(&ScheduleKind::Interleaved),
             "--pp {} x --virtual-stages {} stages: the model has only {parts} parts (stem, blocks, head)",
             self.pp,
             self.virtual_stages
@@ -174,7 +168,8 @@ impl Args {
 /// One row of the table.
 #[derive(Clone, Copy, Debug)]
 struct Case {
-    pick: Option<SchedulePick>,
+    /// Whether the case runs the pipeline (else one process runs the whole model).
+    pipelined: bool,
     kind: ScheduleKind,
     micro: usize,
     v: usize,
@@ -184,10 +179,10 @@ struct Case {
 
 impl Case {
     fn label(&self) -> String {
-        match (self.pick, self.kind) {
-            (None, _) => format!("pp=1, {} thread(s)", self.threads),
-            (Some(_), ScheduleKind::Interleaved) => format!("interleaved v={}", self.v),
-            (Some(_), kind) => kind.name().into(),
+        match (self.pipelined, self.kind) {
+            (false, _) => format!("pp=1, {} thread(s)", self.threads),
+            (true, ScheduleKind::Interleaved) => format!("interleaved v={}", self.v),
+            (true, kind) => kind.name().into(),
         }
     }
 }

@@ -1,5 +1,7 @@
 //! Batch arithmetic: `--batch` is the global batch (`32k` = 32,768); each step it is split as
-//! world size x micro-batch x accumulation steps.
+//! world size x micro-batch x accumulation steps. And a batch as the model's input.
+use data::loader::Batch;
+use tch::{Device, Kind, Tensor};
 
 /// Parses a batch size with an optional `k` (x1024) suffix: `256`, `32k`.
 pub fn parse_batch(s: &str) -> Result<usize, String> {
@@ -46,6 +48,28 @@ impl BatchPlan {
         };
         Ok(BatchPlan { global, micro, accumulation: per_rank / micro })
     }
+}
+
+/// A batch as model input `[n, c, h, w]` and labels.
+pub fn to_tensors(batch: &Batch, device: Device, kind: Kind) -> anyhow::Result<(Tensor, Tensor)> {
+    let shape: Vec<i64> = batch.shape.iter().map(|&d| d as i64).collect();
+    let images = Tensor::f_from_slice(&batch.pixels)?.f_view(shape.as_slice())?.f_to_device(device)?.f_to_kind(kind)?;
+    Ok((images, Tensor::f_from_slice(&batch.labels)?.f_to_device(device)?))
+}
+
+/// `images` `[n, c, h, w]` with blank images appended up to a multiple of `blocks` (the batch
+/// blocks of `--tp-mode 2d|2.5d|3d`, see [`crate::layout::Layout::batch_blocks`]): for evaluation chunks,
+/// whose logits past the first `n` rows are then dropped.
+pub fn pad_to_blocks(images: &Tensor, blocks: usize) -> anyhow::Result<Tensor> {
+    let (n, blocks) = (images.size()[0], blocks as i64);
+    let missing = (blocks - n % blocks) % blocks;
+    if missing == 0 {
+        return Ok(images.shallow_clone());
+    }
+    let mut shape = images.size();
+    shape[0] = missing;
+    let blank = Tensor::f_zeros(&shape, (images.kind(), images.device()))?;
+    Ok(Tensor::f_cat(&[images.shallow_clone(), blank], 0)?)
 }
 
 #[cfg(test)]

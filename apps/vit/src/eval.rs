@@ -1,14 +1,19 @@
 //! `vit eval`: top-1 and top-5 accuracy of a trained model on a data set.
 use std::path::PathBuf;
 
-use tch::nn::VarStore;
-use tch::{Device, Kind};
+use std::sync::Arc;
 
-use crate::datasets::{DataArgs, Transforms};
-use crate::model::Vit;
-use crate::model_file::ModelFile;
-use crate::train::evaluate;
 use data::augment::Transform;
+use data::loader::{make_batch, BatchSpec};
+use data::Dataset;
+use engine::dist::{ProcessGroup, ReduceOp};
+use tch::nn::VarStore;
+use tch::{Device, Kind, Tensor};
+
+use crate::batch::{pad_to_blocks, to_tensors};
+use crate::datasets::{DataArgs, Transforms};
+use crate::model::{correct_top_k, Vit};
+use crate::model_file::ModelFile;
 
 /// Options of `vit eval`.
 #[derive(clap::Args, Clone, Debug)]
@@ -75,4 +80,34 @@ pub fn run(args: &EvalArgs) -> anyhow::Result<(f64, f64)> {
     let (top1, top5) = evaluate(&model, &val, &eval, &world.group, 1, Device::Cpu, Kind::Float)?;
     println!("{} images: top-1 {:.2}%  top-5 {:.2}%", val.len(), 100.0 * top1, 100.0 * top5);
     Ok((top1, top5))
+}
+
+/// Top-1 and top-5 accuracy on `set`, each rank evaluating every N-th example and the counts
+/// summed over the group; `blocks`: what every batch the model takes must divide by (chunks
+/// are padded to it).
+pub fn evaluate(
+    model: &Vit,
+    set: &Arc<dyn Dataset>,
+    transform: &Transform,
+    group: &ProcessGroup,
+    blocks: usize,
+    device: Device,
+    kind: Kind,
+) -> anyhow::Result<(f64, f64)> {
+    let mine: Vec<usize> = (group.rank()..set.len()).step_by(group.size()).collect();
+    let mut counts = [0i64; 2];
+    for chunk in mine.chunks(256) {
+        // Each batch of the evaluation is progress (the spawner's heartbeat).
+        engine::dist::heartbeat::beat();
+        let batch = make_batch(set.as_ref(), transform, 0, &BatchSpec { indices: chunk.to_vec(), epoch: 0 })?;
+        let (images, labels) = to_tensors(&batch, device, kind)?;
+        let padded = pad_to_blocks(&images, blocks)?;
+        let logits = tch::no_grad(|| model.forward(&padded))?.f_narrow(0, 0, images.size()[0])?;
+        counts[0] += correct_top_k(&logits, &labels, 1);
+        counts[1] += correct_top_k(&logits, &labels, 5);
+    }
+    let counts = Tensor::from_slice(&counts);
+    group.all_reduce(&counts, ReduceOp::Sum)?;
+    let n = set.len() as f64;
+    Ok((counts.int64_value(&[0]) as f64 / n, counts.int64_value(&[1]) as f64 / n))
 }

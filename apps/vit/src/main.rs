@@ -8,7 +8,7 @@ use vit::{bench, eval, train};
 #[command(version, about = "Large-batch ViT pretraining with LAMB/LARS over data parallelism and ZeRO")]
 enum Cli {
     /// Train a ViT (on the embedded 8x8 digits unless --data is given).
-    Pretrain(Box<train::PretrainArgs>),
+    Pretrain(Box<vit::args::PretrainArgs>),
     /// Top-1 and top-5 accuracy of a trained model.
     Eval(eval::EvalArgs),
     /// Training images/s of a ViT on synthetic input, beside PyTorch eager.
@@ -48,7 +48,7 @@ fn run() -> anyhow::Result<()> {
     let matches = <Cli as clap::CommandFactory>::command().get_matches();
     let mut cli = <Cli as clap::FromArgMatches>::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     if let (Cli::Pretrain(args), Some(("pretrain", given))) = (&mut cli, matches.subcommand()) {
-        args.given = given
+        args.layout.given = given
             .ids()
             .filter(|id| given.value_source(id.as_str()) == Some(clap::parser::ValueSource::CommandLine))
             .map(|id| id.to_string())
@@ -56,7 +56,7 @@ fn run() -> anyhow::Result<()> {
     }
     match cli {
         Cli::Pretrain(args) => {
-            if args.planner == Some(vit::plan::PlannerMode::Plan) {
+            if args.layout.planner == Some(vit::layout::PlannerMode::Plan) {
                 print!("{}", vit::plan::run(&args)?);
                 return Ok(());
             }

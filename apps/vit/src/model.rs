@@ -625,3 +625,8 @@ pub fn correct_top_k(logits: &Tensor, labels: &Tensor, k: i64) -> i64 {
     let (_, top) = logits.topk(k, 1, true, true);
     top.eq_tensor(&labels.unsqueeze(1)).any_dim(1, false).sum(Kind::Int64).int64_value(&[])
 }
+
+/// Soft-target cross-entropy: mean over the batch of -sum(target * log_softmax(logits)).
+pub fn soft_cross_entropy(logits: &Tensor, targets: &Tensor) -> Tensor {
+    -(logits.log_softmax(1, Kind::Float) * targets).sum_dim_intlist(1, false, Kind::Float).mean(Kind::Float)
+}

@@ -20,13 +20,13 @@ use engine::dist::ProcessGroup;
 use engine::parallel::tensor::multi_dim::{
     Axis as CubeAxis, Cube, CubeLayerNorm, CubeLinear, Grid, GridLayerNorm, GridLinear, LinearConfig, Orientation,
 };
-use engine::parallel::tensor::Init;
+use engine::parallel::tensor::{Init, TpMode};
 use engine::parallel::Axis;
 use tch::nn;
 use tch::Tensor;
 
 use crate::model::{Head, Layer, Layers, Stem, VitConfig};
-use crate::tensor_parallel::{Placement, TpMode};
+use crate::placement::Placement;
 
 /// The grid (2D, 2.5D) or the cube (3D) over the tensor-parallel group.
 #[derive(Clone, Debug)]
@@ -52,48 +52,16 @@ const ZEROS: LinearConfig =
     LinearConfig { bias: true, seed: 0, weight_init: Some(Init::Zeros), bias_init: Some(Init::Zeros) };
 
 impl MultiDim {
-    /// `mode` over `tp` for `cfg` (`depth` for 2.5D); sizes that do not fit are errors naming
-    /// the numbers.
-    pub fn new(tp: &ProcessGroup, mode: TpMode, depth: i64, cfg: &VitConfig) -> anyhow::Result<MultiDim> {
-        let n = tp.size();
-        let name = mode.name();
+    /// `mode` over `tp` (`depth` layers for 2.5D), whose sizes [`crate::layout::Layout`] has
+    /// checked against the model.
+    pub fn new(tp: &ProcessGroup, mode: TpMode, depth: i64) -> anyhow::Result<MultiDim> {
         let shape = match mode {
-            TpMode::TwoD => {
-                Shape::Grid(Grid::two_d(tp).map_err(|e| anyhow::anyhow!("--tp {n} --tp-mode {name}: {e}"))?)
-            }
-            TpMode::TwoPointFiveD => Shape::Grid(
-                Grid::two_p5_d(tp, depth)
-                    .map_err(|e| anyhow::anyhow!("--tp {n} --tp-mode {name} --tp-depth {depth}: {e}"))?,
-            ),
-            TpMode::ThreeD => {
-                Shape::Cube(Cube::new(tp).map_err(|e| anyhow::anyhow!("--tp {n} --tp-mode {name}: {e}"))?)
-            }
+            TpMode::TwoD => Shape::Grid(Grid::two_d(tp)?),
+            TpMode::TwoHalfD => Shape::Grid(Grid::two_p5_d(tp, depth)?),
+            TpMode::ThreeD => Shape::Cube(Cube::new(tp)?),
             TpMode::OneD => bail!("--tp-mode 1d is Megatron's layout, not a multi-dimensional one"),
         };
-        let layout = MultiDim { shape };
-        let q = layout.q();
-        // The linear layers' input widths must divide into q blocks (2D) or q^2 (3D), their
-        // outputs into q; the heads into q.
-        let inputs = match layout.shape {
-            Shape::Grid(_) => q,
-            Shape::Cube(_) => q * q,
-        };
-        let patch = cfg.in_channels * cfg.patch_size * cfg.patch_size;
-        let widths = [
-            ("attention heads", cfg.heads, q),
-            ("width", cfg.width, inputs),
-            ("MLP width", cfg.mlp_hidden(), inputs),
-            ("patch size (channels x patch^2)", patch, inputs),
-            ("classes", cfg.num_classes, q),
-        ];
-        for (what, len, parts) in widths {
-            if len % parts != 0 {
-                bail!(
-                    "--tp {n} --tp-mode {name} (q = {q}): the model's {what} ({len}) cannot be cut into {parts} blocks"
-                );
-            }
-        }
-        Ok(layout)
+        Ok(MultiDim { shape })
     }
 
     /// The side `q` of the grid or cube.

@@ -7,7 +7,7 @@
 //!
 //! The mesh is `pp x dp x sp x tp` (tensor-parallel groups are runs of consecutive ranks, then
 //! the sequence-parallel groups, the data-parallel replicas, the stages; see
-//! [`engine::dist::ParallelDims`] and [`Mesh`]). Each stage's parameters are wired by
+//! [`engine::dist::ParallelDims`] and [`crate::mesh::Mesh`]). Each stage's parameters are wired by
 //! [`engine::parallel::parallelize`] over its data x sequence group (ZeRO included); the
 //! pipeline's backward passes accumulate without synchronising and the optimizer step reduces
 //! them at once. The gradient norm for clipping sums every stage's squares
@@ -36,107 +36,17 @@ use anyhow::bail;
 use data::augment::Transform;
 use data::loader::{make_batch, BatchSpec};
 use data::Dataset;
-use engine::dist::{ProcessGroup, ReduceOp, World};
+use engine::dist::{ProcessGroup, ReduceOp};
 use engine::optim::Param;
-use engine::parallel::pipeline::{self, assign, split, Balance, Pipeline, Schedule, ScheduleKind};
+use engine::parallel::pipeline::{self, assign, split, Balance, Pipeline, Schedule};
 use engine::parallel::Parallelized;
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 
-use crate::model::{correct_top_k, Part, Vit};
-use crate::tensor_parallel::{Mesh, ParallelArgs, Sharding};
-use crate::train::{pad_to_blocks, soft_cross_entropy, to_tensors};
-
-/// `--schedule`: the pipeline schedule.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum SchedulePick {
-    /// All forwards, then all backwards: holds every micro-batch's activations.
-    Gpipe,
-    /// One forward, one backward (PipeDream-flush): holds at most --pp micro-batches.
-    #[value(name = "1f1b")]
-    OneFOneB,
-    /// 1F1B over --virtual-stages model chunks per rank: the bubble shrinks by that factor.
-    Interleaved,
-    /// ZB-H1: the backward split into input- and weight-gradient passes, the latter filling
-    /// the bubble.
-    Zb,
-}
-
-impl SchedulePick {
-    fn kind(self) -> ScheduleKind {
-        match self {
-            SchedulePick::Gpipe => ScheduleKind::GPipe,
-            SchedulePick::OneFOneB => ScheduleKind::OneFOneB,
-            SchedulePick::Interleaved => ScheduleKind::Interleaved,
-            SchedulePick::Zb => ScheduleKind::ZeroBubbleH1,
-        }
-    }
-}
-
-/// `--pp-balance`: what the stages balance.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum BalancePick {
-    /// Parameter bytes (memory per stage).
-    Params,
-    /// The number of parts (stem, blocks, head count alike).
-    Layers,
-    /// Each part's measured forward and backward time on this device (one micro-batch, after
-    /// warm-up runs), as world rank 0 measured it: every rank cuts the same stages.
-    Time,
-}
-
-/// `vit pretrain`'s pipeline options.
-#[derive(clap::Args, Clone, Debug)]
-pub struct PipelineArgs {
-    /// Pipeline stages: the model's parts (stem, blocks, head) are cut into this many
-    /// stages over groups of ranks; --pp x --tp x --sp must divide the ranks, the rest are the
-    /// data-parallel replicas. A step's micro-batches (per-replica batch / --micro-batch) flow
-    /// through the stages. Composes with ZeRO, every --tp-mode (1d with --sequence-parallel
-    /// too) and --sp (ring or Ulysses) inside the stages.
-    #[arg(long, default_value_t = 1, value_parser = engine::job::count(1..))]
-    pub pp: usize,
-    /// The pipeline schedule (with --pp; default 1f1b).
-    #[arg(long, value_enum)]
-    pub schedule: Option<SchedulePick>,
-    /// Model chunks per pipeline rank (--schedule interleaved; default 2 there, else 1).
-    #[arg(long)]
-    pub virtual_stages: Option<usize>,
-    /// What the stages balance (with --pp; default params).
-    #[arg(long, value_enum)]
-    pub pp_balance: Option<BalancePick>,
-}
-
-impl PipelineArgs {
-    /// The schedule and virtual stages asked for; the flags without --pp are an error.
-    fn schedule(&self) -> anyhow::Result<(SchedulePick, usize)> {
-        if self.pp == 1 && (self.schedule.is_some() || self.virtual_stages.is_some()) {
-            bail!("--schedule and --virtual-stages need --pp 2 or more");
-        }
-        if self.pp == 1 && self.pp_balance.is_some() {
-            bail!("--pp-balance needs --pp 2 or more");
-        }
-        let pick = self.schedule.unwrap_or(SchedulePick::OneFOneB);
-        let v = self.virtual_stages.unwrap_or(if pick == SchedulePick::Interleaved { 2 } else { 1 });
-        if v == 0 || self.pp.checked_mul(v).is_none() {
-            bail!("--virtual-stages {v}: give 1 or more, and few enough to count --pp x --virtual-stages chunks");
-        }
-        if v > 1 && pick != SchedulePick::Interleaved {
-            bail!(
-                "--virtual-stages {v} needs --schedule interleaved (the other schedules run one model chunk per rank)"
-            );
-        }
-        Ok((pick, v))
-    }
-}
-
-/// The groups of `world` for `--pp` and `parallel` ([`Mesh::new`]'s, with the pipeline group
-/// under --pp): a pipeline composes with data parallelism and every tensor- and
-/// sequence-parallel layout inside its stages; sizes that do not divide the job are errors
-/// naming the flags and numbers.
-pub fn mesh(world: &World, args: &PipelineArgs, parallel: &ParallelArgs) -> anyhow::Result<Mesh> {
-    args.schedule()?;
-    Mesh::new(world, parallel, args.pp)
-}
+use crate::batch::{pad_to_blocks, to_tensors};
+use crate::layout::Layout;
+use crate::model::{correct_top_k, soft_cross_entropy, Part, Vit};
+use crate::tensor_parallel::Sharding;
 
 /// What a rank runs: the whole model (one process, data and tensor parallelism) or its
 /// stages of a pipeline.
@@ -149,27 +59,24 @@ pub enum Model {
 
 impl Model {
     /// `model` (built in `vs`, split by `sharding`) placed on this rank: whole without a
-    /// pipeline group `pp`, else cut into stages of which this rank keeps its own (the other
-    /// parts' weights freed). Returns the parameters this rank trains, named and marked as
-    /// [`Sharding::params`] gives them. `micro_batches`: per step, of `micro_size` examples;
-    /// `world`: every rank of the job (`--pp-balance time` takes rank 0's measurement);
-    /// `announce`: print the split.
+    /// pipeline group `pp`, else cut into stages as `layout` says, of which this rank keeps
+    /// its own (the other parts' weights freed). Returns the parameters this rank trains, named
+    /// and marked as [`Sharding::params`] gives them. `world`: every rank of the job
+    /// (`--pp-balance time` takes rank 0's measurement); `announce`: print the split.
     #[allow(clippy::too_many_arguments)]
     pub fn place(
         model: Vit,
         vs: &VarStore,
         sharding: &Sharding,
         pp: Option<&ProcessGroup>,
-        args: &PipelineArgs,
-        (micro_batches, micro_size): (usize, usize),
+        layout: &Layout,
         world: &ProcessGroup,
         device: Device,
         announce: bool,
     ) -> anyhow::Result<(Model, Vec<Param>)> {
         let params = sharding.params(vs);
         let Some(pp) = pp else { return Ok((Model::Whole(model), params)) };
-        let micro = (micro_batches, micro_size);
-        let stages = Stages::new(model, vs, params, sharding, pp, args, micro, world, device, announce)?;
+        let stages = Stages::new(model, vs, params, sharding, pp, layout, world, device, announce)?;
         let mine = stages.pipe.params().iter().map(|p| p.name.clone()).collect::<Vec<_>>();
         let params = sharding.params(vs).into_iter().filter(|p| mine.contains(&p.name)).collect();
         Ok((Model::Stages(stages), params))
@@ -236,14 +143,14 @@ impl Stages {
         params: Vec<Param>,
         sharding: &Sharding,
         pp: &ProcessGroup,
-        args: &PipelineArgs,
-        (micro_batches, micro_size): (usize, usize),
+        layout: &Layout,
         world: &ProcessGroup,
         device: Device,
         announce: bool,
     ) -> anyhow::Result<Stages> {
-        let (pick, v) = args.schedule()?;
-        let (p, depth) = (pp.size(), model.config().depth);
+        let (kind, v) = (layout.schedule, layout.virtual_stages);
+        let (micro_batches, micro_size) = (layout.batch.accumulation, layout.batch.micro);
+        let p = pp.size();
         let cfg = *model.config();
         // Full shapes before the other stages' weights go (a collective over --tp).
         let full_shapes = tch::no_grad(|| -> anyhow::Result<Vec<(String, Vec<i64>)>> {
@@ -262,27 +169,19 @@ impl Stages {
         if owned != params.len() {
             bail!("the ViT's parts own {owned} of its {} parameters", params.len());
         }
-        let cut = match args.pp_balance.unwrap_or(BalancePick::Params) {
-            BalancePick::Params => split(&layers, p * v, Balance::ParameterBytes),
-            BalancePick::Layers => split(&layers, p * v, Balance::Count),
-            BalancePick::Time => {
+        // The layout has checked that the parts fill the stages.
+        let cut = match layout.balance {
+            Balance::Time => {
                 let kind = params.first().map_or(Kind::Float, |q| q.tensor.kind());
                 let size = [micro_size as i64, cfg.in_channels, cfg.image_size, cfg.image_size];
-                measured_split(&layers, p * v, &Tensor::f_full(size, 0.5, (kind, device))?, world)
+                measured_split(&layers, p * v, &Tensor::f_full(size, 0.5, (kind, device))?, world)?
             }
-        }
-        .map_err(|e| {
-            anyhow::anyhow!(
-                "--pp {p} x --virtual-stages {v} = {} stages: the model has {} parts to cut (stem, {depth} \
-                 blocks, head): {e}",
-                p * v,
-                depth + 2
-            )
-        })?;
+            balance => split(&layers, p * v, balance)?,
+        };
         if announce {
             println!(
                 "pipeline: {} schedule, {p} ranks x {v} virtual stage(s), {micro_batches} micro-batches",
-                pick.kind().name()
+                kind.name()
             );
             // Virtual stage s runs on pipeline rank s % pp.
             for (s, (line, range)) in cut.to_string().lines().zip(&cut.ranges).enumerate() {
@@ -300,13 +199,7 @@ impl Stages {
             }
             Ok(())
         })?;
-        let schedule = Schedule::new(pick.kind(), p, micro_batches, v).map_err(|e| {
-            let flag = clap::ValueEnum::to_possible_value(&pick).map_or_else(String::new, |v| v.get_name().to_string());
-            anyhow::anyhow!(
-                "--pp {p} --schedule {flag} with {micro_batches} micro-batches per step (the per-replica batch over \
-                 --micro-batch): {e}"
-            )
-        })?;
+        let schedule = Schedule::new(kind, p, micro_batches, v)?;
         let pipe = Pipeline::new(pp, chunks, schedule, device)?;
         Ok(Stages { pipe, pp: pp.clone(), full_shapes })
     }
@@ -337,7 +230,7 @@ impl Stages {
     /// data-parallel replica evaluates every N-th example and the last stage counts (on one
     /// rank of its tensor- and sequence-parallel groups: `counts_here` there), summed over
     /// `world`. The first stage pads each chunk to a multiple of `blocks`
-    /// ([`crate::train::pad_to_blocks`]) and the last drops the padding's logits.
+    /// ([`crate::batch::pad_to_blocks`]) and the last drops the padding's logits.
     #[allow(clippy::too_many_arguments)]
     pub fn evaluate(
         &self,

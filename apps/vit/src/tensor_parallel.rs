@@ -31,188 +31,21 @@
 //! shards and [`Sharding::shard`] slices them again at any layout, for weights and for
 //! optimizer state (`{param}.{slot}`) alike.
 use anyhow::{bail, Context};
-use clap::ValueEnum;
-use engine::dist::{ParallelDims, ProcessGroup, World};
+use engine::dist::ProcessGroup;
 use engine::optim::{params_of, Param, StateDict};
 use engine::parallel::sequence::SequenceParallel;
 use engine::parallel::tensor::{
-    ColumnConfig, ColumnParallelLinear, Init, LayerNorm, RowConfig, RowParallelLinear, TensorParallel,
+    ColumnConfig, ColumnParallelLinear, Init, LayerNorm, RowConfig, RowParallelLinear, TensorParallel, TpMode,
 };
 use tch::nn::{self, VarStore};
 use tch::Tensor;
 
+use crate::layout::Layout;
+use crate::mesh::Mesh;
 use crate::model::{Layer, Layers, Region, Serial, Vit, VitConfig};
 use crate::multi_dim::MultiDim;
+use crate::placement::Placement;
 use crate::sequence_parallel::{SpLayers, SpMode};
-
-/// `--tp-mode`: how weights are split over the tensor-parallel group.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum TpMode {
-    /// Megatron's column/row split of each linear layer.
-    #[value(name = "1d")]
-    OneD,
-    /// SUMMA on a q x q grid (Optimus): --tp must be a square.
-    #[value(name = "2d")]
-    TwoD,
-    /// q x q grids stacked --tp-depth deep (Tesseract): --tp must be q x q x depth.
-    #[value(name = "2.5d")]
-    TwoPointFiveD,
-    /// A q x q x q cube: --tp must be a cube.
-    #[value(name = "3d")]
-    ThreeD,
-}
-
-impl TpMode {
-    /// The flag value, for messages.
-    pub fn name(self) -> String {
-        self.to_possible_value().map_or_else(String::new, |v| v.get_name().to_string())
-    }
-}
-
-/// The flags of `vit pretrain` that lay the model over the ranks (beside data parallelism).
-#[derive(clap::Args, Clone, Debug)]
-pub struct ParallelArgs {
-    /// Tensor-parallel ranks: the model's layers are split over groups of this many
-    /// consecutive ranks (its heads and widths must divide as --tp-mode needs), and the job's
-    /// ranks over --tp x --sp are the data-parallel replicas (--batch and ZeRO are over those).
-    #[arg(long, default_value_t = 1, value_parser = engine::job::count(1..))]
-    pub tp: usize,
-    /// How --tp splits the model: 1d (Megatron's column/row split of the blocks' linear
-    /// layers), 2d (a q x q grid, --tp = q^2), 2.5d (q x q x --tp-depth), 3d (a q x q x q cube,
-    /// --tp = q^3); 2d, 2.5d and 3d split every layer, the activations' batch and width too.
-    #[arg(long, value_enum, default_value = "1d")]
-    pub tp_mode: TpMode,
-    /// Depth d of --tp-mode 2.5d (--tp = q x q x d).
-    #[arg(long, default_value_t = 1, value_parser = engine::job::count(1..))]
-    pub tp_depth: usize,
-    /// Megatron's sequence parallelism within the --tp group (1d): the norms and residual
-    /// stream between the split layers hold 1/tp of the tokens (the tokens, patches plus the
-    /// class token, must divide by --tp).
-    #[arg(long)]
-    pub sequence_parallel: bool,
-    /// Sequence-parallel ranks: the tokens (patches plus the class token, which must divide
-    /// by it) are split over groups of this many ranks, attention runs as --sp-mode says.
-    #[arg(long, default_value_t = 1, value_parser = engine::job::count(1..))]
-    pub sp: usize,
-    /// Attention over the --sp group: ulysses (the default: all-to-alls between token and
-    /// head splits hand about 4 N h / sp elements per rank per layer forward, falling with
-    /// --sp, where the ring passes 2 N h (sp - 1) / sp; the heads per --tp rank must divide by
-    /// --sp) or ring (keys and values passed around the ring: any head count, and one score
-    /// block of (N / sp)^2 at a time, for sequences too long for whole score matrices).
-    #[arg(long, value_enum, default_value = "ulysses")]
-    pub sp_mode: SpMode,
-}
-
-/// The groups of a job's ranks under [`ParallelArgs`] and `--pp`: `pp x dp x sp x tp`
-/// (tensor-parallel groups are runs of consecutive ranks, sequence-parallel groups next, then
-/// the data replicas, then the pipeline stages; see [`ParallelDims`]). Under a pipeline every
-/// group but `pipeline` lies within one stage.
-#[derive(Clone, Debug)]
-pub struct Mesh {
-    /// The data-parallel replicas: they split the batch.
-    pub data: ProcessGroup,
-    /// What gradients are averaged over (and ZeRO shards the optimizer over): the data
-    /// replicas and the sequence ranks together (the sequence ranks' gradients are partial).
-    pub grads: ProcessGroup,
-    /// The tensor-parallel group (none for one rank).
-    pub tp: Option<ProcessGroup>,
-    /// The sequence-parallel group (none for one rank).
-    pub sp: Option<ProcessGroup>,
-    /// The pipeline group: the ranks at this rank's place in every stage (none for one stage).
-    pub pipeline: Option<ProcessGroup>,
-}
-
-impl Mesh {
-    /// The groups for `args` and `pp` pipeline stages over `world`; sizes that do not fit are
-    /// errors naming the flags and numbers.
-    pub fn new(world: &World, args: &ParallelArgs, pp: usize) -> anyhow::Result<Mesh> {
-        let (ranks, tp, sp) = (world.size(), args.tp, args.sp);
-        let Some(replica) = pp.checked_mul(tp).and_then(|r| r.checked_mul(sp)) else {
-            bail!("--pp {pp} x --tp {tp} x --sp {sp} is more ranks than can be counted");
-        };
-        // Modes that would change nothing at their sizes are errors, not silently ignored.
-        if tp == 1 && args.tp_mode != TpMode::OneD {
-            bail!("--tp-mode {} splits the model over --tp ranks: it needs --tp 2 or more", args.tp_mode.name());
-        }
-        if sp == 1 && args.sp_mode != SpMode::Ulysses {
-            bail!("--sp-mode ring is how --sp ranks attend: it needs --sp 2 or more");
-        }
-        if replica == 0 || !ranks.is_multiple_of(replica) {
-            let mut sizes = vec![format!("--tp {tp}")];
-            if pp != 1 {
-                sizes.insert(0, format!("--pp {pp}"));
-            }
-            if sp != 1 {
-                sizes.push(format!("--sp {sp}"));
-            }
-            let sizes = match pp {
-                1 => sizes.join(" x "),
-                _ => format!("{} = {replica} ranks per replica", sizes.join(" x ")),
-            };
-            bail!("{sizes} does not divide the job's {ranks} ranks (--nproc or the launcher's world size)");
-        }
-        if args.tp_depth != 1 && args.tp_mode != TpMode::TwoPointFiveD {
-            bail!("--tp-depth {} is for --tp-mode 2.5d, not {}", args.tp_depth, args.tp_mode.name());
-        }
-        if replica == 1 {
-            let g = world.group.clone();
-            return Ok(Mesh { data: g.clone(), grads: g, tp: None, sp: None, pipeline: None });
-        }
-        let dp = ranks / replica;
-        let mesh = ParallelDims { pp, dp, sp, tp }.build(&world.group)?;
-        let group = |axis: &str| mesh.group(axis).cloned().with_context(|| format!("no {axis} axis"));
-        let data = group("dp")?;
-        let grads = match sp {
-            1 => data.clone(),
-            // The ranks of this rank's stage at its tensor-parallel index:
-            // `((stage * dp + d) * sp + s) * tp + t`.
-            _ => {
-                let mut mine = None;
-                for (stage, t) in (0..pp).flat_map(|stage| (0..tp).map(move |t| (stage, t))) {
-                    let members: Vec<usize> = (0..dp * sp).map(|i| (stage * dp * sp + i) * tp + t).collect();
-                    mine = world.group.subgroup(&members, &format!("dp_sp{}", stage * tp + t))?.or(mine);
-                }
-                mine.context("this rank is in no data x sequence group")?
-            }
-        };
-        let (tp, sp, pipeline) = (group("tp")?, group("sp")?, group("pp")?);
-        let several = |g: ProcessGroup| (g.size() > 1).then_some(g);
-        Ok(Mesh { data, grads, tp: several(tp), sp: several(sp), pipeline: several(pipeline) })
-    }
-}
-
-/// Checks that `tp` ranks can split `cfg` in 1D: its heads (and with them the width, a
-/// multiple of the heads) and the MLP's hidden features must divide by `tp`. The error names
-/// the numbers.
-pub fn check(cfg: &VitConfig, tp: i64) -> Result<(), String> {
-    let hidden = cfg.mlp_hidden();
-    if cfg.heads % tp != 0 {
-        return Err(format!(
-            "--tp {tp}: the model's {} attention heads (width {}) do not split over {tp} ranks",
-            cfg.heads, cfg.width
-        ));
-    }
-    if hidden % tp != 0 {
-        return Err(format!("--tp {tp}: the model's MLP width {hidden} does not split over {tp} ranks"));
-    }
-    Ok(())
-}
-
-/// Where a parameter's shard lies in the full tensor: the cuts made in turn, each along a
-/// dimension (negative: from the end) into as many blocks as its group has ranks, the block
-/// being the rank's index in that group.
-#[derive(Clone, Debug)]
-pub(crate) struct Placement {
-    /// `qkv`: rows regrouped by head into this many blocks (timm's `[3, n, ..]` to `[n, 3, ..]`)
-    /// before the cuts.
-    pub heads: Option<i64>,
-    /// The patch embedding's convolution weight `[out, c, p, p]`, cut as a matrix `[out, c p p]`.
-    pub flatten: bool,
-    /// `(dim, group)` per cut, outermost first.
-    pub cuts: Vec<(i64, ProcessGroup)>,
-    /// How many ranks of the tensor-parallel group hold this same shard.
-    pub copies: usize,
-}
 
 /// How the model is laid out over the tensor-parallel group.
 #[derive(Clone, Debug)]
@@ -261,110 +94,28 @@ pub struct Sharding {
 }
 
 impl Sharding {
-    /// The layout of `cfg` over `mesh` as `args` ask; a model that does not split is an error
-    /// naming the numbers.
-    pub fn new(mesh: &Mesh, args: &ParallelArgs, cfg: &VitConfig) -> anyhow::Result<Sharding> {
-        let n = args.tp as i64;
-        let tokens = cfg.num_patches() + 1;
-        if args.sequence_parallel && n < 2 {
-            bail!("--sequence-parallel splits the tokens over the tensor-parallel ranks: it needs --tp 2 or more");
-        }
-        if args.sequence_parallel && args.tp_mode != TpMode::OneD {
-            bail!("--sequence-parallel is Megatron's, for --tp-mode 1d (2d, 2.5d and 3d split the batch instead)");
-        }
-        if args.sequence_parallel && tokens % n != 0 {
-            bail!(
-                "--sequence-parallel: the model's {tokens} tokens ({} patches and the class token) do not split over \
-                 --tp {n} ranks (choose --image-size / --patch-size to fit)",
-                tokens - 1
-            );
-        }
-        let mode = match (&mesh.tp, args.tp_mode) {
-            (None, _) => Mode::Whole,
-            (Some(g), TpMode::OneD) => {
-                check(cfg, n).map_err(anyhow::Error::msg)?;
-                Mode::OneD { tp: TensorParallel::new(g.clone()), sequence_parallel: args.sequence_parallel }
+    /// The layout of `cfg` over `mesh` as `layout` (checked against `cfg`) lays it out.
+    pub fn new(mesh: &Mesh, layout: &Layout, cfg: &VitConfig) -> anyhow::Result<Sharding> {
+        let mode = match &mesh.tp {
+            None => Mode::Whole,
+            Some(g) if layout.tp_mode == TpMode::OneD => {
+                Mode::OneD { tp: TensorParallel::new(g.clone()), sequence_parallel: layout.sequence_parallel }
             }
-            (Some(g), mode) => {
-                let depth = i64::try_from(args.tp_depth)
-                    .map_err(|_| anyhow::anyhow!("--tp-depth {}: too deep", args.tp_depth))?;
-                Mode::Multi(MultiDim::new(g, mode, depth, cfg)?)
-            }
+            Some(g) => Mode::Multi(MultiDim::new(g, layout.tp_mode, layout.tp_depth as i64)?),
         };
-        let sp = args.sp as i64;
-        if sp > 1 {
-            if matches!(mode, Mode::Multi(_)) {
-                bail!(
-                    "--sp {sp} with --tp-mode {}: sequence parallelism combines with --tp-mode 1d only (2d, 2.5d \
-                     and 3d split the batch over the grid already)",
-                    args.tp_mode.name()
-                );
-            }
-            if args.sequence_parallel {
-                bail!("--sp {sp} with --sequence-parallel: choose one way to split the tokens");
-            }
-            if tokens % sp != 0 {
-                bail!(
-                    "--sp {sp}: the model's {tokens} tokens ({} patches and the class token) do not split over {sp} \
-                     ranks (choose --image-size / --patch-size to fit)",
-                    tokens - 1
-                );
-            }
-            let heads = cfg.heads / n;
-            if args.sp_mode == SpMode::Ulysses && heads % sp != 0 {
-                bail!(
-                    "--sp {sp} --sp-mode ulysses: the {heads} attention heads per tensor-parallel rank ({} over --tp \
-                     {n}) do not split over {sp} ranks (use --sp-mode ring)",
-                    cfg.heads
-                );
-            }
-        }
         Ok(Sharding {
             mode,
             tp: mesh.tp.clone(),
             sp: mesh.sp.clone().map_or_else(SequenceParallel::none, SequenceParallel::new),
-            sp_mode: args.sp_mode,
+            sp_mode: layout.sp_mode,
             grads: mesh.grads.clone(),
             cfg: *cfg,
         })
     }
 
-    /// Checks that a micro-batch of `micro` examples splits as the layout needs (2D, 2.5D and
-    /// 3D cut it over the grid or cube); the error names the numbers.
-    pub fn check_batch(&self, micro: usize) -> anyhow::Result<()> {
-        let blocks = self.batch_blocks();
-        if !micro.is_multiple_of(blocks) {
-            bail!(
-                "--tp {}: a micro-batch of {micro} examples per data-parallel rank does not split into the \
-                 layout's {blocks} batch blocks (choose --batch / --micro-batch to fit)",
-                self.size()
-            );
-        }
-        Ok(())
-    }
-
-    /// Into how many blocks a batch is cut over the tensor-parallel group (2D, 2.5D and 3D
-    /// split it; 1 otherwise): every batch the model takes must divide by it.
-    pub fn batch_blocks(&self) -> usize {
-        match &self.mode {
-            Mode::Multi(m) => m.batch_blocks() as usize,
-            _ => 1,
-        }
-    }
-
-    /// The tensor-parallel group's size.
-    pub fn size(&self) -> i64 {
-        self.tp.as_ref().map_or(1, |g| g.size() as i64)
-    }
-
     /// This rank's index in the tensor-parallel group.
     pub fn rank(&self) -> i64 {
         self.tp.as_ref().map_or(0, |g| g.rank() as i64)
-    }
-
-    /// The sequence-parallel group's size.
-    pub fn sp_size(&self) -> i64 {
-        self.sp.size()
     }
 
     /// Whether this rank is the first of its tensor- and sequence-parallel groups, which all
@@ -383,11 +134,6 @@ impl Sharding {
     /// same full entries after [`Self::gather_state`].
     pub fn writes_optimizer(&self, sharded: bool) -> bool {
         (sharded || self.grads.rank() == 0) && self.rank() == 0
-    }
-
-    /// Whether anything is split or parallel beyond data parallelism.
-    pub fn active(&self) -> bool {
-        !matches!(self.mode, Mode::Whole) || self.sp.active().is_some()
     }
 
     /// The model of `cfg` under `vs` holding this rank's slices of `serial`'s weights (a model
@@ -630,17 +376,6 @@ impl Layer for RowParallelLinear {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn models_that_do_not_split_name_the_numbers() {
-        let digits = VitConfig::digits();
-        assert!(check(&digits, 4).is_ok());
-        let err = check(&digits, 3).unwrap_err();
-        assert!(err.contains("--tp 3: the model's 4 attention heads (width 64) do not split over 3 ranks"), "{err}");
-        let odd_mlp = VitConfig { mlp_ratio: 1.5, width: 66, heads: 2, ..digits };
-        let err = check(&odd_mlp, 2).unwrap_err();
-        assert!(err.contains("--tp 2: the model's MLP width 99 does not split over 2 ranks"), "{err}");
-    }
 
     #[test]
     fn split_parameters_by_name() {

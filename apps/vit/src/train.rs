@@ -4,172 +4,43 @@
 //! data parallelism over the rest of the ranks, pipeline parallelism (`--pp`, see
 //! [`crate::pipeline_parallel`]), checkpoints with exact resume at any layout.
 //!
-//! One step: each rank runs `accumulation` micro-batches forward and backward (gradients
+//! The job's layout ([`crate::layout::Layout`], from the flags or the planner) is decided
+//! before the trainer exists; [`crate::parallelize`] applies it to the serial model. One
+//! step: each rank runs `accumulation` micro-batches forward and backward (gradients
 //! synchronised only on the last, as the buckets fill), then optional unscaling (fp16), global
 //! gradient clipping, and the optimizer step (on fp32 master weights for bf16/fp16 or
-//! `--offload-optimizer`); the data-parallel wiring is the engine's
-//! [`engine::parallel::parallelize`] over the data-parallel group (with the sequence ranks),
-//! after [`crate::tensor_parallel`] has split the model over the tensor- and
-//! sequence-parallel groups. Every random draw (data order, crops, mixup) is keyed by
-//! the seed and the step or example, so a resumed run repeats the uninterrupted one exactly.
+//! `--offload-optimizer`). Every random draw (data order, crops, mixup) is keyed by the seed
+//! and the step or example, so a resumed run repeats the uninterrupted one exactly.
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use data::augment::{Mixup, Rng, Transform};
-use data::loader::{make_batch, Batch, BatchSpec, Loader};
-use data::{Dataset, DistributedSampler};
+use data::augment::{Mixup, Rng};
+use data::loader::{BatchSpec, Loader};
+use data::DistributedSampler;
 use engine::dist::{ProcessGroup, ReduceOp, World};
-use engine::job::{JobArgs, OptimizerArgs, PrecisionArgs, ScheduleArgs, SeedArgs};
 use engine::metrics::Metrics;
 use engine::optim::{scale_lr, LrSchedule};
-use engine::parallel::{parallelize, ParallelPlan, Parallelized};
+use engine::parallel::Parallelized;
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 
-use crate::batch::{parse_batch, BatchPlan};
+use crate::args::PretrainArgs;
+use crate::batch::to_tensors;
 use crate::checkpoint::{self, TrainerState};
 use crate::datasets::{probe, DataArgs, Splits, Transforms};
+use crate::eval::evaluate;
+use crate::layout::Layout;
+use crate::mesh::Mesh;
 use crate::metrics::Record;
-use crate::model::{correct_top_k, Vit, VitConfig};
+use crate::model::{soft_cross_entropy, VitConfig};
 use crate::model_file::ModelFile;
-use crate::pipeline_parallel::{self, Model, PipelineArgs, SchedulePick};
-use crate::plan::PlannerMode;
-use crate::tensor_parallel::{ParallelArgs, Sharding};
+use crate::parallelize::{parallelize, Compute, Parallel};
+use crate::pipeline_parallel::Model;
+use crate::tensor_parallel::Sharding;
 
 /// Keys mixup's draws apart from the other streams of the same seed.
 const MIXUP_STREAM: u64 = 0x6d69_7875_7000;
-
-/// Options of `vit pretrain`.
-#[derive(clap::Args, Clone, Debug)]
-#[command(
-    mut_arg("optimizer", |a| a.default_value("lamb")),
-    mut_arg("lr", |a| a.default_value("3e-2").help("Peak learning rate, reached at the end of warmup (the default suits LAMB on the embedded digits)")),
-    mut_arg("weight_decay", |a| a.default_value("0.05")),
-    mut_arg("warmup", |a| a.default_value("50")),
-    mut_arg("decay", |a| a.default_value("cosine")),
-    mut_arg("min_lr_ratio", |a| a.default_value("0.01")),
-)]
-pub struct PretrainArgs {
-    #[command(flatten)]
-    pub data: DataArgs,
-    /// Model: a preset (`digits`, the small ViT for the embedded 8x8 digits, the default
-    /// without --data; or a timm name such as vit_tiny_patch16_224, the default with it).
-    /// Channels and classes follow the data.
-    #[arg(long)]
-    pub model: Option<String>,
-    /// Input side in pixels (default: the model's).
-    #[arg(long)]
-    pub image_size: Option<i64>,
-    /// Patch side in pixels (default: the model's).
-    #[arg(long, visible_alias = "patch")]
-    pub patch_size: Option<i64>,
-    /// Global batch: examples per optimizer step over all ranks and accumulation steps (a k
-    /// suffix multiplies by 1024: 32k).
-    #[arg(long, default_value = "128", value_parser = parse_batch)]
-    pub batch: usize,
-    /// Examples per forward/backward on one rank (default: the largest divisor of the per-rank
-    /// batch up to 256); the rest of the per-rank batch is gradient accumulation.
-    #[arg(long, value_parser = engine::job::count(1..))]
-    pub micro_batch: Option<usize>,
-    /// The optimizer and its hyper-parameters.
-    #[command(flatten)]
-    pub optimizer: OptimizerArgs,
-    /// Scale --lr linearly by --batch / this batch (the linear scaling rule; off by default).
-    #[arg(long, value_parser = engine::job::count(1..))]
-    pub lr_base_batch: Option<usize>,
-    /// The learning-rate schedule.
-    #[command(flatten)]
-    pub schedule: ScheduleArgs,
-    /// Epochs (passes over the training set).
-    #[arg(long, default_value_t = 60, value_parser = engine::job::count(1..))]
-    pub epochs: usize,
-    /// Optimizer steps, overriding --epochs.
-    #[arg(long, value_parser = engine::job::count(1..))]
-    pub steps: Option<usize>,
-    /// Mixup's Beta(alpha, alpha); 0 turns mixup off.
-    #[arg(long, default_value_t = 0.0, value_parser = engine::job::non_negative)]
-    pub mixup: f64,
-    /// Label smoothing.
-    #[arg(long, default_value_t = 0.1, value_parser = engine::job::share)]
-    pub smoothing: f64,
-    /// Smallest area share of the random resized crop (default 0.7 for the digits, 0.08 for
-    /// photos as torchvision).
-    #[arg(long, value_parser = engine::job::positive_share)]
-    pub crop_scale: Option<f64>,
-    /// Arithmetic precision (bf16 and fp16 keep fp32 master weights and optimizer state).
-    #[command(flatten)]
-    pub precision: PrecisionArgs,
-    /// Tensor and sequence parallelism (--tp, --tp-mode, --tp-depth, --sequence-parallel,
-    /// --sp, --sp-mode).
-    #[command(flatten)]
-    pub parallel: ParallelArgs,
-    /// What runs the blocks' LayerNorms: fused (a CUDA kernel compiled at run time) or torch
-    /// (libtorch's); by default fused on CUDA, torch elsewhere. The tensor-parallel layouts
-    /// (--tp above 1) use libtorch's.
-    #[arg(long, value_enum)]
-    pub kernels: Option<kernels::Backend>,
-    /// Pipeline parallelism: --pp, --schedule, --virtual-stages.
-    #[command(flatten)]
-    pub pipeline: PipelineArgs,
-    /// Activation checkpointing (timm's set_grad_checkpointing): each transformer block keeps
-    /// only its input between forward and backward and is recomputed in backward (about one
-    /// more forward of compute for much less activation memory); under --pp, each stage's
-    /// blocks. Not with --schedule zb, whose separate weight pass needs the blocks' graphs.
-    #[arg(long)]
-    pub gradient_checkpointing: bool,
-    /// Checkpoint only the first this many transformer blocks (the rest keep their
-    /// activations): less recomputation than --gradient-checkpointing for some of its memory
-    /// saving; under --pp each block stays as set wherever its stage is.
-    #[arg(long, conflicts_with = "gradient_checkpointing")]
-    pub checkpoint_blocks: Option<usize>,
-    /// `plan`: print the automatic planner's layout, ZeRO stage and checkpointed blocks for
-    /// --nproc, --batch and the model (on --cluster), with predicted time and memory and the
-    /// runners-up, and exit without training. `auto`: print the plan and train with it (the
-    /// plan sets --tp, --tp-mode, --tp-depth, --sp, --pp, --micro-batch, --zero and
-    /// --checkpoint-blocks; giving any of those, or --gradient-checkpointing,
-    /// --sequence-parallel, --sp-mode, --schedule or --virtual-stages, beside it is an error
-    /// naming the flag).
-    #[arg(long = "parallel", value_enum)]
-    pub planner: Option<crate::plan::PlannerMode>,
-    /// The cluster the planner models (`cluster.json`: nodes, devices_per_node, memory_bytes,
-    /// peak_flops, intra_node_bandwidth, inter_node_bandwidth, latency_s; missing keys default).
-    #[arg(long, requires = "planner")]
-    pub cluster: Option<PathBuf>,
-    /// ZeRO stage: 0 (plain data parallel), 1 (sharded optimizer state), 2 (and gradients).
-    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
-    pub zero: u8,
-    /// Keep the fp32 master weights and optimizer state in CPU memory (with --device cuda).
-    #[arg(long)]
-    pub offload_optimizer: bool,
-    /// The argument ids given on the command line, not defaulted (`main` sets them from
-    /// clap's matches): `--parallel` refuses a layout flag given even at its default value.
-    #[arg(skip)]
-    pub given: Vec<String>,
-    /// Device, ranks, progress and the metrics file.
-    #[command(flatten)]
-    pub job: JobArgs,
-    /// The seed of the initial weights, the data order and the augmentations.
-    #[command(flatten)]
-    pub seed: SeedArgs,
-    /// Directory for checkpoints, metrics and the final model (written by rank 0).
-    #[arg(short = 'o', long)]
-    pub out: Option<PathBuf>,
-    /// Continue the run saved under --out from its latest checkpoint.
-    #[arg(long)]
-    pub resume: bool,
-    /// Checkpoint every this many steps (default: at each epoch end).
-    #[arg(long, value_parser = engine::job::count(1..))]
-    pub save_every: Option<usize>,
-    /// Stop after this many steps in total (checkpointing first when --out is given) while the
-    /// schedule still follows --steps/--epochs: for time-limited jobs continued with --resume.
-    #[arg(long, value_parser = engine::job::count(1..))]
-    pub stop_after: Option<usize>,
-    /// Decode and augmentation threads per rank (default: the cores available to the rank).
-    #[arg(long, default_value_t = engine::process::cores_per_rank())]
-    pub workers: usize,
-}
 
 /// What a run ended with.
 pub struct Trained {
@@ -189,82 +60,6 @@ pub struct Trained {
     pub seconds: f64,
 }
 
-/// The architecture named by `--model` and `--image-size`, fitted to the data.
-pub fn model_config(
-    name: Option<&str>,
-    image_size: Option<i64>,
-    patch_size: Option<i64>,
-    embedded: bool,
-    data: &dyn Dataset,
-) -> anyhow::Result<VitConfig> {
-    let name = name.unwrap_or(if embedded { "digits" } else { "vit_tiny_patch16_224" });
-    let mut cfg = VitConfig::preset(name)
-        .with_context(|| format!("--model {name}: not a known model ({})", VitConfig::preset_names().join(", ")))?;
-    cfg.image_size = image_size.unwrap_or(cfg.image_size);
-    cfg.patch_size = patch_size.unwrap_or(cfg.patch_size);
-    cfg.in_channels = data.channels() as i64;
-    cfg.num_classes = data.classes().len() as i64;
-    cfg.validate().map_err(|e| anyhow::anyhow!("model {name}: {e}"))?;
-    Ok(cfg)
-}
-
-/// A batch as model input `[n, c, h, w]` and labels.
-pub(crate) fn to_tensors(batch: &Batch, device: Device, kind: Kind) -> anyhow::Result<(Tensor, Tensor)> {
-    let shape: Vec<i64> = batch.shape.iter().map(|&d| d as i64).collect();
-    let images = Tensor::f_from_slice(&batch.pixels)?.f_view(shape.as_slice())?.f_to_device(device)?.f_to_kind(kind)?;
-    Ok((images, Tensor::f_from_slice(&batch.labels)?.f_to_device(device)?))
-}
-
-/// `images` `[n, c, h, w]` with blank images appended up to a multiple of `blocks` (the batch
-/// blocks of `--tp-mode 2d|2.5d|3d`, see [`Sharding::batch_blocks`]): for evaluation chunks,
-/// whose logits past the first `n` rows are then dropped.
-pub(crate) fn pad_to_blocks(images: &Tensor, blocks: usize) -> anyhow::Result<Tensor> {
-    let (n, blocks) = (images.size()[0], blocks as i64);
-    let missing = (blocks - n % blocks) % blocks;
-    if missing == 0 {
-        return Ok(images.shallow_clone());
-    }
-    let mut shape = images.size();
-    shape[0] = missing;
-    let blank = Tensor::f_zeros(&shape, (images.kind(), images.device()))?;
-    Ok(Tensor::f_cat(&[images.shallow_clone(), blank], 0)?)
-}
-
-/// Top-1 and top-5 accuracy on `set`, each rank evaluating every N-th example and the counts
-/// summed over the group; `blocks`: what every batch the model takes must divide by (chunks
-/// are padded to it).
-pub fn evaluate(
-    model: &Vit,
-    set: &Arc<dyn Dataset>,
-    transform: &Transform,
-    group: &ProcessGroup,
-    blocks: usize,
-    device: Device,
-    kind: Kind,
-) -> anyhow::Result<(f64, f64)> {
-    let mine: Vec<usize> = (group.rank()..set.len()).step_by(group.size()).collect();
-    let mut counts = [0i64; 2];
-    for chunk in mine.chunks(256) {
-        // Each batch of the evaluation is progress (the spawner's heartbeat).
-        engine::dist::heartbeat::beat();
-        let batch = make_batch(set.as_ref(), transform, 0, &BatchSpec { indices: chunk.to_vec(), epoch: 0 })?;
-        let (images, labels) = to_tensors(&batch, device, kind)?;
-        let padded = pad_to_blocks(&images, blocks)?;
-        let logits = tch::no_grad(|| model.forward(&padded))?.f_narrow(0, 0, images.size()[0])?;
-        counts[0] += correct_top_k(&logits, &labels, 1);
-        counts[1] += correct_top_k(&logits, &labels, 5);
-    }
-    let counts = Tensor::from_slice(&counts);
-    group.all_reduce(&counts, ReduceOp::Sum)?;
-    let n = set.len() as f64;
-    Ok((counts.int64_value(&[0]) as f64 / n, counts.int64_value(&[1]) as f64 / n))
-}
-
-/// Soft-target cross-entropy: mean over the batch of -sum(target * log_softmax(logits)).
-pub(crate) fn soft_cross_entropy(logits: &Tensor, targets: &Tensor) -> Tensor {
-    -(logits.log_softmax(1, Kind::Float) * targets).sum_dim_intlist(1, false, Kind::Float).mean(Kind::Float)
-}
-
 /// A step's outcome: its log record (without validation figures) and whether it ended an
 /// epoch.
 pub struct StepOutcome {
@@ -274,17 +69,65 @@ pub struct StepOutcome {
     pub epoch_end: bool,
 }
 
-/// One rank's `vit pretrain` run: the data, the model and its data-parallel wiring, and the
-/// position in the schedule.
-pub struct Trainer<'a> {
-    args: &'a PretrainArgs,
-    world: &'a World,
-    cfg: VitConfig,
-    plan: BatchPlan,
+/// A run's training data: the splits, their transforms, this replica's sampler and the steps
+/// per epoch it makes of them.
+struct TrainingData {
     splits: Splits,
     transforms: Transforms,
     sampler: DistributedSampler,
     steps_per_epoch: usize,
+}
+
+impl TrainingData {
+    /// `args`' data sets, each checked to hold images (a set that holds none is named).
+    fn splits(args: &DataArgs) -> anyhow::Result<Splits> {
+        let splits = args.splits()?;
+        let named = |p: Option<&PathBuf>| p.map_or("the embedded digits".to_string(), |p| p.display().to_string());
+        probe(splits.train.as_ref(), &format!("the training set ({})", named(args.data.as_ref())))?;
+        if !splits.val.is_empty() {
+            let val_source = named(args.val_data.as_ref().or(args.data.as_ref()));
+            probe(splits.val.as_ref(), &format!("the validation set ({val_source})"))?;
+        }
+        Ok(splits)
+    }
+
+    /// `splits` prepared for `cfg`, sampled for this replica of the data-parallel group `dp`
+    /// in `layout`'s global batches; a batch larger than the training set is an error.
+    fn new(
+        args: &PretrainArgs,
+        splits: Splits,
+        cfg: &VitConfig,
+        layout: &Layout,
+        dp: &ProcessGroup,
+    ) -> anyhow::Result<TrainingData> {
+        let crop_scale = args.crop_scale.unwrap_or(if splits.embedded { 0.7 } else { 0.08 });
+        let transforms =
+            Transforms::new(cfg.image_size as usize, cfg.in_channels as usize, splits.embedded, crop_scale);
+        let sampler = DistributedSampler {
+            len: splits.train.len(),
+            ranks: dp.size(),
+            rank: dp.rank(),
+            shuffle: true,
+            seed: args.seed.seed,
+            drop_last: true,
+        };
+        let plan = layout.batch;
+        let steps_per_epoch = sampler.per_rank() / (plan.micro * plan.accumulation);
+        if steps_per_epoch == 0 {
+            bail!("--batch {} exceeds the {} training images", plan.global, splits.train.len());
+        }
+        Ok(TrainingData { splits, transforms, sampler, steps_per_epoch })
+    }
+}
+
+/// One rank's `vit pretrain` run: the data, the model laid out by the job's layout, and the
+/// position in the schedule.
+pub struct Trainer<'a> {
+    args: &'a PretrainArgs,
+    world: &'a World,
+    layout: Layout,
+    cfg: VitConfig,
+    data: TrainingData,
     total: usize,
     schedule: LrSchedule,
     device: Device,
@@ -301,136 +144,41 @@ pub struct Trainer<'a> {
 }
 
 impl<'a> Trainer<'a> {
-    /// The data, the model (the same initial weights on every rank from the seed) and its
-    /// parallel wiring; an impossible batch split or an unknown model is an error naming it.
-    pub fn new(args: &'a PretrainArgs, world: &'a World) -> anyhow::Result<Trainer<'a>> {
-        let mesh = pipeline_parallel::mesh(world, &args.pipeline, &args.parallel)?;
-        let checkpointing = args.gradient_checkpointing || args.checkpoint_blocks.is_some_and(|k| k > 0);
-        if checkpointing && args.pipeline.schedule == Some(SchedulePick::Zb) {
-            // ZB-H1 runs each layer's graph twice (input gradients, later weight gradients);
-            // a checkpointed block has no graph to keep and would add its weight gradients twice.
-            let flag = if args.gradient_checkpointing { "--gradient-checkpointing" } else { "--checkpoint-blocks" };
-            bail!("{flag} with --schedule zb: the zero-bubble weight pass needs each block's graph; use gpipe, 1f1b or interleaved");
-        }
-        let (dp, ranks) = (mesh.data.clone(), mesh.data.size());
-        let plan = BatchPlan::new(args.batch, ranks, args.micro_batch, 256).map_err(anyhow::Error::msg)?;
-        if args.resume && args.out.is_none() {
-            bail!("--resume needs --out (the folder of the run to continue)");
-        }
-        // Starting afresh over a saved run replaces its checkpoint at the first save: say so.
-        if let (Some(out), false, 0) = (&args.out, args.resume, world.rank()) {
-            if let Ok(Some(dir)) = data::checkpoint_folders::latest(out) {
-                eprintln!(
-                    "note: {} holds {}; this run starts afresh and replaces it (--resume continues it)",
-                    out.display(),
-                    dir.file_name().map_or(dir.display().to_string(), |n| n.to_string_lossy().into_owned())
-                );
-            }
-        }
-        let splits = args.data.splits()?;
-        let named = |p: Option<&PathBuf>| p.map_or("the embedded digits".to_string(), |p| p.display().to_string());
-        probe(splits.train.as_ref(), &format!("the training set ({})", named(args.data.data.as_ref())))?;
-        if !splits.val.is_empty() {
-            let val_source = named(args.data.val_data.as_ref().or(args.data.data.as_ref()));
-            probe(splits.val.as_ref(), &format!("the validation set ({val_source})"))?;
-        }
-        let cfg = model_config(
-            args.model.as_deref(),
-            args.image_size,
-            args.patch_size,
-            splits.embedded,
-            splits.train.as_ref(),
-        )?;
-        let sharding = Sharding::new(&mesh, &args.parallel, &cfg)?;
-        sharding.check_batch(plan.micro)?;
-        let crop_scale = args.crop_scale.unwrap_or(if splits.embedded { 0.7 } else { 0.08 });
-        let transforms =
-            Transforms::new(cfg.image_size as usize, cfg.in_channels as usize, splits.embedded, crop_scale);
-        let device = args.job.launch.device(world)?;
-        if sharding.active() && args.kernels == Some(kernels::Backend::Fused) {
-            bail!(
-                "--kernels fused covers the serial model's LayerNorms; with --tp {} --sp {} the layers are libtorch's",
-                args.parallel.tp,
-                args.parallel.sp
-            );
-        }
-        let backend = kernels::Backend::resolve(args.kernels, device)?;
-        kernels::install_optimizer_steps(backend);
-        let kind = args.precision.precision.kind();
-        let seed = args.seed.seed;
-        let sampler = DistributedSampler {
-            len: splits.train.len(),
-            ranks,
-            rank: dp.rank(),
-            shuffle: true,
-            seed,
-            drop_last: true,
-        };
-        let steps_per_epoch = sampler.per_rank() / (plan.micro * plan.accumulation);
-        if steps_per_epoch == 0 {
-            bail!("--batch {} exceeds the {} training images", plan.global, splits.train.len());
-        }
-        let total = args.steps.unwrap_or(args.epochs * steps_per_epoch);
-        let peak = args.lr_base_batch.map_or(args.optimizer.lr, |base| scale_lr(args.optimizer.lr, plan.global, base));
+    /// The data, the model laid out on `world` as `layout` says (the same initial weights on
+    /// every rank from the seed) and the learning-rate schedule; a model or data set the
+    /// layout cannot split is an error naming the numbers.
+    pub fn new(args: &'a PretrainArgs, layout: Layout, world: &'a World) -> anyhow::Result<Trainer<'a>> {
+        check_out(args, world.rank())?;
+        let splits = TrainingData::splits(&args.data)?;
+        let cfg = args.model_config(&splits)?;
+        layout.check(&cfg)?;
+        let mesh = Mesh::new(world, &layout)?;
+        let data = TrainingData::new(args, splits, &cfg, &layout, &mesh.data)?;
+        let total = args.steps.unwrap_or(args.epochs * data.steps_per_epoch);
+        let global = layout.batch.global;
+        let peak = args.lr_base_batch.map_or(args.optimizer.lr, |base| scale_lr(args.optimizer.lr, global, base));
         let schedule = args.schedule.schedule(peak, total);
-
-        // The model, on every rank from the same seed (DataParallel also broadcasts rank 0's).
-        // Under tensor parallelism each rank builds the serial model as one process would and
-        // keeps its slices, so every layout starts from the same weights.
-        tch::manual_seed(seed as i64);
-        let mut vs = VarStore::new(device);
-        let mut model = match sharding.active() {
-            false => Vit::with_kernels(&vs.root(), cfg, backend),
-            true => {
-                let serial = VarStore::new(device);
-                let _ = Vit::new(&serial.root(), cfg);
-                sharding.build(&serial, &vs)?
-            }
-        };
-        if kind != Kind::Float {
-            vs.set_kind(kind);
-        }
-        match args.checkpoint_blocks {
-            Some(k) if k > cfg.depth as usize => {
-                bail!("--checkpoint-blocks {k}: the model has {} blocks", cfg.depth)
-            }
-            Some(k) => model.set_checkpointed_blocks(k),
-            None => model.set_gradient_checkpointing(args.gradient_checkpointing),
-        }
-        let (model, params) = Model::place(
-            model,
-            &vs,
-            &sharding,
-            mesh.pipeline.as_ref(),
-            &args.pipeline,
-            (plan.accumulation, plan.micro),
-            &world.group,
-            device,
-            world.rank() == 0,
-        )?;
-        let layout = ParallelPlan {
-            zero: args.zero,
-            compute: kind,
+        let compute = Compute {
+            device: args.job.launch.device(world)?,
+            kind: args.precision.precision.kind(),
+            kernels: args.kernels,
+            seed: args.seed.seed,
             offload_optimizer: args.offload_optimizer,
-            device,
-            ..ParallelPlan::default()
         };
         let optimizer = args.optimizer.clone();
-        let parallel = model.wire(parallelize(params, sharding.grads(), &layout, move |ps| optimizer.build(ps, peak))?);
+        let build = move |ps| optimizer.build(ps, peak);
+        let Parallel { sharding, vs, model, parallel } = parallelize(cfg, &layout, &mesh, world, &compute, build)?;
         Ok(Trainer {
             args,
             world,
+            layout,
             cfg,
-            plan,
-            splits,
-            transforms,
-            sampler,
-            steps_per_epoch,
+            data,
             total,
             schedule,
-            device,
-            kind,
-            dp,
+            device: compute.device,
+            kind: compute.kind,
+            dp: mesh.data,
             sharding,
             vs,
             model,
@@ -446,17 +194,17 @@ impl<'a> Trainer<'a> {
         TrainerState {
             step,
             world_size: self.world.size(),
-            zero: self.args.zero,
-            tp: self.sharding.size() as usize,
-            pp: self.args.pipeline.pp,
+            zero: self.layout.zero,
+            tp: self.layout.tp,
+            pp: self.layout.pp,
             optimizer: self.args.optimizer.optimizer.name().to_string(),
-            global_batch: self.plan.global,
+            global_batch: self.layout.batch.global,
             seed: self.args.seed.seed,
             precision: self.args.precision.precision.name().to_string(),
             loss_scale: scaler.map_or(1.0, |s| s.scale),
             clean_steps: scaler.map_or(0, |s| s.clean_steps()),
             model: self.cfg,
-            classes: Some(self.splits.train.classes().to_vec()),
+            classes: Some(self.data.splits.train.classes().to_vec()),
         }
     }
 
@@ -512,16 +260,17 @@ impl<'a> Trainer<'a> {
 
     /// The micro-batches of epoch `epoch` from step `within` of it on, for this rank.
     fn start_loader(&mut self, epoch: usize, within: usize) -> anyhow::Result<()> {
-        let (plan, per_rank_step) = (self.plan, self.plan.micro * self.plan.accumulation);
-        let indices = self.sampler.indices(epoch as u64);
-        let specs = (within..self.steps_per_epoch)
+        let plan = self.layout.batch;
+        let per_rank_step = plan.micro * plan.accumulation;
+        let indices = self.data.sampler.indices(epoch as u64);
+        let specs = (within..self.data.steps_per_epoch)
             .flat_map(|s| (0..plan.accumulation).map(move |m| s * per_rank_step + m * plan.micro))
             .map(|from| BatchSpec {
                 indices: indices[from..from + plan.micro].iter().map(|&i| i as usize).collect(),
                 epoch: epoch as u64,
             })
             .collect();
-        let (set, t) = (self.splits.train.clone(), self.transforms.train.clone());
+        let (set, t) = (self.data.splits.train.clone(), self.data.transforms.train.clone());
         self.loader = Some(Loader::new(set, t, self.args.seed.seed, specs, self.args.workers, 2)?);
         Ok(())
     }
@@ -530,14 +279,14 @@ impl<'a> Trainer<'a> {
     pub fn step(&mut self) -> anyhow::Result<StepOutcome> {
         engine::dist::heartbeat::beat();
         let step = self.step;
-        let (epoch, within) = (step / self.steps_per_epoch, step % self.steps_per_epoch);
+        let (epoch, within) = (step / self.data.steps_per_epoch, step % self.data.steps_per_epoch);
         if self.loader.is_none() || within == 0 {
             self.start_loader(epoch, within)?;
         }
         let started = Instant::now();
         let lr = self.schedule.at(step);
         // Draws are keyed by the data-parallel rank: a tensor-parallel group shares its batch.
-        let (seed, rank, accumulation) = (self.args.seed.seed, self.dp.rank(), self.plan.accumulation);
+        let (seed, rank, accumulation) = (self.args.seed.seed, self.dp.rank(), self.layout.batch.accumulation);
         let mixup = Mixup { alpha: self.args.mixup, smoothing: self.args.smoothing };
         let classes = self.cfg.num_classes as usize;
         let mut loss_sum = 0.0;
@@ -579,27 +328,25 @@ impl<'a> Trainer<'a> {
             epoch: epoch + 1,
             loss,
             lr,
-            images_per_s: self.plan.global as f64 / started.elapsed().as_secs_f64(),
+            images_per_s: self.layout.batch.global as f64 / started.elapsed().as_secs_f64(),
             applied,
             val_top1: None,
             val_top5: None,
         };
-        Ok(StepOutcome { record, epoch_end: within + 1 == self.steps_per_epoch || self.step == self.end() })
+        Ok(StepOutcome { record, epoch_end: within + 1 == self.data.steps_per_epoch || self.step == self.end() })
     }
 
     /// Top-1 and top-5 accuracy on the validation set (`None` without one).
     pub fn evaluate(&self) -> anyhow::Result<Option<(f64, f64)>> {
-        if self.splits.val.is_empty() {
+        if self.data.splits.val.is_empty() {
             return Ok(None);
         }
-        let (val, t) = (&self.splits.val, &self.transforms.eval);
+        let (val, t, blocks) = (&self.data.splits.val, &self.data.transforms.eval, self.layout.batch_blocks());
         Ok(Some(match &self.model {
-            Model::Whole(model) => {
-                evaluate(model, val, t, &self.dp, self.sharding.batch_blocks(), self.device, self.kind)?
-            }
+            Model::Whole(model) => evaluate(model, val, t, &self.dp, blocks, self.device, self.kind)?,
             Model::Stages(stages) => {
                 let counts_here = stages.holds_loss() && self.sharding.leads();
-                let (dp, world, blocks) = (&self.dp, &self.world.group, self.sharding.batch_blocks());
+                let (dp, world) = (&self.dp, &self.world.group);
                 stages.evaluate(val, t, dp, world, counts_here, blocks, self.device, self.kind)?
             }
         }))
@@ -608,7 +355,7 @@ impl<'a> Trainer<'a> {
     /// Whether the step just taken is due a checkpoint (`--save-every`, else each epoch's end;
     /// the last step and `--stop-after`).
     fn save_due(&self) -> bool {
-        let every = self.args.save_every.unwrap_or(self.steps_per_epoch);
+        let every = self.args.save_every.unwrap_or(self.data.steps_per_epoch);
         self.args.out.is_some()
             && (self.step.is_multiple_of(every) || self.step == self.total || Some(self.step) == self.args.stop_after)
     }
@@ -618,7 +365,7 @@ impl<'a> Trainer<'a> {
         let out = self.args.out.as_deref().context("saving needs --out")?;
         let weights = self.full_weights()?;
         let optimizer = self.sharding.gather_state(&self.parallel.optimizer().state())?;
-        let writes = self.sharding.writes_optimizer(self.args.zero > 0);
+        let writes = self.sharding.writes_optimizer(self.layout.zero > 0);
         checkpoint::save(out, self.world, &self.state(self.step), &weights, writes.then_some(&optimizer[..]))
     }
 
@@ -639,10 +386,10 @@ impl<'a> Trainer<'a> {
         if let (Some(dir), 0) = (&self.args.out, self.world.rank()) {
             let path = dir.join("model.safetensors");
             data::checkpoint::save_tensors(&weights, &path)?;
-            let normalize = self.transforms.eval.normalize();
+            let normalize = self.data.transforms.eval.normalize();
             let file = ModelFile {
                 config: self.cfg,
-                label_names: Some(self.splits.train.classes().to_vec()),
+                label_names: Some(self.data.splits.train.classes().to_vec()),
                 mean: Some(ModelFile::decimals(&normalize.mean)),
                 std: Some(ModelFile::decimals(&normalize.std)),
             };
@@ -665,20 +412,20 @@ impl<'a> Trainer<'a> {
     }
 
     fn announce(&self) {
-        let (plan, ranks, dp, tp) = (self.plan, self.world.size(), self.dp.size(), self.sharding.size());
-        let (sp, pp) = (self.sharding.sp_size(), self.args.pipeline.pp);
+        let (plan, ranks, dp, tp) = (self.layout.batch, self.world.size(), self.dp.size(), self.layout.tp);
+        let (sp, pp) = (self.layout.sp, self.layout.pp);
         println!(
             "vit pretrain: {} training / {} validation images, {ranks} rank(s) = {pp} pipeline x {dp} data x {sp} sequence x {tp} tensor parallel, global batch {} = {dp} x {} micro-batch x {} accumulation, {} steps ({}/epoch), {:?}, {:?}, ZeRO {}",
-            self.splits.train.len(),
-            self.splits.val.len(),
+            self.data.splits.train.len(),
+            self.data.splits.val.len(),
             plan.global,
             plan.micro,
             plan.accumulation,
             self.total,
-            self.steps_per_epoch,
+            self.data.steps_per_epoch,
             self.args.optimizer.optimizer,
             self.args.precision.precision,
-            self.args.zero
+            self.layout.zero
         );
         if self.args.offload_optimizer && self.device == Device::Cpu {
             println!(
@@ -688,24 +435,11 @@ impl<'a> Trainer<'a> {
     }
 }
 
-/// Runs `vit pretrain` as one rank of `world`. Under `--parallel auto` the planner's plan for
-/// the world's ranks fills in the layout flags first (rank 0 prints it), and the run is then
-/// the manual flags' run.
+/// Runs `vit pretrain` as one rank of `world`, in the layout of the flags or, under
+/// `--parallel auto`, of the planner's plan for the world's ranks (rank 0 prints it).
 pub fn pretrain(args: &PretrainArgs, world: &World) -> anyhow::Result<Trained> {
-    let planned;
-    let args = match args.planner {
-        None => args,
-        Some(PlannerMode::Plan) => bail!("--parallel plan prints the plan without training; use --parallel auto"),
-        Some(PlannerMode::Auto) => {
-            let (applied, _, text) = crate::plan::apply(args, world)?;
-            if world.rank() == 0 {
-                println!("{text}--parallel auto: training with the plan above");
-            }
-            planned = applied;
-            &planned
-        }
-    };
-    let mut trainer = Trainer::new(args, world)?;
+    let layout = crate::plan::layout(args, world)?;
+    let mut trainer = Trainer::new(args, layout, world)?;
     if args.resume {
         trainer.resume()?;
     }
@@ -757,4 +491,22 @@ pub fn pretrain(args: &PretrainArgs, world: &World) -> anyhow::Result<Trained> {
     world.group.barrier()?;
     let weights = trainer.full_weights()?;
     Ok(Trained { vs: trainer.vs, weights, losses, val_top1, val_top5, seconds })
+}
+
+/// Errors on `--resume` without `--out`; says (on rank 0) when a fresh run will replace the
+/// run saved under `--out`, which happens at its first save.
+fn check_out(args: &PretrainArgs, rank: usize) -> anyhow::Result<()> {
+    if args.resume && args.out.is_none() {
+        bail!("--resume needs --out (the folder of the run to continue)");
+    }
+    if let (Some(out), false, 0) = (&args.out, args.resume, rank) {
+        if let Ok(Some(dir)) = data::checkpoint_folders::latest(out) {
+            eprintln!(
+                "note: {} holds {}; this run starts afresh and replaces it (--resume continues it)",
+                out.display(),
+                dir.file_name().map_or(dir.display().to_string(), |n| n.to_string_lossy().into_owned())
+            );
+        }
+    }
+    Ok(())
 }

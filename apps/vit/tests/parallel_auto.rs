@@ -10,7 +10,8 @@ use engine::dist::ReduceOp;
 use engine::planner::{estimate, plans, Cluster};
 use suite_tests::{dist_test, TestResult};
 use tch::{Device, Tensor};
-use vit::plan::{apply, check_flags, choose, cluster, runs};
+use vit::layout::Checkpointing;
+use vit::plan::{apply, choose, cluster, runs};
 use vit::profile::planner_model;
 use vit::train::pretrain;
 
@@ -44,15 +45,14 @@ dist_test!(auto_runs_the_planner_best_plan_and_matches_one_process, 4, |world| {
     assert!(fitting.iter().any(|(_, p)| p == best), "{best} is one of the fitting plans");
     assert!(!fitting.iter().any(|(_, p)| p.dp == 4 && p.checkpoint.is_empty()), "dp=4 fits: the test is weak");
 
-    // What `--parallel auto` hands the trainer: the best plan's flags.
+    // What `--parallel auto` hands the trainer: the best plan's layout.
     let (applied, _, text) = apply(&auto, world)?;
     assert!(text.contains(&best.to_string()), "{text}");
-    let flags = (applied.parallel.tp, applied.parallel.sp, applied.pipeline.pp, applied.zero);
-    assert_eq!(flags, (best.tp, best.sp, best.pp, best.zero), "layout flags of {best}");
-    assert_eq!(applied.micro_batch, Some(32 / (best.dp * best.micro_batches)));
+    let sizes = (applied.tp, applied.sp, applied.pp, applied.zero);
+    assert_eq!(sizes, (best.tp, best.sp, best.pp, best.zero), "layout of {best}");
+    assert_eq!(applied.batch.micro, 32 / (best.dp * best.micro_batches));
     let k = best.checkpoint.len();
-    assert_eq!(applied.checkpoint_blocks, (k > 0).then_some(k), "checkpointed blocks of {best}");
-    assert!(applied.planner.is_none());
+    assert_eq!(applied.checkpointing, Checkpointing::First(k), "checkpointed blocks of {best}");
 
     // Trained with the plan, against one process. The plan splits the batch into smaller
     // micro-batches and sums their gradients in another order: fp32 rounding, well inside 1e-4.
@@ -66,7 +66,7 @@ dist_test!(auto_runs_the_planner_best_plan_and_matches_one_process, 4, |world| {
     if world.rank() == 0 {
         std::fs::write(&cluster_path, r#"{"memory_bytes": 8.5e6}"#)?;
         let (applied, solution, _) = apply(&auto, &single())?;
-        assert_eq!(applied.checkpoint_blocks, Some(2), "{}", solution.best.plan);
+        assert_eq!(applied.checkpointing, Checkpointing::First(2), "{}", solution.best.plan);
         let run = pretrain(&auto, &single())?;
         compare(&run, &one, "--parallel auto with 2 of 4 blocks checkpointed vs plain, 1 process", 1e-6);
     }
@@ -90,11 +90,11 @@ fn layout_flags_beside_auto_are_named() {
     for flag in
         ["--tp 2", "--tp-mode 2d", "--sp 2", "--pp 2", "--zero 1", "--micro-batch 8", "--gradient-checkpointing"]
     {
-        let err =
-            check_flags(&args(&format!("--parallel auto {flag}"))).err().map(|e| e.to_string()).unwrap_or_default();
+        let err = args(&format!("--parallel auto {flag}")).layout.leave_to_planner().err();
+        let err = err.map(|e| e.to_string()).unwrap_or_default();
         let name = flag.split_whitespace().next().unwrap();
         assert!(err.contains(&format!("--parallel chooses {name} itself")), "{flag}: {err}");
     }
     // A flag at its default value changes nothing.
-    assert!(check_flags(&args("--parallel auto --tp 1 --zero 0")).is_ok());
+    assert!(args("--parallel auto --tp 1 --zero 0").layout.leave_to_planner().is_ok());
 }

@@ -23,69 +23,8 @@ use std::fmt;
 use super::cluster::Cluster;
 use super::profile::LayerProfile;
 use crate::parallel::pipeline::{simulate, split_costs, Costs, Schedule, ScheduleKind};
+use crate::parallel::tensor::TpMode;
 use crate::Result;
-
-/// How the tensor-parallel group shards a block.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum TpMode {
-    /// Megatron's column/row split (`--tp-mode 1d`).
-    OneD,
-    /// A `q x q` grid (SUMMA, `--tp-mode 2d`).
-    TwoD,
-    /// `depth` layers of a `q x q` grid (Tesseract, `--tp-mode 2.5d --tp-depth depth`).
-    TwoHalfD {
-        /// Grid layers.
-        depth: usize,
-    },
-    /// A `q x q x q` cube (`--tp-mode 3d`).
-    ThreeD,
-}
-
-impl TpMode {
-    /// The modes a group of `tp` ranks can run (none for one rank).
-    pub fn for_degree(tp: usize) -> Vec<TpMode> {
-        if tp <= 1 {
-            return vec![TpMode::OneD];
-        }
-        let mut modes = vec![TpMode::OneD];
-        if is_power(tp, 2) && tp >= 4 {
-            modes.push(TpMode::TwoD);
-        }
-        for depth in 2..tp {
-            if tp.is_multiple_of(depth) && is_power(tp / depth, 2) && tp / depth >= 4 {
-                modes.push(TpMode::TwoHalfD { depth });
-            }
-        }
-        if is_power(tp, 3) && tp >= 8 {
-            modes.push(TpMode::ThreeD);
-        }
-        modes
-    }
-
-    /// The grid side `q` for `tp` ranks.
-    pub fn side(self, tp: usize) -> f64 {
-        match self {
-            TpMode::OneD => tp as f64,
-            TpMode::TwoD => (tp as f64).sqrt().round(),
-            TpMode::TwoHalfD { depth } => ((tp / depth) as f64).sqrt().round(),
-            TpMode::ThreeD => (tp as f64).cbrt().round(),
-        }
-    }
-
-    /// The `vit pretrain` flags.
-    pub fn flags(self) -> String {
-        match self {
-            TpMode::OneD => "--tp-mode 1d".into(),
-            TpMode::TwoD => "--tp-mode 2d".into(),
-            TpMode::TwoHalfD { depth } => format!("--tp-mode 2.5d --tp-depth {depth}"),
-            TpMode::ThreeD => "--tp-mode 3d".into(),
-        }
-    }
-}
-
-fn is_power(n: usize, e: u32) -> bool {
-    (1..=n).take_while(|r| r.pow(e) <= n).any(|r| r.pow(e) == n)
-}
 
 /// One way to run a training step.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -96,6 +35,8 @@ pub struct Plan {
     pub tp: usize,
     /// How the tensor-parallel group shards (ignored at `tp = 1`).
     pub tp_mode: TpMode,
+    /// The grid's layers under 2.5D (1 otherwise).
+    pub tp_depth: usize,
     /// Sequence-parallel group size.
     pub sp: usize,
     /// Pipeline stages.
@@ -120,7 +61,10 @@ impl Plan {
     pub fn flags(&self, global_batch: usize) -> String {
         let mut f = format!("--nproc {}", self.ranks());
         if self.tp > 1 {
-            f += &format!(" --tp {} {}", self.tp, self.tp_mode.flags());
+            f += &format!(" --tp {} --tp-mode {}", self.tp, self.tp_mode.name());
+            if self.tp_mode == TpMode::TwoHalfD {
+                f += &format!(" --tp-depth {}", self.tp_depth);
+            }
         }
         if self.sp > 1 {
             f += &format!(" --sp {}", self.sp);
@@ -142,10 +86,8 @@ impl fmt::Display for Plan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mode = match (self.tp, self.tp_mode) {
             (1, _) => String::new(),
-            (_, TpMode::OneD) => " (1d)".into(),
-            (_, TpMode::TwoD) => " (2d)".into(),
-            (_, TpMode::TwoHalfD { depth }) => format!(" (2.5d depth {depth})"),
-            (_, TpMode::ThreeD) => " (3d)".into(),
+            (_, TpMode::TwoHalfD) => format!(" (2.5d depth {})", self.tp_depth),
+            (_, mode) => format!(" ({})", mode.name()),
         };
         write!(
             f,
@@ -306,12 +248,12 @@ fn layer_communication(l: &LayerProfile, plan: &Plan, cluster: &Cluster, micro: 
                 // along rows and a weight block along columns (1/q of each per device); the
                 // 2.5D layers divide the activations once more by their depth; the cube gathers
                 // both over q ranks of its q^3 (1/q^2 each) and reduce-scatters the output.
-                let q = mode.side(tp);
+                let q = mode.side(tp, plan.tp_depth).unwrap_or(tp) as f64;
                 let acts = (l.matmul_operand_bytes - l.split_param_bytes) * per_device;
                 let weights = l.split_param_bytes;
                 let (bytes, steps) = match mode {
                     TpMode::TwoD => ((acts + weights) / q, 2.0 * q),
-                    TpMode::TwoHalfD { depth } => ((acts / depth as f64 + weights) / q, 2.0 * q),
+                    TpMode::TwoHalfD => ((acts / plan.tp_depth as f64 + weights) / q, 2.0 * q),
                     _ => (3.0 * (acts + weights) / (q * q), 3.0 * q),
                 };
                 bytes / cluster.bandwidth(tp, 1) + steps * cluster.latency_s

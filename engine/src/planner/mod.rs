@@ -9,6 +9,6 @@ pub mod profile;
 pub mod solve;
 
 pub use cluster::Cluster;
-pub use cost::{estimate, Estimate, Model, Plan, TpMode};
+pub use cost::{estimate, Estimate, Model, Plan};
 pub use profile::{LayerProfile, Recorder, Shard, Sym};
 pub use solve::{plans, solve, Ranked, Solution};

@@ -12,8 +12,9 @@ use std::collections::BTreeSet;
 use std::fmt;
 
 use super::cluster::Cluster;
-use super::cost::{estimate, Estimate, Model, Plan, TpMode};
+use super::cost::{estimate, Estimate, Model, Plan};
 use crate::parallel::pipeline::split_costs;
+use crate::parallel::tensor::TpMode;
 use crate::{Error, Result};
 
 /// A plan with its modelled cost.
@@ -98,11 +99,11 @@ pub fn plans(model: &Model, nproc: usize, valid: &dyn Fn(&Plan) -> bool) -> Vec<
                         false => fits,
                     }
                 };
-                for tp_mode in TpMode::for_degree(tp) {
+                for (tp_mode, tp_depth) in TpMode::for_degree(tp) {
                     for &micro_batches in &micro {
                         for zero in 0..=2u8 {
-                            let base =
-                                Plan { dp, tp, tp_mode, sp, pp, micro_batches, zero, checkpoint: BTreeSet::new() };
+                            let checkpoint = BTreeSet::new();
+                            let base = Plan { dp, tp, tp_mode, tp_depth, sp, pp, micro_batches, zero, checkpoint };
                             // Each checkpoint set is asked too: a model may checkpoint only
                             // some sets (all blocks or none, say).
                             out.extend(checkpoint_choices(model, &base).into_iter().filter(|p| valid(p)));

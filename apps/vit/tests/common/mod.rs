@@ -3,7 +3,8 @@
 use clap::Parser;
 use engine::dist::{InitOptions, World};
 use suite_tests::TEST_TIMEOUT;
-use vit::train::{PretrainArgs, Trained};
+use vit::args::PretrainArgs;
+use vit::train::Trained;
 
 #[derive(Parser)]
 struct Cli {

@@ -20,10 +20,10 @@ mod stats;
 mod tied;
 
 pub use p2p_order::check_p2p_order;
-pub use partition::{split, split_costs, split_measured, Balance, Split};
+pub use partition::{assign, split, split_costs, split_measured, Balance, Split};
 pub use runtime::Pipeline;
 pub use schedule::{Action, Schedule, ScheduleKind, Step};
 pub use simulate::{bubble_table, simulate, simulate_ranks, textbook_bubble, Costs, Simulation};
-pub use stage::{assign, Chunk, FnLayer, Layer};
+pub use stage::{Chunk, FnLayer, Layer};
 pub use stats::{StepStats, Timed};
 pub use tied::{clip_grad_norm, sum_tied_gradients, Tied};

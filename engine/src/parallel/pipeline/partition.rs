@@ -1,23 +1,29 @@
 //! Cutting an ordered list of layers into contiguous stages: by layer count, by parameter
 //! bytes, or by a measured per-layer cost (one timed forward and backward of each layer). The
-//! split minimises the most expensive stage, which bounds the pipeline's step time.
+//! split minimises the most expensive stage, which bounds the pipeline's step time; [`assign`]
+//! then hands each rank its stages' layers.
 use std::fmt;
 use std::ops::Range;
 use std::time::Instant;
 
 use tch::{Kind, Tensor};
 
-use super::stage::Layer;
+use super::stage::{Chunk, Layer};
 use crate::error::ensure;
 use crate::Result;
 
-/// How to weigh layers when balancing stages.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// How to weigh layers when balancing stages; as a command-line value `layers`, `params` or
+/// `time`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Balance {
     /// Every layer weighs the same.
+    #[value(name = "layers")]
     Count,
     /// A layer weighs its parameters' bytes (balances memory).
+    #[value(name = "params")]
     ParameterBytes,
+    /// A layer weighs its measured forward and backward time on a sample: [`split_measured`].
+    Time,
 }
 
 /// A split of layers into stages, with the cost it balanced.
@@ -54,7 +60,8 @@ impl fmt::Display for Split {
     }
 }
 
-/// Splits `layers` into `stages` contiguous non-empty ranges by `balance`.
+/// Splits `layers` into `stages` contiguous non-empty ranges by `balance` (by count or bytes;
+/// [`Balance::Time`] needs a sample: [`split_measured`]).
 pub fn split(layers: &[Box<dyn Layer>], stages: usize, balance: Balance) -> Result<Split> {
     let (costs, unit) = match balance {
         Balance::Count => (vec![1.0; layers.len()], "layers"),
@@ -67,6 +74,10 @@ pub fn split(layers: &[Box<dyn Layer>], stages: usize, balance: Balance) -> Resu
                 .collect(),
             "bytes",
         ),
+        Balance::Time => {
+            let why = "pipeline: balancing by time measures the layers on a sample: use split_measured";
+            return Err(crate::Error::invalid(why));
+        }
     };
     split_costs(costs, stages, unit)
 }
@@ -152,6 +163,33 @@ pub fn split_costs(costs: Vec<f64>, stages: usize, unit: &'static str) -> Result
     }
     ranges.reverse();
     Ok(Split { ranges, costs, unit })
+}
+
+/// Takes the chunks of `layers` that pipeline rank `rank` of `pp` holds under `split` (one range
+/// per virtual stage, `pp * v` of them): virtual stage `c * pp + rank` becomes chunk `c`. Every
+/// rank may build the whole model and keep its part; the other layers are dropped.
+pub fn assign(layers: Vec<Box<dyn Layer>>, split: &Split, rank: usize, pp: usize) -> Result<Vec<Chunk>> {
+    let stages = split.ranges.len();
+    ensure!(pp >= 1 && rank < pp, "pipeline: rank {rank} is not among pp={pp} ranks");
+    ensure!(stages.is_multiple_of(pp), "pipeline: {stages} stages do not divide among pp={pp} ranks");
+    ensure!(
+        split.ranges.last().map(|r| r.end) == Some(layers.len()),
+        "pipeline: the split covers {} layers but the model has {}",
+        split.ranges.last().map_or(0, |r| r.end),
+        layers.len()
+    );
+    let mut chunks: Vec<Chunk> = (rank..stages).step_by(pp).map(|stage| Chunk { stage, layers: Vec::new() }).collect();
+    for (i, layer) in layers.into_iter().enumerate() {
+        let stage = split
+            .ranges
+            .iter()
+            .position(|r| r.contains(&i))
+            .ok_or_else(|| crate::Error::invalid(format!("pipeline: the split leaves out layer {i}")))?;
+        if stage % pp == rank {
+            chunks[stage / pp].layers.push(layer);
+        }
+    }
+    Ok(chunks)
 }
 
 #[cfg(test)]

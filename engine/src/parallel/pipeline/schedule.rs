@@ -13,17 +13,20 @@ use std::fmt;
 use crate::error::ensure;
 use crate::Result;
 
-/// Which schedule to build.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Which schedule to build; as a command-line value `gpipe`, `1f1b`, `interleaved` or `zb`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum ScheduleKind {
     /// All forwards, then all backwards (Huang et al. 2019): holds every micro-batch.
+    #[value(name = "gpipe")]
     GPipe,
     /// One forward, one backward after a warm-up (PipeDream-flush): holds at most `pp`.
+    #[value(name = "1f1b")]
     OneFOneB,
     /// 1F1B over `v` virtual stages per rank (Narayanan et al. 2021): the bubble shrinks by `v`.
     Interleaved,
     /// ZB-H1 (Qi et al. 2023): the backward split into an input-gradient pass, on the critical
     /// path, and a weight-gradient pass deferred to fill the bubble; 1F1B's memory bound.
+    #[value(name = "zb")]
     ZeroBubbleH1,
 }
 

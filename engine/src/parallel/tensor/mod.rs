@@ -23,13 +23,15 @@
 //!
 //! [`TensorParallel::none`] is the one-process path: every mapping is the identity.
 //!
-//! [`multi_dim`] holds the 2D, 2.5D and 3D modes, which split the activations too.
+//! [`multi_dim`] holds the 2D, 2.5D and 3D modes, which split the activations too; [`TpMode`]
+//! names the four modes and holds their grid arithmetic.
 mod cross_entropy;
 mod dropout;
 mod embedding;
 mod gathered_linear;
 pub mod init;
 mod linear;
+mod mode;
 pub mod multi_dim;
 mod norm;
 
@@ -38,6 +40,7 @@ pub use dropout::{dropout, DropoutKey};
 pub use embedding::{EmbeddingConfig, VocabParallelEmbedding};
 pub use init::Init;
 pub use linear::{ColumnConfig, ColumnParallelLinear, RowConfig, RowParallelLinear};
+pub use mode::TpMode;
 pub use norm::LayerNorm;
 
 use tch::Tensor;

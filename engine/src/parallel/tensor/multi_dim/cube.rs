@@ -16,7 +16,7 @@ use tch::Tensor;
 use super::comm;
 use crate::dist::{DeviceMesh, ProcessGroup};
 use crate::error::ensure;
-use crate::parallel::tensor::dim_index;
+use crate::parallel::tensor::{dim_index, TpMode};
 use crate::Result;
 
 /// An axis of the cube.
@@ -73,10 +73,8 @@ pub struct Cube {
 impl Cube {
     /// 3D tensor parallelism over every rank of `world`, whose size must be a cube `q^3`.
     pub fn new(world: &ProcessGroup) -> Result<Cube> {
-        let p = world.size() as i64;
-        let q = (p as f64).cbrt().round() as i64;
-        ensure!(q * q * q == p, "3D tensor parallelism needs a cube number of ranks (q x q x q), got {p}");
-        let qs = q as usize;
+        let qs = TpMode::ThreeD.side(world.size(), 1)?;
+        let q = qs as i64;
         let mesh = DeviceMesh::new(world, &[("i", qs), ("j", qs), ("l", qs)])?;
         let group = |axis: &str| mesh.group(axis).cloned().expect("the mesh has this axis");
         let coord = |axis: &str| mesh.coord(axis).expect("the mesh has this axis") as i64;

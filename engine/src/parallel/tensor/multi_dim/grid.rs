@@ -17,7 +17,7 @@ use tch::Tensor;
 use super::comm;
 use crate::dist::{DeviceMesh, ProcessGroup};
 use crate::error::ensure;
-use crate::parallel::tensor::dim_index;
+use crate::parallel::tensor::{dim_index, TpMode};
 use crate::Result;
 
 /// This rank's place on a `q x q x d` grid and its row, column and depth groups.
@@ -36,25 +36,16 @@ pub struct Grid {
 impl Grid {
     /// 2D tensor parallelism over every rank of `world`, whose size must be a square `q^2`.
     pub fn two_d(world: &ProcessGroup) -> Result<Grid> {
-        let p = world.size() as i64;
-        let q = (p as f64).sqrt().round() as i64;
-        ensure!(q * q == p, "2D tensor parallelism needs a square number of ranks (q x q), got {p}");
-        Self::build(world, q, 1)
+        let q = TpMode::TwoD.side(world.size(), 1)?;
+        Self::build(world, q as i64, 1)
     }
 
     /// 2.5D tensor parallelism with `depth` layers over every rank of `world`, whose size must
     /// be `q^2 * depth`.
     pub fn two_p5_d(world: &ProcessGroup, depth: i64) -> Result<Grid> {
-        let p = world.size() as i64;
         ensure!(depth >= 1, "2.5D tensor parallelism: depth must be at least 1, got {depth}");
-        ensure!(p % depth == 0, "2.5D tensor parallelism: {p} ranks do not divide into depth {depth}");
-        let q = ((p / depth) as f64).sqrt().round() as i64;
-        ensure!(
-            q * q * depth == p,
-            "2.5D tensor parallelism needs q x q x depth ranks: {p} ranks over depth {depth} leave {}, not a square",
-            p / depth
-        );
-        Self::build(world, q, depth)
+        let q = TpMode::TwoHalfD.side(world.size(), depth as usize)?;
+        Self::build(world, q as i64, depth)
     }
 
     fn build(world: &ProcessGroup, q: i64, depth: i64) -> Result<Grid> {
