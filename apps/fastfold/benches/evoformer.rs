@@ -12,7 +12,7 @@ use anyhow::ensure;
 use clap::Parser;
 use engine::device::DeviceKind;
 use engine::parallel::dap::Dap;
-use fastfold::model::{EvoformerConfig, EvoformerStack, Params};
+use fastfold::model::{EvoformerConfig, EvoformerStack, Exec, Params};
 use tch::{Device, Kind, Tensor};
 
 const BASELINE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/evoformer_baseline.py");
@@ -109,11 +109,11 @@ fn main() -> anyhow::Result<()> {
     let backend = kernels::Backend::resolve(args.kernels, device)?;
     let p = params.to_kind(kind)?.to_device(device, true)?.with_kernels(backend);
     let stack = EvoformerStack::main(&p)?;
-    let dap = Dap::none();
+    let exec = Exec::new(Dap::none(), args.chunk_size);
     let (m_in, z_in, mm, pm) = (on(&msa), on(&pair), on(&msa_mask), on(&pair_mask));
-    let (ours_msa, ours_pair) = tch::no_grad(|| stack.forward(&m_in, &z_in, &mm, &pm, &dap, args.chunk_size))?;
+    let (ours_msa, ours_pair) = tch::no_grad(|| stack.forward(&m_in, &z_in, &mm, &pm, &exec))?;
     let forward = median_ms(args.warmup, args.iters, device, || {
-        let _outputs = tch::no_grad(|| stack.forward(&m_in, &z_in, &mm, &pm, &dap, args.chunk_size))?;
+        let _outputs = tch::no_grad(|| stack.forward(&m_in, &z_in, &mm, &pm, &exec))?;
         Ok(())
     })?;
     if let Device::Cuda(d) = device {
@@ -121,7 +121,7 @@ fn main() -> anyhow::Result<()> {
     }
     let (wm_d, wz_d) = (on(&wm), on(&wz));
     let forward_backward = median_ms(args.warmup, args.iters, device, || {
-        let (m, z) = stack.forward(&m_in, &z_in, &mm, &pm, &dap, args.chunk_size)?;
+        let (m, z) = stack.forward(&m_in, &z_in, &mm, &pm, &exec)?;
         ((m * &wm_d).sum(Kind::Float) + (z * &wz_d).sum(Kind::Float)).backward();
         for (_, t) in p.iter() {
             let mut g = t.grad();

@@ -13,7 +13,7 @@ use engine::device::DeviceKind;
 use engine::parallel::dap::Dap;
 use fastfold::features::{process, FeatureConfig, RawFeatures};
 use fastfold::model::alphafold::{AlphaFold, Pass};
-use fastfold::model::{EvoformerConfig, ModelConfig, Params};
+use fastfold::model::{EvoformerConfig, Exec, ModelConfig, Params};
 use tch::{Device, Kind};
 
 #[derive(Parser, Debug)]
@@ -80,7 +80,8 @@ fn alignment(n: usize, depth: usize) -> (String, String) {
 
 fn time(model: &AlphaFold, features: &fastfold::features::Features, args: &Args) -> anyhow::Result<(f64, Pass)> {
     let start = Instant::now();
-    let pass = tch::no_grad(|| model.predict(features, args.recycles, Kind::Float, &Dap::none(), args.chunk_size))?;
+    let pass =
+        tch::no_grad(|| model.predict(features, args.recycles, Kind::Float, &Exec::new(Dap::none(), args.chunk_size)))?;
     if let Device::Cuda(d) = features.aatype.device() {
         engine::cuda::synchronize(d)?;
     }

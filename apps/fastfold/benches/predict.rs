@@ -13,7 +13,7 @@ use engine::device::DeviceKind;
 use engine::parallel::dap::Dap;
 use fastfold::features::{process, FeatureConfig, RawFeatures};
 use fastfold::model::alphafold::AlphaFold;
-use fastfold::model::{EvoformerConfig, ModelConfig, Params};
+use fastfold::model::{EvoformerConfig, Exec, ModelConfig, Params};
 use tch::Kind;
 
 #[derive(Parser, Debug)]
@@ -51,6 +51,7 @@ fn main() -> anyhow::Result<()> {
     let backend = kernels::Backend::resolve(args.kernels, device)?;
     let params = params.to_kind(kind)?.to_device(device, false)?.with_kernels(backend);
     let model = AlphaFold::new(&params)?;
+    let exec = Exec::new(Dap::none(), args.chunk_size);
     println!(
         "single-sequence predict, model_1_ptm sizes (random weights), {} recycles, {} on {device:?}, kernels {backend:?}{}",
         args.recycles,
@@ -70,7 +71,7 @@ fn main() -> anyhow::Result<()> {
         // An untimed short run first: the first length would otherwise carry CUDA's lazy
         // module loading, the libraries' handles and the kernels' compilation.
         let warm = features(16)?;
-        tch::no_grad(|| model.predict(&warm, args.recycles, kind, &Dap::none(), args.chunk_size))?;
+        tch::no_grad(|| model.predict(&warm, args.recycles, kind, &exec))?;
         engine::cuda::synchronize(d)?;
     }
     let mut peaks = vec![];
@@ -80,7 +81,7 @@ fn main() -> anyhow::Result<()> {
             engine::cuda::reset_peak_stats(d)?;
         }
         let start = Instant::now();
-        let pass = tch::no_grad(|| model.predict(&features, args.recycles, kind, &Dap::none(), args.chunk_size))?;
+        let pass = tch::no_grad(|| model.predict(&features, args.recycles, kind, &exec))?;
         if let tch::Device::Cuda(d) = device {
             engine::cuda::synchronize(d)?;
         }

@@ -17,10 +17,9 @@ use std::time::Instant;
 
 use anyhow::{ensure, Context};
 use clap::Parser;
-use engine::parallel::dap::Dap;
 use fastfold::features::Features;
 use fastfold::model::alphafold::AlphaFold;
-use fastfold::model::Params;
+use fastfold::model::{Exec, Params};
 use tch::{Device, Kind};
 
 const BASELINE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/alphafold_baseline.py");
@@ -117,7 +116,7 @@ fn ours(dir: &Path, recycles: usize) -> anyhow::Result<Figures> {
     let mut seconds = 0.0;
     for _ in 0..2 {
         let start = Instant::now();
-        let pass = tch::no_grad(|| model.predict(&features, recycles, Kind::Float, &Dap::none(), None))?;
+        let pass = tch::no_grad(|| model.predict(&features, recycles, Kind::Float, &Exec::serial()))?;
         seconds = start.elapsed().as_secs_f64();
         ensure!(bool::try_from(pass.structure.atom37.isfinite().all())?, "non-finite positions");
     }

@@ -12,7 +12,7 @@ use engine::parallel::dap::Dap;
 use tch::Device;
 
 use crate::features::{process, FeatureConfig, Features, RawFeatures};
-use crate::model::Params;
+use crate::model::{Exec, Params};
 use crate::preset::Preset;
 use crate::search::{Mode, Search};
 
@@ -264,15 +264,15 @@ pub struct ChunkArgs {
 }
 
 impl ChunkArgs {
-    /// Checks the options and returns this rank's device, the DAP context over the job and the
-    /// kernels the modules run.
-    pub fn setup(&self, launch: &LaunchArgs, world: &World) -> anyhow::Result<(Device, Dap, kernels::Backend)> {
+    /// Checks the options and returns this rank's device, the execution context (DAP over the
+    /// job, the chunk size) and the kernels the modules run.
+    pub fn setup(&self, launch: &LaunchArgs, world: &World) -> anyhow::Result<(Device, Exec, kernels::Backend)> {
         let device = launch.device(world)?;
         let backend = kernels::Backend::resolve(self.kernels, device)?;
         let dap = match world.size() {
             1 => Dap::none(),
             _ => Dap::new(world.group.clone()),
         };
-        Ok((device, dap, backend))
+        Ok((device, Exec::new(dap, self.chunk_size), backend))
     }
 }

@@ -15,7 +15,6 @@ use anyhow::{bail, Context};
 use clap::builder::TypedValueParser;
 use engine::dist::World;
 use engine::job::{LaunchArgs, Precision, PrecisionArgs};
-use engine::parallel::dap::Dap;
 use tch::{Device, Kind, Tensor};
 
 use crate::confidence::Confidence;
@@ -24,7 +23,7 @@ use crate::input::{ChunkArgs, InputArgs, Query, ReadQuery};
 use crate::model::alphafold::{AlphaFold, Pass};
 use crate::model::heads::{DISTOGRAM_FIRST_BREAK, DISTOGRAM_LAST_BREAK, MAX_ERROR_BIN};
 use crate::model::recycling::Recycling;
-use crate::model::Params;
+use crate::model::{Exec, Params};
 use crate::models::{self, ModelChoice, ModelFile};
 use crate::pdb::Structure;
 use crate::preset::Preset;
@@ -168,27 +167,27 @@ fn read_inputs(args: &PredictArgs, world: &World, device: Device) -> anyhow::Res
     Ok(queries)
 }
 
-/// What every prediction of one run shares: the checked options, the device and DAP context,
-/// and the models.
+/// What every prediction of one run shares: the checked options, the device, the execution
+/// context (DAP and chunk size) and the models.
 struct Runner<'a> {
     args: &'a PredictArgs,
     world: &'a World,
     device: Device,
-    dap: Dap,
+    exec: Exec,
     kind: Kind,
     models: Vec<Model>,
 }
 
 impl<'a> Runner<'a> {
     fn new(args: &'a PredictArgs, world: &'a World) -> anyhow::Result<Self> {
-        let (device, dap, backend) = args.chunk.setup(&args.launch, world)?;
+        let (device, exec, backend) = args.chunk.setup(&args.launch, world)?;
         let kind = args.precision.precision.kind();
         let files = models::resolve(&args.params, args.models.as_deref())?;
         let models = files
             .iter()
             .map(|f| Model::load(args, f, files.len() > 1, kind, device, backend))
             .collect::<anyhow::Result<Vec<_>>>()?;
-        Ok(Runner { args, world, device, dap, kind, models })
+        Ok(Runner { args, world, device, exec, kind, models })
     }
 
     /// Every input in turn, every model on it; the summaries, query by query, model by model.
@@ -256,10 +255,9 @@ impl<'a> Runner<'a> {
             early_stop_tolerance: args.recycle_early_stop_tolerance,
         };
         let start = Instant::now();
-        let (pass, recycles) = tch::no_grad(|| {
-            model.net.predict_recycling(&features, recycling, self.kind, &self.dap, args.chunk.chunk_size)
-        })
-        .with_context(|| format!("predicting {name} with {}", model.name))?;
+        let (pass, recycles) =
+            tch::no_grad(|| model.net.predict_recycling(&features, recycling, self.kind, &self.exec))
+                .with_context(|| format!("predicting {name} with {}", model.name))?;
         let seconds = start.elapsed().as_secs_f64();
         timings.add(format!("predict_and_compile_{}", model.name), seconds);
         let first = features.iteration(0)?;

@@ -9,7 +9,8 @@
 //!
 //! Under DAP every rank computes the embedders, structure module and heads on whole tensors
 //! and the stacks on its block: the stacks' parameter gradients are summed over the ranks
-//! ([`Dap::reduce_gradients`]); every other gradient is already whole on every rank.
+//! ([`engine::parallel::dap::Dap::reduce_gradients`]); every other gradient is already whole
+//! on every rank.
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -18,7 +19,6 @@ use engine::dist::World;
 use engine::job::{JobArgs, OptimizerArgs};
 use engine::metrics::Metrics;
 use engine::optim::{clip_grad_norm, Optimizer, Param};
-use engine::parallel::dap::Dap;
 use tch::{Device, Kind, Tensor};
 
 use crate::features::Features;
@@ -27,7 +27,7 @@ use crate::input::{ChunkArgs, InputArgs};
 use crate::model::alphafold::{AlphaFold, Pass};
 use crate::model::embedders::pseudo_beta;
 use crate::model::heads::{DISTOGRAM_FIRST_BREAK, DISTOGRAM_LAST_BREAK};
-use crate::model::{Params, EVOFORMER, EXTRA_MSA};
+use crate::model::{Exec, Params, EVOFORMER, EXTRA_MSA};
 use crate::pdb::Structure;
 use crate::residue_constants::{atom_order, RESNAMES, UNK_RESTYPE_INDEX};
 
@@ -229,14 +229,13 @@ impl Trainer {
         features: &Features,
         target: &Target,
         recycles: usize,
-        dap: &Dap,
-        chunk: Option<i64>,
+        exec: &Exec,
     ) -> anyhow::Result<Losses> {
         self.optimizer.zero_grad();
-        let pass = self.model.predict(features, recycles, Kind::Float, dap, chunk)?;
+        let pass = self.model.predict(features, recycles, Kind::Float, exec)?;
         let losses = losses(&pass, target)?;
         engine::autograd::backward(&[&losses.total], &[None], false)?;
-        dap.reduce_gradients(&self.stacks)?;
+        exec.dap().reduce_gradients(&self.stacks)?;
         Ok(losses)
     }
 
@@ -247,10 +246,9 @@ impl Trainer {
         features: &Features,
         target: &Target,
         recycles: usize,
-        dap: &Dap,
-        chunk: Option<i64>,
+        exec: &Exec,
     ) -> anyhow::Result<(Losses, f64)> {
-        let losses = self.backward(features, target, recycles, dap, chunk)?;
+        let losses = self.backward(features, target, recycles, exec)?;
         let norm = clip_grad_norm(self.optimizer.params(), self.clip.unwrap_or(f64::INFINITY), None)?;
         self.optimizer.step()?;
         Ok((losses, norm))
@@ -267,7 +265,7 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
     if args.steps == 0 {
         bail!("--steps must be at least 1");
     }
-    let (device, dap, backend) = args.chunk.setup(&args.job.launch, world)?;
+    let (device, exec, backend) = args.chunk.setup(&args.job.launch, world)?;
     kernels::install_optimizer_steps(backend);
     let params = Params::load_model(&args.params)
         .with_context(|| format!("--params {}", args.params.display()))?
@@ -292,7 +290,7 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
     };
     for step in 1..=args.steps {
         let start = Instant::now();
-        let (losses, grad_norm) = trainer.step(&features, &target, args.recycles, &dap, args.chunk.chunk_size)?;
+        let (losses, grad_norm) = trainer.step(&features, &target, args.recycles, &exec)?;
         let entry = StepLog {
             step,
             loss: losses.total.double_value(&[]),

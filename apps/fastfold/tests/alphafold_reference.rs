@@ -11,7 +11,7 @@ use fastfold::features::Features;
 use fastfold::model::alphafold::{AlphaFold, Batch, Pass};
 use fastfold::model::embedders::{pseudo_beta, Recycled};
 use fastfold::model::templates::{torsion_angles, Templates};
-use fastfold::model::Params;
+use fastfold::model::{Exec, Params};
 use tch::{Device, Kind, Tensor};
 
 /// Largest allowed difference from AlphaFold, relative to the compared array's largest
@@ -69,13 +69,14 @@ fn template_pair_stack_pointwise_attention_and_msa_rows_equal_alphafold() {
     let t = batch.templates.as_ref().unwrap();
     let mask_2d = &r["template_mask_2d"];
     for chunk in [None, Some(5)] {
-        let stacked = templates.pair_stack(t, mask_2d, Kind::Float, chunk).unwrap();
+        let exec = Exec::new(Dap::none(), chunk);
+        let stacked = templates.pair_stack(t, mask_2d, Kind::Float, &exec).unwrap();
         assert_close(&format!("template pair stack (chunk {chunk:?})"), &stacked, &r["template_pair_stack"]);
         // The pointwise attention on AlphaFold's own stack output and query.
         let update =
-            templates.pointwise_attention(&r["template_query"], &r["template_pair_stack"], &t.mask, chunk).unwrap();
+            templates.pointwise_attention(&r["template_query"], &r["template_pair_stack"], &t.mask, &exec).unwrap();
         assert_close(&format!("pointwise attention (chunk {chunk:?})"), &update, &r["template_pair_update"]);
-        let whole = templates.pair_update(&r["template_query"], t, mask_2d, chunk).unwrap();
+        let whole = templates.pair_update(&r["template_query"], t, mask_2d, &exec).unwrap();
         assert_close(&format!("template pair update (chunk {chunk:?})"), &whole, &r["template_pair_update"]);
     }
     let (rows, _) = templates.msa_rows(t, Kind::Float).unwrap().expect("torsion-angle rows");
@@ -113,7 +114,7 @@ fn one_pass_with_template_hits_equals_alphafold() {
         pair: r["prev_pair"].shallow_clone(),
         pseudo_beta: pseudo_beta(&batch.aatype, &r["prev_pos"]).unwrap(),
     };
-    let pass = tch::no_grad(|| model.pass(&batch, &prev, &Dap::none(), None)).unwrap();
+    let pass = tch::no_grad(|| model.pass(&batch, &prev, &Exec::serial())).unwrap();
     assert_pass_equals_alphafold(&pass, &r);
 }
 
@@ -121,6 +122,6 @@ fn one_pass_with_template_hits_equals_alphafold() {
 fn prediction_with_template_hits_equals_alphafold() {
     let (params, features, r) = setup();
     let model = AlphaFold::new(&params).unwrap();
-    let pass = tch::no_grad(|| model.predict(&features, 1, Kind::Float, &Dap::none(), None)).unwrap();
+    let pass = tch::no_grad(|| model.predict(&features, 1, Kind::Float, &Exec::serial())).unwrap();
     assert_pass_equals_alphafold(&pass, &r);
 }

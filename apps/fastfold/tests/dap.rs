@@ -3,7 +3,7 @@
 //! and every parameter, with sequence and residue counts the rank counts do not divide.
 use engine::dist::World;
 use engine::parallel::dap::Dap;
-use fastfold::model::{EvoformerConfig, EvoformerStack, Params, EVOFORMER, EXTRA_MSA};
+use fastfold::model::{EvoformerConfig, EvoformerStack, Exec, Params, EVOFORMER, EXTRA_MSA};
 use suite_tests::{dist_test, TestResult};
 use tch::{Device, Kind, Tensor};
 
@@ -14,19 +14,19 @@ struct Run {
 }
 
 /// One forward and backward of a stack on fresh copies of `params` and `x`.
-fn run(params: &Params, extra: bool, x: &[Tensor; 4], dap: &Dap, chunk: Option<i64>) -> anyhow::Result<Run> {
+fn run(params: &Params, extra: bool, x: &[Tensor; 4], exec: &Exec) -> anyhow::Result<Run> {
     let params = params.to_device(Device::Cpu, true)?;
     let stack = if extra { EvoformerStack::extra(&params)? } else { EvoformerStack::main(&params)? };
     let msa = x[0].detach().set_requires_grad(true);
     let pair = x[1].detach().set_requires_grad(true);
-    let (m, z) = stack.forward(&msa, &pair, &x[2], &x[3], dap, chunk)?;
+    let (m, z) = stack.forward(&msa, &pair, &x[2], &x[3], exec)?;
     // Fixed weights make every output element matter to the loss.
     tch::manual_seed(99);
     let (wm, wz) =
         (Tensor::randn(m.size(), (Kind::Float, Device::Cpu)), Tensor::randn(z.size(), (Kind::Float, Device::Cpu)));
     let loss = (&m * wm).sum(Kind::Float) + (&z * wz).sum(Kind::Float);
     loss.backward();
-    dap.reduce_gradients(params.iter().map(|(_, t)| t))?;
+    exec.dap().reduce_gradients(params.iter().map(|(_, t)| t))?;
     let mut grads = vec![("input msa".to_string(), msa.grad()), ("input pair".to_string(), pair.grad())];
     let prefix = if extra { EXTRA_MSA } else { EVOFORMER };
     grads.extend(params.iter().filter(|(k, _)| k.starts_with(prefix)).map(|(k, t)| (k.to_string(), t.grad())));
@@ -51,8 +51,8 @@ fn compare(world: &World) -> TestResult {
         let what = format!("{} stack, {s} x {r}, {} ranks", if extra { "extra" } else { "main" }, dap.size());
         let c_m = if extra { cfg.c_e } else { cfg.c_m };
         let x = inputs(s, r, c_m, cfg.c_z);
-        let one = run(&params, extra, &x, &Dap::none(), None)?;
-        let many = run(&params, extra, &x, &dap, chunk)?;
+        let one = run(&params, extra, &x, &Exec::serial())?;
+        let many = run(&params, extra, &x, &Exec::new(dap.clone(), chunk))?;
         for (name, a, b) in [("msa", &many.msa, &one.msa), ("pair", &many.pair, &one.pair)] {
             let d = (a - b).abs().max().double_value(&[]);
             anyhow::ensure!(d <= 1e-5, "{what}: output {name} differs by {d:e} (tolerance 1e-5 abs)");

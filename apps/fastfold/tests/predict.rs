@@ -8,11 +8,10 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use engine::parallel::dap::Dap;
 use fastfold::features::{process, FeatureConfig, Features, RawFeatures};
 use fastfold::input::InputArgs;
 use fastfold::model::alphafold::AlphaFold;
-use fastfold::model::{EvoformerConfig, ModelConfig, Params};
+use fastfold::model::{EvoformerConfig, Exec, ModelConfig, Params};
 use fastfold::pdb::Structure;
 use fastfold::preset::Preset;
 use tch::{Device, Kind, Tensor};
@@ -558,7 +557,7 @@ fn padded_features_give_the_unpadded_result_without_padding_residues() {
     // Cutting the padding before the model is sound: the model's masks keep the padded
     // residues from changing the real ones (the padded batch run as it is, not cut).
     let net = AlphaFold::new(&Params::load_model(common::tiny_params()).unwrap()).unwrap();
-    let run = |f: &Features| tch::no_grad(|| net.predict(f, 1, Kind::Float, &Dap::none(), None)).unwrap();
+    let run = |f: &Features| tch::no_grad(|| net.predict(f, 1, Kind::Float, &Exec::serial())).unwrap();
     let (want, got) = (run(&f), run(&uncut(pad_residues(&f, 5))));
     let real = |t: &Tensor| t.narrow(0, 0, 3);
     let positions = |p: &fastfold::model::alphafold::Pass| &p.structure.atom37 * p.structure.atom37_mask.unsqueeze(-1);

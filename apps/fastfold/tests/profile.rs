@@ -6,8 +6,7 @@
 //! triangle update and transition ops one by one matched the predicted buffers to the page,
 //! and the rest is the allocator's granularity (a page of header per mapped buffer, about 70
 //! kept buffers here, and heap growth for the LayerNorm statistics under 64 KiB).
-use engine::parallel::dap::Dap;
-use fastfold::model::{BlockMasks, EvoformerConfig, EvoformerStack, Params, EVOFORMER};
+use fastfold::model::{BlockMasks, EvoformerConfig, EvoformerStack, Exec, Params, EVOFORMER};
 use kernels::Backend;
 use tch::{Device, Kind, Tensor};
 
@@ -38,7 +37,7 @@ fn block_parameter_and_activation_bytes_match_a_cpu_run() {
     let stack = EvoformerStack::main(&params).unwrap();
     let block = &stack.blocks()[0];
     let numel: usize = params.iter().filter(|(k, _)| k.starts_with(EVOFORMER)).map(|(_, t)| t.numel()).sum();
-    let dap = Dap::none();
+    let exec = Exec::serial();
     let opts = (Kind::Float, Device::Cpu);
     // Deep-and-narrow and shallow-and-wide: the MSA's and the pair's share of the memory differ.
     for (s, r) in [(16, 48), (8, 64)] {
@@ -46,12 +45,12 @@ fn block_parameter_and_activation_bytes_match_a_cpu_run() {
         assert_eq!(predicted.param_bytes, (numel * 4) as f64, "parameter bytes");
         tch::manual_seed(1);
         let (msa, pair) = (Tensor::randn([s, r, cfg.c_m], opts), Tensor::randn([r, r, cfg.c_z], opts));
-        let masks = BlockMasks::new(&Tensor::ones([s, r], opts), &Tensor::ones([r, r], opts), &dap).unwrap();
+        let masks = BlockMasks::new(&Tensor::ones([s, r], opts), &Tensor::ones([r, r], opts), &exec).unwrap();
         // A first step allocates the parameters' gradients and the kernels' one-time buffers.
-        let (m, z) = block.forward(&msa, &pair, &masks, &dap, None).unwrap();
+        let (m, z) = block.forward(&msa, &pair, &masks, &exec).unwrap();
         (m.sum(Kind::Float) + z.sum(Kind::Float)).backward();
         let before = suite_tests::resident_bytes();
-        let kept = block.forward(&msa, &pair, &masks, &dap, None).unwrap();
+        let kept = block.forward(&msa, &pair, &masks, &exec).unwrap();
         let grown = suite_tests::resident_bytes() - before;
         let expected = predicted.saved_bytes + predicted.output_bytes;
         suite_tests::assert_bytes_close(&format!("Evoformer block, {s} x {r}, CPU"), grown, expected, 0.10);
@@ -78,13 +77,13 @@ fn block_kept_bytes_match_the_cuda_caching_allocator() {
         let predicted = fastfold::profile::block(&cfg, "evoformer.0", s, r, 4);
         let opts = (Kind::Float, dev);
         let (msa, pair) = (Tensor::randn([s, r, cfg.c_m], opts), Tensor::randn([r, r, cfg.c_z], opts));
-        let dap = Dap::none();
-        let masks = BlockMasks::new(&Tensor::ones([s, r], opts), &Tensor::ones([r, r], opts), &dap).unwrap();
-        let (m, z) = block.forward(&msa, &pair, &masks, &dap, None).unwrap();
+        let exec = Exec::serial();
+        let masks = BlockMasks::new(&Tensor::ones([s, r], opts), &Tensor::ones([r, r], opts), &exec).unwrap();
+        let (m, z) = block.forward(&msa, &pair, &masks, &exec).unwrap();
         (m.sum(Kind::Float) + z.sum(Kind::Float)).backward();
         drop((m, z));
         let before = engine::cuda::memory_stats(0).unwrap().requested;
-        let kept = block.forward(&msa, &pair, &masks, &dap, None).unwrap();
+        let kept = block.forward(&msa, &pair, &masks, &exec).unwrap();
         let grown = (engine::cuda::memory_stats(0).unwrap().requested - before) as f64;
         let expected = predicted.saved_bytes + predicted.output_bytes;
         suite_tests::assert_bytes_close(

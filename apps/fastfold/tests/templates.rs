@@ -2,11 +2,10 @@
 //! parameters' names and shapes (inferred back, stray arrays named), template features read
 //! from `.npz`, and the model: padding template slots change nothing, real ones change the
 //! prediction.
-use engine::parallel::dap::Dap;
 use fastfold::features::{process, FeatureConfig, Features, RawFeatures, TemplateFeatures};
 use fastfold::model::alphafold::AlphaFold;
 use fastfold::model::templates::{pair_features, torsion_angles, PAIR_FEATURES};
-use fastfold::model::{EvoformerConfig, ModelConfig, Params, TemplateConfig};
+use fastfold::model::{EvoformerConfig, Exec, ModelConfig, Params, TemplateConfig};
 use fastfold::residue_constants::{aatype_of, atom_order};
 use tch::{Device, Kind, Tensor};
 
@@ -158,7 +157,7 @@ fn features_with(t: Option<TemplateFeatures>) -> Features {
 fn padding_templates_change_nothing_and_real_ones_do() {
     let params = template_params();
     let model = AlphaFold::new(&params).unwrap();
-    let run = |f: &Features| tch::no_grad(|| model.predict(f, 1, Kind::Float, &Dap::none(), None)).unwrap();
+    let run = |f: &Features| tch::no_grad(|| model.predict(f, 1, Kind::Float, &Exec::serial())).unwrap();
     let none = run(&features_with(None));
     let masked = run(&features_with(Some(templates(false, 2))));
     let real = run(&features_with(Some(templates(true, 2))));

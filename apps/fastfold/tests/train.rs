@@ -11,7 +11,7 @@ use engine::dist::World;
 use engine::job::{OptimizerArgs, OptimizerKind};
 use engine::parallel::dap::Dap;
 use fastfold::features::{process, FeatureConfig, Features, RawFeatures};
-use fastfold::model::{EvoformerConfig, ModelConfig, Params};
+use fastfold::model::{EvoformerConfig, Exec, ModelConfig, Params};
 use fastfold::pdb::Structure;
 use fastfold::residue_constants::{aatype_of, atom_order};
 use fastfold::train::{Target, Trainer};
@@ -70,12 +70,12 @@ fn gradients(
     params: &Params,
     f: &Features,
     target: &Structure,
-    dap: &Dap,
+    dap: Dap,
 ) -> anyhow::Result<(f64, Vec<(String, Tensor)>)> {
     let adam = OptimizerArgs { optimizer: OptimizerKind::Adamw, lr: 1e-3, weight_decay: 0.0, clip_grad: Some(0.1) };
     let mut trainer = Trainer::new(params, Device::Cpu, &adam)?;
     let target = Target::new(target, &f.aatype.get(0), "helix")?;
-    let losses = trainer.backward(f, &target, 1, dap, Some(3))?;
+    let losses = trainer.backward(f, &target, 1, &Exec::new(dap, Some(3)))?;
     let grads = trainer.params().iter().map(|(k, t)| (k.to_string(), t.grad())).collect();
     Ok((losses.total.double_value(&[]), grads))
 }
@@ -85,8 +85,8 @@ fn compare(world: &World) -> TestResult {
     let d = dir("dap");
     let f = features(&d.join("q.a3m"));
     let target = helix(SEQ);
-    let (loss_one, one) = gradients(&params, &f, &target, &Dap::none())?;
-    let (loss_many, many) = gradients(&params, &f, &target, &Dap::new(world.group.clone()))?;
+    let (loss_one, one) = gradients(&params, &f, &target, Dap::none())?;
+    let (loss_many, many) = gradients(&params, &f, &target, Dap::new(world.group.clone()))?;
     anyhow::ensure!((loss_one - loss_many).abs() <= 1e-5, "loss {loss_many} on 2 ranks, {loss_one} on one");
     let overall =
         one.iter().filter(|(_, g)| g.defined()).map(|(_, g)| g.abs().max().double_value(&[])).fold(0.0, f64::max);

@@ -1,19 +1,19 @@
 //! The whole AlphaFold 2 monomer network (supplementary Algorithm 2): the input and recycling
-//! embedders, the extra-MSA and Evoformer stacks (under DAP when the [`Dap`] has ranks), the
-//! single projection, the structure module and the heads, iterated over the recycling slices of
-//! a processed batch.
+//! embedders, the extra-MSA and Evoformer stacks (under DAP when the [`Exec`]'s group has
+//! ranks), the single projection, the structure module and the heads, iterated over the
+//! recycling slices of a processed batch.
 //!
 //! Templates: with parameters that have a template embedding (`model_1`, `model_2`) and a
 //! batch with template features, the templates update the pair and add MSA rows
 //! ([`crate::model::templates`]); a batch without them runs as AlphaFold does for a query with
 //! no template hits (the template embedding then adds exactly zero and its rows are masked).
-use engine::parallel::dap::Dap;
 use tch::{Kind, Tensor};
 
 use crate::features::{Features, TemplateFeatures};
 use crate::model::config::{EvoformerConfig, PresetSizes};
 use crate::model::embedders::{pseudo_beta, Embedders, Recycled};
 use crate::model::evoformer::EvoformerStack;
+use crate::model::exec::Exec;
 use crate::model::heads::{HeadInputs, HeadOutputs, Heads};
 use crate::model::masked_rows::{self, MsaRows};
 use crate::model::params::Params;
@@ -173,7 +173,7 @@ impl AlphaFold {
     }
 
     /// One pass (Algorithm 2, lines 5–33) on `batch` given the previous pass's outputs.
-    pub fn pass(&self, batch: &Batch, prev: &Recycled, dap: &Dap, chunk: Option<i64>) -> Result<Pass> {
+    pub fn pass(&self, batch: &Batch, prev: &Recycled, exec: &Exec) -> Result<Pass> {
         let (msa, pair) = self.embedders.input.forward(&batch.target_feat, &batch.msa_feat, &batch.residue_index)?;
         let (msa, pair) = self.embedders.recycling.forward(&msa, &pair, prev)?;
         let pair_mask = batch.seq_mask.f_unsqueeze(1)?.f_mul(&batch.seq_mask.f_unsqueeze(0)?)?;
@@ -186,11 +186,11 @@ impl AlphaFold {
                 false => None,
             };
             match real {
-                None => pair = pair.f_add(&t.pair_update(&pair, f, &pair_mask, chunk)?)?,
+                None => pair = pair.f_add(&t.pair_update(&pair, f, &pair_mask, exec)?)?,
                 Some(real) if real.size()[0] > 0 => {
                     let [a, b, c, d, e, g] = f.named().map(|(_, x)| x.f_index_select(0, &real));
                     let f = TemplateFeatures::from_array([a?, b?, c?, d?, e?, g?]);
-                    pair = pair.f_add(&t.pair_update(&pair, &f, &pair_mask, chunk)?)?;
+                    pair = pair.f_add(&t.pair_update(&pair, &f, &pair_mask, exec)?)?;
                 }
                 Some(_) => {} // no real template: the update is exactly 0
             }
@@ -203,7 +203,7 @@ impl AlphaFold {
             (Some(stack), Some(embedder)) => {
                 let (rows, has_deletion, deletion_value, mask) = batch.extra_rows(self.drop_masked_rows)?;
                 let extra = embedder.forward(&rows, &has_deletion, &deletion_value)?.f_to_kind(pair.kind())?;
-                stack.forward(&extra, &pair, &mask, &pair_mask, dap, chunk)?.1
+                stack.forward(&extra, &pair, &mask, &pair_mask, exec)?.1
             }
             _ => pair,
         };
@@ -212,7 +212,7 @@ impl AlphaFold {
             false => MsaRows::all(own_rows),
         };
         let (msa, msa_mask) = (rows.select(&msa)?, rows.select(&msa_mask)?);
-        let (msa, pair) = self.evoformer.forward(&msa, &pair, &msa_mask, &pair_mask, dap, chunk)?;
+        let (msa, pair) = self.evoformer.forward(&msa, &pair, &msa_mask, &pair_mask, exec)?;
         // The template rows end here: the masked-MSA head reads the MSA's own rows only.
         let msa = rows.restore(&msa)?;
         let msa_first_row = msa.f_select(0, 0)?;
@@ -231,14 +231,7 @@ impl AlphaFold {
     /// `recycles + 1` passes over slices `0..=recycles` of `features` in `kind`, each starting
     /// from the previous one's outputs; the last pass is returned. As in AlphaFold, gradients
     /// flow through the last pass only: the earlier ones run without autograd.
-    pub fn predict(
-        &self,
-        features: &Features,
-        recycles: usize,
-        kind: Kind,
-        dap: &Dap,
-        chunk: Option<i64>,
-    ) -> Result<Pass> {
+    pub fn predict(&self, features: &Features, recycles: usize, kind: Kind, exec: &Exec) -> Result<Pass> {
         let available = features.num_iterations();
         ensure!(
             (recycles as i64) < available,
@@ -249,9 +242,9 @@ impl AlphaFold {
         let mut prev = Recycled::zeros(like.residues(), &self.config, &like.seq_mask)?;
         for i in 0..recycles as i64 {
             let batch = Batch::new(features, i, kind)?;
-            prev = tch::no_grad(|| self.pass(&batch, &prev, dap, chunk))?.recycled;
+            prev = tch::no_grad(|| self.pass(&batch, &prev, exec))?.recycled;
         }
-        self.pass(&Batch::new(features, recycles as i64, kind)?, &prev, dap, chunk)
+        self.pass(&Batch::new(features, recycles as i64, kind)?, &prev, exec)
     }
 
     /// Inference over `recycling`'s schedule: passes `0..=max` over slices of `features`, each
@@ -265,8 +258,7 @@ impl AlphaFold {
         features: &Features,
         recycling: Recycling,
         kind: Kind,
-        dap: &Dap,
-        chunk: Option<i64>,
+        exec: &Exec,
     ) -> Result<(Pass, usize)> {
         let available = features.num_iterations();
         ensure!(
@@ -281,7 +273,7 @@ impl AlphaFold {
         let mut r = 0;
         loop {
             let batch = Batch::new(features, r as i64, kind)?;
-            let pass = self.pass(&batch, &prev, dap, chunk)?;
+            let pass = self.pass(&batch, &prev, exec)?;
             let settled = r > 0
                 && recycling::ca_distance_change(&prev_positions, &pass.structure.atom37, &batch.seq_mask)?
                     < recycling.early_stop_tolerance;

@@ -22,10 +22,10 @@
 //! all-to-all with the pair half's backward).
 //!
 //! Dropout is inference-mode (off): training dropout is not implemented.
-use engine::parallel::dap::Dap;
 use tch::Tensor;
 
 use crate::model::config::EvoformerConfig;
+use crate::model::exec::Exec;
 use crate::model::keys::{EVOFORMER, EXTRA_MSA};
 use crate::model::msa::{
     MsaColumnAttention, MsaColumnGlobalAttention, MsaRowAttentionWithPairBias, OuterProductMean, Transition,
@@ -56,8 +56,9 @@ pub struct BlockMasks {
 }
 
 impl BlockMasks {
-    /// Cuts this rank's blocks from whole masks whose sizes the group size divides.
-    pub fn new(msa_mask: &Tensor, pair_mask: &Tensor, dap: &Dap) -> Result<Self> {
+    /// Cuts this rank's blocks from whole masks whose sizes `exec`'s DAP group size divides.
+    pub fn new(msa_mask: &Tensor, pair_mask: &Tensor, exec: &Exec) -> Result<Self> {
+        let dap = exec.dap();
         Ok(BlockMasks {
             msa_row: dap.local(msa_mask, 0)?,
             msa_col: dap.local(msa_mask, 1)?,
@@ -121,36 +122,31 @@ impl EvoformerBlock {
     }
 
     /// One block on row-split `msa` [s/N, r, c] and row-split `pair` [r/N, r, c_z]; returns
-    /// both in the same layouts. `chunk` bounds the batch-like axis of every heavy step.
-    pub fn forward(
-        &self,
-        msa: &Tensor,
-        pair: &Tensor,
-        masks: &BlockMasks,
-        dap: &Dap,
-        chunk: Option<i64>,
-    ) -> Result<(Tensor, Tensor)> {
-        let msa = msa.f_add(&self.row_attention.forward(msa, &masks.msa_row, pair, dap, chunk)?)?;
+    /// both in the same layouts. `exec`'s chunk size bounds the batch-like axis of every heavy
+    /// step.
+    pub fn forward(&self, msa: &Tensor, pair: &Tensor, masks: &BlockMasks, exec: &Exec) -> Result<(Tensor, Tensor)> {
+        let dap = exec.dap();
+        let msa = msa.f_add(&self.row_attention.forward(msa, &masks.msa_row, pair, exec)?)?;
         let msa = dap.row_to_col(&msa, 0, 1)?;
         let update = match &self.column_attention {
-            ColumnAttention::Full(a) => a.forward(&msa, &masks.msa_col, chunk)?,
-            ColumnAttention::Global(a) => a.forward(&msa, &masks.msa_col, chunk)?,
+            ColumnAttention::Full(a) => a.forward(&msa, &masks.msa_col, exec)?,
+            ColumnAttention::Global(a) => a.forward(&msa, &masks.msa_col, exec)?,
         };
         let msa = msa.f_add(&update)?;
-        let msa = msa.f_add(&self.msa_transition.forward(&msa, chunk)?)?;
-        let opm = self.outer_product_mean.forward(&msa, &masks.msa_col, &masks.msa_full, dap, chunk)?;
+        let msa = msa.f_add(&self.msa_transition.forward(&msa, exec)?)?;
+        let opm = self.outer_product_mean.forward(&msa, &masks.msa_col, &masks.msa_full, exec)?;
         let pair = pair.f_add(&opm)?;
         // The MSA is done for this block: send it back to rows while the pair half runs.
         let msa = dap.col_to_row_async(&msa, 0, 1)?;
 
-        let pair = pair.f_add(&self.tri_mul_out.forward(&pair, &masks.pair_row, dap, chunk)?)?;
+        let pair = pair.f_add(&self.tri_mul_out.forward(&pair, &masks.pair_row, exec)?)?;
         let pair = dap.row_to_col(&pair, 0, 1)?;
-        let pair = pair.f_add(&self.tri_mul_in.forward(&pair, &masks.pair_col, dap, chunk)?)?;
+        let pair = pair.f_add(&self.tri_mul_in.forward(&pair, &masks.pair_col, exec)?)?;
         let pair = dap.col_to_row(&pair, 0, 1)?;
-        let pair = pair.f_add(&self.tri_att_start.forward(&pair, &masks.pair_row, dap, chunk)?)?;
+        let pair = pair.f_add(&self.tri_att_start.forward(&pair, &masks.pair_row, exec)?)?;
         let pair = dap.row_to_col(&pair, 0, 1)?;
-        let pair = pair.f_add(&self.tri_att_end.forward(&pair, &masks.pair_col, dap, chunk)?)?;
-        let pair = pair.f_add(&self.pair_transition.forward(&pair, chunk)?)?;
+        let pair = pair.f_add(&self.tri_att_end.forward(&pair, &masks.pair_col, exec)?)?;
+        let pair = pair.f_add(&self.pair_transition.forward(&pair, exec)?)?;
         let pair = dap.col_to_row(&pair, 0, 1)?;
         Ok((msa.wait()?, pair))
     }
@@ -220,9 +216,9 @@ impl EvoformerStack {
         pair: &Tensor,
         msa_mask: &Tensor,
         pair_mask: &Tensor,
-        dap: &Dap,
-        chunk: Option<i64>,
+        exec: &Exec,
     ) -> Result<(Tensor, Tensor)> {
+        let dap = exec.dap();
         let (s, r) = check_inputs(msa, pair, msa_mask, pair_mask, self.c_m, self.c_z)?;
         let (sp, rp) = (dap.padded_len(s), dap.padded_len(r));
         let pad2 = |t: &Tensor, a: i64, b: i64| -> Result<Tensor> { Ok(dap.pad_to(&dap.pad_to(t, 0, a)?, 1, b)?) };
@@ -230,12 +226,12 @@ impl EvoformerStack {
         let masks = BlockMasks::new(
             &pad2(&msa_mask.f_to_kind(kind)?, sp, rp)?,
             &pad2(&pair_mask.f_to_kind(kind)?, rp, rp)?,
-            dap,
+            exec,
         )?;
         let mut m = dap.scatter(&pad2(msa, sp, rp)?, 0)?;
         let mut z = dap.scatter(&pad2(pair, rp, rp)?, 0)?;
         for block in &self.blocks {
-            (m, z) = block.forward(&m, &z, &masks, dap, chunk)?;
+            (m, z) = block.forward(&m, &z, &masks, exec)?;
         }
         let m = dap.gather(&m, 0)?.f_narrow(0, 0, s)?.f_narrow(1, 0, r)?;
         let z = dap.gather(&z, 0)?.f_narrow(0, 0, r)?.f_narrow(1, 0, r)?;

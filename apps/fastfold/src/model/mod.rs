@@ -9,7 +9,8 @@
 //!    [`scope::Scope`], [`scope::Init`]: how a constructor asks for its arrays), [`config`]
 //!    (every module's sizes and their inference from shapes, reading only `keys`), [`layers`]
 //!    (`Linear`, `LayerNorm`, chunking, over `scope`), [`masked_rows`] (which MSA rows the
-//!    stacks can leave out).
+//!    stacks can leave out), [`exec`] ([`Exec`]: the DAP group and chunk size a forward runs
+//!    under).
 //! 2. The store: [`params`] ([`Params`]: the arrays, their files, `Params::builder`), over
 //!    `config` and `scope`.
 //! 3. Building blocks: [`attention`], then [`triangle`] and [`msa`].
@@ -26,6 +27,7 @@ pub mod config;
 pub mod embedders;
 mod error;
 pub mod evoformer;
+pub mod exec;
 pub mod heads;
 pub mod keys;
 pub mod layers;
@@ -43,6 +45,7 @@ pub use embedders::{Embedders, Recycled};
 pub(crate) use error::ensure;
 pub use error::{Error, Result};
 pub use evoformer::{BlockMasks, EvoformerBlock, EvoformerStack};
+pub use exec::Exec;
 pub use heads::{HeadInputs, HeadOutputs, Heads};
 pub use keys::{EVOFORMER, EXTRA_MSA};
 pub use params::Params;

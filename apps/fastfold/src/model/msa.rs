@@ -9,6 +9,7 @@ use engine::parallel::dap::Dap;
 use tch::Tensor;
 
 use crate::model::attention::{Attention, GlobalAttention};
+use crate::model::exec::Exec;
 use crate::model::layers::{chunked, LayerNorm, Linear};
 use crate::model::scope::{Init, Scope};
 use crate::model::Result;
@@ -42,10 +43,10 @@ impl MsaRowAttentionWithPairBias {
 
     /// The update of row-split `msa` [s/N, r, c] (mask [s/N, r]) given row-split `pair`
     /// [r/N, r, c_z]; chunks over sequences.
-    pub fn forward(&self, msa: &Tensor, mask: &Tensor, pair: &Tensor, dap: &Dap, chunk: Option<i64>) -> Result<Tensor> {
-        let bias = pair_bias(&self.feat_2d_norm.forward(pair)?, &self.feat_2d_weights, dap)?;
+    pub fn forward(&self, msa: &Tensor, mask: &Tensor, pair: &Tensor, exec: &Exec) -> Result<Tensor> {
+        let bias = pair_bias(&self.feat_2d_norm.forward(pair)?, &self.feat_2d_weights, exec.dap())?;
         let x = self.query_norm.forward(msa)?;
-        self.attention.forward(&x, mask, Some(&bias), chunk)
+        self.attention.forward(&x, mask, Some(&bias), exec.chunk())
     }
 }
 
@@ -65,9 +66,9 @@ impl MsaColumnAttention {
     }
 
     /// The update of col-split `msa` [s, r/N, c] (mask [s, r/N]); chunks over residues.
-    pub fn forward(&self, msa: &Tensor, mask: &Tensor, chunk: Option<i64>) -> Result<Tensor> {
+    pub fn forward(&self, msa: &Tensor, mask: &Tensor, exec: &Exec) -> Result<Tensor> {
         let x = self.query_norm.forward(&msa.f_transpose(0, 1)?)?;
-        let out = self.attention.forward(&x, &mask.f_transpose(0, 1)?, None, chunk)?;
+        let out = self.attention.forward(&x, &mask.f_transpose(0, 1)?, None, exec.chunk())?;
         Ok(out.f_transpose(0, 1)?)
     }
 }
@@ -88,9 +89,9 @@ impl MsaColumnGlobalAttention {
     }
 
     /// The update of col-split `msa` [s, r/N, c] (mask [s, r/N]); chunks over residues.
-    pub fn forward(&self, msa: &Tensor, mask: &Tensor, chunk: Option<i64>) -> Result<Tensor> {
+    pub fn forward(&self, msa: &Tensor, mask: &Tensor, exec: &Exec) -> Result<Tensor> {
         let x = self.query_norm.forward(&msa.f_transpose(0, 1)?)?;
-        let out = self.attention.forward(&x, &mask.f_transpose(0, 1)?, chunk)?;
+        let out = self.attention.forward(&x, &mask.f_transpose(0, 1)?, exec.chunk())?;
         Ok(out.f_transpose(0, 1)?)
     }
 }
@@ -113,8 +114,8 @@ impl Transition {
     }
 
     /// The update of `x` (any layout: it is pointwise); chunks over dim 0.
-    pub fn forward(&self, x: &Tensor, chunk: Option<i64>) -> Result<Tensor> {
-        chunked(x.size()[0], chunk, |start, n| {
+    pub fn forward(&self, x: &Tensor, exec: &Exec) -> Result<Tensor> {
+        chunked(x.size()[0], exec.chunk(), |start, n| {
             let h = self.input_layer_norm.forward(&x.f_narrow(0, start, n)?)?;
             self.transition2.forward(&self.transition1.forward(&h)?.f_relu()?)
         })
@@ -149,21 +150,14 @@ impl OuterProductMean {
     /// The row-split pair update [r/N, r, c_z] from col-split `msa` [s, r/N, c_m] with its
     /// mask [s, r/N] and the whole mask [s, r]: out[i, j] = W·vec(Σ_s a_si ⊗ b_sj) + b, over
     /// (1e-3 + Σ_s mask_si mask_sj). Chunks over i.
-    pub fn forward(
-        &self,
-        msa: &Tensor,
-        mask: &Tensor,
-        mask_full: &Tensor,
-        dap: &Dap,
-        chunk: Option<i64>,
-    ) -> Result<Tensor> {
+    pub fn forward(&self, msa: &Tensor, mask: &Tensor, mask_full: &Tensor, exec: &Exec) -> Result<Tensor> {
         let x = self.layer_norm_input.forward(msa)?;
         let m = mask.f_unsqueeze(-1)?;
         let left = self.left_projection.forward(&x)?.f_mul(&m)?;
-        let right = dap.all_gather(&self.right_projection.forward(&x)?.f_mul(&m)?, 1)?;
+        let right = exec.dap().all_gather(&self.right_projection.forward(&x)?.f_mul(&m)?, 1)?;
         let norm = Tensor::f_einsum("si,sj->ij", &[mask, mask_full], None::<&[i64]>)?;
         let w = self.output_w.f_reshape([self.channels * self.channels, self.c_z])?;
-        let out = chunked(left.size()[1], chunk, |start, n| {
+        let out = chunked(left.size()[1], exec.chunk(), |start, n| {
             let l = left.f_narrow(1, start, n)?;
             let outer = Tensor::f_einsum("sic,sje->ijce", &[&l, &right], None::<&[i64]>)?;
             let r = outer.size()[1];

@@ -25,6 +25,7 @@ use tch::{Kind, Tensor};
 use crate::features::TemplateFeatures;
 use crate::model::config::TemplateConfig;
 use crate::model::embedders::distance_one_hot;
+use crate::model::exec::Exec;
 use crate::model::keys::{EMBEDDINGS, PAIR_STACK, SINGLE_TEMPLATE, TEMPLATE_EMBEDDING};
 use crate::model::layers::{chunked, LayerNorm, Linear};
 use crate::model::msa::Transition;
@@ -33,7 +34,6 @@ use crate::model::scope::{Builder, Init, Scope};
 use crate::model::triangle::{Direction, TriangleAttention, TriangleMultiplication};
 use crate::model::{ensure, Result};
 use crate::residue_constants::Tables;
-use engine::parallel::dap::Dap;
 
 /// Pseudo-beta distogram of a template (`dgram_features`).
 const DGRAM_BINS: i64 = 39;
@@ -265,14 +265,13 @@ impl TemplatePairBlock {
         })
     }
 
-    /// `x` [N, N, c_t] of one template, `mask` [N, N].
-    fn forward(&self, x: &Tensor, mask: &Tensor, chunk: Option<i64>) -> Result<Tensor> {
-        let dap = Dap::none();
-        let x = x.f_add(&self.tri_att_start.forward(x, mask, &dap, chunk)?)?;
-        let x = x.f_add(&self.tri_att_end.forward(&x, mask, &dap, chunk)?)?;
-        let x = x.f_add(&self.tri_mul_out.forward(&x, mask, &dap, chunk)?)?;
-        let x = x.f_add(&self.tri_mul_in.forward(&x, mask, &dap, chunk)?)?;
-        Ok(x.f_add(&self.pair_transition.forward(&x, chunk)?)?)
+    /// `x` [N, N, c_t] of one template, `mask` [N, N], whole on this rank (`exec` without DAP).
+    fn forward(&self, x: &Tensor, mask: &Tensor, exec: &Exec) -> Result<Tensor> {
+        let x = x.f_add(&self.tri_att_start.forward(x, mask, exec)?)?;
+        let x = x.f_add(&self.tri_att_end.forward(&x, mask, exec)?)?;
+        let x = x.f_add(&self.tri_mul_out.forward(&x, mask, exec)?)?;
+        let x = x.f_add(&self.tri_mul_in.forward(&x, mask, exec)?)?;
+        Ok(x.f_add(&self.pair_transition.forward(&x, exec)?)?)
     }
 }
 
@@ -301,10 +300,10 @@ impl PointwiseAttention {
 
     /// `pair` [N, N, c_z], `templates` [T, N, N, c_t], `mask` [T] → [N, N, c_z]; chunks over
     /// rows of the pair.
-    fn forward(&self, pair: &Tensor, templates: &Tensor, mask: &Tensor, chunk: Option<i64>) -> Result<Tensor> {
+    fn forward(&self, pair: &Tensor, templates: &Tensor, mask: &Tensor, exec: &Exec) -> Result<Tensor> {
         let bias = mask.f_sub_scalar(1.0)?.f_mul_scalar(1e9)?; // [T]
         let e = |eq: &str, a: &Tensor, b: &Tensor| Tensor::f_einsum(eq, &[a, b], None::<&[i64]>);
-        chunked(pair.size()[0], chunk, |start, n| {
+        chunked(pair.size()[0], exec.chunk(), |start, n| {
             let x = pair.f_narrow(0, start, n)?;
             let t = templates.f_narrow(1, start, n)?;
             let q = e("ija,ahc->ijhc", &x, &self.query_w)?.f_mul_scalar((self.head_dim as f64).powf(-0.5))?;
@@ -368,27 +367,17 @@ impl Templates {
 
     /// The update of `pair` [N, N, c_z] from the templates (`pair_mask` [N, N]): zero when no
     /// template is real.
-    pub fn pair_update(
-        &self,
-        pair: &Tensor,
-        t: &TemplateFeatures,
-        pair_mask: &Tensor,
-        chunk: Option<i64>,
-    ) -> Result<Tensor> {
-        let stacked = self.pair_stack(t, pair_mask, pair.kind(), chunk)?;
-        self.pointwise_attention(pair, &stacked, &t.mask, chunk)
+    pub fn pair_update(&self, pair: &Tensor, t: &TemplateFeatures, pair_mask: &Tensor, exec: &Exec) -> Result<Tensor> {
+        let stacked = self.pair_stack(t, pair_mask, pair.kind(), exec)?;
+        self.pointwise_attention(pair, &stacked, &t.mask, exec)
     }
 
     /// Every template's pair features through `embedding2d`, the template pair stack and the
     /// final norm: [T, N, N, c_t] in `kind`. The stack's mask is the query's `pair_mask`
-    /// [N, N], as in AlphaFold (the template's own masks are part of its features).
-    pub fn pair_stack(
-        &self,
-        t: &TemplateFeatures,
-        pair_mask: &Tensor,
-        kind: Kind,
-        chunk: Option<i64>,
-    ) -> Result<Tensor> {
+    /// [N, N], as in AlphaFold (the template's own masks are part of its features). Every rank
+    /// runs it whole, whatever `exec`'s DAP group.
+    pub fn pair_stack(&self, t: &TemplateFeatures, pair_mask: &Tensor, kind: Kind, exec: &Exec) -> Result<Tensor> {
+        let exec = exec.without_dap();
         let features = pair_features(t)?.f_to_kind(kind)?;
         let embedded = self.embedding2d.forward(&features)?;
         let mask = pair_mask.f_to_kind(kind)?;
@@ -396,7 +385,7 @@ impl Templates {
         for i in 0..embedded.size()[0] {
             let mut x = embedded.f_select(0, i)?;
             for block in &self.blocks {
-                x = block.forward(&x, &mask, chunk)?;
+                x = block.forward(&x, &mask, &exec)?;
             }
             per_template.push(self.output_layer_norm.forward(&x)?);
         }
@@ -410,10 +399,10 @@ impl Templates {
         pair: &Tensor,
         stacked: &Tensor,
         template_mask: &Tensor,
-        chunk: Option<i64>,
+        exec: &Exec,
     ) -> Result<Tensor> {
         let kind = pair.kind();
-        let update = self.attention.forward(pair, stacked, &template_mask.f_to_kind(kind)?, chunk)?;
+        let update = self.attention.forward(pair, stacked, &template_mask.f_to_kind(kind)?, exec)?;
         let any = template_mask.f_sum(Kind::Float)?.f_gt(0.0)?.f_to_kind(kind)?;
         Ok(update.f_mul(&any)?)
     }

@@ -4,11 +4,11 @@
 //! Under DAP the "outgoing" and "starting node" operations take a row-split pair
 //! [r/N, r, c_z] (mask [r/N, r]) and the "incoming" and "ending node" ones a col-split pair
 //! [r, r/N, c_z] (mask [r, r/N]); the result has the layout of the input.
-use engine::parallel::dap::Dap;
 use kernels::Backend;
 use tch::Tensor;
 
 use crate::model::attention::Attention;
+use crate::model::exec::Exec;
 use crate::model::layers::{chunked, LayerNorm, Linear};
 use crate::model::scope::{Init, Scope};
 use crate::model::Result;
@@ -79,7 +79,8 @@ impl TriangleMultiplication {
     }
 
     /// The update of `pair` (layout per [`Direction`]); chunks over output rows i.
-    pub fn forward(&self, pair: &Tensor, mask: &Tensor, dap: &Dap, chunk: Option<i64>) -> Result<Tensor> {
+    pub fn forward(&self, pair: &Tensor, mask: &Tensor, exec: &Exec) -> Result<Tensor> {
+        let dap = exec.dap();
         let x = self.layer_norm_input.forward(pair)?;
         let m = mask.f_unsqueeze(-1)?;
         let left = gated(&x, &self.left_projection, &x, &self.left_gate, Some(&m), self.kernels)?;
@@ -89,7 +90,7 @@ impl TriangleMultiplication {
             Direction::Outgoing => (dap.all_gather(&right, 0)?, left.size()[0]),
             Direction::Incoming => (dap.all_gather(&right, 1)?, right.size()[1] * dap.size()),
         };
-        chunked(rows, chunk, |start, n| {
+        chunked(rows, exec.chunk(), |start, n| {
             let prod = match self.direction {
                 Direction::Outgoing => {
                     Tensor::f_einsum("ikc,jkc->ijc", &[&left.f_narrow(0, start, n)?, &right], None::<&[i64]>)?
@@ -127,7 +128,7 @@ impl TriangleAttention {
 
     /// The update of `pair` (layout per [`Direction`]); chunks over the attention's batch
     /// axis (rows for the starting node, columns for the ending node).
-    pub fn forward(&self, pair: &Tensor, mask: &Tensor, dap: &Dap, chunk: Option<i64>) -> Result<Tensor> {
+    pub fn forward(&self, pair: &Tensor, mask: &Tensor, exec: &Exec) -> Result<Tensor> {
         // The ending node is the starting node of the transposed pair, whose rows this rank holds.
         let (pair, mask) = match self.direction {
             Direction::Outgoing => (pair.shallow_clone(), mask.shallow_clone()),
@@ -135,8 +136,8 @@ impl TriangleAttention {
         };
         let x = self.query_norm.forward(&pair)?;
         let local = Tensor::f_einsum("qkc,ch->hqk", &[&x, &self.feat_2d_weights], None::<&[i64]>)?;
-        let bias = dap.all_gather(&local, 1)?;
-        let out = self.attention.forward(&x, &mask, Some(&bias), chunk)?;
+        let bias = exec.dap().all_gather(&local, 1)?;
+        let out = self.attention.forward(&x, &mask, Some(&bias), exec.chunk())?;
         Ok(match self.direction {
             Direction::Outgoing => out,
             Direction::Incoming => out.f_transpose(0, 1)?,
