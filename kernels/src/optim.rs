@@ -7,7 +7,8 @@ use tch::{Device, Kind, Tensor};
 
 use crate::checks::target;
 use crate::error::ensure;
-use crate::kernel::{Args, Kernel, Target};
+use crate::kernel::{Args, Kernel};
+use crate::launch::Target;
 use crate::{Backend, Error, Result};
 
 pub(crate) static KERNEL: Kernel = Kernel::new(
