@@ -3,7 +3,8 @@
 use tch::{Kind, Tensor};
 
 use crate::error::ensure;
-use crate::kernel::{Args, Kernel, Target};
+use crate::kernel::{Args, Kernel};
+use crate::launch::Target;
 use crate::{Error, Result};
 
 /// The kernels' name suffix for a tensor's dtype.

@@ -200,7 +200,8 @@ fn build(compiler: &str, flags: &str, source: &str, cpp: &Path, so: &Path) -> Re
 mod tests {
     use tch::{Kind, Tensor};
 
-    use crate::kernel::{Args, Kernel, Target};
+    use crate::kernel::{Args, Kernel};
+    use crate::launch::Target;
 
     static PROBE: Kernel = Kernel::new(
         "emulator_probe",

@@ -22,6 +22,7 @@ pub mod emulator;
 mod error;
 mod gate;
 mod kernel;
+mod launch;
 mod layer_norm;
 mod memory_efficient;
 mod nvrtc;
@@ -74,7 +75,7 @@ impl Backend {
         match (choice, device) {
             (None, d) => Ok(Backend::default_for(d)),
             (Some(Backend::Torch), _) => Ok(Backend::Torch),
-            (Some(Backend::Fused), d) if kernel::Target::of(d).is_some() => Ok(Backend::Fused),
+            (Some(Backend::Fused), d) if launch::Target::of(d).is_some() => Ok(Backend::Fused),
             (Some(Backend::Fused), d) => Err(Error::invalid(format!(
                 "--kernels fused needs a CUDA device; this run is on {d:?} (use --kernels torch)"
             ))),

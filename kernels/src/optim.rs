@@ -1,13 +1,15 @@
 //! Multi-tensor AdamW, LAMB and LARS: one launch updates every parameter (LAMB and LARS: two,
 //! the second after the per-tensor norms are known), through a table of the tensors' addresses.
-//! The arithmetic is the engine's (`engine::optim`), with its configurations.
+//! The arithmetic is the engine's (`engine::optim`), with its configurations; the compositions
+//! ([`Backend::Torch`]) are the engine's own rules (`engine::optim::fused::Rule::step`).
 use engine::optim::fused::{MultiTensorSteps, Rule, StepTensors};
 use engine::optim::{AdamWConfig, LambConfig, LarsConfig};
 use tch::{Device, Kind, Tensor};
 
 use crate::checks::target;
 use crate::error::ensure;
-use crate::kernel::{Args, Kernel, Target};
+use crate::kernel::{Args, Kernel};
+use crate::launch::Target;
 use crate::{Backend, Error, Result};
 
 pub(crate) static KERNEL: Kernel = Kernel::new(
@@ -38,7 +40,17 @@ pub struct OptimTensors<'a> {
     pub adapt: bool,
 }
 
-impl OptimTensors<'_> {
+impl<'a> OptimTensors<'a> {
+    /// The tensors as the engine's rules take them.
+    fn step_tensors(&self) -> StepTensors<'a> {
+        StepTensors {
+            param: self.param,
+            grad: self.grad,
+            state: [Some(self.exp_avg), Some(self.exp_avg_sq)],
+            adapt: self.adapt,
+        }
+    }
+
     fn row(&self) -> Row<'_> {
         Row {
             slots: [
@@ -66,7 +78,12 @@ pub struct LarsTensors<'a> {
     pub adapt: bool,
 }
 
-impl LarsTensors<'_> {
+impl<'a> LarsTensors<'a> {
+    /// The tensors as the engine's rules take them.
+    fn step_tensors(&self) -> StepTensors<'a> {
+        StepTensors { param: self.param, grad: self.grad, state: [self.momentum_buffer, None], adapt: self.adapt }
+    }
+
     fn row(&self) -> Row<'_> {
         Row {
             slots: [
@@ -95,38 +112,22 @@ impl AdamScalars {
         }
         a
     }
-
-    /// Updates the moments and returns the direction `(m / bc1) / (sqrt(v) / sqrt(bc2) + eps)`.
-    fn moments_and_direction(&self, t: &OptimTensors) -> tch::Result<Tensor> {
-        let [b1, omb1, b2, omb2, bc1, sqrt_bc2, eps] = self.0;
-        let g = t.grad;
-        let _ = t.exp_avg.shallow_clone().f_mul_scalar_(b1)?.f_add_(&g.f_mul_scalar(omb1)?)?;
-        let _ = t.exp_avg_sq.shallow_clone().f_mul_scalar_(b2)?.f_add_(&g.f_mul(&g.f_mul_scalar(omb2)?)?)?;
-        t.exp_avg.f_div_scalar(bc1)?.f_div(&t.exp_avg_sq.f_sqrt()?.f_div_scalar(sqrt_bc2)?.f_add_scalar(eps)?)
-    }
 }
 
 /// Step `step` (counted from 1) of AdamW over `tensors`:
 /// `w = w (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps)`, the decay for adapted tensors only.
 pub fn adamw_step(tensors: &[OptimTensors], cfg: &AdamWConfig, step: i32, backend: Backend) -> Result<()> {
     check("adamw_step", tensors, step)?;
-    let adam = AdamScalars::new(cfg.betas, cfg.eps, step);
-    let decay = 1.0 - cfg.lr * cfg.weight_decay;
     tch::no_grad(|| match backend {
         Backend::Torch => {
-            for t in tensors {
-                let d = adam.moments_and_direction(t)?;
-                if t.adapt && cfg.weight_decay != 0.0 {
-                    let _ = t.param.shallow_clone().f_mul_scalar_(decay)?;
-                }
-                let _ = t.param.shallow_clone().f_sub_(&d.f_mul_scalar(cfg.lr)?)?;
-            }
-            Ok(())
+            let tensors: Vec<StepTensors> = tensors.iter().map(OptimTensors::step_tensors).collect();
+            Ok(Rule::AdamW(*cfg).step(&tensors, step)?)
         }
         Backend::Fused => {
             let rows: Vec<Row> = tensors.iter().map(OptimTensors::row).collect();
             let Some(table) = Table::new("adamw_step", &rows)? else { return Ok(()) };
-            let decay = if cfg.weight_decay != 0.0 { decay } else { 1.0 };
+            let adam = AdamScalars::new(cfg.betas, cfg.eps, step);
+            let decay = if cfg.weight_decay != 0.0 { 1.0 - cfg.lr * cfg.weight_decay } else { 1.0 };
             let mut a = adam.args(table.args()).f32(cfg.lr as f32).f32(decay as f32);
             KERNEL.launch("adamw_f32", table.at, table.grid(), THREADS, &mut a)
         }
@@ -139,28 +140,15 @@ pub fn adamw_step(tensors: &[OptimTensors], cfg: &AdamWConfig, step: i32, backen
 /// (`engine::optim::Param::split_over`) are not summed over their group here.
 pub fn lamb_step(tensors: &[OptimTensors], cfg: &LambConfig, step: i32, backend: Backend) -> Result<()> {
     check("lamb_step", tensors, step)?;
-    let adam = AdamScalars::new(cfg.betas, cfg.eps, step);
     tch::no_grad(|| match backend {
         Backend::Torch => {
-            for t in tensors {
-                let mut r = adam.moments_and_direction(t)?;
-                if t.adapt && cfg.weight_decay != 0.0 {
-                    r = r.f_add(&t.param.f_mul_scalar(cfg.weight_decay)?)?;
-                }
-                let mut scale = cfg.lr;
-                if t.adapt {
-                    let (w, rn) = (t.param.f_norm()?.f_double_value(&[])?, r.f_norm()?.f_double_value(&[])?);
-                    if w > 0.0 && rn > 0.0 {
-                        scale *= w / rn;
-                    }
-                }
-                let _ = t.param.shallow_clone().f_sub_(&r.f_mul_scalar(scale)?)?;
-            }
-            Ok(())
+            let tensors: Vec<StepTensors> = tensors.iter().map(OptimTensors::step_tensors).collect();
+            Ok(Rule::Lamb(*cfg).step(&tensors, step)?)
         }
         Backend::Fused => {
             let rows: Vec<Row> = tensors.iter().map(OptimTensors::row).collect();
             let Some(table) = Table::new("lamb_step", &rows)? else { return Ok(()) };
+            let adam = AdamScalars::new(cfg.betas, cfg.eps, step);
             let norms = Tensor::f_zeros([tensors.len() as i64, 2], (Kind::Float, table.at.device()))?;
             let wd = cfg.weight_decay as f32;
             let mut a = adam.args(table.args()).f32(wd).tensor(&norms);
@@ -187,29 +175,8 @@ pub fn lars_step(tensors: &[LarsTensors], cfg: &LarsConfig, step: i32, backend: 
     let first = step == 1;
     tch::no_grad(|| match backend {
         Backend::Torch => {
-            for t in tensors {
-                let mut d = t.grad.shallow_clone();
-                if t.adapt {
-                    let (w, g) = (t.param.f_norm()?.f_double_value(&[])?, t.grad.f_norm()?.f_double_value(&[])?);
-                    let ratio = if w > 0.0 && g > 0.0 {
-                        cfg.trust_coefficient * w / (g + cfg.weight_decay * w + cfg.eps)
-                    } else {
-                        1.0
-                    };
-                    d = t.grad.f_add(&t.param.f_mul_scalar(cfg.weight_decay)?)?.f_mul_scalar(ratio)?;
-                }
-                if let (Some(buf), true) = (t.momentum_buffer, cfg.momentum != 0.0) {
-                    let mut buf = buf.shallow_clone();
-                    if first {
-                        buf.f_copy_(&d)?;
-                    } else {
-                        let _ = buf.f_mul_scalar_(cfg.momentum)?.f_add_(&d)?;
-                    }
-                    d = buf;
-                }
-                let _ = t.param.shallow_clone().f_sub_(&d.f_mul_scalar(cfg.lr)?)?;
-            }
-            Ok(())
+            let tensors: Vec<StepTensors> = tensors.iter().map(LarsTensors::step_tensors).collect();
+            Ok(Rule::Lars(*cfg).step(&tensors, step)?)
         }
         Backend::Fused => {
             // Without momentum the kernel must not touch a buffer it was given.

@@ -314,7 +314,7 @@ impl<'a> Trainer<'a> {
             Model::Whole(_) => Some(loss_sum),
             Model::Stages(stages) => stages.forward_backward(&self.parallel, &queued)?,
         };
-        let applied = self.parallel.step(lr, self.args.optimizer.clip_grad)?;
+        let applied = self.parallel.step(lr, self.args.optimizer.clip_grad)?.applied;
         // The mean over the ranks that hold a loss (under --pp, the last stage's).
         let loss = Tensor::from_slice(&[loss.unwrap_or(0.0), loss.map_or(0.0, |_| 1.0)]);
         self.world.group.all_reduce(&loss, ReduceOp::Sum)?;

@@ -248,7 +248,7 @@ impl Default for InitOptions {
 /// and ignored).
 pub fn timeout_from_env() -> Option<Duration> {
     let value = std::env::var(TIMEOUT_ENV).ok()?;
-    match crate::job::seconds(&value) {
+    match crate::parse::seconds(&value) {
         Ok(s) => Some(Duration::from_secs_f64(s)),
         Err(why) => {
             eprintln!("warning: {TIMEOUT_ENV}={value:?} is not a timeout in seconds ({why}); ignored");

@@ -8,13 +8,17 @@
 //! parallelism and ZeRO step through those optimizers, so they use it too.
 //!
 //! It is process-wide, as one run has one `--kernels` choice; [`install`] replaces it.
+//!
+//! [`Rule::step`] is the same step with tensor operations, tensor by tensor: the rules' own
+//! arithmetic (as the flat executors round it), which an implementation runs where it has no
+//! kernel and its kernels are checked against.
 use std::sync::{Arc, RwLock};
 
 use tch::Tensor;
 
 use super::state::state_for;
-use super::{AdamWConfig, LambConfig, LarsConfig, Param};
-use crate::Result;
+use super::{whole_norms, AdamWConfig, LambConfig, LarsConfig, Param};
+use crate::{Error, Result};
 
 /// One parameter's tensors for a multi-tensor step, updated in place.
 #[derive(Debug)]
@@ -39,6 +43,46 @@ pub enum Rule {
     Lamb(LambConfig),
     /// LARS.
     Lars(LarsConfig),
+}
+
+impl Rule {
+    /// Step `step` of the rule over `tensors`, as [`MultiTensorSteps::step`] takes them, with
+    /// tensor operations one tensor at a time: each rule's arithmetic rounded as the flat
+    /// executors round it (no multiply-add contracted), and whole tensors' norms. A state slot
+    /// the rule needs that is missing is an error naming the tensor.
+    pub fn step(&self, tensors: &[StepTensors], step: i32) -> Result<()> {
+        tch::no_grad(|| {
+            for (i, t) in tensors.iter().enumerate() {
+                let state = |slot: usize| -> Result<Tensor> {
+                    let s = t.state[slot].ok_or_else(|| {
+                        Error::invalid(format!("{self:?} step: tensor {i} has no state in slot {slot}"))
+                    })?;
+                    Ok(s.shallow_clone())
+                };
+                let mut w = t.param.shallow_clone();
+                match *self {
+                    Rule::AdamW(c) => {
+                        let (mut m, mut v) = (state(0)?, state(1)?);
+                        c.at::<f64>(step, t.adapt).step(&mut w, &mut m, &mut v, t.grad)?;
+                    }
+                    Rule::Lamb(c) => {
+                        let rule = c.at::<f64>(step, t.adapt);
+                        let (mut m, mut v) = (state(0)?, state(1)?);
+                        rule.adam.moments(&mut m, &mut v, t.grad)?;
+                        let r = rule.update(&w, &m, &v)?;
+                        let norms = if t.adapt { Some(whole_norms(&w, &r)?) } else { None };
+                        rule.apply(&mut w, &r, rule.scale(norms))?;
+                    }
+                    Rule::Lars(c) => {
+                        let norms = if t.adapt { Some(whole_norms(&w, t.grad)?) } else { None };
+                        let mut buf = if c.momentum != 0.0 { Some(state(0)?) } else { None };
+                        c.at::<f64>(norms).step(&mut w, buf.as_mut().map(|b| (b, step == 1)), t.grad)?;
+                    }
+                }
+            }
+            Ok(())
+        })
+    }
 }
 
 /// A multi-tensor implementation of the rules.

@@ -14,6 +14,8 @@
 //!
 //! An app with fused multi-tensor kernels installs them ([`fused::install`]); the tensor
 //! optimizers then step every parameter in one call where those kernels take the tensors.
+//! [`fused::Rule::step`] runs the same call with tensor operations: what such kernels fall
+//! back on, and the reference they are tested against.
 //!
 //! Following common practice (timm, the LAMB paper's BERT setup), weight decay and the
 //! layer-wise trust ratio apply only to parameters marked `adapt`: by default every parameter
@@ -178,11 +180,14 @@ impl<T: Optimizer + ?Sized> Optimizer for Box<T> {
 /// shard the squares are summed over its group first, so the ratio is the whole parameter's,
 /// as in one process: one all-reduce of two numbers per split parameter.
 pub(crate) fn norms(p: &Param, a: &Tensor, b: &Tensor) -> Result<(f64, f64)> {
-    let Some(group) = &p.split_over else {
-        return Ok((a.f_norm()?.f_double_value(&[])?, b.f_norm()?.f_double_value(&[])?));
-    };
+    let Some(group) = &p.split_over else { return whole_norms(a, b) };
     let squares = Tensor::f_stack(&[clip::square_sum(a)?, clip::square_sum(b)?], 0)?.f_div_scalar(p.copies as f64)?;
     group.all_reduce(&squares, crate::dist::ReduceOp::Sum)?;
     let squares = squares.f_to_device(tch::Device::Cpu)?;
     Ok((squares.f_double_value(&[0])?.sqrt(), squares.f_double_value(&[1])?.sqrt()))
+}
+
+/// The L2 norms of two whole tensors, as f64 (each computed in the tensors' precision).
+pub(crate) fn whole_norms(a: &Tensor, b: &Tensor) -> Result<(f64, f64)> {
+    Ok((a.f_norm()?.f_double_value(&[])?, b.f_norm()?.f_double_value(&[])?))
 }

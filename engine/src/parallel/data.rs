@@ -332,8 +332,8 @@ impl State {
 
 /// Averages the gradients of `params` over `group` after backward, with one all-reduce and
 /// [`DataParallel`]'s rule for missing gradients (zeros in the sum; a parameter without a
-/// gradient on every rank keeps none). For small parameter sets trained without hooks (LoRA
-/// adapters); the same collective on every rank whatever each rank's backward touched.
+/// gradient on every rank keeps none). For small parameter sets trained without hooks; the
+/// same collective on every rank whatever each rank's backward touched.
 pub fn average_gradients(params: &[Param], group: &ProcessGroup) -> Result<()> {
     let tensors: Vec<Tensor> = params.iter().map(|p| p.tensor.shallow_clone()).collect();
     reduce_gradients(&tensors, group, group.size() as f64)

@@ -13,5 +13,5 @@ pub mod zero;
 
 pub use axis::Axis;
 pub use data::{average_gradients, DataParallel, DataParallelConfig, GradientBytes};
-pub use parallelize::{parallelize, ParallelPlan, Parallelized};
+pub use parallelize::{parallelize, ParallelPlan, Parallelized, Stepped};
 pub use zero::{partition, ZeroOptimizer};

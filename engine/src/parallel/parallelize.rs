@@ -27,8 +27,9 @@ pub struct ParallelPlan {
     /// ZeRO stage: 0 (plain data parallel), 1 (sharded optimizer state and fp32 masters), 2
     /// (and gradients).
     pub zero: u8,
-    /// The model's weights and activations; below fp32, fp32 masters are stepped instead, and
-    /// fp16 scales the loss dynamically.
+    /// The kind the model computes in: fp16 scales the loss dynamically. Its weights are of
+    /// this kind too, stepped through fp32 masters below fp32, unless they are kept in fp32
+    /// (adapters trained over a half-precision model), which are stepped as they are.
     pub compute: Kind,
     /// Keep the fp32 master weights and optimizer state in CPU memory.
     pub offload_optimizer: bool,
@@ -49,6 +50,16 @@ impl Default for ParallelPlan {
             bucket_bytes: DataParallelConfig::default().bucket_bytes,
         }
     }
+}
+
+/// What [`Parallelized::step`] did.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Stepped {
+    /// Whether the update was applied (fp16 skips a step whose gradients overflowed).
+    pub applied: bool,
+    /// The global gradient norm before clipping, unscaled: taken where the step needs it, to
+    /// clip or to find an fp16 overflow (`None` otherwise).
+    pub grad_norm: Option<f64>,
 }
 
 /// Who steps what: every rank all parameters (ZeRO 0), or each rank its own (ZeRO 1 and 2).
@@ -86,10 +97,13 @@ pub fn parallelize(
         2 => DataParallel::new_sharded(&params, group, cfg, owners.clone())?,
         _ => DataParallel::new(&params, group, cfg)?,
     };
-    let master_device = match (plan.compute, plan.offload_optimizer) {
-        (Kind::Float, false) => None,
+    // Masters stand behind weights below fp32, or hold the optimizer off the device; weights
+    // kept in fp32 under a half-precision compute (adapters) step as they are.
+    let below_fp32 = params.iter().any(|p| p.tensor.kind() != Kind::Float);
+    let master_device = match (below_fp32, plan.offload_optimizer) {
+        (false, false) => None,
         (_, true) => Some(Device::Cpu),
-        (_, false) => Some(plan.device),
+        (true, false) => Some(plan.device),
     };
     let stepper = match (plan.zero, master_device) {
         (0, None) => Stepper::Replicated { optimizer: build(params), master: None },
@@ -221,8 +235,10 @@ impl Parallelized {
 
     /// After the last micro-batch: finishes the gradient reduction, unscales (fp16), clips the
     /// global norm to `clip`, steps at `lr` and copies masters back into the model. Returns
-    /// whether the step was applied (fp16 skips steps whose gradients overflowed).
-    pub fn step(&mut self, lr: f64, clip: Option<f64>) -> Result<bool> {
+    /// whether the step was applied (fp16 skips steps whose gradients overflowed) and the
+    /// gradient norm where it was taken (a caller that wants it every step clips at infinity,
+    /// which clips nothing).
+    pub fn step(&mut self, lr: f64, clip: Option<f64>) -> Result<Stepped> {
         self.ddp.finish_gradients()?;
         // The tensors the optimizer steps hold the gradients that matter: all of them, or
         // this rank's share (summed over the group for the norm).
@@ -239,8 +255,8 @@ impl Parallelized {
             }
         };
         // Unscaling, the overflow check and the clipping norm: one reduction, one sync.
-        let finite = match (&self.scaler, clip) {
-            (None, None) => true,
+        let grad_norm = match (&self.scaler, clip) {
+            (None, None) => None,
             (scaler, clip) => {
                 let mut norm = scaled_grad_norm(stepped, scaler.as_ref().map_or(1.0, |s| 1.0 / s.scale), held)?;
                 if let Some(pp) = &self.stages {
@@ -252,10 +268,11 @@ impl Parallelized {
                 if let Some(max) = clip {
                     clip_to(stepped, norm, max)?;
                 }
-                // Without a scaler a non-finite norm steps anyway, as in PyTorch.
-                norm.is_finite() || scaler.is_none()
+                Some(norm)
             }
         };
+        // Without a scaler a non-finite norm steps anyway, as in PyTorch.
+        let finite = self.scaler.is_none() || grad_norm.is_some_and(f64::is_finite);
         let optimizer = self.optimizer_mut();
         optimizer.set_lr(lr);
         if finite {
@@ -268,6 +285,33 @@ impl Parallelized {
         if let Stepper::Replicated { master: Some(m), .. } = &self.stepper {
             m.weights_to_model()?;
         }
-        Ok(finite)
+        Ok(Stepped { applied: finite, grad_norm })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dist::{InitOptions, World};
+    use crate::optim::{AdamW, AdamWConfig};
+
+    #[test]
+    fn fp32_weights_under_fp16_compute_step_as_they_are_with_a_loss_scaler() {
+        let world = World::single(&InitOptions::default()).unwrap();
+        let w = Tensor::from_slice(&[1.0f32, -1.0, 2.0, 0.5]).set_requires_grad(true);
+        let plan = ParallelPlan { compute: Kind::Half, ..ParallelPlan::default() };
+        let cfg = AdamWConfig { lr: 0.25, weight_decay: 0.0, ..AdamWConfig::default() };
+        let mut par =
+            parallelize(vec![Param::new("w", &w)], &world.group, &plan, |ps| Box::new(AdamW::new(ps, cfg))).unwrap();
+        assert_eq!(par.master_bytes(), 0, "no fp32 copy of fp32 weights");
+        assert!(par.scaler().is_some(), "fp16 compute scales the loss");
+        par.backward(&(&w * 3.0).sum(Kind::Float), true).unwrap();
+        // An infinite clip clips nothing but takes the norm, unscaled.
+        let stepped = par.step(0.25, Some(f64::INFINITY)).unwrap();
+        assert_eq!(stepped, Stepped { applied: true, grad_norm: Some(6.0) });
+        // AdamW's first step moves each weight by lr against its gradient's sign.
+        assert_eq!(Vec::<f32>::try_from(w.detach()).unwrap(), vec![0.75, -1.25, 1.75, 0.25]);
+        let stepped = par.step(0.25, None).unwrap();
+        assert!(stepped.applied && stepped.grad_norm == Some(0.0), "the scaler's overflow check takes the norm");
     }
 }

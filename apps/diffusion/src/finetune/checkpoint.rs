@@ -17,7 +17,6 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use data::checkpoint_folders;
-use engine::optim::Optimizer;
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
 
@@ -130,8 +129,8 @@ impl Trainer<'_> {
             lora_rank: a.lora_rank,
             lora_alpha: a.lora_rank.map(|r| a.lora_alpha.unwrap_or(r as f64)),
             use_ema: self.ema.is_some(),
-            loss_scale: self.scaler.as_ref().map_or(1.0, |s| s.scale),
-            clean_steps: self.scaler.as_ref().map_or(0, |s| s.clean_steps()),
+            loss_scale: self.training.scaler().map_or(1.0, |s| s.scale),
+            clean_steps: self.training.scaler().map_or(0, |s| s.clean_steps()),
         }
     }
 
@@ -163,10 +162,10 @@ impl Trainer<'_> {
                     }
                 }
             }
-            UnetTraining::Lora { lora, opt, .. } if rank == 0 => {
+            UnetTraining::Lora { lora, parallel, .. } if rank == 0 => {
                 let raw: Vec<(String, Tensor)> = lora.params().into_iter().map(|p| (p.name, p.tensor)).collect();
                 data::checkpoint::save_tensors(&raw, &tmp.join(LORA))?;
-                data::checkpoint::save_tensors(&opt.borrow().state(), &tmp.join(LORA_OPTIMIZER))?;
+                data::checkpoint::save_tensors(&parallel.optimizer().state(), &tmp.join(LORA_OPTIMIZER))?;
             }
             UnetTraining::Lora { .. } => {}
         }
@@ -189,7 +188,7 @@ impl Trainer<'_> {
     pub fn resume(&mut self, dir: &Path) -> anyhow::Result<()> {
         let saved = read_state(dir)?;
         saved.check_matches(&self.state(saved.step), dir)?;
-        match &self.training {
+        match &mut self.training {
             UnetTraining::Gemini { gemini, .. } => {
                 let path = dir.join("unet").join(WEIGHTS);
                 let weights = data::checkpoint::read_tensors(&path)?;
@@ -199,17 +198,17 @@ impl Trainer<'_> {
                     ema.load(gemini, &dir.join("unet_ema"))?;
                 }
             }
-            UnetTraining::Lora { lora, opt, .. } => {
+            UnetTraining::Lora { lora, parallel, .. } => {
                 let path = dir.join(LORA);
                 let mut file = data::checkpoint::read_tensors(&path)?;
                 let raw: Vec<(String, Tensor)> = lora.params().into_iter().map(|p| (p.name, p.tensor)).collect();
                 data::checkpoint::copy_into(&raw, &mut file, &path)?;
                 let path = dir.join(LORA_OPTIMIZER);
                 let mut state = data::checkpoint::read_tensors(&path)?;
-                opt.borrow_mut().load_state(&mut state).with_context(|| format!("{}", path.display()))?;
+                parallel.optimizer_mut().load_state(&mut state).with_context(|| format!("{}", path.display()))?;
             }
         }
-        if let Some(s) = self.scaler.as_mut() {
+        if let Some(s) = self.training.scaler_mut() {
             s.resume(saved.loss_scale, saved.clean_steps);
         }
         self.step = saved.step;

@@ -18,8 +18,10 @@
 //!
 //! With `--lora-rank` only LoRA adapters train ([`crate::lora`]): the frozen UNet lives in
 //! Gemini's chunks as the trained one does (sharded over the ranks, streamed part by part
-//! within the budget) but with no gradients and no optimizer state; the adapters and their
-//! AdamW/LAMB state stay on the device in fp32, their gradients averaged over the ranks.
+//! within the budget) but with no gradients and no optimizer state; the adapters train as the
+//! engine trains a replicated model ([`engine::parallel::parallelize`], without ZeRO): in fp32
+//! on the device with their AdamW/LAMB state, their gradients averaged over the ranks in DDP's
+//! buckets during backward, then unscaled, clipped and stepped by its step.
 //!
 //! Random draws (batch order, crops, flips, caption dropout, posterior samples, noise,
 //! timesteps) come from generators keyed by the seed, step and example, so a run is the same
@@ -49,8 +51,8 @@ use engine::dist::{ReduceOp, World};
 use engine::gemini::{cap_device_memory, parse_bytes, Gemini, Replication};
 use engine::job::Precision;
 use engine::metrics::Metrics;
-use engine::optim::{clip_to, scaled_grad_norm, Held, LossScaler, LrSchedule, Optimizer};
-use engine::parallel::average_gradients;
+use engine::optim::{LossScaler, LrSchedule};
+use engine::parallel::{ParallelPlan, Parallelized};
 use tch::{Device, Kind, Tensor};
 
 use crate::lora::Lora;
@@ -62,8 +64,8 @@ use ema::{Ema, EmaConfig};
 use validation::Validation;
 
 /// What trains, as [`parallelize`] wired it: the whole UNet under Gemini (ZeRO-3 over the
-/// ranks), or LoRA adapters with a replicated tensor optimizer over the frozen UNet in
-/// Gemini's chunks.
+/// ranks), or LoRA adapters trained data-parallel by the engine ([`Parallelized`]) over the
+/// frozen UNet in Gemini's chunks. Either keeps the fp16 loss scaler its step unscales by.
 pub enum UnetTraining {
     /// The UNet's parameters in Gemini's chunks, each part of the UNet its own module.
     Gemini {
@@ -71,13 +73,16 @@ pub enum UnetTraining {
         gemini: Gemini,
         /// Each part's parameter indices.
         parts: Vec<Vec<usize>>,
+        /// The fp16 loss scaler.
+        scaler: Option<LossScaler>,
     },
     /// LoRA adapters over the frozen UNet.
     Lora {
         /// The adapters.
         lora: Lora,
-        /// Their optimizer.
-        opt: std::cell::RefCell<Box<dyn Optimizer>>,
+        /// The adapters wired for data-parallel training: their gradients' reduction, their
+        /// optimizer and the fp16 loss scaler.
+        parallel: Parallelized,
         /// The frozen UNet's chunks (`trainable: false`).
         base: Gemini,
         /// Each part's parameter indices.
@@ -89,59 +94,74 @@ impl UnetTraining {
     /// Gemini's chunks of the UNet (trained or frozen) and each part's parameters.
     fn runner(&self) -> GeminiParts<'_> {
         match self {
-            UnetTraining::Gemini { gemini, parts } | UnetTraining::Lora { base: gemini, parts, .. } => {
+            UnetTraining::Gemini { gemini, parts, .. } | UnetTraining::Lora { base: gemini, parts, .. } => {
                 GeminiParts { gemini, parts }
             }
         }
     }
 
-    fn set_lr(&self, lr: f64) -> Result<()> {
+    /// The fp16 loss scaler.
+    fn scaler(&self) -> Option<&LossScaler> {
         match self {
-            UnetTraining::Gemini { gemini, .. } => gemini.optimizer()?.set_lr(lr),
-            UnetTraining::Lora { opt, .. } => opt.borrow_mut().set_lr(lr),
-        }
-        Ok(())
-    }
-
-    /// After each micro-batch's backward: gradients into the chunks or onto the adapters.
-    fn after_backward(&self) -> Result<()> {
-        match self {
-            UnetTraining::Gemini { gemini, .. } => Ok(gemini.finish_backward()?),
-            UnetTraining::Lora { base, .. } => Ok(base.finish_backward()?),
+            UnetTraining::Gemini { scaler, .. } => scaler.as_ref(),
+            UnetTraining::Lora { parallel, .. } => parallel.scaler(),
         }
     }
 
-    /// Unscales (fp16), clips and steps; returns the gradient norm, or `None` for a step
-    /// skipped on overflow.
-    fn step(&self, world: &World, scaler: Option<&LossScaler>, max_norm: Option<f64>) -> Result<Option<f64>> {
+    /// The fp16 loss scaler, to restore its state.
+    fn scaler_mut(&mut self) -> Option<&mut LossScaler> {
+        match self {
+            UnetTraining::Gemini { scaler, .. } => scaler.as_mut(),
+            UnetTraining::Lora { parallel, .. } => parallel.scaler_mut(),
+        }
+    }
+
+    /// Backward of one micro-batch's `loss` (already divided by the accumulation count; `last`:
+    /// the step's last micro-batch), loss-scaled under fp16; the gradients then go into the
+    /// chunks, or onto the adapters (reduced over the ranks during the last one's backward;
+    /// a rank whose backward leaves an adapter without a gradient adds zeros).
+    fn backward(&self, loss: &Tensor, last: bool) -> Result<()> {
+        let chunks = match self {
+            UnetTraining::Gemini { gemini, scaler, .. } => {
+                let scaled = match scaler {
+                    Some(s) => s.scale_loss(loss)?,
+                    None => loss.shallow_clone(),
+                };
+                engine::autograd::backward(&[&scaled], &[None], false)?;
+                gemini
+            }
+            UnetTraining::Lora { parallel, base, .. } => {
+                parallel.backward(loss, last)?;
+                base
+            }
+        };
+        Ok(chunks.finish_backward()?)
+    }
+
+    /// Unscales (fp16), clips and steps at `lr`, then moves the loss scale; returns the
+    /// gradient norm, or `None` for a step skipped on overflow.
+    fn step(&mut self, lr: f64, max_norm: Option<f64>) -> Result<Option<f64>> {
+        // Every step's norm is logged: without a clip, an infinite one, which clips nothing.
         let max_norm = max_norm.unwrap_or(f64::INFINITY);
         match self {
-            UnetTraining::Gemini { gemini, .. } => {
+            UnetTraining::Gemini { gemini, scaler, .. } => {
+                gemini.optimizer()?.set_lr(lr);
                 // Unscaling, the overflow check and the clipping norm: one reduction.
-                let Some(norm) = gemini.unscale_and_clip(scaler, Some(max_norm))? else {
-                    gemini.skip_step()?;
-                    return Ok(None);
-                };
-                gemini.step()?;
-                Ok(Some(norm))
+                let norm = gemini.unscale_and_clip(scaler.as_ref(), Some(max_norm))?;
+                match norm {
+                    Some(_) => gemini.step()?,
+                    None => gemini.skip_step()?,
+                }
+                if let Some(s) = scaler {
+                    s.update(norm.is_some());
+                }
+                Ok(norm)
             }
-            UnetTraining::Lora { opt, base, .. } => {
+            UnetTraining::Lora { parallel, base, .. } => {
                 // The frozen chunks' step only frees their payloads.
                 base.step()?;
-                let mut opt = opt.borrow_mut();
-                // One all-reduce for every adapter, the same on every rank even where a rank's
-                // backward left an adapter without a gradient.
-                average_gradients(opt.params(), &world.group)?;
-                let inv = scaler.map_or(1.0, |s| 1.0 / s.scale);
-                let norm = scaled_grad_norm(opt.params(), inv, Held::Replicated(&world.group))?;
-                if scaler.is_some() && !norm.is_finite() {
-                    opt.zero_grad();
-                    return Ok(None);
-                }
-                clip_to(opt.params(), norm, max_norm)?;
-                opt.step()?;
-                opt.zero_grad();
-                Ok(Some(norm))
+                let stepped = parallel.step(lr, Some(max_norm))?;
+                Ok(stepped.grad_norm.filter(|_| stepped.applied))
             }
         }
     }
@@ -203,8 +223,8 @@ pub fn drops_caption(seed: u64, step: usize, example: usize, p: f64) -> bool {
 
 /// The parallel wiring, applied outside the UNet: its parameters in Gemini's chunks, sharded
 /// over the ranks (ZeRO-3) and placed within what `cap` bytes of `device` leave after the
-/// `resident` parts; trained, or with `--lora-rank` frozen under adapters (resident too) with
-/// a replicated optimizer.
+/// `resident` parts; trained, or with `--lora-rank` frozen under adapters (resident too)
+/// trained data-parallel.
 pub fn parallelize(
     sd: &mut StableDiffusion,
     args: &FinetuneArgs,
@@ -232,10 +252,17 @@ pub fn parallelize(
     let gemini = Gemini::new(&params, config)?;
     Ok(match lora {
         Some(lora) => {
-            let opt = std::cell::RefCell::new(args.optimizer.build(lora.params(), lr));
-            UnetTraining::Lora { lora, opt, base: gemini, parts }
+            // The UNet computes in `kind` (fp16: a loss scaler), the adapters stay in fp32 (no
+            // masters); every rank steps all of them.
+            let plan = ParallelPlan { zero: 0, compute: kind, device, ..ParallelPlan::default() };
+            let build = |ps| args.optimizer.build(ps, lr);
+            let parallel = engine::parallel::parallelize(lora.params(), &world.group, &plan, build)?;
+            UnetTraining::Lora { lora, parallel, base: gemini, parts }
         }
-        None => UnetTraining::Gemini { gemini, parts },
+        None => {
+            let scaler = (args.precision.precision == Precision::Fp16).then(LossScaler::default);
+            UnetTraining::Gemini { gemini, parts, scaler }
+        }
     })
 }
 
@@ -246,7 +273,6 @@ pub struct Trainer<'a> {
     sd: StableDiffusion,
     ddpm: DdpmScheduler,
     training: UnetTraining,
-    scaler: Option<LossScaler>,
     data: CaptionedImages,
     preprocess: Preprocess,
     schedule: LrSchedule,
@@ -316,7 +342,6 @@ impl<'a> Trainer<'a> {
             world,
             ddpm,
             training,
-            scaler: (args.precision.precision == Precision::Fp16).then(LossScaler::default),
             data,
             preprocess,
             schedule: args.schedule.schedule(args.optimizer.lr, args.steps),
@@ -368,7 +393,6 @@ impl<'a> Trainer<'a> {
     pub fn step(&mut self) -> anyhow::Result<StepLog> {
         let start = Instant::now();
         let lr = self.schedule.at(self.step);
-        self.training.set_lr(lr)?;
         let (a, kind) = (self.args, self.args.precision.precision.kind());
         let unet = |x: &Tensor, t: &Tensor, c: &Conditioning| self.unet(x, t, c);
         let mut total = 0.0;
@@ -379,18 +403,9 @@ impl<'a> Trainer<'a> {
             let (batch, draws) = self.micro_batch(micro)?;
             let l = loss(&self.sd, &self.ddpm, &batch, &draws, a.noise_offset, a.snr_gamma, kind, &unet)?;
             total += l.double_value(&[]);
-            let l = l.f_div_scalar(a.grad_accum as f64)?;
-            let scaled = match &self.scaler {
-                Some(s) => s.scale_loss(&l)?,
-                None => l,
-            };
-            engine::autograd::backward(&[&scaled], &[None], false)?;
-            self.training.after_backward()?;
+            self.training.backward(&l.f_div_scalar(a.grad_accum as f64)?, micro + 1 == a.grad_accum)?;
         }
-        let grad_norm = self.training.step(self.world, self.scaler.as_ref(), a.optimizer.clip_grad)?;
-        if let Some(s) = self.scaler.as_mut() {
-            s.update(grad_norm.is_some());
-        }
+        let grad_norm = self.training.step(lr, a.optimizer.clip_grad)?;
         // As diffusers' script: the average moves after every step, a skipped one too.
         if let (Some(ema), UnetTraining::Gemini { gemini, .. }) = (self.ema.as_mut(), &self.training) {
             ema.step(gemini)?;

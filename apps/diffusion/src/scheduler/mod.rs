@@ -1,9 +1,9 @@
-//! Noise schedulers read from a diffusers `scheduler/scheduler_config.json` ([`config`]: the
-//! file and the validated config; [`class`]: the diffusers class it is read for), DDPM's
-//! training quantities in [`ddpm`], and the samplers people use, each as diffusers 0.42.1
-//! defines it: DDIM, Euler, Euler ancestral, PNDM, DPM-Solver++ multistep and UniPC. Every sampler implements
-//! [`Scheduler`], so one loop drives them all. Schedules are computed in f64 from the config;
-//! the tensors they touch keep their own device and kind.
+//! Noise schedulers read from a diffusers `scheduler/scheduler_config.json` ([`raw`]: its keys;
+//! [`config`]: the file and the validated config; [`class`]: the diffusers class it is read
+//! for), DDPM's training quantities in [`ddpm`], and the samplers people use, each as diffusers
+//! 0.42.1 defines it: DDIM, Euler, Euler ancestral, PNDM, DPM-Solver++ multistep and UniPC.
+//! Every sampler implements [`Scheduler`], so one loop drives them all. Schedules are computed
+//! in f64 from the config; the tensors they touch keep their own device and kind.
 pub mod class;
 pub mod config;
 pub mod ddim;
@@ -14,11 +14,12 @@ pub mod euler_ancestral;
 pub(crate) mod multistep;
 pub mod options;
 pub mod pndm;
+pub mod raw;
 pub(crate) mod sigmas;
 pub mod unipc;
 
 pub use class::SchedulerClass;
-pub use config::{PredictionType, SchedulerConfig, SchedulerConfigFile, SchedulerFile, TimestepSpacing};
+pub use config::{PredictionType, SchedulerConfig, SchedulerFile, TimestepSpacing};
 pub use ddim::{DdimScheduler, DdimStep};
 pub use ddpm::DdpmScheduler;
 pub use dpm::DpmSolverMultistepScheduler;
@@ -26,6 +27,7 @@ pub use euler::EulerDiscreteScheduler;
 pub use euler_ancestral::EulerAncestralDiscreteScheduler;
 pub use options::{FinalSigmas, SolverType};
 pub use pndm::PndmScheduler;
+pub use raw::SchedulerConfigFile;
 pub use unipc::UniPcMultistepScheduler;
 
 use tch::Tensor;

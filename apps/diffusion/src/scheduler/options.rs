@@ -2,7 +2,7 @@
 //! the schedule keys, the multistep solvers' options, and the keys naming features not
 //! implemented here, each refused (naming the key) only by the classes that have it.
 use super::class::SchedulerClass;
-use super::config::SchedulerConfigFile;
+use super::raw::SchedulerConfigFile;
 
 /// The update rule of a multistep solver.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
