@@ -28,9 +28,7 @@ use crate::gemini::CpuRule;
 use crate::optim::{AdamW, AdamWConfig, Decay, Lamb, LambConfig, Lars, LarsConfig, LrSchedule, Optimizer, Param};
 use crate::Result;
 
-// The numbers' parsers live below the distributed runtime, which checks its environment's
-// timeout with them too; the apps' flags take them from here, beside the flag groups.
-pub use crate::parse::{count, finite, non_negative, positive, positive_share, seconds, share};
+use crate::parse::{count, non_negative, positive, seconds, share};
 
 /// `--device`.
 #[derive(clap::Args, Clone, Debug)]

@@ -212,14 +212,19 @@ fn no_crate_has_a_module_cycle() {
             let inside: Vec<String> = cycle
                 .iter()
                 .flat_map(|a| {
-                    let names = edges[a].iter().filter(|b| cycle.contains(b)).map(|b| format!("{} -> {}", name(a), name(b)));
+                    let names =
+                        edges[a].iter().filter(|b| cycle.contains(b)).map(|b| format!("{} -> {}", name(a), name(b)));
                     names.collect::<Vec<_>>()
                 })
                 .collect();
             found.push(format!("{crate_src}: {}", inside.join(", ")));
         }
     }
-    assert!(found.is_empty(), "module cycles (break each by moving what both use where it belongs):\n{}", found.join("\n"));
+    assert!(
+        found.is_empty(),
+        "module cycles (break each by moving what both use where it belongs):\n{}",
+        found.join("\n")
+    );
 }
 
 #[test]

@@ -312,7 +312,7 @@ pub struct SampleArgs {
     #[arg(long, value_enum)]
     pub scheduler: Option<Sampler>,
     /// Classifier-free guidance scale (1 turns guidance off).
-    #[arg(long, default_value_t = 7.5, value_parser = engine::job::finite)]
+    #[arg(long, default_value_t = 7.5, value_parser = engine::parse::finite)]
     pub guidance: f64,
     /// Seed of the initial latents (and Euler ancestral's step noise): the same seed gives the
     /// same image.
@@ -356,7 +356,7 @@ pub struct SampleArgs {
     #[arg(long)]
     pub lora: Option<std::path::PathBuf>,
     /// How much of the LoRA adapters to add (diffusers' LoRA scale).
-    #[arg(long, default_value_t = 1.0, requires = "lora", value_parser = engine::job::finite)]
+    #[arg(long, default_value_t = 1.0, requires = "lora", value_parser = engine::parse::finite)]
     pub lora_scale: f64,
     /// Arithmetic precision of the text encoder and UNet.
     #[command(flatten)]

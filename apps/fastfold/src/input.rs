@@ -39,7 +39,7 @@ pub struct InputArgs {
     pub preset: Option<Preset>,
     /// MSA rows kept as cluster centres (AlphaFold's `max_msa_clusters`; default: the
     /// preset's).
-    #[arg(long, value_parser = engine::job::count(1..))]
+    #[arg(long, value_parser = engine::parse::count(1..))]
     pub max_msa_clusters: Option<usize>,
     /// Further rows kept as the extra MSA (AlphaFold's `max_extra_msa`; default: the
     /// preset's).
@@ -254,7 +254,7 @@ pub enum Query {
 pub struct ChunkArgs {
     /// Run attention, transitions, outer product mean and triangle ops in chunks of this many
     /// rows (less memory, same result).
-    #[arg(long, value_parser = engine::job::count(1..).try_map(i64::try_from))]
+    #[arg(long, value_parser = engine::parse::count(1..).try_map(i64::try_from))]
     pub chunk_size: Option<i64>,
     /// The attention softmax (scale, mask, pair bias), LayerNorms and triangle-update gates:
     /// the fused CUDA kernels or libtorch's compositions (default: fused on CUDA, torch

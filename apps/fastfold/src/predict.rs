@@ -56,15 +56,15 @@ pub struct PredictArgs {
     pub out: PathBuf,
     /// Recycling passes after the first, at most (default 3; with --features, all the file
     /// has).
-    #[arg(long = "num-recycle", visible_alias = "recycles", value_parser = engine::job::count(0..=crate::input::MAX_RECYCLES))]
+    #[arg(long = "num-recycle", visible_alias = "recycles", value_parser = engine::parse::count(0..=crate::input::MAX_RECYCLES))]
     pub recycles: Option<usize>,
     /// Stop recycling after a pass whose CA-CA distance matrix changed by less than this (RMS,
     /// Å) from the pass before, as ColabFold's flag of this name; 0 runs every pass.
-    #[arg(long, default_value_t = 0.0, value_parser = engine::job::non_negative)]
+    #[arg(long, default_value_t = 0.0, value_parser = engine::parse::non_negative)]
     pub recycle_early_stop_tolerance: f64,
     /// Structure-module iterations (default: the preset's, 8 for every AlphaFold model; the
     /// parameters cannot show it).
-    #[arg(long, value_parser = engine::job::count(1..=1000).try_map(i64::try_from))]
+    #[arg(long, value_parser = engine::parse::count(1..=1000).try_map(i64::try_from))]
     pub structure_iterations: Option<i64>,
     /// Arithmetic precision.
     #[command(flatten)]

@@ -70,7 +70,7 @@ pub struct TrainArgs {
     #[command(flatten)]
     pub optimizer: OptimizerArgs,
     /// Recycling passes before the one that is trained (AlphaFold samples 0..=3).
-    #[arg(long, default_value_t = 0, value_parser = engine::job::count(0..=crate::input::MAX_RECYCLES))]
+    #[arg(long, default_value_t = 0, value_parser = engine::parse::count(0..=crate::input::MAX_RECYCLES))]
     pub recycles: usize,
     /// Device, ranks, progress and the training log.
     #[command(flatten)]

@@ -42,26 +42,26 @@ pub struct PretrainArgs {
     #[command(flatten)]
     pub optimizer: OptimizerArgs,
     /// Scale --lr linearly by --batch / this batch (the linear scaling rule; off by default).
-    #[arg(long, value_parser = engine::job::count(1..))]
+    #[arg(long, value_parser = engine::parse::count(1..))]
     pub lr_base_batch: Option<usize>,
     /// The learning-rate schedule.
     #[command(flatten)]
     pub schedule: ScheduleArgs,
     /// Epochs (passes over the training set).
-    #[arg(long, default_value_t = 60, value_parser = engine::job::count(1..))]
+    #[arg(long, default_value_t = 60, value_parser = engine::parse::count(1..))]
     pub epochs: usize,
     /// Optimizer steps, overriding --epochs.
-    #[arg(long, value_parser = engine::job::count(1..))]
+    #[arg(long, value_parser = engine::parse::count(1..))]
     pub steps: Option<usize>,
     /// Mixup's Beta(alpha, alpha); 0 turns mixup off.
-    #[arg(long, default_value_t = 0.0, value_parser = engine::job::non_negative)]
+    #[arg(long, default_value_t = 0.0, value_parser = engine::parse::non_negative)]
     pub mixup: f64,
     /// Label smoothing.
-    #[arg(long, default_value_t = 0.1, value_parser = engine::job::share)]
+    #[arg(long, default_value_t = 0.1, value_parser = engine::parse::share)]
     pub smoothing: f64,
     /// Smallest area share of the random resized crop (default 0.7 for the digits, 0.08 for
     /// photos as torchvision).
-    #[arg(long, value_parser = engine::job::positive_share)]
+    #[arg(long, value_parser = engine::parse::positive_share)]
     pub crop_scale: Option<f64>,
     /// Arithmetic precision (bf16 and fp16 keep fp32 master weights and optimizer state).
     #[command(flatten)]
@@ -92,11 +92,11 @@ pub struct PretrainArgs {
     #[arg(long)]
     pub resume: bool,
     /// Checkpoint every this many steps (default: at each epoch end).
-    #[arg(long, value_parser = engine::job::count(1..))]
+    #[arg(long, value_parser = engine::parse::count(1..))]
     pub save_every: Option<usize>,
     /// Stop after this many steps in total (checkpointing first when --out is given) while the
     /// schedule still follows --steps/--epochs: for time-limited jobs continued with --resume.
-    #[arg(long, value_parser = engine::job::count(1..))]
+    #[arg(long, value_parser = engine::parse::count(1..))]
     pub stop_after: Option<usize>,
     /// Decode and augmentation threads per rank (default: the cores available to the rank).
     #[arg(long, default_value_t = engine::process::cores_per_rank())]

@@ -19,10 +19,10 @@ pub struct DataArgs {
     #[arg(long)]
     pub val_data: Option<PathBuf>,
     /// Share of --data held out for validation when --val-data is not given (default 0.1).
-    #[arg(long, value_parser = engine::job::share, conflicts_with = "val_data")]
+    #[arg(long, value_parser = engine::parse::share, conflicts_with = "val_data")]
     pub val_fraction: Option<f64>,
     /// Colour channels to decode image folders to, 1 or 3 (default 3).
-    #[arg(long, value_parser = engine::job::count(1..=3))]
+    #[arg(long, value_parser = engine::parse::count(1..=3))]
     pub channels: Option<usize>,
 }
 

@@ -36,12 +36,12 @@ pub enum PlannerMode {
 pub struct LayoutArgs {
     /// Examples per forward/backward on one rank (default: the largest divisor of the per-rank
     /// batch up to 256); the rest of the per-rank batch is gradient accumulation.
-    #[arg(long, value_parser = engine::job::count(1..))]
+    #[arg(long, value_parser = engine::parse::count(1..))]
     pub micro_batch: Option<usize>,
     /// Tensor-parallel ranks: the model's layers are split over groups of this many
     /// consecutive ranks (its heads and widths must divide as --tp-mode needs), and the job's
     /// ranks over --tp x --sp are the data-parallel replicas (--batch and ZeRO are over those).
-    #[arg(long, default_value_t = 1, value_parser = engine::job::count(1..))]
+    #[arg(long, default_value_t = 1, value_parser = engine::parse::count(1..))]
     pub tp: usize,
     /// How --tp splits the model: 1d (Megatron's column/row split of the blocks' linear
     /// layers), 2d (a q x q grid, --tp = q^2), 2.5d (q x q x --tp-depth), 3d (a q x q x q cube,
@@ -49,7 +49,7 @@ pub struct LayoutArgs {
     #[arg(long, value_enum, default_value = "1d")]
     pub tp_mode: TpMode,
     /// Depth d of --tp-mode 2.5d (--tp = q x q x d).
-    #[arg(long, default_value_t = 1, value_parser = engine::job::count(1..))]
+    #[arg(long, default_value_t = 1, value_parser = engine::parse::count(1..))]
     pub tp_depth: usize,
     /// Megatron's sequence parallelism within the --tp group (1d): the norms and residual
     /// stream between the split layers hold 1/tp of the tokens (the tokens, patches plus the
@@ -58,7 +58,7 @@ pub struct LayoutArgs {
     pub sequence_parallel: bool,
     /// Sequence-parallel ranks: the tokens (patches plus the class token, which must divide
     /// by it) are split over groups of this many ranks, attention runs as --sp-mode says.
-    #[arg(long, default_value_t = 1, value_parser = engine::job::count(1..))]
+    #[arg(long, default_value_t = 1, value_parser = engine::parse::count(1..))]
     pub sp: usize,
     /// Attention over the --sp group: ulysses (the default: all-to-alls between token and
     /// head splits hand about 4 N h / sp elements per rank per layer forward, falling with
@@ -72,7 +72,7 @@ pub struct LayoutArgs {
     /// data-parallel replicas. A step's micro-batches (per-replica batch / --micro-batch) flow
     /// through the stages. Composes with ZeRO, every --tp-mode (1d with --sequence-parallel
     /// too) and --sp (ring or Ulysses) inside the stages.
-    #[arg(long, default_value_t = 1, value_parser = engine::job::count(1..))]
+    #[arg(long, default_value_t = 1, value_parser = engine::parse::count(1..))]
     pub pp: usize,
     /// The pipeline schedule (with --pp; default 1f1b): gpipe (all forwards, then all
     /// backwards), 1f1b (one forward, one backward: holds at most --pp micro-batches),

@@ -30,10 +30,10 @@ enum DataCommand {
         /// The HDF5 file to write.
         out: PathBuf,
         /// Side in pixels every image is resized to (after a centre square crop), 1 to 4096.
-        #[arg(long, default_value_t = 224, value_parser = engine::job::count(1..=4096))]
+        #[arg(long, default_value_t = 224, value_parser = engine::parse::count(1..=4096))]
         size: usize,
         /// Colour channels (1 or 3).
-        #[arg(long, default_value_t = 3, value_parser = engine::job::count(1..=3))]
+        #[arg(long, default_value_t = 3, value_parser = engine::parse::count(1..=3))]
         channels: usize,
     },
 }

@@ -30,7 +30,7 @@ pub struct FinetuneArgs {
     #[arg(short = 'o', long, visible_alias = "output-dir")]
     pub out: PathBuf,
     /// Training resolution (square, pixels), 1 to 4096.
-    #[arg(long, default_value_t = 512, value_parser = engine::job::count(1..=4096))]
+    #[arg(long, default_value_t = 512, value_parser = engine::parse::count(1..=4096))]
     pub resolution: usize,
     /// Crop the centre square (default: a random square).
     #[arg(long)]
@@ -39,16 +39,16 @@ pub struct FinetuneArgs {
     #[arg(long)]
     pub random_flip: bool,
     /// Images per rank per micro-batch (diffusers' --train-batch-size).
-    #[arg(long, visible_alias = "train-batch-size", default_value_t = 1, value_parser = engine::job::count(1..))]
+    #[arg(long, visible_alias = "train-batch-size", default_value_t = 1, value_parser = engine::parse::count(1..))]
     pub micro_batch: usize,
     /// Recompute each UNet block's activations in backward instead of keeping them.
     #[arg(long)]
     pub gradient_checkpointing: bool,
     /// Micro-batches per optimizer step (diffusers' --gradient-accumulation-steps).
-    #[arg(long, visible_alias = "gradient-accumulation-steps", default_value_t = 1, value_parser = engine::job::count(1..))]
+    #[arg(long, visible_alias = "gradient-accumulation-steps", default_value_t = 1, value_parser = engine::parse::count(1..))]
     pub grad_accum: usize,
     /// Optimizer steps.
-    #[arg(long, visible_alias = "max-train-steps", default_value_t = 100, value_parser = engine::job::count(1..))]
+    #[arg(long, visible_alias = "max-train-steps", default_value_t = 100, value_parser = engine::parse::count(1..))]
     pub steps: usize,
     /// The optimizer (AdamW by default, with diffusers' weight decay 1e-2 and clip 1).
     #[command(flatten)]
@@ -57,10 +57,10 @@ pub struct FinetuneArgs {
     #[command(flatten)]
     pub schedule: ScheduleArgs,
     /// Min-SNR-gamma loss weighting (Hang et al. 2023; 5 is the usual value).
-    #[arg(long, value_parser = engine::job::positive)]
+    #[arg(long, value_parser = engine::parse::positive)]
     pub snr_gamma: Option<f64>,
     /// Offset noise (adds `offset * N(0, 1)` per image and channel).
-    #[arg(long, default_value_t = 0.0, value_parser = engine::job::non_negative)]
+    #[arg(long, default_value_t = 0.0, value_parser = engine::parse::non_negative)]
     pub noise_offset: f64,
     /// Compute precision.
     #[command(flatten)]
@@ -77,7 +77,7 @@ pub struct FinetuneArgs {
     #[arg(long)]
     pub lora_rank: Option<i64>,
     /// LoRA's alpha (the update is scaled by alpha / rank; default: the rank).
-    #[arg(long, value_parser = engine::job::positive, requires = "lora_rank")]
+    #[arg(long, value_parser = engine::parse::positive, requires = "lora_rank")]
     pub lora_alpha: Option<f64>,
     /// Device, ranks, progress and the log file.
     #[command(flatten)]
@@ -121,7 +121,7 @@ pub struct FinetuneArgs {
     #[arg(long)]
     pub validation_steps: Option<usize>,
     /// Validation images per prompt.
-    #[arg(long, default_value_t = 4, requires = "validation_prompts", value_parser = engine::job::count(1..))]
+    #[arg(long, default_value_t = 4, requires = "validation_prompts", value_parser = engine::parse::count(1..))]
     pub num_validation_images: usize,
 }
 
