@@ -22,6 +22,7 @@ fn synthetic(blocks: usize, global_batch: usize) -> Model {
         matmul_operand_bytes: 30e6,
         attention_qkv_bytes: 3e6,
         checkpointable: true,
+        ops: 30.0,
     };
     let edge = |name: &str| LayerProfile {
         name: name.into(),
@@ -36,7 +37,8 @@ fn synthetic(blocks: usize, global_batch: usize) -> Model {
     let mut layers = vec![edge("stem")];
     layers.extend((0..blocks).map(block));
     layers.push(edge("head"));
-    Model { layers, global_batch, optimizer_state_ratio: 2.0 }
+    // A multi-tensor optimizer: its update costs nothing per tensor.
+    Model { layers, global_batch, optimizer_state_ratio: 2.0, optimizer_ops_per_tensor: 0.0 }
 }
 
 fn cluster(memory_gib: f64) -> Cluster {
@@ -78,6 +80,17 @@ fn plenty_of_memory_and_a_fast_link_choose_plain_data_parallelism() {
     // The memory is to spare, and ZeRO's broadcasts after the step, however fast the link,
     // cost time: no ZeRO stage.
     assert_eq!((p.dp, p.tp, p.sp, p.pp, p.zero, p.checkpoint.len()), (8, 1, 1, 1, 0, 0), "{s}");
+}
+
+#[test]
+fn an_update_that_costs_time_is_shared_by_zero() {
+    // The same fast links, but an update of 12 operations per tensor at 10 GB/s: each rank
+    // updating its eighth under ZeRO beats every rank updating everything.
+    let model = Model { optimizer_ops_per_tensor: 12.0, ..synthetic(8, 64) };
+    let c = Cluster { intra_node_bandwidth: 1e15, latency_s: 0.0, ..cluster(64.0) };
+    let s = solve(&model, &c, 8, 0, &|_| true).unwrap();
+    assert!(s.best.plan.zero >= 1, "{s}");
+    assert!(s.best.estimate.optimizer_s > 0.0, "{s}");
 }
 
 #[test]
@@ -155,4 +168,31 @@ fn zero_costs_its_broadcasts_when_links_cost_time() {
     // With the memory to spare, plain data parallelism is chosen over either stage.
     let s = solve(&model, &c, 8, 0, &|p| p.tp == 1 && p.pp == 1 && p.sp == 1).unwrap();
     assert_eq!(s.best.plan.zero, 0, "{s}");
+}
+
+#[test]
+fn a_step_is_the_sum_of_its_parts_and_memory_of_its_holdings() {
+    let model = Model { optimizer_ops_per_tensor: 12.0, ..synthetic(8, 64) };
+    let c = Cluster { cores_per_node: 4, ..cluster(64.0) };
+    for plan in plans(&model, 8, &|_| true) {
+        let e = estimate(&model, &c, &plan).unwrap();
+        let parts = e.compute_s + e.communication_s + e.overhead_s + e.bubble_s + e.optimizer_s;
+        assert!((parts - e.step_s).abs() <= 1e-9 * e.step_s, "{plan}: {parts} of {e:?}");
+        let held = e.state_bytes() + e.activation_bytes;
+        assert!((held - e.memory_bytes).abs() <= 1e-9 * e.memory_bytes, "{plan}: {held} of {e:?}");
+    }
+}
+
+#[test]
+fn ranks_sharing_cores_compute_slower() {
+    // 8 ranks on 4 cores: one thread each, two ranks a core.
+    let shared = Cluster { cores_per_node: 4, ..Cluster::default() };
+    assert_eq!(shared.contention(1.0), 2.0);
+    assert_eq!(shared.contention(0.25), 1.0);
+    assert_eq!(Cluster::default().contention(1.0), 1.0);
+    let model = synthetic(8, 64);
+    let plan = &plans(&model, 8, &|p| p.dp == 8 && p.zero == 0 && p.micro_batches == 1 && p.checkpoint.is_empty())[0];
+    let alone = estimate(&model, &Cluster::default(), plan).unwrap();
+    let sharing = estimate(&model, &shared, plan).unwrap();
+    assert!((sharing.compute_s - 2.0 * alone.compute_s).abs() <= 1e-12 * alone.compute_s, "{sharing:?} {alone:?}");
 }

@@ -475,6 +475,46 @@ impl Layout {
         self.tp > 1 || self.sp > 1
     }
 
+    /// The flags that make this layout (beside `--batch`), each given even at its default
+    /// where the planner chooses it: what `--parallel plan` prints under each plan, and what
+    /// [`Layout::from_flags`] turns back into this layout.
+    pub fn flags(&self) -> String {
+        let mut f = format!("--nproc {}", self.dp * self.tp * self.sp * self.pp);
+        if self.tp > 1 {
+            f += &format!(" {}", self.tp_flags());
+        }
+        if self.sequence_parallel {
+            f += " --sequence-parallel";
+        }
+        if self.sp > 1 {
+            f += &format!(" --sp {}", self.sp);
+        }
+        if self.sp_mode != SpMode::Ulysses {
+            f += " --sp-mode ring";
+        }
+        if self.pp > 1 {
+            f += &format!(" --pp {}", self.pp);
+            if self.schedule != ScheduleKind::OneFOneB || self.virtual_stages != 1 {
+                let name = clap::ValueEnum::to_possible_value(&self.schedule).map(|v| v.get_name().to_string());
+                f += &format!(" --schedule {} --virtual-stages {}", name.unwrap_or_default(), self.virtual_stages);
+            }
+            if self.balance != Balance::ParameterBytes {
+                let name = clap::ValueEnum::to_possible_value(&self.balance).map(|v| v.get_name().to_string());
+                f += &format!(" --pp-balance {}", name.unwrap_or_default());
+            }
+        }
+        f += &format!(" --micro-batch {}", self.batch.micro);
+        if self.zero > 0 {
+            f += &format!(" --zero {}", self.zero);
+        }
+        match self.checkpointing {
+            Checkpointing::First(0) => {}
+            Checkpointing::First(k) => f += &format!(" --checkpoint-blocks {k}"),
+            Checkpointing::All => f += " --gradient-checkpointing",
+        }
+        f
+    }
+
     /// `--tp N --tp-mode M [--tp-depth D]`, for messages.
     fn tp_flags(&self) -> String {
         let mut flags = format!("--tp {} --tp-mode {}", self.tp, self.tp_mode.name());

@@ -5,7 +5,8 @@
 //! ([`runs`]): the rules are the manual flags' own.
 use anyhow::bail;
 use engine::dist::{ProcessGroup, World};
-use engine::planner::{calibrate, solve, Cluster, Plan, Solution};
+use engine::job::OptimizerKind;
+use engine::planner::{calibrate, solve, Cluster, Model, Plan, Solution};
 use tch::Device;
 
 use crate::args::PretrainArgs;
@@ -47,8 +48,8 @@ pub fn cluster(
             let base = Cluster { devices_per_node: nproc, ..Cluster::default() };
             let measured = calibrate::calibrated(base, group, device)?;
             let what = match group.is_some_and(|g| g.size() > 1) {
-                true => "matmul FLOP/s and link latency and bandwidth measured on this machine",
-                false => "matmul FLOP/s measured on this machine, link figures assumed",
+                true => "device figures and link latency and bandwidth measured on this machine",
+                false => "device figures measured on this machine, link figures assumed",
             };
             (measured, format!("{what}; memory assumed, --cluster sets any of them"))
         }
@@ -57,26 +58,57 @@ pub fn cluster(
         anyhow::bail!("--nproc {nproc}: the cluster has {} devices", cluster.devices());
     }
     let line = format!(
-        "cluster: {} x {} devices of {}, {:.1} GFLOP/s, links {:.2} GB/s and {:.1} us ({source})\n",
+        "cluster: {} x {} devices of {}, {:.1} GFLOP/s, {:.1} us per operation, memory {:.1} GB/s, links {:.2} \
+         GB/s and {:.1} us{} ({source})\n",
         cluster.nodes,
         cluster.devices_per_node,
         engine::gemini::budget::human(cluster.memory_bytes as usize),
         cluster.peak_flops / 1e9,
+        cluster.op_overhead_s * 1e6,
+        cluster.memory_bandwidth / 1e9,
         cluster.intra_node_bandwidth / 1e9,
-        cluster.latency_s * 1e6
+        cluster.latency_s * 1e6,
+        match cluster.cores_per_node {
+            0 => String::new(),
+            cores => format!(", {cores} cores per node shared by its ranks"),
+        }
     );
     Ok((cluster, line))
 }
 
-/// The model's config and the planner's solution for `args` on `nproc` ranks of `cluster`
-/// (a layout flag set beside `--parallel` is an error naming it).
-pub fn choose(args: &PretrainArgs, nproc: usize, cluster: &Cluster) -> anyhow::Result<(VitConfig, Solution)> {
+/// What the planner chose for a job, and what it chose for.
+pub struct Choice {
+    /// The ViT's architecture.
+    pub cfg: VitConfig,
+    /// The model as the planner prices it.
+    pub model: Model,
+    /// The plans it found.
+    pub solution: Solution,
+}
+
+/// Element-wise operations each rule's update runs per parameter tensor on the engine's
+/// tensor path (the moments, the direction, decay and, for LAMB and LARS, the trust ratio's
+/// norms), counted from `engine::optim`; the fused multi-tensor kernels run a few launches
+/// for all tensors instead.
+fn optimizer_ops(kind: OptimizerKind, backend: kernels::Backend) -> f64 {
+    match (backend, kind) {
+        (kernels::Backend::Fused, _) => 0.0,
+        (_, OptimizerKind::Adamw) => 12.0,
+        (_, OptimizerKind::Lamb) => 17.0,
+        (_, OptimizerKind::Lars) => 10.0,
+    }
+}
+
+/// The planner's choice for `args` on `nproc` ranks of `cluster`, computing on `device` (a
+/// layout flag set beside `--parallel` is an error naming it).
+pub fn choose(args: &PretrainArgs, nproc: usize, cluster: &Cluster, device: Device) -> anyhow::Result<Choice> {
     args.layout.leave_to_planner()?;
     let splits: Splits = args.data.splits()?;
     let cfg = args.model_config(&splits)?;
-    let model = planner_model(&cfg, args.batch);
+    let backend = kernels::Backend::resolve(args.kernels, device)?;
+    let model = planner_model(&cfg, args.batch, optimizer_ops(args.optimizer.optimizer, backend));
     let solution = solve(&model, cluster, nproc, 4, &|p| runs(&cfg, p, args.batch))?;
-    Ok((cfg, solution))
+    Ok(Choice { cfg, model, solution })
 }
 
 /// The plan for `args` as text (the error names the flag or file that cannot work). Without
@@ -90,28 +122,29 @@ pub fn run(args: &PretrainArgs) -> anyhow::Result<String> {
     // The matmul is timed where the run would compute (one GPU, or this share of the cores).
     let device = args.job.launch.device.device.device(0, nproc)?;
     let (cluster, line) = self::cluster(args, nproc, None, device)?;
-    let (cfg, solution) = choose(args, nproc, &cluster)?;
-    Ok(line + &describe(&cfg, &solution, args.batch, nproc))
+    let choice = choose(args, nproc, &cluster, device)?;
+    Ok(line + &describe(&choice, args.batch, nproc))
 }
 
-/// The model, the chosen plan with its predicted step time and memory per device, the
-/// runners-up and the blocks to checkpoint.
-fn describe(cfg: &VitConfig, solution: &Solution, batch: usize, nproc: usize) -> String {
-    let blocks: Vec<String> = solution.best.plan.checkpoint.iter().map(|i| format!("blocks.{}", i - 1)).collect();
+/// The model, the chosen plan with its predicted step time and memory per device and what
+/// they are made of, the runners-up (each with the flags that run it) and the blocks to
+/// checkpoint.
+fn describe(choice: &Choice, batch: usize, nproc: usize) -> String {
+    let Choice { cfg, solution, .. } = choice;
+    let depth = cfg.depth as usize;
+    let flags = |plan: &Plan| Layout::from_plan(plan, batch, depth).map_or_else(|e| format!("({e})"), |l| l.flags());
     let mut out = format!(
-        "model: {}px images in {}px patches ({} tokens), width {}, depth {}; batch {batch}, {nproc} ranks\n{solution}",
+        "model: {}px images in {}px patches ({} tokens), width {}, depth {}; batch {batch}, {nproc} ranks\n{}",
         cfg.image_size,
         cfg.patch_size,
         cfg.num_patches() + 1,
         cfg.width,
         cfg.depth,
+        solution.report(&flags)
     );
+    let blocks: Vec<String> = solution.best.plan.checkpoint.iter().map(|i| format!("blocks.{}", i - 1)).collect();
     if !blocks.is_empty() {
-        let flag = match blocks.len() == cfg.depth as usize {
-            true => "--gradient-checkpointing".to_string(),
-            false => format!("--checkpoint-blocks {}", blocks.len()),
-        };
-        out += &format!("blocks to checkpoint ({flag}): {}\n", blocks.join(", "));
+        out += &format!("blocks to checkpoint: {}\n", blocks.join(", "));
     }
     out
 }
@@ -123,11 +156,12 @@ fn describe(cfg: &VitConfig, solution: &Solution, batch: usize, nproc: usize) ->
 pub fn apply(args: &PretrainArgs, world: &World) -> anyhow::Result<(Layout, Solution, String)> {
     args.layout.leave_to_planner()?;
     let nproc = world.size();
-    let (cluster, line) = cluster(args, nproc, Some(&world.group), args.job.launch.device(world)?)?;
-    let (cfg, solution) = choose(args, nproc, &cluster)?;
-    let text = line + &describe(&cfg, &solution, args.batch, nproc);
-    let layout = Layout::from_plan(&solution.best.plan, args.batch, cfg.depth as usize)?;
-    Ok((layout, solution, text))
+    let device = args.job.launch.device(world)?;
+    let (cluster, line) = cluster(args, nproc, Some(&world.group), device)?;
+    let choice = choose(args, nproc, &cluster, device)?;
+    let text = line + &describe(&choice, args.batch, nproc);
+    let layout = Layout::from_plan(&choice.solution.best.plan, args.batch, choice.cfg.depth as usize)?;
+    Ok((layout, choice.solution, text))
 }
 
 /// Whether `vit pretrain` runs `plan` for `cfg` with a global batch of `global_batch`: the

@@ -13,9 +13,15 @@ pub fn profile(cfg: &VitConfig, batch: i64, elem_bytes: usize) -> Vec<LayerProfi
     std::iter::once(stem(cfg, batch, elem_bytes)).chain(blocks).chain([head(cfg, batch, elem_bytes)]).collect()
 }
 
-/// The planner's model: the parts at one sample, with LAMB's or Adam's two moments per weight.
-pub fn planner_model(cfg: &VitConfig, global_batch: usize) -> Model {
-    Model { layers: profile(cfg, 1, 4), global_batch, optimizer_state_ratio: 2.0 }
+/// The planner's model: the parts at one sample, with LAMB's or Adam's two moments per weight
+/// and an update of `optimizer_ops` element-wise operations per parameter tensor.
+pub fn planner_model(cfg: &VitConfig, global_batch: usize, optimizer_ops: f64) -> Model {
+    Model {
+        layers: profile(cfg, 1, 4),
+        global_batch,
+        optimizer_state_ratio: 2.0,
+        optimizer_ops_per_tensor: optimizer_ops,
+    }
 }
 
 fn tokens(cfg: &VitConfig) -> i64 {

@@ -1,10 +1,13 @@
-//! The machine's own [`Cluster`] figures, measured in well under a second: a matmul's FLOP/s
-//! and, over a job's ranks, an all-reduce's latency and bandwidth. They replace the assumed
-//! defaults when no `cluster.json` is given.
+//! The machine's own [`Cluster`] figures, measured in well under a second: a matmul's FLOP/s,
+//! the time a small tensor operation costs whatever its size, the memory bandwidth of an
+//! element-wise pass, the cores (on a CPU) and, over a job's ranks, an all-reduce's latency
+//! and bandwidth. They replace the assumed defaults when no `cluster.json` is given.
 //!
-//! Every rank of a job must plan alike, so the ranks agree on one set of figures: the slowest
-//! rank's matmul and the slowest rank's collective times (each an all-reduce of the measured
-//! values), which every rank then holds bit for bit.
+//! Each rank measures its device alone, one rank after another: ranks sharing a machine's
+//! cores would otherwise measure one another, where the cost model prices that sharing itself
+//! ([`Cluster::contention`]). Every rank of a job must plan alike, so the ranks agree on one set
+//! of figures: the slowest rank's (each an all-reduce of the measured values), which every rank
+//! then holds bit for bit.
 use std::time::Instant;
 
 use tch::{Device, Kind, Tensor};
@@ -22,26 +25,70 @@ const LARGE_BYTES: i64 = 4 << 20;
 /// All-reduces timed per size, the fastest kept (the least disturbed by other work).
 const COLLECTIVE_REPS: usize = 5;
 
+/// Operations timed for the per-operation overhead.
+const OPS: usize = 400;
+/// Elements of each array of the bandwidth's element-wise pass (16 MiB of f32).
+const PASS_ELEMENTS: i64 = 4 << 20;
+
+/// Waits for `device`'s queued work (a GPU's; the CPU's is done when it returns).
+fn sync(device: Device) -> Result<()> {
+    if let Device::Cuda(d) = device {
+        crate::cuda::synchronize(d)?;
+    }
+    Ok(())
+}
+
 /// FLOP/s of an fp32 `MATMUL_SIDE`-square matmul on `device` with this process's threads.
 pub fn matmul_flops(device: Device) -> Result<f64> {
     let opts = (Kind::Float, device);
     let (a, b) =
         (Tensor::f_randn([MATMUL_SIDE, MATMUL_SIDE], opts)?, Tensor::f_randn([MATMUL_SIDE, MATMUL_SIDE], opts)?);
-    let sync = || -> Result<()> {
-        if let Device::Cuda(d) = device {
-            crate::cuda::synchronize(d)?;
-        }
-        Ok(())
-    };
     let _ = a.f_matmul(&b)?;
-    sync()?;
+    sync(device)?;
     let start = Instant::now();
     for _ in 0..MATMUL_REPS {
         let _ = a.f_matmul(&b)?;
     }
-    sync()?;
+    sync(device)?;
     let flops = 2.0 * (MATMUL_SIDE as f64).powi(3) * MATMUL_REPS as f64;
     Ok(flops / start.elapsed().as_secs_f64())
+}
+
+/// Seconds one operation on a tiny tensor takes on `device` with autograd recording it (a
+/// training step's dispatch, bookkeeping and launch, without arithmetic to speak of): a chain
+/// of [`OPS`] element-wise operations, after one untimed chain.
+pub fn op_overhead(device: Device) -> Result<f64> {
+    let x = Tensor::f_ones([8], (Kind::Float, device))?.set_requires_grad(true);
+    let chain = || -> Result<f64> {
+        sync(device)?;
+        let start = Instant::now();
+        let mut y = x.shallow_clone();
+        for i in 0..OPS {
+            y = if i % 2 == 0 { y.f_mul_scalar(1.0)? } else { y.f_add_scalar(0.0)? };
+        }
+        sync(device)?;
+        Ok(start.elapsed().as_secs_f64() / OPS as f64)
+    };
+    chain()?;
+    chain()
+}
+
+/// Bytes/s of an element-wise pass over [`PASS_ELEMENTS`]-element f32 arrays on `device`
+/// (`a = b + c` into an existing `a`, STREAM's add: two arrays read, one written), the fastest
+/// of a few.
+pub fn memory_bandwidth(device: Device) -> Result<f64> {
+    let opts = (Kind::Float, device);
+    let (b, c) = (Tensor::f_ones([PASS_ELEMENTS], opts)?, Tensor::f_ones([PASS_ELEMENTS], opts)?);
+    let a = Tensor::f_zeros([PASS_ELEMENTS], opts)?;
+    let mut best = f64::INFINITY;
+    for _ in 0..MATMUL_REPS {
+        sync(device)?;
+        let start = Instant::now();
+        let _ = b.f_add_out(&a, &c)?;
+        sync(device)?;
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    Ok(3.0 * PASS_ELEMENTS as f64 * 4.0 / best)
 }
 
 /// The fastest of `COLLECTIVE_REPS` all-reduces of `t` over `group`, in seconds. On a GPU
@@ -89,21 +136,46 @@ pub fn links(group: &ProcessGroup, device: Device) -> Result<Option<(f64, f64)>>
     Ok(Some((latency, bandwidth)))
 }
 
-/// `base` with the figures measured on this machine: the matmul FLOP/s (the slowest rank's,
-/// with `group`), and over `group`'s ranks the intra-node link's latency and bandwidth (the
+/// This device's figures (matmul FLOP/s, seconds per operation, memory bytes/s), measured
+/// with the ranks of `group` taking turns, so that each measures its device alone.
+fn device_figures(group: Option<&ProcessGroup>, device: Device) -> Result<[f64; 3]> {
+    let measure =
+        || -> Result<[f64; 3]> { Ok([matmul_flops(device)?, op_overhead(device)?, memory_bandwidth(device)?]) };
+    let Some(g) = group else { return measure() };
+    let mut mine = None;
+    for turn in 0..g.size() {
+        g.barrier()?;
+        if turn == g.rank() {
+            mine = Some(measure()?);
+        }
+    }
+    g.barrier()?;
+    Ok(mine.expect("every rank has its turn"))
+}
+
+/// `base` with the figures measured on this machine: the matmul FLOP/s, the per-operation
+/// overhead and the memory bandwidth (the slowest rank's, with `group`), on a CPU the cores the
+/// ranks share, and over `group`'s ranks the intra-node link's latency and bandwidth (the
 /// inter-node link stays `base`'s: one node's ranks cannot measure it). A collective when
 /// `group` is given: every rank calls it and gets the same figures.
 pub fn calibrated(base: Cluster, group: Option<&ProcessGroup>, device: Device) -> Result<Cluster> {
-    let flops = Tensor::from_slice(&[matmul_flops(device)?]).f_to_device(device)?;
+    let [flops, overhead, bandwidth] = device_figures(group, device)?;
+    // The slowest rank's figures: the least FLOP/s and bandwidth, the most overhead.
+    let figures = Tensor::from_slice(&[flops, -overhead, bandwidth]).f_to_device(device)?;
     let mut cluster = base;
     if let Some(g) = group {
-        g.all_reduce(&flops, ReduceOp::Min)?;
+        g.all_reduce(&figures, ReduceOp::Min)?;
         if let Some((latency, bandwidth)) = links(g, device)? {
             cluster.latency_s = latency;
             cluster.intra_node_bandwidth = bandwidth;
         }
     }
-    cluster.peak_flops = flops.double_value(&[0]);
+    cluster.peak_flops = figures.double_value(&[0]);
+    cluster.op_overhead_s = -figures.double_value(&[1]);
+    cluster.memory_bandwidth = figures.double_value(&[2]);
+    if device == Device::Cpu {
+        cluster.cores_per_node = std::thread::available_parallelism().map_or(1, |n| n.get());
+    }
     Ok(cluster)
 }
 
@@ -116,6 +188,9 @@ mod tests {
         let base = Cluster::default();
         let c = calibrated(base.clone(), None, Device::Cpu).unwrap();
         assert!(c.peak_flops.is_finite() && c.peak_flops > 0.0, "{c:?}");
+        assert!(c.op_overhead_s > 0.0 && c.op_overhead_s < 1e-2, "{c:?}");
+        assert!(c.memory_bandwidth.is_finite() && c.memory_bandwidth > 0.0, "{c:?}");
+        assert!(c.cores_per_node >= 1, "{c:?}");
         assert_eq!(
             (c.latency_s, c.intra_node_bandwidth, c.memory_bytes),
             (base.latency_s, base.intra_node_bandwidth, base.memory_bytes)

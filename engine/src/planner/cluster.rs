@@ -23,11 +23,20 @@ pub struct Cluster {
     pub inter_node_bandwidth: f64,
     /// Seconds each collective step or point-to-point message starts with.
     pub latency_s: f64,
+    /// Seconds each tensor operation costs beyond its FLOPs and bytes (dispatch, autograd's
+    /// bookkeeping, a kernel launch): what dominates the step of a small model.
+    pub op_overhead_s: f64,
+    /// Bytes/s one device reads and writes its memory at: the optimizer's element-wise passes.
+    pub memory_bandwidth: f64,
+    /// Cores a node's ranks compute on, when they share them (CPU ranks of one machine): ranks
+    /// that together run more threads than this are slowed by as much. 0: each device its own.
+    pub cores_per_node: usize,
 }
 
 impl Default for Cluster {
     /// One node of 8 CPU ranks sharing this class of machine: 4 GiB and 50 GFLOP/s per rank,
-    /// shared-memory links of 5 GB/s and 20 us (Gloo over loopback); assumed figures, not a
+    /// shared-memory links of 5 GB/s and 20 us (Gloo over loopback), 10 us per operation and
+    /// 10 GB/s of memory bandwidth per rank, cores not shared; assumed figures, not a
     /// calibration of the machine at hand.
     fn default() -> Cluster {
         Cluster {
@@ -38,6 +47,9 @@ impl Default for Cluster {
             intra_node_bandwidth: 5e9,
             inter_node_bandwidth: 1.25e9,
             latency_s: 20e-6,
+            op_overhead_s: 10e-6,
+            memory_bandwidth: 10e9,
+            cores_per_node: 0,
         }
     }
 }
@@ -67,6 +79,7 @@ impl Cluster {
             ("peak_flops", self.peak_flops),
             ("intra_node_bandwidth", self.intra_node_bandwidth),
             ("inter_node_bandwidth", self.inter_node_bandwidth),
+            ("memory_bandwidth", self.memory_bandwidth),
         ];
         for (key, v) in positive {
             if !(v.is_finite() && v > 0.0) {
@@ -76,6 +89,9 @@ impl Cluster {
         // A second per message is no cluster's link: a unit mistake (microseconds given).
         if !(self.latency_s.is_finite() && (0.0..1.0).contains(&self.latency_s)) {
             return Err(format!("latency_s must be at least 0 and under 1 second, got {}", self.latency_s));
+        }
+        if !(self.op_overhead_s.is_finite() && (0.0..1.0).contains(&self.op_overhead_s)) {
+            return Err(format!("op_overhead_s must be at least 0 and under 1 second, got {}", self.op_overhead_s));
         }
         Ok(())
     }
@@ -116,6 +132,17 @@ impl Cluster {
     /// Seconds to send `bytes` from one rank to another `stride` apart.
     pub fn send(&self, bytes: f64, stride: usize) -> f64 {
         self.latency_s + bytes / self.bandwidth(2, stride)
+    }
+
+    /// How many times slower each rank computes when `busy` of every `devices_per_node`
+    /// (a share, 0 to 1) compute at once on shared cores: their threads over the cores, at
+    /// least 1. Each rank runs the cores' share its calibration ran with (at least one thread).
+    pub fn contention(&self, busy: f64) -> f64 {
+        if self.cores_per_node == 0 {
+            return 1.0;
+        }
+        let threads = (self.cores_per_node / self.devices_per_node).max(1) as f64;
+        (busy * self.devices_per_node as f64 * threads / self.cores_per_node as f64).max(1.0)
     }
 }
 

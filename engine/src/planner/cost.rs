@@ -13,16 +13,23 @@
 //! [`crate::parallel::zero`] does: an all-gather's bytes plus a latency per tensor).
 //! Checkpointed blocks run their forward again in the backward.
 //!
+//! Beside FLOPs and bytes, what dominates when they are small: every tensor operation costs
+//! the device's per-operation overhead ([`Cluster::op_overhead_s`], forward and twice in
+//! backward), the gradients are reduced one DDP bucket at a time, the optimizer's update runs
+//! its element-wise operations per parameter tensor at the device's memory bandwidth, and
+//! ranks sharing a machine's cores slow one another ([`Cluster::contention`]).
+//!
 //! Memory: parameters, gradients and the optimizer's two moments (sharded by ZeRO stage over
 //! the gradient group), plus per micro-batch in flight each layer's input and, unless the layer
 //! is checkpointed, what it saves for backward; the largest workspace and one checkpointed
-//! block's recomputed activations on top.
+//! block's recomputed activations on top. Gradient accumulation runs the micro-batches one
+//! after another, so only one is in flight without a pipeline.
 use std::collections::BTreeSet;
 use std::fmt;
 
 use super::cluster::Cluster;
 use super::profile::LayerProfile;
-use crate::parallel::pipeline::{simulate, split_costs, Costs, Schedule, ScheduleKind};
+use crate::parallel::pipeline::{simulate, split_costs, Costs, Schedule, ScheduleKind, Simulation};
 use crate::parallel::tensor::TpMode;
 use crate::Result;
 
@@ -54,32 +61,6 @@ impl Plan {
     pub fn ranks(&self) -> usize {
         self.dp * self.tp * self.sp * self.pp
     }
-
-    /// The `vit pretrain` flags that run this layout (`--micro-batch` for `global_batch`;
-    /// `--checkpoint-blocks` counts the checkpointed blocks, which vit takes as the model's
-    /// first ones: the sets its planner admits).
-    pub fn flags(&self, global_batch: usize) -> String {
-        let mut f = format!("--nproc {}", self.ranks());
-        if self.tp > 1 {
-            f += &format!(" --tp {} --tp-mode {}", self.tp, self.tp_mode.name());
-            if self.tp_mode == TpMode::TwoHalfD {
-                f += &format!(" --tp-depth {}", self.tp_depth);
-            }
-        }
-        if self.sp > 1 {
-            f += &format!(" --sp {}", self.sp);
-        }
-        if self.pp > 1 {
-            f += &format!(" --pp {} --micro-batch {}", self.pp, global_batch / (self.dp * self.micro_batches));
-        }
-        if self.zero > 0 {
-            f += &format!(" --zero {}", self.zero);
-        }
-        if !self.checkpoint.is_empty() {
-            f += &format!(" --checkpoint-blocks {}", self.checkpoint.len());
-        }
-        f
-    }
 }
 
 impl fmt::Display for Plan {
@@ -103,7 +84,8 @@ impl fmt::Display for Plan {
     }
 }
 
-/// A model to plan for: its layers traced at one sample each, and the global batch.
+/// A model to plan for: its layers traced at one sample each, the global batch, and what its
+/// optimizer holds and runs.
 #[derive(Clone, Debug)]
 pub struct Model {
     /// The layers in running order, each profiled for a batch of one sample.
@@ -112,29 +94,70 @@ pub struct Model {
     pub global_batch: usize,
     /// Bytes of optimizer state per parameter byte (2 for Adam's or LAMB's two moments).
     pub optimizer_state_ratio: f64,
+    /// Element-wise tensor operations the optimizer's update runs per parameter tensor (each
+    /// reading two of the tensor's arrays and writing one); 0 for a multi-tensor kernel.
+    pub optimizer_ops_per_tensor: f64,
 }
 
-/// The modelled cost of a plan on one device (the busiest stage).
+/// The modelled cost of a plan on one device (the busiest stage), with what it is made of.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Estimate {
     /// Seconds per optimizer step.
     pub step_s: f64,
-    /// Seconds of it the busiest stage computes.
+    /// Seconds of it the busiest stage computes (FLOPs at the device's rate, recomputation
+    /// included).
     pub compute_s: f64,
-    /// Seconds of it spent in collectives and sends.
+    /// Seconds of it spent in collectives and sends (the gradients' reduction included).
     pub communication_s: f64,
+    /// Seconds of it the busiest stage's operations cost beyond their arithmetic.
+    pub overhead_s: f64,
+    /// Seconds of it the busiest stage waits for the others (the pipeline's bubble).
+    pub bubble_s: f64,
+    /// Seconds of the optimizer's update.
+    pub optimizer_s: f64,
     /// The pipeline's idle fraction.
     pub bubble: f64,
     /// Peak bytes on the fullest device.
     pub memory_bytes: f64,
-    /// Of which parameters, gradients and optimizer state.
-    pub state_bytes: f64,
+    /// Of which parameters.
+    pub param_bytes: f64,
+    /// Of which gradients.
+    pub grad_bytes: f64,
+    /// Of which optimizer state.
+    pub optimizer_bytes: f64,
+    /// Of which activations kept for backward and the largest temporaries.
+    pub activation_bytes: f64,
+}
+
+impl Estimate {
+    /// Parameters, gradients and optimizer state: what the step holds whatever the batch.
+    pub fn state_bytes(&self) -> f64 {
+        self.param_bytes + self.grad_bytes + self.optimizer_bytes
+    }
+}
+
+/// One stage's costs per micro-batch and what it holds.
+#[derive(Default)]
+struct Stage {
+    /// Seconds of the forward's arithmetic, operations' overhead and collectives.
+    forward: [f64; 3],
+    /// Seconds to send an activation to the next stage (and a gradient back).
+    send: f64,
+    /// Seconds of recomputed forwards in the backward (arithmetic, overhead, collectives).
+    recompute: [f64; 3],
+    /// Activation bytes a micro-batch in flight keeps.
+    activations: f64,
+    /// Bytes on top while one micro-batch computes: the largest temporary and one
+    /// checkpointed block's recomputed activations.
+    transient: f64,
+    params: f64,
+    tensors: f64,
 }
 
 /// Models `plan` for `model` on `cluster`. Errors only where the pipeline cannot be built
 /// (more stages than layers); callers check divisibility first.
 pub fn estimate(model: &Model, cluster: &Cluster, plan: &Plan) -> Result<Estimate> {
-    let (tp, sp) = (plan.tp, plan.sp);
+    let (tp, sp, m) = (plan.tp, plan.sp, plan.micro_batches as f64);
     let micro = model.global_batch as f64 / (plan.dp * plan.micro_batches) as f64;
     let group = (plan.dp * sp) as f64;
     let multi_dim = tp > 1 && plan.tp_mode != TpMode::OneD;
@@ -144,86 +167,119 @@ pub fn estimate(model: &Model, cluster: &Cluster, plan: &Plan) -> Result<Estimat
     let shard = |whole: f64, split: f64| if multi_dim { whole / t } else { whole - split + split / t };
     let flops_of = |l: &LayerProfile| shard(l.forward_flops, l.split_flops) * micro / sp as f64;
     let split = split_costs(model.layers.iter().map(flops_of).collect(), plan.pp, "flops")?;
+    // Ranks sharing cores compute together but for the pipeline's idle share.
+    let busy = m / (m + plan.pp as f64 - 1.0);
+    let slow = cluster.contention(busy);
 
-    let mut worst_fwd: f64 = 0.0;
-    let mut worst_bwd: f64 = 0.0;
-    let mut compute_worst: f64 = 0.0;
-    let mut comm_worst: f64 = 0.0;
-    let mut stage_memory = Vec::new();
-    let mut stage_params = Vec::new();
-    let mut stage_tensors = Vec::new();
-    for range in &split.ranges {
-        let layers = &model.layers[range.clone()];
-        let (mut fwd, mut comm_fwd, mut recompute, mut params, mut act, mut work) = (0.0, 0.0, 0.0, 0.0, 0.0, 0f64);
-        let mut tensors = 0.0;
-        let mut recompute_peak: f64 = 0.0;
-        for (i, l) in range.clone().zip(layers) {
-            let flops = flops_of(l);
-            fwd += flops / cluster.peak_flops;
-            let comm = layer_communication(l, plan, cluster, micro);
-            comm_fwd += comm;
-            let saved = shard(l.saved_bytes, l.split_saved_bytes) * micro / sp as f64;
-            let input = shard_input(l, multi_dim, t) * micro / sp as f64;
-            act += input;
-            if plan.checkpoint.contains(&i) {
-                recompute += flops / cluster.peak_flops + comm;
-                recompute_peak = recompute_peak.max(saved);
-            } else {
-                act += saved;
+    let stages: Vec<Stage> = split
+        .ranges
+        .iter()
+        .map(|range| {
+            let mut s = Stage::default();
+            let mut recompute_peak: f64 = 0.0;
+            let mut workspace: f64 = 0.0;
+            for i in range.clone() {
+                let l = &model.layers[i];
+                let arithmetic = flops_of(l) / cluster.peak_flops * slow;
+                let overhead = l.ops * cluster.op_overhead_s * slow;
+                let comm = layer_communication(l, plan, cluster, micro);
+                s.forward[0] += arithmetic;
+                s.forward[1] += overhead;
+                s.forward[2] += comm;
+                let saved = shard(l.saved_bytes, l.split_saved_bytes) * micro / sp as f64;
+                s.activations += shard_input(l, multi_dim, t) * micro / sp as f64;
+                if plan.checkpoint.contains(&i) {
+                    s.recompute[0] += arithmetic;
+                    s.recompute[1] += overhead;
+                    s.recompute[2] += comm;
+                    recompute_peak = recompute_peak.max(saved);
+                } else {
+                    s.activations += saved;
+                }
+                workspace = workspace.max(l.workspace_bytes * micro / (sp as f64 * if multi_dim { t } else { 1.0 }));
+                s.params += shard(l.param_bytes, l.split_param_bytes);
+                s.tensors += l.param_tensors;
             }
-            work = work.max(l.workspace_bytes * micro / (sp as f64 * if multi_dim { t } else { 1.0 }));
-            params += shard(l.param_bytes, l.split_param_bytes);
-            tensors += l.param_tensors;
+            if plan.pp > 1 {
+                let last = &model.layers[range.end - 1];
+                s.send = cluster.send(last.output_bytes * micro / (sp * tp) as f64, plan.dp * sp * tp);
+            }
+            s.transient = workspace + recompute_peak;
+            s
+        })
+        .collect();
+    // A backward costs twice its forward (each product's input and weight gradients), plus the
+    // recomputation, and sends one gradient back where the forward sent one activation on.
+    let backward = |s: &Stage| 2.0 * s.forward.iter().sum::<f64>() + s.recompute.iter().sum::<f64>() + s.send;
+    let worst_fwd = stages.iter().map(|s| s.forward.iter().sum::<f64>() + s.send).fold(0.0, f64::max);
+    let worst_bwd = stages.iter().map(backward).fold(0.0, f64::max);
+    let sim = match plan.pp {
+        // Accumulation runs the micro-batches one after another: nothing to lay out.
+        1 => Simulation { makespan: m * (worst_fwd + worst_bwd), bubble: 0.0, peak_in_flight: vec![1] },
+        pp => {
+            let schedule = Schedule::new(ScheduleKind::OneFOneB, pp, plan.micro_batches, 1)?;
+            // The sends are charged inside the forward and backward costs above, so no separate hop.
+            let costs = Costs { forward: worst_fwd, input_grad: worst_bwd, weight_grad: 0.0, hop: 0.0 };
+            simulate(&schedule, costs)?
         }
-        let last = &layers[layers.len() - 1];
-        let send = if plan.pp > 1 {
-            cluster.send(last.output_bytes * micro / (sp * tp) as f64, plan.dp * sp * tp)
-        } else {
-            0.0
-        };
-        worst_fwd = worst_fwd.max(fwd + comm_fwd + send);
-        worst_bwd = worst_bwd.max(2.0 * fwd + 2.0 * comm_fwd + recompute + send);
-        compute_worst = compute_worst.max(3.0 * fwd + recompute);
-        comm_worst = comm_worst.max(3.0 * comm_fwd + 2.0 * send);
-        stage_memory.push((act, work + recompute_peak));
-        stage_params.push(params);
-        stage_tensors.push(tensors);
-    }
-    let schedule = Schedule::new(ScheduleKind::OneFOneB, plan.pp, plan.micro_batches, 1)?;
-    // The sends are charged inside the forward and backward costs above, so no separate hop.
-    let sim = simulate(&schedule, Costs { forward: worst_fwd, input_grad: worst_bwd, weight_grad: 0.0, hop: 0.0 })?;
+    };
 
-    let mut memory: f64 = 0.0;
-    let mut state_worst: f64 = 0.0;
-    let mut sync_worst: f64 = 0.0;
-    for (s, (((act, extra), params), tensors)) in stage_memory.iter().zip(&stage_params).zip(&stage_tensors).enumerate()
-    {
-        let grads = if plan.zero >= 2 { params / group } else { *params };
-        let optimizer = model.optimizer_state_ratio * params / if plan.zero >= 1 { group } else { 1.0 };
-        let state = params + grads + optimizer;
-        let in_flight = sim.peak_in_flight[s] as f64;
-        memory = memory.max(state + act * in_flight + extra);
-        state_worst = state_worst.max(state);
-        let mut sync = cluster.all_reduce(*params, plan.dp * sp, tp);
+    let mut worst = Estimate {
+        step_s: 0.0,
+        compute_s: 0.0,
+        communication_s: 0.0,
+        overhead_s: 0.0,
+        bubble_s: 0.0,
+        optimizer_s: 0.0,
+        bubble: sim.bubble,
+        memory_bytes: 0.0,
+        param_bytes: 0.0,
+        grad_bytes: 0.0,
+        optimizer_bytes: 0.0,
+        activation_bytes: 0.0,
+    };
+    for (i, s) in stages.iter().enumerate() {
+        let grads = if plan.zero >= 2 { s.params / group } else { s.params };
+        let owned = if plan.zero >= 1 { group } else { 1.0 };
+        let optimizer = model.optimizer_state_ratio * s.params / owned;
+        let activations = s.activations * sim.peak_in_flight[i] as f64 + s.transient;
+        let memory = s.params + grads + optimizer + activations;
+        if memory > worst.memory_bytes {
+            (worst.memory_bytes, worst.param_bytes, worst.grad_bytes) = (memory, s.params, grads);
+            (worst.optimizer_bytes, worst.activation_bytes) = (optimizer, activations);
+        }
+        // The gradients' reduction: one all-reduce per DDP bucket of 25 MiB.
+        let buckets = (s.params / BUCKET_BYTES).ceil().max(1.0);
+        let mut sync = cluster.all_reduce(s.params, plan.dp * sp, tp)
+            + (buckets - 1.0) * cluster.all_reduce(0.0, plan.dp * sp, tp);
         if plan.zero >= 1 && plan.dp * sp > 1 {
             // The engine's ZeRO broadcasts every parameter from its owner after the step (one
             // collective per tensor, all in flight): the bytes of an all-gather, and a latency
             // per tensor. ZeRO-2's reduce of each gradient to its owner is priced as the
             // all-reduce above (no cheaper).
-            sync += cluster.all_gather(*params, plan.dp * sp, tp) + tensors * cluster.latency_s;
+            sync += cluster.all_gather(s.params, plan.dp * sp, tp) + s.tensors * cluster.latency_s;
         }
-        sync_worst = sync_worst.max(sync);
+        // Each rank updates what it owns: every operation reads two arrays and writes one.
+        let ops = model.optimizer_ops_per_tensor;
+        let update =
+            ops * (s.tensors / owned * cluster.op_overhead_s + 3.0 * s.params / owned / cluster.memory_bandwidth);
+        let optimizer_s = update * cluster.contention(1.0);
+        let [arithmetic, overhead, mut comm] = [0, 1, 2].map(|k| m * (3.0 * s.forward[k] + s.recompute[k]));
+        comm += m * 2.0 * s.send;
+        let busy = arithmetic + overhead + comm;
+        let step = sim.makespan + sync + optimizer_s;
+        if step > worst.step_s {
+            worst.step_s = step;
+            (worst.compute_s, worst.overhead_s, worst.communication_s) = (arithmetic, overhead, comm + sync);
+            worst.bubble_s = (sim.makespan - busy).max(0.0);
+            worst.optimizer_s = optimizer_s;
+        }
     }
-    let m = plan.micro_batches as f64;
-    Ok(Estimate {
-        step_s: sim.makespan + sync_worst,
-        compute_s: m * compute_worst,
-        communication_s: m * comm_worst + sync_worst,
-        bubble: sim.bubble,
-        memory_bytes: memory,
-        state_bytes: state_worst,
-    })
+    Ok(worst)
 }
+
+/// DDP's gradient bucket (PyTorch's and the engine's default).
+const BUCKET_BYTES: f64 = (25u64 << 20) as f64;
 
 /// The layer's input bytes per sample on one device: the 1D layout replicates the stream.
 fn shard_input(l: &LayerProfile, multi_dim: bool, t: f64) -> f64 {

@@ -83,6 +83,9 @@ pub struct LayerProfile {
     pub attention_qkv_bytes: f64,
     /// Whether this is a repeated block the planner may checkpoint.
     pub checkpointable: bool,
+    /// Tensor operations the forward runs (views aside): each costs the device's
+    /// per-operation overhead whatever its size, forward and (twice) backward.
+    pub ops: f64,
 }
 
 impl LayerProfile {
@@ -197,6 +200,7 @@ impl Recorder {
 
     /// `x @ W^T + b` over the last dimension (`nn.Linear`): saves its input.
     pub fn linear(&mut self, x: &Sym, out_features: i64, shard: Shard) -> Sym {
+        self.profile.ops += 1.0;
         let inputs = *x.shape.last().expect("linear input has a feature dimension");
         self.param(&[out_features, inputs], shard != Shard::None);
         self.param(&[out_features], shard == Shard::Column);
@@ -216,6 +220,7 @@ impl Recorder {
     /// A convolution over `[b, c, h, w]` with a square kernel equal to its stride (a patch
     /// embedding): saves its input.
     pub fn patch_conv(&mut self, x: &Sym, out_channels: i64, kernel: i64) -> Sym {
+        self.profile.ops += 1.0;
         let (b, c, h, w) = (x.shape[0], x.shape[1], x.shape[2], x.shape[3]);
         let (oh, ow) = (h / kernel, w / kernel);
         self.param(&[out_channels, c, kernel, kernel], false);
@@ -228,6 +233,7 @@ impl Recorder {
     /// LayerNorm over the last dimension with weight and bias: saves its input and the f32
     /// mean and reciprocal deviation per row.
     pub fn layer_norm(&mut self, x: &Sym) -> Sym {
+        self.profile.ops += 1.0;
         let width = *x.shape.last().expect("norm input has a feature dimension");
         self.param(&[width], false);
         self.param(&[width], false);
@@ -242,6 +248,7 @@ impl Recorder {
 
     /// An elementwise activation that saves its input (GELU).
     pub fn activation(&mut self, x: &Sym) -> Sym {
+        self.profile.ops += 1.0;
         self.save(x);
         self.fresh(x.shape.clone(), x.split)
     }
@@ -249,6 +256,7 @@ impl Recorder {
     /// An element-wise op whose backward reads its output (sigmoid, ReLU, softmax): saves
     /// the output.
     pub fn saves_output(&mut self, x: &Sym) -> Sym {
+        self.profile.ops += 1.0;
         let out = self.fresh(x.shape.clone(), x.split);
         self.save(&out);
         out
@@ -257,6 +265,7 @@ impl Recorder {
     /// `a * b` element-wise (`b` broadcast to `a`'s shape): saves each operand the other's
     /// gradient needs (times a mask: only the mask, which costs nothing).
     pub fn mul(&mut self, a: &Sym, b: &Sym) -> Sym {
+        self.profile.ops += 1.0;
         if b.grad {
             self.save(a);
         }
@@ -268,6 +277,7 @@ impl Recorder {
 
     /// `x / d` element-wise (`d` broadcast, needing no gradient): saves the divisor.
     pub fn div(&mut self, x: &Sym, d: &Sym) -> Sym {
+        self.profile.ops += 1.0;
         self.save(d);
         self.fresh(x.shape.clone(), x.split)
     }
@@ -280,6 +290,8 @@ impl Recorder {
     /// are taken as laid out in their subscripts' order (contiguous). Returns the output in
     /// its subscripts' order (a view of the `bmm` result).
     pub fn einsum(&mut self, equation: &str, a: &Sym, b: &Sym) -> Sym {
+        // The operands' permutes and reshapes, the bmm and the output's view: about three.
+        self.profile.ops += 3.0;
         let (inputs, output) = equation.split_once("->").expect("an explicit einsum output");
         let (left, right) = inputs.split_once(',').expect("two einsum operands");
         let (left, right, output): (Vec<char>, Vec<char>, Vec<char>) =
@@ -336,11 +348,13 @@ impl Recorder {
 
     /// `a + b` (residual, position embedding): saves nothing.
     pub fn add(&mut self, a: &Sym) -> Sym {
+        self.profile.ops += 1.0;
         self.fresh(a.shape.clone(), a.split)
     }
 
     /// A new tensor of `shape` from `x` that saves nothing (concatenation).
     pub fn copy(&mut self, x: &Sym, shape: &[i64]) -> Sym {
+        self.profile.ops += 1.0;
         self.fresh(shape.to_vec(), x.split)
     }
 
@@ -354,6 +368,7 @@ impl Recorder {
     /// queries, keys and values, its output and the f32 log-sum-exp per query; the score tiles
     /// stay in a per-thread workspace. Returns the output `[batch, tokens, heads * head_dim]`.
     pub fn attention(&mut self, qkv: &Sym, batch: i64, heads: i64, tokens: i64, head_dim: i64) -> Sym {
+        self.profile.ops += 1.0;
         let split = qkv.split;
         self.flops(4.0 * (batch * heads) as f64 * (tokens * tokens) as f64 * head_dim as f64, split);
         self.profile.attention_qkv_bytes += self.bytes(qkv);

@@ -9,7 +9,6 @@
 //! covers every set up to cost-equal ones. An integer program would only pay off for a layer
 //! graph of unlike layers, which these models are not.
 use std::collections::BTreeSet;
-use std::fmt;
 
 use super::cluster::Cluster;
 use super::cost::{estimate, Estimate, Model, Plan};
@@ -37,39 +36,76 @@ pub struct Solution {
     pub considered: usize,
     /// Of which fit in memory.
     pub fitting: usize,
-    /// The global batch, for printing the flags.
-    pub global_batch: usize,
+}
+
+/// `s` seconds in ms under 100 s, else in seconds.
+fn seconds(s: f64) -> String {
+    match s < 100.0 {
+        true => format!("{:.3} ms", s * 1e3),
+        false => format!("{s:.1} s"),
+    }
 }
 
 fn gib(b: f64) -> f64 {
     b / (1u64 << 30) as f64
 }
 
-impl fmt::Display for Solution {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let line = |f: &mut fmt::Formatter<'_>, r: &Ranked| {
-            writeln!(
-                f,
-                "  {:>9.3} ms/step  {:>9.2} MiB  bubble {:>4.1}%  {}\n  {:>43}{}",
-                r.estimate.step_s * 1e3,
-                r.estimate.memory_bytes / (1u64 << 20) as f64,
+impl Solution {
+    /// The chosen plan and the runners-up, a line each with its predicted step time, memory
+    /// and bubble and a line of `flags` (the command-line flags that run it; none where it
+    /// gives ""), and under the chosen plan what its step time and memory are made of.
+    pub fn report(&self, flags: &dyn Fn(&Plan) -> String) -> String {
+        let mib = |b: f64| b / (1u64 << 20) as f64;
+        let line = |r: &Ranked| {
+            let flags = flags(&r.plan);
+            let flags = if flags.is_empty() { flags } else { format!("  {:>43}{flags}\n", "") };
+            format!(
+                "  {:>12}/step  {:>9.2} MiB  bubble {:>4.1}%  {}\n{flags}",
+                seconds(r.estimate.step_s),
+                mib(r.estimate.memory_bytes),
                 100.0 * r.estimate.bubble,
                 r.plan,
-                "",
-                r.plan.flags(self.global_batch)
             )
         };
-        writeln!(f, "plan ({} of {} plans fit):", self.fitting, self.considered)?;
-        line(f, &self.best)?;
+        let e = &self.best.estimate;
+        let mut out = format!("plan ({} of {} plans fit):\n", self.fitting, self.considered) + &line(&self.best);
+        out += &format!(
+            "  {:>43}step: compute {}, communication {}, bubble {}, optimizer {}, operation overheads {}\n",
+            "",
+            seconds(e.compute_s),
+            seconds(e.communication_s),
+            seconds(e.bubble_s),
+            seconds(e.optimizer_s),
+            seconds(e.overhead_s)
+        );
+        out += &format!(
+            "  {:>43}memory: parameters {:.2} MiB, gradients {:.2} MiB, optimizer state {:.2} MiB, activations \
+             {:.2} MiB\n",
+            "",
+            mib(e.param_bytes),
+            mib(e.grad_bytes),
+            mib(e.optimizer_bytes),
+            mib(e.activation_bytes)
+        );
         if !self.runners_up.is_empty() {
-            writeln!(f, "runners-up:")?;
+            out += "runners-up:\n";
             for r in &self.runners_up {
-                line(f, r)?;
+                out += &line(r);
             }
         }
-        Ok(())
+        out
     }
 }
+
+/// The report without flags.
+impl std::fmt::Display for Solution {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.report(&|_| String::new()))
+    }
+}
+
+/// A pipeline's micro-batches per stage searched at most (the bubble is under 2% there).
+const MAX_MICRO_PER_STAGE: usize = 64;
 
 /// Every plan for `nproc` ranks that `valid` accepts (the model's divisibility rules and the
 /// checkpoint sets it can run).
@@ -87,15 +123,17 @@ pub fn plans(model: &Model, nproc: usize, valid: &dyn Fn(&Plan) -> bool) -> Vec<
                     continue;
                 }
                 let per_rank = model.global_batch / dp;
-                // A pipeline's micro-batch counts: those from pp (the least that fills it) to
-                // 4 pp that divide the batch, or else the least above that does (a batch of
-                // 16 on 3 stages runs as 4 micro-batches).
+                // Micro-batches per step: without a pipeline, gradient accumulation over any
+                // count that divides the rank's batch; a pipeline's from pp (the least that
+                // fills it) to 64 pp, or else the least above that divides it (a batch of 16
+                // on 3 stages runs as 4 micro-batches).
                 let micro: Vec<usize> = if pp == 1 {
-                    vec![1]
+                    divisors(per_rank).collect()
                 } else {
-                    let fits: Vec<usize> = (pp..=4 * pp).filter(|m| per_rank.is_multiple_of(*m)).collect();
+                    let fits: Vec<usize> =
+                        (pp..=MAX_MICRO_PER_STAGE * pp).filter(|m| per_rank.is_multiple_of(*m)).collect();
                     match fits.is_empty() {
-                        true => (4 * pp..=per_rank).find(|m| per_rank.is_multiple_of(*m)).into_iter().collect(),
+                        true => (pp..=per_rank).find(|m| per_rank.is_multiple_of(*m)).into_iter().collect(),
                         false => fits,
                     }
                 };
@@ -186,11 +224,5 @@ pub fn solve(
     let fitting = fit.len();
     let mut it = fit.into_iter();
     let best = it.next().expect("fit is not empty");
-    Ok(Solution {
-        best,
-        runners_up: it.take(runners_up).collect(),
-        considered,
-        fitting,
-        global_batch: model.global_batch,
-    })
+    Ok(Solution { best, runners_up: it.take(runners_up).collect(), considered, fitting })
 }
