@@ -7,6 +7,7 @@ pub mod input;
 pub mod jax_random;
 pub mod model;
 pub mod models;
+pub mod multimer;
 pub mod pdb;
 pub mod predict;
 pub mod preset;
