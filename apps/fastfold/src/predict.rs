@@ -78,6 +78,9 @@ pub struct PredictArgs {
     /// Chunking.
     #[command(flatten)]
     pub chunk: ChunkArgs,
+    /// AlphaFold-Multimer (refused until its network is here).
+    #[command(flatten)]
+    pub multimer: crate::multimer::args::MultimerArgs,
 }
 
 /// One prediction's summary.
@@ -137,6 +140,7 @@ impl Model {
 /// files of an earlier run there only once every model has run (see [`QueryFolder`]).
 /// Returns the summaries, query by query, model by model.
 pub fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predicted>> {
+    args.multimer.check(&args.params)?;
     let runner = Runner::new(args, world)?;
     let out_existed = args.out.exists();
     let result = runner.run_all();

@@ -11,7 +11,7 @@ use crate::model::config::{EvoformerConfig, ModelConfig};
 use crate::model::embedders::Embedders;
 use crate::model::evoformer::EvoformerStack;
 use crate::model::heads::Heads;
-use crate::model::keys::{EVOFORMER, EXTRA_MSA};
+use crate::model::keys::{EVOFORMER, EXTRA_MSA, MULTIMER_RELATIVE_ENCODING};
 use crate::model::params::{read_arrays, Params};
 use crate::model::scope::{Builder, Mode};
 use crate::model::structure::StructureModule;
@@ -63,6 +63,12 @@ impl Params {
     fn load(path: &Path, with_model: bool) -> Result<Params> {
         let file = path.display().to_string();
         let arrays = read_arrays(path)?;
+        if arrays.iter().any(|(n, _)| n == MULTIMER_RELATIVE_ENCODING) {
+            return Err(Error::Invalid(format!(
+                "{file} holds AlphaFold-Multimer's parameters, whose network fastfold cannot run yet (only its \
+                 input and feature pipeline are there, fastfold::multimer)"
+            )));
+        }
         let mut map = BTreeMap::new();
         for (name, t) in arrays {
             let t = if t.kind() == Kind::Float { t } else { t.f_to_kind(Kind::Float)? };

@@ -50,6 +50,15 @@ pub const SINGLE_TEMPLATE: &str =
 pub const PAIR_STACK: &str = "alphafold/alphafold_iteration/evoformer/template_embedding/single_template_embedding/template_pair_stack/__layer_stack_no_state";
 /// The structure module.
 pub const STRUCTURE_MODULE: &str = "alphafold/alphafold_iteration/structure_module";
+/// The array only AlphaFold-Multimer's parameters have: the embedding of relative positions
+/// within and across chains (haiku names the method `~_relative_encoding`).
+pub const MULTIMER_RELATIVE_ENCODING: &str =
+    "alphafold/alphafold_iteration/evoformer/~_relative_encoding/position_activations//weights";
+/// The array only Multimer v3's parameters have: the Evoformer's fused triangle-multiplication
+/// projection (v1 and v2, like the monomer models, have `left_projection` and
+/// `right_projection`).
+pub const FUSED_TRIANGLE_PROJECTION: &str =
+    "alphafold/alphafold_iteration/evoformer/evoformer_iteration/triangle_multiplication_outgoing/projection//weights";
 
 #[cfg(test)]
 mod tests {
@@ -68,5 +77,7 @@ mod tests {
         child(EMBEDDINGS, TEMPLATE_EMBEDDING, "template_embedding");
         child(TEMPLATE_EMBEDDING, SINGLE_TEMPLATE, "single_template_embedding");
         child(SINGLE_TEMPLATE, PAIR_STACK, "template_pair_stack/__layer_stack_no_state");
+        assert!(MULTIMER_RELATIVE_ENCODING.starts_with(&format!("{EMBEDDINGS}/~_relative_encoding/")));
+        assert!(FUSED_TRIANGLE_PROJECTION.starts_with(&format!("{EVOFORMER}/triangle_multiplication_outgoing/")));
     }
 }

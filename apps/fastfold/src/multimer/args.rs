@@ -1,0 +1,117 @@
+//! `predict`'s AlphaFold-Multimer options, and what asks for a multimer run: `--model-preset
+//! multimer`, its options, or Multimer parameters (by their release names, or, when loaded, by
+//! their arrays). Until the network is here such a run is refused, with what is missing.
+use std::path::{Path, PathBuf};
+
+use anyhow::bail;
+
+use super::preset::MultimerPreset;
+
+/// AlphaFold's `--model_preset`, where it differs from the parameter files' own word.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ModelPreset {
+    /// The monomer models (`params_model_N[_ptm]`).
+    Monomer,
+    /// AlphaFold-Multimer (`params_model_N_multimer_v3`): every FASTA file one complex.
+    Multimer,
+}
+
+/// AlphaFold-Multimer's options.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct MultimerArgs {
+    /// monomer (each FASTA record a query) or multimer (the FASTA file's records one complex);
+    /// default: what the --params files are, by name (`params_model_N_multimer_v3.npz`) or
+    /// arrays.
+    #[arg(long, value_enum)]
+    pub model_preset: Option<ModelPreset>,
+    /// Predictions per multimer model, each with its own seed (default 5, AlphaFold's).
+    #[arg(long, value_parser = engine::parse::count(1..=1000))]
+    pub num_multimer_predictions_per_model: Option<usize>,
+    /// UniProt (FASTA), searched with jackhmmer for the rows paired across chains (multimer;
+    /// default: <data-dir>/uniprot/uniprot.fasta).
+    #[arg(long)]
+    pub uniprot_database_path: Option<PathBuf>,
+}
+
+/// What the multimer run lacks, after `what` asked for one.
+pub fn not_implemented(what: &str) -> String {
+    format!(
+        "{what} asks for AlphaFold-Multimer, which fastfold cannot run yet: its input (a FASTA file's records as \
+         one complex) and feature pipeline are there (fastfold::multimer, equal to AlphaFold's), but not the \
+         multimer network (the relative chain encoding, Multimer's template embedding, its structure module and \
+         heads, ipTM and the iptm+ptm ranking). Predict each chain with the monomer models (params_model_N[_ptm]) \
+         meanwhile"
+    )
+}
+
+impl MultimerArgs {
+    /// An error when the options or the `params` path ask for a multimer run (refused until
+    /// the network is here), or when a multimer option is given for a monomer run.
+    pub fn check(&self, params: &Path) -> anyhow::Result<()> {
+        if self.model_preset == Some(ModelPreset::Multimer) {
+            bail!(not_implemented("--model-preset multimer"));
+        }
+        if let Some(p) = multimer_params(params) {
+            if self.model_preset == Some(ModelPreset::Monomer) {
+                bail!("--model-preset monomer, but --params {} is AlphaFold-Multimer's ({p})", params.display());
+            }
+            bail!(not_implemented(&format!("--params {} ({p})", params.display())));
+        }
+        let given = [
+            ("--num-multimer-predictions-per-model", self.num_multimer_predictions_per_model.is_some()),
+            ("--uniprot-database-path", self.uniprot_database_path.is_some()),
+        ];
+        if let Some((flag, _)) = given.iter().find(|(_, g)| *g) {
+            bail!("{flag} applies to AlphaFold-Multimer (--model-preset multimer), which these parameters are not");
+        }
+        Ok(())
+    }
+}
+
+/// The Multimer preset `params` names: a file's release name, or the first Multimer release
+/// file of a directory that has no monomer one.
+fn multimer_params(params: &Path) -> Option<MultimerPreset> {
+    if !params.is_dir() {
+        return MultimerPreset::from_params_path(params);
+    }
+    let mut names: Vec<PathBuf> = std::fs::read_dir(params).ok()?.flatten().map(|e| e.path()).collect();
+    names.sort();
+    if names.iter().any(|p| crate::preset::Preset::from_params_path(p).is_some()) {
+        return None;
+    }
+    names.iter().find_map(|p| MultimerPreset::from_params_path(p))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn multimer_runs_are_refused_naming_what_asked_and_options_alone_are_named() {
+        let dir = suite_tests::scratch("fastfold-multimer", "args");
+        std::fs::write(dir.join("params_model_1_multimer_v3.npz"), b"").unwrap();
+        let none = MultimerArgs::default();
+        let err = none.check(&dir.join("params_model_1_multimer_v3.npz")).unwrap_err().to_string();
+        assert!(
+            err.contains("params_model_1_multimer_v3.npz (model_1_multimer_v3) asks for AlphaFold-Multimer"),
+            "{err}"
+        );
+        assert!(err.contains("not the multimer network"), "{err}");
+        let err = none.check(&dir).unwrap_err().to_string();
+        assert!(err.contains("(model_1_multimer_v3)"), "{err}");
+        let multimer = MultimerArgs { model_preset: Some(ModelPreset::Multimer), ..Default::default() };
+        let err = multimer.check(Path::new("params_model_1.npz")).unwrap_err().to_string();
+        assert!(err.starts_with("--model-preset multimer asks"), "{err}");
+        let monomer = MultimerArgs { model_preset: Some(ModelPreset::Monomer), ..Default::default() };
+        let err = monomer.check(&dir).unwrap_err().to_string();
+        assert!(err.contains("--model-preset monomer, but --params"), "{err}");
+
+        // A directory with monomer files runs them, as before.
+        std::fs::write(dir.join("params_model_1_ptm.npz"), b"").unwrap();
+        none.check(&dir).unwrap();
+        monomer.check(&dir).unwrap();
+        let extra = MultimerArgs { num_multimer_predictions_per_model: Some(2), ..Default::default() };
+        let err = extra.check(&dir).unwrap_err().to_string();
+        assert!(err.starts_with("--num-multimer-predictions-per-model applies to AlphaFold-Multimer"), "{err}");
+    }
+}
