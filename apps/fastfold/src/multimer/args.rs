@@ -44,7 +44,15 @@ pub fn not_implemented(what: &str) -> String {
     )
 }
 
+/// Where UniProt is under AlphaFold's data directory (`scripts/download_uniprot.sh`).
+pub const UNIPROT: &str = "uniprot/uniprot.fasta";
+
 impl MultimerArgs {
+    /// UniProt's FASTA: `--uniprot-database-path`, else under `data_dir`.
+    pub fn uniprot(&self, data_dir: Option<&Path>) -> Option<PathBuf> {
+        self.uniprot_database_path.clone().or_else(|| data_dir.map(|d| d.join(UNIPROT)))
+    }
+
     /// An error when the options or the `params` path ask for a multimer run (refused until
     /// the network is here), or when a multimer option is given for a monomer run.
     pub fn check(&self, params: &Path) -> anyhow::Result<()> {
@@ -110,6 +118,9 @@ mod tests {
         std::fs::write(dir.join("params_model_1_ptm.npz"), b"").unwrap();
         none.check(&dir).unwrap();
         monomer.check(&dir).unwrap();
+        assert_eq!(none.uniprot(Some(Path::new("d"))), Some(PathBuf::from("d/uniprot/uniprot.fasta")));
+        let given = MultimerArgs { uniprot_database_path: Some("u.fa".into()), ..Default::default() };
+        assert_eq!(given.uniprot(Some(Path::new("d"))), Some(PathBuf::from("u.fa")));
         let extra = MultimerArgs { num_multimer_predictions_per_model: Some(2), ..Default::default() };
         let err = extra.check(&dir).unwrap_err().to_string();
         assert!(err.starts_with("--num-multimer-predictions-per-model applies to AlphaFold-Multimer"), "{err}");

@@ -38,6 +38,8 @@ use tools::{threads, Tool, WorkDir};
 pub const UNIREF_MAX_HITS: usize = 10_000;
 /// Sequences kept from the MGnify search (AlphaFold's `mgnify_max_hits`).
 pub const MGNIFY_MAX_HITS: usize = 501;
+/// Where the UniProt search (AlphaFold-Multimer's pairing) is saved under a chain's `msas/`.
+pub const UNIPROT_FILE: &str = "uniprot_hits.sto";
 /// Where ColabFold's search result is saved under `msas/`.
 const MMSEQS_FILE: &str = "mmseqs2_uniref_env.a3m";
 /// Threads AlphaFold gives jackhmmer and hhblits (`n_cpu`), and hhsearch's own default.
@@ -252,6 +254,35 @@ impl Search {
     /// database's result saved in (or, reusing, read from) `msa_dir`; `mode` as
     /// [`SearchArgs::search`] was given.
     pub fn run(&self, name: &str, sequence: &str, msa_dir: &Path, mode: Mode) -> anyhow::Result<Found> {
+        self.with_query(name, sequence, msa_dir, mode, |ctx| self.run_in(ctx, sequence))
+    }
+
+    /// jackhmmer of `sequence` (the query named `name`) against UniProt at `uniprot`, with
+    /// AlphaFold's settings, for AlphaFold-Multimer's cross-chain pairing: saved whole as
+    /// `uniprot_hits.sto` in `msa_dir` (AlphaFold truncates only the parsed alignment) and
+    /// reused as the other alignments are.
+    pub fn uniprot(
+        &self,
+        name: &str,
+        sequence: &str,
+        uniprot: &Path,
+        msa_dir: &Path,
+        mode: Mode,
+    ) -> anyhow::Result<Msa> {
+        self.with_query(name, sequence, msa_dir, mode, |ctx| {
+            Ok(ctx.jackhmmer(&Step { file: UNIPROT_FILE, database: uniprot, max_sequences: None })?.0)
+        })
+    }
+
+    /// `f` with the query written to a scratch folder (removed afterwards) and `msa_dir` made.
+    fn with_query<T>(
+        &self,
+        name: &str,
+        sequence: &str,
+        msa_dir: &Path,
+        mode: Mode,
+        f: impl FnOnce(&Ctx) -> anyhow::Result<T>,
+    ) -> anyhow::Result<T> {
         if mode == Mode::Search {
             std::fs::create_dir_all(msa_dir).with_context(|| format!("creating {}", msa_dir.display()))?;
         }
@@ -259,7 +290,11 @@ impl Search {
         let query = work.path().join("query.fasta");
         std::fs::write(&query, format!(">{name}\n{sequence}\n"))
             .with_context(|| format!("writing {}", query.display()))?;
-        let ctx = Ctx { search: self, query: &query, work: &work, msa_dir, mode };
+        f(&Ctx { search: self, query: &query, work: &work, msa_dir, mode })
+    }
+
+    /// [`Search::run`] of `sequence` in a prepared context.
+    fn run_in(&self, ctx: &Ctx, sequence: &str) -> anyhow::Result<Found> {
         let db = match &self.plan {
             Plan::AlphaFold(db) => db,
             Plan::Mmseqs(dbs) => return Ok(Found { msa: ctx.mmseqs(MMSEQS_FILE, dbs)?, templates: None }),
