@@ -3,7 +3,9 @@
 pub mod confidence;
 pub mod features;
 pub mod geometry;
+pub mod ground_truth;
 pub mod input;
+pub mod loss;
 pub mod model;
 pub mod models;
 pub mod pdb;

@@ -1,0 +1,12 @@
+//! AlphaFold's monomer training loss (supplementary 1.9), term by term as DeepMind's code
+//! computes it, on the model's outputs and the [`crate::ground_truth::GroundTruth`] of the true
+//! structure. One file per group of terms:
+//!
+//! - [`structure`]: the structure module's loss: backbone FAPE over every iteration (clamped or
+//!   not), side-chain FAPE on the renamed ground truth, the chi and angle-norm losses.
+//!
+//! Each term is checked against DeepMind's code on the same parameters and batch, values and
+//! the gradient of every parameter (`tests/alphafold_loss.rs`).
+pub mod structure;
+
+pub use structure::{structure_loss, StructureLoss, StructureLossConfig};
