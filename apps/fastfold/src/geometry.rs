@@ -1,7 +1,7 @@
-//! Rigid transforms and the structure losses built on them, as AlphaFold defines them
-//! (Jumper et al. 2021, supplementary 1.8 and 1.9): frames from three atoms (Algorithm 21,
-//! AlphaFold's `r3`), frame-aligned point error (FAPE, Algorithm 28) and the distogram loss
-//! (1.9.8). Everything works on batched tch tensors with leading dimensions `[...]`.
+//! Rigid transforms and the point error built on them, as AlphaFold defines them (Jumper et al.
+//! 2021, supplementary 1.8 and 1.9): frames from three atoms (Algorithm 21, AlphaFold's `r3`)
+//! and frame-aligned point error (FAPE, Algorithm 28). Everything works on batched tch tensors
+//! with leading dimensions `[...]`.
 use tch::{Kind, Tensor};
 
 /// Rigid transforms `x -> R x + t`: rotations `[..., 3, 3]` and translations `[..., 3]`.
@@ -112,24 +112,6 @@ pub fn fape(
     (d / length_scale * &mask).sum_dim_intlist(dims.as_slice(), false, Kind::Float) / (count + EPS)
 }
 
-/// The distogram loss (AlphaFold 1.9.8): cross-entropy of the distogram logits `[..., N, N,
-/// bins]` against the bin of each true pairwise distance between `positions` `[..., N, 3]`
-/// (pseudo-beta atoms), bins split by `bins - 1` evenly spaced breaks from `first_break` to
-/// `last_break` (AlphaFold: 64 bins, 2.3125 to 21.6875 Å), averaged over the pairs where both
-/// residues are present (`mask` `[..., N]`).
-pub fn distogram_loss(logits: &Tensor, positions: &Tensor, mask: &Tensor, first_break: f64, last_break: f64) -> Tensor {
-    let bins = logits.size().last().copied().unwrap_or(2);
-    let breaks = Tensor::linspace(first_break, last_break, bins - 1, (Kind::Float, logits.device()));
-    let d2 = (positions.unsqueeze(-2) - positions.unsqueeze(-3)).square().sum_dim_intlist(-1, true, Kind::Float);
-    let true_bins = d2.gt_tensor(&breaks.square()).sum_dim_intlist(-1, false, Kind::Int64);
-    let log_p = logits.log_softmax(-1, Kind::Float);
-    let errors = -log_p.gather(-1, &true_bins.unsqueeze(-1), false).squeeze_dim(-1);
-    let pair_mask = mask.unsqueeze(-1) * mask.unsqueeze(-2);
-    let dims: Vec<i64> = vec![-1, -2];
-    (errors * &pair_mask).sum_dim_intlist(dims.as_slice(), false, Kind::Float)
-        / (pair_mask.sum_dim_intlist(dims.as_slice(), false, Kind::Float) + 1e-6)
-}
-
 #[cfg(test)]
 mod tests {
     use tch::Device;
@@ -200,24 +182,5 @@ mod tests {
         let mask = Tensor::from_slice(&[0f32, 1., 1., 1., 1., 1., 1.]);
         let l = fape(&frames, &frames, &fm, &far_one, &x, &mask, None, 10.0);
         assert!((l.double_value(&[]) - 1e-3).abs() < 1e-5, "{l:?}");
-    }
-
-    #[test]
-    fn distogram_loss_is_the_cross_entropy_of_the_true_bins() {
-        // Three residues on a line 3 A and 30 A apart: 4 bins with breaks 2, 10, 20.
-        let x = Tensor::from_slice(&[0f32, 0., 0., 3., 0., 0., 30., 0., 0.]).reshape([3, 3]);
-        let logits = Tensor::randn([3, 3, 4], F);
-        let loss = distogram_loss(&logits, &x, &Tensor::ones([3], F), 2.0, 20.0);
-        // True bins: 0 on the diagonal, 1 for the 3 A pair, 3 for the 27 and 30 A pairs.
-        let bins = [[0i64, 1, 3], [1, 0, 3], [3, 3, 0]];
-        let log_p = logits.log_softmax(-1, Kind::Float);
-        let mut want = 0.0;
-        for (i, row) in bins.iter().enumerate() {
-            for (j, &b) in row.iter().enumerate() {
-                want -= log_p.double_value(&[i as i64, j as i64, b]);
-            }
-        }
-        want /= 9.0;
-        assert!((loss.double_value(&[]) - want).abs() < 1e-4, "{loss:?} vs {want}");
     }
 }

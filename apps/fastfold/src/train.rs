@@ -22,12 +22,11 @@ use engine::optim::{clip_grad_norm, Optimizer, Param};
 use tch::{Device, Kind, Tensor};
 
 use crate::features::Features;
-use crate::geometry::distogram_loss;
 use crate::ground_truth::GroundTruth;
 use crate::input::{ChunkArgs, InputArgs};
+use crate::loss::heads::distogram_loss;
 use crate::loss::structure::{backbone_fape, StructureLossConfig};
 use crate::model::alphafold::{AlphaFold, Pass};
-use crate::model::heads::{DISTOGRAM_FIRST_BREAK, DISTOGRAM_LAST_BREAK};
 use crate::model::{Exec, Params, EVOFORMER, EXTRA_MSA};
 use crate::pdb::Structure;
 use crate::residue_constants::{RESNAMES, UNK_RESTYPE_INDEX};
@@ -142,9 +141,7 @@ pub fn losses(pass: &Pass, target: &Target) -> anyhow::Result<Losses> {
         &pass.heads.distogram.to_kind(Kind::Float),
         &target.truth.pseudo_beta,
         &target.truth.pseudo_beta_mask,
-        DISTOGRAM_FIRST_BREAK,
-        DISTOGRAM_LAST_BREAK,
-    );
+    )?;
     let total = &fape * FAPE_WEIGHT + &distogram * DISTOGRAM_WEIGHT;
     Ok(Losses { fape: fape.double_value(&[]), distogram: distogram.double_value(&[]), total })
 }

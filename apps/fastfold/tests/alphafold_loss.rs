@@ -10,7 +10,9 @@ use std::path::PathBuf;
 
 use fastfold::features::Features;
 use fastfold::ground_truth::GroundTruth;
-use fastfold::loss::{structure_loss, StructureLoss, StructureLossConfig};
+use fastfold::loss::{
+    head_losses, structure_loss, HeadLossConfig, MaskedMsaTarget, StructureLoss, StructureLossConfig,
+};
 use fastfold::model::alphafold::{AlphaFold, Pass};
 use fastfold::model::{Exec, Params};
 use tch::{Device, Kind, Tensor};
@@ -42,6 +44,9 @@ fn forward() -> (Params, Features, Pass, GroundTruth) {
     let truth = GroundTruth::new(&t["aatype"], &t["all_atom_positions"], &t["all_atom_mask"]).unwrap();
     (params, features, pass, truth)
 }
+
+/// The resolution the fixture's batch gives (Å), inside the confidence heads' range.
+const RESOLUTION: f64 = 2.0;
 
 /// Fails unless the scalar `got` is within [`VALUE_TOLERANCE`] of `want`, relatively.
 fn assert_term(what: &str, got: &Tensor, want: &Tensor) {
@@ -129,6 +134,29 @@ fn clamped_structure_loss_and_gradients_equal_alphafold() {
 #[test]
 fn unclamped_structure_loss_and_gradients_equal_alphafold() {
     check_structure_loss("unclamped", false);
+}
+
+#[test]
+fn head_losses_and_gradients_equal_alphafold() {
+    let want = arrays("head_losses.npz");
+    let (params, features, pass, truth) = forward();
+    let (true_msa, bert_mask) = (features.true_msa.get(0), features.bert_mask.get(0));
+    let msa = MaskedMsaTarget { true_msa: &true_msa, bert_mask: &bert_mask };
+    let cfg = HeadLossConfig::default();
+    let l = head_losses(&pass.heads, &pass.structure, &msa, &truth, RESOLUTION, &cfg).unwrap();
+    let pae = l.aligned_error.as_ref().expect("the fixture's parameters have the aligned-error head");
+    for (what, got) in [
+        ("distogram", &l.distogram),
+        ("masked_msa", &l.masked_msa),
+        ("predicted_lddt", &l.plddt),
+        ("experimentally_resolved", &l.experimentally_resolved),
+        ("predicted_aligned_error", pae),
+    ] {
+        assert_term(&format!("{what}/loss"), got, &want[&format!("{what}/loss")]);
+    }
+    assert_term("weighted sum", &l.loss, &want["loss"]);
+    l.loss.backward();
+    assert_gradients("heads' loss", &params, &want["grad"]);
 }
 
 #[test]
