@@ -3,8 +3,10 @@
 pub mod confidence;
 pub mod features;
 pub mod geometry;
+pub mod ground_truth;
 pub mod input;
 pub mod jax_random;
+pub mod loss;
 pub mod model;
 pub mod models;
 pub mod multimer;

@@ -22,22 +22,19 @@ use engine::optim::{clip_grad_norm, Optimizer, Param};
 use tch::{Device, Kind, Tensor};
 
 use crate::features::Features;
-use crate::geometry::{distogram_loss, fape, Rigid};
+use crate::ground_truth::GroundTruth;
 use crate::input::{ChunkArgs, InputArgs};
+use crate::loss::heads::distogram_loss;
+use crate::loss::structure::{backbone_fape, StructureLossConfig};
 use crate::model::alphafold::{AlphaFold, Pass};
-use crate::model::embedders::pseudo_beta;
-use crate::model::heads::{DISTOGRAM_FIRST_BREAK, DISTOGRAM_LAST_BREAK};
 use crate::model::{Exec, Params, EVOFORMER, EXTRA_MSA};
 use crate::pdb::Structure;
-use crate::residue_constants::{atom_order, RESNAMES, UNK_RESTYPE_INDEX};
+use crate::residue_constants::{RESNAMES, UNK_RESTYPE_INDEX};
 
 /// Weight of the backbone FAPE (half of AlphaFold's structure-module weight of 1).
 pub const FAPE_WEIGHT: f64 = 0.5;
 /// Weight of the distogram loss (AlphaFold's `distogram.weight`).
 pub const DISTOGRAM_WEIGHT: f64 = 0.3;
-/// FAPE clamp and length scale, Å.
-const FAPE_CLAMP: f64 = 10.0;
-const FAPE_SCALE: f64 = 10.0;
 
 /// `fastfold train`'s options.
 #[derive(clap::Args, Debug, Clone)]
@@ -82,14 +79,8 @@ pub struct TrainArgs {
 
 /// The true structure in the layouts the losses read.
 pub struct Target {
-    /// Backbone frames from N, CA, C [N].
-    frames: Rigid,
-    /// 1 where N, CA and C are all present [N].
-    frame_mask: Tensor,
-    /// Pseudo-beta positions [N, 3].
-    pseudo_beta: Tensor,
-    /// 1 where the pseudo-beta atom is present [N].
-    pseudo_beta_mask: Tensor,
+    /// The ground truth, as AlphaFold computes it from the structure.
+    pub truth: GroundTruth,
 }
 
 impl Target {
@@ -120,25 +111,15 @@ impl Target {
         let positions = Tensor::from_slice(&flat).view([n, 37, 3]).to_device(device);
         let flat: Vec<f32> = s.mask.iter().flatten().copied().collect();
         let mask = Tensor::from_slice(&flat).view([n, 37]).to_device(device);
-        let atom = |name: &str| atom_order(name).map(|i| i as i64).context("atom name in atom37");
-        let (n_at, ca, c, cb) = (atom("N")?, atom("CA")?, atom("C")?, atom("CB")?);
-        let frames = Rigid::from_three_points(
-            &positions.select(1, n_at),
-            &positions.select(1, ca),
-            &positions.select(1, c),
-            1e-8,
-        );
-        let frame_mask = mask.select(1, n_at) * mask.select(1, ca) * mask.select(1, c);
-        let gly = aatype.eq(7).to_kind(Kind::Float);
-        let pseudo_beta_mask: Tensor = &gly * mask.select(1, ca) + (1.0 - &gly) * mask.select(1, cb);
+        let truth = GroundTruth::new(aatype, &positions, &mask).with_context(|| source.to_string())?;
         // Without them a loss term is 0 and training would go on, silently, without it.
-        if frame_mask.sum(Kind::Float).double_value(&[]) == 0.0 {
+        if truth.backbone()?.1.sum(Kind::Float).double_value(&[]) == 0.0 {
             bail!("{source}: no residue has the N, CA and C atoms that backbone FAPE needs");
         }
-        if pseudo_beta_mask.sum(Kind::Float).double_value(&[]) == 0.0 {
+        if truth.pseudo_beta_mask.sum(Kind::Float).double_value(&[]) == 0.0 {
             bail!("{source}: no residue has the CB atom (CA for glycine) that the distogram loss needs");
         }
-        Ok(Target { frames, frame_mask, pseudo_beta: pseudo_beta(aatype, &positions)?, pseudo_beta_mask })
+        Ok(Target { truth })
     }
 }
 
@@ -154,21 +135,13 @@ pub struct Losses {
 
 /// The loss of `pass` against `target`, in fp32.
 pub fn losses(pass: &Pass, target: &Target) -> anyhow::Result<Losses> {
-    let s = &pass.structure;
-    let layers = s.rotations.size()[0];
-    let expand = |t: &Tensor| t.unsqueeze(0).expand([&[layers][..], &t.size()[..]].concat(), true);
-    let pred = Rigid { rot: s.rotations.to_kind(Kind::Float), trans: s.translations.to_kind(Kind::Float) };
-    let truth = Rigid { rot: expand(&target.frames.rot), trans: expand(&target.frames.trans) };
-    let mask = expand(&target.frame_mask);
-    let fape =
-        fape(&pred, &truth, &mask, &pred.trans, &truth.trans, &mask, Some(FAPE_CLAMP), FAPE_SCALE).mean(Kind::Float);
+    let clamped = backbone_fape(&pass.structure, &target.truth, true, &StructureLossConfig::default())?;
+    let fape = clamped.mean(Kind::Float);
     let distogram = distogram_loss(
         &pass.heads.distogram.to_kind(Kind::Float),
-        &target.pseudo_beta,
-        &target.pseudo_beta_mask,
-        DISTOGRAM_FIRST_BREAK,
-        DISTOGRAM_LAST_BREAK,
-    );
+        &target.truth.pseudo_beta,
+        &target.truth.pseudo_beta_mask,
+    )?;
     let total = &fape * FAPE_WEIGHT + &distogram * DISTOGRAM_WEIGHT;
     Ok(Losses { fape: fape.double_value(&[]), distogram: distogram.double_value(&[]), total })
 }

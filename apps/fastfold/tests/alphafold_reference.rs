@@ -3,6 +3,8 @@
 //! monomer code in fp32, random parameters of small widths with every `model_1_ptm` module,
 //! 8 structure-module iterations, two recycling passes). Each step of the template path is
 //! compared on AlphaFold's own inputs to that step, then the whole prediction end to end.
+mod common;
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 
@@ -35,13 +37,7 @@ fn setup() -> (Params, Features, HashMap<String, Tensor>) {
 
 /// Fails with the largest difference when `got` is not `want` within [`TOLERANCE`].
 fn assert_close(what: &str, got: &Tensor, want: &Tensor) {
-    assert_eq!(got.size(), want.size(), "{what}: shape");
-    let got = got.detach().to_kind(Kind::Double);
-    let want = want.to_kind(Kind::Double);
-    let diff = (&got - &want).abs().max().double_value(&[]);
-    let scale = want.abs().max().double_value(&[]).max(1.0);
-    eprintln!("{what}: max |ours - AlphaFold| = {diff:.2e}, largest |AlphaFold| {scale:.2e}");
-    assert!(diff <= TOLERANCE * scale, "{what}: max |ours - AlphaFold| = {diff:.3e} (largest |AlphaFold| {scale:.3e})");
+    common::assert_close(what, got, want, TOLERANCE);
 }
 
 /// The last pass's batch (slice 1), where AlphaFold recorded the template path.

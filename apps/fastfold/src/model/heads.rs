@@ -81,8 +81,8 @@ impl DistogramHead {
     }
 
     /// `pair` [N, N, c_z] → symmetric logits [N, N, bins], bins split at evenly spaced breaks
-    /// from [`DISTOGRAM_FIRST_BREAK`] to [`DISTOGRAM_LAST_BREAK`] (as
-    /// [`crate::geometry::distogram_loss`] takes them).
+    /// from [`DISTOGRAM_FIRST_BREAK`] to [`DISTOGRAM_LAST_BREAK`] (as the distogram loss
+    /// takes them).
     pub fn forward(&self, pair: &Tensor) -> Result<Tensor> {
         let n = pair.size().first().copied();
         check("pair", pair, &[n, n], self.c_z)?;

@@ -233,6 +233,8 @@ pub struct StructureOutput {
     pub angles: Tensor,
     /// Unnormalised torsion (sin, cos) [layers, N, 7, 2].
     pub unnormalized_angles: Tensor,
+    /// The eight rigid-group frames of the last iteration [N, 8], Å (side-chain FAPE's).
+    pub frames: Rigid,
     /// Final atom positions [N, 14, 3], Å.
     pub atom14: Tensor,
     /// Final atom positions [N, 37, 3], Å.
@@ -388,6 +390,7 @@ impl StructureModule {
             translations: Tensor::f_stack(&translations, 0)?,
             angles: Tensor::f_stack(&angles, 0)?,
             unnormalized_angles: Tensor::f_stack(&raw_angles, 0)?,
+            frames,
             atom14,
             atom37,
             atom37_mask,

@@ -356,3 +356,12 @@ pub const RIGID_GROUP_ATOM_POSITIONS: [&[(&str, usize, [f64; 3])]; 20] = [
         ("CG2", 4, [0.533, -0.776, 1.203]),
     ],
 ];
+
+/// `residue_atom_renaming_swaps`: the side-chain atoms whose names a 180° rotation of the last
+/// chi group exchanges (supplementary Table 3), by residue name.
+pub const RESIDUE_ATOM_RENAMING_SWAPS: [(&str, &[(&str, &str)]); 4] = [
+    ("ASP", &[("OD1", "OD2")]),
+    ("GLU", &[("OE1", "OE2")]),
+    ("PHE", &[("CD1", "CD2"), ("CE1", "CE2")]),
+    ("TYR", &[("CD1", "CD2"), ("CE1", "CE2")]),
+];

@@ -201,6 +201,82 @@ pub fn restype_atom14_rigid_group_mask() -> [[f32; 14]; 21] {
     std::array::from_fn(|r| std::array::from_fn(|k| f32::from(u8::from(rigid_group_entry(r, k).is_some()))))
 }
 
+/// The `aatype` and atom14 slots of each swap of [`RESIDUE_ATOM_RENAMING_SWAPS`].
+fn renaming_swaps() -> impl Iterator<Item = (usize, usize, usize)> {
+    RESIDUE_ATOM_RENAMING_SWAPS.iter().flat_map(|&(resname, swaps)| {
+        let r = RESNAMES.iter().position(|&n| n == resname).unwrap_or(UNK_RESTYPE_INDEX);
+        let slot = move |name: &str| RESTYPE_NAME_TO_ATOM14_NAMES[r].iter().position(|&n| n == name).unwrap_or(0);
+        swaps.iter().map(move |&(a, b)| (r, slot(a), slot(b)))
+    })
+}
+
+/// `restype_atom14_is_ambiguous`: 1 for the atom14 atoms whose names a symmetric side chain's
+/// flip exchanges ([`RESIDUE_ATOM_RENAMING_SWAPS`]).
+pub fn restype_atom14_is_ambiguous() -> [[f32; 14]; 21] {
+    let mut t = [[0.0; 14]; 21];
+    for (r, a, b) in renaming_swaps() {
+        t[r][a] = 1.0;
+        t[r][b] = 1.0;
+    }
+    t
+}
+
+/// The renaming permutation of AlphaFold's `RENAMING_MATRICES`: for each residue type and
+/// atom14 slot, the slot whose atom takes its name under the alternative naming (its swap
+/// partner, else itself).
+pub fn restype_atom14_renaming() -> [[usize; 14]; 21] {
+    let mut t: [[usize; 14]; 21] = [std::array::from_fn(|k| k); 21];
+    for (r, a, b) in renaming_swaps() {
+        t[r][a] = b;
+        t[r][b] = a;
+    }
+    t
+}
+
+/// `atom37_to_frames`'s base atoms: for each residue type and rigid group, the atom37 indices
+/// of the three atoms its frame is built from (a point on the negative x axis, the origin, a
+/// point in the xy plane): C, CA, N for the backbone, CA, C, O for psi, the last three atoms
+/// of each chi angle; 0 for the groups a residue type does not have.
+pub fn restype_rigidgroup_base_atom37_idx() -> [[[usize; 3]; 8]; 21] {
+    let idx = |names: [&str; 3]| names.map(|n| atom_order(n).unwrap_or(0));
+    std::array::from_fn(|r| {
+        std::array::from_fn(|g| match g {
+            0 => idx(["C", "CA", "N"]),
+            3 => idx(["CA", "C", "O"]),
+            4..=7 => match CHI_ANGLES_ATOMS.get(r).and_then(|c| c.get(g - 4)) {
+                Some(&[_, a, b, c]) => idx([a, b, c]),
+                None => [0; 3],
+            },
+            _ => [0; 3],
+        })
+    })
+}
+
+/// `atom37_to_frames`'s group mask: 1 for the rigid groups a residue type has (backbone, psi
+/// and its chi groups; pre-omega and phi move no heavy atom and count as absent).
+pub fn restype_rigidgroup_mask() -> [[f32; 8]; 21] {
+    std::array::from_fn(|r| {
+        std::array::from_fn(|g| match g {
+            0 | 3 => 1.0,
+            4..=7 => CHI_ANGLES_MASK[r][g - 4],
+            _ => 0.0,
+        })
+    })
+}
+
+/// `atom37_to_frames`'s ambiguity mask: 1 for the last chi group of the residue types with a
+/// renaming swap, whose frame the swap turns by 180° about its x axis.
+pub fn restype_rigidgroup_is_ambiguous() -> [[f32; 8]; 21] {
+    let mut t = [[0.0; 8]; 21];
+    for &(resname, _) in &RESIDUE_ATOM_RENAMING_SWAPS {
+        if let Some(r) = RESNAMES.iter().position(|&n| n == resname) {
+            let chis = CHI_ANGLES_MASK[r].iter().filter(|&&m| m > 0.0).count();
+            t[r][3 + chis] = 1.0;
+        }
+    }
+    t
+}
+
 type Mat4 = [[f64; 4]; 4];
 
 fn sub(a: [f64; 3], b: [f64; 3]) -> [f64; 3] {
@@ -292,6 +368,16 @@ pub struct Tables {
     pub chi_angles_mask: Tensor,
     /// `chi_pi_periodic` [21, 4].
     pub chi_pi_periodic: Tensor,
+    /// `restype_atom14_is_ambiguous` [21, 14].
+    pub atom14_is_ambiguous: Tensor,
+    /// [`restype_atom14_renaming`] [21, 14].
+    pub atom14_renaming: Tensor,
+    /// [`restype_rigidgroup_base_atom37_idx`] [21, 8, 3].
+    pub rigidgroup_base_atoms: Tensor,
+    /// [`restype_rigidgroup_mask`] [21, 8].
+    pub rigidgroup_mask: Tensor,
+    /// [`restype_rigidgroup_is_ambiguous`] [21, 8].
+    pub rigidgroup_is_ambiguous: Tensor,
 }
 
 fn floats(values: &[f32], shape: &[i64], device: Device) -> Tensor {
@@ -324,6 +410,15 @@ impl Tables {
             ),
             chi_angles_mask: floats(CHI_ANGLES_MASK.as_flattened(), &[21, 4], device),
             chi_pi_periodic: floats(CHI_PI_PERIODIC.as_flattened(), &[21, 4], device),
+            atom14_is_ambiguous: floats(restype_atom14_is_ambiguous().as_flattened(), &[21, 14], device),
+            atom14_renaming: indices(restype_atom14_renaming().into_iter().flatten(), &[21, 14], device),
+            rigidgroup_base_atoms: indices(
+                restype_rigidgroup_base_atom37_idx().into_iter().flatten().flatten(),
+                &[21, 8, 3],
+                device,
+            ),
+            rigidgroup_mask: floats(restype_rigidgroup_mask().as_flattened(), &[21, 8], device),
+            rigidgroup_is_ambiguous: floats(restype_rigidgroup_is_ambiguous().as_flattened(), &[21, 8], device),
         }
     }
 }

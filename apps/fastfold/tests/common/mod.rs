@@ -23,3 +23,20 @@ pub fn tiny_params() -> &'static Path {
         path
     })
 }
+
+/// Fails with the largest difference unless `got` equals `want` within `tolerance` times the
+/// larger of 1 and `want`'s largest magnitude (a relative bound for arrays of large values, an
+/// absolute one for small ones); prints the difference either way.
+pub fn assert_close(what: &str, got: &tch::Tensor, want: &tch::Tensor, tolerance: f64) {
+    use tch::Kind;
+    assert_eq!(got.size(), want.size(), "{what}: shape");
+    let got = got.detach().to_kind(Kind::Double);
+    let want = want.to_kind(Kind::Double);
+    let diff = (&got - &want).abs().max().double_value(&[]);
+    let scale = want.abs().max().double_value(&[]).max(1.0);
+    eprintln!("{what}: max |ours - AlphaFold| = {diff:.2e}, largest |AlphaFold| {scale:.2e}");
+    assert!(
+        diff <= tolerance * scale,
+        "{what}: max |ours - AlphaFold| = {diff:.3e} (largest |AlphaFold| {scale:.3e}, tolerance {tolerance:.0e})"
+    );
+}

@@ -1,0 +1,16 @@
+//! AlphaFold's monomer training loss (supplementary 1.9), term by term as DeepMind's code
+//! computes it, on the model's outputs and the [`crate::ground_truth::GroundTruth`] of the true
+//! structure. One file per group of terms:
+//!
+//! - [`structure`]: the structure module's loss: backbone FAPE over every iteration (clamped or
+//!   not), side-chain FAPE on the renamed ground truth, the chi and angle-norm losses.
+//! - [`heads`]: the other heads' losses: distogram, masked MSA, pLDDT, experimentally resolved
+//!   and predicted aligned error, and their weighted sum.
+//!
+//! Each term is checked against DeepMind's code on the same parameters and batch, values and
+//! the gradient of every parameter (`tests/alphafold_loss.rs`).
+pub mod heads;
+pub mod structure;
+
+pub use heads::{head_losses, HeadLossConfig, HeadLosses, MaskedMsaTarget};
+pub use structure::{structure_loss, StructureLoss, StructureLossConfig};
