@@ -7,6 +7,7 @@ pub mod input;
 pub mod model;
 pub mod models;
 pub mod pdb;
+pub mod plots;
 pub mod predict;
 pub mod preset;
 pub mod profile;
