@@ -7,6 +7,7 @@ use std::time::Duration;
 pub mod gemini_model;
 mod ports;
 mod scratch;
+pub mod slurm;
 mod tensorboard;
 
 pub use ports::free_port;
