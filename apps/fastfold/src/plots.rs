@@ -21,6 +21,7 @@ use std::ops::Range;
 use std::path::Path;
 
 use anyhow::{anyhow, bail, Context};
+use plotters::coord::types::RangedCoordf64;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
@@ -366,6 +367,26 @@ pub fn pae(models: &[(String, &[Vec<f64>])], chains: &[usize]) -> anyhow::Result
     })
 }
 
+/// A chart over positions: its axes without a grid, ticks in the plots' font, the x axis named
+/// "Positions" and the y axis `y`.
+fn named_axes(
+    chart: &mut ChartContext<BitMapBackend, Cartesian2d<RangedCoordf64, RangedCoordf64>>,
+    y: &str,
+    what: &'static str,
+) -> anyhow::Result<()> {
+    chart
+        .configure_mesh()
+        .disable_mesh()
+        .x_desc("Positions")
+        .y_desc(y)
+        .label_style(font(TEXT))
+        .axis_desc_style(font(TEXT))
+        .x_label_formatter(&tick)
+        .y_label_formatter(&tick)
+        .draw()
+        .map_err(drawing(what))
+}
+
 /// Axis ranges a little wider than the data, as matplotlib's autoscaling leaves them (5% of
 /// the span each side).
 fn padded(lo: f64, hi: f64) -> Range<f64> {
@@ -391,17 +412,7 @@ pub fn plddt(models: &[(String, &[f64])], chains: &[usize]) -> anyhow::Result<Fi
             .y_label_area_size(110)
             .build_cartesian_2d(padded(0.0, n.saturating_sub(1) as f64), 0.0..100.0)
             .map_err(drawing(WHAT))?;
-        chart
-            .configure_mesh()
-            .disable_mesh()
-            .x_desc("Positions")
-            .y_desc("Predicted lDDT")
-            .label_style(font(TEXT))
-            .axis_desc_style(font(TEXT))
-            .x_label_formatter(&tick)
-            .y_label_formatter(&tick)
-            .draw()
-            .map_err(drawing(WHAT))?;
+        named_axes(&mut chart, "Predicted lDDT", WHAT)?;
         for (k, (label, p)) in models.iter().enumerate() {
             let colour = TAB10[k % TAB10.len()];
             let points = p.iter().enumerate().map(|(i, &v)| (i as f64, v));
@@ -524,17 +535,7 @@ pub fn coverage(msa: &[Vec<i64>], chains: &[usize]) -> anyhow::Result<Figure> {
         }
         let depth = (0..cols as usize).map(|c| (c as f64 + 0.5, cov.rows.iter().filter(|(_, p)| p[c]).count() as f64));
         chart.draw_series(LineSeries::new(depth, BLACK.stroke_width(3))).map_err(drawing(WHAT))?;
-        chart
-            .configure_mesh()
-            .disable_mesh()
-            .x_desc("Positions")
-            .y_desc("Sequences")
-            .label_style(font(TEXT))
-            .axis_desc_style(font(TEXT))
-            .x_label_formatter(&tick)
-            .y_label_formatter(&tick)
-            .draw()
-            .map_err(drawing(WHAT))?;
+        named_axes(&mut chart, "Sequences", WHAT)?;
         let label = Some("Sequence identity to query");
         colour_bar(&bar, (top, below), 1.0, rainbow_r, label, WHAT)?;
         Ok(vec![panel(&chart)])
