@@ -146,7 +146,8 @@ impl SlurmCluster {
         let socket = dir.join("munge.socket");
         let conf = dir.join("slurm.conf");
         let d = dir.display();
-        let (ctld_port, slurmd_port) = (free_port(), free_port());
+        let ctld_port = free_port();
+        let slurmd_port = std::iter::repeat_with(free_port).find(|&p| p != ctld_port).unwrap_or(ctld_port);
         let config = format!(
             "# A one-node test cluster (suite_tests::slurm), written for this run.\n\
              ClusterName=suite\nSlurmctldHost={node}(127.0.0.1)\nSlurmctldPort={ctld_port}\n\
