@@ -24,10 +24,11 @@ if [ "$(printf '%s\n%s\n' "$need" "$have" | sort -V | head -n 1)" != "$need" ]; 
 fi
 
 # 1. Debian packages: Gloo headers for the c10d bridge (the Gloo code itself is inside
-#    libtorch), HDF5 for the data crate, a C++ compiler for the bridge, and OpenMPI's mpirun,
-#    one of the launchers the tests start jobs with; the homology-search tools AlphaFold and
-#    ColabFold run (`fastfold predict --data-dir`; its tests fail without them).
-debs=(libgloo-dev libhdf5-dev pkg-config g++ python3-venv openmpi-bin hmmer hhsuite kalign mmseqs2)
+#    libtorch), HDF5 for the data crate, a C++ compiler for the bridge, and OpenMPI's mpirun
+#    and Slurm (slurm-wlm, with munge for its authentication), launchers the tests start jobs
+#    with (the Slurm test runs a one-node cluster of its own); the homology-search tools
+#    AlphaFold and ColabFold run (`fastfold predict --data-dir`; its tests fail without them).
+debs=(libgloo-dev libhdf5-dev pkg-config g++ python3-venv openmpi-bin slurm-wlm munge hmmer hhsuite kalign mmseqs2)
 missing=()
 for p in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

@@ -30,31 +30,45 @@ impl Image {
         self.pixels[(c * self.height + y) * self.width + x]
     }
 
-    /// Writes the image as an 8-bit PNG (grey or RGB), values in `[0, 1]` clamped and rounded,
-    /// atomically (nothing is left at `path` if writing fails).
-    pub fn write_png(&self, path: &std::path::Path) -> Result<()> {
-        let color = match self.channels {
-            1 => image::ExtendedColorType::L8,
-            3 => image::ExtendedColorType::Rgb8,
-            c => {
-                return Err(crate::Error::Format {
-                    path: path.to_path_buf(),
-                    msg: format!("PNG output needs 1 or 3 channels, not {c}"),
-                })
-            }
-        };
+    /// The image as an 8-bit PNG file's bytes (grey or RGB), values in `[0, 1]` clamped and
+    /// rounded.
+    pub fn png(&self) -> std::result::Result<Vec<u8>, String> {
         let plane = self.height * self.width;
         let mut bytes = vec![0u8; self.channels * plane];
         for (i, b) in bytes.iter_mut().enumerate() {
             let v = self.pixels[(i % self.channels) * plane + i / self.channels];
             *b = (v.clamp(0.0, 1.0) * 255.0).round() as u8;
         }
+        encode_png(&bytes, self.width, self.height, self.channels)
+    }
+
+    /// Writes the image as an 8-bit PNG ([`Image::png`]), atomically (nothing is left at `path`
+    /// if writing fails).
+    pub fn write_png(&self, path: &std::path::Path) -> Result<()> {
+        let png = self.png().map_err(|msg| crate::Error::Format { path: path.to_path_buf(), msg })?;
         crate::write_atomic(path, |w| -> Result<()> {
-            image::codecs::png::PngEncoder::new(w)
-                .write_image(&bytes, self.width as u32, self.height as u32, color)
-                .map_err(|e| crate::Error::Format { path: path.to_path_buf(), msg: format!("encoding PNG: {e}") })
+            use std::io::Write;
+            w.write_all(&png).map_err(|e| crate::Error::Io { path: path.to_path_buf(), source: e })
         })
     }
+}
+
+/// An 8-bit PNG file's bytes from interleaved pixels (`height` rows of `width` pixels of
+/// `channels` bytes: 1 grey, 3 RGB).
+pub fn encode_png(bytes: &[u8], width: usize, height: usize, channels: usize) -> std::result::Result<Vec<u8>, String> {
+    let color = match channels {
+        1 => image::ExtendedColorType::L8,
+        3 => image::ExtendedColorType::Rgb8,
+        c => return Err(format!("PNG output needs 1 or 3 channels, not {c}")),
+    };
+    if bytes.len() != width * height * channels {
+        return Err(format!("{} bytes are not {height} rows of {width} pixels of {channels} bytes", bytes.len()));
+    }
+    let mut png = Vec::new();
+    image::codecs::png::PngEncoder::new(&mut png)
+        .write_image(bytes, width as u32, height as u32, color)
+        .map_err(|e| format!("encoding PNG: {e}"))?;
+    Ok(png)
 }
 
 /// Writes each image to its path as [`Image::write_png`] does, all or none: the images of one

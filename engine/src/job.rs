@@ -6,7 +6,7 @@
 //! | [`DeviceArgs`] | `--device` |
 //! | [`LaunchArgs`] | `--device --nproc --timeout` (and [`LaunchArgs::launch_or_join`]) |
 //! | [`SeedArgs`] | `--seed` |
-//! | [`JobArgs`] | a training job's launch, `--quiet` and `--metrics` |
+//! | [`JobArgs`] | a training job's launch, `--quiet`, `--metrics`, `--report-to` and `--logging-dir` (and [`JobArgs::open_metrics`]) |
 //! | [`PrecisionArgs`] | `--precision fp32\|bf16\|fp16` |
 //! | [`OptimizerArgs`] | `--optimizer --lr --weight-decay --clip-grad` (and [`OptimizerArgs::build`]) |
 //! | [`ScheduleArgs`] | `--warmup --decay --min-lr-ratio` |
@@ -16,7 +16,7 @@
 //! `#[command(mut_arg("lr", |a| a.default_value("3e-2")))]`, so `--help` shows the command's
 //! own defaults. A command that supports only some precisions narrows the flag the same way
 //! with [`Precision::parser`].
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::builder::{PossibleValuesParser, TypedValueParser};
@@ -25,8 +25,9 @@ use tch::Kind;
 use crate::device::DeviceKind;
 use crate::dist::{self, InitOptions, World};
 use crate::gemini::CpuRule;
+use crate::metrics::{Metrics, Record};
 use crate::optim::{AdamW, AdamWConfig, Decay, Lamb, LambConfig, Lars, LarsConfig, LrSchedule, Optimizer, Param};
-use crate::Result;
+use crate::{Error, Result};
 
 use crate::parse::{count, non_negative, positive, seconds, share};
 
@@ -100,6 +101,39 @@ pub struct JobArgs {
     /// The training log's file name in the output folder (`.csv` for CSV, else JSON lines).
     #[arg(long, default_value = "metrics.jsonl")]
     pub metrics: PathBuf,
+    /// Also log to: tensorboard (event files under --logging-dir), or none (diffusers' flag).
+    #[arg(long, value_enum, default_value_t = ReportTo::None)]
+    pub report_to: ReportTo,
+    /// TensorBoard's folder, in the output folder unless absolute (diffusers' flag); the event
+    /// files go to `<logging-dir>/<command>`, as accelerate's tracker puts them under the run's
+    /// name.
+    #[arg(long, default_value = "logs")]
+    pub logging_dir: PathBuf,
+}
+
+/// Where a training log goes besides the metrics file (`--report-to`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ReportTo {
+    /// Only the metrics file.
+    None,
+    /// Also TensorBoard event files.
+    Tensorboard,
+}
+
+impl JobArgs {
+    /// Opens the training log for records of `R` in the output folder `out` (rank 0's): the
+    /// metrics file, and under `--report-to tensorboard` event files in
+    /// `<out>/<logging-dir>/<run>` (`run`: the command, e.g. `vit-pretrain`). `resume_step`: as
+    /// for [`Metrics::open`].
+    pub fn open_metrics<R: Record>(&self, out: &Path, resume_step: Option<usize>, run: &str) -> Result<Metrics> {
+        let metrics = Metrics::open::<R>(&out.join(&self.metrics), resume_step)?;
+        match self.report_to {
+            ReportTo::None => Ok(metrics),
+            ReportTo::Tensorboard => metrics
+                .with_tensorboard(&out.join(&self.logging_dir).join(run), resume_step)
+                .map_err(|e| Error::Invalid(format!("--logging-dir {}: {e}", self.logging_dir.display()))),
+        }
+    }
 }
 
 /// Arithmetic precision of a model's weights and activations (`--precision`).
@@ -295,6 +329,44 @@ mod tests {
         assert!(err.contains("fp16") && err.contains("fp32, bf16"), "{err}");
         let s = c.schedule.schedule(1.0, 10);
         assert_eq!((s.at(0), s.at(1), s.at(9)), (0.0, 0.2, 1.0));
+    }
+
+    #[test]
+    fn report_to_tensorboard_logs_under_the_logging_dir() {
+        let c = Command::try_parse_from(["x"]).unwrap();
+        assert_eq!((c.job.report_to, c.job.logging_dir.as_path()), (ReportTo::None, Path::new("logs")));
+        let err = Command::try_parse_from(["x", "--report-to", "wandb"]).err().unwrap().to_string();
+        assert!(err.contains("wandb") && err.contains("none, tensorboard"), "{err}");
+        let dir = std::env::temp_dir().join(format!("engine-job-logs-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let c = Command::try_parse_from(["x", "--report-to", "tensorboard", "--logging-dir", "tb"]).unwrap();
+        drop(c.job.open_metrics::<Step>(&dir, None, "run").unwrap());
+        assert!(dir.join("tb/run").is_dir());
+        // A logging folder that cannot be made is named with its flag.
+        std::fs::write(dir.join("file"), "").unwrap();
+        let c = Command::try_parse_from(["x", "--report-to", "tensorboard", "--logging-dir", "file"]).unwrap();
+        let err = c.job.open_metrics::<Step>(&dir, None, "run").err().unwrap().to_string();
+        assert!(err.contains("--logging-dir file") && err.contains("file/run"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[derive(serde::Serialize)]
+    struct Step {
+        step: usize,
+    }
+
+    impl Record for Step {
+        const CSV_HEADER: &'static str = "step";
+        fn csv_row(&self) -> String {
+            self.step.to_string()
+        }
+        fn step(&self) -> usize {
+            self.step
+        }
+        fn scalars(&self) -> Vec<(&'static str, f64)> {
+            vec![]
+        }
     }
 
     #[test]

@@ -7,9 +7,12 @@ use std::time::Duration;
 pub mod gemini_model;
 mod ports;
 mod scratch;
+pub mod slurm;
+mod tensorboard;
 
 pub use ports::free_port;
 pub use scratch::{scratch, Scratch};
+pub use tensorboard::{read_tensorboard, Events};
 
 use engine::dist::{self, InitOptions, SpawnOptions, World};
 use tch::{Device, Tensor};

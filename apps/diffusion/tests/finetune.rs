@@ -191,7 +191,7 @@ fn the_command_trains_logs_validates_and_saves() {
     // Two prompts, two images each after every step; the losses in a CSV; under a cap.
     let validation = ["--validation-prompt", "a red car", "--validation-prompt", "the sea"];
     let every_step = ["--validation-steps", "1", "--num-validation-images", "2"];
-    let other = ["--snr-gamma", "5", "--metrics", "log.csv", "--gpu-mem", "1G"];
+    let other = ["--snr-gamma", "5", "--metrics", "log.csv", "--gpu-mem", "1G", "--report-to", "tensorboard"];
     let flags = [&SMALL_RUN[..], &validation, &every_step, &other].concat();
     let (ok, text) = finetune(&model, &data, &out, &flags);
     assert!(ok, "{text}");
@@ -218,6 +218,22 @@ fn the_command_trains_logs_validates_and_saves() {
     assert_eq!((a.height, a.width), (16, 16));
     assert_ne!(a.pixels, b.pixels, "two images of one prompt differ");
     assert_ne!(image("step-2-0.png").pixels, image("step-2-2.png").pixels, "the prompts' images differ");
+    // TensorBoard's own reader finds every step's scalars (the CSV's losses) and every
+    // validation image at its step, under diffusers' default --logging-dir.
+    let events = suite_tests::read_tensorboard(&out.join("logs/diffusion-finetune"));
+    for tag in ["train/loss", "train/lr", "train/step_seconds", "train/grad_norm", "train/peak_memory_gib"] {
+        assert_eq!(events.steps(tag), [1, 2], "{tag}: {events:?}");
+    }
+    for (row, logged) in rows[1..].iter().zip(events.values("train/loss")) {
+        assert!(
+            (row[1].parse::<f64>().unwrap() - logged).abs() < 1e-5,
+            "TensorBoard's loss {logged}, the CSV's {row:?}"
+        );
+    }
+    assert_eq!(events.values("train/lr"), [1e-3f32 as f64; 2]);
+    let tags: Vec<&String> = events.images.keys().collect();
+    assert_eq!(tags, ["validation/0", "validation/1", "validation/2", "validation/3"]);
+    assert!(events.images.values().all(|v| v[..] == [(1, 16, 16), (2, 16, 16)]), "{:?}", events.images);
     let trained = StableDiffusion::load(&out.join("model"), Device::Cpu, Kind::Float).unwrap();
     let base = load();
     let changed = trained.unet_vs.variables().iter().filter(|(k, t)| !t.equal(&base.unet_vs.variables()[*k])).count();

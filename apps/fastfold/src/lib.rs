@@ -11,6 +11,7 @@ pub mod model;
 pub mod models;
 pub mod multimer;
 pub mod pdb;
+pub mod plots;
 pub mod predict;
 pub mod preset;
 pub mod profile;

@@ -26,6 +26,7 @@ use crate::model::recycling::Recycling;
 use crate::model::{Exec, Params};
 use crate::models::{self, ModelChoice, ModelFile};
 use crate::pdb::Structure;
+use crate::plots::{self, ModelConfidence};
 use crate::preset::Preset;
 use crate::query_folder::QueryFolder;
 use crate::ranking::{Ranking, Timings};
@@ -72,6 +73,10 @@ pub struct PredictArgs {
     /// Also write `<model>_outputs.npz` with the raw outputs under AlphaFold's output names.
     #[arg(long)]
     pub save_outputs: bool,
+    /// Write no plots (by default each query gets ColabFold's `<name>_pae.png`,
+    /// `<name>_plddt.png` and `<name>_coverage.png`).
+    #[arg(long)]
+    pub no_plots: bool,
     /// Device, ranks and timeout.
     #[command(flatten)]
     pub launch: LaunchArgs,
@@ -221,18 +226,20 @@ impl<'a> Runner<'a> {
         let mut timings = Timings::default();
         timings.add("features", read.seconds);
         let mut scores = Vec::new();
+        let mut confidences = Vec::new();
         for model in &self.models {
-            let p = self.predict(model, name, query, &staging, &mut timings)?;
+            let (p, confidence) = self.predict(model, name, query, &staging, &mut timings)?;
             scores.push((p.model.clone(), p.mean_plddt));
+            confidences.push((p.model.clone(), confidence));
             done.push(p);
         }
-        match folder {
-            Some(folder) => {
-                write_ranking(&staging, &Ranking::new(&scores), &timings)?;
-                folder.commit()
-            }
-            None => Ok(()),
+        let Some(folder) = folder else { return Ok(()) };
+        let ranking = Ranking::new(&scores);
+        write_ranking(&staging, &ranking, &timings)?;
+        if !self.args.no_plots {
+            write_plots(&staging, name, query, &ranking, &confidences)?;
         }
+        folder.commit()
     }
 
     /// `model` on `query`: its features processed for the model's preset, the prediction, and
@@ -244,7 +251,7 @@ impl<'a> Runner<'a> {
         query: &Query,
         dir: &Path,
         timings: &mut Timings,
-    ) -> anyhow::Result<Predicted> {
+    ) -> anyhow::Result<(Predicted, Confidence)> {
         let args = self.args;
         let start = Instant::now();
         // Features processed here get the slices the recycles need; a processed file has its own.
@@ -271,7 +278,7 @@ impl<'a> Runner<'a> {
             let outputs = ModelOutputs { pass: &pass, recycles, confidence: &confidence };
             write_outputs(args, dir, &model.name, &outputs, &aatype, &residue_index)?;
         }
-        Ok(Predicted {
+        let predicted = Predicted {
             residues: aatype.size()[0],
             name: name.to_string(),
             model: model.name.clone(),
@@ -280,7 +287,8 @@ impl<'a> Runner<'a> {
             recycles,
             seconds,
             peak_bytes: engine::process::peak_memory(self.device),
-        })
+        };
+        Ok((predicted, confidence))
     }
 
     /// The most recycles to run on `features`: `--num-recycle` (default 3) when processed here,
@@ -310,6 +318,31 @@ fn write_ranking(dir: &Path, ranking: &Ranking, timings: &Timings) -> anyhow::Re
     }
     ranking.write(&dir.join("ranking_debug.json"))?;
     timings.write(&dir.join("timings.json"))
+}
+
+/// ColabFold's plots of query `name` in its folder `dir` ([`crate::plots`]): the models in
+/// their ranking's order, the MSA of raw features (a processed features file has no MSA to
+/// show: no coverage plot). One chain: monomer models.
+fn write_plots(
+    dir: &Path,
+    name: &str,
+    query: &Query,
+    ranking: &Ranking,
+    confidences: &[(String, Confidence)],
+) -> anyhow::Result<()> {
+    let ranked: Vec<ModelConfidence> = ranking
+        .order
+        .iter()
+        .filter_map(|m| confidences.iter().find(|(name, _)| name == m))
+        .map(|(_, c)| ModelConfidence { plddt: &c.plddt, pae: c.pae.as_deref() })
+        .collect();
+    let residues = ranked.first().map_or(0, |m| m.plddt.len());
+    let msa = match query {
+        Query::Raw(raw) => Some(&raw.msa[..raw.num_alignments.min(raw.msa.len())]),
+        Query::Processed(_) => None,
+    };
+    plots::write(dir, name, &ranked, msa, &[residues]).with_context(|| format!("plotting {name}"))?;
+    Ok(())
 }
 
 /// What one model's prediction gives to write: the last pass, the recycles run and the

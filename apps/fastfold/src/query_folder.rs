@@ -1,6 +1,6 @@
 //! One query's output folder, `out/<name>/`, as a `predict` run replaces it: the run's files
-//! (its raw `features.npz`, the models' PDBs, confidence and raw outputs, the ranking and the
-//! timings) are written to a staging folder beside it and moved in only when every model has
+//! (its raw `features.npz`, the models' PDBs, confidence and raw outputs, the ranking, the
+//! timings and the plots) are written to a staging folder beside it and moved in only when every model has
 //! run, after the previous run's files are removed. So a folder never mixes two runs (a stale
 //! `ranked_4.pdb` from a run of five models beside a new run of three), a failed or
 //! interrupted run leaves the previous run's files as they were, and a new query's folder
@@ -41,14 +41,16 @@ fn previous_models(dir: &Path) -> Vec<String> {
 }
 
 /// The files of the previous `predict` run in `dir` (so they go when a new run's files come
-/// in): the fixed names, `ranked_<n>.pdb`, and the files of the models its
-/// `ranking_debug.json` lists. Only those: a user's `af_reference_confidence.json` beside
+/// in): the fixed names, `ranked_<n>.pdb`, the query's plots (`<query>_pae.png`, ...), and
+/// the files of the models its `ranking_debug.json` lists. Only those: a user's `af_reference_confidence.json` beside
 /// them is not a run's. `msas/` is the search's, rewritten by the search itself.
 fn previous_outputs(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
     let models = previous_models(dir);
+    let plots = dir.file_name().map(|q| crate::plots::file_names(&q.to_string_lossy())).unwrap_or_default();
     let is_output = |name: &str| {
         FIXED_OUTPUTS.contains(&name)
             || is_ranked_pdb(name)
+            || plots.iter().any(|p| p == name)
             || models.iter().any(|m| MODEL_OUTPUTS.iter().any(|s| name.strip_prefix(m.as_str()) == Some(s)))
     };
     let mut found = Vec::new();

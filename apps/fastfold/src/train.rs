@@ -17,7 +17,6 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use engine::dist::World;
 use engine::job::{JobArgs, OptimizerArgs};
-use engine::metrics::Metrics;
 use engine::optim::{clip_grad_norm, Optimizer, Param};
 use tch::{Device, Kind, Tensor};
 
@@ -161,14 +160,39 @@ pub struct StepLog {
     pub grad_norm: f64,
     /// Seconds of the step.
     pub seconds: f64,
+    /// Learning rate of the step.
+    pub lr: f64,
+    /// Peak memory so far (allocator on a GPU, resident set on the CPU), bytes.
+    pub peak_bytes: Option<u64>,
 }
 
 impl engine::metrics::Record for StepLog {
-    const CSV_HEADER: &'static str = "step,loss,fape,distogram,grad_norm,seconds";
+    const CSV_HEADER: &'static str = "step,loss,fape,distogram,grad_norm,seconds,lr,peak_bytes";
 
     fn csv_row(&self) -> String {
         let s = self;
-        format!("{},{:.6},{:.6},{:.6},{:.6},{:.3}", s.step, s.loss, s.fape, s.distogram, s.grad_norm, s.seconds)
+        let peak = s.peak_bytes.map(|b| b.to_string()).unwrap_or_default();
+        format!(
+            "{},{:.6},{:.6},{:.6},{:.6},{:.3},{:.6e},{peak}",
+            s.step, s.loss, s.fape, s.distogram, s.grad_norm, s.seconds, s.lr
+        )
+    }
+
+    fn step(&self) -> usize {
+        self.step
+    }
+
+    fn scalars(&self) -> Vec<(&'static str, f64)> {
+        let mut scalars = vec![
+            ("train/loss", self.loss),
+            ("train/fape", self.fape),
+            ("train/distogram", self.distogram),
+            ("train/grad_norm", self.grad_norm),
+            ("train/step_seconds", self.seconds),
+            ("train/lr", self.lr),
+        ];
+        scalars.extend(self.peak_bytes.map(|b| ("train/peak_memory_gib", engine::metrics::gib(b))));
+        scalars
     }
 }
 
@@ -257,7 +281,7 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
     let mut metrics = match world.rank() {
         0 => {
             std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
-            Some(Metrics::open::<StepLog>(&args.out.join(&args.job.metrics), None)?)
+            Some(args.job.open_metrics::<StepLog>(&args.out, None, "fastfold-train")?)
         }
         _ => None,
     };
@@ -271,6 +295,8 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
             distogram: losses.distogram,
             grad_norm,
             seconds: start.elapsed().as_secs_f64(),
+            lr: args.optimizer.lr,
+            peak_bytes: engine::process::peak_memory(device),
         };
         // Every rank holds the same loss (DAP gathers before the loss), so all stop together.
         if !entry.loss.is_finite() {

@@ -212,6 +212,128 @@ fn chunking_dap_safetensors_and_a_features_file_give_the_plain_result() {
     }
 }
 
+/// A PNG file's pixels as RGB, with its size.
+fn png_rgb(path: &Path) -> (u32, u32, Vec<u8>) {
+    let img = image::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display())).to_rgb8();
+    (img.width(), img.height(), img.into_raw())
+}
+
+#[test]
+fn plots_show_every_model_and_the_msa_as_colabfold_names_them() {
+    use fastfold::plots::{self, PAE_PANEL, WIDE};
+    let d = dir("plots");
+    let params = d.join("params");
+    std::fs::create_dir_all(&params).unwrap();
+    std::fs::copy(common::tiny_params(), params.join("params_model_3_ptm.npz")).unwrap();
+    Params::random_model(&EvoformerConfig::tiny(), &ModelConfig::tiny(), 9)
+        .unwrap()
+        .save(params.join("params_model_5_ptm.npz"))
+        .unwrap();
+    let fa = fasta(&d, &[("query", SEQ_A)]);
+    let a3m = d.join("query.a3m");
+    std::fs::write(&a3m, format!(">query\n{SEQ_A}\n>hit1\nMKTAYIAKQRQIS-VKSHFSRQ\n>hit2\n--TAYLAKQRQISFVKSHFSRE\n"))
+        .unwrap();
+    let out = d.join("out");
+    let (fa, a3m_s, p, o) =
+        (fa.to_str().unwrap(), a3m.to_str().unwrap(), params.to_str().unwrap(), out.to_str().unwrap());
+    predict(&[fa, "--msa", a3m_s, "--params", p, "--num-recycle", "0", "-o", o]);
+    let q = out.join("query");
+
+    // The models best first, as the ranking has them; each file is the figure drawn from what
+    // the confidence files and the MSA hold, pixel for pixel.
+    let order: Vec<String> = json(&q.join("ranking_debug.json"))["order"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m.as_str().unwrap().to_string())
+        .collect();
+    let confidences: Vec<serde_json::Value> =
+        order.iter().map(|m| json(&q.join(format!("{m}_confidence.json")))).collect();
+    let numbers =
+        |v: &serde_json::Value| -> Vec<f64> { v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect() };
+    let paes: Vec<Vec<Vec<f64>>> =
+        confidences.iter().map(|c| c["pae"].as_array().unwrap().iter().map(numbers).collect()).collect();
+    let plddts: Vec<Vec<f64>> = confidences.iter().map(|c| numbers(&c["plddt"])).collect();
+    let n = SEQ_A.len();
+
+    let (w, h, pixels) = png_rgb(&q.join("query_pae.png"));
+    assert_eq!((w, h), (2 * PAE_PANEL.0, PAE_PANEL.1), "one panel per model");
+    let labelled: Vec<(String, &[Vec<f64>])> =
+        paes.iter().enumerate().map(|(i, m)| (format!("rank_{}", i + 1), &m[..])).collect();
+    let drawn = plots::pae(&labelled, &[n]).unwrap();
+    assert!(pixels == drawn.rgb, "query_pae.png is not the PAE of the ranked models");
+    // Its pixels follow the data: each cell of rank_1's map has the colour of its PAE.
+    let panel = &drawn.panels[0];
+    for (i, row) in paes[0].iter().enumerate() {
+        for (j, &v) in row.iter().enumerate() {
+            let (x, y) = panel.at((j as f64 + 0.5) / n as f64, (i as f64 + 0.5) / n as f64);
+            let at = 3 * (y as usize * w as usize + x as usize);
+            let want = plots::bwr(v, plots::PAE_MAX);
+            let got = &pixels[at..at + 3];
+            assert!(
+                got.iter().zip([want.0, want.1, want.2]).all(|(a, b)| a.abs_diff(b) <= 2),
+                "PAE ({i}, {j}) = {v}: {got:?}"
+            );
+        }
+    }
+
+    let (w, h, pixels) = png_rgb(&q.join("query_plddt.png"));
+    assert_eq!((w, h), WIDE);
+    let labelled: Vec<(String, &[f64])> =
+        plddts.iter().enumerate().map(|(i, p)| (format!("rank_{}", i + 1), &p[..])).collect();
+    assert!(pixels == plots::plddt(&labelled, &[n]).unwrap().rgb, "query_plddt.png is not the models' pLDDT");
+
+    let (w, h, pixels) = png_rgb(&q.join("query_coverage.png"));
+    assert_eq!((w, h), WIDE);
+    let msa = data::a3m::read(&a3m).unwrap();
+    let raw = RawFeatures::new(SEQ_A, Some((&msa, &a3m))).unwrap();
+    assert_eq!(raw.msa.len(), 3);
+    assert!(pixels == plots::coverage(&raw.msa, &[n]).unwrap().rgb, "query_coverage.png is not the MSA's coverage");
+
+    // --no-plots writes none; a processed features file has no MSA to show, but the models'
+    // plots.
+    let quiet = d.join("quiet");
+    predict(&[
+        fa,
+        "--msa",
+        a3m_s,
+        "--params",
+        p,
+        "--models",
+        "3",
+        "--num-recycle",
+        "0",
+        "--no-plots",
+        "-o",
+        quiet.to_str().unwrap(),
+    ]);
+    let pngs = |dir: &Path| -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| n.ends_with(".png"))
+            .collect();
+        names.sort();
+        names
+    };
+    assert!(pngs(&quiet.join("query")).is_empty());
+    let features = d.join("feats.npz");
+    let config = FeatureConfig { num_recycle: 0, ..FeatureConfig::default() };
+    process(&raw, &config, 0, Device::Cpu).unwrap().save_npz(&features).unwrap();
+    let processed = d.join("processed");
+    predict(&[
+        "--features",
+        features.to_str().unwrap(),
+        "--params",
+        p,
+        "--models",
+        "3",
+        "-o",
+        processed.to_str().unwrap(),
+    ]);
+    assert_eq!(pngs(&processed.join("feats")), ["feats_pae.png", "feats_plddt.png"]);
+}
+
 #[test]
 fn bf16_prediction_stays_in_range() {
     let d = dir("bf16");
@@ -657,9 +779,11 @@ fn a_rerun_replaces_the_earlier_runs_files() {
     std::fs::create_dir_all(&killed).unwrap();
     std::fs::write(killed.join("model_3_ptm_unrelaxed.pdb"), "half").unwrap();
 
-    // Again with one model and no raw outputs: nothing of the first run's models stays (the
-    // old code left model_3_ptm's files, ranked_1.pdb and the raw outputs beside the new run).
-    predict(&[fa, "--params", p, "--models", "5", "--num-recycle", "0", "-o", o]);
+    assert!(q.join("q_pae.png").exists() && q.join("q_plddt.png").exists() && q.join("q_coverage.png").exists());
+    // Again with one model, no raw outputs and no plots: nothing of the first run's models or
+    // plots stays (the old code left model_3_ptm's files, ranked_1.pdb and the raw outputs
+    // beside the new run).
+    predict(&[fa, "--params", p, "--models", "5", "--num-recycle", "0", "--no-plots", "-o", o]);
     let names: std::collections::BTreeSet<String> =
         std::fs::read_dir(&q).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     let want = [

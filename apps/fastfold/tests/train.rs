@@ -185,10 +185,23 @@ fn train_command_lowers_the_loss_and_two_ranks_agree() {
         (o.status.success(), text)
     };
     let one = d.join("one");
-    let (ok, text) = train(&one, &["--steps", "8", "--lr", "3e-3"]);
+    let (ok, text) =
+        train(&one, &["--steps", "8", "--lr", "3e-3", "--report-to", "tensorboard", "--logging-dir", "tb"]);
     assert!(ok, "{text}");
     let steps = log(&one);
     assert_eq!(steps.len(), 8);
+    // The same steps in TensorBoard, read by its own reader.
+    let events = suite_tests::read_tensorboard(&one.join("tb/fastfold-train"));
+    let tags = ["train/loss", "train/fape", "train/distogram", "train/grad_norm", "train/step_seconds", "train/lr"];
+    for tag in tags.into_iter().chain(["train/peak_memory_gib"]) {
+        assert_eq!(events.steps(tag), (1..=8).collect::<Vec<i64>>(), "{tag}: {events:?}");
+    }
+    for (field, tag) in [("loss", "train/loss"), ("fape", "train/fape"), ("grad_norm", "train/grad_norm")] {
+        for (step, logged) in steps.iter().zip(events.values(tag)) {
+            let want = step[field].as_f64().unwrap() as f32 as f64;
+            assert!((want - logged).abs() <= 1e-6 * want.abs().max(1.0), "{tag} {logged}, log.jsonl {want}");
+        }
+    }
     let (first, last) = (steps[0]["loss"].as_f64().unwrap(), steps[7]["loss"].as_f64().unwrap());
     assert!(last < first, "8 Adam steps on one target: loss {first} -> {last}");
     let trained = Params::load_model(one.join("params.npz")).unwrap();

@@ -19,6 +19,7 @@ use data::augment::{Mixup, Rng};
 use data::loader::{BatchSpec, Loader};
 use data::DistributedSampler;
 use engine::dist::{ProcessGroup, ReduceOp, World};
+use engine::job::ReportTo;
 use engine::metrics::Metrics;
 use engine::optim::{scale_lr, LrSchedule};
 use engine::parallel::Parallelized;
@@ -314,7 +315,7 @@ impl<'a> Trainer<'a> {
             Model::Whole(_) => Some(loss_sum),
             Model::Stages(stages) => stages.forward_backward(&self.parallel, &queued)?,
         };
-        let applied = self.parallel.step(lr, self.args.optimizer.clip_grad)?.applied;
+        let stepped = self.parallel.step(lr, self.args.optimizer.clip_grad)?;
         // The mean over the ranks that hold a loss (under --pp, the last stage's).
         let loss = Tensor::from_slice(&[loss.unwrap_or(0.0), loss.map_or(0.0, |_| 1.0)]);
         self.world.group.all_reduce(&loss, ReduceOp::Sum)?;
@@ -323,15 +324,19 @@ impl<'a> Trainer<'a> {
             bail!("step {}: the loss is {loss}; lower --lr or use --clip-grad", step + 1);
         }
         self.step += 1;
+        let seconds = started.elapsed().as_secs_f64();
         let record = Record {
             step: self.step,
             epoch: epoch + 1,
             loss,
             lr,
-            images_per_s: self.layout.batch.global as f64 / started.elapsed().as_secs_f64(),
-            applied,
+            images_per_s: self.layout.batch.global as f64 / seconds,
+            applied: stepped.applied,
             val_top1: None,
             val_top5: None,
+            seconds,
+            grad_norm: stepped.grad_norm,
+            peak_bytes: engine::process::peak_memory(self.device),
         };
         Ok(StepOutcome { record, epoch_end: within + 1 == self.data.steps_per_epoch || self.step == self.end() })
     }
@@ -399,13 +404,14 @@ impl<'a> Trainer<'a> {
         Ok(())
     }
 
-    /// The metrics file under `--out` (rank 0), kept up to the resumed step.
+    /// The training log under `--out` (rank 0), kept up to the resumed step: the metrics file
+    /// and, with `--report-to tensorboard`, TensorBoard's files.
     fn open_metrics(&self) -> anyhow::Result<Option<Metrics>> {
         match (&self.args.out, self.world.rank()) {
             (Some(dir), 0) => {
                 std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-                let path = dir.join(&self.args.job.metrics);
-                Ok(Some(Metrics::open::<Record>(&path, self.args.resume.then_some(self.step))?))
+                let resumed = self.args.resume.then_some(self.step);
+                Ok(Some(self.args.job.open_metrics::<Record>(dir, resumed, "vit-pretrain")?))
             }
             _ => Ok(None),
         }
@@ -498,6 +504,9 @@ pub fn pretrain(args: &PretrainArgs, world: &World) -> anyhow::Result<Trained> {
 fn check_out(args: &PretrainArgs, rank: usize) -> anyhow::Result<()> {
     if args.resume && args.out.is_none() {
         bail!("--resume needs --out (the folder of the run to continue)");
+    }
+    if args.job.report_to == ReportTo::Tensorboard && args.out.is_none() {
+        bail!("--report-to tensorboard needs --out (the logs go under it, in --logging-dir)");
     }
     if let (Some(out), false, 0) = (&args.out, args.resume, rank) {
         if let Ok(Some(dir)) = data::checkpoint_folders::latest(out) {

@@ -1,7 +1,8 @@
 //! The launchers clusters use, started for real on this machine: `torchrun --nproc-per-node 2`
-//! (from the project's Python environment) and OpenMPI's `mpirun -np 2` (installed by
-//! `scripts/setup.sh`) each run `vit pretrain`, and the trained weights equal the engine's own
-//! spawner's run bit for bit. Under mpirun no `MASTER_ADDR` is needed on one node; under
+//! (from the project's Python environment), OpenMPI's `mpirun -np 2`, and Slurm's
+//! `srun --ntasks 2` and `sbatch` on a one-node cluster the test starts (Debian's slurm-wlm and
+//! munge, installed by `scripts/setup.sh`) each run `vit pretrain`, and the trained weights
+//! equal the engine's own spawner's run bit for bit. Under mpirun no `MASTER_ADDR` is needed on one node; under
 //! torchrun its agent hosts the rendezvous store and rank 0 only connects to it, and a job
 //! torchrun restarts after a rank failed (`--max-restarts`) trains as if nothing had happened.
 use std::path::Path;
@@ -18,7 +19,11 @@ fn pretrain_args(out: &Path) -> Vec<String> {
 }
 
 fn run(mut cmd: Command, what: &str) {
-    let out = cmd.output().unwrap_or_else(|e| panic!("starting {what}: {e}"));
+    check(cmd.output().unwrap_or_else(|e| panic!("starting {what}: {e}")), what);
+}
+
+/// Asserts that a job's output says it succeeded on 2 ranks.
+fn check(out: std::process::Output, what: &str) {
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "{what} failed:\n{text}");
     assert!(text.contains("2 rank(s)"), "{what} did not run 2 ranks:\n{text}");
@@ -32,10 +37,19 @@ fn weights(dir: &Path) -> Vec<(String, Tensor)> {
 }
 
 fn assert_same(a: &Path, b: &Path, what: &str) {
-    for ((na, ta), (nb, tb)) in weights(a).iter().zip(&weights(b)) {
+    let (wa, wb) = (weights(a), weights(b));
+    assert!(!wa.is_empty() && wa.len() == wb.len(), "{what}: {} weights, the spawner's run {}", wa.len(), wb.len());
+    for ((na, ta), (nb, tb)) in wa.iter().zip(&wb) {
         assert_eq!(na, nb);
         assert!(ta.equal(tb), "{what}: {na} differs from the spawner's run");
     }
+}
+
+/// The losses of a run's `metrics.jsonl`, step by step.
+fn losses(dir: &Path) -> Vec<(u64, f64)> {
+    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    let record = |l: &str| serde_json::from_str::<serde_json::Value>(l).unwrap();
+    text.lines().map(record).map(|r| (r["step"].as_u64().unwrap(), r["loss"].as_f64().unwrap())).collect()
 }
 
 #[test]
@@ -145,4 +159,78 @@ fn ranks_given_twice_or_disagreeing_on_the_world_size_are_named() {
     assert!(sizes[1].1.contains("WORLD_SIZE=2 here, but rank 0 has WORLD_SIZE=3"), "{}", sizes[1].1);
     assert!(!sizes[0].0, "{}", sizes[0].1);
     assert!(began.elapsed() < std::time::Duration::from_secs(120), "took {:?}", began.elapsed());
+}
+
+/// Slurm, for real: on a one-node cluster the test starts (slurmctld, slurmd and munged on this
+/// machine, [`suite_tests::slurm`]), `srun --ntasks 2 vit pretrain` and an `sbatch` script like
+/// docs/engine.md's each train the spawner's `--nproc 2` run, loss for loss and weight for
+/// weight. The ranks find each other from Slurm's variables alone (rank, world, local rank,
+/// the node list's first host as the rendezvous address); each gets the spawner's thread count
+/// (`OMP_NUM_THREADS`, as a batch script sets it from `--cpus-per-task`). Skipped, saying why,
+/// where the cluster cannot start (no Slurm, not root); under SUITE_REQUIRE_SLURM=1 that fails.
+#[test]
+fn srun_and_sbatch_jobs_equal_the_spawners() {
+    use suite_tests::slurm::{output_within, slurm_cluster};
+    let dir = scratch("vit-launchers", "slurm");
+    let Some(cluster) = slurm_cluster(&dir.join("cluster"), "srun_and_sbatch_jobs_equal_the_spawners") else {
+        return;
+    };
+    let spawned = dir.join("spawner");
+    let mut cmd = Command::new(VIT);
+    cmd.args(pretrain_args(&spawned)).args(["--nproc", "2"]);
+    run(cmd, "the spawner");
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).div_ceil(2).to_string();
+    // The node is this machine's host name; where it does not resolve, the rendezvous address
+    // is given, as a batch script on such a cluster would.
+    let resolves = std::net::ToSocketAddrs::to_socket_addrs(&(cluster.node(), 0)).is_ok();
+    let limit = std::time::Duration::from_secs(300);
+
+    let srun = dir.join("srun");
+    let mut cmd = cluster.command("srun");
+    cmd.args(["--ntasks", "2", "--nodes", "1", "--cpus-per-task", "1", "--kill-on-bad-exit=1", VIT])
+        .args(pretrain_args(&srun))
+        .env("MASTER_PORT", free_port().to_string())
+        .env("OMP_NUM_THREADS", &threads)
+        .env_remove("MASTER_ADDR");
+    if !resolves {
+        cmd.env("MASTER_ADDR", "127.0.0.1");
+    }
+    let out = output_within(&mut cmd, limit, "srun --ntasks 2 vit pretrain");
+    check(out, &format!("srun --ntasks 2 (the cluster's logs:\n{})", cluster.logs()));
+    assert_eq!(losses(&srun), losses(&spawned), "srun: the losses differ from the spawner's run");
+    assert_same(&srun, &spawned, "srun");
+
+    // A batch script as docs/engine.md has it: the first host of the job's nodes hosts the
+    // rendezvous, the threads follow --cpus-per-task, srun starts the ranks.
+    let batch = dir.join("sbatch");
+    let master = if resolves { r#"$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"# } else { "127.0.0.1" };
+    let args: Vec<String> = pretrain_args(&batch).iter().map(|a| format!("'{a}'")).collect();
+    let script = [
+        "#!/bin/bash".to_string(),
+        "#SBATCH --job-name=vit-pretrain".into(),
+        "#SBATCH --nodes=1".into(),
+        "#SBATCH --ntasks-per-node=2".into(),
+        "#SBATCH --cpus-per-task=1".into(),
+        format!("#SBATCH --output={}/sbatch-%j.out", dir.display()),
+        "set -euo pipefail".into(),
+        format!("export MASTER_ADDR={master}"),
+        format!("export MASTER_PORT={}", free_port()),
+        format!("export OMP_NUM_THREADS={threads}"),
+        format!("srun '{VIT}' {}", args.join(" ")),
+    ];
+    let file = dir.join("vit.sbatch");
+    std::fs::write(&file, script.join("\n") + "\n").unwrap();
+    let out = output_within(cluster.command("sbatch").arg("--wait").arg(&file), limit, "sbatch --wait vit.sbatch");
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    let job = said.trim().rsplit(' ').next().unwrap_or_default().to_string();
+    let log = std::fs::read_to_string(dir.join(format!("sbatch-{job}.out"))).unwrap_or_default();
+    assert!(
+        out.status.success(),
+        "sbatch: {said}{}\nthe job's output:\n{log}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        cluster.logs()
+    );
+    assert!(log.contains("2 rank(s)"), "the batch job did not run 2 ranks:\n{log}");
+    assert_eq!(losses(&batch), losses(&spawned), "sbatch: the losses differ from the spawner's run");
+    assert_same(&batch, &spawned, "sbatch");
 }

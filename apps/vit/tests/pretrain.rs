@@ -79,6 +79,65 @@ fn resume_repeats_the_uninterrupted_run() {
     assert!(err.contains(&format!("the optimizer state has no {key}")), "{err}");
 }
 
+/// `--report-to tensorboard`: TensorBoard's own reader finds every step's scalars and the
+/// validation figures; a run that got past its last checkpoint before it died (steps 4 and 5
+/// logged, checkpoint 3 kept) and resumed reads as one run, each step once, as the JSON lines do.
+#[test]
+fn tensorboard_shows_every_step_once_across_a_resume() {
+    let root = suite_tests::scratch("vit", "tensorboard");
+    let out = root.join("run");
+    let world = single();
+    let common = format!("--steps 8 --save-every 3 --clip-grad 1.0 --report-to tensorboard --out {}", out.display());
+    // Steps 1-3 and their checkpoint; then steps 4 and 5, whose checkpoint (which replaces
+    // step 3's: one is kept) is lost, as if the job died writing it.
+    pretrain(&args(&format!("{common} --stop-after 3")), &world).unwrap();
+    let kept = root.join("checkpoint-3");
+    std::fs::rename(out.join("checkpoint-3"), &kept).unwrap();
+    std::fs::create_dir(out.join("checkpoint-3")).unwrap();
+    let copy = |from: &std::path::Path, to: &std::path::Path| {
+        for f in std::fs::read_dir(from).unwrap() {
+            let f = f.unwrap();
+            std::fs::copy(f.path(), to.join(f.file_name())).unwrap();
+        }
+    };
+    copy(&kept, &out.join("checkpoint-3"));
+    pretrain(&args(&format!("{common} --resume --stop-after 5")), &world).unwrap();
+    std::fs::remove_dir_all(out.join("checkpoint-5")).unwrap();
+    std::fs::rename(&kept, out.join("checkpoint-3")).unwrap();
+    std::fs::write(out.join("latest"), "checkpoint-3").unwrap();
+    let rest = pretrain(&args(&format!("{common} --resume")), &world).unwrap();
+    assert_eq!(rest.losses.first().map(|l| l.0), Some(4), "continues at step 4");
+    let logs = out.join("logs/vit-pretrain");
+    assert_eq!(std::fs::read_dir(&logs).unwrap().count(), 3, "an event file per run");
+    let events = suite_tests::read_tensorboard(&logs);
+    let every = ["train/loss", "train/lr", "train/images_per_s", "train/step_seconds", "train/grad_norm"];
+    for tag in every.into_iter().chain(["train/peak_memory_gib"]) {
+        assert_eq!(events.steps(tag), (1..=8).collect::<Vec<i64>>(), "{tag}: {events:?}");
+    }
+    // Validation at each run's end: step 3, (5, dropped) and 8.
+    assert_eq!(events.steps("val/top1"), [3, 8]);
+    assert_eq!(events.steps("val/top5"), [3, 8]);
+    let jsonl: Vec<serde_json::Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(jsonl.len(), 8);
+    for (tag, field) in [("train/loss", "loss"), ("train/lr", "lr"), ("train/grad_norm", "grad_norm")] {
+        for (record, logged) in jsonl.iter().zip(events.values(tag)) {
+            let want = record[field].as_f64().unwrap() as f32 as f64;
+            assert!((logged - want).abs() <= 1e-12 * want.abs(), "{tag} at step {}: {logged}, {want}", record["step"]);
+        }
+    }
+    for (logged, i) in events.values("val/top1").into_iter().zip([2, 7]) {
+        let want = jsonl[i]["val_top1"].as_f64().unwrap() as f32 as f64;
+        assert!((logged - want).abs() <= 1e-12, "val/top1 {logged}, {want}");
+    }
+    assert!(events.images.is_empty());
+    let err = pretrain(&args("--steps 1 --report-to tensorboard"), &world).err().unwrap().to_string();
+    assert!(err.contains("--report-to tensorboard needs --out"), "{err}");
+}
+
 #[test]
 fn bad_settings_name_the_numbers() {
     let world = single();

@@ -50,7 +50,6 @@ use data::captions::{CaptionedImages, CropMode, Preprocess};
 use engine::dist::{ReduceOp, World};
 use engine::gemini::{cap_device_memory, parse_bytes, Gemini, Replication};
 use engine::job::Precision;
-use engine::metrics::Metrics;
 use engine::optim::{LossScaler, LrSchedule};
 use engine::parallel::{ParallelPlan, Parallelized};
 use tch::{Device, Kind, Tensor};
@@ -191,6 +190,17 @@ impl engine::metrics::Record for StepLog {
         let norm = self.grad_norm.map(|n| format!("{n:.6}")).unwrap_or_default();
         let peak = self.peak_bytes.map(|b| b.to_string()).unwrap_or_default();
         format!("{},{:.6},{:.6e},{:.3},{norm},{peak}", self.step, self.loss, self.lr, self.seconds)
+    }
+
+    fn step(&self) -> usize {
+        self.step
+    }
+
+    fn scalars(&self) -> Vec<(&'static str, f64)> {
+        let mut scalars = vec![("train/loss", self.loss), ("train/lr", self.lr), ("train/step_seconds", self.seconds)];
+        scalars.extend(self.grad_norm.map(|n| ("train/grad_norm", n)));
+        scalars.extend(self.peak_bytes.map(|b| ("train/peak_memory_gib", engine::metrics::gib(b))));
+        scalars
     }
 }
 
@@ -500,7 +510,7 @@ pub fn run(args: &FinetuneArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
         0 => {
             std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
             let resumed = (first > 1).then_some(first - 1);
-            Some(Metrics::open::<StepLog>(&args.out.join(&args.job.metrics), resumed)?)
+            Some(args.job.open_metrics::<StepLog>(&args.out, resumed, "diffusion-finetune")?)
         }
         _ => None,
     };
@@ -524,7 +534,10 @@ pub fn run(args: &FinetuneArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
         }
         let validation_due = step == args.steps || args.validation_steps.is_some_and(|n| every(n, step));
         if !args.validation_prompts.is_empty() && validation_due {
-            trainer.validate()?;
+            let written = trainer.validate()?;
+            if let Some(m) = metrics.as_mut() {
+                m.images(step, &validation::tensorboard_images(&written, args.resolution)?)?;
+            }
         }
         if step == args.steps || every(args.save_every, step) {
             trainer.save()?;

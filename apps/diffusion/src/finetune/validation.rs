@@ -3,10 +3,12 @@
 //! (the EMA weights with `--use-ema`), the pipeline's own sampler (DDIM where `diffusion
 //! sample` has no sampler of the pipeline's class, e.g. `DDPMScheduler`), 20 steps, guidance 7.5, the
 //! run's seed (the same starting latents every time, so the images show the training's
-//! progress); written as `validation/step-<n>-<i>.png` under `--out`, prompt by prompt.
+//! progress); written as `validation/step-<n>-<i>.png` under `--out`, prompt by prompt, and
+//! with `--report-to tensorboard` logged as images `validation/<i>` at step n.
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
+use engine::metrics::LoggedImage;
 
 use crate::pipeline::StableDiffusion;
 use crate::sample::{to_image, SampleOptions, Sampler, UNetCall};
@@ -64,4 +66,18 @@ impl Validation<'_> {
         data::images::write_pngs(&named)?;
         Ok(named.into_iter().map(|(path, _)| path).collect())
     }
+}
+
+/// The validation images `written` (square, `resolution` pixels, RGB) as TensorBoard images:
+/// tag `validation/<i>` for `step-<n>-<i>.png`, the PNG file's bytes.
+pub fn tensorboard_images(written: &[PathBuf], resolution: usize) -> anyhow::Result<Vec<LoggedImage>> {
+    written
+        .iter()
+        .enumerate()
+        .map(|(i, path)| {
+            let png = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+            let side = resolution as u32;
+            Ok(LoggedImage { tag: format!("validation/{i}"), png, height: side, width: side, channels: 3 })
+        })
+        .collect()
 }
