@@ -4,6 +4,7 @@ pub mod confidence;
 pub mod features;
 pub mod geometry;
 pub mod input;
+pub mod memory;
 pub mod model;
 pub mod models;
 pub mod pdb;
