@@ -56,6 +56,13 @@ impl Trace {
         self.live -= b.0;
     }
 
+    /// Frees buffers.
+    pub fn free_all(&mut self, bufs: impl IntoIterator<Item = Buf>) {
+        for b in bufs {
+            self.free(b);
+        }
+    }
+
     /// A buffer allocated and freed at once (a kernel's scratch).
     pub fn temp(&mut self, bytes: i64) {
         let b = self.alloc(bytes);

@@ -102,21 +102,15 @@ fn attention(t: &mut Trace, b: i64, len: i64, c: i64, heads: i64, dim: i64, e: i
     let [q, k, v] = [t.alloc(hd), t.alloc(hd), t.alloc(hd)];
     let (qc, kc) = (t.alloc(hd), t.alloc(hd));
     let logits = t.alloc(b * heads * len * len * e);
-    t.free(qc);
-    t.free(kc);
-    t.free(q);
-    t.free(k);
+    t.free_all([qc, kc, q, k]);
     let shifted = t.alloc(b * len * e);
     let mask = t.alloc(b * len * e);
     t.free(shifted);
     let weights = t.alloc(b * heads * len * len * e);
-    t.free(mask);
-    t.free(logits);
+    t.free_all([mask, logits]);
     let vc = t.alloc(hd);
     let avg = t.alloc(hd);
-    t.free(vc);
-    t.free(weights);
-    t.free(v);
+    t.free_all([vc, weights, v]);
     let gate = t.alloc(hd);
     t.free(gate);
     let (gc, wc) = (t.alloc(hd), t.alloc(heads * dim * c * e));
@@ -140,12 +134,23 @@ fn pair_bias(t: &mut Trace, x: &Ctx, r: i64, c_z: i64, heads: i64, op: ChunkOp, 
     })
 }
 
-/// `model/msa.rs`'s `MsaRowAttentionWithPairBias::update` on an MSA [s, r, c].
-fn msa_row_attention(t: &mut Trace, x: &Ctx, s: i64, r: i64, c: i64, (heads, dim): (i64, i64), c_z: i64) {
+/// Attention with a bias from the pair [r, r, c_z] over `batch` rows of `r` entries of `c`
+/// channels, updated in place: `model/msa.rs`'s `MsaRowAttentionWithPairBias::update` (the
+/// MSA's sequences) and `model/triangle.rs`'s `TriangleAttention::update` (the pair's rows,
+/// `contiguous`, or columns).
+fn biased_attention(
+    t: &mut Trace,
+    x: &Ctx,
+    op: ChunkOp,
+    batch: i64,
+    (r, c_z): (i64, i64),
+    (c, heads, dim): (i64, i64, i64),
+    contiguous: bool,
+) {
     let e = x.e;
-    let bias = pair_bias(t, x, r, c_z, heads, ChunkOp::MsaRowAttention, true);
-    residual(t, s, x.chunk(ChunkOp::MsaRowAttention), |t, n| {
-        let normed = layer_norm(t, n * r, c, e, true);
+    let bias = pair_bias(t, x, r, c_z, heads, op, contiguous);
+    residual(t, batch, x.chunk(op), |t, n| {
+        let normed = layer_norm(t, n * r, c, e, contiguous);
         let out = attention(t, n, r, c, heads, dim, e);
         t.free(normed);
         out
@@ -264,19 +269,6 @@ fn triangle_multiplication(t: &mut Trace, x: &Ctx, r: i64, c_z: i64, c: i64, out
     t.free(right);
 }
 
-/// `model/triangle.rs`'s `TriangleAttention::update` (`starting`: the starting node, rows).
-fn triangle_attention(t: &mut Trace, x: &Ctx, r: i64, c_z: i64, heads: i64, dim: i64, starting: bool) {
-    let e = x.e;
-    let bias = pair_bias(t, x, r, c_z, heads, ChunkOp::TriangleAttention, starting);
-    residual(t, r, x.chunk(ChunkOp::TriangleAttention), |t, n| {
-        let normed = layer_norm(t, n * r, c_z, e, starting);
-        let out = attention(t, n, r, c_z, heads, dim, e);
-        t.free(normed);
-        out
-    });
-    t.free(bias);
-}
-
 /// `model/evoformer.rs`'s `EvoformerBlock::run` on one rank: the MSA [s, r, c] and the pair
 /// updated in place.
 fn block(t: &mut Trace, x: &Ctx, cfg: &EvoformerConfig, s: i64, r: i64, extra: bool) {
@@ -286,7 +278,7 @@ fn block(t: &mut Trace, x: &Ctx, cfg: &EvoformerConfig, s: i64, r: i64, extra: b
     };
     let c_z = cfg.c_z;
     t.at(if extra { "extra-MSA row attention" } else { "MSA row attention" });
-    msa_row_attention(t, x, s, r, c, (heads, dim), c_z);
+    biased_attention(t, x, ChunkOp::MsaRowAttention, s, (r, c_z), (c, heads, dim), true);
     t.at(if extra { "extra-MSA column global attention" } else { "MSA column attention" });
     match extra {
         true => msa_column_global_attention(t, x, s, r, c, heads, dim),
@@ -300,8 +292,10 @@ fn block(t: &mut Trace, x: &Ctx, cfg: &EvoformerConfig, s: i64, r: i64, extra: b
     triangle_multiplication(t, x, r, c_z, cfg.tri_mul_channels, true);
     triangle_multiplication(t, x, r, c_z, cfg.tri_mul_channels, false);
     t.at("triangle attention");
-    triangle_attention(t, x, r, c_z, cfg.pair_heads, cfg.pair_head_dim, true);
-    triangle_attention(t, x, r, c_z, cfg.pair_heads, cfg.pair_head_dim, false);
+    for starting in [true, false] {
+        let widths = (c_z, cfg.pair_heads, cfg.pair_head_dim);
+        biased_attention(t, x, ChunkOp::TriangleAttention, r, (r, c_z), widths, starting);
+    }
     t.at("pair transition");
     transition(t, x, r, r, c_z, cfg.transition_factor, ChunkOp::PairTransition);
 }
@@ -411,9 +405,7 @@ fn invariant_point_attention(t: &mut Trace, x: &Ctx, n: i64, c: &StructureConfig
         let (qc, kc) = (t.alloc(rows * h * c.c_ipa * f), t.alloc(n * h * c.c_ipa * f));
         let product = t.alloc(plane);
         let scalar = t.alloc(plane);
-        for b in [product, qc, kc] {
-            t.free(b);
-        }
+        t.free_all([product, qc, kc]);
         let diff = t.alloc(plane * c.qk_points * 3);
         let squared = t.alloc(plane * c.qk_points * 3);
         let dist2 = t.alloc(plane);
