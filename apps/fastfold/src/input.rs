@@ -254,8 +254,13 @@ pub enum Query {
 pub struct ChunkArgs {
     /// Run attention, transitions, outer product mean and triangle ops in chunks of this many
     /// rows (less memory, same result).
-    #[arg(long, value_parser = engine::parse::count(1..).try_map(i64::try_from))]
+    #[arg(long, value_parser = engine::parse::count(1..).try_map(i64::try_from), conflicts_with = "gpu_mem")]
     pub chunk_size: Option<i64>,
+    /// Memory budget of a prediction (`80G`, `3GiB`): each chunked operation's chunk size is
+    /// chosen from the inference memory profile to fit it, none chunked where it allows
+    /// (default on a GPU: the device's free memory at the start; on the CPU: no plan).
+    #[arg(long, visible_alias = "memory-budget", value_parser = |s: &str| engine::gemini::parse_bytes(s).map_err(|e| e.to_string()))]
+    pub gpu_mem: Option<u64>,
     /// The attention softmax (scale, mask, pair bias), LayerNorms and triangle-update gates:
     /// the fused CUDA kernels or libtorch's compositions (default: fused on CUDA, torch
     /// elsewhere).
@@ -274,5 +279,15 @@ impl ChunkArgs {
             _ => Dap::new(world.group.clone()),
         };
         Ok((device, Exec::new(dap, self.chunk_size), backend))
+    }
+
+    /// The memory budget predictions are planned for: `--gpu-mem`, else on a GPU its free
+    /// memory now (none with `--chunk-size`, which chooses for itself).
+    pub fn budget(&self, device: Device) -> anyhow::Result<Option<u64>> {
+        Ok(match (self.gpu_mem, self.chunk_size, device) {
+            (Some(b), _, _) => Some(b),
+            (None, None, Device::Cuda(d)) => Some(engine::cuda::mem_get_info(d)?.0),
+            _ => None,
+        })
     }
 }

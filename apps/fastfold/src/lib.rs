@@ -7,6 +7,7 @@ pub mod ground_truth;
 pub mod input;
 pub mod jax_random;
 pub mod loss;
+pub mod memory;
 pub mod model;
 pub mod models;
 pub mod multimer;

@@ -39,7 +39,14 @@ fn run() -> anyhow::Result<()> {
                     continue;
                 }
                 let ptm = p.ptm.map(|t| format!("  pTM {t:.3}")).unwrap_or_default();
-                let peak = p.peak_bytes.map(|b| format!("  peak memory {:.2} GiB", b as f64 / (1u64 << 30) as f64));
+                let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+                let peak = match (p.planned_bytes, p.peak_bytes) {
+                    (Some(plan), Some(b)) => {
+                        Some(format!("  peak memory {:.2} GiB (planned {:.2} GiB)", gib(b), gib(plan)))
+                    }
+                    (Some(plan), None) => Some(format!("  peak memory not measured (planned {:.2} GiB)", gib(plan))),
+                    (None, b) => b.map(|b| format!("  peak memory {:.2} GiB", gib(b))),
+                };
                 println!(
                     "{} {}: {} residues, {} recycles in {:.2} s{}  mean pLDDT {:.2}{ptm}",
                     p.name,

@@ -20,7 +20,9 @@ use tch::{Device, Kind, Tensor};
 use crate::confidence::Confidence;
 use crate::features::Features;
 use crate::input::{ChunkArgs, InputArgs, Query, ReadQuery};
+use crate::memory;
 use crate::model::alphafold::{AlphaFold, Pass};
+use crate::model::config::ModelConfig;
 use crate::model::heads::{DISTOGRAM_FIRST_BREAK, DISTOGRAM_LAST_BREAK, MAX_ERROR_BIN};
 use crate::model::recycling::Recycling;
 use crate::model::{Exec, Params};
@@ -105,8 +107,11 @@ pub struct Predicted {
     pub recycles: usize,
     /// Wall-clock seconds of the model (features excluded).
     pub seconds: f64,
-    /// Peak memory of the process (CPU) or the allocator (GPU) so far.
+    /// Peak memory of the process (CPU) or the allocator (GPU) so far; with a memory plan on
+    /// the CPU, the peak of the bytes libtorch allocated during this prediction.
     pub peak_bytes: Option<u64>,
+    /// With a memory budget: the planned peak (parameters, features and the pass's peak).
+    pub planned_bytes: Option<u64>,
 }
 
 /// One parameter set, loaded.
@@ -114,6 +119,10 @@ struct Model {
     name: String,
     preset: Option<Preset>,
     net: AlphaFold,
+    /// The sizes the memory profile needs beside the stacks'.
+    config: ModelConfig,
+    /// Bytes of the parameters on the device.
+    param_bytes: u64,
 }
 
 impl Model {
@@ -137,7 +146,9 @@ impl Model {
         let params = loaded.to_kind(kind)?.to_device(device, false)?.with_kernels(backend);
         let net =
             AlphaFold::with_preset(&params, &sizes).with_context(|| format!("parameters {}", file.path.display()))?;
-        Ok(Model { name: file.name.clone(), preset, net })
+        let config = params.model_config()?;
+        let param_bytes = memory::bytes_of(params.iter().map(|(_, t)| t));
+        Ok(Model { name: file.name.clone(), preset, net, config, param_bytes })
     }
 }
 
@@ -190,6 +201,10 @@ struct Runner<'a> {
 impl<'a> Runner<'a> {
     fn new(args: &'a PredictArgs, world: &'a World) -> anyhow::Result<Self> {
         let (device, exec, backend) = args.chunk.setup(&args.launch, world)?;
+        if args.chunk.gpu_mem.is_some() && device == Device::Cpu {
+            // The CPU's measured peak: every allocation libtorch makes from here on, counted.
+            engine::host_memory::track()?;
+        }
         let kind = args.precision.precision.kind();
         let files = models::resolve(&args.params, args.models.as_deref())?;
         let models = files
@@ -265,10 +280,18 @@ impl<'a> Runner<'a> {
             max: self.max_recycles(&features, processed_recycles)?,
             early_stop_tolerance: args.recycle_early_stop_tolerance,
         };
+        let (exec, planned_bytes) = self.plan(model, name, &features)?;
+        if planned_bytes.is_some() && self.device == Device::Cpu {
+            engine::host_memory::reset_peak()?;
+        }
         let start = Instant::now();
-        let (pass, recycles) =
-            tch::no_grad(|| model.net.predict_recycling(&features, recycling, self.kind, &self.exec))
-                .with_context(|| format!("predicting {name} with {}", model.name))?;
+        let (pass, recycles) = tch::no_grad(|| model.net.predict_recycling(&features, recycling, self.kind, &exec))
+            .with_context(|| format!("predicting {name} with {}", model.name))?;
+        // The model's peak, before the confidence measures and the files.
+        let peak_bytes = match (planned_bytes, self.device) {
+            (Some(_), Device::Cpu) => Some(engine::host_memory::stats()?.peak.max(0) as u64),
+            _ => engine::process::peak_memory(self.device),
+        };
         let seconds = start.elapsed().as_secs_f64();
         timings.add(format!("predict_and_compile_{}", model.name), seconds);
         let first = features.iteration(0)?;
@@ -286,9 +309,37 @@ impl<'a> Runner<'a> {
             ptm: confidence.ptm,
             recycles,
             seconds,
-            peak_bytes: engine::process::peak_memory(self.device),
+            peak_bytes,
+            planned_bytes,
         };
         Ok((predicted, confidence))
+    }
+
+    /// The execution context of `model` on `features`: with a memory budget, each chunked
+    /// operation's size from the inference memory profile ([`memory::plan`]), and the planned
+    /// peak (said on stderr by rank 0); otherwise the run's.
+    fn plan(&self, model: &Model, name: &str, features: &Features) -> anyhow::Result<(Exec, Option<u64>)> {
+        let Some(budget) = self.args.chunk.budget(self.device)? else { return Ok((self.exec.clone(), None)) };
+        let sizes = memory::sizes_of(features, self.kind)?;
+        let fixed = model.param_bytes + memory::bytes_of(features.named().map(|(_, t)| t));
+        let plan = memory::plan(model.net.config(), &model.config, sizes, fixed, budget)
+            .map_err(|e| anyhow::anyhow!("{name} with {}: {e} (--gpu-mem)", model.name))?;
+        if self.world.rank() == 0 {
+            eprintln!(
+                "{name} {}: memory plan for {:.2} GiB ({} residues, {} MSA rows, {} extra rows): planned peak {:.2} GiB \
+                 ({:.2} GiB parameters and features, the pass's peak in {}); chunks: {}",
+                model.name,
+                memory::plan::gib(budget),
+                sizes.residues,
+                sizes.msa_rows,
+                sizes.extra_rows,
+                memory::plan::gib(plan.peak()),
+                memory::plan::gib(plan.fixed),
+                plan.pass.at,
+                plan.describe()
+            );
+        }
+        Ok((Exec::planned(self.exec.dap().clone(), plan.chunks.clone()), Some(plan.peak())))
     }
 
     /// The most recycles to run on `features`: `--num-recycle` (default 3) when processed here,

@@ -13,8 +13,9 @@ use crate::features::{Features, TemplateFeatures};
 use crate::model::config::{EvoformerConfig, PresetSizes};
 use crate::model::embedders::{pseudo_beta, Embedders, Recycled};
 use crate::model::evoformer::EvoformerStack;
-use crate::model::exec::Exec;
+use crate::model::exec::{ChunkOp, Exec};
 use crate::model::heads::{HeadInputs, HeadOutputs, Heads};
+use crate::model::layers::Stream;
 use crate::model::masked_rows::{self, MsaRows};
 use crate::model::params::Params;
 use crate::model::recycling::{self, Recycling};
@@ -174,23 +175,40 @@ impl AlphaFold {
 
     /// One pass (Algorithm 2, lines 5–33) on `batch` given the previous pass's outputs.
     pub fn pass(&self, batch: &Batch, prev: &Recycled, exec: &Exec) -> Result<Pass> {
-        let (msa, pair) = self.embedders.input.forward(&batch.target_feat, &batch.msa_feat, &batch.residue_index)?;
-        let (msa, pair) = self.embedders.recycling.forward(&msa, &pair, prev)?;
+        let prev = Recycled {
+            msa_first_row: prev.msa_first_row.shallow_clone(),
+            pair: prev.pair.shallow_clone(),
+            pseudo_beta: prev.pseudo_beta.shallow_clone(),
+        };
+        self.pass_owned(batch, prev, exec)
+    }
+
+    /// [`AlphaFold::pass`] given up the previous pass's outputs: they are dropped once
+    /// embedded (the recycled pair is not held beside the new one through the stacks).
+    pub fn pass_owned(&self, batch: &Batch, prev: Recycled, exec: &Exec) -> Result<Pass> {
+        let (msa, pair) =
+            self.embedders.input.embed(&batch.target_feat, &batch.msa_feat, &batch.residue_index, exec)?;
+        // The pass's own MSA and pair: the recycling embedder, the templates and the stacks
+        // update them in place when nothing records gradients.
+        let (mut msa, mut pair) = (Stream::new(msa, true), Stream::new(pair, true));
+        self.embedders.recycling.update(&mut msa, &mut pair, &prev, exec)?;
+        drop(prev);
+        let msa = msa.into_inner();
         let pair_mask = batch.seq_mask.f_unsqueeze(1)?.f_mul(&batch.seq_mask.f_unsqueeze(0)?)?;
         // The MSA's own rows, which the masked-MSA head reads after the stack.
         let own_rows = msa.size()[0];
-        let (mut msa, mut pair, mut msa_mask) = (msa, pair, batch.msa_mask.shallow_clone());
+        let (mut msa, mut msa_mask) = (msa, batch.msa_mask.shallow_clone());
         if let (Some(t), Some(f)) = (&self.templates, &batch.templates) {
             let real = match self.drop_masked_rows {
                 true => masked_rows::unmasked_rows(&f.mask)?,
                 false => None,
             };
             match real {
-                None => pair = pair.f_add(&t.pair_update(&pair, f, &pair_mask, exec)?)?,
+                None => t.add_pair_update(&mut pair, f, &pair_mask, exec)?,
                 Some(real) if real.size()[0] > 0 => {
                     let [a, b, c, d, e, g] = f.named().map(|(_, x)| x.f_index_select(0, &real));
                     let f = TemplateFeatures::from_array([a?, b?, c?, d?, e?, g?]);
-                    pair = pair.f_add(&t.pair_update(&pair, &f, &pair_mask, exec)?)?;
+                    t.add_pair_update(&mut pair, &f, &pair_mask, exec)?;
                 }
                 Some(_) => {} // no real template: the update is exactly 0
             }
@@ -199,11 +217,12 @@ impl AlphaFold {
                 msa_mask = Tensor::f_cat(&[msa_mask, mask], 0)?;
             }
         }
+        let pair = pair.into_inner();
         let pair = match (&self.extra, &self.embedders.extra_msa) {
             (Some(stack), Some(embedder)) => {
                 let (rows, has_deletion, deletion_value, mask) = batch.extra_rows(self.drop_masked_rows)?;
                 let extra = embedder.forward(&rows, &has_deletion, &deletion_value)?.f_to_kind(pair.kind())?;
-                stack.forward(&extra, &pair, &mask, &pair_mask, exec)?.1
+                stack.forward_owned(extra, pair, &mask, &pair_mask, exec)?.1
             }
             _ => pair,
         };
@@ -211,13 +230,21 @@ impl AlphaFold {
             true => MsaRows::new(&msa, &msa_mask, own_rows)?,
             false => MsaRows::all(own_rows),
         };
-        let (msa, msa_mask) = (rows.select(&msa)?, rows.select(&msa_mask)?);
-        let (msa, pair) = self.evoformer.forward(&msa, &pair, &msa_mask, &pair_mask, exec)?;
+        let (msa, msa_mask) = {
+            let selected = (rows.select(&msa)?, rows.select(&msa_mask)?);
+            drop((msa, msa_mask));
+            selected
+        };
+        let (msa, pair) = self.evoformer.forward_owned(msa, pair, &msa_mask, &pair_mask, exec)?;
         // The template rows end here: the masked-MSA head reads the MSA's own rows only.
         let msa = rows.restore(&msa)?;
-        let msa_first_row = msa.f_select(0, 0)?;
+        // A row of its own, so that recycling it does not keep the whole MSA.
+        let first = msa.f_select(0, 0)?;
+        let mut msa_first_row = first.f_empty_like()?;
+        msa_first_row.f_copy_(&first)?;
         let single = self.heads.single.forward(&msa)?;
-        let structure = self.structure.forward(&single, &pair, &batch.aatype, &batch.seq_mask)?;
+        let ipa_chunk = exec.chunk_for(ChunkOp::StructureAttention);
+        let structure = self.structure.run(&single, &pair, &batch.aatype, &batch.seq_mask, ipa_chunk)?;
         let heads = self.heads.forward(&HeadInputs {
             msa: &msa,
             pair: &pair,
@@ -242,9 +269,9 @@ impl AlphaFold {
         let mut prev = Recycled::zeros(like.residues(), &self.config, &like.seq_mask)?;
         for i in 0..recycles as i64 {
             let batch = Batch::new(features, i, kind)?;
-            prev = tch::no_grad(|| self.pass(&batch, &prev, exec))?.recycled;
+            prev = tch::no_grad(|| self.pass_owned(&batch, prev, exec))?.recycled;
         }
-        self.pass(&Batch::new(features, recycles as i64, kind)?, &prev, exec)
+        self.pass_owned(&Batch::new(features, recycles as i64, kind)?, prev, exec)
     }
 
     /// Inference over `recycling`'s schedule: passes `0..=max` over slices of `features`, each
@@ -273,7 +300,7 @@ impl AlphaFold {
         let mut r = 0;
         loop {
             let batch = Batch::new(features, r as i64, kind)?;
-            let pass = self.pass(&batch, &prev, exec)?;
+            let pass = self.pass_owned(&batch, prev, exec)?;
             let settled = r > 0
                 && recycling::ca_distance_change(&prev_positions, &pass.structure.atom37, &batch.seq_mask)?
                     < recycling.early_stop_tolerance;

@@ -50,23 +50,42 @@ impl Attention {
         chunked(x.size()[0], chunk, |start, n| {
             let x = x.f_narrow(0, start, n)?;
             let mask = mask.f_narrow(0, start, n)?;
-            let q = einsum("bqa,ahc->bqhc", &x, &self.query_w)?.f_mul_scalar((self.head_dim as f64).powf(-0.5))?;
+            // Without autograd, the scalings, biases and gates are applied in place.
+            let lean = !x.requires_grad() && !self.query_w.requires_grad();
+            let scale = (self.head_dim as f64).powf(-0.5);
+            let mut q = einsum("bqa,ahc->bqhc", &x, &self.query_w)?;
+            q = if lean { q.f_mul_scalar_(scale)? } else { q.f_mul_scalar(scale)? };
             let k = einsum("bka,ahc->bkhc", &x, &self.key_w)?;
             let v = einsum("bka,ahc->bkhc", &x, &self.value_w)?;
-            let logits = einsum("bqhc,bkhc->bhqk", &q, &k)?;
+            let mut logits = einsum("bqhc,bkhc->bhqk", &q, &k)?;
+            drop((q, k));
             let weights = match self.kernels {
                 Backend::Torch => {
-                    let mut logits = logits.f_add(&mask_bias(&mask)?)?;
+                    let mask = mask_bias(&mask)?;
+                    logits = if lean { logits.f_add_(&mask)? } else { logits.f_add(&mask)? };
                     if let Some(b) = pair_bias {
-                        logits = logits.f_add(b)?;
+                        logits = if lean { logits.f_add_(b)? } else { logits.f_add(b)? };
                     }
                     logits.f_softmax(-1, None)?
                 }
                 Backend::Fused => kernels::attention_softmax(&logits, 1.0, Some(&mask), pair_bias, Backend::Fused)?,
             };
-            let avg = einsum("bhqk,bkhc->bqhc", &weights, &v)?;
-            let gate = einsum("bqa,ahc->bqhc", &x, &self.gating_w)?.f_add(&self.gating_b)?.f_sigmoid()?;
-            einsum("bqhc,hco->bqo", &avg.f_mul(&gate)?, &self.output_w)?.f_add(&self.output_b).map_err(Into::into)
+            drop(logits);
+            let mut avg = einsum("bhqk,bkhc->bqhc", &weights, &v)?;
+            drop((weights, v));
+            let mut gate = einsum("bqa,ahc->bqhc", &x, &self.gating_w)?;
+            gate = match lean {
+                true => gate.f_add_(&self.gating_b)?.f_sigmoid_()?,
+                false => gate.f_add(&self.gating_b)?.f_sigmoid()?,
+            };
+            let gated = if lean { avg.f_mul_(&gate)? } else { avg.f_mul(&gate)? };
+            drop(gate);
+            let mut out = einsum("bqhc,hco->bqo", &gated, &self.output_w)?;
+            drop(gated);
+            match lean {
+                true => Ok(out.f_add_(&self.output_b)?),
+                false => Ok(out.f_add(&self.output_b)?),
+            }
         })
     }
 }

@@ -16,8 +16,9 @@
 use tch::{Kind, Tensor};
 
 use crate::model::config::{EvoformerConfig, ModelConfig};
+use crate::model::exec::{ChunkOp, Exec};
 use crate::model::keys::EMBEDDINGS;
-use crate::model::layers::{LayerNorm, Linear};
+use crate::model::layers::{chunked, LayerNorm, Linear, Stream};
 use crate::model::params::Params;
 use crate::model::scope::Builder;
 use crate::model::{ensure, Error, Result};
@@ -62,15 +63,29 @@ pub fn relative_position_one_hot(residue_index: &Tensor, max_relative: i64, kind
 /// below `min_bin` (as for the all-zero positions of the first pass) falls in no bin.
 /// `positions` [.., N, 3] → [.., N, N, bins] of the positions' kind.
 pub fn distance_one_hot(positions: &Tensor, bins: i64, min_bin: f64, max_bin: f64) -> Result<Tensor> {
-    let size = positions.size();
-    if size.len() < 2 || size.last() != Some(&3) {
-        return Err(shape_error("pseudo-beta positions", "[.., residues, 3]".into(), size));
+    distance_one_hot_between(positions, positions, bins, min_bin, max_bin)
+}
+
+/// [`distance_one_hot`] of the distances from `rows` [.., R, 3] to `positions` [.., N, 3]:
+/// [.., R, N, bins] (some rows of the whole one-hot).
+pub fn distance_one_hot_between(
+    rows: &Tensor,
+    positions: &Tensor,
+    bins: i64,
+    min_bin: f64,
+    max_bin: f64,
+) -> Result<Tensor> {
+    for t in [rows, positions] {
+        let size = t.size();
+        if size.len() < 2 || size.last() != Some(&3) {
+            return Err(shape_error("pseudo-beta positions", "[.., residues, 3]".into(), size));
+        }
     }
     ensure!(bins > 1, "distance bins must be at least 2, got {bins}");
     let opts = (positions.kind(), positions.device());
     let lower = Tensor::f_linspace(min_bin, max_bin, bins, opts)?.f_square()?;
     let upper = Tensor::f_cat(&[lower.f_narrow(0, 1, bins - 1)?, Tensor::f_full([1], 1e8, opts)?], 0)?;
-    let diff = positions.f_unsqueeze(-2)?.f_sub(&positions.f_unsqueeze(-3)?)?;
+    let diff = rows.f_unsqueeze(-2)?.f_sub(&positions.f_unsqueeze(-3)?)?;
     let d2 = diff.f_square()?.f_sum_dim_intlist(-1, true, positions.kind())?;
     Ok(d2.f_gt_tensor(&lower)?.f_logical_and(&d2.f_lt_tensor(&upper)?)?.f_to_kind(positions.kind())?)
 }
@@ -159,6 +174,18 @@ impl InputEmbedder {
     /// `target_feat` [N, 22], `msa_feat` [S, N, 49] and `residue_index` [N] to the MSA
     /// [S, N, c_m] and pair [N, N, c_z] representations.
     pub fn forward(&self, target_feat: &Tensor, msa_feat: &Tensor, residue_index: &Tensor) -> Result<(Tensor, Tensor)> {
+        self.embed(target_feat, msa_feat, residue_index, &Exec::serial())
+    }
+
+    /// [`InputEmbedder::forward`], the pair made `exec`'s [`ChunkOp::PairEmbedding`] rows at a
+    /// time (the relative-position one-hot of those rows only).
+    pub fn embed(
+        &self,
+        target_feat: &Tensor,
+        msa_feat: &Tensor,
+        residue_index: &Tensor,
+        exec: &Exec,
+    ) -> Result<(Tensor, Tensor)> {
         let ts = target_feat.size();
         if ts.len() != 2 || ts[1] != self.target_feat {
             return Err(shape_error("target_feat", format!("[residues, {}]", self.target_feat), ts));
@@ -174,10 +201,29 @@ impl InputEmbedder {
         let msa = self.preprocess_msa.forward(msa_feat)?.f_add(&self.preprocess_1d.forward(target_feat)?)?;
         let left = self.left_single.forward(target_feat)?.f_unsqueeze(1)?;
         let right = self.right_single.forward(target_feat)?.f_unsqueeze(0)?;
-        let rel = relative_position_one_hot(residue_index, self.max_relative, target_feat.kind())?;
-        let pair = left.f_add(&right)?.f_add(&self.pair_activiations.forward(&rel)?)?;
+        let pair = chunked(n, exec.chunk_for(ChunkOp::PairEmbedding), |start, rows| {
+            let rel =
+                relative_position_one_hot_rows(residue_index, start, rows, self.max_relative, target_feat.kind())?;
+            let rel = self.pair_activiations.forward(&rel)?;
+            Ok(left.f_narrow(0, start, rows)?.f_add(&right)?.f_add(&rel)?)
+        })?;
         Ok((msa, pair))
     }
+}
+
+/// Rows `[start, start + rows)` of [`relative_position_one_hot`] ([rows, N, 2k + 1]).
+fn relative_position_one_hot_rows(
+    residue_index: &Tensor,
+    start: i64,
+    rows: i64,
+    max_relative: i64,
+    kind: Kind,
+) -> Result<Tensor> {
+    ensure!(max_relative > 0, "max_relative_feature must be positive, got {max_relative}");
+    let pos = residue_index.f_to_kind(Kind::Int64)?;
+    let offset = pos.f_narrow(0, start, rows)?.f_unsqueeze(1)?.f_sub(&pos.f_unsqueeze(0)?)?;
+    let bins = offset.f_add_scalar(max_relative)?.f_clamp(0, 2 * max_relative)?;
+    Ok(bins.f_one_hot(2 * max_relative + 1)?.f_to_kind(kind)?)
 }
 
 /// What the previous pass hands to the next (Algorithm 2, lines 6 and 32): the first MSA
@@ -236,13 +282,22 @@ impl RecyclingEmbedder {
     /// to row 0, and the normalised previous pair and the embedded pseudo-beta distances
     /// added to the pair.
     pub fn forward(&self, msa: &Tensor, pair: &Tensor, prev: &Recycled) -> Result<(Tensor, Tensor)> {
-        let ms = msa.size();
+        let mut msa = Stream::new(msa.shallow_clone(), false);
+        let mut pair = Stream::new(pair.shallow_clone(), false);
+        self.update(&mut msa, &mut pair, prev, &Exec::serial())?;
+        Ok((msa.into_inner(), pair.into_inner()))
+    }
+
+    /// [`RecyclingEmbedder::forward`] on streams (in place where they allow), the pair's terms
+    /// `exec`'s [`ChunkOp::PairEmbedding`] rows at a time.
+    pub fn update(&self, msa: &mut Stream, pair: &mut Stream, prev: &Recycled, exec: &Exec) -> Result<()> {
+        let ms = msa.get().size();
         if ms.len() != 3 || ms[0] < 1 || ms[2] != self.c_m {
             return Err(shape_error("msa", format!("[sequences, residues, {}]", self.c_m), ms));
         }
         let n = ms[1];
         let checks = [
-            ("pair", pair, vec![n, n, self.c_z]),
+            ("pair", pair.get(), vec![n, n, self.c_z]),
             ("recycled msa first row", &prev.msa_first_row, vec![n, self.c_m]),
             ("recycled pair", &prev.pair, vec![n, n, self.c_z]),
             ("recycled pseudo-beta positions", &prev.pseudo_beta, vec![n, 3]),
@@ -253,13 +308,19 @@ impl RecyclingEmbedder {
             }
         }
         let row = self.prev_msa_first_row_norm.forward(&prev.msa_first_row)?.f_unsqueeze(0)?;
-        let first = msa.f_narrow(0, 0, 1)?.f_add(&row)?;
-        let msa = Tensor::f_cat(&[first, msa.f_narrow(0, 1, ms[0] - 1)?], 0)?;
-        let dgram = distance_one_hot(&prev.pseudo_beta, self.bins, RECYCLE_MIN_BIN, RECYCLE_MAX_BIN)?;
-        let pair = pair
-            .f_add(&self.prev_pair_norm.forward(&prev.pair)?)?
-            .f_add(&self.prev_pos_linear.forward(&dgram.f_to_kind(pair.kind())?)?)?;
-        Ok((msa, pair))
+        msa.add_chunked(0, Some(1), |_, start, _| match start {
+            0 => Ok(row.shallow_clone()),
+            _ => Ok(row.f_zeros_like()?),
+        })?;
+        let chunk = exec.chunk_for(ChunkOp::PairEmbedding);
+        pair.add_chunked(0, chunk, |_, start, rows| self.prev_pair_norm.forward(&prev.pair.f_narrow(0, start, rows)?))?;
+        let kind = pair.get().kind();
+        pair.add_chunked(0, chunk, |_, start, rows| {
+            let here = prev.pseudo_beta.f_narrow(0, start, rows)?;
+            let dgram =
+                distance_one_hot_between(&here, &prev.pseudo_beta, self.bins, RECYCLE_MIN_BIN, RECYCLE_MAX_BIN)?;
+            self.prev_pos_linear.forward(&dgram.f_to_kind(kind)?)
+        })
     }
 }
 

@@ -25,8 +25,9 @@
 use tch::Tensor;
 
 use crate::model::config::EvoformerConfig;
-use crate::model::exec::Exec;
+use crate::model::exec::{ChunkOp, Exec, Stage};
 use crate::model::keys::{EVOFORMER, EXTRA_MSA};
+use crate::model::layers::Stream;
 use crate::model::msa::{
     MsaColumnAttention, MsaColumnGlobalAttention, MsaRowAttentionWithPairBias, OuterProductMean, Transition,
 };
@@ -122,33 +123,46 @@ impl EvoformerBlock {
     }
 
     /// One block on row-split `msa` [s/N, r, c] and row-split `pair` [r/N, r, c_z]; returns
-    /// both in the same layouts. `exec`'s chunk size bounds the batch-like axis of every heavy
+    /// both in the same layouts. `exec`'s chunk sizes bound the batch-like axis of every heavy
     /// step.
     pub fn forward(&self, msa: &Tensor, pair: &Tensor, masks: &BlockMasks, exec: &Exec) -> Result<(Tensor, Tensor)> {
-        let dap = exec.dap();
-        let msa = msa.f_add(&self.row_attention.forward(msa, &masks.msa_row, pair, exec)?)?;
-        let msa = dap.row_to_col(&msa, 0, 1)?;
-        let update = match &self.column_attention {
-            ColumnAttention::Full(a) => a.forward(&msa, &masks.msa_col, exec)?,
-            ColumnAttention::Global(a) => a.forward(&msa, &masks.msa_col, exec)?,
-        };
-        let msa = msa.f_add(&update)?;
-        let msa = msa.f_add(&self.msa_transition.forward(&msa, exec)?)?;
-        let opm = self.outer_product_mean.forward(&msa, &masks.msa_col, &masks.msa_full, exec)?;
-        let pair = pair.f_add(&opm)?;
-        // The MSA is done for this block: send it back to rows while the pair half runs.
-        let msa = dap.col_to_row_async(&msa, 0, 1)?;
+        let (msa, pair) = (Stream::new(msa.shallow_clone(), false), Stream::new(pair.shallow_clone(), false));
+        let (msa, pair) = self.run(msa, pair, masks, exec)?;
+        Ok((msa.into_inner(), pair.into_inner()))
+    }
 
-        let pair = pair.f_add(&self.tri_mul_out.forward(&pair, &masks.pair_row, exec)?)?;
-        let pair = dap.row_to_col(&pair, 0, 1)?;
-        let pair = pair.f_add(&self.tri_mul_in.forward(&pair, &masks.pair_col, exec)?)?;
-        let pair = dap.col_to_row(&pair, 0, 1)?;
-        let pair = pair.f_add(&self.tri_att_start.forward(&pair, &masks.pair_row, exec)?)?;
-        let pair = dap.row_to_col(&pair, 0, 1)?;
-        let pair = pair.f_add(&self.tri_att_end.forward(&pair, &masks.pair_col, exec)?)?;
-        let pair = pair.f_add(&self.pair_transition.forward(&pair, exec)?)?;
-        let pair = dap.col_to_row(&pair, 0, 1)?;
-        Ok((msa.wait()?, pair))
+    /// One block on the streams (updated in place where they are owned and nothing records
+    /// gradients).
+    pub(crate) fn run(
+        &self,
+        mut msa: Stream,
+        mut pair: Stream,
+        masks: &BlockMasks,
+        exec: &Exec,
+    ) -> Result<(Stream, Stream)> {
+        let dap = exec.dap();
+        self.row_attention.update(&mut msa, &masks.msa_row, pair.get(), exec)?;
+        let mut msa = msa.map(|m| Ok(dap.row_to_col(m, 0, 1)?))?;
+        match &self.column_attention {
+            ColumnAttention::Full(a) => a.update(&mut msa, &masks.msa_col, exec)?,
+            ColumnAttention::Global(a) => a.update(&mut msa, &masks.msa_col, exec)?,
+        }
+        self.msa_transition.update(&mut msa, ChunkOp::MsaTransition, exec)?;
+        self.outer_product_mean.update(&mut pair, msa.get(), &masks.msa_col, &masks.msa_full, exec)?;
+        // The MSA is done for this block: send it back to rows while the pair half runs.
+        let msa_owned = msa.is_owned();
+        let msa = dap.col_to_row_async(&msa.into_inner(), 0, 1)?;
+
+        self.tri_mul_out.update(&mut pair, &masks.pair_row, exec)?;
+        let mut pair = pair.map(|z| Ok(dap.row_to_col(z, 0, 1)?))?;
+        self.tri_mul_in.update(&mut pair, &masks.pair_col, exec)?;
+        let mut pair = pair.map(|z| Ok(dap.col_to_row(z, 0, 1)?))?;
+        self.tri_att_start.update(&mut pair, &masks.pair_row, exec)?;
+        let mut pair = pair.map(|z| Ok(dap.row_to_col(z, 0, 1)?))?;
+        self.tri_att_end.update(&mut pair, &masks.pair_col, exec)?;
+        self.pair_transition.update(&mut pair, ChunkOp::PairTransition, exec)?;
+        let pair = pair.map(|z| Ok(dap.col_to_row(z, 0, 1)?))?;
+        Ok((Stream::new(msa.wait()?, msa_owned), pair))
     }
 }
 
@@ -157,6 +171,7 @@ pub struct EvoformerStack {
     blocks: Vec<EvoformerBlock>,
     c_m: i64,
     c_z: i64,
+    stage: Stage,
 }
 
 impl EvoformerStack {
@@ -188,7 +203,8 @@ impl EvoformerStack {
         ensure!(n > 0, "the stack at {path} has no blocks");
         let blocks =
             (0..n).map(|i| EvoformerBlock::new(&builder.block(path, i, n), cfg, extra)).collect::<Result<_>>()?;
-        Ok(EvoformerStack { blocks, c_m, c_z: cfg.c_z })
+        let stage = if extra { Stage::ExtraMsa } else { Stage::Evoformer };
+        Ok(EvoformerStack { blocks, c_m, c_z: cfg.c_z, stage })
     }
 
     /// Number of blocks.
@@ -218,23 +234,57 @@ impl EvoformerStack {
         pair_mask: &Tensor,
         exec: &Exec,
     ) -> Result<(Tensor, Tensor)> {
+        self.run(msa.shallow_clone(), pair.shallow_clone(), false, msa_mask, pair_mask, exec)
+    }
+
+    /// [`EvoformerStack::forward`] on inputs the caller gives up: without autograd the stack
+    /// updates them in place (the caller's other handles to them, if any, see the updates), so
+    /// that no second MSA or pair is ever made.
+    pub fn forward_owned(
+        &self,
+        msa: Tensor,
+        pair: Tensor,
+        msa_mask: &Tensor,
+        pair_mask: &Tensor,
+        exec: &Exec,
+    ) -> Result<(Tensor, Tensor)> {
+        self.run(msa, pair, true, msa_mask, pair_mask, exec)
+    }
+
+    fn run(
+        &self,
+        msa: Tensor,
+        pair: Tensor,
+        owned: bool,
+        msa_mask: &Tensor,
+        pair_mask: &Tensor,
+        exec: &Exec,
+    ) -> Result<(Tensor, Tensor)> {
+        let exec = exec.in_stage(self.stage);
         let dap = exec.dap();
-        let (s, r) = check_inputs(msa, pair, msa_mask, pair_mask, self.c_m, self.c_z)?;
+        let (s, r) = check_inputs(&msa, &pair, msa_mask, pair_mask, self.c_m, self.c_z)?;
         let (sp, rp) = (dap.padded_len(s), dap.padded_len(r));
         let pad2 = |t: &Tensor, a: i64, b: i64| -> Result<Tensor> { Ok(dap.pad_to(&dap.pad_to(t, 0, a)?, 1, b)?) };
         let kind = msa.kind();
         let masks = BlockMasks::new(
             &pad2(&msa_mask.f_to_kind(kind)?, sp, rp)?,
             &pad2(&pair_mask.f_to_kind(kind)?, rp, rp)?,
-            exec,
+            &exec,
         )?;
-        let mut m = dap.scatter(&pad2(msa, sp, rp)?, 0)?;
-        let mut z = dap.scatter(&pad2(pair, rp, rp)?, 0)?;
+        // Padded or split, the blocks get a copy of their own; the input is dropped here when
+        // the caller gave it up.
+        let own = |t: Tensor, len: i64| -> Result<Stream> {
+            let local = dap.scatter(&pad2(&t, len, rp)?, 0)?;
+            let copied = (len, rp) != (t.size()[0], t.size()[1]) || dap.size() > 1;
+            Ok(Stream::new(local, owned || copied))
+        };
+        let mut m = own(msa, sp)?;
+        let mut z = own(pair, rp)?;
         for block in &self.blocks {
-            (m, z) = block.forward(&m, &z, &masks, exec)?;
+            (m, z) = block.run(m, z, &masks, &exec)?;
         }
-        let m = dap.gather(&m, 0)?.f_narrow(0, 0, s)?.f_narrow(1, 0, r)?;
-        let z = dap.gather(&z, 0)?.f_narrow(0, 0, r)?.f_narrow(1, 0, r)?;
+        let m = dap.gather(&m.into_inner(), 0)?.f_narrow(0, 0, s)?.f_narrow(1, 0, r)?;
+        let z = dap.gather(&z.into_inner(), 0)?.f_narrow(0, 0, r)?.f_narrow(1, 0, r)?;
         Ok((m, z))
     }
 }

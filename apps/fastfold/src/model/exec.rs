@@ -1,22 +1,111 @@
 //! How a forward runs, apart from its weights and inputs: the DAP group the stacks split over
-//! and the chunk size of the memory-heavy steps. The stacks and modules take one `&Exec`, so
-//! the command line's choices reach every operation through one value rather than two
-//! parameters threaded by hand through each layer.
+//! and the chunk size of each memory-heavy step. The stacks and modules take one `&Exec`, so
+//! the command line's choices reach every operation through one value rather than parameters
+//! threaded by hand through each layer.
 //!
 //! Each module that is an operation of its own (row and column attention, the transitions, the
-//! outer product mean, the triangle updates and attentions, the template pair stack and
-//! pointwise attention) reads its chunk size with [`Exec::chunk`] and hands the number to the
-//! primitives it shares with the others ([`crate::model::layers::chunked`],
-//! [`crate::model::attention::Attention::forward`]). A chunk size chosen per operation (a
-//! memory planner fitting each step to a budget) then changes what `chunk` is asked, at the
-//! places that call it, and no signature in between.
+//! outer product mean, the triangle updates and attentions, the template pointwise attention,
+//! the embedders' pair, the structure module's attention) reads its chunk size with [`Exec::chunk_for`],
+//! naming itself ([`ChunkOp`]); the stack it runs in ([`Stage`]: the template pair stack, the
+//! extra-MSA stack, the Evoformer, or outside the stacks) is part of the context, so one plan
+//! gives the 5,120-row extra-MSA stack and the 512-row Evoformer different sizes. A plan is
+//! either one size for everything (`--chunk-size`) or the memory planner's choice per step
+//! ([`crate::memory::plan`], `--gpu-mem`).
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
 use engine::parallel::dap::Dap;
 
-/// The DAP context and chunk size a forward runs under.
+/// The operations that run in chunks of their batch-like axis.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum ChunkOp {
+    /// MSA row attention with pair bias: sequences at a time (and the bias's pair rows).
+    MsaRowAttention,
+    /// MSA column attention (global in the extra-MSA stack): residues at a time.
+    MsaColumnAttention,
+    /// The MSA transition: rows at a time.
+    MsaTransition,
+    /// The outer product mean: pair rows at a time.
+    OuterProductMean,
+    /// The triangle multiplicative updates: pair rows (outgoing) or columns (incoming).
+    TriangleMultiplication,
+    /// The triangle attentions: pair rows (starting node) or columns (ending node).
+    TriangleAttention,
+    /// The pair transition: pair rows at a time.
+    PairTransition,
+    /// The template pointwise attention: pair rows at a time.
+    TemplatePointwise,
+    /// The input and recycling embedders' pair: rows at a time.
+    PairEmbedding,
+    /// The structure module's invariant point attention: query residues at a time.
+    StructureAttention,
+}
+
+impl ChunkOp {
+    /// Every chunked operation.
+    pub const ALL: [ChunkOp; 10] = [
+        ChunkOp::MsaRowAttention,
+        ChunkOp::MsaColumnAttention,
+        ChunkOp::MsaTransition,
+        ChunkOp::OuterProductMean,
+        ChunkOp::TriangleMultiplication,
+        ChunkOp::TriangleAttention,
+        ChunkOp::PairTransition,
+        ChunkOp::TemplatePointwise,
+        ChunkOp::PairEmbedding,
+        ChunkOp::StructureAttention,
+    ];
+}
+
+/// Where in the network an operation runs: the same operation gets its own chunk size in each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Stage {
+    /// Outside the stacks: embedders, template pointwise attention, structure module.
+    Outer,
+    /// The template pair stack (every rank runs it whole).
+    Templates,
+    /// The extra-MSA stack.
+    ExtraMsa,
+    /// The Evoformer stack.
+    Evoformer,
+}
+
+impl Stage {
+    /// Every stage.
+    pub const ALL: [Stage; 4] = [Stage::Outer, Stage::Templates, Stage::ExtraMsa, Stage::Evoformer];
+}
+
+/// A chunk size per operation and stage (`None`: the whole axis at once).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ChunkPlan {
+    uniform: Option<i64>,
+    sizes: BTreeMap<(Stage, ChunkOp), Option<i64>>,
+}
+
+impl ChunkPlan {
+    /// One size for every operation (`None`: nothing chunked).
+    pub fn uniform(chunk: Option<i64>) -> ChunkPlan {
+        ChunkPlan { uniform: chunk, sizes: BTreeMap::new() }
+    }
+
+    /// This plan with `op` in `stage` `chunk` rows at a time.
+    pub fn with(mut self, stage: Stage, op: ChunkOp, chunk: Option<i64>) -> ChunkPlan {
+        self.sizes.insert((stage, op), chunk);
+        self
+    }
+
+    /// The size of `op` in `stage`.
+    pub fn get(&self, stage: Stage, op: ChunkOp) -> Option<i64> {
+        self.sizes.get(&(stage, op)).copied().unwrap_or(self.uniform)
+    }
+}
+
+/// The DAP context and chunk sizes a forward runs under.
 #[derive(Clone, Debug)]
 pub struct Exec {
     dap: Dap,
-    chunk: Option<i64>,
+    plan: Arc<ChunkPlan>,
+    stage: Stage,
 }
 
 impl Exec {
@@ -25,9 +114,14 @@ impl Exec {
         Exec::new(Dap::none(), None)
     }
 
-    /// DAP over `dap`'s group, the memory-heavy steps `chunk` rows at a time (`None`: whole).
+    /// DAP over `dap`'s group, every memory-heavy step `chunk` rows at a time (`None`: whole).
     pub fn new(dap: Dap, chunk: Option<i64>) -> Exec {
-        Exec { dap, chunk }
+        Exec::planned(dap, ChunkPlan::uniform(chunk))
+    }
+
+    /// DAP over `dap`'s group, each step chunked as `plan` says.
+    pub fn planned(dap: Dap, plan: ChunkPlan) -> Exec {
+        Exec { dap, plan: Arc::new(plan), stage: Stage::Outer }
     }
 
     /// The DAP context (with no group, every layout switch is the identity).
@@ -35,15 +129,25 @@ impl Exec {
         &self.dap
     }
 
-    /// How many rows of its batch-like axis a memory-heavy step takes at a time (`None`: all).
+    /// How many rows of its batch-like axis `op` takes at a time in this stage (`None`: all).
     /// Every chunked operation reads its size here, so that one place decides it.
-    pub fn chunk(&self) -> Option<i64> {
-        self.chunk
+    pub fn chunk_for(&self, op: ChunkOp) -> Option<i64> {
+        self.plan.get(self.stage, op)
+    }
+
+    /// The plan.
+    pub fn plan(&self) -> &ChunkPlan {
+        &self.plan
+    }
+
+    /// This context inside `stage`.
+    pub fn in_stage(&self, stage: Stage) -> Exec {
+        Exec { stage, ..self.clone() }
     }
 
     /// This context without the DAP group, for the modules every rank runs whole (the
-    /// templates): they chunk as the caller chose, on this rank alone.
+    /// templates): they chunk as the plan says, on this rank alone.
     pub fn without_dap(&self) -> Exec {
-        Exec { dap: Dap::none(), chunk: self.chunk }
+        Exec { dap: Dap::none(), ..self.clone() }
     }
 }

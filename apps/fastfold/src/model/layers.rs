@@ -25,8 +25,10 @@ impl Linear {
 
     /// Applies the layer to the last dimension of `x`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = self.matmul(x)?;
+        let mut y = self.matmul(x)?;
         Ok(match &self.bias {
+            // Without autograd the bias is added in place.
+            Some(b) if !y.requires_grad() => y.f_add_(b)?,
             Some(b) => y.f_add(b)?,
             None => y,
         })
@@ -71,28 +73,139 @@ impl LayerNorm {
     }
 }
 
-/// Runs `f(start, len)` over slices of `[0, len)` at most `chunk` long and concatenates the
-/// results along dim 0 (`None`: one call over everything). Modules slice their batch-like
-/// axis with it, bounding the largest intermediate.
-pub fn chunked(len: i64, chunk: Option<i64>, mut f: impl FnMut(i64, i64) -> Result<Tensor>) -> Result<Tensor> {
-    let step = match chunk {
+/// The step of a chunked loop over `len` rows: `chunk`, or everything at once.
+fn step(len: i64, chunk: Option<i64>) -> Result<i64> {
+    match chunk {
         Some(c) => {
             ensure!(c > 0, "chunk size must be positive, got {c}");
-            c
+            Ok(c.min(len.max(1)))
         }
-        None => len,
-    };
+        None => Ok(len.max(1)),
+    }
+}
+
+/// Runs `f(start, len)` over slices of `[0, len)` at most `chunk` long and joins the results
+/// along dim 0 (`None`: one call over everything). Modules slice their batch-like axis with it,
+/// bounding the largest intermediate. Without autograd the results are copied into one output
+/// as they come (the output and one chunk alive, not every chunk and then their concatenation).
+pub fn chunked(len: i64, chunk: Option<i64>, f: impl FnMut(i64, i64) -> Result<Tensor>) -> Result<Tensor> {
+    chunked_along(0, len, chunk, f)
+}
+
+/// [`chunked`] along dim `dim` of the results.
+pub fn chunked_along(
+    dim: i64,
+    len: i64,
+    chunk: Option<i64>,
+    mut f: impl FnMut(i64, i64) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let step = step(len, chunk)?;
     if step >= len {
         return f(0, len);
     }
-    let mut parts = Vec::new();
+    let (mut parts, mut out): (Vec<Tensor>, Option<Tensor>) = (Vec::new(), None);
     let mut start = 0;
     while start < len {
         let n = step.min(len - start);
-        parts.push(f(start, n)?);
+        let part = f(start, n)?;
+        match &out {
+            Some(o) => o.f_narrow(dim, start, n)?.f_copy_(&part)?,
+            None if part.requires_grad() => {
+                parts.push(part);
+                start += n;
+                continue;
+            }
+            None => {
+                let mut shape = part.size();
+                shape[dim as usize] = len;
+                let o = Tensor::f_empty(shape, (part.kind(), part.device()))?;
+                o.f_narrow(dim, start, n)?.f_copy_(&part)?;
+                out = Some(o);
+            }
+        }
         start += n;
     }
-    Ok(Tensor::f_cat(&parts, 0)?)
+    match out {
+        Some(o) => Ok(o),
+        None => Ok(Tensor::f_cat(&parts, dim)?),
+    }
+}
+
+/// A residual stream (the MSA or the pair representation) that one module after another adds
+/// its update to. Once the tensor belongs to the forward (it made it, or its caller gave it
+/// up) and nothing records gradients, each update is added in place chunk by chunk as it is
+/// computed, so no update is ever whole and no second stream is made; otherwise the update is
+/// computed (in chunks, joined) and added into a new tensor, as autograd needs.
+///
+/// In place, a module's chunk `[start, start + n)` along `dim` is written before the next
+/// chunk is computed: a module reads only its own chunk of the stream, and anything it needs
+/// of the whole stream (a bias, a projection) it computes before the first chunk.
+pub struct Stream {
+    t: Tensor,
+    owned: bool,
+}
+
+impl Stream {
+    /// A stream over `t`; `owned`: no one else reads `t`, so it may be updated in place.
+    pub fn new(t: Tensor, owned: bool) -> Stream {
+        Stream { t, owned }
+    }
+
+    /// The stream's tensor now.
+    pub fn get(&self) -> &Tensor {
+        &self.t
+    }
+
+    /// Whether no one else reads the tensor.
+    pub fn is_owned(&self) -> bool {
+        self.owned
+    }
+
+    /// The tensor.
+    pub fn into_inner(self) -> Tensor {
+        self.t
+    }
+
+    /// Replaces the tensor by `f` of it (a layout switch), keeping whether it is owned: `f`
+    /// returns the tensor itself or a new one nobody else holds.
+    pub fn map(self, f: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<Stream> {
+        let owned = self.owned;
+        Ok(Stream { t: f(&self.t)?, owned })
+    }
+
+    /// Adds the update `f(stream, start, n)` of rows `[start, start + n)` along `dim`, `chunk`
+    /// rows at a time (`None`: whole).
+    pub fn add_chunked(
+        &mut self,
+        dim: i64,
+        chunk: Option<i64>,
+        mut f: impl FnMut(&Tensor, i64, i64) -> Result<Tensor>,
+    ) -> Result<()> {
+        let len = self.t.size()[dim as usize];
+        let step = step(len, chunk)?;
+        let (mut parts, mut in_place) = (Vec::new(), None);
+        let mut start = 0;
+        while start < len {
+            let n = step.min(len - start);
+            let u = f(&self.t, start, n)?;
+            if *in_place.get_or_insert(self.owned && !self.t.requires_grad() && !u.requires_grad()) {
+                let _ = self.t.f_narrow(dim, start, n)?.f_add_(&u)?;
+            } else {
+                parts.push(u);
+            }
+            start += n;
+        }
+        if !parts.is_empty() {
+            let update = match parts.len() {
+                1 => parts.remove(0),
+                _ => Tensor::f_cat(&parts, dim)?,
+            };
+            drop(parts);
+            self.t = self.t.f_add(&update)?;
+            self.owned = true;
+        }
+        Ok(())
+    }
 }
 
 /// The additive attention bias of a key mask: 0 where `mask` is 1, -1e9 where it is 0

@@ -9,16 +9,27 @@ use engine::parallel::dap::Dap;
 use tch::Tensor;
 
 use crate::model::attention::{Attention, GlobalAttention};
-use crate::model::exec::Exec;
-use crate::model::layers::{chunked, LayerNorm, Linear};
+use crate::model::exec::{ChunkOp, Exec};
+use crate::model::layers::{chunked_along, LayerNorm, Linear, Stream};
 use crate::model::scope::{Init, Scope};
 use crate::model::Result;
 
-/// The per-head pair bias `einsum('qkc,ch->hqk', LN(pair), feat_2d_weights)` of this rank's
-/// pair rows, all-gathered along the query axis (each rank uses the whole bias on its own
-/// rows, so backward sums the ranks' gradients).
-fn pair_bias(pair: &Tensor, weights: &Tensor, dap: &Dap) -> Result<Tensor> {
-    let local = Tensor::f_einsum("qkc,ch->hqk", &[pair, weights], None::<&[i64]>)?;
+/// The per-head pair bias `einsum('qkc,ch->hqk', LN(pair), weights)` of this rank's pair
+/// rows [h, r/N, r], normalised and projected `chunk` rows at a time (no whole normalised pair),
+/// all-gathered along the query axis (each rank uses the whole bias on its own rows, so
+/// backward sums the ranks' gradients). The triangle attentions take it of the pair or its
+/// transpose.
+pub(crate) fn pair_bias(
+    norm: &LayerNorm,
+    pair: &Tensor,
+    weights: &Tensor,
+    dap: &Dap,
+    chunk: Option<i64>,
+) -> Result<Tensor> {
+    let local = chunked_along(1, pair.size()[0], chunk, |start, n| {
+        let x = norm.forward(&pair.f_narrow(0, start, n)?)?;
+        Ok(Tensor::f_einsum("qkc,ch->hqk", &[&x, weights], None::<&[i64]>)?)
+    })?;
     Ok(dap.all_gather(&local, 1)?)
 }
 
@@ -41,12 +52,15 @@ impl MsaRowAttentionWithPairBias {
         })
     }
 
-    /// The update of row-split `msa` [s/N, r, c] (mask [s/N, r]) given row-split `pair`
-    /// [r/N, r, c_z]; chunks over sequences.
-    pub fn forward(&self, msa: &Tensor, mask: &Tensor, pair: &Tensor, exec: &Exec) -> Result<Tensor> {
-        let bias = pair_bias(&self.feat_2d_norm.forward(pair)?, &self.feat_2d_weights, exec.dap())?;
-        let x = self.query_norm.forward(msa)?;
-        self.attention.forward(&x, mask, Some(&bias), exec.chunk())
+    /// Adds the update of row-split `msa` [s/N, r, c] (mask [s/N, r]) given row-split `pair`
+    /// [r/N, r, c_z]; chunks over sequences (and the bias over pair rows).
+    pub fn update(&self, msa: &mut Stream, mask: &Tensor, pair: &Tensor, exec: &Exec) -> Result<()> {
+        let chunk = exec.chunk_for(ChunkOp::MsaRowAttention);
+        let bias = pair_bias(&self.feat_2d_norm, pair, &self.feat_2d_weights, exec.dap(), chunk)?;
+        msa.add_chunked(0, chunk, |m, start, n| {
+            let x = self.query_norm.forward(&m.f_narrow(0, start, n)?)?;
+            self.attention.forward(&x, &mask.f_narrow(0, start, n)?, Some(&bias), None)
+        })
     }
 }
 
@@ -65,11 +79,13 @@ impl MsaColumnAttention {
         })
     }
 
-    /// The update of col-split `msa` [s, r/N, c] (mask [s, r/N]); chunks over residues.
-    pub fn forward(&self, msa: &Tensor, mask: &Tensor, exec: &Exec) -> Result<Tensor> {
-        let x = self.query_norm.forward(&msa.f_transpose(0, 1)?)?;
-        let out = self.attention.forward(&x, &mask.f_transpose(0, 1)?, None, exec.chunk())?;
-        Ok(out.f_transpose(0, 1)?)
+    /// Adds the update of col-split `msa` [s, r/N, c] (mask [s, r/N]); chunks over residues.
+    pub fn update(&self, msa: &mut Stream, mask: &Tensor, exec: &Exec) -> Result<()> {
+        msa.add_chunked(1, exec.chunk_for(ChunkOp::MsaColumnAttention), |m, start, n| {
+            let x = self.query_norm.forward(&m.f_narrow(1, start, n)?.f_transpose(0, 1)?)?;
+            let out = self.attention.forward(&x, &mask.f_narrow(1, start, n)?.f_transpose(0, 1)?, None, None)?;
+            Ok(out.f_transpose(0, 1)?)
+        })
     }
 }
 
@@ -88,11 +104,13 @@ impl MsaColumnGlobalAttention {
         })
     }
 
-    /// The update of col-split `msa` [s, r/N, c] (mask [s, r/N]); chunks over residues.
-    pub fn forward(&self, msa: &Tensor, mask: &Tensor, exec: &Exec) -> Result<Tensor> {
-        let x = self.query_norm.forward(&msa.f_transpose(0, 1)?)?;
-        let out = self.attention.forward(&x, &mask.f_transpose(0, 1)?, exec.chunk())?;
-        Ok(out.f_transpose(0, 1)?)
+    /// Adds the update of col-split `msa` [s, r/N, c] (mask [s, r/N]); chunks over residues.
+    pub fn update(&self, msa: &mut Stream, mask: &Tensor, exec: &Exec) -> Result<()> {
+        msa.add_chunked(1, exec.chunk_for(ChunkOp::MsaColumnAttention), |m, start, n| {
+            let x = self.query_norm.forward(&m.f_narrow(1, start, n)?.f_transpose(0, 1)?)?;
+            let out = self.attention.forward(&x, &mask.f_narrow(1, start, n)?.f_transpose(0, 1)?, None)?;
+            Ok(out.f_transpose(0, 1)?)
+        })
     }
 }
 
@@ -113,11 +131,13 @@ impl Transition {
         })
     }
 
-    /// The update of `x` (any layout: it is pointwise); chunks over dim 0.
-    pub fn forward(&self, x: &Tensor, exec: &Exec) -> Result<Tensor> {
-        chunked(x.size()[0], exec.chunk(), |start, n| {
-            let h = self.input_layer_norm.forward(&x.f_narrow(0, start, n)?)?;
-            self.transition2.forward(&self.transition1.forward(&h)?.f_relu()?)
+    /// Adds the update of `x` (any layout: it is pointwise) as operation `op` (the MSA or the
+    /// pair transition); chunks over dim 0.
+    pub fn update(&self, x: &mut Stream, op: ChunkOp, exec: &Exec) -> Result<()> {
+        x.add_chunked(0, exec.chunk_for(op), |x, start, n| {
+            let mut h = self.transition1.forward(&self.input_layer_norm.forward(&x.f_narrow(0, start, n)?)?)?;
+            h = if h.requires_grad() { h.f_relu()? } else { h.f_relu_()? };
+            self.transition2.forward(&h)
         })
     }
 }
@@ -147,23 +167,41 @@ impl OuterProductMean {
         })
     }
 
-    /// The row-split pair update [r/N, r, c_z] from col-split `msa` [s, r/N, c_m] with its
-    /// mask [s, r/N] and the whole mask [s, r]: out[i, j] = W·vec(Σ_s a_si ⊗ b_sj) + b, over
-    /// (1e-3 + Σ_s mask_si mask_sj). Chunks over i.
-    pub fn forward(&self, msa: &Tensor, mask: &Tensor, mask_full: &Tensor, exec: &Exec) -> Result<Tensor> {
+    /// Adds the row-split pair update [r/N, r, c_z] from col-split `msa` [s, r/N, c_m] with
+    /// its mask [s, r/N] and the whole mask [s, r] to `pair`: out[i, j] = W·vec(Σ_s a_si ⊗
+    /// b_sj) + b, over (1e-3 + Σ_s mask_si mask_sj). Chunks over i.
+    pub fn update(
+        &self,
+        pair: &mut Stream,
+        msa: &Tensor,
+        mask: &Tensor,
+        mask_full: &Tensor,
+        exec: &Exec,
+    ) -> Result<()> {
         let x = self.layer_norm_input.forward(msa)?;
         let m = mask.f_unsqueeze(-1)?;
-        let left = self.left_projection.forward(&x)?.f_mul(&m)?;
-        let right = exec.dap().all_gather(&self.right_projection.forward(&x)?.f_mul(&m)?, 1)?;
+        let masked = |y: Tensor| -> Result<Tensor> {
+            let mut y = y;
+            Ok(if y.requires_grad() { y.f_mul(&m)? } else { y.f_mul_(&m)? })
+        };
+        let left = masked(self.left_projection.forward(&x)?)?;
+        let right = exec.dap().all_gather(&masked(self.right_projection.forward(&x)?)?, 1)?;
+        drop(x);
         let norm = Tensor::f_einsum("si,sj->ij", &[mask, mask_full], None::<&[i64]>)?;
         let w = self.output_w.f_reshape([self.channels * self.channels, self.c_z])?;
-        let out = chunked(left.size()[1], exec.chunk(), |start, n| {
+        pair.add_chunked(0, exec.chunk_for(ChunkOp::OuterProductMean), |_, start, n| {
             let l = left.f_narrow(1, start, n)?;
             let outer = Tensor::f_einsum("sic,sje->ijce", &[&l, &right], None::<&[i64]>)?;
             let r = outer.size()[1];
-            let y = outer.f_reshape([n, r, self.channels * self.channels])?.f_matmul(&w)?.f_add(&self.output_b)?;
-            Ok(y.f_div(&norm.f_narrow(0, start, n)?.f_add_scalar(1e-3)?.f_unsqueeze(-1)?)?)
-        })?;
-        Ok(out)
+            // The product comes out of bmm laid out [i, c, j, e]: flattening (c, e) copies it.
+            let flat = outer.f_reshape([n, r, self.channels * self.channels])?;
+            drop(outer);
+            let mut y = flat.f_matmul(&w)?;
+            drop(flat);
+            let lean = !y.requires_grad();
+            y = if lean { y.f_add_(&self.output_b)? } else { y.f_add(&self.output_b)? };
+            let divisor = norm.f_narrow(0, start, n)?.f_add_scalar(1e-3)?.f_unsqueeze(-1)?;
+            Ok(if lean { y.f_div_(&divisor)? } else { y.f_div(&divisor)? })
+        })
     }
 }

@@ -22,7 +22,7 @@ use tch::{Kind, Tensor};
 use crate::geometry::Rigid;
 use crate::model::config::{PresetSizes, StructureConfig};
 use crate::model::keys::STRUCTURE_MODULE;
-use crate::model::layers::{LayerNorm, Linear};
+use crate::model::layers::{chunked, LayerNorm, Linear};
 use crate::model::params::Params;
 use crate::model::scope::{Builder, Init, Scope};
 use crate::model::{ensure, Error, Result};
@@ -72,14 +72,22 @@ impl InvariantPointAttention {
         Ok(global.f_reshape([n, h, per_head, 3])?)
     }
 
-    /// `single` [N, c_s], `pair` [N, N, c_z], `mask` [N], frames in nm → [N, c_s].
-    fn forward(&self, single: &Tensor, pair: &Tensor, mask: &Tensor, frames: &Rigid) -> Result<Tensor> {
+    /// `single` [N, c_s], `pair` [N, N, c_z], `mask` [N], frames in nm → [N, c_s]; the
+    /// attention of `chunk` query residues at a time (every per-pair term is per query row).
+    fn forward(
+        &self,
+        single: &Tensor,
+        pair: &Tensor,
+        mask: &Tensor,
+        frames: &Rigid,
+        chunk: Option<i64>,
+    ) -> Result<Tensor> {
         let c = &self.cfg;
         let (n, h) = (single.size()[0], c.heads);
         let kind = single.kind();
         let q = self.q_scalar.forward(single)?.f_reshape([n, h, c.c_ipa])?;
         let kv = self.kv_scalar.forward(single)?.f_reshape([n, h, 2 * c.c_ipa])?;
-        let (k, v) = (kv.f_narrow(-1, 0, c.c_ipa)?, kv.f_narrow(-1, c.c_ipa, c.c_ipa)?);
+        let (k, v) = (fp32(&kv.f_narrow(-1, 0, c.c_ipa)?)?, fp32(&kv.f_narrow(-1, c.c_ipa, c.c_ipa)?)?);
         let q_pts = self.global_points(&self.q_point_local.forward(single)?, frames, c.qk_points)?;
         let kv_pts = self.global_points(&self.kv_point_local.forward(single)?, frames, c.qk_points + c.v_points)?;
         let k_pts = kv_pts.f_narrow(2, 0, c.qk_points)?;
@@ -90,35 +98,42 @@ impl InvariantPointAttention {
         let point_var = c.qk_points.max(1) as f64 * 9.0 / 2.0;
         let point_w =
             fp32(&self.trainable_point_weights)?.f_softplus()?.f_mul_scalar((1.0 / (3.0 * point_var)).sqrt())?;
-        let scalar =
-            Tensor::f_einsum("ihc,jhc->hij", &[&fp32(&q)?, &fp32(&k)?], None::<&[i64]>)?.f_mul_scalar(scalar_w)?;
-        let diff = q_pts.f_unsqueeze(1)?.f_sub(&k_pts.f_unsqueeze(0)?)?; // [Ni, Nj, H, P, 3]
-        let dist2 = diff.f_square()?.f_sum_dim_intlist([-1, -2].as_slice(), false, Kind::Float)?; // [Ni, Nj, H]
-        let points = dist2.f_mul(&point_w)?.f_mul_scalar(-0.5)?.f_permute([2, 0, 1])?;
-        let bias =
-            fp32(&self.attention_2d.forward(pair)?)?.f_permute([2, 0, 1])?.f_mul_scalar((1.0f64 / 3.0).sqrt())?;
         let m = fp32(mask)?;
-        let mask_2d = m.f_unsqueeze(1)?.f_mul(&m.f_unsqueeze(0)?)?;
-        let logits = scalar.f_add(&points)?.f_add(&bias)?.f_sub(&mask_2d.f_rsub_scalar(1.0)?.f_mul_scalar(1e5)?)?;
-        let attn = logits.f_softmax(-1, Kind::Float)?; // [H, Ni, Nj]
+        let features = chunked(n, chunk, |start, rows| {
+            let q = fp32(&q.f_narrow(0, start, rows)?)?;
+            let scalar = Tensor::f_einsum("ihc,jhc->hij", &[&q, &k], None::<&[i64]>)?.f_mul_scalar(scalar_w)?;
+            let diff = q_pts.f_narrow(0, start, rows)?.f_unsqueeze(1)?.f_sub(&k_pts.f_unsqueeze(0)?)?; // [n, Nj, H, P, 3]
+            let dist2 = diff.f_square()?.f_sum_dim_intlist([-1, -2].as_slice(), false, Kind::Float)?; // [n, Nj, H]
+            drop(diff);
+            let points = dist2.f_mul(&point_w)?.f_mul_scalar(-0.5)?.f_permute([2, 0, 1])?;
+            drop(dist2);
+            let pair = pair.f_narrow(0, start, rows)?;
+            let bias =
+                fp32(&self.attention_2d.forward(&pair)?)?.f_permute([2, 0, 1])?.f_mul_scalar((1.0f64 / 3.0).sqrt())?;
+            let mask_2d = m.f_narrow(0, start, rows)?.f_unsqueeze(1)?.f_mul(&m.f_unsqueeze(0)?)?;
+            let logits = scalar.f_add(&points)?.f_add(&bias)?.f_sub(&mask_2d.f_rsub_scalar(1.0)?.f_mul_scalar(1e5)?)?;
+            drop((scalar, points, bias, mask_2d));
+            let attn = logits.f_softmax(-1, Kind::Float)?; // [H, n, Nj]
+            drop(logits);
 
-        let out_scalar =
-            Tensor::f_einsum("hij,jhc->ihc", &[&attn, &fp32(&v)?], None::<&[i64]>)?.f_reshape([n, h * c.c_ipa])?;
-        let out_global = Tensor::f_einsum("hij,jhpx->ihpx", &[&attn, &v_pts], None::<&[i64]>)?; // [N, H, Pv, 3]
-        let flat = out_global.f_reshape([n, h * c.v_points, 3])?;
-        let local = frames
-            .rot
-            .f_unsqueeze(1)?
-            .f_transpose(-1, -2)?
-            .f_matmul(&flat.f_sub(&frames.trans.f_unsqueeze(1)?)?.f_unsqueeze(-1)?)?
-            .f_squeeze_dim(-1)?; // [N, H*Pv, 3]
-        let norm = local.f_square()?.f_sum_dim_intlist(-1, false, Kind::Float)?.f_add_scalar(1e-8)?.f_sqrt()?;
-        let over_pair =
-            Tensor::f_einsum("hij,ijc->ihc", &[&attn, &fp32(pair)?], None::<&[i64]>)?.f_reshape([n, h * c.c_z])?;
-        let features = Tensor::f_cat(
-            &[out_scalar, local.f_select(-1, 0)?, local.f_select(-1, 1)?, local.f_select(-1, 2)?, norm, over_pair],
-            -1,
-        )?;
+            let out_scalar =
+                Tensor::f_einsum("hij,jhc->ihc", &[&attn, &v], None::<&[i64]>)?.f_reshape([rows, h * c.c_ipa])?;
+            let out_global = Tensor::f_einsum("hij,jhpx->ihpx", &[&attn, &v_pts], None::<&[i64]>)?; // [n, H, Pv, 3]
+            let flat = out_global.f_reshape([rows, h * c.v_points, 3])?;
+            let (rot, trans) = (frames.rot.f_narrow(0, start, rows)?, frames.trans.f_narrow(0, start, rows)?);
+            let local = rot
+                .f_unsqueeze(1)?
+                .f_transpose(-1, -2)?
+                .f_matmul(&flat.f_sub(&trans.f_unsqueeze(1)?)?.f_unsqueeze(-1)?)?
+                .f_squeeze_dim(-1)?; // [n, H*Pv, 3]
+            let norm = local.f_square()?.f_sum_dim_intlist(-1, false, Kind::Float)?.f_add_scalar(1e-8)?.f_sqrt()?;
+            let over_pair = Tensor::f_einsum("hij,ijc->ihc", &[&attn, &fp32(&pair)?], None::<&[i64]>)?
+                .f_reshape([rows, h * c.c_z])?;
+            Ok(Tensor::f_cat(
+                &[out_scalar, local.f_select(-1, 0)?, local.f_select(-1, 1)?, local.f_select(-1, 2)?, norm, over_pair],
+                -1,
+            )?)
+        })?;
         self.output_projection.forward(&features.f_to_kind(kind)?)
     }
 }
@@ -305,7 +320,7 @@ impl StructureModule {
         mask: &Tensor,
         frames: &Rigid,
     ) -> Result<Tensor> {
-        self.ipa.forward(act, pair, mask, frames)
+        self.ipa.forward(act, pair, mask, frames, None)
     }
 
     /// `single` [N, c_s] (the Evoformer's single representation), `pair` [N, N, c_z],
@@ -316,6 +331,19 @@ impl StructureModule {
         pair: &Tensor,
         aatype: &Tensor,
         seq_mask: &Tensor,
+    ) -> Result<StructureOutput> {
+        self.run(single, pair, aatype, seq_mask, None)
+    }
+
+    /// [`StructureModule::forward`], the invariant point attention `chunk` query residues at a
+    /// time (`None`: all).
+    pub fn run(
+        &self,
+        single: &Tensor,
+        pair: &Tensor,
+        aatype: &Tensor,
+        seq_mask: &Tensor,
+        chunk: Option<i64>,
     ) -> Result<StructureOutput> {
         let n = aatype.size().first().copied().unwrap_or(0);
         ensure!(
@@ -344,7 +372,7 @@ impl StructureModule {
         let mut last_frames = None;
         for i in 0..self.cfg.layers {
             let frames = Rigid::from_quaternion(&quaternion, &translation);
-            act = act.f_add(&self.ipa.forward(&act, &pair, seq_mask, &frames)?)?;
+            act = act.f_add(&self.ipa.forward(&act, &pair, seq_mask, &frames, chunk)?)?;
             act = self.attention_layer_norm.forward(&act)?;
             let input = act.shallow_clone();
             for (t, layer) in self.transitions.iter().enumerate() {

@@ -25,9 +25,9 @@ use tch::{Kind, Tensor};
 use crate::features::TemplateFeatures;
 use crate::model::config::TemplateConfig;
 use crate::model::embedders::distance_one_hot;
-use crate::model::exec::Exec;
+use crate::model::exec::{ChunkOp, Exec, Stage};
 use crate::model::keys::{EMBEDDINGS, PAIR_STACK, SINGLE_TEMPLATE, TEMPLATE_EMBEDDING};
-use crate::model::layers::{chunked, LayerNorm, Linear};
+use crate::model::layers::{chunked, LayerNorm, Linear, Stream};
 use crate::model::msa::Transition;
 use crate::model::params::Params;
 use crate::model::scope::{Builder, Init, Scope};
@@ -265,13 +265,14 @@ impl TemplatePairBlock {
         })
     }
 
-    /// `x` [N, N, c_t] of one template, `mask` [N, N], whole on this rank (`exec` without DAP).
-    fn forward(&self, x: &Tensor, mask: &Tensor, exec: &Exec) -> Result<Tensor> {
-        let x = x.f_add(&self.tri_att_start.forward(x, mask, exec)?)?;
-        let x = x.f_add(&self.tri_att_end.forward(&x, mask, exec)?)?;
-        let x = x.f_add(&self.tri_mul_out.forward(&x, mask, exec)?)?;
-        let x = x.f_add(&self.tri_mul_in.forward(&x, mask, exec)?)?;
-        Ok(x.f_add(&self.pair_transition.forward(&x, exec)?)?)
+    /// Updates `x` [N, N, c_t] of one template, `mask` [N, N], whole on this rank (`exec`
+    /// without DAP).
+    fn run(&self, x: &mut Stream, mask: &Tensor, exec: &Exec) -> Result<()> {
+        self.tri_att_start.update(x, mask, exec)?;
+        self.tri_att_end.update(x, mask, exec)?;
+        self.tri_mul_out.update(x, mask, exec)?;
+        self.tri_mul_in.update(x, mask, exec)?;
+        self.pair_transition.update(x, ChunkOp::PairTransition, exec)
     }
 }
 
@@ -298,21 +299,18 @@ impl PointwiseAttention {
         })
     }
 
-    /// `pair` [N, N, c_z], `templates` [T, N, N, c_t], `mask` [T] → [N, N, c_z]; chunks over
-    /// rows of the pair.
-    fn forward(&self, pair: &Tensor, templates: &Tensor, mask: &Tensor, exec: &Exec) -> Result<Tensor> {
-        let bias = mask.f_sub_scalar(1.0)?.f_mul_scalar(1e9)?; // [T]
+    /// Rows `[start, start + n)` of the update of `pair` [N, N, c_z] from `templates` [T, N, N,
+    /// c_t] with the mask's bias `bias` [T] → [n, N, c_z].
+    fn rows(&self, pair: &Tensor, templates: &Tensor, bias: &Tensor, start: i64, n: i64) -> Result<Tensor> {
         let e = |eq: &str, a: &Tensor, b: &Tensor| Tensor::f_einsum(eq, &[a, b], None::<&[i64]>);
-        chunked(pair.size()[0], exec.chunk(), |start, n| {
-            let x = pair.f_narrow(0, start, n)?;
-            let t = templates.f_narrow(1, start, n)?;
-            let q = e("ija,ahc->ijhc", &x, &self.query_w)?.f_mul_scalar((self.head_dim as f64).powf(-0.5))?;
-            let k = e("tija,ahc->tijhc", &t, &self.key_w)?;
-            let v = e("tija,ahc->tijhc", &t, &self.value_w)?;
-            let logits = e("ijhc,tijhc->ijht", &q, &k)?.f_add(&bias)?;
-            let avg = e("ijht,tijhc->ijhc", &logits.f_softmax(-1, None)?, &v)?;
-            Ok(e("ijhc,hco->ijo", &avg, &self.output_w)?.f_add(&self.output_b)?)
-        })
+        let x = pair.f_narrow(0, start, n)?;
+        let t = templates.f_narrow(1, start, n)?;
+        let q = e("ija,ahc->ijhc", &x, &self.query_w)?.f_mul_scalar((self.head_dim as f64).powf(-0.5))?;
+        let k = e("tija,ahc->tijhc", &t, &self.key_w)?;
+        let v = e("tija,ahc->tijhc", &t, &self.value_w)?;
+        let logits = e("ijhc,tijhc->ijht", &q, &k)?.f_add(bias)?;
+        let avg = e("ijht,tijhc->ijhc", &logits.f_softmax(-1, None)?, &v)?;
+        Ok(e("ijhc,hco->ijo", &avg, &self.output_w)?.f_add(&self.output_b)?)
     }
 }
 
@@ -372,24 +370,48 @@ impl Templates {
         self.pointwise_attention(pair, &stacked, &t.mask, exec)
     }
 
+    /// Adds the templates' update to `pair` ([`Templates::pair_update`]), pair rows a chunk at
+    /// a time (in place where the stream allows).
+    pub fn add_pair_update(
+        &self,
+        pair: &mut Stream,
+        t: &TemplateFeatures,
+        pair_mask: &Tensor,
+        exec: &Exec,
+    ) -> Result<()> {
+        let stacked = self.pair_stack(t, pair_mask, pair.get().kind(), exec)?;
+        let (bias, any) = self.mask_terms(&t.mask, pair.get().kind())?;
+        pair.add_chunked(0, exec.chunk_for(ChunkOp::TemplatePointwise), |z, start, n| {
+            Ok(self.attention.rows(z, &stacked, &bias, start, n)?.f_mul(&any)?)
+        })
+    }
+
+    /// The pointwise attention's key bias [T] from `template_mask` [T] (AlphaFold's
+    /// `1e9 (mask - 1)`) and the factor 1, or 0 when no template is real.
+    fn mask_terms(&self, template_mask: &Tensor, kind: Kind) -> Result<(Tensor, Tensor)> {
+        let bias = template_mask.f_to_kind(kind)?.f_sub_scalar(1.0)?.f_mul_scalar(1e9)?;
+        let any = template_mask.f_sum(Kind::Float)?.f_gt(0.0)?.f_to_kind(kind)?;
+        Ok((bias, any))
+    }
+
     /// Every template's pair features through `embedding2d`, the template pair stack and the
     /// final norm: [T, N, N, c_t] in `kind`. The stack's mask is the query's `pair_mask`
     /// [N, N], as in AlphaFold (the template's own masks are part of its features). Every rank
-    /// runs it whole, whatever `exec`'s DAP group.
+    /// runs it whole, whatever `exec`'s DAP group, one template at a time (its features made
+    /// only when it runs).
     pub fn pair_stack(&self, t: &TemplateFeatures, pair_mask: &Tensor, kind: Kind, exec: &Exec) -> Result<Tensor> {
-        let exec = exec.without_dap();
-        let features = pair_features(t)?.f_to_kind(kind)?;
-        let embedded = self.embedding2d.forward(&features)?;
+        let exec = exec.without_dap().in_stage(Stage::Templates);
         let mask = pair_mask.f_to_kind(kind)?;
-        let mut per_template = Vec::new();
-        for i in 0..embedded.size()[0] {
-            let mut x = embedded.f_select(0, i)?;
+        chunked(t.aatype.size()[0], Some(1), |i, _| {
+            let one = t.map(|x| x.narrow(0, i, 1));
+            let features = pair_features(&one)?.f_to_kind(kind)?.f_squeeze_dim(0)?;
+            let mut x = Stream::new(self.embedding2d.forward(&features)?, true);
+            drop(features);
             for block in &self.blocks {
-                x = block.forward(&x, &mask, &exec)?;
+                block.run(&mut x, &mask, &exec)?;
             }
-            per_template.push(self.output_layer_norm.forward(&x)?);
-        }
-        Ok(Tensor::f_stack(&per_template, 0)?)
+            Ok(self.output_layer_norm.forward(x.get())?.f_unsqueeze(0)?)
+        })
     }
 
     /// The pointwise attention of `pair` [N, N, c_z] over the stacked templates [T, N, N,
@@ -401,9 +423,10 @@ impl Templates {
         template_mask: &Tensor,
         exec: &Exec,
     ) -> Result<Tensor> {
-        let kind = pair.kind();
-        let update = self.attention.forward(pair, stacked, &template_mask.f_to_kind(kind)?, exec)?;
-        let any = template_mask.f_sum(Kind::Float)?.f_gt(0.0)?.f_to_kind(kind)?;
+        let (bias, any) = self.mask_terms(template_mask, pair.kind())?;
+        let update = chunked(pair.size()[0], exec.chunk_for(ChunkOp::TemplatePointwise), |start, n| {
+            self.attention.rows(pair, stacked, &bias, start, n)
+        })?;
         Ok(update.f_mul(&any)?)
     }
 

@@ -8,8 +8,9 @@ use kernels::Backend;
 use tch::Tensor;
 
 use crate::model::attention::Attention;
-use crate::model::exec::Exec;
-use crate::model::layers::{chunked, LayerNorm, Linear};
+use crate::model::exec::{ChunkOp, Exec};
+use crate::model::layers::{chunked, LayerNorm, Linear, Stream};
+use crate::model::msa::pair_bias;
 use crate::model::scope::{Init, Scope};
 use crate::model::Result;
 
@@ -53,12 +54,24 @@ fn gated(
         let mask = mask.map(|m| m.f_squeeze_dim(-1)).transpose()?;
         return Ok(kernels::sigmoid_gate(&proj.matmul(x)?, pb, &gate.matmul(g)?, gb, mask.as_ref(), Backend::Fused)?);
     }
-    let y = proj.forward(x)?;
-    let y = match mask {
-        Some(m) => y.f_mul(m)?,
-        None => y,
-    };
-    Ok(y.f_mul(&gate.forward(g)?.f_sigmoid()?)?)
+    // Without autograd the mask and the gate are applied in place.
+    let mut y = proj.forward(x)?;
+    let lean = !y.requires_grad();
+    if let Some(m) = mask {
+        y = if lean { y.f_mul_(m)? } else { y.f_mul(m)? };
+    }
+    let mut g = gate.forward(g)?;
+    g = if lean { g.f_sigmoid_()? } else { g.f_sigmoid()? };
+    Ok(if lean { y.f_mul_(&g)? } else { y.f_mul(&g)? })
+}
+
+/// The pair's dimension a direction's operations chunk (and, in place, write): rows for the
+/// outgoing edges and the starting node, columns for the incoming edges and the ending node.
+fn chunk_dim(direction: Direction) -> i64 {
+    match direction {
+        Direction::Outgoing => 0,
+        Direction::Incoming => 1,
+    }
 }
 
 impl TriangleMultiplication {
@@ -78,30 +91,38 @@ impl TriangleMultiplication {
         })
     }
 
-    /// The update of `pair` (layout per [`Direction`]); chunks over output rows i.
-    pub fn forward(&self, pair: &Tensor, mask: &Tensor, exec: &Exec) -> Result<Tensor> {
+    /// Adds the update of `pair` (layout per [`Direction`]); chunks over output rows i
+    /// (outgoing) or columns j (incoming). The other endpoint's gated projection is made whole
+    /// first (normalised and projected in chunks of pair rows); then each chunk normalises its
+    /// own rows (columns), projects and gates them, takes the product over k with it and
+    /// writes its update, so that only the stream and that projection are whole.
+    pub fn update(&self, pair: &mut Stream, mask: &Tensor, exec: &Exec) -> Result<()> {
         let dap = exec.dap();
-        let x = self.layer_norm_input.forward(pair)?;
-        let m = mask.f_unsqueeze(-1)?;
-        let left = gated(&x, &self.left_projection, &x, &self.left_gate, Some(&m), self.kernels)?;
-        let right = gated(&x, &self.right_projection, &x, &self.right_gate, Some(&m), self.kernels)?;
+        let chunk = exec.chunk_for(ChunkOp::TriangleMultiplication);
+        let z = pair.get();
+        let right = chunked(z.size()[0], chunk, |start, n| {
+            let x = self.layer_norm_input.forward(&z.f_narrow(0, start, n)?)?;
+            let m = mask.f_narrow(0, start, n)?.f_unsqueeze(-1)?;
+            gated(&x, &self.right_projection, &x, &self.right_gate, Some(&m), self.kernels)
+        })?;
         // The sum over k needs the other endpoint's projections whole.
-        let (right, rows) = match self.direction {
-            Direction::Outgoing => (dap.all_gather(&right, 0)?, left.size()[0]),
-            Direction::Incoming => (dap.all_gather(&right, 1)?, right.size()[1] * dap.size()),
+        let right = match self.direction {
+            Direction::Outgoing => dap.all_gather(&right, 0)?,
+            Direction::Incoming => dap.all_gather(&right, 1)?,
         };
-        chunked(rows, exec.chunk(), |start, n| {
+        let dim = chunk_dim(self.direction);
+        pair.add_chunked(dim, chunk, |z, start, n| {
+            let x = self.layer_norm_input.forward(&z.f_narrow(dim, start, n)?)?;
+            let m = mask.f_narrow(dim, start, n)?.f_unsqueeze(-1)?;
+            let left = gated(&x, &self.left_projection, &x, &self.left_gate, Some(&m), self.kernels)?;
             let prod = match self.direction {
-                Direction::Outgoing => {
-                    Tensor::f_einsum("ikc,jkc->ijc", &[&left.f_narrow(0, start, n)?, &right], None::<&[i64]>)?
-                }
-                Direction::Incoming => {
-                    Tensor::f_einsum("kjc,kic->ijc", &[&left, &right.f_narrow(1, start, n)?], None::<&[i64]>)?
-                }
+                Direction::Outgoing => Tensor::f_einsum("ikc,jkc->ijc", &[&left, &right], None::<&[i64]>)?,
+                Direction::Incoming => Tensor::f_einsum("kjc,kic->ijc", &[&left, &right], None::<&[i64]>)?,
             };
+            drop(left);
             let normed = self.center_layer_norm.forward(&prod)?;
-            let rows = x.f_narrow(0, start, n)?;
-            gated(&normed, &self.output_projection, &rows, &self.gating_linear, None, self.kernels)
+            drop(prod);
+            gated(&normed, &self.output_projection, &x, &self.gating_linear, None, self.kernels)
         })
     }
 }
@@ -126,21 +147,25 @@ impl TriangleAttention {
         })
     }
 
-    /// The update of `pair` (layout per [`Direction`]); chunks over the attention's batch
-    /// axis (rows for the starting node, columns for the ending node).
-    pub fn forward(&self, pair: &Tensor, mask: &Tensor, exec: &Exec) -> Result<Tensor> {
+    /// Adds the update of `pair` (layout per [`Direction`]); chunks over the attention's batch
+    /// axis (rows for the starting node, columns for the ending node). The bias is made whole
+    /// first; each chunk then normalises its own rows of the (transposed) pair.
+    pub fn update(&self, pair: &mut Stream, mask: &Tensor, exec: &Exec) -> Result<()> {
+        let chunk = exec.chunk_for(ChunkOp::TriangleAttention);
+        let dim = chunk_dim(self.direction);
         // The ending node is the starting node of the transposed pair, whose rows this rank holds.
-        let (pair, mask) = match self.direction {
-            Direction::Outgoing => (pair.shallow_clone(), mask.shallow_clone()),
-            Direction::Incoming => (pair.f_transpose(0, 1)?, mask.f_transpose(0, 1)?),
+        let rows = |t: &Tensor| -> Result<Tensor> {
+            Ok(match self.direction {
+                Direction::Outgoing => t.shallow_clone(),
+                Direction::Incoming => t.f_transpose(0, 1)?,
+            })
         };
-        let x = self.query_norm.forward(&pair)?;
-        let local = Tensor::f_einsum("qkc,ch->hqk", &[&x, &self.feat_2d_weights], None::<&[i64]>)?;
-        let bias = exec.dap().all_gather(&local, 1)?;
-        let out = self.attention.forward(&x, &mask, Some(&bias), exec.chunk())?;
-        Ok(match self.direction {
-            Direction::Outgoing => out,
-            Direction::Incoming => out.f_transpose(0, 1)?,
+        let bias = pair_bias(&self.query_norm, &rows(pair.get())?, &self.feat_2d_weights, exec.dap(), chunk)?;
+        let mask = rows(mask)?;
+        pair.add_chunked(dim, chunk, |z, start, n| {
+            let x = self.query_norm.forward(&rows(&z.f_narrow(dim, start, n)?)?)?;
+            let out = self.attention.forward(&x, &mask.f_narrow(0, start, n)?, Some(&bias), None)?;
+            rows(&out)
         })
     }
 }

@@ -1,0 +1,132 @@
+//! The chunk size of every chunked operation chosen from a memory budget: the largest that
+//! keeps the planned peak under the budget, and no chunking where the budget allows it.
+//!
+//! The operations run one after another and each one's own temporaries come on top of what
+//! every operation shares (the streams, the outputs so far), so each operation's size can be
+//! chosen alone: from every operation at its smallest (one row: the least a pass can take),
+//! each in turn is raised to the largest size, whole first, that keeps the pass's peak under
+//! the budget ([`crate::memory::profile::pass_peak`]).
+use crate::memory::profile::{pass_peak, Peak, Sizes};
+use crate::model::config::{EvoformerConfig, ModelConfig};
+use crate::model::exec::{ChunkOp, ChunkPlan, Stage};
+
+/// A chosen plan and what it costs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Plan {
+    /// The chunk size of every operation.
+    pub chunks: ChunkPlan,
+    /// The pass's peak under it.
+    pub pass: Peak,
+    /// Bytes alive before the pass (parameters, features).
+    pub fixed: u64,
+}
+
+impl Plan {
+    /// The planned peak: what was alive before the pass, plus the pass's peak.
+    pub fn peak(&self) -> u64 {
+        self.fixed + self.pass.bytes
+    }
+
+    /// The chunked operations, `stage op=size` each, in one line (`none` when nothing is
+    /// chunked).
+    pub fn describe(&self) -> String {
+        let parts: Vec<String> = KEYS
+            .iter()
+            .filter_map(|&(stage, op)| self.chunks.get(stage, op).map(|c| format!("{stage:?}/{op:?}={c}")))
+            .collect();
+        match parts.is_empty() {
+            true => "none".into(),
+            false => parts.join(" "),
+        }
+    }
+}
+
+/// The operations the pass profile covers, by stage.
+const KEYS: [(Stage, ChunkOp); 16] = [
+    (Stage::Outer, ChunkOp::PairEmbedding),
+    (Stage::Outer, ChunkOp::StructureAttention),
+    (Stage::ExtraMsa, ChunkOp::MsaRowAttention),
+    (Stage::ExtraMsa, ChunkOp::MsaColumnAttention),
+    (Stage::ExtraMsa, ChunkOp::MsaTransition),
+    (Stage::ExtraMsa, ChunkOp::OuterProductMean),
+    (Stage::ExtraMsa, ChunkOp::TriangleMultiplication),
+    (Stage::ExtraMsa, ChunkOp::TriangleAttention),
+    (Stage::ExtraMsa, ChunkOp::PairTransition),
+    (Stage::Evoformer, ChunkOp::MsaRowAttention),
+    (Stage::Evoformer, ChunkOp::MsaColumnAttention),
+    (Stage::Evoformer, ChunkOp::MsaTransition),
+    (Stage::Evoformer, ChunkOp::OuterProductMean),
+    (Stage::Evoformer, ChunkOp::TriangleMultiplication),
+    (Stage::Evoformer, ChunkOp::TriangleAttention),
+    (Stage::Evoformer, ChunkOp::PairTransition),
+];
+
+/// The sizes tried, largest first: whole, then powers of two below `len`, down to 1.
+fn candidates(len: i64) -> Vec<Option<i64>> {
+    let mut sizes = vec![None];
+    let mut c = 1i64 << 40;
+    while c >= 1 {
+        if c < len {
+            sizes.push(Some(c));
+        }
+        c /= 2;
+    }
+    sizes
+}
+
+/// The length of the axis `op` chunks in `stage`.
+fn axis(stage: Stage, op: ChunkOp, sizes: &Sizes) -> i64 {
+    match (stage, op) {
+        (Stage::ExtraMsa, ChunkOp::MsaRowAttention | ChunkOp::MsaTransition) => sizes.extra_rows.max(1),
+        (_, ChunkOp::MsaRowAttention | ChunkOp::MsaTransition) => sizes.msa_rows,
+        _ => sizes.residues,
+    }
+}
+
+/// The plan for one pass of `sizes` whose peak, on top of `fixed` bytes already alive, stays
+/// within `budget` bytes; an error saying what the leanest plan needs when none does.
+pub fn plan(cfg: &EvoformerConfig, model: &ModelConfig, sizes: Sizes, fixed: u64, budget: u64) -> Result<Plan, String> {
+    let peak = |chunks: &ChunkPlan| pass_peak(cfg, model, sizes, chunks);
+    let whole = ChunkPlan::uniform(None);
+    let whole_peak = peak(&whole);
+    if fixed + whole_peak.bytes <= budget {
+        return Ok(Plan { chunks: whole, pass: whole_peak, fixed });
+    }
+    let mut chunks = ChunkPlan::uniform(Some(1));
+    let least = peak(&chunks);
+    if fixed + least.bytes > budget {
+        return Err(format!(
+            "{} residues need {:.2} GiB at the least (every operation one row at a time; {:.2} GiB of it \
+             before the pass, the peak in {}), more than the budget of {:.2} GiB",
+            sizes.residues,
+            gib(fixed + least.bytes),
+            gib(fixed),
+            least.at,
+            gib(budget)
+        ));
+    }
+    for (stage, op) in KEYS {
+        for size in candidates(axis(stage, op, &sizes)) {
+            let tried = chunks.clone().with(stage, op, size);
+            if fixed + peak(&tried).bytes <= budget {
+                chunks = tried;
+                break;
+            }
+        }
+    }
+    // Not profiled: the template pair stack (narrower than the pair) takes the Evoformer's
+    // pair sizes, the template pointwise attention the structure module's row size.
+    for op in [ChunkOp::TriangleMultiplication, ChunkOp::TriangleAttention, ChunkOp::PairTransition] {
+        let size = chunks.get(Stage::Evoformer, op);
+        chunks = chunks.with(Stage::Templates, op, size);
+    }
+    let size = chunks.get(Stage::Outer, ChunkOp::StructureAttention);
+    chunks = chunks.with(Stage::Outer, ChunkOp::TemplatePointwise, size);
+    let pass = peak(&chunks);
+    Ok(Plan { chunks, pass, fixed })
+}
+
+/// Bytes in GiB.
+pub fn gib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
+}

@@ -1,0 +1,560 @@
+//! The inference forward of one recycling pass traced on shapes alone: one function per module,
+//! mirroring its code in `model/` (the order its buffers are allocated and freed, with
+//! libtorch's own copies inside `einsum`, `layer_norm` and broadcasting `matmul`, as measured
+//! on the CPU), under a [`ChunkPlan`]. The streams (MSA, pair) are updated in place, as the
+//! no-grad forward does ([`crate::model::layers::Stream`]); the kernels are libtorch's
+//! compositions on one rank. `tests/memory.rs` checks the peak against the CPU allocator's.
+//!
+//! Assumed: no template features (a query without template hits), and MSA and extra-MSA rows
+//! without fully-masked padding (the stacks leave those out anyway).
+use crate::memory::{Buf, Trace};
+use crate::model::config::{EvoformerConfig, ModelConfig, StructureConfig};
+use crate::model::exec::{ChunkOp, ChunkPlan, Stage};
+
+/// The sizes of one pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sizes {
+    /// Residues N.
+    pub residues: i64,
+    /// MSA rows the Evoformer runs (the clusters; single-sequence mode: 1).
+    pub msa_rows: i64,
+    /// Extra-MSA rows the extra-MSA stack runs (at least 1).
+    pub extra_rows: i64,
+    /// Bytes per activation element: 4 (fp32) or 2 (bf16).
+    pub elem: i64,
+}
+
+/// A pass's peak of live bytes beyond what was alive before it (parameters, features), the
+/// previous pass's recycled outputs included, and where it happened.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Peak {
+    /// Bytes.
+    pub bytes: u64,
+    /// The module at the peak.
+    pub at: &'static str,
+}
+
+/// What the traced modules share: the sizes, the chunk plan, the stage.
+struct Ctx<'a> {
+    e: i64,
+    plan: &'a ChunkPlan,
+    stage: Stage,
+}
+
+impl Ctx<'_> {
+    fn chunk(&self, op: ChunkOp) -> Option<i64> {
+        self.plan.get(self.stage, op)
+    }
+}
+
+/// The rows of one chunk: the largest a loop over `len` takes.
+fn step(len: i64, chunk: Option<i64>) -> i64 {
+    chunk.map_or(len, |c| c.min(len)).max(1)
+}
+
+/// [`crate::model::layers::chunked`]: `f(rows)` makes one chunk's result (`row_bytes` per
+/// row of the output); with more than one chunk the output is allocated after the first and
+/// each chunk is copied in.
+fn chunked(
+    t: &mut Trace,
+    len: i64,
+    chunk: Option<i64>,
+    row_bytes: i64,
+    mut f: impl FnMut(&mut Trace, i64) -> Buf,
+) -> Buf {
+    let n = step(len, chunk);
+    let first = f(t, n);
+    if n >= len {
+        return first;
+    }
+    let out = t.alloc(len * row_bytes);
+    t.free(first);
+    let next = f(t, n);
+    t.free(next);
+    out
+}
+
+/// [`crate::model::layers::Stream::add_chunked`] on an owned stream: each chunk's update is
+/// added in place and freed.
+fn residual(t: &mut Trace, len: i64, chunk: Option<i64>, f: impl FnOnce(&mut Trace, i64) -> Buf) {
+    let u = f(t, step(len, chunk));
+    t.free(u);
+}
+
+/// LayerNorm of `rows` x `c`: a contiguous copy of a strided input, the output, and the mean
+/// and inverse deviation per row for the call.
+fn layer_norm(t: &mut Trace, rows: i64, c: i64, e: i64, contiguous: bool) -> Buf {
+    let copy = (!contiguous).then(|| t.alloc(rows * c * e));
+    let out = t.alloc(rows * c * e);
+    t.temp(2 * rows * e);
+    if let Some(copy) = copy {
+        t.free(copy);
+    }
+    out
+}
+
+/// `model/attention.rs`'s `Attention::forward` without autograd, libtorch's compositions, on
+/// `b` x `len` x `c` with `heads` x `dim`: the queries, keys and values; the logits (bmm
+/// copies the permuted queries and keys); the softmax; the averaged values (a copy of the
+/// values); the gate; the output (copies of the gated values and of the weights).
+fn attention(t: &mut Trace, b: i64, len: i64, c: i64, heads: i64, dim: i64, e: i64) -> Buf {
+    let hd = b * len * heads * dim * e;
+    let [q, k, v] = [t.alloc(hd), t.alloc(hd), t.alloc(hd)];
+    let (qc, kc) = (t.alloc(hd), t.alloc(hd));
+    let logits = t.alloc(b * heads * len * len * e);
+    t.free_all([qc, kc, q, k]);
+    let shifted = t.alloc(b * len * e);
+    let mask = t.alloc(b * len * e);
+    t.free(shifted);
+    let weights = t.alloc(b * heads * len * len * e);
+    t.free_all([mask, logits]);
+    let vc = t.alloc(hd);
+    let avg = t.alloc(hd);
+    t.free_all([vc, weights, v]);
+    let gate = t.alloc(hd);
+    t.free(gate);
+    let (gc, wc) = (t.alloc(hd), t.alloc(heads * dim * c * e));
+    let out = t.alloc(b * len * c * e);
+    t.free(gc);
+    t.free(wc);
+    t.free(avg);
+    out
+}
+
+/// `model/msa.rs`'s `pair_bias` of the pair [r, r, c_z]: `[heads, r, r]`, the normalised pair
+/// `chunk` rows at a time (`contiguous`: the rows are the pair's own, not the transposed
+/// pair's).
+fn pair_bias(t: &mut Trace, x: &Ctx, r: i64, c_z: i64, heads: i64, op: ChunkOp, contiguous: bool) -> Buf {
+    let e = x.e;
+    chunked(t, r, x.chunk(op), heads * r * e, |t, n| {
+        let normed = layer_norm(t, n * r, c_z, e, contiguous);
+        let out = t.alloc(heads * n * r * e);
+        t.free(normed);
+        out
+    })
+}
+
+/// Attention with a bias from the pair [r, r, c_z] over `batch` rows of `r` entries of `c`
+/// channels, updated in place: `model/msa.rs`'s `MsaRowAttentionWithPairBias::update` (the
+/// MSA's sequences) and `model/triangle.rs`'s `TriangleAttention::update` (the pair's rows,
+/// `contiguous`, or columns).
+fn biased_attention(
+    t: &mut Trace,
+    x: &Ctx,
+    op: ChunkOp,
+    batch: i64,
+    (r, c_z): (i64, i64),
+    (c, heads, dim): (i64, i64, i64),
+    contiguous: bool,
+) {
+    let e = x.e;
+    let bias = pair_bias(t, x, r, c_z, heads, op, contiguous);
+    residual(t, batch, x.chunk(op), |t, n| {
+        let normed = layer_norm(t, n * r, c, e, contiguous);
+        let out = attention(t, n, r, c, heads, dim, e);
+        t.free(normed);
+        out
+    });
+    t.free(bias);
+}
+
+/// `model/msa.rs`'s `MsaColumnAttention::update`: residues at a time, each chunk's transposed
+/// rows copied by the norm.
+fn msa_column_attention(t: &mut Trace, x: &Ctx, s: i64, r: i64, c: i64, heads: i64, dim: i64) {
+    let e = x.e;
+    residual(t, r, x.chunk(ChunkOp::MsaColumnAttention), |t, n| {
+        let normed = layer_norm(t, n * s, c, e, false);
+        let out = attention(t, n, s, c, heads, dim, e);
+        t.free(normed);
+        out
+    });
+}
+
+/// `model/msa.rs`'s `MsaColumnGlobalAttention::update` (the extra-MSA stack) with
+/// `model/attention.rs`'s `GlobalAttention::forward`.
+fn msa_column_global_attention(t: &mut Trace, x: &Ctx, s: i64, r: i64, c: i64, heads: i64, dim: i64) {
+    let e = x.e;
+    residual(t, r, x.chunk(ChunkOp::MsaColumnAttention), |t, n| {
+        let normed = layer_norm(t, n * s, c, e, false);
+        let rows = n * s;
+        // The masked mean of the queries' inputs: x * mask, summed (small terms left out).
+        t.temp(rows * c * e);
+        let (k, v) = (t.alloc(rows * dim * e), t.alloc(rows * dim * e));
+        // The gate: einsum, + bias, sigmoid, each a new tensor in one statement.
+        let hd = rows * heads * dim * e;
+        let (g1, g2) = (t.alloc(hd), t.alloc(hd));
+        let gate = t.alloc(hd);
+        t.free(g1);
+        t.free(g2);
+        let gated = t.alloc(hd);
+        let (gc, wc) = (t.alloc(hd), t.alloc(heads * dim * c * e));
+        let o = t.alloc(rows * c * e);
+        let out = t.alloc(rows * c * e);
+        for b in [gc, wc, o, gated, gate, k, v, normed] {
+            t.free(b);
+        }
+        out
+    });
+}
+
+/// `model/msa.rs`'s `Transition::update` of `rows` x `c` split along a dim of `len`.
+fn transition(t: &mut Trace, x: &Ctx, len: i64, row: i64, c: i64, factor: i64, op: ChunkOp) {
+    let e = x.e;
+    residual(t, len, x.chunk(op), |t, n| {
+        let normed = layer_norm(t, n * row, c, e, true);
+        let h = t.alloc(n * row * factor * c * e);
+        t.free(normed);
+        let out = t.alloc(n * row * c * e);
+        t.free(h);
+        out
+    });
+}
+
+/// `model/msa.rs`'s `OuterProductMean::update`.
+fn outer_product_mean(t: &mut Trace, x: &Ctx, s: i64, r: i64, c_m: i64, channels: i64, c_z: i64) {
+    let e = x.e;
+    let normed = layer_norm(t, s * r, c_m, e, true);
+    let (left, right) = (t.alloc(s * r * channels * e), t.alloc(s * r * channels * e));
+    t.free(normed);
+    let (mc, norm) = (t.alloc(s * r * e), t.alloc(r * r * e));
+    t.free(mc);
+    residual(t, r, x.chunk(ChunkOp::OuterProductMean), |t, n| {
+        let outer = t.alloc(n * r * channels * channels * e);
+        let flat = t.alloc(n * r * channels * channels * e);
+        t.free(outer);
+        let y = t.alloc(n * r * c_z * e);
+        t.free(flat);
+        t.temp(n * r * e);
+        y
+    });
+    for b in [norm, left, right] {
+        t.free(b);
+    }
+}
+
+/// `model/triangle.rs`'s gated projection of `rows` normalised entries to `c` channels: the
+/// projection and its gate.
+fn gated(t: &mut Trace, rows: i64, c: i64, e: i64) -> Buf {
+    let y = t.alloc(rows * c * e);
+    t.temp(rows * c * e);
+    y
+}
+
+/// `model/triangle.rs`'s `TriangleMultiplication::update` of the pair [r, r, c_z] through `c`
+/// channels: the other endpoint's projection whole, then per chunk the chunk's projection,
+/// the product over k (bmm's scratch, 4 r (n + r) bytes as measured), its norm (of the
+/// product's strided layout) and the gated output.
+fn triangle_multiplication(t: &mut Trace, x: &Ctx, r: i64, c_z: i64, c: i64, outgoing: bool) {
+    let e = x.e;
+    let chunk = x.chunk(ChunkOp::TriangleMultiplication);
+    let right = chunked(t, r, chunk, r * c * e, |t, n| {
+        let normed = layer_norm(t, n * r, c_z, e, true);
+        let p = gated(t, n * r, c, e);
+        t.free(normed);
+        p
+    });
+    residual(t, r, chunk, |t, n| {
+        let normed = layer_norm(t, n * r, c_z, e, outgoing);
+        let left = gated(t, n * r, c, e);
+        let prod = t.alloc(n * r * c * e);
+        t.temp(4 * r * (n + r));
+        t.free(left);
+        let centred = layer_norm(t, n * r, c, e, false);
+        t.free(prod);
+        let out = gated(t, n * r, c_z, e);
+        t.free(centred);
+        t.free(normed);
+        out
+    });
+    t.free(right);
+}
+
+/// `model/evoformer.rs`'s `EvoformerBlock::run` on one rank: the MSA [s, r, c] and the pair
+/// updated in place.
+fn block(t: &mut Trace, x: &Ctx, cfg: &EvoformerConfig, s: i64, r: i64, extra: bool) {
+    let (c, heads, dim) = match extra {
+        true => (cfg.c_e, cfg.extra_heads, cfg.extra_head_dim),
+        false => (cfg.c_m, cfg.msa_heads, cfg.msa_head_dim),
+    };
+    let c_z = cfg.c_z;
+    t.at(if extra { "extra-MSA row attention" } else { "MSA row attention" });
+    biased_attention(t, x, ChunkOp::MsaRowAttention, s, (r, c_z), (c, heads, dim), true);
+    t.at(if extra { "extra-MSA column global attention" } else { "MSA column attention" });
+    match extra {
+        true => msa_column_global_attention(t, x, s, r, c, heads, dim),
+        false => msa_column_attention(t, x, s, r, c, heads, dim),
+    }
+    t.at("MSA transition");
+    transition(t, x, s, r, c, cfg.transition_factor, ChunkOp::MsaTransition);
+    t.at("outer product mean");
+    outer_product_mean(t, x, s, r, c, cfg.opm_channels, c_z);
+    t.at("triangle multiplication");
+    triangle_multiplication(t, x, r, c_z, cfg.tri_mul_channels, true);
+    triangle_multiplication(t, x, r, c_z, cfg.tri_mul_channels, false);
+    t.at("triangle attention");
+    for starting in [true, false] {
+        let widths = (c_z, cfg.pair_heads, cfg.pair_head_dim);
+        biased_attention(t, x, ChunkOp::TriangleAttention, r, (r, c_z), widths, starting);
+    }
+    t.at("pair transition");
+    transition(t, x, r, r, c_z, cfg.transition_factor, ChunkOp::PairTransition);
+}
+
+/// `model/embedders.rs`'s `InputEmbedder::embed`: the MSA, and the pair rows a chunk at a
+/// time (each chunk's relative-position one-hot as int64, then in the model's kind).
+fn input_embedder(t: &mut Trace, x: &Ctx, n: i64, s: i64, cfg: &EvoformerConfig, model: &ModelConfig) -> (Buf, Buf) {
+    let (e, c_m, c_z) = (x.e, cfg.c_m, cfg.c_z);
+    let bins = 2 * model.max_relative_feature + 1;
+    let (a, b) = (t.alloc(s * n * c_m * e), t.alloc(n * c_m * e));
+    let msa = t.alloc(s * n * c_m * e);
+    t.free(a);
+    t.free(b);
+    let (left, right) = (t.alloc(n * c_z * e), t.alloc(n * c_z * e));
+    let pair = chunked(t, n, x.chunk(ChunkOp::PairEmbedding), n * c_z * e, |t, rows| {
+        let offset = t.alloc(rows * n * 8);
+        let shifted = t.alloc(rows * n * 8);
+        let clamped = t.alloc(rows * n * 8);
+        t.free(shifted);
+        let one_hot = t.alloc(rows * n * bins * 8);
+        let rel = t.alloc(rows * n * bins * e);
+        for b in [one_hot, clamped, offset] {
+            t.free(b);
+        }
+        let act = t.alloc(rows * n * c_z * e);
+        let sum = t.alloc(rows * n * c_z * e);
+        let out = t.alloc(rows * n * c_z * e);
+        for b in [sum, act, rel] {
+            t.free(b);
+        }
+        out
+    });
+    t.free(left);
+    t.free(right);
+    (msa, pair)
+}
+
+/// `model/embedders.rs`'s `RecyclingEmbedder::update` on owned streams.
+fn recycling_embedder(t: &mut Trace, x: &Ctx, n: i64, cfg: &EvoformerConfig, model: &ModelConfig) {
+    let (e, c_m, c_z) = (x.e, cfg.c_m, cfg.c_z);
+    let row = layer_norm(t, n, c_m, e, true);
+    t.temp(n * c_m * e);
+    let chunk = x.chunk(ChunkOp::PairEmbedding);
+    residual(t, n, chunk, |t, rows| layer_norm(t, rows * n, c_z, e, true));
+    residual(t, n, chunk, |t, rows| {
+        let bins = model.recycle_bins;
+        let diff = t.alloc(rows * n * 3 * e);
+        let squared = t.alloc(rows * n * 3 * e);
+        let d2 = t.alloc(rows * n * e);
+        t.free(squared);
+        let (gt, lt, and) = (t.alloc(rows * n * bins), t.alloc(rows * n * bins), t.alloc(rows * n * bins));
+        let dgram = t.alloc(rows * n * bins * e);
+        for b in [and, lt, gt, d2, diff] {
+            t.free(b);
+        }
+        let out = t.alloc(rows * n * c_z * e);
+        t.free(dgram);
+        out
+    });
+    t.free(row);
+}
+
+/// `model/embedders.rs`'s `ExtraMsaEmbedder::forward`: the one-hot (int64, then the model's
+/// kind), the joined feature, the projection.
+fn extra_msa_embedder(t: &mut Trace, x: &Ctx, n: i64, rows: i64, c_e: i64) -> Buf {
+    let e = x.e;
+    let one_hot = t.alloc(rows * n * 23 * 8);
+    let float = t.alloc(rows * n * 23 * e);
+    let feat = t.alloc(rows * n * 25 * e);
+    t.free(one_hot);
+    t.free(float);
+    let out = t.alloc(rows * n * c_e * e);
+    t.free(feat);
+    out
+}
+
+/// `model/structure.rs`'s `global_points` of `points` per head: the projection, the rotations
+/// broadcast (copied) over the points, the strided coordinates copied, the product and the
+/// translated result.
+fn global_points(t: &mut Trace, n: i64, heads: i64, points: i64, e: i64) -> Buf {
+    let hp = n * heads * points;
+    let local = t.alloc(3 * hp * e);
+    let (rot, xyz, prod) = (t.alloc(9 * hp * 4), t.alloc(3 * hp * 4), t.alloc(3 * hp * 4));
+    let out = t.alloc(3 * hp * 4);
+    for b in [rot, xyz, prod, local] {
+        t.free(b);
+    }
+    out
+}
+
+/// `model/structure.rs`'s invariant point attention on `n` residues, `chunk` query rows at a
+/// time (the logit terms in fp32).
+fn invariant_point_attention(t: &mut Trace, x: &Ctx, n: i64, c: &StructureConfig) {
+    let e = x.e;
+    let (h, f) = (c.heads, 4);
+    let bf16 = e != 4;
+    let q = t.alloc(n * h * c.c_ipa * e);
+    let kv = t.alloc(2 * n * h * c.c_ipa * e);
+    let kv32 = bf16.then(|| t.alloc(2 * n * h * c.c_ipa * 4));
+    let q_pts = global_points(t, n, h, c.qk_points, e);
+    let kv_pts = global_points(t, n, h, c.qk_points + c.v_points, e);
+    let width = h * c.c_ipa + 4 * h * c.v_points + h * c.c_z;
+    let features = chunked(t, n, x.chunk(ChunkOp::StructureAttention), width * f, |t, rows| {
+        let q32 = bf16.then(|| t.alloc(rows * h * c.c_ipa * 4));
+        let plane = h * rows * n * f;
+        // Scalar logits: bmm copies of the queries and keys, the product, its scaling.
+        let (qc, kc) = (t.alloc(rows * h * c.c_ipa * f), t.alloc(n * h * c.c_ipa * f));
+        let product = t.alloc(plane);
+        let scalar = t.alloc(plane);
+        t.free_all([product, qc, kc]);
+        let diff = t.alloc(plane * c.qk_points * 3);
+        let squared = t.alloc(plane * c.qk_points * 3);
+        let dist2 = t.alloc(plane);
+        t.free(squared);
+        t.free(diff);
+        let scaled = t.alloc(plane);
+        let points = t.alloc(plane);
+        t.free(scaled);
+        t.free(dist2);
+        let linear = t.alloc(rows * n * h * e);
+        let linear32 = bf16.then(|| t.alloc(rows * n * h * 4));
+        let bias = t.alloc(plane);
+        t.free(linear);
+        if let Some(b) = linear32 {
+            t.free(b);
+        }
+        let mask_2d = t.alloc(rows * n * f);
+        let (t1, t2, r1, r2) = (t.alloc(plane), t.alloc(plane), t.alloc(rows * n * f), t.alloc(rows * n * f));
+        let logits = t.alloc(plane);
+        for b in [t1, t2, r1, r2, scalar, points, bias, mask_2d] {
+            t.free(b);
+        }
+        let attn = t.alloc(plane);
+        t.free(logits);
+        // The per-row outputs: values' copies, products, their strided layouts copied.
+        let (vc, o) = (t.alloc(n * h * c.c_ipa * f), t.alloc(rows * h * c.c_ipa * f));
+        let out_scalar = t.alloc(rows * h * c.c_ipa * f);
+        t.free(vc);
+        t.free(o);
+        let vp = t.alloc(n * h * c.v_points * 3 * f);
+        let out_global = t.alloc(rows * h * c.v_points * 3 * f);
+        t.free(vp);
+        let flat = t.alloc(rows * h * c.v_points * 3 * f);
+        let shifted = t.alloc(rows * h * c.v_points * 3 * f);
+        let rot = t.alloc(rows * h * c.v_points * 9 * f);
+        let local = t.alloc(rows * h * c.v_points * 3 * f);
+        t.free(shifted);
+        t.free(rot);
+        t.temp(rows * h * c.v_points * 3 * f);
+        let norm = t.alloc(rows * h * c.v_points * f);
+        let attn_copy = t.alloc(plane);
+        let pair32 = bf16.then(|| t.alloc(rows * n * c.c_z * 4));
+        let over_pair = t.alloc(rows * h * c.c_z * f);
+        t.free(attn_copy);
+        if let Some(b) = pair32 {
+            t.free(b);
+        }
+        let joined = t.alloc(rows * width * f);
+        for b in [out_scalar, out_global, flat, local, norm, over_pair, attn] {
+            t.free(b);
+        }
+        if let Some(b) = q32 {
+            t.free(b);
+        }
+        joined
+    });
+    let cast = bf16.then(|| t.alloc(n * width * e));
+    let out = t.alloc(n * c.c_s * e);
+    for b in [features, q, kv, q_pts, kv_pts, out] {
+        t.free(b);
+    }
+    for b in [cast, kv32].into_iter().flatten() {
+        t.free(b);
+    }
+}
+
+/// `model/structure.rs`'s `StructureModule::run`: the normalised single and pair, then each
+/// iteration's attention (what else an iteration makes is per residue and small).
+fn structure_module(t: &mut Trace, x: &Ctx, n: i64, c_z: i64, c: &StructureConfig) {
+    let e = x.e;
+    let aatype = t.alloc(n * 8);
+    let initial = layer_norm(t, n, c.c_s, e, true);
+    let pair = layer_norm(t, n * n, c_z, e, true);
+    let act = t.alloc(n * c.c_s * e);
+    invariant_point_attention(t, x, n, c);
+    for b in [act, pair, initial, aatype] {
+        t.free(b);
+    }
+}
+
+/// The peak of live bytes of one no-grad pass ([`crate::model::alphafold::AlphaFold::pass_owned`])
+/// on one rank with the compositions of libtorch, from its start (the previous pass's outputs
+/// alive: they are given up to it) to its end, under `plan`.
+pub fn pass_peak(cfg: &EvoformerConfig, model: &ModelConfig, sizes: Sizes, plan: &ChunkPlan) -> Peak {
+    let mut t = Trace::new();
+    let Sizes { residues: n, msa_rows: s, extra_rows, elem: e } = sizes;
+    let (c_m, c_z) = (cfg.c_m, cfg.c_z);
+    let mut x = Ctx { e, plan, stage: Stage::Outer };
+    t.at("recycled inputs");
+    let prev = [t.alloc(n * c_m * e), t.alloc(n * n * c_z * e), t.alloc(n * 3 * e)];
+    t.at("input embedder");
+    let (msa, pair) = input_embedder(&mut t, &x, n, s, cfg, model);
+    t.at("recycling embedder");
+    recycling_embedder(&mut t, &x, n, cfg, model);
+    for b in prev {
+        t.free(b);
+    }
+    let pair_mask = t.alloc(n * n * e);
+    if cfg.num_extra_blocks > 0 {
+        t.at("extra-MSA embedder");
+        let rows = extra_rows.max(1);
+        let extra = extra_msa_embedder(&mut t, &x, n, rows, cfg.c_e);
+        // Every block leaves what it found: one block's peak is the stack's.
+        x.stage = Stage::ExtraMsa;
+        block(&mut t, &x, cfg, rows, n, true);
+        t.free(extra);
+    }
+    x.stage = Stage::Evoformer;
+    if cfg.num_blocks > 0 {
+        block(&mut t, &x, cfg, s, n, false);
+    }
+    x.stage = Stage::Outer;
+    t.at("single representation");
+    let first_row = t.alloc(n * c_m * e);
+    let single = t.alloc(n * model.c_s * e);
+    t.at("structure module");
+    structure_module(&mut t, &x, n, c_z, &model.structure);
+    t.at("heads");
+    let bins = model.distogram_bins;
+    let half = t.alloc(n * n * bins * e);
+    let distogram = t.alloc(n * n * bins * e);
+    t.free(half);
+    let masked_msa = t.alloc(s * n * model.masked_msa_classes * e);
+    let aligned_error = model.aligned_error_bins.map(|b| t.alloc(n * n * b * e));
+    for b in [distogram, masked_msa, first_row, single, pair_mask, msa, pair] {
+        t.free(b);
+    }
+    if let Some(b) = aligned_error {
+        t.free(b);
+    }
+    Peak { bytes: t.peak(), at: t.peak_at() }
+}
+
+/// The sizes a pass of `features` (recycling slice 0) runs at in `kind`: its residues, and
+/// the MSA and extra-MSA rows with an unmasked entry (the rows the stacks run).
+pub fn sizes_of(features: &crate::features::Features, kind: tch::Kind) -> tch::Result<Sizes> {
+    let real_rows = |mask: &tch::Tensor| -> tch::Result<i64> {
+        let m = mask.f_select(0, 0)?;
+        m.f_ne(0.0)?.f_any_dim(1, false)?.f_sum(tch::Kind::Int64)?.f_int64_value(&[])
+    };
+    Ok(Sizes {
+        residues: features.aatype.size()[1],
+        msa_rows: real_rows(&features.msa_mask)?.max(1),
+        extra_rows: real_rows(&features.extra_msa_mask)?.max(1),
+        elem: kind.elt_size_in_bytes() as i64,
+    })
+}
+
+/// The bytes of tensors.
+pub fn bytes_of<'a>(tensors: impl IntoIterator<Item = &'a tch::Tensor>) -> u64 {
+    tensors.into_iter().map(|t| (t.numel() * t.kind().elt_size_in_bytes()) as u64).sum()
+}

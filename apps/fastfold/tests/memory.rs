@@ -1,0 +1,190 @@
+//! The inference memory profile against the CPU allocator, and the planner's chunks: a
+//! no-grad pass's peak of live bytes (engine::host_memory counts every CPU allocation) equals
+//! the profile's within 5% at AlphaFold's widths, unchunked, chunked and planned; a plan made
+//! for a budget keeps the measured peak under it; the in-place, chunked pass equals the plain
+//! one (a pass that records gradients updates nothing in place and chunks nothing) within 1e-5.
+mod common;
+
+use std::process::Command;
+
+use engine::parallel::dap::Dap;
+use fastfold::memory::{self, Sizes};
+use fastfold::model::alphafold::{AlphaFold, Batch, Pass};
+use fastfold::model::exec::{ChunkOp, ChunkPlan, Stage};
+use fastfold::model::{EvoformerConfig, Exec, ModelConfig, Params, Recycled};
+use tch::{Device, Kind, Tensor};
+
+/// The allocation counter sees every thread: the tests of this binary run one at a time.
+static ALONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// AlphaFold's widths (model_1_ptm) with two Evoformer blocks and one extra-MSA block: every
+/// block's peak is the same, so the stacks' depth does not change the pass's.
+fn widths() -> (EvoformerConfig, ModelConfig) {
+    let cfg = EvoformerConfig { num_blocks: 2, num_extra_blocks: 1, ..EvoformerConfig::default() };
+    let model = ModelConfig { templates: None, ..ModelConfig::default() };
+    (cfg, model)
+}
+
+/// A batch of `n` residues, `s` MSA rows and `e` extra rows, every row real.
+fn batch(n: i64, s: i64, e: i64, kind: Kind) -> Batch {
+    tch::manual_seed(3);
+    let f = (kind, Device::Cpu);
+    let aatype = Tensor::randint(20, [n], (Kind::Int64, Device::Cpu));
+    Batch {
+        target_feat: aatype.one_hot(22).to_kind(kind),
+        aatype,
+        residue_index: Tensor::arange(n, (Kind::Int64, Device::Cpu)),
+        seq_mask: Tensor::ones([n], f),
+        msa_feat: Tensor::rand([s, n, 49], f),
+        msa_mask: Tensor::ones([s, n], f),
+        extra_msa: Tensor::randint(23, [e, n], (Kind::Int64, Device::Cpu)),
+        extra_has_deletion: Tensor::zeros([e, n], f),
+        extra_deletion_value: Tensor::rand([e, n], f),
+        extra_msa_mask: Tensor::ones([e, n], f),
+        templates: None,
+    }
+}
+
+/// The measured peak of one no-grad pass, from the moment its recycled inputs are made.
+fn measure(model: &AlphaFold, cfg: &EvoformerConfig, b: &Batch, exec: &Exec) -> (f64, Pass) {
+    let before = engine::host_memory::stats().unwrap().current;
+    let prev = Recycled::zeros(b.residues(), cfg, &b.seq_mask).unwrap();
+    engine::host_memory::reset_peak().unwrap();
+    let pass = tch::no_grad(|| model.pass_owned(b, prev, exec)).unwrap();
+    let peak = engine::host_memory::stats().unwrap().peak;
+    ((peak - before) as f64, pass)
+}
+
+fn max_rel_diff(a: &Tensor, b: &Tensor) -> f64 {
+    let scale = b.abs().max().double_value(&[]).max(1e-12);
+    (a - b).abs().max().double_value(&[]) / scale
+}
+
+#[test]
+fn pass_peak_matches_the_cpu_allocator_and_plans_fit_their_budget() {
+    let _alone = ALONE.lock();
+    engine::host_memory::track().unwrap();
+    tch::set_num_threads(1);
+    let (cfg, model_cfg) = widths();
+    let params = Params::random_model(&cfg, &model_cfg, 0).unwrap();
+    let model = AlphaFold::new(&params).unwrap();
+    let some = |c| ChunkPlan::uniform(Some(c));
+    for (n, s, e, plan) in [
+        (64, 8, 16, ChunkPlan::uniform(None)),
+        (128, 4, 8, ChunkPlan::uniform(None)),
+        (128, 16, 32, some(32)),
+        (192, 2, 4, some(48).with(Stage::Evoformer, ChunkOp::TriangleMultiplication, Some(16))),
+    ] {
+        let b = batch(n, s, e, Kind::Float);
+        let sizes = Sizes { residues: n, msa_rows: s, extra_rows: e, elem: 4 };
+        let predicted = memory::pass_peak(&cfg, &model_cfg, sizes, &plan);
+        let (measured, _) = measure(&model, &cfg, &b, &Exec::planned(Dap::none(), plan.clone()));
+        suite_tests::assert_bytes_close(
+            &format!("pass {n} residues x {s} rows + {e} extra, {plan:?}, peak in {}", predicted.at),
+            measured,
+            predicted.bytes as f64,
+            0.05,
+        );
+    }
+    // A budget the whole pass exceeds: the plan chunks, and the measured peak stays under it.
+    let (n, s, e) = (160, 8, 16);
+    let sizes = Sizes { residues: n, msa_rows: s, extra_rows: e, elem: 4 };
+    let whole = memory::pass_peak(&cfg, &model_cfg, sizes, &ChunkPlan::uniform(None)).bytes;
+    let budget = whole * 2 / 3;
+    let plan = memory::plan(&cfg, &model_cfg, sizes, 0, budget).unwrap();
+    assert!(plan.describe() != "none", "a budget below the unchunked peak chunks something");
+    assert!(plan.peak() <= budget, "planned {} over the budget {budget}", plan.peak());
+    let (measured, _) =
+        measure(&model, &cfg, &batch(n, s, e, Kind::Float), &Exec::planned(Dap::none(), plan.chunks.clone()));
+    assert!(measured <= budget as f64, "measured {measured} bytes over the budget {budget} ({})", plan.describe());
+    suite_tests::assert_bytes_close(&format!("planned pass ({})", plan.describe()), measured, plan.peak() as f64, 0.05);
+    // A budget no plan meets is an error that says what the leanest plan needs.
+    let err = memory::plan(&cfg, &model_cfg, sizes, 0, whole / 20).unwrap_err();
+    assert!(err.contains("at the least"), "{err}");
+}
+
+#[test]
+fn in_place_chunked_pass_equals_the_plain_pass() {
+    let _alone = ALONE.lock();
+    // Small widths keep the recording pass cheap; the code paths are the same.
+    let cfg = EvoformerConfig { num_blocks: 2, num_extra_blocks: 1, ..EvoformerConfig::tiny() };
+    let model_cfg = ModelConfig { templates: None, ..ModelConfig::tiny() };
+    let params = Params::random_model(&cfg, &model_cfg, 5).unwrap();
+    let (n, s, e) = (23, 5, 7);
+    let b = batch(n, s, e, Kind::Float);
+    // Plain: parameters that record gradients, so that nothing is updated in place.
+    let recording = params.to_device(Device::Cpu, true).unwrap();
+    let plain_model = AlphaFold::new(&recording).unwrap();
+    let prev = Recycled::zeros(n, &cfg, &b.seq_mask).unwrap();
+    let plain = plain_model.pass_owned(&b, prev, &Exec::serial()).unwrap();
+    assert!(plain.recycled.pair.requires_grad(), "the plain pass records gradients");
+    let model = AlphaFold::new(&params).unwrap();
+    for plan in [ChunkPlan::uniform(None), ChunkPlan::uniform(Some(4)), ChunkPlan::uniform(Some(1))] {
+        let prev = Recycled::zeros(n, &cfg, &b.seq_mask).unwrap();
+        let lean = tch::no_grad(|| model.pass_owned(&b, prev, &Exec::planned(Dap::none(), plan.clone()))).unwrap();
+        for (what, a, p) in [
+            ("pair", &lean.recycled.pair, &plain.recycled.pair),
+            ("msa first row", &lean.recycled.msa_first_row, &plain.recycled.msa_first_row),
+            ("single", &lean.single, &plain.single),
+            ("atom positions", &lean.structure.atom37, &plain.structure.atom37),
+            ("distogram", &lean.heads.distogram, &plain.heads.distogram),
+            ("masked msa", &lean.heads.masked_msa, &plain.heads.masked_msa),
+        ] {
+            let d = max_rel_diff(a, &p.detach());
+            assert!(d <= 1e-5, "{plan:?}: {what} differs by {d:e} of its largest value (tolerance 1e-5)");
+        }
+    }
+}
+
+/// `fastfold predict --gpu-mem` on the CPU: the plan and its planned peak said, the measured
+/// peak printed beside it and under the budget, the structure the unplanned run's within 1e-4 Å;
+/// a budget no plan meets is an error naming the flag.
+#[test]
+fn predict_plans_for_the_budget_and_prints_planned_and_measured_peaks() {
+    let dir = common::scratch("memory", "predict");
+    let fasta = dir.join("q.fasta");
+    std::fs::write(&fasta, ">q\nMKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQAPILSRVGDGTQDNLSGAEKAVQVKVKALPDAQFEVVHSLAKWKRQTLGQHDFSAGEGLYTHMKALRPDEDRLSPLHSVYVDQWDWERVMGDGERQFSTLKSTVEAIWAGIKATEAAVSEEFGLAPFLPDQIHFVHSQELLSRYPDLDAKGRERAIAKDLGAVFLVGIGGKLSDGHRHDVRAPDYDDWSTPSELGHAGLNGDILVWNPVLEDAFELSSMGIRVDADTLKHQLALTGDEDRLELEWHQALLRGEMPQTIGGGIGQSRLTMLLLQLPHIGQVQAGVWPAACRESVPALL\n").unwrap();
+    let params = common::tiny_params().to_str().unwrap().to_string();
+    let run = |extra: &[&str], out: &str| {
+        let out_dir = dir.join(out);
+        let args = [
+            &[
+                "predict",
+                fasta.to_str().unwrap(),
+                "--params",
+                &params,
+                "--num-recycle",
+                "0",
+                "--save-outputs",
+                "-o",
+                out_dir.to_str().unwrap(),
+            ],
+            extra,
+        ]
+        .concat();
+        let o = Command::new(common::BIN).args(&args).env("FASTFOLD_TEST", "1").output().unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        (o.status.success(), text, out_dir.join("q").join("tiny_outputs.npz"))
+    };
+    let (ok, plain, plain_npz) = run(&[], "plain");
+    assert!(ok, "{plain}");
+    let (ok, text, planned_npz) = run(&["--gpu-mem", "80M"], "planned");
+    assert!(ok, "{text}");
+    assert!(text.contains("memory plan for 0.08 GiB"), "the plan is said:\n{text}");
+    let line = text.lines().find(|l| l.contains("peak memory")).expect("a summary line");
+    let number = |key: &str| -> f64 {
+        let rest = &line[line.find(key).unwrap_or_else(|| panic!("{key} in {line}")) + key.len()..];
+        rest.trim_start().split(' ').next().unwrap().parse().unwrap()
+    };
+    let (measured, planned) = (number("peak memory"), number("(planned"));
+    eprintln!("{line}");
+    assert!(planned <= 80.0 / 1024.0 && measured <= 80.0 / 1024.0, "under the budget: {line}");
+    assert!((measured - planned).abs() <= 0.05 * planned.max(measured) + 0.002, "planned and measured agree: {line}");
+    let positions = |p: &std::path::Path| {
+        Tensor::read_npz(p).unwrap().into_iter().find(|(k, _)| k == "structure_module/final_atom_positions").unwrap().1
+    };
+    let d = (positions(&plain_npz) - positions(&planned_npz)).abs().max().double_value(&[]);
+    assert!(d <= 1e-4, "the planned run's atoms differ by {d} Å from the plain run's ({plain})");
+    let (ok, text, _) = run(&["--gpu-mem", "64K"], "tiny");
+    assert!(!ok && text.contains("--gpu-mem") && text.contains("at the least"), "{text}");
+}
