@@ -4,13 +4,17 @@
 //!
 //! - [`structure`]: the structure module's loss: backbone FAPE over every iteration (clamped or
 //!   not), side-chain FAPE on the renamed ground truth, the chi and angle-norm losses.
+//! - [`violations`]: the structural violations (peptide bonds, clashes, within-residue bounds)
+//!   and their loss, added to the structure module's in fine-tuning.
 //! - [`heads`]: the other heads' losses: distogram, masked MSA, pLDDT, experimentally resolved
 //!   and predicted aligned error, and their weighted sum.
 //!
 //! Each term is checked against DeepMind's code on the same parameters and batch, values and
-//! the gradient of every parameter (`tests/alphafold_loss.rs`).
+//! the gradient of every parameter (`tests/alphafold_loss.rs`, `tests/violations.rs`).
 pub mod heads;
 pub mod structure;
+pub mod violations;
 
 pub use heads::{head_losses, HeadLossConfig, HeadLosses, MaskedMsaTarget};
 pub use structure::{structure_loss, StructureLoss, StructureLossConfig};
+pub use violations::{find_structural_violations, ViolationConfig, ViolationMetrics, Violations};

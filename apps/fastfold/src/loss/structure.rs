@@ -6,7 +6,7 @@
 //! `loss = (1 - weight_frac) * mean over iterations of backbone FAPE
 //!        + weight_frac * side-chain FAPE + chi_weight * chi loss + angle_norm_weight * angle norm`
 //!
-//! (the structural-violation term, added in fine-tuning, is the `violations` module's).
+//! (the structural-violation term, added in fine-tuning, is [`super::violations`]'s).
 use tch::{Kind, Tensor};
 
 use crate::geometry::{fape, Rigid};

@@ -6,9 +6,12 @@
 //! name any residue has, [`ATOM_TYPES`]) and atom14 (a residue's own atoms packed into 14
 //! slots, [`RESTYPE_NAME_TO_ATOM14_NAMES`]). The literal tables below are transcribed from
 //! AlphaFold; the index tables and the rigid-group frames are computed from them here the way
-//! AlphaFold computes them, so there is a single source for each fact. [`Tables::new`] puts
-//! what the model needs on a device as tensors.
+//! AlphaFold computes them, so there is a single source for each fact; [`stereo_chemistry`] has
+//! the bond lengths and angles the structural-violation checks read, [`bounds`] what they
+//! derive from them. [`Tables::new`] puts what the model needs on a device as tensors.
+pub mod bounds;
 mod literature;
+pub mod stereo_chemistry;
 
 pub use literature::*;
 

@@ -1,5 +1,7 @@
 //! What the fastfold test binaries share: scratch folders and one tiny parameter file.
 #![allow(dead_code)] // each binary uses its own part
+pub mod loss;
+
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
