@@ -2,12 +2,15 @@
 //! the heads' `loss` functions and `jax.grad`, on CPU in fp32, random parameters of small
 //! widths, one pass of the whole model on a 12-residue chain whose true structure has
 //! symmetric side chains, renamed atoms and missing atoms). Each term's value and the
-//! gradient of every parameter are compared.
+//! gradient of every parameter are compared, and so are the total loss under the
+//! initial-training weights (clamped and unclamped backbone FAPE) and the fine-tuning weights
+//! (`fixtures/make_alphafold_violations.py`: `AlphaFoldIteration`'s total).
 mod common;
 
 use common::loss::{arrays, assert_gradients, assert_term, forward, RESOLUTION};
 use fastfold::loss::{
-    head_losses, structure_loss, HeadLossConfig, MaskedMsaTarget, StructureLoss, StructureLossConfig,
+    head_losses, structure_loss, total_loss, HeadLossConfig, LossInputs, MaskedMsaTarget, StructureLoss,
+    StructureLossConfig, TrainingStage,
 };
 
 fn check_structure_loss(name: &str, clamped: bool) {
@@ -79,4 +82,77 @@ fn the_fixture_renames_swapped_side_chains_and_clamps() {
     assert_eq!((alt.double_value(&[3]), alt.double_value(&[6])), (1.0, 1.0));
     let (c, u) = (want["clamped/backbone_fape"].double_value(&[]), want["unclamped/backbone_fape"].double_value(&[]));
     assert!(u > c * 1.2, "clamped {c}, unclamped {u}");
+}
+
+/// The total loss under `stage`'s weights, clamped or not, against AlphaFold's
+/// `AlphaFoldIteration` total (`total_loss.npz` under `case/`): the total, every term and
+/// violation metric, and every parameter's gradient.
+fn check_total_loss(case: &str, stage: TrainingStage, clamped: bool) {
+    let want = arrays("total_loss.npz");
+    let w = |k: &str| want.get(&format!("{case}/{k}"));
+    let (params, features, pass, truth) = forward();
+    let (true_msa, bert_mask) = (features.true_msa.get(0), features.bert_mask.get(0));
+    let (seq_mask, residue_index) = (features.seq_mask.get(0), features.residue_index.get(0));
+    let inputs = LossInputs {
+        truth: &truth,
+        msa: MaskedMsaTarget { true_msa: &true_msa, bert_mask: &bert_mask },
+        seq_mask: &seq_mask,
+        residue_index: &residue_index,
+        resolution: RESOLUTION,
+        clamped,
+    };
+    let cfg = stage.loss();
+    let l = total_loss(&pass, &inputs, &cfg).unwrap();
+    let (h, s, m) = (&l.heads, &l.structure_terms, &l.violation_metrics);
+    let terms = [
+        ("loss", Some(&l.total)),
+        ("structure_module/loss", Some(&l.structure)),
+        ("structure_module/fape", Some(&s.fape)),
+        ("structure_module/sidechain_fape", Some(&s.sidechain_fape)),
+        ("structure_module/chi_loss", Some(&s.chi_loss)),
+        ("structure_module/angle_norm_loss", Some(&s.angle_norm_loss)),
+        ("structure_module/violations_extreme_ca_ca_distance", Some(&m.extreme_ca_ca_distance)),
+        ("structure_module/violations_between_residue_bond", Some(&m.between_residue_bond)),
+        ("structure_module/violations_within_residue", Some(&m.within_residue)),
+        ("structure_module/violations_per_residue", Some(&m.per_residue)),
+        ("distogram/loss", Some(&h.distogram)),
+        ("masked_msa/loss", Some(&h.masked_msa)),
+        ("predicted_lddt/loss", Some(&h.plddt)),
+        ("experimentally_resolved/loss", Some(&h.experimentally_resolved)),
+        ("predicted_aligned_error/loss", h.aligned_error.as_ref()),
+    ];
+    for (what, got) in terms {
+        let got = got.expect("the fixture's parameters have every head");
+        match w(what) {
+            Some(want) => assert_term(&format!("{case}: {what}"), got, want),
+            // AlphaFold builds no head of weight 0: the initial-training terms it leaves out.
+            None => {
+                assert!(what.starts_with("experimentally") || what.starts_with("predicted_aligned"), "{case}: {what}")
+            }
+        }
+    }
+    let weighted = |term: &str, weight: f64| assert_eq!(w(term).is_some(), weight > 0.0, "{case}: {term}");
+    weighted("experimentally_resolved/loss", cfg.heads.experimentally_resolved);
+    weighted("predicted_aligned_error/loss", cfg.heads.aligned_error);
+    l.total.backward();
+    assert_gradients(&format!("{case}: total loss"), &params, w("grad").unwrap());
+}
+
+#[test]
+fn clamped_initial_training_loss_and_gradients_equal_alphafold() {
+    check_total_loss("initial_clamped", TrainingStage::InitialTraining, true);
+}
+
+#[test]
+fn unclamped_initial_training_loss_and_gradients_equal_alphafold() {
+    check_total_loss("initial_unclamped", TrainingStage::InitialTraining, false);
+}
+
+#[test]
+fn finetuning_loss_and_gradients_equal_alphafold() {
+    // Violations, experimentally resolved and aligned error weighed in.
+    check_total_loss("finetuning", TrainingStage::Finetuning, true);
+    let want = arrays("total_loss.npz");
+    let structure = |case: &str| want[&format!("{case}/structure_module/loss")].double_value(&[]);
+    assert!(structure("finetuning") > structure("initial_clamped") * 2.0, "the violations count in fine-tuning");
 }

@@ -8,13 +8,16 @@
 //!   and their loss, added to the structure module's in fine-tuning.
 //! - [`heads`]: the other heads' losses: distogram, masked MSA, pLDDT, experimentally resolved
 //!   and predicted aligned error, and their weighted sum.
+//! - [`total`]: the whole loss with the initial-training or fine-tuning weights.
 //!
 //! Each term is checked against DeepMind's code on the same parameters and batch, values and
 //! the gradient of every parameter (`tests/alphafold_loss.rs`, `tests/violations.rs`).
 pub mod heads;
 pub mod structure;
+pub mod total;
 pub mod violations;
 
 pub use heads::{head_losses, HeadLossConfig, HeadLosses, MaskedMsaTarget};
 pub use structure::{structure_loss, StructureLoss, StructureLossConfig};
+pub use total::{clamped_fape_at, total_loss, LossConfig, LossInputs, TotalLoss, TrainingStage};
 pub use violations::{find_structural_violations, ViolationConfig, ViolationMetrics, Violations};
