@@ -11,7 +11,7 @@ enum Cli {
     /// Predict structures with one or several models: unrelaxed PDBs, confidence JSON, the
     /// ranking and timings, optionally the raw outputs.
     Predict(Box<PredictArgs>),
-    /// Train on one query and its known structure (distogram loss and backbone FAPE, Adam).
+    /// Train on one query and its known structure (AlphaFold's whole training loss, Adam).
     Train(Box<TrainArgs>),
     /// Convert AlphaFold parameters between .npz and .safetensors (by the file extensions).
     Convert {
@@ -63,7 +63,7 @@ fn run() -> anyhow::Result<()> {
             let Some(world) = args.job.launch.launch_or_join()? else { return Ok(()) };
             let log = train::run(&args, &world)?;
             if let (0, Some(last)) = (world.rank(), log.last()) {
-                println!("final loss {:.4}; parameters in {}", last.loss, args.out.join("params.npz").display());
+                println!("final loss {:.4}; parameters in {}", last.losses.loss, args.out.join("params.npz").display());
             }
         }
         Cli::Convert { input, output } => {

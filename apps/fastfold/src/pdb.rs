@@ -310,3 +310,35 @@ fn retain_where<T>(v: &mut Vec<T>, keep: &[bool]) {
 pub(crate) fn keeps_new_location(seen: f32, occupancy: f32, altloc: bool) -> bool {
     altloc && occupancy > seen
 }
+
+/// The resolution (Å) a PDB file's header gives (`REMARK   2 RESOLUTION.    2.00 ANGSTROMS.`):
+/// 0 for `NOT APPLICABLE` (NMR, as AlphaFold's data pipeline gives a structure without one),
+/// `None` without that remark or with another value.
+pub fn resolution(text: &str) -> Option<f64> {
+    let line = text.lines().find(|l| l.starts_with("REMARK   2") && l.contains("RESOLUTION."))?;
+    let value = line.split_once("RESOLUTION.")?.1.split_whitespace().next()?;
+    match value {
+        "NOT" => Some(0.0),
+        v => v.parse().ok().filter(|r: &f64| r.is_finite() && *r >= 0.0),
+    }
+}
+
+/// [`resolution`] of the PDB file at `path`.
+pub fn read_resolution(path: &Path) -> Result<Option<f64>> {
+    let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+    Ok(resolution(&text))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::resolution;
+
+    #[test]
+    fn resolution_is_read_from_remark_2() {
+        let header = |remark: &str| format!("HEADER    HYDROLASE\nREMARK   2\n{remark}\nATOM      1  N   MET A   1\n");
+        assert_eq!(resolution(&header("REMARK   2 RESOLUTION.    1.74 ANGSTROMS.")), Some(1.74));
+        assert_eq!(resolution(&header("REMARK   2 RESOLUTION. NOT APPLICABLE.")), Some(0.0), "NMR");
+        assert_eq!(resolution(&header("REMARK   2 RESOLUTION. NULL")), None);
+        assert_eq!(resolution("ATOM      1  N   MET A   1\n"), None);
+    }
+}

@@ -1,11 +1,13 @@
 //! `fastfold train`: training steps of the whole network on one input and its known structure,
-//! with AlphaFold's distogram loss and backbone FAPE, under dynamic axial parallelism.
+//! with AlphaFold's whole monomer training loss ([`crate::loss::total`]) under the weights of
+//! the training stage (`--config-preset`, OpenFold's names: `initial_training` or
+//! `finetuning`), under dynamic axial parallelism.
 //!
-//! The loss is AlphaFold's two main terms with its weights: `0.5 * FAPE` over the backbone
-//! frames of every structure-module iteration (clamped at 10 Å, in units of 10 Å; the other
-//! half of AlphaFold's structure weight is its side-chain FAPE) plus `0.3 * distogram` (the
-//! cross-entropy of the distogram against the true pseudo-beta distances). Gradients flow
-//! through the last recycling pass only, as in AlphaFold.
+//! Backbone FAPE is clamped in 90% of the steps, drawn from the seed and the step number
+//! ([`crate::loss::clamped_fape_at`]), the same on every rank. The confidence terms (pLDDT,
+//! experimentally resolved, aligned error) train only on structures solved at 0.1 to 3 Å:
+//! the resolution comes from `--resolution` or the target's header. Gradients flow through
+//! the last recycling pass only, as in AlphaFold.
 //!
 //! Under DAP every rank computes the embedders, structure module and heads on whole tensors
 //! and the stacks on its block: the stacks' parameter gradients are summed over the ranks
@@ -23,17 +25,11 @@ use tch::{Device, Kind, Tensor};
 use crate::features::Features;
 use crate::ground_truth::GroundTruth;
 use crate::input::{ChunkArgs, InputArgs};
-use crate::loss::heads::distogram_loss;
-use crate::loss::structure::{backbone_fape, StructureLossConfig};
-use crate::model::alphafold::{AlphaFold, Pass};
+use crate::loss::{clamped_fape_at, total_loss, LossConfig, LossInputs, MaskedMsaTarget, TrainingStage};
+use crate::model::alphafold::AlphaFold;
 use crate::model::{Exec, Params, EVOFORMER, EXTRA_MSA};
-use crate::pdb::Structure;
+use crate::pdb::{read_resolution, Structure};
 use crate::residue_constants::{RESNAMES, UNK_RESTYPE_INDEX};
-
-/// Weight of the backbone FAPE (half of AlphaFold's structure-module weight of 1).
-pub const FAPE_WEIGHT: f64 = 0.5;
-/// Weight of the distogram loss (AlphaFold's `distogram.weight`).
-pub const DISTOGRAM_WEIGHT: f64 = 0.3;
 
 /// `fastfold train`'s options.
 #[derive(clap::Args, Debug, Clone)]
@@ -65,6 +61,15 @@ pub struct TrainArgs {
     /// The optimizer (AlphaFold: Adam, no weight decay).
     #[command(flatten)]
     pub optimizer: OptimizerArgs,
+    /// The training stage whose loss weights apply (OpenFold's presets, supplementary Table 4):
+    /// `finetuning` adds the structural violations (weight 1), experimentally resolved (0.01)
+    /// and, with the aligned-error head, predicted aligned error (0.1).
+    #[arg(long, value_enum, default_value_t = TrainingStage::InitialTraining)]
+    pub config_preset: TrainingStage,
+    /// The target's resolution in Å (default: its header's `REMARK 2`, else 0): pLDDT,
+    /// experimentally resolved and aligned error train only between 0.1 and 3 Å.
+    #[arg(long, value_parser = engine::parse::non_negative)]
+    pub resolution: Option<f64>,
     /// Recycling passes before the one that is trained (AlphaFold samples 0..=3).
     #[arg(long, default_value_t = 0, value_parser = engine::parse::count(0..=crate::input::MAX_RECYCLES))]
     pub recycles: usize,
@@ -80,6 +85,8 @@ pub struct TrainArgs {
 pub struct Target {
     /// The ground truth, as AlphaFold computes it from the structure.
     pub truth: GroundTruth,
+    /// The structure's resolution (Å; 0, the default, for none: no confidence terms).
+    pub resolution: f64,
 }
 
 impl Target {
@@ -118,31 +125,86 @@ impl Target {
         if truth.pseudo_beta_mask.sum(Kind::Float).double_value(&[]) == 0.0 {
             bail!("{source}: no residue has the CB atom (CA for glycine) that the distogram loss needs");
         }
-        Ok(Target { truth })
+        Ok(Target { truth, resolution: 0.0 })
     }
 }
 
-/// The loss terms of one pass.
-pub struct Losses {
-    /// The weighted sum.
-    pub total: Tensor,
-    /// Backbone FAPE, averaged over the structure module's iterations.
+/// One step's loss terms (AlphaFold's names in the comments), as the log records them.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct StepLoss {
+    /// The weighted total.
+    pub loss: f64,
+    /// Backbone FAPE averaged over the structure module's iterations, clamped or not.
     pub fape: f64,
+    /// Whether backbone FAPE was clamped in this step.
+    pub clamped: bool,
+    /// Side-chain FAPE (`sidechain_fape`).
+    pub sidechain_fape: f64,
+    /// The chi loss (`chi_loss`).
+    pub chi: f64,
+    /// The angle-norm loss (`angle_norm_loss`).
+    pub angle_norm: f64,
+    /// The structural-violation loss before its weight.
+    pub violation: f64,
     /// Distogram cross-entropy.
     pub distogram: f64,
+    /// Masked-MSA cross-entropy.
+    pub masked_msa: f64,
+    /// pLDDT cross-entropy (0 outside the resolution range).
+    pub plddt: f64,
+    /// Experimentally-resolved cross-entropy (0 outside the resolution range).
+    pub experimentally_resolved: f64,
+    /// Aligned-error cross-entropy, with the aligned-error head.
+    pub aligned_error: Option<f64>,
 }
 
-/// The loss of `pass` against `target`, in fp32.
-pub fn losses(pass: &Pass, target: &Target) -> anyhow::Result<Losses> {
-    let clamped = backbone_fape(&pass.structure, &target.truth, true, &StructureLossConfig::default())?;
-    let fape = clamped.mean(Kind::Float);
-    let distogram = distogram_loss(
-        &pass.heads.distogram.to_kind(Kind::Float),
-        &target.truth.pseudo_beta,
-        &target.truth.pseudo_beta_mask,
-    )?;
-    let total = &fape * FAPE_WEIGHT + &distogram * DISTOGRAM_WEIGHT;
-    Ok(Losses { fape: fape.double_value(&[]), distogram: distogram.double_value(&[]), total })
+/// The loss of one pass and its terms.
+pub struct Losses {
+    /// The weighted sum, for backward.
+    pub total: Tensor,
+    /// Every term's value.
+    pub terms: StepLoss,
+}
+
+/// The loss of the last pass on `features` (`recycles` passes before it) against `target`,
+/// with `cfg`'s weights, backbone FAPE clamped or not.
+fn losses(
+    pass: &crate::model::alphafold::Pass,
+    features: &Features,
+    recycles: usize,
+    target: &Target,
+    cfg: &LossConfig,
+    clamped: bool,
+) -> anyhow::Result<Losses> {
+    let slice = |t: &Tensor| t.get(recycles as i64);
+    let (true_msa, bert_mask) = (slice(&features.true_msa), slice(&features.bert_mask));
+    let (seq_mask, residue_index) = (slice(&features.seq_mask), slice(&features.residue_index));
+    let inputs = LossInputs {
+        truth: &target.truth,
+        msa: MaskedMsaTarget { true_msa: &true_msa, bert_mask: &bert_mask },
+        seq_mask: &seq_mask,
+        residue_index: &residue_index,
+        resolution: target.resolution,
+        clamped,
+    };
+    let l = total_loss(pass, &inputs, cfg)?;
+    let v = |t: &Tensor| t.double_value(&[]);
+    let (s, h) = (&l.structure_terms, &l.heads);
+    let terms = StepLoss {
+        loss: v(&l.total),
+        fape: v(&s.backbone_fape),
+        clamped,
+        sidechain_fape: v(&s.sidechain_fape),
+        chi: v(&s.chi_loss),
+        angle_norm: v(&s.angle_norm_loss),
+        violation: v(&l.violation),
+        distogram: v(&h.distogram),
+        masked_msa: v(&h.masked_msa),
+        plddt: v(&h.plddt),
+        experimentally_resolved: v(&h.experimentally_resolved),
+        aligned_error: h.aligned_error.as_ref().map(v),
+    };
+    Ok(Losses { total: l.total, terms })
 }
 
 /// One step's record.
@@ -150,12 +212,9 @@ pub fn losses(pass: &Pass, target: &Target) -> anyhow::Result<Losses> {
 pub struct StepLog {
     /// 1-based step.
     pub step: usize,
-    /// Weighted loss.
-    pub loss: f64,
-    /// Backbone FAPE.
-    pub fape: f64,
-    /// Distogram loss.
-    pub distogram: f64,
+    /// The loss and its terms.
+    #[serde(flatten)]
+    pub losses: StepLoss,
     /// Gradient norm before clipping.
     pub grad_norm: f64,
     /// Seconds of the step.
@@ -167,14 +226,24 @@ pub struct StepLog {
 }
 
 impl engine::metrics::Record for StepLog {
-    const CSV_HEADER: &'static str = "step,loss,fape,distogram,grad_norm,seconds,lr,peak_bytes";
+    const CSV_HEADER: &'static str = "step,loss,fape,clamped,sidechain_fape,chi,angle_norm,violation,distogram,\
+        masked_msa,plddt,experimentally_resolved,aligned_error,grad_norm,seconds,lr,peak_bytes";
 
     fn csv_row(&self) -> String {
-        let s = self;
-        let peak = s.peak_bytes.map(|b| b.to_string()).unwrap_or_default();
+        let l = &self.losses;
+        let terms = [l.sidechain_fape, l.chi, l.angle_norm, l.violation, l.distogram, l.masked_msa, l.plddt];
+        let cells: Vec<String> = terms.iter().chain([&l.experimentally_resolved]).map(|x| format!("{x:.6}")).collect();
+        let pae = l.aligned_error.map(|x| format!("{x:.6}")).unwrap_or_default();
+        let peak = self.peak_bytes.map(|b| b.to_string()).unwrap_or_default();
+        let (step, clamped) = (self.step, u8::from(l.clamped));
         format!(
-            "{},{:.6},{:.6},{:.6},{:.6},{:.3},{:.6e},{peak}",
-            s.step, s.loss, s.fape, s.distogram, s.grad_norm, s.seconds, s.lr
+            "{step},{:.6},{:.6},{clamped},{},{pae},{:.6},{:.3},{:.6e},{peak}",
+            l.loss,
+            l.fape,
+            cells.join(","),
+            self.grad_norm,
+            self.seconds,
+            self.lr
         )
     }
 
@@ -183,14 +252,23 @@ impl engine::metrics::Record for StepLog {
     }
 
     fn scalars(&self) -> Vec<(&'static str, f64)> {
+        let l = &self.losses;
         let mut scalars = vec![
-            ("train/loss", self.loss),
-            ("train/fape", self.fape),
-            ("train/distogram", self.distogram),
+            ("train/loss", l.loss),
+            ("train/fape", l.fape),
+            ("train/sidechain_fape", l.sidechain_fape),
+            ("train/chi", l.chi),
+            ("train/angle_norm", l.angle_norm),
+            ("train/violation", l.violation),
+            ("train/distogram", l.distogram),
+            ("train/masked_msa", l.masked_msa),
+            ("train/plddt", l.plddt),
+            ("train/experimentally_resolved", l.experimentally_resolved),
             ("train/grad_norm", self.grad_norm),
             ("train/step_seconds", self.seconds),
             ("train/lr", self.lr),
         ];
+        scalars.extend(l.aligned_error.map(|x| ("train/aligned_error", x)));
         scalars.extend(self.peak_bytes.map(|b| ("train/peak_memory_gib", engine::metrics::gib(b))));
         scalars
     }
@@ -203,11 +281,15 @@ pub struct Trainer {
     optimizer: Box<dyn Optimizer>,
     stacks: Vec<Tensor>,
     clip: Option<f64>,
+    loss: LossConfig,
+    seed: u64,
+    steps: u64,
 }
 
 impl Trainer {
     /// `optimizer` (AlphaFold's: Adam without weight decay, clip 0.1) over every array of
-    /// `params` (moved to `device`).
+    /// `params` (moved to `device`), with the initial-training loss and seed 0
+    /// ([`Trainer::with_loss`] sets them).
     pub fn new(params: &Params, device: Device, optimizer: &OptimizerArgs) -> anyhow::Result<Trainer> {
         let params = params.to_device(device, true)?;
         let model = AlphaFold::new(&params)?;
@@ -215,12 +297,20 @@ impl Trainer {
         let stacks = params.iter().filter(|(k, _)| is_stack(k)).map(|(_, t)| t.shallow_clone()).collect();
         let list = params.iter().map(|(k, t)| Param::new(k, t)).collect();
         let (clip, optimizer) = (optimizer.clip_grad, optimizer.build(list, optimizer.lr));
-        Ok(Trainer { model, params, optimizer, stacks, clip })
+        let loss = LossConfig::initial_training();
+        Ok(Trainer { model, params, optimizer, stacks, clip, loss, seed: 0, steps: 0 })
+    }
+
+    /// The same trainer with `loss`'s weights, backbone FAPE clamped in the steps its fraction
+    /// draws from `seed`.
+    pub fn with_loss(self, loss: LossConfig, seed: u64) -> Trainer {
+        Trainer { loss, seed, ..self }
     }
 
     /// The gradients of one pass on `features` and `target` in the parameters' `.grad()`:
-    /// forward (the last of `recycles + 1` passes with autograd), loss, backward, and the DAP
-    /// sum of the stacks' gradients.
+    /// forward (the last of `recycles + 1` passes with autograd), loss (backbone FAPE clamped
+    /// or not as the next step's draw says), backward, and the DAP sum of the stacks'
+    /// gradients.
     pub fn backward(
         &mut self,
         features: &Features,
@@ -230,7 +320,8 @@ impl Trainer {
     ) -> anyhow::Result<Losses> {
         self.optimizer.zero_grad();
         let pass = self.model.predict(features, recycles, Kind::Float, exec)?;
-        let losses = losses(&pass, target)?;
+        let clamped = clamped_fape_at(self.seed, self.steps + 1, self.loss.clamped_fape_fraction);
+        let losses = losses(&pass, features, recycles, target, &self.loss, clamped)?;
         engine::autograd::backward(&[&losses.total], &[None], false)?;
         exec.dap().reduce_gradients(&self.stacks)?;
         Ok(losses)
@@ -248,6 +339,7 @@ impl Trainer {
         let losses = self.backward(features, target, recycles, exec)?;
         let norm = clip_grad_norm(self.optimizer.params(), self.clip.unwrap_or(f64::INFINITY), None)?;
         self.optimizer.step()?;
+        self.steps += 1;
         Ok((losses, norm))
     }
 
@@ -275,8 +367,10 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
     let (_, features) = inputs.remove(0);
     let aatype = features.aatype.get(0);
     let structure = Structure::read(&args.target, args.chain)?;
-    let target = Target::new(&structure, &aatype, &args.target.display().to_string())?;
-    let mut trainer = Trainer::new(&params, device, &args.optimizer)?;
+    let mut target = Target::new(&structure, &aatype, &args.target.display().to_string())?;
+    target.resolution = resolution(args, world)?;
+    let loss = args.config_preset.loss();
+    let mut trainer = Trainer::new(&params, device, &args.optimizer)?.with_loss(loss, args.input.seed.seed);
     let mut log = Vec::new();
     let mut metrics = match world.rank() {
         0 => {
@@ -288,27 +382,23 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
     for step in 1..=args.steps {
         let start = Instant::now();
         let (losses, grad_norm) = trainer.step(&features, &target, args.recycles, &exec)?;
-        let entry = StepLog {
-            step,
-            loss: losses.total.double_value(&[]),
-            fape: losses.fape,
-            distogram: losses.distogram,
-            grad_norm,
-            seconds: start.elapsed().as_secs_f64(),
-            lr: args.optimizer.lr,
-            peak_bytes: engine::process::peak_memory(device),
-        };
+        let seconds = start.elapsed().as_secs_f64();
+        let (lr, peak_bytes) = (args.optimizer.lr, engine::process::peak_memory(device));
+        let entry = StepLog { step, losses: losses.terms, grad_norm, seconds, lr, peak_bytes };
+        let l = &entry.losses;
         // Every rank holds the same loss (DAP gathers before the loss), so all stop together.
-        if !entry.loss.is_finite() {
-            bail!("step {step}: the loss is {}; lower --lr or use --clip-grad (no parameters written)", entry.loss);
+        if !l.loss.is_finite() {
+            bail!("step {step}: the loss is {}; lower --lr or use --clip-grad (no parameters written)", l.loss);
         }
         if let Some(m) = metrics.as_mut() {
             m.write(&entry)?;
         }
         if world.rank() == 0 && !args.job.quiet {
+            let clamp = if l.clamped { "" } else { " (unclamped)" };
             println!(
-                "step {step}/{}  loss {:.4}  fape {:.4}  distogram {:.4}  grad norm {:.3}  {:.2} s",
-                args.steps, entry.loss, entry.fape, entry.distogram, entry.grad_norm, entry.seconds
+                "step {step}/{}  loss {:.4}  fape {:.4}{clamp}  distogram {:.4}  masked msa {:.4}  violation {:.4}  \
+                 grad norm {:.3}  {:.2} s",
+                args.steps, l.loss, l.fape, l.distogram, l.masked_msa, l.violation, entry.grad_norm, entry.seconds
             );
         }
         log.push(entry);
@@ -317,4 +407,23 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
         trainer.params().save(args.out.join("params.npz"))?;
     }
     Ok(log)
+}
+
+/// The target's resolution: `--resolution`, else its header's, else 0 (said on rank 0: the
+/// confidence terms are then off).
+fn resolution(args: &TrainArgs, world: &World) -> anyhow::Result<f64> {
+    if let Some(r) = args.resolution {
+        return Ok(r);
+    }
+    if let Some(r) = read_resolution(&args.target)? {
+        return Ok(r);
+    }
+    if world.rank() == 0 && !args.job.quiet {
+        println!(
+            "{}: no resolution in its header; pLDDT, experimentally resolved and aligned error are not trained \
+             (--resolution gives one)",
+            args.target.display()
+        );
+    }
+    Ok(0.0)
 }

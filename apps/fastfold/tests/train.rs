@@ -1,7 +1,8 @@
 //! Training on a tiny random model against a synthetic helix: gradients of the whole network
 //! (embedders, stacks under DAP, structure module, heads) on 2 ranks equal one process's; the
 //! `train` command lowers the loss, writes its log and parameters, and names a target that
-//! does not fit the input; and it trains alike with the fused kernels.
+//! does not fit the input; fine-tuning logs every term of the loss and lowers it; and it
+//! trains alike with the fused kernels.
 mod common;
 
 use std::path::{Path, PathBuf};
@@ -11,6 +12,7 @@ use engine::dist::World;
 use engine::job::{OptimizerArgs, OptimizerKind};
 use engine::parallel::dap::Dap;
 use fastfold::features::{process, FeatureConfig, Features, RawFeatures};
+use fastfold::loss::clamped_fape_at;
 use fastfold::model::{EvoformerConfig, Exec, ModelConfig, Params};
 use fastfold::pdb::Structure;
 use fastfold::residue_constants::{aatype_of, atom_order};
@@ -233,6 +235,63 @@ fn train_command_lowers_the_loss_and_two_ranks_agree() {
     assert!(!o.status.success() && err.contains("short.pdb") && err.contains("10 residues"), "{err}");
 }
 
+/// `--config-preset finetuning` at a resolution inside the confidence heads' range: every
+/// term in the log, the total their sum with the fine-tuning weights, backbone FAPE clamped in
+/// the steps the seed draws (seed 2 leaves step 1 unclamped), and a few steps lower the total
+/// (between steps clamped alike). Without `--resolution` the header's is read, and a target
+/// without one trains no pLDDT.
+#[test]
+fn fine_tuning_logs_every_term_and_lowers_the_total() {
+    let inputs = Inputs::new("finetune", 14);
+    let train = |out: &Path, extra: &[&str]| {
+        let o = Command::new(BIN).arg("train").args(inputs.args(out)).args(extra).output().unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        assert!(o.status.success(), "{text}");
+        (log(out), text)
+    };
+    let flags = ["--steps", "6", "--lr", "3e-3", "--config-preset", "finetuning", "--resolution", "2", "--seed", "2"];
+    let (steps, _) = train(&inputs.dir.join("fine"), &flags);
+    assert_eq!(steps.len(), 6);
+    let term = |s: &serde_json::Value, name: &str| s[name].as_f64().unwrap_or_else(|| panic!("{name}: {s}"));
+    for (i, s) in steps.iter().enumerate() {
+        assert_eq!(s["clamped"].as_bool(), Some(clamped_fape_at(2, i as u64 + 1, 0.9)), "step {}", i + 1);
+        let weighted = [
+            ("fape", 0.5),
+            ("sidechain_fape", 0.5),
+            ("chi", 0.5),
+            ("angle_norm", 0.01),
+            ("violation", 1.0),
+            ("distogram", 0.3),
+            ("masked_msa", 2.0),
+            ("plddt", 0.01),
+            ("experimentally_resolved", 0.01),
+        ];
+        let mut sum: f64 = weighted.iter().map(|&(name, w)| w * term(s, name)).sum();
+        if let Some(pae) = s["aligned_error"].as_f64() {
+            sum += 0.1 * pae;
+        }
+        // The log's values are f64 of fp32 terms: their sum within fp32 rounding.
+        assert!((sum - term(s, "loss")).abs() <= 1e-5 * sum, "step {}: terms sum to {sum}, loss {s}", i + 1);
+    }
+    assert_eq!(steps[0]["clamped"].as_bool(), Some(false), "seed 2's first step is unclamped");
+    for name in ["violation", "plddt", "experimentally_resolved", "masked_msa"] {
+        assert!(term(&steps[0], name) > 0.0, "{name} is trained: {}", steps[0]);
+    }
+    let (first, last) = (term(&steps[1], "loss"), term(&steps[5], "loss"));
+    assert!(steps[1..6].iter().all(|s| s["clamped"] == true), "steps 2-6 clamped alike");
+    assert!(last < first, "4 Adam steps of fine-tuning: loss {first} -> {last}");
+
+    // The resolution from the header; without one, no pLDDT.
+    let text = std::fs::read_to_string(&inputs.pdb).unwrap();
+    std::fs::write(&inputs.pdb, format!("REMARK   2 RESOLUTION.    1.90 ANGSTROMS.\n{text}")).unwrap();
+    let (header, _) = train(&inputs.dir.join("header"), &["--steps", "1"]);
+    assert!(term(&header[0], "plddt") > 0.0, "{}", header[0]);
+    std::fs::write(&inputs.pdb, text).unwrap();
+    let (none, said) = train(&inputs.dir.join("none"), &["--steps", "1"]);
+    assert_eq!(term(&none[0], "plddt"), 0.0, "{}", none[0]);
+    assert!(said.contains("no resolution in its header"), "{said}");
+}
+
 /// `fastfold train --kernels fused` (the stacks' fused kernels and the installed fused optimizer
 /// steps) trains as `--kernels torch` does: on a GPU, else on the CPU emulator (a failure under
 /// SUITE_REQUIRE_CUDA=1; scripts/gpu-check.sh runs it there).
@@ -265,11 +324,11 @@ fn training_with_fused_kernels_equals_the_compositions_on_cuda_or_the_emulator()
     engine::optim::fused::install(None);
     for (a, b) in fused_log.iter().zip(&torch_log) {
         assert!(
-            (a.loss - b.loss).abs() <= 1e-4 * b.loss.abs(),
+            (a.losses.loss - b.losses.loss).abs() <= 1e-4 * b.losses.loss.abs(),
             "step {}: loss {} fused, {} torch",
             a.step,
-            a.loss,
-            b.loss
+            a.losses.loss,
+            b.losses.loss
         );
     }
     let mut worst = (0.0, String::new());
