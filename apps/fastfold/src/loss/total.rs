@@ -152,10 +152,19 @@ pub struct TotalLoss {
 pub fn total_loss(pass: &Pass, inputs: &LossInputs, cfg: &LossConfig) -> Result<TotalLoss> {
     let s = &pass.structure;
     let terms = structure_loss(s, inputs.truth, inputs.seq_mask, inputs.clamped, &cfg.structure)?;
-    let violations = find_structural_violations(&s.atom14, &inputs.truth.aatype, inputs.residue_index, &cfg.violation)?;
+    // Without weight the violations are only measured: no graph through them, and nothing of
+    // theirs (not even a NaN) reaches the loss, as AlphaFold leaves them out.
+    let weighted = cfg.violation_weight != 0.0;
+    let find = |atom14: &Tensor| {
+        find_structural_violations(atom14, &inputs.truth.aatype, inputs.residue_index, &cfg.violation)
+    };
+    let violations = if weighted { find(&s.atom14)? } else { tch::no_grad(|| find(&s.atom14.f_detach()?))? };
     let violation = violations.loss()?;
     let violation_metrics = violations.metrics(&s.atom14, inputs.residue_index, inputs.seq_mask)?;
-    let structure = terms.loss.f_add(&violation.f_mul_scalar(cfg.violation_weight)?)?;
+    let structure = match weighted {
+        true => terms.loss.f_add(&violation.f_mul_scalar(cfg.violation_weight)?)?,
+        false => terms.loss.shallow_clone(),
+    };
     let heads = head_losses(&pass.heads, s, &inputs.msa, inputs.truth, inputs.resolution, &cfg.heads)?;
     let total = structure.f_mul_scalar(cfg.structure_weight)?.f_add(&heads.loss)?;
     Ok(TotalLoss { total, structure, structure_terms: terms, violation, violation_metrics, heads })
