@@ -113,9 +113,9 @@ fn torchrun_and_mpirun_jobs_equal_the_spawners() {
 #[test]
 fn ranks_given_twice_or_disagreeing_on_the_world_size_are_named() {
     let dir = scratch("vit-launchers", "membership");
-    let start = |rank: usize, world: usize, port: u16, out: &Path| {
+    let start = |rank: usize, world: usize, port: u16, out: &Path, steps: &str| {
         Command::new(VIT)
-            .args(["pretrain", "--quiet", "--steps", "2", "--batch", "8", "--timeout", "10", "--out"])
+            .args(["pretrain", "--quiet", "--steps", steps, "--batch", "8", "--timeout", "10", "--out"])
             .arg(out)
             .envs([("RANK", rank.to_string()), ("WORLD_SIZE", world.to_string()), ("MASTER_PORT", port.to_string())])
             .envs([("LOCAL_RANK", rank.to_string()), ("LOCAL_WORLD_SIZE", world.to_string())])
@@ -135,27 +135,48 @@ fn ranks_given_twice_or_disagreeing_on_the_world_size_are_named() {
             .collect()
     };
     let began = std::time::Instant::now();
+
+    // The duplicate starts once ranks 0 and 1 have joined (rank 0 announces the job after the
+    // rendezvous), into a job that trains until it is stopped: started together, a duplicate
+    // slow to load could find the two-step job already over and the store gone, and fail on
+    // the connection instead.
     let port = free_port();
-    let twice = finish(vec![
-        start(0, 2, port, &dir.join("a")),
-        start(1, 2, port, &dir.join("a")),
-        start(1, 2, port, &dir.join("a")),
-    ]);
-    let named: Vec<&(bool, String)> =
-        twice.iter().filter(|(_, e)| e.contains("RANK=1: another process of this job has the same rank")).collect();
-    assert_eq!(named.len(), 1, "{twice:#?}");
-    assert!(!named[0].0, "the duplicate fails");
-    assert_eq!(twice.iter().filter(|(ok, _)| *ok).count(), 2, "the job of ranks 0 and 1 trains: {twice:#?}");
+    let mut pair = [start(0, 2, port, &dir.join("a"), "1000000"), start(1, 2, port, &dir.join("a"), "1000000")];
+    let stdout = pair[0].stdout.take().unwrap();
+    let (joined, announced) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        let line =
+            std::io::BufReader::new(stdout).lines().map_while(Result::ok).find(|l| l.starts_with("vit pretrain:"));
+        joined.send(line).ok();
+    });
+    let line = announced.recv_timeout(std::time::Duration::from_secs(90));
+    assert!(matches!(line, Ok(Some(ref l)) if l.contains("2 rank(s)")), "ranks 0 and 1 did not start a job: {line:?}");
+    let twice = finish(vec![start(1, 2, port, &dir.join("a"), "1000000")]);
+    let running: Vec<bool> = pair.iter_mut().map(|c| c.try_wait().unwrap().is_none()).collect();
+    for child in &mut pair {
+        child.kill().ok();
+    }
+    let pair_stderr = finish(pair.into());
+    assert!(!twice[0].0, "the duplicate fails");
+    assert!(
+        twice[0]
+            .1
+            .contains("RANK=1: another process of this job has the same rank (each needs its own, below WORLD_SIZE=2)"),
+        "{}",
+        twice[0].1
+    );
+    assert_eq!(running, [true, true], "the job of ranks 0 and 1 trains on: {pair_stderr:#?}");
 
     let port = free_port();
-    let sizes = finish(vec![start(0, 2, port, &dir.join("b")), start(1, 3, port, &dir.join("b"))]);
+    let sizes = finish(vec![start(0, 2, port, &dir.join("b"), "2"), start(1, 3, port, &dir.join("b"), "2")]);
     assert!(sizes.iter().all(|(ok, _)| !ok), "{sizes:#?}");
     assert!(sizes[1].1.contains("WORLD_SIZE=3 here, but rank 0 has WORLD_SIZE=2"), "{}", sizes[1].1);
     assert!(sizes[0].1.contains("lost peer: rank 1"), "rank 0 names its missing peer: {}", sizes[0].1);
     // Rank 0 with the larger world: it used to wait in the store for a third rank while rank 1
     // waited for its world size, both until the timeout, neither naming WORLD_SIZE.
     let port = free_port();
-    let sizes = finish(vec![start(0, 3, port, &dir.join("c")), start(1, 2, port, &dir.join("c"))]);
+    let sizes = finish(vec![start(0, 3, port, &dir.join("c"), "2"), start(1, 2, port, &dir.join("c"), "2")]);
     assert!(sizes[1].1.contains("WORLD_SIZE=2 here, but rank 0 has WORLD_SIZE=3"), "{}", sizes[1].1);
     assert!(!sizes[0].0, "{}", sizes[0].1);
     assert!(began.elapsed() < std::time::Duration::from_secs(120), "took {:?}", began.elapsed());
