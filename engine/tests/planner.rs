@@ -19,10 +19,12 @@ fn synthetic(blocks: usize, global_batch: usize) -> Model {
         output_bytes: 1e6,
         workspace_bytes: 4e6,
         tp_allreduce_bytes: 2e6,
+        tp_allreduces: 2.0,
         matmul_operand_bytes: 30e6,
         attention_qkv_bytes: 3e6,
         checkpointable: true,
         ops: 30.0,
+        measured: None,
     };
     let edge = |name: &str| LayerProfile {
         name: name.into(),
@@ -158,10 +160,10 @@ fn zero_costs_its_broadcasts_when_links_cost_time() {
     let at = |zero| estimate(&model, &c, &data_parallel_8(zero)).unwrap();
     let (plain, zero1, zero2) = (at(0), at(1), at(2));
     // Each ZeRO stage adds the parameters' broadcast: an all-gather of their bytes plus a
-    // latency per tensor (98 tensors: 12 per block, one per edge layer).
+    // collective's own cost per tensor (98 tensors: 12 per block, one per edge layer).
     let params: f64 = model.layers.iter().map(|l| l.param_bytes).sum();
     let tensors: f64 = model.layers.iter().map(|l| l.param_tensors).sum();
-    let broadcast = c.all_gather(params, 8, 1) + tensors * c.latency_s;
+    let broadcast = c.all_gather(params, 8, 1) + tensors * c.collective_s;
     assert!((zero1.step_s - plain.step_s - broadcast).abs() < 1e-12, "{plain:?} {zero1:?}");
     assert_eq!(zero1.step_s, zero2.step_s);
     assert!(zero2.memory_bytes < zero1.memory_bytes && zero1.memory_bytes < plain.memory_bytes);

@@ -68,6 +68,10 @@ struct Args {
     /// Train on the embedded digits repeated to this many images (for large --batch).
     #[arg(long)]
     repeat_digits: Option<usize>,
+    /// Memory per device the planner plans for, MiB, with the machine's measured figures
+    /// otherwise (where --cluster would assume them all).
+    #[arg(long)]
+    memory_mib: Option<f64>,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -92,10 +96,13 @@ struct Row {
 /// for each layout and ZeRO stage the one it prices fastest, and its overall choice; with
 /// their estimates and where the cluster's figures come from (a collective: the ranks measure
 /// the machine together unless --cluster is given).
-fn layouts(args: &PretrainArgs, world: &World) -> anyhow::Result<Layouts> {
+fn layouts(args: &PretrainArgs, memory_mib: Option<f64>, world: &World) -> anyhow::Result<Layouts> {
     let nproc = world.size();
-    let (cluster, line) = vit::plan::cluster(args, nproc, Some(&world.group), Device::Cpu)?;
-    let Choice { cfg, model, solution } = choose(args, nproc, &cluster, Device::Cpu)?;
+    let (mut cluster, line) = vit::plan::cluster(args, nproc, Some(&world.group), Device::Cpu)?;
+    if let Some(mib) = memory_mib {
+        cluster.memory_bytes = mib * (1u64 << 20) as f64;
+    }
+    let Choice { cfg, model, solution } = choose(args, nproc, &cluster, Device::Cpu, Some(&world.group))?;
     let mut fastest = std::collections::BTreeMap::new();
     for plan in plans(&model, nproc, &|p| runs(&cfg, p, args.batch)) {
         let e = estimate(&model, &cluster, &plan)?;
@@ -146,7 +153,7 @@ fn rank_main(args: &Args, out: &std::path::Path) -> anyhow::Result<()> {
     if let Ok(path) = std::env::var(DATA_ENV) {
         pretrain.data.data = Some(path.into());
     }
-    let Layouts { cases, auto, cluster, depth } = layouts(&pretrain, &world)?;
+    let Layouts { cases, auto, cluster, depth } = layouts(&pretrain, args.memory_mib, &world)?;
     if world.rank() == 0 {
         eprintln!("[bench] {} layouts fit; the planner's choice: {auto}\n[bench] {cluster}", cases.len());
     }

@@ -111,9 +111,17 @@ fn measured_split(
 }
 
 /// One part of the ViT as a pipeline layer, with its parameters.
-struct PartLayer {
+pub(crate) struct PartLayer {
     part: Part,
     params: Vec<Param>,
+}
+
+impl PartLayer {
+    /// `part` with those of `params` it owns.
+    pub(crate) fn new(part: Part, params: &[Param]) -> PartLayer {
+        let params = params.iter().filter(|q| part.owns(&q.name)).map(Param::shallow_copy).collect();
+        PartLayer { part, params }
+    }
 }
 
 impl pipeline::Layer for PartLayer {
@@ -158,13 +166,8 @@ impl Stages {
         })?;
         let parts = model.into_parts();
         let names: Vec<String> = parts.iter().map(Part::name).collect();
-        let layers: Vec<Box<dyn pipeline::Layer>> = parts
-            .into_iter()
-            .map(|part| {
-                let params = params.iter().filter(|q| part.owns(&q.name)).map(Param::shallow_copy).collect();
-                Box::new(PartLayer { part, params }) as Box<dyn pipeline::Layer>
-            })
-            .collect();
+        let layers: Vec<Box<dyn pipeline::Layer>> =
+            parts.into_iter().map(|part| Box::new(PartLayer::new(part, &params)) as Box<dyn pipeline::Layer>).collect();
         let owned: usize = layers.iter().map(|l| l.params().len()).sum();
         if owned != params.len() {
             bail!("the ViT's parts own {owned} of its {} parameters", params.len());

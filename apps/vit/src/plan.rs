@@ -11,9 +11,9 @@ use tch::Device;
 
 use crate::args::PretrainArgs;
 use crate::datasets::Splits;
-use crate::layout::{Layout, PlannerMode};
+use crate::layout::{Layout, PlannerMode, MAX_MICRO_BATCH};
 use crate::model::VitConfig;
-use crate::profile::planner_model;
+use crate::profile::{planner_model, timed, with_times};
 
 /// The job's layout: the flags', or under `--parallel auto` the planner's best for `world`'s
 /// ranks (rank 0 prints the plan; a collective without `--cluster`, the ranks measuring the
@@ -59,7 +59,7 @@ pub fn cluster(
     }
     let line = format!(
         "cluster: {} x {} devices of {}, {:.1} GFLOP/s, {:.1} us per operation, memory {:.1} GB/s, links {:.2} \
-         GB/s and {:.1} us{} ({source})\n",
+         GB/s and {:.1} us, {:.1} us per collective{} ({source})\n",
         cluster.nodes,
         cluster.devices_per_node,
         engine::gemini::budget::human(cluster.memory_bytes as usize),
@@ -68,6 +68,7 @@ pub fn cluster(
         cluster.memory_bandwidth / 1e9,
         cluster.intra_node_bandwidth / 1e9,
         cluster.latency_s * 1e6,
+        cluster.collective_s * 1e6,
         match cluster.cores_per_node {
             0 => String::new(),
             cores => format!(", {cores} cores per node shared by its ranks"),
@@ -100,13 +101,24 @@ fn optimizer_ops(kind: OptimizerKind, backend: kernels::Backend) -> f64 {
 }
 
 /// The planner's choice for `args` on `nproc` ranks of `cluster`, computing on `device` (a
-/// layout flag set beside `--parallel` is an error naming it).
-pub fn choose(args: &PretrainArgs, nproc: usize, cluster: &Cluster, device: Device) -> anyhow::Result<Choice> {
+/// layout flag set beside `--parallel` is an error naming it). Without `--cluster` (the
+/// machine at hand, calibrated) the model's parts are timed on `device` and priced from that;
+/// with `group` (the job's ranks, a collective) the ranks take turns and agree.
+pub fn choose(
+    args: &PretrainArgs,
+    nproc: usize,
+    cluster: &Cluster,
+    device: Device,
+    group: Option<&ProcessGroup>,
+) -> anyhow::Result<Choice> {
     args.layout.leave_to_planner()?;
     let splits: Splits = args.data.splits()?;
     let cfg = args.model_config(&splits)?;
     let backend = kernels::Backend::resolve(args.kernels, device)?;
-    let model = planner_model(&cfg, args.batch, optimizer_ops(args.optimizer.optimizer, backend));
+    let mut model = planner_model(&cfg, args.batch, optimizer_ops(args.optimizer.optimizer, backend));
+    if args.layout.cluster.is_none() {
+        model = with_times(model, timed(&cfg, device, group)?);
+    }
     let solution = solve(&model, cluster, nproc, 4, &|p| runs(&cfg, p, args.batch))?;
     Ok(Choice { cfg, model, solution })
 }
@@ -122,7 +134,7 @@ pub fn run(args: &PretrainArgs) -> anyhow::Result<String> {
     // The matmul is timed where the run would compute (one GPU, or this share of the cores).
     let device = args.job.launch.device.device.device(0, nproc)?;
     let (cluster, line) = self::cluster(args, nproc, None, device)?;
-    let choice = choose(args, nproc, &cluster, device)?;
+    let choice = choose(args, nproc, &cluster, device, None)?;
     Ok(line + &describe(&choice, args.batch, nproc))
 }
 
@@ -158,15 +170,17 @@ pub fn apply(args: &PretrainArgs, world: &World) -> anyhow::Result<(Layout, Solu
     let nproc = world.size();
     let device = args.job.launch.device(world)?;
     let (cluster, line) = cluster(args, nproc, Some(&world.group), device)?;
-    let choice = choose(args, nproc, &cluster, device)?;
+    let choice = choose(args, nproc, &cluster, device, Some(&world.group))?;
     let text = line + &describe(&choice, args.batch, nproc);
     let layout = Layout::from_plan(&choice.solution.best.plan, args.batch, choice.cfg.depth as usize)?;
     Ok((layout, choice.solution, text))
 }
 
-/// Whether `vit pretrain` runs `plan` for `cfg` with a global batch of `global_batch`: the
+/// Whether the planner considers `plan` for `cfg` with a global batch of `global_batch`: the
 /// plan makes a layout ([`Layout::from_plan`]: a checkpoint set `--checkpoint-blocks`
-/// expresses) and the model splits as it cuts ([`Layout::check`]).
+/// expresses) with micro-batches of at most [`MAX_MICRO_BATCH`] examples, and the model splits
+/// as it cuts ([`Layout::check`]).
 pub fn runs(cfg: &VitConfig, plan: &Plan, global_batch: usize) -> bool {
-    Layout::from_plan(plan, global_batch, cfg.depth as usize).and_then(|layout| layout.check(cfg)).is_ok()
+    let layout = Layout::from_plan(plan, global_batch, cfg.depth as usize);
+    layout.and_then(|l| l.check(cfg).map(|_| l.batch.micro <= MAX_MICRO_BATCH)).unwrap_or(false)
 }

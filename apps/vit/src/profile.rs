@@ -1,10 +1,18 @@
 //! The ViT's parts (see [`crate::model::Part`]) traced symbolically for the planner: the same
 //! ops as `model.rs` runs, on shapes alone, one sample per batch (every cost but the parameters
 //! grows linearly with the batch). `tests/profile.rs` checks a block's predicted parameter and
-//! activation bytes against a block built and run on the CPU.
-use engine::planner::{LayerProfile, Model, Recorder, Shard};
+//! activation bytes against a block built and run on the CPU. [`timed`] measures the parts'
+//! forward and backward on the device, which the planner prices a calibrated machine's steps
+//! from.
+use engine::dist::{ProcessGroup, ReduceOp};
+use engine::optim::params_of;
+use engine::parallel::pipeline::{layer_times, Layer};
+use engine::planner::{LayerProfile, LayerTime, Model, Recorder, Shard};
+use tch::nn::VarStore;
+use tch::{Device, Kind, Tensor};
 
-use crate::model::VitConfig;
+use crate::model::{Vit, VitConfig};
+use crate::pipeline_parallel::PartLayer;
 
 /// The stem, each block and the head of `cfg`, profiled for `batch` samples in `elem_bytes`-wide
 /// activations (4 for f32).
@@ -22,6 +30,71 @@ pub fn planner_model(cfg: &VitConfig, global_batch: usize, optimizer_ops: f64) -
         optimizer_state_ratio: 2.0,
         optimizer_ops_per_tensor: optimizer_ops,
     }
+}
+
+/// `model` (the planner's model of `cfg`) with its parts priced from `times` (the stem's, a
+/// block's, the head's: [`timed`]).
+pub fn with_times(mut model: Model, times: [LayerTime; 3]) -> Model {
+    let last = model.layers.len() - 1;
+    for (i, layer) in model.layers.iter_mut().enumerate() {
+        layer.measured = Some(match i {
+            0 => times[0],
+            i if i == last => times[2],
+            _ => times[1],
+        });
+    }
+    model
+}
+
+/// Samples of the larger timed micro-batch: about a GFLOP of a block's forward and backward
+/// (tens of milliseconds on a CPU core, so that the per-sample part stands out of the timer's
+/// noise), from 2 (a large model's block, timed in a second or so) to 64.
+fn timed_samples(cfg: &VitConfig) -> usize {
+    let per_sample = 3.0 * block(cfg, "blocks.0", 1, 4).forward_flops;
+    (1e9 / per_sample).clamp(2.0, 64.0) as usize
+}
+
+/// The stem's, one block's (the blocks are alike) and the head's forward and backward timed on
+/// `device` with this process's threads, at micro-batches of one sample and of a few
+/// ([`timed_samples`]), as fixed and per-sample seconds. With `group` (a collective) the ranks
+/// take turns, each timing its device alone (ranks sharing cores would otherwise time one
+/// another: the cost model prices that sharing itself), and every rank keeps the slowest's.
+pub fn timed(cfg: &VitConfig, device: Device, group: Option<&ProcessGroup>) -> anyhow::Result<[LayerTime; 3]> {
+    let n = timed_samples(cfg);
+    let measure = || -> anyhow::Result<Vec<f64>> {
+        tch::manual_seed(0);
+        let vs = VarStore::new(device);
+        let model = Vit::new(&vs.root(), *cfg);
+        let params = params_of(&vs);
+        let mut parts = model.into_parts();
+        let head = parts.pop().expect("the head");
+        parts.truncate(2);
+        let layers: Vec<Box<dyn Layer>> =
+            parts.into_iter().chain([head]).map(|p| Box::new(PartLayer::new(p, &params)) as Box<dyn Layer>).collect();
+        let mut out = Vec::new();
+        for samples in [1, n] {
+            let size = [samples as i64, cfg.in_channels, cfg.image_size, cfg.image_size];
+            out.extend(layer_times(&layers, &Tensor::f_rand(size, (Kind::Float, device))?, 1)?);
+        }
+        Ok(out)
+    };
+    let seconds = match group {
+        None => measure()?,
+        Some(g) => {
+            let mut mine = None;
+            for turn in 0..g.size() {
+                g.barrier()?;
+                if turn == g.rank() {
+                    mine = Some(measure()?);
+                }
+            }
+            let slowest = Tensor::f_from_slice(&mine.expect("every rank has its turn"))?.f_to_device(device)?;
+            g.all_reduce(&slowest, ReduceOp::Max)?;
+            Vec::<f64>::try_from(slowest.f_to_device(Device::Cpu)?)?
+        }
+    };
+    let fit = |i: usize| LayerTime::fit(1.0, seconds[i], n as f64, seconds[3 + i]);
+    Ok([fit(0), fit(1), fit(2)])
 }
 
 fn tokens(cfg: &VitConfig) -> i64 {

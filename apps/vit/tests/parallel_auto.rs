@@ -32,7 +32,7 @@ dist_test!(auto_runs_the_planner_best_plan_and_matches_one_process, 4, |world| {
 
     // The best plan by enumeration: every plan vit runs on 4 ranks, modelled one by one.
     let tight = Cluster::load(&cluster_path)?;
-    let Choice { cfg, model, solution } = choose(&auto, 4, &tight, Device::Cpu)?;
+    let Choice { cfg, model, solution } = choose(&auto, 4, &tight, Device::Cpu, None)?;
     let mut fitting = Vec::new();
     for plan in plans(&model, 4, &|p| runs(&cfg, p, 32)) {
         let e = estimate(&model, &tight, &plan)?;

@@ -113,18 +113,52 @@ fn time_all_reduce(group: &ProcessGroup, t: &Tensor) -> Result<f64> {
     Ok(best)
 }
 
+/// Broadcasts of one element issued together, for the time each collective call costs.
+const IN_FLIGHT: usize = 16;
+
+/// Seconds per call of [`IN_FLIGHT`] one-element broadcasts from rank 0 issued together and
+/// then waited for (as ZeRO's broadcast of every parameter is), the fastest of a few rounds.
+fn time_broadcasts(group: &ProcessGroup, device: Device) -> Result<f64> {
+    let tensors =
+        (0..IN_FLIGHT).map(|_| Tensor::f_zeros([1], (Kind::Float, device))).collect::<tch::Result<Vec<_>>>()?;
+    let mut best = f64::INFINITY;
+    for _ in 0..COLLECTIVE_REPS {
+        group.barrier()?;
+        let start = Instant::now();
+        let works = tensors.iter().map(|t| group.broadcast_async(t, 0)).collect::<Result<Vec<_>>>()?;
+        for w in works {
+            w.wait()?;
+        }
+        sync(device)?;
+        best = best.min(start.elapsed().as_secs_f64() / IN_FLIGHT as f64);
+    }
+    Ok(best)
+}
+
+/// What `group`'s links cost ([`links`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Links {
+    /// Seconds each ring step starts with.
+    pub latency_s: f64,
+    /// Bytes/s of a link.
+    pub bandwidth: f64,
+    /// Seconds each of many small collectives costs.
+    pub collective_s: f64,
+}
+
 /// Latency and bandwidth of `group`'s links, from all-reduces of one element and of
 /// `LARGE_BYTES` read through the ring model the cost model prices them with:
-/// `2 (n - 1) (latency + bytes / n / bandwidth)`. `None` for one rank (no link to measure).
-pub fn links(group: &ProcessGroup, device: Device) -> Result<Option<(f64, f64)>> {
+/// `2 (n - 1) (latency + bytes / n / bandwidth)`, and the time each call costs among many
+/// small collectives in flight. `None` for one rank (no link to measure).
+pub fn links(group: &ProcessGroup, device: Device) -> Result<Option<Links>> {
     let n = group.size();
     if n < 2 {
         return Ok(None);
     }
     let small = Tensor::f_zeros([1], (Kind::Float, device))?;
     let large = Tensor::f_zeros([LARGE_BYTES / 4], (Kind::Float, device))?;
-    let times =
-        Tensor::from_slice(&[time_all_reduce(group, &small)?, time_all_reduce(group, &large)?]).f_to_device(device)?;
+    let times = [time_all_reduce(group, &small)?, time_all_reduce(group, &large)?, time_broadcasts(group, device)?];
+    let times = Tensor::from_slice(&times).f_to_device(device)?;
     group.all_reduce(&times, ReduceOp::Max)?;
     let (t_small, t_large) = (times.double_value(&[0]), times.double_value(&[1]));
     let steps = 2.0 * (n - 1) as f64;
@@ -133,7 +167,7 @@ pub fn links(group: &ProcessGroup, device: Device) -> Result<Option<(f64, f64)>>
     // measurable, so take the large time alone as the bound.
     let transfer = if t_large > t_small { t_large - t_small } else { t_large };
     let bandwidth = steps * LARGE_BYTES as f64 / n as f64 / transfer;
-    Ok(Some((latency, bandwidth)))
+    Ok(Some(Links { latency_s: latency, bandwidth, collective_s: times.double_value(&[2]) }))
 }
 
 /// This device's figures (matmul FLOP/s, seconds per operation, memory bytes/s), measured
@@ -165,9 +199,9 @@ pub fn calibrated(base: Cluster, group: Option<&ProcessGroup>, device: Device) -
     let mut cluster = base;
     if let Some(g) = group {
         g.all_reduce(&figures, ReduceOp::Min)?;
-        if let Some((latency, bandwidth)) = links(g, device)? {
-            cluster.latency_s = latency;
-            cluster.intra_node_bandwidth = bandwidth;
+        if let Some(l) = links(g, device)? {
+            (cluster.latency_s, cluster.intra_node_bandwidth, cluster.collective_s) =
+                (l.latency_s, l.bandwidth, l.collective_s);
         }
     }
     cluster.peak_flops = figures.double_value(&[0]);

@@ -23,6 +23,10 @@ pub struct Cluster {
     pub inter_node_bandwidth: f64,
     /// Seconds each collective step or point-to-point message starts with.
     pub latency_s: f64,
+    /// Seconds each collective call costs beyond its steps (handing it to the backend, waiting
+    /// for it): what many small collectives (ZeRO's broadcast per tensor, tensor parallelism's
+    /// per layer) add up to.
+    pub collective_s: f64,
     /// Seconds each tensor operation costs beyond its FLOPs and bytes (dispatch, autograd's
     /// bookkeeping, a kernel launch): what dominates the step of a small model.
     pub op_overhead_s: f64,
@@ -35,7 +39,8 @@ pub struct Cluster {
 
 impl Default for Cluster {
     /// One node of 8 CPU ranks sharing this class of machine: 4 GiB and 50 GFLOP/s per rank,
-    /// shared-memory links of 5 GB/s and 20 us (Gloo over loopback), 10 us per operation and
+    /// shared-memory links of 5 GB/s and 20 us (Gloo over loopback), 50 us per collective call,
+    /// 10 us per operation and
     /// 10 GB/s of memory bandwidth per rank, cores not shared; assumed figures, not a
     /// calibration of the machine at hand.
     fn default() -> Cluster {
@@ -47,6 +52,7 @@ impl Default for Cluster {
             intra_node_bandwidth: 5e9,
             inter_node_bandwidth: 1.25e9,
             latency_s: 20e-6,
+            collective_s: 50e-6,
             op_overhead_s: 10e-6,
             memory_bandwidth: 10e9,
             cores_per_node: 0,
@@ -89,6 +95,9 @@ impl Cluster {
         // A second per message is no cluster's link: a unit mistake (microseconds given).
         if !(self.latency_s.is_finite() && (0.0..1.0).contains(&self.latency_s)) {
             return Err(format!("latency_s must be at least 0 and under 1 second, got {}", self.latency_s));
+        }
+        if !(self.collective_s.is_finite() && (0.0..1.0).contains(&self.collective_s)) {
+            return Err(format!("collective_s must be at least 0 and under 1 second, got {}", self.collective_s));
         }
         if !(self.op_overhead_s.is_finite() && (0.0..1.0).contains(&self.op_overhead_s)) {
             return Err(format!("op_overhead_s must be at least 0 and under 1 second, got {}", self.op_overhead_s));

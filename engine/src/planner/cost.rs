@@ -13,8 +13,10 @@
 //! [`crate::parallel::zero`] does: an all-gather's bytes plus a latency per tensor).
 //! Checkpointed blocks run their forward again in the backward.
 //!
-//! Beside FLOPs and bytes, what dominates when they are small: every tensor operation costs
-//! the device's per-operation overhead ([`Cluster::op_overhead_s`], forward and twice in
+//! A layer timed on the device ([`LayerProfile::measured`]) is priced from its measurement
+//! (a fixed part and a part per sample, the latter split as its FLOPs are). Otherwise, beside
+//! FLOPs and bytes, what dominates when they are small: every tensor operation costs the
+//! device's per-operation overhead ([`Cluster::op_overhead_s`], forward and twice in
 //! backward), the gradients are reduced one DDP bucket at a time, the optimizer's update runs
 //! its element-wise operations per parameter tensor at the device's memory bandwidth, and
 //! ranks sharing a machine's cores slow one another ([`Cluster::contention`]).
@@ -22,8 +24,9 @@
 //! Memory: parameters, gradients and the optimizer's two moments (sharded by ZeRO stage over
 //! the gradient group), plus per micro-batch in flight each layer's input and, unless the layer
 //! is checkpointed, what it saves for backward; the largest workspace and one checkpointed
-//! block's recomputed activations on top. Gradient accumulation runs the micro-batches one
-//! after another, so only one is in flight without a pipeline.
+//! block's recomputed activations on top; under a pipeline, the runtime's receive buffers (an
+//! activation in and a gradient back for every micro-batch of the step). Gradient accumulation
+//! runs the micro-batches one after another, so only one is in flight without a pipeline.
 use std::collections::BTreeSet;
 use std::fmt;
 
@@ -143,6 +146,9 @@ struct Stage {
     forward: [f64; 3],
     /// Seconds to send an activation to the next stage (and a gradient back).
     send: f64,
+    /// Bytes of the pipeline runtime's receive buffers: one per micro-batch of the step for the
+    /// activation coming in and the gradient coming back, kept from step to step.
+    buffers: f64,
     /// Seconds of recomputed forwards in the backward (arithmetic, overhead, collectives).
     recompute: [f64; 3],
     /// Activation bytes a micro-batch in flight keeps.
@@ -180,8 +186,18 @@ pub fn estimate(model: &Model, cluster: &Cluster, plan: &Plan) -> Result<Estimat
             let mut workspace: f64 = 0.0;
             for i in range.clone() {
                 let l = &model.layers[i];
-                let arithmetic = flops_of(l) / cluster.peak_flops * slow;
-                let overhead = l.ops * cluster.op_overhead_s * slow;
+                let (arithmetic, overhead) = match l.measured {
+                    // A third of the measured forward and backward is the forward; this rank
+                    // computes its share of each sample's arithmetic.
+                    Some(t) => {
+                        let share = match l.forward_flops > 0.0 {
+                            true => flops_of(l) / (l.forward_flops * micro),
+                            false => 1.0 / sp as f64,
+                        };
+                        (t.per_sample_s * micro * share / 3.0 * slow, t.fixed_s / 3.0 * slow)
+                    }
+                    None => (flops_of(l) / cluster.peak_flops * slow, l.ops * cluster.op_overhead_s * slow),
+                };
                 let comm = layer_communication(l, plan, cluster, micro);
                 s.forward[0] += arithmetic;
                 s.forward[1] += overhead;
@@ -202,7 +218,16 @@ pub fn estimate(model: &Model, cluster: &Cluster, plan: &Plan) -> Result<Estimat
             }
             if plan.pp > 1 {
                 let last = &model.layers[range.end - 1];
-                s.send = cluster.send(last.output_bytes * micro / (sp * tp) as f64, plan.dp * sp * tp);
+                let out = last.output_bytes * micro / (sp * tp) as f64;
+                s.send = cluster.send(out, plan.dp * sp * tp);
+                let incoming = if range.start > 0 {
+                    shard_input(&model.layers[range.start], multi_dim, t) * micro / sp as f64
+                } else {
+                    0.0
+                };
+                let returning =
+                    if range.end < model.layers.len() { last.output_bytes * micro / sp as f64 } else { 0.0 };
+                s.buffers = m * (incoming + returning);
             }
             s.transient = workspace + recompute_peak;
             s
@@ -242,7 +267,7 @@ pub fn estimate(model: &Model, cluster: &Cluster, plan: &Plan) -> Result<Estimat
         let grads = if plan.zero >= 2 { s.params / group } else { s.params };
         let owned = if plan.zero >= 1 { group } else { 1.0 };
         let optimizer = model.optimizer_state_ratio * s.params / owned;
-        let activations = s.activations * sim.peak_in_flight[i] as f64 + s.transient;
+        let activations = s.activations * sim.peak_in_flight[i] as f64 + s.transient + s.buffers;
         let memory = s.params + grads + optimizer + activations;
         if memory > worst.memory_bytes {
             (worst.memory_bytes, worst.param_bytes, worst.grad_bytes) = (memory, s.params, grads);
@@ -254,10 +279,10 @@ pub fn estimate(model: &Model, cluster: &Cluster, plan: &Plan) -> Result<Estimat
             + (buckets - 1.0) * cluster.all_reduce(0.0, plan.dp * sp, tp);
         if plan.zero >= 1 && plan.dp * sp > 1 {
             // The engine's ZeRO broadcasts every parameter from its owner after the step (one
-            // collective per tensor, all in flight): the bytes of an all-gather, and a latency
-            // per tensor. ZeRO-2's reduce of each gradient to its owner is priced as the
+            // collective per tensor, all in flight): the bytes of an all-gather, and a call's
+            // cost per tensor. ZeRO-2's reduce of each gradient to its owner is priced as the
             // all-reduce above (no cheaper).
-            sync += cluster.all_gather(s.params, plan.dp * sp, tp) + s.tensors * cluster.latency_s;
+            sync += cluster.all_gather(s.params, plan.dp * sp, tp) + s.tensors * cluster.collective_s;
         }
         // Each rank updates what it owns: every operation reads two arrays and writes one.
         let ops = model.optimizer_ops_per_tensor;
@@ -298,7 +323,9 @@ fn layer_communication(l: &LayerProfile, plan: &Plan, cluster: &Cluster, micro: 
     let mut seconds = 0.0;
     if tp > 1 {
         seconds += match plan.tp_mode {
-            TpMode::OneD => cluster.all_reduce(l.tp_allreduce_bytes * per_device, tp, 1),
+            TpMode::OneD => {
+                cluster.all_reduce(l.tp_allreduce_bytes * per_device, tp, 1) + l.tp_allreduces * cluster.collective_s
+            }
             mode => {
                 // Each matmul's operands cross the grid: SUMMA broadcasts an activation block
                 // along rows and a weight block along columns (1/q of each per device); the

@@ -10,5 +10,5 @@ pub mod solve;
 
 pub use cluster::Cluster;
 pub use cost::{estimate, Estimate, Model, Plan};
-pub use profile::{LayerProfile, Recorder, Shard, Sym};
+pub use profile::{LayerProfile, LayerTime, Recorder, Shard, Sym};
 pub use solve::{plans, solve, Ranked, Solution};

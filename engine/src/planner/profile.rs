@@ -77,6 +77,8 @@ pub struct LayerProfile {
     /// Bytes all-reduced forward by row-parallel outputs under 1D tensor parallelism (the same
     /// again backward for the column-parallel inputs' gradients).
     pub tp_allreduce_bytes: f64,
+    /// All-reduces of those forward (row-parallel layers; as many backward).
+    pub tp_allreduces: f64,
     /// Bytes of the matmul operands (inputs and weights) that 2D/2.5D/3D layouts move.
     pub matmul_operand_bytes: f64,
     /// Bytes of the queries, keys and values sequence parallelism exchanges.
@@ -86,6 +88,28 @@ pub struct LayerProfile {
     /// Tensor operations the forward runs (views aside): each costs the device's
     /// per-operation overhead whatever its size, forward and (twice) backward.
     pub ops: f64,
+    /// The layer's forward and backward timed on the device, where it was: the cost model then
+    /// prices it from the measurement rather than from its FLOPs and operations.
+    pub measured: Option<LayerTime>,
+}
+
+/// A layer's forward and backward measured on a device in one process: `fixed_s +
+/// per_sample_s * n` seconds for a micro-batch of `n` samples.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LayerTime {
+    /// Seconds whatever the batch (the operations' overheads).
+    pub fixed_s: f64,
+    /// Seconds per sample.
+    pub per_sample_s: f64,
+}
+
+impl LayerTime {
+    /// The line through the times `t1` of `n1` samples and `t2` of `n2 > n1` samples, neither
+    /// part below zero (timer noise can tilt a line through two points).
+    pub fn fit(n1: f64, t1: f64, n2: f64, t2: f64) -> LayerTime {
+        let per_sample_s = ((t2 - t1) / (n2 - n1)).max(0.0);
+        LayerTime { fixed_s: (t1 - per_sample_s * n1).max(0.0), per_sample_s }
+    }
 }
 
 impl LayerProfile {
@@ -213,6 +237,7 @@ impl Recorder {
         let out = self.fresh(shape, shard == Shard::Column);
         if shard == Shard::Row {
             self.profile.tp_allreduce_bytes += self.bytes(&out);
+            self.profile.tp_allreduces += 1.0;
         }
         out
     }

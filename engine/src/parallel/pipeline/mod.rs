@@ -20,7 +20,7 @@ mod stats;
 mod tied;
 
 pub use p2p_order::check_p2p_order;
-pub use partition::{assign, split, split_costs, split_measured, Balance, Split};
+pub use partition::{assign, layer_times, split, split_costs, split_measured, Balance, Split};
 pub use runtime::Pipeline;
 pub use schedule::{Action, Schedule, ScheduleKind, Step};
 pub use simulate::{bubble_table, simulate, simulate_ranks, textbook_bubble, Costs, Simulation};

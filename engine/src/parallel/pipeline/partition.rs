@@ -91,6 +91,13 @@ const TIMED_RUNS: usize = 5;
 /// splits by those times. The measurement runs on `sample`'s device; it leaves no gradients
 /// behind.
 pub fn split_measured(layers: &[Box<dyn Layer>], stages: usize, sample: &Tensor, warmup: usize) -> Result<Split> {
+    split_costs(layer_times(layers, sample, warmup)?, stages, "seconds")
+}
+
+/// Seconds of each layer's forward and backward (the median of [`TIMED_RUNS`] runs after
+/// `warmup` untimed ones), each layer fed the previous layer's output starting from `sample`,
+/// on `sample`'s device; no gradients are left behind.
+pub fn layer_times(layers: &[Box<dyn Layer>], sample: &Tensor, warmup: usize) -> Result<Vec<f64>> {
     let mut costs = Vec::with_capacity(layers.len());
     let mut x = sample.f_detach()?;
     for (i, layer) in layers.iter().enumerate() {
@@ -122,7 +129,7 @@ pub fn split_measured(layers: &[Box<dyn Layer>], stages: usize, sample: &Tensor,
         ensure!(seconds.is_finite(), "pipeline: timing layer {i} gave {seconds}");
         costs.push(seconds);
     }
-    split_costs(costs, stages, "seconds")
+    Ok(costs)
 }
 
 /// Splits weights `costs` into `stages` contiguous non-empty ranges minimising the largest
