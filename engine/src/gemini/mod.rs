@@ -9,7 +9,10 @@
 //!   into the chunks and reduced over a data-parallel group, ZeRO-3 sharded or replicated
 //!   (`gradients.rs`).
 //! - [`ChunkOptimizer`]: AdamW, LAMB and LARS on the homes where they live (the engine's flat
-//!   executors, [`crate::optim::flat`]), per-parameter trust ratios across shards.
+//!   executors, [`crate::optim::flat`]), per-parameter trust ratios across shards; host
+//!   chunks' unscaling and clipping fused into AdamW's pass.
+//! - `early.rs`: host chunks taken up on rayon's pool during a planned step's backward, as
+//!   their gradients complete ([`StepPlan`]).
 //! - [`Gemini`] (`training.rs`): runs a model's modules with their chunks resident, moves
 //!   gradients into the chunks, and steps.
 //! - [`Placement`] (`placement.rs`): where the homes live, static or after a warm-up step.
@@ -20,6 +23,7 @@
 pub mod budget;
 pub mod checkpoint;
 pub mod chunk;
+mod early;
 mod manager;
 mod optimizer;
 mod placement;
@@ -28,6 +32,7 @@ mod training;
 
 pub use budget::{cap_device_memory, human, parse_bytes};
 pub use chunk::{Layout, Slot, TensorState};
+pub use early::StepPlan;
 pub use manager::{ChunkConfig, ChunkManager, Event, Replication, Tier};
 pub use optimizer::ChunkOptimizer;
 pub use placement::Placement;
