@@ -19,7 +19,8 @@
 //! - [`checkpoint`]: full state dicts and sharded optimizer state.
 //! - `shadow.rs`: tensors sharded as the homes are (an average of the weights, say), swapped
 //!   with the homes and converted to and from full tensors by name.
-//! - [`budget`]: `--gpu-mem` parsing, the allocator cap, byte counts for messages.
+//! - [`budget`]: `--gpu-mem` parsing, the process's cap split between what the CUDA context
+//!   and libraries hold and the allocator's cap, byte counts for messages.
 pub mod budget;
 pub mod checkpoint;
 pub mod chunk;
@@ -30,7 +31,7 @@ mod placement;
 mod shadow;
 mod training;
 
-pub use budget::{cap_device_memory, human, parse_bytes};
+pub use budget::{cap_device_memory, cap_process_memory, human, parse_bytes, DeviceSplit};
 pub use chunk::{Layout, Slot, TensorState};
 pub use early::StepPlan;
 pub use manager::{ChunkConfig, ChunkManager, Event, Replication, Tier};
