@@ -180,89 +180,62 @@ pub(crate) struct Pass<'a> {
 pub(crate) fn adamw(rule: &AdamWStep<f32>, w: &mut [f32], m: &mut [f32], v: &mut [f32], g: &mut [f32], pass: Pass) {
     let Pass { factors, clear, half } = pass;
     let blocks = w.par_chunks_mut(BLOCK).zip(m.par_chunks_mut(BLOCK)).zip(v.par_chunks_mut(BLOCK));
+    let blocks = blocks.zip(g.par_chunks_mut(BLOCK));
     match half {
-        None => blocks.zip(g.par_chunks_mut(BLOCK)).for_each(|(((w, m), v), g)| {
-            adamw_block(rule, factors, clear, w, m, v, g, None);
+        None => blocks.for_each(|(((w, m), v), g)| adamw_block(rule, factors, clear, Block { w, m, v, g, half: None })),
+        Some((kind, out)) => blocks.zip(out.par_chunks_mut(BLOCK)).for_each(|((((w, m), v), g), out)| {
+            adamw_block(rule, factors, clear, Block { w, m, v, g, half: Some((kind, out)) })
         }),
-        Some((kind, out)) => {
-            blocks.zip(g.par_chunks_mut(BLOCK)).zip(out.par_chunks_mut(BLOCK)).for_each(|((((w, m), v), g), out)| {
-                adamw_block(rule, factors, clear, w, m, v, g, Some((kind, out)));
-            })
-        }
     }
 }
 
-/// One block, in the widest vector instructions this CPU has.
-#[allow(clippy::too_many_arguments)]
-fn adamw_block(
-    rule: &AdamWStep<f32>,
-    factors: &[f32],
-    clear: bool,
-    w: &mut [f32],
-    m: &mut [f32],
-    v: &mut [f32],
-    g: &mut [f32],
-    half: Option<(Half, &mut [u16])>,
-) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has AVX-512F.
-            return unsafe { adamw_block_avx512(rule, factors, clear, w, m, v, g, half) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU has AVX2.
-            return unsafe { adamw_block_avx2(rule, factors, clear, w, m, v, g, half) };
-        }
-    }
-    adamw_lanes(rule, factors, clear, w, m, v, g, half)
+/// One block's buffers: weights, moments, gradients (all of the weights' length) and the
+/// half-precision copy's.
+struct Block<'a> {
+    w: &'a mut [f32],
+    m: &'a mut [f32],
+    v: &'a mut [f32],
+    g: &'a mut [f32],
+    half: Option<(Half, &'a mut [u16])>,
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-#[allow(clippy::too_many_arguments)]
-fn adamw_block_avx512(
-    rule: &AdamWStep<f32>,
-    factors: &[f32],
-    clear: bool,
-    w: &mut [f32],
-    m: &mut [f32],
-    v: &mut [f32],
-    g: &mut [f32],
-    half: Option<(Half, &mut [u16])>,
-) {
-    adamw_lanes(rule, factors, clear, w, m, v, g, half)
+/// Defines `$vis fn $name(args) -> ret` running `$inner(args)` compiled for AVX-512F or AVX2 when
+/// the CPU has them (the widest first), else for the baseline: `$inner` is `#[inline(always)]`,
+/// so each copy is vectorised for its instructions.
+macro_rules! widest {
+    ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),*) $(-> $ret:ty)? = $inner:ident) => {
+        $(#[$meta])*
+        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[cfg(target_arch = "x86_64")]
+            {
+                widest!(@copy "avx512f", avx512, ($($arg: $ty),*) $(-> $ret)?, $inner);
+                widest!(@copy "avx2", avx2, ($($arg: $ty),*) $(-> $ret)?, $inner);
+            }
+            $inner($($arg),*)
+        }
+    };
+    // A copy for one instruction set, returned from when the CPU has it.
+    (@copy $feature:tt, $copy:ident, ($($arg:ident: $ty:ty),*) $(-> $ret:ty)?, $inner:ident) => {
+        #[target_feature(enable = $feature)]
+        fn $copy($($arg: $ty),*) $(-> $ret)? {
+            $inner($($arg),*)
+        }
+        if std::arch::is_x86_feature_detected!($feature) {
+            // SAFETY: the CPU has the instructions this copy was compiled for.
+            return unsafe { $copy($($arg),*) };
+        }
+    };
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-#[allow(clippy::too_many_arguments)]
-fn adamw_block_avx2(
-    rule: &AdamWStep<f32>,
-    factors: &[f32],
-    clear: bool,
-    w: &mut [f32],
-    m: &mut [f32],
-    v: &mut [f32],
-    g: &mut [f32],
-    half: Option<(Half, &mut [u16])>,
-) {
-    adamw_lanes(rule, factors, clear, w, m, v, g, half)
+widest! {
+    /// One block of the AdamW pass, in the widest vector instructions this CPU has.
+    fn adamw_block(rule: &AdamWStep<f32>, factors: &[f32], clear: bool, block: Block) = adamw_lanes
 }
 
 /// The block's loop: [`WIDTH`] elements at a time, the rest one by one with the same rule.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn adamw_lanes(
-    rule: &AdamWStep<f32>,
-    factors: &[f32],
-    clear: bool,
-    w: &mut [f32],
-    m: &mut [f32],
-    v: &mut [f32],
-    g: &mut [f32],
-    mut half: Option<(Half, &mut [u16])>,
-) {
+fn adamw_lanes(rule: &AdamWStep<f32>, factors: &[f32], clear: bool, block: Block) {
+    let Block { w, m, v, g, mut half } = block;
     let n = w.len();
     let (m, v, g) = (&mut m[..n], &mut v[..n], &mut g[..n]);
     let whole = n - n % WIDTH;
@@ -302,33 +275,11 @@ fn adamw_lanes(
     }
 }
 
-/// The sum of the squares of `x` times `factors` (each product rounded to `f32`) in f64: eight
-/// lanes added in a fixed order, so the result does not depend on how blocks are scheduled.
-pub(crate) fn block_sum_squares(x: &[f32], factors: &[f32]) -> f64 {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has AVX-512F.
-            return unsafe { sum_squares_avx512(x, factors) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU has AVX2.
-            return unsafe { sum_squares_avx2(x, factors) };
-        }
-    }
-    sum_squares_lanes(x, factors)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-fn sum_squares_avx512(x: &[f32], factors: &[f32]) -> f64 {
-    sum_squares_lanes(x, factors)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn sum_squares_avx2(x: &[f32], factors: &[f32]) -> f64 {
-    sum_squares_lanes(x, factors)
+widest! {
+    /// The sum of the squares of `x` times `factors` (each product rounded to `f32`) in f64:
+    /// eight lanes added in a fixed order, so the result does not depend on how blocks are
+    /// scheduled.
+    pub(crate) fn block_sum_squares(x: &[f32], factors: &[f32]) -> f64 = sum_squares_lanes
 }
 
 #[inline(always)]
