@@ -4,7 +4,8 @@
 //! chunk, and chunks do not share state. Checked over 10 steps of the small transformer with
 //! host homes under a budget that evicts every step: stepping during backward (no loss scale,
 //! no norm; AdamW, LAMB and LARS), and reading the norm during backward under fp16-style loss
-//! scaling and clipping (AdamW's fused pass applies both factors), with the norms equal too.
+//! scaling and clipping (AdamW's fused pass applies both factors), with the norms equal too and
+//! the learning rate changed after each backward, while the tasks hold the optimizers.
 use std::collections::HashMap;
 
 use engine::gemini::{Gemini, Placement, StepPlan};
@@ -17,6 +18,8 @@ use tch::{Device, Kind, Tensor};
 struct Treatment {
     loss_scale: Option<f64>,
     clip: Option<f64>,
+    /// Set a different learning rate each step, after backward, as a schedule does.
+    schedule: bool,
 }
 
 /// Trains `STEPS` steps with host homes under a tight budget; `overlap` plans each step before
@@ -46,6 +49,10 @@ fn train(rule: Rule, treatment: Treatment, overlap: bool) -> (Vec<Tensor>, Vec<O
             None => l.backward(),
         }
         g.finish_backward().unwrap();
+        if treatment.schedule {
+            // Set after backward, while the chunks' tasks may hold their optimizers.
+            g.optimizer().unwrap().set_lr(ADAMW.lr * (1.0 + 0.1 * step as f64));
+        }
         let norm = match (&scaler, treatment.clip) {
             (None, None) => None,
             (s, clip) => g.unscale_and_clip(s.as_ref(), clip).unwrap(),
@@ -68,7 +75,7 @@ fn assert_bitwise(a: &[Tensor], b: &[Tensor], what: &str) {
 
 #[test]
 fn stepping_during_backward_equals_the_serial_step() {
-    let treatment = Treatment { loss_scale: None, clip: None };
+    let treatment = Treatment { loss_scale: None, clip: None, schedule: false };
     for rule in [Rule::AdamW, Rule::Lamb, Rule::Lars] {
         let (serial, _, none) = train(rule, treatment, false);
         let (overlapped, _, early) = train(rule, treatment, true);
@@ -84,9 +91,10 @@ fn stepping_during_backward_equals_the_serial_step() {
 
 #[test]
 fn norms_during_backward_with_unscaling_and_clipping_equal_the_serial_step() {
-    for treatment in
-        [Treatment { loss_scale: Some(1024.0), clip: Some(0.5) }, Treatment { loss_scale: None, clip: Some(0.5) }]
-    {
+    for treatment in [
+        Treatment { loss_scale: Some(1024.0), clip: Some(0.5), schedule: true },
+        Treatment { loss_scale: None, clip: Some(0.5), schedule: true },
+    ] {
         let (serial, serial_norms, _) = train(Rule::AdamW, treatment, false);
         let (overlapped, norms, early) = train(Rule::AdamW, treatment, true);
         assert!(early[1..].iter().all(|&n| n >= 5), "{treatment:?}: chunks read during backward: {early:?}");
@@ -97,7 +105,8 @@ fn norms_during_backward_with_unscaling_and_clipping_equal_the_serial_step() {
     }
     // Unscaled and clipped in the fused pass, the weights are clipped plain training's.
     let recipe = Recipe { clip: Some(0.5), micro_batches: 1 };
-    let (overlapped, ..) = train(Rule::AdamW, Treatment { loss_scale: Some(1024.0), clip: Some(0.5) }, true);
+    let treatment = Treatment { loss_scale: Some(1024.0), clip: Some(0.5), schedule: false };
+    let (overlapped, ..) = train(Rule::AdamW, treatment, true);
     assert_same(&overlapped, &train_plain(Rule::AdamW, recipe), "loss-scaled and clipped against plain training");
 }
 

@@ -104,6 +104,11 @@ impl Early {
         self.plan
     }
 
+    /// Whether tasks are running (not yet joined).
+    pub(crate) fn busy(&self) -> bool {
+        self.outstanding > 0
+    }
+
     /// Whether chunk `c` was taken up during backward.
     pub(crate) fn started(&self, c: usize) -> bool {
         self.started[c]

@@ -115,6 +115,7 @@ impl ChunkOptimizer {
     /// one fused pass per element there, where the tensor ops make eight), tensor ops on the
     /// GPU.
     fn ensure_shards(&mut self, m: &ChunkManager) -> Result<()> {
+        self.not_lent()?;
         if self.shards.len() == m.chunk_count() && self.shards.iter().all(Option::is_some) {
             return Ok(());
         }
@@ -184,11 +185,24 @@ impl ChunkOptimizer {
         Ok(())
     }
 
+    /// An error while tasks started during backward hold chunks' optimizers (their state is
+    /// theirs until the step joins them).
+    fn not_lent(&self) -> Result<()> {
+        match &self.early {
+            Some(e) if e.busy() => Err(Error::invalid(
+                "gemini: the optimizer's state is held by the step running during backward; read or load it after the step",
+            )),
+            _ => Ok(()),
+        }
+    }
+
     /// Waits for the work started during backward and takes the chunks' optimizers back.
     fn join(&mut self) -> Result<()> {
         let Some(early) = self.early.as_mut() else { return Ok(()) };
-        let (shards, mut taken) = (&mut self.shards, 0);
-        let joined = early.join(|c, opt| {
+        let (shards, lr, mut taken) = (&mut self.shards, self.rule.lr(), 0);
+        let joined = early.join(|c, mut opt| {
+            // The learning rate may have been set while the task held the optimizer.
+            opt.set_lr(lr);
             shards[c] = Some(ShardOptimizer::Host(opt));
             taken += 1;
         });
@@ -331,6 +345,7 @@ impl ChunkOptimizer {
     /// This rank's optimizer state as named pieces of flattened parameters:
     /// `(parameter, slot, first element, values)`, plus the step count.
     pub(crate) fn state_pieces(&self, m: &ChunkManager) -> Result<Vec<(String, &'static str, usize, Tensor)>> {
+        self.not_lent()?;
         let mut out = vec![];
         for (c, shard) in self.shards.iter().enumerate() {
             let Some(shard) = shard else { continue };

@@ -214,7 +214,8 @@ impl Gemini {
     /// it steps, else it reads its gradient for the norm. The step then runs what is left,
     /// with the same results bit for bit. Not taken during the first step (the placement is
     /// decided at its end) nor over a data-parallel group (gradients are reduced at the end of
-    /// backward). On the CPU the pool's threads share the cores with the backward's.
+    /// backward). On the CPU the pool's threads share the cores with the backward's. A chunk
+    /// that steps during backward steps at the learning rate set before it.
     pub fn plan_step(&self, plan: StepPlan) -> Result<()> {
         let m = self.manager()?;
         if m.recording() || m.replication().is_some() || !m.trainable() {
