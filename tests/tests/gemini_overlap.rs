@@ -5,7 +5,10 @@
 //! host homes under a budget that evicts every step: stepping during backward (no loss scale,
 //! no norm; AdamW, LAMB and LARS), and reading the norm during backward under fp16-style loss
 //! scaling and clipping (AdamW's fused pass applies both factors), with the norms equal too and
-//! the learning rate changed after each backward, while the tasks hold the optimizers.
+//! the learning rate changed after each backward, while the tasks hold the optimizers. And bf16
+//! payloads loaded from the upload copies the optimizer's pass writes beside the homes train as
+//! loads converting the fp32 homes do, bit for bit, and a shadow swapped in (stale copies) is
+//! what the model runs with.
 use std::collections::HashMap;
 
 use engine::gemini::{Gemini, Placement, StepPlan};
@@ -133,4 +136,76 @@ fn a_step_planned_without_a_norm_refuses_one_after_chunks_stepped() {
         }
         g.step().unwrap();
     }
+}
+
+/// Trains `STEPS` steps in bf16 with host homes under a tight budget, loads filled from the
+/// upload copies the optimizer writes in its pass; `stale` swaps a shadow in and out after each
+/// step (the same weights back, bit for bit), which leaves every upload copy stale, so loads
+/// convert the fp32 homes instead. `overlap` plans each step (chunks step during backward).
+fn train_bf16(stale: bool, overlap: bool) -> Vec<Tensor> {
+    let kind = Kind::BFloat16;
+    let ps = parameters();
+    let cfg = config(Device::Cpu, TIGHT, Placement::Static { offload: 1.0 }, Rule::AdamW, kind);
+    let g = Gemini::new(&ps, cfg).unwrap();
+    let tensors: Vec<Tensor> = ps.iter().map(|p| p.tensor.shallow_clone()).collect();
+    for step in 0..STEPS {
+        if overlap {
+            g.plan_step(StepPlan { loss_scale: None, norm: false }).unwrap();
+        }
+        loss_in(kind, step, 0..BATCH, &|range, x, f| {
+            let params: Vec<usize> = range.clone().collect();
+            g.run(&params, x, |x| f(x, &tensors[range])).unwrap()
+        })
+        .backward();
+        g.finish_backward().unwrap();
+        g.step().unwrap();
+        if stale {
+            let shadow = g.home_shards().unwrap();
+            g.swap_homes(&shadow).unwrap();
+            g.swap_homes(&shadow).unwrap();
+        }
+    }
+    let state: HashMap<String, Tensor> = g.state_dict().unwrap().into_iter().collect();
+    parameters().iter().map(|p| state[&p.name].shallow_clone()).collect()
+}
+
+#[test]
+fn bf16_loads_from_the_upload_copies_equal_loads_converting_the_homes() {
+    let converted = train_bf16(true, false);
+    assert_bitwise(&train_bf16(false, false), &converted, "bf16, loads from the upload copies");
+    assert_bitwise(&train_bf16(false, true), &converted, "bf16, upload copies written during backward");
+}
+
+#[test]
+fn a_shadow_swapped_in_is_what_the_model_runs_with() {
+    // After a swap the upload copies hold the weights swapped out: the next loads must read the
+    // homes (the shadow), or the model would run with the old weights.
+    let kind = Kind::BFloat16;
+    let ps = parameters();
+    let cfg = config(Device::Cpu, TIGHT, Placement::Static { offload: 1.0 }, Rule::AdamW, kind);
+    let g = Gemini::new(&ps, cfg).unwrap();
+    let tensors: Vec<Tensor> = ps.iter().map(|p| p.tensor.shallow_clone()).collect();
+    let run = |step: i64| {
+        loss_in(kind, step, 0..BATCH, &|range, x, f| {
+            let params: Vec<usize> = range.clone().collect();
+            g.run(&params, x, |x| f(x, &tensors[range])).unwrap()
+        })
+    };
+    let mut losses = vec![];
+    let mut shadow = vec![];
+    for step in 0..3 {
+        let l = run(step);
+        losses.push(l.double_value(&[]));
+        l.backward();
+        g.finish_backward().unwrap();
+        g.step().unwrap();
+        if step == 0 {
+            // The weights after the first step.
+            shadow = g.home_shards().unwrap();
+        }
+    }
+    // Swapped in, the first step's weights give step 1's loss again.
+    g.swap_homes(&shadow).unwrap();
+    let again = tch::no_grad(|| run(1)).double_value(&[]);
+    assert_eq!(again.to_bits(), losses[1].to_bits(), "loss {again} with the shadow's weights, {} expected", losses[1]);
 }

@@ -18,7 +18,7 @@
 use std::panic::AssertUnwindSafe;
 use std::sync::mpsc::{channel, Receiver, Sender};
 
-use crate::optim::flat::{sum_squares_scaled, HostOptimizer};
+use crate::optim::flat::{sum_squares_scaled, Half, HostOptimizer, StepExtras};
 use crate::{Error, Result};
 
 /// What the step after a backward does to the gradients before updating, given before that
@@ -44,21 +44,25 @@ impl StepPlan {
     }
 }
 
-/// A chunk's home or gradient memory lent to a task.
-struct Lent {
-    ptr: *mut f32,
+/// A chunk's home, gradient or upload memory lent to a task.
+struct Lent<T> {
+    ptr: *mut T,
     len: usize,
 }
 
 // SAFETY: the memory stays allocated (the manager keeps the tensors, and their tier does not
 // change outside the first step, when no task runs) and nothing else touches it until the task
 // is joined.
-unsafe impl Send for Lent {}
+unsafe impl<T> Send for Lent<T> {}
 
-impl Lent {
+impl<T> Lent<T> {
+    fn new(x: &mut [T]) -> Lent<T> {
+        Lent { ptr: x.as_mut_ptr(), len: x.len() }
+    }
+
     /// # Safety
     /// As for `std::slice::from_raw_parts_mut`, for the life of the slice.
-    unsafe fn slice<'a>(&self) -> &'a mut [f32] {
+    unsafe fn slice<'a>(&self) -> &'a mut [T] {
         std::slice::from_raw_parts_mut(self.ptr, self.len)
     }
 }
@@ -114,15 +118,22 @@ impl Early {
         self.started[c]
     }
 
-    /// Starts chunk `c`'s work on the pool, with its optimizer and its home and gradient
-    /// (`w`, `g`: the chunk's host memory, which the task owns until [`Early::join`]).
+    /// Starts chunk `c`'s work on the pool, with its optimizer, home and gradient (`w`, `g`) and
+    /// upload copy (`half`, written when it steps), which the task owns until [`Early::join`].
     ///
     /// # Safety
-    /// `w` and `g` must stay valid, and nothing else may touch them, until [`Early::join`].
-    pub(crate) unsafe fn start(&mut self, c: usize, mut opt: HostOptimizer, w: &mut [f32], g: &mut [f32]) {
+    /// The memory must stay valid, and nothing else may touch it, until [`Early::join`].
+    pub(crate) unsafe fn start(
+        &mut self,
+        c: usize,
+        mut opt: HostOptimizer,
+        w: &mut [f32],
+        g: &mut [f32],
+        half: Option<(Half, &mut [u16])>,
+    ) {
         self.started[c] = true;
         self.outstanding += 1;
-        let (w, g) = (Lent { ptr: w.as_mut_ptr(), len: w.len() }, Lent { ptr: g.as_mut_ptr(), len: g.len() });
+        let (w, g, half) = (Lent::new(w), Lent::new(g), half.map(|(kind, h)| (kind, Lent::new(h))));
         let (tx, plan) = (self.tx.clone(), self.plan);
         rayon::spawn(move || {
             let run = std::panic::catch_unwind(AssertUnwindSafe(|| {
@@ -130,7 +141,9 @@ impl Early {
                 let (w, g) = unsafe { (w.slice(), g.slice()) };
                 match plan.steps_early() {
                     true => {
-                        opt.step(w, g);
+                        // SAFETY: as above.
+                        let half_out = half.map(|(kind, h)| (kind, unsafe { h.slice() }));
+                        opt.step_with(w, g, StepExtras { half_out, ..StepExtras::default() });
                         None
                     }
                     false => Some(sum_squares_scaled(g, &plan.factors())),

@@ -17,7 +17,7 @@ use tch::{Device, Kind, Tensor};
 use super::early::{Early, StepPlan};
 use super::manager::{ChunkManager, Piece, Tier};
 use crate::dist::ReduceOp;
-use crate::optim::flat::{sum_squares_scaled, CpuRule, DeviceOptimizer, HostOptimizer, Segment, StepExtras};
+use crate::optim::flat::{sum_squares_scaled, CpuRule, DeviceOptimizer, Half, HostOptimizer, Segment, StepExtras};
 use crate::optim::{clip_coefficient, clip_to, local_square_sum, reduce_square_sum, Held, Param};
 use crate::{Error, Result};
 
@@ -57,6 +57,23 @@ unsafe fn host_slice(t: &Tensor) -> Result<&mut [f32]> {
         t.kind()
     );
     Ok(std::slice::from_raw_parts_mut(t.data_ptr() as *mut f32, t.numel()))
+}
+
+/// A host chunk's upload copy (see `ChunkManager::upload`) as the half-precision elements the
+/// optimizer's pass writes.
+///
+/// # Safety
+/// As [`host_slice`].
+#[allow(clippy::mut_from_ref)]
+unsafe fn upload_slice(m: &ChunkManager, c: usize) -> Result<Option<(Half, &mut [u16])>> {
+    let Some(t) = m.upload(c) else { return Ok(None) };
+    let kind = match t.kind() {
+        Kind::Half => Half::F16,
+        Kind::BFloat16 => Half::Bf16,
+        other => return Err(crate::Error::invalid(format!("gemini: an upload copy of kind {other:?}"))),
+    };
+    crate::error::ensure!(t.device() == Device::Cpu && t.is_contiguous(), "gemini: upload copy not in host memory");
+    Ok(Some((kind, std::slice::from_raw_parts_mut(t.data_ptr() as *mut u16, t.numel()))))
 }
 
 impl ChunkOptimizer {
@@ -180,7 +197,7 @@ impl ChunkOptimizer {
         // and writer of them joins the task first (see `early.rs`).
         unsafe {
             let (w, g) = (host_slice(m.home(c))?, host_slice(m.grad(c))?);
-            early.start(c, opt, w, g);
+            early.start(c, opt, w, g, upload_slice(m, c)?);
         }
         Ok(())
     }
@@ -328,16 +345,26 @@ impl ChunkOptimizer {
             match shard.as_mut().expect("created above") {
                 ShardOptimizer::Host(o) => {
                     // SAFETY: as above; each chunk's tensors are its own.
-                    let (w, g) = unsafe { (host_slice(home)?, host_slice(grad)?) };
+                    let (w, g, half) = unsafe { (host_slice(home)?, host_slice(grad)?, upload_slice(m, c)?) };
                     let factors: &[f64] = if o.fuses_factors() { &pending } else { &[] };
-                    host.push((o, w, g, sums, factors));
+                    host.push((
+                        o,
+                        w,
+                        g,
+                        sums,
+                        StepExtras { grad_factors: factors, half_out: half, keep_gradients: false },
+                    ));
                 }
                 ShardOptimizer::Device(o) => o.finish(home, grad, &sums)?,
             }
         }
-        host.into_par_iter().for_each(|(o, w, g, sums, factors)| {
-            o.finish_with(w, g, &sums, StepExtras { grad_factors: factors, ..StepExtras::default() })
-        });
+        host.into_par_iter().for_each(|(o, w, g, sums, extras)| o.finish_with(w, g, &sums, extras));
+        // Host chunks wrote their upload copies in the pass (those stepped during backward too).
+        for c in 0..m.chunk_count() {
+            if matches!(self.shards[c], Some(ShardOptimizer::Host(_))) {
+                m.set_upload_fresh(c, true);
+            }
+        }
         self.steps += 1;
         Ok(())
     }
