@@ -43,10 +43,7 @@ fn train(rule: Rule, treatment: Treatment, overlap: bool) -> (Vec<Tensor>, Vec<O
         if overlap {
             g.plan_step(plan).unwrap();
         }
-        let l = loss(step, 0..BATCH, &|range, x, f| {
-            let params: Vec<usize> = range.clone().collect();
-            g.run(&params, x, |x| f(x, &tensors[range])).unwrap()
-        });
+        let l = gemini_loss(&g, &tensors, Kind::Float, step);
         match &scaler {
             Some(s) => s.scale_loss(&l).unwrap().backward(),
             None => l.backward(),
@@ -121,11 +118,7 @@ fn a_step_planned_without_a_norm_refuses_one_after_chunks_stepped() {
     let g = Gemini::new(&ps, cfg).unwrap();
     for step in 0..2 {
         g.plan_step(StepPlan { loss_scale: None, norm: false }).unwrap();
-        loss(step, 0..BATCH, &|range, x, f| {
-            let params: Vec<usize> = range.clone().collect();
-            g.run(&params, x, |x| f(x, &tensors[range])).unwrap()
-        })
-        .backward();
+        gemini_loss(&g, &tensors, Kind::Float, step).backward();
         g.finish_backward().unwrap();
         if step == 1 {
             let err = g.clip_grad_norm(1.0).unwrap_err().to_string();
@@ -152,11 +145,7 @@ fn train_bf16(stale: bool, overlap: bool) -> Vec<Tensor> {
         if overlap {
             g.plan_step(StepPlan { loss_scale: None, norm: false }).unwrap();
         }
-        loss_in(kind, step, 0..BATCH, &|range, x, f| {
-            let params: Vec<usize> = range.clone().collect();
-            g.run(&params, x, |x| f(x, &tensors[range])).unwrap()
-        })
-        .backward();
+        gemini_loss(&g, &tensors, kind, step).backward();
         g.finish_backward().unwrap();
         g.step().unwrap();
         if stale {
@@ -185,12 +174,7 @@ fn a_shadow_swapped_in_is_what_the_model_runs_with() {
     let cfg = config(Device::Cpu, TIGHT, Placement::Static { offload: 1.0 }, Rule::AdamW, kind);
     let g = Gemini::new(&ps, cfg).unwrap();
     let tensors: Vec<Tensor> = ps.iter().map(|p| p.tensor.shallow_clone()).collect();
-    let run = |step: i64| {
-        loss_in(kind, step, 0..BATCH, &|range, x, f| {
-            let params: Vec<usize> = range.clone().collect();
-            g.run(&params, x, |x| f(x, &tensors[range])).unwrap()
-        })
-    };
+    let run = |step: i64| gemini_loss(&g, &tensors, kind, step);
     let mut losses = vec![];
     let mut shadow = vec![];
     for step in 0..3 {
