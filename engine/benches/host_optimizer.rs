@@ -9,7 +9,7 @@
 //! `zero_grad`; a third row times our step's part after backward when the norm was read during
 //! it (`Gemini::plan_step`).
 //!
-//! `cargo bench -p engine --bench host_optimizer -- [--params 860M] [--steps 5]`
+//! `cargo bench -p engine --bench host_optimizer -- [--params 860M] [--steps 5] [--step 1000]`
 //! (scripts/bench-host-optimizer.sh). Bytes moved are counted per parameter: AdamW reads the
 //! weight, gradient and both moments and writes the weight and moments (28 B); the fp16 copy
 //! adds 2, clearing the gradient 4, the norm's read 4. The triad counts STREAM's 12 B per
@@ -44,6 +44,11 @@ struct Args {
     /// Timed steps per row (the median is reported), after one warm-up step.
     #[arg(long, default_value_t = 5)]
     steps: usize,
+    /// Our optimizer's step count when timing starts: bias corrections depend on it, and from
+    /// step 165 AdamW's first rounds to 1 in f32, so its division drops out (exactly); a
+    /// fine-tuning run spends nearly all its steps there. 1: the first steps.
+    #[arg(long, default_value_t = 1000)]
+    step: i32,
     /// Elements per triad array (three of them).
     #[arg(long, default_value_t = 1 << 27)]
     triad: usize,
@@ -139,9 +144,9 @@ struct Chunk {
     half: Vec<u16>,
 }
 
-/// Ours: seconds of plain AdamW, of the whole step under fp16 and clipping, and of that step's
-/// part after backward.
-fn ours(params: usize, steps: usize) -> (f64, f64, f64) {
+/// Ours, from step `first`: seconds of plain AdamW, of the whole step under fp16 and clipping,
+/// and of that step's part after backward.
+fn ours(params: usize, steps: usize, first: i32) -> (f64, f64, f64) {
     let rule = CpuRule::AdamW(AdamWConfig { lr: 1e-3, weight_decay: 0.01, ..AdamWConfig::default() });
     let mut chunks: Vec<Chunk> = (0..params)
         .step_by(CHUNK)
@@ -152,7 +157,12 @@ fn ours(params: usize, steps: usize) -> (f64, f64, f64) {
             let (mut w, mut g) = (vec![0f32; n], vec![0f32; n]);
             fill(&mut w, 2 * c as u64, 0.04);
             fill(&mut g, 2 * c as u64 + 1, 2.0 * LOSS_SCALE as f32);
-            Chunk { opt: HostOptimizer::new(rule, seg, n), w, g, half: vec![0u16; n] }
+            let mut opt = HostOptimizer::new(rule, seg, n);
+            if first > 1 {
+                let zeros = vec![0f32; n];
+                opt.load_state(first - 1, &zeros, &zeros);
+            }
+            Chunk { opt, w, g, half: vec![0u16; n] }
         })
         .collect();
     // Plain AdamW: the pass PyTorch's fused step makes (gradients kept).
@@ -243,15 +253,17 @@ fn main() -> anyhow::Result<()> {
     ensure!(params > 0, "--params must be more than 0");
     let threads = rayon::current_num_threads();
     println!(
-        "host AdamW over {:.0}M fp32 parameters in {} chunks of up to {}M, {threads} threads; load average {} at the start",
+        "host AdamW over {:.0}M fp32 parameters in {} chunks of up to {}M, {threads} threads, ours from step {}; load average {} at the start",
         params as f64 / 1e6,
         params.div_ceil(CHUNK),
         CHUNK >> 20,
+        args.step,
         load_average()
     );
     let bandwidth = triad(args.triad, args.steps);
     println!("STREAM triad ({} M elements per array): {bandwidth:.1} GB/s", args.triad >> 20);
-    let (plain, full, after_backward) = ours(params, args.steps);
+    ensure!(args.step >= 1, "--step counts from 1");
+    let (plain, full, after_backward) = ours(params, args.steps, args.step);
     let rate = |bytes: f64, s: f64| bytes * params as f64 / s / 1e9;
     let row = |name: &str, bytes: f64, s: f64| {
         let gbs = rate(bytes, s);

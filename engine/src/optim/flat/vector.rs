@@ -382,6 +382,32 @@ mod tests {
     }
 
     #[test]
+    fn bias_corrections_of_one_are_skipped_without_changing_a_bit() {
+        // The rule against its formula written out with every division, at steps where the
+        // corrections are below 1, where the first has rounded to 1 (165 on) and both have
+        // (16,628 on).
+        let cfg = AdamWConfig { lr: 1e-3, weight_decay: 0.01, ..AdamWConfig::default() };
+        let n = 4096;
+        let (w0, m0, v0, g) = (randn(n, 5), randn(n, 6), randn(n, 7), randn(n, 8));
+        for step in [1, 164, 165, 1000, 16_627, 16_628, 100_000] {
+            let (b1, b2) = cfg.betas;
+            let bc1 = (1.0 - b1.powi(step)) as f32;
+            let sqrt_bc2 = (1.0 - b2.powi(step)).sqrt() as f32;
+            assert_eq!((bc1 == 1.0, sqrt_bc2 == 1.0), (step >= 165, step >= 16_628), "step {step}");
+            let rule = cfg.at::<f32>(step, true);
+            for i in 0..n {
+                let (mut w, mut m, mut v) = (w0[i], m0[i], v0[i] * v0[i]);
+                let Ok(()) = rule.step(&mut w, &mut m, &mut v, &g[i]);
+                let em = m0[i] * b1 as f32 + g[i] * (1.0 - b1) as f32;
+                let ev = v0[i] * v0[i] * b2 as f32 + g[i] * (g[i] * (1.0 - b2) as f32);
+                let d = (em / bc1) / (ev.sqrt() / sqrt_bc2 + cfg.eps as f32);
+                let ew = w0[i] * (1.0 - cfg.lr * cfg.weight_decay) as f32 - d * cfg.lr as f32;
+                assert_eq!([w, m, v].map(f32::to_bits), [ew, em, ev].map(f32::to_bits), "step {step}, element {i}");
+            }
+        }
+    }
+
+    #[test]
     fn the_fused_pass_equals_the_scalar_rule_bit_for_bit() {
         // Three blocks and a tail that is not a multiple of the lanes.
         let n = 2 * BLOCK + 3 * WIDTH + 5;
