@@ -16,8 +16,10 @@ use super::{CpuRule, Segment};
 use crate::optim::lamb::LambStep;
 use crate::optim::lars::LarsStep;
 
-/// Elements per parallel block (a fixed partition keeps reductions deterministic).
-pub const BLOCK: usize = 1 << 14;
+/// Elements per parallel block (a fixed partition keeps reductions deterministic): 1 MiB of
+/// each buffer, long enough runs for the hardware's stream prefetchers (about 8% faster over
+/// gigabytes than 64 KiB on the 2-core machine).
+pub const BLOCK: usize = 1 << 18;
 
 /// An optimizer stepping flat fp32 buffers in place, with its state in flat buffers alongside.
 #[derive(Debug)]
@@ -370,7 +372,7 @@ pub(super) mod tests {
 
     /// Name, shape, adapt, starts at zero. `w1` spans two blocks; `zero` hits ratio = 1.
     const SHAPES: [(&str, &[i64], bool, bool); 4] = [
-        ("w1", &[200, 100], true, false),
+        ("w1", &[600, 500], true, false),
         ("b1", &[100], false, false),
         ("zero", &[16, 32], true, true),
         ("w2", &[7, 13], true, false),

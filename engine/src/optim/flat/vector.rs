@@ -241,10 +241,14 @@ fn adamw_lanes(rule: &AdamWStep<f32>, factors: &[f32], clear: bool, block: Block
     let whole = n - n % WIDTH;
     for at in (0..whole).step_by(WIDTH) {
         let r = at..at + WIDTH;
-        let mut grad = Lanes::load(&g[r.clone()]);
+        // Scaled in place in an array (a value carried through this loop of unknown length
+        // left the compiler shuffling lanes for the rest of the iteration).
+        let mut grad = [0f32; WIDTH];
+        grad.copy_from_slice(&g[r.clone()]);
         for &f in factors {
-            grad = grad.map(|x| x * f);
+            grad.iter_mut().for_each(|x| *x *= f);
         }
+        let grad = Lanes(grad);
         let (mut wl, mut ml, mut vl) =
             (Lanes::load(&w[r.clone()]), Lanes::load(&m[r.clone()]), Lanes::load(&v[r.clone()]));
         let Ok(()) = rule.step(&mut wl, &mut ml, &mut vl, &grad);
