@@ -159,11 +159,9 @@ fn f16_bits(x: f32) -> u16 {
 fn bf16_bits(x: f32) -> u16 {
     let bits = x.to_bits();
     let rounded = bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16;
-    if x.is_nan() {
-        0xffff
-    } else {
-        rounded as u16
-    }
+    // All ones for NaN, without a branch (so it vectorises).
+    let nan = u32::from(x.is_nan()).wrapping_neg();
+    (rounded | nan) as u16
 }
 
 /// What one fused AdamW pass does beside the rule: the factors the gradient is multiplied by
