@@ -233,20 +233,50 @@ widest! {
 /// The block's loop: [`WIDTH`] elements at a time, the rest one by one with the same rule.
 #[inline(always)]
 fn adamw_lanes(rule: &AdamWStep<f32>, factors: &[f32], clear: bool, block: Block) {
+    // The usual counts of factors (none; unscaling or clipping; both) as arrays of known
+    // length, which the compiler unrolls: a loop of unknown length left it shuffling lanes
+    // through the rest of the iteration.
+    match *factors {
+        [] => adamw_loop(rule, [], clear, block),
+        [a] => adamw_loop(rule, [a], clear, block),
+        [a, b] => adamw_loop(rule, [a, b], clear, block),
+        _ => adamw_loop(rule, factors, clear, block),
+    }
+}
+
+/// The gradient factors of a pass, applied in order.
+trait Factors: Copy {
+    fn apply(self, x: &mut f32);
+}
+
+impl<const N: usize> Factors for [f32; N] {
+    #[inline(always)]
+    fn apply(self, x: &mut f32) {
+        for f in self {
+            *x *= f;
+        }
+    }
+}
+
+impl Factors for &[f32] {
+    #[inline(always)]
+    fn apply(self, x: &mut f32) {
+        for &f in self {
+            *x *= f;
+        }
+    }
+}
+
+#[inline(always)]
+fn adamw_loop(rule: &AdamWStep<f32>, factors: impl Factors, clear: bool, block: Block) {
     let Block { w, m, v, g, mut half } = block;
     let n = w.len();
     let (m, v, g) = (&mut m[..n], &mut v[..n], &mut g[..n]);
     let whole = n - n % WIDTH;
     for at in (0..whole).step_by(WIDTH) {
         let r = at..at + WIDTH;
-        // Scaled in place in an array (a value carried through this loop of unknown length
-        // left the compiler shuffling lanes for the rest of the iteration).
-        let mut grad = [0f32; WIDTH];
-        grad.copy_from_slice(&g[r.clone()]);
-        for &f in factors {
-            grad.iter_mut().for_each(|x| *x *= f);
-        }
-        let grad = Lanes(grad);
+        let mut grad = Lanes::load(&g[r.clone()]);
+        grad.0.iter_mut().for_each(|x| factors.apply(x));
         let (mut wl, mut ml, mut vl) =
             (Lanes::load(&w[r.clone()]), Lanes::load(&m[r.clone()]), Lanes::load(&v[r.clone()]));
         let Ok(()) = rule.step(&mut wl, &mut ml, &mut vl, &grad);
@@ -264,9 +294,7 @@ fn adamw_lanes(rule: &AdamWStep<f32>, factors: &[f32], clear: bool, block: Block
     }
     for i in whole..n {
         let mut grad = g[i];
-        for &f in factors {
-            grad *= f;
-        }
+        factors.apply(&mut grad);
         let Ok(()) = rule.step(&mut w[i], &mut m[i], &mut v[i], &grad);
         if clear {
             g[i] = 0.0;
