@@ -141,6 +141,15 @@ pub fn loss_in(kind: Kind, step: i64, rows: std::ops::Range<i64>, run: Runner) -
     run(24..26, &h, &head).to_kind(Kind::Float).to_device(Device::Cpu).cross_entropy_for_logits(&y)
 }
 
+/// [`loss_in`] with each module run under Gemini (`tensors` the parameters, computing in
+/// `kind`), the whole batch.
+pub fn gemini_loss(g: &Gemini, tensors: &[Tensor], kind: Kind, step: i64) -> Tensor {
+    loss_in(kind, step, 0..BATCH, &|range, x, f| {
+        let params: Vec<usize> = range.clone().collect();
+        g.run(&params, x, |x| f(x, &tensors[range])).unwrap()
+    })
+}
+
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Rule {
     AdamW,

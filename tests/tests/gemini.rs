@@ -170,11 +170,7 @@ fn bf16_compute_chunks_match_bf16_training_with_fp32_masters() {
         let tensors: Vec<Tensor> = ps.iter().map(|p| p.tensor.shallow_clone()).collect();
         assert!(tensors.iter().all(|t| t.kind() == kind), "parameters compute in bf16");
         for step in 0..STEPS {
-            loss_in(kind, step, 0..BATCH, &|range, x, f| {
-                let params: Vec<usize> = range.clone().collect();
-                g.run(&params, x, |x| f(x, &tensors[range])).unwrap()
-            })
-            .backward();
+            gemini_loss(&g, &tensors, kind, step).backward();
             g.finish_backward().unwrap();
             g.step().unwrap();
         }

@@ -19,7 +19,7 @@ use diffusion::config::{UNetConfig, UNetConfigFile};
 use diffusion::finetune::{gemini_config, GeminiParts, UnetParams};
 use diffusion::unet::{Conditioning, TextTime, UNet2DConditionModel};
 use engine::device::DeviceKind;
-use engine::gemini::{cap_device_memory, parse_bytes, CpuRule, Gemini};
+use engine::gemini::{cap_process_memory, parse_bytes, CpuRule, Gemini, StepPlan};
 use engine::job::Precision;
 use engine::optim::{AdamW, AdamWConfig, LossScaler, Optimizer, Param};
 use tch::{Device, Kind, Tensor};
@@ -78,6 +78,10 @@ struct Args {
     /// Skip diffusers.
     #[arg(long)]
     no_baseline: bool,
+    /// Step Gemini's chunks only after backward, not as their gradients complete during it
+    /// (`Gemini::plan_step`, which `diffusion finetune` takes).
+    #[arg(long)]
+    no_overlap: bool,
     /// The optimizer's steps on the device, as `diffusion finetune --kernels` (default: fused
     /// on CUDA, which update the homes in place).
     #[arg(long, value_enum)]
@@ -166,8 +170,14 @@ fn ours(args: &Args, mode: Mode) -> anyhow::Result<Measured> {
     unet.set_gradient_checkpointing(args.gradient_checkpointing);
     let UnetParams { params, parts } = UnetParams::of(&unet, &vs)?;
     let parameters = params.iter().map(|p| p.tensor.numel() as u64).sum();
+    // The cap is the process's: on a GPU the allocator (Gemini's budget) gets what the CUDA
+    // context and libraries leave of it.
+    let mut budget = cap;
     if capped {
-        cap_device_memory(device, cap)?;
+        if let Some(split) = cap_process_memory(device, cap)? {
+            eprintln!("{split}");
+            budget = split.allocator;
+        }
     }
     let kind = args.precision.kind();
     let rule = CpuRule::AdamW(AdamWConfig::default());
@@ -176,7 +186,7 @@ fn ours(args: &Args, mode: Mode) -> anyhow::Result<Measured> {
         vs.set_device(device);
         (None, Some(AdamW::new(params.iter().map(Param::shallow_copy).collect(), AdamWConfig::default())))
     } else {
-        (Some(Gemini::new(&params, gemini_config(device, capped.then_some(cap), rule, kind, None))?), None)
+        (Some(Gemini::new(&params, gemini_config(device, capped.then_some(budget), rule, kind, None))?), None)
     };
     let mut scaler = (args.precision == Precision::Fp16).then(LossScaler::default);
     let side = args.resolution / 8;
@@ -208,6 +218,9 @@ fn ours(args: &Args, mode: Mode) -> anyhow::Result<Measured> {
             None => None,
         };
         let cond = Conditioning { context, text_time };
+        if let (Some(gemini), false) = (&gemini, args.no_overlap) {
+            gemini.plan_step(StepPlan { loss_scale: scaler.as_ref().map(|s| s.scale), norm: false })?;
+        }
         let pred = match &gemini {
             Some(gemini) => {
                 unet.forward_with(&noisy.f_to_kind(kind)?, &t, &cond, &GeminiParts { gemini, parts: &parts })?

@@ -2,9 +2,107 @@
 //! libtorch's caching allocator for the process (so the rest of the program cannot use more
 //! either, and a 24 GB card rehearses a 4 GB one) and as Gemini's budget; and byte counts
 //! written back for messages.
-use tch::Device;
+//!
+//! The cap is the whole process's, as `nvidia-smi` counts it: the CUDA context, library
+//! handles and loaded modules sit outside the caching allocator, so [`cap_process_memory`]
+//! measures them at start ([`DeviceSplit`]) and caps the allocator at what they leave. Not yet
+//! run on a GPU: the arithmetic is tested on the CPU, the measurement waits for a GPU run.
+use tch::{Device, Kind, Tensor};
 
 use crate::{Error, Result};
+
+/// Bytes held back for what the CUDA libraries load after start-up (NVRTC modules of the
+/// fused kernels, kernels cuBLAS and cuDNN load lazily on first use), beside what they hold
+/// when [`cap_process_memory`] measures.
+pub const LATE_LOADS: u64 = 256 << 20;
+
+/// How a process's device-memory cap splits: what the CUDA context and libraries hold outside
+/// the caching allocator (measured at start), a margin for what they load later, and the
+/// caching allocator's cap, which Gemini's budget and the activations share.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceSplit {
+    /// The process's cap (`--gpu-mem`).
+    pub cap: u64,
+    /// Device bytes in use outside the caching allocator when measured.
+    pub outside: u64,
+    /// Held back for later loads ([`LATE_LOADS`]).
+    pub margin: u64,
+    /// The caching allocator's cap: `cap - outside - margin`.
+    pub allocator: u64,
+}
+
+impl DeviceSplit {
+    /// The split of `cap` on a device of `total` bytes with `free` free, of which the caching
+    /// allocator had `reserved` reserved when measured: the rest of what is used is outside
+    /// it. On a device this process has alone; another process's memory counts as outside
+    /// (the split is then conservative). An error when the cap exceeds the device, or when
+    /// what is outside and the margin leave the allocator nothing.
+    pub fn new(cap: u64, total: u64, free: u64, reserved: u64, margin: u64) -> Result<DeviceSplit> {
+        if cap > total {
+            return Err(Error::invalid(format!(
+                "a memory cap of {} exceeds the device's {}",
+                human(cap as usize),
+                human(total as usize)
+            )));
+        }
+        let outside = total.saturating_sub(free).saturating_sub(reserved);
+        let held = outside.saturating_add(margin);
+        if held >= cap {
+            return Err(Error::invalid(format!(
+                "a memory cap of {} leaves the caching allocator nothing: the CUDA context and libraries hold {} \
+                 of the device and {} is kept for modules they load later",
+                human(cap as usize),
+                human(outside as usize),
+                human(margin as usize)
+            )));
+        }
+        Ok(DeviceSplit { cap, outside, margin, allocator: cap - held })
+    }
+}
+
+impl std::fmt::Display for DeviceSplit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "device memory cap {}: {} held by the CUDA context and libraries, {} kept for modules loaded later, {} for the caching allocator",
+            human(self.cap as usize),
+            human(self.outside as usize),
+            human(self.margin as usize),
+            human(self.allocator as usize)
+        )
+    }
+}
+
+/// Caps the whole process's memory on `device` at `cap` bytes when it is a GPU: starts the
+/// CUDA context, cuBLAS and cuDNN (a small matrix product in fp16 and fp32 and a small
+/// convolution), measures what they hold outside the caching allocator, and caps the
+/// allocator at what they leave less [`LATE_LOADS`] ([`DeviceSplit`], which callers print).
+/// On the CPU there is no allocator cap (the budget is Gemini's own accounting): None.
+pub fn cap_process_memory(device: Device, cap: u64) -> Result<Option<DeviceSplit>> {
+    let Device::Cuda(d) = device else { return Ok(None) };
+    tch::no_grad(|| -> Result<()> {
+        for kind in [Kind::Half, Kind::Float] {
+            let x = Tensor::f_ones([64, 64], (kind, device))?;
+            let _ = x.f_matmul(&x)?;
+            let image = Tensor::f_ones([1, 4, 16, 16], (kind, device))?;
+            let _ = image.f_conv2d::<Tensor>(
+                &Tensor::f_ones([4, 4, 3, 3], (kind, device))?,
+                None,
+                [1, 1],
+                [1, 1],
+                [1, 1],
+                1,
+            )?;
+        }
+        Ok(())
+    })?;
+    crate::cuda::synchronize(d)?;
+    let (free, total) = crate::cuda::mem_get_info(d)?;
+    let reserved = crate::cuda::memory_stats(d)?.reserved.max(0) as u64;
+    let split = DeviceSplit::new(cap, total, free, reserved, LATE_LOADS)?;
+    crate::cuda::set_memory_cap(split.allocator, d)?;
+    Ok(Some(split))
+}
 
 /// Parses a byte count: a number with an optional binary unit, `K`, `M`, `G`, `T` (also
 /// `KiB`, `KB`, ...; all powers of 1024) or none for bytes: `4G`, `512M`, `1.5GiB`, `4096`.
@@ -87,5 +185,29 @@ mod tests {
             assert!(err.contains("too large"), "{err}");
         }
         assert!(cap_device_memory(Device::Cpu, 1 << 30).is_ok());
+    }
+
+    #[test]
+    fn the_process_cap_leaves_the_allocator_what_the_context_and_libraries_do_not_hold() {
+        const M: u64 = 1 << 20;
+        // An 80 GiB device with 600 MiB in use, 88 MiB of it the allocator's.
+        let split = DeviceSplit::new(4 << 30, 80 << 30, (80 << 30) - 600 * M, 88 * M, LATE_LOADS).unwrap();
+        assert_eq!(
+            split,
+            DeviceSplit { cap: 4 << 30, outside: 512 * M, margin: 256 * M, allocator: (4 << 30) - 768 * M }
+        );
+        assert_eq!(
+            split.to_string(),
+            "device memory cap 4.0 GiB: 512.0 MiB held by the CUDA context and libraries, 256.0 MiB kept for \
+             modules loaded later, 3.2 GiB for the caching allocator"
+        );
+        // The allocator reporting more than the device's used bytes (counters read apart)
+        // leaves nothing outside rather than wrapping around.
+        assert_eq!(DeviceSplit::new(1 << 30, 2 << 30, (2 << 30) - M, 2 * M, 0).unwrap().allocator, 1 << 30);
+        let err = DeviceSplit::new(8 << 30, 4 << 30, 4 << 30, 0, 0).unwrap_err().to_string();
+        assert!(err.contains("8.0 GiB exceeds the device's 4.0 GiB"), "{err}");
+        let err = DeviceSplit::new(700 * M, 80 << 30, (80 << 30) - 500 * M, 0, 200 * M).unwrap_err().to_string();
+        assert!(err.contains("leaves the caching allocator nothing") && err.contains("hold 500.0 MiB"), "{err}");
+        assert_eq!(cap_process_memory(Device::Cpu, 1 << 30).unwrap(), None);
     }
 }

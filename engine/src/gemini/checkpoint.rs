@@ -62,8 +62,8 @@ impl Gemini {
             homes[c].f_narrow(0, at as i64, len as i64)?.f_copy_(src)?;
             Ok(())
         })?;
-        // Resident payloads hold the old values.
-        m.release_all()
+        // Resident payloads and upload copies hold the old values.
+        m.homes_changed()
     }
 
     /// Writes this rank's optimizer shard into `dir` (and, on rank 0, the index). Every rank

@@ -43,7 +43,7 @@ impl Gemini {
             }
             Ok(())
         })?;
-        m.release_all()
+        m.homes_changed()
     }
 
     /// Full tensors by parameter name, on the host, from per-chunk shards (collective under

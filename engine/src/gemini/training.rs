@@ -11,18 +11,21 @@
 //!
 //! A step is: forward and backward of each micro-batch (with [`Gemini::finish_backward`]
 //! after each backward: gradients accumulate in the chunks), optionally
-//! [`Gemini::clip_grad_norm`], then [`Gemini::step`]. Where the homes live is the
-//! [`Placement`] policy's (`placement.rs`); saving and loading are in `checkpoint.rs`.
+//! [`Gemini::clip_grad_norm`], then [`Gemini::step`]. [`Gemini::plan_step`] before the last
+//! micro-batch's backward lets host chunks start on the step while that backward runs
+//! (`early.rs`). Where the homes live is the [`Placement`] policy's (`placement.rs`); saving
+//! and loading are in `checkpoint.rs`.
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use tch::Tensor;
 
+use super::early::StepPlan;
 use super::manager::{ChunkConfig, ChunkManager, Replication};
 use super::optimizer::ChunkOptimizer;
 use super::placement::{self, Placement};
 use crate::autograd::{apply, register_post_accumulate_grad_hook, set_grad, Forward};
 use crate::optim::flat::CpuRule;
-use crate::optim::{clip_to, scaled_grad_norm, Held, LossScaler, Param};
+use crate::optim::{LossScaler, Param};
 use crate::{Error, Result};
 
 /// Gemini's options.
@@ -81,25 +84,25 @@ impl Gemini {
         cfg.placement.place_static(&mut manager)?;
         cfg.placement.begin_warmup(&mut manager);
         let manager = Arc::new(Mutex::new(manager));
+        let optimizer = Arc::new(Mutex::new(ChunkOptimizer::new(cfg.rule)));
         // Frozen parameters get no gradient, so no hook.
         let hooked = if chunks.trainable { params } else { &[] };
         for (i, p) in hooked.iter().enumerate() {
-            let m = Arc::downgrade(&manager);
+            let (m, o) = (Arc::downgrade(&manager), Arc::downgrade(&optimizer));
             register_post_accumulate_grad_hook(&p.tensor, move |t| {
                 let Some(m) = m.upgrade() else { return Ok(()) };
-                m.lock().map_err(poisoned)?.add_gradient(i, &t.grad())?;
+                let m = &mut *m.lock().map_err(poisoned)?;
+                let complete = m.add_gradient(i, &t.grad())?;
+                // A chunk whose gradient is complete may start on the step (a planned one).
+                if let (Some(c), Some(o)) = (complete, o.upgrade()) {
+                    o.lock().map_err(poisoned)?.chunk_complete(m, c)?;
+                }
                 // The gradient now lives in the chunk; free autograd's copy.
                 set_grad(t, None)
             })?;
         }
         let baseline = placement::device_baseline(chunks.device)?;
-        Ok(Gemini {
-            manager,
-            optimizer: Arc::new(Mutex::new(ChunkOptimizer::new(cfg.rule))),
-            prefetch: cfg.prefetch,
-            placement: cfg.placement,
-            baseline,
-        })
+        Ok(Gemini { manager, optimizer, prefetch: cfg.prefetch, placement: cfg.placement, baseline })
     }
 
     /// The chunk manager, for inspection.
@@ -197,33 +200,35 @@ impl Gemini {
     /// Unscales the accumulated gradients by `scaler` (fp16) and clips them to a global norm
     /// of `max_norm`, with one reduction and one host sync for both. Returns the norm before
     /// clipping, or None when a scaler is given and the gradients overflowed on some rank
-    /// (then call [`Gemini::skip_step`]).
+    /// (then call [`Gemini::skip_step`]). Host chunks' gradients are only read here; the step's
+    /// fused pass scales them.
     pub fn unscale_and_clip(&self, scaler: Option<&LossScaler>, max_norm: Option<f64>) -> Result<Option<f64>> {
         let m = self.manager()?;
-        let (grads, sharded) = ChunkOptimizer::gradients(&m)?;
-        // Replicated chunks hold the same gradients everywhere, but the decision must still be
-        // the same on every rank: take the group either way.
-        let replicated = m.replication().filter(|r| !r.shard).map(|r| r.group.clone());
-        let held = match (&sharded, &replicated) {
-            (Some(g), _) => Held::Sharded(g),
-            (None, Some(g)) => Held::Replicated(g),
-            (None, None) => Held::Local,
-        };
-        let norm = scaled_grad_norm(&grads, scaler.map_or(1.0, |s| 1.0 / s.scale), held)?;
-        if scaler.is_some() && !norm.is_finite() {
-            return Ok(None);
+        let scale = scaler.map_or(1.0, |s| 1.0 / s.scale);
+        self.optimizer()?.unscale_and_clip(&m, scale, max_norm, scaler.is_some())
+    }
+
+    /// Says, before the step's last backward, what the step will do to the gradients first, so
+    /// that each host chunk starts on the step as soon as its gradient is complete, on rayon's
+    /// pool while the rest of backward runs (`early.rs`): with neither a loss scale nor a norm
+    /// it steps, else it reads its gradient for the norm. The step then runs what is left,
+    /// with the same results bit for bit. Not taken during the first step (the placement is
+    /// decided at its end) nor over a data-parallel group (gradients are reduced at the end of
+    /// backward). On the CPU the pool's threads share the cores with the backward's. A chunk
+    /// that steps during backward steps at the learning rate set before it.
+    pub fn plan_step(&self, plan: StepPlan) -> Result<()> {
+        let m = self.manager()?;
+        if m.recording() || m.replication().is_some() || !m.trainable() {
+            return Ok(());
         }
-        if let Some(max) = max_norm {
-            clip_to(&grads, norm, max)?;
-        }
-        Ok(Some(norm))
+        self.optimizer()?.plan(&m, plan)
     }
 
     /// Ends a step without updating (an overflow under loss scaling, or every step of frozen
     /// parameters): clears the gradients and frees the payloads.
     pub fn skip_step(&self) -> Result<()> {
         let mut m = self.manager()?;
-        ChunkOptimizer::zero_grad(&m)?;
+        self.optimizer()?.discard(&m)?;
         m.end_step();
         m.release_all()
     }

@@ -17,20 +17,26 @@ pub(crate) struct Adam<S> {
     bc1: S,
     sqrt_bc2: S,
     eps: S,
+    /// `bc1` and `sqrt_bc2` are exactly 1 (see [`Adam::direction`]).
+    bc1_is_one: bool,
+    bc2_is_one: bool,
 }
 
 impl<S: Scalar> Adam<S> {
     /// The scalars of step `step` (counted from 1, for the bias corrections).
     pub(crate) fn new(betas: (f64, f64), eps: f64, step: i32) -> Adam<S> {
         let (b1, b2) = betas;
+        let (bc1, sqrt_bc2) = (S::from_f64(1.0 - b1.powi(step)), S::from_f64((1.0 - b2.powi(step)).sqrt()));
         Adam {
             b1: S::from_f64(b1),
             one_minus_b1: S::from_f64(1.0 - b1),
             b2: S::from_f64(b2),
             one_minus_b2: S::from_f64(1.0 - b2),
-            bc1: S::from_f64(1.0 - b1.powi(step)),
-            sqrt_bc2: S::from_f64((1.0 - b2.powi(step)).sqrt()),
+            bc1,
+            sqrt_bc2,
             eps: S::from_f64(eps),
+            bc1_is_one: bc1.is_one(),
+            bc2_is_one: sqrt_bc2.is_one(),
         }
     }
 
@@ -45,13 +51,26 @@ impl<S: Scalar> Adam<S> {
         v.scale_add_(self.b2, &g.mul(&g.scale(self.one_minus_b2)?)?)
     }
 
-    /// The update direction `(m / bc1) / (sqrt(v) / sqrt(bc2) + eps)`.
+    /// The update direction `(m / bc1) / (sqrt(v) / sqrt(bc2) + eps)`. A bias correction that
+    /// is exactly 1 in `S` (in f32 with PyTorch's betas the first from step 165 on, where
+    /// `1 - 0.9^t` rounds to 1, the second from step 16,628) is not divided by: `x / 1` is `x`,
+    /// so the result is the same bit for bit, one division (the costliest operation of the
+    /// host's pass) fewer.
     #[inline(always)]
     pub(crate) fn direction<T>(&self, m: &T, v: &T) -> std::result::Result<T, T::Error>
     where
         T: Elementwise<Scalar = S>,
     {
-        m.div_scalar(self.bc1)?.div(&v.sqrt()?.div_scalar(self.sqrt_bc2)?.add_scalar(self.eps)?)
+        let m_hat = match self.bc1_is_one {
+            true => m.share(),
+            false => m.div_scalar(self.bc1)?,
+        };
+        let root = v.sqrt()?;
+        let v_hat = match self.bc2_is_one {
+            true => root,
+            false => root.div_scalar(self.sqrt_bc2)?,
+        };
+        m_hat.div(&v_hat.add_scalar(self.eps)?)
     }
 }
 

@@ -27,6 +27,12 @@ pub enum Held<'a> {
 /// are split: see `Param::split_over`). A gradient holding inf or NaN makes the norm
 /// non-finite (squares cannot cancel).
 pub fn scaled_grad_norm(params: &[Param], scale: f64, held: Held) -> Result<f64> {
+    reduce_square_sum(local_square_sum(params, scale)?, held)
+}
+
+/// The first half of [`scaled_grad_norm`]: scales the gradients and sums their squares on this
+/// rank (tensor-parallel shards summed over their group), `[1]` f64 on the host.
+pub(crate) fn local_square_sum(params: &[Param], scale: f64) -> Result<Tensor> {
     // Whole parameters and tensor-parallel shards are summed apart: a shard's squares are
     // summed over its group (each shard once), a whole parameter's counted once as it is.
     let (whole, split): (Vec<&Param>, Vec<&Param>) = params.iter().partition(|p| p.split_over.is_none());
@@ -40,12 +46,25 @@ pub fn scaled_grad_norm(params: &[Param], scale: f64, held: Held) -> Result<f64>
         group.all_reduce(&shards, ReduceOp::Sum)?;
         sum = sum.f_add(&shards)?;
     }
+    Ok(sum)
+}
+
+/// The second half of [`scaled_grad_norm`]: a rank's sum of squares (`[1]` f64 on the host)
+/// reduced as `held` says, and its square root.
+pub(crate) fn reduce_square_sum(sum: Tensor, held: Held) -> Result<f64> {
     match held {
         Held::Local => {}
         Held::Replicated(g) => g.all_reduce(&sum, ReduceOp::Max)?,
         Held::Sharded(g) => g.all_reduce(&sum, ReduceOp::Sum)?,
     }
     Ok(sum.f_double_value(&[0])?.sqrt())
+}
+
+/// The coefficient [`clip_to`] scales gradients by for a global `norm`, or None when it would
+/// leave them as they are (a norm within `max_norm`, or a non-finite one).
+pub fn clip_coefficient(norm: f64, max_norm: f64) -> Option<f64> {
+    let coef = max_norm / (norm + 1e-6);
+    (norm.is_finite() && coef < 1.0).then_some(coef)
 }
 
 /// Elements taken to f64 at a time by [`square_sum`]: a 32 MiB copy. A Gemini chunk's gradient
@@ -105,8 +124,7 @@ fn sum_of_squares(params: &[&Param], scale: f64) -> Result<Tensor> {
 /// Scales every gradient so that the global `norm` (from [`scaled_grad_norm`]) becomes at most
 /// `max_norm`, as `torch.nn.utils.clip_grad_norm_` does; a non-finite norm clips nothing.
 pub fn clip_to(params: &[Param], norm: f64, max_norm: f64) -> Result<()> {
-    let coef = max_norm / (norm + 1e-6);
-    if norm.is_finite() && coef < 1.0 {
+    if let Some(coef) = clip_coefficient(norm, max_norm) {
         tch::no_grad(|| -> Result<()> {
             for p in params {
                 let mut g = p.tensor.grad();

@@ -17,6 +17,8 @@ use crate::Result;
 pub(crate) trait Scalar: Copy + Send + Sync {
     /// `x` in this precision.
     fn from_f64(x: f64) -> Self;
+    /// Whether this is exactly 1 (dividing by it changes nothing).
+    fn is_one(self) -> bool;
 }
 
 impl Scalar for f32 {
@@ -24,12 +26,18 @@ impl Scalar for f32 {
     fn from_f64(x: f64) -> f32 {
         x as f32
     }
+    fn is_one(self) -> bool {
+        self == 1.0
+    }
 }
 
 impl Scalar for f64 {
     #[inline(always)]
     fn from_f64(x: f64) -> f64 {
         x
+    }
+    fn is_one(self) -> bool {
+        self == 1.0
     }
 }
 

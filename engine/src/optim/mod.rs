@@ -33,7 +33,8 @@ pub mod schedule;
 mod state;
 
 pub use adamw::{AdamW, AdamWConfig};
-pub use clip::{clip_grad_norm, clip_to, scaled_grad_norm, Held};
+pub use clip::{clip_coefficient, clip_grad_norm, clip_to, scaled_grad_norm, Held};
+pub(crate) use clip::{local_square_sum, reduce_square_sum};
 pub use lamb::{Lamb, LambConfig};
 pub use lars::{Lars, LarsConfig};
 pub use precision::{LossScaler, MasterWeights};

@@ -9,7 +9,8 @@
 //!
 //! The UNet's parameters live in Gemini's chunks: fp32 masters, gradients and optimizer state
 //! in host or device memory as the placement decides under `--gpu-mem` (the device's
-//! allocator is capped there too; Gemini's budget is what the frozen text encoder and VAE,
+//! allocator is capped at what the CUDA context and libraries leave of it, measured at start;
+//! Gemini's budget is what the frozen text encoder and VAE,
 //! resident in the compute kind, leave of it: `resident.rs`), compute copies in the
 //! `--precision` kind; with `--nproc`
 //! each rank holds 1/N of every chunk (ZeRO-3) and the gradients are averaged. Each part of the
@@ -48,7 +49,7 @@ use anyhow::{bail, Context};
 use data::augment::Rng;
 use data::captions::{CaptionedImages, CropMode, Preprocess};
 use engine::dist::{ReduceOp, World};
-use engine::gemini::{cap_device_memory, parse_bytes, Gemini, Replication};
+use engine::gemini::{cap_process_memory, human, parse_bytes, Gemini, Replication, StepPlan};
 use engine::job::Precision;
 use engine::optim::{LossScaler, LrSchedule};
 use engine::parallel::{ParallelPlan, Parallelized};
@@ -117,11 +118,17 @@ impl UnetTraining {
 
     /// Backward of one micro-batch's `loss` (already divided by the accumulation count; `last`:
     /// the step's last micro-batch), loss-scaled under fp16; the gradients then go into the
-    /// chunks, or onto the adapters (reduced over the ranks during the last one's backward;
-    /// a rank whose backward leaves an adapter without a gradient adds zeros).
+    /// chunks (during the last one's backward host chunks start on the step as their gradients
+    /// complete: [`Gemini::plan_step`]), or onto the adapters (reduced over the ranks during the
+    /// last one's backward; a rank whose backward leaves an adapter without a gradient adds
+    /// zeros).
     fn backward(&self, loss: &Tensor, last: bool) -> Result<()> {
         let chunks = match self {
             UnetTraining::Gemini { gemini, scaler, .. } => {
+                if last {
+                    // The step always takes the norm (it is logged, and clipped to).
+                    gemini.plan_step(StepPlan { loss_scale: scaler.as_ref().map(|s| s.scale), norm: true })?;
+                }
                 let scaled = match scaler {
                     Some(s) => s.scale_loss(loss)?,
                     None => loss.shallow_clone(),
@@ -301,9 +308,23 @@ impl<'a> Trainer<'a> {
         kernels::install_optimizer_steps(kernels::Backend::resolve(args.kernels, device)?);
         let cap =
             args.gpu_mem.as_deref().map(|s| parse_bytes(s).with_context(|| format!("--gpu-mem {s}"))).transpose()?;
-        if let Some(b) = cap {
-            cap_device_memory(device, b)?;
-        }
+        // On a GPU the cap is the whole process's: what the CUDA context and libraries hold is
+        // measured and the allocator (the resident parts, Gemini's chunks, activations) gets
+        // the rest.
+        let cap = match cap {
+            Some(b) => {
+                match cap_process_memory(device, b).with_context(|| format!("--gpu-mem {}", human(b as usize)))? {
+                    Some(split) => {
+                        if world.rank() == 0 {
+                            eprintln!("{split}");
+                        }
+                        Some(split.allocator)
+                    }
+                    None => Some(b),
+                }
+            }
+            None => None,
+        };
         let data = CaptionedImages::open(&args.data, args.instance_prompt.as_deref())
             .with_context(|| format!("--data {}", args.data.display()))?;
         if data.is_empty() {

@@ -21,8 +21,9 @@ impl ChunkManager {
     /// accumulator (beside the home copy, so on the home's tier); with a data-parallel group
     /// into the chunk's whole gradient on the device. When every tensor of the chunk has its
     /// gradient the chunk's gradient is complete: it is reduced across ranks (see
-    /// [`ChunkManager::reduce`]) and its tensors go back to `Hold`.
-    pub fn add_gradient(&mut self, i: usize, grad: &Tensor) -> Result<()> {
+    /// [`ChunkManager::reduce`]) and its tensors go back to `Hold`. Returns the chunk when
+    /// this gradient completed it.
+    pub fn add_gradient(&mut self, i: usize, grad: &Tensor) -> Result<Option<usize>> {
         let (c, s) = self.places[i];
         crate::error::ensure!(
             self.trainable,
@@ -45,8 +46,9 @@ impl ChunkManager {
             for s in &mut self.chunks[c].slots {
                 s.move_to(TensorState::Hold)?;
             }
+            return Ok(Some(c));
         }
-        Ok(())
+        Ok(None)
     }
 
     /// A zero whole-chunk gradient on the device for chunk `c`, within the budget.

@@ -114,6 +114,13 @@ struct Chunk {
     shared: bool,
     /// Gradient accumulator beside the home copy, same shape.
     grad: Tensor,
+    /// A host home's values in the compute kind (bf16/fp16 payloads of a whole, unshared host
+    /// home; pinned on a GPU), which the optimizer's pass writes beside the home: a load then
+    /// copies it as it is, half the bytes of the home, with no cast on either side.
+    upload: Option<Tensor>,
+    /// Whether `upload` holds the home's values (anything else writing the home makes it stale:
+    /// [`ChunkManager::homes_changed`]).
+    upload_fresh: bool,
     /// `[capacity]` gradient of the whole chunk on the compute device, collecting the
     /// parameters' gradients until the chunk's are all here and it is reduced across ranks
     /// (only with a data-parallel group).
@@ -286,6 +293,10 @@ impl ChunkManager {
                     tier,
                 )?,
             };
+            let upload = match cfg.trainable && !shared && kind != Kind::Float && shards == 1 && tier == Tier::Host {
+                true => Some(manager.on_tier(&home.f_to_kind(kind)?, Tier::Host)?),
+                false => None,
+            };
             let grad = match cfg.trainable {
                 true => manager.on_tier(&home.f_zeros_like()?, tier)?,
                 false => Tensor::f_empty([0], (Kind::Float, home.device()))?,
@@ -298,6 +309,8 @@ impl ChunkManager {
                 tier,
                 resident: false,
                 shared,
+                upload_fresh: upload.is_some(),
+                upload,
                 grad,
                 full_grad: None,
                 ready: None,
@@ -430,13 +443,14 @@ impl ChunkManager {
     }
 
     /// Device bytes a prefetch of chunk `c` stages beside its payload while the copy lasts: on
-    /// a GPU, a copy of a host home whose dtype is not the payload's (its bytes cross as they
-    /// are and the cast runs on the device), else none. Not counted: a sharded chunk's gather
+    /// a GPU, a copy of a host home whose dtype is not the payload's and whose upload copy is
+    /// stale (its bytes cross as they are and the cast runs on the device), else none. Not counted: a sharded chunk's gather
     /// input, its shard in the compute dtype on the device until the chunk's access (ZeRO-3 over
     /// several GPUs).
     pub(crate) fn staging_of(&self, c: usize) -> usize {
         let ch = &self.chunks[c];
-        let staged = self.device.is_cuda() && ch.home.device() != self.device && ch.home.kind() != ch.kind;
+        let staged =
+            self.device.is_cuda() && ch.home.device() != self.device && ch.home.kind() != ch.kind && !ch.upload_fresh;
         if staged {
             ch.home_bytes()
         } else {
@@ -448,6 +462,35 @@ impl ChunkManager {
     /// the home's tier).
     pub(crate) fn home(&self, c: usize) -> &Tensor {
         &self.chunks[c].home
+    }
+
+    /// Whether a chunk of this manager keeps an upload copy on the host tier (see
+    /// [`Chunk::upload`]): trainable, bf16 or fp16 payloads, homes whole and not shared.
+    fn upload_kind(&self, c: usize) -> Option<Kind> {
+        let ch = &self.chunks[c];
+        let whole = self.replication.as_ref().is_none_or(|r| !r.shard);
+        (self.trainable && !ch.shared && ch.kind != Kind::Float && whole).then_some(ch.kind)
+    }
+
+    /// Chunk `c`'s upload copy (see [`Chunk::upload`]), which the optimizer writes beside the
+    /// home and then marks fresh ([`ChunkManager::set_upload_fresh`]).
+    pub(crate) fn upload(&self, c: usize) -> Option<&Tensor> {
+        self.chunks[c].upload.as_ref()
+    }
+
+    /// Says whether chunk `c`'s upload copy holds its home's values.
+    pub(crate) fn set_upload_fresh(&mut self, c: usize, fresh: bool) {
+        self.chunks[c].upload_fresh = fresh && self.chunks[c].upload.is_some();
+    }
+
+    /// The homes were written outside the optimizer (a checkpoint loaded, a shadow swapped in):
+    /// the upload copies are stale until the next step writes them, and resident payloads hold
+    /// the old values, so they are freed.
+    pub(crate) fn homes_changed(&mut self) -> Result<()> {
+        for ch in &mut self.chunks {
+            ch.upload_fresh = false;
+        }
+        self.release_all()
     }
 
     /// Chunk `c`'s gradient accumulator: beside its home, of the same shape.
@@ -486,8 +529,13 @@ impl ChunkManager {
         if !self.chunks[chunk].shared {
             let (home, grad) =
                 (self.on_tier(&self.chunks[chunk].home, tier)?, self.on_tier(&self.chunks[chunk].grad, tier)?);
+            // A device home loads on the device; a host home gets the upload copy back.
+            let upload = match (tier, self.upload_kind(chunk)) {
+                (Tier::Host, Some(kind)) => Some(self.on_tier(&home.f_to_kind(kind)?, Tier::Host)?),
+                _ => None,
+            };
             let ch = &mut self.chunks[chunk];
-            (ch.home, ch.grad) = (home, grad);
+            (ch.home, ch.grad, ch.upload_fresh, ch.upload) = (home, grad, upload.is_some(), upload);
         }
         let ch = &mut self.chunks[chunk];
         ch.tier = tier;

@@ -287,7 +287,8 @@ impl ChunkManager {
             }
             _ => {
                 let ch = &self.chunks[c];
-                tch::no_grad(|| ch.payload.shallow_clone().f_copy_(&ch.home))?;
+                let source = ch.upload.as_ref().filter(|_| ch.upload_fresh).unwrap_or(&ch.home);
+                tch::no_grad(|| ch.payload.shallow_clone().f_copy_(source))?;
             }
         }
         Ok(())
@@ -308,9 +309,12 @@ impl ChunkManager {
         side.set_current()?;
         let ch = &self.chunks[c];
         // Pinned host homes copy asynchronously: straight into the payload when the dtypes
-        // agree; else the home's bytes cross as they are and the side stream casts them.
+        // agree (or from the upload copy in the payload's kind); else the home's bytes cross as
+        // they are and the side stream casts them.
         let copied = tch::no_grad(|| -> Result<()> {
-            if ch.home.kind() == ch.payload.kind() {
+            if let Some(upload) = ch.upload.as_ref().filter(|_| ch.upload_fresh) {
+                cuda::copy_async(&ch.payload, upload)?;
+            } else if ch.home.kind() == ch.payload.kind() {
                 cuda::copy_async(&ch.payload, &ch.home)?;
             } else {
                 let staged = ch.home.f_to_dtype_layout((ch.home.kind(), self.device), true, false)?;

@@ -6,15 +6,18 @@
 //! Work is split into fixed blocks of [`BLOCK`] elements run in parallel with rayon. Norms are
 //! f64 sums of squares per block, added in block order, so results do not depend on the number
 //! of threads. LAMB's first half computes its update for the sums of squares and its second
-//! half computes it again rather than storing it.
+//! half computes it again rather than storing it. AdamW runs as one fused pass per segment
+//! (`vector.rs`): gradient factors, the rule, clearing the gradient and the half-precision
+//! copy of the weights in one read and one write of each buffer.
 use rayon::prelude::*;
 
+use super::vector::{self, Half, Pass};
 use super::{CpuRule, Segment};
-use crate::optim::adamw::AdamWStep;
 use crate::optim::lamb::LambStep;
 use crate::optim::lars::LarsStep;
 
-/// Elements per parallel block (a fixed partition keeps reductions deterministic).
+/// Elements per parallel block (a fixed partition keeps reductions deterministic). 2^18 was
+/// tried on the 2-core machine: no steadier gain over gigabytes than its run-to-run noise.
 pub const BLOCK: usize = 1 << 14;
 
 /// An optimizer stepping flat fp32 buffers in place, with its state in flat buffers alongside.
@@ -30,28 +33,43 @@ pub struct HostOptimizer {
     v: Vec<f32>,
 }
 
+/// What a step does beside the rule (see [`HostOptimizer::step_with`]); the default is
+/// nothing.
+#[derive(Debug, Default)]
+pub struct StepExtras<'a> {
+    /// Factors the gradients are multiplied by before the rule reads them, in order, each
+    /// product rounded to `f32` (loss-scale unscaling, then the clipping coefficient): the
+    /// same values as scaling the gradient buffer in place by each, without the passes.
+    pub grad_factors: &'a [f64],
+    /// Where to write the new weights in half precision too (the buffer a GPU's compute copy
+    /// is uploaded from), of the weights' length.
+    pub half_out: Option<(Half, &'a mut [u16])>,
+    /// Leave the gradients as they are instead of clearing them in the pass (where the next
+    /// gradient overwrites the buffer rather than adding to it).
+    pub keep_gradients: bool,
+}
+
 /// The sum of squares of `x` in f64: per-block sums added in block order, so the result does not
 /// depend on the thread count.
 pub fn sum_squares(x: &[f32]) -> f64 {
-    let partials: Vec<f64> = x.par_chunks(BLOCK).map(block_sum_squares).collect();
+    sum_squares_scaled(x, &[])
+}
+
+/// The sum of squares of `x` multiplied by `factors` in order (each product rounded to `f32`,
+/// as [`StepExtras::grad_factors`]), reading `x` once and writing nothing: the norm of
+/// gradients that are unscaled in the update's own pass.
+pub fn sum_squares_scaled(x: &[f32], factors: &[f64]) -> f64 {
+    let factors: Vec<f32> = factors.iter().map(|&f| f as f32).collect();
+    let partials: Vec<f64> = x.par_chunks(BLOCK).map(|b| vector::block_sum_squares(b, &factors)).collect();
     partials.iter().sum()
 }
 
-/// One block's sum of squares, in eight lanes (so it vectorises) added in a fixed order.
-fn block_sum_squares(x: &[f32]) -> f64 {
-    let mut lanes = [0f64; 8];
-    let chunks = x.chunks_exact(8);
-    let rest = chunks.remainder();
-    for c in chunks {
-        for (l, &e) in lanes.iter_mut().zip(c) {
-            *l += f64::from(e) * f64::from(e);
-        }
+/// Multiplies `g` by `factors` in order, in place (the rules whose passes do not take them).
+fn scale_in_place(g: &mut [f32], factors: &[f64]) {
+    for &f in factors {
+        let f = f as f32;
+        g.par_chunks_mut(BLOCK).for_each(|b| b.iter_mut().for_each(|x| *x *= f));
     }
-    let mut s: f64 = lanes.iter().sum();
-    for &e in rest {
-        s += f64::from(e) * f64::from(e);
-    }
-    s
 }
 
 impl HostOptimizer {
@@ -111,8 +129,28 @@ impl HostOptimizer {
     /// # Panics
     /// If `w` or `g` is not the buffer's length.
     pub fn step(&mut self, w: &mut [f32], g: &mut [f32]) {
+        self.step_with(w, g, StepExtras::default());
+    }
+
+    /// [`HostOptimizer::step`] with the gradient factors and half-precision copy of `extras`
+    /// (for AdamW all in the update's one pass).
+    ///
+    /// # Panics
+    /// If `w`, `g` or the half buffer is not the buffer's length.
+    pub fn step_with(&mut self, w: &mut [f32], g: &mut [f32], extras: StepExtras) {
+        if !self.fuses_factors() {
+            scale_in_place(g, extras.grad_factors);
+        }
+        let factors = if self.fuses_factors() { extras.grad_factors } else { &[] };
         let sums = self.prepare(w, g);
-        self.finish(w, g, &sums);
+        self.finish_with(w, g, &sums, StepExtras { grad_factors: factors, ..extras });
+    }
+
+    /// Whether [`HostOptimizer::finish_with`] applies gradient factors in its pass (AdamW,
+    /// whose first half reads no gradient). For the other rules multiply the gradients before
+    /// [`HostOptimizer::prepare`], which reads them.
+    pub fn fuses_factors(&self) -> bool {
+        matches!(self.rule, CpuRule::AdamW(_))
     }
 
     /// First half of a step: advances the step count, updates the moments (LAMB) and returns
@@ -153,24 +191,58 @@ impl HostOptimizer {
     /// # Panics
     /// If `w`, `g` or `sums` has the wrong length.
     pub fn finish(&mut self, w: &mut [f32], g: &mut [f32], sums: &[[f64; 2]]) {
+        self.finish_with(w, g, sums, StepExtras::default());
+    }
+
+    /// [`HostOptimizer::finish`] with `extras`: AdamW applies the gradient factors in its pass
+    /// (the other rules panic on factors: see [`HostOptimizer::fuses_factors`]); the half
+    /// copy covers the segments (padding between them is left as it is).
+    ///
+    /// # Panics
+    /// If a buffer or `sums` has the wrong length, or factors are given to a rule that does
+    /// not fuse them.
+    pub fn finish_with(&mut self, w: &mut [f32], g: &mut [f32], sums: &[[f64; 2]], extras: StepExtras) {
         assert_eq!(w.len(), self.len, "weights: wrong length");
         assert_eq!(g.len(), self.len, "gradients: wrong length");
         assert_eq!(sums.len(), self.segments.len(), "one pair of sums per segment");
+        assert!(
+            self.fuses_factors() || extras.grad_factors.is_empty(),
+            "{:?} reads the gradients before this pass: scale them before prepare",
+            self.rule
+        );
+        let factors: Vec<f32> = extras.grad_factors.iter().map(|&f| f as f32).collect();
+        let (mut half, clear) = (extras.half_out, !extras.keep_gradients);
+        if let Some((_, out)) = &half {
+            assert_eq!(out.len(), self.len, "half-precision copy: wrong length");
+        }
         let HostOptimizer { rule, step, segments, m, v, .. } = self;
         for (s, sums) in segments.iter().zip(sums) {
             let r = s.range();
             let (w, g) = (&mut w[r.clone()], &mut g[r.clone()]);
             let norms = s.adapt.then(|| (sums[0].sqrt(), sums[1].sqrt()));
+            let half = half.as_mut().map(|(kind, out)| (*kind, &mut out[r.clone()]));
             match *rule {
-                CpuRule::AdamW(c) => adamw(&c.at(*step, s.adapt), w, &mut m[r.clone()], &mut v[r], g),
-                CpuRule::Lamb(c) => lamb_finish(&c.at(*step, s.adapt), norms, w, &m[r.clone()], &v[r], g),
+                CpuRule::AdamW(c) => {
+                    let pass = Pass { factors: &factors, clear, half };
+                    vector::adamw(&c.at(*step, s.adapt), w, &mut m[r.clone()], &mut v[r], g, pass);
+                }
+                CpuRule::Lamb(c) => {
+                    let (m, v) = (&m[r.clone()], &v[r]);
+                    lamb_finish(&c.at(*step, s.adapt), norms, w, (m, v), (g, clear), half)
+                }
                 CpuRule::Lars(c) => {
                     let buf = if m.is_empty() { None } else { Some(&mut m[r]) };
-                    lars(&c.at(norms), *step == 1, w, buf, g)
+                    lars(&c.at(norms), *step == 1, w, buf, (g, clear));
+                    if let Some((kind, out)) = half {
+                        vector::to_half(kind, w, out);
+                    }
                 }
             }
         }
         // Padding between segments holds no gradient; clear it too, so all of `g` is zero.
+        if !clear {
+            return;
+        }
         let mut end = 0;
         let mut starts: Vec<(usize, usize)> = segments.iter().map(|s| (s.offset, s.len)).collect();
         starts.sort_unstable();
@@ -197,20 +269,6 @@ impl HostOptimizer {
         self.m.copy_from_slice(m);
         self.v.copy_from_slice(v);
     }
-}
-
-/// One AdamW step on a segment, clearing its gradient.
-fn adamw(rule: &AdamWStep<f32>, w: &mut [f32], m: &mut [f32], v: &mut [f32], g: &mut [f32]) {
-    w.par_chunks_mut(BLOCK)
-        .zip(m.par_chunks_mut(BLOCK))
-        .zip(v.par_chunks_mut(BLOCK))
-        .zip(g.par_chunks_mut(BLOCK))
-        .for_each(|(((w, m), v), g)| {
-            for (((w, m), v), g) in w.iter_mut().zip(m).zip(v).zip(g) {
-                let Ok(()) = rule.step(w, m, v, g);
-                *g = 0.0;
-            }
-        });
 }
 
 /// LAMB's first pass on a segment: the moments, and for an adapted segment the sums of squares
@@ -240,28 +298,46 @@ fn lamb_prepare(rule: &LambStep<f32>, adapt: bool, w: &[f32], m: &mut [f32], v: 
 }
 
 /// LAMB's second pass: `w -= r * (lr * ratio)`, the ratio from the whole parameter's norms;
-/// clears the gradient (read by the first pass).
-fn lamb_finish(rule: &LambStep<f32>, norms: Option<(f64, f64)>, w: &mut [f32], m: &[f32], v: &[f32], g: &mut [f32]) {
+/// clears the gradient (read by the first pass) and writes the half copy, if asked, in the
+/// same pass.
+fn lamb_finish(
+    rule: &LambStep<f32>,
+    norms: Option<(f64, f64)>,
+    w: &mut [f32],
+    (m, v): (&[f32], &[f32]),
+    (g, clear): (&mut [f32], bool),
+    half: Option<(Half, &mut [u16])>,
+) {
     let scale = rule.scale(norms);
-    w.par_chunks_mut(BLOCK).zip(m.par_chunks(BLOCK)).zip(v.par_chunks(BLOCK)).zip(g.par_chunks_mut(BLOCK)).for_each(
-        |(((w, m), v), g)| {
-            for ((w, m), v) in w.iter_mut().zip(m).zip(v) {
-                let Ok(r) = rule.update(w, m, v);
-                let Ok(()) = rule.apply(w, &r, scale);
-            }
+    let block = |w: &mut [f32], m: &[f32], v: &[f32], g: &mut [f32]| {
+        for ((w, m), v) in w.iter_mut().zip(m).zip(v) {
+            let Ok(r) = rule.update(w, m, v);
+            let Ok(()) = rule.apply(w, &r, scale);
+        }
+        if clear {
             g.fill(0.0);
-        },
-    );
+        }
+    };
+    let blocks = w.par_chunks_mut(BLOCK).zip(m.par_chunks(BLOCK)).zip(v.par_chunks(BLOCK)).zip(g.par_chunks_mut(BLOCK));
+    match half {
+        None => blocks.for_each(|(((w, m), v), g)| block(w, m, v, g)),
+        Some((kind, out)) => blocks.zip(out.par_chunks_mut(BLOCK)).for_each(|((((w, m), v), g), out)| {
+            block(w, m, v, g);
+            vector::write_half(kind, w, out);
+        }),
+    }
 }
 
 /// One LARS update on a segment (`first`: the momentum buffer's first step), clearing its
-/// gradient.
-fn lars(rule: &LarsStep<f32>, first: bool, w: &mut [f32], buf: Option<&mut [f32]>, g: &mut [f32]) {
+/// gradient if `clear`.
+fn lars(rule: &LarsStep<f32>, first: bool, w: &mut [f32], buf: Option<&mut [f32]>, (g, clear): (&mut [f32], bool)) {
     match buf {
         None => w.par_chunks_mut(BLOCK).zip(g.par_chunks_mut(BLOCK)).for_each(|(w, g)| {
             for (w, g) in w.iter_mut().zip(g) {
                 let Ok(()) = rule.step(w, None, g);
-                *g = 0.0;
+                if clear {
+                    *g = 0.0;
+                }
             }
         }),
         Some(buf) => {
@@ -269,7 +345,9 @@ fn lars(rule: &LarsStep<f32>, first: bool, w: &mut [f32], buf: Option<&mut [f32]
                 |((w, b), g)| {
                     for ((w, b), g) in w.iter_mut().zip(b).zip(g) {
                         let Ok(()) = rule.step(w, Some((b, first)), g);
-                        *g = 0.0;
+                        if clear {
+                            *g = 0.0;
+                        }
                     }
                 },
             );
@@ -293,7 +371,7 @@ pub(super) mod tests {
 
     /// Name, shape, adapt, starts at zero. `w1` spans two blocks; `zero` hits ratio = 1.
     const SHAPES: [(&str, &[i64], bool, bool); 4] = [
-        ("w1", &[200, 100], true, false),
+        ("w1", &[600, 500], true, false),
         ("b1", &[100], false, false),
         ("zero", &[16, 32], true, true),
         ("w2", &[7, 13], true, false),
@@ -440,6 +518,56 @@ pub(super) mod tests {
             let bits = |w: &[f32]| w.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&w1), bits(&w2), "{rule:?}");
             assert_eq!(s1.to_bits(), s2.to_bits());
+        }
+    }
+
+    #[test]
+    fn extras_equal_the_passes_they_replace() {
+        // Gradient factors and the half copy inside the step give, bit for bit, what scaling
+        // the gradients in place, stepping and converting the weights afterwards gave; kept
+        // gradients are left as they were.
+        let (segments, _, len, w0) = layout();
+        let factors = [1.0 / 4096.0, 0.3];
+        let rules = [
+            CpuRule::AdamW(AdamWConfig { weight_decay: 0.1, ..AdamWConfig::default() }),
+            CpuRule::Lamb(LambConfig::default()),
+            CpuRule::Lars(LarsConfig { weight_decay: 1e-3, ..LarsConfig::default() }),
+        ];
+        let bits = |w: &[f32]| w.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for rule in rules {
+            let (mut fused, mut passes) =
+                (HostOptimizer::new(rule, segments.clone(), len), HostOptimizer::new(rule, segments.clone(), len));
+            let (mut wf, mut wp) = (w0.clone(), w0.clone());
+            for step in 0..3 {
+                let g = randn(len, 300 + step).iter().map(|x| x * 4096.0).collect::<Vec<f32>>();
+                let (mut gf, mut gp) = (g.clone(), g.clone());
+                let mut half = vec![0u16; len];
+                let keep = step == 1;
+                let extras = StepExtras {
+                    grad_factors: &factors,
+                    half_out: Some((Half::Bf16, &mut half)),
+                    keep_gradients: keep,
+                };
+                fused.step_with(&mut wf, &mut gf, extras);
+                for f in factors {
+                    gp.iter_mut().for_each(|x| *x *= f as f32);
+                }
+                let scaled = gp.clone();
+                passes.step(&mut wp, &mut gp);
+                assert_eq!(bits(&wf), bits(&wp), "{rule:?} step {step}: weights");
+                assert_eq!(bits(fused.state().0), bits(passes.state().0), "{rule:?} step {step}: state");
+                for s in &segments {
+                    for i in s.range() {
+                        assert_eq!(half[i], Half::Bf16.from_f32(wp[i]), "{rule:?} step {step}: half copy of {i}");
+                    }
+                }
+                match keep {
+                    // AdamW's pass reads the factors in; the others scale the buffer first.
+                    true if fused.fuses_factors() => assert_eq!(bits(&gf), bits(&g), "{rule:?}: gradients kept"),
+                    true => assert_eq!(bits(&gf), bits(&scaled), "{rule:?}: scaled gradients kept"),
+                    false => assert!(gf.iter().all(|&x| x == 0.0), "{rule:?}: gradients cleared"),
+                }
+            }
         }
     }
 

@@ -12,9 +12,11 @@
 //! marked `adapt`.
 mod device;
 mod host;
+mod vector;
 
 pub use device::DeviceOptimizer;
-pub use host::{sum_squares, HostOptimizer, BLOCK};
+pub use host::{sum_squares, sum_squares_scaled, HostOptimizer, StepExtras, BLOCK};
+pub use vector::Half;
 
 use super::{AdamWConfig, LambConfig, LarsConfig};
 
