@@ -146,12 +146,13 @@ fn describe(choice: &Choice, batch: usize, nproc: usize) -> String {
     let depth = cfg.depth as usize;
     let flags = |plan: &Plan| Layout::from_plan(plan, batch, depth).map_or_else(|e| format!("({e})"), |l| l.flags());
     let mut out = format!(
-        "model: {}px images in {}px patches ({} tokens), width {}, depth {}; batch {batch}, {nproc} ranks\n{}",
+        "model: {}px images in {}px patches ({} tokens), width {}, depth {}; batch {batch}, {nproc} ranks{}\n{}",
         cfg.image_size,
         cfg.patch_size,
         cfg.num_patches() + 1,
         cfg.width,
         cfg.depth,
+        if choice.model.layers.iter().any(|l| l.measured.is_some()) { "; each part timed on this device" } else { "" },
         solution.report(&flags)
     );
     let blocks: Vec<String> = solution.best.plan.checkpoint.iter().map(|i| format!("blocks.{}", i - 1)).collect();

@@ -10,7 +10,7 @@
 //! simulator ([`crate::parallel::pipeline::simulate`]) under 1F1B, so the bubble is the
 //! runtime's own; then the gradients are all-reduced over the data and sequence-parallel group,
 //! and under ZeRO every parameter is broadcast from its owner after the step (as
-//! [`crate::parallel::zero`] does: an all-gather's bytes plus a latency per tensor).
+//! [`crate::parallel::zero`] does: an all-gather's bytes plus a collective's own cost per tensor).
 //! Checkpointed blocks run their forward again in the backward.
 //!
 //! A layer timed on the device ([`LayerProfile::measured`]) is priced from its measurement
@@ -75,12 +75,13 @@ impl fmt::Display for Plan {
         };
         write!(
             f,
-            "dp {} x tp {}{mode} x sp {} x pp {}, {} micro-batches, ZeRO-{}, {} blocks checkpointed",
+            "dp {} x tp {}{mode} x sp {} x pp {}, {} micro-batch{}, ZeRO-{}, {} blocks checkpointed",
             self.dp,
             self.tp,
             self.sp,
             self.pp,
             self.micro_batches,
+            if self.micro_batches == 1 { "" } else { "es" },
             self.zero,
             self.checkpoint.len()
         )
