@@ -9,7 +9,7 @@
 //! | [`JobArgs`] | a training job's launch, `--quiet`, `--metrics`, `--report-to` and `--logging-dir` (and [`JobArgs::open_metrics`]) |
 //! | [`PrecisionArgs`] | `--precision fp32\|bf16\|fp16` |
 //! | [`OptimizerArgs`] | `--optimizer --lr --weight-decay --clip-grad` (and [`OptimizerArgs::build`]) |
-//! | [`ScheduleArgs`] | `--warmup --decay --min-lr-ratio` |
+//! | [`ScheduleArgs`] | `--warmup --decay --min-lr-ratio --decay-every --decay-factor --decay-after` |
 //!
 //! Defaults here are neutral; a command whose users expect others (LAMB at 3e-2 for ViT,
 //! AdamW at 1e-5 for diffusion fine-tuning) sets them on its own struct with
@@ -29,7 +29,7 @@ use crate::metrics::{Metrics, Record};
 use crate::optim::{AdamW, AdamWConfig, Decay, Lamb, LambConfig, Lars, LarsConfig, LrSchedule, Optimizer, Param};
 use crate::{Error, Result};
 
-use crate::parse::{count, non_negative, positive, seconds, share};
+use crate::parse::{count, non_negative, positive, positive_share, seconds, share};
 
 /// `--device`.
 #[derive(clap::Args, Clone, Debug)]
@@ -255,9 +255,14 @@ pub enum DecayKind {
     Cosine,
     /// A straight line down to the floor.
     Linear,
+    /// AlphaFold's: times --decay-factor after --decay-after steps and every --decay-every
+    /// steps from there, not below the floor.
+    Step,
 }
 
-/// The learning-rate schedule: linear warmup, then a decay.
+/// The learning-rate schedule: linear warmup, then a decay. AlphaFold's recipe (OpenFold's
+/// `AlphaFoldLRScheduler`) is `--lr 1e-3 --warmup 1000 --decay step` with the step flags'
+/// defaults.
 #[derive(clap::Args, Clone, Debug)]
 pub struct ScheduleArgs {
     /// Linear warmup steps to the peak learning rate (diffusers' --lr-warmup-steps).
@@ -266,9 +271,19 @@ pub struct ScheduleArgs {
     /// Decay after warmup.
     #[arg(long, value_enum, default_value_t = DecayKind::Constant)]
     pub decay: DecayKind,
-    /// Final learning rate as a share of the peak (cosine and linear decay).
+    /// Final learning rate as a share of the peak (cosine and linear decay; step decay's floor).
     #[arg(long, default_value_t = 0.0, value_parser = share)]
     pub min_lr_ratio: f64,
+    /// Steps between two cuts of --decay step (AlphaFold: 50000).
+    #[arg(long, default_value_t = 50_000, value_parser = count(1..))]
+    pub decay_every: usize,
+    /// Each cut's factor under --decay step (AlphaFold: 0.95).
+    #[arg(long, default_value_t = 0.95, value_parser = positive_share)]
+    pub decay_factor: f64,
+    /// Steps at the peak before --decay step's first cut, counted from the first step (AlphaFold:
+    /// 50000, warm-up included).
+    #[arg(long, default_value_t = 50_000, value_parser = count(0..))]
+    pub decay_after: usize,
 }
 
 /// [`seconds`] for `--timeout`, whose error says when the value came from
@@ -288,6 +303,9 @@ impl ScheduleArgs {
             DecayKind::Constant => Decay::Constant,
             DecayKind::Cosine => Decay::Cosine,
             DecayKind::Linear => Decay::Linear,
+            DecayKind::Step => {
+                Decay::Step { every: self.decay_every, factor: self.decay_factor, after: self.decay_after }
+            }
         };
         LrSchedule { peak, floor: peak * self.min_lr_ratio, warmup: self.warmup, total, decay }
     }
@@ -329,6 +347,21 @@ mod tests {
         assert!(err.contains("fp16") && err.contains("fp32, bf16"), "{err}");
         let s = c.schedule.schedule(1.0, 10);
         assert_eq!((s.at(0), s.at(1), s.at(9)), (0.0, 0.2, 1.0));
+    }
+
+    /// `--decay step` with its flags is AlphaFold's schedule; the defaults are AlphaFold's numbers.
+    #[test]
+    fn step_decay_flags_build_alphafolds_schedule() {
+        let c = Command::try_parse_from(["x", "--warmup", "1000", "--decay", "step"]).unwrap();
+        let s = c.schedule.schedule(1e-3, 10);
+        assert_eq!(s.decay, Decay::Step { every: 50_000, factor: 0.95, after: 50_000 });
+        assert_eq!((s.at(1000), s.at(50_000)), (1e-3, 1e-3));
+        assert!((s.at(50_001) - 0.95e-3).abs() < 1e-15, "{}", s.at(50_001));
+        let flags = ["x", "--decay", "step", "--decay-every", "2", "--decay-factor", "0.5", "--decay-after", "4"];
+        let c = Command::try_parse_from(flags).unwrap();
+        let s = c.schedule.schedule(1.0, 10);
+        assert_eq!(s.decay, Decay::Step { every: 2, factor: 0.5, after: 4 });
+        assert_eq!([s.at(4), s.at(5), s.at(6), s.at(7), s.at(8)], [1.0, 0.5, 0.25, 0.25, 0.125]);
     }
 
     #[test]
@@ -391,6 +424,13 @@ mod tests {
             ("--max-grad-norm", "nan"),
             ("--min-lr-ratio", "1.5"),
             ("--min-lr-ratio", "-0.1"),
+            ("--decay-every", "0"),
+            ("--decay-every", "-5"),
+            ("--decay-factor", "0"),
+            ("--decay-factor", "1.5"),
+            ("--decay-factor", "nan"),
+            ("--decay-after", "-1"),
+            ("--decay-after", "1.5"),
         ] {
             let err =
                 Command::try_parse_from(["x".to_string(), format!("{flag}={value}")]).err().map(|e| e.to_string());

@@ -18,8 +18,8 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use engine::dist::World;
-use engine::job::{JobArgs, OptimizerArgs};
-use engine::optim::{clip_grad_norm, Optimizer, Param};
+use engine::job::{JobArgs, OptimizerArgs, ScheduleArgs};
+use engine::optim::{clip_grad_norm, Decay, LrSchedule, Optimizer, Param};
 use tch::{Device, Kind, Tensor};
 
 use crate::features::Features;
@@ -31,10 +31,16 @@ use crate::model::{Exec, Params, EVOFORMER, EXTRA_MSA};
 use crate::pdb::{read_resolution, Structure};
 use crate::residue_constants::{RESNAMES, UNK_RESTYPE_INDEX};
 
-/// `fastfold train`'s options.
+/// `fastfold train`'s options. The defaults are AlphaFold's optimiser recipe (supplementary
+/// section 1.11.3, OpenFold's `AlphaFoldLRScheduler`): Adam at 1e-3 after a linear warm-up of
+/// 1000 steps, times 0.95 every 50,000 steps after the first 50,000, the gradient norm clipped
+/// to 0.1; that is `--lr 1e-3 --warmup 1000 --decay step --decay-every 50000 --decay-factor 0.95
+/// --decay-after 50000 --clip-grad 0.1`.
 #[derive(clap::Args, Debug, Clone)]
 #[command(
-    mut_arg("lr", |a| a.help("Learning rate (AlphaFold: 1e-3)")),
+    mut_arg("lr", |a| a.help("Peak learning rate (AlphaFold: 1e-3)")),
+    mut_arg("warmup", |a| a.default_value("1000").help("Linear warm-up steps from 0 to --lr (AlphaFold: 1000)")),
+    mut_arg("decay", |a| a.default_value("step").help("Decay after warm-up (AlphaFold: step)")),
     mut_arg("clip_grad", |a| a.default_value("0.1").help("Gradient-norm clip (AlphaFold: 0.1)")),
     mut_arg("metrics", |a| a.default_value("log.jsonl")),
     mut_arg("quiet", |a| a.help("No per-step lines")),
@@ -61,6 +67,9 @@ pub struct TrainArgs {
     /// The optimizer (AlphaFold: Adam, no weight decay).
     #[command(flatten)]
     pub optimizer: OptimizerArgs,
+    /// The learning-rate schedule (AlphaFold's by default).
+    #[command(flatten)]
+    pub schedule: ScheduleArgs,
     /// The training stage whose loss weights apply (OpenFold's presets, supplementary Table 4):
     /// `finetuning` adds the structural violations (weight 1), experimentally resolved (0.01)
     /// and, with the aligned-error head, predicted aligned error (0.1).
@@ -281,6 +290,7 @@ pub struct Trainer {
     optimizer: Box<dyn Optimizer>,
     stacks: Vec<Tensor>,
     clip: Option<f64>,
+    schedule: LrSchedule,
     loss: LossConfig,
     seed: u64,
     steps: u64,
@@ -288,17 +298,23 @@ pub struct Trainer {
 
 impl Trainer {
     /// `optimizer` (AlphaFold's: Adam without weight decay, clip 0.1) over every array of
-    /// `params` (moved to `device`), with the initial-training loss and seed 0
-    /// ([`Trainer::with_loss`] sets them).
+    /// `params` (moved to `device`), at its learning rate throughout, with the initial-training
+    /// loss and seed 0 ([`Trainer::with_schedule`] and [`Trainer::with_loss`] set them).
     pub fn new(params: &Params, device: Device, optimizer: &OptimizerArgs) -> anyhow::Result<Trainer> {
         let params = params.to_device(device, true)?;
         let model = AlphaFold::new(&params)?;
         let is_stack = |k: &str| k.starts_with(&format!("{EVOFORMER}/")) || k.starts_with(&format!("{EXTRA_MSA}/"));
         let stacks = params.iter().filter(|(k, _)| is_stack(k)).map(|(_, t)| t.shallow_clone()).collect();
         let list = params.iter().map(|(k, t)| Param::new(k, t)).collect();
-        let (clip, optimizer) = (optimizer.clip_grad, optimizer.build(list, optimizer.lr));
+        let (clip, lr, optimizer) = (optimizer.clip_grad, optimizer.lr, optimizer.build(list, optimizer.lr));
+        let schedule = LrSchedule { peak: lr, floor: lr, warmup: 0, total: 1, decay: Decay::Constant };
         let loss = LossConfig::initial_training();
-        Ok(Trainer { model, params, optimizer, stacks, clip, loss, seed: 0, steps: 0 })
+        Ok(Trainer { model, params, optimizer, stacks, clip, schedule, loss, seed: 0, steps: 0 })
+    }
+
+    /// The same trainer with the learning rate of step `s` (counted from 0) `schedule.at(s)`.
+    pub fn with_schedule(self, schedule: LrSchedule) -> Trainer {
+        Trainer { schedule, ..self }
     }
 
     /// The same trainer with `loss`'s weights, backbone FAPE clamped in the steps its fraction
@@ -327,8 +343,8 @@ impl Trainer {
         Ok(losses)
     }
 
-    /// One step: [`Trainer::backward`], clipping, Adam. Returns the losses and the gradient
-    /// norm before clipping.
+    /// One step: [`Trainer::backward`], clipping, Adam at the schedule's learning rate. Returns
+    /// the losses and the gradient norm before clipping.
     pub fn step(
         &mut self,
         features: &Features,
@@ -336,6 +352,7 @@ impl Trainer {
         recycles: usize,
         exec: &Exec,
     ) -> anyhow::Result<(Losses, f64)> {
+        self.optimizer.set_lr(self.schedule.at(self.steps as usize));
         let losses = self.backward(features, target, recycles, exec)?;
         let norm = clip_grad_norm(self.optimizer.params(), self.clip.unwrap_or(f64::INFINITY), None)?;
         self.optimizer.step()?;
@@ -346,6 +363,11 @@ impl Trainer {
     /// The parameters being trained.
     pub fn params(&self) -> &Params {
         &self.params
+    }
+
+    /// The learning rate of the last step (before the first, the optimizer's).
+    pub fn lr(&self) -> f64 {
+        self.optimizer.lr()
     }
 }
 
@@ -370,7 +392,9 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
     let mut target = Target::new(&structure, &aatype, &args.target.display().to_string())?;
     target.resolution = resolution(args, world)?;
     let loss = args.config_preset.loss();
-    let mut trainer = Trainer::new(&params, device, &args.optimizer)?.with_loss(loss, args.input.seed.seed);
+    let schedule = args.schedule.schedule(args.optimizer.lr, args.steps);
+    let mut trainer =
+        Trainer::new(&params, device, &args.optimizer)?.with_schedule(schedule).with_loss(loss, args.input.seed.seed);
     let mut log = Vec::new();
     let mut metrics = match world.rank() {
         0 => {
@@ -383,7 +407,7 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
         let start = Instant::now();
         let (losses, grad_norm) = trainer.step(&features, &target, args.recycles, &exec)?;
         let seconds = start.elapsed().as_secs_f64();
-        let (lr, peak_bytes) = (args.optimizer.lr, engine::process::peak_memory(device));
+        let (lr, peak_bytes) = (trainer.lr(), engine::process::peak_memory(device));
         let entry = StepLog { step, losses: losses.terms, grad_norm, seconds, lr, peak_bytes };
         let l = &entry.losses;
         // Every rank holds the same loss (DAP gathers before the loss), so all stop together.

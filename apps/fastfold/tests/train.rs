@@ -187,8 +187,10 @@ fn train_command_lowers_the_loss_and_two_ranks_agree() {
         (o.status.success(), text)
     };
     let one = d.join("one");
-    let (ok, text) =
-        train(&one, &["--steps", "8", "--lr", "3e-3", "--report-to", "tensorboard", "--logging-dir", "tb"]);
+    let (ok, text) = train(
+        &one,
+        &["--steps", "8", "--lr", "3e-3", "--warmup", "0", "--report-to", "tensorboard", "--logging-dir", "tb"],
+    );
     assert!(ok, "{text}");
     let steps = log(&one);
     assert_eq!(steps.len(), 8);
@@ -235,6 +237,29 @@ fn train_command_lowers_the_loss_and_two_ranks_agree() {
     assert!(!o.status.success() && err.contains("short.pdb") && err.contains("10 residues"), "{err}");
 }
 
+/// `fastfold train`'s defaults are AlphaFold's optimiser recipe: Adam at 1e-3, warm-up over
+/// 1000 steps, then 0.95 every 50,000 steps after 50,000, the gradient norm clipped to 0.1.
+#[test]
+fn the_defaults_are_alphafolds_recipe() {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: fastfold::train::TrainArgs,
+    }
+    let words = ["fastfold", "q.fasta", "--target", "q.pdb", "--params", "p.npz", "-o", "out"];
+    let args = Cli::try_parse_from(words).unwrap().args;
+    assert_eq!(
+        (args.optimizer.optimizer, args.optimizer.lr, args.optimizer.weight_decay),
+        (OptimizerKind::Adamw, 1e-3, 0.0)
+    );
+    assert_eq!(args.optimizer.clip_grad, Some(0.1));
+    let s = args.schedule.schedule(args.optimizer.lr, 200_000);
+    assert_eq!(s.decay, engine::optim::Decay::Step { every: 50_000, factor: 0.95, after: 50_000 });
+    assert_eq!((s.warmup, s.at(0), s.at(1000), s.at(50_000)), (1000, 0.0, 1e-3, 1e-3));
+    assert!((s.at(50_001) - 0.95e-3).abs() < 1e-15 && (s.at(100_000) - 0.9025e-3).abs() < 1e-15);
+}
+
 /// `--config-preset finetuning` at a resolution inside the confidence heads' range: every
 /// term in the log, the total their sum with the fine-tuning weights, backbone FAPE clamped in
 /// the steps the seed draws (seed 2 leaves step 1 unclamped), and a few steps lower the total
@@ -249,8 +274,10 @@ fn fine_tuning_logs_every_term_and_lowers_the_total() {
         assert!(o.status.success(), "{text}");
         (log(out), text)
     };
-    let flags = ["--steps", "6", "--lr", "3e-3", "--config-preset", "finetuning", "--resolution", "2", "--seed", "2"];
+    let flags = ["--steps", "6", "--lr", "3e-3", "--warmup", "0", "--config-preset", "finetuning", "--resolution", "2"];
+    let flags = [&flags[..], &["--seed", "2"]].concat();
     let (steps, _) = train(&inputs.dir.join("fine"), &flags);
+    assert!(steps.iter().all(|s| s["lr"] == 3e-3), "no warm-up, and the first decay at step 50,001");
     assert_eq!(steps.len(), 6);
     let term = |s: &serde_json::Value, name: &str| s[name].as_f64().unwrap_or_else(|| panic!("{name}: {s}"));
     for (i, s) in steps.iter().enumerate() {
@@ -312,7 +339,8 @@ fn training_with_fused_kernels_equals_the_compositions_on_cuda_or_the_emulator()
     let train = |backend: &str| {
         let out = inputs.dir.join(backend);
         let device = if dev.is_cuda() { "cuda" } else { "cpu" };
-        let flags = ["fastfold", "--quiet", "--steps", "2", "--lr", "3e-3", "--device", device, "--kernels", backend];
+        let flags = ["fastfold", "--quiet", "--steps", "2", "--lr", "3e-3", "--warmup", "0", "--device", device];
+        let flags = [&flags[..], &["--kernels", backend]].concat();
         let words = flags.iter().map(|w| w.to_string()).chain(inputs.args(&out));
         let log = fastfold::train::run(&Cli::parse_from(words).args, &world).unwrap();
         (log, Params::load_model(out.join("params.npz")).unwrap())
