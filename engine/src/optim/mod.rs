@@ -1,5 +1,6 @@
-//! Optimizers (AdamW, LAMB, LARS), learning-rate schedules, gradient clipping and mixed
-//! precision (fp32 master weights, dynamic loss scaling).
+//! Optimizers (AdamW, LAMB, LARS), learning-rate schedules, gradient clipping, mixed
+//! precision (fp32 master weights, dynamic loss scaling) and an exponential moving average of
+//! the weights ([`ema`]).
 //!
 //! Each rule lives in one module (`adamw`, `lamb`, `lars`, with the Adam core AdamW and LAMB
 //! share in `adam`) that holds its configuration, its arithmetic written once over
@@ -24,6 +25,7 @@ mod adam;
 mod adamw;
 mod clip;
 mod elementwise;
+pub mod ema;
 pub mod flat;
 pub mod fused;
 mod lamb;
@@ -35,6 +37,7 @@ mod state;
 pub use adamw::{AdamW, AdamWConfig};
 pub use clip::{clip_coefficient, clip_grad_norm, clip_to, scaled_grad_norm, Held};
 pub(crate) use clip::{local_square_sum, reduce_square_sum};
+pub use ema::Ema;
 pub use lamb::{Lamb, LambConfig};
 pub use lars::{Lars, LarsConfig};
 pub use precision::{LossScaler, MasterWeights};
