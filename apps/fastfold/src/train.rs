@@ -13,13 +13,13 @@
 //! and the stacks on its block: the stacks' parameter gradients are summed over the ranks
 //! ([`engine::parallel::dap::Dap::reduce_gradients`]); every other gradient is already whole
 //! on every rank.
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{bail, Context};
 use engine::dist::World;
 use engine::job::{JobArgs, OptimizerArgs, ScheduleArgs};
-use engine::optim::{clip_grad_norm, Decay, LrSchedule, Optimizer, Param};
+use engine::optim::{clip_grad_norm, Decay, Ema, LrSchedule, Optimizer, Param};
 use tch::{Device, Kind, Tensor};
 
 use crate::features::Features;
@@ -34,8 +34,9 @@ use crate::residue_constants::{RESNAMES, UNK_RESTYPE_INDEX};
 /// `fastfold train`'s options. The defaults are AlphaFold's optimiser recipe (supplementary
 /// section 1.11.3, OpenFold's `AlphaFoldLRScheduler`): Adam at 1e-3 after a linear warm-up of
 /// 1000 steps, times 0.95 every 50,000 steps after the first 50,000, the gradient norm clipped
-/// to 0.1; that is `--lr 1e-3 --warmup 1000 --decay step --decay-every 50000 --decay-factor 0.95
-/// --decay-after 50000 --clip-grad 0.1`.
+/// to 0.1, and a moving average of the weights (decay 0.999) saved as the parameters; that is
+/// `--lr 1e-3 --warmup 1000 --decay step --decay-every 50000 --decay-factor 0.95 --decay-after
+/// 50000 --clip-grad 0.1 --ema-decay 0.999`.
 #[derive(clap::Args, Debug, Clone)]
 #[command(
     mut_arg("lr", |a| a.help("Peak learning rate (AlphaFold: 1e-3)")),
@@ -58,7 +59,8 @@ pub struct TrainArgs {
     /// Initial parameters (`.npz` with AlphaFold's names, or `.safetensors`).
     #[arg(long)]
     pub params: PathBuf,
-    /// Output directory: `params.npz` after the last step and the training log.
+    /// Output directory: `params.npz` (the weights' moving average; `params-raw.npz` the weights
+    /// as trained) after the last step, and the training log.
     #[arg(short = 'o', long)]
     pub out: PathBuf,
     /// Optimizer steps.
@@ -70,6 +72,11 @@ pub struct TrainArgs {
     /// The learning-rate schedule (AlphaFold's by default).
     #[command(flatten)]
     pub schedule: ScheduleArgs,
+    /// Decay of the exponential moving average of the weights, updated after every step
+    /// (AlphaFold: 0.999; 0: none). The saved `params.npz` holds the average, as AlphaFold's
+    /// released weights do, and `params-raw.npz` the weights as trained.
+    #[arg(long, default_value_t = 0.999, value_parser = engine::parse::share)]
+    pub ema_decay: f64,
     /// The training stage whose loss weights apply (OpenFold's presets, supplementary Table 4):
     /// `finetuning` adds the structural violations (weight 1), experimentally resolved (0.01)
     /// and, with the aligned-error head, predicted aligned error (0.1).
@@ -291,15 +298,22 @@ pub struct Trainer {
     stacks: Vec<Tensor>,
     clip: Option<f64>,
     schedule: LrSchedule,
+    ema: Option<Ema>,
     loss: LossConfig,
     seed: u64,
     steps: u64,
 }
 
+/// The saved parameters under `--out`: the moving average when there is one, else the weights.
+pub const PARAMS: &str = "params.npz";
+/// The weights as trained under `--out`, beside the moving average in [`PARAMS`].
+pub const RAW_PARAMS: &str = "params-raw.npz";
+
 impl Trainer {
     /// `optimizer` (AlphaFold's: Adam without weight decay, clip 0.1) over every array of
     /// `params` (moved to `device`), at its learning rate throughout, with the initial-training
-    /// loss and seed 0 ([`Trainer::with_schedule`] and [`Trainer::with_loss`] set them).
+    /// loss and seed 0, without a moving average ([`Trainer::with_schedule`],
+    /// [`Trainer::with_loss`] and [`Trainer::with_ema`] set them).
     pub fn new(params: &Params, device: Device, optimizer: &OptimizerArgs) -> anyhow::Result<Trainer> {
         let params = params.to_device(device, true)?;
         let model = AlphaFold::new(&params)?;
@@ -309,12 +323,19 @@ impl Trainer {
         let (clip, lr, optimizer) = (optimizer.clip_grad, optimizer.lr, optimizer.build(list, optimizer.lr));
         let schedule = LrSchedule { peak: lr, floor: lr, warmup: 0, total: 1, decay: Decay::Constant };
         let loss = LossConfig::initial_training();
-        Ok(Trainer { model, params, optimizer, stacks, clip, schedule, loss, seed: 0, steps: 0 })
+        Ok(Trainer { model, params, optimizer, stacks, clip, schedule, ema: None, loss, seed: 0, steps: 0 })
     }
 
     /// The same trainer with the learning rate of step `s` (counted from 0) `schedule.at(s)`.
     pub fn with_schedule(self, schedule: LrSchedule) -> Trainer {
         Trainer { schedule, ..self }
+    }
+
+    /// The same trainer keeping a moving average of the weights with `decay` (0: none), from
+    /// their values now, updated after every step.
+    pub fn with_ema(self, decay: f64) -> anyhow::Result<Trainer> {
+        let ema = (decay > 0.0).then(|| Ema::new(self.optimizer.params(), decay)).transpose()?;
+        Ok(Trainer { ema, ..self })
     }
 
     /// The same trainer with `loss`'s weights, backbone FAPE clamped in the steps its fraction
@@ -343,8 +364,8 @@ impl Trainer {
         Ok(losses)
     }
 
-    /// One step: [`Trainer::backward`], clipping, Adam at the schedule's learning rate. Returns
-    /// the losses and the gradient norm before clipping.
+    /// One step: [`Trainer::backward`], clipping, Adam at the schedule's learning rate, the
+    /// moving average's update. Returns the losses and the gradient norm before clipping.
     pub fn step(
         &mut self,
         features: &Features,
@@ -356,6 +377,9 @@ impl Trainer {
         let losses = self.backward(features, target, recycles, exec)?;
         let norm = clip_grad_norm(self.optimizer.params(), self.clip.unwrap_or(f64::INFINITY), None)?;
         self.optimizer.step()?;
+        if let Some(ema) = &mut self.ema {
+            ema.update()?;
+        }
         self.steps += 1;
         Ok((losses, norm))
     }
@@ -369,12 +393,34 @@ impl Trainer {
     pub fn lr(&self) -> f64 {
         self.optimizer.lr()
     }
+
+    /// The moving average of the weights, if one is kept.
+    pub fn ema(&self) -> Option<&Ema> {
+        self.ema.as_ref()
+    }
+
+    /// Writes the parameters under AlphaFold's names to `out`: [`PARAMS`] holds the moving
+    /// average when one is kept (what evaluation and `predict` use, as for AlphaFold's released
+    /// weights), and then [`RAW_PARAMS`] the weights as trained; else [`PARAMS`] the weights.
+    pub fn save(&self, out: &Path) -> anyhow::Result<()> {
+        match &self.ema {
+            Some(ema) => {
+                ema.with_average(|| self.params.save(out.join(PARAMS)))??;
+                self.params.save(out.join(RAW_PARAMS))?;
+            }
+            None => self.params.save(out.join(PARAMS))?,
+        }
+        Ok(())
+    }
 }
 
 /// Runs `args.steps` steps; rank 0 writes the log and the final parameters. Returns the log.
 pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
     if args.steps == 0 {
         bail!("--steps must be at least 1");
+    }
+    if args.ema_decay == 1.0 {
+        bail!("--ema-decay 1 would keep the initial weights as the average: use one below 1 (0: none)");
     }
     let (device, exec, backend) = args.chunk.setup(&args.job.launch, world)?;
     kernels::install_optimizer_steps(backend);
@@ -393,8 +439,9 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
     target.resolution = resolution(args, world)?;
     let loss = args.config_preset.loss();
     let schedule = args.schedule.schedule(args.optimizer.lr, args.steps);
-    let mut trainer =
+    let trainer =
         Trainer::new(&params, device, &args.optimizer)?.with_schedule(schedule).with_loss(loss, args.input.seed.seed);
+    let mut trainer = trainer.with_ema(args.ema_decay)?;
     let mut log = Vec::new();
     let mut metrics = match world.rank() {
         0 => {
@@ -428,7 +475,7 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
         log.push(entry);
     }
     if world.rank() == 0 {
-        trainer.params().save(args.out.join("params.npz"))?;
+        trainer.save(&args.out)?;
     }
     Ok(log)
 }

@@ -18,7 +18,7 @@ use fastfold::pdb::Structure;
 use fastfold::residue_constants::{aatype_of, atom_order};
 use fastfold::train::{Target, Trainer};
 use suite_tests::{dist_test, TestResult};
-use tch::{Device, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use common::BIN;
 const SEQ: &str = "MKTAYIAKGRQISF";
@@ -142,6 +142,46 @@ fn bad_targets_are_named() {
     assert!(Target::new(&modified, &aatype, "t.pdb").is_ok());
 }
 
+/// With a moving average, the saved `params.npz` is the average of the weights' trajectory
+/// (`e_0 = w_0`, `e_k = d e_(k-1) + (1 - d) w_k`, computed here in f64 from the weights after
+/// each step) within 1e-6 of each array's largest value (the fp32 average's rounding), and
+/// `params-raw.npz` is the weights as trained, bit for bit.
+#[test]
+fn saved_params_are_the_moving_average_of_the_trajectory() {
+    let d = dir("ema");
+    let params = Params::random_model(&EvoformerConfig::tiny(), &ModelConfig::tiny(), 15).unwrap();
+    let f = features(&d.join("q.a3m"));
+    let target = Target::new(&helix(SEQ), &f.aatype.get(0), "helix").unwrap();
+    let adam = OptimizerArgs { optimizer: OptimizerKind::Adamw, lr: 3e-3, weight_decay: 0.0, clip_grad: Some(0.1) };
+    let mut trainer = Trainer::new(&params, Device::Cpu, &adam).unwrap().with_ema(0.5).unwrap();
+    let snapshot = |t: &Trainer| -> Vec<Tensor> { t.params().iter().map(|(_, a)| a.to_kind(Kind::Double)).collect() };
+    let mut average = snapshot(&trainer);
+    let exec = Exec::new(Dap::none(), Some(3));
+    for _ in 0..3 {
+        trainer.step(&f, &target, 1, &exec).unwrap();
+        for (e, w) in average.iter_mut().zip(snapshot(&trainer)) {
+            *e = &*e * 0.5 + w * 0.5;
+        }
+    }
+    trainer.save(&d).unwrap();
+    let saved = Params::load_model(d.join("params.npz")).unwrap();
+    let raw = Params::load_model(d.join("params-raw.npz")).unwrap();
+    assert_eq!(saved.len(), average.len());
+    let mut apart = 0;
+    for (((name, e), (_, r)), (want, now)) in saved.iter().zip(raw.iter()).zip(average.iter().zip(snapshot(&trainer))) {
+        let scale = want.abs().max().double_value(&[]).max(1e-6);
+        let diff = (e.to_kind(Kind::Double) - want).abs().max().double_value(&[]);
+        assert!(diff <= 1e-6 * scale, "{name}: the average is off by {diff:e} (largest value {scale:e})");
+        assert!(r.to_kind(Kind::Double).equal(&now), "{name}: params-raw.npz is not the trained weights");
+        apart += usize::from(!e.equal(r));
+    }
+    assert!(
+        apart * 2 > saved.len(),
+        "the average differs from the weights in most arrays ({apart} of {})",
+        saved.len()
+    );
+}
+
 fn log(out: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(out.join("log.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
 }
@@ -208,7 +248,9 @@ fn train_command_lowers_the_loss_and_two_ranks_agree() {
     }
     let (first, last) = (steps[0]["loss"].as_f64().unwrap(), steps[7]["loss"].as_f64().unwrap());
     assert!(last < first, "8 Adam steps on one target: loss {first} -> {last}");
-    let trained = Params::load_model(one.join("params.npz")).unwrap();
+    let trained = Params::load_model(one.join("params-raw.npz")).unwrap();
+    let average = Params::load_model(one.join("params.npz")).unwrap();
+    assert!(trained.iter().zip(average.iter()).any(|((_, a), (_, b))| !a.equal(b)), "params.npz is the average");
     let initial = Params::load_model(params).unwrap();
     let moved = trained.iter().zip(initial.iter()).filter(|((_, a), (_, b))| !a.equal(b)).count();
     assert!(moved * 2 > trained.len(), "most arrays change ({moved} of {})", trained.len());
@@ -238,7 +280,8 @@ fn train_command_lowers_the_loss_and_two_ranks_agree() {
 }
 
 /// `fastfold train`'s defaults are AlphaFold's optimiser recipe: Adam at 1e-3, warm-up over
-/// 1000 steps, then 0.95 every 50,000 steps after 50,000, the gradient norm clipped to 0.1.
+/// 1000 steps, then 0.95 every 50,000 steps after 50,000, the gradient norm clipped to 0.1, and
+/// the weights' moving average at 0.999.
 #[test]
 fn the_defaults_are_alphafolds_recipe() {
     use clap::Parser;
@@ -253,7 +296,7 @@ fn the_defaults_are_alphafolds_recipe() {
         (args.optimizer.optimizer, args.optimizer.lr, args.optimizer.weight_decay),
         (OptimizerKind::Adamw, 1e-3, 0.0)
     );
-    assert_eq!(args.optimizer.clip_grad, Some(0.1));
+    assert_eq!((args.optimizer.clip_grad, args.ema_decay), (Some(0.1), 0.999));
     let s = args.schedule.schedule(args.optimizer.lr, 200_000);
     assert_eq!(s.decay, engine::optim::Decay::Step { every: 50_000, factor: 0.95, after: 50_000 });
     assert_eq!((s.warmup, s.at(0), s.at(1000), s.at(50_000)), (1000, 0.0, 1e-3, 1e-3));
@@ -343,7 +386,7 @@ fn training_with_fused_kernels_equals_the_compositions_on_cuda_or_the_emulator()
         let flags = [&flags[..], &["--kernels", backend]].concat();
         let words = flags.iter().map(|w| w.to_string()).chain(inputs.args(&out));
         let log = fastfold::train::run(&Cli::parse_from(words).args, &world).unwrap();
-        (log, Params::load_model(out.join("params.npz")).unwrap())
+        (log, Params::load_model(out.join("params-raw.npz")).unwrap())
     };
     let (torch_log, torch) = train("torch");
     assert!(engine::optim::fused::installed().is_none(), "--kernels torch installs no optimizer steps");
