@@ -9,6 +9,10 @@
 //! the resolution comes from `--resolution` or the target's header. Gradients flow through
 //! the last recycling pass only, as in AlphaFold.
 //!
+//! The optimiser recipe is AlphaFold's by default ([`TrainArgs`]); `--save-every` writes
+//! checkpoints ([`crate::checkpoint`]) and `--resume` continues from the latest, on any number
+//! of ranks, so that a resumed run repeats the uninterrupted one bit for bit.
+//!
 //! Under DAP every rank computes the embedders, structure module and heads on whole tensors
 //! and the stacks on its block: the stacks' parameter gradients are summed over the ranks
 //! ([`engine::parallel::dap::Dap::reduce_gradients`]); every other gradient is already whole
@@ -22,6 +26,7 @@ use engine::job::{JobArgs, OptimizerArgs, ScheduleArgs};
 use engine::optim::{clip_grad_norm, Decay, Ema, LrSchedule, Optimizer, Param};
 use tch::{Device, Kind, Tensor};
 
+use crate::checkpoint::{self, Saved, TrainerState};
 use crate::features::Features;
 use crate::ground_truth::GroundTruth;
 use crate::input::{ChunkArgs, InputArgs};
@@ -63,9 +68,17 @@ pub struct TrainArgs {
     /// as trained) after the last step, and the training log.
     #[arg(short = 'o', long)]
     pub out: PathBuf,
-    /// Optimizer steps.
+    /// Optimizer steps (in all, counting those of a resumed run).
     #[arg(long, default_value_t = 1)]
     pub steps: usize,
+    /// Write a checkpoint (`checkpoint-<step>/` under --out: the weights, the optimizer's and the
+    /// average's state, the step) every this many steps and after the last; the newest is kept.
+    #[arg(long, value_parser = engine::parse::count(1..))]
+    pub save_every: Option<usize>,
+    /// Continue the run under --out from its latest checkpoint up to --steps, on any number of
+    /// ranks, appending to its log.
+    #[arg(long)]
+    pub resume: bool,
     /// The optimizer (AlphaFold: Adam, no weight decay).
     #[command(flatten)]
     pub optimizer: OptimizerArgs,
@@ -399,6 +412,33 @@ impl Trainer {
         self.ema.as_ref()
     }
 
+    /// Steps taken (a resumed trainer counts the checkpoint's).
+    pub fn steps(&self) -> usize {
+        self.steps as usize
+    }
+
+    /// The optimizer's and the moving average's state, for a checkpoint.
+    pub fn state(&self) -> Vec<(String, Tensor)> {
+        let mut state = self.optimizer.state();
+        state.extend(self.ema.iter().flat_map(Ema::state));
+        state
+    }
+
+    /// Continues from `saved`: its weights, the optimizer's and the average's state, its step.
+    pub fn resume(&mut self, saved: &Saved) -> anyhow::Result<()> {
+        let weights: Vec<(String, Tensor)> =
+            self.params.iter().map(|(k, t)| (k.to_string(), t.shallow_clone())).collect();
+        saved.load_weights(&weights)?;
+        let mut state = saved.read_state()?;
+        let file = || saved.dir.join(checkpoint::STATE).display().to_string();
+        self.optimizer.load_state(&mut state).with_context(file)?;
+        if let Some(ema) = &mut self.ema {
+            ema.load_state(&mut state).with_context(file)?;
+        }
+        self.steps = saved.state.step as u64;
+        Ok(())
+    }
+
     /// Writes the parameters under AlphaFold's names to `out`: [`PARAMS`] holds the moving
     /// average when one is kept (what evaluation and `predict` use, as for AlphaFold's released
     /// weights), and then [`RAW_PARAMS`] the weights as trained; else [`PARAMS`] the weights.
@@ -442,15 +482,20 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
     let trainer =
         Trainer::new(&params, device, &args.optimizer)?.with_schedule(schedule).with_loss(loss, args.input.seed.seed);
     let mut trainer = trainer.with_ema(args.ema_decay)?;
+    match args.resume {
+        true => resume(args, world, &mut trainer)?,
+        false => note_fresh_start(args, world),
+    }
     let mut log = Vec::new();
     let mut metrics = match world.rank() {
         0 => {
             std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
-            Some(args.job.open_metrics::<StepLog>(&args.out, None, "fastfold-train")?)
+            let resumed = args.resume.then_some(trainer.steps());
+            Some(args.job.open_metrics::<StepLog>(&args.out, resumed, "fastfold-train")?)
         }
         _ => None,
     };
-    for step in 1..=args.steps {
+    for step in trainer.steps() + 1..=args.steps {
         let start = Instant::now();
         let (losses, grad_norm) = trainer.step(&features, &target, args.recycles, &exec)?;
         let seconds = start.elapsed().as_secs_f64();
@@ -473,11 +518,48 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
             );
         }
         log.push(entry);
+        if args.save_every.is_some_and(|every| step % every == 0 || step == args.steps) {
+            let save = |path: &Path| Ok(trainer.params().save(path)?);
+            checkpoint::save(&args.out, world, &trainer_state(args, step), save, &trainer.state())?;
+        }
     }
     if world.rank() == 0 {
         trainer.save(&args.out)?;
     }
     Ok(log)
+}
+
+/// Says (on rank 0) when a fresh run writes where a run was checkpointed: its first checkpoint
+/// replaces that one.
+fn note_fresh_start(args: &TrainArgs, world: &World) {
+    if let (0, Ok(Some(dir))) = (world.rank(), data::checkpoint_folders::latest(&args.out)) {
+        eprintln!("note: {} holds a checkpoint; this run starts afresh (--resume continues it)", dir.display());
+    }
+}
+
+/// What a checkpoint of step `step` records of the run.
+fn trainer_state(args: &TrainArgs, step: usize) -> TrainerState {
+    TrainerState {
+        step,
+        seed: args.input.seed.seed,
+        optimizer: args.optimizer.optimizer.name().to_string(),
+        ema_decay: args.ema_decay,
+    }
+}
+
+/// Continues `trainer` from the latest checkpoint under `--out` (said on rank 0); one made
+/// with another seed, optimizer or average, or past `--steps`, is an error naming it.
+fn resume(args: &TrainArgs, world: &World, trainer: &mut Trainer) -> anyhow::Result<()> {
+    let saved = checkpoint::latest(&args.out)?;
+    saved.state.check_matches(&trainer_state(args, saved.state.step))?;
+    if saved.state.step > args.steps {
+        bail!("{} is at step {}, past --steps {}", saved.dir.display(), saved.state.step, args.steps);
+    }
+    trainer.resume(&saved)?;
+    if world.rank() == 0 && !args.job.quiet {
+        println!("resuming from {} (step {})", saved.dir.display(), saved.state.step);
+    }
+    Ok(())
 }
 
 /// The target's resolution: `--resolution`, else its header's, else 0 (said on rank 0: the

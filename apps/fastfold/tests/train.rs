@@ -217,6 +217,81 @@ impl Inputs {
     }
 }
 
+/// `--resume` continues a run as if it had not stopped: 2 steps, then 2 more from the
+/// checkpoint, give the 4 steps' parameters (the average and the weights) bit for bit and the
+/// same log, appended, not repeated, with the learning rate following the schedule across the
+/// resume; on 2 ranks the resumed steps' losses are the same within rounding. Only the newest,
+/// committed checkpoint is left; resuming with another seed, or where there is no checkpoint, is
+/// an error naming it.
+#[test]
+fn a_resumed_run_repeats_the_uninterrupted_one() {
+    let inputs = Inputs::new("resume", 16);
+    let train = |out: &Path, extra: &[&str]| {
+        let o = Command::new(BIN).arg("train").args(inputs.args(out)).args(extra).output().unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        (o.status.success(), text)
+    };
+    // Warm-up over 1 step, then (as OpenFold counts) a quarter at step 3 and an eighth at 4.
+    let recipe = ["--lr", "3e-3", "--warmup", "1", "--decay", "step", "--decay-after", "1", "--decay-every", "1"];
+    let recipe = [&recipe[..], &["--decay-factor", "0.5", "--ema-decay", "0.5", "--save-every", "2"]].concat();
+    let run = |out: &Path, extra: &[&str]| {
+        let (ok, text) = train(out, &[&recipe[..], extra].concat());
+        assert!(ok, "{text}");
+        text
+    };
+    let straight = inputs.dir.join("straight");
+    run(&straight, &["--steps", "4"]);
+    let parted = inputs.dir.join("parted");
+    run(&parted, &["--steps", "2"]);
+    assert_eq!(log(&parted).len(), 2);
+    let said = run(&parted, &["--steps", "4", "--resume"]);
+    assert!(said.contains("resuming from") && said.contains("checkpoint-2 (step 2)"), "{said}");
+
+    let (a, b) = (log(&straight), log(&parted));
+    assert_eq!(b.iter().map(|s| s["step"].as_u64().unwrap()).collect::<Vec<_>>(), [1, 2, 3, 4], "appended once");
+    for (x, y) in a.iter().zip(&b) {
+        for (field, value) in x.as_object().unwrap() {
+            if field != "seconds" && field != "peak_bytes" {
+                assert_eq!(value, &y[field], "step {}: {field}", x["step"]);
+            }
+        }
+    }
+    let lrs: Vec<f64> = a.iter().map(|s| s["lr"].as_f64().unwrap()).collect();
+    assert_eq!(lrs, [0.0, 3e-3, 3e-3 * 0.25, 3e-3 * 0.125]);
+    for file in ["params.npz", "params-raw.npz"] {
+        let (x, y) = (Params::load_model(straight.join(file)).unwrap(), Params::load_model(parted.join(file)).unwrap());
+        for ((name, p), (_, q)) in x.iter().zip(y.iter()) {
+            assert!(p.equal(q), "{file} {name}: the resumed run's differs");
+        }
+    }
+    let mut names: Vec<String> =
+        std::fs::read_dir(&parted).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    names.sort();
+    assert_eq!(names, ["checkpoint-4", "latest", "log.jsonl", "params-raw.npz", "params.npz"]);
+    let mut saved: Vec<String> = std::fs::read_dir(parted.join("checkpoint-4"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    saved.sort();
+    assert_eq!(saved, ["state.safetensors", "trainer.json", "weights.npz"]);
+
+    // On another number of ranks: DAP sums the stacks' gradients in another order, so the same
+    // losses within 1e-5 of their size.
+    let two = inputs.dir.join("two");
+    run(&two, &["--steps", "2"]);
+    run(&two, &["--steps", "4", "--resume", "--nproc", "2"]);
+    for (x, y) in a.iter().zip(&log(&two)) {
+        let (p, q) = (x["loss"].as_f64().unwrap(), y["loss"].as_f64().unwrap());
+        assert!((p - q).abs() <= 1e-5 * p.abs(), "step {}: loss {q} resumed on 2 ranks, {p} on one", x["step"]);
+    }
+    assert_eq!(log(&two).len(), 4);
+
+    let (ok, text) = train(&parted, &[&recipe[..], &["--steps", "6", "--resume", "--seed", "3"]].concat());
+    assert!(!ok && text.contains("trained with --seed 0, this run has 3"), "{text}");
+    let (ok, text) = train(&inputs.dir.join("none"), &["--steps", "2", "--resume"]);
+    assert!(!ok && text.contains("no checkpoint to resume from") && text.contains("latest"), "{text}");
+}
+
 #[test]
 fn train_command_lowers_the_loss_and_two_ranks_agree() {
     let inputs = Inputs::new("cli", 12);

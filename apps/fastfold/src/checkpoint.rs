@@ -1,0 +1,117 @@
+//! `fastfold train`'s checkpoints under `--out`: `checkpoint-<step>/` holds the trained weights
+//! under AlphaFold's names (`weights.npz`, fp32, loadable by `predict`), the optimizer's state
+//! and the weights' moving average by name (`state.safetensors`: the engine's `{param}.{slot}`
+//! entries, [`engine::optim::Optimizer::state`] and [`engine::optim::Ema::state`]) and
+//! `trainer.json` (the step and the settings a resume must agree with). Every rank holds every
+//! weight and all the state (DAP splits activations, not parameters), so rank 0 writes it all
+//! and a resume may run on any number of ranks. [`data::checkpoint_folders`] stages the folder
+//! and commits it by switching `latest`, so a crash at any instant leaves `latest` naming a
+//! complete checkpoint; only the newest is kept.
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use data::checkpoint_folders;
+use engine::dist::World;
+use engine::optim::StateDict;
+use serde::{Deserialize, Serialize};
+use tch::Tensor;
+
+/// The trained weights in a checkpoint folder.
+pub const WEIGHTS: &str = "weights.npz";
+/// The optimizer's and the moving average's state in a checkpoint folder.
+pub const STATE: &str = "state.safetensors";
+/// The step and settings in a checkpoint folder.
+pub const TRAINER: &str = "trainer.json";
+
+/// What `trainer.json` records.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainerState {
+    /// Optimizer steps completed.
+    pub step: usize,
+    /// `--seed`: it draws the steps whose backbone FAPE is clamped, and the features.
+    pub seed: u64,
+    /// `--optimizer`.
+    pub optimizer: String,
+    /// `--ema-decay` (0: no average).
+    pub ema_decay: f64,
+}
+
+impl TrainerState {
+    /// Errors naming the first setting in which `self` (the checkpoint) and `run` differ. The
+    /// number of ranks, the learning rate, the schedule and the loss may change.
+    pub fn check_matches(&self, run: &TrainerState) -> anyhow::Result<()> {
+        let pairs = [
+            ("--seed", self.seed.to_string(), run.seed.to_string()),
+            ("--optimizer", self.optimizer.clone(), run.optimizer.clone()),
+            ("--ema-decay", self.ema_decay.to_string(), run.ema_decay.to_string()),
+        ];
+        for (flag, saved, now) in pairs {
+            if saved != now {
+                bail!("cannot resume: the checkpoint was trained with {flag} {saved}, this run has {now}");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Writes step `state.step`'s checkpoint under `out` (every rank calls this; rank 0 writes):
+/// `weights` by AlphaFold's names and the optimizer's and average's `entries`.
+pub fn save(
+    out: &Path,
+    world: &World,
+    state: &TrainerState,
+    weights: impl FnOnce(&Path) -> anyhow::Result<()>,
+    entries: &[(String, Tensor)],
+) -> anyhow::Result<()> {
+    if world.rank() == 0 {
+        // Held until the commit: Ctrl-C before it removes the half-written folder.
+        let staging = checkpoint_folders::begin(out, state.step)?;
+        let dir = staging.dir();
+        weights(&dir.join(WEIGHTS))?;
+        data::checkpoint::save_tensors(entries, &dir.join(STATE))?;
+        let json = serde_json::to_string_pretty(state)?;
+        data::write_atomic::<anyhow::Error>(&dir.join(TRAINER), |w| Ok(w.write_all(json.as_bytes())?))?;
+        checkpoint_folders::commit(out, state.step, Some(1))?;
+    }
+    // The others wait, so that none runs ahead of a checkpoint that could fail.
+    world.group.barrier()?;
+    Ok(())
+}
+
+/// A checkpoint found under `--out`.
+pub struct Saved {
+    /// Its folder.
+    pub dir: PathBuf,
+    /// Its `trainer.json`.
+    pub state: TrainerState,
+}
+
+/// The checkpoint `out/latest` names (an error naming `latest` when there is none).
+pub fn latest(out: &Path) -> anyhow::Result<Saved> {
+    let dir = checkpoint_folders::latest(out)?.with_context(|| {
+        format!(
+            "--resume: no checkpoint to resume from ({} is missing; --save-every writes them)",
+            out.join(checkpoint_folders::LATEST).display()
+        )
+    })?;
+    let path = dir.join(TRAINER);
+    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let state = serde_json::from_str(&text).with_context(|| format!("{}: not a trainer state", path.display()))?;
+    Ok(Saved { dir, state })
+}
+
+impl Saved {
+    /// Copies the saved weights into `weights` (every name and shape checked).
+    pub fn load_weights(&self, weights: &[(String, Tensor)]) -> anyhow::Result<()> {
+        let path = self.dir.join(WEIGHTS);
+        let mut file: std::collections::HashMap<String, Tensor> = data::npz::read(&path)?.into_iter().collect();
+        data::checkpoint::copy_into(weights, &mut file, &path)?;
+        Ok(())
+    }
+
+    /// The optimizer's and the average's state, by entry name.
+    pub fn read_state(&self) -> anyhow::Result<StateDict> {
+        Ok(data::checkpoint::read_tensors(&self.dir.join(STATE))?)
+    }
+}
