@@ -1,8 +1,9 @@
 //! Training on a tiny random model against a synthetic helix: gradients of the whole network
 //! (embedders, stacks under DAP, structure module, heads) on 2 ranks equal one process's; the
 //! `train` command lowers the loss, writes its log and parameters, and names a target that
-//! does not fit the input; fine-tuning logs every term of the loss and lowers it; and it
-//! trains alike with the fused kernels.
+//! does not fit the input; fine-tuning logs every term of the loss and lowers it; it trains
+//! alike with the fused kernels; its defaults are AlphaFold's optimiser recipe, the saved
+//! parameters are the weights' moving average, and a resumed run repeats the uninterrupted one.
 mod common;
 
 use std::path::{Path, PathBuf};
