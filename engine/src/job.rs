@@ -8,7 +8,7 @@
 //! | [`SeedArgs`] | `--seed` |
 //! | [`JobArgs`] | a training job's launch, `--quiet`, `--metrics`, `--report-to` and `--logging-dir` (and [`JobArgs::open_metrics`]) |
 //! | [`PrecisionArgs`] | `--precision fp32\|bf16\|fp16` |
-//! | [`OptimizerArgs`] | `--optimizer --lr --weight-decay --clip-grad` (and [`OptimizerArgs::build`]) |
+//! | [`OptimizerArgs`] | `--optimizer --lr --weight-decay --clip-grad --adam-epsilon` (and [`OptimizerArgs::build`]) |
 //! | [`ScheduleArgs`] | `--warmup --decay --min-lr-ratio --decay-every --decay-factor --decay-after` |
 //!
 //! Defaults here are neutral; a command whose users expect others (LAMB at 3e-2 for ViT,
@@ -222,16 +222,27 @@ pub struct OptimizerArgs {
     /// Clip the global gradient norm to this value (diffusers' --max-grad-norm).
     #[arg(long, visible_alias = "max-grad-norm", value_parser = positive)]
     pub clip_grad: Option<f64>,
+    /// Adam's epsilon, added to the denominator (AdamW and LAMB; default: PyTorch's 1e-8 for
+    /// AdamW, the paper's 1e-6 for LAMB; diffusers' --adam-epsilon).
+    #[arg(long, value_parser = positive)]
+    pub adam_epsilon: Option<f64>,
 }
 
 impl OptimizerArgs {
-    /// The rule at learning rate `lr` (the other hyper-parameters are each optimizer's
-    /// defaults: PyTorch's for AdamW, the paper's for LAMB, timm's for LARS).
+    /// The rule at learning rate `lr` (the other hyper-parameters, and epsilon unless given,
+    /// are each optimizer's defaults: PyTorch's for AdamW, the paper's for LAMB, timm's for
+    /// LARS).
     pub fn rule(&self, lr: f64) -> CpuRule {
         let weight_decay = self.weight_decay;
         match self.optimizer {
-            OptimizerKind::Adamw => CpuRule::AdamW(AdamWConfig { lr, weight_decay, ..Default::default() }),
-            OptimizerKind::Lamb => CpuRule::Lamb(LambConfig { lr, weight_decay, ..Default::default() }),
+            OptimizerKind::Adamw => {
+                let d = AdamWConfig::default();
+                CpuRule::AdamW(AdamWConfig { lr, weight_decay, eps: self.adam_epsilon.unwrap_or(d.eps), ..d })
+            }
+            OptimizerKind::Lamb => {
+                let d = LambConfig::default();
+                CpuRule::Lamb(LambConfig { lr, weight_decay, eps: self.adam_epsilon.unwrap_or(d.eps), ..d })
+            }
             OptimizerKind::Lars => CpuRule::Lars(LarsConfig { lr, weight_decay, ..Default::default() }),
         }
     }
@@ -431,6 +442,8 @@ mod tests {
             ("--decay-factor", "nan"),
             ("--decay-after", "-1"),
             ("--decay-after", "1.5"),
+            ("--adam-epsilon", "0"),
+            ("--adam-epsilon", "nan"),
         ] {
             let err =
                 Command::try_parse_from(["x".to_string(), format!("{flag}={value}")]).err().map(|e| e.to_string());
@@ -447,12 +460,27 @@ mod tests {
 
     #[test]
     fn the_rule_and_the_tensor_optimizer_agree() {
-        let args = OptimizerArgs { optimizer: OptimizerKind::Lars, lr: 0.5, weight_decay: 0.1, clip_grad: None };
+        let args = OptimizerArgs {
+            optimizer: OptimizerKind::Lars,
+            lr: 0.5,
+            weight_decay: 0.1,
+            clip_grad: None,
+            adam_epsilon: None,
+        };
         match args.rule(0.25) {
             CpuRule::Lars(c) => assert_eq!((c.lr, c.weight_decay, c.momentum), (0.25, 0.1, 0.9)),
             other => panic!("{other:?}"),
         }
         let p = Param::new("w", &tch::Tensor::ones([2, 2], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true));
         assert_eq!(args.build(vec![p], 0.25).lr(), 0.25);
+        // Adam's epsilon: each optimizer's own unless given.
+        let eps = |optimizer, adam_epsilon| match (OptimizerArgs { optimizer, adam_epsilon, ..args.clone() }).rule(1.0)
+        {
+            CpuRule::AdamW(c) => c.eps,
+            CpuRule::Lamb(c) => c.eps,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!((eps(OptimizerKind::Adamw, None), eps(OptimizerKind::Lamb, None)), (1e-8, 1e-6));
+        assert_eq!((eps(OptimizerKind::Adamw, Some(1e-6)), eps(OptimizerKind::Lamb, Some(1e-5))), (1e-6, 1e-5));
     }
 }

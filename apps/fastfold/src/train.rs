@@ -37,17 +37,18 @@ use crate::pdb::{read_resolution, Structure};
 use crate::residue_constants::{RESNAMES, UNK_RESTYPE_INDEX};
 
 /// `fastfold train`'s options. The defaults are AlphaFold's optimiser recipe (supplementary
-/// section 1.11.3, OpenFold's `AlphaFoldLRScheduler`): Adam at 1e-3 after a linear warm-up of
-/// 1000 steps, times 0.95 every 50,000 steps after the first 50,000, the gradient norm clipped
-/// to 0.1, and a moving average of the weights (decay 0.999) saved as the parameters; that is
-/// `--lr 1e-3 --warmup 1000 --decay step --decay-every 50000 --decay-factor 0.95 --decay-after
-/// 50000 --clip-grad 0.1 --ema-decay 0.999`.
+/// section 1.11.3, OpenFold's `AlphaFoldLRScheduler`): Adam (epsilon 1e-6) at 1e-3 after a
+/// linear warm-up of 1000 steps, times 0.95 every 50,000 steps after the first 50,000, the
+/// gradient norm clipped to 0.1, and a moving average of the weights (decay 0.999) saved as the
+/// parameters; that is `--lr 1e-3 --adam-epsilon 1e-6 --warmup 1000 --decay step --decay-every
+/// 50000 --decay-factor 0.95 --decay-after 50000 --clip-grad 0.1 --ema-decay 0.999`.
 #[derive(clap::Args, Debug, Clone)]
 #[command(
     mut_arg("lr", |a| a.help("Peak learning rate (AlphaFold: 1e-3)")),
     mut_arg("warmup", |a| a.default_value("1000").help("Linear warm-up steps from 0 to --lr (AlphaFold: 1000)")),
     mut_arg("decay", |a| a.default_value("step").help("Decay after warm-up (AlphaFold: step)")),
     mut_arg("clip_grad", |a| a.default_value("0.1").help("Gradient-norm clip (AlphaFold: 0.1)")),
+    mut_arg("adam_epsilon", |a| a.default_value("1e-6").help("Adam's epsilon (AlphaFold: 1e-6)")),
     mut_arg("metrics", |a| a.default_value("log.jsonl")),
     mut_arg("quiet", |a| a.help("No per-step lines")),
 )]

@@ -75,7 +75,13 @@ fn gradients(
     target: &Structure,
     dap: Dap,
 ) -> anyhow::Result<(f64, Vec<(String, Tensor)>)> {
-    let adam = OptimizerArgs { optimizer: OptimizerKind::Adamw, lr: 1e-3, weight_decay: 0.0, clip_grad: Some(0.1) };
+    let adam = OptimizerArgs {
+        optimizer: OptimizerKind::Adamw,
+        lr: 1e-3,
+        weight_decay: 0.0,
+        clip_grad: Some(0.1),
+        adam_epsilon: None,
+    };
     let mut trainer = Trainer::new(params, Device::Cpu, &adam)?;
     let target = Target::new(target, &f.aatype.get(0), "helix")?;
     let losses = trainer.backward(f, &target, 1, &Exec::new(dap, Some(3)))?;
@@ -153,7 +159,13 @@ fn saved_params_are_the_moving_average_of_the_trajectory() {
     let params = Params::random_model(&EvoformerConfig::tiny(), &ModelConfig::tiny(), 15).unwrap();
     let f = features(&d.join("q.a3m"));
     let target = Target::new(&helix(SEQ), &f.aatype.get(0), "helix").unwrap();
-    let adam = OptimizerArgs { optimizer: OptimizerKind::Adamw, lr: 3e-3, weight_decay: 0.0, clip_grad: Some(0.1) };
+    let adam = OptimizerArgs {
+        optimizer: OptimizerKind::Adamw,
+        lr: 3e-3,
+        weight_decay: 0.0,
+        clip_grad: Some(0.1),
+        adam_epsilon: None,
+    };
     let mut trainer = Trainer::new(&params, Device::Cpu, &adam).unwrap().with_ema(0.5).unwrap();
     let snapshot = |t: &Trainer| -> Vec<Tensor> { t.params().iter().map(|(_, a)| a.to_kind(Kind::Double)).collect() };
     let mut average = snapshot(&trainer);
@@ -355,9 +367,9 @@ fn train_command_lowers_the_loss_and_two_ranks_agree() {
     assert!(!o.status.success() && err.contains("short.pdb") && err.contains("10 residues"), "{err}");
 }
 
-/// `fastfold train`'s defaults are AlphaFold's optimiser recipe: Adam at 1e-3, warm-up over
-/// 1000 steps, then 0.95 every 50,000 steps after 50,000, the gradient norm clipped to 0.1, and
-/// the weights' moving average at 0.999.
+/// `fastfold train`'s defaults are AlphaFold's optimiser recipe: Adam at 1e-3 (epsilon 1e-6),
+/// warm-up over 1000 steps, then 0.95 every 50,000 steps after 50,000, the gradient norm clipped
+/// to 0.1, and the weights' moving average at 0.999.
 #[test]
 fn the_defaults_are_alphafolds_recipe() {
     use clap::Parser;
@@ -373,6 +385,7 @@ fn the_defaults_are_alphafolds_recipe() {
         (OptimizerKind::Adamw, 1e-3, 0.0)
     );
     assert_eq!((args.optimizer.clip_grad, args.ema_decay), (Some(0.1), 0.999));
+    assert_eq!(args.optimizer.adam_epsilon, Some(1e-6));
     let s = args.schedule.schedule(args.optimizer.lr, 200_000);
     assert_eq!(s.decay, engine::optim::Decay::Step { every: 50_000, factor: 0.95, after: 50_000 });
     assert_eq!((s.warmup, s.at(0), s.at(1000), s.at(50_000)), (1000, 0.0, 1e-3, 1e-3));
