@@ -6,7 +6,8 @@
 //! fp32 whatever the parameters' precision. There is no warm-up of the decay: OpenFold has
 //! none, and AlphaFold's runs (fine-tuning from released weights, or 10^5 steps and more from
 //! scratch, where the initial weights' share `0.999^step` is gone after a few thousand steps)
-//! do not need one; diffusers' `EMAModel` warm-up is the diffusion app's own.
+//! do not need one; diffusers' `EMAModel` warm-up is the diffusion app's own (its arithmetic
+//! is [`update`]'s).
 //!
 //! The average is read by name ([`Ema::weights`]) or swapped into the parameters for a while
 //! ([`Ema::with_average`]: saving, evaluation), and saved for a resume as `{param}.ema` entries
@@ -45,15 +46,10 @@ impl Ema {
 
     /// Moves the average towards the parameters' current values (after an optimizer step).
     pub fn update(&mut self) -> Result<()> {
-        let weight = 1.0 - self.decay;
-        tch::no_grad(|| {
-            for (p, s) in self.params.iter().zip(&mut self.shadow) {
-                let value = p.tensor.f_detach()?.f_to_kind(Kind::Float)?;
-                let step = s.f_sub(&value)?.f_mul_scalar(weight)?;
-                let _ = s.f_sub_(&step)?;
-            }
-            Ok(())
-        })
+        for (p, s) in self.params.iter().zip(&self.shadow) {
+            update(s, &p.tensor.f_detach()?.f_to_kind(Kind::Float)?, self.decay)?;
+        }
+        Ok(())
     }
 
     /// The average by parameter name (fp32, shared with the average: copy before changing).
@@ -104,6 +100,16 @@ impl Ema {
         }
         Ok(())
     }
+}
+
+/// One update of `shadow` towards `value` in place: `shadow -= (1 - decay) * (shadow - value)`,
+/// the arithmetic of OpenFold's `ExponentialMovingAverage` and diffusers' `EMAModel.step`.
+pub fn update(shadow: &Tensor, value: &Tensor, decay: f64) -> Result<()> {
+    tch::no_grad(|| {
+        let step = shadow.f_sub(value)?.f_mul_scalar(1.0 - decay)?;
+        let _ = shadow.f_detach()?.f_sub_(&step)?;
+        Ok(())
+    })
 }
 
 #[cfg(test)]

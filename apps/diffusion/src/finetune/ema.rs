@@ -66,13 +66,10 @@ impl EmaConfig {
     }
 }
 
-/// One update of `shadow` towards `weights` in place, with EMAModel.step's arithmetic.
+/// One update of `shadow` towards `weights` in place, with EMAModel.step's arithmetic (the
+/// engine's, [`engine::optim::ema::update`]).
 pub fn update(shadow: &Tensor, weights: &Tensor, decay: f64) -> Result<()> {
-    tch::no_grad(|| -> Result<()> {
-        let step = shadow.f_sub(weights)?.f_mul_scalar(1.0 - decay)?;
-        let _ = shadow.f_detach()?.f_sub_(&step)?;
-        Ok(())
-    })
+    Ok(engine::optim::ema::update(shadow, weights, decay)?)
 }
 
 /// The average of the UNet's weights under Gemini (see the module documentation).
