@@ -100,6 +100,11 @@ pub struct TrainArgs {
     /// experimentally resolved and aligned error train only between 0.1 and 3 Å.
     #[arg(long, value_parser = engine::parse::non_negative)]
     pub resolution: Option<f64>,
+    /// Recompute each Evoformer and extra-MSA block's activations in backward instead of
+    /// keeping them (AlphaFold's training does): the same gradients in much less memory, for
+    /// about one more forward's compute.
+    #[arg(long)]
+    pub gradient_checkpointing: bool,
     /// Recycling passes before the one that is trained (AlphaFold samples 0..=3).
     #[arg(long, default_value_t = 0, value_parser = engine::parse::count(0..=crate::input::MAX_RECYCLES))]
     pub recycles: usize,
@@ -464,6 +469,7 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
         bail!("--ema-decay 1 would keep the initial weights as the average: use one below 1 (0: none)");
     }
     let (device, exec, backend) = args.chunk.setup(&args.job.launch, world)?;
+    let exec = exec.with_checkpointed_blocks(args.gradient_checkpointing);
     kernels::install_optimizer_steps(backend);
     let params = Params::load_model(&args.params)
         .with_context(|| format!("--params {}", args.params.display()))?

@@ -22,6 +22,13 @@
 //! all-to-all with the pair half's backward).
 //!
 //! Dropout is inference-mode (off): training dropout is not implemented.
+//!
+//! With [`Exec::with_checkpointed_blocks`], a block whose inputs require gradients keeps none of
+//! its activations and recomputes them in backward (`engine::autograd::checkpoint`, as
+//! AlphaFold's training rematerialises each block): its DAP collectives are repeated in the
+//! same order on every rank, since every rank's backward reaches the block at the same point.
+use std::sync::{Arc, Mutex};
+
 use tch::Tensor;
 
 use crate::model::config::EvoformerConfig;
@@ -57,6 +64,17 @@ pub struct BlockMasks {
 }
 
 impl BlockMasks {
+    /// Another handle on the same masks.
+    pub fn shallow_clone(&self) -> BlockMasks {
+        BlockMasks {
+            msa_row: self.msa_row.shallow_clone(),
+            msa_col: self.msa_col.shallow_clone(),
+            msa_full: self.msa_full.shallow_clone(),
+            pair_row: self.pair_row.shallow_clone(),
+            pair_col: self.pair_col.shallow_clone(),
+        }
+    }
+
     /// Cuts this rank's blocks from whole masks whose sizes `exec`'s DAP group size divides.
     pub fn new(msa_mask: &Tensor, pair_mask: &Tensor, exec: &Exec) -> Result<Self> {
         let dap = exec.dap();
@@ -70,8 +88,14 @@ impl BlockMasks {
     }
 }
 
-/// One Evoformer (or extra-MSA) block.
+/// One Evoformer (or extra-MSA) block: its modules, shared with the recomputation a
+/// checkpointed block leaves to backward (autograd may run it on another thread).
 pub struct EvoformerBlock {
+    layers: Arc<Mutex<BlockLayers>>,
+}
+
+/// The modules of one block.
+struct BlockLayers {
     row_attention: MsaRowAttentionWithPairBias,
     column_attention: ColumnAttention,
     msa_transition: Transition,
@@ -103,7 +127,7 @@ impl EvoformerBlock {
             |name: &str, d: Direction| TriangleAttention::new(&p.sub(name), d, c_z, cfg.pair_heads, cfg.pair_head_dim);
         let tri_mul =
             |name: &str, d: Direction| TriangleMultiplication::new(&p.sub(name), d, c_z, cfg.tri_mul_channels);
-        Ok(EvoformerBlock {
+        let layers = BlockLayers {
             row_attention: MsaRowAttentionWithPairBias::new(
                 &p.sub("msa_row_attention_with_pair_bias"),
                 c_m,
@@ -119,7 +143,8 @@ impl EvoformerBlock {
             tri_att_start: tri_att("triangle_attention_starting_node", Direction::Outgoing)?,
             tri_att_end: tri_att("triangle_attention_ending_node", Direction::Incoming)?,
             pair_transition: Transition::new(&p.sub("pair_transition"), c_z, cfg.transition_factor)?,
-        })
+        };
+        Ok(EvoformerBlock { layers: Arc::new(Mutex::new(layers)) })
     }
 
     /// One block on row-split `msa` [s/N, r, c] and row-split `pair` [r/N, r, c_z]; returns
@@ -132,14 +157,39 @@ impl EvoformerBlock {
     }
 
     /// One block on the streams (updated in place where they are owned and nothing records
-    /// gradients).
-    pub(crate) fn run(
-        &self,
-        mut msa: Stream,
-        mut pair: Stream,
-        masks: &BlockMasks,
-        exec: &Exec,
-    ) -> Result<(Stream, Stream)> {
+    /// gradients); checkpointed when `exec` says so and the inputs require gradients (without
+    /// them nothing is saved for backward anyway).
+    pub(crate) fn run(&self, msa: Stream, pair: Stream, masks: &BlockMasks, exec: &Exec) -> Result<(Stream, Stream)> {
+        if exec.checkpoints_blocks() && (msa.get().requires_grad() || pair.get().requires_grad()) {
+            return self.checkpointed(&msa, &pair, masks, exec);
+        }
+        self.lock()?.run(msa, pair, masks, exec)
+    }
+
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, BlockLayers>> {
+        self.layers.lock().map_err(|_| Error::Invalid("an Evoformer block panicked earlier".into()))
+    }
+
+    /// [`EvoformerBlock::run`] without keeping activations: backward recomputes the block.
+    fn checkpointed(&self, msa: &Stream, pair: &Stream, masks: &BlockMasks, exec: &Exec) -> Result<(Stream, Stream)> {
+        let (layers, masks, exec) = (self.layers.clone(), masks.shallow_clone(), exec.clone());
+        let mut out = engine::autograd::checkpoint(&[msa.get(), pair.get()], move |x| {
+            let layers = layers.lock().map_err(|_| engine::Error::invalid("an Evoformer block panicked earlier"))?;
+            let streams = (Stream::new(x[0].shallow_clone(), false), Stream::new(x[1].shallow_clone(), false));
+            let (m, z) =
+                layers.run(streams.0, streams.1, &masks, &exec).map_err(|e| engine::Error::invalid(e.to_string()))?;
+            Ok(vec![m.into_inner(), z.into_inner()])
+        })?;
+        let (z, m) = (out.pop(), out.pop());
+        let (Some(m), Some(z), true) = (m, z, out.is_empty()) else {
+            return Err(Error::Invalid("a checkpointed Evoformer block gave other than its two outputs".into()));
+        };
+        Ok((Stream::new(m, false), Stream::new(z, false)))
+    }
+}
+
+impl BlockLayers {
+    fn run(&self, mut msa: Stream, mut pair: Stream, masks: &BlockMasks, exec: &Exec) -> Result<(Stream, Stream)> {
         let dap = exec.dap();
         self.row_attention.update(&mut msa, &masks.msa_row, pair.get(), exec)?;
         let mut msa = msa.map(|m| Ok(dap.row_to_col(m, 0, 1)?))?;

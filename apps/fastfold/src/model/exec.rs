@@ -106,6 +106,7 @@ pub struct Exec {
     dap: Dap,
     plan: Arc<ChunkPlan>,
     stage: Stage,
+    checkpoint_blocks: bool,
 }
 
 impl Exec {
@@ -121,7 +122,7 @@ impl Exec {
 
     /// DAP over `dap`'s group, each step chunked as `plan` says.
     pub fn planned(dap: Dap, plan: ChunkPlan) -> Exec {
-        Exec { dap, plan: Arc::new(plan), stage: Stage::Outer }
+        Exec { dap, plan: Arc::new(plan), stage: Stage::Outer, checkpoint_blocks: false }
     }
 
     /// The DAP context (with no group, every layout switch is the identity).
@@ -138,6 +139,18 @@ impl Exec {
     /// The plan.
     pub fn plan(&self) -> &ChunkPlan {
         &self.plan
+    }
+
+    /// This context with the Evoformer and extra-MSA blocks checkpointed or not: in training,
+    /// each block keeps no activations and backward recomputes it (AlphaFold's
+    /// rematerialisation), the same gradients for about one more forward's compute.
+    pub fn with_checkpointed_blocks(self, on: bool) -> Exec {
+        Exec { checkpoint_blocks: on, ..self }
+    }
+
+    /// Whether the Evoformer and extra-MSA blocks are checkpointed.
+    pub fn checkpoints_blocks(&self) -> bool {
+        self.checkpoint_blocks
     }
 
     /// This context inside `stage`.
