@@ -22,8 +22,8 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use engine::dist::World;
-use engine::job::{JobArgs, OptimizerArgs, ScheduleArgs};
-use engine::optim::{clip_grad_norm, Decay, Ema, LrSchedule, Optimizer, Param};
+use engine::job::{JobArgs, OptimizerArgs, Precision, PrecisionArgs, ScheduleArgs};
+use engine::optim::{clip_grad_norm, Decay, Ema, LrSchedule, MasterWeights, Optimizer, Param};
 use tch::{Device, Kind, Tensor};
 
 use crate::checkpoint::{self, Saved, TrainerState};
@@ -51,6 +51,9 @@ use crate::residue_constants::{RESNAMES, UNK_RESTYPE_INDEX};
     mut_arg("adam_epsilon", |a| a.default_value("1e-6").help("Adam's epsilon (AlphaFold: 1e-6)")),
     mut_arg("metrics", |a| a.default_value("log.jsonl")),
     mut_arg("quiet", |a| a.help("No per-step lines")),
+    mut_arg("precision", |a| a.value_parser(Precision::parser(&[Precision::Fp32, Precision::Bf16]))
+        .help("Arithmetic precision (bf16: the model's weights and activations; the optimizer, the moving \
+               average, the checkpoints and the saved parameters keep fp32 master weights)")),
 )]
 pub struct TrainArgs {
     /// The sequence (one FASTA record, optional --msa) or processed features.
@@ -100,6 +103,9 @@ pub struct TrainArgs {
     /// experimentally resolved and aligned error train only between 0.1 and 3 Å.
     #[arg(long, value_parser = engine::parse::non_negative)]
     pub resolution: Option<f64>,
+    /// Arithmetic precision.
+    #[command(flatten)]
+    pub precision: PrecisionArgs,
     /// Recompute each Evoformer and extra-MSA block's activations in backward instead of
     /// keeping them (AlphaFold's training does): the same gradients in much less memory, for
     /// about one more forward's compute.
@@ -313,6 +319,9 @@ impl engine::metrics::Record for StepLog {
 pub struct Trainer {
     model: AlphaFold,
     params: Params,
+    kind: Kind,
+    /// fp32 copies of `params` in a lower precision: what the optimizer and the average update.
+    masters: Option<MasterWeights>,
     optimizer: Box<dyn Optimizer>,
     stacks: Vec<Tensor>,
     clip: Option<f64>,
@@ -334,15 +343,31 @@ impl Trainer {
     /// loss and seed 0, without a moving average ([`Trainer::with_schedule`],
     /// [`Trainer::with_loss`] and [`Trainer::with_ema`] set them).
     pub fn new(params: &Params, device: Device, optimizer: &OptimizerArgs) -> anyhow::Result<Trainer> {
-        let params = params.to_device(device, true)?;
+        Trainer::new_in(params, device, Kind::Float, optimizer)
+    }
+
+    /// [`Trainer::new`] with the model's weights and activations in `kind`: below fp32, the
+    /// optimizer (and the average) update fp32 master weights, copied into the model after each
+    /// step, and the checkpoints and saved parameters hold the masters.
+    pub fn new_in(params: &Params, device: Device, kind: Kind, optimizer: &OptimizerArgs) -> anyhow::Result<Trainer> {
+        let params = params.to_kind(kind)?.to_device(device, true)?;
         let model = AlphaFold::new(&params)?;
         let is_stack = |k: &str| k.starts_with(&format!("{EVOFORMER}/")) || k.starts_with(&format!("{EXTRA_MSA}/"));
         let stacks = params.iter().filter(|(k, _)| is_stack(k)).map(|(_, t)| t.shallow_clone()).collect();
-        let list = params.iter().map(|(k, t)| Param::new(k, t)).collect();
-        let (clip, lr, optimizer) = (optimizer.clip_grad, optimizer.lr, optimizer.build(list, optimizer.lr));
+        let list: Vec<Param> = params.iter().map(|(k, t)| Param::new(k, t)).collect();
+        let (masters, trained) = match kind {
+            Kind::Float => (None, list),
+            _ => {
+                let masters = MasterWeights::new(list)?;
+                let trained = masters.master();
+                (Some(masters), trained)
+            }
+        };
+        let (clip, lr, optimizer) = (optimizer.clip_grad, optimizer.lr, optimizer.build(trained, optimizer.lr));
         let schedule = LrSchedule { peak: lr, floor: lr, warmup: 0, total: 1, decay: Decay::Constant };
         let loss = LossConfig::initial_training();
-        Ok(Trainer { model, params, optimizer, stacks, clip, schedule, ema: None, loss, seed: 0, steps: 0 })
+        let (ema, seed, steps) = (None, 0, 0);
+        Ok(Trainer { model, params, kind, masters, optimizer, stacks, clip, schedule, ema, loss, seed, steps })
     }
 
     /// The same trainer with the learning rate of step `s` (counted from 0) `schedule.at(s)`.
@@ -375,7 +400,7 @@ impl Trainer {
         exec: &Exec,
     ) -> anyhow::Result<Losses> {
         self.optimizer.zero_grad();
-        let pass = self.model.predict(features, recycles, Kind::Float, exec)?;
+        let pass = self.model.predict(features, recycles, self.kind, exec)?;
         let clamped = clamped_fape_at(self.seed, self.steps + 1, self.loss.clamped_fape_fraction);
         let losses = losses(&pass, features, recycles, target, &self.loss, clamped)?;
         engine::autograd::backward(&[&losses.total], &[None], false)?;
@@ -394,8 +419,14 @@ impl Trainer {
     ) -> anyhow::Result<(Losses, f64)> {
         self.optimizer.set_lr(self.schedule.at(self.steps as usize));
         let losses = self.backward(features, target, recycles, exec)?;
+        if let Some(masters) = &self.masters {
+            masters.gradients_to_master()?;
+        }
         let norm = clip_grad_norm(self.optimizer.params(), self.clip.unwrap_or(f64::INFINITY), None)?;
         self.optimizer.step()?;
+        if let Some(masters) = &self.masters {
+            masters.weights_to_model()?;
+        }
         if let Some(ema) = &mut self.ema {
             ema.update()?;
         }
@@ -403,9 +434,19 @@ impl Trainer {
         Ok((losses, norm))
     }
 
-    /// The parameters being trained.
+    /// The parameters being trained, in the model's precision.
     pub fn params(&self) -> &Params {
         &self.params
+    }
+
+    /// The weights in fp32 under AlphaFold's names (the masters below fp32): what checkpoints
+    /// and the saved parameters hold.
+    pub fn weights(&self) -> anyhow::Result<Params> {
+        let mut weights = self.params.to_kind(Kind::Float)?;
+        for p in self.masters.iter().flat_map(MasterWeights::master) {
+            weights.set(&p.name, p.tensor.detach())?;
+        }
+        Ok(weights)
     }
 
     /// The learning rate of the last step (before the first, the optimizer's).
@@ -432,9 +473,12 @@ impl Trainer {
 
     /// Continues from `saved`: its weights, the optimizer's and the average's state, its step.
     pub fn resume(&mut self, saved: &Saved) -> anyhow::Result<()> {
-        let weights: Vec<(String, Tensor)> =
-            self.params.iter().map(|(k, t)| (k.to_string(), t.shallow_clone())).collect();
+        let weights = self.weights()?;
+        let weights: Vec<(String, Tensor)> = weights.iter().map(|(k, t)| (k.to_string(), t.shallow_clone())).collect();
         saved.load_weights(&weights)?;
+        if let Some(masters) = &self.masters {
+            masters.weights_to_model()?;
+        }
         let mut state = saved.read_state()?;
         let file = || saved.dir.join(checkpoint::STATE).display().to_string();
         self.optimizer.load_state(&mut state).with_context(file)?;
@@ -451,10 +495,10 @@ impl Trainer {
     pub fn save(&self, out: &Path) -> anyhow::Result<()> {
         match &self.ema {
             Some(ema) => {
-                ema.with_average(|| self.params.save(out.join(PARAMS)))??;
-                self.params.save(out.join(RAW_PARAMS))?;
+                ema.with_average(|| -> anyhow::Result<()> { Ok(self.weights()?.save(out.join(PARAMS))?) })??;
+                self.weights()?.save(out.join(RAW_PARAMS))?;
             }
-            None => self.params.save(out.join(PARAMS))?,
+            None => self.weights()?.save(out.join(PARAMS))?,
         }
         Ok(())
     }
@@ -486,8 +530,10 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
     target.resolution = resolution(args, world)?;
     let loss = args.config_preset.loss();
     let schedule = args.schedule.schedule(args.optimizer.lr, args.steps);
-    let trainer =
-        Trainer::new(&params, device, &args.optimizer)?.with_schedule(schedule).with_loss(loss, args.input.seed.seed);
+    let kind = args.precision.precision.kind();
+    let trainer = Trainer::new_in(&params, device, kind, &args.optimizer)?
+        .with_schedule(schedule)
+        .with_loss(loss, args.input.seed.seed);
     let mut trainer = trainer.with_ema(args.ema_decay)?;
     match args.resume {
         true => resume(args, world, &mut trainer)?,
@@ -526,7 +572,7 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
         }
         log.push(entry);
         if args.save_every.is_some_and(|every| step % every == 0 || step == args.steps) {
-            let save = |path: &Path| Ok(trainer.params().save(path)?);
+            let save = |path: &Path| Ok(trainer.weights()?.save(path)?);
             checkpoint::save(&args.out, world, &trainer_state(args, step), save, &trainer.state())?;
         }
     }
