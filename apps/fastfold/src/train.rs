@@ -473,8 +473,11 @@ impl Trainer {
 
     /// Continues from `saved`: its weights, the optimizer's and the average's state, its step.
     pub fn resume(&mut self, saved: &Saved) -> anyhow::Result<()> {
-        let weights = self.weights()?;
-        let weights: Vec<(String, Tensor)> = weights.iter().map(|(k, t)| (k.to_string(), t.shallow_clone())).collect();
+        // Into the masters below fp32 (the model then gets them rounded), else the weights.
+        let weights: Vec<(String, Tensor)> = match &self.masters {
+            Some(masters) => masters.master().into_iter().map(|p| (p.name, p.tensor)).collect(),
+            None => self.params.iter().map(|(k, t)| (k.to_string(), t.shallow_clone())).collect(),
+        };
         saved.load_weights(&weights)?;
         if let Some(masters) = &self.masters {
             masters.weights_to_model()?;
