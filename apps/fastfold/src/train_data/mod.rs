@@ -1,0 +1,7 @@
+//! Training data as users have it, in OpenFold's layout (which FastFold reuses): a folder of
+//! mmCIF entries (`<pdb>.cif`) and a folder of alignments with one subfolder per chain
+//! (`<pdb>_<chain>/`, holding the `.a3m` and `.sto` MSAs of the search), read into examples
+//! of AlphaFold's training-time pipeline.
+//!
+//! - [`target`]: an mmCIF chain as a training target (SEQRES, atom37 positions, resolution).
+pub mod target;

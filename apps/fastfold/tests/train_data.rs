@@ -1,0 +1,113 @@
+//! Training data as users have it: an mmCIF chain read as a training target (against the PDB
+//! reader on the same atoms, and against values read off the fixture by hand).
+use std::path::{Path, PathBuf};
+
+use fastfold::pdb::Structure;
+use fastfold::residue_constants::{aatype_of, atom_order, UNK_RESTYPE_INDEX};
+use fastfold::search::mmcif;
+use fastfold::train::Target;
+use fastfold::train_data::target::{chain_structure, read_chain};
+use tch::Tensor;
+
+/// The template fixtures' mmCIF entry `<pdb>.cif`.
+fn mmcif_fixture(pdb: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/templates/mmcif").join(format!("{pdb}.cif"))
+}
+
+/// The first model's polymer atoms of chain `chain` of an mmCIF file, as fixed-column PDB
+/// records (what a PDB download of the entry holds), for the PDB reader.
+fn as_pdb(cif: &str, chain: &str) -> String {
+    let tags: Vec<&str> = cif.lines().filter_map(|l| l.strip_prefix("_atom_site.")).collect();
+    let field = |f: &[&str], name: &str| f[tags.iter().position(|t| *t == name).unwrap()].to_string();
+    let mut out = String::new();
+    for (serial, line) in cif.lines().filter(|l| l.starts_with("ATOM ") || l.starts_with("HETATM ")).enumerate() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let get = |name: &str| field(&f, name);
+        if get("pdbx_PDB_model_num") != "1" || get("auth_asym_id") != chain || get("label_comp_id") == "HOH" {
+            continue;
+        }
+        let atom = get("label_atom_id");
+        let name = if atom.len() == 4 { atom } else { format!(" {atom}") };
+        let alt = match get("label_alt_id").as_str() {
+            "." | "?" => ' ',
+            a => a.chars().next().unwrap(),
+        };
+        let [x, y, z] = ["Cartn_x", "Cartn_y", "Cartn_z"].map(|k| get(k).parse::<f32>().unwrap());
+        let occupancy: f32 = get("occupancy").parse().unwrap();
+        out.push_str(&format!(
+            "{:<6}{:>5} {name:<4}{alt}{:>3} {chain}{:>4}    {x:>8.3}{y:>8.3}{z:>8.3}{occupancy:>6.2} 20.00\n",
+            get("group_PDB"),
+            serial + 1,
+            get("label_comp_id"),
+            get("auth_seq_id")
+        ));
+    }
+    out + "END\n"
+}
+
+/// The chain's atoms equal the PDB reader's on the same atoms, residue for residue over the
+/// observed ones; residues never observed are in SEQRES with every atom masked; the
+/// selenomethionine is a methionine whose SD is the selenium.
+#[test]
+fn mmcif_chain_is_the_pdb_readers_structure_over_seqres() {
+    let path = mmcif_fixture("1abc");
+    let chain = read_chain(&path, "A").unwrap();
+    assert_eq!(chain.name, "1abc_A");
+    assert_eq!(chain.sequence, "GSHYIAKQRMISFGVKSHFSRQLERLGLIEVQAPILE");
+    assert_eq!(chain.release_date.as_deref(), Some("2015-06-01"));
+    assert_eq!(chain.resolution, 0.0, "no resolution key in the fixture");
+    let s = &chain.structure;
+    assert_eq!(s.aatype.len(), 37);
+    assert_eq!(s.aatype[9], aatype_of('M'), "MSE reads as MET");
+    let sd = atom_order("SD").unwrap();
+    assert_eq!((s.positions[9][sd], s.mask[9][sd]), ([34.660, 0.362, 1.800], 1.0), "the selenium as SD");
+
+    let pdb_text = as_pdb(&std::fs::read_to_string(&path).unwrap(), "A");
+    let pdb = Structure::parse(&pdb_text, Path::new("1abc.pdb"), Some('A')).unwrap();
+    let observed: Vec<usize> = (0..37).filter(|&i| s.mask[i].iter().any(|&m| m > 0.0)).collect();
+    assert!(observed.len() < 37, "the fixture leaves residues unobserved");
+    assert_eq!(observed.len(), pdb.aatype.len());
+    let (cd, nh1, nh2) = (atom_order("CD").unwrap(), atom_order("NH1").unwrap(), atom_order("NH2").unwrap());
+    let dist = |a: [f32; 3], b: [f32; 3]| (0..3).map(|d| (a[d] - b[d]).powi(2)).sum::<f32>().sqrt();
+    let mut swapped = 0;
+    for (k, &i) in observed.iter().enumerate() {
+        assert_eq!(s.aatype[i], pdb.aatype[k], "residue {}", i + 1);
+        assert_eq!(s.mask[i], pdb.mask[k], "residue {} mask", i + 1);
+        let mut theirs = pdb.positions[k];
+        // The mmCIF reader names arginine's NH1 the nitrogen nearer CD (AlphaFold's
+        // `_get_atom_positions`); the PDB reader keeps the file's names.
+        if s.aatype[i] == aatype_of('R') && s.mask[i][nh1] > 0.0 {
+            assert!(dist(s.positions[i][nh1], s.positions[i][cd]) <= dist(s.positions[i][nh2], s.positions[i][cd]));
+            if dist(theirs[nh1], theirs[cd]) > dist(theirs[nh2], theirs[cd]) {
+                theirs.swap(nh1, nh2);
+                swapped += 1;
+            }
+        }
+        for (a, (ours, theirs)) in s.positions[i].iter().zip(&theirs).enumerate() {
+            assert!(dist(*ours, *theirs) < 1e-3, "residue {} atom {a}", i + 1);
+        }
+    }
+    assert!(swapped > 0, "the fixture names an arginine's NH atoms the other way round");
+    // A target of the features' residue types, unobserved residues and all.
+    let aatype = Tensor::from_slice(&chain.sequence.chars().map(|c| aatype_of(c) as i64).collect::<Vec<_>>());
+    let target = Target::new(&chain_structure(&mmcif::read(&path).unwrap().chains[0]), &aatype, "1abc_A").unwrap();
+    assert_eq!(target.truth.all_atom_mask.size(), [37, 37]);
+    assert!(!chain.sequence.contains('X') && !s.aatype.contains(&UNK_RESTYPE_INDEX));
+}
+
+/// The resolution is read as AlphaFold's `_get_header` reads it: refinement, then EM, then
+/// reflections, skipping values that are not numbers; a chain the entry lacks is an error
+/// naming the file and the chains it has.
+#[test]
+fn resolution_and_missing_chains() {
+    let path = mmcif_fixture("3ghi");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let with = |items: &str| mmcif::parse(&format!("{text}\n{items}\n"), &path).unwrap().resolution;
+    assert_eq!(with("_refine.ls_d_res_high 2.10"), 2.1);
+    assert_eq!(with("_reflns.d_resolution_high 1.8\n_refine.ls_d_res_high 2.10"), 2.1, "refinement first");
+    assert_eq!(with("_refine.ls_d_res_high ?\n_em_3d_reconstruction.resolution 3.4"), 3.4);
+    assert_eq!(with("_refine.ls_d_res_high .\n_reflns.d_resolution_high 1.5"), 1.5);
+    assert_eq!(with("_exptl.crystals_number 1"), 0.0);
+    let err = read_chain(&path, "Q").unwrap_err().to_string();
+    assert!(err.contains("3ghi.cif") && err.contains("no protein chain \"Q\"") && err.contains("chains: A"), "{err}");
+}
