@@ -4,4 +4,6 @@
 //! of AlphaFold's training-time pipeline.
 //!
 //! - [`target`]: an mmCIF chain as a training target (SEQRES, atom37 positions, resolution).
+//! - [`transforms`]: block deletion, the crop and the recycling count, keyed by seed, step and rank.
 pub mod target;
+pub mod transforms;
