@@ -1,18 +1,19 @@
 //! Training data as users have it: an mmCIF chain read as a training target (against the PDB
-//! reader on the same atoms, and against values read off the fixture by hand).
-use std::path::{Path, PathBuf};
+//! reader on the same atoms, and against values read off the fixture by hand); OpenFold's
+//! layout of mmCIF and alignment folders, its filters and the errors naming what is missing.
+mod common;
+
+use std::path::Path;
 
 use fastfold::pdb::Structure;
 use fastfold::residue_constants::{aatype_of, atom_order, UNK_RESTYPE_INDEX};
 use fastfold::search::mmcif;
 use fastfold::train::Target;
+use fastfold::train_data::layout::{select, Filters};
 use fastfold::train_data::target::{chain_structure, read_chain};
 use tch::Tensor;
 
-/// The template fixtures' mmCIF entry `<pdb>.cif`.
-fn mmcif_fixture(pdb: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/templates/mmcif").join(format!("{pdb}.cif"))
-}
+use common::layout::{self, mmcif_fixture};
 
 /// The first model's polymer atoms of chain `chain` of an mmCIF file, as fixed-column PDB
 /// records (what a PDB download of the entry holds), for the PDB reader.
@@ -110,4 +111,65 @@ fn resolution_and_missing_chains() {
     assert_eq!(with("_exptl.crystals_number 1"), 0.0);
     let err = read_chain(&path, "Q").unwrap_err().to_string();
     assert!(err.contains("3ghi.cif") && err.contains("no protein chain \"Q\"") && err.contains("chains: A"), "{err}");
+}
+
+fn names(filters: &Filters, mmcif: &Path, alignments: &Path) -> Vec<String> {
+    select(mmcif, alignments, filters).unwrap().chains.into_iter().map(|c| c.name).collect()
+}
+
+/// The chains are the alignment folders (or the train list), each paired with its entry and
+/// its MSA files; the filters leave chains out by release date, length and resolution, and
+/// say how many; what is missing is named.
+#[test]
+fn layout_pairs_chains_with_entries_and_filters_them() {
+    let d = common::scratch("train_data", "layout");
+    let (mmcif, alignments) = layout::write(&d, &["1abc_A", "2def_A", "2def_B", "3ghi_A"]);
+    let all = Filters::default();
+    assert_eq!(names(&all, &mmcif, &alignments), ["1abc_A", "2def_A", "2def_B", "3ghi_A"]);
+    let selection = select(&mmcif, &alignments, &all).unwrap();
+    let first = &selection.chains[0];
+    assert_eq!((first.chain.as_str(), first.length), ("A", 37));
+    assert_eq!(first.mmcif, mmcif.join("1abc.cif"));
+    assert_eq!(
+        first.msas,
+        [alignments.join("1abc_A/bfd_uniclust_hits.a3m"), alignments.join("1abc_A/uniref90_hits.sto")]
+    );
+
+    // 2def was released 2018-02-03 and 3ghi 2021-05-01; 2def_A has 26 residues, 3ghi_A 30.
+    let dated = Filters { max_release_date: Some("2020-01-01".into()), ..Filters::default() };
+    let selection = select(&mmcif, &alignments, &dated).unwrap();
+    assert_eq!(selection.chains.iter().map(|c| c.name.as_str()).collect::<Vec<_>>(), ["1abc_A", "2def_A", "2def_B"]);
+    assert_eq!(selection.excluded, [("released after --max-release-date".to_string(), 1)]);
+    let short = Filters { max_length: Some(30), ..Filters::default() };
+    assert_eq!(names(&short, &mmcif, &alignments), ["2def_A", "3ghi_A"]);
+    let long = Filters { min_length: 31, ..Filters::default() };
+    assert_eq!(names(&long, &mmcif, &alignments), ["1abc_A", "2def_B"]);
+    let listed = Filters { train_list: Some(vec!["3ghi_A".into(), "1abc_A".into()]), ..Filters::default() };
+    assert_eq!(names(&listed, &mmcif, &alignments), ["1abc_A", "3ghi_A"]);
+
+    // Resolution: 2.5 Å passes 3, 3.5 Å does not.
+    let text = std::fs::read_to_string(mmcif.join("3ghi.cif")).unwrap();
+    std::fs::write(mmcif.join("3ghi.cif"), format!("{text}\n_refine.ls_d_res_high 3.5\n")).unwrap();
+    let sharp = Filters { max_resolution: 3.0, ..Filters::default() };
+    let selection = select(&mmcif, &alignments, &sharp).unwrap();
+    assert_eq!(selection.excluded, [("resolution above --max-resolution".to_string(), 1)]);
+    std::fs::write(mmcif.join("3ghi.cif"), text).unwrap();
+
+    let err = |filters: &Filters| select(&mmcif, &alignments, filters).unwrap_err().to_string();
+    let listed = Filters { train_list: Some(vec!["9zzz_A".into()]), ..Filters::default() };
+    let e = err(&listed);
+    assert!(e.contains("no alignment folder") && e.contains("9zzz_A"), "{e}");
+    let none = Filters { max_length: Some(3), ..Filters::default() };
+    let e = err(&none);
+    assert!(e.contains("no training chains") && e.contains("4 longer than --max-length"), "{e}");
+    std::fs::create_dir_all(alignments.join("1abc_Q")).unwrap();
+    let e = err(&all);
+    assert!(e.contains("1abc.cif") && e.contains("no protein chain \"Q\" for 1abc_Q"), "{e}");
+    std::fs::remove_dir(alignments.join("1abc_Q")).unwrap();
+    std::fs::create_dir_all(alignments.join("4xyz_A")).unwrap();
+    let e = err(&all);
+    assert!(e.contains("4xyz.cif") && e.contains("--mmcif-dir"), "{e}");
+    std::fs::copy(mmcif.join("3ghi.cif"), mmcif.join("4xyz.cif")).unwrap();
+    let e = err(&all);
+    assert!(e.contains("4xyz_A") && e.contains("has no .a3m or .sto file"), "{e}");
 }

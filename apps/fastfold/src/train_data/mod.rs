@@ -4,6 +4,8 @@
 //! of AlphaFold's training-time pipeline.
 //!
 //! - [`target`]: an mmCIF chain as a training target (SEQRES, atom37 positions, resolution).
+//! - [`layout`]: the chains of the mmCIF and alignment folders that pass the filters.
 //! - [`transforms`]: block deletion, the crop and the recycling count, keyed by seed, step and rank.
+pub mod layout;
 pub mod target;
 pub mod transforms;
