@@ -1,6 +1,8 @@
 //! Training data as users have it: an mmCIF chain read as a training target (against the PDB
 //! reader on the same atoms, and against values read off the fixture by hand); OpenFold's
-//! layout of mmCIF and alignment folders, its filters and the errors naming what is missing.
+//! layout of mmCIF and alignment folders, its filters and the errors naming what is missing;
+//! a chain made one step's example, its crop of the features and the ground truth aligned,
+//! every draw repeated by its seed, step and rank.
 mod common;
 
 use std::path::Path;
@@ -9,8 +11,10 @@ use fastfold::pdb::Structure;
 use fastfold::residue_constants::{aatype_of, atom_order, UNK_RESTYPE_INDEX};
 use fastfold::search::mmcif;
 use fastfold::train::Target;
+use fastfold::train_data::example::{load, prepare, Pipeline};
 use fastfold::train_data::layout::{select, Filters};
 use fastfold::train_data::target::{chain_structure, read_chain};
+use fastfold::train_data::transforms::BlockDeletion;
 use tch::Tensor;
 
 use common::layout::{self, mmcif_fixture};
@@ -172,4 +176,62 @@ fn layout_pairs_chains_with_entries_and_filters_them() {
     std::fs::copy(mmcif.join("3ghi.cif"), mmcif.join("4xyz.cif")).unwrap();
     let e = err(&all);
     assert!(e.contains("4xyz_A") && e.contains("has no .a3m or .sto file"), "{e}");
+}
+
+fn pipeline(seed: u64) -> Pipeline {
+    Pipeline {
+        features: fastfold::features::FeatureConfig { max_msa_clusters: 4, max_extra_msa: 8, ..Default::default() },
+        block_deletion: BlockDeletion::default(),
+        crop_size: 16,
+        max_recycles: 3,
+        seed,
+    }
+}
+
+/// A chain's example: the MSAs of both files in one, the crop of the features at the crop of
+/// the ground truth (residue types, indices), the same draws for the same seed, step and rank
+/// and others for another step or rank.
+#[test]
+fn examples_crop_features_and_truth_alike_and_repeat_by_seed_step_and_rank() {
+    let d = common::scratch("train_data", "example");
+    let (mmcif, alignments) = layout::write(&d, &["1abc_A"]);
+    let chain = select(&mmcif, &alignments, &Filters::default()).unwrap().chains.remove(0);
+    let example = load(&chain).unwrap();
+    assert_eq!(example.name, "1abc_A");
+    // The query, four A3M rows and two Stockholm rows (the Stockholm query repeats it).
+    assert_eq!(example.raw.msa.len(), 7);
+    assert_eq!(example.raw.seq_length, 37);
+
+    let p = pipeline(3);
+    let a = prepare(&example, &p, 5, 0).unwrap();
+    let f = &a.features;
+    assert_eq!(f.aatype.size(), [a.recycles as i64 + 1, 16]);
+    assert_eq!(f.msa_feat.size()[2], 16);
+    assert_eq!(f.seq_length.int64_value(&[0]), 16);
+    assert_eq!(a.structure.aatype.len(), 16);
+    let aatype: Vec<i64> = Vec::try_from(f.aatype.get(0)).unwrap();
+    assert_eq!(aatype, a.structure.aatype.iter().map(|&t| t as i64).collect::<Vec<_>>(), "crop at {}", a.crop_start);
+    let index: Vec<i64> = Vec::try_from(f.residue_index.get(0)).unwrap();
+    assert_eq!(index, (a.crop_start as i64..a.crop_start as i64 + 16).collect::<Vec<_>>());
+    assert_eq!(a.structure.residue_index, index);
+    assert_eq!(a.structure.positions[..], example.structure.positions[a.crop_start..a.crop_start + 16]);
+    // A target of the crop.
+    Target::new(&a.structure, &f.aatype.get(0), "crop").unwrap();
+
+    let same = prepare(&example, &p, 5, 0).unwrap();
+    assert_eq!((same.crop_start, same.recycles), (a.crop_start, a.recycles));
+    assert!(same.features.msa_feat.equal(&f.msa_feat) && same.features.bert_mask.equal(&f.bert_mask));
+    let key = |step, rank| {
+        let e = prepare(&example, &p, step, rank).unwrap();
+        (e.crop_start, e.recycles, Vec::<f32>::try_from(e.features.msa_feat.flatten(0, -1)).unwrap())
+    };
+    let here = key(5, 0);
+    assert!((6..12).any(|step| key(step, 0) != here), "other steps draw otherwise");
+    assert_ne!(key(5, 1).2, here.2, "another rank draws its own MSA sample and crop");
+    assert_eq!(key(5, 1).1, here.1, "the recycling count is the same on every rank");
+    let starts: std::collections::BTreeSet<usize> = (0..60).map(|s| key(s, 0).0).collect();
+    assert!(starts.len() > 5 && starts.iter().all(|&s| s <= 37 - 16), "{starts:?}");
+    // A chain shorter than the crop is kept whole.
+    let whole = prepare(&example, &Pipeline { crop_size: 64, ..p }, 5, 0).unwrap();
+    assert_eq!((whole.crop_start, whole.structure.aatype.len()), (0, 37));
 }

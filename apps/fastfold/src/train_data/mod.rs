@@ -6,6 +6,10 @@
 //! - [`target`]: an mmCIF chain as a training target (SEQRES, atom37 positions, resolution).
 //! - [`layout`]: the chains of the mmCIF and alignment folders that pass the filters.
 //! - [`transforms`]: block deletion, the crop and the recycling count, keyed by seed, step and rank.
+//! - [`example`]: a chain read from the layout, and made one step's cropped example.
+//! - [`loader`]: the order of the chains over the steps, and their loading ahead on a thread pool.
+pub mod example;
 pub mod layout;
+pub mod loader;
 pub mod target;
 pub mod transforms;
