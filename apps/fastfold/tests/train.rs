@@ -1,8 +1,8 @@
 //! Training on a tiny random model against a synthetic helix: gradients of the whole network
 //! (embedders, stacks under DAP, structure module, heads) on 2 ranks equal one process's; the
 //! `train` command lowers the loss, writes its log and parameters, and names a target that
-//! does not fit the input; fine-tuning logs every term of the loss and lowers it; and it
-//! trains alike with the fused kernels.
+//! does not fit the input; fine-tuning logs every term of the loss and lowers it; it trains
+//! alike with the fused kernels; and it trains on a data set in OpenFold's layout.
 mod common;
 
 use std::path::{Path, PathBuf};
@@ -233,6 +233,49 @@ fn train_command_lowers_the_loss_and_two_ranks_agree() {
         .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("short.pdb") && err.contains("10 residues"), "{err}");
+}
+
+/// `fastfold train --mmcif-dir --alignment-dir`: two steps on a layout of two chains, one
+/// epoch, so each chain once (cropped, its recycling count drawn), finite losses in the log;
+/// a layout flag with --target, or neither, is refused.
+#[test]
+fn train_command_trains_on_the_chains_of_a_layout() {
+    let d = dir("layout");
+    let (mmcif, alignments) = common::layout::write(&d, &["1abc_A", "3ghi_A"]);
+    let params = d.join("init.npz");
+    Params::random_model(&EvoformerConfig::tiny(), &ModelConfig::tiny(), 15).unwrap().save(&params).unwrap();
+    let out = d.join("out");
+    let path = |p: &Path| p.display().to_string();
+    let mut args = vec!["train".to_string(), "--mmcif-dir".into(), path(&mmcif), "--alignment-dir".into()];
+    args.extend([path(&alignments), "--params".into(), path(&params), "-o".into(), path(&out)]);
+    let flags = ["--steps", "2", "--crop-size", "24", "--max-msa-clusters", "4", "--max-extra-msa", "8"];
+    let o = Command::new(BIN).args(&args).args(flags).args(["--max-recycles", "1"]).output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(o.status.success(), "{text}");
+    assert!(text.contains("2 training chains in"), "{text}");
+    let steps = log(&out);
+    assert_eq!(steps.len(), 2);
+    let mut chains = Vec::new();
+    for s in &steps {
+        assert!(s["loss"].as_f64().unwrap().is_finite() && s["fape"].as_f64().unwrap().is_finite(), "{s}");
+        assert!(s["recycles"].as_u64().unwrap() <= 1, "{s}");
+        let example = s["example"].as_str().unwrap();
+        let (chain, crop) = example.split_once(' ').unwrap();
+        let (first, last) = crop.split_once('-').unwrap();
+        let (first, last): (usize, usize) = (first.parse().unwrap(), last.parse().unwrap());
+        assert_eq!(last + 1 - first, 24, "{example}: a crop of 24 residues");
+        chains.push(chain.to_string());
+    }
+    chains.sort();
+    assert_eq!(chains, ["1abc_A", "3ghi_A"], "one epoch visits each chain once");
+    assert!(out.join("params.npz").exists());
+
+    let o = Command::new(BIN).args(&args).args(["--target", "x.pdb"]).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("--target") && err.contains("--mmcif-dir"), "{err}");
+    let o = Command::new(BIN).args(["train", "--params", &path(&params), "-o", &path(&out)]).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("--target"), "{err}");
 }
 
 /// `--config-preset finetuning` at a resolution inside the confidence heads' range: every
