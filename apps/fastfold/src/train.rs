@@ -100,8 +100,25 @@ pub struct Target {
 }
 
 impl Target {
-    /// From a structure whose residue types must be the features' (`aatype` [N]).
+    /// From a structure whose residue types must be the features' (`aatype` [N]), with the
+    /// atoms backbone FAPE and the distogram need (else an error: one example without them
+    /// would train on without those terms, silently).
     pub fn new(s: &Structure, aatype: &Tensor, source: &str) -> anyhow::Result<Target> {
+        let target = Target::of_crop(s, aatype, source)?;
+        // Without them a loss term is 0 and training would go on, silently, without it.
+        if target.truth.backbone()?.1.sum(Kind::Float).double_value(&[]) == 0.0 {
+            bail!("{source}: no residue has the N, CA and C atoms that backbone FAPE needs");
+        }
+        if target.truth.pseudo_beta_mask.sum(Kind::Float).double_value(&[]) == 0.0 {
+            bail!("{source}: no residue has the CB atom (CA for glycine) that the distogram loss needs");
+        }
+        Ok(target)
+    }
+
+    /// As [`Target::new`], but the structure may lack those atoms: a data set's crop can fall
+    /// on residues that were never observed, and trains that step with those terms at 0, as
+    /// AlphaFold's masked losses give them.
+    pub fn of_crop(s: &Structure, aatype: &Tensor, source: &str) -> anyhow::Result<Target> {
         let n = aatype.size()[0];
         let ours: Vec<i64> = Vec::try_from(aatype.to_device(Device::Cpu))?;
         if s.aatype.len() as i64 != n {
@@ -128,13 +145,6 @@ impl Target {
         let flat: Vec<f32> = s.mask.iter().flatten().copied().collect();
         let mask = Tensor::from_slice(&flat).view([n, 37]).to_device(device);
         let truth = GroundTruth::new(aatype, &positions, &mask).with_context(|| source.to_string())?;
-        // Without them a loss term is 0 and training would go on, silently, without it.
-        if truth.backbone()?.1.sum(Kind::Float).double_value(&[]) == 0.0 {
-            bail!("{source}: no residue has the N, CA and C atoms that backbone FAPE needs");
-        }
-        if truth.pseudo_beta_mask.sum(Kind::Float).double_value(&[]) == 0.0 {
-            bail!("{source}: no residue has the CB atom (CA for glycine) that the distogram loss needs");
-        }
         Ok(Target { truth, resolution: 0.0 })
     }
 }
@@ -482,7 +492,7 @@ fn layout_example(p: Prepared, device: Device) -> anyhow::Result<(Features, Targ
     let features = p.features.to_device(device);
     let len = p.structure.aatype.len();
     let name = format!("{} {}-{}", p.name, p.crop_start + 1, p.crop_start + len);
-    let mut target = Target::new(&p.structure, &features.aatype.get(0), &name)?;
+    let mut target = Target::of_crop(&p.structure, &features.aatype.get(0), &name)?;
     target.resolution = p.resolution;
     Ok((features, target, p.recycles, name))
 }

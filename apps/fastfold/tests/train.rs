@@ -142,6 +142,26 @@ fn bad_targets_are_named() {
     assert!(Target::new(&modified, &aatype, "t.pdb").is_ok());
 }
 
+/// A data set's crop may fall where no atom was observed: it trains that step with finite
+/// losses, the structure terms at 0 (`Target::of_crop`), where one example must have them.
+#[test]
+fn a_crop_without_observed_atoms_trains_with_its_structure_terms_at_zero() {
+    let f = features(&dir("unobserved").join("q.a3m"));
+    let mut empty = helix(SEQ);
+    empty.mask.iter_mut().for_each(|m| *m = [0.0; 37]);
+    let aatype = f.aatype.get(0);
+    assert!(Target::new(&empty, &aatype, "crop").is_err());
+    let target = Target::of_crop(&empty, &aatype, "crop").unwrap();
+    let params = Params::random_model(&EvoformerConfig::tiny(), &ModelConfig::tiny(), 16).unwrap();
+    let adam = OptimizerArgs { optimizer: OptimizerKind::Adamw, lr: 1e-3, weight_decay: 0.0, clip_grad: Some(0.1) };
+    let mut trainer = Trainer::new(&params, Device::Cpu, &adam).unwrap();
+    let (losses, norm) = trainer.step(&f, &target, 1, &Exec::new(Dap::none(), None)).unwrap();
+    let t = &losses.terms;
+    assert!(t.loss.is_finite() && norm.is_finite(), "{t:?}");
+    assert_eq!((t.fape, t.sidechain_fape, t.distogram), (0.0, 0.0, 0.0), "{t:?}");
+    assert!(t.masked_msa > 0.0, "the MSA term still trains: {t:?}");
+}
+
 fn log(out: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(out.join("log.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
 }
