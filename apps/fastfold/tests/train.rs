@@ -257,7 +257,8 @@ fn train_command_lowers_the_loss_and_two_ranks_agree() {
 
 /// `fastfold train --mmcif-dir --alignment-dir`: two steps on a layout of two chains, one
 /// epoch, so each chain once (cropped, its recycling count drawn), finite losses in the log;
-/// a layout flag with --target, or neither, is refused.
+/// two DAP ranks train on the same first example to the same loss; a layout flag with
+/// --target, or neither, is refused.
 #[test]
 fn train_command_trains_on_the_chains_of_a_layout() {
     let d = dir("layout");
@@ -289,6 +290,18 @@ fn train_command_trains_on_the_chains_of_a_layout() {
     chains.sort();
     assert_eq!(chains, ["1abc_A", "3ghi_A"], "one epoch visits each chain once");
     assert!(out.join("params.npz").exists());
+    // Two DAP ranks are one replica: the same example, crop and loss as one process.
+    let two = d.join("two");
+    let mut args_two = args.clone();
+    *args_two.last_mut().unwrap() = path(&two);
+    let o =
+        Command::new(BIN).args(&args_two).args(flags).args(["--max-recycles", "1", "--nproc", "2"]).output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(o.status.success(), "{text}");
+    let (one, dap) = (&steps[0], &log(&two)[0]);
+    assert_eq!((&one["example"], &one["recycles"]), (&dap["example"], &dap["recycles"]));
+    let (a, b) = (one["loss"].as_f64().unwrap(), dap["loss"].as_f64().unwrap());
+    assert!((a - b).abs() <= 1e-5 * a.abs().max(1.0), "first loss {b} on 2 ranks, {a} on one");
 
     let o = Command::new(BIN).args(&args).args(["--target", "x.pdb"]).output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
