@@ -1,6 +1,7 @@
 //! Training data as users have it: an mmCIF chain read as a training target (against the PDB
 //! reader on the same atoms, and against values read off the fixture by hand); OpenFold's
-//! layout of mmCIF and alignment folders, its filters and the errors naming what is missing;
+//! layout of mmCIF and alignment folders, its filters (the entries' values or OpenFold's chain
+//! data cache) and the errors naming what is missing;
 //! a chain made one step's example, its crop of the features and the ground truth aligned,
 //! every draw repeated by its seed, step and rank.
 mod common;
@@ -12,7 +13,7 @@ use fastfold::residue_constants::{aatype_of, atom_order, UNK_RESTYPE_INDEX};
 use fastfold::search::mmcif;
 use fastfold::train::Target;
 use fastfold::train_data::example::{load, prepare, Pipeline};
-use fastfold::train_data::layout::{select, Filters};
+use fastfold::train_data::layout::{read_chain_data_cache, select, Filters};
 use fastfold::train_data::target::{chain_structure, read_chain};
 use fastfold::train_data::transforms::BlockDeletion;
 use tch::Tensor;
@@ -158,6 +159,31 @@ fn layout_pairs_chains_with_entries_and_filters_them() {
     let selection = select(&mmcif, &alignments, &sharp).unwrap();
     assert_eq!(selection.excluded, [("resolution above --max-resolution".to_string(), 1)]);
     std::fs::write(mmcif.join("3ghi.cif"), text).unwrap();
+
+    // OpenFold's chain data cache in place of the entries' own values (which have no
+    // resolution): chains it lacks are left out.
+    let cache = d.join("chain_data_cache.json");
+    let record = |date: &str, seq: &str, resolution: Option<f64>| serde_json::json!({"release_date": date, "seq": seq, "resolution": resolution, "cluster_size": 1});
+    let seq = |n: usize| "ACDEFGHIKLMNPQRSTVWY".chars().cycle().take(n).collect::<String>();
+    let json = serde_json::json!({
+        "1abc_A": record("2015-06-01", &seq(37), Some(2.0)),
+        "2def_A": record("2018-02-03", &seq(26), Some(3.5)),
+        "3ghi_A": record("2021-05-01", &seq(30), None),
+    });
+    std::fs::write(&cache, json.to_string()).unwrap();
+    let cached =
+        Filters { chain_data: Some(read_chain_data_cache(&cache).unwrap()), max_resolution: 3.0, ..all.clone() };
+    let selection = select(&mmcif, &alignments, &cached).unwrap();
+    assert_eq!(selection.chains.iter().map(|c| c.name.as_str()).collect::<Vec<_>>(), ["1abc_A", "3ghi_A"]);
+    let mut excluded = selection.excluded.clone();
+    excluded.sort();
+    assert_eq!(
+        excluded,
+        [("not in --chain-data-cache".to_string(), 1), ("resolution above --max-resolution".to_string(), 1)]
+    );
+    std::fs::write(&cache, "[1, 2]").unwrap();
+    let e = read_chain_data_cache(&cache).unwrap_err().to_string();
+    assert!(e.contains("chain_data_cache.json") && e.contains("chain data cache"), "{e}");
 
     let err = |filters: &Filters| select(&mmcif, &alignments, filters).unwrap_err().to_string();
     let listed = Filters { train_list: Some(vec!["9zzz_A".into()]), ..Filters::default() };

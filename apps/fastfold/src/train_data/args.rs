@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::bail;
 
 use super::example::Pipeline;
-use super::layout::{read_train_list, Filters};
+use super::layout::{read_chain_data_cache, read_train_list, Filters};
 use super::transforms::BlockDeletion;
 use crate::features::FeatureConfig;
 use crate::loss::TrainingStage;
@@ -25,6 +25,11 @@ pub struct TrainDataArgs {
     /// `train_filter_path`; default: every folder of --alignment-dir).
     #[arg(long, requires = "mmcif_dir")]
     pub train_list: Option<PathBuf>,
+    /// OpenFold's chain data cache (`chain_data_cache.json`: each chain's release date,
+    /// sequence and resolution) for the filters, in place of parsing every mmCIF entry at the
+    /// start (OpenFold's `train_chain_data_cache_path`); chains it lacks are left out.
+    #[arg(long, requires = "mmcif_dir")]
+    pub chain_data_cache: Option<PathBuf>,
     /// Leave out entries solved at a resolution above this, in Å (OpenFold: 9; entries
     /// without one, NMR, stay).
     #[arg(long, default_value_t = 9.0, value_parser = engine::parse::non_negative)]
@@ -73,6 +78,7 @@ impl TrainDataArgs {
             max_release_date: self.max_release_date.clone(),
             min_length: self.min_length,
             max_length: self.max_length,
+            chain_data: self.chain_data_cache.as_deref().map(read_chain_data_cache).transpose()?,
         })
     }
 

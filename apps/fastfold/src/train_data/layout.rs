@@ -33,11 +33,48 @@ pub struct Filters {
     pub min_length: usize,
     /// Most SEQRES residues.
     pub max_length: Option<usize>,
+    /// Each chain's release date, resolution and sequence from OpenFold's chain data cache, in
+    /// place of parsing every entry (chains it lacks are left out).
+    pub chain_data: Option<HashMap<String, ChainData>>,
+}
+
+/// A chain's record in OpenFold's chain data cache (`chain_data_cache.json`, written by its
+/// `scripts/generate_chain_data_cache.py`; its other fields, such as `cluster_size`, are not
+/// read).
+#[derive(Clone, Debug, PartialEq, serde::Deserialize)]
+pub struct ChainData {
+    /// The entry's release date, `YYYY-MM-DD`.
+    pub release_date: Option<String>,
+    /// The chain's SEQRES.
+    pub seq: String,
+    /// Resolution in Å (`null` or absent: none).
+    #[serde(default)]
+    pub resolution: Option<f64>,
+}
+
+/// Reads a `--chain-data-cache` file: `{"<pdb>_<chain>": {"release_date": .., "seq": ..,
+/// "resolution": ..}, ..}`.
+pub fn read_chain_data_cache(path: &Path) -> anyhow::Result<HashMap<String, ChainData>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading --chain-data-cache {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| {
+        format!(
+            "--chain-data-cache {}: not OpenFold's chain data cache (chain -> release_date, seq, resolution)",
+            path.display()
+        )
+    })
 }
 
 impl Default for Filters {
     fn default() -> Self {
-        Filters { train_list: None, max_resolution: 9.0, max_release_date: None, min_length: 1, max_length: None }
+        Filters {
+            train_list: None,
+            max_resolution: 9.0,
+            max_release_date: None,
+            min_length: 1,
+            max_length: None,
+            chain_data: None,
+        }
     }
 }
 
@@ -163,8 +200,8 @@ fn excluded_by(filters: &Filters, resolution: f64, date: Option<&str>, sequence:
 }
 
 /// The chains of the layout that pass `filters`. Every mmCIF entry named is read once (on the
-/// rayon pool) for its resolution, release date and SEQRES. Errors name the missing folder,
-/// file or chain.
+/// rayon pool) for its resolution, release date and SEQRES, unless the filters hold a chain
+/// data cache, which gives them. Errors name the missing folder, file or chain.
 pub fn select(mmcif_dir: &Path, alignment_dir: &Path, filters: &Filters) -> anyhow::Result<Selection> {
     if !mmcif_dir.is_dir() {
         bail!("--mmcif-dir {} is not a folder", mmcif_dir.display());
@@ -175,7 +212,7 @@ pub fn select(mmcif_dir: &Path, alignment_dir: &Path, filters: &Filters) -> anyh
     };
     names.sort();
     names.dedup();
-    let mut located = Vec::with_capacity(names.len());
+    let mut located: Vec<Located> = Vec::with_capacity(names.len());
     for name in &names {
         let (pdb, chain) = split_name(name)
             .with_context(|| format!("chain {name:?} (in {}) is not named <pdb>_<chain>", alignment_dir.display()))?;
@@ -185,37 +222,27 @@ pub fn select(mmcif_dir: &Path, alignment_dir: &Path, filters: &Filters) -> anyh
         }
         located.push((name.clone(), pdb.to_string(), chain.to_string(), mmcif_path(mmcif_dir, pdb)?, folder));
     }
-    // Each entry parsed once, whatever number of its chains train.
-    let mut files: Vec<PathBuf> = located.iter().map(|l| l.3.clone()).collect();
-    files.sort();
-    files.dedup();
-    let parsed: HashMap<PathBuf, mmcif::Mmcif> = files
-        .into_par_iter()
-        .map(|p| {
-            let entry = mmcif::read(&p)?;
-            Ok((p, entry))
-        })
-        .collect::<anyhow::Result<Vec<_>>>()?
-        .into_iter()
-        .collect();
     let mut chains = Vec::new();
     let mut excluded: Vec<(String, usize)> = Vec::new();
-    for (name, _, chain, path, folder) in located {
-        let entry = &parsed[&path];
-        let found = entry.chain(&chain).with_context(|| {
-            let ids: Vec<&str> = entry.chains.iter().map(|c| c.id.as_str()).collect();
-            format!(
-                "{}: no protein chain {chain:?} for {name} (its protein chains: {})",
-                path.display(),
-                ids.join(", ")
-            )
-        })?;
-        let sequence = chain_sequence(found);
-        if let Some(why) = excluded_by(filters, entry.resolution, entry.release_date.as_deref(), &sequence) {
-            match excluded.iter_mut().find(|(w, _)| w == why) {
-                Some((_, n)) => *n += 1,
-                None => excluded.push((why.to_string(), 1)),
-            }
+    let mut exclude = |why: &str| match excluded.iter_mut().find(|(w, _)| w == why) {
+        Some((_, n)) => *n += 1,
+        None => excluded.push((why.to_string(), 1)),
+    };
+    // (resolution, release date, sequence) of each chain, None when the cache lacks it.
+    let described: Vec<Option<(f64, Option<String>, String)>> = match &filters.chain_data {
+        Some(cache) => located
+            .iter()
+            .map(|l| cache.get(&l.0).map(|c| (c.resolution.unwrap_or(0.0), c.release_date.clone(), c.seq.clone())))
+            .collect(),
+        None => described_by_entries(&located)?.into_iter().map(Some).collect(),
+    };
+    for ((name, _, chain, path, folder), described) in located.into_iter().zip(described) {
+        let Some((resolution, date, sequence)) = described else {
+            exclude("not in --chain-data-cache");
+            continue;
+        };
+        if let Some(why) = excluded_by(filters, resolution, date.as_deref(), &sequence) {
+            exclude(why);
             continue;
         }
         let msas = msa_files(&folder)?;
@@ -234,4 +261,39 @@ pub fn select(mmcif_dir: &Path, alignment_dir: &Path, filters: &Filters) -> anyh
         );
     }
     Ok(Selection { chains, excluded })
+}
+
+/// A located chain: (name, pdb id, chain id, mmCIF file, alignment folder).
+type Located = (String, String, String, PathBuf, PathBuf);
+
+/// (resolution, release date, SEQRES) of each chain from its mmCIF entry, each entry parsed
+/// once (on the rayon pool) whatever number of its chains train.
+fn described_by_entries(located: &[Located]) -> anyhow::Result<Vec<(f64, Option<String>, String)>> {
+    let mut files: Vec<PathBuf> = located.iter().map(|l| l.3.clone()).collect();
+    files.sort();
+    files.dedup();
+    let parsed: HashMap<PathBuf, mmcif::Mmcif> = files
+        .into_par_iter()
+        .map(|p| {
+            let entry = mmcif::read(&p)?;
+            Ok((p, entry))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?
+        .into_iter()
+        .collect();
+    located
+        .iter()
+        .map(|(name, _, chain, path, _)| {
+            let entry = &parsed[path];
+            let found = entry.chain(chain).with_context(|| {
+                let ids: Vec<&str> = entry.chains.iter().map(|c| c.id.as_str()).collect();
+                format!(
+                    "{}: no protein chain {chain:?} for {name} (its protein chains: {})",
+                    path.display(),
+                    ids.join(", ")
+                )
+            })?;
+            Ok((entry.resolution, entry.release_date.clone(), chain_sequence(found)))
+        })
+        .collect()
 }
