@@ -238,6 +238,10 @@ pub struct StepLog {
     pub example: Option<String>,
     /// Recycling passes before the trained one.
     pub recycles: usize,
+    /// Seconds the step waited for its example (with --mmcif-dir): near 0 while the loader
+    /// keeps ahead of training.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub data_seconds: Option<f64>,
     /// The loss and its terms.
     #[serde(flatten)]
     pub losses: StepLoss,
@@ -253,7 +257,7 @@ pub struct StepLog {
 
 impl engine::metrics::Record for StepLog {
     const CSV_HEADER: &'static str = "step,loss,fape,clamped,sidechain_fape,chi,angle_norm,violation,distogram,\
-        masked_msa,plddt,experimentally_resolved,aligned_error,grad_norm,seconds,lr,peak_bytes,recycles,example";
+        masked_msa,plddt,experimentally_resolved,aligned_error,grad_norm,seconds,lr,peak_bytes,recycles,example,data_seconds";
 
     fn csv_row(&self) -> String {
         let l = &self.losses;
@@ -263,7 +267,7 @@ impl engine::metrics::Record for StepLog {
         let peak = self.peak_bytes.map(|b| b.to_string()).unwrap_or_default();
         let (step, clamped) = (self.step, u8::from(l.clamped));
         format!(
-            "{step},{:.6},{:.6},{clamped},{},{pae},{:.6},{:.3},{:.6e},{peak},{},{}",
+            "{step},{:.6},{:.6},{clamped},{},{pae},{:.6},{:.3},{:.6e},{peak},{},{},{}",
             l.loss,
             l.fape,
             cells.join(","),
@@ -271,7 +275,8 @@ impl engine::metrics::Record for StepLog {
             self.seconds,
             self.lr,
             self.recycles,
-            self.example.as_deref().unwrap_or("")
+            self.example.as_deref().unwrap_or(""),
+            self.data_seconds.map(|s| format!("{s:.3}")).unwrap_or_default()
         )
     }
 
@@ -297,6 +302,7 @@ impl engine::metrics::Record for StepLog {
             ("train/lr", self.lr),
         ];
         scalars.extend(l.aligned_error.map(|x| ("train/aligned_error", x)));
+        scalars.extend(self.data_seconds.map(|s| ("train/data_seconds", s)));
         scalars.extend(self.peak_bytes.map(|b| ("train/peak_memory_gib", engine::metrics::gib(b))));
         scalars
     }
@@ -401,18 +407,23 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
     };
     for step in 1..=args.steps {
         let loaded;
-        let (features, target, recycles, example) = match &mut examples {
-            Examples::One(one) => (&one.0, &one.1, args.recycles, None),
+        let (features, target, recycles, example, data_seconds) = match &mut examples {
+            Examples::One(one) => (&one.0, &one.1, args.recycles, None, None),
             Examples::Layout { loader } => {
-                loaded = layout_example(loader.next_example()?, device)?;
-                (&loaded.0, &loaded.1, loaded.2, Some(loaded.3.clone()))
+                let waited = Instant::now();
+                let prepared = loader.next_example()?;
+                let data_seconds = Some(waited.elapsed().as_secs_f64());
+                loaded = layout_example(prepared, device)?;
+                (&loaded.0, &loaded.1, loaded.2, Some(loaded.3.clone()), data_seconds)
             }
         };
         let start = Instant::now();
         let (losses, grad_norm) = trainer.step(features, target, recycles, &exec)?;
         let seconds = start.elapsed().as_secs_f64();
-        let (lr, peak_bytes) = (args.optimizer.lr, engine::process::peak_memory(device));
-        let entry = StepLog { step, example, recycles, losses: losses.terms, grad_norm, seconds, lr, peak_bytes };
+        let peak_bytes = engine::process::peak_memory(device);
+        let (terms, lr) = (losses.terms, args.optimizer.lr);
+        let entry =
+            StepLog { step, example, recycles, data_seconds, losses: terms, grad_norm, seconds, lr, peak_bytes };
         let l = &entry.losses;
         // Every rank holds the same loss (DAP gathers before the loss), so all stop together.
         if !l.loss.is_finite() {

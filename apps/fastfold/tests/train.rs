@@ -280,6 +280,7 @@ fn train_command_trains_on_the_chains_of_a_layout() {
     for s in &steps {
         assert!(s["loss"].as_f64().unwrap().is_finite() && s["fape"].as_f64().unwrap().is_finite(), "{s}");
         assert!(s["recycles"].as_u64().unwrap() <= 1, "{s}");
+        assert!(s["data_seconds"].as_f64().unwrap() >= 0.0, "{s}");
         let example = s["example"].as_str().unwrap();
         let (chain, crop) = example.split_once(' ').unwrap();
         let (first, last) = crop.split_once('-').unwrap();
