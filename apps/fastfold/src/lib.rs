@@ -21,3 +21,4 @@ pub mod ranking;
 pub mod residue_constants;
 pub mod search;
 pub mod train;
+pub mod train_data;

@@ -1,4 +1,6 @@
 //! `fastfold train`: training steps of the whole network on one input and its known structure,
+//! or on a data set in OpenFold's layout (`--mmcif-dir`, `--alignment-dir`: each step the next
+//! chain, prepared ahead by AlphaFold's training-time pipeline, see [`crate::train_data`]),
 //! with AlphaFold's whole monomer training loss ([`crate::loss::total`]) under the weights of
 //! the training stage (`--config-preset`, OpenFold's names: `initial_training` or
 //! `finetuning`), under dynamic axial parallelism.
@@ -6,8 +8,8 @@
 //! Backbone FAPE is clamped in 90% of the steps, drawn from the seed and the step number
 //! ([`crate::loss::clamped_fape_at`]), the same on every rank. The confidence terms (pLDDT,
 //! experimentally resolved, aligned error) train only on structures solved at 0.1 to 3 Å:
-//! the resolution comes from `--resolution` or the target's header. Gradients flow through
-//! the last recycling pass only, as in AlphaFold.
+//! the resolution comes from `--resolution` or the target's header (with a data set, from the
+//! mmCIF entry). Gradients flow through the last recycling pass only, as in AlphaFold.
 //!
 //! Under DAP every rank computes the embedders, structure module and heads on whole tensors
 //! and the stacks on its block: the stacks' parameter gradients are summed over the ranks
@@ -30,6 +32,10 @@ use crate::model::alphafold::AlphaFold;
 use crate::model::{Exec, Params, EVOFORMER, EXTRA_MSA};
 use crate::pdb::{read_resolution, Structure};
 use crate::residue_constants::{RESNAMES, UNK_RESTYPE_INDEX};
+use crate::train_data::args::TrainDataArgs;
+use crate::train_data::example::Prepared;
+use crate::train_data::layout;
+use crate::train_data::loader::ExampleLoader;
 
 /// `fastfold train`'s options.
 #[derive(clap::Args, Debug, Clone)]
@@ -43,9 +49,9 @@ pub struct TrainArgs {
     /// The sequence (one FASTA record, optional --msa) or processed features.
     #[command(flatten)]
     pub input: InputArgs,
-    /// The true structure (PDB) of the query.
-    #[arg(long)]
-    pub target: PathBuf,
+    /// The true structure (PDB) of the query (not with --mmcif-dir).
+    #[arg(long, required_unless_present = "mmcif_dir")]
+    pub target: Option<PathBuf>,
     /// The chain of --target to read (default: its first chain).
     #[arg(long)]
     pub chain: Option<char>,
@@ -70,9 +76,13 @@ pub struct TrainArgs {
     /// experimentally resolved and aligned error train only between 0.1 and 3 Å.
     #[arg(long, value_parser = engine::parse::non_negative)]
     pub resolution: Option<f64>,
-    /// Recycling passes before the one that is trained (AlphaFold samples 0..=3).
+    /// Recycling passes before the one that is trained (with --mmcif-dir they are drawn per
+    /// step, as AlphaFold draws them: see --max-recycles).
     #[arg(long, default_value_t = 0, value_parser = engine::parse::count(0..=crate::input::MAX_RECYCLES))]
     pub recycles: usize,
+    /// Training data in OpenFold's layout, in place of one input and --target.
+    #[command(flatten)]
+    pub data: TrainDataArgs,
     /// Device, ranks, progress and the training log.
     #[command(flatten)]
     pub job: JobArgs,
@@ -90,8 +100,25 @@ pub struct Target {
 }
 
 impl Target {
-    /// From a structure whose residue types must be the features' (`aatype` [N]).
+    /// From a structure whose residue types must be the features' (`aatype` [N]), with the
+    /// atoms backbone FAPE and the distogram need (else an error: one example without them
+    /// would train on without those terms, silently).
     pub fn new(s: &Structure, aatype: &Tensor, source: &str) -> anyhow::Result<Target> {
+        let target = Target::of_crop(s, aatype, source)?;
+        // Without them a loss term is 0 and training would go on, silently, without it.
+        if target.truth.backbone()?.1.sum(Kind::Float).double_value(&[]) == 0.0 {
+            bail!("{source}: no residue has the N, CA and C atoms that backbone FAPE needs");
+        }
+        if target.truth.pseudo_beta_mask.sum(Kind::Float).double_value(&[]) == 0.0 {
+            bail!("{source}: no residue has the CB atom (CA for glycine) that the distogram loss needs");
+        }
+        Ok(target)
+    }
+
+    /// As [`Target::new`], but the structure may lack those atoms: a data set's crop can fall
+    /// on residues that were never observed, and trains that step with those terms at 0, as
+    /// AlphaFold's masked losses give them.
+    pub fn of_crop(s: &Structure, aatype: &Tensor, source: &str) -> anyhow::Result<Target> {
         let n = aatype.size()[0];
         let ours: Vec<i64> = Vec::try_from(aatype.to_device(Device::Cpu))?;
         if s.aatype.len() as i64 != n {
@@ -118,13 +145,6 @@ impl Target {
         let flat: Vec<f32> = s.mask.iter().flatten().copied().collect();
         let mask = Tensor::from_slice(&flat).view([n, 37]).to_device(device);
         let truth = GroundTruth::new(aatype, &positions, &mask).with_context(|| source.to_string())?;
-        // Without them a loss term is 0 and training would go on, silently, without it.
-        if truth.backbone()?.1.sum(Kind::Float).double_value(&[]) == 0.0 {
-            bail!("{source}: no residue has the N, CA and C atoms that backbone FAPE needs");
-        }
-        if truth.pseudo_beta_mask.sum(Kind::Float).double_value(&[]) == 0.0 {
-            bail!("{source}: no residue has the CB atom (CA for glycine) that the distogram loss needs");
-        }
         Ok(Target { truth, resolution: 0.0 })
     }
 }
@@ -212,6 +232,16 @@ fn losses(
 pub struct StepLog {
     /// 1-based step.
     pub step: usize,
+    /// The chain trained on (`<pdb>_<chain>`, with --mmcif-dir) and its crop's residues
+    /// (1-based, inclusive).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub example: Option<String>,
+    /// Recycling passes before the trained one.
+    pub recycles: usize,
+    /// Seconds the step waited for its example (with --mmcif-dir): near 0 while the loader
+    /// keeps ahead of training.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub data_seconds: Option<f64>,
     /// The loss and its terms.
     #[serde(flatten)]
     pub losses: StepLoss,
@@ -227,7 +257,7 @@ pub struct StepLog {
 
 impl engine::metrics::Record for StepLog {
     const CSV_HEADER: &'static str = "step,loss,fape,clamped,sidechain_fape,chi,angle_norm,violation,distogram,\
-        masked_msa,plddt,experimentally_resolved,aligned_error,grad_norm,seconds,lr,peak_bytes";
+        masked_msa,plddt,experimentally_resolved,aligned_error,grad_norm,seconds,lr,peak_bytes,recycles,example,data_seconds";
 
     fn csv_row(&self) -> String {
         let l = &self.losses;
@@ -237,13 +267,16 @@ impl engine::metrics::Record for StepLog {
         let peak = self.peak_bytes.map(|b| b.to_string()).unwrap_or_default();
         let (step, clamped) = (self.step, u8::from(l.clamped));
         format!(
-            "{step},{:.6},{:.6},{clamped},{},{pae},{:.6},{:.3},{:.6e},{peak}",
+            "{step},{:.6},{:.6},{clamped},{},{pae},{:.6},{:.3},{:.6e},{peak},{},{},{}",
             l.loss,
             l.fape,
             cells.join(","),
             self.grad_norm,
             self.seconds,
-            self.lr
+            self.lr,
+            self.recycles,
+            self.example.as_deref().unwrap_or(""),
+            self.data_seconds.map(|s| format!("{s:.3}")).unwrap_or_default()
         )
     }
 
@@ -269,6 +302,7 @@ impl engine::metrics::Record for StepLog {
             ("train/lr", self.lr),
         ];
         scalars.extend(l.aligned_error.map(|x| ("train/aligned_error", x)));
+        scalars.extend(self.data_seconds.map(|s| ("train/data_seconds", s)));
         scalars.extend(self.peak_bytes.map(|b| ("train/peak_memory_gib", engine::metrics::gib(b))));
         scalars
     }
@@ -360,15 +394,7 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
         .with_context(|| format!("--params {}", args.params.display()))?
         .with_kernels(backend);
     let preset = args.input.preset(&params, &args.params)?;
-    let mut inputs = args.input.load(args.recycles, preset, device)?;
-    if inputs.len() != 1 {
-        bail!("training takes one query, the input has {}", inputs.len());
-    }
-    let (_, features) = inputs.remove(0);
-    let aatype = features.aatype.get(0);
-    let structure = Structure::read(&args.target, args.chain)?;
-    let mut target = Target::new(&structure, &aatype, &args.target.display().to_string())?;
-    target.resolution = resolution(args, world)?;
+    let mut examples = Examples::open(args, preset, device, world)?;
     let loss = args.config_preset.loss();
     let mut trainer = Trainer::new(&params, device, &args.optimizer)?.with_loss(loss, args.input.seed.seed);
     let mut log = Vec::new();
@@ -380,11 +406,24 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
         _ => None,
     };
     for step in 1..=args.steps {
+        let loaded;
+        let (features, target, recycles, example, data_seconds) = match &mut examples {
+            Examples::One(one) => (&one.0, &one.1, args.recycles, None, None),
+            Examples::Layout { loader } => {
+                let waited = Instant::now();
+                let prepared = loader.next_example()?;
+                let data_seconds = Some(waited.elapsed().as_secs_f64());
+                loaded = layout_example(prepared, device)?;
+                (&loaded.0, &loaded.1, loaded.2, Some(loaded.3.clone()), data_seconds)
+            }
+        };
         let start = Instant::now();
-        let (losses, grad_norm) = trainer.step(&features, &target, args.recycles, &exec)?;
+        let (losses, grad_norm) = trainer.step(features, target, recycles, &exec)?;
         let seconds = start.elapsed().as_secs_f64();
-        let (lr, peak_bytes) = (args.optimizer.lr, engine::process::peak_memory(device));
-        let entry = StepLog { step, losses: losses.terms, grad_norm, seconds, lr, peak_bytes };
+        let peak_bytes = engine::process::peak_memory(device);
+        let (terms, lr) = (losses.terms, args.optimizer.lr);
+        let entry =
+            StepLog { step, example, recycles, data_seconds, losses: terms, grad_norm, seconds, lr, peak_bytes };
         let l = &entry.losses;
         // Every rank holds the same loss (DAP gathers before the loss), so all stop together.
         if !l.loss.is_finite() {
@@ -395,8 +434,9 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
         }
         if world.rank() == 0 && !args.job.quiet {
             let clamp = if l.clamped { "" } else { " (unclamped)" };
+            let on = entry.example.as_deref().map(|e| format!("  {e}, {recycles} recycles")).unwrap_or_default();
             println!(
-                "step {step}/{}  loss {:.4}  fape {:.4}{clamp}  distogram {:.4}  masked msa {:.4}  violation {:.4}  \
+                "step {step}/{}{on}  loss {:.4}  fape {:.4}{clamp}  distogram {:.4}  masked msa {:.4}  violation {:.4}  \
                  grad norm {:.3}  {:.2} s",
                 args.steps, l.loss, l.fape, l.distogram, l.masked_msa, l.violation, entry.grad_norm, entry.seconds
             );
@@ -409,20 +449,79 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
     Ok(log)
 }
 
+/// Where each step's example comes from.
+enum Examples {
+    /// One input and its --target, every step.
+    One(Box<(Features, Target)>),
+    /// A data set in OpenFold's layout, each step's example prepared ahead.
+    Layout { loader: ExampleLoader },
+}
+
+impl Examples {
+    /// The examples `args` name: with --mmcif-dir the layout's chains that pass the filters
+    /// (said on rank 0), else the one input (MSA sizes from `preset` unless given) and --target.
+    fn open(
+        args: &TrainArgs,
+        preset: Option<crate::preset::Preset>,
+        device: Device,
+        world: &World,
+    ) -> anyhow::Result<Examples> {
+        if let (Some(mmcif_dir), Some(alignment_dir)) = (&args.data.mmcif_dir, &args.data.alignment_dir) {
+            let selection = layout::select(mmcif_dir, alignment_dir, &args.data.filters()?)?;
+            if world.rank() == 0 && !args.job.quiet {
+                let left: Vec<String> = selection.excluded.iter().map(|(why, n)| format!("{n} {why}")).collect();
+                let left = if left.is_empty() { String::new() } else { format!(" (left out: {})", left.join(", ")) };
+                println!("{} training chains in {}{left}", selection.chains.len(), alignment_dir.display());
+            }
+            let (input, seed) = (&args.input, args.input.seed.seed);
+            let pipeline = args.data.pipeline(args.config_preset, input.max_msa_clusters, input.max_extra_msa, seed);
+            // Under DAP every rank trains on the same example: together they are one
+            // data-parallel replica, rank 0 of the data.
+            let loader =
+                ExampleLoader::new(selection.chains, pipeline, args.steps as u64, 0, args.data.loader_workers)?;
+            return Ok(Examples::Layout { loader });
+        }
+        let Some(target_path) = &args.target else {
+            bail!("--target (or --mmcif-dir and --alignment-dir) is required")
+        };
+        let mut inputs = args.input.load(args.recycles, preset, device)?;
+        if inputs.len() != 1 {
+            bail!("training takes one query, the input has {}", inputs.len());
+        }
+        let (_, features) = inputs.remove(0);
+        let aatype = features.aatype.get(0);
+        let structure = Structure::read(target_path, args.chain)?;
+        let mut target = Target::new(&structure, &aatype, &target_path.display().to_string())?;
+        target.resolution = resolution(args, target_path, world)?;
+        Ok(Examples::One(Box::new((features, target))))
+    }
+}
+
+/// A prepared example on `device` with its target: (features, target, recycles, the chain
+/// and its crop as the log names them).
+fn layout_example(p: Prepared, device: Device) -> anyhow::Result<(Features, Target, usize, String)> {
+    let features = p.features.to_device(device);
+    let len = p.structure.aatype.len();
+    let name = format!("{} {}-{}", p.name, p.crop_start + 1, p.crop_start + len);
+    let mut target = Target::of_crop(&p.structure, &features.aatype.get(0), &name)?;
+    target.resolution = p.resolution;
+    Ok((features, target, p.recycles, name))
+}
+
 /// The target's resolution: `--resolution`, else its header's, else 0 (said on rank 0: the
 /// confidence terms are then off).
-fn resolution(args: &TrainArgs, world: &World) -> anyhow::Result<f64> {
+fn resolution(args: &TrainArgs, target: &std::path::Path, world: &World) -> anyhow::Result<f64> {
     if let Some(r) = args.resolution {
         return Ok(r);
     }
-    if let Some(r) = read_resolution(&args.target)? {
+    if let Some(r) = read_resolution(target)? {
         return Ok(r);
     }
     if world.rank() == 0 && !args.job.quiet {
         println!(
             "{}: no resolution in its header; pLDDT, experimentally resolved and aligned error are not trained \
              (--resolution gives one)",
-            args.target.display()
+            target.display()
         );
     }
     Ok(0.0)

@@ -1,8 +1,8 @@
 //! Training on a tiny random model against a synthetic helix: gradients of the whole network
 //! (embedders, stacks under DAP, structure module, heads) on 2 ranks equal one process's; the
 //! `train` command lowers the loss, writes its log and parameters, and names a target that
-//! does not fit the input; fine-tuning logs every term of the loss and lowers it; and it
-//! trains alike with the fused kernels.
+//! does not fit the input; fine-tuning logs every term of the loss and lowers it; it trains
+//! alike with the fused kernels; and it trains on a data set in OpenFold's layout.
 mod common;
 
 use std::path::{Path, PathBuf};
@@ -142,6 +142,26 @@ fn bad_targets_are_named() {
     assert!(Target::new(&modified, &aatype, "t.pdb").is_ok());
 }
 
+/// A data set's crop may fall where no atom was observed: it trains that step with finite
+/// losses, the structure terms at 0 (`Target::of_crop`), where one example must have them.
+#[test]
+fn a_crop_without_observed_atoms_trains_with_its_structure_terms_at_zero() {
+    let f = features(&dir("unobserved").join("q.a3m"));
+    let mut empty = helix(SEQ);
+    empty.mask.iter_mut().for_each(|m| *m = [0.0; 37]);
+    let aatype = f.aatype.get(0);
+    assert!(Target::new(&empty, &aatype, "crop").is_err());
+    let target = Target::of_crop(&empty, &aatype, "crop").unwrap();
+    let params = Params::random_model(&EvoformerConfig::tiny(), &ModelConfig::tiny(), 16).unwrap();
+    let adam = OptimizerArgs { optimizer: OptimizerKind::Adamw, lr: 1e-3, weight_decay: 0.0, clip_grad: Some(0.1) };
+    let mut trainer = Trainer::new(&params, Device::Cpu, &adam).unwrap();
+    let (losses, norm) = trainer.step(&f, &target, 1, &Exec::new(Dap::none(), None)).unwrap();
+    let t = &losses.terms;
+    assert!(t.loss.is_finite() && norm.is_finite(), "{t:?}");
+    assert_eq!((t.fape, t.sidechain_fape, t.distogram), (0.0, 0.0, 0.0), "{t:?}");
+    assert!(t.masked_msa > 0.0, "the MSA term still trains: {t:?}");
+}
+
 fn log(out: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(out.join("log.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
 }
@@ -233,6 +253,63 @@ fn train_command_lowers_the_loss_and_two_ranks_agree() {
         .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("short.pdb") && err.contains("10 residues"), "{err}");
+}
+
+/// `fastfold train --mmcif-dir --alignment-dir`: two steps on a layout of two chains, one
+/// epoch, so each chain once (cropped, its recycling count drawn), finite losses in the log;
+/// two DAP ranks train on the same first example to the same loss; a layout flag with
+/// --target, or neither, is refused.
+#[test]
+fn train_command_trains_on_the_chains_of_a_layout() {
+    let d = dir("layout");
+    let (mmcif, alignments) = common::layout::write(&d, &["1abc_A", "3ghi_A"]);
+    let params = d.join("init.npz");
+    Params::random_model(&EvoformerConfig::tiny(), &ModelConfig::tiny(), 15).unwrap().save(&params).unwrap();
+    let out = d.join("out");
+    let path = |p: &Path| p.display().to_string();
+    let mut args = vec!["train".to_string(), "--mmcif-dir".into(), path(&mmcif), "--alignment-dir".into()];
+    args.extend([path(&alignments), "--params".into(), path(&params), "-o".into(), path(&out)]);
+    let flags = ["--steps", "2", "--crop-size", "24", "--max-msa-clusters", "4", "--max-extra-msa", "8"];
+    let o = Command::new(BIN).args(&args).args(flags).args(["--max-recycles", "1"]).output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(o.status.success(), "{text}");
+    assert!(text.contains("2 training chains in"), "{text}");
+    let steps = log(&out);
+    assert_eq!(steps.len(), 2);
+    let mut chains = Vec::new();
+    for s in &steps {
+        assert!(s["loss"].as_f64().unwrap().is_finite() && s["fape"].as_f64().unwrap().is_finite(), "{s}");
+        assert!(s["recycles"].as_u64().unwrap() <= 1, "{s}");
+        assert!(s["data_seconds"].as_f64().unwrap() >= 0.0, "{s}");
+        let example = s["example"].as_str().unwrap();
+        let (chain, crop) = example.split_once(' ').unwrap();
+        let (first, last) = crop.split_once('-').unwrap();
+        let (first, last): (usize, usize) = (first.parse().unwrap(), last.parse().unwrap());
+        assert_eq!(last + 1 - first, 24, "{example}: a crop of 24 residues");
+        chains.push(chain.to_string());
+    }
+    chains.sort();
+    assert_eq!(chains, ["1abc_A", "3ghi_A"], "one epoch visits each chain once");
+    assert!(out.join("params.npz").exists());
+    // Two DAP ranks are one replica: the same example, crop and loss as one process.
+    let two = d.join("two");
+    let mut args_two = args.clone();
+    *args_two.last_mut().unwrap() = path(&two);
+    let o =
+        Command::new(BIN).args(&args_two).args(flags).args(["--max-recycles", "1", "--nproc", "2"]).output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(o.status.success(), "{text}");
+    let (one, dap) = (&steps[0], &log(&two)[0]);
+    assert_eq!((&one["example"], &one["recycles"]), (&dap["example"], &dap["recycles"]));
+    let (a, b) = (one["loss"].as_f64().unwrap(), dap["loss"].as_f64().unwrap());
+    assert!((a - b).abs() <= 1e-5 * a.abs().max(1.0), "first loss {b} on 2 ranks, {a} on one");
+
+    let o = Command::new(BIN).args(&args).args(["--target", "x.pdb"]).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("--target") && err.contains("--mmcif-dir"), "{err}");
+    let o = Command::new(BIN).args(["train", "--params", &path(&params), "-o", &path(&out)]).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("--target"), "{err}");
 }
 
 /// `--config-preset finetuning` at a resolution inside the confidence heads' range: every
