@@ -342,6 +342,8 @@ pub struct Trainer {
     steps: u64,
     /// Averages the gradients over the data-parallel replicas (none for one group).
     replicas: Option<(DataParallel, ProcessGroup)>,
+    /// The examples of the step under way and the loss terms of those trained so far.
+    step_terms: (usize, Vec<StepLoss>),
 }
 
 impl Trainer {
@@ -370,7 +372,18 @@ impl Trainer {
         let clip = optimizer.clip_grad;
         let optimizer = ranks.optimizer(list, |list| optimizer.build(list, optimizer.lr))?;
         let loss = LossConfig::initial_training();
-        Ok(Trainer { model, params, optimizer, stacks, clip, loss, seed: 0, steps: 0, replicas })
+        Ok(Trainer {
+            model,
+            params,
+            optimizer,
+            stacks,
+            clip,
+            loss,
+            seed: 0,
+            steps: 0,
+            replicas,
+            step_terms: (0, Vec::new()),
+        })
     }
 
     /// The same trainer with `loss`'s weights, backbone FAPE clamped in the examples its
@@ -394,44 +407,75 @@ impl Trainer {
         losses.pop().context("one example, one loss")
     }
 
-    /// The gradients of one step's `examples` (this rank's) in the parameters' `.grad()`: for
-    /// each, forward (the last of its `recycles + 1` passes with autograd), loss (backbone
-    /// FAPE clamped or not as its number draws), backward of its share of the mean; then the
-    /// average over the replicas (launched during the last example's backward) and the DAP
-    /// sum of the stacks' gradients. Every rank of the job passes as many examples.
+    /// The gradients of one step's `examples` (this rank's) in the parameters' `.grad()`,
+    /// averaged with the other replicas' and summed over DAP ([`Trainer::begin_step`],
+    /// [`Trainer::accumulate`] on each, [`Trainer::reduce_gradients`]).
     pub fn gradients(&mut self, examples: &[Example], exec: &Exec) -> anyhow::Result<Vec<Losses>> {
-        anyhow::ensure!(!examples.is_empty(), "a step without examples");
-        self.optimizer.zero_grad();
-        let share = 1.0 / examples.len() as f64;
-        let mut all = Vec::with_capacity(examples.len());
-        for (k, e) in examples.iter().enumerate() {
-            if let Some((ddp, _)) = &self.replicas {
-                ddp.set_sync(k + 1 == examples.len())?;
-            }
-            let pass = self.model.predict(e.features, e.recycles, Kind::Float, exec)?;
-            let clamped = clamped_fape_at(self.seed, e.number, self.loss.clamped_fape_fraction);
-            let losses = losses(&pass, e.features, e.recycles, e.target, &self.loss, clamped)?;
-            let mean_share = if examples.len() == 1 { losses.total.shallow_clone() } else { &losses.total * share };
-            engine::autograd::backward(&[&mean_share], &[None], false)?;
-            all.push(losses);
+        self.begin_step(examples.len())?;
+        let losses = examples.iter().map(|e| self.accumulate(e, exec)).collect::<anyhow::Result<Vec<_>>>()?;
+        self.reduce_gradients(exec)?;
+        Ok(losses)
+    }
+
+    /// One step on `examples`, all in memory at once (see [`Trainer::finish_step`]).
+    pub fn step(&mut self, examples: &[Example], exec: &Exec) -> anyhow::Result<(StepLoss, f64)> {
+        self.begin_step(examples.len())?;
+        for e in examples {
+            self.accumulate(e, exec)?;
         }
+        self.finish_step(exec)
+    }
+
+    /// Starts a step of `count` examples on this rank (every rank of the job passes as many):
+    /// the gradients are zeroed, and [`Trainer::accumulate`] takes them one at a time, so that
+    /// only one is in memory while it trains.
+    pub fn begin_step(&mut self, count: usize) -> anyhow::Result<()> {
+        anyhow::ensure!(count >= 1, "a step without examples");
+        self.optimizer.zero_grad();
+        self.step_terms = (count, Vec::with_capacity(count));
+        Ok(())
+    }
+
+    /// Forward (the last of the example's `recycles + 1` passes with autograd), loss
+    /// (backbone FAPE clamped or not as its number draws) and backward of its share of the
+    /// step's mean, added to the gradients. The step's last example's backward launches the
+    /// average over the replicas bucket by bucket as its gradients arrive.
+    pub fn accumulate(&mut self, e: &Example, exec: &Exec) -> anyhow::Result<Losses> {
+        let (count, done) = (self.step_terms.0, self.step_terms.1.len());
+        anyhow::ensure!(done < count, "example {} of a step of {count}", done + 1);
+        if let Some((ddp, _)) = &self.replicas {
+            ddp.set_sync(done + 1 == count)?;
+        }
+        let pass = self.model.predict(e.features, e.recycles, Kind::Float, exec)?;
+        let clamped = clamped_fape_at(self.seed, e.number, self.loss.clamped_fape_fraction);
+        let losses = losses(&pass, e.features, e.recycles, e.target, &self.loss, clamped)?;
+        let share = if count == 1 { losses.total.shallow_clone() } else { &losses.total / count as f64 };
+        engine::autograd::backward(&[&share], &[None], false)?;
+        self.step_terms.1.push(losses.terms.clone());
+        Ok(losses)
+    }
+
+    /// After the step's examples: waits for the average over the replicas and sums the
+    /// stacks' gradients over the DAP ranks (both sums, so their order does not matter).
+    pub fn reduce_gradients(&mut self, exec: &Exec) -> anyhow::Result<()> {
+        let (count, done) = (self.step_terms.0, self.step_terms.1.len());
+        anyhow::ensure!(done == count, "{done} of the step's {count} examples trained");
         if let Some((ddp, _)) = &self.replicas {
             ddp.finish_gradients()?;
         }
-        // A sum over the DAP ranks after the average over the replicas: both are sums, so
-        // the order does not matter.
         exec.dap().reduce_gradients(&self.stacks)?;
-        Ok(all)
+        Ok(())
     }
 
-    /// One step: [`Trainer::gradients`], clipping, Adam. Returns the mean of the losses over
-    /// the step's examples on every replica and the gradient norm before clipping.
-    pub fn step(&mut self, examples: &[Example], exec: &Exec) -> anyhow::Result<(StepLoss, f64)> {
-        let losses = self.gradients(examples, exec)?;
+    /// Ends the step: [`Trainer::reduce_gradients`], clipping, Adam. Returns the mean of the
+    /// losses over the step's examples on every replica and the gradient norm before
+    /// clipping.
+    pub fn finish_step(&mut self, exec: &Exec) -> anyhow::Result<(StepLoss, f64)> {
+        self.reduce_gradients(exec)?;
         let norm = clip_grad_norm(self.optimizer.params(), self.clip.unwrap_or(f64::INFINITY), None)?;
         self.optimizer.step()?;
         self.steps += 1;
-        let terms: Vec<StepLoss> = losses.into_iter().map(|l| l.terms).collect();
+        let terms = std::mem::take(&mut self.step_terms.1);
         let mean = mean_over_replicas(&terms, self.replicas.as_ref().map(|(_, g)| g))?;
         Ok((mean, norm))
     }
@@ -468,36 +512,31 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
         _ => None,
     };
     for step in 1..=args.steps {
-        let (mut loaded, mut data_seconds) = (Vec::new(), None);
-        if let Examples::Layout { loader } = &mut examples {
-            let waited = Instant::now();
-            for _ in 0..shard.accumulation {
-                loaded.push(layout_example(loader.next_example()?, device)?);
-            }
-            data_seconds = Some(waited.elapsed().as_secs_f64());
-        }
-        let number = |k: usize| shard.example(step as u64, k as u64);
-        let batch: Vec<Example> = match &examples {
-            Examples::One(one) => (0..shard.accumulation as usize)
-                .map(|k| Example { features: &one.0, target: &one.1, recycles: args.recycles, number: number(k) })
-                .collect(),
-            Examples::Layout { .. } => loaded
-                .iter()
-                .enumerate()
-                .map(|(k, (features, target, recycles, _))| Example {
-                    features,
-                    target,
-                    recycles: *recycles,
-                    number: number(k),
-                })
-                .collect(),
-        };
-        let recycles = batch[0].recycles;
-        let names: Vec<&str> = loaded.iter().map(|l| l.3.as_str()).collect();
-        let example = (!names.is_empty()).then(|| names.join("; "));
         let start = Instant::now();
-        let (terms, grad_norm) = trainer.step(&batch, &exec)?;
-        let seconds = start.elapsed().as_secs_f64();
+        let (mut names, mut recycles, mut data_seconds) = (Vec::new(), None, None);
+        trainer.begin_step(shard.accumulation as usize)?;
+        // One example in memory at a time, however many the step accumulates.
+        for k in 0..shard.accumulation {
+            let number = shard.example(step as u64, k);
+            let loaded;
+            let example = match &mut examples {
+                Examples::One(one) => Example { features: &one.0, target: &one.1, recycles: args.recycles, number },
+                Examples::Layout { loader } => {
+                    let waited = Instant::now();
+                    let prepared = loader.next_example()?;
+                    *data_seconds.get_or_insert(0.0) += waited.elapsed().as_secs_f64();
+                    loaded = layout_example(prepared, device)?;
+                    names.push(loaded.3.clone());
+                    Example { features: &loaded.0, target: &loaded.1, recycles: loaded.2, number }
+                }
+            };
+            recycles.get_or_insert(example.recycles);
+            trainer.accumulate(&example, &exec)?;
+        }
+        let (terms, grad_norm) = trainer.finish_step(&exec)?;
+        let example = (!names.is_empty()).then(|| names.join("; "));
+        let recycles = recycles.unwrap_or(args.recycles);
+        let seconds = start.elapsed().as_secs_f64() - data_seconds.unwrap_or(0.0);
         let peak_bytes = engine::process::peak_memory(device);
         let lr = args.optimizer.lr;
         let entry =
