@@ -65,18 +65,7 @@ impl ParallelArgs {
     /// every rank builds them together). The flags are checked first, alike on every rank.
     pub fn ranks(&self, world: &World) -> anyhow::Result<Ranks> {
         let n = world.size();
-        let d = self.dap.unwrap_or(n);
-        if d == 0 || !n.is_multiple_of(d) {
-            bail!("--dap {d} does not divide the job's {n} ranks (--nproc {n})");
-        }
-        let replicas = n / d;
-        let accumulation = match self.global_batch {
-            Some(b) if !b.is_multiple_of(replicas) => {
-                bail!("--global-batch {b} is not a multiple of the {replicas} groups (--nproc {n} / --dap {d})")
-            }
-            Some(b) => b / replicas,
-            None => self.accumulation,
-        };
+        let (d, replicas, accumulation) = self.sizes(n)?;
         let (dap, data, replica) = match (d, replicas) {
             (1, 1) => (Dap::none(), None, 0),
             // Today's layout and the default: one DAP group of every rank.
@@ -94,6 +83,26 @@ impl ParallelArgs {
         };
         let shard = Shard { replica: replica as u64, replicas: replicas as u64, accumulation: accumulation as u64 };
         Ok(Ranks { dap, data, shard, zero: self.zero })
+    }
+}
+
+impl ParallelArgs {
+    /// On `n` ranks: the DAP group size, the groups and the examples each accumulates per
+    /// step, or an error naming the flags.
+    pub fn sizes(&self, n: usize) -> anyhow::Result<(usize, usize, usize)> {
+        let d = self.dap.unwrap_or(n);
+        if d == 0 || !n.is_multiple_of(d) {
+            bail!("--dap {d} does not divide the job's {n} ranks (--nproc {n})");
+        }
+        let replicas = n / d;
+        let accumulation = match self.global_batch {
+            Some(b) if !b.is_multiple_of(replicas) => {
+                bail!("--global-batch {b} is not a multiple of the {replicas} groups (--nproc {n} / --dap {d})")
+            }
+            Some(b) => b / replicas,
+            None => self.accumulation,
+        };
+        Ok((d, replicas, accumulation))
     }
 }
 
@@ -192,6 +201,17 @@ mod tests {
         assert_eq!(ranks.shard.accumulation, 128, "one group accumulates the whole global batch");
         let err = ParallelArgs { dap: Some(2), ..args }.ranks(&world).unwrap_err().to_string();
         assert!(err.contains("--dap 2") && err.contains("--nproc 1"), "{err}");
+    }
+
+    #[test]
+    fn the_global_batch_is_groups_times_accumulation() {
+        let args = ParallelArgs { dap: Some(2), accumulation: 1, global_batch: Some(128), zero: 0 };
+        assert_eq!(args.sizes(64).unwrap(), (2, 32, 4), "AlphaFold's 128: 32 groups x 4");
+        assert_eq!(ParallelArgs { dap: None, ..args.clone() }.sizes(8).unwrap(), (8, 1, 128));
+        let err = ParallelArgs { dap: Some(1), global_batch: Some(6), ..args.clone() }.sizes(4).unwrap_err();
+        assert!(err.to_string().contains("--global-batch 6 is not a multiple of the 4 groups"), "{err}");
+        let err = ParallelArgs { dap: Some(3), ..args }.sizes(4).unwrap_err().to_string();
+        assert!(err.contains("--dap 3 does not divide the job's 4 ranks (--nproc 4)"), "{err}");
     }
 
     #[test]
