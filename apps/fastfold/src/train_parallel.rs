@@ -61,6 +61,24 @@ pub struct Ranks {
 }
 
 impl ParallelArgs {
+    /// On `n` ranks: the DAP group size, the groups and the examples each accumulates per
+    /// step, or an error naming the flags.
+    pub fn sizes(&self, n: usize) -> anyhow::Result<(usize, usize, usize)> {
+        let d = self.dap.unwrap_or(n);
+        if d == 0 || !n.is_multiple_of(d) {
+            bail!("--dap {d} does not divide the job's {n} ranks (--nproc {n})");
+        }
+        let replicas = n / d;
+        let accumulation = match self.global_batch {
+            Some(b) if !b.is_multiple_of(replicas) => {
+                bail!("--global-batch {b} is not a multiple of the {replicas} groups (--nproc {n} / --dap {d})")
+            }
+            Some(b) => b / replicas,
+            None => self.accumulation,
+        };
+        Ok((d, replicas, accumulation))
+    }
+
     /// The groups of `world` (a collective when there are several groups of several ranks:
     /// every rank builds them together). The flags are checked first, alike on every rank.
     pub fn ranks(&self, world: &World) -> anyhow::Result<Ranks> {
@@ -83,26 +101,6 @@ impl ParallelArgs {
         };
         let shard = Shard { replica: replica as u64, replicas: replicas as u64, accumulation: accumulation as u64 };
         Ok(Ranks { dap, data, shard, zero: self.zero })
-    }
-}
-
-impl ParallelArgs {
-    /// On `n` ranks: the DAP group size, the groups and the examples each accumulates per
-    /// step, or an error naming the flags.
-    pub fn sizes(&self, n: usize) -> anyhow::Result<(usize, usize, usize)> {
-        let d = self.dap.unwrap_or(n);
-        if d == 0 || !n.is_multiple_of(d) {
-            bail!("--dap {d} does not divide the job's {n} ranks (--nproc {n})");
-        }
-        let replicas = n / d;
-        let accumulation = match self.global_batch {
-            Some(b) if !b.is_multiple_of(replicas) => {
-                bail!("--global-batch {b} is not a multiple of the {replicas} groups (--nproc {n} / --dap {d})")
-            }
-            Some(b) => b / replicas,
-            None => self.accumulation,
-        };
-        Ok((d, replicas, accumulation))
     }
 }
 
