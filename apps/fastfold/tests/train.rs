@@ -2,7 +2,8 @@
 //! (embedders, stacks under DAP, structure module, heads) on 2 ranks equal one process's; the
 //! `train` command lowers the loss, writes its log and parameters, and names a target that
 //! does not fit the input; fine-tuning logs every term of the loss and lowers it; it trains
-//! alike with the fused kernels; and it trains on a data set in OpenFold's layout.
+//! alike with the fused kernels; it trains on a data set in OpenFold's layout; and DAP groups
+//! and data-parallel replicas (`--dap`) give one process's gradients over the same examples.
 mod common;
 
 use std::path::{Path, PathBuf};
