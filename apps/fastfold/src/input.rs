@@ -278,12 +278,23 @@ impl ChunkArgs {
     /// Checks the options and returns this rank's device, the execution context (DAP over the
     /// job, the chunk size) and the kernels the modules run.
     pub fn setup(&self, launch: &LaunchArgs, world: &World) -> anyhow::Result<(Device, Exec, kernels::Backend)> {
-        let device = launch.device(world)?;
-        let backend = kernels::Backend::resolve(self.kernels, device)?;
         let dap = match world.size() {
             1 => Dap::none(),
             _ => Dap::new(world.group.clone()),
         };
+        self.setup_with(launch, world, dap)
+    }
+
+    /// [`ChunkArgs::setup`] with DAP over `dap` in place of the whole job (`fastfold train`'s
+    /// groups: see [`crate::train_parallel`]).
+    pub fn setup_with(
+        &self,
+        launch: &LaunchArgs,
+        world: &World,
+        dap: Dap,
+    ) -> anyhow::Result<(Device, Exec, kernels::Backend)> {
+        let device = launch.device(world)?;
+        let backend = kernels::Backend::resolve(self.kernels, device)?;
         Ok((device, Exec::new(dap, self.chunk_size), backend))
     }
 

@@ -5,8 +5,9 @@
 //! the training stage (`--config-preset`, OpenFold's names: `initial_training` or
 //! `finetuning`), under dynamic axial parallelism.
 //!
-//! Backbone FAPE is clamped in 90% of the steps, drawn from the seed and the step number
-//! ([`crate::loss::clamped_fape_at`]), the same on every rank. The confidence terms (pLDDT,
+//! Backbone FAPE is clamped in 90% of the examples, drawn from the seed and the example's
+//! number in the run ([`crate::loss::clamped_fape_at`]; in one process without accumulation,
+//! the step number), the same on every rank that trains it. The confidence terms (pLDDT,
 //! experimentally resolved, aligned error) train only on structures solved at 0.1 to 3 Å:
 //! the resolution comes from `--resolution` or the target's header (with a data set, from the
 //! mmCIF entry). Gradients flow through the last recycling pass only, as in AlphaFold.
@@ -14,14 +15,17 @@
 //! Under DAP every rank computes the embedders, structure module and heads on whole tensors
 //! and the stacks on its block: the stacks' parameter gradients are summed over the ranks
 //! ([`engine::parallel::dap::Dap::reduce_gradients`]); every other gradient is already whole
-//! on every rank.
+//! on every rank. With several DAP groups (`--dap`), each trains its own examples and the
+//! gradients are averaged over the groups ([`crate::train_parallel`]); each step trains
+//! `--accumulation` examples per group, and its log holds the mean over all of them.
 use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use engine::dist::World;
+use engine::dist::{ProcessGroup, World};
 use engine::job::{JobArgs, OptimizerArgs};
 use engine::optim::{clip_grad_norm, Optimizer, Param};
+use engine::parallel::DataParallel;
 use tch::{Device, Kind, Tensor};
 
 use crate::features::Features;
@@ -35,7 +39,8 @@ use crate::residue_constants::{RESNAMES, UNK_RESTYPE_INDEX};
 use crate::train_data::args::TrainDataArgs;
 use crate::train_data::example::Prepared;
 use crate::train_data::layout;
-use crate::train_data::loader::ExampleLoader;
+use crate::train_data::loader::{ExampleLoader, Shard};
+use crate::train_parallel::{mean_over_replicas, ParallelArgs, Ranks};
 
 /// `fastfold train`'s options.
 #[derive(clap::Args, Debug, Clone)]
@@ -83,6 +88,9 @@ pub struct TrainArgs {
     /// Training data in OpenFold's layout, in place of one input and --target.
     #[command(flatten)]
     pub data: TrainDataArgs,
+    /// DAP groups, data-parallel replicas, accumulation and ZeRO.
+    #[command(flatten)]
+    pub parallel: ParallelArgs,
     /// Device, ranks, progress and the training log.
     #[command(flatten)]
     pub job: JobArgs,
@@ -233,16 +241,16 @@ pub struct StepLog {
     /// 1-based step.
     pub step: usize,
     /// The chain trained on (`<pdb>_<chain>`, with --mmcif-dir) and its crop's residues
-    /// (1-based, inclusive).
+    /// (1-based, inclusive); with accumulation rank 0's chains of the step, joined by `; `.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub example: Option<String>,
-    /// Recycling passes before the trained one.
+    /// Recycling passes before the trained one (of rank 0's first example of the step).
     pub recycles: usize,
-    /// Seconds the step waited for its example (with --mmcif-dir): near 0 while the loader
-    /// keeps ahead of training.
+    /// Seconds the step waited for its examples on rank 0 (with --mmcif-dir): near 0 while
+    /// the loader keeps ahead of training.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub data_seconds: Option<f64>,
-    /// The loss and its terms.
+    /// The loss and its terms: the mean over the step's examples on every group.
     #[serde(flatten)]
     pub losses: StepLoss,
     /// Gradient norm before clipping.
@@ -308,6 +316,20 @@ impl engine::metrics::Record for StepLog {
     }
 }
 
+/// One example of a step, as [`Trainer::step`] trains it.
+#[derive(Clone, Copy)]
+pub struct Example<'a> {
+    /// Its features.
+    pub features: &'a Features,
+    /// Its true structure.
+    pub target: &'a Target,
+    /// Recycling passes before the trained one.
+    pub recycles: usize,
+    /// Its number in the run's stream of examples (1-based, [`Shard::example`]): backbone
+    /// FAPE's clamping is drawn from it, so that it is the same whichever rank trains it.
+    pub number: u64,
+}
+
 /// A trainer over one parameter store.
 pub struct Trainer {
     model: AlphaFold,
@@ -318,33 +340,61 @@ pub struct Trainer {
     loss: LossConfig,
     seed: u64,
     steps: u64,
+    /// Averages the gradients over the data-parallel replicas (none for one group).
+    replicas: Option<(DataParallel, ProcessGroup)>,
+    /// The examples of the step under way and the loss terms of those trained so far.
+    step_terms: (usize, Vec<StepLoss>),
 }
 
 impl Trainer {
     /// `optimizer` (AlphaFold's: Adam without weight decay, clip 0.1) over every array of
     /// `params` (moved to `device`), with the initial-training loss and seed 0
-    /// ([`Trainer::with_loss`] sets them).
+    /// ([`Trainer::with_loss`] sets them), in one process or one DAP group.
     pub fn new(params: &Params, device: Device, optimizer: &OptimizerArgs) -> anyhow::Result<Trainer> {
+        Trainer::on_ranks(params, device, optimizer, &Ranks::one())
+    }
+
+    /// As [`Trainer::new`], on this rank of `ranks`: its gradients averaged with the other
+    /// replicas' (a collective: every rank of the job builds its trainer together), its
+    /// optimizer sharded over them under ZeRO-1.
+    pub fn on_ranks(
+        params: &Params,
+        device: Device,
+        optimizer: &OptimizerArgs,
+        ranks: &Ranks,
+    ) -> anyhow::Result<Trainer> {
         let params = params.to_device(device, true)?;
         let model = AlphaFold::new(&params)?;
         let is_stack = |k: &str| k.starts_with(&format!("{EVOFORMER}/")) || k.starts_with(&format!("{EXTRA_MSA}/"));
         let stacks = params.iter().filter(|(k, _)| is_stack(k)).map(|(_, t)| t.shallow_clone()).collect();
-        let list = params.iter().map(|(k, t)| Param::new(k, t)).collect();
-        let (clip, optimizer) = (optimizer.clip_grad, optimizer.build(list, optimizer.lr));
+        let list: Vec<Param> = params.iter().map(|(k, t)| Param::new(k, t)).collect();
+        let replicas = ranks.gradient_sync(&list)?.zip(ranks.data.clone());
+        let clip = optimizer.clip_grad;
+        let optimizer = ranks.optimizer(list, |list| optimizer.build(list, optimizer.lr))?;
         let loss = LossConfig::initial_training();
-        Ok(Trainer { model, params, optimizer, stacks, clip, loss, seed: 0, steps: 0 })
+        Ok(Trainer {
+            model,
+            params,
+            optimizer,
+            stacks,
+            clip,
+            loss,
+            seed: 0,
+            steps: 0,
+            replicas,
+            step_terms: (0, Vec::new()),
+        })
     }
 
-    /// The same trainer with `loss`'s weights, backbone FAPE clamped in the steps its fraction
-    /// draws from `seed`.
+    /// The same trainer with `loss`'s weights, backbone FAPE clamped in the examples its
+    /// fraction draws from `seed` (by their numbers in the run: in one process, example n in
+    /// step n).
     pub fn with_loss(self, loss: LossConfig, seed: u64) -> Trainer {
         Trainer { loss, seed, ..self }
     }
 
-    /// The gradients of one pass on `features` and `target` in the parameters' `.grad()`:
-    /// forward (the last of `recycles + 1` passes with autograd), loss (backbone FAPE clamped
-    /// or not as the next step's draw says), backward, and the DAP sum of the stacks'
-    /// gradients.
+    /// The gradients of one pass on `features` and `target` in the parameters' `.grad()`, as
+    /// the next step's only example ([`Trainer::gradients`]).
     pub fn backward(
         &mut self,
         features: &Features,
@@ -352,29 +402,82 @@ impl Trainer {
         recycles: usize,
         exec: &Exec,
     ) -> anyhow::Result<Losses> {
-        self.optimizer.zero_grad();
-        let pass = self.model.predict(features, recycles, Kind::Float, exec)?;
-        let clamped = clamped_fape_at(self.seed, self.steps + 1, self.loss.clamped_fape_fraction);
-        let losses = losses(&pass, features, recycles, target, &self.loss, clamped)?;
-        engine::autograd::backward(&[&losses.total], &[None], false)?;
-        exec.dap().reduce_gradients(&self.stacks)?;
+        let example = Example { features, target, recycles, number: self.steps + 1 };
+        let mut losses = self.gradients(&[example], exec)?;
+        losses.pop().context("one example, one loss")
+    }
+
+    /// The gradients of one step's `examples` (this rank's) in the parameters' `.grad()`,
+    /// averaged with the other replicas' and summed over DAP ([`Trainer::begin_step`],
+    /// [`Trainer::accumulate`] on each, [`Trainer::reduce_gradients`]).
+    pub fn gradients(&mut self, examples: &[Example], exec: &Exec) -> anyhow::Result<Vec<Losses>> {
+        self.begin_step(examples.len())?;
+        let losses = examples.iter().map(|e| self.accumulate(e, exec)).collect::<anyhow::Result<Vec<_>>>()?;
+        self.reduce_gradients(exec)?;
         Ok(losses)
     }
 
-    /// One step: [`Trainer::backward`], clipping, Adam. Returns the losses and the gradient
-    /// norm before clipping.
-    pub fn step(
-        &mut self,
-        features: &Features,
-        target: &Target,
-        recycles: usize,
-        exec: &Exec,
-    ) -> anyhow::Result<(Losses, f64)> {
-        let losses = self.backward(features, target, recycles, exec)?;
+    /// One step on `examples`, all in memory at once (see [`Trainer::finish_step`]).
+    pub fn step(&mut self, examples: &[Example], exec: &Exec) -> anyhow::Result<(StepLoss, f64)> {
+        self.begin_step(examples.len())?;
+        for e in examples {
+            self.accumulate(e, exec)?;
+        }
+        self.finish_step(exec)
+    }
+
+    /// Starts a step of `count` examples on this rank (every rank of the job passes as many):
+    /// the gradients are zeroed, and [`Trainer::accumulate`] takes them one at a time, so that
+    /// only one is in memory while it trains.
+    pub fn begin_step(&mut self, count: usize) -> anyhow::Result<()> {
+        anyhow::ensure!(count >= 1, "a step without examples");
+        self.optimizer.zero_grad();
+        self.step_terms = (count, Vec::with_capacity(count));
+        Ok(())
+    }
+
+    /// Forward (the last of the example's `recycles + 1` passes with autograd), loss
+    /// (backbone FAPE clamped or not as its number draws) and backward of its share of the
+    /// step's mean, added to the gradients. The step's last example's backward launches the
+    /// average over the replicas bucket by bucket as its gradients arrive.
+    pub fn accumulate(&mut self, e: &Example, exec: &Exec) -> anyhow::Result<Losses> {
+        let (count, done) = (self.step_terms.0, self.step_terms.1.len());
+        anyhow::ensure!(done < count, "example {} of a step of {count}", done + 1);
+        if let Some((ddp, _)) = &self.replicas {
+            ddp.set_sync(done + 1 == count)?;
+        }
+        let pass = self.model.predict(e.features, e.recycles, Kind::Float, exec)?;
+        let clamped = clamped_fape_at(self.seed, e.number, self.loss.clamped_fape_fraction);
+        let losses = losses(&pass, e.features, e.recycles, e.target, &self.loss, clamped)?;
+        let share = if count == 1 { losses.total.shallow_clone() } else { &losses.total / count as f64 };
+        engine::autograd::backward(&[&share], &[None], false)?;
+        self.step_terms.1.push(losses.terms.clone());
+        Ok(losses)
+    }
+
+    /// After the step's examples: waits for the average over the replicas and sums the
+    /// stacks' gradients over the DAP ranks (both sums, so their order does not matter).
+    pub fn reduce_gradients(&mut self, exec: &Exec) -> anyhow::Result<()> {
+        let (count, done) = (self.step_terms.0, self.step_terms.1.len());
+        anyhow::ensure!(done == count, "{done} of the step's {count} examples trained");
+        if let Some((ddp, _)) = &self.replicas {
+            ddp.finish_gradients()?;
+        }
+        exec.dap().reduce_gradients(&self.stacks)?;
+        Ok(())
+    }
+
+    /// Ends the step: [`Trainer::reduce_gradients`], clipping, Adam. Returns the mean of the
+    /// losses over the step's examples on every replica and the gradient norm before
+    /// clipping.
+    pub fn finish_step(&mut self, exec: &Exec) -> anyhow::Result<(StepLoss, f64)> {
+        self.reduce_gradients(exec)?;
         let norm = clip_grad_norm(self.optimizer.params(), self.clip.unwrap_or(f64::INFINITY), None)?;
         self.optimizer.step()?;
         self.steps += 1;
-        Ok((losses, norm))
+        let terms = std::mem::take(&mut self.step_terms.1);
+        let mean = mean_over_replicas(&terms, self.replicas.as_ref().map(|(_, g)| g))?;
+        Ok((mean, norm))
     }
 
     /// The parameters being trained.
@@ -388,15 +491,18 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
     if args.steps == 0 {
         bail!("--steps must be at least 1");
     }
-    let (device, exec, backend) = args.chunk.setup(&args.job.launch, world)?;
+    let ranks = args.parallel.ranks(world)?;
+    let shard = ranks.shard;
+    let (device, exec, backend) = args.chunk.setup_with(&args.job.launch, world, ranks.dap.clone())?;
     kernels::install_optimizer_steps(backend);
     let params = Params::load_model(&args.params)
         .with_context(|| format!("--params {}", args.params.display()))?
         .with_kernels(backend);
     let preset = args.input.preset(&params, &args.params)?;
-    let mut examples = Examples::open(args, preset, device, world)?;
+    let mut examples = Examples::open(args, preset, device, world, shard)?;
     let loss = args.config_preset.loss();
-    let mut trainer = Trainer::new(&params, device, &args.optimizer)?.with_loss(loss, args.input.seed.seed);
+    let trainer = Trainer::on_ranks(&params, device, &args.optimizer, &ranks)?;
+    let mut trainer = trainer.with_loss(loss, args.input.seed.seed);
     let mut log = Vec::new();
     let mut metrics = match world.rank() {
         0 => {
@@ -406,26 +512,38 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
         _ => None,
     };
     for step in 1..=args.steps {
-        let loaded;
-        let (features, target, recycles, example, data_seconds) = match &mut examples {
-            Examples::One(one) => (&one.0, &one.1, args.recycles, None, None),
-            Examples::Layout { loader } => {
-                let waited = Instant::now();
-                let prepared = loader.next_example()?;
-                let data_seconds = Some(waited.elapsed().as_secs_f64());
-                loaded = layout_example(prepared, device)?;
-                (&loaded.0, &loaded.1, loaded.2, Some(loaded.3.clone()), data_seconds)
-            }
-        };
         let start = Instant::now();
-        let (losses, grad_norm) = trainer.step(features, target, recycles, &exec)?;
-        let seconds = start.elapsed().as_secs_f64();
+        let (mut names, mut recycles, mut data_seconds) = (Vec::new(), None, None);
+        trainer.begin_step(shard.accumulation as usize)?;
+        // One example in memory at a time, however many the step accumulates.
+        for k in 0..shard.accumulation {
+            let number = shard.example(step as u64, k);
+            let loaded;
+            let example = match &mut examples {
+                Examples::One(one) => Example { features: &one.0, target: &one.1, recycles: args.recycles, number },
+                Examples::Layout { loader } => {
+                    let waited = Instant::now();
+                    let prepared = loader.next_example()?;
+                    *data_seconds.get_or_insert(0.0) += waited.elapsed().as_secs_f64();
+                    loaded = layout_example(prepared, device)?;
+                    names.push(loaded.3.clone());
+                    Example { features: &loaded.0, target: &loaded.1, recycles: loaded.2, number }
+                }
+            };
+            recycles.get_or_insert(example.recycles);
+            trainer.accumulate(&example, &exec)?;
+        }
+        let (terms, grad_norm) = trainer.finish_step(&exec)?;
+        let example = (!names.is_empty()).then(|| names.join("; "));
+        let recycles = recycles.unwrap_or(args.recycles);
+        let seconds = start.elapsed().as_secs_f64() - data_seconds.unwrap_or(0.0);
         let peak_bytes = engine::process::peak_memory(device);
-        let (terms, lr) = (losses.terms, args.optimizer.lr);
+        let lr = args.optimizer.lr;
         let entry =
             StepLog { step, example, recycles, data_seconds, losses: terms, grad_norm, seconds, lr, peak_bytes };
         let l = &entry.losses;
-        // Every rank holds the same loss (DAP gathers before the loss), so all stop together.
+        // Every rank holds the same mean loss (DAP gathers before the loss, the replicas
+        // average it), so all stop together.
         if !l.loss.is_finite() {
             bail!("step {step}: the loss is {}; lower --lr or use --clip-grad (no parameters written)", l.loss);
         }
@@ -465,6 +583,7 @@ impl Examples {
         preset: Option<crate::preset::Preset>,
         device: Device,
         world: &World,
+        shard: Shard,
     ) -> anyhow::Result<Examples> {
         if let (Some(mmcif_dir), Some(alignment_dir)) = (&args.data.mmcif_dir, &args.data.alignment_dir) {
             let selection = layout::select(mmcif_dir, alignment_dir, &args.data.filters()?)?;
@@ -475,10 +594,10 @@ impl Examples {
             }
             let (input, seed) = (&args.input, args.input.seed.seed);
             let pipeline = args.data.pipeline(args.config_preset, input.max_msa_clusters, input.max_extra_msa, seed);
-            // Under DAP every rank trains on the same example: together they are one
-            // data-parallel replica, rank 0 of the data.
+            // The ranks of a DAP group train the same examples: together they are one
+            // data-parallel replica, their group's share of the stream.
             let loader =
-                ExampleLoader::new(selection.chains, pipeline, args.steps as u64, 0, args.data.loader_workers)?;
+                ExampleLoader::new(selection.chains, pipeline, args.steps as u64, shard, args.data.loader_workers)?;
             return Ok(Examples::Layout { loader });
         }
         let Some(target_path) = &args.target else {
@@ -499,7 +618,7 @@ impl Examples {
 
 /// A prepared example on `device` with its target: (features, target, recycles, the chain
 /// and its crop as the log names them).
-fn layout_example(p: Prepared, device: Device) -> anyhow::Result<(Features, Target, usize, String)> {
+pub fn layout_example(p: Prepared, device: Device) -> anyhow::Result<(Features, Target, usize, String)> {
     let features = p.features.to_device(device);
     let len = p.structure.aatype.len();
     let name = format!("{} {}-{}", p.name, p.crop_start + 1, p.crop_start + len);

@@ -2,7 +2,8 @@
 //! (embedders, stacks under DAP, structure module, heads) on 2 ranks equal one process's; the
 //! `train` command lowers the loss, writes its log and parameters, and names a target that
 //! does not fit the input; fine-tuning logs every term of the loss and lowers it; it trains
-//! alike with the fused kernels; and it trains on a data set in OpenFold's layout.
+//! alike with the fused kernels; it trains on a data set in OpenFold's layout; and DAP groups
+//! and data-parallel replicas (`--dap`) give one process's gradients over the same examples.
 mod common;
 
 use std::path::{Path, PathBuf};
@@ -16,7 +17,7 @@ use fastfold::loss::clamped_fape_at;
 use fastfold::model::{EvoformerConfig, Exec, ModelConfig, Params};
 use fastfold::pdb::Structure;
 use fastfold::residue_constants::{aatype_of, atom_order};
-use fastfold::train::{Target, Trainer};
+use fastfold::train::{Example, Target, Trainer};
 use suite_tests::{dist_test, TestResult};
 use tch::{Device, Tensor};
 
@@ -155,8 +156,9 @@ fn a_crop_without_observed_atoms_trains_with_its_structure_terms_at_zero() {
     let params = Params::random_model(&EvoformerConfig::tiny(), &ModelConfig::tiny(), 16).unwrap();
     let adam = OptimizerArgs { optimizer: OptimizerKind::Adamw, lr: 1e-3, weight_decay: 0.0, clip_grad: Some(0.1) };
     let mut trainer = Trainer::new(&params, Device::Cpu, &adam).unwrap();
-    let (losses, norm) = trainer.step(&f, &target, 1, &Exec::new(Dap::none(), None)).unwrap();
-    let t = &losses.terms;
+    let example = Example { features: &f, target: &target, recycles: 1, number: 1 };
+    let (t, norm) = trainer.step(&[example], &Exec::new(Dap::none(), None)).unwrap();
+    let t = &t;
     assert!(t.loss.is_finite() && norm.is_finite(), "{t:?}");
     assert_eq!((t.fape, t.sidechain_fape, t.distogram), (0.0, 0.0, 0.0), "{t:?}");
     assert!(t.masked_msa > 0.0, "the MSA term still trains: {t:?}");
@@ -310,6 +312,148 @@ fn train_command_trains_on_the_chains_of_a_layout() {
     let o = Command::new(BIN).args(["train", "--params", &path(&params), "-o", &path(&out)]).output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("--target"), "{err}");
+}
+
+/// The gradients of one step on a layout's two chains with `--dap dap` over `world` (every
+/// rank trains its group's share) equal one process's accumulating both examples, within
+/// 1e-4 of each parameter's largest gradient; the mean loss over the step's examples too.
+fn data_parallel_gradients(world: &World, dap: usize) -> TestResult {
+    use clap::Parser;
+    use fastfold::train_data::{layout, loader::ExampleLoader, loader::Shard};
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: fastfold::train::TrainArgs,
+    }
+    // Each rank writes its own copy of the layout: no rank reads another's half-written files.
+    let d = dir(&format!("dp_gradients_{dap}_{}", world.rank()));
+    let (mmcif, alignments) = common::layout::write(&d, &["1abc_A", "3ghi_A"]);
+    let path = |p: &Path| p.display().to_string();
+    let mut words = vec!["fastfold".to_string(), "--mmcif-dir".into(), path(&mmcif), "--alignment-dir".into()];
+    words.extend([path(&alignments), "--params".into(), "unused.npz".into(), "-o".into(), path(&d.join("out"))]);
+    let flags = ["--crop-size", "24", "--max-msa-clusters", "4", "--max-extra-msa", "8", "--max-recycles", "1"];
+    words.extend(flags.iter().map(|w| w.to_string()).chain(["--dap".into(), dap.to_string()]));
+    let args = Cli::parse_from(words).args;
+    let ranks = args.parallel.ranks(world)?;
+    anyhow::ensure!(ranks.shard.replicas * dap as u64 == world.size() as u64, "{:?}", ranks.shard);
+    let chains = layout::select(&mmcif, &alignments, &args.data.filters()?)?.chains;
+    let pipeline = args.data.pipeline(args.config_preset, Some(4), Some(8), 0);
+    let examples = |shard: Shard| -> anyhow::Result<Vec<_>> {
+        let mut loader = ExampleLoader::new(chains.clone(), pipeline.clone(), 1, shard, 1)?;
+        (0..shard.accumulation).map(|_| fastfold::train::layout_example(loader.next_example()?, Device::Cpu)).collect()
+    };
+    fn batch(loaded: &[(Features, Target, usize, String)], shard: Shard) -> Vec<Example<'_>> {
+        let number = |k: usize| shard.example(1, k as u64);
+        loaded
+            .iter()
+            .enumerate()
+            .map(|(k, (features, target, recycles, _))| Example {
+                features,
+                target,
+                recycles: *recycles,
+                number: number(k),
+            })
+            .collect()
+    }
+    let params = Params::random_model(&EvoformerConfig::tiny(), &ModelConfig::tiny(), 17)?;
+    let adam = OptimizerArgs { optimizer: OptimizerKind::Adamw, lr: 1e-3, weight_decay: 0.0, clip_grad: Some(0.1) };
+    let grads =
+        |t: &Trainer| -> Vec<(String, Tensor)> { t.params().iter().map(|(k, t)| (k.to_string(), t.grad())).collect() };
+
+    let both = Shard { accumulation: 2, ..Shard::ONE };
+    let loaded = examples(both)?;
+    let mut one = Trainer::new(&params, Device::Cpu, &adam)?;
+    let one_losses = one.gradients(&batch(&loaded, both), &Exec::new(Dap::none(), Some(3)))?;
+    let one_loss = one_losses.iter().map(|l| l.terms.loss).sum::<f64>() / 2.0;
+    let reference = grads(&one);
+
+    let mine = examples(ranks.shard)?;
+    let mut trainer = Trainer::on_ranks(&params, Device::Cpu, &adam, &ranks)?;
+    let losses = trainer.gradients(&batch(&mine, ranks.shard), &Exec::new(ranks.dap.clone(), Some(3)))?;
+    let terms: Vec<_> = losses.into_iter().map(|l| l.terms).collect();
+    let mean = fastfold::train_parallel::mean_over_replicas(&terms, ranks.data.as_ref())?.loss;
+    anyhow::ensure!((mean - one_loss).abs() <= 1e-5 * one_loss.abs(), "mean loss {mean}, one process {one_loss}");
+    let overall =
+        reference.iter().filter(|(_, g)| g.defined()).map(|(_, g)| g.abs().max().double_value(&[])).fold(0.0, f64::max);
+    let (mut compared, mut worst) = (0, (0.0, String::new()));
+    for ((name, a), (_, b)) in grads(&trainer).iter().zip(&reference) {
+        anyhow::ensure!(a.defined() == b.defined(), "{name}: gradient defined on one side only");
+        if !b.defined() {
+            continue;
+        }
+        // 1e-4 of the tensor's largest gradient; gradients that are zero up to rounding
+        // (softmax-invariant offsets) are held to 1e-4 of the largest gradient overall.
+        let scale = b.abs().max().double_value(&[]).max(1e-3 * overall);
+        let d = (a - b).abs().max().double_value(&[]) / scale;
+        if d > worst.0 {
+            worst = (d, name.clone());
+        }
+        compared += 1;
+    }
+    eprintln!(
+        "--dap {dap} on {} ranks: worst gradient {:.2e} ({}), {compared} compared",
+        world.size(),
+        worst.0,
+        worst.1
+    );
+    anyhow::ensure!(worst.0 <= 1e-4, "gradient of {} differs by {:.2e} of its scale", worst.1, worst.0);
+    anyhow::ensure!(compared > 100, "only {compared} gradients compared");
+    Ok(())
+}
+
+dist_test!(two_dap_groups_of_two_give_one_process_accumulating_gradients, 4, |world| {
+    data_parallel_gradients(world, 2)
+});
+dist_test!(two_replicas_give_one_process_accumulating_gradients, 2, |world| { data_parallel_gradients(world, 1) });
+
+/// `fastfold train --nproc 4 --dap 2` (two groups of two DAP ranks), `--nproc 2 --dap 1` (two
+/// replicas) and the latter with ZeRO-1 train one step on a layout's two chains as one process
+/// accumulating both (`--accumulation 2`): rank 0 logs one of the two examples and the mean
+/// loss of both; ZeRO-1 steps to the replicas' parameters. A --dap that does not divide
+/// --nproc is refused, naming both.
+#[test]
+fn train_command_splits_a_step_over_dap_groups_and_replicas() {
+    let d = dir("data_parallel");
+    let (mmcif, alignments) = common::layout::write(&d, &["1abc_A", "3ghi_A"]);
+    let init = d.join("init.npz");
+    Params::random_model(&EvoformerConfig::tiny(), &ModelConfig::tiny(), 17).unwrap().save(&init).unwrap();
+    let path = |p: &Path| p.display().to_string();
+    let train = |name: &str, extra: &[&str]| {
+        let out = d.join(name);
+        let mut args = vec!["train".to_string(), "--mmcif-dir".into(), path(&mmcif), "--alignment-dir".into()];
+        args.extend([path(&alignments), "--params".into(), path(&init), "-o".into(), path(&out)]);
+        let flags = ["--steps", "1", "--crop-size", "24", "--max-msa-clusters", "4", "--max-extra-msa", "8"];
+        let o = Command::new(BIN).args(&args).args(flags).args(["--max-recycles", "1", "--quiet"]).args(extra).output();
+        let o = o.unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        (o.status.success(), text, out)
+    };
+    let (ok, text, out) = train("one", &["--accumulation", "2"]);
+    assert!(ok, "{text}");
+    let one = log(&out)[0].clone();
+    let examples = one["example"].as_str().unwrap().to_string();
+    assert_eq!(examples.matches("; ").count(), 1, "two examples in one step: {examples}");
+    let mut params = Vec::new();
+    for (name, flags) in [
+        ("replicas", &["--nproc", "2", "--dap", "1"][..]),
+        ("dap_groups", &["--nproc", "4", "--dap", "2", "--global-batch", "2"]),
+        ("zero", &["--nproc", "2", "--dap", "1", "--zero", "1"]),
+    ] {
+        let (ok, text, out) = train(name, flags);
+        assert!(ok, "{name}: {text}");
+        let step = &log(&out)[0];
+        let mine = step["example"].as_str().unwrap();
+        assert!(examples.split("; ").any(|e| e == mine), "{name}: rank 0 trained {mine}, one process {examples}");
+        let (a, b) = (one["loss"].as_f64().unwrap(), step["loss"].as_f64().unwrap());
+        assert!((a - b).abs() <= 1e-5 * a.abs(), "{name}: mean loss {b}, one process {a}");
+        params.push(Params::load_model(out.join("params.npz")).unwrap());
+    }
+    for ((k, a), (_, b)) in params[2].iter().zip(params[0].iter()) {
+        let d = (a - b).abs().max().double_value(&[]);
+        assert!(d <= 1e-6 * b.abs().max().double_value(&[]).max(1e-3), "--zero 1: {k} differs by {d:e}");
+    }
+    let (ok, text, _) = train("bad", &["--nproc", "3", "--dap", "2"]);
+    assert!(!ok && text.contains("--dap 2 does not divide") && text.contains("--nproc 3"), "{text}");
 }
 
 /// `--config-preset finetuning` at a resolution inside the confidence heads' range: every

@@ -8,7 +8,8 @@
 //! - [`layout`]: the chains of the mmCIF and alignment folders that pass the filters.
 //! - [`transforms`]: block deletion, the crop and the recycling count, keyed by seed, step and rank.
 //! - [`example`]: a chain read from the layout, and made one step's cropped example.
-//! - [`loader`]: the order of the chains over the steps, and their loading ahead on a thread pool.
+//! - [`loader`]: the order of the chains over the run's examples, split among data-parallel
+//!   replicas, and their loading ahead on a thread pool.
 pub mod args;
 pub mod example;
 pub mod layout;
