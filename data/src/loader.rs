@@ -3,6 +3,7 @@
 //!
 //! The loader is given the whole list of batches up front (the sampler decides it), produces
 //! them in order on a background thread, and stops early if the consumer goes away.
+//! [`Prefetch`] is the same machinery for any item (fastfold's training examples).
 use std::sync::mpsc::{sync_channel, Receiver};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -60,23 +61,22 @@ pub fn make_batch(dataset: &dyn Dataset, transform: &Transform, seed: u64, spec:
     Ok(Batch { shape: [labels.len(), channels, size, size], pixels, labels })
 }
 
-/// Produces batches in the background; iterate to receive them in order.
-pub struct Loader {
-    rx: Receiver<Result<Batch>>,
+/// Items made in the background from a list of specs, in order: `parallel` at a time on a
+/// pool of `workers` threads, at most `prefetch` finished ones waiting, so memory stays
+/// bounded whatever the list's length. The first error is the last item. Iterate to receive
+/// them; dropping it stops the work after the items being made.
+pub struct Prefetch<T, E> {
+    rx: Receiver<std::result::Result<T, E>>,
     worker: Option<JoinHandle<()>>,
 }
 
-impl Loader {
-    /// Starts producing `specs` in order with `workers` decode threads, keeping at most
-    /// `prefetch` batches ready.
-    pub fn new(
-        dataset: Arc<dyn Dataset>,
-        transform: Transform,
-        seed: u64,
-        specs: Vec<BatchSpec>,
-        workers: usize,
-        prefetch: usize,
-    ) -> Result<Loader> {
+impl<T: Send + 'static, E: Send + 'static> Prefetch<T, E> {
+    /// Starts making `make(spec)` for each of `specs`, in order.
+    pub fn new<S, F>(specs: Vec<S>, workers: usize, parallel: usize, prefetch: usize, make: F) -> Result<Self>
+    where
+        S: Send + Sync + 'static,
+        F: Fn(&S) -> std::result::Result<T, E> + Send + Sync + 'static,
+    {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(workers.max(1))
             .thread_name(|i| format!("loader-{i}"))
@@ -86,17 +86,57 @@ impl Loader {
         let worker = std::thread::Builder::new()
             .name("loader".into())
             .spawn(move || {
-                for spec in &specs {
-                    let batch = pool.install(|| make_batch(dataset.as_ref(), &transform, seed, spec));
-                    let failed = batch.is_err();
-                    // A closed channel means the consumer stopped early: stop too.
-                    if tx.send(batch).is_err() || failed {
-                        return;
+                for window in specs.chunks(parallel.max(1)) {
+                    let items: Vec<std::result::Result<T, E>> = pool.install(|| window.par_iter().map(&make).collect());
+                    for item in items {
+                        let failed = item.is_err();
+                        // A closed channel means the consumer stopped early: stop too.
+                        if tx.send(item).is_err() || failed {
+                            return;
+                        }
                     }
                 }
             })
             .map_err(|e| Error::Format { path: "<loader>".into(), msg: format!("cannot start the loader: {e}") })?;
-        Ok(Loader { rx, worker: Some(worker) })
+        Ok(Prefetch { rx, worker: Some(worker) })
+    }
+}
+
+impl<T, E> Iterator for Prefetch<T, E> {
+    type Item = std::result::Result<T, E>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        self.rx.recv().ok()
+    }
+}
+
+impl<T, E> Drop for Prefetch<T, E> {
+    fn drop(&mut self) {
+        // Unblock a worker waiting on a full queue, then let it finish its current items.
+        let (_, dead) = sync_channel(1);
+        drop(std::mem::replace(&mut self.rx, dead));
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+/// Produces batches in the background; iterate to receive them in order.
+pub struct Loader(Prefetch<Batch, Error>);
+
+impl Loader {
+    /// Starts producing `specs` in order with `workers` decode threads, keeping at most
+    /// `prefetch` batches ready. One batch is made at a time, its examples in parallel.
+    pub fn new(
+        dataset: Arc<dyn Dataset>,
+        transform: Transform,
+        seed: u64,
+        specs: Vec<BatchSpec>,
+        workers: usize,
+        prefetch: usize,
+    ) -> Result<Loader> {
+        let make = move |spec: &BatchSpec| make_batch(dataset.as_ref(), &transform, seed, spec);
+        Ok(Loader(Prefetch::new(specs, workers, 1, prefetch, make)?))
     }
 }
 
@@ -104,18 +144,7 @@ impl Iterator for Loader {
     type Item = Result<Batch>;
 
     fn next(&mut self) -> Option<Result<Batch>> {
-        self.rx.recv().ok()
-    }
-}
-
-impl Drop for Loader {
-    fn drop(&mut self) {
-        // Unblock a worker waiting on a full queue, then let it finish its current batch.
-        let (_, dead) = sync_channel(1);
-        drop(std::mem::replace(&mut self.rx, dead));
-        if let Some(w) = self.worker.take() {
-            let _ = w.join();
-        }
+        self.0.next()
     }
 }
 
@@ -172,5 +201,16 @@ mod tests {
         let mut loader = Loader::new(data(4), eval(), 0, many, 1, 1).unwrap();
         assert!(loader.next().is_some());
         drop(loader);
+    }
+
+    #[test]
+    fn prefetch_keeps_order_across_parallel_items_and_stops_at_an_error() {
+        let make = |&i: &u64| if i == 7 { Err(format!("item {i}")) } else { Ok(i * i) };
+        let items: Vec<std::result::Result<u64, String>> =
+            Prefetch::new((0..10).collect(), 3, 3, 2, make).unwrap().collect();
+        let squares: Vec<u64> = items.iter().take(7).map(|r| *r.as_ref().unwrap()).collect();
+        assert_eq!(squares, [0, 1, 4, 9, 16, 25, 36]);
+        assert_eq!(items.len(), 8, "nothing after the error");
+        assert_eq!(items[7], Err("item 7".to_string()));
     }
 }

@@ -1,12 +1,13 @@
 //! `fastfold train`'s checkpoints under `--out`: `checkpoint-<step>/` holds the trained weights
 //! under AlphaFold's names (`weights.npz`, fp32, loadable by `predict`), the optimizer's state
-//! and the weights' moving average by name (`state.safetensors`: the engine's `{param}.{slot}`
-//! entries, [`engine::optim::Optimizer::state`] and [`engine::optim::Ema::state`]) and
-//! `trainer.json` (the step and the settings a resume must agree with). Every rank holds every
-//! weight and all the state (DAP splits activations, not parameters), so rank 0 writes it all
-//! and a resume may run on any number of ranks. [`data::checkpoint_folders`] stages the folder
-//! and commits it by switching `latest`, so a crash at any instant leaves `latest` naming a
-//! complete checkpoint; only the newest is kept.
+//! and the weights' moving average by name (`state-rank<r>.safetensors`: the engine's
+//! `{param}.{slot}` entries, [`engine::optim::Optimizer::state`] and
+//! [`engine::optim::Ema::state`]) and `trainer.json` (the step and the settings a resume must
+//! agree with). Every rank holds every weight (DAP splits activations, not parameters), so rank
+//! 0 writes them; the state is rank 0's, or under ZeRO-1 each rank's shard, and a resume reads
+//! every file's entries as one dictionary, so it may run on any number of ranks.
+//! [`data::checkpoint_folders`] stages the folder and commits it by switching `latest`, so a
+//! crash at any instant leaves `latest` naming a complete checkpoint; only the newest is kept.
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -19,8 +20,10 @@ use tch::Tensor;
 
 /// The trained weights in a checkpoint folder.
 pub const WEIGHTS: &str = "weights.npz";
-/// The optimizer's and the moving average's state in a checkpoint folder.
-pub const STATE: &str = "state.safetensors";
+/// The optimizer's and the moving average's state of rank `rank` in a checkpoint folder.
+pub fn state_file(dir: &Path, rank: usize) -> PathBuf {
+    dir.join(format!("state-rank{rank}.safetensors"))
+}
 /// The step and settings in a checkpoint folder.
 pub const TRAINER: &str = "trainer.json";
 
@@ -35,6 +38,8 @@ pub struct TrainerState {
     pub optimizer: String,
     /// `--ema-decay` (0: no average).
     pub ema_decay: f64,
+    /// Examples a step (replicas times accumulation): the examples of a step are numbered by it.
+    pub global_batch: usize,
 }
 
 impl TrainerState {
@@ -45,6 +50,7 @@ impl TrainerState {
             ("--seed", self.seed.to_string(), run.seed.to_string()),
             ("--optimizer", self.optimizer.clone(), run.optimizer.clone()),
             ("--ema-decay", self.ema_decay.to_string(), run.ema_decay.to_string()),
+            ("a global batch of", self.global_batch.to_string(), run.global_batch.to_string()),
         ];
         for (flag, saved, now) in pairs {
             if saved != now {
@@ -55,8 +61,9 @@ impl TrainerState {
     }
 }
 
-/// Writes step `state.step`'s checkpoint under `out` (every rank calls this; rank 0 writes):
-/// `weights` by AlphaFold's names and the optimizer's and average's `entries`.
+/// Writes step `state.step`'s checkpoint under `out` (every rank calls this): rank 0 writes
+/// `weights` by AlphaFold's names and `trainer.json`, each rank its `entries` of the optimizer's
+/// and average's state (none: no file).
 pub fn save(
     out: &Path,
     world: &World,
@@ -64,17 +71,24 @@ pub fn save(
     weights: impl FnOnce(&Path) -> anyhow::Result<()>,
     entries: &[(String, Tensor)],
 ) -> anyhow::Result<()> {
+    let dir = checkpoint_folders::staging(out, state.step);
+    // Held until the commit: Ctrl-C before it removes the half-written folder.
+    let _staging = (world.rank() == 0).then(|| checkpoint_folders::begin(out, state.step)).transpose()?;
+    world.group.barrier()?;
+    if !entries.is_empty() {
+        data::checkpoint::save_tensors(entries, &state_file(&dir, world.rank()))?;
+    }
     if world.rank() == 0 {
-        // Held until the commit: Ctrl-C before it removes the half-written folder.
-        let staging = checkpoint_folders::begin(out, state.step)?;
-        let dir = staging.dir();
         weights(&dir.join(WEIGHTS))?;
-        data::checkpoint::save_tensors(entries, &dir.join(STATE))?;
         let json = serde_json::to_string_pretty(state)?;
         data::write_atomic::<anyhow::Error>(&dir.join(TRAINER), |w| Ok(w.write_all(json.as_bytes())?))?;
+    }
+    // Every rank's file is in place before this barrier; rank 0 then commits, and the others
+    // wait, so that none runs ahead of a checkpoint that could fail.
+    world.group.barrier()?;
+    if world.rank() == 0 {
         checkpoint_folders::commit(out, state.step, Some(1))?;
     }
-    // The others wait, so that none runs ahead of a checkpoint that could fail.
     world.group.barrier()?;
     Ok(())
 }
@@ -110,8 +124,25 @@ impl Saved {
         Ok(())
     }
 
-    /// The optimizer's and the average's state, by entry name.
+    /// The optimizer's and the average's state, by entry name: every rank's file in one
+    /// dictionary, so that each rank takes its own entries wherever they were saved.
     pub fn read_state(&self) -> anyhow::Result<StateDict> {
-        Ok(data::checkpoint::read_tensors(&self.dir.join(STATE))?)
+        let mut files: Vec<PathBuf> = std::fs::read_dir(&self.dir)
+            .with_context(|| format!("listing {}", self.dir.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| {
+                let name = p.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
+                name.starts_with("state-rank") && name.ends_with(".safetensors")
+            })
+            .collect();
+        files.sort();
+        if files.is_empty() {
+            bail!("{}: no state-rank*.safetensors (the optimizer's state)", self.dir.display());
+        }
+        let mut dict = StateDict::new();
+        for path in &files {
+            dict.extend(data::checkpoint::read_tensors(path)?);
+        }
+        Ok(dict)
     }
 }

@@ -62,10 +62,16 @@ const MAX_NAME: usize = 200;
 /// `# STOCKHOLM` header) read as AlphaFold's `parse_stockholm` reads it.
 fn read_msa(path: &Path) -> anyhow::Result<data::a3m::Msa> {
     let text = std::fs::read_to_string(path).with_context(|| format!("reading --msa {}", path.display()))?;
+    parse_alignment(&text, path)
+}
+
+/// An alignment's text (`path` names it in errors): Stockholm when it starts with the
+/// `# STOCKHOLM` header, else A3M.
+pub(crate) fn parse_alignment(text: &str, path: &Path) -> anyhow::Result<data::a3m::Msa> {
     if text.trim_start_matches('\u{feff}').trim_start().starts_with("# STOCKHOLM") {
-        return Ok(crate::search::stockholm::parse(&text, path)?);
+        return Ok(crate::search::stockholm::parse(text, path)?);
     }
-    Ok(data::a3m::parse(&text, path)?)
+    Ok(data::a3m::parse(text, path)?)
 }
 
 /// A name usable as a file-name stem: path separators and odd characters become `_`.
@@ -272,12 +278,23 @@ impl ChunkArgs {
     /// Checks the options and returns this rank's device, the execution context (DAP over the
     /// job, the chunk size) and the kernels the modules run.
     pub fn setup(&self, launch: &LaunchArgs, world: &World) -> anyhow::Result<(Device, Exec, kernels::Backend)> {
-        let device = launch.device(world)?;
-        let backend = kernels::Backend::resolve(self.kernels, device)?;
         let dap = match world.size() {
             1 => Dap::none(),
             _ => Dap::new(world.group.clone()),
         };
+        self.setup_with(launch, world, dap)
+    }
+
+    /// [`ChunkArgs::setup`] with DAP over `dap` in place of the whole job (`fastfold train`'s
+    /// groups: see [`crate::train_parallel`]).
+    pub fn setup_with(
+        &self,
+        launch: &LaunchArgs,
+        world: &World,
+        dap: Dap,
+    ) -> anyhow::Result<(Device, Exec, kernels::Backend)> {
+        let device = launch.device(world)?;
+        let backend = kernels::Backend::resolve(self.kernels, device)?;
         Ok((device, Exec::new(dap, self.chunk_size), backend))
     }
 

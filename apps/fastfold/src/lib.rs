@@ -22,3 +22,5 @@ pub mod ranking;
 pub mod residue_constants;
 pub mod search;
 pub mod train;
+pub mod train_data;
+pub mod train_parallel;

@@ -1,29 +1,35 @@
 //! `fastfold train`: training steps of the whole network on one input and its known structure,
+//! or on a data set in OpenFold's layout (`--mmcif-dir`, `--alignment-dir`: each step the next
+//! chain, prepared ahead by AlphaFold's training-time pipeline, see [`crate::train_data`]),
 //! with AlphaFold's whole monomer training loss ([`crate::loss::total`]) under the weights of
 //! the training stage (`--config-preset`, OpenFold's names: `initial_training` or
 //! `finetuning`), under dynamic axial parallelism.
 //!
-//! Backbone FAPE is clamped in 90% of the steps, drawn from the seed and the step number
-//! ([`crate::loss::clamped_fape_at`]), the same on every rank. The confidence terms (pLDDT,
+//! Backbone FAPE is clamped in 90% of the examples, drawn from the seed and the example's
+//! number in the run ([`crate::loss::clamped_fape_at`]; in one process without accumulation,
+//! the step number), the same on every rank that trains it. The confidence terms (pLDDT,
 //! experimentally resolved, aligned error) train only on structures solved at 0.1 to 3 Å:
-//! the resolution comes from `--resolution` or the target's header. Gradients flow through
-//! the last recycling pass only, as in AlphaFold.
-//!
-//! The optimiser recipe is AlphaFold's by default ([`TrainArgs`]); `--save-every` writes
-//! checkpoints ([`crate::checkpoint`]) and `--resume` continues from the latest, on any number
-//! of ranks, so that a resumed run repeats the uninterrupted one bit for bit.
+//! the resolution comes from `--resolution` or the target's header (with a data set, from the
+//! mmCIF entry). Gradients flow through the last recycling pass only, as in AlphaFold.
 //!
 //! Under DAP every rank computes the embedders, structure module and heads on whole tensors
 //! and the stacks on its block: the stacks' parameter gradients are summed over the ranks
 //! ([`engine::parallel::dap::Dap::reduce_gradients`]); every other gradient is already whole
-//! on every rank.
+//! on every rank. With several DAP groups (`--dap`), each trains its own examples and the
+//! gradients are averaged over the groups ([`crate::train_parallel`]); each step trains
+//! `--accumulation` examples per group, and its log holds the mean over all of them.
+//!
+//! The optimiser recipe is AlphaFold's by default ([`TrainArgs`]); `--save-every` writes
+//! checkpoints ([`crate::checkpoint`]) and `--resume` continues from the latest, on any number
+//! of ranks with the same global batch, so that a resumed run repeats the uninterrupted one.
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use engine::dist::World;
+use engine::dist::{ProcessGroup, World};
 use engine::job::{JobArgs, OptimizerArgs, Precision, PrecisionArgs, ScheduleArgs};
 use engine::optim::{clip_grad_norm, Decay, Ema, LrSchedule, MasterWeights, Optimizer, Param};
+use engine::parallel::DataParallel;
 use tch::{Device, Kind, Tensor};
 
 use crate::checkpoint::{self, Saved, TrainerState};
@@ -35,6 +41,11 @@ use crate::model::alphafold::AlphaFold;
 use crate::model::{Exec, Params, EVOFORMER, EXTRA_MSA};
 use crate::pdb::{read_resolution, Structure};
 use crate::residue_constants::{RESNAMES, UNK_RESTYPE_INDEX};
+use crate::train_data::args::TrainDataArgs;
+use crate::train_data::example::Prepared;
+use crate::train_data::layout;
+use crate::train_data::loader::{ExampleLoader, Shard};
+use crate::train_parallel::{mean_over_replicas, ParallelArgs, Ranks};
 
 /// `fastfold train`'s options. The defaults are AlphaFold's optimiser recipe (supplementary
 /// section 1.11.3, OpenFold's `AlphaFoldLRScheduler`): Adam (epsilon 1e-6) at 1e-3 after a
@@ -59,9 +70,9 @@ pub struct TrainArgs {
     /// The sequence (one FASTA record, optional --msa) or processed features.
     #[command(flatten)]
     pub input: InputArgs,
-    /// The true structure (PDB) of the query.
-    #[arg(long)]
-    pub target: PathBuf,
+    /// The true structure (PDB) of the query (not with --mmcif-dir).
+    #[arg(long, required_unless_present = "mmcif_dir")]
+    pub target: Option<PathBuf>,
     /// The chain of --target to read (default: its first chain).
     #[arg(long)]
     pub chain: Option<char>,
@@ -80,7 +91,7 @@ pub struct TrainArgs {
     #[arg(long, value_parser = engine::parse::count(1..))]
     pub save_every: Option<usize>,
     /// Continue the run under --out from its latest checkpoint up to --steps, on any number of
-    /// ranks, appending to its log.
+    /// ranks with the same global batch, appending to its log.
     #[arg(long)]
     pub resume: bool,
     /// The optimizer (AlphaFold: Adam, no weight decay).
@@ -111,9 +122,16 @@ pub struct TrainArgs {
     /// about one more forward's compute.
     #[arg(long)]
     pub gradient_checkpointing: bool,
-    /// Recycling passes before the one that is trained (AlphaFold samples 0..=3).
+    /// Recycling passes before the one that is trained (with --mmcif-dir they are drawn per
+    /// step, as AlphaFold draws them: see --max-recycles).
     #[arg(long, default_value_t = 0, value_parser = engine::parse::count(0..=crate::input::MAX_RECYCLES))]
     pub recycles: usize,
+    /// Training data in OpenFold's layout, in place of one input and --target.
+    #[command(flatten)]
+    pub data: TrainDataArgs,
+    /// DAP groups, data-parallel replicas, accumulation and ZeRO.
+    #[command(flatten)]
+    pub parallel: ParallelArgs,
     /// Device, ranks, progress and the training log.
     #[command(flatten)]
     pub job: JobArgs,
@@ -131,8 +149,25 @@ pub struct Target {
 }
 
 impl Target {
-    /// From a structure whose residue types must be the features' (`aatype` [N]).
+    /// From a structure whose residue types must be the features' (`aatype` [N]), with the
+    /// atoms backbone FAPE and the distogram need (else an error: one example without them
+    /// would train on without those terms, silently).
     pub fn new(s: &Structure, aatype: &Tensor, source: &str) -> anyhow::Result<Target> {
+        let target = Target::of_crop(s, aatype, source)?;
+        // Without them a loss term is 0 and training would go on, silently, without it.
+        if target.truth.backbone()?.1.sum(Kind::Float).double_value(&[]) == 0.0 {
+            bail!("{source}: no residue has the N, CA and C atoms that backbone FAPE needs");
+        }
+        if target.truth.pseudo_beta_mask.sum(Kind::Float).double_value(&[]) == 0.0 {
+            bail!("{source}: no residue has the CB atom (CA for glycine) that the distogram loss needs");
+        }
+        Ok(target)
+    }
+
+    /// As [`Target::new`], but the structure may lack those atoms: a data set's crop can fall
+    /// on residues that were never observed, and trains that step with those terms at 0, as
+    /// AlphaFold's masked losses give them.
+    pub fn of_crop(s: &Structure, aatype: &Tensor, source: &str) -> anyhow::Result<Target> {
         let n = aatype.size()[0];
         let ours: Vec<i64> = Vec::try_from(aatype.to_device(Device::Cpu))?;
         if s.aatype.len() as i64 != n {
@@ -159,13 +194,6 @@ impl Target {
         let flat: Vec<f32> = s.mask.iter().flatten().copied().collect();
         let mask = Tensor::from_slice(&flat).view([n, 37]).to_device(device);
         let truth = GroundTruth::new(aatype, &positions, &mask).with_context(|| source.to_string())?;
-        // Without them a loss term is 0 and training would go on, silently, without it.
-        if truth.backbone()?.1.sum(Kind::Float).double_value(&[]) == 0.0 {
-            bail!("{source}: no residue has the N, CA and C atoms that backbone FAPE needs");
-        }
-        if truth.pseudo_beta_mask.sum(Kind::Float).double_value(&[]) == 0.0 {
-            bail!("{source}: no residue has the CB atom (CA for glycine) that the distogram loss needs");
-        }
         Ok(Target { truth, resolution: 0.0 })
     }
 }
@@ -253,7 +281,17 @@ fn losses(
 pub struct StepLog {
     /// 1-based step.
     pub step: usize,
-    /// The loss and its terms.
+    /// The chain trained on (`<pdb>_<chain>`, with --mmcif-dir) and its crop's residues
+    /// (1-based, inclusive); with accumulation rank 0's chains of the step, joined by `; `.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub example: Option<String>,
+    /// Recycling passes before the trained one (of rank 0's first example of the step).
+    pub recycles: usize,
+    /// Seconds the step waited for its examples on rank 0 (with --mmcif-dir): near 0 while
+    /// the loader keeps ahead of training.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub data_seconds: Option<f64>,
+    /// The loss and its terms: the mean over the step's examples on every group.
     #[serde(flatten)]
     pub losses: StepLoss,
     /// Gradient norm before clipping.
@@ -268,7 +306,7 @@ pub struct StepLog {
 
 impl engine::metrics::Record for StepLog {
     const CSV_HEADER: &'static str = "step,loss,fape,clamped,sidechain_fape,chi,angle_norm,violation,distogram,\
-        masked_msa,plddt,experimentally_resolved,aligned_error,grad_norm,seconds,lr,peak_bytes";
+        masked_msa,plddt,experimentally_resolved,aligned_error,grad_norm,seconds,lr,peak_bytes,recycles,example,data_seconds";
 
     fn csv_row(&self) -> String {
         let l = &self.losses;
@@ -278,13 +316,16 @@ impl engine::metrics::Record for StepLog {
         let peak = self.peak_bytes.map(|b| b.to_string()).unwrap_or_default();
         let (step, clamped) = (self.step, u8::from(l.clamped));
         format!(
-            "{step},{:.6},{:.6},{clamped},{},{pae},{:.6},{:.3},{:.6e},{peak}",
+            "{step},{:.6},{:.6},{clamped},{},{pae},{:.6},{:.3},{:.6e},{peak},{},{},{}",
             l.loss,
             l.fape,
             cells.join(","),
             self.grad_norm,
             self.seconds,
-            self.lr
+            self.lr,
+            self.recycles,
+            self.example.as_deref().unwrap_or(""),
+            self.data_seconds.map(|s| format!("{s:.3}")).unwrap_or_default()
         )
     }
 
@@ -310,9 +351,24 @@ impl engine::metrics::Record for StepLog {
             ("train/lr", self.lr),
         ];
         scalars.extend(l.aligned_error.map(|x| ("train/aligned_error", x)));
+        scalars.extend(self.data_seconds.map(|s| ("train/data_seconds", s)));
         scalars.extend(self.peak_bytes.map(|b| ("train/peak_memory_gib", engine::metrics::gib(b))));
         scalars
     }
+}
+
+/// One example of a step, as [`Trainer::step`] trains it.
+#[derive(Clone, Copy)]
+pub struct Example<'a> {
+    /// Its features.
+    pub features: &'a Features,
+    /// Its true structure.
+    pub target: &'a Target,
+    /// Recycling passes before the trained one.
+    pub recycles: usize,
+    /// Its number in the run's stream of examples (1-based, [`Shard::example`]): backbone
+    /// FAPE's clamping is drawn from it, so that it is the same whichever rank trains it.
+    pub number: u64,
 }
 
 /// A trainer over one parameter store.
@@ -330,6 +386,10 @@ pub struct Trainer {
     loss: LossConfig,
     seed: u64,
     steps: u64,
+    /// Averages the gradients over the data-parallel replicas (none for one group).
+    replicas: Option<(DataParallel, ProcessGroup)>,
+    /// The examples of the step under way and the loss terms of those trained so far.
+    step_terms: (usize, Vec<StepLoss>),
 }
 
 /// The saved parameters under `--out`: the moving average when there is one, else the weights.
@@ -341,20 +401,49 @@ impl Trainer {
     /// `optimizer` (AlphaFold's: Adam without weight decay, clip 0.1) over every array of
     /// `params` (moved to `device`), at its learning rate throughout, with the initial-training
     /// loss and seed 0, without a moving average ([`Trainer::with_schedule`],
-    /// [`Trainer::with_loss`] and [`Trainer::with_ema`] set them).
+    /// [`Trainer::with_loss`] and [`Trainer::with_ema`] set them), in one process or one DAP
+    /// group.
     pub fn new(params: &Params, device: Device, optimizer: &OptimizerArgs) -> anyhow::Result<Trainer> {
-        Trainer::new_in(params, device, Kind::Float, optimizer)
+        Trainer::on_ranks(params, device, optimizer, &Ranks::one())
     }
 
     /// [`Trainer::new`] with the model's weights and activations in `kind`: below fp32, the
     /// optimizer (and the average) update fp32 master weights, copied into the model after each
     /// step, and the checkpoints and saved parameters hold the masters.
     pub fn new_in(params: &Params, device: Device, kind: Kind, optimizer: &OptimizerArgs) -> anyhow::Result<Trainer> {
+        Trainer::on_ranks_in(params, device, kind, optimizer, &Ranks::one())
+    }
+
+    /// As [`Trainer::new`], on this rank of `ranks`: its gradients averaged with the other
+    /// replicas' (a collective: every rank of the job builds its trainer together), its
+    /// optimizer sharded over them under ZeRO-1.
+    pub fn on_ranks(
+        params: &Params,
+        device: Device,
+        optimizer: &OptimizerArgs,
+        ranks: &Ranks,
+    ) -> anyhow::Result<Trainer> {
+        Trainer::on_ranks_in(params, device, Kind::Float, optimizer, ranks)
+    }
+
+    /// [`Trainer::on_ranks`] in `kind` ([`Trainer::new_in`]; below fp32, one data-parallel
+    /// replica only).
+    pub fn on_ranks_in(
+        params: &Params,
+        device: Device,
+        kind: Kind,
+        optimizer: &OptimizerArgs,
+        ranks: &Ranks,
+    ) -> anyhow::Result<Trainer> {
+        if kind != Kind::Float && ranks.data.is_some() {
+            bail!("--precision bf16 trains one data-parallel replica (--dap equal to --nproc): not several yet");
+        }
         let params = params.to_kind(kind)?.to_device(device, true)?;
         let model = AlphaFold::new(&params)?;
         let is_stack = |k: &str| k.starts_with(&format!("{EVOFORMER}/")) || k.starts_with(&format!("{EXTRA_MSA}/"));
         let stacks = params.iter().filter(|(k, _)| is_stack(k)).map(|(_, t)| t.shallow_clone()).collect();
         let list: Vec<Param> = params.iter().map(|(k, t)| Param::new(k, t)).collect();
+        let replicas = ranks.gradient_sync(&list)?.zip(ranks.data.clone());
         let (masters, trained) = match kind {
             Kind::Float => (None, list),
             _ => {
@@ -363,11 +452,26 @@ impl Trainer {
                 (Some(masters), trained)
             }
         };
-        let (clip, lr, optimizer) = (optimizer.clip_grad, optimizer.lr, optimizer.build(trained, optimizer.lr));
+        let (clip, lr) = (optimizer.clip_grad, optimizer.lr);
+        let optimizer = ranks.optimizer(trained, |list| optimizer.build(list, optimizer.lr))?;
         let schedule = LrSchedule { peak: lr, floor: lr, warmup: 0, total: 1, decay: Decay::Constant };
         let loss = LossConfig::initial_training();
-        let (ema, seed, steps) = (None, 0, 0);
-        Ok(Trainer { model, params, kind, masters, optimizer, stacks, clip, schedule, ema, loss, seed, steps })
+        Ok(Trainer {
+            model,
+            params,
+            kind,
+            masters,
+            optimizer,
+            stacks,
+            clip,
+            schedule,
+            ema: None,
+            loss,
+            seed: 0,
+            steps: 0,
+            replicas,
+            step_terms: (0, Vec::new()),
+        })
     }
 
     /// The same trainer with the learning rate of step `s` (counted from 0) `schedule.at(s)`.
@@ -382,16 +486,15 @@ impl Trainer {
         Ok(Trainer { ema, ..self })
     }
 
-    /// The same trainer with `loss`'s weights, backbone FAPE clamped in the steps its fraction
-    /// draws from `seed`.
+    /// The same trainer with `loss`'s weights, backbone FAPE clamped in the examples its
+    /// fraction draws from `seed` (by their numbers in the run: in one process, example n in
+    /// step n).
     pub fn with_loss(self, loss: LossConfig, seed: u64) -> Trainer {
         Trainer { loss, seed, ..self }
     }
 
-    /// The gradients of one pass on `features` and `target` in the parameters' `.grad()`:
-    /// forward (the last of `recycles + 1` passes with autograd), loss (backbone FAPE clamped
-    /// or not as the next step's draw says), backward, and the DAP sum of the stacks'
-    /// gradients.
+    /// The gradients of one pass on `features` and `target` in the parameters' `.grad()`, as
+    /// the next step's only example ([`Trainer::gradients`]).
     pub fn backward(
         &mut self,
         features: &Features,
@@ -399,26 +502,79 @@ impl Trainer {
         recycles: usize,
         exec: &Exec,
     ) -> anyhow::Result<Losses> {
-        self.optimizer.zero_grad();
-        let pass = self.model.predict(features, recycles, self.kind, exec)?;
-        let clamped = clamped_fape_at(self.seed, self.steps + 1, self.loss.clamped_fape_fraction);
-        let losses = losses(&pass, features, recycles, target, &self.loss, clamped)?;
-        engine::autograd::backward(&[&losses.total], &[None], false)?;
-        exec.dap().reduce_gradients(&self.stacks)?;
+        let example = Example { features, target, recycles, number: self.steps + 1 };
+        let mut losses = self.gradients(&[example], exec)?;
+        losses.pop().context("one example, one loss")
+    }
+
+    /// The gradients of one step's `examples` (this rank's) in the parameters' `.grad()`,
+    /// averaged with the other replicas' and summed over DAP ([`Trainer::begin_step`],
+    /// [`Trainer::accumulate`] on each, [`Trainer::reduce_gradients`]).
+    pub fn gradients(&mut self, examples: &[Example], exec: &Exec) -> anyhow::Result<Vec<Losses>> {
+        self.begin_step(examples.len())?;
+        let losses = examples.iter().map(|e| self.accumulate(e, exec)).collect::<anyhow::Result<Vec<_>>>()?;
+        self.reduce_gradients(exec)?;
         Ok(losses)
     }
 
-    /// One step: [`Trainer::backward`], clipping, Adam at the schedule's learning rate, the
-    /// moving average's update. Returns the losses and the gradient norm before clipping.
-    pub fn step(
-        &mut self,
-        features: &Features,
-        target: &Target,
-        recycles: usize,
-        exec: &Exec,
-    ) -> anyhow::Result<(Losses, f64)> {
+    /// One step on `examples`, all in memory at once (see [`Trainer::finish_step`]).
+    pub fn step(&mut self, examples: &[Example], exec: &Exec) -> anyhow::Result<(StepLoss, f64)> {
+        self.begin_step(examples.len())?;
+        for e in examples {
+            self.accumulate(e, exec)?;
+        }
+        self.finish_step(exec)
+    }
+
+    /// Starts a step of `count` examples on this rank (every rank of the job passes as many):
+    /// the gradients are zeroed, the learning rate set from the schedule, and
+    /// [`Trainer::accumulate`] takes them one at a time, so that only one is in memory while it
+    /// trains.
+    pub fn begin_step(&mut self, count: usize) -> anyhow::Result<()> {
+        anyhow::ensure!(count >= 1, "a step without examples");
+        self.optimizer.zero_grad();
         self.optimizer.set_lr(self.schedule.at(self.steps as usize));
-        let losses = self.backward(features, target, recycles, exec)?;
+        self.step_terms = (count, Vec::with_capacity(count));
+        Ok(())
+    }
+
+    /// Forward (the last of the example's `recycles + 1` passes with autograd), loss
+    /// (backbone FAPE clamped or not as its number draws) and backward of its share of the
+    /// step's mean, added to the gradients. The step's last example's backward launches the
+    /// average over the replicas bucket by bucket as its gradients arrive.
+    pub fn accumulate(&mut self, e: &Example, exec: &Exec) -> anyhow::Result<Losses> {
+        let (count, done) = (self.step_terms.0, self.step_terms.1.len());
+        anyhow::ensure!(done < count, "example {} of a step of {count}", done + 1);
+        if let Some((ddp, _)) = &self.replicas {
+            ddp.set_sync(done + 1 == count)?;
+        }
+        let pass = self.model.predict(e.features, e.recycles, self.kind, exec)?;
+        let clamped = clamped_fape_at(self.seed, e.number, self.loss.clamped_fape_fraction);
+        let losses = losses(&pass, e.features, e.recycles, e.target, &self.loss, clamped)?;
+        let share = if count == 1 { losses.total.shallow_clone() } else { &losses.total / count as f64 };
+        engine::autograd::backward(&[&share], &[None], false)?;
+        self.step_terms.1.push(losses.terms.clone());
+        Ok(losses)
+    }
+
+    /// After the step's examples: waits for the average over the replicas and sums the
+    /// stacks' gradients over the DAP ranks (both sums, so their order does not matter).
+    pub fn reduce_gradients(&mut self, exec: &Exec) -> anyhow::Result<()> {
+        let (count, done) = (self.step_terms.0, self.step_terms.1.len());
+        anyhow::ensure!(done == count, "{done} of the step's {count} examples trained");
+        if let Some((ddp, _)) = &self.replicas {
+            ddp.finish_gradients()?;
+        }
+        exec.dap().reduce_gradients(&self.stacks)?;
+        Ok(())
+    }
+
+    /// Ends the step: [`Trainer::reduce_gradients`], clipping, Adam at the schedule's learning
+    /// rate (on the fp32 masters below fp32), the moving average's update. Returns the mean of
+    /// the losses over the step's examples on every replica and the gradient norm before
+    /// clipping.
+    pub fn finish_step(&mut self, exec: &Exec) -> anyhow::Result<(StepLoss, f64)> {
+        self.reduce_gradients(exec)?;
         if let Some(masters) = &self.masters {
             masters.gradients_to_master()?;
         }
@@ -431,7 +587,9 @@ impl Trainer {
             ema.update()?;
         }
         self.steps += 1;
-        Ok((losses, norm))
+        let terms = std::mem::take(&mut self.step_terms.1);
+        let mean = mean_over_replicas(&terms, self.replicas.as_ref().map(|(_, g)| g))?;
+        Ok((mean, norm))
     }
 
     /// The parameters being trained, in the model's precision.
@@ -464,11 +622,14 @@ impl Trainer {
         self.steps as usize
     }
 
-    /// The optimizer's and the moving average's state, for a checkpoint.
-    pub fn state(&self) -> Vec<(String, Tensor)> {
-        let mut state = self.optimizer.state();
-        state.extend(self.ema.iter().flat_map(Ema::state));
-        state
+    /// This rank's optimizer state (its shard under ZeRO-1), for a checkpoint.
+    pub fn optimizer_state(&self) -> Vec<(String, Tensor)> {
+        self.optimizer.state()
+    }
+
+    /// The moving average's state (the same on every rank), for a checkpoint.
+    pub fn ema_state(&self) -> Vec<(String, Tensor)> {
+        self.ema.iter().flat_map(Ema::state).collect()
     }
 
     /// Continues from `saved`: its weights, the optimizer's and the average's state, its step.
@@ -483,7 +644,7 @@ impl Trainer {
             masters.weights_to_model()?;
         }
         let mut state = saved.read_state()?;
-        let file = || saved.dir.join(checkpoint::STATE).display().to_string();
+        let file = || format!("the state files of {}", saved.dir.display());
         self.optimizer.load_state(&mut state).with_context(file)?;
         if let Some(ema) = &mut self.ema {
             ema.load_state(&mut state).with_context(file)?;
@@ -515,50 +676,68 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
     if args.ema_decay == 1.0 {
         bail!("--ema-decay 1 would keep the initial weights as the average: use one below 1 (0: none)");
     }
-    let (device, exec, backend) = args.chunk.setup(&args.job.launch, world)?;
+    let ranks = args.parallel.ranks(world)?;
+    let shard = ranks.shard;
+    let (device, exec, backend) = args.chunk.setup_with(&args.job.launch, world, ranks.dap.clone())?;
     let exec = exec.with_checkpointed_blocks(args.gradient_checkpointing);
     kernels::install_optimizer_steps(backend);
     let params = Params::load_model(&args.params)
         .with_context(|| format!("--params {}", args.params.display()))?
         .with_kernels(backend);
     let preset = args.input.preset(&params, &args.params)?;
-    let mut inputs = args.input.load(args.recycles, preset, device)?;
-    if inputs.len() != 1 {
-        bail!("training takes one query, the input has {}", inputs.len());
-    }
-    let (_, features) = inputs.remove(0);
-    let aatype = features.aatype.get(0);
-    let structure = Structure::read(&args.target, args.chain)?;
-    let mut target = Target::new(&structure, &aatype, &args.target.display().to_string())?;
-    target.resolution = resolution(args, world)?;
-    let loss = args.config_preset.loss();
+    let (loss, kind) = (args.config_preset.loss(), args.precision.precision.kind());
     let schedule = args.schedule.schedule(args.optimizer.lr, args.steps);
-    let kind = args.precision.precision.kind();
-    let trainer = Trainer::new_in(&params, device, kind, &args.optimizer)?
-        .with_schedule(schedule)
-        .with_loss(loss, args.input.seed.seed);
+    let trainer = Trainer::on_ranks_in(&params, device, kind, &args.optimizer, &ranks)?;
+    let trainer = trainer.with_schedule(schedule).with_loss(loss, args.input.seed.seed);
     let mut trainer = trainer.with_ema(args.ema_decay)?;
     match args.resume {
-        true => resume(args, world, &mut trainer)?,
+        true => resume(args, world, &ranks, &mut trainer)?,
         false => note_fresh_start(args, world),
     }
+    let first = trainer.steps() + 1;
+    let mut examples = Examples::open(args, preset, device, world, shard, first as u64)?;
     let mut log = Vec::new();
     let mut metrics = match world.rank() {
         0 => {
             std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
-            let resumed = args.resume.then_some(trainer.steps());
+            let resumed = args.resume.then_some(first - 1);
             Some(args.job.open_metrics::<StepLog>(&args.out, resumed, "fastfold-train")?)
         }
         _ => None,
     };
-    for step in trainer.steps() + 1..=args.steps {
+    for step in first..=args.steps {
         let start = Instant::now();
-        let (losses, grad_norm) = trainer.step(&features, &target, args.recycles, &exec)?;
-        let seconds = start.elapsed().as_secs_f64();
-        let (lr, peak_bytes) = (trainer.lr(), engine::process::peak_memory(device));
-        let entry = StepLog { step, losses: losses.terms, grad_norm, seconds, lr, peak_bytes };
+        let (mut names, mut recycles, mut data_seconds) = (Vec::new(), None, None);
+        trainer.begin_step(shard.accumulation as usize)?;
+        // One example in memory at a time, however many the step accumulates.
+        for k in 0..shard.accumulation {
+            let number = shard.example(step as u64, k);
+            let loaded;
+            let example = match &mut examples {
+                Examples::One(one) => Example { features: &one.0, target: &one.1, recycles: args.recycles, number },
+                Examples::Layout { loader } => {
+                    let waited = Instant::now();
+                    let prepared = loader.next_example()?;
+                    *data_seconds.get_or_insert(0.0) += waited.elapsed().as_secs_f64();
+                    loaded = layout_example(prepared, device)?;
+                    names.push(loaded.3.clone());
+                    Example { features: &loaded.0, target: &loaded.1, recycles: loaded.2, number }
+                }
+            };
+            recycles.get_or_insert(example.recycles);
+            trainer.accumulate(&example, &exec)?;
+        }
+        let (terms, grad_norm) = trainer.finish_step(&exec)?;
+        let example = (!names.is_empty()).then(|| names.join("; "));
+        let recycles = recycles.unwrap_or(args.recycles);
+        let seconds = start.elapsed().as_secs_f64() - data_seconds.unwrap_or(0.0);
+        let peak_bytes = engine::process::peak_memory(device);
+        let lr = trainer.lr();
+        let entry =
+            StepLog { step, example, recycles, data_seconds, losses: terms, grad_norm, seconds, lr, peak_bytes };
         let l = &entry.losses;
-        // Every rank holds the same loss (DAP gathers before the loss), so all stop together.
+        // Every rank holds the same mean loss (DAP gathers before the loss, the replicas
+        // average it), so all stop together.
         if !l.loss.is_finite() {
             bail!("step {step}: the loss is {}; lower --lr or use --clip-grad (no parameters written)", l.loss);
         }
@@ -567,8 +746,9 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
         }
         if world.rank() == 0 && !args.job.quiet {
             let clamp = if l.clamped { "" } else { " (unclamped)" };
+            let on = entry.example.as_deref().map(|e| format!("  {e}, {recycles} recycles")).unwrap_or_default();
             println!(
-                "step {step}/{}  loss {:.4}  fape {:.4}{clamp}  distogram {:.4}  masked msa {:.4}  violation {:.4}  \
+                "step {step}/{}{on}  loss {:.4}  fape {:.4}{clamp}  distogram {:.4}  masked msa {:.4}  violation {:.4}  \
                  grad norm {:.3}  {:.2} s",
                 args.steps, l.loss, l.fape, l.distogram, l.masked_msa, l.violation, entry.grad_norm, entry.seconds
             );
@@ -576,7 +756,15 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
         log.push(entry);
         if args.save_every.is_some_and(|every| step % every == 0 || step == args.steps) {
             let save = |path: &Path| Ok(trainer.weights()?.save(path)?);
-            checkpoint::save(&args.out, world, &trainer_state(args, step), save, &trainer.state())?;
+            // Under ZeRO-1 every rank writes its shard of the optimizer's state; else rank 0 all.
+            let mut state = match ranks.zero > 0 || world.rank() == 0 {
+                true => trainer.optimizer_state(),
+                false => vec![],
+            };
+            if world.rank() == 0 {
+                state.extend(trainer.ema_state());
+            }
+            checkpoint::save(&args.out, world, &trainer_state(args, &ranks, step), save, &state)?;
         }
     }
     if world.rank() == 0 {
@@ -594,20 +782,23 @@ fn note_fresh_start(args: &TrainArgs, world: &World) {
 }
 
 /// What a checkpoint of step `step` records of the run.
-fn trainer_state(args: &TrainArgs, step: usize) -> TrainerState {
+fn trainer_state(args: &TrainArgs, ranks: &Ranks, step: usize) -> TrainerState {
+    let shard = ranks.shard;
     TrainerState {
         step,
         seed: args.input.seed.seed,
         optimizer: args.optimizer.optimizer.name().to_string(),
         ema_decay: args.ema_decay,
+        global_batch: (shard.replicas * shard.accumulation) as usize,
     }
 }
 
 /// Continues `trainer` from the latest checkpoint under `--out` (said on rank 0); one made
-/// with another seed, optimizer or average, or past `--steps`, is an error naming it.
-fn resume(args: &TrainArgs, world: &World, trainer: &mut Trainer) -> anyhow::Result<()> {
+/// with another seed, optimizer, average or global batch, or past `--steps`, is an error
+/// naming it.
+fn resume(args: &TrainArgs, world: &World, ranks: &Ranks, trainer: &mut Trainer) -> anyhow::Result<()> {
     let saved = checkpoint::latest(&args.out)?;
-    saved.state.check_matches(&trainer_state(args, saved.state.step))?;
+    saved.state.check_matches(&trainer_state(args, ranks, saved.state.step))?;
     if saved.state.step > args.steps {
         bail!("{} is at step {}, past --steps {}", saved.dir.display(), saved.state.step, args.steps);
     }
@@ -618,20 +809,82 @@ fn resume(args: &TrainArgs, world: &World, trainer: &mut Trainer) -> anyhow::Res
     Ok(())
 }
 
+/// Where each step's example comes from.
+enum Examples {
+    /// One input and its --target, every step.
+    One(Box<(Features, Target)>),
+    /// A data set in OpenFold's layout, each step's example prepared ahead.
+    Layout { loader: ExampleLoader },
+}
+
+impl Examples {
+    /// The examples `args` name from step `first` on: with --mmcif-dir the layout's chains that
+    /// pass the filters (said on rank 0), else the one input (MSA sizes from `preset` unless
+    /// given) and --target.
+    fn open(
+        args: &TrainArgs,
+        preset: Option<crate::preset::Preset>,
+        device: Device,
+        world: &World,
+        shard: Shard,
+        first: u64,
+    ) -> anyhow::Result<Examples> {
+        if let (Some(mmcif_dir), Some(alignment_dir)) = (&args.data.mmcif_dir, &args.data.alignment_dir) {
+            let selection = layout::select(mmcif_dir, alignment_dir, &args.data.filters()?)?;
+            if world.rank() == 0 && !args.job.quiet {
+                let left: Vec<String> = selection.excluded.iter().map(|(why, n)| format!("{n} {why}")).collect();
+                let left = if left.is_empty() { String::new() } else { format!(" (left out: {})", left.join(", ")) };
+                println!("{} training chains in {}{left}", selection.chains.len(), alignment_dir.display());
+            }
+            let (input, seed) = (&args.input, args.input.seed.seed);
+            let pipeline = args.data.pipeline(args.config_preset, input.max_msa_clusters, input.max_extra_msa, seed);
+            // The ranks of a DAP group train the same examples: together they are one
+            // data-parallel replica, their group's share of the stream.
+            let (steps, workers) = (args.steps as u64, args.data.loader_workers);
+            let loader = ExampleLoader::from_step(selection.chains, pipeline, first, steps, shard, workers)?;
+            return Ok(Examples::Layout { loader });
+        }
+        let Some(target_path) = &args.target else {
+            bail!("--target (or --mmcif-dir and --alignment-dir) is required")
+        };
+        let mut inputs = args.input.load(args.recycles, preset, device)?;
+        if inputs.len() != 1 {
+            bail!("training takes one query, the input has {}", inputs.len());
+        }
+        let (_, features) = inputs.remove(0);
+        let aatype = features.aatype.get(0);
+        let structure = Structure::read(target_path, args.chain)?;
+        let mut target = Target::new(&structure, &aatype, &target_path.display().to_string())?;
+        target.resolution = resolution(args, target_path, world)?;
+        Ok(Examples::One(Box::new((features, target))))
+    }
+}
+
+/// A prepared example on `device` with its target: (features, target, recycles, the chain
+/// and its crop as the log names them).
+pub fn layout_example(p: Prepared, device: Device) -> anyhow::Result<(Features, Target, usize, String)> {
+    let features = p.features.to_device(device);
+    let len = p.structure.aatype.len();
+    let name = format!("{} {}-{}", p.name, p.crop_start + 1, p.crop_start + len);
+    let mut target = Target::of_crop(&p.structure, &features.aatype.get(0), &name)?;
+    target.resolution = p.resolution;
+    Ok((features, target, p.recycles, name))
+}
+
 /// The target's resolution: `--resolution`, else its header's, else 0 (said on rank 0: the
 /// confidence terms are then off).
-fn resolution(args: &TrainArgs, world: &World) -> anyhow::Result<f64> {
+fn resolution(args: &TrainArgs, target: &std::path::Path, world: &World) -> anyhow::Result<f64> {
     if let Some(r) = args.resolution {
         return Ok(r);
     }
-    if let Some(r) = read_resolution(&args.target)? {
+    if let Some(r) = read_resolution(target)? {
         return Ok(r);
     }
     if world.rank() == 0 && !args.job.quiet {
         println!(
             "{}: no resolution in its header; pLDDT, experimentally resolved and aligned error are not trained \
              (--resolution gives one)",
-            args.target.display()
+            target.display()
         );
     }
     Ok(0.0)

@@ -2,8 +2,10 @@
 //! (embedders, stacks under DAP, structure module, heads) on 2 ranks equal one process's; the
 //! `train` command lowers the loss, writes its log and parameters, and names a target that
 //! does not fit the input; fine-tuning logs every term of the loss and lowers it; it trains
-//! alike with the fused kernels; its defaults are AlphaFold's optimiser recipe, the saved
-//! parameters are the weights' moving average, and a resumed run repeats the uninterrupted one.
+//! alike with the fused kernels; it trains on a data set in OpenFold's layout; DAP groups and
+//! data-parallel replicas (`--dap`) give one process's gradients over the same examples; its
+//! defaults are AlphaFold's optimiser recipe, the saved parameters are the weights' moving
+//! average, and a resumed run repeats the uninterrupted one.
 mod common;
 
 use std::path::{Path, PathBuf};
@@ -17,7 +19,7 @@ use fastfold::loss::clamped_fape_at;
 use fastfold::model::{EvoformerConfig, Exec, ModelConfig, Params};
 use fastfold::pdb::Structure;
 use fastfold::residue_constants::{aatype_of, atom_order};
-use fastfold::train::{Target, Trainer};
+use fastfold::train::{Example, Target, Trainer};
 use suite_tests::{dist_test, TestResult};
 use tch::{Device, Kind, Tensor};
 
@@ -198,8 +200,8 @@ fn saved_params_are_the_moving_average_of_the_trajectory() {
     let snapshot = |t: &Trainer| -> Vec<Tensor> { t.params().iter().map(|(_, a)| a.to_kind(Kind::Double)).collect() };
     let mut average = snapshot(&trainer);
     let exec = Exec::new(Dap::none(), Some(3));
-    for _ in 0..3 {
-        trainer.step(&f, &target, 1, &exec).unwrap();
+    for number in 1..=3 {
+        trainer.step(&[Example { features: &f, target: &target, recycles: 1, number }], &exec).unwrap();
         for (e, w) in average.iter_mut().zip(snapshot(&trainer)) {
             *e = &*e * 0.5 + w * 0.5;
         }
@@ -221,6 +223,33 @@ fn saved_params_are_the_moving_average_of_the_trajectory() {
         "the average differs from the weights in most arrays ({apart} of {})",
         saved.len()
     );
+}
+
+/// A data set's crop may fall where no atom was observed: it trains that step with finite
+/// losses, the structure terms at 0 (`Target::of_crop`), where one example must have them.
+#[test]
+fn a_crop_without_observed_atoms_trains_with_its_structure_terms_at_zero() {
+    let f = features(&dir("unobserved").join("q.a3m"));
+    let mut empty = helix(SEQ);
+    empty.mask.iter_mut().for_each(|m| *m = [0.0; 37]);
+    let aatype = f.aatype.get(0);
+    assert!(Target::new(&empty, &aatype, "crop").is_err());
+    let target = Target::of_crop(&empty, &aatype, "crop").unwrap();
+    let params = Params::random_model(&EvoformerConfig::tiny(), &ModelConfig::tiny(), 16).unwrap();
+    let adam = OptimizerArgs {
+        optimizer: OptimizerKind::Adamw,
+        lr: 1e-3,
+        weight_decay: 0.0,
+        clip_grad: Some(0.1),
+        adam_epsilon: None,
+    };
+    let mut trainer = Trainer::new(&params, Device::Cpu, &adam).unwrap();
+    let example = Example { features: &f, target: &target, recycles: 1, number: 1 };
+    let (t, norm) = trainer.step(&[example], &Exec::new(Dap::none(), None)).unwrap();
+    let t = &t;
+    assert!(t.loss.is_finite() && norm.is_finite(), "{t:?}");
+    assert_eq!((t.fape, t.sidechain_fape, t.distogram), (0.0, 0.0, 0.0), "{t:?}");
+    assert!(t.masked_msa > 0.0, "the MSA term still trains: {t:?}");
 }
 
 fn log(out: &Path) -> Vec<serde_json::Value> {
@@ -314,7 +343,7 @@ fn a_resumed_run_repeats_the_uninterrupted_one() {
         .map(|e| e.unwrap().file_name().into_string().unwrap())
         .collect();
     saved.sort();
-    assert_eq!(saved, ["state.safetensors", "trainer.json", "weights.npz"]);
+    assert_eq!(saved, ["state-rank0.safetensors", "trainer.json", "weights.npz"]);
 
     // On another number of ranks: DAP sums the stacks' gradients in another order, so the same
     // losses within 1e-5 of their size.
@@ -465,6 +494,255 @@ fn the_defaults_are_alphafolds_recipe() {
     assert_eq!(s.decay, engine::optim::Decay::Step { every: 50_000, factor: 0.95, after: 50_000 });
     assert_eq!((s.warmup, s.at(0), s.at(1000), s.at(50_000)), (1000, 0.0, 1e-3, 1e-3));
     assert!((s.at(50_001) - 0.95e-3).abs() < 1e-15 && (s.at(100_000) - 0.9025e-3).abs() < 1e-15);
+}
+
+/// `fastfold train --mmcif-dir --alignment-dir`: two steps on a layout of two chains, one
+/// epoch, so each chain once (cropped, its recycling count drawn), finite losses in the log;
+/// two DAP ranks train on the same first example to the same loss; a layout flag with
+/// --target, or neither, is refused.
+#[test]
+fn train_command_trains_on_the_chains_of_a_layout() {
+    let d = dir("layout");
+    let (mmcif, alignments) = common::layout::write(&d, &["1abc_A", "3ghi_A"]);
+    let params = d.join("init.npz");
+    Params::random_model(&EvoformerConfig::tiny(), &ModelConfig::tiny(), 15).unwrap().save(&params).unwrap();
+    let out = d.join("out");
+    let path = |p: &Path| p.display().to_string();
+    let mut args = vec!["train".to_string(), "--mmcif-dir".into(), path(&mmcif), "--alignment-dir".into()];
+    args.extend([path(&alignments), "--params".into(), path(&params), "-o".into(), path(&out)]);
+    let flags = ["--steps", "2", "--crop-size", "24", "--max-msa-clusters", "4", "--max-extra-msa", "8"];
+    let o = Command::new(BIN).args(&args).args(flags).args(["--max-recycles", "1"]).output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(o.status.success(), "{text}");
+    assert!(text.contains("2 training chains in"), "{text}");
+    let steps = log(&out);
+    assert_eq!(steps.len(), 2);
+    let mut chains = Vec::new();
+    for s in &steps {
+        assert!(s["loss"].as_f64().unwrap().is_finite() && s["fape"].as_f64().unwrap().is_finite(), "{s}");
+        assert!(s["recycles"].as_u64().unwrap() <= 1, "{s}");
+        assert!(s["data_seconds"].as_f64().unwrap() >= 0.0, "{s}");
+        let example = s["example"].as_str().unwrap();
+        let (chain, crop) = example.split_once(' ').unwrap();
+        let (first, last) = crop.split_once('-').unwrap();
+        let (first, last): (usize, usize) = (first.parse().unwrap(), last.parse().unwrap());
+        assert_eq!(last + 1 - first, 24, "{example}: a crop of 24 residues");
+        chains.push(chain.to_string());
+    }
+    chains.sort();
+    assert_eq!(chains, ["1abc_A", "3ghi_A"], "one epoch visits each chain once");
+    assert!(out.join("params.npz").exists());
+    // Two DAP ranks are one replica: the same example, crop and loss as one process.
+    let two = d.join("two");
+    let mut args_two = args.clone();
+    *args_two.last_mut().unwrap() = path(&two);
+    let o =
+        Command::new(BIN).args(&args_two).args(flags).args(["--max-recycles", "1", "--nproc", "2"]).output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(o.status.success(), "{text}");
+    let (one, dap) = (&steps[0], &log(&two)[0]);
+    assert_eq!((&one["example"], &one["recycles"]), (&dap["example"], &dap["recycles"]));
+    let (a, b) = (one["loss"].as_f64().unwrap(), dap["loss"].as_f64().unwrap());
+    assert!((a - b).abs() <= 1e-5 * a.abs().max(1.0), "first loss {b} on 2 ranks, {a} on one");
+
+    let o = Command::new(BIN).args(&args).args(["--target", "x.pdb"]).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("--target") && err.contains("--mmcif-dir"), "{err}");
+    let o = Command::new(BIN).args(["train", "--params", &path(&params), "-o", &path(&out)]).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("--target"), "{err}");
+}
+
+/// The gradients of one step on a layout's two chains with `--dap dap` over `world` (every
+/// rank trains its group's share) equal one process's accumulating both examples, within
+/// 1e-4 of each parameter's largest gradient; the mean loss over the step's examples too.
+fn data_parallel_gradients(world: &World, dap: usize) -> TestResult {
+    use clap::Parser;
+    use fastfold::train_data::{layout, loader::ExampleLoader, loader::Shard};
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: fastfold::train::TrainArgs,
+    }
+    // Each rank writes its own copy of the layout: no rank reads another's half-written files.
+    let d = dir(&format!("dp_gradients_{dap}_{}", world.rank()));
+    let (mmcif, alignments) = common::layout::write(&d, &["1abc_A", "3ghi_A"]);
+    let path = |p: &Path| p.display().to_string();
+    let mut words = vec!["fastfold".to_string(), "--mmcif-dir".into(), path(&mmcif), "--alignment-dir".into()];
+    words.extend([path(&alignments), "--params".into(), "unused.npz".into(), "-o".into(), path(&d.join("out"))]);
+    let flags = ["--crop-size", "24", "--max-msa-clusters", "4", "--max-extra-msa", "8", "--max-recycles", "1"];
+    words.extend(flags.iter().map(|w| w.to_string()).chain(["--dap".into(), dap.to_string()]));
+    let args = Cli::parse_from(words).args;
+    let ranks = args.parallel.ranks(world)?;
+    anyhow::ensure!(ranks.shard.replicas * dap as u64 == world.size() as u64, "{:?}", ranks.shard);
+    let chains = layout::select(&mmcif, &alignments, &args.data.filters()?)?.chains;
+    let pipeline = args.data.pipeline(args.config_preset, Some(4), Some(8), 0);
+    let examples = |shard: Shard| -> anyhow::Result<Vec<_>> {
+        let mut loader = ExampleLoader::new(chains.clone(), pipeline.clone(), 1, shard, 1)?;
+        (0..shard.accumulation).map(|_| fastfold::train::layout_example(loader.next_example()?, Device::Cpu)).collect()
+    };
+    fn batch(loaded: &[(Features, Target, usize, String)], shard: Shard) -> Vec<Example<'_>> {
+        let number = |k: usize| shard.example(1, k as u64);
+        loaded
+            .iter()
+            .enumerate()
+            .map(|(k, (features, target, recycles, _))| Example {
+                features,
+                target,
+                recycles: *recycles,
+                number: number(k),
+            })
+            .collect()
+    }
+    let params = Params::random_model(&EvoformerConfig::tiny(), &ModelConfig::tiny(), 17)?;
+    let adam = OptimizerArgs {
+        optimizer: OptimizerKind::Adamw,
+        lr: 1e-3,
+        weight_decay: 0.0,
+        clip_grad: Some(0.1),
+        adam_epsilon: None,
+    };
+    let grads =
+        |t: &Trainer| -> Vec<(String, Tensor)> { t.params().iter().map(|(k, t)| (k.to_string(), t.grad())).collect() };
+
+    let both = Shard { accumulation: 2, ..Shard::ONE };
+    let loaded = examples(both)?;
+    let mut one = Trainer::new(&params, Device::Cpu, &adam)?;
+    let one_losses = one.gradients(&batch(&loaded, both), &Exec::new(Dap::none(), Some(3)))?;
+    let one_loss = one_losses.iter().map(|l| l.terms.loss).sum::<f64>() / 2.0;
+    let reference = grads(&one);
+
+    let mine = examples(ranks.shard)?;
+    let mut trainer = Trainer::on_ranks(&params, Device::Cpu, &adam, &ranks)?;
+    let losses = trainer.gradients(&batch(&mine, ranks.shard), &Exec::new(ranks.dap.clone(), Some(3)))?;
+    let terms: Vec<_> = losses.into_iter().map(|l| l.terms).collect();
+    let mean = fastfold::train_parallel::mean_over_replicas(&terms, ranks.data.as_ref())?.loss;
+    anyhow::ensure!((mean - one_loss).abs() <= 1e-5 * one_loss.abs(), "mean loss {mean}, one process {one_loss}");
+    let overall =
+        reference.iter().filter(|(_, g)| g.defined()).map(|(_, g)| g.abs().max().double_value(&[])).fold(0.0, f64::max);
+    let (mut compared, mut worst) = (0, (0.0, String::new()));
+    for ((name, a), (_, b)) in grads(&trainer).iter().zip(&reference) {
+        anyhow::ensure!(a.defined() == b.defined(), "{name}: gradient defined on one side only");
+        if !b.defined() {
+            continue;
+        }
+        // 1e-4 of the tensor's largest gradient; gradients that are zero up to rounding
+        // (softmax-invariant offsets) are held to 1e-4 of the largest gradient overall.
+        let scale = b.abs().max().double_value(&[]).max(1e-3 * overall);
+        let d = (a - b).abs().max().double_value(&[]) / scale;
+        if d > worst.0 {
+            worst = (d, name.clone());
+        }
+        compared += 1;
+    }
+    eprintln!(
+        "--dap {dap} on {} ranks: worst gradient {:.2e} ({}), {compared} compared",
+        world.size(),
+        worst.0,
+        worst.1
+    );
+    anyhow::ensure!(worst.0 <= 1e-4, "gradient of {} differs by {:.2e} of its scale", worst.1, worst.0);
+    anyhow::ensure!(compared > 100, "only {compared} gradients compared");
+    Ok(())
+}
+
+dist_test!(two_dap_groups_of_two_give_one_process_accumulating_gradients, 4, |world| {
+    data_parallel_gradients(world, 2)
+});
+dist_test!(two_replicas_give_one_process_accumulating_gradients, 2, |world| { data_parallel_gradients(world, 1) });
+
+/// `fastfold train --nproc 4 --dap 2` (two groups of two DAP ranks), `--nproc 2 --dap 1` (two
+/// replicas) and the latter with ZeRO-1 train one step on a layout's two chains as one process
+/// accumulating both (`--accumulation 2`): rank 0 logs one of the two examples and the mean
+/// loss of both; ZeRO-1 steps to the replicas' parameters. A --dap that does not divide
+/// --nproc is refused, naming both.
+#[test]
+fn train_command_splits_a_step_over_dap_groups_and_replicas() {
+    let d = dir("data_parallel");
+    let (mmcif, alignments) = common::layout::write(&d, &["1abc_A", "3ghi_A"]);
+    let init = d.join("init.npz");
+    Params::random_model(&EvoformerConfig::tiny(), &ModelConfig::tiny(), 17).unwrap().save(&init).unwrap();
+    let path = |p: &Path| p.display().to_string();
+    let train = |name: &str, extra: &[&str]| {
+        let out = d.join(name);
+        let mut args = vec!["train".to_string(), "--mmcif-dir".into(), path(&mmcif), "--alignment-dir".into()];
+        args.extend([path(&alignments), "--params".into(), path(&init), "-o".into(), path(&out)]);
+        let flags = ["--steps", "1", "--crop-size", "24", "--max-msa-clusters", "4", "--max-extra-msa", "8"];
+        // At the peak learning rate from the first step, so that the step moves the weights.
+        let flags = [&flags[..], &["--warmup", "0"]].concat();
+        let o = Command::new(BIN).args(&args).args(flags).args(["--max-recycles", "1", "--quiet"]).args(extra).output();
+        let o = o.unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        (o.status.success(), text, out)
+    };
+    let (ok, text, out) = train("one", &["--accumulation", "2"]);
+    assert!(ok, "{text}");
+    let one = log(&out)[0].clone();
+    let examples = one["example"].as_str().unwrap().to_string();
+    assert_eq!(examples.matches("; ").count(), 1, "two examples in one step: {examples}");
+    let mut params = Vec::new();
+    for (name, flags) in [
+        ("replicas", &["--nproc", "2", "--dap", "1"][..]),
+        ("dap_groups", &["--nproc", "4", "--dap", "2", "--global-batch", "2"]),
+        ("zero", &["--nproc", "2", "--dap", "1", "--zero", "1"]),
+    ] {
+        let (ok, text, out) = train(name, flags);
+        assert!(ok, "{name}: {text}");
+        let step = &log(&out)[0];
+        let mine = step["example"].as_str().unwrap();
+        assert!(examples.split("; ").any(|e| e == mine), "{name}: rank 0 trained {mine}, one process {examples}");
+        let (a, b) = (one["loss"].as_f64().unwrap(), step["loss"].as_f64().unwrap());
+        assert!((a - b).abs() <= 1e-5 * a.abs(), "{name}: mean loss {b}, one process {a}");
+        params.push(Params::load_model(out.join("params-raw.npz")).unwrap());
+    }
+    for ((k, a), (_, b)) in params[2].iter().zip(params[0].iter()) {
+        let d = (a - b).abs().max().double_value(&[]);
+        assert!(d <= 1e-6 * b.abs().max().double_value(&[]).max(1e-3), "--zero 1: {k} differs by {d:e}");
+    }
+    let (ok, text, _) = train("bad", &["--nproc", "3", "--dap", "2"]);
+    assert!(!ok && text.contains("--dap 2 does not divide") && text.contains("--nproc 3"), "{text}");
+}
+
+/// `--resume` on a data set, two replicas under ZeRO-1: 2 steps, then 2 more from the
+/// checkpoint (each rank wrote its shard of the optimizer's state), train the 4 steps' examples
+/// to the same losses and weights, bit for bit, as the uninterrupted run: the loader starts at
+/// the resumed step's examples.
+#[test]
+fn a_resumed_data_parallel_run_repeats_the_uninterrupted_one() {
+    let d = dir("resume_layout");
+    let (mmcif, alignments) = common::layout::write(&d, &["1abc_A", "3ghi_A"]);
+    let init = d.join("init.npz");
+    Params::random_model(&EvoformerConfig::tiny(), &ModelConfig::tiny(), 18).unwrap().save(&init).unwrap();
+    let path = |p: &Path| p.display().to_string();
+    let train = |out: &Path, extra: &[&str]| {
+        let mut args = vec!["train".to_string(), "--mmcif-dir".into(), path(&mmcif), "--alignment-dir".into()];
+        args.extend([path(&alignments), "--params".into(), path(&init), "-o".into(), path(out)]);
+        let flags = ["--crop-size", "24", "--max-msa-clusters", "4", "--max-extra-msa", "8", "--max-recycles", "1"];
+        let layout = ["--quiet", "--warmup", "0", "--nproc", "2", "--dap", "1", "--zero", "1", "--save-every", "2"];
+        let o = Command::new(BIN).args(&args).args(flags).args(layout).args(extra).output().unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        assert!(o.status.success(), "{text}");
+        log(out)
+    };
+    let straight = train(&d.join("straight"), &["--steps", "4"]);
+    let parted = d.join("parted");
+    train(&parted, &["--steps", "2"]);
+    for rank in 0..2 {
+        let file = parted.join(format!("checkpoint-2/state-rank{rank}.safetensors"));
+        assert!(file.exists(), "{} missing: each rank writes its ZeRO shard", file.display());
+    }
+    let resumed = train(&parted, &["--steps", "4", "--resume"]);
+    assert_eq!(resumed.len(), 4);
+    for (a, b) in straight.iter().zip(&resumed) {
+        for field in ["step", "example", "recycles", "loss", "grad_norm", "lr"] {
+            assert_eq!(a[field], b[field], "step {}: {field}", a["step"]);
+        }
+    }
+    let (a, b) =
+        (Params::load_model(d.join("straight/params-raw.npz")), Params::load_model(parted.join("params-raw.npz")));
+    for ((name, x), (_, y)) in a.unwrap().iter().zip(b.unwrap().iter()) {
+        assert!(x.equal(y), "{name}: the resumed run's weights differ");
+    }
 }
 
 /// `--config-preset finetuning` at a resolution inside the confidence heads' range: every

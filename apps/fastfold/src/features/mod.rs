@@ -528,6 +528,32 @@ impl Features {
         Ok(f)
     }
 
+    /// Residues `start..start + len` of every per-residue feature (templates included), as
+    /// AlphaFold's `random_crop_to_size` crops a training example after its MSA processing:
+    /// `seq_length` becomes `len`, `residue_index` keeps the residues' own indices, and
+    /// MSA rows and templates are kept whole.
+    pub fn crop(&self, start: i64, len: i64) -> Result<Features> {
+        let n = self.aatype.size()[1];
+        if start < 0 || len < 1 || start + len > n {
+            return Err(Error::Format {
+                path: "<features>".into(),
+                msg: format!("crop of residues {start}..{} outside the {n} residues", start + len),
+            });
+        }
+        let narrow = |t: &Tensor, dims: &[Dim]| match dims.iter().position(|d| *d == Dim::N) {
+            Some(axis) => t.narrow(axis as i64, start, len),
+            None => t.shallow_clone(),
+        };
+        let named = self.named();
+        let mut f = Features::from_array(std::array::from_fn(|i| narrow(named[i].1, SCHEMA[i].1)));
+        f.seq_length = f.seq_length.full_like(len);
+        f.templates = self.templates.as_ref().map(|t| {
+            let named = t.named();
+            TemplateFeatures::from_array(std::array::from_fn(|i| narrow(named[i].1, TEMPLATE_SCHEMA[i].1)))
+        });
+        Ok(f)
+    }
+
     /// The same features on `device`.
     pub fn to_device(&self, device: Device) -> Features {
         let mut f = Features::from_array(self.named().map(|(_, t)| t.to_device(device)));

@@ -3,12 +3,14 @@
 //! peptide monomer in `_chem_comp`, their instances in `_struct_asym`), each chain's SEQRES
 //! (one letter per `_entity_poly_seq` monomer, `X` for anything but the 20 standard residues),
 //! keyed by the author chain id; the first model's atoms (`_atom_site`) mapped onto SEQRES
-//! positions through `label_seq_id`; and the release date (the oldest
-//! `_pdbx_audit_revision_history.revision_date`).
+//! positions through `label_seq_id`; the release date (the oldest
+//! `_pdbx_audit_revision_history.revision_date`); and the resolution, which training reads.
 use std::collections::HashMap;
 use std::path::Path;
 
 use data::{Error, Result};
+
+use crate::residue_constants::{atom_order, residue_atom_order, ATOM_TYPE_NUM};
 
 /// Three-letter codes of the 20 standard residues and their letters.
 const THREE_TO_ONE: [(&str, char); 20] = [
@@ -60,6 +62,8 @@ pub struct Chain {
     pub id: String,
     /// SEQRES, one letter per residue.
     pub sequence: String,
+    /// SEQRES as the file names it: each residue's `_entity_poly_seq.mon_id` (`MSE`, `SEP`).
+    pub monomers: Vec<String>,
     /// For each SEQRES position, the structure residue (`None` where it was not observed).
     pub residues: Vec<Option<Residue>>,
 }
@@ -71,6 +75,51 @@ pub struct Mmcif {
     pub release_date: Option<String>,
     /// The protein chains, in the order of their entities.
     pub chains: Vec<Chain>,
+    /// The resolution in Å, as AlphaFold's `_get_header` reads it: the first of
+    /// `_refine.ls_d_res_high`, `_em_3d_reconstruction.resolution` and
+    /// `_reflns.d_resolution_high` that is a number; 0 when none is (NMR entries).
+    pub resolution: f64,
+}
+
+impl Chain {
+    /// Each SEQRES residue's atoms in the 37 atom types, zero with mask 0 where absent, as
+    /// AlphaFold's `_get_atom_positions` places them for templates and OpenFold's
+    /// `get_atom_coords` for training targets: the selenium of a selenomethionine as SD;
+    /// arginine's NH1 and NH2 named so that NH1 is the one nearer CD; other atoms (hydrogens)
+    /// left out.
+    pub fn atom37(&self) -> (Vec<[[f32; 3]; ATOM_TYPE_NUM]>, Vec<[f32; ATOM_TYPE_NUM]>) {
+        let order = |name: &str| atom_order(name).expect("atom37 name");
+        let (cd, nh1, nh2) = (order("CD"), order("NH1"), order("NH2"));
+        let mut positions = Vec::with_capacity(self.residues.len());
+        let mut masks = Vec::with_capacity(self.residues.len());
+        for residue in &self.residues {
+            let mut pos = [[0.0f32; 3]; ATOM_TYPE_NUM];
+            let mut mask = [0.0f32; ATOM_TYPE_NUM];
+            if let Some(res) = residue {
+                for atom in &res.atoms {
+                    if let Some(k) = residue_atom_order(&res.name, &atom.name) {
+                        pos[k] = atom.position;
+                        mask[k] = 1.0;
+                    }
+                }
+                let dist = |a: [f32; 3], b: [f32; 3]| {
+                    ((a[0] - b[0]).powi(2) + (a[1] - b[1]).powi(2) + (a[2] - b[2]).powi(2)).sqrt()
+                };
+                if res.name == "ARG"
+                    && mask[cd] > 0.0
+                    && mask[nh1] > 0.0
+                    && mask[nh2] > 0.0
+                    && dist(pos[nh1], pos[cd]) > dist(pos[nh2], pos[cd])
+                {
+                    pos.swap(nh1, nh2);
+                    mask.swap(nh1, nh2);
+                }
+            }
+            positions.push(pos);
+            masks.push(mask);
+        }
+        (positions, masks)
+    }
 }
 
 impl Mmcif {
@@ -218,7 +267,8 @@ pub fn parse(text: &str, source: &Path) -> Result<Mmcif> {
                 })
             })
             .collect();
-        let chain = Chain { id: author.to_string(), sequence, residues };
+        let monomers = seq.iter().map(|(mon, _)| mon.to_string()).collect();
+        let chain = Chain { id: author.to_string(), sequence, monomers, residues };
         // Two label chains of one author chain: the later one wins, as in AlphaFold's dict.
         match chains.iter_mut().find(|c| c.id == chain.id) {
             Some(c) => *c = chain,
@@ -226,7 +276,21 @@ pub fn parse(text: &str, source: &Path) -> Result<Mmcif> {
         }
     }
     let release_date = items.get("_pdbx_audit_revision_history.revision_date").and_then(|d| d.iter().min().cloned());
-    Ok(Mmcif { release_date, chains })
+    Ok(Mmcif { release_date, chains, resolution: resolution(&items) })
+}
+
+/// The keys AlphaFold's `_get_header` reads the resolution from, in its order.
+const RESOLUTION_KEYS: [&str; 3] =
+    ["_refine.ls_d_res_high", "_em_3d_reconstruction.resolution", "_reflns.d_resolution_high"];
+
+/// The first of [`RESOLUTION_KEYS`] whose first value is a number (`?` and `.` are not), else
+/// 0, as AlphaFold's header defaults it.
+fn resolution(items: &HashMap<String, Vec<String>>) -> f64 {
+    RESOLUTION_KEYS
+        .iter()
+        .filter_map(|k| items.get(*k)?.first()?.parse::<f64>().ok())
+        .find(|r| r.is_finite())
+        .unwrap_or(0.0)
 }
 
 /// The data items of the first data block: each tag's values (one for a plain item, one per

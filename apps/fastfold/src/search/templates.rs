@@ -15,7 +15,7 @@ use anyhow::{bail, Context};
 use super::hhr::TemplateHit;
 use super::mmcif::{self, Chain, Mmcif};
 use super::tools::{Tool, WorkDir};
-use crate::residue_constants::{atom_order, residue_atom_order, ATOM_TYPE_NUM};
+use crate::residue_constants::{atom_order, ATOM_TYPE_NUM};
 
 /// Hits featurised per query (AlphaFold's `MAX_TEMPLATE_HITS`); the model uses the first 4.
 pub const MAX_HITS: usize = 20;
@@ -371,41 +371,12 @@ fn find_in_entry<'a>(chain_id: &str, template: &str, entry: &'a Mmcif) -> Option
     None
 }
 
-/// `_get_atom_positions`: each SEQRES residue's atoms in the 37 atom types (selenium of a
-/// selenomethionine as SD; arginine's NH1/NH2 named so NH1 is the one nearer CD), checked
-/// for chain breaks over [`MAX_CA_CA_DISTANCE`].
+/// `_get_atom_positions`: each SEQRES residue's atoms in the 37 atom types
+/// ([`Chain::atom37`]), checked for chain breaks over [`MAX_CA_CA_DISTANCE`].
 type Atoms = (Vec<[[f32; 3]; ATOM_TYPE_NUM]>, Vec<[f32; ATOM_TYPE_NUM]>);
 fn atom_positions(chain: &Chain) -> Result<Atoms, Skip> {
-    let (cd, nh1, nh2, ca) =
-        (atom_order("CD").unwrap(), atom_order("NH1").unwrap(), atom_order("NH2").unwrap(), atom_order("CA").unwrap());
-    let mut positions = Vec::with_capacity(chain.residues.len());
-    let mut masks = Vec::with_capacity(chain.residues.len());
-    for residue in &chain.residues {
-        let mut pos = [[0.0f32; 3]; ATOM_TYPE_NUM];
-        let mut mask = [0.0f32; ATOM_TYPE_NUM];
-        if let Some(res) = residue {
-            for atom in &res.atoms {
-                if let Some(k) = residue_atom_order(&res.name, &atom.name) {
-                    pos[k] = atom.position;
-                    mask[k] = 1.0;
-                }
-            }
-            let dist = |a: [f32; 3], b: [f32; 3]| {
-                ((a[0] - b[0]).powi(2) + (a[1] - b[1]).powi(2) + (a[2] - b[2]).powi(2)).sqrt()
-            };
-            if res.name == "ARG"
-                && mask[cd] > 0.0
-                && mask[nh1] > 0.0
-                && mask[nh2] > 0.0
-                && dist(pos[nh1], pos[cd]) > dist(pos[nh2], pos[cd])
-            {
-                pos.swap(nh1, nh2);
-                mask.swap(nh1, nh2);
-            }
-        }
-        positions.push(pos);
-        masks.push(mask);
-    }
+    let ca = atom_order("CA").unwrap();
+    let (positions, masks) = chain.atom37();
     let mut previous: Option<(usize, [f32; 3])> = None;
     for (i, (pos, mask)) in positions.iter().zip(&masks).enumerate() {
         if mask[ca] > 0.0 {

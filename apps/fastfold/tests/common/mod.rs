@@ -1,5 +1,6 @@
 //! What the fastfold test binaries share: scratch folders and one tiny parameter file.
 #![allow(dead_code)] // each binary uses its own part
+pub mod layout;
 pub mod loss;
 
 use std::path::{Path, PathBuf};

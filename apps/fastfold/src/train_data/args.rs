@@ -1,0 +1,107 @@
+//! `fastfold train`'s flags for training data in OpenFold's layout, parsed once into the
+//! [`Filters`] and the [`Pipeline`] the rest reads.
+use std::path::PathBuf;
+
+use anyhow::bail;
+
+use super::example::Pipeline;
+use super::layout::{read_chain_data_cache, read_train_list, Filters};
+use super::transforms::BlockDeletion;
+use crate::features::FeatureConfig;
+use crate::loss::TrainingStage;
+
+/// Training on a data set (OpenFold's `train_openfold.py` layout) rather than one example.
+#[derive(clap::Args, Debug, Clone)]
+pub struct TrainDataArgs {
+    /// Folder of mmCIF entries (`<pdb>.cif`), the training structures (OpenFold's
+    /// `train_data_dir`). With --alignment-dir, in place of the FASTA input and --target.
+    #[arg(long, requires = "alignment_dir", conflicts_with_all = ["fasta", "features", "msa", "target", "chain", "resolution", "recycles"])]
+    pub mmcif_dir: Option<PathBuf>,
+    /// Folder with one folder per training chain, `<pdb>_<chain>/`, holding its `.a3m` and
+    /// `.sto` MSAs (OpenFold's `train_alignment_dir`).
+    #[arg(long, requires = "mmcif_dir")]
+    pub alignment_dir: Option<PathBuf>,
+    /// File of the chains to train on, one `<pdb>_<chain>` a line (OpenFold's
+    /// `train_filter_path`; default: every folder of --alignment-dir).
+    #[arg(long, requires = "mmcif_dir")]
+    pub train_list: Option<PathBuf>,
+    /// OpenFold's chain data cache (`chain_data_cache.json`: each chain's release date,
+    /// sequence and resolution) for the filters, in place of parsing every mmCIF entry at the
+    /// start (OpenFold's `train_chain_data_cache_path`); chains it lacks are left out.
+    #[arg(long, requires = "mmcif_dir")]
+    pub chain_data_cache: Option<PathBuf>,
+    /// Leave out entries solved at a resolution above this, in Å (OpenFold: 9; entries
+    /// without one, NMR, stay).
+    #[arg(long, default_value_t = 9.0, value_parser = engine::parse::non_negative)]
+    pub max_resolution: f64,
+    /// Leave out entries released after this date, `YYYY-MM-DD`.
+    #[arg(long)]
+    pub max_release_date: Option<String>,
+    /// Leave out chains of fewer SEQRES residues.
+    #[arg(long, default_value_t = 1)]
+    pub min_length: usize,
+    /// Leave out chains of more SEQRES residues.
+    #[arg(long)]
+    pub max_length: Option<usize>,
+    /// Residues of the contiguous crop (default: the --config-preset's, 256 for initial
+    /// training and 384 for fine-tuning).
+    #[arg(long, value_parser = engine::parse::count(1..))]
+    pub crop_size: Option<usize>,
+    /// Recycling passes before the trained one are drawn uniformly from 0 to this, per step
+    /// (AlphaFold: 3).
+    #[arg(long, default_value_t = 3, value_parser = engine::parse::count(0..=crate::input::MAX_RECYCLES))]
+    pub max_recycles: usize,
+    /// Threads reading and preparing the next examples while the current step trains.
+    #[arg(long, default_value_t = 2, value_parser = engine::parse::count(1..))]
+    pub loader_workers: usize,
+}
+
+impl TrainDataArgs {
+    /// Whether the flags ask for a data set.
+    pub fn given(&self) -> bool {
+        self.mmcif_dir.is_some()
+    }
+
+    /// The chain filters: the train list read, the date checked.
+    pub fn filters(&self) -> anyhow::Result<Filters> {
+        if let Some(date) = &self.max_release_date {
+            if crate::search::templates::check_date(date).is_err() {
+                bail!("--max-release-date {date:?} is not a date YYYY-MM-DD");
+            }
+        }
+        if self.max_length.is_some_and(|m| m < self.min_length) {
+            bail!("--max-length {} is below --min-length {}", self.max_length.unwrap_or(0), self.min_length);
+        }
+        Ok(Filters {
+            train_list: self.train_list.as_deref().map(read_train_list).transpose()?,
+            max_resolution: self.max_resolution,
+            max_release_date: self.max_release_date.clone(),
+            min_length: self.min_length,
+            max_length: self.max_length,
+            chain_data: self.chain_data_cache.as_deref().map(read_chain_data_cache).transpose()?,
+        })
+    }
+
+    /// The per-step pipeline: the stage's crop and MSA sizes (OpenFold's training config:
+    /// 128 clusters and 1024 extra rows in initial training, 512 and 5120 in fine-tuning)
+    /// unless `max_msa_clusters` or `max_extra_msa` are given.
+    pub fn pipeline(
+        &self,
+        stage: TrainingStage,
+        max_msa_clusters: Option<usize>,
+        max_extra_msa: Option<usize>,
+        seed: u64,
+    ) -> Pipeline {
+        Pipeline {
+            features: FeatureConfig {
+                max_msa_clusters: max_msa_clusters.unwrap_or(stage.max_msa_clusters()),
+                max_extra_msa: max_extra_msa.unwrap_or(stage.max_extra_msa()),
+                ..FeatureConfig::default()
+            },
+            block_deletion: BlockDeletion::default(),
+            crop_size: self.crop_size.unwrap_or(stage.crop_size()),
+            max_recycles: self.max_recycles,
+            seed,
+        }
+    }
+}

@@ -1,0 +1,299 @@
+//! OpenFold's training layout: `--mmcif-dir` holds `<pdb>.cif` entries, `--alignment-dir`
+//! one folder per chain, `<pdb>_<chain>/` (the author chain id, as pdb70 names chains), with
+//! that chain's MSAs (`uniref90_hits.sto`, `bfd_uniclust_hits.a3m`, `mgnify_hits.a3m`, ...:
+//! every `.a3m` and `.sto` file) and template hits (`pdb70_hits.hhr`). The chains trained on
+//! are the folders (or the `--train-list` of them), filtered as OpenFold's deterministic
+//! training filter does (resolution, single-residue composition) and by release date and
+//! length.
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use rayon::prelude::*;
+
+use super::target::chain_sequence;
+use crate::search::mmcif;
+
+/// The MSA files of a chain folder: these extensions, read in file-name order.
+pub const MSA_EXTENSIONS: [&str; 2] = ["a3m", "sto"];
+
+/// Largest share of one residue type in a training chain (OpenFold's `max_single_aa_prop`).
+pub const MAX_SINGLE_AA_PROP: f64 = 0.8;
+
+/// Which chains train: OpenFold's `deterministic_train_filter` and the flags.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Filters {
+    /// Chain names (`<pdb>_<chain>`) to use; `None`: every folder of the alignment dir.
+    pub train_list: Option<Vec<String>>,
+    /// Highest resolution in Å (OpenFold: 9); entries without one (NMR) pass.
+    pub max_resolution: f64,
+    /// Latest release date, `YYYY-MM-DD`.
+    pub max_release_date: Option<String>,
+    /// Fewest SEQRES residues.
+    pub min_length: usize,
+    /// Most SEQRES residues.
+    pub max_length: Option<usize>,
+    /// Each chain's release date, resolution and sequence from OpenFold's chain data cache, in
+    /// place of parsing every entry (chains it lacks are left out).
+    pub chain_data: Option<HashMap<String, ChainData>>,
+}
+
+/// A chain's record in OpenFold's chain data cache (`chain_data_cache.json`, written by its
+/// `scripts/generate_chain_data_cache.py`; its other fields, such as `cluster_size`, are not
+/// read).
+#[derive(Clone, Debug, PartialEq, serde::Deserialize)]
+pub struct ChainData {
+    /// The entry's release date, `YYYY-MM-DD`.
+    pub release_date: Option<String>,
+    /// The chain's SEQRES.
+    pub seq: String,
+    /// Resolution in Å (`null` or absent: none).
+    #[serde(default)]
+    pub resolution: Option<f64>,
+}
+
+/// Reads a `--chain-data-cache` file: `{"<pdb>_<chain>": {"release_date": .., "seq": ..,
+/// "resolution": ..}, ..}`.
+pub fn read_chain_data_cache(path: &Path) -> anyhow::Result<HashMap<String, ChainData>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading --chain-data-cache {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| {
+        format!(
+            "--chain-data-cache {}: not OpenFold's chain data cache (chain -> release_date, seq, resolution)",
+            path.display()
+        )
+    })
+}
+
+impl Default for Filters {
+    fn default() -> Self {
+        Filters {
+            train_list: None,
+            max_resolution: 9.0,
+            max_release_date: None,
+            min_length: 1,
+            max_length: None,
+            chain_data: None,
+        }
+    }
+}
+
+/// One training chain and where its files are.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ChainEntry {
+    /// `<pdb>_<chain>`.
+    pub name: String,
+    /// The author chain id in the mmCIF file.
+    pub chain: String,
+    /// The mmCIF entry.
+    pub mmcif: PathBuf,
+    /// The chain's MSA files, in file-name order.
+    pub msas: Vec<PathBuf>,
+    /// SEQRES residues.
+    pub length: usize,
+}
+
+/// The chains of a layout that pass the filters, in name order, and how many each filter
+/// left out (filter, count).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Selection {
+    /// The chains kept.
+    pub chains: Vec<ChainEntry>,
+    /// Chains left out per reason, for the log.
+    pub excluded: Vec<(String, usize)>,
+}
+
+/// Reads a `--train-list` file: one chain name (`<pdb>_<chain>`) a line; blank lines and
+/// lines starting with `#` skipped; anything after the name on a line ignored (OpenFold's
+/// filter files hold the name alone).
+pub fn read_train_list(path: &Path) -> anyhow::Result<Vec<String>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading --train-list {}", path.display()))?;
+    let names: Vec<String> = text
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|w| !w.starts_with('#'))
+        .map(str::to_string)
+        .collect();
+    if names.is_empty() {
+        bail!("--train-list {}: no chain names", path.display());
+    }
+    Ok(names)
+}
+
+/// `<pdb>_<chain>` split at its last `_`.
+fn split_name(name: &str) -> Option<(&str, &str)> {
+    name.rsplit_once('_').filter(|(pdb, chain)| !pdb.is_empty() && !chain.is_empty())
+}
+
+/// The chain folders of the alignment dir, by name.
+fn chain_folders(alignment_dir: &Path) -> anyhow::Result<Vec<String>> {
+    let entries = std::fs::read_dir(alignment_dir)
+        .with_context(|| format!("reading --alignment-dir {}", alignment_dir.display()))?;
+    let mut names = Vec::new();
+    for entry in entries {
+        let entry = entry.with_context(|| format!("reading --alignment-dir {}", alignment_dir.display()))?;
+        if entry.path().is_dir() {
+            names.push(entry.file_name().to_string_lossy().to_string());
+        }
+    }
+    Ok(names)
+}
+
+/// The MSA files of a chain folder, in file-name order; an error naming the folder when it
+/// has none.
+fn msa_files(folder: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    let entries =
+        std::fs::read_dir(folder).with_context(|| format!("reading alignment folder {}", folder.display()))?;
+    let mut files = Vec::new();
+    for entry in entries {
+        let path = entry.with_context(|| format!("reading alignment folder {}", folder.display()))?.path();
+        let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+        if path.is_file() && MSA_EXTENSIONS.contains(&ext) {
+            files.push(path);
+        }
+    }
+    files.sort();
+    if files.is_empty() {
+        bail!("alignment folder {} has no .a3m or .sto file", folder.display());
+    }
+    Ok(files)
+}
+
+/// The mmCIF file of entry `pdb`: `<pdb>.cif`, else its lower-case name.
+fn mmcif_path(mmcif_dir: &Path, pdb: &str) -> anyhow::Result<PathBuf> {
+    let candidates = [mmcif_dir.join(format!("{pdb}.cif")), mmcif_dir.join(format!("{}.cif", pdb.to_lowercase()))];
+    candidates
+        .iter()
+        .find(|p| p.is_file())
+        .cloned()
+        .with_context(|| format!("no mmCIF file {} for the chains of {pdb} (--mmcif-dir)", candidates[0].display()))
+}
+
+/// Why a chain fails the filters, or `None`.
+fn excluded_by(filters: &Filters, resolution: f64, date: Option<&str>, sequence: &str) -> Option<&'static str> {
+    let n = sequence.chars().count();
+    if resolution > filters.max_resolution {
+        return Some("resolution above --max-resolution");
+    }
+    if let Some(max) = &filters.max_release_date {
+        match date {
+            None => return Some("no release date (with --max-release-date)"),
+            Some(d) if d > max.as_str() => return Some("released after --max-release-date"),
+            _ => {}
+        }
+    }
+    if n < filters.min_length {
+        return Some("shorter than --min-length");
+    }
+    if filters.max_length.is_some_and(|m| n > m) {
+        return Some("longer than --max-length");
+    }
+    let mut counts: HashMap<char, usize> = HashMap::new();
+    for c in sequence.chars() {
+        *counts.entry(c).or_default() += 1;
+    }
+    let most = counts.values().copied().max().unwrap_or(0);
+    if most as f64 > MAX_SINGLE_AA_PROP * n as f64 {
+        return Some("one residue type over 80% of the chain");
+    }
+    None
+}
+
+/// The chains of the layout that pass `filters`. Every mmCIF entry named is read once (on the
+/// rayon pool) for its resolution, release date and SEQRES, unless the filters hold a chain
+/// data cache, which gives them. Errors name the missing folder, file or chain.
+pub fn select(mmcif_dir: &Path, alignment_dir: &Path, filters: &Filters) -> anyhow::Result<Selection> {
+    if !mmcif_dir.is_dir() {
+        bail!("--mmcif-dir {} is not a folder", mmcif_dir.display());
+    }
+    let mut names = match &filters.train_list {
+        Some(list) => list.clone(),
+        None => chain_folders(alignment_dir)?,
+    };
+    names.sort();
+    names.dedup();
+    let mut located: Vec<Located> = Vec::with_capacity(names.len());
+    for name in &names {
+        let (pdb, chain) = split_name(name)
+            .with_context(|| format!("chain {name:?} (in {}) is not named <pdb>_<chain>", alignment_dir.display()))?;
+        let folder = alignment_dir.join(name);
+        if !folder.is_dir() {
+            bail!("no alignment folder {} for chain {name} (--alignment-dir)", folder.display());
+        }
+        located.push((name.clone(), pdb.to_string(), chain.to_string(), mmcif_path(mmcif_dir, pdb)?, folder));
+    }
+    let mut chains = Vec::new();
+    let mut excluded: Vec<(String, usize)> = Vec::new();
+    let mut exclude = |why: &str| match excluded.iter_mut().find(|(w, _)| w == why) {
+        Some((_, n)) => *n += 1,
+        None => excluded.push((why.to_string(), 1)),
+    };
+    // (resolution, release date, sequence) of each chain, None when the cache lacks it.
+    let described: Vec<Option<(f64, Option<String>, String)>> = match &filters.chain_data {
+        Some(cache) => located
+            .iter()
+            .map(|l| cache.get(&l.0).map(|c| (c.resolution.unwrap_or(0.0), c.release_date.clone(), c.seq.clone())))
+            .collect(),
+        None => described_by_entries(&located)?.into_iter().map(Some).collect(),
+    };
+    for ((name, _, chain, path, folder), described) in located.into_iter().zip(described) {
+        let Some((resolution, date, sequence)) = described else {
+            exclude("not in --chain-data-cache");
+            continue;
+        };
+        if let Some(why) = excluded_by(filters, resolution, date.as_deref(), &sequence) {
+            exclude(why);
+            continue;
+        }
+        let msas = msa_files(&folder)?;
+        chains.push(ChainEntry { name, chain, length: sequence.chars().count(), mmcif: path, msas });
+    }
+    if chains.is_empty() {
+        let why: Vec<String> = excluded.iter().map(|(w, n)| format!("{n} {w}")).collect();
+        bail!(
+            "no training chains in --alignment-dir {} ({})",
+            alignment_dir.display(),
+            if why.is_empty() {
+                "it has no chain folders".to_string()
+            } else {
+                format!("left out: {}", why.join(", "))
+            }
+        );
+    }
+    Ok(Selection { chains, excluded })
+}
+
+/// A located chain: (name, pdb id, chain id, mmCIF file, alignment folder).
+type Located = (String, String, String, PathBuf, PathBuf);
+
+/// (resolution, release date, SEQRES) of each chain from its mmCIF entry, each entry parsed
+/// once (on the rayon pool) whatever number of its chains train.
+fn described_by_entries(located: &[Located]) -> anyhow::Result<Vec<(f64, Option<String>, String)>> {
+    let mut files: Vec<PathBuf> = located.iter().map(|l| l.3.clone()).collect();
+    files.sort();
+    files.dedup();
+    let parsed: HashMap<PathBuf, mmcif::Mmcif> = files
+        .into_par_iter()
+        .map(|p| {
+            let entry = mmcif::read(&p)?;
+            Ok((p, entry))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?
+        .into_iter()
+        .collect();
+    located
+        .iter()
+        .map(|(name, _, chain, path, _)| {
+            let entry = &parsed[path];
+            let found = entry.chain(chain).with_context(|| {
+                let ids: Vec<&str> = entry.chains.iter().map(|c| c.id.as_str()).collect();
+                format!(
+                    "{}: no protein chain {chain:?} for {name} (its protein chains: {})",
+                    path.display(),
+                    ids.join(", ")
+                )
+            })?;
+            Ok((entry.resolution, entry.release_date.clone(), chain_sequence(found)))
+        })
+        .collect()
+}

@@ -1,0 +1,263 @@
+//! Training data as users have it: an mmCIF chain read as a training target (against the PDB
+//! reader on the same atoms, and against values read off the fixture by hand); OpenFold's
+//! layout of mmCIF and alignment folders, its filters (the entries' values or OpenFold's chain
+//! data cache) and the errors naming what is missing;
+//! a chain made one step's example, its crop of the features and the ground truth aligned,
+//! every draw repeated by its seed, step and rank.
+mod common;
+
+use std::path::Path;
+
+use fastfold::pdb::Structure;
+use fastfold::residue_constants::{aatype_of, atom_order, UNK_RESTYPE_INDEX};
+use fastfold::search::mmcif;
+use fastfold::train::Target;
+use fastfold::train_data::example::{load, prepare, Pipeline};
+use fastfold::train_data::layout::{read_chain_data_cache, select, Filters};
+use fastfold::train_data::target::{chain_structure, read_chain};
+use fastfold::train_data::transforms::BlockDeletion;
+use tch::Tensor;
+
+use common::layout::{self, mmcif_fixture};
+
+/// The first model's polymer atoms of chain `chain` of an mmCIF file, as fixed-column PDB
+/// records (what a PDB download of the entry holds), for the PDB reader.
+fn as_pdb(cif: &str, chain: &str) -> String {
+    let tags: Vec<&str> = cif.lines().filter_map(|l| l.strip_prefix("_atom_site.")).collect();
+    let field = |f: &[&str], name: &str| f[tags.iter().position(|t| *t == name).unwrap()].to_string();
+    let mut out = String::new();
+    for (serial, line) in cif.lines().filter(|l| l.starts_with("ATOM ") || l.starts_with("HETATM ")).enumerate() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let get = |name: &str| field(&f, name);
+        if get("pdbx_PDB_model_num") != "1" || get("auth_asym_id") != chain || get("label_comp_id") == "HOH" {
+            continue;
+        }
+        let atom = get("label_atom_id");
+        let name = if atom.len() == 4 { atom } else { format!(" {atom}") };
+        let alt = match get("label_alt_id").as_str() {
+            "." | "?" => ' ',
+            a => a.chars().next().unwrap(),
+        };
+        let [x, y, z] = ["Cartn_x", "Cartn_y", "Cartn_z"].map(|k| get(k).parse::<f32>().unwrap());
+        let occupancy: f32 = get("occupancy").parse().unwrap();
+        out.push_str(&format!(
+            "{:<6}{:>5} {name:<4}{alt}{:>3} {chain}{:>4}    {x:>8.3}{y:>8.3}{z:>8.3}{occupancy:>6.2} 20.00\n",
+            get("group_PDB"),
+            serial + 1,
+            get("label_comp_id"),
+            get("auth_seq_id")
+        ));
+    }
+    out + "END\n"
+}
+
+/// The chain's atoms equal the PDB reader's on the same atoms, residue for residue over the
+/// observed ones; residues never observed are in SEQRES with every atom masked; the
+/// selenomethionine is a methionine whose SD is the selenium.
+#[test]
+fn mmcif_chain_is_the_pdb_readers_structure_over_seqres() {
+    let path = mmcif_fixture("1abc");
+    let chain = read_chain(&path, "A").unwrap();
+    assert_eq!(chain.name, "1abc_A");
+    assert_eq!(chain.sequence, "GSHYIAKQRMISFGVKSHFSRQLERLGLIEVQAPILE");
+    assert_eq!(chain.release_date.as_deref(), Some("2015-06-01"));
+    assert_eq!(chain.resolution, 0.0, "no resolution key in the fixture");
+    let s = &chain.structure;
+    assert_eq!(s.aatype.len(), 37);
+    assert_eq!(s.aatype[9], aatype_of('M'), "MSE reads as MET");
+    let sd = atom_order("SD").unwrap();
+    assert_eq!((s.positions[9][sd], s.mask[9][sd]), ([34.660, 0.362, 1.800], 1.0), "the selenium as SD");
+
+    let pdb_text = as_pdb(&std::fs::read_to_string(&path).unwrap(), "A");
+    let pdb = Structure::parse(&pdb_text, Path::new("1abc.pdb"), Some('A')).unwrap();
+    let observed: Vec<usize> = (0..37).filter(|&i| s.mask[i].iter().any(|&m| m > 0.0)).collect();
+    assert!(observed.len() < 37, "the fixture leaves residues unobserved");
+    assert_eq!(observed.len(), pdb.aatype.len());
+    let (cd, nh1, nh2) = (atom_order("CD").unwrap(), atom_order("NH1").unwrap(), atom_order("NH2").unwrap());
+    let dist = |a: [f32; 3], b: [f32; 3]| (0..3).map(|d| (a[d] - b[d]).powi(2)).sum::<f32>().sqrt();
+    let mut swapped = 0;
+    for (k, &i) in observed.iter().enumerate() {
+        assert_eq!(s.aatype[i], pdb.aatype[k], "residue {}", i + 1);
+        assert_eq!(s.mask[i], pdb.mask[k], "residue {} mask", i + 1);
+        let mut theirs = pdb.positions[k];
+        // The mmCIF reader names arginine's NH1 the nitrogen nearer CD (AlphaFold's
+        // `_get_atom_positions`); the PDB reader keeps the file's names.
+        if s.aatype[i] == aatype_of('R') && s.mask[i][nh1] > 0.0 {
+            assert!(dist(s.positions[i][nh1], s.positions[i][cd]) <= dist(s.positions[i][nh2], s.positions[i][cd]));
+            if dist(theirs[nh1], theirs[cd]) > dist(theirs[nh2], theirs[cd]) {
+                theirs.swap(nh1, nh2);
+                swapped += 1;
+            }
+        }
+        for (a, (ours, theirs)) in s.positions[i].iter().zip(&theirs).enumerate() {
+            assert!(dist(*ours, *theirs) < 1e-3, "residue {} atom {a}", i + 1);
+        }
+    }
+    assert!(swapped > 0, "the fixture names an arginine's NH atoms the other way round");
+    // A target of the features' residue types, unobserved residues and all.
+    let aatype = Tensor::from_slice(&chain.sequence.chars().map(|c| aatype_of(c) as i64).collect::<Vec<_>>());
+    let target = Target::new(&chain_structure(&mmcif::read(&path).unwrap().chains[0]), &aatype, "1abc_A").unwrap();
+    assert_eq!(target.truth.all_atom_mask.size(), [37, 37]);
+    assert!(!chain.sequence.contains('X') && !s.aatype.contains(&UNK_RESTYPE_INDEX));
+}
+
+/// The resolution is read as AlphaFold's `_get_header` reads it: refinement, then EM, then
+/// reflections, skipping values that are not numbers; a chain the entry lacks is an error
+/// naming the file and the chains it has.
+#[test]
+fn resolution_and_missing_chains() {
+    let path = mmcif_fixture("3ghi");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let with = |items: &str| mmcif::parse(&format!("{text}\n{items}\n"), &path).unwrap().resolution;
+    assert_eq!(with("_refine.ls_d_res_high 2.10"), 2.1);
+    assert_eq!(with("_reflns.d_resolution_high 1.8\n_refine.ls_d_res_high 2.10"), 2.1, "refinement first");
+    assert_eq!(with("_refine.ls_d_res_high ?\n_em_3d_reconstruction.resolution 3.4"), 3.4);
+    assert_eq!(with("_refine.ls_d_res_high .\n_reflns.d_resolution_high 1.5"), 1.5);
+    assert_eq!(with("_exptl.crystals_number 1"), 0.0);
+    let err = read_chain(&path, "Q").unwrap_err().to_string();
+    assert!(err.contains("3ghi.cif") && err.contains("no protein chain \"Q\"") && err.contains("chains: A"), "{err}");
+}
+
+fn names(filters: &Filters, mmcif: &Path, alignments: &Path) -> Vec<String> {
+    select(mmcif, alignments, filters).unwrap().chains.into_iter().map(|c| c.name).collect()
+}
+
+/// The chains are the alignment folders (or the train list), each paired with its entry and
+/// its MSA files; the filters leave chains out by release date, length and resolution, and
+/// say how many; what is missing is named.
+#[test]
+fn layout_pairs_chains_with_entries_and_filters_them() {
+    let d = common::scratch("train_data", "layout");
+    let (mmcif, alignments) = layout::write(&d, &["1abc_A", "2def_A", "2def_B", "3ghi_A"]);
+    let all = Filters::default();
+    assert_eq!(names(&all, &mmcif, &alignments), ["1abc_A", "2def_A", "2def_B", "3ghi_A"]);
+    let selection = select(&mmcif, &alignments, &all).unwrap();
+    let first = &selection.chains[0];
+    assert_eq!((first.chain.as_str(), first.length), ("A", 37));
+    assert_eq!(first.mmcif, mmcif.join("1abc.cif"));
+    assert_eq!(
+        first.msas,
+        [alignments.join("1abc_A/bfd_uniclust_hits.a3m"), alignments.join("1abc_A/uniref90_hits.sto")]
+    );
+
+    // 2def was released 2018-02-03 and 3ghi 2021-05-01; 2def_A has 26 residues, 3ghi_A 30.
+    let dated = Filters { max_release_date: Some("2020-01-01".into()), ..Filters::default() };
+    let selection = select(&mmcif, &alignments, &dated).unwrap();
+    assert_eq!(selection.chains.iter().map(|c| c.name.as_str()).collect::<Vec<_>>(), ["1abc_A", "2def_A", "2def_B"]);
+    assert_eq!(selection.excluded, [("released after --max-release-date".to_string(), 1)]);
+    let short = Filters { max_length: Some(30), ..Filters::default() };
+    assert_eq!(names(&short, &mmcif, &alignments), ["2def_A", "3ghi_A"]);
+    let long = Filters { min_length: 31, ..Filters::default() };
+    assert_eq!(names(&long, &mmcif, &alignments), ["1abc_A", "2def_B"]);
+    let listed = Filters { train_list: Some(vec!["3ghi_A".into(), "1abc_A".into()]), ..Filters::default() };
+    assert_eq!(names(&listed, &mmcif, &alignments), ["1abc_A", "3ghi_A"]);
+
+    // Resolution: 2.5 Å passes 3, 3.5 Å does not.
+    let text = std::fs::read_to_string(mmcif.join("3ghi.cif")).unwrap();
+    std::fs::write(mmcif.join("3ghi.cif"), format!("{text}\n_refine.ls_d_res_high 3.5\n")).unwrap();
+    let sharp = Filters { max_resolution: 3.0, ..Filters::default() };
+    let selection = select(&mmcif, &alignments, &sharp).unwrap();
+    assert_eq!(selection.excluded, [("resolution above --max-resolution".to_string(), 1)]);
+    std::fs::write(mmcif.join("3ghi.cif"), text).unwrap();
+
+    // OpenFold's chain data cache in place of the entries' own values (which have no
+    // resolution): chains it lacks are left out.
+    let cache = d.join("chain_data_cache.json");
+    let record = |date: &str, seq: &str, resolution: Option<f64>| serde_json::json!({"release_date": date, "seq": seq, "resolution": resolution, "cluster_size": 1});
+    let seq = |n: usize| "ACDEFGHIKLMNPQRSTVWY".chars().cycle().take(n).collect::<String>();
+    let json = serde_json::json!({
+        "1abc_A": record("2015-06-01", &seq(37), Some(2.0)),
+        "2def_A": record("2018-02-03", &seq(26), Some(3.5)),
+        "3ghi_A": record("2021-05-01", &seq(30), None),
+    });
+    std::fs::write(&cache, json.to_string()).unwrap();
+    let cached =
+        Filters { chain_data: Some(read_chain_data_cache(&cache).unwrap()), max_resolution: 3.0, ..all.clone() };
+    let selection = select(&mmcif, &alignments, &cached).unwrap();
+    assert_eq!(selection.chains.iter().map(|c| c.name.as_str()).collect::<Vec<_>>(), ["1abc_A", "3ghi_A"]);
+    let mut excluded = selection.excluded.clone();
+    excluded.sort();
+    assert_eq!(
+        excluded,
+        [("not in --chain-data-cache".to_string(), 1), ("resolution above --max-resolution".to_string(), 1)]
+    );
+    std::fs::write(&cache, "[1, 2]").unwrap();
+    let e = read_chain_data_cache(&cache).unwrap_err().to_string();
+    assert!(e.contains("chain_data_cache.json") && e.contains("chain data cache"), "{e}");
+
+    let err = |filters: &Filters| select(&mmcif, &alignments, filters).unwrap_err().to_string();
+    let listed = Filters { train_list: Some(vec!["9zzz_A".into()]), ..Filters::default() };
+    let e = err(&listed);
+    assert!(e.contains("no alignment folder") && e.contains("9zzz_A"), "{e}");
+    let none = Filters { max_length: Some(3), ..Filters::default() };
+    let e = err(&none);
+    assert!(e.contains("no training chains") && e.contains("4 longer than --max-length"), "{e}");
+    std::fs::create_dir_all(alignments.join("1abc_Q")).unwrap();
+    let e = err(&all);
+    assert!(e.contains("1abc.cif") && e.contains("no protein chain \"Q\" for 1abc_Q"), "{e}");
+    std::fs::remove_dir(alignments.join("1abc_Q")).unwrap();
+    std::fs::create_dir_all(alignments.join("4xyz_A")).unwrap();
+    let e = err(&all);
+    assert!(e.contains("4xyz.cif") && e.contains("--mmcif-dir"), "{e}");
+    std::fs::copy(mmcif.join("3ghi.cif"), mmcif.join("4xyz.cif")).unwrap();
+    let e = err(&all);
+    assert!(e.contains("4xyz_A") && e.contains("has no .a3m or .sto file"), "{e}");
+}
+
+fn pipeline(seed: u64) -> Pipeline {
+    Pipeline {
+        features: fastfold::features::FeatureConfig { max_msa_clusters: 4, max_extra_msa: 8, ..Default::default() },
+        block_deletion: BlockDeletion::default(),
+        crop_size: 16,
+        max_recycles: 3,
+        seed,
+    }
+}
+
+/// A chain's example: the MSAs of both files in one, the crop of the features at the crop of
+/// the ground truth (residue types, indices), the same draws for the same seed, step and rank
+/// and others for another step or rank.
+#[test]
+fn examples_crop_features_and_truth_alike_and_repeat_by_seed_step_and_rank() {
+    let d = common::scratch("train_data", "example");
+    let (mmcif, alignments) = layout::write(&d, &["1abc_A"]);
+    let chain = select(&mmcif, &alignments, &Filters::default()).unwrap().chains.remove(0);
+    let example = load(&chain).unwrap();
+    assert_eq!(example.name, "1abc_A");
+    // The query, four A3M rows and two Stockholm rows (the Stockholm query repeats it).
+    assert_eq!(example.raw.msa.len(), 7);
+    assert_eq!(example.raw.seq_length, 37);
+
+    let p = pipeline(3);
+    let a = prepare(&example, &p, 5, 0).unwrap();
+    let f = &a.features;
+    assert_eq!(f.aatype.size(), [a.recycles as i64 + 1, 16]);
+    assert_eq!(f.msa_feat.size()[2], 16);
+    assert_eq!(f.seq_length.int64_value(&[0]), 16);
+    assert_eq!(a.structure.aatype.len(), 16);
+    let aatype: Vec<i64> = Vec::try_from(f.aatype.get(0)).unwrap();
+    assert_eq!(aatype, a.structure.aatype.iter().map(|&t| t as i64).collect::<Vec<_>>(), "crop at {}", a.crop_start);
+    let index: Vec<i64> = Vec::try_from(f.residue_index.get(0)).unwrap();
+    assert_eq!(index, (a.crop_start as i64..a.crop_start as i64 + 16).collect::<Vec<_>>());
+    assert_eq!(a.structure.residue_index, index);
+    assert_eq!(a.structure.positions[..], example.structure.positions[a.crop_start..a.crop_start + 16]);
+    // A target of the crop.
+    Target::new(&a.structure, &f.aatype.get(0), "crop").unwrap();
+
+    let same = prepare(&example, &p, 5, 0).unwrap();
+    assert_eq!((same.crop_start, same.recycles), (a.crop_start, a.recycles));
+    assert!(same.features.msa_feat.equal(&f.msa_feat) && same.features.bert_mask.equal(&f.bert_mask));
+    let key = |step, rank| {
+        let e = prepare(&example, &p, step, rank).unwrap();
+        (e.crop_start, e.recycles, Vec::<f32>::try_from(e.features.msa_feat.flatten(0, -1)).unwrap())
+    };
+    let here = key(5, 0);
+    assert!((6..12).any(|step| key(step, 0) != here), "other steps draw otherwise");
+    assert_ne!(key(5, 1).2, here.2, "another rank draws its own MSA sample and crop");
+    assert_eq!(key(5, 1).1, here.1, "the recycling count is the same on every rank");
+    let starts: std::collections::BTreeSet<usize> = (0..60).map(|s| key(s, 0).0).collect();
+    assert!(starts.len() > 5 && starts.iter().all(|&s| s <= 37 - 16), "{starts:?}");
+    // A chain shorter than the crop is kept whole.
+    let whole = prepare(&example, &Pipeline { crop_size: 64, ..p }, 5, 0).unwrap();
+    assert_eq!((whole.crop_start, whole.structure.aatype.len()), (0, 37));
+}
