@@ -1,7 +1,8 @@
 //! OpenFold's training layout: `--mmcif-dir` holds `<pdb>.cif` entries, `--alignment-dir`
 //! one folder per chain, `<pdb>_<chain>/` (the author chain id, as pdb70 names chains), with
 //! that chain's MSAs (`uniref90_hits.sto`, `bfd_uniclust_hits.a3m`, `mgnify_hits.a3m`, ...:
-//! every `.a3m` and `.sto` file) and template hits (`pdb70_hits.hhr`). The chains trained on
+//! every `.a3m` and `.sto` file) and template hits (`pdb70_hits.hhr`, read by
+//! [`super::templates`]). The chains trained on
 //! are the folders (or the `--train-list` of them), filtered as OpenFold's deterministic
 //! training filter does (resolution, single-residue composition) and by release date and
 //! length.
@@ -89,6 +90,8 @@ pub struct ChainEntry {
     pub mmcif: PathBuf,
     /// The chain's MSA files, in file-name order.
     pub msas: Vec<PathBuf>,
+    /// The chain's template hits ([`super::templates::HIT_FILE`]), when its folder has them.
+    pub templates: Option<PathBuf>,
     /// SEQRES residues.
     pub length: usize,
 }
@@ -246,7 +249,8 @@ pub fn select(mmcif_dir: &Path, alignment_dir: &Path, filters: &Filters) -> anyh
             continue;
         }
         let msas = msa_files(&folder)?;
-        chains.push(ChainEntry { name, chain, length: sequence.chars().count(), mmcif: path, msas });
+        let templates = Some(folder.join(super::templates::HIT_FILE)).filter(|p| p.is_file());
+        chains.push(ChainEntry { name, chain, length: sequence.chars().count(), mmcif: path, msas, templates });
     }
     if chains.is_empty() {
         let why: Vec<String> = excluded.iter().map(|(w, n)| format!("{n} {w}")).collect();
