@@ -141,6 +141,7 @@ fn layout_pairs_chains_with_entries_and_filters_them() {
         first.msas,
         [alignments.join("1abc_A/bfd_uniclust_hits.a3m"), alignments.join("1abc_A/uniref90_hits.sto")]
     );
+    assert!(first.templates.is_empty(), "no hit files, no templates");
 
     // 2def was released 2018-02-03 and 3ghi 2021-05-01; 2def_A has 26 residues, 3ghi_A 30.
     let dated = Filters { max_release_date: Some("2020-01-01".into()), ..Filters::default() };
@@ -309,7 +310,7 @@ fn template_hits_become_each_examples_cropped_templates() {
     let d = common::scratch("train_data", "templates");
     let (mmcif, alignments) = query_chain_layout(&d);
     let chain = select(&mmcif, &alignments, &Filters::default()).unwrap().chains.remove(0);
-    assert_eq!(chain.templates, Some(alignments.join("9qry_A/pdb70_hits.hhr")));
+    assert_eq!(chain.templates, [alignments.join("9qry_A/pdb70_hits.hhr")]);
     let example = load(&chain).unwrap();
     assert_eq!(example.sequence, QUERY);
     let hits = example.templates.as_ref().expect("the hits read");
@@ -375,6 +376,12 @@ fn template_hits_become_each_examples_cropped_templates() {
     assert_eq!(counts.into_iter().collect::<Vec<_>>(), [0, 1, 2], "0 to 2 of the 2 usable hits, drawn per example");
     assert_eq!(used.into_iter().collect::<Vec<_>>(), ["1abc_A", "2def_B"]);
 
+    // Every .hhr file of the folder gives hits, as OpenFold reads them.
+    std::fs::copy(&path, alignments.join("9qry_A/more_hits.hhr")).unwrap();
+    let two = select(&mmcif, &alignments, &Filters::default()).unwrap().chains.remove(0);
+    assert_eq!(two.templates, [alignments.join("9qry_A/more_hits.hhr"), path.clone()]);
+    assert_eq!(load(&two).unwrap().templates.unwrap().hits.len(), 6);
+    std::fs::remove_file(alignments.join("9qry_A/more_hits.hhr")).unwrap();
     // Without sampling, or without a hit file, no templates as before.
     assert!(prepare(&example, &pipeline(3), 1, 0).unwrap().features.templates.is_none());
     // 2def_B needs kalign: a missing one is an error naming it, the flag and the hit file.

@@ -30,7 +30,7 @@ pub struct Example {
     pub resolution: f64,
     /// The query sequence the MSAs and template hits align to (SEQRES, see [`load`]).
     pub sequence: String,
-    /// The chain's template hits, when its folder has a hit file (and the loader reads them).
+    /// The chain's template hits, when its folder has hit files (and the loader reads them).
     pub templates: Option<ChainTemplates>,
 }
 
@@ -74,12 +74,13 @@ pub fn load(entry: &ChainEntry) -> anyhow::Result<Example> {
     let source = entry.msas[0].clone();
     let raw = RawFeatures::new(&sequence, Some((&msa, &source)))
         .with_context(|| format!("chain {}: its MSAs against SEQRES of {}", entry.name, entry.mmcif.display()))?;
-    let templates = match &entry.templates {
-        Some(path) => {
+    let templates = match entry.templates.is_empty() {
+        true => None,
+        false => {
             let pdb = entry.name.rsplit_once('_').map_or(entry.name.as_str(), |(pdb, _)| pdb);
-            Some(read_hits(path, pdb, chain.release_date.clone()).with_context(|| format!("chain {}", entry.name))?)
+            let hits = read_hits(&entry.templates, pdb, chain.release_date.clone());
+            Some(hits.with_context(|| format!("chain {}", entry.name))?)
         }
-        None => None,
     };
     Ok(Example { name: chain.name, raw, structure: chain.structure, resolution: chain.resolution, sequence, templates })
 }

@@ -87,7 +87,7 @@ impl ExampleLoader {
         let mut chains = chains;
         if pipeline.templates.is_none() {
             // Hit files are not read (nor their errors raised) without templates.
-            chains.iter_mut().for_each(|c| c.templates = None);
+            chains.iter_mut().for_each(|c| c.templates.clear());
         }
         let chains = Arc::new(chains);
         let make = move |&(n, c): &(u64, usize)| -> anyhow::Result<Prepared> {

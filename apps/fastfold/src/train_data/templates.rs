@@ -1,6 +1,7 @@
 //! A training chain's templates, chosen as AlphaFold's and OpenFold's training pipelines choose
 //! them (AlphaFold supplement 1.2.3; OpenFold's `TemplateHitFeaturizer.get_templates` with
-//! its training config): from the hits of the chain folder's `pdb70_hits.hhr`,
+//! its training config): from the hits of the chain folder's `.hhr` files (hhsearch against
+//! pdb70, `pdb70_hits.hhr`; OpenFold reads every `.hhr` file of the folder),
 //!
 //! 1. hits released too late are dropped: after `--max-template-date`, or less than
 //!    [`DAYS_BEFORE_QUERY`] days before the chain's own release (the template must not be
@@ -18,7 +19,7 @@
 //!
 //! The draws of steps 3 and 4 come from one generator keyed by the example's number
 //! ([`super::transforms::Draw::Templates`]), so a run repeats its templates exactly.
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::Context;
 
@@ -27,8 +28,9 @@ use crate::search::hhr::{self, TemplateHit};
 use crate::search::templates::{pdb_id_and_chain, Featurizer, TemplateHitFeatures};
 use crate::search::tools::Tool;
 
-/// The template hits of a chain folder (OpenFold's name for hhsearch's pdb70 result).
-pub const HIT_FILE: &str = "pdb70_hits.hhr";
+/// The extension of a chain folder's template hit files (hhsearch's; OpenFold names pdb70's
+/// `pdb70_hits.hhr`).
+pub const HIT_EXTENSION: &str = "hhr";
 /// Hits at the top whose order is shuffled (OpenFold's `shuffle_top_k_prefiltered`).
 pub const SHUFFLE_TOP_K: usize = 20;
 /// A template must be released this many days before the training chain (AlphaFold's and
@@ -60,9 +62,9 @@ pub struct TemplateSampling {
 /// A chain's template hits, read with the chain.
 #[derive(Clone, Debug)]
 pub struct ChainTemplates {
-    /// The hit file.
-    pub path: PathBuf,
-    /// Its hits, in the file's order.
+    /// The hit files, in file-name order.
+    pub paths: Vec<PathBuf>,
+    /// Their hits, in the files' order.
     pub hits: Vec<TemplateHit>,
     /// The PDB id of the chain's entry (lower case).
     pub query_pdb: String,
@@ -70,11 +72,21 @@ pub struct ChainTemplates {
     pub release_date: Option<String>,
 }
 
-/// Reads a chain's hit file.
-pub fn read_hits(path: &Path, query_pdb: &str, release_date: Option<String>) -> anyhow::Result<ChainTemplates> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    let hits = hhr::parse(&text, path)?;
-    Ok(ChainTemplates { path: path.to_path_buf(), hits, query_pdb: query_pdb.to_lowercase(), release_date })
+/// Reads a chain's hit files, their hits concatenated.
+pub fn read_hits(paths: &[PathBuf], query_pdb: &str, release_date: Option<String>) -> anyhow::Result<ChainTemplates> {
+    let mut hits = Vec::new();
+    for path in paths {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        hits.extend(hhr::parse(&text, path)?);
+    }
+    Ok(ChainTemplates { paths: paths.to_vec(), hits, query_pdb: query_pdb.to_lowercase(), release_date })
+}
+
+impl ChainTemplates {
+    /// The hit files, for messages.
+    fn files(&self) -> String {
+        self.paths.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+    }
 }
 
 /// Days from 1970-01-01 to a `YYYY-MM-DD` date (the proleptic Gregorian calendar, by Hinnant's
@@ -178,7 +190,7 @@ impl TemplateSampling {
             return Ok((Vec::new(), Vec::new()));
         }
         let (order, mut notes) = candidate_order(&chain.hits, query, &chain.query_pdb, rng)
-            .with_context(|| format!("template hits {}", chain.path.display()))?;
+            .with_context(|| format!("template hits {}", chain.files()))?;
         let featurizer = Featurizer {
             mmcif_dir: self.mmcif_dir.clone(),
             max_template_date: cutoff_date(self.max_template_date.as_deref(), chain.release_date.as_deref()),
@@ -189,7 +201,7 @@ impl TemplateSampling {
         let result = featurizer.featurize_in_order(query, &order, self.max_templates).with_context(|| {
             format!(
                 "template hits {} (entries from --template-mmcif-dir {}; kalign from --kalign-binary-path or PATH)",
-                chain.path.display(),
+                chain.files(),
                 self.mmcif_dir.display()
             )
         })?;
