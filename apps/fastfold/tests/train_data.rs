@@ -3,7 +3,9 @@
 //! layout of mmCIF and alignment folders, its filters (the entries' values or OpenFold's chain
 //! data cache) and the errors naming what is missing;
 //! a chain made one step's example, its crop of the features and the ground truth aligned,
-//! every draw repeated by its seed, step and rank.
+//! every draw repeated by its seed, step and rank; a chain's template hits featurised as predict
+//! featurises them, filtered by the chain's release date, drawn per example and cropped with
+//! the other features.
 mod common;
 
 use std::path::Path;
@@ -139,6 +141,7 @@ fn layout_pairs_chains_with_entries_and_filters_them() {
         first.msas,
         [alignments.join("1abc_A/bfd_uniclust_hits.a3m"), alignments.join("1abc_A/uniref90_hits.sto")]
     );
+    assert!(first.templates.is_empty(), "no hit files, no templates");
 
     // 2def was released 2018-02-03 and 3ghi 2021-05-01; 2def_A has 26 residues, 3ghi_A 30.
     let dated = Filters { max_release_date: Some("2020-01-01".into()), ..Filters::default() };
@@ -211,6 +214,7 @@ fn pipeline(seed: u64) -> Pipeline {
         crop_size: 16,
         max_recycles: 3,
         seed,
+        templates: None,
     }
 }
 
@@ -260,4 +264,179 @@ fn examples_crop_features_and_truth_alike_and_repeat_by_seed_step_and_rank() {
     // A chain shorter than the crop is kept whole.
     let whole = prepare(&example, &Pipeline { crop_size: 64, ..p }, 5, 0).unwrap();
     assert_eq!((whole.crop_start, whole.structure.aatype.len()), (0, 37));
+}
+
+/// The template fixtures' 40-residue query as a training chain: entry `9qry` is 3ghi's (whose
+/// chain is the query's first 30 residues) with the query's last 10 residues added to SEQRES,
+/// unobserved, released 2021-06-01. Its folder holds an A3M and the fixtures' `pdb_hits.hhr`
+/// as `pdb70_hits.hhr`; the template entries 1abc, 2def and 3ghi sit beside it.
+fn query_chain_layout(d: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
+    let (mmcif, alignments) = (d.join("mmcif"), d.join("alignments"));
+    let folder = alignments.join("9qry_A");
+    std::fs::create_dir_all(&mmcif).unwrap();
+    std::fs::create_dir_all(&folder).unwrap();
+    for pdb in ["1abc", "2def", "3ghi"] {
+        std::fs::copy(mmcif_fixture(pdb), mmcif.join(format!("{pdb}.cif"))).unwrap();
+    }
+    let tail = ["GLU", "VAL", "GLN", "ALA", "PRO", "ILE", "LEU", "SER", "ARG", "VAL"];
+    let added: String = tail.iter().enumerate().map(|(k, m)| format!("\n1 {} {m} n", 31 + k)).collect();
+    let cif = std::fs::read_to_string(mmcif_fixture("3ghi"))
+        .unwrap()
+        .replace("3GHI", "9QRY")
+        .replacen("1 2021-05-01", "1 2021-06-01", 1)
+        .replacen("PHE 'L-peptide linking'", "PHE 'L-peptide linking'\nPRO 'L-peptide linking'", 1)
+        .replacen("1 30 ILE n", &format!("1 30 ILE n{added}"), 1);
+    std::fs::write(mmcif.join("9qry.cif"), cif).unwrap();
+    let a3m = format!(">9qry_A\n{QUERY}\n>hit\n{}\n", QUERY.replace('K', "R"));
+    std::fs::write(folder.join("bfd_uniclust_hits.a3m"), a3m).unwrap();
+    let hits = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/templates/pdb_hits.hhr");
+    std::fs::copy(hits, folder.join("pdb70_hits.hhr")).unwrap();
+    (mmcif, alignments)
+}
+
+const QUERY: &str = "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQAPILSRV";
+
+/// A chain's `pdb70_hits.hhr` gives each example up to 4 templates: the hits released 60
+/// days before the chain (1abc and 2def, 3ghi is too late) featurised as predict featurises
+/// them (2def realigned by kalign), a number of them from 0 to 2 drawn per example and the
+/// same for the same example, cropped at the crop of the other features.
+#[test]
+fn template_hits_become_each_examples_cropped_templates() {
+    use fastfold::search::hhr;
+    use fastfold::search::templates::Featurizer;
+    use fastfold::search::tools::Tool;
+    use fastfold::train_data::templates::TemplateSampling;
+
+    let d = common::scratch("train_data", "templates");
+    let (mmcif, alignments) = query_chain_layout(&d);
+    let chain = select(&mmcif, &alignments, &Filters::default()).unwrap().chains.remove(0);
+    assert_eq!(chain.templates, [alignments.join("9qry_A/pdb70_hits.hhr")]);
+    let example = load(&chain).unwrap();
+    assert_eq!(example.sequence, QUERY);
+    let hits = example.templates.as_ref().expect("the hits read");
+    assert_eq!(
+        (hits.hits.len(), hits.query_pdb.as_str(), hits.release_date.as_deref()),
+        (3, "9qry", Some("2021-06-01"))
+    );
+
+    // Predict's featurisation of the same hits with the chain's cutoff, 60 days before it.
+    let path = alignments.join("9qry_A/pdb70_hits.hhr");
+    let parsed = hhr::parse(&std::fs::read_to_string(&path).unwrap(), &path).unwrap();
+    let predict = Featurizer {
+        mmcif_dir: mmcif.clone(),
+        max_template_date: "2021-04-02".into(),
+        obsolete: Default::default(),
+        kalign: Tool::new("kalign", None),
+        unique_sequences: false,
+    }
+    .get_templates(QUERY, &parsed)
+    .unwrap();
+    let names: Vec<&str> = predict.hits.iter().map(|h| h.domain_name.as_str()).collect();
+    assert_eq!(names, ["2def_B", "1abc_A"]);
+
+    let sampling =
+        TemplateSampling { max_templates: 4, mmcif_dir: mmcif.clone(), max_template_date: None, kalign: None };
+    let p = Pipeline { templates: Some(sampling.clone()), ..pipeline(3) };
+    let (ca, crop) = (atom_order("CA").unwrap() as i64, 16usize);
+    let mut counts = std::collections::BTreeSet::new();
+    let mut used = std::collections::BTreeSet::new();
+    for step in 1..=24 {
+        let e = prepare(&example, &p, step, 0).unwrap();
+        let t = e.features.templates.as_ref().expect("template features");
+        let r = e.recycles as i64 + 1;
+        assert_eq!(t.aatype.size(), [r, 4, crop as i64]);
+        assert_eq!(t.all_atom_positions.size(), [r, 4, crop as i64, 37, 3]);
+        let mask = Vec::<f32>::try_from(t.mask.get(0)).unwrap();
+        let real = mask.iter().filter(|&&m| m == 1.0).count();
+        assert!(mask[..real].iter().all(|&m| m == 1.0) && mask[real..].iter().all(|&m| m == 0.0), "{mask:?}");
+        counts.insert(real);
+        let window = e.crop_start..e.crop_start + crop;
+        for k in 0..real as i64 {
+            let aatype = Vec::<i64>::try_from(t.aatype.get(0).get(k)).unwrap();
+            let positions = t.all_atom_positions.get(0).get(k);
+            // The slot holds one of predict's hits, cut to the crop.
+            let matched = predict.hits.iter().find(|h| {
+                let expected: Vec<i64> = h.sequence[window.clone()]
+                    .chars()
+                    .map(|c| if c == '-' { 21 } else { aatype_of(c) as i64 })
+                    .collect();
+                let flat: Vec<f32> = h.positions[window.clone()].iter().flatten().flatten().copied().collect();
+                let theirs = Tensor::from_slice(&flat).reshape([crop as i64, 37, 3]);
+                expected == aatype && positions.equal(&theirs)
+            });
+            let hit = matched.unwrap_or_else(|| panic!("example {step} slot {k} is no hit of predict's, cropped"));
+            let ca_mask: Vec<f32> = hit.masks[window.clone()].iter().map(|m| m[ca as usize]).collect();
+            assert_eq!(Vec::<f32>::try_from(t.all_atom_masks.get(0).get(k).select(1, ca)).unwrap(), ca_mask);
+            used.insert(hit.domain_name.clone());
+        }
+        let again = prepare(&example, &p, step, 0).unwrap();
+        let t2 = again.features.templates.unwrap();
+        assert!(t2.all_atom_positions.equal(&t.all_atom_positions) && t2.mask.equal(&t.mask), "example {step} repeats");
+    }
+    assert_eq!(counts.into_iter().collect::<Vec<_>>(), [0, 1, 2], "0 to 2 of the 2 usable hits, drawn per example");
+    assert_eq!(used.into_iter().collect::<Vec<_>>(), ["1abc_A", "2def_B"]);
+
+    // Every .hhr file of the folder gives hits, as OpenFold reads them.
+    std::fs::copy(&path, alignments.join("9qry_A/more_hits.hhr")).unwrap();
+    let two = select(&mmcif, &alignments, &Filters::default()).unwrap().chains.remove(0);
+    assert_eq!(two.templates, [alignments.join("9qry_A/more_hits.hhr"), path.clone()]);
+    assert_eq!(load(&two).unwrap().templates.unwrap().hits.len(), 6);
+    std::fs::remove_file(alignments.join("9qry_A/more_hits.hhr")).unwrap();
+    // Without sampling, or without a hit file, no templates as before.
+    assert!(prepare(&example, &pipeline(3), 1, 0).unwrap().features.templates.is_none());
+    // 2def_B needs kalign: a missing one is an error naming it, the flag and the hit file.
+    let missing = TemplateSampling { kalign: Some(d.join("no-kalign")), ..sampling };
+    let p = Pipeline { templates: Some(missing), ..pipeline(3) };
+    let err = format!("{:#}", prepare(&example, &p, 1, 0).unwrap_err());
+    assert!(
+        err.contains("kalign")
+            && err.contains("--kalign-binary-path")
+            && err.contains("pdb70_hits.hhr")
+            && err.contains("9qry_A"),
+        "{err}"
+    );
+}
+
+/// `fastfold train` on a chain with template hits and a model with a template stack: the
+/// steps train (finite losses) and the template stack's parameters move; a bad
+/// `--max-templates` or `--max-template-date` is named.
+#[test]
+fn train_command_trains_with_a_chains_templates() {
+    use fastfold::model::{EvoformerConfig, ModelConfig, Params, TemplateConfig};
+    let d = common::scratch("train_data", "train-templates");
+    let (mmcif, alignments) = query_chain_layout(&d);
+    let params = d.join("init.npz");
+    let model = ModelConfig { templates: Some(TemplateConfig::tiny()), ..ModelConfig::tiny() };
+    Params::random_model(&EvoformerConfig::tiny(), &model, 15).unwrap().save(&params).unwrap();
+    let out = d.join("out");
+    let path = |p: &Path| p.display().to_string();
+    let mut args = vec!["train".to_string(), "--mmcif-dir".into(), path(&mmcif), "--alignment-dir".into()];
+    args.extend([path(&alignments), "--params".into(), path(&params), "-o".into(), path(&out)]);
+    let flags = ["--steps", "3", "--crop-size", "16", "--max-msa-clusters", "4", "--max-extra-msa", "8"];
+    let run = |extra: &[&str]| {
+        let o = std::process::Command::new(common::BIN).args(&args).args(flags).args(extra).output().unwrap();
+        (o.status.success(), format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)))
+    };
+    let (ok, text) = run(&["--max-recycles", "0", "--max-templates", "4"]);
+    assert!(ok, "{text}");
+    let steps: Vec<serde_json::Value> = std::fs::read_to_string(out.join("log.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(steps.len(), 3);
+    assert!(steps.iter().all(|s| s["loss"].as_f64().unwrap().is_finite()), "{steps:?}");
+    let before: std::collections::HashMap<String, Tensor> = Tensor::read_npz(&params).unwrap().into_iter().collect();
+    let after = Tensor::read_npz(out.join("params.npz")).unwrap();
+    let moved = after
+        .iter()
+        .filter(|(k, _)| k.contains("template_embedding") || k.contains("template_single_embedding"))
+        .filter(|(k, v)| !v.equal(&before[k.as_str()]))
+        .count();
+    assert!(moved > 0, "the template stack trained");
+
+    let (ok, text) = run(&["--max-templates", "5"]);
+    assert!(!ok && text.contains("--max-templates"), "{text}");
+    let (ok, text) = run(&["--max-template-date", "2021-02-30"]);
+    assert!(!ok && text.contains("--max-template-date") && text.contains("YYYY-MM-DD"), "{text}");
 }

@@ -135,10 +135,22 @@ impl Featurizer {
         if hits.first().is_some_and(|h| h.sum_probs.is_some()) {
             sorted.sort_by(|a, b| b.sum_probs.partial_cmp(&a.sum_probs).unwrap_or(std::cmp::Ordering::Equal));
         }
+        self.featurize_in_order(query, &sorted, MAX_HITS)
+    }
+
+    /// The features of `hits` for `query`, taken in the order given (training draws its own,
+    /// [`crate::train_data::templates`]) until `max` are featurised; errors as
+    /// [`Featurizer::get_templates`].
+    pub fn featurize_in_order(
+        &self,
+        query: &str,
+        hits: &[&TemplateHit],
+        max: usize,
+    ) -> anyhow::Result<TemplateSearchResult> {
         let mut result = TemplateSearchResult::default();
         let mut cache: HashMap<String, Mmcif> = HashMap::new();
-        for hit in sorted {
-            if result.hits.len() >= MAX_HITS {
+        for &hit in hits {
+            if result.hits.len() >= max {
                 break;
             }
             match self.process_hit(query, hit, &mut cache)? {

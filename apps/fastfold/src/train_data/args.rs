@@ -6,6 +6,7 @@ use anyhow::bail;
 
 use super::example::Pipeline;
 use super::layout::{read_chain_data_cache, read_train_list, Filters};
+use super::templates::TemplateSampling;
 use super::transforms::BlockDeletion;
 use crate::features::FeatureConfig;
 use crate::loss::TrainingStage;
@@ -51,9 +52,31 @@ pub struct TrainDataArgs {
     /// (AlphaFold: 3).
     #[arg(long, default_value_t = 3, value_parser = engine::parse::count(0..=crate::input::MAX_RECYCLES))]
     pub max_recycles: usize,
+    /// Templates per example, drawn from the hits of the chain folder's `.hhr` files as AlphaFold
+    /// trains (of the top 20 hits, in random order, up to this many featurised, then a
+    /// random number of them kept; 0: no templates). Without a hit file a chain has none.
+    #[arg(long, default_value_t = crate::features::MAX_TEMPLATES, value_parser = engine::parse::count(0..=crate::features::MAX_TEMPLATES as u64))]
+    pub max_templates: usize,
+    /// Folder of the templates' mmCIF entries (OpenFold's `template_mmcif_dir`; default:
+    /// --mmcif-dir).
+    #[arg(long, requires = "mmcif_dir")]
+    pub template_mmcif_dir: Option<PathBuf>,
+    /// Templates released after this date (YYYY-MM-DD) are not used; whatever it is, a
+    /// chain's templates are released at least 60 days before the chain.
+    #[arg(long, requires = "mmcif_dir", value_parser = parse_date)]
+    pub max_template_date: Option<String>,
+    /// The kalign binary, which realigns a template hit whose chain changed since the hits
+    /// were searched (default: `kalign` on PATH; needed only then).
+    #[arg(long, requires = "mmcif_dir")]
+    pub kalign_binary_path: Option<PathBuf>,
     /// Threads reading and preparing the next examples while the current step trains.
     #[arg(long, default_value_t = 2, value_parser = engine::parse::count(1..))]
     pub loader_workers: usize,
+}
+
+/// A `YYYY-MM-DD` date flag.
+fn parse_date(s: &str) -> Result<String, String> {
+    crate::search::templates::check_date(s).map(|()| s.to_string()).map_err(|_| "not a date YYYY-MM-DD".to_string())
 }
 
 impl TrainDataArgs {
@@ -68,6 +91,9 @@ impl TrainDataArgs {
             if crate::search::templates::check_date(date).is_err() {
                 bail!("--max-release-date {date:?} is not a date YYYY-MM-DD");
             }
+        }
+        if let Some(dir) = self.template_mmcif_dir.as_ref().filter(|d| !d.is_dir()) {
+            bail!("--template-mmcif-dir {} is not a folder", dir.display());
         }
         if self.max_length.is_some_and(|m| m < self.min_length) {
             bail!("--max-length {} is below --min-length {}", self.max_length.unwrap_or(0), self.min_length);
@@ -102,6 +128,18 @@ impl TrainDataArgs {
             crop_size: self.crop_size.unwrap_or(stage.crop_size()),
             max_recycles: self.max_recycles,
             seed,
+            templates: self.template_sampling(),
         }
+    }
+
+    /// How examples draw templates: `None` with `--max-templates 0` or without a data set.
+    pub fn template_sampling(&self) -> Option<TemplateSampling> {
+        let mmcif_dir = self.template_mmcif_dir.clone().or_else(|| self.mmcif_dir.clone())?;
+        (self.max_templates > 0).then(|| TemplateSampling {
+            max_templates: self.max_templates,
+            mmcif_dir,
+            max_template_date: self.max_template_date.clone(),
+            kalign: self.kalign_binary_path.clone(),
+        })
     }
 }

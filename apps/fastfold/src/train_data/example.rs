@@ -2,12 +2,14 @@
 //! ([`prepare`]): AlphaFold's training-time pipeline on it, block deletion of the MSA, the
 //! eval pipeline's MSA sampling, clustering and masked-MSA targets
 //! ([`crate::features::process`], with the step's recycling count), then the contiguous crop
-//! of the features and the ground truth alike.
+//! of the features and the ground truth alike; with template sampling, the example's templates
+//! ([`super::templates`]) join the features before the pipeline and are cropped with them.
 use anyhow::{bail, Context};
 use tch::Device;
 
 use super::layout::ChainEntry;
 use super::target::read_chain;
+use super::templates::{read_hits, ChainTemplates, TemplateSampling};
 use super::transforms::{
     block_deletion_keep, crop_start, crop_structure, keep_msa_rows, keyed, sample_recycles, BlockDeletion, Draw,
 };
@@ -26,6 +28,10 @@ pub struct Example {
     pub structure: Structure,
     /// Resolution in Å (0: none).
     pub resolution: f64,
+    /// The query sequence the MSAs and template hits align to (SEQRES, see [`load`]).
+    pub sequence: String,
+    /// The chain's template hits, when its folder has hit files (and the loader reads them).
+    pub templates: Option<ChainTemplates>,
 }
 
 /// Reads a chain of the layout: its mmCIF chain and its MSAs. Every MSA's query row must be
@@ -68,7 +74,15 @@ pub fn load(entry: &ChainEntry) -> anyhow::Result<Example> {
     let source = entry.msas[0].clone();
     let raw = RawFeatures::new(&sequence, Some((&msa, &source)))
         .with_context(|| format!("chain {}: its MSAs against SEQRES of {}", entry.name, entry.mmcif.display()))?;
-    Ok(Example { name: chain.name, raw, structure: chain.structure, resolution: chain.resolution })
+    let templates = match entry.templates.is_empty() {
+        true => None,
+        false => {
+            let pdb = entry.name.rsplit_once('_').map_or(entry.name.as_str(), |(pdb, _)| pdb);
+            let hits = read_hits(&entry.templates, pdb, chain.release_date.clone());
+            Some(hits.with_context(|| format!("chain {}", entry.name))?)
+        }
+    };
+    Ok(Example { name: chain.name, raw, structure: chain.structure, resolution: chain.resolution, sequence, templates })
 }
 
 /// What makes a chain one step's example.
@@ -84,6 +98,8 @@ pub struct Pipeline {
     pub max_recycles: usize,
     /// The run's seed.
     pub seed: u64,
+    /// How examples draw their templates (`None`: no templates, `--max-templates 0`).
+    pub templates: Option<TemplateSampling>,
 }
 
 /// One step's example: features and ground truth cropped alike.
@@ -103,9 +119,10 @@ pub struct Prepared {
     pub crop_start: usize,
 }
 
-/// `example` as step `step`'s example on data-parallel rank `rank`: block deletion, the
-/// feature pipeline with the step's recycling count, and a crop of `crop_size` residues, each
-/// drawn from (seed, step, rank).
+/// `example` as step `step`'s example on data-parallel rank `rank`: its templates (when the
+/// pipeline samples them and the chain has hits), block deletion, the feature pipeline with the
+/// step's recycling count, and a crop of `crop_size` residues, each drawn from (seed, step,
+/// rank).
 pub fn prepare(example: &Example, pipeline: &Pipeline, step: u64, rank: u64) -> anyhow::Result<Prepared> {
     let seed = pipeline.seed;
     let keep = block_deletion_keep(
@@ -113,7 +130,13 @@ pub fn prepare(example: &Example, pipeline: &Pipeline, step: u64, rank: u64) -> 
         &pipeline.block_deletion,
         &mut keyed(seed, Draw::BlockDeletion, step, rank),
     );
-    let raw = keep_msa_rows(&example.raw, &keep);
+    let mut raw = keep_msa_rows(&example.raw, &keep);
+    if let (Some(sampling), Some(hits)) = (&pipeline.templates, &example.templates) {
+        let mut rng = keyed(seed, Draw::Templates, step, rank);
+        let (templates, _dropped) =
+            sampling.sample(&example.sequence, hits, &mut rng).with_context(|| format!("chain {}", example.name))?;
+        raw.templates = Some(templates);
+    }
     let recycles = sample_recycles(seed, step, pipeline.max_recycles);
     let config = FeatureConfig { num_recycle: recycles, ..pipeline.features.clone() };
     let feature_seed = keyed(seed, Draw::Features, step, rank).next_u64();

@@ -1,7 +1,8 @@
 //! OpenFold's training layout: `--mmcif-dir` holds `<pdb>.cif` entries, `--alignment-dir`
 //! one folder per chain, `<pdb>_<chain>/` (the author chain id, as pdb70 names chains), with
 //! that chain's MSAs (`uniref90_hits.sto`, `bfd_uniclust_hits.a3m`, `mgnify_hits.a3m`, ...:
-//! every `.a3m` and `.sto` file) and template hits (`pdb70_hits.hhr`). The chains trained on
+//! every `.a3m` and `.sto` file) and template hits (`pdb70_hits.hhr`, read by
+//! [`super::templates`]). The chains trained on
 //! are the folders (or the `--train-list` of them), filtered as OpenFold's deterministic
 //! training filter does (resolution, single-residue composition) and by release date and
 //! length.
@@ -89,6 +90,9 @@ pub struct ChainEntry {
     pub mmcif: PathBuf,
     /// The chain's MSA files, in file-name order.
     pub msas: Vec<PathBuf>,
+    /// The chain's template hit files (`.hhr`), in file-name order; none when its folder
+    /// has none.
+    pub templates: Vec<PathBuf>,
     /// SEQRES residues.
     pub length: usize,
 }
@@ -142,20 +146,26 @@ fn chain_folders(alignment_dir: &Path) -> anyhow::Result<Vec<String>> {
 /// The MSA files of a chain folder, in file-name order; an error naming the folder when it
 /// has none.
 fn msa_files(folder: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    let files = files_with(folder, &MSA_EXTENSIONS)?;
+    if files.is_empty() {
+        bail!("alignment folder {} has no .a3m or .sto file", folder.display());
+    }
+    Ok(files)
+}
+
+/// The files of a chain folder with one of `extensions`, in file-name order.
+fn files_with(folder: &Path, extensions: &[&str]) -> anyhow::Result<Vec<PathBuf>> {
     let entries =
         std::fs::read_dir(folder).with_context(|| format!("reading alignment folder {}", folder.display()))?;
     let mut files = Vec::new();
     for entry in entries {
         let path = entry.with_context(|| format!("reading alignment folder {}", folder.display()))?.path();
         let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
-        if path.is_file() && MSA_EXTENSIONS.contains(&ext) {
+        if path.is_file() && extensions.contains(&ext) {
             files.push(path);
         }
     }
     files.sort();
-    if files.is_empty() {
-        bail!("alignment folder {} has no .a3m or .sto file", folder.display());
-    }
     Ok(files)
 }
 
@@ -246,7 +256,8 @@ pub fn select(mmcif_dir: &Path, alignment_dir: &Path, filters: &Filters) -> anyh
             continue;
         }
         let msas = msa_files(&folder)?;
-        chains.push(ChainEntry { name, chain, length: sequence.chars().count(), mmcif: path, msas });
+        let templates = files_with(&folder, &[super::templates::HIT_EXTENSION])?;
+        chains.push(ChainEntry { name, chain, length: sequence.chars().count(), mmcif: path, msas, templates });
     }
     if chains.is_empty() {
         let why: Vec<String> = excluded.iter().map(|(w, n)| format!("{n} {w}")).collect();

@@ -98,6 +98,11 @@ impl ExampleLoader {
         let numbers: Vec<u64> = shard.examples(steps).into_iter().skip(skip).collect();
         let order = schedule(chains.len(), pipeline.seed, &numbers);
         let specs: Vec<(u64, usize)> = numbers.into_iter().zip(order).collect();
+        let mut chains = chains;
+        if pipeline.templates.is_none() {
+            // Hit files are not read (nor their errors raised) without templates.
+            chains.iter_mut().for_each(|c| c.templates.clear());
+        }
         let chains = Arc::new(chains);
         let make = move |&(n, c): &(u64, usize)| -> anyhow::Result<Prepared> {
             let example = load(&chains[c])?;

@@ -6,6 +6,8 @@
 //! - [`args`]: the command-line flags, parsed into the filters and the pipeline.
 //! - [`target`]: an mmCIF chain as a training target (SEQRES, atom37 positions, resolution).
 //! - [`layout`]: the chains of the mmCIF and alignment folders that pass the filters.
+//! - [`templates`]: the template hits of a chain, filtered by date and against the chain
+//!   itself, of which each example draws up to `--max-templates`.
 //! - [`transforms`]: block deletion, the crop and the recycling count, keyed by seed, step and rank.
 //! - [`example`]: a chain read from the layout, and made one step's cropped example.
 //! - [`loader`]: the order of the chains over the run's examples, split among data-parallel
@@ -15,4 +17,5 @@ pub mod example;
 pub mod layout;
 pub mod loader;
 pub mod target;
+pub mod templates;
 pub mod transforms;

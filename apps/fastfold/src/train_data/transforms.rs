@@ -25,6 +25,8 @@ pub enum Draw {
     Features = 4,
     /// The order of the examples in an epoch (keyed by the epoch in place of the step).
     Shuffle = 5,
+    /// The templates of an example: the order of the top hits and how many are kept.
+    Templates = 6,
 }
 
 /// The generator of draw `what` at `step` on data-parallel rank `rank` of a run seeded `seed`.
