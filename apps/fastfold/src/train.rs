@@ -36,7 +36,7 @@ use crate::checkpoint::{self, Saved, TrainerState};
 use crate::features::Features;
 use crate::ground_truth::GroundTruth;
 use crate::input::{ChunkArgs, InputArgs};
-use crate::loss::{clamped_fape_at, total_loss, LossConfig, LossInputs, MaskedMsaTarget, TrainingStage};
+use crate::loss::{clamped_fape_at, total_loss, LossConfig, LossInputs, MaskedMsaTarget, StepLoss, TrainingStage};
 use crate::model::alphafold::AlphaFold;
 use crate::model::{Exec, Params, EVOFORMER, EXTRA_MSA};
 use crate::pdb::{read_resolution, Structure};
@@ -196,35 +196,6 @@ impl Target {
         let truth = GroundTruth::new(aatype, &positions, &mask).with_context(|| source.to_string())?;
         Ok(Target { truth, resolution: 0.0 })
     }
-}
-
-/// One step's loss terms (AlphaFold's names in the comments), as the log records them.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct StepLoss {
-    /// The weighted total.
-    pub loss: f64,
-    /// Backbone FAPE averaged over the structure module's iterations, clamped or not.
-    pub fape: f64,
-    /// Whether backbone FAPE was clamped in this step.
-    pub clamped: bool,
-    /// Side-chain FAPE (`sidechain_fape`).
-    pub sidechain_fape: f64,
-    /// The chi loss (`chi_loss`).
-    pub chi: f64,
-    /// The angle-norm loss (`angle_norm_loss`).
-    pub angle_norm: f64,
-    /// The structural-violation loss before its weight.
-    pub violation: f64,
-    /// Distogram cross-entropy.
-    pub distogram: f64,
-    /// Masked-MSA cross-entropy.
-    pub masked_msa: f64,
-    /// pLDDT cross-entropy (0 outside the resolution range).
-    pub plddt: f64,
-    /// Experimentally-resolved cross-entropy (0 outside the resolution range).
-    pub experimentally_resolved: f64,
-    /// Aligned-error cross-entropy, with the aligned-error head.
-    pub aligned_error: Option<f64>,
 }
 
 /// The loss of one pass and its terms.

@@ -20,7 +20,7 @@ use engine::parallel::dap::Dap;
 use engine::parallel::{partition, DataParallel, DataParallelConfig, ZeroOptimizer};
 use tch::Tensor;
 
-use crate::train::StepLoss;
+use crate::loss::StepLoss;
 use crate::train_data::loader::Shard;
 
 /// `fastfold train`'s layout of ranks and examples per step.

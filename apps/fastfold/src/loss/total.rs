@@ -181,6 +181,36 @@ pub fn clamped_fape_at(seed: u64, step: u64, fraction: f64) -> bool {
     ((z >> 11) as f64 / (1u64 << 53) as f64) < fraction
 }
 
+/// The values of a step's loss terms (AlphaFold's names in the comments), as `fastfold train`'s
+/// log records them (the mean over the step's examples).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct StepLoss {
+    /// The weighted total.
+    pub loss: f64,
+    /// Backbone FAPE averaged over the structure module's iterations, clamped or not.
+    pub fape: f64,
+    /// Whether backbone FAPE was clamped in this step.
+    pub clamped: bool,
+    /// Side-chain FAPE (`sidechain_fape`).
+    pub sidechain_fape: f64,
+    /// The chi loss (`chi_loss`).
+    pub chi: f64,
+    /// The angle-norm loss (`angle_norm_loss`).
+    pub angle_norm: f64,
+    /// The structural-violation loss before its weight.
+    pub violation: f64,
+    /// Distogram cross-entropy.
+    pub distogram: f64,
+    /// Masked-MSA cross-entropy.
+    pub masked_msa: f64,
+    /// pLDDT cross-entropy (0 outside the resolution range).
+    pub plddt: f64,
+    /// Experimentally-resolved cross-entropy (0 outside the resolution range).
+    pub experimentally_resolved: f64,
+    /// Aligned-error cross-entropy, with the aligned-error head.
+    pub aligned_error: Option<f64>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
