@@ -88,6 +88,53 @@ pub fn commit(out: &Path, step: usize, keep: Option<usize>) -> Result<PathBuf> {
     Ok(dir)
 }
 
+/// Writes step `step`'s checkpoint under `out` from every process of a job and commits it,
+/// keeping at most `keep`: the process of `rank` 0 begins the staging folder (held until the
+/// commit, so that Ctrl-C removes it half-written), every process writes its part into it
+/// (`write`), then rank 0 commits. `barrier` (the job's) separates the three, and the others
+/// wait for the commit, so that none runs ahead of a checkpoint that could fail.
+pub fn save_from_ranks<E: From<Error>>(
+    out: &Path,
+    step: usize,
+    rank: usize,
+    keep: Option<usize>,
+    barrier: impl Fn() -> std::result::Result<(), E>,
+    write: impl FnOnce(&Path) -> std::result::Result<(), E>,
+) -> std::result::Result<(), E> {
+    let _staging = (rank == 0).then(|| begin(out, step)).transpose()?;
+    barrier()?;
+    write(&staging(out, step))?;
+    barrier()?;
+    if rank == 0 {
+        commit(out, step, keep)?;
+    }
+    barrier()
+}
+
+/// The tensors of every `<prefix>*.safetensors` file in checkpoint folder `dir` (one per rank
+/// that held a part of the state) in one dictionary by name, so that a run on another number
+/// of ranks takes its own entries wherever they were saved. No such file is an error naming
+/// the folder and what was looked for.
+pub fn read_rank_files(dir: &Path, prefix: &str) -> Result<std::collections::HashMap<String, tch::Tensor>> {
+    let mut files: Vec<PathBuf> = fs::read_dir(dir)
+        .map_err(io(dir))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            let name = p.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
+            name.starts_with(prefix) && name.ends_with(".safetensors")
+        })
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(Error::Format { path: dir.to_path_buf(), msg: format!("no {prefix}*.safetensors") });
+    }
+    let mut dict = std::collections::HashMap::new();
+    for path in &files {
+        dict.extend(crate::checkpoint::read_tensors(path)?);
+    }
+    Ok(dict)
+}
+
 /// The committed checkpoint folders under `out`, oldest first (by step, then by the suffix of a
 /// step saved again).
 pub fn committed(out: &Path) -> Result<Vec<PathBuf>> {

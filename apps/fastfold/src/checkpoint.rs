@@ -20,9 +20,12 @@ use tch::Tensor;
 
 /// The trained weights in a checkpoint folder.
 pub const WEIGHTS: &str = "weights.npz";
+/// The start of the files of the optimizer's and the moving average's state, one per rank.
+const STATE_PREFIX: &str = "state-rank";
+
 /// The optimizer's and the moving average's state of rank `rank` in a checkpoint folder.
 pub fn state_file(dir: &Path, rank: usize) -> PathBuf {
-    dir.join(format!("state-rank{rank}.safetensors"))
+    dir.join(format!("{STATE_PREFIX}{rank}.safetensors"))
 }
 /// The step and settings in a checkpoint folder.
 pub const TRAINER: &str = "trainer.json";
@@ -71,26 +74,18 @@ pub fn save(
     weights: impl FnOnce(&Path) -> anyhow::Result<()>,
     entries: &[(String, Tensor)],
 ) -> anyhow::Result<()> {
-    let dir = checkpoint_folders::staging(out, state.step);
-    // Held until the commit: Ctrl-C before it removes the half-written folder.
-    let _staging = (world.rank() == 0).then(|| checkpoint_folders::begin(out, state.step)).transpose()?;
-    world.group.barrier()?;
-    if !entries.is_empty() {
-        data::checkpoint::save_tensors(entries, &state_file(&dir, world.rank()))?;
-    }
-    if world.rank() == 0 {
-        weights(&dir.join(WEIGHTS))?;
-        let json = serde_json::to_string_pretty(state)?;
-        data::write_atomic::<anyhow::Error>(&dir.join(TRAINER), |w| Ok(w.write_all(json.as_bytes())?))?;
-    }
-    // Every rank's file is in place before this barrier; rank 0 then commits, and the others
-    // wait, so that none runs ahead of a checkpoint that could fail.
-    world.group.barrier()?;
-    if world.rank() == 0 {
-        checkpoint_folders::commit(out, state.step, Some(1))?;
-    }
-    world.group.barrier()?;
-    Ok(())
+    let barrier = || -> anyhow::Result<()> { Ok(world.group.barrier()?) };
+    checkpoint_folders::save_from_ranks(out, state.step, world.rank(), Some(1), barrier, |dir| {
+        if !entries.is_empty() {
+            data::checkpoint::save_tensors(entries, &state_file(dir, world.rank()))?;
+        }
+        if world.rank() == 0 {
+            weights(&dir.join(WEIGHTS))?;
+            let json = serde_json::to_string_pretty(state)?;
+            data::write_atomic::<anyhow::Error>(&dir.join(TRAINER), |w| Ok(w.write_all(json.as_bytes())?))?;
+        }
+        Ok(())
+    })
 }
 
 /// A checkpoint found under `--out`.
@@ -127,22 +122,6 @@ impl Saved {
     /// The optimizer's and the average's state, by entry name: every rank's file in one
     /// dictionary, so that each rank takes its own entries wherever they were saved.
     pub fn read_state(&self) -> anyhow::Result<StateDict> {
-        let mut files: Vec<PathBuf> = std::fs::read_dir(&self.dir)
-            .with_context(|| format!("listing {}", self.dir.display()))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| {
-                let name = p.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
-                name.starts_with("state-rank") && name.ends_with(".safetensors")
-            })
-            .collect();
-        files.sort();
-        if files.is_empty() {
-            bail!("{}: no state-rank*.safetensors (the optimizer's state)", self.dir.display());
-        }
-        let mut dict = StateDict::new();
-        for path in &files {
-            dict.extend(data::checkpoint::read_tensors(path)?);
-        }
-        Ok(dict)
+        Ok(checkpoint_folders::read_rank_files(&self.dir, STATE_PREFIX)?)
     }
 }

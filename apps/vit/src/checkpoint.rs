@@ -78,8 +78,11 @@ fn one() -> usize {
     1
 }
 
+/// The start of the optimizer state's files, one per rank that holds a part of it.
+const OPTIMIZER_PREFIX: &str = "optimizer-rank";
+
 fn optimizer_file(dir: &Path, rank: usize) -> PathBuf {
-    dir.join(format!("optimizer-rank{rank}.safetensors"))
+    dir.join(format!("{OPTIMIZER_PREFIX}{rank}.safetensors"))
 }
 
 /// Writes a checkpoint of step `state.step` under `out` (every rank calls this), committed by
@@ -94,25 +97,18 @@ pub fn save(
     model: &[(String, Tensor)],
     optimizer: Option<&[(String, Tensor)]>,
 ) -> anyhow::Result<()> {
-    let tmp = checkpoint_folders::staging(out, state.step);
-    // Held until the commit: Ctrl-C before it removes the half-written folder.
-    let _staging = (world.rank() == 0).then(|| checkpoint_folders::begin(out, state.step)).transpose()?;
-    world.group.barrier()?;
-    if let Some(entries) = optimizer {
-        data::checkpoint::save_tensors(entries, &optimizer_file(&tmp, world.rank()))?;
-    }
-    if world.rank() == 0 {
-        data::checkpoint::save_tensors(model, &tmp.join("model.safetensors"))?;
-        let json = serde_json::to_string_pretty(state)?;
-        data::write_atomic::<anyhow::Error>(&tmp.join("trainer.json"), |w| Ok(w.write_all(json.as_bytes())?))?;
-    }
-    // Every rank's files are in place before this barrier; rank 0 then commits.
-    world.group.barrier()?;
-    if world.rank() == 0 {
-        checkpoint_folders::commit(out, state.step, Some(1))?;
-    }
-    world.group.barrier()?;
-    Ok(())
+    let barrier = || -> anyhow::Result<()> { Ok(world.group.barrier()?) };
+    checkpoint_folders::save_from_ranks(out, state.step, world.rank(), Some(1), barrier, |dir| {
+        if let Some(entries) = optimizer {
+            data::checkpoint::save_tensors(entries, &optimizer_file(dir, world.rank()))?;
+        }
+        if world.rank() == 0 {
+            data::checkpoint::save_tensors(model, &dir.join("model.safetensors"))?;
+            let json = serde_json::to_string_pretty(state)?;
+            data::write_atomic::<anyhow::Error>(&dir.join("trainer.json"), |w| Ok(w.write_all(json.as_bytes())?))?;
+        }
+        Ok(())
+    })
 }
 
 /// A checkpoint found under `--out`.
@@ -152,22 +148,7 @@ impl Saved {
     /// gradient at every step, so each has every slot the files hold, and a missing entry is a
     /// lost or damaged file (an error naming it), not a parameter that starts afresh.
     pub fn read_optimizer(&self, weights: &[(String, Tensor)]) -> anyhow::Result<StateDict> {
-        let mut files: Vec<PathBuf> = std::fs::read_dir(&self.dir)
-            .with_context(|| format!("listing {}", self.dir.display()))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| {
-                let name = p.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
-                name.starts_with("optimizer-rank") && name.ends_with(".safetensors")
-            })
-            .collect();
-        files.sort();
-        if files.is_empty() {
-            bail!("{}: no optimizer-rank*.safetensors", self.dir.display());
-        }
-        let mut dict = StateDict::new();
-        for path in &files {
-            dict.extend(data::checkpoint::read_tensors(path)?);
-        }
+        let dict: StateDict = checkpoint_folders::read_rank_files(&self.dir, OPTIMIZER_PREFIX)?;
         let names: std::collections::HashSet<&str> = weights.iter().map(|(n, _)| n.as_str()).collect();
         let slots: std::collections::BTreeSet<&str> = dict
             .keys()
