@@ -1,0 +1,15 @@
+//! AlphaFold-Multimer's network (Evans et al. 2021; DeepMind's
+//! `alphafold/model/modules_multimer.py`), piece by piece under AlphaFold's parameter names.
+//! What differs from the monomer model lives here; what is the same is reused from the
+//! monomer's modules.
+//!
+//! | piece | AlphaFold | here |
+//! |---|---|---|
+//! | input embedding: `target_feat` one-hot of 21 classes, relative encoding over chains | `EmbeddingsAndEvoformer._relative_encoding`, `preprocess_1d`, `preprocess_msa`, `left_single`, `right_single` | [`relpos`] |
+//!
+//! Not yet here: the Evoformer block order, ipTM, the multimer template embedding, the fused triangle-multiplication
+//! projections of the v3 parameters, the structure module of `folding_multimer.py`, and the
+//! assembled model; `fastfold predict` refuses multimer parameter files until they are.
+pub mod relpos;
+
+pub use relpos::{relative_encoding, ChainIds, MultimerInputEmbedder};
