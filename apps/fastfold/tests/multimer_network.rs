@@ -1,7 +1,8 @@
 //! Pieces of AlphaFold-Multimer's network against DeepMind's code on the same random
 //! parameters and inputs (`fixtures/multimer_network/make_multimer_network.py`: a complex of
 //! four copies of one chain and one chain of another entity, fp32 on CPU): the input embedding
-//! with the relative encoding over chains.
+//! with the relative encoding over chains, and one Evoformer block with the outer product
+//! mean first.
 mod common;
 
 use std::collections::HashMap;
@@ -9,7 +10,7 @@ use std::path::PathBuf;
 
 use engine::parallel::dap::Dap;
 use fastfold::model::multimer::{relative_encoding, ChainIds, MultimerInputEmbedder};
-use fastfold::model::Exec;
+use fastfold::model::{EvoformerStack, Exec, Params};
 use tch::{Kind, Tensor};
 
 /// Largest allowed difference from AlphaFold, relative to the compared array's largest
@@ -51,4 +52,28 @@ fn input_embedding_equals_alphafold_multimer() {
         common::assert_close(&format!("msa (chunk {chunk:?})"), &msa, &f["msa"], TOLERANCE);
         common::assert_close(&format!("pair (chunk {chunk:?})"), &pair, &f["pair"], TOLERANCE);
     }
+}
+
+#[test]
+fn evoformer_block_with_outer_product_mean_first_equals_alphafold_multimer() {
+    let f = arrays("evoformer_block.npz");
+    let params = Params::load_npz(fixture("evoformer_block_params.npz")).unwrap();
+    assert!(!params.config().outer_product_mean_first, "a file of the stacks alone cannot tell the order");
+    let params = params.with_outer_product_mean_first(true);
+    let stack = EvoformerStack::main(&params).unwrap();
+    assert_eq!(stack.len(), 1);
+    for chunk in [None, Some(3)] {
+        let exec = Exec::new(Dap::none(), chunk);
+        let (msa, pair) =
+            tch::no_grad(|| stack.forward(&f["msa"], &f["pair"], &f["msa_mask"], &f["pair_mask"], &exec).unwrap());
+        common::assert_close(&format!("msa (chunk {chunk:?})"), &msa, &f["msa_out"], TOLERANCE);
+        common::assert_close(&format!("pair (chunk {chunk:?})"), &pair, &f["pair_out"], TOLERANCE);
+    }
+    // The monomer's order on the same arrays gives another pair: the flag is what matched.
+    let monomer = EvoformerStack::main(&params.with_outer_product_mean_first(false)).unwrap();
+    let (_, pair) = tch::no_grad(|| {
+        monomer.forward(&f["msa"], &f["pair"], &f["msa_mask"], &f["pair_mask"], &Exec::serial()).unwrap()
+    });
+    let d = (&pair - &f["pair_out"]).abs().max().double_value(&[]);
+    assert!(d > 1e-2, "the monomer block order differs from the multimer's by only {d:e}");
 }

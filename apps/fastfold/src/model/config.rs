@@ -20,7 +20,8 @@ use std::collections::BTreeMap;
 use tch::Tensor;
 
 use crate::model::keys::{
-    EMBEDDINGS, EVOFORMER, EXTRA_MSA, ITERATION, PAIR_STACK, SINGLE_TEMPLATE, STRUCTURE_MODULE, TEMPLATE_EMBEDDING,
+    EMBEDDINGS, EVOFORMER, EXTRA_MSA, ITERATION, MULTIMER_RELATIVE_ENCODING, PAIR_STACK, SINGLE_TEMPLATE,
+    STRUCTURE_MODULE, TEMPLATE_EMBEDDING,
 };
 use crate::model::{ensure, Error, Result};
 
@@ -55,6 +56,10 @@ pub struct EvoformerConfig {
     pub num_blocks: i64,
     /// Extra-MSA blocks (4).
     pub num_extra_blocks: i64,
+    /// Whether each Evoformer block starts with the outer product mean (AlphaFold-Multimer's
+    /// block order, `outer_product_mean.first`) rather than running it after the MSA
+    /// transition (the monomer's, Algorithm 6).
+    pub outer_product_mean_first: bool,
 }
 
 impl Default for EvoformerConfig {
@@ -74,6 +79,7 @@ impl Default for EvoformerConfig {
             transition_factor: 4,
             num_blocks: 48,
             num_extra_blocks: 4,
+            outer_product_mean_first: false,
         }
     }
 }
@@ -97,12 +103,14 @@ impl EvoformerConfig {
             transition_factor: 2,
             num_blocks: 2,
             num_extra_blocks: 1,
+            outer_product_mean_first: false,
         }
     }
 
     /// Reads the sizes from the shapes of AlphaFold-named arrays (stacked along a leading
     /// block dimension). Each size comes from one array that determines it; the model's
-    /// constructors then check every array against the result.
+    /// constructors then check every array against the result. The block order is
+    /// AlphaFold-Multimer's when the arrays have its relative encoding.
     pub fn infer(arrays: &BTreeMap<String, Tensor>) -> Result<Self> {
         let dims = |key: String, rank: usize| dims(arrays, key, rank);
         let e = |m: &str| format!("{EVOFORMER}/{m}");
@@ -143,6 +151,7 @@ impl EvoformerConfig {
             transition_factor: tr[2] / c_m,
             num_blocks: row[0],
             num_extra_blocks,
+            outer_product_mean_first: arrays.contains_key(MULTIMER_RELATIVE_ENCODING),
         })
     }
 }

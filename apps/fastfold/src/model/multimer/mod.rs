@@ -6,8 +6,9 @@
 //! | piece | AlphaFold | here |
 //! |---|---|---|
 //! | input embedding: `target_feat` one-hot of 21 classes, relative encoding over chains | `EmbeddingsAndEvoformer._relative_encoding`, `preprocess_1d`, `preprocess_msa`, `left_single`, `right_single` | [`relpos`] |
+//! | Evoformer block with the outer product mean first | `EvoformerIteration`, `outer_product_mean.first` | [`crate::model::EvoformerConfig::outer_product_mean_first`] |
 //!
-//! Not yet here: the Evoformer block order, ipTM, the multimer template embedding, the fused triangle-multiplication
+//! Not yet here: ipTM, the multimer template embedding, the fused triangle-multiplication
 //! projections of the v3 parameters, the structure module of `folding_multimer.py`, and the
 //! assembled model; `fastfold predict` refuses multimer parameter files until they are.
 pub mod relpos;
