@@ -1,14 +1,15 @@
 //! Pieces of AlphaFold-Multimer's network against DeepMind's code on the same random
 //! parameters and inputs (`fixtures/multimer_network/make_multimer_network.py`: a complex of
 //! four copies of one chain and one chain of another entity, fp32 on CPU): the input embedding
-//! with the relative encoding over chains, and one Evoformer block with the outer product
-//! mean first.
+//! with the relative encoding over chains, one Evoformer block with the outer product mean
+//! first, and pTM, ipTM and the ranking confidence.
 mod common;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 
 use engine::parallel::dap::Dap;
+use fastfold::confidence::{multimer_ranking_confidence, predicted_tm_score_of_chains};
 use fastfold::model::multimer::{relative_encoding, ChainIds, MultimerInputEmbedder};
 use fastfold::model::{EvoformerStack, Exec, Params};
 use tch::{Kind, Tensor};
@@ -76,4 +77,25 @@ fn evoformer_block_with_outer_product_mean_first_equals_alphafold_multimer() {
     });
     let d = (&pair - &f["pair_out"]).abs().max().double_value(&[]);
     assert!(d > 1e-2, "the monomer block order differs from the multimer's by only {d:e}");
+}
+
+#[test]
+fn iptm_ptm_and_ranking_equal_alphafold_confidence() {
+    let f = arrays("confidence.npz");
+    let want = |k: &str| f[k].double_value(&[]);
+    let ptm = predicted_tm_score_of_chains(&f["logits"], 31.0, &f["mask"], None).unwrap();
+    let iptm = predicted_tm_score_of_chains(&f["logits"], 31.0, &f["mask"], Some(&f["asym_id"])).unwrap();
+    let ranking = multimer_ranking_confidence(iptm, ptm);
+    for (what, got, want) in [
+        ("ptm", ptm, want("ptm")),
+        ("iptm", iptm, want("iptm")),
+        ("ranking", ranking, want("ranking_confidence") / 100.0),
+    ] {
+        let d = (got - want).abs();
+        eprintln!("{what}: ours {got:.8}, AlphaFold {want:.8}, |difference| {d:.2e}");
+        assert!(d <= TOLERANCE * want.abs(), "{what}: ours {got}, AlphaFold {want} (relative tolerance {TOLERANCE:e})");
+    }
+    assert!((iptm - ptm).abs() > 1e-3, "the interface score is not the whole-complex score");
+    let e = predicted_tm_score_of_chains(&f["logits"], 31.0, &f["mask"].narrow(0, 0, 3), None).unwrap_err();
+    assert!(e.to_string().contains("residue weights"), "{e}");
 }
