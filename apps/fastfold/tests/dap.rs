@@ -1,7 +1,8 @@
 //! Dynamic axial parallelism on 2 and 4 CPU ranks (Gloo) against one process: outputs of the
 //! Evoformer and extra-MSA stacks, and gradients of a scalar loss with respect to the inputs
 //! and every parameter, with sequence and residue counts the rank counts do not divide; the
-//! Evoformer stack also in AlphaFold-Multimer's block order (outer product mean first).
+//! Evoformer stack also as AlphaFold-Multimer v3's (outer product mean first, fused triangle
+//! projections).
 use engine::dist::World;
 use engine::parallel::dap::Dap;
 use fastfold::model::{EvoformerConfig, EvoformerStack, Exec, Params, EVOFORMER, EXTRA_MSA};
@@ -47,8 +48,10 @@ fn compare(world: &World) -> TestResult {
     let dap = Dap::new(world.group.clone());
     let cfg = EvoformerConfig::tiny();
     let params = Params::random(&cfg, 31)?;
-    // AlphaFold-Multimer's block order, whose outer product mean reads the block's input MSA.
-    let multimer = Params::random(&cfg, 31)?.with_outer_product_mean_first(true);
+    // AlphaFold-Multimer v3's block: the outer product mean first, reading the block's input
+    // MSA, and fused triangle projections.
+    let v3 = EvoformerConfig { outer_product_mean_first: true, fused_triangle_projections: true, ..cfg };
+    let multimer = Params::random(&v3, 31)?;
     // (outer product mean first, stack, sequences, residues, chunk): 5, 6 and 7 leave
     // remainders on 2 and 4 ranks.
     let cases = [

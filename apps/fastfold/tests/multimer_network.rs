@@ -2,7 +2,8 @@
 //! parameters and inputs (`fixtures/multimer_network/make_multimer_network.py`: a complex of
 //! four copies of one chain and one chain of another entity, fp32 on CPU): the input embedding
 //! with the relative encoding over chains, one Evoformer block with the outer product mean
-//! first, and pTM, ipTM and the ranking confidence.
+//! first (with the monomer's triangle projections and with v3's fused ones), and pTM, ipTM and
+//! the ranking confidence.
 mod common;
 
 use std::collections::HashMap;
@@ -77,6 +78,21 @@ fn evoformer_block_with_outer_product_mean_first_equals_alphafold_multimer() {
     });
     let d = (&pair - &f["pair_out"]).abs().max().double_value(&[]);
     assert!(d > 1e-2, "the monomer block order differs from the multimer's by only {d:e}");
+}
+
+#[test]
+fn evoformer_block_with_fused_triangle_projections_equals_alphafold_multimer_v3() {
+    let f = arrays("evoformer_block_v3.npz");
+    let params = Params::load_npz(fixture("evoformer_block_v3_params.npz")).unwrap();
+    assert!(params.config().fused_triangle_projections, "v3's fused arrays are read from the file");
+    let stack = EvoformerStack::main(&params.with_outer_product_mean_first(true)).unwrap();
+    for chunk in [None, Some(3)] {
+        let exec = Exec::new(Dap::none(), chunk);
+        let (msa, pair) =
+            tch::no_grad(|| stack.forward(&f["msa"], &f["pair"], &f["msa_mask"], &f["pair_mask"], &exec).unwrap());
+        common::assert_close(&format!("v3 msa (chunk {chunk:?})"), &msa, &f["msa_out"], TOLERANCE);
+        common::assert_close(&format!("v3 pair (chunk {chunk:?})"), &pair, &f["pair_out"], TOLERANCE);
+    }
 }
 
 #[test]

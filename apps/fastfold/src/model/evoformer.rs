@@ -23,7 +23,9 @@
 //!
 //! With [`EvoformerConfig::outer_product_mean_first`] (AlphaFold-Multimer) the outer product
 //! mean runs first, on the block's input MSA moved to columns (one more all-to-all under DAP),
-//! and the rest of the block is the same.
+//! and the rest of the block is the same. With
+//! [`EvoformerConfig::fused_triangle_projections`] (Multimer v3's files) the triangle
+//! multiplications read their fused arrays ([`TriangleMultiplication::fused`]).
 //!
 //! Dropout is inference-mode (off): training dropout is not implemented.
 use tch::Tensor;
@@ -106,8 +108,10 @@ impl EvoformerBlock {
         };
         let tri_att =
             |name: &str, d: Direction| TriangleAttention::new(&p.sub(name), d, c_z, cfg.pair_heads, cfg.pair_head_dim);
-        let tri_mul =
-            |name: &str, d: Direction| TriangleMultiplication::new(&p.sub(name), d, c_z, cfg.tri_mul_channels);
+        let tri_mul = |name: &str, d: Direction| match cfg.fused_triangle_projections {
+            true => TriangleMultiplication::fused(&p.sub(name), d, c_z, cfg.tri_mul_channels),
+            false => TriangleMultiplication::new(&p.sub(name), d, c_z, cfg.tri_mul_channels),
+        };
         Ok(EvoformerBlock {
             row_attention: MsaRowAttentionWithPairBias::new(
                 &p.sub("msa_row_attention_with_pair_bias"),

@@ -7,11 +7,12 @@
 //! |---|---|---|
 //! | input embedding: `target_feat` one-hot of 21 classes, relative encoding over chains | `EmbeddingsAndEvoformer._relative_encoding`, `preprocess_1d`, `preprocess_msa`, `left_single`, `right_single` | [`relpos`] |
 //! | Evoformer block with the outer product mean first | `EvoformerIteration`, `outer_product_mean.first` | [`crate::model::EvoformerConfig::outer_product_mean_first`] |
+//! | v3's fused triangle-multiplication projections | `TriangleMultiplication`, `fuse_projection_weights` | [`crate::model::triangle::TriangleMultiplication::fused`] |
 //! | ipTM, pTM and the ranking `0.8 ipTM + 0.2 pTM` | `confidence.predicted_tm_score(..., asym_id)` | [`crate::confidence`] |
 //!
-//! Not yet here: the multimer template embedding, the fused triangle-multiplication
-//! projections of the v3 parameters, the structure module of `folding_multimer.py`, and the
-//! assembled model; `fastfold predict` refuses multimer parameter files until they are.
+//! Not yet here: the multimer template embedding, the structure module of
+//! `folding_multimer.py`, the assembled model (with in-network MSA sampling); `fastfold
+//! predict` refuses multimer parameter files until they are.
 pub mod relpos;
 
 pub use relpos::{relative_encoding, ChainIds, MultimerInputEmbedder};
