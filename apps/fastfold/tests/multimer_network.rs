@@ -2,8 +2,8 @@
 //! parameters and inputs (`fixtures/multimer_network/make_multimer_network.py`: a complex of
 //! four copies of one chain and one chain of another entity, fp32 on CPU): the input embedding
 //! with the relative encoding over chains, one Evoformer block with the outer product mean
-//! first (with the monomer's triangle projections and with v3's fused ones), and pTM, ipTM and
-//! the ranking confidence.
+//! first (with the monomer's triangle projections and with v3's fused ones), the template pair
+//! stack's input, and pTM, ipTM and the ranking confidence.
 mod common;
 
 use std::collections::HashMap;
@@ -11,7 +11,9 @@ use std::path::PathBuf;
 
 use engine::parallel::dap::Dap;
 use fastfold::confidence::{multimer_ranking_confidence, predicted_tm_score_of_chains};
-use fastfold::model::multimer::{relative_encoding, ChainIds, MultimerInputEmbedder};
+use fastfold::model::multimer::{
+    relative_encoding, ChainIds, MultimerInputEmbedder, TemplateAtoms, TemplatePairEmbedding,
+};
 use fastfold::model::{EvoformerStack, Exec, Params};
 use tch::{Kind, Tensor};
 
@@ -93,6 +95,26 @@ fn evoformer_block_with_fused_triangle_projections_equals_alphafold_multimer_v3(
         common::assert_close(&format!("v3 msa (chunk {chunk:?})"), &msa, &f["msa_out"], TOLERANCE);
         common::assert_close(&format!("v3 pair (chunk {chunk:?})"), &pair, &f["pair_out"], TOLERANCE);
     }
+}
+
+#[test]
+fn template_pair_embedding_equals_alphafold_multimer() {
+    let f = arrays("template_pair_embedding.npz");
+    let embedding = TemplatePairEmbedding::load(fixture("template_pair_embedding_params.npz")).unwrap();
+    let atoms = TemplateAtoms {
+        aatype: &f["template_aatype"],
+        positions: &f["template_all_atom_positions"],
+        mask: &f["template_all_atom_mask"],
+    };
+    let act = tch::no_grad(|| embedding.forward(&f["query"], &atoms, &f["asym_id"]).unwrap());
+    common::assert_close("template stack input", &act, &f["act"], TOLERANCE);
+    // Between chains every template feature but the residue types is zero: only the query
+    // and the one-hots' layers differ from a template of no atoms there.
+    let empty_mask = f["template_all_atom_mask"].zeros_like();
+    let empty = TemplateAtoms { mask: &empty_mask, ..atoms };
+    let none = tch::no_grad(|| embedding.forward(&f["query"], &empty, &f["asym_id"]).unwrap());
+    let (a, b) = (act.get(0).get(15), none.get(0).get(15));
+    assert!(a.allclose(&b, 1e-6, 1e-6, false), "residues 0 and 15 are in different chains");
 }
 
 #[test]

@@ -8,11 +8,52 @@
 //! | input embedding: `target_feat` one-hot of 21 classes, relative encoding over chains | `EmbeddingsAndEvoformer._relative_encoding`, `preprocess_1d`, `preprocess_msa`, `left_single`, `right_single` | [`relpos`] |
 //! | Evoformer block with the outer product mean first | `EvoformerIteration`, `outer_product_mean.first` | [`crate::model::EvoformerConfig::outer_product_mean_first`] |
 //! | v3's fused triangle-multiplication projections | `TriangleMultiplication`, `fuse_projection_weights` | [`crate::model::triangle::TriangleMultiplication::fused`] |
+//! | the template pair stack's input: each pair feature (unit vectors from backbone frames included) through its own Linear, plus the normalised query | `SingleTemplateEmbedding`'s `construct_input` | [`templates`] |
 //! | ipTM, pTM and the ranking `0.8 ipTM + 0.2 pTM` | `confidence.predicted_tm_score(..., asym_id)` | [`crate::confidence`] |
 //!
-//! Not yet here: the multimer template embedding, the structure module of
+//! Not yet here: the rest of the multimer template embedding (its pair stack in the
+//! Evoformer's pair order, the average over templates with `output_linear`, the torsion-angle
+//! features of `template_embedding_1d`), the structure module of
 //! `folding_multimer.py`, the assembled model (with in-network MSA sampling); `fastfold
 //! predict` refuses multimer parameter files until they are.
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use tch::Tensor;
+
+use crate::model::params::read_arrays;
+use crate::model::scope::{Builder, Mode};
+use crate::model::{ensure, Error, Result};
+
 pub mod relpos;
+pub mod templates;
 
 pub use relpos::{relative_encoding, ChainIds, MultimerInputEmbedder};
+pub use templates::{TemplateAtoms, TemplatePairEmbedding};
+
+/// The arrays of a parameter file (`.npz` or `.safetensors`) for building one module over
+/// them: `size(key, dim)` reads a width from the shapes (an error naming the key and the
+/// file), then `builder()` checks every array the module asks for.
+struct Arrays {
+    arrays: BTreeMap<String, Tensor>,
+    file: String,
+}
+
+impl Arrays {
+    fn open(path: &Path) -> Result<Arrays> {
+        Ok(Arrays { arrays: read_arrays(path)?.into_iter().collect(), file: path.display().to_string() })
+    }
+
+    /// Dimension `dim` of the array `key`, which must have `rank` dimensions.
+    fn size(&self, key: &str, rank: usize, dim: usize) -> Result<i64> {
+        let file = &self.file;
+        let t = self.arrays.get(key).ok_or_else(|| Error::Missing { key: key.into(), file: Some(file.clone()) })?;
+        let size = t.size();
+        ensure!(size.len() == rank, "parameter {key}: expected {rank} dimensions, found shape {size:?} (in {file})");
+        Ok(size[dim])
+    }
+
+    fn builder(self) -> Builder {
+        Builder::new(Mode::Load, self.arrays, Some(self.file))
+    }
+}

@@ -15,7 +15,6 @@
 //!
 //! so copies of one chain (a homomer) are told apart by their `sym_id` and chains of other
 //! entities share one bin whatever their order.
-use std::collections::BTreeMap;
 use std::path::Path;
 
 use tch::{Kind, Tensor};
@@ -24,9 +23,9 @@ use crate::model::embedders::{shape_error, FeatureProjections};
 use crate::model::exec::Exec;
 use crate::model::keys::{EMBEDDINGS, RELATIVE_ENCODING};
 use crate::model::layers::Linear;
-use crate::model::params::read_arrays;
-use crate::model::scope::{Builder, Mode};
-use crate::model::{ensure, Error, Result};
+use crate::model::multimer::Arrays;
+use crate::model::scope::Builder;
+use crate::model::{ensure, Result};
 
 /// Largest relative position told apart within a chain (`max_relative_idx`, 32 in every
 /// multimer model).
@@ -126,19 +125,10 @@ impl MultimerInputEmbedder {
     /// shapes; every array of the embedder must be there with the shape they imply, else the
     /// error names the key, the shapes and the file.
     pub fn load(path: impl AsRef<Path>) -> Result<Self> {
-        let path = path.as_ref();
-        let file = path.display().to_string();
-        let arrays: BTreeMap<String, Tensor> = read_arrays(path)?.into_iter().collect();
-        let width = |module: &str, dim: usize| -> Result<i64> {
-            let key = format!("{EMBEDDINGS}/{module}//weights");
-            let t = arrays.get(&key).ok_or_else(|| Error::Missing { key: key.clone(), file: Some(file.clone()) })?;
-            let size = t.size();
-            ensure!(size.len() == 2, "parameter {key}: expected 2 dimensions, found shape {size:?} (in {file})");
-            Ok(size[dim])
-        };
+        let arrays = Arrays::open(path.as_ref())?;
+        let width = |module: &str, dim: usize| arrays.size(&format!("{EMBEDDINGS}/{module}//weights"), 2, dim);
         let (c_m, c_z, msa_feat) = (width("preprocess_1d", 1)?, width("left_single", 1)?, width("preprocess_msa", 0)?);
-        let builder = Builder::new(Mode::Load, arrays, Some(file));
-        Self::build(&builder, msa_feat, c_m, c_z)
+        Self::build(&arrays.builder(), msa_feat, c_m, c_z)
     }
 
     /// Builds (or, with an initialising builder, creates the arrays of) the embedder for
