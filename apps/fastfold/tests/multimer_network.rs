@@ -3,7 +3,7 @@
 //! four copies of one chain and one chain of another entity, fp32 on CPU): the input embedding
 //! with the relative encoding over chains, one Evoformer block with the outer product mean
 //! first (with the monomer's triangle projections and with v3's fused ones), the template pair
-//! stack's input, and pTM, ipTM and the ranking confidence.
+//! stack's input and v3's whole template embedding, and pTM, ipTM and the ranking confidence.
 mod common;
 
 use std::collections::HashMap;
@@ -12,7 +12,8 @@ use std::path::PathBuf;
 use engine::parallel::dap::Dap;
 use fastfold::confidence::{multimer_ranking_confidence, predicted_tm_score_of_chains};
 use fastfold::model::multimer::{
-    relative_encoding, ChainIds, MultimerInputEmbedder, TemplateAtoms, TemplatePairEmbedding,
+    relative_encoding, ChainIds, MultimerInputEmbedder, MultimerTemplates, TemplateAtoms, TemplateBatch,
+    TemplatePairEmbedding,
 };
 use fastfold::model::{EvoformerStack, Exec, Params};
 use tch::{Kind, Tensor};
@@ -115,6 +116,23 @@ fn template_pair_embedding_equals_alphafold_multimer() {
     let none = tch::no_grad(|| embedding.forward(&f["query"], &empty, &f["asym_id"]).unwrap());
     let (a, b) = (act.get(0).get(15), none.get(0).get(15));
     assert!(a.allclose(&b, 1e-6, 1e-6, false), "residues 0 and 15 are in different chains");
+}
+
+#[test]
+fn template_embedding_equals_alphafold_multimer_v3() {
+    let f = arrays("template_embedding.npz");
+    let templates = MultimerTemplates::load(fixture("template_embedding_params.npz")).unwrap();
+    let batch = TemplateBatch {
+        aatype: &f["template_aatype"],
+        positions: &f["template_all_atom_positions"],
+        mask: &f["template_all_atom_mask"],
+    };
+    for chunk in [None, Some(4)] {
+        let exec = Exec::new(Dap::none(), chunk);
+        let out =
+            tch::no_grad(|| templates.forward(&f["query"], &batch, &f["pair_mask"], &f["asym_id"], &exec).unwrap());
+        common::assert_close(&format!("template embedding (chunk {chunk:?})"), &out, &f["output"], TOLERANCE);
+    }
 }
 
 #[test]

@@ -9,11 +9,11 @@
 //! | Evoformer block with the outer product mean first | `EvoformerIteration`, `outer_product_mean.first` | [`crate::model::EvoformerConfig::outer_product_mean_first`] |
 //! | v3's fused triangle-multiplication projections | `TriangleMultiplication`, `fuse_projection_weights` | [`crate::model::triangle::TriangleMultiplication::fused`] |
 //! | the template pair stack's input: each pair feature (unit vectors from backbone frames included) through its own Linear, plus the normalised query | `SingleTemplateEmbedding`'s `construct_input` | [`templates`] |
+//! | the whole template embedding: the pair stack (the monomer's blocks in the Evoformer's pair order), `output_layer_norm`, the mean over templates, ReLU, `output_linear` | `TemplateEmbedding`, `TemplateEmbeddingIteration` | [`templates::MultimerTemplates`] |
 //! | ipTM, pTM and the ranking `0.8 ipTM + 0.2 pTM` | `confidence.predicted_tm_score(..., asym_id)` | [`crate::confidence`] |
 //!
-//! Not yet here: the rest of the multimer template embedding (its pair stack in the
-//! Evoformer's pair order, the average over templates with `output_linear`, the torsion-angle
-//! features of `template_embedding_1d`), the structure module of
+//! Not yet here: the templates' torsion-angle features (`template_embedding_1d`, from
+//! `all_atom_multimer.compute_chi_angles`), the structure module of
 //! `folding_multimer.py`, the assembled model (with in-network MSA sampling); `fastfold
 //! predict` refuses multimer parameter files until they are.
 use std::collections::BTreeMap;
@@ -29,7 +29,7 @@ pub mod relpos;
 pub mod templates;
 
 pub use relpos::{relative_encoding, ChainIds, MultimerInputEmbedder};
-pub use templates::{TemplateAtoms, TemplatePairEmbedding};
+pub use templates::{MultimerTemplates, TemplateAtoms, TemplateBatch, TemplatePairEmbedding};
 
 /// The arrays of a parameter file (`.npz` or `.safetensors`) for building one module over
 /// them: `size(key, dim)` reads a width from the shapes (an error naming the key and the
@@ -51,6 +51,11 @@ impl Arrays {
         let size = t.size();
         ensure!(size.len() == rank, "parameter {key}: expected {rank} dimensions, found shape {size:?} (in {file})");
         Ok(size[dim])
+    }
+
+    /// Whether the file has the array `key`.
+    fn contains(&self, key: &str) -> bool {
+        self.arrays.contains_key(key)
     }
 
     fn builder(self) -> Builder {

@@ -1,6 +1,13 @@
-//! The input of AlphaFold-Multimer's template pair stack (`SingleTemplateEmbedding`'s
-//! `construct_input` in `modules_multimer.py`): each pair feature of one template through a
-//! Linear of its own, `template_pair_embedding_<i>` under
+//! AlphaFold-Multimer's template embedding (`TemplateEmbedding` in `modules_multimer.py`):
+//! each template's pair features embedded ([`TemplatePairEmbedding`]), through the template
+//! pair stack (`template_embedding_iteration`, stacked: the monomer's blocks in the
+//! Evoformer's pair order, with v3's fused triangle projections when the arrays have them)
+//! and `output_layer_norm`; the sum over templates (padding ones too) divided by their
+//! number, ReLU, and `output_linear` back to the pair width ([`MultimerTemplates`]). Unlike
+//! the monomer's there is no attention over templates.
+//!
+//! The stack's input (`SingleTemplateEmbedding`'s `construct_input`) is each pair feature of
+//! one template through a Linear of its own, `template_pair_embedding_<i>` under
 //! `alphafold/alphafold_iteration/evoformer/template_embedding/single_template_embedding`,
 //! summed with the normalised query pair (`query_embedding_norm`, then Linear 8):
 //!
@@ -19,17 +26,25 @@
 //!
 //! The backbone frame is `Rot3Array.from_two_vectors(C - CA, N - CA)` at CA, its vectors
 //! normalised as AlphaFold's `Vec3Array.normalized` does (by `sqrt(max(|v|², 1e-12))`, so a
-//! residue without atoms gives a zero frame and zero unit vectors, not NaN).
+//! residue without atoms gives a zero frame and zero unit vectors, not NaN). A residue's own
+//! C-alpha in its own frame is exactly zero here, as in DeepMind's code run op by op;
+//! jit-compiled (inside `TemplateEmbedding`'s scan) XLA's fused arithmetic leaves a rounding
+//! residue there that normalises to an arbitrary unit vector, and the embedding changes with it
+//! (by 5% of its largest value on the test's fixture), so the comparison is with the op-by-op
+//! run.
 use std::path::Path;
 
 use tch::{Kind, Tensor};
 
+use crate::model::config::TemplateConfig;
 use crate::model::embedders::{distance_one_hot, pseudo_beta, shape_error, CA, CB, GLYCINE};
-use crate::model::keys::SINGLE_TEMPLATE;
-use crate::model::layers::{LayerNorm, Linear};
+use crate::model::exec::{Exec, Stage};
+use crate::model::keys::{MULTIMER_TEMPLATE_STACK, SINGLE_TEMPLATE, TEMPLATE_EMBEDDING};
+use crate::model::layers::{LayerNorm, Linear, Stream};
 use crate::model::multimer::Arrays;
 use crate::model::scope::{Builder, Init, Scope};
-use crate::model::Result;
+use crate::model::templates::TemplatePairBlock;
+use crate::model::{Error, Result};
 
 /// Template distogram bins (`dgram_features`: 39 bins, lower edges 3.25 to 50.75 Å).
 pub const DGRAM_BINS: i64 = 39;
@@ -147,6 +162,122 @@ impl TemplatePairEmbedding {
         }
         act = act.f_add(&self.backbone_mask.forward(&f.backbone_mask)?)?;
         Ok(act.f_add(&self.query.forward(&self.query_embedding_norm.forward(query)?)?)?)
+    }
+}
+
+/// Every template of a complex: `aatype` [T, N], `positions` [T, N, 37, 3], `mask` [T, N, 37]
+/// (AlphaFold's `template_aatype`, `template_all_atom_positions`, `template_all_atom_mask`;
+/// padding templates all zero).
+pub struct TemplateBatch<'a> {
+    /// Residue types.
+    pub aatype: &'a Tensor,
+    /// atom37 positions.
+    pub positions: &'a Tensor,
+    /// atom37 masks.
+    pub mask: &'a Tensor,
+}
+
+/// The whole multimer template embedding (see the module docs).
+pub struct MultimerTemplates {
+    pair_embedding: TemplatePairEmbedding,
+    blocks: Vec<TemplatePairBlock>,
+    output_layer_norm: LayerNorm,
+    output_linear: Linear,
+}
+
+impl MultimerTemplates {
+    /// The template embedding over the arrays of an AlphaFold-Multimer parameter file, its
+    /// sizes read from the shapes (v3's fused triangle projections when the file has them); a
+    /// missing or mis-shaped array is an error naming the key and the file.
+    pub fn load(path: impl AsRef<Path>) -> Result<Self> {
+        let arrays = Arrays::open(path.as_ref())?;
+        let key = |module: &str, name: &str| format!("{MULTIMER_TEMPLATE_STACK}/{module}//{name}");
+        let c_z = arrays.size(&format!("{SINGLE_TEMPLATE}/query_embedding_norm//scale"), 1, 0)?;
+        let att = |dim| arrays.size(&key("triangle_attention_starting_node/attention", "query_w"), 4, dim);
+        let (blocks, c_t, pair_heads, pair_head_dim) = (att(0)?, att(1)?, att(2)?, att(3)?);
+        let fused = arrays.contains(&key("triangle_multiplication_outgoing/projection", "weights"));
+        let tri_mul_channels = match fused {
+            true => arrays.size(&key("triangle_multiplication_outgoing/projection", "weights"), 3, 2)? / 2,
+            false => arrays.size(&key("triangle_multiplication_outgoing/left_projection", "weights"), 3, 2)?,
+        };
+        let hidden = arrays.size(&key("pair_transition/transition1", "weights"), 3, 2)?;
+        let config = TemplateConfig {
+            c_t,
+            blocks,
+            pair_heads,
+            pair_head_dim,
+            tri_mul_channels,
+            transition_factor: hidden / c_t.max(1),
+            attention_heads: 0,
+            attention_head_dim: 0,
+            torsion_angles: false,
+        };
+        Self::build(&arrays.builder(), &config, c_z, fused)
+    }
+
+    /// Builds (or, with an initialising builder, creates the arrays of) the embedding for the
+    /// pair width `c_z` and the template sizes `c` (its pointwise-attention and torsion sizes
+    /// unused), the stack's triangle multiplications `fused` or not.
+    pub(crate) fn build(b: &Builder, c: &TemplateConfig, c_z: i64, fused: bool) -> Result<Self> {
+        let blocks = (0..c.blocks)
+            .map(|i| TemplatePairBlock::multimer(&b.block(MULTIMER_TEMPLATE_STACK, i, c.blocks), c, fused))
+            .collect::<Result<_>>()?;
+        Ok(MultimerTemplates {
+            pair_embedding: TemplatePairEmbedding::build(b, c_z, c.c_t)?,
+            blocks,
+            output_layer_norm: LayerNorm::new(&b.root(SINGLE_TEMPLATE).sub("output_layer_norm"), c.c_t)?,
+            output_linear: Linear::new(&b.root(TEMPLATE_EMBEDDING).sub("output_linear"), c.c_t, c_z, true)?,
+        })
+    }
+
+    /// The templates' update [N, N, c_z] of the query pair `query` [N, N, c_z], the stack
+    /// masked by `pair_mask` [N, N] (padding residues), the features by the chains `asym_id`
+    /// [N]. Every rank runs it whole (`exec`'s chunk sizes, not its DAP group), one template
+    /// at a time.
+    pub fn forward(
+        &self,
+        query: &Tensor,
+        templates: &TemplateBatch,
+        pair_mask: &Tensor,
+        asym_id: &Tensor,
+        exec: &Exec,
+    ) -> Result<Tensor> {
+        let size = templates.aatype.size();
+        let (count, n) = match size.as_slice() {
+            [t, n] if *t > 0 => (*t, *n),
+            _ => return Err(shape_error("template_aatype", "[templates (at least 1), residues]".into(), size)),
+        };
+        for (what, t, want) in [
+            ("template_all_atom_positions", templates.positions, vec![count, n, 37, 3]),
+            ("template_all_atom_mask", templates.mask, vec![count, n, 37]),
+            ("pair mask", pair_mask, vec![n, n]),
+        ] {
+            if t.size() != want {
+                return Err(shape_error(what, format!("{want:?}"), t.size()));
+            }
+        }
+        let exec = exec.without_dap().in_stage(Stage::Templates);
+        let mask = pair_mask.f_to_kind(query.kind())?;
+        let mut sum: Option<Tensor> = None;
+        for i in 0..count {
+            let atoms = TemplateAtoms {
+                aatype: &templates.aatype.f_select(0, i)?,
+                positions: &templates.positions.f_select(0, i)?,
+                mask: &templates.mask.f_select(0, i)?,
+            };
+            let mut x = Stream::new(self.pair_embedding.forward(query, &atoms, asym_id)?, true);
+            for block in &self.blocks {
+                block.run(&mut x, &mask, &exec)?;
+            }
+            let embedded = self.output_layer_norm.forward(x.get())?;
+            sum = Some(match sum {
+                Some(s) => s.f_add(&embedded)?,
+                None => embedded,
+            });
+        }
+        let sum = sum.ok_or_else(|| Error::Invalid("template_aatype: no templates".into()))?;
+        let mean = sum.f_div_scalar(count as f64)?;
+        self.output_linear.forward(&mean.f_relu()?)
     }
 }
 
