@@ -3,7 +3,8 @@
 //! four copies of one chain and one chain of another entity, fp32 on CPU): the input embedding
 //! with the relative encoding over chains, one Evoformer block with the outer product mean
 //! first (with the monomer's triangle projections and with v3's fused ones), the template pair
-//! stack's input and v3's whole template embedding, and pTM, ipTM and the ranking confidence.
+//! stack's input and v3's whole template embedding, the templates' chi angles and MSA rows,
+//! and pTM, ipTM and the ranking confidence.
 mod common;
 
 use std::collections::HashMap;
@@ -12,8 +13,8 @@ use std::path::PathBuf;
 use engine::parallel::dap::Dap;
 use fastfold::confidence::{multimer_ranking_confidence, predicted_tm_score_of_chains};
 use fastfold::model::multimer::{
-    relative_encoding, ChainIds, MultimerInputEmbedder, MultimerTemplates, TemplateAtoms, TemplateBatch,
-    TemplatePairEmbedding,
+    chi_angles, relative_encoding, ChainIds, MultimerInputEmbedder, MultimerTemplateRows, MultimerTemplates,
+    TemplateAtoms, TemplateBatch, TemplatePairEmbedding,
 };
 use fastfold::model::{EvoformerStack, Exec, Params};
 use tch::{Kind, Tensor};
@@ -133,6 +134,25 @@ fn template_embedding_equals_alphafold_multimer_v3() {
             tch::no_grad(|| templates.forward(&f["query"], &batch, &f["pair_mask"], &f["asym_id"], &exec).unwrap());
         common::assert_close(&format!("template embedding (chunk {chunk:?})"), &out, &f["output"], TOLERANCE);
     }
+}
+
+#[test]
+fn template_chi_angles_and_rows_equal_alphafold_multimer() {
+    let f = arrays("template_rows.npz");
+    let (angles, mask) =
+        chi_angles(&f["template_aatype"], &f["template_all_atom_positions"], &f["template_all_atom_mask"]).unwrap();
+    common::assert_close("chi mask", &mask, &f["chi_mask"], 0.0);
+    // Angles where they are defined (elsewhere they enter the rows times 0).
+    common::assert_close("chi angles", &(&angles * &mask), &(&f["chi_angles"] * &mask), TOLERANCE);
+    let rows = MultimerTemplateRows::load(fixture("template_rows_params.npz")).unwrap();
+    let batch = TemplateBatch {
+        aatype: &f["template_aatype"],
+        positions: &f["template_all_atom_positions"],
+        mask: &f["template_all_atom_mask"],
+    };
+    let (got, got_mask) = tch::no_grad(|| rows.forward(&batch, Kind::Float).unwrap());
+    common::assert_close("template rows", &got, &f["rows"], TOLERANCE);
+    common::assert_close("template row mask", &got_mask, &f["row_mask"], 0.0);
 }
 
 #[test]

@@ -10,10 +10,10 @@
 //! | v3's fused triangle-multiplication projections | `TriangleMultiplication`, `fuse_projection_weights` | [`crate::model::triangle::TriangleMultiplication::fused`] |
 //! | the template pair stack's input: each pair feature (unit vectors from backbone frames included) through its own Linear, plus the normalised query | `SingleTemplateEmbedding`'s `construct_input` | [`templates`] |
 //! | the whole template embedding: the pair stack (the monomer's blocks in the Evoformer's pair order), `output_layer_norm`, the mean over templates, ReLU, `output_linear` | `TemplateEmbedding`, `TemplateEmbeddingIteration` | [`templates::MultimerTemplates`] |
+//! | the templates' MSA rows from their residue types and chi angles | `template_embedding_1d`, `all_atom_multimer.compute_chi_angles` | [`template_rows`] |
 //! | ipTM, pTM and the ranking `0.8 ipTM + 0.2 pTM` | `confidence.predicted_tm_score(..., asym_id)` | [`crate::confidence`] |
 //!
-//! Not yet here: the templates' torsion-angle features (`template_embedding_1d`, from
-//! `all_atom_multimer.compute_chi_angles`), the structure module of
+//! Not yet here: the structure module of
 //! `folding_multimer.py`, the assembled model (with in-network MSA sampling); `fastfold
 //! predict` refuses multimer parameter files until they are.
 use std::collections::BTreeMap;
@@ -26,9 +26,11 @@ use crate::model::scope::{Builder, Mode};
 use crate::model::{ensure, Error, Result};
 
 pub mod relpos;
+pub mod template_rows;
 pub mod templates;
 
 pub use relpos::{relative_encoding, ChainIds, MultimerInputEmbedder};
+pub use template_rows::{chi_angles, MultimerTemplateRows};
 pub use templates::{MultimerTemplates, TemplateAtoms, TemplateBatch, TemplatePairEmbedding};
 
 /// The arrays of a parameter file (`.npz` or `.safetensors`) for building one module over
