@@ -1,10 +1,10 @@
 //! Pieces of AlphaFold-Multimer's network against DeepMind's code on the same random
 //! parameters and inputs (`fixtures/multimer_network/make_multimer_network.py`: a complex of
-//! four copies of one chain and one chain of another entity, fp32 on CPU): the input embedding
-//! with the relative encoding over chains, one Evoformer block with the outer product mean
-//! first (with the monomer's triangle projections and with v3's fused ones), the template pair
-//! stack's input and v3's whole template embedding, the templates' chi angles and MSA rows,
-//! and pTM, ipTM and the ranking confidence.
+//! four copies of one chain and one chain of another entity, fp32 on CPU): the MSA features,
+//! the input embedding with the relative encoding over chains, one Evoformer block with the
+//! outer product mean first (with the monomer's triangle projections and with v3's fused
+//! ones), the template pair stack's input and v3's whole template embedding, the templates'
+//! chi angles and MSA rows, and pTM, ipTM and the ranking confidence.
 mod common;
 
 use std::collections::HashMap;
@@ -13,8 +13,8 @@ use std::path::PathBuf;
 use engine::parallel::dap::Dap;
 use fastfold::confidence::{multimer_ranking_confidence, predicted_tm_score_of_chains};
 use fastfold::model::multimer::{
-    chi_angles, relative_encoding, ChainIds, MultimerInputEmbedder, MultimerTemplateRows, MultimerTemplates,
-    TemplateAtoms, TemplateBatch, TemplatePairEmbedding,
+    chi_angles, extra_msa_feat, msa_feat, relative_encoding, ChainIds, MultimerInputEmbedder, MultimerTemplateRows,
+    MultimerTemplates, TemplateAtoms, TemplateBatch, TemplatePairEmbedding,
 };
 use fastfold::model::{EvoformerStack, Exec, Params};
 use tch::{Kind, Tensor};
@@ -58,6 +58,26 @@ fn input_embedding_equals_alphafold_multimer() {
         common::assert_close(&format!("msa (chunk {chunk:?})"), &msa, &f["msa"], TOLERANCE);
         common::assert_close(&format!("pair (chunk {chunk:?})"), &pair, &f["pair"], TOLERANCE);
     }
+}
+
+#[test]
+fn msa_features_equal_alphafold_multimer() {
+    let f = arrays("input_embedding.npz");
+    let got =
+        msa_feat(&f["msa_classes"], &f["deletion_matrix"], &f["cluster_profile"], &f["cluster_deletion_mean"]).unwrap();
+    common::assert_close("msa_feat", &got, &f["msa_feat"], TOLERANCE);
+    let x = arrays("extra_msa_feat.npz");
+    let got = extra_msa_feat(&x["extra_msa"], &x["extra_deletion_matrix"]).unwrap();
+    common::assert_close("extra msa feature", &got, &x["extra_msa_feat"], TOLERANCE);
+    let e = msa_feat(
+        &f["msa_classes"],
+        &f["deletion_matrix"],
+        &f["cluster_profile"].narrow(2, 0, 22),
+        &f["cluster_deletion_mean"],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("cluster_profile") && e.contains("23"), "{e}");
 }
 
 #[test]
