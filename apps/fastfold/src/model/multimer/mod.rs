@@ -6,7 +6,7 @@
 //! | piece | AlphaFold | here |
 //! |---|---|---|
 //! | input embedding: `target_feat` one-hot of 21 classes, relative encoding over chains | `EmbeddingsAndEvoformer._relative_encoding`, `preprocess_1d`, `preprocess_msa`, `left_single`, `right_single` | [`relpos`] |
-//! | `msa_feat` and the extra-MSA feature from the sampled MSA's classes and deletions | `create_msa_feat`, `create_extra_msa_feature` | [`msa_feat`] |
+//! | `msa_feat` and the extra-MSA feature from the sampled MSA's classes and deletions | `create_msa_feat`, `create_extra_msa_feature` | [`msa_feat`](mod@msa_feat) |
 //! | Evoformer block with the outer product mean first | `EvoformerIteration`, `outer_product_mean.first` | [`crate::model::EvoformerConfig::outer_product_mean_first`] |
 //! | v3's fused triangle-multiplication projections | `TriangleMultiplication`, `fuse_projection_weights` | [`crate::model::triangle::TriangleMultiplication::fused`] |
 //! | the template pair stack's input: each pair feature (unit vectors from backbone frames included) through its own Linear, plus the normalised query | `SingleTemplateEmbedding`'s `construct_input` | [`templates`] |

@@ -1,5 +1,5 @@
 //! AlphaFold-Multimer's input embedding (`EmbeddingsAndEvoformer` in `modules_multimer.py`):
-//! the monomer's feature projections ([`FeatureProjections`]: `preprocess_1d`,
+//! the monomer's feature projections (`FeatureProjections`: `preprocess_1d`,
 //! `preprocess_msa`, `left_single`, `right_single`) on a `target_feat` that is the one-hot of
 //! 21 residue classes (no gap flag), and a relative encoding over chains in place of the
 //! monomer's relative positions, embedded by `~_relative_encoding/position_activations`.

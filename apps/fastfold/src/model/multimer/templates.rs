@@ -53,8 +53,8 @@ const DGRAM_MAX: f64 = 50.75;
 /// Classes of the template residue one-hot (20 amino acids, unknown, gap).
 pub const TEMPLATE_CLASSES: i64 = 22;
 /// atom37 indices of the backbone's N and C.
-const N: i64 = 0;
-const C: i64 = 2;
+const N_ATOM: i64 = 0;
+const C_ATOM: i64 = 2;
 /// `Vec3Array.norm`'s clipping: the norm is at least 1e-6.
 const NORM_EPSILON: f64 = 1e-6;
 
@@ -309,8 +309,8 @@ fn pair_features(t: &TemplateAtoms, asym_id: &Tensor, kind: Kind) -> Result<Pair
     let dgram = distance_one_hot(&pb, DGRAM_BINS, DGRAM_MIN, DGRAM_MAX)?.f_mul(&pb_mask_2d.f_unsqueeze(-1)?)?;
 
     let atom = |i: i64| positions.f_select(1, i);
-    let (n_xyz, ca, c_xyz) = (atom(N)?, atom(CA)?, atom(C)?);
-    let backbone = mask.f_select(1, N)?.f_mul(&mask.f_select(1, CA)?)?.f_mul(&mask.f_select(1, C)?)?;
+    let (n_xyz, ca, c_xyz) = (atom(N_ATOM)?, atom(CA)?, atom(C_ATOM)?);
+    let backbone = mask.f_select(1, N_ATOM)?.f_mul(&mask.f_select(1, CA)?)?.f_mul(&mask.f_select(1, C_ATOM)?)?;
     let backbone_2d = outer(&backbone)?.f_mul(&same_chain)?;
     // Rot3Array.from_two_vectors(C - CA, N - CA): the frame's axes e0, e1, e2 [N, 3].
     let e0 = normalized(&c_xyz.f_sub(&ca)?)?;
