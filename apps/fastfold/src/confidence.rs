@@ -1,7 +1,8 @@
 //! Confidence measures from the heads' logits, as AlphaFold defines them
 //! (`alphafold/common/confidence.py`): per-residue pLDDT from the lDDT head's 50 bins, the
 //! predicted aligned error (PAE) from the aligned-error head's 64 bins up to 31 Å, and the
-//! predicted TM-score (pTM), plus the `<name>_confidence.json` that `fastfold predict` writes.
+//! predicted TM-score (pTM) and AlphaFold-Multimer's interface score (ipTM) and ranking
+//! confidence, plus the `<name>_confidence.json` that `fastfold predict` writes.
 use std::path::Path;
 
 use tch::{Kind, Tensor};
@@ -37,15 +38,66 @@ pub fn predicted_aligned_error(logits: &Tensor, max_bin: f64) -> (Tensor, f64) {
 /// residue `i`, the mean over residues `j` of the expected TM term `1 / (1 + (e / d0)^2)` with
 /// `d0 = 1.24 (max(N, 19) - 15)^(1/3) - 1.8`; the score is the best `i`.
 pub fn predicted_tm_score(logits: &Tensor, max_bin: f64) -> f64 {
+    tm_score(logits, max_bin, None, None)
+}
+
+/// AlphaFold's `predicted_tm_score(logits, breaks, residue_weights, asym_id)`
+/// (`alphafold/common/confidence.py`): [`predicted_tm_score`] with residues weighted by
+/// `residue_weights` [N] (0 for padding; N in `d0` is their sum) and, with `asym_id` [N], the
+/// interface score (ipTM): for each `i`, the mean over residues `j` of other chains only.
+/// AlphaFold-Multimer's pTM is this without `asym_id`, its ipTM with it.
+///
+/// DeepMind's code returns `per_alignment` at the argmax of `per_alignment * weights`, and
+/// ColabFold's the maximum of that product: the same for weights of 0 and 1, the only ones
+/// either pipeline passes.
+pub fn predicted_tm_score_of_chains(
+    logits: &Tensor,
+    max_bin: f64,
+    residue_weights: &Tensor,
+    asym_id: Option<&Tensor>,
+) -> anyhow::Result<f64> {
+    let size = logits.size();
+    anyhow::ensure!(
+        size.len() == 3 && size[0] == size[1],
+        "aligned-error logits: expected shape [residues, residues, bins], found {size:?}"
+    );
+    let n = size[0];
+    for (what, t) in [("residue weights", Some(residue_weights)), ("asym_id", asym_id)] {
+        if let Some(t) = t {
+            anyhow::ensure!(t.size() == [n], "{what}: expected shape [{n}] (as the logits), found {:?}", t.size());
+        }
+    }
+    Ok(tm_score(logits, max_bin, Some(residue_weights), asym_id))
+}
+
+/// AlphaFold-Multimer's ranking confidence, `0.8 ipTM + 0.2 pTM` (DeepMind's
+/// `get_confidence_metrics` in multimer mode; ColabFold's `rank_by='multimer'` is 100 times it).
+pub fn multimer_ranking_confidence(iptm: f64, ptm: f64) -> f64 {
+    0.8 * iptm + 0.2 * ptm
+}
+
+/// The TM-score of [`predicted_tm_score_of_chains`] (shapes already checked).
+fn tm_score(logits: &Tensor, max_bin: f64, residue_weights: Option<&Tensor>, asym_id: Option<&Tensor>) -> f64 {
     let size = logits.size();
     let (n, bins) = (size[0], size[size.len() - 1]);
-    let clipped = n.max(19) as f64;
+    let opts = (Kind::Float, logits.device());
+    let weights = match residue_weights {
+        Some(w) => w.to_kind(Kind::Float),
+        None => Tensor::ones([n], opts),
+    };
+    let clipped = weights.sum(Kind::Float).double_value(&[]).max(19.0);
     let d0 = 1.24 * (clipped - 15.0).cbrt() - 1.8;
     let centres = aligned_error_centres(bins, max_bin, logits.device());
     let tm_per_bin = ((centres / d0).square() + 1.0).reciprocal();
     let probs = logits.to_kind(Kind::Float).softmax(-1, Kind::Float);
     let term = (probs * tm_per_bin).sum_dim_intlist(-1, false, Kind::Float);
-    term.mean_dim(-1, false, Kind::Float).max().double_value(&[])
+    let mut pair_weights = weights.unsqueeze(1) * weights.unsqueeze(0);
+    if let Some(asym) = asym_id {
+        pair_weights *= asym.unsqueeze(1).ne_tensor(&asym.unsqueeze(0)).to_kind(Kind::Float);
+    }
+    let normed = &pair_weights / (pair_weights.sum_dim_intlist(-1, true, Kind::Float) + 1e-8);
+    let per_alignment = (term * normed).sum_dim_intlist(-1, false, Kind::Float);
+    (per_alignment * weights).max().double_value(&[])
 }
 
 /// What `<name>_confidence.json` holds.

@@ -1,6 +1,8 @@
 //! Dynamic axial parallelism on 2 and 4 CPU ranks (Gloo) against one process: outputs of the
 //! Evoformer and extra-MSA stacks, and gradients of a scalar loss with respect to the inputs
-//! and every parameter, with sequence and residue counts the rank counts do not divide.
+//! and every parameter, with sequence and residue counts the rank counts do not divide; the
+//! Evoformer stack also as AlphaFold-Multimer v3's (outer product mean first, fused triangle
+//! projections).
 use engine::dist::World;
 use engine::parallel::dap::Dap;
 use fastfold::model::{EvoformerConfig, EvoformerStack, Exec, Params, EVOFORMER, EXTRA_MSA};
@@ -46,13 +48,32 @@ fn compare(world: &World) -> TestResult {
     let dap = Dap::new(world.group.clone());
     let cfg = EvoformerConfig::tiny();
     let params = Params::random(&cfg, 31)?;
-    // (stack, sequences, residues, chunk): 5, 6 and 7 leave remainders on 2 and 4 ranks.
-    for (extra, s, r, chunk) in [(false, 5, 7, None), (false, 6, 5, Some(2)), (true, 7, 6, None)] {
-        let what = format!("{} stack, {s} x {r}, {} ranks", if extra { "extra" } else { "main" }, dap.size());
+    // AlphaFold-Multimer v3's block: the outer product mean first, reading the block's input
+    // MSA, and fused triangle projections.
+    let v3 = EvoformerConfig { outer_product_mean_first: true, fused_triangle_projections: true, ..cfg };
+    let multimer = Params::random(&v3, 31)?;
+    // (outer product mean first, stack, sequences, residues, chunk): 5, 6 and 7 leave
+    // remainders on 2 and 4 ranks.
+    let cases = [
+        (false, false, 5, 7, None),
+        (false, false, 6, 5, Some(2)),
+        (false, true, 7, 6, None),
+        (true, false, 5, 7, Some(2)),
+    ];
+    for (first, extra, s, r, chunk) in cases {
+        let params = if first { &multimer } else { &params };
+        let stack = if extra {
+            "extra"
+        } else if first {
+            "main (outer product mean first)"
+        } else {
+            "main"
+        };
+        let what = format!("{stack} stack, {s} x {r}, {} ranks", dap.size());
         let c_m = if extra { cfg.c_e } else { cfg.c_m };
         let x = inputs(s, r, c_m, cfg.c_z);
-        let one = run(&params, extra, &x, &Exec::serial())?;
-        let many = run(&params, extra, &x, &Exec::new(dap.clone(), chunk))?;
+        let one = run(params, extra, &x, &Exec::serial())?;
+        let many = run(params, extra, &x, &Exec::new(dap.clone(), chunk))?;
         for (name, a, b) in [("msa", &many.msa, &one.msa), ("pair", &many.pair, &one.pair)] {
             let d = (a - b).abs().max().double_value(&[]);
             anyhow::ensure!(d <= 1e-5, "{what}: output {name} differs by {d:e} (tolerance 1e-5 abs)");

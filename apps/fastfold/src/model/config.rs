@@ -7,7 +7,7 @@
 //!
 //! | from | sizes |
 //! |---|---|
-//! | parameter shapes (`infer`) | every channel, head and block count; relative-position, recycling, distogram, lDDT, masked-MSA, experimentally-resolved and PAE bins; whether templates, torsion-angle rows and the PAE head exist |
+//! | parameter shapes (`infer`) | every channel, head and block count; relative-position, recycling, distogram, lDDT, masked-MSA, experimentally-resolved and PAE bins; whether templates, torsion-angle rows and the PAE head exist; from which arrays exist, AlphaFold-Multimer's block order and v3's fused triangle projections |
 //! | the preset ([`PresetSizes`], from [`crate::preset::Preset::sizes`]) | the structure module's iterations (`num_layer`, 8) and position scale (10): one shared set of weights, so no shape shows them |
 //! | the preset's feature sizes ([`crate::preset::Preset`]) | MSA clusters (512, or 508 with templates) and extra-MSA rows (5120 or 1024) |
 //! | constants beside their module, the same in every released monomer model | distogram bin edges (2.3125-21.6875 Å), recycled-distance bins (3.25-20.75 Å), template distogram bins (3.25-50.75 Å), the PAE head's largest error (31 Å), the masks' epsilons |
@@ -20,7 +20,8 @@ use std::collections::BTreeMap;
 use tch::Tensor;
 
 use crate::model::keys::{
-    EMBEDDINGS, EVOFORMER, EXTRA_MSA, ITERATION, PAIR_STACK, SINGLE_TEMPLATE, STRUCTURE_MODULE, TEMPLATE_EMBEDDING,
+    EMBEDDINGS, EVOFORMER, EXTRA_MSA, FUSED_TRIANGLE_PROJECTION, ITERATION, MULTIMER_RELATIVE_ENCODING, PAIR_STACK,
+    SINGLE_TEMPLATE, STRUCTURE_MODULE, TEMPLATE_EMBEDDING,
 };
 use crate::model::{ensure, Error, Result};
 
@@ -55,6 +56,14 @@ pub struct EvoformerConfig {
     pub num_blocks: i64,
     /// Extra-MSA blocks (4).
     pub num_extra_blocks: i64,
+    /// Whether each Evoformer block starts with the outer product mean (AlphaFold-Multimer's
+    /// block order, `outer_product_mean.first`) rather than running it after the MSA
+    /// transition (the monomer's, Algorithm 6).
+    pub outer_product_mean_first: bool,
+    /// Whether the triangle multiplications store their left and right projections and gates
+    /// fused (`projection`, `gate` [c_z, 2c]: AlphaFold-Multimer v3's files,
+    /// `fuse_projection_weights`) rather than as four layers.
+    pub fused_triangle_projections: bool,
 }
 
 impl Default for EvoformerConfig {
@@ -74,6 +83,8 @@ impl Default for EvoformerConfig {
             transition_factor: 4,
             num_blocks: 48,
             num_extra_blocks: 4,
+            outer_product_mean_first: false,
+            fused_triangle_projections: false,
         }
     }
 }
@@ -97,19 +108,27 @@ impl EvoformerConfig {
             transition_factor: 2,
             num_blocks: 2,
             num_extra_blocks: 1,
+            outer_product_mean_first: false,
+            fused_triangle_projections: false,
         }
     }
 
     /// Reads the sizes from the shapes of AlphaFold-named arrays (stacked along a leading
     /// block dimension). Each size comes from one array that determines it; the model's
-    /// constructors then check every array against the result.
+    /// constructors then check every array against the result. The block order is
+    /// AlphaFold-Multimer's when the arrays have its relative encoding.
     pub fn infer(arrays: &BTreeMap<String, Tensor>) -> Result<Self> {
         let dims = |key: String, rank: usize| dims(arrays, key, rank);
         let e = |m: &str| format!("{EVOFORMER}/{m}");
         let row = dims(e("msa_row_attention_with_pair_bias/attention//query_w"), 4)?;
         let z = dims(e("msa_row_attention_with_pair_bias/feat_2d_norm//scale"), 2)?;
         let tri = dims(e("triangle_attention_starting_node/attention//query_w"), 4)?;
-        let mul = dims(e("triangle_multiplication_outgoing/left_projection//weights"), 3)?;
+        // Multimer v3 fuses the left and right projections into one of twice the width.
+        let fused = arrays.contains_key(FUSED_TRIANGLE_PROJECTION);
+        let tri_mul_channels = match fused {
+            true => dims(e("triangle_multiplication_outgoing/projection//weights"), 3)?[2] / 2,
+            false => dims(e("triangle_multiplication_outgoing/left_projection//weights"), 3)?[2],
+        };
         let opm = dims(e("outer_product_mean/left_projection//weights"), 3)?;
         let tr = dims(e("msa_transition/transition1//weights"), 3)?;
         let (c_m, c_z) = (row[1], z[1]);
@@ -138,11 +157,13 @@ impl EvoformerConfig {
             extra_head_dim,
             pair_heads: tri[2],
             pair_head_dim: tri[3],
-            tri_mul_channels: mul[2],
+            tri_mul_channels,
             opm_channels: opm[2],
             transition_factor: tr[2] / c_m,
             num_blocks: row[0],
             num_extra_blocks,
+            outer_product_mean_first: arrays.contains_key(MULTIMER_RELATIVE_ENCODING),
+            fused_triangle_projections: fused,
         })
     }
 }

@@ -20,7 +20,7 @@ use crate::model::exec::{ChunkOp, Exec};
 use crate::model::keys::EMBEDDINGS;
 use crate::model::layers::{chunked, LayerNorm, Linear, Stream};
 use crate::model::params::Params;
-use crate::model::scope::Builder;
+use crate::model::scope::{Builder, Scope};
 use crate::model::{ensure, Error, Result};
 
 /// Lower edge of the first bin of recycled pseudo-beta distances, Å (`prev_pos.min_bin`).
@@ -136,16 +136,74 @@ pub fn extra_msa_feat(extra_msa: &Tensor, has_deletion: &Tensor, deletion_value:
     )?)
 }
 
-/// Target and MSA features to the initial MSA and pair representations (Algorithm 3) plus
-/// the relative-position encoding (Algorithm 4).
-pub struct InputEmbedder {
+/// The target and MSA features' projections (Algorithm 3): the initial MSA representation and
+/// the pair's outer sum, shared by the monomer's [`InputEmbedder`] and AlphaFold-Multimer's
+/// (`crate::model::multimer`), which differ only in the relative encoding added to the pair.
+pub(crate) struct FeatureProjections {
     preprocess_1d: Linear,
     preprocess_msa: Linear,
     left_single: Linear,
     right_single: Linear,
-    pair_activiations: Linear,
     target_feat: i64,
     msa_feat: i64,
+}
+
+impl FeatureProjections {
+    /// The four projections under `p` (`alphafold/alphafold_iteration/evoformer`) from
+    /// `target_feat` and `msa_feat` channels.
+    pub(crate) fn build(p: &Scope, target_feat: i64, msa_feat: i64, c_m: i64, c_z: i64) -> Result<Self> {
+        Ok(FeatureProjections {
+            preprocess_1d: Linear::new(&p.sub("preprocess_1d"), target_feat, c_m, true)?,
+            preprocess_msa: Linear::new(&p.sub("preprocess_msa"), msa_feat, c_m, true)?,
+            left_single: Linear::new(&p.sub("left_single"), target_feat, c_z, true)?,
+            right_single: Linear::new(&p.sub("right_single"), target_feat, c_z, true)?,
+            target_feat,
+            msa_feat,
+        })
+    }
+
+    /// The residue count N of `target_feat` [N, target_feat] and `msa_feat` [S, N, msa_feat],
+    /// or the error naming the feature whose shape is wrong.
+    pub(crate) fn residues(&self, target_feat: &Tensor, msa_feat: &Tensor) -> Result<i64> {
+        let ts = target_feat.size();
+        if ts.len() != 2 || ts[1] != self.target_feat {
+            return Err(shape_error("target_feat", format!("[residues, {}]", self.target_feat), ts));
+        }
+        let n = ts[0];
+        let ms = msa_feat.size();
+        if ms.len() != 3 || ms[1] != n || ms[2] != self.msa_feat {
+            return Err(shape_error("msa_feat", format!("[sequences, {n}, {}]", self.msa_feat), ms));
+        }
+        Ok(n)
+    }
+
+    /// `target_feat` [N, target_feat] and `msa_feat` [S, N, msa_feat] to the MSA [S, N, c_m]
+    /// and pair [N, N, c_z] representations, the pair's rows `exec`'s
+    /// [`ChunkOp::PairEmbedding`] at a time with `relative(start, rows)` ([rows, N, c_z], the
+    /// embedded relative encoding of those rows) added.
+    pub(crate) fn embed(
+        &self,
+        target_feat: &Tensor,
+        msa_feat: &Tensor,
+        exec: &Exec,
+        relative: impl Fn(i64, i64) -> Result<Tensor>,
+    ) -> Result<(Tensor, Tensor)> {
+        let n = self.residues(target_feat, msa_feat)?;
+        let msa = self.preprocess_msa.forward(msa_feat)?.f_add(&self.preprocess_1d.forward(target_feat)?)?;
+        let left = self.left_single.forward(target_feat)?.f_unsqueeze(1)?;
+        let right = self.right_single.forward(target_feat)?.f_unsqueeze(0)?;
+        let pair = chunked(n, exec.chunk_for(ChunkOp::PairEmbedding), |start, rows| {
+            Ok(left.f_narrow(0, start, rows)?.f_add(&right)?.f_add(&relative(start, rows)?)?)
+        })?;
+        Ok((msa, pair))
+    }
+}
+
+/// Target and MSA features to the initial MSA and pair representations (Algorithm 3) plus
+/// the relative-position encoding (Algorithm 4).
+pub struct InputEmbedder {
+    features: FeatureProjections,
+    pair_activiations: Linear,
     max_relative: i64,
 }
 
@@ -158,15 +216,10 @@ impl InputEmbedder {
 
     pub(crate) fn build(b: &Builder, cfg: &EvoformerConfig, model: &ModelConfig) -> Result<Self> {
         let p = b.root(EMBEDDINGS);
-        let (tf, rel) = (model.target_feat, 2 * model.max_relative_feature + 1);
+        let rel = 2 * model.max_relative_feature + 1;
         Ok(InputEmbedder {
-            preprocess_1d: Linear::new(&p.sub("preprocess_1d"), tf, cfg.c_m, true)?,
-            preprocess_msa: Linear::new(&p.sub("preprocess_msa"), model.msa_feat, cfg.c_m, true)?,
-            left_single: Linear::new(&p.sub("left_single"), tf, cfg.c_z, true)?,
-            right_single: Linear::new(&p.sub("right_single"), tf, cfg.c_z, true)?,
+            features: FeatureProjections::build(&p, model.target_feat, model.msa_feat, cfg.c_m, cfg.c_z)?,
             pair_activiations: Linear::new(&p.sub("pair_activiations"), rel, cfg.c_z, true)?,
-            target_feat: tf,
-            msa_feat: model.msa_feat,
             max_relative: model.max_relative_feature,
         })
     }
@@ -186,28 +239,15 @@ impl InputEmbedder {
         residue_index: &Tensor,
         exec: &Exec,
     ) -> Result<(Tensor, Tensor)> {
-        let ts = target_feat.size();
-        if ts.len() != 2 || ts[1] != self.target_feat {
-            return Err(shape_error("target_feat", format!("[residues, {}]", self.target_feat), ts));
-        }
-        let n = ts[0];
-        let ms = msa_feat.size();
-        if ms.len() != 3 || ms[1] != n || ms[2] != self.msa_feat {
-            return Err(shape_error("msa_feat", format!("[sequences, {n}, {}]", self.msa_feat), ms));
-        }
+        let n = self.features.residues(target_feat, msa_feat)?;
         if residue_index.size() != [n] {
             return Err(shape_error("residue_index", format!("[{n}]"), residue_index.size()));
         }
-        let msa = self.preprocess_msa.forward(msa_feat)?.f_add(&self.preprocess_1d.forward(target_feat)?)?;
-        let left = self.left_single.forward(target_feat)?.f_unsqueeze(1)?;
-        let right = self.right_single.forward(target_feat)?.f_unsqueeze(0)?;
-        let pair = chunked(n, exec.chunk_for(ChunkOp::PairEmbedding), |start, rows| {
+        self.features.embed(target_feat, msa_feat, exec, |start, rows| {
             let rel =
                 relative_position_one_hot_rows(residue_index, start, rows, self.max_relative, target_feat.kind())?;
-            let rel = self.pair_activiations.forward(&rel)?;
-            Ok(left.f_narrow(0, start, rows)?.f_add(&right)?.f_add(&rel)?)
-        })?;
-        Ok((msa, pair))
+            self.pair_activiations.forward(&rel)
+        })
     }
 }
 

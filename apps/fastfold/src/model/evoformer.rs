@@ -21,6 +21,12 @@
 //! need it (FastFold's duality async; in backward the mirror image overlaps the gradient's
 //! all-to-all with the pair half's backward).
 //!
+//! With [`EvoformerConfig::outer_product_mean_first`] (AlphaFold-Multimer) the outer product
+//! mean runs first, on the block's input MSA moved to columns (one more all-to-all under DAP),
+//! and the rest of the block is the same. With
+//! [`EvoformerConfig::fused_triangle_projections`] (Multimer v3's files) the triangle
+//! multiplications read their fused arrays ([`TriangleMultiplication::fused`]).
+//!
 //! Dropout is inference-mode (off): training dropout is not implemented.
 //!
 //! With [`Exec::with_checkpointed_blocks`], a block whose inputs require gradients keeps none of
@@ -105,6 +111,7 @@ struct BlockLayers {
     tri_att_start: TriangleAttention,
     tri_att_end: TriangleAttention,
     pair_transition: Transition,
+    outer_product_mean_first: bool,
 }
 
 impl EvoformerBlock {
@@ -125,8 +132,10 @@ impl EvoformerBlock {
         };
         let tri_att =
             |name: &str, d: Direction| TriangleAttention::new(&p.sub(name), d, c_z, cfg.pair_heads, cfg.pair_head_dim);
-        let tri_mul =
-            |name: &str, d: Direction| TriangleMultiplication::new(&p.sub(name), d, c_z, cfg.tri_mul_channels);
+        let tri_mul = |name: &str, d: Direction| match cfg.fused_triangle_projections {
+            true => TriangleMultiplication::fused(&p.sub(name), d, c_z, cfg.tri_mul_channels),
+            false => TriangleMultiplication::new(&p.sub(name), d, c_z, cfg.tri_mul_channels),
+        };
         let layers = BlockLayers {
             row_attention: MsaRowAttentionWithPairBias::new(
                 &p.sub("msa_row_attention_with_pair_bias"),
@@ -143,6 +152,7 @@ impl EvoformerBlock {
             tri_att_start: tri_att("triangle_attention_starting_node", Direction::Outgoing)?,
             tri_att_end: tri_att("triangle_attention_ending_node", Direction::Incoming)?,
             pair_transition: Transition::new(&p.sub("pair_transition"), c_z, cfg.transition_factor)?,
+            outer_product_mean_first: cfg.outer_product_mean_first,
         };
         Ok(EvoformerBlock { layers: Arc::new(Mutex::new(layers)) })
     }
@@ -191,6 +201,12 @@ impl EvoformerBlock {
 impl BlockLayers {
     fn run(&self, mut msa: Stream, mut pair: Stream, masks: &BlockMasks, exec: &Exec) -> Result<(Stream, Stream)> {
         let dap = exec.dap();
+        if self.outer_product_mean_first {
+            // AlphaFold-Multimer's order: the outer product mean of the block's input MSA, in
+            // the column layout it reads (a copy under DAP; the block's MSA stays in rows).
+            let cols = dap.row_to_col(msa.get(), 0, 1)?;
+            self.outer_product_mean.update(&mut pair, &cols, &masks.msa_col, &masks.msa_full, exec)?;
+        }
         self.row_attention.update(&mut msa, &masks.msa_row, pair.get(), exec)?;
         let mut msa = msa.map(|m| Ok(dap.row_to_col(m, 0, 1)?))?;
         match &self.column_attention {
@@ -198,7 +214,9 @@ impl BlockLayers {
             ColumnAttention::Global(a) => a.update(&mut msa, &masks.msa_col, exec)?,
         }
         self.msa_transition.update(&mut msa, ChunkOp::MsaTransition, exec)?;
-        self.outer_product_mean.update(&mut pair, msa.get(), &masks.msa_col, &masks.msa_full, exec)?;
+        if !self.outer_product_mean_first {
+            self.outer_product_mean.update(&mut pair, msa.get(), &masks.msa_col, &masks.msa_full, exec)?;
+        }
         // The MSA is done for this block: send it back to rows while the pair half runs.
         let msa_owned = msa.is_owned();
         let msa = dap.col_to_row_async(&msa.into_inner(), 0, 1)?;

@@ -48,8 +48,14 @@ pub const SINGLE_TEMPLATE: &str =
     "alphafold/alphafold_iteration/evoformer/template_embedding/single_template_embedding";
 /// The template pair stack's (stacked) block.
 pub const PAIR_STACK: &str = "alphafold/alphafold_iteration/evoformer/template_embedding/single_template_embedding/template_pair_stack/__layer_stack_no_state";
+/// AlphaFold-Multimer's template pair stack's (stacked) block (`TemplateEmbeddingIteration`).
+pub const MULTIMER_TEMPLATE_STACK: &str =
+    "alphafold/alphafold_iteration/evoformer/template_embedding/single_template_embedding/template_embedding_iteration";
 /// The structure module.
 pub const STRUCTURE_MODULE: &str = "alphafold/alphafold_iteration/structure_module";
+/// AlphaFold-Multimer's embedding of relative positions within and across chains (haiku names
+/// the method `~_relative_encoding`; its one Linear is `position_activations`).
+pub const RELATIVE_ENCODING: &str = "alphafold/alphafold_iteration/evoformer/~_relative_encoding";
 /// The array only AlphaFold-Multimer's parameters have: the embedding of relative positions
 /// within and across chains (haiku names the method `~_relative_encoding`).
 pub const MULTIMER_RELATIVE_ENCODING: &str =
@@ -77,7 +83,9 @@ mod tests {
         child(EMBEDDINGS, TEMPLATE_EMBEDDING, "template_embedding");
         child(TEMPLATE_EMBEDDING, SINGLE_TEMPLATE, "single_template_embedding");
         child(SINGLE_TEMPLATE, PAIR_STACK, "template_pair_stack/__layer_stack_no_state");
-        assert!(MULTIMER_RELATIVE_ENCODING.starts_with(&format!("{EMBEDDINGS}/~_relative_encoding/")));
+        child(SINGLE_TEMPLATE, MULTIMER_TEMPLATE_STACK, "template_embedding_iteration");
+        child(EMBEDDINGS, RELATIVE_ENCODING, "~_relative_encoding");
+        assert_eq!(MULTIMER_RELATIVE_ENCODING, format!("{RELATIVE_ENCODING}/position_activations//weights"));
         assert!(FUSED_TRIANGLE_PROJECTION.starts_with(&format!("{EVOFORMER}/triangle_multiplication_outgoing/")));
     }
 }

@@ -43,6 +43,22 @@ impl Linear {
     pub fn bias(&self) -> Option<&Tensor> {
         self.bias.as_ref()
     }
+
+    /// The layer of outputs `[start, start + len)` alone, as views of this layer's arrays (so
+    /// gradients land in them): one half of a fused projection that stores two layers side
+    /// by side (AlphaFold-Multimer v3's triangle multiplications).
+    pub fn outputs(&self, start: i64, len: i64) -> Result<Linear> {
+        let out = self.weights.size()[1];
+        ensure!(
+            start >= 0 && len > 0 && start + len <= out,
+            "outputs {start}..{} of a layer with {out} outputs",
+            start + len
+        );
+        Ok(Linear {
+            weights: self.weights.f_narrow(1, start, len)?,
+            bias: self.bias.as_ref().map(|b| b.f_narrow(0, start, len)).transpose()?,
+        })
+    }
 }
 
 /// LayerNorm over the last dimension, arrays `scale` and `offset` (haiku's eps, 1e-5).

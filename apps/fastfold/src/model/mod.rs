@@ -16,7 +16,8 @@
 //! 3. Building blocks: [`attention`], then [`triangle`] and [`msa`].
 //! 4. Modules: [`embedders`], then [`heads`] and [`templates`] (which reuse embedder
 //!    helpers), [`evoformer`], [`structure`]; each builds itself at its `keys` root, from a
-//!    `&Params` or a `Builder`.
+//!    `&Params` or a `Builder`. [`multimer`]: AlphaFold-Multimer's own modules (reusing the
+//!    embedders' projections), not yet assembled into a model.
 //! 5. Assembly: `assemble` (creating and loading a [`Params`]: every module built over the
 //!    arrays, and the check that none went unused), [`recycling`] (how many passes run) and
 //!    [`alphafold`] (the whole model).
@@ -33,6 +34,7 @@ pub mod keys;
 pub mod layers;
 pub mod masked_rows;
 pub mod msa;
+pub mod multimer;
 pub mod params;
 pub mod recycling;
 pub mod scope;

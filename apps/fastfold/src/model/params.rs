@@ -35,6 +35,14 @@ impl Params {
         self
     }
 
+    /// The same arrays, their Evoformer blocks running the outer product mean `first`
+    /// (AlphaFold-Multimer's block order, for a file of the stacks alone, whose shapes cannot
+    /// tell; see [`EvoformerConfig::outer_product_mean_first`]).
+    pub fn with_outer_product_mean_first(mut self, first: bool) -> Params {
+        self.config.outer_product_mean_first = first;
+        self
+    }
+
     /// The same arrays converted to `kind` (e.g. bf16 for inference).
     pub fn to_kind(&self, kind: Kind) -> Result<Params> {
         let arrays = self.arrays.iter().map(|(k, t)| Ok((k.clone(), t.f_to_kind(kind)?))).collect::<Result<_>>()?;

@@ -243,35 +243,58 @@ pub fn pair_features(t: &TemplateFeatures) -> Result<Tensor> {
     Ok(features.f_mul(&backbone)?)
 }
 
-/// One block of the template pair stack (AlphaFold's order: triangle attentions first).
-struct TemplatePairBlock {
+/// One block of the template pair stack: AlphaFold's monomer order (triangle attentions
+/// first) or AlphaFold-Multimer's (`TemplateEmbeddingIteration`: the Evoformer's pair order,
+/// triangle multiplications first).
+pub(crate) struct TemplatePairBlock {
     tri_att_start: TriangleAttention,
     tri_att_end: TriangleAttention,
     tri_mul_out: TriangleMultiplication,
     tri_mul_in: TriangleMultiplication,
     pair_transition: Transition,
+    multiplications_first: bool,
 }
 
 impl TemplatePairBlock {
     fn new(p: &Scope, c: &TemplateConfig) -> Result<Self> {
+        Self::build(p, c, false, false)
+    }
+
+    /// AlphaFold-Multimer's block, its triangle multiplications with v3's fused arrays when
+    /// `fused` ([`TriangleMultiplication::fused`]).
+    pub(crate) fn multimer(p: &Scope, c: &TemplateConfig, fused: bool) -> Result<Self> {
+        Self::build(p, c, true, fused)
+    }
+
+    fn build(p: &Scope, c: &TemplateConfig, multiplications_first: bool, fused: bool) -> Result<Self> {
         let att = |name: &str, d| TriangleAttention::new(&p.sub(name), d, c.c_t, c.pair_heads, c.pair_head_dim);
-        let mul = |name: &str, d| TriangleMultiplication::new(&p.sub(name), d, c.c_t, c.tri_mul_channels);
+        let mul = |name: &str, d| match fused {
+            true => TriangleMultiplication::fused(&p.sub(name), d, c.c_t, c.tri_mul_channels),
+            false => TriangleMultiplication::new(&p.sub(name), d, c.c_t, c.tri_mul_channels),
+        };
         Ok(TemplatePairBlock {
             tri_att_start: att("triangle_attention_starting_node", Direction::Outgoing)?,
             tri_att_end: att("triangle_attention_ending_node", Direction::Incoming)?,
             tri_mul_out: mul("triangle_multiplication_outgoing", Direction::Outgoing)?,
             tri_mul_in: mul("triangle_multiplication_incoming", Direction::Incoming)?,
             pair_transition: Transition::new(&p.sub("pair_transition"), c.c_t, c.transition_factor)?,
+            multiplications_first,
         })
     }
 
     /// Updates `x` [N, N, c_t] of one template, `mask` [N, N], whole on this rank (`exec`
     /// without DAP).
-    fn run(&self, x: &mut Stream, mask: &Tensor, exec: &Exec) -> Result<()> {
+    pub(crate) fn run(&self, x: &mut Stream, mask: &Tensor, exec: &Exec) -> Result<()> {
+        if self.multiplications_first {
+            self.tri_mul_out.update(x, mask, exec)?;
+            self.tri_mul_in.update(x, mask, exec)?;
+        }
         self.tri_att_start.update(x, mask, exec)?;
         self.tri_att_end.update(x, mask, exec)?;
-        self.tri_mul_out.update(x, mask, exec)?;
-        self.tri_mul_in.update(x, mask, exec)?;
+        if !self.multiplications_first {
+            self.tri_mul_out.update(x, mask, exec)?;
+            self.tri_mul_in.update(x, mask, exec)?;
+        }
         self.pair_transition.update(x, ChunkOp::PairTransition, exec)
     }
 }

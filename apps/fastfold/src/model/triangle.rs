@@ -75,7 +75,9 @@ fn chunk_dim(direction: Direction) -> i64 {
 }
 
 impl TriangleMultiplication {
-    /// Pair width `c_z`, intermediate width `c`.
+    /// Pair width `c_z`, intermediate width `c`, with AlphaFold 2's and Multimer v1/v2's
+    /// arrays: `layer_norm_input`, `left_projection`, `right_projection`, `left_gate`,
+    /// `right_gate`, `center_layer_norm`, `output_projection`, `gating_linear`.
     pub fn new(p: &Scope, direction: Direction, c_z: i64, c: i64) -> Result<Self> {
         Ok(TriangleMultiplication {
             direction,
@@ -85,6 +87,27 @@ impl TriangleMultiplication {
             left_gate: Linear::new(&p.sub("left_gate"), c_z, c, true)?,
             right_gate: Linear::new(&p.sub("right_gate"), c_z, c, true)?,
             center_layer_norm: LayerNorm::new(&p.sub("center_layer_norm"), c)?,
+            output_projection: Linear::new(&p.sub("output_projection"), c, c_z, true)?,
+            gating_linear: Linear::new(&p.sub("gating_linear"), c_z, c_z, true)?,
+            kernels: p.kernels(),
+        })
+    }
+
+    /// As [`TriangleMultiplication::new`], with Multimer v3's arrays
+    /// (`fuse_projection_weights`): `left_norm_input`, `projection` and `gate` [c_z, 2c]
+    /// holding the left (first `c` outputs) and right layers side by side, `center_norm`,
+    /// `output_projection`, `gating_linear`. The same computation: the halves are views.
+    pub fn fused(p: &Scope, direction: Direction, c_z: i64, c: i64) -> Result<Self> {
+        let projection = Linear::new(&p.sub("projection"), c_z, 2 * c, true)?;
+        let gate = Linear::new(&p.sub("gate"), c_z, 2 * c, true)?;
+        Ok(TriangleMultiplication {
+            direction,
+            layer_norm_input: LayerNorm::new(&p.sub("left_norm_input"), c_z)?,
+            left_projection: projection.outputs(0, c)?,
+            right_projection: projection.outputs(c, c)?,
+            left_gate: gate.outputs(0, c)?,
+            right_gate: gate.outputs(c, c)?,
+            center_layer_norm: LayerNorm::new(&p.sub("center_norm"), c)?,
             output_projection: Linear::new(&p.sub("output_projection"), c, c_z, true)?,
             gating_linear: Linear::new(&p.sub("gating_linear"), c_z, c_z, true)?,
             kernels: p.kernels(),

@@ -1,0 +1,69 @@
+//! AlphaFold-Multimer's network (Evans et al. 2021; DeepMind's
+//! `alphafold/model/modules_multimer.py`), piece by piece under AlphaFold's parameter names.
+//! What differs from the monomer model lives here; what is the same is reused from the
+//! monomer's modules.
+//!
+//! | piece | AlphaFold | here |
+//! |---|---|---|
+//! | input embedding: `target_feat` one-hot of 21 classes, relative encoding over chains | `EmbeddingsAndEvoformer._relative_encoding`, `preprocess_1d`, `preprocess_msa`, `left_single`, `right_single` | [`relpos`] |
+//! | `msa_feat` and the extra-MSA feature from the sampled MSA's classes and deletions | `create_msa_feat`, `create_extra_msa_feature` | [`msa_feat`](mod@msa_feat) |
+//! | Evoformer block with the outer product mean first | `EvoformerIteration`, `outer_product_mean.first` | [`crate::model::EvoformerConfig::outer_product_mean_first`] |
+//! | v3's fused triangle-multiplication projections | `TriangleMultiplication`, `fuse_projection_weights` | [`crate::model::triangle::TriangleMultiplication::fused`] |
+//! | the template pair stack's input: each pair feature (unit vectors from backbone frames included) through its own Linear, plus the normalised query | `SingleTemplateEmbedding`'s `construct_input` | [`templates`] |
+//! | the whole template embedding: the pair stack (the monomer's blocks in the Evoformer's pair order), `output_layer_norm`, the mean over templates, ReLU, `output_linear` | `TemplateEmbedding`, `TemplateEmbeddingIteration` | [`templates::MultimerTemplates`] |
+//! | the templates' MSA rows from their residue types and chi angles | `template_embedding_1d`, `all_atom_multimer.compute_chi_angles` | [`template_rows`] |
+//! | ipTM, pTM and the ranking `0.8 ipTM + 0.2 pTM` | `confidence.predicted_tm_score(..., asym_id)` | [`crate::confidence`] |
+//!
+//! Not yet here: the structure module of
+//! `folding_multimer.py`, the assembled model (with in-network MSA sampling); `fastfold
+//! predict` refuses multimer parameter files until they are.
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use tch::Tensor;
+
+use crate::model::params::read_arrays;
+use crate::model::scope::{Builder, Mode};
+use crate::model::{ensure, Error, Result};
+
+pub mod msa_feat;
+pub mod relpos;
+pub mod template_rows;
+pub mod templates;
+
+pub use msa_feat::{extra_msa_feat, msa_feat};
+pub use relpos::{relative_encoding, ChainIds, MultimerInputEmbedder};
+pub use template_rows::{chi_angles, MultimerTemplateRows};
+pub use templates::{MultimerTemplates, TemplateAtoms, TemplateBatch, TemplatePairEmbedding};
+
+/// The arrays of a parameter file (`.npz` or `.safetensors`) for building one module over
+/// them: `size(key, dim)` reads a width from the shapes (an error naming the key and the
+/// file), then `builder()` checks every array the module asks for.
+struct Arrays {
+    arrays: BTreeMap<String, Tensor>,
+    file: String,
+}
+
+impl Arrays {
+    fn open(path: &Path) -> Result<Arrays> {
+        Ok(Arrays { arrays: read_arrays(path)?.into_iter().collect(), file: path.display().to_string() })
+    }
+
+    /// Dimension `dim` of the array `key`, which must have `rank` dimensions.
+    fn size(&self, key: &str, rank: usize, dim: usize) -> Result<i64> {
+        let file = &self.file;
+        let t = self.arrays.get(key).ok_or_else(|| Error::Missing { key: key.into(), file: Some(file.clone()) })?;
+        let size = t.size();
+        ensure!(size.len() == rank, "parameter {key}: expected {rank} dimensions, found shape {size:?} (in {file})");
+        Ok(size[dim])
+    }
+
+    /// Whether the file has the array `key`.
+    fn contains(&self, key: &str) -> bool {
+        self.arrays.contains_key(key)
+    }
+
+    fn builder(self) -> Builder {
+        Builder::new(Mode::Load, self.arrays, Some(self.file))
+    }
+}

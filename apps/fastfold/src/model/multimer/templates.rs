@@ -1,0 +1,354 @@
+//! AlphaFold-Multimer's template embedding (`TemplateEmbedding` in `modules_multimer.py`):
+//! each template's pair features embedded ([`TemplatePairEmbedding`]), through the template
+//! pair stack (`template_embedding_iteration`, stacked: the monomer's blocks in the
+//! Evoformer's pair order, with v3's fused triangle projections when the arrays have them)
+//! and `output_layer_norm`; the sum over templates (padding ones too) divided by their
+//! number, ReLU, and `output_linear` back to the pair width ([`MultimerTemplates`]). Unlike
+//! the monomer's there is no attention over templates.
+//!
+//! The stack's input (`SingleTemplateEmbedding`'s `construct_input`) is each pair feature of
+//! one template through a Linear of its own, `template_pair_embedding_<i>` under
+//! `alphafold/alphafold_iteration/evoformer/template_embedding/single_template_embedding`,
+//! summed with the normalised query pair (`query_embedding_norm`, then Linear 8):
+//!
+//! | i | feature | channels |
+//! |---|---|---|
+//! | 0 | pseudo-beta distogram (39 bins, 3.25-50.75 Å), times the pseudo-beta pair mask | 39 |
+//! | 1 | pseudo-beta pair mask (pseudo-beta from the atoms: C-beta, C-alpha for glycine) | scalar |
+//! | 2, 3 | residue `j`'s and residue `i`'s template type, one-hot | 22 each |
+//! | 4, 5, 6 | x, y, z of the unit vector from residue `i`'s backbone frame to `j`'s C-alpha, times the backbone pair mask | scalar each |
+//! | 7 | backbone pair mask (N, C-alpha and C all present at both residues) | scalar |
+//! | 8 | the query pair, LayerNorm | c_z |
+//!
+//! Every distance-based feature and mask is zero between chains (`asym_id` differs): each
+//! chain's templates are its own. A scalar feature's "Linear" (haiku's `num_input_dims=0`)
+//! has `weights` [c_t] and `bias` [c_t]: `x w + b`.
+//!
+//! The backbone frame is `Rot3Array.from_two_vectors(C - CA, N - CA)` at CA, its vectors
+//! normalised as AlphaFold's `Vec3Array.normalized` does (by `sqrt(max(|v|², 1e-12))`, so a
+//! residue without atoms gives a zero frame and zero unit vectors, not NaN). A residue's own
+//! C-alpha in its own frame is exactly zero here, as in DeepMind's code run op by op;
+//! jit-compiled (inside `TemplateEmbedding`'s scan) XLA's fused arithmetic leaves a rounding
+//! residue there that normalises to an arbitrary unit vector, and the embedding changes with it
+//! (by 5% of its largest value on the test's fixture), so the comparison is with the op-by-op
+//! run.
+use std::path::Path;
+
+use tch::{Kind, Tensor};
+
+use crate::model::config::TemplateConfig;
+use crate::model::embedders::{distance_one_hot, pseudo_beta, shape_error, CA, CB, GLYCINE};
+use crate::model::exec::{Exec, Stage};
+use crate::model::keys::{MULTIMER_TEMPLATE_STACK, SINGLE_TEMPLATE, TEMPLATE_EMBEDDING};
+use crate::model::layers::{LayerNorm, Linear, Stream};
+use crate::model::multimer::Arrays;
+use crate::model::scope::{Builder, Init, Scope};
+use crate::model::templates::TemplatePairBlock;
+use crate::model::{Error, Result};
+
+/// Template distogram bins (`dgram_features`: 39 bins, lower edges 3.25 to 50.75 Å).
+pub const DGRAM_BINS: i64 = 39;
+const DGRAM_MIN: f64 = 3.25;
+const DGRAM_MAX: f64 = 50.75;
+/// Classes of the template residue one-hot (20 amino acids, unknown, gap).
+pub const TEMPLATE_CLASSES: i64 = 22;
+/// atom37 indices of the backbone's N and C.
+const N_ATOM: i64 = 0;
+const C_ATOM: i64 = 2;
+/// `Vec3Array.norm`'s clipping: the norm is at least 1e-6.
+const NORM_EPSILON: f64 = 1e-6;
+
+/// A Linear from a scalar feature (haiku's `num_input_dims=0`): `x w + b`, `w`, `b` [c].
+struct ScalarLinear {
+    weights: Tensor,
+    bias: Tensor,
+}
+
+impl ScalarLinear {
+    fn new(p: &Scope, c: i64) -> Result<Self> {
+        Ok(ScalarLinear {
+            weights: p.param("weights", &[c], Init::Weight { fan_in: 1 })?,
+            bias: p.param("bias", &[c], Init::Small)?,
+        })
+    }
+
+    /// `x` [..] → [.., c].
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.f_unsqueeze(-1)?.f_mul(&self.weights)?.f_add(&self.bias)?)
+    }
+}
+
+/// One template's atoms: `aatype` [N] (classes 0-21), `positions` [N, 37, 3] (Å), `mask`
+/// [N, 37].
+pub struct TemplateAtoms<'a> {
+    /// Residue types.
+    pub aatype: &'a Tensor,
+    /// atom37 positions.
+    pub positions: &'a Tensor,
+    /// atom37 masks.
+    pub mask: &'a Tensor,
+}
+
+/// The multimer template pair embedding (see the module docs).
+pub struct TemplatePairEmbedding {
+    dgram: Linear,
+    pseudo_beta_mask: ScalarLinear,
+    aatype_j: Linear,
+    aatype_i: Linear,
+    unit_vector: [ScalarLinear; 3],
+    backbone_mask: ScalarLinear,
+    query: Linear,
+    query_embedding_norm: LayerNorm,
+    c_z: i64,
+}
+
+impl TemplatePairEmbedding {
+    /// The embedding over the arrays of an AlphaFold-Multimer parameter file (`.npz` or
+    /// `.safetensors`; arrays of other modules are left alone), its widths read from the
+    /// shapes; a missing or mis-shaped array is an error naming the key and the file.
+    pub fn load(path: impl AsRef<Path>) -> Result<Self> {
+        let arrays = Arrays::open(path.as_ref())?;
+        let c_z = arrays.size(&format!("{SINGLE_TEMPLATE}/query_embedding_norm//scale"), 1, 0)?;
+        let c_t = arrays.size(&format!("{SINGLE_TEMPLATE}/template_pair_embedding_0//weights"), 2, 1)?;
+        Self::build(&arrays.builder(), c_z, c_t)
+    }
+
+    /// Builds (or, with an initialising builder, creates the arrays of) the embedding from
+    /// `c_z` query pair channels to `c_t` template channels.
+    pub(crate) fn build(b: &Builder, c_z: i64, c_t: i64) -> Result<Self> {
+        let p = b.root(SINGLE_TEMPLATE);
+        let at = |i: usize| p.sub(&format!("template_pair_embedding_{i}"));
+        Ok(TemplatePairEmbedding {
+            dgram: Linear::new(&at(0), DGRAM_BINS, c_t, true)?,
+            pseudo_beta_mask: ScalarLinear::new(&at(1), c_t)?,
+            aatype_j: Linear::new(&at(2), TEMPLATE_CLASSES, c_t, true)?,
+            aatype_i: Linear::new(&at(3), TEMPLATE_CLASSES, c_t, true)?,
+            unit_vector: [
+                ScalarLinear::new(&at(4), c_t)?,
+                ScalarLinear::new(&at(5), c_t)?,
+                ScalarLinear::new(&at(6), c_t)?,
+            ],
+            backbone_mask: ScalarLinear::new(&at(7), c_t)?,
+            query: Linear::new(&at(8), c_z, c_t, true)?,
+            query_embedding_norm: LayerNorm::new(&p.sub("query_embedding_norm"), c_z)?,
+            c_z,
+        })
+    }
+
+    /// The template stack's input [N, N, c_t] for one template's atoms, the query pair
+    /// [N, N, c_z] and the residues' chains `asym_id` [N].
+    pub fn forward(&self, query: &Tensor, template: &TemplateAtoms, asym_id: &Tensor) -> Result<Tensor> {
+        let n = match template.aatype.size().as_slice() {
+            [n] => *n,
+            _ => return Err(shape_error("template_aatype", "[residues]".into(), template.aatype.size())),
+        };
+        if query.size() != [n, n, self.c_z] {
+            return Err(shape_error("query pair", format!("[{n}, {n}, {}]", self.c_z), query.size()));
+        }
+        if template.mask.size() != [n, 37] {
+            return Err(shape_error("template_all_atom_mask", format!("[{n}, 37]"), template.mask.size()));
+        }
+        if asym_id.size() != [n] {
+            return Err(shape_error("asym_id", format!("[{n}]"), asym_id.size()));
+        }
+        let kind = query.kind();
+        let f = pair_features(template, asym_id, kind)?;
+        let mut act = self.dgram.forward(&f.dgram)?;
+        act = act.f_add(&self.pseudo_beta_mask.forward(&f.pseudo_beta_mask)?)?;
+        act = act.f_add(&self.aatype_j.forward(&f.aatype.f_unsqueeze(0)?)?)?;
+        act = act.f_add(&self.aatype_i.forward(&f.aatype.f_unsqueeze(1)?)?)?;
+        for (layer, v) in self.unit_vector.iter().zip(&f.unit_vector) {
+            act = act.f_add(&layer.forward(v)?)?;
+        }
+        act = act.f_add(&self.backbone_mask.forward(&f.backbone_mask)?)?;
+        Ok(act.f_add(&self.query.forward(&self.query_embedding_norm.forward(query)?)?)?)
+    }
+}
+
+/// Every template of a complex: `aatype` [T, N], `positions` [T, N, 37, 3], `mask` [T, N, 37]
+/// (AlphaFold's `template_aatype`, `template_all_atom_positions`, `template_all_atom_mask`;
+/// padding templates all zero).
+pub struct TemplateBatch<'a> {
+    /// Residue types.
+    pub aatype: &'a Tensor,
+    /// atom37 positions.
+    pub positions: &'a Tensor,
+    /// atom37 masks.
+    pub mask: &'a Tensor,
+}
+
+/// The whole multimer template embedding (see the module docs).
+pub struct MultimerTemplates {
+    pair_embedding: TemplatePairEmbedding,
+    blocks: Vec<TemplatePairBlock>,
+    output_layer_norm: LayerNorm,
+    output_linear: Linear,
+}
+
+impl MultimerTemplates {
+    /// The template embedding over the arrays of an AlphaFold-Multimer parameter file, its
+    /// sizes read from the shapes (v3's fused triangle projections when the file has them); a
+    /// missing or mis-shaped array is an error naming the key and the file.
+    pub fn load(path: impl AsRef<Path>) -> Result<Self> {
+        let arrays = Arrays::open(path.as_ref())?;
+        let key = |module: &str, name: &str| format!("{MULTIMER_TEMPLATE_STACK}/{module}//{name}");
+        let c_z = arrays.size(&format!("{SINGLE_TEMPLATE}/query_embedding_norm//scale"), 1, 0)?;
+        let att = |dim| arrays.size(&key("triangle_attention_starting_node/attention", "query_w"), 4, dim);
+        let (blocks, c_t, pair_heads, pair_head_dim) = (att(0)?, att(1)?, att(2)?, att(3)?);
+        let fused = arrays.contains(&key("triangle_multiplication_outgoing/projection", "weights"));
+        let tri_mul_channels = match fused {
+            true => arrays.size(&key("triangle_multiplication_outgoing/projection", "weights"), 3, 2)? / 2,
+            false => arrays.size(&key("triangle_multiplication_outgoing/left_projection", "weights"), 3, 2)?,
+        };
+        let hidden = arrays.size(&key("pair_transition/transition1", "weights"), 3, 2)?;
+        let config = TemplateConfig {
+            c_t,
+            blocks,
+            pair_heads,
+            pair_head_dim,
+            tri_mul_channels,
+            transition_factor: hidden / c_t.max(1),
+            attention_heads: 0,
+            attention_head_dim: 0,
+            torsion_angles: false,
+        };
+        Self::build(&arrays.builder(), &config, c_z, fused)
+    }
+
+    /// Builds (or, with an initialising builder, creates the arrays of) the embedding for the
+    /// pair width `c_z` and the template sizes `c` (its pointwise-attention and torsion sizes
+    /// unused), the stack's triangle multiplications `fused` or not.
+    pub(crate) fn build(b: &Builder, c: &TemplateConfig, c_z: i64, fused: bool) -> Result<Self> {
+        let blocks = (0..c.blocks)
+            .map(|i| TemplatePairBlock::multimer(&b.block(MULTIMER_TEMPLATE_STACK, i, c.blocks), c, fused))
+            .collect::<Result<_>>()?;
+        Ok(MultimerTemplates {
+            pair_embedding: TemplatePairEmbedding::build(b, c_z, c.c_t)?,
+            blocks,
+            output_layer_norm: LayerNorm::new(&b.root(SINGLE_TEMPLATE).sub("output_layer_norm"), c.c_t)?,
+            output_linear: Linear::new(&b.root(TEMPLATE_EMBEDDING).sub("output_linear"), c.c_t, c_z, true)?,
+        })
+    }
+
+    /// The templates' update [N, N, c_z] of the query pair `query` [N, N, c_z], the stack
+    /// masked by `pair_mask` [N, N] (padding residues), the features by the chains `asym_id`
+    /// [N]. Every rank runs it whole (`exec`'s chunk sizes, not its DAP group), one template
+    /// at a time.
+    pub fn forward(
+        &self,
+        query: &Tensor,
+        templates: &TemplateBatch,
+        pair_mask: &Tensor,
+        asym_id: &Tensor,
+        exec: &Exec,
+    ) -> Result<Tensor> {
+        let size = templates.aatype.size();
+        let (count, n) = match size.as_slice() {
+            [t, n] if *t > 0 => (*t, *n),
+            _ => return Err(shape_error("template_aatype", "[templates (at least 1), residues]".into(), size)),
+        };
+        for (what, t, want) in [
+            ("template_all_atom_positions", templates.positions, vec![count, n, 37, 3]),
+            ("template_all_atom_mask", templates.mask, vec![count, n, 37]),
+            ("pair mask", pair_mask, vec![n, n]),
+        ] {
+            if t.size() != want {
+                return Err(shape_error(what, format!("{want:?}"), t.size()));
+            }
+        }
+        let exec = exec.without_dap().in_stage(Stage::Templates);
+        let mask = pair_mask.f_to_kind(query.kind())?;
+        let mut sum: Option<Tensor> = None;
+        for i in 0..count {
+            let atoms = TemplateAtoms {
+                aatype: &templates.aatype.f_select(0, i)?,
+                positions: &templates.positions.f_select(0, i)?,
+                mask: &templates.mask.f_select(0, i)?,
+            };
+            let mut x = Stream::new(self.pair_embedding.forward(query, &atoms, asym_id)?, true);
+            for block in &self.blocks {
+                block.run(&mut x, &mask, &exec)?;
+            }
+            let embedded = self.output_layer_norm.forward(x.get())?;
+            sum = Some(match sum {
+                Some(s) => s.f_add(&embedded)?,
+                None => embedded,
+            });
+        }
+        let sum = sum.ok_or_else(|| Error::Invalid("template_aatype: no templates".into()))?;
+        let mean = sum.f_div_scalar(count as f64)?;
+        self.output_linear.forward(&mean.f_relu()?)
+    }
+}
+
+/// One template's pair features (the module docs' table, without the query).
+struct PairFeatures {
+    /// [N, N, 39], masked.
+    dgram: Tensor,
+    /// [N, N].
+    pseudo_beta_mask: Tensor,
+    /// [N, 22] (broadcast over `i` or `j` by the caller).
+    aatype: Tensor,
+    /// x, y, z, each [N, N], masked.
+    unit_vector: [Tensor; 3],
+    /// [N, N].
+    backbone_mask: Tensor,
+}
+
+fn pair_features(t: &TemplateAtoms, asym_id: &Tensor, kind: Kind) -> Result<PairFeatures> {
+    let outer = |m: &Tensor| -> Result<Tensor> { Ok(m.f_unsqueeze(1)?.f_mul(&m.f_unsqueeze(0)?)?) };
+    let same_chain = asym_id.f_unsqueeze(1)?.f_eq_tensor(&asym_id.f_unsqueeze(0)?)?.f_to_kind(kind)?;
+    let positions = t.positions.f_to_kind(kind)?;
+    let mask = t.mask.f_to_kind(kind)?;
+    let aatype = t.aatype.f_to_kind(Kind::Int64)?;
+
+    let pb = pseudo_beta(&aatype, &positions)?;
+    let gly = aatype.f_eq(GLYCINE)?;
+    let pb_mask = mask.f_select(1, CA)?.f_where_self(&gly, &mask.f_select(1, CB)?)?;
+    let pb_mask_2d = outer(&pb_mask)?.f_mul(&same_chain)?;
+    let dgram = distance_one_hot(&pb, DGRAM_BINS, DGRAM_MIN, DGRAM_MAX)?.f_mul(&pb_mask_2d.f_unsqueeze(-1)?)?;
+
+    let atom = |i: i64| positions.f_select(1, i);
+    let (n_xyz, ca, c_xyz) = (atom(N_ATOM)?, atom(CA)?, atom(C_ATOM)?);
+    let backbone = mask.f_select(1, N_ATOM)?.f_mul(&mask.f_select(1, CA)?)?.f_mul(&mask.f_select(1, C_ATOM)?)?;
+    let backbone_2d = outer(&backbone)?.f_mul(&same_chain)?;
+    // Rot3Array.from_two_vectors(C - CA, N - CA): the frame's axes e0, e1, e2 [N, 3].
+    let e0 = normalized(&c_xyz.f_sub(&ca)?)?;
+    let e1 = n_xyz.f_sub(&ca)?;
+    let e1 = normalized(&e1.f_sub(&e0.f_mul(&dot(&e1, &e0)?.f_unsqueeze(-1)?)?)?)?;
+    let e2 = e0.f_cross(&e1, -1)?;
+    // rigid_i⁻¹(CA_j) = R_iᵀ CA_j - R_iᵀ CA_i, per axis: e_i · CA_j - e_i · CA_i, both dot
+    // products summed in the same order (x, y, z), so that the diagonal is exactly zero (a
+    // rounding residue there would normalise to a unit vector).
+    let (ca_i, ca_j) = (ca.f_unsqueeze(1)?, ca.f_unsqueeze(0)?);
+    let local = [e0, e1, e2]
+        .iter()
+        .map(|e| {
+            let e = e.f_unsqueeze(1)?;
+            Ok(dot(&e, &ca_j)?.f_sub(&dot(&e, &ca_i)?)?)
+        })
+        .collect::<Result<Vec<Tensor>>>()?;
+    let norm2 = local.iter().try_fold(Tensor::f_zeros_like(&local[0])?, |acc, v| acc.f_add(&v.f_square()?))?;
+    let norm = norm2.f_clamp_min(NORM_EPSILON * NORM_EPSILON)?.f_sqrt()?;
+    let unit = |i: usize| -> Result<Tensor> { Ok(local[i].f_div(&norm)?.f_mul(&backbone_2d)?) };
+    Ok(PairFeatures {
+        dgram,
+        pseudo_beta_mask: pb_mask_2d,
+        aatype: aatype.f_one_hot(TEMPLATE_CLASSES)?.f_to_kind(kind)?,
+        unit_vector: [unit(0)?, unit(1)?, unit(2)?],
+        backbone_mask: backbone_2d,
+    })
+}
+
+/// `a · b` over the last dimension (of 3, broadcast), as `Vec3Array.dot`: `x x' + y y' + z z'`
+/// added left to right.
+fn dot(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let term = |i: i64| -> Result<Tensor> { Ok(a.f_select(-1, i)?.f_mul(&b.f_select(-1, i)?)?) };
+    Ok(term(0)?.f_add(&term(1)?)?.f_add(&term(2)?)?)
+}
+
+/// `v / max(|v|, 1e-6)` over the last dimension (`Vec3Array.normalized`).
+fn normalized(v: &Tensor) -> Result<Tensor> {
+    let norm = dot(v, v)?.f_clamp_min(NORM_EPSILON * NORM_EPSILON)?.f_sqrt()?;
+    Ok(v.f_div(&norm.f_unsqueeze(-1)?)?)
+}
