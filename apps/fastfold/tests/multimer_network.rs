@@ -4,7 +4,9 @@
 //! the input embedding with the relative encoding over chains, one Evoformer block with the
 //! outer product mean first (with the monomer's triangle projections and with v3's fused
 //! ones), the template pair stack's input and v3's whole template embedding, the templates'
-//! chi angles and MSA rows, and pTM, ipTM and the ranking confidence.
+//! chi angles and MSA rows, pTM, ipTM and the ranking confidence, and the structure module
+//! (its invariant point attention on random frames, every fold iteration's frames and
+//! torsions, the final atoms).
 mod common;
 
 use std::collections::HashMap;
@@ -12,9 +14,10 @@ use std::path::PathBuf;
 
 use engine::parallel::dap::Dap;
 use fastfold::confidence::{multimer_ranking_confidence, predicted_tm_score_of_chains};
+use fastfold::geometry::Rigid;
 use fastfold::model::multimer::{
-    chi_angles, extra_msa_feat, msa_feat, relative_encoding, ChainIds, MultimerInputEmbedder, MultimerTemplateRows,
-    MultimerTemplates, TemplateAtoms, TemplateBatch, TemplatePairEmbedding,
+    chi_angles, extra_msa_feat, load_structure_module, msa_feat, relative_encoding, ChainIds, MultimerInputEmbedder,
+    MultimerTemplateRows, MultimerTemplates, TemplateAtoms, TemplateBatch, TemplatePairEmbedding,
 };
 use fastfold::model::{EvoformerStack, Exec, Params};
 use tch::{Kind, Tensor};
@@ -194,4 +197,59 @@ fn iptm_ptm_and_ranking_equal_alphafold_confidence() {
     assert!((iptm - ptm).abs() > 1e-3, "the interface score is not the whole-complex score");
     let e = predicted_tm_score_of_chains(&f["logits"], 31.0, &f["mask"].narrow(0, 0, 3), None).unwrap_err();
     assert!(e.to_string().contains("residue weights"), "{e}");
+}
+
+#[test]
+fn invariant_point_attention_equals_alphafold_multimer() {
+    let f = arrays("structure_module.npz");
+    let module = load_structure_module(fixture("structure_module_params.npz"), 8).unwrap();
+    let frames = Rigid { rot: f["ipa_rot"].shallow_clone(), trans: f["ipa_trans"].shallow_clone() };
+    let out = tch::no_grad(|| {
+        module.invariant_point_attention(&f["ipa_act"], &f["ipa_pair"], &f["ipa_mask"], &frames).unwrap()
+    });
+    common::assert_close("invariant point attention", &out, &f["ipa_out"], TOLERANCE);
+}
+
+/// Rows `dim` of `t` of the residues `seq_mask` keeps: a padding residue's attention is
+/// uniform in exact arithmetic, but its logits sit near -1e5 where fp32 keeps about three
+/// digits, so both implementations' padding rows are rounding noise of different draws (its
+/// activations differ by 1e-3 after the first iteration here); AlphaFold masks them later.
+fn real_residues(t: &Tensor, seq_mask: &Tensor, dim: i64) -> Tensor {
+    t.index_select(dim, &seq_mask.nonzero().squeeze_dim(-1))
+}
+
+#[test]
+fn structure_module_equals_alphafold_multimer() {
+    let f = arrays("structure_module.npz");
+    let module = load_structure_module(fixture("structure_module_params.npz"), 8).unwrap();
+    let mask = &f["seq_mask"];
+    assert_eq!(mask.sum(Kind::Float).double_value(&[]), 15.0, "one padding residue");
+    for chunk in [None, Some(5)] {
+        let out = tch::no_grad(|| module.run(&f["single"], &f["pair"], &f["aatype"], mask, chunk).unwrap());
+        let check = |what: &str, got: &Tensor, want: &Tensor, dim: i64| {
+            let (got, want) = (real_residues(got, mask, dim), real_residues(want, mask, dim));
+            common::assert_close(&format!("{what} (chunk {chunk:?})"), &got, &want, TOLERANCE);
+        };
+        // AlphaFold's `traj`: [iterations, N, 3, 4], the rotation matrix with the translation as
+        // a fourth column. The first iteration alone (one fold iteration from identity
+        // frames), then all of them.
+        let traj = &f["traj"];
+        check("iteration 1 rotations", &out.rotations.get(0), &traj.get(0).narrow(-1, 0, 3), 0);
+        check("iteration 1 translations", &out.translations.get(0), &traj.get(0).select(-1, 3), 0);
+        check("rotations", &out.rotations, &traj.narrow(-1, 0, 3), 1);
+        check("translations", &out.translations, &traj.select(-1, 3), 1);
+        check("angles", &out.angles, &f["angles"], 1);
+        check("unnormalized angles", &out.unnormalized_angles, &f["unnormalized_angles"], 1);
+        let last = f["sc_frames"].get(-1);
+        check("rigid-group rotations", &out.frames.rot, &last.narrow(-1, 0, 3), 0);
+        check("rigid-group translations", &out.frames.trans, &last.select(-1, 3), 0);
+        check("atom14", &out.atom14, &f["final_atom14_positions"], 0);
+        check("atom37", &out.atom37, &f["final_atom_positions"], 0);
+        check("single", &out.single, &f["act"], 0);
+        // The padding residue's atoms are masked, as AlphaFold-Multimer's.
+        common::assert_close("atom37 mask", &out.atom37_mask, &f["final_atom_mask"], 0.0);
+        common::assert_close("padding atom37", &out.atom37.get(15), &f["final_atom_positions"].get(15), 0.0);
+    }
+    let e = load_structure_module(fixture("template_rows_params.npz"), 8).err().unwrap().to_string();
+    assert!(e.contains("trainable_point_weights") && e.contains("template_rows_params.npz"), "{e}");
 }

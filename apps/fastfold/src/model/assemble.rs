@@ -14,7 +14,7 @@ use crate::model::heads::Heads;
 use crate::model::keys::{EVOFORMER, EXTRA_MSA, MULTIMER_RELATIVE_ENCODING};
 use crate::model::params::{read_arrays, Params};
 use crate::model::scope::{Builder, Mode};
-use crate::model::structure::StructureModule;
+use crate::model::structure::{StructureModule, Variant};
 use crate::model::templates::Templates;
 use crate::model::{Error, Result};
 
@@ -118,7 +118,7 @@ fn build(builder: &Builder, config: &EvoformerConfig, model: Option<&ModelConfig
         if let Some(t) = &model.templates {
             Templates::build(builder, t, config.c_z, config.c_m)?;
         }
-        StructureModule::build(builder, &model.structure)?;
+        StructureModule::build(builder, &model.structure, Variant::Monomer)?;
     }
     Ok(())
 }

@@ -23,6 +23,20 @@ impl Linear {
         Ok(Linear { weights, bias })
     }
 
+    /// Arrays `weights` [c_in, heads, per_head] and, with `bias`, `bias` [heads, per_head]
+    /// (haiku's Linear with a two-dimensional output, as AlphaFold-Multimer's invariant point
+    /// attention stores its projections), read as one layer of `heads * per_head` outputs.
+    pub fn per_head(p: &Scope, c_in: i64, heads: i64, per_head: i64, bias: bool) -> Result<Self> {
+        let out = heads * per_head;
+        let weights =
+            p.param("weights", &[c_in, heads, per_head], Init::Weight { fan_in: c_in })?.f_reshape([c_in, out])?;
+        let bias = match bias {
+            true => Some(p.param("bias", &[heads, per_head], Init::Small)?.f_reshape([out])?),
+            false => None,
+        };
+        Ok(Linear { weights, bias })
+    }
+
     /// Applies the layer to the last dimension of `x`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let mut y = self.matmul(x)?;

@@ -15,6 +15,9 @@
 //! place the eight rigid groups of every residue (`torsion_angles_to_frames`) and the atoms
 //! at their literature positions in those groups (atom14), then in the atom37 layout.
 //!
+//! AlphaFold-Multimer's module (`folding_multimer.py`, [`Variant::Multimer`]) is the same
+//! maths under other names and bookkeeping: see [`crate::model::multimer::structure`].
+//!
 //! Activations keep the parameters' kind (bf16 inference); the geometry — quaternions,
 //! frames, points, attention over points, atom positions — is computed in fp32.
 use tch::{Kind, Tensor};
@@ -32,12 +35,34 @@ fn fp32(t: &Tensor) -> Result<Tensor> {
     Ok(t.f_to_kind(Kind::Float)?)
 }
 
+/// Which of DeepMind's two structure modules a module follows; they share the maths but
+/// not the parameter layout, the backbone update's bookkeeping or every epsilon.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Variant {
+    /// `folding.py`: the backbone kept as quaternions, renormalised after each update.
+    Monomer,
+    /// `folding_multimer.py`: the backbone kept as rotation matrices, each update composed
+    /// onto them (`QuatRigid`); the invariant point attention's projections per head.
+    Multimer,
+}
+
+/// The projections of the invariant point attention in each variant's parameter layout.
+enum IpaProjections {
+    /// `q_scalar`, `kv_scalar` (with biases), `q_point_local`, `kv_point_local` (all x, then
+    /// all y, then all z).
+    Monomer { q_scalar: Linear, kv_scalar: Linear, q_point_local: Linear, kv_point_local: Linear },
+    /// `{q,k,v}_scalar_projection` (no biases) and `{q,k,v}_point_projection/point_projection`
+    /// (per head: its x, then y, then z), weights [c_s, heads, width].
+    Multimer { q_scalar: Linear, k_scalar: Linear, v_scalar: Linear, q_point: Linear, k_point: Linear, v_point: Linear },
+}
+
+/// Scalar queries [N, H, C] (the activations' kind), keys and values [N, H, C] and query,
+/// key and value points [N, H, P, 3] in global coordinates (fp32).
+type Projected = (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor);
+
 /// Invariant point attention (Algorithm 22).
 struct InvariantPointAttention {
-    q_scalar: Linear,
-    kv_scalar: Linear,
-    q_point_local: Linear,
-    kv_point_local: Linear,
+    projections: IpaProjections,
     trainable_point_weights: Tensor,
     attention_2d: Linear,
     output_projection: Linear,
@@ -45,14 +70,32 @@ struct InvariantPointAttention {
 }
 
 impl InvariantPointAttention {
-    fn new(p: &Scope, c: &StructureConfig) -> Result<Self> {
+    fn new(p: &Scope, c: &StructureConfig, variant: Variant) -> Result<Self> {
         let (h, s) = (c.heads, c.c_s);
         let out_in = h * c.c_ipa + h * c.v_points * 4 + h * c.c_z;
+        let projections = match variant {
+            Variant::Monomer => IpaProjections::Monomer {
+                q_scalar: Linear::new(&p.sub("q_scalar"), s, h * c.c_ipa, true)?,
+                kv_scalar: Linear::new(&p.sub("kv_scalar"), s, 2 * h * c.c_ipa, true)?,
+                q_point_local: Linear::new(&p.sub("q_point_local"), s, 3 * h * c.qk_points, true)?,
+                kv_point_local: Linear::new(&p.sub("kv_point_local"), s, 3 * h * (c.qk_points + c.v_points), true)?,
+            },
+            Variant::Multimer => {
+                let points = |name: &str, per_head: i64| {
+                    Linear::per_head(&p.sub(name).sub("point_projection"), s, h, 3 * per_head, true)
+                };
+                IpaProjections::Multimer {
+                    q_scalar: Linear::per_head(&p.sub("q_scalar_projection"), s, h, c.c_ipa, false)?,
+                    k_scalar: Linear::per_head(&p.sub("k_scalar_projection"), s, h, c.c_ipa, false)?,
+                    v_scalar: Linear::per_head(&p.sub("v_scalar_projection"), s, h, c.c_ipa, false)?,
+                    q_point: points("q_point_projection", c.qk_points)?,
+                    k_point: points("k_point_projection", c.qk_points)?,
+                    v_point: points("v_point_projection", c.v_points)?,
+                }
+            }
+        };
         Ok(InvariantPointAttention {
-            q_scalar: Linear::new(&p.sub("q_scalar"), s, h * c.c_ipa, true)?,
-            kv_scalar: Linear::new(&p.sub("kv_scalar"), s, 2 * h * c.c_ipa, true)?,
-            q_point_local: Linear::new(&p.sub("q_point_local"), s, 3 * h * c.qk_points, true)?,
-            kv_point_local: Linear::new(&p.sub("kv_point_local"), s, 3 * h * (c.qk_points + c.v_points), true)?,
+            projections,
             trainable_point_weights: p.param("trainable_point_weights", &[h], Init::Small)?,
             attention_2d: Linear::new(&p.sub("attention_2d"), c.c_z, h, true)?,
             output_projection: Linear::new(&p.sub("output_projection"), out_in, s, true)?,
@@ -60,16 +103,67 @@ impl InvariantPointAttention {
         })
     }
 
-    /// Points `[N, 3 * H * P]` (x block, y block, z block, as haiku splits them) in the local
-    /// frames to global points [N, H, P, 3] (fp32, nm).
-    fn global_points(&self, local: &Tensor, frames: &Rigid, per_head: i64) -> Result<Tensor> {
+    /// Local points `[N, H, P, 3]` to global ones (fp32, nm).
+    fn to_global(local: &Tensor, frames: &Rigid) -> Result<Tensor> {
+        let rot = frames.rot.f_unsqueeze(1)?.f_unsqueeze(1)?;
+        let trans = frames.trans.f_unsqueeze(1)?.f_unsqueeze(1)?;
+        Ok(rot.f_matmul(&local.f_unsqueeze(-1)?)?.f_squeeze_dim(-1)?.f_add(&trans)?)
+    }
+
+    /// Monomer points `[N, 3 * H * P]` (x block, y block, z block, as haiku splits them) in
+    /// the local frames to global points [N, H, P, 3] (fp32, nm).
+    fn monomer_points(&self, local: &Tensor, frames: &Rigid, per_head: i64) -> Result<Tensor> {
         let n = local.size()[0];
         let h = self.cfg.heads;
-        let xyz = fp32(local)?.f_reshape([n, 3, h * per_head])?.f_transpose(1, 2)?; // [N, H*P, 3]
-        let rot = frames.rot.f_unsqueeze(1)?;
-        let trans = frames.trans.f_unsqueeze(1)?;
-        let global = rot.f_matmul(&xyz.f_unsqueeze(-1)?)?.f_squeeze_dim(-1)?.f_add(&trans)?;
-        Ok(global.f_reshape([n, h, per_head, 3])?)
+        let xyz = fp32(local)?.f_reshape([n, 3, h, per_head])?.f_permute([0, 2, 3, 1])?;
+        Self::to_global(&xyz, frames)
+    }
+
+    /// Multimer points `[N, H * 3 * P]` (per head x, y, z blocks, `PointProjection`'s split)
+    /// to global points [N, H, P, 3] (fp32, nm).
+    fn multimer_points(&self, local: &Tensor, frames: &Rigid, per_head: i64) -> Result<Tensor> {
+        let n = local.size()[0];
+        let xyz = fp32(local)?.f_reshape([n, self.cfg.heads, 3, per_head])?.f_transpose(2, 3)?;
+        Self::to_global(&xyz, frames)
+    }
+
+    fn project(&self, single: &Tensor, frames: &Rigid) -> Result<Projected> {
+        let c = &self.cfg;
+        let (n, h) = (single.size()[0], c.heads);
+        let heads = |t: Tensor| t.f_reshape([n, h, c.c_ipa]);
+        Ok(match &self.projections {
+            IpaProjections::Monomer { q_scalar, kv_scalar, q_point_local, kv_point_local } => {
+                let kv = kv_scalar.forward(single)?.f_reshape([n, h, 2 * c.c_ipa])?;
+                let kv_pts = self.monomer_points(&kv_point_local.forward(single)?, frames, c.qk_points + c.v_points)?;
+                (
+                    heads(q_scalar.forward(single)?)?,
+                    fp32(&kv.f_narrow(-1, 0, c.c_ipa)?)?,
+                    fp32(&kv.f_narrow(-1, c.c_ipa, c.c_ipa)?)?,
+                    self.monomer_points(&q_point_local.forward(single)?, frames, c.qk_points)?,
+                    kv_pts.f_narrow(2, 0, c.qk_points)?,
+                    kv_pts.f_narrow(2, c.qk_points, c.v_points)?,
+                )
+            }
+            IpaProjections::Multimer { q_scalar, k_scalar, v_scalar, q_point, k_point, v_point } => (
+                heads(q_scalar.forward(single)?)?,
+                fp32(&heads(k_scalar.forward(single)?)?)?,
+                fp32(&heads(v_scalar.forward(single)?)?)?,
+                self.multimer_points(&q_point.forward(single)?, frames, c.qk_points)?,
+                self.multimer_points(&k_point.forward(single)?, frames, c.qk_points)?,
+                self.multimer_points(&v_point.forward(single)?, frames, c.v_points)?,
+            ),
+        })
+    }
+
+    /// The norm of each attended point in its query's frame: `folding.py` adds 1e-8 to the
+    /// squared norm, `folding_multimer.py` clips it at (1e-8)² (`Vec3Array.norm(1e-8)`).
+    fn point_norm(&self, local: &Tensor) -> Result<Tensor> {
+        let norm2 = local.f_square()?.f_sum_dim_intlist(-1, false, Kind::Float)?;
+        let norm2 = match self.projections {
+            IpaProjections::Monomer { .. } => norm2.f_add_scalar(1e-8)?,
+            IpaProjections::Multimer { .. } => norm2.f_clamp_min(1e-16)?,
+        };
+        Ok(norm2.f_sqrt()?)
     }
 
     /// `single` [N, c_s], `pair` [N, N, c_z], `mask` [N], frames in nm → [N, c_s]; the
@@ -85,19 +179,21 @@ impl InvariantPointAttention {
         let c = &self.cfg;
         let (n, h) = (single.size()[0], c.heads);
         let kind = single.kind();
-        let q = self.q_scalar.forward(single)?.f_reshape([n, h, c.c_ipa])?;
-        let kv = self.kv_scalar.forward(single)?.f_reshape([n, h, 2 * c.c_ipa])?;
-        let (k, v) = (fp32(&kv.f_narrow(-1, 0, c.c_ipa)?)?, fp32(&kv.f_narrow(-1, c.c_ipa, c.c_ipa)?)?);
-        let q_pts = self.global_points(&self.q_point_local.forward(single)?, frames, c.qk_points)?;
-        let kv_pts = self.global_points(&self.kv_point_local.forward(single)?, frames, c.qk_points + c.v_points)?;
-        let k_pts = kv_pts.f_narrow(2, 0, c.qk_points)?;
-        let v_pts = kv_pts.f_narrow(2, c.qk_points, c.v_points)?;
+        let (q, k, v, q_pts, k_pts, v_pts) = self.project(single, frames)?;
 
-        // Each of the three logit terms gets a third of the variance.
-        let scalar_w = (1.0 / (3.0 * c.c_ipa.max(1) as f64)).sqrt();
+        // Each of the three logit terms gets a third of the variance: `folding.py` scales each
+        // term, then subtracts the mask's 1e5; `folding_multimer.py` scales their masked sum.
+        // In fp32 a logit near 1e5 keeps about 3 digits, so a padding query's attention
+        // (uniform in exact arithmetic) depends on which.
+        let third = (1.0f64 / 3.0).sqrt();
+        let (term_scale, logit_scale) = match self.projections {
+            IpaProjections::Monomer { .. } => (third, 1.0),
+            IpaProjections::Multimer { .. } => (1.0, third),
+        };
+        let scalar_w = (1.0 / c.c_ipa.max(1) as f64).sqrt() * term_scale;
         let point_var = c.qk_points.max(1) as f64 * 9.0 / 2.0;
         let point_w =
-            fp32(&self.trainable_point_weights)?.f_softplus()?.f_mul_scalar((1.0 / (3.0 * point_var)).sqrt())?;
+            fp32(&self.trainable_point_weights)?.f_softplus()?.f_mul_scalar((1.0 / point_var).sqrt() * term_scale)?;
         let m = fp32(mask)?;
         let features = chunked(n, chunk, |start, rows| {
             let q = fp32(&q.f_narrow(0, start, rows)?)?;
@@ -108,10 +204,13 @@ impl InvariantPointAttention {
             let points = dist2.f_mul(&point_w)?.f_mul_scalar(-0.5)?.f_permute([2, 0, 1])?;
             drop(dist2);
             let pair = pair.f_narrow(0, start, rows)?;
-            let bias =
-                fp32(&self.attention_2d.forward(&pair)?)?.f_permute([2, 0, 1])?.f_mul_scalar((1.0f64 / 3.0).sqrt())?;
+            let bias = fp32(&self.attention_2d.forward(&pair)?)?.f_permute([2, 0, 1])?.f_mul_scalar(term_scale)?;
             let mask_2d = m.f_narrow(0, start, rows)?.f_unsqueeze(1)?.f_mul(&m.f_unsqueeze(0)?)?;
-            let logits = scalar.f_add(&points)?.f_add(&bias)?.f_sub(&mask_2d.f_rsub_scalar(1.0)?.f_mul_scalar(1e5)?)?;
+            let logits = scalar
+                .f_add(&points)?
+                .f_add(&bias)?
+                .f_sub(&mask_2d.f_rsub_scalar(1.0)?.f_mul_scalar(1e5)?)?
+                .f_mul_scalar(logit_scale)?;
             drop((scalar, points, bias, mask_2d));
             let attn = logits.f_softmax(-1, Kind::Float)?; // [H, n, Nj]
             drop(logits);
@@ -126,7 +225,7 @@ impl InvariantPointAttention {
                 .f_transpose(-1, -2)?
                 .f_matmul(&flat.f_sub(&trans.f_unsqueeze(1)?)?.f_unsqueeze(-1)?)?
                 .f_squeeze_dim(-1)?; // [n, H*Pv, 3]
-            let norm = local.f_square()?.f_sum_dim_intlist(-1, false, Kind::Float)?.f_add_scalar(1e-8)?.f_sqrt()?;
+            let norm = self.point_norm(&local)?;
             let over_pair = Tensor::f_einsum("hij,ijc->ihc", &[&attn, &fp32(&pair)?], None::<&[i64]>)?
                 .f_reshape([rows, h * c.c_z])?;
             Ok(Tensor::f_cat(
@@ -267,9 +366,10 @@ pub struct StructureModule {
     attention_layer_norm: LayerNorm,
     transitions: Vec<Linear>,
     transition_layer_norm: LayerNorm,
-    affine_update: Linear,
+    backbone_update: Linear,
     sidechain: AngleResnet,
     cfg: StructureConfig,
+    variant: Variant,
 }
 
 impl StructureModule {
@@ -286,27 +386,31 @@ impl StructureModule {
             "the structure module needs at least 1 iteration, not {}",
             preset.structure_iterations
         );
-        Self::build(&params.builder(), &params.model_config()?.structure.with_preset(preset))
+        Self::build(&params.builder(), &params.model_config()?.structure.with_preset(preset), Variant::Monomer)
     }
 
     /// Builds (or, with an initialising builder, creates the arrays of) the module.
-    pub(crate) fn build(b: &Builder, c: &StructureConfig) -> Result<Self> {
+    pub(crate) fn build(b: &Builder, c: &StructureConfig, variant: Variant) -> Result<Self> {
         let p = b.root(STRUCTURE_MODULE);
         let f = p.sub("fold_iteration");
         Ok(StructureModule {
             single_layer_norm: LayerNorm::new(&p.sub("single_layer_norm"), c.c_s)?,
             initial_projection: Linear::new(&p.sub("initial_projection"), c.c_s, c.c_s, true)?,
             pair_layer_norm: LayerNorm::new(&p.sub("pair_layer_norm"), c.c_z)?,
-            ipa: InvariantPointAttention::new(&f.sub("invariant_point_attention"), c)?,
+            ipa: InvariantPointAttention::new(&f.sub("invariant_point_attention"), c, variant)?,
             attention_layer_norm: LayerNorm::new(&f.sub("attention_layer_norm"), c.c_s)?,
             transitions: ["transition", "transition_1", "transition_2"]
                 .iter()
                 .map(|name| Linear::new(&f.sub(name), c.c_s, c.c_s, true))
                 .collect::<Result<_>>()?,
             transition_layer_norm: LayerNorm::new(&f.sub("transition_layer_norm"), c.c_s)?,
-            affine_update: Linear::new(&f.sub("affine_update"), c.c_s, 6, true)?,
+            backbone_update: match variant {
+                Variant::Monomer => Linear::new(&f.sub("affine_update"), c.c_s, 6, true)?,
+                Variant::Multimer => Linear::new(&f.sub("quat_rigid").sub("rigid"), c.c_s, 6, true)?,
+            },
             sidechain: AngleResnet::new(&f.sub("rigid_sidechain"), c)?,
             cfg: *c,
+            variant,
         })
     }
 
@@ -365,13 +469,11 @@ impl StructureModule {
         let initial = self.single_layer_norm.forward(single)?;
         let pair = self.pair_layer_norm.forward(pair)?;
         let mut act = self.initial_projection.forward(&initial)?;
-        let opts = (Kind::Float, device);
-        let mut quaternion = Tensor::f_cat(&[Tensor::f_ones([n, 1], opts)?, Tensor::f_zeros([n, 3], opts)?], 1)?;
-        let mut translation = Tensor::f_zeros([n, 3], opts)?;
+        let mut backbone = Backbone::identity(n, self.variant, device)?;
         let (mut rotations, mut translations, mut angles, mut raw_angles) = (vec![], vec![], vec![], vec![]);
         let mut last_frames = None;
         for i in 0..self.cfg.layers {
-            let frames = Rigid::from_quaternion(&quaternion, &translation);
+            let frames = backbone.frames();
             act = act.f_add(&self.ipa.forward(&act, &pair, seq_mask, &frames, chunk)?)?;
             act = self.attention_layer_norm.forward(&act)?;
             let input = act.shallow_clone();
@@ -382,17 +484,8 @@ impl StructureModule {
                 }
             }
             act = self.transition_layer_norm.forward(&act.f_add(&input)?)?;
-            // Backbone update: q <- q + q * (0, b, c, d), t <- t + R(q) (x, y, z), then the
-            // quaternion is renormalised (inside `from_quaternion`).
-            let update = fp32(&self.affine_update.forward(&act)?)?;
-            let v = update.f_narrow(1, 0, 3)?;
-            let pure = Tensor::f_cat(&[v.f_zeros_like()?.f_narrow(1, 0, 1)?, v], 1)?;
-            quaternion = quaternion.f_add(&quaternion_product(&quaternion, &pure)?)?;
-            quaternion =
-                quaternion.f_div(&quaternion.f_square()?.f_sum_dim_intlist(-1, true, Kind::Float)?.f_sqrt()?)?;
-            translation = translation
-                .f_add(&frames.rot.f_matmul(&update.f_narrow(1, 3, 3)?.f_unsqueeze(-1)?)?.f_squeeze_dim(-1)?)?;
-            let updated = Rigid::from_quaternion(&quaternion, &translation);
+            backbone = backbone.updated(&frames, &fp32(&self.backbone_update.forward(&act)?)?)?;
+            let updated = backbone.frames();
             let scaled =
                 Rigid { rot: updated.rot.shallow_clone(), trans: updated.trans.f_mul_scalar(self.cfg.position_scale)? };
             let (normalized, raw) = self.sidechain.forward(&act, &initial)?;
@@ -405,13 +498,18 @@ impl StructureModule {
             }
             // Rotations do not carry gradients into the next iteration (AlphaFold's
             // stop_gradient on the rotation), translations do.
-            quaternion = quaternion.f_detach()?;
+            backbone = backbone.detach_rotation()?;
         }
         let (backbone, torsions) =
             last_frames.ok_or_else(|| Error::Invalid("the structure module has no iterations".into()))?;
         let frames = torsion_angles_to_frames(&tables, &aatype, &backbone, &torsions)?;
         let atom14 = frames_to_atom14(&tables, &aatype, &frames)?;
-        let (atom37, atom37_mask) = atom14_to_atom37(&tables, &aatype, &atom14)?;
+        let (mut atom37, mut atom37_mask) = atom14_to_atom37(&tables, &aatype, &atom14)?;
+        if self.variant == Variant::Multimer {
+            // `folding_multimer.py` masks the padding residues' atoms too.
+            atom37_mask = atom37_mask.f_mul(&fp32(seq_mask)?.f_unsqueeze(-1)?)?;
+            atom37 = atom37.f_mul(&atom37_mask.f_unsqueeze(-1)?)?;
+        }
         Ok(StructureOutput {
             single: act,
             rotations: Tensor::f_stack(&rotations, 0)?,
@@ -422,6 +520,71 @@ impl StructureModule {
             atom14,
             atom37,
             atom37_mask,
+        })
+    }
+}
+
+/// The backbone frames between fold iterations (translations in nm).
+enum Backbone {
+    /// `folding.py`'s `QuatAffine`: unit quaternions and translations [N, 3].
+    Quaternion { quaternion: Tensor, translation: Tensor },
+    /// `folding_multimer.py`'s `Rigid3Array`: rotation matrices and translations.
+    Frames(Rigid),
+}
+
+impl Backbone {
+    /// Identity frames of `n` residues.
+    fn identity(n: i64, variant: Variant, device: tch::Device) -> Result<Backbone> {
+        let opts = (Kind::Float, device);
+        let translation = Tensor::f_zeros([n, 3], opts)?;
+        Ok(match variant {
+            Variant::Monomer => Backbone::Quaternion {
+                quaternion: Tensor::f_cat(&[Tensor::f_ones([n, 1], opts)?, Tensor::f_zeros([n, 3], opts)?], 1)?,
+                translation,
+            },
+            Variant::Multimer => {
+                let rot = Tensor::f_eye(3, opts)?.f_expand([n, 3, 3], false)?.f_contiguous()?;
+                Backbone::Frames(Rigid { rot, trans: translation })
+            }
+        })
+    }
+
+    fn frames(&self) -> Rigid {
+        match self {
+            Backbone::Quaternion { quaternion, translation } => Rigid::from_quaternion(quaternion, translation),
+            Backbone::Frames(f) => Rigid { rot: f.rot.shallow_clone(), trans: f.trans.shallow_clone() },
+        }
+    }
+
+    /// The backbone after `update` [N, 6] (a quaternion's vector part `(b, c, d)`, then a
+    /// translation, both in the current `frames`): the monomer's `q + q (0, b, c, d)`,
+    /// renormalised, and `t + R (x, y, z)`; Multimer's `QuatRigid`, the frames composed with
+    /// the rigid of the normalised `(1, b, c, d)` and `(x, y, z)` (the same rotation, kept as
+    /// a matrix rather than a quaternion).
+    fn updated(&self, frames: &Rigid, update: &Tensor) -> Result<Backbone> {
+        let v = update.f_narrow(1, 0, 3)?;
+        let t = update.f_narrow(1, 3, 3)?;
+        Ok(match self {
+            Backbone::Quaternion { quaternion, translation } => {
+                let pure = Tensor::f_cat(&[v.f_zeros_like()?.f_narrow(1, 0, 1)?, v], 1)?;
+                let q = quaternion.f_add(&quaternion_product(quaternion, &pure)?)?;
+                let q = q.f_div(&q.f_square()?.f_sum_dim_intlist(-1, true, Kind::Float)?.f_sqrt()?)?;
+                let translation = translation.f_add(&frames.rot.f_matmul(&t.f_unsqueeze(-1)?)?.f_squeeze_dim(-1)?)?;
+                Backbone::Quaternion { quaternion: q, translation }
+            }
+            Backbone::Frames(f) => {
+                let q = Tensor::f_cat(&[v.f_ones_like()?.f_narrow(1, 0, 1)?, v], 1)?;
+                Backbone::Frames(f.compose(&Rigid::from_quaternion(&q, &t)))
+            }
+        })
+    }
+
+    fn detach_rotation(self) -> Result<Backbone> {
+        Ok(match self {
+            Backbone::Quaternion { quaternion, translation } => {
+                Backbone::Quaternion { quaternion: quaternion.f_detach()?, translation }
+            }
+            Backbone::Frames(f) => Backbone::Frames(Rigid { rot: f.rot.f_detach()?, trans: f.trans }),
         })
     }
 }

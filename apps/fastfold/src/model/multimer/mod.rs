@@ -13,10 +13,10 @@
 //! | the whole template embedding: the pair stack (the monomer's blocks in the Evoformer's pair order), `output_layer_norm`, the mean over templates, ReLU, `output_linear` | `TemplateEmbedding`, `TemplateEmbeddingIteration` | [`templates::MultimerTemplates`] |
 //! | the templates' MSA rows from their residue types and chi angles | `template_embedding_1d`, `all_atom_multimer.compute_chi_angles` | [`template_rows`] |
 //! | ipTM, pTM and the ranking `0.8 ipTM + 0.2 pTM` | `confidence.predicted_tm_score(..., asym_id)` | [`crate::confidence`] |
+//! | the structure module: invariant point attention with per-head projections, `QuatRigid`'s backbone update, `position_scale` 20 | `folding_multimer.StructureModule` | [`structure`] |
 //!
-//! Not yet here: the structure module of
-//! `folding_multimer.py`, the assembled model (with in-network MSA sampling); `fastfold
-//! predict` refuses multimer parameter files until they are.
+//! Not yet here: the structure module's loss, the assembled model (with in-network MSA
+//! sampling); `fastfold predict` refuses multimer parameter files until they are.
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -28,11 +28,13 @@ use crate::model::{ensure, Error, Result};
 
 pub mod msa_feat;
 pub mod relpos;
+pub mod structure;
 pub mod template_rows;
 pub mod templates;
 
 pub use msa_feat::{extra_msa_feat, msa_feat};
 pub use relpos::{relative_encoding, ChainIds, MultimerInputEmbedder};
+pub use structure::{load_structure_module, MULTIMER_POSITION_SCALE};
 pub use template_rows::{chi_angles, MultimerTemplateRows};
 pub use templates::{MultimerTemplates, TemplateAtoms, TemplateBatch, TemplatePairEmbedding};
 
