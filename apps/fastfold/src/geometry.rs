@@ -131,7 +131,16 @@ mod tests {
 
     #[test]
     fn frames_from_three_points_are_proper_rotations() {
-        let (n, ca, c) = (Tensor::randn([6, 3], F), Tensor::randn([6, 3], F), Tensor::randn([6, 3], F));
+        // Fixed, well-spread points (unseeded random ones were now and then nearly collinear,
+        // where a frame's rounding exceeds any fixed tolerance). Backbone-like: C 1.5 A from
+        // CA along a varying direction, N off that line.
+        let at = |f: &dyn Fn(f64) -> [f64; 3]| {
+            let v: Vec<f32> = (0..6).flat_map(|i| f(i as f64).map(|x| x as f32)).collect();
+            Tensor::from_slice(&v).view([6, 3])
+        };
+        let ca = at(&|i| [(1.3 * i).sin() * 4.0, (0.7 * i).cos() * 3.0, i - 2.5]);
+        let c = &ca + at(&|i| [1.5 * (0.9 * i).cos(), 1.5 * (0.9 * i).sin(), 0.3]);
+        let n = &ca + at(&|i| [-0.4 * (0.5 * i).sin(), 1.2, 0.8 * (1.1 * i).cos() - 0.5]);
         let r = Rigid::from_three_points(&n, &ca, &c, 1e-8);
         let eye = Tensor::eye(3, F).expand([6, 3, 3], false);
         assert!(close(&r.rot.transpose(-1, -2).matmul(&r.rot), &eye, 1e-5), "orthonormal");
