@@ -165,17 +165,10 @@ impl TemplatePairEmbedding {
     }
 }
 
-/// Every template of a complex: `aatype` [T, N], `positions` [T, N, 37, 3], `mask` [T, N, 37]
-/// (AlphaFold's `template_aatype`, `template_all_atom_positions`, `template_all_atom_mask`;
-/// padding templates all zero).
-pub struct TemplateBatch<'a> {
-    /// Residue types.
-    pub aatype: &'a Tensor,
-    /// atom37 positions.
-    pub positions: &'a Tensor,
-    /// atom37 masks.
-    pub mask: &'a Tensor,
-}
+/// Every template of a complex: [`TemplateAtoms`] with a leading template axis, `aatype`
+/// [T, N], `positions` [T, N, 37, 3], `mask` [T, N, 37] (AlphaFold's `template_aatype`,
+/// `template_all_atom_positions`, `template_all_atom_mask`; padding templates all zero).
+pub type TemplateBatch<'a> = TemplateAtoms<'a>;
 
 /// The whole multimer template embedding (see the module docs).
 pub struct MultimerTemplates {
