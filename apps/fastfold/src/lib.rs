@@ -24,3 +24,4 @@ pub mod search;
 pub mod train;
 pub mod train_data;
 pub mod train_parallel;
+pub mod validation;

@@ -1,0 +1,192 @@
+//! `fastfold train`'s periodic validation on held-out chains (`--val-mmcif-dir`,
+//! `--val-alignment-dir`, in OpenFold's layout like the training chains), as OpenFold
+//! validates with `--val_data_dir` and `--val_alignment_dir`: lDDT-Cα of the last pass and
+//! every loss term, their means over the chains, with the moving average of the weights when
+//! one is kept (what AlphaFold and OpenFold evaluate), without gradients.
+//!
+//! Each chain is prepared once, before the first step, by the eval pipeline: no MSA block
+//! deletion, no templates, `--val-recycles` recycling passes (AlphaFold's eval: 3), the whole
+//! chain (or, with `--val-crop-size`, a crop of it drawn once from the seed and the chain's
+//! place in the list), the MSA sampling and masking drawn from the seed and that place. The
+//! same weights then give the same result every time.
+//!
+//! Under DAP the ranks of a group compute each chain together; every group (every
+//! data-parallel replica) validates every chain, in the same order, so that no collective
+//! beyond the model's own is needed and every rank holds the same result: the validation set
+//! is small next to training, and this keeps its record identical whatever the layout of ranks.
+use std::path::PathBuf;
+
+use anyhow::Context;
+use tch::Device;
+
+use crate::loss::StepLoss;
+use crate::train::{layout_example, Target, Trainer};
+use crate::train_data::args::TrainDataArgs;
+use crate::train_data::example::{load, prepare_with_recycles, Pipeline};
+use crate::train_data::layout;
+use crate::train_data::transforms::BlockDeletion;
+
+/// Validation options of `fastfold train`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ValArgs {
+    /// Held-out chains' mmCIF entries (OpenFold's `--val_data_dir`), validated after the last
+    /// step and every --val-every steps; the training filters apply but --train-list.
+    #[arg(long, requires = "val_alignment_dir")]
+    pub val_mmcif_dir: Option<PathBuf>,
+    /// The held-out chains' alignments, one folder per chain (OpenFold's `--val_alignment_dir`).
+    #[arg(long, requires = "val_mmcif_dir")]
+    pub val_alignment_dir: Option<PathBuf>,
+    /// Validate every this many steps (and after the last).
+    #[arg(long, requires = "val_mmcif_dir", value_parser = engine::parse::count(1..))]
+    pub val_every: Option<usize>,
+    /// Validate on the first this many chains (in name order) only.
+    #[arg(long, requires = "val_mmcif_dir", value_parser = engine::parse::count(1..))]
+    pub val_max_chains: Option<usize>,
+    /// Recycling passes before the evaluated one (AlphaFold's eval: 3).
+    #[arg(long, default_value_t = 3, value_parser = engine::parse::count(0..=crate::input::MAX_RECYCLES))]
+    pub val_recycles: usize,
+    /// Evaluate a fixed crop of this many residues of longer chains (default: whole chains).
+    #[arg(long, requires = "val_mmcif_dir", value_parser = engine::parse::count(1..))]
+    pub val_crop_size: Option<usize>,
+}
+
+/// One validation's record: the means over the validation chains.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct ValResult {
+    /// Chains validated.
+    pub val_chains: usize,
+    /// lDDT-Cα of the last pass (15 Å cutoff), in [0, 1].
+    pub val_lddt_ca: f64,
+    /// The loss (the training stage's weights, backbone FAPE clamped).
+    pub val_loss: f64,
+    /// Backbone FAPE.
+    pub val_fape: f64,
+    /// Side-chain FAPE.
+    pub val_sidechain_fape: f64,
+    /// Chi angles.
+    pub val_chi: f64,
+    /// Structural violations.
+    pub val_violation: f64,
+    /// Distogram.
+    pub val_distogram: f64,
+    /// Masked MSA.
+    pub val_masked_msa: f64,
+    /// pLDDT.
+    pub val_plddt: f64,
+    /// Experimentally resolved.
+    pub val_experimentally_resolved: f64,
+}
+
+impl ValResult {
+    /// The means of per-chain `(lddt_ca, terms)`.
+    pub fn mean(per_chain: &[(f64, StepLoss)]) -> ValResult {
+        let n = per_chain.len().max(1) as f64;
+        let mean = |f: &dyn Fn(&(f64, StepLoss)) -> f64| per_chain.iter().map(f).sum::<f64>() / n;
+        ValResult {
+            val_chains: per_chain.len(),
+            val_lddt_ca: mean(&|c| c.0),
+            val_loss: mean(&|c| c.1.loss),
+            val_fape: mean(&|c| c.1.fape),
+            val_sidechain_fape: mean(&|c| c.1.sidechain_fape),
+            val_chi: mean(&|c| c.1.chi),
+            val_violation: mean(&|c| c.1.violation),
+            val_distogram: mean(&|c| c.1.distogram),
+            val_masked_msa: mean(&|c| c.1.masked_msa),
+            val_plddt: mean(&|c| c.1.plddt),
+            val_experimentally_resolved: mean(&|c| c.1.experimentally_resolved),
+        }
+    }
+
+    /// TensorBoard's scalars, under `val/`.
+    pub fn scalars(&self) -> Vec<(&'static str, f64)> {
+        vec![
+            ("val/lddt_ca", self.val_lddt_ca),
+            ("val/loss", self.val_loss),
+            ("val/fape", self.val_fape),
+            ("val/sidechain_fape", self.val_sidechain_fape),
+            ("val/chi", self.val_chi),
+            ("val/violation", self.val_violation),
+            ("val/distogram", self.val_distogram),
+            ("val/masked_msa", self.val_masked_msa),
+            ("val/plddt", self.val_plddt),
+            ("val/experimentally_resolved", self.val_experimentally_resolved),
+        ]
+    }
+}
+
+/// The validation chains, prepared, on the device.
+pub struct Validation {
+    /// (features, target, recycles) of each chain, in name order.
+    chains: Vec<(crate::features::Features, Target, usize)>,
+    /// Validate every this many steps (and after the last).
+    every: Option<usize>,
+}
+
+impl Validation {
+    /// The chains `val` names (none without --val-mmcif-dir), prepared by the eval pipeline
+    /// with `data`'s filters (but its train list) and the run's MSA sizes in `train`'s
+    /// pipeline, on `device`.
+    pub fn open(
+        val: &ValArgs,
+        data: &TrainDataArgs,
+        train: &Pipeline,
+        device: Device,
+    ) -> anyhow::Result<Option<Validation>> {
+        let (Some(mmcif_dir), Some(alignment_dir)) = (&val.val_mmcif_dir, &val.val_alignment_dir) else {
+            return Ok(None);
+        };
+        let filters = layout::Filters { train_list: None, ..data.filters()? };
+        let selection = layout::select(mmcif_dir, alignment_dir, &filters)
+            .with_context(|| format!("--val-mmcif-dir {}", mmcif_dir.display()))?;
+        let mut chains = selection.chains;
+        chains.sort_by(|a, b| a.name.cmp(&b.name));
+        chains.truncate(val.val_max_chains.unwrap_or(usize::MAX));
+        if chains.is_empty() {
+            anyhow::bail!("--val-alignment-dir {}: no chain passes the filters", alignment_dir.display());
+        }
+        let pipeline = Pipeline {
+            block_deletion: BlockDeletion { num_blocks: 0, ..BlockDeletion::default() },
+            crop_size: val.val_crop_size.unwrap_or(usize::MAX),
+            templates: None,
+            ..train.clone()
+        };
+        let mut prepared = Vec::with_capacity(chains.len());
+        for (i, entry) in chains.iter().enumerate() {
+            let mut entry = entry.clone();
+            entry.templates.clear();
+            let example = load(&entry).with_context(|| format!("validation chain {}", entry.name))?;
+            // Drawn by the chain's place in the list: the same example at every validation.
+            let p = prepare_with_recycles(&example, &pipeline, i as u64 + 1, 0, val.val_recycles)?;
+            let (features, target, recycles, _) = layout_example(p, device)?;
+            prepared.push((features, target, recycles));
+        }
+        Ok(Some(Validation { chains: prepared, every: val.val_every }))
+    }
+
+    /// Chains validated.
+    pub fn len(&self) -> usize {
+        self.chains.len()
+    }
+
+    /// Whether there are none (never, once opened).
+    pub fn is_empty(&self) -> bool {
+        self.chains.is_empty()
+    }
+
+    /// Whether step `step` of `steps` validates: every --val-every steps and after the last.
+    pub fn due(&self, step: usize, steps: usize) -> bool {
+        step == steps || self.every.is_some_and(|every| step.is_multiple_of(every))
+    }
+
+    /// Validates `trainer`'s weights (its moving average when it keeps one) on every chain, in
+    /// order (every rank of the job together).
+    pub fn run(&self, trainer: &Trainer, exec: &crate::model::Exec) -> anyhow::Result<ValResult> {
+        let per_chain = trainer.with_evaluated_weights(|| {
+            self.chains
+                .iter()
+                .map(|(features, target, recycles)| trainer.evaluate(features, target, *recycles, exec))
+                .collect::<anyhow::Result<Vec<_>>>()
+        })??;
+        Ok(ValResult::mean(&per_chain))
+    }
+}
