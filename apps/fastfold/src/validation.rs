@@ -190,3 +190,39 @@ impl Validation {
         Ok(ValResult::mean(&per_chain))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{StepLoss, ValResult, Validation};
+
+    #[test]
+    fn validations_fall_every_n_steps_and_after_the_last() {
+        let v = |every| Validation { chains: Vec::new(), every };
+        let due = |v: &Validation| (1..=7).filter(|&s| v.due(s, 7)).collect::<Vec<_>>();
+        assert_eq!(due(&v(Some(3))), [3, 6, 7]);
+        assert_eq!(due(&v(None)), [7], "without --val-every: after the last step only");
+        assert_eq!(due(&v(Some(1))), [1, 2, 3, 4, 5, 6, 7]);
+    }
+
+    #[test]
+    fn the_record_is_the_mean_over_the_chains() {
+        let terms = |loss: f64| StepLoss {
+            loss,
+            fape: 2.0 * loss,
+            clamped: true,
+            sidechain_fape: 0.0,
+            chi: 0.0,
+            angle_norm: 0.0,
+            violation: 0.0,
+            distogram: 0.0,
+            masked_msa: 0.0,
+            plddt: 0.0,
+            experimentally_resolved: 0.0,
+            aligned_error: None,
+        };
+        let r = ValResult::mean(&[(0.5, terms(1.0)), (0.75, terms(3.0))]);
+        assert_eq!((r.val_chains, r.val_lddt_ca, r.val_loss, r.val_fape), (2, 0.625, 2.0, 4.0));
+        let json = serde_json::to_string(&r).unwrap();
+        assert!(json.contains("\"val_lddt_ca\":0.625") && json.contains("\"val_chains\":2"), "{json}");
+    }
+}
