@@ -745,7 +745,7 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
                     let waited = Instant::now();
                     let prepared = loader.next_example()?;
                     *data_seconds.get_or_insert(0.0) += waited.elapsed().as_secs_f64();
-                    loaded = layout_example(prepared, device)?;
+                    loaded = layout_example(&prepared, device)?;
                     names.push(loaded.3.clone());
                     Example { features: &loaded.0, target: &loaded.1, recycles: loaded.2, number }
                 }
@@ -899,7 +899,7 @@ impl Examples {
 
 /// A prepared example on `device` with its target: (features, target, recycles, the chain
 /// and its crop as the log names them).
-pub fn layout_example(p: Prepared, device: Device) -> anyhow::Result<(Features, Target, usize, String)> {
+pub fn layout_example(p: &Prepared, device: Device) -> anyhow::Result<(Features, Target, usize, String)> {
     let features = p.features.to_device(device);
     let len = p.structure.aatype.len();
     let name = format!("{} {}-{}", p.name, p.crop_start + 1, p.crop_start + len);

@@ -20,9 +20,9 @@ use anyhow::Context;
 use tch::Device;
 
 use crate::loss::StepLoss;
-use crate::train::{layout_example, Target, Trainer};
+use crate::train::{layout_example, Trainer};
 use crate::train_data::args::TrainDataArgs;
-use crate::train_data::example::{load, prepare_with_recycles, Pipeline};
+use crate::train_data::example::{load, prepare_with_recycles, Pipeline, Prepared};
 use crate::train_data::layout;
 use crate::train_data::transforms::BlockDeletion;
 
@@ -114,10 +114,12 @@ impl ValResult {
     }
 }
 
-/// The validation chains, prepared, on the device.
+/// The validation chains, prepared (in host memory: each goes to the device for its turn).
 pub struct Validation {
-    /// (features, target, recycles) of each chain, in name order.
-    chains: Vec<(crate::features::Features, Target, usize)>,
+    /// Each chain, in name order.
+    chains: Vec<Prepared>,
+    /// Where the model runs.
+    device: Device,
     /// Validate every this many steps (and after the last).
     every: Option<usize>,
 }
@@ -125,7 +127,7 @@ pub struct Validation {
 impl Validation {
     /// The chains `val` names (none without --val-mmcif-dir), prepared by the eval pipeline
     /// with `data`'s filters (but its train list) and the run's MSA sizes in `train`'s
-    /// pipeline, on `device`.
+    /// pipeline, to run on `device`.
     pub fn open(
         val: &ValArgs,
         data: &TrainDataArgs,
@@ -157,10 +159,11 @@ impl Validation {
             let example = load(&entry).with_context(|| format!("validation chain {}", entry.name))?;
             // Drawn by the chain's place in the list: the same example at every validation.
             let p = prepare_with_recycles(&example, &pipeline, i as u64 + 1, 0, val.val_recycles)?;
-            let (features, target, recycles, _) = layout_example(p, device)?;
-            prepared.push((features, target, recycles));
+            // Its target is checked now, not at the first validation.
+            layout_example(&p, Device::Cpu)?;
+            prepared.push(p);
         }
-        Ok(Some(Validation { chains: prepared, every: val.val_every }))
+        Ok(Some(Validation { chains: prepared, device, every: val.val_every }))
     }
 
     /// Chains validated.
@@ -182,10 +185,11 @@ impl Validation {
     /// order (every rank of the job together).
     pub fn run(&self, trainer: &Trainer, exec: &crate::model::Exec) -> anyhow::Result<ValResult> {
         let per_chain = trainer.with_evaluated_weights(|| {
-            self.chains
-                .iter()
-                .map(|(features, target, recycles)| trainer.evaluate(features, target, *recycles, exec))
-                .collect::<anyhow::Result<Vec<_>>>()
+            let evaluate = |p: &Prepared| {
+                let (features, target, recycles, _) = layout_example(p, self.device)?;
+                trainer.evaluate(&features, &target, recycles, exec)
+            };
+            self.chains.iter().map(evaluate).collect::<anyhow::Result<Vec<_>>>()
         })??;
         Ok(ValResult::mean(&per_chain))
     }
@@ -197,7 +201,7 @@ mod tests {
 
     #[test]
     fn validations_fall_every_n_steps_and_after_the_last() {
-        let v = |every| Validation { chains: Vec::new(), every };
+        let v = |every| Validation { chains: Vec::new(), device: tch::Device::Cpu, every };
         let due = |v: &Validation| (1..=7).filter(|&s| v.due(s, 7)).collect::<Vec<_>>();
         assert_eq!(due(&v(Some(3))), [3, 6, 7]);
         assert_eq!(due(&v(None)), [7], "without --val-every: after the last step only");

@@ -580,7 +580,7 @@ fn data_parallel_gradients(world: &World, dap: usize) -> TestResult {
     let pipeline = args.data.pipeline(args.config_preset, Some(4), Some(8), 0);
     let examples = |shard: Shard| -> anyhow::Result<Vec<_>> {
         let mut loader = ExampleLoader::new(chains.clone(), pipeline.clone(), 1, shard, 1)?;
-        (0..shard.accumulation).map(|_| fastfold::train::layout_example(loader.next_example()?, Device::Cpu)).collect()
+        (0..shard.accumulation).map(|_| fastfold::train::layout_example(&loader.next_example()?, Device::Cpu)).collect()
     };
     fn batch(loaded: &[(Features, Target, usize, String)], shard: Shard) -> Vec<Example<'_>> {
         let number = |k: usize| shard.example(1, k as u64);
