@@ -138,14 +138,10 @@ impl Validation {
             return Ok(None);
         };
         let filters = layout::Filters { train_list: None, ..data.filters()? };
-        let selection = layout::select(mmcif_dir, alignment_dir, &filters)
-            .with_context(|| format!("--val-mmcif-dir {}", mmcif_dir.display()))?;
+        let selection = layout::select_as(mmcif_dir, alignment_dir, &filters, &layout::LayoutFlags::VALIDATION)?;
         let mut chains = selection.chains;
         chains.sort_by(|a, b| a.name.cmp(&b.name));
         chains.truncate(val.val_max_chains.unwrap_or(usize::MAX));
-        if chains.is_empty() {
-            anyhow::bail!("--val-alignment-dir {}: no chain passes the filters", alignment_dir.display());
-        }
         let pipeline = Pipeline {
             block_deletion: BlockDeletion { num_blocks: 0, ..BlockDeletion::default() },
             crop_size: val.val_crop_size.unwrap_or(usize::MAX),

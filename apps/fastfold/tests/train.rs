@@ -865,7 +865,7 @@ fn training_with_fused_kernels_equals_the_compositions_on_cuda_or_the_emulator()
 /// holds the validation on the held-out chain (lDDT-Cα in [0, 1], finite losses); the same
 /// weights (learning rate 0) validate alike twice; with a moving average the validation
 /// evaluates it (not the weights as trained, which a run without one validates); two DAP
-/// ranks validate as one process.
+/// ranks, and two replicas, validate as one process; an empty validation folder is refused.
 #[test]
 fn train_command_validates_on_held_out_chains_with_the_average() {
     let d = dir("validation");
@@ -917,4 +917,26 @@ fn train_command_validates_on_held_out_chains_with_the_average() {
     let (one, two) = (val(&average[0], "val_loss"), val(&dap[0], "val_loss"));
     assert!((one - two).abs() <= 1e-4 * one.abs().max(1.0), "validation loss {two} on 2 ranks, {one} on one");
     assert!((val(&average[0], "val_lddt_ca") - val(&dap[0], "val_lddt_ca")).abs() <= 1e-4);
+    // Two replicas each validate every chain: as one process accumulating their examples.
+    let batch = ["--steps", "1", "--warmup", "0", "--lr", "1e-2", "--ema-decay", "0.5", "--global-batch", "2"];
+    let one = run("accumulated", &batch);
+    let replicas = run("replicas", &[&batch[..], &["--nproc", "2", "--dap", "1"]].concat());
+    let (a, b) = (val(&one[0], "val_loss"), val(&replicas[0], "val_loss"));
+    assert!((a - b).abs() <= 1e-4 * a.abs().max(1.0), "validation loss {b} on 2 replicas, {a} on one process");
+
+    // A validation folder without chains is refused, naming its flag; so is --val-every alone.
+    let empty = d.join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let mut args = vec!["train".to_string(), "--mmcif-dir".into(), path(&mmcif), "--alignment-dir".into()];
+    args.extend([path(&alignments), "--params".into(), path(&params), "-o".into(), path(&d.join("bad"))]);
+    let o = Command::new(BIN)
+        .args(&args)
+        .args(["--val-mmcif-dir", &path(&val_mmcif), "--val-alignment-dir", &path(&empty)])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("--val-alignment-dir"), "{err}");
+    let o = Command::new(BIN).args(&args).args(["--val-every", "2"]).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("--val-mmcif-dir"), "{err}");
 }
