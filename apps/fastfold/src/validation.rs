@@ -19,12 +19,13 @@ use std::path::PathBuf;
 use anyhow::Context;
 use tch::Device;
 
+use crate::features::Features;
 use crate::loss::StepLoss;
-use crate::train::{layout_example, Trainer};
 use crate::train_data::args::TrainDataArgs;
 use crate::train_data::example::{load, prepare_with_recycles, Pipeline, Prepared};
 use crate::train_data::layout;
 use crate::train_data::transforms::BlockDeletion;
+use crate::train_target::{layout_example, Target};
 
 /// Validation options of `fastfold train`.
 #[derive(clap::Args, Debug, Clone)]
@@ -177,16 +178,22 @@ impl Validation {
         step == steps || self.every.is_some_and(|every| step.is_multiple_of(every))
     }
 
-    /// Validates `trainer`'s weights (its moving average when it keeps one) on every chain, in
-    /// order (every rank of the job together).
-    pub fn run(&self, trainer: &Trainer, exec: &crate::model::Exec) -> anyhow::Result<ValResult> {
-        let per_chain = trainer.with_evaluated_weights(|| {
-            let evaluate = |p: &Prepared| {
+    /// Scores every chain, in order, by `evaluate` (lDDT-Cα and the loss terms of the
+    /// features, target and recycles; every rank of the job together) and averages them. The
+    /// trainer passes its evaluation with the weights it validates (see
+    /// [`crate::train::Trainer::with_evaluated_weights`]).
+    pub fn run(
+        &self,
+        evaluate: impl Fn(&Features, &Target, usize) -> anyhow::Result<(f64, StepLoss)>,
+    ) -> anyhow::Result<ValResult> {
+        let per_chain = self
+            .chains
+            .iter()
+            .map(|p| {
                 let (features, target, recycles, _) = layout_example(p, self.device)?;
-                trainer.evaluate(&features, &target, recycles, exec)
-            };
-            self.chains.iter().map(evaluate).collect::<anyhow::Result<Vec<_>>>()
-        })??;
+                evaluate(&features, &target, recycles)
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
         Ok(ValResult::mean(&per_chain))
     }
 }

@@ -20,7 +20,8 @@ use fastfold::loss::clamped_fape_at;
 use fastfold::model::{EvoformerConfig, Exec, ModelConfig, Params};
 use fastfold::pdb::Structure;
 use fastfold::residue_constants::{aatype_of, atom_order};
-use fastfold::train::{Example, Target, Trainer};
+use fastfold::train::{Example, Trainer};
+use fastfold::train_target::Target;
 use suite_tests::{dist_test, TestResult};
 use tch::{Device, Kind, Tensor};
 
@@ -580,7 +581,9 @@ fn data_parallel_gradients(world: &World, dap: usize) -> TestResult {
     let pipeline = args.data.pipeline(args.config_preset, Some(4), Some(8), 0);
     let examples = |shard: Shard| -> anyhow::Result<Vec<_>> {
         let mut loader = ExampleLoader::new(chains.clone(), pipeline.clone(), 1, shard, 1)?;
-        (0..shard.accumulation).map(|_| fastfold::train::layout_example(&loader.next_example()?, Device::Cpu)).collect()
+        (0..shard.accumulation)
+            .map(|_| fastfold::train_target::layout_example(&loader.next_example()?, Device::Cpu))
+            .collect()
     };
     fn batch(loaded: &[(Features, Target, usize, String)], shard: Shard) -> Vec<Example<'_>> {
         let number = |k: usize| shard.example(1, k as u64);
