@@ -24,3 +24,5 @@ pub mod search;
 pub mod train;
 pub mod train_data;
 pub mod train_parallel;
+pub mod train_target;
+pub mod validation;

@@ -22,6 +22,9 @@
 //! The optimiser recipe is AlphaFold's by default ([`TrainArgs`]); `--save-every` writes
 //! checkpoints ([`crate::checkpoint`]) and `--resume` continues from the latest, on any number
 //! of ranks with the same global batch, so that a resumed run repeats the uninterrupted one.
+//! With `--val-mmcif-dir` and `--val-alignment-dir` it validates on held-out chains every
+//! `--val-every` steps and after the last, with the weights' moving average
+//! ([`crate::validation`]): lDDT-Cα and the loss terms in the step's log record.
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -34,18 +37,17 @@ use tch::{Device, Kind, Tensor};
 
 use crate::checkpoint::{self, Saved, TrainerState};
 use crate::features::Features;
-use crate::ground_truth::GroundTruth;
 use crate::input::{ChunkArgs, InputArgs};
 use crate::loss::{clamped_fape_at, total_loss, LossConfig, LossInputs, MaskedMsaTarget, StepLoss, TrainingStage};
 use crate::model::alphafold::AlphaFold;
 use crate::model::{Exec, Params, EVOFORMER, EXTRA_MSA};
 use crate::pdb::{read_resolution, Structure};
-use crate::residue_constants::{RESNAMES, UNK_RESTYPE_INDEX};
 use crate::train_data::args::TrainDataArgs;
-use crate::train_data::example::Prepared;
 use crate::train_data::layout;
 use crate::train_data::loader::{ExampleLoader, Shard};
 use crate::train_parallel::{mean_over_replicas, ParallelArgs, Ranks};
+use crate::train_target::{layout_example, Target};
+use crate::validation::{ValArgs, ValResult, Validation};
 
 /// `fastfold train`'s options. The defaults are AlphaFold's optimiser recipe (supplementary
 /// section 1.11.3, OpenFold's `AlphaFoldLRScheduler`): Adam (epsilon 1e-6) at 1e-3 after a
@@ -129,6 +131,9 @@ pub struct TrainArgs {
     /// Training data in OpenFold's layout, in place of one input and --target.
     #[command(flatten)]
     pub data: TrainDataArgs,
+    /// Periodic validation on held-out chains.
+    #[command(flatten)]
+    pub val: ValArgs,
     /// DAP groups, data-parallel replicas, accumulation and ZeRO.
     #[command(flatten)]
     pub parallel: ParallelArgs,
@@ -138,64 +143,6 @@ pub struct TrainArgs {
     /// Chunking.
     #[command(flatten)]
     pub chunk: ChunkArgs,
-}
-
-/// The true structure in the layouts the losses read.
-pub struct Target {
-    /// The ground truth, as AlphaFold computes it from the structure.
-    pub truth: GroundTruth,
-    /// The structure's resolution (Å; 0, the default, for none: no confidence terms).
-    pub resolution: f64,
-}
-
-impl Target {
-    /// From a structure whose residue types must be the features' (`aatype` [N]), with the
-    /// atoms backbone FAPE and the distogram need (else an error: one example without them
-    /// would train on without those terms, silently).
-    pub fn new(s: &Structure, aatype: &Tensor, source: &str) -> anyhow::Result<Target> {
-        let target = Target::of_crop(s, aatype, source)?;
-        // Without them a loss term is 0 and training would go on, silently, without it.
-        if target.truth.backbone()?.1.sum(Kind::Float).double_value(&[]) == 0.0 {
-            bail!("{source}: no residue has the N, CA and C atoms that backbone FAPE needs");
-        }
-        if target.truth.pseudo_beta_mask.sum(Kind::Float).double_value(&[]) == 0.0 {
-            bail!("{source}: no residue has the CB atom (CA for glycine) that the distogram loss needs");
-        }
-        Ok(target)
-    }
-
-    /// As [`Target::new`], but the structure may lack those atoms: a data set's crop can fall
-    /// on residues that were never observed, and trains that step with those terms at 0, as
-    /// AlphaFold's masked losses give them.
-    pub fn of_crop(s: &Structure, aatype: &Tensor, source: &str) -> anyhow::Result<Target> {
-        let n = aatype.size()[0];
-        let ours: Vec<i64> = Vec::try_from(aatype.to_device(Device::Cpu))?;
-        if s.aatype.len() as i64 != n {
-            bail!("{source}: {} residues, the input has {n}", s.aatype.len());
-        }
-        // An unknown residue on either side matches: the input's X is any residue, and the
-        // structure's is a modified one (SEP, a D-amino acid) whose parent the input names, as
-        // AlphaFold's mmCIF reader maps it.
-        let unknown = |a: usize| a == UNK_RESTYPE_INDEX;
-        if let Some(i) = (0..n as usize)
-            .find(|&i| s.aatype[i] != ours[i] as usize && !unknown(ours[i] as usize) && !unknown(s.aatype[i]))
-        {
-            let name = |a: usize| RESNAMES.get(a).copied().unwrap_or("?");
-            bail!(
-                "{source}: residue {} is {} in the structure, {} in the input",
-                i + 1,
-                name(s.aatype[i]),
-                name(ours[i] as usize)
-            );
-        }
-        let device = aatype.device();
-        let flat: Vec<f32> = s.positions.iter().flatten().flatten().copied().collect();
-        let positions = Tensor::from_slice(&flat).view([n, 37, 3]).to_device(device);
-        let flat: Vec<f32> = s.mask.iter().flatten().copied().collect();
-        let mask = Tensor::from_slice(&flat).view([n, 37]).to_device(device);
-        let truth = GroundTruth::new(aatype, &positions, &mask).with_context(|| source.to_string())?;
-        Ok(Target { truth, resolution: 0.0 })
-    }
 }
 
 /// The loss of one pass and its terms.
@@ -273,11 +220,14 @@ pub struct StepLog {
     pub lr: f64,
     /// Peak memory so far (allocator on a GPU, resident set on the CPU), bytes.
     pub peak_bytes: Option<u64>,
+    /// The validation after this step, when one was due ([`crate::validation`]).
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub val: Option<ValResult>,
 }
 
 impl engine::metrics::Record for StepLog {
     const CSV_HEADER: &'static str = "step,loss,fape,clamped,sidechain_fape,chi,angle_norm,violation,distogram,\
-        masked_msa,plddt,experimentally_resolved,aligned_error,grad_norm,seconds,lr,peak_bytes,recycles,example,data_seconds";
+        masked_msa,plddt,experimentally_resolved,aligned_error,grad_norm,seconds,lr,peak_bytes,recycles,example,data_seconds,val_chains,val_lddt_ca,val_loss";
 
     fn csv_row(&self) -> String {
         let l = &self.losses;
@@ -287,7 +237,7 @@ impl engine::metrics::Record for StepLog {
         let peak = self.peak_bytes.map(|b| b.to_string()).unwrap_or_default();
         let (step, clamped) = (self.step, u8::from(l.clamped));
         format!(
-            "{step},{:.6},{:.6},{clamped},{},{pae},{:.6},{:.3},{:.6e},{peak},{},{},{}",
+            "{step},{:.6},{:.6},{clamped},{},{pae},{:.6},{:.3},{:.6e},{peak},{},{},{},{}",
             l.loss,
             l.fape,
             cells.join(","),
@@ -296,7 +246,11 @@ impl engine::metrics::Record for StepLog {
             self.lr,
             self.recycles,
             self.example.as_deref().unwrap_or(""),
-            self.data_seconds.map(|s| format!("{s:.3}")).unwrap_or_default()
+            self.data_seconds.map(|s| format!("{s:.3}")).unwrap_or_default(),
+            self.val
+                .as_ref()
+                .map(|v| format!("{},{:.6},{:.6}", v.val_chains, v.val_lddt_ca, v.val_loss))
+                .unwrap_or_else(|| ",,".to_string())
         )
     }
 
@@ -324,6 +278,7 @@ impl engine::metrics::Record for StepLog {
         scalars.extend(l.aligned_error.map(|x| ("train/aligned_error", x)));
         scalars.extend(self.data_seconds.map(|s| ("train/data_seconds", s)));
         scalars.extend(self.peak_bytes.map(|b| ("train/peak_memory_gib", engine::metrics::gib(b))));
+        scalars.extend(self.val.iter().flat_map(ValResult::scalars));
         scalars
     }
 }
@@ -563,6 +518,40 @@ impl Trainer {
         Ok((mean, norm))
     }
 
+    /// Runs `f` with the weights that evaluation uses in the model: the moving average when one
+    /// is kept (rounded into the model below fp32), the weights as trained again afterwards.
+    pub fn with_evaluated_weights<T>(&self, f: impl FnOnce() -> T) -> anyhow::Result<T> {
+        let Some(ema) = &self.ema else { return Ok(f()) };
+        let out = ema.with_average(|| -> anyhow::Result<T> {
+            if let Some(masters) = &self.masters {
+                masters.weights_to_model()?;
+            }
+            Ok(f())
+        })??;
+        if let Some(masters) = &self.masters {
+            masters.weights_to_model()?;
+        }
+        Ok(out)
+    }
+
+    /// lDDT-Cα of the last of `recycles + 1` passes on `features` against `target`, and the
+    /// loss terms (backbone FAPE clamped), without gradients, with the weights in the model
+    /// now (see [`Trainer::with_evaluated_weights`]).
+    pub fn evaluate(
+        &self,
+        features: &Features,
+        target: &Target,
+        recycles: usize,
+        exec: &Exec,
+    ) -> anyhow::Result<(f64, StepLoss)> {
+        tch::no_grad(|| {
+            let pass = self.model.predict(features, recycles, self.kind, exec)?;
+            let losses = losses(&pass, features, recycles, target, &self.loss, true)?;
+            let lddt = crate::loss::lddt_ca(&pass.structure.atom37, &target.truth)?.double_value(&[]);
+            Ok((lddt, losses.terms))
+        })
+    }
+
     /// The parameters being trained, in the model's precision.
     pub fn params(&self) -> &Params {
         &self.params
@@ -666,6 +655,12 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
         false => note_fresh_start(args, world),
     }
     let first = trainer.steps() + 1;
+    let (input, seed) = (&args.input, args.input.seed.seed);
+    let pipeline = args.data.pipeline(args.config_preset, input.max_msa_clusters, input.max_extra_msa, seed);
+    let validation = Validation::open(&args.val, &args.data, &pipeline, device)?;
+    if let (0, Some(v), false) = (world.rank(), &validation, args.job.quiet) {
+        println!("{} validation chains, {} recycles", v.len(), args.val.val_recycles);
+    }
     let mut examples = Examples::open(args, preset, device, world, shard, first as u64)?;
     let mut log = Vec::new();
     let mut metrics = match world.rank() {
@@ -690,7 +685,7 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
                     let waited = Instant::now();
                     let prepared = loader.next_example()?;
                     *data_seconds.get_or_insert(0.0) += waited.elapsed().as_secs_f64();
-                    loaded = layout_example(prepared, device)?;
+                    loaded = layout_example(&prepared, device)?;
                     names.push(loaded.3.clone());
                     Example { features: &loaded.0, target: &loaded.1, recycles: loaded.2, number }
                 }
@@ -704,8 +699,15 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
         let seconds = start.elapsed().as_secs_f64() - data_seconds.unwrap_or(0.0);
         let peak_bytes = engine::process::peak_memory(device);
         let lr = trainer.lr();
-        let entry =
-            StepLog { step, example, recycles, data_seconds, losses: terms, grad_norm, seconds, lr, peak_bytes };
+        // Every rank validates, so that the model's collectives meet: see crate::validation.
+        let val = match &validation {
+            Some(v) if v.due(step, args.steps) => {
+                Some(trainer.with_evaluated_weights(|| v.run(|f, t, r| trainer.evaluate(f, t, r, &exec)))??)
+            }
+            _ => None,
+        };
+        let losses = terms;
+        let entry = StepLog { step, example, recycles, data_seconds, losses, grad_norm, seconds, lr, peak_bytes, val };
         let l = &entry.losses;
         // Every rank holds the same mean loss (DAP gathers before the loss, the replicas
         // average it), so all stop together.
@@ -723,6 +725,12 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
                  grad norm {:.3}  {:.2} s",
                 args.steps, l.loss, l.fape, l.distogram, l.masked_msa, l.violation, entry.grad_norm, entry.seconds
             );
+            if let Some(v) = &entry.val {
+                println!(
+                    "validation after step {step}: {} chains  lDDT-Ca {:.4}  loss {:.4}  fape {:.4}  distogram {:.4}",
+                    v.val_chains, v.val_lddt_ca, v.val_loss, v.val_fape, v.val_distogram
+                );
+            }
         }
         log.push(entry);
         if args.save_every.is_some_and(|every| step % every == 0 || step == args.steps) {
@@ -829,17 +837,6 @@ impl Examples {
         target.resolution = resolution(args, target_path, world)?;
         Ok(Examples::One(Box::new((features, target))))
     }
-}
-
-/// A prepared example on `device` with its target: (features, target, recycles, the chain
-/// and its crop as the log names them).
-pub fn layout_example(p: Prepared, device: Device) -> anyhow::Result<(Features, Target, usize, String)> {
-    let features = p.features.to_device(device);
-    let len = p.structure.aatype.len();
-    let name = format!("{} {}-{}", p.name, p.crop_start + 1, p.crop_start + len);
-    let mut target = Target::of_crop(&p.structure, &features.aatype.get(0), &name)?;
-    target.resolution = p.resolution;
-    Ok((features, target, p.recycles, name))
 }
 
 /// The target's resolution: `--resolution`, else its header's, else 0 (said on rank 0: the

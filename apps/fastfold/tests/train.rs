@@ -5,7 +5,8 @@
 //! alike with the fused kernels; it trains on a data set in OpenFold's layout; DAP groups and
 //! data-parallel replicas (`--dap`) give one process's gradients over the same examples; its
 //! defaults are AlphaFold's optimiser recipe, the saved parameters are the weights' moving
-//! average, and a resumed run repeats the uninterrupted one.
+//! average, a resumed run repeats the uninterrupted one, and it validates on held-out chains
+//! with the moving average.
 mod common;
 
 use std::path::{Path, PathBuf};
@@ -19,7 +20,8 @@ use fastfold::loss::clamped_fape_at;
 use fastfold::model::{EvoformerConfig, Exec, ModelConfig, Params};
 use fastfold::pdb::Structure;
 use fastfold::residue_constants::{aatype_of, atom_order};
-use fastfold::train::{Example, Target, Trainer};
+use fastfold::train::{Example, Trainer};
+use fastfold::train_target::Target;
 use suite_tests::{dist_test, TestResult};
 use tch::{Device, Kind, Tensor};
 
@@ -579,7 +581,9 @@ fn data_parallel_gradients(world: &World, dap: usize) -> TestResult {
     let pipeline = args.data.pipeline(args.config_preset, Some(4), Some(8), 0);
     let examples = |shard: Shard| -> anyhow::Result<Vec<_>> {
         let mut loader = ExampleLoader::new(chains.clone(), pipeline.clone(), 1, shard, 1)?;
-        (0..shard.accumulation).map(|_| fastfold::train::layout_example(loader.next_example()?, Device::Cpu)).collect()
+        (0..shard.accumulation)
+            .map(|_| fastfold::train_target::layout_example(&loader.next_example()?, Device::Cpu))
+            .collect()
     };
     fn batch(loaded: &[(Features, Target, usize, String)], shard: Shard) -> Vec<Example<'_>> {
         let number = |k: usize| shard.example(1, k as u64);
@@ -858,4 +862,84 @@ fn training_with_fused_kernels_equals_the_compositions_on_cuda_or_the_emulator()
     // bit-identical to torch's would mean that they never ran. (The tiny model's forward can
     // match torch's bit for bit: its first loss did here.)
     assert!(worst.0 > 0.0, "--kernels fused gave torch's parameters bit for bit");
+}
+
+/// `fastfold train --val-mmcif-dir --val-alignment-dir --val-every 1`: each step's record
+/// holds the validation on the held-out chain (lDDT-Cα in [0, 1], finite losses); the same
+/// weights (learning rate 0) validate alike twice; with a moving average the validation
+/// evaluates it (not the weights as trained, which a run without one validates); two DAP
+/// ranks, and two replicas, validate as one process; an empty validation folder is refused.
+#[test]
+fn train_command_validates_on_held_out_chains_with_the_average() {
+    let d = dir("validation");
+    let (mmcif, alignments) = common::layout::write(&d.join("train"), &["1abc_A"]);
+    let (val_mmcif, val_alignments) = common::layout::write(&d.join("val"), &["3ghi_A", "2def_A"]);
+    let params = d.join("init.npz");
+    Params::random_model(&EvoformerConfig::tiny(), &ModelConfig::tiny(), 15).unwrap().save(&params).unwrap();
+    let path = |p: &Path| p.display().to_string();
+    let run = |name: &str, extra: &[&str]| -> Vec<serde_json::Value> {
+        let out = d.join(name);
+        let mut args = vec!["train".to_string(), "--mmcif-dir".into(), path(&mmcif), "--alignment-dir".into()];
+        args.extend([path(&alignments), "--params".into(), path(&params), "-o".into(), path(&out)]);
+        args.extend(["--val-mmcif-dir".into(), path(&val_mmcif), "--val-alignment-dir".into(), path(&val_alignments)]);
+        let flags = ["--crop-size", "24", "--max-msa-clusters", "4", "--max-extra-msa", "8", "--max-recycles", "1"];
+        let fast = ["--val-every", "1", "--val-recycles", "1", "--val-max-chains", "1"];
+        let o = Command::new(BIN).args(&args).args(flags).args(fast).args(extra).output().unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        assert!(o.status.success(), "{text}");
+        log(&out)
+    };
+    let val = |s: &serde_json::Value, key: &str| s[key].as_f64().unwrap_or_else(|| panic!("no {key} in {s}"));
+
+    // Warm-up from 0: the step leaves the weights as they were (the initial ones).
+    let fixed = run("fixed", &["--steps", "1", "--warmup", "2", "--ema-decay", "0"]);
+    let again = run("again", &["--steps", "1", "--warmup", "2", "--ema-decay", "0"]);
+    for s in fixed.iter().chain(&again) {
+        assert_eq!(s["val_chains"].as_u64(), Some(1), "--val-max-chains 1: {s}");
+        let lddt = val(s, "val_lddt_ca");
+        assert!((0.0..=1.0).contains(&lddt), "{s}");
+        for key in ["val_loss", "val_fape", "val_distogram", "val_masked_msa", "val_plddt"] {
+            assert!(val(s, key).is_finite(), "{key}: {s}");
+        }
+    }
+    for key in ["val_lddt_ca", "val_loss", "val_fape", "val_distogram"] {
+        assert_eq!(val(&fixed[0], key), val(&again[0], key), "{key}: the same weights, the same validation");
+    }
+
+    let raw = run("raw", &["--steps", "2", "--warmup", "0", "--lr", "1e-2", "--ema-decay", "0"]);
+    let average = run("average", &["--steps", "2", "--warmup", "0", "--lr", "1e-2", "--ema-decay", "0.5"]);
+    assert_eq!((raw.len(), average.len()), (2, 2), "--val-every 1: a validation after each step");
+    assert_eq!(val(&raw[1], "loss"), val(&average[1], "loss"), "the same training steps");
+    let (r, a, init) = (val(&raw[1], "val_loss"), val(&average[1], "val_loss"), val(&fixed[0], "val_loss"));
+    assert!(
+        r != a && a != init,
+        "the average (loss {a}) is neither the trained weights ({r}) nor the initial ({init})"
+    );
+
+    let dap = run("dap", &["--steps", "1", "--warmup", "0", "--lr", "1e-2", "--ema-decay", "0.5", "--nproc", "2"]);
+    let (one, two) = (val(&average[0], "val_loss"), val(&dap[0], "val_loss"));
+    assert!((one - two).abs() <= 1e-4 * one.abs().max(1.0), "validation loss {two} on 2 ranks, {one} on one");
+    assert!((val(&average[0], "val_lddt_ca") - val(&dap[0], "val_lddt_ca")).abs() <= 1e-4);
+    // Two replicas each validate every chain: as one process accumulating their examples.
+    let batch = ["--steps", "1", "--warmup", "0", "--lr", "1e-2", "--ema-decay", "0.5", "--global-batch", "2"];
+    let one = run("accumulated", &batch);
+    let replicas = run("replicas", &[&batch[..], &["--nproc", "2", "--dap", "1"]].concat());
+    let (a, b) = (val(&one[0], "val_loss"), val(&replicas[0], "val_loss"));
+    assert!((a - b).abs() <= 1e-4 * a.abs().max(1.0), "validation loss {b} on 2 replicas, {a} on one process");
+
+    // A validation folder without chains is refused, naming its flag; so is --val-every alone.
+    let empty = d.join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let mut args = vec!["train".to_string(), "--mmcif-dir".into(), path(&mmcif), "--alignment-dir".into()];
+    args.extend([path(&alignments), "--params".into(), path(&params), "-o".into(), path(&d.join("bad"))]);
+    let o = Command::new(BIN)
+        .args(&args)
+        .args(["--val-mmcif-dir", &path(&val_mmcif), "--val-alignment-dir", &path(&empty)])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("--val-alignment-dir"), "{err}");
+    let o = Command::new(BIN).args(&args).args(["--val-every", "2"]).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("--val-mmcif-dir"), "{err}");
 }

@@ -13,11 +13,11 @@ use std::path::Path;
 use fastfold::pdb::Structure;
 use fastfold::residue_constants::{aatype_of, atom_order, UNK_RESTYPE_INDEX};
 use fastfold::search::mmcif;
-use fastfold::train::Target;
 use fastfold::train_data::example::{load, prepare, Pipeline};
 use fastfold::train_data::layout::{read_chain_data_cache, select, Filters};
 use fastfold::train_data::target::{chain_structure, read_chain};
 use fastfold::train_data::transforms::BlockDeletion;
+use fastfold::train_target::Target;
 use tch::Tensor;
 
 use common::layout::{self, mmcif_fixture};

@@ -153,6 +153,34 @@ pub fn masked_msa_loss(logits: &Tensor, target: &MaskedMsaTarget) -> Result<Tens
 /// the fraction of 0.5, 1, 2 and 4 Å tests passed by its distances to the other resolved
 /// points within `cutoff` Å in the true structure. `predicted`, `truth` [N, 3], `mask` [N].
 pub fn lddt_per_residue(predicted: &Tensor, truth: &Tensor, mask: &Tensor, cutoff: f64) -> Result<Tensor> {
+    let (scored, score) = lddt_tests(predicted, truth, mask, cutoff)?;
+    let norm = scored.f_sum_dim_intlist(-1, false, Kind::Float)?.f_add_scalar(1e-10)?.f_reciprocal()?;
+    Ok(norm.f_mul(&scored.f_mul(&score)?.f_sum_dim_intlist(-1, false, Kind::Float)?.f_add_scalar(1e-10)?)?)
+}
+
+/// AlphaFold's approximate lDDT of the whole structure (`lddt.lddt`, not `per_residue`): the
+/// fraction of all the pairs' tests passed, as [`lddt_per_residue`] scores them (a scalar).
+pub fn lddt_global(predicted: &Tensor, truth: &Tensor, mask: &Tensor, cutoff: f64) -> Result<Tensor> {
+    let (scored, score) = lddt_tests(predicted, truth, mask, cutoff)?;
+    let norm = scored.f_sum(Kind::Float)?.f_add_scalar(1e-10)?.f_reciprocal()?;
+    Ok(norm.f_mul(&scored.f_mul(&score)?.f_sum(Kind::Float)?.f_add_scalar(1e-10)?)?)
+}
+
+/// lDDT-Cα of a predicted structure (`predicted_atom37` [N, 37, 3]) against `truth`, over
+/// the residues with a resolved Cα (15 Å cutoff, AlphaFold's and OpenFold's validation
+/// metric `lddt_ca`): a scalar in [0, 1], computed without gradients.
+pub fn lddt_ca(predicted_atom37: &Tensor, truth: &GroundTruth) -> Result<Tensor> {
+    let ca = atom_order("CA").unwrap_or(1) as i64;
+    let mask = truth.all_atom_mask.f_select(1, ca)?.f_to_kind(Kind::Float)?;
+    tch::no_grad(|| {
+        let predicted = predicted_atom37.f_detach()?.f_to_kind(Kind::Float)?.f_select(1, ca)?;
+        lddt_global(&predicted, &truth.all_atom_positions.f_select(1, ca)?.f_to_kind(Kind::Float)?, &mask, 15.0)
+    })
+}
+
+/// The pairs lDDT scores ([N, N]: 1 for two distinct resolved points within `cutoff` Å in
+/// the truth) and each pair's share of the four tests passed ([N, N]).
+fn lddt_tests(predicted: &Tensor, truth: &Tensor, mask: &Tensor, cutoff: f64) -> Result<(Tensor, Tensor)> {
     let distances = |x: &Tensor| -> Result<Tensor> {
         let d = x.f_unsqueeze(1)?.f_sub(&x.f_unsqueeze(0)?)?;
         Ok(d.f_square()?.f_sum_dim_intlist(-1, false, Kind::Float)?.f_add_scalar(1e-10)?.f_sqrt()?)
@@ -171,9 +199,7 @@ pub fn lddt_per_residue(predicted: &Tensor, truth: &Tensor, mask: &Tensor, cutof
     for threshold in [0.5, 1.0, 2.0, 4.0] {
         score = score.f_add(&l1.f_lt(threshold)?.f_to_kind(Kind::Float)?)?;
     }
-    let score = score.f_mul_scalar(0.25)?;
-    let norm = scored.f_sum_dim_intlist(-1, false, Kind::Float)?.f_add_scalar(1e-10)?.f_reciprocal()?;
-    Ok(norm.f_mul(&scored.f_mul(&score)?.f_sum_dim_intlist(-1, false, Kind::Float)?.f_add_scalar(1e-10)?)?)
+    Ok((scored, score.f_mul_scalar(0.25)?))
 }
 
 /// The pLDDT loss (1.9.6): cross-entropy of the lDDT logits [N, bins] against the bin of each
@@ -276,5 +302,27 @@ mod tests {
         let l = lddt_per_residue(&moved, &x, &mask, 15.0).unwrap();
         let want = Tensor::from_slice(&[0.75f32, 0.75, 0.5]);
         assert!((l - want).abs().max().double_value(&[]) < 1e-6);
+    }
+
+    #[test]
+    fn global_lddt_scores_every_pair_within_the_cutoff_once() {
+        // Cα on a line at 0, 3.8, 7.6 and 20 Å: the last is within 15 Å of the third only.
+        let x = Tensor::from_slice(&[0f32, 0., 0., 3.8, 0., 0., 7.6, 0., 0., 20., 0., 0.]).reshape([4, 3]);
+        let mask = Tensor::ones([4], (Kind::Float, Device::Cpu));
+        let same = lddt_global(&x, &x, &mask, 15.0).unwrap().double_value(&[]);
+        assert!((same - 1.0).abs() < 1e-6, "{same}");
+        // The last moved 1.5 Å out: of the 4 scored pairs (8 ordered) 3 pass every test and
+        // (2, 3) half of them, so 3.5 / 4 = 0.875 (the mean of the per-residue scores,
+        // (1 + 1 + 2.5 / 3 + 0.5) / 4 = 0.833, weighs residues, not pairs).
+        let moved = x.copy();
+        let _ = moved.get(3).get(0).f_add_scalar_(1.5).unwrap();
+        let l = lddt_global(&moved, &x, &mask, 15.0).unwrap().double_value(&[]);
+        assert!((l - 0.875).abs() < 1e-6, "{l}");
+        let per = lddt_per_residue(&moved, &x, &mask, 15.0).unwrap().mean(Kind::Float).double_value(&[]);
+        assert!((per - (2.0 + 2.5 / 3.0 + 0.5) / 4.0).abs() < 1e-6, "{per}");
+        // Unresolved points are not scored: without the moved one the rest is exact.
+        let three = Tensor::from_slice(&[1f32, 1., 1., 0.]);
+        let l = lddt_global(&moved, &x, &three, 15.0).unwrap().double_value(&[]);
+        assert!((l - 1.0).abs() < 1e-6, "{l}");
     }
 }

@@ -17,7 +17,7 @@ pub mod structure;
 pub mod total;
 pub mod violations;
 
-pub use heads::{head_losses, HeadLossConfig, HeadLosses, MaskedMsaTarget};
+pub use heads::{head_losses, lddt_ca, HeadLossConfig, HeadLosses, MaskedMsaTarget};
 pub use structure::{structure_loss, StructureLoss, StructureLossConfig};
 pub use total::{clamped_fape_at, total_loss, LossConfig, LossInputs, StepLoss, TotalLoss, TrainingStage};
 pub use violations::{find_structural_violations, ViolationConfig, ViolationMetrics, Violations};

@@ -124,6 +124,19 @@ pub struct Prepared {
 /// step's recycling count, and a crop of `crop_size` residues, each drawn from (seed, step,
 /// rank).
 pub fn prepare(example: &Example, pipeline: &Pipeline, step: u64, rank: u64) -> anyhow::Result<Prepared> {
+    let recycles = sample_recycles(pipeline.seed, step, pipeline.max_recycles);
+    prepare_with_recycles(example, pipeline, step, rank, recycles)
+}
+
+/// As [`prepare`] with `recycles` recycling passes rather than a draw from
+/// `pipeline.max_recycles` (validation's fixed count).
+pub fn prepare_with_recycles(
+    example: &Example,
+    pipeline: &Pipeline,
+    step: u64,
+    rank: u64,
+    recycles: usize,
+) -> anyhow::Result<Prepared> {
     let seed = pipeline.seed;
     let keep = block_deletion_keep(
         example.raw.msa.len(),
@@ -137,7 +150,6 @@ pub fn prepare(example: &Example, pipeline: &Pipeline, step: u64, rank: u64) -> 
             sampling.sample(&example.sequence, hits, &mut rng).with_context(|| format!("chain {}", example.name))?;
         raw.templates = Some(templates);
     }
-    let recycles = sample_recycles(seed, step, pipeline.max_recycles);
     let config = FeatureConfig { num_recycle: recycles, ..pipeline.features.clone() };
     let feature_seed = keyed(seed, Draw::Features, step, rank).next_u64();
     let features = process(&raw, &config, feature_seed, Device::Cpu).with_context(|| example.name.clone())?;

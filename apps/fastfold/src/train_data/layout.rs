@@ -130,12 +130,13 @@ fn split_name(name: &str) -> Option<(&str, &str)> {
 }
 
 /// The chain folders of the alignment dir, by name.
-fn chain_folders(alignment_dir: &Path) -> anyhow::Result<Vec<String>> {
-    let entries = std::fs::read_dir(alignment_dir)
-        .with_context(|| format!("reading --alignment-dir {}", alignment_dir.display()))?;
+fn chain_folders(alignment_dir: &Path, flags: &LayoutFlags) -> anyhow::Result<Vec<String>> {
+    let flag = flags.alignment_dir;
+    let entries =
+        std::fs::read_dir(alignment_dir).with_context(|| format!("reading {flag} {}", alignment_dir.display()))?;
     let mut names = Vec::new();
     for entry in entries {
-        let entry = entry.with_context(|| format!("reading --alignment-dir {}", alignment_dir.display()))?;
+        let entry = entry.with_context(|| format!("reading {flag} {}", alignment_dir.display()))?;
         if entry.path().is_dir() {
             names.push(entry.file_name().to_string_lossy().to_string());
         }
@@ -170,13 +171,11 @@ fn files_with(folder: &Path, extensions: &[&str]) -> anyhow::Result<Vec<PathBuf>
 }
 
 /// The mmCIF file of entry `pdb`: `<pdb>.cif`, else its lower-case name.
-fn mmcif_path(mmcif_dir: &Path, pdb: &str) -> anyhow::Result<PathBuf> {
+fn mmcif_path(mmcif_dir: &Path, pdb: &str, flags: &LayoutFlags) -> anyhow::Result<PathBuf> {
     let candidates = [mmcif_dir.join(format!("{pdb}.cif")), mmcif_dir.join(format!("{}.cif", pdb.to_lowercase()))];
-    candidates
-        .iter()
-        .find(|p| p.is_file())
-        .cloned()
-        .with_context(|| format!("no mmCIF file {} for the chains of {pdb} (--mmcif-dir)", candidates[0].display()))
+    candidates.iter().find(|p| p.is_file()).cloned().with_context(|| {
+        format!("no mmCIF file {} for the chains of {pdb} ({})", candidates[0].display(), flags.mmcif_dir)
+    })
 }
 
 /// Why a chain fails the filters, or `None`.
@@ -209,16 +208,46 @@ fn excluded_by(filters: &Filters, resolution: f64, date: Option<&str>, sequence:
     None
 }
 
+/// The flags that name a layout's folders, and its use, as errors name them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayoutFlags {
+    /// The mmCIF folder's flag.
+    pub mmcif_dir: &'static str,
+    /// The alignment folder's flag.
+    pub alignment_dir: &'static str,
+    /// What its chains are for.
+    pub what: &'static str,
+}
+
+impl LayoutFlags {
+    /// The training chains' (`--mmcif-dir`, `--alignment-dir`).
+    pub const TRAINING: LayoutFlags =
+        LayoutFlags { mmcif_dir: "--mmcif-dir", alignment_dir: "--alignment-dir", what: "training" };
+    /// The held-out chains' (`--val-mmcif-dir`, `--val-alignment-dir`).
+    pub const VALIDATION: LayoutFlags =
+        LayoutFlags { mmcif_dir: "--val-mmcif-dir", alignment_dir: "--val-alignment-dir", what: "validation" };
+}
+
 /// The chains of the layout that pass `filters`. Every mmCIF entry named is read once (on the
 /// rayon pool) for its resolution, release date and SEQRES, unless the filters hold a chain
 /// data cache, which gives them. Errors name the missing folder, file or chain.
 pub fn select(mmcif_dir: &Path, alignment_dir: &Path, filters: &Filters) -> anyhow::Result<Selection> {
+    select_as(mmcif_dir, alignment_dir, filters, &LayoutFlags::TRAINING)
+}
+
+/// [`select`] for a layout that `flags` name (in its errors).
+pub fn select_as(
+    mmcif_dir: &Path,
+    alignment_dir: &Path,
+    filters: &Filters,
+    flags: &LayoutFlags,
+) -> anyhow::Result<Selection> {
     if !mmcif_dir.is_dir() {
-        bail!("--mmcif-dir {} is not a folder", mmcif_dir.display());
+        bail!("{} {} is not a folder", flags.mmcif_dir, mmcif_dir.display());
     }
     let mut names = match &filters.train_list {
         Some(list) => list.clone(),
-        None => chain_folders(alignment_dir)?,
+        None => chain_folders(alignment_dir, flags)?,
     };
     names.sort();
     names.dedup();
@@ -228,9 +257,9 @@ pub fn select(mmcif_dir: &Path, alignment_dir: &Path, filters: &Filters) -> anyh
             .with_context(|| format!("chain {name:?} (in {}) is not named <pdb>_<chain>", alignment_dir.display()))?;
         let folder = alignment_dir.join(name);
         if !folder.is_dir() {
-            bail!("no alignment folder {} for chain {name} (--alignment-dir)", folder.display());
+            bail!("no alignment folder {} for chain {name} ({})", folder.display(), flags.alignment_dir);
         }
-        located.push((name.clone(), pdb.to_string(), chain.to_string(), mmcif_path(mmcif_dir, pdb)?, folder));
+        located.push((name.clone(), pdb.to_string(), chain.to_string(), mmcif_path(mmcif_dir, pdb, flags)?, folder));
     }
     let mut chains = Vec::new();
     let mut excluded: Vec<(String, usize)> = Vec::new();
@@ -262,7 +291,9 @@ pub fn select(mmcif_dir: &Path, alignment_dir: &Path, filters: &Filters) -> anyh
     if chains.is_empty() {
         let why: Vec<String> = excluded.iter().map(|(w, n)| format!("{n} {w}")).collect();
         bail!(
-            "no training chains in --alignment-dir {} ({})",
+            "no {} chains in {} {} ({})",
+            flags.what,
+            flags.alignment_dir,
             alignment_dir.display(),
             if why.is_empty() {
                 "it has no chain folders".to_string()

@@ -1,0 +1,80 @@
+//! The true structure of a training example in the layouts the losses read, from a
+//! structure file (`--target`) or a prepared data-set example ([`layout_example`]); both the
+//! training loop ([`crate::train`]) and validation ([`crate::validation`]) score against it.
+use anyhow::{bail, Context};
+use tch::{Device, Kind, Tensor};
+
+use crate::features::Features;
+use crate::ground_truth::GroundTruth;
+use crate::pdb::Structure;
+use crate::residue_constants::{RESNAMES, UNK_RESTYPE_INDEX};
+use crate::train_data::example::Prepared;
+
+/// The true structure in the layouts the losses read.
+pub struct Target {
+    /// The ground truth, as AlphaFold computes it from the structure.
+    pub truth: GroundTruth,
+    /// The structure's resolution (Å; 0, the default, for none: no confidence terms).
+    pub resolution: f64,
+}
+
+impl Target {
+    /// From a structure whose residue types must be the features' (`aatype` [N]), with the
+    /// atoms backbone FAPE and the distogram need (else an error: one example without them
+    /// would train on without those terms, silently).
+    pub fn new(s: &Structure, aatype: &Tensor, source: &str) -> anyhow::Result<Target> {
+        let target = Target::of_crop(s, aatype, source)?;
+        // Without them a loss term is 0 and training would go on, silently, without it.
+        if target.truth.backbone()?.1.sum(Kind::Float).double_value(&[]) == 0.0 {
+            bail!("{source}: no residue has the N, CA and C atoms that backbone FAPE needs");
+        }
+        if target.truth.pseudo_beta_mask.sum(Kind::Float).double_value(&[]) == 0.0 {
+            bail!("{source}: no residue has the CB atom (CA for glycine) that the distogram loss needs");
+        }
+        Ok(target)
+    }
+
+    /// As [`Target::new`], but the structure may lack those atoms: a data set's crop can fall
+    /// on residues that were never observed, and trains that step with those terms at 0, as
+    /// AlphaFold's masked losses give them.
+    pub fn of_crop(s: &Structure, aatype: &Tensor, source: &str) -> anyhow::Result<Target> {
+        let n = aatype.size()[0];
+        let ours: Vec<i64> = Vec::try_from(aatype.to_device(Device::Cpu))?;
+        if s.aatype.len() as i64 != n {
+            bail!("{source}: {} residues, the input has {n}", s.aatype.len());
+        }
+        // An unknown residue on either side matches: the input's X is any residue, and the
+        // structure's is a modified one (SEP, a D-amino acid) whose parent the input names, as
+        // AlphaFold's mmCIF reader maps it.
+        let unknown = |a: usize| a == UNK_RESTYPE_INDEX;
+        if let Some(i) = (0..n as usize)
+            .find(|&i| s.aatype[i] != ours[i] as usize && !unknown(ours[i] as usize) && !unknown(s.aatype[i]))
+        {
+            let name = |a: usize| RESNAMES.get(a).copied().unwrap_or("?");
+            bail!(
+                "{source}: residue {} is {} in the structure, {} in the input",
+                i + 1,
+                name(s.aatype[i]),
+                name(ours[i] as usize)
+            );
+        }
+        let device = aatype.device();
+        let flat: Vec<f32> = s.positions.iter().flatten().flatten().copied().collect();
+        let positions = Tensor::from_slice(&flat).view([n, 37, 3]).to_device(device);
+        let flat: Vec<f32> = s.mask.iter().flatten().copied().collect();
+        let mask = Tensor::from_slice(&flat).view([n, 37]).to_device(device);
+        let truth = GroundTruth::new(aatype, &positions, &mask).with_context(|| source.to_string())?;
+        Ok(Target { truth, resolution: 0.0 })
+    }
+}
+
+/// A prepared example on `device` with its target: (features, target, recycles, the chain
+/// and its crop as the log names them).
+pub fn layout_example(p: &Prepared, device: Device) -> anyhow::Result<(Features, Target, usize, String)> {
+    let features = p.features.to_device(device);
+    let len = p.structure.aatype.len();
+    let name = format!("{} {}-{}", p.name, p.crop_start + 1, p.crop_start + len);
+    let mut target = Target::of_crop(&p.structure, &features.aatype.get(0), &name)?;
+    target.resolution = p.resolution;
+    Ok((features, target, p.recycles, name))
+}

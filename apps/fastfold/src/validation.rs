@@ -1,0 +1,235 @@
+//! `fastfold train`'s periodic validation on held-out chains (`--val-mmcif-dir`,
+//! `--val-alignment-dir`, in OpenFold's layout like the training chains), as OpenFold
+//! validates with `--val_data_dir` and `--val_alignment_dir`: lDDT-Cα of the last pass and
+//! every loss term, their means over the chains, with the moving average of the weights when
+//! one is kept (what AlphaFold and OpenFold evaluate), without gradients.
+//!
+//! Each chain is prepared once, before the first step, by the eval pipeline: no MSA block
+//! deletion, no templates, `--val-recycles` recycling passes (AlphaFold's eval: 3), the whole
+//! chain (or, with `--val-crop-size`, a crop of it drawn once from the seed and the chain's
+//! place in the list), the MSA sampling and masking drawn from the seed and that place. The
+//! same weights then give the same result every time.
+//!
+//! Under DAP the ranks of a group compute each chain together; every group (every
+//! data-parallel replica) validates every chain, in the same order, so that no collective
+//! beyond the model's own is needed and every rank holds the same result: the validation set
+//! is small next to training, and this keeps its record identical whatever the layout of ranks.
+use std::path::PathBuf;
+
+use anyhow::Context;
+use tch::Device;
+
+use crate::features::Features;
+use crate::loss::StepLoss;
+use crate::train_data::args::TrainDataArgs;
+use crate::train_data::example::{load, prepare_with_recycles, Pipeline, Prepared};
+use crate::train_data::layout;
+use crate::train_data::transforms::BlockDeletion;
+use crate::train_target::{layout_example, Target};
+
+/// Validation options of `fastfold train`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ValArgs {
+    /// Held-out chains' mmCIF entries (OpenFold's `--val_data_dir`), validated after the last
+    /// step and every --val-every steps; the training filters apply but --train-list.
+    #[arg(long, requires = "val_alignment_dir")]
+    pub val_mmcif_dir: Option<PathBuf>,
+    /// The held-out chains' alignments, one folder per chain (OpenFold's `--val_alignment_dir`).
+    #[arg(long, requires = "val_mmcif_dir")]
+    pub val_alignment_dir: Option<PathBuf>,
+    /// Validate every this many steps (and after the last).
+    #[arg(long, requires = "val_mmcif_dir", value_parser = engine::parse::count(1..))]
+    pub val_every: Option<usize>,
+    /// Validate on the first this many chains (in name order) only.
+    #[arg(long, requires = "val_mmcif_dir", value_parser = engine::parse::count(1..))]
+    pub val_max_chains: Option<usize>,
+    /// Recycling passes before the evaluated one (AlphaFold's eval: 3).
+    #[arg(long, default_value_t = 3, value_parser = engine::parse::count(0..=crate::input::MAX_RECYCLES))]
+    pub val_recycles: usize,
+    /// Evaluate a fixed crop of this many residues of longer chains (default: whole chains).
+    #[arg(long, requires = "val_mmcif_dir", value_parser = engine::parse::count(1..))]
+    pub val_crop_size: Option<usize>,
+}
+
+/// One validation's record: the means over the validation chains.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct ValResult {
+    /// Chains validated.
+    pub val_chains: usize,
+    /// lDDT-Cα of the last pass (15 Å cutoff), in [0, 1].
+    pub val_lddt_ca: f64,
+    /// The loss (the training stage's weights, backbone FAPE clamped).
+    pub val_loss: f64,
+    /// Backbone FAPE.
+    pub val_fape: f64,
+    /// Side-chain FAPE.
+    pub val_sidechain_fape: f64,
+    /// Chi angles.
+    pub val_chi: f64,
+    /// Structural violations.
+    pub val_violation: f64,
+    /// Distogram.
+    pub val_distogram: f64,
+    /// Masked MSA.
+    pub val_masked_msa: f64,
+    /// pLDDT.
+    pub val_plddt: f64,
+    /// Experimentally resolved.
+    pub val_experimentally_resolved: f64,
+}
+
+impl ValResult {
+    /// The means of per-chain `(lddt_ca, terms)`.
+    pub fn mean(per_chain: &[(f64, StepLoss)]) -> ValResult {
+        let n = per_chain.len().max(1) as f64;
+        let mean = |f: &dyn Fn(&(f64, StepLoss)) -> f64| per_chain.iter().map(f).sum::<f64>() / n;
+        ValResult {
+            val_chains: per_chain.len(),
+            val_lddt_ca: mean(&|c| c.0),
+            val_loss: mean(&|c| c.1.loss),
+            val_fape: mean(&|c| c.1.fape),
+            val_sidechain_fape: mean(&|c| c.1.sidechain_fape),
+            val_chi: mean(&|c| c.1.chi),
+            val_violation: mean(&|c| c.1.violation),
+            val_distogram: mean(&|c| c.1.distogram),
+            val_masked_msa: mean(&|c| c.1.masked_msa),
+            val_plddt: mean(&|c| c.1.plddt),
+            val_experimentally_resolved: mean(&|c| c.1.experimentally_resolved),
+        }
+    }
+
+    /// TensorBoard's scalars, under `val/`.
+    pub fn scalars(&self) -> Vec<(&'static str, f64)> {
+        vec![
+            ("val/lddt_ca", self.val_lddt_ca),
+            ("val/loss", self.val_loss),
+            ("val/fape", self.val_fape),
+            ("val/sidechain_fape", self.val_sidechain_fape),
+            ("val/chi", self.val_chi),
+            ("val/violation", self.val_violation),
+            ("val/distogram", self.val_distogram),
+            ("val/masked_msa", self.val_masked_msa),
+            ("val/plddt", self.val_plddt),
+            ("val/experimentally_resolved", self.val_experimentally_resolved),
+        ]
+    }
+}
+
+/// The validation chains, prepared (in host memory: each goes to the device for its turn).
+pub struct Validation {
+    /// Each chain, in name order.
+    chains: Vec<Prepared>,
+    /// Where the model runs.
+    device: Device,
+    /// Validate every this many steps (and after the last).
+    every: Option<usize>,
+}
+
+impl Validation {
+    /// The chains `val` names (none without --val-mmcif-dir), prepared by the eval pipeline
+    /// with `data`'s filters (but its train list) and the run's MSA sizes in `train`'s
+    /// pipeline, to run on `device`.
+    pub fn open(
+        val: &ValArgs,
+        data: &TrainDataArgs,
+        train: &Pipeline,
+        device: Device,
+    ) -> anyhow::Result<Option<Validation>> {
+        let (Some(mmcif_dir), Some(alignment_dir)) = (&val.val_mmcif_dir, &val.val_alignment_dir) else {
+            return Ok(None);
+        };
+        let filters = layout::Filters { train_list: None, ..data.filters()? };
+        let selection = layout::select_as(mmcif_dir, alignment_dir, &filters, &layout::LayoutFlags::VALIDATION)?;
+        let mut chains = selection.chains;
+        chains.sort_by(|a, b| a.name.cmp(&b.name));
+        chains.truncate(val.val_max_chains.unwrap_or(usize::MAX));
+        let pipeline = Pipeline {
+            block_deletion: BlockDeletion { num_blocks: 0, ..BlockDeletion::default() },
+            crop_size: val.val_crop_size.unwrap_or(usize::MAX),
+            templates: None,
+            ..train.clone()
+        };
+        let mut prepared = Vec::with_capacity(chains.len());
+        for (i, entry) in chains.iter().enumerate() {
+            let mut entry = entry.clone();
+            entry.templates.clear();
+            let example = load(&entry).with_context(|| format!("validation chain {}", entry.name))?;
+            // Drawn by the chain's place in the list: the same example at every validation.
+            let p = prepare_with_recycles(&example, &pipeline, i as u64 + 1, 0, val.val_recycles)?;
+            // Its target is checked now, not at the first validation.
+            layout_example(&p, Device::Cpu)?;
+            prepared.push(p);
+        }
+        Ok(Some(Validation { chains: prepared, device, every: val.val_every }))
+    }
+
+    /// Chains validated.
+    pub fn len(&self) -> usize {
+        self.chains.len()
+    }
+
+    /// Whether there are none (never, once opened).
+    pub fn is_empty(&self) -> bool {
+        self.chains.is_empty()
+    }
+
+    /// Whether step `step` of `steps` validates: every --val-every steps and after the last.
+    pub fn due(&self, step: usize, steps: usize) -> bool {
+        step == steps || self.every.is_some_and(|every| step.is_multiple_of(every))
+    }
+
+    /// Scores every chain, in order, by `evaluate` (lDDT-Cα and the loss terms of the
+    /// features, target and recycles; every rank of the job together) and averages them. The
+    /// trainer passes its evaluation with the weights it validates (see
+    /// [`crate::train::Trainer::with_evaluated_weights`]).
+    pub fn run(
+        &self,
+        evaluate: impl Fn(&Features, &Target, usize) -> anyhow::Result<(f64, StepLoss)>,
+    ) -> anyhow::Result<ValResult> {
+        let per_chain = self
+            .chains
+            .iter()
+            .map(|p| {
+                let (features, target, recycles, _) = layout_example(p, self.device)?;
+                evaluate(&features, &target, recycles)
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        Ok(ValResult::mean(&per_chain))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{StepLoss, ValResult, Validation};
+
+    #[test]
+    fn validations_fall_every_n_steps_and_after_the_last() {
+        let v = |every| Validation { chains: Vec::new(), device: tch::Device::Cpu, every };
+        let due = |v: &Validation| (1..=7).filter(|&s| v.due(s, 7)).collect::<Vec<_>>();
+        assert_eq!(due(&v(Some(3))), [3, 6, 7]);
+        assert_eq!(due(&v(None)), [7], "without --val-every: after the last step only");
+        assert_eq!(due(&v(Some(1))), [1, 2, 3, 4, 5, 6, 7]);
+    }
+
+    #[test]
+    fn the_record_is_the_mean_over_the_chains() {
+        let terms = |loss: f64| StepLoss {
+            loss,
+            fape: 2.0 * loss,
+            clamped: true,
+            sidechain_fape: 0.0,
+            chi: 0.0,
+            angle_norm: 0.0,
+            violation: 0.0,
+            distogram: 0.0,
+            masked_msa: 0.0,
+            plddt: 0.0,
+            experimentally_resolved: 0.0,
+            aligned_error: None,
+        };
+        let r = ValResult::mean(&[(0.5, terms(1.0)), (0.75, terms(3.0))]);
+        assert_eq!((r.val_chains, r.val_lddt_ca, r.val_loss, r.val_fape), (2, 0.625, 2.0, 4.0));
+        let json = serde_json::to_string(&r).unwrap();
+        assert!(json.contains("\"val_lddt_ca\":0.625") && json.contains("\"val_chains\":2"), "{json}");
+    }
+}
