@@ -285,16 +285,16 @@ pub struct ScheduleArgs {
     /// Final learning rate as a share of the peak (cosine and linear decay; step decay's floor).
     #[arg(long, default_value_t = 0.0, value_parser = share)]
     pub min_lr_ratio: f64,
-    /// Steps between two cuts of --decay step (AlphaFold: 50000).
-    #[arg(long, default_value_t = 50_000, value_parser = count(1..))]
-    pub decay_every: usize,
-    /// Each cut's factor under --decay step (AlphaFold: 0.95).
-    #[arg(long, default_value_t = 0.95, value_parser = positive_share)]
-    pub decay_factor: f64,
-    /// Steps at the peak before --decay step's first cut, counted from the first step (AlphaFold:
-    /// 50000, warm-up included).
-    #[arg(long, default_value_t = 50_000, value_parser = count(0..))]
-    pub decay_after: usize,
+    /// Steps between two cuts of --decay step [default: 50000, AlphaFold's].
+    #[arg(long, value_parser = count(1..))]
+    pub decay_every: Option<usize>,
+    /// Each cut's factor under --decay step [default: 0.95, AlphaFold's].
+    #[arg(long, value_parser = positive_share)]
+    pub decay_factor: Option<f64>,
+    /// Steps at the peak before --decay step's first cut, counted from the first step
+    /// [default: 50000, AlphaFold's, warm-up included].
+    #[arg(long, value_parser = count(0..))]
+    pub decay_after: Option<usize>,
 }
 
 /// [`seconds`] for `--timeout`, whose error says when the value came from
@@ -308,17 +308,29 @@ fn timeout_seconds(s: &str) -> std::result::Result<f64, String> {
 }
 
 impl ScheduleArgs {
-    /// The schedule from `peak` over `total` steps.
-    pub fn schedule(&self, peak: f64, total: usize) -> LrSchedule {
+    /// The schedule from `peak` over `total` steps. The step flags without `--decay step` are
+    /// an error: another decay would ignore them, silently.
+    pub fn schedule(&self, peak: f64, total: usize) -> Result<LrSchedule> {
         let decay = match self.decay {
             DecayKind::Constant => Decay::Constant,
             DecayKind::Cosine => Decay::Cosine,
             DecayKind::Linear => Decay::Linear,
-            DecayKind::Step => {
-                Decay::Step { every: self.decay_every, factor: self.decay_factor, after: self.decay_after }
-            }
+            DecayKind::Step => Decay::Step {
+                every: self.decay_every.unwrap_or(50_000),
+                factor: self.decay_factor.unwrap_or(0.95),
+                after: self.decay_after.unwrap_or(50_000),
+            },
         };
-        LrSchedule { peak, floor: peak * self.min_lr_ratio, warmup: self.warmup, total, decay }
+        let step_flags = [
+            ("--decay-every", self.decay_every.is_some()),
+            ("--decay-factor", self.decay_factor.is_some()),
+            ("--decay-after", self.decay_after.is_some()),
+        ];
+        if let (false, Some((flag, _))) = (self.decay == DecayKind::Step, step_flags.iter().find(|(_, given)| *given)) {
+            let kind = format!("{:?}", self.decay).to_lowercase();
+            return Err(Error::Invalid(format!("{flag} applies to --decay step only (the decay is {kind})")));
+        }
+        Ok(LrSchedule { peak, floor: peak * self.min_lr_ratio, warmup: self.warmup, total, decay })
     }
 }
 
@@ -356,7 +368,7 @@ mod tests {
         assert_eq!((c.optimizer.clip_grad, c.schedule.warmup, c.precision.precision), (Some(1.0), 5, Precision::Bf16));
         let err = Command::try_parse_from(["x", "--precision", "fp16"]).err().unwrap().to_string();
         assert!(err.contains("fp16") && err.contains("fp32, bf16"), "{err}");
-        let s = c.schedule.schedule(1.0, 10);
+        let s = c.schedule.schedule(1.0, 10).unwrap();
         assert_eq!((s.at(0), s.at(1), s.at(9)), (0.0, 0.2, 1.0));
     }
 
@@ -364,15 +376,19 @@ mod tests {
     #[test]
     fn step_decay_flags_build_alphafolds_schedule() {
         let c = Command::try_parse_from(["x", "--warmup", "1000", "--decay", "step"]).unwrap();
-        let s = c.schedule.schedule(1e-3, 10);
+        let s = c.schedule.schedule(1e-3, 10).unwrap();
         assert_eq!(s.decay, Decay::Step { every: 50_000, factor: 0.95, after: 50_000 });
         assert_eq!((s.at(1000), s.at(50_000)), (1e-3, 1e-3));
         assert!((s.at(50_001) - 0.95e-3).abs() < 1e-15, "{}", s.at(50_001));
         let flags = ["x", "--decay", "step", "--decay-every", "2", "--decay-factor", "0.5", "--decay-after", "4"];
         let c = Command::try_parse_from(flags).unwrap();
-        let s = c.schedule.schedule(1.0, 10);
+        let s = c.schedule.schedule(1.0, 10).unwrap();
         assert_eq!(s.decay, Decay::Step { every: 2, factor: 0.5, after: 4 });
         assert_eq!([s.at(4), s.at(5), s.at(6), s.at(7), s.at(8)], [1.0, 0.5, 0.25, 0.25, 0.125]);
+        // Under another decay the step flags would do nothing: an error names the flag.
+        let c = Command::try_parse_from(["x", "--decay", "cosine", "--decay-factor", "0.5"]).unwrap();
+        let err = c.schedule.schedule(1.0, 10).err().unwrap().to_string();
+        assert!(err.contains("--decay-factor") && err.contains("--decay step") && err.contains("cosine"), "{err}");
     }
 
     #[test]

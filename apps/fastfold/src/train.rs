@@ -646,7 +646,7 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
         .with_kernels(backend);
     let preset = args.input.preset(&params, &args.params)?;
     let (loss, kind) = (args.config_preset.loss(), args.precision.precision.kind());
-    let schedule = args.schedule.schedule(args.optimizer.lr, args.steps);
+    let schedule = args.schedule.schedule(args.optimizer.lr, args.steps)?;
     let trainer = Trainer::on_ranks_in(&params, device, kind, &args.optimizer, &ranks)?;
     let trainer = trainer.with_schedule(schedule).with_loss(loss, args.input.seed.seed);
     let mut trainer = trainer.with_ema(args.ema_decay)?;

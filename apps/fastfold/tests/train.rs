@@ -492,7 +492,7 @@ fn the_defaults_are_alphafolds_recipe() {
     );
     assert_eq!((args.optimizer.clip_grad, args.ema_decay), (Some(0.1), 0.999));
     assert_eq!(args.optimizer.adam_epsilon, Some(1e-6));
-    let s = args.schedule.schedule(args.optimizer.lr, 200_000);
+    let s = args.schedule.schedule(args.optimizer.lr, 200_000).unwrap();
     assert_eq!(s.decay, engine::optim::Decay::Step { every: 50_000, factor: 0.95, after: 50_000 });
     assert_eq!((s.warmup, s.at(0), s.at(1000), s.at(50_000)), (1000, 0.0, 1e-3, 1e-3));
     assert!((s.at(50_001) - 0.95e-3).abs() < 1e-15 && (s.at(100_000) - 0.9025e-3).abs() < 1e-15);

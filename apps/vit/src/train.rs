@@ -158,7 +158,7 @@ impl<'a> Trainer<'a> {
         let total = args.steps.unwrap_or(args.epochs * data.steps_per_epoch);
         let global = layout.batch.global;
         let peak = args.lr_base_batch.map_or(args.optimizer.lr, |base| scale_lr(args.optimizer.lr, global, base));
-        let schedule = args.schedule.schedule(peak, total);
+        let schedule = args.schedule.schedule(peak, total)?;
         let compute = Compute {
             device: args.job.launch.device(world)?,
             kind: args.precision.precision.kind(),

@@ -375,7 +375,7 @@ impl<'a> Trainer<'a> {
             training,
             data,
             preprocess,
-            schedule: args.schedule.schedule(args.optimizer.lr, args.steps),
+            schedule: args.schedule.schedule(args.optimizer.lr, args.steps)?,
             device,
             sd,
             ema,
