@@ -352,8 +352,9 @@ impl Trainer {
         Trainer::on_ranks_in(params, device, Kind::Float, optimizer, ranks)
     }
 
-    /// [`Trainer::on_ranks`] in `kind` ([`Trainer::new_in`]; below fp32, one data-parallel
-    /// replica only).
+    /// [`Trainer::on_ranks`] in `kind` ([`Trainer::new_in`]): below fp32 the replicas average
+    /// the model's gradients in its kind, and each copies the average into its fp32 masters (its
+    /// share of them under ZeRO-1, whose step then gathers the updated masters).
     pub fn on_ranks_in(
         params: &Params,
         device: Device,
@@ -361,9 +362,6 @@ impl Trainer {
         optimizer: &OptimizerArgs,
         ranks: &Ranks,
     ) -> anyhow::Result<Trainer> {
-        if kind != Kind::Float && ranks.data.is_some() {
-            bail!("--precision bf16 trains one data-parallel replica (--dap equal to --nproc): not several yet");
-        }
         let params = params.to_kind(kind)?.to_device(device, true)?;
         let model = AlphaFold::new(&params)?;
         let is_stack = |k: &str| k.starts_with(&format!("{EVOFORMER}/")) || k.starts_with(&format!("{EXTRA_MSA}/"));
@@ -656,7 +654,7 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
     }
     let first = trainer.steps() + 1;
     let (input, seed) = (&args.input, args.input.seed.seed);
-    let pipeline = args.data.pipeline(args.config_preset, input.max_msa_clusters, input.max_extra_msa, seed);
+    let pipeline = args.data.pipeline(args.config_preset, input.max_msa_clusters, input.max_extra_msa, seed)?;
     let validation = Validation::open(&args.val, &args.data, &pipeline, device)?;
     if let (0, Some(v), false) = (world.rank(), &validation, args.job.quiet) {
         println!("{} validation chains, {} recycles", v.len(), args.val.val_recycles);
@@ -816,11 +814,12 @@ impl Examples {
                 println!("{} training chains in {}{left}", selection.chains.len(), alignment_dir.display());
             }
             let (input, seed) = (&args.input, args.input.seed.seed);
-            let pipeline = args.data.pipeline(args.config_preset, input.max_msa_clusters, input.max_extra_msa, seed);
+            let pipeline = args.data.pipeline(args.config_preset, input.max_msa_clusters, input.max_extra_msa, seed)?;
             // The ranks of a DAP group train the same examples: together they are one
             // data-parallel replica, their group's share of the stream.
             let (steps, workers) = (args.steps as u64, args.data.loader_workers);
-            let loader = ExampleLoader::from_step(selection.chains, pipeline, first, steps, shard, workers)?;
+            let sampling = args.data.chain_sampling;
+            let loader = ExampleLoader::from_step(selection.chains, pipeline, sampling, first, steps, shard, workers)?;
             return Ok(Examples::Layout { loader });
         }
         let Some(target_path) = &args.target else {

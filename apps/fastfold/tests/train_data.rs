@@ -334,8 +334,13 @@ fn template_hits_become_each_examples_cropped_templates() {
     let names: Vec<&str> = predict.hits.iter().map(|h| h.domain_name.as_str()).collect();
     assert_eq!(names, ["2def_B", "1abc_A"]);
 
-    let sampling =
-        TemplateSampling { max_templates: 4, mmcif_dir: mmcif.clone(), max_template_date: None, kalign: None };
+    let sampling = TemplateSampling {
+        max_templates: 4,
+        mmcif_dir: mmcif.clone(),
+        max_template_date: None,
+        obsolete: Default::default(),
+        kalign: None,
+    };
     let p = Pipeline { templates: Some(sampling.clone()), ..pipeline(3) };
     let (ca, crop) = (atom_order("CA").unwrap() as i64, 16usize);
     let mut counts = std::collections::BTreeSet::new();
@@ -375,6 +380,17 @@ fn template_hits_become_each_examples_cropped_templates() {
     }
     assert_eq!(counts.into_iter().collect::<Vec<_>>(), [0, 1, 2], "0 to 2 of the 2 usable hits, drawn per example");
     assert_eq!(used.into_iter().collect::<Vec<_>>(), ["1abc_A", "2def_B"]);
+
+    // An entry that obsolete.dat withdraws (--obsolete-pdbs-path) gives no template.
+    let obsolete = fastfold::search::templates::parse_obsolete("OBSLTE    31-JUL-94 1ABC\n");
+    let p = Pipeline { templates: Some(TemplateSampling { obsolete, ..sampling.clone() }), ..pipeline(3) };
+    let counts: std::collections::BTreeSet<usize> = (1..=24)
+        .map(|step| {
+            let t = prepare(&example, &p, step, 0).unwrap().features.templates.expect("template features");
+            Vec::<f32>::try_from(t.mask.get(0)).unwrap().iter().filter(|&&m| m == 1.0).count()
+        })
+        .collect();
+    assert_eq!(counts.into_iter().collect::<Vec<_>>(), [0, 1], "2def_B alone: 1abc is withdrawn");
 
     // Every .hhr file of the folder gives hits, as OpenFold reads them.
     std::fs::copy(&path, alignments.join("9qry_A/more_hits.hhr")).unwrap();

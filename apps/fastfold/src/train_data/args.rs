@@ -2,14 +2,16 @@
 //! [`Filters`] and the [`Pipeline`] the rest reads.
 use std::path::PathBuf;
 
-use anyhow::bail;
+use anyhow::{bail, Context};
 
 use super::example::Pipeline;
 use super::layout::{read_chain_data_cache, read_train_list, Filters};
+use super::loader::ChainSampling;
 use super::templates::TemplateSampling;
 use super::transforms::BlockDeletion;
 use crate::features::FeatureConfig;
 use crate::loss::TrainingStage;
+use crate::search::templates::parse_obsolete;
 
 /// Training on a data set (OpenFold's `train_openfold.py` layout) rather than one example.
 #[derive(clap::Args, Debug, Clone)]
@@ -65,10 +67,19 @@ pub struct TrainDataArgs {
     /// chain's templates are released at least 60 days before the chain.
     #[arg(long, requires = "mmcif_dir", value_parser = parse_date)]
     pub max_template_date: Option<String>,
+    /// PDB's list of obsolete entries (`obsolete.dat`; OpenFold's `obsolete_pdbs_file_path`):
+    /// a hit of a withdrawn entry is dropped, one of a superseded entry reads its successor.
+    #[arg(long, requires = "mmcif_dir")]
+    pub obsolete_pdbs_path: Option<PathBuf>,
     /// The kalign binary, which realigns a template hit whose chain changed since the hits
     /// were searched (default: `kalign` on PATH; needed only then).
     #[arg(long, requires = "mmcif_dir")]
     pub kalign_binary_path: Option<PathBuf>,
+    /// How often each chain trains: `openfold`, OpenFold's stochastic filter (a chain's turn
+    /// taken with probability max(min(length, 512), 256) / 512, over its cluster's size when
+    /// --chain-data-cache gives `cluster_size`), or `uniform`, every chain once an epoch.
+    #[arg(long, value_enum, default_value_t = ChainSampling::Openfold)]
+    pub chain_sampling: ChainSampling,
     /// Threads reading and preparing the next examples while the current step trains.
     #[arg(long, default_value_t = 2, value_parser = engine::parse::count(1..))]
     pub loader_workers: usize,
@@ -117,8 +128,8 @@ impl TrainDataArgs {
         max_msa_clusters: Option<usize>,
         max_extra_msa: Option<usize>,
         seed: u64,
-    ) -> Pipeline {
-        Pipeline {
+    ) -> anyhow::Result<Pipeline> {
+        Ok(Pipeline {
             features: FeatureConfig {
                 max_msa_clusters: max_msa_clusters.unwrap_or(stage.max_msa_clusters()),
                 max_extra_msa: max_extra_msa.unwrap_or(stage.max_extra_msa()),
@@ -128,18 +139,33 @@ impl TrainDataArgs {
             crop_size: self.crop_size.unwrap_or(stage.crop_size()),
             max_recycles: self.max_recycles,
             seed,
-            templates: self.template_sampling(),
-        }
+            templates: self.template_sampling()?,
+        })
     }
 
     /// How examples draw templates: `None` with `--max-templates 0` or without a data set.
-    pub fn template_sampling(&self) -> Option<TemplateSampling> {
-        let mmcif_dir = self.template_mmcif_dir.clone().or_else(|| self.mmcif_dir.clone())?;
-        (self.max_templates > 0).then(|| TemplateSampling {
+    /// An error names an `--obsolete-pdbs-path` that cannot be read.
+    pub fn template_sampling(&self) -> anyhow::Result<Option<TemplateSampling>> {
+        let Some(mmcif_dir) = self.template_mmcif_dir.clone().or_else(|| self.mmcif_dir.clone()) else {
+            return Ok(None);
+        };
+        if self.max_templates == 0 {
+            return Ok(None);
+        }
+        let obsolete = match &self.obsolete_pdbs_path {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading --obsolete-pdbs-path {}", path.display()))?;
+                parse_obsolete(&text)
+            }
+            None => Default::default(),
+        };
+        Ok(Some(TemplateSampling {
             max_templates: self.max_templates,
             mmcif_dir,
             max_template_date: self.max_template_date.clone(),
+            obsolete,
             kalign: self.kalign_binary_path.clone(),
-        })
+        }))
     }
 }

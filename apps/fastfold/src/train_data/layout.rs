@@ -40,8 +40,7 @@ pub struct Filters {
 }
 
 /// A chain's record in OpenFold's chain data cache (`chain_data_cache.json`, written by its
-/// `scripts/generate_chain_data_cache.py`; its other fields, such as `cluster_size`, are not
-/// read).
+/// `scripts/generate_chain_data_cache.py`; its other fields are not read).
 #[derive(Clone, Debug, PartialEq, serde::Deserialize)]
 pub struct ChainData {
     /// The entry's release date, `YYYY-MM-DD`.
@@ -51,10 +50,15 @@ pub struct ChainData {
     /// Resolution in Å (`null` or absent: none).
     #[serde(default)]
     pub resolution: Option<f64>,
+    /// Chains in the chain's sequence cluster (the script's `--cluster_file`, PDB's
+    /// `clusters-by-entity-40.txt`; absent: not known), for the sampling weight
+    /// ([`super::loader::ChainSampling`]).
+    #[serde(default)]
+    pub cluster_size: Option<usize>,
 }
 
 /// Reads a `--chain-data-cache` file: `{"<pdb>_<chain>": {"release_date": .., "seq": ..,
-/// "resolution": ..}, ..}`.
+/// "resolution": .., "cluster_size": ..}, ..}`.
 pub fn read_chain_data_cache(path: &Path) -> anyhow::Result<HashMap<String, ChainData>> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading --chain-data-cache {}", path.display()))?;
@@ -95,6 +99,8 @@ pub struct ChainEntry {
     pub templates: Vec<PathBuf>,
     /// SEQRES residues.
     pub length: usize,
+    /// Chains in its sequence cluster, from the chain data cache (`None`: not known).
+    pub cluster_size: Option<usize>,
 }
 
 /// The chains of a layout that pass the filters, in name order, and how many each filter
@@ -267,16 +273,20 @@ pub fn select_as(
         Some((_, n)) => *n += 1,
         None => excluded.push((why.to_string(), 1)),
     };
-    // (resolution, release date, sequence) of each chain, None when the cache lacks it.
-    let described: Vec<Option<(f64, Option<String>, String)>> = match &filters.chain_data {
+    // (resolution, release date, sequence, cluster size) of each chain, None when the cache
+    // lacks it.
+    let described: Vec<Option<Described>> = match &filters.chain_data {
         Some(cache) => located
             .iter()
-            .map(|l| cache.get(&l.0).map(|c| (c.resolution.unwrap_or(0.0), c.release_date.clone(), c.seq.clone())))
+            .map(|l| {
+                let c = cache.get(&l.0)?;
+                Some((c.resolution.unwrap_or(0.0), c.release_date.clone(), c.seq.clone(), c.cluster_size))
+            })
             .collect(),
         None => described_by_entries(&located)?.into_iter().map(Some).collect(),
     };
     for ((name, _, chain, path, folder), described) in located.into_iter().zip(described) {
-        let Some((resolution, date, sequence)) = described else {
+        let Some((resolution, date, sequence, cluster_size)) = described else {
             exclude("not in --chain-data-cache");
             continue;
         };
@@ -286,7 +296,8 @@ pub fn select_as(
         }
         let msas = msa_files(&folder)?;
         let templates = files_with(&folder, &[super::templates::HIT_EXTENSION])?;
-        chains.push(ChainEntry { name, chain, length: sequence.chars().count(), mmcif: path, msas, templates });
+        let length = sequence.chars().count();
+        chains.push(ChainEntry { name, chain, length, cluster_size, mmcif: path, msas, templates });
     }
     if chains.is_empty() {
         let why: Vec<String> = excluded.iter().map(|(w, n)| format!("{n} {w}")).collect();
@@ -308,9 +319,13 @@ pub fn select_as(
 /// A located chain: (name, pdb id, chain id, mmCIF file, alignment folder).
 type Located = (String, String, String, PathBuf, PathBuf);
 
+/// What the filters and the sampling read of a chain: (resolution, release date, SEQRES,
+/// cluster size).
+type Described = (f64, Option<String>, String, Option<usize>);
+
 /// (resolution, release date, SEQRES) of each chain from its mmCIF entry, each entry parsed
-/// once (on the rayon pool) whatever number of its chains train.
-fn described_by_entries(located: &[Located]) -> anyhow::Result<Vec<(f64, Option<String>, String)>> {
+/// once (on the rayon pool) whatever number of its chains train; no cluster size.
+fn described_by_entries(located: &[Located]) -> anyhow::Result<Vec<Described>> {
     let mut files: Vec<PathBuf> = located.iter().map(|l| l.3.clone()).collect();
     files.sort();
     files.dedup();
@@ -335,7 +350,7 @@ fn described_by_entries(located: &[Located]) -> anyhow::Result<Vec<(f64, Option<
                     ids.join(", ")
                 )
             })?;
-            Ok((entry.resolution, entry.release_date.clone(), chain_sequence(found)))
+            Ok((entry.resolution, entry.release_date.clone(), chain_sequence(found), None))
         })
         .collect()
 }

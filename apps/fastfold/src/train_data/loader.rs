@@ -1,6 +1,7 @@
 //! The order of the training chains and their loading ahead of the steps: the run's examples
-//! form one stream, numbered 1, 2, ... (each epoch every chain once, in an order drawn by
-//! (seed, epoch)); a data-parallel replica trains every `replicas`-th of them, as PyTorch's
+//! form one stream, numbered 1, 2, ... (the chains' places in epochs of every chain once, in an
+//! order drawn by (seed, epoch), each place taken or passed by OpenFold's stochastic filter,
+//! [`ChainSampling`]); a data-parallel replica trains every `replicas`-th of them, as PyTorch's
 //! `DistributedSampler` splits an epoch, so replicas never share an example ([`Shard`]). Each
 //! of this replica's examples is read and prepared ([`super::example`], its draws keyed by its
 //! number in the stream) on a pool of threads ([`data::loader::Prefetch`]), at most a few
@@ -10,6 +11,32 @@ use std::sync::Arc;
 use super::example::{load, prepare, Pipeline, Prepared};
 use super::layout::ChainEntry;
 use super::transforms::{keyed, Draw};
+
+/// How often each chain trains.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ChainSampling {
+    /// OpenFold's stochastic training filter (`get_stochastic_train_filter_prob`): a chain's
+    /// place in the epochs' order is taken with probability `max(min(length, 512), 256) / 512`,
+    /// times `1 / cluster_size` when the chain data cache gives its cluster, so that short
+    /// chains and large clusters of near-copies do not dominate training.
+    Openfold,
+    /// Every chain once an epoch.
+    Uniform,
+}
+
+impl ChainSampling {
+    /// The probability that a place of `chain` in the epochs' order trains.
+    pub fn acceptance(self, chain: &ChainEntry) -> f64 {
+        match self {
+            ChainSampling::Uniform => 1.0,
+            ChainSampling::Openfold => {
+                let length = chain.length.clamp(256, 512) as f64 / 512.0;
+                let cluster = chain.cluster_size.filter(|&n| n > 0).map_or(1.0, |n| 1.0 / n as f64);
+                length * cluster
+            }
+        }
+    }
+}
 
 /// Which examples of the run's stream one data-parallel replica trains, and how many per
 /// optimizer step. Example numbers depend only on the step, the micro-step and the replica,
@@ -41,26 +68,45 @@ impl Shard {
     }
 }
 
-/// The chain (index into `len` chains) of each of the stream's `examples` (1-based numbers):
-/// epochs of every chain once, in an order drawn per epoch.
-pub fn schedule(len: usize, seed: u64, examples: &[u64]) -> Vec<usize> {
+/// The chain (index into `acceptance`, one probability a chain) of each of the stream's
+/// `examples` (1-based numbers, ascending): the places of epochs of every chain once, in an
+/// order drawn per epoch, each taken with its chain's probability (drawn by the place), the
+/// taken ones numbered in turn. An error when the chains' probabilities are all 0.
+pub fn schedule(acceptance: &[f64], seed: u64, examples: &[u64]) -> anyhow::Result<Vec<usize>> {
+    let len = acceptance.len() as u64;
+    anyhow::ensure!(
+        acceptance.iter().any(|&p| p > 0.0),
+        "no training chain can be drawn (every chain's sampling probability is 0)"
+    );
     let order = |epoch: u64| {
-        let mut order: Vec<usize> = (0..len).collect();
+        let mut order: Vec<usize> = (0..len as usize).collect();
         // Every replica draws the same order (rank 0's key) and takes its own share of it.
         keyed(seed, Draw::Shuffle, epoch, 0).shuffle(&mut order);
         order
     };
-    let mut cached: Option<(u64, Vec<usize>)> = None;
-    examples
-        .iter()
-        .map(|&n| {
-            let (epoch, at) = ((n - 1) / len as u64, ((n - 1) % len as u64) as usize);
-            if cached.as_ref().is_none_or(|(e, _)| *e != epoch) {
-                cached = Some((epoch, order(epoch)));
+    let mut chains = Vec::with_capacity(examples.len());
+    let (mut taken, mut place) = (0u64, 0u64);
+    let mut epoch_order: Option<(u64, Vec<usize>)> = None;
+    for &n in examples {
+        // Walk the places (every replica walks them all, so all agree) up to the n-th taken.
+        loop {
+            let epoch = place / len;
+            if epoch_order.as_ref().is_none_or(|(e, _)| *e != epoch) {
+                epoch_order = Some((epoch, order(epoch)));
             }
-            cached.as_ref().map(|(_, o)| o[at]).unwrap_or(0)
-        })
-        .collect()
+            let chain = epoch_order.as_ref().map_or(0, |(_, o)| o[(place % len) as usize]);
+            place += 1;
+            let p = acceptance[chain];
+            if p >= 1.0 || keyed(seed, Draw::Accept, place, 0).uniform() < p {
+                taken += 1;
+                if taken == n {
+                    chains.push(chain);
+                    break;
+                }
+            }
+        }
+    }
+    Ok(chains)
 }
 
 /// This replica's examples, arriving in order, made ahead on `workers` threads.
@@ -72,16 +118,17 @@ const PARALLEL: usize = 2;
 const PREFETCH: usize = 2;
 
 impl ExampleLoader {
-    /// Starts making `shard`'s examples of `steps` steps from `chains`, each prepared with the
-    /// draws of its number in the stream.
+    /// Starts making `shard`'s examples of `steps` steps from `chains`, drawn by `sampling`,
+    /// each prepared with the draws of its number in the stream.
     pub fn new(
         chains: Vec<ChainEntry>,
         pipeline: Pipeline,
+        sampling: ChainSampling,
         steps: u64,
         shard: Shard,
         workers: usize,
     ) -> anyhow::Result<ExampleLoader> {
-        ExampleLoader::from_step(chains, pipeline, 1, steps, shard, workers)
+        ExampleLoader::from_step(chains, pipeline, sampling, 1, steps, shard, workers)
     }
 
     /// As [`ExampleLoader::new`], the examples of steps `first..=steps` (a resumed run's): the
@@ -89,6 +136,7 @@ impl ExampleLoader {
     pub fn from_step(
         chains: Vec<ChainEntry>,
         pipeline: Pipeline,
+        sampling: ChainSampling,
         first: u64,
         steps: u64,
         shard: Shard,
@@ -96,7 +144,8 @@ impl ExampleLoader {
     ) -> anyhow::Result<ExampleLoader> {
         let skip = (first.saturating_sub(1) * shard.accumulation) as usize;
         let numbers: Vec<u64> = shard.examples(steps).into_iter().skip(skip).collect();
-        let order = schedule(chains.len(), pipeline.seed, &numbers);
+        let acceptance: Vec<f64> = chains.iter().map(|c| sampling.acceptance(c)).collect();
+        let order = schedule(&acceptance, pipeline.seed, &numbers)?;
         let specs: Vec<(u64, usize)> = numbers.into_iter().zip(order).collect();
         let mut chains = chains;
         if pipeline.templates.is_none() {
@@ -120,20 +169,52 @@ impl ExampleLoader {
 
 #[cfg(test)]
 mod tests {
-    use super::{schedule, Shard};
+    use std::path::PathBuf;
+
+    use super::{schedule, ChainEntry, ChainSampling, Shard};
 
     #[test]
     fn each_epoch_visits_every_chain_once_in_its_own_order() {
         let all: Vec<u64> = (1..=15).collect();
-        let s = schedule(5, 3, &all);
+        let s = schedule(&[1.0; 5], 3, &all).unwrap();
         for epoch in s.chunks(5) {
             let mut e = epoch.to_vec();
             e.sort();
             assert_eq!(e, [0, 1, 2, 3, 4]);
         }
         assert_ne!(s[..5], s[5..10], "epochs are shuffled apart");
-        assert_eq!(schedule(5, 3, &all[6..10]), s[6..10], "a later start continues the same order");
-        assert_eq!(schedule(1, 3, &[1, 2, 3]), [0, 0, 0]);
+        assert_eq!(schedule(&[1.0; 5], 3, &all[6..10]).unwrap(), s[6..10], "a later start continues the same order");
+        assert_eq!(schedule(&[1.0], 3, &[1, 2, 3]).unwrap(), [0, 0, 0]);
+    }
+
+    fn chain(length: usize, cluster_size: Option<usize>) -> ChainEntry {
+        let (name, chain) = ("1abc_A".to_string(), "A".to_string());
+        let (mmcif, msas, templates) = (PathBuf::new(), Vec::new(), Vec::new());
+        ChainEntry { name, chain, mmcif, msas, templates, length, cluster_size }
+    }
+
+    /// OpenFold's weights: length clamped to 256..512 over 512, over the cluster's size.
+    #[test]
+    fn openfold_sampling_weighs_by_length_and_cluster() {
+        let p = |length, cluster| ChainSampling::Openfold.acceptance(&chain(length, cluster));
+        assert_eq!([p(100, None), p(384, None), p(1000, None)], [0.5, 0.75, 1.0]);
+        assert_eq!([p(1000, Some(4)), p(100, Some(2)), p(1000, Some(0))], [0.25, 0.25, 1.0]);
+        assert_eq!(ChainSampling::Uniform.acceptance(&chain(100, Some(9))), 1.0);
+    }
+
+    /// Taken places follow their probabilities, a later start continues the same stream, and
+    /// chains that can never be drawn are an error rather than an endless walk.
+    #[test]
+    fn chains_are_taken_in_proportion_to_their_probability() {
+        let all: Vec<u64> = (1..=4000).collect();
+        let s = schedule(&[1.0, 0.25, 0.0], 7, &all).unwrap();
+        let count = |c| s.iter().filter(|&&x| x == c).count() as f64;
+        assert_eq!(count(2), 0.0, "a chain of probability 0 never trains");
+        // Each epoch takes chain 0 once and chain 1 with probability 1/4: 4 to 1.
+        let ratio = count(0) / count(1);
+        assert!((ratio - 4.0).abs() < 0.4, "taken 4 to 1, found {ratio}");
+        assert_eq!(schedule(&[1.0, 0.25, 0.0], 7, &all[100..120]).unwrap(), s[100..120]);
+        assert!(schedule(&[0.0, 0.0], 7, &[1]).is_err());
     }
 
     #[test]

@@ -19,6 +19,7 @@
 //!
 //! The draws of steps 3 and 4 come from one generator keyed by the example's number
 //! ([`super::transforms::Draw::Templates`]), so a run repeats its templates exactly.
+use std::collections::HashMap;
 use std::path::PathBuf;
 
 use anyhow::Context;
@@ -54,6 +55,8 @@ pub struct TemplateSampling {
     pub mmcif_dir: PathBuf,
     /// Latest release of a template, `YYYY-MM-DD` (`--max-template-date`).
     pub max_template_date: Option<String>,
+    /// Obsolete entries: id -> its successor (`None`: withdrawn), from `--obsolete-pdbs-path`.
+    pub obsolete: HashMap<String, Option<String>>,
     /// The kalign binary (`--kalign-binary-path`; default `kalign` on PATH), run only for a
     /// hit whose sequence is not in its entry.
     pub kalign: Option<PathBuf>,
@@ -194,7 +197,7 @@ impl TemplateSampling {
         let featurizer = Featurizer {
             mmcif_dir: self.mmcif_dir.clone(),
             max_template_date: cutoff_date(self.max_template_date.as_deref(), chain.release_date.as_deref()),
-            obsolete: Default::default(),
+            obsolete: self.obsolete.clone(),
             kalign: Tool::new("kalign", self.kalign.as_deref()),
             unique_sequences: false,
         };

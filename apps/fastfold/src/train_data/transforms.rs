@@ -27,6 +27,9 @@ pub enum Draw {
     Shuffle = 5,
     /// The templates of an example: the order of the top hits and how many are kept.
     Templates = 6,
+    /// Whether the chain a place of the epochs' order names is taken (keyed by the place in
+    /// place of the step): OpenFold's stochastic filter.
+    Accept = 7,
 }
 
 /// The generator of draw `what` at `step` on data-parallel rank `rank` of a run seeded `seed`.
