@@ -72,8 +72,8 @@ pub struct TrainArgs {
     /// The sequence (one FASTA record, optional --msa) or processed features.
     #[command(flatten)]
     pub input: InputArgs,
-    /// The true structure (PDB) of the query (not with --mmcif-dir).
-    #[arg(long, required_unless_present = "mmcif_dir")]
+    /// The true structure (PDB) of the query (not with a data set, --data or --mmcif-dir).
+    #[arg(long, required_unless_present = "dataset")]
     pub target: Option<PathBuf>,
     /// The chain of --target to read (default: its first chain).
     #[arg(long)]
@@ -806,7 +806,8 @@ impl Examples {
         shard: Shard,
         first: u64,
     ) -> anyhow::Result<Examples> {
-        if let (Some(mmcif_dir), Some(alignment_dir)) = (&args.data.mmcif_dir, &args.data.alignment_dir) {
+        if let Some(files) = args.data.files()? {
+            let (mmcif_dir, alignment_dir) = (&files.mmcif_dir, &files.alignment_dir);
             let selection = layout::select(mmcif_dir, alignment_dir, &args.data.filters()?)?;
             if world.rank() == 0 && !args.job.quiet {
                 let left: Vec<String> = selection.excluded.iter().map(|(why, n)| format!("{n} {why}")).collect();
@@ -823,7 +824,7 @@ impl Examples {
             return Ok(Examples::Layout { loader });
         }
         let Some(target_path) = &args.target else {
-            bail!("--target (or --mmcif-dir and --alignment-dir) is required")
+            bail!("--target (or a data set: --data, or --mmcif-dir and --alignment-dir) is required")
         };
         let mut inputs = args.input.load(args.recycles, preset, device)?;
         if inputs.len() != 1 {

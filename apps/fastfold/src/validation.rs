@@ -127,7 +127,7 @@ pub struct Validation {
 
 impl Validation {
     /// The chains `val` names (none without --val-mmcif-dir), prepared by the eval pipeline
-    /// with `data`'s filters (but its train list) and the run's MSA sizes in `train`'s
+    /// with `data`'s filters (but its train list and chain cache) and the run's MSA sizes in `train`'s
     /// pipeline, to run on `device`.
     pub fn open(
         val: &ValArgs,
@@ -138,7 +138,8 @@ impl Validation {
         let (Some(mmcif_dir), Some(alignment_dir)) = (&val.val_mmcif_dir, &val.val_alignment_dir) else {
             return Ok(None);
         };
-        let filters = layout::Filters { train_list: None, ..data.filters()? };
+        // Neither the training list nor the training set's chain cache names held-out chains.
+        let filters = layout::Filters { train_list: None, chain_data: None, ..data.filters()? };
         let selection = layout::select_as(mmcif_dir, alignment_dir, &filters, &layout::LayoutFlags::VALIDATION)?;
         let mut chains = selection.chains;
         chains.sort_by(|a, b| a.name.cmp(&b.name));

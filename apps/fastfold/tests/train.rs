@@ -679,7 +679,7 @@ dist_test!(two_replicas_in_bf16_give_one_process_accumulating_gradients, 2, |wor
     data_parallel_gradients(world, 1, Kind::BFloat16, 1e-2)
 });
 
-/// `fastfold train --nproc 4 --dap 2` (two groups of two DAP ranks), `--nproc 2 --dap 1` (two
+/// `fastfold train --nproc 4 --dap 2 --data DIR` (two groups of two DAP ranks), `--nproc 2 --dap 1` (two
 /// replicas) and the latter with ZeRO-1 train one step on a layout's two chains as one process
 /// accumulating both (`--accumulation 2`): rank 0 logs one of the two examples and the mean
 /// loss of both; ZeRO-1 steps to the replicas' parameters. A --dap that does not divide
@@ -688,13 +688,21 @@ dist_test!(two_replicas_in_bf16_give_one_process_accumulating_gradients, 2, |wor
 fn train_command_splits_a_step_over_dap_groups_and_replicas() {
     let d = dir("data_parallel");
     let (mmcif, alignments) = common::layout::write(&d, &["1abc_A", "3ghi_A"]);
+    // The same layout as one --data folder: mmcif_files/ and alignments/.
+    let dataset = d.join("dataset");
+    std::fs::create_dir_all(&dataset).unwrap();
+    std::os::unix::fs::symlink(&mmcif, dataset.join("mmcif_files")).unwrap();
+    std::os::unix::fs::symlink(&alignments, dataset.join("alignments")).unwrap();
     let init = d.join("init.npz");
     Params::random_model(&EvoformerConfig::tiny(), &ModelConfig::tiny(), 17).unwrap().save(&init).unwrap();
     let path = |p: &Path| p.display().to_string();
     let train = |name: &str, extra: &[&str]| {
         let out = d.join(name);
-        let mut args = vec!["train".to_string(), "--mmcif-dir".into(), path(&mmcif), "--alignment-dir".into()];
-        args.extend([path(&alignments), "--params".into(), path(&init), "-o".into(), path(&out)]);
+        let mut args = vec!["train".to_string()];
+        if !extra.contains(&"--data") {
+            args.extend(["--mmcif-dir".into(), path(&mmcif), "--alignment-dir".into(), path(&alignments)]);
+        }
+        args.extend(["--params".into(), path(&init), "-o".into(), path(&out)]);
         let flags = ["--steps", "1", "--crop-size", "24", "--max-msa-clusters", "4", "--max-extra-msa", "8"];
         // At the peak learning rate from the first step, so that the step moves the weights.
         let flags = [&flags[..], &["--warmup", "0"]].concat();
@@ -711,7 +719,7 @@ fn train_command_splits_a_step_over_dap_groups_and_replicas() {
     let mut params = Vec::new();
     for (name, flags) in [
         ("replicas", &["--nproc", "2", "--dap", "1"][..]),
-        ("dap_groups", &["--nproc", "4", "--dap", "2", "--global-batch", "2"]),
+        ("dap_groups", &["--nproc", "4", "--dap", "2", "--global-batch", "2", "--data", dataset.to_str().unwrap()]),
         ("zero", &["--nproc", "2", "--dap", "1", "--zero", "1"]),
     ] {
         let (ok, text, out) = train(name, flags);
@@ -729,6 +737,9 @@ fn train_command_splits_a_step_over_dap_groups_and_replicas() {
     }
     let (ok, text, _) = train("bad", &["--nproc", "3", "--dap", "2"]);
     assert!(!ok && text.contains("--dap 2 does not divide") && text.contains("--nproc 3"), "{text}");
+    // A --data folder without alignments/ is named with what it must hold.
+    let (ok, text, _) = train("no_alignments", &["--data", d.to_str().unwrap()]);
+    assert!(!ok && text.contains("--data") && text.contains("mmcif_files"), "{text}");
 }
 
 /// `--resume` on a data set, two replicas under ZeRO-1: 2 steps, then 2 more from the

@@ -15,7 +15,13 @@ use crate::search::templates::parse_obsolete;
 
 /// Training on a data set (OpenFold's `train_openfold.py` layout) rather than one example.
 #[derive(clap::Args, Debug, Clone)]
+#[command(group(clap::ArgGroup::new("dataset").args(["data_dir", "mmcif_dir"])))]
 pub struct TrainDataArgs {
+    /// A data set in one folder: its `mmcif_files/` and `alignments/` (as --mmcif-dir and
+    /// --alignment-dir) and, when there, `chain_data_cache.json` and `obsolete.dat` (as
+    /// --chain-data-cache and --obsolete-pdbs-path, which override them).
+    #[arg(long = "data", value_name = "DIR", conflicts_with_all = ["mmcif_dir", "alignment_dir", "fasta", "features", "msa", "target", "chain", "resolution", "recycles"])]
+    pub data_dir: Option<PathBuf>,
     /// Folder of mmCIF entries (`<pdb>.cif`), the training structures (OpenFold's
     /// `train_data_dir`). With --alignment-dir, in place of the FASTA input and --target.
     #[arg(long, requires = "alignment_dir", conflicts_with_all = ["fasta", "features", "msa", "target", "chain", "resolution", "recycles"])]
@@ -26,12 +32,12 @@ pub struct TrainDataArgs {
     pub alignment_dir: Option<PathBuf>,
     /// File of the chains to train on, one `<pdb>_<chain>` a line (OpenFold's
     /// `train_filter_path`; default: every folder of --alignment-dir).
-    #[arg(long, requires = "mmcif_dir")]
+    #[arg(long, requires = "dataset")]
     pub train_list: Option<PathBuf>,
     /// OpenFold's chain data cache (`chain_data_cache.json`: each chain's release date,
     /// sequence and resolution) for the filters, in place of parsing every mmCIF entry at the
     /// start (OpenFold's `train_chain_data_cache_path`); chains it lacks are left out.
-    #[arg(long, requires = "mmcif_dir")]
+    #[arg(long, requires = "dataset")]
     pub chain_data_cache: Option<PathBuf>,
     /// Leave out entries solved at a resolution above this, in Å (OpenFold: 9; entries
     /// without one, NMR, stay).
@@ -61,19 +67,19 @@ pub struct TrainDataArgs {
     pub max_templates: usize,
     /// Folder of the templates' mmCIF entries (OpenFold's `template_mmcif_dir`; default:
     /// --mmcif-dir).
-    #[arg(long, requires = "mmcif_dir")]
+    #[arg(long, requires = "dataset")]
     pub template_mmcif_dir: Option<PathBuf>,
     /// Templates released after this date (YYYY-MM-DD) are not used; whatever it is, a
     /// chain's templates are released at least 60 days before the chain.
-    #[arg(long, requires = "mmcif_dir", value_parser = parse_date)]
+    #[arg(long, requires = "dataset", value_parser = parse_date)]
     pub max_template_date: Option<String>,
     /// PDB's list of obsolete entries (`obsolete.dat`; OpenFold's `obsolete_pdbs_file_path`):
     /// a hit of a withdrawn entry is dropped, one of a superseded entry reads its successor.
-    #[arg(long, requires = "mmcif_dir")]
+    #[arg(long, requires = "dataset")]
     pub obsolete_pdbs_path: Option<PathBuf>,
     /// The kalign binary, which realigns a template hit whose chain changed since the hits
     /// were searched (default: `kalign` on PATH; needed only then).
-    #[arg(long, requires = "mmcif_dir")]
+    #[arg(long, requires = "dataset")]
     pub kalign_binary_path: Option<PathBuf>,
     /// How often each chain trains: `openfold`, OpenFold's stochastic filter (a chain's turn
     /// taken with probability max(min(length, 512), 256) / 512, over its cluster's size when
@@ -90,10 +96,61 @@ fn parse_date(s: &str) -> Result<String, String> {
     crate::search::templates::check_date(s).map(|()| s.to_string()).map_err(|_| "not a date YYYY-MM-DD".to_string())
 }
 
+/// Where a data set's files are, from `--data` or the separate flags.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DataFiles {
+    /// The training chains' mmCIF entries.
+    pub mmcif_dir: PathBuf,
+    /// One folder per training chain.
+    pub alignment_dir: PathBuf,
+    /// OpenFold's chain data cache, when there is one.
+    pub chain_data_cache: Option<PathBuf>,
+    /// PDB's `obsolete.dat`, when there is one.
+    pub obsolete_pdbs_path: Option<PathBuf>,
+}
+
+/// The mmCIF folder of a `--data` folder.
+pub const DATA_MMCIF: &str = "mmcif_files";
+/// The alignment folder of a `--data` folder.
+pub const DATA_ALIGNMENTS: &str = "alignments";
+/// The chain data cache of a `--data` folder, read when present.
+pub const DATA_CHAIN_CACHE: &str = "chain_data_cache.json";
+/// The obsolete entries of a `--data` folder, read when present.
+pub const DATA_OBSOLETE: &str = "obsolete.dat";
+
 impl TrainDataArgs {
-    /// Whether the flags ask for a data set.
-    pub fn given(&self) -> bool {
-        self.mmcif_dir.is_some()
+    /// The data set's files (`None`: the flags name none); with `--data`, an error names a
+    /// missing `mmcif_files/` or `alignments/` folder.
+    pub fn files(&self) -> anyhow::Result<Option<DataFiles>> {
+        if let Some(dir) = &self.data_dir {
+            let (mmcif_dir, alignment_dir) = (dir.join(DATA_MMCIF), dir.join(DATA_ALIGNMENTS));
+            for (folder, flag) in [(&mmcif_dir, "--mmcif-dir"), (&alignment_dir, "--alignment-dir")] {
+                if !folder.is_dir() {
+                    bail!(
+                        "--data {}: no folder {} (a data set folder holds {DATA_MMCIF}/ and {DATA_ALIGNMENTS}/; \
+                         or give {flag} and its partner)",
+                        dir.display(),
+                        folder.display()
+                    );
+                }
+            }
+            let present = |name: &str| Some(dir.join(name)).filter(|p| p.is_file());
+            return Ok(Some(DataFiles {
+                mmcif_dir,
+                alignment_dir,
+                chain_data_cache: self.chain_data_cache.clone().or_else(|| present(DATA_CHAIN_CACHE)),
+                obsolete_pdbs_path: self.obsolete_pdbs_path.clone().or_else(|| present(DATA_OBSOLETE)),
+            }));
+        }
+        let (Some(mmcif_dir), Some(alignment_dir)) = (&self.mmcif_dir, &self.alignment_dir) else {
+            return Ok(None);
+        };
+        Ok(Some(DataFiles {
+            mmcif_dir: mmcif_dir.clone(),
+            alignment_dir: alignment_dir.clone(),
+            chain_data_cache: self.chain_data_cache.clone(),
+            obsolete_pdbs_path: self.obsolete_pdbs_path.clone(),
+        }))
     }
 
     /// The chain filters: the train list read, the date checked.
@@ -115,7 +172,10 @@ impl TrainDataArgs {
             max_release_date: self.max_release_date.clone(),
             min_length: self.min_length,
             max_length: self.max_length,
-            chain_data: self.chain_data_cache.as_deref().map(read_chain_data_cache).transpose()?,
+            chain_data: match self.files()?.and_then(|f| f.chain_data_cache) {
+                Some(path) => Some(read_chain_data_cache(&path)?),
+                None => None,
+            },
         })
     }
 
@@ -146,13 +206,12 @@ impl TrainDataArgs {
     /// How examples draw templates: `None` with `--max-templates 0` or without a data set.
     /// An error names an `--obsolete-pdbs-path` that cannot be read.
     pub fn template_sampling(&self) -> anyhow::Result<Option<TemplateSampling>> {
-        let Some(mmcif_dir) = self.template_mmcif_dir.clone().or_else(|| self.mmcif_dir.clone()) else {
-            return Ok(None);
-        };
+        let Some(files) = self.files()? else { return Ok(None) };
+        let mmcif_dir = self.template_mmcif_dir.clone().unwrap_or(files.mmcif_dir);
         if self.max_templates == 0 {
             return Ok(None);
         }
-        let obsolete = match &self.obsolete_pdbs_path {
+        let obsolete = match &files.obsolete_pdbs_path {
             Some(path) => {
                 let text = std::fs::read_to_string(path)
                     .with_context(|| format!("reading --obsolete-pdbs-path {}", path.display()))?;
