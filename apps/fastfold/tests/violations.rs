@@ -135,7 +135,7 @@ fn violations_of_perturbed_positions_and_their_gradient_equal_alphafold() {
     let w = |k: &str| &want[&format!("synthetic/{k}")];
     let positions = w("positions").set_requires_grad(true);
     let (aatype, residue_index) = (w("aatype"), w("residue_index"));
-    let v = find_structural_violations(&positions, aatype, residue_index, &ViolationConfig::default()).unwrap();
+    let v = find_structural_violations(&positions, aatype, residue_index, None, &ViolationConfig::default()).unwrap();
     assert_violations("synthetic", &v, &positions, residue_index, &want);
     v.loss().unwrap().backward();
     let (ours, theirs) = (positions.grad(), w("grad_positions"));
@@ -156,7 +156,7 @@ fn violations_of_the_prediction_and_every_parameter_gradient_equal_alphafold() {
     let (params, features, pass, _) = forward();
     let (aatype, residue_index) = (features.aatype.get(0), features.residue_index.get(0));
     let positions = &pass.structure.atom14;
-    let v = find_structural_violations(positions, &aatype, &residue_index, &ViolationConfig::default()).unwrap();
+    let v = find_structural_violations(positions, &aatype, &residue_index, None, &ViolationConfig::default()).unwrap();
     assert_violations("model", &v, positions, &residue_index, &want);
     // The checks are of the residue types' atoms, resolved in the truth or not.
     common::assert_close("atom14_atom_exists", &v.atom14_atom_exists, &features.atom14_atom_exists.get(0), 0.0);

@@ -9,10 +9,14 @@
 //! - [`heads`]: the other heads' losses: distogram, masked MSA, pLDDT, experimentally resolved
 //!   and predicted aligned error, and their weighted sum.
 //! - [`total`]: the whole loss with the initial-training or fine-tuning weights.
+//! - [`multimer`]: AlphaFold-Multimer's structure-module loss (backbone FAPE split within and
+//!   between chains, violations across chains).
 //!
 //! Each term is checked against DeepMind's code on the same parameters and batch, values and
-//! the gradient of every parameter (`tests/alphafold_loss.rs`, `tests/violations.rs`).
+//! the gradient of every parameter (`tests/alphafold_loss.rs`, `tests/violations.rs`;
+//! Multimer's: its value and the gradient of every predicted input, `tests/multimer_loss.rs`).
 pub mod heads;
+pub mod multimer;
 pub mod structure;
 pub mod total;
 pub mod violations;

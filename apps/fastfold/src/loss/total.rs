@@ -156,7 +156,7 @@ pub fn total_loss(pass: &Pass, inputs: &LossInputs, cfg: &LossConfig) -> Result<
     // theirs (not even a NaN) reaches the loss, as AlphaFold leaves them out.
     let weighted = cfg.violation_weight != 0.0;
     let find = |atom14: &Tensor| {
-        find_structural_violations(atom14, &inputs.truth.aatype, inputs.residue_index, &cfg.violation)
+        find_structural_violations(atom14, &inputs.truth.aatype, inputs.residue_index, None, &cfg.violation)
     };
     let violations = if weighted { find(&s.atom14)? } else { tch::no_grad(|| find(&s.atom14.f_detach()?))? };
     let violation = violations.loss()?;

@@ -221,12 +221,17 @@ fn per_atom_max(pairs: &Tensor, first: &[i64], second: &[i64]) -> Result<Tensor>
 }
 
 /// Clashes between atoms of different residues (`between_residue_clash_loss`): `positions`
-/// [N, 14, 3], `exists` and van der Waals `radius` [N, 14], `residue_index` [N].
+/// [N, 14, 3], `exists` and van der Waals `radius` [N, 14], `residue_index` [N]; in a complex,
+/// `asym_id` [N] (Multimer's `all_atom_multimer` version), so that only residues of one chain
+/// are peptide-bond neighbours. Pairs are taken once in numbering order, as AlphaFold takes
+/// them: in a complex, whose chains are each numbered from 0, two residues of different chains
+/// with the same number are never checked (Multimer's own rule, kept for parity).
 pub fn between_residue_clashes(
     positions: &Tensor,
     exists: &Tensor,
     radius: &Tensor,
     residue_index: &Tensor,
+    asym_id: Option<&Tensor>,
     overlap_tolerance: f64,
 ) -> Result<Clashes> {
     let opts = (Kind::Float, positions.device());
@@ -246,7 +251,12 @@ pub fn between_residue_clashes(
         v[slot] = 1.0;
         Ok(Tensor::f_from_slice(&v)?.f_to_device(opts.1)?)
     };
-    let neighbours = ri.f_add_scalar(1)?.f_eq_tensor(&rj)?.f_to_kind(Kind::Float)?;
+    let mut neighbours = ri.f_add_scalar(1)?.f_eq_tensor(&rj)?.f_to_kind(Kind::Float)?;
+    if let Some(asym_id) = asym_id {
+        let chain = asym_id.f_to_kind(Kind::Int64)?;
+        let same = chain.f_view([-1, 1, 1, 1])?.f_eq_tensor(&chain.f_view([1, -1, 1, 1])?)?;
+        neighbours = neighbours.f_mul(&same.f_to_kind(Kind::Float)?)?;
+    }
     let c_n = neighbours
         .f_mul(&one_hot(C as usize)?.f_view([1, 1, 14, 1])?)?
         .f_mul(&one_hot(N as usize)?.f_view([1, 1, 1, 14])?)?;
@@ -297,12 +307,14 @@ pub fn within_residue_violations(
 }
 
 /// Every check of predicted atom14 `positions` [N, 14, 3] of residue types `aatype` [N]
-/// numbered `residue_index` [N] (`find_structural_violations`). The atoms checked are those
-/// the residue types have, resolved in the truth or not.
+/// numbered `residue_index` [N] (`find_structural_violations`), of a complex's chains
+/// `asym_id` [N] when given (see [`between_residue_clashes`]). The atoms checked are those the
+/// residue types have, resolved in the truth or not.
 pub fn find_structural_violations(
     positions: &Tensor,
     aatype: &Tensor,
     residue_index: &Tensor,
+    asym_id: Option<&Tensor>,
     cfg: &ViolationConfig,
 ) -> Result<Violations> {
     let n = aatype.size()[0];
@@ -319,7 +331,8 @@ pub fn find_structural_violations(
     let radii: Vec<f32> = ATOM_TYPES.iter().map(|a| van_der_waals_radius(a).unwrap_or(0.0) as f32).collect();
     let radii = Tensor::f_from_slice(&radii)?.f_to_device(device)?;
     let radius = exists.f_mul(&radii.f_index(&[Some(tables.atom14_to_atom37.f_index_select(0, &aatype)?)])?)?;
-    let clashes = between_residue_clashes(&positions, &exists, &radius, residue_index, cfg.clash_overlap_tolerance)?;
+    let tolerance = cfg.clash_overlap_tolerance;
+    let clashes = between_residue_clashes(&positions, &exists, &radius, residue_index, asym_id, tolerance)?;
 
     let bounds = atom14_dists_bounds(cfg.clash_overlap_tolerance, cfg.violation_tolerance_factor);
     let table = |b: &[[[f32; 14]; 14]]| -> Result<Tensor> {

@@ -1,0 +1,129 @@
+//! AlphaFold-Multimer's structure-module loss against DeepMind's
+//! (`folding_multimer.StructureModule.loss`, run by `fixtures/make_multimer_loss.py`) on a
+//! two-chain complex and a prediction of it: every term within 1e-4 relative, the same residues
+//! renamed, and the loss's gradient for every predicted input within 1e-3 of that input's
+//! largest gradient.
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use fastfold::geometry::Rigid;
+use fastfold::ground_truth::GroundTruth;
+use fastfold::loss::multimer::{multimer_structure_loss, MultimerStructureLossConfig};
+use fastfold::model::structure::StructureOutput;
+use tch::{Kind, Tensor};
+
+/// Both sides compute in fp32, summing in other orders.
+const VALUE_TOLERANCE: f64 = 1e-4;
+/// Of each input's largest gradient.
+const GRAD_TOLERANCE: f64 = 1e-3;
+
+fn arrays() -> HashMap<String, Tensor> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/multimer_loss/structure_loss.npz");
+    Tensor::read_npz(path).unwrap().into_iter().collect()
+}
+
+/// `[..., 3, 4]` (rotation, translation) as a rigid of `[..., 3, 3]` and `[..., 3]`.
+fn rigid(x: &Tensor) -> Rigid {
+    Rigid { rot: x.narrow(-1, 0, 3), trans: x.select(-1, 3) }
+}
+
+fn assert_term(what: &str, got: &Tensor, want: &Tensor) {
+    let (got, want) = (got.double_value(&[]), want.double_value(&[]));
+    let rel = (got - want).abs() / want.abs();
+    eprintln!("{what}: ours {got:.7}, AlphaFold {want:.7}, relative difference {rel:.1e}");
+    assert!(rel <= VALUE_TOLERANCE, "{what}: ours {got}, AlphaFold {want} (relative {rel:.2e})");
+}
+
+#[test]
+fn multimer_structure_loss_and_its_gradients_equal_alphafold() {
+    let a = arrays();
+    let leaf = |k: &str| a[k].to_kind(Kind::Float).set_requires_grad(true);
+    let (traj, sc_frames, atom14) = (leaf("traj"), leaf("sc_frames"), leaf("atom14"));
+    let (angles, unnormalized) = (leaf("angles"), leaf("unnormalized_angles"));
+    let (backbone, frames) = (rigid(&traj), rigid(&sc_frames));
+    let n = a["aatype"].size()[0];
+    let out = StructureOutput {
+        single: Tensor::zeros([n, 1], (Kind::Float, tch::Device::Cpu)),
+        rotations: backbone.rot,
+        translations: backbone.trans,
+        angles: angles.shallow_clone(),
+        unnormalized_angles: unnormalized.shallow_clone(),
+        frames,
+        atom14: atom14.shallow_clone(),
+        // Not read by the loss.
+        atom37: Tensor::zeros([n, 37, 3], (Kind::Float, tch::Device::Cpu)),
+        atom37_mask: Tensor::zeros([n, 37], (Kind::Float, tch::Device::Cpu)),
+    };
+    let aatype = a["aatype"].to_kind(Kind::Int64);
+    let truth = GroundTruth::new(&aatype, &a["all_atom_positions"], &a["all_atom_mask"]).unwrap();
+    let cfg = MultimerStructureLossConfig::default();
+    let l = multimer_structure_loss(&out, &truth, &a["seq_mask"], &a["residue_index"], &a["asym_id"], &cfg).unwrap();
+
+    assert!(
+        l.alt_naming_is_better.equal(&a["alt_naming_is_better"]),
+        "renamed residues: ours {:?}, AlphaFold {:?}",
+        Vec::<f32>::try_from(&l.alt_naming_is_better).unwrap(),
+        Vec::<f32>::try_from(&a["alt_naming_is_better"]).unwrap()
+    );
+    assert!(a["alt_naming_is_better"].sum(Kind::Float).double_value(&[]) > 0.0, "the fixture renames residues");
+    assert_term("fape", &l.fape, &a["fape"]);
+    assert_term("bb_loss", &l.backbone, &a["bb_loss"]);
+    assert_term("sidechain_fape", &l.sidechain_fape, &a["sidechain_fape"]);
+    assert_term("chi_loss", &l.chi_loss, &a["chi_loss"]);
+    assert_term("angle_norm_loss", &l.angle_norm_loss, &a["angle_norm_loss"]);
+    assert_term("violation", &l.violation, &a["violation"]);
+    assert_term("loss", &l.loss, &a["loss"]);
+
+    l.loss.backward();
+    for (name, input) in [
+        ("traj", &traj),
+        ("sc_frames", &sc_frames),
+        ("atom14", &atom14),
+        ("angles", &angles),
+        ("unnormalized_angles", &unnormalized),
+    ] {
+        let want = a[&format!("grad/{name}")].to_kind(Kind::Double);
+        let got = input.grad().to_kind(Kind::Double);
+        let scale = want.abs().max().double_value(&[]);
+        assert!(scale > 0.0, "{name}: AlphaFold's gradient is 0");
+        let rel = (&got - &want).abs().max().double_value(&[]) / scale;
+        eprintln!("gradient of {name}: worst difference {rel:.1e} of its largest");
+        assert!(rel <= GRAD_TOLERANCE, "gradient of {name}: differs by {rel:.2e} of its largest value");
+    }
+}
+
+/// The two backbone terms split the pairs by chain: moving the second chain 50 Å as a whole
+/// leaves the intra-chain FAPE as it was (its frames and points move together) and raises the
+/// interface FAPE, whose frames of one chain see the other's points.
+#[test]
+fn moving_one_chain_changes_the_interface_term_only() {
+    let a = arrays();
+    let n = a["aatype"].size()[0];
+    let aatype = a["aatype"].to_kind(Kind::Int64);
+    let truth = GroundTruth::new(&aatype, &a["all_atom_positions"], &a["all_atom_mask"]).unwrap();
+    let cfg = MultimerStructureLossConfig::default();
+    let chain_b = a["asym_id"].eq(2).to_kind(Kind::Float);
+    let loss_with_shift = |shift: f64| {
+        let traj = rigid(&a["traj"]);
+        let frames = rigid(&a["sc_frames"]);
+        let out = StructureOutput {
+            single: Tensor::zeros([n, 1], (Kind::Float, tch::Device::Cpu)),
+            rotations: traj.rot,
+            translations: &traj.trans + chain_b.view([1, n, 1]) * shift,
+            angles: a["angles"].shallow_clone(),
+            unnormalized_angles: a["unnormalized_angles"].shallow_clone(),
+            frames: Rigid { rot: frames.rot, trans: &frames.trans + chain_b.view([n, 1, 1]) * shift },
+            atom14: &a["atom14"] + chain_b.view([n, 1, 1]) * shift,
+            atom37: Tensor::zeros([n, 37, 3], (Kind::Float, tch::Device::Cpu)),
+            atom37_mask: Tensor::zeros([n, 37], (Kind::Float, tch::Device::Cpu)),
+        };
+        multimer_structure_loss(&out, &truth, &a["seq_mask"], &a["residue_index"], &a["asym_id"], &cfg).unwrap()
+    };
+    let (here, moved) = (loss_with_shift(0.0), loss_with_shift(50.0));
+    let v = |t: &Tensor| t.double_value(&[]);
+    let intra = (v(&here.intra_chain), v(&moved.intra_chain));
+    assert!((intra.0 - intra.1).abs() <= 1e-5 * intra.0, "intra-chain FAPE {} -> {}", intra.0, intra.1);
+    let interface = (v(&here.interface), v(&moved.interface));
+    assert!(interface.1 > interface.0 + 1.0, "interface FAPE {} -> {}", interface.0, interface.1);
+    assert_eq!(v(&here.chi_loss), v(&moved.chi_loss), "the chi loss sees no positions");
+}
