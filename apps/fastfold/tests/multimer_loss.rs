@@ -8,6 +8,7 @@ use std::path::PathBuf;
 
 use fastfold::geometry::Rigid;
 use fastfold::ground_truth::GroundTruth;
+use fastfold::loss::chain_permutation;
 use fastfold::loss::multimer::{multimer_structure_loss, MultimerStructureLossConfig};
 use fastfold::model::structure::StructureOutput;
 use tch::{Kind, Tensor};
@@ -126,4 +127,63 @@ fn moving_one_chain_changes_the_interface_term_only() {
     let interface = (v(&here.interface), v(&moved.interface));
     assert!(interface.1 > interface.0 + 1.0, "interface FAPE {} -> {}", interface.0, interface.1);
     assert_eq!(v(&here.chi_loss), v(&moved.chi_loss), "the chi loss sees no positions");
+}
+
+/// The fixture's true Cα positions and mask of `copies` copies of its chain (entity 1) and,
+/// with `other`, a third chain of its first 8 residues (entity 2), each copy turned about its
+/// centre and moved 30 Å from the last; and the chains' `asym_id` and `entity_id`.
+fn complex(copies: usize, other: bool) -> (Tensor, Tensor, Tensor, Tensor) {
+    let a = arrays();
+    let ca = a["all_atom_positions"].narrow(0, 0, 12).select(1, 1);
+    let mask = a["all_atom_mask"].narrow(0, 0, 12).select(1, 1);
+    let turn = |k: f64| {
+        let (c, s) = ((0.9 * k).cos() as f32, (0.9 * k).sin() as f32);
+        Tensor::from_slice(&[c, -s, 0.0, s, c, 0.0, 0.0, 0.0, 1.0]).view([3, 3])
+    };
+    let mut positions = Vec::new();
+    let (mut masks, mut asym, mut entity) = (Vec::new(), Vec::new(), Vec::new());
+    for k in 0..copies {
+        let centre = (&ca * mask.unsqueeze(-1)).sum_dim_intlist(0, true, Kind::Float) / mask.sum(Kind::Float);
+        let placed = (&ca - &centre).matmul(&turn(k as f64).tr()) + &centre;
+        positions.push(placed + Tensor::from_slice(&[30.0 * k as f32, 0.0, 0.0]));
+        masks.push(mask.shallow_clone());
+        asym.extend([k as i64 + 1; 12]);
+        entity.extend([1i64; 12]);
+    }
+    if other {
+        positions.push(ca.narrow(0, 0, 8) + Tensor::from_slice(&[0.0f32, 40.0, 0.0]));
+        masks.push(mask.narrow(0, 0, 8));
+        asym.extend([copies as i64 + 1; 8]);
+        entity.extend([2i64; 8]);
+    }
+    (Tensor::cat(&positions, 0), Tensor::cat(&masks, 0), Tensor::from_slice(&asym), Tensor::from_slice(&entity))
+}
+
+/// A prediction of the complex that places chain `order[p]`'s true atoms in chain `p`'s
+/// residues, the whole turned and moved, with 0.3 Å noise.
+fn predicted(truth: &Tensor, chains: &[chain_permutation::Chain], order: &[usize]) -> Tensor {
+    let rows: Vec<i64> = chain_permutation::residue_order(chains, order);
+    let placed = truth.index_select(0, &Tensor::from_slice(&rows));
+    let (c, s) = (0.4f32.cos(), 0.4f32.sin());
+    let turn = Tensor::from_slice(&[1.0, 0.0, 0.0, 0.0, c, -s, 0.0, s, c]).view([3, 3]);
+    tch::manual_seed(3);
+    placed.matmul(&turn.tr())
+        + Tensor::from_slice(&[5.0f32, -3.0, 2.0])
+        + Tensor::randn(placed.size(), tch::kind::FLOAT_CPU) * 0.3
+}
+
+/// Chain permutation alignment (supplement 7.3): a homodimer predicted with its copies swapped
+/// compares each predicted chain with the true chain it models; with a third, unique chain the
+/// anchor is that chain and the copies are still sorted out; in order, nothing moves.
+#[test]
+fn chain_permutation_alignment_matches_swapped_copies() {
+    for (copies, other, order) in
+        [(2, false, vec![1, 0]), (2, false, vec![0, 1]), (2, true, vec![1, 0, 2]), (3, false, vec![2, 0, 1])]
+    {
+        let (truth, mask, asym, entity) = complex(copies, other);
+        let chains = chain_permutation::chains(&asym, &entity).unwrap();
+        let pred = predicted(&truth, &chains, &order);
+        let assignment = chain_permutation::align_chains(&chains, &pred, &truth, &mask).unwrap();
+        assert_eq!(assignment, order, "{copies} copies, a unique chain: {other}");
+    }
 }

@@ -15,6 +15,7 @@
 //! Each term is checked against DeepMind's code on the same parameters and batch, values and
 //! the gradient of every parameter (`tests/alphafold_loss.rs`, `tests/violations.rs`;
 //! Multimer's: its value and the gradient of every predicted input, `tests/multimer_loss.rs`).
+pub mod chain_permutation;
 pub mod heads;
 pub mod multimer;
 pub mod structure;
