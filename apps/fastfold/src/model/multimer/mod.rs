@@ -6,6 +6,7 @@
 //! | piece | AlphaFold | here |
 //! |---|---|---|
 //! | input embedding: `target_feat` one-hot of 21 classes, relative encoding over chains | `EmbeddingsAndEvoformer._relative_encoding`, `preprocess_1d`, `preprocess_msa`, `left_single`, `right_single` | [`relpos`] |
+//! | the MSA sampled inside the network on each recycle, with JAX's random draws: cluster centres by Gumbel noise, BERT masking, nearest-neighbour cluster profiles | `sample_msa`, `make_masked_msa`, `nearest_neighbor_clusters`, `make_msa_profile` | [`sampling`] |
 //! | `msa_feat` and the extra-MSA feature from the sampled MSA's classes and deletions | `create_msa_feat`, `create_extra_msa_feature` | [`msa_feat`](mod@msa_feat) |
 //! | Evoformer block with the outer product mean first | `EvoformerIteration`, `outer_product_mean.first` | [`crate::model::EvoformerConfig::outer_product_mean_first`] |
 //! | v3's fused triangle-multiplication projections | `TriangleMultiplication`, `fuse_projection_weights` | [`crate::model::triangle::TriangleMultiplication::fused`] |
@@ -15,8 +16,8 @@
 //! | ipTM, pTM and the ranking `0.8 ipTM + 0.2 pTM` | `confidence.predicted_tm_score(..., asym_id)` | [`crate::confidence`] |
 //! | the structure module: invariant point attention with per-head projections, `QuatRigid`'s backbone update, `position_scale` 20 | `folding_multimer.StructureModule` | [`structure`] |
 //!
-//! Not yet here: the structure module's loss, the assembled model (with in-network MSA
-//! sampling); `fastfold predict` refuses multimer parameter files until they are.
+//! Not yet here: the structure module's loss, the assembled model; `fastfold predict` refuses
+//! multimer parameter files until it is.
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -28,12 +29,14 @@ use crate::model::{ensure, Error, Result};
 
 pub mod msa_feat;
 pub mod relpos;
+pub mod sampling;
 pub mod structure;
 pub mod template_rows;
 pub mod templates;
 
 pub use msa_feat::{extra_msa_feat, msa_feat};
 pub use relpos::{relative_encoding, ChainIds, MultimerInputEmbedder};
+pub use sampling::{FullMsa, MaskedMsaConfig, MsaSampling, SampledMsa};
 pub use structure::{load_structure_module, MULTIMER_POSITION_SCALE};
 pub use template_rows::{chi_angles, MultimerTemplateRows};
 pub use templates::{MultimerTemplates, TemplateAtoms, TemplateBatch, TemplatePairEmbedding};
