@@ -1,7 +1,8 @@
-//! AlphaFold-Multimer's in-network MSA sampling against DeepMind's code
-//! (`fixtures/multimer_network/make_multimer_model.py`, fp32 on CPU): the rows `sample_msa`
-//! picks, `make_masked_msa`'s masked positions and draws and `nearest_neighbor_clusters`'
-//! profiles under the same JAX keys.
+//! AlphaFold-Multimer's in-network MSA sampling and the assembled network against DeepMind's
+//! code (`fixtures/multimer_network/make_multimer_model.py`, fp32 on CPU): the rows
+//! `sample_msa` picks, `make_masked_msa`'s masked positions and draws and
+//! `nearest_neighbor_clusters`' profiles under the same JAX keys; the whole network with
+//! recycling, templates and every head on tiny random parameters of Multimer v3's layout.
 mod common;
 
 use std::collections::HashMap;
@@ -9,7 +10,9 @@ use std::path::PathBuf;
 
 use fastfold::jax_random::Key;
 use fastfold::model::multimer::sampling::msa_profile;
-use fastfold::model::multimer::{FullMsa, MaskedMsaConfig, MsaSampling};
+use fastfold::model::multimer::{FullMsa, MaskedMsaConfig, MsaSampling, MultimerAlphaFold, MultimerInputs};
+use fastfold::model::recycling::Recycling;
+use fastfold::model::Exec;
 use tch::{Kind, Tensor};
 
 /// Largest allowed difference of the clusters' profiles and features, relative to the
@@ -114,4 +117,84 @@ fn another_key_samples_other_rows() {
         .unwrap()
         .to_string();
     assert!(e.contains("cluster_bias_mask") && e.contains("[40]"), "{e}");
+}
+
+/// The assembled network's tolerances, absolute: final atom positions within 1e-3 Å, logits
+/// within 1e-4; fp32 on both sides, summed in other orders through 2-3 passes of random
+/// parameters.
+const POSITIONS_TOLERANCE: f64 = 1e-3;
+const LOGITS_TOLERANCE: f64 = 1e-4;
+
+fn features(f: &HashMap<String, Tensor>) -> MultimerInputs {
+    MultimerInputs::from_named(|name| f.get(name).map(|t| t.shallow_clone()), "model.npz").unwrap()
+}
+
+fn assert_within(what: &str, got: &Tensor, want: &Tensor, tolerance: f64) {
+    assert_eq!(got.size(), want.size(), "{what}: shape");
+    let diff = (got.to_kind(Kind::Double) - want.to_kind(Kind::Double)).abs().max().double_value(&[]);
+    eprintln!("{what}: max |ours - AlphaFold| = {diff:.2e}");
+    assert!(diff <= tolerance, "{what}: max |ours - AlphaFold| = {diff:.3e} > {tolerance:.0e}");
+}
+
+#[test]
+fn multimer_network_with_recycling_equals_alphafold_multimer() {
+    let f = arrays("model.npz");
+    let network = MultimerAlphaFold::load(fixture("model_params.npz")).unwrap().with_sampling(MsaSampling {
+        num_msa: 6,
+        num_extra_msa: 8,
+        masked: MaskedMsaConfig::default(),
+    });
+    let features = features(&f);
+    let key = Key::from_seed(f["seed"].int64_value(&[]));
+    for run in ["full", "early"] {
+        let g = |k: &str| &f[&format!("{run}_{k}")];
+        let recycling = Recycling {
+            max: g("num_recycle").int64_value(&[]) as usize,
+            early_stop_tolerance: g("tolerance").double_value(&[]),
+        };
+        let (pass, recycles) = tch::no_grad(|| network.predict(&features, recycling, key, &Exec::serial())).unwrap();
+        assert_eq!(recycles as i64, g("num_recycles").int64_value(&[]), "{run}: recycles run");
+        let s = &pass.structure;
+        assert_within(
+            &format!("{run} final atom positions (Å)"),
+            &s.atom37,
+            g("final_atom_positions"),
+            POSITIONS_TOLERANCE,
+        );
+        assert_equal(&format!("{run} final atom mask"), &s.atom37_mask, g("final_atom_mask"));
+        let h = &pass.heads;
+        assert_within(&format!("{run} distogram"), &h.distogram, g("distogram"), LOGITS_TOLERANCE);
+        assert_within(&format!("{run} masked msa"), &h.masked_msa, g("masked_msa"), LOGITS_TOLERANCE);
+        assert_within(&format!("{run} plddt"), &h.lddt, g("predicted_lddt"), LOGITS_TOLERANCE);
+        let pae = h.aligned_error.as_ref().unwrap();
+        assert_within(&format!("{run} aligned error"), pae, g("predicted_aligned_error"), LOGITS_TOLERANCE);
+        assert_within(
+            &format!("{run} experimentally resolved"),
+            &h.experimentally_resolved,
+            g("experimentally_resolved"),
+            LOGITS_TOLERANCE,
+        );
+    }
+    // Another key samples other MSA rows and masks, and so folds otherwise: the key is what
+    // matched.
+    let early = Recycling { max: 3, early_stop_tolerance: 1e9 };
+    let other = Key::from_seed(f["seed"].int64_value(&[]) + 1);
+    let (pass, _) = tch::no_grad(|| network.predict(&features, early, other, &Exec::serial())).unwrap();
+    let d = (&pass.structure.atom37 - &f["early_final_atom_positions"]).abs().max().double_value(&[]);
+    assert!(d > 1e-2, "another key moved the atoms by only {d:e} Å");
+}
+
+#[test]
+fn multimer_network_errors_name_the_file_and_feature() {
+    let e = MultimerAlphaFold::load(fixture("evoformer_block_params.npz")).err().unwrap().to_string();
+    assert!(e.contains("evoformer_block_params.npz"), "{e}");
+    let f = arrays("model.npz");
+    let e = MultimerInputs::from_named(
+        |n| if n == "bert_mask" { None } else { f.get(n).map(|t| t.shallow_clone()) },
+        "x.npz",
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(e.contains("x.npz") && e.contains("bert_mask"), "{e}");
 }

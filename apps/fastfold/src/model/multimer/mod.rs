@@ -15,9 +15,11 @@
 //! | the templates' MSA rows from their residue types and chi angles | `template_embedding_1d`, `all_atom_multimer.compute_chi_angles` | [`template_rows`] |
 //! | ipTM, pTM and the ranking `0.8 ipTM + 0.2 pTM` | `confidence.predicted_tm_score(..., asym_id)` | [`crate::confidence`] |
 //! | the structure module: invariant point attention with per-head projections, `QuatRigid`'s backbone update, `position_scale` 20 | `folding_multimer.StructureModule` | [`structure`] |
+//! | the whole network over a parameter file (`params_model_N_multimer_v3.npz` layout): each pass's sampling keys, embeddings, recycled state, templates, extra-MSA stack, Evoformer, structure module and every head (distogram, masked MSA, pLDDT, PAE, experimentally resolved); v2.3's recycling loop with its key splits and early stop on the CA distance change | `AlphaFold`, `AlphaFoldIteration`, `EmbeddingsAndEvoformer` | [`alphafold::MultimerAlphaFold`] |
 //!
-//! Not yet here: the structure module's loss, the assembled model; `fastfold predict` refuses
-//! multimer parameter files until it is.
+//! Not yet here: the structure module's loss and the other training losses; bf16 or GPU runs of
+//! the assembled model (it is checked in fp32 on the CPU only); `fastfold predict` refuses
+//! multimer parameter files (the network is not wired to it yet).
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -27,6 +29,7 @@ use crate::model::params::read_arrays;
 use crate::model::scope::{Builder, Mode};
 use crate::model::{ensure, Error, Result};
 
+pub mod alphafold;
 pub mod msa_feat;
 pub mod relpos;
 pub mod sampling;
@@ -34,10 +37,11 @@ pub mod structure;
 pub mod template_rows;
 pub mod templates;
 
+pub use alphafold::{sampling_keys, MultimerAlphaFold, MultimerInputs};
 pub use msa_feat::{extra_msa_feat, msa_feat};
 pub use relpos::{relative_encoding, ChainIds, MultimerInputEmbedder};
 pub use sampling::{FullMsa, MaskedMsaConfig, MsaSampling, SampledMsa};
-pub use structure::{load_structure_module, MULTIMER_POSITION_SCALE};
+pub use structure::{load_structure_module, MULTIMER_POSITION_SCALE, MULTIMER_STRUCTURE_ITERATIONS};
 pub use template_rows::{chi_angles, MultimerTemplateRows};
 pub use templates::{MultimerTemplates, TemplateAtoms, TemplateBatch, TemplatePairEmbedding};
 
@@ -63,6 +67,13 @@ impl Arrays {
         Ok(size[dim])
     }
 
+    /// The element kind of the array `key` (the kind a network over these arrays computes in).
+    fn kind(&self, key: &str) -> Result<tch::Kind> {
+        let file = &self.file;
+        let t = self.arrays.get(key).ok_or_else(|| Error::Missing { key: key.into(), file: Some(file.clone()) })?;
+        Ok(t.kind())
+    }
+
     /// Whether the file has the array `key`.
     fn contains(&self, key: &str) -> bool {
         self.arrays.contains_key(key)
@@ -70,5 +81,12 @@ impl Arrays {
 
     fn builder(self) -> Builder {
         Builder::new(Mode::Load, self.arrays, Some(self.file))
+    }
+
+    /// A builder over the same arrays (shared, not copied), for building several modules over
+    /// one file and then asking which arrays none of them used.
+    fn shared_builder(&self) -> Builder {
+        let arrays = self.arrays.iter().map(|(k, t)| (k.clone(), t.shallow_clone())).collect();
+        Builder::new(Mode::Load, arrays, Some(self.file.clone()))
     }
 }
