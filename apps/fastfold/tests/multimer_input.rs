@@ -1,5 +1,5 @@
 //! What asks `fastfold predict` for AlphaFold-Multimer, which it refuses until the network is
-//! here: `--model-preset multimer`, Multimer's parameter files by name (a file or a directory
+//! wired to it: `--model-preset multimer`, Multimer's parameter files by name (a file or a directory
 //! of them) or by their arrays; each refusal says what asked and what is missing, and leaves
 //! no output behind. Multimer's options on a monomer run are named.
 mod common;
@@ -40,7 +40,7 @@ fn multimer_runs_are_refused_saying_what_is_missing() {
     for (args, says) in cases {
         let (ok, text) = predict(&d, args);
         assert!(!ok && text.contains(says), "{args:?}:\n{text}");
-        assert!(text.contains("not the multimer network"), "{args:?}:\n{text}");
+        assert!(text.contains("not yet wired to predict"), "{args:?}:\n{text}");
         assert!(!d.join("out").exists(), "{args:?} left an output folder");
     }
     let (ok, text) =

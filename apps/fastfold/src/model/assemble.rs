@@ -65,8 +65,8 @@ impl Params {
         let arrays = read_arrays(path)?;
         if arrays.iter().any(|(n, _)| n == MULTIMER_RELATIVE_ENCODING) {
             return Err(Error::Invalid(format!(
-                "{file} holds AlphaFold-Multimer's parameters, whose network fastfold cannot run yet (only its \
-                 input and feature pipeline are there, fastfold::multimer)"
+                "{file} holds AlphaFold-Multimer's parameters, which the monomer network cannot load (AlphaFold-\
+                 Multimer's network is fastfold::model::multimer::MultimerAlphaFold, not yet wired to predict)"
             )));
         }
         let mut map = BTreeMap::new();

@@ -1,6 +1,7 @@
 //! `predict`'s AlphaFold-Multimer options, and what asks for a multimer run: `--model-preset
 //! multimer`, its options, or Multimer parameters (by their release names, or, when loaded, by
-//! their arrays). Until the network is here such a run is refused, with what is missing.
+//! their arrays). Until the network (a library today) is wired to `predict` such a run is
+//! refused, with what is missing.
 use std::path::{Path, PathBuf};
 
 use anyhow::bail;
@@ -36,11 +37,11 @@ pub struct MultimerArgs {
 /// What the multimer run lacks, after `what` asked for one.
 pub fn not_implemented(what: &str) -> String {
     format!(
-        "{what} asks for AlphaFold-Multimer, which fastfold cannot run yet: its input (a FASTA file's records as \
-         one complex) and feature pipeline are there (fastfold::multimer, equal to AlphaFold's), but not the \
-         multimer network (the relative chain encoding, Multimer's template embedding, its structure module and \
-         heads, ipTM and the iptm+ptm ranking). Predict each chain with the monomer models (params_model_N[_ptm]) \
-         meanwhile"
+        "{what} asks for AlphaFold-Multimer, which fastfold predict cannot run yet: its input (a FASTA file's \
+         records as one complex) and feature pipeline (fastfold::multimer) and its network with the in-network \
+         MSA sampling and recycling (fastfold::model::multimer::MultimerAlphaFold) are there as a library, each \
+         equal to AlphaFold's, but not yet wired to predict (nor its iptm+ptm ranking of the outputs). Predict \
+         each chain with the monomer models (params_model_N[_ptm]) meanwhile"
     )
 }
 
@@ -104,7 +105,7 @@ mod tests {
             err.contains("params_model_1_multimer_v3.npz (model_1_multimer_v3) asks for AlphaFold-Multimer"),
             "{err}"
         );
-        assert!(err.contains("not the multimer network"), "{err}");
+        assert!(err.contains("not yet wired to predict"), "{err}");
         let err = none.check(&dir).unwrap_err().to_string();
         assert!(err.contains("(model_1_multimer_v3)"), "{err}");
         let multimer = MultimerArgs { model_preset: Some(ModelPreset::Multimer), ..Default::default() };
