@@ -3,7 +3,8 @@
 //! `run_alphafold.py` lays them out: one folder per query, every model of a `--params`
 //! directory in turn on the same features, ranked by confidence, with the steps' timings.
 //!
-//! Every rank runs the same model; with more than one rank the Evoformer and extra-MSA stacks
+//! With AlphaFold-Multimer's parameters the FASTA file's records are one complex
+//! ([`complex`]). Every rank runs the same model; with more than one rank the Evoformer and extra-MSA stacks
 //! run under dynamic axial parallelism and rank 0 writes the files; rank 0 also runs the
 //! homology search, and the other ranks read the alignments it saved.
 use std::path::{Path, PathBuf};
@@ -34,6 +35,9 @@ use crate::query_folder::QueryFolder;
 use crate::ranking::{Ranking, Timings};
 use crate::search::{Mode, SearchArgs};
 
+mod complex;
+pub use complex::network_key;
+
 /// `fastfold predict`'s options.
 #[derive(clap::Args, Debug, Clone)]
 #[command(mut_arg("precision", |a| a.value_parser(Precision::parser(&[Precision::Fp32, Precision::Bf16]))
@@ -58,13 +62,14 @@ pub struct PredictArgs {
     #[arg(short = 'o', long)]
     pub out: PathBuf,
     /// Recycling passes after the first, at most (default 3; with --features, all the file
-    /// has).
+    /// has; AlphaFold-Multimer's 20).
     #[arg(long = "num-recycle", visible_alias = "recycles", value_parser = engine::parse::count(0..=crate::input::MAX_RECYCLES))]
     pub recycles: Option<usize>,
     /// Stop recycling after a pass whose CA-CA distance matrix changed by less than this (RMS,
-    /// Å) from the pass before, as ColabFold's flag of this name; 0 runs every pass.
-    #[arg(long, default_value_t = 0.0, value_parser = engine::parse::non_negative)]
-    pub recycle_early_stop_tolerance: f64,
+    /// Å) from the pass before, as ColabFold's flag of this name; 0 runs every pass (default 0;
+    /// AlphaFold-Multimer's 0.5).
+    #[arg(long, value_parser = engine::parse::non_negative)]
+    pub recycle_early_stop_tolerance: Option<f64>,
     /// Structure-module iterations (default: the preset's, 8 for every AlphaFold model; the
     /// parameters cannot show it).
     #[arg(long, value_parser = engine::parse::count(1..=1000).try_map(i64::try_from))]
@@ -85,7 +90,8 @@ pub struct PredictArgs {
     /// Chunking.
     #[command(flatten)]
     pub chunk: ChunkArgs,
-    /// AlphaFold-Multimer (refused until its network is here).
+    /// AlphaFold-Multimer: its parameters (or `--model-preset multimer`) run the FASTA file's
+    /// records as one complex.
     #[command(flatten)]
     pub multimer: crate::multimer::args::MultimerArgs,
 }
@@ -156,7 +162,9 @@ impl Model {
 /// files of an earlier run there only once every model has run (see [`QueryFolder`]).
 /// Returns the summaries, query by query, model by model.
 pub fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predicted>> {
-    args.multimer.check(&args.params)?;
+    if args.multimer.check(&args.params)? {
+        return complex::run(args, world);
+    }
     let runner = Runner::new(args, world)?;
     let out_existed = args.out.exists();
     let result = runner.run_all();
@@ -278,7 +286,7 @@ impl<'a> Runner<'a> {
         timings.add(format!("process_features_{}", model.name), start.elapsed().as_secs_f64());
         let recycling = Recycling {
             max: self.max_recycles(&features, processed_recycles)?,
-            early_stop_tolerance: args.recycle_early_stop_tolerance,
+            early_stop_tolerance: args.recycle_early_stop_tolerance.unwrap_or(0.0),
         };
         let (exec, planned_bytes) = self.plan(model, name, &features)?;
         if planned_bytes.is_some() && self.device == Device::Cpu {

@@ -176,7 +176,13 @@ impl MultimerAlphaFold {
 
     /// [`MultimerAlphaFold::load`] with the structure module running `iterations` iterations.
     pub fn load_with_iterations(path: impl AsRef<Path>, iterations: i64) -> Result<Self> {
-        let arrays = Arrays::open(path.as_ref())?;
+        Self::load_on(path, iterations, Device::Cpu)
+    }
+
+    /// [`MultimerAlphaFold::load_with_iterations`] with the arrays on `device`, where the
+    /// network then runs.
+    pub fn load_on(path: impl AsRef<Path>, iterations: i64, device: Device) -> Result<Self> {
+        let arrays = Arrays::open(path.as_ref())?.into_device(device)?;
         let file = path.as_ref().display().to_string();
         let kind = arrays.kind(&format!("{EMBEDDINGS}/single_activations//weights"))?;
         let config = EvoformerConfig::infer(&arrays.arrays).map_err(|e| Error::Invalid(format!("{file}: {e}")))?;
@@ -204,7 +210,7 @@ impl MultimerAlphaFold {
             structure: structure_module(&arrays, &b, iterations)?,
             config,
             kind,
-            device: Device::Cpu,
+            device,
             sampling: MsaSampling::default(),
         };
         let unused = b.unused_under("");

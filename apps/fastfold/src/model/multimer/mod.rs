@@ -17,9 +17,9 @@
 //! | the structure module: invariant point attention with per-head projections, `QuatRigid`'s backbone update, `position_scale` 20 | `folding_multimer.StructureModule` | [`structure`] |
 //! | the whole network over a parameter file (`params_model_N_multimer_v3.npz` layout): each pass's sampling keys, embeddings, recycled state, templates, extra-MSA stack, Evoformer, structure module and every head (distogram, masked MSA, pLDDT, PAE, experimentally resolved); v2.3's recycling loop with its key splits and early stop on the CA distance change | `AlphaFold`, `AlphaFoldIteration`, `EmbeddingsAndEvoformer` | [`alphafold::MultimerAlphaFold`] |
 //!
-//! Not yet here: the structure module's loss and the other training losses; bf16 or GPU runs of
-//! the assembled model (it is checked in fp32 on the CPU only); `fastfold predict` refuses
-//! multimer parameter files (the network is not wired to it yet).
+//! `fastfold predict` runs the assembled model on a complex (`predict::complex`). Not yet
+//! here: the structure module's loss and the other training losses; bf16, DAP, and GPU runs
+//! of the assembled model (it is checked in fp32 on the CPU only).
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -56,6 +56,12 @@ struct Arrays {
 impl Arrays {
     fn open(path: &Path) -> Result<Arrays> {
         Ok(Arrays { arrays: read_arrays(path)?.into_iter().collect(), file: path.display().to_string() })
+    }
+
+    /// The same arrays on `device`.
+    fn into_device(self, device: tch::Device) -> Result<Arrays> {
+        let arrays = self.arrays.into_iter().map(|(k, t)| Ok((k, t.f_to_device(device)?))).collect::<Result<_>>()?;
+        Ok(Arrays { arrays, file: self.file })
     }
 
     /// Dimension `dim` of the array `key`, which must have `rank` dimensions.
