@@ -36,7 +36,6 @@ use crate::ranking::{Ranking, Timings};
 use crate::search::{Mode, SearchArgs};
 
 mod complex;
-pub use complex::network_key;
 
 /// `fastfold predict`'s options.
 #[derive(clap::Args, Debug, Clone)]

@@ -9,10 +9,9 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::process::Command;
 
-use fastfold::model::multimer::{MaskedMsaConfig, MsaSampling, MultimerAlphaFold, MultimerInputs};
+use fastfold::model::multimer::{network_key, MaskedMsaConfig, MsaSampling, MultimerAlphaFold, MultimerInputs};
 use fastfold::model::recycling::Recycling;
 use fastfold::model::{Exec, Params};
-use fastfold::predict::network_key;
 use tch::{Kind, Tensor};
 
 use common::BIN;

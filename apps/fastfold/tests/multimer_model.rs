@@ -10,7 +10,9 @@ use std::path::PathBuf;
 
 use fastfold::jax_random::Key;
 use fastfold::model::multimer::sampling::msa_profile;
-use fastfold::model::multimer::{FullMsa, MaskedMsaConfig, MsaSampling, MultimerAlphaFold, MultimerInputs};
+use fastfold::model::multimer::{
+    network_key, FullMsa, MaskedMsaConfig, MsaSampling, MultimerAlphaFold, MultimerInputs,
+};
 use fastfold::model::recycling::Recycling;
 use fastfold::model::Exec;
 use tch::{Kind, Tensor};
@@ -126,7 +128,7 @@ const POSITIONS_TOLERANCE: f64 = 1e-3;
 const LOGITS_TOLERANCE: f64 = 1e-4;
 
 fn features(f: &HashMap<String, Tensor>) -> MultimerInputs {
-    MultimerInputs::from_named(|name| f.get(name).map(|t| t.shallow_clone()), "model.npz").unwrap()
+    MultimerInputs::from_named(|name| f.get(name).map(|t| t.shallow_clone()), "the fixture").unwrap()
 }
 
 fn assert_within(what: &str, got: &Tensor, want: &Tensor, tolerance: f64) {
@@ -182,6 +184,27 @@ fn multimer_network_with_recycling_equals_alphafold_multimer() {
     let (pass, _) = tch::no_grad(|| network.predict(&features, early, other, &Exec::serial())).unwrap();
     let d = (&pass.structure.atom37 - &f["early_final_atom_positions"]).abs().max().double_value(&[]);
     assert!(d > 1e-2, "another key moved the atoms by only {d:e} Å");
+}
+
+#[test]
+fn multimer_network_at_v3_sampling_sizes_equals_alphafold_multimer_run_model() {
+    // The pipeline's whole heterodimer (512 MSA rows, 10 real) at v3's num_msa 508 and
+    // num_extra_msa 2048, the key derived from the seed as RunModel.predict derives it.
+    let f = arrays("model.npz");
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/multimer/heterodimer.npz");
+    let pipeline: HashMap<String, Tensor> = Tensor::read_npz(path).unwrap().into_iter().collect();
+    let network = MultimerAlphaFold::load(fixture("model_params.npz")).unwrap();
+    assert_eq!(network.sampling, MsaSampling::default(), "v3's sizes by default");
+    let inputs = features(&pipeline);
+    let recycling = Recycling { max: 1, early_stop_tolerance: 0.5 };
+    let key = network_key(f["preset_seed"].int64_value(&[]) as u64);
+    let (pass, recycles) = tch::no_grad(|| network.predict(&inputs, recycling, key, &Exec::serial())).unwrap();
+    assert_eq!(recycles as i64, f["preset_num_recycles"].int64_value(&[]));
+    let positions = &f["preset_final_atom_positions"];
+    assert_within("v3 sizes: final atom positions (Å)", &pass.structure.atom37, positions, POSITIONS_TOLERANCE);
+    assert_within("v3 sizes: plddt", &pass.heads.lddt, &f["preset_predicted_lddt"], LOGITS_TOLERANCE);
+    let pae = pass.heads.aligned_error.as_ref().unwrap();
+    assert_within("v3 sizes: aligned error", pae, &f["preset_predicted_aligned_error"], LOGITS_TOLERANCE);
 }
 
 #[test]

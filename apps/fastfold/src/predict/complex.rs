@@ -24,10 +24,9 @@ use super::{write_ranking, PredictArgs, Predicted};
 use crate::confidence::{multimer_ranking_confidence, predicted_tm_score_of_chains, Confidence};
 use crate::features::RawFeatures;
 use crate::input::file_stem;
-use crate::jax_random::Key;
 use crate::model::heads::MAX_ERROR_BIN;
 use crate::model::multimer::{
-    MaskedMsaConfig, MsaSampling, MultimerAlphaFold, MultimerInputs, MULTIMER_STRUCTURE_ITERATIONS,
+    network_key, MaskedMsaConfig, MsaSampling, MultimerAlphaFold, MultimerInputs, MULTIMER_STRUCTURE_ITERATIONS,
 };
 use crate::model::recycling::Recycling;
 use crate::multimer::complex::CHAIN_IDS;
@@ -37,13 +36,6 @@ use crate::pdb::Structure;
 use crate::query_folder::QueryFolder;
 use crate::ranking::{Ranking, Timings};
 use crate::search::Mode;
-
-/// The key the network draws from for a run's seed: `RunModel.predict` applies the haiku
-/// model with `jax.random.PRNGKey(seed)`, and `modules_multimer.AlphaFold` takes haiku's first
-/// `next_rng_key()` of it, the second half of its split.
-pub fn network_key(seed: u64) -> Key {
-    Key::from_seed(seed as i64).split(2)[1]
-}
 
 /// Every model's predictions on the complex of `args`' FASTA file; the summaries in the order
 /// they ran.

@@ -148,6 +148,13 @@ pub fn sampling_keys(pass_key: Key) -> (Key, Key) {
     (keys[1], keys[2])
 }
 
+/// The key the network draws from for a run's seed: DeepMind's `RunModel.predict` applies the
+/// haiku model with `jax.random.PRNGKey(seed)`, and `modules_multimer.AlphaFold` takes haiku's
+/// first `next_rng_key()` of it, the second half of its split.
+pub fn network_key(seed: u64) -> Key {
+    Key::from_seed(seed as i64).split(2)[1]
+}
+
 /// The network over one parameter file.
 pub struct MultimerAlphaFold {
     input: MultimerInputEmbedder,
