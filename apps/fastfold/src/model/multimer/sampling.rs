@@ -16,6 +16,7 @@
 //! fp32's rounding at -10^6) keep their order, first index first: XLA's unstable sort leaves
 //! their order unspecified (it put them so in the fixture's case); in the pipeline's features
 //! such rows are padding of equal content, whose order changes nothing.
+use rayon::prelude::*;
 use tch::{Device, Kind, Tensor};
 
 use crate::jax_random::Key;
@@ -275,33 +276,43 @@ pub fn make_masked_msa(
     let (uniform, profile_w, same) = (config.uniform_prob as f32, config.profile_prob as f32, config.same_prob as f32);
     let replace = config.replace_fraction as f32;
     let keys = key.split(3);
-    let position_draw = keys[1].padding_consistent_uniform(&[s, n]);
     let classes_out = EXTRA_MSA_CLASSES as usize;
-    let noise = gumbel_noise(keys[2], &[s, n, classes_out]);
-    let mut masked = vec![0i64; s * n];
-    let mut positions = vec![0f32; s * n];
-    for i in 0..s * n {
-        let r = i % n;
-        positions[i] = if position_draw[i] < replace { mask[i] } else { 0.0 };
-        // Gumbel-max over the 23 classes' log-probabilities, the first of equal values.
-        let mut best = (f32::NEG_INFINITY, 0usize);
-        for c in 0..classes_out {
-            let p = match c {
-                22 => mask_prob,
-                _ => {
-                    let random_aa = if c < 20 { 0.05f32 } else { 0.0 };
-                    let one_hot = if classes[i] == c as i64 { 1.0f32 } else { 0.0 };
-                    uniform * random_aa + profile_w * profile[r * MSA_CLASSES as usize + c] + same * one_hot
+    // Row by row, in parallel: a padding-consistent draw over [s, n, ...] is row i's draw from
+    // the key folded in with i, so no row needs the others' keys.
+    let rows: Vec<(Vec<i64>, Vec<f32>)> = (0..s)
+        .into_par_iter()
+        .map(|row| {
+            let position_draw = keys[1].fold_in(row as u32).padding_consistent_uniform(&[n]);
+            let noise = gumbel_noise(keys[2].fold_in(row as u32), &[n, classes_out]);
+            let mut masked = vec![0i64; n];
+            let mut positions = vec![0f32; n];
+            for r in 0..n {
+                let i = row * n + r;
+                positions[r] = if position_draw[r] < replace { mask[i] } else { 0.0 };
+                // Gumbel-max over the 23 classes' log-probabilities, the first of equal values.
+                let mut best = (f32::NEG_INFINITY, 0usize);
+                for c in 0..classes_out {
+                    let p = match c {
+                        22 => mask_prob,
+                        _ => {
+                            let random_aa = if c < 20 { 0.05f32 } else { 0.0 };
+                            let one_hot = if classes[i] == c as i64 { 1.0f32 } else { 0.0 };
+                            uniform * random_aa + profile_w * profile[r * MSA_CLASSES as usize + c] + same * one_hot
+                        }
+                    };
+                    let v = (p + PROBABILITY_EPSILON).ln() + noise[r * classes_out + c];
+                    if v > best.0 {
+                        best = (v, c);
+                    }
                 }
-            };
-            let v = (p + PROBABILITY_EPSILON).ln() + noise[i * classes_out + c];
-            if v > best.0 {
-                best = (v, c);
+                let class = if positions[r] != 0.0 { best.1 as i64 } else { classes[i] };
+                masked[r] = if mask[i] != 0.0 { class } else { 0 };
             }
-        }
-        let class = if positions[i] != 0.0 { best.1 as i64 } else { classes[i] };
-        masked[i] = if mask[i] != 0.0 { class } else { 0 };
-    }
+            (masked, positions)
+        })
+        .collect();
+    let masked: Vec<i64> = rows.iter().flat_map(|(m, _)| m.iter().copied()).collect();
+    let positions: Vec<f32> = rows.iter().flat_map(|(_, p)| p.iter().copied()).collect();
     let device = msa.device();
     let shape = [s as i64, n as i64];
     Ok((
