@@ -108,6 +108,8 @@ pub struct Predicted {
     pub mean_plddt: f64,
     /// Predicted TM-score, with the aligned-error head.
     pub ptm: Option<f64>,
+    /// The interface's predicted TM-score (AlphaFold-Multimer's ipTM), for complexes.
+    pub iptm: Option<f64>,
     /// Recycling passes run after the first (fewer than asked when recycling stopped early).
     pub recycles: usize,
     /// Wall-clock seconds of the model (features excluded).
@@ -314,6 +316,7 @@ impl<'a> Runner<'a> {
             model: model.name.clone(),
             mean_plddt: confidence.mean_plddt,
             ptm: confidence.ptm,
+            iptm: None,
             recycles,
             seconds,
             peak_bytes,

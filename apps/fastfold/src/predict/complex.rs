@@ -126,6 +126,7 @@ pub(super) fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predi
                 residues: chains.len() as i64,
                 mean_plddt: confidence.mean_plddt,
                 ptm: Some(ptm),
+                iptm: Some(iptm),
                 recycles,
                 seconds,
                 peak_bytes: engine::process::peak_memory(device),
