@@ -87,6 +87,9 @@ fn multimer_parameters_predict_the_fasta_file_as_one_complex_ranked_by_iptm_ptm(
     let timings: serde_json::Value = serde_json::from_str(&read("timings.json")).unwrap();
     assert!(timings["predict_and_compile_model_1_multimer_v3_pred_1"].is_number(), "{timings}");
     assert!(dir.join("features.npz").exists());
+    for plot in ["complex_pae.png", "complex_plddt.png", "complex_coverage.png"] {
+        assert!(dir.join(plot).is_file(), "{plot}");
+    }
 }
 
 #[test]

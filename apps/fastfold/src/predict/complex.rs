@@ -8,9 +8,9 @@
 //! `<name>_unrelaxed.pdb` (one PDB chain per record, lettered in the features' chain order
 //! as AlphaFold letters them) and `<name>_confidence.json` (pLDDT, PAE,
 //! pTM, ipTM, the ranking confidence); `ranked_<i>.pdb` and `ranking_debug.json` by
-//! `0.8 ipTM + 0.2 pTM` (`iptm+ptm`), and `timings.json`.
+//! `0.8 ipTM + 0.2 pTM` (`iptm+ptm`), `timings.json`, and the plots.
 //!
-//! One rank, fp32, no plots and no raw outputs yet.
+//! ColabFold's plots unless `--no-plots`. One rank, fp32, no raw outputs yet.
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -33,6 +33,7 @@ use crate::multimer::complex::CHAIN_IDS;
 use crate::multimer::preset::{MultimerPreset, Settings};
 use crate::multimer::{search, Complex, EntityInput, PairingMsa};
 use crate::pdb::Structure;
+use crate::plots::{self, ModelConfidence};
 use crate::query_folder::QueryFolder;
 use crate::ranking::{Ranking, Timings};
 use crate::search::Mode;
@@ -78,6 +79,7 @@ pub(super) fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predi
 
     let mut done = Vec::new();
     let mut scores = Vec::new();
+    let mut confidences = Vec::new();
     for (preset, path) in &models {
         let iterations = args.structure_iterations.unwrap_or(MULTIMER_STRUCTURE_ITERATIONS);
         let sampling = MsaSampling {
@@ -132,11 +134,41 @@ pub(super) fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predi
                 peak_bytes: engine::process::peak_memory(device),
                 planned_bytes: None,
             });
+            confidences.push((run.name.clone(), confidence));
         }
     }
-    write_ranking(&folder.staging, &Ranking::multimer(&scores), &timings)?;
+    let ranking = Ranking::multimer(&scores);
+    write_ranking(&folder.staging, &ranking, &timings)?;
+    if !args.no_plots {
+        write_plots(&folder.staging, &name, &features, &complex, &ranking, &confidences)?;
+    }
     folder.commit()?;
     Ok(done)
+}
+
+/// ColabFold's plots of the complex ([`crate::plots`]): the predictions in their ranking's
+/// order, the chains (in the features' order) separated, the MSA's real rows' coverage.
+fn write_plots(
+    dir: &Path,
+    name: &str,
+    features: &crate::multimer::MultimerFeatures,
+    complex: &Complex,
+    ranking: &Ranking,
+    confidences: &[(String, Confidence)],
+) -> anyhow::Result<()> {
+    let ranked: Vec<ModelConfidence> = ranking
+        .order
+        .iter()
+        .filter_map(|m| confidences.iter().find(|(n, _)| n == m))
+        .map(|(_, c)| ModelConfidence { plddt: &c.plddt, pae: c.pae.as_deref() })
+        .collect();
+    let msa = features.get("msa").context("the features have no msa")?.tensor().to_kind(Kind::Int64);
+    let real = features.get("num_alignments").map_or(msa.size()[0], |a| a.tensor().int64_value(&[]));
+    let rows: Vec<Vec<i64>> =
+        (0..real.min(msa.size()[0])).map(|i| Vec::<i64>::try_from(msa.get(i))).collect::<Result<_, _>>()?;
+    let chains: Vec<usize> = complex.assembly_order().iter().map(|c| c.sequence.chars().count()).collect();
+    plots::write(dir, name, &ranked, Some(&rows), &chains).with_context(|| format!("plotting {name}"))?;
+    Ok(())
 }
 
 /// The options a multimer run does not take (yet), named.
