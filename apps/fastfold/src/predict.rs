@@ -307,7 +307,13 @@ impl<'a> Runner<'a> {
         let (aatype, residue_index) = (first.aatype.squeeze_dim(0), first.residue_index.squeeze_dim(0));
         let confidence = Confidence::from_logits(&pass.heads.lddt, pass.heads.aligned_error.as_ref())?;
         if self.world.rank() == 0 {
-            let outputs = ModelOutputs { pass: &pass, recycles, confidence: &confidence };
+            let outputs = ModelOutputs {
+                pass: &pass,
+                recycles,
+                confidence: &confidence,
+                iptm: None,
+                ranking_confidence: confidence.mean_plddt,
+            };
             write_outputs(args, dir, &model.name, &outputs, &aatype, &residue_index)?;
         }
         let predicted = Predicted {
@@ -415,6 +421,10 @@ pub struct ModelOutputs<'a> {
     pub recycles: usize,
     /// pLDDT, and PAE and pTM with the aligned-error head.
     pub confidence: &'a Confidence,
+    /// AlphaFold-Multimer's ipTM (complexes only).
+    pub iptm: Option<f64>,
+    /// What the prediction is ranked by: mean pLDDT (monomer models) or `0.8 ipTM + 0.2 pTM`.
+    pub ranking_confidence: f64,
 }
 
 /// `<model>_unrelaxed.pdb`, `<model>_confidence.json` and, with `--save-outputs`,
@@ -442,9 +452,10 @@ fn write_outputs(
 /// (as `run_alphafold.py` saves it in `result_<model>.pkl`) flattened with `/`, the
 /// entries this model computes. The structure module's atoms under `structure_module/`;
 /// beside the heads' logits, the confidence measures `get_confidence_metrics` adds
-/// (`plddt`, `ranking_confidence`: mean pLDDT for monomer models; with the aligned-error
-/// head `aligned_confidence_probs`, `predicted_aligned_error`, `max_predicted_aligned_error`
-/// and `ptm`), and `num_recycles`, the recycles run.
+/// (`plddt`, `ranking_confidence`: mean pLDDT for monomer models, `0.8 ipTM + 0.2 pTM` for
+/// Multimer; with the aligned-error head `aligned_confidence_probs`,
+/// `predicted_aligned_error`, `max_predicted_aligned_error` and `ptm`; Multimer's `iptm`),
+/// and `num_recycles`, the recycles run.
 pub fn save_outputs(path: &Path, outputs: &ModelOutputs) -> anyhow::Result<()> {
     let (pass, confidence) = (outputs.pass, outputs.confidence);
     let h = &pass.heads;
@@ -456,7 +467,7 @@ pub fn save_outputs(path: &Path, outputs: &ModelOutputs) -> anyhow::Result<()> {
         ("structure_module/final_atom_positions".into(), s.atom37.shallow_clone()),
         ("structure_module/final_atom_mask".into(), s.atom37_mask.shallow_clone()),
         ("plddt".into(), h.plddt()),
-        ("ranking_confidence".into(), Tensor::from(confidence.mean_plddt)),
+        ("ranking_confidence".into(), Tensor::from(outputs.ranking_confidence)),
         ("num_recycles".into(), Tensor::from(outputs.recycles as i64)),
         ("distogram/logits".into(), h.distogram.shallow_clone()),
         ("distogram/bin_edges".into(), edges),
@@ -477,6 +488,9 @@ pub fn save_outputs(path: &Path, outputs: &ModelOutputs) -> anyhow::Result<()> {
         named.push(("predicted_aligned_error".into(), pae));
         named.push(("max_predicted_aligned_error".into(), Tensor::from(max)));
         named.push(("ptm".into(), Tensor::from(confidence.ptm.unwrap_or(f64::NAN))));
+    }
+    if let Some(iptm) = outputs.iptm {
+        named.push(("iptm".into(), Tensor::from(iptm)));
     }
     let named: Vec<(String, Tensor)> = named
         .into_iter()

@@ -37,7 +37,7 @@ fn multimer_parameters_predict_the_fasta_file_as_one_complex_ranked_by_iptm_ptm(
     let file = params.join("params_model_1_multimer_v3.npz");
     let tiny = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/multimer_network/model_params.npz");
     std::fs::copy(tiny, &file).unwrap();
-    let flags = ["--num-multimer-predictions-per-model", "2", "--num-recycle", "1", "--seed", "3"];
+    let flags = ["--num-multimer-predictions-per-model", "2", "--num-recycle", "1", "--seed", "3", "--save-outputs"];
     let (ok, text) = predict(&d, &[&["--params", params.to_str().unwrap()][..], &flags[..]].concat());
     assert!(ok, "{text}");
     let dir = d.join("out").join("complex");
@@ -53,6 +53,11 @@ fn multimer_parameters_predict_the_fasta_file_as_one_complex_ranked_by_iptm_ptm(
         let (iptm, ptm) = (c["iptm"].as_f64().unwrap(), c["ptm"].as_f64().unwrap());
         assert!((c["ranking_confidence"].as_f64().unwrap() - (0.8 * iptm + 0.2 * ptm)).abs() < 1e-12, "{c}");
         assert!((score(name) - (0.8 * iptm + 0.2 * ptm)).abs() < 1e-12);
+        let raw: HashMap<String, Tensor> =
+            Tensor::read_npz(dir.join(format!("{name}_outputs.npz"))).unwrap().into_iter().collect();
+        for (key, want) in [("iptm", iptm), ("ptm", ptm), ("ranking_confidence", score(name))] {
+            assert!((raw[key].double_value(&[]) - want).abs() < 1e-6, "{name} {key}");
+        }
         assert_eq!(c["plddt"].as_array().unwrap().len(), 26);
         // One PDB chain per record, each ended by TER.
         let pdb = read(&format!("{name}_unrelaxed.pdb"));

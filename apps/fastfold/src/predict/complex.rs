@@ -10,7 +10,8 @@
 //! pTM, ipTM, the ranking confidence); `ranked_<i>.pdb` and `ranking_debug.json` by
 //! `0.8 ipTM + 0.2 pTM` (`iptm+ptm`), `timings.json`, and the plots.
 //!
-//! ColabFold's plots unless `--no-plots`. One rank, fp32, no raw outputs yet.
+//! ColabFold's plots unless `--no-plots`; with `--save-outputs`, `<name>_outputs.npz` (with
+//! `iptm`). One rank, fp32.
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -20,7 +21,7 @@ use engine::dist::World;
 use engine::job::Precision;
 use tch::Kind;
 
-use super::{write_ranking, PredictArgs, Predicted};
+use super::{save_outputs, write_ranking, ModelOutputs, PredictArgs, Predicted};
 use crate::confidence::{multimer_ranking_confidence, predicted_tm_score_of_chains, Confidence};
 use crate::features::RawFeatures;
 use crate::input::file_stem;
@@ -104,7 +105,8 @@ pub(super) fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predi
             let ptm = predicted_tm_score_of_chains(pae, MAX_ERROR_BIN, &weights, None)?;
             let iptm = predicted_tm_score_of_chains(pae, MAX_ERROR_BIN, &weights, Some(&asym_id))?;
             let ranking_confidence = multimer_ranking_confidence(iptm, ptm);
-            let confidence = Confidence::from_logits(&pass.heads.lddt, Some(pae))?;
+            let mut confidence = Confidence::from_logits(&pass.heads.lddt, Some(pae))?;
+            confidence.ptm = Some(ptm);
             let s = &pass.structure;
             let pdb = folder.staging.join(format!("{}_unrelaxed.pdb", run.name));
             Structure::from_tensors(
@@ -116,11 +118,20 @@ pub(super) fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predi
             )?
             .write_with_chains(&pdb, &chains)?;
             let mut json = serde_json::to_value(&confidence)?;
-            json["ptm"] = ptm.into();
             json["iptm"] = iptm.into();
             json["ranking_confidence"] = ranking_confidence.into();
             let path = folder.staging.join(format!("{}_confidence.json", run.name));
             data::write_atomic(&path, |w| -> anyhow::Result<()> { Ok(serde_json::to_writer(w, &json)?) })?;
+            if args.save_outputs {
+                let outputs = ModelOutputs {
+                    pass: &pass,
+                    recycles,
+                    confidence: &confidence,
+                    iptm: Some(iptm),
+                    ranking_confidence,
+                };
+                save_outputs(&folder.staging.join(format!("{}_outputs.npz", run.name)), &outputs)?;
+            }
             scores.push((run.name.clone(), ranking_confidence));
             done.push(Predicted {
                 name: name.clone(),
@@ -187,7 +198,6 @@ fn check(args: &PredictArgs, world: &World) -> anyhow::Result<()> {
         ("--max-extra-msa", args.input.max_extra_msa.is_some()),
         ("--models", args.models.is_some()),
         ("--gpu-mem", args.chunk.gpu_mem.is_some()),
-        ("--save-outputs", args.save_outputs),
     ];
     if let Some((flag, _)) = monomer_only.iter().find(|(_, given)| *given) {
         bail!(
