@@ -18,8 +18,9 @@
 //! | the whole network over a parameter file (`params_model_N_multimer_v3.npz` layout): each pass's sampling keys, embeddings, recycled state, templates, extra-MSA stack, Evoformer, structure module and every head (distogram, masked MSA, pLDDT, PAE, experimentally resolved); v2.3's recycling loop with its key splits and early stop on the CA distance change | `AlphaFold`, `AlphaFoldIteration`, `EmbeddingsAndEvoformer` | [`alphafold::MultimerAlphaFold`] |
 //!
 //! `fastfold predict` runs the assembled model on a complex (`predict::complex`). Not yet
-//! here: the structure module's loss and the other training losses; bf16, DAP, and GPU runs
-//! of the assembled model (it is checked in fp32 on the CPU only).
+//! here: the structure module's loss and the other training losses; bf16 and GPU runs of the
+//! assembled model (it is checked in fp32 on the CPU only, on one rank and under DAP on two,
+//! `tests/dap.rs`).
 use std::collections::BTreeMap;
 use std::path::Path;
 
