@@ -89,6 +89,25 @@ fn multimer_parameters_predict_the_fasta_file_as_one_complex_ranked_by_iptm_ptm(
         assert!(ca.len() == 78 && d < 1e-3, "{name}: CA atoms differ from the library's by {d} Å");
     }
     assert_ne!(read("ranked_0.pdb"), read("ranked_1.pdb"), "each prediction has its own seed");
+    // On 2 ranks (DAP) the same atoms, to the PDB's rounding.
+    let d2 = common::scratch("multimer", "complex-2-ranks");
+    let flags2 = [&flags[..], &["--nproc", "2"][..]].concat();
+    let (ok, text) = predict(&d2, &[&["--params", file.to_str().unwrap()][..], &flags2[..]].concat());
+    assert!(ok, "{text}");
+    let atoms = |path: &std::path::Path| -> Vec<f64> {
+        std::fs::read_to_string(path)
+            .unwrap()
+            .lines()
+            .filter(|l| l.starts_with("ATOM"))
+            .flat_map(|l| [&l[30..38], &l[38..46], &l[46..54]].map(|v| v.trim().parse::<f64>().unwrap()))
+            .collect()
+    };
+    for name in names {
+        let pdb = format!("{name}_unrelaxed.pdb");
+        let (one, two) = (atoms(&dir.join(&pdb)), atoms(&d2.join("out/complex").join(&pdb)));
+        let diff = one.iter().zip(&two).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+        assert!(one.len() == two.len() && diff <= 2e-3, "{name} on 2 ranks: atoms differ by {diff} Å");
+    }
     let timings: serde_json::Value = serde_json::from_str(&read("timings.json")).unwrap();
     assert!(timings["predict_and_compile_model_1_multimer_v3_pred_1"].is_number(), "{timings}");
     assert!(dir.join("features.npz").exists());

@@ -11,7 +11,7 @@
 //! `0.8 ipTM + 0.2 pTM` (`iptm+ptm`), `timings.json`, and the plots.
 //!
 //! ColabFold's plots unless `--no-plots`; with `--save-outputs`, `<name>_outputs.npz` (with
-//! `iptm`). One rank, fp32.
+//! `iptm`). fp32; with several ranks the stacks run under DAP and rank 0 writes the files.
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -42,7 +42,7 @@ use crate::search::Mode;
 /// Every model's predictions on the complex of `args`' FASTA file; the summaries in the order
 /// they ran.
 pub(super) fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predicted>> {
-    check(args, world)?;
+    check(args)?;
     let Some(fasta) = &args.input.fasta else { bail!("give a FASTA file: its records are the complex's chains") };
     let (device, exec, _) = args.chunk.setup(&args.launch, world)?;
     let models = resolve(&args.params)?;
@@ -61,10 +61,17 @@ pub(super) fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predi
     }
     let complex = Complex::new(&records, fasta)?;
     let name = file_stem(&fasta.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default());
-    let folder = QueryFolder::open(&args.out, &name)?;
-    let entities = entity_inputs(args, &complex, fasta, &args.out.join(&name).join("msas"))?;
+    // Rank 0 writes the files; every rank runs the network (its stacks under DAP).
+    let folder = match world.rank() {
+        0 => Some(QueryFolder::open(&args.out, &name)?),
+        _ => None,
+    };
+    let staging = folder.as_ref().map(|f| f.staging.clone());
+    let entities = entity_inputs(args, world, &complex, fasta, &args.out.join(&name).join("msas"))?;
     let features = crate::multimer::features(&complex, &entities)?;
-    features.save_npz(&folder.staging.join("features.npz"))?;
+    if let Some(dir) = &staging {
+        features.save_npz(&dir.join("features.npz"))?;
+    }
     let inputs = MultimerInputs::from_named(|n| features.get(n).map(|a| a.tensor()), &name)?;
     // Each residue's PDB chain: A, B, ... in the features' chain order (`asym_id`), as
     // AlphaFold's `protein.to_pdb` letters them (which differ from `chain_id_map.json`'s FASTA
@@ -107,30 +114,23 @@ pub(super) fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predi
             let ranking_confidence = multimer_ranking_confidence(iptm, ptm);
             let mut confidence = Confidence::from_logits(&pass.heads.lddt, Some(pae))?;
             confidence.ptm = Some(ptm);
-            let s = &pass.structure;
-            let pdb = folder.staging.join(format!("{}_unrelaxed.pdb", run.name));
-            Structure::from_tensors(
-                &inputs.aatype,
-                &inputs.residue_index,
-                &s.atom37,
-                &s.atom37_mask,
-                &pass.heads.plddt(),
-            )?
-            .write_with_chains(&pdb, &chains)?;
-            let mut json = serde_json::to_value(&confidence)?;
-            json["iptm"] = iptm.into();
-            json["ranking_confidence"] = ranking_confidence.into();
-            let path = folder.staging.join(format!("{}_confidence.json", run.name));
-            data::write_atomic(&path, |w| -> anyhow::Result<()> { Ok(serde_json::to_writer(w, &json)?) })?;
-            if args.save_outputs {
-                let outputs = ModelOutputs {
-                    pass: &pass,
-                    recycles,
-                    confidence: &confidence,
-                    iptm: Some(iptm),
-                    ranking_confidence,
-                };
-                save_outputs(&folder.staging.join(format!("{}_outputs.npz", run.name)), &outputs)?;
+            if let Some(dir) = &staging {
+                let s = &pass.structure;
+                let plddt = pass.heads.plddt();
+                let pdb = dir.join(format!("{}_unrelaxed.pdb", run.name));
+                Structure::from_tensors(&inputs.aatype, &inputs.residue_index, &s.atom37, &s.atom37_mask, &plddt)?
+                    .write_with_chains(&pdb, &chains)?;
+                let mut json = serde_json::to_value(&confidence)?;
+                json["iptm"] = iptm.into();
+                json["ranking_confidence"] = ranking_confidence.into();
+                let path = dir.join(format!("{}_confidence.json", run.name));
+                data::write_atomic(&path, |w| -> anyhow::Result<()> { Ok(serde_json::to_writer(w, &json)?) })?;
+                if args.save_outputs {
+                    let iptm = Some(iptm);
+                    let outputs =
+                        ModelOutputs { pass: &pass, recycles, confidence: &confidence, iptm, ranking_confidence };
+                    save_outputs(&dir.join(format!("{}_outputs.npz", run.name)), &outputs)?;
+                }
             }
             scores.push((run.name.clone(), ranking_confidence));
             done.push(Predicted {
@@ -148,6 +148,7 @@ pub(super) fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predi
             confidences.push((run.name.clone(), confidence));
         }
     }
+    let Some(folder) = folder else { return Ok(done) };
     let ranking = Ranking::multimer(&scores);
     write_ranking(&folder.staging, &ranking, &timings)?;
     if !args.no_plots {
@@ -183,10 +184,7 @@ fn write_plots(
 }
 
 /// The options a multimer run does not take (yet), named.
-fn check(args: &PredictArgs, world: &World) -> anyhow::Result<()> {
-    if world.size() > 1 {
-        bail!("AlphaFold-Multimer runs on one rank so far (no DAP): launch one process");
-    }
+fn check(args: &PredictArgs) -> anyhow::Result<()> {
     if args.precision.precision != Precision::Fp32 {
         bail!("AlphaFold-Multimer runs in fp32 only so far: leave out --precision");
     }
@@ -243,13 +241,31 @@ fn resolve(params: &Path) -> anyhow::Result<Vec<(MultimerPreset, PathBuf)>> {
 }
 
 /// Each entity's inputs: from the homology search when one is asked for (UniProt pairing the
-/// rows of a complex of distinct chains), else each chain's sequence alone, the query rows
-/// paired.
-fn entity_inputs(args: &PredictArgs, complex: &Complex, fasta: &Path, msas: &Path) -> anyhow::Result<Vec<EntityInput>> {
+/// rows of a complex of distinct chains; rank 0 searches while the other ranks wait, then read
+/// what it saved), else each chain's sequence alone, the query rows paired.
+fn entity_inputs(
+    args: &PredictArgs,
+    world: &World,
+    complex: &Complex,
+    fasta: &Path,
+    msas: &Path,
+) -> anyhow::Result<Vec<EntityInput>> {
     if args.search.requested() {
-        let Some(searcher) = args.search.search(Mode::Search)? else { bail!("the homology search is not set up") };
+        let mode = if world.rank() == 0 { Mode::Search } else { Mode::ReadSaved };
+        let several = world.size() > 1;
+        if several && mode == Mode::ReadSaved {
+            world.group.barrier().context("waiting for rank 0's homology search")?;
+        }
         let uniprot = args.multimer.uniprot(args.search.databases.data_dir.as_deref());
-        return search::entity_inputs(complex, &searcher, uniprot.as_deref(), msas, Mode::Search);
+        let inputs = match args.search.search(mode)? {
+            Some(searcher) => search::entity_inputs(complex, &searcher, uniprot.as_deref(), msas, mode),
+            None => Err(anyhow::anyhow!("the homology search is not set up")),
+        };
+        if several && mode == Mode::Search {
+            // Released whether the search worked or not: the others then fail reading it back.
+            world.group.barrier().context("telling the other ranks the homology search is done")?;
+        }
+        return inputs;
     }
     let pair = !complex.is_homomer_or_monomer();
     complex
