@@ -163,12 +163,12 @@ impl Model {
 /// files of an earlier run there only once every model has run (see [`QueryFolder`]).
 /// Returns the summaries, query by query, model by model.
 pub fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predicted>> {
-    if args.multimer.check(&args.params)? {
-        return complex::run(args, world);
-    }
-    let runner = Runner::new(args, world)?;
+    let multimer = args.multimer.check(&args.params)?;
     let out_existed = args.out.exists();
-    let result = runner.run_all();
+    let result = match multimer {
+        true => complex::run(args, world),
+        false => Runner::new(args, world).and_then(|runner| runner.run_all()),
+    };
     if result.is_err() && !out_existed {
         // An output folder made for a failed run, left empty (`remove_dir` removes only that).
         let _ = std::fs::remove_dir(&args.out);

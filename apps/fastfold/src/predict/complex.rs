@@ -115,22 +115,14 @@ pub(super) fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predi
             let mut confidence = Confidence::from_logits(&pass.heads.lddt, Some(pae))?;
             confidence.ptm = Some(ptm);
             if let Some(dir) = &staging {
-                let s = &pass.structure;
-                let plddt = pass.heads.plddt();
-                let pdb = dir.join(format!("{}_unrelaxed.pdb", run.name));
-                Structure::from_tensors(&inputs.aatype, &inputs.residue_index, &s.atom37, &s.atom37_mask, &plddt)?
-                    .write_with_chains(&pdb, &chains)?;
-                let mut json = serde_json::to_value(&confidence)?;
-                json["iptm"] = iptm.into();
-                json["ranking_confidence"] = ranking_confidence.into();
-                let path = dir.join(format!("{}_confidence.json", run.name));
-                data::write_atomic(&path, |w| -> anyhow::Result<()> { Ok(serde_json::to_writer(w, &json)?) })?;
-                if args.save_outputs {
-                    let iptm = Some(iptm);
-                    let outputs =
-                        ModelOutputs { pass: &pass, recycles, confidence: &confidence, iptm, ranking_confidence };
-                    save_outputs(&dir.join(format!("{}_outputs.npz", run.name)), &outputs)?;
-                }
+                let outputs = ModelOutputs {
+                    pass: &pass,
+                    recycles,
+                    confidence: &confidence,
+                    iptm: Some(iptm),
+                    ranking_confidence,
+                };
+                write_prediction(dir, &run.name, &outputs, &inputs, &chains, args.save_outputs)?;
             }
             scores.push((run.name.clone(), ranking_confidence));
             done.push(Predicted {
@@ -156,6 +148,32 @@ pub(super) fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predi
     }
     folder.commit()?;
     Ok(done)
+}
+
+/// One prediction's files in the query's folder `dir`: `<name>_unrelaxed.pdb` (residue `i` in
+/// PDB chain `chains[i]`), `<name>_confidence.json` (the monomer's measures, pTM as Multimer
+/// weighs it, `iptm` and `ranking_confidence`) and, with `save`, `<name>_outputs.npz`.
+fn write_prediction(
+    dir: &Path,
+    name: &str,
+    outputs: &ModelOutputs,
+    inputs: &MultimerInputs,
+    chains: &[char],
+    save: bool,
+) -> anyhow::Result<()> {
+    let s = &outputs.pass.structure;
+    let plddt = outputs.pass.heads.plddt();
+    Structure::from_tensors(&inputs.aatype, &inputs.residue_index, &s.atom37, &s.atom37_mask, &plddt)?
+        .write_with_chains(&dir.join(format!("{name}_unrelaxed.pdb")), chains)?;
+    let mut json = serde_json::to_value(outputs.confidence)?;
+    json["iptm"] = outputs.iptm.into();
+    json["ranking_confidence"] = outputs.ranking_confidence.into();
+    let path = dir.join(format!("{name}_confidence.json"));
+    data::write_atomic(&path, |w| -> anyhow::Result<()> { Ok(serde_json::to_writer(w, &json)?) })?;
+    if save {
+        save_outputs(&dir.join(format!("{name}_outputs.npz")), outputs)?;
+    }
+    Ok(())
 }
 
 /// ColabFold's plots of the complex ([`crate::plots`]): the predictions in their ranking's
