@@ -75,7 +75,7 @@ pub(crate) fn parse_alignment(text: &str, path: &Path) -> anyhow::Result<data::a
 }
 
 /// A name usable as a file-name stem: path separators and odd characters become `_`.
-fn file_stem(name: &str) -> String {
+pub(crate) fn file_stem(name: &str) -> String {
     let s: String =
         name.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '_' }).collect();
     match s.trim_start_matches('.') {

@@ -38,7 +38,8 @@ fn run() -> anyhow::Result<()> {
                 if world.rank() != 0 {
                     continue;
                 }
-                let ptm = p.ptm.map(|t| format!("  pTM {t:.3}")).unwrap_or_default();
+                let mut ptm = p.ptm.map(|t| format!("  pTM {t:.3}")).unwrap_or_default();
+                ptm += &p.iptm.map(|t| format!("  ipTM {t:.3}")).unwrap_or_default();
                 let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
                 let peak = match (p.planned_bytes, p.peak_bytes) {
                     (Some(plan), Some(b)) => {

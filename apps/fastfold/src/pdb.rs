@@ -1,4 +1,5 @@
-//! PDB output of a predicted structure (one model, chain A, fixed-column `ATOM` records), and
+//! PDB output of a predicted structure (one model, chain A or a complex's chains, fixed-column
+//! `ATOM` records), and
 //! input of a target structure for training ([`Structure::parse`]).
 //!
 //! The layout follows the wwPDB v3.3 `ATOM` record (and AlphaFold's `protein.to_pdb`): serial
@@ -90,15 +91,37 @@ impl Structure {
         })
     }
 
-    /// The PDB text; an error if a field does not fit its columns.
+    /// The PDB text, every residue in chain A; an error if a field does not fit its columns.
     pub fn to_pdb(&self) -> std::result::Result<String, String> {
+        self.to_pdb_with_chains(&vec!['A'; self.aatype.len()])
+    }
+
+    /// The PDB text with each residue in the chain `chains[i]` (a complex's chains in order:
+    /// a `TER` record ends each, taking a serial number, as AlphaFold's `protein.to_pdb`
+    /// writes them); an error if a field does not fit its columns.
+    pub fn to_pdb_with_chains(&self, chains: &[char]) -> std::result::Result<String, String> {
         let n = self.aatype.len();
-        if [self.residue_index.len(), self.positions.len(), self.mask.len(), self.b_factors.len()] != [n; 4] {
-            return Err("aatype, residue_index, positions, mask and b_factors differ in length".into());
+        if [self.residue_index.len(), self.positions.len(), self.mask.len(), self.b_factors.len(), chains.len()]
+            != [n; 5]
+        {
+            return Err("aatype, residue_index, positions, mask, b_factors and chains differ in length".into());
         }
         let mut lines = vec!["MODEL        1".to_string()];
         let mut serial = 1usize;
+        let ter = |serial: usize, i: usize| {
+            format!(
+                "{:<6}{serial:>5}      {:>3} {:1}{:>4}",
+                "TER",
+                RESNAMES[self.aatype[i]],
+                chains[i],
+                self.residue_index[i] + 1
+            )
+        };
         for i in 0..n {
+            if i > 0 && chains[i] != chains[i - 1] {
+                lines.push(ter(serial, i - 1));
+                serial += 1;
+            }
             let resname = RESNAMES.get(self.aatype[i]).ok_or_else(|| format!("residue {i}: aatype outside 0..=20"))?;
             let res_seq = self.residue_index[i] + 1;
             if !(-999..=9999).contains(&res_seq) {
@@ -125,19 +148,13 @@ impl Structure {
                 let element = &name[..1];
                 lines.push(format!(
                     "{:<6}{serial:>5} {padded_name:<4}{:1}{resname:>3} {:1}{res_seq:>4}{:1}   {coords}{:>6.2}{b_text}          {element:>2}{:2}",
-                    "ATOM", "", 'A', "", 1.0f32, ""
+                    "ATOM", "", chains[i], "", 1.0f32, ""
                 ));
                 serial += 1;
             }
         }
-        if let (Some(&last_type), Some(&last_index)) = (self.aatype.last(), self.residue_index.last()) {
-            lines.push(format!(
-                "{:<6}{serial:>5}      {:>3} {:1}{:>4}",
-                "TER",
-                RESNAMES[last_type],
-                'A',
-                last_index + 1
-            ));
+        if n > 0 {
+            lines.push(ter(serial, n - 1));
         }
         lines.push("ENDMDL".into());
         lines.push("END".into());
@@ -287,9 +304,15 @@ impl Structure {
         Structure::parse(&text, path, chain)
     }
 
-    /// Writes the PDB file atomically; errors name `path`.
+    /// Writes the PDB file atomically, every residue in chain A; errors name `path`.
     pub fn write(&self, path: &Path) -> Result<()> {
-        let text = self.to_pdb().map_err(|msg| Error::Format { path: path.to_path_buf(), msg })?;
+        self.write_with_chains(path, &vec!['A'; self.aatype.len()])
+    }
+
+    /// Writes the PDB file atomically with each residue in chain `chains[i]`
+    /// ([`Structure::to_pdb_with_chains`]); errors name `path`.
+    pub fn write_with_chains(&self, path: &Path, chains: &[char]) -> Result<()> {
+        let text = self.to_pdb_with_chains(chains).map_err(|msg| Error::Format { path: path.to_path_buf(), msg })?;
         data::write_atomic::<Error>(path, |w| {
             w.write_all(text.as_bytes()).map_err(|source| Error::Io { path: path.to_path_buf(), source })
         })

@@ -3,7 +3,8 @@
 //! `run_alphafold.py` lays them out: one folder per query, every model of a `--params`
 //! directory in turn on the same features, ranked by confidence, with the steps' timings.
 //!
-//! Every rank runs the same model; with more than one rank the Evoformer and extra-MSA stacks
+//! With AlphaFold-Multimer's parameters the FASTA file's records are one complex
+//! ([`complex`]). Every rank runs the same model; with more than one rank the Evoformer and extra-MSA stacks
 //! run under dynamic axial parallelism and rank 0 writes the files; rank 0 also runs the
 //! homology search, and the other ranks read the alignments it saved.
 use std::path::{Path, PathBuf};
@@ -34,6 +35,8 @@ use crate::query_folder::QueryFolder;
 use crate::ranking::{Ranking, Timings};
 use crate::search::{Mode, SearchArgs};
 
+mod complex;
+
 /// `fastfold predict`'s options.
 #[derive(clap::Args, Debug, Clone)]
 #[command(mut_arg("precision", |a| a.value_parser(Precision::parser(&[Precision::Fp32, Precision::Bf16]))
@@ -58,13 +61,14 @@ pub struct PredictArgs {
     #[arg(short = 'o', long)]
     pub out: PathBuf,
     /// Recycling passes after the first, at most (default 3; with --features, all the file
-    /// has).
+    /// has; AlphaFold-Multimer's 20).
     #[arg(long = "num-recycle", visible_alias = "recycles", value_parser = engine::parse::count(0..=crate::input::MAX_RECYCLES))]
     pub recycles: Option<usize>,
     /// Stop recycling after a pass whose CA-CA distance matrix changed by less than this (RMS,
-    /// Å) from the pass before, as ColabFold's flag of this name; 0 runs every pass.
-    #[arg(long, default_value_t = 0.0, value_parser = engine::parse::non_negative)]
-    pub recycle_early_stop_tolerance: f64,
+    /// Å) from the pass before, as ColabFold's flag of this name; 0 runs every pass (default 0;
+    /// AlphaFold-Multimer's 0.5).
+    #[arg(long, value_parser = engine::parse::non_negative)]
+    pub recycle_early_stop_tolerance: Option<f64>,
     /// Structure-module iterations (default: the preset's, 8 for every AlphaFold model; the
     /// parameters cannot show it).
     #[arg(long, value_parser = engine::parse::count(1..=1000).try_map(i64::try_from))]
@@ -85,7 +89,8 @@ pub struct PredictArgs {
     /// Chunking.
     #[command(flatten)]
     pub chunk: ChunkArgs,
-    /// AlphaFold-Multimer (refused until its network is here).
+    /// AlphaFold-Multimer: its parameters (or `--model-preset multimer`) run the FASTA file's
+    /// records as one complex.
     #[command(flatten)]
     pub multimer: crate::multimer::args::MultimerArgs,
 }
@@ -103,6 +108,8 @@ pub struct Predicted {
     pub mean_plddt: f64,
     /// Predicted TM-score, with the aligned-error head.
     pub ptm: Option<f64>,
+    /// The interface's predicted TM-score (AlphaFold-Multimer's ipTM), for complexes.
+    pub iptm: Option<f64>,
     /// Recycling passes run after the first (fewer than asked when recycling stopped early).
     pub recycles: usize,
     /// Wall-clock seconds of the model (features excluded).
@@ -156,10 +163,12 @@ impl Model {
 /// files of an earlier run there only once every model has run (see [`QueryFolder`]).
 /// Returns the summaries, query by query, model by model.
 pub fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predicted>> {
-    args.multimer.check(&args.params)?;
-    let runner = Runner::new(args, world)?;
+    let multimer = args.multimer.check(&args.params)?;
     let out_existed = args.out.exists();
-    let result = runner.run_all();
+    let result = match multimer {
+        true => complex::run(args, world),
+        false => Runner::new(args, world).and_then(|runner| runner.run_all()),
+    };
     if result.is_err() && !out_existed {
         // An output folder made for a failed run, left empty (`remove_dir` removes only that).
         let _ = std::fs::remove_dir(&args.out);
@@ -278,7 +287,7 @@ impl<'a> Runner<'a> {
         timings.add(format!("process_features_{}", model.name), start.elapsed().as_secs_f64());
         let recycling = Recycling {
             max: self.max_recycles(&features, processed_recycles)?,
-            early_stop_tolerance: args.recycle_early_stop_tolerance,
+            early_stop_tolerance: args.recycle_early_stop_tolerance.unwrap_or(0.0),
         };
         let (exec, planned_bytes) = self.plan(model, name, &features)?;
         if planned_bytes.is_some() && self.device == Device::Cpu {
@@ -298,7 +307,13 @@ impl<'a> Runner<'a> {
         let (aatype, residue_index) = (first.aatype.squeeze_dim(0), first.residue_index.squeeze_dim(0));
         let confidence = Confidence::from_logits(&pass.heads.lddt, pass.heads.aligned_error.as_ref())?;
         if self.world.rank() == 0 {
-            let outputs = ModelOutputs { pass: &pass, recycles, confidence: &confidence };
+            let outputs = ModelOutputs {
+                pass: &pass,
+                recycles,
+                confidence: &confidence,
+                iptm: None,
+                ranking_confidence: confidence.mean_plddt,
+            };
             write_outputs(args, dir, &model.name, &outputs, &aatype, &residue_index)?;
         }
         let predicted = Predicted {
@@ -307,6 +322,7 @@ impl<'a> Runner<'a> {
             model: model.name.clone(),
             mean_plddt: confidence.mean_plddt,
             ptm: confidence.ptm,
+            iptm: None,
             recycles,
             seconds,
             peak_bytes,
@@ -405,6 +421,10 @@ pub struct ModelOutputs<'a> {
     pub recycles: usize,
     /// pLDDT, and PAE and pTM with the aligned-error head.
     pub confidence: &'a Confidence,
+    /// AlphaFold-Multimer's ipTM (complexes only).
+    pub iptm: Option<f64>,
+    /// What the prediction is ranked by: mean pLDDT (monomer models) or `0.8 ipTM + 0.2 pTM`.
+    pub ranking_confidence: f64,
 }
 
 /// `<model>_unrelaxed.pdb`, `<model>_confidence.json` and, with `--save-outputs`,
@@ -432,9 +452,10 @@ fn write_outputs(
 /// (as `run_alphafold.py` saves it in `result_<model>.pkl`) flattened with `/`, the
 /// entries this model computes. The structure module's atoms under `structure_module/`;
 /// beside the heads' logits, the confidence measures `get_confidence_metrics` adds
-/// (`plddt`, `ranking_confidence`: mean pLDDT for monomer models; with the aligned-error
-/// head `aligned_confidence_probs`, `predicted_aligned_error`, `max_predicted_aligned_error`
-/// and `ptm`), and `num_recycles`, the recycles run.
+/// (`plddt`, `ranking_confidence`: mean pLDDT for monomer models, `0.8 ipTM + 0.2 pTM` for
+/// Multimer; with the aligned-error head `aligned_confidence_probs`,
+/// `predicted_aligned_error`, `max_predicted_aligned_error` and `ptm`; Multimer's `iptm`),
+/// and `num_recycles`, the recycles run.
 pub fn save_outputs(path: &Path, outputs: &ModelOutputs) -> anyhow::Result<()> {
     let (pass, confidence) = (outputs.pass, outputs.confidence);
     let h = &pass.heads;
@@ -446,7 +467,7 @@ pub fn save_outputs(path: &Path, outputs: &ModelOutputs) -> anyhow::Result<()> {
         ("structure_module/final_atom_positions".into(), s.atom37.shallow_clone()),
         ("structure_module/final_atom_mask".into(), s.atom37_mask.shallow_clone()),
         ("plddt".into(), h.plddt()),
-        ("ranking_confidence".into(), Tensor::from(confidence.mean_plddt)),
+        ("ranking_confidence".into(), Tensor::from(outputs.ranking_confidence)),
         ("num_recycles".into(), Tensor::from(outputs.recycles as i64)),
         ("distogram/logits".into(), h.distogram.shallow_clone()),
         ("distogram/bin_edges".into(), edges),
@@ -467,6 +488,9 @@ pub fn save_outputs(path: &Path, outputs: &ModelOutputs) -> anyhow::Result<()> {
         named.push(("predicted_aligned_error".into(), pae));
         named.push(("max_predicted_aligned_error".into(), Tensor::from(max)));
         named.push(("ptm".into(), Tensor::from(confidence.ptm.unwrap_or(f64::NAN))));
+    }
+    if let Some(iptm) = outputs.iptm {
+        named.push(("iptm".into(), Tensor::from(iptm)));
     }
     let named: Vec<(String, Tensor)> = named
         .into_iter()

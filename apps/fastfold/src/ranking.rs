@@ -8,8 +8,9 @@ use serde::ser::{SerializeMap, Serializer};
 use serde::Serialize;
 
 /// The models of one query, best first, by mean pLDDT: AlphaFold's monomer pipelines rank
-/// every model this way (`ranking_confidence = mean(plddt)`), the `_ptm` sets too; only
-/// AlphaFold-Multimer ranks by `iptm+ptm`, and the pTM stays in the confidence files.
+/// every model this way (`ranking_confidence = mean(plddt)`), the `_ptm` sets too, the pTM
+/// staying in the confidence files; AlphaFold-Multimer ranks its predictions by `iptm+ptm`
+/// ([`Ranking::multimer`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Ranking {
     /// Each model's mean pLDDT, in the order the models ran.
@@ -17,6 +18,9 @@ pub struct Ranking {
     /// Model names, highest score first (ties keep the running order, as Python's stable
     /// sort does).
     pub order: Vec<String>,
+    /// The scores' key in `ranking_debug.json`: `plddts` (monomer models) or `iptm+ptm`
+    /// (AlphaFold-Multimer's `0.8 ipTM + 0.2 pTM`).
+    pub score_name: &'static str,
 }
 
 impl Ranking {
@@ -26,18 +30,19 @@ impl Ranking {
         let mut order: Vec<&(String, f64)> = scores.iter().collect();
         order.sort_by(|a, b| b.1.total_cmp(&a.1));
         let order = order.into_iter().map(|(name, _)| name.clone()).collect();
-        Ranking { scores, order }
+        Ranking { scores, order, score_name: "plddts" }
     }
 
-    /// AlphaFold's monomer `ranking_debug.json`: `{"plddts": {model: score}, "order": [...]}`,
-    /// the models in the order they ran.
+    /// Ranks AlphaFold-Multimer's predictions by `(name, 0.8 ipTM + 0.2 pTM)`, its
+    /// `ranking_debug.json` keyed `iptm+ptm`.
+    pub fn multimer(predictions: &[(String, f64)]) -> Ranking {
+        Ranking { score_name: "iptm+ptm", ..Ranking::new(predictions) }
+    }
+
+    /// AlphaFold's `ranking_debug.json`: `{"plddts": {model: score}, "order": [...]}` (or
+    /// `iptm+ptm` for Multimer), the models in the order they ran.
     pub fn to_json(&self) -> anyhow::Result<String> {
-        #[derive(Serialize)]
-        struct RankingDebug<'a> {
-            plddts: InOrder<'a>,
-            order: &'a [String],
-        }
-        to_json(&RankingDebug { plddts: InOrder(&self.scores), order: &self.order })
+        to_json(&RankingDebug(self))
     }
 
     /// Writes `ranking_debug.json` to `path` (through a temporary file).
@@ -83,6 +88,18 @@ impl Serialize for InOrder<'_> {
     }
 }
 
+/// `ranking_debug.json`'s object: the scores under the ranking's key, then the order.
+struct RankingDebug<'a>(&'a Ranking);
+
+impl Serialize for RankingDebug<'_> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let mut map = serializer.serialize_map(Some(2))?;
+        map.serialize_entry(self.0.score_name, &InOrder(&self.0.scores))?;
+        map.serialize_entry("order", &self.0.order)?;
+        map.end()
+    }
+}
+
 /// `value` as Python's `json.dumps(value, indent=4)` writes it.
 fn to_json(value: &impl Serialize) -> anyhow::Result<String> {
     let mut text = Vec::new();
@@ -111,6 +128,11 @@ mod tests {
         assert_eq!(json, want);
         let r = Ranking::new(&[m("model_1", 60.0), m("model_2_ptm", 70.0), m("model_3", 60.0)]);
         assert_eq!(r.order, ["model_2_ptm", "model_1", "model_3"], "ties keep the running order");
+        let r = Ranking::multimer(&[m("model_1_multimer_v3_pred_0", 0.5), m("model_1_multimer_v3_pred_1", 0.7)]);
+        let json: serde_json::Value = serde_json::from_str(&r.to_json().unwrap()).unwrap();
+        let order = ["model_1_multimer_v3_pred_1", "model_1_multimer_v3_pred_0"];
+        let want = serde_json::json!({"iptm+ptm": {"model_1_multimer_v3_pred_0": 0.5, "model_1_multimer_v3_pred_1": 0.7}, "order": order});
+        assert_eq!(json, want);
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! Evoformer and extra-MSA stacks, and gradients of a scalar loss with respect to the inputs
 //! and every parameter, with sequence and residue counts the rank counts do not divide; the
 //! Evoformer stack also as AlphaFold-Multimer v3's (outer product mean first, fused triangle
-//! projections).
+//! projections); and the assembled AlphaFold-Multimer network with recycling on 2 ranks.
 use engine::dist::World;
 use engine::parallel::dap::Dap;
 use fastfold::model::{EvoformerConfig, EvoformerStack, Exec, Params, EVOFORMER, EXTRA_MSA};
@@ -104,3 +104,30 @@ fn compare(world: &World) -> TestResult {
 dist_test!(two_ranks_match_one_rank, 2, |world| { compare(world) });
 
 dist_test!(four_ranks_match_one_rank, 4, |world| { compare(world) });
+
+/// The assembled AlphaFold-Multimer network (`MultimerAlphaFold::predict`, the fixture of
+/// `tests/multimer_model.rs`: tiny v3-layout parameters, the pipeline's heterodimer, 2
+/// recycles) with its stacks under DAP equals one process's: every rank samples the same MSA
+/// from the same key, and the stacks return whole tensors.
+fn multimer_network(world: &World) -> TestResult {
+    use fastfold::jax_random::Key;
+    use fastfold::model::multimer::{MaskedMsaConfig, MsaSampling, MultimerAlphaFold, MultimerInputs};
+    use fastfold::model::recycling::Recycling;
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/multimer_network");
+    let f: std::collections::HashMap<String, Tensor> = Tensor::read_npz(dir.join("model.npz"))?.into_iter().collect();
+    let inputs = MultimerInputs::from_named(|n| f.get(n).map(|t| t.shallow_clone()), "model.npz")?;
+    let sampling = MsaSampling { num_msa: 6, num_extra_msa: 8, masked: MaskedMsaConfig::default() };
+    let net = MultimerAlphaFold::load(dir.join("model_params.npz"))?.with_sampling(sampling);
+    let recycling = Recycling { max: 2, early_stop_tolerance: 0.0 };
+    let key = Key::from_seed(f["seed"].int64_value(&[]));
+    let one = tch::no_grad(|| net.predict(&inputs, recycling, key, &Exec::serial()))?.0;
+    let exec = Exec::new(Dap::new(world.group.clone()), Some(3));
+    let many = tch::no_grad(|| net.predict(&inputs, recycling, key, &exec))?.0;
+    let d = (&many.structure.atom37 - &one.structure.atom37).abs().max().double_value(&[]);
+    anyhow::ensure!(d <= 1e-3, "{} ranks: atoms differ from one process's by {d:e} Å", world.size());
+    let d = (&many.heads.distogram - &one.heads.distogram).abs().max().double_value(&[]);
+    anyhow::ensure!(d <= 1e-4, "{} ranks: distogram logits differ by {d:e}", world.size());
+    Ok(())
+}
+
+dist_test!(multimer_network_on_two_ranks_matches_one_rank, 2, |world| { multimer_network(world) });

@@ -145,3 +145,41 @@ fn homomers_search_no_uniprot_and_heteromers_need_it() {
     let err = entity_inputs(&heteromer, &search(&data, false), None, &msas, Mode::Search).unwrap_err().to_string();
     assert!(err.contains("--uniprot-database-path"), "{err}");
 }
+
+#[test]
+fn predict_searches_a_complex_and_pairs_its_rows_through_uniprot() {
+    // `fastfold predict` with Multimer's parameters (the network fixture's tiny v3-layout set)
+    // and the databases: each entity searched once, UniProt pairing the distinct chains, the
+    // paired features predicted as one complex of three PDB chains.
+    let d = common::scratch("multimer-search", "predict");
+    let data = data_dir(&d);
+    let params = d.join("params_model_1_multimer_v3.npz");
+    let tiny = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/multimer_network/model_params.npz");
+    std::fs::copy(tiny, &params).unwrap();
+    let fasta = d.join("complex.fasta");
+    std::fs::write(&fasta, format!(">heavy\n{CHAIN_A}\n>light\n{CHAIN_B}\n>heavy2\n{CHAIN_A}\n")).unwrap();
+    let out = d.join("out");
+    let run = std::process::Command::new(common::BIN)
+        .args(["predict", fasta.to_str().unwrap(), "-o", out.to_str().unwrap()])
+        .args(["--params", params.to_str().unwrap(), "--data-dir", data.to_str().unwrap()])
+        .args(["--db-preset", "reduced_dbs", "--search-cpus", "1"])
+        .args(["--num-multimer-predictions-per-model", "1", "--num-recycle", "0"])
+        .env("FASTFOLD_TEST", "1")
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&run.stdout), String::from_utf8_lossy(&run.stderr));
+    assert!(run.status.success(), "{text}");
+    let dir = out.join("complex");
+    for file in ["uniref90_hits.sto", "small_bfd_hits.sto", "uniprot_hits.sto"] {
+        assert!(dir.join("msas/A").join(file).is_file() && dir.join("msas/B").join(file).is_file(), "{file}");
+    }
+    assert!(!dir.join("msas/C").exists(), "chain C is a copy of A, not searched again");
+    let features: std::collections::HashMap<String, tch::Tensor> =
+        tch::Tensor::read_npz(dir.join("features.npz")).unwrap().into_iter().collect();
+    let rows = features["num_alignments"].int64_value(&[]);
+    assert!(rows >= 10, "the searched and paired rows: {rows}");
+    let pdb = std::fs::read_to_string(dir.join("ranked_0.pdb")).unwrap();
+    let ters: Vec<&str> = pdb.lines().filter(|l| l.starts_with("TER")).collect();
+    assert_eq!(ters.len(), 3, "{pdb}");
+    assert!(dir.join("model_1_multimer_v3_pred_0_confidence.json").is_file());
+}

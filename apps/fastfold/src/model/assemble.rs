@@ -65,8 +65,9 @@ impl Params {
         let arrays = read_arrays(path)?;
         if arrays.iter().any(|(n, _)| n == MULTIMER_RELATIVE_ENCODING) {
             return Err(Error::Invalid(format!(
-                "{file} holds AlphaFold-Multimer's parameters, whose network fastfold cannot run yet (only its \
-                 input and feature pipeline are there, fastfold::multimer)"
+                "{file} holds AlphaFold-Multimer's parameters, which the monomer network cannot load: name the \
+                 file as its release is named (params_model_N_multimer_v3.npz) for fastfold predict to run it as \
+                 AlphaFold-Multimer"
             )));
         }
         let mut map = BTreeMap::new();

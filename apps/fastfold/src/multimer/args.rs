@@ -1,6 +1,6 @@
 //! `predict`'s AlphaFold-Multimer options, and what asks for a multimer run: `--model-preset
-//! multimer`, its options, or Multimer parameters (by their release names, or, when loaded, by
-//! their arrays). Until the network is here such a run is refused, with what is missing.
+//! multimer`, or Multimer parameters by their release names (a file, or a directory of only
+//! such files).
 use std::path::{Path, PathBuf};
 
 use anyhow::bail;
@@ -33,17 +33,6 @@ pub struct MultimerArgs {
     pub uniprot_database_path: Option<PathBuf>,
 }
 
-/// What the multimer run lacks, after `what` asked for one.
-pub fn not_implemented(what: &str) -> String {
-    format!(
-        "{what} asks for AlphaFold-Multimer, which fastfold cannot run yet: its input (a FASTA file's records as \
-         one complex) and feature pipeline are there (fastfold::multimer, equal to AlphaFold's), but not the \
-         multimer network (the relative chain encoding, Multimer's template embedding, its structure module and \
-         heads, ipTM and the iptm+ptm ranking). Predict each chain with the monomer models (params_model_N[_ptm]) \
-         meanwhile"
-    )
-}
-
 /// Where UniProt is under AlphaFold's data directory (`scripts/download_uniprot.sh`).
 pub const UNIPROT: &str = "uniprot/uniprot.fasta";
 
@@ -53,17 +42,18 @@ impl MultimerArgs {
         self.uniprot_database_path.clone().or_else(|| data_dir.map(|d| d.join(UNIPROT)))
     }
 
-    /// An error when the options or the `params` path ask for a multimer run (refused until
-    /// the network is here), or when a multimer option is given for a monomer run.
-    pub fn check(&self, params: &Path) -> anyhow::Result<()> {
+    /// Whether the options or the `params` path ask for a multimer run (`--model-preset
+    /// multimer`, or Multimer release files); an error when `--model-preset monomer` meets
+    /// Multimer files, or a multimer option a monomer run.
+    pub fn check(&self, params: &Path) -> anyhow::Result<bool> {
         if self.model_preset == Some(ModelPreset::Multimer) {
-            bail!(not_implemented("--model-preset multimer"));
+            return Ok(true);
         }
         if let Some(p) = multimer_params(params) {
             if self.model_preset == Some(ModelPreset::Monomer) {
                 bail!("--model-preset monomer, but --params {} is AlphaFold-Multimer's ({p})", params.display());
             }
-            bail!(not_implemented(&format!("--params {} ({p})", params.display())));
+            return Ok(true);
         }
         let given = [
             ("--num-multimer-predictions-per-model", self.num_multimer_predictions_per_model.is_some()),
@@ -72,7 +62,7 @@ impl MultimerArgs {
         if let Some((flag, _)) = given.iter().find(|(_, g)| *g) {
             bail!("{flag} applies to AlphaFold-Multimer (--model-preset multimer), which these parameters are not");
         }
-        Ok(())
+        Ok(false)
     }
 }
 
@@ -95,29 +85,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn multimer_runs_are_refused_naming_what_asked_and_options_alone_are_named() {
+    fn multimer_runs_are_recognised_and_options_alone_are_named() {
         let dir = suite_tests::scratch("fastfold-multimer", "args");
         std::fs::write(dir.join("params_model_1_multimer_v3.npz"), b"").unwrap();
         let none = MultimerArgs::default();
-        let err = none.check(&dir.join("params_model_1_multimer_v3.npz")).unwrap_err().to_string();
-        assert!(
-            err.contains("params_model_1_multimer_v3.npz (model_1_multimer_v3) asks for AlphaFold-Multimer"),
-            "{err}"
-        );
-        assert!(err.contains("not the multimer network"), "{err}");
-        let err = none.check(&dir).unwrap_err().to_string();
-        assert!(err.contains("(model_1_multimer_v3)"), "{err}");
+        assert!(none.check(&dir.join("params_model_1_multimer_v3.npz")).unwrap());
+        assert!(none.check(&dir).unwrap());
         let multimer = MultimerArgs { model_preset: Some(ModelPreset::Multimer), ..Default::default() };
-        let err = multimer.check(Path::new("params_model_1.npz")).unwrap_err().to_string();
-        assert!(err.starts_with("--model-preset multimer asks"), "{err}");
+        assert!(multimer.check(Path::new("params_model_1.npz")).unwrap());
         let monomer = MultimerArgs { model_preset: Some(ModelPreset::Monomer), ..Default::default() };
         let err = monomer.check(&dir).unwrap_err().to_string();
         assert!(err.contains("--model-preset monomer, but --params"), "{err}");
 
         // A directory with monomer files runs them, as before.
         std::fs::write(dir.join("params_model_1_ptm.npz"), b"").unwrap();
-        none.check(&dir).unwrap();
-        monomer.check(&dir).unwrap();
+        assert!(!none.check(&dir).unwrap());
+        assert!(!monomer.check(&dir).unwrap());
         assert_eq!(none.uniprot(Some(Path::new("d"))), Some(PathBuf::from("d/uniprot/uniprot.fasta")));
         let given = MultimerArgs { uniprot_database_path: Some("u.fa".into()), ..Default::default() };
         assert_eq!(given.uniprot(Some(Path::new("d"))), Some(PathBuf::from("u.fa")));

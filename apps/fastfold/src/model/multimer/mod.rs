@@ -6,6 +6,7 @@
 //! | piece | AlphaFold | here |
 //! |---|---|---|
 //! | input embedding: `target_feat` one-hot of 21 classes, relative encoding over chains | `EmbeddingsAndEvoformer._relative_encoding`, `preprocess_1d`, `preprocess_msa`, `left_single`, `right_single` | [`relpos`] |
+//! | the MSA sampled inside the network on each recycle, with JAX's random draws: cluster centres by Gumbel noise, BERT masking, nearest-neighbour cluster profiles | `sample_msa`, `make_masked_msa`, `nearest_neighbor_clusters`, `make_msa_profile` | [`sampling`] |
 //! | `msa_feat` and the extra-MSA feature from the sampled MSA's classes and deletions | `create_msa_feat`, `create_extra_msa_feature` | [`msa_feat`](mod@msa_feat) |
 //! | Evoformer block with the outer product mean first | `EvoformerIteration`, `outer_product_mean.first` | [`crate::model::EvoformerConfig::outer_product_mean_first`] |
 //! | v3's fused triangle-multiplication projections | `TriangleMultiplication`, `fuse_projection_weights` | [`crate::model::triangle::TriangleMultiplication::fused`] |
@@ -14,9 +15,13 @@
 //! | the templates' MSA rows from their residue types and chi angles | `template_embedding_1d`, `all_atom_multimer.compute_chi_angles` | [`template_rows`] |
 //! | ipTM, pTM and the ranking `0.8 ipTM + 0.2 pTM` | `confidence.predicted_tm_score(..., asym_id)` | [`crate::confidence`] |
 //! | the structure module: invariant point attention with per-head projections, `QuatRigid`'s backbone update, `position_scale` 20 | `folding_multimer.StructureModule` | [`structure`] |
+//! | the whole network over a parameter file (`params_model_N_multimer_v3.npz` layout): each pass's sampling keys, embeddings, recycled state, templates, extra-MSA stack, Evoformer, structure module and every head (distogram, masked MSA, pLDDT, PAE, experimentally resolved); v2.3's recycling loop with its key splits and early stop on the CA distance change | `AlphaFold`, `AlphaFoldIteration`, `EmbeddingsAndEvoformer` | [`alphafold::MultimerAlphaFold`] |
 //!
-//! Not yet here: the structure module's loss, the assembled model (with in-network MSA
-//! sampling); `fastfold predict` refuses multimer parameter files until they are.
+//! `fastfold predict` runs the assembled model on a complex (`predict::complex`); its structure
+//! module's loss and the chain permutation alignment are [`crate::loss::multimer`] and
+//! [`crate::loss::chain_permutation`]. Not yet here: training on complexes; bf16 and GPU runs of the
+//! assembled model (it is checked in fp32 on the CPU only, on one rank and under DAP on two,
+//! `tests/dap.rs`).
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -26,15 +31,19 @@ use crate::model::params::read_arrays;
 use crate::model::scope::{Builder, Mode};
 use crate::model::{ensure, Error, Result};
 
+pub mod alphafold;
 pub mod msa_feat;
 pub mod relpos;
+pub mod sampling;
 pub mod structure;
 pub mod template_rows;
 pub mod templates;
 
+pub use alphafold::{network_key, sampling_keys, MultimerAlphaFold, MultimerInputs};
 pub use msa_feat::{extra_msa_feat, msa_feat};
 pub use relpos::{relative_encoding, ChainIds, MultimerInputEmbedder};
-pub use structure::{load_structure_module, MULTIMER_POSITION_SCALE};
+pub use sampling::{FullMsa, MaskedMsaConfig, MsaSampling, SampledMsa};
+pub use structure::{load_structure_module, MULTIMER_POSITION_SCALE, MULTIMER_STRUCTURE_ITERATIONS};
 pub use template_rows::{chi_angles, MultimerTemplateRows};
 pub use templates::{MultimerTemplates, TemplateAtoms, TemplateBatch, TemplatePairEmbedding};
 
@@ -51,6 +60,12 @@ impl Arrays {
         Ok(Arrays { arrays: read_arrays(path)?.into_iter().collect(), file: path.display().to_string() })
     }
 
+    /// The same arrays on `device`.
+    fn into_device(self, device: tch::Device) -> Result<Arrays> {
+        let arrays = self.arrays.into_iter().map(|(k, t)| Ok((k, t.f_to_device(device)?))).collect::<Result<_>>()?;
+        Ok(Arrays { arrays, file: self.file })
+    }
+
     /// Dimension `dim` of the array `key`, which must have `rank` dimensions.
     fn size(&self, key: &str, rank: usize, dim: usize) -> Result<i64> {
         let file = &self.file;
@@ -60,6 +75,13 @@ impl Arrays {
         Ok(size[dim])
     }
 
+    /// The element kind of the array `key` (the kind a network over these arrays computes in).
+    fn kind(&self, key: &str) -> Result<tch::Kind> {
+        let file = &self.file;
+        let t = self.arrays.get(key).ok_or_else(|| Error::Missing { key: key.into(), file: Some(file.clone()) })?;
+        Ok(t.kind())
+    }
+
     /// Whether the file has the array `key`.
     fn contains(&self, key: &str) -> bool {
         self.arrays.contains_key(key)
@@ -67,5 +89,12 @@ impl Arrays {
 
     fn builder(self) -> Builder {
         Builder::new(Mode::Load, self.arrays, Some(self.file))
+    }
+
+    /// A builder over the same arrays (shared, not copied), for building several modules over
+    /// one file and then asking which arrays none of them used.
+    fn shared_builder(&self) -> Builder {
+        let arrays = self.arrays.iter().map(|(k, t)| (k.clone(), t.shallow_clone())).collect();
+        Builder::new(Mode::Load, arrays, Some(self.file.clone()))
     }
 }

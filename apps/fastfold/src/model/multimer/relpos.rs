@@ -126,9 +126,14 @@ impl MultimerInputEmbedder {
     /// error names the key, the shapes and the file.
     pub fn load(path: impl AsRef<Path>) -> Result<Self> {
         let arrays = Arrays::open(path.as_ref())?;
+        Self::from_arrays(&arrays, &arrays.shared_builder())
+    }
+
+    /// The embedder built by `b` over `arrays`, its widths read from their shapes.
+    pub(super) fn from_arrays(arrays: &Arrays, b: &Builder) -> Result<Self> {
         let width = |module: &str, dim: usize| arrays.size(&format!("{EMBEDDINGS}/{module}//weights"), 2, dim);
         let (c_m, c_z, msa_feat) = (width("preprocess_1d", 1)?, width("left_single", 1)?, width("preprocess_msa", 0)?);
-        Self::build(&arrays.builder(), msa_feat, c_m, c_z)
+        Self::build(b, msa_feat, c_m, c_z)
     }
 
     /// Builds (or, with an initialising builder, creates the arrays of) the embedder for

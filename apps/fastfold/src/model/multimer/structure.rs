@@ -10,18 +10,28 @@ use std::path::Path;
 use crate::model::config::StructureConfig;
 use crate::model::keys::STRUCTURE_MODULE;
 use crate::model::multimer::Arrays;
+use crate::model::scope::Builder;
 use crate::model::structure::{StructureModule, Variant};
 use crate::model::{ensure, Result};
 
 /// Å per internal unit of Multimer's structure module (its config's `position_scale`).
 pub const MULTIMER_POSITION_SCALE: f64 = 20.0;
 
+/// Iterations of Multimer's structure module (its config's `num_layer`, the same in every
+/// released model; one shared set of weights, so the arrays cannot show it).
+pub const MULTIMER_STRUCTURE_ITERATIONS: i64 = 8;
+
 /// Multimer's structure module over the arrays of `path` (`.npz` or `.safetensors`, under
 /// `alphafold/alphafold_iteration/structure_module`), widths read from the arrays, running
 /// `iterations` fold iterations (8 in every Multimer model; the arrays cannot show it).
 pub fn load_structure_module(path: impl AsRef<Path>, iterations: i64) -> Result<StructureModule> {
-    ensure!(iterations >= 1, "the structure module needs at least 1 iteration, not {iterations}");
     let arrays = Arrays::open(path.as_ref())?;
+    structure_module(&arrays, &arrays.shared_builder(), iterations)
+}
+
+/// Multimer's structure module built by `b` over `arrays`, widths read from their shapes.
+pub(super) fn structure_module(arrays: &Arrays, b: &Builder, iterations: i64) -> Result<StructureModule> {
+    ensure!(iterations >= 1, "the structure module needs at least 1 iteration, not {iterations}");
     let ipa = format!("{STRUCTURE_MODULE}/fold_iteration/invariant_point_attention");
     let heads = arrays.size(&format!("{ipa}//trainable_point_weights"), 1, 0)?;
     let points =
@@ -41,5 +51,5 @@ pub fn load_structure_module(path: impl AsRef<Path>, iterations: i64) -> Result<
         )?,
         position_scale: MULTIMER_POSITION_SCALE,
     };
-    StructureModule::build(&arrays.builder(), &c, Variant::Multimer)
+    StructureModule::build(b, &c, Variant::Multimer)
 }

@@ -88,8 +88,13 @@ impl MultimerTemplateRows {
     /// key and the file.
     pub fn load(path: impl AsRef<Path>) -> Result<Self> {
         let arrays = Arrays::open(path.as_ref())?;
+        Self::from_arrays(&arrays, &arrays.shared_builder())
+    }
+
+    /// The layers built by `b` over `arrays`, the MSA width read from their shapes.
+    pub(super) fn from_arrays(arrays: &Arrays, b: &Builder) -> Result<Self> {
         let c_m = arrays.size(&format!("{EMBEDDINGS}/template_projection//weights"), 2, 1)?;
-        Self::build(&arrays.builder(), c_m)
+        Self::build(b, c_m)
     }
 
     /// Builds (or, with an initialising builder, creates the arrays of) the layers for MSA

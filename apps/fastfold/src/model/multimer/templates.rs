@@ -184,6 +184,11 @@ impl MultimerTemplates {
     /// missing or mis-shaped array is an error naming the key and the file.
     pub fn load(path: impl AsRef<Path>) -> Result<Self> {
         let arrays = Arrays::open(path.as_ref())?;
+        Self::from_arrays(&arrays, &arrays.shared_builder())
+    }
+
+    /// The embedding built by `b` over `arrays`, its sizes read from their shapes.
+    pub(super) fn from_arrays(arrays: &Arrays, b: &Builder) -> Result<Self> {
         let key = |module: &str, name: &str| format!("{MULTIMER_TEMPLATE_STACK}/{module}//{name}");
         let c_z = arrays.size(&format!("{SINGLE_TEMPLATE}/query_embedding_norm//scale"), 1, 0)?;
         let att = |dim| arrays.size(&key("triangle_attention_starting_node/attention", "query_w"), 4, dim);
@@ -205,7 +210,7 @@ impl MultimerTemplates {
             attention_head_dim: 0,
             torsion_angles: false,
         };
-        Self::build(&arrays.builder(), &config, c_z, fused)
+        Self::build(b, &config, c_z, fused)
     }
 
     /// Builds (or, with an initialising builder, creates the arrays of) the embedding for the

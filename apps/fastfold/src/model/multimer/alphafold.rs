@@ -1,0 +1,391 @@
+//! The whole AlphaFold-Multimer network (DeepMind's `modules_multimer.AlphaFold`,
+//! `AlphaFoldIteration` and `EmbeddingsAndEvoformer`) over one parameter file
+//! (`params_model_N_multimer_v3.npz` or its `.safetensors`), recycling as DeepMind's v2.3 does.
+//!
+//! One pass, given the previous pass's outputs and its JAX key:
+//! 1. the MSA sampled from the key ([`sampling`](super::sampling)): the key's second half
+//!    (`AlphaFoldIteration`'s ensemble split) splits in three, the second sampling the rows,
+//!    the third masking them;
+//! 2. the input embedding with the relative encoding over chains ([`MultimerInputEmbedder`]),
+//!    the recycled MSA row, pair and pseudo-beta distances (the monomer's
+//!    [`RecyclingEmbedder`], the same arrays);
+//! 3. the templates' pair update ([`MultimerTemplates`]), the extra-MSA stack on the first
+//!    `num_extra_msa` unsampled rows, the templates' MSA rows ([`MultimerTemplateRows`]), the
+//!    Evoformer (outer product mean first);
+//! 4. the single projection, the structure module
+//!    ([`Variant::Multimer`](crate::model::structure::Variant::Multimer)) and the heads.
+//!
+//! Recycling ([`MultimerAlphaFold::predict`]) follows v2.3's loop: a pass runs from the zero
+//! state; while fewer than `num_recycle` recycles have run and (before the first) or the last
+//! one moved the CA distances by more than the tolerance ([`ca_distance_change`]), another
+//! runs, each under the second half of the loop key's split (the first half the next loop
+//! key); then one last pass under the loop key as it stands, whose outputs are returned.
+use std::path::Path;
+
+use tch::{Device, Kind, Tensor};
+
+use crate::jax_random::Key;
+use crate::model::alphafold::Pass;
+use crate::model::config::{EvoformerConfig, ModelConfig};
+use crate::model::embedders::{pseudo_beta, ExtraMsaEmbedder, Recycled, RecyclingEmbedder};
+use crate::model::evoformer::EvoformerStack;
+use crate::model::exec::{ChunkOp, Exec};
+use crate::model::heads::{HeadInputs, Heads};
+use crate::model::keys::{EMBEDDINGS, ITERATION, SINGLE_TEMPLATE};
+use crate::model::layers::Stream;
+use crate::model::multimer::msa_feat::encode_deletions;
+use crate::model::multimer::relpos::{ChainIds, MultimerInputEmbedder};
+use crate::model::multimer::sampling::{FullMsa, MsaSampling, SampledMsa};
+use crate::model::multimer::structure::{structure_module, MULTIMER_STRUCTURE_ITERATIONS};
+use crate::model::multimer::template_rows::MultimerTemplateRows;
+use crate::model::multimer::templates::{MultimerTemplates, TemplateBatch};
+use crate::model::multimer::Arrays;
+use crate::model::recycling::{ca_distance_change, Recycling};
+use crate::model::structure::StructureModule;
+use crate::model::{ensure, Error, Result};
+
+/// The network's inputs: AlphaFold-Multimer's features of one complex, under the names its
+/// input pipeline gives them (`fastfold::multimer::MultimerFeatures`, whose `get` feeds
+/// [`MultimerInputs::from_named`]): per residue [N], per MSA row [S, N] or [S], per
+/// template [T, ...].
+pub struct MultimerInputs {
+    /// [N] residue types 0-20.
+    pub aatype: Tensor,
+    /// [N] residue numbers within each chain.
+    pub residue_index: Tensor,
+    /// [N] chain (1-based).
+    pub asym_id: Tensor,
+    /// [N] entity (1-based).
+    pub entity_id: Tensor,
+    /// [N] copy of the entity (1-based).
+    pub sym_id: Tensor,
+    /// [N] 1 for real residues.
+    pub seq_mask: Tensor,
+    /// [S, N] classes 0-21.
+    pub msa: Tensor,
+    /// [S, N].
+    pub deletion_matrix: Tensor,
+    /// [S, N].
+    pub msa_mask: Tensor,
+    /// [S, N].
+    pub bert_mask: Tensor,
+    /// [S] 1 for rows always kept as cluster centres.
+    pub cluster_bias_mask: Tensor,
+    /// [T, N] template residue types (`template_aatype`), when there are template features.
+    pub template_aatype: Option<Tensor>,
+    /// [T, N, 37, 3] (`template_all_atom_positions`).
+    pub template_all_atom_positions: Option<Tensor>,
+    /// [T, N, 37] (`template_all_atom_mask`).
+    pub template_all_atom_mask: Option<Tensor>,
+}
+
+impl MultimerInputs {
+    /// The features from arrays named as AlphaFold names them (`get(name)`: `None` when
+    /// absent); the template features are optional, all three or none. `source` names where
+    /// they came from in errors.
+    pub fn from_named(get: impl Fn(&str) -> Option<Tensor>, source: &str) -> Result<Self> {
+        let need =
+            |name: &str| get(name).ok_or_else(|| Error::Invalid(format!("{source}: the feature {name} is missing")));
+        let templates = ["template_aatype", "template_all_atom_positions", "template_all_atom_mask"].map(&get);
+        let present = templates.iter().filter(|t| t.is_some()).count();
+        ensure!(
+            present == 0 || present == 3,
+            "{source}: template_aatype, template_all_atom_positions and template_all_atom_mask come together; \
+             {present} of them are there"
+        );
+        let [template_aatype, template_all_atom_positions, template_all_atom_mask] = templates;
+        Ok(MultimerInputs {
+            aatype: need("aatype")?,
+            residue_index: need("residue_index")?,
+            asym_id: need("asym_id")?,
+            entity_id: need("entity_id")?,
+            sym_id: need("sym_id")?,
+            seq_mask: need("seq_mask")?,
+            msa: need("msa")?,
+            deletion_matrix: need("deletion_matrix")?,
+            msa_mask: need("msa_mask")?,
+            bert_mask: need("bert_mask")?,
+            cluster_bias_mask: need("cluster_bias_mask")?,
+            template_aatype,
+            template_all_atom_positions,
+            template_all_atom_mask,
+        })
+    }
+
+    /// Residues N.
+    pub fn residues(&self) -> Result<i64> {
+        match self.aatype.size().as_slice() {
+            [n] => Ok(*n),
+            _ => Err(Error::Invalid(format!("aatype: expected shape [residues], found {:?}", self.aatype.size()))),
+        }
+    }
+
+    fn full_msa(&self) -> FullMsa<'_> {
+        FullMsa {
+            msa: &self.msa,
+            deletion_matrix: &self.deletion_matrix,
+            msa_mask: &self.msa_mask,
+            bert_mask: &self.bert_mask,
+            cluster_bias_mask: &self.cluster_bias_mask,
+        }
+    }
+
+    fn templates(&self) -> Option<TemplateBatch<'_>> {
+        match (&self.template_aatype, &self.template_all_atom_positions, &self.template_all_atom_mask) {
+            (Some(aatype), Some(positions), Some(mask)) if aatype.size().first().is_some_and(|&t| t > 0) => {
+                Some(TemplateBatch { aatype, positions, mask })
+            }
+            _ => None,
+        }
+    }
+}
+
+/// The keys one pass's sampling draws from: `AlphaFoldIteration` splits the pass key in two
+/// and hands the second to `EmbeddingsAndEvoformer`, which splits it in three: the rows'
+/// key, then the masking's.
+pub fn sampling_keys(pass_key: Key) -> (Key, Key) {
+    let keys = pass_key.split(2)[1].split(3);
+    (keys[1], keys[2])
+}
+
+/// The key the network draws from for a run's seed: DeepMind's `RunModel.predict` applies the
+/// haiku model with `jax.random.PRNGKey(seed)`, and `modules_multimer.AlphaFold` takes haiku's
+/// first `next_rng_key()` of it, the second half of its split.
+pub fn network_key(seed: u64) -> Key {
+    Key::from_seed(seed as i64).split(2)[1]
+}
+
+/// The network over one parameter file.
+pub struct MultimerAlphaFold {
+    input: MultimerInputEmbedder,
+    recycling: RecyclingEmbedder,
+    templates: Option<(MultimerTemplates, MultimerTemplateRows)>,
+    extra_embedder: ExtraMsaEmbedder,
+    extra: EvoformerStack,
+    evoformer: EvoformerStack,
+    heads: Heads,
+    structure: StructureModule,
+    config: EvoformerConfig,
+    kind: Kind,
+    device: Device,
+    /// How each pass samples the MSA (v2.3's sizes by default).
+    pub sampling: MsaSampling,
+}
+
+impl MultimerAlphaFold {
+    /// The network over an AlphaFold-Multimer parameter file, every width read from the
+    /// shapes, the structure module running its 8 iterations. Every array the modules need must
+    /// be there with the shape the widths imply, and every array of the file must have a user,
+    /// else the error names the keys and the file.
+    pub fn load(path: impl AsRef<Path>) -> Result<Self> {
+        Self::load_with_iterations(path, MULTIMER_STRUCTURE_ITERATIONS)
+    }
+
+    /// [`MultimerAlphaFold::load`] with the structure module running `iterations` iterations.
+    pub fn load_with_iterations(path: impl AsRef<Path>, iterations: i64) -> Result<Self> {
+        Self::load_on(path, iterations, Device::Cpu)
+    }
+
+    /// [`MultimerAlphaFold::load_with_iterations`] with the arrays on `device`, where the
+    /// network then runs.
+    pub fn load_on(path: impl AsRef<Path>, iterations: i64, device: Device) -> Result<Self> {
+        let arrays = Arrays::open(path.as_ref())?.into_device(device)?;
+        let file = path.as_ref().display().to_string();
+        let kind = arrays.kind(&format!("{EMBEDDINGS}/single_activations//weights"))?;
+        let config = EvoformerConfig::infer(&arrays.arrays).map_err(|e| Error::Invalid(format!("{file}: {e}")))?;
+        ensure!(
+            config.outer_product_mean_first,
+            "{file} is not an AlphaFold-Multimer parameter file (it has no relative chain encoding)"
+        );
+        ensure!(config.num_extra_blocks > 0, "{file}: AlphaFold-Multimer's parameters have an extra-MSA stack");
+        let model = heads_config(&arrays)?;
+        let b = arrays.shared_builder();
+        let templates = match arrays.contains(&format!("{SINGLE_TEMPLATE}/query_embedding_norm//scale")) {
+            true => {
+                Some((MultimerTemplates::from_arrays(&arrays, &b)?, MultimerTemplateRows::from_arrays(&arrays, &b)?))
+            }
+            false => None,
+        };
+        let network = MultimerAlphaFold {
+            input: MultimerInputEmbedder::from_arrays(&arrays, &b)?,
+            recycling: RecyclingEmbedder::build(&b, &config, &model)?,
+            templates,
+            extra_embedder: ExtraMsaEmbedder::build(&b, &config)?,
+            extra: EvoformerStack::build(&b, &config, true)?,
+            evoformer: EvoformerStack::build(&b, &config, false)?,
+            heads: Heads::build(&b, &config, &model)?,
+            structure: structure_module(&arrays, &b, iterations)?,
+            config,
+            kind,
+            device,
+            sampling: MsaSampling::default(),
+        };
+        let unused = b.unused_under("");
+        ensure!(
+            unused.is_empty(),
+            "{file}: {} arrays no module uses (is an array of their module missing?): {:?}",
+            unused.len(),
+            &unused[..unused.len().min(8)]
+        );
+        Ok(network)
+    }
+
+    /// The same network sampling `sampling`'s rows.
+    pub fn with_sampling(mut self, sampling: MsaSampling) -> Self {
+        self.sampling = sampling;
+        self
+    }
+
+    /// The stacks' sizes.
+    pub fn config(&self) -> &EvoformerConfig {
+        &self.config
+    }
+
+    /// The zero state the first pass starts from.
+    pub fn initial_state(&self, features: &MultimerInputs) -> Result<Recycled> {
+        let n = features.residues()?;
+        let like = Tensor::f_zeros([1], (self.kind, self.device()))?;
+        Recycled::zeros(n, &self.config, &like)
+    }
+
+    fn device(&self) -> Device {
+        self.device
+    }
+
+    /// One pass (`AlphaFoldIteration`) on `features` from the previous pass's outputs, its
+    /// MSA sampled from `key`.
+    pub fn pass(&self, features: &MultimerInputs, prev: Recycled, key: Key, exec: &Exec) -> Result<Pass> {
+        let (kind, device) = (self.kind, self.device());
+        let (sample_key, mask_key) = sampling_keys(key);
+        let sampled = self.sampling.sample(&features.full_msa(), sample_key, mask_key)?;
+        let to = |t: &Tensor| -> Result<Tensor> { Ok(t.f_to_kind(kind)?.f_to_device(device)?) };
+        let aatype = features.aatype.f_to_kind(Kind::Int64)?.f_to_device(device)?;
+        let seq_mask = to(&features.seq_mask)?;
+        let ids = [&features.residue_index, &features.asym_id, &features.entity_id, &features.sym_id]
+            .map(|t| t.f_to_kind(Kind::Int64).and_then(|t| t.f_to_device(device)));
+        let [residue_index, asym_id, entity_id, sym_id] = ids;
+        let (residue_index, asym_id, entity_id, sym_id) = (residue_index?, asym_id?, entity_id?, sym_id?);
+        let chains =
+            ChainIds { residue_index: &residue_index, asym_id: &asym_id, entity_id: &entity_id, sym_id: &sym_id };
+
+        let msa_feat = to(&sampled.msa_feat()?)?;
+        let (msa, pair) = self.input.embed(&aatype, &msa_feat, &chains, exec)?;
+        let (mut msa, mut pair) = (Stream::new(msa, true), Stream::new(pair, true));
+        self.recycling.update(&mut msa, &mut pair, &prev, exec)?;
+        drop(prev);
+        let (msa, mut pair) = (msa.into_inner(), pair.into_inner());
+        let pair_mask = seq_mask.f_unsqueeze(1)?.f_mul(&seq_mask.f_unsqueeze(0)?)?;
+        let own_rows = msa.size()[0];
+        let template_features = features.templates();
+        let template_batch = match &template_features {
+            Some(t) => Some((to(t.aatype)?, to(t.positions)?, to(t.mask)?)),
+            None => None,
+        };
+        if let (Some((embedding, _)), Some((aatype, positions, mask))) = (&self.templates, &template_batch) {
+            let batch = TemplateBatch { aatype, positions, mask };
+            pair = pair.f_add(&embedding.forward(&pair, &batch, &pair_mask, &asym_id, exec)?)?;
+        }
+        let pair = self.extra_stack(&sampled, pair, &pair_mask, exec)?;
+        let (mut msa, mut msa_mask) = (msa, to(&sampled.msa_mask)?);
+        if let (Some((_, rows)), Some((aatype, positions, mask))) = (&self.templates, &template_batch) {
+            let (rows, row_mask) = rows.forward(&TemplateBatch { aatype, positions, mask }, kind)?;
+            msa = Tensor::f_cat(&[msa, rows], 0)?;
+            msa_mask = Tensor::f_cat(&[msa_mask, row_mask.f_to_kind(kind)?], 0)?;
+        }
+        let (msa, pair) = self.evoformer.forward_owned(msa, pair, &msa_mask, &pair_mask, exec)?;
+        // The template rows end here: the masked-MSA head reads the MSA's own rows only.
+        let msa = msa.f_narrow(0, 0, own_rows)?;
+        let first = msa.f_select(0, 0)?;
+        let mut msa_first_row = first.f_empty_like()?;
+        msa_first_row.f_copy_(&first)?;
+        let single = self.heads.single.forward(&msa)?;
+        let ipa_chunk = exec.chunk_for(ChunkOp::StructureAttention);
+        let structure = self.structure.run(&single, &pair, &aatype, &seq_mask, ipa_chunk)?;
+        let heads = self.heads.forward(&HeadInputs {
+            msa: &msa,
+            pair: &pair,
+            single: &single,
+            structure_single: &structure.single,
+        })?;
+        let pseudo_beta = pseudo_beta(&aatype, &structure.atom37)?.f_to_kind(kind)?;
+        Ok(Pass { heads, structure, single, recycled: Recycled { msa_first_row, pair, pseudo_beta } })
+    }
+
+    /// The extra-MSA stack on the first `num_extra_msa` unsampled rows (one masked row of gaps
+    /// when there are none: it changes the pair no more than no rows would).
+    fn extra_stack(&self, sampled: &SampledMsa, pair: Tensor, pair_mask: &Tensor, exec: &Exec) -> Result<Tensor> {
+        let (kind, device) = (self.kind, self.device());
+        let rows = sampled.extra_msa.size()[0].min(self.sampling.num_extra_msa.max(0));
+        let (extra_msa, deletions, mask) = match rows {
+            0 => {
+                const GAP: i64 = 21;
+                let n = pair.size()[0];
+                let zeros = Tensor::f_zeros([1, n], (Kind::Float, Device::Cpu))?;
+                (Tensor::f_full([1, n], GAP, (Kind::Int64, Device::Cpu))?, zeros.f_zeros_like()?, zeros)
+            }
+            _ => (
+                sampled.extra_msa.f_narrow(0, 0, rows)?,
+                sampled.extra_deletion_matrix.f_narrow(0, 0, rows)?,
+                sampled.extra_msa_mask.f_narrow(0, 0, rows)?,
+            ),
+        };
+        let to = |t: &Tensor| -> Result<Tensor> { Ok(t.f_to_kind(kind)?.f_to_device(device)?) };
+        let has_deletion = to(&deletions.f_clamp(0.0, 1.0)?)?;
+        let deletion_value = to(&encode_deletions(&deletions)?)?;
+        let extra = self.extra_embedder.forward(&extra_msa.f_to_device(device)?, &has_deletion, &deletion_value)?;
+        Ok(self.extra.forward_owned(extra.f_to_kind(kind)?, pair, &to(&mask)?, pair_mask, exec)?.1)
+    }
+
+    /// Inference with v2.3's recycling (see the module docs) from the JAX key `key`
+    /// (`jax.random.PRNGKey(seed)` is [`Key::from_seed`]): at most `recycling.max` recycles,
+    /// fewer once one moves the CA distances by no more than `recycling.early_stop_tolerance`
+    /// Å; returns the last pass and the recycles run before it. The recycles run without
+    /// autograd; the last pass keeps its graph unless the caller runs under `tch::no_grad`.
+    pub fn predict(
+        &self,
+        features: &MultimerInputs,
+        recycling: Recycling,
+        key: Key,
+        exec: &Exec,
+    ) -> Result<(Pass, usize)> {
+        let n = features.residues()?;
+        let mut prev = self.initial_state(features)?;
+        let zeros = || Tensor::f_zeros([n, 37, 3], (Kind::Float, self.device()));
+        // The positions the last recycle started from, and those it ended at.
+        let (mut before, mut after) = (zeros()?, zeros()?);
+        let seq_mask = features.seq_mask.f_to_device(self.device())?;
+        let (mut key, mut done) = (key, 0);
+        loop {
+            let more = done < recycling.max
+                && (done == 0 || ca_distance_change(&before, &after, &seq_mask)? > recycling.early_stop_tolerance);
+            if !more {
+                return Ok((self.pass(features, prev, key, exec)?, done));
+            }
+            let keys = key.split(2);
+            let pass = tch::no_grad(|| self.pass(features, prev, keys[1], exec))?;
+            before = std::mem::replace(&mut after, pass.structure.atom37.f_to_kind(Kind::Float)?);
+            prev = pass.recycled;
+            key = keys[0];
+            done += 1;
+        }
+    }
+}
+
+/// The heads' and recycling embedder's sizes from the shapes of a Multimer file (whose
+/// embedders differ from the monomer's, so [`ModelConfig::infer`] does not apply).
+fn heads_config(arrays: &Arrays) -> Result<ModelConfig> {
+    let e = |module: &str, dim: usize| arrays.size(&format!("{EMBEDDINGS}/{module}//weights"), 2, dim);
+    let h = |module: &str, dim: usize| arrays.size(&format!("{ITERATION}/{module}//weights"), 2, dim);
+    Ok(ModelConfig {
+        c_s: e("single_activations", 1)?,
+        recycle_bins: e("prev_pos_linear", 0)?,
+        distogram_bins: h("distogram_head/half_logits", 1)?,
+        lddt_bins: h("predicted_lddt_head/logits", 1)?,
+        lddt_channels: h("predicted_lddt_head/act_0", 1)?,
+        masked_msa_classes: h("masked_msa_head/logits", 1)?,
+        resolved_atoms: h("experimentally_resolved_head/logits", 1)?,
+        aligned_error_bins: Some(h("predicted_aligned_error_head/logits", 1)?),
+        templates: None,
+        ..ModelConfig::default()
+    })
+}
