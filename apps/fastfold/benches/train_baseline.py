@@ -13,12 +13,12 @@ clamped, resolution 2 A (inside the confidence heads' filter).
 
 The example: a query of --residues residues (`alphafold_baseline.query`) with a synthetic
 MSA of 1,200 sequences (the query with 30% substitutions and 5% gaps), processed by
-AlphaFold's `process_features` into 128 MSA clusters and 1,024 extra rows (AlphaFold's
-training sizes), so that no row is padding; its true structure a random chain (C-alpha
+AlphaFold's `process_features` into 128 MSA clusters and --extra-msa extra rows (AlphaFold's
+training sizes: 1,024), so that no row is padding; its true structure a random chain (C-alpha
 3.8 A apart, the other atoms scattered about it) and the ground truth that AlphaFold's
 losses read computed from it by AlphaFold's functions (`make_alphafold_loss.ground_truth`).
 
-Writes into --out `params.npz` (AlphaFold's keys), `features.npz` (the processed features)
+Writes into --out, before the step, `params.npz` (AlphaFold's keys), `features.npz` (the processed features)
 and `truth.npz` (`aatype`, `all_atom_positions`, `all_atom_mask`) for our side. Prints one
 JSON line: the compile seconds (`jit(...).lower(...).compile()`), the seconds of the last
 of --calls compiled calls of `value_and_grad` (parameters' gradients), the loss, and the
@@ -48,7 +48,7 @@ from alphafold.model import config, modules  # noqa: E402
 from alphafold_baseline import query  # noqa: E402
 from make_alphafold_loss import ground_truth  # noqa: E402
 
-MSA_CLUSTERS, EXTRA_MSA, SEQUENCES = 128, 1024, 1200
+MSA_CLUSTERS, SEQUENCES = 128, 1200
 
 
 def synthetic_msa(seq, rng):
@@ -74,11 +74,11 @@ def true_structure(aatype, rng):
     return (pos * mask[..., None]).astype(np.float32), mask
 
 
-def model_config(blocks):
+def model_config(blocks, extra_msa):
     cfg = config.model_config('model_3_ptm')
     cfg.data.eval.num_ensemble = 1
     cfg.data.eval.max_msa_clusters = MSA_CLUSTERS
-    cfg.data.common.max_extra_msa = EXTRA_MSA
+    cfg.data.common.max_extra_msa = extra_msa
     cfg.data.common.num_recycle = 0
     cfg.model.num_recycle = 0
     gc = cfg.model.global_config
@@ -133,12 +133,13 @@ def main():
     p.add_argument('--residues', type=int, required=True)
     p.add_argument('--blocks', type=int, default=48)
     p.add_argument('--calls', type=int, default=2)
+    p.add_argument('--extra-msa', type=int, default=1024)
     p.add_argument('--out', required=True)
     args = p.parse_args()
     rng = np.random.default_rng(0)
     seq = query(args.residues)
 
-    cfg = model_config(args.blocks)
+    cfg = model_config(args.blocks, args.extra_msa)
     raw = {**pipeline.make_sequence_features(seq, 'query', len(seq)),
            **pipeline.make_msa_features([synthetic_msa(seq, rng)])}
     from alphafold.model import model
@@ -157,7 +158,15 @@ def main():
     loss_batch['resolution'] = jnp.asarray([2.0])
     loss_batch['use_clamped_fape'] = jnp.asarray([1.0])
 
-    train_cfg = initial_training(model_config(args.blocks))
+    # Written before the step, so that our side has its inputs even if this one fails.
+    os.makedirs(args.out, exist_ok=True)
+    flat = {f'{scope}//{name}': np.asarray(v) for scope, d in params.items() for name, v in d.items()}
+    np.savez(os.path.join(args.out, 'params.npz'), **flat)
+    np.savez(os.path.join(args.out, 'features.npz'), **{k: np.asarray(v) for k, v in feats.items()})
+    np.savez(os.path.join(args.out, 'truth.npz'), aatype=aatype.astype(np.int64),
+             all_atom_positions=pos, all_atom_mask=mask)
+
+    train_cfg = initial_training(model_config(args.blocks, args.extra_msa))
     fn = hk.transform(lambda b: Pass(train_cfg.model, True, True)(b))
 
     def loss(p, b):
@@ -177,12 +186,6 @@ def main():
     assert np.isfinite(value), f'loss {value}'
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
-    os.makedirs(args.out, exist_ok=True)
-    flat = {f'{scope}//{name}': np.asarray(v) for scope, d in params.items() for name, v in d.items()}
-    np.savez(os.path.join(args.out, 'params.npz'), **flat)
-    np.savez(os.path.join(args.out, 'features.npz'), **{k: np.asarray(v) for k, v in feats.items()})
-    np.savez(os.path.join(args.out, 'truth.npz'), aatype=aatype.astype(np.int64),
-             all_atom_positions=pos, all_atom_mask=mask)
     print(json.dumps({'compile_seconds': compile_seconds, 'seconds': seconds[-1], 'loss': value,
                       'peak_bytes': peak, 'msa_rows': int(feats['msa_feat'].shape[1]),
                       'extra_msa_rows': int(feats['extra_msa'].shape[1])}))
