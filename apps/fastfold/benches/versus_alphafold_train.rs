@@ -3,18 +3,18 @@
 //! run, on the CPU: seconds per example of the loss's gradient, peak resident memory, the
 //! ratio AlphaFold / ours, and ours on 2 DAP ranks (Gloo) against 1.
 //!
-//! `bash scripts/bench-fastfold-train.sh [--residues 128,256] [--blocks 48] [--dap-residues 128]`.
-//! For each length, `benches/train_baseline.py` makes the example (a synthetic 1,200-sequence
-//! MSA processed by AlphaFold's `process_features` into 128 clusters and 1,024 extra rows
-//! (`--extra-msa`), a
-//! random true chain), draws full-width `model_3_ptm` parameters, writes them, and times
-//! `jax.value_and_grad` of AlphaFold's total loss (one pass from zero recycled inputs, the
-//! initial-training weights, clamped FAPE, remat, no dropout), compiled ahead, its last of
-//! `--calls` calls timed. Ours then runs in a fresh process on those files (each side's peak
-//! memory its own): [`Trainer::backward`], the forward, loss and backward of `fastfold
-//! train`'s step (0 recycles, blocks checkpointed, FAPE clamped), its last of `--calls`
-//! timed; the optimizer's step (clipping and Adam) after it is timed apart. The DAP row runs
-//! ours again as 2 ranks (`--dap-residues`), each with half the cores. All fp32.
+//! `bash scripts/bench-fastfold-train.sh [--residues 128,256] [--blocks 48] [--extra-msa 1024]
+//! [--dap-residues 128]`. For each length, `benches/train_baseline.py` makes the example (a
+//! synthetic 1,200-sequence MSA processed by AlphaFold's `process_features` into 128 clusters
+//! and `--extra-msa` extra rows, a random true chain), draws full-width `model_3_ptm`
+//! parameters, writes them, and times `jax.value_and_grad` of AlphaFold's total loss (one
+//! pass from zero recycled inputs, the initial-training weights, clamped FAPE, remat, no
+//! dropout), compiled ahead, its last of `--calls` calls timed. Ours then runs in a fresh
+//! process on those files (each side's peak memory its own): [`Trainer::begin_step`] and
+//! [`Trainer::accumulate`], the forward, loss and backward of `fastfold train`'s step (0
+//! recycles, blocks checkpointed, FAPE clamped), its last of `--calls` timed, and
+//! [`Trainer::finish_step`] (the DAP sum, clipping, Adam) timed apart. The DAP row runs ours
+//! again as 2 ranks (`--dap-residues`), each with half the cores. All fp32.
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
@@ -195,10 +195,12 @@ fn baseline(args: &Args, n: usize, dir: &Path) -> anyhow::Result<Theirs> {
 fn run_ours(args: &Args, dir: &Path, nproc: usize) -> anyhow::Result<Ours> {
     let me = std::env::current_exe()?;
     engine::baseline::run(
-        Command::new(me)
-            .arg("--ours")
-            .arg(dir)
-            .args(["--calls", &args.calls.to_string(), "--nproc", &nproc.to_string()]),
+        Command::new(me).arg("--ours").arg(dir).args([
+            "--calls",
+            &args.calls.to_string(),
+            "--nproc",
+            &nproc.to_string(),
+        ]),
         "our side",
     )?;
     let mut figures = Vec::new();
