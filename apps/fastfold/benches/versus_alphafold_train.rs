@@ -27,7 +27,8 @@ use fastfold::features::Features;
 use fastfold::ground_truth::GroundTruth;
 use fastfold::loss::LossConfig;
 use fastfold::model::{Exec, Params};
-use fastfold::train::{Example, Target, Trainer};
+use fastfold::train::{Example, Trainer};
+use fastfold::train_target::Target;
 use tch::{Device, Kind, Tensor};
 
 const BASELINE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/train_baseline.py");
