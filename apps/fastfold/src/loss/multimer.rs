@@ -16,7 +16,7 @@
 //! The chi and angle-norm terms are the monomer's.
 use tch::{Kind, Tensor};
 
-use super::structure::{angle_norm_loss, supervised_chi_loss, RenamedTruth};
+use super::structure::{angle_norm_loss, flat_frames, supervised_chi_loss, RenamedTruth};
 use super::violations::{find_structural_violations, ViolationConfig};
 use crate::geometry::Rigid;
 use crate::ground_truth::{GroundTruth, RIGID_GROUPS};
@@ -158,20 +158,10 @@ fn sidechain_fape(
     renamed: &RenamedTruth,
     scale: FapeScale,
 ) -> Result<Tensor> {
-    let w = renamed.alt_naming_is_better.f_view([-1, 1, 1, 1])?;
-    let pick = |gt: &Tensor, alt: &Tensor, w: &Tensor| -> Result<Tensor> {
-        Ok(gt.f_mul(&w.f_rsub_scalar(1.0)?)?.f_add(&alt.f_mul(w)?)?)
-    };
-    let (gt, alt) = (&truth.rigidgroups_gt_frames, &truth.rigidgroups_alt_gt_frames);
-    let true_frames =
-        Rigid { rot: pick(&gt.rot, &alt.rot, &w)?, trans: pick(&gt.trans, &alt.trans, &w.f_squeeze_dim(-1)?)? };
-    let flat = |r: &Rigid| -> Result<Rigid> {
-        Ok(Rigid { rot: r.rot.f_reshape([-1, 3, 3])?, trans: r.trans.f_reshape([-1, 3])? })
-    };
     let n = truth.aatype.size()[0];
     fape(
-        &flat(&out.frames)?,
-        &flat(&true_frames)?,
+        &flat_frames(&out.frames)?,
+        &renamed.flat_frames(truth)?,
         &truth.rigidgroups_gt_exists.f_reshape([n * RIGID_GROUPS])?,
         &out.atom14.f_reshape([-1, 3])?,
         &renamed.atom14_positions.f_reshape([-1, 3])?,

@@ -167,6 +167,26 @@ impl RenamedTruth {
     }
 }
 
+impl RenamedTruth {
+    /// The truth's rigid-group frames under the chosen naming (the ambiguous group's
+    /// alternative frame where the alternative naming was chosen), flattened to [N * 8].
+    pub fn flat_frames(&self, truth: &GroundTruth) -> Result<Rigid> {
+        let w = self.alt_naming_is_better.f_view([-1, 1, 1, 1])?;
+        let pick = |gt: &Tensor, alt: &Tensor, w: &Tensor| -> Result<Tensor> {
+            Ok(gt.f_mul(&w.f_rsub_scalar(1.0)?)?.f_add(&alt.f_mul(w)?)?)
+        };
+        let (gt, alt) = (&truth.rigidgroups_gt_frames, &truth.rigidgroups_alt_gt_frames);
+        let frames =
+            Rigid { rot: pick(&gt.rot, &alt.rot, &w)?, trans: pick(&gt.trans, &alt.trans, &w.f_squeeze_dim(-1)?)? };
+        flat_frames(&frames)
+    }
+}
+
+/// Frames of any leading shape flattened to one axis.
+pub fn flat_frames(r: &Rigid) -> Result<Rigid> {
+    Ok(Rigid { rot: r.rot.f_reshape([-1, 3, 3])?, trans: r.trans.f_reshape([-1, 3])? })
+}
+
 /// Distances between every atom of every residue and every atom of every residue,
 /// `sqrt(d^2 + 1e-10)`: atom14 positions [N, 14, 3] → [N, N, 14, 14].
 fn pairwise_atom_distances(x: &Tensor) -> Result<Tensor> {
@@ -185,21 +205,10 @@ pub fn sidechain_fape(
     renamed: &RenamedTruth,
     cfg: &StructureLossConfig,
 ) -> Result<Tensor> {
-    let w = renamed.alt_naming_is_better.f_view([-1, 1, 1, 1])?;
-    let pick = |gt: &Tensor, alt: &Tensor, w: &Tensor| -> Result<Tensor> {
-        Ok(gt.f_mul(&w.f_rsub_scalar(1.0)?)?.f_add(&alt.f_mul(w)?)?)
-    };
-    let (gt, alt) = (&truth.rigidgroups_gt_frames, &truth.rigidgroups_alt_gt_frames);
-    let true_frames =
-        Rigid { rot: pick(&gt.rot, &alt.rot, &w)?, trans: pick(&gt.trans, &alt.trans, &w.f_squeeze_dim(-1)?)? };
-    let flat_frames = |r: &Rigid| -> Result<Rigid> {
-        Ok(Rigid { rot: r.rot.f_reshape([-1, 3, 3])?, trans: r.trans.f_reshape([-1, 3])? })
-    };
     let n = truth.aatype.size()[0];
-    let pred_frames = flat_frames(&out.frames)?;
     Ok(fape(
-        &pred_frames,
-        &flat_frames(&true_frames)?,
+        &flat_frames(&out.frames)?,
+        &renamed.flat_frames(truth)?,
         &truth.rigidgroups_gt_exists.f_reshape([n * RIGID_GROUPS])?,
         &out.atom14.f_reshape([-1, 3])?,
         &renamed.atom14_positions.f_reshape([-1, 3])?,
