@@ -76,6 +76,8 @@ struct Ours {
 }
 
 fn main() -> anyhow::Result<()> {
+    // As the `fastfold` binary starts (freed activations kept for the next op, not unmapped).
+    engine::process::keep_freed_memory();
     let args = Args::parse();
     if let Some(dir) = &args.ours {
         return ours_in_ranks(dir, &args);
