@@ -19,7 +19,8 @@
 //!
 //! `fastfold predict` runs the assembled model on a complex (`predict::complex`); its structure
 //! module's loss and the chain permutation alignment are [`crate::loss::multimer`] and
-//! [`crate::loss::chain_permutation`]. Not yet here: training on complexes; bf16 and GPU runs of the
+//! [`crate::loss::chain_permutation`]; `fastfold train` trains it on a complex
+//! ([`MultimerAlphaFold::train_forward`], [`crate::train_complex`]). Not yet here: bf16 and GPU runs of the
 //! assembled model (it is checked in fp32 on the CPU only, on one rank and under DAP on two,
 //! `tests/dap.rs`).
 use std::collections::BTreeMap;
