@@ -22,6 +22,7 @@ pub mod ranking;
 pub mod residue_constants;
 pub mod search;
 pub mod train;
+pub mod train_complex;
 pub mod train_data;
 pub mod train_parallel;
 pub mod train_target;

@@ -3,7 +3,9 @@
 //! chain, prepared ahead by AlphaFold's training-time pipeline, see [`crate::train_data`]),
 //! with AlphaFold's whole monomer training loss ([`crate::loss::total`]) under the weights of
 //! the training stage (`--config-preset`, OpenFold's names: `initial_training` or
-//! `finetuning`), under dynamic axial parallelism.
+//! `finetuning`), under dynamic axial parallelism. With AlphaFold-Multimer's parameters it
+//! trains on one complex instead ([`crate::train_complex`], [`Trainer::accumulate_complex`]):
+//! Multimer's loss after the chain permutation alignment, in one process.
 //!
 //! Backbone FAPE is clamped in 90% of the examples, drawn from the seed and the example's
 //! number in the run ([`crate::loss::clamped_fape_at`]; in one process without accumulation,
@@ -38,10 +40,17 @@ use tch::{Device, Kind, Tensor};
 use crate::checkpoint::{self, Saved, TrainerState};
 use crate::features::Features;
 use crate::input::{ChunkArgs, InputArgs};
+use crate::loss::multimer_total::MultimerLossConfig;
 use crate::loss::{clamped_fape_at, total_loss, LossConfig, LossInputs, MaskedMsaTarget, StepLoss, TrainingStage};
 use crate::model::alphafold::AlphaFold;
+use crate::model::keys::MULTIMER_RELATIVE_ENCODING;
+use crate::model::multimer::{
+    load_multimer_params, network_key, MultimerAlphaFold, MultimerInputs, MULTIMER_STRUCTURE_ITERATIONS,
+};
 use crate::model::{Exec, Params, EVOFORMER, EXTRA_MSA};
+use crate::multimer::args::{ModelPreset, MultimerArgs};
 use crate::pdb::{read_resolution, Structure};
+use crate::train_complex::{complex_losses, read_complex};
 use crate::train_data::args::TrainDataArgs;
 use crate::train_data::layout;
 use crate::train_data::loader::{ExampleLoader, Shard};
@@ -75,9 +84,15 @@ pub struct TrainArgs {
     /// The true structure (PDB) of the query (not with a data set, --data or --mmcif-dir).
     #[arg(long, required_unless_present = "dataset")]
     pub target: Option<PathBuf>,
-    /// The chain of --target to read (default: its first chain).
+    /// The chain of --target to read (default: its first chain; not for a complex, whose
+    /// records are --target's chains A, B, ...).
     #[arg(long)]
     pub chain: Option<char>,
+    /// `multimer`: train AlphaFold-Multimer on a complex, the FASTA file's records its chains
+    /// `A`, `B`, ... and --target's chains of those letters its true structure (default: what
+    /// --params is, by its release name, `params_model_N_multimer_v3.npz`).
+    #[arg(long, value_enum)]
+    pub model_preset: Option<ModelPreset>,
     /// Initial parameters (`.npz` with AlphaFold's names, or `.safetensors`).
     #[arg(long)]
     pub params: PathBuf,
@@ -175,22 +190,9 @@ fn losses(
         clamped,
     };
     let l = total_loss(pass, &inputs, cfg)?;
-    let v = |t: &Tensor| t.double_value(&[]);
-    let (s, h) = (&l.structure_terms, &l.heads);
-    let terms = StepLoss {
-        loss: v(&l.total),
-        fape: v(&s.backbone_fape),
-        clamped,
-        sidechain_fape: v(&s.sidechain_fape),
-        chi: v(&s.chi_loss),
-        angle_norm: v(&s.angle_norm_loss),
-        violation: v(&l.violation),
-        distogram: v(&h.distogram),
-        masked_msa: v(&h.masked_msa),
-        plddt: v(&h.plddt),
-        experimentally_resolved: v(&h.experimentally_resolved),
-        aligned_error: h.aligned_error.as_ref().map(v),
-    };
+    let t = &l.structure_terms;
+    let structure = [&t.backbone_fape, &t.sidechain_fape, &t.chi_loss, &t.angle_norm_loss, &l.violation];
+    let terms = StepLoss::of(&l.total, structure, clamped, &l.heads);
     Ok(Losses { total: l.total, terms })
 }
 
@@ -283,23 +285,44 @@ impl engine::metrics::Record for StepLog {
     }
 }
 
-/// One example of a step, as [`Trainer::step`] trains it.
-#[derive(Clone, Copy)]
-pub struct Example<'a> {
+/// One example of a step, as [`Trainer::step`] trains it: a monomer query's processed
+/// `Features`, or a complex's `MultimerInputs` ([`ComplexExample`]).
+pub struct Example<'a, F = Features> {
     /// Its features.
-    pub features: &'a Features,
+    pub features: &'a F,
     /// Its true structure.
     pub target: &'a Target,
     /// Recycling passes before the trained one.
     pub recycles: usize,
     /// Its number in the run's stream of examples (1-based, [`Shard::example`]): backbone
-    /// FAPE's clamping is drawn from it, so that it is the same whichever rank trains it.
+    /// FAPE's clamping is drawn from it, so that it is the same whichever rank trains it (for
+    /// a complex, the network's sampling key).
     pub number: u64,
+}
+
+impl<F> Clone for Example<'_, F> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<F> Copy for Example<'_, F> {}
+
+/// One complex of a step, as [`Trainer::accumulate_complex`] trains it: its features (the MSA
+/// sampled inside the network) and its true structure, chains laid out as the features'
+/// ([`crate::train_complex::read_complex`]).
+pub type ComplexExample<'a> = Example<'a, MultimerInputs>;
+
+/// The network a trainer trains, by its parameters: AlphaFold-Multimer's when they hold its
+/// relative chain encoding, else the monomer's.
+enum Network {
+    Monomer(Box<AlphaFold>),
+    Multimer(Box<MultimerAlphaFold>),
 }
 
 /// A trainer over one parameter store.
 pub struct Trainer {
-    model: AlphaFold,
+    model: Network,
     params: Params,
     kind: Kind,
     /// fp32 copies of `params` in a lower precision: what the optimizer and the average update.
@@ -310,6 +333,8 @@ pub struct Trainer {
     schedule: LrSchedule,
     ema: Option<Ema>,
     loss: LossConfig,
+    /// The loss of complexes (AlphaFold-Multimer's parameters).
+    multimer_loss: MultimerLossConfig,
     seed: u64,
     steps: u64,
     /// Averages the gradients over the data-parallel replicas (none for one group).
@@ -363,7 +388,12 @@ impl Trainer {
         ranks: &Ranks,
     ) -> anyhow::Result<Trainer> {
         let params = params.to_kind(kind)?.to_device(device, true)?;
-        let model = AlphaFold::new(&params)?;
+        let model = match params.get(MULTIMER_RELATIVE_ENCODING) {
+            Ok(_) => {
+                Network::Multimer(Box::new(MultimerAlphaFold::from_params(&params, MULTIMER_STRUCTURE_ITERATIONS)?))
+            }
+            Err(_) => Network::Monomer(Box::new(AlphaFold::new(&params)?)),
+        };
         let is_stack = |k: &str| k.starts_with(&format!("{EVOFORMER}/")) || k.starts_with(&format!("{EXTRA_MSA}/"));
         let stacks = params.iter().filter(|(k, _)| is_stack(k)).map(|(_, t)| t.shallow_clone()).collect();
         let list: Vec<Param> = params.iter().map(|(k, t)| Param::new(k, t)).collect();
@@ -391,6 +421,7 @@ impl Trainer {
             schedule,
             ema: None,
             loss,
+            multimer_loss: MultimerLossConfig::default(),
             seed: 0,
             steps: 0,
             replicas,
@@ -467,14 +498,64 @@ impl Trainer {
     /// step's mean, added to the gradients. The step's last example's backward launches the
     /// average over the replicas bucket by bucket as its gradients arrive.
     pub fn accumulate(&mut self, e: &Example, exec: &Exec) -> anyhow::Result<Losses> {
+        self.next_example()?;
+        let Network::Monomer(model) = &self.model else {
+            bail!("these are AlphaFold-Multimer's parameters: they train on a complex (Trainer::accumulate_complex)")
+        };
+        let pass = model.predict(e.features, e.recycles, self.kind, exec)?;
+        let clamped = clamped_fape_at(self.seed, e.number, self.loss.clamped_fape_fraction);
+        let losses = losses(&pass, e.features, e.recycles, e.target, &self.loss, clamped)?;
+        self.backward_share(losses)
+    }
+
+    /// [`Trainer::accumulate`] for a complex, with AlphaFold-Multimer's parameters: the
+    /// training forward ([`MultimerAlphaFold::train_forward`]: the example's recycles without
+    /// gradients, then the trained pass, each sampling its MSA inside the network from a key
+    /// drawn from the seed and the example's number) and Multimer's loss after the chain
+    /// permutation alignment ([`crate::loss::multimer_total`]).
+    pub fn accumulate_complex(&mut self, e: &ComplexExample, exec: &Exec) -> anyhow::Result<Losses> {
+        self.next_example()?;
+        let Network::Multimer(model) = &self.model else {
+            bail!("a complex trains AlphaFold-Multimer's parameters; these are a monomer model's")
+        };
+        // The run's key (`network_key`, as predict draws from a seed) folded with the example's
+        // number: each example samples its own MSA rows and masks.
+        let key = network_key(self.seed).fold_in(e.number as u32);
+        let (pass, sampled) = model.train_forward(e.features, e.recycles, key, exec)?;
+        let (total, terms) = complex_losses(&pass, &sampled, e.features, e.target, &self.multimer_loss)?;
+        self.backward_share(Losses { total, terms })
+    }
+
+    /// [`Trainer::backward`] for one complex.
+    pub fn backward_complex(
+        &mut self,
+        features: &MultimerInputs,
+        target: &Target,
+        recycles: usize,
+        exec: &Exec,
+    ) -> anyhow::Result<Losses> {
+        let example = ComplexExample { features, target, recycles, number: self.steps + 1 };
+        self.begin_step(1)?;
+        let losses = self.accumulate_complex(&example, exec)?;
+        self.reduce_gradients(exec)?;
+        Ok(losses)
+    }
+
+    /// Before an example's forward: an error past the step's count; the replicas average the
+    /// gradients in the step's last example's backward.
+    fn next_example(&self) -> anyhow::Result<()> {
         let (count, done) = (self.step_terms.0, self.step_terms.1.len());
         anyhow::ensure!(done < count, "example {} of a step of {count}", done + 1);
         if let Some((ddp, _)) = &self.replicas {
             ddp.set_sync(done + 1 == count)?;
         }
-        let pass = self.model.predict(e.features, e.recycles, self.kind, exec)?;
-        let clamped = clamped_fape_at(self.seed, e.number, self.loss.clamped_fape_fraction);
-        let losses = losses(&pass, e.features, e.recycles, e.target, &self.loss, clamped)?;
+        Ok(())
+    }
+
+    /// Backward of the example's share of the step's mean loss, its terms kept for the step's
+    /// log.
+    fn backward_share(&mut self, losses: Losses) -> anyhow::Result<Losses> {
+        let count = self.step_terms.0;
         let share = if count == 1 { losses.total.shallow_clone() } else { &losses.total / count as f64 };
         engine::autograd::backward(&[&share], &[None], false)?;
         self.step_terms.1.push(losses.terms.clone());
@@ -542,8 +623,11 @@ impl Trainer {
         recycles: usize,
         exec: &Exec,
     ) -> anyhow::Result<(f64, StepLoss)> {
+        let Network::Monomer(model) = &self.model else {
+            bail!("evaluating AlphaFold-Multimer's parameters is not supported yet (validation runs monomer chains)")
+        };
         tch::no_grad(|| {
-            let pass = self.model.predict(features, recycles, self.kind, exec)?;
+            let pass = model.predict(features, recycles, self.kind, exec)?;
             let losses = losses(&pass, features, recycles, target, &self.loss, true)?;
             let lddt = crate::loss::lddt_ca(&pass.structure.atom37, &target.truth)?.double_value(&[]);
             Ok((lddt, losses.terms))
@@ -639,10 +723,19 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
     let (device, exec, backend) = args.chunk.setup_with(&args.job.launch, world, ranks.dap.clone())?;
     let exec = exec.with_checkpointed_blocks(args.gradient_checkpointing);
     kernels::install_optimizer_steps(backend);
-    let params = Params::load_model(&args.params)
-        .with_context(|| format!("--params {}", args.params.display()))?
-        .with_kernels(backend);
-    let preset = args.input.preset(&params, &args.params)?;
+    let multimer = MultimerArgs { model_preset: args.model_preset, ..Default::default() }.check(&args.params)?;
+    if multimer {
+        check_complex_args(args, world)?;
+    }
+    let params = match multimer {
+        true => load_multimer_params(&args.params),
+        false => Params::load_model(&args.params).map(|p| p.with_kernels(backend)),
+    }
+    .with_context(|| format!("--params {}", args.params.display()))?;
+    let preset = match multimer {
+        true => None,
+        false => args.input.preset(&params, &args.params)?,
+    };
     let (loss, kind) = (args.config_preset.loss(), args.precision.precision.kind());
     let schedule = args.schedule.schedule(args.optimizer.lr, args.steps)?;
     let trainer = Trainer::on_ranks_in(&params, device, kind, &args.optimizer, &ranks)?;
@@ -659,7 +752,10 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
     if let (0, Some(v), false) = (world.rank(), &validation, args.job.quiet) {
         println!("{} validation chains, {} recycles", v.len(), args.val.val_recycles);
     }
-    let mut examples = Examples::open(args, preset, device, world, shard, first as u64)?;
+    let mut examples = match multimer {
+        true => Examples::complex(args, device, world)?,
+        false => Examples::open(args, preset, device, world, shard, first as u64)?,
+    };
     let mut log = Vec::new();
     let mut metrics = match world.rank() {
         0 => {
@@ -678,6 +774,12 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
             let number = shard.example(step as u64, k);
             let loaded;
             let example = match &mut examples {
+                Examples::Complex(c) => {
+                    let example = ComplexExample { features: &c.0, target: &c.1, recycles: args.recycles, number };
+                    recycles.get_or_insert(args.recycles);
+                    trainer.accumulate_complex(&example, &exec)?;
+                    continue;
+                }
                 Examples::One(one) => Example { features: &one.0, target: &one.1, recycles: args.recycles, number },
                 Examples::Layout { loader } => {
                     let waited = Instant::now();
@@ -792,9 +894,21 @@ enum Examples {
     One(Box<(Features, Target)>),
     /// A data set in OpenFold's layout, each step's example prepared ahead.
     Layout { loader: ExampleLoader },
+    /// A complex (the FASTA file's records) and its --target, every step.
+    Complex(Box<(MultimerInputs, Target)>),
 }
 
 impl Examples {
+    /// The complex of the FASTA file's records and --target's chains (see [`read_complex`]).
+    fn complex(args: &TrainArgs, device: Device, world: &World) -> anyhow::Result<Examples> {
+        let (Some(fasta), Some(target_path)) = (&args.input.fasta, &args.target) else {
+            bail!("training AlphaFold-Multimer takes a FASTA file of the complex's chains and its --target structure")
+        };
+        let (inputs, mut target) = read_complex(fasta, target_path, device)?;
+        target.resolution = resolution(args, target_path, world)?;
+        Ok(Examples::Complex(Box::new((inputs, target))))
+    }
+
     /// The examples `args` name from step `first` on: with --mmcif-dir the layout's chains that
     /// pass the filters (said on rank 0), else the one input (MSA sizes from `preset` unless
     /// given) and --target.
@@ -837,6 +951,40 @@ impl Examples {
         target.resolution = resolution(args, target_path, world)?;
         Ok(Examples::One(Box::new((features, target))))
     }
+}
+
+/// What training a complex does not support yet, refused by flag (rather than ignored). Said
+/// on rank 0: the loss weights are AlphaFold-Multimer's whatever `--config-preset` says.
+fn check_complex_args(args: &TrainArgs, world: &World) -> anyhow::Result<()> {
+    let not_yet =
+        |flag: &str, what: &str| anyhow::anyhow!("{flag}: {what} is not supported yet for AlphaFold-Multimer");
+    if args.data.files()?.is_some() {
+        return Err(not_yet("--data (--mmcif-dir, --alignment-dir)", "training on a data set of complexes"));
+    }
+    if args.val.val_mmcif_dir.is_some() || args.val.val_alignment_dir.is_some() {
+        return Err(not_yet("--val-mmcif-dir, --val-alignment-dir", "validation"));
+    }
+    if world.size() > 1 {
+        return Err(not_yet("--nproc (DAP, data-parallel replicas)", "training a complex on several ranks"));
+    }
+    let given = [
+        ("--msa", args.input.msa.is_some(), "an MSA (a complex trains on its chains' sequences alone)"),
+        ("--features", args.input.features.is_some(), "processed features (give the FASTA file)"),
+        ("--preset", args.input.preset.is_some(), "a monomer preset"),
+        ("--max-msa-clusters", args.input.max_msa_clusters.is_some(), "another MSA sample size (v2.3's: 508)"),
+        ("--max-extra-msa", args.input.max_extra_msa.is_some(), "another extra-MSA size (v2.3's: 2048)"),
+        ("--chain", args.chain.is_some(), "one chain of --target (a complex reads chains A, B, ...)"),
+        ("--precision", args.precision.precision != Precision::Fp32, "a precision below fp32"),
+    ];
+    if let Some((flag, _, what)) = given.iter().find(|(_, g, _)| *g) {
+        return Err(not_yet(flag, what));
+    }
+    if world.rank() == 0 && !args.job.quiet {
+        println!(
+            "a complex trains with AlphaFold-Multimer's loss weights (its config's), whatever --config-preset says"
+        );
+    }
+    Ok(())
 }
 
 /// The target's resolution: `--resolution`, else its header's, else 0 (said on rank 0: the

@@ -2,7 +2,10 @@
 //! (`folding_multimer.StructureModule.loss`, run by `fixtures/make_multimer_loss.py`) on a
 //! two-chain complex and a prediction of it: every term within 1e-4 relative, the same residues
 //! renamed, and the loss's gradient for every predicted input within 1e-3 of that input's
-//! largest gradient.
+//! largest gradient. The whole training loss (the other heads' terms at Multimer's weights, after
+//! the chain permutation alignment) against the same heads' `loss` functions
+//! (`fixtures/make_multimer_total_loss.py`): every term and the total within 1e-4 relative, the
+//! gradients within 1e-3, with the truth's chains in either order.
 use std::collections::HashMap;
 use std::path::PathBuf;
 
@@ -10,6 +13,9 @@ use fastfold::geometry::Rigid;
 use fastfold::ground_truth::GroundTruth;
 use fastfold::loss::chain_permutation;
 use fastfold::loss::multimer::{multimer_structure_loss, MultimerStructureLossConfig};
+use fastfold::loss::multimer_total::{multimer_total_loss, ComplexLossInputs, MultimerLossConfig};
+use fastfold::loss::MaskedMsaTarget;
+use fastfold::model::heads::HeadOutputs;
 use fastfold::model::structure::StructureOutput;
 use tch::{Kind, Tensor};
 
@@ -19,7 +25,11 @@ const VALUE_TOLERANCE: f64 = 1e-4;
 const GRAD_TOLERANCE: f64 = 1e-3;
 
 fn arrays() -> HashMap<String, Tensor> {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/multimer_loss/structure_loss.npz");
+    fixture("structure_loss.npz")
+}
+
+fn fixture(name: &str) -> HashMap<String, Tensor> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/multimer_loss").join(name);
     Tensor::read_npz(path).unwrap().into_iter().collect()
 }
 
@@ -185,5 +195,101 @@ fn chain_permutation_alignment_matches_swapped_copies() {
         let pred = predicted(&truth, &chains, &order);
         let assignment = chain_permutation::align_chains(&chains, &pred, &truth, &mask).unwrap();
         assert_eq!(assignment, order, "{copies} copies, a unique chain: {other}");
+    }
+}
+
+/// Multimer's whole training loss against DeepMind's heads on the fixture's homodimer: every
+/// term and the weighted total within 1e-4 relative and the gradient of every predicted input
+/// within 1e-3 of its largest, with the truth's chains as predicted and with the two copies
+/// swapped (the alignment puts them back, so nothing changes).
+#[test]
+fn multimer_total_loss_and_its_gradients_equal_alphafold() {
+    let mut a = arrays();
+    a.extend(fixture("total_loss.npz"));
+    let n = a["aatype"].size()[0];
+    let half = n / 2;
+    // The two copies' rows swapped: chain 2's residues first.
+    let swap = Tensor::cat(
+        &[Tensor::arange_start(half, n, tch::kind::INT64_CPU), Tensor::arange(half, tch::kind::INT64_CPU)],
+        0,
+    );
+    let aatype = a["aatype"].to_kind(Kind::Int64);
+    assert!(aatype.narrow(0, 0, half).equal(&aatype.narrow(0, half, half)), "the fixture is a homodimer");
+    for (order, swapped) in [("as predicted", false), ("swapped", true)] {
+        // Fresh leaves in each order (a copy: `to_kind` of an fp32 array is the array itself,
+        // whose gradient would accumulate over both).
+        let leaf = |k: &str| a[k].to_kind(Kind::Float).copy().set_requires_grad(true);
+        let names = [
+            "traj",
+            "sc_frames",
+            "atom14",
+            "angles",
+            "unnormalized_angles",
+            "distogram",
+            "masked_msa",
+            "lddt",
+            "experimentally_resolved",
+            "aligned_error",
+        ];
+        let leaves: HashMap<&str, Tensor> = names.iter().map(|&k| (k, leaf(k))).collect();
+        let (backbone, frames) = (rigid(&leaves["traj"]), rigid(&leaves["sc_frames"]));
+        let structure = StructureOutput {
+            single: Tensor::zeros([n, 1], (Kind::Float, tch::Device::Cpu)),
+            rotations: backbone.rot,
+            translations: backbone.trans,
+            angles: leaves["angles"].shallow_clone(),
+            unnormalized_angles: leaves["unnormalized_angles"].shallow_clone(),
+            frames,
+            atom14: leaves["atom14"].shallow_clone(),
+            atom37: a["atom37"].shallow_clone(),
+            atom37_mask: a["atom37_atom_exists"].shallow_clone(),
+        };
+        let heads = HeadOutputs {
+            distogram: leaves["distogram"].shallow_clone(),
+            lddt: leaves["lddt"].shallow_clone(),
+            masked_msa: leaves["masked_msa"].shallow_clone(),
+            experimentally_resolved: leaves["experimentally_resolved"].shallow_clone(),
+            aligned_error: Some(leaves["aligned_error"].shallow_clone()),
+        };
+        let rows = |t: &Tensor| if swapped { t.index_select(0, &swap) } else { t.shallow_clone() };
+        let truth =
+            GroundTruth::new(&rows(&aatype), &rows(&a["all_atom_positions"]), &rows(&a["all_atom_mask"])).unwrap();
+        let entity_id = a["asym_id"].ones_like();
+        let inputs = ComplexLossInputs {
+            truth: &truth,
+            msa: MaskedMsaTarget { true_msa: &a["true_msa"], bert_mask: &a["bert_mask"] },
+            asym_id: &a["asym_id"],
+            entity_id: &entity_id,
+            residue_index: &a["residue_index"],
+            seq_mask: &a["seq_mask"],
+            resolution: a["resolution"].double_value(&[]),
+        };
+        let l = multimer_total_loss(&heads, &structure, &inputs, &MultimerLossConfig::default()).unwrap();
+        let want_assignment = if swapped { vec![1, 0] } else { vec![0, 1] };
+        assert_eq!(l.assignment, want_assignment, "truth {order}: the true chain compared with each predicted one");
+        let h = &l.heads;
+        assert_term(&format!("{order}: structure_module"), &l.structure.loss, &a["loss/structure_module"]);
+        assert_term(&format!("{order}: distogram"), &h.distogram, &a["loss/distogram"]);
+        assert_term(&format!("{order}: masked_msa"), &h.masked_msa, &a["loss/masked_msa"]);
+        assert_term(&format!("{order}: predicted_lddt"), &h.plddt, &a["loss/predicted_lddt"]);
+        assert_term(
+            &format!("{order}: experimentally_resolved"),
+            &h.experimentally_resolved,
+            &a["loss/experimentally_resolved"],
+        );
+        let pae = h.aligned_error.as_ref().unwrap();
+        assert_term(&format!("{order}: predicted_aligned_error"), pae, &a["loss/predicted_aligned_error"]);
+        assert_term(&format!("{order}: loss"), &l.total, &a["loss"]);
+
+        l.total.backward();
+        for name in names {
+            let want = a[&format!("grad/{name}")].to_kind(Kind::Double);
+            let got = leaves[name].grad().to_kind(Kind::Double);
+            let scale = want.abs().max().double_value(&[]);
+            assert!(scale > 0.0, "{name}: AlphaFold's gradient is 0");
+            let rel = (&got - &want).abs().max().double_value(&[]) / scale;
+            eprintln!("truth {order}: gradient of {name}: worst difference {rel:.1e} of its largest");
+            assert!(rel <= GRAD_TOLERANCE, "truth {order}: gradient of {name} differs by {rel:.2e} of its largest");
+        }
     }
 }

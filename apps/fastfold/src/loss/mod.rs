@@ -11,13 +11,17 @@
 //! - [`total`]: the whole loss with the initial-training or fine-tuning weights.
 //! - [`multimer`]: AlphaFold-Multimer's structure-module loss (backbone FAPE split within and
 //!   between chains, violations across chains).
+//! - [`multimer_total`]: AlphaFold-Multimer's whole loss on a complex, after the
+//!   [`chain_permutation`] alignment puts the true chains in the prediction's order.
 //!
 //! Each term is checked against DeepMind's code on the same parameters and batch, values and
 //! the gradient of every parameter (`tests/alphafold_loss.rs`, `tests/violations.rs`;
-//! Multimer's: its value and the gradient of every predicted input, `tests/multimer_loss.rs`).
+//! Multimer's: its value and the gradient of every predicted input, `tests/multimer_loss.rs`,
+//! the structure module's alone and the whole loss).
 pub mod chain_permutation;
 pub mod heads;
 pub mod multimer;
+pub mod multimer_total;
 pub mod structure;
 pub mod total;
 pub mod violations;

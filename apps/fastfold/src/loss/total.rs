@@ -211,6 +211,30 @@ pub struct StepLoss {
     pub aligned_error: Option<f64>,
 }
 
+impl StepLoss {
+    /// The values of the total, the structure module's terms `[fape, sidechain_fape, chi,
+    /// angle_norm, violation]` (scalars), whether backbone FAPE was `clamped`, and `heads`'
+    /// terms.
+    pub fn of(total: &Tensor, structure: [&Tensor; 5], clamped: bool, heads: &super::HeadLosses) -> StepLoss {
+        let v = |t: &Tensor| t.double_value(&[]);
+        let [fape, sidechain_fape, chi, angle_norm, violation] = structure.map(v);
+        StepLoss {
+            loss: v(total),
+            fape,
+            clamped,
+            sidechain_fape,
+            chi,
+            angle_norm,
+            violation,
+            distogram: v(&heads.distogram),
+            masked_msa: v(&heads.masked_msa),
+            plddt: v(&heads.plddt),
+            experimentally_resolved: v(&heads.experimentally_resolved),
+            aligned_error: heads.aligned_error.as_ref().map(v),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -68,6 +68,32 @@ pub struct EntityInput {
     pub pairing: Option<PairingMsa>,
 }
 
+impl EntityInput {
+    /// Each entity of `complex` (read from `fasta`, named in errors) on its sequence alone, as
+    /// `run_alphafold.py` runs without a search: a one-row MSA, no templates and, for a complex
+    /// of several entities, the query row as its UniProt alignment (paired across chains).
+    pub fn single_sequences(complex: &super::Complex, fasta: &Path) -> anyhow::Result<Vec<EntityInput>> {
+        use anyhow::Context;
+        let pair = !complex.is_homomer_or_monomer();
+        complex
+            .entity_representatives()
+            .into_iter()
+            .map(|chain| {
+                let what = || format!("chain {} ({})", chain.id, chain.record);
+                let raw = RawFeatures::new(&chain.sequence, None).with_context(what)?;
+                let pairing = match pair {
+                    true => {
+                        let alone = Msa::single(&chain.sequence, &chain.description);
+                        Some(PairingMsa::new(&chain.sequence, &alone, fasta).with_context(what)?)
+                    }
+                    false => None,
+                };
+                Ok(EntityInput { raw, pairing })
+            })
+            .collect()
+    }
+}
+
 /// A chain's template features, T templates of N residues: [T, N] residue types (`restypes`
 /// with X and gap), [T, N * 37 * 3] positions, [T, N * 37] masks.
 #[derive(Clone, Debug, PartialEq)]

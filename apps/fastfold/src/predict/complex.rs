@@ -16,14 +16,12 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use data::a3m::Msa;
 use engine::dist::World;
 use engine::job::Precision;
 use tch::Kind;
 
 use super::{save_outputs, write_ranking, ModelOutputs, PredictArgs, Predicted};
 use crate::confidence::{multimer_ranking_confidence, predicted_tm_score_of_chains, Confidence};
-use crate::features::RawFeatures;
 use crate::input::file_stem;
 use crate::model::heads::MAX_ERROR_BIN;
 use crate::model::multimer::{
@@ -32,7 +30,7 @@ use crate::model::multimer::{
 use crate::model::recycling::Recycling;
 use crate::multimer::complex::CHAIN_IDS;
 use crate::multimer::preset::{MultimerPreset, Settings};
-use crate::multimer::{search, Complex, EntityInput, PairingMsa};
+use crate::multimer::{search, Complex, EntityInput};
 use crate::pdb::Structure;
 use crate::plots::{self, ModelConfidence};
 use crate::query_folder::QueryFolder;
@@ -285,21 +283,5 @@ fn entity_inputs(
         }
         return inputs;
     }
-    let pair = !complex.is_homomer_or_monomer();
-    complex
-        .entity_representatives()
-        .into_iter()
-        .map(|chain| {
-            let what = || format!("chain {} ({})", chain.id, chain.record);
-            let raw = RawFeatures::new(&chain.sequence, None).with_context(what)?;
-            let pairing = match pair {
-                true => {
-                    let alone = Msa::single(&chain.sequence, &chain.description);
-                    Some(PairingMsa::new(&chain.sequence, &alone, fasta).with_context(what)?)
-                }
-                false => None,
-            };
-            Ok(EntityInput { raw, pairing })
-        })
-        .collect()
+    EntityInput::single_sequences(complex, fasta)
 }

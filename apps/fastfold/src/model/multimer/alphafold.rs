@@ -40,6 +40,7 @@ use crate::model::multimer::structure::{structure_module, MULTIMER_STRUCTURE_ITE
 use crate::model::multimer::template_rows::MultimerTemplateRows;
 use crate::model::multimer::templates::{MultimerTemplates, TemplateBatch};
 use crate::model::multimer::Arrays;
+use crate::model::params::Params;
 use crate::model::recycling::{ca_distance_change, Recycling};
 use crate::model::structure::StructureModule;
 use crate::model::{ensure, Error, Result};
@@ -189,8 +190,21 @@ impl MultimerAlphaFold {
     /// [`MultimerAlphaFold::load_with_iterations`] with the arrays on `device`, where the
     /// network then runs.
     pub fn load_on(path: impl AsRef<Path>, iterations: i64, device: Device) -> Result<Self> {
-        let arrays = Arrays::open(path.as_ref())?.into_device(device)?;
-        let file = path.as_ref().display().to_string();
+        Self::from_arrays(Arrays::open(path.as_ref())?.into_device(device)?, iterations, device)
+    }
+
+    /// The network over `params`' arrays themselves (shared, not copied: a store whose arrays
+    /// require gradients trains this network), on their device, the structure module running
+    /// `iterations` iterations; [`load_multimer_params`](super::load_multimer_params) reads one.
+    pub fn from_params(params: &Params, iterations: i64) -> Result<Self> {
+        let (_, first) = params.iter().next().ok_or_else(|| Error::Invalid("an empty parameter store".into()))?;
+        let device = first.device();
+        let arrays = params.iter().map(|(k, t)| (k.to_string(), t.shallow_clone())).collect();
+        Self::from_arrays(Arrays { arrays, file: "the parameter store".into() }, iterations, device)
+    }
+
+    fn from_arrays(arrays: Arrays, iterations: i64, device: Device) -> Result<Self> {
+        let file = arrays.file.clone();
         let kind = arrays.kind(&format!("{EMBEDDINGS}/single_activations//weights"))?;
         let config = EvoformerConfig::infer(&arrays.arrays).map_err(|e| Error::Invalid(format!("{file}: {e}")))?;
         ensure!(
@@ -255,6 +269,18 @@ impl MultimerAlphaFold {
     /// One pass (`AlphaFoldIteration`) on `features` from the previous pass's outputs, its
     /// MSA sampled from `key`.
     pub fn pass(&self, features: &MultimerInputs, prev: Recycled, key: Key, exec: &Exec) -> Result<Pass> {
+        Ok(self.sampled_pass(features, prev, key, exec)?.0)
+    }
+
+    /// [`MultimerAlphaFold::pass`], and the MSA it sampled (whose `true_msa` and `bert_mask` the
+    /// masked-MSA loss reads).
+    pub fn sampled_pass(
+        &self,
+        features: &MultimerInputs,
+        prev: Recycled,
+        key: Key,
+        exec: &Exec,
+    ) -> Result<(Pass, SampledMsa)> {
         let (kind, device) = (self.kind, self.device());
         let (sample_key, mask_key) = sampling_keys(key);
         let sampled = self.sampling.sample(&features.full_msa(), sample_key, mask_key)?;
@@ -308,7 +334,7 @@ impl MultimerAlphaFold {
             structure_single: &structure.single,
         })?;
         let pseudo_beta = pseudo_beta(&aatype, &structure.atom37)?.f_to_kind(kind)?;
-        Ok(Pass { heads, structure, single, recycled: Recycled { msa_first_row, pair, pseudo_beta } })
+        Ok((Pass { heads, structure, single, recycled: Recycled { msa_first_row, pair, pseudo_beta } }, sampled))
     }
 
     /// The extra-MSA stack on the first `num_extra_msa` unsampled rows (one masked row of gaps
@@ -348,6 +374,36 @@ impl MultimerAlphaFold {
         key: Key,
         exec: &Exec,
     ) -> Result<(Pass, usize)> {
+        let (pass, _, done) = self.recycle(features, recycling, key, exec)?;
+        Ok((pass, done))
+    }
+
+    /// A training forward: `recycles` passes without autograd under v2.3's key splits (no
+    /// early stop), then the last pass with its graph; returns it and the MSA it sampled from
+    /// its key (the masked-MSA loss's targets). Every pass samples its MSA inside the
+    /// network, as in inference.
+    pub fn train_forward(
+        &self,
+        features: &MultimerInputs,
+        recycles: usize,
+        key: Key,
+        exec: &Exec,
+    ) -> Result<(Pass, SampledMsa)> {
+        // Every CA change exceeds minus infinity: all `recycles` run.
+        let recycling = Recycling { max: recycles, early_stop_tolerance: f64::NEG_INFINITY };
+        let (pass, sampled, _) = self.recycle(features, recycling, key, exec)?;
+        Ok((pass, sampled))
+    }
+
+    /// v2.3's recycling loop (see the module docs): the last pass, its sampled MSA and the
+    /// recycles run before it.
+    fn recycle(
+        &self,
+        features: &MultimerInputs,
+        recycling: Recycling,
+        key: Key,
+        exec: &Exec,
+    ) -> Result<(Pass, SampledMsa, usize)> {
         let n = features.residues()?;
         let mut prev = self.initial_state(features)?;
         let zeros = || Tensor::f_zeros([n, 37, 3], (Kind::Float, self.device()));
@@ -359,7 +415,8 @@ impl MultimerAlphaFold {
             let more = done < recycling.max
                 && (done == 0 || ca_distance_change(&before, &after, &seq_mask)? > recycling.early_stop_tolerance);
             if !more {
-                return Ok((self.pass(features, prev, key, exec)?, done));
+                let (pass, sampled) = self.sampled_pass(features, prev, key, exec)?;
+                return Ok((pass, sampled, done));
             }
             let keys = key.split(2);
             let pass = tch::no_grad(|| self.pass(features, prev, keys[1], exec))?;

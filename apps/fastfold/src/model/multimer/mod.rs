@@ -19,7 +19,8 @@
 //!
 //! `fastfold predict` runs the assembled model on a complex (`predict::complex`); its structure
 //! module's loss and the chain permutation alignment are [`crate::loss::multimer`] and
-//! [`crate::loss::chain_permutation`]. Not yet here: training on complexes; bf16 and GPU runs of the
+//! [`crate::loss::chain_permutation`]; `fastfold train` trains it on a complex
+//! ([`MultimerAlphaFold::train_forward`], [`crate::train_complex`]). Not yet here: bf16 and GPU runs of the
 //! assembled model (it is checked in fp32 on the CPU only, on one rank and under DAP on two,
 //! `tests/dap.rs`).
 use std::collections::BTreeMap;
@@ -27,7 +28,8 @@ use std::path::Path;
 
 use tch::Tensor;
 
-use crate::model::params::read_arrays;
+use crate::model::config::EvoformerConfig;
+use crate::model::params::{read_arrays, Params};
 use crate::model::scope::{Builder, Mode};
 use crate::model::{ensure, Error, Result};
 
@@ -46,6 +48,27 @@ pub use sampling::{FullMsa, MaskedMsaConfig, MsaSampling, SampledMsa};
 pub use structure::{load_structure_module, MULTIMER_POSITION_SCALE, MULTIMER_STRUCTURE_ITERATIONS};
 pub use template_rows::{chi_angles, MultimerTemplateRows};
 pub use templates::{MultimerTemplates, TemplateAtoms, TemplateBatch, TemplatePairEmbedding};
+
+/// AlphaFold-Multimer's parameters from a file (`.npz` or `.safetensors`) as a parameter store,
+/// in fp32, for training ([`MultimerAlphaFold::from_params`] builds the network over it, and
+/// checks that every array has a user). An error names the file when its arrays are not
+/// Multimer's or hold NaN or infinite values.
+pub fn load_multimer_params(path: &Path) -> Result<Params> {
+    let arrays = Arrays::open(path)?;
+    let file = arrays.file;
+    let mut map = BTreeMap::new();
+    for (name, t) in arrays.arrays {
+        let t = t.f_to_kind(tch::Kind::Float)?;
+        ensure!(bool::try_from(t.f_isfinite()?.f_all()?)?, "parameter {name} has NaN or infinite values (in {file})");
+        map.insert(name, t);
+    }
+    let config = EvoformerConfig::infer(&map).map_err(|e| Error::Invalid(format!("{file}: {e}")))?;
+    ensure!(
+        config.outer_product_mean_first,
+        "{file} is not an AlphaFold-Multimer parameter file (it has no relative chain encoding)"
+    );
+    Ok(Params::from_parts(map, config))
+}
 
 /// The arrays of a parameter file (`.npz` or `.safetensors`) for building one module over
 /// them: `size(key, dim)` reads a width from the shapes (an error naming the key and the

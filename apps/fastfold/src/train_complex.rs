@@ -1,0 +1,99 @@
+//! Training AlphaFold-Multimer on one complex: the example (a FASTA file's records as one
+//! complex, [`crate::multimer`]'s features of it on each chain's sequence alone, and its true
+//! structure read chain by chain from a structure file) and the loss of a training forward
+//! ([`crate::loss::multimer_total`], after the chain permutation alignment). The trainer
+//! ([`crate::train::Trainer::accumulate_complex`]) runs the forward and the step.
+use std::path::Path;
+
+use anyhow::{bail, Context};
+use tch::{Device, Kind, Tensor};
+
+use crate::loss::multimer_total::{multimer_total_loss, ComplexLossInputs, MultimerLossConfig};
+use crate::loss::{MaskedMsaTarget, StepLoss};
+use crate::model::alphafold::Pass;
+use crate::model::multimer::{MultimerInputs, SampledMsa};
+use crate::multimer::{Complex, EntityInput};
+use crate::pdb::Structure;
+use crate::train_target::Target;
+
+/// The complex of `fasta`'s records (on each chain's sequence alone) and its true structure in
+/// `target`, on `device`: record `k` is chain `A`, `B`, ... (as AlphaFold-Multimer letters the
+/// records), read from the structure file's chain of that letter, and the truth is laid out in
+/// the features' chain order (entity by entity). Errors name the file and the chain: a record
+/// whose chain the structure lacks, or whose residues differ from the chain's.
+pub fn read_complex(fasta: &Path, target: &Path, device: Device) -> anyhow::Result<(MultimerInputs, Target)> {
+    let records = data::fasta::read(fasta)?;
+    if records.len() < 2 {
+        bail!("{}: a complex needs several FASTA records (one per chain); it has {}", fasta.display(), records.len());
+    }
+    let complex = Complex::new(&records, fasta)?;
+    let entities = EntityInput::single_sequences(&complex, fasta)?;
+    let features = crate::multimer::features(&complex, &entities)?;
+    let name = fasta.display().to_string();
+    let inputs = MultimerInputs::from_named(|n| features.get(n).map(|a| a.tensor().to_device(device)), &name)?;
+    let mut truth: Option<Structure> = None;
+    for chain in complex.assembly_order() {
+        let s = Structure::read(target, Some(chain.id)).with_context(|| {
+            format!("--target {}: chain {} (FASTA record {:?})", target.display(), chain.id, chain.record)
+        })?;
+        let len = chain.sequence.chars().count();
+        if s.aatype.len() != len {
+            bail!(
+                "--target {}: chain {} has {} residues, FASTA record {:?} has {len}",
+                target.display(),
+                chain.id,
+                s.aatype.len(),
+                chain.record
+            );
+        }
+        truth = Some(match truth {
+            None => s,
+            Some(mut all) => {
+                all.aatype.extend(s.aatype);
+                all.residue_index.extend(s.residue_index);
+                all.positions.extend(s.positions);
+                all.mask.extend(s.mask);
+                all.b_factors.extend(s.b_factors);
+                all
+            }
+        });
+    }
+    let truth = truth.context("a complex without chains")?;
+    let aatype = inputs.aatype.to_kind(Kind::Int64).to_device(device);
+    let target = Target::new(&truth, &aatype, &format!("--target {}", target.display()))?;
+    Ok((inputs, target))
+}
+
+/// Multimer's loss of the training forward's last `pass` and its `sampled` MSA on the complex of
+/// `features` against `target` with `cfg`'s weights: the total, for backward, and every term's
+/// value. The log's `fape` is
+/// Multimer's `bb_loss` (intra-chain plus interface backbone FAPE, averaged over the
+/// iterations); nothing is drawn for clamping (`clamped` false).
+pub fn complex_losses(
+    pass: &Pass,
+    sampled: &SampledMsa,
+    features: &MultimerInputs,
+    target: &Target,
+    cfg: &MultimerLossConfig,
+) -> anyhow::Result<(Tensor, StepLoss)> {
+    let device = pass.structure.atom37.device();
+    let f = features;
+    let on = |t: &Tensor| t.to_device(device);
+    let (true_msa, bert_mask) = (on(&sampled.true_msa), on(&sampled.bert_mask));
+    let (asym_id, entity_id) = (on(&f.asym_id), on(&f.entity_id));
+    let (residue_index, seq_mask) = (on(&f.residue_index), on(&f.seq_mask).to_kind(Kind::Float));
+    let inputs = ComplexLossInputs {
+        truth: &target.truth,
+        msa: MaskedMsaTarget { true_msa: &true_msa, bert_mask: &bert_mask },
+        asym_id: &asym_id,
+        entity_id: &entity_id,
+        residue_index: &residue_index,
+        seq_mask: &seq_mask,
+        resolution: target.resolution,
+    };
+    let l = multimer_total_loss(&pass.heads, &pass.structure, &inputs, cfg)?;
+    let s = &l.structure;
+    let structure = [&s.backbone, &s.sidechain_fape, &s.chi_loss, &s.angle_norm_loss, &s.violation];
+    let terms = StepLoss::of(&l.total, structure, false, &l.heads);
+    Ok((l.total, terms))
+}
