@@ -88,6 +88,12 @@ pub struct TrainArgs {
     /// records are --target's chains A, B, ...).
     #[arg(long)]
     pub chain: Option<char>,
+    /// A complex's saved alignments (AlphaFold-Multimer): the `msas/` folder `fastfold predict`
+    /// writes for it (`<out>/<name>/msas`), one folder per entity's first chain (`A/`, `B/`, ...)
+    /// with its alignments (and `uniprot_hits.sto` for distinct chains), read as
+    /// `--use-precomputed-msas` reads them (default: each chain on its sequence alone).
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["msa", "features"])]
+    pub msas: Option<PathBuf>,
     /// `multimer`: train AlphaFold-Multimer on a complex, the FASTA file's records its chains
     /// `A`, `B`, ... and --target's chains of those letters its true structure (default: what
     /// --params is, by its release name, `params_model_N_multimer_v3.npz`).
@@ -904,7 +910,7 @@ impl Examples {
         let (Some(fasta), Some(target_path)) = (&args.input.fasta, &args.target) else {
             bail!("training AlphaFold-Multimer takes a FASTA file of the complex's chains and its --target structure")
         };
-        let (inputs, mut target) = read_complex(fasta, target_path, device)?;
+        let (inputs, mut target) = read_complex(fasta, args.msas.as_deref(), target_path, device)?;
         target.resolution = resolution(args, target_path, world)?;
         Ok(Examples::Complex(Box::new((inputs, target))))
     }
@@ -937,6 +943,12 @@ impl Examples {
             let loader = ExampleLoader::from_step(selection.chains, pipeline, sampling, first, steps, shard, workers)?;
             return Ok(Examples::Layout { loader });
         }
+        if let Some(msas) = &args.msas {
+            bail!(
+                "--msas {}: a complex's alignments, for AlphaFold-Multimer's parameters (a monomer takes --msa)",
+                msas.display()
+            )
+        }
         let Some(target_path) = &args.target else {
             bail!("--target (or a data set: --data, or --mmcif-dir and --alignment-dir) is required")
         };
@@ -968,7 +980,7 @@ fn check_complex_args(args: &TrainArgs, world: &World) -> anyhow::Result<()> {
         return Err(not_yet("--nproc (DAP, data-parallel replicas)", "training a complex on several ranks"));
     }
     let given = [
-        ("--msa", args.input.msa.is_some(), "an MSA (a complex trains on its chains' sequences alone)"),
+        ("--msa", args.input.msa.is_some(), "one MSA (a complex takes its chains' alignments with --msas)"),
         ("--features", args.input.features.is_some(), "processed features (give the FASTA file)"),
         ("--preset", args.input.preset.is_some(), "a monomer preset"),
         ("--max-msa-clusters", args.input.max_msa_clusters.is_some(), "another MSA sample size (v2.3's: 508)"),

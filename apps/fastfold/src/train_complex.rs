@@ -1,5 +1,6 @@
 //! Training AlphaFold-Multimer on one complex: the example (a FASTA file's records as one
-//! complex, [`crate::multimer`]'s features of it on each chain's sequence alone, and its true
+//! complex, [`crate::multimer`]'s features of it on its chains' saved alignments or each
+//! chain's sequence alone, and its true
 //! structure read chain by chain from a structure file) and the loss of a training forward
 //! ([`crate::loss::multimer_total`], after the chain permutation alignment). The trainer
 //! ([`crate::train::Trainer::accumulate_complex`]) runs the forward and the step.
@@ -12,22 +13,32 @@ use crate::loss::multimer_total::{multimer_total_loss, ComplexLossInputs, Multim
 use crate::loss::{MaskedMsaTarget, StepLoss};
 use crate::model::alphafold::Pass;
 use crate::model::multimer::{MultimerInputs, SampledMsa};
-use crate::multimer::{Complex, EntityInput};
+use crate::multimer::{search, Complex, EntityInput};
 use crate::pdb::Structure;
+use crate::search::{Mode, Search};
 use crate::train_target::Target;
 
-/// The complex of `fasta`'s records (on each chain's sequence alone) and its true structure in
-/// `target`, on `device`: record `k` is chain `A`, `B`, ... (as AlphaFold-Multimer letters the
-/// records), read from the structure file's chain of that letter, and the truth is laid out in
-/// the features' chain order (entity by entity). Errors name the file and the chain: a record
-/// whose chain the structure lacks, or whose residues differ from the chain's.
-pub fn read_complex(fasta: &Path, target: &Path, device: Device) -> anyhow::Result<(MultimerInputs, Target)> {
+/// The complex of `fasta`'s records and its true structure in `target`, on `device`: its
+/// features from each entity's saved alignments in `msas` ([`saved_alignments`]), else from
+/// each chain's sequence alone; record `k` is chain `A`, `B`, ... (as AlphaFold-Multimer
+/// letters the records), read from the structure file's chain of that letter, and the truth is
+/// laid out in the features' chain order (entity by entity). Errors name the file and the
+/// chain: a record whose chain the structure lacks, or whose residues differ from the chain's.
+pub fn read_complex(
+    fasta: &Path,
+    msas: Option<&Path>,
+    target: &Path,
+    device: Device,
+) -> anyhow::Result<(MultimerInputs, Target)> {
     let records = data::fasta::read(fasta)?;
     if records.len() < 2 {
         bail!("{}: a complex needs several FASTA records (one per chain); it has {}", fasta.display(), records.len());
     }
     let complex = Complex::new(&records, fasta)?;
-    let entities = EntityInput::single_sequences(&complex, fasta)?;
+    let entities = match msas {
+        Some(dir) => saved_alignments(&complex, dir)?,
+        None => EntityInput::single_sequences(&complex, fasta)?,
+    };
     let features = crate::multimer::features(&complex, &entities)?;
     let name = fasta.display().to_string();
     let inputs = MultimerInputs::from_named(|n| features.get(n).map(|a| a.tensor().to_device(device)), &name)?;
@@ -62,6 +73,21 @@ pub fn read_complex(fasta: &Path, target: &Path, device: Device) -> anyhow::Resu
     let aatype = inputs.aatype.to_kind(Kind::Int64).to_device(device);
     let target = Target::new(&truth, &aatype, &format!("--target {}", target.display()))?;
     Ok((inputs, target))
+}
+
+/// Each entity's inputs from the alignments a search saved in `msas` (`--msas`: predict's
+/// `msas/` folder, `<chain id>/` for each entity's first chain), read back as predict reads them
+/// with `--use-precomputed-msas` ([`search::entity_inputs`] reading only): the merged MSA and,
+/// for distinct chains, the UniProt alignment that pairs rows. A missing folder or file is an
+/// error naming `--msas`, the chain and the path.
+pub fn saved_alignments(complex: &Complex, msas: &Path) -> anyhow::Result<Vec<EntityInput>> {
+    if !msas.is_dir() {
+        bail!("--msas {}: no such folder (a complex's saved alignments, A/, B/, ...)", msas.display());
+    }
+    let first = complex.entity_representatives().first().map(|c| c.id).context("a complex without chains")?;
+    let searcher = Search::saved(&msas.join(first.to_string()));
+    search::entity_inputs(complex, &searcher, None, msas, Mode::ReadSaved)
+        .with_context(|| format!("--msas {}", msas.display()))
 }
 
 /// Multimer's loss of the training forward's last `pass` and its `sampled` MSA on the complex of

@@ -3,8 +3,9 @@
 //! two records and a PDB file of chains A and B) lowers the loss, logs Multimer's terms and
 //! writes parameters that load again; the gradients of the training loss with the truth's two
 //! copies swapped equal those with them in order (the chain permutation alignment at work in
-//! training); a heterodimer's loss falls through the library's steps; what does not fit, or
-//! is not supported yet, is refused naming the flag or file.
+//! training); a heterodimer's loss falls through the library's steps; with its chains' saved
+//! alignments (`--msas`, predict's `msas/` layout) its features have their rows and its loss
+//! falls; what does not fit, or is not supported yet, is refused naming the flag or file.
 mod common;
 
 use std::path::{Path, PathBuf};
@@ -95,7 +96,7 @@ fn swapped_copies_in_the_truth_give_the_same_gradients() {
     let (fasta, pdb, swapped) = homodimer(&dir);
     let params = load_multimer_params(&tiny_multimer()).unwrap();
     let gradients = |target: &Path, checkpointed: bool| {
-        let (inputs, mut target) = read_complex(&fasta, target, Device::Cpu).unwrap();
+        let (inputs, mut target) = read_complex(&fasta, None, target, Device::Cpu).unwrap();
         target.resolution = 2.0;
         let mut trainer = Trainer::new(&params, Device::Cpu, &adam(1e-3)).unwrap();
         let exec = Exec::serial().with_checkpointed_blocks(checkpointed);
@@ -163,6 +164,12 @@ fn words(fasta: &Path, target: &Path, out: &Path) -> Vec<String> {
     vec![path(fasta), "--target".into(), path(target), "--params".into(), path(&params), "-o".into(), path(out)]
 }
 
+/// Each step's line of the run's `log.jsonl` in `out`.
+fn step_log(out: &Path) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(out.join("log.jsonl")).unwrap();
+    text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
 /// `fastfold train --model-preset multimer` on the homodimer: 5 steps lower the loss (the last
 /// step's below the first's), every step logs Multimer's terms (finite; the aligned-error term
 /// with the PAE head), and the saved parameters load as Multimer's again.
@@ -177,11 +184,7 @@ fn train_on_a_homodimer_lowers_the_loss() {
     let (ok, text) = train(&args);
     assert!(ok, "{text}");
     assert!(text.contains("AlphaFold-Multimer's loss weights"), "{text}");
-    let log: Vec<serde_json::Value> = std::fs::read_to_string(out.join("log.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let log = step_log(&out);
     assert_eq!(log.len(), 5);
     let loss: Vec<f64> = log.iter().map(|s| s["loss"].as_f64().unwrap()).collect();
     eprintln!("losses {loss:?}");
@@ -237,7 +240,7 @@ fn what_does_not_fit_a_complex_is_refused_by_name() {
 fn a_heterodimer_trains_and_its_loss_falls() {
     let dir = common::scratch("train_complex", "heterodimer");
     let (fasta, pdb, _, _) = complex(&dir, "hetero", &[CHAIN, "GSWEDLKKLAE"]);
-    let (inputs, mut target) = read_complex(&fasta, &pdb, Device::Cpu).unwrap();
+    let (inputs, mut target) = read_complex(&fasta, None, &pdb, Device::Cpu).unwrap();
     target.resolution = 2.0;
     let params = load_multimer_params(&tiny_multimer()).unwrap();
     let mut trainer = Trainer::new(&params, Device::Cpu, &adam(3e-3)).unwrap();
@@ -256,4 +259,116 @@ fn a_heterodimer_trains_and_its_loss_falls() {
     }
     eprintln!("losses {losses:?}");
     assert!(losses[2] < losses[0], "the loss did not fall: {losses:?}");
+}
+
+/// `sequence` with residue `(k * 3 + j * 5) % n` changed for j < `changes`: hit `k`'s row.
+fn mutant(sequence: &str, k: usize, changes: usize) -> String {
+    let mut residues: Vec<char> = sequence.chars().collect();
+    let n = residues.len();
+    for j in 0..changes {
+        let i = (k * 3 + j * 5) % n;
+        residues[i] = if residues[i] == 'A' { 'W' } else { 'A' };
+    }
+    residues.into_iter().collect()
+}
+
+/// A Stockholm alignment of `query` and `hits` named rows (no gaps).
+fn stockholm(query: &str, hits: &[(String, String)]) -> String {
+    let mut text = String::from("# STOCKHOLM 1.0\n\n");
+    for (name, _) in hits {
+        text += &format!("#=GS {name} DE synthetic hit\n");
+    }
+    text += &format!("\nquery {query}\n");
+    for (name, row) in hits {
+        text += &format!("{name} {row}\n");
+    }
+    text + "//\n"
+}
+
+/// Predict's `msas/` layout for chains `chains` (id, sequence), AlphaFold's full_dbs files:
+/// `<id>/uniref90_hits.sto` (4 hits), `mgnify_hits.sto` (2), `bfd_uniref_hits.a3m` (2) and
+/// `uniprot_hits.sto` (3 hits, of HUMAN, MOUSE and YEAST: the rows paired across chains).
+fn saved_alignments(msas: &Path, chains: &[(char, &str)]) {
+    for (id, sequence) in chains {
+        let dir = msas.join(id.to_string());
+        std::fs::create_dir_all(&dir).unwrap();
+        let hits = |db: &str, first: usize, count: usize| -> Vec<(String, String)> {
+            (first..first + count).map(|k| (format!("{db}_{id}{k}/1-11"), mutant(sequence, k, 2))).collect()
+        };
+        std::fs::write(dir.join("uniref90_hits.sto"), stockholm(sequence, &hits("UniRef90", 1, 4))).unwrap();
+        std::fs::write(dir.join("mgnify_hits.sto"), stockholm(sequence, &hits("MGYP", 5, 2))).unwrap();
+        let a3m: String = hits("BFD", 7, 2).iter().map(|(n, r)| format!(">{n}\n{r}\n")).collect();
+        std::fs::write(dir.join("bfd_uniref_hits.a3m"), format!(">query\n{sequence}\n{a3m}")).unwrap();
+        let uniprot: Vec<(String, String)> = ["HUMAN", "MOUSE", "YEAST"]
+            .iter()
+            .enumerate()
+            .map(|(k, species)| (format!("tr|Q{id}0000{k}|Q{id}0000{k}_{species}/1-11"), mutant(sequence, k + 9, 3)))
+            .collect();
+        std::fs::write(dir.join("uniprot_hits.sto"), stockholm(sequence, &uniprot)).unwrap();
+    }
+}
+
+/// A heterodimer with its chains' saved alignments (`--msas`, predict's layout): its features
+/// have the alignments' rows (20 against the single-sequence features' 1: the rows paired by
+/// species, then each chain's hits), and `fastfold train --msas` lowers its loss over
+/// 4 steps, every term finite. A chain's missing alignment is refused naming `--msas`, the
+/// chain and the file; so is a missing folder, and `--msas` on a monomer's parameters is not
+/// taken silently (the flag is named).
+#[test]
+fn a_heterodimer_trains_on_its_saved_alignments() {
+    let dir = common::scratch("train_complex", "msas");
+    const OTHER: &str = "GSWEDLKKLAE";
+    let (fasta, pdb, _, _) = complex(&dir, "hetero", &[CHAIN, OTHER]);
+    let msas = dir.join("msas");
+    saved_alignments(&msas, &[('A', CHAIN), ('B', OTHER)]);
+
+    let (single, _) = read_complex(&fasta, None, &pdb, Device::Cpu).unwrap();
+    let (aligned, target) = read_complex(&fasta, Some(&msas), &pdb, Device::Cpu).unwrap();
+    // Rows with a real residue (the features' MSA is padded to 512 rows).
+    let rows = |i: &fastfold::model::multimer::MultimerInputs| {
+        i.msa_mask.sum_dim_intlist(1, false, Kind::Float).gt(0.0).sum(Kind::Int64).int64_value(&[])
+    };
+    let real = |i: &fastfold::model::multimer::MultimerInputs| i.msa_mask.sum(Kind::Float).double_value(&[]);
+    eprintln!("msa rows: single {}, aligned {} ({} real residues)", rows(&single), rows(&aligned), real(&aligned));
+    assert_eq!(aligned.residues().unwrap(), 22);
+    assert_eq!(target.truth.all_atom_positions.size()[0], 22);
+    // Single sequences: the paired query row alone. With the alignments: the query row and the
+    // 3 species' rows paired across the chains (HUMAN, MOUSE, YEAST), then each chain's 8
+    // database hits unpaired (its query row, already paired, dropped as a duplicate).
+    assert_eq!(rows(&single), 1);
+    assert_eq!(rows(&aligned), 4 + 2 * 8, "rows with a residue");
+    assert_eq!(real(&aligned), 20.0 * 22.0, "every real row covers both chains' columns");
+
+    let out = dir.join("out");
+    let mut args = words(&fasta, &pdb, &out);
+    let flags = ["--model-preset", "multimer", "--steps", "4", "--lr", "3e-3", "--warmup", "0", "--resolution", "2"];
+    args.extend(flags.iter().map(|s| s.to_string()));
+    args.extend(["--msas".to_string(), msas.display().to_string()]);
+    let (ok, text) = train(&args);
+    assert!(ok, "{text}");
+    let log = step_log(&out);
+    let loss: Vec<f64> = log.iter().map(|s| s["loss"].as_f64().unwrap()).collect();
+    eprintln!("losses {loss:?}");
+    assert_eq!(loss.len(), 4);
+    assert!(loss.iter().all(|l| l.is_finite()), "{loss:?}");
+    assert!(loss[3] < loss[0], "the loss did not fall: {loss:?}");
+
+    let missing = msas.join("B").join("uniprot_hits.sto");
+    std::fs::remove_file(&missing).unwrap();
+    let refusal = |msas: &Path| match read_complex(&fasta, Some(msas), &pdb, Device::Cpu) {
+        Ok(_) => panic!("read without {}", missing.display()),
+        Err(e) => format!("{e:#}"),
+    };
+    let err = refusal(&msas);
+    for expect in ["--msas", "chain B", &missing.display().to_string()] {
+        assert!(err.contains(expect), "no {expect:?} in: {err}");
+    }
+    let nowhere = dir.join("nowhere");
+    let err = refusal(&nowhere);
+    assert!(err.contains("--msas") && err.contains(&nowhere.display().to_string()), "{err}");
+    let out = dir.join("refused");
+    let mut args = words(&fasta, &pdb, &out);
+    args.extend(["--msas".to_string(), msas.display().to_string(), "--msa".into(), pdb.display().to_string()]);
+    let (ok, text) = train(&args);
+    assert!(!ok && text.contains("--msas") && text.contains("--msa"), "{text}");
 }

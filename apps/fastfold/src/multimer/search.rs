@@ -14,8 +14,8 @@ use crate::features::RawFeatures;
 use crate::search::{Mode, Search, UNIPROT_FILE};
 
 /// Each entity's inputs for [`super::features`], in entity order, by `search` (and UniProt at
-/// `uniprot` for a complex of several entities), alignments under `msas`; `mode` as for
-/// [`Search::run`]. Also writes AlphaFold's `chain_id_map.json` in `msas` (when searching).
+/// `uniprot` for a complex of several entities; not needed with [`Mode::ReadSaved`]),
+/// alignments under `msas`; `mode` as for [`Search::run`]. Also writes AlphaFold's `chain_id_map.json` in `msas` (when searching).
 pub fn entity_inputs(
     complex: &Complex,
     search: &Search,
@@ -32,10 +32,12 @@ pub fn entity_inputs(
         .with_context(|| format!("writing {}", map.display()))?;
     }
     let pair = !complex.is_homomer_or_monomer();
-    let uniprot = match (pair, uniprot) {
-        (true, None) => anyhow::bail!("the complex has several distinct chains: pairing their rows needs --uniprot-database-path (or --data-dir with uniprot/uniprot.fasta)"),
-        (_, u) => u,
-    };
+    if pair && uniprot.is_none() && mode == Mode::Search {
+        anyhow::bail!("the complex has several distinct chains: pairing their rows needs --uniprot-database-path (or --data-dir with uniprot/uniprot.fasta)")
+    }
+    // Reading saved alignments only, the UniProt database is not read (a missing
+    // `uniprot_hits.sto` is an error naming it).
+    let uniprot = uniprot.unwrap_or(Path::new(""));
     complex
         .entity_representatives()
         .into_iter()
@@ -46,12 +48,12 @@ pub fn entity_inputs(
             let found = search.run(&name, &chain.sequence, &dir, mode).with_context(what)?;
             let raw = RawFeatures::new(&chain.sequence, Some((&found.msa, &dir))).with_context(what)?;
             let raw = RawFeatures { templates: found.templates, ..raw };
-            let pairing = match uniprot.filter(|_| pair) {
-                Some(db) => {
-                    let msa = search.uniprot(&name, &chain.sequence, db, &dir, mode).with_context(what)?;
+            let pairing = match pair {
+                true => {
+                    let msa = search.uniprot(&name, &chain.sequence, uniprot, &dir, mode).with_context(what)?;
                     Some(PairingMsa::new(&chain.sequence, &msa, &dir.join(UNIPROT_FILE)).with_context(what)?)
                 }
-                None => None,
+                false => None,
             };
             Ok(EntityInput { raw, pairing })
         })

@@ -40,6 +40,8 @@ pub const UNIREF_MAX_HITS: usize = 10_000;
 pub const MGNIFY_MAX_HITS: usize = 501;
 /// Where the UniProt search (AlphaFold-Multimer's pairing) is saved under a chain's `msas/`.
 pub const UNIPROT_FILE: &str = "uniprot_hits.sto";
+/// Where the small BFD's search (`reduced_dbs`) is saved under `msas/`.
+const SMALL_BFD_FILE: &str = "small_bfd_hits.sto";
 /// Where ColabFold's search result is saved under `msas/`.
 const MMSEQS_FILE: &str = "mmseqs2_uniref_env.a3m";
 /// Threads AlphaFold gives jackhmmer and hhblits (`n_cpu`), and hhsearch's own default.
@@ -242,6 +244,40 @@ impl SearchArgs {
     }
 }
 
+impl Search {
+    /// A search that only reads the alignments a previous search saved (as
+    /// `--use-precomputed-msas` reads them, with [`Mode::ReadSaved`]): which files, by what the
+    /// query folder `msa_dir` holds: ColabFold's `mmseqs2_uniref_env.a3m`, else the small BFD's
+    /// `small_bfd_hits.sto` (`reduced_dbs`), else `full_dbs`'. No tool runs and no database is
+    /// read, so none is named; no templates.
+    pub fn saved(msa_dir: &Path) -> Search {
+        let none = PathBuf::new;
+        let plan = if msa_dir.join(MMSEQS_FILE).is_file() {
+            Plan::Mmseqs(MmseqsDatabases { uniref: none(), env: none() })
+        } else {
+            let bfd = match msa_dir.join(SMALL_BFD_FILE).is_file() {
+                true => Bfd::SmallBfd(none()),
+                false => Bfd::Hhblits(Vec::new()),
+            };
+            Plan::AlphaFold(Databases { uniref90: none(), mgnify: none(), bfd, templates: None })
+        };
+        let tool = |name| Tool::new(name, None);
+        Search {
+            plan,
+            jackhmmer: tool("jackhmmer"),
+            hhblits: tool("hhblits"),
+            hhsearch: tool("hhsearch"),
+            hmmsearch: tool("hmmsearch"),
+            hmmbuild: tool("hmmbuild"),
+            kalign: tool("kalign"),
+            mmseqs: tool("mmseqs"),
+            max_template_date: "9999-12-31".into(),
+            cpus: None,
+            reuse: true,
+        }
+    }
+}
+
 /// One alignment file of the search: where it is saved and how it was produced.
 struct Step<'a> {
     file: &'static str,
@@ -315,7 +351,7 @@ impl Search {
         })?;
         let bfd = match &db.bfd {
             Bfd::SmallBfd(path) => {
-                ctx.jackhmmer(&Step { file: "small_bfd_hits.sto", database: path, max_sequences: None })?.0
+                ctx.jackhmmer(&Step { file: SMALL_BFD_FILE, database: path, max_sequences: None })?.0
             }
             Bfd::Hhblits(paths) => ctx.hhblits("bfd_uniref_hits.a3m", paths)?,
         };
@@ -342,7 +378,7 @@ impl Ctx<'_> {
             return Ok(Some((path, text)));
         }
         if self.mode == Mode::ReadSaved {
-            bail!("{} is missing: rank 0 should have saved it", path.display());
+            bail!("{} is missing (saved alignments are only read here, not searched for)", path.display());
         }
         Ok(None)
     }
