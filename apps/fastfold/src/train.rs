@@ -50,7 +50,7 @@ use crate::model::multimer::{
 use crate::model::{Exec, Params, EVOFORMER, EXTRA_MSA};
 use crate::multimer::args::{ModelPreset, MultimerArgs};
 use crate::pdb::{read_resolution, Structure};
-use crate::train_complex::{complex_losses, read_complex};
+use crate::train_complex::{complex_losses, TrainingComplex};
 use crate::train_data::args::TrainDataArgs;
 use crate::train_data::layout;
 use crate::train_data::loader::{ExampleLoader, Shard};
@@ -316,7 +316,7 @@ impl<F> Copy for Example<'_, F> {}
 
 /// One complex of a step, as [`Trainer::accumulate_complex`] trains it: its features (the MSA
 /// sampled inside the network) and its true structure, chains laid out as the features'
-/// ([`crate::train_complex::read_complex`]).
+/// ([`crate::train_complex::TrainingComplex`]), or an example's crop of them.
 pub type ComplexExample<'a> = Example<'a, MultimerInputs>;
 
 /// The network a trainer trains, by its parameters: AlphaFold-Multimer's when they hold its
@@ -781,7 +781,12 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
             let loaded;
             let example = match &mut examples {
                 Examples::Complex(c) => {
-                    let example = ComplexExample { features: &c.0, target: &c.1, recycles: args.recycles, number };
+                    let cropped = c.cropped(args.input.seed.seed, number)?;
+                    let (features, target) = match &cropped {
+                        Some((features, target, _)) => (features, target),
+                        None => (&c.inputs, &c.target),
+                    };
+                    let example = ComplexExample { features, target, recycles: args.recycles, number };
                     recycles.get_or_insert(args.recycles);
                     trainer.accumulate_complex(&example, &exec)?;
                     continue;
@@ -900,19 +905,22 @@ enum Examples {
     One(Box<(Features, Target)>),
     /// A data set in OpenFold's layout, each step's example prepared ahead.
     Layout { loader: ExampleLoader },
-    /// A complex (the FASTA file's records) and its --target, every step.
-    Complex(Box<(MultimerInputs, Target)>),
+    /// A complex (the FASTA file's records) and its --target, every step (cropped per example
+    /// with --crop-size).
+    Complex(Box<TrainingComplex>),
 }
 
 impl Examples {
-    /// The complex of the FASTA file's records and --target's chains (see [`read_complex`]).
+    /// The complex of the FASTA file's records and --target's chains (see [`TrainingComplex::read`]).
+    /// --crop-size crops each example (the whole complex trains without it).
     fn complex(args: &TrainArgs, device: Device, world: &World) -> anyhow::Result<Examples> {
         let (Some(fasta), Some(target_path)) = (&args.input.fasta, &args.target) else {
             bail!("training AlphaFold-Multimer takes a FASTA file of the complex's chains and its --target structure")
         };
-        let (inputs, mut target) = read_complex(fasta, args.msas.as_deref(), target_path, device)?;
-        target.resolution = resolution(args, target_path, world)?;
-        Ok(Examples::Complex(Box::new((inputs, target))))
+        let resolution = resolution(args, target_path, world)?;
+        let (msas, crop) = (args.msas.as_deref(), args.data.crop_size);
+        let complex = TrainingComplex::read(fasta, msas, target_path, resolution, crop, device)?;
+        Ok(Examples::Complex(Box::new(complex)))
     }
 
     /// The examples `args` name from step `first` on: with --mmcif-dir the layout's chains that

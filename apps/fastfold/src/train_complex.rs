@@ -1,14 +1,16 @@
 //! Training AlphaFold-Multimer on one complex: the example (a FASTA file's records as one
 //! complex, [`crate::multimer`]'s features of it on its chains' saved alignments or each
-//! chain's sequence alone, and its true
-//! structure read chain by chain from a structure file) and the loss of a training forward
-//! ([`crate::loss::multimer_total`], after the chain permutation alignment). The trainer
-//! ([`crate::train::Trainer::accumulate_complex`]) runs the forward and the step.
-use std::path::Path;
+//! chain's sequence alone, and its true structure read chain by chain from a structure file;
+//! each example cropped by [`crate::complex_crop`] when a crop size is given) and the loss of
+//! a training forward ([`crate::loss::multimer_total`], after the chain permutation
+//! alignment). The trainer ([`crate::train::Trainer::accumulate_complex`]) runs the forward
+//! and the step.
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use tch::{Device, Kind, Tensor};
 
+use crate::complex_crop::{chain_lengths, crop_inputs, select_residues, ComplexCrop, CropKind};
 use crate::loss::multimer_total::{multimer_total_loss, ComplexLossInputs, MultimerLossConfig};
 use crate::loss::{MaskedMsaTarget, StepLoss};
 use crate::model::alphafold::Pass;
@@ -18,18 +20,19 @@ use crate::pdb::Structure;
 use crate::search::{Mode, Search};
 use crate::train_target::Target;
 
-/// The complex of `fasta`'s records and its true structure in `target`, on `device`: its
-/// features from each entity's saved alignments in `msas` ([`saved_alignments`]), else from
-/// each chain's sequence alone; record `k` is chain `A`, `B`, ... (as AlphaFold-Multimer
-/// letters the records), read from the structure file's chain of that letter, and the truth is
-/// laid out in the features' chain order (entity by entity). Errors name the file and the
-/// chain: a record whose chain the structure lacks, or whose residues differ from the chain's.
-pub fn read_complex(
+/// The complex of `fasta`'s records and its true structure in `target`, the features on
+/// `device`: its features from each entity's saved alignments in `msas`
+/// ([`saved_alignments`]), else from each chain's sequence alone; record `k` is chain `A`, `B`,
+/// ... (as AlphaFold-Multimer letters the records), read from the structure file's chain of
+/// that letter, and the truth is laid out in the features' chain order (entity by entity).
+/// Errors name the file and the chain: a record whose chain the structure lacks, or whose
+/// residues differ from the chain's.
+pub fn read_complex_structure(
     fasta: &Path,
     msas: Option<&Path>,
     target: &Path,
     device: Device,
-) -> anyhow::Result<(MultimerInputs, Target)> {
+) -> anyhow::Result<(MultimerInputs, Structure)> {
     let records = data::fasta::read(fasta)?;
     if records.len() < 2 {
         bail!("{}: a complex needs several FASTA records (one per chain); it has {}", fasta.display(), records.len());
@@ -69,10 +72,80 @@ pub fn read_complex(
             }
         });
     }
-    let truth = truth.context("a complex without chains")?;
-    let aatype = inputs.aatype.to_kind(Kind::Int64).to_device(device);
-    let target = Target::new(&truth, &aatype, &format!("--target {}", target.display()))?;
-    Ok((inputs, target))
+    Ok((inputs, truth.context("a complex without chains")?))
+}
+
+/// A complex to train on: its features and truth, whole, and how each example crops them.
+pub struct TrainingComplex {
+    /// The whole complex's features.
+    pub inputs: MultimerInputs,
+    /// Its true structure, whole.
+    pub truth: Structure,
+    /// The whole truth as a target.
+    pub target: Target,
+    /// The crop (`None`: every example is the whole complex).
+    pub crop: Option<ComplexCrop>,
+    /// Where the truth was read (for errors).
+    path: PathBuf,
+}
+
+impl TrainingComplex {
+    /// The complex of [`read_complex_structure`], resolution `resolution`, cropped to `crop`
+    /// residues when given ([`ComplexCrop::new`]). A crop that would cut a complex with copies
+    /// of a chain is refused naming `--crop-size`: the chain permutation alignment compares
+    /// whole copies, which differently cropped copies are not.
+    pub fn read(
+        fasta: &Path,
+        msas: Option<&Path>,
+        target: &Path,
+        resolution: f64,
+        crop: Option<usize>,
+        device: Device,
+    ) -> anyhow::Result<TrainingComplex> {
+        let (inputs, truth) = read_complex_structure(fasta, msas, target, device)?;
+        let aatype = inputs.aatype.to_kind(Kind::Int64);
+        let mut whole = Target::new(&truth, &aatype, &format!("--target {}", target.display()))?;
+        whole.resolution = resolution;
+        let n = truth.aatype.len();
+        if let Some(size) = crop.filter(|&size| size < n) {
+            let chains = chain_lengths(&ids(&inputs.asym_id)?).len();
+            let mut entities = ids(&inputs.entity_id)?;
+            entities.dedup();
+            if entities.len() < chains {
+                bail!(
+                    "--crop-size {size}: cropping a complex with copies of a chain ({chains} chains of {} \
+                     sequences, {n} residues) is not supported yet (the chain permutation alignment compares \
+                     whole copies); leave --crop-size out or at least {n}",
+                    entities.len()
+                );
+            }
+        }
+        let crop = crop.map(ComplexCrop::new);
+        Ok(TrainingComplex { inputs, truth, target: whole, crop, path: target.to_path_buf() })
+    }
+
+    /// Example `number`'s features and truth under a run seeded `seed`: `None` when it is the
+    /// whole complex (no crop, or one no shorter than the complex), else the crop
+    /// [`ComplexCrop::residues`] draws of both and which crop it was.
+    pub fn cropped(&self, seed: u64, number: u64) -> anyhow::Result<Option<(MultimerInputs, Target, CropKind)>> {
+        let Some(crop) = &self.crop else { return Ok(None) };
+        let (kind, keep) = crop.residues(&ids(&self.inputs.asym_id)?, &self.truth, seed, number);
+        if kind == CropKind::Whole {
+            return Ok(None);
+        }
+        let inputs = crop_inputs(&self.inputs, &keep);
+        let truth = select_residues(&self.truth, &keep);
+        let aatype = inputs.aatype.to_kind(Kind::Int64);
+        let source = format!("--target {} (example {number}'s crop)", self.path.display());
+        let mut target = Target::of_crop(&truth, &aatype, &source)?;
+        target.resolution = self.target.resolution;
+        Ok(Some((inputs, target, kind)))
+    }
+}
+
+/// A per-residue id array's values.
+fn ids(t: &Tensor) -> anyhow::Result<Vec<i64>> {
+    Ok(Vec::try_from(t.to_kind(Kind::Int64).to_device(Device::Cpu))?)
 }
 
 /// Each entity's inputs from the alignments a search saved in `msas` (`--msas`: predict's

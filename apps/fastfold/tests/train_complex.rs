@@ -5,19 +5,21 @@
 //! copies swapped equal those with them in order (the chain permutation alignment at work in
 //! training); a heterodimer's loss falls through the library's steps; with its chains' saved
 //! alignments (`--msas`, predict's `msas/` layout) its features have their rows and its loss
-//! falls; what does not fit, or is not supported yet, is refused naming the flag or file.
+//! falls; cropped to `--crop-size`, each example's features and truth are the same residues
+//! and train; what does not fit, or is not supported yet, is refused naming the flag or file.
 mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use engine::job::{OptimizerArgs, OptimizerKind};
+use fastfold::complex_crop::CropKind;
 use fastfold::model::multimer::{load_multimer_params, network_key, MultimerAlphaFold, MULTIMER_STRUCTURE_ITERATIONS};
 use fastfold::model::recycling::Recycling;
 use fastfold::model::Exec;
 use fastfold::pdb::Structure;
 use fastfold::train::{ComplexExample, Trainer};
-use fastfold::train_complex::read_complex;
+use fastfold::train_complex::TrainingComplex;
 use tch::{Device, Kind, Tensor};
 
 use common::BIN;
@@ -82,6 +84,11 @@ fn homodimer(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
     (fasta, pdb, swapped)
 }
 
+/// The complex of `fasta` (its alignments in `msas`) and its truth `pdb` at 2 Å, whole.
+fn read(fasta: &Path, msas: Option<&Path>, pdb: &Path) -> anyhow::Result<TrainingComplex> {
+    TrainingComplex::read(fasta, msas, pdb, 2.0, None, Device::Cpu)
+}
+
 fn adam(lr: f64) -> OptimizerArgs {
     OptimizerArgs { optimizer: OptimizerKind::Adamw, lr, weight_decay: 0.0, clip_grad: Some(0.1), adam_epsilon: None }
 }
@@ -96,8 +103,7 @@ fn swapped_copies_in_the_truth_give_the_same_gradients() {
     let (fasta, pdb, swapped) = homodimer(&dir);
     let params = load_multimer_params(&tiny_multimer()).unwrap();
     let gradients = |target: &Path, checkpointed: bool| {
-        let (inputs, mut target) = read_complex(&fasta, None, target, Device::Cpu).unwrap();
-        target.resolution = 2.0;
+        let TrainingComplex { inputs, target, .. } = read(&fasta, None, target).unwrap();
         let mut trainer = Trainer::new(&params, Device::Cpu, &adam(1e-3)).unwrap();
         let exec = Exec::serial().with_checkpointed_blocks(checkpointed);
         let losses = trainer.backward_complex(&inputs, &target, 1, &exec).unwrap();
@@ -240,8 +246,7 @@ fn what_does_not_fit_a_complex_is_refused_by_name() {
 fn a_heterodimer_trains_and_its_loss_falls() {
     let dir = common::scratch("train_complex", "heterodimer");
     let (fasta, pdb, _, _) = complex(&dir, "hetero", &[CHAIN, "GSWEDLKKLAE"]);
-    let (inputs, mut target) = read_complex(&fasta, None, &pdb, Device::Cpu).unwrap();
-    target.resolution = 2.0;
+    let TrainingComplex { inputs, target, .. } = read(&fasta, None, &pdb).unwrap();
     let params = load_multimer_params(&tiny_multimer()).unwrap();
     let mut trainer = Trainer::new(&params, Device::Cpu, &adam(3e-3)).unwrap();
     let exec = Exec::serial();
@@ -322,8 +327,8 @@ fn a_heterodimer_trains_on_its_saved_alignments() {
     let msas = dir.join("msas");
     saved_alignments(&msas, &[('A', CHAIN), ('B', OTHER)]);
 
-    let (single, _) = read_complex(&fasta, None, &pdb, Device::Cpu).unwrap();
-    let (aligned, target) = read_complex(&fasta, Some(&msas), &pdb, Device::Cpu).unwrap();
+    let single = read(&fasta, None, &pdb).unwrap().inputs;
+    let TrainingComplex { inputs: aligned, target, .. } = read(&fasta, Some(&msas), &pdb).unwrap();
     // Rows with a real residue (the features' MSA is padded to 512 rows).
     let rows = |i: &fastfold::model::multimer::MultimerInputs| {
         i.msa_mask.sum_dim_intlist(1, false, Kind::Float).gt(0.0).sum(Kind::Int64).int64_value(&[])
@@ -355,7 +360,7 @@ fn a_heterodimer_trains_on_its_saved_alignments() {
 
     let missing = msas.join("B").join("uniprot_hits.sto");
     std::fs::remove_file(&missing).unwrap();
-    let refusal = |msas: &Path| match read_complex(&fasta, Some(msas), &pdb, Device::Cpu) {
+    let refusal = |msas: &Path| match read(&fasta, Some(msas), &pdb) {
         Ok(_) => panic!("read without {}", missing.display()),
         Err(e) => format!("{e:#}"),
     };
@@ -371,4 +376,51 @@ fn a_heterodimer_trains_on_its_saved_alignments() {
     args.extend(["--msas".to_string(), msas.display().to_string(), "--msa".into(), pdb.display().to_string()]);
     let (ok, text) = train(&args);
     assert!(!ok && text.contains("--msas") && text.contains("--msa"), "{text}");
+}
+
+/// A heterodimer of 22 residues cropped to 16 (`--crop-size`): each example's features and
+/// truth have 16 residues, the same ones (residue types), and 3 steps on the crops train with
+/// every term finite; the same seed and example give the same crop. A homodimer is refused
+/// naming `--crop-size` when the crop would cut it (its copies would be cut differently), and
+/// not when the crop holds it whole; `fastfold train --crop-size` says the same.
+#[test]
+fn a_cropped_heterodimer_trains_and_copies_are_not_cut() {
+    let dir = common::scratch("train_complex", "crop");
+    let (fasta, pdb, _, _) = complex(&dir, "hetero", &[CHAIN, "GSWEDLKKLAE"]);
+    let complex = TrainingComplex::read(&fasta, None, &pdb, 2.0, Some(16), Device::Cpu).unwrap();
+    let params = load_multimer_params(&tiny_multimer()).unwrap();
+    let mut trainer = Trainer::new(&params, Device::Cpu, &adam(3e-3)).unwrap();
+    let exec = Exec::serial();
+    let mut kinds = Vec::new();
+    for number in 1..=3 {
+        let (inputs, target, kind) = complex.cropped(0, number).unwrap().expect("22 residues cropped to 16");
+        let again = complex.cropped(0, number).unwrap().unwrap();
+        assert!(again.0.residue_index.equal(&inputs.residue_index) && again.2 == kind, "example {number}");
+        assert_eq!(inputs.residues().unwrap(), 16);
+        assert_eq!(target.truth.aatype.size(), [16]);
+        assert!(target.truth.aatype.equal(&inputs.aatype.to_kind(Kind::Int64)), "example {number}: residues differ");
+        assert_eq!(target.resolution, 2.0);
+        kinds.push(kind);
+        trainer.begin_step(1).unwrap();
+        let example = ComplexExample { features: &inputs, target: &target, recycles: 0, number };
+        let losses = trainer.accumulate_complex(&example, &exec).unwrap();
+        let (terms, norm) = trainer.finish_step(&exec).unwrap();
+        assert!(losses.terms.loss.is_finite() && norm.is_finite() && norm > 0.0, "example {number}: {terms:?}");
+    }
+    eprintln!("crops {kinds:?}");
+    assert!(kinds.iter().all(|k| *k != CropKind::Whole));
+    let whole = TrainingComplex::read(&fasta, None, &pdb, 2.0, Some(22), Device::Cpu).unwrap();
+    assert!(whole.cropped(0, 1).unwrap().is_none(), "a crop of 22 cut 22 residues");
+
+    let (dimer, dimer_pdb, _) = homodimer(&dir);
+    let err = match TrainingComplex::read(&dimer, None, &dimer_pdb, 2.0, Some(16), Device::Cpu) {
+        Ok(_) => panic!("a homodimer cropped"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("--crop-size 16") && err.contains("copies"), "{err}");
+    assert!(TrainingComplex::read(&dimer, None, &dimer_pdb, 2.0, Some(22), Device::Cpu).is_ok());
+    let mut args = words(&dimer, &dimer_pdb, &dir.join("out"));
+    args.extend(["--model-preset", "multimer", "--crop-size", "16"].map(String::from));
+    let (ok, text) = train(&args);
+    assert!(!ok && text.contains("--crop-size 16"), "{text}");
 }

@@ -53,7 +53,8 @@ pub struct TrainDataArgs {
     #[arg(long)]
     pub max_length: Option<usize>,
     /// Residues of the contiguous crop (default: the --config-preset's, 256 for initial
-    /// training and 384 for fine-tuning).
+    /// training and 384 for fine-tuning). A complex (AlphaFold-Multimer) is cropped only when
+    /// it is given, by AlphaFold-Multimer's mix of contiguous and spatial crops.
     #[arg(long, value_parser = engine::parse::count(1..))]
     pub crop_size: Option<usize>,
     /// Recycling passes before the trained one are drawn uniformly from 0 to this, per step

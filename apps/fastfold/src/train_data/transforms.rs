@@ -105,13 +105,18 @@ pub fn crop_start(num_res: usize, crop_size: usize, rng: &mut Rng) -> usize {
 
 /// Residues `start..start + len` of a structure, every per-residue field alike.
 pub fn crop_structure(s: &Structure, start: usize, len: usize) -> Structure {
-    let r = start..start + len;
+    select_residues(s, &(start..start + len).collect::<Vec<_>>())
+}
+
+/// Residues `keep` of a structure (indices, in the order given), every per-residue field
+/// alike.
+pub fn select_residues(s: &Structure, keep: &[usize]) -> Structure {
     Structure {
-        aatype: s.aatype[r.clone()].to_vec(),
-        residue_index: s.residue_index[r.clone()].to_vec(),
-        positions: s.positions[r.clone()].to_vec(),
-        mask: s.mask[r.clone()].to_vec(),
-        b_factors: s.b_factors[r].to_vec(),
+        aatype: keep.iter().map(|&i| s.aatype[i]).collect(),
+        residue_index: keep.iter().map(|&i| s.residue_index[i]).collect(),
+        positions: keep.iter().map(|&i| s.positions[i]).collect(),
+        mask: keep.iter().map(|&i| s.mask[i]).collect(),
+        b_factors: keep.iter().map(|&i| s.b_factors[i]).collect(),
     }
 }
 
