@@ -254,7 +254,7 @@ fn ours(dir: &Path, calls: usize, dap: Dap) -> anyhow::Result<Ours> {
         &get("all_atom_positions")?.to_kind(Kind::Float),
         &get("all_atom_mask")?.to_kind(Kind::Float),
     )?;
-    let target = Target { truth, resolution: 2.0 };
+    let target = Target { truth, resolution: 2.0, whole_chains: None };
     let adam = OptimizerArgs {
         optimizer: OptimizerKind::Adamw,
         lr: 1e-3,

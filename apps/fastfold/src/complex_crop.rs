@@ -4,8 +4,12 @@
 //! whose Cα lies nearest a residue at an interface), else the contiguous crop across chains
 //! ([`contiguous_crop`]: a piece of each chain, in a random order of the chains, the pieces
 //! summing to the crop size). The kept residues, in the complex's order, crop the features
-//! ([`crop_inputs`]) and the truth ([`select_residues`]) alike. Every draw comes from the
-//! run's seed and the example's number, so an example is cropped the same way on any machine.
+//! ([`crop_inputs`]) and, with [`select_residues`], a structure alike; in training the loss
+//! keeps the whole truth and finds each kept residue in it by its chain and number, so that
+//! copies of a chain cropped differently are still compared residue for residue after the
+//! chain permutation alignment ([`crate::loss::chain_permutation::align_crop`]). Every draw
+//! comes from the run's seed and the example's number, so an example is cropped the same way
+//! on any machine.
 use tch::Tensor;
 
 use crate::features::rng::Rng;

@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use tch::{Device, Kind, Tensor};
 
-use crate::complex_crop::{chain_lengths, crop_inputs, select_residues, ComplexCrop, CropKind};
-use crate::loss::multimer_total::{multimer_total_loss, ComplexLossInputs, MultimerLossConfig};
+use crate::complex_crop::{crop_inputs, ComplexCrop, CropKind};
+use crate::loss::multimer_total::{multimer_total_loss, ComplexLossInputs, MultimerLossConfig, WholeChains};
 use crate::loss::{MaskedMsaTarget, StepLoss};
 use crate::model::alphafold::Pass;
 use crate::model::multimer::{MultimerInputs, SampledMsa};
@@ -91,9 +91,7 @@ pub struct TrainingComplex {
 
 impl TrainingComplex {
     /// The complex of [`read_complex_structure`], resolution `resolution`, cropped to `crop`
-    /// residues when given ([`ComplexCrop::new`]). A crop that would cut a complex with copies
-    /// of a chain is refused naming `--crop-size`: the chain permutation alignment compares
-    /// whole copies, which differently cropped copies are not.
+    /// residues when given ([`ComplexCrop::new`]).
     pub fn read(
         fasta: &Path,
         msas: Option<&Path>,
@@ -106,27 +104,15 @@ impl TrainingComplex {
         let aatype = inputs.aatype.to_kind(Kind::Int64);
         let mut whole = Target::new(&truth, &aatype, &format!("--target {}", target.display()))?;
         whole.resolution = resolution;
-        let n = truth.aatype.len();
-        if let Some(size) = crop.filter(|&size| size < n) {
-            let chains = chain_lengths(&ids(&inputs.asym_id)?).len();
-            let mut entities = ids(&inputs.entity_id)?;
-            entities.dedup();
-            if entities.len() < chains {
-                bail!(
-                    "--crop-size {size}: cropping a complex with copies of a chain ({chains} chains of {} \
-                     sequences, {n} residues) is not supported yet (the chain permutation alignment compares \
-                     whole copies); leave --crop-size out or at least {n}",
-                    entities.len()
-                );
-            }
-        }
         let crop = crop.map(ComplexCrop::new);
         Ok(TrainingComplex { inputs, truth, target: whole, crop, path: target.to_path_buf() })
     }
 
     /// Example `number`'s features and truth under a run seeded `seed`: `None` when it is the
-    /// whole complex (no crop, or one no shorter than the complex), else the crop
-    /// [`ComplexCrop::residues`] draws of both and which crop it was.
+    /// whole complex (no crop, or one no shorter than the complex), else the features of the
+    /// residues [`ComplexCrop::residues`] draws, the whole truth with the whole complex's chains
+    /// (the loss compares each predicted chain with the same residues of the true chain it
+    /// assigns, [`crate::loss::chain_permutation::align_crop`]) and which crop it was.
     pub fn cropped(&self, seed: u64, number: u64) -> anyhow::Result<Option<(MultimerInputs, Target, CropKind)>> {
         let Some(crop) = &self.crop else { return Ok(None) };
         let (kind, keep) = crop.residues(&ids(&self.inputs.asym_id)?, &self.truth, seed, number);
@@ -134,11 +120,10 @@ impl TrainingComplex {
             return Ok(None);
         }
         let inputs = crop_inputs(&self.inputs, &keep);
-        let truth = select_residues(&self.truth, &keep);
-        let aatype = inputs.aatype.to_kind(Kind::Int64);
-        let source = format!("--target {} (example {number}'s crop)", self.path.display());
-        let mut target = Target::of_crop(&truth, &aatype, &source)?;
+        let aatype = self.inputs.aatype.to_kind(Kind::Int64);
+        let mut target = Target::of_crop(&self.truth, &aatype, &format!("--target {}", self.path.display()))?;
         target.resolution = self.target.resolution;
+        target.whole_chains = Some((self.inputs.asym_id.shallow_clone(), self.inputs.entity_id.shallow_clone()));
         Ok(Some((inputs, target, kind)))
     }
 }
@@ -181,6 +166,7 @@ pub fn complex_losses(
     let (true_msa, bert_mask) = (on(&sampled.true_msa), on(&sampled.bert_mask));
     let (asym_id, entity_id) = (on(&f.asym_id), on(&f.entity_id));
     let (residue_index, seq_mask) = (on(&f.residue_index), on(&f.seq_mask).to_kind(Kind::Float));
+    let whole_chains = target.whole_chains.as_ref().map(|(a, e)| (on(a), on(e)));
     let inputs = ComplexLossInputs {
         truth: &target.truth,
         msa: MaskedMsaTarget { true_msa: &true_msa, bert_mask: &bert_mask },
@@ -189,6 +175,7 @@ pub fn complex_losses(
         residue_index: &residue_index,
         seq_mask: &seq_mask,
         resolution: target.resolution,
+        whole: whole_chains.as_ref().map(|(asym_id, entity_id)| WholeChains { asym_id, entity_id }),
     };
     let l = multimer_total_loss(&pass.heads, &pass.structure, &inputs, cfg)?;
     let s = &l.structure;

@@ -16,6 +16,11 @@ pub struct Target {
     pub truth: GroundTruth,
     /// The structure's resolution (Å; 0, the default, for none: no confidence terms).
     pub resolution: f64,
+    /// For a complex's whole truth compared with a prediction of a crop of it: the whole
+    /// complex's chain (`asym_id`) and entity (`entity_id`) of each residue, [M] each (the loss
+    /// finds each predicted residue in its assigned true chain by its number). `None`: the
+    /// truth has the prediction's residues.
+    pub whole_chains: Option<(Tensor, Tensor)>,
 }
 
 impl Target {
@@ -64,7 +69,7 @@ impl Target {
         let flat: Vec<f32> = s.mask.iter().flatten().copied().collect();
         let mask = Tensor::from_slice(&flat).view([n, 37]).to_device(device);
         let truth = GroundTruth::new(aatype, &positions, &mask).with_context(|| source.to_string())?;
-        Ok(Target { truth, resolution: 0.0 })
+        Ok(Target { truth, resolution: 0.0, whole_chains: None })
     }
 }
 

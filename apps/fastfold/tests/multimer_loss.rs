@@ -263,6 +263,7 @@ fn multimer_total_loss_and_its_gradients_equal_alphafold() {
             residue_index: &a["residue_index"],
             seq_mask: &a["seq_mask"],
             resolution: a["resolution"].double_value(&[]),
+            whole: None,
         };
         let l = multimer_total_loss(&heads, &structure, &inputs, &MultimerLossConfig::default()).unwrap();
         let want_assignment = if swapped { vec![1, 0] } else { vec![0, 1] };

@@ -37,6 +37,26 @@ pub struct Chain {
 /// residues are not consecutive, when a chain spans two entities, or when two chains of one
 /// entity differ in length (they would not be interchangeable).
 pub fn chains(asym_id: &Tensor, entity_id: &Tensor) -> Result<Vec<Chain>> {
+    let out = chain_runs(asym_id, entity_id)?;
+    for c in &out {
+        if let Some(other) = out.iter().find(|o| o.entity_id == c.entity_id && o.len != c.len) {
+            ensure!(
+                false,
+                "chains {} and {} of entity {} have {} and {} residues: copies must match",
+                c.asym_id,
+                other.asym_id,
+                c.entity_id,
+                c.len,
+                other.len
+            );
+        }
+    }
+    Ok(out)
+}
+
+/// The chains of `asym_id` and `entity_id` [N] as [`chains`] finds them, copies of an entity
+/// of any lengths (a crop's).
+pub fn chain_runs(asym_id: &Tensor, entity_id: &Tensor) -> Result<Vec<Chain>> {
     let asym: Vec<i64> = Vec::try_from(asym_id.f_to_kind(Kind::Int64)?.f_to_device(Device::Cpu)?)?;
     let entity: Vec<i64> = Vec::try_from(entity_id.f_to_kind(Kind::Int64)?.f_to_device(Device::Cpu)?)?;
     ensure!(asym.len() == entity.len(), "asym_id has {} residues, entity_id {}", asym.len(), entity.len());
@@ -53,20 +73,13 @@ pub fn chains(asym_id: &Tensor, entity_id: &Tensor) -> Result<Vec<Chain>> {
             }
         }
     }
-    for c in &out {
-        if let Some(other) = out.iter().find(|o| o.entity_id == c.entity_id && o.len != c.len) {
-            ensure!(
-                false,
-                "chains {} and {} of entity {} have {} and {} residues: copies must match",
-                c.asym_id,
-                other.asym_id,
-                c.entity_id,
-                c.len,
-                other.len
-            );
-        }
-    }
     Ok(out)
+}
+
+/// Each residue's place in its chain when the prediction is the whole complex: 0, 1, ... in
+/// every chain of `chains`.
+pub fn places_in_chains(chains: &[Chain]) -> Vec<usize> {
+    chains.iter().flat_map(|c| 0..c.len).collect()
 }
 
 /// Cα positions and their mask, as f64 rows on the CPU.
@@ -151,42 +164,70 @@ fn distance2(a: &[f64; 3], b: &[f64; 3]) -> f64 {
 /// as the module describes, from predicted Cα positions `pred_ca` [N, 3], true ones `true_ca`
 /// [N, 3] and their resolution mask `true_mask` [N], the truth laid out by the same `chains`.
 pub fn align_chains(chains: &[Chain], pred_ca: &Tensor, true_ca: &Tensor, true_mask: &Tensor) -> Result<Vec<usize>> {
-    let pred = Points::new(pred_ca, &true_mask.f_ones_like()?)?;
+    align_crop(chains, chains, &places_in_chains(chains), pred_ca, true_ca, true_mask)
+}
+
+/// [`align_chains`] for a prediction of a crop of the complex: predicted chains `pred_chains`
+/// (some maybe cut short or left out, copies of different lengths), predicted residue `i` being
+/// residue `places[i]` of its whole chain, against the whole truth laid out by `truth_chains`
+/// (copies of one length). Each predicted chain is compared with the same residues of the true
+/// chain assigned to it; indices into `truth_chains`.
+pub fn align_crop(
+    pred_chains: &[Chain],
+    truth_chains: &[Chain],
+    places: &[usize],
+    pred_ca: &Tensor,
+    true_ca: &Tensor,
+    true_mask: &Tensor,
+) -> Result<Vec<usize>> {
+    let pred = Points::new(pred_ca, &pred_ca.f_select(1, 0)?.f_ones_like()?)?;
     let truth = Points::new(true_ca, true_mask)?;
-    ensure!(pred.xyz.len() == truth.xyz.len(), "{} predicted residues, {} true", pred.xyz.len(), truth.xyz.len());
-    let copies = |e: i64| chains.iter().filter(|c| c.entity_id == e).count();
-    // The anchor: fewest copies, then the longest, then the first.
-    let Some(anchor) = (0..chains.len()).min_by_key(|&i| (copies(chains[i].entity_id), usize::MAX - chains[i].len, i))
+    ensure!(pred.xyz.len() == places.len(), "{} predicted residues, {} places", pred.xyz.len(), places.len());
+    let whole = |t: &Chain, p: &Chain| (0..p.len).all(|k| places[p.start + k] < t.len);
+    for p in pred_chains {
+        let fits = truth_chains.iter().filter(|t| t.entity_id == p.entity_id).all(|t| whole(t, p));
+        ensure!(fits, "predicted chain {} has residues past its entity's true chains", p.asym_id);
+    }
+    let copies = |e: i64| pred_chains.iter().filter(|c| c.entity_id == e).count();
+    // The anchor: a true chain of a predicted entity with the fewest copies, then the longest,
+    // then the first.
+    let Some(anchor) = (0..truth_chains.len())
+        .filter(|&i| copies(truth_chains[i].entity_id) > 0)
+        .min_by_key(|&i| (copies(truth_chains[i].entity_id), usize::MAX - truth_chains[i].len, i))
     else {
         return Ok(Vec::new());
     };
     // Resolved Cα of true chain `t` paired with the same residues of predicted chain `p`.
     let pairs = |p: &Chain, t: &Chain| -> (Vec<[f64; 3]>, Vec<[f64; 3]>) {
-        (0..t.len).filter(|&k| truth.mask[t.start + k]).map(|k| (truth.xyz[t.start + k], pred.xyz[p.start + k])).unzip()
+        (0..p.len)
+            .map(|k| (t.start + places[p.start + k], p.start + k))
+            .filter(|&(row, _)| truth.mask[row])
+            .map(|(row, i)| (truth.xyz[row], pred.xyz[i]))
+            .unzip()
     };
-    // A predicted chain's centroid over all its residues; a true chain's over its resolved ones,
-    // superposed.
+    // A predicted chain's centroid over all its residues; a true chain's over its resolved ones
+    // among those residues, superposed.
     let pred_centroid = |c: &Chain| mean((0..c.len).map(|k| pred.xyz[c.start + k]));
-    let true_centroid = |c: &Chain, moved: &dyn Fn(&[f64; 3]) -> [f64; 3]| {
-        mean((0..c.len).filter(|&k| truth.mask[c.start + k]).map(|k| moved(&truth.xyz[c.start + k])))
-    };
+    let true_centroid =
+        |p: &Chain, t: &Chain, moved: &dyn Fn(&[f64; 3]) -> [f64; 3]| mean(pairs(p, t).0.iter().map(moved));
     let mut best: Option<(f64, Vec<usize>)> = None;
-    for candidate in (0..chains.len()).filter(|&p| chains[p].entity_id == chains[anchor].entity_id) {
-        let (from, to) = pairs(&chains[candidate], &chains[anchor]);
+    let anchor_entity = truth_chains[anchor].entity_id;
+    for candidate in (0..pred_chains.len()).filter(|&p| pred_chains[p].entity_id == anchor_entity) {
+        let (from, to) = pairs(&pred_chains[candidate], &truth_chains[anchor]);
         let (rot, trans) = kabsch(&from, &to)?;
         let moved = |x: &[f64; 3]| apply(&rot, &trans, x);
-        let mut assigned: Vec<Option<usize>> = vec![None; chains.len()];
+        let mut assigned: Vec<Option<usize>> = vec![None; pred_chains.len()];
         assigned[candidate] = Some(anchor);
-        for p in 0..chains.len() {
+        for p in 0..pred_chains.len() {
             if p == candidate {
                 continue;
             }
-            let target = pred_centroid(&chains[p]);
-            let free = (0..chains.len())
-                .filter(|&t| chains[t].entity_id == chains[p].entity_id && !assigned.contains(&Some(t)));
+            let (pc, target) = (&pred_chains[p], pred_centroid(&pred_chains[p]));
+            let free = (0..truth_chains.len())
+                .filter(|&t| truth_chains[t].entity_id == pc.entity_id && !assigned.contains(&Some(t)));
             let closest = free.min_by(|&a, &b| {
-                let da = distance2(&true_centroid(&chains[a], &moved), &target);
-                let db = distance2(&true_centroid(&chains[b], &moved), &target);
+                let da = distance2(&true_centroid(pc, &truth_chains[a], &moved), &target);
+                let db = distance2(&true_centroid(pc, &truth_chains[b], &moved), &target);
                 da.total_cmp(&db)
             });
             assigned[p] = closest;
@@ -194,7 +235,7 @@ pub fn align_chains(chains: &[Chain], pred_ca: &Tensor, true_ca: &Tensor, true_m
         let assignment: Vec<usize> = assigned.into_iter().map(|t| t.unwrap_or(0)).collect();
         let (mut sum, mut count) = (0.0, 0usize);
         for (p, &t) in assignment.iter().enumerate() {
-            let (from, to) = pairs(&chains[p], &chains[t]);
+            let (from, to) = pairs(&pred_chains[p], &truth_chains[t]);
             sum += from.iter().zip(&to).map(|(f, t)| distance2(&moved(f), t)).sum::<f64>();
             count += from.len();
         }
@@ -210,9 +251,21 @@ pub fn align_chains(chains: &[Chain], pred_ca: &Tensor, true_ca: &Tensor, true_m
 /// result is the true residue to compare with predicted residue `i` (for `Tensor::index_select`
 /// on the truth's rows).
 pub fn residue_order(chains: &[Chain], assignment: &[usize]) -> Vec<i64> {
+    crop_residue_order(chains, chains, &places_in_chains(chains), assignment)
+}
+
+/// [`residue_order`] for a crop ([`align_crop`]'s chains, places and assignment): index `i` is
+/// the row of the whole truth to compare with predicted residue `i`.
+pub fn crop_residue_order(
+    pred_chains: &[Chain],
+    truth_chains: &[Chain],
+    places: &[usize],
+    assignment: &[usize],
+) -> Vec<i64> {
     let mut order = Vec::new();
     for (p, &t) in assignment.iter().enumerate() {
-        order.extend((0..chains[p].len).map(|k| (chains[t].start + k) as i64));
+        let c = &pred_chains[p];
+        order.extend((c.start..c.start + c.len).map(|i| (truth_chains[t].start + places[i]) as i64));
     }
     order
 }
@@ -253,5 +306,39 @@ mod tests {
         assert!(err.contains("copies must match"), "{err}");
         assert!(chains(&ids(&[1, 2, 1]), &ids(&[1, 1, 1])).is_err(), "a chain split in two");
         assert_eq!(residue_order(&c, &[1, 0, 2]), [2, 3, 0, 1, 4]);
+    }
+
+    /// A homotrimer's copies (10 residues each, on three separate helices) cropped differently
+    /// (chain 1 residues 2..9, chain 2 residues 0..4, chain 3 left out), predicted as the truth
+    /// turned and moved with copies 1 and 2 swapped: the crop's alignment assigns each predicted
+    /// chain the true copy it is, and the residue order picks, for each predicted residue, the
+    /// whole truth's row of its number in that copy.
+    #[test]
+    fn a_crop_aligns_its_copies_with_the_whole_truth() {
+        let helix = |c: usize, k: usize| {
+            let a = 1.7 * k as f64;
+            [12.0 * c as f64 + 2.3 * a.cos(), 2.3 * a.sin() + 0.4 * c as f64, 1.5 * k as f64]
+        };
+        let truth: Vec<[f64; 3]> = (0..3).flat_map(|c| (0..10).map(move |k| helix(c, k))).collect();
+        let chain = |asym_id: i64, start: usize, len: usize| Chain { asym_id, entity_id: 1, start, len };
+        let truth_chains = [chain(1, 0, 10), chain(2, 10, 10), chain(3, 20, 10)];
+        // Predicted chain 1 is true copy 2's residues 2..9, predicted chain 2 copy 1's 0..4.
+        let (c, s) = (0.8f64.cos(), 0.8f64.sin());
+        let moved = |x: &[f64; 3]| apply(&[[c, -s, 0.0], [s, c, 0.0], [0.0, 0.0, 1.0]], &[5.0, -3.0, 2.0], x);
+        let places: Vec<usize> = (2..9).chain(0..4).collect();
+        let pred: Vec<[f64; 3]> =
+            (2..9).map(|k| moved(&truth[10 + k])).chain((0..4).map(|k| moved(&truth[k]))).collect();
+        let pred_chains = [chain(1, 0, 7), chain(2, 7, 4)];
+        let tensor = |p: &[[f64; 3]]| Tensor::from_slice(&p.concat()).view([p.len() as i64, 3]);
+        let mask = Tensor::ones([30], (Kind::Double, Device::Cpu));
+        let assignment =
+            align_crop(&pred_chains, &truth_chains, &places, &tensor(&pred), &tensor(&truth), &mask).unwrap();
+        assert_eq!(assignment, vec![1, 0]);
+        let rows = crop_residue_order(&pred_chains, &truth_chains, &places, &assignment);
+        let want: Vec<i64> = (12..19).chain(0..4).collect();
+        assert_eq!(rows, want);
+        // A place past the true chains is an error, not a wrong row.
+        let bad: Vec<usize> = (2..9).chain([0, 1, 2, 10]).collect();
+        assert!(align_crop(&pred_chains, &truth_chains, &bad, &tensor(&pred), &tensor(&truth), &mask).is_err());
     }
 }

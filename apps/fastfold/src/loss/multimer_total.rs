@@ -16,7 +16,7 @@
 //! 3 Å, as in the monomer.
 use tch::{Kind, Tensor};
 
-use super::chain_permutation::{align_chains, chains, residue_order};
+use super::chain_permutation::{align_crop, chain_runs, chains, crop_residue_order, places_in_chains};
 use super::heads::{head_losses, HeadLossConfig, HeadLosses, MaskedMsaTarget};
 use super::multimer::{multimer_structure_loss, MultimerStructureLoss, MultimerStructureLossConfig};
 use crate::ground_truth::GroundTruth;
@@ -67,6 +67,19 @@ pub struct ComplexLossInputs<'a> {
     pub seq_mask: &'a Tensor,
     /// The structure's resolution (Å; 0 for none: no confidence terms).
     pub resolution: f64,
+    /// When the prediction is of a crop of the complex: the whole complex's chains, by which
+    /// `truth` (then the whole truth) is laid out; each predicted residue is compared with the
+    /// residue of its number (`residue_index`) in the true chain assigned to its chain.
+    pub whole: Option<WholeChains<'a>>,
+}
+
+/// The whole complex's chains, for a prediction of a crop of it.
+#[derive(Clone, Copy)]
+pub struct WholeChains<'a> {
+    /// Chain of each residue of the whole complex [M].
+    pub asym_id: &'a Tensor,
+    /// Entity of each residue of the whole complex [M].
+    pub entity_id: &'a Tensor,
 }
 
 /// The total and its terms (scalars, fp32).
@@ -110,17 +123,30 @@ pub fn multimer_total_loss(
 /// and the assignment chosen, from the predicted Cα atoms (no gradient through the choice).
 fn aligned_truth(structure: &StructureOutput, inputs: &ComplexLossInputs) -> Result<(Option<GroundTruth>, Vec<usize>)> {
     let truth = inputs.truth;
-    let list = chains(inputs.asym_id, inputs.entity_id)?;
+    let (pred_chains, truth_chains, places) = match inputs.whole {
+        None => {
+            let list = chains(inputs.asym_id, inputs.entity_id)?;
+            let places = places_in_chains(&list);
+            (list.clone(), list, places)
+        }
+        Some(w) => {
+            let numbers: Vec<i64> =
+                Vec::try_from(inputs.residue_index.f_to_kind(Kind::Int64)?.f_to_device(tch::Device::Cpu)?)?;
+            let places = numbers.iter().map(|&r| usize::try_from(r).unwrap_or(usize::MAX)).collect();
+            (chain_runs(inputs.asym_id, inputs.entity_id)?, chains(w.asym_id, w.entity_id)?, places)
+        }
+    };
     let ca = atom_order("CA").unwrap_or(1) as i64;
     let assignment = tch::no_grad(|| {
         let pred = structure.atom37.f_detach()?.f_to_kind(Kind::Float)?.f_select(1, ca)?;
         let mask = truth.all_atom_mask.f_select(1, ca)?;
-        align_chains(&list, &pred, &truth.all_atom_positions.f_select(1, ca)?, &mask)
+        align_crop(&pred_chains, &truth_chains, &places, &pred, &truth.all_atom_positions.f_select(1, ca)?, &mask)
     })?;
-    if assignment.iter().enumerate().all(|(p, &t)| p == t) {
+    if inputs.whole.is_none() && assignment.iter().enumerate().all(|(p, &t)| p == t) {
         return Ok((None, assignment));
     }
-    let rows = Tensor::from_slice(&residue_order(&list, &assignment)).f_to_device(truth.aatype.device())?;
+    let order = crop_residue_order(&pred_chains, &truth_chains, &places, &assignment);
+    let rows = Tensor::from_slice(&order).f_to_device(truth.aatype.device())?;
     let pick = |t: &Tensor| t.f_index_select(0, &rows);
     let reordered =
         GroundTruth::new(&pick(&truth.aatype)?, &pick(&truth.all_atom_positions)?, &pick(&truth.all_atom_mask)?)?;
