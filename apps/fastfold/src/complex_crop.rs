@@ -1,5 +1,5 @@
 //! Cropping a complex as AlphaFold-Multimer trains on one (its supplement, section 7.2.2; the
-//! names follow OpenFold's `random_crop_to_size` for multimers): each example takes, with
+//! settings as public multimer training configs set them): each example takes, with
 //! probability [`SPATIAL_CROP_PROBABILITY`], the spatial crop ([`spatial_crop`]: the residues
 //! whose Cα lies nearest a residue at an interface), else the contiguous crop across chains
 //! ([`contiguous_crop`]: a piece of each chain, in a random order of the chains, the pieces
@@ -18,11 +18,11 @@ use crate::pdb::Structure;
 pub use crate::train_data::transforms::select_residues;
 use crate::train_data::transforms::{keyed, Draw};
 
-/// How often an example takes the spatial crop rather than the contiguous one (OpenFold's
-/// multimer training config, `spatial_crop_prob`).
+/// How often an example takes the spatial crop rather than the contiguous one (multimer
+/// training configs' `spatial_crop_prob`).
 pub const SPATIAL_CROP_PROBABILITY: f64 = 0.5;
 /// Cα distance (Å) under which a residue with a residue of another chain is at an interface
-/// (OpenFold's multimer training config, `interface_threshold`).
+/// (Uni-Fold's multimer training config, `ca_ca_threshold`; OpenFold's `interface_threshold`).
 pub const INTERFACE_DISTANCE: f64 = 10.0;
 /// Added per residue number to the distances of the spatial crop, so that ties keep the earlier
 /// residue.
