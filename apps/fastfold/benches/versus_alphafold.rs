@@ -49,6 +49,9 @@ struct Figures {
     peak_bytes: u64,
 }
 
+// Our side allocates as the `fastfold` binary does.
+fastfold::process_allocator!();
+
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     if let Some(dir) = &args.ours {

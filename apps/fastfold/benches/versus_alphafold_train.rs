@@ -75,9 +75,10 @@ struct Ours {
     peak_bytes: u64,
 }
 
+// Our side allocates as the `fastfold` binary does.
+fastfold::process_allocator!();
+
 fn main() -> anyhow::Result<()> {
-    // As the `fastfold` binary starts (freed activations kept for the next op, not unmapped).
-    engine::process::keep_freed_memory();
     let args = Args::parse();
     if let Some(dir) = &args.ours {
         return ours_in_ranks(dir, &args);

@@ -1,5 +1,6 @@
 //! `fastfold`: AlphaFold 2 structure prediction with dynamic axial parallelism (DAP): input
 //! features, homology search, residue tables, the model, confidence measures, losses and PDB output.
+pub mod allocator;
 pub mod checkpoint;
 pub mod complex_crop;
 pub mod confidence;

@@ -24,12 +24,13 @@ enum Cli {
     Env,
 }
 
+fastfold::process_allocator!();
+
 fn main() -> std::process::ExitCode {
     engine::failure::exit_code(run())
 }
 
 fn run() -> anyhow::Result<()> {
-    engine::process::keep_freed_memory();
     data::temporaries::remove_on_interrupt();
     match Cli::parse() {
         Cli::Predict(args) => {
