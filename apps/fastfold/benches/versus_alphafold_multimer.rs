@@ -15,8 +15,9 @@
 //! `--extra-blocks` extra-MSA blocks; output layers random rather than zero), writes them, and
 //! times DeepMind's v2.3 recycling from seed `--seed`, its second prediction (the first
 //! compiles). Ours then runs in a fresh process on those files (so that each side's peak memory
-//! is its own), the second of two predictions timed likewise, from the same seed. Both in
-//! fp32, v3's sampling sizes (508 MSA rows, 2048 extra).
+//! is its own), the second of two predictions timed likewise, from the same seed (with
+//! `--chunk-size`, ours in chunks as `fastfold predict --chunk-size` runs). Both in fp32, v3's
+//! sampling sizes (508 MSA rows, 2048 extra).
 mod common;
 
 use std::ffi::OsStr;
@@ -28,6 +29,7 @@ use clap::Parser;
 use common::{mib, Figures, Sides};
 use data::a3m::Msa;
 use data::fasta::FastaRecord;
+use engine::parallel::dap::Dap;
 use fastfold::features::RawFeatures;
 use fastfold::model::multimer::{network_key, MultimerAlphaFold, MultimerInputs};
 use fastfold::model::recycling::Recycling;
@@ -58,6 +60,10 @@ struct Args {
     /// The seed of the network's key (MSA sampling and masking on each pass).
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Our side's chunk size (`fastfold predict --chunk-size`; default none, every operation
+    /// whole). AlphaFold's side runs its inference config's `subbatch_size` 4 either way.
+    #[arg(long)]
+    chunk_size: Option<i64>,
     #[command(flatten)]
     sides: Sides,
 }
@@ -65,7 +71,7 @@ struct Args {
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     if let Some(dir) = &args.sides.ours {
-        let (f, diff) = ours(dir, args.recycles, args.seed)?;
+        let (f, diff) = ours(dir, &args, Exec::new(Dap::none(), args.chunk_size))?;
         f.print_ours(&[diff.to_string()]);
         return Ok(());
     }
@@ -189,7 +195,13 @@ fn compare(args: &Args, dir: &Path) -> anyhow::Result<(Figures, f64, Figures, f6
         .chain(["--out".as_ref(), dir.as_os_str()])
         .collect();
     let (theirs, first) = Figures::alphafold(&args.sides.python, BASELINE, &baseline)?;
-    let ours_flags: Vec<String> = flags[4..].iter().map(ToString::to_string).collect();
+    let chunk = args.chunk_size.map(|c| c.to_string());
+    let ours_flags: Vec<String> = flags[4..]
+        .iter()
+        .copied()
+        .chain(chunk.iter().flat_map(|c| ["--chunk-size", c.as_str()]))
+        .map(ToString::to_string)
+        .collect();
     let (mine, more) = Figures::ours(dir, &ours_flags)?;
     let diff: f64 = more.first().context("our side printed no atom difference")?.parse()?;
     Ok((theirs, first, mine, diff, msa_rows))
@@ -197,7 +209,8 @@ fn compare(args: &Args, dir: &Path) -> anyhow::Result<(Figures, f64, Figures, f6
 
 /// Our prediction on the parameters and features in `dir`, timed on its second run, and the
 /// largest difference of its atoms from AlphaFold's (`positions.npz`), over AlphaFold's mask.
-fn ours(dir: &Path, recycles: usize, seed: u64) -> anyhow::Result<(Figures, f64)> {
+fn ours(dir: &Path, args: &Args, exec: Exec) -> anyhow::Result<(Figures, f64)> {
+    let (recycles, seed) = (args.recycles, args.seed);
     let net = MultimerAlphaFold::load(dir.join(PARAMS))?;
     let arrays: std::collections::HashMap<String, Tensor> =
         Tensor::read_npz(dir.join("features.npz"))?.into_iter().collect();
@@ -207,7 +220,7 @@ fn ours(dir: &Path, recycles: usize, seed: u64) -> anyhow::Result<(Figures, f64)
     let mut atoms = None;
     for _ in 0..2 {
         let start = Instant::now();
-        let (pass, done) = tch::no_grad(|| net.predict(&inputs, recycling, network_key(seed), &Exec::serial()))?;
+        let (pass, done) = tch::no_grad(|| net.predict(&inputs, recycling, network_key(seed), &exec))?;
         seconds = start.elapsed().as_secs_f64();
         ensure!(done == recycles, "recycling stopped after {done} of {recycles} recycles");
         ensure!(bool::try_from(pass.structure.atom37.isfinite().all())?, "non-finite positions");
