@@ -19,7 +19,7 @@ use std::time::Instant;
 
 use anyhow::{ensure, Context};
 use clap::Parser;
-use common::{mib, Figures, Sides};
+use common::{cells, Figures, Sides};
 use fastfold::features::Features;
 use fastfold::model::alphafold::AlphaFold;
 use fastfold::model::{Exec, Params};
@@ -58,14 +58,7 @@ fn main() -> anyhow::Result<()> {
         let result = compare(&args, n, &dir);
         let _ = std::fs::remove_dir_all(&dir);
         let (theirs, first, mine) = result?;
-        println!(
-            "| {n} | {:.1} ({first:.1}) | {:.1} | {:.2} | {:.0} | {:.0} |",
-            theirs.seconds,
-            mine.seconds,
-            theirs.seconds / mine.seconds,
-            mib(theirs.peak_bytes),
-            mib(mine.peak_bytes)
-        );
+        println!("| {n} | {} |", cells(&theirs, first, &mine));
     }
     Ok(())
 }

@@ -26,7 +26,7 @@ use std::time::Instant;
 
 use anyhow::{ensure, Context};
 use clap::Parser;
-use common::{mib, Figures, Sides};
+use common::{cells, Figures, Sides};
 use data::a3m::Msa;
 use data::fasta::FastaRecord;
 use engine::parallel::dap::Dap;
@@ -96,15 +96,7 @@ fn main() -> anyhow::Result<()> {
          max atom difference Å |"
     );
     println!("|---|---:|---:|---:|---:|---:|---:|");
-    println!(
-        "| {} | {:.1} ({first:.1}) | {:.1} | {:.2} | {:.0} | {:.0} | {diff:.2e} |",
-        lengths.join(" + "),
-        theirs.seconds,
-        mine.seconds,
-        theirs.seconds / mine.seconds,
-        mib(theirs.peak_bytes),
-        mib(mine.peak_bytes)
-    );
+    println!("| {} | {} | {diff:.2e} |", lengths.join(" + "), cells(&theirs, first, &mine));
     Ok(())
 }
 

@@ -58,7 +58,16 @@ impl Figures {
     }
 }
 
-/// Bytes in MiB.
-pub fn mib(bytes: u64) -> f64 {
-    bytes as f64 / (1u64 << 20) as f64
+/// A table row's cells of both sides' figures: AlphaFold's seconds (its first call's in
+/// brackets), ours, the ratio AlphaFold / ours, and each side's peak MiB.
+pub fn cells(theirs: &Figures, first: f64, mine: &Figures) -> String {
+    let mib = |bytes: u64| bytes as f64 / (1u64 << 20) as f64;
+    format!(
+        "{:.1} ({first:.1}) | {:.1} | {:.2} | {:.0} | {:.0}",
+        theirs.seconds,
+        mine.seconds,
+        theirs.seconds / mine.seconds,
+        mib(theirs.peak_bytes),
+        mib(mine.peak_bytes)
+    )
 }
