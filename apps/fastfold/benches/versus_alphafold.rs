@@ -11,12 +11,15 @@
 //! peak memory is its own), the second of two predictions timed likewise. Both in fp32.
 //! AlphaFold computes every padded row; ours drops the fully masked ones first, which does not
 //! change a number (`tests/masked_rows.rs`).
-use std::path::{Path, PathBuf};
-use std::process::Command;
+mod common;
+
+use std::ffi::OsStr;
+use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{ensure, Context};
 use clap::Parser;
+use common::{cells, Figures, Sides};
 use fastfold::features::Features;
 use fastfold::model::alphafold::AlphaFold;
 use fastfold::model::{Exec, Params};
@@ -32,21 +35,8 @@ struct Args {
     /// Recycling passes after the first (AlphaFold's default 3: 4 passes).
     #[arg(long, default_value_t = 3)]
     recycles: usize,
-    /// The Python with alphafold-colabfold, jax and dm-haiku.
-    #[arg(long, env = "ALPHAFOLD_PYTHON", default_value = ".venv-alphafold/bin/python")]
-    python: PathBuf,
-    /// Internal: run our side on the files in this folder and print its figures.
-    #[arg(long, hide = true)]
-    ours: Option<PathBuf>,
-    /// Passed by `cargo bench`; ignored.
-    #[arg(long, hide = true)]
-    bench: bool,
-}
-
-/// One side's figures for one length.
-struct Figures {
-    seconds: f64,
-    peak_bytes: u64,
+    #[command(flatten)]
+    sides: Sides,
 }
 
 // Our side allocates as the `fastfold` binary does.
@@ -54,9 +44,8 @@ fastfold::process_allocator!();
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    if let Some(dir) = &args.ours {
-        let f = ours(dir, args.recycles)?;
-        println!("ours {} {}", f.seconds, f.peak_bytes);
+    if let Some(dir) = &args.sides.ours {
+        ours(dir, args.recycles)?.print_ours(&[]);
         return Ok(());
     }
     println!(
@@ -72,43 +61,19 @@ fn main() -> anyhow::Result<()> {
         let result = compare(&args, n, &dir);
         let _ = std::fs::remove_dir_all(&dir);
         let (theirs, first, mine) = result?;
-        let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
-        println!(
-            "| {n} | {:.1} ({first:.1}) | {:.1} | {:.2} | {:.0} | {:.0} |",
-            theirs.seconds,
-            mine.seconds,
-            theirs.seconds / mine.seconds,
-            mib(theirs.peak_bytes),
-            mib(mine.peak_bytes)
-        );
+        println!("| {n} | {} |", cells(&theirs, first, &mine));
     }
     Ok(())
 }
 
 /// AlphaFold's figures (and its first, compiling, call's seconds) and ours for `n` residues.
 fn compare(args: &Args, n: usize, dir: &Path) -> anyhow::Result<(Figures, f64, Figures)> {
-    let stdout = engine::baseline::run(
-        Command::new(&args.python)
-            .arg(BASELINE)
-            .args(["--residues", &n.to_string(), "--recycles", &args.recycles.to_string()])
-            .arg("--out")
-            .arg(dir),
-        BASELINE,
-    )?;
-    let json = engine::baseline::last_json(&stdout, BASELINE)?;
-    let number = |key: &str| engine::baseline::number(&json, key);
-    let theirs = Figures { seconds: number("seconds")?, peak_bytes: number("peak_bytes")? as u64 };
-
-    let me = std::env::current_exe()?;
-    let stdout = engine::baseline::run(
-        Command::new(me).arg("--ours").arg(dir).args(["--recycles", &args.recycles.to_string()]),
-        "our side",
-    )?;
-    let fields = stdout.lines().find_map(|l| l.strip_prefix("ours ")).context("our side printed no figures")?;
-    let mut fields = fields.split(' ');
-    let mut next = || fields.next().context("short figures line");
-    let mine = Figures { seconds: next()?.parse()?, peak_bytes: next()?.parse()? };
-    Ok((theirs, number("first_seconds")?, mine))
+    let (n, recycles) = (n.to_string(), args.recycles.to_string());
+    let baseline = ["--residues", &n, "--recycles", &recycles, "--out"].map(OsStr::new);
+    let (theirs, first) =
+        Figures::alphafold(&args.sides.python, BASELINE, &[&baseline[..], &[dir.as_os_str()]].concat())?;
+    let (mine, _) = Figures::ours(dir, &["--recycles".into(), recycles])?;
+    Ok((theirs, first, mine))
 }
 
 /// Our prediction on the parameters and features in `dir`, timed on its second run.

@@ -1,6 +1,8 @@
 //! Which parameter sets a prediction runs: `--params` names one file, or a directory holding
 //! AlphaFold's release files (`params_model_N[_ptm].npz`, or their `.safetensors`
 //! conversions), of which `--models` picks some, as `run_alphafold.py`'s model presets do.
+//! AlphaFold-Multimer's files (`params_model_N_multimer_v3.npz`) are picked by the same
+//! `--models` entries (`predict::complex`).
 use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -8,15 +10,19 @@ use std::str::FromStr;
 
 use anyhow::{bail, Context};
 
+use crate::multimer::preset::MultimerPreset;
 use crate::preset::Preset;
 
-/// One `--models` entry: a model number (1 to 5) or a preset name (`model_3`, `model_3_ptm`).
+/// One `--models` entry: a model number (1 to 5) or a preset name (`model_3`, `model_3_ptm`,
+/// or AlphaFold-Multimer's `model_3_multimer_v3`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ModelChoice {
     /// `N`: `model_N_ptm` where the directory has it (it adds pTM and PAE), else `model_N`.
     Number(u8),
     /// One set by its preset name.
     Named(Preset),
+    /// One AlphaFold-Multimer set by its name.
+    Multimer(MultimerPreset),
 }
 
 impl FromStr for ModelChoice {
@@ -25,9 +31,14 @@ impl FromStr for ModelChoice {
     fn from_str(s: &str) -> Result<Self, String> {
         match s.trim() {
             n @ ("1" | "2" | "3" | "4" | "5") => Ok(ModelChoice::Number(n.as_bytes()[0] - b'0')),
-            name => name.parse().map(ModelChoice::Named).map_err(|_| {
-                format!("{s:?} is not a model: expected a number 1 to 5 or a preset name like model_1_ptm")
-            }),
+            name => name.parse().map(ModelChoice::Named).or_else(|_| name.parse().map(ModelChoice::Multimer)).map_err(
+                |_| {
+                    format!(
+                        "{s:?} is not a model: expected a number 1 to 5 or a preset name like model_1_ptm or \
+                         model_1_multimer_v3"
+                    )
+                },
+            ),
         }
     }
 }
@@ -37,6 +48,7 @@ impl fmt::Display for ModelChoice {
         match self {
             ModelChoice::Number(n) => write!(f, "{n}"),
             ModelChoice::Named(p) => write!(f, "{p}"),
+            ModelChoice::Multimer(p) => write!(f, "{p}"),
         }
     }
 }
@@ -71,10 +83,7 @@ impl ModelFile {
 /// `--models` chosen (default: every number 1 to 5 the directory has).
 pub fn resolve(params: &Path, models: Option<&[ModelChoice]>) -> anyhow::Result<Vec<ModelFile>> {
     if !params.is_dir() {
-        if let Some(m) = models {
-            let m: Vec<String> = m.iter().map(ToString::to_string).collect();
-            bail!("--models {} picks files from a directory, but --params {} is a file", m.join(","), params.display());
-        }
+        no_choice_of_a_file(params, models)?;
         if !params.exists() {
             bail!("--params {}: no such file or directory", params.display());
         }
@@ -96,6 +105,9 @@ pub fn resolve(params: &Path, models: Option<&[ModelChoice]>) -> anyhow::Result<
     for &choice in choices {
         let preset = match choice {
             ModelChoice::Named(p) => Some(p).filter(|p| found.contains_key(&p.to_string())),
+            ModelChoice::Multimer(p) => {
+                bail!("--models {p} is AlphaFold-Multimer's, but --params {} holds monomer models", params.display())
+            }
             ModelChoice::Number(n) => [format!("model_{n}_ptm"), format!("model_{n}")]
                 .iter()
                 .find(|name| found.contains_key(*name))
@@ -115,6 +127,15 @@ pub fn resolve(params: &Path, models: Option<&[ModelChoice]>) -> anyhow::Result<
         picked.push(file);
     }
     Ok(picked)
+}
+
+/// An error naming `--models` when `params` is a file (there is nothing to pick from).
+pub(crate) fn no_choice_of_a_file(params: &Path, models: Option<&[ModelChoice]>) -> anyhow::Result<()> {
+    if let Some(m) = models.filter(|_| !params.is_dir()) {
+        let m: Vec<String> = m.iter().map(ToString::to_string).collect();
+        bail!("--models {} picks files from a directory, but --params {} is a file", m.join(","), params.display());
+    }
+    Ok(())
 }
 
 /// The directory's release-named parameter files by preset name (`.npz` over `.safetensors`

@@ -53,8 +53,9 @@ pub struct PredictArgs {
     #[arg(long)]
     pub params: PathBuf,
     /// With a --params directory, the models to run in turn, comma-separated: numbers 1 to 5
-    /// (the `_ptm` set where the directory has one) or names (`model_1`, `model_3_ptm`);
-    /// default: every number the directory has.
+    /// (the `_ptm` set where the directory has one; of Multimer's, every release there) or
+    /// names (`model_1`, `model_3_ptm`, `model_1_multimer_v3`); default: every number the
+    /// directory has.
     #[arg(long, value_delimiter = ',')]
     pub models: Option<Vec<ModelChoice>>,
     /// Output directory: one folder per query, named by its FASTA record (or features file).

@@ -2,7 +2,9 @@
 //! --model_preset=multimer` lays its outputs out: the FASTA file's records one complex, its
 //! folder named after the file; the features (`features.npz`) from AlphaFold-Multimer's
 //! pipeline ([`crate::multimer`]) on each entity's searched alignments, or, without a search,
-//! on each chain's sequence alone (paired across chains by the query rows); every model
+//! on each chain's sequence alone (paired across chains by the query rows), or read from a
+//! `features.npz` such a run wrote (`--features`, the folder named after that file); every
+//! model (of a directory, those `--models` picks)
 //! `--num-multimer-predictions-per-model` times with `run_alphafold.py`'s seeds
 //! ([`Settings::runs`]); each prediction `<model>_pred_<i>` written as
 //! `<name>_unrelaxed.pdb` (one PDB chain per record, lettered in the features' chain order
@@ -11,14 +13,17 @@
 //! `0.8 ipTM + 0.2 pTM` (`iptm+ptm`), `timings.json`, and the plots.
 //!
 //! ColabFold's plots unless `--no-plots`; with `--save-outputs`, `<name>_outputs.npz` (with
-//! `iptm`). fp32; with several ranks the stacks run under DAP and rank 0 writes the files.
+//! `iptm`). fp32, or bf16 (`--precision bf16`: as the monomer model, the structure module's
+//! geometry in fp32); `--max-msa-clusters` and `--max-extra-msa` in place of the preset's
+//! `num_msa` and `num_extra_msa`; with several ranks the stacks run under DAP and rank 0
+//! writes the files.
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{bail, Context};
 use engine::dist::World;
-use engine::job::Precision;
-use tch::Kind;
+use tch::{Kind, Tensor};
 
 use super::{save_outputs, write_ranking, ModelOutputs, PredictArgs, Predicted};
 use crate::confidence::{multimer_ranking_confidence, predicted_tm_score_of_chains, Confidence};
@@ -28,6 +33,7 @@ use crate::model::multimer::{
     network_key, MaskedMsaConfig, MsaSampling, MultimerAlphaFold, MultimerInputs, MULTIMER_STRUCTURE_ITERATIONS,
 };
 use crate::model::recycling::Recycling;
+use crate::models::{no_choice_of_a_file, ModelChoice};
 use crate::multimer::complex::CHAIN_IDS;
 use crate::multimer::preset::{MultimerPreset, Settings};
 use crate::multimer::{search, Complex, EntityInput};
@@ -37,13 +43,13 @@ use crate::query_folder::QueryFolder;
 use crate::ranking::{Ranking, Timings};
 use crate::search::Mode;
 
-/// Every model's predictions on the complex of `args`' FASTA file; the summaries in the order
-/// they ran.
+/// Every model's predictions on the complex of `args`' FASTA file (or its `--features`); the
+/// summaries in the order they ran.
 pub(super) fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predicted>> {
     check(args)?;
-    let Some(fasta) = &args.input.fasta else { bail!("give a FASTA file: its records are the complex's chains") };
     let (device, exec, _) = args.chunk.setup(&args.launch, world)?;
-    let models = resolve(&args.params)?;
+    let kind = args.precision.precision.kind();
+    let models = resolve(&args.params, args.models.as_deref())?;
     let settings = Settings::new(
         args.multimer.num_multimer_predictions_per_model,
         args.recycles,
@@ -53,33 +59,16 @@ pub(super) fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predi
     let runs = settings.runs(&presets, args.input.seed.seed)?;
 
     let start = Instant::now();
-    let records = data::fasta::read(fasta)?;
-    if records.is_empty() {
-        bail!("{}: no FASTA records", fasta.display());
-    }
-    let complex = Complex::new(&records, fasta)?;
-    let name = file_stem(&fasta.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default());
+    let name = query_name(args)?;
     // Rank 0 writes the files; every rank runs the network (its stacks under DAP).
     let folder = match world.rank() {
         0 => Some(QueryFolder::open(&args.out, &name)?),
         _ => None,
     };
     let staging = folder.as_ref().map(|f| f.staging.clone());
-    let entities = entity_inputs(args, world, &complex, fasta, &args.out.join(&name).join("msas"))?;
-    let features = crate::multimer::features(&complex, &entities)?;
-    if let Some(dir) = &staging {
-        features.save_npz(&dir.join("features.npz"))?;
-    }
-    let inputs = MultimerInputs::from_named(|n| features.get(n).map(|a| a.tensor()), &name)?;
-    // Each residue's PDB chain: A, B, ... in the features' chain order (`asym_id`), as
-    // AlphaFold's `protein.to_pdb` letters them (which differ from `chain_id_map.json`'s FASTA
-    // letters when copies of a sequence are not adjacent records).
-    let chains: Vec<char> = complex
-        .assembly_order()
-        .iter()
-        .zip(CHAIN_IDS.chars())
-        .flat_map(|(c, id)| std::iter::repeat_n(id, c.sequence.chars().count()))
-        .collect();
+    let (features, source) = read_features(args, world, &name, staging.as_deref())?;
+    let inputs = MultimerInputs::from_named(|n| features.get(n).map(Tensor::shallow_clone), &source)?;
+    let chains = pdb_chains(&inputs.asym_id, &source)?;
     let mut timings = Timings::default();
     timings.add("features", start.elapsed().as_secs_f64());
 
@@ -88,14 +77,9 @@ pub(super) fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predi
     let mut confidences = Vec::new();
     for (preset, path) in &models {
         let iterations = args.structure_iterations.unwrap_or(MULTIMER_STRUCTURE_ITERATIONS);
-        let sampling = MsaSampling {
-            num_msa: preset.num_msa() as i64,
-            num_extra_msa: preset.num_extra_msa() as i64,
-            masked: MaskedMsaConfig::default(),
-        };
-        let net = MultimerAlphaFold::load_on(path, iterations, device)
+        let net = MultimerAlphaFold::load_on(path, iterations, device, Some(kind))
             .with_context(|| format!("parameters {}", path.display()))?
-            .with_sampling(sampling);
+            .with_sampling(sampling(args, *preset));
         for run in runs.iter().filter(|r| r.preset == *preset) {
             let recycling =
                 Recycling { max: settings.num_recycle, early_stop_tolerance: settings.recycle_early_stop_tolerance };
@@ -142,10 +126,79 @@ pub(super) fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predi
     let ranking = Ranking::multimer(&scores);
     write_ranking(&folder.staging, &ranking, &timings)?;
     if !args.no_plots {
-        write_plots(&folder.staging, &name, &features, &complex, &ranking, &confidences)?;
+        write_plots(&folder.staging, &name, &features, &chains, &ranking, &confidences)?;
     }
     folder.commit()?;
     Ok(done)
+}
+
+/// The complex's name, its output folder's: the FASTA file's stem, or the `--features`
+/// file's (as a monomer run names a features file's query).
+fn query_name(args: &PredictArgs) -> anyhow::Result<String> {
+    let path = match (&args.input.features, &args.input.fasta) {
+        (Some(path), _) | (None, Some(path)) => path,
+        (None, None) => bail!("give a FASTA file (its records are the complex's chains) or --features"),
+    };
+    Ok(file_stem(&path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()))
+}
+
+/// The complex's features by AlphaFold's names, and where they came from (for errors): the
+/// `--features` file as it is (the `features.npz` a multimer run writes), or the pipeline's on
+/// the FASTA file's records; either written to `staging` as `features.npz` (rank 0).
+fn read_features(
+    args: &PredictArgs,
+    world: &World,
+    name: &str,
+    staging: Option<&Path>,
+) -> anyhow::Result<(HashMap<String, Tensor>, String)> {
+    let (arrays, source) = match (&args.input.features, &args.input.fasta) {
+        (Some(path), _) => {
+            if args.search.requested() {
+                args.input.check_searchable()?;
+            }
+            let source = format!("--features {}", path.display());
+            (data::npz::read(path).with_context(|| source.clone())?, source)
+        }
+        (None, Some(fasta)) => {
+            let records = data::fasta::read(fasta)?;
+            if records.is_empty() {
+                bail!("{}: no FASTA records", fasta.display());
+            }
+            let complex = Complex::new(&records, fasta)?;
+            let entities = entity_inputs(args, world, &complex, fasta, &args.out.join(name).join("msas"))?;
+            (crate::multimer::features(&complex, &entities)?.tensors(), name.to_string())
+        }
+        (None, None) => bail!("give a FASTA file (its records are the complex's chains) or --features"),
+    };
+    if let Some(dir) = staging {
+        data::checkpoint::save_npz(&arrays, &dir.join("features.npz"))?;
+    }
+    Ok((arrays.into_iter().collect(), source))
+}
+
+/// Each residue's PDB chain from its `asym_id` (1 is `A`, 2 `B`, ...), as AlphaFold's
+/// `protein.to_pdb` letters them: the features' chain order (which differs from
+/// `chain_id_map.json`'s FASTA letters when copies of a sequence are not adjacent records).
+fn pdb_chains(asym_id: &Tensor, source: &str) -> anyhow::Result<Vec<char>> {
+    let ids = Vec::<i64>::try_from(asym_id.to_kind(Kind::Int64).flatten(0, -1))?;
+    let letters: Vec<char> = CHAIN_IDS.chars().collect();
+    ids.iter()
+        .map(|&id| match usize::try_from(id - 1).ok().and_then(|i| letters.get(i)) {
+            Some(&c) => Ok(c),
+            None => bail!("{source}: asym_id {id} is not a chain 1 to {} (AlphaFold's chain ids)", letters.len()),
+        })
+        .collect()
+}
+
+/// How a model samples the MSA on each pass: its preset's sizes (`num_msa`, `num_extra_msa`),
+/// or `--max-msa-clusters` and `--max-extra-msa` in their place, as AlphaFold's config
+/// overrides them.
+fn sampling(args: &PredictArgs, preset: MultimerPreset) -> MsaSampling {
+    MsaSampling {
+        num_msa: args.input.max_msa_clusters.unwrap_or(preset.num_msa()) as i64,
+        num_extra_msa: args.input.max_extra_msa.unwrap_or(preset.num_extra_msa()) as i64,
+        masked: MaskedMsaConfig::default(),
+    }
 }
 
 /// One prediction's files in the query's folder `dir`: `<name>_unrelaxed.pdb` (residue `i` in
@@ -175,12 +228,13 @@ fn write_prediction(
 }
 
 /// ColabFold's plots of the complex ([`crate::plots`]): the predictions in their ranking's
-/// order, the chains (in the features' order) separated, the MSA's real rows' coverage.
+/// order, the chains (residue `i` in `chains[i]`, the features' order) separated, the MSA's
+/// real rows' coverage.
 fn write_plots(
     dir: &Path,
     name: &str,
-    features: &crate::multimer::MultimerFeatures,
-    complex: &Complex,
+    features: &HashMap<String, Tensor>,
+    chains: &[char],
     ranking: &Ranking,
     confidences: &[(String, Confidence)],
 ) -> anyhow::Result<()> {
@@ -190,43 +244,47 @@ fn write_plots(
         .filter_map(|m| confidences.iter().find(|(n, _)| n == m))
         .map(|(_, c)| ModelConfidence { plddt: &c.plddt, pae: c.pae.as_deref() })
         .collect();
-    let msa = features.get("msa").context("the features have no msa")?.tensor().to_kind(Kind::Int64);
-    let real = features.get("num_alignments").map_or(msa.size()[0], |a| a.tensor().int64_value(&[]));
+    let msa = features.get("msa").context("the features have no msa")?.to_kind(Kind::Int64);
+    let real = features.get("num_alignments").map_or(msa.size()[0], |a| a.int64_value(&[]));
     let rows: Vec<Vec<i64>> =
         (0..real.min(msa.size()[0])).map(|i| Vec::<i64>::try_from(msa.get(i))).collect::<Result<_, _>>()?;
-    let chains: Vec<usize> = complex.assembly_order().iter().map(|c| c.sequence.chars().count()).collect();
-    plots::write(dir, name, &ranked, Some(&rows), &chains).with_context(|| format!("plotting {name}"))?;
+    let lengths: Vec<usize> = chains.chunk_by(|a, b| a == b).map(<[char]>::len).collect();
+    plots::write(dir, name, &ranked, Some(&rows), &lengths).with_context(|| format!("plotting {name}"))?;
     Ok(())
 }
 
-/// The options a multimer run does not take (yet), named.
+/// The options a multimer run does not take, each refused with what to do instead.
 fn check(args: &PredictArgs) -> anyhow::Result<()> {
-    if args.precision.precision != Precision::Fp32 {
-        bail!("AlphaFold-Multimer runs in fp32 only so far: leave out --precision");
-    }
-    let monomer_only = [
-        ("--features", args.input.features.is_some()),
-        ("--msa", args.input.msa.is_some()),
-        ("--preset", args.input.preset.is_some()),
-        ("--max-msa-clusters", args.input.max_msa_clusters.is_some()),
-        ("--max-extra-msa", args.input.max_extra_msa.is_some()),
-        ("--models", args.models.is_some()),
-        ("--gpu-mem", args.chunk.gpu_mem.is_some()),
-    ];
-    if let Some((flag, _)) = monomer_only.iter().find(|(_, given)| *given) {
+    let params = args.params.display();
+    if let Some(msa) = &args.input.msa {
         bail!(
-            "{flag} applies to monomer runs (so far); AlphaFold-Multimer (--params {}) takes the complex from \
-             the FASTA file and the MSA sizes from the model's name",
-            args.params.display()
+            "--msa {} is one chain's alignment; a complex's alignments come from the search (--data-dir and the \
+             database flags), saved under <out>/<name>/msas/<chain id>/ and read back with --use-precomputed-msas \
+             (or give the features of a multimer run with --features)",
+            msa.display()
+        );
+    }
+    if let Some(preset) = &args.input.preset {
+        bail!(
+            "--preset {preset} is a monomer model's; AlphaFold-Multimer (--params {params}) takes its MSA sizes \
+             from the model's name (params_model_N_multimer_v3), --max-msa-clusters and --max-extra-msa override them"
+        );
+    }
+    if args.chunk.gpu_mem.is_some() {
+        bail!(
+            "--gpu-mem plans monomer runs only so far: the memory profile does not price AlphaFold-Multimer's \
+             network (--params {params}); give --chunk-size instead"
         );
     }
     Ok(())
 }
 
-/// The Multimer parameter files of `params` (one file, or every file of a directory) with
-/// their presets, by release name (`params_model_N_multimer_v3.npz`), which sets the MSA
-/// sizes.
-fn resolve(params: &Path) -> anyhow::Result<Vec<(MultimerPreset, PathBuf)>> {
+/// The Multimer parameter files of `params` (one file, or the files of a directory `models`
+/// picks, by default every one) with their presets, by release name
+/// (`params_model_N_multimer_v3.npz`), which sets the MSA sizes: a number picks every release
+/// of that model the directory has, a name (`model_1_multimer_v3`) the one file.
+fn resolve(params: &Path, models: Option<&[ModelChoice]>) -> anyhow::Result<Vec<(MultimerPreset, PathBuf)>> {
+    no_choice_of_a_file(params, models)?;
     let files: Vec<PathBuf> = match params.is_dir() {
         true => {
             let mut files: Vec<PathBuf> = std::fs::read_dir(params)
@@ -243,7 +301,7 @@ fn resolve(params: &Path) -> anyhow::Result<Vec<(MultimerPreset, PathBuf)>> {
     if files.is_empty() {
         bail!("--params {}: no AlphaFold-Multimer parameter file (params_model_N_multimer_v3.npz)", params.display());
     }
-    files
+    let mut all = files
         .into_iter()
         .map(|f| match MultimerPreset::from_params_path(&f) {
             Some(p) => Ok((p, f)),
@@ -253,7 +311,33 @@ fn resolve(params: &Path) -> anyhow::Result<Vec<(MultimerPreset, PathBuf)>> {
                 f.display()
             ),
         })
-        .collect()
+        .collect::<anyhow::Result<Vec<(MultimerPreset, PathBuf)>>>()?;
+    // One file a model: the `.npz` where its `.safetensors` conversion is there too.
+    all.dedup_by_key(|(p, _)| *p);
+    let Some(choices) = models else { return Ok(all) };
+    let mut picked: Vec<(MultimerPreset, PathBuf)> = Vec::new();
+    for &choice in choices {
+        let chosen: Vec<&(MultimerPreset, PathBuf)> = match choice {
+            ModelChoice::Number(n) => all.iter().filter(|(p, _)| p.model == n).collect(),
+            ModelChoice::Multimer(m) => all.iter().filter(|(p, _)| *p == m).take(1).collect(),
+            ModelChoice::Named(m) => bail!(
+                "--models {m} is a monomer model; --params {} holds AlphaFold-Multimer's (pick them by number or \
+                 as model_1_multimer_v3)",
+                params.display()
+            ),
+        };
+        if chosen.is_empty() {
+            let have: Vec<String> = all.iter().map(|(p, _)| p.to_string()).collect();
+            bail!("--models {choice}: {} has no parameter file for it (it has {have:?})", params.display());
+        }
+        for c in chosen {
+            if picked.iter().any(|(p, _)| *p == c.0) {
+                bail!("--models names {} twice", c.0);
+            }
+            picked.push(c.clone());
+        }
+    }
+    Ok(picked)
 }
 
 /// Each entity's inputs: from the homology search when one is asked for (UniProt pairing the

@@ -184,13 +184,15 @@ impl MultimerAlphaFold {
 
     /// [`MultimerAlphaFold::load`] with the structure module running `iterations` iterations.
     pub fn load_with_iterations(path: impl AsRef<Path>, iterations: i64) -> Result<Self> {
-        Self::load_on(path, iterations, Device::Cpu)
+        Self::load_on(path, iterations, Device::Cpu, None)
     }
 
     /// [`MultimerAlphaFold::load_with_iterations`] with the arrays on `device`, where the
-    /// network then runs.
-    pub fn load_on(path: impl AsRef<Path>, iterations: i64, device: Device) -> Result<Self> {
-        Self::from_arrays(Arrays::open(path.as_ref())?.into_device(device)?, iterations, device)
+    /// network then runs, and with `kind` converted to it (`Kind::BFloat16`: the network
+    /// computes in bf16 as the monomer's does, the structure module's geometry in fp32); else
+    /// in the file's own kind.
+    pub fn load_on(path: impl AsRef<Path>, iterations: i64, device: Device, kind: Option<Kind>) -> Result<Self> {
+        Self::from_arrays(Arrays::open(path.as_ref())?.into_device(device, kind)?, iterations, device)
     }
 
     /// The network over `params`' arrays themselves (shared, not copied: a store whose arrays

@@ -20,9 +20,9 @@
 //! `fastfold predict` runs the assembled model on a complex (`predict::complex`); its structure
 //! module's loss and the chain permutation alignment are [`crate::loss::multimer`] and
 //! [`crate::loss::chain_permutation`]; `fastfold train` trains it on a complex
-//! ([`MultimerAlphaFold::train_forward`], [`crate::train_complex`]). Not yet here: bf16 and GPU runs of the
+//! ([`MultimerAlphaFold::train_forward`], [`crate::train_complex`]). Not yet here: GPU runs of the
 //! assembled model (it is checked in fp32 on the CPU only, on one rank and under DAP on two,
-//! `tests/dap.rs`).
+//! `tests/dap.rs`; bf16 only against fp32, `tests/multimer_input.rs`).
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -83,9 +83,16 @@ impl Arrays {
         Ok(Arrays { arrays: read_arrays(path)?.into_iter().collect(), file: path.display().to_string() })
     }
 
-    /// The same arrays on `device`.
-    fn into_device(self, device: tch::Device) -> Result<Arrays> {
-        let arrays = self.arrays.into_iter().map(|(k, t)| Ok((k, t.f_to_device(device)?))).collect::<Result<_>>()?;
+    /// The same arrays on `device`, floating-point ones converted to `kind` if given.
+    fn into_device(self, device: tch::Device, kind: Option<tch::Kind>) -> Result<Arrays> {
+        let to = |t: Tensor| -> Result<Tensor> {
+            let t = t.f_to_device(device)?;
+            Ok(match kind {
+                Some(kind) if t.is_floating_point() => t.f_to_kind(kind)?,
+                _ => t,
+            })
+        };
+        let arrays = self.arrays.into_iter().map(|(k, t)| Ok((k, to(t)?))).collect::<Result<_>>()?;
         Ok(Arrays { arrays, file: self.file })
     }
 

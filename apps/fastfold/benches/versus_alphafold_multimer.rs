@@ -1,0 +1,228 @@
+//! `fastfold`'s AlphaFold-Multimer against DeepMind's (JAX, the `alphafold` package of
+//! alphafold-colabfold) on the same complex features and the same random full-size
+//! `params_model_1_multimer_v3` parameters, in one run, on the CPU: seconds per prediction
+//! (`recycles + 1` passes, every one run), peak resident memory, the ratio AlphaFold / ours,
+//! and how far apart the two sides' atoms are.
+//!
+//! `bash scripts/bench-fastfold-multimer.sh [--residues 300,300] [--msa-rows 1024]
+//! [--blocks 48] [--extra-blocks 4] [--recycles 3]`.
+//! A heterodimer of two distinct chains (`--residues`, one length a chain) with a synthetic
+//! MSA of `--msa-rows` rows a chain (the query's residues each changed with probability 0.3,
+//! a gap with 0.05, by a fixed hash; no rows paired across chains) goes through our
+//! AlphaFold-Multimer pipeline (equal to DeepMind's, `tests/multimer_features.rs`) into
+//! `features.npz`. `benches/alphafold_multimer_baseline.py` draws the parameters with haiku's
+//! initialisers at `model_1_multimer_v3`'s sizes (with `--blocks` Evoformer and
+//! `--extra-blocks` extra-MSA blocks; output layers random rather than zero), writes them, and
+//! times DeepMind's v2.3 recycling from seed `--seed`, its second prediction (the first
+//! compiles). Ours then runs in a fresh process on those files (so that each side's peak memory
+//! is its own), the second of two predictions timed likewise, from the same seed (with
+//! `--chunk-size`, ours in chunks as `fastfold predict --chunk-size` runs). Both in fp32, v3's
+//! sampling sizes (508 MSA rows, 2048 extra).
+mod common;
+
+use std::ffi::OsStr;
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::{ensure, Context};
+use clap::Parser;
+use common::{cells, Figures, Sides};
+use data::a3m::Msa;
+use data::fasta::FastaRecord;
+use engine::parallel::dap::Dap;
+use fastfold::features::RawFeatures;
+use fastfold::model::multimer::{network_key, MultimerAlphaFold, MultimerInputs};
+use fastfold::model::recycling::Recycling;
+use fastfold::model::Exec;
+use fastfold::multimer::{Complex, EntityInput, PairingMsa};
+use tch::{Device, Kind, Tensor};
+
+const BASELINE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/alphafold_multimer_baseline.py");
+const PARAMS: &str = "params_model_1_multimer_v3.npz";
+
+#[derive(Parser)]
+struct Args {
+    /// Each chain's length, comma-separated (two or more distinct chains).
+    #[arg(long, value_delimiter = ',', default_value = "300,300")]
+    residues: Vec<usize>,
+    /// Synthetic MSA rows a chain, the query's included.
+    #[arg(long, default_value_t = 1024)]
+    msa_rows: usize,
+    /// Evoformer blocks (48 in the release).
+    #[arg(long, default_value_t = 48)]
+    blocks: usize,
+    /// Extra-MSA blocks (4 in the release).
+    #[arg(long, default_value_t = 4)]
+    extra_blocks: usize,
+    /// Recycling passes after the first, every one run (AlphaFold-Multimer v3's default 3).
+    #[arg(long, default_value_t = 3)]
+    recycles: usize,
+    /// The seed of the network's key (MSA sampling and masking on each pass).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Our side's chunk size (`fastfold predict --chunk-size`; default none, every operation
+    /// whole). AlphaFold's side runs its inference config's `subbatch_size` 4 either way.
+    #[arg(long)]
+    chunk_size: Option<i64>,
+    #[command(flatten)]
+    sides: Sides,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    if let Some(dir) = &args.sides.ours {
+        let (f, diff) = ours(dir, &args, Exec::new(Dap::none(), args.chunk_size))?;
+        f.print_ours(&[diff.to_string()]);
+        return Ok(());
+    }
+    ensure!(args.residues.len() >= 2, "--residues: give two or more chain lengths");
+    let dir = std::env::temp_dir().join(format!("versus-alphafold-multimer-{}", std::process::id()));
+    let result = compare(&args, &dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    let (theirs, first, mine, diff, msa_rows) = result?;
+    let lengths: Vec<String> = args.residues.iter().map(ToString::to_string).collect();
+    println!(
+        "model_1_multimer_v3 sizes ({} Evoformer blocks, {} extra-MSA blocks), random parameters, chains {}, \
+         {} MSA rows in the features, {} passes, fp32, CPU ({} threads)",
+        args.blocks,
+        args.extra_blocks,
+        lengths.join("+"),
+        msa_rows,
+        args.recycles + 1,
+        tch::get_num_threads()
+    );
+    println!(
+        "\n| residues | AlphaFold s (first, with jit) | ours s | AlphaFold / ours | AlphaFold peak MiB | ours peak MiB | \
+         max atom difference Å |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|");
+    println!("| {} | {} | {diff:.2e} |", lengths.join(" + "), cells(&theirs, first, &mine));
+    Ok(())
+}
+
+/// A chain's sequence: residues cycling through the 20 amino acids, shifted by the chain.
+fn sequence(chain: usize, n: usize) -> String {
+    let letters = b"ARNDCQEGHILKMFPSTWYV";
+    (0..n).map(|i| letters[(i * 7 + i / 3 + 5 * chain) % 20] as char).collect()
+}
+
+/// A fixed hash of (row, column, salt) into [0, 1).
+fn draw(row: usize, col: usize, salt: u64) -> f64 {
+    let mut x = (row as u64) << 32 ^ (col as u64) ^ salt.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^= x >> 31;
+    (x >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// `rows` rows aligned to `query` (row 0 the query): each residue changed with probability 0.3,
+/// a gap with 0.05.
+fn synthetic_msa(query: &str, rows: usize, chain: usize) -> Msa {
+    let letters = b"ARNDCQEGHILKMFPSTWYV";
+    let salt = chain as u64 + 1;
+    let sequences: Vec<String> = (0..rows)
+        .map(|r| match r {
+            0 => query.to_string(),
+            _ => query
+                .bytes()
+                .enumerate()
+                .map(|(c, q)| match draw(r, c, salt) {
+                    u if u < 0.05 => '-',
+                    u if u < 0.35 => letters[(draw(r, c, salt + 100) * 20.0) as usize % 20] as char,
+                    _ => q as char,
+                })
+                .collect(),
+        })
+        .collect();
+    let n = query.len();
+    Msa {
+        deletion_matrix: vec![vec![0; n]; rows],
+        descriptions: (0..rows).map(|r| format!("chain{chain}_row{r}")).collect(),
+        sequences,
+    }
+}
+
+/// The complex's features from our AlphaFold-Multimer pipeline, written to `dir/features.npz`;
+/// the rows of their MSA.
+fn write_features(args: &Args, dir: &Path) -> anyhow::Result<i64> {
+    let fasta = dir.join("complex.fasta");
+    let records: Vec<FastaRecord> = args
+        .residues
+        .iter()
+        .enumerate()
+        .map(|(k, &n)| {
+            let name = ((b'A' + k as u8) as char).to_string();
+            FastaRecord { description: name.clone(), name, sequence: sequence(k, n) }
+        })
+        .collect();
+    let complex = Complex::new(&records, &fasta)?;
+    let entities = complex
+        .entity_representatives()
+        .into_iter()
+        .map(|chain| {
+            let k = records.iter().position(|r| r.sequence == chain.sequence).context("a chain of no record")?;
+            let msa = synthetic_msa(&chain.sequence, args.msa_rows.max(1), k);
+            let raw = RawFeatures::new(&chain.sequence, Some((&msa, &fasta)))?;
+            let alone = Msa::single(&chain.sequence, &chain.description);
+            Ok(EntityInput { raw, pairing: Some(PairingMsa::new(&chain.sequence, &alone, &fasta)?) })
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let features = fastfold::multimer::features(&complex, &entities)?;
+    features.save_npz(&dir.join("features.npz"))?;
+    Ok(features.get("msa").context("no msa")?.tensor().size()[0])
+}
+
+/// AlphaFold's figures (and its first, compiling, call's seconds), ours, the largest atom
+/// difference and the features' MSA rows.
+fn compare(args: &Args, dir: &Path) -> anyhow::Result<(Figures, f64, Figures, f64, i64)> {
+    std::fs::create_dir_all(dir)?;
+    let msa_rows = write_features(args, dir)?;
+    let features = dir.join("features.npz");
+    let sizes = [args.blocks, args.extra_blocks, args.recycles].map(|n| n.to_string());
+    let seed = args.seed.to_string();
+    let flags = ["--blocks", &sizes[0], "--extra-blocks", &sizes[1], "--recycles", &sizes[2], "--seed", &seed];
+    let baseline: Vec<&OsStr> = ["--features".as_ref(), features.as_os_str()]
+        .into_iter()
+        .chain(flags.map(OsStr::new))
+        .chain(["--out".as_ref(), dir.as_os_str()])
+        .collect();
+    let (theirs, first) = Figures::alphafold(&args.sides.python, BASELINE, &baseline)?;
+    let chunk = args.chunk_size.map(|c| c.to_string());
+    let ours_flags: Vec<String> = flags[4..]
+        .iter()
+        .copied()
+        .chain(chunk.iter().flat_map(|c| ["--chunk-size", c.as_str()]))
+        .map(ToString::to_string)
+        .collect();
+    let (mine, more) = Figures::ours(dir, &ours_flags)?;
+    let diff: f64 = more.first().context("our side printed no atom difference")?.parse()?;
+    Ok((theirs, first, mine, diff, msa_rows))
+}
+
+/// Our prediction on the parameters and features in `dir`, timed on its second run, and the
+/// largest difference of its atoms from AlphaFold's (`positions.npz`), over AlphaFold's mask.
+fn ours(dir: &Path, args: &Args, exec: Exec) -> anyhow::Result<(Figures, f64)> {
+    let (recycles, seed) = (args.recycles, args.seed);
+    let net = MultimerAlphaFold::load(dir.join(PARAMS))?;
+    let arrays: std::collections::HashMap<String, Tensor> =
+        Tensor::read_npz(dir.join("features.npz"))?.into_iter().collect();
+    let inputs = MultimerInputs::from_named(|n| arrays.get(n).map(Tensor::shallow_clone), "features.npz")?;
+    let recycling = Recycling { max: recycles, early_stop_tolerance: 0.0 };
+    let mut seconds = 0.0;
+    let mut atoms = None;
+    for _ in 0..2 {
+        let start = Instant::now();
+        let (pass, done) = tch::no_grad(|| net.predict(&inputs, recycling, network_key(seed), &exec))?;
+        seconds = start.elapsed().as_secs_f64();
+        ensure!(done == recycles, "recycling stopped after {done} of {recycles} recycles");
+        ensure!(bool::try_from(pass.structure.atom37.isfinite().all())?, "non-finite positions");
+        atoms = Some(pass.structure.atom37);
+    }
+    let peak_bytes = engine::process::peak_memory(Device::Cpu).context("no peak memory reading")?;
+    let theirs: std::collections::HashMap<String, Tensor> =
+        Tensor::read_npz(dir.join("positions.npz"))?.into_iter().collect();
+    let mask = theirs["final_atom_mask"].unsqueeze(-1);
+    let atoms = atoms.context("no prediction")?;
+    let diff = ((atoms - &theirs["final_atom_positions"]) * mask).abs().max().to_kind(Kind::Double).double_value(&[]);
+    Ok((Figures { seconds, peak_bytes }, diff))
+}
