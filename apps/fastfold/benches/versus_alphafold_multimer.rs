@@ -68,6 +68,9 @@ struct Args {
     sides: Sides,
 }
 
+// Our side allocates as the `fastfold` binary does.
+fastfold::process_allocator!();
+
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     if let Some(dir) = &args.sides.ours {
