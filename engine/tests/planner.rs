@@ -21,6 +21,8 @@ fn synthetic(blocks: usize, global_batch: usize) -> Model {
         tp_allreduce_bytes: 2e6,
         tp_allreduces: 2.0,
         matmul_operand_bytes: 30e6,
+        matmuls: 4.0,
+        norms: 2.0,
         attention_qkv_bytes: 3e6,
         checkpointable: true,
         ops: 30.0,
@@ -197,4 +199,44 @@ fn ranks_sharing_cores_compute_slower() {
     let alone = estimate(&model, &Cluster::default(), plan).unwrap();
     let sharing = estimate(&model, &shared, plan).unwrap();
     assert!((sharing.compute_s - 2.0 * alone.compute_s).abs() <= 1e-12 * alone.compute_s, "{sharing:?} {alone:?}");
+}
+
+#[test]
+fn ranks_computing_together_share_memory_in_proportion_to_their_work() {
+    let c = Cluster { cores_per_node: 4, co_run_slowdown: 1.5, ..Cluster::default() };
+    // 8 ranks on 4 cores (twice as many threads as cores), and half as slow again together.
+    assert_eq!(c.contention(1.0), 3.0);
+    // A quarter of them busy: the cores suffice, a quarter of the memory's slowdown.
+    assert_eq!(c.contention(0.25), 1.125);
+}
+
+#[test]
+fn tensor_parallel_collectives_are_blocking_calls_between_computations() {
+    let model = synthetic(8, 64);
+    let plan = |tp_mode| Plan {
+        dp: 1,
+        tp: if tp_mode == TpMode::OneD { 2 } else { 4 },
+        tp_mode,
+        tp_depth: 1,
+        sp: 1,
+        pp: 1,
+        micro_batches: 1,
+        zero: 0,
+        checkpoint: Default::default(),
+    };
+    let slower = |c: &Cluster| Cluster { sync_s: c.sync_s + 1e-3, ..c.clone() };
+    let c = cluster(64.0);
+    for (mode, calls) in [
+        // Two all-reduces forward and two backward in each of the 8 blocks, and the loss's.
+        (TpMode::OneD, 8.0 * 4.0 + 1.0),
+        // SUMMA on a 2 x 2 grid: 2q = 4 collectives per matmul (4 a block) and two per norm (2
+        // a block) forward, twice as many backward; and the loss's.
+        (TpMode::TwoD, 8.0 * 3.0 * (4.0 * 4.0 + 2.0 * 2.0) + 1.0),
+    ] {
+        let (base, more) =
+            (estimate(&model, &c, &plan(mode)).unwrap(), estimate(&model, &slower(&c), &plan(mode)).unwrap());
+        let added = more.step_s - base.step_s;
+        assert!((added - calls * 1e-3).abs() < 1e-9, "{mode:?}: {added} s for {calls} calls");
+        assert!((more.communication_s - base.communication_s - added).abs() < 1e-9, "{base:?} {more:?}");
+    }
 }

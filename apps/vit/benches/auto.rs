@@ -9,8 +9,8 @@
 //! `--repeat-digits N` trains on the embedded digits repeated to N images (an HDF5 file in the
 //! temporary folder, removed at the end): for batches larger than the digits' 1,500.
 //!
-//! `cargo bench -p vit --bench auto -- [--nproc 4] [--batch 32] [--warmup-steps 2]
-//! [--measured-steps 5] [--threads 1] [--cluster cluster.json] [any vit pretrain flag: --model,
+//! `cargo bench -p vit --bench auto -- [--nproc 4] [--batch 32] [--warmup-steps 3]
+//! [--measured-steps 20] [--threads 1] [--cluster cluster.json] [any vit pretrain flag: --model,
 //! --image-size, --patch-size, ...]` (`scripts/bench-auto.sh`).
 //!
 //! Every layout runs through `vit::train::Trainer`, the path `vit pretrain` takes, built from
@@ -57,10 +57,11 @@ fn repeat_digits(path: &std::path::Path, count: usize) -> anyhow::Result<()> {
 )]
 struct Args {
     /// Steps run before the measured ones (each layout).
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 3)]
     warmup_steps: usize,
-    /// Steps measured (each layout).
-    #[arg(long, default_value_t = 5)]
+    /// Steps measured (each layout): 20 medians steady within a few percent on a shared
+    /// 2-core machine, where 5 moved by tens of percent.
+    #[arg(long, default_value_t = 20)]
     measured_steps: usize,
     /// Intra-op threads per rank.
     #[arg(long, default_value_t = 1)]

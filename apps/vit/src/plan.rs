@@ -59,7 +59,7 @@ pub fn cluster(
     }
     let line = format!(
         "cluster: {} x {} devices of {}, {:.1} GFLOP/s, {:.1} us per operation, memory {:.1} GB/s, links {:.2} \
-         GB/s and {:.1} us, {:.1} us per collective{} ({source})\n",
+         GB/s and {:.1} us, {:.1} us per collective in flight, {:.1} us per blocking one{} ({source})\n",
         cluster.nodes,
         cluster.devices_per_node,
         engine::gemini::budget::human(cluster.memory_bytes as usize),
@@ -69,9 +69,11 @@ pub fn cluster(
         cluster.intra_node_bandwidth / 1e9,
         cluster.latency_s * 1e6,
         cluster.collective_s * 1e6,
+        cluster.sync_s * 1e6,
         match cluster.cores_per_node {
             0 => String::new(),
-            cores => format!(", {cores} cores per node shared by its ranks"),
+            cores =>
+                format!(", {cores} cores per node shared by its ranks, {:.2}x slower together", cluster.co_run_slowdown),
         }
     );
     Ok((cluster, line))

@@ -1,11 +1,14 @@
-//! The machine's own [`Cluster`] figures, measured in well under a second: a matmul's FLOP/s,
-//! the time a small tensor operation costs whatever its size, the memory bandwidth of an
+//! The machine's own [`Cluster`] figures, measured in about a second: a matmul's FLOP/s, the
+//! time a small tensor operation costs whatever its size, the memory bandwidth of an
 //! element-wise pass, the cores (on a CPU) and, over a job's ranks, an all-reduce's latency
-//! and bandwidth. They replace the assumed defaults when no `cluster.json` is given.
+//! and bandwidth, what a collective costs among many in flight and what a blocking one costs
+//! between computations, and how much slower the ranks compute together than alone.
+//! They replace the assumed defaults when no `cluster.json` is given.
 //!
 //! Each rank measures its device alone, one rank after another: ranks sharing a machine's
 //! cores would otherwise measure one another, where the cost model prices that sharing itself
-//! ([`Cluster::contention`]). Every rank of a job must plan alike, so the ranks agree on one set
+//! ([`Cluster::contention`]); then the ranks run the same work together once, for what sharing
+//! costs beyond the cores. Every rank of a job must plan alike, so the ranks agree on one set
 //! of figures: the slowest rank's (each an all-reduce of the measured values), which every rank
 //! then holds bit for bit.
 use std::time::Instant;
@@ -113,8 +116,9 @@ fn time_all_reduce(group: &ProcessGroup, t: &Tensor) -> Result<f64> {
     Ok(best)
 }
 
-/// Broadcasts of one element issued together, for the time each collective call costs.
-const IN_FLIGHT: usize = 16;
+/// Broadcasts of one element issued together, for the time each collective call costs (as
+/// many as a small model's parameter tensors, which ZeRO broadcasts together).
+const IN_FLIGHT: usize = 64;
 
 /// Seconds per call of [`IN_FLIGHT`] one-element broadcasts from rank 0 issued together and
 /// then waited for (as ZeRO's broadcast of every parameter is), the fastest of a few rounds.
@@ -135,6 +139,48 @@ fn time_broadcasts(group: &ProcessGroup, device: Device) -> Result<f64> {
     Ok(best)
 }
 
+/// Side of the products computed between the interleaved collectives: about 0.2 ms of a CPU
+/// core for [`WORK_PRODUCTS`] of them, a layer's work on a small model.
+const WORK_SIDE: i64 = 128;
+/// Products between two collectives.
+const WORK_PRODUCTS: usize = 4;
+/// Collectives timed interleaved with the work.
+const INTERLEAVED: usize = 40;
+
+/// Elements of the larger all-reduce timed between computations (256 KiB of f32: a small
+/// model's activations, which tensor parallelism all-reduces inside its layers).
+const INTERLEAVED_ELEMENTS: i64 = 64 << 10;
+
+/// Seconds one blocking all-reduce of `elements` f32 over `group` costs when every rank
+/// computes between calls (as tensor parallelism does inside each layer): the same work timed
+/// with and without the collectives, the median difference of [`ROUNDS`] rounds.
+fn time_interleaved(group: &ProcessGroup, device: Device, elements: i64) -> Result<f64> {
+    let a = Tensor::f_randn([WORK_SIDE, WORK_SIDE], (Kind::Float, device))?;
+    let x = Tensor::f_zeros([elements], (Kind::Float, device))?;
+    let run = |collectives: bool| -> Result<f64> {
+        group.barrier()?;
+        let start = Instant::now();
+        for _ in 0..INTERLEAVED {
+            for _ in 0..WORK_PRODUCTS {
+                let _ = a.f_matmul(&a)?;
+            }
+            if collectives {
+                group.all_reduce(&x, ReduceOp::Sum)?;
+            }
+            sync(device)?;
+        }
+        Ok(start.elapsed().as_secs_f64() / INTERLEAVED as f64)
+    };
+    run(true)?;
+    let mut extra = (0..ROUNDS).map(|_| Ok(run(true)? - run(false)?)).collect::<Result<Vec<f64>>>()?;
+    extra.sort_by(f64::total_cmp);
+    Ok(extra[ROUNDS / 2].max(0.0))
+}
+
+/// Rounds of the interleaved timing, the median kept (a shared machine's other work disturbs
+/// single rounds either way).
+const ROUNDS: usize = 5;
+
 /// What `group`'s links cost ([`links`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Links {
@@ -142,14 +188,19 @@ pub struct Links {
     pub latency_s: f64,
     /// Bytes/s of a link.
     pub bandwidth: f64,
-    /// Seconds each of many small collectives costs.
+    /// Seconds each of many small collectives in flight costs.
     pub collective_s: f64,
+    /// Seconds a blocking collective costs between computations.
+    pub sync_s: f64,
+    /// Bytes/s of a link for collectives between computations.
+    pub interleaved_bandwidth: f64,
 }
 
 /// Latency and bandwidth of `group`'s links, from all-reduces of one element and of
 /// `LARGE_BYTES` read through the ring model the cost model prices them with:
-/// `2 (n - 1) (latency + bytes / n / bandwidth)`, and the time each call costs among many
-/// small collectives in flight. `None` for one rank (no link to measure).
+/// `2 (n - 1) (latency + bytes / n / bandwidth)`, the time each call costs among many small
+/// collectives in flight, and a blocking call's between computations (at least the latency
+/// model's own). `None` for one rank (no link to measure).
 pub fn links(group: &ProcessGroup, device: Device) -> Result<Option<Links>> {
     let n = group.size();
     if n < 2 {
@@ -157,7 +208,13 @@ pub fn links(group: &ProcessGroup, device: Device) -> Result<Option<Links>> {
     }
     let small = Tensor::f_zeros([1], (Kind::Float, device))?;
     let large = Tensor::f_zeros([LARGE_BYTES / 4], (Kind::Float, device))?;
-    let times = [time_all_reduce(group, &small)?, time_all_reduce(group, &large)?, time_broadcasts(group, device)?];
+    let times = [
+        time_all_reduce(group, &small)?,
+        time_all_reduce(group, &large)?,
+        time_broadcasts(group, device)?,
+        time_interleaved(group, device, 1)?,
+        time_interleaved(group, device, INTERLEAVED_ELEMENTS)?,
+    ];
     let times = Tensor::from_slice(&times).f_to_device(device)?;
     group.all_reduce(&times, ReduceOp::Max)?;
     let (t_small, t_large) = (times.double_value(&[0]), times.double_value(&[1]));
@@ -167,24 +224,51 @@ pub fn links(group: &ProcessGroup, device: Device) -> Result<Option<Links>> {
     // measurable, so take the large time alone as the bound.
     let transfer = if t_large > t_small { t_large - t_small } else { t_large };
     let bandwidth = steps * LARGE_BYTES as f64 / n as f64 / transfer;
-    Ok(Some(Links { latency_s: latency, bandwidth, collective_s: times.double_value(&[2]) }))
+    let sync_s = times.double_value(&[3]).max(steps * latency);
+    // The larger all-reduce's time beyond the one-element one, read through the same ring model
+    // (no faster than the idle link).
+    let bytes = steps * (INTERLEAVED_ELEMENTS * 4) as f64 / n as f64;
+    let interleaved_bandwidth = match times.double_value(&[4]) - sync_s {
+        extra if extra > 0.0 => (bytes / extra).min(bandwidth),
+        _ => bandwidth,
+    };
+    Ok(Some(Links {
+        latency_s: latency,
+        bandwidth,
+        collective_s: times.double_value(&[2]),
+        sync_s,
+        interleaved_bandwidth,
+    }))
+}
+
+/// Seconds of the three measurements above run back to back: a training step's mix of
+/// products, small operations and element-wise passes.
+fn mix_seconds(device: Device) -> Result<f64> {
+    let start = Instant::now();
+    matmul_flops(device)?;
+    op_overhead(device)?;
+    memory_bandwidth(device)?;
+    Ok(start.elapsed().as_secs_f64())
 }
 
 /// This device's figures (matmul FLOP/s, seconds per operation, memory bytes/s), measured
-/// with the ranks of `group` taking turns, so that each measures its device alone.
-fn device_figures(group: Option<&ProcessGroup>, device: Device) -> Result<[f64; 3]> {
+/// with the ranks of `group` taking turns, so that each measures its device alone; and, with
+/// a group, how many times longer the same work takes when every rank runs it at once.
+fn device_figures(group: Option<&ProcessGroup>, device: Device) -> Result<([f64; 3], f64)> {
     let measure =
         || -> Result<[f64; 3]> { Ok([matmul_flops(device)?, op_overhead(device)?, memory_bandwidth(device)?]) };
-    let Some(g) = group else { return measure() };
+    let Some(g) = group else { return Ok((measure()?, 1.0)) };
     let mut mine = None;
     for turn in 0..g.size() {
         g.barrier()?;
         if turn == g.rank() {
-            mine = Some(measure()?);
+            mine = Some((measure()?, mix_seconds(device)?));
         }
     }
     g.barrier()?;
-    Ok(mine.expect("every rank has its turn"))
+    let together = mix_seconds(device)?;
+    let (figures, alone) = mine.expect("every rank has its turn");
+    Ok((figures, together / alone))
 }
 
 /// `base` with the figures measured on this machine: the matmul FLOP/s, the per-operation
@@ -193,15 +277,17 @@ fn device_figures(group: Option<&ProcessGroup>, device: Device) -> Result<[f64; 
 /// inter-node link stays `base`'s: one node's ranks cannot measure it). A collective when
 /// `group` is given: every rank calls it and gets the same figures.
 pub fn calibrated(base: Cluster, group: Option<&ProcessGroup>, device: Device) -> Result<Cluster> {
-    let [flops, overhead, bandwidth] = device_figures(group, device)?;
-    // The slowest rank's figures: the least FLOP/s and bandwidth, the most overhead.
-    let figures = Tensor::from_slice(&[flops, -overhead, bandwidth]).f_to_device(device)?;
+    let ([flops, overhead, bandwidth], together) = device_figures(group, device)?;
+    // The slowest rank's figures: the least FLOP/s and bandwidth, the most overhead and
+    // slowdown together.
+    let figures = Tensor::from_slice(&[flops, -overhead, bandwidth, -together]).f_to_device(device)?;
     let mut cluster = base;
     if let Some(g) = group {
         g.all_reduce(&figures, ReduceOp::Min)?;
         if let Some(l) = links(g, device)? {
             (cluster.latency_s, cluster.intra_node_bandwidth, cluster.collective_s) =
                 (l.latency_s, l.bandwidth, l.collective_s);
+            (cluster.sync_s, cluster.interleaved_bandwidth) = (l.sync_s, l.interleaved_bandwidth);
         }
     }
     cluster.peak_flops = figures.double_value(&[0]);
@@ -209,6 +295,9 @@ pub fn calibrated(base: Cluster, group: Option<&ProcessGroup>, device: Device) -
     cluster.memory_bandwidth = figures.double_value(&[2]);
     if device == Device::Cpu {
         cluster.cores_per_node = std::thread::available_parallelism().map_or(1, |n| n.get());
+        // What the ranks lose together beyond sharing the cores, which the cost model prices
+        // itself (the group's ranks are the node's: one machine calibrates).
+        cluster.co_run_slowdown = (-figures.double_value(&[3]) / cluster.core_sharing(1.0)).max(1.0);
     }
     Ok(cluster)
 }

@@ -23,10 +23,18 @@ pub struct Cluster {
     pub inter_node_bandwidth: f64,
     /// Seconds each collective step or point-to-point message starts with.
     pub latency_s: f64,
-    /// Seconds each collective call costs beyond its steps (handing it to the backend, waiting
-    /// for it): what many small collectives (ZeRO's broadcast per tensor, tensor parallelism's
-    /// per layer) add up to.
+    /// Seconds each collective call costs beyond its steps when many are in flight at once
+    /// (handing it to the backend, waiting for it): what ZeRO's broadcast per tensor adds up to.
     pub collective_s: f64,
+    /// Seconds one blocking collective call costs when the ranks compute between calls: every
+    /// peer has to arrive, and on ranks sharing cores be scheduled again, before any proceeds.
+    /// What tensor parallelism's collectives inside every layer and a pipeline's sends cost
+    /// beyond their bytes; on CPU ranks sharing cores it is several times the links' latency.
+    pub sync_s: f64,
+    /// Bytes/s of a link for a collective between computations (tensor parallelism's inside
+    /// the layers): on CPU ranks sharing cores well below `intra_node_bandwidth`, each chunk of
+    /// the transfer waiting for its peer to be scheduled. Never above the link's own.
+    pub interleaved_bandwidth: f64,
     /// Seconds each tensor operation costs beyond its FLOPs and bytes (dispatch, autograd's
     /// bookkeeping, a kernel launch): what dominates the step of a small model.
     pub op_overhead_s: f64,
@@ -35,14 +43,17 @@ pub struct Cluster {
     /// Cores a node's ranks compute on, when they share them (CPU ranks of one machine): ranks
     /// that together run more threads than this are slowed by as much. 0: each device its own.
     pub cores_per_node: usize,
+    /// How many times slower a rank computes while every rank of its node computes, beyond
+    /// sharing cores: the memory bandwidth and caches they share (1: not at all).
+    pub co_run_slowdown: f64,
 }
 
 impl Default for Cluster {
     /// One node of 8 CPU ranks sharing this class of machine: 4 GiB and 50 GFLOP/s per rank,
-    /// shared-memory links of 5 GB/s and 20 us (Gloo over loopback), 50 us per collective call,
-    /// 10 us per operation and
-    /// 10 GB/s of memory bandwidth per rank, cores not shared; assumed figures, not a
-    /// calibration of the machine at hand.
+    /// shared-memory links of 5 GB/s and 20 us (Gloo over loopback), 50 us per collective call
+    /// in flight and 100 us per blocking one, 10 us per operation and 10 GB/s of memory
+    /// bandwidth per rank, cores and memory not shared; assumed figures, not a calibration of
+    /// the machine at hand.
     fn default() -> Cluster {
         Cluster {
             nodes: 1,
@@ -53,9 +64,12 @@ impl Default for Cluster {
             inter_node_bandwidth: 1.25e9,
             latency_s: 20e-6,
             collective_s: 50e-6,
+            sync_s: 100e-6,
+            interleaved_bandwidth: 5e9,
             op_overhead_s: 10e-6,
             memory_bandwidth: 10e9,
             cores_per_node: 0,
+            co_run_slowdown: 1.0,
         }
     }
 }
@@ -86,6 +100,7 @@ impl Cluster {
             ("intra_node_bandwidth", self.intra_node_bandwidth),
             ("inter_node_bandwidth", self.inter_node_bandwidth),
             ("memory_bandwidth", self.memory_bandwidth),
+            ("interleaved_bandwidth", self.interleaved_bandwidth),
         ];
         for (key, v) in positive {
             if !(v.is_finite() && v > 0.0) {
@@ -96,11 +111,15 @@ impl Cluster {
         if !(self.latency_s.is_finite() && (0.0..1.0).contains(&self.latency_s)) {
             return Err(format!("latency_s must be at least 0 and under 1 second, got {}", self.latency_s));
         }
-        if !(self.collective_s.is_finite() && (0.0..1.0).contains(&self.collective_s)) {
-            return Err(format!("collective_s must be at least 0 and under 1 second, got {}", self.collective_s));
+        let seconds =
+            [("collective_s", self.collective_s), ("sync_s", self.sync_s), ("op_overhead_s", self.op_overhead_s)];
+        for (key, v) in seconds {
+            if !(v.is_finite() && (0.0..1.0).contains(&v)) {
+                return Err(format!("{key} must be at least 0 and under 1 second, got {v}"));
+            }
         }
-        if !(self.op_overhead_s.is_finite() && (0.0..1.0).contains(&self.op_overhead_s)) {
-            return Err(format!("op_overhead_s must be at least 0 and under 1 second, got {}", self.op_overhead_s));
+        if !(self.co_run_slowdown.is_finite() && self.co_run_slowdown >= 1.0) {
+            return Err(format!("co_run_slowdown must be a number of at least 1, got {}", self.co_run_slowdown));
         }
         Ok(())
     }
@@ -118,6 +137,12 @@ impl Cluster {
         } else {
             self.inter_node_bandwidth
         }
+    }
+
+    /// Bytes/s of a collective between computations over a group of `size` ranks `stride`
+    /// apart.
+    pub fn interleaved(&self, size: usize, stride: usize) -> f64 {
+        self.interleaved_bandwidth.min(self.bandwidth(size, stride))
     }
 
     /// Seconds of a ring all-reduce of `bytes` over `size` ranks `stride` apart.
@@ -138,15 +163,24 @@ impl Cluster {
         (n - 1.0) * (self.latency_s + bytes / n / self.bandwidth(size, stride))
     }
 
-    /// Seconds to send `bytes` from one rank to another `stride` apart.
+    /// Seconds to send `bytes` from one rank to another `stride` apart (a pipeline's send is
+    /// posted without waiting, and its peer waits on a receive: the links' latency and the
+    /// bytes).
     pub fn send(&self, bytes: f64, stride: usize) -> f64 {
         self.latency_s + bytes / self.bandwidth(2, stride)
     }
 
     /// How many times slower each rank computes when `busy` of every `devices_per_node`
-    /// (a share, 0 to 1) compute at once on shared cores: their threads over the cores, at
-    /// least 1. Each rank runs the cores' share its calibration ran with (at least one thread).
+    /// (a share, 0 to 1) compute at once: [`Cluster::core_sharing`], and the memory they
+    /// share in proportion to `busy`.
     pub fn contention(&self, busy: f64) -> f64 {
+        self.core_sharing(busy) * (1.0 + (self.co_run_slowdown - 1.0) * busy)
+    }
+
+    /// How many times slower each rank computes when `busy` of every `devices_per_node` (a
+    /// share, 0 to 1) compute at once on shared cores: their threads over the cores, at least
+    /// 1. Each rank runs the cores' share its calibration ran with (at least one thread).
+    pub fn core_sharing(&self, busy: f64) -> f64 {
         if self.cores_per_node == 0 {
             return 1.0;
         }
@@ -181,6 +215,12 @@ mod tests {
         std::fs::write(&bad, r#"{"latency_s": 20}"#).unwrap();
         let e = Cluster::load(&bad).unwrap_err().to_string();
         assert!(e.contains("latency_s must be at least 0 and under 1 second"), "{e}");
+        std::fs::write(&bad, r#"{"sync_s": 100}"#).unwrap();
+        let e = Cluster::load(&bad).unwrap_err().to_string();
+        assert!(e.contains("sync_s must be at least 0 and under 1 second"), "{e}");
+        std::fs::write(&bad, r#"{"co_run_slowdown": 0.5}"#).unwrap();
+        let e = Cluster::load(&bad).unwrap_err().to_string();
+        assert!(e.contains("co_run_slowdown must be a number of at least 1"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

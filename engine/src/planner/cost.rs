@@ -5,8 +5,10 @@
 //! Time: each pipeline stage's compute is its FLOPs over the device's peak; communication
 //! follows the layout's collectives (ring all-reduces of 1D tensor parallelism per row-parallel
 //! output forward and column-parallel input gradient backward; the operand broadcasts of the
-//! 2D/2.5D/3D matmuls; sequence parallelism's exchange of queries, keys, values and outputs;
-//! activations sent between stages), and the stages' micro-batches are laid out by the pipeline
+//! 2D/2.5D/3D matmuls and their norms' statistics; sequence parallelism's exchange of queries,
+//! keys, values and outputs; activations sent between stages), each collective inside the
+//! model a blocking call between computations ([`Cluster::sync_s`]: on ranks sharing cores
+//! far more than the links' latency) and its bytes, and the stages' micro-batches are laid out by the pipeline
 //! simulator ([`crate::parallel::pipeline::simulate`]) under 1F1B, so the bubble is the
 //! runtime's own; then the gradients are all-reduced over the data and sequence-parallel group,
 //! and under ZeRO every parameter is broadcast from its owner after the step (as
@@ -145,6 +147,9 @@ impl Estimate {
 struct Stage {
     /// Seconds of the forward's arithmetic, operations' overhead and collectives.
     forward: [f64; 3],
+    /// Seconds of the backward's collectives (its arithmetic and overheads are twice the
+    /// forward's).
+    backward_comm: f64,
     /// Seconds to send an activation to the next stage (and a gradient back).
     send: f64,
     /// Bytes of the pipeline runtime's receive buffers: one per micro-batch of the step for the
@@ -188,21 +193,28 @@ pub fn estimate(model: &Model, cluster: &Cluster, plan: &Plan) -> Result<Estimat
             for i in range.clone() {
                 let l = &model.layers[i];
                 let (arithmetic, overhead) = match l.measured {
-                    // A third of the measured forward and backward is the forward; this rank
-                    // computes its share of each sample's arithmetic.
+                    // A third of the measured forward and backward is the forward. This rank
+                    // computes its share of each sample's products (at the calibrated rate; what
+                    // the measurement holds beyond them is element-wise work) and of the rest
+                    // as much as the layout splits of the activations: 1D tensor parallelism
+                    // repeats the norms and residuals on every rank.
                     Some(t) => {
-                        let share = match l.forward_flops > 0.0 {
-                            true => flops_of(l) / (l.forward_flops * micro),
-                            false => 1.0 / sp as f64,
-                        };
-                        (t.per_sample_s * micro * share / 3.0 * slow, t.fixed_s / 3.0 * slow)
+                        let whole = t.per_sample_s * micro;
+                        let products = (3.0 * l.forward_flops * micro / cluster.peak_flops).min(whole);
+                        let of = |all: f64, split: f64| if all > 0.0 { shard(all, split) / all } else { 1.0 };
+                        let flop_share = of(l.forward_flops, l.split_flops);
+                        let byte_share =
+                            if l.saved_bytes > 0.0 { of(l.saved_bytes, l.split_saved_bytes) } else { flop_share };
+                        let mine = (products * flop_share + (whole - products) * byte_share) / sp as f64;
+                        (mine / 3.0 * slow, t.fixed_s / 3.0 * slow)
                     }
                     None => (flops_of(l) / cluster.peak_flops * slow, l.ops * cluster.op_overhead_s * slow),
                 };
-                let comm = layer_communication(l, plan, cluster, micro);
+                let (comm, comm_back) = layer_communication(l, plan, cluster, micro);
                 s.forward[0] += arithmetic;
                 s.forward[1] += overhead;
                 s.forward[2] += comm;
+                s.backward_comm += comm_back;
                 let saved = shard(l.saved_bytes, l.split_saved_bytes) * micro / sp as f64;
                 s.activations += shard_input(l, multi_dim, t) * micro / sp as f64;
                 if plan.checkpoint.contains(&i) {
@@ -234,9 +246,11 @@ pub fn estimate(model: &Model, cluster: &Cluster, plan: &Plan) -> Result<Estimat
             s
         })
         .collect();
-    // A backward costs twice its forward (each product's input and weight gradients), plus the
-    // recomputation, and sends one gradient back where the forward sent one activation on.
-    let backward = |s: &Stage| 2.0 * s.forward.iter().sum::<f64>() + s.recompute.iter().sum::<f64>() + s.send;
+    // A backward computes twice its forward (each product's input and weight gradients), runs
+    // its own collectives and the recomputation, and sends one gradient back where the forward
+    // sent one activation on.
+    let backward =
+        |s: &Stage| 2.0 * (s.forward[0] + s.forward[1]) + s.backward_comm + s.recompute.iter().sum::<f64>() + s.send;
     let worst_fwd = stages.iter().map(|s| s.forward.iter().sum::<f64>() + s.send).fold(0.0, f64::max);
     let worst_bwd = stages.iter().map(backward).fold(0.0, f64::max);
     let sim = match plan.pp {
@@ -274,10 +288,19 @@ pub fn estimate(model: &Model, cluster: &Cluster, plan: &Plan) -> Result<Estimat
             (worst.memory_bytes, worst.param_bytes, worst.grad_bytes) = (memory, s.params, grads);
             (worst.optimizer_bytes, worst.activation_bytes) = (optimizer, activations);
         }
-        // The gradients' reduction: one all-reduce per DDP bucket of 25 MiB.
+        // The gradients' reduction: one blocking all-reduce per DDP bucket of 25 MiB, and the
+        // step's loss averaged over the ranks (the trainers log it every step).
         let buckets = (s.params / BUCKET_BYTES).ceil().max(1.0);
-        let mut sync = cluster.all_reduce(s.params, plan.dp * sp, tp)
-            + (buckets - 1.0) * cluster.all_reduce(0.0, plan.dp * sp, tp);
+        let reducing = plan.dp * sp;
+        let mut sync = if reducing > 1 {
+            let n = reducing as f64;
+            2.0 * (n - 1.0) / n * s.params / cluster.bandwidth(reducing, tp) + buckets * cluster.sync_s
+        } else {
+            0.0
+        };
+        if plan.ranks() > 1 {
+            sync += cluster.sync_s;
+        }
         if plan.zero >= 1 && plan.dp * sp > 1 {
             // The engine's ZeRO broadcasts every parameter from its owner after the step (one
             // collective per tensor, all in flight): the bytes of an all-gather, and a call's
@@ -290,8 +313,8 @@ pub fn estimate(model: &Model, cluster: &Cluster, plan: &Plan) -> Result<Estimat
         let update =
             ops * (s.tensors / owned * cluster.op_overhead_s + 3.0 * s.params / owned / cluster.memory_bandwidth);
         let optimizer_s = update * cluster.contention(1.0);
-        let [arithmetic, overhead, mut comm] = [0, 1, 2].map(|k| m * (3.0 * s.forward[k] + s.recompute[k]));
-        comm += m * 2.0 * s.send;
+        let [arithmetic, overhead] = [0, 1].map(|k| m * (3.0 * s.forward[k] + s.recompute[k]));
+        let comm = m * (s.forward[2] + s.backward_comm + s.recompute[2] + 2.0 * s.send);
         let busy = arithmetic + overhead + comm;
         let step = sim.makespan + sync + optimizer_s;
         if step > worst.step_s {
@@ -316,38 +339,53 @@ fn shard_input(l: &LayerProfile, multi_dim: bool, t: f64) -> f64 {
     }
 }
 
-/// Seconds of one forward of `l` spent in the layout's collectives, for `micro` samples (the
-/// backward moves twice as much).
-fn layer_communication(l: &LayerProfile, plan: &Plan, cluster: &Cluster, micro: f64) -> f64 {
+/// Seconds of one forward of `l` and of its backward spent in the layout's collectives, for
+/// `micro` samples. Each collective is a blocking call between computations
+/// ([`Cluster::sync_s`]) and its bytes over the link.
+fn layer_communication(l: &LayerProfile, plan: &Plan, cluster: &Cluster, micro: f64) -> (f64, f64) {
     let (tp, sp) = (plan.tp, plan.sp);
     let per_device = micro / sp as f64;
-    let mut seconds = 0.0;
+    let (mut forward, mut backward) = (0.0, 0.0);
     if tp > 1 {
-        seconds += match plan.tp_mode {
+        let link = cluster.interleaved(tp, 1);
+        match plan.tp_mode {
             TpMode::OneD => {
-                cluster.all_reduce(l.tp_allreduce_bytes * per_device, tp, 1) + l.tp_allreduces * cluster.collective_s
+                // The row-parallel outputs' all-reduces forward; as many backward, of the
+                // column-parallel inputs' gradients, of the same bytes.
+                let n = tp as f64;
+                let bytes = 2.0 * (n - 1.0) / n * l.tp_allreduce_bytes * per_device;
+                let seconds = bytes / link + l.tp_allreduces * cluster.sync_s;
+                (forward, backward) = (seconds, seconds);
             }
             mode => {
                 // Each matmul's operands cross the grid: SUMMA broadcasts an activation block
-                // along rows and a weight block along columns (1/q of each per device); the
-                // 2.5D layers divide the activations once more by their depth; the cube gathers
-                // both over q ranks of its q^3 (1/q^2 each) and reduce-scatters the output.
+                // along rows and a weight block along columns (1/q of each per device) in q
+                // steps, two collectives each; the 2.5D layers divide the activations once more
+                // by their depth; the cube gathers both over q ranks of its q^3 (1/q^2 each) and
+                // reduce-scatters the output, three collectives. Each norm all-reduces its
+                // mean and variance across the width. The backward runs two products per
+                // matmul (and the norms' gradients): twice the forward's.
                 let q = mode.side(tp, plan.tp_depth).unwrap_or(tp) as f64;
                 let acts = (l.matmul_operand_bytes - l.split_param_bytes) * per_device;
                 let weights = l.split_param_bytes;
-                let (bytes, steps) = match mode {
+                let (bytes, per_matmul) = match mode {
                     TpMode::TwoD => ((acts + weights) / q, 2.0 * q),
                     TpMode::TwoHalfD => ((acts / plan.tp_depth as f64 + weights) / q, 2.0 * q),
-                    _ => (3.0 * (acts + weights) / (q * q), 3.0 * q),
+                    _ => (3.0 * (acts + weights) / (q * q), 3.0),
                 };
-                bytes / cluster.bandwidth(tp, 1) + steps * cluster.latency_s
+                let calls = l.matmuls * per_matmul + 2.0 * l.norms;
+                forward = bytes / link + calls * cluster.sync_s;
+                backward = 2.0 * forward;
             }
-        };
+        }
     }
     if sp > 1 {
-        // Queries, keys and values in, outputs back: four thirds of the fused projection.
+        // Queries, keys and values in, outputs back: four thirds of the fused projection,
+        // and the same again for their gradients.
         let chunk = l.attention_qkv_bytes * 4.0 / 3.0 * per_device / if tp > 1 { tp as f64 } else { 1.0 };
-        seconds += cluster.all_gather(chunk, sp, tp);
+        let seconds = cluster.all_gather(chunk, sp, tp);
+        forward += seconds;
+        backward += seconds;
     }
-    seconds
+    (forward, backward)
 }

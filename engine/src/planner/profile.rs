@@ -81,6 +81,11 @@ pub struct LayerProfile {
     pub tp_allreduces: f64,
     /// Bytes of the matmul operands (inputs and weights) that 2D/2.5D/3D layouts move.
     pub matmul_operand_bytes: f64,
+    /// Those matmuls (linear layers, the patch embedding): 2D/2.5D/3D run a few collectives
+    /// for each.
+    pub matmuls: f64,
+    /// LayerNorms: on 2D/2.5D/3D layouts each reduces its statistics across the width.
+    pub norms: f64,
     /// Bytes of the queries, keys and values sequence parallelism exchanges.
     pub attention_qkv_bytes: f64,
     /// Whether this is a repeated block the planner may checkpoint.
@@ -231,6 +236,7 @@ impl Recorder {
         let split = shard != Shard::None;
         self.flops(2.0 * x.rows() as f64 * inputs as f64 * out_features as f64, split);
         self.profile.matmul_operand_bytes += self.bytes(x) + (inputs * out_features) as f64 * self.elem;
+        self.profile.matmuls += 1.0;
         self.save(x);
         let mut shape = x.shape.clone();
         *shape.last_mut().expect("checked") = out_features;
@@ -251,6 +257,7 @@ impl Recorder {
         self.param(&[out_channels, c, kernel, kernel], false);
         self.param(&[out_channels], false);
         self.flops(2.0 * (b * oh * ow) as f64 * (c * kernel * kernel) as f64 * out_channels as f64, false);
+        self.profile.matmuls += 1.0;
         self.save(x);
         self.fresh(vec![b, out_channels, oh, ow], false)
     }
@@ -259,6 +266,7 @@ impl Recorder {
     /// mean and reciprocal deviation per row.
     pub fn layer_norm(&mut self, x: &Sym) -> Sym {
         self.profile.ops += 1.0;
+        self.profile.norms += 1.0;
         let width = *x.shape.last().expect("norm input has a feature dimension");
         self.param(&[width], false);
         self.param(&[width], false);
