@@ -64,6 +64,10 @@ struct Args {
     /// whole). AlphaFold's side runs its inference config's `subbatch_size` 4 either way.
     #[arg(long)]
     chunk_size: Option<i64>,
+    /// Keep the features, parameters and AlphaFold's positions in this folder (default: a
+    /// temporary one, removed), so that `--ours <folder>` reruns our side alone on them.
+    #[arg(long)]
+    keep: Option<std::path::PathBuf>,
     #[command(flatten)]
     sides: Sides,
 }
@@ -79,9 +83,12 @@ fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     ensure!(args.residues.len() >= 2, "--residues: give two or more chain lengths");
-    let dir = std::env::temp_dir().join(format!("versus-alphafold-multimer-{}", std::process::id()));
+    let temp = std::env::temp_dir().join(format!("versus-alphafold-multimer-{}", std::process::id()));
+    let dir = args.keep.clone().unwrap_or(temp);
     let result = compare(&args, &dir);
-    let _ = std::fs::remove_dir_all(&dir);
+    if args.keep.is_none() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
     let (theirs, first, mine, diff, msa_rows) = result?;
     let lengths: Vec<String> = args.residues.iter().map(ToString::to_string).collect();
     println!(

@@ -123,27 +123,32 @@ impl TriangleMultiplication {
         let dap = exec.dap();
         let chunk = exec.chunk_for(ChunkOp::TriangleMultiplication);
         let z = pair.get();
-        let right = chunked(z.size()[0], chunk, |start, n| {
+        let rows = chunked(z.size()[0], chunk, |start, n| {
             let x = self.layer_norm_input.forward(&z.f_narrow(0, start, n)?)?;
             let m = mask.f_narrow(0, start, n)?.f_unsqueeze(-1)?;
             gated(&x, &self.right_projection, &x, &self.right_gate, Some(&m), self.kernels)
         })?;
-        // The sum over k needs the other endpoint's projections whole.
-        let right = match self.direction {
-            Direction::Outgoing => dap.all_gather(&right, 0)?,
-            Direction::Incoming => dap.all_gather(&right, 1)?,
-        };
+        // The sum over k needs the other endpoint's projections whole. The product over k is
+        // one matrix product per channel: the whole projection is laid out channel-first once
+        // here, as bmm reads it, rather than by einsum, which would copy it again for every
+        // chunk (at 600 residues that copy cost as much as the product itself).
+        // Outgoing [j, k, c] becomes [c, k, j], incoming [k, i, c] becomes [c, i, k]; the
+        // row-major projection is dropped once its copy is made.
         let dim = chunk_dim(self.direction);
+        let right = dap.all_gather(&rows, dim)?.f_permute([2, 1, 0])?.f_contiguous()?;
+        drop(rows);
         pair.add_chunked(dim, chunk, |z, start, n| {
             let x = self.layer_norm_input.forward(&z.f_narrow(dim, start, n)?)?;
             let m = mask.f_narrow(dim, start, n)?.f_unsqueeze(-1)?;
             let left = gated(&x, &self.left_projection, &x, &self.left_gate, Some(&m), self.kernels)?;
+            // Outgoing: [c, i, k] x [c, k, j] (`ikc,jkc->ijc`); incoming: [c, i, k] x [c, k, j]
+            // with the whole projection on the left (`kjc,kic->ijc`). Either way [c, i, j].
             let prod = match self.direction {
-                Direction::Outgoing => Tensor::f_einsum("ikc,jkc->ijc", &[&left, &right], None::<&[i64]>)?,
-                Direction::Incoming => Tensor::f_einsum("kjc,kic->ijc", &[&left, &right], None::<&[i64]>)?,
+                Direction::Outgoing => left.f_permute([2, 0, 1])?.f_bmm(&right)?,
+                Direction::Incoming => right.f_bmm(&left.f_permute([2, 0, 1])?)?,
             };
             drop(left);
-            let normed = self.center_layer_norm.forward(&prod)?;
+            let normed = self.center_layer_norm.forward(&prod.f_permute([1, 2, 0])?)?;
             drop(prod);
             gated(&normed, &self.output_projection, &x, &self.gating_linear, None, self.kernels)
         })
