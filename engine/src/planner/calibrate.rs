@@ -241,32 +241,26 @@ pub fn links(group: &ProcessGroup, device: Device) -> Result<Option<Links>> {
     }))
 }
 
-/// Seconds of the three measurements above run back to back: a training step's mix of
-/// products, small operations and element-wise passes.
-fn mix_seconds(device: Device) -> Result<f64> {
-    let start = Instant::now();
-    matmul_flops(device)?;
-    op_overhead(device)?;
-    memory_bandwidth(device)?;
-    Ok(start.elapsed().as_secs_f64())
-}
-
 /// This device's figures (matmul FLOP/s, seconds per operation, memory bytes/s), measured
 /// with the ranks of `group` taking turns, so that each measures its device alone; and, with
-/// a group, how many times longer the same work takes when every rank runs it at once.
+/// a group, how many times longer the same measurements (a training step's mix of products,
+/// small operations and element-wise passes) take when every rank runs them at once.
 fn device_figures(group: Option<&ProcessGroup>, device: Device) -> Result<([f64; 3], f64)> {
-    let measure =
-        || -> Result<[f64; 3]> { Ok([matmul_flops(device)?, op_overhead(device)?, memory_bandwidth(device)?]) };
-    let Some(g) = group else { return Ok((measure()?, 1.0)) };
+    let measure = || -> Result<([f64; 3], f64)> {
+        let start = Instant::now();
+        let figures = [matmul_flops(device)?, op_overhead(device)?, memory_bandwidth(device)?];
+        Ok((figures, start.elapsed().as_secs_f64()))
+    };
+    let Some(g) = group else { return Ok((measure()?.0, 1.0)) };
     let mut mine = None;
     for turn in 0..g.size() {
         g.barrier()?;
         if turn == g.rank() {
-            mine = Some((measure()?, mix_seconds(device)?));
+            mine = Some(measure()?);
         }
     }
     g.barrier()?;
-    let together = mix_seconds(device)?;
+    let (_, together) = measure()?;
     let (figures, alone) = mine.expect("every rank has its turn");
     Ok((figures, together / alone))
 }
