@@ -1,10 +1,13 @@
 //! The inference memory profile's predicted peak of `fastfold predict` by length, fp32 and
-//! bf16, at model_1_ptm's sizes, and the chunk plans for a budget: no run, the profile alone
-//! (`fastfold::memory`; checked against the CPU allocator by `tests/memory.rs`).
+//! bf16, at model_1_ptm's sizes (or, with `--multimer`, model_1_multimer_v3's on a complex),
+//! and the chunk plans for a budget: no run, the profile alone (`fastfold::memory`; checked
+//! against the CPU allocator by `tests/memory.rs`).
 //!
 //! `cargo bench -p fastfold --bench memory_plan -- --msa-rows 508 --extra-rows 5120`
+//! `cargo bench -p fastfold --bench memory_plan -- --multimer --residues 600,1200,2400`
 use clap::Parser;
-use fastfold::memory::{self, plan::gib, Sizes};
+use fastfold::memory::{self, plan::gib, MultimerSizes, Peak, Plan, Sizes};
+use fastfold::model::config::TemplateConfig;
 use fastfold::model::exec::ChunkPlan;
 use fastfold::model::{EvoformerConfig, ModelConfig, Params};
 use tch::Kind;
@@ -18,9 +21,16 @@ struct Args {
     /// MSA rows (clusters) the Evoformer runs.
     #[arg(long, default_value_t = 508)]
     msa_rows: i64,
-    /// Extra-MSA rows.
-    #[arg(long, default_value_t = 5120)]
-    extra_rows: i64,
+    /// Extra-MSA rows (default: 5,120; with --multimer, v3's 2,048).
+    #[arg(long)]
+    extra_rows: Option<i64>,
+    /// AlphaFold-Multimer v3 (model_1_multimer_v3's widths, 2 chains, the MSA sampled from
+    /// 2,556 rows on the host, as on a GPU) in place of the monomer.
+    #[arg(long)]
+    multimer: bool,
+    /// With --multimer: templates.
+    #[arg(long, default_value_t = 4)]
+    templates: i64,
     /// Recycling feature slices kept (num_recycle + 1).
     #[arg(long, default_value_t = 4)]
     slices: i64,
@@ -37,14 +47,72 @@ fn feature_bytes(n: i64, s: i64, e: i64, slices: i64) -> u64 {
     (slices * (n * 720 + s * n * 212 + e * n * 20)) as u64
 }
 
+/// Parameters of model_1_multimer_v3 (the full-size fixture's manifest: names and shapes).
+fn multimer_parameters() -> anyhow::Result<i64> {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/multimer_network/full_manifest.json");
+    let manifest: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path)?)?;
+    let shapes = manifest["arrays"].as_array().ok_or_else(|| anyhow::anyhow!("{path}: no arrays"))?;
+    Ok(shapes.iter().map(|a| a[1].as_array().map_or(0, |d| d.iter().map(|x| x.as_i64().unwrap_or(0)).product())).sum())
+}
+
+/// The network the table is for: its peak under a chunk plan and its plan for a budget.
+struct Network {
+    cfg: EvoformerConfig,
+    model: ModelConfig,
+    /// With AlphaFold-Multimer: its template stack and the complex's sampling sizes.
+    multimer: Option<(TemplateConfig, i64, i64)>,
+}
+
+impl Network {
+    fn multimer_sizes(&self, sizes: Sizes) -> Option<(TemplateConfig, MultimerSizes)> {
+        self.multimer
+            .map(|(t, msa, templates)| (t, MultimerSizes { pass: sizes, msa, templates, sampling_on_device: false }))
+    }
+
+    fn peak(&self, sizes: Sizes, chunks: &ChunkPlan) -> Peak {
+        match self.multimer_sizes(sizes) {
+            Some((t, m)) => memory::multimer_pass_peak(&self.cfg, &self.model, Some(&t), m, chunks),
+            None => memory::pass_peak(&self.cfg, &self.model, sizes, chunks),
+        }
+    }
+
+    fn plan(&self, sizes: Sizes, fixed: u64, budget: u64) -> Result<Plan, String> {
+        match self.multimer_sizes(sizes) {
+            Some((t, m)) => memory::plan_multimer(&self.cfg, &self.model, Some(&t), m, fixed, budget),
+            None => memory::plan(&self.cfg, &self.model, sizes, fixed, budget),
+        }
+    }
+}
+
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let (cfg, model) = (EvoformerConfig::default(), ModelConfig::default());
-    let numel: usize = Params::random_model(&cfg, &model, 0)?.iter().map(|(_, t)| t.numel()).sum();
-    println!(
-        "model_1_ptm sizes ({numel} parameters), {} MSA rows, {} extra rows, no templates, {} feature slices",
-        args.msa_rows, args.extra_rows, args.slices
-    );
+    let (net, numel, extra_rows) = match args.multimer {
+        false => {
+            let numel: usize = Params::random_model(&cfg, &model, 0)?.iter().map(|(_, t)| t.numel()).sum();
+            let extra = args.extra_rows.unwrap_or(5120);
+            println!(
+                "model_1_ptm sizes ({numel} parameters), {} MSA rows, {extra} extra rows, no templates, {} feature slices",
+                args.msa_rows, args.slices
+            );
+            (Network { cfg, model, multimer: None }, numel as i64, extra)
+        }
+        true => {
+            let cfg = EvoformerConfig { outer_product_mean_first: true, fused_triangle_projections: true, ..cfg };
+            let model = ModelConfig { aligned_error_bins: Some(64), templates: None, ..model };
+            let numel = multimer_parameters()?;
+            let extra = args.extra_rows.unwrap_or(2048);
+            // v2.3's pipeline: the MSA the sampling draws from, at least 512 rows.
+            let msa = (args.msa_rows + extra).max(512);
+            println!(
+                "model_1_multimer_v3 sizes ({numel} parameters), {} cluster centres and {extra} extra rows sampled \
+                 from {msa}, {} templates, the features on the host",
+                args.msa_rows, args.templates
+            );
+            let multimer = Some((TemplateConfig::default(), msa, args.templates));
+            (Network { cfg, model, multimer }, numel, extra)
+        }
+    };
     let budgets: Vec<(String, u64)> =
         args.budgets.iter().map(|b| Ok((b.clone(), engine::gemini::parse_bytes(b)?))).collect::<anyhow::Result<_>>()?;
     print!("| residues | precision | parameters + features GiB | unchunked peak GiB | least peak GiB (at) |");
@@ -57,10 +125,15 @@ fn main() -> anyhow::Result<()> {
     for &n in &args.residues {
         for (kind, name) in [(Kind::Float, "fp32"), (Kind::BFloat16, "bf16")] {
             let e = kind.elt_size_in_bytes() as i64;
-            let sizes = Sizes { residues: n, msa_rows: args.msa_rows, extra_rows: args.extra_rows, elem: e };
-            let fixed = (numel as i64 * e) as u64 + feature_bytes(n, args.msa_rows, args.extra_rows, args.slices);
-            let whole = memory::pass_peak(&cfg, &model, sizes, &ChunkPlan::uniform(None));
-            let least = memory::pass_peak(&cfg, &model, sizes, &ChunkPlan::uniform(Some(1)));
+            let sizes = Sizes { residues: n, msa_rows: args.msa_rows, extra_rows, elem: e };
+            // A complex's features stay on the host; the monomer's are on the device.
+            let features = match args.multimer {
+                true => 0,
+                false => feature_bytes(n, args.msa_rows, extra_rows, args.slices),
+            };
+            let fixed = (numel * e) as u64 + features;
+            let whole = net.peak(sizes, &ChunkPlan::uniform(None));
+            let least = net.peak(sizes, &ChunkPlan::uniform(Some(1)));
             print!(
                 "| {n} | {name} | {:.1} | {:.1} | {:.1} ({}) |",
                 gib(fixed),
@@ -69,7 +142,7 @@ fn main() -> anyhow::Result<()> {
                 least.at
             );
             for (b, budget) in &budgets {
-                match memory::plan(&cfg, &model, sizes, fixed, *budget) {
+                match net.plan(sizes, fixed, *budget) {
                     Ok(p) => {
                         print!(" {:.1} |", gib(p.peak()));
                         plans.push(format!("{n} {name} in {b}: {}", p.describe()));

@@ -342,19 +342,7 @@ impl<'a> Runner<'a> {
         let plan = memory::plan(model.net.config(), &model.config, sizes, fixed, budget)
             .map_err(|e| anyhow::anyhow!("{name} with {}: {e} (--gpu-mem)", model.name))?;
         if self.world.rank() == 0 {
-            eprintln!(
-                "{name} {}: memory plan for {:.2} GiB ({} residues, {} MSA rows, {} extra rows): planned peak {:.2} GiB \
-                 ({:.2} GiB parameters and features, the pass's peak in {}); chunks: {}",
-                model.name,
-                memory::plan::gib(budget),
-                sizes.residues,
-                sizes.msa_rows,
-                sizes.extra_rows,
-                memory::plan::gib(plan.peak()),
-                memory::plan::gib(plan.fixed),
-                plan.pass.at,
-                plan.describe()
-            );
+            say_plan(&format!("{name} {}", model.name), budget, &sizes, &plan);
         }
         Ok((Exec::planned(self.exec.dap().clone(), plan.chunks.clone()), Some(plan.peak())))
     }
@@ -373,6 +361,23 @@ impl<'a> Runner<'a> {
             (None, r) => r.unwrap_or(available - 1),
         })
     }
+}
+
+/// A memory plan said on stderr: for what, the budget, the sizes, the planned peak and its
+/// parts, the chunks.
+fn say_plan(what: &str, budget: u64, sizes: &memory::Sizes, plan: &memory::Plan) {
+    eprintln!(
+        "{what}: memory plan for {:.2} GiB ({} residues, {} MSA rows, {} extra rows): planned peak {:.2} GiB \
+         ({:.2} GiB parameters and features, the pass's peak in {}); chunks: {}",
+        memory::plan::gib(budget),
+        sizes.residues,
+        sizes.msa_rows,
+        sizes.extra_rows,
+        memory::plan::gib(plan.peak()),
+        memory::plan::gib(plan.fixed),
+        plan.pass.at,
+        plan.describe()
+    );
 }
 
 /// `ranked_<i>.pdb` (the models' PDBs, best first), `ranking_debug.json` and `timings.json`.

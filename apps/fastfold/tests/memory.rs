@@ -1,6 +1,7 @@
 //! The inference memory profile against the CPU allocator, and the planner's chunks: a
 //! no-grad pass's peak of live bytes (engine::host_memory counts every CPU allocation) equals
-//! the profile's within 5% at AlphaFold's widths, unchunked, chunked and planned; a plan made
+//! the profile's within 5% at AlphaFold's widths and AlphaFold-Multimer's, unchunked, chunked
+//! and planned; a plan made
 //! for a budget keeps the measured peak under it; the in-place, chunked pass equals the plain
 //! one (a pass that records gradients updates nothing in place and chunks nothing) within 1e-5.
 mod common;
@@ -190,4 +191,130 @@ fn predict_plans_for_the_budget_and_prints_planned_and_measured_peaks() {
     assert!(d <= 1e-4, "the planned run's atoms differ by {d} Å from the plain run's ({plain})");
     let (ok, text, _) = run(&["--gpu-mem", "64K"], "tiny");
     assert!(!ok && text.contains("--gpu-mem") && text.contains("at the least"), "{text}");
+}
+
+/// `model_1_multimer_v3`'s widths (the full-size manifest's names and shapes, random values)
+/// with two Evoformer blocks and one extra-MSA block: every block's peak is the same.
+fn multimer_widths() -> fastfold::model::multimer::MultimerAlphaFold {
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/multimer_network");
+    let text = std::fs::read_to_string(dir.join("full_manifest.json")).unwrap();
+    let manifest: serde_json::Value = serde_json::from_str(&text).unwrap();
+    tch::manual_seed(11);
+    let arrays: Vec<(String, Tensor)> = manifest["arrays"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| {
+            let name = a[0].as_str().unwrap().to_string();
+            let mut shape: Vec<i64> = a[1].as_array().unwrap().iter().map(|d| d.as_i64().unwrap()).collect();
+            if name.contains("/evoformer_iteration/") {
+                shape[0] = 2;
+            } else if name.contains("/extra_msa_stack/") {
+                shape[0] = 1;
+            }
+            let (scale, offset) = (a[2].as_f64().unwrap(), a[3].as_f64().unwrap());
+            let values = (Tensor::rand(&shape[..], (Kind::Float, Device::Cpu)) * 2.0 - 1.0) * scale + offset;
+            (name, values)
+        })
+        .collect();
+    let path = common::scratch("memory", "multimer").until_exit().join("params_model_1_multimer_v3.npz");
+    Tensor::write_npz(&arrays, &path).unwrap();
+    fastfold::model::multimer::MultimerAlphaFold::load(&path).unwrap()
+}
+
+/// A heterodimer of `n` residues (two chains), `s` MSA rows, `templates` templates.
+fn complex_inputs(n: i64, s: i64, templates: i64) -> fastfold::model::multimer::MultimerInputs {
+    tch::manual_seed(5);
+    let int = (Kind::Int64, Device::Cpu);
+    let f = (Kind::Float, Device::Cpu);
+    let half = n / 2;
+    let chain = Tensor::arange(n, int).ge(half).to_kind(Kind::Int64) + 1;
+    let residue_index = Tensor::arange(n, int) - (&chain - 1) * half;
+    let bias = Tensor::zeros([s], f);
+    let _ = bias.get(0).fill_(1.0);
+    let template = |shape: &[i64], scale: f64| (templates > 0).then(|| Tensor::rand(shape, f) * scale);
+    fastfold::model::multimer::MultimerInputs {
+        aatype: Tensor::randint(20, [n], int),
+        residue_index,
+        asym_id: chain.shallow_clone(),
+        entity_id: chain,
+        sym_id: Tensor::ones([n], int),
+        seq_mask: Tensor::ones([n], f),
+        msa: Tensor::randint(22, [s, n], int),
+        deletion_matrix: Tensor::randint(3, [s, n], int).to_kind(Kind::Float),
+        msa_mask: Tensor::ones([s, n], f),
+        bert_mask: Tensor::ones([s, n], f),
+        cluster_bias_mask: bias,
+        template_aatype: (templates > 0).then(|| Tensor::randint(20, [templates, n], int)),
+        template_all_atom_positions: template(&[templates, n, 37, 3], 30.0),
+        template_all_atom_mask: (templates > 0).then(|| Tensor::ones([templates, n, 37], f)),
+    }
+}
+
+/// AlphaFold-Multimer's pass: the profile's peak equals the CPU allocator's within 5% at
+/// `model_1_multimer_v3`'s widths, with and without templates, unchunked, chunked and planned
+/// (the MSA sampled inside the network counted, as the features are on the CPU); a plan made
+/// for a budget keeps the measured peak under it.
+#[test]
+fn multimer_pass_peak_matches_the_cpu_allocator_and_plans_fit_their_budget() {
+    use fastfold::jax_random::Key;
+    use fastfold::model::multimer::{MsaSampling, MultimerAlphaFold, MultimerInputs};
+    let _alone = ALONE.lock();
+    engine::host_memory::track().unwrap();
+    tch::set_num_threads(1);
+    let mut net = multimer_widths();
+    let (cfg, model, template) = (*net.config(), *net.model_config(), net.template_config().copied());
+    let some = |c| ChunkPlan::uniform(Some(c));
+    // The measured peak of one no-grad pass, from the moment its recycled inputs are made.
+    let measure = |net: &MultimerAlphaFold, inputs: &MultimerInputs, exec: &Exec| {
+        let before = engine::host_memory::stats().unwrap().current;
+        let prev = net.initial_state(inputs).unwrap();
+        engine::host_memory::reset_peak().unwrap();
+        let pass = tch::no_grad(|| net.pass(inputs, prev, Key::from_seed(0), exec)).unwrap();
+        let peak = engine::host_memory::stats().unwrap().peak;
+        drop(pass);
+        (peak - before) as f64
+    };
+    for (n, s, (num_msa, num_extra), templates, plan) in [
+        (64, 24, (8, 12), 0, ChunkPlan::uniform(None)),
+        (96, 40, (16, 16), 2, ChunkPlan::uniform(None)),
+        (128, 48, (8, 32), 4, some(32)),
+        (160, 12, (4, 4), 1, some(40).with(Stage::Templates, ChunkOp::TriangleAttention, Some(8))),
+        // Each part's own peak: the sampling of a deep MSA, the relative encoding whole, the
+        // template stack whole, with everything else in small chunks.
+        (32, 2000, (4, 4), 0, ChunkPlan::uniform(None)),
+        (160, 12, (4, 4), 0, some(8).with(Stage::Outer, ChunkOp::PairEmbedding, None)),
+        (160, 12, (4, 4), 3, some(8).with(Stage::Templates, ChunkOp::TriangleAttention, None)),
+        (160, 12, (4, 4), 3, some(8).with(Stage::Templates, ChunkOp::TriangleMultiplication, None)),
+    ] {
+        let sampling = MsaSampling { num_msa, num_extra_msa: num_extra, ..MsaSampling::default() };
+        net.sampling = sampling;
+        let inputs = complex_inputs(n, s, templates);
+        let sizes = memory::multimer_sizes_of(&inputs, &sampling, Kind::Float, true).unwrap();
+        let predicted = memory::multimer_pass_peak(&cfg, &model, template.as_ref(), sizes, &plan);
+        let measured = measure(&net, &inputs, &Exec::planned(Dap::none(), plan.clone()));
+        suite_tests::assert_bytes_close(
+            &format!("Multimer pass {n} residues, {s} rows ({num_msa} + {num_extra}), {templates} templates, {plan:?}, peak in {}", predicted.at),
+            measured,
+            predicted.bytes as f64,
+            0.05,
+        );
+    }
+    // A budget the whole pass exceeds: the plan chunks, and the measured peak stays under it.
+    let (n, s, templates) = (160, 40, 2);
+    let sampling = MsaSampling { num_msa: 16, num_extra_msa: 16, ..MsaSampling::default() };
+    net.sampling = sampling;
+    let inputs = complex_inputs(n, s, templates);
+    let sizes = memory::multimer_sizes_of(&inputs, &sampling, Kind::Float, true).unwrap();
+    let whole = memory::multimer_pass_peak(&cfg, &model, template.as_ref(), sizes, &ChunkPlan::uniform(None)).bytes;
+    let budget = whole / 2;
+    let plan = memory::plan_multimer(&cfg, &model, template.as_ref(), sizes, 0, budget).unwrap();
+    assert!(plan.describe().contains("Templates/"), "the template stack is planned: {}", plan.describe());
+    assert!(plan.peak() <= budget, "planned {} over the budget {budget}", plan.peak());
+    let measured = measure(&net, &inputs, &Exec::planned(Dap::none(), plan.chunks.clone()));
+    assert!(measured <= budget as f64, "measured {measured} bytes over the budget {budget} ({})", plan.describe());
+    let what = format!("planned Multimer pass ({})", plan.describe());
+    suite_tests::assert_bytes_close(&what, measured, plan.peak() as f64, 0.05);
+    let err = memory::plan_multimer(&cfg, &model, template.as_ref(), sizes, 0, whole / 40).unwrap_err();
+    assert!(err.contains("at the least"), "{err}");
 }

@@ -149,7 +149,7 @@ fn multimer_runs_name_what_they_do_not_take() {
     let monomer_features = d.join("monomer.npz");
     Tensor::write_npz(&[("aatype", Tensor::zeros([4], (Kind::Int, tch::Device::Cpu)))], &monomer_features).unwrap();
     let missing = d.join("missing.npz");
-    let cases: [(&[&str], &str); 9] = [
+    let cases: [(&[&str], &str); 8] = [
         (&["--params", params, "--model-preset", "monomer"], "--model-preset monomer, but --params"),
         (
             &["--params", common::tiny_params().to_str().unwrap(), "--model-preset", "multimer"],
@@ -158,7 +158,6 @@ fn multimer_runs_name_what_they_do_not_take() {
         (&["--params", params, "--msa", "a.a3m"], "--msa a.a3m is one chain's alignment"),
         (&["--params", params, "--msa", "a.a3m"], "--use-precomputed-msas"),
         (&["--params", params, "--preset", "model_1"], "--preset model_1 is a monomer model's"),
-        (&["--params", params, "--gpu-mem", "4G"], "--gpu-mem plans monomer runs only"),
         (&["--params", params, "--models", "1"], "--models 1 picks files from a directory"),
         (&["--params", params, "--features", monomer_features.to_str().unwrap()], "monomer.npz: the feature"),
         (&["--params", params, "--features", missing.to_str().unwrap()], "missing.npz"),
@@ -307,4 +306,58 @@ fn models_pick_multimer_files_by_number_or_name() {
         assert!(!ok && text.contains(says), "{args:?}:\n{text}");
         assert!(!empty.join("out").exists(), "{args:?} left an output folder");
     }
+}
+
+/// `--gpu-mem` on a complex (the CPU's allocator): the plan said, the measured peak beside the
+/// planned one and under the budget, the structure the unplanned run's within 1e-4 Å; a budget
+/// no plan meets is an error naming the flag.
+#[test]
+fn a_complex_predicts_under_a_memory_budget() {
+    let d = common::scratch("multimer", "budget");
+    let file = tiny_multimer(&d, "model_1_multimer_v3");
+    let fasta = d.join("long.fasta");
+    let chain =
+        |n: usize, k: usize| -> String { (0..n).map(|i| b"ACDEFGHIKLMNPQRSTVWY"[(i * k + 3) % 20] as char).collect() };
+    std::fs::write(&fasta, format!(">a\n{}\n>b\n{}\n", chain(110, 7), chain(100, 11))).unwrap();
+    let run = |name: &str, extra: &[&str]| {
+        let dir = d.join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let flags = [
+            "--params",
+            file.to_str().unwrap(),
+            "--num-multimer-predictions-per-model",
+            "1",
+            "--num-recycle",
+            "0",
+            "--max-msa-clusters",
+            "32",
+            "--max-extra-msa",
+            "64",
+            "--save-outputs",
+            "--no-plots",
+        ];
+        let (ok, text) = fastfold(&dir, &[&[fasta.to_str().unwrap()][..], &flags[..], extra].concat());
+        (ok, text, dir.join("out/long/model_1_multimer_v3_pred_0_outputs.npz"))
+    };
+    let (ok, plain, plain_npz) = run("plain", &[]);
+    assert!(ok, "{plain}");
+    let (ok, text, planned_npz) = run("planned", &["--gpu-mem", "40M"]);
+    assert!(ok, "{text}");
+    assert!(text.contains("memory plan for 0.04 GiB") && text.contains("Templates/"), "the plan is said:\n{text}");
+    let line = text.lines().find(|l| l.contains("peak memory")).expect("a summary line");
+    let number = |key: &str| -> f64 {
+        let rest = &line[line.find(key).unwrap_or_else(|| panic!("{key} in {line}")) + key.len()..];
+        rest.trim_start().split(' ').next().unwrap().parse().unwrap()
+    };
+    let (measured, planned) = (number("peak memory"), number("(planned"));
+    eprintln!("{line}");
+    // The line's GiB have two decimals: within half the last of them.
+    let budget = 40.0 / 1024.0 + 0.005;
+    assert!(planned <= budget && measured <= budget, "under the budget: {line}");
+    assert!((measured - planned).abs() <= 0.05 * planned.max(measured) + 0.002, "planned and measured agree: {line}");
+    let key = "structure_module/final_atom_positions";
+    let moved = max_diff(&outputs(&plain_npz)[key], &outputs(&planned_npz)[key]);
+    assert!(moved <= 1e-4, "the planned run's atoms differ by {moved} Å from the plain run's");
+    let (ok, text, _) = run("tiny", &["--gpu-mem", "1M"]);
+    assert!(!ok && text.contains("--gpu-mem") && text.contains("at the least") && text.contains("long with"), "{text}");
 }

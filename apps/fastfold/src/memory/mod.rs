@@ -9,10 +9,12 @@
 //! temporaries, freed after their last use. [`Trace`] simulates exactly that: each modelled
 //! buffer is allocated and freed in the order the code allocates and frees it, and the trace
 //! keeps the largest sum and where it happened.
+pub mod multimer;
 pub mod plan;
 pub mod profile;
 
-pub use plan::{plan, Plan};
+pub use multimer::{multimer_pass_peak, multimer_sizes_of, MultimerSizes};
+pub use plan::{plan, plan_multimer, Plan};
 pub use profile::{bytes_of, pass_peak, sizes_of, Peak, Sizes};
 
 /// A buffer the trace holds: freed by [`Trace::free`], never silently.

@@ -6,8 +6,9 @@
 //! chosen alone: from every operation at its smallest (one row: the least a pass can take),
 //! each in turn is raised to the largest size, whole first, that keeps the pass's peak under
 //! the budget ([`crate::memory::profile::pass_peak`]).
+use crate::memory::multimer::{multimer_pass_peak, MultimerSizes};
 use crate::memory::profile::{pass_peak, Peak, Sizes};
-use crate::model::config::{EvoformerConfig, ModelConfig};
+use crate::model::config::{EvoformerConfig, ModelConfig, TemplateConfig};
 use crate::model::exec::{ChunkOp, ChunkPlan, Stage};
 
 /// A chosen plan and what it costs.
@@ -19,6 +20,8 @@ pub struct Plan {
     pub pass: Peak,
     /// Bytes alive before the pass (parameters, features).
     pub fixed: u64,
+    /// The operations the plan chose sizes for.
+    ops: &'static [(Stage, ChunkOp)],
 }
 
 impl Plan {
@@ -30,7 +33,8 @@ impl Plan {
     /// The chunked operations, `stage op=size` each, in one line (`none` when nothing is
     /// chunked).
     pub fn describe(&self) -> String {
-        let parts: Vec<String> = KEYS
+        let parts: Vec<String> = self
+            .ops
             .iter()
             .filter_map(|&(stage, op)| self.chunks.get(stage, op).map(|c| format!("{stage:?}/{op:?}={c}")))
             .collect();
@@ -41,10 +45,34 @@ impl Plan {
     }
 }
 
-/// The operations the pass profile covers, by stage.
+/// The operations the monomer pass profile covers, by stage.
 const KEYS: [(Stage, ChunkOp); 16] = [
     (Stage::Outer, ChunkOp::PairEmbedding),
     (Stage::Outer, ChunkOp::StructureAttention),
+    (Stage::ExtraMsa, ChunkOp::MsaRowAttention),
+    (Stage::ExtraMsa, ChunkOp::MsaColumnAttention),
+    (Stage::ExtraMsa, ChunkOp::MsaTransition),
+    (Stage::ExtraMsa, ChunkOp::OuterProductMean),
+    (Stage::ExtraMsa, ChunkOp::TriangleMultiplication),
+    (Stage::ExtraMsa, ChunkOp::TriangleAttention),
+    (Stage::ExtraMsa, ChunkOp::PairTransition),
+    (Stage::Evoformer, ChunkOp::MsaRowAttention),
+    (Stage::Evoformer, ChunkOp::MsaColumnAttention),
+    (Stage::Evoformer, ChunkOp::MsaTransition),
+    (Stage::Evoformer, ChunkOp::OuterProductMean),
+    (Stage::Evoformer, ChunkOp::TriangleMultiplication),
+    (Stage::Evoformer, ChunkOp::TriangleAttention),
+    (Stage::Evoformer, ChunkOp::PairTransition),
+];
+
+/// The operations the Multimer pass profile covers: the monomer's and the template pair
+/// stack's.
+const MULTIMER_KEYS: [(Stage, ChunkOp); 19] = [
+    (Stage::Outer, ChunkOp::PairEmbedding),
+    (Stage::Outer, ChunkOp::StructureAttention),
+    (Stage::Templates, ChunkOp::TriangleMultiplication),
+    (Stage::Templates, ChunkOp::TriangleAttention),
+    (Stage::Templates, ChunkOp::PairTransition),
     (Stage::ExtraMsa, ChunkOp::MsaRowAttention),
     (Stage::ExtraMsa, ChunkOp::MsaColumnAttention),
     (Stage::ExtraMsa, ChunkOp::MsaTransition),
@@ -83,14 +111,51 @@ fn axis(stage: Stage, op: ChunkOp, sizes: &Sizes) -> i64 {
     }
 }
 
-/// The plan for one pass of `sizes` whose peak, on top of `fixed` bytes already alive, stays
-/// within `budget` bytes; an error saying what the leanest plan needs when none does.
+/// The plan for one monomer pass of `sizes` whose peak, on top of `fixed` bytes already alive,
+/// stays within `budget` bytes; an error saying what the leanest plan needs when none does.
 pub fn plan(cfg: &EvoformerConfig, model: &ModelConfig, sizes: Sizes, fixed: u64, budget: u64) -> Result<Plan, String> {
     let peak = |chunks: &ChunkPlan| pass_peak(cfg, model, sizes, chunks);
+    let mut plan = search(&KEYS, &sizes, fixed, budget, peak)?;
+    // Not profiled: the template pair stack (narrower than the pair) takes the Evoformer's
+    // pair sizes, the template pointwise attention the structure module's row size.
+    let mut chunks = plan.chunks;
+    for op in [ChunkOp::TriangleMultiplication, ChunkOp::TriangleAttention, ChunkOp::PairTransition] {
+        let size = chunks.get(Stage::Evoformer, op);
+        chunks = chunks.with(Stage::Templates, op, size);
+    }
+    let size = chunks.get(Stage::Outer, ChunkOp::StructureAttention);
+    chunks = chunks.with(Stage::Outer, ChunkOp::TemplatePointwise, size);
+    plan.pass = peak(&chunks);
+    plan.chunks = chunks;
+    Ok(plan)
+}
+
+/// [`plan`] for one AlphaFold-Multimer pass ([`multimer_pass_peak`]), the template pair stack
+/// (`template`: the parameters' stack, if any) planned with the rest.
+pub fn plan_multimer(
+    cfg: &EvoformerConfig,
+    model: &ModelConfig,
+    template: Option<&TemplateConfig>,
+    sizes: MultimerSizes,
+    fixed: u64,
+    budget: u64,
+) -> Result<Plan, String> {
+    search(&MULTIMER_KEYS, &sizes.pass, fixed, budget, |chunks| multimer_pass_peak(cfg, model, template, sizes, chunks))
+}
+
+/// From every operation of `ops` at its smallest, each in turn raised to the largest size that
+/// keeps `fixed` + `peak` within `budget`; no chunking when the whole pass fits.
+fn search(
+    ops: &'static [(Stage, ChunkOp)],
+    sizes: &Sizes,
+    fixed: u64,
+    budget: u64,
+    peak: impl Fn(&ChunkPlan) -> Peak,
+) -> Result<Plan, String> {
     let whole = ChunkPlan::uniform(None);
     let whole_peak = peak(&whole);
     if fixed + whole_peak.bytes <= budget {
-        return Ok(Plan { chunks: whole, pass: whole_peak, fixed });
+        return Ok(Plan { chunks: whole, pass: whole_peak, fixed, ops });
     }
     let mut chunks = ChunkPlan::uniform(Some(1));
     let least = peak(&chunks);
@@ -105,8 +170,8 @@ pub fn plan(cfg: &EvoformerConfig, model: &ModelConfig, sizes: Sizes, fixed: u64
             gib(budget)
         ));
     }
-    for (stage, op) in KEYS {
-        for size in candidates(axis(stage, op, &sizes)) {
+    for &(stage, op) in ops {
+        for size in candidates(axis(stage, op, sizes)) {
             let tried = chunks.clone().with(stage, op, size);
             if fixed + peak(&tried).bytes <= budget {
                 chunks = tried;
@@ -114,16 +179,8 @@ pub fn plan(cfg: &EvoformerConfig, model: &ModelConfig, sizes: Sizes, fixed: u64
             }
         }
     }
-    // Not profiled: the template pair stack (narrower than the pair) takes the Evoformer's
-    // pair sizes, the template pointwise attention the structure module's row size.
-    for op in [ChunkOp::TriangleMultiplication, ChunkOp::TriangleAttention, ChunkOp::PairTransition] {
-        let size = chunks.get(Stage::Evoformer, op);
-        chunks = chunks.with(Stage::Templates, op, size);
-    }
-    let size = chunks.get(Stage::Outer, ChunkOp::StructureAttention);
-    chunks = chunks.with(Stage::Outer, ChunkOp::TemplatePointwise, size);
     let pass = peak(&chunks);
-    Ok(Plan { chunks, pass, fixed })
+    Ok(Plan { chunks, pass, fixed, ops })
 }
 
 /// Bytes in GiB.

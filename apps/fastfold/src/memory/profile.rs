@@ -35,14 +35,14 @@ pub struct Peak {
 }
 
 /// What the traced modules share: the sizes, the chunk plan, the stage.
-struct Ctx<'a> {
-    e: i64,
-    plan: &'a ChunkPlan,
-    stage: Stage,
+pub(super) struct Ctx<'a> {
+    pub(super) e: i64,
+    pub(super) plan: &'a ChunkPlan,
+    pub(super) stage: Stage,
 }
 
 impl Ctx<'_> {
-    fn chunk(&self, op: ChunkOp) -> Option<i64> {
+    pub(super) fn chunk(&self, op: ChunkOp) -> Option<i64> {
         self.plan.get(self.stage, op)
     }
 }
@@ -55,7 +55,7 @@ fn step(len: i64, chunk: Option<i64>) -> i64 {
 /// [`crate::model::layers::chunked`]: `f(rows)` makes one chunk's result (`row_bytes` per
 /// row of the output); with more than one chunk the output is allocated after the first and
 /// each chunk is copied in.
-fn chunked(
+pub(super) fn chunked(
     t: &mut Trace,
     len: i64,
     chunk: Option<i64>,
@@ -76,14 +76,14 @@ fn chunked(
 
 /// [`crate::model::layers::Stream::add_chunked`] on an owned stream: each chunk's update is
 /// added in place and freed.
-fn residual(t: &mut Trace, len: i64, chunk: Option<i64>, f: impl FnOnce(&mut Trace, i64) -> Buf) {
+pub(super) fn residual(t: &mut Trace, len: i64, chunk: Option<i64>, f: impl FnOnce(&mut Trace, i64) -> Buf) {
     let u = f(t, step(len, chunk));
     t.free(u);
 }
 
 /// LayerNorm of `rows` x `c`: a contiguous copy of a strided input, the output, and the mean
 /// and inverse deviation per row for the call.
-fn layer_norm(t: &mut Trace, rows: i64, c: i64, e: i64, contiguous: bool) -> Buf {
+pub(super) fn layer_norm(t: &mut Trace, rows: i64, c: i64, e: i64, contiguous: bool) -> Buf {
     let copy = (!contiguous).then(|| t.alloc(rows * c * e));
     let out = t.alloc(rows * c * e);
     t.temp(2 * rows * e);
@@ -138,7 +138,7 @@ fn pair_bias(t: &mut Trace, x: &Ctx, r: i64, c_z: i64, heads: i64, op: ChunkOp, 
 /// channels, updated in place: `model/msa.rs`'s `MsaRowAttentionWithPairBias::update` (the
 /// MSA's sequences) and `model/triangle.rs`'s `TriangleAttention::update` (the pair's rows,
 /// `contiguous`, or columns).
-fn biased_attention(
+pub(super) fn biased_attention(
     t: &mut Trace,
     x: &Ctx,
     op: ChunkOp,
@@ -198,7 +198,7 @@ fn msa_column_global_attention(t: &mut Trace, x: &Ctx, s: i64, r: i64, c: i64, h
 }
 
 /// `model/msa.rs`'s `Transition::update` of `rows` x `c` split along a dim of `len`.
-fn transition(t: &mut Trace, x: &Ctx, len: i64, row: i64, c: i64, factor: i64, op: ChunkOp) {
+pub(super) fn transition(t: &mut Trace, x: &Ctx, len: i64, row: i64, c: i64, factor: i64, op: ChunkOp) {
     let e = x.e;
     residual(t, len, x.chunk(op), |t, n| {
         let normed = layer_norm(t, n * row, c, e, true);
@@ -241,18 +241,22 @@ fn gated(t: &mut Trace, rows: i64, c: i64, e: i64) -> Buf {
 }
 
 /// `model/triangle.rs`'s `TriangleMultiplication::update` of the pair [r, r, c_z] through `c`
-/// channels: the other endpoint's projection whole, then per chunk the chunk's projection,
+/// channels: the other endpoint's projection whole (and its channel-first copy), then per
+/// chunk the chunk's projection,
 /// the product over k (bmm's scratch, 4 r (n + r) bytes as measured), its norm (of the
 /// product's strided layout) and the gated output.
-fn triangle_multiplication(t: &mut Trace, x: &Ctx, r: i64, c_z: i64, c: i64, outgoing: bool) {
+pub(super) fn triangle_multiplication(t: &mut Trace, x: &Ctx, r: i64, c_z: i64, c: i64, outgoing: bool) {
     let e = x.e;
     let chunk = x.chunk(ChunkOp::TriangleMultiplication);
-    let right = chunked(t, r, chunk, r * c * e, |t, n| {
+    let rows = chunked(t, r, chunk, r * c * e, |t, n| {
         let normed = layer_norm(t, n * r, c_z, e, true);
         let p = gated(t, n * r, c, e);
         t.free(normed);
         p
     });
+    // Laid out channel-first once, the row-major projection dropped after.
+    let right = t.alloc(r * r * c * e);
+    t.free(rows);
     residual(t, r, chunk, |t, n| {
         let normed = layer_norm(t, n * r, c_z, e, outgoing);
         let left = gated(t, n * r, c, e);
@@ -271,7 +275,7 @@ fn triangle_multiplication(t: &mut Trace, x: &Ctx, r: i64, c_z: i64, c: i64, out
 
 /// `model/evoformer.rs`'s `EvoformerBlock::run` on one rank: the MSA [s, r, c] and the pair
 /// updated in place.
-fn block(t: &mut Trace, x: &Ctx, cfg: &EvoformerConfig, s: i64, r: i64, extra: bool) {
+pub(super) fn block(t: &mut Trace, x: &Ctx, cfg: &EvoformerConfig, s: i64, r: i64, extra: bool) {
     let (c, heads, dim) = match extra {
         true => (cfg.c_e, cfg.extra_heads, cfg.extra_head_dim),
         false => (cfg.c_m, cfg.msa_heads, cfg.msa_head_dim),
@@ -300,32 +304,28 @@ fn block(t: &mut Trace, x: &Ctx, cfg: &EvoformerConfig, s: i64, r: i64, extra: b
     transition(t, x, r, r, c_z, cfg.transition_factor, ChunkOp::PairTransition);
 }
 
-/// `model/embedders.rs`'s `InputEmbedder::embed`: the MSA, and the pair rows a chunk at a
-/// time (each chunk's relative-position one-hot as int64, then in the model's kind).
-fn input_embedder(t: &mut Trace, x: &Ctx, n: i64, s: i64, cfg: &EvoformerConfig, model: &ModelConfig) -> (Buf, Buf) {
-    let (e, c_m, c_z) = (x.e, cfg.c_m, cfg.c_z);
-    let bins = 2 * model.max_relative_feature + 1;
+/// `model/embedders.rs`'s `FeatureProjections::embed`: the MSA, and the pair rows a chunk at
+/// a time: the chunk's left + right single projections, then its relative encoding projected
+/// (`relative(t, rows)`, the model's: [`relative_positions`] for the monomer), their sum.
+pub(super) fn input_embedder(
+    t: &mut Trace,
+    x: &Ctx,
+    (n, s): (i64, i64),
+    (c_m, c_z): (i64, i64),
+    relative: impl Fn(&mut Trace, i64) -> Buf,
+) -> (Buf, Buf) {
+    let e = x.e;
     let (a, b) = (t.alloc(s * n * c_m * e), t.alloc(n * c_m * e));
     let msa = t.alloc(s * n * c_m * e);
     t.free(a);
     t.free(b);
     let (left, right) = (t.alloc(n * c_z * e), t.alloc(n * c_z * e));
     let pair = chunked(t, n, x.chunk(ChunkOp::PairEmbedding), n * c_z * e, |t, rows| {
-        let offset = t.alloc(rows * n * 8);
-        let shifted = t.alloc(rows * n * 8);
-        let clamped = t.alloc(rows * n * 8);
-        t.free(shifted);
-        let one_hot = t.alloc(rows * n * bins * 8);
-        let rel = t.alloc(rows * n * bins * e);
-        for b in [one_hot, clamped, offset] {
-            t.free(b);
-        }
-        let act = t.alloc(rows * n * c_z * e);
         let sum = t.alloc(rows * n * c_z * e);
+        let act = relative(t, rows);
         let out = t.alloc(rows * n * c_z * e);
-        for b in [sum, act, rel] {
-            t.free(b);
-        }
+        t.free(sum);
+        t.free(act);
         out
     });
     t.free(left);
@@ -333,8 +333,25 @@ fn input_embedder(t: &mut Trace, x: &Ctx, n: i64, s: i64, cfg: &EvoformerConfig,
     (msa, pair)
 }
 
+/// The monomer's relative positions of `rows` x `n` residue pairs projected to `c_z`: the
+/// offsets as int64, clamped, their one-hot of `bins` (int64, then the model's kind).
+fn relative_positions(t: &mut Trace, e: i64, (rows, n): (i64, i64), bins: i64, c_z: i64) -> Buf {
+    let offset = t.alloc(rows * n * 8);
+    let shifted = t.alloc(rows * n * 8);
+    let clamped = t.alloc(rows * n * 8);
+    t.free(shifted);
+    let one_hot = t.alloc(rows * n * bins * 8);
+    let rel = t.alloc(rows * n * bins * e);
+    for b in [one_hot, clamped, offset] {
+        t.free(b);
+    }
+    let act = t.alloc(rows * n * c_z * e);
+    t.free(rel);
+    act
+}
+
 /// `model/embedders.rs`'s `RecyclingEmbedder::update` on owned streams.
-fn recycling_embedder(t: &mut Trace, x: &Ctx, n: i64, cfg: &EvoformerConfig, model: &ModelConfig) {
+pub(super) fn recycling_embedder(t: &mut Trace, x: &Ctx, n: i64, cfg: &EvoformerConfig, model: &ModelConfig) {
     let (e, c_m, c_z) = (x.e, cfg.c_m, cfg.c_z);
     let row = layer_norm(t, n, c_m, e, true);
     t.temp(n * c_m * e);
@@ -360,7 +377,7 @@ fn recycling_embedder(t: &mut Trace, x: &Ctx, n: i64, cfg: &EvoformerConfig, mod
 
 /// `model/embedders.rs`'s `ExtraMsaEmbedder::forward`: the one-hot (int64, then the model's
 /// kind), the joined feature, the projection.
-fn extra_msa_embedder(t: &mut Trace, x: &Ctx, n: i64, rows: i64, c_e: i64) -> Buf {
+pub(super) fn extra_msa_embedder(t: &mut Trace, x: &Ctx, n: i64, rows: i64, c_e: i64) -> Buf {
     let e = x.e;
     let one_hot = t.alloc(rows * n * 23 * 8);
     let float = t.alloc(rows * n * 23 * e);
@@ -486,6 +503,29 @@ fn structure_module(t: &mut Trace, x: &Ctx, n: i64, c_z: i64, c: &StructureConfi
     }
 }
 
+/// What a pass makes from its stacks' MSA (`s` rows the heads read) and pair: the first
+/// MSA row and the single representation, the structure module, the heads' logits; all
+/// alive at the pass's end (the [`crate::model::alphafold::Pass`]).
+pub(super) fn outputs(t: &mut Trace, x: &Ctx, (n, s): (i64, i64), (c_m, c_z): (i64, i64), model: &ModelConfig) {
+    let e = x.e;
+    t.at("single representation");
+    let first_row = t.alloc(n * c_m * e);
+    let single = t.alloc(n * model.c_s * e);
+    t.at("structure module");
+    structure_module(t, x, n, c_z, &model.structure);
+    t.at("heads");
+    let bins = model.distogram_bins;
+    let half = t.alloc(n * n * bins * e);
+    let distogram = t.alloc(n * n * bins * e);
+    t.free(half);
+    let masked_msa = t.alloc(s * n * model.masked_msa_classes * e);
+    let aligned_error = model.aligned_error_bins.map(|b| t.alloc(n * n * b * e));
+    t.free_all([distogram, masked_msa, first_row, single]);
+    if let Some(b) = aligned_error {
+        t.free(b);
+    }
+}
+
 /// The peak of live bytes of one no-grad pass ([`crate::model::alphafold::AlphaFold::pass_owned`])
 /// on one rank with the compositions of libtorch, from its start (the previous pass's outputs
 /// alive: they are given up to it) to its end, under `plan`.
@@ -497,7 +537,9 @@ pub fn pass_peak(cfg: &EvoformerConfig, model: &ModelConfig, sizes: Sizes, plan:
     t.at("recycled inputs");
     let prev = [t.alloc(n * c_m * e), t.alloc(n * n * c_z * e), t.alloc(n * 3 * e)];
     t.at("input embedder");
-    let (msa, pair) = input_embedder(&mut t, &x, n, s, cfg, model);
+    let bins = 2 * model.max_relative_feature + 1;
+    let (msa, pair) =
+        input_embedder(&mut t, &x, (n, s), (c_m, c_z), |t, rows| relative_positions(t, e, (rows, n), bins, c_z));
     t.at("recycling embedder");
     recycling_embedder(&mut t, &x, n, cfg, model);
     for b in prev {
@@ -518,24 +560,8 @@ pub fn pass_peak(cfg: &EvoformerConfig, model: &ModelConfig, sizes: Sizes, plan:
         block(&mut t, &x, cfg, s, n, false);
     }
     x.stage = Stage::Outer;
-    t.at("single representation");
-    let first_row = t.alloc(n * c_m * e);
-    let single = t.alloc(n * model.c_s * e);
-    t.at("structure module");
-    structure_module(&mut t, &x, n, c_z, &model.structure);
-    t.at("heads");
-    let bins = model.distogram_bins;
-    let half = t.alloc(n * n * bins * e);
-    let distogram = t.alloc(n * n * bins * e);
-    t.free(half);
-    let masked_msa = t.alloc(s * n * model.masked_msa_classes * e);
-    let aligned_error = model.aligned_error_bins.map(|b| t.alloc(n * n * b * e));
-    for b in [distogram, masked_msa, first_row, single, pair_mask, msa, pair] {
-        t.free(b);
-    }
-    if let Some(b) = aligned_error {
-        t.free(b);
-    }
+    outputs(&mut t, &x, (n, s), (c_m, c_z), model);
+    t.free_all([pair_mask, msa, pair]);
     Peak { bytes: t.peak(), at: t.peak_at() }
 }
 

@@ -389,6 +389,11 @@ impl StructureModule {
         Self::build(&params.builder(), &params.model_config()?.structure.with_preset(preset), Variant::Monomer)
     }
 
+    /// The module's sizes.
+    pub fn config(&self) -> &StructureConfig {
+        &self.cfg
+    }
+
     /// Builds (or, with an initialising builder, creates the arrays of) the module.
     pub(crate) fn build(b: &Builder, c: &StructureConfig, variant: Variant) -> Result<Self> {
         let p = b.root(STRUCTURE_MODULE);

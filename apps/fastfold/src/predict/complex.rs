@@ -23,16 +23,18 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use engine::dist::World;
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use super::{save_outputs, write_ranking, ModelOutputs, PredictArgs, Predicted};
 use crate::confidence::{multimer_ranking_confidence, predicted_tm_score_of_chains, Confidence};
 use crate::input::file_stem;
+use crate::memory::{self, MultimerSizes};
 use crate::model::heads::MAX_ERROR_BIN;
 use crate::model::multimer::{
     network_key, MaskedMsaConfig, MsaSampling, MultimerAlphaFold, MultimerInputs, MULTIMER_STRUCTURE_ITERATIONS,
 };
 use crate::model::recycling::Recycling;
+use crate::model::Exec;
 use crate::models::{no_choice_of_a_file, ModelChoice};
 use crate::multimer::complex::CHAIN_IDS;
 use crate::multimer::preset::{MultimerPreset, Settings};
@@ -48,6 +50,11 @@ use crate::search::Mode;
 pub(super) fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predicted>> {
     check(args)?;
     let (device, exec, _) = args.chunk.setup(&args.launch, world)?;
+    let budget = args.chunk.budget(device)?;
+    if budget.is_some() && device == Device::Cpu {
+        // The CPU's measured peak: every allocation libtorch makes from here on, counted.
+        engine::host_memory::track()?;
+    }
     let kind = args.precision.precision.kind();
     let models = resolve(&args.params, args.models.as_deref())?;
     let settings = Settings::new(
@@ -80,12 +87,29 @@ pub(super) fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predi
         let net = MultimerAlphaFold::load_on(path, iterations, device, Some(kind))
             .with_context(|| format!("parameters {}", path.display()))?
             .with_sampling(sampling(args, *preset));
+        let planned = budget
+            .map(|b| plan(&net, &inputs, &features, b, (&exec, device, kind)))
+            .transpose()
+            .with_context(|| format!("{name} with {preset}"))?;
+        if let (Some((_, plan, sizes)), Some(budget), 0) = (&planned, budget, world.rank()) {
+            super::say_plan(&format!("{name} {preset}"), budget, &sizes.pass, plan);
+        }
+        let exec = planned.as_ref().map_or(&exec, |(exec, _, _)| exec);
+        let planned_bytes = planned.as_ref().map(|(_, plan, _)| plan.peak());
         for run in runs.iter().filter(|r| r.preset == *preset) {
             let recycling =
                 Recycling { max: settings.num_recycle, early_stop_tolerance: settings.recycle_early_stop_tolerance };
+            if planned_bytes.is_some() && device == Device::Cpu {
+                engine::host_memory::reset_peak()?;
+            }
             let start = Instant::now();
-            let (pass, recycles) = tch::no_grad(|| net.predict(&inputs, recycling, network_key(run.seed), &exec))
+            let (pass, recycles) = tch::no_grad(|| net.predict(&inputs, recycling, network_key(run.seed), exec))
                 .with_context(|| format!("predicting {name} with {}", run.name))?;
+            // The prediction's peak, before the confidence measures and the files.
+            let peak_bytes = match (planned_bytes, device) {
+                (Some(_), Device::Cpu) => Some(engine::host_memory::stats()?.peak.max(0) as u64),
+                _ => engine::process::peak_memory(device),
+            };
             let seconds = start.elapsed().as_secs_f64();
             timings.add(format!("predict_and_compile_{}", run.name), seconds);
             let pae = pass.heads.aligned_error.as_ref().context("AlphaFold-Multimer's parameters have a PAE head")?;
@@ -116,8 +140,8 @@ pub(super) fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predi
                 iptm: Some(iptm),
                 recycles,
                 seconds,
-                peak_bytes: engine::process::peak_memory(device),
-                planned_bytes: None,
+                peak_bytes,
+                planned_bytes,
             });
             confidences.push((run.name.clone(), confidence));
         }
@@ -270,13 +294,33 @@ fn check(args: &PredictArgs) -> anyhow::Result<()> {
              from the model's name (params_model_N_multimer_v3), --max-msa-clusters and --max-extra-msa override them"
         );
     }
-    if args.chunk.gpu_mem.is_some() {
-        bail!(
-            "--gpu-mem plans monomer runs only so far: the memory profile does not price AlphaFold-Multimer's \
-             network (--params {params}); give --chunk-size instead"
-        );
-    }
     Ok(())
+}
+
+/// The execution context of `net` on `inputs` under a memory budget: each chunked operation's
+/// size from the Multimer pass's memory profile ([`memory::plan_multimer`]), on top of the
+/// parameters and (on the CPU, where the features are) the features; the plan and the sizes
+/// it was made for.
+fn plan(
+    net: &MultimerAlphaFold,
+    inputs: &MultimerInputs,
+    features: &HashMap<String, Tensor>,
+    budget: u64,
+    (exec, device, kind): (&Exec, Device, Kind),
+) -> anyhow::Result<(Exec, memory::Plan, MultimerSizes)> {
+    let on_cpu = device == Device::Cpu;
+    let sizes = memory::multimer_sizes_of(inputs, &net.sampling, kind, on_cpu)?;
+    let features = if on_cpu { memory::bytes_of(features.values()) } else { 0 };
+    let plan = memory::plan_multimer(
+        net.config(),
+        net.model_config(),
+        net.template_config(),
+        sizes,
+        net.param_bytes() + features,
+        budget,
+    )
+    .map_err(|e| anyhow::anyhow!("{e} (--gpu-mem)"))?;
+    Ok((Exec::planned(exec.dap().clone(), plan.chunks.clone()), plan, sizes))
 }
 
 /// The Multimer parameter files of `params` (one file, or the files of a directory `models`

@@ -26,7 +26,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::jax_random::Key;
 use crate::model::alphafold::Pass;
-use crate::model::config::{EvoformerConfig, ModelConfig};
+use crate::model::config::{EvoformerConfig, ModelConfig, TemplateConfig};
 use crate::model::embedders::{pseudo_beta, ExtraMsaEmbedder, Recycled, RecyclingEmbedder};
 use crate::model::evoformer::EvoformerStack;
 use crate::model::exec::{ChunkOp, Exec};
@@ -167,6 +167,9 @@ pub struct MultimerAlphaFold {
     heads: Heads,
     structure: StructureModule,
     config: EvoformerConfig,
+    model: ModelConfig,
+    /// Bytes of the parameters.
+    param_bytes: u64,
     kind: Kind,
     device: Device,
     /// How each pass samples the MSA (v2.3's sizes by default).
@@ -214,7 +217,8 @@ impl MultimerAlphaFold {
             "{file} is not an AlphaFold-Multimer parameter file (it has no relative chain encoding)"
         );
         ensure!(config.num_extra_blocks > 0, "{file}: AlphaFold-Multimer's parameters have an extra-MSA stack");
-        let model = heads_config(&arrays)?;
+        let mut model = heads_config(&arrays)?;
+        let param_bytes = crate::memory::bytes_of(arrays.arrays.values());
         let b = arrays.shared_builder();
         let templates = match arrays.contains(&format!("{SINGLE_TEMPLATE}/query_embedding_norm//scale")) {
             true => {
@@ -222,6 +226,8 @@ impl MultimerAlphaFold {
             }
             false => None,
         };
+        let structure = structure_module(&arrays, &b, iterations)?;
+        model.structure = *structure.config();
         let network = MultimerAlphaFold {
             input: MultimerInputEmbedder::from_arrays(&arrays, &b)?,
             recycling: RecyclingEmbedder::build(&b, &config, &model)?,
@@ -230,8 +236,10 @@ impl MultimerAlphaFold {
             extra: EvoformerStack::build(&b, &config, true)?,
             evoformer: EvoformerStack::build(&b, &config, false)?,
             heads: Heads::build(&b, &config, &model)?,
-            structure: structure_module(&arrays, &b, iterations)?,
+            structure,
             config,
+            model,
+            param_bytes,
             kind,
             device,
             sampling: MsaSampling::default(),
@@ -255,6 +263,21 @@ impl MultimerAlphaFold {
     /// The stacks' sizes.
     pub fn config(&self) -> &EvoformerConfig {
         &self.config
+    }
+
+    /// The heads', recycling embedder's and structure module's sizes.
+    pub fn model_config(&self) -> &ModelConfig {
+        &self.model
+    }
+
+    /// Bytes of the parameters (on the network's device).
+    pub fn param_bytes(&self) -> u64 {
+        self.param_bytes
+    }
+
+    /// The template stack's sizes, when the parameters have one.
+    pub fn template_config(&self) -> Option<&TemplateConfig> {
+        self.templates.as_ref().map(|(t, _)| t.config())
     }
 
     /// The zero state the first pass starts from.

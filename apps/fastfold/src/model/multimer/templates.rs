@@ -172,6 +172,7 @@ pub type TemplateBatch<'a> = TemplateAtoms<'a>;
 
 /// The whole multimer template embedding (see the module docs).
 pub struct MultimerTemplates {
+    config: TemplateConfig,
     pair_embedding: TemplatePairEmbedding,
     blocks: Vec<TemplatePairBlock>,
     output_layer_norm: LayerNorm,
@@ -221,11 +222,17 @@ impl MultimerTemplates {
             .map(|i| TemplatePairBlock::multimer(&b.block(MULTIMER_TEMPLATE_STACK, i, c.blocks), c, fused))
             .collect::<Result<_>>()?;
         Ok(MultimerTemplates {
+            config: *c,
             pair_embedding: TemplatePairEmbedding::build(b, c_z, c.c_t)?,
             blocks,
             output_layer_norm: LayerNorm::new(&b.root(SINGLE_TEMPLATE).sub("output_layer_norm"), c.c_t)?,
             output_linear: Linear::new(&b.root(TEMPLATE_EMBEDDING).sub("output_linear"), c.c_t, c_z, true)?,
         })
+    }
+
+    /// The stack's sizes (its pointwise-attention and torsion sizes unused).
+    pub fn config(&self) -> &TemplateConfig {
+        &self.config
     }
 
     /// The templates' update [N, N, c_z] of the query pair `query` [N, N, c_z], the stack

@@ -1,0 +1,302 @@
+//! AlphaFold-Multimer's inference pass traced on shapes alone, as [`super::profile`] traces the
+//! monomer's: `model/multimer/alphafold.rs`'s `sampled_pass` in its order, one function per
+//! part that differs (the MSA sampled inside the network, the relative encoding over chains,
+//! the templates' pair stack, their MSA rows), the monomer's traces for what is the same (the
+//! blocks, the recycling and extra-MSA embedders, the structure module, the heads).
+//! `tests/memory.rs` checks the peak against the CPU allocator's.
+//!
+//! The sampling runs where the features are: on the host while the network runs on a GPU,
+//! so its buffers count only in a CPU run ([`MultimerSizes::sampling_on_device`]).
+use crate::memory::profile::{
+    biased_attention, block, extra_msa_embedder, input_embedder, layer_norm, outputs, recycling_embedder, transition,
+    triangle_multiplication, Ctx,
+};
+use crate::memory::{Buf, Peak, Sizes, Trace};
+use crate::model::config::{EvoformerConfig, ModelConfig, TemplateConfig};
+use crate::model::exec::{ChunkOp, ChunkPlan, Stage};
+use crate::model::multimer::relpos::{MAX_RELATIVE_CHAIN, MAX_RELATIVE_IDX, RELATIVE_FEATURES, TARGET_CLASSES};
+use crate::model::multimer::{MsaSampling, MultimerInputs};
+
+/// The sizes of one Multimer pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MultimerSizes {
+    /// Residues, the sampled cluster centres (`msa_rows`, without the template rows) and the
+    /// extra-MSA rows the extra stack runs, bytes per element.
+    pub pass: Sizes,
+    /// Rows of the whole MSA the sampling draws from (the features' `msa`).
+    pub msa: i64,
+    /// Templates (0: none, or parameters without a template stack).
+    pub templates: i64,
+    /// Whether the features are on the network's device, so that the sampling's buffers count.
+    pub sampling_on_device: bool,
+}
+
+/// Bytes of the 22- and 23-class one-hots the sampling makes.
+const MSA_CLASSES: i64 = 22;
+const EXTRA_MSA_CLASSES: i64 = 23;
+/// `msa_feat`'s channels (the one-hot, two deletion features, the profile, its deletion).
+const MSA_FEAT: i64 = 2 * EXTRA_MSA_CLASSES + 3;
+/// The template pair features' channels (distogram bins 39, the masks, the unit vectors).
+const TEMPLATE_DGRAM_BINS: i64 = 39;
+
+/// One-hot of `elems` classes-of-`classes` entries: int64, then float32, then masked.
+fn masked_one_hot(t: &mut Trace, elems: i64, classes: i64) -> Buf {
+    let int = t.alloc(elems * classes * 8);
+    let float = t.alloc(elems * classes * 4);
+    t.free(int);
+    let masked = t.alloc(elems * classes * 4);
+    t.free(float);
+    masked
+}
+
+/// `model/multimer/sampling.rs`'s `MsaSampling::sample` of `full` rows to `s` centres and
+/// `full - s` extra rows, in float32 and int64 whatever the model's kind: the profile over
+/// every row, the rows taken, the nearest-neighbour clusters. Returns the `SampledMsa`'s
+/// buffers (alive to the pass's end).
+fn sampling(t: &mut Trace, full: i64, s: i64, n: i64) -> Vec<Buf> {
+    let e = full - s;
+    let profile = {
+        let one_hot = masked_one_hot(t, full * n, MSA_CLASSES);
+        let p = t.alloc(n * MSA_CLASSES * 4);
+        t.free(one_hot);
+        p
+    };
+    let (true_msa, msa_mask) = (t.alloc(s * n * 8), t.alloc(s * n * 4));
+    let (masked, positions) = (t.alloc(s * n * 8), t.alloc(s * n * 4));
+    let deletion = t.alloc(s * n * 4);
+    let (extra, extra_mask, extra_deletion) = (t.alloc(e * n * 8), t.alloc(e * n * 4), t.alloc(e * n * 4));
+    // `nearest_neighbor_clusters`: the one-hots, the agreement of every centre with every
+    // extra row and its softmax, the clusters' sums.
+    let msa_oh = masked_one_hot(t, s * n, EXTRA_MSA_CLASSES);
+    let extra_oh = masked_one_hot(t, e * n, EXTRA_MSA_CLASSES);
+    let weighted = t.alloc(s * n * EXTRA_MSA_CLASSES * 4);
+    let agreement = t.alloc(s * e * 4);
+    t.free(weighted);
+    let scaled = t.alloc(s * e * 4);
+    let softmax = t.alloc(s * e * 4);
+    t.free_all([scaled, agreement]);
+    let pair_mask = t.alloc(s * e * 4);
+    let assignment = t.alloc(s * e * 4);
+    t.free_all([pair_mask, softmax]);
+    let product = t.alloc(s * n * EXTRA_MSA_CLASSES * 4);
+    let sum = t.alloc(s * n * EXTRA_MSA_CLASSES * 4);
+    t.free(product);
+    let cluster_profile = t.alloc(s * n * EXTRA_MSA_CLASSES * 4);
+    t.free(sum);
+    let deletions = t.alloc(e * n * 4);
+    let del_sum = t.alloc(s * n * 4);
+    let cluster_deletion = t.alloc(s * n * 4);
+    t.free_all([deletions, del_sum, assignment, msa_oh, extra_oh, profile]);
+    let bert = t.alloc(s * n * 4);
+    vec![true_msa, msa_mask, masked, positions, deletion, extra, extra_mask, extra_deletion, cluster_profile]
+        .into_iter()
+        .chain([cluster_deletion, bert])
+        .collect()
+}
+
+/// `model/multimer/msa_feat.rs`'s `msa_feat` [s, n, 49] in float32: the one-hot, the deletion
+/// features, their concatenation.
+fn msa_feat(t: &mut Trace, s: i64, n: i64) -> Buf {
+    let int = t.alloc(s * n * EXTRA_MSA_CLASSES * 8);
+    let one_hot = t.alloc(s * n * EXTRA_MSA_CLASSES * 4);
+    t.free(int);
+    let parts = [t.alloc(s * n * 4), t.alloc(s * n * 4), t.alloc(s * n * 4)];
+    let feat = t.alloc(s * n * MSA_FEAT * 4);
+    t.free(one_hot);
+    t.free_all(parts);
+    feat
+}
+
+/// `model/multimer/relpos.rs`'s relative encoding of `rows` x `n` residue pairs projected to
+/// `c_z`: each part's bins (int64, the other-chain bin, the choice), its one-hot (int64, then
+/// the model's kind), the parts joined, the projection.
+fn relative_encoding(t: &mut Trace, e: i64, (rows, n): (i64, i64), c_z: i64) -> Buf {
+    let flags = t.alloc(2 * rows * n);
+    let part = |t: &mut Trace, k: i64| {
+        let bins = 2 * k + 2;
+        let (b, other, chosen) = (t.alloc(rows * n * 8), t.alloc(rows * n * 8), t.alloc(rows * n * 8));
+        let int = t.alloc(rows * n * bins * 8);
+        let one_hot = t.alloc(rows * n * bins * e);
+        t.free_all([int, chosen, other, b]);
+        one_hot
+    };
+    let position = part(t, MAX_RELATIVE_IDX);
+    let chain = part(t, MAX_RELATIVE_CHAIN);
+    let entity = t.alloc(rows * n * e);
+    let joined = t.alloc(rows * n * RELATIVE_FEATURES * e);
+    t.free_all([position, chain, entity, flags]);
+    let act = t.alloc(rows * n * c_z * e);
+    t.free(joined);
+    act
+}
+
+/// `model/multimer/templates.rs`'s `MultimerTemplates::forward` on the pair [n, n, c_z]: per
+/// template, its pair features and their embedding with the normalised query pair, the pair
+/// stack on it in place, its normalised output summed; the mean's projection to `c_z`.
+fn template_stack(t: &mut Trace, x: &Ctx, count: i64, n: i64, c_z: i64, c: &TemplateConfig) -> Buf {
+    let (e, c_t) = (x.e, c.c_t);
+    let plane = n * n * e;
+    let mut sum: Option<Buf> = None;
+    // From the second template on, each runs beside the sum of those before: two are the peak
+    // of any number.
+    for _ in 0..count.min(2) {
+        t.at("template embedding");
+        // `pair_features`: the masks, the distogram (its bins compared as bytes), the frames'
+        // unit vectors.
+        let same_chain = [t.alloc(n * n), t.alloc(plane)];
+        let pb_mask = t.alloc(plane);
+        let d2 = t.alloc(plane);
+        let (gt, lt) = (t.alloc(n * n * TEMPLATE_DGRAM_BINS), t.alloc(n * n * TEMPLATE_DGRAM_BINS));
+        let and = t.alloc(n * n * TEMPLATE_DGRAM_BINS);
+        let one_hot = t.alloc(plane * TEMPLATE_DGRAM_BINS);
+        t.free_all([gt, lt, and, d2]);
+        let dgram = t.alloc(plane * TEMPLATE_DGRAM_BINS);
+        t.free(one_hot);
+        let backbone = t.alloc(plane);
+        let local = [t.alloc(plane), t.alloc(plane), t.alloc(plane)];
+        let norm = t.alloc(plane);
+        let unit = [t.alloc(plane), t.alloc(plane), t.alloc(plane)];
+        t.free(norm);
+        t.free_all(local);
+        // The embedding: each term's activation added to the running sum (a new tensor each).
+        let mut act = t.alloc(plane * c_t);
+        for _ in 0..6 {
+            let term = t.alloc(plane * c_t);
+            let next = t.alloc(plane * c_t);
+            t.free(term);
+            t.free(act);
+            act = next;
+        }
+        let normed = layer_norm(t, n * n, c_z, e, true);
+        let query = t.alloc(plane * c_t);
+        t.free(normed);
+        let embedded = t.alloc(plane * c_t);
+        t.free_all([query, act, dgram, backbone, pb_mask]);
+        t.free_all(unit);
+        t.free_all(same_chain);
+        t.at("template pair stack");
+        for outgoing in [true, false] {
+            triangle_multiplication(t, x, n, c_t, c.tri_mul_channels, outgoing);
+        }
+        for starting in [true, false] {
+            let widths = (c_t, c.pair_heads, c.pair_head_dim);
+            biased_attention(t, x, ChunkOp::TriangleAttention, n, (n, c_t), widths, starting);
+        }
+        transition(t, x, n, n, c_t, c.transition_factor, ChunkOp::PairTransition);
+        let out = layer_norm(t, n * n, c_t, e, true);
+        t.free(embedded);
+        sum = Some(match sum {
+            None => out,
+            Some(s) => {
+                let next = t.alloc(plane * c_t);
+                t.free_all([s, out]);
+                next
+            }
+        });
+    }
+    let Some(sum) = sum else { return t.alloc(0) };
+    let mean = t.alloc(plane * c_t);
+    t.free(sum);
+    let relu = t.alloc(plane * c_t);
+    t.free(mean);
+    let update = t.alloc(plane * c_z);
+    t.free(relu);
+    update
+}
+
+/// The peak of live bytes of one no-grad Multimer pass (`MultimerAlphaFold::pass`) with the
+/// template stack `templates` (when the parameters have one), from its start (the previous
+/// pass's outputs alive) to its end, under `plan`.
+pub fn multimer_pass_peak(
+    cfg: &EvoformerConfig,
+    model: &ModelConfig,
+    template: Option<&TemplateConfig>,
+    sizes: MultimerSizes,
+    plan: &ChunkPlan,
+) -> Peak {
+    let mut t = Trace::new();
+    let Sizes { residues: n, msa_rows: s, extra_rows, elem: e } = sizes.pass;
+    let (c_m, c_z) = (cfg.c_m, cfg.c_z);
+    let templates = template.map_or(0, |_| sizes.templates);
+    let mut x = Ctx { e, plan, stage: Stage::Outer };
+    t.at("recycled inputs");
+    let prev = [t.alloc(n * c_m * e), t.alloc(n * n * c_z * e), t.alloc(n * 3 * e)];
+    t.at("MSA sampling");
+    let sampled = match sizes.sampling_on_device {
+        true => sampling(&mut t, sizes.msa.max(s), s, n),
+        false => Vec::new(),
+    };
+    let feat = msa_feat(&mut t, s, n);
+    t.at("input embedder");
+    let target = t.alloc(n * TARGET_CLASSES * e);
+    let (msa, pair) = input_embedder(&mut t, &x, (n, s), (c_m, c_z), |t, rows| relative_encoding(t, e, (rows, n), c_z));
+    t.free_all([target, feat]);
+    t.at("recycling embedder");
+    recycling_embedder(&mut t, &x, n, cfg, model);
+    t.free_all(prev);
+    let pair_mask = t.alloc(n * n * e);
+    let mut pair = pair;
+    if let (Some(c), true) = (template, templates > 0) {
+        x.stage = Stage::Templates;
+        let update = template_stack(&mut t, &x, templates, n, c_z, c);
+        x.stage = Stage::Outer;
+        let summed = t.alloc(n * n * c_z * e);
+        t.free_all([update, pair]);
+        pair = summed;
+    }
+    if cfg.num_extra_blocks > 0 {
+        t.at("extra-MSA embedder");
+        let rows = extra_rows.max(1);
+        let deletions = [t.alloc(rows * n * 4), t.alloc(rows * n * 4)];
+        let extra = extra_msa_embedder(&mut t, &x, n, rows, cfg.c_e);
+        x.stage = Stage::ExtraMsa;
+        block(&mut t, &x, cfg, rows, n, true);
+        t.free(extra);
+        t.free_all(deletions);
+    }
+    // The templates' MSA rows joined to the sampled ones.
+    let rows = s + templates;
+    let msa = match templates {
+        0 => msa,
+        _ => {
+            t.at("template rows");
+            let joined = t.alloc(rows * n * c_m * e);
+            t.free(msa);
+            joined
+        }
+    };
+    x.stage = Stage::Evoformer;
+    if cfg.num_blocks > 0 {
+        block(&mut t, &x, cfg, rows, n, false);
+    }
+    x.stage = Stage::Outer;
+    outputs(&mut t, &x, (n, s), (c_m, c_z), model);
+    t.free_all([pair_mask, msa, pair]);
+    t.free_all(sampled);
+    Peak { bytes: t.peak(), at: t.peak_at() }
+}
+
+/// The sizes a Multimer pass of `inputs` runs at in `kind` under `sampling`: every row of the
+/// MSA is sampled from (padding rows too: Multimer's stacks run them), `num_msa` of them the
+/// centres, the extra stack the next `num_extra_msa` (at least one row), every template.
+/// `sampling_on_device`: the features are on the network's device.
+pub fn multimer_sizes_of(
+    inputs: &MultimerInputs,
+    sampling: &MsaSampling,
+    kind: tch::Kind,
+    sampling_on_device: bool,
+) -> crate::model::Result<MultimerSizes> {
+    let (msa, residues) = match inputs.msa.size().as_slice() {
+        [s, n] => (*s, *n),
+        other => return Err(crate::model::Error::Invalid(format!("msa: expected [rows, residues], found {other:?}"))),
+    };
+    let centres = sampling.num_msa.clamp(1, msa.max(1));
+    let extra = (msa - centres).min(sampling.num_extra_msa).max(1);
+    let templates = inputs.template_aatype.as_ref().map_or(0, |t| t.size().first().copied().unwrap_or(0));
+    Ok(MultimerSizes {
+        pass: Sizes { residues, msa_rows: centres, extra_rows: extra, elem: kind.elt_size_in_bytes() as i64 },
+        msa,
+        templates,
+        sampling_on_device,
+    })
+}
