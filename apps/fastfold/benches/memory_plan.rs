@@ -65,8 +65,13 @@ struct Network {
 
 impl Network {
     fn multimer_sizes(&self, sizes: Sizes) -> Option<(TemplateConfig, MultimerSizes)> {
-        self.multimer
-            .map(|(t, msa, templates)| (t, MultimerSizes { pass: sizes, msa, templates, sampling_on_device: false }))
+        self.multimer.map(|(t, msa, templates)| {
+            {
+                // The Evoformer runs the centres and the templates' rows (all real here).
+                let pass = Sizes { msa_rows: sizes.msa_rows + templates, ..sizes };
+                (t, MultimerSizes { pass, centres: sizes.msa_rows, msa, templates, sampling_on_device: false })
+            }
+        })
     }
 
     fn peak(&self, sizes: Sizes, chunks: &ChunkPlan) -> Peak {

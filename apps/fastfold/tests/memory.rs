@@ -222,8 +222,9 @@ fn multimer_widths() -> fastfold::model::multimer::MultimerAlphaFold {
     fastfold::model::multimer::MultimerAlphaFold::load(&path).unwrap()
 }
 
-/// A heterodimer of `n` residues (two chains), `s` MSA rows, `templates` templates.
-fn complex_inputs(n: i64, s: i64, templates: i64) -> fastfold::model::multimer::MultimerInputs {
+/// A heterodimer of `n` residues (two chains), `s` MSA rows of which the first `real` are
+/// real and the rest padding as AlphaFold's pipeline pads (all zero), `templates` templates.
+fn complex_inputs(n: i64, (s, real): (i64, i64), templates: i64) -> fastfold::model::multimer::MultimerInputs {
     tch::manual_seed(5);
     let int = (Kind::Int64, Device::Cpu);
     let f = (Kind::Float, Device::Cpu);
@@ -232,6 +233,7 @@ fn complex_inputs(n: i64, s: i64, templates: i64) -> fastfold::model::multimer::
     let residue_index = Tensor::arange(n, int) - (&chain - 1) * half;
     let bias = Tensor::zeros([s], f);
     let _ = bias.get(0).fill_(1.0);
+    let rows = Tensor::arange(s, int).lt(real).to_kind(Kind::Int64).unsqueeze(1);
     let template = |shape: &[i64], scale: f64| (templates > 0).then(|| Tensor::rand(shape, f) * scale);
     fastfold::model::multimer::MultimerInputs {
         aatype: Tensor::randint(20, [n], int),
@@ -240,10 +242,10 @@ fn complex_inputs(n: i64, s: i64, templates: i64) -> fastfold::model::multimer::
         entity_id: chain,
         sym_id: Tensor::ones([n], int),
         seq_mask: Tensor::ones([n], f),
-        msa: Tensor::randint(22, [s, n], int),
-        deletion_matrix: Tensor::randint(3, [s, n], int).to_kind(Kind::Float),
-        msa_mask: Tensor::ones([s, n], f),
-        bert_mask: Tensor::ones([s, n], f),
+        msa: Tensor::randint(22, [s, n], int) * &rows,
+        deletion_matrix: Tensor::randint(3, [s, n], int).to_kind(Kind::Float) * &rows,
+        msa_mask: Tensor::ones([s, n], f) * &rows,
+        bert_mask: Tensor::ones([s, n], f) * &rows,
         cluster_bias_mask: bias,
         template_aatype: (templates > 0).then(|| Tensor::randint(20, [templates, n], int)),
         template_all_atom_positions: template(&[templates, n, 37, 3], 30.0),
@@ -275,37 +277,43 @@ fn multimer_pass_peak_matches_the_cpu_allocator_and_plans_fit_their_budget() {
         drop(pass);
         (peak - before) as f64
     };
+    // (residues, (MSA rows, real ones), (num_msa, num_extra_msa), templates, chunks)
     for (n, s, (num_msa, num_extra), templates, plan) in [
-        (64, 24, (8, 12), 0, ChunkPlan::uniform(None)),
-        (96, 40, (16, 16), 2, ChunkPlan::uniform(None)),
-        (128, 48, (8, 32), 4, some(32)),
-        (160, 12, (4, 4), 1, some(40).with(Stage::Templates, ChunkOp::TriangleAttention, Some(8))),
+        (64, (24, 24), (8, 12), 0, ChunkPlan::uniform(None)),
+        (96, (40, 40), (16, 16), 2, ChunkPlan::uniform(None)),
+        (128, (48, 48), (8, 32), 4, some(32)),
+        (160, (12, 12), (4, 4), 1, some(40).with(Stage::Templates, ChunkOp::TriangleAttention, Some(8))),
         // Each part's own peak: the sampling of a deep MSA, the relative encoding whole, the
         // template stack whole, with everything else in small chunks.
-        (32, 2000, (4, 4), 0, ChunkPlan::uniform(None)),
-        (160, 12, (4, 4), 0, some(8).with(Stage::Outer, ChunkOp::PairEmbedding, None)),
-        (160, 12, (4, 4), 3, some(8).with(Stage::Templates, ChunkOp::TriangleAttention, None)),
-        (160, 12, (4, 4), 3, some(8).with(Stage::Templates, ChunkOp::TriangleMultiplication, None)),
+        (32, (2000, 2000), (4, 4), 0, ChunkPlan::uniform(None)),
+        // Padding rows: the stacks run the real ones and one stand-in for the masked centres.
+        (96, (40, 10), (16, 16), 2, ChunkPlan::uniform(None)),
+        (160, (12, 12), (4, 4), 0, some(8).with(Stage::Outer, ChunkOp::PairEmbedding, None)),
+        (160, (12, 12), (4, 4), 3, some(8).with(Stage::Templates, ChunkOp::TriangleAttention, None)),
+        (160, (12, 12), (4, 4), 3, some(8).with(Stage::Templates, ChunkOp::TriangleMultiplication, None)),
     ] {
         let sampling = MsaSampling { num_msa, num_extra_msa: num_extra, ..MsaSampling::default() };
         net.sampling = sampling;
         let inputs = complex_inputs(n, s, templates);
-        let sizes = memory::multimer_sizes_of(&inputs, &sampling, Kind::Float, true).unwrap();
+        let sizes = memory::multimer_sizes_of(&inputs, &net, Kind::Float, true).unwrap();
         let predicted = memory::multimer_pass_peak(&cfg, &model, template.as_ref(), sizes, &plan);
         let measured = measure(&net, &inputs, &Exec::planned(Dap::none(), plan.clone()));
         suite_tests::assert_bytes_close(
-            &format!("Multimer pass {n} residues, {s} rows ({num_msa} + {num_extra}), {templates} templates, {plan:?}, peak in {}", predicted.at),
+            &format!(
+                "Multimer pass {n} residues, {s:?} rows ({num_msa} + {num_extra}), {templates} templates, {plan:?}, peak in {}",
+                predicted.at
+            ),
             measured,
             predicted.bytes as f64,
             0.05,
         );
     }
     // A budget the whole pass exceeds: the plan chunks, and the measured peak stays under it.
-    let (n, s, templates) = (160, 40, 2);
+    let (n, s, templates) = (160, (40, 40), 2);
     let sampling = MsaSampling { num_msa: 16, num_extra_msa: 16, ..MsaSampling::default() };
     net.sampling = sampling;
     let inputs = complex_inputs(n, s, templates);
-    let sizes = memory::multimer_sizes_of(&inputs, &sampling, Kind::Float, true).unwrap();
+    let sizes = memory::multimer_sizes_of(&inputs, &net, Kind::Float, true).unwrap();
     let whole = memory::multimer_pass_peak(&cfg, &model, template.as_ref(), sizes, &ChunkPlan::uniform(None)).bytes;
     let budget = whole / 2;
     let plan = memory::plan_multimer(&cfg, &model, template.as_ref(), sizes, 0, budget).unwrap();

@@ -221,3 +221,34 @@ fn multimer_network_errors_name_the_file_and_feature() {
     .to_string();
     assert!(e.contains("x.npz") && e.contains("bert_mask"), "{e}");
 }
+
+/// The stacks leave out fully-masked rows (the pipeline's heterodimer pads 10 real MSA rows to
+/// 512, so 498 of the 508 centres are padding, and the extra rows all are): every output equals
+/// the run of every row within 1e-5 of its largest value (fp32 sums over other row counts),
+/// and the run of every row is what DeepMind's code runs (the parity test above checks the
+/// dropping run against it).
+#[test]
+fn leaving_out_masked_rows_changes_no_output() {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/multimer/heterodimer.npz");
+    let pipeline: HashMap<String, Tensor> = Tensor::read_npz(path).unwrap().into_iter().collect();
+    let inputs = features(&pipeline);
+    let recycling = Recycling { max: 1, early_stop_tolerance: 0.0 };
+    let run = |drop: bool| {
+        let network = MultimerAlphaFold::load(fixture("model_params.npz")).unwrap().drop_masked_rows(drop);
+        tch::no_grad(|| network.predict(&inputs, recycling, network_key(3), &Exec::serial())).unwrap().0
+    };
+    let (lean, every) = (run(true), run(false));
+    for (what, a, b) in [
+        ("atom positions", &lean.structure.atom37, &every.structure.atom37),
+        ("pair", &lean.recycled.pair, &every.recycled.pair),
+        ("masked msa", &lean.heads.masked_msa, &every.heads.masked_msa),
+        ("plddt", &lean.heads.lddt, &every.heads.lddt),
+        ("aligned error", lean.heads.aligned_error.as_ref().unwrap(), every.heads.aligned_error.as_ref().unwrap()),
+    ] {
+        assert_eq!(a.size(), b.size(), "{what}: shape");
+        let scale = b.abs().max().double_value(&[]).max(1e-12);
+        let d = (a - b).abs().max().double_value(&[]) / scale;
+        eprintln!("{what}: {d:.2e} of its largest value");
+        assert!(d <= 1e-5, "{what} differs by {d:e} of its largest value with the masked rows left out");
+    }
+}

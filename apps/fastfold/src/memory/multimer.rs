@@ -15,14 +15,16 @@ use crate::memory::{Buf, Peak, Sizes, Trace};
 use crate::model::config::{EvoformerConfig, ModelConfig, TemplateConfig};
 use crate::model::exec::{ChunkOp, ChunkPlan, Stage};
 use crate::model::multimer::relpos::{MAX_RELATIVE_CHAIN, MAX_RELATIVE_IDX, RELATIVE_FEATURES, TARGET_CLASSES};
-use crate::model::multimer::{MsaSampling, MultimerInputs};
+use crate::model::multimer::{MultimerAlphaFold, MultimerInputs};
 
 /// The sizes of one Multimer pass.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MultimerSizes {
-    /// Residues, the sampled cluster centres (`msa_rows`, without the template rows) and the
-    /// extra-MSA rows the extra stack runs, bytes per element.
+    /// Residues, the MSA rows the Evoformer runs (the cluster centres and template rows it
+    /// keeps), the extra-MSA rows the extra stack runs, bytes per element.
     pub pass: Sizes,
+    /// The sampled cluster centres (what the embedder makes and the heads read).
+    pub centres: i64,
     /// Rows of the whole MSA the sampling draws from (the features' `msa`).
     pub msa: i64,
     /// Templates (0: none, or parameters without a template stack).
@@ -215,7 +217,8 @@ pub fn multimer_pass_peak(
     plan: &ChunkPlan,
 ) -> Peak {
     let mut t = Trace::new();
-    let Sizes { residues: n, msa_rows: s, extra_rows, elem: e } = sizes.pass;
+    let Sizes { residues: n, msa_rows: run, extra_rows, elem: e } = sizes.pass;
+    let s = sizes.centres;
     let (c_m, c_z) = (cfg.c_m, cfg.c_z);
     let templates = template.map_or(0, |_| sizes.templates);
     let mut x = Ctx { e, plan, stage: Stage::Outer };
@@ -254,20 +257,30 @@ pub fn multimer_pass_peak(
         t.free(extra);
         t.free_all(deletions);
     }
-    // The templates' MSA rows joined to the sampled ones.
-    let rows = s + templates;
-    let msa = match templates {
-        0 => msa,
-        _ => {
-            t.at("template rows");
-            let joined = t.alloc(rows * n * c_m * e);
-            t.free(msa);
-            joined
-        }
-    };
+    // The templates' MSA rows joined to the sampled ones, then the rows that run selected
+    // (a copy, when some are left out) and, after the stack, the centres' rows put back.
+    let joined = s + templates;
+    let mut msa = msa;
+    if templates > 0 {
+        t.at("template rows");
+        let next = t.alloc(joined * n * c_m * e);
+        t.free(msa);
+        msa = next;
+    }
+    let selected = run < joined;
+    if selected {
+        let rows = t.alloc(run * n * c_m * e);
+        t.free(msa);
+        msa = rows;
+    }
     x.stage = Stage::Evoformer;
     if cfg.num_blocks > 0 {
-        block(&mut t, &x, cfg, rows, n, false);
+        block(&mut t, &x, cfg, run, n, false);
+    }
+    if selected {
+        let restored = t.alloc(s * n * c_m * e);
+        t.free(msa);
+        msa = restored;
     }
     x.stage = Stage::Outer;
     outputs(&mut t, &x, (n, s), (c_m, c_z), model);
@@ -276,13 +289,15 @@ pub fn multimer_pass_peak(
     Peak { bytes: t.peak(), at: t.peak_at() }
 }
 
-/// The sizes a Multimer pass of `inputs` runs at in `kind` under `sampling`: every row of the
-/// MSA is sampled from (padding rows too: Multimer's stacks run them), `num_msa` of them the
-/// centres, the extra stack the next `num_extra_msa` (at least one row), every template.
-/// `sampling_on_device`: the features are on the network's device.
+/// The sizes a pass of `net` on `inputs` runs at in `kind`: every row of the MSA sampled from
+/// (padding rows too), `num_msa` of them the centres, the extra stack the next
+/// `num_extra_msa` (at least one row), every template through the template stack; when the
+/// network leaves out fully-masked rows ([`MultimerAlphaFold::drop_masked_rows`]), the stacks
+/// run the real rows only, and one stand-in for the masked centres (as the sampling orders
+/// them: real rows first). `sampling_on_device`: the features are on the network's device.
 pub fn multimer_sizes_of(
     inputs: &MultimerInputs,
-    sampling: &MsaSampling,
+    net: &MultimerAlphaFold,
     kind: tch::Kind,
     sampling_on_device: bool,
 ) -> crate::model::Result<MultimerSizes> {
@@ -290,13 +305,36 @@ pub fn multimer_sizes_of(
         [s, n] => (*s, *n),
         other => return Err(crate::model::Error::Invalid(format!("msa: expected [rows, residues], found {other:?}"))),
     };
+    let sampling = &net.sampling;
     let centres = sampling.num_msa.clamp(1, msa.max(1));
-    let extra = (msa - centres).min(sampling.num_extra_msa).max(1);
+    let taken = (msa - centres).min(sampling.num_extra_msa);
     let templates = inputs.template_aatype.as_ref().map_or(0, |t| t.size().first().copied().unwrap_or(0));
+    let (mut evoformer_rows, mut extra) = (centres + templates, taken);
+    if net.drops_masked_rows() {
+        let real = real_rows(&inputs.msa_mask)?;
+        let real_templates = match &inputs.template_all_atom_mask {
+            Some(mask) if templates > 0 => real_rows(mask)?,
+            _ => 0,
+        };
+        let real_centres = real.min(centres);
+        evoformer_rows = real_centres + i64::from(real_centres < centres) + real_templates;
+        extra = (real - real_centres).clamp(0, taken);
+    }
     Ok(MultimerSizes {
-        pass: Sizes { residues, msa_rows: centres, extra_rows: extra, elem: kind.elt_size_in_bytes() as i64 },
+        pass: Sizes {
+            residues,
+            msa_rows: evoformer_rows,
+            extra_rows: extra.max(1),
+            elem: kind.elt_size_in_bytes() as i64,
+        },
+        centres,
         msa,
         templates,
         sampling_on_device,
     })
+}
+
+/// The rows of `mask` [rows, ...] with an unmasked entry.
+fn real_rows(mask: &tch::Tensor) -> crate::model::Result<i64> {
+    Ok(mask.f_flatten(1, -1)?.f_ne(0.0)?.f_any_dim(1, false)?.f_sum(tch::Kind::Int64)?.f_int64_value(&[])?)
 }

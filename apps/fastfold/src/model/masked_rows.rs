@@ -29,6 +29,12 @@
 //! - **Templates.** Padding templates (template mask 0) go through the template pair stack
 //!   for nothing: the pointwise attention weighs them 0. They are left out of it
 //!   ([`unmasked_rows`]); their MSA rows are masked rows like any other.
+//!
+//! AlphaFold-Multimer's network ([`crate::model::multimer::MultimerAlphaFold`]) leaves out the
+//! same rows after sampling its MSA: the masked extra rows, one stand-in for the masked
+//! centres (a sampled padding row is the one-hot of class 0 with zero deletions and profile,
+//! the same in every copy), the padding templates' MSA rows. Not the padding templates
+//! themselves: Multimer averages the template embeddings over every template.
 use tch::{Kind, Tensor};
 
 use crate::model::Result;

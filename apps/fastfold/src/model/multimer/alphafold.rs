@@ -11,7 +11,8 @@
 //!    [`RecyclingEmbedder`], the same arrays);
 //! 3. the templates' pair update ([`MultimerTemplates`]), the extra-MSA stack on the first
 //!    `num_extra_msa` unsampled rows, the templates' MSA rows ([`MultimerTemplateRows`]), the
-//!    Evoformer (outer product mean first);
+//!    Evoformer (outer product mean first); both stacks without the fully-masked rows
+//!    ([`masked_rows`]: the outputs are the same);
 //! 4. the single projection, the structure module
 //!    ([`Variant::Multimer`](crate::model::structure::Variant::Multimer)) and the heads.
 //!
@@ -33,6 +34,7 @@ use crate::model::exec::{ChunkOp, Exec};
 use crate::model::heads::{HeadInputs, Heads};
 use crate::model::keys::{EMBEDDINGS, ITERATION, SINGLE_TEMPLATE};
 use crate::model::layers::Stream;
+use crate::model::masked_rows::{self, MsaRows};
 use crate::model::multimer::msa_feat::encode_deletions;
 use crate::model::multimer::relpos::{ChainIds, MultimerInputEmbedder};
 use crate::model::multimer::sampling::{FullMsa, MsaSampling, SampledMsa};
@@ -174,6 +176,7 @@ pub struct MultimerAlphaFold {
     device: Device,
     /// How each pass samples the MSA (v2.3's sizes by default).
     pub sampling: MsaSampling,
+    drop_masked_rows: bool,
 }
 
 impl MultimerAlphaFold {
@@ -243,6 +246,7 @@ impl MultimerAlphaFold {
             kind,
             device,
             sampling: MsaSampling::default(),
+            drop_masked_rows: true,
         };
         let unused = b.unused_under("");
         ensure!(
@@ -258,6 +262,19 @@ impl MultimerAlphaFold {
     pub fn with_sampling(mut self, sampling: MsaSampling) -> Self {
         self.sampling = sampling;
         self
+    }
+
+    /// Whether the stacks leave out fully-masked rows ([`masked_rows`]; on by default): the
+    /// outputs are the same either way, the time falls with the real depth. Off runs every
+    /// padding row, as DeepMind's code does.
+    pub fn drop_masked_rows(mut self, drop: bool) -> Self {
+        self.drop_masked_rows = drop;
+        self
+    }
+
+    /// Whether the stacks leave out fully-masked rows.
+    pub fn drops_masked_rows(&self) -> bool {
+        self.drop_masked_rows
     }
 
     /// The stacks' sizes.
@@ -343,9 +360,18 @@ impl MultimerAlphaFold {
             msa = Tensor::f_cat(&[msa, rows], 0)?;
             msa_mask = Tensor::f_cat(&[msa_mask, row_mask.f_to_kind(kind)?], 0)?;
         }
+        let rows = match self.drop_masked_rows {
+            true => MsaRows::new(&msa, &msa_mask, own_rows)?,
+            false => MsaRows::all(own_rows),
+        };
+        let (msa, msa_mask) = {
+            let selected = (rows.select(&msa)?, rows.select(&msa_mask)?);
+            drop((msa, msa_mask));
+            selected
+        };
         let (msa, pair) = self.evoformer.forward_owned(msa, pair, &msa_mask, &pair_mask, exec)?;
         // The template rows end here: the masked-MSA head reads the MSA's own rows only.
-        let msa = msa.f_narrow(0, 0, own_rows)?;
+        let msa = rows.restore(&msa)?;
         let first = msa.f_select(0, 0)?;
         let mut msa_first_row = first.f_empty_like()?;
         msa_first_row.f_copy_(&first)?;
@@ -362,23 +388,34 @@ impl MultimerAlphaFold {
         Ok((Pass { heads, structure, single, recycled: Recycled { msa_first_row, pair, pseudo_beta } }, sampled))
     }
 
-    /// The extra-MSA stack on the first `num_extra_msa` unsampled rows (one masked row of gaps
-    /// when there are none: it changes the pair no more than no rows would).
+    /// The extra-MSA stack on the first `num_extra_msa` unsampled rows, their fully-masked
+    /// rows left out when the network drops them (one masked row of gaps when none is left: it
+    /// changes the pair no more than no rows would).
     fn extra_stack(&self, sampled: &SampledMsa, pair: Tensor, pair_mask: &Tensor, exec: &Exec) -> Result<Tensor> {
         let (kind, device) = (self.kind, self.device());
         let rows = sampled.extra_msa.size()[0].min(self.sampling.num_extra_msa.max(0));
-        let (extra_msa, deletions, mask) = match rows {
+        let taken = [&sampled.extra_msa, &sampled.extra_deletion_matrix, &sampled.extra_msa_mask]
+            .map(|t| t.f_narrow(0, 0, rows));
+        let [msa, deletions, mask] = taken;
+        let (msa, deletions, mask) = (msa?, deletions?, mask?);
+        let kept = match self.drop_masked_rows {
+            true => masked_rows::unmasked_rows(&mask)?,
+            false => None,
+        };
+        let (msa, deletions, mask) = match &kept {
+            Some(kept) => {
+                (msa.f_index_select(0, kept)?, deletions.f_index_select(0, kept)?, mask.f_index_select(0, kept)?)
+            }
+            None => (msa, deletions, mask),
+        };
+        let (extra_msa, deletions, mask) = match msa.size()[0] {
             0 => {
                 const GAP: i64 = 21;
                 let n = pair.size()[0];
                 let zeros = Tensor::f_zeros([1, n], (Kind::Float, Device::Cpu))?;
                 (Tensor::f_full([1, n], GAP, (Kind::Int64, Device::Cpu))?, zeros.f_zeros_like()?, zeros)
             }
-            _ => (
-                sampled.extra_msa.f_narrow(0, 0, rows)?,
-                sampled.extra_deletion_matrix.f_narrow(0, 0, rows)?,
-                sampled.extra_msa_mask.f_narrow(0, 0, rows)?,
-            ),
+            _ => (msa, deletions, mask),
         };
         let to = |t: &Tensor| -> Result<Tensor> { Ok(t.f_to_kind(kind)?.f_to_device(device)?) };
         let has_deletion = to(&deletions.f_clamp(0.0, 1.0)?)?;
