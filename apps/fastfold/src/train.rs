@@ -5,7 +5,9 @@
 //! the training stage (`--config-preset`, OpenFold's names: `initial_training` or
 //! `finetuning`), under dynamic axial parallelism. With AlphaFold-Multimer's parameters it
 //! trains on one complex instead ([`crate::train_complex`], [`Trainer::accumulate_complex`]):
-//! Multimer's loss after the chain permutation alignment, in one process.
+//! Multimer's loss after the chain permutation alignment, on the same layouts of ranks (below):
+//! every rank of a DAP group crops the example and samples its MSA alike, from the seed and
+//! the example's number.
 //!
 //! Backbone FAPE is clamped in 90% of the examples, drawn from the seed and the example's
 //! number in the run ([`crate::loss::clamped_fape_at`]; in one process without accumulation,
@@ -983,9 +985,6 @@ fn check_complex_args(args: &TrainArgs, world: &World) -> anyhow::Result<()> {
     }
     if args.val.val_mmcif_dir.is_some() || args.val.val_alignment_dir.is_some() {
         return Err(not_yet("--val-mmcif-dir, --val-alignment-dir", "validation"));
-    }
-    if world.size() > 1 {
-        return Err(not_yet("--nproc (DAP, data-parallel replicas)", "training a complex on several ranks"));
     }
     let given = [
         ("--msa", args.input.msa.is_some(), "one MSA (a complex takes its chains' alignments with --msas)"),
