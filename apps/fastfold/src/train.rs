@@ -993,7 +993,6 @@ fn check_complex_args(args: &TrainArgs, world: &World) -> anyhow::Result<()> {
         ("--max-msa-clusters", args.input.max_msa_clusters.is_some(), "another MSA sample size (v2.3's: 508)"),
         ("--max-extra-msa", args.input.max_extra_msa.is_some(), "another extra-MSA size (v2.3's: 2048)"),
         ("--chain", args.chain.is_some(), "one chain of --target (a complex reads chains A, B, ...)"),
-        ("--precision", args.precision.precision != Precision::Fp32, "a precision below fp32"),
     ];
     if let Some((flag, _, what)) = given.iter().find(|(_, g, _)| *g) {
         return Err(not_yet(flag, what));
