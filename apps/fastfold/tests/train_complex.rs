@@ -179,6 +179,17 @@ fn words(fasta: &Path, target: &Path, out: &Path) -> Vec<String> {
     vec![path(fasta), "--target".into(), path(target), "--params".into(), path(&params), "-o".into(), path(out)]
 }
 
+/// `fastfold train --model-preset multimer` on the complex `fasta` and its truth `pdb` (the tiny
+/// parameters) into `out` with `flags`: each step's record of its log (a failure fails the test,
+/// with the run's output).
+fn train_logged(fasta: &Path, pdb: &Path, out: &Path, flags: &[&str]) -> Vec<serde_json::Value> {
+    let mut args = words(fasta, pdb, out);
+    args.extend(["--model-preset", "multimer"].iter().chain(flags).map(|s| s.to_string()));
+    let (ok, text) = train(&args);
+    assert!(ok, "{}: {text}", out.display());
+    step_log(out)
+}
+
 /// Each step's line of the run's `log.jsonl` in `out`.
 fn step_log(out: &Path) -> Vec<serde_json::Value> {
     let text = std::fs::read_to_string(out.join("log.jsonl")).unwrap();
@@ -486,29 +497,11 @@ fn complex_on_ranks_gradients(world: &World, dap: usize, tol: f64) -> anyhow::Re
         (loss - one_loss).abs() <= tol / 10.0 * one_loss.abs(),
         "{what}: loss {loss}, one process {one_loss}"
     );
-    let overall =
-        reference.iter().filter(|(_, g)| g.defined()).map(|(_, g)| g.abs().max().double_value(&[])).fold(0.0, f64::max);
-    anyhow::ensure!(overall > 0.0 && overall.is_finite(), "the reference gradients are all {overall}");
-    let (mut compared, mut worst) = (0, (0.0, String::new()));
-    for ((name, a), (_, b)) in grads(&trainer).iter().zip(&reference) {
-        anyhow::ensure!(a.defined() == b.defined(), "{what}: {name}: gradient defined on one side only");
-        if !b.defined() {
-            continue;
-        }
-        let scale = b.abs().max().double_value(&[]).max(1e-3 * overall);
-        let d = (a - b).abs().max().double_value(&[]) / scale;
-        if d > worst.0 {
-            worst = (d, name.clone());
-        }
-        compared += 1;
-    }
-    eprintln!(
-        "{what}: loss {loss} (one process {one_loss}); worst gradient {:.2e} ({}), {compared} compared",
-        worst.0, worst.1
-    );
-    anyhow::ensure!(worst.0 <= tol, "{what}: gradient of {} differs by {:.2e} of its scale", worst.1, worst.0);
+    let (worst, name, compared) = common::worst_gradient(&grads(&trainer), &reference).context(what.clone())?;
+    eprintln!("{what}: loss {loss} (one process {one_loss}); worst gradient {worst:.2e} ({name}), {compared} compared");
+    anyhow::ensure!(worst <= tol, "{what}: gradient of {name} differs by {worst:.2e} of its scale");
     anyhow::ensure!(compared > 100, "only {compared} gradients compared");
-    Ok(worst.0)
+    Ok(worst)
 }
 
 // One DAP group of 2 ranks: the stacks split, their partial gradients summed.
@@ -527,24 +520,19 @@ dist_test!(a_complex_on_two_dap_groups_of_two_gives_one_process_accumulating_gra
 
 /// `fastfold train` on the homodimer cropped to 16 residues, one step of two examples: one
 /// process accumulating both (`--accumulation 2`), one DAP group of 2 ranks doing the same
-/// with the blocks checkpointed (`--nproc 2 --accumulation 2 --gradient-checkpointing`), two replicas each training one (`--nproc 2 --dap 1`) and the
-/// latter under ZeRO-1 log the same mean loss (within 1e-5 of it) and gradient norm (within
-/// 1e-4 of it; the gradients are the same sums in another order); ZeRO-1 steps to the
-/// replicas' parameters (within 1e-6 of each array's largest).
+/// with the blocks checkpointed (`--nproc 2 --accumulation 2 --gradient-checkpointing`), two
+/// replicas each training one (`--nproc 2 --dap 1`) and the latter under ZeRO-1 log the same
+/// mean loss (within 1e-5 of it) and gradient norm (within 1e-4 of it; the gradients are the
+/// same sums in another order); ZeRO-1 steps to the replicas' parameters (within 1e-6 of each
+/// array's largest).
 #[test]
 fn train_command_splits_a_complex_over_dap_ranks_and_replicas() {
     let dir = common::scratch("train_complex", "command_ranks");
     let (fasta, pdb, _) = homodimer(&dir);
     let run = |name: &str, extra: &[&str]| {
         let out = dir.join(name);
-        let mut args = words(&fasta, &pdb, &out);
-        let flags = ["--model-preset", "multimer", "--crop-size", "16", "--steps", "1", "--warmup", "0", "--quiet"];
-        args.extend(flags.iter().chain(extra).map(|s| s.to_string()));
-        let started = std::time::Instant::now();
-        let (ok, text) = train(&args);
-        assert!(ok, "{name}: {text}");
-        eprintln!("{name}: {:.1} s", started.elapsed().as_secs_f64());
-        let log = step_log(&out);
+        let flags = ["--crop-size", "16", "--steps", "1", "--warmup", "0", "--quiet"];
+        let log = train_logged(&fasta, &pdb, &out, &[&flags[..], extra].concat());
         assert_eq!(log.len(), 1, "{name}: {log:?}");
         let value = |field: &str| log[0][field].as_f64().unwrap_or_else(|| panic!("{name}: no {field} in {log:?}"));
         (value("loss"), value("grad_norm"), out)
@@ -580,13 +568,8 @@ fn a_complex_trains_in_bf16_with_fp32_masters() {
     let (fasta, pdb, _) = homodimer(&dir);
     let run = |name: &str, extra: &[&str]| {
         let out = dir.join(name);
-        let mut args = words(&fasta, &pdb, &out);
-        let flags =
-            ["--model-preset", "multimer", "--lr", "3e-3", "--warmup", "0", "--ema-decay", "0", "--resolution", "2"];
-        args.extend(flags.iter().chain(extra).map(|s| s.to_string()));
-        let (ok, text) = train(&args);
-        assert!(ok, "{name}: {text}");
-        let log = step_log(&out);
+        let flags = ["--lr", "3e-3", "--warmup", "0", "--ema-decay", "0", "--resolution", "2"];
+        let log = train_logged(&fasta, &pdb, &out, &[&flags[..], extra].concat());
         let loss: Vec<f64> = log.iter().map(|s| s["loss"].as_f64().unwrap()).collect();
         (loss, log[0]["distogram"].as_f64().unwrap(), out)
     };
