@@ -5,7 +5,9 @@
 //! the training stage (`--config-preset`, OpenFold's names: `initial_training` or
 //! `finetuning`), under dynamic axial parallelism. With AlphaFold-Multimer's parameters it
 //! trains on one complex instead ([`crate::train_complex`], [`Trainer::accumulate_complex`]):
-//! Multimer's loss after the chain permutation alignment, in one process.
+//! Multimer's loss after the chain permutation alignment, on the same layouts of ranks (below):
+//! every rank of a DAP group crops the example and samples its MSA alike, from the seed and
+//! the example's number.
 //!
 //! Backbone FAPE is clamped in 90% of the examples, drawn from the seed and the example's
 //! number in the run ([`crate::loss::clamped_fape_at`]; in one process without accumulation,
@@ -984,9 +986,6 @@ fn check_complex_args(args: &TrainArgs, world: &World) -> anyhow::Result<()> {
     if args.val.val_mmcif_dir.is_some() || args.val.val_alignment_dir.is_some() {
         return Err(not_yet("--val-mmcif-dir, --val-alignment-dir", "validation"));
     }
-    if world.size() > 1 {
-        return Err(not_yet("--nproc (DAP, data-parallel replicas)", "training a complex on several ranks"));
-    }
     let given = [
         ("--msa", args.input.msa.is_some(), "one MSA (a complex takes its chains' alignments with --msas)"),
         ("--features", args.input.features.is_some(), "processed features (give the FASTA file)"),
@@ -994,7 +993,6 @@ fn check_complex_args(args: &TrainArgs, world: &World) -> anyhow::Result<()> {
         ("--max-msa-clusters", args.input.max_msa_clusters.is_some(), "another MSA sample size (v2.3's: 508)"),
         ("--max-extra-msa", args.input.max_extra_msa.is_some(), "another extra-MSA size (v2.3's: 2048)"),
         ("--chain", args.chain.is_some(), "one chain of --target (a complex reads chains A, B, ...)"),
-        ("--precision", args.precision.precision != Precision::Fp32, "a precision below fp32"),
     ];
     if let Some((flag, _, what)) = given.iter().find(|(_, g, _)| *g) {
         return Err(not_yet(flag, what));

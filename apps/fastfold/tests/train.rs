@@ -637,31 +637,11 @@ fn data_parallel_gradients(world: &World, dap: usize, kind: Kind, tol: f64) -> T
     let mean = fastfold::train_parallel::mean_over_replicas(&terms, ranks.data.as_ref())?.loss;
     let loss_tol = tol / 10.0;
     anyhow::ensure!((mean - one_loss).abs() <= loss_tol * one_loss.abs(), "mean loss {mean}, one process {one_loss}");
-    let overall =
-        reference.iter().filter(|(_, g)| g.defined()).map(|(_, g)| g.abs().max().double_value(&[])).fold(0.0, f64::max);
-    anyhow::ensure!(overall > 0.0 && overall.is_finite(), "the reference gradients are all {overall}");
-    let (mut compared, mut worst) = (0, (0.0, String::new()));
-    for ((name, a), (_, b)) in grads(&trainer).iter().zip(&reference) {
-        anyhow::ensure!(a.defined() == b.defined(), "{name}: gradient defined on one side only");
-        if !b.defined() {
-            continue;
-        }
-        // 1e-4 of the tensor's largest gradient; gradients that are zero up to rounding
-        // (softmax-invariant offsets) are held to 1e-4 of the largest gradient overall.
-        let scale = b.abs().max().double_value(&[]).max(1e-3 * overall);
-        let d = (a - b).abs().max().double_value(&[]) / scale;
-        if d > worst.0 {
-            worst = (d, name.clone());
-        }
-        compared += 1;
-    }
-    eprintln!(
-        "--dap {dap} on {} ranks: worst gradient {:.2e} ({}), {compared} compared",
-        world.size(),
-        worst.0,
-        worst.1
-    );
-    anyhow::ensure!(worst.0 <= tol, "gradient of {} differs by {:.2e} of its scale", worst.1, worst.0);
+    // `tol` of the tensor's largest gradient; gradients that are zero up to rounding
+    // (softmax-invariant offsets) are held to `tol` of the largest gradient overall / 1000.
+    let (worst, name, compared) = common::worst_gradient(&grads(&trainer), &reference)?;
+    eprintln!("--dap {dap} on {} ranks: worst gradient {worst:.2e} ({name}), {compared} compared", world.size());
+    anyhow::ensure!(worst <= tol, "gradient of {name} differs by {worst:.2e} of its scale");
     anyhow::ensure!(compared > 100, "only {compared} gradients compared");
     Ok(())
 }

@@ -43,3 +43,31 @@ pub fn assert_close(what: &str, got: &tch::Tensor, want: &tch::Tensor, tolerance
         "{what}: max |ours - AlphaFold| = {diff:.3e} (largest |AlphaFold| {scale:.3e}, tolerance {tolerance:.0e})"
     );
 }
+
+/// The worst difference of `grads` from `reference` (every parameter's gradient by name, in the
+/// same order), as a fraction of the array's largest reference gradient; an array whose
+/// reference is zero up to rounding (a softmax-invariant offset) is measured against 1e-3 of the
+/// largest overall. Returns the fraction, its array and how many arrays were compared (those
+/// with a gradient); an error where one side alone has a gradient, or the reference's are all
+/// zero.
+pub fn worst_gradient(
+    grads: &[(String, tch::Tensor)],
+    reference: &[(String, tch::Tensor)],
+) -> anyhow::Result<(f64, String, usize)> {
+    let largest = |g: &tch::Tensor| g.abs().max().double_value(&[]);
+    let overall = reference.iter().filter(|(_, g)| g.defined()).map(|(_, g)| largest(g)).fold(0.0, f64::max);
+    anyhow::ensure!(overall > 0.0 && overall.is_finite(), "the reference gradients are all {overall}");
+    let (mut compared, mut worst) = (0, (0.0, String::new()));
+    for ((name, a), (_, b)) in grads.iter().zip(reference) {
+        anyhow::ensure!(a.defined() == b.defined(), "{name}: gradient defined on one side only");
+        if !b.defined() {
+            continue;
+        }
+        let d = largest(&(a - b)) / largest(b).max(1e-3 * overall);
+        if d > worst.0 {
+            worst = (d, name.clone());
+        }
+        compared += 1;
+    }
+    Ok((worst.0, worst.1, compared))
+}
