@@ -175,12 +175,7 @@ fn predict_plans_for_the_budget_and_prints_planned_and_measured_peaks() {
     let (ok, text, planned_npz) = run(&["--gpu-mem", "80M"], "planned");
     assert!(ok, "{text}");
     assert!(text.contains("memory plan for 0.08 GiB"), "the plan is said:\n{text}");
-    let line = text.lines().find(|l| l.contains("peak memory")).expect("a summary line");
-    let number = |key: &str| -> f64 {
-        let rest = &line[line.find(key).unwrap_or_else(|| panic!("{key} in {line}")) + key.len()..];
-        rest.trim_start().split(' ').next().unwrap().parse().unwrap()
-    };
-    let (measured, planned) = (number("peak memory"), number("(planned"));
+    let (measured, planned, line) = common::summary_peaks(&text);
     eprintln!("{line}");
     assert!(planned <= 80.0 / 1024.0 && measured <= 80.0 / 1024.0, "under the budget: {line}");
     assert!((measured - planned).abs() <= 0.05 * planned.max(measured) + 0.002, "planned and measured agree: {line}");

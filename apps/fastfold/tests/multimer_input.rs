@@ -344,12 +344,7 @@ fn a_complex_predicts_under_a_memory_budget() {
     let (ok, text, planned_npz) = run("planned", &["--gpu-mem", "40M"]);
     assert!(ok, "{text}");
     assert!(text.contains("memory plan for 0.04 GiB") && text.contains("Templates/"), "the plan is said:\n{text}");
-    let line = text.lines().find(|l| l.contains("peak memory")).expect("a summary line");
-    let number = |key: &str| -> f64 {
-        let rest = &line[line.find(key).unwrap_or_else(|| panic!("{key} in {line}")) + key.len()..];
-        rest.trim_start().split(' ').next().unwrap().parse().unwrap()
-    };
-    let (measured, planned) = (number("peak memory"), number("(planned"));
+    let (measured, planned, line) = common::summary_peaks(&text);
     eprintln!("{line}");
     // The line's GiB have two decimals: within half the last of them.
     let budget = 40.0 / 1024.0 + 0.005;

@@ -21,7 +21,7 @@ pub struct Plan {
     /// Bytes alive before the pass (parameters, features).
     pub fixed: u64,
     /// The operations the plan chose sizes for.
-    ops: &'static [(Stage, ChunkOp)],
+    ops: &'static [&'static [(Stage, ChunkOp)]],
 }
 
 impl Plan {
@@ -36,6 +36,8 @@ impl Plan {
         let parts: Vec<String> = self
             .ops
             .iter()
+            .copied()
+            .flatten()
             .filter_map(|&(stage, op)| self.chunks.get(stage, op).map(|c| format!("{stage:?}/{op:?}={c}")))
             .collect();
         match parts.is_empty() {
@@ -45,10 +47,19 @@ impl Plan {
     }
 }
 
-/// The operations the monomer pass profile covers, by stage.
-const KEYS: [(Stage, ChunkOp); 16] = [
-    (Stage::Outer, ChunkOp::PairEmbedding),
-    (Stage::Outer, ChunkOp::StructureAttention),
+/// The operations outside the stacks the pass profiles cover.
+const OUTER_KEYS: [(Stage, ChunkOp); 2] =
+    [(Stage::Outer, ChunkOp::PairEmbedding), (Stage::Outer, ChunkOp::StructureAttention)];
+
+/// The template pair stack's operations (the Multimer profile's).
+const TEMPLATE_KEYS: [(Stage, ChunkOp); 3] = [
+    (Stage::Templates, ChunkOp::TriangleMultiplication),
+    (Stage::Templates, ChunkOp::TriangleAttention),
+    (Stage::Templates, ChunkOp::PairTransition),
+];
+
+/// The extra-MSA stack's and the Evoformer's operations.
+const STACK_KEYS: [(Stage, ChunkOp); 14] = [
     (Stage::ExtraMsa, ChunkOp::MsaRowAttention),
     (Stage::ExtraMsa, ChunkOp::MsaColumnAttention),
     (Stage::ExtraMsa, ChunkOp::MsaTransition),
@@ -65,29 +76,10 @@ const KEYS: [(Stage, ChunkOp); 16] = [
     (Stage::Evoformer, ChunkOp::PairTransition),
 ];
 
-/// The operations the Multimer pass profile covers: the monomer's and the template pair
-/// stack's.
-const MULTIMER_KEYS: [(Stage, ChunkOp); 19] = [
-    (Stage::Outer, ChunkOp::PairEmbedding),
-    (Stage::Outer, ChunkOp::StructureAttention),
-    (Stage::Templates, ChunkOp::TriangleMultiplication),
-    (Stage::Templates, ChunkOp::TriangleAttention),
-    (Stage::Templates, ChunkOp::PairTransition),
-    (Stage::ExtraMsa, ChunkOp::MsaRowAttention),
-    (Stage::ExtraMsa, ChunkOp::MsaColumnAttention),
-    (Stage::ExtraMsa, ChunkOp::MsaTransition),
-    (Stage::ExtraMsa, ChunkOp::OuterProductMean),
-    (Stage::ExtraMsa, ChunkOp::TriangleMultiplication),
-    (Stage::ExtraMsa, ChunkOp::TriangleAttention),
-    (Stage::ExtraMsa, ChunkOp::PairTransition),
-    (Stage::Evoformer, ChunkOp::MsaRowAttention),
-    (Stage::Evoformer, ChunkOp::MsaColumnAttention),
-    (Stage::Evoformer, ChunkOp::MsaTransition),
-    (Stage::Evoformer, ChunkOp::OuterProductMean),
-    (Stage::Evoformer, ChunkOp::TriangleMultiplication),
-    (Stage::Evoformer, ChunkOp::TriangleAttention),
-    (Stage::Evoformer, ChunkOp::PairTransition),
-];
+/// The operations the monomer's profile covers, in the order the plan sizes them.
+const KEYS: &[&[(Stage, ChunkOp)]] = &[&OUTER_KEYS, &STACK_KEYS];
+/// The operations the Multimer profile covers.
+const MULTIMER_KEYS: &[&[(Stage, ChunkOp)]] = &[&OUTER_KEYS, &TEMPLATE_KEYS, &STACK_KEYS];
 
 /// The sizes tried, largest first: whole, then powers of two below `len`, down to 1.
 fn candidates(len: i64) -> Vec<Option<i64>> {
@@ -115,7 +107,7 @@ fn axis(stage: Stage, op: ChunkOp, sizes: &Sizes) -> i64 {
 /// stays within `budget` bytes; an error saying what the leanest plan needs when none does.
 pub fn plan(cfg: &EvoformerConfig, model: &ModelConfig, sizes: Sizes, fixed: u64, budget: u64) -> Result<Plan, String> {
     let peak = |chunks: &ChunkPlan| pass_peak(cfg, model, sizes, chunks);
-    let mut plan = search(&KEYS, &sizes, fixed, budget, peak)?;
+    let mut plan = search(KEYS, &sizes, fixed, budget, peak)?;
     // Not profiled: the template pair stack (narrower than the pair) takes the Evoformer's
     // pair sizes, the template pointwise attention the structure module's row size.
     let mut chunks = plan.chunks;
@@ -140,13 +132,13 @@ pub fn plan_multimer(
     fixed: u64,
     budget: u64,
 ) -> Result<Plan, String> {
-    search(&MULTIMER_KEYS, &sizes.pass, fixed, budget, |chunks| multimer_pass_peak(cfg, model, template, sizes, chunks))
+    search(MULTIMER_KEYS, &sizes.pass, fixed, budget, |chunks| multimer_pass_peak(cfg, model, template, sizes, chunks))
 }
 
 /// From every operation of `ops` at its smallest, each in turn raised to the largest size that
 /// keeps `fixed` + `peak` within `budget`; no chunking when the whole pass fits.
 fn search(
-    ops: &'static [(Stage, ChunkOp)],
+    ops: &'static [&'static [(Stage, ChunkOp)]],
     sizes: &Sizes,
     fixed: u64,
     budget: u64,
@@ -170,7 +162,7 @@ fn search(
             gib(budget)
         ));
     }
-    for &(stage, op) in ops {
+    for &(stage, op) in ops.iter().copied().flatten() {
         for size in candidates(axis(stage, op, sizes)) {
             let tried = chunks.clone().with(stage, op, size);
             if fixed + peak(&tried).bytes <= budget {

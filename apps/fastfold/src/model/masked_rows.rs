@@ -129,6 +129,18 @@ impl MsaRows {
         })
     }
 
+    /// The rows of `msa` [S, N, c] and `mask` [S, N] a stack runs (with `drop`, as
+    /// [`MsaRows::new`] selects them; else all), the inputs given up once selected, and the
+    /// selection, which restores rows `0..needed` after the stack.
+    pub fn run(drop: bool, msa: Tensor, mask: Tensor, needed: i64) -> Result<(Tensor, Tensor, Self)> {
+        let rows = match drop {
+            true => MsaRows::new(&msa, &mask, needed)?,
+            false => MsaRows::all(needed),
+        };
+        let (msa, mask) = (rows.select(&msa)?, rows.select(&mask)?);
+        Ok((msa, mask, rows))
+    }
+
     /// The rows of `t` [S, ...] that run.
     pub fn select(&self, t: &Tensor) -> Result<Tensor> {
         Ok(match &self.kept {

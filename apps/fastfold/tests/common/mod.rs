@@ -71,3 +71,14 @@ pub fn worst_gradient(
     }
     Ok((worst.0, worst.1, compared))
 }
+
+/// The measured and planned peaks (GiB) of a `predict --gpu-mem` run's summary line in `text`
+/// (`peak memory P GiB (planned Q GiB)`), and the line.
+pub fn summary_peaks(text: &str) -> (f64, f64, String) {
+    let line = text.lines().find(|l| l.contains("peak memory")).expect("a summary line");
+    let number = |key: &str| -> f64 {
+        let rest = &line[line.find(key).unwrap_or_else(|| panic!("{key} in {line}")) + key.len()..];
+        rest.trim_start().split(' ').next().unwrap().parse().unwrap()
+    };
+    (number("peak memory"), number("(planned"), line.to_string())
+}

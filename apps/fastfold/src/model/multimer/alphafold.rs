@@ -360,15 +360,7 @@ impl MultimerAlphaFold {
             msa = Tensor::f_cat(&[msa, rows], 0)?;
             msa_mask = Tensor::f_cat(&[msa_mask, row_mask.f_to_kind(kind)?], 0)?;
         }
-        let rows = match self.drop_masked_rows {
-            true => MsaRows::new(&msa, &msa_mask, own_rows)?,
-            false => MsaRows::all(own_rows),
-        };
-        let (msa, msa_mask) = {
-            let selected = (rows.select(&msa)?, rows.select(&msa_mask)?);
-            drop((msa, msa_mask));
-            selected
-        };
+        let (msa, msa_mask, rows) = MsaRows::run(self.drop_masked_rows, msa, msa_mask, own_rows)?;
         let (msa, pair) = self.evoformer.forward_owned(msa, pair, &msa_mask, &pair_mask, exec)?;
         // The template rows end here: the masked-MSA head reads the MSA's own rows only.
         let msa = rows.restore(&msa)?;
