@@ -68,6 +68,10 @@ struct Args {
     /// temporary one, removed), so that `--ours <folder>` reruns our side alone on them.
     #[arg(long)]
     keep: Option<std::path::PathBuf>,
+    /// Our side runs every padding row through the stacks, as DeepMind's does (by default it
+    /// leaves the fully-masked rows out, which changes no output).
+    #[arg(long)]
+    every_row: bool,
     #[command(flatten)]
     sides: Sides,
 }
@@ -213,7 +217,7 @@ fn compare(args: &Args, dir: &Path) -> anyhow::Result<(Figures, f64, Figures, f6
 /// largest difference of its atoms from AlphaFold's (`positions.npz`), over AlphaFold's mask.
 fn ours(dir: &Path, args: &Args, exec: Exec) -> anyhow::Result<(Figures, f64)> {
     let (recycles, seed) = (args.recycles, args.seed);
-    let net = MultimerAlphaFold::load(dir.join(PARAMS))?;
+    let net = MultimerAlphaFold::load(dir.join(PARAMS))?.drop_masked_rows(!args.every_row);
     let arrays: std::collections::HashMap<String, Tensor> =
         Tensor::read_npz(dir.join("features.npz"))?.into_iter().collect();
     let inputs = MultimerInputs::from_named(|n| arrays.get(n).map(Tensor::shallow_clone), "features.npz")?;
