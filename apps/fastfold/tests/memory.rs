@@ -279,13 +279,18 @@ fn multimer_pass_peak_matches_the_cpu_allocator_and_plans_fit_their_budget() {
         (128, (48, 48), (8, 32), 4, some(32)),
         (160, (12, 12), (4, 4), 1, some(40).with(Stage::Templates, ChunkOp::TriangleAttention, Some(8))),
         // Each part's own peak: the sampling of a deep MSA, the relative encoding whole, the
-        // template stack whole, with everything else in small chunks.
+        // template stack whole, a template's pair embedding whole (and in halves), with
+        // everything else in small chunks.
         (32, (2000, 2000), (4, 4), 0, ChunkPlan::uniform(None)),
         // Padding rows: the stacks run the real ones and one stand-in for the masked centres.
         (96, (40, 10), (16, 16), 2, ChunkPlan::uniform(None)),
         (160, (12, 12), (4, 4), 0, some(8).with(Stage::Outer, ChunkOp::PairEmbedding, None)),
         (160, (12, 12), (4, 4), 3, some(8).with(Stage::Templates, ChunkOp::TriangleAttention, None)),
         (160, (12, 12), (4, 4), 3, some(8).with(Stage::Templates, ChunkOp::TriangleMultiplication, None)),
+        (160, (12, 12), (4, 4), 2, some(8).with(Stage::Templates, ChunkOp::PairEmbedding, None)),
+        (160, (12, 12), (4, 4), 1, some(8).with(Stage::Templates, ChunkOp::PairEmbedding, Some(80))),
+        // Every part in small chunks: the templates' sum and output are the peak.
+        (160, (12, 12), (4, 4), 2, some(8)),
     ] {
         let sampling = MsaSampling { num_msa, num_extra_msa: num_extra, ..MsaSampling::default() };
         net.sampling = sampling;

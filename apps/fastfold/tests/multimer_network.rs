@@ -15,6 +15,7 @@ use std::path::PathBuf;
 use engine::parallel::dap::Dap;
 use fastfold::confidence::{multimer_ranking_confidence, predicted_tm_score_of_chains};
 use fastfold::geometry::Rigid;
+use fastfold::model::exec::Stage;
 use fastfold::model::multimer::{
     chi_angles, extra_msa_feat, load_structure_module, msa_feat, relative_encoding, ChainIds, MultimerInputEmbedder,
     MultimerTemplateRows, MultimerTemplates, TemplateAtoms, TemplateBatch, TemplatePairEmbedding,
@@ -133,6 +134,10 @@ fn template_pair_embedding_equals_alphafold_multimer() {
     };
     let act = tch::no_grad(|| embedding.forward(&f["query"], &atoms, &f["asym_id"]).unwrap());
     common::assert_close("template stack input", &act, &f["act"], TOLERANCE);
+    // Made 5 rows at a time (each chunk's features only): the same.
+    let exec = Exec::new(Dap::none(), Some(5)).in_stage(Stage::Templates);
+    let chunked = tch::no_grad(|| embedding.embed(&f["query"], &atoms, &f["asym_id"], &exec).unwrap());
+    common::assert_close("template stack input in chunks of 5 rows", &chunked, &f["act"], TOLERANCE);
     // Between chains every template feature but the residue types is zero: only the query
     // and the one-hots' layers differ from a template of no atoms there.
     let empty_mask = f["template_all_atom_mask"].zeros_like();

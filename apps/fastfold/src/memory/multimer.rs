@@ -8,8 +8,8 @@
 //! The sampling runs where the features are: on the host while the network runs on a GPU,
 //! so its buffers count only in a CPU run ([`MultimerSizes::sampling_on_device`]).
 use crate::memory::profile::{
-    biased_attention, block, extra_msa_embedder, input_embedder, layer_norm, outputs, recycling_embedder, transition,
-    triangle_multiplication, Ctx,
+    biased_attention, block, chunked, extra_msa_embedder, input_embedder, layer_norm, outputs, recycling_embedder,
+    transition, triangle_multiplication, Ctx,
 };
 use crate::memory::{Buf, Peak, Sizes, Trace};
 use crate::model::config::{EvoformerConfig, ModelConfig, TemplateConfig};
@@ -132,6 +132,89 @@ fn relative_encoding(t: &mut Trace, e: i64, (rows, n): (i64, i64), c_z: i64) -> 
     act
 }
 
+/// `model/multimer/templates.rs`'s `TemplatePairEmbedding::embed` of one template, `rows` of
+/// the [n, n, c_t] result at a time: each chunk's pair features (the masks, the distogram with
+/// its bins compared as bytes, the frames' unit vectors through their dot products), then the
+/// running sum of the features' projections (a new tensor per term; a scalar feature's
+/// projection is a product and a sum), then the normalised query rows' projection.
+fn template_pair_embedding(t: &mut Trace, x: &Ctx, n: i64, c_z: i64, c_t: i64) -> Buf {
+    let e = x.e;
+    chunked(t, n, x.chunk(ChunkOp::PairEmbedding), n * c_t * e, |t, r| {
+        let plane = r * n * e;
+        let eq = t.alloc(r * n);
+        let same = t.alloc(plane);
+        t.free(eq);
+        let outer = t.alloc(plane);
+        let pb_mask = t.alloc(plane);
+        t.free(outer);
+        // `distance_one_hot_between`: the differences, their squared sum, the bins compared.
+        let diff = t.alloc(plane * 3);
+        let squared = t.alloc(plane * 3);
+        let d2 = t.alloc(plane);
+        t.free(squared);
+        let compared = [0; 3].map(|_| t.alloc(r * n * TEMPLATE_DGRAM_BINS));
+        let one_hot = t.alloc(plane * TEMPLATE_DGRAM_BINS);
+        t.free_all(compared);
+        t.free_all([diff, d2]);
+        let dgram = t.alloc(plane * TEMPLATE_DGRAM_BINS);
+        t.free(one_hot);
+        let outer = t.alloc(plane);
+        let backbone = t.alloc(plane);
+        t.free(outer);
+        let local: Vec<Buf> = (0..3)
+            .map(|_| {
+                // Two dot products' terms, partial sums and the difference.
+                let terms = [0; 5].map(|_| t.alloc(plane));
+                let l = t.alloc(plane);
+                t.free_all(terms);
+                l
+            })
+            .collect();
+        let zeros = t.alloc(plane);
+        let mut acc = zeros;
+        for _ in 0..3 {
+            let squared = t.alloc(plane);
+            let next = t.alloc(plane);
+            t.free_all([squared, acc]);
+            acc = next;
+        }
+        let clamped = t.alloc(plane);
+        let norm = t.alloc(plane);
+        t.free(clamped);
+        let unit = [0; 3].map(|_| {
+            let d = t.alloc(plane);
+            let u = t.alloc(plane);
+            t.free(d);
+            u
+        });
+        t.free_all([acc, norm, same]);
+        t.free_all(local);
+        // The projections summed: the distogram's, then per scalar feature its product, its
+        // sum with the bias and the new running sum.
+        let mut act = t.alloc(plane * c_t);
+        for _ in 0..5 {
+            let product = t.alloc(plane * c_t);
+            let term = t.alloc(plane * c_t);
+            t.free(product);
+            let next = t.alloc(plane * c_t);
+            t.free_all([term, act]);
+            act = next;
+        }
+        // The residue types' projections broadcast over a row or a column: small, the sums not.
+        for _ in 0..2 {
+            let next = t.alloc(plane * c_t);
+            t.free(act);
+            act = next;
+        }
+        let normed = layer_norm(t, r * n, c_z, e, true);
+        let query = t.alloc(plane * c_t);
+        let out = t.alloc(plane * c_t);
+        t.free_all([query, normed, act, dgram, pb_mask, backbone]);
+        t.free_all(unit);
+        out
+    })
+}
+
 /// `model/multimer/templates.rs`'s `MultimerTemplates::forward` on the pair [n, n, c_z]: per
 /// template, its pair features and their embedding with the normalised query pair, the pair
 /// stack on it in place, its normalised output summed; the mean's projection to `c_z`.
@@ -143,39 +226,7 @@ fn template_stack(t: &mut Trace, x: &Ctx, count: i64, n: i64, c_z: i64, c: &Temp
     // of any number.
     for _ in 0..count.min(2) {
         t.at("template embedding");
-        // `pair_features`: the masks, the distogram (its bins compared as bytes), the frames'
-        // unit vectors.
-        let same_chain = [t.alloc(n * n), t.alloc(plane)];
-        let pb_mask = t.alloc(plane);
-        let d2 = t.alloc(plane);
-        let (gt, lt) = (t.alloc(n * n * TEMPLATE_DGRAM_BINS), t.alloc(n * n * TEMPLATE_DGRAM_BINS));
-        let and = t.alloc(n * n * TEMPLATE_DGRAM_BINS);
-        let one_hot = t.alloc(plane * TEMPLATE_DGRAM_BINS);
-        t.free_all([gt, lt, and, d2]);
-        let dgram = t.alloc(plane * TEMPLATE_DGRAM_BINS);
-        t.free(one_hot);
-        let backbone = t.alloc(plane);
-        let local = [t.alloc(plane), t.alloc(plane), t.alloc(plane)];
-        let norm = t.alloc(plane);
-        let unit = [t.alloc(plane), t.alloc(plane), t.alloc(plane)];
-        t.free(norm);
-        t.free_all(local);
-        // The embedding: each term's activation added to the running sum (a new tensor each).
-        let mut act = t.alloc(plane * c_t);
-        for _ in 0..6 {
-            let term = t.alloc(plane * c_t);
-            let next = t.alloc(plane * c_t);
-            t.free(term);
-            t.free(act);
-            act = next;
-        }
-        let normed = layer_norm(t, n * n, c_z, e, true);
-        let query = t.alloc(plane * c_t);
-        t.free(normed);
-        let embedded = t.alloc(plane * c_t);
-        t.free_all([query, act, dgram, backbone, pb_mask]);
-        t.free_all(unit);
-        t.free_all(same_chain);
+        let embedded = template_pair_embedding(t, x, n, c_z, c_t);
         t.at("template pair stack");
         for outgoing in [true, false] {
             triangle_multiplication(t, x, n, c_t, c.tri_mul_channels, outgoing);
@@ -186,7 +237,6 @@ fn template_stack(t: &mut Trace, x: &Ctx, count: i64, n: i64, c_z: i64, c: &Temp
         }
         transition(t, x, n, n, c_t, c.transition_factor, ChunkOp::PairTransition);
         let out = layer_norm(t, n * n, c_t, e, true);
-        t.free(embedded);
         sum = Some(match sum {
             None => out,
             Some(s) => {
@@ -195,14 +245,15 @@ fn template_stack(t: &mut Trace, x: &Ctx, count: i64, n: i64, c_z: i64, c: &Temp
                 next
             }
         });
+        // The template's stream lives to the end of its iteration, past the sum.
+        t.free(embedded);
     }
     let Some(sum) = sum else { return t.alloc(0) };
+    // The sum, its mean and the mean's ReLU all live until the projection is made.
     let mean = t.alloc(plane * c_t);
-    t.free(sum);
     let relu = t.alloc(plane * c_t);
-    t.free(mean);
     let update = t.alloc(plane * c_z);
-    t.free(relu);
+    t.free_all([relu, mean, sum]);
     update
 }
 

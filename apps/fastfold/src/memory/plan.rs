@@ -52,7 +52,8 @@ const OUTER_KEYS: [(Stage, ChunkOp); 2] =
     [(Stage::Outer, ChunkOp::PairEmbedding), (Stage::Outer, ChunkOp::StructureAttention)];
 
 /// The template pair stack's operations (the Multimer profile's).
-const TEMPLATE_KEYS: [(Stage, ChunkOp); 3] = [
+const TEMPLATE_KEYS: [(Stage, ChunkOp); 4] = [
+    (Stage::Templates, ChunkOp::PairEmbedding),
     (Stage::Templates, ChunkOp::TriangleMultiplication),
     (Stage::Templates, ChunkOp::TriangleAttention),
     (Stage::Templates, ChunkOp::PairTransition),

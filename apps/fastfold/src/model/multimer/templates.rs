@@ -37,10 +37,10 @@ use std::path::Path;
 use tch::{Kind, Tensor};
 
 use crate::model::config::TemplateConfig;
-use crate::model::embedders::{distance_one_hot, pseudo_beta, shape_error, CA, CB, GLYCINE};
-use crate::model::exec::{Exec, Stage};
+use crate::model::embedders::{distance_one_hot_between, pseudo_beta, shape_error, CA, CB, GLYCINE};
+use crate::model::exec::{ChunkOp, Exec, Stage};
 use crate::model::keys::{MULTIMER_TEMPLATE_STACK, SINGLE_TEMPLATE, TEMPLATE_EMBEDDING};
-use crate::model::layers::{LayerNorm, Linear, Stream};
+use crate::model::layers::{chunked, LayerNorm, Linear, Stream};
 use crate::model::multimer::Arrays;
 use crate::model::scope::{Builder, Init, Scope};
 use crate::model::templates::TemplatePairBlock;
@@ -138,6 +138,13 @@ impl TemplatePairEmbedding {
     /// The template stack's input [N, N, c_t] for one template's atoms, the query pair
     /// [N, N, c_z] and the residues' chains `asym_id` [N].
     pub fn forward(&self, query: &Tensor, template: &TemplateAtoms, asym_id: &Tensor) -> Result<Tensor> {
+        self.embed(query, template, asym_id, &Exec::serial())
+    }
+
+    /// [`TemplatePairEmbedding::forward`], made `exec`'s
+    /// [`ChunkOp::PairEmbedding`](crate::model::exec::ChunkOp::PairEmbedding) rows at a time
+    /// (each chunk's pair features only): the same values, the features never whole.
+    pub fn embed(&self, query: &Tensor, template: &TemplateAtoms, asym_id: &Tensor, exec: &Exec) -> Result<Tensor> {
         let n = match template.aatype.size().as_slice() {
             [n] => *n,
             _ => return Err(shape_error("template_aatype", "[residues]".into(), template.aatype.size())),
@@ -152,16 +159,20 @@ impl TemplatePairEmbedding {
             return Err(shape_error("asym_id", format!("[{n}]"), asym_id.size()));
         }
         let kind = query.kind();
-        let f = pair_features(template, asym_id, kind)?;
-        let mut act = self.dgram.forward(&f.dgram)?;
-        act = act.f_add(&self.pseudo_beta_mask.forward(&f.pseudo_beta_mask)?)?;
-        act = act.f_add(&self.aatype_j.forward(&f.aatype.f_unsqueeze(0)?)?)?;
-        act = act.f_add(&self.aatype_i.forward(&f.aatype.f_unsqueeze(1)?)?)?;
-        for (layer, v) in self.unit_vector.iter().zip(&f.unit_vector) {
-            act = act.f_add(&layer.forward(v)?)?;
-        }
-        act = act.f_add(&self.backbone_mask.forward(&f.backbone_mask)?)?;
-        Ok(act.f_add(&self.query.forward(&self.query_embedding_norm.forward(query)?)?)?)
+        let residues = residue_features(template, asym_id, kind)?;
+        chunked(n, exec.chunk_for(ChunkOp::PairEmbedding), |start, rows| {
+            let f = pair_features(&residues, start, rows, kind)?;
+            let mut act = self.dgram.forward(&f.dgram)?;
+            act = act.f_add(&self.pseudo_beta_mask.forward(&f.pseudo_beta_mask)?)?;
+            act = act.f_add(&self.aatype_j.forward(&residues.aatype.f_unsqueeze(0)?)?)?;
+            act = act.f_add(&self.aatype_i.forward(&residues.aatype.f_narrow(0, start, rows)?.f_unsqueeze(1)?)?)?;
+            for (layer, v) in self.unit_vector.iter().zip(&f.unit_vector) {
+                act = act.f_add(&layer.forward(v)?)?;
+            }
+            act = act.f_add(&self.backbone_mask.forward(&f.backbone_mask)?)?;
+            let normed = self.query_embedding_norm.forward(&query.f_narrow(0, start, rows)?)?;
+            Ok(act.f_add(&self.query.forward(&normed)?)?)
+        })
     }
 }
 
@@ -270,7 +281,7 @@ impl MultimerTemplates {
                 positions: &templates.positions.f_select(0, i)?,
                 mask: &templates.mask.f_select(0, i)?,
             };
-            let mut x = Stream::new(self.pair_embedding.forward(query, &atoms, asym_id)?, true);
+            let mut x = Stream::new(self.pair_embedding.embed(query, &atoms, asym_id, &exec)?, true);
             for block in &self.blocks {
                 block.run(&mut x, &mask, &exec)?;
             }
@@ -286,50 +297,80 @@ impl MultimerTemplates {
     }
 }
 
-/// One template's pair features (the module docs' table, without the query).
-struct PairFeatures {
-    /// [N, N, 39], masked.
-    dgram: Tensor,
-    /// [N, N].
+/// One template's per-residue quantities its pair features are made from.
+struct ResidueFeatures {
+    /// [N, 3] pseudo-beta positions and [N] their mask.
+    pseudo_beta: Tensor,
     pseudo_beta_mask: Tensor,
-    /// [N, 22] (broadcast over `i` or `j` by the caller).
+    /// [N] N, C-alpha and C all present.
+    backbone: Tensor,
+    /// The backbone frames' axes e0, e1, e2, each [N, 3].
+    frames: [Tensor; 3],
+    /// [N, 3] C-alpha positions.
+    ca: Tensor,
+    /// [N, 22] residue types, one-hot.
     aatype: Tensor,
-    /// x, y, z, each [N, N], masked.
-    unit_vector: [Tensor; 3],
-    /// [N, N].
-    backbone_mask: Tensor,
+    /// [N] chains.
+    asym_id: Tensor,
 }
 
-fn pair_features(t: &TemplateAtoms, asym_id: &Tensor, kind: Kind) -> Result<PairFeatures> {
-    let outer = |m: &Tensor| -> Result<Tensor> { Ok(m.f_unsqueeze(1)?.f_mul(&m.f_unsqueeze(0)?)?) };
-    let same_chain = asym_id.f_unsqueeze(1)?.f_eq_tensor(&asym_id.f_unsqueeze(0)?)?.f_to_kind(kind)?;
+fn residue_features(t: &TemplateAtoms, asym_id: &Tensor, kind: Kind) -> Result<ResidueFeatures> {
     let positions = t.positions.f_to_kind(kind)?;
     let mask = t.mask.f_to_kind(kind)?;
     let aatype = t.aatype.f_to_kind(Kind::Int64)?;
-
-    let pb = pseudo_beta(&aatype, &positions)?;
+    let pseudo_beta = pseudo_beta(&aatype, &positions)?;
     let gly = aatype.f_eq(GLYCINE)?;
-    let pb_mask = mask.f_select(1, CA)?.f_where_self(&gly, &mask.f_select(1, CB)?)?;
-    let pb_mask_2d = outer(&pb_mask)?.f_mul(&same_chain)?;
-    let dgram = distance_one_hot(&pb, DGRAM_BINS, DGRAM_MIN, DGRAM_MAX)?.f_mul(&pb_mask_2d.f_unsqueeze(-1)?)?;
-
+    let pseudo_beta_mask = mask.f_select(1, CA)?.f_where_self(&gly, &mask.f_select(1, CB)?)?;
     let atom = |i: i64| positions.f_select(1, i);
     let (n_xyz, ca, c_xyz) = (atom(N_ATOM)?, atom(CA)?, atom(C_ATOM)?);
     let backbone = mask.f_select(1, N_ATOM)?.f_mul(&mask.f_select(1, CA)?)?.f_mul(&mask.f_select(1, C_ATOM)?)?;
-    let backbone_2d = outer(&backbone)?.f_mul(&same_chain)?;
     // Rot3Array.from_two_vectors(C - CA, N - CA): the frame's axes e0, e1, e2 [N, 3].
     let e0 = normalized(&c_xyz.f_sub(&ca)?)?;
     let e1 = n_xyz.f_sub(&ca)?;
     let e1 = normalized(&e1.f_sub(&e0.f_mul(&dot(&e1, &e0)?.f_unsqueeze(-1)?)?)?)?;
     let e2 = e0.f_cross(&e1, -1)?;
+    Ok(ResidueFeatures {
+        pseudo_beta,
+        pseudo_beta_mask,
+        backbone,
+        frames: [e0, e1, e2],
+        ca,
+        aatype: aatype.f_one_hot(TEMPLATE_CLASSES)?.f_to_kind(kind)?,
+        asym_id: asym_id.shallow_clone(),
+    })
+}
+
+/// Rows `[start, start + rows)` of one template's pair features (the module docs' table,
+/// without the residue types and the query).
+struct PairFeatures {
+    /// [rows, N, 39], masked.
+    dgram: Tensor,
+    /// [rows, N].
+    pseudo_beta_mask: Tensor,
+    /// x, y, z, each [rows, N], masked.
+    unit_vector: [Tensor; 3],
+    /// [rows, N].
+    backbone_mask: Tensor,
+}
+
+fn pair_features(r: &ResidueFeatures, start: i64, rows: i64, kind: Kind) -> Result<PairFeatures> {
+    let of_rows = |t: &Tensor| t.f_narrow(0, start, rows);
+    // Row i's value times column j's, [rows, N].
+    let outer = |m: &Tensor| -> Result<Tensor> { Ok(of_rows(m)?.f_unsqueeze(1)?.f_mul(&m.f_unsqueeze(0)?)?) };
+    let same_chain = of_rows(&r.asym_id)?.f_unsqueeze(1)?.f_eq_tensor(&r.asym_id.f_unsqueeze(0)?)?.f_to_kind(kind)?;
+    let pb_mask_2d = outer(&r.pseudo_beta_mask)?.f_mul(&same_chain)?;
+    let dgram = distance_one_hot_between(&of_rows(&r.pseudo_beta)?, &r.pseudo_beta, DGRAM_BINS, DGRAM_MIN, DGRAM_MAX)?
+        .f_mul(&pb_mask_2d.f_unsqueeze(-1)?)?;
+    let backbone_2d = outer(&r.backbone)?.f_mul(&same_chain)?;
     // rigid_i⁻¹(CA_j) = R_iᵀ CA_j - R_iᵀ CA_i, per axis: e_i · CA_j - e_i · CA_i, both dot
     // products summed in the same order (x, y, z), so that the diagonal is exactly zero (a
     // rounding residue there would normalise to a unit vector).
-    let (ca_i, ca_j) = (ca.f_unsqueeze(1)?, ca.f_unsqueeze(0)?);
-    let local = [e0, e1, e2]
+    let (ca_i, ca_j) = (of_rows(&r.ca)?.f_unsqueeze(1)?, r.ca.f_unsqueeze(0)?);
+    let local = r
+        .frames
         .iter()
         .map(|e| {
-            let e = e.f_unsqueeze(1)?;
+            let e = of_rows(e)?.f_unsqueeze(1)?;
             Ok(dot(&e, &ca_j)?.f_sub(&dot(&e, &ca_i)?)?)
         })
         .collect::<Result<Vec<Tensor>>>()?;
@@ -339,7 +380,6 @@ fn pair_features(t: &TemplateAtoms, asym_id: &Tensor, kind: Kind) -> Result<Pair
     Ok(PairFeatures {
         dgram,
         pseudo_beta_mask: pb_mask_2d,
-        aatype: aatype.f_one_hot(TEMPLATE_CLASSES)?.f_to_kind(kind)?,
         unit_vector: [unit(0)?, unit(1)?, unit(2)?],
         backbone_mask: backbone_2d,
     })
