@@ -193,6 +193,10 @@ fn train_and_compare(run: Run) -> TestResult {
             ScheduleKind::ZeroBubbleH1 => assert!(peak <= p, "{what}: ZB-H1 holds {peak} > pp"),
             ScheduleKind::Interleaved => {}
         }
+        // Receive buffers are reused once a micro-batch's backward is done: as many as were
+        // in flight (and the receives posted ahead), an activation's and a gradient's each.
+        let buffers = pipe.receive_buffers();
+        assert!(buffers <= 2 * (peak + 1), "{what}: rank {rank} keeps {buffers} receive buffers for {peak} in flight");
     }
     Ok(())
 }

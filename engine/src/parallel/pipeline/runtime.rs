@@ -62,8 +62,10 @@ pub struct Pipeline {
     device: Device,
     /// Activation shape and dtype each chunk sent (checked against later micro-batches).
     sent_shapes: HashMap<usize, (Vec<i64>, Kind)>,
-    activation_buffers: HashMap<Step, Tensor>,
-    grad_buffers: HashMap<Step, Tensor>,
+    /// Activation shape and dtype each chunk receives (its first message's header).
+    received_shapes: HashMap<usize, (Vec<i64>, Kind)>,
+    activation_buffers: ReceiveBuffers,
+    grad_buffers: ReceiveBuffers,
     held: usize,
     peak: usize,
     /// Whether steps are timed ([`Pipeline::measure`]).
@@ -84,6 +86,59 @@ struct Held {
     /// What the weight pass needs: per layer, its output, that output's gradient and its
     /// parameters.
     weight: Vec<(Tensor, Tensor, Vec<Tensor>)>,
+}
+
+/// Receive buffers of one kind (activations or gradients), one per micro-batch in flight on
+/// a chunk and reused after: a micro-batch takes one when its receive is posted and gives it
+/// back after its last backward pass (its received activation is its input leaf until then,
+/// and under a split backward the weight pass reads its received gradient). Kept from step to
+/// step, so that from the second step receives are posted ahead into free buffers, and a step
+/// holds as many as its schedule has micro-batches in flight, not one per micro-batch.
+#[derive(Default)]
+struct ReceiveBuffers {
+    taken: HashMap<Step, Tensor>,
+    free: HashMap<usize, Vec<Tensor>>,
+}
+
+impl ReceiveBuffers {
+    /// `s`'s buffer: the one it holds, else a free one of its chunk, else one `make` makes.
+    fn take(&mut self, s: Step, make: impl FnOnce() -> Result<Tensor>) -> Result<Tensor> {
+        if let Some(b) = self.take_existing(s) {
+            return Ok(b);
+        }
+        let b = make()?;
+        self.taken.insert(s, b.shallow_clone());
+        Ok(b)
+    }
+
+    /// `s`'s buffer if it holds one or its chunk has a free one (taken then), else `None`.
+    fn take_existing(&mut self, s: Step) -> Option<Tensor> {
+        if let Some(b) = self.taken.get(&s) {
+            return Some(b.shallow_clone());
+        }
+        let b = self.free.get_mut(&s.chunk)?.pop()?;
+        self.taken.insert(s, b.shallow_clone());
+        Some(b)
+    }
+
+    /// The buffer `s` holds.
+    fn held(&self, s: Step) -> Result<Tensor> {
+        self.taken.get(&s).map(Tensor::shallow_clone).ok_or_else(|| Error::invalid("a receive without its buffer"))
+    }
+
+    /// `s`'s buffer, if any, back to its chunk's free ones.
+    fn release(&mut self, s: Step) {
+        if let Some(b) = self.taken.remove(&s) {
+            self.free.entry(s.chunk).or_default().push(b);
+        }
+    }
+
+    /// Every buffer back (the step's end).
+    fn release_all(&mut self) {
+        for (s, b) in std::mem::take(&mut self.taken) {
+            self.free.entry(s.chunk).or_default().push(b);
+        }
+    }
 }
 
 /// This step's work in progress.
@@ -141,8 +196,9 @@ impl Pipeline {
             chunks,
             device,
             sent_shapes: HashMap::new(),
-            activation_buffers: HashMap::new(),
-            grad_buffers: HashMap::new(),
+            received_shapes: HashMap::new(),
+            activation_buffers: ReceiveBuffers::default(),
+            grad_buffers: ReceiveBuffers::default(),
             held: 0,
             peak: 0,
             measuring: false,
@@ -211,6 +267,13 @@ impl Pipeline {
         let shared = Tensor::from_slice(&[seconds]).f_to_device(self.device)?;
         self.group.broadcast(&shared, 0)?;
         Ok(shared.f_to_device(Device::Cpu)?.f_double_value(&[0])?)
+    }
+
+    /// The receive buffers (activations and gradients) this rank keeps between steps: about
+    /// as many as it had micro-batches in flight, not one per micro-batch.
+    pub fn receive_buffers(&self) -> usize {
+        let count = |b: &ReceiveBuffers| b.free.values().map(Vec::len).sum::<usize>() + b.taken.len();
+        count(&self.activation_buffers) + count(&self.grad_buffers)
     }
 
     /// Whether this rank runs the last virtual stage (where the loss lives).
@@ -326,6 +389,8 @@ impl Pipeline {
             "pipeline: the schedule left {} micro-batches without backward",
             state.held.len()
         );
+        self.activation_buffers.release_all();
+        self.grad_buffers.release_all();
         match state.loss {
             Some(sum) => Ok(Some(sum.f_double_value(&[])?)),
             None => Ok(None),
@@ -397,14 +462,7 @@ impl Pipeline {
             Action::RecvGrad(s) => {
                 let stage = self.stage(s);
                 let out = &self.held_of(state, s)?.pieces.last().expect("a chunk has pieces").1;
-                let buffer = match self.grad_buffers.get(&s) {
-                    Some(b) => b.shallow_clone(),
-                    None => {
-                        let b = out.f_empty_like()?;
-                        self.grad_buffers.insert(s, b.shallow_clone());
-                        b
-                    }
-                };
+                let buffer = self.grad_buffers.take(s, || Ok(out.f_empty_like()?))?;
                 let work = self.group.recv_async(&buffer, self.rank_of(stage + 1), self.tag(s.micro, stage, true))?;
                 state.grad_receives.insert(s, work);
             }
@@ -422,6 +480,8 @@ impl Pipeline {
                 for (out, grad, params) in &held.weight {
                     autograd::backward_into(&[out], &[Some(grad)], &params.iter().collect::<Vec<_>>(), false)?;
                 }
+                drop(held);
+                self.release(s);
                 self.held -= 1;
             }
         }
@@ -440,17 +500,17 @@ impl Pipeline {
         for &action in ahead {
             match action {
                 Action::RecvActivation(s) if !state.receives.contains_key(&s) => {
-                    if let Some(buffer) = self.activation_buffers.get(&s) {
+                    if let Some(buffer) = self.activation_buffers.take_existing(s) {
                         let stage = self.stage(s);
                         let tag = self.tag(s.micro, stage - 1, false);
-                        state.receives.insert(s, self.group.recv_async(buffer, self.rank_of(stage - 1), tag)?);
+                        state.receives.insert(s, self.group.recv_async(&buffer, self.rank_of(stage - 1), tag)?);
                     }
                 }
                 Action::RecvGrad(s) if !state.grad_receives.contains_key(&s) => {
-                    if let Some(buffer) = self.grad_buffers.get(&s) {
+                    if let Some(buffer) = self.grad_buffers.take_existing(s) {
                         let stage = self.stage(s);
                         let tag = self.tag(s.micro, stage, true);
-                        state.grad_receives.insert(s, self.group.recv_async(buffer, self.rank_of(stage + 1), tag)?);
+                        state.grad_receives.insert(s, self.group.recv_async(&buffer, self.rank_of(stage + 1), tag)?);
                     }
                 }
                 Action::Forward(_) | Action::Backward(_) | Action::Weight(_) => break,
@@ -478,7 +538,7 @@ impl Pipeline {
         } else {
             let work = state.receives.remove(&s).ok_or_else(|| Error::invalid("forward before its receive"))?;
             self.wait(work)?;
-            let buffer = &self.activation_buffers[&s];
+            let buffer = self.activation_buffers.held(s)?;
             buffer.f_detach()?.set_requires_grad(buffer.is_floating_point())
         };
         let split = self.schedule.split_backward;
@@ -526,7 +586,7 @@ impl Pipeline {
         } else {
             let work = state.grad_receives.remove(&s).ok_or_else(|| Error::invalid("backward before its receive"))?;
             self.wait(work)?;
-            Some(self.grad_buffers[&s].shallow_clone())
+            Some(self.grad_buffers.held(s)?)
         };
         let mut held = state.held.remove(&s).ok_or_else(|| Error::invalid("backward before forward"))?;
         let wants_input = stage > 0 && held.input.requires_grad();
@@ -534,6 +594,8 @@ impl Pipeline {
             let (_, out) = held.pieces.last().expect("a chunk has pieces");
             autograd::backward(&[out], &[grad.as_ref()], false)?;
             state.input_grads.insert(s, wants_input.then(|| held.input.grad()).filter(Tensor::defined));
+            drop(held);
+            self.release(s);
             self.held -= 1;
             return Ok(());
         }
@@ -571,17 +633,28 @@ impl Pipeline {
     }
 
     /// The receive buffer of `s`'s input activation; the first receive of a chunk reads the
-    /// sender's shape header and allocates the buffers of every micro-batch of that chunk.
+    /// sender's shape header (sent once: every later message of that chunk has its shape).
     fn activation_buffer(&mut self, s: Step, stage: usize) -> Result<Tensor> {
-        if let Some(b) = self.activation_buffers.get(&s) {
-            return Ok(b.shallow_clone());
+        if let Some(b) = self.activation_buffers.take_existing(s) {
+            return Ok(b);
         }
-        let (shape, kind) = self.recv_header(self.rank_of(stage - 1), HEADER_TAG + (stage - 1) as i32)?;
-        for micro in 0..self.schedule.micro_batches {
-            let b = Tensor::f_empty(&shape, (kind, self.device))?;
-            self.activation_buffers.insert(Step { micro, chunk: s.chunk }, b);
-        }
-        Ok(self.activation_buffers[&s].shallow_clone())
+        let (shape, kind) = match self.received_shapes.get(&s.chunk) {
+            Some(known) => known.clone(),
+            None => {
+                let header = self.recv_header(self.rank_of(stage - 1), HEADER_TAG + (stage - 1) as i32)?;
+                self.received_shapes.insert(s.chunk, header.clone());
+                header
+            }
+        };
+        let device = self.device;
+        self.activation_buffers.take(s, || Ok(Tensor::f_empty(&shape, (kind, device))?))
+    }
+
+    /// Gives back `s`'s receive buffers once its last backward pass is done: its input (a leaf
+    /// sharing the activation buffer) and the gradient it received are read no more.
+    fn release(&mut self, s: Step) {
+        self.activation_buffers.release(s);
+        self.grad_buffers.release(s);
     }
 
     /// The shape and dtype a shape header from group rank `from` announces.
