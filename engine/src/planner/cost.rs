@@ -27,7 +27,7 @@
 //! the gradient group), plus per micro-batch in flight each layer's input and, unless the layer
 //! is checkpointed, what it saves for backward; the largest workspace and one checkpointed
 //! block's recomputed activations on top; under a pipeline, the runtime's receive buffers (an
-//! activation in and a gradient back for every micro-batch of the step). Gradient accumulation
+//! activation in and a gradient back per micro-batch in flight, and one posted ahead). Gradient accumulation
 //! runs the micro-batches one after another, so only one is in flight without a pipeline.
 use std::collections::BTreeSet;
 use std::fmt;
@@ -152,8 +152,9 @@ struct Stage {
     backward_comm: f64,
     /// Seconds to send an activation to the next stage (and a gradient back).
     send: f64,
-    /// Bytes of the pipeline runtime's receive buffers: one per micro-batch of the step for the
-    /// activation coming in and the gradient coming back, kept from step to step.
+    /// Bytes of the pipeline runtime's receive buffers of one micro-batch: the activation
+    /// coming in and the gradient coming back (reused once its backward is done, kept from
+    /// step to step).
     buffers: f64,
     /// Seconds of recomputed forwards in the backward (arithmetic, overhead, collectives).
     recompute: [f64; 3],
@@ -240,7 +241,7 @@ pub fn estimate(model: &Model, cluster: &Cluster, plan: &Plan) -> Result<Estimat
                 };
                 let returning =
                     if range.end < model.layers.len() { last.output_bytes * micro / sp as f64 } else { 0.0 };
-                s.buffers = m * (incoming + returning);
+                s.buffers = incoming + returning;
             }
             s.transient = workspace + recompute_peak;
             s
@@ -282,7 +283,9 @@ pub fn estimate(model: &Model, cluster: &Cluster, plan: &Plan) -> Result<Estimat
         let grads = if plan.zero >= 2 { s.params / group } else { s.params };
         let owned = if plan.zero >= 1 { group } else { 1.0 };
         let optimizer = model.optimizer_state_ratio * s.params / owned;
-        let activations = s.activations * sim.peak_in_flight[i] as f64 + s.transient + s.buffers;
+        // A receive buffer per micro-batch in flight, and one posted ahead of the compute.
+        let in_flight = sim.peak_in_flight[i] as f64;
+        let activations = s.activations * in_flight + s.transient + s.buffers * (in_flight + 1.0);
         let memory = s.params + grads + optimizer + activations;
         if memory > worst.memory_bytes {
             (worst.memory_bytes, worst.param_bytes, worst.grad_bytes) = (memory, s.params, grads);

@@ -452,6 +452,7 @@ impl Pipeline {
             }
             Action::Forward(s) => self.forward(s, state, inputs, loss)?,
             Action::SendActivation(s) => {
+                self.reap_sends(state)?;
                 let stage = self.stage(s);
                 let out = self.held_of(state, s)?.pieces.last().expect("a chunk has pieces").1.f_detach()?;
                 self.send_header(s, stage, &out, state)?;
@@ -468,6 +469,7 @@ impl Pipeline {
             }
             Action::Backward(s) => self.backward(s, state)?,
             Action::SendGrad(s) => {
+                self.reap_sends(state)?;
                 let stage = self.stage(s);
                 let grad = state.input_grads.remove(&s).flatten().ok_or_else(|| {
                     Error::invalid(format!("no gradient reached the input of stage {stage} (is it used?)"))
@@ -485,6 +487,20 @@ impl Pipeline {
                 self.held -= 1;
             }
         }
+        Ok(())
+    }
+
+    /// Ends the sends that have completed, dropping the tensors they kept alive: a step holds
+    /// the sends still in flight, not every micro-batch's gradient (or activation) until its end.
+    fn reap_sends(&self, state: &mut StepState) -> Result<()> {
+        let mut pending = Vec::with_capacity(state.sends.len());
+        for (work, tensor) in state.sends.drain(..) {
+            match work.is_completed()? {
+                true => self.wait(work)?,
+                false => pending.push((work, tensor)),
+            }
+        }
+        state.sends = pending;
         Ok(())
     }
 
