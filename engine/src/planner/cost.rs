@@ -27,7 +27,8 @@
 //! the gradient group), plus per micro-batch in flight each layer's input and, unless the layer
 //! is checkpointed, what it saves for backward; the largest workspace and one checkpointed
 //! block's recomputed activations on top; under a pipeline, the runtime's receive buffers (an
-//! activation in and a gradient back per micro-batch in flight, and one posted ahead). Gradient accumulation
+//! activation in and a gradient back per micro-batch in flight, and one posted ahead) and what
+//! the step's sends keep until its end (every micro-batch's output and input gradient). Gradient accumulation
 //! runs the micro-batches one after another, so only one is in flight without a pipeline.
 use std::collections::BTreeSet;
 use std::fmt;
@@ -283,9 +284,12 @@ pub fn estimate(model: &Model, cluster: &Cluster, plan: &Plan) -> Result<Estimat
         let grads = if plan.zero >= 2 { s.params / group } else { s.params };
         let owned = if plan.zero >= 1 { group } else { 1.0 };
         let optimizer = model.optimizer_state_ratio * s.params / owned;
-        // A receive buffer per micro-batch in flight, and one posted ahead of the compute.
+        // A receive buffer per micro-batch in flight, and one posted ahead of the compute; and
+        // what the stage sends (its output forward, its input's gradient back: the same sizes),
+        // kept by every send of the step until its end, since Gloo ends a send only when it is
+        // waited for (on NCCL the runtime ends them as they complete, and this over-counts).
         let in_flight = sim.peak_in_flight[i] as f64;
-        let activations = s.activations * in_flight + s.transient + s.buffers * (in_flight + 1.0);
+        let activations = s.activations * in_flight + s.transient + s.buffers * (in_flight + 1.0 + m);
         let memory = s.params + grads + optimizer + activations;
         if memory > worst.memory_bytes {
             (worst.memory_bytes, worst.param_bytes, worst.grad_bytes) = (memory, s.params, grads);

@@ -491,7 +491,10 @@ impl Pipeline {
     }
 
     /// Ends the sends that have completed, dropping the tensors they kept alive: a step holds
-    /// the sends still in flight, not every micro-batch's gradient (or activation) until its end.
+    /// the sends still in flight, not every micro-batch's gradient (or activation) until its
+    /// end. On NCCL; Gloo reports a send completed only once it is waited for, so on the CPU
+    /// the step's sends stay until its end (waiting on one early could wait on a peer that
+    /// needs this rank's next message first).
     fn reap_sends(&self, state: &mut StepState) -> Result<()> {
         let mut pending = Vec::with_capacity(state.sends.len());
         for (work, tensor) in state.sends.drain(..) {
