@@ -4,7 +4,8 @@
 //! with AlphaFold's whole monomer training loss ([`crate::loss::total`]) under the weights of
 //! the training stage (`--config-preset`, OpenFold's names: `initial_training` or
 //! `finetuning`), under dynamic axial parallelism. With AlphaFold-Multimer's parameters it
-//! trains on one complex instead ([`crate::train_complex`], [`Trainer::accumulate_complex`]):
+//! trains on one complex instead ([`crate::train_complex`], [`Trainer::accumulate_complex`]), or
+//! on the complexes of a data set in the same layout ([`crate::train_data::complexes`]):
 //! Multimer's loss after the chain permutation alignment, on the same layouts of ranks (below):
 //! every rank of a DAP group crops the example and samples its MSA alike, from the seed and
 //! the example's number.
