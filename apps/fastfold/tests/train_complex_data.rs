@@ -16,7 +16,7 @@ use fastfold::train_data::complexes::{load_complex, select_complexes};
 use fastfold::train_data::layout::Filters;
 
 use common::layout::{write_complexes, ComplexSpec};
-use common::BIN;
+use common::{step_log, BIN};
 
 const HETERO: &[(&str, &str)] = &[("A", "MKTAYIAKQR"), ("B", "GSWEDLKKLA")];
 const HOMO: &[(&str, &str)] = &[("A", "MKVLHEGIRT"), ("B", "MKVLHEGIRT")];
@@ -46,12 +46,6 @@ fn train(mmcif: &Path, alignments: &Path, out: &Path, flags: &[&str]) -> (bool, 
         .output()
         .unwrap();
     (o.status.success(), format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)))
-}
-
-/// Each step's record of the run's log in `out`.
-fn step_log(out: &Path) -> Vec<serde_json::Value> {
-    let text = std::fs::read_to_string(out.join("log.jsonl")).unwrap();
-    text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
 }
 
 /// The data set's complexes as read: the heterodimer's 20 residues are two chains of two

@@ -26,7 +26,8 @@ use rayon::prelude::*;
 use tch::Device;
 
 use super::example::read_msas;
-use super::layout::{chain_folders, excluded_by, files_with, mmcif_path, split_name, Filters, LayoutFlags};
+use super::layout::{chain_folders, count_excluded, excluded_by, files_with, mmcif_path, nothing_selected};
+use super::layout::{split_name, Filters, LayoutFlags};
 use super::layout::{Selection, MSA_EXTENSIONS};
 use super::loader::{ChainSampling, Shard, PARALLEL, PREFETCH};
 use super::target::{chain_sequence, chain_structure};
@@ -107,10 +108,7 @@ pub fn select_complexes(mmcif_dir: &Path, alignment_dir: &Path, filters: &Filter
         }
         let sequence: String = entry.chains.iter().map(chain_sequence).collect();
         if let Some(why) = excluded_by(filters, entry.resolution, entry.release_date.as_deref(), &sequence) {
-            match excluded.iter_mut().find(|(w, _)| w == why) {
-                Some((_, n)) => *n += 1,
-                None => excluded.push((why.to_string(), 1)),
-            }
+            count_excluded(&mut excluded, why);
             continue;
         }
         let chains = entry
@@ -122,17 +120,7 @@ pub fn select_complexes(mmcif_dir: &Path, alignment_dir: &Path, filters: &Filter
         entries.push(ComplexEntry { name: pdb, mmcif: path, chains, length });
     }
     if entries.is_empty() {
-        let why: Vec<String> = excluded.iter().map(|(w, n)| format!("{n} {w}")).collect();
-        bail!(
-            "no training complexes in {} {} ({})",
-            flags.alignment_dir,
-            alignment_dir.display(),
-            if why.is_empty() {
-                "it has no chain folders".to_string()
-            } else {
-                format!("left out: {}", why.join(", "))
-            }
-        );
+        return Err(nothing_selected("training complexes", &flags, alignment_dir, &excluded));
     }
     Ok(Selection { chains: entries, excluded })
 }

@@ -274,10 +274,7 @@ pub fn select_as(
     }
     let mut chains = Vec::new();
     let mut excluded: Vec<(String, usize)> = Vec::new();
-    let mut exclude = |why: &str| match excluded.iter_mut().find(|(w, _)| w == why) {
-        Some((_, n)) => *n += 1,
-        None => excluded.push((why.to_string(), 1)),
-    };
+    let mut exclude = |why: &str| count_excluded(&mut excluded, why);
     // (resolution, release date, sequence, cluster size) of each chain, None when the cache
     // lacks it.
     let described: Vec<Option<Described>> = match &filters.chain_data {
@@ -305,20 +302,34 @@ pub fn select_as(
         chains.push(ChainEntry { name, chain, length, cluster_size, mmcif: path, msas, templates });
     }
     if chains.is_empty() {
-        let why: Vec<String> = excluded.iter().map(|(w, n)| format!("{n} {w}")).collect();
-        bail!(
-            "no {} chains in {} {} ({})",
-            flags.what,
-            flags.alignment_dir,
-            alignment_dir.display(),
-            if why.is_empty() {
-                "it has no chain folders".to_string()
-            } else {
-                format!("left out: {}", why.join(", "))
-            }
-        );
+        return Err(nothing_selected(&format!("{} chains", flags.what), flags, alignment_dir, &excluded));
     }
     Ok(Selection { chains, excluded })
+}
+
+/// The error of a layout where nothing (`what`: "training chains") passes the filters, with how
+/// many each left out.
+pub(super) fn nothing_selected(
+    what: &str,
+    flags: &LayoutFlags,
+    alignment_dir: &Path,
+    excluded: &[(String, usize)],
+) -> anyhow::Error {
+    let why: Vec<String> = excluded.iter().map(|(w, n)| format!("{n} {w}")).collect();
+    anyhow::anyhow!(
+        "no {what} in {} {} ({})",
+        flags.alignment_dir,
+        alignment_dir.display(),
+        if why.is_empty() { "it has no chain folders".to_string() } else { format!("left out: {}", why.join(", ")) }
+    )
+}
+
+/// Counts one more left out for `why`.
+pub(super) fn count_excluded(excluded: &mut Vec<(String, usize)>, why: &str) {
+    match excluded.iter_mut().find(|(w, _)| w == why) {
+        Some((_, n)) => *n += 1,
+        None => excluded.push((why.to_string(), 1)),
+    }
 }
 
 /// A located chain: (name, pdb id, chain id, mmCIF file, alignment folder).
