@@ -958,7 +958,8 @@ impl Examples {
             say_selection(args, world, selection.chains.len(), "complexes", &selection.excluded, &files.alignment_dir);
             let (draws, span) = ((args.input.seed.seed, args.data.max_recycles), (first, args.steps as u64));
             let (sampling, workers) = (args.data.chain_sampling, args.data.loader_workers);
-            let loader = ComplexLoader::from_step(selection.chains, sampling, draws, span, shard, workers)?;
+            let templates = args.data.template_sampling()?;
+            let loader = ComplexLoader::from_step(selection.chains, sampling, templates, draws, span, shard, workers)?;
             return Ok(Examples::Complexes { loader });
         }
         let (Some(fasta), Some(target_path)) = (&args.input.fasta, &args.target) else {
@@ -1038,16 +1039,7 @@ fn say_selection(
 fn check_complex_args(args: &TrainArgs, world: &World) -> anyhow::Result<()> {
     let not_yet =
         |flag: &str, what: &str| anyhow::anyhow!("{flag}: {what} is not supported yet for AlphaFold-Multimer");
-    let d = &args.data;
-    let templates = d.template_mmcif_dir.is_some()
-        || d.max_template_date.is_some()
-        || d.obsolete_pdbs_path.is_some()
-        || d.kalign_binary_path.is_some();
-    if templates {
-        let flags = "--template-mmcif-dir, --max-template-date, --obsolete-pdbs-path, --kalign-binary-path";
-        return Err(not_yet(flags, "templates (a data set's complexes train without them)"));
-    }
-    if d.chain_data_cache.is_some() {
+    if args.data.chain_data_cache.is_some() {
         return Err(not_yet("--chain-data-cache", "the chain data cache (each complex's entry is read)"));
     }
     if args.val.val_mmcif_dir.is_some() || args.val.val_alignment_dir.is_some() {

@@ -4,7 +4,8 @@
 //! chains' alignments, UniProt rows paired across distinct chains, copies one entity, the truth
 //! in the features' chain order); `fastfold train` trains on them, each step logging its entry,
 //! and a second epoch's losses are below the first's; two data-parallel replicas train
-//! different complexes, the step's mean equal to one process accumulating both; a chain without
+//! different complexes, the step's mean equal to one process accumulating both; a chain's
+//! template hits give its examples templates; a chain without
 //! its folder, an entry without protein chains and what complexes do not support yet are
 //! refused by name.
 mod common;
@@ -14,8 +15,9 @@ use std::process::Command;
 
 use fastfold::train_data::complexes::{load_complex, select_complexes};
 use fastfold::train_data::layout::Filters;
+use fastfold::train_data::templates::TemplateSampling;
 
-use common::layout::{write_complexes, ComplexSpec};
+use common::layout::{query_chain_layout, write_complexes, ComplexSpec};
 use common::{step_log, BIN};
 
 const HETERO: &[(&str, &str)] = &[("A", "MKTAYIAKQR"), ("B", "GSWEDLKKLA")];
@@ -62,7 +64,7 @@ fn entries_are_read_as_complexes_of_their_protein_chains() {
     assert_eq!(names, ["1het", "2hom", "3one"]);
     assert_eq!(selection.chains.iter().map(|e| e.length).collect::<Vec<_>>(), [20, 20, 13]);
     let ids = |name: &str, entry: usize| {
-        let (features, truth, resolution) = load_complex(&selection.chains[entry]).unwrap();
+        let (features, truth, resolution) = load_complex(&selection.chains[entry], None).unwrap();
         let get = |n: &str| features.get(n).unwrap().tensor();
         let vec = |n: &str| Vec::<i64>::try_from(get(n).to_kind(tch::Kind::Int64)).unwrap();
         assert_eq!(resolution, 2.0, "{name}");
@@ -205,4 +207,54 @@ fn bad_complex_data_is_refused_by_name() {
     std::fs::write(&cache, "{}").unwrap();
     refused(&["--chain-data-cache", cache.to_str().unwrap()], &["--chain-data-cache", "not supported yet"]);
     assert!(!out.join("params.npz").exists(), "parameters written");
+}
+
+/// A chain with template hits (the template fixtures' 40-residue query, entry 9qry, its
+/// folder's `pdb70_hits.hhr`; the usable hits 1abc_A and 2def_B) as a complex of one chain:
+/// with template sampling each example's features hold 0 to 2 templates drawn by its number
+/// (the same again for the same number, at least one over 8 examples), without it none; and
+/// `fastfold train` (templates on by default) trains 2 steps on it, every term finite.
+#[test]
+fn a_chains_template_hits_give_its_complex_templates() {
+    let dir = common::scratch("train_complex_data", "templates");
+    let (mmcif, alignments) = query_chain_layout(&dir);
+    let entry = select_complexes(&mmcif, &alignments, &Filters::default()).unwrap().chains.remove(0);
+    assert_eq!(entry.name, "9qry");
+    assert_eq!(entry.chains[0].templates, [alignments.join("9qry_A/pdb70_hits.hhr")]);
+    let sampling = TemplateSampling {
+        max_templates: 4,
+        mmcif_dir: mmcif.clone(),
+        max_template_date: None,
+        obsolete: Default::default(),
+        kalign: None,
+    };
+    // Templates with an observed atom, and their masks.
+    let templates = |draw: Option<(&TemplateSampling, u64, u64)>| {
+        let (features, _, _) = load_complex(&entry, draw).unwrap();
+        let Some(mask) = features.get("template_all_atom_mask").map(|a| a.tensor()) else { return (0, None) };
+        let t = mask.size()[0];
+        let real = mask.view([t, -1]).sum_dim_intlist(1, false, tch::Kind::Float).gt(0.0);
+        (real.sum(tch::Kind::Int64).int64_value(&[]), Some(mask))
+    };
+    assert_eq!(templates(None).0, 0, "no templates without sampling");
+    let mut counts = std::collections::BTreeSet::new();
+    for number in 1..=8 {
+        let (n, mask) = templates(Some((&sampling, 0, number)));
+        let (again, mask_again) = templates(Some((&sampling, 0, number)));
+        assert_eq!(n, again, "example {number} draws the same templates");
+        assert!(mask.zip(mask_again).is_none_or(|(a, b)| a.equal(&b)), "example {number}: masks differ");
+        counts.insert(n);
+    }
+    eprintln!("templates per example: {counts:?}");
+    assert!(counts.iter().all(|&n| n <= 2) && counts.iter().any(|&n| n >= 1), "{counts:?}");
+
+    let out = dir.join("out");
+    let (ok, text) = train(&mmcif, &alignments, &out, &["--steps", "2", "--lr", "3e-3"]);
+    assert!(ok, "{text}");
+    let log = step_log(&out);
+    assert_eq!(log.len(), 2);
+    for s in &log {
+        assert_eq!(s["example"].as_str(), Some("9qry A"));
+        assert!(s["loss"].as_f64().is_some_and(f64::is_finite), "{s}");
+    }
 }

@@ -5,7 +5,8 @@
 //! one chain. Every protein chain needs its folder `<pdb>_<chain>/`: its `.a3m` and `.sto`
 //! files but `uniprot_hits.*` are its MSA (as the monomer path reads them), and
 //! `uniprot_hits.sto` (or `.a3m`), when there, the rows paired across distinct chains by
-//! species (without it a chain pairs its query row alone). Chains of the same sequence are
+//! species (without it a chain pairs its query row alone); its `.hhr` files, when there, its
+//! template hits, drawn per example as for a monomer chain. Chains of the same sequence are
 //! copies of one entity ([`crate::multimer::Complex`]); the features are
 //! [`crate::multimer::features`]' and the truth the entry's chains in the features' order.
 //!
@@ -31,7 +32,8 @@ use super::layout::{split_name, Filters, LayoutFlags};
 use super::layout::{Selection, MSA_EXTENSIONS};
 use super::loader::{ChainSampling, Shard, PARALLEL, PREFETCH};
 use super::target::{chain_sequence, chain_structure};
-use super::transforms::sample_recycles;
+use super::templates::{read_hits, TemplateSampling, HIT_EXTENSION};
+use super::transforms::{keyed, sample_recycles, Draw};
 use crate::features::RawFeatures;
 use crate::input::parse_alignment;
 use crate::model::multimer::MultimerInputs;
@@ -54,6 +56,8 @@ pub struct EntryChain {
     pub msas: Vec<PathBuf>,
     /// Its UniProt alignment, when its folder has one.
     pub uniprot: Option<PathBuf>,
+    /// Its template hit files (`.hhr`), in file-name order; none when its folder has none.
+    pub templates: Vec<PathBuf>,
     /// Its folder.
     pub folder: PathBuf,
 }
@@ -146,7 +150,8 @@ fn entry_chain(alignment_dir: &Path, pdb: &str, chain: &str, mmcif: &Path) -> an
             folder.display()
         );
     }
-    Ok(EntryChain { chain: chain.to_string(), msas, uniprot: uniprot.into_iter().next(), folder })
+    let templates = files_with(&folder, &[HIT_EXTENSION])?;
+    Ok(EntryChain { chain: chain.to_string(), msas, uniprot: uniprot.into_iter().next(), templates, folder })
 }
 
 /// A complex as read for one example: its features (numpy-like arrays, on no device yet), its
@@ -183,8 +188,14 @@ impl LoadedComplex {
 /// residues named by the alignments' query, as for a monomer chain), the chains in file order
 /// as AlphaFold-Multimer's records `A`, `B`, ..., each entity's features from its first
 /// chain's alignments, pairing from the UniProt alignment of each distinct chain (its query
-/// row alone without one).
-pub fn load_complex(entry: &ComplexEntry) -> anyhow::Result<(MultimerFeatures, Structure, f64)> {
+/// row alone without one). With `templates`, (sampling, seed, example number), each entity whose
+/// first chain has hit files draws its templates as a monomer chain does
+/// ([`TemplateSampling::sample`], the hits before the entry's release), keyed by the seed, the
+/// example's number and the entity; Multimer's pipeline keeps up to 4 per chain.
+pub fn load_complex(
+    entry: &ComplexEntry,
+    templates: Option<(&TemplateSampling, u64, u64)>,
+) -> anyhow::Result<(MultimerFeatures, Structure, f64)> {
     let parsed = mmcif::read(&entry.mmcif)?;
     let mut records = Vec::with_capacity(entry.chains.len());
     let mut read = Vec::with_capacity(entry.chains.len());
@@ -203,11 +214,17 @@ pub fn load_complex(entry: &ComplexEntry) -> anyhow::Result<(MultimerFeatures, S
     let entities = complex
         .entity_representatives()
         .into_iter()
-        .map(|rep| {
+        .enumerate()
+        .map(|(e, rep)| {
             let k = index(rep.id);
             let (c, (msa, sequence, _)) = (&entry.chains[k], &read[k]);
             let what = || format!("entry {}, chain {} ({})", entry.name, c.chain, c.folder.display());
-            let raw = RawFeatures::new(sequence, Some((msa, &c.msas[0]))).with_context(what)?;
+            let mut raw = RawFeatures::new(sequence, Some((msa, &c.msas[0]))).with_context(what)?;
+            if let (Some((sampling, seed, number)), false) = (templates, c.templates.is_empty()) {
+                let hits = read_hits(&c.templates, &entry.name, parsed.release_date.clone()).with_context(what)?;
+                let mut rng = keyed(seed, Draw::Templates, number, e as u64);
+                raw.templates = Some(sampling.sample(sequence, &hits, &mut rng).with_context(what)?.0);
+            }
             let pairing = match pair {
                 true => Some(pairing(c, sequence, &rep.record).with_context(what)?),
                 false => None,
@@ -240,10 +257,12 @@ pub struct ComplexLoader(data::loader::Prefetch<LoadedComplex, anyhow::Error>);
 impl ComplexLoader {
     /// Starts reading `shard`'s examples of steps `first..=steps` from `entries`, drawn by
     /// `sampling` (on the complexes' lengths) under `seed`, each with its recycling count drawn
-    /// from 0..=`max_recycles` by its number, on `workers` threads.
+    /// from 0..=`max_recycles` by its number and its templates by `templates` (`None`: none),
+    /// on `workers` threads.
     pub fn from_step(
         entries: Vec<ComplexEntry>,
         sampling: ChainSampling,
+        templates: Option<TemplateSampling>,
         (seed, max_recycles): (u64, usize),
         (first, steps): (u64, u64),
         shard: Shard,
@@ -254,7 +273,7 @@ impl ComplexLoader {
         let entries = Arc::new(entries);
         let make = move |&(number, k): &(u64, usize)| -> anyhow::Result<LoadedComplex> {
             let entry = &entries[k];
-            let (features, truth, resolution) = load_complex(entry)?;
+            let (features, truth, resolution) = load_complex(entry, templates.as_ref().map(|t| (t, seed, number)))?;
             let letters: Vec<&str> = entry.chains.iter().map(|c| c.chain.as_str()).collect();
             Ok(LoadedComplex {
                 name: format!("{} {}", entry.name, letters.join("+")),

@@ -174,3 +174,34 @@ pub fn write_complexes(dir: &Path, entries: &[ComplexSpec]) -> (PathBuf, PathBuf
     }
     (mmcif_dir, alignment_dir)
 }
+
+/// The template fixtures' 40-residue query as a training chain: entry `9qry` is 3ghi's (whose
+/// chain is the query's first 30 residues) with the query's last 10 residues added to SEQRES,
+/// unobserved, released 2021-06-01. Its folder holds an A3M and the fixtures' `pdb_hits.hhr`
+/// as `pdb70_hits.hhr`; the template entries 1abc, 2def and 3ghi sit beside it.
+pub fn query_chain_layout(d: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
+    let (mmcif, alignments) = (d.join("mmcif"), d.join("alignments"));
+    let folder = alignments.join("9qry_A");
+    std::fs::create_dir_all(&mmcif).unwrap();
+    std::fs::create_dir_all(&folder).unwrap();
+    for pdb in ["1abc", "2def", "3ghi"] {
+        std::fs::copy(mmcif_fixture(pdb), mmcif.join(format!("{pdb}.cif"))).unwrap();
+    }
+    let tail = ["GLU", "VAL", "GLN", "ALA", "PRO", "ILE", "LEU", "SER", "ARG", "VAL"];
+    let added: String = tail.iter().enumerate().map(|(k, m)| format!("\n1 {} {m} n", 31 + k)).collect();
+    let cif = std::fs::read_to_string(mmcif_fixture("3ghi"))
+        .unwrap()
+        .replace("3GHI", "9QRY")
+        .replacen("1 2021-05-01", "1 2021-06-01", 1)
+        .replacen("PHE 'L-peptide linking'", "PHE 'L-peptide linking'\nPRO 'L-peptide linking'", 1)
+        .replacen("1 30 ILE n", &format!("1 30 ILE n{added}"), 1);
+    std::fs::write(mmcif.join("9qry.cif"), cif).unwrap();
+    let a3m = format!(">9qry_A\n{QUERY}\n>hit\n{}\n", QUERY.replace('K', "R"));
+    std::fs::write(folder.join("bfd_uniclust_hits.a3m"), a3m).unwrap();
+    let hits = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/templates/pdb_hits.hhr");
+    std::fs::copy(hits, folder.join("pdb70_hits.hhr")).unwrap();
+    (mmcif, alignments)
+}
+
+/// The template fixtures' query.
+pub const QUERY: &str = "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQAPILSRV";
