@@ -5,7 +5,8 @@
 //! in the features' chain order); `fastfold train` trains on them, each step logging its entry,
 //! and a second epoch's losses are below the first's; two data-parallel replicas train
 //! different complexes, the step's mean equal to one process accumulating both; a chain's
-//! template hits give its examples templates; a chain without
+//! template hits give its examples templates; `--resume` repeats the uninterrupted run; a chain
+//! without
 //! its folder, an entry without protein chains and what complexes do not support yet are
 //! refused by name.
 mod common;
@@ -256,5 +257,36 @@ fn a_chains_template_hits_give_its_complex_templates() {
     for s in &log {
         assert_eq!(s["example"].as_str(), Some("9qry A"));
         assert!(s["loss"].as_f64().is_some_and(f64::is_finite), "{s}");
+    }
+}
+
+/// `--resume` on the data set of complexes: 2 steps, then 2 more from the checkpoint, train
+/// the 4 steps' examples (cropped to 16) to the same logged examples, losses, gradient norms
+/// and learning rates, and the same weights, bit for bit, as the uninterrupted run: the
+/// loader starts at the resumed step's examples.
+#[test]
+fn a_resumed_complex_data_run_repeats_the_uninterrupted_one() {
+    let dir = common::scratch("train_complex_data", "resume");
+    let (mmcif, alignments) = data_set(&dir);
+    let run = |out: &Path, extra: &[&str]| {
+        let flags = [&["--crop-size", "16", "--save-every", "2", "--lr", "3e-3", "--quiet"][..], extra].concat();
+        let (ok, text) = train(&mmcif, &alignments, out, &flags);
+        assert!(ok, "{text}");
+        step_log(out)
+    };
+    let straight = run(&dir.join("straight"), &["--steps", "4"]);
+    let parted = dir.join("parted");
+    run(&parted, &["--steps", "2"]);
+    let resumed = run(&parted, &["--steps", "4", "--resume"]);
+    assert_eq!(resumed.len(), 4);
+    for (a, b) in straight.iter().zip(&resumed) {
+        for field in ["step", "example", "recycles", "loss", "grad_norm", "lr"] {
+            assert_eq!(a[field], b[field], "step {}: {field}", a["step"]);
+        }
+    }
+    let load = |p: PathBuf| fastfold::model::multimer::load_multimer_params(&p).unwrap();
+    let (a, b) = (load(dir.join("straight/params-raw.npz")), load(parted.join("params-raw.npz")));
+    for ((name, x), (_, y)) in a.iter().zip(b.iter()) {
+        assert!(x.equal(y), "{name}: the resumed run's weights differ");
     }
 }
