@@ -18,7 +18,7 @@ use fastfold::train_data::complexes::{load_complex, select_complexes};
 use fastfold::train_data::layout::Filters;
 use fastfold::train_data::templates::TemplateSampling;
 
-use common::layout::{query_chain_layout, write_complexes, ComplexSpec};
+use common::layout::{query_chain_layout, template_sampling, write_complexes, ComplexSpec};
 use common::{step_log, BIN};
 
 const HETERO: &[(&str, &str)] = &[("A", "MKTAYIAKQR"), ("B", "GSWEDLKKLA")];
@@ -222,13 +222,7 @@ fn a_chains_template_hits_give_its_complex_templates() {
     let entry = select_complexes(&mmcif, &alignments, &Filters::default()).unwrap().chains.remove(0);
     assert_eq!(entry.name, "9qry");
     assert_eq!(entry.chains[0].templates, [alignments.join("9qry_A/pdb70_hits.hhr")]);
-    let sampling = TemplateSampling {
-        max_templates: 4,
-        mmcif_dir: mmcif.clone(),
-        max_template_date: None,
-        obsolete: Default::default(),
-        kalign: None,
-    };
+    let sampling = template_sampling(&mmcif);
     // Templates with an observed atom, and their masks.
     let templates = |draw: Option<(&TemplateSampling, u64, u64)>| {
         let (features, _, _) = load_complex(&entry, draw).unwrap();

@@ -20,7 +20,7 @@ use fastfold::train_data::transforms::BlockDeletion;
 use fastfold::train_target::Target;
 use tch::Tensor;
 
-use common::layout::{self, mmcif_fixture, query_chain_layout, QUERY};
+use common::layout::{self, mmcif_fixture, query_chain_layout, template_sampling, QUERY};
 
 /// The first model's polymer atoms of chain `chain` of an mmCIF file, as fixed-column PDB
 /// records (what a PDB download of the entry holds), for the PDB reader.
@@ -304,13 +304,7 @@ fn template_hits_become_each_examples_cropped_templates() {
     let names: Vec<&str> = predict.hits.iter().map(|h| h.domain_name.as_str()).collect();
     assert_eq!(names, ["2def_B", "1abc_A"]);
 
-    let sampling = TemplateSampling {
-        max_templates: 4,
-        mmcif_dir: mmcif.clone(),
-        max_template_date: None,
-        obsolete: Default::default(),
-        kalign: None,
-    };
+    let sampling = template_sampling(&mmcif);
     let p = Pipeline { templates: Some(sampling.clone()), ..pipeline(3) };
     let (ca, crop) = (atom_order("CA").unwrap() as i64, 16usize);
     let mut counts = std::collections::BTreeSet::new();

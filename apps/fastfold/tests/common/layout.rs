@@ -205,3 +205,16 @@ pub fn query_chain_layout(d: &Path) -> (std::path::PathBuf, std::path::PathBuf) 
 
 /// The template fixtures' query.
 pub const QUERY: &str = "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQAPILSRV";
+
+/// Template sampling as training's defaults take it: up to 4 templates from the hits of
+/// entries in `mmcif_dir`, no date cut-off but the chain's own, nothing obsolete, `kalign` on
+/// PATH.
+pub fn template_sampling(mmcif_dir: &Path) -> fastfold::train_data::templates::TemplateSampling {
+    fastfold::train_data::templates::TemplateSampling {
+        max_templates: 4,
+        mmcif_dir: mmcif_dir.to_path_buf(),
+        max_template_date: None,
+        obsolete: Default::default(),
+        kalign: None,
+    }
+}
