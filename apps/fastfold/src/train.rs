@@ -4,7 +4,8 @@
 //! with AlphaFold's whole monomer training loss ([`crate::loss::total`]) under the weights of
 //! the training stage (`--config-preset`, OpenFold's names: `initial_training` or
 //! `finetuning`), under dynamic axial parallelism. With AlphaFold-Multimer's parameters it
-//! trains on one complex instead ([`crate::train_complex`], [`Trainer::accumulate_complex`]):
+//! trains on one complex instead ([`crate::train_complex`], [`Trainer::accumulate_complex`]), or
+//! on the complexes of a data set in the same layout ([`crate::train_data::complexes`]):
 //! Multimer's loss after the chain permutation alignment, on the same layouts of ranks (below):
 //! every rank of a DAP group crops the example and samples its MSA alike, from the seed and
 //! the example's number.
@@ -40,6 +41,7 @@ use engine::parallel::DataParallel;
 use tch::{Device, Kind, Tensor};
 
 use crate::checkpoint::{self, Saved, TrainerState};
+use crate::complex_crop::CropKind;
 use crate::features::Features;
 use crate::input::{ChunkArgs, InputArgs};
 use crate::loss::multimer_total::MultimerLossConfig;
@@ -54,6 +56,7 @@ use crate::multimer::args::{ModelPreset, MultimerArgs};
 use crate::pdb::{read_resolution, Structure};
 use crate::train_complex::{complex_losses, TrainingComplex};
 use crate::train_data::args::TrainDataArgs;
+use crate::train_data::complexes::{select_complexes, ComplexLoader};
 use crate::train_data::layout;
 use crate::train_data::loader::{ExampleLoader, Shard};
 use crate::train_parallel::{mean_over_replicas, ParallelArgs, Ranks};
@@ -534,6 +537,25 @@ impl Trainer {
         self.backward_share(Losses { total, terms })
     }
 
+    /// [`Trainer::accumulate_complex`] on example `number` of `complex` (its crop for that
+    /// number, [`TrainingComplex::cropped`], under the trainer's seed) with `recycles` passes
+    /// before the trained one; returns the crop made.
+    pub fn accumulate_cropped(
+        &mut self,
+        complex: &TrainingComplex,
+        recycles: usize,
+        number: u64,
+        exec: &Exec,
+    ) -> anyhow::Result<CropKind> {
+        let cropped = complex.cropped(self.seed, number)?;
+        let (features, target, kind) = match &cropped {
+            Some((features, target, kind)) => (features, target, *kind),
+            None => (&complex.inputs, &complex.target, CropKind::Whole),
+        };
+        self.accumulate_complex(&ComplexExample { features, target, recycles, number }, exec)?;
+        Ok(kind)
+    }
+
     /// [`Trainer::backward`] for one complex.
     pub fn backward_complex(
         &mut self,
@@ -761,7 +783,7 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
         println!("{} validation chains, {} recycles", v.len(), args.val.val_recycles);
     }
     let mut examples = match multimer {
-        true => Examples::complex(args, device, world)?,
+        true => Examples::complex(args, device, world, shard, first as u64)?,
         false => Examples::open(args, preset, device, world, shard, first as u64)?,
     };
     let mut log = Vec::new();
@@ -783,14 +805,21 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
             let loaded;
             let example = match &mut examples {
                 Examples::Complex(c) => {
-                    let cropped = c.cropped(args.input.seed.seed, number)?;
-                    let (features, target) = match &cropped {
-                        Some((features, target, _)) => (features, target),
-                        None => (&c.inputs, &c.target),
-                    };
-                    let example = ComplexExample { features, target, recycles: args.recycles, number };
                     recycles.get_or_insert(args.recycles);
-                    trainer.accumulate_complex(&example, &exec)?;
+                    trainer.accumulate_cropped(c, args.recycles, number, &exec)?;
+                    continue;
+                }
+                Examples::Complexes { loader } => {
+                    let waited = Instant::now();
+                    let loaded = loader.next_complex()?;
+                    *data_seconds.get_or_insert(0.0) += waited.elapsed().as_secs_f64();
+                    let c = loaded.training(args.data.crop_size, device)?;
+                    recycles.get_or_insert(loaded.recycles);
+                    let crop = trainer.accumulate_cropped(&c, loaded.recycles, number, &exec)?;
+                    names.push(match crop {
+                        CropKind::Whole => loaded.name,
+                        kind => format!("{}, {} crop", loaded.name, format!("{kind:?}").to_lowercase()),
+                    });
                     continue;
                 }
                 Examples::One(one) => Example { features: &one.0, target: &one.1, recycles: args.recycles, number },
@@ -910,12 +939,29 @@ enum Examples {
     /// A complex (the FASTA file's records) and its --target, every step (cropped per example
     /// with --crop-size).
     Complex(Box<TrainingComplex>),
+    /// A data set of complexes in OpenFold's layout, each step's complexes read ahead (and
+    /// cropped per example with --crop-size).
+    Complexes { loader: ComplexLoader },
 }
 
 impl Examples {
-    /// The complex of the FASTA file's records and --target's chains (see [`TrainingComplex::read`]).
-    /// --crop-size crops each example (the whole complex trains without it).
-    fn complex(args: &TrainArgs, device: Device, world: &World) -> anyhow::Result<Examples> {
+    /// The complexes of the data set (--data, or --mmcif-dir and --alignment-dir; said on rank
+    /// 0), this replica's examples from step `first` read ahead ([`ComplexLoader`]), else the
+    /// complex of the FASTA file's records and --target's chains (see
+    /// [`TrainingComplex::read`]). --crop-size crops each example (the whole complex trains
+    /// without it).
+    fn complex(args: &TrainArgs, device: Device, world: &World, shard: Shard, first: u64) -> anyhow::Result<Examples> {
+        if let Some(files) = args.data.files()? {
+            // Each entry is parsed for its chains anyway: the chain data cache is not read.
+            let filters = layout::Filters { chain_data: None, ..args.data.filters()? };
+            let selection = select_complexes(&files.mmcif_dir, &files.alignment_dir, &filters)?;
+            say_selection(args, world, selection.chains.len(), "complexes", &selection.excluded, &files.alignment_dir);
+            let (draws, span) = ((args.input.seed.seed, args.data.max_recycles), (first, args.steps as u64));
+            let (sampling, workers) = (args.data.chain_sampling, args.data.loader_workers);
+            let templates = args.data.template_sampling()?;
+            let loader = ComplexLoader::from_step(selection.chains, sampling, templates, draws, span, shard, workers)?;
+            return Ok(Examples::Complexes { loader });
+        }
         let (Some(fasta), Some(target_path)) = (&args.input.fasta, &args.target) else {
             bail!("training AlphaFold-Multimer takes a FASTA file of the complex's chains and its --target structure")
         };
@@ -939,11 +985,7 @@ impl Examples {
         if let Some(files) = args.data.files()? {
             let (mmcif_dir, alignment_dir) = (&files.mmcif_dir, &files.alignment_dir);
             let selection = layout::select(mmcif_dir, alignment_dir, &args.data.filters()?)?;
-            if world.rank() == 0 && !args.job.quiet {
-                let left: Vec<String> = selection.excluded.iter().map(|(why, n)| format!("{n} {why}")).collect();
-                let left = if left.is_empty() { String::new() } else { format!(" (left out: {})", left.join(", ")) };
-                println!("{} training chains in {}{left}", selection.chains.len(), alignment_dir.display());
-            }
+            say_selection(args, world, selection.chains.len(), "chains", &selection.excluded, alignment_dir);
             let (input, seed) = (&args.input, args.input.seed.seed);
             let pipeline = args.data.pipeline(args.config_preset, input.max_msa_clusters, input.max_extra_msa, seed)?;
             // The ranks of a DAP group train the same examples: together they are one
@@ -975,13 +1017,30 @@ impl Examples {
     }
 }
 
+/// Says on rank 0 how many training `what` (chains, complexes) of `alignment_dir` train and
+/// how many each filter left out.
+fn say_selection(
+    args: &TrainArgs,
+    world: &World,
+    count: usize,
+    what: &str,
+    excluded: &[(String, usize)],
+    alignment_dir: &Path,
+) {
+    if world.rank() == 0 && !args.job.quiet {
+        let left: Vec<String> = excluded.iter().map(|(why, n)| format!("{n} {why}")).collect();
+        let left = if left.is_empty() { String::new() } else { format!(" (left out: {})", left.join(", ")) };
+        println!("{count} training {what} in {}{left}", alignment_dir.display());
+    }
+}
+
 /// What training a complex does not support yet, refused by flag (rather than ignored). Said
 /// on rank 0: the loss weights are AlphaFold-Multimer's whatever `--config-preset` says.
 fn check_complex_args(args: &TrainArgs, world: &World) -> anyhow::Result<()> {
     let not_yet =
         |flag: &str, what: &str| anyhow::anyhow!("{flag}: {what} is not supported yet for AlphaFold-Multimer");
-    if args.data.files()?.is_some() {
-        return Err(not_yet("--data (--mmcif-dir, --alignment-dir)", "training on a data set of complexes"));
+    if args.data.chain_data_cache.is_some() {
+        return Err(not_yet("--chain-data-cache", "the chain data cache (each complex's entry is read)"));
     }
     if args.val.val_mmcif_dir.is_some() || args.val.val_alignment_dir.is_some() {
         return Err(not_yet("--val-mmcif-dir, --val-alignment-dir", "validation"));

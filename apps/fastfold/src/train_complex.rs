@@ -5,7 +5,7 @@
 //! a training forward ([`crate::loss::multimer_total`], after the chain permutation
 //! alignment). The trainer ([`crate::train::Trainer::accumulate_complex`]) runs the forward
 //! and the step.
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use anyhow::{bail, Context};
 use tch::{Device, Kind, Tensor};
@@ -45,7 +45,7 @@ pub fn read_complex_structure(
     let features = crate::multimer::features(&complex, &entities)?;
     let name = fasta.display().to_string();
     let inputs = MultimerInputs::from_named(|n| features.get(n).map(|a| a.tensor().to_device(device)), &name)?;
-    let mut truth: Option<Structure> = None;
+    let mut chains = Vec::new();
     for chain in complex.assembly_order() {
         let s = Structure::read(target, Some(chain.id)).with_context(|| {
             format!("--target {}: chain {} (FASTA record {:?})", target.display(), chain.id, chain.record)
@@ -60,19 +60,21 @@ pub fn read_complex_structure(
                 chain.record
             );
         }
-        truth = Some(match truth {
-            None => s,
-            Some(mut all) => {
-                all.aatype.extend(s.aatype);
-                all.residue_index.extend(s.residue_index);
-                all.positions.extend(s.positions);
-                all.mask.extend(s.mask);
-                all.b_factors.extend(s.b_factors);
-                all
-            }
-        });
+        chains.push(s);
     }
-    Ok((inputs, truth.context("a complex without chains")?))
+    Ok((inputs, join_chains(chains).context("a complex without chains")?))
+}
+
+/// The structures of a complex's chains, in order, as one (`None`: no chains).
+pub fn join_chains(chains: Vec<Structure>) -> Option<Structure> {
+    chains.into_iter().reduce(|mut all, s| {
+        all.aatype.extend(s.aatype);
+        all.residue_index.extend(s.residue_index);
+        all.positions.extend(s.positions);
+        all.mask.extend(s.mask);
+        all.b_factors.extend(s.b_factors);
+        all
+    })
 }
 
 /// A complex to train on: its features and truth, whole, and how each example crops them.
@@ -85,8 +87,8 @@ pub struct TrainingComplex {
     pub target: Target,
     /// The crop (`None`: every example is the whole complex).
     pub crop: Option<ComplexCrop>,
-    /// Where the truth was read (for errors).
-    path: PathBuf,
+    /// Where the truth was read, as errors name it.
+    source: String,
 }
 
 impl TrainingComplex {
@@ -101,11 +103,24 @@ impl TrainingComplex {
         device: Device,
     ) -> anyhow::Result<TrainingComplex> {
         let (inputs, truth) = read_complex_structure(fasta, msas, target, device)?;
+        TrainingComplex::new(inputs, truth, resolution, crop, format!("--target {}", target.display()))
+    }
+
+    /// The complex of `inputs` and its truth `truth` (chains laid out as the features'), read
+    /// from `source` (named in errors), resolution `resolution`, cropped to `crop` residues
+    /// when given.
+    pub fn new(
+        inputs: MultimerInputs,
+        truth: Structure,
+        resolution: f64,
+        crop: Option<usize>,
+        source: String,
+    ) -> anyhow::Result<TrainingComplex> {
         let aatype = inputs.aatype.to_kind(Kind::Int64);
-        let mut whole = Target::new(&truth, &aatype, &format!("--target {}", target.display()))?;
+        let mut whole = Target::new(&truth, &aatype, &source)?;
         whole.resolution = resolution;
         let crop = crop.map(ComplexCrop::new);
-        Ok(TrainingComplex { inputs, truth, target: whole, crop, path: target.to_path_buf() })
+        Ok(TrainingComplex { inputs, truth, target: whole, crop, source })
     }
 
     /// Example `number`'s features and truth under a run seeded `seed`: `None` when it is the
@@ -121,7 +136,7 @@ impl TrainingComplex {
         }
         let inputs = crop_inputs(&self.inputs, &keep);
         let aatype = self.inputs.aatype.to_kind(Kind::Int64);
-        let mut target = Target::of_crop(&self.truth, &aatype, &format!("--target {}", self.path.display()))?;
+        let mut target = Target::of_crop(&self.truth, &aatype, &self.source)?;
         target.resolution = self.target.resolution;
         target.whole_chains = Some((self.inputs.asym_id.shallow_clone(), self.inputs.entity_id.shallow_clone()));
         Ok(Some((inputs, target, kind)))

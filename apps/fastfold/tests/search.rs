@@ -17,6 +17,7 @@ use fastfold::model::{EvoformerConfig, ModelConfig, Params, TemplateConfig};
 use fastfold::search::stockholm;
 use tch::Tensor;
 
+use common::layout::{template_atom, write_mmcif, TEMPLATE_ATOMS};
 use common::BIN;
 const AA: &[u8] = b"ACDEFGHIKLMNPQRSTVWY";
 const QUERY: &str = "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQAPILSRVGDGTQDNLSGAEKAVQVKVKALPDAQFEVVH";
@@ -662,72 +663,6 @@ fn missing_databases_and_failing_tools_are_named() {
 }
 
 // ---------------------------------------------------------------- templates
-
-/// Position of atom `j` of SEQRES residue `i` in the synthetic template entries (consecutive
-/// Cα atoms about 3.8 Å apart), rounded as mmCIF files write them.
-fn template_atom(i: usize, j: usize) -> [f32; 3] {
-    let r = |x: f64| ((x * 1000.0).round() / 1000.0) as f32;
-    let (i, j) = (i as f64, j as f64);
-    [r(3.8 * i + 0.6 * j.sin()), r(1.5 * (0.5 * i).cos() + 0.8 * j.cos()), r(0.4 * j - 1.0)]
-}
-
-/// The backbone atoms written per residue (and CB but for glycine), in atom37 order names.
-const TEMPLATE_ATOMS: [&str; 5] = ["N", "CA", "C", "O", "CB"];
-
-/// A synthetic mmCIF entry `id` released on `date` with one protein chain per (author
-/// chain, sequence), each its own entity; every residue observed, backbone and CB atoms at
-/// [`template_atom`].
-fn write_mmcif(path: &Path, id: &str, date: &str, chains: &[(&str, &str)]) {
-    let three = |c: char| {
-        let names = fastfold::residue_constants::RESNAMES;
-        names[fastfold::residue_constants::aatype_of(c)]
-    };
-    let mut t = format!("data_{id}\n_entry.id {id}\nloop_\n_pdbx_audit_revision_history.ordinal\n");
-    t += &format!("_pdbx_audit_revision_history.revision_date\n1 {date}\n2 2024-01-01\n#\n");
-    t += "loop_\n_chem_comp.id\n_chem_comp.type\n";
-    for c in AA {
-        t += &format!("{} 'L-peptide linking'\n", three(*c as char));
-    }
-    t += "loop_\n_entity_poly_seq.entity_id\n_entity_poly_seq.num\n_entity_poly_seq.mon_id\n";
-    for (e, (_, seq)) in chains.iter().enumerate() {
-        for (k, c) in seq.chars().enumerate() {
-            t += &format!("{} {} {}\n", e + 1, k + 1, three(c));
-        }
-    }
-    t += "loop_\n_struct_asym.id\n_struct_asym.entity_id\n";
-    for (e, _) in chains.iter().enumerate() {
-        t += &format!("{} {}\n", (b'A' + e as u8) as char, e + 1);
-    }
-    let cols = "group_PDB id type_symbol label_atom_id label_alt_id label_comp_id label_asym_id label_entity_id \
-                label_seq_id pdbx_PDB_ins_code Cartn_x Cartn_y Cartn_z occupancy B_iso_or_equiv auth_seq_id \
-                auth_asym_id pdbx_PDB_model_num";
-    t += "loop_\n";
-    for c in cols.split_whitespace() {
-        t += &format!("_atom_site.{c}\n");
-    }
-    let mut n = 0;
-    for (e, (auth, seq)) in chains.iter().enumerate() {
-        for (k, c) in seq.chars().enumerate() {
-            for (j, atom) in TEMPLATE_ATOMS.iter().enumerate() {
-                if c == 'G' && *atom == "CB" {
-                    continue;
-                }
-                n += 1;
-                let [x, y, z] = template_atom(k, j);
-                let asym = (b'A' + e as u8) as char;
-                t += &format!(
-                    "ATOM {n} {} {atom} . {} {asym} {} {} ? {x:.3} {y:.3} {z:.3} 1.0 20.0 {} {auth} 1\n",
-                    &atom[..1],
-                    three(c),
-                    e + 1,
-                    k + 1,
-                    k + 1
-                );
-            }
-        }
-    }
-    write(path, &t);
-}
 
 /// Template search data on top of the reduced_dbs layout: pdb70 of three homologues of the
 /// query and unrelated sequences, and their mmCIF entries. 1tpl_A is homologue 0 (released

@@ -31,7 +31,7 @@ use fastfold::train_parallel::{mean_over_replicas, ParallelArgs};
 use suite_tests::dist_test;
 use tch::{Device, Kind, Tensor};
 
-use common::BIN;
+use common::{step_log, BIN};
 
 const CHAIN: &str = "MKTAYIAKGRQ";
 
@@ -188,12 +188,6 @@ fn train_logged(fasta: &Path, pdb: &Path, out: &Path, flags: &[&str]) -> Vec<ser
     let (ok, text) = train(&args);
     assert!(ok, "{}: {text}", out.display());
     step_log(out)
-}
-
-/// Each step's line of the run's `log.jsonl` in `out`.
-fn step_log(out: &Path) -> Vec<serde_json::Value> {
-    let text = std::fs::read_to_string(out.join("log.jsonl")).unwrap();
-    text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
 }
 
 /// `fastfold train --model-preset multimer` on the homodimer: 5 steps lower the loss (the last

@@ -20,7 +20,7 @@ use fastfold::train_data::transforms::BlockDeletion;
 use fastfold::train_target::Target;
 use tch::Tensor;
 
-use common::layout::{self, mmcif_fixture};
+use common::layout::{self, mmcif_fixture, query_chain_layout, template_sampling, QUERY};
 
 /// The first model's polymer atoms of chain `chain` of an mmCIF file, as fixed-column PDB
 /// records (what a PDB download of the entry holds), for the PDB reader.
@@ -266,36 +266,6 @@ fn examples_crop_features_and_truth_alike_and_repeat_by_seed_step_and_rank() {
     assert_eq!((whole.crop_start, whole.structure.aatype.len()), (0, 37));
 }
 
-/// The template fixtures' 40-residue query as a training chain: entry `9qry` is 3ghi's (whose
-/// chain is the query's first 30 residues) with the query's last 10 residues added to SEQRES,
-/// unobserved, released 2021-06-01. Its folder holds an A3M and the fixtures' `pdb_hits.hhr`
-/// as `pdb70_hits.hhr`; the template entries 1abc, 2def and 3ghi sit beside it.
-fn query_chain_layout(d: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
-    let (mmcif, alignments) = (d.join("mmcif"), d.join("alignments"));
-    let folder = alignments.join("9qry_A");
-    std::fs::create_dir_all(&mmcif).unwrap();
-    std::fs::create_dir_all(&folder).unwrap();
-    for pdb in ["1abc", "2def", "3ghi"] {
-        std::fs::copy(mmcif_fixture(pdb), mmcif.join(format!("{pdb}.cif"))).unwrap();
-    }
-    let tail = ["GLU", "VAL", "GLN", "ALA", "PRO", "ILE", "LEU", "SER", "ARG", "VAL"];
-    let added: String = tail.iter().enumerate().map(|(k, m)| format!("\n1 {} {m} n", 31 + k)).collect();
-    let cif = std::fs::read_to_string(mmcif_fixture("3ghi"))
-        .unwrap()
-        .replace("3GHI", "9QRY")
-        .replacen("1 2021-05-01", "1 2021-06-01", 1)
-        .replacen("PHE 'L-peptide linking'", "PHE 'L-peptide linking'\nPRO 'L-peptide linking'", 1)
-        .replacen("1 30 ILE n", &format!("1 30 ILE n{added}"), 1);
-    std::fs::write(mmcif.join("9qry.cif"), cif).unwrap();
-    let a3m = format!(">9qry_A\n{QUERY}\n>hit\n{}\n", QUERY.replace('K', "R"));
-    std::fs::write(folder.join("bfd_uniclust_hits.a3m"), a3m).unwrap();
-    let hits = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/templates/pdb_hits.hhr");
-    std::fs::copy(hits, folder.join("pdb70_hits.hhr")).unwrap();
-    (mmcif, alignments)
-}
-
-const QUERY: &str = "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQAPILSRV";
-
 /// A chain's `pdb70_hits.hhr` gives each example up to 4 templates: the hits released 60
 /// days before the chain (1abc and 2def, 3ghi is too late) featurised as predict featurises
 /// them (2def realigned by kalign), a number of them from 0 to 2 drawn per example and the
@@ -334,13 +304,7 @@ fn template_hits_become_each_examples_cropped_templates() {
     let names: Vec<&str> = predict.hits.iter().map(|h| h.domain_name.as_str()).collect();
     assert_eq!(names, ["2def_B", "1abc_A"]);
 
-    let sampling = TemplateSampling {
-        max_templates: 4,
-        mmcif_dir: mmcif.clone(),
-        max_template_date: None,
-        obsolete: Default::default(),
-        kalign: None,
-    };
+    let sampling = template_sampling(&mmcif);
     let p = Pipeline { templates: Some(sampling.clone()), ..pipeline(3) };
     let (ca, crop) = (atom_order("CA").unwrap() as i64, 16usize);
     let mut counts = std::collections::BTreeSet::new();

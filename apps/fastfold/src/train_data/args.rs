@@ -23,7 +23,8 @@ pub struct TrainDataArgs {
     #[arg(long = "data", value_name = "DIR", conflicts_with_all = ["mmcif_dir", "alignment_dir", "fasta", "features", "msa", "target", "chain", "resolution", "recycles"])]
     pub data_dir: Option<PathBuf>,
     /// Folder of mmCIF entries (`<pdb>.cif`), the training structures (OpenFold's
-    /// `train_data_dir`). With --alignment-dir, in place of the FASTA input and --target.
+    /// `train_data_dir`). With --alignment-dir, in place of the FASTA input and --target. With
+    /// AlphaFold-Multimer's parameters each entry is one complex of its protein chains.
     #[arg(long, requires = "alignment_dir", conflicts_with_all = ["fasta", "features", "msa", "target", "chain", "resolution", "recycles"])]
     pub mmcif_dir: Option<PathBuf>,
     /// Folder with one folder per training chain, `<pdb>_<chain>/`, holding its `.a3m` and

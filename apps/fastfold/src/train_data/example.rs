@@ -40,37 +40,7 @@ pub struct Example {
 /// Biopython's one-letter codes, which name the parent of many modified residues).
 pub fn load(entry: &ChainEntry) -> anyhow::Result<Example> {
     let chain = read_chain(&entry.mmcif, &entry.chain)?;
-    let mut msa: Option<data::a3m::Msa> = None;
-    for path in &entry.msas {
-        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        let m = parse_alignment(&text, path).with_context(|| format!("chain {}", entry.name))?;
-        let Some(query) = m.sequences.first() else { bail!("{}: no sequences", path.display()) };
-        let n = chain.sequence.chars().count();
-        if query.chars().count() != n {
-            bail!(
-                "{}: the query row has {} columns, chain {} has {n} SEQRES residues ({})",
-                path.display(),
-                query.chars().count(),
-                entry.name,
-                entry.mmcif.display()
-            );
-        }
-        match msa.as_mut() {
-            None => msa = Some(m),
-            Some(all) => {
-                all.sequences.extend(m.sequences);
-                all.deletion_matrix.extend(m.deletion_matrix);
-                all.descriptions.extend(m.descriptions);
-            }
-        }
-    }
-    let msa = msa.with_context(|| format!("chain {}: no MSA files", entry.name))?;
-    let sequence: String = chain
-        .sequence
-        .chars()
-        .zip(msa.sequences[0].chars())
-        .map(|(seqres, query)| if seqres == 'X' { query } else { seqres })
-        .collect();
+    let (msa, sequence) = read_msas(&entry.msas, &entry.name, &chain.sequence, &entry.mmcif)?;
     let source = entry.msas[0].clone();
     let raw = RawFeatures::new(&sequence, Some((&msa, &source)))
         .with_context(|| format!("chain {}: its MSAs against SEQRES of {}", entry.name, entry.mmcif.display()))?;
@@ -164,4 +134,46 @@ pub fn prepare_with_recycles(
         recycles,
         crop_start: start,
     })
+}
+
+/// The MSA files `msas` of chain `name` (SEQRES `seqres`, from `mmcif`, named in errors)
+/// read and concatenated in order, and the query they align: SEQRES with each unknown residue
+/// (`X`) given the first alignment's query letter (see [`load`]). Errors name the file and the
+/// chain: a query row of another length than SEQRES, a chain without MSA files.
+pub fn read_msas(
+    msas: &[std::path::PathBuf],
+    name: &str,
+    seqres: &str,
+    mmcif: &std::path::Path,
+) -> anyhow::Result<(data::a3m::Msa, String)> {
+    let mut all: Option<data::a3m::Msa> = None;
+    for path in msas {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let m = parse_alignment(&text, path).with_context(|| format!("chain {name}"))?;
+        let Some(query) = m.sequences.first() else { bail!("{}: no sequences", path.display()) };
+        let n = seqres.chars().count();
+        if query.chars().count() != n {
+            bail!(
+                "{}: the query row has {} columns, chain {name} has {n} SEQRES residues ({})",
+                path.display(),
+                query.chars().count(),
+                mmcif.display()
+            );
+        }
+        match all.as_mut() {
+            None => all = Some(m),
+            Some(all) => {
+                all.sequences.extend(m.sequences);
+                all.deletion_matrix.extend(m.deletion_matrix);
+                all.descriptions.extend(m.descriptions);
+            }
+        }
+    }
+    let msa = all.with_context(|| format!("chain {name}: no MSA files"))?;
+    let sequence: String = seqres
+        .chars()
+        .zip(msa.sequences[0].chars())
+        .map(|(seqres, query)| if seqres == 'X' { query } else { seqres })
+        .collect();
+    Ok((msa, sequence))
 }

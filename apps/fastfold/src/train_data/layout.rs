@@ -106,9 +106,9 @@ pub struct ChainEntry {
 /// The chains of a layout that pass the filters, in name order, and how many each filter
 /// left out (filter, count).
 #[derive(Clone, Debug, PartialEq)]
-pub struct Selection {
-    /// The chains kept.
-    pub chains: Vec<ChainEntry>,
+pub struct Selection<T = ChainEntry> {
+    /// The chains (or complexes) kept.
+    pub chains: Vec<T>,
     /// Chains left out per reason, for the log.
     pub excluded: Vec<(String, usize)>,
 }
@@ -131,12 +131,12 @@ pub fn read_train_list(path: &Path) -> anyhow::Result<Vec<String>> {
 }
 
 /// `<pdb>_<chain>` split at its last `_`.
-fn split_name(name: &str) -> Option<(&str, &str)> {
+pub(super) fn split_name(name: &str) -> Option<(&str, &str)> {
     name.rsplit_once('_').filter(|(pdb, chain)| !pdb.is_empty() && !chain.is_empty())
 }
 
 /// The chain folders of the alignment dir, by name.
-fn chain_folders(alignment_dir: &Path, flags: &LayoutFlags) -> anyhow::Result<Vec<String>> {
+pub(super) fn chain_folders(alignment_dir: &Path, flags: &LayoutFlags) -> anyhow::Result<Vec<String>> {
     let flag = flags.alignment_dir;
     let entries =
         std::fs::read_dir(alignment_dir).with_context(|| format!("reading {flag} {}", alignment_dir.display()))?;
@@ -161,7 +161,7 @@ fn msa_files(folder: &Path) -> anyhow::Result<Vec<PathBuf>> {
 }
 
 /// The files of a chain folder with one of `extensions`, in file-name order.
-fn files_with(folder: &Path, extensions: &[&str]) -> anyhow::Result<Vec<PathBuf>> {
+pub(super) fn files_with(folder: &Path, extensions: &[&str]) -> anyhow::Result<Vec<PathBuf>> {
     let entries =
         std::fs::read_dir(folder).with_context(|| format!("reading alignment folder {}", folder.display()))?;
     let mut files = Vec::new();
@@ -177,7 +177,7 @@ fn files_with(folder: &Path, extensions: &[&str]) -> anyhow::Result<Vec<PathBuf>
 }
 
 /// The mmCIF file of entry `pdb`: `<pdb>.cif`, else its lower-case name.
-fn mmcif_path(mmcif_dir: &Path, pdb: &str, flags: &LayoutFlags) -> anyhow::Result<PathBuf> {
+pub(super) fn mmcif_path(mmcif_dir: &Path, pdb: &str, flags: &LayoutFlags) -> anyhow::Result<PathBuf> {
     let candidates = [mmcif_dir.join(format!("{pdb}.cif")), mmcif_dir.join(format!("{}.cif", pdb.to_lowercase()))];
     candidates.iter().find(|p| p.is_file()).cloned().with_context(|| {
         format!("no mmCIF file {} for the chains of {pdb} ({})", candidates[0].display(), flags.mmcif_dir)
@@ -185,7 +185,12 @@ fn mmcif_path(mmcif_dir: &Path, pdb: &str, flags: &LayoutFlags) -> anyhow::Resul
 }
 
 /// Why a chain fails the filters, or `None`.
-fn excluded_by(filters: &Filters, resolution: f64, date: Option<&str>, sequence: &str) -> Option<&'static str> {
+pub(super) fn excluded_by(
+    filters: &Filters,
+    resolution: f64,
+    date: Option<&str>,
+    sequence: &str,
+) -> Option<&'static str> {
     let n = sequence.chars().count();
     if resolution > filters.max_resolution {
         return Some("resolution above --max-resolution");
@@ -269,10 +274,7 @@ pub fn select_as(
     }
     let mut chains = Vec::new();
     let mut excluded: Vec<(String, usize)> = Vec::new();
-    let mut exclude = |why: &str| match excluded.iter_mut().find(|(w, _)| w == why) {
-        Some((_, n)) => *n += 1,
-        None => excluded.push((why.to_string(), 1)),
-    };
+    let mut exclude = |why: &str| count_excluded(&mut excluded, why);
     // (resolution, release date, sequence, cluster size) of each chain, None when the cache
     // lacks it.
     let described: Vec<Option<Described>> = match &filters.chain_data {
@@ -300,20 +302,34 @@ pub fn select_as(
         chains.push(ChainEntry { name, chain, length, cluster_size, mmcif: path, msas, templates });
     }
     if chains.is_empty() {
-        let why: Vec<String> = excluded.iter().map(|(w, n)| format!("{n} {w}")).collect();
-        bail!(
-            "no {} chains in {} {} ({})",
-            flags.what,
-            flags.alignment_dir,
-            alignment_dir.display(),
-            if why.is_empty() {
-                "it has no chain folders".to_string()
-            } else {
-                format!("left out: {}", why.join(", "))
-            }
-        );
+        return Err(nothing_selected(&format!("{} chains", flags.what), flags, alignment_dir, &excluded));
     }
     Ok(Selection { chains, excluded })
+}
+
+/// The error of a layout where nothing (`what`: "training chains") passes the filters, with how
+/// many each left out.
+pub(super) fn nothing_selected(
+    what: &str,
+    flags: &LayoutFlags,
+    alignment_dir: &Path,
+    excluded: &[(String, usize)],
+) -> anyhow::Error {
+    let why: Vec<String> = excluded.iter().map(|(w, n)| format!("{n} {w}")).collect();
+    anyhow::anyhow!(
+        "no {what} in {} {} ({})",
+        flags.alignment_dir,
+        alignment_dir.display(),
+        if why.is_empty() { "it has no chain folders".to_string() } else { format!("left out: {}", why.join(", ")) }
+    )
+}
+
+/// Counts one more left out for `why`.
+pub(super) fn count_excluded(excluded: &mut Vec<(String, usize)>, why: &str) {
+    match excluded.iter_mut().find(|(w, _)| w == why) {
+        Some((_, n)) => *n += 1,
+        None => excluded.push((why.to_string(), 1)),
+    }
 }
 
 /// A located chain: (name, pdb id, chain id, mmCIF file, alignment folder).

@@ -27,11 +27,17 @@ pub enum ChainSampling {
 impl ChainSampling {
     /// The probability that a place of `chain` in the epochs' order trains.
     pub fn acceptance(self, chain: &ChainEntry) -> f64 {
+        self.probability(chain.length, chain.cluster_size)
+    }
+
+    /// The probability that a place of an example of `length` residues (a chain, or a
+    /// complex's chains together) in a cluster of `cluster_size` takes its turn.
+    pub fn probability(self, length: usize, cluster_size: Option<usize>) -> f64 {
         match self {
             ChainSampling::Uniform => 1.0,
             ChainSampling::Openfold => {
-                let length = chain.length.clamp(256, 512) as f64 / 512.0;
-                let cluster = chain.cluster_size.filter(|&n| n > 0).map_or(1.0, |n| 1.0 / n as f64);
+                let length = length.clamp(256, 512) as f64 / 512.0;
+                let cluster = cluster_size.filter(|&n| n > 0).map_or(1.0, |n| 1.0 / n as f64);
                 length * cluster
             }
         }
@@ -65,6 +71,16 @@ impl Shard {
     /// This replica's example numbers of steps `1..=steps`, in training order.
     pub fn examples(&self, steps: u64) -> Vec<u64> {
         (1..=steps).flat_map(|step| (0..self.accumulation).map(move |k| self.example(step, k))).collect()
+    }
+
+    /// This replica's examples of steps `first..=steps` (a resumed run's from `first`), each
+    /// its number in the stream and the example (index into `acceptance`, one probability an
+    /// example) that [`schedule`] gives that number under `seed`.
+    pub fn stream(&self, acceptance: &[f64], seed: u64, first: u64, steps: u64) -> anyhow::Result<Vec<(u64, usize)>> {
+        let skip = (first.saturating_sub(1) * self.accumulation) as usize;
+        let numbers: Vec<u64> = self.examples(steps).into_iter().skip(skip).collect();
+        let order = schedule(acceptance, seed, &numbers)?;
+        Ok(numbers.into_iter().zip(order).collect())
     }
 }
 
@@ -113,9 +129,9 @@ pub fn schedule(acceptance: &[f64], seed: u64, examples: &[u64]) -> anyhow::Resu
 pub struct ExampleLoader(data::loader::Prefetch<Prepared, anyhow::Error>);
 
 /// Examples being made at once (and so the most memory a loader holds, with [`PREFETCH`]).
-const PARALLEL: usize = 2;
+pub(super) const PARALLEL: usize = 2;
 /// Finished examples waiting for their step.
-const PREFETCH: usize = 2;
+pub(super) const PREFETCH: usize = 2;
 
 impl ExampleLoader {
     /// Starts making `shard`'s examples of `steps` steps from `chains`, drawn by `sampling`,
@@ -142,11 +158,8 @@ impl ExampleLoader {
         shard: Shard,
         workers: usize,
     ) -> anyhow::Result<ExampleLoader> {
-        let skip = (first.saturating_sub(1) * shard.accumulation) as usize;
-        let numbers: Vec<u64> = shard.examples(steps).into_iter().skip(skip).collect();
         let acceptance: Vec<f64> = chains.iter().map(|c| sampling.acceptance(c)).collect();
-        let order = schedule(&acceptance, pipeline.seed, &numbers)?;
-        let specs: Vec<(u64, usize)> = numbers.into_iter().zip(order).collect();
+        let specs = shard.stream(&acceptance, pipeline.seed, first, steps)?;
         let mut chains = chains;
         if pipeline.templates.is_none() {
             // Hit files are not read (nor their errors raised) without templates.

@@ -10,9 +10,12 @@
 //!   itself, of which each example draws up to `--max-templates`.
 //! - [`transforms`]: block deletion, the crop and the recycling count, keyed by seed, step and rank.
 //! - [`example`]: a chain read from the layout, and made one step's cropped example.
+//! - [`complexes`]: the complexes of the layout for AlphaFold-Multimer (an entry's protein
+//!   chains together), read and drawn over the run as chains are.
 //! - [`loader`]: the order of the chains over the run's examples, split among data-parallel
 //!   replicas, and their loading ahead on a thread pool.
 pub mod args;
+pub mod complexes;
 pub mod example;
 pub mod layout;
 pub mod loader;

@@ -82,3 +82,9 @@ pub fn summary_peaks(text: &str) -> (f64, f64, String) {
     };
     (number("peak memory"), number("(planned"), line.to_string())
 }
+
+/// Each step's record of the training log `log.jsonl` of a `fastfold train` run in `out`.
+pub fn step_log(out: &Path) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(out.join("log.jsonl")).unwrap();
+    text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}

@@ -1,0 +1,296 @@
+//! A data set of complexes for AlphaFold-Multimer, in the same layout as the monomer data set
+//! ([`super::layout`]): each mmCIF entry of `--mmcif-dir` named by the chain folders of
+//! `--alignment-dir` (or `--train-list`) is one complex of all its protein chains, as
+//! OpenFold-Multimer trains on whole entries; an entry of one protein chain is a complex of
+//! one chain. Every protein chain needs its folder `<pdb>_<chain>/`: its `.a3m` and `.sto`
+//! files but `uniprot_hits.*` are its MSA (as the monomer path reads them), and
+//! `uniprot_hits.sto` (or `.a3m`), when there, the rows paired across distinct chains by
+//! species (without it a chain pairs its query row alone); its `.hhr` files, when there, its
+//! template hits, drawn per example as for a monomer chain. Chains of the same sequence are
+//! copies of one entity ([`crate::multimer::Complex`]); the features are
+//! [`crate::multimer::features`]' and the truth the entry's chains in the features' order.
+//!
+//! The filters are the monomer data set's applied to the whole complex: resolution and
+//! release date of the entry, `--min-length`/`--max-length` on its residues in all chains, and
+//! no residue type over 80% of them. Entries are drawn over the run as chains are
+//! ([`super::loader::schedule`], `openfold` sampling weighing the complex's length), each
+//! data-parallel replica taking its share of the stream ([`Shard`]), and read ahead on a
+//! thread pool.
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{bail, Context};
+use data::a3m::Msa;
+use data::fasta::FastaRecord;
+use rayon::prelude::*;
+use tch::Device;
+
+use super::example::read_msas;
+use super::layout::{chain_folders, count_excluded, excluded_by, files_with, mmcif_path, nothing_selected};
+use super::layout::{split_name, Filters, LayoutFlags};
+use super::layout::{Selection, MSA_EXTENSIONS};
+use super::loader::{ChainSampling, Shard, PARALLEL, PREFETCH};
+use super::target::{chain_sequence, chain_structure};
+use super::templates::{read_hits, TemplateSampling, HIT_EXTENSION};
+use super::transforms::{keyed, sample_recycles, Draw};
+use crate::features::RawFeatures;
+use crate::input::parse_alignment;
+use crate::model::multimer::MultimerInputs;
+use crate::multimer::{Complex, EntityInput, MultimerFeatures, PairingMsa};
+use crate::pdb::Structure;
+use crate::search::mmcif;
+use crate::train_complex::{join_chains, TrainingComplex};
+
+/// The stem of a chain folder's UniProt alignment (`uniprot_hits.sto` or `.a3m`), read for
+/// pairing rather than as the chain's MSA.
+pub const UNIPROT_STEM: &str = "uniprot_hits";
+
+/// One protein chain of a training complex and its alignments.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EntryChain {
+    /// The author chain id in the mmCIF file.
+    pub chain: String,
+    /// The MSA files of its folder (all `.a3m` and `.sto` but [`UNIPROT_STEM`]'s), in
+    /// file-name order.
+    pub msas: Vec<PathBuf>,
+    /// Its UniProt alignment, when its folder has one.
+    pub uniprot: Option<PathBuf>,
+    /// Its template hit files (`.hhr`), in file-name order; none when its folder has none.
+    pub templates: Vec<PathBuf>,
+    /// Its folder.
+    pub folder: PathBuf,
+}
+
+/// One training complex: an mmCIF entry and its protein chains.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ComplexEntry {
+    /// The entry's id as the chain folders name it (`<pdb>` of `<pdb>_<chain>`).
+    pub name: String,
+    /// The mmCIF entry.
+    pub mmcif: PathBuf,
+    /// Its protein chains, in the file's order.
+    pub chains: Vec<EntryChain>,
+    /// Residues of all its chains.
+    pub length: usize,
+}
+
+/// The entries of a layout that pass the filters, in name order, and how many each filter
+/// left out.
+pub type ComplexSelection = Selection<ComplexEntry>;
+
+/// The complexes of the layout that pass `filters` (its chain data cache, if any, is not
+/// read: each named entry is parsed, on the rayon pool). Errors name the entry and the chain:
+/// an entry without protein chains, a protein chain without its alignment folder or MSA files.
+pub fn select_complexes(mmcif_dir: &Path, alignment_dir: &Path, filters: &Filters) -> anyhow::Result<ComplexSelection> {
+    let flags = LayoutFlags::TRAINING;
+    if !mmcif_dir.is_dir() {
+        bail!("{} {} is not a folder", flags.mmcif_dir, mmcif_dir.display());
+    }
+    let names = match &filters.train_list {
+        Some(list) => list.clone(),
+        None => chain_folders(alignment_dir, &flags)?,
+    };
+    let mut pdbs = BTreeSet::new();
+    for name in &names {
+        let (pdb, _) = split_name(name)
+            .with_context(|| format!("chain {name:?} (in {}) is not named <pdb>_<chain>", alignment_dir.display()))?;
+        pdbs.insert(pdb.to_string());
+    }
+    let located: Vec<(String, PathBuf)> = pdbs
+        .into_iter()
+        .map(|pdb| Ok((pdb.clone(), mmcif_path(mmcif_dir, &pdb, &flags)?)))
+        .collect::<anyhow::Result<_>>()?;
+    let parsed: Vec<mmcif::Mmcif> = located
+        .par_iter()
+        .map(|(pdb, path)| mmcif::read(path).with_context(|| format!("entry {pdb}")))
+        .collect::<anyhow::Result<_>>()?;
+    let (mut entries, mut excluded): (Vec<ComplexEntry>, Vec<(String, usize)>) = (Vec::new(), Vec::new());
+    for ((pdb, path), entry) in located.into_iter().zip(parsed) {
+        if entry.chains.is_empty() {
+            bail!("entry {pdb} ({}): no protein chains to train on", path.display());
+        }
+        let sequence: String = entry.chains.iter().map(chain_sequence).collect();
+        if let Some(why) = excluded_by(filters, entry.resolution, entry.release_date.as_deref(), &sequence) {
+            count_excluded(&mut excluded, why);
+            continue;
+        }
+        let chains = entry
+            .chains
+            .iter()
+            .map(|c| entry_chain(alignment_dir, &pdb, &c.id, &path))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let length = sequence.chars().count();
+        entries.push(ComplexEntry { name: pdb, mmcif: path, chains, length });
+    }
+    if entries.is_empty() {
+        return Err(nothing_selected("training complexes", &flags, alignment_dir, &excluded));
+    }
+    Ok(Selection { chains: entries, excluded })
+}
+
+/// Chain `chain` of entry `pdb` (read from `mmcif`): its folder's alignments, or an error
+/// naming the entry, the chain and the folder.
+fn entry_chain(alignment_dir: &Path, pdb: &str, chain: &str, mmcif: &Path) -> anyhow::Result<EntryChain> {
+    let folder = alignment_dir.join(format!("{pdb}_{chain}"));
+    if !folder.is_dir() {
+        bail!(
+            "entry {pdb} ({}): protein chain {chain} has no alignment folder {} (--alignment-dir; every protein \
+             chain of a complex needs its alignments)",
+            mmcif.display(),
+            folder.display()
+        );
+    }
+    let is_uniprot = |p: &PathBuf| p.file_stem().is_some_and(|s| s == UNIPROT_STEM);
+    let (uniprot, msas): (Vec<PathBuf>, Vec<PathBuf>) =
+        files_with(&folder, &MSA_EXTENSIONS)?.into_iter().partition(is_uniprot);
+    if msas.is_empty() {
+        bail!(
+            "entry {pdb}, chain {chain}: alignment folder {} has no .a3m or .sto file (but {UNIPROT_STEM})",
+            folder.display()
+        );
+    }
+    let templates = files_with(&folder, &[HIT_EXTENSION])?;
+    Ok(EntryChain { chain: chain.to_string(), msas, uniprot: uniprot.into_iter().next(), templates, folder })
+}
+
+/// A complex as read for one example: its features (numpy-like arrays, on no device yet), its
+/// truth laid out as the features' chains, and the draws of its number.
+#[derive(Debug)]
+pub struct LoadedComplex {
+    /// The entry and its chains as the log names them (`1abc A+B`).
+    pub name: String,
+    /// The mmCIF file, for errors.
+    pub mmcif: PathBuf,
+    /// AlphaFold-Multimer's features of the whole complex.
+    pub features: MultimerFeatures,
+    /// Its true structure, whole, in the features' chain order.
+    pub truth: Structure,
+    /// The entry's resolution in Å (0: none).
+    pub resolution: f64,
+    /// Its number in the run's stream of examples.
+    pub number: u64,
+    /// Recycling passes before the trained one, drawn from the number.
+    pub recycles: usize,
+}
+
+impl LoadedComplex {
+    /// The complex on `device`, cropped to `crop` residues per example when given.
+    pub fn training(&self, crop: Option<usize>, device: Device) -> anyhow::Result<TrainingComplex> {
+        let f = &self.features;
+        let inputs = MultimerInputs::from_named(|n| f.get(n).map(|a| a.tensor().to_device(device)), &self.name)?;
+        let source = format!("entry {} ({})", self.name, self.mmcif.display());
+        TrainingComplex::new(inputs, self.truth.clone(), self.resolution, crop, source)
+    }
+}
+
+/// Reads `entry` as a complex (its features, truth and resolution): each protein chain's mmCIF chain and MSAs (SEQRES's unknown
+/// residues named by the alignments' query, as for a monomer chain), the chains in file order
+/// as AlphaFold-Multimer's records `A`, `B`, ..., each entity's features from its first
+/// chain's alignments, pairing from the UniProt alignment of each distinct chain (its query
+/// row alone without one). With `templates`, (sampling, seed, example number), each entity whose
+/// first chain has hit files draws its templates as a monomer chain does
+/// ([`TemplateSampling::sample`], the hits before the entry's release), keyed by the seed, the
+/// example's number and the entity; Multimer's pipeline keeps up to 4 per chain.
+pub fn load_complex(
+    entry: &ComplexEntry,
+    templates: Option<(&TemplateSampling, u64, u64)>,
+) -> anyhow::Result<(MultimerFeatures, Structure, f64)> {
+    let parsed = mmcif::read(&entry.mmcif)?;
+    let mut records = Vec::with_capacity(entry.chains.len());
+    let mut read = Vec::with_capacity(entry.chains.len());
+    for c in &entry.chains {
+        let name = format!("{}_{}", entry.name, c.chain);
+        let found = parsed.chain(&c.chain).with_context(|| {
+            format!("entry {} ({}): no protein chain {}", entry.name, entry.mmcif.display(), c.chain)
+        })?;
+        let (msa, sequence) = read_msas(&c.msas, &name, &chain_sequence(found), &entry.mmcif)?;
+        records.push(FastaRecord { name: name.clone(), description: name.clone(), sequence: sequence.clone() });
+        read.push((msa, sequence, chain_structure(found)));
+    }
+    let complex = Complex::new(&records, &entry.mmcif)?;
+    let index = |id: char| complex.chains.iter().position(|c| c.id == id).unwrap_or(0);
+    let pair = !complex.is_homomer_or_monomer();
+    let entities = complex
+        .entity_representatives()
+        .into_iter()
+        .enumerate()
+        .map(|(e, rep)| {
+            let k = index(rep.id);
+            let (c, (msa, sequence, _)) = (&entry.chains[k], &read[k]);
+            let what = || format!("entry {}, chain {} ({})", entry.name, c.chain, c.folder.display());
+            let mut raw = RawFeatures::new(sequence, Some((msa, &c.msas[0]))).with_context(what)?;
+            if let (Some((sampling, seed, number)), false) = (templates, c.templates.is_empty()) {
+                let hits = read_hits(&c.templates, &entry.name, parsed.release_date.clone()).with_context(what)?;
+                let mut rng = keyed(seed, Draw::Templates, number, e as u64);
+                raw.templates = Some(sampling.sample(sequence, &hits, &mut rng).with_context(what)?.0);
+            }
+            let pairing = match pair {
+                true => Some(pairing(c, sequence, &rep.record).with_context(what)?),
+                false => None,
+            };
+            Ok(EntityInput { raw, pairing })
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let features = crate::multimer::features(&complex, &entities)
+        .with_context(|| format!("entry {} ({})", entry.name, entry.mmcif.display()))?;
+    let truth = join_chains(complex.assembly_order().iter().map(|c| read[index(c.id)].2.clone()).collect())
+        .context("a complex without chains")?;
+    Ok((features, truth, parsed.resolution))
+}
+
+/// A chain's rows for pairing: its UniProt alignment, else its query row alone.
+fn pairing(chain: &EntryChain, sequence: &str, name: &str) -> anyhow::Result<PairingMsa> {
+    match &chain.uniprot {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+            let msa = parse_alignment(&text, path)?;
+            Ok(PairingMsa::new(sequence, &msa, path)?)
+        }
+        None => Ok(PairingMsa::new(sequence, &Msa::single(sequence, name), &chain.folder)?),
+    }
+}
+
+/// This replica's complexes, arriving in order, read ahead on a pool of threads.
+pub struct ComplexLoader(data::loader::Prefetch<LoadedComplex, anyhow::Error>);
+
+impl ComplexLoader {
+    /// Starts reading `shard`'s examples of steps `first..=steps` from `entries`, drawn by
+    /// `sampling` (on the complexes' lengths) under `seed`, each with its recycling count drawn
+    /// from 0..=`max_recycles` by its number and its templates by `templates` (`None`: none),
+    /// on `workers` threads.
+    pub fn from_step(
+        entries: Vec<ComplexEntry>,
+        sampling: ChainSampling,
+        templates: Option<TemplateSampling>,
+        (seed, max_recycles): (u64, usize),
+        (first, steps): (u64, u64),
+        shard: Shard,
+        workers: usize,
+    ) -> anyhow::Result<ComplexLoader> {
+        let acceptance: Vec<f64> = entries.iter().map(|e| sampling.probability(e.length, None)).collect();
+        let specs = shard.stream(&acceptance, seed, first, steps)?;
+        let entries = Arc::new(entries);
+        let make = move |&(number, k): &(u64, usize)| -> anyhow::Result<LoadedComplex> {
+            let entry = &entries[k];
+            let (features, truth, resolution) = load_complex(entry, templates.as_ref().map(|t| (t, seed, number)))?;
+            let letters: Vec<&str> = entry.chains.iter().map(|c| c.chain.as_str()).collect();
+            Ok(LoadedComplex {
+                name: format!("{} {}", entry.name, letters.join("+")),
+                mmcif: entry.mmcif.clone(),
+                features,
+                truth,
+                resolution,
+                number,
+                recycles: sample_recycles(seed, number, max_recycles),
+            })
+        };
+        let parallel = PARALLEL.min(workers.max(1));
+        Ok(ComplexLoader(data::loader::Prefetch::new(specs, workers, parallel, PREFETCH, make)?))
+    }
+
+    /// The next complex.
+    pub fn next_complex(&mut self) -> anyhow::Result<LoadedComplex> {
+        self.0.next().unwrap_or_else(|| Err(anyhow::anyhow!("the training data loader stopped early")))
+    }
+}

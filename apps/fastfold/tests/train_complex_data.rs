@@ -1,0 +1,286 @@
+//! Training AlphaFold-Multimer on a data set of complexes (`--mmcif-dir`, `--alignment-dir`)
+//! with the tiny Multimer parameters of `fixtures/multimer_network/model_params.npz`: three
+//! synthetic entries (a heterodimer, a homodimer, one chain alone) are read as complexes (their
+//! chains' alignments, UniProt rows paired across distinct chains, copies one entity, the truth
+//! in the features' chain order); `fastfold train` trains on them, each step logging its entry,
+//! and a second epoch's losses are below the first's; two data-parallel replicas train
+//! different complexes, the step's mean equal to one process accumulating both; a chain's
+//! template hits give its examples templates; `--resume` repeats the uninterrupted run; a chain
+//! without
+//! its folder, an entry without protein chains and what complexes do not support yet are
+//! refused by name.
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use fastfold::train_data::complexes::{load_complex, select_complexes};
+use fastfold::train_data::layout::Filters;
+use fastfold::train_data::templates::TemplateSampling;
+
+use common::layout::{query_chain_layout, template_sampling, write_complexes, ComplexSpec};
+use common::{step_log, BIN};
+
+const HETERO: &[(&str, &str)] = &[("A", "MKTAYIAKQR"), ("B", "GSWEDLKKLA")];
+const HOMO: &[(&str, &str)] = &[("A", "MKVLHEGIRT"), ("B", "MKVLHEGIRT")];
+const ONE: &[(&str, &str)] = &[("A", "MKTAYIAKQRQIS")];
+
+/// The three complexes' data set under `dir`: (mmcif dir, alignment dir).
+fn data_set(dir: &Path) -> (PathBuf, PathBuf) {
+    let entries: [ComplexSpec; 3] =
+        [("1het", "2010-01-01", HETERO), ("2hom", "2012-01-01", HOMO), ("3one", "2014-01-01", ONE)];
+    write_complexes(dir, &entries)
+}
+
+fn tiny_multimer() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/multimer_network/model_params.npz")
+}
+
+/// `fastfold train` on the data set with the tiny Multimer parameters into `out` with `flags`:
+/// (success, output).
+fn train(mmcif: &Path, alignments: &Path, out: &Path, flags: &[&str]) -> (bool, String) {
+    let path = |p: &Path| p.display().to_string();
+    let o = Command::new(BIN)
+        .arg("train")
+        .args(["--mmcif-dir".into(), path(mmcif), "--alignment-dir".into(), path(alignments)])
+        .args(["--params".into(), path(&tiny_multimer()), "-o".into(), path(out)])
+        .args(["--model-preset", "multimer", "--warmup", "0", "--max-recycles", "0", "--chain-sampling", "uniform"])
+        .args(flags)
+        .output()
+        .unwrap();
+    (o.status.success(), format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)))
+}
+
+/// The data set's complexes as read: the heterodimer's 20 residues are two chains of two
+/// entities with the UniProt rows paired (the query and HUMAN, MOUSE and YEAST rows across both
+/// chains, then each chain's own hits), the homodimer one entity of two copies, the lone chain
+/// a complex of one; the truth has the entry's atoms in the features' order (chain B 8 Å
+/// from A, as written).
+#[test]
+fn entries_are_read_as_complexes_of_their_protein_chains() {
+    let dir = common::scratch("train_complex_data", "read");
+    let (mmcif, alignments) = data_set(&dir);
+    let selection = select_complexes(&mmcif, &alignments, &Filters::default()).unwrap();
+    let names: Vec<&str> = selection.chains.iter().map(|e| e.name.as_str()).collect();
+    assert_eq!(names, ["1het", "2hom", "3one"]);
+    assert_eq!(selection.chains.iter().map(|e| e.length).collect::<Vec<_>>(), [20, 20, 13]);
+    let ids = |name: &str, entry: usize| {
+        let (features, truth, resolution) = load_complex(&selection.chains[entry], None).unwrap();
+        let get = |n: &str| features.get(n).unwrap().tensor();
+        let vec = |n: &str| Vec::<i64>::try_from(get(n).to_kind(tch::Kind::Int64)).unwrap();
+        assert_eq!(resolution, 2.0, "{name}");
+        assert_eq!(truth.aatype.len(), vec("aatype").len(), "{name}");
+        (vec("asym_id"), vec("entity_id"), vec("sym_id"), get("msa_mask"), truth)
+    };
+    let (asym, entity, _, msa_mask, truth) = ids("1het", 0);
+    assert_eq!((asym[9], asym[10], entity[9], entity[10]), (1, 2, 1, 2));
+    // Rows with a residue: the query and 3 species' rows paired, then each chain's 6 own rows
+    // (its query dropped as already paired).
+    let rows = msa_mask.sum_dim_intlist(1, false, tch::Kind::Float).gt(0.0).sum(tch::Kind::Int64).int64_value(&[]);
+    assert_eq!(rows, 4 + 2 * 6, "heterodimer MSA rows");
+    let z = |k: usize| truth.positions[k][1][2];
+    assert!((z(10) - z(0) - 8.0).abs() < 1e-3, "chain B's CA 8 Å from A's: {} {}", z(10), z(0));
+    let (asym, entity, sym, _, _) = ids("2hom", 1);
+    assert_eq!((asym[0], asym[19], entity[19], sym[0], sym[19]), (1, 2, 1, 1, 2));
+    let (asym, _, _, _, _) = ids("3one", 2);
+    assert!(asym.iter().all(|&a| a == 1) && asym.len() == 13);
+}
+
+/// `fastfold train` on the data set, 6 steps (two epochs of the three complexes, uniform
+/// sampling): every step logs its entry and chains and finite terms, each epoch visits every
+/// entry once, and the second epoch's losses sum below the first's.
+#[test]
+fn a_data_set_of_complexes_trains_and_logs_each_entry() {
+    let dir = common::scratch("train_complex_data", "train");
+    let (mmcif, alignments) = data_set(&dir);
+    let out = dir.join("out");
+    let (ok, text) = train(&mmcif, &alignments, &out, &["--steps", "6", "--lr", "3e-3"]);
+    assert!(ok, "{text}");
+    assert!(text.contains("3 training complexes"), "{text}");
+    let log = step_log(&out);
+    assert_eq!(log.len(), 6);
+    let examples: Vec<String> = log.iter().map(|s| s["example"].as_str().unwrap().to_string()).collect();
+    let loss: Vec<f64> = log.iter().map(|s| s["loss"].as_f64().unwrap()).collect();
+    eprintln!("examples {examples:?}\nlosses {loss:?}");
+    for s in &log {
+        for term in ["loss", "fape", "distogram", "masked_msa", "plddt"] {
+            assert!(s[term].as_f64().is_some_and(f64::is_finite), "step {}: {term} {}", s["step"], s[term]);
+        }
+    }
+    for epoch in examples.chunks(3) {
+        let mut e = epoch.to_vec();
+        e.sort();
+        assert_eq!(e, ["1het A+B", "2hom A+B", "3one A"], "an epoch visits every entry once");
+    }
+    let by_entry = |range: std::ops::Range<usize>| -> f64 {
+        let mut pairs: Vec<(&String, f64)> = range.map(|i| (&examples[i], loss[i])).collect();
+        pairs.sort_by(|a, b| a.0.cmp(b.0));
+        pairs.iter().map(|p| p.1).sum()
+    };
+    let (first, second) = (by_entry(0..3), by_entry(3..6));
+    assert!(second < first, "the second epoch's losses ({second}) are not below the first's ({first})");
+}
+
+/// One step over 2 data-parallel replicas (`--nproc 2 --dap 1`) trains the stream's first two
+/// complexes, one each (rank 0's the first, as one process accumulating both trains them in
+/// that order, two different entries), and its mean loss is within 1e-5 of one process's
+/// accumulating both (`--accumulation 2`), its gradient norm within 1e-4; examples cropped to
+/// 16 residues (`--crop-size`), each replica its own crop.
+#[test]
+fn replicas_train_different_complexes_and_match_one_process() {
+    let dir = common::scratch("train_complex_data", "replicas");
+    let (mmcif, alignments) = data_set(&dir);
+    let run = |name: &str, extra: &[&str]| {
+        let out = dir.join(name);
+        let flags = [&["--steps", "1", "--crop-size", "16", "--quiet"][..], extra].concat();
+        let (ok, text) = train(&mmcif, &alignments, &out, &flags);
+        assert!(ok, "{name}: {text}");
+        let log = step_log(&out);
+        assert_eq!(log.len(), 1, "{name}: {log:?}");
+        let value = |field: &str| log[0][field].as_f64().unwrap_or_else(|| panic!("{name}: no {field} in {log:?}"));
+        (value("loss"), value("grad_norm"), log[0]["example"].as_str().unwrap().to_string())
+    };
+    let (loss, norm, examples) = run("one", &["--accumulation", "2"]);
+    let (l, n, example) = run("replicas", &["--nproc", "2", "--dap", "1"]);
+    eprintln!("one process {examples:?}: loss {loss}, norm {norm}; replicas (rank 0 {example:?}): loss {l}, norm {n}");
+    let both: Vec<&str> = examples.split("; ").collect();
+    assert_eq!(both.len(), 2, "{examples}");
+    let entry = |e: &str| e.split(' ').next().unwrap().to_string();
+    assert_ne!(entry(both[0]), entry(both[1]), "one step's two examples are different complexes");
+    assert_eq!(example, both[0], "rank 0 trains the stream's first example");
+    assert!(loss.is_finite() && norm.is_finite() && norm > 0.0, "loss {loss}, gradient norm {norm}");
+    assert!((l - loss).abs() <= 1e-5 * loss.abs(), "replicas' mean loss {l}, one process {loss}");
+    assert!((n - norm).abs() <= 1e-4 * norm, "replicas' gradient norm {n}, one process {norm}");
+}
+
+/// A protein chain without its alignment folder, a folder with only the UniProt hits, and an
+/// entry without protein chains are refused naming the entry, the chain and the folder; the
+/// command refuses validation and the chain data cache for complexes by flag.
+#[test]
+fn bad_complex_data_is_refused_by_name() {
+    let dir = common::scratch("train_complex_data", "refused");
+    let (mmcif, alignments) = data_set(&dir);
+    let err = |alignments: &Path| match select_complexes(&mmcif, alignments, &Filters::default()) {
+        Ok(s) => panic!("selected {:?}", s.chains.iter().map(|e| &e.name).collect::<Vec<_>>()),
+        Err(e) => format!("{e:#}"),
+    };
+    let folder = alignments.join("1het_B");
+    let moved = dir.join("1het_B");
+    std::fs::rename(&folder, &moved).unwrap();
+    let e = err(&alignments);
+    for expect in ["entry 1het", "chain B", &folder.display().to_string()] {
+        assert!(e.contains(expect), "no {expect:?} in: {e}");
+    }
+    std::fs::create_dir_all(&folder).unwrap();
+    std::fs::copy(moved.join("uniprot_hits.sto"), folder.join("uniprot_hits.sto")).unwrap();
+    let e = err(&alignments);
+    assert!(e.contains("entry 1het, chain B") && e.contains("no .a3m or .sto"), "{e}");
+    std::fs::remove_dir_all(&folder).unwrap();
+    std::fs::rename(&moved, &folder).unwrap();
+
+    // An RNA entry: a polymer, no protein chain.
+    let cols = ["group_PDB", "id", "type_symbol", "label_atom_id", "label_comp_id", "label_asym_id"];
+    let cols =
+        [&cols[..], &["label_entity_id", "label_seq_id", "Cartn_x", "Cartn_y", "Cartn_z", "auth_asym_id"]].concat();
+    let atoms: String = cols.iter().map(|c| format!("_atom_site.{c}\n")).collect();
+    let empty = format!(
+        "data_4NOP\n_entry.id 4NOP\nloop_\n_chem_comp.id\n_chem_comp.type\nA 'RNA linking'\nloop_\n\
+         _entity_poly_seq.entity_id\n_entity_poly_seq.num\n_entity_poly_seq.mon_id\n1 1 A\n1 2 A\nloop_\n\
+         _struct_asym.id\n_struct_asym.entity_id\nA 1\nloop_\n{atoms}ATOM 1 P P A A 1 1 0.0 0.0 0.0 A\n"
+    );
+    std::fs::write(mmcif.join("4nop.cif"), empty).unwrap();
+    std::fs::create_dir_all(alignments.join("4nop_A")).unwrap();
+    let e = err(&alignments);
+    assert!(e.contains("entry 4nop") && e.contains("no protein chains"), "{e}");
+    std::fs::remove_dir_all(alignments.join("4nop_A")).unwrap();
+
+    let out = dir.join("out");
+    let refused = |flags: &[&str], expect: &[&str]| {
+        let (ok, text) = train(&mmcif, &alignments, &out, flags);
+        assert!(!ok, "trained: {text}");
+        for e in expect {
+            assert!(text.contains(e), "no {e:?} in: {text}");
+        }
+    };
+    let (m, a) = (mmcif.display().to_string(), alignments.display().to_string());
+    refused(&["--val-mmcif-dir", &m, "--val-alignment-dir", &a], &["--val-mmcif-dir", "not supported yet"]);
+    let cache = dir.join("cache.json");
+    std::fs::write(&cache, "{}").unwrap();
+    refused(&["--chain-data-cache", cache.to_str().unwrap()], &["--chain-data-cache", "not supported yet"]);
+    assert!(!out.join("params.npz").exists(), "parameters written");
+}
+
+/// A chain with template hits (the template fixtures' 40-residue query, entry 9qry, its
+/// folder's `pdb70_hits.hhr`; the usable hits 1abc_A and 2def_B) as a complex of one chain:
+/// with template sampling each example's features hold 0 to 2 templates drawn by its number
+/// (the same again for the same number, at least one over 8 examples), without it none; and
+/// `fastfold train` (templates on by default) trains 2 steps on it, every term finite.
+#[test]
+fn a_chains_template_hits_give_its_complex_templates() {
+    let dir = common::scratch("train_complex_data", "templates");
+    let (mmcif, alignments) = query_chain_layout(&dir);
+    let entry = select_complexes(&mmcif, &alignments, &Filters::default()).unwrap().chains.remove(0);
+    assert_eq!(entry.name, "9qry");
+    assert_eq!(entry.chains[0].templates, [alignments.join("9qry_A/pdb70_hits.hhr")]);
+    let sampling = template_sampling(&mmcif);
+    // Templates with an observed atom, and their masks.
+    let templates = |draw: Option<(&TemplateSampling, u64, u64)>| {
+        let (features, _, _) = load_complex(&entry, draw).unwrap();
+        let Some(mask) = features.get("template_all_atom_mask").map(|a| a.tensor()) else { return (0, None) };
+        let t = mask.size()[0];
+        let real = mask.view([t, -1]).sum_dim_intlist(1, false, tch::Kind::Float).gt(0.0);
+        (real.sum(tch::Kind::Int64).int64_value(&[]), Some(mask))
+    };
+    assert_eq!(templates(None).0, 0, "no templates without sampling");
+    let mut counts = std::collections::BTreeSet::new();
+    for number in 1..=8 {
+        let (n, mask) = templates(Some((&sampling, 0, number)));
+        let (again, mask_again) = templates(Some((&sampling, 0, number)));
+        assert_eq!(n, again, "example {number} draws the same templates");
+        assert!(mask.zip(mask_again).is_none_or(|(a, b)| a.equal(&b)), "example {number}: masks differ");
+        counts.insert(n);
+    }
+    eprintln!("templates per example: {counts:?}");
+    assert!(counts.iter().all(|&n| n <= 2) && counts.iter().any(|&n| n >= 1), "{counts:?}");
+
+    let out = dir.join("out");
+    let (ok, text) = train(&mmcif, &alignments, &out, &["--steps", "2", "--lr", "3e-3"]);
+    assert!(ok, "{text}");
+    let log = step_log(&out);
+    assert_eq!(log.len(), 2);
+    for s in &log {
+        assert_eq!(s["example"].as_str(), Some("9qry A"));
+        assert!(s["loss"].as_f64().is_some_and(f64::is_finite), "{s}");
+    }
+}
+
+/// `--resume` on the data set of complexes: 2 steps, then 2 more from the checkpoint, train
+/// the 4 steps' examples (cropped to 16) to the same logged examples, losses, gradient norms
+/// and learning rates, and the same weights, bit for bit, as the uninterrupted run: the
+/// loader starts at the resumed step's examples.
+#[test]
+fn a_resumed_complex_data_run_repeats_the_uninterrupted_one() {
+    let dir = common::scratch("train_complex_data", "resume");
+    let (mmcif, alignments) = data_set(&dir);
+    let run = |out: &Path, extra: &[&str]| {
+        let flags = [&["--crop-size", "16", "--save-every", "2", "--lr", "3e-3", "--quiet"][..], extra].concat();
+        let (ok, text) = train(&mmcif, &alignments, out, &flags);
+        assert!(ok, "{text}");
+        step_log(out)
+    };
+    let straight = run(&dir.join("straight"), &["--steps", "4"]);
+    let parted = dir.join("parted");
+    run(&parted, &["--steps", "2"]);
+    let resumed = run(&parted, &["--steps", "4", "--resume"]);
+    assert_eq!(resumed.len(), 4);
+    for (a, b) in straight.iter().zip(&resumed) {
+        for field in ["step", "example", "recycles", "loss", "grad_norm", "lr"] {
+            assert_eq!(a[field], b[field], "step {}: {field}", a["step"]);
+        }
+    }
+    let load = |p: PathBuf| fastfold::model::multimer::load_multimer_params(&p).unwrap();
+    let (a, b) = (load(dir.join("straight/params-raw.npz")), load(parted.join("params-raw.npz")));
+    for ((name, x), (_, y)) in a.iter().zip(b.iter()) {
+        assert!(x.equal(y), "{name}: the resumed run's weights differ");
+    }
+}
