@@ -54,7 +54,7 @@ pub enum Model {
     /// Every part, run in turn.
     Whole(Vit),
     /// This rank's pipeline stages.
-    Stages(Stages),
+    Stages(Box<Stages>),
 }
 
 impl Model {
@@ -79,7 +79,7 @@ impl Model {
         let stages = Stages::new(model, vs, params, sharding, pp, layout, world, device, announce)?;
         let mine = stages.pipe.params().iter().map(|p| p.name.clone()).collect::<Vec<_>>();
         let params = sharding.params(vs).into_iter().filter(|p| mine.contains(&p.name)).collect();
-        Ok((Model::Stages(stages), params))
+        Ok((Model::Stages(Box::new(stages)), params))
     }
 
     /// `parallel` (this rank's parameters' data-parallel wiring) made aware of the other
