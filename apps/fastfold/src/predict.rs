@@ -291,17 +291,13 @@ impl<'a> Runner<'a> {
             early_stop_tolerance: args.recycle_early_stop_tolerance.unwrap_or(0.0),
         };
         let (exec, planned_bytes) = self.plan(model, name, &features)?;
-        if planned_bytes.is_some() && self.device == Device::Cpu {
-            engine::host_memory::reset_peak()?;
-        }
+        let planned = planned_bytes.is_some();
+        start_peak(planned, self.device)?;
         let start = Instant::now();
         let (pass, recycles) = tch::no_grad(|| model.net.predict_recycling(&features, recycling, self.kind, &exec))
             .with_context(|| format!("predicting {name} with {}", model.name))?;
         // The model's peak, before the confidence measures and the files.
-        let peak_bytes = match (planned_bytes, self.device) {
-            (Some(_), Device::Cpu) => Some(engine::host_memory::stats()?.peak.max(0) as u64),
-            _ => engine::process::peak_memory(self.device),
-        };
+        let peak_bytes = measured_peak(planned, self.device)?;
         let seconds = start.elapsed().as_secs_f64();
         timings.add(format!("predict_and_compile_{}", model.name), seconds);
         let first = features.iteration(0)?;
@@ -361,6 +357,24 @@ impl<'a> Runner<'a> {
             (None, r) => r.unwrap_or(available - 1),
         })
     }
+}
+
+/// Starts measuring a prediction's peak: with a memory plan on the CPU, the peak of the bytes
+/// libtorch allocates (what the plan predicts; counted since `engine::host_memory::track`).
+fn start_peak(planned: bool, device: Device) -> anyhow::Result<()> {
+    if planned && device == Device::Cpu {
+        engine::host_memory::reset_peak()?;
+    }
+    Ok(())
+}
+
+/// The prediction's peak since [`start_peak`]: with a plan on the CPU libtorch's bytes,
+/// otherwise the device's (or the process's) peak.
+fn measured_peak(planned: bool, device: Device) -> anyhow::Result<Option<u64>> {
+    Ok(match (planned, device) {
+        (true, Device::Cpu) => Some(engine::host_memory::stats()?.peak.max(0) as u64),
+        _ => engine::process::peak_memory(device),
+    })
 }
 
 /// A memory plan said on stderr: for what, the budget, the sizes, the planned peak and its

@@ -145,6 +145,13 @@ impl Cluster {
         self.interleaved_bandwidth.min(self.bandwidth(size, stride))
     }
 
+    /// Bytes each rank sends in a ring all-reduce of `bytes` over `size` ranks: a
+    /// reduce-scatter and an all-gather, each `size - 1` steps of `bytes / size`.
+    pub fn ring_all_reduce_traffic(bytes: f64, size: usize) -> f64 {
+        let n = size as f64;
+        2.0 * (n - 1.0) / n * bytes
+    }
+
     /// Seconds of a ring all-reduce of `bytes` over `size` ranks `stride` apart.
     pub fn all_reduce(&self, bytes: f64, size: usize, stride: usize) -> f64 {
         if size <= 1 {

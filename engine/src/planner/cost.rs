@@ -300,8 +300,8 @@ pub fn estimate(model: &Model, cluster: &Cluster, plan: &Plan) -> Result<Estimat
         let buckets = (s.params / BUCKET_BYTES).ceil().max(1.0);
         let reducing = plan.dp * sp;
         let mut sync = if reducing > 1 {
-            let n = reducing as f64;
-            2.0 * (n - 1.0) / n * s.params / cluster.bandwidth(reducing, tp) + buckets * cluster.sync_s
+            Cluster::ring_all_reduce_traffic(s.params, reducing) / cluster.bandwidth(reducing, tp)
+                + buckets * cluster.sync_s
         } else {
             0.0
         };
@@ -359,8 +359,7 @@ fn layer_communication(l: &LayerProfile, plan: &Plan, cluster: &Cluster, micro: 
             TpMode::OneD => {
                 // The row-parallel outputs' all-reduces forward; as many backward, of the
                 // column-parallel inputs' gradients, of the same bytes.
-                let n = tp as f64;
-                let bytes = 2.0 * (n - 1.0) / n * l.tp_allreduce_bytes * per_device;
+                let bytes = Cluster::ring_all_reduce_traffic(l.tp_allreduce_bytes * per_device, tp);
                 let seconds = bytes / link + l.tp_allreduces * cluster.sync_s;
                 (forward, backward) = (seconds, seconds);
             }

@@ -13,8 +13,13 @@ use crate::memory::profile::{
 };
 use crate::memory::{Buf, Peak, Sizes, Trace};
 use crate::model::config::{EvoformerConfig, ModelConfig, TemplateConfig};
+use crate::model::embedders::EXTRA_MSA_CLASSES;
 use crate::model::exec::{ChunkOp, ChunkPlan, Stage};
+use crate::model::masked_rows::count_unmasked_rows;
+use crate::model::multimer::msa_feat::MSA_FEAT;
 use crate::model::multimer::relpos::{MAX_RELATIVE_CHAIN, MAX_RELATIVE_IDX, RELATIVE_FEATURES, TARGET_CLASSES};
+use crate::model::multimer::sampling::MSA_CLASSES;
+use crate::model::multimer::templates::DGRAM_BINS;
 use crate::model::multimer::{MultimerAlphaFold, MultimerInputs};
 
 /// The sizes of one Multimer pass.
@@ -32,14 +37,6 @@ pub struct MultimerSizes {
     /// Whether the features are on the network's device, so that the sampling's buffers count.
     pub sampling_on_device: bool,
 }
-
-/// Bytes of the 22- and 23-class one-hots the sampling makes.
-const MSA_CLASSES: i64 = 22;
-const EXTRA_MSA_CLASSES: i64 = 23;
-/// `msa_feat`'s channels (the one-hot, two deletion features, the profile, its deletion).
-const MSA_FEAT: i64 = 2 * EXTRA_MSA_CLASSES + 3;
-/// The template pair features' channels (distogram bins 39, the masks, the unit vectors).
-const TEMPLATE_DGRAM_BINS: i64 = 39;
 
 /// One-hot of `elems` classes-of-`classes` entries: int64, then float32, then masked.
 fn masked_one_hot(t: &mut Trace, elems: i64, classes: i64) -> Buf {
@@ -152,11 +149,11 @@ fn template_pair_embedding(t: &mut Trace, x: &Ctx, n: i64, c_z: i64, c_t: i64) -
         let squared = t.alloc(plane * 3);
         let d2 = t.alloc(plane);
         t.free(squared);
-        let compared = [0; 3].map(|_| t.alloc(r * n * TEMPLATE_DGRAM_BINS));
-        let one_hot = t.alloc(plane * TEMPLATE_DGRAM_BINS);
+        let compared = [0; 3].map(|_| t.alloc(r * n * DGRAM_BINS));
+        let one_hot = t.alloc(plane * DGRAM_BINS);
         t.free_all(compared);
         t.free_all([diff, d2]);
-        let dgram = t.alloc(plane * TEMPLATE_DGRAM_BINS);
+        let dgram = t.alloc(plane * DGRAM_BINS);
         t.free(one_hot);
         let outer = t.alloc(plane);
         let backbone = t.alloc(plane);
@@ -362,9 +359,9 @@ pub fn multimer_sizes_of(
     let templates = inputs.template_aatype.as_ref().map_or(0, |t| t.size().first().copied().unwrap_or(0));
     let (mut evoformer_rows, mut extra) = (centres + templates, taken);
     if net.drops_masked_rows() {
-        let real = real_rows(&inputs.msa_mask)?;
+        let real = count_unmasked_rows(&inputs.msa_mask)?;
         let real_templates = match &inputs.template_all_atom_mask {
-            Some(mask) if templates > 0 => real_rows(mask)?,
+            Some(mask) if templates > 0 => count_unmasked_rows(mask)?,
             _ => 0,
         };
         let real_centres = real.min(centres);
@@ -383,9 +380,4 @@ pub fn multimer_sizes_of(
         templates,
         sampling_on_device,
     })
-}
-
-/// The rows of `mask` [rows, ...] with an unmasked entry.
-fn real_rows(mask: &tch::Tensor) -> crate::model::Result<i64> {
-    Ok(mask.f_flatten(1, -1)?.f_ne(0.0)?.f_any_dim(1, false)?.f_sum(tch::Kind::Int64)?.f_int64_value(&[])?)
 }

@@ -99,17 +99,12 @@ pub(super) fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predi
         for run in runs.iter().filter(|r| r.preset == *preset) {
             let recycling =
                 Recycling { max: settings.num_recycle, early_stop_tolerance: settings.recycle_early_stop_tolerance };
-            if planned_bytes.is_some() && device == Device::Cpu {
-                engine::host_memory::reset_peak()?;
-            }
+            super::start_peak(planned_bytes.is_some(), device)?;
             let start = Instant::now();
             let (pass, recycles) = tch::no_grad(|| net.predict(&inputs, recycling, network_key(run.seed), exec))
                 .with_context(|| format!("predicting {name} with {}", run.name))?;
             // The prediction's peak, before the confidence measures and the files.
-            let peak_bytes = match (planned_bytes, device) {
-                (Some(_), Device::Cpu) => Some(engine::host_memory::stats()?.peak.max(0) as u64),
-                _ => engine::process::peak_memory(device),
-            };
+            let peak_bytes = super::measured_peak(planned_bytes.is_some(), device)?;
             let seconds = start.elapsed().as_secs_f64();
             timings.add(format!("predict_and_compile_{}", run.name), seconds);
             let pae = pass.heads.aligned_error.as_ref().context("AlphaFold-Multimer's parameters have a PAE head")?;

@@ -135,9 +135,15 @@ impl ReceiveBuffers {
 
     /// Every buffer back (the step's end).
     fn release_all(&mut self) {
-        for (s, b) in std::mem::take(&mut self.taken) {
-            self.free.entry(s.chunk).or_default().push(b);
+        let steps: Vec<Step> = self.taken.keys().copied().collect();
+        for s in steps {
+            self.release(s);
         }
+    }
+
+    /// Buffers kept, taken and free.
+    fn len(&self) -> usize {
+        self.taken.len() + self.free.values().map(Vec::len).sum::<usize>()
     }
 }
 
@@ -272,8 +278,7 @@ impl Pipeline {
     /// The receive buffers (activations and gradients) this rank keeps between steps: about
     /// as many as it had micro-batches in flight, not one per micro-batch.
     pub fn receive_buffers(&self) -> usize {
-        let count = |b: &ReceiveBuffers| b.free.values().map(Vec::len).sum::<usize>() + b.taken.len();
-        count(&self.activation_buffers) + count(&self.grad_buffers)
+        self.activation_buffers.len() + self.grad_buffers.len()
     }
 
     /// Whether this rank runs the last virtual stage (where the loss lives).

@@ -386,20 +386,20 @@ impl MultimerAlphaFold {
     fn extra_stack(&self, sampled: &SampledMsa, pair: Tensor, pair_mask: &Tensor, exec: &Exec) -> Result<Tensor> {
         let (kind, device) = (self.kind, self.device());
         let rows = sampled.extra_msa.size()[0].min(self.sampling.num_extra_msa.max(0));
-        let taken = [&sampled.extra_msa, &sampled.extra_deletion_matrix, &sampled.extra_msa_mask]
-            .map(|t| t.f_narrow(0, 0, rows));
-        let [msa, deletions, mask] = taken;
-        let (msa, deletions, mask) = (msa?, deletions?, mask?);
         let kept = match self.drop_masked_rows {
-            true => masked_rows::unmasked_rows(&mask)?,
+            true => masked_rows::unmasked_rows(&sampled.extra_msa_mask.f_narrow(0, 0, rows)?)?,
             false => None,
         };
-        let (msa, deletions, mask) = match &kept {
-            Some(kept) => {
-                (msa.f_index_select(0, kept)?, deletions.f_index_select(0, kept)?, mask.f_index_select(0, kept)?)
-            }
-            None => (msa, deletions, mask),
+        // The first `rows` rows, without the fully-masked ones when they are left out.
+        let take = |t: &Tensor| -> Result<Tensor> {
+            let t = t.f_narrow(0, 0, rows)?;
+            Ok(match &kept {
+                Some(kept) => t.f_index_select(0, kept)?,
+                None => t,
+            })
         };
+        let (msa, deletions, mask) =
+            (take(&sampled.extra_msa)?, take(&sampled.extra_deletion_matrix)?, take(&sampled.extra_msa_mask)?);
         let (extra_msa, deletions, mask) = match msa.size()[0] {
             0 => {
                 const GAP: i64 = 21;
