@@ -68,8 +68,8 @@ impl Network {
         self.multimer.map(|(t, msa, templates)| {
             {
                 // The Evoformer runs the centres and the templates' rows (all real here).
-                let pass = Sizes { msa_rows: sizes.msa_rows + templates, ..sizes };
-                (t, MultimerSizes { pass, centres: sizes.msa_rows, msa, templates, sampling_on_device: false })
+                let pass = Sizes { msa_rows: sizes.msa_rows + templates, templates, ..sizes };
+                (t, MultimerSizes { pass, centres: sizes.msa_rows, msa, sampling_on_device: false })
             }
         })
     }
@@ -130,7 +130,7 @@ fn main() -> anyhow::Result<()> {
     for &n in &args.residues {
         for (kind, name) in [(Kind::Float, "fp32"), (Kind::BFloat16, "bf16")] {
             let e = kind.elt_size_in_bytes() as i64;
-            let sizes = Sizes { residues: n, msa_rows: args.msa_rows, extra_rows, elem: e };
+            let sizes = Sizes { residues: n, msa_rows: args.msa_rows, extra_rows, elem: e, templates: 0 };
             // A complex's features stay on the host; the monomer's are on the device.
             let features = match args.multimer {
                 true => 0,

@@ -31,7 +31,7 @@ use data::a3m::Msa;
 use data::fasta::FastaRecord;
 use engine::parallel::dap::Dap;
 use fastfold::features::RawFeatures;
-use fastfold::model::multimer::{network_key, MultimerAlphaFold, MultimerInputs};
+use fastfold::model::multimer::{network_key, MultimerAlphaFold, MultimerInputs, MULTIMER_STRUCTURE_ITERATIONS};
 use fastfold::model::recycling::Recycling;
 use fastfold::model::Exec;
 use fastfold::multimer::{Complex, EntityInput, PairingMsa};
@@ -72,6 +72,12 @@ struct Args {
     /// leaves the fully-masked rows out, which changes no output).
     #[arg(long)]
     every_row: bool,
+    /// With `--ours <folder>`: our side in fp32 and in float64 (the same parameters widened),
+    /// each against AlphaFold's atoms and against each other. DeepMind's code runs in fp32
+    /// only, so this says whether a difference between the sides is fp32's rounding: if so,
+    /// ours in fp32 lies about as far from ours in float64 as from AlphaFold's.
+    #[arg(long, requires = "ours")]
+    float64: bool,
     #[command(flatten)]
     sides: Sides,
 }
@@ -81,6 +87,9 @@ fastfold::process_allocator!();
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if let (Some(dir), true) = (&args.sides.ours, args.float64) {
+        return rounding(dir, &args);
+    }
     if let Some(dir) = &args.sides.ours {
         let (f, diff) = ours(dir, &args, Exec::new(Dap::none(), args.chunk_size))?;
         f.print_ours(&[diff.to_string()]);
@@ -216,27 +225,81 @@ fn compare(args: &Args, dir: &Path) -> anyhow::Result<(Figures, f64, Figures, f6
 /// Our prediction on the parameters and features in `dir`, timed on its second run, and the
 /// largest difference of its atoms from AlphaFold's (`positions.npz`), over AlphaFold's mask.
 fn ours(dir: &Path, args: &Args, exec: Exec) -> anyhow::Result<(Figures, f64)> {
-    let (recycles, seed) = (args.recycles, args.seed);
-    let net = MultimerAlphaFold::load(dir.join(PARAMS))?.drop_masked_rows(!args.every_row);
-    let arrays: std::collections::HashMap<String, Tensor> =
-        Tensor::read_npz(dir.join("features.npz"))?.into_iter().collect();
-    let inputs = MultimerInputs::from_named(|n| arrays.get(n).map(Tensor::shallow_clone), "features.npz")?;
-    let recycling = Recycling { max: recycles, early_stop_tolerance: 0.0 };
+    let side = Side::load(dir, args, None)?;
     let mut seconds = 0.0;
     let mut atoms = None;
     for _ in 0..2 {
         let start = Instant::now();
-        let (pass, done) = tch::no_grad(|| net.predict(&inputs, recycling, network_key(seed), &exec))?;
+        atoms = Some(side.predict(args, &exec)?);
         seconds = start.elapsed().as_secs_f64();
-        ensure!(done == recycles, "recycling stopped after {done} of {recycles} recycles");
-        ensure!(bool::try_from(pass.structure.atom37.isfinite().all())?, "non-finite positions");
-        atoms = Some(pass.structure.atom37);
     }
     let peak_bytes = engine::process::peak_memory(Device::Cpu).context("no peak memory reading")?;
-    let theirs: std::collections::HashMap<String, Tensor> =
-        Tensor::read_npz(dir.join("positions.npz"))?.into_iter().collect();
-    let mask = theirs["final_atom_mask"].unsqueeze(-1);
-    let atoms = atoms.context("no prediction")?;
-    let diff = ((atoms - &theirs["final_atom_positions"]) * mask).abs().max().to_kind(Kind::Double).double_value(&[]);
-    Ok((Figures { seconds, peak_bytes }, diff))
+    let theirs = AlphaFoldAtoms::read(dir)?;
+    Ok((Figures { seconds, peak_bytes }, theirs.distance(&atoms.context("no prediction")?, None)))
+}
+
+/// Our network and the features of `dir`.
+struct Side {
+    net: MultimerAlphaFold,
+    inputs: MultimerInputs,
+}
+
+impl Side {
+    /// The parameters converted to `kind` (else as written).
+    fn load(dir: &Path, args: &Args, kind: Option<Kind>) -> anyhow::Result<Self> {
+        let net = MultimerAlphaFold::load_on(dir.join(PARAMS), MULTIMER_STRUCTURE_ITERATIONS, Device::Cpu, kind)?
+            .drop_masked_rows(!args.every_row);
+        let arrays: std::collections::HashMap<String, Tensor> =
+            Tensor::read_npz(dir.join("features.npz"))?.into_iter().collect();
+        let inputs = MultimerInputs::from_named(|n| arrays.get(n).map(Tensor::shallow_clone), "features.npz")?;
+        Ok(Side { net, inputs })
+    }
+
+    /// The final atoms, every recycle run.
+    fn predict(&self, args: &Args, exec: &Exec) -> anyhow::Result<Tensor> {
+        let recycling = Recycling { max: args.recycles, early_stop_tolerance: 0.0 };
+        let (pass, done) = tch::no_grad(|| self.net.predict(&self.inputs, recycling, network_key(args.seed), exec))?;
+        ensure!(done == args.recycles, "recycling stopped after {done} of {} recycles", args.recycles);
+        ensure!(bool::try_from(pass.structure.atom37.isfinite().all())?, "non-finite positions");
+        Ok(pass.structure.atom37)
+    }
+}
+
+/// AlphaFold's final atoms (`positions.npz`) and their mask.
+struct AlphaFoldAtoms {
+    positions: Tensor,
+    mask: Tensor,
+}
+
+impl AlphaFoldAtoms {
+    fn read(dir: &Path) -> anyhow::Result<Self> {
+        let mut arrays: std::collections::HashMap<String, Tensor> =
+            Tensor::read_npz(dir.join("positions.npz"))?.into_iter().collect();
+        let mut take = |name: &str| arrays.remove(name).with_context(|| format!("positions.npz: no {name}"));
+        let positions = take("final_atom_positions")?.to_kind(Kind::Double);
+        Ok(AlphaFoldAtoms { positions, mask: take("final_atom_mask")?.to_kind(Kind::Double).unsqueeze(-1) })
+    }
+
+    /// The largest difference of `a` from `b` (AlphaFold's positions when `None`) over
+    /// AlphaFold's atom mask, in Å.
+    fn distance(&self, a: &Tensor, b: Option<&Tensor>) -> f64 {
+        let b = b.map_or_else(|| self.positions.shallow_clone(), |b| b.to_kind(Kind::Double));
+        ((a.to_kind(Kind::Double) - b) * &self.mask).abs().max().double_value(&[])
+    }
+}
+
+/// `--ours <folder> --float64`: our atoms in fp32 and in float64, each against AlphaFold's and
+/// against each other.
+fn rounding(dir: &Path, args: &Args) -> anyhow::Result<()> {
+    let exec = Exec::new(Dap::none(), args.chunk_size);
+    let single = Side::load(dir, args, Some(Kind::Float))?.predict(args, &exec)?;
+    let double = Side::load(dir, args, Some(Kind::Double))?.predict(args, &exec)?;
+    let theirs = AlphaFoldAtoms::read(dir)?;
+    println!("largest atom differences over AlphaFold's atom mask (Å):");
+    println!("| ours fp32 - AlphaFold | ours float64 - AlphaFold | ours fp32 - ours float64 |");
+    println!("|---:|---:|---:|");
+    let (a, b, c) =
+        (theirs.distance(&single, None), theirs.distance(&double, None), theirs.distance(&single, Some(&double)));
+    println!("| {a:.2e} | {b:.2e} | {c:.2e} |");
+    Ok(())
 }

@@ -381,12 +381,13 @@ fn measured_peak(planned: bool, device: Device) -> anyhow::Result<Option<u64>> {
 /// parts, the chunks.
 fn say_plan(what: &str, budget: u64, sizes: &memory::Sizes, plan: &memory::Plan) {
     eprintln!(
-        "{what}: memory plan for {:.2} GiB ({} residues, {} MSA rows, {} extra rows): planned peak {:.2} GiB \
-         ({:.2} GiB parameters and features, the pass's peak in {}); chunks: {}",
+        "{what}: memory plan for {:.2} GiB ({} residues, {} MSA rows, {} extra rows, {} templates): planned peak \
+         {:.2} GiB ({:.2} GiB parameters and features, the pass's peak in {}); chunks: {}",
         memory::plan::gib(budget),
         sizes.residues,
         sizes.msa_rows,
         sizes.extra_rows,
+        sizes.templates,
         memory::plan::gib(plan.peak()),
         memory::plan::gib(plan.fixed),
         plan.pass.at,

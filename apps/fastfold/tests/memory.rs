@@ -2,17 +2,19 @@
 //! no-grad pass's peak of live bytes (engine::host_memory counts every CPU allocation) equals
 //! the profile's within 5% at AlphaFold's widths and AlphaFold-Multimer's, unchunked, chunked
 //! and planned; a plan made
-//! for a budget keeps the measured peak under it; the in-place, chunked pass equals the plain
-//! one (a pass that records gradients updates nothing in place and chunks nothing) within 1e-5.
+//! for a budget keeps the measured peak under it; the in-place, chunked pass (templates
+//! included) equals the plain one (a pass that records gradients updates nothing in place and
+//! chunks nothing) within 1e-5.
 mod common;
 
 use std::process::Command;
 
 use engine::parallel::dap::Dap;
+use fastfold::features::TemplateFeatures;
 use fastfold::memory::{self, Sizes};
 use fastfold::model::alphafold::{AlphaFold, Batch, Pass};
 use fastfold::model::exec::{ChunkOp, ChunkPlan, Stage};
-use fastfold::model::{EvoformerConfig, Exec, ModelConfig, Params, Recycled};
+use fastfold::model::{EvoformerConfig, Exec, ModelConfig, Params, Recycled, TemplateConfig};
 use tch::{Device, Kind, Tensor};
 
 /// The allocation counter sees every thread of the process: the tests of this binary run one at
@@ -78,7 +80,7 @@ fn pass_peak_matches_the_cpu_allocator_and_plans_fit_their_budget() {
         (192, 2, 4, some(48).with(Stage::Evoformer, ChunkOp::TriangleMultiplication, Some(16))),
     ] {
         let b = batch(n, s, e, Kind::Float);
-        let sizes = Sizes { residues: n, msa_rows: s, extra_rows: e, elem: 4 };
+        let sizes = Sizes { residues: n, msa_rows: s, extra_rows: e, elem: 4, templates: 0 };
         let predicted = memory::pass_peak(&cfg, &model_cfg, sizes, &plan);
         let (measured, _) = measure(&model, &cfg, &b, &Exec::planned(Dap::none(), plan.clone()));
         suite_tests::assert_bytes_close(
@@ -90,7 +92,7 @@ fn pass_peak_matches_the_cpu_allocator_and_plans_fit_their_budget() {
     }
     // A budget the whole pass exceeds: the plan chunks, and the measured peak stays under it.
     let (n, s, e) = (160, 8, 16);
-    let sizes = Sizes { residues: n, msa_rows: s, extra_rows: e, elem: 4 };
+    let sizes = Sizes { residues: n, msa_rows: s, extra_rows: e, elem: 4, templates: 0 };
     let whole = memory::pass_peak(&cfg, &model_cfg, sizes, &ChunkPlan::uniform(None)).bytes;
     let budget = whole * 2 / 3;
     let plan = memory::plan(&cfg, &model_cfg, sizes, 0, budget).unwrap();
@@ -105,15 +107,81 @@ fn pass_peak_matches_the_cpu_allocator_and_plans_fit_their_budget() {
     assert!(err.contains("at the least"), "{err}");
 }
 
+/// `b` with `count` real templates (random atoms, every one present).
+fn with_templates(mut b: Batch, count: i64) -> Batch {
+    let n = b.residues();
+    let f = (Kind::Float, Device::Cpu);
+    b.templates = Some(TemplateFeatures {
+        aatype: Tensor::randint(20, [count, n], (Kind::Int64, Device::Cpu)),
+        all_atom_positions: Tensor::rand([count, n, 37, 3], f) * 30.0,
+        all_atom_masks: Tensor::ones([count, n, 37], f),
+        mask: Tensor::ones([count], f),
+        pseudo_beta: Tensor::rand([count, n, 3], f) * 30.0,
+        pseudo_beta_mask: Tensor::ones([count, n], f),
+    });
+    b
+}
+
+/// With templates (model_1_ptm's stack: two blocks at 64 channels, the pointwise attention,
+/// the torsion angles' MSA rows): the profile's peak equals the CPU allocator's within 5%,
+/// each template part the peak in one case (everything else in small chunks); a plan for a
+/// budget keeps the measured peak under it and sizes the template operations.
+#[test]
+fn pass_peak_with_templates_matches_the_cpu_allocator_and_plans_fit_their_budget() {
+    let _alone = ALONE.lock();
+    engine::host_memory::track().unwrap();
+    tch::set_num_threads(1);
+    let cfg = EvoformerConfig { num_blocks: 2, num_extra_blocks: 1, ..EvoformerConfig::default() };
+    let model_cfg = ModelConfig::default();
+    assert!(model_cfg.templates.is_some_and(|t| t.torsion_angles), "model_1's templates");
+    let params = Params::random_model(&cfg, &model_cfg, 0).unwrap();
+    let model = AlphaFold::new(&params).unwrap();
+    let some = |c| ChunkPlan::uniform(Some(c));
+    let template = |op, c| some(4).with(Stage::Templates, op, c);
+    for (n, s, e, count, plan) in [
+        (64, 8, 16, 2, ChunkPlan::uniform(None)),
+        (128, 4, 8, 4, some(32)),
+        (200, 2, 4, 2, template(ChunkOp::PairEmbedding, None)),
+        (160, 4, 8, 1, template(ChunkOp::PairEmbedding, Some(40))),
+        (160, 4, 8, 3, template(ChunkOp::TriangleAttention, None)),
+        (160, 4, 8, 3, template(ChunkOp::TriangleMultiplication, None)),
+        (160, 4, 8, 4, some(8).with(Stage::Outer, ChunkOp::TemplatePointwise, None)),
+        (160, 4, 8, 4, some(8)),
+    ] {
+        let b = with_templates(batch(n, s, e, Kind::Float), count);
+        let sizes = Sizes { residues: n, msa_rows: s, extra_rows: e, elem: 4, templates: count };
+        let predicted = memory::pass_peak(&cfg, &model_cfg, sizes, &plan);
+        let (measured, _) = measure(&model, &cfg, &b, &Exec::planned(Dap::none(), plan.clone()));
+        suite_tests::assert_bytes_close(
+            &format!("pass {n} residues x {s} rows + {e} extra, {count} templates, {plan:?}, peak in {}", predicted.at),
+            measured,
+            predicted.bytes as f64,
+            0.05,
+        );
+    }
+    let (n, s, e, count) = (160, 8, 16, 4);
+    let sizes = Sizes { residues: n, msa_rows: s, extra_rows: e, elem: 4, templates: count };
+    let whole = memory::pass_peak(&cfg, &model_cfg, sizes, &ChunkPlan::uniform(None)).bytes;
+    let budget = whole / 2;
+    let plan = memory::plan(&cfg, &model_cfg, sizes, 0, budget).unwrap();
+    assert!(plan.describe().contains("Templates/"), "the template stack is planned: {}", plan.describe());
+    assert!(plan.peak() <= budget, "planned {} over the budget {budget}", plan.peak());
+    let b = with_templates(batch(n, s, e, Kind::Float), count);
+    let (measured, _) = measure(&model, &cfg, &b, &Exec::planned(Dap::none(), plan.chunks.clone()));
+    assert!(measured <= budget as f64, "measured {measured} bytes over the budget {budget} ({})", plan.describe());
+    let what = format!("planned pass with templates ({})", plan.describe());
+    suite_tests::assert_bytes_close(&what, measured, plan.peak() as f64, 0.05);
+}
+
 #[test]
 fn in_place_chunked_pass_equals_the_plain_pass() {
     let _alone = ALONE.lock();
     // Small widths keep the recording pass cheap; the code paths are the same.
     let cfg = EvoformerConfig { num_blocks: 2, num_extra_blocks: 1, ..EvoformerConfig::tiny() };
-    let model_cfg = ModelConfig { templates: None, ..ModelConfig::tiny() };
+    let model_cfg = ModelConfig { templates: Some(TemplateConfig::tiny()), ..ModelConfig::tiny() };
     let params = Params::random_model(&cfg, &model_cfg, 5).unwrap();
     let (n, s, e) = (23, 5, 7);
-    let b = batch(n, s, e, Kind::Float);
+    let b = with_templates(batch(n, s, e, Kind::Float), 2);
     // Plain: parameters that record gradients, so that nothing is updated in place.
     let recording = params.to_device(Device::Cpu, true).unwrap();
     let plain_model = AlphaFold::new(&recording).unwrap();

@@ -32,8 +32,6 @@ pub struct MultimerSizes {
     pub centres: i64,
     /// Rows of the whole MSA the sampling draws from (the features' `msa`).
     pub msa: i64,
-    /// Templates (0: none, or parameters without a template stack).
-    pub templates: i64,
     /// Whether the features are on the network's device, so that the sampling's buffers count.
     pub sampling_on_device: bool,
 }
@@ -265,10 +263,10 @@ pub fn multimer_pass_peak(
     plan: &ChunkPlan,
 ) -> Peak {
     let mut t = Trace::new();
-    let Sizes { residues: n, msa_rows: run, extra_rows, elem: e } = sizes.pass;
+    let Sizes { residues: n, msa_rows: run, extra_rows, elem: e, templates } = sizes.pass;
     let s = sizes.centres;
     let (c_m, c_z) = (cfg.c_m, cfg.c_z);
-    let templates = template.map_or(0, |_| sizes.templates);
+    let templates = template.map_or(0, |_| templates);
     let mut x = Ctx { e, plan, stage: Stage::Outer };
     t.at("recycled inputs");
     let prev = [t.alloc(n * c_m * e), t.alloc(n * n * c_z * e), t.alloc(n * 3 * e)];
@@ -374,10 +372,10 @@ pub fn multimer_sizes_of(
             msa_rows: evoformer_rows,
             extra_rows: extra.max(1),
             elem: kind.elt_size_in_bytes() as i64,
+            templates,
         },
         centres,
         msa,
-        templates,
         sampling_on_device,
     })
 }

@@ -51,7 +51,7 @@ impl Plan {
 const OUTER_KEYS: [(Stage, ChunkOp); 2] =
     [(Stage::Outer, ChunkOp::PairEmbedding), (Stage::Outer, ChunkOp::StructureAttention)];
 
-/// The template pair stack's operations (the Multimer profile's).
+/// The template pair stack's operations.
 const TEMPLATE_KEYS: [(Stage, ChunkOp); 4] = [
     (Stage::Templates, ChunkOp::PairEmbedding),
     (Stage::Templates, ChunkOp::TriangleMultiplication),
@@ -77,8 +77,13 @@ const STACK_KEYS: [(Stage, ChunkOp); 14] = [
     (Stage::Evoformer, ChunkOp::PairTransition),
 ];
 
+/// The monomer's attention of the pair over its templates.
+const POINTWISE_KEYS: [(Stage, ChunkOp); 1] = [(Stage::Outer, ChunkOp::TemplatePointwise)];
+
 /// The operations the monomer's profile covers, in the order the plan sizes them.
 const KEYS: &[&[(Stage, ChunkOp)]] = &[&OUTER_KEYS, &STACK_KEYS];
+/// The same with templates.
+const TEMPLATED_KEYS: &[&[(Stage, ChunkOp)]] = &[&OUTER_KEYS, &TEMPLATE_KEYS, &POINTWISE_KEYS, &STACK_KEYS];
 /// The operations the Multimer profile covers.
 const MULTIMER_KEYS: &[&[(Stage, ChunkOp)]] = &[&OUTER_KEYS, &TEMPLATE_KEYS, &STACK_KEYS];
 
@@ -107,20 +112,9 @@ fn axis(stage: Stage, op: ChunkOp, sizes: &Sizes) -> i64 {
 /// The plan for one monomer pass of `sizes` whose peak, on top of `fixed` bytes already alive,
 /// stays within `budget` bytes; an error saying what the leanest plan needs when none does.
 pub fn plan(cfg: &EvoformerConfig, model: &ModelConfig, sizes: Sizes, fixed: u64, budget: u64) -> Result<Plan, String> {
-    let peak = |chunks: &ChunkPlan| pass_peak(cfg, model, sizes, chunks);
-    let mut plan = search(KEYS, &sizes, fixed, budget, peak)?;
-    // Not profiled: the template pair stack (narrower than the pair) takes the Evoformer's
-    // pair sizes, the template pointwise attention the structure module's row size.
-    let mut chunks = plan.chunks;
-    for op in [ChunkOp::TriangleMultiplication, ChunkOp::TriangleAttention, ChunkOp::PairTransition] {
-        let size = chunks.get(Stage::Evoformer, op);
-        chunks = chunks.with(Stage::Templates, op, size);
-    }
-    let size = chunks.get(Stage::Outer, ChunkOp::StructureAttention);
-    chunks = chunks.with(Stage::Outer, ChunkOp::TemplatePointwise, size);
-    plan.pass = peak(&chunks);
-    plan.chunks = chunks;
-    Ok(plan)
+    let templated = model.templates.is_some() && sizes.templates > 0;
+    let keys = if templated { TEMPLATED_KEYS } else { KEYS };
+    search(keys, &sizes, fixed, budget, |chunks| pass_peak(cfg, model, sizes, chunks))
 }
 
 /// [`plan`] for one AlphaFold-Multimer pass ([`multimer_pass_peak`]), the template pair stack

@@ -5,21 +5,26 @@
 //! no-grad forward does ([`crate::model::layers::Stream`]); the kernels are libtorch's
 //! compositions on one rank. `tests/memory.rs` checks the peak against the CPU allocator's.
 //!
-//! Assumed: no template features (a query without template hits), and MSA and extra-MSA rows
-//! without fully-masked padding (the stacks leave those out anyway).
+//! Assumed: MSA and extra-MSA rows and templates without fully-masked padding (the stacks
+//! leave those out anyway).
 use crate::memory::{Buf, Trace};
-use crate::model::config::{EvoformerConfig, ModelConfig, StructureConfig};
+use crate::model::config::{EvoformerConfig, ModelConfig, StructureConfig, TemplateConfig};
 use crate::model::exec::{ChunkOp, ChunkPlan, Stage};
+use crate::model::templates::{ANGLE_FEATURES, DGRAM_BINS, PAIR_FEATURES};
 
 /// The sizes of one pass.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Sizes {
     /// Residues N.
     pub residues: i64,
-    /// MSA rows the Evoformer runs (the clusters; single-sequence mode: 1).
+    /// MSA rows the Evoformer runs (the clusters; single-sequence mode: 1). The monomer's
+    /// Evoformer runs the templates' rows beside them when its parameters embed the templates'
+    /// torsion angles; AlphaFold-Multimer's count them here.
     pub msa_rows: i64,
     /// Extra-MSA rows the extra-MSA stack runs (at least 1).
     pub extra_rows: i64,
+    /// Templates through the template stack (0: none, or parameters without one).
+    pub templates: i64,
     /// Bytes per activation element: 4 (fp32) or 2 (bf16).
     pub elem: i64,
 }
@@ -526,12 +531,112 @@ pub(super) fn outputs(t: &mut Trace, x: &Ctx, (n, s): (i64, i64), (c_m, c_z): (i
     }
 }
 
+/// `model/templates.rs`'s `pair_feature_rows` of one template's `r` rows and their
+/// projection to `c_t` ([`PAIR_FEATURES`] channels, made in float32): the distogram (the
+/// differences, their squares and sum, two comparisons and their conjunction as bytes), the
+/// masks' outer products, the zero unit vectors, the features joined and masked.
+fn template_pair_feature_rows(t: &mut Trace, r: i64, n: i64, c_t: i64, e: i64) -> Buf {
+    let plane = r * n * 4;
+    let diff = t.alloc(plane * 3);
+    let squared = t.alloc(plane * 3);
+    let d2 = t.alloc(plane);
+    t.free(squared);
+    let compared = [0; 3].map(|_| t.alloc(r * n * DGRAM_BINS));
+    let dgram = t.alloc(plane * DGRAM_BINS);
+    t.free_all(compared);
+    t.free_all([diff, d2]);
+    let (pb_mask, backbone, unit) = (t.alloc(plane), t.alloc(plane), t.alloc(plane * 3));
+    let joined = t.alloc(plane * PAIR_FEATURES);
+    let masked = t.alloc(plane * PAIR_FEATURES);
+    t.free_all([joined, dgram, pb_mask, backbone, unit]);
+    // In bf16 the features are converted before the projection.
+    let features = match e {
+        4 => masked,
+        _ => {
+            let converted = t.alloc(r * n * PAIR_FEATURES * e);
+            t.free(masked);
+            converted
+        }
+    };
+    let out = t.alloc(r * n * c_t * e);
+    t.free(features);
+    out
+}
+
+/// `model/templates.rs`'s `Templates::add_pair_update` and `msa_rows` on the pair [n, n, c_z]:
+/// each of `count` templates embedded [`ChunkOp::PairEmbedding`] rows at a time, through the
+/// pair stack in place (AlphaFold's monomer order: the triangle attentions first) and
+/// normalised into the templates' stack [count, n, n, c_t]; the pointwise attention of the
+/// pair over them, pair rows at a time (its keys and values a copy of the chunk's templates
+/// each, laid out again for the products), added in place. Returns the templates' MSA rows
+/// [count, n, c_m] when the parameters embed their torsion angles.
+fn templates(t: &mut Trace, x: &Ctx, count: i64, n: i64, (c_m, c_z): (i64, i64), c: &TemplateConfig) -> Option<Buf> {
+    let (e, c_t) = (x.e, c.c_t);
+    let stack = chunked(t, count, Some(1), n * n * c_t * e, |t, _| {
+        t.at("template embedding");
+        let embedded = chunked(t, n, x.chunk(ChunkOp::PairEmbedding), n * c_t * e, |t, r| {
+            template_pair_feature_rows(t, r, n, c_t, e)
+        });
+        t.at("template pair stack");
+        for starting in [true, false] {
+            let widths = (c_t, c.pair_heads, c.pair_head_dim);
+            biased_attention(t, x, ChunkOp::TriangleAttention, n, (n, c_t), widths, starting);
+        }
+        for outgoing in [true, false] {
+            triangle_multiplication(t, x, n, c_t, c.tri_mul_channels, outgoing);
+        }
+        transition(t, x, n, n, c_t, c.transition_factor, ChunkOp::PairTransition);
+        let out = layer_norm(t, n * n, c_t, e, true);
+        t.free(embedded);
+        out
+    });
+    t.at("template pointwise attention");
+    let hd = c.attention_heads * c.attention_head_dim;
+    let stage = Ctx { stage: Stage::Outer, ..*x };
+    residual(t, n, stage.chunk(ChunkOp::TemplatePointwise), |t, r| {
+        let q = t.alloc(r * n * hd * e);
+        let scaled = t.alloc(r * n * hd * e);
+        t.free(q);
+        let [k, v] = [0; 2].map(|_| {
+            let copy = t.alloc(count * r * n * c_t * e);
+            let y = t.alloc(count * r * n * hd * e);
+            t.free(copy);
+            y
+        });
+        let kc = t.alloc(count * r * n * hd * e);
+        let logits = t.alloc(r * n * c.attention_heads * count * e);
+        t.free(kc);
+        let biased = t.alloc(r * n * c.attention_heads * count * e);
+        let weights = t.alloc(r * n * c.attention_heads * count * e);
+        t.free_all([logits, biased]);
+        let vc = t.alloc(count * r * n * hd * e);
+        let avg = t.alloc(r * n * hd * e);
+        t.free_all([vc, weights, scaled, k, v]);
+        let projected = t.alloc(r * n * c_z * e);
+        let out = t.alloc(r * n * c_z * e);
+        t.free(projected);
+        let gated = t.alloc(r * n * c_z * e);
+        t.free_all([out, avg]);
+        gated
+    });
+    t.free(stack);
+    c.torsion_angles.then(|| {
+        t.at("template rows");
+        let features = t.alloc(count * n * ANGLE_FEATURES * 4);
+        let embedded = t.alloc(count * n * c_m * e);
+        t.free(features);
+        let rows = t.alloc(count * n * c_m * e);
+        t.free(embedded);
+        rows
+    })
+}
+
 /// The peak of live bytes of one no-grad pass ([`crate::model::alphafold::AlphaFold::pass_owned`])
 /// on one rank with the compositions of libtorch, from its start (the previous pass's outputs
 /// alive: they are given up to it) to its end, under `plan`.
 pub fn pass_peak(cfg: &EvoformerConfig, model: &ModelConfig, sizes: Sizes, plan: &ChunkPlan) -> Peak {
     let mut t = Trace::new();
-    let Sizes { residues: n, msa_rows: s, extra_rows, elem: e } = sizes;
+    let Sizes { residues: n, msa_rows: s, extra_rows, elem: e, templates: count } = sizes;
     let (c_m, c_z) = (cfg.c_m, cfg.c_z);
     let mut x = Ctx { e, plan, stage: Stage::Outer };
     t.at("recycled inputs");
@@ -546,6 +651,19 @@ pub fn pass_peak(cfg: &EvoformerConfig, model: &ModelConfig, sizes: Sizes, plan:
         t.free(b);
     }
     let pair_mask = t.alloc(n * n * e);
+    // The Evoformer's rows: the MSA's, then the templates' joined to them.
+    let (mut msa, mut rows) = (msa, s);
+    if let (Some(c), true) = (&model.templates, count > 0) {
+        x.stage = Stage::Templates;
+        let template_rows = templates(&mut t, &x, count, n, (c_m, c_z), c);
+        x.stage = Stage::Outer;
+        if let Some(template_rows) = template_rows {
+            rows += count;
+            let joined = t.alloc(rows * n * c_m * e);
+            t.free_all([msa, template_rows]);
+            msa = joined;
+        }
+    }
     if cfg.num_extra_blocks > 0 {
         t.at("extra-MSA embedder");
         let rows = extra_rows.max(1);
@@ -557,26 +675,33 @@ pub fn pass_peak(cfg: &EvoformerConfig, model: &ModelConfig, sizes: Sizes, plan:
     }
     x.stage = Stage::Evoformer;
     if cfg.num_blocks > 0 {
-        block(&mut t, &x, cfg, s, n, false);
+        block(&mut t, &x, cfg, rows, n, false);
     }
     x.stage = Stage::Outer;
+    // The heads read the MSA's own rows (a view of the stack's output).
     outputs(&mut t, &x, (n, s), (c_m, c_z), model);
     t.free_all([pair_mask, msa, pair]);
     Peak { bytes: t.peak(), at: t.peak_at() }
 }
 
-/// The sizes a pass of `features` (recycling slice 0) runs at in `kind`: its residues, and
-/// the MSA and extra-MSA rows with an unmasked entry (the rows the stacks run).
+/// The sizes a pass of `features` (recycling slice 0) runs at in `kind`: its residues, the
+/// MSA and extra-MSA rows with an unmasked entry (the rows the stacks run), and its real
+/// templates (those the template stack runs).
 pub fn sizes_of(features: &crate::features::Features, kind: tch::Kind) -> tch::Result<Sizes> {
     let real_rows = |mask: &tch::Tensor| -> tch::Result<i64> {
         let m = mask.f_select(0, 0)?;
         m.f_ne(0.0)?.f_any_dim(1, false)?.f_sum(tch::Kind::Int64)?.f_int64_value(&[])
+    };
+    let templates = match &features.templates {
+        Some(t) => t.mask.f_select(0, 0)?.f_ne(0.0)?.f_sum(tch::Kind::Int64)?.f_int64_value(&[])?,
+        None => 0,
     };
     Ok(Sizes {
         residues: features.aatype.size()[1],
         msa_rows: real_rows(&features.msa_mask)?.max(1),
         extra_rows: real_rows(&features.extra_msa_mask)?.max(1),
         elem: kind.elt_size_in_bytes() as i64,
+        templates,
     })
 }
 

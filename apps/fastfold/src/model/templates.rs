@@ -24,7 +24,7 @@ use tch::{Kind, Tensor};
 
 use crate::features::TemplateFeatures;
 use crate::model::config::TemplateConfig;
-use crate::model::embedders::distance_one_hot;
+use crate::model::embedders::distance_one_hot_between;
 use crate::model::exec::{ChunkOp, Exec, Stage};
 use crate::model::keys::{EMBEDDINGS, PAIR_STACK, SINGLE_TEMPLATE, TEMPLATE_EMBEDDING};
 use crate::model::layers::{chunked, LayerNorm, Linear, Stream};
@@ -36,7 +36,7 @@ use crate::model::{ensure, Result};
 use crate::residue_constants::Tables;
 
 /// Pseudo-beta distogram of a template (`dgram_features`).
-const DGRAM_BINS: i64 = 39;
+pub const DGRAM_BINS: i64 = 39;
 const DGRAM_MIN: f64 = 3.25;
 const DGRAM_MAX: f64 = 50.75;
 /// Template pair features: distogram, pseudo-beta mask, two residue one-hots (22), unit
@@ -204,6 +204,12 @@ pub fn angle_features(t: &TemplateFeatures) -> Result<(Tensor, Tensor)> {
 
 /// The [T, N, N, 88] pair features of one recycling slice's templates ([`PAIR_FEATURES`]).
 pub fn pair_features(t: &TemplateFeatures) -> Result<Tensor> {
+    pair_feature_rows(t, 0, t.aatype.size().get(1).copied().unwrap_or(0))
+}
+
+/// Rows `[start, start + rows)` of [`pair_features`]: [T, rows, N, 88]. Every feature of an
+/// entry (i, j) is made from residues i and j alone, so rows made apart equal the whole's.
+pub fn pair_feature_rows(t: &TemplateFeatures, start: i64, rows: i64) -> Result<Tensor> {
     let size = t.aatype.size();
     ensure!(size.len() == 2, "template_aatype: expected shape [templates, residues], found {size:?}");
     let (templates, n) = (size[0], size[1]);
@@ -217,18 +223,21 @@ pub fn pair_features(t: &TemplateFeatures) -> Result<Tensor> {
     for (what, x, want) in checks {
         ensure!(x.size() == want, "{what}: expected shape {want:?}, found {:?}", x.size());
     }
-    let outer = |m: &Tensor| -> Result<Tensor> { Ok(m.f_unsqueeze(-1)?.f_mul(&m.f_unsqueeze(-2)?)?) };
+    // Residue i's side of an entry: the rows' own slice of a per-residue array.
+    let row_side = |x: &Tensor| x.f_narrow(1, start, rows);
+    let outer = |m: &Tensor| -> Result<Tensor> { Ok(row_side(m)?.f_unsqueeze(-1)?.f_mul(&m.f_unsqueeze(-2)?)?) };
     let float = |x: &Tensor| x.f_to_kind(Kind::Float);
-    let dgram = distance_one_hot(&float(&t.pseudo_beta)?, DGRAM_BINS, DGRAM_MIN, DGRAM_MAX)?;
+    let pseudo_beta = float(&t.pseudo_beta)?;
+    let dgram = distance_one_hot_between(&row_side(&pseudo_beta)?, &pseudo_beta, DGRAM_BINS, DGRAM_MIN, DGRAM_MAX)?;
     let pb_mask = outer(&float(&t.pseudo_beta_mask)?)?;
     let one_hot = t.aatype.f_one_hot(22)?.f_to_kind(Kind::Float)?;
-    let shape = [templates, n, n, 22];
+    let shape = [templates, rows, n, 22];
     let aatype_j = one_hot.f_unsqueeze(1)?.f_expand(shape, false)?;
-    let aatype_i = one_hot.f_unsqueeze(2)?.f_expand(shape, false)?;
+    let aatype_i = row_side(&one_hot)?.f_unsqueeze(2)?.f_expand(shape, false)?;
     let masks = float(&t.all_atom_masks)?;
     let backbone = masks.f_select(-1, 0)?.f_mul(&masks.f_select(-1, 1)?)?.f_mul(&masks.f_select(-1, 2)?)?;
     let backbone = outer(&backbone)?.f_unsqueeze(-1)?;
-    let unit_vector = Tensor::f_zeros([templates, n, n, 3], (Kind::Float, t.aatype.device()))?;
+    let unit_vector = Tensor::f_zeros([templates, rows, n, 3], (Kind::Float, t.aatype.device()))?;
     let features = Tensor::f_cat(
         &[
             dgram.f_to_kind(Kind::Float)?,
@@ -427,9 +436,14 @@ impl Templates {
         let mask = pair_mask.f_to_kind(kind)?;
         chunked(t.aatype.size()[0], Some(1), |i, _| {
             let one = t.map(|x| x.narrow(0, i, 1));
-            let features = pair_features(&one)?.f_to_kind(kind)?.f_squeeze_dim(0)?;
-            let mut x = Stream::new(self.embedding2d.forward(&features)?, true);
-            drop(features);
+            // The features a chunk of rows at a time: at 88 channels, wider than the stack's,
+            // they would be the largest buffer of a long query's templates whole.
+            let rows = one.aatype.size()[1];
+            let embedded = chunked(rows, exec.chunk_for(ChunkOp::PairEmbedding), |start, n| {
+                let features = pair_feature_rows(&one, start, n)?.f_to_kind(kind)?.f_squeeze_dim(0)?;
+                self.embedding2d.forward(&features)
+            })?;
+            let mut x = Stream::new(embedded, true);
             for block in &self.blocks {
                 block.run(&mut x, &mask, &exec)?;
             }
