@@ -464,6 +464,7 @@ fn validating_complexes_repeats_and_equals_the_training_forward() {
     assert_ne!(crop_record.val_loss, record.val_loss, "cropping changed nothing");
     let (losses, _) = train_loss(Some(16));
     let want = mean(&losses);
+    eprintln!("training forward on the crops: losses {losses:?}, mean {want}");
     assert!(
         close(crop_record.val_loss, want),
         "cropped validation loss {}, training forward {want}",

@@ -15,7 +15,8 @@
 //! no residue type over 80% of them. Entries are drawn over the run as chains are
 //! ([`super::loader::schedule`], `openfold` sampling weighing the complex's length), each
 //! data-parallel replica taking its share of the stream ([`Shard`]), and read ahead on a
-//! thread pool.
+//! thread pool. Validation reads held-out complexes by the same selection and reading
+//! ([`select_complexes_as`], [`LoadedComplex::read`]; [`crate::validation`]).
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
