@@ -27,9 +27,10 @@
 //! The optimiser recipe is AlphaFold's by default ([`TrainArgs`]); `--save-every` writes
 //! checkpoints ([`crate::checkpoint`]) and `--resume` continues from the latest, on any number
 //! of ranks with the same global batch, so that a resumed run repeats the uninterrupted one.
-//! With `--val-mmcif-dir` and `--val-alignment-dir` it validates on held-out chains every
-//! `--val-every` steps and after the last, with the weights' moving average
-//! ([`crate::validation`]): lDDT-Cα and the loss terms in the step's log record.
+//! With `--val-mmcif-dir` and `--val-alignment-dir` it validates on held-out chains (complexes,
+//! with AlphaFold-Multimer's parameters) every `--val-every` steps and after the last, with the
+//! weights' moving average ([`crate::validation`], [`Trainer::evaluate`]): lDDT-Cα and the loss
+//! terms in the step's log record.
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -44,6 +45,7 @@ use crate::checkpoint::{self, Saved, TrainerState};
 use crate::complex_crop::CropKind;
 use crate::features::Features;
 use crate::input::{ChunkArgs, InputArgs};
+use crate::jax_random::Key;
 use crate::loss::multimer_total::MultimerLossConfig;
 use crate::loss::{clamped_fape_at, total_loss, LossConfig, LossInputs, MaskedMsaTarget, StepLoss, TrainingStage};
 use crate::model::alphafold::AlphaFold;
@@ -324,6 +326,16 @@ impl<F> Copy for Example<'_, F> {}
 /// ([`crate::train_complex::TrainingComplex`]), or an example's crop of them.
 pub type ComplexExample<'a> = Example<'a, MultimerInputs>;
 
+/// One example as [`Trainer::evaluate`] scores it, of the network the trainer holds: a
+/// monomer's chain or AlphaFold-Multimer's complex.
+#[derive(Clone, Copy)]
+pub enum EvalExample<'a> {
+    /// A chain's processed features (their MSA sampled when prepared).
+    Chain(Example<'a>),
+    /// A complex (its MSA sampled inside the network, keyed by its number).
+    Complex(ComplexExample<'a>),
+}
+
 /// The network a trainer trains, by its parameters: AlphaFold-Multimer's when they hold its
 /// relative chain encoding, else the monomer's.
 enum Network {
@@ -529,12 +541,16 @@ impl Trainer {
         let Network::Multimer(model) = &self.model else {
             bail!("a complex trains AlphaFold-Multimer's parameters; these are a monomer model's")
         };
-        // The run's key (`network_key`, as predict draws from a seed) folded with the example's
-        // number: each example samples its own MSA rows and masks.
-        let key = network_key(self.seed).fold_in(e.number as u32);
-        let (pass, sampled) = model.train_forward(e.features, e.recycles, key, exec)?;
-        let (total, terms) = complex_losses(&pass, &sampled, e.features, e.target, &self.multimer_loss)?;
-        self.backward_share(Losses { total, terms })
+        let (pass, sampled) = model.train_forward(e.features, e.recycles, self.example_key(e.number), exec)?;
+        let l = complex_losses(&pass, &sampled, e.features, e.target, &self.multimer_loss)?;
+        self.backward_share(Losses { total: l.total, terms: l.terms })
+    }
+
+    /// The key AlphaFold-Multimer's network samples example `number`'s MSA from: the run's key
+    /// (`network_key`, as predict draws from a seed) folded with the number, so that each
+    /// example samples its own rows and masks, the same on every rank and in every run.
+    fn example_key(&self, number: u64) -> Key {
+        network_key(self.seed).fold_in(number as u32)
     }
 
     /// [`Trainer::accumulate_complex`] on example `number` of `complex` (its crop for that
@@ -547,12 +563,8 @@ impl Trainer {
         number: u64,
         exec: &Exec,
     ) -> anyhow::Result<CropKind> {
-        let cropped = complex.cropped(self.seed, number)?;
-        let (features, target, kind) = match &cropped {
-            Some((features, target, kind)) => (features, target, *kind),
-            None => (&complex.inputs, &complex.target, CropKind::Whole),
-        };
-        self.accumulate_complex(&ComplexExample { features, target, recycles, number }, exec)?;
+        let seed = self.seed;
+        let (_, kind) = complex.with_example(seed, recycles, number, |e| self.accumulate_complex(e, exec))?;
         Ok(kind)
     }
 
@@ -643,24 +655,32 @@ impl Trainer {
         Ok(out)
     }
 
-    /// lDDT-Cα of the last of `recycles + 1` passes on `features` against `target`, and the
-    /// loss terms (backbone FAPE clamped), without gradients, with the weights in the model
-    /// now (see [`Trainer::with_evaluated_weights`]).
-    pub fn evaluate(
-        &self,
-        features: &Features,
-        target: &Target,
-        recycles: usize,
-        exec: &Exec,
-    ) -> anyhow::Result<(f64, StepLoss)> {
-        let Network::Monomer(model) = &self.model else {
-            bail!("evaluating AlphaFold-Multimer's parameters is not supported yet (validation runs monomer chains)")
-        };
-        tch::no_grad(|| {
-            let pass = model.predict(features, recycles, self.kind, exec)?;
-            let losses = losses(&pass, features, recycles, target, &self.loss, true)?;
-            let lddt = crate::loss::lddt_ca(&pass.structure.atom37, &target.truth)?.double_value(&[]);
-            Ok((lddt, losses.terms))
+    /// lDDT-Cα of the last of the example's `recycles + 1` passes against its target, and the
+    /// loss terms, without gradients, with the weights in the model now (see
+    /// [`Trainer::with_evaluated_weights`]). A chain: the monomer's forward and loss, backbone
+    /// FAPE clamped. A complex: the forward and loss that train it
+    /// ([`Trainer::accumulate_complex`]: every recycle run, the MSA sampled from the key of the
+    /// trainer's seed and the example's number), lDDT-Cα over all its chains against the truth
+    /// as the chain permutation alignment laid it out.
+    pub fn evaluate(&self, example: &EvalExample, exec: &Exec) -> anyhow::Result<(f64, StepLoss)> {
+        tch::no_grad(|| match (&self.model, example) {
+            (Network::Monomer(model), EvalExample::Chain(e)) => {
+                let pass = model.predict(e.features, e.recycles, self.kind, exec)?;
+                let losses = losses(&pass, e.features, e.recycles, e.target, &self.loss, true)?;
+                let lddt = crate::loss::lddt_ca(&pass.structure.atom37, &e.target.truth)?.double_value(&[]);
+                Ok((lddt, losses.terms))
+            }
+            (Network::Multimer(model), EvalExample::Complex(e)) => {
+                let (pass, sampled) = model.train_forward(e.features, e.recycles, self.example_key(e.number), exec)?;
+                let l = complex_losses(&pass, &sampled, e.features, e.target, &self.multimer_loss)?;
+                Ok((l.lddt_ca(&pass, e.target)?, l.terms))
+            }
+            (Network::Monomer(_), EvalExample::Complex(_)) => {
+                bail!("a complex is evaluated with AlphaFold-Multimer's parameters; these are a monomer model's")
+            }
+            (Network::Multimer(_), EvalExample::Chain(_)) => {
+                bail!("these are AlphaFold-Multimer's parameters: they evaluate complexes, not a monomer's chain")
+            }
         })
     }
 
@@ -778,9 +798,12 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
     let first = trainer.steps() + 1;
     let (input, seed) = (&args.input, args.input.seed.seed);
     let pipeline = args.data.pipeline(args.config_preset, input.max_msa_clusters, input.max_extra_msa, seed)?;
-    let validation = Validation::open(&args.val, &args.data, &pipeline, device)?;
+    let validation = match multimer {
+        true => Validation::open_complexes(&args.val, &args.data, seed, device)?,
+        false => Validation::open(&args.val, &args.data, &pipeline, device)?,
+    };
     if let (0, Some(v), false) = (world.rank(), &validation, args.job.quiet) {
-        println!("{} validation chains, {} recycles", v.len(), args.val.val_recycles);
+        println!("{} validation {}, {} recycles", v.len(), v.what(), args.val.val_recycles);
     }
     let mut examples = match multimer {
         true => Examples::complex(args, device, world, shard, first as u64)?,
@@ -844,7 +867,7 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
         // Every rank validates, so that the model's collectives meet: see crate::validation.
         let val = match &validation {
             Some(v) if v.due(step, args.steps) => {
-                Some(trainer.with_evaluated_weights(|| v.run(|f, t, r| trainer.evaluate(f, t, r, &exec)))??)
+                Some(trainer.with_evaluated_weights(|| v.run(|e| trainer.evaluate(e, &exec)))??)
             }
             _ => None,
         };
@@ -867,10 +890,15 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
                  grad norm {:.3}  {:.2} s",
                 args.steps, l.loss, l.fape, l.distogram, l.masked_msa, l.violation, entry.grad_norm, entry.seconds
             );
-            if let Some(v) = &entry.val {
+            if let (Some(v), Some(set)) = (&entry.val, &validation) {
                 println!(
-                    "validation after step {step}: {} chains  lDDT-Ca {:.4}  loss {:.4}  fape {:.4}  distogram {:.4}",
-                    v.val_chains, v.val_lddt_ca, v.val_loss, v.val_fape, v.val_distogram
+                    "validation after step {step}: {} {}  lDDT-Ca {:.4}  loss {:.4}  fape {:.4}  distogram {:.4}",
+                    v.val_chains,
+                    set.what(),
+                    v.val_lddt_ca,
+                    v.val_loss,
+                    v.val_fape,
+                    v.val_distogram
                 );
             }
         }
@@ -1041,9 +1069,6 @@ fn check_complex_args(args: &TrainArgs, world: &World) -> anyhow::Result<()> {
         |flag: &str, what: &str| anyhow::anyhow!("{flag}: {what} is not supported yet for AlphaFold-Multimer");
     if args.data.chain_data_cache.is_some() {
         return Err(not_yet("--chain-data-cache", "the chain data cache (each complex's entry is read)"));
-    }
-    if args.val.val_mmcif_dir.is_some() || args.val.val_alignment_dir.is_some() {
-        return Err(not_yet("--val-mmcif-dir, --val-alignment-dir", "validation"));
     }
     let given = [
         ("--msa", args.input.msa.is_some(), "one MSA (a complex takes its chains' alignments with --msas)"),

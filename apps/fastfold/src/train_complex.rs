@@ -11,6 +11,7 @@ use anyhow::{bail, Context};
 use tch::{Device, Kind, Tensor};
 
 use crate::complex_crop::{crop_inputs, ComplexCrop, CropKind};
+use crate::ground_truth::GroundTruth;
 use crate::loss::multimer_total::{multimer_total_loss, ComplexLossInputs, MultimerLossConfig, WholeChains};
 use crate::loss::{MaskedMsaTarget, StepLoss};
 use crate::model::alphafold::Pass;
@@ -18,6 +19,7 @@ use crate::model::multimer::{MultimerInputs, SampledMsa};
 use crate::multimer::{search, Complex, EntityInput};
 use crate::pdb::Structure;
 use crate::search::{Mode, Search};
+use crate::train::ComplexExample;
 use crate::train_target::Target;
 
 /// The complex of `fasta`'s records and its true structure in `target`, the features on
@@ -141,6 +143,24 @@ impl TrainingComplex {
         target.whole_chains = Some((self.inputs.asym_id.shallow_clone(), self.inputs.entity_id.shallow_clone()));
         Ok(Some((inputs, target, kind)))
     }
+    /// `f` on example `number` of the complex under a run seeded `seed`, `recycles` passes
+    /// before the last: its crop for that number ([`TrainingComplex::cropped`]) or the whole
+    /// complex; returns what `f` does and the crop taken. Training and validation both make a
+    /// complex's examples here, so that a validation crop is the crop training would draw.
+    pub fn with_example<T>(
+        &self,
+        seed: u64,
+        recycles: usize,
+        number: u64,
+        f: impl FnOnce(&ComplexExample) -> anyhow::Result<T>,
+    ) -> anyhow::Result<(T, CropKind)> {
+        let cropped = self.cropped(seed, number)?;
+        let (features, target, kind) = match &cropped {
+            Some((features, target, kind)) => (features, target, *kind),
+            None => (&self.inputs, &self.target, CropKind::Whole),
+        };
+        Ok((f(&ComplexExample { features, target, recycles, number })?, kind))
+    }
 }
 
 /// A per-residue id array's values.
@@ -163,18 +183,39 @@ pub fn saved_alignments(complex: &Complex, msas: &Path) -> anyhow::Result<Vec<En
         .with_context(|| format!("--msas {}", msas.display()))
 }
 
-/// Multimer's loss of the training forward's last `pass` and its `sampled` MSA on the complex of
-/// `features` against `target` with `cfg`'s weights: the total, for backward, and every term's
-/// value. The log's `fape` is
-/// Multimer's `bb_loss` (intra-chain plus interface backbone FAPE, averaged over the
-/// iterations); nothing is drawn for clamping (`clamped` false).
+/// Multimer's loss of one forward on a complex.
+pub struct ComplexLosses {
+    /// The weighted sum, for backward.
+    pub total: Tensor,
+    /// Every term's value.
+    pub terms: StepLoss,
+    /// The truth as the loss compared it, when not the target's as given
+    /// ([`crate::loss::multimer_total::MultimerTotalLoss::aligned_truth`]).
+    aligned_truth: Option<GroundTruth>,
+}
+
+impl ComplexLosses {
+    /// lDDT-Cα of `pass`'s prediction against the truth as the loss compared it: each predicted
+    /// chain against the true copy the chain permutation alignment gave it (the target's chain
+    /// order is arbitrary among copies), and a crop against the same residues of the truth.
+    pub fn lddt_ca(&self, pass: &Pass, target: &Target) -> anyhow::Result<f64> {
+        let truth = self.aligned_truth.as_ref().unwrap_or(&target.truth);
+        Ok(crate::loss::lddt_ca(&pass.structure.atom37, truth)?.double_value(&[]))
+    }
+}
+
+/// Multimer's loss of a forward's last `pass` and its `sampled` MSA on the complex of
+/// `features` against `target` with `cfg`'s weights: the total, for backward, every term's
+/// value and the truth it compared with. The log's `fape` is Multimer's `bb_loss` (intra-chain
+/// plus interface backbone FAPE, averaged over the iterations); nothing is drawn for clamping
+/// (`clamped` false).
 pub fn complex_losses(
     pass: &Pass,
     sampled: &SampledMsa,
     features: &MultimerInputs,
     target: &Target,
     cfg: &MultimerLossConfig,
-) -> anyhow::Result<(Tensor, StepLoss)> {
+) -> anyhow::Result<ComplexLosses> {
     let device = pass.structure.atom37.device();
     let f = features;
     let on = |t: &Tensor| t.to_device(device);
@@ -196,5 +237,5 @@ pub fn complex_losses(
     let s = &l.structure;
     let structure = [&s.backbone, &s.sidechain_fape, &s.chi_loss, &s.angle_norm_loss, &s.violation];
     let terms = StepLoss::of(&l.total, structure, false, &l.heads);
-    Ok((l.total, terms))
+    Ok(ComplexLosses { total: l.total, terms, aligned_truth: l.aligned_truth })
 }

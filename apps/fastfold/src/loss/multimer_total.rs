@@ -94,6 +94,10 @@ pub struct MultimerTotalLoss {
     /// For each predicted chain, the true chain it was compared with (indices into the chains
     /// in residue order).
     pub assignment: Vec<usize>,
+    /// The truth as compared, when it is not `inputs.truth` as given: its chains in the
+    /// prediction's order and, for a crop, the crop's residues (what a metric such as lDDT
+    /// compares the prediction with).
+    pub aligned_truth: Option<GroundTruth>,
 }
 
 /// Multimer's training loss of the structure module's output `structure` and the heads'
@@ -104,8 +108,8 @@ pub fn multimer_total_loss(
     inputs: &ComplexLossInputs,
     cfg: &MultimerLossConfig,
 ) -> Result<MultimerTotalLoss> {
-    let (truth, assignment) = aligned_truth(structure, inputs)?;
-    let truth = truth.as_ref().unwrap_or(inputs.truth);
+    let (aligned, assignment) = aligned_truth(structure, inputs)?;
+    let truth = aligned.as_ref().unwrap_or(inputs.truth);
     let s = multimer_structure_loss(
         structure,
         truth,
@@ -116,7 +120,7 @@ pub fn multimer_total_loss(
     )?;
     let h = head_losses(heads, structure, &inputs.msa, truth, inputs.resolution, &cfg.heads)?;
     let total = s.loss.f_mul_scalar(cfg.structure_weight)?.f_add(&h.loss)?;
-    Ok(MultimerTotalLoss { total, structure: s, heads: h, assignment })
+    Ok(MultimerTotalLoss { total, structure: s, heads: h, assignment, aligned_truth: aligned })
 }
 
 /// The truth with its chains in the prediction's order (none when that is the order it has)

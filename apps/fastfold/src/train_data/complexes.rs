@@ -15,7 +15,8 @@
 //! no residue type over 80% of them. Entries are drawn over the run as chains are
 //! ([`super::loader::schedule`], `openfold` sampling weighing the complex's length), each
 //! data-parallel replica taking its share of the stream ([`Shard`]), and read ahead on a
-//! thread pool.
+//! thread pool. Validation reads held-out complexes by the same selection and reading
+//! ([`select_complexes_as`], [`LoadedComplex::read`]; [`crate::validation`]).
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -83,13 +84,23 @@ pub type ComplexSelection = Selection<ComplexEntry>;
 /// read: each named entry is parsed, on the rayon pool). Errors name the entry and the chain:
 /// an entry without protein chains, a protein chain without its alignment folder or MSA files.
 pub fn select_complexes(mmcif_dir: &Path, alignment_dir: &Path, filters: &Filters) -> anyhow::Result<ComplexSelection> {
-    let flags = LayoutFlags::TRAINING;
+    select_complexes_as(mmcif_dir, alignment_dir, filters, &LayoutFlags::TRAINING)
+}
+
+/// [`select_complexes`] for a layout that `flags` name in its errors (the held-out complexes'
+/// of validation, [`LayoutFlags::VALIDATION`]).
+pub fn select_complexes_as(
+    mmcif_dir: &Path,
+    alignment_dir: &Path,
+    filters: &Filters,
+    flags: &LayoutFlags,
+) -> anyhow::Result<ComplexSelection> {
     if !mmcif_dir.is_dir() {
         bail!("{} {} is not a folder", flags.mmcif_dir, mmcif_dir.display());
     }
     let names = match &filters.train_list {
         Some(list) => list.clone(),
-        None => chain_folders(alignment_dir, &flags)?,
+        None => chain_folders(alignment_dir, flags)?,
     };
     let mut pdbs = BTreeSet::new();
     for name in &names {
@@ -99,7 +110,7 @@ pub fn select_complexes(mmcif_dir: &Path, alignment_dir: &Path, filters: &Filter
     }
     let located: Vec<(String, PathBuf)> = pdbs
         .into_iter()
-        .map(|pdb| Ok((pdb.clone(), mmcif_path(mmcif_dir, &pdb, &flags)?)))
+        .map(|pdb| Ok((pdb.clone(), mmcif_path(mmcif_dir, &pdb, flags)?)))
         .collect::<anyhow::Result<_>>()?;
     let parsed: Vec<mmcif::Mmcif> = located
         .par_iter()
@@ -108,7 +119,7 @@ pub fn select_complexes(mmcif_dir: &Path, alignment_dir: &Path, filters: &Filter
     let (mut entries, mut excluded): (Vec<ComplexEntry>, Vec<(String, usize)>) = (Vec::new(), Vec::new());
     for ((pdb, path), entry) in located.into_iter().zip(parsed) {
         if entry.chains.is_empty() {
-            bail!("entry {pdb} ({}): no protein chains to train on", path.display());
+            bail!("entry {pdb} ({}): no protein chains (a {} complex needs one)", path.display(), flags.what);
         }
         let sequence: String = entry.chains.iter().map(chain_sequence).collect();
         if let Some(why) = excluded_by(filters, entry.resolution, entry.release_date.as_deref(), &sequence) {
@@ -118,27 +129,34 @@ pub fn select_complexes(mmcif_dir: &Path, alignment_dir: &Path, filters: &Filter
         let chains = entry
             .chains
             .iter()
-            .map(|c| entry_chain(alignment_dir, &pdb, &c.id, &path))
+            .map(|c| entry_chain(alignment_dir, &pdb, &c.id, &path, flags))
             .collect::<anyhow::Result<Vec<_>>>()?;
         let length = sequence.chars().count();
         entries.push(ComplexEntry { name: pdb, mmcif: path, chains, length });
     }
     if entries.is_empty() {
-        return Err(nothing_selected("training complexes", &flags, alignment_dir, &excluded));
+        return Err(nothing_selected(&format!("{} complexes", flags.what), flags, alignment_dir, &excluded));
     }
     Ok(Selection { chains: entries, excluded })
 }
 
 /// Chain `chain` of entry `pdb` (read from `mmcif`): its folder's alignments, or an error
-/// naming the entry, the chain and the folder.
-fn entry_chain(alignment_dir: &Path, pdb: &str, chain: &str, mmcif: &Path) -> anyhow::Result<EntryChain> {
+/// naming the entry, the chain, the folder and its flag in `flags`.
+fn entry_chain(
+    alignment_dir: &Path,
+    pdb: &str,
+    chain: &str,
+    mmcif: &Path,
+    flags: &LayoutFlags,
+) -> anyhow::Result<EntryChain> {
     let folder = alignment_dir.join(format!("{pdb}_{chain}"));
     if !folder.is_dir() {
         bail!(
-            "entry {pdb} ({}): protein chain {chain} has no alignment folder {} (--alignment-dir; every protein \
-             chain of a complex needs its alignments)",
+            "entry {pdb} ({}): protein chain {chain} has no alignment folder {} ({}; every protein chain of a \
+             complex needs its alignments)",
             mmcif.display(),
-            folder.display()
+            folder.display(),
+            flags.alignment_dir
         );
     }
     let is_uniprot = |p: &PathBuf| p.file_stem().is_some_and(|s| s == UNIPROT_STEM);
@@ -175,6 +193,28 @@ pub struct LoadedComplex {
 }
 
 impl LoadedComplex {
+    /// Reads `entry` ([`load_complex`]) as example `number` of a run, with `recycles` passes
+    /// before the last; with `templates` (sampling, seed), each entity's templates drawn for
+    /// that number. Named in the log as its entry and chains (`1abc A+B`).
+    pub fn read(
+        entry: &ComplexEntry,
+        templates: Option<(&TemplateSampling, u64)>,
+        number: u64,
+        recycles: usize,
+    ) -> anyhow::Result<LoadedComplex> {
+        let (features, truth, resolution) = load_complex(entry, templates.map(|(t, seed)| (t, seed, number)))?;
+        let letters: Vec<&str> = entry.chains.iter().map(|c| c.chain.as_str()).collect();
+        Ok(LoadedComplex {
+            name: format!("{} {}", entry.name, letters.join("+")),
+            mmcif: entry.mmcif.clone(),
+            features,
+            truth,
+            resolution,
+            number,
+            recycles,
+        })
+    }
+
     /// The complex on `device`, cropped to `crop` residues per example when given.
     pub fn training(&self, crop: Option<usize>, device: Device) -> anyhow::Result<TrainingComplex> {
         let f = &self.features;
@@ -272,18 +312,8 @@ impl ComplexLoader {
         let specs = shard.stream(&acceptance, seed, first, steps)?;
         let entries = Arc::new(entries);
         let make = move |&(number, k): &(u64, usize)| -> anyhow::Result<LoadedComplex> {
-            let entry = &entries[k];
-            let (features, truth, resolution) = load_complex(entry, templates.as_ref().map(|t| (t, seed, number)))?;
-            let letters: Vec<&str> = entry.chains.iter().map(|c| c.chain.as_str()).collect();
-            Ok(LoadedComplex {
-                name: format!("{} {}", entry.name, letters.join("+")),
-                mmcif: entry.mmcif.clone(),
-                features,
-                truth,
-                resolution,
-                number,
-                recycles: sample_recycles(seed, number, max_recycles),
-            })
+            let recycles = sample_recycles(seed, number, max_recycles);
+            LoadedComplex::read(&entries[k], templates.as_ref().map(|t| (t, seed)), number, recycles)
         };
         let parallel = PARALLEL.min(workers.max(1));
         Ok(ComplexLoader(data::loader::Prefetch::new(specs, workers, parallel, PREFETCH, make)?))
