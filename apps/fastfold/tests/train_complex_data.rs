@@ -213,9 +213,12 @@ fn bad_complex_data_is_refused_by_name() {
     assert!(!out.join("params.npz").exists(), "parameters written");
 }
 
-/// OpenFold's chain data cache for the data set's chains (`entries`: (pdb, release date,
-/// resolution, chains)), written to `path`; every chain in a cluster of `cluster_size`.
-fn write_cache(path: &Path, entries: &[(&str, &str, f64, &[(&str, &str)])], cluster_size: usize) {
+/// An entry of a chain data cache: (pdb, release date, resolution, (chain, SEQRES) chains).
+type Cached<'a> = (&'a str, &'a str, f64, &'a [(&'a str, &'a str)]);
+
+/// OpenFold's chain data cache for the data set's chains (`entries`), written to `path`; every
+/// chain in a cluster of `cluster_size`.
+fn write_cache(path: &Path, entries: &[Cached], cluster_size: usize) {
     let mut cache = serde_json::Map::new();
     for (pdb, date, resolution, chains) in entries {
         for (chain, seq) in chains.iter() {
@@ -230,7 +233,7 @@ fn write_cache(path: &Path, entries: &[(&str, &str, f64, &[(&str, &str)])], clus
 }
 
 /// The data set's three entries in a chain data cache, at 2 Å.
-const CACHED: [(&str, &str, f64, &[(&str, &str)]); 3] =
+const CACHED: [Cached; 3] =
     [("1het", "2010-01-01", 2.0, HETERO), ("2hom", "2012-01-01", 2.0, HOMO), ("3one", "2014-01-01", 2.0, ONE)];
 
 /// With a chain data cache the complexes are selected from it without parsing an entry: the
