@@ -56,7 +56,7 @@ use crate::model::multimer::{
 use crate::model::{Exec, Params, EVOFORMER, EXTRA_MSA};
 use crate::multimer::args::{ModelPreset, MultimerArgs};
 use crate::pdb::{read_resolution, Structure};
-use crate::train_complex::{complex_losses, TrainingComplex};
+use crate::train_complex::{complex_losses, ComplexSource, TrainingComplex};
 use crate::train_data::args::TrainDataArgs;
 use crate::train_data::complexes::{select_complexes, ComplexLoader};
 use crate::train_data::layout;
@@ -73,6 +73,7 @@ use crate::validation::{ValArgs, ValResult, Validation};
 /// 50000 --decay-factor 0.95 --decay-after 50000 --clip-grad 0.1 --ema-decay 0.999`.
 #[derive(clap::Args, Debug, Clone)]
 #[command(
+    group(clap::ArgGroup::new("template_source").args(["data_dir", "mmcif_dir", "msas"]).multiple(true)),
     mut_arg("lr", |a| a.help("Peak learning rate (AlphaFold: 1e-3)")),
     mut_arg("warmup", |a| a.default_value("1000").help("Linear warm-up steps from 0 to --lr (AlphaFold: 1000)")),
     mut_arg("decay", |a| a.default_value("step").help("Decay after warm-up (AlphaFold: step)")),
@@ -98,7 +99,8 @@ pub struct TrainArgs {
     /// A complex's saved alignments (AlphaFold-Multimer): the `msas/` folder `fastfold predict`
     /// writes for it (`<out>/<name>/msas`), one folder per entity's first chain (`A/`, `B/`, ...)
     /// with its alignments (and `uniprot_hits.sto` for distinct chains), read as
-    /// `--use-precomputed-msas` reads them (default: each chain on its sequence alone).
+    /// `--use-precomputed-msas` reads them (default: each chain on its sequence alone). With
+    /// --template-mmcif-dir each example draws templates from the `.hhr` hits of those folders.
     #[arg(long, value_name = "DIR", conflicts_with_all = ["msa", "features"])]
     pub msas: Option<PathBuf>,
     /// `multimer`: train AlphaFold-Multimer on a complex, the FASTA file's records its chains
@@ -832,6 +834,12 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
                     trainer.accumulate_cropped(c, args.recycles, number, &exec)?;
                     continue;
                 }
+                Examples::ComplexDrawingTemplates(source, resolution) => {
+                    recycles.get_or_insert(args.recycles);
+                    let c = source.training(*resolution, args.data.crop_size, (seed, number), device)?;
+                    trainer.accumulate_cropped(&c, args.recycles, number, &exec)?;
+                    continue;
+                }
                 Examples::Complexes { loader } => {
                     let waited = Instant::now();
                     let loaded = loader.next_complex()?;
@@ -967,6 +975,9 @@ enum Examples {
     /// A complex (the FASTA file's records) and its --target, every step (cropped per example
     /// with --crop-size).
     Complex(Box<TrainingComplex>),
+    /// The same drawing its templates per example (--template-mmcif-dir): each example's
+    /// features made anew from the complex read once, at the target's resolution.
+    ComplexDrawingTemplates(Box<ComplexSource>, f64),
     /// A data set of complexes in OpenFold's layout, each step's complexes read ahead (and
     /// cropped per example with --crop-size).
     Complexes { loader: ComplexLoader },
@@ -976,13 +987,13 @@ impl Examples {
     /// The complexes of the data set (--data, or --mmcif-dir and --alignment-dir; said on rank
     /// 0), this replica's examples from step `first` read ahead ([`ComplexLoader`]), else the
     /// complex of the FASTA file's records and --target's chains (see
-    /// [`TrainingComplex::read`]). --crop-size crops each example (the whole complex trains
-    /// without it).
+    /// [`TrainingComplex::read`]), with --template-mmcif-dir drawing each example's templates
+    /// from the hits of its --msas folders ([`ComplexSource::with_templates`]; said on rank 0).
+    /// --crop-size crops each example (the whole complex trains without it). Template flags
+    /// that would do nothing here are refused by name.
     fn complex(args: &TrainArgs, device: Device, world: &World, shard: Shard, first: u64) -> anyhow::Result<Examples> {
         if let Some(files) = args.data.files()? {
-            // Each entry is parsed for its chains anyway: the chain data cache is not read.
-            let filters = layout::Filters { chain_data: None, ..args.data.filters()? };
-            let selection = select_complexes(&files.mmcif_dir, &files.alignment_dir, &filters)?;
+            let selection = select_complexes(&files.mmcif_dir, &files.alignment_dir, &args.data.filters()?)?;
             say_selection(args, world, selection.chains.len(), "complexes", &selection.excluded, &files.alignment_dir);
             let (draws, span) = ((args.input.seed.seed, args.data.max_recycles), (first, args.steps as u64));
             let (sampling, workers) = (args.data.chain_sampling, args.data.loader_workers);
@@ -995,8 +1006,37 @@ impl Examples {
         };
         let resolution = resolution(args, target_path, world)?;
         let (msas, crop) = (args.msas.as_deref(), args.data.crop_size);
-        let complex = TrainingComplex::read(fasta, msas, target_path, resolution, crop, device)?;
-        Ok(Examples::Complex(Box::new(complex)))
+        let d = &args.data;
+        match (d.one_complex_template_sampling()?, msas) {
+            (Some(sampling), Some(msas)) => {
+                let source = ComplexSource::read(fasta, Some(msas), target_path)?.with_templates(sampling, msas)?;
+                if world.rank() == 0 && !args.job.quiet {
+                    let files: Vec<String> = source
+                        .template_files()
+                        .iter()
+                        .map(|(id, f)| format!("chain {id}: {} hit files", f.len()))
+                        .collect();
+                    println!("templates drawn per example from the hits of --msas ({})", files.join(", "));
+                }
+                Ok(Examples::ComplexDrawingTemplates(Box::new(source), resolution))
+            }
+            (Some(_), None) => bail!(
+                "--template-mmcif-dir: one complex's template hits are read from its saved alignments' folders; \
+                 give --msas (or --max-templates 0)"
+            ),
+            (None, _) => {
+                let ignored = [
+                    ("--max-template-date", d.max_template_date.is_some()),
+                    ("--obsolete-pdbs-path", d.obsolete_pdbs_path.is_some()),
+                    ("--kalign-binary-path", d.kalign_binary_path.is_some()),
+                ];
+                if let Some((flag, _)) = ignored.iter().find(|(_, given)| *given) {
+                    bail!("{flag}: one complex draws no templates without --template-mmcif-dir (and --max-templates above 0)")
+                }
+                let complex = TrainingComplex::read(fasta, msas, target_path, resolution, crop, device)?;
+                Ok(Examples::Complex(Box::new(complex)))
+            }
+        }
     }
 
     /// The examples `args` name from step `first` on: with --mmcif-dir the layout's chains that
@@ -1067,9 +1107,6 @@ fn say_selection(
 fn check_complex_args(args: &TrainArgs, world: &World) -> anyhow::Result<()> {
     let not_yet =
         |flag: &str, what: &str| anyhow::anyhow!("{flag}: {what} is not supported yet for AlphaFold-Multimer");
-    if args.data.chain_data_cache.is_some() {
-        return Err(not_yet("--chain-data-cache", "the chain data cache (each complex's entry is read)"));
-    }
     let given = [
         ("--msa", args.input.msa.is_some(), "one MSA (a complex takes its chains' alignments with --msas)"),
         ("--features", args.input.features.is_some(), "processed features (give the FASTA file)"),

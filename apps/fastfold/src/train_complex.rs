@@ -1,11 +1,12 @@
 //! Training AlphaFold-Multimer on one complex: the example (a FASTA file's records as one
 //! complex, [`crate::multimer`]'s features of it on its chains' saved alignments or each
-//! chain's sequence alone, and its true structure read chain by chain from a structure file;
-//! each example cropped by [`crate::complex_crop`] when a crop size is given) and the loss of
+//! chain's sequence alone, with templates drawn per example from the alignments' folders' hits
+//! when asked ([`ComplexSource`]), and its true structure read chain by chain from a structure
+//! file; each example cropped by [`crate::complex_crop`] when a crop size is given) and the loss of
 //! a training forward ([`crate::loss::multimer_total`], after the chain permutation
 //! alignment). The trainer ([`crate::train::Trainer::accumulate_complex`]) runs the forward
 //! and the step.
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use tch::{Device, Kind, Tensor};
@@ -20,6 +21,8 @@ use crate::multimer::{search, Complex, EntityInput};
 use crate::pdb::Structure;
 use crate::search::{Mode, Search};
 use crate::train::ComplexExample;
+use crate::train_data::layout::files_with;
+use crate::train_data::templates::{read_hits, ChainTemplates, TemplateSampling, HIT_EXTENSION};
 use crate::train_target::Target;
 
 /// The complex of `fasta`'s records and its true structure in `target`, the features on
@@ -28,43 +31,137 @@ use crate::train_target::Target;
 /// ... (as AlphaFold-Multimer letters the records), read from the structure file's chain of
 /// that letter, and the truth is laid out in the features' chain order (entity by entity).
 /// Errors name the file and the chain: a record whose chain the structure lacks, or whose
-/// residues differ from the chain's.
+/// residues differ from the chain's. No templates ([`ComplexSource::with_templates`] draws
+/// them).
 pub fn read_complex_structure(
     fasta: &Path,
     msas: Option<&Path>,
     target: &Path,
     device: Device,
 ) -> anyhow::Result<(MultimerInputs, Structure)> {
-    let records = data::fasta::read(fasta)?;
-    if records.len() < 2 {
-        bail!("{}: a complex needs several FASTA records (one per chain); it has {}", fasta.display(), records.len());
-    }
-    let complex = Complex::new(&records, fasta)?;
-    let entities = match msas {
-        Some(dir) => saved_alignments(&complex, dir)?,
-        None => EntityInput::single_sequences(&complex, fasta)?,
-    };
-    let features = crate::multimer::features(&complex, &entities)?;
-    let name = fasta.display().to_string();
-    let inputs = MultimerInputs::from_named(|n| features.get(n).map(|a| a.tensor().to_device(device)), &name)?;
-    let mut chains = Vec::new();
-    for chain in complex.assembly_order() {
-        let s = Structure::read(target, Some(chain.id)).with_context(|| {
-            format!("--target {}: chain {} (FASTA record {:?})", target.display(), chain.id, chain.record)
-        })?;
-        let len = chain.sequence.chars().count();
-        if s.aatype.len() != len {
+    let source = ComplexSource::read(fasta, msas, target)?;
+    Ok((source.inputs((0, 0), device)?, source.truth))
+}
+
+/// One complex to train on as read before its features: the complex of a FASTA file's records,
+/// each entity's inputs (its alignments), its true structure and, with template sampling,
+/// each entity's template hits. Every example's features are made from it, its templates drawn
+/// for that example ([`ComplexSource::inputs`]).
+pub struct ComplexSource {
+    complex: Complex,
+    entities: Vec<EntityInput>,
+    /// The true structure, in the features' chain order.
+    pub truth: Structure,
+    /// The FASTA file, as errors name it.
+    fasta: PathBuf,
+    /// The structure file, as errors name it.
+    target: PathBuf,
+    /// How examples draw templates and each entity's hits (`None`: its folder has no hit file).
+    templates: Option<(TemplateSampling, Vec<Option<ChainTemplates>>)>,
+}
+
+impl ComplexSource {
+    /// The complex and truth of [`read_complex_structure`], without templates.
+    pub fn read(fasta: &Path, msas: Option<&Path>, target: &Path) -> anyhow::Result<ComplexSource> {
+        let records = data::fasta::read(fasta)?;
+        if records.len() < 2 {
             bail!(
-                "--target {}: chain {} has {} residues, FASTA record {:?} has {len}",
-                target.display(),
-                chain.id,
-                s.aatype.len(),
-                chain.record
+                "{}: a complex needs several FASTA records (one per chain); it has {}",
+                fasta.display(),
+                records.len()
             );
         }
-        chains.push(s);
+        let complex = Complex::new(&records, fasta)?;
+        let entities = match msas {
+            Some(dir) => saved_alignments(&complex, dir)?,
+            None => EntityInput::single_sequences(&complex, fasta)?,
+        };
+        let mut chains = Vec::new();
+        for chain in complex.assembly_order() {
+            let s = Structure::read(target, Some(chain.id)).with_context(|| {
+                format!("--target {}: chain {} (FASTA record {:?})", target.display(), chain.id, chain.record)
+            })?;
+            let len = chain.sequence.chars().count();
+            if s.aatype.len() != len {
+                bail!(
+                    "--target {}: chain {} has {} residues, FASTA record {:?} has {len}",
+                    target.display(),
+                    chain.id,
+                    s.aatype.len(),
+                    chain.record
+                );
+            }
+            chains.push(s);
+        }
+        let truth = join_chains(chains).context("a complex without chains")?;
+        let (fasta, target) = (fasta.to_path_buf(), target.to_path_buf());
+        Ok(ComplexSource { complex, entities, truth, fasta, target, templates: None })
     }
-    Ok((inputs, join_chains(chains).context("a complex without chains")?))
+
+    /// The complex drawing its examples' templates by `sampling` from each entity's hits: the
+    /// `.hhr` files of its first chain's folder in `msas` (`A/`, `B/`, ...; hhsearch's
+    /// `pdb_hits.hhr` as predict saves it, read as a data set's chain folder is read,
+    /// [`crate::train_data::templates`]); an entity without one has none. The complex has no
+    /// PDB entry or release date here: no hit is dropped as its own entry's (those that
+    /// duplicate its sequence are), and `--max-template-date` alone limits the hits' dates.
+    pub fn with_templates(self, sampling: TemplateSampling, msas: &Path) -> anyhow::Result<ComplexSource> {
+        let hits = self
+            .complex
+            .entity_representatives()
+            .iter()
+            .map(|chain| {
+                let folder = msas.join(chain.id.to_string());
+                let files =
+                    files_with(&folder, &[HIT_EXTENSION]).with_context(|| format!("--msas {}", msas.display()))?;
+                match files.is_empty() {
+                    true => Ok(None),
+                    false => Ok(Some(read_hits(&files, "", None).with_context(|| format!("chain {}", chain.id))?)),
+                }
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        Ok(ComplexSource { templates: Some((sampling, hits)), ..self })
+    }
+
+    /// Each entity's first chain and its hit files (none: no templates), for the log.
+    pub fn template_files(&self) -> Vec<(char, Vec<PathBuf>)> {
+        let Some((_, hits)) = &self.templates else { return Vec::new() };
+        let chains = self.complex.entity_representatives();
+        chains.iter().zip(hits).map(|(c, h)| (c.id, h.as_ref().map(|h| h.paths.clone()).unwrap_or_default())).collect()
+    }
+
+    /// The features of example `number` of a run seeded `seed` on `device`: each entity with
+    /// hits draws its templates as a data set's complex does ([`TemplateSampling::draw`],
+    /// keyed by the seed, the number and the entity); without template sampling every example's
+    /// are the same.
+    pub fn inputs(&self, (seed, number): (u64, u64), device: Device) -> anyhow::Result<MultimerInputs> {
+        let mut entities = std::borrow::Cow::Borrowed(&self.entities);
+        if let Some((sampling, hits)) = &self.templates {
+            let reps = self.complex.entity_representatives();
+            for (e, (chain, hits)) in reps.iter().zip(hits).enumerate() {
+                if let Some(hits) = hits {
+                    let drawn = sampling.draw(&chain.sequence, hits, (seed, number, e as u64));
+                    entities.to_mut()[e].raw.templates = Some(drawn.with_context(|| format!("chain {}", chain.id))?);
+                }
+            }
+        }
+        let features = crate::multimer::features(&self.complex, &entities)?;
+        let name = self.fasta.display().to_string();
+        Ok(MultimerInputs::from_named(|n| features.get(n).map(|a| a.tensor().to_device(device)), &name)?)
+    }
+
+    /// Example `number`'s complex ([`ComplexSource::inputs`] under `seed`) at resolution
+    /// `resolution`, cropped to `crop` residues when given.
+    pub fn training(
+        &self,
+        resolution: f64,
+        crop: Option<usize>,
+        (seed, number): (u64, u64),
+        device: Device,
+    ) -> anyhow::Result<TrainingComplex> {
+        let inputs = self.inputs((seed, number), device)?;
+        let source = format!("--target {}", self.target.display());
+        TrainingComplex::new(inputs, self.truth.clone(), resolution, crop, source)
+    }
 }
 
 /// The structures of a complex's chains, in order, as one (`None`: no chains).

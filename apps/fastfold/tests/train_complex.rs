@@ -9,8 +9,9 @@
 //! a homodimer's differently cropped copies aligned; on several ranks (one DAP group, data-parallel
 //! replicas, both) the gradients and loss equal one process's accumulating the same examples,
 //! through the library and the command (`--nproc`, `--dap`, `--zero 1`); `--precision bf16`
-//! trains with fp32 masters near fp32's losses; what does not fit, or is not supported yet, is
-//! refused naming the flag or file.
+//! trains with fp32 masters near fp32's losses; with `--template-mmcif-dir` each example draws
+//! templates from the hits saved beside the chains' alignments, repeatably; what does not fit,
+//! or is not supported yet, is refused naming the flag or file.
 mod common;
 
 use std::path::{Path, PathBuf};
@@ -25,8 +26,9 @@ use fastfold::model::recycling::Recycling;
 use fastfold::model::Exec;
 use fastfold::pdb::Structure;
 use fastfold::train::{ComplexExample, Trainer};
-use fastfold::train_complex::TrainingComplex;
+use fastfold::train_complex::{ComplexSource, TrainingComplex};
 use fastfold::train_data::loader::Shard;
+use fastfold::train_data::templates::TemplateSampling;
 use fastfold::train_parallel::{mean_over_replicas, ParallelArgs};
 use suite_tests::dist_test;
 use tch::{Device, Kind, Tensor};
@@ -389,6 +391,96 @@ fn a_heterodimer_trains_on_its_saved_alignments() {
     args.extend(["--msas".to_string(), msas.display().to_string(), "--msa".into(), pdb.display().to_string()]);
     let (ok, text) = train(&args);
     assert!(!ok && text.contains("--msas") && text.contains("--msa"), "{text}");
+}
+
+/// A heterodimer whose chain A (the template fixtures' 40-residue query) has hhsearch's hits
+/// saved in its `--msas` folder (`A/pdb_hits.hhr`, as predict saves them; chain B has none),
+/// drawing templates from the fixtures' entries (`--template-mmcif-dir`): each example's
+/// features hold 1 to 3 templates or none, drawn by its number (the same number, the same
+/// templates), over chain A's residues alone, and none without template sampling.
+/// `fastfold train` says it draws them; two runs of 2 steps repeat each other bit for bit
+/// (losses and gradient norms), and the loss equals the run without templates, bit for bit,
+/// until the first step that draws one, where it differs. A template flag that would do nothing is refused by name, and
+/// `--template-mmcif-dir` without `--msas` too.
+#[test]
+fn a_complex_draws_templates_from_its_saved_hits() {
+    let dir = common::scratch("train_complex", "templates");
+    const QUERY: &str = "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQAPILSRV";
+    let (fasta, pdb, _, _) = complex(&dir, "hetero", &[QUERY, CHAIN]);
+    let msas = dir.join("msas");
+    saved_alignments(&msas, &[('A', QUERY), ('B', CHAIN)]);
+    let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/templates");
+    std::fs::copy(fixtures.join("pdb_hits.hhr"), msas.join("A/pdb_hits.hhr")).unwrap();
+    let mmcif = fixtures.join("mmcif");
+    let sampling = TemplateSampling {
+        max_templates: 4,
+        mmcif_dir: mmcif.clone(),
+        max_template_date: None,
+        obsolete: Default::default(),
+        kalign: None,
+    };
+    // Templates with an observed atom in example `number`, and the mask.
+    let templates = |source: &ComplexSource, number: u64| -> (i64, Option<Tensor>) {
+        let inputs = source.inputs((0, number), Device::Cpu).unwrap();
+        let Some(mask) = inputs.template_all_atom_mask else { return (0, None) };
+        let t = mask.size()[0];
+        let real = mask.view([t, -1]).sum_dim_intlist(1, false, Kind::Float).gt(0.0).sum(Kind::Int64);
+        let on_b = mask.sum_dim_intlist([0i64, 2].as_slice(), false, Kind::Float) * inputs.asym_id.eq(2);
+        assert_eq!(on_b.sum(Kind::Float).double_value(&[]), 0.0, "example {number}: chain B has no hits");
+        (real.int64_value(&[]), Some(mask))
+    };
+    let plain = ComplexSource::read(&fasta, Some(&msas), &pdb).unwrap();
+    assert_eq!(templates(&plain, 1).0, 0, "no templates without sampling");
+    let drawn = ComplexSource::read(&fasta, Some(&msas), &pdb).unwrap().with_templates(sampling, &msas).unwrap();
+    assert_eq!(drawn.template_files(), [('A', vec![msas.join("A/pdb_hits.hhr")]), ('B', vec![])]);
+    let mut counts = Vec::new();
+    for number in 1..=6 {
+        let (n, mask) = templates(&drawn, number);
+        let (again, mask_again) = templates(&drawn, number);
+        assert_eq!(n, again, "example {number} draws the same templates");
+        assert!(mask.zip(mask_again).is_none_or(|(a, b)| a.equal(&b)), "example {number}: masks differ");
+        counts.push(n);
+    }
+    eprintln!("templates per example: {counts:?}");
+    assert!(counts.iter().all(|&n| n <= 3) && counts.iter().any(|&n| n >= 1), "{counts:?}");
+
+    let (m, a) = (mmcif.display().to_string(), msas.display().to_string());
+    let run = |name: &str, extra: &[&str]| {
+        let mut args = words(&fasta, &pdb, &dir.join(name));
+        let flags = ["--model-preset", "multimer", "--steps", "2", "--lr", "3e-3", "--warmup", "0", "--msas", &a];
+        args.extend(flags.iter().chain(["--resolution", "2"].iter()).chain(extra).map(|s| s.to_string()));
+        train(&args)
+    };
+    let (ok, text) = run("drawn", &["--template-mmcif-dir", &m]);
+    assert!(ok, "{text}");
+    assert!(text.contains("templates drawn per example") && text.contains("chain A: 1 hit files"), "{text}");
+    let (ok, again) = run("again", &["--template-mmcif-dir", &m, "--quiet"]);
+    assert!(ok, "{again}");
+    let (ok, none) = run("none", &["--quiet"]);
+    assert!(ok, "{none}");
+    let (drawn_log, again_log, none_log) =
+        (step_log(&dir.join("drawn")), step_log(&dir.join("again")), step_log(&dir.join("none")));
+    assert_eq!(drawn_log.len(), 2);
+    for (x, y) in drawn_log.iter().zip(&again_log) {
+        for field in ["loss", "fape", "grad_norm"] {
+            assert_eq!(x[field], y[field], "step {}: {field} of the same seed", x["step"]);
+        }
+    }
+    let loss = |log: &[serde_json::Value]| log.iter().map(|s| s["loss"].as_f64().unwrap()).collect::<Vec<_>>();
+    eprintln!("losses with templates {:?}, without {:?}", loss(&drawn_log), loss(&none_log));
+    let first = counts[..2].iter().position(|&n| n >= 1).expect("one of the 2 steps draws a template");
+    assert_ne!(drawn_log[first]["loss"], none_log[first]["loss"], "step {}: templates change nothing", first + 1);
+    for step in 0..first {
+        assert_eq!(drawn_log[step]["loss"], none_log[step]["loss"], "step {}: no template drawn", step + 1);
+    }
+
+    let (ok, text) = run("refused", &["--max-template-date", "2020-01-01"]);
+    assert!(!ok && text.contains("--max-template-date") && text.contains("--template-mmcif-dir"), "{text}");
+    let mut args = words(&fasta, &pdb, &dir.join("refused"));
+    args.extend(["--model-preset", "multimer", "--template-mmcif-dir", &m].map(String::from));
+    let (ok, text) = train(&args);
+    assert!(!ok && text.contains("--msas"), "{text}");
+    assert!(!dir.join("refused/params.npz").exists(), "parameters written");
 }
 
 /// A heterodimer of 22 residues cropped to 16 (`--crop-size`): each example's features are

@@ -8,9 +8,11 @@
 //! template hits give its examples templates; `--resume` repeats the uninterrupted run;
 //! validation on held-out complexes (`--val-mmcif-dir`, `--val-alignment-dir`) gives the same
 //! record every time, the training forward's loss and an lDDT-Cα computed here, and the same
-//! record on 2 DAP ranks and on 2 replicas as in one process; a chain without its folder, an
-//! entry without protein chains, a held-out folder without complexes and what complexes do not
-//! support yet are refused by name.
+//! record on 2 DAP ranks and on 2 replicas as in one process; OpenFold's chain data cache
+//! selects and filters the complexes without parsing their entries, and trains them as the
+//! files do; a chain without its folder, an entry without protein chains, a held-out folder
+//! without complexes, a malformed chain data cache and what complexes do not support yet are
+//! refused by name.
 mod common;
 
 use std::path::{Path, PathBuf};
@@ -24,7 +26,7 @@ use fastfold::model::Exec;
 use fastfold::pdb::Structure;
 use fastfold::train::{ComplexExample, TrainArgs, Trainer};
 use fastfold::train_data::complexes::{load_complex, select_complexes, LoadedComplex};
-use fastfold::train_data::layout::Filters;
+use fastfold::train_data::layout::{read_chain_data_cache, Filters};
 use fastfold::train_data::templates::TemplateSampling;
 use fastfold::validation::{ValResult, Validation};
 use tch::{Device, Tensor};
@@ -167,7 +169,7 @@ fn replicas_train_different_complexes_and_match_one_process() {
 /// A protein chain without its alignment folder, a folder with only the UniProt hits, and an
 /// entry without protein chains are refused naming the entry, the chain and the folder; the
 /// command refuses a held-out alignment folder without complexes naming the flag and the
-/// folder, and the chain data cache for complexes by flag.
+/// folder, and a malformed chain data cache naming the file.
 #[test]
 fn bad_complex_data_is_refused_by_name() {
     let dir = common::scratch("train_complex_data", "refused");
@@ -234,9 +236,153 @@ fn bad_complex_data_is_refused_by_name() {
         &["entry 1het", "chain B", &f, "--val-alignment-dir"],
     );
     let cache = dir.join("cache.json");
-    std::fs::write(&cache, "{}").unwrap();
-    refused(&["--chain-data-cache", cache.to_str().unwrap()], &["--chain-data-cache", "not supported yet"]);
+    std::fs::write(&cache, r#"{"1het_A": {"release_date": "2010-01-01", "seq": 5}}"#).unwrap();
+    let named = cache.display().to_string();
+    refused(&["--chain-data-cache", &named], &["--chain-data-cache", &named, "not OpenFold's chain data cache"]);
     assert!(!out.join("params.npz").exists(), "parameters written");
+}
+
+/// An entry of a chain data cache: (pdb, release date, resolution, (chain, SEQRES) chains).
+type Cached<'a> = (&'a str, &'a str, f64, &'a [(&'a str, &'a str)]);
+
+/// OpenFold's chain data cache for the data set's chains (`entries`), written to `path`; every
+/// chain in a cluster of `cluster_size`.
+fn write_cache(path: &Path, entries: &[Cached], cluster_size: usize) {
+    let mut cache = serde_json::Map::new();
+    for (pdb, date, resolution, chains) in entries {
+        for (chain, seq) in chains.iter() {
+            let record = serde_json::json!({
+                "release_date": date, "seq": seq, "resolution": resolution, "cluster_size": cluster_size,
+                "oligomeric_count": 2
+            });
+            cache.insert(format!("{pdb}_{chain}"), record);
+        }
+    }
+    std::fs::write(path, serde_json::Value::Object(cache).to_string()).unwrap();
+}
+
+/// The data set's three entries in a chain data cache, at 2 Å.
+const CACHED: [Cached; 3] =
+    [("1het", "2010-01-01", 2.0, HETERO), ("2hom", "2012-01-01", 2.0, HOMO), ("3one", "2014-01-01", 2.0, ONE)];
+
+/// With a chain data cache the complexes are selected from it without parsing an entry: the
+/// cache of all three selects them as the files do (the same chains, the same features bit for
+/// bit), with the lone chain's mmCIF file unreadable it still selects it; a cache that lacks
+/// the lone chain's entry and gives the homodimer 12 Å leaves both out (counted per reason;
+/// `--max-release-date` and the length filters read it too); a cache that lacks one chain
+/// of an entry leaves the entry out, or, with a `--train-list` of the chains it has, its
+/// example is refused naming the chain the file has and the cache lacks.
+#[test]
+fn a_chain_data_cache_selects_complexes_without_parsing_them() {
+    let dir = common::scratch("train_complex_data", "cache");
+    let (mmcif, alignments) = data_set(&dir);
+    let select = |cache: &Path, train_list: Option<Vec<String>>, extra: Filters| {
+        let chain_data = Some(read_chain_data_cache(cache).unwrap());
+        select_complexes(&mmcif, &alignments, &Filters { chain_data, train_list, ..extra })
+    };
+    let names = |s: &fastfold::train_data::complexes::ComplexSelection| {
+        s.chains.iter().map(|e| e.name.clone()).collect::<Vec<_>>()
+    };
+    let full = dir.join("full.json");
+    write_cache(&full, &CACHED, 3);
+    let files = select_complexes(&mmcif, &alignments, &Filters::default()).unwrap();
+    let cached = select(&full, None, Filters::default()).unwrap();
+    assert_eq!(names(&cached), ["1het", "2hom", "3one"]);
+    assert!(cached.excluded.is_empty(), "{:?}", cached.excluded);
+    for (a, b) in files.chains.iter().zip(&cached.chains) {
+        assert_eq!((a.length, &a.mmcif), (b.length, &b.mmcif), "{}", a.name);
+        let chains = |e: &fastfold::train_data::complexes::ComplexEntry| {
+            e.chains.iter().map(|c| (c.chain.clone(), c.msas.clone(), c.uniprot.clone())).collect::<Vec<_>>()
+        };
+        assert_eq!(chains(a), chains(b), "{}", a.name);
+        assert!(b.chains.iter().all(|c| c.cluster_size == Some(3)), "{}: cluster sizes from the cache", b.name);
+        let ((fa, ta, ra), (fb, tb, rb)) = (load_complex(a, None).unwrap(), load_complex(b, None).unwrap());
+        assert_eq!((ta.aatype, ra), (tb.aatype, rb), "{}", a.name);
+        assert!(fa == fb, "{}: the features differ", a.name);
+    }
+
+    // Nothing filtered out by the cache is parsed: an unreadable entry of it still selects.
+    let one = mmcif.join("3one.cif");
+    let text = std::fs::read_to_string(&one).unwrap();
+    std::fs::write(&one, "not an mmCIF file").unwrap();
+    assert!(select_complexes(&mmcif, &alignments, &Filters::default()).is_err(), "the files are parsed");
+    assert_eq!(names(&select(&full, None, Filters::default()).unwrap()), ["1het", "2hom", "3one"]);
+    std::fs::write(&one, text).unwrap();
+
+    let partial = dir.join("partial.json");
+    write_cache(&partial, &[CACHED[0], ("2hom", "2012-01-01", 12.0, HOMO)], 1);
+    let s = select(&partial, None, Filters::default()).unwrap();
+    assert_eq!(names(&s), ["1het"]);
+    let mut excluded = s.excluded.clone();
+    excluded.sort();
+    let want = [("not in --chain-data-cache".to_string(), 1), ("resolution above --max-resolution".to_string(), 1)];
+    assert_eq!(excluded, want);
+    let dated = Filters { max_release_date: Some("2011-01-01".into()), max_resolution: 20.0, ..Filters::default() };
+    let s = select(&partial, None, dated).unwrap();
+    assert_eq!(
+        (names(&s), s.excluded),
+        (
+            vec!["1het".to_string()],
+            vec![("released after --max-release-date".into(), 1), ("not in --chain-data-cache".into(), 1)]
+        )
+    );
+    let long = Filters { min_length: 21, ..Filters::default() };
+    let e = format!("{:#}", select(&full, None, long).unwrap_err());
+    assert!(e.contains("3 shorter than --min-length"), "the complexes' 20, 20 and 13 residues: {e}");
+
+    // A cache without chain B of 1het: the entry is left out, unless the list names only A;
+    // then its example is refused, the file having B.
+    let lone = dir.join("lone.json");
+    write_cache(&lone, &[("1het", "2010-01-01", 2.0, &HETERO[..1]), CACHED[1], CACHED[2]], 1);
+    let s = select(&lone, None, Filters::default()).unwrap();
+    assert_eq!(
+        (names(&s), s.excluded),
+        (vec!["2hom".to_string(), "3one".into()], vec![("not in --chain-data-cache".into(), 1)])
+    );
+    let s = select(&lone, Some(vec!["1het_A".into()]), Filters::default()).unwrap();
+    assert_eq!(names(&s), ["1het"]);
+    let e = format!("{:#}", load_complex(&s.chains[0], None).unwrap_err());
+    for expect in ["entry 1het", "protein chain B", "--chain-data-cache"] {
+        assert!(e.contains(expect), "no {expect:?} in: {e}");
+    }
+}
+
+/// `fastfold train --chain-data-cache`: with the cache of all three entries 3 steps train the
+/// same examples to the same losses and gradient norms, bit for bit, as without it; with a
+/// cache that lacks the lone chain's entry and gives the homodimer 12 Å, the command says
+/// 1 complex trains and why 2 are left out, and only the heterodimer trains.
+#[test]
+fn training_with_a_chain_data_cache_trains_its_complexes() {
+    let dir = common::scratch("train_complex_data", "cache_train");
+    let (mmcif, alignments) = data_set(&dir);
+    let run = |name: &str, flags: &[&str]| {
+        let out = dir.join(name);
+        let (ok, text) = train(&mmcif, &alignments, &out, &[&["--lr", "3e-3"][..], flags].concat());
+        assert!(ok, "{name}: {text}");
+        (text, step_log(&out))
+    };
+    let full = dir.join("full.json");
+    write_cache(&full, &CACHED, 1);
+    let (_, files) = run("files", &["--steps", "3"]);
+    let (text, cached) = run("cached", &["--steps", "3", "--chain-data-cache", full.to_str().unwrap()]);
+    assert!(text.contains("3 training complexes") && !text.contains("left out"), "{text}");
+    assert_eq!(cached.len(), 3);
+    for (a, b) in files.iter().zip(&cached) {
+        for field in ["example", "loss", "fape", "grad_norm"] {
+            assert_eq!(a[field], b[field], "step {}: {field}", a["step"]);
+        }
+    }
+    let partial = dir.join("partial.json");
+    write_cache(&partial, &[CACHED[0], ("2hom", "2012-01-01", 12.0, HOMO)], 1);
+    let (text, log) = run("partial", &["--steps", "2", "--chain-data-cache", partial.to_str().unwrap()]);
+    for expect in ["1 training complexes", "1 not in --chain-data-cache", "1 resolution above --max-resolution"] {
+        assert!(text.contains(expect), "no {expect:?} in: {text}");
+    }
+    assert_eq!(log.len(), 2);
+    for s in &log {
+        assert_eq!(s["example"].as_str(), Some("1het A+B"), "{s}");
+        assert!(s["loss"].as_f64().is_some_and(f64::is_finite), "{s}");
+    }
 }
 
 /// A chain with template hits (the template fixtures' 40-residue query, entry 9qry, its

@@ -36,8 +36,10 @@ pub struct TrainDataArgs {
     #[arg(long, requires = "dataset")]
     pub train_list: Option<PathBuf>,
     /// OpenFold's chain data cache (`chain_data_cache.json`: each chain's release date,
-    /// sequence and resolution) for the filters, in place of parsing every mmCIF entry at the
-    /// start (OpenFold's `train_chain_data_cache_path`); chains it lacks are left out.
+    /// sequence, resolution and cluster size) for the filters and the sampling, in place of
+    /// parsing every mmCIF entry at the start (OpenFold's `train_chain_data_cache_path`); chains
+    /// it lacks are left out. With AlphaFold-Multimer's parameters an entry's chains are the
+    /// cache's chains of it, and an entry it lacks (or lacks a named chain of) is left out.
     #[arg(long, requires = "dataset")]
     pub chain_data_cache: Option<PathBuf>,
     /// Leave out entries solved at a resolution above this, in Å (OpenFold: 9; entries
@@ -68,24 +70,28 @@ pub struct TrainDataArgs {
     #[arg(long, default_value_t = crate::features::MAX_TEMPLATES, value_parser = engine::parse::count(0..=crate::features::MAX_TEMPLATES as u64))]
     pub max_templates: usize,
     /// Folder of the templates' mmCIF entries (OpenFold's `template_mmcif_dir`; default:
-    /// --mmcif-dir).
-    #[arg(long, requires = "dataset")]
+    /// --mmcif-dir). For one complex (its FASTA file, --target and --msas) templates are drawn
+    /// only when it is given, from the `.hhr` hits of each entity's --msas folder.
+    #[arg(long, requires = "template_source")]
     pub template_mmcif_dir: Option<PathBuf>,
     /// Templates released after this date (YYYY-MM-DD) are not used; whatever it is, a
-    /// chain's templates are released at least 60 days before the chain.
-    #[arg(long, requires = "dataset", value_parser = parse_date)]
+    /// chain's templates are released at least 60 days before the chain (a data set's: one
+    /// complex from a FASTA file has no release date).
+    #[arg(long, requires = "template_source", value_parser = parse_date)]
     pub max_template_date: Option<String>,
     /// PDB's list of obsolete entries (`obsolete.dat`; OpenFold's `obsolete_pdbs_file_path`):
     /// a hit of a withdrawn entry is dropped, one of a superseded entry reads its successor.
-    #[arg(long, requires = "dataset")]
+    #[arg(long, requires = "template_source")]
     pub obsolete_pdbs_path: Option<PathBuf>,
     /// The kalign binary, which realigns a template hit whose chain changed since the hits
     /// were searched (default: `kalign` on PATH; needed only then).
-    #[arg(long, requires = "dataset")]
+    #[arg(long, requires = "template_source")]
     pub kalign_binary_path: Option<PathBuf>,
     /// How often each chain trains: `openfold`, OpenFold's stochastic filter (a chain's turn
     /// taken with probability max(min(length, 512), 256) / 512, over its cluster's size when
-    /// --chain-data-cache gives `cluster_size`), or `uniform`, every chain once an epoch.
+    /// --chain-data-cache gives `cluster_size`; a complex's length is its chains' together, and
+    /// its weight the mean over its chains of 1 / cluster size), or `uniform`, every chain once
+    /// an epoch.
     #[arg(long, value_enum, default_value_t = ChainSampling::Openfold)]
     pub chain_sampling: ChainSampling,
     /// Threads reading and preparing the next examples while the current step trains.
@@ -210,10 +216,28 @@ impl TrainDataArgs {
     pub fn template_sampling(&self) -> anyhow::Result<Option<TemplateSampling>> {
         let Some(files) = self.files()? else { return Ok(None) };
         let mmcif_dir = self.template_mmcif_dir.clone().unwrap_or(files.mmcif_dir);
+        self.sampling_in(mmcif_dir, files.obsolete_pdbs_path.as_ref())
+    }
+
+    /// How the examples of one complex (a FASTA file, --target and --msas; no data set) draw
+    /// templates: `None` without `--template-mmcif-dir` (there is no --mmcif-dir to default to)
+    /// or with `--max-templates 0`. Errors name a `--template-mmcif-dir` that is no folder and
+    /// an `--obsolete-pdbs-path` that cannot be read.
+    pub fn one_complex_template_sampling(&self) -> anyhow::Result<Option<TemplateSampling>> {
+        let Some(dir) = &self.template_mmcif_dir else { return Ok(None) };
+        if !dir.is_dir() {
+            bail!("--template-mmcif-dir {} is not a folder", dir.display());
+        }
+        self.sampling_in(dir.clone(), self.obsolete_pdbs_path.as_ref())
+    }
+
+    /// Template sampling from the entries of `mmcif_dir` with the obsolete entries of
+    /// `obsolete` (`None`: none), as the flags say.
+    fn sampling_in(&self, mmcif_dir: PathBuf, obsolete: Option<&PathBuf>) -> anyhow::Result<Option<TemplateSampling>> {
         if self.max_templates == 0 {
             return Ok(None);
         }
-        let obsolete = match &files.obsolete_pdbs_path {
+        let obsolete = match obsolete {
             Some(path) => {
                 let text = std::fs::read_to_string(path)
                     .with_context(|| format!("reading --obsolete-pdbs-path {}", path.display()))?;

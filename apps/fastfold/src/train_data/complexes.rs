@@ -12,12 +12,15 @@
 //!
 //! The filters are the monomer data set's applied to the whole complex: resolution and
 //! release date of the entry, `--min-length`/`--max-length` on its residues in all chains, and
-//! no residue type over 80% of them. Entries are drawn over the run as chains are
-//! ([`super::loader::schedule`], `openfold` sampling weighing the complex's length), each
+//! no residue type over 80% of them; with OpenFold's chain data cache they read the cache's
+//! chains of the entry rather than its parsed file, and entries it lacks are left out
+//! ([`select_complexes`]). Entries are drawn over the run as chains are
+//! ([`super::loader::schedule`], `openfold` sampling weighing the complex's length and, with
+//! the cache, its chains' cluster sizes), each
 //! data-parallel replica taking its share of the stream ([`Shard`]), and read ahead on a
 //! thread pool. Validation reads held-out complexes by the same selection and reading
 //! ([`select_complexes_as`], [`LoadedComplex::read`]; [`crate::validation`]).
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -29,12 +32,12 @@ use tch::Device;
 
 use super::example::read_msas;
 use super::layout::{chain_folders, count_excluded, excluded_by, files_with, mmcif_path, nothing_selected};
-use super::layout::{split_name, Filters, LayoutFlags};
+use super::layout::{split_name, ChainData, Filters, LayoutFlags};
 use super::layout::{Selection, MSA_EXTENSIONS};
 use super::loader::{ChainSampling, Shard, PARALLEL, PREFETCH};
 use super::target::{chain_sequence, chain_structure};
 use super::templates::{read_hits, TemplateSampling, HIT_EXTENSION};
-use super::transforms::{keyed, sample_recycles, Draw};
+use super::transforms::sample_recycles;
 use crate::features::RawFeatures;
 use crate::input::parse_alignment;
 use crate::model::multimer::MultimerInputs;
@@ -61,6 +64,8 @@ pub struct EntryChain {
     pub templates: Vec<PathBuf>,
     /// Its folder.
     pub folder: PathBuf,
+    /// Chains in its sequence cluster, from the chain data cache (`None`: not known).
+    pub cluster_size: Option<usize>,
 }
 
 /// One training complex: an mmCIF entry and its protein chains.
@@ -80,9 +85,18 @@ pub struct ComplexEntry {
 /// left out.
 pub type ComplexSelection = Selection<ComplexEntry>;
 
-/// The complexes of the layout that pass `filters` (its chain data cache, if any, is not
-/// read: each named entry is parsed, on the rayon pool). Errors name the entry and the chain:
-/// an entry without protein chains, a protein chain without its alignment folder or MSA files.
+/// The complexes of the layout that pass `filters`. Which entries: those of the chain folders
+/// of `alignment_dir` (or the `--train-list`), each entry once. What an entry is, for the
+/// filters and the sampling: without a chain data cache, its mmCIF file parsed (on the rayon
+/// pool), all its protein chains in the file's order; with one ([`Filters::chain_data`]), no
+/// file is parsed here: the entry's chains are the cache's chains `<pdb>_<chain>` of it (in
+/// chain order here; [`load_complex`] lays them out in the file's order, so an example is the
+/// same either way), its release date and resolution the cache's (of its first chain: they
+/// are the entry's), its residues the chains' `seq`, each chain's `cluster_size` its sampling
+/// weight ([`ChainSampling::probability`]); an entry is left out ("not in
+/// --chain-data-cache") when the cache lacks it or any chain of it that the folders (or the
+/// list) name. Errors name the entry and the chain: an entry without protein chains, a
+/// protein chain without its alignment folder or MSA files.
 pub fn select_complexes(mmcif_dir: &Path, alignment_dir: &Path, filters: &Filters) -> anyhow::Result<ComplexSelection> {
     select_complexes_as(mmcif_dir, alignment_dir, filters, &LayoutFlags::TRAINING)
 }
@@ -102,34 +116,40 @@ pub fn select_complexes_as(
         Some(list) => list.clone(),
         None => chain_folders(alignment_dir, flags)?,
     };
-    let mut pdbs = BTreeSet::new();
+    // Each entry and the chains the folders (or the list) name of it.
+    let mut named: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for name in &names {
-        let (pdb, _) = split_name(name)
+        let (pdb, chain) = split_name(name)
             .with_context(|| format!("chain {name:?} (in {}) is not named <pdb>_<chain>", alignment_dir.display()))?;
-        pdbs.insert(pdb.to_string());
+        named.entry(pdb.to_string()).or_default().push(chain.to_string());
     }
-    let located: Vec<(String, PathBuf)> = pdbs
-        .into_iter()
-        .map(|pdb| Ok((pdb.clone(), mmcif_path(mmcif_dir, &pdb, flags)?)))
-        .collect::<anyhow::Result<_>>()?;
-    let parsed: Vec<mmcif::Mmcif> = located
-        .par_iter()
-        .map(|(pdb, path)| mmcif::read(path).with_context(|| format!("entry {pdb}")))
-        .collect::<anyhow::Result<_>>()?;
-    let (mut entries, mut excluded): (Vec<ComplexEntry>, Vec<(String, usize)>) = (Vec::new(), Vec::new());
-    for ((pdb, path), entry) in located.into_iter().zip(parsed) {
-        if entry.chains.is_empty() {
-            bail!("entry {pdb} ({}): no protein chains (a {} complex needs one)", path.display(), flags.what);
+    let located: Vec<(String, PathBuf)> =
+        named.keys().map(|pdb| Ok((pdb.clone(), mmcif_path(mmcif_dir, pdb, flags)?))).collect::<anyhow::Result<_>>()?;
+    let described: Vec<Option<Described>> = match &filters.chain_data {
+        Some(cache) => {
+            let by_entry = cache_by_entry(cache);
+            located.iter().map(|(pdb, _)| described_by_cache(by_entry.get(pdb.as_str()), &named[pdb])).collect()
         }
-        let sequence: String = entry.chains.iter().map(chain_sequence).collect();
-        if let Some(why) = excluded_by(filters, entry.resolution, entry.release_date.as_deref(), &sequence) {
+        None => located
+            .par_iter()
+            .map(|(pdb, path)| described_by_entry(pdb, path, flags).map(Some))
+            .collect::<anyhow::Result<_>>()?,
+    };
+    let (mut entries, mut excluded): (Vec<ComplexEntry>, Vec<(String, usize)>) = (Vec::new(), Vec::new());
+    for ((pdb, path), described) in located.into_iter().zip(described) {
+        let Some(d) = described else {
+            count_excluded(&mut excluded, "not in --chain-data-cache");
+            continue;
+        };
+        let sequence: String = d.chains.iter().map(|c| c.1.as_str()).collect();
+        if let Some(why) = excluded_by(filters, d.resolution, d.release_date.as_deref(), &sequence) {
             count_excluded(&mut excluded, why);
             continue;
         }
-        let chains = entry
+        let chains = d
             .chains
             .iter()
-            .map(|c| entry_chain(alignment_dir, &pdb, &c.id, &path, flags))
+            .map(|(id, _, cluster_size)| entry_chain(alignment_dir, &pdb, id, *cluster_size, &path, flags))
             .collect::<anyhow::Result<Vec<_>>>()?;
         let length = sequence.chars().count();
         entries.push(ComplexEntry { name: pdb, mmcif: path, chains, length });
@@ -140,12 +160,61 @@ pub fn select_complexes_as(
     Ok(Selection { chains: entries, excluded })
 }
 
+/// What the filters and the sampling read of an entry: its protein chains (id, SEQRES, cluster
+/// size), resolution (0: none) and release date.
+struct Described {
+    chains: Vec<(String, String, Option<usize>)>,
+    resolution: f64,
+    release_date: Option<String>,
+}
+
+/// Entry `pdb` as its mmCIF file `path` describes it: its protein chains in the file's order
+/// (none is an error naming the entry), no cluster sizes.
+fn described_by_entry(pdb: &str, path: &Path, flags: &LayoutFlags) -> anyhow::Result<Described> {
+    let entry = mmcif::read(path).with_context(|| format!("entry {pdb}"))?;
+    if entry.chains.is_empty() {
+        bail!("entry {pdb} ({}): no protein chains (a {} complex needs one)", path.display(), flags.what);
+    }
+    let chains = entry.chains.iter().map(|c| (c.id.clone(), chain_sequence(c), None)).collect();
+    Ok(Described { chains, resolution: entry.resolution, release_date: entry.release_date })
+}
+
+/// The chain data cache's chains grouped by entry: `<pdb>` -> (chain, record), in chain order.
+fn cache_by_entry(cache: &HashMap<String, ChainData>) -> HashMap<&str, Vec<(&str, &ChainData)>> {
+    let mut by_entry: HashMap<&str, Vec<(&str, &ChainData)>> = HashMap::new();
+    for (name, data) in cache {
+        if let Some((pdb, chain)) = split_name(name) {
+            by_entry.entry(pdb).or_default().push((chain, data));
+        }
+    }
+    for chains in by_entry.values_mut() {
+        chains.sort_by(|a, b| a.0.cmp(b.0));
+    }
+    by_entry
+}
+
+/// An entry as the chain data cache describes it (`cached`: its chains there), `None` when the
+/// cache lacks it or one of its `named` chains.
+fn described_by_cache(cached: Option<&Vec<(&str, &ChainData)>>, named: &[String]) -> Option<Described> {
+    let cached = cached?;
+    if !named.iter().all(|n| cached.iter().any(|(c, _)| c == n)) {
+        return None;
+    }
+    let first = cached.first()?.1;
+    Some(Described {
+        chains: cached.iter().map(|(c, d)| (c.to_string(), d.seq.clone(), d.cluster_size)).collect(),
+        resolution: first.resolution.unwrap_or(0.0),
+        release_date: first.release_date.clone(),
+    })
+}
+
 /// Chain `chain` of entry `pdb` (read from `mmcif`): its folder's alignments, or an error
 /// naming the entry, the chain, the folder and its flag in `flags`.
 fn entry_chain(
     alignment_dir: &Path,
     pdb: &str,
     chain: &str,
+    cluster_size: Option<usize>,
     mmcif: &Path,
     flags: &LayoutFlags,
 ) -> anyhow::Result<EntryChain> {
@@ -169,7 +238,8 @@ fn entry_chain(
         );
     }
     let templates = files_with(&folder, &[HIT_EXTENSION])?;
-    Ok(EntryChain { chain: chain.to_string(), msas, uniprot: uniprot.into_iter().next(), templates, folder })
+    let uniprot = uniprot.into_iter().next();
+    Ok(EntryChain { chain: chain.to_string(), msas, uniprot, templates, folder, cluster_size })
 }
 
 /// A complex as read for one example: its features (numpy-like arrays, on no device yet), its
@@ -237,9 +307,10 @@ pub fn load_complex(
     templates: Option<(&TemplateSampling, u64, u64)>,
 ) -> anyhow::Result<(MultimerFeatures, Structure, f64)> {
     let parsed = mmcif::read(&entry.mmcif)?;
-    let mut records = Vec::with_capacity(entry.chains.len());
-    let mut read = Vec::with_capacity(entry.chains.len());
-    for c in &entry.chains {
+    let chains = in_file_order(entry, &parsed)?;
+    let mut records = Vec::with_capacity(chains.len());
+    let mut read = Vec::with_capacity(chains.len());
+    for c in &chains {
         let name = format!("{}_{}", entry.name, c.chain);
         let found = parsed.chain(&c.chain).with_context(|| {
             format!("entry {} ({}): no protein chain {}", entry.name, entry.mmcif.display(), c.chain)
@@ -257,13 +328,12 @@ pub fn load_complex(
         .enumerate()
         .map(|(e, rep)| {
             let k = index(rep.id);
-            let (c, (msa, sequence, _)) = (&entry.chains[k], &read[k]);
+            let (c, (msa, sequence, _)) = (chains[k], &read[k]);
             let what = || format!("entry {}, chain {} ({})", entry.name, c.chain, c.folder.display());
             let mut raw = RawFeatures::new(sequence, Some((msa, &c.msas[0]))).with_context(what)?;
             if let (Some((sampling, seed, number)), false) = (templates, c.templates.is_empty()) {
                 let hits = read_hits(&c.templates, &entry.name, parsed.release_date.clone()).with_context(what)?;
-                let mut rng = keyed(seed, Draw::Templates, number, e as u64);
-                raw.templates = Some(sampling.sample(sequence, &hits, &mut rng).with_context(what)?.0);
+                raw.templates = Some(sampling.draw(sequence, &hits, (seed, number, e as u64)).with_context(what)?);
             }
             let pairing = match pair {
                 true => Some(pairing(c, sequence, &rep.record).with_context(what)?),
@@ -277,6 +347,31 @@ pub fn load_complex(
     let truth = join_chains(complex.assembly_order().iter().map(|c| read[index(c.id)].2.clone()).collect())
         .context("a complex without chains")?;
     Ok((features, truth, parsed.resolution))
+}
+
+/// `entry`'s chains in the order of its mmCIF file's protein chains (`parsed`): an error names
+/// the entry and a protein chain of the file that the entry lacks (a chain data cache without
+/// it), or a chain of the entry that the file lacks.
+fn in_file_order<'a>(entry: &'a ComplexEntry, parsed: &mmcif::Mmcif) -> anyhow::Result<Vec<&'a EntryChain>> {
+    let what = || format!("entry {} ({})", entry.name, entry.mmcif.display());
+    let mut chains = Vec::with_capacity(entry.chains.len());
+    for p in &parsed.chains {
+        let c = entry.chains.iter().find(|c| c.chain == p.id).with_context(|| {
+            let ids: Vec<&str> = entry.chains.iter().map(|c| c.chain.as_str()).collect();
+            format!(
+                "{}: its protein chain {} is not among the complex's chains {} (with --chain-data-cache: the \
+                 cache's chains of the entry)",
+                what(),
+                p.id,
+                ids.join(", ")
+            )
+        })?;
+        chains.push(c);
+    }
+    if let Some(c) = entry.chains.iter().find(|c| parsed.chain(&c.chain).is_none()) {
+        bail!("{}: no protein chain {}", what(), c.chain);
+    }
+    Ok(chains)
 }
 
 /// A chain's rows for pairing: its UniProt alignment, else its query row alone.
@@ -308,7 +403,10 @@ impl ComplexLoader {
         shard: Shard,
         workers: usize,
     ) -> anyhow::Result<ComplexLoader> {
-        let acceptance: Vec<f64> = entries.iter().map(|e| sampling.probability(e.length, None)).collect();
+        let acceptance: Vec<f64> = entries
+            .iter()
+            .map(|e| sampling.probability(e.length, &e.chains.iter().map(|c| c.cluster_size).collect::<Vec<_>>()))
+            .collect();
         let specs = shard.stream(&acceptance, seed, first, steps)?;
         let entries = Arc::new(entries);
         let make = move |&(number, k): &(u64, usize)| -> anyhow::Result<LoadedComplex> {

@@ -115,10 +115,8 @@ pub fn prepare_with_recycles(
     );
     let mut raw = keep_msa_rows(&example.raw, &keep);
     if let (Some(sampling), Some(hits)) = (&pipeline.templates, &example.templates) {
-        let mut rng = keyed(seed, Draw::Templates, step, rank);
-        let (templates, _dropped) =
-            sampling.sample(&example.sequence, hits, &mut rng).with_context(|| format!("chain {}", example.name))?;
-        raw.templates = Some(templates);
+        let templates = sampling.draw(&example.sequence, hits, (seed, step, rank));
+        raw.templates = Some(templates.with_context(|| format!("chain {}", example.name))?);
     }
     let config = FeatureConfig { num_recycle: recycles, ..pipeline.features.clone() };
     let feature_seed = keyed(seed, Draw::Features, step, rank).next_u64();

@@ -161,7 +161,7 @@ fn msa_files(folder: &Path) -> anyhow::Result<Vec<PathBuf>> {
 }
 
 /// The files of a chain folder with one of `extensions`, in file-name order.
-pub(super) fn files_with(folder: &Path, extensions: &[&str]) -> anyhow::Result<Vec<PathBuf>> {
+pub(crate) fn files_with(folder: &Path, extensions: &[&str]) -> anyhow::Result<Vec<PathBuf>> {
     let entries =
         std::fs::read_dir(folder).with_context(|| format!("reading alignment folder {}", folder.display()))?;
     let mut files = Vec::new();

@@ -27,17 +27,24 @@ pub enum ChainSampling {
 impl ChainSampling {
     /// The probability that a place of `chain` in the epochs' order trains.
     pub fn acceptance(self, chain: &ChainEntry) -> f64 {
-        self.probability(chain.length, chain.cluster_size)
+        self.probability(chain.length, &[chain.cluster_size])
     }
 
     /// The probability that a place of an example of `length` residues (a chain, or a
-    /// complex's chains together) in a cluster of `cluster_size` takes its turn.
-    pub fn probability(self, length: usize, cluster_size: Option<usize>) -> f64 {
+    /// complex's chains together) takes its turn, its chains in clusters of `cluster_sizes`
+    /// (one a chain; `None`: not known, as a cluster of one): the length's factor times the
+    /// mean over the chains of `1 / cluster_size`, which for one chain is OpenFold's
+    /// `1 / cluster_size` and for a complex weighs it by how rare its chains are on average.
+    pub fn probability(self, length: usize, cluster_sizes: &[Option<usize>]) -> f64 {
         match self {
             ChainSampling::Uniform => 1.0,
             ChainSampling::Openfold => {
                 let length = length.clamp(256, 512) as f64 / 512.0;
-                let cluster = cluster_size.filter(|&n| n > 0).map_or(1.0, |n| 1.0 / n as f64);
+                let weight = |size: &Option<usize>| size.filter(|&n| n > 0).map_or(1.0, |n| 1.0 / n as f64);
+                let cluster = match cluster_sizes.len() {
+                    0 => 1.0,
+                    n => cluster_sizes.iter().map(weight).sum::<f64>() / n as f64,
+                };
                 length * cluster
             }
         }
@@ -213,6 +220,18 @@ mod tests {
         assert_eq!([p(100, None), p(384, None), p(1000, None)], [0.5, 0.75, 1.0]);
         assert_eq!([p(1000, Some(4)), p(100, Some(2)), p(1000, Some(0))], [0.25, 0.25, 1.0]);
         assert_eq!(ChainSampling::Uniform.acceptance(&chain(100, Some(9))), 1.0);
+    }
+
+    /// A complex's weight: its chains' length together, times the mean of its chains'
+    /// `1 / cluster_size` (unknown: 1).
+    #[test]
+    fn a_complex_weighs_by_its_length_and_its_chains_clusters() {
+        let p = |length, clusters: &[Option<usize>]| ChainSampling::Openfold.probability(length, clusters);
+        assert_eq!(p(384, &[Some(2), Some(4)]), 0.75 * (0.5 + 0.25) / 2.0);
+        assert_eq!(p(600, &[Some(4), None]), (0.25 + 1.0) / 2.0);
+        assert!((p(600, &[Some(3), Some(3), Some(3)]) - p(600, &[Some(3)])).abs() < 1e-15, "copies weigh as one");
+        assert_eq!(p(100, &[]), 0.5);
+        assert_eq!(ChainSampling::Uniform.probability(100, &[Some(9), Some(9)]), 1.0);
     }
 
     /// Taken places follow their probabilities, a later start continues the same stream, and

@@ -24,6 +24,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 
+use super::transforms::{keyed, Draw};
 use crate::features::rng::Rng;
 use crate::search::hhr::{self, TemplateHit};
 use crate::search::templates::{pdb_id_and_chain, Featurizer, TemplateHitFeatures};
@@ -180,6 +181,20 @@ pub fn candidate_order<'a>(
 }
 
 impl TemplateSampling {
+    /// The templates of one example, number `number` of a run seeded `seed`, drawn by
+    /// [`TemplateSampling::sample`] from the generator those and `index` key
+    /// ([`Draw::Templates`]; `index`: a complex's entity, 0-based, or a monomer example's
+    /// second key), the dropped hits' notes left out. Every training path draws this way.
+    pub fn draw(
+        &self,
+        query: &str,
+        chain: &ChainTemplates,
+        (seed, number, index): (u64, u64, u64),
+    ) -> anyhow::Result<Vec<TemplateHitFeatures>> {
+        let mut rng = keyed(seed, Draw::Templates, number, index);
+        Ok(self.sample(query, chain, &mut rng)?.0)
+    }
+
     /// The templates of one example of the chain `query` (its SEQRES as its MSAs' query gives
     /// it) drawn from `rng`, and why hits were dropped. Errors (an mmCIF entry missing or
     /// malformed, kalign needed and failing to run) name the hit file and the flag to fix.
@@ -220,7 +235,6 @@ impl TemplateSampling {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::train_data::transforms::{keyed, Draw};
 
     /// A hit named `name` aligning `hit_sequence` (no gaps) to the query from its first
     /// residue, over `aligned_cols` columns.
