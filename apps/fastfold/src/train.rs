@@ -61,6 +61,7 @@ use crate::train_data::args::TrainDataArgs;
 use crate::train_data::complexes::{select_complexes, ComplexLoader};
 use crate::train_data::layout;
 use crate::train_data::loader::{ExampleLoader, Shard};
+use crate::train_data::transforms::sample_recycles;
 use crate::train_parallel::{mean_over_replicas, ParallelArgs, Ranks};
 use crate::train_target::{layout_example, Target};
 use crate::validation::{ValArgs, ValResult, Validation};
@@ -100,7 +101,8 @@ pub struct TrainArgs {
     /// writes for it (`<out>/<name>/msas`), one folder per entity's first chain (`A/`, `B/`, ...)
     /// with its alignments (and `uniprot_hits.sto` for distinct chains), read as
     /// `--use-precomputed-msas` reads them (default: each chain on its sequence alone). With
-    /// --template-mmcif-dir each example draws templates from the `.hhr` hits of those folders.
+    /// --template-mmcif-dir each example draws templates from the hits of those folders
+    /// (hmmsearch's `pdb_hits.sto`, else `.hhr` files).
     #[arg(long, value_name = "DIR", conflicts_with_all = ["msa", "features"])]
     pub msas: Option<PathBuf>,
     /// `multimer`: train AlphaFold-Multimer on a complex, the FASTA file's records its chains
@@ -154,8 +156,9 @@ pub struct TrainArgs {
     /// about one more forward's compute.
     #[arg(long)]
     pub gradient_checkpointing: bool,
-    /// Recycling passes before the one that is trained (with --mmcif-dir they are drawn per
-    /// step, as AlphaFold draws them: see --max-recycles).
+    /// Recycling passes before the one that is trained, for one monomer example (with a data
+    /// set, and for a complex, they are drawn per example, as AlphaFold draws them: see
+    /// --max-recycles).
     #[arg(long, default_value_t = 0, value_parser = engine::parse::count(0..=crate::input::MAX_RECYCLES))]
     pub recycles: usize,
     /// Training data in OpenFold's layout, in place of one input and --target.
@@ -829,15 +832,19 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
             let number = shard.example(step as u64, k);
             let loaded;
             let example = match &mut examples {
+                // One complex draws each example's recycles as a data set's complexes do
+                // (`ComplexLoader`): from the seed and the number, the same on every rank.
                 Examples::Complex(c) => {
-                    recycles.get_or_insert(args.recycles);
-                    trainer.accumulate_cropped(c, args.recycles, number, &exec)?;
+                    let drawn = sample_recycles(seed, number, args.data.max_recycles);
+                    recycles.get_or_insert(drawn);
+                    trainer.accumulate_cropped(c, drawn, number, &exec)?;
                     continue;
                 }
                 Examples::ComplexDrawingTemplates(source, resolution) => {
-                    recycles.get_or_insert(args.recycles);
+                    let drawn = sample_recycles(seed, number, args.data.max_recycles);
+                    recycles.get_or_insert(drawn);
                     let c = source.training(*resolution, args.data.crop_size, (seed, number), device)?;
-                    trainer.accumulate_cropped(&c, args.recycles, number, &exec)?;
+                    trainer.accumulate_cropped(&c, drawn, number, &exec)?;
                     continue;
                 }
                 Examples::Complexes { loader } => {
@@ -1117,6 +1124,13 @@ fn check_complex_args(args: &TrainArgs, world: &World) -> anyhow::Result<()> {
     ];
     if let Some((flag, _, what)) = given.iter().find(|(_, g, _)| *g) {
         return Err(not_yet(flag, what));
+    }
+    if args.recycles > 0 {
+        bail!(
+            "--recycles {}: a complex draws each example's recycles from 0 to --max-recycles (as a data set \
+             does); give --max-recycles N (0: none)",
+            args.recycles
+        );
     }
     if world.rank() == 0 && !args.job.quiet {
         println!(

@@ -21,8 +21,7 @@ use crate::multimer::{search, Complex, EntityInput};
 use crate::pdb::Structure;
 use crate::search::{Mode, Search};
 use crate::train::ComplexExample;
-use crate::train_data::layout::files_with;
-use crate::train_data::templates::{read_hits, ChainTemplates, TemplateSampling, HIT_EXTENSION};
+use crate::train_data::templates::{hit_files, read_hits, ChainTemplates, TemplateSampling};
 use crate::train_target::Target;
 
 /// The complex of `fasta`'s records and its true structure in `target`, the features on
@@ -98,10 +97,11 @@ impl ComplexSource {
         Ok(ComplexSource { complex, entities, truth, fasta, target, templates: None })
     }
 
-    /// The complex drawing its examples' templates by `sampling` from each entity's hits: the
-    /// `.hhr` files of its first chain's folder in `msas` (`A/`, `B/`, ...; hhsearch's
-    /// `pdb_hits.hhr` as predict saves it, read as a data set's chain folder is read,
-    /// [`crate::train_data::templates`]); an entity without one has none. The complex has no
+    /// The complex drawing its examples' templates by `sampling` from each entity's hits: those
+    /// of its first chain's folder in `msas` (`A/`, `B/`, ...), hmmsearch's `pdb_hits.sto` as
+    /// predict saves it (AlphaFold-Multimer's search), else its `.hhr` files (hhsearch's
+    /// `pdb_hits.hhr`), read as a data set's chain folder is read
+    /// ([`crate::train_data::templates::hit_files`]); an entity without any has none. The complex has no
     /// PDB entry or release date here: no hit is dropped as its own entry's (those that
     /// duplicate its sequence are), and `--max-template-date` alone limits the hits' dates.
     pub fn with_templates(self, sampling: TemplateSampling, msas: &Path) -> anyhow::Result<ComplexSource> {
@@ -111,11 +111,13 @@ impl ComplexSource {
             .iter()
             .map(|chain| {
                 let folder = msas.join(chain.id.to_string());
-                let files =
-                    files_with(&folder, &[HIT_EXTENSION]).with_context(|| format!("--msas {}", msas.display()))?;
+                let files = hit_files(&folder).with_context(|| format!("--msas {}", msas.display()))?;
                 match files.is_empty() {
                     true => Ok(None),
-                    false => Ok(Some(read_hits(&files, "", None).with_context(|| format!("chain {}", chain.id))?)),
+                    false => {
+                        let hits = read_hits(&files, &chain.sequence, "", None);
+                        Ok(Some(hits.with_context(|| format!("chain {}", chain.id))?))
+                    }
                 }
             })
             .collect::<anyhow::Result<Vec<_>>>()?;

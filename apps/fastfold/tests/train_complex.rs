@@ -28,11 +28,15 @@ use fastfold::pdb::Structure;
 use fastfold::train::{ComplexExample, Trainer};
 use fastfold::train_complex::{ComplexSource, TrainingComplex};
 use fastfold::train_data::loader::Shard;
-use fastfold::train_data::templates::TemplateSampling;
+use fastfold::train_data::templates::{read_hits, TemplateSampling};
+use fastfold::train_data::transforms::sample_recycles;
 use fastfold::train_parallel::{mean_over_replicas, ParallelArgs};
 use suite_tests::dist_test;
 use tch::{Device, Kind, Tensor};
 
+use common::layout::{
+    check_drawn_as_predicted, hmmsearch_fixture, predict_hmmsearch_features, template_sampling, QUERY,
+};
 use common::{step_log, BIN};
 
 const CHAIN: &str = "MKTAYIAKGRQ";
@@ -202,12 +206,14 @@ fn train_on_a_homodimer_lowers_the_loss() {
     let out = dir.join("out");
     let mut args = words(&fasta, &pdb, &out);
     let flags = ["--model-preset", "multimer", "--steps", "5", "--lr", "3e-3", "--warmup", "0", "--resolution", "2"];
-    args.extend(flags.iter().map(|s| s.to_string()));
+    // No recycles, the fixed count this test was measured with before they were drawn.
+    args.extend(flags.iter().chain(&["--max-recycles", "0"]).map(|s| s.to_string()));
     let (ok, text) = train(&args);
     assert!(ok, "{text}");
     assert!(text.contains("AlphaFold-Multimer's loss weights"), "{text}");
     let log = step_log(&out);
     assert_eq!(log.len(), 5);
+    assert!(log.iter().all(|s| s["recycles"] == 0), "--max-recycles 0 draws none: {log:?}");
     let loss: Vec<f64> = log.iter().map(|s| s["loss"].as_f64().unwrap()).collect();
     eprintln!("losses {loss:?}");
     for s in &log {
@@ -252,6 +258,7 @@ fn what_does_not_fit_a_complex_is_refused_by_name() {
     std::fs::write(&a3m, format!(">a\n{CHAIN}\n")).unwrap();
     refused(&fasta, &["--msa", a3m.to_str().unwrap()], &["--msa", "not supported yet"]);
     refused(&fasta, &["--chain", "A"], &["--chain", "not supported yet"]);
+    refused(&fasta, &["--recycles", "1"], &["--recycles 1", "--max-recycles"]);
 }
 
 /// A heterodimer (two entities, their query rows paired across chains; the unique chain anchors
@@ -362,7 +369,7 @@ fn a_heterodimer_trains_on_its_saved_alignments() {
     let out = dir.join("out");
     let mut args = words(&fasta, &pdb, &out);
     let flags = ["--model-preset", "multimer", "--steps", "4", "--lr", "3e-3", "--warmup", "0", "--resolution", "2"];
-    args.extend(flags.iter().map(|s| s.to_string()));
+    args.extend(flags.iter().chain(&["--max-recycles", "0"]).map(|s| s.to_string()));
     args.extend(["--msas".to_string(), msas.display().to_string()]);
     let (ok, text) = train(&args);
     assert!(ok, "{text}");
@@ -405,7 +412,6 @@ fn a_heterodimer_trains_on_its_saved_alignments() {
 #[test]
 fn a_complex_draws_templates_from_its_saved_hits() {
     let dir = common::scratch("train_complex", "templates");
-    const QUERY: &str = "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQAPILSRV";
     let (fasta, pdb, _, _) = complex(&dir, "hetero", &[QUERY, CHAIN]);
     let msas = dir.join("msas");
     saved_alignments(&msas, &[('A', QUERY), ('B', CHAIN)]);
@@ -447,7 +453,8 @@ fn a_complex_draws_templates_from_its_saved_hits() {
     let (m, a) = (mmcif.display().to_string(), msas.display().to_string());
     let run = |name: &str, extra: &[&str]| {
         let mut args = words(&fasta, &pdb, &dir.join(name));
-        let flags = ["--model-preset", "multimer", "--steps", "2", "--lr", "3e-3", "--warmup", "0", "--msas", &a];
+        let flags = ["--model-preset", "multimer", "--steps", "2", "--lr", "3e-3", "--max-recycles", "0", "--msas", &a];
+        let flags = [&flags[..], &["--warmup", "0"]].concat();
         args.extend(flags.iter().chain(["--resolution", "2"].iter()).chain(extra).map(|s| s.to_string()));
         train(&args)
     };
@@ -481,6 +488,74 @@ fn a_complex_draws_templates_from_its_saved_hits() {
     let (ok, text) = train(&args);
     assert!(!ok && text.contains("--msas"), "{text}");
     assert!(!dir.join("refused/params.npz").exists(), "parameters written");
+}
+
+/// A heterodimer whose chain A (the template fixtures' query) has hmmsearch's hits saved in its
+/// `--msas` folder (`A/pdb_hits.sto`, the fixtures' hmmsearch result, as `predict
+/// --template-searcher hmmsearch` saves it), a `pdb_hits.hhr` beside them: the `.sto` is read
+/// (AlphaFold-Multimer's search), and over examples 1-8 every drawn hit is predict's
+/// featurisation of the same hit, in the features' template slot it was drawn to, bit for bit;
+/// the same number draws the same templates, and the draws differ between numbers.
+#[test]
+fn a_complex_draws_templates_from_its_hmmsearch_hits() {
+    let dir = common::scratch("train_complex", "hmmsearch");
+    let (fasta, pdb, _, _) = complex(&dir, "hetero", &[QUERY, CHAIN]);
+    let msas = dir.join("msas");
+    saved_alignments(&msas, &[('A', QUERY), ('B', CHAIN)]);
+    let sto = msas.join("A/pdb_hits.sto");
+    std::fs::copy(hmmsearch_fixture(), &sto).unwrap();
+    let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/templates");
+    std::fs::copy(fixtures.join("pdb_hits.hhr"), msas.join("A/pdb_hits.hhr")).unwrap();
+    let mmcif = fixtures.join("mmcif");
+    let sampling = template_sampling(&mmcif);
+    let source = ComplexSource::read(&fasta, Some(&msas), &pdb).unwrap();
+    let source = source.with_templates(sampling.clone(), &msas).unwrap();
+    assert_eq!(source.template_files(), [('A', vec![sto.clone()]), ('B', vec![])], "the .sto, not the .hhr");
+    // The complex has no release date: no date limit, in predict as in training.
+    let predicted = predict_hmmsearch_features(&sto, QUERY, &mmcif, "9999-12-31");
+    let hits = read_hits(std::slice::from_ref(&sto), QUERY, "", None).unwrap();
+    let mut draws = Vec::new();
+    for number in 1..=8 {
+        // Chain A is the first entity: its draw is keyed (seed, number, 0).
+        let drawn = sampling.draw(QUERY, &hits, (0, number, 0)).unwrap();
+        let inputs = source.inputs((0, number), Device::Cpu).unwrap();
+        let (positions, masks) = (inputs.template_all_atom_positions.unwrap(), inputs.template_all_atom_mask.unwrap());
+        let names = check_drawn_as_predicted(&drawn, &predicted, Some((&positions, &masks)), 0);
+        let t = masks.size()[0];
+        let real = masks.view([t, -1]).sum_dim_intlist(1, false, Kind::Float).gt(0.0).sum(Kind::Int64);
+        assert_eq!(real.int64_value(&[]), drawn.len() as i64, "example {number}: templates beyond those drawn");
+        let again = source.inputs((0, number), Device::Cpu).unwrap();
+        assert!(again.template_all_atom_positions.unwrap().equal(&positions), "example {number} draws anew");
+        draws.push(names);
+    }
+    eprintln!(
+        "predict's hits {:?}; drawn per example {draws:?}",
+        predicted.iter().map(|h| &h.domain_name).collect::<Vec<_>>()
+    );
+    assert!(draws.iter().any(|d| !d.is_empty()), "no template drawn: {draws:?}");
+    assert!(draws.iter().any(|d| d != &draws[0]), "every example drew the same: {draws:?}");
+}
+
+/// One complex draws each example's recycles as a data set does (`sample_recycles` of the seed
+/// and the example's number, 0 to `--max-recycles`): `fastfold train --max-recycles 2` on the
+/// homodimer cropped to 16 logs, for steps 1-6, the draws for examples 1-6, which vary; the
+/// draw repeats for the same number and stays within 0..=max; `--max-recycles 0` draws none.
+#[test]
+fn one_complex_draws_its_recycles_per_example() {
+    let draws = |seed: u64, max: usize| (1..=6).map(|n| sample_recycles(seed, n, max)).collect::<Vec<_>>();
+    assert_eq!(draws(0, 2), draws(0, 2), "the same numbers draw the same");
+    assert!(draws(0, 0).iter().all(|&r| r == 0));
+    let wide: Vec<usize> = (1..=40).map(|n| sample_recycles(0, n, 3)).collect();
+    assert!(wide.iter().all(|&r| r <= 3) && (0..=3).all(|r| wide.contains(&r)), "0..=3 over 40 examples: {wide:?}");
+    let dir = common::scratch("train_complex", "recycles");
+    let (fasta, pdb, _) = homodimer(&dir);
+    let flags = ["--crop-size", "16", "--steps", "6", "--warmup", "0", "--max-recycles", "2", "--quiet"];
+    let log = train_logged(&fasta, &pdb, &dir.join("out"), &flags);
+    let logged: Vec<usize> = log.iter().map(|s| s["recycles"].as_u64().unwrap() as usize).collect();
+    eprintln!("recycles logged for examples 1-6: {logged:?}");
+    assert_eq!(logged, draws(0, 2), "step n trains example n with its drawn recycles");
+    assert!(logged.iter().any(|&r| r != logged[0]), "the draws vary: {logged:?}");
+    assert!(log.iter().all(|s| s["loss"].as_f64().is_some_and(f64::is_finite)), "{log:?}");
 }
 
 /// A heterodimer of 22 residues cropped to 16 (`--crop-size`): each example's features are
@@ -527,7 +602,9 @@ fn cropped_complexes_train_and_their_copies_align() {
     // checks the assignment), and the run trains.
     let (dimer, dimer_pdb, _) = homodimer(&dir);
     let mut args = words(&dimer, &dimer_pdb, &dir.join("out"));
-    args.extend(["--model-preset", "multimer", "--crop-size", "16", "--steps", "2"].map(String::from));
+    args.extend(
+        ["--model-preset", "multimer", "--crop-size", "16", "--steps", "2", "--max-recycles", "0"].map(String::from),
+    );
     let (ok, text) = train(&args);
     assert!(ok, "{text}");
     assert_eq!(step_log(&dir.join("out")).len(), 2);
@@ -604,8 +681,8 @@ dist_test!(a_complex_on_two_dap_groups_of_two_gives_one_process_accumulating_gra
     complex_on_ranks_gradients(world, 2, 1e-4).map(|_| ())
 });
 
-/// `fastfold train` on the homodimer cropped to 16 residues, one step of two examples: one
-/// process accumulating both (`--accumulation 2`), one DAP group of 2 ranks doing the same
+/// `fastfold train` on the homodimer cropped to 16 residues, one step of two examples (their
+/// recycles drawn, `--max-recycles 1`, rank 0's logged as example 1's draw): one process accumulating both (`--accumulation 2`), one DAP group of 2 ranks doing the same
 /// with the blocks checkpointed (`--nproc 2 --accumulation 2 --gradient-checkpointing`), two
 /// replicas each training one (`--nproc 2 --dap 1`) and the latter under ZeRO-1 log the same
 /// mean loss (within 1e-5 of it) and gradient norm (within 1e-4 of it; the gradients are the
@@ -617,9 +694,11 @@ fn train_command_splits_a_complex_over_dap_ranks_and_replicas() {
     let (fasta, pdb, _) = homodimer(&dir);
     let run = |name: &str, extra: &[&str]| {
         let out = dir.join(name);
-        let flags = ["--crop-size", "16", "--steps", "1", "--warmup", "0", "--quiet"];
+        // Each example's recycles are drawn from its number, whichever rank trains it.
+        let flags = ["--crop-size", "16", "--steps", "1", "--warmup", "0", "--max-recycles", "1", "--quiet"];
         let log = train_logged(&fasta, &pdb, &out, &[&flags[..], extra].concat());
         assert_eq!(log.len(), 1, "{name}: {log:?}");
+        assert_eq!(log[0]["recycles"], sample_recycles(0, 1, 1), "{name}: example 1's recycles");
         let value = |field: &str| log[0][field].as_f64().unwrap_or_else(|| panic!("{name}: no {field} in {log:?}"));
         (value("loss"), value("grad_norm"), out)
     };
@@ -654,7 +733,7 @@ fn a_complex_trains_in_bf16_with_fp32_masters() {
     let (fasta, pdb, _) = homodimer(&dir);
     let run = |name: &str, extra: &[&str]| {
         let out = dir.join(name);
-        let flags = ["--lr", "3e-3", "--warmup", "0", "--ema-decay", "0", "--resolution", "2"];
+        let flags = ["--lr", "3e-3", "--warmup", "0", "--ema-decay", "0", "--resolution", "2", "--max-recycles", "0"];
         let log = train_logged(&fasta, &pdb, &out, &[&flags[..], extra].concat());
         let loss: Vec<f64> = log.iter().map(|s| s["loss"].as_f64().unwrap()).collect();
         (loss, log[0]["distogram"].as_f64().unwrap(), out)

@@ -27,11 +27,12 @@ use fastfold::pdb::Structure;
 use fastfold::train::{ComplexExample, TrainArgs, Trainer};
 use fastfold::train_data::complexes::{load_complex, select_complexes, LoadedComplex};
 use fastfold::train_data::layout::{read_chain_data_cache, Filters};
-use fastfold::train_data::templates::TemplateSampling;
+use fastfold::train_data::templates::{read_hits, TemplateSampling};
 use fastfold::validation::{ValResult, Validation};
 use tch::{Device, Tensor};
 
-use common::layout::{query_chain_layout, template_sampling, write_complexes, ComplexSpec};
+use common::layout::{check_drawn_as_predicted, hmmsearch_fixture, predict_hmmsearch_features};
+use common::layout::{query_chain_layout, template_sampling, write_complexes, ComplexSpec, QUERY};
 use common::{step_log, BIN};
 
 const HETERO: &[(&str, &str)] = &[("A", "MKTAYIAKQR"), ("B", "GSWEDLKKLA")];
@@ -427,6 +428,45 @@ fn a_chains_template_hits_give_its_complex_templates() {
         assert_eq!(s["example"].as_str(), Some("9qry A"));
         assert!(s["loss"].as_f64().is_some_and(f64::is_finite), "{s}");
     }
+}
+
+/// The template fixtures' query as an entry of one chain (9qry, released 2021-06-01) whose
+/// folder holds hmmsearch's hits as OpenFold names them (`hmm_output.sto`, the fixtures'
+/// hmmsearch result) beside its `pdb70_hits.hhr`: the `.sto` is its template hits, not an MSA,
+/// and over examples 1-8 every drawn hit is predict's featurisation of the same hit with the
+/// entry's date limit (60 days before its release: 3ghi_A, released 2021-05-01, is dropped),
+/// in the template slot it was drawn to, bit for bit; the same number draws the same.
+#[test]
+fn a_chains_hmmsearch_hits_give_its_complex_templates() {
+    let dir = common::scratch("train_complex_data", "hmmsearch");
+    let (mmcif, alignments) = query_chain_layout(&dir);
+    let sto = alignments.join("9qry_A/hmm_output.sto");
+    std::fs::copy(hmmsearch_fixture(), &sto).unwrap();
+    let entry = select_complexes(&mmcif, &alignments, &Filters::default()).unwrap().chains.remove(0);
+    assert_eq!(entry.chains[0].templates, std::slice::from_ref(&sto), "hmmsearch's hits, not the .hhr");
+    assert_eq!(entry.chains[0].msas, [alignments.join("9qry_A/bfd_uniclust_hits.a3m")], "the .sto is no MSA");
+    let sampling = template_sampling(&mmcif);
+    let predicted = predict_hmmsearch_features(&sto, QUERY, &mmcif, "2021-04-02");
+    let hits = read_hits(std::slice::from_ref(&sto), QUERY, "9qry", Some("2021-06-01".into())).unwrap();
+    let mut draws = Vec::new();
+    for number in 1..=8 {
+        let drawn = sampling.draw(QUERY, &hits, (0, number, 0)).unwrap();
+        let (features, _, _) = load_complex(&entry, Some((&sampling, 0, number))).unwrap();
+        let tensor = |name: &str| features.get(name).map(|a| a.tensor()).unwrap();
+        let n = QUERY.len() as i64;
+        let positions = tensor("template_all_atom_positions").view([-1, n, 37, 3]);
+        let masks = tensor("template_all_atom_mask").view([-1, n, 37]);
+        let names = check_drawn_as_predicted(&drawn, &predicted, Some((&positions, &masks)), 0);
+        let (again, _, _) = load_complex(&entry, Some((&sampling, 0, number))).unwrap();
+        assert!(again.get("template_all_atom_positions").unwrap().tensor().view([-1, n, 37, 3]).equal(&positions));
+        draws.push(names);
+    }
+    eprintln!(
+        "predict's hits {:?}; drawn per example {draws:?}",
+        predicted.iter().map(|h| &h.domain_name).collect::<Vec<_>>()
+    );
+    assert!(draws.iter().flatten().all(|name| name != "3ghi_A"), "a hit released too late drawn: {draws:?}");
+    assert!(draws.iter().any(|d| !d.is_empty()), "no template drawn: {draws:?}");
 }
 
 /// `--resume` on the data set of complexes: 2 steps, then 2 more from the checkpoint, train

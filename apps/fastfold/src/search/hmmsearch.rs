@@ -11,6 +11,17 @@ use data::{Error, Result};
 
 use super::hhr::TemplateHit;
 
+/// The hits of hmmsearch's saved Stockholm result `text` (`pdb_hits.sto`; `source` names it
+/// in errors) for the query `query`: none when it is empty (hmmsearch writes an empty file
+/// when nothing is found), else [`parse`] of its rows as A3M. Predict and training both read
+/// a saved result here, so a hit is the same hit for both.
+pub fn read_sto(text: &str, query: &str, source: &Path) -> Result<Vec<TemplateHit>> {
+    if text.trim().is_empty() {
+        return Ok(Vec::new());
+    }
+    parse(&super::stockholm::to_a3m(text, source, false)?, query, source)
+}
+
 /// The hits of hmmsearch's result as A3M text (`source` names the result in errors) for
 /// the query `query`.
 pub fn parse(a3m: &str, query: &str, source: &Path) -> Result<Vec<TemplateHit>> {

@@ -52,9 +52,10 @@ const HMMSEARCH_CPUS: usize = 8;
 /// hmmsearch's thresholds in AlphaFold-Multimer's template search.
 const HMMSEARCH_FLAGS: [&str; 14] =
     ["--F1", "0.1", "--F2", "0.1", "--F3", "0.1", "--incE", "100", "-E", "100", "--domE", "100", "--incdomE", "100"];
-/// Where the template search's hits are saved under `msas/` (AlphaFold's names).
+/// Where the template search's hits are saved under `msas/` (AlphaFold's names: hhsearch's,
+/// then hmmsearch's, which training reads back too, [`crate::train_data::templates`]).
 const PDB_HITS_FILE: &str = "pdb_hits.hhr";
-const PDB_HITS_STO: &str = "pdb_hits.sto";
+pub const PDB_HITS_STO: &str = "pdb_hits.sto";
 
 /// Which search finds the MSA.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -535,14 +536,7 @@ impl Ctx<'_> {
                 (self.save(PDB_HITS_STO, &text)?, text, true)
             }
         };
-        // hmmsearch writes an empty file when nothing is found.
-        let hits = if text.trim().is_empty() {
-            Vec::new()
-        } else {
-            self.parsed(&path, fresh, || {
-                Ok(hmmsearch::parse(&stockholm::to_a3m(&text, &path, false)?, sequence, &path)?)
-            })?
-        };
+        let hits = self.parsed(&path, fresh, || Ok(hmmsearch::read_sto(&text, sequence, &path)?))?;
         Ok((hits, path))
     }
 

@@ -60,18 +60,20 @@ pub struct TrainDataArgs {
     /// it is given, by AlphaFold-Multimer's mix of contiguous and spatial crops.
     #[arg(long, value_parser = engine::parse::count(1..))]
     pub crop_size: Option<usize>,
-    /// Recycling passes before the trained one are drawn uniformly from 0 to this, per step
-    /// (AlphaFold: 3).
+    /// Recycling passes before the trained one are drawn uniformly from 0 to this, per example,
+    /// for a data set and for one complex (AlphaFold: 3).
     #[arg(long, default_value_t = 3, value_parser = engine::parse::count(0..=crate::input::MAX_RECYCLES))]
     pub max_recycles: usize,
-    /// Templates per example, drawn from the hits of the chain folder's `.hhr` files as AlphaFold
+    /// Templates per example, drawn from the hits of the chain folder's `.hhr` files (a
+    /// complex's: its hmmsearch `hmm_output.sto` or `pdb_hits.sto` when there) as AlphaFold
     /// trains (of the top 20 hits, in random order, up to this many featurised, then a
     /// random number of them kept; 0: no templates). Without a hit file a chain has none.
     #[arg(long, default_value_t = crate::features::MAX_TEMPLATES, value_parser = engine::parse::count(0..=crate::features::MAX_TEMPLATES as u64))]
     pub max_templates: usize,
     /// Folder of the templates' mmCIF entries (OpenFold's `template_mmcif_dir`; default:
     /// --mmcif-dir). For one complex (its FASTA file, --target and --msas) templates are drawn
-    /// only when it is given, from the `.hhr` hits of each entity's --msas folder.
+    /// only when it is given, from the hits of each entity's --msas folder (`pdb_hits.sto`,
+    /// else `.hhr`).
     #[arg(long, requires = "template_source")]
     pub template_mmcif_dir: Option<PathBuf>,
     /// Templates released after this date (YYYY-MM-DD) are not used; whatever it is, a

@@ -3,10 +3,12 @@
 //! `--alignment-dir` (or `--train-list`) is one complex of all its protein chains, as
 //! OpenFold-Multimer trains on whole entries; an entry of one protein chain is a complex of
 //! one chain. Every protein chain needs its folder `<pdb>_<chain>/`: its `.a3m` and `.sto`
-//! files but `uniprot_hits.*` are its MSA (as the monomer path reads them), and
-//! `uniprot_hits.sto` (or `.a3m`), when there, the rows paired across distinct chains by
-//! species (without it a chain pairs its query row alone); its `.hhr` files, when there, its
-//! template hits, drawn per example as for a monomer chain. Chains of the same sequence are
+//! files but `uniprot_hits.*` and hmmsearch's hits are its MSA (as the monomer path reads
+//! them), and `uniprot_hits.sto` (or `.a3m`), when there, the rows paired across distinct
+//! chains by species (without it a chain pairs its query row alone); its template hits, when
+//! there, drawn per example as for a monomer chain: hmmsearch's `hmm_output.sto` (or predict's
+//! `pdb_hits.sto`), AlphaFold-Multimer's search, else its `.hhr` files
+//! ([`super::templates::hit_files`]). Chains of the same sequence are
 //! copies of one entity ([`crate::multimer::Complex`]); the features are
 //! [`crate::multimer::features`]' and the truth the entry's chains in the features' order.
 //!
@@ -31,12 +33,12 @@ use rayon::prelude::*;
 use tch::Device;
 
 use super::example::read_msas;
-use super::layout::{chain_folders, count_excluded, excluded_by, files_with, mmcif_path, nothing_selected};
+use super::layout::Selection;
+use super::layout::{alignment_files, chain_folders, count_excluded, excluded_by, mmcif_path, nothing_selected};
 use super::layout::{split_name, ChainData, Filters, LayoutFlags};
-use super::layout::{Selection, MSA_EXTENSIONS};
 use super::loader::{ChainSampling, Shard, PARALLEL, PREFETCH};
 use super::target::{chain_sequence, chain_structure};
-use super::templates::{read_hits, TemplateSampling, HIT_EXTENSION};
+use super::templates::{hit_files, read_hits, TemplateSampling};
 use super::transforms::sample_recycles;
 use crate::features::RawFeatures;
 use crate::input::parse_alignment;
@@ -60,7 +62,8 @@ pub struct EntryChain {
     pub msas: Vec<PathBuf>,
     /// Its UniProt alignment, when its folder has one.
     pub uniprot: Option<PathBuf>,
-    /// Its template hit files (`.hhr`), in file-name order; none when its folder has none.
+    /// Its template hit files ([`super::templates::hit_files`]: hmmsearch's, else `.hhr`), in
+    /// file-name order; none when its folder has none.
     pub templates: Vec<PathBuf>,
     /// Its folder.
     pub folder: PathBuf,
@@ -229,15 +232,15 @@ fn entry_chain(
         );
     }
     let is_uniprot = |p: &PathBuf| p.file_stem().is_some_and(|s| s == UNIPROT_STEM);
-    let (uniprot, msas): (Vec<PathBuf>, Vec<PathBuf>) =
-        files_with(&folder, &MSA_EXTENSIONS)?.into_iter().partition(is_uniprot);
+    let (uniprot, msas): (Vec<PathBuf>, Vec<PathBuf>) = alignment_files(&folder)?.into_iter().partition(is_uniprot);
     if msas.is_empty() {
         bail!(
-            "entry {pdb}, chain {chain}: alignment folder {} has no .a3m or .sto file (but {UNIPROT_STEM})",
+            "entry {pdb}, chain {chain}: alignment folder {} has no .a3m or .sto file (but {UNIPROT_STEM} and \
+             template hits)",
             folder.display()
         );
     }
-    let templates = files_with(&folder, &[HIT_EXTENSION])?;
+    let templates = hit_files(&folder)?;
     let uniprot = uniprot.into_iter().next();
     Ok(EntryChain { chain: chain.to_string(), msas, uniprot, templates, folder, cluster_size })
 }
@@ -332,7 +335,8 @@ pub fn load_complex(
             let what = || format!("entry {}, chain {} ({})", entry.name, c.chain, c.folder.display());
             let mut raw = RawFeatures::new(sequence, Some((msa, &c.msas[0]))).with_context(what)?;
             if let (Some((sampling, seed, number)), false) = (templates, c.templates.is_empty()) {
-                let hits = read_hits(&c.templates, &entry.name, parsed.release_date.clone()).with_context(what)?;
+                let release = parsed.release_date.clone();
+                let hits = read_hits(&c.templates, sequence, &entry.name, release).with_context(what)?;
                 raw.templates = Some(sampling.draw(sequence, &hits, (seed, number, e as u64)).with_context(what)?);
             }
             let pairing = match pair {

@@ -48,7 +48,7 @@ pub fn load(entry: &ChainEntry) -> anyhow::Result<Example> {
         true => None,
         false => {
             let pdb = entry.name.rsplit_once('_').map_or(entry.name.as_str(), |(pdb, _)| pdb);
-            let hits = read_hits(&entry.templates, pdb, chain.release_date.clone());
+            let hits = read_hits(&entry.templates, &sequence, pdb, chain.release_date.clone());
             Some(hits.with_context(|| format!("chain {}", entry.name))?)
         }
     };

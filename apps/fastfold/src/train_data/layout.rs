@@ -153,11 +153,18 @@ pub(super) fn chain_folders(alignment_dir: &Path, flags: &LayoutFlags) -> anyhow
 /// The MSA files of a chain folder, in file-name order; an error naming the folder when it
 /// has none.
 fn msa_files(folder: &Path) -> anyhow::Result<Vec<PathBuf>> {
-    let files = files_with(folder, &MSA_EXTENSIONS)?;
+    let files = alignment_files(folder)?;
     if files.is_empty() {
         bail!("alignment folder {} has no .a3m or .sto file", folder.display());
     }
     Ok(files)
+}
+
+/// A chain folder's `.a3m` and `.sto` files but its hmmsearch hits (template hits, not an MSA:
+/// [`super::templates::HMMSEARCH_HITS`]), in file-name order.
+pub(super) fn alignment_files(folder: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    let files = files_with(folder, &MSA_EXTENSIONS)?;
+    Ok(files.into_iter().filter(|p| !super::templates::is_hmmsearch_hits(p)).collect())
 }
 
 /// The files of a chain folder with one of `extensions`, in file-name order.

@@ -1,7 +1,9 @@
 //! A training chain's templates, chosen as AlphaFold's and OpenFold's training pipelines choose
 //! them (AlphaFold supplement 1.2.3; OpenFold's `TemplateHitFeaturizer.get_templates` with
 //! its training config): from the hits of the chain folder's `.hhr` files (hhsearch against
-//! pdb70, `pdb70_hits.hhr`; OpenFold reads every `.hhr` file of the folder),
+//! pdb70, `pdb70_hits.hhr`; OpenFold reads every `.hhr` file of the folder) or, for a complex,
+//! of hmmsearch's Stockholm result against pdb_seqres (AlphaFold-Multimer's template search:
+//! `pdb_hits.sto` as predict saves it, `hmm_output.sto` as OpenFold names it; [`hit_files`]),
 //!
 //! 1. hits released too late are dropped: after `--max-template-date`, or less than
 //!    [`DAYS_BEFORE_QUERY`] days before the chain's own release (the template must not be
@@ -10,29 +12,37 @@
 //!    hits aligned over 10% of the query or less, near-duplicates of the query (a
 //!    subsequence of it longer than [`MAX_SUBSEQUENCE_RATIO`] of it) and hits under 10
 //!    residues;
-//! 3. the rest, best `Sum_probs` first, have their first [`SHUFFLE_TOP_K`] shuffled
-//!    (`shuffle_top_k_prefiltered`), and are featurised in that order as predict featurises
-//!    hits ([`Featurizer`], kalign realigning where the entry's chain changed) until
-//!    `--max-templates` have features;
+//! 3. the rest, best `Sum_probs` first (hmmsearch's hits are unscored: in the file's order),
+//!    have their first [`SHUFFLE_TOP_K`] shuffled (`shuffle_top_k_prefiltered`), and are
+//!    featurised in that order as predict featurises that search's hits ([`Featurizer`],
+//!    kalign realigning where the entry's chain changed; hmmsearch's keeping one hit per
+//!    template sequence) until `--max-templates` have features;
 //! 4. the number kept is drawn as `random_crop_to_size` draws it with `subsample_templates`:
 //!    the `T` featurised, less a number uniform in `0..=T`, in a shuffled order.
 //!
 //! The draws of steps 3 and 4 come from one generator keyed by the example's number
 //! ([`super::transforms::Draw::Templates`]), so a run repeats its templates exactly.
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-use anyhow::Context;
+use anyhow::{bail, Context};
 
+use super::layout::files_with;
 use super::transforms::{keyed, Draw};
 use crate::features::rng::Rng;
 use crate::search::hhr::{self, TemplateHit};
 use crate::search::templates::{pdb_id_and_chain, Featurizer, TemplateHitFeatures};
 use crate::search::tools::Tool;
+use crate::search::{hmmsearch, PDB_HITS_STO};
 
 /// The extension of a chain folder's template hit files (hhsearch's; OpenFold names pdb70's
 /// `pdb70_hits.hhr`).
 pub const HIT_EXTENSION: &str = "hhr";
+/// The names of a chain folder's hmmsearch hits (OpenFold's, then predict's), in file-name
+/// order. They are Stockholm files but no MSA: the MSA readers leave them out
+/// ([`is_hmmsearch_hits`]).
+pub const HMMSEARCH_HITS: [&str; 2] = ["hmm_output.sto", PDB_HITS_STO];
+
 /// Hits at the top whose order is shuffled (OpenFold's `shuffle_top_k_prefiltered`).
 pub const SHUFFLE_TOP_K: usize = 20;
 /// A template must be released this many days before the training chain (AlphaFold's and
@@ -46,6 +56,32 @@ pub const MAX_SUBSEQUENCE_RATIO: f64 = 0.95;
 const MIN_ALIGN_RATIO: f64 = 0.1;
 /// Fewest residues of a hit.
 const MIN_HIT_LENGTH: usize = 10;
+
+/// Which search found a chain's hits; each is read and featurised as predict reads that
+/// search's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HitSearch {
+    /// hhsearch against pdb70 (`.hhr`, scored by `Sum_probs`).
+    Hhsearch,
+    /// hmmsearch against pdb_seqres (Stockholm, unscored; one hit per template sequence).
+    Hmmsearch,
+}
+
+/// Whether `path` is a chain folder's hmmsearch hits (one of [`HMMSEARCH_HITS`]).
+pub fn is_hmmsearch_hits(path: &Path) -> bool {
+    path.file_name().and_then(|n| n.to_str()).is_some_and(|n| HMMSEARCH_HITS.contains(&n))
+}
+
+/// A complex's chain folder's template hit files: its hmmsearch hits ([`HMMSEARCH_HITS`]) when
+/// it has them, AlphaFold-Multimer's own search, else its `.hhr` files; none when it has
+/// neither. The two are not mixed: their hits are featurised by different rules.
+pub fn hit_files(folder: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    let hmmsearch: Vec<PathBuf> = files_with(folder, &["sto"])?.into_iter().filter(|p| is_hmmsearch_hits(p)).collect();
+    match hmmsearch.is_empty() {
+        true => files_with(folder, &[HIT_EXTENSION]),
+        false => Ok(hmmsearch),
+    }
+}
 
 /// How training chooses templates (the `--max-templates` group of flags).
 #[derive(Clone, Debug, PartialEq)]
@@ -70,20 +106,41 @@ pub struct ChainTemplates {
     pub paths: Vec<PathBuf>,
     /// Their hits, in the files' order.
     pub hits: Vec<TemplateHit>,
+    /// The search that found them.
+    pub search: HitSearch,
     /// The PDB id of the chain's entry (lower case).
     pub query_pdb: String,
     /// The chain's release date, `YYYY-MM-DD`, when its entry has one.
     pub release_date: Option<String>,
 }
 
-/// Reads a chain's hit files, their hits concatenated.
-pub fn read_hits(paths: &[PathBuf], query_pdb: &str, release_date: Option<String>) -> anyhow::Result<ChainTemplates> {
+/// Reads the hit files of the chain `query` (its sequence, which hmmsearch's hits are aligned
+/// to), their hits concatenated: `.hhr` files as hhsearch's, [`HMMSEARCH_HITS`] as hmmsearch's
+/// (predict's readers, [`hhr::parse`] and [`hmmsearch::read_sto`]). Files of both searches
+/// together are an error naming them.
+pub fn read_hits(
+    paths: &[PathBuf],
+    query: &str,
+    query_pdb: &str,
+    release_date: Option<String>,
+) -> anyhow::Result<ChainTemplates> {
+    let search = match paths.iter().all(|p| is_hmmsearch_hits(p)) {
+        true => HitSearch::Hmmsearch,
+        false => HitSearch::Hhsearch,
+    };
     let mut hits = Vec::new();
     for path in paths {
+        if (search == HitSearch::Hmmsearch) != is_hmmsearch_hits(path) {
+            let files: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
+            bail!("template hits {}: hhsearch's and hmmsearch's hits are not read together", files.join(", "));
+        }
         let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        hits.extend(hhr::parse(&text, path)?);
+        match search {
+            HitSearch::Hhsearch => hits.extend(hhr::parse(&text, path)?),
+            HitSearch::Hmmsearch => hits.extend(hmmsearch::read_sto(&text, query, path)?),
+        }
     }
-    Ok(ChainTemplates { paths: paths.to_vec(), hits, query_pdb: query_pdb.to_lowercase(), release_date })
+    Ok(ChainTemplates { paths: paths.to_vec(), hits, search, query_pdb: query_pdb.to_lowercase(), release_date })
 }
 
 impl ChainTemplates {
@@ -214,7 +271,7 @@ impl TemplateSampling {
             max_template_date: cutoff_date(self.max_template_date.as_deref(), chain.release_date.as_deref()),
             obsolete: self.obsolete.clone(),
             kalign: Tool::new("kalign", self.kalign.as_deref()),
-            unique_sequences: false,
+            unique_sequences: chain.search == HitSearch::Hmmsearch,
         };
         let result = featurizer.featurize_in_order(query, &order, self.max_templates).with_context(|| {
             format!(

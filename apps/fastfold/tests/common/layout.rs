@@ -218,3 +218,57 @@ pub fn template_sampling(mmcif_dir: &Path) -> fastfold::train_data::templates::T
         kalign: None,
     }
 }
+
+/// The template fixtures' hmmsearch result (`hmmsearch_hits.sto`: hits 2def_B, 3ghi_A and
+/// 1abc_A of [`QUERY`], the last with an insertion).
+pub fn hmmsearch_fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/templates/hmmsearch_hits.sto")
+}
+
+/// The features `fastfold predict --template-searcher hmmsearch` makes of the hits saved in
+/// `path` for `query` (its reader and featuriser as `Search::templates` sets them: one hit per
+/// template sequence), the entries from `mmcif_dir`, released by `date`, `kalign` on PATH.
+pub fn predict_hmmsearch_features(
+    path: &Path,
+    query: &str,
+    mmcif_dir: &Path,
+    date: &str,
+) -> Vec<fastfold::search::templates::TemplateHitFeatures> {
+    use fastfold::search::templates::Featurizer;
+    let text = std::fs::read_to_string(path).unwrap();
+    let hits = fastfold::search::hmmsearch::read_sto(&text, query, path).unwrap();
+    let featurizer = Featurizer {
+        mmcif_dir: mmcif_dir.to_path_buf(),
+        max_template_date: date.to_string(),
+        obsolete: Default::default(),
+        kalign: fastfold::search::tools::Tool::new("kalign", None),
+        unique_sequences: true,
+    };
+    featurizer.get_templates(query, &hits).unwrap().hits
+}
+
+/// Checks that every drawn hit is predict's featurisation of the same hit (`predicted`, by
+/// domain name: sequence, positions and masks equal) and that template slot k of a complex's
+/// features (`positions` [T, N, 37, 3] and `masks` [T, N, 37]) holds drawn hit k over residues
+/// `from..from + n` (the chain's), bit for bit. Returns the drawn hits' names.
+pub fn check_drawn_as_predicted(
+    drawn: &[fastfold::search::templates::TemplateHitFeatures],
+    predicted: &[fastfold::search::templates::TemplateHitFeatures],
+    features: Option<(&tch::Tensor, &tch::Tensor)>,
+    from: i64,
+) -> Vec<String> {
+    for (k, hit) in drawn.iter().enumerate() {
+        let same = predicted.iter().find(|p| p.domain_name == hit.domain_name);
+        assert_eq!(Some(hit), same, "drawn hit {k} ({}) is not predict's", hit.domain_name);
+        let Some((positions, masks)) = features else { panic!("{} drawn, no template features", drawn.len()) };
+        let n = hit.positions.len() as i64;
+        let flat: Vec<f32> = hit.positions.iter().flatten().flatten().copied().collect();
+        let want = tch::Tensor::from_slice(&flat).reshape([n, 37, 3]);
+        let got = positions.get(k as i64).narrow(0, from, n);
+        assert!(got.equal(&want), "template {k} ({}): positions differ from predict's", hit.domain_name);
+        let flat: Vec<f32> = hit.masks.iter().flatten().copied().collect();
+        let want = tch::Tensor::from_slice(&flat).reshape([n, 37]);
+        assert!(masks.get(k as i64).narrow(0, from, n).equal(&want), "template {k}: masks differ");
+    }
+    drawn.iter().map(|h| h.domain_name.clone()).collect()
+}
