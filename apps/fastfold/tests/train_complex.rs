@@ -10,8 +10,9 @@
 //! replicas, both) the gradients and loss equal one process's accumulating the same examples,
 //! through the library and the command (`--nproc`, `--dap`, `--zero 1`); `--precision bf16`
 //! trains with fp32 masters near fp32's losses; with `--template-mmcif-dir` each example draws
-//! templates from the hits saved beside the chains' alignments, repeatably; what does not fit,
-//! or is not supported yet, is refused naming the flag or file.
+//! templates from the hits saved beside the chains' alignments (hhsearch's, or hmmsearch's
+//! featurised as predict featurises them), repeatably; each example draws its recycles from
+//! its number; what does not fit, or is not supported yet, is refused naming the flag or file.
 mod common;
 
 use std::path::{Path, PathBuf};

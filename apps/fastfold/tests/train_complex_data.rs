@@ -5,7 +5,8 @@
 //! in the features' chain order); `fastfold train` trains on them, each step logging its entry,
 //! and a second epoch's losses are below the first's; two data-parallel replicas train
 //! different complexes, the step's mean equal to one process accumulating both; a chain's
-//! template hits give its examples templates; `--resume` repeats the uninterrupted run;
+//! template hits (hhsearch's, or hmmsearch's as predict featurises them) give its examples
+//! templates; `--resume` repeats the uninterrupted run;
 //! validation on held-out complexes (`--val-mmcif-dir`, `--val-alignment-dir`) gives the same
 //! record every time, the training forward's loss and an lDDT-Cα computed here, and the same
 //! record on 2 DAP ranks and on 2 replicas as in one process; OpenFold's chain data cache
