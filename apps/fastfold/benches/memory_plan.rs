@@ -28,9 +28,9 @@ struct Args {
     /// 2,556 rows on the host, as on a GPU) in place of the monomer.
     #[arg(long)]
     multimer: bool,
-    /// With --multimer: templates.
-    #[arg(long, default_value_t = 4)]
-    templates: i64,
+    /// Templates, every one real (default: none for the monomer, 4 with --multimer).
+    #[arg(long)]
+    templates: Option<i64>,
     /// Recycling feature slices kept (num_recycle + 1).
     #[arg(long, default_value_t = 4)]
     slices: i64,
@@ -42,9 +42,11 @@ struct Args {
     bench: bool,
 }
 
-/// Bytes of processed features for `n` residues (AlphaFold's pipeline: float32 and int64).
-fn feature_bytes(n: i64, s: i64, e: i64, slices: i64) -> u64 {
-    (slices * (n * 720 + s * n * 212 + e * n * 20)) as u64
+/// Bytes of processed features for `n` residues, `s` MSA and `e` extra rows and `t` templates
+/// (AlphaFold's pipeline: float32 and int64; a template's atoms, their mask, residue types,
+/// pseudo-beta and its mask per residue).
+fn feature_bytes(n: i64, s: i64, e: i64, t: i64, slices: i64) -> u64 {
+    (slices * (n * 720 + s * n * 212 + e * n * 20 + t * n * (37 * 4 * 4 + 8 + 4 * 4))) as u64
 }
 
 /// Parameters of model_1_multimer_v3 (the full-size fixture's manifest: names and shapes).
@@ -69,7 +71,7 @@ impl Network {
             {
                 // The Evoformer runs the centres and the templates' rows (all real here).
                 let pass = Sizes { msa_rows: sizes.msa_rows + templates, templates, ..sizes };
-                (t, MultimerSizes { pass, centres: sizes.msa_rows, msa, sampling_on_device: false })
+                (t, MultimerSizes { pass, centres: sizes.msa_rows, msa, masked_rows: false, sampling_on_device: false })
             }
         })
     }
@@ -97,8 +99,11 @@ fn main() -> anyhow::Result<()> {
             let numel: usize = Params::random_model(&cfg, &model, 0)?.iter().map(|(_, t)| t.numel()).sum();
             let extra = args.extra_rows.unwrap_or(5120);
             println!(
-                "model_1_ptm sizes ({numel} parameters), {} MSA rows, {extra} extra rows, no templates, {} feature slices",
-                args.msa_rows, args.slices
+                "model_1_ptm sizes ({numel} parameters), {} MSA rows, {extra} extra rows, {} templates, {} feature \
+                 slices",
+                args.msa_rows,
+                args.templates.unwrap_or(0),
+                args.slices
             );
             (Network { cfg, model, multimer: None }, numel as i64, extra)
         }
@@ -112,9 +117,10 @@ fn main() -> anyhow::Result<()> {
             println!(
                 "model_1_multimer_v3 sizes ({numel} parameters), {} cluster centres and {extra} extra rows sampled \
                  from {msa}, {} templates, the features on the host",
-                args.msa_rows, args.templates
+                args.msa_rows,
+                args.templates.unwrap_or(4)
             );
-            let multimer = Some((TemplateConfig::default(), msa, args.templates));
+            let multimer = Some((TemplateConfig::default(), msa, args.templates.unwrap_or(4)));
             (Network { cfg, model, multimer }, numel, extra)
         }
     };
@@ -130,11 +136,14 @@ fn main() -> anyhow::Result<()> {
     for &n in &args.residues {
         for (kind, name) in [(Kind::Float, "fp32"), (Kind::BFloat16, "bf16")] {
             let e = kind.elt_size_in_bytes() as i64;
-            let sizes = Sizes { residues: n, msa_rows: args.msa_rows, extra_rows, elem: e, templates: 0 };
+            let templates = if args.multimer { 0 } else { args.templates.unwrap_or(0) };
+            // On a GPU: the fused softmax over whole logits.
+            let sizes =
+                Sizes { residues: n, msa_rows: args.msa_rows, extra_rows, elem: e, templates, whole_logits: true };
             // A complex's features stay on the host; the monomer's are on the device.
             let features = match args.multimer {
                 true => 0,
-                false => feature_bytes(n, args.msa_rows, extra_rows, args.slices),
+                false => feature_bytes(n, args.msa_rows, extra_rows, templates, args.slices),
             };
             let fixed = (numel * e) as u64 + features;
             let whole = net.peak(sizes, &ChunkPlan::uniform(None));

@@ -64,6 +64,7 @@ use crate::train_data::loader::{ExampleLoader, Shard};
 use crate::train_data::transforms::sample_recycles;
 use crate::train_parallel::{mean_over_replicas, ParallelArgs, Ranks};
 use crate::train_target::{layout_example, Target};
+pub use crate::train_target::{ComplexExample, EvalExample, Example};
 use crate::validation::{ValArgs, ValResult, Validation};
 
 /// `fastfold train`'s options. The defaults are AlphaFold's optimiser recipe (supplementary
@@ -301,44 +302,6 @@ impl engine::metrics::Record for StepLog {
         scalars.extend(self.val.iter().flat_map(ValResult::scalars));
         scalars
     }
-}
-
-/// One example of a step, as [`Trainer::step`] trains it: a monomer query's processed
-/// `Features`, or a complex's `MultimerInputs` ([`ComplexExample`]).
-pub struct Example<'a, F = Features> {
-    /// Its features.
-    pub features: &'a F,
-    /// Its true structure.
-    pub target: &'a Target,
-    /// Recycling passes before the trained one.
-    pub recycles: usize,
-    /// Its number in the run's stream of examples (1-based, [`Shard::example`]): backbone
-    /// FAPE's clamping is drawn from it, so that it is the same whichever rank trains it (for
-    /// a complex, the network's sampling key).
-    pub number: u64,
-}
-
-impl<F> Clone for Example<'_, F> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-
-impl<F> Copy for Example<'_, F> {}
-
-/// One complex of a step, as [`Trainer::accumulate_complex`] trains it: its features (the MSA
-/// sampled inside the network) and its true structure, chains laid out as the features'
-/// ([`crate::train_complex::TrainingComplex`]), or an example's crop of them.
-pub type ComplexExample<'a> = Example<'a, MultimerInputs>;
-
-/// One example as [`Trainer::evaluate`] scores it, of the network the trainer holds: a
-/// monomer's chain or AlphaFold-Multimer's complex.
-#[derive(Clone, Copy)]
-pub enum EvalExample<'a> {
-    /// A chain's processed features (their MSA sampled when prepared).
-    Chain(Example<'a>),
-    /// A complex (its MSA sampled inside the network, keyed by its number).
-    Complex(ComplexExample<'a>),
 }
 
 /// The network a trainer trains, by its parameters: AlphaFold-Multimer's when they hold its

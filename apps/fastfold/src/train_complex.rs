@@ -20,9 +20,9 @@ use crate::model::multimer::{MultimerInputs, SampledMsa};
 use crate::multimer::{search, Complex, EntityInput};
 use crate::pdb::Structure;
 use crate::search::{Mode, Search};
-use crate::train::ComplexExample;
-use crate::train_data::templates::{hit_files, read_hits, ChainTemplates, TemplateSampling};
-use crate::train_target::Target;
+use crate::train_data::layout::hit_files;
+use crate::train_data::templates::{read_hits, ChainTemplates, TemplateSampling};
+use crate::train_target::{ComplexExample, Target};
 
 /// The complex of `fasta`'s records and its true structure in `target`, the features on
 /// `device`: its features from each entity's saved alignments in `msas`
@@ -101,7 +101,7 @@ impl ComplexSource {
     /// of its first chain's folder in `msas` (`A/`, `B/`, ...), hmmsearch's `pdb_hits.sto` as
     /// predict saves it (AlphaFold-Multimer's search), else its `.hhr` files (hhsearch's
     /// `pdb_hits.hhr`), read as a data set's chain folder is read
-    /// ([`crate::train_data::templates::hit_files`]); an entity without any has none. The complex has no
+    /// ([`crate::train_data::layout::hit_files`]); an entity without any has none. The complex has no
     /// PDB entry or release date here: no hit is dropped as its own entry's (those that
     /// duplicate its sequence are), and `--max-template-date` alone limits the hits' dates.
     pub fn with_templates(self, sampling: TemplateSampling, msas: &Path) -> anyhow::Result<ComplexSource> {

@@ -1,11 +1,14 @@
 //! The true structure of a training example in the layouts the losses read, from a
-//! structure file (`--target`) or a prepared data-set example ([`layout_example`]); both the
-//! training loop ([`crate::train`]) and validation ([`crate::validation`]) score against it.
+//! structure file (`--target`) or a prepared data-set example ([`layout_example`]), and the
+//! examples that pair it with their features ([`Example`], [`ComplexExample`],
+//! [`EvalExample`]); both the training loop ([`crate::train`]) and validation
+//! ([`crate::validation`]) score against it.
 use anyhow::{bail, Context};
 use tch::{Device, Kind, Tensor};
 
 use crate::features::Features;
 use crate::ground_truth::GroundTruth;
+use crate::model::multimer::MultimerInputs;
 use crate::pdb::Structure;
 use crate::residue_constants::{RESNAMES, UNK_RESTYPE_INDEX};
 use crate::train_data::example::Prepared;
@@ -82,4 +85,42 @@ pub fn layout_example(p: &Prepared, device: Device) -> anyhow::Result<(Features,
     let mut target = Target::of_crop(&p.structure, &features.aatype.get(0), &name)?;
     target.resolution = p.resolution;
     Ok((features, target, p.recycles, name))
+}
+
+/// One example of a step, as [`crate::train::Trainer::step`] trains it: a monomer query's processed
+/// `Features`, or a complex's `MultimerInputs` ([`ComplexExample`]).
+pub struct Example<'a, F = Features> {
+    /// Its features.
+    pub features: &'a F,
+    /// Its true structure.
+    pub target: &'a Target,
+    /// Recycling passes before the trained one.
+    pub recycles: usize,
+    /// Its number in the run's stream of examples (1-based, [`crate::train_data::loader::Shard::example`]): backbone
+    /// FAPE's clamping is drawn from it, so that it is the same whichever rank trains it (for
+    /// a complex, the network's sampling key).
+    pub number: u64,
+}
+
+impl<F> Clone for Example<'_, F> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<F> Copy for Example<'_, F> {}
+
+/// One complex of a step, as [`crate::train::Trainer::accumulate_complex`] trains it: its features (the MSA
+/// sampled inside the network) and its true structure, chains laid out as the features'
+/// ([`crate::train_complex::TrainingComplex`]), or an example's crop of them.
+pub type ComplexExample<'a> = Example<'a, MultimerInputs>;
+
+/// One example as [`crate::train::Trainer::evaluate`] scores it, of the network the trainer holds: a
+/// monomer's chain or AlphaFold-Multimer's complex.
+#[derive(Clone, Copy)]
+pub enum EvalExample<'a> {
+    /// A chain's processed features (their MSA sampled when prepared).
+    Chain(Example<'a>),
+    /// A complex (its MSA sampled inside the network, keyed by its number).
+    Complex(ComplexExample<'a>),
 }

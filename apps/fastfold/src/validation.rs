@@ -33,13 +33,12 @@ use anyhow::Context;
 use tch::Device;
 
 use crate::loss::StepLoss;
-use crate::train::{EvalExample, Example};
 use crate::train_data::args::TrainDataArgs;
 use crate::train_data::complexes::{select_complexes_as, LoadedComplex};
 use crate::train_data::example::{load, prepare_with_recycles, Pipeline, Prepared};
 use crate::train_data::layout;
 use crate::train_data::transforms::BlockDeletion;
-use crate::train_target::layout_example;
+use crate::train_target::{layout_example, EvalExample, Example};
 
 /// Validation options of `fastfold train`.
 #[derive(clap::Args, Debug, Clone)]

@@ -80,7 +80,7 @@ fn pass_peak_matches_the_cpu_allocator_and_plans_fit_their_budget() {
         (192, 2, 4, some(48).with(Stage::Evoformer, ChunkOp::TriangleMultiplication, Some(16))),
     ] {
         let b = batch(n, s, e, Kind::Float);
-        let sizes = Sizes { residues: n, msa_rows: s, extra_rows: e, elem: 4, templates: 0 };
+        let sizes = Sizes { residues: n, msa_rows: s, extra_rows: e, elem: 4, templates: 0, whole_logits: false };
         let predicted = memory::pass_peak(&cfg, &model_cfg, sizes, &plan);
         let (measured, _) = measure(&model, &cfg, &b, &Exec::planned(Dap::none(), plan.clone()));
         suite_tests::assert_bytes_close(
@@ -92,7 +92,7 @@ fn pass_peak_matches_the_cpu_allocator_and_plans_fit_their_budget() {
     }
     // A budget the whole pass exceeds: the plan chunks, and the measured peak stays under it.
     let (n, s, e) = (160, 8, 16);
-    let sizes = Sizes { residues: n, msa_rows: s, extra_rows: e, elem: 4, templates: 0 };
+    let sizes = Sizes { residues: n, msa_rows: s, extra_rows: e, elem: 4, templates: 0, whole_logits: false };
     let whole = memory::pass_peak(&cfg, &model_cfg, sizes, &ChunkPlan::uniform(None)).bytes;
     let budget = whole * 2 / 3;
     let plan = memory::plan(&cfg, &model_cfg, sizes, 0, budget).unwrap();
@@ -149,7 +149,7 @@ fn pass_peak_with_templates_matches_the_cpu_allocator_and_plans_fit_their_budget
         (160, 4, 8, 4, some(8)),
     ] {
         let b = with_templates(batch(n, s, e, Kind::Float), count);
-        let sizes = Sizes { residues: n, msa_rows: s, extra_rows: e, elem: 4, templates: count };
+        let sizes = Sizes { residues: n, msa_rows: s, extra_rows: e, elem: 4, templates: count, whole_logits: false };
         let predicted = memory::pass_peak(&cfg, &model_cfg, sizes, &plan);
         let (measured, _) = measure(&model, &cfg, &b, &Exec::planned(Dap::none(), plan.clone()));
         suite_tests::assert_bytes_close(
@@ -160,11 +160,11 @@ fn pass_peak_with_templates_matches_the_cpu_allocator_and_plans_fit_their_budget
         );
     }
     let (n, s, e, count) = (160, 8, 16, 4);
-    let sizes = Sizes { residues: n, msa_rows: s, extra_rows: e, elem: 4, templates: count };
+    let sizes = Sizes { residues: n, msa_rows: s, extra_rows: e, elem: 4, templates: count, whole_logits: false };
     let whole = memory::pass_peak(&cfg, &model_cfg, sizes, &ChunkPlan::uniform(None)).bytes;
     let budget = whole / 2;
     let plan = memory::plan(&cfg, &model_cfg, sizes, 0, budget).unwrap();
-    assert!(plan.describe().contains("Templates/"), "the template stack is planned: {}", plan.describe());
+    assert!(plan.describe().contains("Template"), "the templates are planned: {}", plan.describe());
     assert!(plan.peak() <= budget, "planned {} over the budget {budget}", plan.peak());
     let b = with_templates(batch(n, s, e, Kind::Float), count);
     let (measured, _) = measure(&model, &cfg, &b, &Exec::planned(Dap::none(), plan.chunks.clone()));
@@ -352,6 +352,8 @@ fn multimer_pass_peak_matches_the_cpu_allocator_and_plans_fit_their_budget() {
         (32, (2000, 2000), (4, 4), 0, ChunkPlan::uniform(None)),
         // Padding rows: the stacks run the real ones and one stand-in for the masked centres.
         (96, (40, 10), (16, 16), 2, ChunkPlan::uniform(None)),
+        // The stand-in's masked keys: the row attention adds their bias to the pair's.
+        (200, (48, 30), (32, 8), 0, some(8).with(Stage::Evoformer, ChunkOp::MsaRowAttention, None)),
         (160, (12, 12), (4, 4), 0, some(8).with(Stage::Outer, ChunkOp::PairEmbedding, None)),
         (160, (12, 12), (4, 4), 3, some(8).with(Stage::Templates, ChunkOp::TriangleAttention, None)),
         (160, (12, 12), (4, 4), 3, some(8).with(Stage::Templates, ChunkOp::TriangleMultiplication, None)),
@@ -382,8 +384,16 @@ fn multimer_pass_peak_matches_the_cpu_allocator_and_plans_fit_their_budget() {
     net.sampling = sampling;
     let inputs = complex_inputs(n, s, templates);
     let sizes = memory::multimer_sizes_of(&inputs, &net, Kind::Float, true).unwrap();
-    let whole = memory::multimer_pass_peak(&cfg, &model, template.as_ref(), sizes, &ChunkPlan::uniform(None)).bytes;
-    let budget = whole / 2;
+    let peak = |plan: &ChunkPlan| memory::multimer_pass_peak(&cfg, &model, template.as_ref(), sizes, plan).bytes;
+    let whole = peak(&ChunkPlan::uniform(None));
+    // Between the least peak and the least with the template stack whole: only a plan that
+    // chunks the template stack meets it.
+    let least = peak(&ChunkPlan::uniform(Some(1)));
+    let stack_whole = [ChunkOp::PairEmbedding, ChunkOp::TriangleMultiplication, ChunkOp::TriangleAttention]
+        .into_iter()
+        .fold(ChunkPlan::uniform(Some(1)), |p, op| p.with(Stage::Templates, op, None));
+    let budget = (least + peak(&stack_whole)) / 2;
+    assert!(budget < whole && budget > least, "a budget between {least} and {whole}");
     let plan = memory::plan_multimer(&cfg, &model, template.as_ref(), sizes, 0, budget).unwrap();
     assert!(plan.describe().contains("Templates/"), "the template stack is planned: {}", plan.describe());
     assert!(plan.peak() <= budget, "planned {} over the budget {budget}", plan.peak());

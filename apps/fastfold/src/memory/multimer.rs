@@ -8,8 +8,8 @@
 //! The sampling runs where the features are: on the host while the network runs on a GPU,
 //! so its buffers count only in a CPU run ([`MultimerSizes::sampling_on_device`]).
 use crate::memory::profile::{
-    biased_attention, block, chunked, extra_msa_embedder, input_embedder, layer_norm, outputs, recycling_embedder,
-    transition, triangle_multiplication, Ctx,
+    biased_attention, block, chunked, distance_one_hot, extra_msa_embedder, input_embedder, layer_norm, outputs,
+    recycling_embedder, transition, triangle_multiplication, Ctx,
 };
 use crate::memory::{Buf, Peak, Sizes, Trace};
 use crate::model::config::{EvoformerConfig, ModelConfig, TemplateConfig};
@@ -32,6 +32,9 @@ pub struct MultimerSizes {
     pub centres: i64,
     /// Rows of the whole MSA the sampling draws from (the features' `msa`).
     pub msa: i64,
+    /// Whether the Evoformer runs a fully-masked row (a stand-in for masked centres, or every
+    /// padding row when none is left out).
+    pub masked_rows: bool,
     /// Whether the features are on the network's device, so that the sampling's buffers count.
     pub sampling_on_device: bool,
 }
@@ -142,15 +145,7 @@ fn template_pair_embedding(t: &mut Trace, x: &Ctx, n: i64, c_z: i64, c_t: i64) -
         let outer = t.alloc(plane);
         let pb_mask = t.alloc(plane);
         t.free(outer);
-        // `distance_one_hot_between`: the differences, their squared sum, the bins compared.
-        let diff = t.alloc(plane * 3);
-        let squared = t.alloc(plane * 3);
-        let d2 = t.alloc(plane);
-        t.free(squared);
-        let compared = [0; 3].map(|_| t.alloc(r * n * DGRAM_BINS));
-        let one_hot = t.alloc(plane * DGRAM_BINS);
-        t.free_all(compared);
-        t.free_all([diff, d2]);
+        let one_hot = distance_one_hot(t, r, n, e);
         let dgram = t.alloc(plane * DGRAM_BINS);
         t.free(one_hot);
         let outer = t.alloc(plane);
@@ -263,11 +258,11 @@ pub fn multimer_pass_peak(
     plan: &ChunkPlan,
 ) -> Peak {
     let mut t = Trace::new();
-    let Sizes { residues: n, msa_rows: run, extra_rows, elem: e, templates } = sizes.pass;
+    let Sizes { residues: n, msa_rows: run, extra_rows, elem: e, templates, whole_logits } = sizes.pass;
     let s = sizes.centres;
     let (c_m, c_z) = (cfg.c_m, cfg.c_z);
     let templates = template.map_or(0, |_| templates);
-    let mut x = Ctx { e, plan, stage: Stage::Outer };
+    let mut x = Ctx { e, plan, stage: Stage::Outer, masked_rows: false, whole_logits };
     t.at("recycled inputs");
     let prev = [t.alloc(n * c_m * e), t.alloc(n * n * c_z * e), t.alloc(n * 3 * e)];
     t.at("MSA sampling");
@@ -320,9 +315,11 @@ pub fn multimer_pass_peak(
         msa = rows;
     }
     x.stage = Stage::Evoformer;
+    x.masked_rows = sizes.masked_rows;
     if cfg.num_blocks > 0 {
         block(&mut t, &x, cfg, run, n, false);
     }
+    x.masked_rows = false;
     if selected {
         let restored = t.alloc(s * n * c_m * e);
         t.free(msa);
@@ -355,17 +352,20 @@ pub fn multimer_sizes_of(
     let centres = sampling.num_msa.clamp(1, msa.max(1));
     let taken = (msa - centres).min(sampling.num_extra_msa);
     let templates = inputs.template_aatype.as_ref().map_or(0, |t| t.size().first().copied().unwrap_or(0));
-    let (mut evoformer_rows, mut extra) = (centres + templates, taken);
-    if net.drops_masked_rows() {
-        let real = count_unmasked_rows(&inputs.msa_mask)?;
-        let real_templates = match &inputs.template_all_atom_mask {
-            Some(mask) if templates > 0 => count_unmasked_rows(mask)?,
-            _ => 0,
-        };
-        let real_centres = real.min(centres);
-        evoformer_rows = real_centres + i64::from(real_centres < centres) + real_templates;
-        extra = (real - real_centres).clamp(0, taken);
-    }
+    let real = count_unmasked_rows(&inputs.msa_mask)?;
+    let real_templates = match &inputs.template_all_atom_mask {
+        Some(mask) if templates > 0 => count_unmasked_rows(mask)?,
+        _ => 0,
+    };
+    let real_centres = real.min(centres);
+    let (evoformer_rows, extra, masked_rows) = match net.drops_masked_rows() {
+        true => {
+            let stand_in = real_centres < centres;
+            let rows = real_centres + i64::from(stand_in) + real_templates;
+            (rows, (real - real_centres).clamp(0, taken), stand_in)
+        }
+        false => (centres + templates, taken, real_centres < centres || real_templates < templates),
+    };
     Ok(MultimerSizes {
         pass: Sizes {
             residues,
@@ -373,9 +373,11 @@ pub fn multimer_sizes_of(
             extra_rows: extra.max(1),
             elem: kind.elt_size_in_bytes() as i64,
             templates,
+            whole_logits: false,
         },
         centres,
         msa,
+        masked_rows,
         sampling_on_device,
     })
 }

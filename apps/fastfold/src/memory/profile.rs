@@ -27,6 +27,10 @@ pub struct Sizes {
     pub templates: i64,
     /// Bytes per activation element: 4 (fp32) or 2 (bf16).
     pub elem: i64,
+    /// Whether the attentions make their logits whole (the fused CUDA softmax, the default on
+    /// a GPU), else libtorch's scaled-dot-product kernel makes them a block at a time (the
+    /// CPU's).
+    pub whole_logits: bool,
 }
 
 /// A pass's peak of live bytes beyond what was alive before it (parameters, features), the
@@ -39,11 +43,15 @@ pub struct Peak {
     pub at: &'static str,
 }
 
-/// What the traced modules share: the sizes, the chunk plan, the stage.
+/// What the traced modules share: the sizes, the chunk plan, the stage, and whether an MSA
+/// row the Evoformer runs is masked (AlphaFold-Multimer's stand-in for its masked centres:
+/// the MSA attentions then add the key mask's bias to their logits' shape).
 pub(super) struct Ctx<'a> {
     pub(super) e: i64,
     pub(super) plan: &'a ChunkPlan,
     pub(super) stage: Stage,
+    pub(super) masked_rows: bool,
+    pub(super) whole_logits: bool,
 }
 
 impl Ctx<'_> {
@@ -98,30 +106,54 @@ pub(super) fn layer_norm(t: &mut Trace, rows: i64, c: i64, e: i64, contiguous: b
     out
 }
 
-/// `model/attention.rs`'s `Attention::forward` without autograd, libtorch's compositions, on
-/// `b` x `len` x `c` with `heads` x `dim`: the queries, keys and values; the logits (bmm
-/// copies the permuted queries and keys); the softmax; the averaged values (a copy of the
-/// values); the gate; the output (copies of the gated values and of the weights).
-fn attention(t: &mut Trace, b: i64, len: i64, c: i64, heads: i64, dim: i64, e: i64) -> Buf {
+/// `model/attention.rs`'s `Attention::forward` without autograd on `b` x `len` x `c` with
+/// `heads` x `dim`: the queries, keys and values, the heads' averaged values, the gate, the
+/// output. The averaged values by libtorch's scaled-dot-product kernel (`whole_logits` false:
+/// with a masked key, the key mask's bias added to the pair's [b, heads, len, len]; the
+/// kernel's output and the logits' log-sum-exp; its blocks' scratch is small) or from whole
+/// logits (the fused softmax: bmm's copies of the queries and keys, the logits, the weights,
+/// the copy of the values; the composition's mask terms counted too, which the fused softmax
+/// does not make: a little over).
+fn attention(t: &mut Trace, x: &Ctx, (b, len, c): (i64, i64, i64), (heads, dim): (i64, i64), masked: bool) -> Buf {
+    let e = x.e;
     let hd = b * len * heads * dim * e;
     let [q, k, v] = [t.alloc(hd), t.alloc(hd), t.alloc(hd)];
-    let (qc, kc) = (t.alloc(hd), t.alloc(hd));
-    let logits = t.alloc(b * heads * len * len * e);
-    t.free_all([qc, kc, q, k]);
-    let shifted = t.alloc(b * len * e);
-    let mask = t.alloc(b * len * e);
-    t.free(shifted);
-    let weights = t.alloc(b * heads * len * len * e);
-    t.free_all([mask, logits]);
-    let vc = t.alloc(hd);
-    let avg = t.alloc(hd);
-    t.free_all([vc, weights, v]);
+    let avg = match x.whole_logits {
+        false => {
+            let bias = masked.then(|| t.alloc(b * heads * len * len * e));
+            let avg = t.alloc(hd);
+            t.temp(b * heads * len * 4);
+            t.free_all([q, k, v]);
+            if let Some(bias) = bias {
+                t.free(bias);
+            }
+            avg
+        }
+        true => {
+            let (qc, kc) = (t.alloc(hd), t.alloc(hd));
+            let logits = t.alloc(b * heads * len * len * e);
+            t.free_all([qc, kc, q, k]);
+            let shifted = t.alloc(b * len * e);
+            let mask = t.alloc(b * len * e);
+            t.free(shifted);
+            let weights = t.alloc(b * heads * len * len * e);
+            t.free_all([mask, logits]);
+            let vc = t.alloc(hd);
+            let avg = t.alloc(hd);
+            t.free_all([vc, weights, v]);
+            avg
+        }
+    };
     let gate = t.alloc(hd);
     t.free(gate);
-    let (gc, wc) = (t.alloc(hd), t.alloc(heads * dim * c * e));
+    // Einsum's copies of the gated values (laid out by the kernel's output: only the
+    // whole-logits path's needs one) and of the weights.
+    let gc = x.whole_logits.then(|| t.alloc(hd));
+    let wc = x.whole_logits.then(|| t.alloc(heads * dim * c * e));
     let out = t.alloc(b * len * c * e);
-    t.free(gc);
-    t.free(wc);
+    for copy in [gc, wc].into_iter().flatten() {
+        t.free(copy);
+    }
     t.free(avg);
     out
 }
@@ -154,9 +186,10 @@ pub(super) fn biased_attention(
 ) {
     let e = x.e;
     let bias = pair_bias(t, x, r, c_z, heads, op, contiguous);
+    let masked = x.masked_rows && op == ChunkOp::MsaRowAttention;
     residual(t, batch, x.chunk(op), |t, n| {
         let normed = layer_norm(t, n * r, c, e, contiguous);
-        let out = attention(t, n, r, c, heads, dim, e);
+        let out = attention(t, x, (n, r, c), (heads, dim), masked);
         t.free(normed);
         out
     });
@@ -169,7 +202,7 @@ fn msa_column_attention(t: &mut Trace, x: &Ctx, s: i64, r: i64, c: i64, heads: i
     let e = x.e;
     residual(t, r, x.chunk(ChunkOp::MsaColumnAttention), |t, n| {
         let normed = layer_norm(t, n * s, c, e, false);
-        let out = attention(t, n, s, c, heads, dim, e);
+        let out = attention(t, x, (n, s, c), (heads, dim), x.masked_rows);
         t.free(normed);
         out
     });
@@ -531,20 +564,28 @@ pub(super) fn outputs(t: &mut Trace, x: &Ctx, (n, s): (i64, i64), (c_m, c_z): (i
     }
 }
 
+/// `model/embedders.rs`'s `distance_one_hot_between` of `r` x `n` positions in `e`-byte
+/// floats: the differences, their squared sum, the bins compared (as bytes), the one-hot.
+pub(super) fn distance_one_hot(t: &mut Trace, r: i64, n: i64, e: i64) -> Buf {
+    let plane = r * n * e;
+    let diff = t.alloc(plane * 3);
+    let squared = t.alloc(plane * 3);
+    let d2 = t.alloc(plane);
+    t.free(squared);
+    let compared = [0; 3].map(|_| t.alloc(r * n * DGRAM_BINS));
+    let one_hot = t.alloc(plane * DGRAM_BINS);
+    t.free_all(compared);
+    t.free_all([diff, d2]);
+    one_hot
+}
+
 /// `model/templates.rs`'s `pair_feature_rows` of one template's `r` rows and their
 /// projection to `c_t` ([`PAIR_FEATURES`] channels, made in float32): the distogram (the
 /// differences, their squares and sum, two comparisons and their conjunction as bytes), the
 /// masks' outer products, the zero unit vectors, the features joined and masked.
 fn template_pair_feature_rows(t: &mut Trace, r: i64, n: i64, c_t: i64, e: i64) -> Buf {
     let plane = r * n * 4;
-    let diff = t.alloc(plane * 3);
-    let squared = t.alloc(plane * 3);
-    let d2 = t.alloc(plane);
-    t.free(squared);
-    let compared = [0; 3].map(|_| t.alloc(r * n * DGRAM_BINS));
-    let dgram = t.alloc(plane * DGRAM_BINS);
-    t.free_all(compared);
-    t.free_all([diff, d2]);
+    let dgram = distance_one_hot(t, r, n, 4);
     let (pb_mask, backbone, unit) = (t.alloc(plane), t.alloc(plane), t.alloc(plane * 3));
     let joined = t.alloc(plane * PAIR_FEATURES);
     let masked = t.alloc(plane * PAIR_FEATURES);
@@ -636,9 +677,9 @@ fn templates(t: &mut Trace, x: &Ctx, count: i64, n: i64, (c_m, c_z): (i64, i64),
 /// alive: they are given up to it) to its end, under `plan`.
 pub fn pass_peak(cfg: &EvoformerConfig, model: &ModelConfig, sizes: Sizes, plan: &ChunkPlan) -> Peak {
     let mut t = Trace::new();
-    let Sizes { residues: n, msa_rows: s, extra_rows, elem: e, templates: count } = sizes;
+    let Sizes { residues: n, msa_rows: s, extra_rows, elem: e, templates: count, whole_logits } = sizes;
     let (c_m, c_z) = (cfg.c_m, cfg.c_z);
-    let mut x = Ctx { e, plan, stage: Stage::Outer };
+    let mut x = Ctx { e, plan, stage: Stage::Outer, masked_rows: false, whole_logits };
     t.at("recycled inputs");
     let prev = [t.alloc(n * c_m * e), t.alloc(n * n * c_z * e), t.alloc(n * 3 * e)];
     t.at("input embedder");
@@ -702,6 +743,7 @@ pub fn sizes_of(features: &crate::features::Features, kind: tch::Kind) -> tch::R
         extra_rows: real_rows(&features.extra_msa_mask)?.max(1),
         elem: kind.elt_size_in_bytes() as i64,
         templates,
+        whole_logits: false,
     })
 }
 

@@ -304,7 +304,9 @@ fn plan(
     (exec, device, kind): (&Exec, Device, Kind),
 ) -> anyhow::Result<(Exec, memory::Plan, MultimerSizes)> {
     let on_cpu = device == Device::Cpu;
-    let sizes = memory::multimer_sizes_of(inputs, net, kind, on_cpu)?;
+    let mut sizes = memory::multimer_sizes_of(inputs, net, kind, on_cpu)?;
+    // On a GPU the fused softmax makes the attentions' logits whole.
+    sizes.pass.whole_logits = device.is_cuda();
     let features = if on_cpu { memory::bytes_of(features.values()) } else { 0 };
     let plan = memory::plan_multimer(
         net.config(),

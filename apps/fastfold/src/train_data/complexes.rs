@@ -8,7 +8,7 @@
 //! chains by species (without it a chain pairs its query row alone); its template hits, when
 //! there, drawn per example as for a monomer chain: hmmsearch's `hmm_output.sto` (or predict's
 //! `pdb_hits.sto`), AlphaFold-Multimer's search, else its `.hhr` files
-//! ([`super::templates::hit_files`]). Chains of the same sequence are
+//! ([`super::layout::hit_files`]). Chains of the same sequence are
 //! copies of one entity ([`crate::multimer::Complex`]); the features are
 //! [`crate::multimer::features`]' and the truth the entry's chains in the features' order.
 //!
@@ -33,12 +33,13 @@ use rayon::prelude::*;
 use tch::Device;
 
 use super::example::read_msas;
+use super::layout::hit_files;
 use super::layout::Selection;
 use super::layout::{alignment_files, chain_folders, count_excluded, excluded_by, mmcif_path, nothing_selected};
 use super::layout::{split_name, ChainData, Filters, LayoutFlags};
 use super::loader::{ChainSampling, Shard, PARALLEL, PREFETCH};
 use super::target::{chain_sequence, chain_structure};
-use super::templates::{hit_files, read_hits, TemplateSampling};
+use super::templates::{read_hits, TemplateSampling};
 use super::transforms::sample_recycles;
 use crate::features::RawFeatures;
 use crate::input::parse_alignment;
@@ -62,7 +63,7 @@ pub struct EntryChain {
     pub msas: Vec<PathBuf>,
     /// Its UniProt alignment, when its folder has one.
     pub uniprot: Option<PathBuf>,
-    /// Its template hit files ([`super::templates::hit_files`]: hmmsearch's, else `.hhr`), in
+    /// Its template hit files ([`super::layout::hit_files`]: hmmsearch's, else `.hhr`), in
     /// file-name order; none when its folder has none.
     pub templates: Vec<PathBuf>,
     /// Its folder.

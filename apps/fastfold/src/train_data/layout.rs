@@ -13,7 +13,7 @@ use anyhow::{bail, Context};
 use rayon::prelude::*;
 
 use super::target::chain_sequence;
-use crate::search::mmcif;
+use crate::search::{mmcif, PDB_HITS_STO};
 
 /// The MSA files of a chain folder: these extensions, read in file-name order.
 pub const MSA_EXTENSIONS: [&str; 2] = ["a3m", "sto"];
@@ -161,10 +161,10 @@ fn msa_files(folder: &Path) -> anyhow::Result<Vec<PathBuf>> {
 }
 
 /// A chain folder's `.a3m` and `.sto` files but its hmmsearch hits (template hits, not an MSA:
-/// [`super::templates::HMMSEARCH_HITS`]), in file-name order.
+/// [`HMMSEARCH_HITS`]), in file-name order.
 pub(super) fn alignment_files(folder: &Path) -> anyhow::Result<Vec<PathBuf>> {
     let files = files_with(folder, &MSA_EXTENSIONS)?;
-    Ok(files.into_iter().filter(|p| !super::templates::is_hmmsearch_hits(p)).collect())
+    Ok(files.into_iter().filter(|p| !is_hmmsearch_hits(p)).collect())
 }
 
 /// The files of a chain folder with one of `extensions`, in file-name order.
@@ -304,7 +304,7 @@ pub fn select_as(
             continue;
         }
         let msas = msa_files(&folder)?;
-        let templates = files_with(&folder, &[super::templates::HIT_EXTENSION])?;
+        let templates = files_with(&folder, &[HIT_EXTENSION])?;
         let length = sequence.chars().count();
         chains.push(ChainEntry { name, chain, length, cluster_size, mmcif: path, msas, templates });
     }
@@ -376,4 +376,28 @@ fn described_by_entries(located: &[Located]) -> anyhow::Result<Vec<Described>> {
             Ok((entry.resolution, entry.release_date.clone(), chain_sequence(found), None))
         })
         .collect()
+}
+
+/// The extension of a chain folder's template hit files (hhsearch's; OpenFold names pdb70's
+/// `pdb70_hits.hhr`).
+pub const HIT_EXTENSION: &str = "hhr";
+/// The names of a chain folder's hmmsearch hits (OpenFold's, then predict's), in file-name
+/// order. They are Stockholm files but no MSA: the MSA readers leave them out
+/// ([`is_hmmsearch_hits`]).
+pub const HMMSEARCH_HITS: [&str; 2] = ["hmm_output.sto", PDB_HITS_STO];
+
+/// Whether `path` is a chain folder's hmmsearch hits (one of [`HMMSEARCH_HITS`]).
+pub fn is_hmmsearch_hits(path: &Path) -> bool {
+    path.file_name().and_then(|n| n.to_str()).is_some_and(|n| HMMSEARCH_HITS.contains(&n))
+}
+
+/// A complex's chain folder's template hit files: its hmmsearch hits ([`HMMSEARCH_HITS`]) when
+/// it has them, AlphaFold-Multimer's own search, else its `.hhr` files; none when it has
+/// neither. The two are not mixed: their hits are featurised by different rules.
+pub fn hit_files(folder: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    let hmmsearch: Vec<PathBuf> = files_with(folder, &["sto"])?.into_iter().filter(|p| is_hmmsearch_hits(p)).collect();
+    match hmmsearch.is_empty() {
+        true => files_with(folder, &[HIT_EXTENSION]),
+        false => Ok(hmmsearch),
+    }
 }

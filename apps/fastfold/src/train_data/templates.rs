@@ -3,7 +3,7 @@
 //! its training config): from the hits of the chain folder's `.hhr` files (hhsearch against
 //! pdb70, `pdb70_hits.hhr`; OpenFold reads every `.hhr` file of the folder) or, for a complex,
 //! of hmmsearch's Stockholm result against pdb_seqres (AlphaFold-Multimer's template search:
-//! `pdb_hits.sto` as predict saves it, `hmm_output.sto` as OpenFold names it; [`hit_files`]),
+//! `pdb_hits.sto` as predict saves it, `hmm_output.sto` as OpenFold names it; [`super::layout::hit_files`]),
 //!
 //! 1. hits released too late are dropped: after `--max-template-date`, or less than
 //!    [`DAYS_BEFORE_QUERY`] days before the chain's own release (the template must not be
@@ -23,25 +23,17 @@
 //! The draws of steps 3 and 4 come from one generator keyed by the example's number
 //! ([`super::transforms::Draw::Templates`]), so a run repeats its templates exactly.
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 
-use super::layout::files_with;
+use super::layout::is_hmmsearch_hits;
 use super::transforms::{keyed, Draw};
 use crate::features::rng::Rng;
 use crate::search::hhr::{self, TemplateHit};
+use crate::search::hmmsearch;
 use crate::search::templates::{pdb_id_and_chain, Featurizer, TemplateHitFeatures};
 use crate::search::tools::Tool;
-use crate::search::{hmmsearch, PDB_HITS_STO};
-
-/// The extension of a chain folder's template hit files (hhsearch's; OpenFold names pdb70's
-/// `pdb70_hits.hhr`).
-pub const HIT_EXTENSION: &str = "hhr";
-/// The names of a chain folder's hmmsearch hits (OpenFold's, then predict's), in file-name
-/// order. They are Stockholm files but no MSA: the MSA readers leave them out
-/// ([`is_hmmsearch_hits`]).
-pub const HMMSEARCH_HITS: [&str; 2] = ["hmm_output.sto", PDB_HITS_STO];
 
 /// Hits at the top whose order is shuffled (OpenFold's `shuffle_top_k_prefiltered`).
 pub const SHUFFLE_TOP_K: usize = 20;
@@ -65,22 +57,6 @@ pub enum HitSearch {
     Hhsearch,
     /// hmmsearch against pdb_seqres (Stockholm, unscored; one hit per template sequence).
     Hmmsearch,
-}
-
-/// Whether `path` is a chain folder's hmmsearch hits (one of [`HMMSEARCH_HITS`]).
-pub fn is_hmmsearch_hits(path: &Path) -> bool {
-    path.file_name().and_then(|n| n.to_str()).is_some_and(|n| HMMSEARCH_HITS.contains(&n))
-}
-
-/// A complex's chain folder's template hit files: its hmmsearch hits ([`HMMSEARCH_HITS`]) when
-/// it has them, AlphaFold-Multimer's own search, else its `.hhr` files; none when it has
-/// neither. The two are not mixed: their hits are featurised by different rules.
-pub fn hit_files(folder: &Path) -> anyhow::Result<Vec<PathBuf>> {
-    let hmmsearch: Vec<PathBuf> = files_with(folder, &["sto"])?.into_iter().filter(|p| is_hmmsearch_hits(p)).collect();
-    match hmmsearch.is_empty() {
-        true => files_with(folder, &[HIT_EXTENSION]),
-        false => Ok(hmmsearch),
-    }
 }
 
 /// How training chooses templates (the `--max-templates` group of flags).
@@ -115,7 +91,7 @@ pub struct ChainTemplates {
 }
 
 /// Reads the hit files of the chain `query` (its sequence, which hmmsearch's hits are aligned
-/// to), their hits concatenated: `.hhr` files as hhsearch's, [`HMMSEARCH_HITS`] as hmmsearch's
+/// to), their hits concatenated: `.hhr` files as hhsearch's, [`super::layout::HMMSEARCH_HITS`] as hmmsearch's
 /// (predict's readers, [`hhr::parse`] and [`hmmsearch::read_sto`]). Files of both searches
 /// together are an error naming them.
 pub fn read_hits(
