@@ -129,10 +129,8 @@ dist_test!(two_ranks_give_one_rank_gradients, 2, |world| { compare(world, false)
 dist_test!(two_ranks_with_checkpointed_blocks_give_one_rank_gradients, 2, |world| { compare(world, true) });
 
 /// With the Evoformer and extra-MSA blocks checkpointed (recomputed in backward), the loss is
-/// the same bit for bit and every gradient within 1e-5 of its tensor's largest: the first,
-/// gradient-free forward of a checkpointed block runs the attention's fused kernel and its
-/// recomputation libtorch's composition, which round differently (gradients that are zero up
-/// to rounding, softmax-invariant offsets, are held to 1e-7 of the largest gradient overall).
+/// the same bit for bit and every gradient within 1e-5 of its tensor's largest (the same
+/// arithmetic, accumulated into `.grad` in another order).
 #[test]
 fn checkpointed_blocks_give_the_same_gradients() {
     let params = Params::random_model(&EvoformerConfig::tiny(), &ModelConfig::tiny(), 11).unwrap();
@@ -140,16 +138,13 @@ fn checkpointed_blocks_give_the_same_gradients() {
     let (loss, plain) = gradients(&params, &f, &helix(SEQ), Dap::none(), false).unwrap();
     let (loss_ckpt, ckpt) = gradients(&params, &f, &helix(SEQ), Dap::none(), true).unwrap();
     assert_eq!(loss, loss_ckpt);
-    let overall =
-        plain.iter().filter(|(_, g)| g.defined()).map(|(_, g)| g.abs().max().double_value(&[])).fold(0.0, f64::max);
     let mut compared = 0;
     for ((name, a), (_, b)) in ckpt.iter().zip(&plain) {
         assert_eq!(a.defined(), b.defined(), "{name}: gradient defined on one side only");
         if b.defined() {
-            let scale = b.abs().max().double_value(&[]);
-            let tolerance = (1e-5 * scale).max(1e-7 * overall);
+            let scale = b.abs().max().double_value(&[]).max(1e-12);
             let d = (a - b).abs().max().double_value(&[]);
-            assert!(d <= tolerance, "gradient of {name} differs by {d:e} (max |g| {scale:e}, tolerance {tolerance:e})");
+            assert!(d <= 1e-5 * scale, "gradient of {name} differs by {d:e} (max |g| {scale:e})");
             compared += usize::from(name.contains("evoformer") || name.contains("extra_msa"));
         }
     }

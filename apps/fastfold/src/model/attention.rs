@@ -52,9 +52,12 @@ impl Attention {
             let mask = mask.f_narrow(0, start, n)?;
             // Without autograd, the biases and gates are applied in place.
             let lean = !x.requires_grad() && !self.query_w.requires_grad();
-            let mut avg = match self.kernels {
-                Backend::Torch => self.averaged_values(&x, &mask, pair_bias)?,
-                Backend::Fused => self.averaged_values_fused(&x, &mask, pair_bias, lean)?,
+            // Inference on the CPU: libtorch's fused kernel. Training keeps the logits whole
+            // (libtorch's kernel has no gradient for the bias), in the checkpointed blocks'
+            // first forward too, so that their recomputation repeats it exactly.
+            let mut avg = match (self.kernels, lean) {
+                (Backend::Torch, true) => self.averaged_values(&x, &mask, pair_bias)?,
+                _ => self.averaged_values_from_logits(&x, &mask, pair_bias, lean)?,
             };
             let mut gate = einsum("bqa,ahc->bqhc", &x, &self.gating_w)?;
             gate = match lean {
@@ -77,8 +80,7 @@ impl Attention {
     /// (the key mask's only where a key is masked: adding zeros is a pass over the logits for
     /// nothing). Without autograd libtorch runs its fused kernel (on the CPU, flash attention:
     /// the logits made and used a block at a time, never whole, about three times as fast as
-    /// the composition at the Evoformer's sizes); with it, the composition, whose gradients
-    /// reach the pair bias.
+    /// the composition at the Evoformer's sizes, `benches/attention_core.py`).
     fn averaged_values(&self, x: &Tensor, mask: &Tensor, pair_bias: Option<&Tensor>) -> Result<Tensor> {
         let q = einsum("bqa,ahc->bhqc", x, &self.query_w)?;
         let k = einsum("bka,ahc->bhkc", x, &self.key_w)?;
@@ -95,9 +97,10 @@ impl Attention {
         Ok(avg.f_permute([0, 2, 1, 3])?)
     }
 
-    /// [`Attention::averaged_values`] with the fused CUDA softmax over the logits (`lean`: the
-    /// query scaled in place).
-    fn averaged_values_fused(
+    /// [`Attention::averaged_values`] from the whole logits, softmaxed by the backend's
+    /// `attention_softmax` (the fused CUDA kernel, or libtorch's composition); `lean`: the
+    /// query scaled in place.
+    fn averaged_values_from_logits(
         &self,
         x: &Tensor,
         mask: &Tensor,
@@ -111,7 +114,7 @@ impl Attention {
         let v = einsum("bka,ahc->bkhc", x, &self.value_w)?;
         let logits = einsum("bqhc,bkhc->bhqk", &q, &k)?;
         drop((q, k));
-        let weights = kernels::attention_softmax(&logits, 1.0, Some(mask), pair_bias, Backend::Fused)?;
+        let weights = kernels::attention_softmax(&logits, 1.0, Some(mask), pair_bias, self.kernels)?;
         drop(logits);
         einsum("bhqk,bkhc->bqhc", &weights, &v)
     }
