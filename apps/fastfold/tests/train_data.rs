@@ -377,6 +377,61 @@ fn template_hits_become_each_examples_cropped_templates() {
     );
 }
 
+/// A chain folder holding hmmsearch's hits as OpenFold names them (`hmm_output.sto`, the
+/// fixtures' hmmsearch result) beside its `pdb70_hits.hhr`: the `.sto` is the chain's template
+/// hits (AlphaFold-Multimer's search wins; the two are never mixed), not an MSA, and over
+/// examples 1-8 every drawn hit is predict's featurisation of the same hit with the chain's
+/// date limit (60 days before its release: 3ghi_A is dropped), in the template slot it was
+/// drawn to, bit for bit (the whole chain: a crop of 64). A folder with the `.sto` alone gives
+/// the same templates.
+#[test]
+fn a_chains_hmmsearch_hits_become_its_examples_templates() {
+    use common::layout::{check_drawn_as_predicted, hmmsearch_fixture, predict_hmmsearch_features};
+    use fastfold::train_data::templates::HitSearch;
+
+    let d = common::scratch("train_data", "hmmsearch");
+    let (mmcif, alignments) = query_chain_layout(&d);
+    let sto = alignments.join("9qry_A/hmm_output.sto");
+    std::fs::copy(hmmsearch_fixture(), &sto).unwrap();
+    let chain = select(&mmcif, &alignments, &Filters::default()).unwrap().chains.remove(0);
+    assert_eq!(chain.templates, std::slice::from_ref(&sto), "hmmsearch's hits, not the .hhr");
+    assert_eq!(chain.msas, [alignments.join("9qry_A/bfd_uniclust_hits.a3m")], "the .sto is no MSA");
+    let example = load(&chain).unwrap();
+    let hits = example.templates.as_ref().expect("the hits read");
+    assert_eq!((hits.search, hits.hits.len()), (HitSearch::Hmmsearch, 3));
+
+    let predicted = predict_hmmsearch_features(&sto, QUERY, &mmcif, "2021-04-02");
+    let sampling = template_sampling(&mmcif);
+    let p = Pipeline { templates: Some(sampling.clone()), crop_size: 64, ..pipeline(3) };
+    let draws = |example: &fastfold::train_data::example::Example| -> Vec<Vec<String>> {
+        let hits = example.templates.as_ref().unwrap();
+        (1..=8)
+            .map(|step| {
+                let drawn = sampling.draw(QUERY, hits, (p.seed, step, 0)).unwrap();
+                let e = prepare(example, &p, step, 0).unwrap();
+                let t = e.features.templates.expect("template features");
+                assert_eq!(e.crop_start, 0, "the whole chain");
+                let mask = Vec::<f32>::try_from(t.mask.get(0)).unwrap();
+                assert_eq!(mask.iter().filter(|&&m| m == 1.0).count(), drawn.len(), "example {step}: {mask:?}");
+                let (positions, masks) = (t.all_atom_positions.get(0), t.all_atom_masks.get(0));
+                check_drawn_as_predicted(&drawn, &predicted, Some((&positions, &masks)), 0)
+            })
+            .collect()
+    };
+    let with_hhr = draws(&example);
+    eprintln!(
+        "predict's hits {:?}; drawn per example {with_hhr:?}",
+        predicted.iter().map(|h| &h.domain_name).collect::<Vec<_>>()
+    );
+    assert!(with_hhr.iter().flatten().all(|name| name != "3ghi_A"), "a hit released too late: {with_hhr:?}");
+    assert!(with_hhr.iter().any(|d| !d.is_empty()), "no template drawn: {with_hhr:?}");
+
+    std::fs::remove_file(alignments.join("9qry_A/pdb70_hits.hhr")).unwrap();
+    let alone = select(&mmcif, &alignments, &Filters::default()).unwrap().chains.remove(0);
+    assert_eq!(alone.templates, std::slice::from_ref(&sto));
+    assert_eq!(draws(&load(&alone).unwrap()), with_hhr, "the .sto alone gives the same templates");
+}
+
 /// `fastfold train` on a chain with template hits and a model with a template stack: the
 /// steps train (finite losses) and the template stack's parameters move; a bad
 /// `--max-templates` or `--max-template-date` is named.

@@ -64,8 +64,8 @@ pub struct TrainDataArgs {
     /// for a data set and for one complex (AlphaFold: 3).
     #[arg(long, default_value_t = 3, value_parser = engine::parse::count(0..=crate::input::MAX_RECYCLES))]
     pub max_recycles: usize,
-    /// Templates per example, drawn from the hits of the chain folder's `.hhr` files (a
-    /// complex's: its hmmsearch `hmm_output.sto` or `pdb_hits.sto` when there) as AlphaFold
+    /// Templates per example, drawn from the hits of the chain folder's hmmsearch
+    /// `hmm_output.sto` or `pdb_hits.sto` when there, else its `.hhr` files, as AlphaFold
     /// trains (of the top 20 hits, in random order, up to this many featurised, then a
     /// random number of them kept; 0: no templates). Without a hit file a chain has none.
     #[arg(long, default_value_t = crate::features::MAX_TEMPLATES, value_parser = engine::parse::count(0..=crate::features::MAX_TEMPLATES as u64))]

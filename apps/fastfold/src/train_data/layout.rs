@@ -1,8 +1,8 @@
 //! OpenFold's training layout: `--mmcif-dir` holds `<pdb>.cif` entries, `--alignment-dir`
 //! one folder per chain, `<pdb>_<chain>/` (the author chain id, as pdb70 names chains), with
 //! that chain's MSAs (`uniref90_hits.sto`, `bfd_uniclust_hits.a3m`, `mgnify_hits.a3m`, ...:
-//! every `.a3m` and `.sto` file) and template hits (`pdb70_hits.hhr`, read by
-//! [`super::templates`]). The chains trained on
+//! every `.a3m` and `.sto` file) and template hits (hmmsearch's `hmm_output.sto` when there,
+//! else `pdb70_hits.hhr`: [`hit_files`], read by [`super::templates`]). The chains trained on
 //! are the folders (or the `--train-list` of them), filtered as OpenFold's deterministic
 //! training filter does (resolution, single-residue composition) and by release date and
 //! length.
@@ -94,8 +94,8 @@ pub struct ChainEntry {
     pub mmcif: PathBuf,
     /// The chain's MSA files, in file-name order.
     pub msas: Vec<PathBuf>,
-    /// The chain's template hit files (`.hhr`), in file-name order; none when its folder
-    /// has none.
+    /// The chain's template hit files ([`hit_files`]: hmmsearch's, else `.hhr`), in file-name
+    /// order; none when its folder has none.
     pub templates: Vec<PathBuf>,
     /// SEQRES residues.
     pub length: usize,
@@ -304,7 +304,7 @@ pub fn select_as(
             continue;
         }
         let msas = msa_files(&folder)?;
-        let templates = files_with(&folder, &[HIT_EXTENSION])?;
+        let templates = hit_files(&folder)?;
         let length = sequence.chars().count();
         chains.push(ChainEntry { name, chain, length, cluster_size, mmcif: path, msas, templates });
     }
@@ -391,9 +391,10 @@ pub fn is_hmmsearch_hits(path: &Path) -> bool {
     path.file_name().and_then(|n| n.to_str()).is_some_and(|n| HMMSEARCH_HITS.contains(&n))
 }
 
-/// A complex's chain folder's template hit files: its hmmsearch hits ([`HMMSEARCH_HITS`]) when
-/// it has them, AlphaFold-Multimer's own search, else its `.hhr` files; none when it has
-/// neither. The two are not mixed: their hits are featurised by different rules.
+/// A chain folder's template hit files, a monomer chain's and a complex's alike: its hmmsearch
+/// hits ([`HMMSEARCH_HITS`]) when it has them, AlphaFold-Multimer's own search, else its `.hhr`
+/// files; none when it has neither. The two are not mixed: their hits are featurised by
+/// different rules.
 pub fn hit_files(folder: &Path) -> anyhow::Result<Vec<PathBuf>> {
     let hmmsearch: Vec<PathBuf> = files_with(folder, &["sto"])?.into_iter().filter(|p| is_hmmsearch_hits(p)).collect();
     match hmmsearch.is_empty() {

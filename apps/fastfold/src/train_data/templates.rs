@@ -1,9 +1,10 @@
 //! A training chain's templates, chosen as AlphaFold's and OpenFold's training pipelines choose
 //! them (AlphaFold supplement 1.2.3; OpenFold's `TemplateHitFeaturizer.get_templates` with
 //! its training config): from the hits of the chain folder's `.hhr` files (hhsearch against
-//! pdb70, `pdb70_hits.hhr`; OpenFold reads every `.hhr` file of the folder) or, for a complex,
-//! of hmmsearch's Stockholm result against pdb_seqres (AlphaFold-Multimer's template search:
-//! `pdb_hits.sto` as predict saves it, `hmm_output.sto` as OpenFold names it; [`super::layout::hit_files`]),
+//! pdb70, `pdb70_hits.hhr`; OpenFold reads every `.hhr` file of the folder) or, in their place
+//! when the folder has it (a monomer chain's and a complex's alike), of hmmsearch's Stockholm
+//! result against pdb_seqres (AlphaFold-Multimer's template search: `pdb_hits.sto` as predict
+//! saves it, `hmm_output.sto` as OpenFold names it; [`super::layout::hit_files`]),
 //!
 //! 1. hits released too late are dropped: after `--max-template-date`, or less than
 //!    [`DAYS_BEFORE_QUERY`] days before the chain's own release (the template must not be
