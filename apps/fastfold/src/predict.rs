@@ -333,8 +333,7 @@ impl<'a> Runner<'a> {
     /// peak (said on stderr by rank 0); otherwise the run's.
     fn plan(&self, model: &Model, name: &str, features: &Features) -> anyhow::Result<(Exec, Option<u64>)> {
         let Some(budget) = self.args.chunk.budget(self.device)? else { return Ok((self.exec.clone(), None)) };
-        // On a GPU the fused softmax makes the attentions' logits whole.
-        let sizes = memory::Sizes { whole_logits: self.device.is_cuda(), ..memory::sizes_of(features, self.kind)? };
+        let sizes = memory::sizes_of(features, self.kind, self.device)?;
         let fixed = model.param_bytes + memory::bytes_of(features.named().map(|(_, t)| t));
         let plan = memory::plan(model.net.config(), &model.config, sizes, fixed, budget)
             .map_err(|e| anyhow::anyhow!("{name} with {}: {e} (--gpu-mem)", model.name))?;

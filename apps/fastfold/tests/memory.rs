@@ -365,7 +365,7 @@ fn multimer_pass_peak_matches_the_cpu_allocator_and_plans_fit_their_budget() {
         let sampling = MsaSampling { num_msa, num_extra_msa: num_extra, ..MsaSampling::default() };
         net.sampling = sampling;
         let inputs = complex_inputs(n, s, templates);
-        let sizes = memory::multimer_sizes_of(&inputs, &net, Kind::Float, true).unwrap();
+        let sizes = memory::multimer_sizes_of(&inputs, &net, Kind::Float, Device::Cpu, true).unwrap();
         let predicted = memory::multimer_pass_peak(&cfg, &model, template.as_ref(), sizes, &plan);
         let measured = measure(&net, &inputs, &Exec::planned(Dap::none(), plan.clone()));
         suite_tests::assert_bytes_close(
@@ -383,7 +383,7 @@ fn multimer_pass_peak_matches_the_cpu_allocator_and_plans_fit_their_budget() {
     let sampling = MsaSampling { num_msa: 16, num_extra_msa: 16, ..MsaSampling::default() };
     net.sampling = sampling;
     let inputs = complex_inputs(n, s, templates);
-    let sizes = memory::multimer_sizes_of(&inputs, &net, Kind::Float, true).unwrap();
+    let sizes = memory::multimer_sizes_of(&inputs, &net, Kind::Float, Device::Cpu, true).unwrap();
     let peak = |plan: &ChunkPlan| memory::multimer_pass_peak(&cfg, &model, template.as_ref(), sizes, plan).bytes;
     let whole = peak(&ChunkPlan::uniform(None));
     // Between the least peak and the least with the template stack whole: only a plan that

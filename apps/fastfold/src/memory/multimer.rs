@@ -19,8 +19,8 @@ use crate::model::masked_rows::count_unmasked_rows;
 use crate::model::multimer::msa_feat::MSA_FEAT;
 use crate::model::multimer::relpos::{MAX_RELATIVE_CHAIN, MAX_RELATIVE_IDX, RELATIVE_FEATURES, TARGET_CLASSES};
 use crate::model::multimer::sampling::MSA_CLASSES;
-use crate::model::multimer::templates::DGRAM_BINS;
 use crate::model::multimer::{MultimerAlphaFold, MultimerInputs};
+use crate::model::templates::DGRAM_BINS;
 
 /// The sizes of one Multimer pass.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -337,11 +337,13 @@ pub fn multimer_pass_peak(
 /// `num_extra_msa` (at least one row), every template through the template stack; when the
 /// network leaves out fully-masked rows ([`MultimerAlphaFold::drop_masked_rows`]), the stacks
 /// run the real rows only, and one stand-in for the masked centres (as the sampling orders
-/// them: real rows first). `sampling_on_device`: the features are on the network's device.
+/// them: real rows first); whole logits on a GPU (`device` the network's: the fused softmax's).
+/// `sampling_on_device`: the features are on the network's device.
 pub fn multimer_sizes_of(
     inputs: &MultimerInputs,
     net: &MultimerAlphaFold,
     kind: tch::Kind,
+    device: tch::Device,
     sampling_on_device: bool,
 ) -> crate::model::Result<MultimerSizes> {
     let (msa, residues) = match inputs.msa.size().as_slice() {
@@ -373,7 +375,7 @@ pub fn multimer_sizes_of(
             extra_rows: extra.max(1),
             elem: kind.elt_size_in_bytes() as i64,
             templates,
-            whole_logits: false,
+            whole_logits: device.is_cuda(),
         },
         centres,
         msa,

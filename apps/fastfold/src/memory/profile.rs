@@ -725,10 +725,11 @@ pub fn pass_peak(cfg: &EvoformerConfig, model: &ModelConfig, sizes: Sizes, plan:
     Peak { bytes: t.peak(), at: t.peak_at() }
 }
 
-/// The sizes a pass of `features` (recycling slice 0) runs at in `kind`: its residues, the
-/// MSA and extra-MSA rows with an unmasked entry (the rows the stacks run), and its real
-/// templates (those the template stack runs).
-pub fn sizes_of(features: &crate::features::Features, kind: tch::Kind) -> tch::Result<Sizes> {
+/// The sizes a pass of `features` (recycling slice 0) runs at in `kind` on `device`: its
+/// residues, the MSA and extra-MSA rows with an unmasked entry (the rows the stacks run), its
+/// real templates (those the template stack runs), and whole logits on a GPU (the fused
+/// softmax's).
+pub fn sizes_of(features: &crate::features::Features, kind: tch::Kind, device: tch::Device) -> tch::Result<Sizes> {
     let real_rows = |mask: &tch::Tensor| -> tch::Result<i64> {
         let m = mask.f_select(0, 0)?;
         m.f_ne(0.0)?.f_any_dim(1, false)?.f_sum(tch::Kind::Int64)?.f_int64_value(&[])
@@ -743,7 +744,7 @@ pub fn sizes_of(features: &crate::features::Features, kind: tch::Kind) -> tch::R
         extra_rows: real_rows(&features.extra_msa_mask)?.max(1),
         elem: kind.elt_size_in_bytes() as i64,
         templates,
-        whole_logits: false,
+        whole_logits: device.is_cuda(),
     })
 }
 

@@ -35,10 +35,13 @@ use crate::model::triangle::{Direction, TriangleAttention, TriangleMultiplicatio
 use crate::model::{ensure, Result};
 use crate::residue_constants::Tables;
 
-/// Pseudo-beta distogram of a template (`dgram_features`).
+/// Pseudo-beta distogram of a template (`dgram_features`: 39 bins, lower edges 3.25 to
+/// 50.75 Å), the monomer's and the Multimer's alike.
 pub const DGRAM_BINS: i64 = 39;
-const DGRAM_MIN: f64 = 3.25;
-const DGRAM_MAX: f64 = 50.75;
+/// The distogram's first bin edge, Å.
+pub const DGRAM_MIN: f64 = 3.25;
+/// The distogram's last bin edge, Å.
+pub const DGRAM_MAX: f64 = 50.75;
 /// Template pair features: distogram, pseudo-beta mask, two residue one-hots (22), unit
 /// vector (3), backbone mask.
 pub const PAIR_FEATURES: i64 = DGRAM_BINS + 1 + 22 + 22 + 3 + 1;

@@ -304,9 +304,7 @@ fn plan(
     (exec, device, kind): (&Exec, Device, Kind),
 ) -> anyhow::Result<(Exec, memory::Plan, MultimerSizes)> {
     let on_cpu = device == Device::Cpu;
-    let mut sizes = memory::multimer_sizes_of(inputs, net, kind, on_cpu)?;
-    // On a GPU the fused softmax makes the attentions' logits whole.
-    sizes.pass.whole_logits = device.is_cuda();
+    let sizes = memory::multimer_sizes_of(inputs, net, kind, device, on_cpu)?;
     let features = if on_cpu { memory::bytes_of(features.values()) } else { 0 };
     let plan = memory::plan_multimer(
         net.config(),

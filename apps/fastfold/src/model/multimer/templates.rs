@@ -43,13 +43,9 @@ use crate::model::keys::{MULTIMER_TEMPLATE_STACK, SINGLE_TEMPLATE, TEMPLATE_EMBE
 use crate::model::layers::{chunked, LayerNorm, Linear, Stream};
 use crate::model::multimer::Arrays;
 use crate::model::scope::{Builder, Init, Scope};
-use crate::model::templates::TemplatePairBlock;
+use crate::model::templates::{TemplatePairBlock, DGRAM_BINS, DGRAM_MAX, DGRAM_MIN};
 use crate::model::{Error, Result};
 
-/// Template distogram bins (`dgram_features`: 39 bins, lower edges 3.25 to 50.75 Å).
-pub const DGRAM_BINS: i64 = 39;
-const DGRAM_MIN: f64 = 3.25;
-const DGRAM_MAX: f64 = 50.75;
 /// Classes of the template residue one-hot (20 amino acids, unknown, gap).
 pub const TEMPLATE_CLASSES: i64 = 22;
 /// atom37 indices of the backbone's N and C.
