@@ -162,7 +162,9 @@ fn pass_peak_with_templates_matches_the_cpu_allocator_and_plans_fit_their_budget
     let (n, s, e, count) = (160, 8, 16, 4);
     let sizes = Sizes { residues: n, msa_rows: s, extra_rows: e, elem: 4, templates: count, whole_logits: false };
     let whole = memory::pass_peak(&cfg, &model_cfg, sizes, &ChunkPlan::uniform(None)).bytes;
-    let budget = whole / 2;
+    // A quarter: the templates folded one at a time, half is met by chunking the outer
+    // product means alone.
+    let budget = whole / 4;
     let plan = memory::plan(&cfg, &model_cfg, sizes, 0, budget).unwrap();
     assert!(plan.describe().contains("Template"), "the templates are planned: {}", plan.describe());
     assert!(plan.peak() <= budget, "planned {} over the budget {budget}", plan.peak());

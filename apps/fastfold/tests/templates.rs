@@ -145,6 +145,65 @@ fn template_parameters_round_trip_and_stray_arrays_are_named() {
     );
 }
 
+/// Largest difference of the inference path's template update from the stacked one,
+/// relative to the update's largest magnitude: the online softmax sums the same terms in
+/// another order (fp32).
+const ONLINE_TOLERANCE: f64 = 1e-5;
+
+/// The inference path's template update (each template folded into an online softmax over
+/// the templates as it leaves the pair stack, never the stack [T, N, N, c_t]) equals the
+/// stacked path's (every template's stack, one softmax over it, as training runs it) within
+/// [`ONLINE_TOLERANCE`]: three templates over 7 residues (the last masked in the pair mask),
+/// a padding slot (template mask 0, every atom mask 0, as the pipeline pads) first, in the
+/// middle, last, or none, the pair's rows whole and 2 at a time; with every slot padding the
+/// pair is left as it was, exactly.
+#[test]
+fn online_template_softmax_equals_the_stacked_one() {
+    use engine::parallel::dap::Dap;
+    use fastfold::model::layers::Stream;
+    use fastfold::model::templates::Templates;
+
+    let templates = Templates::new(&template_params()).unwrap().expect("templates");
+    tch::manual_seed(11);
+    let (n, count) = (7, 3);
+    let pair = Tensor::randn([n, n, EvoformerConfig::tiny().c_z], F);
+    let seq_mask = Tensor::from_slice(&[1f32, 1., 1., 1., 1., 1., 0.]);
+    let pair_mask = seq_mask.unsqueeze(1) * seq_mask.unsqueeze(0);
+    let positions = Tensor::rand([count, n, 37, 3], F) * 20.0;
+    let mut worst: f64 = 0.0;
+    for real in [[1f32, 1., 1.], [0., 1., 1.], [1., 0., 1.], [1., 1., 0.], [0., 0., 0.]] {
+        let mask = Tensor::from_slice(&real);
+        let t = TemplateFeatures {
+            aatype: Tensor::randint(20, [count, n], (Kind::Int64, Device::Cpu)),
+            all_atom_positions: &positions * mask.view([count, 1, 1, 1]),
+            all_atom_masks: Tensor::ones([count, n, 37], F) * mask.view([count, 1, 1]),
+            pseudo_beta: positions.select(2, 3) * mask.view([count, 1, 1]),
+            pseudo_beta_mask: Tensor::ones([count, n], F) * mask.view([count, 1]),
+            mask: mask.shallow_clone(),
+        };
+        for chunk in [None, Some(2)] {
+            let exec = Exec::new(Dap::none(), chunk);
+            let stacked = templates.pair_update(&pair, &t, &pair_mask, &exec).unwrap();
+            let mut stream = Stream::new(pair.copy(), true);
+            tch::no_grad(|| templates.add_pair_update(&mut stream, &t, &pair_mask, &exec)).unwrap();
+            let online = stream.into_inner();
+            if real == [0., 0., 0.] {
+                assert!(online.equal(&pair), "all padding, chunk {chunk:?}: the pair changed");
+                continue;
+            }
+            // Both updates added to the same pair, rounded alike.
+            let scale = stacked.abs().max().double_value(&[]);
+            let err = (&online - (&pair + &stacked)).abs().max().double_value(&[]) / scale;
+            eprintln!(
+                "template mask {real:?}, chunk {chunk:?}: relative difference {err:.2e} (update up to {scale:.3})"
+            );
+            assert!(err <= ONLINE_TOLERANCE, "template mask {real:?}, chunk {chunk:?}: {err:e} from the stacked path");
+            worst = worst.max(err);
+        }
+    }
+    eprintln!("largest relative difference {worst:.2e}");
+}
+
 fn features_with(t: Option<TemplateFeatures>) -> Features {
     let raw = RawFeatures::new(SEQ, None).unwrap();
     let config = FeatureConfig { num_recycle: 1, ..FeatureConfig::default() };

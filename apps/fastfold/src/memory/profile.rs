@@ -604,63 +604,87 @@ fn template_pair_feature_rows(t: &mut Trace, r: i64, n: i64, c_t: i64, e: i64) -
     out
 }
 
-/// `model/templates.rs`'s `Templates::add_pair_update` and `msa_rows` on the pair [n, n, c_z]:
-/// each of `count` templates embedded [`ChunkOp::PairEmbedding`] rows at a time, through the
-/// pair stack in place (AlphaFold's monomer order: the triangle attentions first) and
-/// normalised into the templates' stack [count, n, n, c_t]; the pointwise attention of the
-/// pair over them, pair rows at a time (its keys and values a copy of the chunk's templates
-/// each, laid out again for the products), added in place. Returns the templates' MSA rows
-/// [count, n, c_m] when the parameters embed their torsion angles.
-fn templates(t: &mut Trace, x: &Ctx, count: i64, n: i64, (c_m, c_z): (i64, i64), c: &TemplateConfig) -> Option<Buf> {
+/// One template's pair features [`ChunkOp::PairEmbedding`] rows at a time, through the
+/// template pair stack in place and its final norm: the [n, n, c_t] embedding.
+fn template_stack(t: &mut Trace, x: &Ctx, n: i64, c: &TemplateConfig) -> Buf {
     let (e, c_t) = (x.e, c.c_t);
-    let stack = chunked(t, count, Some(1), n * n * c_t * e, |t, _| {
-        t.at("template embedding");
-        let embedded = chunked(t, n, x.chunk(ChunkOp::PairEmbedding), n * c_t * e, |t, r| {
-            template_pair_feature_rows(t, r, n, c_t, e)
-        });
-        t.at("template pair stack");
-        for starting in [true, false] {
-            let widths = (c_t, c.pair_heads, c.pair_head_dim);
-            biased_attention(t, x, ChunkOp::TriangleAttention, n, (n, c_t), widths, starting);
-        }
-        for outgoing in [true, false] {
-            triangle_multiplication(t, x, n, c_t, c.tri_mul_channels, outgoing);
-        }
-        transition(t, x, n, n, c_t, c.transition_factor, ChunkOp::PairTransition);
-        let out = layer_norm(t, n * n, c_t, e, true);
-        t.free(embedded);
-        out
-    });
-    t.at("template pointwise attention");
-    let hd = c.attention_heads * c.attention_head_dim;
+    t.at("template embedding");
+    let embedded =
+        chunked(t, n, x.chunk(ChunkOp::PairEmbedding), n * c_t * e, |t, r| template_pair_feature_rows(t, r, n, c_t, e));
+    t.at("template pair stack");
+    for starting in [true, false] {
+        let widths = (c_t, c.pair_heads, c.pair_head_dim);
+        biased_attention(t, x, ChunkOp::TriangleAttention, n, (n, c_t), widths, starting);
+    }
+    for outgoing in [true, false] {
+        triangle_multiplication(t, x, n, c_t, c.tri_mul_channels, outgoing);
+    }
+    transition(t, x, n, n, c_t, c.transition_factor, ChunkOp::PairTransition);
+    let out = layer_norm(t, n * n, c_t, e, true);
+    t.free(embedded);
+    out
+}
+
+/// One template folded into the online softmax over `entries` pair entries (a chunk of pair
+/// rows): the scaled query, the keys, their products and the logits (biased by the template
+/// mask), the values; the first template copies its logits and values in, the next ones
+/// make the new maximum, the rescaling of the old terms and their own weights, and update
+/// the running terms in place.
+fn template_fold(t: &mut Trace, entries: i64, (heads, hd): (i64, i64), e: i64, first: bool) {
+    let q = t.alloc(entries * hd * e);
+    let scaled = t.alloc(entries * hd * e);
+    t.free(q);
+    let k = t.alloc(entries * hd * e);
+    let products = t.alloc(entries * hd * e);
+    let summed = t.alloc(entries * heads * e);
+    let logits = t.alloc(entries * heads * e);
+    t.free_all([products, summed, scaled, k]);
+    let v = t.alloc(entries * hd * e);
+    if !first {
+        let [new_max, rescale, weight] = [0; 3].map(|_| t.alloc(entries * heads * e));
+        t.free(logits);
+        t.free_all([v, new_max, rescale, weight]);
+        return;
+    }
+    t.free_all([logits, v]);
+}
+
+/// `model/templates.rs`'s `Templates::add_pair_update` (its inference path) and `msa_rows` on
+/// the pair [n, n, c_z]: each of `count` templates embedded [`ChunkOp::PairEmbedding`] rows
+/// at a time, through the pair stack in place (AlphaFold's monomer order: the triangle
+/// attentions first) and normalised ([`template_stack`]), then folded into the pointwise
+/// attention's online softmax over the templates ([`template_fold`]; its running maximum, sum
+/// and weighted values, [n, n, heads] twice and [n, n, heads x dim], made after the first
+/// template's stack) before the next is embedded; then the softmax's averaged values
+/// projected and added to the pair in place, pair rows at a time. Never [count, n, n, c_t].
+/// Returns the templates' MSA rows [count, n, c_m] when the parameters embed their torsion
+/// angles.
+fn templates(t: &mut Trace, x: &Ctx, count: i64, n: i64, (c_m, c_z): (i64, i64), c: &TemplateConfig) -> Option<Buf> {
+    let e = x.e;
+    let (heads, hd) = (c.attention_heads, c.attention_heads * c.attention_head_dim);
     let stage = Ctx { stage: Stage::Outer, ..*x };
-    residual(t, n, stage.chunk(ChunkOp::TemplatePointwise), |t, r| {
-        let q = t.alloc(r * n * hd * e);
-        let scaled = t.alloc(r * n * hd * e);
-        t.free(q);
-        let [k, v] = [0; 2].map(|_| {
-            let copy = t.alloc(count * r * n * c_t * e);
-            let y = t.alloc(count * r * n * hd * e);
-            t.free(copy);
-            y
+    let rows = step(n, stage.chunk(ChunkOp::TemplatePointwise));
+    let mut softmax: Option<[Buf; 3]> = None;
+    for i in 0..count {
+        let embedded = template_stack(t, x, n, c);
+        t.at("template pointwise attention");
+        softmax
+            .get_or_insert_with(|| [t.alloc(n * n * heads * e), t.alloc(n * n * heads * e), t.alloc(n * n * hd * e)]);
+        template_fold(t, rows * n, (heads, hd), e, i == 0);
+        t.free(embedded);
+    }
+    if let Some(softmax) = softmax {
+        residual(t, n, Some(rows), |t, r| {
+            let avg = t.alloc(r * n * hd * e);
+            let projected = t.alloc(r * n * c_z * e);
+            let out = t.alloc(r * n * c_z * e);
+            t.free(projected);
+            let gated = t.alloc(r * n * c_z * e);
+            t.free_all([out, avg]);
+            gated
         });
-        let kc = t.alloc(count * r * n * hd * e);
-        let logits = t.alloc(r * n * c.attention_heads * count * e);
-        t.free(kc);
-        let biased = t.alloc(r * n * c.attention_heads * count * e);
-        let weights = t.alloc(r * n * c.attention_heads * count * e);
-        t.free_all([logits, biased]);
-        let vc = t.alloc(count * r * n * hd * e);
-        let avg = t.alloc(r * n * hd * e);
-        t.free_all([vc, weights, scaled, k, v]);
-        let projected = t.alloc(r * n * c_z * e);
-        let out = t.alloc(r * n * c_z * e);
-        t.free(projected);
-        let gated = t.alloc(r * n * c_z * e);
-        t.free_all([out, avg]);
-        gated
-    });
-    t.free(stack);
+        t.free_all(softmax);
+    }
     c.torsion_angles.then(|| {
         t.at("template rows");
         let features = t.alloc(count * n * ANGLE_FEATURES * 4);

@@ -345,7 +345,88 @@ impl PointwiseAttention {
         let v = e("tija,ahc->tijhc", &t, &self.value_w)?;
         let logits = e("ijhc,tijhc->ijht", &q, &k)?.f_add(bias)?;
         let avg = e("ijht,tijhc->ijhc", &logits.f_softmax(-1, None)?, &v)?;
-        Ok(e("ijhc,hco->ijo", &avg, &self.output_w)?.f_add(&self.output_b)?)
+        self.output(&avg)
+    }
+
+    /// The output projection of the averaged values `avg` [n, N, heads, head_dim].
+    fn output(&self, avg: &Tensor) -> Result<Tensor> {
+        let out = Tensor::f_einsum("ijhc,hco->ijo", &[avg, &self.output_w], None::<&[i64]>)?;
+        Ok(out.f_add(&self.output_b)?)
+    }
+
+    /// Folds template `index` (`template` [N, N, c_t], its key bias `bias` [T]) into the online
+    /// softmax `acc` over the templates so far, pair rows `[start, start + n)`: its logits
+    /// against the query of those rows of `pair` [N, N, c_z], the running maximum and sum of
+    /// the exponentials and the running weighted values rescaled to the new maximum. The
+    /// first template sets them (weight 1).
+    fn fold(&self, acc: &OnlineSoftmax, pair: &Tensor, template: &Tensor, bias: &Tensor, index: i64) -> Result<()> {
+        let e = |eq: &str, a: &Tensor, b: &Tensor| Tensor::f_einsum(eq, &[a, b], None::<&[i64]>);
+        let step = |start: i64, n: i64| -> Result<()> {
+            let x = pair.f_narrow(0, start, n)?;
+            let t = template.f_narrow(0, start, n)?;
+            let q = e("ija,ahc->ijhc", &x, &self.query_w)?.f_mul_scalar((self.head_dim as f64).powf(-0.5))?;
+            let k = e("ija,ahc->ijhc", &t, &self.key_w)?;
+            let logits = q.f_mul(&k)?.f_sum_dim_intlist(-1, false, None)?.f_add(&bias.f_get(index)?)?;
+            drop((q, k));
+            let mut v = e("ija,ahc->ijhc", &t, &self.value_w)?;
+            let (mut max, mut sum, mut values) =
+                (acc.max.f_narrow(0, start, n)?, acc.sum.f_narrow(0, start, n)?, acc.values.f_narrow(0, start, n)?);
+            if index == 0 {
+                max.f_copy_(&logits)?;
+                let _ = sum.f_fill_(1.0)?;
+                return Ok(values.f_copy_(&v)?);
+            }
+            let new_max = max.f_maximum(&logits)?;
+            let mut rescale = max.f_sub(&new_max)?;
+            let _ = rescale.f_exp_()?;
+            let mut weight = logits.f_sub(&new_max)?;
+            let _ = weight.f_exp_()?;
+            drop(logits);
+            let _ = sum.f_mul_(&rescale)?.f_add_(&weight)?;
+            let _ = v.f_mul_(&weight.f_unsqueeze(-1)?)?;
+            let _ = values.f_mul_(&rescale.f_unsqueeze(-1)?)?.f_add_(&v)?;
+            Ok(max.f_copy_(&new_max)?)
+        };
+        let len = pair.size()[0];
+        let chunk = acc.chunk.unwrap_or(len).max(1);
+        let mut start = 0;
+        while start < len {
+            let n = chunk.min(len - start);
+            step(start, n)?;
+            start += n;
+        }
+        Ok(())
+    }
+}
+
+/// The pointwise attention's softmax over the templates taken one template at a time (the
+/// inference path): per pair entry and head the largest logit so far, the sum of the
+/// exponentials relative to it, and the values weighted by them. Only these and one
+/// template's embedding are alive, never the templates' stack [T, N, N, c_t].
+struct OnlineSoftmax {
+    max: Tensor,
+    sum: Tensor,
+    values: Tensor,
+    /// Pair rows a fold takes at a time (`None`: all).
+    chunk: Option<i64>,
+}
+
+impl OnlineSoftmax {
+    /// Empty terms for the pair `pair` [N, N, c_z] (its kind and device).
+    fn new(pair: &Tensor, a: &PointwiseAttention, chunk: Option<i64>) -> Result<Self> {
+        let (n, heads, opts) = (pair.size()[0], a.query_w.size()[1], (pair.kind(), pair.device()));
+        Ok(OnlineSoftmax {
+            max: Tensor::f_empty([n, n, heads], opts)?,
+            sum: Tensor::f_empty([n, n, heads], opts)?,
+            values: Tensor::f_empty([n, n, heads, a.head_dim], opts)?,
+            chunk,
+        })
+    }
+
+    /// Rows `[start, start + n)` of the averaged values [n, N, heads, head_dim].
+    fn averaged(&self, start: i64, n: i64) -> Result<Tensor> {
+        let sum = self.sum.f_narrow(0, start, n)?.f_unsqueeze(-1)?;
+        Ok(self.values.f_narrow(0, start, n)?.f_div(&sum)?)
     }
 }
 
@@ -406,7 +487,10 @@ impl Templates {
     }
 
     /// Adds the templates' update to `pair` ([`Templates::pair_update`]), pair rows a chunk at
-    /// a time (in place where the stream allows).
+    /// a time (in place where the stream allows). Without gradients each template is folded
+    /// into an online softmax as it leaves the pair stack ([`OnlineSoftmax`]), so the stack
+    /// [T, N, N, c_t], a long query's largest buffer with templates, is never made; a masked
+    /// template's logits carry the same bias as in the stacked softmax (its weight 0).
     pub fn add_pair_update(
         &self,
         pair: &mut Stream,
@@ -414,11 +498,32 @@ impl Templates {
         pair_mask: &Tensor,
         exec: &Exec,
     ) -> Result<()> {
-        let stacked = self.pair_stack(t, pair_mask, pair.get().kind(), exec)?;
-        let (bias, any) = self.mask_terms(&t.mask, pair.get().kind())?;
-        pair.add_chunked(0, exec.chunk_for(ChunkOp::TemplatePointwise), |z, start, n| {
-            Ok(self.attention.rows(z, &stacked, &bias, start, n)?.f_mul(&any)?)
-        })
+        let kind = pair.get().kind();
+        let (bias, any) = self.mask_terms(&t.mask, kind)?;
+        let chunk = exec.chunk_for(ChunkOp::TemplatePointwise);
+        // Training (anything recording gradients, the checkpointed blocks' first forward
+        // included, so that their recomputation repeats it) keeps the templates' stack and one
+        // softmax over it; inference folds the templates in one at a time.
+        if pair.get().requires_grad() || self.attention.query_w.requires_grad() {
+            let stacked = self.pair_stack(t, pair_mask, kind, exec)?;
+            return pair.add_chunked(0, chunk, |z, start, n| {
+                Ok(self.attention.rows(z, &stacked, &bias, start, n)?.f_mul(&any)?)
+            });
+        }
+        let (stage, mask) = (exec.without_dap().in_stage(Stage::Templates), pair_mask.f_to_kind(kind)?);
+        let mut acc = None;
+        for i in 0..t.aatype.size()[0] {
+            let embedded = self.embed(t, i, &mask, kind, &stage)?;
+            // Made after the first template's stack, whose peak they would raise.
+            let acc = match &mut acc {
+                Some(acc) => acc,
+                None => acc.insert(OnlineSoftmax::new(pair.get(), &self.attention, chunk)?),
+            };
+            self.attention.fold(acc, pair.get(), &embedded, &bias, i)?;
+        }
+        // No template: no update (`any` is 0).
+        let Some(acc) = acc else { return Ok(()) };
+        pair.add_chunked(0, chunk, |_, start, n| Ok(self.attention.output(&acc.averaged(start, n)?)?.f_mul(&any)?))
     }
 
     /// The pointwise attention's key bias [T] from `template_mask` [T] (AlphaFold's
@@ -438,20 +543,26 @@ impl Templates {
         let exec = exec.without_dap().in_stage(Stage::Templates);
         let mask = pair_mask.f_to_kind(kind)?;
         chunked(t.aatype.size()[0], Some(1), |i, _| {
-            let one = t.map(|x| x.narrow(0, i, 1));
-            // The features a chunk of rows at a time: at 88 channels, wider than the stack's,
-            // they would be the largest buffer of a long query's templates whole.
-            let rows = one.aatype.size()[1];
-            let embedded = chunked(rows, exec.chunk_for(ChunkOp::PairEmbedding), |start, n| {
-                let features = pair_feature_rows(&one, start, n)?.f_to_kind(kind)?.f_squeeze_dim(0)?;
-                self.embedding2d.forward(&features)
-            })?;
-            let mut x = Stream::new(embedded, true);
-            for block in &self.blocks {
-                block.run(&mut x, &mask, &exec)?;
-            }
-            Ok(self.output_layer_norm.forward(x.get())?.f_unsqueeze(0)?)
+            self.embed(t, i, &mask, kind, &exec)?.f_unsqueeze(0).map_err(Into::into)
         })
+    }
+
+    /// Template `i`'s pair features through `embedding2d`, the pair stack (`mask` [N, N] in
+    /// `kind`; `exec` the templates' stage, without DAP) and the final norm: [N, N, c_t].
+    fn embed(&self, t: &TemplateFeatures, i: i64, mask: &Tensor, kind: Kind, exec: &Exec) -> Result<Tensor> {
+        let one = t.map(|x| x.narrow(0, i, 1));
+        // The features a chunk of rows at a time: at 88 channels, wider than the stack's,
+        // they would be the largest buffer of a long query's templates whole.
+        let rows = one.aatype.size()[1];
+        let embedded = chunked(rows, exec.chunk_for(ChunkOp::PairEmbedding), |start, n| {
+            let features = pair_feature_rows(&one, start, n)?.f_to_kind(kind)?.f_squeeze_dim(0)?;
+            self.embedding2d.forward(&features)
+        })?;
+        let mut x = Stream::new(embedded, true);
+        for block in &self.blocks {
+            block.run(&mut x, mask, exec)?;
+        }
+        self.output_layer_norm.forward(x.get())
     }
 
     /// The pointwise attention of `pair` [N, N, c_z] over the stacked templates [T, N, N,
