@@ -279,22 +279,22 @@ fn gated(t: &mut Trace, rows: i64, c: i64, e: i64) -> Buf {
 }
 
 /// `model/triangle.rs`'s `TriangleMultiplication::update` of the pair [r, r, c_z] through `c`
-/// channels: the other endpoint's projection whole (and its channel-first copy), then per
-/// chunk the chunk's projection,
-/// the product over k (bmm's scratch, 4 r (n + r) bytes as measured), its norm (of the
+/// channels: the other endpoint's projection whole, channel-first (each chunk of it copied so
+/// as it is made), then per chunk the chunk's projection, the product over k (bmm's scratch, 4 r (n + r) bytes as measured), its norm (of the
 /// product's strided layout) and the gated output.
 pub(super) fn triangle_multiplication(t: &mut Trace, x: &Ctx, r: i64, c_z: i64, c: i64, outgoing: bool) {
     let e = x.e;
     let chunk = x.chunk(ChunkOp::TriangleMultiplication);
-    let rows = chunked(t, r, chunk, r * c * e, |t, n| {
+    // Each chunk of the other endpoint's projection laid out channel-first as it is made
+    // (the chunk's input freed first), then written into the whole projection.
+    let right = chunked(t, r, chunk, r * c * e, |t, n| {
         let normed = layer_norm(t, n * r, c_z, e, true);
         let p = gated(t, n * r, c, e);
         t.free(normed);
-        p
+        let channel_first = t.alloc(n * r * c * e);
+        t.free(p);
+        channel_first
     });
-    // Laid out channel-first once, the row-major projection dropped after.
-    let right = t.alloc(r * r * c * e);
-    t.free(rows);
     residual(t, r, chunk, |t, n| {
         let normed = layer_norm(t, n * r, c_z, e, outgoing);
         let left = gated(t, n * r, c, e);

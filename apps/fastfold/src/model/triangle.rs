@@ -9,7 +9,7 @@ use tch::Tensor;
 
 use crate::model::attention::Attention;
 use crate::model::exec::{ChunkOp, Exec};
-use crate::model::layers::{chunked, LayerNorm, Linear, Stream};
+use crate::model::layers::{chunked_along, LayerNorm, Linear, Stream};
 use crate::model::msa::pair_bias;
 use crate::model::scope::{Init, Scope};
 use crate::model::Result;
@@ -123,19 +123,24 @@ impl TriangleMultiplication {
         let dap = exec.dap();
         let chunk = exec.chunk_for(ChunkOp::TriangleMultiplication);
         let z = pair.get();
-        let rows = chunked(z.size()[0], chunk, |start, n| {
-            let x = self.layer_norm_input.forward(&z.f_narrow(0, start, n)?)?;
-            let m = mask.f_narrow(0, start, n)?.f_unsqueeze(-1)?;
-            gated(&x, &self.right_projection, &x, &self.right_gate, Some(&m), self.kernels)
-        })?;
-        // The sum over k needs the other endpoint's projections whole. The product over k is
-        // one matrix product per channel: the whole projection is laid out channel-first once
-        // here, as bmm reads it, rather than by einsum, which would copy it again for every
-        // chunk (at 600 residues that copy cost as much as the product itself).
-        // Outgoing [j, k, c] becomes [c, k, j], incoming [k, i, c] becomes [c, i, k]; the
-        // row-major projection is dropped once its copy is made.
+        // The sum over k needs the other endpoint's projections whole, one matrix per channel
+        // as bmm reads it. Each chunk of pair rows is laid out channel-first as it is made
+        // ([n, N, c] to [c, n, N], while the chunk is still in cache) and written into the
+        // whole [c, N, N]; bmm reads that transposed, as a view. Laying the whole projection
+        // out afterwards (a [N, N, c] to [c, N, N] copy reading one float per cache line)
+        // cost as much as half the product at 600 residues; einsum would copy it again for
+        // every chunk.
         let dim = chunk_dim(self.direction);
-        let right = dap.all_gather(&rows, dim)?.f_permute([2, 1, 0])?.f_contiguous()?;
+        let rows = chunked_along(1, z.size()[0], chunk, |start, n| {
+            let projected = {
+                let x = self.layer_norm_input.forward(&z.f_narrow(0, start, n)?)?;
+                let m = mask.f_narrow(0, start, n)?.f_unsqueeze(-1)?;
+                gated(&x, &self.right_projection, &x, &self.right_gate, Some(&m), self.kernels)?
+            };
+            Ok(projected.f_permute([2, 0, 1])?.f_contiguous()?)
+        })?;
+        // Outgoing [c, j, k] read as [c, k, j], incoming [c, k, i] read as [c, i, k].
+        let right = dap.all_gather(&rows, dim + 1)?.f_transpose(1, 2)?;
         drop(rows);
         pair.add_chunked(dim, chunk, |z, start, n| {
             let x = self.layer_norm_input.forward(&z.f_narrow(dim, start, n)?)?;
