@@ -8,6 +8,11 @@
 //! DeepMind's code draws from it. It is always drawn for the whole, unpadded update and then
 //! padded and cut to this rank's block: every DAP rank, whatever the group size, and every
 //! recomputation of a checkpointed block, gets the same mask for the same key.
+//!
+//! At AlphaFold's rates only `per_row` masks of the MSA are drawn ([`Rates::EVOFORMER`]: the
+//! column attention, the one `per_column` MSA module, drops at 0), and their shape does not
+//! depend on the MSA's depth, so leaving fully-masked rows out of the stacks
+//! ([`crate::model::masked_rows`]) changes no mask.
 use engine::parallel::dap::Dap;
 use tch::{Device, Kind, Tensor};
 
