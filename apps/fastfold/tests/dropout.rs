@@ -4,7 +4,9 @@
 //! stack chains their keys), the Multimer's block (outer product mean first) and an extra-MSA
 //! block (global column attention); and on our own tiny stacks, that the masks are the same
 //! under DAP (2 ranks against one process), chunking and checkpointed recomputation, that a
-//! key draws the same masks twice and that dropout changes the outputs.
+//! key draws the same masks twice and that dropout changes the outputs. The template pair
+//! stacks too: the monomer's `TemplatePairStack` and AlphaFold-Multimer's whole
+//! `TemplateEmbedding` in training.
 mod common;
 
 use std::collections::HashMap;
@@ -14,6 +16,8 @@ use engine::dist::World;
 use engine::parallel::dap::Dap;
 use fastfold::jax_random::Key;
 use fastfold::model::dropout::{DropoutRates, Rates};
+use fastfold::model::multimer::{MultimerTemplates, TemplateBatch};
+use fastfold::model::templates::Templates;
 use fastfold::model::{BlockDropout, BlockMasks, EvoformerConfig, EvoformerStack, Exec, Params, EVOFORMER, EXTRA_MSA};
 use suite_tests::{dist_test, TestResult};
 use tch::{Device, Kind, Tensor};
@@ -109,6 +113,60 @@ fn extra_msa_block_in_training_equals_alphafold() {
         let (msa, pair) = one_block(&stack, &f, &training(rates_of(&f["rates"]), chunk));
         common::assert_close(&format!("msa (chunk {chunk:?})"), &msa, &f["msa_out"], TOLERANCE);
         common::assert_close(&format!("pair (chunk {chunk:?})"), &pair, &f["pair_out"], TOLERANCE);
+    }
+}
+
+/// The template stacks' fixture rates (`TEMPLATE_RATE_NAMES`' order) as a [`DropoutRates`].
+fn template_training(t: &Tensor, chunk: Option<i64>) -> Exec {
+    let r = |i: i64| t.double_value(&[i]);
+    let rates = Rates {
+        triangle_attention_starting_node: r(0),
+        triangle_attention_ending_node: r(1),
+        triangle_multiplication_outgoing: r(2),
+        triangle_multiplication_incoming: r(3),
+        pair_transition: r(4),
+        ..Rates::NONE
+    };
+    Exec::new(Dap::none(), chunk)
+        .with_dropout(Some(DropoutRates { template_pair_stack: rates, ..DropoutRates::ALPHAFOLD }))
+}
+
+#[test]
+fn monomer_template_pair_stack_in_training_equals_alphafold() {
+    let f = arrays("template_stack.npz");
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/alphafold");
+    let params = Params::load_model_npz(dir.join("params.npz")).unwrap();
+    let templates = Templates::new(&params).unwrap().expect("the fixture's parameters have templates");
+    for chunk in [None, Some(2)] {
+        let exec = template_training(&f["rates"], chunk);
+        let out = tch::no_grad(|| templates.pair_stack_blocks(&f["act"], &f["mask"], &exec, Some(key_of(&f["key"]))))
+            .unwrap();
+        common::assert_close(&format!("template pair stack (chunk {chunk:?})"), &out, &f["out"], TOLERANCE);
+    }
+    let plain = tch::no_grad(|| templates.pair_stack_blocks(&f["act"], &f["mask"], &Exec::serial(), None)).unwrap();
+    let d = (&plain - &f["out"]).abs().max().double_value(&[]);
+    assert!(d > 1e-2, "without dropout the stack differs from AlphaFold's in training by only {d:e}");
+}
+
+#[test]
+fn multimer_template_embedding_in_training_equals_alphafold() {
+    let f = arrays("template_embedding_multimer.npz");
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/multimer_network");
+    let x: HashMap<String, Tensor> =
+        Tensor::read_npz(dir.join("template_embedding.npz")).unwrap().into_iter().collect();
+    let templates = MultimerTemplates::load(dir.join("template_embedding_params.npz")).unwrap();
+    let batch = TemplateBatch {
+        aatype: &x["template_aatype"],
+        positions: &x["template_all_atom_positions"],
+        mask: &x["template_all_atom_mask"],
+    };
+    for chunk in [None, Some(4)] {
+        let exec = template_training(&f["rates"], chunk);
+        let key = Some(key_of(&f["key"]));
+        let out = tch::no_grad(|| {
+            templates.forward_keyed(&x["query"], &batch, &x["pair_mask"], &x["asym_id"], &exec, key).unwrap()
+        });
+        common::assert_close(&format!("template embedding (chunk {chunk:?})"), &out, &f["output"], TOLERANCE);
     }
 }
 

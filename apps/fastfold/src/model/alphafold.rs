@@ -221,11 +221,11 @@ impl AlphaFold {
                 false => None,
             };
             match real {
-                None => t.add_pair_update(&mut pair, f, &pair_mask, exec)?,
+                None => t.add_pair_update(&mut pair, f, &pair_mask, exec, keys.map(|k| k.templates))?,
                 Some(real) if real.size()[0] > 0 => {
                     let [a, b, c, d, e, g] = f.named().map(|(_, x)| x.f_index_select(0, &real));
                     let f = TemplateFeatures::from_array([a?, b?, c?, d?, e?, g?]);
-                    t.add_pair_update(&mut pair, &f, &pair_mask, exec)?;
+                    t.add_pair_update(&mut pair, &f, &pair_mask, exec, keys.map(|k| k.templates))?;
                 }
                 Some(_) => {} // no real template: the update is exactly 0
             }

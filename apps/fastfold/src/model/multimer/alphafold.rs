@@ -351,9 +351,10 @@ impl MultimerAlphaFold {
     ) -> Result<(Pass, SampledMsa)> {
         let (kind, device) = (self.kind, self.device());
         let (sample_key, mask_key) = sampling_keys(key);
-        let (_, extra_key) = stack_keys(key, self.templates.is_some());
+        let (template_key, extra_key) = stack_keys(key, self.templates.is_some());
         // No key reaches the stacks outside training: nothing is drawn.
         let training = exec.dropout().is_some();
+        let template_key = template_key.filter(|_| training);
         let sampled = self.sampling.sample(&features.full_msa(), sample_key, mask_key)?;
         let to = |t: &Tensor| -> Result<Tensor> { Ok(t.f_to_kind(kind)?.f_to_device(device)?) };
         let aatype = features.aatype.f_to_kind(Kind::Int64)?.f_to_device(device)?;
@@ -380,7 +381,8 @@ impl MultimerAlphaFold {
         };
         if let (Some((embedding, _)), Some((aatype, positions, mask))) = (&self.templates, &template_batch) {
             let batch = TemplateBatch { aatype, positions, mask };
-            pair = pair.f_add(&embedding.forward(&pair, &batch, &pair_mask, &asym_id, exec)?)?;
+            let update = embedding.forward_keyed(&pair, &batch, &pair_mask, &asym_id, exec, template_key)?;
+            pair = pair.f_add(&update)?;
         }
         let (pair, extra_end) = self.extra_stack(&sampled, pair, &pair_mask, exec, training.then_some(extra_key))?;
         let (mut msa, mut msa_mask) = (msa, to(&sampled.msa_mask)?);
