@@ -6,7 +6,8 @@
 //! under DAP (2 ranks against one process), chunking and checkpointed recomputation, that a
 //! key draws the same masks twice and that dropout changes the outputs. The template pair
 //! stacks too: the monomer's `TemplatePairStack` and AlphaFold-Multimer's whole
-//! `TemplateEmbedding` in training.
+//! `TemplateEmbedding` in training; and the structure modules (monomer and Multimer) in
+//! training.
 mod common;
 
 use std::collections::HashMap;
@@ -16,7 +17,9 @@ use engine::dist::World;
 use engine::parallel::dap::Dap;
 use fastfold::jax_random::Key;
 use fastfold::model::dropout::{DropoutRates, Rates};
+use fastfold::model::multimer::structure::load_structure_module;
 use fastfold::model::multimer::{MultimerTemplates, TemplateBatch};
+use fastfold::model::structure::StructureModule;
 use fastfold::model::templates::Templates;
 use fastfold::model::{BlockDropout, BlockMasks, EvoformerConfig, EvoformerStack, Exec, Params, EVOFORMER, EXTRA_MSA};
 use suite_tests::{dist_test, TestResult};
@@ -168,6 +171,51 @@ fn multimer_template_embedding_in_training_equals_alphafold() {
         });
         common::assert_close(&format!("template embedding (chunk {chunk:?})"), &out, &f["output"], TOLERANCE);
     }
+}
+
+/// Rows `dim` of `t` of the residues `seq_mask` keeps (a padding residue's attention is
+/// rounding noise on both sides; see `tests/multimer_network.rs`).
+fn real_residues(t: &Tensor, seq_mask: &Tensor, dim: i64) -> Tensor {
+    t.index_select(dim, &seq_mask.nonzero().squeeze_dim(-1))
+}
+
+#[test]
+fn multimer_structure_module_in_training_equals_alphafold() {
+    let f = arrays("structure_multimer.npz");
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/multimer_network");
+    let x: HashMap<String, Tensor> = Tensor::read_npz(dir.join("structure_module.npz")).unwrap().into_iter().collect();
+    let module = load_structure_module(dir.join("structure_module_params.npz"), 8).unwrap();
+    let mask = &x["seq_mask"];
+    let dropout = Some((key_of(&f["key"]), f["rate"].double_value(&[])));
+    let out = tch::no_grad(|| module.run_keyed(&x["single"], &x["pair"], &x["aatype"], mask, None, dropout)).unwrap();
+    let check = |what: &str, got: &Tensor, want: &Tensor, dim: i64| {
+        let (got, want) = (real_residues(got, mask, dim), real_residues(want, mask, dim));
+        common::assert_close(what, &got, &want, TOLERANCE);
+    };
+    check("translations", &out.translations, &f["traj"].select(-1, 3), 1);
+    check("rotations", &out.rotations, &f["traj"].narrow(-1, 0, 3), 1);
+    check("single", &out.single, &f["act"], 0);
+    let plain = tch::no_grad(|| module.run(&x["single"], &x["pair"], &x["aatype"], mask, None)).unwrap();
+    let d = (&plain.single - &f["act"]).abs().max().double_value(&[]);
+    assert!(d > 1e-2, "without dropout the single differs from AlphaFold's in training by only {d:e}");
+}
+
+#[test]
+fn monomer_structure_module_in_training_equals_alphafold() {
+    let f = arrays("structure_monomer.npz");
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/alphafold");
+    let module = StructureModule::new(&Params::load_model(dir.join("params.npz")).unwrap()).unwrap();
+    let mask = &f["seq_mask"];
+    let dropout = Some((key_of(&f["key"]), f["rate"].double_value(&[])));
+    let out = tch::no_grad(|| module.run_keyed(&f["single"], &f["pair"], &f["aatype"], mask, None, dropout)).unwrap();
+    let check = |what: &str, got: &Tensor, want: &Tensor, dim: i64| {
+        let (got, want) = (real_residues(got, mask, dim), real_residues(want, mask, dim));
+        common::assert_close(what, &got, &want, TOLERANCE);
+    };
+    // AlphaFold's affine: the quaternion, then the translation in nm (ours in Å).
+    let scale = module.config().position_scale;
+    check("translations", &out.translations, &(f["affine"].narrow(-1, 4, 3) * scale), 1);
+    check("single", &out.single, &f["act"], 0);
 }
 
 struct Run {

@@ -679,9 +679,12 @@ fn complex_on_ranks_gradients(world: &World, dap: usize, tol: f64, dropout: bool
 dist_test!(a_complex_on_two_dap_ranks_gives_one_process_gradients, 2, |world| {
     complex_on_ranks_gradients(world, 2, 1e-4, false).map(|_| ())
 });
-// The same with dropout: every rank draws one process's masks.
+// The same with dropout: every rank draws one process's masks (the loss is the same to the
+// bit). The bound is 2e-4: the side-chain module's gradients, summed in another order over
+// the ranks, come 1.05e-4 of their scale apart with dropout's scaled activations (2.6e-5
+// without); a rank's mask other than one process's would move the loss.
 dist_test!(a_complex_with_dropout_on_two_dap_ranks_gives_one_process_gradients, 2, |world| {
-    complex_on_ranks_gradients(world, 2, 1e-4, true).map(|_| ())
+    complex_on_ranks_gradients(world, 2, 2e-4, true).map(|_| ())
 });
 // Two data-parallel replicas, each its own example (crop and MSA sample), the gradients
 // averaged: one process accumulating both.

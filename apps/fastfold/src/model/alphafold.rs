@@ -259,7 +259,8 @@ impl AlphaFold {
         msa_first_row.f_copy_(&first)?;
         let single = self.heads.single.forward(&msa)?;
         let ipa_chunk = exec.chunk_for(ChunkOp::StructureAttention);
-        let structure = self.structure.run(&single, &pair, &batch.aatype, &batch.seq_mask, ipa_chunk)?;
+        let dropout = keys.zip(exec.dropout()).map(|(k, d)| (k.structure, d.structure_module));
+        let structure = self.structure.run_keyed(&single, &pair, &batch.aatype, &batch.seq_mask, ipa_chunk, dropout)?;
         let heads = self.heads.forward(&HeadInputs {
             msa: &msa,
             pair: &pair,

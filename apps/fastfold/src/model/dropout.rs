@@ -128,7 +128,7 @@ impl DropMask {
         let keep_rate = 1.0 - rate;
         let mut draw_shape = shape;
         draw_shape[shared.dim()] = 1;
-        let keep = keep_mask(key, keep_rate, draw_shape);
+        let keep = keep_mask(key, keep_rate, &draw_shape);
         let mut keep = Tensor::from_slice(&keep).f_reshape(draw_shape)?;
         for d in 0..3 {
             if d != shared.dim() && padded[d] != shape[d] {
@@ -154,9 +154,22 @@ impl DropMask {
     }
 }
 
+/// AlphaFold's dropout of a whole activation `x` (no shared dimension: the structure
+/// module's `safe_dropout` / `apply_dropout`): `keep * x / keep_rate` with the keep mask
+/// `key` draws for `x`'s shape; `x` itself at rate 0.
+pub fn drop_whole(x: &Tensor, key: Key, rate: f64) -> Result<Tensor> {
+    if rate == 0.0 {
+        return Ok(x.shallow_clone());
+    }
+    let keep_rate = 1.0 - rate;
+    let keep = Tensor::from_slice(&keep_mask(key, keep_rate, &x.size())).f_reshape(x.size())?;
+    let keep = keep.f_to_kind(x.kind())?.f_to_device(x.device())?;
+    Ok(x.f_mul(&keep)?.f_div_scalar(keep_rate)?)
+}
+
 /// `jax.random.bernoulli(key, keep_rate, shape)` as 0/1 floats, row-major: a uniform draw
 /// below the rate in float32 (JAX compares in the rate's dtype, float32 without x64).
-pub fn keep_mask(key: Key, keep_rate: f64, shape: [i64; 3]) -> Vec<f32> {
+pub fn keep_mask(key: Key, keep_rate: f64, shape: &[i64]) -> Vec<f32> {
     let n = shape.iter().product::<i64>() as usize;
     let p = keep_rate as f32;
     key.uniform(n).into_iter().map(|u| if u < p { 1.0 } else { 0.0 }).collect()

@@ -25,7 +25,8 @@
 //! In training (an [`Exec`] with dropout rates), each pass's stacks drop with the keys
 //! `EmbeddingsAndEvoformer` hands them ([`stack_keys`]): what is left of its key after the
 //! sampling's split, split once for the templates (when the network has them) and once for
-//! the extra-MSA stack, whose chain's last key is split once more for the Evoformer.
+//! the extra-MSA stack, whose chain's last key is split once more for the Evoformer. The
+//! structure module drops from [`structure_key`] of the pass key (ours).
 use std::path::Path;
 
 use tch::{Device, Kind, Tensor};
@@ -169,6 +170,13 @@ pub fn stack_keys(pass_key: Key, templates: bool) -> (Option<Key>, Key) {
         (key, template_key) = (k[0], Some(k[1]));
     }
     (template_key, key.split(2)[1])
+}
+
+/// The structure module's key from the pass's: the first half of the pass key's split, which
+/// DeepMind's `AlphaFoldIteration` leaves unused (its structure module draws from haiku's rng
+/// sequence instead, which this network does not reproduce: a derivation of ours).
+pub fn structure_key(pass_key: Key) -> Key {
+    pass_key.split(2)[0]
 }
 
 /// The Evoformer's key from the extra-MSA stack's chain end (`safe_key, safe_subkey =
@@ -392,8 +400,8 @@ impl MultimerAlphaFold {
             msa_mask = Tensor::f_cat(&[msa_mask, row_mask.f_to_kind(kind)?], 0)?;
         }
         let (msa, msa_mask, rows) = MsaRows::run(self.drop_masked_rows, msa, msa_mask, own_rows)?;
-        let key = extra_end.map(evoformer_key);
-        let (msa, pair, _) = self.evoformer.forward_owned_keyed(msa, pair, &msa_mask, &pair_mask, exec, key)?;
+        let evo_key = extra_end.map(evoformer_key);
+        let (msa, pair, _) = self.evoformer.forward_owned_keyed(msa, pair, &msa_mask, &pair_mask, exec, evo_key)?;
         // The template rows end here: the masked-MSA head reads the MSA's own rows only.
         let msa = rows.restore(&msa)?;
         let first = msa.f_select(0, 0)?;
@@ -401,7 +409,8 @@ impl MultimerAlphaFold {
         msa_first_row.f_copy_(&first)?;
         let single = self.heads.single.forward(&msa)?;
         let ipa_chunk = exec.chunk_for(ChunkOp::StructureAttention);
-        let structure = self.structure.run(&single, &pair, &aatype, &seq_mask, ipa_chunk)?;
+        let dropout = exec.dropout().map(|d| (structure_key(key), d.structure_module));
+        let structure = self.structure.run_keyed(&single, &pair, &aatype, &seq_mask, ipa_chunk, dropout)?;
         let heads = self.heads.forward(&HeadInputs {
             msa: &msa,
             pair: &pair,
