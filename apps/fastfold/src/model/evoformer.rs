@@ -276,7 +276,7 @@ impl BlockMaskDraws<'_> {
         let (rows, width) = if msa { (d.seqs, self.msa_width) } else { (d.residues, self.pair_width) };
         let shape = [rows, d.residues, width];
         let padded = [dap.padded_len(rows), dap.padded_len(d.residues), width];
-        Ok(DropMask::draw(
+        DropMask::draw(
             self.keys[self.next],
             rate(&d.rates),
             shape,
@@ -286,7 +286,7 @@ impl BlockMaskDraws<'_> {
             dap,
             self.like.kind(),
             self.like.device(),
-        )?)
+        )
     }
 }
 
@@ -456,9 +456,10 @@ impl EvoformerStack {
         exec: &Exec,
         key: Key,
     ) -> Result<(Tensor, Tensor, Key)> {
-        let (m, z, key) =
+        let (m, z, end) =
             self.run(msa.shallow_clone(), pair.shallow_clone(), false, msa_mask, pair_mask, exec, Some(key))?;
-        Ok((m, z, key.unwrap_or(Key([0, 0]))))
+        // A chain given a key ends on one.
+        Ok((m, z, end.unwrap_or(key)))
     }
 
     /// [`EvoformerStack::forward_owned`] with [`EvoformerStack::forward_keyed`]'s dropout when
