@@ -14,6 +14,7 @@
 //! depend on the MSA's depth, so leaving fully-masked rows out of the stacks
 //! ([`crate::model::masked_rows`]) changes no mask.
 use engine::parallel::dap::Dap;
+use rayon::prelude::*;
 use tch::{Device, Kind, Tensor};
 
 use crate::jax_random::Key;
@@ -169,8 +170,19 @@ pub fn drop_whole(x: &Tensor, key: Key, rate: f64) -> Result<Tensor> {
 
 /// `jax.random.bernoulli(key, keep_rate, shape)` as 0/1 floats, row-major: a uniform draw
 /// below the rate in float32 (JAX compares in the rate's dtype, float32 without x64).
+/// Drawn in parallel pieces (each element depends on its index alone): a full-size training
+/// step draws tens of millions.
 pub fn keep_mask(key: Key, keep_rate: f64, shape: &[i64]) -> Vec<f32> {
+    const PIECE: usize = 1 << 14;
     let n = shape.iter().product::<i64>() as usize;
     let p = keep_rate as f32;
-    key.uniform(n).into_iter().map(|u| if u < p { 1.0 } else { 0.0 }).collect()
+    let mut keep = vec![0.0f32; n];
+    keep.par_chunks_mut(PIECE).enumerate().for_each(|(c, piece)| {
+        for (j, k) in piece.iter_mut().enumerate() {
+            if key.uniform_at((c * PIECE + j) as u64) < p {
+                *k = 1.0;
+            }
+        }
+    });
+    keep
 }
