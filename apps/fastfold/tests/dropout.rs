@@ -6,8 +6,9 @@
 //! under DAP (2 ranks against one process), chunking and checkpointed recomputation, that a
 //! key draws the same masks twice and that dropout changes the outputs. The template pair
 //! stacks too: the monomer's `TemplatePairStack` and AlphaFold-Multimer's whole
-//! `TemplateEmbedding` in training; and the structure modules (monomer and Multimer) in
-//! training.
+//! `TemplateEmbedding` in training; the structure modules (monomer and Multimer) in training;
+//! and one pass of the whole AlphaFold-Multimer network in training from a key (its stacks'
+//! keys from the network's own chain).
 mod common;
 
 use std::collections::HashMap;
@@ -18,7 +19,9 @@ use engine::parallel::dap::Dap;
 use fastfold::jax_random::Key;
 use fastfold::model::dropout::{DropoutRates, Rates};
 use fastfold::model::multimer::structure::load_structure_module;
-use fastfold::model::multimer::{MultimerTemplates, TemplateBatch};
+use fastfold::model::multimer::{
+    MaskedMsaConfig, MsaSampling, MultimerAlphaFold, MultimerInputs, MultimerTemplates, TemplateBatch,
+};
 use fastfold::model::structure::StructureModule;
 use fastfold::model::templates::Templates;
 use fastfold::model::{BlockDropout, BlockMasks, EvoformerConfig, EvoformerStack, Exec, Params, EVOFORMER, EXTRA_MSA};
@@ -216,6 +219,37 @@ fn monomer_structure_module_in_training_equals_alphafold() {
     let scale = module.config().position_scale;
     check("translations", &out.translations, &(f["affine"].narrow(-1, 4, 3) * scale), 1);
     check("single", &out.single, &f["act"], 0);
+}
+
+/// One training pass of the whole Multimer network (`tests/multimer_model.rs`'s fixture) from
+/// the pass key DeepMind's `AlphaFoldIteration` was given: the MSA sampling's, templates',
+/// extra-MSA stack's and Evoformer's keys split from it as DeepMind's network splits them,
+/// the structure module not dropping on either side (its key is ours). The bounds of
+/// `tests/multimer_model.rs`: 1e-3 Å, logits 1e-4.
+#[test]
+fn a_multimer_training_pass_drops_as_alphafold_multimer() {
+    let f = arrays("multimer_pass.npz");
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/multimer_network");
+    let m: HashMap<String, Tensor> = Tensor::read_npz(dir.join("model.npz")).unwrap().into_iter().collect();
+    let inputs = MultimerInputs::from_named(|n| m.get(n).map(|t| t.shallow_clone()), "model.npz").unwrap();
+    let sampling = MsaSampling { num_msa: 6, num_extra_msa: 8, masked: MaskedMsaConfig::default() };
+    let net = MultimerAlphaFold::load(dir.join("model_params.npz")).unwrap().with_sampling(sampling);
+    let rates = DropoutRates { structure_module: 0.0, ..DropoutRates::ALPHAFOLD };
+    let key = key_of(&f["key"]);
+    let run = |exec: &Exec| tch::no_grad(|| net.pass(&inputs, net.initial_state(&inputs)?, key, exec)).unwrap();
+    let pass = run(&Exec::serial().with_dropout(Some(rates)));
+    let within = |what: &str, got: &Tensor, want: &Tensor, bound: f64| {
+        let d = (got.to_kind(Kind::Double) - want.to_kind(Kind::Double)).abs().max().double_value(&[]);
+        eprintln!("{what}: max |ours - AlphaFold| = {d:.2e}");
+        assert!(d <= bound, "{what}: max |ours - AlphaFold| = {d:.3e} > {bound:.0e}");
+        d
+    };
+    within("final atom positions (Å)", &pass.structure.atom37, &f["final_atom_positions"], 1e-3);
+    within("distogram", &pass.heads.distogram, &f["distogram"], 1e-4);
+    // Without dropout the pass is another: the masks are what matched.
+    let plain = run(&Exec::serial());
+    let d = (&plain.heads.distogram - &f["distogram"]).abs().max().double_value(&[]);
+    assert!(d > 1e-2, "without dropout the distogram differs from AlphaFold's in training by only {d:e}");
 }
 
 struct Run {
