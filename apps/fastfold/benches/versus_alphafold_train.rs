@@ -265,9 +265,10 @@ fn ours(dir: &Path, calls: usize, dap: Dap) -> anyhow::Result<Ours> {
     };
     let ranks = fastfold::train_parallel::Ranks { dap: dap.clone(), ..fastfold::train_parallel::Ranks::one() };
     let trainer = Trainer::on_ranks(&params, Device::Cpu, &adam, &ranks)?;
-    // Backbone FAPE clamped in every example, as on AlphaFold's side.
+    // Backbone FAPE clamped in every example, as on AlphaFold's side; no dropout, as
+    // AlphaFold's side runs at rate 0 (`fastfold train` drops unless --no-dropout).
     let loss = LossConfig { clamped_fape_fraction: 1.0, ..LossConfig::initial_training() };
-    let mut trainer = trainer.with_loss(loss, 0);
+    let mut trainer = trainer.with_loss(loss, 0).with_dropout(false);
     let exec = Exec::new(dap, None).with_checkpointed_blocks(true);
     let (mut seconds, mut optimizer_seconds, mut value) = (0.0, 0.0, 0.0);
     for call in 0..calls {

@@ -75,6 +75,13 @@ impl Key {
         self.bits(n).into_iter().map(unit_float).collect()
     }
 
+    /// Element `i` of [`Key::uniform`]'s draws (of any length past `i`): each draw depends on
+    /// its index alone, so a large draw can be made in parallel pieces.
+    pub fn uniform_at(self, i: u64) -> f32 {
+        let [a, b] = self.block(i);
+        unit_float(a ^ b)
+    }
+
     /// `utils.padding_consistent_rng(jax.random.uniform)(key, shape)` of AlphaFold: each
     /// element drawn alone (shape `()`) from the key folded in with each of its indices in turn,
     /// so an element's draw does not depend on the array's size (padding leaves it alone).
@@ -103,6 +110,13 @@ mod tests {
         assert_eq!(threefry2x32([0, 0], [0, 0]), [0x6b20_0159, 0x99ba_4efe]);
         assert_eq!(threefry2x32([u32::MAX, u32::MAX], [u32::MAX, u32::MAX]), [0x1cb9_96fc, 0xbb00_2be7]);
         assert_eq!(threefry2x32([0x1319_8a2e, 0x0370_7344], [0x243f_6a88, 0x85a3_08d3]), [0xc492_3a9c, 0x483d_f7a0]);
+    }
+
+    #[test]
+    fn a_draw_is_its_elements_drawn_alone() {
+        let key = Key::from_seed(3).fold_in(7);
+        let whole = key.uniform(1000);
+        assert!(whole.iter().enumerate().all(|(i, &u)| key.uniform_at(i as u64) == u));
     }
 
     #[test]

@@ -49,6 +49,7 @@ use crate::jax_random::Key;
 use crate::loss::multimer_total::MultimerLossConfig;
 use crate::loss::{clamped_fape_at, total_loss, LossConfig, LossInputs, MaskedMsaTarget, StepLoss, TrainingStage};
 use crate::model::alphafold::AlphaFold;
+use crate::model::dropout::DropoutRates;
 use crate::model::keys::MULTIMER_RELATIVE_ENCODING;
 use crate::model::multimer::{
     load_multimer_params, network_key, MultimerAlphaFold, MultimerInputs, MULTIMER_STRUCTURE_ITERATIONS,
@@ -157,6 +158,11 @@ pub struct TrainArgs {
     /// about one more forward's compute.
     #[arg(long)]
     pub gradient_checkpointing: bool,
+    /// Train without dropout (AlphaFold's `deterministic`). By default the stacks drop as
+    /// AlphaFold's training does (the row attention 0.15, the triangle updates 0.25), with
+    /// masks drawn from the seed and each example's number; validation never drops.
+    #[arg(long)]
+    pub no_dropout: bool,
     /// Recycling passes before the one that is trained, for one monomer example (with a data
     /// set, and for a complex, they are drawn per example, as AlphaFold draws them: see
     /// --max-recycles).
@@ -327,6 +333,9 @@ pub struct Trainer {
     /// The loss of complexes (AlphaFold-Multimer's parameters).
     multimer_loss: MultimerLossConfig,
     seed: u64,
+    /// Training dropout's rates (`None`: off), drawn from the example's key
+    /// ([`Trainer::with_dropout`]).
+    dropout: Option<DropoutRates>,
     steps: u64,
     /// Averages the gradients over the data-parallel replicas (none for one group).
     replicas: Option<(DataParallel, ProcessGroup)>,
@@ -414,6 +423,7 @@ impl Trainer {
             loss,
             multimer_loss: MultimerLossConfig::default(),
             seed: 0,
+            dropout: None,
             steps: 0,
             replicas,
             step_terms: (0, Vec::new()),
@@ -437,6 +447,14 @@ impl Trainer {
     /// step n).
     pub fn with_loss(self, loss: LossConfig, seed: u64) -> Trainer {
         Trainer { loss, seed, ..self }
+    }
+
+    /// The same trainer with AlphaFold's training dropout on or off (off in a new trainer;
+    /// `fastfold train` turns it on unless `--no-dropout`). Its masks are drawn from the key of
+    /// the trainer's seed and the example's number (every pass of the training forward, as
+    /// AlphaFold trains; validation never drops).
+    pub fn with_dropout(self, on: bool) -> Trainer {
+        Trainer { dropout: on.then_some(DropoutRates::ALPHAFOLD), ..self }
     }
 
     /// The gradients of one pass on `features` and `target` in the parameters' `.grad()`, as
@@ -493,7 +511,8 @@ impl Trainer {
         let Network::Monomer(model) = &self.model else {
             bail!("these are AlphaFold-Multimer's parameters: they train on a complex (Trainer::accumulate_complex)")
         };
-        let pass = model.predict(e.features, e.recycles, self.kind, exec)?;
+        let exec = exec.clone().with_dropout(self.dropout);
+        let pass = model.predict_keyed(e.features, e.recycles, self.kind, &exec, Some(self.example_key(e.number)))?;
         let clamped = clamped_fape_at(self.seed, e.number, self.loss.clamped_fape_fraction);
         let losses = losses(&pass, e.features, e.recycles, e.target, &self.loss, clamped)?;
         self.backward_share(losses)
@@ -509,14 +528,16 @@ impl Trainer {
         let Network::Multimer(model) = &self.model else {
             bail!("a complex trains AlphaFold-Multimer's parameters; these are a monomer model's")
         };
-        let (pass, sampled) = model.train_forward(e.features, e.recycles, self.example_key(e.number), exec)?;
+        let exec = exec.clone().with_dropout(self.dropout);
+        let (pass, sampled) = model.train_forward(e.features, e.recycles, self.example_key(e.number), &exec)?;
         let l = complex_losses(&pass, &sampled, e.features, e.target, &self.multimer_loss)?;
         self.backward_share(Losses { total: l.total, terms: l.terms })
     }
 
     /// The key AlphaFold-Multimer's network samples example `number`'s MSA from: the run's key
     /// (`network_key`, as predict draws from a seed) folded with the number, so that each
-    /// example samples its own rows and masks, the same on every rank and in every run.
+    /// example samples its own rows and masks, the same on every rank and in every run. The
+    /// training dropout's keys derive from it too (the monomer's as well).
     fn example_key(&self, number: u64) -> Key {
         network_key(self.seed).fold_in(number as u32)
     }
@@ -758,7 +779,7 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
     let schedule = args.schedule.schedule(args.optimizer.lr, args.steps)?;
     let trainer = Trainer::on_ranks_in(&params, device, kind, &args.optimizer, &ranks)?;
     let trainer = trainer.with_schedule(schedule).with_loss(loss, args.input.seed.seed);
-    let mut trainer = trainer.with_ema(args.ema_decay)?;
+    let mut trainer = trainer.with_ema(args.ema_decay)?.with_dropout(!args.no_dropout);
     match args.resume {
         true => resume(args, world, &ranks, &mut trainer)?,
         false => note_fresh_start(args, world),

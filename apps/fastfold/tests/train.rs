@@ -73,13 +73,14 @@ fn features(a3m_path: &Path) -> Features {
 
 /// Gradients of every parameter after one backward, by name (undefined where the loss does not
 /// reach: the masked-MSA, lDDT, resolved and aligned-error heads), the Evoformer and extra-MSA
-/// blocks checkpointed or not.
+/// blocks checkpointed or not, with training dropout or not.
 fn gradients(
     params: &Params,
     f: &Features,
     target: &Structure,
     dap: Dap,
     checkpointed: bool,
+    dropout: bool,
 ) -> anyhow::Result<(f64, Vec<(String, Tensor)>)> {
     let adam = OptimizerArgs {
         optimizer: OptimizerKind::Adamw,
@@ -88,7 +89,7 @@ fn gradients(
         clip_grad: Some(0.1),
         adam_epsilon: None,
     };
-    let mut trainer = Trainer::new(params, Device::Cpu, &adam)?;
+    let mut trainer = Trainer::new(params, Device::Cpu, &adam)?.with_dropout(dropout);
     let target = Target::new(target, &f.aatype.get(0), "helix")?;
     let losses = trainer.backward(f, &target, 1, &Exec::new(dap, Some(3)).with_checkpointed_blocks(checkpointed))?;
     let grads = trainer.params().iter().map(|(k, t)| (k.to_string(), t.grad())).collect();
@@ -96,14 +97,19 @@ fn gradients(
 }
 
 /// `checkpointed`: the many-rank run's blocks are checkpointed (their recomputation in
-/// backward repeats their collectives).
-fn compare(world: &World, checkpointed: bool) -> TestResult {
+/// backward repeats their collectives); `dropout`: both train with dropout (every rank draws
+/// one process's masks).
+fn compare(world: &World, checkpointed: bool, dropout: bool) -> TestResult {
     let params = Params::random_model(&EvoformerConfig::tiny(), &ModelConfig::tiny(), 11)?;
-    let d = dir(if checkpointed { "dap-checkpointed" } else { "dap" });
+    let d = dir(match (checkpointed, dropout) {
+        (_, true) => "dap-dropout",
+        (true, false) => "dap-checkpointed",
+        (false, false) => "dap",
+    });
     let f = features(&d.join("q.a3m"));
     let target = helix(SEQ);
-    let (loss_one, one) = gradients(&params, &f, &target, Dap::none(), false)?;
-    let (loss_many, many) = gradients(&params, &f, &target, Dap::new(world.group.clone()), checkpointed)?;
+    let (loss_one, one) = gradients(&params, &f, &target, Dap::none(), false, dropout)?;
+    let (loss_many, many) = gradients(&params, &f, &target, Dap::new(world.group.clone()), checkpointed, dropout)?;
     anyhow::ensure!((loss_one - loss_many).abs() <= 1e-5, "loss {loss_many} on 2 ranks, {loss_one} on one");
     let overall =
         one.iter().filter(|(_, g)| g.defined()).map(|(_, g)| g.abs().max().double_value(&[])).fold(0.0, f64::max);
@@ -125,18 +131,44 @@ fn compare(world: &World, checkpointed: bool) -> TestResult {
     Ok(())
 }
 
-dist_test!(two_ranks_give_one_rank_gradients, 2, |world| { compare(world, false) });
-dist_test!(two_ranks_with_checkpointed_blocks_give_one_rank_gradients, 2, |world| { compare(world, true) });
+dist_test!(two_ranks_give_one_rank_gradients, 2, |world| { compare(world, false, false) });
+dist_test!(two_ranks_with_checkpointed_blocks_give_one_rank_gradients, 2, |world| { compare(world, true, false) });
+dist_test!(two_ranks_with_dropout_give_one_rank_loss_and_gradients, 2, |world| { compare(world, true, true) });
 
 /// With the Evoformer and extra-MSA blocks checkpointed (recomputed in backward), the loss is
 /// the same bit for bit and every gradient within 1e-5 of its tensor's largest (the same
 /// arithmetic, accumulated into `.grad` in another order).
 #[test]
 fn checkpointed_blocks_give_the_same_gradients() {
+    checkpointed_blocks_equal_plain(false);
+}
+
+/// With dropout, the recomputation draws the masks of the first forward: the same loss and
+/// gradients as without checkpointing.
+#[test]
+fn checkpointed_blocks_with_dropout_give_the_same_gradients() {
+    checkpointed_blocks_equal_plain(true);
+}
+
+/// Dropout (on by default in `fastfold train`) changes the loss, and a run with the same seed
+/// draws the same masks.
+#[test]
+fn dropout_changes_the_loss_and_repeats_with_the_seed() {
     let params = Params::random_model(&EvoformerConfig::tiny(), &ModelConfig::tiny(), 11).unwrap();
-    let f = features(&dir("checkpointed").join("q.a3m"));
-    let (loss, plain) = gradients(&params, &f, &helix(SEQ), Dap::none(), false).unwrap();
-    let (loss_ckpt, ckpt) = gradients(&params, &f, &helix(SEQ), Dap::none(), true).unwrap();
+    let f = features(&dir("dropout").join("q.a3m"));
+    let (on, _) = gradients(&params, &f, &helix(SEQ), Dap::none(), false, true).unwrap();
+    let (again, _) = gradients(&params, &f, &helix(SEQ), Dap::none(), false, true).unwrap();
+    let (off, _) = gradients(&params, &f, &helix(SEQ), Dap::none(), false, false).unwrap();
+    eprintln!("loss with dropout {on}, again {again}, without {off}");
+    assert_eq!(on, again, "the same seed and example draw the same masks");
+    assert!((on - off).abs() > 1e-4, "dropout left the loss at {off} (with it {on})");
+}
+
+fn checkpointed_blocks_equal_plain(dropout: bool) {
+    let params = Params::random_model(&EvoformerConfig::tiny(), &ModelConfig::tiny(), 11).unwrap();
+    let f = features(&dir(if dropout { "checkpointed-dropout" } else { "checkpointed" }).join("q.a3m"));
+    let (loss, plain) = gradients(&params, &f, &helix(SEQ), Dap::none(), false, dropout).unwrap();
+    let (loss_ckpt, ckpt) = gradients(&params, &f, &helix(SEQ), Dap::none(), true, dropout).unwrap();
     assert_eq!(loss, loss_ckpt);
     let mut compared = 0;
     for ((name, a), (_, b)) in ckpt.iter().zip(&plain) {

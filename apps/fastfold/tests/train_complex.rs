@@ -617,9 +617,10 @@ fn cropped_complexes_train_and_their_copies_align() {
 /// them all (the step's examples numbered as `fastfold train` numbers them): within `tol` of
 /// each array's largest gradient (arrays whose gradient is zero up to rounding, of the largest
 /// overall / 1000), the loss within `tol / 10`. Returns the worst relative difference.
-fn complex_on_ranks_gradients(world: &World, dap: usize, tol: f64) -> anyhow::Result<f64> {
+/// `dropout`: both train with dropout, and it changes the loss from one process's without.
+fn complex_on_ranks_gradients(world: &World, dap: usize, tol: f64, dropout: bool) -> anyhow::Result<f64> {
     // Each rank writes its own copy of the files: no rank reads another's half-written ones.
-    let dir = common::scratch("train_complex", &format!("ranks_{dap}_{}", world.rank()));
+    let dir = common::scratch("train_complex", &format!("ranks_{dap}_{dropout}_{}", world.rank()));
     let (fasta, pdb, _) = homodimer(&dir);
     let complex = TrainingComplex::read(&fasta, None, &pdb, 2.0, Some(16), Device::Cpu)?;
     let parallel = ParallelArgs { dap: Some(dap), accumulation: 1, global_batch: None, zero: 0 };
@@ -647,13 +648,19 @@ fn complex_on_ranks_gradients(world: &World, dap: usize, tol: f64) -> anyhow::Re
     };
     // One process accumulating every group's examples.
     let all = Shard { accumulation: ranks.shard.replicas * ranks.shard.accumulation, ..Shard::ONE };
-    let mut one = Trainer::new(&params, Device::Cpu, &adam(1e-3))?;
+    let mut one = Trainer::new(&params, Device::Cpu, &adam(1e-3))?.with_dropout(dropout);
     let (one_loss, each) = step(&mut one, all, &Exec::serial(), None)?;
+    if dropout {
+        let mut off = Trainer::new(&params, Device::Cpu, &adam(1e-3))?;
+        let (off_loss, _) = step(&mut off, all, &Exec::serial(), None)?;
+        eprintln!("loss with dropout {one_loss}, without {off_loss}");
+        anyhow::ensure!((off_loss - one_loss).abs() > 1e-4, "dropout left the loss at {off_loss}");
+    }
     // The examples differ (each its own crop or MSA sample, drawn from its number).
     anyhow::ensure!(each.windows(2).all(|w| w[0] != w[1]), "examples with the same loss: {each:?}");
     let reference = grads(&one);
 
-    let mut trainer = Trainer::on_ranks(&params, Device::Cpu, &adam(1e-3), &ranks)?;
+    let mut trainer = Trainer::on_ranks(&params, Device::Cpu, &adam(1e-3), &ranks)?.with_dropout(dropout);
     let exec = Exec::new(ranks.dap.clone(), Some(3));
     let (loss, _) = step(&mut trainer, ranks.shard, &exec, ranks.data.as_ref())?;
     let what = format!("--dap {dap} on {} ranks", world.size());
@@ -670,16 +677,23 @@ fn complex_on_ranks_gradients(world: &World, dap: usize, tol: f64) -> anyhow::Re
 
 // One DAP group of 2 ranks: the stacks split, their partial gradients summed.
 dist_test!(a_complex_on_two_dap_ranks_gives_one_process_gradients, 2, |world| {
-    complex_on_ranks_gradients(world, 2, 1e-4).map(|_| ())
+    complex_on_ranks_gradients(world, 2, 1e-4, false).map(|_| ())
+});
+// The same with dropout: every rank draws one process's masks (the loss is the same to the
+// bit). The bound is 2e-4: the side-chain module's gradients, summed in another order over
+// the ranks, come 1.05e-4 of their scale apart with dropout's scaled activations (2.6e-5
+// without); a rank's mask other than one process's would move the loss.
+dist_test!(a_complex_with_dropout_on_two_dap_ranks_gives_one_process_gradients, 2, |world| {
+    complex_on_ranks_gradients(world, 2, 2e-4, true).map(|_| ())
 });
 // Two data-parallel replicas, each its own example (crop and MSA sample), the gradients
 // averaged: one process accumulating both.
 dist_test!(a_complex_on_two_replicas_gives_one_process_accumulating_gradients, 2, |world| {
-    complex_on_ranks_gradients(world, 1, 1e-4).map(|_| ())
+    complex_on_ranks_gradients(world, 1, 1e-4, false).map(|_| ())
 });
 // Two groups of 2 DAP ranks (`--nproc 4 --dap 2`).
 dist_test!(a_complex_on_two_dap_groups_of_two_gives_one_process_accumulating_gradients, 4, |world| {
-    complex_on_ranks_gradients(world, 2, 1e-4).map(|_| ())
+    complex_on_ranks_gradients(world, 2, 1e-4, false).map(|_| ())
 });
 
 /// `fastfold train` on the homodimer cropped to 16 residues, one step of two examples (their

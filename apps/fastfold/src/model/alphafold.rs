@@ -7,7 +7,17 @@
 //! batch with template features, the templates update the pair and add MSA rows
 //! ([`crate::model::templates`]); a batch without them runs as AlphaFold does for a query with
 //! no template hits (the template embedding then adds exactly zero and its rows are masked).
+//!
+//! Training dropout ([`AlphaFold::predict_keyed`], with an [`Exec`] that has dropout rates)
+//! draws its masks from keys derived from one key per example (see [`pass_keys`]). DeepMind's
+//! monomer hands its modules keys from haiku's rng sequence inside its recycling loop; this
+//! derivation follows the Multimer's v2.3 splits instead (the loop's, and the extra-MSA stack's
+//! chain continued by the Evoformer's, as `EmbeddingsAndEvoformer` continues it), so its masks
+//! are AlphaFold's per block for a given block key but not those of a haiku run of the whole
+//! monomer from the same seed.
 use tch::{Kind, Tensor};
+
+use crate::jax_random::Key;
 
 use crate::features::{Features, TemplateFeatures};
 use crate::model::config::{EvoformerConfig, PresetSizes};
@@ -186,6 +196,13 @@ impl AlphaFold {
     /// [`AlphaFold::pass`] given up the previous pass's outputs: they are dropped once
     /// embedded (the recycled pair is not held beside the new one through the stacks).
     pub fn pass_owned(&self, batch: &Batch, prev: Recycled, exec: &Exec) -> Result<Pass> {
+        self.pass_keyed(batch, prev, exec, None)
+    }
+
+    /// [`AlphaFold::pass_owned`] in training: with `key` (the pass's) and `exec`'s dropout
+    /// rates, the stacks drop as [`pass_keys`] derives their keys.
+    pub fn pass_keyed(&self, batch: &Batch, prev: Recycled, exec: &Exec, key: Option<Key>) -> Result<Pass> {
+        let keys = key.filter(|_| exec.dropout().is_some()).map(pass_keys);
         let (msa, pair) =
             self.embedders.input.embed(&batch.target_feat, &batch.msa_feat, &batch.residue_index, exec)?;
         // The pass's own MSA and pair: the recycling embedder, the templates and the stacks
@@ -204,11 +221,11 @@ impl AlphaFold {
                 false => None,
             };
             match real {
-                None => t.add_pair_update(&mut pair, f, &pair_mask, exec)?,
+                None => t.add_pair_update(&mut pair, f, &pair_mask, exec, keys.map(|k| k.templates))?,
                 Some(real) if real.size()[0] > 0 => {
                     let [a, b, c, d, e, g] = f.named().map(|(_, x)| x.f_index_select(0, &real));
                     let f = TemplateFeatures::from_array([a?, b?, c?, d?, e?, g?]);
-                    t.add_pair_update(&mut pair, &f, &pair_mask, exec)?;
+                    t.add_pair_update(&mut pair, &f, &pair_mask, exec, keys.map(|k| k.templates))?;
                 }
                 Some(_) => {} // no real template: the update is exactly 0
             }
@@ -218,16 +235,22 @@ impl AlphaFold {
             }
         }
         let pair = pair.into_inner();
+        let mut evoformer_key = keys.map(|k| k.stacks);
         let pair = match (&self.extra, &self.embedders.extra_msa) {
             (Some(stack), Some(embedder)) => {
                 let (rows, has_deletion, deletion_value, mask) = batch.extra_rows(self.drop_masked_rows)?;
                 let extra = embedder.forward(&rows, &has_deletion, &deletion_value)?.f_to_kind(pair.kind())?;
-                stack.forward_owned(extra, pair, &mask, &pair_mask, exec)?.1
+                let (_, pair, chain) =
+                    stack.forward_owned_keyed(extra, pair, &mask, &pair_mask, exec, keys.map(|k| k.stacks))?;
+                // The Evoformer continues the extra-MSA stack's key chain.
+                evoformer_key = chain;
+                pair
             }
             _ => pair,
         };
         let (msa, msa_mask, rows) = MsaRows::run(self.drop_masked_rows, msa, msa_mask, own_rows)?;
-        let (msa, pair) = self.evoformer.forward_owned(msa, pair, &msa_mask, &pair_mask, exec)?;
+        let (msa, pair, _) =
+            self.evoformer.forward_owned_keyed(msa, pair, &msa_mask, &pair_mask, exec, evoformer_key)?;
         // The template rows end here: the masked-MSA head reads the MSA's own rows only.
         let msa = rows.restore(&msa)?;
         // A row of its own, so that recycling it does not keep the whole MSA.
@@ -236,7 +259,8 @@ impl AlphaFold {
         msa_first_row.f_copy_(&first)?;
         let single = self.heads.single.forward(&msa)?;
         let ipa_chunk = exec.chunk_for(ChunkOp::StructureAttention);
-        let structure = self.structure.run(&single, &pair, &batch.aatype, &batch.seq_mask, ipa_chunk)?;
+        let dropout = keys.zip(exec.dropout()).map(|(k, d)| (k.structure, d.structure_module));
+        let structure = self.structure.run_keyed(&single, &pair, &batch.aatype, &batch.seq_mask, ipa_chunk, dropout)?;
         let heads = self.heads.forward(&HeadInputs {
             msa: &msa,
             pair: &pair,
@@ -251,6 +275,21 @@ impl AlphaFold {
     /// from the previous one's outputs; the last pass is returned. As in AlphaFold, gradients
     /// flow through the last pass only: the earlier ones run without autograd.
     pub fn predict(&self, features: &Features, recycles: usize, kind: Kind, exec: &Exec) -> Result<Pass> {
+        self.predict_keyed(features, recycles, kind, exec, None)
+    }
+
+    /// [`AlphaFold::predict`] in training: with `key` (the example's) and `exec`'s dropout
+    /// rates, every pass drops (recycles too, as AlphaFold's training passes all run in
+    /// training mode), recycle `i` under the second key of the loop key's split and the last
+    /// pass under the loop key as it stands (the Multimer's v2.3 loop).
+    pub fn predict_keyed(
+        &self,
+        features: &Features,
+        recycles: usize,
+        kind: Kind,
+        exec: &Exec,
+        key: Option<Key>,
+    ) -> Result<Pass> {
         let available = features.num_iterations();
         ensure!(
             (recycles as i64) < available,
@@ -259,11 +298,15 @@ impl AlphaFold {
         );
         let like = Batch::new(features, 0, kind)?;
         let mut prev = Recycled::zeros(like.residues(), &self.config, &like.seq_mask)?;
+        let mut key = key;
         for i in 0..recycles as i64 {
             let batch = Batch::new(features, i, kind)?;
-            prev = tch::no_grad(|| self.pass_owned(&batch, prev, exec))?.recycled;
+            let split = key.map(|k| k.split(2));
+            key = split.as_ref().map(|k| k[0]);
+            let pass_key = split.as_ref().map(|k| k[1]);
+            prev = tch::no_grad(|| self.pass_keyed(&batch, prev, exec, pass_key))?.recycled;
         }
-        self.pass_owned(&Batch::new(features, recycles as i64, kind)?, prev, exec)
+        self.pass_keyed(&Batch::new(features, recycles as i64, kind)?, prev, exec, key)
     }
 
     /// Inference over `recycling`'s schedule: passes `0..=max` over slices of `features`, each
@@ -304,4 +347,22 @@ impl AlphaFold {
             r += 1;
         }
     }
+}
+
+/// The keys one monomer training pass drops with, from the pass's key.
+#[derive(Clone, Copy, Debug)]
+pub struct PassKeys {
+    /// The extra-MSA stack's chain, which the Evoformer continues.
+    pub stacks: Key,
+    /// The template pair stack's.
+    pub templates: Key,
+    /// The structure module's.
+    pub structure: Key,
+}
+
+/// A monomer pass's keys: its key split in three (the stacks', the templates', the structure
+/// module's), a derivation of this implementation (see the module docs).
+pub fn pass_keys(key: Key) -> PassKeys {
+    let k = key.split(3);
+    PassKeys { stacks: k[0], templates: k[1], structure: k[2] }
 }

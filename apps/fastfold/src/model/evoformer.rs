@@ -27,7 +27,13 @@
 //! [`EvoformerConfig::fused_triangle_projections`] (Multimer v3's files) the triangle
 //! multiplications read their fused arrays ([`TriangleMultiplication::fused`]).
 //!
-//! Dropout is inference-mode (off): training dropout is not implemented.
+//! In training ([`Exec::with_dropout`] and a key for the stack), each sub-module's update is
+//! dropped before the residual sum as AlphaFold's `EvoformerIteration` drops it
+//! ([`crate::model::dropout`]): the stack splits its key once per block (`key, block_key =
+//! split(key)`), the block splits its key in ten and hands them to its nine sub-modules in the
+//! order they run (the first unused), and each mask is drawn whole and cut to this rank's
+//! block, so DAP and the recomputation of a checkpointed block draw the masks one process
+//! draws. Without rates or key (inference, `deterministic`) nothing is drawn.
 //!
 //! With [`Exec::with_checkpointed_blocks`], a block whose inputs require gradients keeps none of
 //! its activations and recomputes them in backward (`engine::autograd::checkpoint`, as
@@ -37,7 +43,9 @@ use std::sync::{Arc, Mutex};
 
 use tch::Tensor;
 
+use crate::jax_random::Key;
 use crate::model::config::EvoformerConfig;
+use crate::model::dropout::{DropMask, Rates, Shared};
 use crate::model::exec::{ChunkOp, Exec, Stage};
 use crate::model::keys::{EVOFORMER, EXTRA_MSA};
 use crate::model::layers::Stream;
@@ -92,6 +100,20 @@ impl BlockMasks {
             pair_col: dap.local(pair_mask, 1)?,
         })
     }
+}
+
+/// What one block drops in training: its key (DeepMind's `safe_key` for the block), the
+/// rates and the stack's unpadded sizes (masks are drawn for the unpadded update).
+#[derive(Clone, Copy, Debug)]
+pub struct BlockDropout {
+    /// The block's key.
+    pub key: Key,
+    /// The sub-modules' rates.
+    pub rates: Rates,
+    /// Sequences in the block's MSA, before DAP padding.
+    pub seqs: i64,
+    /// Residues, before DAP padding.
+    pub residues: i64,
 }
 
 /// One Evoformer (or extra-MSA) block: its modules, shared with the recomputation a
@@ -161,33 +183,61 @@ impl EvoformerBlock {
     /// both in the same layouts. `exec`'s chunk sizes bound the batch-like axis of every heavy
     /// step.
     pub fn forward(&self, msa: &Tensor, pair: &Tensor, masks: &BlockMasks, exec: &Exec) -> Result<(Tensor, Tensor)> {
+        self.forward_dropped(msa, pair, masks, exec, None)
+    }
+
+    /// [`EvoformerBlock::forward`] with training dropout as `dropout` says (`None`: none).
+    pub fn forward_dropped(
+        &self,
+        msa: &Tensor,
+        pair: &Tensor,
+        masks: &BlockMasks,
+        exec: &Exec,
+        dropout: Option<BlockDropout>,
+    ) -> Result<(Tensor, Tensor)> {
         let (msa, pair) = (Stream::new(msa.shallow_clone(), false), Stream::new(pair.shallow_clone(), false));
-        let (msa, pair) = self.run(msa, pair, masks, exec)?;
+        let (msa, pair) = self.run(msa, pair, masks, exec, dropout)?;
         Ok((msa.into_inner(), pair.into_inner()))
     }
 
     /// One block on the streams (updated in place where they are owned and nothing records
     /// gradients); checkpointed when `exec` says so and the inputs require gradients (without
     /// them nothing is saved for backward anyway).
-    pub(crate) fn run(&self, msa: Stream, pair: Stream, masks: &BlockMasks, exec: &Exec) -> Result<(Stream, Stream)> {
+    pub(crate) fn run(
+        &self,
+        msa: Stream,
+        pair: Stream,
+        masks: &BlockMasks,
+        exec: &Exec,
+        dropout: Option<BlockDropout>,
+    ) -> Result<(Stream, Stream)> {
         if exec.checkpoints_blocks() && (msa.get().requires_grad() || pair.get().requires_grad()) {
-            return self.checkpointed(&msa, &pair, masks, exec);
+            return self.checkpointed(&msa, &pair, masks, exec, dropout);
         }
-        self.lock()?.run(msa, pair, masks, exec)
+        self.lock()?.run(msa, pair, masks, exec, dropout)
     }
 
     fn lock(&self) -> Result<std::sync::MutexGuard<'_, BlockLayers>> {
         self.layers.lock().map_err(|_| Error::Invalid("an Evoformer block panicked earlier".into()))
     }
 
-    /// [`EvoformerBlock::run`] without keeping activations: backward recomputes the block.
-    fn checkpointed(&self, msa: &Stream, pair: &Stream, masks: &BlockMasks, exec: &Exec) -> Result<(Stream, Stream)> {
+    /// [`EvoformerBlock::run`] without keeping activations: backward recomputes the block, its
+    /// dropout masks drawn again from the same key (the same masks).
+    fn checkpointed(
+        &self,
+        msa: &Stream,
+        pair: &Stream,
+        masks: &BlockMasks,
+        exec: &Exec,
+        dropout: Option<BlockDropout>,
+    ) -> Result<(Stream, Stream)> {
         let (layers, masks, exec) = (self.layers.clone(), masks.shallow_clone(), exec.clone());
         let mut out = engine::autograd::checkpoint(&[msa.get(), pair.get()], move |x| {
             let layers = layers.lock().map_err(|_| engine::Error::invalid("an Evoformer block panicked earlier"))?;
             let streams = (Stream::new(x[0].shallow_clone(), false), Stream::new(x[1].shallow_clone(), false));
-            let (m, z) =
-                layers.run(streams.0, streams.1, &masks, &exec).map_err(|e| engine::Error::invalid(e.to_string()))?;
+            let (m, z) = layers
+                .run(streams.0, streams.1, &masks, &exec, dropout)
+                .map_err(|e| engine::Error::invalid(e.to_string()))?;
             Ok(vec![m.into_inner(), z.into_inner()])
         })?;
         let (z, m) = (out.pop(), out.pop());
@@ -198,36 +248,107 @@ impl EvoformerBlock {
     }
 }
 
+/// The masks of one training block, drawn step by step from the block's ten sub-keys.
+struct BlockMaskDraws<'a> {
+    dropout: Option<BlockDropout>,
+    keys: Vec<Key>,
+    next: usize,
+    exec: &'a Exec,
+    msa_width: i64,
+    pair_width: i64,
+    like: &'a Tensor,
+}
+
+impl BlockMaskDraws<'_> {
+    /// The mask of the next sub-module at `rate` on the MSA (`msa`) or the pair, shared along
+    /// `shared`, in a layout split along `split` (0: rows, 1: columns). Every sub-module takes
+    /// its key, whether it drops or not, as DeepMind's `next(sub_keys)` does.
+    fn next(
+        &mut self,
+        rate: impl Fn(&Rates) -> f64,
+        msa: bool,
+        shared: Shared,
+        split: i64,
+    ) -> Result<Option<DropMask>> {
+        let Some(d) = self.dropout else { return Ok(None) };
+        self.next += 1;
+        let dap = self.exec.dap();
+        let (rows, width) = if msa { (d.seqs, self.msa_width) } else { (d.residues, self.pair_width) };
+        let shape = [rows, d.residues, width];
+        let padded = [dap.padded_len(rows), dap.padded_len(d.residues), width];
+        DropMask::draw(
+            self.keys[self.next],
+            rate(&d.rates),
+            shape,
+            shared,
+            padded,
+            Some(split),
+            dap,
+            self.like.kind(),
+            self.like.device(),
+        )
+    }
+}
+
 impl BlockLayers {
-    fn run(&self, mut msa: Stream, mut pair: Stream, masks: &BlockMasks, exec: &Exec) -> Result<(Stream, Stream)> {
+    fn run(
+        &self,
+        mut msa: Stream,
+        mut pair: Stream,
+        masks: &BlockMasks,
+        exec: &Exec,
+        dropout: Option<BlockDropout>,
+    ) -> Result<(Stream, Stream)> {
         let dap = exec.dap();
+        // DeepMind's `safe_key, *sub_keys = safe_key.split(10)`: the first key goes unused.
+        let keys = dropout.map(|d| d.key.split(10)).unwrap_or_default();
+        let like = pair.get().shallow_clone();
+        let mut draws = BlockMaskDraws {
+            dropout,
+            keys,
+            next: 0,
+            exec,
+            msa_width: msa.get().size()[2],
+            pair_width: pair.get().size()[2],
+            like: &like,
+        };
         if self.outer_product_mean_first {
             // AlphaFold-Multimer's order: the outer product mean of the block's input MSA, in
             // the column layout it reads (a copy under DAP; the block's MSA stays in rows).
             let cols = dap.row_to_col(msa.get(), 0, 1)?;
+            pair.drop_next(draws.next(|r| r.outer_product_mean, false, Shared::Rows, 0)?);
             self.outer_product_mean.update(&mut pair, &cols, &masks.msa_col, &masks.msa_full, exec)?;
         }
+        msa.drop_next(draws.next(|r| r.msa_row_attention, true, Shared::Rows, 0)?);
         self.row_attention.update(&mut msa, &masks.msa_row, pair.get(), exec)?;
         let mut msa = msa.map(|m| Ok(dap.row_to_col(m, 0, 1)?))?;
+        msa.drop_next(draws.next(|r| r.msa_column_attention, true, Shared::Columns, 1)?);
         match &self.column_attention {
             ColumnAttention::Full(a) => a.update(&mut msa, &masks.msa_col, exec)?,
             ColumnAttention::Global(a) => a.update(&mut msa, &masks.msa_col, exec)?,
         }
+        msa.drop_next(draws.next(|r| r.msa_transition, true, Shared::Rows, 1)?);
         self.msa_transition.update(&mut msa, ChunkOp::MsaTransition, exec)?;
         if !self.outer_product_mean_first {
+            pair.drop_next(draws.next(|r| r.outer_product_mean, false, Shared::Rows, 0)?);
             self.outer_product_mean.update(&mut pair, msa.get(), &masks.msa_col, &masks.msa_full, exec)?;
         }
         // The MSA is done for this block: send it back to rows while the pair half runs.
         let msa_owned = msa.is_owned();
         let msa = dap.col_to_row_async(&msa.into_inner(), 0, 1)?;
 
+        pair.drop_next(draws.next(|r| r.triangle_multiplication_outgoing, false, Shared::Rows, 0)?);
         self.tri_mul_out.update(&mut pair, &masks.pair_row, exec)?;
         let mut pair = pair.map(|z| Ok(dap.row_to_col(z, 0, 1)?))?;
+        pair.drop_next(draws.next(|r| r.triangle_multiplication_incoming, false, Shared::Rows, 1)?);
         self.tri_mul_in.update(&mut pair, &masks.pair_col, exec)?;
         let mut pair = pair.map(|z| Ok(dap.col_to_row(z, 0, 1)?))?;
+        pair.drop_next(draws.next(|r| r.triangle_attention_starting_node, false, Shared::Rows, 0)?);
         self.tri_att_start.update(&mut pair, &masks.pair_row, exec)?;
         let mut pair = pair.map(|z| Ok(dap.row_to_col(z, 0, 1)?))?;
+        pair.drop_next(draws.next(|r| r.triangle_attention_ending_node, false, Shared::Columns, 1)?);
         self.tri_att_end.update(&mut pair, &masks.pair_col, exec)?;
+        pair.drop_next(draws.next(|r| r.pair_transition, false, Shared::Rows, 1)?);
         self.pair_transition.update(&mut pair, ChunkOp::PairTransition, exec)?;
         let pair = pair.map(|z| Ok(dap.col_to_row(z, 0, 1)?))?;
         Ok((Stream::new(msa.wait()?, msa_owned), pair))
@@ -302,7 +423,8 @@ impl EvoformerStack {
         pair_mask: &Tensor,
         exec: &Exec,
     ) -> Result<(Tensor, Tensor)> {
-        self.run(msa.shallow_clone(), pair.shallow_clone(), false, msa_mask, pair_mask, exec)
+        let (m, z, _) = self.run(msa.shallow_clone(), pair.shallow_clone(), false, msa_mask, pair_mask, exec, None)?;
+        Ok((m, z))
     }
 
     /// [`EvoformerStack::forward`] on inputs the caller gives up: without autograd the stack
@@ -316,9 +438,45 @@ impl EvoformerStack {
         pair_mask: &Tensor,
         exec: &Exec,
     ) -> Result<(Tensor, Tensor)> {
-        self.run(msa, pair, true, msa_mask, pair_mask, exec)
+        let (m, z, _) = self.run(msa, pair, true, msa_mask, pair_mask, exec, None)?;
+        Ok((m, z))
     }
 
+    /// [`EvoformerStack::forward`] in training: with `key` and `exec`'s dropout rates, block
+    /// `i` drops with the second key of `split(key_i)`, `key_{i+1}` its first (haiku's layer
+    /// stack over DeepMind's `safe_key, safe_subkey = safe_key.split()`). Returns the key the
+    /// chain ends on, which AlphaFold's monomer hands on from the extra-MSA stack to the
+    /// Evoformer.
+    pub fn forward_keyed(
+        &self,
+        msa: &Tensor,
+        pair: &Tensor,
+        msa_mask: &Tensor,
+        pair_mask: &Tensor,
+        exec: &Exec,
+        key: Key,
+    ) -> Result<(Tensor, Tensor, Key)> {
+        let (m, z, end) =
+            self.run(msa.shallow_clone(), pair.shallow_clone(), false, msa_mask, pair_mask, exec, Some(key))?;
+        // A chain given a key ends on one.
+        Ok((m, z, end.unwrap_or(key)))
+    }
+
+    /// [`EvoformerStack::forward_owned`] with [`EvoformerStack::forward_keyed`]'s dropout when
+    /// a key is given; returns the chain's last key (`None` without one).
+    pub fn forward_owned_keyed(
+        &self,
+        msa: Tensor,
+        pair: Tensor,
+        msa_mask: &Tensor,
+        pair_mask: &Tensor,
+        exec: &Exec,
+        key: Option<Key>,
+    ) -> Result<(Tensor, Tensor, Option<Key>)> {
+        self.run(msa, pair, true, msa_mask, pair_mask, exec, key)
+    }
+
+    #[allow(clippy::too_many_arguments)]
     fn run(
         &self,
         msa: Tensor,
@@ -327,7 +485,8 @@ impl EvoformerStack {
         msa_mask: &Tensor,
         pair_mask: &Tensor,
         exec: &Exec,
-    ) -> Result<(Tensor, Tensor)> {
+        mut key: Option<Key>,
+    ) -> Result<(Tensor, Tensor, Option<Key>)> {
         let exec = exec.in_stage(self.stage);
         let dap = exec.dap();
         let (s, r) = check_inputs(&msa, &pair, msa_mask, pair_mask, self.c_m, self.c_z)?;
@@ -348,12 +507,19 @@ impl EvoformerStack {
         };
         let mut m = own(msa, sp)?;
         let mut z = own(pair, rp)?;
+        let rates = exec.dropout().map(|d| d.evoformer);
         for block in &self.blocks {
-            (m, z) = block.run(m, z, &masks, &exec)?;
+            let mut dropout = None;
+            if let Some(k) = key {
+                let keys = k.split(2);
+                key = Some(keys[0]);
+                dropout = rates.map(|rates| BlockDropout { key: keys[1], rates, seqs: s, residues: r });
+            }
+            (m, z) = block.run(m, z, &masks, &exec, dropout)?;
         }
         let m = dap.gather(&m.into_inner(), 0)?.f_narrow(0, 0, s)?.f_narrow(1, 0, r)?;
         let z = dap.gather(&z.into_inner(), 0)?.f_narrow(0, 0, r)?.f_narrow(1, 0, r)?;
-        Ok((m, z))
+        Ok((m, z, key))
     }
 }
 

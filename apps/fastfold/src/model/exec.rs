@@ -16,6 +16,8 @@ use std::sync::Arc;
 
 use engine::parallel::dap::Dap;
 
+use crate::model::dropout::DropoutRates;
+
 /// The operations that run in chunks of their batch-like axis.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum ChunkOp {
@@ -107,6 +109,7 @@ pub struct Exec {
     plan: Arc<ChunkPlan>,
     stage: Stage,
     checkpoint_blocks: bool,
+    dropout: Option<DropoutRates>,
 }
 
 impl Exec {
@@ -122,7 +125,7 @@ impl Exec {
 
     /// DAP over `dap`'s group, each step chunked as `plan` says.
     pub fn planned(dap: Dap, plan: ChunkPlan) -> Exec {
-        Exec { dap, plan: Arc::new(plan), stage: Stage::Outer, checkpoint_blocks: false }
+        Exec { dap, plan: Arc::new(plan), stage: Stage::Outer, checkpoint_blocks: false, dropout: None }
     }
 
     /// The DAP context (with no group, every layout switch is the identity).
@@ -151,6 +154,18 @@ impl Exec {
     /// Whether the Evoformer and extra-MSA blocks are checkpointed.
     pub fn checkpoints_blocks(&self) -> bool {
         self.checkpoint_blocks
+    }
+
+    /// This context with training dropout at `rates` (`None`: none, as in inference and
+    /// AlphaFold's `deterministic`). Dropout needs a key too: the modules that are given one
+    /// drop at these rates, and nothing is drawn without one.
+    pub fn with_dropout(self, rates: Option<DropoutRates>) -> Exec {
+        Exec { dropout: rates, ..self }
+    }
+
+    /// The training dropout rates, if dropout is on.
+    pub fn dropout(&self) -> Option<&DropoutRates> {
+        self.dropout.as_ref()
     }
 
     /// This context inside `stage`.

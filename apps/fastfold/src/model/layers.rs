@@ -3,6 +3,7 @@
 use kernels::Backend;
 use tch::Tensor;
 
+use crate::model::dropout::DropMask;
 use crate::model::scope::{Init, Scope};
 use crate::model::{ensure, Result};
 
@@ -170,15 +171,25 @@ pub fn chunked_along(
 /// In place, a module's chunk `[start, start + n)` along `dim` is written before the next
 /// chunk is computed: a module reads only its own chunk of the stream, and anything it needs
 /// of the whole stream (a bias, a projection) it computes before the first chunk.
+///
+/// In training, the next update may be dropped first ([`Stream::drop_next`]: AlphaFold's
+/// dropout of a sub-module's update before the residual sum).
 pub struct Stream {
     t: Tensor,
     owned: bool,
+    dropout: Option<DropMask>,
 }
 
 impl Stream {
     /// A stream over `t`; `owned`: no one else reads `t`, so it may be updated in place.
     pub fn new(t: Tensor, owned: bool) -> Stream {
-        Stream { t, owned }
+        Stream { t, owned, dropout: None }
+    }
+
+    /// Multiplies the next update [`Stream::add_chunked`] adds by `dropout`'s mask (`None`:
+    /// adds it as it is). The mask is in the layout the stream has when that update is added.
+    pub fn drop_next(&mut self, dropout: Option<DropMask>) {
+        self.dropout = dropout;
     }
 
     /// The stream's tensor now.
@@ -199,8 +210,8 @@ impl Stream {
     /// Replaces the tensor by `f` of it (a layout switch), keeping whether it is owned: `f`
     /// returns the tensor itself or a new one nobody else holds.
     pub fn map(self, f: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<Stream> {
-        let owned = self.owned;
-        Ok(Stream { t: f(&self.t)?, owned })
+        let (owned, dropout) = (self.owned, self.dropout);
+        Ok(Stream { t: f(&self.t)?, owned, dropout })
     }
 
     /// Adds the update `f(stream, start, n)` of rows `[start, start + n)` along `dim`, `chunk`
@@ -214,10 +225,14 @@ impl Stream {
         let len = self.t.size()[dim as usize];
         let step = step(len, chunk)?;
         let (mut parts, mut in_place) = (Vec::new(), None);
+        let dropout = self.dropout.take();
         let mut start = 0;
         while start < len {
             let n = step.min(len - start);
-            let u = f(&self.t, start, n)?;
+            let mut u = f(&self.t, start, n)?;
+            if let Some(d) = &dropout {
+                u = d.apply(&u, dim, start, n)?;
+            }
             if *in_place.get_or_insert(self.owned && !self.t.requires_grad() && !u.requires_grad()) {
                 let _ = self.t.f_narrow(dim, start, n)?.f_add_(&u)?;
             } else {

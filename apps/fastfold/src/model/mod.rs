@@ -7,7 +7,8 @@
 //!
 //! 1. Leaves: `error` ([`Error`]), [`keys`] (AlphaFold's key prefixes), [`scope`] (`Builder`,
 //!    [`scope::Scope`], [`scope::Init`]: how a constructor asks for its arrays), [`config`]
-//!    (every module's sizes and their inference from shapes, reading only `keys`), [`layers`]
+//!    (every module's sizes and their inference from shapes, reading only `keys`), [`dropout`]
+//!    (training dropout's masks from JAX keys), [`layers`]
 //!    (`Linear`, `LayerNorm`, chunking, over `scope`), [`masked_rows`] (which MSA rows the
 //!    stacks can leave out), [`exec`] ([`Exec`]: the DAP group and chunk size a forward runs
 //!    under).
@@ -25,6 +26,7 @@ pub mod alphafold;
 mod assemble;
 pub mod attention;
 pub mod config;
+pub mod dropout;
 pub mod embedders;
 mod error;
 pub mod evoformer;
@@ -46,7 +48,7 @@ pub use config::{EvoformerConfig, ModelConfig, PresetSizes, StructureConfig, Tem
 pub use embedders::{Embedders, Recycled};
 pub(crate) use error::ensure;
 pub use error::{Error, Result};
-pub use evoformer::{BlockMasks, EvoformerBlock, EvoformerStack};
+pub use evoformer::{BlockDropout, BlockMasks, EvoformerBlock, EvoformerStack};
 pub use exec::Exec;
 pub use heads::{HeadInputs, HeadOutputs, Heads};
 pub use keys::{EVOFORMER, EXTRA_MSA};

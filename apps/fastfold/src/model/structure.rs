@@ -20,10 +20,17 @@
 //!
 //! Activations keep the parameters' kind (bf16 inference); the geometry — quaternions,
 //! frames, points, attention over points, atom positions — is computed in fp32.
+//!
+//! In training ([`StructureModule::run_keyed`]) the activation is dropped after the attention's
+//! residual sum and after the transition's, before each norm, as `FoldIteration` does (the whole
+//! activation, no shared dimension, AlphaFold's rate 0.1): iteration `i` splits the `i`th key of
+//! the module's key split per iteration in three and drops with the second and the third.
 use tch::{Kind, Tensor};
 
 use crate::geometry::Rigid;
+use crate::jax_random::Key;
 use crate::model::config::{PresetSizes, StructureConfig};
+use crate::model::dropout::drop_whole;
 use crate::model::keys::STRUCTURE_MODULE;
 use crate::model::layers::{chunked, LayerNorm, Linear};
 use crate::model::params::Params;
@@ -454,6 +461,20 @@ impl StructureModule {
         seq_mask: &Tensor,
         chunk: Option<i64>,
     ) -> Result<StructureOutput> {
+        self.run_keyed(single, pair, aatype, seq_mask, chunk, None)
+    }
+
+    /// [`StructureModule::run`] in training: with `dropout` (the module's key and rate) the
+    /// activation is dropped as the module docs say.
+    pub fn run_keyed(
+        &self,
+        single: &Tensor,
+        pair: &Tensor,
+        aatype: &Tensor,
+        seq_mask: &Tensor,
+        chunk: Option<i64>,
+        dropout: Option<(Key, f64)>,
+    ) -> Result<StructureOutput> {
         let n = aatype.size().first().copied().unwrap_or(0);
         ensure!(
             single.size() == [n, self.cfg.c_s],
@@ -477,10 +498,18 @@ impl StructureModule {
         let mut backbone = Backbone::identity(n, self.variant, device)?;
         let (mut rotations, mut translations, mut angles, mut raw_angles) = (vec![], vec![], vec![], vec![]);
         let mut last_frames = None;
+        let keys = dropout.map(|(key, rate)| (key.split(self.cfg.layers as usize), rate));
         for i in 0..self.cfg.layers {
+            // DeepMind's `safe_key, *sub_keys = safe_key.split(3)`: the first goes unused.
+            let drop = |x: Tensor, sub: usize| -> Result<Tensor> {
+                match &keys {
+                    Some((keys, rate)) => drop_whole(&x, keys[i as usize].split(3)[sub], *rate),
+                    None => Ok(x),
+                }
+            };
             let frames = backbone.frames();
             act = act.f_add(&self.ipa.forward(&act, &pair, seq_mask, &frames, chunk)?)?;
-            act = self.attention_layer_norm.forward(&act)?;
+            act = self.attention_layer_norm.forward(&drop(act, 1)?)?;
             let input = act.shallow_clone();
             for (t, layer) in self.transitions.iter().enumerate() {
                 act = layer.forward(&act)?;
@@ -488,7 +517,7 @@ impl StructureModule {
                     act = act.f_relu()?;
                 }
             }
-            act = self.transition_layer_norm.forward(&act.f_add(&input)?)?;
+            act = self.transition_layer_norm.forward(&drop(act.f_add(&input)?, 2)?)?;
             backbone = backbone.updated(&frames, &fp32(&self.backbone_update.forward(&act)?)?)?;
             let updated = backbone.frames();
             let scaled =

@@ -20,10 +20,22 @@
 //! frames; they are computed in the operation order of AlphaFold's `r3` code, so they equal
 //! DeepMind's model run op by op (jit-compiled, XLA fuses these operations and AlphaFold itself
 //! gives other values). Templates run whole on every rank, outside DAP.
+//!
+//! In training (a key and an [`Exec`] with dropout rates), the pair stack's blocks drop their
+//! sub-modules' updates as DeepMind's do ([`crate::model::dropout`]): the monomer's
+//! `TemplatePairStack` block splits its key in six and carries the first on to the next block,
+//! the Multimer's `TemplateEmbeddingIteration` splits the second key of its stack's per-block
+//! split in twenty; either way the sub-modules take the second key on, in the order they run.
+//! Each template gets its own key (the monomer's template key split per template, a
+//! derivation of ours: DeepMind's monomer draws it from haiku's rng sequence; the Multimer's
+//! as `TemplateEmbedding` splits it, see [`crate::model::multimer::templates`]).
+use engine::parallel::dap::Dap;
 use tch::{Kind, Tensor};
 
 use crate::features::TemplateFeatures;
+use crate::jax_random::Key;
 use crate::model::config::TemplateConfig;
+use crate::model::dropout::{DropMask, Rates, Shared};
 use crate::model::embedders::distance_one_hot_between;
 use crate::model::exec::{ChunkOp, Exec, Stage};
 use crate::model::keys::{EMBEDDINGS, PAIR_STACK, SINGLE_TEMPLATE, TEMPLATE_EMBEDDING};
@@ -295,20 +307,68 @@ impl TemplatePairBlock {
     }
 
     /// Updates `x` [N, N, c_t] of one template, `mask` [N, N], whole on this rank (`exec`
-    /// without DAP).
-    pub(crate) fn run(&self, x: &mut Stream, mask: &Tensor, exec: &Exec) -> Result<()> {
+    /// without DAP); in training with `key`, the block's own key (see the module docs).
+    pub(crate) fn run(&self, x: &mut Stream, mask: &Tensor, exec: &Exec, key: Option<Key>) -> Result<()> {
+        let rates = exec.dropout().map(|d| d.template_pair_stack);
+        let splits = if self.multiplications_first { 20 } else { 6 };
+        let keys = key.filter(|_| rates.is_some()).map(|k| k.split(splits)).unwrap_or_default();
+        let size = x.get().size();
+        let (shape, kind, device) = ([size[0], size[1], size[2]], x.get().kind(), x.get().device());
+        let mut next = 0;
+        let mut draw = |rate: fn(&Rates) -> f64, shared: Shared| -> Result<Option<DropMask>> {
+            let (Some(rates), false) = (rates, keys.is_empty()) else { return Ok(None) };
+            next += 1;
+            DropMask::draw(keys[next], rate(&rates), shape, shared, shape, None, &Dap::none(), kind, device)
+        };
         if self.multiplications_first {
+            x.drop_next(draw(|r| r.triangle_multiplication_outgoing, Shared::Rows)?);
             self.tri_mul_out.update(x, mask, exec)?;
+            x.drop_next(draw(|r| r.triangle_multiplication_incoming, Shared::Rows)?);
             self.tri_mul_in.update(x, mask, exec)?;
         }
+        x.drop_next(draw(|r| r.triangle_attention_starting_node, Shared::Rows)?);
         self.tri_att_start.update(x, mask, exec)?;
+        x.drop_next(draw(|r| r.triangle_attention_ending_node, Shared::Columns)?);
         self.tri_att_end.update(x, mask, exec)?;
         if !self.multiplications_first {
+            x.drop_next(draw(|r| r.triangle_multiplication_outgoing, Shared::Rows)?);
             self.tri_mul_out.update(x, mask, exec)?;
+            x.drop_next(draw(|r| r.triangle_multiplication_incoming, Shared::Rows)?);
             self.tri_mul_in.update(x, mask, exec)?;
         }
+        x.drop_next(draw(|r| r.pair_transition, Shared::Rows)?);
         self.pair_transition.update(x, ChunkOp::PairTransition, exec)
     }
+}
+
+/// Runs a template pair stack's `blocks` on one template's `x`, in training from `key` (the
+/// stack's), the blocks' keys chained as DeepMind's stacks chain them: the monomer's block
+/// takes the key as it is and hands on the first of its split in six, the Multimer's layer
+/// stack splits in two, the block taking the second and handing on the first.
+pub(crate) fn run_stack(
+    blocks: &[TemplatePairBlock],
+    x: &mut Stream,
+    mask: &Tensor,
+    exec: &Exec,
+    key: Option<Key>,
+) -> Result<()> {
+    let mut chain = key;
+    for block in blocks {
+        let block_key = match (chain, block.multiplications_first) {
+            (Some(k), true) => {
+                let s = k.split(2);
+                chain = Some(s[0]);
+                Some(s[1])
+            }
+            (Some(k), false) => {
+                chain = Some(k.split(6)[0]);
+                Some(k)
+            }
+            (None, _) => None,
+        };
+        block.run(x, mask, exec, block_key)?;
+    }
+    Ok(())
 }
 
 /// Attention of each pair entry (query) over the templates' entries at the same position
@@ -491,21 +551,25 @@ impl Templates {
     /// into an online softmax as it leaves the pair stack ([`OnlineSoftmax`]), so the stack
     /// [T, N, N, c_t], a long query's largest buffer with templates, is never made; a masked
     /// template's logits carry the same bias as in the stacked softmax (its weight 0).
+    /// In training, `key` (the templates') keys the pair stack's dropout
+    /// ([`Templates::pair_stack_keyed`]).
     pub fn add_pair_update(
         &self,
         pair: &mut Stream,
         t: &TemplateFeatures,
         pair_mask: &Tensor,
         exec: &Exec,
+        key: Option<Key>,
     ) -> Result<()> {
         let kind = pair.get().kind();
         let (bias, any) = self.mask_terms(&t.mask, kind)?;
         let chunk = exec.chunk_for(ChunkOp::TemplatePointwise);
         // Training (anything recording gradients, the checkpointed blocks' first forward
-        // included, so that their recomputation repeats it) keeps the templates' stack and one
-        // softmax over it; inference folds the templates in one at a time.
-        if pair.get().requires_grad() || self.attention.query_w.requires_grad() {
-            let stacked = self.pair_stack(t, pair_mask, kind, exec)?;
+        // included, so that their recomputation repeats it, and every pass that drops out)
+        // keeps the templates' stack and one softmax over it; inference folds the templates in
+        // one at a time.
+        if pair.get().requires_grad() || self.attention.query_w.requires_grad() || exec.dropout().is_some() {
+            let stacked = self.pair_stack_keyed(t, pair_mask, kind, exec, key)?;
             return pair.add_chunked(0, chunk, |z, start, n| {
                 Ok(self.attention.rows(z, &stacked, &bias, start, n)?.f_mul(&any)?)
             });
@@ -513,7 +577,7 @@ impl Templates {
         let (stage, mask) = (exec.without_dap().in_stage(Stage::Templates), pair_mask.f_to_kind(kind)?);
         let mut acc = None;
         for i in 0..t.aatype.size()[0] {
-            let embedded = self.embed(t, i, &mask, kind, &stage)?;
+            let embedded = self.embed(t, i, &mask, kind, &stage, None)?;
             // Made after the first template's stack, whose peak they would raise.
             let acc = match &mut acc {
                 Some(acc) => acc,
@@ -540,16 +604,41 @@ impl Templates {
     /// runs it whole, whatever `exec`'s DAP group, one template at a time (its features made
     /// only when it runs).
     pub fn pair_stack(&self, t: &TemplateFeatures, pair_mask: &Tensor, kind: Kind, exec: &Exec) -> Result<Tensor> {
+        self.pair_stack_keyed(t, pair_mask, kind, exec, None)
+    }
+
+    /// [`Templates::pair_stack`] in training: with `key` and `exec`'s dropout rates, template
+    /// `i`'s stack drops from the `i`th key of `key`'s split in as many as there are templates.
+    pub fn pair_stack_keyed(
+        &self,
+        t: &TemplateFeatures,
+        pair_mask: &Tensor,
+        kind: Kind,
+        exec: &Exec,
+        key: Option<Key>,
+    ) -> Result<Tensor> {
         let exec = exec.without_dap().in_stage(Stage::Templates);
         let mask = pair_mask.f_to_kind(kind)?;
-        chunked(t.aatype.size()[0], Some(1), |i, _| {
-            self.embed(t, i, &mask, kind, &exec)?.f_unsqueeze(0).map_err(Into::into)
+        let count = t.aatype.size()[0];
+        let keys = key.filter(|_| exec.dropout().is_some()).map(|k| k.split(count as usize));
+        chunked(count, Some(1), |i, _| {
+            let key = keys.as_ref().map(|k| k[i as usize]);
+            self.embed(t, i, &mask, kind, &exec, key)?.f_unsqueeze(0).map_err(Into::into)
         })
     }
 
     /// Template `i`'s pair features through `embedding2d`, the pair stack (`mask` [N, N] in
-    /// `kind`; `exec` the templates' stage, without DAP) and the final norm: [N, N, c_t].
-    fn embed(&self, t: &TemplateFeatures, i: i64, mask: &Tensor, kind: Kind, exec: &Exec) -> Result<Tensor> {
+    /// `kind`; `exec` the templates' stage, without DAP; in training from the stack's `key`)
+    /// and the final norm: [N, N, c_t].
+    fn embed(
+        &self,
+        t: &TemplateFeatures,
+        i: i64,
+        mask: &Tensor,
+        kind: Kind,
+        exec: &Exec,
+        key: Option<Key>,
+    ) -> Result<Tensor> {
         let one = t.map(|x| x.narrow(0, i, 1));
         // The features a chunk of rows at a time: at 88 channels, wider than the stack's,
         // they would be the largest buffer of a long query's templates whole.
@@ -559,10 +648,17 @@ impl Templates {
             self.embedding2d.forward(&features)
         })?;
         let mut x = Stream::new(embedded, true);
-        for block in &self.blocks {
-            block.run(&mut x, mask, exec)?;
-        }
+        run_stack(&self.blocks, &mut x, mask, exec, key)?;
         self.output_layer_norm.forward(x.get())
+    }
+
+    /// The pair stack's blocks alone on one template's embedded pair `x` [N, N, c_t] (`mask`
+    /// [N, N]), in training from the stack's `key` (before the final norm).
+    pub fn pair_stack_blocks(&self, x: &Tensor, mask: &Tensor, exec: &Exec, key: Option<Key>) -> Result<Tensor> {
+        let exec = exec.without_dap().in_stage(Stage::Templates);
+        let mut x = Stream::new(x.shallow_clone(), false);
+        run_stack(&self.blocks, &mut x, mask, &exec, key)?;
+        Ok(x.into_inner())
     }
 
     /// The pointwise attention of `pair` [N, N, c_z] over the stacked templates [T, N, N,

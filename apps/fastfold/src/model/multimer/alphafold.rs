@@ -21,6 +21,12 @@
 //! one moved the CA distances by more than the tolerance ([`ca_distance_change`]), another
 //! runs, each under the second half of the loop key's split (the first half the next loop
 //! key); then one last pass under the loop key as it stands, whose outputs are returned.
+//!
+//! In training (an [`Exec`] with dropout rates), each pass's stacks drop with the keys
+//! `EmbeddingsAndEvoformer` hands them ([`stack_keys`]): what is left of its key after the
+//! sampling's split, split once for the templates (when the network has them) and once for
+//! the extra-MSA stack, whose chain's last key is split once more for the Evoformer. The
+//! structure module drops from [`structure_key`] of the pass key (ours).
 use std::path::Path;
 
 use tch::{Device, Kind, Tensor};
@@ -149,6 +155,34 @@ impl MultimerInputs {
 pub fn sampling_keys(pass_key: Key) -> (Key, Key) {
     let keys = pass_key.split(2)[1].split(3);
     (keys[1], keys[2])
+}
+
+/// The keys one pass's stacks drop with: `EmbeddingsAndEvoformer`'s key (the first of the
+/// split in three whose others sample the MSA, [`sampling_keys`]) split for the templates
+/// (`templates`: when the config has them) and then for the extra-MSA stack. Returns the
+/// template pair stack's key and the extra-MSA stack's; the Evoformer's is
+/// [`evoformer_key`] of the extra-MSA stack's chain end.
+pub fn stack_keys(pass_key: Key, templates: bool) -> (Option<Key>, Key) {
+    let mut key = pass_key.split(2)[1].split(3)[0];
+    let mut template_key = None;
+    if templates {
+        let k = key.split(2);
+        (key, template_key) = (k[0], Some(k[1]));
+    }
+    (template_key, key.split(2)[1])
+}
+
+/// The structure module's key from the pass's: the first half of the pass key's split, which
+/// DeepMind's `AlphaFoldIteration` leaves unused (its structure module draws from haiku's rng
+/// sequence instead, which this network does not reproduce: a derivation of ours).
+pub fn structure_key(pass_key: Key) -> Key {
+    pass_key.split(2)[0]
+}
+
+/// The Evoformer's key from the extra-MSA stack's chain end (`safe_key, safe_subkey =
+/// safe_key.split()` before the Evoformer's layer stack).
+pub fn evoformer_key(extra_chain_end: Key) -> Key {
+    extra_chain_end.split(2)[1]
 }
 
 /// The key the network draws from for a run's seed: DeepMind's `RunModel.predict` applies the
@@ -325,6 +359,10 @@ impl MultimerAlphaFold {
     ) -> Result<(Pass, SampledMsa)> {
         let (kind, device) = (self.kind, self.device());
         let (sample_key, mask_key) = sampling_keys(key);
+        let (template_key, extra_key) = stack_keys(key, self.templates.is_some());
+        // No key reaches the stacks outside training: nothing is drawn.
+        let training = exec.dropout().is_some();
+        let template_key = template_key.filter(|_| training);
         let sampled = self.sampling.sample(&features.full_msa(), sample_key, mask_key)?;
         let to = |t: &Tensor| -> Result<Tensor> { Ok(t.f_to_kind(kind)?.f_to_device(device)?) };
         let aatype = features.aatype.f_to_kind(Kind::Int64)?.f_to_device(device)?;
@@ -351,9 +389,10 @@ impl MultimerAlphaFold {
         };
         if let (Some((embedding, _)), Some((aatype, positions, mask))) = (&self.templates, &template_batch) {
             let batch = TemplateBatch { aatype, positions, mask };
-            pair = pair.f_add(&embedding.forward(&pair, &batch, &pair_mask, &asym_id, exec)?)?;
+            let update = embedding.forward_keyed(&pair, &batch, &pair_mask, &asym_id, exec, template_key)?;
+            pair = pair.f_add(&update)?;
         }
-        let pair = self.extra_stack(&sampled, pair, &pair_mask, exec)?;
+        let (pair, extra_end) = self.extra_stack(&sampled, pair, &pair_mask, exec, training.then_some(extra_key))?;
         let (mut msa, mut msa_mask) = (msa, to(&sampled.msa_mask)?);
         if let (Some((_, rows)), Some((aatype, positions, mask))) = (&self.templates, &template_batch) {
             let (rows, row_mask) = rows.forward(&TemplateBatch { aatype, positions, mask }, kind)?;
@@ -361,7 +400,8 @@ impl MultimerAlphaFold {
             msa_mask = Tensor::f_cat(&[msa_mask, row_mask.f_to_kind(kind)?], 0)?;
         }
         let (msa, msa_mask, rows) = MsaRows::run(self.drop_masked_rows, msa, msa_mask, own_rows)?;
-        let (msa, pair) = self.evoformer.forward_owned(msa, pair, &msa_mask, &pair_mask, exec)?;
+        let evo_key = extra_end.map(evoformer_key);
+        let (msa, pair, _) = self.evoformer.forward_owned_keyed(msa, pair, &msa_mask, &pair_mask, exec, evo_key)?;
         // The template rows end here: the masked-MSA head reads the MSA's own rows only.
         let msa = rows.restore(&msa)?;
         let first = msa.f_select(0, 0)?;
@@ -369,7 +409,8 @@ impl MultimerAlphaFold {
         msa_first_row.f_copy_(&first)?;
         let single = self.heads.single.forward(&msa)?;
         let ipa_chunk = exec.chunk_for(ChunkOp::StructureAttention);
-        let structure = self.structure.run(&single, &pair, &aatype, &seq_mask, ipa_chunk)?;
+        let dropout = exec.dropout().map(|d| (structure_key(key), d.structure_module));
+        let structure = self.structure.run_keyed(&single, &pair, &aatype, &seq_mask, ipa_chunk, dropout)?;
         let heads = self.heads.forward(&HeadInputs {
             msa: &msa,
             pair: &pair,
@@ -383,7 +424,15 @@ impl MultimerAlphaFold {
     /// The extra-MSA stack on the first `num_extra_msa` unsampled rows, their fully-masked
     /// rows left out when the network drops them (one masked row of gaps when none is left: it
     /// changes the pair no more than no rows would).
-    fn extra_stack(&self, sampled: &SampledMsa, pair: Tensor, pair_mask: &Tensor, exec: &Exec) -> Result<Tensor> {
+    /// With `key`, the stack drops in training and its key chain's end is returned.
+    fn extra_stack(
+        &self,
+        sampled: &SampledMsa,
+        pair: Tensor,
+        pair_mask: &Tensor,
+        exec: &Exec,
+        key: Option<Key>,
+    ) -> Result<(Tensor, Option<Key>)> {
         let (kind, device) = (self.kind, self.device());
         let rows = sampled.extra_msa.size()[0].min(self.sampling.num_extra_msa.max(0));
         let kept = match self.drop_masked_rows {
@@ -413,7 +462,9 @@ impl MultimerAlphaFold {
         let has_deletion = to(&deletions.f_clamp(0.0, 1.0)?)?;
         let deletion_value = to(&encode_deletions(&deletions)?)?;
         let extra = self.extra_embedder.forward(&extra_msa.f_to_device(device)?, &has_deletion, &deletion_value)?;
-        Ok(self.extra.forward_owned(extra.f_to_kind(kind)?, pair, &to(&mask)?, pair_mask, exec)?.1)
+        let (_, pair, end) =
+            self.extra.forward_owned_keyed(extra.f_to_kind(kind)?, pair, &to(&mask)?, pair_mask, exec, key)?;
+        Ok((pair, end))
     }
 
     /// Inference with v2.3's recycling (see the module docs) from the JAX key `key`

@@ -41,7 +41,9 @@ pub mod structure;
 pub mod template_rows;
 pub mod templates;
 
-pub use alphafold::{network_key, sampling_keys, MultimerAlphaFold, MultimerInputs};
+pub use alphafold::{
+    evoformer_key, network_key, sampling_keys, stack_keys, structure_key, MultimerAlphaFold, MultimerInputs,
+};
 pub use msa_feat::{extra_msa_feat, msa_feat};
 pub use relpos::{relative_encoding, ChainIds, MultimerInputEmbedder};
 pub use sampling::{FullMsa, MaskedMsaConfig, MsaSampling, SampledMsa};

@@ -36,6 +36,7 @@ use std::path::Path;
 
 use tch::{Kind, Tensor};
 
+use crate::jax_random::Key;
 use crate::model::config::TemplateConfig;
 use crate::model::embedders::{distance_one_hot_between, pseudo_beta, shape_error, CA, CB, GLYCINE};
 use crate::model::exec::{ChunkOp, Exec, Stage};
@@ -43,7 +44,7 @@ use crate::model::keys::{MULTIMER_TEMPLATE_STACK, SINGLE_TEMPLATE, TEMPLATE_EMBE
 use crate::model::layers::{chunked, LayerNorm, Linear, Stream};
 use crate::model::multimer::Arrays;
 use crate::model::scope::{Builder, Init, Scope};
-use crate::model::templates::{TemplatePairBlock, DGRAM_BINS, DGRAM_MAX, DGRAM_MIN};
+use crate::model::templates::{run_stack, TemplatePairBlock, DGRAM_BINS, DGRAM_MAX, DGRAM_MIN};
 use crate::model::{Error, Result};
 
 /// Classes of the template residue one-hot (20 amino acids, unknown, gap).
@@ -254,6 +255,24 @@ impl MultimerTemplates {
         asym_id: &Tensor,
         exec: &Exec,
     ) -> Result<Tensor> {
+        self.forward_keyed(query, templates, pair_mask, asym_id, exec, None)
+    }
+
+    /// [`MultimerTemplates::forward`] in training: with `key` (the templates', [`stack_keys`])
+    /// and `exec`'s dropout rates, the stacks drop as `TemplateEmbedding` keys them: the
+    /// second half of `key`'s split is split per template, and each template's
+    /// `SingleTemplateEmbedding` hands the second half of its key's split to its stack.
+    ///
+    /// [`stack_keys`]: crate::model::multimer::stack_keys
+    pub fn forward_keyed(
+        &self,
+        query: &Tensor,
+        templates: &TemplateBatch,
+        pair_mask: &Tensor,
+        asym_id: &Tensor,
+        exec: &Exec,
+        key: Option<Key>,
+    ) -> Result<Tensor> {
         let size = templates.aatype.size();
         let (count, n) = match size.as_slice() {
             [t, n] if *t > 0 => (*t, *n),
@@ -270,6 +289,7 @@ impl MultimerTemplates {
         }
         let exec = exec.without_dap().in_stage(Stage::Templates);
         let mask = pair_mask.f_to_kind(query.kind())?;
+        let keys = key.filter(|_| exec.dropout().is_some()).map(|k| k.split(2)[1].split(count as usize));
         let mut sum: Option<Tensor> = None;
         for i in 0..count {
             let atoms = TemplateAtoms {
@@ -278,9 +298,8 @@ impl MultimerTemplates {
                 mask: &templates.mask.f_select(0, i)?,
             };
             let mut x = Stream::new(self.pair_embedding.embed(query, &atoms, asym_id, &exec)?, true);
-            for block in &self.blocks {
-                block.run(&mut x, &mask, &exec)?;
-            }
+            let stack_key = keys.as_ref().map(|k| k[i as usize].split(2)[1]);
+            run_stack(&self.blocks, &mut x, &mask, &exec, stack_key)?;
             let embedded = self.output_layer_norm.forward(x.get())?;
             sum = Some(match sum {
                 Some(s) => s.f_add(&embedded)?,
