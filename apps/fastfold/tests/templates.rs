@@ -185,7 +185,7 @@ fn online_template_softmax_equals_the_stacked_one() {
             let exec = Exec::new(Dap::none(), chunk);
             let stacked = templates.pair_update(&pair, &t, &pair_mask, &exec).unwrap();
             let mut stream = Stream::new(pair.copy(), true);
-            tch::no_grad(|| templates.add_pair_update(&mut stream, &t, &pair_mask, &exec)).unwrap();
+            tch::no_grad(|| templates.add_pair_update(&mut stream, &t, &pair_mask, &exec, None)).unwrap();
             let online = stream.into_inner();
             if real == [0., 0., 0.] {
                 assert!(online.equal(&pair), "all padding, chunk {chunk:?}: the pair changed");
