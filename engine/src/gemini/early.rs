@@ -143,7 +143,9 @@ impl Early {
                     true => {
                         // SAFETY: as above.
                         let half_out = half.map(|(kind, h)| (kind, unsafe { h.slice() }));
-                        opt.step_with(w, g, StepExtras { half_out, ..StepExtras::default() });
+                        // The manager marks the gradient spent at the step; no pass clears it.
+                        let extras = StepExtras { half_out, keep_gradients: true, ..StepExtras::default() };
+                        opt.step_with(w, g, extras);
                         None
                     }
                     false => Some(sum_squares_scaled(g, &plan.factors())),

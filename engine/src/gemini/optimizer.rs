@@ -291,20 +291,18 @@ impl ChunkOptimizer {
     }
 
     /// Ends a step without updating: joins the work started during backward, forgets pending
-    /// factors and clears the accumulated gradients.
-    pub(crate) fn discard(&mut self, m: &ChunkManager) -> Result<()> {
+    /// factors, and the accumulated gradients are spent (the next backward overwrites them).
+    pub(crate) fn discard(&mut self, m: &mut ChunkManager) -> Result<()> {
         let joined = self.join();
         self.early = None;
         self.pending.clear();
-        for c in 0..m.chunk_count() {
-            tch::no_grad(|| m.grad(c).shallow_clone().f_zero_().map(drop))?;
-        }
+        m.gradients_spent();
         joined
     }
 
-    /// One step of every chunk from its accumulated gradient, clearing the gradients (in the
-    /// update's own pass: see [`HostOptimizer::finish`]); chunks stepped during a planned
-    /// backward are done already.
+    /// One step of every chunk from its accumulated gradient, which is then spent: the host
+    /// pass leaves it as it is, and the next backward overwrites it (see the manager's
+    /// `gradients.rs`); chunks stepped during a planned backward are done already.
     pub fn step(&mut self, m: &mut ChunkManager) -> Result<()> {
         self.join()?;
         self.ensure_shards(m)?;
@@ -352,7 +350,7 @@ impl ChunkOptimizer {
                         w,
                         g,
                         sums,
-                        StepExtras { grad_factors: factors, half_out: half, keep_gradients: false },
+                        StepExtras { grad_factors: factors, half_out: half, keep_gradients: true },
                     ));
                 }
                 ShardOptimizer::Device(o) => o.finish(home, grad, &sums)?,
@@ -365,6 +363,7 @@ impl ChunkOptimizer {
                 m.set_upload_fresh(c, true);
             }
         }
+        m.gradients_spent();
         self.steps += 1;
         Ok(())
     }

@@ -225,15 +225,17 @@ impl Gemini {
     }
 
     /// Ends a step without updating (an overflow under loss scaling, or every step of frozen
-    /// parameters): clears the gradients and frees the payloads.
+    /// parameters): drops the gradients (the next backward overwrites them) and frees the
+    /// payloads.
     pub fn skip_step(&self) -> Result<()> {
         let mut m = self.manager()?;
-        self.optimizer()?.discard(&m)?;
+        self.optimizer()?.discard(&mut m)?;
         m.end_step();
         m.release_all()
     }
 
-    /// Steps every chunk's home from its accumulated gradient and clears the gradients; resident
+    /// Steps every chunk's home from its accumulated gradient, which the next backward
+    /// overwrites; resident
     /// payloads are stale after it and are freed (the next access reloads), and the first
     /// step's accesses become the trace.
     pub fn step(&self) -> Result<()> {

@@ -9,6 +9,12 @@
 //! rank (one small all-reduce of flags), then reduces exactly those, in chunk order, with zeros
 //! where it has none, as one process running every rank's batch would. The reductions are all
 //! launched before the first is waited for, so they overlap each other.
+//!
+//! A step leaves the accumulators as they are (clearing them was a fifth of the host step's
+//! time): each slot knows whether its part holds a gradient of the step under way (`live`).
+//! The first gradient a slot receives after a step overwrites its part, later ones (further
+//! micro-batches) are added; the end of each backward zeroes the parts no gradient reached, so
+//! the norm and the step read zeros for unused parameters, as they did when the step cleared.
 use tch::{Kind, Tensor};
 
 use super::ChunkManager;
@@ -17,9 +23,10 @@ use crate::gemini::chunk::TensorState;
 use crate::Result;
 
 impl ChunkManager {
-    /// Parameter `i`'s gradient arrived. Alone it is added into its chunk's gradient
-    /// accumulator (beside the home copy, so on the home's tier); with a data-parallel group
-    /// into the chunk's whole gradient on the device. When every tensor of the chunk has its
+    /// Parameter `i`'s gradient arrived. Alone it goes into its chunk's gradient accumulator
+    /// (beside the home copy, so on the home's tier: copied over a spent part, added to a live
+    /// one); with a data-parallel group it is added into the chunk's whole gradient on the
+    /// device, zero at each backward's first gradient. When every tensor of the chunk has its
     /// gradient the chunk's gradient is complete: it is reduced across ranks (see
     /// [`ChunkManager::reduce`]) and its tensors go back to `Hold`. Returns the chunk when
     /// this gradient completed it.
@@ -34,14 +41,20 @@ impl ChunkManager {
         if self.replication.is_some() && self.chunks[c].full_grad.is_none() {
             self.allocate_full_grad(c)?;
         }
-        let ch = &self.chunks[c];
+        let ch = &mut self.chunks[c];
         let slot = &ch.slots[s];
-        let acc = match &ch.full_grad {
-            Some(full) => full.f_narrow(0, slot.offset as i64, slot.numel as i64)?,
-            None => ch.grad.f_narrow(0, slot.offset as i64, slot.numel as i64)?,
+        let (acc, live) = match &ch.full_grad {
+            Some(full) => (full.f_narrow(0, slot.offset as i64, slot.numel as i64)?, true),
+            None => {
+                (ch.grad.f_narrow(0, slot.offset as i64, slot.numel as i64)?, std::mem::replace(&mut ch.live[s], true))
+            }
         };
-        let g = grad.f_flatten(0, -1)?.f_to_device(acc.device())?.f_to_kind(Kind::Float)?;
-        tch::no_grad(|| acc.shallow_clone().f_add_(&g).map(drop))?;
+        let g = grad.f_flatten(0, -1)?;
+        tch::no_grad(|| match live {
+            true => acc.shallow_clone().f_add_(&g.f_to_device(acc.device())?.f_to_kind(Kind::Float)?).map(drop),
+            // `copy_` converts the device and dtype on the way.
+            false => acc.shallow_clone().f_copy_(&g).map(drop),
+        })?;
         if self.chunks[c].slots.iter().all(|s| s.state == TensorState::ReadyForReduce) {
             for s in &mut self.chunks[c].slots {
                 s.move_to(TensorState::Hold)?;
@@ -83,8 +96,15 @@ impl ChunkManager {
         }
         for (c, full, mine, work) in launched {
             work.wait()?;
-            let ch = &self.chunks[c];
-            tch::no_grad(|| ch.grad.shallow_clone().f_add_(&mine.f_to_device(ch.grad.device())?).map(drop))?;
+            let ch = &mut self.chunks[c];
+            // A reduction covers the whole chunk (zeros for slots no rank used): the slots are
+            // all live or all spent, and the first reduction after a step overwrites.
+            let mut grad = ch.grad.shallow_clone();
+            tch::no_grad(|| match ch.live.iter().any(|&l| l) {
+                true => grad.f_add_(&mine.f_to_device(grad.device())?).map(drop),
+                false => grad.f_copy_(&mine).map(drop),
+            })?;
+            ch.live.fill(true);
             self.device_bytes -= full.numel() * 4;
         }
         Ok(())
@@ -106,11 +126,13 @@ impl ChunkManager {
 
     /// End of backward: the chunks' gradients are reduced over the group (see the module
     /// docs), tensors that got no gradient this step go back to `Hold`, and chunks whose
-    /// gradient is partial (some tensors unused) are complete as they are. (A module whose
-    /// input needs no gradient never reports the end of its backward: its tensors are still in
-    /// `Compute` here.)
+    /// gradient is partial (some tensors unused) are complete as they are: the parts of the
+    /// accumulators no gradient reached since the step are zeroed. (A module whose input needs
+    /// no gradient never reports the end of its backward: its tensors are still in `Compute`
+    /// here.)
     pub fn finish_backward(&mut self) -> Result<()> {
         self.reduce_agreed()?;
+        self.zero_spent()?;
         for ch in &mut self.chunks {
             for s in &mut ch.slots {
                 if s.state == TensorState::Compute {
@@ -122,5 +144,41 @@ impl ChunkManager {
             }
         }
         Ok(())
+    }
+
+    /// Zeroes the parts of the gradient accumulators that hold a spent gradient (their slots
+    /// got none since the last step), which are then live: the step and the norm read zeros
+    /// there, and later micro-batches add to them. Chunks being stepped during backward
+    /// (`early.rs`) are complete, all live, and so untouched.
+    fn zero_spent(&mut self) -> Result<()> {
+        if !self.trainable {
+            return Ok(());
+        }
+        for ch in &mut self.chunks {
+            if ch.live.iter().all(|&l| l) {
+                continue;
+            }
+            // A chunk no gradient reached: all of it (a shard under ZeRO-3, whose slots'
+            // offsets are the whole chunk's). Otherwise only a whole chunk's slots can be
+            // partly live (see `add_gradient`).
+            if !ch.live.iter().any(|&l| l) {
+                tch::no_grad(|| ch.grad.shallow_clone().f_zero_().map(drop))?;
+            } else {
+                for (slot, _) in ch.slots.iter().zip(&ch.live).filter(|(_, &l)| !l) {
+                    let part = ch.grad.f_narrow(0, slot.offset as i64, slot.numel as i64)?;
+                    tch::no_grad(|| part.shallow_clone().f_zero_().map(drop))?;
+                }
+            }
+            ch.live.fill(true);
+        }
+        Ok(())
+    }
+
+    /// The step has taken the accumulated gradients (or skipped them): every slot's part is
+    /// spent, and its next gradient overwrites it.
+    pub(crate) fn gradients_spent(&mut self) {
+        for ch in &mut self.chunks {
+            ch.live.fill(false);
+        }
     }
 }

@@ -112,8 +112,14 @@ struct Chunk {
     resident: bool,
     /// The payload is the home (see [`ChunkConfig::share_cpu_homes`]).
     shared: bool,
-    /// Gradient accumulator beside the home copy, same shape.
+    /// Gradient accumulator beside the home copy, same shape. Not cleared after a step (that
+    /// pass over it cost a fifth of the host step): what it holds is spent, and each slot's
+    /// first gradient of the next step overwrites its part (see `gradients.rs`).
     grad: Tensor,
+    /// Per slot: whether `grad` holds a gradient of the step under way for it (else what it
+    /// holds is spent: the slot's next gradient overwrites it, and the end of backward zeroes
+    /// it if none came).
+    live: Vec<bool>,
     /// A host home's values in the compute kind (bf16/fp16 payloads of a whole, unshared host
     /// home; pinned on a GPU), which the optimizer's pass writes beside the home: a load then
     /// copies it as it is, half the bytes of the home, with no cast on either side.
@@ -311,6 +317,7 @@ impl ChunkManager {
                 shared,
                 upload_fresh: upload.is_some(),
                 upload,
+                live: vec![false; members.len()],
                 grad,
                 full_grad: None,
                 ready: None,
