@@ -4,7 +4,7 @@ its whole training loss, jit-compiled, on one example of --residues residues.
 
 The model: `model_3_ptm` (no templates) at full widths with --blocks Evoformer blocks (48 in
 AlphaFold), fp32, random parameters (`global_config.zero_init` off), rematerialised blocks
-(`use_remat`, as AlphaFold trains), every dropout rate 0 (`fastfold` has no training dropout)
+(`use_remat`, as AlphaFold trains), every dropout rate 0 (ours with dropout off too: the same computation)
 and `is_training=True` otherwise. One recycling pass from zero recycled inputs: the pass that
 AlphaFold trains, `AlphaFoldIteration(..., compute_loss=True)`, whose total is each head's
 `loss` times its weight, under the initial-training weights (structural violations,
