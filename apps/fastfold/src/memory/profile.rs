@@ -629,8 +629,9 @@ fn template_stack(t: &mut Trace, x: &Ctx, n: i64, c: &TemplateConfig) -> Buf {
 /// rows): the scaled query, the keys, their products and the logits (biased by the template
 /// mask), the values; the first template copies its logits and values in, the next ones
 /// make the new maximum, the rescaling of the old terms and their own weights, and update
-/// the running terms in place.
-fn template_fold(t: &mut Trace, entries: i64, (heads, hd): (i64, i64), e: i64, first: bool) {
+/// the running terms in place. `e`: the pair's element bytes, `a` the running terms' (the
+/// logits and values widened to them as they are made).
+fn template_fold(t: &mut Trace, entries: i64, (heads, hd): (i64, i64), (e, a): (i64, i64), first: bool) {
     let q = t.alloc(entries * hd * e);
     let scaled = t.alloc(entries * hd * e);
     t.free(q);
@@ -639,9 +640,11 @@ fn template_fold(t: &mut Trace, entries: i64, (heads, hd): (i64, i64), e: i64, f
     let summed = t.alloc(entries * heads * e);
     let logits = t.alloc(entries * heads * e);
     t.free_all([products, summed, scaled, k]);
+    let logits = widened(t, logits, entries * heads, (e, a));
     let v = t.alloc(entries * hd * e);
+    let v = widened(t, v, entries * hd, (e, a));
     if !first {
-        let [new_max, rescale, weight] = [0; 3].map(|_| t.alloc(entries * heads * e));
+        let [new_max, rescale, weight] = [0; 3].map(|_| t.alloc(entries * heads * a));
         t.free(logits);
         t.free_all([v, new_max, rescale, weight]);
         return;
@@ -649,18 +652,31 @@ fn template_fold(t: &mut Trace, entries: i64, (heads, hd): (i64, i64), e: i64, f
     t.free_all([logits, v]);
 }
 
+/// `buf` of `elems` elements converted from `e`-byte to `a`-byte elements (a copy, the
+/// original freed after it), or itself where the two are the same.
+fn widened(t: &mut Trace, buf: Buf, elems: i64, (e, a): (i64, i64)) -> Buf {
+    if e == a {
+        return buf;
+    }
+    let out = t.alloc(elems * a);
+    t.free(buf);
+    out
+}
+
 /// `model/templates.rs`'s `Templates::add_pair_update` (its inference path) and `msa_rows` on
 /// the pair [n, n, c_z]: each of `count` templates embedded [`ChunkOp::PairEmbedding`] rows
 /// at a time, through the pair stack in place (AlphaFold's monomer order: the triangle
 /// attentions first) and normalised ([`template_stack`]), then folded into the pointwise
 /// attention's online softmax over the templates ([`template_fold`]; its running maximum, sum
-/// and weighted values, [n, n, heads] twice and [n, n, heads x dim], made after the first
-/// template's stack) before the next is embedded; then the softmax's averaged values
+/// and weighted values, [n, n, heads] twice and [n, n, heads x dim], in f32 at a reduced
+/// precision, made after the first template's stack) before the next is embedded; then the softmax's averaged values
 /// projected and added to the pair in place, pair rows at a time. Never [count, n, n, c_t].
 /// Returns the templates' MSA rows [count, n, c_m] when the parameters embed their torsion
 /// angles.
 fn templates(t: &mut Trace, x: &Ctx, count: i64, n: i64, (c_m, c_z): (i64, i64), c: &TemplateConfig) -> Option<Buf> {
     let e = x.e;
+    // The online softmax's running terms: f32 at a reduced precision.
+    let a = e.max(4);
     let (heads, hd) = (c.attention_heads, c.attention_heads * c.attention_head_dim);
     let stage = Ctx { stage: Stage::Outer, ..*x };
     let rows = step(n, stage.chunk(ChunkOp::TemplatePointwise));
@@ -669,13 +685,14 @@ fn templates(t: &mut Trace, x: &Ctx, count: i64, n: i64, (c_m, c_z): (i64, i64),
         let embedded = template_stack(t, x, n, c);
         t.at("template pointwise attention");
         softmax
-            .get_or_insert_with(|| [t.alloc(n * n * heads * e), t.alloc(n * n * heads * e), t.alloc(n * n * hd * e)]);
-        template_fold(t, rows * n, (heads, hd), e, i == 0);
+            .get_or_insert_with(|| [t.alloc(n * n * heads * a), t.alloc(n * n * heads * a), t.alloc(n * n * hd * a)]);
+        template_fold(t, rows * n, (heads, hd), (e, a), i == 0);
         t.free(embedded);
     }
     if let Some(softmax) = softmax {
         residual(t, n, Some(rows), |t, r| {
-            let avg = t.alloc(r * n * hd * e);
+            let avg = t.alloc(r * n * hd * a);
+            let avg = widened(t, avg, r * n * hd, (a, e));
             let projected = t.alloc(r * n * c_z * e);
             let out = t.alloc(r * n * c_z * e);
             t.free(projected);

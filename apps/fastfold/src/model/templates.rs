@@ -426,9 +426,14 @@ impl PointwiseAttention {
             let t = template.f_narrow(0, start, n)?;
             let q = e("ija,ahc->ijhc", &x, &self.query_w)?.f_mul_scalar((self.head_dim as f64).powf(-0.5))?;
             let k = e("ija,ahc->ijhc", &t, &self.key_w)?;
-            let logits = q.f_mul(&k)?.f_sum_dim_intlist(-1, false, None)?.f_add(&bias.f_get(index)?)?;
-            drop((q, k));
-            let mut v = e("ija,ahc->ijhc", &t, &self.value_w)?;
+            // The running terms are in f32 at a reduced precision (see `OnlineSoftmax`): the
+            // logits and values widened to them, as they are made.
+            let logits = {
+                let logits = q.f_mul(&k)?.f_sum_dim_intlist(-1, false, None)?.f_add(&bias.f_get(index)?)?;
+                drop((q, k));
+                logits.f_to_kind(acc.kind)?
+            };
+            let mut v = e("ija,ahc->ijhc", &t, &self.value_w)?.f_to_kind(acc.kind)?;
             let (mut max, mut sum, mut values) =
                 (acc.max.f_narrow(0, start, n)?, acc.sum.f_narrow(0, start, n)?, acc.values.f_narrow(0, start, n)?);
             if index == 0 {
@@ -462,31 +467,43 @@ impl PointwiseAttention {
 /// The pointwise attention's softmax over the templates taken one template at a time (the
 /// inference path): per pair entry and head the largest logit so far, the sum of the
 /// exponentials relative to it, and the values weighted by them. Only these and one
-/// template's embedding are alive, never the templates' stack [T, N, N, c_t].
+/// template's embedding are alive, never the templates' stack [T, N, N, c_t]. At a reduced
+/// precision (bf16, fp16) they are kept in f32, so that folding in template after template
+/// rounds no more than the stacked softmax's one pass does.
 struct OnlineSoftmax {
     max: Tensor,
     sum: Tensor,
     values: Tensor,
     /// Pair rows a fold takes at a time (`None`: all).
     chunk: Option<i64>,
+    /// The running terms' kind, and the pair's (the averaged values' on the way out).
+    kind: Kind,
+    pair_kind: Kind,
 }
 
 impl OnlineSoftmax {
     /// Empty terms for the pair `pair` [N, N, c_z] (its kind and device).
     fn new(pair: &Tensor, a: &PointwiseAttention, chunk: Option<i64>) -> Result<Self> {
-        let (n, heads, opts) = (pair.size()[0], a.query_w.size()[1], (pair.kind(), pair.device()));
+        let kind = match pair.kind() {
+            Kind::BFloat16 | Kind::Half => Kind::Float,
+            other => other,
+        };
+        let (n, heads, opts) = (pair.size()[0], a.query_w.size()[1], (kind, pair.device()));
         Ok(OnlineSoftmax {
             max: Tensor::f_empty([n, n, heads], opts)?,
             sum: Tensor::f_empty([n, n, heads], opts)?,
             values: Tensor::f_empty([n, n, heads, a.head_dim], opts)?,
             chunk,
+            kind,
+            pair_kind: pair.kind(),
         })
     }
 
-    /// Rows `[start, start + n)` of the averaged values [n, N, heads, head_dim].
+    /// Rows `[start, start + n)` of the averaged values [n, N, heads, head_dim], in the pair's
+    /// kind.
     fn averaged(&self, start: i64, n: i64) -> Result<Tensor> {
         let sum = self.sum.f_narrow(0, start, n)?.f_unsqueeze(-1)?;
-        Ok(self.values.f_narrow(0, start, n)?.f_div(&sum)?)
+        Ok(self.values.f_narrow(0, start, n)?.f_div(&sum)?.f_to_kind(self.pair_kind)?)
     }
 }
 
