@@ -105,7 +105,7 @@ impl LayerNorm {
 }
 
 /// The step of a chunked loop over `len` rows: `chunk`, or everything at once.
-fn step(len: i64, chunk: Option<i64>) -> Result<i64> {
+pub(crate) fn step(len: i64, chunk: Option<i64>) -> Result<i64> {
     match chunk {
         Some(c) => {
             ensure!(c > 0, "chunk size must be positive, got {c}");

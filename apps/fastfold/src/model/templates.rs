@@ -39,7 +39,7 @@ use crate::model::dropout::{DropMask, Rates, Shared};
 use crate::model::embedders::distance_one_hot_between;
 use crate::model::exec::{ChunkOp, Exec, Stage};
 use crate::model::keys::{EMBEDDINGS, PAIR_STACK, SINGLE_TEMPLATE, TEMPLATE_EMBEDDING};
-use crate::model::layers::{chunked, LayerNorm, Linear, Stream};
+use crate::model::layers::{chunked, step, LayerNorm, Linear, Stream};
 use crate::model::msa::Transition;
 use crate::model::params::Params;
 use crate::model::scope::{Builder, Init, Scope};
@@ -421,7 +421,7 @@ impl PointwiseAttention {
     /// first template sets them (weight 1).
     fn fold(&self, acc: &OnlineSoftmax, pair: &Tensor, template: &Tensor, bias: &Tensor, index: i64) -> Result<()> {
         let e = |eq: &str, a: &Tensor, b: &Tensor| Tensor::f_einsum(eq, &[a, b], None::<&[i64]>);
-        let step = |start: i64, n: i64| -> Result<()> {
+        let fold_rows = |start: i64, n: i64| -> Result<()> {
             let x = pair.f_narrow(0, start, n)?;
             let t = template.f_narrow(0, start, n)?;
             let q = e("ija,ahc->ijhc", &x, &self.query_w)?.f_mul_scalar((self.head_dim as f64).powf(-0.5))?;
@@ -453,11 +453,11 @@ impl PointwiseAttention {
             Ok(max.f_copy_(&new_max)?)
         };
         let len = pair.size()[0];
-        let chunk = acc.chunk.unwrap_or(len).max(1);
+        let chunk = step(len, acc.chunk)?;
         let mut start = 0;
         while start < len {
             let n = chunk.min(len - start);
-            step(start, n)?;
+            fold_rows(start, n)?;
             start += n;
         }
         Ok(())
