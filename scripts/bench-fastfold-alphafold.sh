@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
-if ! .venv-alphafold/bin/python -c 'import alphafold, jax, haiku' 2>/dev/null; then
+if ! .venv-alphafold/bin/python -c 'import alphafold.model.modules_multimer, jax, haiku' 2>/dev/null; then
   python3 -m venv .venv-alphafold
   .venv-alphafold/bin/pip install --quiet -r apps/fastfold/benches/alphafold-requirements.txt
 fi

@@ -16,7 +16,8 @@
 //! times DeepMind's v2.3 recycling from seed `--seed`, its second prediction (the first
 //! compiles). Ours then runs in a fresh process on those files (so that each side's peak memory
 //! is its own), the second of two predictions timed likewise, from the same seed (with
-//! `--chunk-size`, ours in chunks as `fastfold predict --chunk-size` runs). Both in fp32, v3's
+//! `--chunk-size`, ours in chunks as `fastfold predict --chunk-size` runs); with `--once` each
+//! side's one prediction is timed, AlphaFold's pass compiled ahead of it. Both in fp32, v3's
 //! sampling sizes (508 MSA rows, 2048 extra).
 mod common;
 
@@ -68,6 +69,12 @@ struct Args {
     /// temporary one, removed), so that `--ours <folder>` reruns our side alone on them.
     #[arg(long)]
     keep: Option<std::path::PathBuf>,
+    /// Time one prediction a side instead of the second of two, so that a full-size run with
+    /// recycles takes half as long: AlphaFold's side compiles its pass ahead of the prediction
+    /// (`jit(...).lower(...).compile()`, its seconds added to the first-call figure only), and
+    /// ours runs once.
+    #[arg(long)]
+    once: bool,
     /// Our side runs every padding row through the stacks, as DeepMind's does (by default it
     /// leaves the fully-masked rows out, which changes no output).
     #[arg(long)]
@@ -204,9 +211,11 @@ fn compare(args: &Args, dir: &Path) -> anyhow::Result<(Figures, f64, Figures, f6
     let sizes = [args.blocks, args.extra_blocks, args.recycles].map(|n| n.to_string());
     let seed = args.seed.to_string();
     let flags = ["--blocks", &sizes[0], "--extra-blocks", &sizes[1], "--recycles", &sizes[2], "--seed", &seed];
+    let once = args.once.then_some("--once");
     let baseline: Vec<&OsStr> = ["--features".as_ref(), features.as_os_str()]
         .into_iter()
         .chain(flags.map(OsStr::new))
+        .chain(once.map(OsStr::new))
         .chain(["--out".as_ref(), dir.as_os_str()])
         .collect();
     let (theirs, first) = Figures::alphafold(&args.sides.python, BASELINE, &baseline)?;
@@ -215,6 +224,7 @@ fn compare(args: &Args, dir: &Path) -> anyhow::Result<(Figures, f64, Figures, f6
         .iter()
         .copied()
         .chain(chunk.iter().flat_map(|c| ["--chunk-size", c.as_str()]))
+        .chain(once)
         .map(ToString::to_string)
         .collect();
     let (mine, more) = Figures::ours(dir, &ours_flags)?;
@@ -222,13 +232,14 @@ fn compare(args: &Args, dir: &Path) -> anyhow::Result<(Figures, f64, Figures, f6
     Ok((theirs, first, mine, diff, msa_rows))
 }
 
-/// Our prediction on the parameters and features in `dir`, timed on its second run, and the
+/// Our prediction on the parameters and features in `dir`, timed on its second run (its only
+/// one with `--once`), and the
 /// largest difference of its atoms from AlphaFold's (`positions.npz`), over AlphaFold's mask.
 fn ours(dir: &Path, args: &Args, exec: Exec) -> anyhow::Result<(Figures, f64)> {
     let side = Side::load(dir, args, None)?;
     let mut seconds = 0.0;
     let mut atoms = None;
-    for _ in 0..2 {
+    for _ in 0..if args.once { 1 } else { 2 } {
         let start = Instant::now();
         atoms = Some(side.predict(args, &exec)?);
         seconds = start.elapsed().as_secs_f64();
