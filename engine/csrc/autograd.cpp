@@ -43,6 +43,7 @@ struct ForwardPayload {
   std::vector<at::Tensor> outputs;
   std::vector<at::Tensor> saved;
   std::vector<int64_t> non_differentiable;
+  bool materialize_grads;
   c10::intrusive_ptr<RustState> rust;
 };
 
@@ -56,6 +57,7 @@ struct RustFunction : public torch::autograd::Function<RustFunction> {
     std::vector<at::Tensor> nondiff;
     for (int64_t i : payload->non_differentiable) nondiff.push_back(payload->outputs.at(i));
     if (!nondiff.empty()) ctx->mark_non_differentiable(nondiff);
+    ctx->set_materialize_grads(payload->materialize_grads);
     return payload->outputs;
   }
 
@@ -108,12 +110,13 @@ struct RustPostAccHooks : torch::autograd::PostAccumulateGradHook {
 extern "C" {
 
 // Applies the function: `outputs` were computed by Rust without autograd; the result tensors
-// are those outputs connected to the graph through a node whose backward calls `backward`.
+// are those outputs connected to the graph through a node whose backward calls `backward`
+// (an output's gradient that nothing used as zeros with `materialize_grads`, else undefined).
 // On success the node owns `state`; on failure `state` is dropped here.
 char* eng_function_apply(at::Tensor** inputs, int ninputs, at::Tensor** outputs, int noutputs,
                          at::Tensor** saved, int nsaved, const int64_t* nondiff, int nnondiff,
-                         void* state, eng_backward_cb backward, eng_drop_cb drop,
-                         at::Tensor** results) {
+                         int materialize_grads, void* state, eng_backward_cb backward,
+                         eng_drop_cb drop, at::Tensor** results) {
   auto rust = c10::make_intrusive<RustState>(state, backward, drop);
   ENG_PROTECT({
     torch::autograd::variable_list ins;
@@ -122,6 +125,7 @@ char* eng_function_apply(at::Tensor** inputs, int ninputs, at::Tensor** outputs,
     for (int i = 0; i < noutputs; ++i) payload.outputs.push_back(*outputs[i]);
     for (int i = 0; i < nsaved; ++i) payload.saved.push_back(*saved[i]);
     payload.non_differentiable.assign(nondiff, nondiff + nnondiff);
+    payload.materialize_grads = materialize_grads != 0;
     payload.rust = std::move(rust);
     // As a TensorList (not a vector) so that autograd sees the inputs as variables.
     auto outs = RustFunction::apply(at::TensorList(ins), &payload);

@@ -111,6 +111,7 @@ extern "C" {
         nsaved: c_int,
         nondiff: *const i64,
         nnondiff: c_int,
+        materialize_grads: c_int,
         state: *mut c_void,
         backward: BackwardCb,
         drop: DropCb,

@@ -124,6 +124,6 @@ pub(crate) fn with_grad(
     if !inputs.iter().any(|t| t.requires_grad()) {
         return Ok(outputs);
     }
-    let forward = engine::autograd::Forward { outputs, saved, non_differentiable: Vec::new() };
+    let forward = engine::autograd::Forward { outputs, saved, ..Default::default() };
     Ok(engine::autograd::apply(name, inputs, move |_| Ok(forward), backward)?)
 }

@@ -80,8 +80,9 @@ fn alignment(n: usize, depth: usize) -> (String, String) {
 
 fn time(model: &AlphaFold, features: &fastfold::features::Features, args: &Args) -> anyhow::Result<(f64, Pass)> {
     let start = Instant::now();
-    let pass =
-        tch::no_grad(|| model.predict(features, args.recycles, Kind::Float, &Exec::new(Dap::none(), args.chunk_size)))?;
+    let pass = tch::no_grad(|| {
+        model.predict(features, args.recycles, Kind::Float, &Exec::new(Dap::none(), args.chunk_size), None)
+    })?;
     if let Device::Cuda(d) = features.aatype.device() {
         engine::cuda::synchronize(d)?;
     }

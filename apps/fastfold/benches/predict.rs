@@ -71,7 +71,7 @@ fn main() -> anyhow::Result<()> {
         // An untimed short run first: the first length would otherwise carry CUDA's lazy
         // module loading, the libraries' handles and the kernels' compilation.
         let warm = features(16)?;
-        tch::no_grad(|| model.predict(&warm, args.recycles, kind, &exec))?;
+        tch::no_grad(|| model.predict(&warm, args.recycles, kind, &exec, None))?;
         engine::cuda::synchronize(d)?;
     }
     let mut peaks = vec![];
@@ -81,7 +81,7 @@ fn main() -> anyhow::Result<()> {
             engine::cuda::reset_peak_stats(d)?;
         }
         let start = Instant::now();
-        let pass = tch::no_grad(|| model.predict(&features, args.recycles, kind, &exec))?;
+        let pass = tch::no_grad(|| model.predict(&features, args.recycles, kind, &exec, None))?;
         if let tch::Device::Cuda(d) = device {
             engine::cuda::synchronize(d)?;
         }

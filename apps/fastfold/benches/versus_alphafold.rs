@@ -84,7 +84,7 @@ fn ours(dir: &Path, recycles: usize) -> anyhow::Result<Figures> {
     let mut seconds = 0.0;
     for _ in 0..2 {
         let start = Instant::now();
-        let pass = tch::no_grad(|| model.predict(&features, recycles, Kind::Float, &Exec::serial()))?;
+        let pass = tch::no_grad(|| model.predict(&features, recycles, Kind::Float, &Exec::serial(), None))?;
         seconds = start.elapsed().as_secs_f64();
         ensure!(bool::try_from(pass.structure.atom37.isfinite().all())?, "non-finite positions");
     }

@@ -512,7 +512,7 @@ impl Trainer {
             bail!("these are AlphaFold-Multimer's parameters: they train on a complex (Trainer::accumulate_complex)")
         };
         let exec = exec.clone().with_dropout(self.dropout);
-        let pass = model.predict_keyed(e.features, e.recycles, self.kind, &exec, Some(self.example_key(e.number)))?;
+        let pass = model.predict(e.features, e.recycles, self.kind, &exec, Some(self.example_key(e.number)))?;
         let clamped = clamped_fape_at(self.seed, e.number, self.loss.clamped_fape_fraction);
         let losses = losses(&pass, e.features, e.recycles, e.target, &self.loss, clamped)?;
         self.backward_share(losses)
@@ -654,7 +654,7 @@ impl Trainer {
     pub fn evaluate(&self, example: &EvalExample, exec: &Exec) -> anyhow::Result<(f64, StepLoss)> {
         tch::no_grad(|| match (&self.model, example) {
             (Network::Monomer(model), EvalExample::Chain(e)) => {
-                let pass = model.predict(e.features, e.recycles, self.kind, exec)?;
+                let pass = model.predict(e.features, e.recycles, self.kind, exec, None)?;
                 let losses = losses(&pass, e.features, e.recycles, e.target, &self.loss, true)?;
                 let lddt = crate::loss::lddt_ca(&pass.structure.atom37, &e.target.truth)?.double_value(&[]);
                 Ok((lddt, losses.terms))

@@ -66,7 +66,7 @@ fn template_pair_stack_pointwise_attention_and_msa_rows_equal_alphafold() {
     let mask_2d = &r["template_mask_2d"];
     for chunk in [None, Some(5)] {
         let exec = Exec::new(Dap::none(), chunk);
-        let stacked = templates.pair_stack(t, mask_2d, Kind::Float, &exec).unwrap();
+        let stacked = templates.pair_stack(t, mask_2d, Kind::Float, &exec, None).unwrap();
         assert_close(&format!("template pair stack (chunk {chunk:?})"), &stacked, &r["template_pair_stack"]);
         // The pointwise attention on AlphaFold's own stack output and query.
         let update =
@@ -110,7 +110,7 @@ fn one_pass_with_template_hits_equals_alphafold() {
         pair: r["prev_pair"].shallow_clone(),
         pseudo_beta: pseudo_beta(&batch.aatype, &r["prev_pos"]).unwrap(),
     };
-    let pass = tch::no_grad(|| model.pass(&batch, &prev, &Exec::serial())).unwrap();
+    let pass = tch::no_grad(|| model.pass(&batch, prev, &Exec::serial(), None)).unwrap();
     assert_pass_equals_alphafold(&pass, &r);
 }
 
@@ -118,6 +118,6 @@ fn one_pass_with_template_hits_equals_alphafold() {
 fn prediction_with_template_hits_equals_alphafold() {
     let (params, features, r) = setup();
     let model = AlphaFold::new(&params).unwrap();
-    let pass = tch::no_grad(|| model.predict(&features, 1, Kind::Float, &Exec::serial())).unwrap();
+    let pass = tch::no_grad(|| model.predict(&features, 1, Kind::Float, &Exec::serial(), None)).unwrap();
     assert_pass_equals_alphafold(&pass, &r);
 }

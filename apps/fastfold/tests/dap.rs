@@ -5,6 +5,7 @@
 //! projections); and the assembled AlphaFold-Multimer network with recycling on 2 ranks.
 use engine::dist::World;
 use engine::parallel::dap::Dap;
+use fastfold::model::layers::Stream;
 use fastfold::model::{EvoformerConfig, EvoformerStack, Exec, Params, EVOFORMER, EXTRA_MSA};
 use suite_tests::{dist_test, TestResult};
 use tch::{Device, Kind, Tensor};
@@ -21,7 +22,8 @@ fn run(params: &Params, extra: bool, x: &[Tensor; 4], exec: &Exec) -> anyhow::Re
     let stack = if extra { EvoformerStack::extra(&params)? } else { EvoformerStack::main(&params)? };
     let msa = x[0].detach().set_requires_grad(true);
     let pair = x[1].detach().set_requires_grad(true);
-    let (m, z) = stack.forward(&msa, &pair, &x[2], &x[3], exec)?;
+    let streams = (Stream::new(msa.shallow_clone(), false), Stream::new(pair.shallow_clone(), false));
+    let (m, z, _) = stack.forward(streams.0, streams.1, &x[2], &x[3], exec, None)?;
     // Fixed weights make every output element matter to the loss.
     tch::manual_seed(99);
     let (wm, wz) =

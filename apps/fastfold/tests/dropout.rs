@@ -18,6 +18,7 @@ use engine::dist::World;
 use engine::parallel::dap::Dap;
 use fastfold::jax_random::Key;
 use fastfold::model::dropout::{DropoutRates, Rates};
+use fastfold::model::layers::Stream;
 use fastfold::model::multimer::structure::load_structure_module;
 use fastfold::model::multimer::{
     MaskedMsaConfig, MsaSampling, MultimerAlphaFold, MultimerInputs, MultimerTemplates, TemplateBatch,
@@ -82,18 +83,20 @@ fn monomer_blocks_in_training_equal_alphafold() {
     let rates = rates_of(&f["rates"]);
     for chunk in [None, Some(3)] {
         let exec = training(rates, chunk);
+        let key = Some(key_of(&f["key"]));
         let (msa, pair, key) = tch::no_grad(|| {
-            stack.forward_keyed(&f["msa"], &f["pair"], &f["msa_mask"], &f["pair_mask"], &exec, key_of(&f["key"]))
+            stack.forward(kept(&f["msa"]), kept(&f["pair"]), &f["msa_mask"], &f["pair_mask"], &exec, key)
         })
         .unwrap();
         common::assert_close(&format!("msa (chunk {chunk:?})"), &msa, &f["msa_out"], TOLERANCE);
         common::assert_close(&format!("pair (chunk {chunk:?})"), &pair, &f["pair_out"], TOLERANCE);
-        assert_eq!(key, key_of(&f["key_out"]), "the stack's key chain ends where the layer stack's does");
+        assert_eq!(key, Some(key_of(&f["key_out"])), "the stack's key chain ends where the layer stack's does");
     }
     // Without dropout the same blocks give other outputs: the masks are what matched.
-    let (_, pair) =
-        tch::no_grad(|| stack.forward(&f["msa"], &f["pair"], &f["msa_mask"], &f["pair_mask"], &Exec::serial()))
-            .unwrap();
+    let (_, pair, _) = tch::no_grad(|| {
+        stack.forward(kept(&f["msa"]), kept(&f["pair"]), &f["msa_mask"], &f["pair_mask"], &Exec::serial(), None)
+    })
+    .unwrap();
     let d = (&pair - &f["pair_out"]).abs().max().double_value(&[]);
     assert!(d > 1e-2, "the outputs without dropout differ from AlphaFold's in training by only {d:e}");
 }
@@ -170,7 +173,7 @@ fn multimer_template_embedding_in_training_equals_alphafold() {
         let exec = template_training(&f["rates"], chunk);
         let key = Some(key_of(&f["key"]));
         let out = tch::no_grad(|| {
-            templates.forward_keyed(&x["query"], &batch, &x["pair_mask"], &x["asym_id"], &exec, key).unwrap()
+            templates.forward(&x["query"], &batch, &x["pair_mask"], &x["asym_id"], &exec, key).unwrap()
         });
         common::assert_close(&format!("template embedding (chunk {chunk:?})"), &out, &f["output"], TOLERANCE);
     }
@@ -190,7 +193,7 @@ fn multimer_structure_module_in_training_equals_alphafold() {
     let module = load_structure_module(dir.join("structure_module_params.npz"), 8).unwrap();
     let mask = &x["seq_mask"];
     let dropout = Some((key_of(&f["key"]), f["rate"].double_value(&[])));
-    let out = tch::no_grad(|| module.run_keyed(&x["single"], &x["pair"], &x["aatype"], mask, None, dropout)).unwrap();
+    let out = tch::no_grad(|| module.run(&x["single"], &x["pair"], &x["aatype"], mask, None, dropout)).unwrap();
     let check = |what: &str, got: &Tensor, want: &Tensor, dim: i64| {
         let (got, want) = (real_residues(got, mask, dim), real_residues(want, mask, dim));
         common::assert_close(what, &got, &want, TOLERANCE);
@@ -198,7 +201,7 @@ fn multimer_structure_module_in_training_equals_alphafold() {
     check("translations", &out.translations, &f["traj"].select(-1, 3), 1);
     check("rotations", &out.rotations, &f["traj"].narrow(-1, 0, 3), 1);
     check("single", &out.single, &f["act"], 0);
-    let plain = tch::no_grad(|| module.run(&x["single"], &x["pair"], &x["aatype"], mask, None)).unwrap();
+    let plain = tch::no_grad(|| module.run(&x["single"], &x["pair"], &x["aatype"], mask, None, None)).unwrap();
     let d = (&plain.single - &f["act"]).abs().max().double_value(&[]);
     assert!(d > 1e-2, "without dropout the single differs from AlphaFold's in training by only {d:e}");
 }
@@ -210,7 +213,7 @@ fn monomer_structure_module_in_training_equals_alphafold() {
     let module = StructureModule::new(&Params::load_model(dir.join("params.npz")).unwrap()).unwrap();
     let mask = &f["seq_mask"];
     let dropout = Some((key_of(&f["key"]), f["rate"].double_value(&[])));
-    let out = tch::no_grad(|| module.run_keyed(&f["single"], &f["pair"], &f["aatype"], mask, None, dropout)).unwrap();
+    let out = tch::no_grad(|| module.run(&f["single"], &f["pair"], &f["aatype"], mask, None, dropout)).unwrap();
     let check = |what: &str, got: &Tensor, want: &Tensor, dim: i64| {
         let (got, want) = (real_residues(got, mask, dim), real_residues(want, mask, dim));
         common::assert_close(what, &got, &want, TOLERANCE);
@@ -273,7 +276,7 @@ fn run(params: &Params, extra: bool, x: &[Tensor; 4], exec: &Exec, key: Option<K
     let stack = if extra { EvoformerStack::extra(&params)? } else { EvoformerStack::main(&params)? };
     let msa = x[0].detach().set_requires_grad(true);
     let pair = x[1].detach().set_requires_grad(true);
-    let (m, z, _) = stack.forward_owned_keyed(msa.shallow_clone(), pair.shallow_clone(), &x[2], &x[3], exec, key)?;
+    let (m, z, _) = stack.forward(kept(&msa), kept(&pair), &x[2], &x[3], exec, key)?;
     tch::manual_seed(99);
     let (wm, wz) =
         (Tensor::randn(m.size(), (Kind::Float, Device::Cpu)), Tensor::randn(z.size(), (Kind::Float, Device::Cpu)));
@@ -380,3 +383,8 @@ fn dap_matches_one_process(world: &World) -> TestResult {
 }
 
 dist_test!(two_ranks_drop_as_one_process, 2, |world| { dap_matches_one_process(world) });
+
+/// `t` for a stack that leaves it as it is.
+fn kept(t: &Tensor) -> Stream {
+    Stream::new(t.shallow_clone(), false)
+}

@@ -1,6 +1,7 @@
 //! The Evoformer stacks on one process: chunked evaluation equals unchunked, masked padding is
 //! inert, and AlphaFold-named `.npz` files round-trip and are checked key by key.
 use engine::parallel::dap::Dap;
+use fastfold::model::layers::Stream;
 use fastfold::model::{Error, EvoformerConfig, EvoformerStack, Exec, Params, EVOFORMER, EXTRA_MSA};
 use tch::{Device, Kind, Tensor};
 
@@ -18,7 +19,10 @@ fn inputs(s: i64, r: i64, c_m: i64, c_z: i64, seed: i64) -> [Tensor; 4] {
 }
 
 fn run(stack: &EvoformerStack, x: &[Tensor; 4], chunk: Option<i64>) -> (Tensor, Tensor) {
-    tch::no_grad(|| stack.forward(&x[0], &x[1], &x[2], &x[3], &Exec::new(Dap::none(), chunk)).unwrap())
+    let (msa, pair) = (Stream::new(x[0].shallow_clone(), false), Stream::new(x[1].shallow_clone(), false));
+    let (m, z, _) =
+        tch::no_grad(|| stack.forward(msa, pair, &x[2], &x[3], &Exec::new(Dap::none(), chunk), None).unwrap());
+    (m, z)
 }
 
 fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
@@ -61,7 +65,8 @@ fn fused_kernels_equal_the_compositions_on_cuda_or_the_emulator() {
         let mut outs = vec![];
         for (stack, c_m) in stacks(&p) {
             let x = inputs(5, 7, c_m, p.config().c_z, 14).map(|t| t.to_device(dev));
-            let (m, z) = stack.forward(&x[0], &x[1], &x[2], &x[3], &Exec::new(Dap::none(), Some(3))).unwrap();
+            let (msa, pair) = (Stream::new(x[0].shallow_clone(), false), Stream::new(x[1].shallow_clone(), false));
+            let (m, z, _) = stack.forward(msa, pair, &x[2], &x[3], &Exec::new(Dap::none(), Some(3)), None).unwrap();
             (m.square().sum(Kind::Float) + z.square().sum(Kind::Float)).backward();
             outs.extend([m.detach(), z.detach()]);
         }
@@ -211,6 +216,7 @@ fn wrong_input_shapes_are_errors() {
     let stack = EvoformerStack::main(&params).unwrap();
     let x = inputs(3, 5, 12, 10, 11);
     let bad = Tensor::zeros([5, 4, 10], (Kind::Float, Device::Cpu));
-    let err = stack.forward(&x[0], &bad, &x[2], &x[3], &Exec::serial()).expect_err("a mis-shaped pair fails");
+    let (msa, bad) = (Stream::new(x[0].shallow_clone(), false), Stream::new(bad, false));
+    let err = stack.forward(msa, bad, &x[2], &x[3], &Exec::serial(), None).expect_err("a mis-shaped pair fails");
     assert!(err.to_string().contains("pair: expected shape [5, 5, 10], found [5, 4, 10]"), "{err}");
 }

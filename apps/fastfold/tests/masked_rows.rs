@@ -103,8 +103,9 @@ fn dropping_masked_rows_changes_no_output_of_padded_features() {
         let all = AlphaFold::new(&params).unwrap().drop_masked_rows(false);
         let dropped = AlphaFold::new(&params).unwrap();
         for &chunk in chunks {
-            let run =
-                |m: &AlphaFold| tch::no_grad(|| m.predict(&features, 1, kind, &Exec::new(Dap::none(), chunk))).unwrap();
+            let run = |m: &AlphaFold| {
+                tch::no_grad(|| m.predict(&features, 1, kind, &Exec::new(Dap::none(), chunk), None)).unwrap()
+            };
             let (want, got) = (run(&all), run(&dropped));
             assert_eq!(got.heads.masked_msa.size()[0], ROWS, "the masked-MSA logits keep the padded rows");
             for ((name, g), (_, w)) in outputs(&got).iter().zip(outputs(&want)) {
@@ -119,7 +120,13 @@ fn dropping_masked_rows_of_padded_features_equals_alphafold() {
     let params = Params::load_model(fixture("params.npz")).unwrap();
     let r: HashMap<String, Tensor> = Tensor::read_npz(fixture("reference.npz")).unwrap().into_iter().collect();
     let pass = tch::no_grad(|| {
-        AlphaFold::new(&params).unwrap().predict(&padded_features(ROWS, EXTRA_ROWS), 1, Kind::Float, &Exec::serial())
+        AlphaFold::new(&params).unwrap().predict(
+            &padded_features(ROWS, EXTRA_ROWS),
+            1,
+            Kind::Float,
+            &Exec::serial(),
+            None,
+        )
     })
     .unwrap();
     let mask = r["final_atom_mask"].unsqueeze(-1);

@@ -54,7 +54,7 @@ fn measure(model: &AlphaFold, cfg: &EvoformerConfig, b: &Batch, exec: &Exec) -> 
     let before = engine::host_memory::stats().unwrap().current;
     let prev = Recycled::zeros(b.residues(), cfg, &b.seq_mask).unwrap();
     engine::host_memory::reset_peak().unwrap();
-    let pass = tch::no_grad(|| model.pass_owned(b, prev, exec)).unwrap();
+    let pass = tch::no_grad(|| model.pass(b, prev, exec, None)).unwrap();
     let peak = engine::host_memory::stats().unwrap().peak;
     ((peak - before) as f64, pass)
 }
@@ -188,12 +188,12 @@ fn in_place_chunked_pass_equals_the_plain_pass() {
     let recording = params.to_device(Device::Cpu, true).unwrap();
     let plain_model = AlphaFold::new(&recording).unwrap();
     let prev = Recycled::zeros(n, &cfg, &b.seq_mask).unwrap();
-    let plain = plain_model.pass_owned(&b, prev, &Exec::serial()).unwrap();
+    let plain = plain_model.pass(&b, prev, &Exec::serial(), None).unwrap();
     assert!(plain.recycled.pair.requires_grad(), "the plain pass records gradients");
     let model = AlphaFold::new(&params).unwrap();
     for plan in [ChunkPlan::uniform(None), ChunkPlan::uniform(Some(4)), ChunkPlan::uniform(Some(1))] {
         let prev = Recycled::zeros(n, &cfg, &b.seq_mask).unwrap();
-        let lean = tch::no_grad(|| model.pass_owned(&b, prev, &Exec::planned(Dap::none(), plan.clone()))).unwrap();
+        let lean = tch::no_grad(|| model.pass(&b, prev, &Exec::planned(Dap::none(), plan.clone()), None)).unwrap();
         for (what, a, p) in [
             ("pair", &lean.recycled.pair, &plain.recycled.pair),
             ("msa first row", &lean.recycled.msa_first_row, &plain.recycled.msa_first_row),

@@ -16,6 +16,7 @@ use engine::parallel::dap::Dap;
 use fastfold::confidence::{multimer_ranking_confidence, predicted_tm_score_of_chains};
 use fastfold::geometry::Rigid;
 use fastfold::model::exec::Stage;
+use fastfold::model::layers::Stream;
 use fastfold::model::multimer::{
     chi_angles, extra_msa_feat, load_structure_module, msa_feat, relative_encoding, ChainIds, MultimerInputEmbedder,
     MultimerTemplateRows, MultimerTemplates, TemplateAtoms, TemplateBatch, TemplatePairEmbedding,
@@ -94,15 +95,18 @@ fn evoformer_block_with_outer_product_mean_first_equals_alphafold_multimer() {
     assert_eq!(stack.len(), 1);
     for chunk in [None, Some(3)] {
         let exec = Exec::new(Dap::none(), chunk);
-        let (msa, pair) =
-            tch::no_grad(|| stack.forward(&f["msa"], &f["pair"], &f["msa_mask"], &f["pair_mask"], &exec).unwrap());
+        let (msa, pair, _) = tch::no_grad(|| {
+            stack.forward(kept(&f["msa"]), kept(&f["pair"]), &f["msa_mask"], &f["pair_mask"], &exec, None).unwrap()
+        });
         common::assert_close(&format!("msa (chunk {chunk:?})"), &msa, &f["msa_out"], TOLERANCE);
         common::assert_close(&format!("pair (chunk {chunk:?})"), &pair, &f["pair_out"], TOLERANCE);
     }
     // The monomer's order on the same arrays gives another pair: the flag is what matched.
     let monomer = EvoformerStack::main(&params.with_outer_product_mean_first(false)).unwrap();
-    let (_, pair) = tch::no_grad(|| {
-        monomer.forward(&f["msa"], &f["pair"], &f["msa_mask"], &f["pair_mask"], &Exec::serial()).unwrap()
+    let (_, pair, _) = tch::no_grad(|| {
+        monomer
+            .forward(kept(&f["msa"]), kept(&f["pair"]), &f["msa_mask"], &f["pair_mask"], &Exec::serial(), None)
+            .unwrap()
     });
     let d = (&pair - &f["pair_out"]).abs().max().double_value(&[]);
     assert!(d > 1e-2, "the monomer block order differs from the multimer's by only {d:e}");
@@ -116,8 +120,9 @@ fn evoformer_block_with_fused_triangle_projections_equals_alphafold_multimer_v3(
     let stack = EvoformerStack::main(&params.with_outer_product_mean_first(true)).unwrap();
     for chunk in [None, Some(3)] {
         let exec = Exec::new(Dap::none(), chunk);
-        let (msa, pair) =
-            tch::no_grad(|| stack.forward(&f["msa"], &f["pair"], &f["msa_mask"], &f["pair_mask"], &exec).unwrap());
+        let (msa, pair, _) = tch::no_grad(|| {
+            stack.forward(kept(&f["msa"]), kept(&f["pair"]), &f["msa_mask"], &f["pair_mask"], &exec, None).unwrap()
+        });
         common::assert_close(&format!("v3 msa (chunk {chunk:?})"), &msa, &f["msa_out"], TOLERANCE);
         common::assert_close(&format!("v3 pair (chunk {chunk:?})"), &pair, &f["pair_out"], TOLERANCE);
     }
@@ -158,8 +163,9 @@ fn template_embedding_equals_alphafold_multimer_v3() {
     };
     for chunk in [None, Some(4)] {
         let exec = Exec::new(Dap::none(), chunk);
-        let out =
-            tch::no_grad(|| templates.forward(&f["query"], &batch, &f["pair_mask"], &f["asym_id"], &exec).unwrap());
+        let out = tch::no_grad(|| {
+            templates.forward(&f["query"], &batch, &f["pair_mask"], &f["asym_id"], &exec, None).unwrap()
+        });
         common::assert_close(&format!("template embedding (chunk {chunk:?})"), &out, &f["output"], TOLERANCE);
     }
 }
@@ -230,7 +236,7 @@ fn structure_module_equals_alphafold_multimer() {
     let mask = &f["seq_mask"];
     assert_eq!(mask.sum(Kind::Float).double_value(&[]), 15.0, "one padding residue");
     for chunk in [None, Some(5)] {
-        let out = tch::no_grad(|| module.run(&f["single"], &f["pair"], &f["aatype"], mask, chunk).unwrap());
+        let out = tch::no_grad(|| module.run(&f["single"], &f["pair"], &f["aatype"], mask, chunk, None).unwrap());
         let check = |what: &str, got: &Tensor, want: &Tensor, dim: i64| {
             let (got, want) = (real_residues(got, mask, dim), real_residues(want, mask, dim));
             common::assert_close(&format!("{what} (chunk {chunk:?})"), &got, &want, TOLERANCE);
@@ -257,4 +263,9 @@ fn structure_module_equals_alphafold_multimer() {
     }
     let e = load_structure_module(fixture("template_rows_params.npz"), 8).err().unwrap().to_string();
     assert!(e.contains("trainable_point_weights") && e.contains("template_rows_params.npz"), "{e}");
+}
+
+/// `t` for a stack that leaves it as it is.
+fn kept(t: &Tensor) -> Stream {
+    Stream::new(t.shallow_clone(), false)
 }

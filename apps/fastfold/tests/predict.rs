@@ -679,7 +679,7 @@ fn padded_features_give_the_unpadded_result_without_padding_residues() {
     // Cutting the padding before the model is sound: the model's masks keep the padded
     // residues from changing the real ones (the padded batch run as it is, not cut).
     let net = AlphaFold::new(&Params::load_model(common::tiny_params()).unwrap()).unwrap();
-    let run = |f: &Features| tch::no_grad(|| net.predict(f, 1, Kind::Float, &Exec::serial())).unwrap();
+    let run = |f: &Features| tch::no_grad(|| net.predict(f, 1, Kind::Float, &Exec::serial(), None)).unwrap();
     let (want, got) = (run(&f), run(&uncut(pad_residues(&f, 5))));
     let real = |t: &Tensor| t.narrow(0, 0, 3);
     let positions = |p: &fastfold::model::alphafold::Pass| &p.structure.atom37 * p.structure.atom37_mask.unsqueeze(-1);

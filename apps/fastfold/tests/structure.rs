@@ -112,11 +112,13 @@ fn zero_backbone_updates_keep_identity_frames() {
     let n = 5;
     let c = ModelConfig::tiny();
     let out = tch::no_grad(|| {
-        m.forward(
+        m.run(
             &noise(&[n, c.c_s], 6.0),
             &noise(&[n, n, EvoformerConfig::tiny().c_z], 7.0),
             &Tensor::from_slice(&[0i64, 7, 12, 19, 4]),
             &Tensor::ones([n], F),
+            None,
+            None,
         )
     })
     .unwrap();
@@ -137,7 +139,7 @@ fn the_iteration_count_comes_from_the_preset_not_the_arrays() {
     let run = |m: &StructureModule| {
         let (single, pair) = (noise(&[n, c.c_s], 1.0), noise(&[n, n, EvoformerConfig::tiny().c_z], 2.0));
         let aatype = Tensor::from_slice(&[0i64, 7, 12, 19]);
-        tch::no_grad(|| m.forward(&single, &pair, &aatype, &Tensor::ones([n], F))).unwrap()
+        tch::no_grad(|| m.run(&single, &pair, &aatype, &Tensor::ones([n], F), None, None)).unwrap()
     };
     assert_eq!(PresetSizes::default().structure_iterations, 8, "AlphaFold's num_layer");
     assert_eq!("model_3_ptm".parse::<Preset>().unwrap().sizes(), PresetSizes::default());
@@ -167,7 +169,7 @@ fn parameters_round_trip_and_a_missing_array_is_named() {
     );
     let run = |p: &Params| {
         let m = StructureModule::new(p).unwrap();
-        tch::no_grad(|| m.forward(&inputs.0, &inputs.1, &inputs.2, &inputs.3)).unwrap().atom37
+        tch::no_grad(|| m.run(&inputs.0, &inputs.1, &inputs.2, &inputs.3, None, None)).unwrap().atom37
     };
     assert!(run(&p).equal(&run(&loaded)), "identical positions after the round trip");
 
@@ -312,10 +314,11 @@ fn bf16_weights_and_activations_keep_fp32_geometry() {
     let pair = noise(&[n, n, EvoformerConfig::tiny().c_z], 14.0);
     let aatype = Tensor::from_slice(&[0i64, 5, 9, 13, 17, 20]);
     let mask = Tensor::ones([n], F);
-    let full = tch::no_grad(|| StructureModule::new(&p).unwrap().forward(&single, &pair, &aatype, &mask)).unwrap();
+    let full =
+        tch::no_grad(|| StructureModule::new(&p).unwrap().run(&single, &pair, &aatype, &mask, None, None)).unwrap();
     let bf = tch::no_grad(|| {
         let m = StructureModule::new(&half).unwrap();
-        m.forward(&single.to_kind(Kind::BFloat16), &pair.to_kind(Kind::BFloat16), &aatype, &mask)
+        m.run(&single.to_kind(Kind::BFloat16), &pair.to_kind(Kind::BFloat16), &aatype, &mask, None, None)
     })
     .unwrap();
     // Frames, angles and atoms are computed in fp32 whatever the activations' precision.

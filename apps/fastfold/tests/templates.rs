@@ -216,7 +216,7 @@ fn features_with(t: Option<TemplateFeatures>) -> Features {
 fn padding_templates_change_nothing_and_real_ones_do() {
     let params = template_params();
     let model = AlphaFold::new(&params).unwrap();
-    let run = |f: &Features| tch::no_grad(|| model.predict(f, 1, Kind::Float, &Exec::serial())).unwrap();
+    let run = |f: &Features| tch::no_grad(|| model.predict(f, 1, Kind::Float, &Exec::serial(), None)).unwrap();
     let none = run(&features_with(None));
     let masked = run(&features_with(Some(templates(false, 2))));
     let real = run(&features_with(Some(templates(true, 2))));

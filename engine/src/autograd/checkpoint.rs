@@ -14,7 +14,9 @@ type Segment = dyn Fn(&[Tensor]) -> Result<Vec<Tensor>> + Send;
 /// Runs `segment` on `inputs` without saving its intermediate activations; backward recomputes
 /// it. Gradients of parameters used inside the segment are accumulated into their `.grad`
 /// during that recomputation (as with PyTorch's reentrant checkpoint, use `backward`, not
-/// `grad`, for them).
+/// `grad`, for them). Backward runs through the outputs that were used only, so that a
+/// parameter reaching none of them gets no gradient, as without checkpointing (not a zero one,
+/// which an optimizer would step).
 pub fn checkpoint(
     inputs: &[&Tensor],
     segment: impl Fn(&[Tensor]) -> Result<Vec<Tensor>> + Send + 'static,
@@ -30,9 +32,14 @@ pub fn checkpoint(
         inputs,
         |ins| {
             let outputs = run(&segment, ins)?;
-            Ok(Forward { outputs, saved: ins.iter().map(|t| t.shallow_clone()).collect(), non_differentiable: vec![] })
+            let saved = ins.iter().map(|t| t.shallow_clone()).collect();
+            // An output nothing used comes back with an undefined gradient, not zeros.
+            Ok(Forward { outputs, saved, undefined_grads: true, ..Forward::default() })
         },
         move |grads, saved| {
+            if grads.iter().all(|g| !g.defined()) {
+                return Ok(saved.iter().map(|_| None).collect());
+            }
             let detached: Vec<Tensor> =
                 saved.iter().zip(&needs_grad).map(|(t, &rg)| t.detach().set_requires_grad(rg)).collect();
             let now = RngState::capture(device)?;
@@ -40,8 +47,12 @@ pub fn checkpoint(
             let outputs = tch::with_grad(|| run(&recompute, &detached));
             now.restore()?;
             let outputs = outputs?;
-            let (outs, gs): (Vec<&Tensor>, Vec<Option<&Tensor>>) =
-                outputs.iter().zip(grads).filter(|(o, _)| o.requires_grad()).map(|(o, g)| (o, Some(g))).unzip();
+            let (outs, gs): (Vec<&Tensor>, Vec<Option<&Tensor>>) = outputs
+                .iter()
+                .zip(grads)
+                .filter(|(o, g)| o.requires_grad() && g.defined())
+                .map(|(o, g)| (o, Some(g)))
+                .unzip();
             if !outs.is_empty() {
                 backward(&outs, &gs, false)?;
             }
@@ -130,6 +141,34 @@ mod tests {
             assert!(diff <= 1e-6, "{what} gradient differs by {diff}");
             assert!(a.abs().sum(Kind::Float).double_value(&[]) > 0.0, "{what} gradient is not trivially zero");
         }
+    }
+
+    /// A segment with two outputs, the second unused downstream: `v`, which reaches only that
+    /// one, gets no gradient with checkpointing as without; `w` and the input get theirs.
+    #[test]
+    fn a_parameter_reaching_only_an_unused_output_gets_no_gradient() {
+        tch::manual_seed(0);
+        let x0 = Tensor::randn([4, 6], (Kind::Float, Device::Cpu));
+        let w = Tensor::randn([6, 3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let v = Tensor::randn([6, 2], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let run = |checkpointed: bool| {
+            let x = x0.copy().set_requires_grad(true);
+            crate::autograd::set_grad(&w, None).unwrap();
+            crate::autograd::set_grad(&v, None).unwrap();
+            let (w, v) = (w.shallow_clone(), v.shallow_clone());
+            let f = move |x: &[Tensor]| Ok(vec![x[0].matmul(&w).tanh(), x[0].matmul(&v)]);
+            let out = if checkpointed { checkpoint(&[&x], f).unwrap() } else { f(&[x.shallow_clone()]).unwrap() };
+            assert!(out[1].requires_grad(), "the unused output is in the graph");
+            out[0].square().sum(Kind::Float).backward();
+            x.grad()
+        };
+        let plain = run(false);
+        let (w_plain, v_defined_plain) = (w.grad().copy(), v.grad().defined());
+        let ckpt = run(true);
+        assert!(!v_defined_plain, "plain autograd leaves v's gradient undefined");
+        assert!(!v.grad().defined(), "checkpointed, v's gradient is undefined as without");
+        assert!((&plain - &ckpt).abs().max().double_value(&[]) <= 1e-6, "input gradient");
+        assert!((&w_plain - w.grad()).abs().max().double_value(&[]) <= 1e-6, "w gradient");
     }
 
     #[test]

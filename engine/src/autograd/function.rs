@@ -20,6 +20,10 @@ pub struct Forward {
     pub saved: Vec<Tensor>,
     /// Indices of outputs that have no gradient (indices, masks).
     pub non_differentiable: Vec<usize>,
+    /// Whether backward gets the gradient of an output nothing used as undefined (`defined()`
+    /// false), as PyTorch's `ctx.set_materialize_grads(False)` leaves it, rather than as zeros:
+    /// for a backward whose result depends on which outputs were used (checkpointing).
+    pub undefined_grads: bool,
 }
 
 impl Forward {
@@ -58,6 +62,7 @@ pub fn apply(
     let mut out_ptrs: Vec<*mut C_tensor> = fwd.outputs.iter().map(|t| t.raw()).collect();
     let mut saved_ptrs: Vec<*mut C_tensor> = fwd.saved.iter().map(|t| t.raw()).collect();
     let nondiff: Vec<i64> = fwd.non_differentiable.iter().map(|&i| i as i64).collect();
+    let materialize_grads = !fwd.undefined_grads as c_int;
     let state = Box::into_raw(Box::new(State { name, backward: Box::new(backward) })) as *mut c_void;
     let mut results = vec![std::ptr::null_mut(); out_ptrs.len()];
     check(
@@ -71,6 +76,7 @@ pub fn apply(
                 saved_ptrs.len() as c_int,
                 nondiff.as_ptr(),
                 nondiff.len() as c_int,
+                materialize_grads,
                 state,
                 backward_trampoline,
                 drop_state,
@@ -234,7 +240,7 @@ mod tests {
                 Ok(Forward {
                     outputs: vec![i[0].pow_tensor_scalar(3)],
                     saved: vec![i[0].shallow_clone()],
-                    non_differentiable: vec![],
+                    ..Forward::default()
                 })
             },
             |g, saved| Ok(vec![Some(&g[0] * saved[0].pow_tensor_scalar(2) * 3.0)]),
@@ -264,6 +270,7 @@ mod tests {
                     outputs: vec![&i[0] * &i[1], &i[0] + &i[1], i[0].argmax(0, false)],
                     saved: vec![i[0].shallow_clone(), i[1].shallow_clone()],
                     non_differentiable: vec![2],
+                    ..Forward::default()
                 })
             },
             |g, s| Ok(vec![Some(&g[0] * &s[1] + &g[1]), Some(&g[0] * &s[0] + &g[1])]),

@@ -713,7 +713,7 @@ fn templates(t: &mut Trace, x: &Ctx, count: i64, n: i64, (c_m, c_z): (i64, i64),
     })
 }
 
-/// The peak of live bytes of one no-grad pass ([`crate::model::alphafold::AlphaFold::pass_owned`])
+/// The peak of live bytes of one no-grad pass ([`crate::model::alphafold::AlphaFold::pass`])
 /// on one rank with the compositions of libtorch, from its start (the previous pass's outputs
 /// alive: they are given up to it) to its end, under `plan`.
 pub fn pass_peak(cfg: &EvoformerConfig, model: &ModelConfig, sizes: Sizes, plan: &ChunkPlan) -> Peak {

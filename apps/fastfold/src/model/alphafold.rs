@@ -8,7 +8,7 @@
 //! ([`crate::model::templates`]); a batch without them runs as AlphaFold does for a query with
 //! no template hits (the template embedding then adds exactly zero and its rows are masked).
 //!
-//! Training dropout ([`AlphaFold::predict_keyed`], with an [`Exec`] that has dropout rates)
+//! Training dropout ([`AlphaFold::predict`] given a key, with an [`Exec`] that has dropout rates)
 //! draws its masks from keys derived from one key per example (see [`pass_keys`]). DeepMind's
 //! monomer hands its modules keys from haiku's rng sequence inside its recycling loop; this
 //! derivation follows the Multimer's v2.3 splits instead (the loop's, and the extra-MSA stack's
@@ -183,25 +183,12 @@ impl AlphaFold {
         &self.config
     }
 
-    /// One pass (Algorithm 2, lines 5–33) on `batch` given the previous pass's outputs.
-    pub fn pass(&self, batch: &Batch, prev: &Recycled, exec: &Exec) -> Result<Pass> {
-        let prev = Recycled {
-            msa_first_row: prev.msa_first_row.shallow_clone(),
-            pair: prev.pair.shallow_clone(),
-            pseudo_beta: prev.pseudo_beta.shallow_clone(),
-        };
-        self.pass_owned(batch, prev, exec)
-    }
-
-    /// [`AlphaFold::pass`] given up the previous pass's outputs: they are dropped once
-    /// embedded (the recycled pair is not held beside the new one through the stacks).
-    pub fn pass_owned(&self, batch: &Batch, prev: Recycled, exec: &Exec) -> Result<Pass> {
-        self.pass_keyed(batch, prev, exec, None)
-    }
-
-    /// [`AlphaFold::pass_owned`] in training: with `key` (the pass's) and `exec`'s dropout
-    /// rates, the stacks drop as [`pass_keys`] derives their keys.
-    pub fn pass_keyed(&self, batch: &Batch, prev: Recycled, exec: &Exec, key: Option<Key>) -> Result<Pass> {
+    /// One pass (Algorithm 2, lines 5–33) on `batch` given up the previous pass's outputs:
+    /// they are dropped once embedded (the recycled pair is not held beside the new one
+    /// through the stacks); a caller that keeps them passes [`Recycled::shallow_clone`].
+    /// In training, with `key` (the pass's) and `exec`'s dropout rates, the stacks drop as
+    /// [`pass_keys`] derives their keys.
+    pub fn pass(&self, batch: &Batch, prev: Recycled, exec: &Exec, key: Option<Key>) -> Result<Pass> {
         let keys = key.filter(|_| exec.dropout().is_some()).map(pass_keys);
         let (msa, pair) =
             self.embedders.input.embed(&batch.target_feat, &batch.msa_feat, &batch.residue_index, exec)?;
@@ -240,8 +227,8 @@ impl AlphaFold {
             (Some(stack), Some(embedder)) => {
                 let (rows, has_deletion, deletion_value, mask) = batch.extra_rows(self.drop_masked_rows)?;
                 let extra = embedder.forward(&rows, &has_deletion, &deletion_value)?.f_to_kind(pair.kind())?;
-                let (_, pair, chain) =
-                    stack.forward_owned_keyed(extra, pair, &mask, &pair_mask, exec, keys.map(|k| k.stacks))?;
+                let (extra, pair) = (Stream::new(extra, true), Stream::new(pair, true));
+                let (_, pair, chain) = stack.forward(extra, pair, &mask, &pair_mask, exec, keys.map(|k| k.stacks))?;
                 // The Evoformer continues the extra-MSA stack's key chain.
                 evoformer_key = chain;
                 pair
@@ -249,8 +236,8 @@ impl AlphaFold {
             _ => pair,
         };
         let (msa, msa_mask, rows) = MsaRows::run(self.drop_masked_rows, msa, msa_mask, own_rows)?;
-        let (msa, pair, _) =
-            self.evoformer.forward_owned_keyed(msa, pair, &msa_mask, &pair_mask, exec, evoformer_key)?;
+        let (msa, pair) = (Stream::new(msa, true), Stream::new(pair, true));
+        let (msa, pair, _) = self.evoformer.forward(msa, pair, &msa_mask, &pair_mask, exec, evoformer_key)?;
         // The template rows end here: the masked-MSA head reads the MSA's own rows only.
         let msa = rows.restore(&msa)?;
         // A row of its own, so that recycling it does not keep the whole MSA.
@@ -260,7 +247,7 @@ impl AlphaFold {
         let single = self.heads.single.forward(&msa)?;
         let ipa_chunk = exec.chunk_for(ChunkOp::StructureAttention);
         let dropout = keys.zip(exec.dropout()).map(|(k, d)| (k.structure, d.structure_module));
-        let structure = self.structure.run_keyed(&single, &pair, &batch.aatype, &batch.seq_mask, ipa_chunk, dropout)?;
+        let structure = self.structure.run(&single, &pair, &batch.aatype, &batch.seq_mask, ipa_chunk, dropout)?;
         let heads = self.heads.forward(&HeadInputs {
             msa: &msa,
             pair: &pair,
@@ -274,15 +261,12 @@ impl AlphaFold {
     /// `recycles + 1` passes over slices `0..=recycles` of `features` in `kind`, each starting
     /// from the previous one's outputs; the last pass is returned. As in AlphaFold, gradients
     /// flow through the last pass only: the earlier ones run without autograd.
-    pub fn predict(&self, features: &Features, recycles: usize, kind: Kind, exec: &Exec) -> Result<Pass> {
-        self.predict_keyed(features, recycles, kind, exec, None)
-    }
-
-    /// [`AlphaFold::predict`] in training: with `key` (the example's) and `exec`'s dropout
-    /// rates, every pass drops (recycles too, as AlphaFold's training passes all run in
-    /// training mode), recycle `i` under the second key of the loop key's split and the last
-    /// pass under the loop key as it stands (the Multimer's v2.3 loop).
-    pub fn predict_keyed(
+    ///
+    /// In training: with `key` (the example's) and `exec`'s dropout rates, every pass drops
+    /// (recycles too, as AlphaFold's training passes all run in training mode), recycle `i`
+    /// under the second key of the loop key's split and the last pass under the loop key as it
+    /// stands (the Multimer's v2.3 loop).
+    pub fn predict(
         &self,
         features: &Features,
         recycles: usize,
@@ -304,9 +288,9 @@ impl AlphaFold {
             let split = key.map(|k| k.split(2));
             key = split.as_ref().map(|k| k[0]);
             let pass_key = split.as_ref().map(|k| k[1]);
-            prev = tch::no_grad(|| self.pass_keyed(&batch, prev, exec, pass_key))?.recycled;
+            prev = tch::no_grad(|| self.pass(&batch, prev, exec, pass_key))?.recycled;
         }
-        self.pass_keyed(&Batch::new(features, recycles as i64, kind)?, prev, exec, key)
+        self.pass(&Batch::new(features, recycles as i64, kind)?, prev, exec, key)
     }
 
     /// Inference over `recycling`'s schedule: passes `0..=max` over slices of `features`, each
@@ -335,7 +319,7 @@ impl AlphaFold {
         let mut r = 0;
         loop {
             let batch = Batch::new(features, r as i64, kind)?;
-            let pass = self.pass_owned(&batch, prev, exec)?;
+            let pass = self.pass(&batch, prev, exec, None)?;
             let settled = r > 0
                 && recycling::ca_distance_change(&prev_positions, &pass.structure.atom37, &batch.seq_mask)?
                     < recycling.early_stop_tolerance;

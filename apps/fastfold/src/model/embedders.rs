@@ -278,6 +278,16 @@ pub struct Recycled {
 }
 
 impl Recycled {
+    /// Another handle to each tensor, for a pass that takes the outputs while the caller keeps
+    /// them.
+    pub fn shallow_clone(&self) -> Recycled {
+        Recycled {
+            msa_first_row: self.msa_first_row.shallow_clone(),
+            pair: self.pair.shallow_clone(),
+            pseudo_beta: self.pseudo_beta.shallow_clone(),
+        }
+    }
+
     /// Zeros, what the first pass recycles (AlphaFold's `prev` initialisation), like `like`'s
     /// kind and device.
     pub fn zeros(residues: i64, cfg: &EvoformerConfig, like: &Tensor) -> Result<Self> {

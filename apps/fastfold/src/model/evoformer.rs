@@ -415,73 +415,21 @@ impl EvoformerStack {
     /// `pair` [r, r, c_z], `msa_mask` [s, r], `pair_mask` [r, r] (1 = real, 0 = padding),
     /// and returns the whole `(msa, pair)` on every rank. Under DAP, s and r are padded to
     /// multiples of the group size with masked zeros, split, and the padding removed at the end.
+    ///
+    /// An input the caller gives up (a [`Stream`] made `owned`) is updated in place without
+    /// autograd (the caller's other handles to it, if any, see the updates), so that no second
+    /// MSA or pair is ever made; one not owned (`Stream::new(t.shallow_clone(), false)`) is left
+    /// as it is.
+    ///
+    /// In training: with `key` and `exec`'s dropout rates, block `i` drops with the second key
+    /// of `split(key_i)`, `key_{i+1}` its first (haiku's layer stack over DeepMind's
+    /// `safe_key, safe_subkey = safe_key.split()`). Returns the key the chain ends on (`None`
+    /// without `key`), which AlphaFold's monomer hands on from the extra-MSA stack to the
+    /// Evoformer.
     pub fn forward(
         &self,
-        msa: &Tensor,
-        pair: &Tensor,
-        msa_mask: &Tensor,
-        pair_mask: &Tensor,
-        exec: &Exec,
-    ) -> Result<(Tensor, Tensor)> {
-        let (m, z, _) = self.run(msa.shallow_clone(), pair.shallow_clone(), false, msa_mask, pair_mask, exec, None)?;
-        Ok((m, z))
-    }
-
-    /// [`EvoformerStack::forward`] on inputs the caller gives up: without autograd the stack
-    /// updates them in place (the caller's other handles to them, if any, see the updates), so
-    /// that no second MSA or pair is ever made.
-    pub fn forward_owned(
-        &self,
-        msa: Tensor,
-        pair: Tensor,
-        msa_mask: &Tensor,
-        pair_mask: &Tensor,
-        exec: &Exec,
-    ) -> Result<(Tensor, Tensor)> {
-        let (m, z, _) = self.run(msa, pair, true, msa_mask, pair_mask, exec, None)?;
-        Ok((m, z))
-    }
-
-    /// [`EvoformerStack::forward`] in training: with `key` and `exec`'s dropout rates, block
-    /// `i` drops with the second key of `split(key_i)`, `key_{i+1}` its first (haiku's layer
-    /// stack over DeepMind's `safe_key, safe_subkey = safe_key.split()`). Returns the key the
-    /// chain ends on, which AlphaFold's monomer hands on from the extra-MSA stack to the
-    /// Evoformer.
-    pub fn forward_keyed(
-        &self,
-        msa: &Tensor,
-        pair: &Tensor,
-        msa_mask: &Tensor,
-        pair_mask: &Tensor,
-        exec: &Exec,
-        key: Key,
-    ) -> Result<(Tensor, Tensor, Key)> {
-        let (m, z, end) =
-            self.run(msa.shallow_clone(), pair.shallow_clone(), false, msa_mask, pair_mask, exec, Some(key))?;
-        // A chain given a key ends on one.
-        Ok((m, z, end.unwrap_or(key)))
-    }
-
-    /// [`EvoformerStack::forward_owned`] with [`EvoformerStack::forward_keyed`]'s dropout when
-    /// a key is given; returns the chain's last key (`None` without one).
-    pub fn forward_owned_keyed(
-        &self,
-        msa: Tensor,
-        pair: Tensor,
-        msa_mask: &Tensor,
-        pair_mask: &Tensor,
-        exec: &Exec,
-        key: Option<Key>,
-    ) -> Result<(Tensor, Tensor, Option<Key>)> {
-        self.run(msa, pair, true, msa_mask, pair_mask, exec, key)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn run(
-        &self,
-        msa: Tensor,
-        pair: Tensor,
-        owned: bool,
+        msa: Stream,
+        pair: Stream,
         msa_mask: &Tensor,
         pair_mask: &Tensor,
         exec: &Exec,
@@ -489,10 +437,10 @@ impl EvoformerStack {
     ) -> Result<(Tensor, Tensor, Option<Key>)> {
         let exec = exec.in_stage(self.stage);
         let dap = exec.dap();
-        let (s, r) = check_inputs(&msa, &pair, msa_mask, pair_mask, self.c_m, self.c_z)?;
+        let (s, r) = check_inputs(msa.get(), pair.get(), msa_mask, pair_mask, self.c_m, self.c_z)?;
         let (sp, rp) = (dap.padded_len(s), dap.padded_len(r));
         let pad2 = |t: &Tensor, a: i64, b: i64| -> Result<Tensor> { Ok(dap.pad_to(&dap.pad_to(t, 0, a)?, 1, b)?) };
-        let kind = msa.kind();
+        let kind = msa.get().kind();
         let masks = BlockMasks::new(
             &pad2(&msa_mask.f_to_kind(kind)?, sp, rp)?,
             &pad2(&pair_mask.f_to_kind(kind)?, rp, rp)?,
@@ -500,7 +448,9 @@ impl EvoformerStack {
         )?;
         // Padded or split, the blocks get a copy of their own; the input is dropped here when
         // the caller gave it up.
-        let own = |t: Tensor, len: i64| -> Result<Stream> {
+        let own = |t: Stream, len: i64| -> Result<Stream> {
+            let owned = t.is_owned();
+            let t = t.into_inner();
             let local = dap.scatter(&pad2(&t, len, rp)?, 0)?;
             let copied = (len, rp) != (t.size()[0], t.size()[1]) || dap.size() > 1;
             Ok(Stream::new(local, owned || copied))

@@ -21,10 +21,11 @@
 //! Activations keep the parameters' kind (bf16 inference); the geometry — quaternions,
 //! frames, points, attention over points, atom positions — is computed in fp32.
 //!
-//! In training ([`StructureModule::run_keyed`]) the activation is dropped after the attention's
-//! residual sum and after the transition's, before each norm, as `FoldIteration` does (the whole
-//! activation, no shared dimension, AlphaFold's rate 0.1): iteration `i` splits the `i`th key of
-//! the module's key split per iteration in three and drops with the second and the third.
+//! In training ([`StructureModule::run`] given a dropout key) the activation is dropped after
+//! the attention's residual sum and after the transition's, before each norm, as
+//! `FoldIteration` does (the whole activation, no shared dimension, AlphaFold's rate 0.1):
+//! iteration `i` splits the `i`th key of the module's key split per iteration in three and
+//! drops with the second and the third.
 use tch::{Kind, Tensor};
 
 use crate::geometry::Rigid;
@@ -440,33 +441,10 @@ impl StructureModule {
     }
 
     /// `single` [N, c_s] (the Evoformer's single representation), `pair` [N, N, c_z],
-    /// `aatype` [N] (integer), `seq_mask` [N].
-    pub fn forward(
-        &self,
-        single: &Tensor,
-        pair: &Tensor,
-        aatype: &Tensor,
-        seq_mask: &Tensor,
-    ) -> Result<StructureOutput> {
-        self.run(single, pair, aatype, seq_mask, None)
-    }
-
-    /// [`StructureModule::forward`], the invariant point attention `chunk` query residues at a
-    /// time (`None`: all).
+    /// `aatype` [N] (integer), `seq_mask` [N]; the invariant point attention `chunk` query
+    /// residues at a time (`None`: all). In training, with `dropout` (the module's key and
+    /// rate) the activation is dropped as the module docs say.
     pub fn run(
-        &self,
-        single: &Tensor,
-        pair: &Tensor,
-        aatype: &Tensor,
-        seq_mask: &Tensor,
-        chunk: Option<i64>,
-    ) -> Result<StructureOutput> {
-        self.run_keyed(single, pair, aatype, seq_mask, chunk, None)
-    }
-
-    /// [`StructureModule::run`] in training: with `dropout` (the module's key and rate) the
-    /// activation is dropped as the module docs say.
-    pub fn run_keyed(
         &self,
         single: &Tensor,
         pair: &Tensor,

@@ -559,7 +559,7 @@ impl Templates {
     /// The update of `pair` [N, N, c_z] from the templates (`pair_mask` [N, N]): zero when no
     /// template is real.
     pub fn pair_update(&self, pair: &Tensor, t: &TemplateFeatures, pair_mask: &Tensor, exec: &Exec) -> Result<Tensor> {
-        let stacked = self.pair_stack(t, pair_mask, pair.kind(), exec)?;
+        let stacked = self.pair_stack(t, pair_mask, pair.kind(), exec, None)?;
         self.pointwise_attention(pair, &stacked, &t.mask, exec)
     }
 
@@ -569,7 +569,7 @@ impl Templates {
     /// [T, N, N, c_t], a long query's largest buffer with templates, is never made; a masked
     /// template's logits carry the same bias as in the stacked softmax (its weight 0).
     /// In training, `key` (the templates') keys the pair stack's dropout
-    /// ([`Templates::pair_stack_keyed`]).
+    /// ([`Templates::pair_stack`]).
     pub fn add_pair_update(
         &self,
         pair: &mut Stream,
@@ -586,7 +586,7 @@ impl Templates {
         // keeps the templates' stack and one softmax over it; inference folds the templates in
         // one at a time.
         if pair.get().requires_grad() || self.attention.query_w.requires_grad() || exec.dropout().is_some() {
-            let stacked = self.pair_stack_keyed(t, pair_mask, kind, exec, key)?;
+            let stacked = self.pair_stack(t, pair_mask, kind, exec, key)?;
             return pair.add_chunked(0, chunk, |z, start, n| {
                 Ok(self.attention.rows(z, &stacked, &bias, start, n)?.f_mul(&any)?)
             });
@@ -619,14 +619,9 @@ impl Templates {
     /// final norm: [T, N, N, c_t] in `kind`. The stack's mask is the query's `pair_mask`
     /// [N, N], as in AlphaFold (the template's own masks are part of its features). Every rank
     /// runs it whole, whatever `exec`'s DAP group, one template at a time (its features made
-    /// only when it runs).
-    pub fn pair_stack(&self, t: &TemplateFeatures, pair_mask: &Tensor, kind: Kind, exec: &Exec) -> Result<Tensor> {
-        self.pair_stack_keyed(t, pair_mask, kind, exec, None)
-    }
-
-    /// [`Templates::pair_stack`] in training: with `key` and `exec`'s dropout rates, template
-    /// `i`'s stack drops from the `i`th key of `key`'s split in as many as there are templates.
-    pub fn pair_stack_keyed(
+    /// only when it runs). In training, with `key` and `exec`'s dropout rates, template `i`'s
+    /// stack drops from the `i`th key of `key`'s split in as many as there are templates.
+    pub fn pair_stack(
         &self,
         t: &TemplateFeatures,
         pair_mask: &Tensor,

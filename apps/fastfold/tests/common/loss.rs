@@ -33,7 +33,7 @@ pub fn forward() -> (Params, Features, Pass, GroundTruth) {
     let params = Params::load_model(fixture("params.npz")).unwrap().to_device(Device::Cpu, true).unwrap();
     let features = Features::load_npz(&fixture("features.npz"), Device::Cpu).unwrap();
     let model = AlphaFold::new(&params).unwrap();
-    let pass = model.predict(&features, 0, Kind::Float, &Exec::serial()).unwrap();
+    let pass = model.predict(&features, 0, Kind::Float, &Exec::serial(), None).unwrap();
     let t = arrays("truth.npz");
     let truth = GroundTruth::new(&t["aatype"], &t["all_atom_positions"], &t["all_atom_mask"]).unwrap();
     (params, features, pass, truth)

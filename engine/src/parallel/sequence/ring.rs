@@ -168,7 +168,7 @@ impl Ring {
         Ok(Forward {
             outputs: vec![out.shallow_clone()],
             saved: vec![q.shallow_clone(), k.shallow_clone(), v.shallow_clone(), out, lse],
-            non_differentiable: vec![],
+            ..Forward::default()
         })
     }
 

@@ -389,7 +389,7 @@ impl MultimerAlphaFold {
         };
         if let (Some((embedding, _)), Some((aatype, positions, mask))) = (&self.templates, &template_batch) {
             let batch = TemplateBatch { aatype, positions, mask };
-            let update = embedding.forward_keyed(&pair, &batch, &pair_mask, &asym_id, exec, template_key)?;
+            let update = embedding.forward(&pair, &batch, &pair_mask, &asym_id, exec, template_key)?;
             pair = pair.f_add(&update)?;
         }
         let (pair, extra_end) = self.extra_stack(&sampled, pair, &pair_mask, exec, training.then_some(extra_key))?;
@@ -401,7 +401,8 @@ impl MultimerAlphaFold {
         }
         let (msa, msa_mask, rows) = MsaRows::run(self.drop_masked_rows, msa, msa_mask, own_rows)?;
         let evo_key = extra_end.map(evoformer_key);
-        let (msa, pair, _) = self.evoformer.forward_owned_keyed(msa, pair, &msa_mask, &pair_mask, exec, evo_key)?;
+        let (msa, pair) = (Stream::new(msa, true), Stream::new(pair, true));
+        let (msa, pair, _) = self.evoformer.forward(msa, pair, &msa_mask, &pair_mask, exec, evo_key)?;
         // The template rows end here: the masked-MSA head reads the MSA's own rows only.
         let msa = rows.restore(&msa)?;
         let first = msa.f_select(0, 0)?;
@@ -410,7 +411,7 @@ impl MultimerAlphaFold {
         let single = self.heads.single.forward(&msa)?;
         let ipa_chunk = exec.chunk_for(ChunkOp::StructureAttention);
         let dropout = exec.dropout().map(|d| (structure_key(key), d.structure_module));
-        let structure = self.structure.run_keyed(&single, &pair, &aatype, &seq_mask, ipa_chunk, dropout)?;
+        let structure = self.structure.run(&single, &pair, &aatype, &seq_mask, ipa_chunk, dropout)?;
         let heads = self.heads.forward(&HeadInputs {
             msa: &msa,
             pair: &pair,
@@ -462,8 +463,8 @@ impl MultimerAlphaFold {
         let has_deletion = to(&deletions.f_clamp(0.0, 1.0)?)?;
         let deletion_value = to(&encode_deletions(&deletions)?)?;
         let extra = self.extra_embedder.forward(&extra_msa.f_to_device(device)?, &has_deletion, &deletion_value)?;
-        let (_, pair, end) =
-            self.extra.forward_owned_keyed(extra.f_to_kind(kind)?, pair, &to(&mask)?, pair_mask, exec, key)?;
+        let (extra, pair) = (Stream::new(extra.f_to_kind(kind)?, true), Stream::new(pair, true));
+        let (_, pair, end) = self.extra.forward(extra, pair, &to(&mask)?, pair_mask, exec, key)?;
         Ok((pair, end))
     }
 

@@ -247,24 +247,14 @@ impl MultimerTemplates {
     /// masked by `pair_mask` [N, N] (padding residues), the features by the chains `asym_id`
     /// [N]. Every rank runs it whole (`exec`'s chunk sizes, not its DAP group), one template
     /// at a time.
-    pub fn forward(
-        &self,
-        query: &Tensor,
-        templates: &TemplateBatch,
-        pair_mask: &Tensor,
-        asym_id: &Tensor,
-        exec: &Exec,
-    ) -> Result<Tensor> {
-        self.forward_keyed(query, templates, pair_mask, asym_id, exec, None)
-    }
-
-    /// [`MultimerTemplates::forward`] in training: with `key` (the templates', [`stack_keys`])
-    /// and `exec`'s dropout rates, the stacks drop as `TemplateEmbedding` keys them: the
-    /// second half of `key`'s split is split per template, and each template's
-    /// `SingleTemplateEmbedding` hands the second half of its key's split to its stack.
+    ///
+    /// In training: with `key` (the templates', [`stack_keys`]) and `exec`'s dropout rates,
+    /// the stacks drop as `TemplateEmbedding` keys them: the second half of `key`'s split is
+    /// split per template, and each template's `SingleTemplateEmbedding` hands the second half
+    /// of its key's split to its stack.
     ///
     /// [`stack_keys`]: crate::model::multimer::stack_keys
-    pub fn forward_keyed(
+    pub fn forward(
         &self,
         query: &Tensor,
         templates: &TemplateBatch,
