@@ -71,7 +71,7 @@ fn one_block(stack: &EvoformerStack, f: &HashMap<String, Tensor>, exec: &Exec) -
     let masks = BlockMasks::new(&f["msa_mask"], &f["pair_mask"], exec).unwrap();
     let dropout = BlockDropout { key: key_of(&f["key"]), rates: rates_of(&f["rates"]), seqs: s, residues: r };
     assert_eq!(stack.len(), 1);
-    tch::no_grad(|| stack.blocks()[0].forward_dropped(&f["msa"], &f["pair"], &masks, exec, Some(dropout)).unwrap())
+    tch::no_grad(|| stack.blocks()[0].forward(&f["msa"], &f["pair"], &masks, exec, Some(dropout)).unwrap())
 }
 
 #[test]

@@ -47,10 +47,10 @@ fn block_parameter_and_activation_bytes_match_a_cpu_run() {
         let (msa, pair) = (Tensor::randn([s, r, cfg.c_m], opts), Tensor::randn([r, r, cfg.c_z], opts));
         let masks = BlockMasks::new(&Tensor::ones([s, r], opts), &Tensor::ones([r, r], opts), &exec).unwrap();
         // A first step allocates the parameters' gradients and the kernels' one-time buffers.
-        let (m, z) = block.forward(&msa, &pair, &masks, &exec).unwrap();
+        let (m, z) = block.forward(&msa, &pair, &masks, &exec, None).unwrap();
         (m.sum(Kind::Float) + z.sum(Kind::Float)).backward();
         let before = suite_tests::resident_bytes();
-        let kept = block.forward(&msa, &pair, &masks, &exec).unwrap();
+        let kept = block.forward(&msa, &pair, &masks, &exec, None).unwrap();
         let grown = suite_tests::resident_bytes() - before;
         let expected = predicted.saved_bytes + predicted.output_bytes;
         suite_tests::assert_bytes_close(&format!("Evoformer block, {s} x {r}, CPU"), grown, expected, 0.10);
@@ -79,11 +79,11 @@ fn block_kept_bytes_match_the_cuda_caching_allocator() {
         let (msa, pair) = (Tensor::randn([s, r, cfg.c_m], opts), Tensor::randn([r, r, cfg.c_z], opts));
         let exec = Exec::serial();
         let masks = BlockMasks::new(&Tensor::ones([s, r], opts), &Tensor::ones([r, r], opts), &exec).unwrap();
-        let (m, z) = block.forward(&msa, &pair, &masks, &exec).unwrap();
+        let (m, z) = block.forward(&msa, &pair, &masks, &exec, None).unwrap();
         (m.sum(Kind::Float) + z.sum(Kind::Float)).backward();
         drop((m, z));
         let before = engine::cuda::memory_stats(0).unwrap().requested;
-        let kept = block.forward(&msa, &pair, &masks, &exec).unwrap();
+        let kept = block.forward(&msa, &pair, &masks, &exec, None).unwrap();
         let grown = (engine::cuda::memory_stats(0).unwrap().requested - before) as f64;
         let expected = predicted.saved_bytes + predicted.output_bytes;
         suite_tests::assert_bytes_close(

@@ -181,13 +181,8 @@ impl EvoformerBlock {
 
     /// One block on row-split `msa` [s/N, r, c] and row-split `pair` [r/N, r, c_z]; returns
     /// both in the same layouts. `exec`'s chunk sizes bound the batch-like axis of every heavy
-    /// step.
-    pub fn forward(&self, msa: &Tensor, pair: &Tensor, masks: &BlockMasks, exec: &Exec) -> Result<(Tensor, Tensor)> {
-        self.forward_dropped(msa, pair, masks, exec, None)
-    }
-
-    /// [`EvoformerBlock::forward`] with training dropout as `dropout` says (`None`: none).
-    pub fn forward_dropped(
+    /// step; training dropout as `dropout` says (`None`: none).
+    pub fn forward(
         &self,
         msa: &Tensor,
         pair: &Tensor,
