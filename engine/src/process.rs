@@ -3,6 +3,10 @@
 //! allocator setting every binary makes at startup, and the peak memory a job reports.
 use std::ffi::CStr;
 use std::fmt::Write;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
 
 use crate::dist::LaunchEnv;
 use crate::{cuda, ffi};
@@ -81,9 +85,70 @@ pub fn peak_memory(device: tch::Device) -> Option<u64> {
     }
 }
 
+/// The most memory a CUDA card holds while this runs, as `nvidia-smi`'s memory use counts it:
+/// the CUDA context, the libraries' handles, workspaces and loaded modules, and the caching
+/// allocator's whole reserve, not only its allocations ([`peak_memory`]). Read as the driver's
+/// `total - free` (`cudaMemGetInfo`) on a thread of its own every [`CardPeak::PERIOD`]. It is
+/// the card's use, so on a card this process has alone the process's plus the driver's own
+/// few MiB. The caching allocator keeps what it reserved until its cache is emptied, so within
+/// a run the use steps up and seldom falls back: sampling misses little of the peak.
+pub struct CardPeak {
+    stop: Arc<AtomicBool>,
+    sampler: JoinHandle<crate::Result<u64>>,
+}
+
+impl CardPeak {
+    /// How often the card's use is read.
+    pub const PERIOD: Duration = Duration::from_millis(5);
+
+    /// Starts reading `device`'s use; an error where it cannot be read (no CUDA).
+    pub fn start(device: usize) -> crate::Result<CardPeak> {
+        let used = move || cuda::mem_get_info(device).map(|(free, total)| total.saturating_sub(free));
+        let first = used()?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
+        let sampler = std::thread::spawn(move || {
+            let mut peak = first;
+            loop {
+                // Read once more after the stop is seen, so the end of the run is counted.
+                let last = stopped.load(Ordering::Acquire);
+                peak = peak.max(used()?);
+                if last {
+                    return Ok(peak);
+                }
+                std::thread::sleep(Self::PERIOD);
+            }
+        });
+        Ok(CardPeak { stop, sampler })
+    }
+
+    /// Stops reading: the largest use seen, in bytes.
+    pub fn finish(self) -> crate::Result<u64> {
+        self.stop.store(true, Ordering::Release);
+        self.sampler.join().map_err(|_| crate::Error::invalid("the card memory sampler panicked"))?
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// On a GPU the sampled use covers a 256 MiB tensor held meanwhile; without one, starting
+    /// is an error (the benchmarks then print no card figure), not a panic.
+    #[test]
+    fn card_peak_covers_a_held_tensor_or_says_there_is_no_card() {
+        if cuda::device_count() == 0 {
+            assert!(CardPeak::start(0).is_err(), "a card peak read without a CUDA device");
+            return;
+        }
+        let card = CardPeak::start(0).unwrap();
+        let held = tch::Tensor::ones([64 << 20], (tch::Kind::Float, tch::Device::Cuda(0)));
+        cuda::synchronize(0).unwrap();
+        std::thread::sleep(CardPeak::PERIOD * 4);
+        let peak = card.finish().unwrap();
+        assert!(peak >= (256 << 20), "card peak {peak} below a 256 MiB tensor held");
+        drop(held);
+    }
 
     #[test]
     fn cpu_peak_memory_is_at_least_a_touched_buffer() {

@@ -7,7 +7,9 @@
 //! `cargo bench -p diffusion --bench finetune -- --device cuda --cap 4G --resolution 512
 //! --batch 1 --precision fp16 --gradient-checkpointing` is the measurement;
 //! `scripts/bench-diffusion.sh` sets up diffusers and runs it. Each configuration runs in its
-//! own process, so every peak (the allocator's on a GPU, the resident set on the CPU) is its own.
+//! own process, so every peak (the allocator's on a GPU, the resident set on the CPU) is its own;
+//! on a GPU each also reports the card's peak use through its run, as `nvidia-smi` counts it
+//! (`engine::process::CardPeak`; what `--gpu-mem` caps).
 //! SDXL's steps add its pooled text and size/crop time ids (random, as the text states).
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -98,6 +100,9 @@ struct Args {
 struct Measured {
     seconds_per_step: f64,
     peak_bytes: Option<u64>,
+    /// On a GPU, the card's peak use through the run, as `nvidia-smi` counts it (the CUDA
+    /// context, libraries and the allocator's reserve: what `--gpu-mem` caps).
+    card_peak_bytes: Option<u64>,
     /// The UNet's parameter count (ours only).
     parameters: Option<u64>,
 }
@@ -160,6 +165,11 @@ impl Mode {
 fn ours(args: &Args, mode: Mode) -> anyhow::Result<Measured> {
     let capped = mode == Mode::Capped;
     let device = args.device.device(0, 1)?;
+    // From before anything is on the card, so that the context and libraries count.
+    let card = match device {
+        Device::Cuda(d) => Some(engine::process::CardPeak::start(d)?),
+        _ => None,
+    };
     kernels::install_optimizer_steps(kernels::Backend::resolve(args.kernels, device)?);
     let cap = parse_bytes(&args.cap).context("--cap")?;
     let file = config(args)?;
@@ -273,7 +283,12 @@ fn ours(args: &Args, mode: Mode) -> anyhow::Result<Measured> {
         phases[2] / n,
         phases[3] / n
     );
-    Ok(Measured { seconds_per_step, peak_bytes: engine::process::peak_memory(device), parameters: Some(parameters) })
+    Ok(Measured {
+        seconds_per_step,
+        peak_bytes: engine::process::peak_memory(device),
+        card_peak_bytes: card.map(engine::process::CardPeak::finish).transpose()?,
+        parameters: Some(parameters),
+    })
 }
 
 /// Runs this program again for one configuration of ours.
@@ -290,6 +305,7 @@ fn parse_child(mut cmd: Command, what: &str) -> anyhow::Result<Measured> {
     Ok(Measured {
         seconds_per_step: engine::baseline::number(&json, "seconds_per_step")?,
         peak_bytes: json["peak_bytes"].as_u64(),
+        card_peak_bytes: json["card_peak_bytes"].as_u64(),
         parameters: json["parameters"].as_u64(),
     })
 }
@@ -312,6 +328,11 @@ fn gib(bytes: Option<u64>) -> String {
     bytes.map_or("-".into(), |b| format!("{:.2}", b as f64 / f64::from(1u32 << 30)))
 }
 
+/// A table row's figures: seconds per step, the peak and the card's peak.
+fn cells(m: &Measured) -> String {
+    format!("{:.3} | {} | {}", m.seconds_per_step, gib(m.peak_bytes), gib(m.card_peak_bytes))
+}
+
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     if let Some(which) = &args.run {
@@ -320,6 +341,7 @@ fn main() -> anyhow::Result<()> {
         let json = serde_json::json!({
             "seconds_per_step": m.seconds_per_step,
             "peak_bytes": m.peak_bytes,
+            "card_peak_bytes": m.card_peak_bytes,
             "parameters": m.parameters,
         });
         println!("{json}");
@@ -349,14 +371,14 @@ fn main() -> anyhow::Result<()> {
     if args.device.resolve() == DeviceKind::Cpu {
         println!("(on the CPU the cap is Gemini's own accounting; peaks are each process's resident set)");
     }
-    println!("| | s/step | peak GiB |\n|---|---|---|");
-    println!("| ours, Gemini, cap {} | {:.3} | {} |", args.cap, capped.seconds_per_step, gib(capped.peak_bytes));
+    println!("| | s/step | peak GiB | card peak GiB |\n|---|---|---|---|");
+    println!("| ours, Gemini, cap {} | {} |", args.cap, cells(&capped));
     let uncapped = child("uncapped")?;
-    println!("| ours, Gemini, uncapped | {:.3} | {} |", uncapped.seconds_per_step, gib(uncapped.peak_bytes));
+    println!("| ours, Gemini, uncapped | {} |", cells(&uncapped));
     println!("capped / uncapped step time: {:.2}", capped.seconds_per_step / uncapped.seconds_per_step);
     if args.precision == Precision::Fp32 {
         let plain = child("plain")?;
-        println!("| ours, no Gemini (tensor AdamW) | {:.3} | {} |", plain.seconds_per_step, gib(plain.peak_bytes));
+        println!("| ours, no Gemini (tensor AdamW) | {} |", cells(&plain));
     }
     if args.no_baseline {
         return Ok(());
@@ -369,7 +391,7 @@ fn main() -> anyhow::Result<()> {
     let eager = diffusers(&args, &config_path);
     let _ = std::fs::remove_dir_all(&dir);
     let eager = eager?;
-    println!("| diffusers eager, uncapped | {:.3} | {} |", eager.seconds_per_step, gib(eager.peak_bytes));
+    println!("| diffusers eager, uncapped | {} |", cells(&eager));
     println!(
         "diffusers / ours step time: {:.2} (ours capped), {:.2} (ours uncapped)",
         eager.seconds_per_step / capped.seconds_per_step,

@@ -10,11 +10,14 @@ image at the resolution, as ours.
 
     python finetune_baseline.py CONFIG.json --device cpu --resolution 256 --batch 1 \
         --precision fp32 --steps 3 --warmup 1 [--gradient-checkpointing]
-prints one JSON line: seconds_per_step, peak_bytes.
+prints one JSON line: seconds_per_step, peak_bytes and, on a GPU, card_peak_bytes (the card's
+peak use through the run as `nvidia-smi` counts it, `total - free` read every 5 ms, as
+`engine::process::CardPeak` reads ours).
 """
 import argparse
 import json
 import resource
+import threading
 import time
 
 import torch
@@ -22,6 +25,30 @@ import torch.nn.functional as F
 from diffusers import UNet2DConditionModel
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class CardPeak:
+    """The card's largest `total - free` (torch.cuda.mem_get_info) seen every 5 ms until stopped."""
+
+    def __init__(self, device):
+        self.device, self.peak, self.done = device, 0, threading.Event()
+        self.read()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def read(self):
+        free, total = torch.cuda.mem_get_info(self.device)
+        self.peak = max(self.peak, total - free)
+
+    def run(self):
+        while not self.done.wait(0.005):
+            self.read()
+
+    def finish(self):
+        self.done.set()
+        self.thread.join()
+        self.read()
+        return self.peak
 
 
 def main():
@@ -40,6 +67,7 @@ def main():
         config = json.load(f)
     torch.manual_seed(0)
     device = torch.device(a.device)
+    card = CardPeak(device) if device.type == "cuda" else None
     unet = UNet2DConditionModel.from_config(config).to(device)
     unet.train()
     if a.gradient_checkpointing:
@@ -81,7 +109,8 @@ def main():
         peak = torch.cuda.max_memory_allocated(device)
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"seconds_per_step": seconds, "peak_bytes": peak}))
+    card_peak = card.finish() if card else None
+    print(json.dumps({"seconds_per_step": seconds, "peak_bytes": peak, "card_peak_bytes": card_peak}))
 
 
 if __name__ == "__main__":

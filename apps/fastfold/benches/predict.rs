@@ -1,6 +1,8 @@
 //! A full single-sequence prediction with AlphaFold's sizes (`model_1_ptm`: 48 Evoformer
 //! blocks, 4 extra-MSA blocks, templates, structure module, heads; random weights) for each
-//! requested length: wall time and peak memory. On a GPU, with three or more lengths, it then
+//! requested length: wall time and peak memory (on a GPU the caching allocator's peak and the
+//! card's, as `nvidia-smi` counts it: `engine::process::CardPeak`, the cache emptied before each
+//! length so that each card figure is its length's). On a GPU, with three or more lengths, it then
 //! predicts the longest sequence that fits the device's memory from a quadratic fit of the
 //! measured peaks (the pair representation grows with the square of the length), said as a
 //! prediction: running it would take longer than a benchmark should.
@@ -58,8 +60,8 @@ fn main() -> anyhow::Result<()> {
         if args.bf16 { "bf16" } else { "fp32" },
         args.chunk_size.map(|c| format!(", chunk {c}")).unwrap_or_default()
     );
-    println!("| residues | seconds | peak MiB |");
-    println!("|---|---|---|");
+    println!("| residues | seconds | peak MiB | card peak MiB |");
+    println!("|---|---|---|---|");
     let letters = b"ARNDCQEGHILKMFPSTWYV";
     let features = |n: usize| {
         let sequence: String = (0..n).map(|i| letters[(i * 7 + i / 3) % 20] as char).collect();
@@ -77,9 +79,14 @@ fn main() -> anyhow::Result<()> {
     let mut peaks = vec![];
     for &n in &args.residues {
         let features = features(n)?;
-        if let tch::Device::Cuda(d) = device {
-            engine::cuda::reset_peak_stats(d)?;
-        }
+        let card = match device {
+            tch::Device::Cuda(d) => {
+                engine::cuda::reset_peak_stats(d)?;
+                engine::cuda::empty_cache()?;
+                Some(engine::process::CardPeak::start(d)?)
+            }
+            _ => None,
+        };
         let start = Instant::now();
         let pass = tch::no_grad(|| model.predict(&features, args.recycles, kind, &exec, None))?;
         if let tch::Device::Cuda(d) = device {
@@ -92,8 +99,9 @@ fn main() -> anyhow::Result<()> {
         );
         let peak = engine::process::peak_memory(device);
         peaks.extend(peak.map(|b| (n as f64, b as f64)));
-        let peak = peak.map_or("-".into(), |b| format!("{:.0}", b as f64 / (1 << 20) as f64));
-        println!("| {n} | {seconds:.1} | {peak} |");
+        let mib = |b: Option<u64>| b.map_or("-".into(), |b| format!("{:.0}", b as f64 / (1 << 20) as f64));
+        let card = card.map(engine::process::CardPeak::finish).transpose()?;
+        println!("| {n} | {seconds:.1} | {} | {} |", mib(peak), mib(card));
     }
     if let (tch::Device::Cuda(d), true) = (device, peaks.len() >= 3) {
         // What the peaks may reach: the free memory once the cache is handed back, plus what
