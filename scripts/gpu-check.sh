@@ -6,6 +6,7 @@
 #   bash scripts/gpu-check.sh all     OUT [SECONDS]   # there: tests, then benchmarks, in SECONDS
 #   bash scripts/gpu-check.sh tests   OUT [SECONDS]   # there: every CUDA and kernel test
 #   bash scripts/gpu-check.sh bench   OUT [SECONDS]   # there: the benchmarks, each beside its baseline
+#   bash scripts/gpu-check.sh alphafold OUT [SECONDS] # there: fastfold beside DeepMind's AlphaFold (JAX)
 #
 # A session is lent a GPU for 15 minutes in all, starts included, so the whole check is one
 # call: `run` with `carry: ["gpu-bin"]`, `bash scripts/gpu-check.sh all $OUT 520`, timeout_s
@@ -60,7 +61,8 @@ pack() {
   cargo build --locked --release -p vit
   cp target/release/vit "$stage_dir/" && strip "$stage_dir/vit"
   local spec exe
-  for spec in "engine gemini" "fastfold evoformer" "fastfold predict" "diffusion finetune" "kernels kernels"; do
+  for spec in "engine gemini" "fastfold evoformer" "fastfold predict" "diffusion finetune" "kernels kernels" \
+    "fastfold versus_alphafold" "fastfold versus_alphafold_multimer"; do
     set -- $spec
     exe="$(cargo bench --locked -p "$1" --bench "$2" --no-run --message-format=json 2>/dev/null |
       sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1)"
@@ -76,6 +78,15 @@ pack() {
   # diffusers, and no internet); its other requirements are there.
   .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux2014_x86_64 -d "$stage_dir/wheels" diffusers==0.42.1 importlib_metadata==10.2.0
+  # DeepMind's AlphaFold for the baselines beside fastfold (that machine has JAX with CUDA,
+  # NumPy, SciPy and PyYAML, not AlphaFold's own packages). colabfold-kernels' CUDA builds stay
+  # behind: 2.3.27 imports the package, but its fused kernels are off in every model config.
+  # This set ran DeepMind's Multimer under Python 3.12 and JAX 0.11 (on the CPU) here.
+  .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+    -d "$stage_dir/alphafold-wheels" alphafold-colabfold==2.3.27 colabfold-kernels==0.9.0 dm-haiku==0.0.17 \
+    jmp==0.0.4 tabulate==0.10.0 dm-tree==0.1.10 ml-collections==1.1.0 absl-py==2.5.1 chex==0.1.92 toolz==1.2.0 \
+    immutabledict==4.3.1 biopython==1.88
   # The benchmarks find their PyTorch baselines by this tree's path when they were built.
   echo "$root" >"$stage_dir/built-at"
   # One solid xz archive: the binaries share most of their code (80 MiB -> ~17 MiB), and the
@@ -117,6 +128,16 @@ environment() {
       say "diffusers did not install: the fine-tuning baseline will fail"
   fi
   export PYTHONPATH="$bin/site${PYTHONPATH:+:$PYTHONPATH}"
+  # AlphaFold's packages for its baselines only (through their own Python), so that the other
+  # baselines import the machine's own.
+  local af=("$bin"/alphafold-wheels/*.whl)
+  if [ -e "${af[0]}" ] && [ ! -d "$bin/alphafold-site" ]; then
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$bin/alphafold-site" "${af[@]}" ||
+      say "AlphaFold's packages did not install: the AlphaFold baselines will fail"
+  fi
+  printf '#!/bin/sh\nPYTHONPATH="%s:$PYTHONPATH" exec "%s" "$@"\n' "$bin/alphafold-site" "$py" >"$bin/alphafold-python"
+  chmod +x "$bin/alphafold-python"
+  export ALPHAFOLD_PYTHON="$bin/alphafold-python"
   local built
   built="$(cat "$bin/built-at")"
   if [ "$built" != "$root" ] && [ ! -e "$built" ]; then
@@ -263,9 +284,21 @@ bench() {
   collect
 }
 
+# fastfold beside DeepMind's AlphaFold on the same GPU, each side in its own process, its peak
+# the card's use (issues 41 and 39): a stage of its own, since AlphaFold's compilation alone
+# takes minutes; run it in a call of its own when the device time allows.
+alphafold() {
+  item d1 versus-alphafold "fastfold predict beside DeepMind's AlphaFold, model_1_ptm sizes, 4 passes, fp32" 360 \
+    "$bin/bench-versus_alphafold" --device cuda --residues 256,1024 --recycles 3
+  collect
+  item d2 versus-alphafold-multimer "AlphaFold-Multimer 300 + 300 beside DeepMind's, full size, one pass, fp32" 300 \
+    "$bin/bench-versus_alphafold_multimer" --device cuda --residues 300,300 --msa-rows 256 --recycles 0
+  collect
+}
+
 case "$stage" in
   pack) pack ;;
-  tests | bench)
+  tests | bench | alphafold)
     environment
     "$stage"
     ;;

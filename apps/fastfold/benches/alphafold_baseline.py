@@ -1,27 +1,30 @@
 """AlphaFold's side of `benches/versus_alphafold.rs`: DeepMind's monomer model (the `alphafold`
-package of alphafold-colabfold, JAX on CPU) predicting one single-sequence query with
-`model_1_ptm`'s full sizes and random parameters, fp32 (`global_config.bfloat16` off, so both
-sides run the same arithmetic) and every recycling pass run (no early stop).
+package of alphafold-colabfold, JAX on the CPU, or on a GPU with the benchmark's `--device
+cuda`) predicting one single-sequence query with `model_1_ptm`'s full sizes and random
+parameters, fp32 (`global_config.bfloat16` off, so both sides run the same arithmetic) and
+every recycling pass run (no early stop).
 
 Writes into --out: `params.npz` (the parameters under AlphaFold's own file keys, `scope//name`,
 as `params_model_1_ptm.npz` holds them) and `features.npz` (the features as AlphaFold's
 `process_features` gives them to the model: MSA padded to 512 clusters less the templates,
 extra MSA to 5,120 rows, one placeholder template as ColabFold makes when there is none), for
 our side to run on. Prints one JSON line: the seconds of the first `predict` (jit compilation
-included), of the second (compiled), and the process's peak resident memory.
+included), of the second (compiled), and the peak memory (`card_memory.py`: the resident set on
+the CPU, the card's use on a GPU).
 
 Benchmark-only; never on the product's path. Its environment: scripts/bench-fastfold-alphafold.sh.
 """
 import argparse
 import json
 import os
-import resource
 import time
 
+import jax
 import numpy as np
 from alphafold.common import residue_constants as rc
 from alphafold.data import parsers, pipeline
 from alphafold.model import config, model
+from card_memory import PeakMemory
 
 
 def query(n):
@@ -49,6 +52,7 @@ def main():
     p.add_argument("--recycles", type=int, default=3)
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    memory = PeakMemory(jax.default_backend() == "gpu")
     seq = query(args.residues)
 
     cfg = config.model_config("model_1_ptm")
@@ -90,8 +94,7 @@ def main():
     assert last == args.recycles, f"stopped after pass {last + 1}"
     positions = np.asarray(result["structure_module"]["final_atom_positions"])
     assert np.isfinite(positions).all(), "non-finite positions"
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"first_seconds": seconds[0], "seconds": seconds[1], "peak_bytes": peak,
+    print(json.dumps({"first_seconds": seconds[0], "seconds": seconds[1], "peak_bytes": memory.finish(),
                       "msa_rows": int(feats["msa_feat"].shape[1]),
                       "extra_msa_rows": int(feats["extra_msa"].shape[1])}))
 

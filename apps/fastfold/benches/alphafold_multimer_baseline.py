@@ -1,5 +1,6 @@
 """AlphaFold's side of `benches/versus_alphafold_multimer.rs`: DeepMind's AlphaFold-Multimer
-(`alphafold/model/modules_multimer.py` of alphafold-colabfold, JAX on CPU) predicting one
+(`alphafold/model/modules_multimer.py` of alphafold-colabfold, JAX on the CPU, or on a GPU with
+the benchmark's `--device cuda`) predicting one
 complex from the features in --features (our pipeline's `features.npz`, AlphaFold's names and
 dtypes) with `model_1_multimer_v3`'s full sizes (--blocks Evoformer blocks, 48 in the release;
 --extra-blocks extra-MSA blocks, 4) and random parameters from haiku's own initialisers, fp32
@@ -15,7 +16,8 @@ the loop key's split, the first half the next loop key; the last pass the loop k
 Writes into --out: `params_model_1_multimer_v3.npz` (the parameters under AlphaFold's file keys,
 `scope//name`, as the release holds them) and `positions.npz` (`final_atom_positions`,
 `final_atom_mask`). Prints one JSON line: the seconds of the first prediction (jit compilation
-included), of the second (compiled), and the process's peak resident memory. With --once the
+included), of the second (compiled), and the peak memory (`card_memory.py`: the resident set on
+the CPU, the card's use on a GPU). With --once the
 pass is compiled ahead (`lower(...).compile()`) and one prediction runs: its seconds, and
 those plus the compilation's as the first prediction's.
 
@@ -24,7 +26,6 @@ Benchmark-only; never on the product's path. Its environment: scripts/bench-fast
 import argparse
 import json
 import os
-import resource
 import time
 
 import haiku as hk
@@ -33,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from alphafold.common import residue_constants as rc
 from alphafold.model import config, modules_multimer, prng
+from card_memory import PeakMemory
 
 
 class OnePass(hk.Module):
@@ -62,6 +64,7 @@ def main():
     p.add_argument('--once', action='store_true')
     p.add_argument('--out', required=True)
     args = p.parse_args()
+    memory = PeakMemory(jax.default_backend() == 'gpu')
 
     cfg = config.model_config('model_1_multimer_v3')
     m = cfg.model
@@ -120,8 +123,7 @@ def main():
     assert np.isfinite(positions).all(), 'non-finite positions'
     np.savez(os.path.join(args.out, 'positions.npz'), final_atom_positions=positions,
              final_atom_mask=np.asarray(out['final_atom_mask'], np.float32))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({'first_seconds': seconds[0], 'seconds': seconds[1], 'peak_bytes': peak,
+    print(json.dumps({'first_seconds': seconds[0], 'seconds': seconds[1], 'peak_bytes': memory.finish(),
                       'residues': int(n), 'msa_rows': int(feats['msa'].shape[0])}))
 
 

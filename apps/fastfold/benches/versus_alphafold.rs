@@ -1,9 +1,10 @@
 //! `fastfold`'s model against DeepMind's AlphaFold (JAX, the `alphafold` package of
 //! alphafold-colabfold) on the same features and the same random full-size `model_1_ptm`
-//! parameters, in one run, on the CPU: seconds per prediction (`recycles + 1` passes), peak
-//! resident memory, and the ratio AlphaFold / ours.
+//! parameters, in one run, on the CPU or (`--device cuda`) a GPU: seconds per prediction
+//! (`recycles + 1` passes), peak memory (resident on the CPU; the card's use on a GPU, see
+//! `common`), and the ratio AlphaFold / ours.
 //!
-//! `bash scripts/bench-fastfold-alphafold.sh [--residues 40,128,256] [--recycles 3]`.
+//! `bash scripts/bench-fastfold-alphafold.sh [--residues 40,128,256] [--recycles 3] [--device cuda]`.
 //! For each length, `benches/alphafold_baseline.py` makes the query's single-sequence features
 //! with AlphaFold's own pipeline and `process_features` (MSA padded to 508 clusters, extra MSA
 //! to 5,120 rows), draws the parameters, writes both, and times AlphaFold's second `predict`
@@ -17,13 +18,14 @@ use std::ffi::OsStr;
 use std::path::Path;
 use std::time::Instant;
 
-use anyhow::{ensure, Context};
+use anyhow::ensure;
 use clap::Parser;
-use common::{cells, Figures, Sides};
+use common::{cells, Figures, OurDevice, Sides};
+use engine::device::DeviceKind;
 use fastfold::features::Features;
 use fastfold::model::alphafold::AlphaFold;
 use fastfold::model::{Exec, Params};
-use tch::{Device, Kind};
+use tch::Kind;
 
 const BASELINE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/alphafold_baseline.py");
 
@@ -45,14 +47,17 @@ fastfold::process_allocator!();
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     if let Some(dir) = &args.sides.ours {
-        ours(dir, args.recycles)?.print_ours(&[]);
+        ours(dir, args.recycles, args.sides.device)?.print_ours(&[]);
         return Ok(());
     }
     println!(
         "model_1_ptm full sizes, random parameters, single-sequence features processed by AlphaFold, \
-         {} passes, fp32, CPU ({} threads)",
+         {} passes, fp32, {}",
         args.recycles + 1,
-        tch::get_num_threads()
+        match args.sides.device.resolve() {
+            DeviceKind::Cuda => "GPU (the peaks are the card's use)".to_string(),
+            _ => format!("CPU ({} threads)", tch::get_num_threads()),
+        }
     );
     println!("\n| residues | AlphaFold s (first, with jit) | ours s | AlphaFold / ours | AlphaFold peak MiB | ours peak MiB |");
     println!("|---:|---:|---:|---:|---:|---:|");
@@ -70,24 +75,28 @@ fn main() -> anyhow::Result<()> {
 fn compare(args: &Args, n: usize, dir: &Path) -> anyhow::Result<(Figures, f64, Figures)> {
     let (n, recycles) = (n.to_string(), args.recycles.to_string());
     let baseline = ["--residues", &n, "--recycles", &recycles, "--out"].map(OsStr::new);
+    let device = args.sides.device;
     let (theirs, first) =
-        Figures::alphafold(&args.sides.python, BASELINE, &[&baseline[..], &[dir.as_os_str()]].concat())?;
-    let (mine, _) = Figures::ours(dir, &["--recycles".into(), recycles])?;
+        Figures::alphafold(&args.sides.python, BASELINE, &[&baseline[..], &[dir.as_os_str()]].concat(), device)?;
+    let (mine, _) = Figures::ours(dir, device, &["--recycles".into(), recycles])?;
     Ok((theirs, first, mine))
 }
 
 /// Our prediction on the parameters and features in `dir`, timed on its second run.
-fn ours(dir: &Path, recycles: usize) -> anyhow::Result<Figures> {
-    let params = Params::load_model(dir.join("params.npz"))?;
-    let features = Features::load_npz(&dir.join("features.npz"), Device::Cpu)?;
+fn ours(dir: &Path, recycles: usize, kind: DeviceKind) -> anyhow::Result<Figures> {
+    let on = OurDevice::start(kind)?;
+    // On a GPU with the fused kernels, as `fastfold predict` runs there.
+    let backend = kernels::Backend::resolve(None, on.device)?;
+    let params = Params::load_model(dir.join("params.npz"))?.to_device(on.device, false)?.with_kernels(backend);
+    let features = Features::load_npz(&dir.join("features.npz"), on.device)?;
     let model = AlphaFold::new(&params)?;
     let mut seconds = 0.0;
     for _ in 0..2 {
         let start = Instant::now();
         let pass = tch::no_grad(|| model.predict(&features, recycles, Kind::Float, &Exec::serial(), None))?;
+        on.synchronize()?;
         seconds = start.elapsed().as_secs_f64();
         ensure!(bool::try_from(pass.structure.atom37.isfinite().all())?, "non-finite positions");
     }
-    let peak_bytes = engine::process::peak_memory(Device::Cpu).context("no peak memory reading")?;
-    Ok(Figures { seconds, peak_bytes })
+    Ok(Figures { seconds, peak_bytes: on.peak_bytes()? })
 }

@@ -1,8 +1,9 @@
 //! `fastfold`'s AlphaFold-Multimer against DeepMind's (JAX, the `alphafold` package of
 //! alphafold-colabfold) on the same complex features and the same random full-size
-//! `params_model_1_multimer_v3` parameters, in one run, on the CPU: seconds per prediction
-//! (`recycles + 1` passes, every one run), peak resident memory, the ratio AlphaFold / ours,
-//! and how far apart the two sides' atoms are.
+//! `params_model_1_multimer_v3` parameters, in one run, on the CPU or (`--device cuda`) a GPU:
+//! seconds per prediction (`recycles + 1` passes, every one run), peak memory (resident on the
+//! CPU; the card's use on a GPU, see `common`), the ratio AlphaFold / ours, and how far apart
+//! the two sides' atoms are.
 //!
 //! `bash scripts/bench-fastfold-multimer.sh [--residues 300,300] [--msa-rows 1024]
 //! [--blocks 48] [--extra-blocks 4] [--recycles 3]`.
@@ -27,9 +28,10 @@ use std::time::Instant;
 
 use anyhow::{ensure, Context};
 use clap::Parser;
-use common::{cells, Figures, Sides};
+use common::{cells, Figures, OurDevice, Sides};
 use data::a3m::Msa;
 use data::fasta::FastaRecord;
+use engine::device::DeviceKind;
 use engine::parallel::dap::Dap;
 use fastfold::features::RawFeatures;
 use fastfold::model::multimer::{network_key, MultimerAlphaFold, MultimerInputs, MULTIMER_STRUCTURE_ITERATIONS};
@@ -113,13 +115,16 @@ fn main() -> anyhow::Result<()> {
     let lengths: Vec<String> = args.residues.iter().map(ToString::to_string).collect();
     println!(
         "model_1_multimer_v3 sizes ({} Evoformer blocks, {} extra-MSA blocks), random parameters, chains {}, \
-         {} MSA rows in the features, {} passes, fp32, CPU ({} threads)",
+         {} MSA rows in the features, {} passes, fp32, {}",
         args.blocks,
         args.extra_blocks,
         lengths.join("+"),
         msa_rows,
         args.recycles + 1,
-        tch::get_num_threads()
+        match args.sides.device.resolve() {
+            DeviceKind::Cuda => "GPU (the peaks are the card's use)".to_string(),
+            _ => format!("CPU ({} threads)", tch::get_num_threads()),
+        }
     );
     println!(
         "\n| residues | AlphaFold s (first, with jit) | ours s | AlphaFold / ours | AlphaFold peak MiB | ours peak MiB | \
@@ -218,7 +223,7 @@ fn compare(args: &Args, dir: &Path) -> anyhow::Result<(Figures, f64, Figures, f6
         .chain(once.map(OsStr::new))
         .chain(["--out".as_ref(), dir.as_os_str()])
         .collect();
-    let (theirs, first) = Figures::alphafold(&args.sides.python, BASELINE, &baseline)?;
+    let (theirs, first) = Figures::alphafold(&args.sides.python, BASELINE, &baseline, args.sides.device)?;
     let chunk = args.chunk_size.map(|c| c.to_string());
     let ours_flags: Vec<String> = flags[4..]
         .iter()
@@ -227,7 +232,7 @@ fn compare(args: &Args, dir: &Path) -> anyhow::Result<(Figures, f64, Figures, f6
         .chain(once)
         .map(ToString::to_string)
         .collect();
-    let (mine, more) = Figures::ours(dir, &ours_flags)?;
+    let (mine, more) = Figures::ours(dir, args.sides.device, &ours_flags)?;
     let diff: f64 = more.first().context("our side printed no atom difference")?.parse()?;
     Ok((theirs, first, mine, diff, msa_rows))
 }
@@ -236,17 +241,19 @@ fn compare(args: &Args, dir: &Path) -> anyhow::Result<(Figures, f64, Figures, f6
 /// one with `--once`), and the
 /// largest difference of its atoms from AlphaFold's (`positions.npz`), over AlphaFold's mask.
 fn ours(dir: &Path, args: &Args, exec: Exec) -> anyhow::Result<(Figures, f64)> {
-    let side = Side::load(dir, args, None)?;
+    let on = OurDevice::start(args.sides.device)?;
+    let side = Side::load(dir, args, on.device, None)?;
     let mut seconds = 0.0;
     let mut atoms = None;
     for _ in 0..if args.once { 1 } else { 2 } {
         let start = Instant::now();
         atoms = Some(side.predict(args, &exec)?);
+        on.synchronize()?;
         seconds = start.elapsed().as_secs_f64();
     }
-    let peak_bytes = engine::process::peak_memory(Device::Cpu).context("no peak memory reading")?;
     let theirs = AlphaFoldAtoms::read(dir)?;
-    Ok((Figures { seconds, peak_bytes }, theirs.distance(&atoms.context("no prediction")?, None)))
+    let diff = theirs.distance(&atoms.context("no prediction")?.to_device(Device::Cpu), None);
+    Ok((Figures { seconds, peak_bytes: on.peak_bytes()? }, diff))
 }
 
 /// Our network and the features of `dir`.
@@ -256,13 +263,13 @@ struct Side {
 }
 
 impl Side {
-    /// The parameters converted to `kind` (else as written).
-    fn load(dir: &Path, args: &Args, kind: Option<Kind>) -> anyhow::Result<Self> {
-        let net = MultimerAlphaFold::load_on(dir.join(PARAMS), MULTIMER_STRUCTURE_ITERATIONS, Device::Cpu, kind)?
+    /// On `device`, the parameters converted to `kind` (else as written).
+    fn load(dir: &Path, args: &Args, device: Device, kind: Option<Kind>) -> anyhow::Result<Self> {
+        let net = MultimerAlphaFold::load_on(dir.join(PARAMS), MULTIMER_STRUCTURE_ITERATIONS, device, kind)?
             .drop_masked_rows(!args.every_row);
         let arrays: std::collections::HashMap<String, Tensor> =
             Tensor::read_npz(dir.join("features.npz"))?.into_iter().collect();
-        let inputs = MultimerInputs::from_named(|n| arrays.get(n).map(Tensor::shallow_clone), "features.npz")?;
+        let inputs = MultimerInputs::from_named(|n| arrays.get(n).map(|t| t.to_device(device)), "features.npz")?;
         Ok(Side { net, inputs })
     }
 
@@ -303,8 +310,8 @@ impl AlphaFoldAtoms {
 /// against each other.
 fn rounding(dir: &Path, args: &Args) -> anyhow::Result<()> {
     let exec = Exec::new(Dap::none(), args.chunk_size);
-    let single = Side::load(dir, args, Some(Kind::Float))?.predict(args, &exec)?;
-    let double = Side::load(dir, args, Some(Kind::Double))?.predict(args, &exec)?;
+    let single = Side::load(dir, args, Device::Cpu, Some(Kind::Float))?.predict(args, &exec)?;
+    let double = Side::load(dir, args, Device::Cpu, Some(Kind::Double))?.predict(args, &exec)?;
     let theirs = AlphaFoldAtoms::read(dir)?;
     println!("largest atom differences over AlphaFold's atom mask (Å):");
     println!("| ours fp32 - AlphaFold | ours float64 - AlphaFold | ours fp32 - ours float64 |");

@@ -1,12 +1,17 @@
 //! What the benchmarks of our prediction against DeepMind's AlphaFold share
 //! (`versus_alphafold.rs`, `versus_alphafold_multimer.rs`): the options that name AlphaFold's
 //! Python and our side's process, each side's figures, and running each side in a process of
-//! its own (so that each peak resident memory is that side's).
+//! its own (so that each peak memory is that side's). On a GPU (`--device cuda`) both sides run
+//! there and each peak is the card's use through the side's process, as `nvidia-smi` counts it
+//! (ours by `engine::process::CardPeak`, AlphaFold's by NVML: `card_memory.py`).
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::Context;
+use engine::device::DeviceKind;
+use engine::process::CardPeak;
+use tch::Device;
 
 /// The options besides the sizes.
 #[derive(clap::Args)]
@@ -17,6 +22,9 @@ pub struct Sides {
     /// Internal: run our side on the files in this folder and print its figures.
     #[arg(long, hide = true)]
     pub ours: Option<PathBuf>,
+    /// Where both sides run: the CPU, or a GPU (AlphaFold's JAX on CUDA, ours on CUDA).
+    #[arg(long, default_value_t = DeviceKind::Cpu)]
+    pub device: DeviceKind,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     pub bench: bool,
@@ -30,20 +38,35 @@ pub struct Figures {
 
 impl Figures {
     /// AlphaFold's figures (and its first, compiling, call's seconds) from the last JSON line
-    /// of `script` run by `python` with `args`.
-    pub fn alphafold(python: &Path, script: &str, args: &[&OsStr]) -> anyhow::Result<(Figures, f64)> {
-        let stdout = engine::baseline::run(Command::new(python).arg(script).args(args), script)?;
+    /// of `script` run by `python` with `args`, JAX held to `device` (so that a missing GPU is
+    /// an error, not a silent CPU run) and, on a GPU, growing its memory as it needs it rather
+    /// than taking most of the card at start, so that its peak is its use.
+    pub fn alphafold(
+        python: &Path,
+        script: &str,
+        args: &[&OsStr],
+        device: DeviceKind,
+    ) -> anyhow::Result<(Figures, f64)> {
+        let mut command = Command::new(python);
+        command.arg(script).args(args);
+        match device.resolve() {
+            DeviceKind::Cuda => command.env("JAX_PLATFORMS", "cuda").env("XLA_PYTHON_CLIENT_PREALLOCATE", "false"),
+            _ => command.env("JAX_PLATFORMS", "cpu"),
+        };
+        let stdout = engine::baseline::run(&mut command, script)?;
         let json = engine::baseline::last_json(&stdout, script)?;
         let number = |key: &str| engine::baseline::number(&json, key);
         let figures = Figures { seconds: number("seconds")?, peak_bytes: number("peak_bytes")? as u64 };
         Ok((figures, number("first_seconds")?))
     }
 
-    /// Our figures from this benchmark run again with `--ours dir` and `args`, and the further
-    /// words of the line it printed ([`Figures::print_ours`]).
-    pub fn ours(dir: &Path, args: &[String]) -> anyhow::Result<(Figures, Vec<String>)> {
+    /// Our figures from this benchmark run again with `--ours dir`, `--device` and `args`, and
+    /// the further words of the line it printed ([`Figures::print_ours`]).
+    pub fn ours(dir: &Path, device: DeviceKind, args: &[String]) -> anyhow::Result<(Figures, Vec<String>)> {
         let me = std::env::current_exe()?;
-        let stdout = engine::baseline::run(Command::new(me).arg("--ours").arg(dir).args(args), "our side")?;
+        let mut command = Command::new(me);
+        command.arg("--ours").arg(dir).args(["--device", &device.to_string()]).args(args);
+        let stdout = engine::baseline::run(&mut command, "our side")?;
         let line = stdout.lines().find_map(|l| l.strip_prefix("ours ")).context("our side printed no figures")?;
         let mut words = line.split(' ').map(str::to_string);
         let mut next = || words.next().context("short figures line");
@@ -55,6 +78,39 @@ impl Figures {
     pub fn print_ours(&self, more: &[String]) {
         let words = [vec![self.seconds.to_string(), self.peak_bytes.to_string()], more.to_vec()].concat();
         println!("ours {}", words.join(" "));
+    }
+}
+
+/// Our side's device, and on a GPU the card's use read from before anything is put there.
+pub struct OurDevice {
+    pub device: Device,
+    card: Option<CardPeak>,
+}
+
+impl OurDevice {
+    pub fn start(kind: DeviceKind) -> anyhow::Result<OurDevice> {
+        let device = kind.device(0, 1)?;
+        let card = match device {
+            Device::Cuda(d) => Some(CardPeak::start(d)?),
+            _ => None,
+        };
+        Ok(OurDevice { device, card })
+    }
+
+    /// Waits for the device's queued work (a GPU's timing ends here).
+    pub fn synchronize(&self) -> anyhow::Result<()> {
+        if let Device::Cuda(d) = self.device {
+            engine::cuda::synchronize(d)?;
+        }
+        Ok(())
+    }
+
+    /// The side's peak: the card's use on a GPU, the resident set on the CPU.
+    pub fn peak_bytes(self) -> anyhow::Result<u64> {
+        match self.card {
+            Some(card) => Ok(card.finish()?),
+            None => engine::process::peak_memory(Device::Cpu).context("no peak memory reading"),
+        }
     }
 }
 
