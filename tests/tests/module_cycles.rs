@@ -37,7 +37,12 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
 /// `text` without comments, string literals and the inline test module (its `use` lines
 /// are the tests', not the module's).
 fn code_of(text: &str) -> String {
-    let text = match text.find("#[cfg(test)]\nmod tests") {
+    // The test module, however visible (`mod tests`, `pub(super) mod tests`, ...).
+    let test_module = text.match_indices("#[cfg(test)]\n").map(|(at, _)| at).find(|&at| {
+        let line = text[at..].lines().nth(1).unwrap_or("");
+        line.starts_with("mod tests") || (line.starts_with("pub") && line.contains(" mod tests"))
+    });
+    let text = match test_module {
         Some(at) => &text[..at],
         None => text,
     };

@@ -106,14 +106,16 @@ impl DeviceOptimizer {
         })
     }
 
-    /// Second half of a step: the update, with the whole parameters' sums (`[segments, 2]`);
-    /// clears `g` for the next accumulation (as [`super::HostOptimizer::finish`] does). AdamW,
+    /// Second half of a step: the update, with the whole parameters' sums (`[segments, 2]`).
+    /// Leaves `g` as it is: Gemini, the one caller, overwrites a spent gradient with the next
+    /// (`gemini/manager/gradients.rs`), as it does on the host, where it passes
+    /// [`super::StepExtras::keep_gradients`]. AdamW,
     /// which needs no norms, runs through the installed multi-tensor steps when they take the
     /// segments (see [`crate::optim::fused`]); LAMB's and LARS's norms may span shards, so they
     /// keep the tensor operations.
     pub fn finish(&mut self, w: &Tensor, g: &Tensor, sums: &[[f64; 2]]) -> Result<()> {
         if self.finish_multi_tensor(w, g)? {
-            return Ok(g.shallow_clone().f_zero_().map(drop)?);
+            return Ok(());
         }
         tch::no_grad(|| -> Result<()> {
             for (seg, sums) in self.segments.iter().zip(sums) {
@@ -132,7 +134,6 @@ impl DeviceOptimizer {
                     }
                 }
             }
-            g.shallow_clone().f_zero_().map(drop)?;
             Ok(())
         })
     }
@@ -201,8 +202,9 @@ mod tests {
                 let sums = device.prepare(&w_dev, g).unwrap();
                 let sums: Vec<[f64; 2]> =
                     Vec::<Vec<f64>>::try_from(sums).unwrap().into_iter().map(|r| [r[0], r[1]]).collect();
+                let before = g.copy();
                 device.finish(&w_dev, g, &sums).unwrap();
-                assert_eq!(g.abs().max().double_value(&[]), 0.0, "{rule:?}: the gradient is cleared");
+                assert!(g.equal(&before), "{rule:?}: the gradient is left as it is");
             }
             let expected = Tensor::from_slice(&w_host);
             let diff = (&w_dev - &expected).abs().max().double_value(&[]);

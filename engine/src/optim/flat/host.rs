@@ -11,7 +11,8 @@
 //! copy of the weights in one read and one write of each buffer.
 use rayon::prelude::*;
 
-use super::vector::{self, Half, Pass};
+use super::half::Half;
+use super::vector::{self, Pass};
 use super::{CpuRule, Segment};
 use crate::optim::lamb::LambStep;
 use crate::optim::lars::LarsStep;

@@ -11,12 +11,14 @@
 //! the parameter, updates the weights. Weight decay and the trust ratio apply only to segments
 //! marked `adapt`.
 mod device;
+mod half;
 mod host;
+mod isa;
 mod vector;
 
 pub use device::DeviceOptimizer;
+pub use half::Half;
 pub use host::{sum_squares, sum_squares_scaled, HostOptimizer, StepExtras, BLOCK};
-pub use vector::Half;
 
 use super::{AdamWConfig, LambConfig, LarsConfig};
 

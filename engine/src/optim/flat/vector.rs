@@ -8,18 +8,17 @@
 //! Each [`Lanes`] operation is the `f32` operation on every lane, rounded the same way (Rust
 //! fuses no multiply-adds, and vector division and square root are IEEE's, as scalar ones),
 //! so the pass gives the per-element loop's results bit for bit. It is compiled once per
-//! vector width the CPU may have (AVX-512, AVX2, the baseline) and the widest one the running
-//! CPU has is chosen at run time.
+//! vector width the CPU may have (AVX-512, AVX2, the baseline: [`isa`]) and the widest one
+//! the running CPU has is chosen at run time.
 use std::convert::Infallible;
 
 use rayon::prelude::*;
 
+use super::half::{bf16_bits, Half};
+use super::isa::{self, Isa, WIDTH};
 use super::BLOCK;
 use crate::optim::adamw::AdamWStep;
 use crate::optim::elementwise::Elementwise;
-
-/// Elements one [`Lanes`] holds.
-pub(crate) const WIDTH: usize = 16;
 
 /// Sixteen `f32` that a rule's arithmetic runs on together (see the module documentation).
 #[derive(Clone, Copy, Debug)]
@@ -39,6 +38,20 @@ impl Lanes {
     #[inline(always)]
     fn map(&self, f: impl Fn(f32) -> f32) -> Lanes {
         Lanes(std::array::from_fn(|i| f(self.0[i])))
+    }
+
+    /// Each lane in half precision, fp16 by `I`'s conversion.
+    #[inline(always)]
+    fn to_half<I: Isa>(self, kind: Half) -> [u16; WIDTH] {
+        match kind {
+            Half::F16 => I::f16(&self.0),
+            Half::Bf16 => {
+                // A plain loop: `array::map` and `from_fn` of the conversion were left as calls.
+                let mut h = [0; WIDTH];
+                h.iter_mut().zip(&self.0).for_each(|(h, &x)| *h = bf16_bits(x));
+                h
+            }
+        }
     }
 
     #[inline(always)]
@@ -105,65 +118,6 @@ impl Elementwise for Lanes {
     }
 }
 
-/// A half-precision format the updated weights can be written out in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Half {
-    /// IEEE binary16 (`torch.float16`).
-    F16,
-    /// bfloat16 (`torch.bfloat16`).
-    Bf16,
-}
-
-impl Half {
-    /// `x` rounded to nearest even in this format, as torch's `.to(dtype)` of a CPU tensor
-    /// rounds it (NaN becomes a quiet NaN: fp16 keeps its sign; bf16's is `0xffff`, what
-    /// torch's vectorised conversion writes, where its scalar one writes `0x7fc0`).
-    #[inline(always)]
-    pub fn from_f32(self, x: f32) -> u16 {
-        match self {
-            Half::F16 => f16_bits(x),
-            Half::Bf16 => bf16_bits(x),
-        }
-    }
-}
-
-/// IEEE binary16 bits of `x`, rounded to nearest even, without branches (so it vectorises):
-/// F. Giesen's `float_to_half_fast3_rtne`.
-#[inline(always)]
-fn f16_bits(x: f32) -> u16 {
-    const INFINITY: u32 = 255 << 23;
-    // The smallest f32 whose half is infinite (65520 rounds up to it).
-    const F16_MAX: u32 = (127 + 16) << 23;
-    // Adding this aligns a subnormal half's 10 bits at the bottom of the float's mantissa.
-    const DENORM_MAGIC: u32 = ((127 - 15) + (23 - 10) + 1) << 23;
-    let bits = x.to_bits();
-    let sign = bits & 0x8000_0000;
-    let abs = bits ^ sign;
-    let special = if abs > INFINITY { 0x7e00 } else { 0x7c00 };
-    let subnormal = (f32::from_bits(abs) + f32::from_bits(DENORM_MAGIC)).to_bits().wrapping_sub(DENORM_MAGIC);
-    let odd = (abs >> 13) & 1;
-    let normal = abs.wrapping_add(((15u32.wrapping_sub(127)) << 23).wrapping_add(0xfff)).wrapping_add(odd) >> 13;
-    let magnitude = if abs >= F16_MAX {
-        special
-    } else if abs < (113 << 23) {
-        subnormal
-    } else {
-        normal
-    };
-    (magnitude | (sign >> 16)) as u16
-}
-
-/// bfloat16 bits of `x`, rounded to nearest even (c10's `round_to_nearest_even`; NaN as ATen's
-/// vectorised conversion writes it).
-#[inline(always)]
-fn bf16_bits(x: f32) -> u16 {
-    let bits = x.to_bits();
-    let rounded = bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16;
-    // All ones for NaN, without a branch (so it vectorises).
-    let nan = u32::from(x.is_nan()).wrapping_neg();
-    (rounded | nan) as u16
-}
-
 /// What one fused AdamW pass does beside the rule: the factors the gradient is multiplied by
 /// as it is read (in order, each product rounded to `f32` as the in-place passes it replaces
 /// round it), whether it clears the gradient afterwards, and where it writes the new weights
@@ -197,28 +151,29 @@ struct Block<'a> {
     half: Option<(Half, &'a mut [u16])>,
 }
 
-/// Defines `$vis fn $name(args) -> ret` running `$inner(args)` compiled for AVX-512F or AVX2 when
-/// the CPU has them (the widest first), else for the baseline: `$inner` is `#[inline(always)]`,
-/// so each copy is vectorised for its instructions.
+/// Defines `$vis fn $name(args) -> ret` running `$inner::<I>(args)` compiled for AVX-512F or
+/// AVX2 with F16C when the CPU has them (the widest first), else for the baseline, `I` naming
+/// the set ([`isa`]): `$inner` is `#[inline(always)]`, so each copy is vectorised for its
+/// instructions.
 macro_rules! widest {
     ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),*) $(-> $ret:ty)? = $inner:ident) => {
         $(#[$meta])*
         $vis fn $name($($arg: $ty),*) $(-> $ret)? {
             #[cfg(target_arch = "x86_64")]
             {
-                widest!(@copy "avx512f", avx512, ($($arg: $ty),*) $(-> $ret)?, $inner);
-                widest!(@copy "avx2", avx2, ($($arg: $ty),*) $(-> $ret)?, $inner);
+                widest!(@copy "avx512f", ["avx512f"], avx512, isa::Avx512, ($($arg: $ty),*) $(-> $ret)?, $inner);
+                widest!(@copy "avx2,f16c", ["avx2", "f16c"], avx2, isa::Avx2, ($($arg: $ty),*) $(-> $ret)?, $inner);
             }
-            $inner($($arg),*)
+            $inner::<isa::Baseline>($($arg),*)
         }
     };
     // A copy for one instruction set, returned from when the CPU has it.
-    (@copy $feature:tt, $copy:ident, ($($arg:ident: $ty:ty),*) $(-> $ret:ty)?, $inner:ident) => {
-        #[target_feature(enable = $feature)]
+    (@copy $features:tt, [$($feature:tt),+], $copy:ident, $isa:ty, ($($arg:ident: $ty:ty),*) $(-> $ret:ty)?, $inner:ident) => {
+        #[target_feature(enable = $features)]
         fn $copy($($arg: $ty),*) $(-> $ret)? {
-            $inner($($arg),*)
+            $inner::<$isa>($($arg),*)
         }
-        if std::arch::is_x86_feature_detected!($feature) {
+        if $(std::arch::is_x86_feature_detected!($feature))&&+ {
             // SAFETY: the CPU has the instructions this copy was compiled for.
             return unsafe { $copy($($arg),*) };
         }
@@ -232,15 +187,15 @@ widest! {
 
 /// The block's loop: [`WIDTH`] elements at a time, the rest one by one with the same rule.
 #[inline(always)]
-fn adamw_lanes(rule: &AdamWStep<f32>, factors: &[f32], clear: bool, block: Block) {
+fn adamw_lanes<I: Isa>(rule: &AdamWStep<f32>, factors: &[f32], clear: bool, block: Block) {
     // The usual counts of factors (none; unscaling or clipping; both) as arrays of known
     // length, which the compiler unrolls: a loop of unknown length left it shuffling lanes
     // through the rest of the iteration.
     match *factors {
-        [] => adamw_loop(rule, [], clear, block),
-        [a] => adamw_loop(rule, [a], clear, block),
-        [a, b] => adamw_loop(rule, [a, b], clear, block),
-        _ => adamw_loop(rule, factors, clear, block),
+        [] => adamw_loop::<I>(rule, [], clear, block),
+        [a] => adamw_loop::<I>(rule, [a], clear, block),
+        [a, b] => adamw_loop::<I>(rule, [a, b], clear, block),
+        _ => adamw_loop::<I>(rule, factors, clear, block),
     }
 }
 
@@ -268,7 +223,7 @@ impl Factors for &[f32] {
 }
 
 #[inline(always)]
-fn adamw_loop(rule: &AdamWStep<f32>, factors: impl Factors, clear: bool, block: Block) {
+fn adamw_loop<I: Isa>(rule: &AdamWStep<f32>, factors: impl Factors, clear: bool, block: Block) {
     let Block { w, m, v, g, mut half } = block;
     let n = w.len();
     let (m, v, g) = (&mut m[..n], &mut v[..n], &mut g[..n]);
@@ -286,10 +241,8 @@ fn adamw_loop(rule: &AdamWStep<f32>, factors: impl Factors, clear: bool, block: 
         if clear {
             g[r.clone()].fill(0.0);
         }
-        match half.as_mut() {
-            None => {}
-            Some((Half::F16, out)) => out[r].iter_mut().zip(&wl.0).for_each(|(o, &x)| *o = f16_bits(x)),
-            Some((Half::Bf16, out)) => out[r].iter_mut().zip(&wl.0).for_each(|(o, &x)| *o = bf16_bits(x)),
+        if let Some((kind, out)) = half.as_mut() {
+            out[r].copy_from_slice(&wl.to_half::<I>(*kind));
         }
     }
     for i in whole..n {
@@ -313,7 +266,7 @@ widest! {
 }
 
 #[inline(always)]
-fn sum_squares_lanes(x: &[f32], factors: &[f32]) -> f64 {
+fn sum_squares_lanes<I: Isa>(x: &[f32], factors: &[f32]) -> f64 {
     let mut lanes = [0f64; 8];
     let chunks = x.chunks_exact(8);
     let rest = chunks.remainder();
@@ -344,71 +297,61 @@ pub(crate) fn to_half(kind: Half, w: &[f32], out: &mut [u16]) {
     out.par_chunks_mut(BLOCK).zip(w.par_chunks(BLOCK)).for_each(|(o, w)| write_half(kind, w, o));
 }
 
-/// `out = w` in half precision, one format per loop (so each vectorises).
-pub(crate) fn write_half(kind: Half, w: &[f32], out: &mut [u16]) {
-    match kind {
-        Half::F16 => out.iter_mut().zip(w).for_each(|(o, &x)| *o = f16_bits(x)),
-        Half::Bf16 => out.iter_mut().zip(w).for_each(|(o, &x)| *o = bf16_bits(x)),
+widest! {
+    /// `out = w` in half precision.
+    pub(crate) fn write_half(kind: Half, w: &[f32], out: &mut [u16]) = write_half_lanes
+}
+
+#[inline(always)]
+fn write_half_lanes<I: Isa>(kind: Half, w: &[f32], out: &mut [u16]) {
+    assert_eq!(w.len(), out.len(), "half-precision copy: wrong length");
+    let whole = w.len() - w.len() % WIDTH;
+    for at in (0..whole).step_by(WIDTH) {
+        out[at..at + WIDTH].copy_from_slice(&Lanes::load(&w[at..at + WIDTH]).to_half::<I>(kind));
+    }
+    for i in whole..w.len() {
+        out[i] = kind.from_f32(w[i]);
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use tch::{Kind, Tensor};
-
     use super::*;
+    use crate::optim::flat::half::tests::awkward;
     use crate::optim::flat::host::tests::randn;
     use crate::optim::AdamWConfig;
 
-    /// Values whose rounding is the hard part: ties at both formats' precision, the largest
-    /// finite halves and their overflow boundaries, subnormals, signed zeros, infinities, NaN.
-    fn awkward() -> Vec<f32> {
-        let mut x = vec![
-            0.0,
-            -0.0,
-            1.0,
-            -1.0,
-            65504.0,
-            65519.99,
-            65520.0,
-            -65520.0,
-            1e-8,
-            -3e-8,
-            5.960_464_5e-8,
-            2.980_232_2e-8,
-            6.097_555e-5,
-            6.103_515_6e-5,
-            f32::MIN_POSITIVE,
-            1e-40,
-            f32::MAX,
-            f32::INFINITY,
-            f32::NEG_INFINITY,
-            f32::NAN,
-            -f32::NAN,
-        ];
-        // Ties and near-ties around 1 at fp16's (2^-11) and bf16's (2^-8) half-ulps.
-        for ulp in [2f32.powi(-11), 2f32.powi(-8)] {
-            for k in 0..8 {
-                let t = 1.0 + ulp * (2 * k + 1) as f32;
-                x.extend([t, -t, f32::from_bits(t.to_bits() + 1), f32::from_bits(t.to_bits() - 1)]);
-            }
-        }
-        x.extend(randn(4000, 11).iter().map(|v| v * 1e3));
-        x.extend(randn(4000, 12).iter().map(|v| v * 1e-5));
-        x
-    }
-
     #[test]
-    fn half_conversions_round_as_torch() -> anyhow::Result<()> {
+    fn each_instruction_set_converts_to_fp16_as_the_portable_code() {
         let x = awkward();
-        let t = Tensor::from_slice(&x);
-        for (kind, torch_kind) in [(Half::F16, Kind::Half), (Half::Bf16, Kind::BFloat16)] {
-            let expected = Vec::<i16>::try_from(t.f_to_kind(torch_kind)?.f_view_dtype(Kind::Int16)?)?;
-            for (i, (&v, &e)) in x.iter().zip(&expected).enumerate() {
-                assert_eq!(kind.from_f32(v), e as u16, "{kind:?} of {v:e} (#{i}, bits {:#x})", v.to_bits());
+        let expected: Vec<u16> = x.iter().map(|&v| Half::F16.from_f32(v)).collect();
+        type Convert = fn(&[f32; WIDTH]) -> [u16; WIDTH];
+        let convert = |f: Convert| -> Vec<u16> {
+            x.chunks_exact(WIDTH).flat_map(|c| f(c.try_into().expect("a chunk of lanes"))).collect()
+        };
+        let mut sets: Vec<(&str, Convert)> = vec![("baseline", isa::Baseline::f16)];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c") {
+                sets.push(("avx2", isa::Avx2::f16));
+            }
+            if is_x86_feature_detected!("avx512f") {
+                sets.push(("avx512", isa::Avx512::f16));
             }
         }
-        Ok(())
+        for (name, f) in sets {
+            for (i, (got, want)) in convert(f).iter().zip(&expected).enumerate() {
+                assert_eq!(got, want, "{name}: element {i} ({:e})", x[i]);
+            }
+        }
+        // The dispatched copy, over a length that is not a multiple of the lanes.
+        for kind in [Half::F16, Half::Bf16] {
+            let mut out = vec![0u16; x.len() - 3];
+            write_half(kind, &x[3..], &mut out);
+            for (i, (&o, &v)) in out.iter().zip(&x[3..]).enumerate() {
+                assert_eq!(o, kind.from_f32(v), "{kind:?} of element {i}");
+            }
+        }
     }
 
     #[test]
