@@ -2,7 +2,9 @@
 //! bandwidth, in the same run: a STREAM triad (`a = b + s c`, rayon over every core), our fused
 //! AdamW pass over `--params` fp32 parameters in Gemini's chunks (`HostOptimizer`, one per chunk),
 //! then `torch.optim.AdamW(fused=True)` over the same sizes in a process of its own
-//! (`benches/host_optimizer_baseline.py`), one after the other so that both sides fit. A second
+//! (`benches/host_optimizer_baseline.py`), one after the other so that both sides fit, in
+//! rounds taking turns (`--rounds`): the ratios are taken within each round, where both sides
+//! met the same memory bandwidth, and their median over the rounds reported. A second
 //! row times the whole host step of fp16 training with clipping: ours a read of the gradients
 //! for the norm and one fused pass (unscale, clip, AdamW, fp16 copy; the gradients are left as
 //! they are, the next backward overwrites them: `engine/src/gemini/manager/gradients.rs`);
@@ -10,7 +12,7 @@
 //! `zero_grad`; a third row times our step's part after backward when the norm was read during
 //! it (`Gemini::plan_step`).
 //!
-//! `cargo bench -p engine --bench host_optimizer -- [--params 860M] [--steps 5] [--step 1000]`
+//! `cargo bench -p engine --bench host_optimizer -- [--params 860M] [--steps 5] [--step 1000] [--rounds 3]`
 //! (scripts/bench-host-optimizer.sh). Bytes moved are counted per parameter: AdamW reads the
 //! weight, gradient and both moments and writes the weight and moments (28 B); the fp16 copy
 //! adds 2, the norm's read 4 (and PyTorch's side clearing the gradient 4). The triad counts STREAM's 12 B per
@@ -53,6 +55,11 @@ struct Args {
     /// Elements per triad array (three of them).
     #[arg(long, default_value_t = 1 << 27)]
     triad: usize,
+    /// Rounds of the triad, ours and PyTorch taking turns: this machine's memory bandwidth
+    /// drifts by a third from one minute to the next, so each ratio is taken within a round
+    /// and the rounds' median reported.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
     /// Skip PyTorch.
     #[arg(long)]
     no_baseline: bool,
@@ -244,9 +251,27 @@ fn load_average() -> String {
         .unwrap_or_else(|_| "unknown".into())
 }
 
+/// One round's seconds per step: the triad's GB/s, ours (AdamW, the whole fp16 step, its part
+/// after backward) and PyTorch's (AdamW, the whole fp16 step).
+struct Round {
+    triad: f64,
+    ours: [f64; 3],
+    torch: Option<[f64; 2]>,
+}
+
+impl Round {
+    /// PyTorch / ours for AdamW, the whole fp16 step and its part after backward.
+    fn ratios(&self) -> Option<[f64; 3]> {
+        let ([plain, full, after], [torch_plain, torch_full]) = (self.ours, self.torch?);
+        Some([torch_plain / plain, torch_full / full, torch_full / after])
+    }
+}
+
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     ensure!(args.steps > 0, "--steps must be at least 1");
+    ensure!(args.rounds > 0, "--rounds must be at least 1");
+    ensure!(args.step >= 1, "--step counts from 1");
     let params = match args.params {
         Some(p) => p,
         None => SD15_PARAMS.min(available_bytes()? / 2 / OUR_BYTES),
@@ -254,38 +279,61 @@ fn main() -> anyhow::Result<()> {
     ensure!(params > 0, "--params must be more than 0");
     let threads = rayon::current_num_threads();
     println!(
-        "host AdamW over {:.0}M fp32 parameters in {} chunks of up to {}M, {threads} threads, ours from step {}; load average {} at the start",
+        "host AdamW over {:.0}M fp32 parameters in {} chunks of up to {}M, {threads} threads, ours from step {}, {} rounds; load average {} at the start",
         params as f64 / 1e6,
         params.div_ceil(CHUNK),
         CHUNK >> 20,
         args.step,
+        args.rounds,
         load_average()
     );
-    let bandwidth = triad(args.triad, args.steps);
-    println!("STREAM triad ({} M elements per array): {bandwidth:.1} GB/s", args.triad >> 20);
-    ensure!(args.step >= 1, "--step counts from 1");
-    let (plain, full, after_backward) = ours(params, args.steps, args.step);
+    let mut rounds = vec![];
+    let mut version = String::new();
+    for r in 1..=args.rounds {
+        let triad = triad(args.triad, args.steps);
+        let (plain, full, after_backward) = ours(params, args.steps, args.step);
+        let torch = match args.no_baseline {
+            true => None,
+            false => {
+                let (plain, full, v) = pytorch(params, args.steps)?;
+                version = v;
+                Some([plain, full])
+            }
+        };
+        let round = Round { triad, ours: [plain, full, after_backward], torch };
+        print!("round {r}: triad {triad:.1} GB/s; ours {plain:.3} / {full:.3} / {after_backward:.3} s");
+        match (round.torch, round.ratios()) {
+            (Some([p, f]), Some([a, b, c])) => {
+                println!("; PyTorch {p:.3} / {f:.3} s; PyTorch / ours {a:.2}x, {b:.2}x, {c:.2}x")
+            }
+            _ => println!(),
+        }
+        rounds.push(round);
+    }
+    let of_rounds = |f: &dyn Fn(&Round) -> f64| median(rounds.iter().map(f).collect());
+    let bandwidth = of_rounds(&|r| r.triad);
     let rate = |bytes: f64, s: f64| bytes * params as f64 / s / 1e9;
     let row = |name: &str, bytes: f64, s: f64| {
         let gbs = rate(bytes, s);
         println!("| {name} | {bytes:.0} | {s:.3} | {gbs:.1} | {:.0}% |", 100.0 * gbs / bandwidth);
     };
+    println!("medians of the rounds (STREAM triad, {} M elements per array: {bandwidth:.1} GB/s):", args.triad >> 20);
     println!("| | bytes / param | s / step | GB/s | of triad |\n|---|---:|---:|---:|---:|");
-    row("ours, AdamW (one fused pass)", 28.0, plain);
-    row("ours, fp16 step: norm read + fused unscale, clip, AdamW, fp16 copy", 34.0, full);
-    row("ours, the same step's part after backward (norm read during it)", 30.0, after_backward);
-    if args.no_baseline {
-        return Ok(());
+    row("ours, AdamW (one fused pass)", 28.0, of_rounds(&|r| r.ours[0]));
+    row("ours, fp16 step: norm read + fused unscale, clip, AdamW, fp16 copy", 34.0, of_rounds(&|r| r.ours[1]));
+    row("ours, the same step's part after backward (norm read during it)", 30.0, of_rounds(&|r| r.ours[2]));
+    if !args.no_baseline {
+        let torch = |i: usize| of_rounds(&|r: &Round| r.torch.map_or(f64::NAN, |t| t[i]));
+        row(&format!("torch {version} AdamW(fused=True)"), 28.0, torch(0));
+        row("torch fp16 step: unscale_, clip_grad_norm_, fused step, fp16 copy, zero_grad", 58.0, torch(1));
+        let ratio = |i: usize| of_rounds(&|r: &Round| r.ratios().map_or(f64::NAN, |x| x[i]));
+        println!(
+            "PyTorch / ours, the median of the rounds' ratios: AdamW {:.2}x; the whole fp16 step {:.2}x (its part after backward {:.2}x)",
+            ratio(0),
+            ratio(1),
+            ratio(2)
+        );
     }
-    let (torch_plain, torch_full, version) = pytorch(params, args.steps)?;
-    row(&format!("torch {version} AdamW(fused=True)"), 28.0, torch_plain);
-    row("torch fp16 step: unscale_, clip_grad_norm_, fused step, fp16 copy, zero_grad", 58.0, torch_full);
-    println!(
-        "PyTorch / ours, AdamW: {:.2}x; the whole fp16 step: {:.2}x (its part after backward: {:.2}x)",
-        torch_plain / plain,
-        torch_full / full,
-        torch_full / after_backward
-    );
     println!("load average {} at the end", load_average());
     Ok(())
 }

@@ -144,8 +144,10 @@ fn device_optimizer_matches(dev: Device, backend: Backend, tol: f64) -> usize {
             let sums = opt.prepare(&w, &g).unwrap();
             let sums: Vec<[f64; 2]> =
                 Vec::<Vec<f64>>::try_from(sums).unwrap().into_iter().map(|r| [r[0], r[1]]).collect();
+            let before = g.copy();
             opt.finish(&w, &g, &sums).unwrap();
-            assert_eq!(g.abs().max().double_value(&[]), 0.0, "the gradient is cleared");
+            // Gemini overwrites a spent gradient with the next, so the step leaves it.
+            assert!(g.equal(&before), "the gradient is left as it is");
         }
         fused::install(None);
         w
