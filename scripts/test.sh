@@ -9,6 +9,9 @@ df -h . | awk 'NR == 2 {print "[test] disk: " $4 " free of " $2}'
 bash -n scripts/gpu-check.sh
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
+# Doc comments render as written: no broken, private or ambiguous links, no stray HTML (a
+# tensor shape such as [N] reads as a link unless it is code).
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked --quiet
 # Every fused kernel assembles for the H100's sm_90 without spilling (no GPU needed).
 bash scripts/kernel-registers.sh 90 >/dev/null
 # setup.sh installed Slurm; as root (CI) its test can start a cluster, so it must not skip.

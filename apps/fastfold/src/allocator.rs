@@ -13,7 +13,7 @@
 //! residues, 8 blocks, 2-core machine) ran in 249 s against glibc's 412 s with the raised
 //! threshold, peaking at 8.6 GB (docs/benchmarks.md has the quiet figures).
 //!
-//! Binaries opt in with [`process_allocator!`] (`main.rs`, the benchmarks that time our side),
+//! Binaries opt in with `process_allocator!` (`main.rs`, the benchmarks that time our side),
 //! not the library: tests that read the resident set's growth (`tests/profile.rs`) rely on
 //! glibc mapping each buffer on its own. So the library never names `tikv_jemallocator` (a
 //! crate it named would be linked into every test binary, its `malloc` with it); the macro's

@@ -43,7 +43,7 @@ pub fn predicted_tm_score(logits: &Tensor, max_bin: f64) -> f64 {
 
 /// AlphaFold's `predicted_tm_score(logits, breaks, residue_weights, asym_id)`
 /// (`alphafold/common/confidence.py`): [`predicted_tm_score`] with residues weighted by
-/// `residue_weights` [N] (0 for padding; N in `d0` is their sum) and, with `asym_id` [N], the
+/// `residue_weights` `[N]` (0 for padding; N in `d0` is their sum) and, with `asym_id` `[N]`, the
 /// interface score (ipTM): for each `i`, the mean over residues `j` of other chains only.
 /// AlphaFold-Multimer's pTM is this without `asym_id`, its ipTM with it.
 ///

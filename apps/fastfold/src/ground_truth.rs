@@ -20,7 +20,7 @@ pub const RIGID_GROUPS: i64 = 8;
 /// What the losses compare predictions with, for one chain of `N` residues.
 #[derive(Debug)]
 pub struct GroundTruth {
-    /// Residue types [N] (int64, 0..=20).
+    /// Residue types `[N]` (int64, 0..=20).
     pub aatype: Tensor,
     /// True atom37 positions [N, 37, 3] (zero where absent).
     pub all_atom_positions: Tensor,
@@ -55,12 +55,12 @@ pub struct GroundTruth {
     pub chi_mask: Tensor,
     /// Pseudo-beta positions (CB, CA for glycine) [N, 3].
     pub pseudo_beta: Tensor,
-    /// 1 where the pseudo-beta atom is resolved [N].
+    /// 1 where the pseudo-beta atom is resolved `[N]`.
     pub pseudo_beta_mask: Tensor,
 }
 
 impl GroundTruth {
-    /// From residue types `aatype` [N] (integers; above 20 read as unknown), atom37
+    /// From residue types `aatype` `[N]` (integers; above 20 read as unknown), atom37
     /// `positions` [N, 37, 3] and `mask` [N, 37], on their device, in fp32.
     pub fn new(aatype: &Tensor, positions: &Tensor, mask: &Tensor) -> Result<GroundTruth> {
         let n = match aatype.size().as_slice() {
@@ -144,7 +144,7 @@ impl GroundTruth {
         })
     }
 
-    /// The backbone frames [N] (rigid group 0) and their mask [N]: 1 where N, CA and C are
+    /// The backbone frames `[N]` (rigid group 0) and their mask `[N]`: 1 where N, CA and C are
     /// resolved (AlphaFold's `backbone_affine_tensor` and `backbone_affine_mask`).
     pub fn backbone(&self) -> Result<(Rigid, Tensor)> {
         let f = &self.rigidgroups_gt_frames;

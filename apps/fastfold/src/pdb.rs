@@ -21,15 +21,15 @@ use crate::residue_constants::{
 /// A predicted structure in the atom37 layout, on the CPU.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Structure {
-    /// Residue types [N] (0..=20, `restypes` order).
+    /// Residue types `[N]` (0..=20, `restypes` order).
     pub aatype: Vec<usize>,
-    /// 0-based residue indices [N] (the `residue_index` feature); written as index + 1.
+    /// 0-based residue indices `[N]` (the `residue_index` feature); written as index + 1.
     pub residue_index: Vec<i64>,
-    /// Atom positions [N][37] in Angstrom.
+    /// Atom positions `[N][37]` in Angstrom.
     pub positions: Vec<[[f32; 3]; ATOM_TYPE_NUM]>,
-    /// Atom mask [N][37]; atoms below 0.5 are not written.
+    /// Atom mask `[N][37]`; atoms below 0.5 are not written.
     pub mask: Vec<[f32; ATOM_TYPE_NUM]>,
-    /// Per-residue B-factors [N] (pLDDT, 0-100).
+    /// Per-residue B-factors `[N]` (pLDDT, 0-100).
     pub b_factors: Vec<f32>,
 }
 
@@ -48,8 +48,8 @@ fn expect_shape(t: &Tensor, what: &str, want: &[i64]) -> Result<()> {
 }
 
 impl Structure {
-    /// Copies tensors (any device) into a structure: `aatype` [N], `residue_index` [N],
-    /// `positions` [N, 37, 3], `mask` [N, 37], `b_factors` [N].
+    /// Copies tensors (any device) into a structure: `aatype` `[N]`, `residue_index` `[N]`,
+    /// `positions` [N, 37, 3], `mask` [N, 37], `b_factors` `[N]`.
     pub fn from_tensors(
         aatype: &Tensor,
         residue_index: &Tensor,
@@ -171,9 +171,9 @@ impl Structure {
     /// residue names outside the 20 read as unknown (`X`); of the `HETATM` groups only amino
     /// acids (the 20 standard names; selenomethionine, MSE, read as MET with its SE as SD;
     /// modified ones with a backbone, such as SEP, as X) are residues, and ligands, ions and
-    /// waters are not (see [`Structure::drop_non_polymer`]); atoms matched by name (others, such as hydrogens,
+    /// waters are not (see `Structure::drop_non_polymer`); atoms matched by name (others, such as hydrogens,
     /// skipped), residues without any known atom skipped, and of alternative locations the
-    /// most occupied (see [`keeps_new_location`]). B-factors are the file's (per residue, from
+    /// most occupied (see `keeps_new_location`). B-factors are the file's (per residue, from
     /// its CA or first atom). `source` names the text in errors, with the line number.
     pub fn parse(text: &str, source: &Path, chain: Option<char>) -> Result<Structure> {
         let bad =

@@ -4,7 +4,7 @@
 //! directory in turn on the same features, ranked by confidence, with the steps' timings.
 //!
 //! With AlphaFold-Multimer's parameters the FASTA file's records are one complex
-//! ([`complex`]). Every rank runs the same model; with more than one rank the Evoformer and extra-MSA stacks
+//! (`complex`). Every rank runs the same model; with more than one rank the Evoformer and extra-MSA stacks
 //! run under dynamic axial parallelism and rank 0 writes the files; rank 0 also runs the
 //! homology search, and the other ranks read the alignments it saved.
 use std::path::{Path, PathBuf};

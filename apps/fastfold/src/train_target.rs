@@ -20,14 +20,14 @@ pub struct Target {
     /// The structure's resolution (Å; 0, the default, for none: no confidence terms).
     pub resolution: f64,
     /// For a complex's whole truth compared with a prediction of a crop of it: the whole
-    /// complex's chain (`asym_id`) and entity (`entity_id`) of each residue, [M] each (the loss
+    /// complex's chain (`asym_id`) and entity (`entity_id`) of each residue, `[M]` each (the loss
     /// finds each predicted residue in its assigned true chain by its number). `None`: the
     /// truth has the prediction's residues.
     pub whole_chains: Option<(Tensor, Tensor)>,
 }
 
 impl Target {
-    /// From a structure whose residue types must be the features' (`aatype` [N]), with the
+    /// From a structure whose residue types must be the features' (`aatype` `[N]`), with the
     /// atoms backbone FAPE and the distogram need (else an error: one example without them
     /// would train on without those terms, silently).
     pub fn new(s: &Structure, aatype: &Tensor, source: &str) -> anyhow::Result<Target> {

@@ -3,7 +3,7 @@
 //! from the planner's plan ([`Layout::from_plan`]); every later step reads it: the groups
 //! ([`crate::mesh::Mesh`]), the model's split ([`crate::parallelize`]), the batch's split, the
 //! checkpoint record. The rules for what may combine with what live here once:
-//! [`Layout::validate`] for the flags among themselves and the job's ranks, [`Layout::check`]
+//! `Layout::validate` for the flags among themselves and the job's ranks, [`Layout::check`]
 //! for the model they split (the planner asks the same two before it prices a plan).
 use std::path::PathBuf;
 

@@ -10,7 +10,7 @@
 //! 4. a pipeline cuts the model into stages and this rank keeps its own
 //!    ([`crate::pipeline_parallel`]);
 //! 5. data parallelism (ZeRO, mixed precision's fp32 masters, offload) wires the parameters
-//!    this rank trains over its data x sequence group ([`engine::parallel::parallelize`]).
+//!    this rank trains over its data x sequence group ([`engine::parallel::parallelize()`]).
 //!
 //! The model files know none of this: they are written once, serially.
 use engine::dist::World;

@@ -8,7 +8,7 @@
 //! The mesh is `pp x dp x sp x tp` (tensor-parallel groups are runs of consecutive ranks, then
 //! the sequence-parallel groups, the data-parallel replicas, the stages; see
 //! [`engine::dist::ParallelDims`] and [`crate::mesh::Mesh`]). Each stage's parameters are wired by
-//! [`engine::parallel::parallelize`] over its data x sequence group (ZeRO included); the
+//! [`engine::parallel::parallelize()`] over its data x sequence group (ZeRO included); the
 //! pipeline's backward passes accumulate without synchronising and the optimizer step reduces
 //! them at once. The gradient norm for clipping sums every stage's squares
 //! ([`Parallelized::across_stages`]), so it is the whole model's; LAMB's and LARS's trust

@@ -56,7 +56,7 @@ fn timed_samples(cfg: &VitConfig) -> usize {
 
 /// The stem's, one block's (the blocks are alike) and the head's forward and backward timed on
 /// `device` with this process's threads, at micro-batches of one sample and of a few
-/// ([`timed_samples`]), as fixed and per-sample seconds. With `group` (a collective) the ranks
+/// (`timed_samples`), as fixed and per-sample seconds. With `group` (a collective) the ranks
 /// take turns, each timing its device alone (ranks sharing cores would otherwise time one
 /// another: the cost model prices that sharing itself), and every rank keeps the slowest's.
 pub fn timed(cfg: &VitConfig, device: Device, group: Option<&ProcessGroup>) -> anyhow::Result<[LayerTime; 3]> {

@@ -8,7 +8,7 @@
 //! the same loss, and each parameter's gradient on a rank is its share of the gradient of the
 //! sum of the group's losses: summed over the group it is `sp` times the one-process gradient,
 //! so averaging gradients over the data replicas and the sequence ranks together (`dp x sp`
-//! ranks, [`crate::tensor_parallel::Mesh::grads`]) gives the one-process data-parallel mean.
+//! ranks, `crate::tensor_parallel::Mesh::grads`) gives the one-process data-parallel mean.
 use engine::parallel::sequence::{ring_attention, ulysses_attention, AttentionMask, SequenceParallel};
 use tch::nn;
 use tch::Tensor;

@@ -5,14 +5,14 @@
 //!   the survivors' next collective fails (Gloo sees the connection close), and the error
 //!   should say *which* peer is gone. Every rank bumps a counter in the rendezvous store a few
 //!   times a second; a failed collective reads its peers' counters twice and names those that
-//!   stopped ([`lost_peers`]).
+//!   stopped (`lost_peers`).
 //! - A rank alive but stuck outside collectives (a hung data loader, an endless loop): its
 //!   peers wait in a collective until the timeout and then report their own operation. Under
 //!   the engine's spawner each rank also sends the spawner a pulse through a pipe a few times
 //!   a second, saying how long ago it last made progress (a step, a completed collective) and
 //!   whether it is waiting in a collective; the spawner ends the job when a rank has been
 //!   neither progressing nor waiting for longer than `--timeout`, and names it
-//!   ([`Pulses::stalled`]). A pipe, not a file: nothing is left on disk when the job is
+//!   (`Pulses::stalled`). A pipe, not a file: nothing is left on disk when the job is
 //!   killed or interrupted.
 //!
 //! Nothing is enforced before a rank's first progress (start-up: loading data, building the

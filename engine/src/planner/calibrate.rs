@@ -59,7 +59,7 @@ pub fn matmul_flops(device: Device) -> Result<f64> {
 
 /// Seconds one operation on a tiny tensor takes on `device` with autograd recording it (a
 /// training step's dispatch, bookkeeping and launch, without arithmetic to speak of): a chain
-/// of [`OPS`] element-wise operations, after one untimed chain.
+/// of `OPS` element-wise operations, after one untimed chain.
 pub fn op_overhead(device: Device) -> Result<f64> {
     let x = Tensor::f_ones([8], (Kind::Float, device))?.set_requires_grad(true);
     let chain = || -> Result<f64> {
@@ -76,7 +76,7 @@ pub fn op_overhead(device: Device) -> Result<f64> {
     chain()
 }
 
-/// Bytes/s of an element-wise pass over [`PASS_ELEMENTS`]-element f32 arrays on `device`
+/// Bytes/s of an element-wise pass over `PASS_ELEMENTS`-element f32 arrays on `device`
 /// (`a = b + c` into an existing `a`, STREAM's add: two arrays read, one written), the fastest
 /// of a few.
 pub fn memory_bandwidth(device: Device) -> Result<f64> {

@@ -20,7 +20,7 @@
 //! With `--lora-rank` only LoRA adapters train ([`crate::lora`]): the frozen UNet lives in
 //! Gemini's chunks as the trained one does (sharded over the ranks, streamed part by part
 //! within the budget) but with no gradients and no optimizer state; the adapters train as the
-//! engine trains a replicated model ([`engine::parallel::parallelize`], without ZeRO): in fp32
+//! engine trains a replicated model ([`engine::parallel::parallelize()`], without ZeRO): in fp32
 //! on the device with their AdamW/LAMB state, their gradients averaged over the ranks in DDP's
 //! buckets during backward, then unscaled, clipped and stepped by its step.
 //!

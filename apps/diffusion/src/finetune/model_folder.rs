@@ -98,7 +98,7 @@ fn remove_variant(component: &Path, file: &Path) -> Result<()> {
 
 /// Writes `out/model/`: the base folder with the UNet replaced by `weights` (fp32, diffusers'
 /// names), through a staging folder renamed into place; components kept from the base have
-/// plain weight names (see [`plain_names`]).
+/// plain weight names (see `plain_names`).
 pub fn save_model(base: &Path, weights: &[(String, Tensor)], out: &Path) -> Result<PathBuf> {
     let target = out.join("model");
     let staging = out.join(STAGING);

@@ -32,7 +32,7 @@ pub struct Draws {
     pub noise: Tensor,
     /// Per-image offset noise [B, C, 1, 1] (scaled by `noise_offset`).
     pub offset: Tensor,
-    /// Timesteps [B] in [0, T).
+    /// Timesteps `[B]` in [0, T).
     pub timesteps: Tensor,
 }
 

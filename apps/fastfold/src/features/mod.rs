@@ -37,18 +37,18 @@ pub use pipeline::process;
 /// to the `restypes` order (`correct_msa_restypes`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct RawFeatures {
-    /// Residue types [N], 0..=20 (`restypes` order, 20 = X).
+    /// Residue types `[N]`, 0..=20 (`restypes` order, 20 = X).
     pub aatype: Vec<i64>,
-    /// Domain breaks [N]: all zero for a single chain.
+    /// Domain breaks `[N]`: all zero for a single chain.
     pub between_segment_residues: Vec<i64>,
-    /// Residue indices [N]: 0..N.
+    /// Residue indices `[N]`: 0..N.
     pub residue_index: Vec<i64>,
     /// N.
     pub seq_length: usize,
-    /// MSA rows [S][N], classes 0..=21 in `restypes` order (20 = X, 21 = gap); row 0 is the
+    /// MSA rows `[S][N]`, classes 0..=21 in `restypes` order (20 = X, 21 = gap); row 0 is the
     /// query.
     pub msa: Vec<Vec<i64>>,
-    /// Deletion counts [S][N].
+    /// Deletion counts `[S][N]`.
     pub deletion_matrix: Vec<Vec<f32>>,
     /// S, the number of distinct MSA rows.
     pub num_alignments: usize,
@@ -270,7 +270,7 @@ pub struct Features {
     pub aatype: Tensor,
     /// [R, N] 0-based residue indices.
     pub residue_index: Tensor,
-    /// [R] number of residues.
+    /// `[R]` number of residues.
     pub seq_length: Tensor,
     /// [R, N] ones.
     pub seq_mask: Tensor,

@@ -99,7 +99,7 @@ impl RawFeatures {
     }
 
     /// Reads the arrays [`RawFeatures::save_npz`] writes, from `path` (named in every error):
-    /// one-hot `aatype` [N, 21], `residue_index` and `between_segment_residues` [N], the MSA
+    /// one-hot `aatype` [N, 21], `residue_index` and `between_segment_residues` `[N]`, the MSA
     /// [S, N] in HHblits' classes with `deletion_matrix_int`, and the template arrays if any.
     pub fn from_npz_arrays(arrays: Vec<(String, Tensor)>, path: &Path) -> anyhow::Result<RawFeatures> {
         let mut map: HashMap<String, Tensor> = arrays.into_iter().collect();

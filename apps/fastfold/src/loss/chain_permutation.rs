@@ -33,7 +33,7 @@ pub struct Chain {
     pub len: usize,
 }
 
-/// The chains of `asym_id` and `entity_id` [N], in residue order. An error when a chain's
+/// The chains of `asym_id` and `entity_id` `[N]`, in residue order. An error when a chain's
 /// residues are not consecutive, when a chain spans two entities, or when two chains of one
 /// entity differ in length (they would not be interchangeable).
 pub fn chains(asym_id: &Tensor, entity_id: &Tensor) -> Result<Vec<Chain>> {
@@ -54,7 +54,7 @@ pub fn chains(asym_id: &Tensor, entity_id: &Tensor) -> Result<Vec<Chain>> {
     Ok(out)
 }
 
-/// The chains of `asym_id` and `entity_id` [N] as [`chains`] finds them, copies of an entity
+/// The chains of `asym_id` and `entity_id` `[N]` as [`chains`] finds them, copies of an entity
 /// of any lengths (a crop's).
 pub fn chain_runs(asym_id: &Tensor, entity_id: &Tensor) -> Result<Vec<Chain>> {
     let asym: Vec<i64> = Vec::try_from(asym_id.f_to_kind(Kind::Int64)?.f_to_device(Device::Cpu)?)?;
@@ -162,7 +162,7 @@ fn distance2(a: &[f64; 3], b: &[f64; 3]) -> f64 {
 
 /// For each predicted chain, the true chain to compare it with (indices into `chains`), chosen
 /// as the module describes, from predicted Cα positions `pred_ca` [N, 3], true ones `true_ca`
-/// [N, 3] and their resolution mask `true_mask` [N], the truth laid out by the same `chains`.
+/// [N, 3] and their resolution mask `true_mask` `[N]`, the truth laid out by the same `chains`.
 pub fn align_chains(chains: &[Chain], pred_ca: &Tensor, true_ca: &Tensor, true_mask: &Tensor) -> Result<Vec<usize>> {
     align_crop(chains, chains, &places_in_chains(chains), pred_ca, true_ca, true_mask)
 }

@@ -126,7 +126,7 @@ fn masked_average(value: &Tensor, mask: &Tensor, eps: f64) -> Result<Tensor> {
 /// `[N, N, bins]` against the bin of each true distance between the pseudo-beta atoms
 /// `positions` [N, 3], bins split by `bins - 1` evenly spaced breaks from 2.3125 to 21.6875 Å
 /// (a distance on a break falls below it), averaged over the pairs of resolved atoms (`mask`
-/// [N]).
+/// `[N]`).
 pub fn distogram_loss(logits: &Tensor, positions: &Tensor, mask: &Tensor) -> Result<Tensor> {
     let bins = logits.size().last().copied().unwrap_or(2);
     let opts = (Kind::Float, logits.device());
@@ -151,7 +151,7 @@ pub fn masked_msa_loss(logits: &Tensor, target: &MaskedMsaTarget) -> Result<Tens
 
 /// AlphaFold's approximate lDDT per residue (`lddt.lddt`, `per_residue`): for each residue,
 /// the fraction of 0.5, 1, 2 and 4 Å tests passed by its distances to the other resolved
-/// points within `cutoff` Å in the true structure. `predicted`, `truth` [N, 3], `mask` [N].
+/// points within `cutoff` Å in the true structure. `predicted`, `truth` [N, 3], `mask` `[N]`.
 pub fn lddt_per_residue(predicted: &Tensor, truth: &Tensor, mask: &Tensor, cutoff: f64) -> Result<Tensor> {
     let (scored, score) = lddt_tests(predicted, truth, mask, cutoff)?;
     let norm = scored.f_sum_dim_intlist(-1, false, Kind::Float)?.f_add_scalar(1e-10)?.f_reciprocal()?;

@@ -90,12 +90,12 @@ pub struct MultimerStructureLoss {
     pub angle_norm_loss: Tensor,
     /// The structural-violation term before its weight.
     pub violation: Tensor,
-    /// 1 for the residues whose ground truth was renamed [N].
+    /// 1 for the residues whose ground truth was renamed `[N]`.
     pub alt_naming_is_better: Tensor,
 }
 
-/// The structure-module loss of `out` against `truth` for a complex of chains `asym_id` [N],
-/// residues numbered `residue_index` [N] (from 0 in each chain), real where `seq_mask` [N].
+/// The structure-module loss of `out` against `truth` for a complex of chains `asym_id` `[N]`,
+/// residues numbered `residue_index` `[N]` (from 0 in each chain), real where `seq_mask` `[N]`.
 pub fn multimer_structure_loss(
     out: &StructureOutput,
     truth: &GroundTruth,

@@ -57,13 +57,13 @@ pub struct ComplexLossInputs<'a> {
     pub truth: &'a GroundTruth,
     /// The masked-MSA objective's targets (the trained pass's sampled MSA).
     pub msa: MaskedMsaTarget<'a>,
-    /// Chain of each residue [N] (`asym_id`).
+    /// Chain of each residue `[N]` (`asym_id`).
     pub asym_id: &'a Tensor,
-    /// Entity of each residue [N] (`entity_id`).
+    /// Entity of each residue `[N]` (`entity_id`).
     pub entity_id: &'a Tensor,
-    /// Residue numbers [N], from 0 in each chain.
+    /// Residue numbers `[N]`, from 0 in each chain.
     pub residue_index: &'a Tensor,
-    /// 1 for the real residues [N].
+    /// 1 for the real residues `[N]`.
     pub seq_mask: &'a Tensor,
     /// The structure's resolution (Å; 0 for none: no confidence terms).
     pub resolution: f64,
@@ -76,9 +76,9 @@ pub struct ComplexLossInputs<'a> {
 /// The whole complex's chains, for a prediction of a crop of it.
 #[derive(Clone, Copy)]
 pub struct WholeChains<'a> {
-    /// Chain of each residue of the whole complex [M].
+    /// Chain of each residue of the whole complex `[M]`.
     pub asym_id: &'a Tensor,
-    /// Entity of each residue of the whole complex [M].
+    /// Entity of each residue of the whole complex `[M]`.
     pub entity_id: &'a Tensor,
 }
 

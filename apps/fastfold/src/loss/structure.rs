@@ -64,13 +64,13 @@ pub struct StructureLoss {
     pub chi_loss: Tensor,
     /// The angle-norm loss (`angle_norm_loss`).
     pub angle_norm_loss: Tensor,
-    /// 1 for the residues whose ground truth was renamed [N].
+    /// 1 for the residues whose ground truth was renamed `[N]`.
     pub alt_naming_is_better: Tensor,
 }
 
 /// The structure module's loss of `out` against `truth`, with backbone FAPE clamped or not
 /// (AlphaFold's `use_clamped_fape`: in training, clamped in 90% of the examples). `seq_mask`
-/// [N] marks the real residues.
+/// `[N]` marks the real residues.
 pub fn structure_loss(
     out: &StructureOutput,
     truth: &GroundTruth,
@@ -102,7 +102,7 @@ pub fn structure_loss(
     })
 }
 
-/// Backbone FAPE of every iteration [layers] (`backbone_loss`): the predicted backbone frames'
+/// Backbone FAPE of every iteration `[layers]` (`backbone_loss`): the predicted backbone frames'
 /// origins (CA) seen from every predicted frame, against the true ones, over the residues with
 /// a true frame; clamped at `clamp_distance` when `clamped`.
 pub fn backbone_fape(
@@ -122,7 +122,7 @@ pub fn backbone_fape(
 /// the prediction (`compute_renamed_ground_truth`, Algorithm 26).
 #[derive(Debug)]
 pub struct RenamedTruth {
-    /// 1 for the residues where the alternative naming is closer [N].
+    /// 1 for the residues where the alternative naming is closer `[N]`.
     pub alt_naming_is_better: Tensor,
     /// Atom14 positions under the chosen naming [N, 14, 3].
     pub atom14_positions: Tensor,
@@ -238,7 +238,7 @@ pub fn supervised_chi_loss(angles: &Tensor, truth: &GroundTruth) -> Result<Tenso
 
 /// The angle-norm loss (`angle_norm_loss`): how far the norm of every iteration's unnormalised
 /// (sin, cos) pairs (`unnormalized` [layers, N, 7, 2]) is from 1, `|sqrt(s^2 + c^2 + 1e-6) - 1|`,
-/// averaged over the iterations, the seven angles and the residues of `seq_mask` [N].
+/// averaged over the iterations, the seven angles and the residues of `seq_mask` `[N]`.
 pub fn angle_norm_loss(unnormalized: &Tensor, seq_mask: &Tensor) -> Result<Tensor> {
     let size = unnormalized.size();
     let norm = unnormalized.f_to_kind(Kind::Float)?.f_square()?.f_sum_dim_intlist(-1, false, Kind::Float)?;

@@ -120,9 +120,9 @@ pub struct LossInputs<'a> {
     pub truth: &'a GroundTruth,
     /// The masked-MSA objective's targets (the trained pass's).
     pub msa: MaskedMsaTarget<'a>,
-    /// 1 for the real residues [N].
+    /// 1 for the real residues `[N]`.
     pub seq_mask: &'a Tensor,
-    /// Residue numbers [N] (the peptide-bond checks join consecutive numbers).
+    /// Residue numbers `[N]` (the peptide-bond checks join consecutive numbers).
     pub residue_index: &'a Tensor,
     /// The structure's resolution (Å; 0 for NMR and distillation): the confidence terms train
     /// only between 0.1 and 3 Å.

@@ -51,10 +51,10 @@ pub struct BondViolations {
     pub ca_c_n_loss_mean: Tensor,
     /// Mean loss of the C-N-CA angle's cosine (`angles_c_n_ca_loss_mean`).
     pub c_n_ca_loss_mean: Tensor,
-    /// The three losses of each bond, half to each of its residues [N]
+    /// The three losses of each bond, half to each of its residues `[N]`
     /// (`connections_per_residue_loss_sum`; AlphaFold leaves the masks out of this sum).
     pub per_residue_loss_sum: Tensor,
-    /// 1 for the residues of a bond beyond the tolerance [N]
+    /// 1 for the residues of a bond beyond the tolerance `[N]`
     /// (`connections_per_residue_violation_mask`).
     pub per_residue_violation_mask: Tensor,
 }
@@ -88,7 +88,7 @@ pub struct Violations {
     pub clashes: Clashes,
     /// Within residues.
     pub within: WithinResidue,
-    /// 1 for the residues with any violation [N] (`total_per_residue_violations_mask`).
+    /// 1 for the residues with any violation `[N]` (`total_per_residue_violations_mask`).
     pub per_residue_violations_mask: Tensor,
     /// 1 for the atom14 slots the residue types have [N, 14], the atoms checked.
     pub atom14_atom_exists: Tensor,
@@ -141,7 +141,7 @@ fn flat_bottom(value: &Tensor, target: &Tensor, tolerance: &Tensor) -> Result<(T
 }
 
 /// The peptide bond's checks (`between_residue_bond_loss`): `positions` [N, 14, 3], `exists`
-/// [N, 14], `residue_index` [N] (a bond only where consecutive numbers follow), `aatype` [N].
+/// [N, 14], `residue_index` `[N]` (a bond only where consecutive numbers follow), `aatype` `[N]`.
 /// A single residue has no bonds: the means are 0.
 pub fn between_residue_bonds(
     positions: &Tensor,
@@ -221,8 +221,8 @@ fn per_atom_max(pairs: &Tensor, first: &[i64], second: &[i64]) -> Result<Tensor>
 }
 
 /// Clashes between atoms of different residues (`between_residue_clash_loss`): `positions`
-/// [N, 14, 3], `exists` and van der Waals `radius` [N, 14], `residue_index` [N]; in a complex,
-/// `asym_id` [N] (Multimer's `all_atom_multimer` version), so that only residues of one chain
+/// [N, 14, 3], `exists` and van der Waals `radius` [N, 14], `residue_index` `[N]`; in a complex,
+/// `asym_id` `[N]` (Multimer's `all_atom_multimer` version), so that only residues of one chain
 /// are peptide-bond neighbours. Pairs are taken once in numbering order, as AlphaFold takes
 /// them: in a complex, whose chains are each numbered from 0, two residues of different chains
 /// with the same number are never checked (Multimer's own rule, kept for parity).
@@ -306,9 +306,9 @@ pub fn within_residue_violations(
     })
 }
 
-/// Every check of predicted atom14 `positions` [N, 14, 3] of residue types `aatype` [N]
-/// numbered `residue_index` [N] (`find_structural_violations`), of a complex's chains
-/// `asym_id` [N] when given (see [`between_residue_clashes`]). The atoms checked are those the
+/// Every check of predicted atom14 `positions` [N, 14, 3] of residue types `aatype` `[N]`
+/// numbered `residue_index` `[N]` (`find_structural_violations`), of a complex's chains
+/// `asym_id` `[N]` when given (see [`between_residue_clashes`]). The atoms checked are those the
 /// residue types have, resolved in the truth or not.
 pub fn find_structural_violations(
     positions: &Tensor,
@@ -359,7 +359,7 @@ impl Violations {
         Ok(b.c_n_loss_mean.f_add(&b.ca_c_n_loss_mean)?.f_add(&b.c_n_ca_loss_mean)?.f_add(&per_atom.f_div(&atoms)?)?)
     }
 
-    /// The fractions of the residues of `seq_mask` [N] with each kind of violation, and of
+    /// The fractions of the residues of `seq_mask` `[N]` with each kind of violation, and of
     /// consecutive Cα pairs of `positions` [N, 14, 3] (numbered `residue_index`) stretched
     /// beyond 1.5 Å more than the trans distance (`compute_violation_metrics`).
     pub fn metrics(&self, positions: &Tensor, residue_index: &Tensor, seq_mask: &Tensor) -> Result<ViolationMetrics> {

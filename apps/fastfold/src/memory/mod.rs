@@ -1,6 +1,6 @@
 //! Memory planned, not guessed: the inference forward traced on shapes alone for the peak of
 //! its live bytes ([`profile`]), and the chunk size of every chunked operation chosen from a
-//! budget ([`plan`]).
+//! budget ([`plan()`]).
 //!
 //! The training planner's profile (`crate::profile`) counts what autograd keeps for the
 //! backward; inference keeps nothing for a backward, and what bounds it is the peak of the

@@ -36,11 +36,11 @@ use crate::model::{ensure, Result};
 /// One recycling slice of the processed batch, without the leading dimension, with float
 /// features in the model's kind.
 pub struct Batch {
-    /// [N] residue types.
+    /// `[N]` residue types.
     pub aatype: Tensor,
-    /// [N].
+    /// `[N]`.
     pub residue_index: Tensor,
-    /// [N].
+    /// `[N]`.
     pub seq_mask: Tensor,
     /// [N, 22].
     pub target_feat: Tensor,

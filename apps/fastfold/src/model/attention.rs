@@ -27,7 +27,7 @@ pub struct Attention {
 
 impl Attention {
     /// Arrays `query_w`, `key_w`, `value_w`, `gating_w` [c, heads, dim], `gating_b`
-    /// [heads, dim], `output_w` [heads, dim, c], `output_b` [c].
+    /// [heads, dim], `output_w` [heads, dim, c], `output_b` `[c]`.
     pub fn new(p: &Scope, c: i64, heads: i64, head_dim: i64) -> Result<Self> {
         let w = |name: &str| p.param(name, &[c, heads, head_dim], Init::Weight { fan_in: c });
         Ok(Attention {

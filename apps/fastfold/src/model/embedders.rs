@@ -45,7 +45,7 @@ pub(crate) fn shape_error(what: &str, expected: String, found: Vec<i64>) -> Erro
 
 /// The relative-position one-hot (Algorithm 4): for residues `i`, `j`, the bin
 /// `clip(residue_index[i] - residue_index[j] + k, 0, 2k)` of `2k + 1`, `k` = `max_relative`.
-/// `residue_index` [N] (any numeric kind); the result [N, N, 2k + 1] has kind `kind`.
+/// `residue_index` `[N]` (any numeric kind); the result [N, N, 2k + 1] has kind `kind`.
 pub fn relative_position_one_hot(residue_index: &Tensor, max_relative: i64, kind: Kind) -> Result<Tensor> {
     let size = residue_index.size();
     if size.len() != 1 {
@@ -91,7 +91,7 @@ pub fn distance_one_hot_between(
 }
 
 /// Pseudo-beta positions (AlphaFold's `pseudo_beta_fn`): C-beta, or C-alpha for glycine.
-/// `aatype` [N] (integer), `atom37` [N, 37, 3] → [N, 3].
+/// `aatype` `[N]` (integer), `atom37` [N, 37, 3] → [N, 3].
 pub fn pseudo_beta(aatype: &Tensor, atom37: &Tensor) -> Result<Tensor> {
     let n = match aatype.size().as_slice() {
         [n] => *n,
@@ -224,7 +224,7 @@ impl InputEmbedder {
         })
     }
 
-    /// `target_feat` [N, 22], `msa_feat` [S, N, 49] and `residue_index` [N] to the MSA
+    /// `target_feat` [N, 22], `msa_feat` [S, N, 49] and `residue_index` `[N]` to the MSA
     /// [S, N, c_m] and pair [N, N, c_z] representations.
     pub fn forward(&self, target_feat: &Tensor, msa_feat: &Tensor, residue_index: &Tensor) -> Result<(Tensor, Tensor)> {
         self.embed(target_feat, msa_feat, residue_index, &Exec::serial())

@@ -10,7 +10,7 @@
 //! extra-MSA stack, the Evoformer, or outside the stacks) is part of the context, so one plan
 //! gives the 5,120-row extra-MSA stack and the 512-row Evoformer different sizes. A plan is
 //! either one size for everything (`--chunk-size`) or the memory planner's choice per step
-//! ([`crate::memory::plan`], `--gpu-mem`).
+//! ([`crate::memory::plan()`], `--gpu-mem`).
 use std::collections::BTreeMap;
 use std::sync::Arc;
 

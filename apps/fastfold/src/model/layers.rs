@@ -14,7 +14,7 @@ pub struct Linear {
 }
 
 impl Linear {
-    /// Arrays `weights` [c_in, c_out] and, with `bias`, `bias` [c_out].
+    /// Arrays `weights` [c_in, c_out] and, with `bias`, `bias` `[c_out]`.
     pub fn new(p: &Scope, c_in: i64, c_out: i64, bias: bool) -> Result<Self> {
         let weights = p.param("weights", &[c_in, c_out], Init::Weight { fan_in: c_in })?;
         let bias = match bias {
@@ -85,7 +85,7 @@ pub struct LayerNorm {
 }
 
 impl LayerNorm {
-    /// Arrays `scale` [c] and `offset` [c].
+    /// Arrays `scale` `[c]` and `offset` `[c]`.
     pub fn new(p: &Scope, channels: i64) -> Result<Self> {
         Ok(LayerNorm {
             scale: p.param("scale", &[channels], Init::One)?,

@@ -49,12 +49,12 @@ fn rows_with_unmasked(mask: &Tensor) -> Result<Vec<bool>> {
     Ok(Vec::<i64>::try_from(&any)?.into_iter().map(|x| x != 0).collect())
 }
 
-/// How many rows of `mask` [rows] or [rows, ...] have an unmasked entry.
+/// How many rows of `mask` `[rows]` or [rows, ...] have an unmasked entry.
 pub fn count_unmasked_rows(mask: &Tensor) -> Result<i64> {
     Ok(rows_with_unmasked(mask)?.into_iter().filter(|&u| u).count() as i64)
 }
 
-/// The indices of the rows of `mask` [rows] or [rows, ...] with an unmasked entry, or `None`
+/// The indices of the rows of `mask` `[rows]` or [rows, ...] with an unmasked entry, or `None`
 /// when that is every row: the extra-MSA rows that run through the extra-MSA stack, and the
 /// templates that run through the template pair stack (the pointwise attention gives a masked
 /// template weight exactly 0, and with no real template the update is 0).

@@ -21,7 +21,7 @@ pub struct Recycling {
 
 /// ColabFold's `compute_tol`: `sqrt(mean over residue pairs of (d_prev - d_now)^2 + 1e-8)`,
 /// with `d` the CA-CA distances of `prev` and `now` (atom37 positions [N, 37, 3]) and the mean
-/// over pairs of `seq_mask` [N] residues. The first pass compares with all-zero positions, as
+/// over pairs of `seq_mask` `[N]` residues. The first pass compares with all-zero positions, as
 /// ColabFold's zero `prev_pos` does.
 pub fn ca_distance_change(prev: &Tensor, now: &Tensor, seq_mask: &Tensor) -> Result<f64> {
     let dist = |x: &Tensor| -> Result<Tensor> {

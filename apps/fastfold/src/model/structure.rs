@@ -289,7 +289,7 @@ impl AngleResnet {
 
 /// The eight rigid-group frames of every residue in global coordinates
 /// (`torsion_angles_to_frames`): default frames rotated about x by the torsions, chi2..chi4
-/// chained onto chi1, all composed onto the backbone frame. `backbone` [N], `angles`
+/// chained onto chi1, all composed onto the backbone frame. `backbone` `[N]`, `angles`
 /// [N, 7, 2] (sin, cos) → [N, 8].
 pub fn torsion_angles_to_frames(tables: &Tables, aatype: &Tensor, backbone: &Rigid, angles: &Tensor) -> Result<Rigid> {
     let m = tables.default_frames.f_index_select(0, aatype)?; // [N, 8, 4, 4]
@@ -428,7 +428,7 @@ impl StructureModule {
     }
 
     /// One invariant point attention of the fold iteration on `act` [N, c_s] (after the input
-    /// projection) and `pair` [N, N, c_z] (after its norm) with backbone `frames` [N] in nm:
+    /// projection) and `pair` [N, N, c_z] (after its norm) with backbone `frames` `[N]` in nm:
     /// the update added to `act`. Exposed to check its invariance to global rigid motions.
     pub fn invariant_point_attention(
         &self,
@@ -441,7 +441,7 @@ impl StructureModule {
     }
 
     /// `single` [N, c_s] (the Evoformer's single representation), `pair` [N, N, c_z],
-    /// `aatype` [N] (integer), `seq_mask` [N]; the invariant point attention `chunk` query
+    /// `aatype` `[N]` (integer), `seq_mask` `[N]`; the invariant point attention `chunk` query
     /// residues at a time (`None`: all). In training, with `dropout` (the module's key and
     /// rate) the activation is dropped as the module docs say.
     pub fn run(

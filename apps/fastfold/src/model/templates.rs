@@ -565,7 +565,7 @@ impl Templates {
 
     /// Adds the templates' update to `pair` ([`Templates::pair_update`]), pair rows a chunk at
     /// a time (in place where the stream allows). Without gradients each template is folded
-    /// into an online softmax as it leaves the pair stack ([`OnlineSoftmax`]), so the stack
+    /// into an online softmax as it leaves the pair stack (`OnlineSoftmax`), so the stack
     /// [T, N, N, c_t], a long query's largest buffer with templates, is never made; a masked
     /// template's logits carry the same bias as in the stacked softmax (its weight 0).
     /// In training, `key` (the templates') keys the pair stack's dropout
@@ -674,7 +674,7 @@ impl Templates {
     }
 
     /// The pointwise attention of `pair` [N, N, c_z] over the stacked templates [T, N, N,
-    /// c_t] (`template_mask` [T]), times zero when no template is real.
+    /// c_t] (`template_mask` `[T]`), times zero when no template is real.
     pub fn pointwise_attention(
         &self,
         pair: &Tensor,

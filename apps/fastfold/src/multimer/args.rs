@@ -28,7 +28,7 @@ pub struct MultimerArgs {
     #[arg(long, value_parser = engine::parse::count(1..=1000))]
     pub num_multimer_predictions_per_model: Option<usize>,
     /// UniProt (FASTA), searched with jackhmmer for the rows paired across chains (multimer;
-    /// default: <data-dir>/uniprot/uniprot.fasta).
+    /// default: `<data-dir>/uniprot/uniprot.fasta`).
     #[arg(long)]
     pub uniprot_database_path: Option<PathBuf>,
 }

@@ -24,7 +24,7 @@ pub struct PairingMsa {
     pub msa: Grid<i32>,
     /// [S, N] deletion counts.
     pub deletion_matrix: Grid<f32>,
-    /// [S] species codes, `""` where none; the query's (row 0) is always `""`, as AlphaFold
+    /// `[S]` species codes, `""` where none; the query's (row 0) is always `""`, as AlphaFold
     /// names the query `chain_<id>`.
     pub species: Vec<String>,
 }

@@ -13,7 +13,7 @@ use super::features::{EntityInput, PairingMsa};
 use crate::features::RawFeatures;
 use crate::search::{Mode, Search, UNIPROT_FILE};
 
-/// Each entity's inputs for [`super::features`], in entity order, by `search` (and UniProt at
+/// Each entity's inputs for [`super::features()`], in entity order, by `search` (and UniProt at
 /// `uniprot` for a complex of several entities; not needed with [`Mode::ReadSaved`]),
 /// alignments under `msas`; `mode` as for [`Search::run`]. Also writes AlphaFold's `chain_id_map.json` in `msas` (when searching).
 pub fn entity_inputs(

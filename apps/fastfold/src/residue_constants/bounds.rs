@@ -99,7 +99,7 @@ pub fn virtual_bonds(restype: usize) -> Vec<Bond> {
         .collect()
 }
 
-/// Per residue type and pair of atom14 slots [21][14][14]: the lowest and highest distance
+/// Per residue type and pair of atom14 slots `[21][14][14]`: the lowest and highest distance
 /// allowed and, for bonded pairs, the distance's standard deviation.
 #[derive(Debug, Clone)]
 pub struct Atom14DistsBounds {

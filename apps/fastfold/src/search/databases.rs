@@ -67,26 +67,26 @@ pub struct DatabaseArgs {
     /// UniRef30) or reduced_dbs (jackhmmer against the small BFD).
     #[arg(long, value_enum, default_value = "full_dbs")]
     pub db_preset: DbPreset,
-    /// UniRef90 FASTA (default: <data-dir>/uniref90/uniref90.fasta).
+    /// UniRef90 FASTA (default: `<data-dir>/uniref90/uniref90.fasta`).
     #[arg(long)]
     pub uniref90_database_path: Option<PathBuf>,
-    /// MGnify FASTA (default: <data-dir>/mgnify/mgy_clusters_2022_05.fa).
+    /// MGnify FASTA (default: `<data-dir>/mgnify/mgy_clusters_2022_05.fa`).
     #[arg(long)]
     pub mgnify_database_path: Option<PathBuf>,
     /// BFD, an HH-suite database prefix (full_dbs; default:
-    /// <data-dir>/bfd/bfd_metaclust_clu_complete_id30_c90_final_seq.sorted_opt).
+    /// `<data-dir>/bfd/bfd_metaclust_clu_complete_id30_c90_final_seq.sorted_opt`).
     #[arg(long)]
     pub bfd_database_path: Option<PathBuf>,
     /// UniRef30, an HH-suite database prefix (full_dbs; default:
-    /// <data-dir>/uniref30/UniRef30_2021_03).
+    /// `<data-dir>/uniref30/UniRef30_2021_03`).
     #[arg(long)]
     pub uniref30_database_path: Option<PathBuf>,
     /// Small BFD FASTA (reduced_dbs; default:
-    /// <data-dir>/small_bfd/bfd-first_non_consensus_sequences.fasta).
+    /// `<data-dir>/small_bfd/bfd-first_non_consensus_sequences.fasta`).
     #[arg(long)]
     pub small_bfd_database_path: Option<PathBuf>,
     /// pdb70, an HH-suite database prefix searched with hhsearch for templates (default:
-    /// <data-dir>/pdb70/pdb70; without it, and without that folder, no template search).
+    /// `<data-dir>/pdb70/pdb70`; without it, and without that folder, no template search).
     #[arg(long)]
     pub pdb70_database_path: Option<PathBuf>,
     /// hhsearch against pdb70 (AlphaFold's monomer search) or hmmsearch against pdb_seqres
@@ -94,15 +94,15 @@ pub struct DatabaseArgs {
     #[arg(long, value_enum, default_value = "hhsearch")]
     pub template_searcher: TemplateSearcher,
     /// The PDB's sequences for --template-searcher hmmsearch (default:
-    /// <data-dir>/pdb_seqres/pdb_seqres.txt; without it, and without that file, no template
+    /// `<data-dir>/pdb_seqres/pdb_seqres.txt`; without it, and without that file, no template
     /// search).
     #[arg(long)]
     pub pdb_seqres_database_path: Option<PathBuf>,
-    /// The templates' mmCIF files, <pdb id>.cif (default: <data-dir>/pdb_mmcif/mmcif_files).
+    /// The templates' mmCIF files, `<pdb` id>.cif (default: `<data-dir>/pdb_mmcif/mmcif_files`).
     #[arg(long)]
     pub template_mmcif_dir: Option<PathBuf>,
     /// The PDB's obsolete.dat: withdrawn templates dropped, replaced ones read from their
-    /// successor (default: <data-dir>/pdb_mmcif/obsolete.dat when it exists).
+    /// successor (default: `<data-dir>/pdb_mmcif/obsolete.dat` when it exists).
     #[arg(long)]
     pub obsolete_pdbs_path: Option<PathBuf>,
 }

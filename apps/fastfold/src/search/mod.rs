@@ -78,17 +78,17 @@ pub struct SearchArgs {
     /// colabfold_envdb_202108_db, as its setup_databases.sh makes them).
     #[arg(long, value_enum, default_value = "alphafold")]
     pub msa_mode: MsaMode,
-    /// ColabFold's UniRef30 MMseqs2 database (default: <data-dir>/uniref30_2302_db).
+    /// ColabFold's UniRef30 MMseqs2 database (default: `<data-dir>/uniref30_2302_db`).
     #[arg(long)]
     pub mmseqs_uniref_db: Option<PathBuf>,
     /// ColabFold's environmental MMseqs2 database (default:
-    /// <data-dir>/colabfold_envdb_202108_db).
+    /// `<data-dir>/colabfold_envdb_202108_db`).
     #[arg(long)]
     pub mmseqs_env_db: Option<PathBuf>,
     /// The mmseqs binary (default: `mmseqs` on PATH).
     #[arg(long)]
     pub mmseqs_binary_path: Option<PathBuf>,
-    /// Reuse the alignments a previous run saved under <out>/<query>/msas/ instead of
+    /// Reuse the alignments a previous run saved under `<out>/<query>/msas/` instead o``    /// Reuse the alignments a previous run saved under `<out>/<query>/msas/` instead of
     /// searching again (a missing one is searched for).
     #[arg(long)]
     pub use_precomputed_msas: bool,

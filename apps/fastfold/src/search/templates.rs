@@ -27,9 +27,9 @@ const MAX_CA_CA_DISTANCE: f32 = 150.0;
 pub struct TemplateHitFeatures {
     /// The template residue at each query position, `-` where none aligns (N letters).
     pub sequence: String,
-    /// [N][37] atom positions (Å), zero where absent.
+    /// `[N][37]` atom positions (Å), zero where absent.
     pub positions: Vec<[[f32; 3]; ATOM_TYPE_NUM]>,
-    /// [N][37] 1 where the atom is present.
+    /// `[N][37]` 1 where the atom is present.
     pub masks: Vec<[f32; ATOM_TYPE_NUM]>,
     /// `<pdb id>_<chain>`.
     pub domain_name: String,

@@ -10,7 +10,7 @@
 //! `pdb_hits.sto`), AlphaFold-Multimer's search, else its `.hhr` files
 //! ([`super::layout::hit_files`]). Chains of the same sequence are
 //! copies of one entity ([`crate::multimer::Complex`]); the features are
-//! [`crate::multimer::features`]' and the truth the entry's chains in the features' order.
+//! [`crate::multimer::features()`]' and the truth the entry's chains in the features' order.
 //!
 //! The filters are the monomer data set's applied to the whole complex: resolution and
 //! release date of the entry, `--min-length`/`--max-length` on its residues in all chains, and

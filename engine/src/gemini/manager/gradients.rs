@@ -28,7 +28,7 @@ impl ChunkManager {
     /// one); with a data-parallel group it is added into the chunk's whole gradient on the
     /// device, zero at each backward's first gradient. When every tensor of the chunk has its
     /// gradient the chunk's gradient is complete: it is reduced across ranks (see
-    /// [`ChunkManager::reduce`]) and its tensors go back to `Hold`. Returns the chunk when
+    /// `ChunkManager::reduce`) and its tensors go back to `Hold`. Returns the chunk when
     /// this gradient completed it.
     pub fn add_gradient(&mut self, i: usize, grad: &Tensor) -> Result<Option<usize>> {
         let (c, s) = self.places[i];

@@ -444,7 +444,7 @@ impl ChunkManager {
     }
 
     /// The most device bytes a prefetch stages beside the payload it fills (see
-    /// [`ChunkManager::staging_of`]), over the chunks as their homes now lie.
+    /// `ChunkManager::staging_of`), over the chunks as their homes now lie.
     pub fn staging_bytes(&self) -> usize {
         (0..self.chunks.len()).map(|c| self.staging_of(c)).max().unwrap_or(0)
     }

@@ -135,7 +135,7 @@ impl ChunkManager {
     /// Loads the next `depth` chunks of the trace that are not resident ahead of their use
     /// (in trace order), evicting only chunks whose next use is farther away than the one
     /// loaded (so a prefetch never costs a reload sooner than it saves one). A chunk whose
-    /// payload and staged copy ([`ChunkManager::staging_of`]) do not fit is left to its access,
+    /// payload and staged copy (`ChunkManager::staging_of`) do not fit is left to its access,
     /// whose load of a whole chunk converts on the host and stages nothing on the device.
     pub fn prefetch(&mut self, depth: usize) -> Result<()> {
         if self.recording {

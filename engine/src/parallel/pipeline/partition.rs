@@ -86,7 +86,7 @@ pub fn split(layers: &[Box<dyn Layer>], stages: usize, balance: Balance) -> Resu
 /// this many runs, so one run disturbed by the rest of the machine does not move the split.
 const TIMED_RUNS: usize = 5;
 
-/// Times forward and backward of each layer (the median of [`TIMED_RUNS`] runs after `warmup`
+/// Times forward and backward of each layer (the median of `TIMED_RUNS` runs after `warmup`
 /// untimed ones), feeding each layer the previous layer's output starting from `sample`, and
 /// splits by those times. The measurement runs on `sample`'s device; it leaves no gradients
 /// behind.
@@ -94,7 +94,7 @@ pub fn split_measured(layers: &[Box<dyn Layer>], stages: usize, sample: &Tensor,
     split_costs(layer_times(layers, sample, warmup)?, stages, "seconds")
 }
 
-/// Seconds of each layer's forward and backward (the median of [`TIMED_RUNS`] runs after
+/// Seconds of each layer's forward and backward (the median of `TIMED_RUNS` runs after
 /// `warmup` untimed ones), each layer fed the previous layer's output starting from `sample`,
 /// on `sample`'s device; no gradients are left behind.
 pub fn layer_times(layers: &[Box<dyn Layer>], sample: &Tensor, warmup: usize) -> Result<Vec<f64>> {

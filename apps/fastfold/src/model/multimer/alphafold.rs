@@ -55,20 +55,20 @@ use crate::model::{ensure, Error, Result};
 
 /// The network's inputs: AlphaFold-Multimer's features of one complex, under the names its
 /// input pipeline gives them (`fastfold::multimer::MultimerFeatures`, whose `get` feeds
-/// [`MultimerInputs::from_named`]): per residue [N], per MSA row [S, N] or [S], per
+/// [`MultimerInputs::from_named`]): per residue `[N]`, per MSA row [S, N] or `[S]`, per
 /// template [T, ...].
 pub struct MultimerInputs {
-    /// [N] residue types 0-20.
+    /// `[N]` residue types 0-20.
     pub aatype: Tensor,
-    /// [N] residue numbers within each chain.
+    /// `[N]` residue numbers within each chain.
     pub residue_index: Tensor,
-    /// [N] chain (1-based).
+    /// `[N]` chain (1-based).
     pub asym_id: Tensor,
-    /// [N] entity (1-based).
+    /// `[N]` entity (1-based).
     pub entity_id: Tensor,
-    /// [N] copy of the entity (1-based).
+    /// `[N]` copy of the entity (1-based).
     pub sym_id: Tensor,
-    /// [N] 1 for real residues.
+    /// `[N]` 1 for real residues.
     pub seq_mask: Tensor,
     /// [S, N] classes 0-21.
     pub msa: Tensor,
@@ -78,7 +78,7 @@ pub struct MultimerInputs {
     pub msa_mask: Tensor,
     /// [S, N].
     pub bert_mask: Tensor,
-    /// [S] 1 for rows always kept as cluster centres.
+    /// `[S]` 1 for rows always kept as cluster centres.
     pub cluster_bias_mask: Tensor,
     /// [T, N] template residue types (`template_aatype`), when there are template features.
     pub template_aatype: Option<Tensor>,

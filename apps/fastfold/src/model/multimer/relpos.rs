@@ -38,7 +38,7 @@ pub const RELATIVE_FEATURES: i64 = (2 * MAX_RELATIVE_IDX + 2) + 1 + (2 * MAX_REL
 /// Residue classes of `target_feat` (20 amino acids and unknown; AlphaFold's `aatype`).
 pub const TARGET_CLASSES: i64 = 21;
 
-/// Per-residue chain identities of a complex, each [N] (any numeric kind), as the multimer
+/// Per-residue chain identities of a complex, each `[N]` (any numeric kind), as the multimer
 /// input pipeline makes them ([`crate::multimer`]).
 pub struct ChainIds<'a> {
     /// Residue number within its chain.
@@ -95,7 +95,7 @@ fn relative_encoding_rows(ids: &ChainIds, start: i64, rows: i64, kind: Kind) -> 
     Ok(Tensor::f_cat(&[position, same_entity.f_to_kind(kind)?.f_unsqueeze(-1)?, chain], -1)?)
 }
 
-/// The multimer `target_feat`: the one-hot [N, 21] of `aatype` [N] (classes 0-20), of kind
+/// The multimer `target_feat`: the one-hot [N, 21] of `aatype` `[N]` (classes 0-20), of kind
 /// `kind`.
 pub fn target_feat(aatype: &Tensor, kind: Kind) -> Result<Tensor> {
     if aatype.size().len() != 1 {
@@ -151,7 +151,7 @@ impl MultimerInputEmbedder {
         })
     }
 
-    /// `aatype` [N], `msa_feat` [S, N, 49] (of the kind to compute in) and the chain `ids` to
+    /// `aatype` `[N]`, `msa_feat` [S, N, 49] (of the kind to compute in) and the chain `ids` to
     /// the MSA [S, N, c_m] and pair [N, N, c_z] representations.
     pub fn forward(&self, aatype: &Tensor, msa_feat: &Tensor, ids: &ChainIds) -> Result<(Tensor, Tensor)> {
         self.embed(aatype, msa_feat, ids, &Exec::serial())

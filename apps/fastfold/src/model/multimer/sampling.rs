@@ -87,7 +87,7 @@ impl Default for MsaSampling {
 
 /// The MSA as the input pipeline hands it over (AlphaFold-Multimer's features of the same
 /// names): `msa` [S, N] classes 0-21, `deletion_matrix`, `msa_mask`, `bert_mask` [S, N],
-/// `cluster_bias_mask` [S] (1 for rows always kept as centres).
+/// `cluster_bias_mask` `[S]` (1 for rows always kept as centres).
 pub struct FullMsa<'a> {
     /// [S, N] classes.
     pub msa: &'a Tensor,
@@ -97,7 +97,7 @@ pub struct FullMsa<'a> {
     pub msa_mask: &'a Tensor,
     /// [S, N].
     pub bert_mask: &'a Tensor,
-    /// [S].
+    /// `[S]`.
     pub cluster_bias_mask: &'a Tensor,
 }
 
@@ -225,9 +225,9 @@ pub fn gumbel_noise(key: Key, shape: &[usize]) -> Vec<f32> {
         .collect()
 }
 
-/// The rows of an MSA best first, as `sample_msa` orders them: by `1e6 (min(1, Σ mask) - 1)
-/// + 1e6 cluster_bias_mask` plus Gumbel noise from `key`, descending (`msa_mask` [S, N],
-/// `cluster_bias_mask` [S]).
+/// The rows of an MSA best first, as `sample_msa` orders them: by
+/// `1e6 (min(1, Σ mask) - 1) + 1e6 cluster_bias_mask` plus Gumbel noise from `key`, descending
+/// (`msa_mask` [S, N], `cluster_bias_mask` `[S]`).
 pub fn sample_order(key: Key, msa_mask: &Tensor, cluster_bias_mask: &Tensor) -> Result<Vec<i64>> {
     let rows = msa_mask.f_to_kind(Kind::Float)?.f_sum_dim_intlist(-1, false, Kind::Float)?.f_clamp(0.0, 1.0)?;
     let rows = to_f32(&rows)?;

@@ -22,7 +22,7 @@
 //!
 //! Every distance-based feature and mask is zero between chains (`asym_id` differs): each
 //! chain's templates are its own. A scalar feature's "Linear" (haiku's `num_input_dims=0`)
-//! has `weights` [c_t] and `bias` [c_t]: `x w + b`.
+//! has `weights` `[c_t]` and `bias` `[c_t]`: `x w + b`.
 //!
 //! The backbone frame is `Rot3Array.from_two_vectors(C - CA, N - CA)` at CA, its vectors
 //! normalised as AlphaFold's `Vec3Array.normalized` does (by `sqrt(max(|v|², 1e-12))`, so a
@@ -75,7 +75,7 @@ impl ScalarLinear {
     }
 }
 
-/// One template's atoms: `aatype` [N] (classes 0-21), `positions` [N, 37, 3] (Å), `mask`
+/// One template's atoms: `aatype` `[N]` (classes 0-21), `positions` [N, 37, 3] (Å), `mask`
 /// [N, 37].
 pub struct TemplateAtoms<'a> {
     /// Residue types.
@@ -133,13 +133,13 @@ impl TemplatePairEmbedding {
     }
 
     /// The template stack's input [N, N, c_t] for one template's atoms, the query pair
-    /// [N, N, c_z] and the residues' chains `asym_id` [N].
+    /// [N, N, c_z] and the residues' chains `asym_id` `[N]`.
     pub fn forward(&self, query: &Tensor, template: &TemplateAtoms, asym_id: &Tensor) -> Result<Tensor> {
         self.embed(query, template, asym_id, &Exec::serial())
     }
 
     /// [`TemplatePairEmbedding::forward`], made `exec`'s
-    /// [`ChunkOp::PairEmbedding`](crate::model::exec::ChunkOp::PairEmbedding) rows at a time
+    /// [`ChunkOp::PairEmbedding`] rows at a time
     /// (each chunk's pair features only): the same values, the features never whole.
     pub fn embed(&self, query: &Tensor, template: &TemplateAtoms, asym_id: &Tensor, exec: &Exec) -> Result<Tensor> {
         let n = match template.aatype.size().as_slice() {
@@ -245,7 +245,7 @@ impl MultimerTemplates {
 
     /// The templates' update [N, N, c_z] of the query pair `query` [N, N, c_z], the stack
     /// masked by `pair_mask` [N, N] (padding residues), the features by the chains `asym_id`
-    /// [N]. Every rank runs it whole (`exec`'s chunk sizes, not its DAP group), one template
+    /// `[N]`. Every rank runs it whole (`exec`'s chunk sizes, not its DAP group), one template
     /// at a time.
     ///
     /// In training: with `key` (the templates', [`stack_keys`]) and `exec`'s dropout rates,
