@@ -24,11 +24,17 @@ pub(crate) struct Baseline;
 impl Isa for Baseline {
     #[inline(always)]
     fn f16(x: &[f32; WIDTH]) -> [u16; WIDTH] {
-        // A plain loop: `array::map` and `from_fn` of the conversion were left as calls.
-        let mut h = [0; WIDTH];
-        h.iter_mut().zip(x).for_each(|(h, &x)| *h = f16_bits(x));
-        h
+        portable(x, f16_bits)
     }
+}
+
+/// Each of `x` converted by `convert`, one of the portable conversions of `half.rs`, in a plain
+/// loop the compiler vectorises (`array::map` and `from_fn` of a conversion were left as calls).
+#[inline(always)]
+pub(crate) fn portable(x: &[f32; WIDTH], convert: impl Fn(f32) -> u16) -> [u16; WIDTH] {
+    let mut h = [0; WIDTH];
+    h.iter_mut().zip(x).for_each(|(h, &x)| *h = convert(x));
+    h
 }
 
 /// AVX2 with F16C (every CPU with AVX2 has F16C).

@@ -45,12 +45,7 @@ impl Lanes {
     fn to_half<I: Isa>(self, kind: Half) -> [u16; WIDTH] {
         match kind {
             Half::F16 => I::f16(&self.0),
-            Half::Bf16 => {
-                // A plain loop: `array::map` and `from_fn` of the conversion were left as calls.
-                let mut h = [0; WIDTH];
-                h.iter_mut().zip(&self.0).for_each(|(h, &x)| *h = bf16_bits(x));
-                h
-            }
+            Half::Bf16 => isa::portable(&self.0, bf16_bits),
         }
     }
 
@@ -265,6 +260,7 @@ widest! {
     pub(crate) fn block_sum_squares(x: &[f32], factors: &[f32]) -> f64 = sum_squares_lanes
 }
 
+// `I` unused: the sum needs nothing beyond the compiler's vectorisation for its set.
 #[inline(always)]
 fn sum_squares_lanes<I: Isa>(x: &[f32], factors: &[f32]) -> f64 {
     let mut lanes = [0f64; 8];
