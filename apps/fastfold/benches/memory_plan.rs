@@ -147,7 +147,7 @@ fn main() -> anyhow::Result<()> {
             };
             let fixed = (numel * e) as u64 + features;
             let whole = net.peak(sizes, &ChunkPlan::uniform(None));
-            let least = net.peak(sizes, &ChunkPlan::uniform(Some(1)));
+            let least = net.peak(sizes, &ChunkPlan::least());
             print!(
                 "| {n} | {name} | {:.1} | {:.1} | {:.1} ({}) |",
                 gib(fixed),

@@ -2,9 +2,12 @@
 //! Evoformer and extra-MSA stacks, and gradients of a scalar loss with respect to the inputs
 //! and every parameter, with sequence and residue counts the rank counts do not divide; the
 //! Evoformer stack also as AlphaFold-Multimer v3's (outer product mean first, fused triangle
-//! projections); and the assembled AlphaFold-Multimer network with recycling on 2 ranks.
+//! projections); the stacks' inference forward in place, the outer product mean taking the MSA
+//! in batches of sequences; and the assembled AlphaFold-Multimer network with recycling on 2
+//! ranks.
 use engine::dist::World;
 use engine::parallel::dap::Dap;
+use fastfold::model::exec::{ChunkOp, ChunkPlan, Stage};
 use fastfold::model::layers::Stream;
 use fastfold::model::{EvoformerConfig, EvoformerStack, Exec, Params, EVOFORMER, EXTRA_MSA};
 use suite_tests::{dist_test, TestResult};
@@ -35,6 +38,17 @@ fn run(params: &Params, extra: bool, x: &[Tensor; 4], exec: &Exec) -> anyhow::Re
     let prefix = if extra { EXTRA_MSA } else { EVOFORMER };
     grads.extend(params.iter().filter(|(k, _)| k.starts_with(prefix)).map(|(k, t)| (k.to_string(), t.grad())));
     Ok(Run { msa: m.detach(), pair: z.detach(), grads })
+}
+
+/// The stack's inference forward (no autograd: the streams, its own copies, updated in place)
+/// under `exec`.
+fn run_in_place(params: &Params, extra: bool, x: &[Tensor; 4], exec: &Exec) -> anyhow::Result<(Tensor, Tensor)> {
+    let stack = if extra { EvoformerStack::extra(params)? } else { EvoformerStack::main(params)? };
+    tch::no_grad(|| {
+        let streams = (Stream::new(x[0].copy(), true), Stream::new(x[1].copy(), true));
+        let (m, z, _) = stack.forward(streams.0, streams.1, &x[2], &x[3], exec, None)?;
+        Ok((m, z))
+    })
 }
 
 fn inputs(s: i64, r: i64, c_m: i64, c_z: i64) -> [Tensor; 4] {
@@ -76,7 +90,16 @@ fn compare(world: &World) -> TestResult {
         let x = inputs(s, r, c_m, cfg.c_z);
         let one = run(params, extra, &x, &Exec::serial())?;
         let many = run(params, extra, &x, &Exec::new(dap.clone(), chunk))?;
-        for (name, a, b) in [("msa", &many.msa, &one.msa), ("pair", &many.pair, &one.pair)] {
+        // Inference in place, the outer product mean's sequences 2 at a time.
+        let op = ChunkOp::OuterProductMeanSequences;
+        let plan = ChunkPlan::uniform(chunk).with(Stage::ExtraMsa, op, Some(2)).with(Stage::Evoformer, op, Some(2));
+        let (lean_msa, lean_pair) = run_in_place(params, extra, &x, &Exec::planned(dap.clone(), plan))?;
+        for (name, a, b) in [
+            ("msa", &many.msa, &one.msa),
+            ("pair", &many.pair, &one.pair),
+            ("msa in place", &lean_msa, &one.msa),
+            ("pair in place", &lean_pair, &one.pair),
+        ] {
             let d = (a - b).abs().max().double_value(&[]);
             anyhow::ensure!(d <= 1e-5, "{what}: output {name} differs by {d:e} (tolerance 1e-5 abs)");
         }

@@ -1,10 +1,12 @@
 //! The embedders and heads on a tiny model: output shapes, the relative-position and
 //! recycling bins of known inputs, a symmetric distogram, key/shape errors naming the key and
 //! both shapes, and an npz round trip giving identical outputs.
+use engine::parallel::dap::Dap;
 use fastfold::model::embedders::{distance_one_hot, relative_position_one_hot, RECYCLE_MAX_BIN, RECYCLE_MIN_BIN};
+use fastfold::model::exec::{ChunkOp, ChunkPlan, Stage};
 use fastfold::model::keys::ITERATION;
 use fastfold::model::{
-    Embedders, Error, EvoformerConfig, HeadInputs, HeadOutputs, Heads, ModelConfig, Params, Recycled,
+    Embedders, Error, EvoformerConfig, Exec, HeadInputs, HeadOutputs, Heads, ModelConfig, Params, Recycled,
 };
 use tch::{Device, Kind, Tensor};
 
@@ -41,7 +43,12 @@ fn run_all(p: &Params, s: i64, n: i64) -> (Tensor, Tensor, Tensor, HeadOutputs) 
     tch::no_grad(|| {
         let (m, z) = emb.input.forward(&target, &msa_feat, &residue_index).unwrap();
         let (m, z) = emb.recycling.forward(&m, &z, &prev).unwrap();
-        let e = emb.extra_msa.as_ref().unwrap().forward(&extra, &has_del, &del_val).unwrap();
+        let extra_embedder = emb.extra_msa.as_ref().unwrap();
+        let e = extra_embedder.forward(&extra, &has_del, &del_val, &Exec::serial()).unwrap();
+        // Rows at a time (2, then the last alone): the same representation, bit for bit.
+        let plan = ChunkPlan::uniform(None).with(Stage::Outer, ChunkOp::ExtraMsaEmbedding, Some(2));
+        let rows = extra_embedder.forward(&extra, &has_del, &del_val, &Exec::planned(Dap::none(), plan)).unwrap();
+        assert!(rows.equal(&e), "the extra-MSA embedder rows at a time differs from its whole pass");
         let single = heads.single.forward(&m).unwrap();
         let out =
             heads.forward(&HeadInputs { msa: &m, pair: &z, single: &single, structure_single: &structure_single });

@@ -73,11 +73,17 @@ fn pass_peak_matches_the_cpu_allocator_and_plans_fit_their_budget() {
     let params = Params::random_model(&cfg, &model_cfg, 0).unwrap();
     let model = AlphaFold::new(&params).unwrap();
     let some = |c| ChunkPlan::uniform(Some(c));
+    let least = ChunkPlan::least;
     for (n, s, e, plan) in [
         (64, 8, 16, ChunkPlan::uniform(None)),
         (128, 4, 8, ChunkPlan::uniform(None)),
         (128, 16, 32, some(32)),
         (192, 2, 4, some(48).with(Stage::Evoformer, ChunkOp::TriangleMultiplication, Some(16))),
+        // The outer product mean's sequences in batches (the extra MSA's 256 at a time, the
+        // last batch smaller), everything else in small chunks: the peak is in its first batch.
+        (48, 4, 1000, least().with(Stage::ExtraMsa, ChunkOp::OuterProductMeanSequences, Some(256))),
+        (48, 4, 1000, least().with(Stage::Outer, ChunkOp::ExtraMsaEmbedding, Some(300))),
+        (48, 4, 1000, least()),
     ] {
         let b = batch(n, s, e, Kind::Float);
         let sizes = Sizes { residues: n, msa_rows: s, extra_rows: e, elem: 4, templates: 0, whole_logits: false };
@@ -191,7 +197,18 @@ fn in_place_chunked_pass_equals_the_plain_pass() {
     let plain = plain_model.pass(&b, prev, &Exec::serial(), None).unwrap();
     assert!(plain.recycled.pair.requires_grad(), "the plain pass records gradients");
     let model = AlphaFold::new(&params).unwrap();
-    for plan in [ChunkPlan::uniform(None), ChunkPlan::uniform(Some(4)), ChunkPlan::uniform(Some(1))] {
+    let sequences = |plan: ChunkPlan, (extra, msa)| {
+        let op = ChunkOp::OuterProductMeanSequences;
+        plan.with(Stage::ExtraMsa, op, Some(extra)).with(Stage::Evoformer, op, Some(msa))
+    };
+    for plan in [
+        ChunkPlan::uniform(None),
+        ChunkPlan::uniform(Some(4)),
+        ChunkPlan::uniform(Some(1)),
+        sequences(ChunkPlan::uniform(None), (3, 2)),
+        sequences(ChunkPlan::uniform(Some(4)), (4, 5)),
+        ChunkPlan::least(),
+    ] {
         let prev = Recycled::zeros(n, &cfg, &b.seq_mask).unwrap();
         let lean = tch::no_grad(|| model.pass(&b, prev, &Exec::planned(Dap::none(), plan.clone()), None)).unwrap();
         for (what, a, p) in [
@@ -390,10 +407,10 @@ fn multimer_pass_peak_matches_the_cpu_allocator_and_plans_fit_their_budget() {
     let whole = peak(&ChunkPlan::uniform(None));
     // Between the least peak and the least with the template stack whole: only a plan that
     // chunks the template stack meets it.
-    let least = peak(&ChunkPlan::uniform(Some(1)));
+    let least = peak(&ChunkPlan::least());
     let stack_whole = [ChunkOp::PairEmbedding, ChunkOp::TriangleMultiplication, ChunkOp::TriangleAttention]
         .into_iter()
-        .fold(ChunkPlan::uniform(Some(1)), |p, op| p.with(Stage::Templates, op, None));
+        .fold(ChunkPlan::least(), |p, op| p.with(Stage::Templates, op, None));
     let budget = (least + peak(&stack_whole)) / 2;
     assert!(budget < whole && budget > least, "a budget between {least} and {whole}");
     let plan = memory::plan_multimer(&cfg, &model, template.as_ref(), sizes, 0, budget).unwrap();

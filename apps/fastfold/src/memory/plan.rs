@@ -48,8 +48,11 @@ impl Plan {
 }
 
 /// The operations outside the stacks the pass profiles cover.
-const OUTER_KEYS: [(Stage, ChunkOp); 2] =
-    [(Stage::Outer, ChunkOp::PairEmbedding), (Stage::Outer, ChunkOp::StructureAttention)];
+const OUTER_KEYS: [(Stage, ChunkOp); 3] = [
+    (Stage::Outer, ChunkOp::PairEmbedding),
+    (Stage::Outer, ChunkOp::ExtraMsaEmbedding),
+    (Stage::Outer, ChunkOp::StructureAttention),
+];
 
 /// The template pair stack's operations.
 const TEMPLATE_KEYS: [(Stage, ChunkOp); 4] = [
@@ -60,10 +63,13 @@ const TEMPLATE_KEYS: [(Stage, ChunkOp); 4] = [
 ];
 
 /// The extra-MSA stack's and the Evoformer's operations.
-const STACK_KEYS: [(Stage, ChunkOp); 14] = [
+const STACK_KEYS: [(Stage, ChunkOp); 16] = [
     (Stage::ExtraMsa, ChunkOp::MsaRowAttention),
     (Stage::ExtraMsa, ChunkOp::MsaColumnAttention),
     (Stage::ExtraMsa, ChunkOp::MsaTransition),
+    // Sequences before rows: a batch of sequences costs a projection of the pair, a row
+    // chunk nothing, so the sequences get the larger share.
+    (Stage::ExtraMsa, ChunkOp::OuterProductMeanSequences),
     (Stage::ExtraMsa, ChunkOp::OuterProductMean),
     (Stage::ExtraMsa, ChunkOp::TriangleMultiplication),
     (Stage::ExtraMsa, ChunkOp::TriangleAttention),
@@ -71,6 +77,7 @@ const STACK_KEYS: [(Stage, ChunkOp); 14] = [
     (Stage::Evoformer, ChunkOp::MsaRowAttention),
     (Stage::Evoformer, ChunkOp::MsaColumnAttention),
     (Stage::Evoformer, ChunkOp::MsaTransition),
+    (Stage::Evoformer, ChunkOp::OuterProductMeanSequences),
     (Stage::Evoformer, ChunkOp::OuterProductMean),
     (Stage::Evoformer, ChunkOp::TriangleMultiplication),
     (Stage::Evoformer, ChunkOp::TriangleAttention),
@@ -103,8 +110,9 @@ fn candidates(len: i64) -> Vec<Option<i64>> {
 /// The length of the axis `op` chunks in `stage`.
 fn axis(stage: Stage, op: ChunkOp, sizes: &Sizes) -> i64 {
     match (stage, op) {
-        (Stage::ExtraMsa, ChunkOp::MsaRowAttention | ChunkOp::MsaTransition) => sizes.extra_rows.max(1),
-        (_, ChunkOp::MsaRowAttention | ChunkOp::MsaTransition) => sizes.msa_rows,
+        (Stage::ExtraMsa, ChunkOp::MsaRowAttention | ChunkOp::MsaTransition | ChunkOp::OuterProductMeanSequences)
+        | (_, ChunkOp::ExtraMsaEmbedding) => sizes.extra_rows.max(1),
+        (_, ChunkOp::MsaRowAttention | ChunkOp::MsaTransition | ChunkOp::OuterProductMeanSequences) => sizes.msa_rows,
         _ => sizes.residues,
     }
 }
@@ -144,7 +152,7 @@ fn search(
     if fixed + whole_peak.bytes <= budget {
         return Ok(Plan { chunks: whole, pass: whole_peak, fixed, ops });
     }
-    let mut chunks = ChunkPlan::uniform(Some(1));
+    let mut chunks = ChunkPlan::least();
     let least = peak(&chunks);
     if fixed + least.bytes > budget {
         return Err(format!(

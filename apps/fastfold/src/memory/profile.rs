@@ -248,14 +248,17 @@ pub(super) fn transition(t: &mut Trace, x: &Ctx, len: i64, row: i64, c: i64, fac
     });
 }
 
-/// `model/msa.rs`'s `OuterProductMean::update`.
+/// `model/msa.rs`'s `OuterProductMean::update`: the mask's norm, then per batch of
+/// sequences (every batch the first's shape or smaller) its normalised MSA, projections and
+/// pair chunks.
 fn outer_product_mean(t: &mut Trace, x: &Ctx, s: i64, r: i64, c_m: i64, channels: i64, c_z: i64) {
     let e = x.e;
-    let normed = layer_norm(t, s * r, c_m, e, true);
-    let (left, right) = (t.alloc(s * r * channels * e), t.alloc(s * r * channels * e));
-    t.free(normed);
     let (mc, norm) = (t.alloc(s * r * e), t.alloc(r * r * e));
     t.free(mc);
+    let batch = step(s, x.chunk(ChunkOp::OuterProductMeanSequences));
+    let normed = layer_norm(t, batch * r, c_m, e, true);
+    let (left, right) = (t.alloc(batch * r * channels * e), t.alloc(batch * r * channels * e));
+    t.free(normed);
     residual(t, r, x.chunk(ChunkOp::OuterProductMean), |t, n| {
         let outer = t.alloc(n * r * channels * channels * e);
         let flat = t.alloc(n * r * channels * channels * e);
@@ -265,7 +268,7 @@ fn outer_product_mean(t: &mut Trace, x: &Ctx, s: i64, r: i64, c_m: i64, channels
         t.temp(n * r * e);
         y
     });
-    for b in [norm, left, right] {
+    for b in [left, right, norm] {
         t.free(b);
     }
 }
@@ -352,11 +355,23 @@ pub(super) fn input_embedder(
     (c_m, c_z): (i64, i64),
     relative: impl Fn(&mut Trace, i64) -> Buf,
 ) -> (Buf, Buf) {
-    let e = x.e;
+    let msa = input_msa(t, x.e, (n, s), c_m);
+    (msa, input_pair(t, x, n, c_z, relative))
+}
+
+/// `FeatureProjections::embed_msa`: the two projections and their sum.
+fn input_msa(t: &mut Trace, e: i64, (n, s): (i64, i64), c_m: i64) -> Buf {
     let (a, b) = (t.alloc(s * n * c_m * e), t.alloc(n * c_m * e));
     let msa = t.alloc(s * n * c_m * e);
     t.free(a);
     t.free(b);
+    msa
+}
+
+/// `FeatureProjections::embed_pair`: the two single projections and the pair a chunk of rows
+/// at a time with `relative(rows)` added.
+fn input_pair(t: &mut Trace, x: &Ctx, n: i64, c_z: i64, relative: impl Fn(&mut Trace, i64) -> Buf) -> Buf {
+    let e = x.e;
     let (left, right) = (t.alloc(n * c_z * e), t.alloc(n * c_z * e));
     let pair = chunked(t, n, x.chunk(ChunkOp::PairEmbedding), n * c_z * e, |t, rows| {
         let sum = t.alloc(rows * n * c_z * e);
@@ -368,7 +383,7 @@ pub(super) fn input_embedder(
     });
     t.free(left);
     t.free(right);
-    (msa, pair)
+    pair
 }
 
 /// The monomer's relative positions of `rows` x `n` residue pairs projected to `c_z`: the
@@ -390,9 +405,21 @@ fn relative_positions(t: &mut Trace, e: i64, (rows, n): (i64, i64), bins: i64, c
 
 /// `model/embedders.rs`'s `RecyclingEmbedder::update` on owned streams.
 pub(super) fn recycling_embedder(t: &mut Trace, x: &Ctx, n: i64, cfg: &EvoformerConfig, model: &ModelConfig) {
-    let (e, c_m, c_z) = (x.e, cfg.c_m, cfg.c_z);
-    let row = layer_norm(t, n, c_m, e, true);
-    t.temp(n * c_m * e);
+    let row = recycled_row(t, x.e, n, cfg.c_m);
+    t.temp(n * cfg.c_m * x.e);
+    recycling_pair(t, x, n, cfg.c_z, model);
+    t.free(row);
+}
+
+/// `RecyclingEmbedder::first_row`: the previous first row normalised.
+fn recycled_row(t: &mut Trace, e: i64, n: i64, c_m: i64) -> Buf {
+    layer_norm(t, n, c_m, e, true)
+}
+
+/// `RecyclingEmbedder::update_pair`: the previous pair normalised and the pseudo-beta
+/// distances embedded, each added in place rows at a time.
+fn recycling_pair(t: &mut Trace, x: &Ctx, n: i64, c_z: i64, model: &ModelConfig) {
+    let e = x.e;
     let chunk = x.chunk(ChunkOp::PairEmbedding);
     residual(t, n, chunk, |t, rows| layer_norm(t, rows * n, c_z, e, true));
     residual(t, n, chunk, |t, rows| {
@@ -410,21 +437,22 @@ pub(super) fn recycling_embedder(t: &mut Trace, x: &Ctx, n: i64, cfg: &Evoformer
         t.free(dgram);
         out
     });
-    t.free(row);
 }
 
 /// `model/embedders.rs`'s `ExtraMsaEmbedder::forward`: the one-hot (int64, then the model's
-/// kind), the joined feature, the projection.
+/// kind), the joined feature, the projection, rows at a time.
 pub(super) fn extra_msa_embedder(t: &mut Trace, x: &Ctx, n: i64, rows: i64, c_e: i64) -> Buf {
     let e = x.e;
-    let one_hot = t.alloc(rows * n * 23 * 8);
-    let float = t.alloc(rows * n * 23 * e);
-    let feat = t.alloc(rows * n * 25 * e);
-    t.free(one_hot);
-    t.free(float);
-    let out = t.alloc(rows * n * c_e * e);
-    t.free(feat);
-    out
+    chunked(t, rows, x.chunk(ChunkOp::ExtraMsaEmbedding), n * c_e * e, |t, k| {
+        let one_hot = t.alloc(k * n * 23 * 8);
+        let float = t.alloc(k * n * 23 * e);
+        let feat = t.alloc(k * n * 25 * e);
+        t.free(one_hot);
+        t.free(float);
+        let out = t.alloc(k * n * c_e * e);
+        t.free(feat);
+        out
+    })
 }
 
 /// `model/structure.rs`'s `global_points` of `points` per head: the projection, the rotations
@@ -671,9 +699,7 @@ fn widened(t: &mut Trace, buf: Buf, elems: i64, (e, a): (i64, i64)) -> Buf {
 /// and weighted values, [n, n, heads] twice and [n, n, heads x dim], in f32 at a reduced
 /// precision, made after the first template's stack) before the next is embedded; then the softmax's averaged values
 /// projected and added to the pair in place, pair rows at a time. Never [count, n, n, c_t].
-/// Returns the templates' MSA rows [count, n, c_m] when the parameters embed their torsion
-/// angles.
-fn templates(t: &mut Trace, x: &Ctx, count: i64, n: i64, (c_m, c_z): (i64, i64), c: &TemplateConfig) -> Option<Buf> {
+fn templates(t: &mut Trace, x: &Ctx, count: i64, n: i64, c_z: i64, c: &TemplateConfig) {
     let e = x.e;
     // The online softmax's running terms: f32 at a reduced precision.
     let a = e.max(4);
@@ -702,15 +728,18 @@ fn templates(t: &mut Trace, x: &Ctx, count: i64, n: i64, (c_m, c_z): (i64, i64),
         });
         t.free_all(softmax);
     }
-    c.torsion_angles.then(|| {
-        t.at("template rows");
-        let features = t.alloc(count * n * ANGLE_FEATURES * 4);
-        let embedded = t.alloc(count * n * c_m * e);
-        t.free(features);
-        let rows = t.alloc(count * n * c_m * e);
-        t.free(embedded);
-        rows
-    })
+}
+
+/// `model/templates.rs`'s `Templates::msa_rows`: the `count` templates' MSA rows [count, n,
+/// c_m] from their torsion angles.
+fn template_rows(t: &mut Trace, e: i64, count: i64, n: i64, c_m: i64) -> Buf {
+    t.at("template rows");
+    let features = t.alloc(count * n * ANGLE_FEATURES * 4);
+    let embedded = t.alloc(count * n * c_m * e);
+    t.free(features);
+    let rows = t.alloc(count * n * c_m * e);
+    t.free(embedded);
+    rows
 }
 
 /// The peak of live bytes of one no-grad pass ([`crate::model::alphafold::AlphaFold::pass`])
@@ -725,26 +754,19 @@ pub fn pass_peak(cfg: &EvoformerConfig, model: &ModelConfig, sizes: Sizes, plan:
     let prev = [t.alloc(n * c_m * e), t.alloc(n * n * c_z * e), t.alloc(n * 3 * e)];
     t.at("input embedder");
     let bins = 2 * model.max_relative_feature + 1;
-    let (msa, pair) =
-        input_embedder(&mut t, &x, (n, s), (c_m, c_z), |t, rows| relative_positions(t, e, (rows, n), bins, c_z));
+    let pair = input_pair(&mut t, &x, n, c_z, |t, rows| relative_positions(t, e, (rows, n), bins, c_z));
     t.at("recycling embedder");
-    recycling_embedder(&mut t, &x, n, cfg, model);
+    let row = recycled_row(&mut t, e, n, c_m);
+    recycling_pair(&mut t, &x, n, c_z, model);
     for b in prev {
         t.free(b);
     }
     let pair_mask = t.alloc(n * n * e);
-    // The Evoformer's rows: the MSA's, then the templates' joined to them.
-    let (mut msa, mut rows) = (msa, s);
-    if let (Some(c), true) = (&model.templates, count > 0) {
+    let templated = model.templates.as_ref().filter(|_| count > 0);
+    if let Some(c) = templated {
         x.stage = Stage::Templates;
-        let template_rows = templates(&mut t, &x, count, n, (c_m, c_z), c);
+        templates(&mut t, &x, count, n, c_z, c);
         x.stage = Stage::Outer;
-        if let Some(template_rows) = template_rows {
-            rows += count;
-            let joined = t.alloc(rows * n * c_m * e);
-            t.free_all([msa, template_rows]);
-            msa = joined;
-        }
     }
     if cfg.num_extra_blocks > 0 {
         t.at("extra-MSA embedder");
@@ -754,6 +776,21 @@ pub fn pass_peak(cfg: &EvoformerConfig, model: &ModelConfig, sizes: Sizes, plan:
         x.stage = Stage::ExtraMsa;
         block(&mut t, &x, cfg, rows, n, true);
         t.free(extra);
+        x.stage = Stage::Outer;
+    }
+    // The MSA, embedded after the extra-MSA stack; the Evoformer's rows: the MSA's, then the
+    // templates' joined to them.
+    t.at("input embedder");
+    let mut msa = input_msa(&mut t, e, (n, s), c_m);
+    t.temp(n * c_m * e);
+    t.free(row);
+    let mut rows = s;
+    if templated.is_some_and(|c| c.torsion_angles) {
+        let template_rows = template_rows(&mut t, e, count, n, c_m);
+        rows += count;
+        let joined = t.alloc(rows * n * c_m * e);
+        t.free_all([msa, template_rows]);
+        msa = joined;
     }
     x.stage = Stage::Evoformer;
     if cfg.num_blocks > 0 {

@@ -190,18 +190,17 @@ impl AlphaFold {
     /// [`pass_keys`] derives their keys.
     pub fn pass(&self, batch: &Batch, prev: Recycled, exec: &Exec, key: Option<Key>) -> Result<Pass> {
         let keys = key.filter(|_| exec.dropout().is_some()).map(pass_keys);
-        let (msa, pair) =
-            self.embedders.input.embed(&batch.target_feat, &batch.msa_feat, &batch.residue_index, exec)?;
-        // The pass's own MSA and pair: the recycling embedder, the templates and the stacks
-        // update them in place when nothing records gradients.
-        let (mut msa, mut pair) = (Stream::new(msa, true), Stream::new(pair, true));
-        self.embedders.recycling.update(&mut msa, &mut pair, &prev, exec)?;
+        let input = &self.embedders.input;
+        let pair = input.embed_pair(&batch.target_feat, &batch.msa_feat, &batch.residue_index, exec)?;
+        // The pass's own pair: the recycling embedder, the templates and the stacks update it
+        // in place when nothing records gradients. Its MSA is embedded after the extra-MSA
+        // stack, which does not read it: a long query's MSA would take memory through that
+        // stack's largest step. Only the recycled row it needs is made now.
+        let mut pair = Stream::new(pair, true);
+        let recycled_row = self.embedders.recycling.first_row(&prev)?;
+        self.embedders.recycling.update_pair(&mut pair, &prev, exec)?;
         drop(prev);
-        let msa = msa.into_inner();
         let pair_mask = batch.seq_mask.f_unsqueeze(1)?.f_mul(&batch.seq_mask.f_unsqueeze(0)?)?;
-        // The MSA's own rows, which the masked-MSA head reads after the stack.
-        let own_rows = msa.size()[0];
-        let (mut msa, mut msa_mask) = (msa, batch.msa_mask.shallow_clone());
         if let (Some(t), Some(f)) = (&self.templates, &batch.templates) {
             let real = match self.drop_masked_rows {
                 true => masked_rows::unmasked_rows(&f.mask)?,
@@ -216,17 +215,13 @@ impl AlphaFold {
                 }
                 Some(_) => {} // no real template: the update is exactly 0
             }
-            if let Some((rows, mask)) = t.msa_rows(f, msa.kind())? {
-                msa = Tensor::f_cat(&[msa, rows], 0)?;
-                msa_mask = Tensor::f_cat(&[msa_mask, mask], 0)?;
-            }
         }
         let pair = pair.into_inner();
         let mut evoformer_key = keys.map(|k| k.stacks);
         let pair = match (&self.extra, &self.embedders.extra_msa) {
             (Some(stack), Some(embedder)) => {
                 let (rows, has_deletion, deletion_value, mask) = batch.extra_rows(self.drop_masked_rows)?;
-                let extra = embedder.forward(&rows, &has_deletion, &deletion_value)?.f_to_kind(pair.kind())?;
+                let extra = embedder.forward(&rows, &has_deletion, &deletion_value, exec)?.f_to_kind(pair.kind())?;
                 let (extra, pair) = (Stream::new(extra, true), Stream::new(pair, true));
                 let (_, pair, chain) = stack.forward(extra, pair, &mask, &pair_mask, exec, keys.map(|k| k.stacks))?;
                 // The Evoformer continues the extra-MSA stack's key chain.
@@ -235,6 +230,19 @@ impl AlphaFold {
             }
             _ => pair,
         };
+        let mut msa = Stream::new(input.embed_msa(&batch.target_feat, &batch.msa_feat)?, true);
+        self.embedders.recycling.add_first_row(&mut msa, &recycled_row)?;
+        drop(recycled_row);
+        let msa = msa.into_inner();
+        // The MSA's own rows, which the masked-MSA head reads after the stack.
+        let own_rows = msa.size()[0];
+        let (mut msa, mut msa_mask) = (msa, batch.msa_mask.shallow_clone());
+        if let (Some(t), Some(f)) = (&self.templates, &batch.templates) {
+            if let Some((rows, mask)) = t.msa_rows(f, msa.kind())? {
+                msa = Tensor::f_cat(&[msa, rows], 0)?;
+                msa_mask = Tensor::f_cat(&[msa_mask, mask], 0)?;
+            }
+        }
         let (msa, msa_mask, rows) = MsaRows::run(self.drop_masked_rows, msa, msa_mask, own_rows)?;
         let (msa, pair) = (Stream::new(msa, true), Stream::new(pair, true));
         let (msa, pair, _) = self.evoformer.forward(msa, pair, &msa_mask, &pair_mask, exec, evoformer_key)?;

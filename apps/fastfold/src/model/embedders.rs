@@ -188,14 +188,31 @@ impl FeatureProjections {
         exec: &Exec,
         relative: impl Fn(i64, i64) -> Result<Tensor>,
     ) -> Result<(Tensor, Tensor)> {
+        let msa = self.embed_msa(target_feat, msa_feat)?;
+        let pair = self.embed_pair(target_feat, msa_feat, exec, relative)?;
+        Ok((msa, pair))
+    }
+
+    /// The MSA representation [S, N, c_m] alone (see [`FeatureProjections::embed`]).
+    pub(crate) fn embed_msa(&self, target_feat: &Tensor, msa_feat: &Tensor) -> Result<Tensor> {
+        self.residues(target_feat, msa_feat)?;
+        Ok(self.preprocess_msa.forward(msa_feat)?.f_add(&self.preprocess_1d.forward(target_feat)?)?)
+    }
+
+    /// The pair representation [N, N, c_z] alone (see [`FeatureProjections::embed`]).
+    pub(crate) fn embed_pair(
+        &self,
+        target_feat: &Tensor,
+        msa_feat: &Tensor,
+        exec: &Exec,
+        relative: impl Fn(i64, i64) -> Result<Tensor>,
+    ) -> Result<Tensor> {
         let n = self.residues(target_feat, msa_feat)?;
-        let msa = self.preprocess_msa.forward(msa_feat)?.f_add(&self.preprocess_1d.forward(target_feat)?)?;
         let left = self.left_single.forward(target_feat)?.f_unsqueeze(1)?;
         let right = self.right_single.forward(target_feat)?.f_unsqueeze(0)?;
-        let pair = chunked(n, exec.chunk_for(ChunkOp::PairEmbedding), |start, rows| {
+        chunked(n, exec.chunk_for(ChunkOp::PairEmbedding), |start, rows| {
             Ok(left.f_narrow(0, start, rows)?.f_add(&right)?.f_add(&relative(start, rows)?)?)
-        })?;
-        Ok((msa, pair))
+        })
     }
 }
 
@@ -239,11 +256,29 @@ impl InputEmbedder {
         residue_index: &Tensor,
         exec: &Exec,
     ) -> Result<(Tensor, Tensor)> {
+        let msa = self.embed_msa(target_feat, msa_feat)?;
+        let pair = self.embed_pair(target_feat, msa_feat, residue_index, exec)?;
+        Ok((msa, pair))
+    }
+
+    /// The MSA representation of [`InputEmbedder::embed`] alone.
+    pub fn embed_msa(&self, target_feat: &Tensor, msa_feat: &Tensor) -> Result<Tensor> {
+        self.features.embed_msa(target_feat, msa_feat)
+    }
+
+    /// The pair representation of [`InputEmbedder::embed`] alone.
+    pub fn embed_pair(
+        &self,
+        target_feat: &Tensor,
+        msa_feat: &Tensor,
+        residue_index: &Tensor,
+        exec: &Exec,
+    ) -> Result<Tensor> {
         let n = self.features.residues(target_feat, msa_feat)?;
         if residue_index.size() != [n] {
             return Err(shape_error("residue_index", format!("[{n}]"), residue_index.size()));
         }
-        self.features.embed(target_feat, msa_feat, exec, |start, rows| {
+        self.features.embed_pair(target_feat, msa_feat, exec, |start, rows| {
             let rel =
                 relative_position_one_hot_rows(residue_index, start, rows, self.max_relative, target_feat.kind())?;
             self.pair_activiations.forward(&rel)
@@ -341,14 +376,40 @@ impl RecyclingEmbedder {
     /// [`RecyclingEmbedder::forward`] on streams (in place where they allow), the pair's terms
     /// `exec`'s [`ChunkOp::PairEmbedding`] rows at a time.
     pub fn update(&self, msa: &mut Stream, pair: &mut Stream, prev: &Recycled, exec: &Exec) -> Result<()> {
-        let ms = msa.get().size();
-        if ms.len() != 3 || ms[0] < 1 || ms[2] != self.c_m {
-            return Err(shape_error("msa", format!("[sequences, residues, {}]", self.c_m), ms));
+        let row = self.first_row(prev)?;
+        self.add_first_row(msa, &row)?;
+        self.update_pair(pair, prev, exec)
+    }
+
+    /// The normalised previous first row [1, N, c_m], which
+    /// [`RecyclingEmbedder::add_first_row`] adds to an MSA: made before the previous pass's
+    /// outputs are given up, so that the MSA itself can be embedded later.
+    pub fn first_row(&self, prev: &Recycled) -> Result<Tensor> {
+        let size = prev.msa_first_row.size();
+        if size.len() != 2 || size[1] != self.c_m {
+            return Err(shape_error("recycled msa first row", format!("[residues, {}]", self.c_m), size));
         }
-        let n = ms[1];
+        Ok(self.prev_msa_first_row_norm.forward(&prev.msa_first_row)?.f_unsqueeze(0)?)
+    }
+
+    /// Adds `row` ([`RecyclingEmbedder::first_row`]) to row 0 of `msa` [S, N, c_m].
+    pub fn add_first_row(&self, msa: &mut Stream, row: &Tensor) -> Result<()> {
+        let (ms, n) = (msa.get().size(), row.size()[1]);
+        if ms.len() != 3 || ms[0] < 1 || ms[1] != n || ms[2] != self.c_m {
+            return Err(shape_error("msa", format!("[sequences, {n}, {}]", self.c_m), ms));
+        }
+        msa.add_chunked(0, Some(1), |_, start, _| match start {
+            0 => Ok(row.shallow_clone()),
+            _ => Ok(row.f_zeros_like()?),
+        })
+    }
+
+    /// The pair's part of [`RecyclingEmbedder::update`]: the normalised previous pair and the
+    /// embedded pseudo-beta distances added to `pair` [N, N, c_z].
+    pub fn update_pair(&self, pair: &mut Stream, prev: &Recycled, exec: &Exec) -> Result<()> {
+        let n = prev.msa_first_row.size()[0];
         let checks = [
             ("pair", pair.get(), vec![n, n, self.c_z]),
-            ("recycled msa first row", &prev.msa_first_row, vec![n, self.c_m]),
             ("recycled pair", &prev.pair, vec![n, n, self.c_z]),
             ("recycled pseudo-beta positions", &prev.pseudo_beta, vec![n, 3]),
         ];
@@ -357,11 +418,6 @@ impl RecyclingEmbedder {
                 return Err(shape_error(what, format!("{expected:?}"), t.size()));
             }
         }
-        let row = self.prev_msa_first_row_norm.forward(&prev.msa_first_row)?.f_unsqueeze(0)?;
-        msa.add_chunked(0, Some(1), |_, start, _| match start {
-            0 => Ok(row.shallow_clone()),
-            _ => Ok(row.f_zeros_like()?),
-        })?;
         let chunk = exec.chunk_for(ChunkOp::PairEmbedding);
         pair.add_chunked(0, chunk, |_, start, rows| self.prev_pair_norm.forward(&prev.pair.f_narrow(0, start, rows)?))?;
         let kind = pair.get().kind();
@@ -392,9 +448,20 @@ impl ExtraMsaEmbedder {
     }
 
     /// `extra_msa` [S, N] (classes), `has_deletion` and `deletion_value` [S, N] to the
-    /// extra-MSA representation [S, N, c_e] (see [`extra_msa_feat`]).
-    pub fn forward(&self, extra_msa: &Tensor, has_deletion: &Tensor, deletion_value: &Tensor) -> Result<Tensor> {
-        self.extra_msa_activations.forward(&extra_msa_feat(extra_msa, has_deletion, deletion_value)?)
+    /// extra-MSA representation [S, N, c_e] (see [`extra_msa_feat`]), `exec`'s
+    /// [`ChunkOp::ExtraMsaEmbedding`] rows at a time (the one-hot of every row, in int64, is
+    /// larger than the representation made from it).
+    pub fn forward(
+        &self,
+        extra_msa: &Tensor,
+        has_deletion: &Tensor,
+        deletion_value: &Tensor,
+        exec: &Exec,
+    ) -> Result<Tensor> {
+        chunked(extra_msa.size()[0], exec.chunk_for(ChunkOp::ExtraMsaEmbedding), |start, n| {
+            let [msa, has, value] = [extra_msa, has_deletion, deletion_value].map(|t| t.f_narrow(0, start, n));
+            self.extra_msa_activations.forward(&extra_msa_feat(&msa?, &has?, &value?)?)
+        })
     }
 }
 

@@ -29,6 +29,12 @@ pub enum ChunkOp {
     MsaTransition,
     /// The outer product mean: pair rows at a time.
     OuterProductMean,
+    /// The outer product mean's normalised and projected MSA: sequences at a time, each
+    /// batch's products added to the pair as they are made (in place only: without autograd).
+    /// Each batch costs one more output projection of the pair's rows, so a uniform size
+    /// (`--chunk-size`, which FastFold's and OpenFold's users know as a residue count) leaves
+    /// it whole; only a plan sets it.
+    OuterProductMeanSequences,
     /// The triangle multiplicative updates: pair rows (outgoing) or columns (incoming).
     TriangleMultiplication,
     /// The triangle attentions: pair rows (starting node) or columns (ending node).
@@ -39,22 +45,26 @@ pub enum ChunkOp {
     TemplatePointwise,
     /// The input and recycling embedders' pair: rows at a time.
     PairEmbedding,
+    /// The extra-MSA embedder: extra-MSA rows at a time.
+    ExtraMsaEmbedding,
     /// The structure module's invariant point attention: query residues at a time.
     StructureAttention,
 }
 
 impl ChunkOp {
     /// Every chunked operation.
-    pub const ALL: [ChunkOp; 10] = [
+    pub const ALL: [ChunkOp; 12] = [
         ChunkOp::MsaRowAttention,
         ChunkOp::MsaColumnAttention,
         ChunkOp::MsaTransition,
         ChunkOp::OuterProductMean,
+        ChunkOp::OuterProductMeanSequences,
         ChunkOp::TriangleMultiplication,
         ChunkOp::TriangleAttention,
         ChunkOp::PairTransition,
         ChunkOp::TemplatePointwise,
         ChunkOp::PairEmbedding,
+        ChunkOp::ExtraMsaEmbedding,
         ChunkOp::StructureAttention,
     ];
 }
@@ -90,6 +100,12 @@ impl ChunkPlan {
         ChunkPlan { uniform: chunk, sizes: BTreeMap::new() }
     }
 
+    /// Every operation one row (or sequence) at a time: the least memory a pass can take.
+    pub fn least() -> ChunkPlan {
+        let sequences = |plan: ChunkPlan, stage| plan.with(stage, ChunkOp::OuterProductMeanSequences, Some(1));
+        [Stage::ExtraMsa, Stage::Evoformer].into_iter().fold(ChunkPlan::uniform(Some(1)), sequences)
+    }
+
     /// This plan with `op` in `stage` `chunk` rows at a time.
     pub fn with(mut self, stage: Stage, op: ChunkOp, chunk: Option<i64>) -> ChunkPlan {
         self.sizes.insert((stage, op), chunk);
@@ -98,7 +114,11 @@ impl ChunkPlan {
 
     /// The size of `op` in `stage`.
     pub fn get(&self, stage: Stage, op: ChunkOp) -> Option<i64> {
-        self.sizes.get(&(stage, op)).copied().unwrap_or(self.uniform)
+        match self.sizes.get(&(stage, op)) {
+            Some(&size) => size,
+            None if op == ChunkOp::OuterProductMeanSequences => None,
+            None => self.uniform,
+        }
     }
 }
 

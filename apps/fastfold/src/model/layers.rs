@@ -202,6 +202,12 @@ impl Stream {
         self.owned
     }
 
+    /// Whether the next [`Stream::add_chunked`] adds in place (an owned stream that records no
+    /// gradients and drops nothing), given an update that records none either.
+    pub fn adds_in_place(&self) -> bool {
+        self.owned && !self.t.requires_grad() && self.dropout.is_none()
+    }
+
     /// The tensor.
     pub fn into_inner(self) -> Tensor {
         self.t

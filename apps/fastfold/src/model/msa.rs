@@ -169,7 +169,11 @@ impl OuterProductMean {
 
     /// Adds the row-split pair update [r/N, r, c_z] from col-split `msa` [s, r/N, c_m] with
     /// its mask [s, r/N] and the whole mask [s, r] to `pair`: out[i, j] = W·vec(Σ_s a_si ⊗
-    /// b_sj) + b, over (1e-3 + Σ_s mask_si mask_sj). Chunks over i.
+    /// b_sj) + b, over (1e-3 + Σ_s mask_si mask_sj). Chunks over i; added in place, also over
+    /// s ([`ChunkOp::OuterProductMeanSequences`]): the sum over sequences splits into batches,
+    /// and W and the division are linear, so each batch's products are projected, divided and
+    /// added alone (the bias with the first), and the MSA is never normalised or projected
+    /// whole.
     pub fn update(
         &self,
         pair: &mut Stream,
@@ -178,30 +182,47 @@ impl OuterProductMean {
         mask_full: &Tensor,
         exec: &Exec,
     ) -> Result<()> {
-        let x = self.layer_norm_input.forward(msa)?;
-        let m = mask.f_unsqueeze(-1)?;
-        let masked = |y: Tensor| -> Result<Tensor> {
-            let mut y = y;
-            Ok(if y.requires_grad() { y.f_mul(&m)? } else { y.f_mul_(&m)? })
+        let s = msa.size()[0];
+        let records = msa.requires_grad() || self.output_w.requires_grad();
+        let batch = match pair.adds_in_place() && !records {
+            true => exec.chunk_for(ChunkOp::OuterProductMeanSequences).map_or(s, |c| c.clamp(1, s.max(1))),
+            false => s,
         };
-        let left = masked(self.left_projection.forward(&x)?)?;
-        let right = exec.dap().all_gather(&masked(self.right_projection.forward(&x)?)?, 1)?;
-        drop(x);
         let norm = Tensor::f_einsum("si,sj->ij", &[mask, mask_full], None::<&[i64]>)?;
         let w = self.output_w.f_reshape([self.channels * self.channels, self.c_z])?;
-        pair.add_chunked(0, exec.chunk_for(ChunkOp::OuterProductMean), |_, start, n| {
-            let l = left.f_narrow(1, start, n)?;
-            let outer = Tensor::f_einsum("sic,sje->ijce", &[&l, &right], None::<&[i64]>)?;
-            let r = outer.size()[1];
-            // The product comes out of bmm laid out [i, c, j, e]: flattening (c, e) copies it.
-            let flat = outer.f_reshape([n, r, self.channels * self.channels])?;
-            drop(outer);
-            let mut y = flat.f_matmul(&w)?;
-            drop(flat);
-            let lean = !y.requires_grad();
-            y = if lean { y.f_add_(&self.output_b)? } else { y.f_add(&self.output_b)? };
-            let divisor = norm.f_narrow(0, start, n)?.f_add_scalar(1e-3)?.f_unsqueeze(-1)?;
-            Ok(if lean { y.f_div_(&divisor)? } else { y.f_div(&divisor)? })
-        })
+        let mut first = 0;
+        loop {
+            let k = batch.min(s - first);
+            let x = self.layer_norm_input.forward(&msa.f_narrow(0, first, k)?)?;
+            let m = mask.f_narrow(0, first, k)?.f_unsqueeze(-1)?;
+            let masked = |y: Tensor| -> Result<Tensor> {
+                let mut y = y;
+                Ok(if y.requires_grad() { y.f_mul(&m)? } else { y.f_mul_(&m)? })
+            };
+            let left = masked(self.left_projection.forward(&x)?)?;
+            let right = exec.dap().all_gather(&masked(self.right_projection.forward(&x)?)?, 1)?;
+            drop(x);
+            let with_bias = first == 0;
+            pair.add_chunked(0, exec.chunk_for(ChunkOp::OuterProductMean), |_, start, n| {
+                let l = left.f_narrow(1, start, n)?;
+                let outer = Tensor::f_einsum("sic,sje->ijce", &[&l, &right], None::<&[i64]>)?;
+                let r = outer.size()[1];
+                // The product comes out of bmm laid out [i, c, j, e]: flattening (c, e) copies it.
+                let flat = outer.f_reshape([n, r, self.channels * self.channels])?;
+                drop(outer);
+                let mut y = flat.f_matmul(&w)?;
+                drop(flat);
+                let lean = !y.requires_grad();
+                if with_bias {
+                    y = if lean { y.f_add_(&self.output_b)? } else { y.f_add(&self.output_b)? };
+                }
+                let divisor = norm.f_narrow(0, start, n)?.f_add_scalar(1e-3)?.f_unsqueeze(-1)?;
+                Ok(if lean { y.f_div_(&divisor)? } else { y.f_div(&divisor)? })
+            })?;
+            first += k;
+            if first >= s {
+                return Ok(());
+            }
+        }
     }
 }

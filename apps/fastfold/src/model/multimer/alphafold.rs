@@ -462,7 +462,8 @@ impl MultimerAlphaFold {
         let to = |t: &Tensor| -> Result<Tensor> { Ok(t.f_to_kind(kind)?.f_to_device(device)?) };
         let has_deletion = to(&deletions.f_clamp(0.0, 1.0)?)?;
         let deletion_value = to(&encode_deletions(&deletions)?)?;
-        let extra = self.extra_embedder.forward(&extra_msa.f_to_device(device)?, &has_deletion, &deletion_value)?;
+        let extra =
+            self.extra_embedder.forward(&extra_msa.f_to_device(device)?, &has_deletion, &deletion_value, exec)?;
         let (extra, pair) = (Stream::new(extra.f_to_kind(kind)?, true), Stream::new(pair, true));
         let (_, pair, end) = self.extra.forward(extra, pair, &to(&mask)?, pair_mask, exec, key)?;
         Ok((pair, end))
