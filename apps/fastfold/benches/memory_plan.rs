@@ -31,8 +31,9 @@ struct Args {
     /// Templates, every one real (default: none for the monomer, 4 with --multimer).
     #[arg(long)]
     templates: Option<i64>,
-    /// Recycling feature slices kept (num_recycle + 1).
-    #[arg(long, default_value_t = 4)]
+    /// Recycling slices of the features on the device (a GPU's `fastfold predict` keeps the
+    /// features on the host and moves each pass's slice over).
+    #[arg(long, default_value_t = 1)]
     slices: i64,
     /// Budgets, comma-separated (`80G`: 80 GiB).
     #[arg(long, value_delimiter = ',', default_value = "80G,139G")]
@@ -42,11 +43,13 @@ struct Args {
     bench: bool,
 }
 
-/// Bytes of processed features for `n` residues, `s` MSA and `e` extra rows and `t` templates
-/// (AlphaFold's pipeline: float32 and int64; a template's atoms, their mask, residue types,
-/// pseudo-beta and its mask per residue).
-fn feature_bytes(n: i64, s: i64, e: i64, t: i64, slices: i64) -> u64 {
-    (slices * (n * 720 + s * n * 212 + e * n * 20 + t * n * (37 * 4 * 4 + 8 + 4 * 4))) as u64
+/// Bytes of one pass's batch (`AlphaFold::batch`) for `n` residues, `s` MSA and `e` extra rows
+/// and `t` templates: float features in `elem`-byte elements (the target and MSA features,
+/// their masks, the extra rows' deletions and mask), residue types, indices and extra-MSA
+/// classes in int64, a template's atoms, their mask, residue types, pseudo-beta and its mask
+/// as processed (float32 and int64).
+fn batch_bytes(n: i64, s: i64, e: i64, t: i64, elem: i64) -> u64 {
+    (n * (16 + 23 * elem) + s * n * 50 * elem + e * n * (8 + 3 * elem) + t * n * (37 * 4 * 4 + 8 + 4 * 4)) as u64
 }
 
 /// Parameters of model_1_multimer_v3 (the full-size fixture's manifest: names and shapes).
@@ -99,8 +102,8 @@ fn main() -> anyhow::Result<()> {
             let numel: usize = Params::random_model(&cfg, &model, 0)?.iter().map(|(_, t)| t.numel()).sum();
             let extra = args.extra_rows.unwrap_or(5120);
             println!(
-                "model_1_ptm sizes ({numel} parameters), {} MSA rows, {extra} extra rows, {} templates, {} feature \
-                 slices",
+                "model_1_ptm sizes ({numel} parameters), {} MSA rows, {extra} extra rows, {} templates, {} recycling \
+                 slice(s) of the features on the device",
                 args.msa_rows,
                 args.templates.unwrap_or(0),
                 args.slices
@@ -140,10 +143,10 @@ fn main() -> anyhow::Result<()> {
             // On a GPU: the fused softmax over whole logits.
             let sizes =
                 Sizes { residues: n, msa_rows: args.msa_rows, extra_rows, elem: e, templates, whole_logits: true };
-            // A complex's features stay on the host; the monomer's are on the device.
+            // A complex's features stay on the host, the monomer's too but for the pass's slice.
             let features = match args.multimer {
                 true => 0,
-                false => feature_bytes(n, args.msa_rows, extra_rows, templates, args.slices),
+                false => args.slices as u64 * batch_bytes(n, args.msa_rows, extra_rows, templates, e),
             };
             let fixed = (numel * e) as u64 + features;
             let whole = net.peak(sizes, &ChunkPlan::uniform(None));

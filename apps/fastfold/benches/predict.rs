@@ -1,6 +1,7 @@
 //! A full single-sequence prediction with AlphaFold's sizes (`model_1_ptm`: 48 Evoformer
 //! blocks, 4 extra-MSA blocks, templates, structure module, heads; random weights) for each
-//! requested length: wall time and peak memory (on a GPU the caching allocator's peak and the
+//! requested length (the features on the host, one recycling slice on the device at a time, as
+//! `fastfold predict` runs): wall time and peak memory (on a GPU the caching allocator's peak and the
 //! card's, as `nvidia-smi` counts it: `engine::process::CardPeak`, the cache emptied before each
 //! length so that each card figure is its length's). On a GPU, with three or more lengths, it then
 //! predicts the longest sequence that fits the device's memory from a quadratic fit of the
@@ -67,7 +68,8 @@ fn main() -> anyhow::Result<()> {
         let sequence: String = (0..n).map(|i| letters[(i * 7 + i / 3) % 20] as char).collect();
         let raw = RawFeatures::new(&sequence, None)?;
         let config = FeatureConfig { num_recycle: args.recycles, ..FeatureConfig::default() };
-        process(&raw, &config, 0, device)
+        // On the host, as `fastfold predict` keeps them: each pass's slice goes to the device.
+        process(&raw, &config, 0, tch::Device::Cpu)
     };
     if let tch::Device::Cuda(d) = device {
         // An untimed short run first: the first length would otherwise carry CUDA's lazy

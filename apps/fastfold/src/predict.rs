@@ -22,7 +22,7 @@ use crate::confidence::Confidence;
 use crate::features::Features;
 use crate::input::{ChunkArgs, InputArgs, Query, ReadQuery};
 use crate::memory;
-use crate::model::alphafold::{AlphaFold, Pass};
+use crate::model::alphafold::{AlphaFold, Batch, Pass};
 use crate::model::config::ModelConfig;
 use crate::model::heads::{DISTOGRAM_FIRST_BREAK, DISTOGRAM_LAST_BREAK, MAX_ERROR_BIN};
 use crate::model::recycling::Recycling;
@@ -285,6 +285,12 @@ impl<'a> Runner<'a> {
             Query::Processed(_) => None,
         };
         let features = args.input.process(query, processed_recycles.unwrap_or(0), model.preset, self.device, name)?;
+        // On a GPU the features stay on the host, each pass's slice moved over as it starts
+        // (`AlphaFold::batch`): the device holds one slice, not every recycle's.
+        let features = match self.device {
+            Device::Cpu => features,
+            _ => features.to_device(Device::Cpu),
+        };
         timings.add(format!("process_features_{}", model.name), start.elapsed().as_secs_f64());
         let recycling = Recycling {
             max: self.max_recycles(&features, processed_recycles)?,
@@ -334,7 +340,13 @@ impl<'a> Runner<'a> {
     fn plan(&self, model: &Model, name: &str, features: &Features) -> anyhow::Result<(Exec, Option<u64>)> {
         let Some(budget) = self.args.chunk.budget(self.device)? else { return Ok((self.exec.clone(), None)) };
         let sizes = memory::sizes_of(features, self.kind, self.device)?;
-        let fixed = model.param_bytes + memory::bytes_of(features.named().map(|(_, t)| t));
+        // The features on the device before the pass: on the CPU all of them (the same memory),
+        // on a GPU one slice.
+        let feature_bytes = match self.device {
+            Device::Cpu => memory::bytes_of(features.named().map(|(_, t)| t)),
+            _ => memory::bytes_of(Batch::new(features, 0, self.kind)?.tensors()),
+        };
+        let fixed = model.param_bytes + feature_bytes;
         let plan = memory::plan(model.net.config(), &model.config, sizes, fixed, budget)
             .map_err(|e| anyhow::anyhow!("{name} with {}: {e} (--gpu-mem)", model.name))?;
         if self.world.rank() == 0 {

@@ -15,7 +15,7 @@
 //! chain continued by the Evoformer's, as `EmbeddingsAndEvoformer` continues it), so its masks
 //! are AlphaFold's per block for a given block key but not those of a haiku run of the whole
 //! monomer from the same seed.
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use crate::jax_random::Key;
 
@@ -86,6 +86,50 @@ impl Batch {
         self.aatype.size()[0]
     }
 
+    /// Every tensor of the batch, the templates' included.
+    pub fn tensors(&self) -> Vec<&Tensor> {
+        let mut all = vec![
+            &self.aatype,
+            &self.residue_index,
+            &self.seq_mask,
+            &self.target_feat,
+            &self.msa_feat,
+            &self.msa_mask,
+            &self.extra_msa,
+            &self.extra_has_deletion,
+            &self.extra_deletion_value,
+            &self.extra_msa_mask,
+        ];
+        if let Some(t) = &self.templates {
+            all.extend(t.named().map(|(_, x)| x));
+        }
+        all
+    }
+
+    /// The batch on `device` (itself where it is there already).
+    pub fn to_device(self, device: Device) -> Result<Batch> {
+        let to = |t: Tensor| -> Result<Tensor> { Ok(t.f_to_device(device)?) };
+        Ok(Batch {
+            aatype: to(self.aatype)?,
+            residue_index: to(self.residue_index)?,
+            seq_mask: to(self.seq_mask)?,
+            target_feat: to(self.target_feat)?,
+            msa_feat: to(self.msa_feat)?,
+            msa_mask: to(self.msa_mask)?,
+            extra_msa: to(self.extra_msa)?,
+            extra_has_deletion: to(self.extra_has_deletion)?,
+            extra_deletion_value: to(self.extra_deletion_value)?,
+            extra_msa_mask: to(self.extra_msa_mask)?,
+            templates: match self.templates {
+                Some(t) => {
+                    let [a, b, c, d, e, g] = t.named().map(|(_, x)| x.f_to_device(device));
+                    Some(TemplateFeatures::from_array([a?, b?, c?, d?, e?, g?]))
+                }
+                None => None,
+            },
+        })
+    }
+
     /// The extra-MSA inputs with at least one row: with `drop_masked`, the rows with an
     /// unmasked entry only ([`masked_rows::unmasked_rows`]: the others change nothing the
     /// stack outputs). An alignment with no (unmasked) extra rows gets one masked row of gaps,
@@ -142,6 +186,8 @@ pub struct AlphaFold {
     heads: Heads,
     config: EvoformerConfig,
     drop_masked_rows: bool,
+    /// Where the parameters are, and each pass's batch goes.
+    device: Device,
 }
 
 impl AlphaFold {
@@ -167,6 +213,7 @@ impl AlphaFold {
             heads: Heads::new(params)?,
             config,
             drop_masked_rows: true,
+            device: params.iter().next().map_or(Device::Cpu, |(_, t)| t.device()),
         })
     }
 
@@ -181,6 +228,13 @@ impl AlphaFold {
     /// The stacks' sizes.
     pub fn config(&self) -> &EvoformerConfig {
         &self.config
+    }
+
+    /// Slice `iteration` of `features` ([`Batch::new`]) on the network's device: features kept
+    /// on the host (a GPU's `predict` keeps them there) reach the device a pass's slice at a
+    /// time.
+    pub fn batch(&self, features: &Features, iteration: i64, kind: Kind) -> Result<Batch> {
+        Batch::new(features, iteration, kind)?.to_device(self.device)
     }
 
     /// One pass (Algorithm 2, lines 5–33) on `batch` given up the previous pass's outputs:
@@ -288,17 +342,23 @@ impl AlphaFold {
             "{recycles} recycles need {} feature slices, the features have {available}",
             recycles + 1
         );
-        let like = Batch::new(features, 0, kind)?;
-        let mut prev = Recycled::zeros(like.residues(), &self.config, &like.seq_mask)?;
+        let mut prev = self.first_recycled(features, kind)?;
         let mut key = key;
         for i in 0..recycles as i64 {
-            let batch = Batch::new(features, i, kind)?;
+            let batch = self.batch(features, i, kind)?;
             let split = key.map(|k| k.split(2));
             key = split.as_ref().map(|k| k[0]);
             let pass_key = split.as_ref().map(|k| k[1]);
             prev = tch::no_grad(|| self.pass(&batch, prev, exec, pass_key))?.recycled;
         }
-        self.pass(&Batch::new(features, recycles as i64, kind)?, prev, exec, key)
+        self.pass(&self.batch(features, recycles as i64, kind)?, prev, exec, key)
+    }
+
+    /// What the first pass recycles: zeros on the network's device, in `kind`, for the
+    /// residues of `features`.
+    fn first_recycled(&self, features: &Features, kind: Kind) -> Result<Recycled> {
+        let first = Batch::new(features, 0, kind)?;
+        Recycled::zeros(first.residues(), &self.config, &first.seq_mask.f_to_device(self.device)?)
     }
 
     /// Inference over `recycling`'s schedule: passes `0..=max` over slices of `features`, each
@@ -321,12 +381,12 @@ impl AlphaFold {
             recycling.max,
             recycling.max + 1
         );
-        let like = Batch::new(features, 0, kind)?;
-        let mut prev = Recycled::zeros(like.residues(), &self.config, &like.seq_mask)?;
-        let mut prev_positions = Tensor::f_zeros([like.residues(), 37, 3], (Kind::Float, like.aatype.device()))?;
+        let mut prev = self.first_recycled(features, kind)?;
+        let residues = prev.pair.size()[0];
+        let mut prev_positions = Tensor::f_zeros([residues, 37, 3], (Kind::Float, self.device))?;
         let mut r = 0;
         loop {
-            let batch = Batch::new(features, r as i64, kind)?;
+            let batch = self.batch(features, r as i64, kind)?;
             let pass = self.pass(&batch, prev, exec, None)?;
             let settled = r > 0
                 && recycling::ca_distance_change(&prev_positions, &pass.structure.atom37, &batch.seq_mask)?
