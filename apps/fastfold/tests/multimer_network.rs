@@ -167,6 +167,15 @@ fn template_embedding_equals_alphafold_multimer_v3() {
             templates.forward(&f["query"], &batch, &f["pair_mask"], &f["asym_id"], &exec, None).unwrap()
         });
         common::assert_close(&format!("template embedding (chunk {chunk:?})"), &out, &f["output"], TOLERANCE);
+        // Added to the pair in place (the sum, mean and ReLU in one buffer, the projection
+        // rows at a time): the same update.
+        let added = tch::no_grad(|| {
+            let mut pair = Stream::new(f["query"].copy(), true);
+            templates.add_update(&mut pair, &batch, &f["pair_mask"], &f["asym_id"], &exec, None).unwrap();
+            pair.into_inner() - &f["query"]
+        });
+        let what = format!("template update added in place (chunk {chunk:?})");
+        common::assert_close(&what, &added, &f["output"], TOLERANCE);
     }
 }
 

@@ -8,8 +8,8 @@
 //! The sampling runs where the features are: on the host while the network runs on a GPU,
 //! so its buffers count only in a CPU run ([`MultimerSizes::sampling_on_device`]).
 use crate::memory::profile::{
-    biased_attention, block, chunked, distance_one_hot, extra_msa_embedder, input_embedder, layer_norm, outputs,
-    recycling_embedder, transition, triangle_multiplication, Ctx,
+    biased_attention, block, chunked, distance_one_hot, extra_msa_embedder, input_msa, input_pair, layer_norm, outputs,
+    recycled_row, recycling_pair, residual, transition, triangle_multiplication, Ctx,
 };
 use crate::memory::{Buf, Peak, Sizes, Trace};
 use crate::model::config::{EvoformerConfig, ModelConfig, TemplateConfig};
@@ -205,12 +205,12 @@ fn template_pair_embedding(t: &mut Trace, x: &Ctx, n: i64, c_z: i64, c_t: i64) -
     })
 }
 
-/// `model/multimer/templates.rs`'s `MultimerTemplates::forward` on the pair [n, n, c_z]: per
-/// template, its pair features and their embedding with the normalised query pair, the pair
-/// stack on it in place, its normalised output summed; the mean's projection to `c_z`.
-fn template_stack(t: &mut Trace, x: &Ctx, count: i64, n: i64, c_z: i64, c: &TemplateConfig) -> Buf {
+/// `model/multimer/templates.rs`'s `MultimerTemplates::add_update` on the pair [n, n, c_z]:
+/// per template, its pair features and their embedding with the normalised query pair, the
+/// pair stack on it in place, its normalised output summed in place; the mean's projection to
+/// `c_z` added to the pair rows at a time.
+fn template_stack(t: &mut Trace, x: &Ctx, count: i64, n: i64, c_z: i64, c: &TemplateConfig) {
     let (e, c_t) = (x.e, c.c_t);
-    let plane = n * n * e;
     let mut sum: Option<Buf> = None;
     // From the second template on, each runs beside the sum of those before: two are the peak
     // of any number.
@@ -229,22 +229,20 @@ fn template_stack(t: &mut Trace, x: &Ctx, count: i64, n: i64, c_z: i64, c: &Temp
         let out = layer_norm(t, n * n, c_t, e, true);
         sum = Some(match sum {
             None => out,
+            // Added to the sum in place.
             Some(s) => {
-                let next = t.alloc(plane * c_t);
-                t.free_all([s, out]);
-                next
+                t.free(out);
+                s
             }
         });
         // The template's stream lives to the end of its iteration, past the sum.
         t.free(embedded);
     }
-    let Some(sum) = sum else { return t.alloc(0) };
-    // The sum, its mean and the mean's ReLU all live until the projection is made.
-    let mean = t.alloc(plane * c_t);
-    let relu = t.alloc(plane * c_t);
-    let update = t.alloc(plane * c_z);
-    t.free_all([relu, mean, sum]);
-    update
+    let Some(sum) = sum else { return };
+    // The mean and its ReLU in the sum's buffer; the projection added to the pair rows at a
+    // time.
+    residual(t, n, x.chunk(ChunkOp::PairEmbedding), |t, rows| t.alloc(rows * n * c_z * e));
+    t.free(sum);
 }
 
 /// The peak of live bytes of one no-grad Multimer pass (`MultimerAlphaFold::pass`) with the
@@ -270,23 +268,19 @@ pub fn multimer_pass_peak(
         true => sampling(&mut t, sizes.msa.max(s), s, n),
         false => Vec::new(),
     };
-    let feat = msa_feat(&mut t, s, n);
     t.at("input embedder");
     let target = t.alloc(n * TARGET_CLASSES * e);
-    let (msa, pair) = input_embedder(&mut t, &x, (n, s), (c_m, c_z), |t, rows| relative_encoding(t, e, (rows, n), c_z));
-    t.free_all([target, feat]);
+    let pair = input_pair(&mut t, &x, n, c_z, |t, rows| relative_encoding(t, e, (rows, n), c_z));
+    t.free(target);
     t.at("recycling embedder");
-    recycling_embedder(&mut t, &x, n, cfg, model);
+    let row = recycled_row(&mut t, e, n, c_m);
+    recycling_pair(&mut t, &x, n, c_z, model);
     t.free_all(prev);
     let pair_mask = t.alloc(n * n * e);
-    let mut pair = pair;
     if let (Some(c), true) = (template, templates > 0) {
         x.stage = Stage::Templates;
-        let update = template_stack(&mut t, &x, templates, n, c_z, c);
+        template_stack(&mut t, &x, templates, n, c_z, c);
         x.stage = Stage::Outer;
-        let summed = t.alloc(n * n * c_z * e);
-        t.free_all([update, pair]);
-        pair = summed;
     }
     if cfg.num_extra_blocks > 0 {
         t.at("extra-MSA embedder");
@@ -298,10 +292,17 @@ pub fn multimer_pass_peak(
         t.free(extra);
         t.free_all(deletions);
     }
+    // The MSA, embedded after the extra-MSA stack, with the recycled row added.
+    t.at("input embedder");
+    let feat = msa_feat(&mut t, s, n);
+    let target = t.alloc(n * TARGET_CLASSES * e);
+    let mut msa = input_msa(&mut t, e, (n, s), c_m);
+    t.free_all([target, feat]);
+    t.temp(n * c_m * e);
+    t.free(row);
     // The templates' MSA rows joined to the sampled ones, then the rows that run selected
     // (a copy, when some are left out) and, after the stack, the centres' rows put back.
     let joined = s + templates;
-    let mut msa = msa;
     if templates > 0 {
         t.at("template rows");
         let next = t.alloc(joined * n * c_m * e);

@@ -345,22 +345,8 @@ pub(super) fn block(t: &mut Trace, x: &Ctx, cfg: &EvoformerConfig, s: i64, r: i6
     transition(t, x, r, r, c_z, cfg.transition_factor, ChunkOp::PairTransition);
 }
 
-/// `model/embedders.rs`'s `FeatureProjections::embed`: the MSA, and the pair rows a chunk at
-/// a time: the chunk's left + right single projections, then its relative encoding projected
-/// (`relative(t, rows)`, the model's: [`relative_positions`] for the monomer), their sum.
-pub(super) fn input_embedder(
-    t: &mut Trace,
-    x: &Ctx,
-    (n, s): (i64, i64),
-    (c_m, c_z): (i64, i64),
-    relative: impl Fn(&mut Trace, i64) -> Buf,
-) -> (Buf, Buf) {
-    let msa = input_msa(t, x.e, (n, s), c_m);
-    (msa, input_pair(t, x, n, c_z, relative))
-}
-
 /// `FeatureProjections::embed_msa`: the two projections and their sum.
-fn input_msa(t: &mut Trace, e: i64, (n, s): (i64, i64), c_m: i64) -> Buf {
+pub(super) fn input_msa(t: &mut Trace, e: i64, (n, s): (i64, i64), c_m: i64) -> Buf {
     let (a, b) = (t.alloc(s * n * c_m * e), t.alloc(n * c_m * e));
     let msa = t.alloc(s * n * c_m * e);
     t.free(a);
@@ -368,9 +354,10 @@ fn input_msa(t: &mut Trace, e: i64, (n, s): (i64, i64), c_m: i64) -> Buf {
     msa
 }
 
-/// `FeatureProjections::embed_pair`: the two single projections and the pair a chunk of rows
-/// at a time with `relative(rows)` added.
-fn input_pair(t: &mut Trace, x: &Ctx, n: i64, c_z: i64, relative: impl Fn(&mut Trace, i64) -> Buf) -> Buf {
+/// `FeatureProjections::embed_pair`: the two single projections, then the pair rows a chunk at
+/// a time: the chunk's left + right single projections, its relative encoding projected
+/// (`relative(t, rows)`, the model's: [`relative_positions`] for the monomer), their sum.
+pub(super) fn input_pair(t: &mut Trace, x: &Ctx, n: i64, c_z: i64, relative: impl Fn(&mut Trace, i64) -> Buf) -> Buf {
     let e = x.e;
     let (left, right) = (t.alloc(n * c_z * e), t.alloc(n * c_z * e));
     let pair = chunked(t, n, x.chunk(ChunkOp::PairEmbedding), n * c_z * e, |t, rows| {
@@ -403,22 +390,14 @@ fn relative_positions(t: &mut Trace, e: i64, (rows, n): (i64, i64), bins: i64, c
     act
 }
 
-/// `model/embedders.rs`'s `RecyclingEmbedder::update` on owned streams.
-pub(super) fn recycling_embedder(t: &mut Trace, x: &Ctx, n: i64, cfg: &EvoformerConfig, model: &ModelConfig) {
-    let row = recycled_row(t, x.e, n, cfg.c_m);
-    t.temp(n * cfg.c_m * x.e);
-    recycling_pair(t, x, n, cfg.c_z, model);
-    t.free(row);
-}
-
 /// `RecyclingEmbedder::first_row`: the previous first row normalised.
-fn recycled_row(t: &mut Trace, e: i64, n: i64, c_m: i64) -> Buf {
+pub(super) fn recycled_row(t: &mut Trace, e: i64, n: i64, c_m: i64) -> Buf {
     layer_norm(t, n, c_m, e, true)
 }
 
 /// `RecyclingEmbedder::update_pair`: the previous pair normalised and the pseudo-beta
 /// distances embedded, each added in place rows at a time.
-fn recycling_pair(t: &mut Trace, x: &Ctx, n: i64, c_z: i64, model: &ModelConfig) {
+pub(super) fn recycling_pair(t: &mut Trace, x: &Ctx, n: i64, c_z: i64, model: &ModelConfig) {
     let e = x.e;
     let chunk = x.chunk(ChunkOp::PairEmbedding);
     residual(t, n, chunk, |t, rows| layer_norm(t, rows * n, c_z, e, true));

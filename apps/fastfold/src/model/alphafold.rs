@@ -245,7 +245,7 @@ impl AlphaFold {
     pub fn pass(&self, batch: &Batch, prev: Recycled, exec: &Exec, key: Option<Key>) -> Result<Pass> {
         let keys = key.filter(|_| exec.dropout().is_some()).map(pass_keys);
         let input = &self.embedders.input;
-        let pair = input.embed_pair(&batch.target_feat, &batch.msa_feat, &batch.residue_index, exec)?;
+        let pair = input.embed_pair(&batch.target_feat, &batch.residue_index, exec)?;
         // The pass's own pair: the recycling embedder, the templates and the stacks update it
         // in place when nothing records gradients. Its MSA is embedded after the extra-MSA
         // stack, which does not read it: a long query's MSA would take memory through that

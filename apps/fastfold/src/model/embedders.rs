@@ -162,14 +162,19 @@ impl FeatureProjections {
         })
     }
 
-    /// The residue count N of `target_feat` [N, target_feat] and `msa_feat` [S, N, msa_feat],
-    /// or the error naming the feature whose shape is wrong.
-    pub(crate) fn residues(&self, target_feat: &Tensor, msa_feat: &Tensor) -> Result<i64> {
+    /// The residue count N of `target_feat` [N, target_feat], or the error naming it.
+    fn target_residues(&self, target_feat: &Tensor) -> Result<i64> {
         let ts = target_feat.size();
         if ts.len() != 2 || ts[1] != self.target_feat {
             return Err(shape_error("target_feat", format!("[residues, {}]", self.target_feat), ts));
         }
-        let n = ts[0];
+        Ok(ts[0])
+    }
+
+    /// The residue count N of `target_feat` [N, target_feat] and `msa_feat` [S, N, msa_feat],
+    /// or the error naming the feature whose shape is wrong.
+    pub(crate) fn residues(&self, target_feat: &Tensor, msa_feat: &Tensor) -> Result<i64> {
+        let n = self.target_residues(target_feat)?;
         let ms = msa_feat.size();
         if ms.len() != 3 || ms[1] != n || ms[2] != self.msa_feat {
             return Err(shape_error("msa_feat", format!("[sequences, {n}, {}]", self.msa_feat), ms));
@@ -177,37 +182,24 @@ impl FeatureProjections {
         Ok(n)
     }
 
-    /// `target_feat` [N, target_feat] and `msa_feat` [S, N, msa_feat] to the MSA [S, N, c_m]
-    /// and pair [N, N, c_z] representations, the pair's rows `exec`'s
-    /// [`ChunkOp::PairEmbedding`] at a time with `relative(start, rows)` ([rows, N, c_z], the
-    /// embedded relative encoding of those rows) added.
-    pub(crate) fn embed(
-        &self,
-        target_feat: &Tensor,
-        msa_feat: &Tensor,
-        exec: &Exec,
-        relative: impl Fn(i64, i64) -> Result<Tensor>,
-    ) -> Result<(Tensor, Tensor)> {
-        let msa = self.embed_msa(target_feat, msa_feat)?;
-        let pair = self.embed_pair(target_feat, msa_feat, exec, relative)?;
-        Ok((msa, pair))
-    }
-
-    /// The MSA representation [S, N, c_m] alone (see [`FeatureProjections::embed`]).
+    /// `target_feat` [N, target_feat] and `msa_feat` [S, N, msa_feat] to the MSA
+    /// representation [S, N, c_m].
     pub(crate) fn embed_msa(&self, target_feat: &Tensor, msa_feat: &Tensor) -> Result<Tensor> {
         self.residues(target_feat, msa_feat)?;
         Ok(self.preprocess_msa.forward(msa_feat)?.f_add(&self.preprocess_1d.forward(target_feat)?)?)
     }
 
-    /// The pair representation [N, N, c_z] alone (see [`FeatureProjections::embed`]).
+    /// `target_feat` [N, target_feat] to the pair representation [N, N, c_z], its rows
+    /// `exec`'s [`ChunkOp::PairEmbedding`] at a time with `relative(start, rows)` ([rows, N,
+    /// c_z], the embedded relative encoding of those rows) added. The MSA and pair are
+    /// embedded apart so that a pass can make its MSA only when a stack reads it.
     pub(crate) fn embed_pair(
         &self,
         target_feat: &Tensor,
-        msa_feat: &Tensor,
         exec: &Exec,
         relative: impl Fn(i64, i64) -> Result<Tensor>,
     ) -> Result<Tensor> {
-        let n = self.residues(target_feat, msa_feat)?;
+        let n = self.target_residues(target_feat)?;
         let left = self.left_single.forward(target_feat)?.f_unsqueeze(1)?;
         let right = self.right_single.forward(target_feat)?.f_unsqueeze(0)?;
         chunked(n, exec.chunk_for(ChunkOp::PairEmbedding), |start, rows| {
@@ -257,7 +249,7 @@ impl InputEmbedder {
         exec: &Exec,
     ) -> Result<(Tensor, Tensor)> {
         let msa = self.embed_msa(target_feat, msa_feat)?;
-        let pair = self.embed_pair(target_feat, msa_feat, residue_index, exec)?;
+        let pair = self.embed_pair(target_feat, residue_index, exec)?;
         Ok((msa, pair))
     }
 
@@ -266,19 +258,14 @@ impl InputEmbedder {
         self.features.embed_msa(target_feat, msa_feat)
     }
 
-    /// The pair representation of [`InputEmbedder::embed`] alone.
-    pub fn embed_pair(
-        &self,
-        target_feat: &Tensor,
-        msa_feat: &Tensor,
-        residue_index: &Tensor,
-        exec: &Exec,
-    ) -> Result<Tensor> {
-        let n = self.features.residues(target_feat, msa_feat)?;
+    /// The pair representation of [`InputEmbedder::embed`] alone (from `target_feat` and
+    /// `residue_index`).
+    pub fn embed_pair(&self, target_feat: &Tensor, residue_index: &Tensor, exec: &Exec) -> Result<Tensor> {
+        let n = self.features.target_residues(target_feat)?;
         if residue_index.size() != [n] {
             return Err(shape_error("residue_index", format!("[{n}]"), residue_index.size()));
         }
-        self.features.embed_pair(target_feat, msa_feat, exec, |start, rows| {
+        self.features.embed_pair(target_feat, exec, |start, rows| {
             let rel =
                 relative_position_one_hot_rows(residue_index, start, rows, self.max_relative, target_feat.kind())?;
             self.pair_activiations.forward(&rel)

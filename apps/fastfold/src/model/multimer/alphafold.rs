@@ -374,14 +374,14 @@ impl MultimerAlphaFold {
         let chains =
             ChainIds { residue_index: &residue_index, asym_id: &asym_id, entity_id: &entity_id, sym_id: &sym_id };
 
-        let msa_feat = to(&sampled.msa_feat()?)?;
-        let (msa, pair) = self.input.embed(&aatype, &msa_feat, &chains, exec)?;
-        let (mut msa, mut pair) = (Stream::new(msa, true), Stream::new(pair, true));
-        self.recycling.update(&mut msa, &mut pair, &prev, exec)?;
+        // The pair first: the MSA is embedded after the extra-MSA stack, which does not read
+        // it (nor do the templates), so that a long complex's MSA is not held through their
+        // largest steps. Only the recycled row it needs is made now.
+        let mut pair = Stream::new(self.input.embed_pair(&aatype, kind, &chains, exec)?, true);
+        let recycled_row = self.recycling.first_row(&prev)?;
+        self.recycling.update_pair(&mut pair, &prev, exec)?;
         drop(prev);
-        let (msa, mut pair) = (msa.into_inner(), pair.into_inner());
         let pair_mask = seq_mask.f_unsqueeze(1)?.f_mul(&seq_mask.f_unsqueeze(0)?)?;
-        let own_rows = msa.size()[0];
         let template_features = features.templates();
         let template_batch = match &template_features {
             Some(t) => Some((to(t.aatype)?, to(t.positions)?, to(t.mask)?)),
@@ -389,10 +389,18 @@ impl MultimerAlphaFold {
         };
         if let (Some((embedding, _)), Some((aatype, positions, mask))) = (&self.templates, &template_batch) {
             let batch = TemplateBatch { aatype, positions, mask };
-            let update = embedding.forward(&pair, &batch, &pair_mask, &asym_id, exec, template_key)?;
-            pair = pair.f_add(&update)?;
+            embedding.add_update(&mut pair, &batch, &pair_mask, &asym_id, exec, template_key)?;
         }
+        let pair = pair.into_inner();
         let (pair, extra_end) = self.extra_stack(&sampled, pair, &pair_mask, exec, training.then_some(extra_key))?;
+        let msa_feat = to(&sampled.msa_feat()?)?;
+        let msa = self.input.embed_msa(&aatype, &msa_feat)?;
+        drop(msa_feat);
+        let mut msa = Stream::new(msa, true);
+        self.recycling.add_first_row(&mut msa, &recycled_row)?;
+        drop(recycled_row);
+        let msa = msa.into_inner();
+        let own_rows = msa.size()[0];
         let (mut msa, mut msa_mask) = (msa, to(&sampled.msa_mask)?);
         if let (Some((_, rows)), Some((aatype, positions, mask))) = (&self.templates, &template_batch) {
             let (rows, row_mask) = rows.forward(&TemplateBatch { aatype, positions, mask }, kind)?;

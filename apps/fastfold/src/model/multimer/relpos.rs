@@ -161,12 +161,22 @@ impl MultimerInputEmbedder {
     /// [`ChunkOp::PairEmbedding`](crate::model::exec::ChunkOp::PairEmbedding) rows at a time
     /// (the relative encoding of those rows only).
     pub fn embed(&self, aatype: &Tensor, msa_feat: &Tensor, ids: &ChainIds, exec: &Exec) -> Result<(Tensor, Tensor)> {
-        let kind = msa_feat.kind();
-        let target = target_feat(aatype, kind)?;
-        let n = self.features.residues(&target, msa_feat)?;
+        let msa = self.embed_msa(aatype, msa_feat)?;
+        let pair = self.embed_pair(aatype, msa_feat.kind(), ids, exec)?;
+        Ok((msa, pair))
+    }
+
+    /// The MSA representation of [`MultimerInputEmbedder::embed`] alone.
+    pub fn embed_msa(&self, aatype: &Tensor, msa_feat: &Tensor) -> Result<Tensor> {
+        self.features.embed_msa(&target_feat(aatype, msa_feat.kind())?, msa_feat)
+    }
+
+    /// The pair representation of [`MultimerInputEmbedder::embed`] alone, in `kind`.
+    pub fn embed_pair(&self, aatype: &Tensor, kind: Kind, ids: &ChainIds, exec: &Exec) -> Result<Tensor> {
+        let n = aatype.size().first().copied().unwrap_or(0);
         let ids_n = ids.residues()?;
         ensure!(ids_n == n, "residue_index, asym_id, entity_id, sym_id: {ids_n} residues, aatype has {n}");
-        self.features.embed(&target, msa_feat, exec, |start, rows| {
+        self.features.embed_pair(&target_feat(aatype, kind)?, exec, |start, rows| {
             self.position_activations.forward(&relative_encoding_rows(ids, start, rows, kind)?)
         })
     }

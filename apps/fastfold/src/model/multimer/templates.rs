@@ -263,6 +263,40 @@ impl MultimerTemplates {
         exec: &Exec,
         key: Option<Key>,
     ) -> Result<Tensor> {
+        let averaged = self.averaged(query, templates, pair_mask, asym_id, exec, key)?;
+        self.output_linear.forward(&averaged)
+    }
+
+    /// [`MultimerTemplates::forward`]'s update added to the query pair `pair`, in place where
+    /// the stream allows: the projection to the pair's width made and added `exec`'s
+    /// [`ChunkOp::PairEmbedding`] rows at a time in the template stage (whole, it would be
+    /// one more pair beside the pair and the update).
+    pub fn add_update(
+        &self,
+        pair: &mut Stream,
+        templates: &TemplateBatch,
+        pair_mask: &Tensor,
+        asym_id: &Tensor,
+        exec: &Exec,
+        key: Option<Key>,
+    ) -> Result<()> {
+        let averaged = self.averaged(pair.get(), templates, pair_mask, asym_id, exec, key)?;
+        let chunk = exec.in_stage(Stage::Templates).chunk_for(ChunkOp::PairEmbedding);
+        pair.add_chunked(0, chunk, |_, start, rows| self.output_linear.forward(&averaged.f_narrow(0, start, rows)?))
+    }
+
+    /// The templates' embeddings [N, N, c_t] averaged, through ReLU: what `output_linear`
+    /// projects. Without autograd the sum, the mean and the ReLU are one buffer, updated in
+    /// place.
+    fn averaged(
+        &self,
+        query: &Tensor,
+        templates: &TemplateBatch,
+        pair_mask: &Tensor,
+        asym_id: &Tensor,
+        exec: &Exec,
+        key: Option<Key>,
+    ) -> Result<Tensor> {
         let size = templates.aatype.size();
         let (count, n) = match size.as_slice() {
             [t, n] if *t > 0 => (*t, *n),
@@ -292,13 +326,16 @@ impl MultimerTemplates {
             run_stack(&self.blocks, &mut x, &mask, &exec, stack_key)?;
             let embedded = self.output_layer_norm.forward(x.get())?;
             sum = Some(match sum {
+                Some(mut s) if !s.requires_grad() && !embedded.requires_grad() => s.f_add_(&embedded)?,
                 Some(s) => s.f_add(&embedded)?,
                 None => embedded,
             });
         }
-        let sum = sum.ok_or_else(|| Error::Invalid("template_aatype: no templates".into()))?;
-        let mean = sum.f_div_scalar(count as f64)?;
-        self.output_linear.forward(&mean.f_relu()?)
+        let mut sum = sum.ok_or_else(|| Error::Invalid("template_aatype: no templates".into()))?;
+        Ok(match sum.requires_grad() {
+            true => sum.f_div_scalar(count as f64)?.f_relu()?,
+            false => sum.f_div_scalar_(count as f64)?.f_relu_()?,
+        })
     }
 }
 
