@@ -27,6 +27,7 @@ pub mod parse;
 pub mod planner;
 pub mod process;
 pub mod progress;
+pub mod random;
 pub mod storage;
 
 pub use error::{Error, Result};

@@ -271,9 +271,11 @@ impl Trainer {
         device: Device,
         backend: kernels::Backend,
     ) -> anyhow::Result<Trainer> {
-        tch::manual_seed(0);
-        let mut vs = VarStore::new(device);
-        let model = Vit::with_kernels(&vs.root(), *cfg, backend);
+        let (mut vs, model) = engine::random::seeded(0, || {
+            let vs = VarStore::new(device);
+            let model = Vit::with_kernels(&vs.root(), *cfg, backend);
+            (vs, model)
+        });
         let (params, master, opt) = match precision {
             Precision::Fp32 => {
                 let params = params_of(&vs);

@@ -55,8 +55,13 @@ pub fn run(args: &EvalArgs) -> anyhow::Result<(f64, f64)> {
     if let Some(trained) = &file.label_names {
         crate::model::check_classes(trained, val.classes(), &cfg_path.display().to_string(), "the data set")?;
     }
-    let vs = VarStore::new(Device::Cpu);
-    let model = Vit::new(&vs.root(), cfg);
+    // The initial draws, which the file's weights replace, in a seeded section all the same: a
+    // draw outside one could fall between another job's seed and its weights.
+    let (vs, model) = engine::random::seeded(0, || {
+        let vs = VarStore::new(Device::Cpu);
+        let model = Vit::new(&vs.root(), cfg);
+        (vs, model)
+    });
     let weights = dir.join("model.safetensors");
     let unused = data::checkpoint::load_safetensors(&vs, &weights)?;
     // Weights the model does not take mean that model.json describes another model (fewer

@@ -79,16 +79,18 @@ pub fn parallelize(
     // 1 and 2: on every rank from the same seed. Split layouts build the serial model as one
     // process would and keep their slices of it.
     let sharding = Sharding::new(mesh, layout, &cfg)?;
-    tch::manual_seed(seed as i64);
-    let mut vs = VarStore::new(device);
-    let mut model = match layout.splits_model() {
-        false => Vit::with_kernels(&vs.root(), cfg, backend),
-        true => {
-            let serial = VarStore::new(device);
-            let _ = Vit::new(&serial.root(), cfg);
-            sharding.build(&serial, &vs)?
-        }
-    };
+    let (mut vs, mut model) = engine::random::seeded(seed as i64, || -> anyhow::Result<_> {
+        let vs = VarStore::new(device);
+        let model = match layout.splits_model() {
+            false => Vit::with_kernels(&vs.root(), cfg, backend),
+            true => {
+                let serial = VarStore::new(device);
+                let _ = Vit::new(&serial.root(), cfg);
+                sharding.build(&serial, &vs)?
+            }
+        };
+        Ok((vs, model))
+    })?;
     if kind != Kind::Float {
         vs.set_kind(kind);
     }

@@ -62,9 +62,15 @@ fn timed_samples(cfg: &VitConfig) -> usize {
 pub fn timed(cfg: &VitConfig, device: Device, group: Option<&ProcessGroup>) -> anyhow::Result<[LayerTime; 3]> {
     let n = timed_samples(cfg);
     let measure = || -> anyhow::Result<Vec<f64>> {
-        tch::manual_seed(0);
-        let vs = VarStore::new(device);
-        let model = Vit::new(&vs.root(), *cfg);
+        // Weights and inputs drawn in one seeded section: a draw outside one could fall between
+        // another job's seed and its weights.
+        let (vs, model, inputs) = engine::random::seeded(0, || -> anyhow::Result<_> {
+            let vs = VarStore::new(device);
+            let model = Vit::new(&vs.root(), *cfg);
+            let image = |samples: i64| [samples, cfg.in_channels, cfg.image_size, cfg.image_size];
+            let inputs = [1, n as i64].map(|samples| Tensor::f_rand(image(samples), (Kind::Float, device)));
+            Ok((vs, model, inputs))
+        })?;
         let params = params_of(&vs);
         let mut parts = model.into_parts();
         let head = parts.pop().expect("the head");
@@ -72,9 +78,8 @@ pub fn timed(cfg: &VitConfig, device: Device, group: Option<&ProcessGroup>) -> a
         let layers: Vec<Box<dyn Layer>> =
             parts.into_iter().chain([head]).map(|p| Box::new(PartLayer::new(p, &params)) as Box<dyn Layer>).collect();
         let mut out = Vec::new();
-        for samples in [1, n] {
-            let size = [samples as i64, cfg.in_channels, cfg.image_size, cfg.image_size];
-            out.extend(layer_times(&layers, &Tensor::f_rand(size, (Kind::Float, device))?, 1)?);
+        for input in inputs {
+            out.extend(layer_times(&layers, &input?, 1)?);
         }
         Ok(out)
     };

@@ -44,8 +44,10 @@ fn sync(device: Device) -> Result<()> {
 /// FLOP/s of an fp32 `MATMUL_SIDE`-square matmul on `device` with this process's threads.
 pub fn matmul_flops(device: Device) -> Result<f64> {
     let opts = (Kind::Float, device);
-    let (a, b) =
-        (Tensor::f_randn([MATMUL_SIDE, MATMUL_SIDE], opts)?, Tensor::f_randn([MATMUL_SIDE, MATMUL_SIDE], opts)?);
+    // Seeded like every draw of the suite, so that none falls inside another job's section.
+    let side = [MATMUL_SIDE, MATMUL_SIDE];
+    let (a, b) = crate::random::seeded(0, || (Tensor::f_randn(side, opts), Tensor::f_randn(side, opts)));
+    let (a, b) = (a?, b?);
     let _ = a.f_matmul(&b)?;
     sync(device)?;
     let start = Instant::now();
@@ -155,7 +157,7 @@ const INTERLEAVED_ELEMENTS: i64 = 64 << 10;
 /// computes between calls (as tensor parallelism does inside each layer): the same work timed
 /// with and without the collectives, the median difference of [`ROUNDS`] rounds.
 fn time_interleaved(group: &ProcessGroup, device: Device, elements: i64) -> Result<f64> {
-    let a = Tensor::f_randn([WORK_SIDE, WORK_SIDE], (Kind::Float, device))?;
+    let a = crate::random::seeded(0, || Tensor::f_randn([WORK_SIDE, WORK_SIDE], (Kind::Float, device)))?;
     let x = Tensor::f_zeros([elements], (Kind::Float, device))?;
     let run = |collectives: bool| -> Result<f64> {
         group.barrier()?;

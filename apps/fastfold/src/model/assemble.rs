@@ -31,10 +31,11 @@ impl Params {
     }
 
     fn init(config: &EvoformerConfig, model: Option<&ModelConfig>, seed: i64) -> Result<Params> {
-        tch::manual_seed(seed);
-        let builder = Builder::new(Mode::Init, BTreeMap::new(), None);
-        build(&builder, config, model)?;
-        Ok(Params::from_parts(builder.into_used(), *config))
+        engine::random::seeded(seed, || {
+            let builder = Builder::new(Mode::Init, BTreeMap::new(), None);
+            build(&builder, config, model)?;
+            Ok(Params::from_parts(builder.into_used(), *config))
+        })
     }
 
     /// Reads an AlphaFold `.npz` (or one written by [`Params::save`]). Sizes are inferred
