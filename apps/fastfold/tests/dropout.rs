@@ -173,7 +173,8 @@ fn multimer_template_embedding_in_training_equals_alphafold() {
         let exec = template_training(&f["rates"], chunk);
         let key = Some(key_of(&f["key"]));
         let out = tch::no_grad(|| {
-            templates.forward(&x["query"], &batch, &x["pair_mask"], &x["asym_id"], &exec, key).unwrap()
+            let averaged = templates.average(&x["query"], &batch, &x["pair_mask"], &x["asym_id"], &exec, key);
+            templates.project(&averaged.unwrap()).unwrap()
         });
         common::assert_close(&format!("template embedding (chunk {chunk:?})"), &out, &f["output"], TOLERANCE);
     }

@@ -164,7 +164,8 @@ fn template_embedding_equals_alphafold_multimer_v3() {
     for chunk in [None, Some(4)] {
         let exec = Exec::new(Dap::none(), chunk);
         let out = tch::no_grad(|| {
-            templates.forward(&f["query"], &batch, &f["pair_mask"], &f["asym_id"], &exec, None).unwrap()
+            let averaged = templates.average(&f["query"], &batch, &f["pair_mask"], &f["asym_id"], &exec, None);
+            templates.project(&averaged.unwrap()).unwrap()
         });
         common::assert_close(&format!("template embedding (chunk {chunk:?})"), &out, &f["output"], TOLERANCE);
         // Added to the pair in place (the sum, mean and ReLU in one buffer, the projection

@@ -243,34 +243,11 @@ impl MultimerTemplates {
         &self.config
     }
 
-    /// The templates' update [N, N, c_z] of the query pair `query` [N, N, c_z], the stack
-    /// masked by `pair_mask` [N, N] (padding residues), the features by the chains `asym_id`
-    /// `[N]`. Every rank runs it whole (`exec`'s chunk sizes, not its DAP group), one template
-    /// at a time.
-    ///
-    /// In training: with `key` (the templates', [`stack_keys`]) and `exec`'s dropout rates,
-    /// the stacks drop as `TemplateEmbedding` keys them: the second half of `key`'s split is
-    /// split per template, and each template's `SingleTemplateEmbedding` hands the second half
-    /// of its key's split to its stack.
-    ///
-    /// [`stack_keys`]: crate::model::multimer::stack_keys
-    pub fn forward(
-        &self,
-        query: &Tensor,
-        templates: &TemplateBatch,
-        pair_mask: &Tensor,
-        asym_id: &Tensor,
-        exec: &Exec,
-        key: Option<Key>,
-    ) -> Result<Tensor> {
-        let averaged = self.averaged(query, templates, pair_mask, asym_id, exec, key)?;
-        self.output_linear.forward(&averaged)
-    }
-
-    /// [`MultimerTemplates::forward`]'s update added to the query pair `pair`, in place where
-    /// the stream allows: the projection to the pair's width made and added `exec`'s
-    /// [`ChunkOp::PairEmbedding`] rows at a time in the template stage (whole, it would be
-    /// one more pair beside the pair and the update).
+    /// The templates' update [N, N, c_z] of the query pair `pair` [N, N, c_z] added to it, in
+    /// place where the stream allows: [`MultimerTemplates::average`] projected to the pair's
+    /// width ([`MultimerTemplates::project`]) and added `exec`'s [`ChunkOp::PairEmbedding`] rows
+    /// at a time in the template stage (whole, the projection would be one more pair beside the
+    /// pair and the update).
     pub fn add_update(
         &self,
         pair: &mut Stream,
@@ -280,15 +257,30 @@ impl MultimerTemplates {
         exec: &Exec,
         key: Option<Key>,
     ) -> Result<()> {
-        let averaged = self.averaged(pair.get(), templates, pair_mask, asym_id, exec, key)?;
+        let averaged = self.average(pair.get(), templates, pair_mask, asym_id, exec, key)?;
         let chunk = exec.in_stage(Stage::Templates).chunk_for(ChunkOp::PairEmbedding);
-        pair.add_chunked(0, chunk, |_, start, rows| self.output_linear.forward(&averaged.f_narrow(0, start, rows)?))
+        pair.add_chunked(0, chunk, |_, start, rows| self.project(&averaged.f_narrow(0, start, rows)?))
     }
 
-    /// The templates' embeddings [N, N, c_t] averaged, through ReLU: what `output_linear`
-    /// projects. Without autograd the sum, the mean and the ReLU are one buffer, updated in
-    /// place.
-    fn averaged(
+    /// `output_linear`: rows of [`MultimerTemplates::average`] to the pair's width, the
+    /// templates' update of those rows.
+    pub fn project(&self, averaged: &Tensor) -> Result<Tensor> {
+        self.output_linear.forward(averaged)
+    }
+
+    /// The templates' embeddings [N, N, c_t] of the query pair `query` [N, N, c_z] averaged,
+    /// through ReLU: what [`MultimerTemplates::project`] makes the update of. The stack masked
+    /// by `pair_mask` [N, N] (padding residues), the features by the chains `asym_id` `[N]`.
+    /// Every rank runs it whole (`exec`'s chunk sizes, not its DAP group), one template at a
+    /// time. Without autograd the sum, the mean and the ReLU are one buffer, updated in place.
+    ///
+    /// In training: with `key` (the templates', [`stack_keys`]) and `exec`'s dropout rates,
+    /// the stacks drop as `TemplateEmbedding` keys them: the second half of `key`'s split is
+    /// split per template, and each template's `SingleTemplateEmbedding` hands the second half
+    /// of its key's split to its stack.
+    ///
+    /// [`stack_keys`]: crate::model::multimer::stack_keys
+    pub fn average(
         &self,
         query: &Tensor,
         templates: &TemplateBatch,
