@@ -357,8 +357,10 @@ impl AlphaFold {
     /// What the first pass recycles: zeros on the network's device, in `kind`, for the
     /// residues of `features`.
     fn first_recycled(&self, features: &Features, kind: Kind) -> Result<Recycled> {
-        let first = Batch::new(features, 0, kind)?;
-        Recycled::zeros(first.residues(), &self.config, &first.seq_mask.f_to_device(self.device)?)
+        // The residue mask alone, not a whole slice converted to `kind`.
+        let first = features.iteration(0).map_err(|e| crate::model::Error::Invalid(format!("features: {e}")))?;
+        let seq_mask = first.seq_mask.f_squeeze_dim(0)?.f_to_kind(kind)?.f_to_device(self.device)?;
+        Recycled::zeros(seq_mask.size()[0], &self.config, &seq_mask)
     }
 
     /// Inference over `recycling`'s schedule: passes `0..=max` over slices of `features`, each
