@@ -276,6 +276,9 @@ bench() {
   item c4 bench-predict "fastfold predict, model_1_ptm sizes, time and peak memory, the longest that fits (predicted)" 240 "$bin/bench-predict" --device cuda \
     --residues 256,512,1024,2048 --chunk-size 64
   collect
+  item c7 bench-predict-lean "fastfold predict, 1,200 residues fp32, a 5,628-row MSA, planned for 2.2 GiB (streams offloaded): card peak beside the plan" 180 \
+    "$bin/bench-predict" --device cuda --residues 1200 --msa-rows 5628 --gpu-mem 2.2G
+  collect
   item c5 bench-finetune "SD 1.5 UNet fine-tuning at 512 px, fp16, under a 4 GiB cap, uncapped and diffusers" 240 \
     "$bin/bench-finetune" --device cuda --cap 4G --resolution 512 --batch 1 --precision fp16 --gradient-checkpointing
   collect

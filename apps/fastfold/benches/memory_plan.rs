@@ -129,20 +129,30 @@ fn main() -> anyhow::Result<()> {
     };
     let budgets: Vec<(String, u64)> =
         args.budgets.iter().map(|b| Ok((b.clone(), engine::gemini::parse_bytes(b)?))).collect::<anyhow::Result<_>>()?;
-    print!("| residues | precision | parameters + features GiB | unchunked peak GiB | least peak GiB (at) |");
+    print!(
+        "| residues | precision | parameters + features GiB | unchunked peak GiB | least peak GiB (at) | least \
+         offloaded GiB (at) |"
+    );
     for (b, _) in &budgets {
         print!(" planned for {b} GiB |");
     }
     println!();
-    println!("|---:|---|---:|---:|---:|{}", "---:|".repeat(budgets.len()));
+    println!("|---:|---|---:|---:|---:|---:|{}", "---:|".repeat(budgets.len()));
     let mut plans = vec![];
     for &n in &args.residues {
         for (kind, name) in [(Kind::Float, "fp32"), (Kind::BFloat16, "bf16")] {
             let e = kind.elt_size_in_bytes() as i64;
             let templates = if args.multimer { 0 } else { args.templates.unwrap_or(0) };
             // On a GPU: the fused softmax over whole logits.
-            let sizes =
-                Sizes { residues: n, msa_rows: args.msa_rows, extra_rows, elem: e, templates, whole_logits: true };
+            let sizes = Sizes {
+                residues: n,
+                msa_rows: args.msa_rows,
+                extra_rows,
+                elem: e,
+                templates,
+                whole_logits: true,
+                host_apart: true,
+            };
             // A complex's features stay on the host, the monomer's too but for the pass's slice.
             let features = match args.multimer {
                 true => 0,
@@ -151,12 +161,15 @@ fn main() -> anyhow::Result<()> {
             let fixed = (numel * e) as u64 + features;
             let whole = net.peak(sizes, &ChunkPlan::uniform(None));
             let least = net.peak(sizes, &ChunkPlan::least());
+            let offloaded = net.peak(sizes, &ChunkPlan::least_offloaded());
             print!(
-                "| {n} | {name} | {:.1} | {:.1} | {:.1} ({}) |",
+                "| {n} | {name} | {:.1} | {:.1} | {:.1} ({}) | {:.1} ({}) |",
                 gib(fixed),
                 gib(fixed + whole.bytes),
                 gib(fixed + least.bytes),
-                least.at
+                least.at,
+                gib(fixed + offloaded.bytes),
+                offloaded.at
             );
             for (b, budget) in &budgets {
                 match net.plan(sizes, fixed, *budget) {

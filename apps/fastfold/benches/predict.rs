@@ -8,16 +8,28 @@
 //! measured peaks (the pair representation grows with the square of the length), said as a
 //! prediction: running it would take longer than a benchmark should.
 //!
+//! With `--msa-rows`, a synthetic alignment of that depth in place of the single sequence
+//! (5,628 rows fill model_1_ptm's 508 clusters and 5,120 extra rows); with `--gpu-mem`, the
+//! chunks (and offloading) of `fastfold predict`'s memory plan for that budget, its planned
+//! peak printed beside the measured ones.
+//!
 //! `cargo bench -p fastfold --bench predict -- --residues 256,512 --device cuda --chunk-size 64`
+//! `cargo bench -p fastfold --bench predict -- --residues 1200 --msa-rows 5628 --device cuda --gpu-mem 2.2G`
+use std::path::Path;
 use std::time::Instant;
 
 use clap::Parser;
 use engine::device::DeviceKind;
 use engine::parallel::dap::Dap;
 use fastfold::features::{process, FeatureConfig, RawFeatures};
+use fastfold::memory;
 use fastfold::model::alphafold::AlphaFold;
 use fastfold::model::{EvoformerConfig, Exec, ModelConfig, Params};
 use tch::Kind;
+
+#[path = "common/synthetic_msa.rs"]
+mod synthetic_msa;
+use synthetic_msa::synthetic_msa;
 
 #[derive(Parser, Debug)]
 #[command(about = "Full single-sequence predictions at AlphaFold's sizes: time and peak memory")]
@@ -28,6 +40,12 @@ struct Args {
     /// Recycling passes after the first.
     #[arg(long, default_value_t = 0)]
     recycles: usize,
+    /// Rows of a synthetic alignment (1: the single sequence).
+    #[arg(long, default_value_t = 1)]
+    msa_rows: usize,
+    /// A memory budget (`2.2G`): each length's chunks from `fastfold predict`'s plan for it.
+    #[arg(long, conflicts_with = "chunk_size")]
+    gpu_mem: Option<String>,
     /// Chunk size of the memory-heavy steps.
     #[arg(long)]
     chunk_size: Option<i64>,
@@ -54,19 +72,27 @@ fn main() -> anyhow::Result<()> {
     let backend = kernels::Backend::resolve(args.kernels, device)?;
     let params = params.to_kind(kind)?.to_device(device, false)?.with_kernels(backend);
     let model = AlphaFold::new(&params)?;
+    let param_bytes = memory::bytes_of(params.iter().map(|(_, t)| t));
     let exec = Exec::new(Dap::none(), args.chunk_size);
+    let budget = args.gpu_mem.as_deref().map(engine::gemini::parse_bytes).transpose()?;
     println!(
-        "single-sequence predict, model_1_ptm sizes (random weights), {} recycles, {} on {device:?}, kernels {backend:?}{}",
+        "predict, {}, model_1_ptm sizes (random weights), {} recycles, {} on {device:?}, kernels {backend:?}{}{}",
+        match args.msa_rows {
+            1 => "single sequence".to_string(),
+            rows => format!("a synthetic MSA of {rows} rows"),
+        },
         args.recycles,
         if args.bf16 { "bf16" } else { "fp32" },
-        args.chunk_size.map(|c| format!(", chunk {c}")).unwrap_or_default()
+        args.chunk_size.map(|c| format!(", chunk {c}")).unwrap_or_default(),
+        args.gpu_mem.as_deref().map(|b| format!(", planned for {b}")).unwrap_or_default()
     );
-    println!("| residues | seconds | peak MiB | card peak MiB |");
-    println!("|---|---|---|---|");
+    println!("| residues | seconds | peak MiB | card peak MiB | planned MiB |");
+    println!("|---|---|---|---|---|");
     let letters = b"ARNDCQEGHILKMFPSTWYV";
     let features = |n: usize| {
         let sequence: String = (0..n).map(|i| letters[(i * 7 + i / 3) % 20] as char).collect();
-        let raw = RawFeatures::new(&sequence, None)?;
+        let msa = (args.msa_rows > 1).then(|| synthetic_msa(&sequence, args.msa_rows, 0));
+        let raw = RawFeatures::new(&sequence, msa.as_ref().map(|m| (m, Path::new("synthetic.a3m"))))?;
         let config = FeatureConfig { num_recycle: args.recycles, ..FeatureConfig::default() };
         // On the host, as `fastfold predict` keeps them: each pass's slice goes to the device.
         process(&raw, &config, 0, tch::Device::Cpu)
@@ -79,8 +105,19 @@ fn main() -> anyhow::Result<()> {
         engine::cuda::synchronize(d)?;
     }
     let mut peaks = vec![];
+    let mut plans = vec![];
     for &n in &args.residues {
         let features = features(n)?;
+        let (exec, planned) = match budget {
+            Some(budget) => {
+                let on = (kind, device);
+                let (plan, _) =
+                    memory::plan_prediction(&model, &ModelConfig::default(), param_bytes, &features, on, budget)?;
+                plans.push(format!("- {n}: {} (the pass's peak in {})", plan.describe(), plan.pass.at));
+                (Exec::planned(Dap::none(), plan.chunks.clone()), Some(plan.peak()))
+            }
+            None => (exec.clone(), None),
+        };
         let card = match device {
             tch::Device::Cuda(d) => {
                 engine::cuda::reset_peak_stats(d)?;
@@ -103,7 +140,10 @@ fn main() -> anyhow::Result<()> {
         peaks.extend(peak.map(|b| (n as f64, b as f64)));
         let mib = |b: Option<u64>| b.map_or("-".into(), |b| format!("{:.0}", b as f64 / (1 << 20) as f64));
         let card = card.map(engine::process::CardPeak::finish).transpose()?;
-        println!("| {n} | {seconds:.1} | {} | {} |", mib(peak), mib(card));
+        println!("| {n} | {seconds:.1} | {} | {} | {} |", mib(peak), mib(card), mib(planned));
+    }
+    for p in plans {
+        println!("{p}");
     }
     if let (tch::Device::Cuda(d), true) = (device, peaks.len() >= 3) {
         // What the peaks may reach: the free memory once the cache is handed back, plus what

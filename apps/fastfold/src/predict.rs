@@ -22,7 +22,7 @@ use crate::confidence::Confidence;
 use crate::features::Features;
 use crate::input::{ChunkArgs, InputArgs, Query, ReadQuery};
 use crate::memory;
-use crate::model::alphafold::{AlphaFold, Batch, Pass};
+use crate::model::alphafold::{AlphaFold, Pass};
 use crate::model::config::ModelConfig;
 use crate::model::heads::{DISTOGRAM_FIRST_BREAK, DISTOGRAM_LAST_BREAK, MAX_ERROR_BIN};
 use crate::model::recycling::Recycling;
@@ -339,15 +339,8 @@ impl<'a> Runner<'a> {
     /// peak (said on stderr by rank 0); otherwise the run's.
     fn plan(&self, model: &Model, name: &str, features: &Features) -> anyhow::Result<(Exec, Option<u64>)> {
         let Some(budget) = self.args.chunk.budget(self.device)? else { return Ok((self.exec.clone(), None)) };
-        let sizes = memory::sizes_of(features, self.kind, self.device)?;
-        // The features on the device before the pass: on the CPU all of them (the same memory),
-        // on a GPU one slice.
-        let feature_bytes = match self.device {
-            Device::Cpu => memory::bytes_of(features.named().map(|(_, t)| t)),
-            _ => memory::bytes_of(Batch::new(features, 0, self.kind)?.tensors()),
-        };
-        let fixed = model.param_bytes + feature_bytes;
-        let plan = memory::plan(model.net.config(), &model.config, sizes, fixed, budget)
+        let on = (self.kind, self.device);
+        let (plan, sizes) = memory::plan_prediction(&model.net, &model.config, model.param_bytes, features, on, budget)
             .map_err(|e| anyhow::anyhow!("{name} with {}: {e} (--gpu-mem)", model.name))?;
         if self.world.rank() == 0 {
             say_plan(&format!("{name} {}", model.name), budget, &sizes, &plan);

@@ -3,8 +3,8 @@
 //! and every parameter, with sequence and residue counts the rank counts do not divide; the
 //! Evoformer stack also as AlphaFold-Multimer v3's (outer product mean first, fused triangle
 //! projections); the stacks' inference forward in place, the outer product mean taking the MSA
-//! in batches of sequences; and the assembled AlphaFold-Multimer network with recycling on 2
-//! ranks.
+//! in batches of sequences, also with the streams offloaded in turn; and the assembled
+//! AlphaFold-Multimer network with recycling on 2 ranks.
 use engine::dist::World;
 use engine::parallel::dap::Dap;
 use fastfold::model::exec::{ChunkOp, ChunkPlan, Stage};
@@ -93,12 +93,18 @@ fn compare(world: &World) -> TestResult {
         // Inference in place, the outer product mean's sequences 2 at a time.
         let op = ChunkOp::OuterProductMeanSequences;
         let plan = ChunkPlan::uniform(chunk).with(Stage::ExtraMsa, op, Some(2)).with(Stage::Evoformer, op, Some(2));
+        let offloaded = plan.clone().offloading(Stage::ExtraMsa, true).offloading(Stage::Evoformer, true);
         let (lean_msa, lean_pair) = run_in_place(params, extra, &x, &Exec::planned(dap.clone(), plan))?;
+        // And with the streams off the device in turn (on the CPU the moves are the identity,
+        // the layout switches and the outer product mean's reads of the host MSA are not).
+        let (off_msa, off_pair) = run_in_place(params, extra, &x, &Exec::planned(dap.clone(), offloaded))?;
         for (name, a, b) in [
             ("msa", &many.msa, &one.msa),
             ("pair", &many.pair, &one.pair),
             ("msa in place", &lean_msa, &one.msa),
             ("pair in place", &lean_pair, &one.pair),
+            ("msa offloaded", &off_msa, &one.msa),
+            ("pair offloaded", &off_pair, &one.pair),
         ] {
             let d = (a - b).abs().max().double_value(&[]);
             anyhow::ensure!(d <= 1e-5, "{what}: output {name} differs by {d:e} (tolerance 1e-5 abs)");

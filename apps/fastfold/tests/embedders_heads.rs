@@ -49,9 +49,9 @@ fn run_all(p: &Params, s: i64, n: i64) -> (Tensor, Tensor, Tensor, HeadOutputs) 
         let plan = ChunkPlan::uniform(None).with(Stage::Outer, ChunkOp::ExtraMsaEmbedding, Some(2));
         let rows = extra_embedder.forward(&extra, &has_del, &del_val, &Exec::planned(Dap::none(), plan)).unwrap();
         assert!(rows.equal(&e), "the extra-MSA embedder rows at a time differs from its whole pass");
-        let single = heads.single.forward(&m).unwrap();
-        let out =
-            heads.forward(&HeadInputs { msa: &m, pair: &z, single: &single, structure_single: &structure_single });
+        let readout = heads.read_msa(&m).unwrap();
+        assert!(readout.first_row.equal(&m.select(0, 0)), "the readout's first row is the MSA's");
+        let out = heads.forward(&HeadInputs { msa: &readout, pair: &z, structure_single: &structure_single });
         (m, z, e, out.unwrap())
     })
 }

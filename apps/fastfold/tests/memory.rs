@@ -84,9 +84,19 @@ fn pass_peak_matches_the_cpu_allocator_and_plans_fit_their_budget() {
         (48, 4, 1000, least().with(Stage::ExtraMsa, ChunkOp::OuterProductMeanSequences, Some(256))),
         (48, 4, 1000, least().with(Stage::Outer, ChunkOp::ExtraMsaEmbedding, Some(300))),
         (48, 4, 1000, least()),
+        // Both stacks offloading: on the CPU every move is the identity, and the trace too.
+        (48, 4, 1000, ChunkPlan::least_offloaded()),
     ] {
         let b = batch(n, s, e, Kind::Float);
-        let sizes = Sizes { residues: n, msa_rows: s, extra_rows: e, elem: 4, templates: 0, whole_logits: false };
+        let sizes = Sizes {
+            residues: n,
+            msa_rows: s,
+            extra_rows: e,
+            elem: 4,
+            templates: 0,
+            whole_logits: false,
+            host_apart: false,
+        };
         let predicted = memory::pass_peak(&cfg, &model_cfg, sizes, &plan);
         let (measured, _) = measure(&model, &cfg, &b, &Exec::planned(Dap::none(), plan.clone()));
         suite_tests::assert_bytes_close(
@@ -98,7 +108,15 @@ fn pass_peak_matches_the_cpu_allocator_and_plans_fit_their_budget() {
     }
     // A budget the whole pass exceeds: the plan chunks, and the measured peak stays under it.
     let (n, s, e) = (160, 8, 16);
-    let sizes = Sizes { residues: n, msa_rows: s, extra_rows: e, elem: 4, templates: 0, whole_logits: false };
+    let sizes = Sizes {
+        residues: n,
+        msa_rows: s,
+        extra_rows: e,
+        elem: 4,
+        templates: 0,
+        whole_logits: false,
+        host_apart: false,
+    };
     let whole = memory::pass_peak(&cfg, &model_cfg, sizes, &ChunkPlan::uniform(None)).bytes;
     let budget = whole * 2 / 3;
     let plan = memory::plan(&cfg, &model_cfg, sizes, 0, budget).unwrap();
@@ -155,7 +173,15 @@ fn pass_peak_with_templates_matches_the_cpu_allocator_and_plans_fit_their_budget
         (160, 4, 8, 4, some(8)),
     ] {
         let b = with_templates(batch(n, s, e, Kind::Float), count);
-        let sizes = Sizes { residues: n, msa_rows: s, extra_rows: e, elem: 4, templates: count, whole_logits: false };
+        let sizes = Sizes {
+            residues: n,
+            msa_rows: s,
+            extra_rows: e,
+            elem: 4,
+            templates: count,
+            whole_logits: false,
+            host_apart: false,
+        };
         let predicted = memory::pass_peak(&cfg, &model_cfg, sizes, &plan);
         let (measured, _) = measure(&model, &cfg, &b, &Exec::planned(Dap::none(), plan.clone()));
         suite_tests::assert_bytes_close(
@@ -166,7 +192,15 @@ fn pass_peak_with_templates_matches_the_cpu_allocator_and_plans_fit_their_budget
         );
     }
     let (n, s, e, count) = (160, 8, 16, 4);
-    let sizes = Sizes { residues: n, msa_rows: s, extra_rows: e, elem: 4, templates: count, whole_logits: false };
+    let sizes = Sizes {
+        residues: n,
+        msa_rows: s,
+        extra_rows: e,
+        elem: 4,
+        templates: count,
+        whole_logits: false,
+        host_apart: false,
+    };
     let whole = memory::pass_peak(&cfg, &model_cfg, sizes, &ChunkPlan::uniform(None)).bytes;
     // A quarter: the templates folded one at a time, half is met by chunking the outer
     // product means alone.
@@ -208,6 +242,8 @@ fn in_place_chunked_pass_equals_the_plain_pass() {
         sequences(ChunkPlan::uniform(None), (3, 2)),
         sequences(ChunkPlan::uniform(Some(4)), (4, 5)),
         ChunkPlan::least(),
+        ChunkPlan::least_offloaded(),
+        ChunkPlan::uniform(Some(4)).offloading(Stage::Evoformer, true),
     ] {
         let prev = Recycled::zeros(n, &cfg, &b.seq_mask).unwrap();
         let lean = tch::no_grad(|| model.pass(&b, prev, &Exec::planned(Dap::none(), plan.clone()), None)).unwrap();
@@ -223,6 +259,46 @@ fn in_place_chunked_pass_equals_the_plain_pass() {
             assert!(d <= 1e-5, "{plan:?}: {what} differs by {d:e} of its largest value (tolerance 1e-5)");
         }
     }
+}
+
+/// On a GPU's profile (its memory apart from the host's), offloading the stacks' streams lowers
+/// the least peak of model_1_ptm at 1,200 residues in fp32 by more than a pair; a plan offloads
+/// only for a budget the least plan without it exceeds, and keeps its peak within the budget;
+/// on the CPU (one memory) offloading frees nothing, and the same budget has no plan.
+#[test]
+fn plans_offload_the_stacks_only_where_nothing_fits_without() {
+    let cfg = EvoformerConfig::default();
+    let model_cfg = ModelConfig { templates: None, ..ModelConfig::default() };
+    let n = 1200;
+    let gpu = Sizes {
+        residues: n,
+        msa_rows: 508,
+        extra_rows: 5120,
+        elem: 4,
+        templates: 0,
+        whole_logits: true,
+        host_apart: true,
+    };
+    let peak = |sizes, plan: &ChunkPlan| memory::pass_peak(&cfg, &model_cfg, sizes, plan).bytes;
+    let (least, offloaded) = (peak(gpu, &ChunkPlan::least()), peak(gpu, &ChunkPlan::least_offloaded()));
+    let pair = (n * n * cfg.c_z * 4) as u64;
+    assert!(offloaded + pair <= least, "offloaded {offloaded} bytes, on the device {least}: not a pair less");
+    // The extra-MSA stack's own updates still hold its whole MSA on the device.
+    let extra_msa = (5120 * n * cfg.c_e * 4) as u64;
+    assert!(offloaded > extra_msa, "offloaded {offloaded} bytes, under the extra MSA's {extra_msa}");
+    let budget = (least + offloaded) / 2;
+    let plan = memory::plan(&cfg, &model_cfg, gpu, 0, budget).unwrap();
+    assert!(plan.describe().contains("/offload"), "a budget under the least plan offloads: {}", plan.describe());
+    assert!(plan.peak() <= budget, "planned {} over the budget {budget}", plan.peak());
+    let roomy = memory::plan(&cfg, &model_cfg, gpu, 0, least + least / 4).unwrap();
+    assert!(
+        !roomy.describe().contains("offload"),
+        "a budget over the least plan offloads nothing: {}",
+        roomy.describe()
+    );
+    let cpu = Sizes { host_apart: false, ..gpu };
+    assert_eq!(peak(cpu, &ChunkPlan::least_offloaded()), peak(cpu, &ChunkPlan::least()), "the CPU's moves are free");
+    assert!(memory::plan(&cfg, &model_cfg, cpu, 0, budget).is_err(), "on the CPU the budget has no plan");
 }
 
 /// `fastfold predict --gpu-mem` on the CPU: the plan and its planned peak said, the measured

@@ -14,7 +14,7 @@ pub mod plan;
 pub mod profile;
 
 pub use multimer::{multimer_pass_peak, multimer_sizes_of, MultimerSizes};
-pub use plan::{plan, plan_multimer, Plan};
+pub use plan::{plan, plan_multimer, plan_prediction, Plan};
 pub use profile::{bytes_of, pass_peak, sizes_of, Peak, Sizes};
 
 /// A buffer the trace holds: freed by [`Trace::free`], never silently.
@@ -63,6 +63,19 @@ impl Trace {
         for b in bufs {
             self.free(b);
         }
+    }
+
+    /// `b` moved to the host: its device bytes freed. The host's bytes are not counted (the
+    /// budget is the device's), so the buffer on the host holds none.
+    pub fn to_host(&mut self, b: Buf) -> Buf {
+        self.free(b);
+        Buf(0)
+    }
+
+    /// `b` (on the host) moved to the device as `bytes`.
+    pub fn to_device(&mut self, b: Buf, bytes: i64) -> Buf {
+        self.free(b);
+        self.alloc(bytes)
     }
 
     /// A buffer allocated and freed at once (a kernel's scratch).

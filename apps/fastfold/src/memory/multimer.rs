@@ -8,8 +8,8 @@
 //! The sampling runs where the features are: on the host while the network runs on a GPU,
 //! so its buffers count only in a CPU run ([`MultimerSizes::sampling_on_device`]).
 use crate::memory::profile::{
-    biased_attention, block, chunked, distance_one_hot, extra_msa_embedder, input_msa, input_pair, layer_norm, outputs,
-    recycled_row, recycling_pair, residual, transition, triangle_multiplication, Ctx,
+    biased_attention, chunked, distance_one_hot, extra_msa_embedder, input_msa, input_pair, layer_norm, outputs,
+    recycled_row, recycling_pair, residual, stack, transition, triangle_multiplication, Ctx,
 };
 use crate::memory::{Buf, Peak, Sizes, Trace};
 use crate::model::config::{EvoformerConfig, ModelConfig, TemplateConfig};
@@ -256,11 +256,11 @@ pub fn multimer_pass_peak(
     plan: &ChunkPlan,
 ) -> Peak {
     let mut t = Trace::new();
-    let Sizes { residues: n, msa_rows: run, extra_rows, elem: e, templates, whole_logits } = sizes.pass;
+    let Sizes { residues: n, msa_rows: run, extra_rows, elem: e, templates, whole_logits, host_apart } = sizes.pass;
     let s = sizes.centres;
     let (c_m, c_z) = (cfg.c_m, cfg.c_z);
     let templates = template.map_or(0, |_| templates);
-    let mut x = Ctx { e, plan, stage: Stage::Outer, masked_rows: false, whole_logits };
+    let mut x = Ctx { e, plan, stage: Stage::Outer, masked_rows: false, whole_logits, host_apart };
     t.at("recycled inputs");
     let prev = [t.alloc(n * c_m * e), t.alloc(n * n * c_z * e), t.alloc(n * 3 * e)];
     t.at("MSA sampling");
@@ -270,7 +270,7 @@ pub fn multimer_pass_peak(
     };
     t.at("input embedder");
     let target = t.alloc(n * TARGET_CLASSES * e);
-    let pair = input_pair(&mut t, &x, n, c_z, |t, rows| relative_encoding(t, e, (rows, n), c_z));
+    let mut pair = input_pair(&mut t, &x, n, c_z, |t, rows| relative_encoding(t, e, (rows, n), c_z));
     t.free(target);
     t.at("recycling embedder");
     let row = recycled_row(&mut t, e, n, c_m);
@@ -286,9 +286,10 @@ pub fn multimer_pass_peak(
         t.at("extra-MSA embedder");
         let rows = extra_rows.max(1);
         let deletions = [t.alloc(rows * n * 4), t.alloc(rows * n * 4)];
-        let extra = extra_msa_embedder(&mut t, &x, n, rows, cfg.c_e);
+        let embedded = extra_msa_embedder(&mut t, &x, n, rows, cfg.c_e);
         x.stage = Stage::ExtraMsa;
-        block(&mut t, &x, cfg, rows, n, true);
+        let (extra, updated) = stack(&mut t, &x, cfg, (rows, n), true, (embedded, pair));
+        pair = updated;
         t.free(extra);
         t.free_all(deletions);
     }
@@ -318,17 +319,21 @@ pub fn multimer_pass_peak(
     x.stage = Stage::Evoformer;
     x.masked_rows = sizes.masked_rows;
     if cfg.num_blocks > 0 {
-        block(&mut t, &x, cfg, run, n, false);
+        (msa, pair) = stack(&mut t, &x, cfg, (run, n), false, (msa, pair));
     }
     x.masked_rows = false;
     if selected {
-        let restored = t.alloc(s * n * c_m * e);
+        // Where the stack left the MSA: on the host (no device bytes) when it moves its streams.
+        let restored = match x.moves(Stage::Evoformer) {
+            true => t.alloc(0),
+            false => t.alloc(s * n * c_m * e),
+        };
         t.free(msa);
         msa = restored;
     }
     x.stage = Stage::Outer;
-    outputs(&mut t, &x, (n, s), (c_m, c_z), model);
-    t.free_all([pair_mask, msa, pair]);
+    outputs(&mut t, &x, msa, (n, s), (c_m, c_z), model);
+    t.free_all([pair_mask, pair]);
     t.free_all(sampled);
     Peak { bytes: t.peak(), at: t.peak_at() }
 }
@@ -377,6 +382,7 @@ pub fn multimer_sizes_of(
             elem: kind.elt_size_in_bytes() as i64,
             templates,
             whole_logits: device.is_cuda(),
+            host_apart: device.is_cuda(),
         },
         centres,
         msa,

@@ -5,9 +5,15 @@
 //! every operation shares (the streams, the outputs so far), so each operation's size can be
 //! chosen alone: from every operation at its smallest (one row: the least a pass can take),
 //! each in turn is raised to the largest size, whole first, that keeps the pass's peak under
-//! the budget ([`crate::memory::profile::pass_peak`]).
+//! the budget ([`crate::memory::profile::pass_peak`]). Before the sizes, each stack's streams go
+//! off the device in turn ([`ChunkPlan::offloading`]) only where the pass does not fit without
+//! it at its smallest: its moves cost time where a smaller chunk costs little.
+use tch::{Device, Kind};
+
+use crate::features::Features;
 use crate::memory::multimer::{multimer_pass_peak, MultimerSizes};
-use crate::memory::profile::{pass_peak, Peak, Sizes};
+use crate::memory::profile::{bytes_of, pass_peak, sizes_of, Peak, Sizes};
+use crate::model::alphafold::{AlphaFold, Batch};
 use crate::model::config::{EvoformerConfig, ModelConfig, TemplateConfig};
 use crate::model::exec::{ChunkOp, ChunkPlan, Stage};
 
@@ -33,19 +39,24 @@ impl Plan {
     /// The chunked operations, `stage op=size` each, in one line (`none` when nothing is
     /// chunked).
     pub fn describe(&self) -> String {
-        let parts: Vec<String> = self
+        let offloads = OFFLOADED.iter().filter(|&&stage| self.chunks.offloads(stage)).map(|s| format!("{s:?}/offload"));
+        let sizes = self
             .ops
             .iter()
             .copied()
             .flatten()
-            .filter_map(|&(stage, op)| self.chunks.get(stage, op).map(|c| format!("{stage:?}/{op:?}={c}")))
-            .collect();
+            .filter_map(|&(stage, op)| self.chunks.get(stage, op).map(|c| format!("{stage:?}/{op:?}={c}")));
+        let parts: Vec<String> = offloads.chain(sizes).collect();
         match parts.is_empty() {
             true => "none".into(),
             false => parts.join(" "),
         }
     }
 }
+
+/// The stacks a plan may offload, the first kept on the device first (its 48 blocks move their
+/// streams 12 times as often as the extra-MSA stack's 4).
+const OFFLOADED: [Stage; 2] = [Stage::Evoformer, Stage::ExtraMsa];
 
 /// The operations outside the stacks the pass profiles cover.
 const OUTER_KEYS: [(Stage, ChunkOp); 3] = [
@@ -125,6 +136,28 @@ pub fn plan(cfg: &EvoformerConfig, model: &ModelConfig, sizes: Sizes, fixed: u64
     search(keys, &sizes, fixed, budget, |chunks| pass_peak(cfg, model, sizes, chunks))
 }
 
+/// The plan for a monomer prediction of `features` (recycling slice 0's sizes, [`sizes_of`]) by
+/// `net` with `model`'s sizes, in `kind` on `device`, with `param_bytes` of parameters on the
+/// device: before the pass the device holds the parameters and the features, all of them on
+/// the CPU (one memory) and one recycling slice on a GPU (`fastfold predict` keeps the rest on
+/// the host). The sizes come with it.
+pub fn plan_prediction(
+    net: &AlphaFold,
+    model: &ModelConfig,
+    param_bytes: u64,
+    features: &Features,
+    (kind, device): (Kind, Device),
+    budget: u64,
+) -> anyhow::Result<(Plan, Sizes)> {
+    let sizes = sizes_of(features, kind, device)?;
+    let feature_bytes = match device {
+        Device::Cpu => bytes_of(features.named().map(|(_, t)| t)),
+        _ => bytes_of(Batch::new(features, 0, kind)?.tensors()),
+    };
+    let plan = plan(net.config(), model, sizes, param_bytes + feature_bytes, budget).map_err(anyhow::Error::msg)?;
+    Ok((plan, sizes))
+}
+
 /// [`plan`] for one AlphaFold-Multimer pass ([`multimer_pass_peak`]), the template pair stack
 /// (`template`: the parameters' stack, if any) planned with the rest.
 pub fn plan_multimer(
@@ -138,8 +171,10 @@ pub fn plan_multimer(
     search(MULTIMER_KEYS, &sizes.pass, fixed, budget, |chunks| multimer_pass_peak(cfg, model, template, sizes, chunks))
 }
 
-/// From every operation of `ops` at its smallest, each in turn raised to the largest size that
-/// keeps `fixed` + `peak` within `budget`; no chunking when the whole pass fits.
+/// From every operation of `ops` at its smallest and the stacks offloaded, each stack's streams
+/// kept on the device where the pass then fits, and each operation in turn raised to the
+/// largest size that keeps `fixed` + `peak` within `budget`; no chunking when the whole pass
+/// fits.
 fn search(
     ops: &'static [&'static [(Stage, ChunkOp)]],
     sizes: &Sizes,
@@ -152,18 +187,24 @@ fn search(
     if fixed + whole_peak.bytes <= budget {
         return Ok(Plan { chunks: whole, pass: whole_peak, fixed, ops });
     }
-    let mut chunks = ChunkPlan::least();
+    let mut chunks = ChunkPlan::least_offloaded();
     let least = peak(&chunks);
     if fixed + least.bytes > budget {
         return Err(format!(
-            "{} residues need {:.2} GiB at the least (every operation one row at a time; {:.2} GiB of it \
-             before the pass, the peak in {}), more than the budget of {:.2} GiB",
+            "{} residues need {:.2} GiB at the least (every operation one row at a time, the stacks' streams off \
+             the device in turn; {:.2} GiB of it before the pass, the peak in {}), more than the budget of {:.2} GiB",
             sizes.residues,
             gib(fixed + least.bytes),
             gib(fixed),
             least.at,
             gib(budget)
         ));
+    }
+    for stage in OFFLOADED {
+        let tried = chunks.clone().offloading(stage, false);
+        if fixed + peak(&tried).bytes <= budget {
+            chunks = tried;
+        }
     }
     for &(stage, op) in ops.iter().copied().flatten() {
         for size in candidates(axis(stage, op, sizes)) {

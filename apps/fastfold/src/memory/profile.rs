@@ -31,6 +31,10 @@ pub struct Sizes {
     /// a GPU), else libtorch's scaled-dot-product kernel makes them a block at a time (the
     /// CPU's).
     pub whole_logits: bool,
+    /// Whether the device's memory is apart from the host's (a GPU): what an offloading stack
+    /// ([`ChunkPlan::offloading`]) moves to the host then leaves the device. On the CPU the
+    /// moves are the identity and the trace is the one without them.
+    pub host_apart: bool,
 }
 
 /// A pass's peak of live bytes beyond what was alive before it (parameters, features), the
@@ -52,11 +56,18 @@ pub(super) struct Ctx<'a> {
     pub(super) stage: Stage,
     pub(super) masked_rows: bool,
     pub(super) whole_logits: bool,
+    pub(super) host_apart: bool,
 }
 
 impl Ctx<'_> {
     pub(super) fn chunk(&self, op: ChunkOp) -> Option<i64> {
         self.plan.get(self.stage, op)
+    }
+
+    /// Whether the stack of `stage` moves its streams out of the device's memory: it offloads,
+    /// on a device apart from the host.
+    pub(super) fn moves(&self, stage: Stage) -> bool {
+        self.host_apart && self.plan.offloads(stage)
     }
 }
 
@@ -184,8 +195,21 @@ pub(super) fn biased_attention(
     (c, heads, dim): (i64, i64, i64),
     contiguous: bool,
 ) {
-    let e = x.e;
     let bias = pair_bias(t, x, r, c_z, heads, op, contiguous);
+    biased_update(t, x, op, (batch, r), (c, heads, dim), contiguous);
+    t.free(bias);
+}
+
+/// [`biased_attention`]'s update of `batch` rows of `r` entries once its bias is made.
+fn biased_update(
+    t: &mut Trace,
+    x: &Ctx,
+    op: ChunkOp,
+    (batch, r): (i64, i64),
+    (c, heads, dim): (i64, i64, i64),
+    contiguous: bool,
+) {
+    let e = x.e;
     let masked = x.masked_rows && op == ChunkOp::MsaRowAttention;
     residual(t, batch, x.chunk(op), |t, n| {
         let normed = layer_norm(t, n * r, c, e, contiguous);
@@ -193,7 +217,6 @@ pub(super) fn biased_attention(
         t.free(normed);
         out
     });
-    t.free(bias);
 }
 
 /// `model/msa.rs`'s `MsaColumnAttention::update`: residues at a time, each chunk's transposed
@@ -250,13 +273,23 @@ pub(super) fn transition(t: &mut Trace, x: &Ctx, len: i64, row: i64, c: i64, fac
 
 /// `model/msa.rs`'s `OuterProductMean::update`: the mask's norm, then per batch of
 /// sequences (every batch the first's shape or smaller) its normalised MSA, projections and
-/// pair chunks.
-fn outer_product_mean(t: &mut Trace, x: &Ctx, s: i64, r: i64, c_m: i64, channels: i64, c_z: i64) {
+/// pair chunks; with the MSA on the host (`streamed`), each batch moved to the device first.
+fn outer_product_mean(
+    t: &mut Trace,
+    x: &Ctx,
+    (s, r): (i64, i64),
+    (c_m, channels, c_z): (i64, i64, i64),
+    streamed: bool,
+) {
     let e = x.e;
     let (mc, norm) = (t.alloc(s * r * e), t.alloc(r * r * e));
     t.free(mc);
     let batch = step(s, x.chunk(ChunkOp::OuterProductMeanSequences));
+    let moved = streamed.then(|| t.alloc(batch * r * c_m * e));
     let normed = layer_norm(t, batch * r, c_m, e, true);
+    if let Some(b) = moved {
+        t.free(b);
+    }
     let (left, right) = (t.alloc(batch * r * channels * e), t.alloc(batch * r * channels * e));
     t.free(normed);
     residual(t, r, x.chunk(ChunkOp::OuterProductMean), |t, n| {
@@ -315,15 +348,31 @@ pub(super) fn triangle_multiplication(t: &mut Trace, x: &Ctx, r: i64, c_z: i64, 
 }
 
 /// `model/evoformer.rs`'s `EvoformerBlock::run` on one rank: the MSA [s, r, c] and the pair
-/// updated in place.
-pub(super) fn block(t: &mut Trace, x: &Ctx, cfg: &EvoformerConfig, s: i64, r: i64, extra: bool) {
+/// updated in place, where the block found them (the MSA on the host when the stack moves its
+/// streams off the device, [`Ctx::moves`]; the pair on the device).
+pub(super) fn block(
+    t: &mut Trace,
+    x: &Ctx,
+    cfg: &EvoformerConfig,
+    (s, r): (i64, i64),
+    extra: bool,
+    streams: (Buf, Buf),
+) -> (Buf, Buf) {
     let (c, heads, dim) = match extra {
         true => (cfg.c_e, cfg.extra_heads, cfg.extra_head_dim),
         false => (cfg.c_m, cfg.msa_heads, cfg.msa_head_dim),
     };
-    let c_z = cfg.c_z;
+    let (c_z, e) = (cfg.c_z, x.e);
+    let moves = x.moves(x.stage);
+    let (mut msa, mut pair) = streams;
     t.at(if extra { "extra-MSA row attention" } else { "MSA row attention" });
-    biased_attention(t, x, ChunkOp::MsaRowAttention, s, (r, c_z), (c, heads, dim), true);
+    let bias = pair_bias(t, x, r, c_z, heads, ChunkOp::MsaRowAttention, true);
+    if moves {
+        pair = t.to_host(pair);
+        msa = t.to_device(msa, s * r * c * e);
+    }
+    biased_update(t, x, ChunkOp::MsaRowAttention, (s, r), (c, heads, dim), true);
+    t.free(bias);
     t.at(if extra { "extra-MSA column global attention" } else { "MSA column attention" });
     match extra {
         true => msa_column_global_attention(t, x, s, r, c, heads, dim),
@@ -331,8 +380,12 @@ pub(super) fn block(t: &mut Trace, x: &Ctx, cfg: &EvoformerConfig, s: i64, r: i6
     }
     t.at("MSA transition");
     transition(t, x, s, r, c, cfg.transition_factor, ChunkOp::MsaTransition);
+    if moves {
+        msa = t.to_host(msa);
+        pair = t.to_device(pair, r * r * c_z * e);
+    }
     t.at("outer product mean");
-    outer_product_mean(t, x, s, r, c, cfg.opm_channels, c_z);
+    outer_product_mean(t, x, (s, r), (c, cfg.opm_channels, c_z), moves);
     t.at("triangle multiplication");
     triangle_multiplication(t, x, r, c_z, cfg.tri_mul_channels, true);
     triangle_multiplication(t, x, r, c_z, cfg.tri_mul_channels, false);
@@ -343,14 +396,32 @@ pub(super) fn block(t: &mut Trace, x: &Ctx, cfg: &EvoformerConfig, s: i64, r: i6
     }
     t.at("pair transition");
     transition(t, x, r, r, c_z, cfg.transition_factor, ChunkOp::PairTransition);
+    (msa, pair)
 }
 
-/// `FeatureProjections::embed_msa`: the two projections and their sum.
+/// `EvoformerStack::forward` of `x`'s stage on streams given up: the MSA [s, r] moved to the
+/// host first when the stack moves its streams; every block leaves what it found, so one
+/// block's peak is the stack's. Returns the streams where the stack leaves them.
+pub(super) fn stack(
+    t: &mut Trace,
+    x: &Ctx,
+    cfg: &EvoformerConfig,
+    (s, r): (i64, i64),
+    extra: bool,
+    streams: (Buf, Buf),
+) -> (Buf, Buf) {
+    let (mut msa, pair) = streams;
+    if x.moves(x.stage) {
+        msa = t.to_host(msa);
+    }
+    block(t, x, cfg, (s, r), extra, (msa, pair))
+}
+
+/// `FeatureProjections::embed_msa`: the two projections, the single one added to the MSA's in
+/// place.
 pub(super) fn input_msa(t: &mut Trace, e: i64, (n, s): (i64, i64), c_m: i64) -> Buf {
-    let (a, b) = (t.alloc(s * n * c_m * e), t.alloc(n * c_m * e));
-    let msa = t.alloc(s * n * c_m * e);
-    t.free(a);
-    t.free(b);
+    let (msa, single) = (t.alloc(s * n * c_m * e), t.alloc(n * c_m * e));
+    t.free(single);
     msa
 }
 
@@ -419,10 +490,11 @@ pub(super) fn recycling_pair(t: &mut Trace, x: &Ctx, n: i64, c_z: i64, model: &M
 }
 
 /// `model/embedders.rs`'s `ExtraMsaEmbedder::forward`: the one-hot (int64, then the model's
-/// kind), the joined feature, the projection, rows at a time.
+/// kind), the joined feature, the projection, rows at a time; made on the host (each chunk
+/// moved as it is made) when the extra-MSA stack moves its streams off the device.
 pub(super) fn extra_msa_embedder(t: &mut Trace, x: &Ctx, n: i64, rows: i64, c_e: i64) -> Buf {
     let e = x.e;
-    chunked(t, rows, x.chunk(ChunkOp::ExtraMsaEmbedding), n * c_e * e, |t, k| {
+    let rows_of = |t: &mut Trace, k: i64| {
         let one_hot = t.alloc(k * n * 23 * 8);
         let float = t.alloc(k * n * 23 * e);
         let feat = t.alloc(k * n * 25 * e);
@@ -431,7 +503,20 @@ pub(super) fn extra_msa_embedder(t: &mut Trace, x: &Ctx, n: i64, rows: i64, c_e:
         let out = t.alloc(k * n * c_e * e);
         t.free(feat);
         out
-    })
+    };
+    let chunk = x.chunk(ChunkOp::ExtraMsaEmbedding);
+    if !x.moves(Stage::ExtraMsa) {
+        return chunked(t, rows, chunk, n * c_e * e, rows_of);
+    }
+    // Each chunk to the host, into the output there: the first chunk and the next alike.
+    let k = step(rows, chunk);
+    let first = rows_of(t, k);
+    let out = t.to_host(first);
+    if k < rows {
+        let next = rows_of(t, k);
+        t.free(next);
+    }
+    out
 }
 
 /// `model/structure.rs`'s `global_points` of `points` per head: the projection, the rotations
@@ -548,14 +633,29 @@ fn structure_module(t: &mut Trace, x: &Ctx, n: i64, c_z: i64, c: &StructureConfi
     }
 }
 
-/// What a pass makes from its stacks' MSA (`s` rows the heads read) and pair: the first
-/// MSA row and the single representation, the structure module, the heads' logits; all
-/// alive at the pass's end (the [`crate::model::alphafold::Pass`]).
-pub(super) fn outputs(t: &mut Trace, x: &Ctx, (n, s): (i64, i64), (c_m, c_z): (i64, i64), model: &ModelConfig) {
+/// What a pass makes from its stacks' `msa` (the heads read `s` rows of it; on the host when
+/// the Evoformer moves its streams off the device, then moved back) and pair: the MSA's
+/// readout (first row, single representation, masked-MSA logits), after which the MSA is
+/// freed, the structure module, the other heads' logits; the outputs all alive at the pass's
+/// end (the [`crate::model::alphafold::Pass`]).
+pub(super) fn outputs(
+    t: &mut Trace,
+    x: &Ctx,
+    msa: Buf,
+    (n, s): (i64, i64),
+    (c_m, c_z): (i64, i64),
+    model: &ModelConfig,
+) {
     let e = x.e;
     t.at("single representation");
+    let moved = x.moves(Stage::Evoformer).then(|| t.alloc(s * n * c_m * e));
     let first_row = t.alloc(n * c_m * e);
     let single = t.alloc(n * model.c_s * e);
+    let masked_msa = t.alloc(s * n * model.masked_msa_classes * e);
+    t.free(msa);
+    if let Some(b) = moved {
+        t.free(b);
+    }
     t.at("structure module");
     structure_module(t, x, n, c_z, &model.structure);
     t.at("heads");
@@ -563,7 +663,6 @@ pub(super) fn outputs(t: &mut Trace, x: &Ctx, (n, s): (i64, i64), (c_m, c_z): (i
     let half = t.alloc(n * n * bins * e);
     let distogram = t.alloc(n * n * bins * e);
     t.free(half);
-    let masked_msa = t.alloc(s * n * model.masked_msa_classes * e);
     let aligned_error = model.aligned_error_bins.map(|b| t.alloc(n * n * b * e));
     t.free_all([distogram, masked_msa, first_row, single]);
     if let Some(b) = aligned_error {
@@ -726,14 +825,14 @@ fn template_rows(t: &mut Trace, e: i64, count: i64, n: i64, c_m: i64) -> Buf {
 /// alive: they are given up to it) to its end, under `plan`.
 pub fn pass_peak(cfg: &EvoformerConfig, model: &ModelConfig, sizes: Sizes, plan: &ChunkPlan) -> Peak {
     let mut t = Trace::new();
-    let Sizes { residues: n, msa_rows: s, extra_rows, elem: e, templates: count, whole_logits } = sizes;
+    let Sizes { residues: n, msa_rows: s, extra_rows, elem: e, templates: count, whole_logits, host_apart } = sizes;
     let (c_m, c_z) = (cfg.c_m, cfg.c_z);
-    let mut x = Ctx { e, plan, stage: Stage::Outer, masked_rows: false, whole_logits };
+    let mut x = Ctx { e, plan, stage: Stage::Outer, masked_rows: false, whole_logits, host_apart };
     t.at("recycled inputs");
     let prev = [t.alloc(n * c_m * e), t.alloc(n * n * c_z * e), t.alloc(n * 3 * e)];
     t.at("input embedder");
     let bins = 2 * model.max_relative_feature + 1;
-    let pair = input_pair(&mut t, &x, n, c_z, |t, rows| relative_positions(t, e, (rows, n), bins, c_z));
+    let mut pair = input_pair(&mut t, &x, n, c_z, |t, rows| relative_positions(t, e, (rows, n), bins, c_z));
     t.at("recycling embedder");
     let row = recycled_row(&mut t, e, n, c_m);
     recycling_pair(&mut t, &x, n, c_z, model);
@@ -750,10 +849,10 @@ pub fn pass_peak(cfg: &EvoformerConfig, model: &ModelConfig, sizes: Sizes, plan:
     if cfg.num_extra_blocks > 0 {
         t.at("extra-MSA embedder");
         let rows = extra_rows.max(1);
-        let extra = extra_msa_embedder(&mut t, &x, n, rows, cfg.c_e);
-        // Every block leaves what it found: one block's peak is the stack's.
+        let embedded = extra_msa_embedder(&mut t, &x, n, rows, cfg.c_e);
         x.stage = Stage::ExtraMsa;
-        block(&mut t, &x, cfg, rows, n, true);
+        let (extra, updated) = stack(&mut t, &x, cfg, (rows, n), true, (embedded, pair));
+        pair = updated;
         t.free(extra);
         x.stage = Stage::Outer;
     }
@@ -773,12 +872,12 @@ pub fn pass_peak(cfg: &EvoformerConfig, model: &ModelConfig, sizes: Sizes, plan:
     }
     x.stage = Stage::Evoformer;
     if cfg.num_blocks > 0 {
-        block(&mut t, &x, cfg, rows, n, false);
+        (msa, pair) = stack(&mut t, &x, cfg, (rows, n), false, (msa, pair));
     }
     x.stage = Stage::Outer;
     // The heads read the MSA's own rows (a view of the stack's output).
-    outputs(&mut t, &x, (n, s), (c_m, c_z), model);
-    t.free_all([pair_mask, msa, pair]);
+    outputs(&mut t, &x, msa, (n, s), (c_m, c_z), model);
+    t.free_all([pair_mask, pair]);
     Peak { bytes: t.peak(), at: t.peak_at() }
 }
 
@@ -802,6 +901,7 @@ pub fn sizes_of(features: &crate::features::Features, kind: tch::Kind, device: t
         elem: kind.elt_size_in_bytes() as i64,
         templates,
         whole_logits: device.is_cuda(),
+        host_apart: device.is_cuda(),
     })
 }
 

@@ -300,23 +300,19 @@ impl AlphaFold {
         let (msa, msa_mask, rows) = MsaRows::run(self.drop_masked_rows, msa, msa_mask, own_rows)?;
         let (msa, pair) = (Stream::new(msa, true), Stream::new(pair, true));
         let (msa, pair, _) = self.evoformer.forward(msa, pair, &msa_mask, &pair_mask, exec, evoformer_key)?;
-        // The template rows end here: the masked-MSA head reads the MSA's own rows only.
-        let msa = rows.restore(&msa)?;
-        // A row of its own, so that recycling it does not keep the whole MSA.
-        let first = msa.f_select(0, 0)?;
-        let mut msa_first_row = first.f_empty_like()?;
-        msa_first_row.f_copy_(&first)?;
-        let single = self.heads.single.forward(&msa)?;
+        // What the pass reads of the MSA's own rows (the template rows end here), on the device
+        // (an offloading Evoformer leaves the MSA on the host), before the structure module:
+        // the MSA is gone before the pass's last steps.
+        let readout = self.heads.read_msa(&rows.restore(&msa)?.f_to_device(self.device)?)?;
+        drop(msa);
         let ipa_chunk = exec.chunk_for(ChunkOp::StructureAttention);
         let dropout = keys.zip(exec.dropout()).map(|(k, d)| (k.structure, d.structure_module));
-        let structure = self.structure.run(&single, &pair, &batch.aatype, &batch.seq_mask, ipa_chunk, dropout)?;
-        let heads = self.heads.forward(&HeadInputs {
-            msa: &msa,
-            pair: &pair,
-            single: &single,
-            structure_single: &structure.single,
-        })?;
+        let structure =
+            self.structure.run(&readout.single, &pair, &batch.aatype, &batch.seq_mask, ipa_chunk, dropout)?;
+        let heads =
+            self.heads.forward(&HeadInputs { msa: &readout, pair: &pair, structure_single: &structure.single })?;
         let pseudo_beta = pseudo_beta(&batch.aatype, &structure.atom37)?.f_to_kind(pair.kind())?;
+        let (single, msa_first_row) = (readout.single, readout.first_row);
         Ok(Pass { heads, structure, single, recycled: Recycled { msa_first_row, pair, pseudo_beta } })
     }
 

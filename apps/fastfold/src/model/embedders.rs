@@ -13,10 +13,10 @@
 //!
 //! Every Linear has `weights` [in, out] and `bias`; every LayerNorm `scale` and `offset`.
 //! The additions commute, so the embedders may be applied in either order.
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use crate::model::config::{EvoformerConfig, ModelConfig};
-use crate::model::exec::{ChunkOp, Exec};
+use crate::model::exec::{ChunkOp, Exec, Stage};
 use crate::model::keys::EMBEDDINGS;
 use crate::model::layers::{chunked, LayerNorm, Linear, Stream};
 use crate::model::params::Params;
@@ -183,10 +183,15 @@ impl FeatureProjections {
     }
 
     /// `target_feat` [N, target_feat] and `msa_feat` [S, N, msa_feat] to the MSA
-    /// representation [S, N, c_m].
+    /// representation [S, N, c_m] (without autograd, the sum made in place: no second MSA).
     pub(crate) fn embed_msa(&self, target_feat: &Tensor, msa_feat: &Tensor) -> Result<Tensor> {
         self.residues(target_feat, msa_feat)?;
-        Ok(self.preprocess_msa.forward(msa_feat)?.f_add(&self.preprocess_1d.forward(target_feat)?)?)
+        let mut msa = self.preprocess_msa.forward(msa_feat)?;
+        let single = self.preprocess_1d.forward(target_feat)?;
+        Ok(match msa.requires_grad() || single.requires_grad() {
+            true => msa.f_add(&single)?,
+            false => msa.f_add_(&single)?,
+        })
     }
 
     /// `target_feat` [N, target_feat] to the pair representation [N, N, c_z], its rows
@@ -437,7 +442,9 @@ impl ExtraMsaEmbedder {
     /// `extra_msa` [S, N] (classes), `has_deletion` and `deletion_value` [S, N] to the
     /// extra-MSA representation [S, N, c_e] (see [`extra_msa_feat`]), `exec`'s
     /// [`ChunkOp::ExtraMsaEmbedding`] rows at a time (the one-hot of every row, in int64, is
-    /// larger than the representation made from it).
+    /// larger than the representation made from it). When the extra-MSA stack keeps its MSA
+    /// on the host ([`crate::model::exec::ChunkPlan::offloading`]) and nothing records
+    /// gradients, the representation is made there, each chunk moved as it is made.
     pub fn forward(
         &self,
         extra_msa: &Tensor,
@@ -445,9 +452,14 @@ impl ExtraMsaEmbedder {
         deletion_value: &Tensor,
         exec: &Exec,
     ) -> Result<Tensor> {
+        let offloaded = exec.in_stage(Stage::ExtraMsa).offloads();
         chunked(extra_msa.size()[0], exec.chunk_for(ChunkOp::ExtraMsaEmbedding), |start, n| {
             let [msa, has, value] = [extra_msa, has_deletion, deletion_value].map(|t| t.f_narrow(0, start, n));
-            self.extra_msa_activations.forward(&extra_msa_feat(&msa?, &has?, &value?)?)
+            let part = self.extra_msa_activations.forward(&extra_msa_feat(&msa?, &has?, &value?)?)?;
+            Ok(match offloaded && !part.requires_grad() {
+                true => part.f_to_device(Device::Cpu)?,
+                false => part,
+            })
         })
     }
 }

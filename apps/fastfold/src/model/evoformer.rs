@@ -41,7 +41,8 @@
 //! same order on every rank, since every rank's backward reaches the block at the same point.
 use std::sync::{Arc, Mutex};
 
-use tch::Tensor;
+use engine::parallel::dap::{Dap, DapPending};
+use tch::{Device, Kind, Tensor};
 
 use crate::jax_random::Key;
 use crate::model::config::EvoformerConfig;
@@ -251,7 +252,8 @@ struct BlockMaskDraws<'a> {
     exec: &'a Exec,
     msa_width: i64,
     pair_width: i64,
-    like: &'a Tensor,
+    /// The kind and device the masks are made in (the pair's).
+    like: (Kind, Device),
 }
 
 impl BlockMaskDraws<'_> {
@@ -279,9 +281,55 @@ impl BlockMaskDraws<'_> {
             padded,
             Some(split),
             dap,
-            self.like.kind(),
-            self.like.device(),
+            self.like.0,
+            self.like.1,
         )
+    }
+}
+
+/// Where an offloading stack ([`crate::model::exec::ChunkPlan::offloading`]) keeps a block's
+/// streams: the MSA on the host but for its own updates, the pair there during them. Only a
+/// no-grad, in-place forward moves its streams.
+struct Offload {
+    device: Device,
+}
+
+impl Offload {
+    /// The offloading of a block of `exec`'s stage on these streams, if it offloads and both
+    /// streams are updated in place.
+    fn new(exec: &Exec, msa: &Stream, pair: &Stream) -> Option<Offload> {
+        let in_place = msa.adds_in_place() && pair.adds_in_place();
+        (exec.offloads() && in_place).then(|| Offload { device: pair.get().device() })
+    }
+
+    /// The stream moved to the host (its device memory freed once no one else holds it).
+    fn away(&self, s: Stream) -> Result<Stream> {
+        s.map(|t| Ok(t.f_to_device(Device::Cpu)?))
+    }
+
+    /// The stream moved back to the device.
+    fn back(&self, s: Stream) -> Result<Stream> {
+        s.map(|t| Ok(t.f_to_device(self.device)?))
+    }
+
+    /// What a layout switch of `t` reads: under DAP the collective needs it on the device;
+    /// one rank's switch is the identity, which reads it where it is.
+    fn for_layout(&self, t: &Tensor, dap: &Dap) -> Result<Tensor> {
+        Ok(match dap.size() > 1 {
+            true => t.f_to_device(self.device)?,
+            false => t.shallow_clone(),
+        })
+    }
+
+    /// The col-split MSA `cols` (on the device) left on the host in rows and in columns (one
+    /// tensor with one rank).
+    fn leave(&self, cols: Tensor, dap: &Dap) -> Result<(Tensor, Tensor)> {
+        if dap.size() == 1 {
+            let host = cols.f_to_device(Device::Cpu)?;
+            return Ok((host.shallow_clone(), host));
+        }
+        let rows = dap.col_to_row(&cols, 0, 1)?.f_to_device(Device::Cpu)?;
+        Ok((rows, cols.f_to_device(Device::Cpu)?))
     }
 }
 
@@ -297,7 +345,9 @@ impl BlockLayers {
         let dap = exec.dap();
         // DeepMind's `safe_key, *sub_keys = safe_key.split(10)`: the first key goes unused.
         let keys = dropout.map(|d| d.key.split(10)).unwrap_or_default();
-        let like = pair.get().shallow_clone();
+        // The pair's kind and device, not a handle on it: an offloading block frees its device
+        // memory while the MSA is updated.
+        let like = (pair.get().kind(), pair.get().device());
         let mut draws = BlockMaskDraws {
             dropout,
             keys,
@@ -305,17 +355,29 @@ impl BlockLayers {
             exec,
             msa_width: msa.get().size()[2],
             pair_width: pair.get().size()[2],
-            like: &like,
+            like,
         };
+        // An offloading stack's streams, off the device in turn (see `Offload`).
+        let offload = Offload::new(exec, &msa, &pair);
         if self.outer_product_mean_first {
             // AlphaFold-Multimer's order: the outer product mean of the block's input MSA, in
             // the column layout it reads (a copy under DAP; the block's MSA stays in rows).
-            let cols = dap.row_to_col(msa.get(), 0, 1)?;
+            let rows = offload.as_ref().map_or(Ok(msa.get().shallow_clone()), |o| o.for_layout(msa.get(), dap))?;
+            let cols = dap.row_to_col(&rows, 0, 1)?;
+            drop(rows);
             pair.drop_next(draws.next(|r| r.outer_product_mean, false, Shared::Rows, 0)?);
             self.outer_product_mean.update(&mut pair, &cols, &masks.msa_col, &masks.msa_full, exec)?;
         }
         msa.drop_next(draws.next(|r| r.msa_row_attention, true, Shared::Rows, 0)?);
-        self.row_attention.update(&mut msa, &masks.msa_row, pair.get(), exec)?;
+        match &offload {
+            None => self.row_attention.update(&mut msa, &masks.msa_row, pair.get(), exec)?,
+            Some(o) => {
+                // The pair's bias is all the MSA's updates read of it: the pair waits on the host.
+                let bias = self.row_attention.bias(pair.get(), exec)?;
+                (pair, msa) = (o.away(pair)?, o.back(msa)?);
+                self.row_attention.update_biased(&mut msa, &masks.msa_row, &bias, exec)?;
+            }
+        }
         let mut msa = msa.map(|m| Ok(dap.row_to_col(m, 0, 1)?))?;
         msa.drop_next(draws.next(|r| r.msa_column_attention, true, Shared::Columns, 1)?);
         match &self.column_attention {
@@ -324,13 +386,28 @@ impl BlockLayers {
         }
         msa.drop_next(draws.next(|r| r.msa_transition, true, Shared::Rows, 1)?);
         self.msa_transition.update(&mut msa, ChunkOp::MsaTransition, exec)?;
-        if !self.outer_product_mean_first {
-            pair.drop_next(draws.next(|r| r.outer_product_mean, false, Shared::Rows, 0)?);
-            self.outer_product_mean.update(&mut pair, msa.get(), &masks.msa_col, &masks.msa_full, exec)?;
-        }
-        // The MSA is done for this block: send it back to rows while the pair half runs.
         let msa_owned = msa.is_owned();
-        let msa = dap.col_to_row_async(&msa.into_inner(), 0, 1)?;
+        let msa = match &offload {
+            None => {
+                if !self.outer_product_mean_first {
+                    pair.drop_next(draws.next(|r| r.outer_product_mean, false, Shared::Rows, 0)?);
+                    self.outer_product_mean.update(&mut pair, msa.get(), &masks.msa_col, &masks.msa_full, exec)?;
+                }
+                // The MSA is done for this block: send it back to rows while the pair half runs.
+                dap.col_to_row_async(&msa.into_inner(), 0, 1)?
+            }
+            Some(o) => {
+                // The MSA to the host, in both layouts (the outer product mean reads its
+                // columns a batch at a time), and the pair back.
+                let (rows, cols) = o.leave(msa.into_inner(), dap)?;
+                pair = o.back(pair)?;
+                if !self.outer_product_mean_first {
+                    pair.drop_next(draws.next(|r| r.outer_product_mean, false, Shared::Rows, 0)?);
+                    self.outer_product_mean.update(&mut pair, &cols, &masks.msa_col, &masks.msa_full, exec)?;
+                }
+                DapPending::Ready(rows)
+            }
+        };
 
         pair.drop_next(draws.next(|r| r.triangle_multiplication_outgoing, false, Shared::Rows, 0)?);
         self.tri_mul_out.update(&mut pair, &masks.pair_row, exec)?;
@@ -416,6 +493,10 @@ impl EvoformerStack {
     /// MSA or pair is ever made; one not owned (`Stream::new(t.shallow_clone(), false)`) is left
     /// as it is.
     ///
+    /// With an offloading plan for the stack ([`crate::model::exec::ChunkPlan::offloading`]) and
+    /// streams given up, the MSA is returned where the blocks left it: on the host with one
+    /// rank (the caller moves what it reads of it), on the device under DAP.
+    ///
     /// In training: with `key` and `exec`'s dropout rates, block `i` drops with the second key
     /// of `split(key_i)`, `key_{i+1}` its first (haiku's layer stack over DeepMind's
     /// `safe_key, safe_subkey = safe_key.split()`). Returns the key the chain ends on (`None`
@@ -452,6 +533,11 @@ impl EvoformerStack {
         };
         let mut m = own(msa, sp)?;
         let mut z = own(pair, rp)?;
+        // An offloading stack's MSA waits on the host between its updates from the start.
+        let offload = Offload::new(&exec, &m, &z);
+        if let Some(o) = &offload {
+            m = o.away(m)?;
+        }
         let rates = exec.dropout().map(|d| d.evoformer);
         for block in &self.blocks {
             let mut dropout = None;
@@ -462,7 +548,11 @@ impl EvoformerStack {
             }
             (m, z) = block.run(m, z, &masks, &exec, dropout)?;
         }
-        let m = dap.gather(&m.into_inner(), 0)?.f_narrow(0, 0, s)?.f_narrow(1, 0, r)?;
+        let m = match &offload {
+            Some(o) => o.for_layout(&m.into_inner(), dap)?,
+            None => m.into_inner(),
+        };
+        let m = dap.gather(&m, 0)?.f_narrow(0, 0, s)?.f_narrow(1, 0, r)?;
         let z = dap.gather(&z.into_inner(), 0)?.f_narrow(0, 0, r)?.f_narrow(1, 0, r)?;
         Ok((m, z, key))
     }

@@ -10,8 +10,9 @@
 //! extra-MSA stack, the Evoformer, or outside the stacks) is part of the context, so one plan
 //! gives the 5,120-row extra-MSA stack and the 512-row Evoformer different sizes. A plan is
 //! either one size for everything (`--chunk-size`) or the memory planner's choice per step
-//! ([`crate::memory::plan()`], `--gpu-mem`).
-use std::collections::BTreeMap;
+//! ([`crate::memory::plan()`], `--gpu-mem`). A plan may also keep a stack's streams off the
+//! device in turn ([`ChunkPlan::offloading`]).
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use engine::parallel::dap::Dap;
@@ -87,29 +88,62 @@ impl Stage {
     pub const ALL: [Stage; 4] = [Stage::Outer, Stage::Templates, Stage::ExtraMsa, Stage::Evoformer];
 }
 
-/// A chunk size per operation and stage (`None`: the whole axis at once).
+/// A chunk size per operation and stage (`None`: the whole axis at once), and the stacks that
+/// keep their streams off the device in turn.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ChunkPlan {
     uniform: Option<i64>,
     sizes: BTreeMap<(Stage, ChunkOp), Option<i64>>,
+    offloaded: BTreeSet<Stage>,
 }
 
 impl ChunkPlan {
     /// One size for every operation (`None`: nothing chunked).
     pub fn uniform(chunk: Option<i64>) -> ChunkPlan {
-        ChunkPlan { uniform: chunk, sizes: BTreeMap::new() }
+        ChunkPlan { uniform: chunk, sizes: BTreeMap::new(), offloaded: BTreeSet::new() }
     }
 
-    /// Every operation one row (or sequence) at a time: the least memory a pass can take.
+    /// Every operation one row (or sequence) at a time: the least memory a pass takes with its
+    /// streams on the device ([`ChunkPlan::offloading`] takes less).
     pub fn least() -> ChunkPlan {
         let sequences = |plan: ChunkPlan, stage| plan.with(stage, ChunkOp::OuterProductMeanSequences, Some(1));
         [Stage::ExtraMsa, Stage::Evoformer].into_iter().fold(ChunkPlan::uniform(Some(1)), sequences)
+    }
+
+    /// [`ChunkPlan::least`] with both stacks' streams off the device in turn
+    /// ([`ChunkPlan::offloading`]): the least device memory a pass can take.
+    pub fn least_offloaded() -> ChunkPlan {
+        [Stage::ExtraMsa, Stage::Evoformer]
+            .into_iter()
+            .fold(ChunkPlan::least(), |plan, stage| plan.offloading(stage, true))
     }
 
     /// This plan with `op` in `stage` `chunk` rows at a time.
     pub fn with(mut self, stage: Stage, op: ChunkOp, chunk: Option<i64>) -> ChunkPlan {
         self.sizes.insert((stage, op), chunk);
         self
+    }
+
+    /// This plan with the stack of `stage` (the extra-MSA stack or the Evoformer) keeping its
+    /// streams off the device in turn, or not (OpenFold's `offload_inference`): in each block
+    /// the MSA is on the host but for its own updates, and the pair is there during them (its
+    /// bias for the row attention made first); the outer product mean reads the MSA from the
+    /// host a batch of sequences at a time ([`ChunkOp::OuterProductMeanSequences`]), and the
+    /// extra-MSA stack's MSA is embedded into host memory. Only the no-grad, in-place forward
+    /// moves its streams (a recording one leaves them where they are): each block moves the MSA
+    /// to the device and back once and reads it once more, and the pair the same, so a plan
+    /// sets it only where no chunking fits the budget without it.
+    pub fn offloading(mut self, stage: Stage, on: bool) -> ChunkPlan {
+        match on {
+            true => self.offloaded.insert(stage),
+            false => self.offloaded.remove(&stage),
+        };
+        self
+    }
+
+    /// Whether the stack of `stage` keeps its streams off the device in turn.
+    pub fn offloads(&self, stage: Stage) -> bool {
+        self.offloaded.contains(&stage)
     }
 
     /// The size of `op` in `stage`.
@@ -157,6 +191,12 @@ impl Exec {
     /// Every chunked operation reads its size here, so that one place decides it.
     pub fn chunk_for(&self, op: ChunkOp) -> Option<i64> {
         self.plan.get(self.stage, op)
+    }
+
+    /// Whether this stage's stack keeps its streams off the device in turn
+    /// ([`ChunkPlan::offloading`]).
+    pub fn offloads(&self) -> bool {
+        self.plan.offloads(self.stage)
     }
 
     /// The plan.

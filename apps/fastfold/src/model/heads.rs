@@ -185,14 +185,23 @@ impl PredictedAlignedErrorHead {
     }
 }
 
+/// What a pass reads of the Evoformer's MSA ([`Heads::read_msa`]), all of it before the
+/// structure module, so that the MSA is gone before the pass's last steps.
+pub struct MsaReadout {
+    /// The first row [N, c_m], a tensor of its own (recycling it keeps no whole MSA).
+    pub first_row: Tensor,
+    /// The single representation [N, c_s] ([`SingleActivations`]).
+    pub single: Tensor,
+    /// The masked-MSA head's logits [S, N, 23].
+    pub masked_msa: Tensor,
+}
+
 /// The representations the heads read.
 pub struct HeadInputs<'a> {
-    /// The Evoformer's MSA [S, N, c_m].
-    pub msa: &'a Tensor,
+    /// What was read of the Evoformer's MSA.
+    pub msa: &'a MsaReadout,
     /// The Evoformer's pair [N, N, c_z].
     pub pair: &'a Tensor,
-    /// The Evoformer's single representation [N, c_s] ([`SingleActivations`]).
-    pub single: &'a Tensor,
     /// The structure module's final single representation [N, c_s].
     pub structure_single: &'a Tensor,
 }
@@ -267,13 +276,22 @@ impl Heads {
         })
     }
 
+    /// The first row, the single representation and the masked-MSA logits of the Evoformer's
+    /// `msa` [S, N, c_m] (the MSA's own rows).
+    pub fn read_msa(&self, msa: &Tensor) -> Result<MsaReadout> {
+        let first = msa.f_select(0, 0)?;
+        let mut first_row = first.f_empty_like()?;
+        first_row.f_copy_(&first)?;
+        Ok(MsaReadout { first_row, single: self.single.forward(msa)?, masked_msa: self.masked_msa.forward(msa)? })
+    }
+
     /// Every head's logits.
     pub fn forward(&self, x: &HeadInputs) -> Result<HeadOutputs> {
         Ok(HeadOutputs {
             distogram: self.distogram.forward(x.pair)?,
             lddt: self.lddt.forward(x.structure_single)?,
-            masked_msa: self.masked_msa.forward(x.msa)?,
-            experimentally_resolved: self.experimentally_resolved.forward(x.single)?,
+            masked_msa: x.msa.masked_msa.shallow_clone(),
+            experimentally_resolved: self.experimentally_resolved.forward(&x.msa.single)?,
             aligned_error: self.aligned_error.as_ref().map(|h| h.forward(x.pair)).transpose()?,
         })
     }

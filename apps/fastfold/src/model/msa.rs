@@ -53,13 +53,27 @@ impl MsaRowAttentionWithPairBias {
     }
 
     /// Adds the update of row-split `msa` [s/N, r, c] (mask [s/N, r]) given row-split `pair`
-    /// [r/N, r, c_z]; chunks over sequences (and the bias over pair rows).
+    /// [r/N, r, c_z]; chunks over sequences (and the bias over pair rows). The composition of
+    /// [`Self::bias`] and [`Self::update_biased`].
     pub fn update(&self, msa: &mut Stream, mask: &Tensor, pair: &Tensor, exec: &Exec) -> Result<()> {
+        let bias = self.bias(pair, exec)?;
+        self.update_biased(msa, mask, &bias, exec)
+    }
+
+    /// The whole pair bias [heads, r, r] from row-split `pair` [r/N, r, c_z], pair rows a chunk
+    /// at a time: all the update reads of the pair, so that the pair may leave the device
+    /// while the MSA is updated.
+    pub fn bias(&self, pair: &Tensor, exec: &Exec) -> Result<Tensor> {
         let chunk = exec.chunk_for(ChunkOp::MsaRowAttention);
-        let bias = pair_bias(&self.feat_2d_norm, pair, &self.feat_2d_weights, exec.dap(), chunk)?;
-        msa.add_chunked(0, chunk, |m, start, n| {
+        pair_bias(&self.feat_2d_norm, pair, &self.feat_2d_weights, exec.dap(), chunk)
+    }
+
+    /// Adds the update of row-split `msa` (mask [s/N, r]) given the pair's [`Self::bias`];
+    /// chunks over sequences.
+    pub fn update_biased(&self, msa: &mut Stream, mask: &Tensor, bias: &Tensor, exec: &Exec) -> Result<()> {
+        msa.add_chunked(0, exec.chunk_for(ChunkOp::MsaRowAttention), |m, start, n| {
             let x = self.query_norm.forward(&m.f_narrow(0, start, n)?)?;
-            self.attention.forward(&x, &mask.f_narrow(0, start, n)?, Some(&bias), None)
+            self.attention.forward(&x, &mask.f_narrow(0, start, n)?, Some(bias), None)
         })
     }
 }
@@ -173,7 +187,9 @@ impl OuterProductMean {
     /// s ([`ChunkOp::OuterProductMeanSequences`]): the sum over sequences splits into batches,
     /// and W and the division are linear, so each batch's products are projected, divided and
     /// added alone (the bias with the first), and the MSA is never normalised or projected
-    /// whole.
+    /// whole. An `msa` on another device than the pair (the host, where an offloading stack
+    /// keeps it: [`crate::model::exec::ChunkPlan::offloading`]) reaches the pair's a batch at
+    /// a time.
     pub fn update(
         &self,
         pair: &mut Stream,
@@ -190,10 +206,11 @@ impl OuterProductMean {
         };
         let norm = Tensor::f_einsum("si,sj->ij", &[mask, mask_full], None::<&[i64]>)?;
         let w = self.output_w.f_reshape([self.channels * self.channels, self.c_z])?;
+        let device = pair.get().device();
         let mut first = 0;
         loop {
             let k = batch.min(s - first);
-            let x = self.layer_norm_input.forward(&msa.f_narrow(0, first, k)?)?;
+            let x = self.layer_norm_input.forward(&msa.f_narrow(0, first, k)?.f_to_device(device)?)?;
             let m = mask.f_narrow(0, first, k)?.f_unsqueeze(-1)?;
             let masked = |y: Tensor| -> Result<Tensor> {
                 let mut y = y;

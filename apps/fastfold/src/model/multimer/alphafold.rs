@@ -411,22 +411,18 @@ impl MultimerAlphaFold {
         let evo_key = extra_end.map(evoformer_key);
         let (msa, pair) = (Stream::new(msa, true), Stream::new(pair, true));
         let (msa, pair, _) = self.evoformer.forward(msa, pair, &msa_mask, &pair_mask, exec, evo_key)?;
-        // The template rows end here: the masked-MSA head reads the MSA's own rows only.
-        let msa = rows.restore(&msa)?;
-        let first = msa.f_select(0, 0)?;
-        let mut msa_first_row = first.f_empty_like()?;
-        msa_first_row.f_copy_(&first)?;
-        let single = self.heads.single.forward(&msa)?;
+        // What the pass reads of the MSA's own rows (the template rows end here), on the device
+        // (an offloading Evoformer leaves the MSA on the host), before the structure module:
+        // the MSA is gone before the pass's last steps.
+        let readout = self.heads.read_msa(&rows.restore(&msa)?.f_to_device(device)?)?;
+        drop(msa);
         let ipa_chunk = exec.chunk_for(ChunkOp::StructureAttention);
         let dropout = exec.dropout().map(|d| (structure_key(key), d.structure_module));
-        let structure = self.structure.run(&single, &pair, &aatype, &seq_mask, ipa_chunk, dropout)?;
-        let heads = self.heads.forward(&HeadInputs {
-            msa: &msa,
-            pair: &pair,
-            single: &single,
-            structure_single: &structure.single,
-        })?;
+        let structure = self.structure.run(&readout.single, &pair, &aatype, &seq_mask, ipa_chunk, dropout)?;
+        let heads =
+            self.heads.forward(&HeadInputs { msa: &readout, pair: &pair, structure_single: &structure.single })?;
         let pseudo_beta = pseudo_beta(&aatype, &structure.atom37)?.f_to_kind(kind)?;
+        let (single, msa_first_row) = (readout.single, readout.first_row);
         Ok((Pass { heads, structure, single, recycled: Recycled { msa_first_row, pair, pseudo_beta } }, sampled))
     }
 
