@@ -49,6 +49,12 @@ fn batch(n: i64, s: i64, e: i64, kind: Kind) -> Batch {
     }
 }
 
+/// The sizes of a pass of `n` residues, `s` MSA and `e` extra rows and `templates` templates
+/// in fp32 on the CPU.
+fn cpu_sizes(n: i64, s: i64, e: i64, templates: i64) -> Sizes {
+    Sizes { residues: n, msa_rows: s, extra_rows: e, elem: 4, templates, whole_logits: false, host_apart: false }
+}
+
 /// The measured peak of one no-grad pass, from the moment its recycled inputs are made.
 fn measure(model: &AlphaFold, cfg: &EvoformerConfig, b: &Batch, exec: &Exec) -> (f64, Pass) {
     let before = engine::host_memory::stats().unwrap().current;
@@ -88,15 +94,7 @@ fn pass_peak_matches_the_cpu_allocator_and_plans_fit_their_budget() {
         (48, 4, 1000, ChunkPlan::least_offloaded()),
     ] {
         let b = batch(n, s, e, Kind::Float);
-        let sizes = Sizes {
-            residues: n,
-            msa_rows: s,
-            extra_rows: e,
-            elem: 4,
-            templates: 0,
-            whole_logits: false,
-            host_apart: false,
-        };
+        let sizes = cpu_sizes(n, s, e, 0);
         let predicted = memory::pass_peak(&cfg, &model_cfg, sizes, &plan);
         let (measured, _) = measure(&model, &cfg, &b, &Exec::planned(Dap::none(), plan.clone()));
         suite_tests::assert_bytes_close(
@@ -108,15 +106,7 @@ fn pass_peak_matches_the_cpu_allocator_and_plans_fit_their_budget() {
     }
     // A budget the whole pass exceeds: the plan chunks, and the measured peak stays under it.
     let (n, s, e) = (160, 8, 16);
-    let sizes = Sizes {
-        residues: n,
-        msa_rows: s,
-        extra_rows: e,
-        elem: 4,
-        templates: 0,
-        whole_logits: false,
-        host_apart: false,
-    };
+    let sizes = cpu_sizes(n, s, e, 0);
     let whole = memory::pass_peak(&cfg, &model_cfg, sizes, &ChunkPlan::uniform(None)).bytes;
     let budget = whole * 2 / 3;
     let plan = memory::plan(&cfg, &model_cfg, sizes, 0, budget).unwrap();
@@ -173,15 +163,7 @@ fn pass_peak_with_templates_matches_the_cpu_allocator_and_plans_fit_their_budget
         (160, 4, 8, 4, some(8)),
     ] {
         let b = with_templates(batch(n, s, e, Kind::Float), count);
-        let sizes = Sizes {
-            residues: n,
-            msa_rows: s,
-            extra_rows: e,
-            elem: 4,
-            templates: count,
-            whole_logits: false,
-            host_apart: false,
-        };
+        let sizes = cpu_sizes(n, s, e, count);
         let predicted = memory::pass_peak(&cfg, &model_cfg, sizes, &plan);
         let (measured, _) = measure(&model, &cfg, &b, &Exec::planned(Dap::none(), plan.clone()));
         suite_tests::assert_bytes_close(
@@ -192,15 +174,7 @@ fn pass_peak_with_templates_matches_the_cpu_allocator_and_plans_fit_their_budget
         );
     }
     let (n, s, e, count) = (160, 8, 16, 4);
-    let sizes = Sizes {
-        residues: n,
-        msa_rows: s,
-        extra_rows: e,
-        elem: 4,
-        templates: count,
-        whole_logits: false,
-        host_apart: false,
-    };
+    let sizes = cpu_sizes(n, s, e, count);
     let whole = memory::pass_peak(&cfg, &model_cfg, sizes, &ChunkPlan::uniform(None)).bytes;
     // A quarter: the templates folded one at a time, half is met by chunking the outer
     // product means alone.

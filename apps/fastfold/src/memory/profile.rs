@@ -347,10 +347,12 @@ pub(super) fn triangle_multiplication(t: &mut Trace, x: &Ctx, r: i64, c_z: i64, 
     t.free(right);
 }
 
-/// `model/evoformer.rs`'s `EvoformerBlock::run` on one rank: the MSA [s, r, c] and the pair
-/// updated in place, where the block found them (the MSA on the host when the stack moves its
-/// streams off the device, [`Ctx::moves`]; the pair on the device).
-pub(super) fn block(
+/// `model/evoformer.rs`'s `EvoformerStack::forward` of `x`'s stage on streams given up, on
+/// one rank: the MSA [s, r, c] (moved to the host first when the stack moves its streams off
+/// the device, [`Ctx::moves`]) and the pair updated in place by one block
+/// (`EvoformerBlock::run`), which leaves them where it found them, so that one block's peak is
+/// the stack's. Returns the streams where the stack leaves them.
+pub(super) fn stack(
     t: &mut Trace,
     x: &Ctx,
     cfg: &EvoformerConfig,
@@ -365,6 +367,9 @@ pub(super) fn block(
     let (c_z, e) = (cfg.c_z, x.e);
     let moves = x.moves(x.stage);
     let (mut msa, mut pair) = streams;
+    if moves {
+        msa = t.to_host(msa);
+    }
     t.at(if extra { "extra-MSA row attention" } else { "MSA row attention" });
     let bias = pair_bias(t, x, r, c_z, heads, ChunkOp::MsaRowAttention, true);
     if moves {
@@ -397,24 +402,6 @@ pub(super) fn block(
     t.at("pair transition");
     transition(t, x, r, r, c_z, cfg.transition_factor, ChunkOp::PairTransition);
     (msa, pair)
-}
-
-/// `EvoformerStack::forward` of `x`'s stage on streams given up: the MSA [s, r] moved to the
-/// host first when the stack moves its streams; every block leaves what it found, so one
-/// block's peak is the stack's. Returns the streams where the stack leaves them.
-pub(super) fn stack(
-    t: &mut Trace,
-    x: &Ctx,
-    cfg: &EvoformerConfig,
-    (s, r): (i64, i64),
-    extra: bool,
-    streams: (Buf, Buf),
-) -> (Buf, Buf) {
-    let (mut msa, pair) = streams;
-    if x.moves(x.stage) {
-        msa = t.to_host(msa);
-    }
-    block(t, x, cfg, (s, r), extra, (msa, pair))
 }
 
 /// `FeatureProjections::embed_msa`: the two projections, the single one added to the MSA's in
