@@ -154,10 +154,11 @@ impl MsaRows {
         })
     }
 
-    /// Rows `0..needed` of the input's numbering from the stack's output `t` [kept, ...].
+    /// Rows `0..needed` of the input's numbering from the stack's output `t` [kept, ...],
+    /// wherever the stack left it (an offloading stack: on the host).
     pub fn restore(&self, t: &Tensor) -> Result<Tensor> {
         Ok(match &self.restore {
-            Some(restore) => t.f_index_select(0, restore)?,
+            Some(restore) => t.f_index_select(0, &restore.f_to_device(t.device())?)?,
             None => t.f_narrow(0, 0, self.needed)?,
         })
     }
