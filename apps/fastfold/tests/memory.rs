@@ -92,6 +92,9 @@ fn pass_peak_matches_the_cpu_allocator_and_plans_fit_their_budget() {
         (48, 4, 1000, least()),
         // Both stacks offloading: on the CPU every move is the identity, and the trace too.
         (48, 4, 1000, ChunkPlan::least_offloaded()),
+        // The structure module's attention in halves, each half's pair rows normalised as it
+        // reads them: the peak in its first chunk.
+        (256, 2, 4, least().with(Stage::Outer, ChunkOp::StructureAttention, Some(128))),
     ] {
         let b = batch(n, s, e, Kind::Float);
         let sizes = cpu_sizes(n, s, e, 0);

@@ -521,8 +521,9 @@ fn global_points(t: &mut Trace, n: i64, heads: i64, points: i64, e: i64) -> Buf 
 }
 
 /// `model/structure.rs`'s invariant point attention on `n` residues, `chunk` query rows at a
-/// time (the logit terms in fp32).
-fn invariant_point_attention(t: &mut Trace, x: &Ctx, n: i64, c: &StructureConfig) {
+/// time (the logit terms in fp32), each chunk's pair rows normalised as it reads them when
+/// `by_rows`.
+fn invariant_point_attention(t: &mut Trace, x: &Ctx, n: i64, c: &StructureConfig, by_rows: bool) {
     let e = x.e;
     let (h, f) = (c.heads, 4);
     let bf16 = e != 4;
@@ -549,6 +550,7 @@ fn invariant_point_attention(t: &mut Trace, x: &Ctx, n: i64, c: &StructureConfig
         let points = t.alloc(plane);
         t.free(scaled);
         t.free(dist2);
+        let normed = by_rows.then(|| layer_norm(t, rows * n, c.c_z, e, true));
         let linear = t.alloc(rows * n * h * e);
         let linear32 = bf16.then(|| t.alloc(rows * n * h * 4));
         let bias = t.alloc(plane);
@@ -591,6 +593,9 @@ fn invariant_point_attention(t: &mut Trace, x: &Ctx, n: i64, c: &StructureConfig
         for b in [out_scalar, out_global, flat, local, norm, over_pair, attn] {
             t.free(b);
         }
+        if let Some(b) = normed {
+            t.free(b);
+        }
         if let Some(b) = q32 {
             t.free(b);
         }
@@ -606,16 +611,18 @@ fn invariant_point_attention(t: &mut Trace, x: &Ctx, n: i64, c: &StructureConfig
     }
 }
 
-/// `model/structure.rs`'s `StructureModule::run`: the normalised single and pair, then each
-/// iteration's attention (what else an iteration makes is per residue and small).
+/// `model/structure.rs`'s `StructureModule::run`: the normalised single and pair (whole, or
+/// with the attention in query-row chunks each chunk's rows in it), then each iteration's
+/// attention (what else an iteration makes is per residue and small).
 fn structure_module(t: &mut Trace, x: &Ctx, n: i64, c_z: i64, c: &StructureConfig) {
     let e = x.e;
     let aatype = t.alloc(n * 8);
     let initial = layer_norm(t, n, c.c_s, e, true);
-    let pair = layer_norm(t, n * n, c_z, e, true);
+    let by_rows = x.chunk(ChunkOp::StructureAttention).is_some_and(|rows| rows < n);
+    let pair = (!by_rows).then(|| layer_norm(t, n * n, c_z, e, true));
     let act = t.alloc(n * c.c_s * e);
-    invariant_point_attention(t, x, n, c);
-    for b in [act, pair, initial, aatype] {
+    invariant_point_attention(t, x, n, c, by_rows);
+    for b in [Some(act), pair, Some(initial), Some(aatype)].into_iter().flatten() {
         t.free(b);
     }
 }

@@ -95,6 +95,11 @@ impl LayerNorm {
         })
     }
 
+    /// Whether its arrays record gradients.
+    pub fn records(&self) -> bool {
+        self.scale.requires_grad() || self.offset.requires_grad()
+    }
+
     /// Normalises the last dimension of `x`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self.kernels {

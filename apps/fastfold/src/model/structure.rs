@@ -174,12 +174,13 @@ impl InvariantPointAttention {
         Ok(norm2.f_sqrt()?)
     }
 
-    /// `single` [N, c_s], `pair` [N, N, c_z], `mask` [N], frames in nm → [N, c_s]; the
+    /// `single` [N, c_s], `pair` [N, N, c_z] (normalised, or with `norm` the raw pair, each
+    /// chunk's rows normalised as they are read), `mask` [N], frames in nm → [N, c_s]; the
     /// attention of `chunk` query residues at a time (every per-pair term is per query row).
     fn forward(
         &self,
         single: &Tensor,
-        pair: &Tensor,
+        (pair, norm): (&Tensor, Option<&LayerNorm>),
         mask: &Tensor,
         frames: &Rigid,
         chunk: Option<i64>,
@@ -211,7 +212,10 @@ impl InvariantPointAttention {
             drop(diff);
             let points = dist2.f_mul(&point_w)?.f_mul_scalar(-0.5)?.f_permute([2, 0, 1])?;
             drop(dist2);
-            let pair = pair.f_narrow(0, start, rows)?;
+            let pair = match norm {
+                Some(norm) => norm.forward(&pair.f_narrow(0, start, rows)?)?,
+                None => pair.f_narrow(0, start, rows)?,
+            };
             let bias = fp32(&self.attention_2d.forward(&pair)?)?.f_permute([2, 0, 1])?.f_mul_scalar(term_scale)?;
             let mask_2d = m.f_narrow(0, start, rows)?.f_unsqueeze(1)?.f_mul(&m.f_unsqueeze(0)?)?;
             let logits = scalar
@@ -437,7 +441,7 @@ impl StructureModule {
         mask: &Tensor,
         frames: &Rigid,
     ) -> Result<Tensor> {
-        self.ipa.forward(act, pair, mask, frames, None)
+        self.ipa.forward(act, (pair, None), mask, frames, None)
     }
 
     /// `single` [N, c_s] (the Evoformer's single representation), `pair` [N, N, c_z],
@@ -471,7 +475,14 @@ impl StructureModule {
         let tables = Tables::new(device);
         let aatype = aatype.f_to_kind(Kind::Int64)?.f_clamp(0, 20)?;
         let initial = self.single_layer_norm.forward(single)?;
-        let pair = self.pair_layer_norm.forward(pair)?;
+        // The normalised pair whole, or, where the attention runs in query-row chunks and
+        // nothing records gradients, each chunk's rows normalised as the attention reads them
+        // (every iteration again): whole, it is a second pair beside the Evoformer's.
+        let by_rows = chunk.is_some_and(|c| c < n) && !pair.requires_grad() && !self.pair_layer_norm.records();
+        let pair = match by_rows {
+            true => (pair.shallow_clone(), Some(&self.pair_layer_norm)),
+            false => (self.pair_layer_norm.forward(pair)?, None),
+        };
         let mut act = self.initial_projection.forward(&initial)?;
         let mut backbone = Backbone::identity(n, self.variant, device)?;
         let (mut rotations, mut translations, mut angles, mut raw_angles) = (vec![], vec![], vec![], vec![]);
@@ -486,7 +497,7 @@ impl StructureModule {
                 }
             };
             let frames = backbone.frames();
-            act = act.f_add(&self.ipa.forward(&act, &pair, seq_mask, &frames, chunk)?)?;
+            act = act.f_add(&self.ipa.forward(&act, (&pair.0, pair.1), seq_mask, &frames, chunk)?)?;
             act = self.attention_layer_norm.forward(&drop(act, 1)?)?;
             let input = act.shallow_clone();
             for (t, layer) in self.transitions.iter().enumerate() {
