@@ -478,10 +478,13 @@ pub(super) fn recycling_pair(t: &mut Trace, x: &Ctx, n: i64, c_z: i64, model: &M
 
 /// `model/embedders.rs`'s `ExtraMsaEmbedder::forward`: the one-hot (int64, then the model's
 /// kind), the joined feature, the projection, rows at a time; made on the host (each chunk
-/// moved as it is made) when the extra-MSA stack moves its streams off the device.
+/// moved as it is made: the output holds no device bytes) when the extra-MSA stack moves its
+/// streams off the device. Whole, the one chunk is the device's until the stack moves it,
+/// with nothing made in between.
 pub(super) fn extra_msa_embedder(t: &mut Trace, x: &Ctx, n: i64, rows: i64, c_e: i64) -> Buf {
     let e = x.e;
-    let rows_of = |t: &mut Trace, k: i64| {
+    let row_bytes = if x.moves(Stage::ExtraMsa) { 0 } else { n * c_e * e };
+    chunked(t, rows, x.chunk(ChunkOp::ExtraMsaEmbedding), row_bytes, |t, k| {
         let one_hot = t.alloc(k * n * 23 * 8);
         let float = t.alloc(k * n * 23 * e);
         let feat = t.alloc(k * n * 25 * e);
@@ -490,20 +493,7 @@ pub(super) fn extra_msa_embedder(t: &mut Trace, x: &Ctx, n: i64, rows: i64, c_e:
         let out = t.alloc(k * n * c_e * e);
         t.free(feat);
         out
-    };
-    let chunk = x.chunk(ChunkOp::ExtraMsaEmbedding);
-    if !x.moves(Stage::ExtraMsa) {
-        return chunked(t, rows, chunk, n * c_e * e, rows_of);
-    }
-    // Each chunk to the host, into the output there: the first chunk and the next alike.
-    let k = step(rows, chunk);
-    let first = rows_of(t, k);
-    let out = t.to_host(first);
-    if k < rows {
-        let next = rows_of(t, k);
-        t.free(next);
-    }
-    out
+    })
 }
 
 /// `model/structure.rs`'s `global_points` of `points` per head: the projection, the rotations

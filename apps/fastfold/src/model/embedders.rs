@@ -452,7 +452,7 @@ impl ExtraMsaEmbedder {
         deletion_value: &Tensor,
         exec: &Exec,
     ) -> Result<Tensor> {
-        let offloaded = exec.in_stage(Stage::ExtraMsa).offloads();
+        let offloaded = exec.plan().offloads(Stage::ExtraMsa);
         chunked(extra_msa.size()[0], exec.chunk_for(ChunkOp::ExtraMsaEmbedding), |start, n| {
             let [msa, has, value] = [extra_msa, has_deletion, deletion_value].map(|t| t.f_narrow(0, start, n));
             let part = self.extra_msa_activations.forward(&extra_msa_feat(&msa?, &has?, &value?)?)?;

@@ -362,7 +362,10 @@ impl BlockLayers {
         if self.outer_product_mean_first {
             // AlphaFold-Multimer's order: the outer product mean of the block's input MSA, in
             // the column layout it reads (a copy under DAP; the block's MSA stays in rows).
-            let rows = offload.as_ref().map_or(Ok(msa.get().shallow_clone()), |o| o.for_layout(msa.get(), dap))?;
+            let rows = match &offload {
+                Some(o) => o.for_layout(msa.get(), dap)?,
+                None => msa.get().shallow_clone(),
+            };
             let cols = dap.row_to_col(&rows, 0, 1)?;
             drop(rows);
             pair.drop_next(draws.next(|r| r.outer_product_mean, false, Shared::Rows, 0)?);
