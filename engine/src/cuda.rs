@@ -241,6 +241,23 @@ pub fn copy_async(dst: &tch::Tensor, src: &tch::Tensor) -> Result<()> {
     })
 }
 
+/// CPU tensor `t` on `device` without holding the host until the device's queue drains: on a
+/// GPU staged in page-locked memory and copied asynchronously on the current stream (a copy
+/// from pageable memory waits for the stream, so a training loop uploading each micro-batch
+/// that way leaves the GPU idle while it queues the next one's work); elsewhere an ordinary
+/// copy. The staging buffer returns to libtorch's pinned-memory cache only once the copy is done.
+pub fn upload(t: &tch::Tensor, device: tch::Device) -> Result<tch::Tensor> {
+    match device {
+        tch::Device::Cuda(_) => {
+            let staged = pinned(t)?;
+            let out = tch::Tensor::f_empty(t.size(), (t.kind(), device))?;
+            copy_async(&out, &staged)?;
+            Ok(out)
+        }
+        _ => Ok(t.f_to_device(device)?),
+    }
+}
+
 /// Free and total bytes of `device` as the driver sees them.
 pub fn mem_get_info(device: usize) -> Result<(u64, u64)> {
     let (mut free, mut total) = (0i64, 0i64);

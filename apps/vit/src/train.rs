@@ -290,7 +290,10 @@ impl<'a> Trainer<'a> {
         let (seed, rank, accumulation) = (self.args.seed.seed, self.dp.rank(), self.layout.batch.accumulation);
         let mixup = Mixup { alpha: self.args.mixup, smoothing: self.args.smoothing };
         let classes = self.cfg.num_classes as usize;
-        let mut loss_sum = 0.0;
+        // The micro-batches' losses summed where they are, in f64 (what reading each would add
+        // on the host), and read once after the last: reading one waits for the device to
+        // finish it, and the next micro-batch's work would queue only then.
+        let mut loss_sum: Option<Tensor> = None;
         // A pipeline takes the step's micro-batches together.
         let mut queued = Vec::new();
         for m in 0..accumulation {
@@ -302,17 +305,22 @@ impl<'a> Trainer<'a> {
             let mut rng = Rng::keyed(seed ^ MIXUP_STREAM, step as u64, (rank * accumulation + m) as u64);
             let targets = mixup.apply(&mut batch.pixels, &batch.labels, classes, &mut rng);
             let (images, _) = to_tensors(&batch, self.device, self.kind)?;
-            let targets = Tensor::f_from_slice(&targets)?.f_view([-1, classes as i64])?.f_to_device(self.device)?;
+            let targets =
+                engine::cuda::upload(&Tensor::f_from_slice(&targets)?.f_view([-1, classes as i64])?, self.device)?;
             let Model::Whole(model) = &self.model else {
                 queued.push((images, targets));
                 continue;
             };
             let loss = soft_cross_entropy(&model.forward(&images)?, &targets) / accumulation as f64;
             self.parallel.backward(&loss, m + 1 == accumulation)?;
-            loss_sum += loss.f_double_value(&[])?;
+            let loss = loss.f_detach()?.f_to_kind(Kind::Double)?;
+            loss_sum = Some(match loss_sum {
+                Some(sum) => sum.f_add(&loss)?,
+                None => loss,
+            });
         }
         let loss = match &mut self.model {
-            Model::Whole(_) => Some(loss_sum),
+            Model::Whole(_) => Some(loss_sum.context("a step of no micro-batches")?.f_double_value(&[])?),
             Model::Stages(stages) => stages.forward_backward(&self.parallel, &queued)?,
         };
         let stepped = self.parallel.step(lr, self.args.optimizer.clip_grad)?;
