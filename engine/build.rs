@@ -35,7 +35,9 @@ fn main() {
         .file("csrc/autograd.cpp")
         .file("csrc/cuda.cpp")
         .file("csrc/storage.cpp")
-        .file("csrc/host_memory.cpp");
+        .file("csrc/host_memory.cpp")
+        .file("csrc/fp32_matmul.cpp")
+        .file("csrc/kernel_trace.cpp");
     build.compile("engine_csrc");
 
     // The header-only parts of c10::cuda (events, device queries) call the CUDA runtime directly.

@@ -14,7 +14,8 @@
 # whole stage: items are ordered by what they prove, each gets at most what is left, and what
 # no longer fits is reported as not run.
 # OUT/report.md (device, driver, versions, every command with its result and figures) grows
-# as items finish, and is printed at the end; OUT/logs.tar.gz holds every item's whole output.
+# as items finish, and is printed at the end; OUT/logs.tar.gz holds every item's whole output,
+# OUT/traces.tar.gz the benchmarks' Chrome traces (Perfetto, chrome://tracing).
 # libtorch there is the GPU machine's own torch install (TORCH_PYTHON, default
 # /opt/torch/.venv/bin/python, the same 2.11.0+cu130 build as ours).
 set -euo pipefail
@@ -147,7 +148,11 @@ environment() {
   report="$out/report.md"
   logs="$(mktemp -d)/logs"
   parts="$(dirname "$logs")/parts"
-  mkdir -p "$logs" "$parts"
+  # Benchmarks' Chrome traces (--trace): OUT/traces.tar.gz, apart from the logs, since a file
+  # over 16 MiB does not come back; the predict pass's (tens of MB) stays behind, its table in
+  # the report.
+  traces="$(dirname "$logs")/traces"
+  mkdir -p "$logs" "$parts" "$traces"
   deadline=$((SECONDS + budget))
   trap finish EXIT
   if [ ! -s "$report" ]; then
@@ -184,6 +189,8 @@ provide_missing_libraries() {
 # Keeps every item's whole output beside the report, and prints the report.
 finish() {
   tar -C "$(dirname "$logs")" -czf "$out/logs.tar.gz" logs 2>/dev/null || true
+  rm -rf "$traces/predict"
+  tar -C "$(dirname "$traces")" -czf "$out/traces.tar.gz" traces 2>/dev/null || true
   local passed failed skipped
   passed="$(grep -c '^## .*: passed$' "$report" || true)"
   failed="$(grep -c '^## .*: FAILED' "$report" || true)"
@@ -218,7 +225,7 @@ item() {
     echo
     echo '```'
     echo "\$ $*"
-    grep -E '^device|^epoch|^test result|^test .* FAILED|panicked|FAILED|skipped|ms|GB/s|TFLOP|ratio|peak|img/s|s/step|^\||NCCL|bytes|^error|Error|kernels|GiB|width|largest|failed' "$log" | tail -n 40 || true
+    grep -E '^device|^epoch|^test result|^test .* FAILED|panicked|FAILED|skipped|ms|GB/s|TFLOP|ratio|peak|img/s|s/step|^\||NCCL|bytes|^error|Error|kernels|GiB|width|largest|failed' "$log" | tail -n 120 || true
     echo '```'
   } >"$parts/$key"
 }
@@ -265,22 +272,25 @@ bench() {
      ! grep -q "destroy_process_group" "$2.log"' \
     _ "$bin/vit" "$(dirname "$logs")/vit-digits"
   collect
-  item c1 bench-kernels "fused kernels against their libtorch compositions, bf16" 90 "$bin/bench-kernels" --iters 20
+  item c2 bench-evoformer "Evoformer block 256 x 128 against PyTorch eager, fp32 (TF32 products, both sides)" 150 \
+    "$bin/bench-evoformer" --device cuda --residues 256 --sequences 128 --warmup 3 --iters 10 --trace "$traces/evoformer-fp32"
   collect
-  item c2 bench-evoformer "Evoformer block 256 x 128 against PyTorch eager" 150 "$bin/bench-evoformer" --device cuda \
-    --residues 256 --sequences 128 --warmup 3 --iters 10
+  item c2b bench-evoformer-bf16 "Evoformer block 256 x 128 against PyTorch eager, bf16" 150 "$bin/bench-evoformer" \
+    --device cuda --residues 256 --sequences 128 --warmup 3 --iters 10 --bf16 --trace "$traces/evoformer-bf16"
   collect
-  item c3 vit-bench "ViT-B/16 bf16 training against PyTorch eager and torch.compile" 240 "$bin/vit" bench \
-    --device cuda --precision bf16 --model vit_base_patch16_224 --batch 64 --seconds 10 --compiled-baseline
-  collect
-  item c4 bench-predict "fastfold predict, model_1_ptm sizes, time and peak memory, the longest that fits (predicted)" 240 "$bin/bench-predict" --device cuda \
-    --residues 256,512,1024,2048 --chunk-size 64
+  item c4 bench-predict "fastfold predict, model_1_ptm sizes, 3 recycles, an MSA filling the clusters, planned for 70 GiB (issue 41's 304 and 914 residues)" 240 \
+    "$bin/bench-predict" --device cuda --residues 304,914 --recycles 3 --msa-rows 5628 --gpu-mem 70G --trace "$traces/predict"
   collect
   item c7 bench-predict-lean "fastfold predict, 1,200 residues fp32, a 5,628-row MSA, planned for 2.2 GiB (streams offloaded): card peak beside the plan" 180 \
     "$bin/bench-predict" --device cuda --residues 1200 --msa-rows 5628 --gpu-mem 2.2G
   collect
+  item c3 vit-bench "ViT-B/16 bf16 training at batch 256 (issue 43) against PyTorch eager and torch.compile" 240 "$bin/vit" bench \
+    --device cuda --precision bf16 --model vit_base_patch16_224 --batch 256 --seconds 10 --compiled-baseline --trace "$traces/vit"
+  collect
   item c5 bench-finetune "SD 1.5 UNet fine-tuning at 512 px, fp16, under a 4 GiB cap, uncapped and diffusers" 240 \
     "$bin/bench-finetune" --device cuda --cap 4G --resolution 512 --batch 1 --precision fp16 --gradient-checkpointing
+  collect
+  item c1 bench-kernels "fused kernels against their libtorch compositions, bf16" 90 "$bin/bench-kernels" --iters 20
   collect
   item c6 bench-gemini "Gemini's largest GPT-style model under a 4 GiB cap against plain training" 180 \
     "$bin/bench-gemini" --device cuda --cap 4G --widths 1024,2048,3072,4096

@@ -177,6 +177,17 @@ extern "C" {
     pub fn eng_storage_resize(t: *mut C_tensor, nbytes: i64) -> *mut c_char;
     pub fn eng_storage_nbytes(t: *mut C_tensor, out: *mut i64) -> *mut c_char;
 
+    // fp32_matmul.cpp
+    pub fn eng_set_tf32_matmul(on: c_int) -> *mut c_char;
+    pub fn eng_tf32_matmul(on: *mut c_int) -> *mut c_char;
+    pub fn eng_ieee_scope_enter() -> *mut c_void;
+    pub fn eng_ieee_scope_exit(scope: *mut c_void);
+    pub fn eng_ieee_scope_in_force() -> c_int;
+
+    // kernel_trace.cpp
+    pub fn eng_kernel_trace_start(cuda: c_int) -> *mut c_char;
+    pub fn eng_kernel_trace_stop(path: *const c_char, lines: *mut *mut c_char) -> *mut c_char;
+
     // host_memory.cpp
     pub fn eng_host_memory_install() -> *mut c_char;
     pub fn eng_host_memory_stats(current: *mut i64, peak: *mut i64) -> *mut c_char;

@@ -5,7 +5,8 @@ parameters, fp32 (`global_config.bfloat16` off, so both sides run the same arith
 every recycling pass run (no early stop).
 
 Writes into --out: `params.npz` (the parameters under AlphaFold's own file keys, `scope//name`,
-as `params_model_1_ptm.npz` holds them) and `features.npz` (the features as AlphaFold's
+as `params_model_1_ptm.npz` holds them), `positions.npz` (the second prediction's
+`final_atom_positions` and `final_atom_mask`) and `features.npz` (the features as AlphaFold's
 `process_features` gives them to the model: MSA padded to 512 clusters less the templates,
 extra MSA to 5,120 rows, one placeholder template as ColabFold makes when there is none), for
 our side to run on. Prints one JSON line: the seconds of the first `predict` (jit compilation
@@ -92,8 +93,10 @@ def main():
         np.asarray(result["structure_module"]["final_atom_positions"])
         seconds.append(time.perf_counter() - start)
     assert last == args.recycles, f"stopped after pass {last + 1}"
-    positions = np.asarray(result["structure_module"]["final_atom_positions"])
+    positions = np.asarray(result["structure_module"]["final_atom_positions"], np.float32)
     assert np.isfinite(positions).all(), "non-finite positions"
+    np.savez(os.path.join(args.out, "positions.npz"), final_atom_positions=positions,
+             final_atom_mask=np.asarray(result["structure_module"]["final_atom_mask"], np.float32))
     print(json.dumps({"first_seconds": seconds[0], "seconds": seconds[1], "peak_bytes": memory.finish(),
                       "msa_rows": int(feats["msa_feat"].shape[1]),
                       "extra_msa_rows": int(feats["extra_msa"].shape[1])}))

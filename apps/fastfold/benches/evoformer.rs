@@ -11,6 +11,7 @@ use std::time::Instant;
 use anyhow::ensure;
 use clap::Parser;
 use engine::device::DeviceKind;
+use engine::fp32_matmul::Fp32Matmul;
 use engine::parallel::dap::Dap;
 use fastfold::model::layers::Stream;
 use fastfold::model::{EvoformerConfig, EvoformerStack, Exec, Params};
@@ -33,6 +34,10 @@ struct Args {
     /// bf16 instead of fp32.
     #[arg(long)]
     bf16: bool,
+    /// fp32 products on a GPU, both sides: TF32 tensor cores (as `fastfold predict` runs by
+    /// default) or IEEE.
+    #[arg(long, value_enum, default_value_t = Fp32Matmul::Tf32)]
+    fp32_matmul: Fp32Matmul,
     /// Untimed runs first.
     #[arg(long, default_value_t = 1)]
     warmup: usize,
@@ -55,6 +60,11 @@ struct Args {
     /// Skip the PyTorch baseline.
     #[arg(long)]
     no_baseline: bool,
+    /// After timing, profile one forward and one forward+backward of ours: their kernels (on a
+    /// GPU; the host's operators on the CPU) summed by name in a table each, and their Chrome
+    /// traces written to this folder (`evoformer-forward.json`, `evoformer-forward-backward.json`).
+    #[arg(long)]
+    trace: Option<PathBuf>,
     /// cargo bench passes this; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -88,12 +98,30 @@ fn median_ms(
     Ok(times[times.len() / 2])
 }
 
+/// `f` run once under the profiler: its table of kernels (`title`), its Chrome trace at `path`.
+fn trace(
+    device: Device,
+    path: &std::path::Path,
+    title: &str,
+    f: impl FnOnce() -> anyhow::Result<()>,
+) -> anyhow::Result<String> {
+    sync(device)?;
+    let profiler = engine::kernel_trace::KernelTrace::start(device != Device::Cpu)?;
+    let start = Instant::now();
+    f()?;
+    sync(device)?;
+    let wall = start.elapsed().as_secs_f64();
+    let events = profiler.stop(Some(path))?;
+    Ok(events.table(&format!("ours, {title}, traced"), wall, 25))
+}
+
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     if args.threads > 0 {
         tch::set_num_threads(args.threads);
     }
     let device = args.device.device(0, 1)?;
+    engine::fp32_matmul::set(args.fp32_matmul)?;
     let kind = if args.bf16 { Kind::BFloat16 } else { Kind::Float };
     let base = if args.small { EvoformerConfig::tiny() } else { EvoformerConfig::default() };
     let cfg = EvoformerConfig { num_blocks: 1, num_extra_blocks: 0, ..base };
@@ -135,17 +163,41 @@ fn main() -> anyhow::Result<()> {
         Ok(())
     })?;
     let peak = engine::process::peak_memory(device);
+    let traced = match &args.trace {
+        Some(dir) => {
+            std::fs::create_dir_all(dir)?;
+            let forward = trace(device, &dir.join("evoformer-forward.json"), "forward", || {
+                let _outputs = tch::no_grad(|| stack.forward(inputs().0, inputs().1, &mm, &pm, &exec, None))?;
+                Ok(())
+            })?;
+            let both = trace(device, &dir.join("evoformer-forward-backward.json"), "forward+backward", || {
+                let (m, z, _) = stack.forward(inputs().0, inputs().1, &mm, &pm, &exec, None)?;
+                ((m * &wm_d).sum(Kind::Float) + (z * &wz_d).sum(Kind::Float)).backward();
+                Ok(())
+            })?;
+            Some(format!("\n{forward}\n{both}"))
+        }
+        None => None,
+    };
     let mib = |b: Option<u64>| b.map_or("-".to_string(), |b| format!("{:.0}", b as f64 / (1 << 20) as f64));
+    let tf32 = !args.bf16 && args.fp32_matmul == Fp32Matmul::Tf32 && device != Device::Cpu;
     println!(
         "Evoformer block, {s} sequences x {n} residues, c_m {} c_z {}, {} on {device:?}, kernels {backend:?}{}",
         cfg.c_m,
         cfg.c_z,
-        if args.bf16 { "bf16" } else { "fp32" },
+        match (args.bf16, tf32) {
+            (true, _) => "bf16",
+            (false, true) => "fp32 (TF32 products)",
+            (false, false) => "fp32",
+        },
         args.chunk_size.map(|c| format!(", chunk {c}")).unwrap_or_default()
     );
     println!("| | forward ms | forward+backward ms | peak MiB |");
     println!("|---|---|---|---|");
     println!("| ours | {forward:.1} | {forward_backward:.1} | {} |", mib(peak));
+    if let Some(tables) = traced {
+        println!("{tables}");
+    }
     if args.no_baseline {
         return Ok(());
     }
@@ -175,14 +227,20 @@ fn main() -> anyhow::Result<()> {
             .args(["--device", if device == Device::Cpu { "cpu" } else { "cuda" }])
             .args(["--precision", if args.bf16 { "bf16" } else { "fp32" }])
             .args(["--iters", &args.iters.to_string(), "--warmup", &args.warmup.to_string()])
-            .args(["--threads", &args.threads.to_string()]),
+            .args(["--threads", &args.threads.to_string()])
+            .args(["--fp32-matmul", args.fp32_matmul.name()]),
         BASELINE,
     );
     let _ = std::fs::remove_dir_all(&dir);
     let json = engine::baseline::last_json(&stdout?, BASELINE)?;
     let num = |k: &str| engine::baseline::number(&json, k);
     let (bf, bfb, diff) = (num("forward_ms")?, num("forward_backward_ms")?, num("max_abs_diff")?);
-    let tolerance = if args.bf16 { 0.5 } else { 1e-3 };
+    // Both sides round alike only in IEEE fp32; TF32 rounds each product's inputs to 10 bits.
+    let tolerance = match (args.bf16, tf32) {
+        (true, _) => 0.5,
+        (false, true) => 0.05,
+        (false, false) => 1e-3,
+    };
     ensure!(diff <= tolerance, "the baseline's outputs differ from ours by {diff} (tolerance {tolerance})");
     println!("| PyTorch eager | {bf:.1} | {bfb:.1} | {} |", mib(json["peak_bytes"].as_u64()));
     println!("| ratio (eager / ours) | {:.2} | {:.2} | |", bf / forward, bfb / forward_backward);

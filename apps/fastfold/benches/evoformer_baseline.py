@@ -135,7 +135,10 @@ def main():
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--fp32-matmul", choices=["tf32", "ieee"], default="tf32")
     a = ap.parse_args()
+    # The legacy switch keeps libtorch's two records of the setting in step (CUDA only).
+    torch.backends.cuda.matmul.allow_tf32 = a.fp32_matmul == "tf32"
     if a.threads:
         torch.set_num_threads(a.threads)
     device = torch.device(a.device)

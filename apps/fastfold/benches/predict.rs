@@ -13,6 +13,10 @@
 //! chunks (and offloading) of `fastfold predict`'s memory plan for that budget, its planned
 //! peak printed beside the measured ones.
 //!
+//! With `--trace DIR`, one more pass of the first length runs under libtorch's profiler: a
+//! table of its kernels by name and the GPU's busy time against the pass's wall time
+//! (`engine::kernel_trace`), and its Chrome trace in `DIR`.
+//!
 //! `cargo bench -p fastfold --bench predict -- --residues 256,512 --device cuda --chunk-size 64`
 //! `cargo bench -p fastfold --bench predict -- --residues 1200 --msa-rows 5628 --device cuda --gpu-mem 2.2G`
 use std::path::Path;
@@ -20,6 +24,7 @@ use std::time::Instant;
 
 use clap::Parser;
 use engine::device::DeviceKind;
+use engine::fp32_matmul::Fp32Matmul;
 use engine::parallel::dap::Dap;
 use fastfold::features::{process, FeatureConfig, RawFeatures};
 use fastfold::memory;
@@ -52,6 +57,9 @@ struct Args {
     /// bf16 instead of fp32.
     #[arg(long)]
     bf16: bool,
+    /// fp32 products on a GPU: TF32 tensor cores (`fastfold predict`'s default) or IEEE.
+    #[arg(long, value_enum, default_value_t = Fp32Matmul::Tf32)]
+    fp32_matmul: Fp32Matmul,
     /// The attention softmax, LayerNorms and gates: fused CUDA kernels or libtorch's
     /// compositions (default: fused on CUDA, as `fastfold predict` runs).
     #[arg(long, value_enum)]
@@ -59,6 +67,11 @@ struct Args {
     /// Device.
     #[arg(long, default_value_t = DeviceKind::Cpu)]
     device: DeviceKind,
+    /// After timing the first length, profile one more pass of it (no recycling): its kernels
+    /// (on a GPU; the host's operators on the CPU) summed by name in a table, and its Chrome
+    /// trace written to this folder (`predict-<residues>.json`).
+    #[arg(long)]
+    trace: Option<std::path::PathBuf>,
     /// cargo bench passes this; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -67,6 +80,7 @@ struct Args {
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let device = args.device.device(0, 1)?;
+    engine::fp32_matmul::set(args.fp32_matmul)?;
     let kind = if args.bf16 { Kind::BFloat16 } else { Kind::Float };
     let params = Params::random_model(&EvoformerConfig::default(), &ModelConfig::default(), 0)?;
     let backend = kernels::Backend::resolve(args.kernels, device)?;
@@ -82,7 +96,11 @@ fn main() -> anyhow::Result<()> {
             rows => format!("a synthetic MSA of {rows} rows"),
         },
         args.recycles,
-        if args.bf16 { "bf16" } else { "fp32" },
+        match (args.bf16, device) {
+            (true, _) => "bf16".to_string(),
+            (false, tch::Device::Cpu) => "fp32".to_string(),
+            (false, _) => format!("fp32 ({} products)", args.fp32_matmul.name()),
+        },
         args.chunk_size.map(|c| format!(", chunk {c}")).unwrap_or_default(),
         args.gpu_mem.as_deref().map(|b| format!(", planned for {b}")).unwrap_or_default()
     );
@@ -106,6 +124,7 @@ fn main() -> anyhow::Result<()> {
     }
     let mut peaks = vec![];
     let mut plans = vec![];
+    let mut traced = None;
     for &n in &args.residues {
         let features = features(n)?;
         let (exec, planned) = match budget {
@@ -141,9 +160,24 @@ fn main() -> anyhow::Result<()> {
         let mib = |b: Option<u64>| b.map_or("-".into(), |b| format!("{:.0}", b as f64 / (1 << 20) as f64));
         let card = card.map(engine::process::CardPeak::finish).transpose()?;
         println!("| {n} | {seconds:.1} | {} | {} | {} |", mib(peak), mib(card), mib(planned));
+        if let (Some(dir), None) = (&args.trace, &traced) {
+            std::fs::create_dir_all(dir)?;
+            let profiler = engine::kernel_trace::KernelTrace::start(device.is_cuda())?;
+            let start = Instant::now();
+            tch::no_grad(|| model.predict(&features, 0, kind, &exec, None))?;
+            if let tch::Device::Cuda(d) = device {
+                engine::cuda::synchronize(d)?;
+            }
+            let wall = start.elapsed().as_secs_f64();
+            let events = profiler.stop(Some(&dir.join(format!("predict-{n}.json"))))?;
+            traced = Some(events.table(&format!("ours, one pass at {n} residues, traced"), wall, 30));
+        }
     }
     for p in plans {
         println!("{p}");
+    }
+    if let Some(table) = traced {
+        println!("\n{table}");
     }
     if let (tch::Device::Cuda(d), true) = (device, peaks.len() >= 3) {
         // What the peaks may reach: the free memory once the cache is handed back, plus what

@@ -11,16 +11,19 @@
 //! (its first compiles). Ours then runs in a fresh process on those files (so that each side's
 //! peak memory is its own), the second of two predictions timed likewise. Both in fp32.
 //! AlphaFold computes every padded row; ours drops the fully masked ones first, which does not
-//! change a number (`tests/masked_rows.rs`).
+//! change a number (`tests/masked_rows.rs`). The last column is the largest difference of our
+//! atoms from AlphaFold's (over its atom mask): on a GPU at `--fp32-matmul ieee` (both sides'
+//! strict fp32) a parity check, at the default `tf32` (each side's default there) what the
+//! tensor cores' rounding moves.
 mod common;
 
 use std::ffi::OsStr;
 use std::path::Path;
 use std::time::Instant;
 
-use anyhow::ensure;
+use anyhow::{ensure, Context};
 use clap::Parser;
-use common::{cells, Figures, OurDevice, Sides};
+use common::{cells, AlphaFoldAtoms, Figures, OurDevice, Sides};
 use engine::device::DeviceKind;
 use fastfold::features::Features;
 use fastfold::model::alphafold::AlphaFold;
@@ -47,7 +50,8 @@ fastfold::process_allocator!();
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     if let Some(dir) = &args.sides.ours {
-        ours(dir, args.recycles, args.sides.device)?.print_ours(&[]);
+        let (figures, diff) = ours(dir, args.recycles, &args.sides)?;
+        figures.print_ours(&[diff.to_string()]);
         return Ok(());
     }
     println!(
@@ -55,48 +59,58 @@ fn main() -> anyhow::Result<()> {
          {} passes, fp32, {}",
         args.recycles + 1,
         match args.sides.device.resolve() {
-            DeviceKind::Cuda => "GPU (the peaks are the card's use)".to_string(),
+            DeviceKind::Cuda => {
+                format!("GPU (fp32 products {}; the peaks are the card's use)", args.sides.fp32_matmul.name())
+            }
             _ => format!("CPU ({} threads)", tch::get_num_threads()),
         }
     );
-    println!("\n| residues | AlphaFold s (first, with jit) | ours s | AlphaFold / ours | AlphaFold peak MiB | ours peak MiB |");
-    println!("|---:|---:|---:|---:|---:|---:|");
+    println!(
+        "\n| residues | AlphaFold s (first, with jit) | ours s | AlphaFold / ours | AlphaFold peak MiB | ours peak MiB | \
+         max atom difference Å |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|---:|");
     for &n in &args.residues {
         let dir = std::env::temp_dir().join(format!("versus-alphafold-{}-{n}", std::process::id()));
         let result = compare(&args, n, &dir);
         let _ = std::fs::remove_dir_all(&dir);
-        let (theirs, first, mine) = result?;
-        println!("| {n} | {} |", cells(&theirs, first, &mine));
+        let (theirs, first, mine, diff) = result?;
+        println!("| {n} | {} | {diff:.2e} |", cells(&theirs, first, &mine));
     }
     Ok(())
 }
 
-/// AlphaFold's figures (and its first, compiling, call's seconds) and ours for `n` residues.
-fn compare(args: &Args, n: usize, dir: &Path) -> anyhow::Result<(Figures, f64, Figures)> {
+/// AlphaFold's figures (and its first, compiling, call's seconds), ours and the largest atom
+/// difference for `n` residues.
+fn compare(args: &Args, n: usize, dir: &Path) -> anyhow::Result<(Figures, f64, Figures, f64)> {
     let (n, recycles) = (n.to_string(), args.recycles.to_string());
     let baseline = ["--residues", &n, "--recycles", &recycles, "--out"].map(OsStr::new);
-    let device = args.sides.device;
-    let (theirs, first) =
-        Figures::alphafold(&args.sides.python, BASELINE, &[&baseline[..], &[dir.as_os_str()]].concat(), device)?;
-    let (mine, _) = Figures::ours(dir, device, &["--recycles".into(), recycles])?;
-    Ok((theirs, first, mine))
+    let (theirs, first) = Figures::alphafold(&args.sides, BASELINE, &[&baseline[..], &[dir.as_os_str()]].concat())?;
+    let (mine, more) = Figures::ours(dir, &args.sides, &["--recycles".into(), recycles])?;
+    let diff: f64 = more.first().context("our side printed no atom difference")?.parse()?;
+    Ok((theirs, first, mine, diff))
 }
 
-/// Our prediction on the parameters and features in `dir`, timed on its second run.
-fn ours(dir: &Path, recycles: usize, kind: DeviceKind) -> anyhow::Result<Figures> {
-    let on = OurDevice::start(kind)?;
+/// Our prediction on the parameters and features in `dir`, timed on its second run, and the
+/// largest difference of its atoms from AlphaFold's (`positions.npz`), over AlphaFold's mask.
+fn ours(dir: &Path, recycles: usize, sides: &Sides) -> anyhow::Result<(Figures, f64)> {
+    let on = OurDevice::start(sides)?;
     // On a GPU with the fused kernels, as `fastfold predict` runs there.
     let backend = kernels::Backend::resolve(None, on.device)?;
     let params = Params::load_model(dir.join("params.npz"))?.to_device(on.device, false)?.with_kernels(backend);
     let features = Features::load_npz(&dir.join("features.npz"), on.device)?;
     let model = AlphaFold::new(&params)?;
     let mut seconds = 0.0;
+    let mut atoms = None;
     for _ in 0..2 {
         let start = Instant::now();
         let pass = tch::no_grad(|| model.predict(&features, recycles, Kind::Float, &Exec::serial(), None))?;
         on.synchronize()?;
         seconds = start.elapsed().as_secs_f64();
         ensure!(bool::try_from(pass.structure.atom37.isfinite().all())?, "non-finite positions");
+        atoms = Some(pass.structure.atom37);
     }
-    Ok(Figures { seconds, peak_bytes: on.peak_bytes()? })
+    let theirs = AlphaFoldAtoms::read(dir)?;
+    let diff = theirs.distance(&atoms.context("no prediction")?.to_device(tch::Device::Cpu), None);
+    Ok((Figures { seconds, peak_bytes: on.peak_bytes()? }, diff))
 }

@@ -30,7 +30,7 @@ use std::time::Instant;
 
 use anyhow::{ensure, Context};
 use clap::Parser;
-use common::{cells, Figures, OurDevice, Sides};
+use common::{cells, AlphaFoldAtoms, Figures, OurDevice, Sides};
 use data::a3m::Msa;
 use data::fasta::FastaRecord;
 use engine::device::DeviceKind;
@@ -125,7 +125,9 @@ fn main() -> anyhow::Result<()> {
         msa_rows,
         args.recycles + 1,
         match args.sides.device.resolve() {
-            DeviceKind::Cuda => "GPU (the peaks are the card's use)".to_string(),
+            DeviceKind::Cuda => {
+                format!("GPU (fp32 products {}; the peaks are the card's use)", args.sides.fp32_matmul.name())
+            }
             _ => format!("CPU ({} threads)", tch::get_num_threads()),
         }
     );
@@ -190,7 +192,7 @@ fn compare(args: &Args, dir: &Path) -> anyhow::Result<(Figures, f64, Figures, f6
         .chain(once.map(OsStr::new))
         .chain(["--out".as_ref(), dir.as_os_str()])
         .collect();
-    let (theirs, first) = Figures::alphafold(&args.sides.python, BASELINE, &baseline, args.sides.device)?;
+    let (theirs, first) = Figures::alphafold(&args.sides, BASELINE, &baseline)?;
     let chunk = args.chunk_size.map(|c| c.to_string());
     let ours_flags: Vec<String> = flags[4..]
         .iter()
@@ -199,7 +201,7 @@ fn compare(args: &Args, dir: &Path) -> anyhow::Result<(Figures, f64, Figures, f6
         .chain(once)
         .map(ToString::to_string)
         .collect();
-    let (mine, more) = Figures::ours(dir, args.sides.device, &ours_flags)?;
+    let (mine, more) = Figures::ours(dir, &args.sides, &ours_flags)?;
     let diff: f64 = more.first().context("our side printed no atom difference")?.parse()?;
     Ok((theirs, first, mine, diff, msa_rows))
 }
@@ -208,7 +210,7 @@ fn compare(args: &Args, dir: &Path) -> anyhow::Result<(Figures, f64, Figures, f6
 /// one with `--once`), and the
 /// largest difference of its atoms from AlphaFold's (`positions.npz`), over AlphaFold's mask.
 fn ours(dir: &Path, args: &Args, exec: Exec) -> anyhow::Result<(Figures, f64)> {
-    let on = OurDevice::start(args.sides.device)?;
+    let on = OurDevice::start(&args.sides)?;
     let side = Side::load(dir, args, on.device, None)?;
     let mut seconds = 0.0;
     let mut atoms = None;
@@ -247,29 +249,6 @@ impl Side {
         ensure!(done == args.recycles, "recycling stopped after {done} of {} recycles", args.recycles);
         ensure!(bool::try_from(pass.structure.atom37.isfinite().all())?, "non-finite positions");
         Ok(pass.structure.atom37)
-    }
-}
-
-/// AlphaFold's final atoms (`positions.npz`) and their mask.
-struct AlphaFoldAtoms {
-    positions: Tensor,
-    mask: Tensor,
-}
-
-impl AlphaFoldAtoms {
-    fn read(dir: &Path) -> anyhow::Result<Self> {
-        let mut arrays: std::collections::HashMap<String, Tensor> =
-            Tensor::read_npz(dir.join("positions.npz"))?.into_iter().collect();
-        let mut take = |name: &str| arrays.remove(name).with_context(|| format!("positions.npz: no {name}"));
-        let positions = take("final_atom_positions")?.to_kind(Kind::Double);
-        Ok(AlphaFoldAtoms { positions, mask: take("final_atom_mask")?.to_kind(Kind::Double).unsqueeze(-1) })
-    }
-
-    /// The largest difference of `a` from `b` (AlphaFold's positions when `None`) over
-    /// AlphaFold's atom mask, in Å.
-    fn distance(&self, a: &Tensor, b: Option<&Tensor>) -> f64 {
-        let b = b.map_or_else(|| self.positions.shallow_clone(), |b| b.to_kind(Kind::Double));
-        ((a.to_kind(Kind::Double) - b) * &self.mask).abs().max().double_value(&[])
     }
 }
 

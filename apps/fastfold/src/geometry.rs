@@ -1,7 +1,9 @@
 //! Rigid transforms and the point error built on them, as AlphaFold defines them (Jumper et al.
 //! 2021, supplementary 1.8 and 1.9): frames from three atoms (Algorithm 21, AlphaFold's `r3`)
 //! and frame-aligned point error (FAPE, Algorithm 28). Everything works on batched tch tensors
-//! with leading dimensions `[...]`.
+//! with leading dimensions `[...]`. Their matrix products are IEEE fp32 under any
+//! `--fp32-matmul` ([`IeeeScope`]): AlphaFold keeps coordinate geometry off the tensor cores.
+use engine::fp32_matmul::IeeeScope;
 use tch::{Kind, Tensor};
 
 /// Rigid transforms `x -> R x + t`: rotations `[..., 3, 3]` and translations `[..., 3]`.
@@ -43,16 +45,19 @@ impl Rigid {
     /// Rotates every frame by `rot` [..., 3, 3] in its own coordinates: `R -> R rot`, the
     /// origin unchanged (AlphaFold's `r3.rigids_mul_rots`).
     pub fn mul_rots(&self, rot: &Tensor) -> Rigid {
+        let _ieee = IeeeScope::enter();
         Rigid { rot: self.rot.matmul(rot), trans: self.trans.shallow_clone() }
     }
 
     /// Applies the transform to points `[..., 3]` (broadcast against the frames).
     pub fn apply(&self, x: &Tensor) -> Tensor {
+        let _ieee = IeeeScope::enter();
         self.rot.matmul(&x.unsqueeze(-1)).squeeze_dim(-1) + &self.trans
     }
 
     /// Applies the inverse transform: `R^T (x - t)`.
     pub fn invert_apply(&self, x: &Tensor) -> Tensor {
+        let _ieee = IeeeScope::enter();
         self.rot.transpose(-1, -2).matmul(&(x - &self.trans).unsqueeze(-1)).squeeze_dim(-1)
     }
 
@@ -64,6 +69,7 @@ impl Rigid {
 
     /// `self ∘ other`: first `other`, then `self`.
     pub fn compose(&self, other: &Rigid) -> Rigid {
+        let _ieee = IeeeScope::enter();
         Rigid { rot: self.rot.matmul(&other.rot), trans: self.apply(&other.trans) }
     }
 

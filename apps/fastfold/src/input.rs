@@ -7,6 +7,7 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use clap::builder::TypedValueParser;
 use engine::dist::World;
+use engine::fp32_matmul::Fp32Matmul;
 use engine::job::{LaunchArgs, SeedArgs};
 use engine::parallel::dap::Dap;
 use tch::Device;
@@ -255,7 +256,7 @@ pub enum Query {
     Processed(Features),
 }
 
-/// `--chunk-size` and `--kernels`: how the model's modules run.
+/// `--chunk-size`, `--gpu-mem`, `--kernels` and `--fp32-matmul`: how the model's modules run.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ChunkArgs {
     /// Run attention, transitions, outer product mean and triangle ops in chunks of this many
@@ -272,6 +273,12 @@ pub struct ChunkArgs {
     /// elsewhere).
     #[arg(long, value_enum)]
     pub kernels: Option<kernels::Backend>,
+    /// fp32 matrix products on a GPU: `tf32` (TF32 tensor cores, as AlphaFold's JAX code runs
+    /// them there by default) or `ieee` (strict fp32). The structure module and every rigid
+    /// transform stay IEEE either way, as AlphaFold keeps its geometry off the tensor cores.
+    /// No effect on the CPU or on bf16 products.
+    #[arg(long, value_enum, default_value_t = Fp32Matmul::Tf32)]
+    pub fp32_matmul: Fp32Matmul,
 }
 
 impl ChunkArgs {
@@ -295,6 +302,7 @@ impl ChunkArgs {
     ) -> anyhow::Result<(Device, Exec, kernels::Backend)> {
         let device = launch.device(world)?;
         let backend = kernels::Backend::resolve(self.kernels, device)?;
+        engine::fp32_matmul::set(self.fp32_matmul)?;
         Ok((device, Exec::new(dap, self.chunk_size), backend))
     }
 

@@ -5,7 +5,7 @@
 //! atom37 mask and slots follow residue_constants; a zero backbone update keeps identity
 //! frames; bf16 weights keep the geometry in fp32; the parameters load back to identical
 //! outputs and a missing or mis-shaped array is named; the iteration count comes from the
-//! preset (AlphaFold's 8), overridable.
+//! preset (AlphaFold's 8), overridable; on a GPU, its products stay IEEE under TF32.
 use fastfold::geometry::Rigid;
 use fastfold::model::structure::{atom14_to_atom37, frames_to_atom14, torsion_angles_to_frames, StructureModule};
 use fastfold::model::templates::torsion_angles;
@@ -333,4 +333,40 @@ fn bf16_weights_and_activations_keep_fp32_geometry() {
     let d = max_diff(&bf.atom37, &full.atom37);
     let scale = full.atom37.abs().max().double_value(&[]);
     assert!(d < 0.05 * scale, "bf16 positions differ from fp32 by {d} Å (coordinates up to {scale} Å)");
+}
+
+// `--fp32-matmul tf32` (the process's setting) moves a plain fp32 product on a GPU but not the
+// structure module, whose products stay IEEE under it (`engine::fp32_matmul::IeeeScope`). On a
+// GPU only: skipped elsewhere, a failure under SUITE_REQUIRE_CUDA=1.
+#[test]
+fn tf32_products_leave_the_structure_module_ieee_on_cuda() {
+    use engine::fp32_matmul::{self, Fp32Matmul};
+    if !suite_tests::cuda_devices(1, "tf32_products_leave_the_structure_module_ieee_on_cuda") {
+        return;
+    }
+    let dev = Device::Cuda(0);
+    let m = StructureModule::new(&params().to_device(dev, false).unwrap()).unwrap();
+    let n = 16;
+    let c = ModelConfig::tiny();
+    let single = noise(&[n, c.c_s], 31.0).to_device(dev);
+    let pair = noise(&[n, n, EvoformerConfig::tiny().c_z], 32.0).to_device(dev);
+    let aatype = Tensor::from_slice(&(0..n).map(|i| i % 21).collect::<Vec<i64>>()).to_device(dev);
+    let mask = Tensor::ones([n], (Kind::Float, dev));
+    let (a, b) = (noise(&[512, 512], 33.0).to_device(dev), noise(&[512, 512], 34.0).to_device(dev));
+    let under = |precision: Fp32Matmul| {
+        fp32_matmul::set(precision).unwrap();
+        let atoms = tch::no_grad(|| m.run(&single, &pair, &aatype, &mask, None, None)).unwrap().atom37;
+        (a.matmul(&b), atoms)
+    };
+    let (product_ieee, atoms_ieee) = under(Fp32Matmul::Ieee);
+    let (product_tf32, atoms_tf32) = under(Fp32Matmul::Tf32);
+    fp32_matmul::set(Fp32Matmul::Ieee).unwrap();
+    let moved = max_diff(&product_tf32, &product_ieee) / product_ieee.abs().max().double_value(&[]);
+    eprintln!("TF32 moved a 512 x 512 product by {moved:e} of its largest value");
+    assert!(moved > 1e-5, "TF32 left a plain product within {moved:e} of IEEE: the setting did not take");
+    let d = max_diff(&atoms_tf32, &atoms_ieee);
+    assert!(
+        d <= 1e-5,
+        "the structure module's atoms moved by {d} Å under TF32 (tolerance 1e-5: its products are IEEE)"
+    );
 }

@@ -16,6 +16,11 @@
 //! eager). Where torch.compile cannot run (no Triton or no C compiler on the machine), the
 //! table says so and why instead of a figure.
 //!
+//! `--trace DIR` profiles one more step of ours after the timing (`engine::kernel_trace`): its
+//! kernels on a GPU (the host's operators on the CPU) summed by name in a table after the
+//! throughput's, the GPU's busy time beside the step's wall time, and its Chrome trace in
+//! `DIR/vit-step.json`.
+//!
 //! Precision (`--precision`):
 //! - `fp32`: everything in float32 on both sides.
 //! - `bf16`: bf16 weights and activations with fp32 master weights: the backward's bf16
@@ -117,6 +122,11 @@ pub struct BenchArgs {
     /// compositions (default: fused on CUDA, as `vit pretrain` runs; the baseline is eager).
     #[arg(long, value_enum)]
     pub kernels: Option<kernels::Backend>,
+    /// After timing, profile one step of ours: its kernels (on a GPU; the host's operators on
+    /// the CPU) summed by name in a table, and its Chrome trace written to this folder
+    /// (`vit-step.json`).
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
 }
 
 /// One side's measurement.
@@ -147,6 +157,8 @@ pub struct BenchReport {
     pub baseline: Option<Throughput>,
     /// PyTorch's under torch.compile with `--compiled-baseline`, or why it could not run.
     pub compiled: Option<Result<Throughput, String>>,
+    /// With `--trace`, the table of one profiled step of ours.
+    pub trace: Option<String>,
 }
 
 impl BenchArgs {
@@ -234,7 +246,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<BenchReport> {
     let backend = kernels::Backend::resolve(args.kernels, device)?;
     kernels::install_optimizer_steps(backend);
     eprintln!("[bench] ours: {model}, kernels {backend:?}, {threads} threads, about {} s", args.seconds);
-    let ours = measure_ours(&config, args, device, backend).context("measuring our ViT")?;
+    let (ours, trace) = measure_ours(&config, args, device, backend).context("measuring our ViT")?;
     if device.is_cuda() {
         // Hand our cached blocks back so that the baseline's process finds the memory free.
         engine::cuda::empty_cache()?;
@@ -252,7 +264,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<BenchReport> {
             (Some(eager), compiled)
         }
     };
-    Ok(BenchReport { model, config, threads, ours, baseline, compiled })
+    Ok(BenchReport { model, config, threads, ours, baseline, compiled, trace })
 }
 
 /// The model, optimizer and precision machinery of our side.
@@ -337,7 +349,7 @@ fn measure_ours(
     args: &BenchArgs,
     device: Device,
     backend: kernels::Backend,
-) -> anyhow::Result<Throughput> {
+) -> anyhow::Result<(Throughput, Option<String>)> {
     let mut trainer = Trainer::new(cfg, args.precision.precision, device, backend)?;
     let kind = args.precision.precision.kind();
     let (b, c, s) = (args.batch as i64, cfg.in_channels, cfg.image_size);
@@ -368,7 +380,22 @@ fn measure_ours(
         Device::Cuda(i) => Some(engine::cuda::memory_stats(i)?.peak_allocated),
         _ => None,
     };
-    Ok(Throughput { images_per_s: (steps as i64 * b) as f64 / seconds, steps, seconds, peak_memory_bytes })
+    let trace = match &args.trace {
+        Some(dir) => {
+            std::fs::create_dir_all(dir).with_context(|| format!("--trace {}", dir.display()))?;
+            let profiler = engine::kernel_trace::KernelTrace::start(device.is_cuda())?;
+            let start = Instant::now();
+            trainer.step(&images, &labels)?;
+            synchronize(device)?;
+            let wall = start.elapsed().as_secs_f64();
+            let events = profiler.stop(Some(&dir.join("vit-step.json")))?;
+            Some(events.table("ours, one step, traced", wall, 25))
+        }
+        None => None,
+    };
+    let throughput =
+        Throughput { images_per_s: (steps as i64 * b) as f64 / seconds, steps, seconds, peak_memory_bytes };
+    Ok((throughput, trace))
 }
 
 /// Whether the timed loop has run `--steps` steps, or else for `--seconds`; the baseline
@@ -546,6 +573,9 @@ fn table(args: &BenchArgs, r: &BenchReport) -> String {
     if let Some(Ok(c)) = &r.compiled {
         s += &format!(", torch.compile {} steps in {:.2} s", c.steps, c.seconds);
     }
+    if let Some(trace) = &r.trace {
+        s += &format!("\n\n{trace}");
+    }
     s + "\n"
 }
 
@@ -621,11 +651,19 @@ mod tests {
         args.no_baseline = std::env::var_os("SUITE_PYTHON").is_none();
         // torch.compile on the CPU: inductor's C++ (about 30 s here, the first time).
         args.compiled_baseline = !args.no_baseline;
+        let traces = std::env::temp_dir().join(format!("vit-bench-trace-{}", std::process::id()));
+        args.trace = Some(traces.clone());
         let report = bench(&args).unwrap();
         assert_eq!(report.ours.steps, 2);
         assert!(report.ours.images_per_s > 0.0);
         let text = table(&args, &report);
         assert!(text.contains("| custom w16 d1 h2 p4 | 8 | 2 |"), "{text}");
+        assert!(
+            text.contains("ours, one step, traced") && text.contains("| operator | calls | ms | share |"),
+            "{text}"
+        );
+        assert!(traces.join("vit-step.json").is_file(), "the step's Chrome trace");
+        std::fs::remove_dir_all(&traces).unwrap();
         if let Some(b) = report.baseline {
             assert_eq!(b.steps, 2);
             assert!(b.images_per_s > 0.0);
@@ -641,8 +679,15 @@ mod tests {
         let (model, config) = args.config().unwrap();
         let side = Throughput { images_per_s: 10.0, steps: 2, seconds: 0.4, peak_memory_bytes: None };
         let why = "vit_baseline.py failed (exit status: 1): BackendCompilerFailed: no C compiler".to_string();
-        let report =
-            BenchReport { model, config, threads: 1, ours: side, baseline: Some(side), compiled: Some(Err(why)) };
+        let report = BenchReport {
+            model,
+            config,
+            threads: 1,
+            ours: side,
+            baseline: Some(side),
+            compiled: Some(Err(why)),
+            trace: None,
+        };
         let text = table(&args, &report);
         assert!(
             text.contains("torch.compile baseline not measured: vit_baseline.py failed (exit status: 1)"),

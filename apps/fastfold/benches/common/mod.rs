@@ -1,17 +1,19 @@
 //! What the benchmarks of our prediction against DeepMind's AlphaFold share
 //! (`versus_alphafold.rs`, `versus_alphafold_multimer.rs`): the options that name AlphaFold's
-//! Python and our side's process, each side's figures, and running each side in a process of
-//! its own (so that each peak memory is that side's). On a GPU (`--device cuda`) both sides run
-//! there and each peak is the card's use through the side's process, as `nvidia-smi` counts it
-//! (ours by `engine::process::CardPeak`, AlphaFold's by NVML: `card_memory.py`).
+//! Python and our side's process, each side's figures, AlphaFold's atoms to compare ours with,
+//! and running each side in a process of its own (so that each peak memory is that side's). On
+//! a GPU (`--device cuda`) both sides run there and each peak is the card's use through the
+//! side's process, as `nvidia-smi` counts it (ours by `engine::process::CardPeak`,
+//! AlphaFold's by NVML: `card_memory.py`).
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::Context;
 use engine::device::DeviceKind;
+use engine::fp32_matmul::Fp32Matmul;
 use engine::process::CardPeak;
-use tch::Device;
+use tch::{Device, Kind, Tensor};
 
 /// The options besides the sizes.
 #[derive(clap::Args)]
@@ -25,6 +27,11 @@ pub struct Sides {
     /// Where both sides run: the CPU, or a GPU (AlphaFold's JAX on CUDA, ours on CUDA).
     #[arg(long, default_value_t = DeviceKind::Cpu)]
     pub device: DeviceKind,
+    /// Both sides' fp32 matrix products on a GPU: `tf32`, each side's default there (JAX's
+    /// default precision, `fastfold predict --fp32-matmul tf32`), or `ieee` (JAX's `highest`,
+    /// ours `ieee`), the two sides' strict arithmetic for parity. No effect on the CPU.
+    #[arg(long, value_enum, default_value_t = Fp32Matmul::Tf32)]
+    pub fp32_matmul: Fp32Matmul,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     pub bench: bool,
@@ -38,21 +45,20 @@ pub struct Figures {
 
 impl Figures {
     /// AlphaFold's figures (and its first, compiling, call's seconds) from the last JSON line
-    /// of `script` run by `python` with `args`, JAX held to `device` (so that a missing GPU is
-    /// an error, not a silent CPU run) and, on a GPU, growing its memory as it needs it rather
-    /// than taking most of the card at start, so that its peak is its use.
-    pub fn alphafold(
-        python: &Path,
-        script: &str,
-        args: &[&OsStr],
-        device: DeviceKind,
-    ) -> anyhow::Result<(Figures, f64)> {
-        let mut command = Command::new(python);
+    /// of `script` run by the sides' Python with `args`, JAX held to their device (so that a
+    /// missing GPU is an error, not a silent CPU run) and, on a GPU, growing its memory as it
+    /// needs it rather than taking most of the card at start, so that its peak is its use; its
+    /// fp32 products at `highest` under `--fp32-matmul ieee`.
+    pub fn alphafold(sides: &Sides, script: &str, args: &[&OsStr]) -> anyhow::Result<(Figures, f64)> {
+        let mut command = Command::new(&sides.python);
         command.arg(script).args(args);
-        match device.resolve() {
+        match sides.device.resolve() {
             DeviceKind::Cuda => command.env("JAX_PLATFORMS", "cuda").env("XLA_PYTHON_CLIENT_PREALLOCATE", "false"),
             _ => command.env("JAX_PLATFORMS", "cpu"),
         };
+        if sides.fp32_matmul == Fp32Matmul::Ieee {
+            command.env("JAX_DEFAULT_MATMUL_PRECISION", "highest");
+        }
         let stdout = engine::baseline::run(&mut command, script)?;
         let json = engine::baseline::last_json(&stdout, script)?;
         let number = |key: &str| engine::baseline::number(&json, key);
@@ -60,12 +66,14 @@ impl Figures {
         Ok((figures, number("first_seconds")?))
     }
 
-    /// Our figures from this benchmark run again with `--ours dir`, `--device` and `args`, and
-    /// the further words of the line it printed ([`Figures::print_ours`]).
-    pub fn ours(dir: &Path, device: DeviceKind, args: &[String]) -> anyhow::Result<(Figures, Vec<String>)> {
+    /// Our figures from this benchmark run again with `--ours dir`, the sides' `--device` and
+    /// `--fp32-matmul`, and `args`, and the further words of the line it printed
+    /// ([`Figures::print_ours`]).
+    pub fn ours(dir: &Path, sides: &Sides, args: &[String]) -> anyhow::Result<(Figures, Vec<String>)> {
         let me = std::env::current_exe()?;
         let mut command = Command::new(me);
-        command.arg("--ours").arg(dir).args(["--device", &device.to_string()]).args(args);
+        command.arg("--ours").arg(dir).args(["--device", &sides.device.to_string()]);
+        command.args(["--fp32-matmul", sides.fp32_matmul.name()]).args(args);
         let stdout = engine::baseline::run(&mut command, "our side")?;
         let line = stdout.lines().find_map(|l| l.strip_prefix("ours ")).context("our side printed no figures")?;
         let mut words = line.split(' ').map(str::to_string);
@@ -88,8 +96,10 @@ pub struct OurDevice {
 }
 
 impl OurDevice {
-    pub fn start(kind: DeviceKind) -> anyhow::Result<OurDevice> {
-        let device = kind.device(0, 1)?;
+    /// The sides' device, its fp32 products as `--fp32-matmul` says.
+    pub fn start(sides: &Sides) -> anyhow::Result<OurDevice> {
+        let device = sides.device.device(0, 1)?;
+        engine::fp32_matmul::set(sides.fp32_matmul)?;
         let card = match device {
             Device::Cuda(d) => Some(CardPeak::start(d)?),
             _ => None,
@@ -126,4 +136,28 @@ pub fn cells(theirs: &Figures, first: f64, mine: &Figures) -> String {
         mib(theirs.peak_bytes),
         mib(mine.peak_bytes)
     )
+}
+
+/// AlphaFold's final atoms (`positions.npz`) and their mask.
+pub struct AlphaFoldAtoms {
+    positions: Tensor,
+    mask: Tensor,
+}
+
+impl AlphaFoldAtoms {
+    /// What AlphaFold's side wrote into `dir`.
+    pub fn read(dir: &Path) -> anyhow::Result<Self> {
+        let mut arrays: std::collections::HashMap<String, Tensor> =
+            Tensor::read_npz(dir.join("positions.npz"))?.into_iter().collect();
+        let mut take = |name: &str| arrays.remove(name).with_context(|| format!("positions.npz: no {name}"));
+        let positions = take("final_atom_positions")?.to_kind(Kind::Double);
+        Ok(AlphaFoldAtoms { positions, mask: take("final_atom_mask")?.to_kind(Kind::Double).unsqueeze(-1) })
+    }
+
+    /// The largest difference of `a` from `b` (AlphaFold's positions when `None`) over
+    /// AlphaFold's atom mask, in Å.
+    pub fn distance(&self, a: &Tensor, b: Option<&Tensor>) -> f64 {
+        let b = b.map_or_else(|| self.positions.shallow_clone(), |b| b.to_kind(Kind::Double));
+        ((a.to_kind(Kind::Double) - b) * &self.mask).abs().max().double_value(&[])
+    }
 }

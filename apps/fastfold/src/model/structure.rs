@@ -19,13 +19,15 @@
 //! maths under other names and bookkeeping: see [`crate::model::multimer::structure`].
 //!
 //! Activations keep the parameters' kind (bf16 inference); the geometry — quaternions,
-//! frames, points, attention over points, atom positions — is computed in fp32.
+//! frames, points, attention over points, atom positions — is computed in fp32, its matrix
+//! products IEEE under any `--fp32-matmul` ([`IeeeScope`]).
 //!
 //! In training ([`StructureModule::run`] given a dropout key) the activation is dropped after
 //! the attention's residual sum and after the transition's, before each norm, as
 //! `FoldIteration` does (the whole activation, no shared dimension, AlphaFold's rate 0.1):
 //! iteration `i` splits the `i`th key of the module's key split per iteration in three and
 //! drops with the second and the third.
+use engine::fp32_matmul::IeeeScope;
 use tch::{Kind, Tensor};
 
 use crate::geometry::Rigid;
@@ -296,6 +298,7 @@ impl AngleResnet {
 /// chained onto chi1, all composed onto the backbone frame. `backbone` `[N]`, `angles`
 /// [N, 7, 2] (sin, cos) → [N, 8].
 pub fn torsion_angles_to_frames(tables: &Tables, aatype: &Tensor, backbone: &Rigid, angles: &Tensor) -> Result<Rigid> {
+    let _ieee = IeeeScope::enter();
     let m = tables.default_frames.f_index_select(0, aatype)?; // [N, 8, 4, 4]
     let default =
         Rigid { rot: m.f_narrow(-2, 0, 3)?.f_narrow(-1, 0, 3)?, trans: m.f_narrow(-2, 0, 3)?.f_select(-1, 3)? };
@@ -329,6 +332,7 @@ pub fn torsion_angles_to_frames(tables: &Tables, aatype: &Tensor, backbone: &Rig
 /// position in its group's frame (`frames_and_literature_positions_to_atom14_pos`); atoms a
 /// residue type does not have are zero.
 pub fn frames_to_atom14(tables: &Tables, aatype: &Tensor, frames: &Rigid) -> Result<Tensor> {
+    let _ieee = IeeeScope::enter();
     let group = tables.group_idx.f_index_select(0, aatype)?; // [N, 14]
     let one_hot = group.f_one_hot(8)?.f_to_kind(Kind::Float)?; // [N, 14, 8]
     let rot = Tensor::f_einsum("nag,ngij->naij", &[&one_hot, &frames.rot], None::<&[i64]>)?;
@@ -441,6 +445,7 @@ impl StructureModule {
         mask: &Tensor,
         frames: &Rigid,
     ) -> Result<Tensor> {
+        let _ieee = IeeeScope::enter();
         self.ipa.forward(act, (pair, None), mask, frames, None)
     }
 
@@ -471,6 +476,10 @@ impl StructureModule {
             pair.size()
         );
         ensure!(seq_mask.size() == [n], "seq_mask: expected shape [{n}], found {:?}", seq_mask.size());
+        // Its products IEEE fp32 under any --fp32-matmul: the module is geometry throughout
+        // (points and frames through the attention, the backbone updates, the atoms), small
+        // beside the stacks, and AlphaFold keeps its geometry off the tensor cores.
+        let _ieee = IeeeScope::enter();
         let device = single.device();
         let tables = Tables::new(device);
         let aatype = aatype.f_to_kind(Kind::Int64)?.f_clamp(0, 20)?;
