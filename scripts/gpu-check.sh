@@ -287,6 +287,16 @@ bench() {
   item c3 vit-bench "ViT-B/16 bf16 training at batch 256 (issue 43) against PyTorch eager and torch.compile" 240 "$bin/vit" bench \
     --device cuda --precision bf16 --model vit_base_patch16_224 --batch 256 --seconds 10 --compiled-baseline --trace "$traces/vit"
   collect
+  # One 32,768-image step (two: the first warms up) from an HDF5 file of 224 px images, the
+  # loader on 14 of the machine's 16 cores; each step's line of the metrics (seconds,
+  # images_per_s, peak_bytes) into the report.
+  item c3b vit-pretrain-32k "vit pretrain --batch 32k --micro-batch 256, ViT-B/16 bf16 from HDF5 (issue 43): step time and img/s" 180 bash -c \
+    'set -e; "$2" "$3/apps/vit/benches/synthetic_h5.py" "$4/images.h5" --images 32768 --size 224
+     "$1" pretrain --data "$4/images.h5" --val-fraction 0 --batch 32k --micro-batch 256 --model vit_base_patch16_224 \
+       --precision bf16 --steps 2 --workers 14 --quiet --out "$4/run"
+     cat "$4/run/metrics.jsonl"; rm -rf "$4"' \
+    _ "$bin/vit" "$py" "$root" "$(dirname "$logs")/vit-32k"
+  collect
   item c5 bench-finetune "SD 1.5 UNet fine-tuning at 512 px, fp16, under a 4 GiB cap, uncapped and diffusers" 240 \
     "$bin/bench-finetune" --device cuda --cap 4G --resolution 512 --batch 1 --precision fp16 --gradient-checkpointing
   collect

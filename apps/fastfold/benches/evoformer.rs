@@ -60,9 +60,10 @@ struct Args {
     /// Skip the PyTorch baseline.
     #[arg(long)]
     no_baseline: bool,
-    /// After timing, profile one forward and one forward+backward of ours: their kernels (on a
-    /// GPU; the host's operators on the CPU) summed by name in a table each, and their Chrome
-    /// traces written to this folder (`evoformer-forward.json`, `evoformer-forward-backward.json`).
+    /// After timing, profile one forward and one forward+backward of ours (and one
+    /// forward+backward of the baseline): their kernels (on a GPU; the host's operators on the
+    /// CPU) summed by name in a table each, and their Chrome traces written to this folder
+    /// (`evoformer-forward.json`, `evoformer-forward-backward.json`, `eager-forward-backward.json`).
     #[arg(long)]
     trace: Option<PathBuf>,
     /// cargo bench passes this; ignored.
@@ -228,7 +229,8 @@ fn main() -> anyhow::Result<()> {
             .args(["--precision", if args.bf16 { "bf16" } else { "fp32" }])
             .args(["--iters", &args.iters.to_string(), "--warmup", &args.warmup.to_string()])
             .args(["--threads", &args.threads.to_string()])
-            .args(["--fp32-matmul", args.fp32_matmul.name()]),
+            .args(["--fp32-matmul", args.fp32_matmul.name()])
+            .args(args.trace.iter().flat_map(|dir| [std::ffi::OsStr::new("--trace"), dir.as_os_str()])),
         BASELINE,
     );
     let _ = std::fs::remove_dir_all(&dir);

@@ -6,14 +6,19 @@ attention with pair bias, MSA column attention, MSA transition, outer product me
 multiplication outgoing and incoming, triangle attention around the starting and ending node,
 pair transition), reading the same AlphaFold-named weights (`.npz`, one stacked block) and the
 same inputs as the Rust side. It first checks that its outputs equal the Rust block's (saved
-by the benchmark), then times forward and forward+backward.
+by the benchmark), then times forward and forward+backward. With `--trace DIR` it then profiles
+one forward+backward with torch.profiler: a table of its kernels by name (the host's operators
+on the CPU) on stderr, in the form of the Rust side's, and the Chrome trace in
+`DIR/eager-forward-backward.json`.
 
     python evoformer_baseline.py PARAMS.npz INPUTS.npz --device cpu --iters 3 --warmup 1
 prints one JSON line.
 """
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -126,6 +131,39 @@ def timed(fn, device, warmup, iters):
     return statistics.median(times)
 
 
+def traced(fn, device, path, title, top=25):
+    """`fn` once under torch.profiler: its events summed by name, largest first, as a markdown
+    table on stderr (GPU kernels where there are any, else host operators), after a line with
+    the wall time and the time they took; the Chrome trace at `path`."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.synchronize()
+    with torch.profiler.profile(activities=activities) as prof:
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    prof.export_chrome_trace(path)
+    events = prof.profiler.kineto_results.events()
+    gpu = [e for e in events if e.device_type() == torch.autograd.DeviceType.CUDA]
+    chosen = gpu or [e for e in events if e.device_type() == torch.autograd.DeviceType.CPU]
+    sums = {}
+    for e in chosen:
+        calls, ns = sums.get(e.name(), (0, 0))
+        sums[e.name()] = (calls + 1, ns + e.duration_ns())
+    busy = sum(ns for _, ns in sums.values()) * 1e-9
+    lines = [f"{title}: wall {wall * 1e3:.2f} ms, "
+             + (f"GPU busy {busy * 1e3:.2f} ms ({100 * busy / wall:.0f}%)" if gpu
+                else f"host operators {busy * 1e3:.2f} ms (nested operators each count their own time)"),
+             f"| {'kernel' if gpu else 'operator'} | calls | ms | share |", "|---|---:|---:|---:|"]
+    for name, (calls, ns) in sorted(sums.items(), key=lambda kv: (-kv[1][1], kv[0]))[:top]:
+        short = name[:100].replace("|", "/")
+        lines.append(f"| `{short}` | {calls} | {ns * 1e-6:.3f} | {100 * ns * 1e-9 / max(busy, 1e-300):.1f}% |")
+    print("\n" + "\n".join(lines), file=sys.stderr)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("params")
@@ -136,6 +174,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--fp32-matmul", choices=["tf32", "ieee"], default="tf32")
+    ap.add_argument("--trace")
     a = ap.parse_args()
     # The legacy switch keeps libtorch's two records of the setting in step (CUDA only).
     torch.backends.cuda.matmul.allow_tf32 = a.fp32_matmul == "tf32"
@@ -169,6 +208,9 @@ def main():
     out["forward_backward_ms"] = timed(forward_backward, device, a.warmup, a.iters)
     if device.type == "cuda":
         out["peak_bytes"] = torch.cuda.max_memory_allocated()
+    if a.trace:
+        traced(forward_backward, device, os.path.join(a.trace, "eager-forward-backward.json"),
+               "PyTorch eager, forward+backward, traced")
     print(json.dumps(out))
 
 
