@@ -311,7 +311,10 @@ bench() {
 # the card's use (issues 41 and 39): a stage of its own, since AlphaFold's compilation alone
 # takes minutes; run it in a call of its own when the device time allows.
 alphafold() {
-  item d1 versus-alphafold "fastfold predict beside DeepMind's AlphaFold, model_1_ptm sizes, 4 passes, fp32" 360 \
+  item d1 versus-alphafold-parity "fastfold predict beside DeepMind's AlphaFold, model_1_ptm sizes, one pass, both sides strict fp32 (parity)" 240 \
+    "$bin/bench-versus_alphafold" --device cuda --residues 256 --recycles 0 --fp32-matmul ieee
+  collect
+  item d1b versus-alphafold "fastfold predict beside DeepMind's AlphaFold, model_1_ptm sizes, 4 passes, fp32 (TF32 products, each side's default)" 360 \
     "$bin/bench-versus_alphafold" --device cuda --residues 256,1024 --recycles 3
   collect
   item d2 versus-alphafold-multimer "AlphaFold-Multimer 300 + 300 beside DeepMind's, full size, one pass, fp32" 300 \
