@@ -58,9 +58,11 @@ pack() {
   test_binaries kernels '' "$stage_dir/kernels"
   compgen -G "$stage_dir/tests/cuda-*" >/dev/null || { say "the CUDA file's test binary was not packed"; exit 1; }
   rm -f "$stage_dir"/kernels/{kernels,fallback}-* # the crate's unit tests and the fallbacks': CPU only
-  # The README's main job and the benchmarks in release, as users run them.
-  cargo build --locked --release -p vit
-  cp target/release/vit "$stage_dir/" && strip "$stage_dir/vit"
+  # The README's main job, `diffusion` (run as a user types it) and the benchmarks in release,
+  # as users run them.
+  cargo build --locked --release -p vit -p diffusion
+  local app
+  for app in vit diffusion; do cp "target/release/$app" "$stage_dir/" && strip "$stage_dir/$app"; done
   local spec exe
   for spec in "engine gemini" "fastfold evoformer" "fastfold predict" "diffusion finetune" "kernels kernels" \
     "fastfold versus_alphafold" "fastfold versus_alphafold_multimer"; do
@@ -176,7 +178,7 @@ provide_missing_libraries() {
   mkdir -p "$dir"
   export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$dir"
   for round in 1 2 3 4 5 6; do
-    missing="$(for exe in "$bin"/vit "$bin"/bench-* "$bin"/tests/* "$bin"/kernels/*; do ldd "$exe"; done 2>/dev/null |
+    missing="$(for exe in "$bin"/vit "$bin"/diffusion "$bin"/bench-* "$bin"/tests/* "$bin"/kernels/*; do ldd "$exe"; done 2>/dev/null |
       awk '/not found/{print $1}' | sort -u)"
     [ -n "$missing" ] || return 0
     for name in $missing; do
@@ -299,6 +301,21 @@ bench() {
   collect
   item c5 bench-finetune "SD 1.5 UNet fine-tuning at 512 px, fp16, under a 4 GiB cap, uncapped and diffusers" 240 \
     "$bin/bench-finetune" --device cuda --cap 4G --resolution 512 --batch 1 --precision fp16 --gradient-checkpointing
+  collect
+  # Issue 42 as a user types it: a full-size SD 1.5 folder with random weights (made by diffusers
+  # here), default flags and then the README's (--precision bf16), each run's card use from
+  # nvidia-smi every 100 ms beside the allocator's peaks in the step log.
+  item c5b diffusion-finetune-4g "diffusion finetune --model sd15/ --data imgs/ --gpu-mem 4G as typed, then --precision bf16 (issue 42): card and allocator peaks, s/step" 240 bash -c \
+    'set -e; "$2" "$3/apps/diffusion/benches/random_sd15.py" "$4/sd15" "$4/imgs"
+     for flags in "" "--precision bf16"; do
+       nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 >"$4/card.csv" & watch=$!
+       "$1" finetune --model "$4/sd15" --data "$4/imgs" --gpu-mem 4G $flags --steps 6 -o "$4/run" 2>&1 | grep -E "cap|final loss"
+       kill "$watch"
+       echo "flags [$flags]: card memory.used MiB at start $(head -n 1 "$4/card.csv"), peak $(sort -n "$4/card.csv" | tail -n 1)"
+       cat "$4/run/log.jsonl"; rm -rf "$4/run"
+     done
+     rm -rf "$4"' \
+    _ "$bin/diffusion" "$py" "$root" "$(dirname "$logs")/diffusion-4g"
   collect
   item c1 bench-kernels "fused kernels against their libtorch compositions, bf16" 90 "$bin/bench-kernels" --iters 20
   collect
