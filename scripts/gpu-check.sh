@@ -12,7 +12,9 @@
 # call: `run` with `carry: ["gpu-bin"]`, `bash scripts/gpu-check.sh all $OUT 520`, timeout_s
 # 580 (about 11 of the 15 minutes with the start). SECONDS (default 520) is a deadline for the
 # whole stage: items are ordered by what they prove, each gets at most what is left, and what
-# no longer fits is reported as not run.
+# no longer fits is reported as not run. A later call (the machine stays warm 30 s after one)
+# can run the rest: `GPU_CHECK_SKIP="c0 c2 ..." bash scripts/gpu-check.sh bench $OUT SECONDS`
+# skips the items named.
 # OUT/report.md (device, driver, versions, every command with its result and figures) grows
 # as items finish, and is printed at the end; OUT/logs.tar.gz holds every item's whole output,
 # OUT/traces.tar.gz the benchmarks' Chrome traces (Perfetto, chrome://tracing).
@@ -208,6 +210,8 @@ item() {
   local key="$1" name="$2" title="$3" limit="$4"
   shift 4
   local left=$((deadline - SECONDS - 5)) status log="$logs/$name.log"
+  # GPU_CHECK_SKIP="c0 c2 ...": items a call before this one has run already.
+  case " ${GPU_CHECK_SKIP:-} " in *" $key "*) return 0 ;; esac
   if [ "$left" -lt 20 ]; then
     printf '\n## %s: not run (the budget was spent)\n' "$title" >"$parts/$key"
     return 0
