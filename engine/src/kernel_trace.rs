@@ -70,6 +70,35 @@ impl KernelTrace {
     }
 }
 
+/// `region` run once under the profiler (kernels too with `cuda`): the table of its events
+/// ([`Events::table`], `title`, the `top` names) over its wall time, its Chrome trace written to
+/// `chrome`. `region` should end by waiting for the device, and the device should be idle
+/// before it, so that the wall time is the region's. A profiler that cannot start (a machine
+/// without CUPTI, say) or stop gives a line saying so in place of the table, so that a
+/// benchmark goes on without its trace (a region that exists to be traced is then not run); an
+/// error of `region` itself is returned.
+pub fn table_of<E>(
+    cuda: bool,
+    chrome: &Path,
+    title: &str,
+    top: usize,
+    region: impl FnOnce() -> std::result::Result<(), E>,
+) -> std::result::Result<String, E> {
+    let profiler = match KernelTrace::start(cuda) {
+        Ok(p) => p,
+        Err(e) => return Ok(format!("{title}: not traced ({e})")),
+    };
+    let start = std::time::Instant::now();
+    let ran = region();
+    let wall = start.elapsed().as_secs_f64();
+    let events = profiler.stop(Some(chrome));
+    ran?;
+    Ok(match events {
+        Ok(events) => events.table(title, wall, top),
+        Err(e) => format!("{title}: not traced ({e})"),
+    })
+}
+
 /// One line of the bridge's "<device>\t<ns>\t<name>".
 fn parse(line: &str) -> Option<Event> {
     let mut parts = line.splitn(3, '\t');
@@ -136,10 +165,14 @@ mod tests {
     use super::*;
     use tch::{Device, Kind, Tensor};
 
+    /// The profiler is the process's: one test at a time holds it.
+    static PROFILER: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
     // On the CPU the host's operators are traced; the GPU's kernels are checked by the
     // benchmarks that trace on a GPU.
     #[test]
     fn a_traced_product_shows_in_the_events_the_table_and_the_chrome_trace() {
+        let _turn = PROFILER.lock().unwrap_or_else(|e| e.into_inner());
         let dir = std::env::temp_dir().join(format!("kernel-trace-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let chrome = dir.join("trace.json");
@@ -158,6 +191,33 @@ mod tests {
         // Stopped, it can start again.
         KernelTrace::start(false).unwrap().stop(None).unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_region_is_traced_or_said_untraced_and_its_own_error_returned() {
+        let _turn = PROFILER.lock().unwrap_or_else(|e| e.into_inner());
+        let chrome = std::env::temp_dir().join(format!("kernel-trace-region-{}.json", std::process::id()));
+        let a = Tensor::ones([8, 8], (Kind::Float, Device::Cpu));
+        let table = table_of(false, &chrome, "region", 3, || -> Result<()> {
+            let _ = a.matmul(&a);
+            Ok(())
+        })
+        .unwrap();
+        assert!(table.starts_with("region: wall") && chrome.is_file(), "{table}");
+        std::fs::remove_file(&chrome).unwrap();
+        // A profiler already running: the region is not run, and the table says why.
+        let running = KernelTrace::start(false).unwrap();
+        let mut ran = false;
+        let table = table_of(false, &chrome, "second", 3, || -> Result<()> {
+            ran = true;
+            Ok(())
+        });
+        running.stop(None).unwrap();
+        let table = table.unwrap();
+        assert!(!ran && table.starts_with("second: not traced (") && table.contains("already running"), "{table}");
+        let failed = table_of(false, &chrome, "failing", 3, || -> Result<()> { Err(Error::Invalid("boom".into())) });
+        assert!(failed.unwrap_err().to_string().contains("boom"));
+        let _ = std::fs::remove_file(&chrome);
     }
 
     #[test]

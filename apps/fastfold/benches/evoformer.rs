@@ -107,13 +107,10 @@ fn trace(
     f: impl FnOnce() -> anyhow::Result<()>,
 ) -> anyhow::Result<String> {
     sync(device)?;
-    let profiler = engine::kernel_trace::KernelTrace::start(device != Device::Cpu)?;
-    let start = Instant::now();
-    f()?;
-    sync(device)?;
-    let wall = start.elapsed().as_secs_f64();
-    let events = profiler.stop(Some(path))?;
-    Ok(events.table(&format!("ours, {title}, traced"), wall, 25))
+    engine::kernel_trace::table_of(device != Device::Cpu, path, &format!("ours, {title}, traced"), 25, || {
+        f()?;
+        sync(device)
+    })
 }
 
 fn main() -> anyhow::Result<()> {

@@ -162,15 +162,15 @@ fn main() -> anyhow::Result<()> {
         println!("| {n} | {seconds:.1} | {} | {} | {} |", mib(peak), mib(card), mib(planned));
         if let (Some(dir), None) = (&args.trace, &traced) {
             std::fs::create_dir_all(dir)?;
-            let profiler = engine::kernel_trace::KernelTrace::start(device.is_cuda())?;
-            let start = Instant::now();
-            tch::no_grad(|| model.predict(&features, 0, kind, &exec, None))?;
-            if let tch::Device::Cuda(d) = device {
-                engine::cuda::synchronize(d)?;
-            }
-            let wall = start.elapsed().as_secs_f64();
-            let events = profiler.stop(Some(&dir.join(format!("predict-{n}.json"))))?;
-            traced = Some(events.table(&format!("ours, one pass at {n} residues, traced"), wall, 30));
+            let (chrome, title) =
+                (dir.join(format!("predict-{n}.json")), format!("ours, one pass at {n} residues, traced"));
+            traced = Some(engine::kernel_trace::table_of(device.is_cuda(), &chrome, &title, 30, || {
+                tch::no_grad(|| model.predict(&features, 0, kind, &exec, None))?;
+                if let tch::Device::Cuda(d) = device {
+                    engine::cuda::synchronize(d)?;
+                }
+                anyhow::Ok(())
+            })?);
         }
     }
     for p in plans {

@@ -383,13 +383,11 @@ fn measure_ours(
     let trace = match &args.trace {
         Some(dir) => {
             std::fs::create_dir_all(dir).with_context(|| format!("--trace {}", dir.display()))?;
-            let profiler = engine::kernel_trace::KernelTrace::start(device.is_cuda())?;
-            let start = Instant::now();
-            trainer.step(&images, &labels)?;
-            synchronize(device)?;
-            let wall = start.elapsed().as_secs_f64();
-            let events = profiler.stop(Some(&dir.join("vit-step.json")))?;
-            Some(events.table("ours, one step, traced", wall, 25))
+            let chrome = dir.join("vit-step.json");
+            Some(engine::kernel_trace::table_of(device.is_cuda(), &chrome, "ours, one step, traced", 25, || {
+                trainer.step(&images, &labels)?;
+                synchronize(device)
+            })?)
         }
         None => None,
     };
