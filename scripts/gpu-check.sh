@@ -67,7 +67,7 @@ pack() {
   for app in vit diffusion; do cp "target/release/$app" "$stage_dir/" && strip "$stage_dir/$app"; done
   local spec exe
   for spec in "engine gemini" "fastfold evoformer" "fastfold predict" "diffusion finetune" "kernels kernels" \
-    "fastfold versus_alphafold" "fastfold versus_alphafold_multimer"; do
+    "fastfold versus_alphafold" "fastfold versus_alphafold_multimer" "vit auto"; do
     set -- $spec
     exe="$(cargo bench --locked -p "$1" --bench "$2" --no-run --message-format=json 2>/dev/null |
       sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1)"
@@ -303,6 +303,15 @@ bench() {
      cat "$4/run/metrics.jsonl"; rm -rf "$4"' \
     _ "$bin/vit" "$py" "$root" "$(dirname "$logs")/vit-32k"
   collect
+  # Issue 40's GPU row: every one-device layout of ViT-B/16 bf16 that the planner says fits 16
+  # GiB (micro-batches and checkpointed blocks its choice), predicted beside measured.
+  item c3c bench-auto "vit --parallel auto against every layout, ViT-B/16 bf16 at batch 1024 on one GPU planned for 16 GiB (issue 40)" 180 bash -c \
+    'set -e; "$2" "$3/apps/vit/benches/synthetic_h5.py" "$4/images.h5" --images 2048 --size 224
+     "$1" --nproc 1 --device cuda --model vit_base_patch16_224 --precision bf16 --batch 1024 --memory-mib 16384 \
+       --warmup-steps 2 --measured-steps 5 --data "$4/images.h5" --val-fraction 0 --workers 14
+     rm -rf "$4"' \
+    _ "$bin/bench-auto" "$py" "$root" "$(dirname "$logs")/vit-auto"
+  collect
   item c5 bench-finetune "SD 1.5 UNet fine-tuning at 512 px, fp16, under a 4 GiB cap, uncapped and diffusers" 240 \
     "$bin/bench-finetune" --device cuda --cap 4G --resolution 512 --batch 1 --precision fp16 --gradient-checkpointing
   collect
@@ -313,10 +322,14 @@ bench() {
     'set -e; "$2" "$3/apps/diffusion/benches/random_sd15.py" "$4/sd15" "$4/imgs"
      for flags in "" "--precision bf16"; do
        nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 >"$4/card.csv" & watch=$!
-       "$1" finetune --model "$4/sd15" --data "$4/imgs" --gpu-mem 4G $flags --steps 6 -o "$4/run" 2>&1 | grep -E "cap|final loss"
-       kill "$watch"
-       echo "flags [$flags]: card memory.used MiB at start $(head -n 1 "$4/card.csv"), peak $(sort -n "$4/card.csv" | tail -n 1)"
-       cat "$4/run/log.jsonl"; rm -rf "$4/run"
+       trap "kill $watch 2>/dev/null" EXIT
+       status=0
+       "$1" finetune --model "$4/sd15" --data "$4/imgs" --gpu-mem 4G $flags --steps 6 -o "$4/run" >"$4/run.log" 2>&1 || status=$?
+       kill "$watch"; trap - EXIT
+       grep -E "cap|final loss|rror" "$4/run.log" || true
+       echo "flags [$flags]: exit $status, card memory.used MiB at start $(head -n 1 "$4/card.csv"), peak $(sort -n "$4/card.csv" | tail -n 1)"
+       cat "$4/run/log.jsonl" 2>/dev/null || true; rm -rf "$4/run"
+       [ "$status" -eq 0 ] || exit "$status"
      done
      rm -rf "$4"' \
     _ "$bin/diffusion" "$py" "$root" "$(dirname "$logs")/diffusion-4g"

@@ -1,10 +1,10 @@
-//! The automatic planner against the manual layouts: for `vit pretrain` on `--nproc` CPU ranks,
-//! every layout vit can run that the planner says fits (dp/tp/sp/pp sizes, tensor-parallel
-//! mode and ZeRO stage; for each, the micro-batches and checkpointed blocks the planner
-//! prices fastest, and the `--parallel auto` plan itself) trains a few steps in one job, and
-//! each prints the planner's predicted step time and peak memory per device beside the
-//! measured ones (the model's error), then the `--parallel auto` plan's measured step time over
-//! the best manual layout's.
+//! The automatic planner against the manual layouts: for `vit pretrain` on `--nproc` ranks (CPU
+//! ranks, or with `--device cuda` a GPU each), every layout vit can run that the planner says
+//! fits (dp/tp/sp/pp sizes, tensor-parallel mode and ZeRO stage; for each, the micro-batches
+//! and checkpointed blocks the planner prices fastest, and the `--parallel auto` plan itself)
+//! trains a few steps in one job, and each prints the planner's predicted step time and peak
+//! memory per device beside the measured ones (the model's error), then the `--parallel auto`
+//! plan's measured step time over the best manual layout's.
 //!
 //! `--repeat-digits N` trains on the embedded digits repeated to N images (an HDF5 file in the
 //! temporary folder, removed at the end): for batches larger than the digits' 1,500.
@@ -17,10 +17,11 @@
 //! the same layout `--parallel auto` trains with ([`vit::layout::Layout::from_plan`]). Step time: the median
 //! of the measured steps (after the warm-up steps) on rank 0; each step ends in an all-reduce
 //! of the loss, so the ranks leave it together. Peak memory: the engine's host allocator
-//! counter (bytes held by tensors: weights, gradients, optimizer state, activations, message
-//! buffers) over the measured steps, the largest over the ranks. The prediction is for the
-//! cluster given with --cluster, else for the default one with this machine's matmul FLOP/s
-//! and link latency and bandwidth measured by the ranks first, as `--parallel auto` does.
+//! counter on the CPU, the caching allocator's on a GPU (bytes held by tensors: weights,
+//! gradients, optimizer state, activations, message buffers) over the measured steps, the
+//! largest over the ranks. The prediction is for the cluster given with --cluster, else for
+//! the default one with this machine's matmul FLOP/s (on a GPU, the GPU's) and link latency
+//! and bandwidth measured by the ranks first, as `--parallel auto` does.
 use std::time::Instant;
 
 use anyhow::Context;
@@ -97,13 +98,13 @@ struct Row {
 /// for each layout and ZeRO stage the one it prices fastest, and its overall choice; with
 /// their estimates and where the cluster's figures come from (a collective: the ranks measure
 /// the machine together unless --cluster is given).
-fn layouts(args: &PretrainArgs, memory_mib: Option<f64>, world: &World) -> anyhow::Result<Layouts> {
+fn layouts(args: &PretrainArgs, memory_mib: Option<f64>, world: &World, device: Device) -> anyhow::Result<Layouts> {
     let nproc = world.size();
-    let (mut cluster, line) = vit::plan::cluster(args, nproc, Some(&world.group), Device::Cpu)?;
+    let (mut cluster, line) = vit::plan::cluster(args, nproc, Some(&world.group), device)?;
     if let Some(mib) = memory_mib {
         cluster.memory_bytes = mib * (1u64 << 20) as f64;
     }
-    let Choice { cfg, model, solution } = choose(args, nproc, &cluster, Device::Cpu, Some(&world.group))?;
+    let Choice { cfg, model, solution } = choose(args, nproc, &cluster, device, Some(&world.group))?;
     let mut fastest = std::collections::BTreeMap::new();
     for plan in plans(&model, nproc, &|p| runs(&cfg, p, args.batch)) {
         let e = estimate(&model, &cluster, &plan)?;
@@ -136,6 +137,29 @@ struct Layouts {
     depth: usize,
 }
 
+/// The peak a layout is measured by: the host allocator's on the CPU, the caching allocator's
+/// bytes in tensors on a GPU (what the planner's memory model counts, either way).
+struct Peak {
+    device: Device,
+}
+
+impl Peak {
+    fn reset(&self) -> anyhow::Result<()> {
+        match self.device {
+            Device::Cuda(d) => engine::cuda::reset_peak_stats(d)?,
+            _ => engine::host_memory::reset_peak()?,
+        }
+        Ok(())
+    }
+
+    fn bytes(&self) -> anyhow::Result<f64> {
+        Ok(match self.device {
+            Device::Cuda(d) => engine::cuda::memory_stats(d)?.peak_allocated as f64,
+            _ => engine::host_memory::stats()?.peak as f64,
+        })
+    }
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     let n = v.len();
@@ -154,7 +178,9 @@ fn rank_main(args: &Args, out: &std::path::Path) -> anyhow::Result<()> {
     if let Ok(path) = std::env::var(DATA_ENV) {
         pretrain.data.data = Some(path.into());
     }
-    let Layouts { cases, auto, cluster, depth } = layouts(&pretrain, args.memory_mib, &world)?;
+    let device = pretrain.job.launch.device.device.device(world.rank(), world.size())?;
+    let memory = Peak { device };
+    let Layouts { cases, auto, cluster, depth } = layouts(&pretrain, args.memory_mib, &world, device)?;
     if world.rank() == 0 {
         eprintln!("[bench] {} layouts fit; the planner's choice: {auto}\n[bench] {cluster}", cases.len());
     }
@@ -169,7 +195,7 @@ fn rank_main(args: &Args, out: &std::path::Path) -> anyhow::Result<()> {
         for _ in 0..args.warmup_steps {
             trainer.step()?;
         }
-        engine::host_memory::reset_peak()?;
+        memory.reset()?;
         let mut times = Vec::new();
         let mut loss = f64::NAN;
         for _ in 0..args.measured_steps {
@@ -177,7 +203,7 @@ fn rank_main(args: &Args, out: &std::path::Path) -> anyhow::Result<()> {
             loss = trainer.step()?.record.loss;
             times.push(start.elapsed().as_secs_f64());
         }
-        let peak = Tensor::from_slice(&[engine::host_memory::stats()?.peak as f64]);
+        let peak = Tensor::from_slice(&[memory.bytes()?]);
         world.group.all_reduce(&peak, ReduceOp::Max)?;
         drop(trainer);
         let row = Row { plan, predicted, step_s: median(times), peak_bytes: peak.double_value(&[0]), loss };
@@ -205,10 +231,14 @@ fn error(predicted: f64, measured: f64) -> f64 {
 fn table(args: &Args, nproc: usize, rows: &[Row], auto: &Plan) -> anyhow::Result<String> {
     let a = &args.pretrain;
     let mut s = format!(
-        "\nViT on {nproc} CPU ranks ({} thread(s) each), global batch {}, {} layouts that the planner says fit; \
+        "\nViT on {nproc} {} ({} thread(s) each), global batch {}, {} layouts that the planner says fit; \
          median of {} steps after {} warm-up steps\n\n\
          | layout | predicted step (ms) | measured step (ms) | time error | predicted memory (MiB) | measured peak \
          (MiB) | memory error | loss |\n|---|---|---|---|---|---|---|---|\n",
+        match a.job.launch.device.device.resolve() {
+            engine::device::DeviceKind::Cuda => "GPU rank(s)",
+            _ => "CPU ranks",
+        },
         args.threads,
         a.batch,
         rows.len(),
