@@ -23,8 +23,7 @@ use std::time::Instant;
 
 use anyhow::{ensure, Context};
 use clap::Parser;
-use common::{cells, AlphaFoldAtoms, Figures, OurDevice, Sides};
-use engine::device::DeviceKind;
+use common::{cells, AlphaFoldAtoms, Figures, OurDevice, Sides, TABLE_HEAD};
 use fastfold::features::Features;
 use fastfold::model::alphafold::AlphaFold;
 use fastfold::model::{Exec, Params};
@@ -58,18 +57,9 @@ fn main() -> anyhow::Result<()> {
         "model_1_ptm full sizes, random parameters, single-sequence features processed by AlphaFold, \
          {} passes, fp32, {}",
         args.recycles + 1,
-        match args.sides.device.resolve() {
-            DeviceKind::Cuda => {
-                format!("GPU (fp32 products {}; the peaks are the card's use)", args.sides.fp32_matmul.name())
-            }
-            _ => format!("CPU ({} threads)", tch::get_num_threads()),
-        }
+        args.sides.place()
     );
-    println!(
-        "\n| residues | AlphaFold s (first, with jit) | ours s | AlphaFold / ours | AlphaFold peak MiB | ours peak MiB | \
-         max atom difference Å |"
-    );
-    println!("|---:|---:|---:|---:|---:|---:|---:|");
+    println!("\n{TABLE_HEAD}");
     for &n in &args.residues {
         let dir = std::env::temp_dir().join(format!("versus-alphafold-{}-{n}", std::process::id()));
         let result = compare(&args, n, &dir);

@@ -30,10 +30,9 @@ use std::time::Instant;
 
 use anyhow::{ensure, Context};
 use clap::Parser;
-use common::{cells, AlphaFoldAtoms, Figures, OurDevice, Sides};
+use common::{cells, AlphaFoldAtoms, Figures, OurDevice, Sides, TABLE_HEAD};
 use data::a3m::Msa;
 use data::fasta::FastaRecord;
-use engine::device::DeviceKind;
 use engine::parallel::dap::Dap;
 use fastfold::features::RawFeatures;
 use fastfold::model::multimer::{network_key, MultimerAlphaFold, MultimerInputs, MULTIMER_STRUCTURE_ITERATIONS};
@@ -124,18 +123,9 @@ fn main() -> anyhow::Result<()> {
         lengths.join("+"),
         msa_rows,
         args.recycles + 1,
-        match args.sides.device.resolve() {
-            DeviceKind::Cuda => {
-                format!("GPU (fp32 products {}; the peaks are the card's use)", args.sides.fp32_matmul.name())
-            }
-            _ => format!("CPU ({} threads)", tch::get_num_threads()),
-        }
+        args.sides.place()
     );
-    println!(
-        "\n| residues | AlphaFold s (first, with jit) | ours s | AlphaFold / ours | AlphaFold peak MiB | ours peak MiB | \
-         max atom difference Å |"
-    );
-    println!("|---|---:|---:|---:|---:|---:|---:|");
+    println!("\n{TABLE_HEAD}");
     println!("| {} | {} | {diff:.2e} |", lengths.join(" + "), cells(&theirs, first, &mine));
     Ok(())
 }

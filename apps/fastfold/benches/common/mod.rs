@@ -37,6 +37,23 @@ pub struct Sides {
     pub bench: bool,
 }
 
+impl Sides {
+    /// Where both sides run, for the table's title: the CPU's threads, or the GPU's products.
+    pub fn place(&self) -> String {
+        match self.device.resolve() {
+            DeviceKind::Cuda => {
+                format!("GPU (fp32 products {}; the peaks are the card's use)", self.fp32_matmul.name())
+            }
+            _ => format!("CPU ({} threads)", tch::get_num_threads()),
+        }
+    }
+}
+
+/// The head of the table whose rows are a length's cell, [`cells`] and the atom difference.
+pub const TABLE_HEAD: &str =
+    "| residues | AlphaFold s (first, with jit) | ours s | AlphaFold / ours | AlphaFold peak MiB \
+                              | ours peak MiB | max atom difference Å |\n|---:|---:|---:|---:|---:|---:|---:|";
+
 /// One side's figures.
 pub struct Figures {
     pub seconds: f64,
