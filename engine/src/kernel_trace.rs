@@ -12,9 +12,7 @@ use crate::ffi::{self, check};
 use crate::{Error, Result};
 
 /// A running profiler; at most one at a time in a process.
-pub struct KernelTrace {
-    cuda: bool,
-}
+pub struct KernelTrace(());
 
 /// Which side an event ran on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -43,12 +41,7 @@ impl KernelTrace {
     /// Starts profiling the host's operators and, with `cuda`, the GPU's kernels.
     pub fn start(cuda: bool) -> Result<KernelTrace> {
         check(unsafe { ffi::eng_kernel_trace_start(i32::from(cuda)) }, || "starting the profiler".into())?;
-        Ok(KernelTrace { cuda })
-    }
-
-    /// Whether the GPU's kernels are being traced.
-    pub fn traces_cuda(&self) -> bool {
-        self.cuda
+        Ok(KernelTrace(()))
     }
 
     /// Stops profiling: the events, and the Chrome trace written to `chrome` if given.

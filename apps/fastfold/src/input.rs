@@ -293,7 +293,8 @@ impl ChunkArgs {
     }
 
     /// [`ChunkArgs::setup`] with DAP over `dap` in place of the whole job (`fastfold train`'s
-    /// groups: see [`crate::train_parallel`]).
+    /// groups: see [`crate::train_parallel`]). Sets the process's fp32 products as
+    /// `--fp32-matmul` says ([`engine::fp32_matmul::set`]).
     pub fn setup_with(
         &self,
         launch: &LaunchArgs,
