@@ -241,7 +241,9 @@ fn gemini_prefetch_overlaps_the_copy_with_compute() {
 }
 
 /// A bf16 payload prefetched from its fp32 host home stages the home on the device while the
-/// side stream casts it. A prefetch goes ahead only when payload and staged copy both fit the
+/// side stream casts it, when the home's bf16 upload copy is stale (homes written outside the
+/// optimizer: a checkpoint loaded, a shadow swapped in; a fresh upload copy crosses as it is and
+/// stages nothing). A prefetch goes ahead only when payload and staged copy both fit the
 /// budget; else it evicts nothing and the chunk loads at its access (converting on the host),
 /// so the allocator's peak stays within the budget either way.
 #[test]
@@ -256,6 +258,8 @@ fn gemini_prefetch_leaves_room_for_its_staged_copy() {
         let params = two_params(NUMEL);
         let expected: Vec<Tensor> = params.iter().map(|p| p.tensor.detach().to_kind(Kind::BFloat16)).collect();
         let mut m = two_chunks_recorded(&params, device, budget, Kind::BFloat16);
+        assert_eq!(m.staging_bytes(), 0, "fresh upload copies cross as they are");
+        m.homes_changed().unwrap();
         assert_eq!(m.staging_bytes(), staged);
         cuda::synchronize(dev).unwrap();
         let start = cuda::memory_stats(dev).unwrap().allocated;

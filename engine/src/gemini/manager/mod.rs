@@ -493,7 +493,7 @@ impl ChunkManager {
     /// The homes were written outside the optimizer (a checkpoint loaded, a shadow swapped in):
     /// the upload copies are stale until the next step writes them, and resident payloads hold
     /// the old values, so they are freed.
-    pub(crate) fn homes_changed(&mut self) -> Result<()> {
+    pub fn homes_changed(&mut self) -> Result<()> {
         for ch in &mut self.chunks {
             ch.upload_fresh = false;
         }
