@@ -63,14 +63,15 @@ pub struct Figures {
 impl Figures {
     /// AlphaFold's figures (and its first, compiling, call's seconds) from the last JSON line
     /// of `script` run by the sides' Python with `args`, JAX held to their device (so that a
-    /// missing GPU is an error, not a silent CPU run) and, on a GPU, growing its memory as it
+    /// missing GPU is an error, not a silent CPU run; on a GPU the CPU backend too, on which
+    /// AlphaFold's feature pipeline draws its random numbers) and, on a GPU, growing its memory as it
     /// needs it rather than taking most of the card at start, so that its peak is its use; its
     /// fp32 products at `highest` under `--fp32-matmul ieee`.
     pub fn alphafold(sides: &Sides, script: &str, args: &[&OsStr]) -> anyhow::Result<(Figures, f64)> {
         let mut command = Command::new(&sides.python);
         command.arg(script).args(args);
         match sides.device.resolve() {
-            DeviceKind::Cuda => command.env("JAX_PLATFORMS", "cuda").env("XLA_PYTHON_CLIENT_PREALLOCATE", "false"),
+            DeviceKind::Cuda => command.env("JAX_PLATFORMS", "cuda,cpu").env("XLA_PYTHON_CLIENT_PREALLOCATE", "false"),
             _ => command.env("JAX_PLATFORMS", "cpu"),
         };
         if sides.fp32_matmul == Fp32Matmul::Ieee {
