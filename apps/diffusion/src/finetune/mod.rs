@@ -296,6 +296,9 @@ pub struct Trainer<'a> {
     device: Device,
     /// The average of the UNet's weights (`--use-ema`).
     ema: Option<Ema>,
+    /// The frozen parts resident on the device and their bytes (what an out-of-memory step's
+    /// error names).
+    resident: Vec<resident::Part>,
     step: usize,
 }
 
@@ -313,7 +316,7 @@ impl<'a> Trainer<'a> {
         // the rest.
         let cap = match cap {
             Some(b) => {
-                match cap_process_memory(device, b).with_context(|| format!("--gpu-mem {}", human(b as usize)))? {
+                match cap_process_memory(device, b, true).with_context(|| format!("--gpu-mem {}", human(b as usize)))? {
                     Some(split) => {
                         if world.rank() == 0 {
                             eprintln!("{split}");
@@ -356,7 +359,7 @@ impl<'a> Trainer<'a> {
         }
         sd.unet.set_gradient_checkpointing(args.gradient_checkpointing);
         let ddpm = DdpmScheduler::new(sd.scheduler.config(SchedulerClass::Ddpm)?);
-        let training = parallelize(&mut sd, args, world, device, cap, resident)?;
+        let training = parallelize(&mut sd, args, world, device, cap, resident.clone())?;
         let ema = match (&training, args.use_ema) {
             (UnetTraining::Gemini { gemini, .. }, true) => {
                 Some(Ema::new(gemini, EmaConfig::diffusers(args.ema_decay))?)
@@ -379,6 +382,7 @@ impl<'a> Trainer<'a> {
             device,
             sd,
             ema,
+            resident,
             step: 0,
         })
     }
@@ -539,10 +543,15 @@ pub fn run(args: &FinetuneArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
     let progress = engine::progress::progress_bar(rank == 0 && !args.job.quiet, args.steps, first - 1);
     let every = |n: usize, step: usize| n > 0 && step.is_multiple_of(n);
     for step in first..=args.steps {
-        // A step that does not fit names the cap it ran under.
-        let entry = trainer.step().with_context(|| match &args.gpu_mem {
-            Some(cap) => format!("step {step} under --gpu-mem {cap}"),
-            None => format!("step {step}"),
+        // A step that does not fit names the cap it ran under and what would make it fit.
+        let entry = trainer.step().map_err(|e| match &args.gpu_mem {
+            Some(cap) if resident::is_out_of_memory(&e) => {
+                let kind = args.precision.precision.kind();
+                let hint = resident::out_of_memory_hint(&trainer.resident, kind, args.gradient_checkpointing);
+                e.context(format!("step {step} ran out of the device memory --gpu-mem {cap} allows: {hint}"))
+            }
+            Some(cap) => e.context(format!("step {step} under --gpu-mem {cap}")),
+            None => e.context(format!("step {step}")),
         })?;
         if let Some(m) = metrics.as_mut() {
             m.write(&entry)?;

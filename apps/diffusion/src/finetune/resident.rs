@@ -4,6 +4,7 @@
 use anyhow::bail;
 use engine::gemini::human;
 use tch::nn::VarStore;
+use tch::Kind;
 
 /// A resident part's name and its bytes on the device.
 pub type Part = (&'static str, usize);
@@ -30,9 +31,52 @@ pub fn budget_after(cap: u64, parts: &[Part]) -> anyhow::Result<u64> {
     Ok(cap - resident as u64)
 }
 
+/// What a step that ran out of the device memory `--gpu-mem` left it can change: the frozen
+/// `parts`' share, then the flags that shrink the other two (Gemini's chunks on the device and
+/// the activations), those not already given. On a GPU the cap is the allocator's, so a step
+/// that needs more fails inside libtorch; this says why in the app's terms.
+pub fn out_of_memory_hint(parts: &[Part], kind: Kind, checkpointing: bool) -> String {
+    let resident: usize = parts.iter().map(|&(_, b)| b).sum();
+    let list: Vec<String> = parts.iter().map(|&(name, b)| format!("{name} {}", human(b))).collect();
+    let mut fixes = vec![];
+    if kind == Kind::Float {
+        fixes.push("--precision bf16 (or fp16) halves the frozen parts, the UNet's chunks on the device and the activations");
+    }
+    if !checkpointing {
+        fixes.push("--gradient-checkpointing keeps only each UNet block's inputs for the backward");
+    }
+    fixes.push("a smaller --micro-batch or --resolution shrinks the activations");
+    format!(
+        "the frozen parts take {} of it ({}) in {kind:?}, the UNet's chunks and the activations shared the rest; {}",
+        human(resident),
+        list.join(", "),
+        fixes.join("; ")
+    )
+}
+
+/// Whether `err` (any cause in its chain) is libtorch's out-of-memory error.
+pub fn is_out_of_memory(err: &anyhow::Error) -> bool {
+    err.chain().any(|cause| cause.to_string().contains("out of memory"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_out_of_memory_step_names_the_flags_not_given() {
+        let parts = [("text encoder", 470 << 20), ("VAE", 320 << 20)];
+        let fp32 = out_of_memory_hint(&parts, Kind::Float, false);
+        for needle in ["790.0 MiB", "text encoder 470.0 MiB", "VAE 320.0 MiB", "--precision bf16", "--gradient-checkpointing"] {
+            assert!(fp32.contains(needle), "{needle:?} in {fp32}");
+        }
+        let lean = out_of_memory_hint(&parts, Kind::BFloat16, true);
+        assert!(!lean.contains("--precision") && !lean.contains("--gradient-checkpointing"), "{lean}");
+        assert!(lean.contains("--micro-batch"), "{lean}");
+        let oom = anyhow::anyhow!("CUDA out of memory. Tried to allocate 122.00 MiB").context("backward");
+        assert!(is_out_of_memory(&oom));
+        assert!(!is_out_of_memory(&anyhow::anyhow!("no images")));
+    }
 
     #[test]
     fn the_budget_is_what_the_resident_parts_leave() {
