@@ -40,7 +40,9 @@ pub fn out_of_memory_hint(parts: &[Part], kind: Kind, checkpointing: bool) -> St
     let list: Vec<String> = parts.iter().map(|&(name, b)| format!("{name} {}", human(b))).collect();
     let mut fixes = vec![];
     if kind == Kind::Float {
-        fixes.push("--precision bf16 (or fp16) halves the frozen parts, the UNet's chunks on the device and the activations");
+        fixes.push(
+            "--precision bf16 (or fp16) halves the frozen parts, the UNet's chunks on the device and the activations",
+        );
     }
     if !checkpointing {
         fixes.push("--gradient-checkpointing keeps only each UNet block's inputs for the backward");
@@ -67,7 +69,9 @@ mod tests {
     fn an_out_of_memory_step_names_the_flags_not_given() {
         let parts = [("text encoder", 470 << 20), ("VAE", 320 << 20)];
         let fp32 = out_of_memory_hint(&parts, Kind::Float, false);
-        for needle in ["790.0 MiB", "text encoder 470.0 MiB", "VAE 320.0 MiB", "--precision bf16", "--gradient-checkpointing"] {
+        for needle in
+            ["790.0 MiB", "text encoder 470.0 MiB", "VAE 320.0 MiB", "--precision bf16", "--gradient-checkpointing"]
+        {
             assert!(fp32.contains(needle), "{needle:?} in {fp32}");
         }
         let lean = out_of_memory_hint(&parts, Kind::BFloat16, true);
