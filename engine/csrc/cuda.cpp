@@ -158,6 +158,15 @@ char* eng_cuda_set_memory_fraction(double fraction, int device) {
   })
 }
 
+// The caching allocator's settings, as PYTORCH_CUDA_ALLOC_CONF spells them
+// ("expandable_segments:True"); they apply to the segments reserved after the call.
+char* eng_cuda_set_allocator_settings(const char* settings) {
+  ENG_PROTECT({
+    require_cuda();
+    c10::CachingAllocator::setAllocatorSettings(settings);
+  })
+}
+
 // A copy of CPU tensor `t` in page-locked memory. tch's pin_memory always passes a device,
 // which libtorch 2.11 answers with a deprecation warning on every call.
 char* eng_cuda_pin_memory(at::Tensor* t, at::Tensor** out) {

@@ -218,6 +218,16 @@ pub fn set_memory_cap(bytes: u64, device: usize) -> Result<()> {
     set_memory_fraction(bytes as f64 / total as f64, device)
 }
 
+/// Sets the caching allocator's options, as `PYTORCH_CUDA_ALLOC_CONF` spells them
+/// (`expandable_segments:True`); they apply to what it reserves after the call.
+pub fn set_allocator_settings(settings: &str) -> Result<()> {
+    let c = std::ffi::CString::new(settings)
+        .map_err(|_| Error::invalid(format!("allocator settings {settings:?} hold a NUL byte")))?;
+    cuda_check(unsafe { ffi::eng_cuda_set_allocator_settings(c.as_ptr()) }, || {
+        format!("setting the CUDA allocator's options to {settings:?}")
+    })
+}
+
 /// Returns cached, unused blocks to the driver.
 pub fn empty_cache() -> Result<()> {
     cuda_check(unsafe { ffi::eng_cuda_empty_cache() }, || "emptying the CUDA cache".into())

@@ -171,6 +171,7 @@ extern "C" {
     pub fn eng_cuda_reset_peak_stats(device: c_int) -> *mut c_char;
     pub fn eng_cuda_set_memory_fraction(fraction: f64, device: c_int) -> *mut c_char;
     pub fn eng_cuda_empty_cache() -> *mut c_char;
+    pub fn eng_cuda_set_allocator_settings(settings: *const c_char) -> *mut c_char;
     pub fn eng_cuda_mem_get_info(device: c_int, free: *mut i64, total: *mut i64) -> *mut c_char;
 
     // storage.cpp

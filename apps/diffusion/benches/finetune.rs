@@ -184,7 +184,7 @@ fn ours(args: &Args, mode: Mode) -> anyhow::Result<Measured> {
     // context and libraries leave of it.
     let mut budget = cap;
     if capped {
-        if let Some(split) = cap_process_memory(device, cap)? {
+        if let Some(split) = cap_process_memory(device, cap, true)? {
             eprintln!("{split}");
             budget = split.allocator;
         }

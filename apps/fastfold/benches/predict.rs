@@ -48,7 +48,9 @@ struct Args {
     /// Rows of a synthetic alignment (1: the single sequence).
     #[arg(long, default_value_t = 1)]
     msa_rows: usize,
-    /// A memory budget (`2.2G`): each length's chunks from `fastfold predict`'s plan for it.
+    /// A memory budget (`3G`): each length's chunks from `fastfold predict`'s plan for it; on a
+    /// GPU the whole process's cap, as `fastfold predict --gpu-mem` takes it (the CUDA context
+    /// and libraries measured at the start, the plan given the rest).
     #[arg(long, conflicts_with = "chunk_size")]
     gpu_mem: Option<String>,
     /// Chunk size of the memory-heavy steps.
@@ -81,6 +83,17 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let device = args.device.device(0, 1)?;
     engine::fp32_matmul::set(args.fp32_matmul)?;
+    // Before anything is allocated, as `fastfold predict` caps the process.
+    let budget = match args.gpu_mem.as_deref().map(engine::gemini::parse_bytes).transpose()? {
+        Some(cap) => match engine::gemini::cap_process_memory(device, cap, false)? {
+            Some(split) => {
+                println!("{split}");
+                Some(split.allocator)
+            }
+            None => Some(cap),
+        },
+        None => None,
+    };
     let kind = if args.bf16 { Kind::BFloat16 } else { Kind::Float };
     let params = Params::random_model(&EvoformerConfig::default(), &ModelConfig::default(), 0)?;
     let backend = kernels::Backend::resolve(args.kernels, device)?;
@@ -88,7 +101,6 @@ fn main() -> anyhow::Result<()> {
     let model = AlphaFold::new(&params)?;
     let param_bytes = memory::bytes_of(params.iter().map(|(_, t)| t));
     let exec = Exec::new(Dap::none(), args.chunk_size);
-    let budget = args.gpu_mem.as_deref().map(engine::gemini::parse_bytes).transpose()?;
     println!(
         "predict, {}, model_1_ptm sizes (random weights), {} recycles, {} on {device:?}, kernels {backend:?}{}{}",
         match args.msa_rows {

@@ -265,7 +265,9 @@ pub struct ChunkArgs {
     pub chunk_size: Option<i64>,
     /// Memory budget of a prediction (`80G`, `3GiB`): each chunked operation's chunk size is
     /// chosen from the inference memory profile to fit it, none chunked where it allows
-    /// (default on a GPU: the device's free memory at the start; on the CPU: no plan).
+    /// (default on a GPU: the device's free memory at the start; on the CPU: no plan). On a
+    /// GPU it caps the whole process, as `nvidia-smi` counts it: what the CUDA context and
+    /// libraries hold is measured at the start and the plan gets the rest.
     #[arg(long, visible_alias = "memory-budget", value_parser = |s: &str| engine::gemini::parse_bytes(s).map_err(|e| e.to_string()))]
     pub gpu_mem: Option<u64>,
     /// The attention softmax (scale, mask, pair bias), LayerNorms and triangle-update gates:
@@ -304,12 +306,30 @@ impl ChunkArgs {
         let device = launch.device(world)?;
         let backend = kernels::Backend::resolve(self.kernels, device)?;
         engine::fp32_matmul::set(self.fp32_matmul)?;
+        if let Some(split) = self.process_cap(device)? {
+            if world.rank() == 0 {
+                eprintln!("{split}");
+            }
+        }
         Ok((device, Exec::new(dap, self.chunk_size), backend))
     }
 
-    /// The memory budget predictions are planned for: `--gpu-mem`, else on a GPU its free
-    /// memory now (none with `--chunk-size`, which chooses for itself).
+    /// `--gpu-mem` on a GPU: the process capped there, and how the cap splits between the CUDA
+    /// context and libraries and the caching allocator ([`engine::gemini::cap_process_memory`];
+    /// a second call reuses the first's measurement).
+    fn process_cap(&self, device: Device) -> anyhow::Result<Option<engine::gemini::DeviceSplit>> {
+        let Some(cap) = self.gpu_mem else { return Ok(None) };
+        engine::gemini::cap_process_memory(device, cap, false)
+            .with_context(|| format!("--gpu-mem {}", engine::gemini::human(cap as usize)))
+    }
+
+    /// The memory budget predictions are planned for: `--gpu-mem` (on a GPU, what the process's
+    /// cap leaves the caching allocator), else on a GPU its free memory now (none with
+    /// `--chunk-size`, which chooses for itself).
     pub fn budget(&self, device: Device) -> anyhow::Result<Option<u64>> {
+        if let Some(split) = self.process_cap(device)? {
+            return Ok(Some(split.allocator));
+        }
         Ok(match (self.gpu_mem, self.chunk_size, device) {
             (Some(b), _, _) => Some(b),
             (None, None, Device::Cuda(d)) => Some(engine::cuda::mem_get_info(d)?.0),
