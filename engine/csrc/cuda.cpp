@@ -3,6 +3,7 @@
 // exists, so a CPU-only machine gets an error message instead of a crash.
 #include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -173,6 +174,16 @@ char* eng_cuda_pin_memory(at::Tensor* t, at::Tensor** out) {
   ENG_PROTECT({
     require_cuda();
     *out = new at::Tensor(t->pin_memory());
+  })
+}
+
+// An uninitialised page-locked CPU tensor of `sizes`, of `kind_of`'s dtype (a tensor passed
+// for its dtype alone), from libtorch's pinned-memory cache.
+char* eng_cuda_empty_pinned(at::Tensor* kind_of, const int64_t* sizes, int ndim, at::Tensor** out) {
+  ENG_PROTECT({
+    require_cuda();
+    auto options = at::TensorOptions().dtype(kind_of->scalar_type()).device(at::kCPU).pinned_memory(true);
+    *out = new at::Tensor(at::empty(at::IntArrayRef(sizes, ndim), options));
   })
 }
 

@@ -164,6 +164,12 @@ extern "C" {
     pub fn eng_cuda_event_free(e: *mut EngEvent);
     pub fn eng_cuda_record_stream(t: *mut C_tensor, s: *mut EngStream) -> *mut c_char;
     pub fn eng_cuda_pin_memory(t: *mut C_tensor, out: *mut *mut C_tensor) -> *mut c_char;
+    pub fn eng_cuda_empty_pinned(
+        kind_of: *mut C_tensor,
+        sizes: *const i64,
+        ndim: c_int,
+        out: *mut *mut C_tensor,
+    ) -> *mut c_char;
     pub fn eng_cuda_copy_async(dst: *mut C_tensor, src: *mut C_tensor) -> *mut c_char;
     pub fn eng_cuda_synchronize(device: c_int) -> *mut c_char;
     pub fn eng_cuda_set_device(device: c_int) -> *mut c_char;

@@ -33,6 +33,24 @@ fn require_cuda_turns_a_missing_gpu_into_a_failure() {
     assert!(text.contains("needs 1 CUDA device(s), found 0") && text.contains("SUITE_REQUIRE_CUDA=1"), "{text}");
 }
 
+/// `upload_slice` copies the values into pinned memory by slices on every core (a tail shorter
+/// than a slice included) and from there to the device: the device holds the values exactly,
+/// for floats and for the labels' integers.
+#[test]
+fn upload_slice_lands_the_values_on_the_device() {
+    let Some((dev, _one_at_a_time)) = gpu() else { return };
+    let device = Device::Cuda(dev);
+    let n = 3 * 1_000_001;
+    let floats: Vec<f32> = (0..n).map(|i| (i % 9973) as f32 * 0.25 - 7.0).collect();
+    let labels: Vec<i64> = (0..1000).map(|i| i * 7 % 1000).collect();
+    let x = cuda::upload_slice(&floats, &[3, 1_000_001], device).unwrap();
+    let y = cuda::upload_slice(&labels, &[1000], device).unwrap();
+    cuda::synchronize(dev).unwrap();
+    assert_eq!((x.device(), x.size()), (device, vec![3, 1_000_001]));
+    assert!(x.to_device(Device::Cpu).equal(&Tensor::from_slice(&floats).view([3, 1_000_001])));
+    assert!(y.to_device(Device::Cpu).equal(&Tensor::from_slice(&labels)));
+}
+
 /// The allocator's statistics, peak reset and cap work as a process's first CUDA calls:
 /// libtorch initialises CUDA lazily at the first tensor, so the bridge must do it itself (the
 /// Gemini cap comes before any tensor in `diffusion finetune --gpu-mem`). The test runs its

@@ -51,12 +51,11 @@ impl BatchPlan {
 }
 
 /// A batch as model input `[n, c, h, w]` and labels, uploaded without waiting for the device
-/// ([`engine::cuda::upload`]).
+/// ([`engine::cuda::upload_slice`]: one host copy, into pinned memory).
 pub fn to_tensors(batch: &Batch, device: Device, kind: Kind) -> anyhow::Result<(Tensor, Tensor)> {
     let shape: Vec<i64> = batch.shape.iter().map(|&d| d as i64).collect();
-    let pixels = Tensor::f_from_slice(&batch.pixels)?.f_view(shape.as_slice())?;
-    let images = engine::cuda::upload(&pixels, device)?.f_to_kind(kind)?;
-    Ok((images, engine::cuda::upload(&Tensor::f_from_slice(&batch.labels)?, device)?))
+    let images = engine::cuda::upload_slice(&batch.pixels, &shape, device)?.f_to_kind(kind)?;
+    Ok((images, engine::cuda::upload_slice(&batch.labels, &[batch.labels.len() as i64], device)?))
 }
 
 /// `images` `[n, c, h, w]` with blank images appended up to a multiple of `blocks` (the batch

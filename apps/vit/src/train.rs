@@ -305,8 +305,8 @@ impl<'a> Trainer<'a> {
             let mut rng = Rng::keyed(seed ^ MIXUP_STREAM, step as u64, (rank * accumulation + m) as u64);
             let targets = mixup.apply(&mut batch.pixels, &batch.labels, classes, &mut rng);
             let (images, _) = to_tensors(&batch, self.device, self.kind)?;
-            let targets =
-                engine::cuda::upload(&Tensor::f_from_slice(&targets)?.f_view([-1, classes as i64])?, self.device)?;
+            let rows = (targets.len() / classes) as i64;
+            let targets = engine::cuda::upload_slice(&targets, &[rows, classes as i64], self.device)?;
             let Model::Whole(model) = &self.model else {
                 queued.push((images, targets));
                 continue;
