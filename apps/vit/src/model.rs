@@ -273,11 +273,17 @@ impl Attend for Sdpa {
 }
 
 /// timm's stem: a strided convolution, the class token prepended, position embeddings added.
+/// The convolution (timm's `patch_embed.proj`, its weight `[width, channels, patch, patch]`)
+/// runs as what it is, a linear layer over the flattened non-overlapping patches: one matmul
+/// with the bias in its epilogue, where cuDNN's convolution of NCHW images converted the images
+/// (and in backward the gradient's input again) to NHWC on every call, added the bias in a
+/// kernel of its own and ran a slower implicit GEMM.
 #[derive(Debug)]
 struct SerialStem {
     patch_embed: nn::Conv2D,
     cls_token: Tensor,
     pos_embed: Tensor,
+    patch_size: i64,
 }
 
 impl SerialStem {
@@ -288,14 +294,30 @@ impl SerialStem {
         let patch_embed = nn::conv2d(p / "patch_embed" / "proj", cfg.in_channels, cfg.width, cfg.patch_size, conv);
         let cls_token = p.var("cls_token", &[1, 1, cfg.width], nn::Init::Randn { mean: 0.0, stdev: 1e-6 });
         let pos_embed = p.var("pos_embed", &[1, tokens, cfg.width], nn::Init::Randn { mean: 0.0, stdev: 0.02 });
-        SerialStem { patch_embed, cls_token, pos_embed }
+        SerialStem { patch_embed, cls_token, pos_embed, patch_size: cfg.patch_size }
     }
+}
+
+/// `images` `[b, c, h, w]` as their non-overlapping `p x p` patches, row by row, `[b, patches,
+/// c * p * p]`, each patch's pixels in the order of a convolution weight's `[c, p, p]` (rows
+/// and columns past the last whole patch dropped, as the strided convolution drops them).
+pub(crate) fn patches(images: &Tensor, p: i64) -> anyhow::Result<Tensor> {
+    let (b, c, h, w) = images.size4()?;
+    let (gh, gw) = (h / p, w / p);
+    let images = if h % p != 0 || w % p != 0 {
+        images.f_narrow(2, 0, gh * p)?.f_narrow(3, 0, gw * p)?
+    } else {
+        images.shallow_clone()
+    };
+    Ok(images.f_reshape([b, c, gh, p, gw, p])?.f_permute([0, 2, 4, 1, 3, 5])?.f_reshape([b, gh * gw, c * p * p])?)
 }
 
 impl Stem for SerialStem {
     fn forward(&self, images: &Tensor) -> anyhow::Result<Tensor> {
         let b = images.size()[0];
-        let x = self.patch_embed.forward(images).f_flatten(2, -1)?.f_transpose(1, 2)?;
+        let ws = &self.patch_embed.ws;
+        let weight = ws.f_reshape([ws.size()[0], -1])?;
+        let x = patches(images, self.patch_size)?.f_linear(&weight, self.patch_embed.bs.as_ref())?;
         let cls = self.cls_token.f_expand([b, -1, -1], false)?.f_to_kind(x.kind())?;
         Ok(Tensor::f_cat(&[cls, x], 1)?.f_add(&self.pos_embed)?)
     }
@@ -316,7 +338,10 @@ impl SerialHead {
 
 impl Head for SerialHead {
     fn forward(&self, x: &Tensor) -> anyhow::Result<Tensor> {
-        Ok(Module::forward(&self.head, &Module::forward(&self.norm, x).f_select(1, 0)?))
+        // timm normalises every token and then keeps the class token's; LayerNorm works on
+        // each token alone, so normalising the class token alone gives the same logits without
+        // a forward and backward over the other tokens, whose outputs nothing reads.
+        Ok(Module::forward(&self.head, &Module::forward(&self.norm, &x.f_select(1, 0)?)))
     }
 }
 
@@ -432,9 +457,22 @@ impl Attention {
         // The tokens are the projection's (a sequence-parallel `qkv` gathers them all).
         let qkv = self.qkv.forward(x)?;
         let (b, n, _) = qkv.size3()?;
-        // [b, n, 3 * h * hd] -> [3, b, h, n, hd], timm's layout of the fused projection.
-        let qkv = qkv.f_reshape([b, n, 3, h, hd])?.f_permute([2, 0, 3, 1, 4])?;
-        let (q, k, v) = (qkv.get(0), qkv.get(1), qkv.get(2));
+        // [b, n, 3 * h * hd] -> three [b, h, n, hd], timm's layout of the fused projection:
+        // the same strided views of the projection's output as timm's `permute(2, 0, 3, 1, 4)`
+        // then `unbind(0)`, but unbound on the `3` axis of [b, n, 3, h, hd] before the
+        // transposes. Backward then stacks the three gradients on that axis straight into the
+        // projection's [b, n, 3 * h * hd] layout (one copy, and the reshape's backward is a
+        // view), where picking q, k and v with `select` zero-filled a [3, b, h, n, hd] buffer
+        // per view, copied each gradient in, added the three buffers, and copied the sum back
+        // into the projection's layout.
+        let [q, k, v]: [Tensor; 3] = qkv
+            .f_reshape([b, n, 3, h, hd])?
+            .f_unbind(2)?
+            .into_iter()
+            .map(|t| t.f_transpose(1, 2))
+            .collect::<Result<Vec<_>, _>>()?
+            .try_into()
+            .map_err(|_| anyhow::anyhow!("unbinding q, k and v gave other than three tensors"))?;
         let out = self.attend.forward(&q, &k, &v)?;
         self.proj.forward(&out.f_transpose(1, 2)?.f_reshape([b, n, h * hd])?)
     }

@@ -225,7 +225,7 @@ struct MultiStem {
 
 impl Stem for MultiStem {
     fn forward(&self, images: &Tensor) -> anyhow::Result<Tensor> {
-        let (b, c, h, w) = images.size4()?;
+        let b = images.size4()?.0;
         // Training micro-batches divide into the batch blocks (checked up front), and
         // evaluation pads its chunks to whole blocks (`crate::train::evaluate`): the stem and
         // the head may run on different pipeline stages, so neither pads for the other.
@@ -233,15 +233,8 @@ impl Stem for MultiStem {
         if b % blocks != 0 {
             bail!("a batch of {b} images does not split into the layout's {blocks} batch blocks");
         }
-        let p = self.patch_size;
-        let (gh, gw) = (h / p, w / p);
-        // [b, c, gh, p, gw, p] -> [b, gh, gw, c, p, p]: a patch's pixels in the order of the
-        // convolution weight's [c, p, p].
-        let patches = images.f_reshape([b, c, gh, p, gw, p])?.f_permute([0, 2, 4, 1, 3, 5])?.f_reshape([
-            b,
-            gh * gw,
-            c * p * p,
-        ])?;
+        // A patch's pixels in the order of the convolution weight's [c, p, p].
+        let patches = crate::model::patches(images, self.patch_size)?;
         let x = self.proj.forward(&self.layout.split_input(&patches, Orientation::Swapped)?)?;
         let mut shared = (self.cls_token.shallow_clone(), self.pos_embed.shallow_clone());
         for axis in self.layout.width_sharers() {
