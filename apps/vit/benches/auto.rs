@@ -1,8 +1,9 @@
 //! The automatic planner against the manual layouts: for `vit pretrain` on `--nproc` ranks (CPU
 //! ranks, or with `--device cuda` a GPU each), every layout vit can run that the planner says
 //! fits (dp/tp/sp/pp sizes, tensor-parallel mode and ZeRO stage; for each, the micro-batches
-//! and checkpointed blocks the planner prices fastest, and the `--parallel auto` plan itself)
-//! trains a few steps in one job, and each prints the planner's predicted step time and peak
+//! and checkpointed blocks the planner prices fastest, and the `--parallel auto` plan itself;
+//! on one rank, where ZeRO means nothing, the accumulation steps and checkpointed blocks
+//! instead: [`vit::plan::compared`]) trains a few steps in one job, and each prints the planner's predicted step time and peak
 //! memory per device beside the measured ones (the model's error), then the `--parallel auto`
 //! plan's measured step time over the best manual layout's.
 //!
@@ -20,18 +21,20 @@
 //! counter on the CPU, the caching allocator's on a GPU (bytes held by tensors: weights,
 //! gradients, optimizer state, activations, message buffers) over the measured steps, the
 //! largest over the ranks. The prediction is for the cluster given with --cluster, else for
-//! the default one with this machine's matmul FLOP/s (on a GPU, the GPU's) and link latency
-//! and bandwidth measured by the ranks first, as `--parallel auto` does.
+//! the default one with this machine's figures (on a GPU, the GPU's, in the run's
+//! `--precision`) and link latency and bandwidth measured by the ranks first, as
+//! `--parallel auto` does; `--memory-mib` sets its devices' memory, and the cluster line
+//! printed is the cluster priced.
 use std::time::Instant;
 
 use anyhow::Context;
 use clap::Parser;
 use engine::dist::{self, InitOptions, ReduceOp, SpawnOptions, World};
-use engine::planner::{estimate, plans, Estimate, Plan};
+use engine::planner::{Estimate, Plan};
 use tch::{Device, Tensor};
 use vit::args::PretrainArgs;
 use vit::layout::Layout;
-use vit::plan::{choose, runs, Choice};
+use vit::plan::{choose, compared, Choice};
 use vit::train::Trainer;
 
 /// Set in the ranks' environment: the file rank 0 writes the table to.
@@ -94,34 +97,16 @@ struct Row {
     loss: f64,
 }
 
-/// The plans to run: of every plan vit runs on the job's ranks that the planner says fits,
-/// for each layout and ZeRO stage the one it prices fastest, and its overall choice; with
-/// their estimates and where the cluster's figures come from (a collective: the ranks measure
-/// the machine together unless --cluster is given).
+/// The plans to run ([`vit::plan::compared`]: the planner's choice among them), with their
+/// estimates and where the cluster's figures come from (a collective: the ranks measure the
+/// machine together unless --cluster is given). The cluster line describes the cluster priced,
+/// `--memory-mib` included.
 fn layouts(args: &PretrainArgs, memory_mib: Option<f64>, world: &World, device: Device) -> anyhow::Result<Layouts> {
     let nproc = world.size();
-    let (mut cluster, line) = vit::plan::cluster(args, nproc, Some(&world.group), device)?;
-    if let Some(mib) = memory_mib {
-        cluster.memory_bytes = mib * (1u64 << 20) as f64;
-    }
+    let memory = memory_mib.map(|mib| mib * (1u64 << 20) as f64);
+    let (cluster, line) = vit::plan::cluster_with_memory(args, nproc, Some(&world.group), device, memory)?;
     let Choice { cfg, model, solution } = choose(args, nproc, &cluster, device, Some(&world.group))?;
-    let mut fastest = std::collections::BTreeMap::new();
-    for plan in plans(&model, nproc, &|p| runs(&cfg, p, args.batch)) {
-        let e = estimate(&model, &cluster, &plan)?;
-        if e.memory_bytes > cluster.memory_bytes {
-            continue;
-        }
-        let key = (plan.dp, plan.tp, plan.tp_mode, plan.tp_depth, plan.sp, plan.pp, plan.zero);
-        let auto = plan == solution.best.plan;
-        match fastest.get(&key) {
-            Some((_, known)) if !auto && (e.step_s, e.memory_bytes) >= *known => {}
-            _ => {
-                fastest.insert(key, (plan, (e.step_s, e.memory_bytes)));
-            }
-        }
-    }
-    let cases = fastest.into_values().map(|(plan, _)| Ok((plan.clone(), estimate(&model, &cluster, &plan)?)));
-    let cases = cases.collect::<anyhow::Result<Vec<_>>>()?;
+    let cases = compared(&cfg, &model, &cluster, nproc, args.batch, &solution.best.plan)?;
     Ok(Layouts { cases, auto: solution.best.plan, cluster: line, depth: cfg.depth as usize })
 }
 

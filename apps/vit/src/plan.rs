@@ -6,14 +6,14 @@
 use anyhow::bail;
 use engine::dist::{ProcessGroup, World};
 use engine::job::OptimizerKind;
-use engine::planner::{calibrate, solve, Cluster, Model, Plan, Solution};
+use engine::planner::{calibrate, estimate, plans, solve, Cluster, Estimate, Model, Plan, Solution};
 use tch::Device;
 
 use crate::args::PretrainArgs;
 use crate::datasets::Splits;
 use crate::layout::{Layout, PlannerMode, MAX_MICRO_BATCH};
 use crate::model::VitConfig;
-use crate::profile::{planner_model, timed, with_times};
+use crate::profile::{planner_model, timed, with_times, Timing};
 
 /// The job's layout: the flags', or under `--parallel auto` the planner's best for `world`'s
 /// ranks (rank 0 prints the plan; a collective without `--cluster`, the ranks measuring the
@@ -33,27 +33,58 @@ pub fn layout(args: &PretrainArgs, world: &World) -> anyhow::Result<Layout> {
 }
 
 /// The cluster the planner models for `nproc` ranks, and a line saying where its figures come
-/// from: `--cluster`'s file, else the default cluster with this machine's matmul FLOP/s and,
-/// given the job's `group` (a collective then: every rank calls it and gets the same
-/// figures), its links' latency and bandwidth measured ([`engine::planner::calibrate`]).
+/// from: `--cluster`'s file, else the default cluster with the figures of `device` (the one the
+/// run computes on) measured in the run's `--precision` and, given the job's `group` (a
+/// collective then: every rank calls it and gets the same figures), its links' latency and
+/// bandwidth measured ([`engine::planner::calibrate`]).
 pub fn cluster(
     args: &PretrainArgs,
     nproc: usize,
     group: Option<&ProcessGroup>,
     device: Device,
 ) -> anyhow::Result<(Cluster, String)> {
-    let (cluster, source) = match &args.layout.cluster {
-        Some(path) => (Cluster::load(path)?, format!("from {}", path.display())),
+    cluster_with_memory(args, nproc, group, device, None)
+}
+
+/// [`cluster`] with each device's memory set to `memory_bytes` where given (the benchmark's
+/// `--memory-mib`): the line printed describes the cluster returned, the one priced.
+pub fn cluster_with_memory(
+    args: &PretrainArgs,
+    nproc: usize,
+    group: Option<&ProcessGroup>,
+    device: Device,
+    memory_bytes: Option<f64>,
+) -> anyhow::Result<(Cluster, String)> {
+    let memory = match memory_bytes {
+        Some(_) => "memory given",
+        None => "memory assumed",
+    };
+    let (mut cluster, source) = match &args.layout.cluster {
+        Some(path) => {
+            let given = if memory_bytes.is_some() { ", memory given" } else { "" };
+            (Cluster::load(path)?, format!("from {}{given}", path.display()))
+        }
         None => {
             let base = Cluster { devices_per_node: nproc, ..Cluster::default() };
-            let measured = calibrate::calibrated(base, group, device)?;
-            let what = match group.is_some_and(|g| g.size() > 1) {
-                true => "device figures and link latency and bandwidth measured on this machine",
-                false => "device figures measured on this machine, link figures assumed",
+            let measured = calibrate::calibrated(base, group, device, args.precision.precision.kind())?;
+            let on = match device {
+                Device::Cuda(_) => "GPU",
+                _ => "CPU",
             };
-            (measured, format!("{what}; memory assumed, --cluster sets any of them"))
+            let precision = args.precision.precision.name();
+            let what = match group.is_some_and(|g| g.size() > 1) {
+                true => format!(
+                    "device figures ({on}, {precision}) and link latency and bandwidth measured on this machine"
+                ),
+                false => format!("device figures ({on}, {precision}) measured on this machine, link figures assumed"),
+            };
+            (measured, format!("{what}; {memory}, --cluster sets any of them"))
         }
     };
+    if let Some(bytes) = memory_bytes {
+        anyhow::ensure!(bytes.is_finite() && bytes > 0.0, "device memory must be positive, got {bytes} bytes");
+        cluster.memory_bytes = bytes;
+    }
     if nproc > cluster.devices() {
         anyhow::bail!("--nproc {nproc}: the cluster has {} devices", cluster.devices());
     }
@@ -117,9 +148,17 @@ pub fn choose(
     let splits: Splits = args.data.splits()?;
     let cfg = args.model_config(&splits)?;
     let backend = kernels::Backend::resolve(args.kernels, device)?;
-    let mut model = planner_model(&cfg, args.batch, optimizer_ops(args.optimizer.optimizer, backend));
+    let precision = args.precision.precision;
+    let mut model = planner_model(&cfg, args.batch, optimizer_ops(args.optimizer.optimizer, backend), precision);
     if args.layout.cluster.is_none() {
-        model = with_times(model, timed(&cfg, device, group)?);
+        let timing = Timing {
+            device,
+            kind: precision.kind(),
+            backend,
+            peak_flops: cluster.peak_flops,
+            memory_bytes: cluster.memory_bytes,
+        };
+        model = with_times(model, timed(&cfg, &timing, group)?);
     }
     let solution = solve(&model, cluster, nproc, 4, &|p| runs(&cfg, p, args.batch))?;
     Ok(Choice { cfg, model, solution })
@@ -186,4 +225,92 @@ pub fn apply(args: &PretrainArgs, world: &World) -> anyhow::Result<(Layout, Solu
 pub fn runs(cfg: &VitConfig, plan: &Plan, global_batch: usize) -> bool {
     let layout = Layout::from_plan(plan, global_batch, cfg.depth as usize);
     layout.and_then(|l| l.check(cfg).map(|_| l.batch.micro <= MAX_MICRO_BATCH)).unwrap_or(false)
+}
+
+/// Micro-batch counts [`compared`] measures alone on one rank besides the planner's: the fewest
+/// that fit (the largest micro-batches; more accumulation steps than these are only slower).
+const COMPARED_ACCUMULATIONS: usize = 3;
+
+/// The manual layouts `bench-auto` measures beside the planner's choice `auto` (which is among
+/// them), with their estimates: of every plan vit runs on `nproc` ranks that fits `cluster`,
+///
+/// - on several ranks, for each layout (dp/tp/sp/pp sizes and tensor-parallel mode) and ZeRO
+///   stage the plan priced fastest (its micro-batches and checkpointed blocks the planner's);
+///   where the gradient group (dp x sp) is one rank ZeRO shards nothing, so only ZeRO-0 (or
+///   the planner's stage);
+/// - on one rank, where there is one layout and ZeRO means nothing, the choices that remain:
+///   the accumulation steps (the fewest [`COMPARED_ACCUMULATIONS`] micro-batch counts that
+///   fit, and the planner's), each with the checkpointed blocks priced fastest, and at the
+///   planner's micro-batches the fewest, half and all blocks checkpointed (of those that fit).
+///
+/// In the plans' order (micro-batches, then checkpointed blocks, on one rank).
+pub fn compared(
+    cfg: &VitConfig,
+    model: &Model,
+    cluster: &Cluster,
+    nproc: usize,
+    batch: usize,
+    auto: &Plan,
+) -> anyhow::Result<Vec<(Plan, Estimate)>> {
+    let mut fitting = Vec::new();
+    for plan in plans(model, nproc, &|p| runs(cfg, p, batch)) {
+        let useful_zero = plan.zero == 0 || plan.dp * plan.sp > 1;
+        if plan != *auto && !useful_zero {
+            continue;
+        }
+        let e = estimate(model, cluster, &plan)?;
+        if e.memory_bytes <= cluster.memory_bytes || plan == *auto {
+            fitting.push((plan, e));
+        }
+    }
+    // The plan priced fastest (then leanest; the first of equals) among `candidates`, the
+    // planner's own where it is one of them.
+    let fastest = |candidates: Vec<&(Plan, Estimate)>| -> Option<(Plan, Estimate)> {
+        if let Some(found) = candidates.iter().find(|(p, _)| p == auto) {
+            return Some((*found).clone());
+        }
+        let key = |e: &Estimate| (e.step_s, e.memory_bytes);
+        let best = candidates.into_iter().reduce(|a, b| if key(&b.1) < key(&a.1) { b } else { a });
+        best.cloned()
+    };
+    let mut chosen: Vec<(Plan, Estimate)> = Vec::new();
+    let mut add = |found: Option<(Plan, Estimate)>| {
+        if let Some(found) = found.filter(|(p, _)| !chosen.iter().any(|(q, _)| q == p)) {
+            chosen.push(found);
+        }
+    };
+    if nproc == 1 {
+        let mut counts: Vec<usize> = fitting.iter().map(|(p, _)| p.micro_batches).collect();
+        counts.sort_unstable();
+        counts.dedup();
+        counts.truncate(COMPARED_ACCUMULATIONS);
+        counts.push(auto.micro_batches);
+        for m in counts {
+            add(fastest(fitting.iter().filter(|(p, _)| p.micro_batches == m).collect()));
+        }
+        let at_auto: Vec<&(Plan, Estimate)> =
+            fitting.iter().filter(|(p, _)| p.micro_batches == auto.micro_batches && p.zero == auto.zero).collect();
+        let fewest = at_auto.iter().min_by_key(|(p, _)| p.checkpoint.len()).map(|&x| x.clone());
+        let most = at_auto.iter().max_by_key(|(p, _)| p.checkpoint.len()).map(|&x| x.clone());
+        if let (Some((low, _)), Some((high, _))) = (&fewest, &most) {
+            let half = (low.checkpoint.len() + high.checkpoint.len()) / 2;
+            add(at_auto.iter().find(|(p, _)| p.checkpoint.len() == half).map(|&x| x.clone()));
+        }
+        add(fewest);
+        add(most);
+        chosen.sort_by(|(a, _), (b, _)| {
+            (a.micro_batches, a.checkpoint.len()).cmp(&(b.micro_batches, b.checkpoint.len()))
+        });
+    } else {
+        let mut layouts: Vec<_> =
+            fitting.iter().map(|(p, _)| (p.dp, p.tp, p.tp_mode, p.tp_depth, p.sp, p.pp, p.zero)).collect();
+        layouts.sort();
+        layouts.dedup();
+        for key in layouts {
+            let of = |p: &Plan| (p.dp, p.tp, p.tp_mode, p.tp_depth, p.sp, p.pp, p.zero) == key;
+            add(fastest(fitting.iter().filter(|(p, _)| of(p)).collect()));
+        }
+    }
+    anyhow::ensure!(chosen.iter().any(|(p, _)| p == auto), "the planner's choice {auto} is not a plan vit runs here");
+    Ok(chosen)
 }

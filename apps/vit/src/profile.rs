@@ -5,6 +5,7 @@
 //! forward and backward on the device, which the planner prices a calibrated machine's steps
 //! from.
 use engine::dist::{ProcessGroup, ReduceOp};
+use engine::job::Precision;
 use engine::optim::params_of;
 use engine::parallel::pipeline::{layer_times, Layer};
 use engine::planner::{LayerProfile, LayerTime, Model, Recorder, Shard};
@@ -21,15 +22,32 @@ pub fn profile(cfg: &VitConfig, batch: i64, elem_bytes: usize) -> Vec<LayerProfi
     std::iter::once(stem(cfg, batch, elem_bytes)).chain(blocks).chain([head(cfg, batch, elem_bytes)]).collect()
 }
 
-/// The planner's model: the parts at one sample, with LAMB's or Adam's two moments per weight
-/// and an update of `optimizer_ops` element-wise operations per parameter tensor.
-pub fn planner_model(cfg: &VitConfig, global_batch: usize, optimizer_ops: f64) -> Model {
+/// The planner's model of a run in `precision`: the parts at one sample, with LAMB's or Adam's
+/// two moments per weight and an update of `optimizer_ops` element-wise operations per
+/// parameter tensor.
+///
+/// Below fp32 the trainer holds what `vit::parallelize` makes: the weights, their gradients and
+/// every activation in the run's kind (bf16: 2 bytes; LayerNorm's statistics and attention's
+/// log-sum-exp stay f32, as the profiler records), and beside them fp32 master weights and the
+/// fp32 moments, which ZeRO shards together ([`optimizer_state_ratio`]).
+pub fn planner_model(cfg: &VitConfig, global_batch: usize, optimizer_ops: f64, precision: Precision) -> Model {
+    let elem = precision.kind().elt_size_in_bytes();
     Model {
-        layers: profile(cfg, 1, 4),
+        layers: profile(cfg, 1, elem),
         global_batch,
-        optimizer_state_ratio: 2.0,
+        optimizer_state_ratio: optimizer_state_ratio(precision),
         optimizer_ops_per_tensor: optimizer_ops,
     }
+}
+
+/// Bytes the optimizer's side keeps per byte of the model's weights in `precision`: the two
+/// fp32 moments (8 bytes a weight) and, below fp32, the fp32 master (4 more), over the weight's
+/// own bytes (4 in fp32: 2; 2 in bf16: 6). The masters' gradients exist only inside the
+/// optimizer's step, after the activations are gone, so they are not counted at the peak.
+pub fn optimizer_state_ratio(precision: Precision) -> f64 {
+    let elem = precision.kind().elt_size_in_bytes() as f64;
+    let master = if elem < 4.0 { 4.0 } else { 0.0 };
+    (8.0 + master) / elem
 }
 
 /// `model` (the planner's model of `cfg`) with its parts priced from `times` (the stem's, a
@@ -46,29 +64,70 @@ pub fn with_times(mut model: Model, times: [LayerTime; 3]) -> Model {
     model
 }
 
-/// Samples of the larger timed micro-batch: about a GFLOP of a block's forward and backward
-/// (tens of milliseconds on a CPU core, so that the per-sample part stands out of the timer's
-/// noise), from 2 (a large model's block, timed in a second or so) to 64.
-fn timed_samples(cfg: &VitConfig) -> usize {
-    let per_sample = 3.0 * block(cfg, "blocks.0", 1, 4).forward_flops;
-    (1e9 / per_sample).clamp(2.0, 64.0) as usize
+/// How [`timed`] runs the parts: where and in what kind the run computes, with which kernels,
+/// and the device's figures that size the timed micro-batch.
+#[derive(Clone, Copy, Debug)]
+pub struct Timing {
+    /// The device the run computes on.
+    pub device: Device,
+    /// The run's precision (its weights' and activations' kind).
+    pub kind: Kind,
+    /// The kernels the run's serial model uses.
+    pub backend: kernels::Backend,
+    /// The device's calibrated matmul FLOP/s in `kind`.
+    pub peak_flops: f64,
+    /// The device memory the planner plans for, bytes.
+    pub memory_bytes: f64,
+}
+
+/// Seconds of a block's arithmetic (at the calibrated rate) the larger timed micro-batch holds
+/// on a GPU: enough that its kernels' launches are a small share of its time.
+const GPU_TIMED_S: f64 = 0.01;
+
+/// Samples of the larger timed micro-batch. On a CPU, about a GFLOP of a block's forward and
+/// backward (tens of milliseconds on a core, so that the per-sample part stands out of the
+/// timer's noise), from 2 (a large model's block, timed in a second or so) to 64. On a GPU a
+/// micro-batch of a few samples is over in the time its kernels take to launch, whatever their
+/// arithmetic, so the per-sample time fitted through 1 and 2 samples is noise (on an H200 it
+/// priced ViT-B/16's bf16 step at 141 ms where it ran in 885): there the
+/// batch holds [`GPU_TIMED_S`] of arithmetic at `timing.peak_flops`, up to vit's largest
+/// micro-batch and to what a quarter of the device's memory holds of the block's activations
+/// and their gradients.
+pub fn timed_samples(cfg: &VitConfig, timing: &Timing) -> usize {
+    let elem = timing.kind.elt_size_in_bytes();
+    let b = block(cfg, "blocks.0", 1, elem);
+    let per_sample = 3.0 * b.forward_flops;
+    match timing.device {
+        Device::Cuda(_) => {
+            let by_time = GPU_TIMED_S * timing.peak_flops / per_sample;
+            let kept = 2.0 * (b.input_bytes + b.saved_bytes + b.output_bytes) + b.workspace_bytes;
+            let by_memory = timing.memory_bytes / 4.0 / kept;
+            by_time.min(by_memory).clamp(2.0, crate::layout::MAX_MICRO_BATCH as f64) as usize
+        }
+        _ => (1e9 / per_sample).clamp(2.0, 64.0) as usize,
+    }
 }
 
 /// The stem's, one block's (the blocks are alike) and the head's forward and backward timed on
-/// `device` with this process's threads, at micro-batches of one sample and of a few
-/// (`timed_samples`), as fixed and per-sample seconds. With `group` (a collective) the ranks
-/// take turns, each timing its device alone (ranks sharing cores would otherwise time one
-/// another: the cost model prices that sharing itself), and every rank keeps the slowest's.
-pub fn timed(cfg: &VitConfig, device: Device, group: Option<&ProcessGroup>) -> anyhow::Result<[LayerTime; 3]> {
-    let n = timed_samples(cfg);
+/// `timing.device` in the run's kind and kernels with this process's threads, at micro-batches
+/// of one sample and of [`timed_samples`], as fixed and per-sample seconds. With `group` (a
+/// collective) the ranks take turns, each timing its device alone (ranks sharing cores would
+/// otherwise time one another: the cost model prices that sharing itself), and every rank
+/// keeps the slowest's.
+pub fn timed(cfg: &VitConfig, timing: &Timing, group: Option<&ProcessGroup>) -> anyhow::Result<[LayerTime; 3]> {
+    let n = timed_samples(cfg, timing);
+    let Timing { device, kind, backend, .. } = *timing;
     let measure = || -> anyhow::Result<Vec<f64>> {
         // Weights and inputs drawn in one seeded section: a draw outside one could fall between
         // another job's seed and its weights.
         let (vs, model, inputs) = engine::random::seeded(0, || -> anyhow::Result<_> {
-            let vs = VarStore::new(device);
-            let model = Vit::new(&vs.root(), *cfg);
+            let mut vs = VarStore::new(device);
+            let model = Vit::with_kernels(&vs.root(), *cfg, backend);
+            if kind != Kind::Float {
+                vs.set_kind(kind);
+            }
             let image = |samples: i64| [samples, cfg.in_channels, cfg.image_size, cfg.image_size];
-            let inputs = [1, n as i64].map(|samples| Tensor::f_rand(image(samples), (Kind::Float, device)));
+            let inputs = [1, n as i64].map(|samples| Tensor::f_rand(image(samples), (kind, device)));
             Ok((vs, model, inputs))
         })?;
         let params = params_of(&vs);

@@ -4,17 +4,22 @@
 //! ranks' measurements of the machine (without --cluster) agree, and a layout flag beside it is
 //! an error naming the flag. ViT-B/16 at a batch of 32k on 8 ranks: 4 GiB devices accumulate
 //! gradients, 80 GB ones run data parallel with accumulation and no recomputation, and every
-//! plan's printed flags run the layout the planner priced.
+//! plan's printed flags run the layout the planner priced. In bf16 the memory priced is the
+//! profiler's bf16 bytes (within 10% of an H200's measured peak); the cluster line printed is
+//! the one priced, measured on the run's device in its precision; on one device `bench-auto`
+//! compares accumulation and checkpointing choices, not ZeRO stages.
 #[allow(dead_code)] // Shared by the vit test binaries; this one uses part of it.
 mod common;
 
 use common::{args, compare, job_dir, single};
 use engine::dist::ReduceOp;
-use engine::planner::{estimate, plans, Cluster};
+use engine::job::Precision;
+use engine::parallel::tensor::TpMode;
+use engine::planner::{estimate, plans, Cluster, Plan};
 use suite_tests::{dist_test, TestResult};
 use tch::{Device, Tensor};
 use vit::layout::Checkpointing;
-use vit::plan::{apply, choose, cluster, runs, Choice};
+use vit::plan::{apply, choose, cluster, cluster_with_memory, compared, runs, Choice};
 use vit::train::pretrain;
 
 /// LAMB and clipping: their norms see the whole model, whatever the layout splits.
@@ -113,7 +118,7 @@ fn vit_b16() -> vit::model::VitConfig {
 /// `cluster`, and the check that every plan it prints is run by the flags printed for it.
 fn plan_vit_b16(batch: usize, cluster: &Cluster) -> engine::planner::Solution {
     let cfg = vit_b16();
-    let model = vit::profile::planner_model(&cfg, batch, 17.0);
+    let model = vit::profile::planner_model(&cfg, batch, 17.0, Precision::Fp32);
     let solution = engine::planner::solve(&model, cluster, 8, 4, &|p| runs(&cfg, p, batch)).unwrap();
     let depth = cfg.depth as usize;
     for r in std::iter::once(&solution.best).chain(&solution.runners_up) {
@@ -151,4 +156,114 @@ fn a_32k_batch_on_8_large_devices_is_data_parallel_with_accumulation_and_no_reco
     assert_eq!(best.dp, 8, "{best}");
     assert!(best.micro_batches > 1, "{best}");
     assert!(best.checkpoint.is_empty(), "nothing needs recomputing in 80 GB: {best}");
+}
+
+/// One device like the H200 `bench-auto` ran ViT-B/16 on in bf16 with `--memory-mib 16384`:
+/// 16 GiB planned for, a bf16 matmul rate and the memory bandwidth it measured.
+fn one_large_device() -> Cluster {
+    Cluster {
+        devices_per_node: 1,
+        memory_bytes: 16384.0 * (1u64 << 20) as f64,
+        peak_flops: 300e12,
+        op_overhead_s: 12.7e-6,
+        memory_bandwidth: 2.17e12,
+        ..Cluster::default()
+    }
+}
+
+/// A plan on one rank: `micro_batches` and the first `checkpointed` blocks (layers 1 to k).
+fn one_rank(micro_batches: usize, checkpointed: usize) -> Plan {
+    Plan {
+        dp: 1,
+        tp: 1,
+        tp_mode: TpMode::OneD,
+        tp_depth: 1,
+        sp: 1,
+        pp: 1,
+        micro_batches,
+        zero: 0,
+        checkpoint: (1..=checkpointed).collect(),
+    }
+}
+
+#[test]
+fn in_bf16_the_memory_is_the_profilers_bf16_bytes_and_the_h200_peak() {
+    let cfg = vit_b16();
+    let bf16 = vit::profile::planner_model(&cfg, 1024, 17.0, Precision::Bf16);
+    let fp32 = vit::profile::planner_model(&cfg, 1024, 17.0, Precision::Fp32);
+    // The layers the planner prices are the profiler's at 2 bytes an element.
+    assert_eq!(bf16.layers, vit::profile::profile(&cfg, 1, 2));
+    assert_eq!(fp32.layers, vit::profile::profile(&cfg, 1, 4));
+    let c = one_large_device();
+    let plan = one_rank(4, 8);
+    let (b, f) = (estimate(&bf16, &c, &plan).unwrap(), estimate(&fp32, &c, &plan).unwrap());
+    let weights = 86_567_656.0;
+    // bf16 weights and gradients; fp32 masters and two fp32 moments beside them.
+    assert_eq!((b.param_bytes, b.grad_bytes, b.optimizer_bytes), (2.0 * weights, 2.0 * weights, 12.0 * weights));
+    assert_eq!((f.param_bytes, f.grad_bytes, f.optimizer_bytes), (4.0 * weights, 4.0 * weights, 8.0 * weights));
+    // Activations at half fp32's bytes, but for the f32 statistics (norms', attention's).
+    let ratio = b.activation_bytes / f.activation_bytes;
+    assert!(ratio > 0.5 && ratio < 0.505, "bf16 / fp32 activation bytes {ratio}");
+    // The H200 ran this plan (4 micro-batches of 256, 8 of 12 blocks recomputed) at a peak of
+    // 7,658 MiB in the caching allocator, where fp32 activations priced it at 15,224 MiB.
+    let mib = b.memory_bytes / (1u64 << 20) as f64;
+    println!("ViT-B/16 bf16, {plan}: predicted {mib:.0} MiB, 7,658 MiB measured on an H200; {b:?}");
+    assert!((mib / 7658.48 - 1.0).abs() < 0.10, "predicted {mib:.0} MiB against 7,658 MiB measured");
+}
+
+#[test]
+fn on_one_device_the_compared_layouts_vary_accumulation_and_checkpointing_not_zero() {
+    let cfg = vit_b16();
+    let model = vit::profile::planner_model(&cfg, 1024, 17.0, Precision::Bf16);
+    let c = one_large_device();
+    let solution = engine::planner::solve(&model, &c, 1, 4, &|p| runs(&cfg, p, 1024)).unwrap();
+    let auto = &solution.best.plan;
+    let rows = compared(&cfg, &model, &c, 1, 1024, auto).unwrap();
+    let text: Vec<String> = rows.iter().map(|(p, e)| format!("{p}: {:.0} MiB", e.memory_bytes / 1048576.0)).collect();
+    assert!(rows.iter().any(|(p, _)| p == auto), "{text:#?}");
+    assert!(rows.iter().all(|(p, e)| p.zero == 0 && e.memory_bytes <= c.memory_bytes), "{text:#?}");
+    let mut micro: Vec<usize> = rows.iter().map(|(p, _)| p.micro_batches).collect();
+    micro.dedup();
+    let mut checkpointed: Vec<usize> = rows.iter().map(|(p, _)| p.checkpoint.len()).collect();
+    checkpointed.sort_unstable();
+    checkpointed.dedup();
+    assert!(micro.len() >= 3 && checkpointed.len() >= 2 && rows.len() <= 7, "{text:#?}");
+    // The largest micro-batches vit runs (256, 4 of them) come first; at the planner's, none,
+    // half and all of the blocks recomputed.
+    assert_eq!(rows[0].0.micro_batches, 4, "{text:#?}");
+    for k in [0, 6, 12] {
+        assert!(
+            rows.iter().any(|(p, _)| p.micro_batches == auto.micro_batches && p.checkpoint.len() == k),
+            "{text:#?}"
+        );
+    }
+}
+
+#[test]
+fn the_cluster_printed_is_the_cluster_priced_and_measured_on_the_runs_device_and_precision() {
+    let world = single();
+    for precision in ["fp32", "bf16"] {
+        let a = args(&format!("--steps 1 --parallel plan --precision {precision}"));
+        // Without a memory given, the default 4 GiB is printed and priced: the digits' whole
+        // batch in one micro-batch, nothing recomputed.
+        let (c, line) = cluster(&a, 1, None, Device::Cpu).unwrap();
+        assert_eq!(c.memory_bytes, Cluster::default().memory_bytes);
+        assert!(line.contains("devices of 4.0 GiB,") && line.contains("memory assumed"), "{line}");
+        // Measured on the run's device (here the CPU) in its precision.
+        assert!(line.contains(&format!("device figures (CPU, {precision}) measured")), "{line}");
+        let Choice { model, solution, .. } = choose(&a, 1, &c, Device::Cpu, None).unwrap();
+        assert_eq!(solution.best.plan, one_rank(1, 0));
+        let whole = estimate(&model, &c, &one_rank(1, 0)).unwrap().memory_bytes;
+
+        // With room for less than that, the line prints the memory given and the plan fits it.
+        let memory = (0.7 * whole).round();
+        let (c, line) = cluster_with_memory(&a, 1, Some(&world.group), Device::Cpu, Some(memory)).unwrap();
+        assert_eq!(c.memory_bytes, memory);
+        let size = engine::gemini::budget::human(memory as usize);
+        assert!(line.contains(&format!("1 x 1 devices of {size},")) && line.contains("memory given"), "{line}");
+        let Choice { solution, .. } = choose(&a, 1, &c, Device::Cpu, Some(&world.group)).unwrap();
+        let best = &solution.best;
+        assert!(best.estimate.memory_bytes <= memory, "{}", best.plan);
+        assert!(best.plan.micro_batches > 1 || !best.plan.checkpoint.is_empty(), "{}", best.plan);
+    }
 }

@@ -1,5 +1,6 @@
-//! The machine's own [`Cluster`] figures, measured in about a second: a matmul's FLOP/s, the
-//! time a small tensor operation costs whatever its size, the memory bandwidth of an
+//! The machine's own [`Cluster`] figures, measured in about a second on the device the run
+//! computes on and in the kind it computes in (`--device`, `--precision`): a matmul's FLOP/s,
+//! the time a small tensor operation costs whatever its size, the memory bandwidth of an
 //! element-wise pass, the cores (on a CPU) and, over a job's ranks, an all-reduce's latency
 //! and bandwidth, what a collective costs among many in flight and what a blocking one costs
 //! between computations, and how much slower the ranks compute together than alone.
@@ -19,8 +20,12 @@ use super::cluster::Cluster;
 use crate::dist::{ProcessGroup, ReduceOp};
 use crate::Result;
 
-/// Side of the square matmul timed (about 0.27 GFLOP a product).
+/// Side of the square matmul timed on a CPU (about 0.27 GFLOP a product).
 const MATMUL_SIDE: i64 = 512;
+/// Side of the square matmul timed on a GPU (about 137 GFLOP a product): a 512-square product
+/// is over in tens of microseconds there, and its time is the launch's, not the arithmetic's
+/// (an H200 measured 5 TFLOP/s so, where its bf16 products run at hundreds).
+const GPU_MATMUL_SIDE: i64 = 4096;
 /// Products timed after one untimed.
 const MATMUL_REPS: usize = 4;
 /// Bytes of the all-reduce whose time gives the bandwidth.
@@ -41,11 +46,22 @@ fn sync(device: Device) -> Result<()> {
     Ok(())
 }
 
-/// FLOP/s of an fp32 `MATMUL_SIDE`-square matmul on `device` with this process's threads.
-pub fn matmul_flops(device: Device) -> Result<f64> {
-    let opts = (Kind::Float, device);
+/// The side of the square matmul [`matmul_flops`] times on `device`.
+pub fn matmul_side(device: Device) -> i64 {
+    match device {
+        Device::Cuda(_) => GPU_MATMUL_SIDE,
+        _ => MATMUL_SIDE,
+    }
+}
+
+/// FLOP/s of a [`matmul_side`]-square matmul of `kind` (the run's precision: bf16 products
+/// run on a GPU's tensor cores at many times fp32's rate) on `device` with this process's
+/// threads.
+pub fn matmul_flops(device: Device, kind: Kind) -> Result<f64> {
+    let opts = (kind, device);
+    let side = matmul_side(device);
     // Seeded like every draw of the suite, so that none falls inside another job's section.
-    let side = [MATMUL_SIDE, MATMUL_SIDE];
+    let side = [side, side];
     let (a, b) = crate::random::seeded(0, || (Tensor::f_randn(side, opts), Tensor::f_randn(side, opts)));
     let (a, b) = (a?, b?);
     let _ = a.f_matmul(&b)?;
@@ -55,15 +71,15 @@ pub fn matmul_flops(device: Device) -> Result<f64> {
         let _ = a.f_matmul(&b)?;
     }
     sync(device)?;
-    let flops = 2.0 * (MATMUL_SIDE as f64).powi(3) * MATMUL_REPS as f64;
+    let flops = 2.0 * (side[0] as f64).powi(3) * MATMUL_REPS as f64;
     Ok(flops / start.elapsed().as_secs_f64())
 }
 
 /// Seconds one operation on a tiny tensor takes on `device` with autograd recording it (a
 /// training step's dispatch, bookkeeping and launch, without arithmetic to speak of): a chain
-/// of `OPS` element-wise operations, after one untimed chain.
-pub fn op_overhead(device: Device) -> Result<f64> {
-    let x = Tensor::f_ones([8], (Kind::Float, device))?.set_requires_grad(true);
+/// of `OPS` element-wise operations on tensors of `kind` (the run's), after one untimed chain.
+pub fn op_overhead(device: Device, kind: Kind) -> Result<f64> {
+    let x = Tensor::f_ones([8], (kind, device))?.set_requires_grad(true);
     let chain = || -> Result<f64> {
         sync(device)?;
         let start = Instant::now();
@@ -80,7 +96,8 @@ pub fn op_overhead(device: Device) -> Result<f64> {
 
 /// Bytes/s of an element-wise pass over `PASS_ELEMENTS`-element f32 arrays on `device`
 /// (`a = b + c` into an existing `a`, STREAM's add: two arrays read, one written), the fastest
-/// of a few.
+/// of a few. f32 whatever the run's precision: the optimizer's passes, which this prices, run
+/// over fp32 masters and moments.
 pub fn memory_bandwidth(device: Device) -> Result<f64> {
     let opts = (Kind::Float, device);
     let (b, c) = (Tensor::f_ones([PASS_ELEMENTS], opts)?, Tensor::f_ones([PASS_ELEMENTS], opts)?);
@@ -243,14 +260,14 @@ pub fn links(group: &ProcessGroup, device: Device) -> Result<Option<Links>> {
     }))
 }
 
-/// This device's figures (matmul FLOP/s, seconds per operation, memory bytes/s), measured
-/// with the ranks of `group` taking turns, so that each measures its device alone; and, with
-/// a group, how many times longer the same measurements (a training step's mix of products,
-/// small operations and element-wise passes) take when every rank runs them at once.
-fn device_figures(group: Option<&ProcessGroup>, device: Device) -> Result<([f64; 3], f64)> {
+/// This device's figures (matmul FLOP/s and seconds per operation in `kind`, memory bytes/s),
+/// measured with the ranks of `group` taking turns, so that each measures its device alone;
+/// and, with a group, how many times longer the same measurements (a training step's mix of
+/// products, small operations and element-wise passes) take when every rank runs them at once.
+fn device_figures(group: Option<&ProcessGroup>, device: Device, kind: Kind) -> Result<([f64; 3], f64)> {
     let measure = || -> Result<([f64; 3], f64)> {
         let start = Instant::now();
-        let figures = [matmul_flops(device)?, op_overhead(device)?, memory_bandwidth(device)?];
+        let figures = [matmul_flops(device, kind)?, op_overhead(device, kind)?, memory_bandwidth(device)?];
         Ok((figures, start.elapsed().as_secs_f64()))
     };
     let Some(g) = group else { return Ok((measure()?.0, 1.0)) };
@@ -267,13 +284,14 @@ fn device_figures(group: Option<&ProcessGroup>, device: Device) -> Result<([f64;
     Ok((figures, together / alone))
 }
 
-/// `base` with the figures measured on this machine: the matmul FLOP/s, the per-operation
+/// `base` with the figures measured on `device` (the one the run computes on: a GPU's, not the
+/// host's) in `kind` (the run's precision): the matmul FLOP/s, the per-operation
 /// overhead and the memory bandwidth (the slowest rank's, with `group`), on a CPU the cores the
 /// ranks share, and over `group`'s ranks the intra-node link's latency and bandwidth (the
 /// inter-node link stays `base`'s: one node's ranks cannot measure it). A collective when
 /// `group` is given: every rank calls it and gets the same figures.
-pub fn calibrated(base: Cluster, group: Option<&ProcessGroup>, device: Device) -> Result<Cluster> {
-    let ([flops, overhead, bandwidth], together) = device_figures(group, device)?;
+pub fn calibrated(base: Cluster, group: Option<&ProcessGroup>, device: Device, kind: Kind) -> Result<Cluster> {
+    let ([flops, overhead, bandwidth], together) = device_figures(group, device, kind)?;
     // The slowest rank's figures: the least FLOP/s and bandwidth, the most overhead and
     // slowdown together.
     let figures = Tensor::from_slice(&[flops, -overhead, bandwidth, -together]).f_to_device(device)?;
@@ -305,7 +323,7 @@ mod tests {
     #[test]
     fn one_process_measures_the_matmul_and_keeps_the_links() {
         let base = Cluster::default();
-        let c = calibrated(base.clone(), None, Device::Cpu).unwrap();
+        let c = calibrated(base.clone(), None, Device::Cpu, Kind::Float).unwrap();
         assert!(c.peak_flops.is_finite() && c.peak_flops > 0.0, "{c:?}");
         assert!(c.op_overhead_s > 0.0 && c.op_overhead_s < 1e-2, "{c:?}");
         assert!(c.memory_bandwidth.is_finite() && c.memory_bandwidth > 0.0, "{c:?}");
@@ -314,5 +332,13 @@ mod tests {
             (c.latency_s, c.intra_node_bandwidth, c.memory_bytes),
             (base.latency_s, base.intra_node_bandwidth, base.memory_bytes)
         );
+    }
+
+    #[test]
+    fn the_matmul_is_timed_in_the_runs_kind_and_large_enough_on_a_gpu() {
+        assert_eq!((matmul_side(Device::Cpu), matmul_side(Device::Cuda(0))), (MATMUL_SIDE, GPU_MATMUL_SIDE));
+        // bf16 runs bf16 products: a figure of its own (on the CPU, usually not faster).
+        let c = calibrated(Cluster::default(), None, Device::Cpu, Kind::BFloat16).unwrap();
+        assert!(c.peak_flops.is_finite() && c.peak_flops > 0.0 && c.op_overhead_s > 0.0, "{c:?}");
     }
 }

@@ -25,11 +25,14 @@
 //!
 //! Memory: parameters, gradients and the optimizer's two moments (sharded by ZeRO stage over
 //! the gradient group), plus per micro-batch in flight each layer's input and, unless the layer
-//! is checkpointed, what it saves for backward; the largest workspace and one checkpointed
-//! block's recomputed activations on top; under a pipeline, the runtime's receive buffers (an
-//! activation in and a gradient back per micro-batch in flight, and one posted ahead) and what
-//! the step's sends keep until its end (every micro-batch's output and input gradient). Gradient accumulation
-//! runs the micro-batches one after another, so only one is in flight without a pipeline.
+//! is checkpointed, what it saves for backward; the largest workspace on top, and while a
+//! checkpointed block recomputes its activations in the backward, those beside what the
+//! layers before it keep (the backward has freed the later layers' by then, so with the first
+//! k blocks checkpointed the recomputation rarely sets the peak); under a pipeline, the
+//! runtime's receive buffers (an activation in and a gradient back per micro-batch in flight,
+//! and one posted ahead) and what the step's sends keep until its end (every micro-batch's
+//! output and input gradient). Gradient accumulation runs the micro-batches one after
+//! another, so only one is in flight without a pipeline.
 use std::collections::BTreeSet;
 use std::fmt;
 
@@ -161,8 +164,9 @@ struct Stage {
     recompute: [f64; 3],
     /// Activation bytes a micro-batch in flight keeps.
     activations: f64,
-    /// Bytes on top while one micro-batch computes: the largest temporary and one
-    /// checkpointed block's recomputed activations.
+    /// Bytes on top while one micro-batch computes: the largest temporary, and how far a
+    /// checkpointed block's recomputation (its activations beside the layers' before it) rises
+    /// above the whole micro-batch's activations.
     transient: f64,
     params: f64,
     tensors: f64,
@@ -223,7 +227,9 @@ pub fn estimate(model: &Model, cluster: &Cluster, plan: &Plan) -> Result<Estimat
                     s.recompute[0] += arithmetic;
                     s.recompute[1] += overhead;
                     s.recompute[2] += comm;
-                    recompute_peak = recompute_peak.max(saved);
+                    // Its backward runs after the later layers' (whose activations are freed):
+                    // what this layer and the ones before it keep, and its recomputed ones.
+                    recompute_peak = recompute_peak.max(s.activations + saved);
                 } else {
                     s.activations += saved;
                 }
@@ -244,7 +250,7 @@ pub fn estimate(model: &Model, cluster: &Cluster, plan: &Plan) -> Result<Estimat
                     if range.end < model.layers.len() { last.output_bytes * micro / sp as f64 } else { 0.0 };
                 s.buffers = incoming + returning;
             }
-            s.transient = workspace + recompute_peak;
+            s.transient = workspace + (recompute_peak - s.activations).max(0.0);
             s
         })
         .collect();
