@@ -287,6 +287,15 @@ bench() {
   item c4 bench-predict "fastfold predict, model_1_ptm sizes, 3 recycles, an MSA filling the clusters, planned for 70 GiB (issue 41's 304 and 914 residues)" 240 \
     "$bin/bench-predict" --device cuda --residues 304,914 --recycles 3 --msa-rows 5628 --gpu-mem 70G --trace "$traces/predict"
   collect
+  # Issue 41's two levers at 914 residues, each alone beside c4's fused fp32 row: libtorch's
+  # scaled-dot-product attention with the biases as its additive mask (inference under
+  # --kernels torch), and bf16.
+  item c4b bench-predict-sdpa "fastfold predict at 914 residues as c4, attention by libtorch's SDPA (--kernels torch)" 90 \
+    "$bin/bench-predict" --device cuda --residues 914 --recycles 3 --msa-rows 5628 --gpu-mem 70G --kernels torch
+  collect
+  item c4c bench-predict-bf16 "fastfold predict at 914 residues as c4, bf16" 90 \
+    "$bin/bench-predict" --device cuda --residues 914 --recycles 3 --msa-rows 5628 --gpu-mem 70G --bf16
+  collect
   item c7 bench-predict-lean "fastfold predict, 1,200 residues fp32, a 5,628-row MSA, the process capped at 3.2 GiB (streams offloaded): card peak beside the plan" 180 \
     "$bin/bench-predict" --device cuda --residues 1200 --msa-rows 5628 --gpu-mem 3.2G
   collect
