@@ -239,7 +239,7 @@ const COMPARED_ACCUMULATIONS: usize = 3;
 ///   where the gradient group (dp x sp) is one rank ZeRO shards nothing, so only ZeRO-0 (or
 ///   the planner's stage);
 /// - on one rank, where there is one layout and ZeRO means nothing, the choices that remain:
-///   the accumulation steps (the fewest [`COMPARED_ACCUMULATIONS`] micro-batch counts that
+///   the accumulation steps (the fewest `COMPARED_ACCUMULATIONS` (3) micro-batch counts that
 ///   fit, and the planner's), each with the checkpointed blocks priced fastest, and at the
 ///   planner's micro-batches the fewest, half and all blocks checkpointed (of those that fit).
 ///

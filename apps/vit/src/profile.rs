@@ -90,7 +90,7 @@ const GPU_TIMED_S: f64 = 0.01;
 /// micro-batch of a few samples is over in the time its kernels take to launch, whatever their
 /// arithmetic, so the per-sample time fitted through 1 and 2 samples is noise (on an H200 it
 /// priced ViT-B/16's bf16 step at 141 ms where it ran in 885): there the
-/// batch holds [`GPU_TIMED_S`] of arithmetic at `timing.peak_flops`, up to vit's largest
+/// batch holds `GPU_TIMED_S` (10 ms) of arithmetic at `timing.peak_flops`, up to vit's largest
 /// micro-batch and to what a quarter of the device's memory holds of the block's activations
 /// and their gradients.
 pub fn timed_samples(cfg: &VitConfig, timing: &Timing) -> usize {
