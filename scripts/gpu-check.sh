@@ -193,7 +193,9 @@ provide_missing_libraries() {
 # Keeps every item's whole output beside the report, and prints the report.
 finish() {
   tar -C "$(dirname "$logs")" -czf "$out/logs.tar.gz" logs 2>/dev/null || true
-  rm -rf "$traces/predict"
+  # The predict pass's and the fine-tuning step's traces run to tens of MB: their tables are in
+  # the report, the files stay behind.
+  rm -rf "$traces/predict" "$traces/finetune"
   tar -C "$(dirname "$traces")" -czf "$out/traces.tar.gz" traces 2>/dev/null || true
   local passed failed skipped
   passed="$(grep -c '^## .*: passed$' "$report" || true)"
@@ -327,7 +329,8 @@ bench() {
     _ "$bin/bench-auto" "$py" "$root" "$(dirname "$logs")/vit-auto"
   collect
   item c5 bench-finetune "SD 1.5 UNet fine-tuning at 512 px, fp16, under a 4 GiB cap, uncapped and diffusers" 240 \
-    "$bin/bench-finetune" --device cuda --cap 4G --resolution 512 --batch 1 --precision fp16 --gradient-checkpointing
+    "$bin/bench-finetune" --device cuda --cap 4G --resolution 512 --batch 1 --precision fp16 --gradient-checkpointing \
+    --trace "$traces/finetune"
   collect
   # Issue 42 as a user types it: a full-size SD 1.5 folder with random weights (made by diffusers
   # here), default flags and then the README's (--precision bf16), each run's card use from

@@ -88,6 +88,12 @@ struct Args {
     /// on CUDA, which update the homes in place).
     #[arg(long, value_enum)]
     kernels: Option<kernels::Backend>,
+    /// After the timed steps, profile one more step of ours under the cap: its kernels and
+    /// copies summed by name (on a GPU; the host's operators on the CPU) in a table, under a
+    /// line with the step's wall time and the time the device was busy, and its Chrome trace
+    /// written to this folder (`finetune-capped.json`).
+    #[arg(long)]
+    trace: Option<PathBuf>,
     /// Internal: run one configuration of ours and print its JSON line.
     #[arg(long, hide = true, value_parser = ["capped", "uncapped", "plain"])]
     run: Option<String>,
@@ -275,6 +281,20 @@ fn ours(args: &Args, mode: Mode) -> anyhow::Result<Measured> {
     }
     let seconds_per_step = start.elapsed().as_secs_f64() / args.steps.max(1) as f64;
     let n = args.steps.max(1) as f64;
+    if let (Some(dir), Mode::Capped) = (&args.trace, mode) {
+        std::fs::create_dir_all(dir)?;
+        let title = format!("ours, Gemini, cap {}, one step, traced", args.cap);
+        let chrome = dir.join("finetune-capped.json");
+        let at = args.warmup + args.steps;
+        let table = engine::kernel_trace::table_of(device.is_cuda(), &chrome, &title, 30, || {
+            step(at, &mut [0.0; 4])?;
+            if let Device::Cuda(d) = device {
+                engine::cuda::synchronize(d)?;
+            }
+            anyhow::Ok(())
+        })?;
+        eprintln!("{table}");
+    }
     eprintln!(
         "ours ({}): forward {:.3} s, backward {:.3} s, finish_backward {:.3} s, optimizer {:.3} s per step",
         mode.name(),
