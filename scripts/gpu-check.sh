@@ -349,8 +349,8 @@ bench() {
        echo "flags [$flags]: exit $status, card memory.used MiB at start $(head -n 1 "$4/card.csv"), peak $(sort -n "$4/card.csv" | tail -n 1)"
        cat "$4/run/log.jsonl" 2>/dev/null || true; rm -rf "$4/run"
      done
-     [ "$status" -eq 0 ]
-     rm -rf "$4"' \
+     rm -rf "$4"
+     [ "$status" -eq 0 ]' \
     _ "$bin/diffusion" "$py" "$root" "$(dirname "$logs")/diffusion-4g"
   collect
   item c1 bench-kernels "fused kernels against their libtorch compositions, bf16" 90 "$bin/bench-kernels" --iters 20
