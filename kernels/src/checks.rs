@@ -107,6 +107,23 @@ pub(crate) fn quads(cols: i64, tensors: &[&Tensor]) -> bool {
             .all(|t| (t.data_ptr() as usize).is_multiple_of(4 * t.kind().elt_size_in_bytes()))
 }
 
+/// The widest access, in elements, that a kernel moving rows of `cols` may make over `tensors`
+/// (which share one dtype): 16 bytes (4 f32, 8 bf16 or f16), else 8, else 1 element. The width
+/// divides `cols`, so that no vector straddles two rows, and every tensor's memory is aligned to
+/// it (a contiguous view starting inside its storage may not be). Undefined tensors pass.
+pub(crate) fn vector_width(cols: i64, tensors: &[&Tensor]) -> i64 {
+    let defined: Vec<&&Tensor> = tensors.iter().filter(|t| t.defined()).collect();
+    let Some(first) = defined.first() else { return 1 };
+    let size = first.kind().elt_size_in_bytes() as i64;
+    [16, 8]
+        .into_iter()
+        .map(|bytes| (bytes, bytes / size))
+        .find(|&(bytes, w)| {
+            w > 1 && cols % w == 0 && defined.iter().all(|t| (t.data_ptr() as usize).is_multiple_of(bytes as usize))
+        })
+        .map_or(1, |(_, w)| w)
+}
+
 /// Blocks for a grid-stride loop over `n` elements with 256 threads each.
 pub(crate) fn grid_blocks(n: i64) -> u32 {
     ceil_div(n, 256).clamp(1, 1 << 20) as u32

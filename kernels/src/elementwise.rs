@@ -2,9 +2,10 @@
 //! `gelu(x + bias)` and `residual + dropout(x + bias)`.
 use tch::{Device, Kind, Tensor};
 
-use crate::checks::{ceil_div, elementwise, grid_blocks, quads, with_grad};
+use crate::checks::{ceil_div, elementwise, grid_blocks, quads, vector_width, with_grad};
 use crate::error::ensure;
 use crate::kernel::{Args, Kernel};
+use crate::launch::Target;
 use crate::{Backend, Result};
 
 pub(crate) static KERNEL: Kernel = Kernel::new(
@@ -43,6 +44,20 @@ pub(crate) fn bias_grad(dx: &Tensor, cols: i64, kind: Kind) -> tch::Result<Tenso
     dx.f_reshape([-1, cols])?.f_sum_dim_intlist(0, false, Kind::Float)?.f_to_kind(kind)
 }
 
+/// Threads per block of the bias + GELU kernels.
+const GELU_THREADS: u32 = 256;
+/// Vectors each thread of the bias + GELU kernels loads per trip of its grid-stride loop
+/// (`GELU_VECTORS` in elementwise.cu).
+const GELU_VECTORS: i64 = 4;
+
+/// Launches `bias_gelu_{forward,backward}_{suffix}` over `n` elements moved `width` at a time:
+/// enough blocks for each thread's first trip, at most as many as the device holds at once.
+fn launch_gelu(function: &str, at: Target, n: i64, width: i64, args: &mut Args) -> Result<()> {
+    let needed = ceil_div(n / width, GELU_VECTORS * GELU_THREADS as i64).clamp(1, u32::MAX as i64) as u32;
+    let grid = needed.min(KERNEL.resident_blocks(function, at, GELU_THREADS)?.max(1));
+    KERNEL.launch(function, at, (grid, 1, 1), GELU_THREADS, args)
+}
+
 /// `gelu(x + bias)` (the exact, erf form) with `bias` the size of the last dimension of `x`.
 pub fn bias_gelu(x: &Tensor, bias: &Tensor, backend: Backend) -> Result<Tensor> {
     const OP: &str = "bias_gelu";
@@ -54,21 +69,20 @@ pub fn bias_gelu(x: &Tensor, bias: &Tensor, backend: Backend) -> Result<Tensor> 
     let b = bias.f_contiguous()?;
     let (at, suffix, cols, n) = elementwise(OP, &[("x", &x), ("bias", &b)])?;
     let y = x.f_empty_like()?;
-    let grid = (grid_blocks(ceil_div(n, 4)), 1, 1);
     if n > 0 {
-        let vec = quads(cols, &[&x, &b, &y]);
-        let mut a = Args::default().tensor(&x).tensor(&b).tensor(&y).i64(n).i32(cols as i32).i32(vec.into());
-        KERNEL.launch(&format!("bias_gelu_forward_{suffix}"), at, grid, 256, &mut a)?;
+        let width = vector_width(cols, &[&x, &b, &y]);
+        let mut a = Args::default().tensor(&x).tensor(&b).tensor(&y).i64(n).i32(cols as i32).i32(width as i32);
+        launch_gelu(&format!("bias_gelu_forward_{suffix}"), at, n, width, &mut a)?;
     }
     let outputs = with_grad(OP, &[&x, bias], vec![y], vec![x.shallow_clone(), b], move |grads, saved| {
         let [x, b] = saved else { unreachable!("two tensors saved") };
         let dy = grads[0].f_contiguous()?;
         let dx = x.f_empty_like()?;
         if n > 0 {
-            let vec = quads(cols, &[x, b, &dy, &dx]);
+            let width = vector_width(cols, &[x, b, &dy, &dx]);
             let a = Args::default().tensor(x).tensor(b).tensor(&dy).tensor(&dx);
-            let mut a = a.i64(n).i32(cols as i32).i32(vec.into());
-            KERNEL.launch(&format!("bias_gelu_backward_{suffix}"), at, grid, 256, &mut a)?;
+            let mut a = a.i64(n).i32(cols as i32).i32(width as i32);
+            launch_gelu(&format!("bias_gelu_backward_{suffix}"), at, n, width, &mut a)?;
         }
         let db = bias_grad(&dx, cols, b.kind())?;
         Ok(vec![Some(dx), Some(db)])

@@ -67,20 +67,45 @@ impl Kernel {
             .map_err(|e| Error::driver(format!("launching {}::{function} on cuda:{device}", self.name), e))
     }
 
+    /// How many blocks of `block` threads of `function` `target` runs at once: on a CUDA
+    /// device its multiprocessors times the blocks of the function each holds (the driver's
+    /// occupancy calculator, asked once per function and block size); on the emulator
+    /// [`EMULATED_RESIDENT_BLOCKS`]. A grid-stride kernel launched with this many blocks keeps
+    /// the device full without a second wave.
+    pub(crate) fn resident_blocks(&self, function: &str, target: Target, block: u32) -> Result<u32> {
+        let device = match target {
+            Target::Cuda(device) => device,
+            Target::Emulator => return Ok(EMULATED_RESIDENT_BLOCKS),
+        };
+        self.with_loaded(device, |module| {
+            if let Some(&n) = module.resident.get(&(function.to_string(), block)) {
+                return Ok(n);
+            }
+            let f = module.function(self.name, function)?;
+            let _current = ContextGuard::push(module.ctx)?;
+            // SAFETY: a function of a module loaded in the pushed context.
+            let per_sm = unsafe { cu::occupancy::max_active_block_per_multiprocessor(f, block as i32, 0) }
+                .map_err(|e| Error::driver(format!("occupancy of {}::{function}", self.name), e))?;
+            let n = (per_sm.max(1) as u32).saturating_mul(module.multiprocessors);
+            module.resident.insert((function.to_string(), block), n);
+            Ok(n)
+        })
+    }
+
     /// The function's handle on `device`, loading the module on first use.
     fn function(&self, function: &str, device: usize) -> Result<(sys::CUcontext, sys::CUfunction)> {
+        self.with_loaded(device, |module| Ok((module.ctx, module.function(self.name, function)?)))
+    }
+
+    /// Runs `f` on this kernel's module on `device`, loading it on first use.
+    fn with_loaded<R>(&self, device: usize, f: impl FnOnce(&mut Loaded) -> Result<R>) -> Result<R> {
         static LOADED: OnceLock<Mutex<HashMap<(&'static str, usize), Loaded>>> = OnceLock::new();
         let mut loaded = LOADED.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
         let module = match loaded.entry((self.name, device)) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => e.insert(self.load(device)?),
         };
-        let f = module
-            .functions
-            .get(function)
-            .copied()
-            .ok_or_else(|| Error::invalid(format!("kernel source {} defines no function {function}", self.name)))?;
-        Ok((module.ctx, f))
+        f(module)
     }
 
     fn load(&self, device: usize) -> Result<Loaded> {
@@ -98,23 +123,41 @@ impl Kernel {
                 .map_err(|e| Error::driver(format!("finding {}::{name}", self.name), e))?;
             functions.insert(name.to_string(), f);
         }
-        Ok(Loaded { ctx: dev.ctx, functions })
+        Ok(Loaded { ctx: dev.ctx, functions, multiprocessors: dev.multiprocessors, resident: HashMap::new() })
     }
 }
+
+/// What [`Kernel::resident_blocks`] gives on the emulator: a few blocks, so that the tests take
+/// grid-stride loops round several times, over 768 threads (not a power of two).
+pub(crate) const EMULATED_RESIDENT_BLOCKS: u32 = 3;
 
 /// A module's functions on one device, kept for the life of the process.
 struct Loaded {
     ctx: sys::CUcontext,
     functions: HashMap<String, sys::CUfunction>,
+    /// The device's multiprocessor count.
+    multiprocessors: u32,
+    /// [`Kernel::resident_blocks`] by function and block size.
+    resident: HashMap<(String, u32), u32>,
+}
+
+impl Loaded {
+    fn function(&self, kernel: &str, function: &str) -> Result<sys::CUfunction> {
+        self.functions
+            .get(function)
+            .copied()
+            .ok_or_else(|| Error::invalid(format!("kernel source {kernel} defines no function {function}")))
+    }
 }
 
 // SAFETY: driver handles are plain identifiers, usable from any thread.
 unsafe impl Send for Loaded {}
 
-/// A device's primary context and compute capability (`90` for 9.0).
+/// A device's primary context, compute capability (`90` for 9.0) and multiprocessor count.
 struct Device {
     ctx: sys::CUcontext,
     arch: u32,
+    multiprocessors: u32,
 }
 
 impl Device {
@@ -131,10 +174,11 @@ impl Device {
         use sys::CUdevice_attribute::*;
         let major = attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR).map_err(|e| ctx("compute capability", e))?;
         let minor = attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR).map_err(|e| ctx("compute capability", e))?;
+        let sms = attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(|e| ctx("multiprocessor count", e))?;
         // SAFETY: `dev` is a valid device. The primary context is libtorch's own; retained once
         // per load and never released, as it lives as long as the process.
         let pctx = unsafe { cu::primary_ctx::retain(dev) }.map_err(|e| ctx("retaining the primary context", e))?;
-        Ok(Device { ctx: pctx, arch: (major * 10 + minor) as u32 })
+        Ok(Device { ctx: pctx, arch: (major * 10 + minor) as u32, multiprocessors: sms.max(1) as u32 })
     }
 }
 

@@ -143,7 +143,7 @@ fn kernels_stay_within_their_tensors() {
         .unwrap();
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "the emulated kernels under AddressSanitizer:\n{text}");
-    assert!(text.contains("test result: ok. 9 passed"), "all nine emulated tests ran:\n{text}");
+    assert!(text.contains("test result: ok. 10 passed"), "all ten emulated tests ran:\n{text}");
 }
 
 #[test]
@@ -204,8 +204,24 @@ fn bias_gelu_matches() {
     let dev = device("bias_gelu_matches");
     tch::manual_seed(2);
     let f = |t: &[Tensor], backend| kernels::bias_gelu(&t[0], &t[1], backend).unwrap();
-    // Rows of a multiple of 4 (vector accesses) and not, short and long.
-    for shape in [vec![37, 513], vec![37, 512], vec![3, 5, 7], vec![3, 5, 8], vec![1, 1]] {
+    // Rows of a multiple of 8 (16-byte accesses in every dtype), of 4 but not 8 (16 bytes of
+    // f32, 8 of bf16 and f16), of 2 (8 bytes of f32, elements of bf16 and f16) and odd (element
+    // by element), short and long: ViT-B/16's 3072 and 3075 beside it; 40 and 3080 wrap the
+    // columns of a thread's successive vectors round the row (the emulator's 768 threads of
+    // vectors do not span whole rows).
+    for shape in [
+        vec![37, 513],
+        vec![37, 512],
+        vec![3, 5, 7],
+        vec![3, 5, 8],
+        vec![1, 1],
+        vec![5, 3072],
+        vec![3, 3075],
+        vec![7, 3, 12],
+        vec![11, 6],
+        vec![9, 40],
+        vec![2, 3080],
+    ] {
         let c = *shape.last().unwrap();
         check(&format!("bias_gelu {shape:?}"), &f, &[randn(&shape, dev, true), randn(&[c], dev, true)], &shape);
     }
@@ -327,6 +343,52 @@ fn bias_dropout_residual_matches() {
         for shape in [[41, 3, 77], [41, 3, 76]] {
             let inputs = [randn(&shape, dev, true), randn(&[shape[2]], dev, true), randn(&shape, dev, true)];
             check(&format!("bias_dropout_residual {shape:?} p={p} train={train}"), &f, &inputs, &shape);
+        }
+    }
+}
+
+/// bias + GELU forward and backward on contiguous views starting inside their storage, in every
+/// dtype: one element in (no vector access), two (8 bytes of bf16, f16), four (8 bytes of bf16
+/// and f16, 16 of f32) and eight, x or the bias alone, beside an aligned one. Each takes the
+/// widest access its pointers allow (the emulator fails a misaligned one) and must equal the
+/// composition by the rule of `check`.
+#[test]
+fn bias_gelu_on_offset_views_matches() {
+    let _rng = rng();
+    let dev = device("bias_gelu_on_offset_views_matches");
+    tch::manual_seed(13);
+    for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
+        for (shape, x_at, b_at) in [
+            ([6, 3072], 1, 0),
+            ([6, 3072], 0, 1),
+            ([6, 3072], 2, 2),
+            ([6, 3072], 4, 0),
+            ([6, 3072], 8, 4),
+            ([5, 3075], 1, 1),
+        ] {
+            let view = |shape: &[i64], at: i64| {
+                let n: i64 = shape.iter().product();
+                Tensor::randn([n + at], (Kind::Float, dev)).to_kind(kind).narrow(0, at, n).view(shape)
+            };
+            let (x, b) = (view(&shape, x_at), view(&shape[1..], b_at));
+            let offset = x_at as usize * x.kind().elt_size_in_bytes();
+            assert!(x.is_contiguous() && (x.data_ptr() as usize) % 16 == offset % 16, "x {offset} bytes in");
+            let dy = Tensor::randn(shape, (Kind::Float, dev)).to_kind(kind);
+            let grads = |x: &Tensor, b: &Tensor, dy: &Tensor, backend| {
+                let (x, b) = (x.detach().set_requires_grad(true), b.detach().set_requires_grad(true));
+                let y = kernels::bias_gelu(&x, &b, backend).unwrap();
+                let mut out = vec![y.detach()];
+                out.extend(Tensor::run_backward(&[(&y * dy).sum(Kind::Float)], &[&x, &b], false, false));
+                out
+            };
+            let fused = grads(&x, &b, &dy, Backend::Fused);
+            let torch = grads(&x, &b, &dy, Backend::Torch);
+            let up = |t: &Tensor| t.to_kind(Kind::Double);
+            let reference = grads(&up(&x), &up(&b), &up(&dy), Backend::Torch);
+            for (i, name) in ["output", "x's gradient", "the bias's gradient"].into_iter().enumerate() {
+                let what = format!("bias_gelu {shape:?}, x at {x_at}, bias at {b_at}: {name}");
+                assert_matches(&fused[i], &torch[i], &reference[i], kind, &what);
+            }
         }
     }
 }

@@ -131,6 +131,74 @@ __device__ __forceinline__ void store4(T* p, int n, bool vec, const float (&in)[
   }
 }
 
+// W consecutive elements moved as one access of W sizeof(T) bytes (4, 8 or 16; W = 1: one
+// element), held as 32-bit words so that 16 bytes of bf16 or f16 are one 128-bit access (an
+// array of eight 16-bit elements may be split into narrower ones) and each element is unpacked
+// only when used. The address must be aligned to the W elements (the emulator fails a launch
+// where it is not).
+template <typename T> __device__ __forceinline__ float word_element(const unsigned* w, int k);
+template <> __device__ __forceinline__ float word_element<float>(const unsigned* w, int k) {
+  return __uint_as_float(w[k]);
+}
+template <> __device__ __forceinline__ float word_element<bf16>(const unsigned* w, int k) {
+  bf16 h;
+  h.bits = (u16)(w[k >> 1] >> (16 * (k & 1)));
+  return to_float(h);
+}
+template <> __device__ __forceinline__ float word_element<f16>(const unsigned* w, int k) {
+  f16 h;
+  h.bits = (u16)(w[k >> 1] >> (16 * (k & 1)));
+  return to_float(h);
+}
+template <typename T> __device__ __forceinline__ unsigned element_bits(float x) { return from_float<T>(x).bits; }
+template <> __device__ __forceinline__ unsigned element_bits<float>(float x) { return __float_as_uint(x); }
+
+template <typename T, int W>
+struct alignas(W * sizeof(T)) Pack {
+  static_assert(W * sizeof(T) % 4 == 0 && W * sizeof(T) <= 16, "a pack of 4, 8 or 16 bytes");
+  unsigned w[W * sizeof(T) / 4];
+  __device__ __forceinline__ float get(int k) const { return word_element<T>(w, k); }
+  // From W floats, each rounded to T.
+  __device__ __forceinline__ void set(const float (&in)[W]) {
+    constexpr int per_word = 4 / sizeof(T);
+#pragma unroll
+    for (int j = 0; j < W / per_word; ++j) {
+      unsigned word = 0;
+#pragma unroll
+      for (int h = 0; h < per_word; ++h) word |= element_bits<T>(in[j * per_word + h]) << (32 / per_word * h);
+      w[j] = word;
+    }
+  }
+};
+template <typename T>
+struct Pack<T, 1> {
+  T e;
+  __device__ __forceinline__ float get(int) const { return to_float(e); }
+  __device__ __forceinline__ void set(const float (&in)[1]) { e = from_float<T>(in[0]); }
+};
+
+template <typename T, int W>
+__device__ __forceinline__ Pack<T, W> load_pack(const T* p) {
+#ifdef KERNELS_EMULATOR
+  emu_check_aligned(p, sizeof(Pack<T, W>));
+  Pack<T, W> q;
+  memcpy(&q, p, sizeof q);
+  return q;
+#else
+  return *reinterpret_cast<const Pack<T, W>*>(p);
+#endif
+}
+
+template <typename T, int W>
+__device__ __forceinline__ void store_pack(T* p, const Pack<T, W>& q) {
+#ifdef KERNELS_EMULATOR
+  emu_check_aligned(p, sizeof(Pack<T, W>));
+  memcpy(p, &q, sizeof q);
+#else
+  *reinterpret_cast<Pack<T, W>*>(p) = q;
+#endif
+}
+
 // Row kernels give rows of up to WARP_COLS elements one warp each, the row in registers: lane l
 // holds the quads l + 32 j (j < WARP_COLS / 128), so a quad's four elements are one access and
 // the warp's accesses are contiguous. Blocks hold blockDim.x / 32 rows.
