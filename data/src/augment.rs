@@ -246,9 +246,10 @@ pub struct Mixup {
 }
 
 impl Mixup {
-    /// Blends `images` (`n` images of `size` values each) in place and returns the `n x
-    /// classes` soft targets for `labels`.
-    pub fn apply(&self, images: &mut [f32], labels: &[i64], classes: usize, rng: &mut Rng) -> Vec<f32> {
+    /// Draws λ and returns the `n x classes` soft targets for `labels` (`n` of them) with λ: the
+    /// images are to be blended as `λ image + (1 - λ) reversed image` (λ = 1: left as they are),
+    /// which the trainer does on the device (`vit::batch::mix`), not here on its thread.
+    pub fn targets(&self, labels: &[i64], classes: usize, rng: &mut Rng) -> (Vec<f32>, f64) {
         let n = labels.len();
         let lambda = if self.alpha > 0.0 { rng.beta(self.alpha) } else { 1.0 };
         let (off, on) = (self.smoothing / classes as f64, 1.0 - self.smoothing + self.smoothing / classes as f64);
@@ -260,17 +261,7 @@ impl Mixup {
                 targets[i * classes + k] = (lambda * t(label) + (1.0 - lambda) * t(labels[j])) as f32;
             }
         }
-        if lambda < 1.0 && n > 0 {
-            let size = images.len() / n;
-            let original = images.to_vec();
-            for i in 0..n {
-                let (a, b) = (&original[i * size..(i + 1) * size], &original[(n - 1 - i) * size..(n - i) * size]);
-                for (out, (x, y)) in images[i * size..(i + 1) * size].iter_mut().zip(a.iter().zip(b)) {
-                    *out = (lambda * *x as f64 + (1.0 - lambda) * *y as f64) as f32;
-                }
-            }
-        }
-        targets
+        (targets, lambda)
     }
 }
 
@@ -333,18 +324,19 @@ mod tests {
         let mean = samples.iter().sum::<f64>() / samples.len() as f64;
         assert!((mean - 0.5).abs() < 0.03, "Beta(0.4, 0.4) mean {mean}");
         assert!(samples.iter().all(|&s| (0.0..=1.0).contains(&s)));
-        let mut images = vec![0.0, 0.0, 1.0, 1.0];
         let mix = Mixup { alpha: 1.0, smoothing: 0.1 };
-        let targets = mix.apply(&mut images, &[0, 1], 3, &mut Rng::keyed(1, 0, 0));
+        let (targets, lambda) = mix.targets(&[0, 1], 3, &mut Rng::keyed(1, 0, 0));
+        assert!(lambda > 0.0 && lambda < 1.0, "{lambda}");
         for row in targets.chunks(3) {
             assert!((row.iter().sum::<f32>() - 1.0).abs() < 1e-6, "{row:?}");
         }
-        // Image 0 is blended with image 1 by the same λ its targets use.
-        let one_minus = images[0] as f64; // 0 * λ + 1 * (1 - λ)
-        let on = 1.0 - 0.1 + 0.1 / 3.0;
-        let expect = (1.0 - one_minus) * on + one_minus * (0.1 / 3.0);
-        assert!((targets[0] as f64 - expect).abs() < 1e-5, "{targets:?} vs 1 - λ = {one_minus}");
-        let plain = Mixup { alpha: 0.0, smoothing: 0.0 }.apply(&mut images.clone(), &[2], 3, &mut Rng::keyed(1, 0, 0));
-        assert_eq!(plain, vec![0.0, 0.0, 1.0]);
+        // Image 0's targets: its own label's by λ, image 1's (the reverse's) by 1 - λ.
+        let (on, off) = (1.0 - 0.1 + 0.1 / 3.0, 0.1 / 3.0);
+        let expect = [lambda * on + (1.0 - lambda) * off, lambda * off + (1.0 - lambda) * on, off];
+        for (t, e) in targets[..3].iter().zip(expect) {
+            assert!((*t as f64 - e).abs() < 1e-6, "{targets:?} vs {expect:?}");
+        }
+        let (plain, lambda) = Mixup { alpha: 0.0, smoothing: 0.0 }.targets(&[2], 3, &mut Rng::keyed(1, 0, 0));
+        assert_eq!((plain, lambda), (vec![0.0, 0.0, 1.0], 1.0));
     }
 }

@@ -301,10 +301,12 @@ impl<'a> Trainer<'a> {
             // collective until its last, and must not look stalled to the spawner.
             engine::dist::heartbeat::beat();
             let loader = self.loader.as_mut().context("the data loader")?;
-            let mut batch = loader.next().context("the data loader stopped early")??;
+            let batch = loader.next().context("the data loader stopped early")??;
             let mut rng = Rng::keyed(seed ^ MIXUP_STREAM, step as u64, (rank * accumulation + m) as u64);
-            let targets = mixup.apply(&mut batch.pixels, &batch.labels, classes, &mut rng);
-            let (images, _) = to_tensors(&batch, self.device, self.kind)?;
+            let (targets, lambda) = mixup.targets(&batch.labels, classes, &mut rng);
+            // Blended in fp32 on the device, then cast to the run's kind.
+            let (images, _) = to_tensors(&batch, self.device, Kind::Float)?;
+            let images = crate::batch::mix(&images, lambda)?.f_to_kind(self.kind)?;
             let rows = (targets.len() / classes) as i64;
             let targets = engine::cuda::upload_slice(&targets, &[rows, classes as i64], self.device)?;
             let Model::Whole(model) = &self.model else {
