@@ -67,42 +67,12 @@ struct Columns {
 
 // The n / W vectors of W elements (n a multiple of W: rows of cols, cols a multiple of W) in a
 // grid-stride loop: a thread's GELU_VECTORS vectors of a trip lie `threads` vectors apart (each
-// warp's accesses contiguous), loaded (x, its bias, dy) before any is computed. The arithmetic per
-// element is the element path's.
-template <typename T, int W>
-__device__ __forceinline__ void bias_gelu_forward_w(const T* __restrict__ x, const T* __restrict__ b,
-                                                    T* __restrict__ y, i64 n, int cols) {
-  const i64 vectors = n / W, threads = (i64)blockDim.x * gridDim.x;
-  const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-  Columns col(first * W, threads * W, cols);
-  for (i64 v = first; v < vectors; v += GELU_VECTORS * threads) {
-    Pack<T, W> xv[GELU_VECTORS], bv[GELU_VECTORS];
-#pragma unroll
-    for (int u = 0; u < GELU_VECTORS; ++u) {
-      const i64 at = v + u * threads;
-      const unsigned c = col.next();
-      if (at < vectors) {
-        xv[u] = load_pack<T, W>(x + at * W);
-        bv[u] = load_pack<T, W>(b + c);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < GELU_VECTORS; ++u) {
-      const i64 at = v + u * threads;
-      if (at >= vectors) continue;
-      float out[W];
-#pragma unroll
-      for (int k = 0; k < W; ++k) out[k] = gelu(xv[u].get(k) + bv[u].get(k));
-      Pack<T, W> q;
-      q.set(out);
-      store_pack<T, W>(y + at * W, q);
-    }
-  }
-}
-
-template <typename T, int W>
-__device__ __forceinline__ void bias_gelu_backward_w(const T* __restrict__ x, const T* __restrict__ b,
-                                                     const T* __restrict__ dy, T* __restrict__ dx, i64 n, int cols) {
+// warp's accesses contiguous), loaded (x, its bias, and for the gradient dy) before any is
+// computed. Forward: out = gelu(x + b); GRAD: out = dy gelu'(x + b) (dy unread otherwise). The
+// arithmetic per element is the element path's.
+template <typename T, int W, bool GRAD>
+__device__ __forceinline__ void bias_gelu_w(const T* __restrict__ x, const T* __restrict__ b,
+                                            const T* __restrict__ dy, T* __restrict__ out, i64 n, int cols) {
   const i64 vectors = n / W, threads = (i64)blockDim.x * gridDim.x;
   const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x;
   Columns col(first * W, threads * W, cols);
@@ -115,45 +85,36 @@ __device__ __forceinline__ void bias_gelu_backward_w(const T* __restrict__ x, co
       if (at < vectors) {
         xv[u] = load_pack<T, W>(x + at * W);
         bv[u] = load_pack<T, W>(b + c);
-        gv[u] = load_pack<T, W>(dy + at * W);
+        if (GRAD) gv[u] = load_pack<T, W>(dy + at * W);
       }
     }
 #pragma unroll
     for (int u = 0; u < GELU_VECTORS; ++u) {
       const i64 at = v + u * threads;
       if (at >= vectors) continue;
-      float out[W];
+      float o[W];
 #pragma unroll
-      for (int k = 0; k < W; ++k) out[k] = gv[u].get(k) * gelu_grad(xv[u].get(k) + bv[u].get(k));
+      for (int k = 0; k < W; ++k) {
+        const float z = xv[u].get(k) + bv[u].get(k);
+        o[k] = GRAD ? gv[u].get(k) * gelu_grad(z) : gelu(z);
+      }
       Pack<T, W> q;
-      q.set(out);
-      store_pack<T, W>(dx + at * W, q);
+      q.set(o);
+      store_pack<T, W>(out + at * W, q);
     }
   }
 }
 
 // `width`: 16 / sizeof(T) or 8 / sizeof(T) elements per access, anything else one.
-template <typename T>
-__device__ void bias_gelu_forward(const T* x, const T* b, T* y, i64 n, int cols, int width) {
+template <typename T, bool GRAD>
+__device__ void bias_gelu(const T* x, const T* b, const T* dy, T* out, i64 n, int cols, int width) {
   constexpr int V16 = 16 / sizeof(T), V8 = 8 / sizeof(T);
   if (width == V16) {
-    bias_gelu_forward_w<T, V16>(x, b, y, n, cols);
+    bias_gelu_w<T, V16, GRAD>(x, b, dy, out, n, cols);
   } else if (width == V8) {
-    bias_gelu_forward_w<T, V8>(x, b, y, n, cols);
+    bias_gelu_w<T, V8, GRAD>(x, b, dy, out, n, cols);
   } else {
-    bias_gelu_forward_w<T, 1>(x, b, y, n, cols);
-  }
-}
-
-template <typename T>
-__device__ void bias_gelu_backward(const T* x, const T* b, const T* dy, T* dx, i64 n, int cols, int width) {
-  constexpr int V16 = 16 / sizeof(T), V8 = 8 / sizeof(T);
-  if (width == V16) {
-    bias_gelu_backward_w<T, V16>(x, b, dy, dx, n, cols);
-  } else if (width == V8) {
-    bias_gelu_backward_w<T, V8>(x, b, dy, dx, n, cols);
-  } else {
-    bias_gelu_backward_w<T, 1>(x, b, dy, dx, n, cols);
+    bias_gelu_w<T, 1, GRAD>(x, b, dy, out, n, cols);
   }
 }
 
@@ -191,11 +152,11 @@ __device__ void dropout_backward(const T* dy, const unsigned char* keep, T* dx, 
 
 #define DEFINE(T, S)                                                                                            \
   extern "C" __global__ void bias_gelu_forward_##S(const T* x, const T* b, T* y, i64 n, int cols, int width) { \
-    bias_gelu_forward<T>(x, b, y, n, cols, width);                                                             \
+    bias_gelu<T, false>(x, b, nullptr, y, n, cols, width);                                                     \
   }                                                                                                            \
   extern "C" __global__ void bias_gelu_backward_##S(const T* x, const T* b, const T* dy, T* dx, i64 n,         \
                                                     int cols, int width) {                                     \
-    bias_gelu_backward<T>(x, b, dy, dx, n, cols, width);                                                       \
+    bias_gelu<T, true>(x, b, dy, dx, n, cols, width);                                                          \
   }                                                                                                            \
   extern "C" __global__ void bias_dropout_residual_forward_##S(const T* x, const T* b, const T* residual,      \
                                                                const unsigned char* keep, T* y, i64 n,         \
