@@ -2,7 +2,7 @@
 //! AlphaFold's masking convention, fused into one kernel forward and one backward.
 use tch::{Kind, Tensor};
 
-use crate::checks::{dtype, launch_rows, quads, rows_cols, target, with_grad};
+use crate::checks::{dtype, launch_rows, quads, row_kernel_functions, rows_cols, target, with_grad};
 use crate::error::ensure;
 use crate::kernel::{Args, Kernel};
 use crate::{Backend, Result};
@@ -10,20 +10,7 @@ use crate::{Backend, Result};
 pub(crate) static KERNEL: Kernel = Kernel::new(
     "attention_softmax",
     include_str!("cuda/softmax.cu"),
-    &[
-        "attention_softmax_forward_f32",
-        "attention_softmax_forward_bf16",
-        "attention_softmax_forward_f16",
-        "attention_softmax_backward_f32",
-        "attention_softmax_backward_bf16",
-        "attention_softmax_backward_f16",
-        "attention_softmax_forward_warp_f32",
-        "attention_softmax_forward_warp_bf16",
-        "attention_softmax_forward_warp_f16",
-        "attention_softmax_backward_warp_f32",
-        "attention_softmax_backward_warp_bf16",
-        "attention_softmax_backward_warp_f16",
-    ],
+    row_kernel_functions!(plain: [], rows: ["attention_softmax_forward", "attention_softmax_backward"]),
     &[],
 );
 

@@ -72,9 +72,39 @@ pub(crate) fn ceil_div(a: i64, b: i64) -> i64 {
 /// Rows of at most this many elements go one warp each (`WARP_COLS` in prelude.cuh).
 pub(crate) const WARP_COLS: i64 = 1024;
 
-/// Launches a row kernel over `rows` rows of `cols`: `{function}_warp_{suffix}`, a warp per row
-/// four to a block, for rows of up to [`WARP_COLS`]; else `{function}_{suffix}`, a block per row.
-/// The two take the same arguments.
+/// The quads per lane each warp row kernel is compiled for (`FOR_EACH_WARP_QUADS` in
+/// prelude.cuh): a warp holds rows of up to 128 times as many elements.
+pub(crate) const WARP_QUADS: [i64; 6] = [1, 2, 3, 4, 6, 8];
+
+/// The least of [`WARP_QUADS`] whose warp holds a row of `cols` (at most [`WARP_COLS`]).
+pub(crate) fn warp_quads(cols: i64) -> i64 {
+    WARP_QUADS.into_iter().find(|q| 128 * q >= cols).unwrap_or(WARP_COLS / 128)
+}
+
+/// The entry points of a kernel source: `$plain` functions once per dtype (`_f32`, `_bf16`,
+/// `_f16`), and for each of `$rows` the block kernel per dtype and the warp kernels per count of
+/// [`WARP_QUADS`] and dtype (`{row}_warp{q}_{dtype}`), as [`launch_rows`] names them.
+macro_rules! row_kernel_functions {
+    (plain: [$($plain:literal),*], rows: [$($row:literal),*]) => {
+        &[
+            $(concat!($plain, "_f32"), concat!($plain, "_bf16"), concat!($plain, "_f16"),)*
+            $(
+                concat!($row, "_f32"), concat!($row, "_bf16"), concat!($row, "_f16"),
+                concat!($row, "_warp1_f32"), concat!($row, "_warp1_bf16"), concat!($row, "_warp1_f16"),
+                concat!($row, "_warp2_f32"), concat!($row, "_warp2_bf16"), concat!($row, "_warp2_f16"),
+                concat!($row, "_warp3_f32"), concat!($row, "_warp3_bf16"), concat!($row, "_warp3_f16"),
+                concat!($row, "_warp4_f32"), concat!($row, "_warp4_bf16"), concat!($row, "_warp4_f16"),
+                concat!($row, "_warp6_f32"), concat!($row, "_warp6_bf16"), concat!($row, "_warp6_f16"),
+                concat!($row, "_warp8_f32"), concat!($row, "_warp8_bf16"), concat!($row, "_warp8_f16"),
+            )*
+        ]
+    };
+}
+pub(crate) use row_kernel_functions;
+
+/// Launches a row kernel over `rows` rows of `cols`: `{function}_warp{q}_{suffix}`, a warp per
+/// row four to a block with `q` = [`warp_quads`] quads per lane, for rows of up to
+/// [`WARP_COLS`]; else `{function}_{suffix}`, a block per row. All take the same arguments.
 pub(crate) fn launch_rows(
     kernel: &Kernel,
     function: &str,
@@ -85,7 +115,7 @@ pub(crate) fn launch_rows(
 ) -> Result<()> {
     if cols <= WARP_COLS {
         let grid = (ceil_div(rows, 4).max(1) as u32, 1, 1);
-        kernel.launch(&format!("{function}_warp_{suffix}"), at, grid, 128, args)
+        kernel.launch(&format!("{function}_warp{}_{suffix}", warp_quads(cols)), at, grid, 128, args)
     } else {
         kernel.launch(&format!("{function}_{suffix}"), at, (rows as u32, 1, 1), row_threads(cols), args)
     }
@@ -143,4 +173,15 @@ pub(crate) fn with_grad(
     }
     let forward = engine::autograd::Forward { outputs, saved, ..Default::default() };
     Ok(engine::autograd::apply(name, inputs, move |_| Ok(forward), backward)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_warp_row_takes_the_least_quads_that_hold_it() {
+        let q: Vec<i64> = [1, 128, 129, 256, 257, 384, 385, 512, 513, 768, 769, 1024].map(warp_quads).to_vec();
+        assert_eq!(q, [1, 1, 2, 2, 3, 3, 4, 4, 6, 6, 8, 8]);
+    }
 }

@@ -3,7 +3,7 @@
 //! (`weight`, `bias`).
 use tch::{nn, Kind, Tensor};
 
-use crate::checks::{ceil_div, dtype, launch_rows, quads, rows_cols, target, with_grad};
+use crate::checks::{ceil_div, dtype, launch_rows, quads, row_kernel_functions, rows_cols, target, with_grad};
 use crate::error::ensure;
 use crate::kernel::{Args, Kernel};
 use crate::{Backend, Result};
@@ -11,23 +11,10 @@ use crate::{Backend, Result};
 pub(crate) static KERNEL: Kernel = Kernel::new(
     "layer_norm",
     include_str!("cuda/layer_norm.cu"),
-    &[
-        "layer_norm_forward_f32",
-        "layer_norm_forward_bf16",
-        "layer_norm_forward_f16",
-        "layer_norm_backward_input_f32",
-        "layer_norm_backward_input_bf16",
-        "layer_norm_backward_input_f16",
-        "layer_norm_backward_params_f32",
-        "layer_norm_backward_params_bf16",
-        "layer_norm_backward_params_f16",
-        "layer_norm_forward_warp_f32",
-        "layer_norm_forward_warp_bf16",
-        "layer_norm_forward_warp_f16",
-        "layer_norm_backward_input_warp_f32",
-        "layer_norm_backward_input_warp_bf16",
-        "layer_norm_backward_input_warp_f16",
-    ],
+    row_kernel_functions!(
+        plain: ["layer_norm_backward_params"],
+        rows: ["layer_norm_forward", "layer_norm_backward_input"]
+    ),
     &[],
 );
 

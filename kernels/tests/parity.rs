@@ -160,10 +160,21 @@ fn attention_softmax_matches() {
         }
     };
     // Odd sizes; rows shorter than a warp, of one key, of a multiple of 4 keys (vector accesses),
-    // as long as a warp takes (1024) and longer (a block per row).
-    for (b, h, q, k) in
-        [(3, 5, 37, 97), (2, 3, 4, 1), (1, 2, 3, 1500), (2, 1, 5, 31), (2, 3, 5, 64), (1, 2, 3, 1024), (1, 1, 2, 1028)]
-    {
+    // one of each count of quads per lane a warp kernel is compiled for (1, 2, 3, 4, 6, 8: 97,
+    // 250, 300, 500, 700, 1024 keys), as long as a warp takes (1024) and longer (a block per row).
+    for (b, h, q, k) in [
+        (3, 5, 37, 97),
+        (2, 3, 4, 1),
+        (1, 2, 3, 1500),
+        (2, 1, 5, 31),
+        (2, 3, 5, 64),
+        (1, 2, 3, 250),
+        (1, 2, 3, 300),
+        (1, 1, 3, 500),
+        (1, 1, 2, 700),
+        (1, 2, 3, 1024),
+        (1, 1, 2, 1028),
+    ] {
         let x = randn(&[b, h, q, k], dev, true) * 3.0;
         let x = x.detach().set_requires_grad(true);
         let mask = Tensor::rand([b, k], (Kind::Float, dev)).gt(0.3).to_kind(Kind::Float);
@@ -186,9 +197,18 @@ fn layer_norm_matches() {
     let dev = device("layer_norm_matches");
     tch::manual_seed(1);
     let ln = |t: &[Tensor], backend| kernels::layer_norm(&t[0], &t[1], &t[2], 1e-5, backend).unwrap();
-    // A warp per row up to 1024 columns (with vector accesses where a multiple of 4), a block
-    // per row past it.
-    for shape in [vec![7, 13, 129], vec![4, 6, 768], vec![300, 1024], vec![5, 1], vec![1, 2500], vec![3, 1028]] {
+    // A warp per row up to 1024 columns (with vector accesses where a multiple of 4; each count
+    // of quads per lane: 1, 129, 300, 500, 768, 1024 columns), a block per row past it.
+    for shape in [
+        vec![7, 13, 129],
+        vec![4, 6, 768],
+        vec![300, 1024],
+        vec![5, 1],
+        vec![6, 300],
+        vec![3, 501],
+        vec![1, 2500],
+        vec![3, 1028],
+    ] {
         let c = *shape.last().unwrap();
         let inputs = [randn(&shape, dev, true) * 2.0 + 0.5, randn(&[c], dev, true), randn(&[c], dev, true)];
         let inputs = inputs.map(|t| t.detach().set_requires_grad(true));

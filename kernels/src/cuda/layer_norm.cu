@@ -76,28 +76,28 @@ __device__ void ln_backward_params(const T* x, const float* mean, const float* r
 // once; the same arithmetic as above, reduced by shuffles. `vec`: cols a multiple of 4 and every
 // pointer aligned to four elements. The block kernels' entry points take the same arguments
 // (ignoring `rows` and `vec`), so the caller picks one by name.
-template <typename T>
+template <typename T, int Q>
 __device__ void ln_forward_warp(const T* x, const T* w, const T* b, T* y, float* mean_out, float* rstd_out, i64 rows,
                                 int cols, float eps, int vec) {
   const int lane = threadIdx.x & 31;
   const i64 row = warp_row();
   if (row >= rows) return;  // the whole warp: its row is its own
-  float v[WARP_QUADS][4];
+  float v[Q][4];
   float s = 0.f;
-  for (int j = 0; j < WARP_QUADS; ++j) {
+  for (int j = 0; j < Q; ++j) {
     const int c = quad_col(lane, j);
     load4(x + row * cols + c, quad_len(c, cols), vec, v[j]);
     for (int k = 0; k < 4; ++k) s += v[j][k];  // zeros past the row's end
   }
   const float mean = warp_sum(s) / cols;
   float q = 0.f;
-  for (int j = 0; j < WARP_QUADS; ++j)
+  for (int j = 0; j < Q; ++j)
     for (int k = 0; k < 4; ++k) {
       const float d = quad_col(lane, j) + k < cols ? v[j][k] - mean : 0.f;
       q += d * d;
     }
   const float rstd = rsqrtf(warp_sum(q) / cols + eps);
-  for (int j = 0; j < WARP_QUADS; ++j) {
+  for (int j = 0; j < Q; ++j) {
     const int c = quad_col(lane, j), n = quad_len(c, cols);
     if (n == 0) continue;
     float wv[4], bv[4];
@@ -112,16 +112,16 @@ __device__ void ln_forward_warp(const T* x, const T* w, const T* b, T* y, float*
   }
 }
 
-template <typename T>
+template <typename T, int Q>
 __device__ void ln_backward_input_warp(const T* x, const T* w, const float* mean, const float* rstd, const T* dy,
                                        T* dx, i64 rows, int cols, int vec) {
   const int lane = threadIdx.x & 31;
   const i64 row = warp_row();
   if (row >= rows) return;
   const float mu = mean[row], r = rstd[row];
-  float g[WARP_QUADS][4], xhat[WARP_QUADS][4];
+  float g[Q][4], xhat[Q][4];
   float sg = 0.f, sgx = 0.f;
-  for (int j = 0; j < WARP_QUADS; ++j) {
+  for (int j = 0; j < Q; ++j) {
     const int c = quad_col(lane, j), n = quad_len(c, cols);
     float wv[4];
     load4(dy + row * cols + c, n, vec, g[j]);
@@ -136,13 +136,25 @@ __device__ void ln_backward_input_warp(const T* x, const T* w, const float* mean
   }
   sg = warp_sum(sg) / cols;
   sgx = warp_sum(sgx) / cols;
-  for (int j = 0; j < WARP_QUADS; ++j) {
+  for (int j = 0; j < Q; ++j) {
     const int c = quad_col(lane, j), n = quad_len(c, cols);
     if (n == 0) continue;
     for (int k = 0; k < 4; ++k) g[j][k] = r * (g[j][k] - sg - xhat[j][k] * sgx);
     store4(dx + row * cols + c, n, vec, g[j]);
   }
 }
+
+#define DEFINE_WARP(T, S, Q)                                                                                  \
+  extern "C" __global__ void layer_norm_forward_warp##Q##_##S(const T* x, const T* w, const T* b, T* y,          \
+                                                              float* mean, float* rstd, i64 rows, int cols,     \
+                                                              float eps, int vec) {                             \
+    ln_forward_warp<T, Q>(x, w, b, y, mean, rstd, rows, cols, eps, vec);                                         \
+  }                                                                                                            \
+  extern "C" __global__ void layer_norm_backward_input_warp##Q##_##S(const T* x, const T* w, const float* mean,  \
+                                                                     const float* rstd, const T* dy, T* dx,      \
+                                                                     i64 rows, int cols, int vec) {              \
+    ln_backward_input_warp<T, Q>(x, w, mean, rstd, dy, dx, rows, cols, vec);                                     \
+  }
 
 #define DEFINE(T, S)                                                                                          \
   extern "C" __global__ void layer_norm_forward_##S(const T* x, const T* w, const T* b, T* y, float* mean,    \
@@ -159,14 +171,5 @@ __device__ void ln_backward_input_warp(const T* x, const T* w, const float* mean
                                                             int rows, int cols, int rows_per_part) {          \
     ln_backward_params<T>(x, mean, rstd, dy, dw_parts, db_parts, rows, cols, rows_per_part);                 \
   }                                                                                                          \
-  extern "C" __global__ void layer_norm_forward_warp_##S(const T* x, const T* w, const T* b, T* y,            \
-                                                         float* mean, float* rstd, i64 rows, int cols,        \
-                                                         float eps, int vec) {                                \
-    ln_forward_warp<T>(x, w, b, y, mean, rstd, rows, cols, eps, vec);                                         \
-  }                                                                                                          \
-  extern "C" __global__ void layer_norm_backward_input_warp_##S(const T* x, const T* w, const float* mean,    \
-                                                                const float* rstd, const T* dy, T* dx,        \
-                                                                i64 rows, int cols, int vec) {                \
-    ln_backward_input_warp<T>(x, w, mean, rstd, dy, dx, rows, cols, vec);                                     \
-  }
+  FOR_EACH_WARP_QUADS(DEFINE_WARP, T, S)
 FOR_EACH_DTYPE(DEFINE)

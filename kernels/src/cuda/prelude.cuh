@@ -200,10 +200,14 @@ __device__ __forceinline__ void store_pack(T* p, const Pack<T, W>& q) {
 }
 
 // Row kernels give rows of up to WARP_COLS elements one warp each, the row in registers: lane l
-// holds the quads l + 32 j (j < WARP_COLS / 128), so a quad's four elements are one access and
-// the warp's accesses are contiguous. Blocks hold blockDim.x / 32 rows.
+// holds the quads l + 32 j (j < Q), so a quad's four elements are one access and the warp's
+// accesses are contiguous. Blocks hold blockDim.x / 32 rows. Each is compiled for Q = 1, 2, 3,
+// 4, 6 and 8 quads per lane (rows of up to 128 Q), and a row takes the least Q that holds it
+// (checks.rs, `warp_quads`): the registers and loops then fit the row, where one Q of 8 for all
+// rows held a row of 256 in four times the registers it needed (72 a thread for the softmax,
+// 44% occupancy on an H200, four times PyTorch's softmax time).
 #define WARP_COLS 1024
-#define WARP_QUADS (WARP_COLS / 128)
+#define FOR_EACH_WARP_QUADS(M, T, S) M(T, S, 1) M(T, S, 2) M(T, S, 3) M(T, S, 4) M(T, S, 6) M(T, S, 8)
 
 __device__ __forceinline__ i64 warp_row() { return (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); }
 

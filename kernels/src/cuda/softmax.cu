@@ -62,16 +62,16 @@ __device__ void softmax_backward(const T* y, const T* dy, T* dx, T* dlogits, int
 // The same for rows of at most WARP_COLS, one warp each with the row in registers: x, the mask
 // and the bias are read once, and the reductions are shuffles (no shared memory, no block
 // barriers). `vec`: cols a multiple of 4 and every pointer aligned to four elements.
-template <typename T>
+template <typename T, int Q>
 __device__ void softmax_forward_warp(const T* x, const T* mask, const T* bias, T* y, i64 rows, int cols,
                                      i64 per_batch, i64 bias_rows, float scale, int vec) {
   const int lane = threadIdx.x & 31;
   const i64 row = warp_row();
   if (row >= rows) return;  // the whole warp: its row is its own
   const i64 mask_row = row / per_batch, bias_row = bias_rows > 0 ? row % bias_rows : 0;
-  float z[WARP_QUADS][4];
+  float z[Q][4];
   float m = NEG_INF;
-  for (int j = 0; j < WARP_QUADS; ++j) {
+  for (int j = 0; j < Q; ++j) {
     const int c = quad_col(lane, j), n = quad_len(c, cols);
     float xv[4], mv[4], bv[4];
     load4(x + row * cols + c, n, vec, xv);
@@ -87,7 +87,7 @@ __device__ void softmax_forward_warp(const T* x, const T* mask, const T* bias, T
   }
   m = warp_max(m);
   float s = 0.f;
-  for (int j = 0; j < WARP_QUADS; ++j)
+  for (int j = 0; j < Q; ++j)
     for (int k = 0; k < 4; ++k) {
       // Past the row's end: no weight (exp(-inf - m) is 0, or NaN for a row of nothing but
       // -inf, as the composition gives).
@@ -95,7 +95,7 @@ __device__ void softmax_forward_warp(const T* x, const T* mask, const T* bias, T
       s += z[j][k];
     }
   const float inv = 1.f / warp_sum(s);
-  for (int j = 0; j < WARP_QUADS; ++j) {
+  for (int j = 0; j < Q; ++j) {
     const int c = quad_col(lane, j), n = quad_len(c, cols);
     if (n == 0) continue;
     for (int k = 0; k < 4; ++k) z[j][k] *= inv;
@@ -103,22 +103,22 @@ __device__ void softmax_forward_warp(const T* x, const T* mask, const T* bias, T
   }
 }
 
-template <typename T>
+template <typename T, int Q>
 __device__ void softmax_backward_warp(const T* y, const T* dy, T* dx, T* dlogits, i64 rows, int cols, float scale,
                                       int vec) {
   const int lane = threadIdx.x & 31;
   const i64 row = warp_row();
   if (row >= rows) return;
-  float yv[WARP_QUADS][4], g[WARP_QUADS][4];
+  float yv[Q][4], g[Q][4];
   float dot = 0.f;
-  for (int j = 0; j < WARP_QUADS; ++j) {
+  for (int j = 0; j < Q; ++j) {
     const int c = quad_col(lane, j), n = quad_len(c, cols);
     load4(y + row * cols + c, n, vec, yv[j]);
     load4(dy + row * cols + c, n, vec, g[j]);
     for (int k = 0; k < 4; ++k) dot += g[j][k] * yv[j][k];  // zeros past the row's end
   }
   dot = warp_sum(dot);
-  for (int j = 0; j < WARP_QUADS; ++j) {
+  for (int j = 0; j < Q; ++j) {
     const int c = quad_col(lane, j), n = quad_len(c, cols);
     if (n == 0) continue;
     float dz[4], d[4];
@@ -131,6 +131,18 @@ __device__ void softmax_backward_warp(const T* y, const T* dy, T* dx, T* dlogits
   }
 }
 
+#define DEFINE_WARP(T, S, Q)                                                                               \
+  extern "C" __global__ void attention_softmax_forward_warp##Q##_##S(const T* x, const T* mask, const T* bias, \
+                                                                     T* y, i64 rows, int cols, i64 per_batch, \
+                                                                     i64 bias_rows, float scale, int vec) {   \
+    softmax_forward_warp<T, Q>(x, mask, bias, y, rows, cols, per_batch, bias_rows, scale, vec);             \
+  }                                                                                                         \
+  extern "C" __global__ void attention_softmax_backward_warp##Q##_##S(const T* y, const T* dy, T* dx,        \
+                                                                      T* dlogits, i64 rows, int cols,       \
+                                                                      float scale, int vec) {               \
+    softmax_backward_warp<T, Q>(y, dy, dx, dlogits, rows, cols, scale, vec);                                \
+  }
+
 #define DEFINE(T, S)                                                                                     \
   extern "C" __global__ void attention_softmax_forward_##S(const T* x, const T* mask, const T* bias, T* y, \
                                                            i64 rows, int cols, i64 per_batch,           \
@@ -141,14 +153,5 @@ __device__ void softmax_backward_warp(const T* y, const T* dy, T* dx, T* dlogits
                                                             i64 rows, int cols, float scale, int vec) {   \
     softmax_backward<T>(y, dy, dx, dlogits, cols, scale);                                                 \
   }                                                                                                       \
-  extern "C" __global__ void attention_softmax_forward_warp_##S(const T* x, const T* mask, const T* bias,  \
-                                                                T* y, i64 rows, int cols, i64 per_batch,   \
-                                                                i64 bias_rows, float scale, int vec) {     \
-    softmax_forward_warp<T>(x, mask, bias, y, rows, cols, per_batch, bias_rows, scale, vec);              \
-  }                                                                                                       \
-  extern "C" __global__ void attention_softmax_backward_warp_##S(const T* y, const T* dy, T* dx,          \
-                                                                 T* dlogits, i64 rows, int cols,          \
-                                                                 float scale, int vec) {                  \
-    softmax_backward_warp<T>(y, dy, dx, dlogits, rows, cols, scale, vec);                                 \
-  }
+  FOR_EACH_WARP_QUADS(DEFINE_WARP, T, S)
 FOR_EACH_DTYPE(DEFINE)
