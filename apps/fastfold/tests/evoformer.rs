@@ -82,6 +82,40 @@ fn fused_kernels_equal_the_compositions_on_cuda_or_the_emulator() {
     }
 }
 
+// The attentions' three paths give the same stacks: libtorch's scaled-dot-product kernel
+// (inference with the compositions), the whole logits with autograd (training), and the whole
+// logits with the biases and gates applied in place (inference with the fused kernels, on the
+// CPU emulator without a GPU), with masked keys and chunks.
+#[test]
+fn the_attentions_paths_agree_in_training_and_inference() {
+    let params = Params::random(&EvoformerConfig::tiny(), 21).unwrap();
+    let run_with = |p: &Params, dev: Device| {
+        let mut outs = vec![];
+        for (stack, c_m) in stacks(p) {
+            let x = inputs(5, 7, c_m, p.config().c_z, 22).map(|t| t.to_device(dev));
+            let (msa, pair) = (Stream::new(x[0].shallow_clone(), false), Stream::new(x[1].shallow_clone(), false));
+            let (m, z, _) = stack.forward(msa, pair, &x[2], &x[3], &Exec::new(Dap::none(), Some(2)), None).unwrap();
+            outs.extend([m.detach().to_device(Device::Cpu), z.detach().to_device(Device::Cpu)]);
+        }
+        outs
+    };
+    let inference = tch::no_grad(|| run_with(&params, Device::Cpu));
+    let training = run_with(&params.to_device(Device::Cpu, true).unwrap(), Device::Cpu);
+    let dev = suite_tests::cuda_or_emulator(
+        "the_attentions_paths_agree_in_training_and_inference",
+        kernels::emulator::enable,
+    );
+    let fused = params.to_device(dev, false).unwrap().with_kernels(kernels::Backend::Fused);
+    let fused = tch::no_grad(|| run_with(&fused, dev));
+    for (path, outs) in [("training", &training), ("fused inference", &fused)] {
+        for (i, (a, b)) in outs.iter().zip(&inference).enumerate() {
+            let scale = b.abs().max().double_value(&[]).max(1.0);
+            let d = max_diff(a, b);
+            assert!(d <= 1e-5 * scale, "{path}, output {i}: differs by {d:e} (scale {scale:e}, tolerance 1e-5)");
+        }
+    }
+}
+
 #[test]
 fn masked_padding_does_not_change_real_positions() {
     let params = Params::random(&EvoformerConfig::tiny(), 3).unwrap();

@@ -122,15 +122,14 @@ pub(super) fn layer_norm(t: &mut Trace, rows: i64, c: i64, e: i64, contiguous: b
 /// output. The averaged values by libtorch's scaled-dot-product kernel (`whole_logits` false:
 /// with a masked key, the key mask's bias added to the pair's [b, heads, len, len]; the
 /// kernel's output and the logits' log-sum-exp; its blocks' scratch is small) or from whole
-/// logits (the fused softmax: bmm's copies of the queries and keys, the logits, the weights,
-/// the copy of the values; the composition's mask terms counted too, which the fused softmax
-/// does not make: a little over).
+/// logits (the fused softmax: the queries and keys, the logits, the weights, then the values;
+/// every operand made in its product's layout, so no copies; the gate applied in place).
 fn attention(t: &mut Trace, x: &Ctx, (b, len, c): (i64, i64, i64), (heads, dim): (i64, i64), masked: bool) -> Buf {
     let e = x.e;
     let hd = b * len * heads * dim * e;
-    let [q, k, v] = [t.alloc(hd), t.alloc(hd), t.alloc(hd)];
     let avg = match x.whole_logits {
         false => {
+            let [q, k, v] = [t.alloc(hd), t.alloc(hd), t.alloc(hd)];
             let bias = masked.then(|| t.alloc(b * heads * len * len * e));
             let avg = t.alloc(hd);
             t.temp(b * heads * len * 4);
@@ -141,30 +140,20 @@ fn attention(t: &mut Trace, x: &Ctx, (b, len, c): (i64, i64, i64), (heads, dim):
             avg
         }
         true => {
-            let (qc, kc) = (t.alloc(hd), t.alloc(hd));
+            let [q, k] = [t.alloc(hd), t.alloc(hd)];
             let logits = t.alloc(b * heads * len * len * e);
-            t.free_all([qc, kc, q, k]);
-            let shifted = t.alloc(b * len * e);
-            let mask = t.alloc(b * len * e);
-            t.free(shifted);
+            t.free_all([q, k]);
             let weights = t.alloc(b * heads * len * len * e);
-            t.free_all([mask, logits]);
-            let vc = t.alloc(hd);
+            t.free(logits);
+            let v = t.alloc(hd);
             let avg = t.alloc(hd);
-            t.free_all([vc, weights, v]);
+            t.free_all([v, weights]);
             avg
         }
     };
     let gate = t.alloc(hd);
     t.free(gate);
-    // Einsum's copies of the gated values (laid out by the kernel's output: only the
-    // whole-logits path's needs one) and of the weights.
-    let gc = x.whole_logits.then(|| t.alloc(hd));
-    let wc = x.whole_logits.then(|| t.alloc(heads * dim * c * e));
     let out = t.alloc(b * len * c * e);
-    for copy in [gc, wc].into_iter().flatten() {
-        t.free(copy);
-    }
     t.free(avg);
     out
 }

@@ -55,33 +55,21 @@ impl Attention {
             // Inference on the CPU: libtorch's fused kernel. Training keeps the logits whole
             // (libtorch's kernel has no gradient for the bias), in the checkpointed blocks'
             // first forward too, so that their recomputation repeats it exactly.
-            let mut avg = match (self.kernels, lean) {
-                (Backend::Torch, true) => self.averaged_values(&x, &mask, pair_bias)?,
-                _ => self.averaged_values_from_logits(&x, &mask, pair_bias, lean)?,
-            };
-            let mut gate = einsum("bqa,ahc->bqhc", &x, &self.gating_w)?;
-            gate = match lean {
-                true => gate.f_add_(&self.gating_b)?.f_sigmoid_()?,
-                false => gate.f_add(&self.gating_b)?.f_sigmoid()?,
-            };
-            let gated = if lean { avg.f_mul_(&gate)? } else { avg.f_mul(&gate)? };
-            drop(gate);
-            let mut out = einsum("bqhc,hco->bqo", &gated, &self.output_w)?;
-            drop(gated);
-            match lean {
-                true => Ok(out.f_add_(&self.output_b)?),
-                false => Ok(out.f_add(&self.output_b)?),
+            match (self.kernels, lean) {
+                (Backend::Torch, true) => self.forward_fused_core(&x, &mask, pair_bias),
+                _ => self.forward_from_logits(&x, &mask, pair_bias, lean),
             }
         })
     }
 
-    /// The heads' averaged values [batch, len, heads, dim] through libtorch's
-    /// scaled-dot-product attention, the key mask's and the pair's biases its additive mask
-    /// (the key mask's only where a key is masked: adding zeros is a pass over the logits for
-    /// nothing). Without autograd libtorch runs its fused kernel (on the CPU, flash attention:
-    /// the logits made and used a block at a time, never whole, about three times as fast as
-    /// the composition at the Evoformer's sizes, `benches/attention_core.py`).
-    fn averaged_values(&self, x: &Tensor, mask: &Tensor, pair_bias: Option<&Tensor>) -> Result<Tensor> {
+    /// [`Attention::forward`] on one chunk through libtorch's scaled-dot-product attention,
+    /// the key mask's and the pair's biases its additive mask (the key mask's only where a key
+    /// is masked: adding zeros is a pass over the logits for nothing). Without autograd
+    /// libtorch runs its fused kernel (on the CPU, flash attention: the logits made and used a
+    /// block at a time, never whole, about three times as fast as the composition at the
+    /// Evoformer's sizes, `benches/attention_core.py`). Runs without autograd only: the gate
+    /// and biases are applied in place.
+    fn forward_fused_core(&self, x: &Tensor, mask: &Tensor, pair_bias: Option<&Tensor>) -> Result<Tensor> {
         let q = einsum("bqa,ahc->bhqc", x, &self.query_w)?;
         let k = einsum("bka,ahc->bhkc", x, &self.key_w)?;
         let v = einsum("bka,ahc->bhkc", x, &self.value_w)?;
@@ -94,30 +82,69 @@ impl Attention {
         };
         let scale = (self.head_dim as f64).powf(-0.5);
         let avg = Tensor::f_scaled_dot_product_attention(&q, &k, &v, bias, 0.0, false, Some(scale), false)?;
-        Ok(avg.f_permute([0, 2, 1, 3])?)
+        drop((q, k, v));
+        let mut avg = avg.f_permute([0, 2, 1, 3])?;
+        let gate = einsum("bqa,ahc->bqhc", x, &self.gating_w)?.f_add_(&self.gating_b)?.f_sigmoid_()?;
+        let gated = avg.f_mul_(&gate)?;
+        drop(gate);
+        Ok(einsum("bqhc,hco->bqo", &gated, &self.output_w)?.f_add_(&self.output_b)?)
     }
 
-    /// [`Attention::averaged_values`] from the whole logits, softmaxed by the backend's
-    /// `attention_softmax` (the fused CUDA kernel, or libtorch's composition); `lean`: the
-    /// query scaled in place.
-    fn averaged_values_from_logits(
-        &self,
-        x: &Tensor,
-        mask: &Tensor,
-        pair_bias: Option<&Tensor>,
-        lean: bool,
-    ) -> Result<Tensor> {
-        let scale = (self.head_dim as f64).powf(-0.5);
-        let mut q = einsum("bqa,ahc->bqhc", x, &self.query_w)?;
-        q = if lean { q.f_mul_scalar_(scale)? } else { q.f_mul_scalar(scale)? };
-        let k = einsum("bka,ahc->bkhc", x, &self.key_w)?;
-        let v = einsum("bka,ahc->bkhc", x, &self.value_w)?;
-        let logits = einsum("bqhc,bkhc->bhqk", &q, &k)?;
-        drop((q, k));
+    /// [`Attention::forward`] on one chunk from the whole logits, softmaxed by the backend's
+    /// `attention_softmax` (the fused CUDA kernel, or libtorch's composition); `lean`: no
+    /// autograd, so the scaling, gate and biases are applied in place.
+    ///
+    /// Every operand is laid out for its batched product as it is made, so that no product
+    /// copies one (the einsums this replaces copied the queries, keys, values and gated values
+    /// into the layouts their products needed, a fifth of `predict`'s GPU time at 304 residues
+    /// with the non-contiguous gating): the projections are made transposed, `[b, heads * dim,
+    /// len]` (each head's `[dim, len]` contiguous), by one product with the weights shared
+    /// across the batch; the logits `[b * heads, q, k]` multiply the queries transposed (a
+    /// transposed operand is a flag to the BLAS, not a copy); the averaged values come out
+    /// transposed, `[b, heads * dim, q]`, like the gate, and the output projection reads them
+    /// transposed.
+    fn forward_from_logits(&self, x: &Tensor, mask: &Tensor, pair_bias: Option<&Tensor>, lean: bool) -> Result<Tensor> {
+        let (b, len) = (x.size()[0], x.size()[1]);
+        let (heads, dim) = (self.query_w.size()[1], self.head_dim);
+        let per_head = [b * heads, dim, len];
+        let scale = (dim as f64).powf(-0.5);
+        let mut qt = project_transposed(x, &self.query_w)?;
+        qt = if lean { qt.f_mul_scalar_(scale)? } else { qt.f_mul_scalar(scale)? };
+        let kt = project_transposed(x, &self.key_w)?;
+        let logits = qt.f_view(per_head)?.f_transpose(1, 2)?.f_bmm(&kt.f_view(per_head)?)?;
+        drop((qt, kt));
+        let logits = logits.f_view([b, heads, len, len])?;
         let weights = kernels::attention_softmax(&logits, 1.0, Some(mask), pair_bias, self.kernels)?;
         drop(logits);
-        einsum("bhqk,bkhc->bqhc", &weights, &v)
+        // The values once the logits are gone: the two never live together.
+        let vt = project_transposed(x, &self.value_w)?;
+        let weights_t = weights.f_view([b * heads, len, len])?.f_transpose(1, 2)?;
+        let mut avg_t = vt.f_view(per_head)?.f_bmm(&weights_t)?.f_view([b, heads * dim, len])?;
+        drop((vt, weights_t, weights));
+        let gate_b = self.gating_b.f_reshape([heads * dim, 1])?;
+        let mut gate_t = project_transposed(x, &self.gating_w)?;
+        let gated = match lean {
+            true => avg_t.f_mul_(&gate_t.f_add_(&gate_b)?.f_sigmoid_()?)?,
+            false => avg_t.f_mul(&gate_t.f_add(&gate_b)?.f_sigmoid()?)?,
+        };
+        drop(gate_t);
+        let wo = self.output_w.f_reshape([heads * dim, -1])?;
+        let c = wo.size()[1];
+        let mut out = gated.f_transpose(1, 2)?.f_bmm(&wo.f_expand([b, heads * dim, c], false)?)?;
+        match lean {
+            true => Ok(out.f_add_(&self.output_b)?),
+            false => Ok(out.f_add(&self.output_b)?),
+        }
     }
+}
+
+/// `x` [b, len, a] projected by `w` [a, heads, dim], transposed: `[b, heads * dim, len]`, one
+/// batched product with `w`'s transpose shared across the batch (a stride-0 batch: no copy).
+fn project_transposed(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let (b, a) = (x.size()[0], w.size()[0]);
+    let wt = w.f_reshape([a, -1])?.f_transpose(0, 1)?;
+    let hd = wt.size()[0];
+    Ok(wt.f_expand([b, hd, a], false)?.f_bmm(&x.f_transpose(1, 2)?)?)
 }
 
 /// Global attention along dim 1 of `[batch, len, c]`: one query per head, the masked mean of
