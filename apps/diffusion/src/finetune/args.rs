@@ -4,7 +4,8 @@
 use std::path::PathBuf;
 
 use anyhow::bail;
-use engine::job::{JobArgs, OptimizerArgs, PrecisionArgs, ScheduleArgs, SeedArgs};
+use engine::job::{JobArgs, OptimizerArgs, Precision, ScheduleArgs, SeedArgs};
+use tch::Device;
 
 /// `diffusion finetune`'s options.
 #[derive(clap::Args, Debug, Clone)]
@@ -13,7 +14,6 @@ use engine::job::{JobArgs, OptimizerArgs, PrecisionArgs, ScheduleArgs, SeedArgs}
     mut_arg("weight_decay", |a| a.default_value("1e-2")),
     mut_arg("clip_grad", |a| a.default_value("1.0")),
     mut_arg("metrics", |a| a.default_value("log.jsonl")),
-    mut_arg("precision", |a| a.help("Compute precision of the UNet (fp32 masters and optimizer state either way; fp16 with dynamic loss scaling)")),
 )]
 pub struct FinetuneArgs {
     /// The diffusers pipeline folder to start from.
@@ -41,9 +41,10 @@ pub struct FinetuneArgs {
     /// Images per rank per micro-batch (diffusers' --train-batch-size).
     #[arg(long, visible_alias = "train-batch-size", default_value_t = 1, value_parser = engine::parse::count(1..))]
     pub micro_batch: usize,
-    /// Recompute each UNet block's activations in backward instead of keeping them.
-    #[arg(long)]
-    pub gradient_checkpointing: bool,
+    /// Recompute each UNet block's activations in backward instead of keeping them (default:
+    /// on under --gpu-mem, off otherwise; `--gradient-checkpointing false` turns it off).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub gradient_checkpointing: Option<bool>,
     /// Micro-batches per optimizer step (diffusers' --gradient-accumulation-steps).
     #[arg(long, visible_alias = "gradient-accumulation-steps", default_value_t = 1, value_parser = engine::parse::count(1..))]
     pub grad_accum: usize,
@@ -62,9 +63,11 @@ pub struct FinetuneArgs {
     /// Offset noise (adds `offset * N(0, 1)` per image and channel).
     #[arg(long, default_value_t = 0.0, value_parser = engine::parse::non_negative)]
     pub noise_offset: f64,
-    /// Compute precision.
-    #[command(flatten)]
-    pub precision: PrecisionArgs,
+    /// Compute precision of the UNet and the frozen parts (fp32 masters and optimizer state
+    /// either way; fp16 with dynamic loss scaling). Default: fp16 under --gpu-mem on a GPU, as
+    /// Colossal-AI's Gemini trains by default, else fp32.
+    #[arg(long, value_enum)]
+    pub precision: Option<Precision>,
     /// Cap on the device memory of the job (e.g. 4G); Gemini places the chunks to fit it.
     #[arg(long)]
     pub gpu_mem: Option<String>,
@@ -126,6 +129,46 @@ pub struct FinetuneArgs {
 }
 
 impl FinetuneArgs {
+    /// Whether the UNet's blocks are recomputed in backward: as `--gradient-checkpointing` says,
+    /// else under `--gpu-mem` (the activations of SD 1.5 at 512 px alone outgrow a 4 GiB card:
+    /// on an H200 fp32 without it ran out in the first backward; recomputation gives the same
+    /// gradients).
+    pub fn checkpointing(&self) -> bool {
+        self.gradient_checkpointing.unwrap_or(self.gpu_mem.is_some())
+    }
+
+    /// The compute precision on `device`: as `--precision` says, else fp16 under `--gpu-mem`
+    /// on a GPU (Colossal-AI's GeminiPlugin's default: half the device bytes of the frozen
+    /// parts, the chunks' compute copies and the activations, on every GPU with tensor cores,
+    /// where bf16 needs Ampere), else fp32 (diffusers' default; the CPU gains nothing from
+    /// half precision).
+    pub fn precision_on(&self, device: Device) -> Precision {
+        match (self.precision, &self.gpu_mem) {
+            (Some(p), _) => p,
+            (None, Some(_)) if device.is_cuda() => Precision::Fp16,
+            (None, _) => Precision::Fp32,
+        }
+    }
+
+    /// What `--gpu-mem` chose that the flags left open, said at start (None when nothing was).
+    pub fn cap_defaults(&self, device: Device) -> Option<String> {
+        let cap = self.gpu_mem.as_ref()?;
+        let mut chosen = vec![];
+        if self.precision.is_none() && self.precision_on(device) != Precision::Fp32 {
+            chosen.push(format!("--precision {}", self.precision_on(device).name()));
+        }
+        if self.gradient_checkpointing.is_none() {
+            chosen.push("--gradient-checkpointing".to_string());
+        }
+        (!chosen.is_empty()).then(|| {
+            format!(
+                "--gpu-mem {cap}: training with {} (the defaults under a cap; give --precision or \
+                 --gradient-checkpointing false to change them)",
+                chosen.join(" ")
+            )
+        })
+    }
+
     /// Errors naming the first flag whose value cannot work.
     pub fn check(&self) -> anyhow::Result<()> {
         if !(0.0..=1.0).contains(&self.caption_dropout) {
@@ -147,5 +190,43 @@ impl FinetuneArgs {
             bail!("--validation-steps needs --validation-prompt");
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: FinetuneArgs,
+    }
+
+    fn parse(flags: &[&str]) -> FinetuneArgs {
+        let base = ["finetune", "--model", "m", "--data", "d", "-o", "o"];
+        Cli::try_parse_from(base.iter().chain(flags)).unwrap().args
+    }
+
+    #[test]
+    fn a_cap_defaults_to_fp16_on_a_gpu_and_checkpointing_unless_told_otherwise() {
+        let (gpu, cpu) = (Device::Cuda(0), Device::Cpu);
+        let capped = parse(&["--gpu-mem", "4G"]);
+        assert_eq!((capped.precision_on(gpu), capped.precision_on(cpu)), (Precision::Fp16, Precision::Fp32));
+        assert!(capped.checkpointing());
+        let said = capped.cap_defaults(gpu).unwrap();
+        assert!(said.contains("--gpu-mem 4G: training with --precision fp16 --gradient-checkpointing"), "{said}");
+        assert!(!capped.cap_defaults(cpu).unwrap().contains("with --precision"));
+        // What the flags say stands.
+        let told = parse(&["--gpu-mem", "4G", "--precision", "fp32", "--gradient-checkpointing", "false"]);
+        assert_eq!(told.precision_on(gpu), Precision::Fp32);
+        assert!(!told.checkpointing());
+        assert_eq!(told.cap_defaults(gpu), None);
+        // Uncapped: diffusers' defaults.
+        let plain = parse(&[]);
+        assert_eq!(plain.precision_on(gpu), Precision::Fp32);
+        assert!(!plain.checkpointing() && plain.cap_defaults(gpu).is_none());
+        assert!(parse(&["--gradient-checkpointing", "--steps", "2"]).checkpointing());
     }
 }

@@ -125,7 +125,7 @@ impl Trainer<'_> {
             seed: a.seed.seed,
             optimizer: a.optimizer.optimizer.name().to_string(),
             lr: Some(a.optimizer.lr),
-            precision: a.precision.precision.name().to_string(),
+            precision: self.precision.name().to_string(),
             lora_rank: a.lora_rank,
             lora_alpha: a.lora_rank.map(|r| a.lora_alpha.unwrap_or(r as f64)),
             use_ema: self.ema.is_some(),

@@ -250,7 +250,8 @@ pub fn parallelize(
     cap: Option<u64>,
     mut resident: Vec<resident::Part>,
 ) -> anyhow::Result<UnetTraining> {
-    let (kind, lr, seed) = (args.precision.precision.kind(), args.optimizer.lr, args.seed.seed);
+    let precision = args.precision_on(device);
+    let (kind, lr, seed) = (precision.kind(), args.optimizer.lr, args.seed.seed);
     let UnetParams { params, parts } = UnetParams::of(&sd.unet, &sd.unet_vs)?;
     let replication = (world.size() > 1).then(|| Replication { group: world.group.clone(), shard: true });
     let rule = args.optimizer.rule(lr);
@@ -277,7 +278,7 @@ pub fn parallelize(
             UnetTraining::Lora { lora, parallel, base: gemini, parts }
         }
         None => {
-            let scaler = (args.precision.precision == Precision::Fp16).then(LossScaler::default);
+            let scaler = (precision == Precision::Fp16).then(LossScaler::default);
             UnetTraining::Gemini { gemini, parts, scaler }
         }
     })
@@ -296,6 +297,8 @@ pub struct Trainer<'a> {
     device: Device,
     /// The average of the UNet's weights (`--use-ema`).
     ema: Option<Ema>,
+    /// The compute precision ([`FinetuneArgs::precision_on`] the device).
+    precision: Precision,
     /// The frozen parts resident on the device and their bytes (what an out-of-memory step's
     /// error names).
     resident: Vec<resident::Part>,
@@ -342,7 +345,11 @@ impl<'a> Trainer<'a> {
             eprintln!("text encoder: {}", sd.text_encoder.key_layout());
         }
         // The frozen parts compute in the training precision, as diffusers' `weight_dtype`.
-        let kind = args.precision.precision.kind();
+        let precision = args.precision_on(device);
+        if let (0, Some(chosen)) = (world.rank(), args.cap_defaults(device)) {
+            eprintln!("{chosen}");
+        }
+        let kind = precision.kind();
         let mut resident = Vec::new();
         let names = ["text encoder", "text encoder 2"];
         for (name, vs) in names.into_iter().zip(sd.text_encoder_stores()) {
@@ -350,14 +357,17 @@ impl<'a> Trainer<'a> {
             vs.set_device(device);
             resident.push((name, resident::bytes_of(vs)));
         }
-        sd.vae_vs.set_kind(kind);
+        // As diffusers' SDXL script, which keeps SDXL's VAE in fp32: it overflows in fp16.
+        if sd.text_encoder_2.is_none() {
+            sd.vae_vs.set_kind(kind);
+        }
         sd.vae_vs.set_device(device);
         resident.push(("VAE", resident::bytes_of(&sd.vae_vs)));
         let multiple = sd.size_multiple() as usize;
         if !args.resolution.is_multiple_of(multiple) {
             bail!("--resolution {}: this model needs a multiple of {multiple} pixels", args.resolution);
         }
-        sd.unet.set_gradient_checkpointing(args.gradient_checkpointing);
+        sd.unet.set_gradient_checkpointing(args.checkpointing());
         let ddpm = DdpmScheduler::new(sd.scheduler.config(SchedulerClass::Ddpm)?);
         let training = parallelize(&mut sd, args, world, device, cap, resident.clone())?;
         let ema = match (&training, args.use_ema) {
@@ -382,6 +392,7 @@ impl<'a> Trainer<'a> {
             device,
             sd,
             ema,
+            precision,
             resident,
             step: 0,
         })
@@ -428,7 +439,7 @@ impl<'a> Trainer<'a> {
     pub fn step(&mut self) -> anyhow::Result<StepLog> {
         let start = Instant::now();
         let lr = self.schedule.at(self.step);
-        let (a, kind) = (self.args, self.args.precision.precision.kind());
+        let (a, kind) = (self.args, self.precision.kind());
         let unet = |x: &Tensor, t: &Tensor, c: &Conditioning| self.unet(x, t, c);
         let mut total = 0.0;
         for micro in 0..a.grad_accum {
@@ -546,8 +557,8 @@ pub fn run(args: &FinetuneArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
         // A step that does not fit names the cap it ran under and what would make it fit.
         let entry = trainer.step().map_err(|e| match &args.gpu_mem {
             Some(cap) if resident::is_out_of_memory(&e) => {
-                let kind = args.precision.precision.kind();
-                let hint = resident::out_of_memory_hint(&trainer.resident, kind, args.gradient_checkpointing);
+                let kind = trainer.precision.kind();
+                let hint = resident::out_of_memory_hint(&trainer.resident, kind, args.checkpointing());
                 e.context(format!("step {step} ran out of the device memory --gpu-mem {cap} allows: {hint}"))
             }
             Some(cap) => e.context(format!("step {step} under --gpu-mem {cap}")),
