@@ -43,13 +43,13 @@ struct Args {
     bench: bool,
 }
 
-/// Bytes of one pass's batch (`AlphaFold::batch`) for `n` residues, `s` MSA and `e` extra rows
-/// and `t` templates: float features in `elem`-byte elements (the target and MSA features,
-/// their masks, the extra rows' deletions and mask), residue types, indices and extra-MSA
-/// classes in int64, a template's atoms, their mask, residue types, pseudo-beta and its mask
-/// as processed (float32 and int64).
-fn batch_bytes(n: i64, s: i64, e: i64, t: i64, elem: i64) -> u64 {
-    (n * (16 + 23 * elem) + s * n * 50 * elem + e * n * (8 + 3 * elem) + t * n * (37 * 4 * 4 + 8 + 4 * 4)) as u64
+/// Bytes of one pass's batch on the device before the pass (`AlphaFold::batch`: the per-row
+/// features stay on the host until used, `Batch::resident_tensors`) for `n` residues, `s` MSA
+/// rows and `t` templates: float features in `elem`-byte elements (the target features, the
+/// residue and MSA masks), residue types and indices in int64, a template's atoms, their
+/// mask, residue types, pseudo-beta and its mask as processed (float32 and int64).
+fn batch_bytes(n: i64, s: i64, t: i64, elem: i64) -> u64 {
+    (n * (16 + 23 * elem) + s * n * elem + t * n * (37 * 4 * 4 + 8 + 4 * 4)) as u64
 }
 
 /// Parameters of model_1_multimer_v3 (the full-size fixture's manifest: names and shapes).
@@ -156,7 +156,7 @@ fn main() -> anyhow::Result<()> {
             // A complex's features stay on the host, the monomer's too but for the pass's slice.
             let features = match args.multimer {
                 true => 0,
-                false => args.slices as u64 * batch_bytes(n, args.msa_rows, extra_rows, templates, e),
+                false => args.slices as u64 * batch_bytes(n, args.msa_rows, templates, e),
             };
             let fixed = (numel * e) as u64 + features;
             let whole = net.peak(sizes, &ChunkPlan::uniform(None));

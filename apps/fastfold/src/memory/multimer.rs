@@ -286,7 +286,7 @@ pub fn multimer_pass_peak(
         t.at("extra-MSA embedder");
         let rows = extra_rows.max(1);
         let deletions = [t.alloc(rows * n * 4), t.alloc(rows * n * 4)];
-        let embedded = extra_msa_embedder(&mut t, &x, n, rows, cfg.c_e);
+        let embedded = extra_msa_embedder(&mut t, &x, (n, rows), cfg.c_e, false);
         x.stage = Stage::ExtraMsa;
         let (extra, updated) = stack(&mut t, &x, cfg, (rows, n), true, (embedded, pair));
         pair = updated;
@@ -297,7 +297,7 @@ pub fn multimer_pass_peak(
     t.at("input embedder");
     let feat = msa_feat(&mut t, s, n);
     let target = t.alloc(n * TARGET_CLASSES * e);
-    let mut msa = input_msa(&mut t, e, (n, s), c_m);
+    let mut msa = input_msa(&mut t, e, (n, s), c_m, false);
     t.free_all([target, feat]);
     t.temp(n * c_m * e);
     t.free(row);

@@ -139,8 +139,9 @@ pub fn plan(cfg: &EvoformerConfig, model: &ModelConfig, sizes: Sizes, fixed: u64
 /// The plan for a monomer prediction of `features` (recycling slice 0's sizes, [`sizes_of`]) by
 /// `net` with `model`'s sizes, in `kind` on `device`, with `param_bytes` of parameters on the
 /// device: before the pass the device holds the parameters and the features, all of them on
-/// the CPU (one memory) and one recycling slice on a GPU (`fastfold predict` keeps the rest on
-/// the host). The sizes come with it.
+/// the CPU (one memory) and on a GPU one recycling slice but for its per-row features
+/// (`fastfold predict` keeps the rest on the host, and the pass moves those as it uses them).
+/// The sizes come with it.
 pub fn plan_prediction(
     net: &AlphaFold,
     model: &ModelConfig,
@@ -152,7 +153,7 @@ pub fn plan_prediction(
     let sizes = sizes_of(features, kind, device)?;
     let feature_bytes = match device {
         Device::Cpu => bytes_of(features.named().map(|(_, t)| t)),
-        _ => bytes_of(Batch::new(features, 0, kind)?.tensors()),
+        _ => bytes_of(Batch::new(features, 0, kind)?.resident_tensors()),
     };
     let plan = plan(net.config(), model, sizes, param_bytes + feature_bytes, budget).map_err(anyhow::Error::msg)?;
     Ok((plan, sizes))

@@ -394,10 +394,13 @@ pub(super) fn stack(
 }
 
 /// `FeatureProjections::embed_msa`: the two projections, the single one added to the MSA's in
-/// place.
-pub(super) fn input_msa(t: &mut Trace, e: i64, (n, s): (i64, i64), c_m: i64) -> Buf {
+/// place; with `upload`, `msa_feat` [s, n, 49] brought from the host for them (a GPU's
+/// `predict` keeps it there).
+pub(super) fn input_msa(t: &mut Trace, e: i64, (n, s): (i64, i64), c_m: i64, upload: bool) -> Buf {
+    let feat = upload.then(|| t.alloc(s * n * 49 * e));
     let (msa, single) = (t.alloc(s * n * c_m * e), t.alloc(n * c_m * e));
     t.free(single);
+    t.free_all(feat);
     msa
 }
 
@@ -470,10 +473,13 @@ pub(super) fn recycling_pair(t: &mut Trace, x: &Ctx, n: i64, c_z: i64, model: &M
 /// moved as it is made: the output holds no device bytes) when the extra-MSA stack moves its
 /// streams off the device. Whole, the one chunk is the device's until the stack moves it,
 /// with nothing made in between.
-pub(super) fn extra_msa_embedder(t: &mut Trace, x: &Ctx, n: i64, rows: i64, c_e: i64) -> Buf {
+pub(super) fn extra_msa_embedder(t: &mut Trace, x: &Ctx, (n, rows): (i64, i64), c_e: i64, upload: bool) -> Buf {
     let e = x.e;
     let row_bytes = if x.moves(Stage::ExtraMsa) { 0 } else { n * c_e * e };
     chunked(t, rows, x.chunk(ChunkOp::ExtraMsaEmbedding), row_bytes, |t, k| {
+        // With `upload`, the chunk's rows of the features (classes in int64, two floats) come
+        // from the host for the chunk (a GPU's monomer `predict` keeps them there).
+        let uploaded = upload.then(|| [t.alloc(k * n * 8), t.alloc(k * n * e), t.alloc(k * n * e)]);
         let one_hot = t.alloc(k * n * 23 * 8);
         let float = t.alloc(k * n * 23 * e);
         let feat = t.alloc(k * n * 25 * e);
@@ -481,6 +487,7 @@ pub(super) fn extra_msa_embedder(t: &mut Trace, x: &Ctx, n: i64, rows: i64, c_e:
         t.free(float);
         let out = t.alloc(k * n * c_e * e);
         t.free(feat);
+        t.free_all(uploaded.into_iter().flatten());
         out
     })
 }
@@ -822,17 +829,20 @@ pub fn pass_peak(cfg: &EvoformerConfig, model: &ModelConfig, sizes: Sizes, plan:
     if cfg.num_extra_blocks > 0 {
         t.at("extra-MSA embedder");
         let rows = extra_rows.max(1);
-        let embedded = extra_msa_embedder(&mut t, &x, n, rows, cfg.c_e);
+        let embedded = extra_msa_embedder(&mut t, &x, (n, rows), cfg.c_e, host_apart);
+        // On a GPU the stack's mask comes from the host for it.
+        let mask = host_apart.then(|| t.alloc(rows * n * e));
         x.stage = Stage::ExtraMsa;
         let (extra, updated) = stack(&mut t, &x, cfg, (rows, n), true, (embedded, pair));
         pair = updated;
         t.free(extra);
+        t.free_all(mask);
         x.stage = Stage::Outer;
     }
     // The MSA, embedded after the extra-MSA stack; the Evoformer's rows: the MSA's, then the
     // templates' joined to them.
     t.at("input embedder");
-    let mut msa = input_msa(&mut t, e, (n, s), c_m);
+    let mut msa = input_msa(&mut t, e, (n, s), c_m, host_apart);
     t.temp(n * c_m * e);
     t.free(row);
     let mut rows = s;

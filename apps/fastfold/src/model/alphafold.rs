@@ -88,22 +88,36 @@ impl Batch {
 
     /// Every tensor of the batch, the templates' included.
     pub fn tensors(&self) -> Vec<&Tensor> {
-        let mut all = vec![
-            &self.aatype,
-            &self.residue_index,
-            &self.seq_mask,
-            &self.target_feat,
-            &self.msa_feat,
-            &self.msa_mask,
-            &self.extra_msa,
-            &self.extra_has_deletion,
-            &self.extra_deletion_value,
-            &self.extra_msa_mask,
-        ];
+        let mut all = self.resident_tensors();
+        all.extend(self.row_features());
+        all
+    }
+
+    /// The MSA's and extra MSA's per-row features, which a GPU's `predict` keeps on the host
+    /// ([`Batch::to_device_rows_on_host`]): `msa_feat`, the extra MSA's four.
+    fn row_features(&self) -> [&Tensor; 5] {
+        [&self.msa_feat, &self.extra_msa, &self.extra_has_deletion, &self.extra_deletion_value, &self.extra_msa_mask]
+    }
+
+    /// The tensors [`Batch::to_device_rows_on_host`] puts on the device: all but
+    /// [`Batch::row_features`].
+    pub fn resident_tensors(&self) -> Vec<&Tensor> {
+        let mut all = vec![&self.aatype, &self.residue_index, &self.seq_mask, &self.target_feat, &self.msa_mask];
         if let Some(t) = &self.templates {
             all.extend(t.named().map(|(_, x)| x));
         }
         all
+    }
+
+    /// The batch on `device` but for the MSA's and extra MSA's per-row features
+    /// ([`Batch::row_features`]), which stay where they are: a pass moves each where it is used
+    /// and drops it after (the extra MSA's a chunk of rows at a time), so that at 1,200
+    /// residues a GPU does not hold their 0.2 GiB through the stacks.
+    pub fn to_device_rows_on_host(self, device: Device) -> Result<Batch> {
+        let [msa_feat, extra_msa, extra_has_deletion, extra_deletion_value, extra_msa_mask] =
+            self.row_features().map(Tensor::shallow_clone);
+        let moved = self.to_device(device)?;
+        Ok(Batch { msa_feat, extra_msa, extra_has_deletion, extra_deletion_value, extra_msa_mask, ..moved })
     }
 
     /// The batch on `device` (itself where it is there already).
@@ -232,9 +246,10 @@ impl AlphaFold {
 
     /// Slice `iteration` of `features` ([`Batch::new`]) on the network's device: features kept
     /// on the host (a GPU's `predict` keeps them there) reach the device a pass's slice at a
-    /// time.
+    /// time, and the slice's per-row features only as the pass uses them
+    /// ([`Batch::to_device_rows_on_host`]).
     pub fn batch(&self, features: &Features, iteration: i64, kind: Kind) -> Result<Batch> {
-        Batch::new(features, iteration, kind)?.to_device(self.device)
+        Batch::new(features, iteration, kind)?.to_device_rows_on_host(self.device)
     }
 
     /// One pass (Algorithm 2, lines 5–33) on `batch` given up the previous pass's outputs:
@@ -276,6 +291,8 @@ impl AlphaFold {
             (Some(stack), Some(embedder)) => {
                 let (rows, has_deletion, deletion_value, mask) = batch.extra_rows(self.drop_masked_rows)?;
                 let extra = embedder.forward(&rows, &has_deletion, &deletion_value, exec)?.f_to_kind(pair.kind())?;
+                drop((rows, has_deletion, deletion_value));
+                let mask = mask.f_to_device(self.device)?;
                 let (extra, pair) = (Stream::new(extra, true), Stream::new(pair, true));
                 let (_, pair, chain) = stack.forward(extra, pair, &mask, &pair_mask, exec, keys.map(|k| k.stacks))?;
                 // The Evoformer continues the extra-MSA stack's key chain.
@@ -284,7 +301,8 @@ impl AlphaFold {
             }
             _ => pair,
         };
-        let mut msa = Stream::new(input.embed_msa(&batch.target_feat, &batch.msa_feat)?, true);
+        let mut msa =
+            Stream::new(input.embed_msa(&batch.target_feat, &batch.msa_feat.f_to_device(self.device)?)?, true);
         self.embedders.recycling.add_first_row(&mut msa, &recycled_row)?;
         drop(recycled_row);
         let msa = msa.into_inner();

@@ -442,8 +442,9 @@ impl ExtraMsaEmbedder {
     /// `extra_msa` [S, N] (classes), `has_deletion` and `deletion_value` [S, N] to the
     /// extra-MSA representation [S, N, c_e] (see [`extra_msa_feat`]), `exec`'s
     /// [`ChunkOp::ExtraMsaEmbedding`] rows at a time (the one-hot of every row, in int64, is
-    /// larger than the representation made from it). When the extra-MSA stack keeps its MSA
-    /// on the host ([`crate::model::exec::ChunkPlan::offloading`]) and nothing records
+    /// larger than the representation made from it). Inputs on the host (a GPU's `predict`
+    /// keeps them there) reach the device a chunk at a time. When the extra-MSA stack keeps its
+    /// MSA on the host ([`crate::model::exec::ChunkPlan::offloading`]) and nothing records
     /// gradients, the representation is made there, each chunk moved as it is made.
     pub fn forward(
         &self,
@@ -454,7 +455,9 @@ impl ExtraMsaEmbedder {
     ) -> Result<Tensor> {
         let offloaded = exec.plan().offloads(Stage::ExtraMsa);
         chunked(extra_msa.size()[0], exec.chunk_for(ChunkOp::ExtraMsaEmbedding), |start, n| {
-            let [msa, has, value] = [extra_msa, has_deletion, deletion_value].map(|t| t.f_narrow(0, start, n));
+            let device = self.extra_msa_activations.device();
+            let [msa, has, value] =
+                [extra_msa, has_deletion, deletion_value].map(|t| t.f_narrow(0, start, n)?.f_to_device(device));
             let part = self.extra_msa_activations.forward(&extra_msa_feat(&msa?, &has?, &value?)?)?;
             Ok(match offloaded && !part.requires_grad() {
                 true => part.f_to_device(Device::Cpu)?,

@@ -14,6 +14,11 @@ pub struct Linear {
 }
 
 impl Linear {
+    /// The device its weights are on.
+    pub fn device(&self) -> tch::Device {
+        self.weights.device()
+    }
+
     /// Arrays `weights` [c_in, c_out] and, with `bias`, `bias` `[c_out]`.
     pub fn new(p: &Scope, c_in: i64, c_out: i64, bias: bool) -> Result<Self> {
         let weights = p.param("weights", &[c_in, c_out], Init::Weight { fan_in: c_in })?;
