@@ -271,13 +271,7 @@ pub fn upload_slice<T: tch::kind::Element + Copy + Send + Sync>(
     let tch::Device::Cuda(_) = device else {
         return Ok(tch::Tensor::f_from_slice(data)?.f_view(shape)?);
     };
-    let kind_of = tch::Tensor::f_empty([0], (T::KIND, tch::Device::Cpu))?;
-    let mut out = std::ptr::null_mut();
-    cuda_check(
-        unsafe { ffi::eng_cuda_empty_pinned(kind_of.raw(), shape.as_ptr(), shape.len() as i32, &mut out) },
-        || format!("allocating {shape:?} in pinned host memory"),
-    )?;
-    let staged = unsafe { tch::Tensor::from_ptr(out) };
+    let staged = empty_pinned(shape, T::KIND)?;
     if !data.is_empty() {
         // SAFETY: `staged` is a fresh contiguous CPU tensor of `data.len()` elements of `T`,
         // owned here and not yet shared with any stream.
@@ -289,6 +283,18 @@ pub fn upload_slice<T: tch::kind::Element + Copy + Send + Sync>(
     let dev = tch::Tensor::f_empty(shape, (T::KIND, device))?;
     copy_async(&dev, &staged)?;
     Ok(dev)
+}
+
+/// An uninitialised CPU tensor of `shape` and `kind` in page-locked memory (from libtorch's
+/// pinned-memory cache), which copies to and from a GPU read and write at the bus's speed.
+pub fn empty_pinned(shape: &[i64], kind: tch::Kind) -> Result<tch::Tensor> {
+    let kind_of = tch::Tensor::f_empty([0], (kind, tch::Device::Cpu))?;
+    let mut out = std::ptr::null_mut();
+    cuda_check(
+        unsafe { ffi::eng_cuda_empty_pinned(kind_of.raw(), shape.as_ptr(), shape.len() as i32, &mut out) },
+        || format!("allocating {shape:?} in pinned host memory"),
+    )?;
+    Ok(unsafe { tch::Tensor::from_ptr(out) })
 }
 
 /// Free and total bytes of `device` as the driver sees them.

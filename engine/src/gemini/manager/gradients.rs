@@ -41,27 +41,75 @@ impl ChunkManager {
         if self.replication.is_some() && self.chunks[c].full_grad.is_none() {
             self.allocate_full_grad(c)?;
         }
-        let ch = &mut self.chunks[c];
-        let slot = &ch.slots[s];
-        let (acc, live) = match &ch.full_grad {
-            Some(full) => (full.f_narrow(0, slot.offset as i64, slot.numel as i64)?, true),
-            None => {
-                (ch.grad.f_narrow(0, slot.offset as i64, slot.numel as i64)?, std::mem::replace(&mut ch.live[s], true))
-            }
-        };
         let g = grad.f_flatten(0, -1)?;
-        tch::no_grad(|| match live {
-            true => acc.shallow_clone().f_add_(&g.f_to_device(acc.device())?.f_to_kind(Kind::Float)?).map(drop),
-            // `copy_` converts the device and dtype on the way.
-            false => acc.shallow_clone().f_copy_(&g).map(drop),
-        })?;
+        let crosses = self.chunks[c].full_grad.is_none() && self.chunks[c].grad.device() != g.device();
+        if !(crosses && self.stage(c, s, &g)?) {
+            let ch = &mut self.chunks[c];
+            let slot = &ch.slots[s];
+            let (acc, live) = match &ch.full_grad {
+                Some(full) => (full.f_narrow(0, slot.offset as i64, slot.numel as i64)?, true),
+                None => (
+                    ch.grad.f_narrow(0, slot.offset as i64, slot.numel as i64)?,
+                    std::mem::replace(&mut ch.live[s], true),
+                ),
+            };
+            accumulate(&acc, &g, live)?;
+        }
         if self.chunks[c].slots.iter().all(|s| s.state == TensorState::ReadyForReduce) {
+            self.unstage(c)?;
             for s in &mut self.chunks[c].slots {
                 s.move_to(TensorState::Hold)?;
             }
             return Ok(Some(c));
         }
         Ok(None)
+    }
+
+    /// Gathers slot `s`'s gradient `g` (on the device) into chunk `c`'s staging buffer on the
+    /// device ([`Chunk::staged`](super::Chunk)), made within the budget at the chunk's first
+    /// gradient; false (nothing done: the caller moves `g` itself) when the budget has no room
+    /// for the buffer.
+    fn stage(&mut self, c: usize, s: usize, g: &Tensor) -> Result<bool> {
+        if self.chunks[c].staged.is_none() {
+            let numel = self.chunks[c].payload.numel();
+            let bytes = numel * g.kind().elt_size_in_bytes();
+            if self.make_room(bytes, &[c]).is_err() {
+                return Ok(false);
+            }
+            self.charge(bytes, c)?;
+            let buffer = Tensor::f_empty([numel as i64], (g.kind(), g.device()))?;
+            let slots = vec![false; self.chunks[c].slots.len()];
+            self.chunks[c].staged = Some((buffer, slots));
+        }
+        let ch = &mut self.chunks[c];
+        let slot = &ch.slots[s];
+        let (buffer, staged) = ch.staged.as_mut().expect("made above");
+        let part = buffer.f_narrow(0, slot.offset as i64, slot.numel as i64)?;
+        tch::no_grad(|| part.shallow_clone().f_copy_(g).map(drop))?;
+        staged[s] = true;
+        Ok(true)
+    }
+
+    /// Moves chunk `c`'s staged gradients to its accumulator in host memory, one transfer
+    /// (into page-locked memory on a GPU), then each slot's part added or copied as
+    /// [`ChunkManager::add_gradient`] would have done it directly: the same values.
+    fn unstage(&mut self, c: usize) -> Result<()> {
+        let Some((buffer, staged)) = self.chunks[c].staged.take() else { return Ok(()) };
+        let host = match buffer.device() {
+            tch::Device::Cuda(_) => crate::cuda::empty_pinned(&buffer.size(), buffer.kind())?,
+            _ => buffer.f_empty_like()?,
+        };
+        tch::no_grad(|| host.shallow_clone().f_copy_(&buffer).map(drop))?;
+        self.device_bytes -= buffer.numel() * buffer.kind().elt_size_in_bytes();
+        drop(buffer);
+        let ch = &mut self.chunks[c];
+        for (s, _) in staged.iter().enumerate().filter(|(_, &got)| got) {
+            let slot = &ch.slots[s];
+            let (offset, numel) = (slot.offset as i64, slot.numel as i64);
+            let live = std::mem::replace(&mut ch.live[s], true);
+            accumulate(&ch.grad.f_narrow(0, offset, numel)?, &host.f_narrow(0, offset, numel)?, live)?;
+        }
+        Ok(())
     }
 
     /// A zero whole-chunk gradient on the device for chunk `c`, within the budget.
@@ -131,6 +179,9 @@ impl ChunkManager {
     /// no gradient never reports the end of its backward: its tensors are still in `Compute`
     /// here.)
     pub fn finish_backward(&mut self) -> Result<()> {
+        for c in 0..self.chunks.len() {
+            self.unstage(c)?;
+        }
         self.reduce_agreed()?;
         self.zero_spent()?;
         for ch in &mut self.chunks {
@@ -181,4 +232,14 @@ impl ChunkManager {
             ch.live.fill(false);
         }
     }
+}
+
+/// Adds gradient `g` into accumulator part `acc` when it is `live` (holds a gradient of this
+/// step), else overwrites it (`copy_` converts the device and dtype on the way).
+fn accumulate(acc: &Tensor, g: &Tensor, live: bool) -> Result<()> {
+    tch::no_grad(|| match live {
+        true => acc.shallow_clone().f_add_(&g.f_to_device(acc.device())?.f_to_kind(Kind::Float)?).map(drop),
+        false => acc.shallow_clone().f_copy_(g).map(drop),
+    })?;
+    Ok(())
 }
