@@ -95,7 +95,7 @@ impl Batch {
 
     /// The MSA's and extra MSA's per-row features, which a GPU's `predict` keeps on the host
     /// ([`Batch::to_device_rows_on_host`]): `msa_feat`, the extra MSA's four.
-    fn row_features(&self) -> [&Tensor; 5] {
+    pub fn row_features(&self) -> [&Tensor; 5] {
         [&self.msa_feat, &self.extra_msa, &self.extra_has_deletion, &self.extra_deletion_value, &self.extra_msa_mask]
     }
 
