@@ -240,17 +240,16 @@ pub fn drops_caption(seed: u64, step: usize, example: usize, p: f64) -> bool {
 
 /// The parallel wiring, applied outside the UNet: its parameters in Gemini's chunks, sharded
 /// over the ranks (ZeRO-3) and placed within what `cap` bytes of `device` leave after the
-/// `resident` parts; trained, or with `--lora-rank` frozen under adapters (resident too)
-/// trained data-parallel.
+/// `resident` parts, computing in `precision` ([`FinetuneArgs::precision_on`] the device);
+/// trained, or with `--lora-rank` frozen under adapters (resident too) trained data-parallel.
 pub fn parallelize(
     sd: &mut StableDiffusion,
     args: &FinetuneArgs,
     world: &World,
-    device: Device,
+    (device, precision): (Device, Precision),
     cap: Option<u64>,
     mut resident: Vec<resident::Part>,
 ) -> anyhow::Result<UnetTraining> {
-    let precision = args.precision_on(device);
     let (kind, lr, seed) = (precision.kind(), args.optimizer.lr, args.seed.seed);
     let UnetParams { params, parts } = UnetParams::of(&sd.unet, &sd.unet_vs)?;
     let replication = (world.size() > 1).then(|| Replication { group: world.group.clone(), shard: true });
@@ -369,7 +368,7 @@ impl<'a> Trainer<'a> {
         }
         sd.unet.set_gradient_checkpointing(args.checkpointing());
         let ddpm = DdpmScheduler::new(sd.scheduler.config(SchedulerClass::Ddpm)?);
-        let training = parallelize(&mut sd, args, world, device, cap, resident.clone())?;
+        let training = parallelize(&mut sd, args, world, (device, precision), cap, resident.clone())?;
         let ema = match (&training, args.use_ema) {
             (UnetTraining::Gemini { gemini, .. }, true) => {
                 Some(Ema::new(gemini, EmaConfig::diffusers(args.ema_decay))?)

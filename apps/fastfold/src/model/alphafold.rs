@@ -114,26 +114,13 @@ impl Batch {
     /// and drops it after (the extra MSA's a chunk of rows at a time), so that at 1,200
     /// residues a GPU does not hold their 0.2 GiB through the stacks.
     pub fn to_device_rows_on_host(self, device: Device) -> Result<Batch> {
-        let [msa_feat, extra_msa, extra_has_deletion, extra_deletion_value, extra_msa_mask] =
-            self.row_features().map(Tensor::shallow_clone);
-        let moved = self.to_device(device)?;
-        Ok(Batch { msa_feat, extra_msa, extra_has_deletion, extra_deletion_value, extra_msa_mask, ..moved })
-    }
-
-    /// The batch on `device` (itself where it is there already).
-    pub fn to_device(self, device: Device) -> Result<Batch> {
         let to = |t: Tensor| -> Result<Tensor> { Ok(t.f_to_device(device)?) };
         Ok(Batch {
             aatype: to(self.aatype)?,
             residue_index: to(self.residue_index)?,
             seq_mask: to(self.seq_mask)?,
             target_feat: to(self.target_feat)?,
-            msa_feat: to(self.msa_feat)?,
             msa_mask: to(self.msa_mask)?,
-            extra_msa: to(self.extra_msa)?,
-            extra_has_deletion: to(self.extra_has_deletion)?,
-            extra_deletion_value: to(self.extra_deletion_value)?,
-            extra_msa_mask: to(self.extra_msa_mask)?,
             templates: match self.templates {
                 Some(t) => {
                     let [a, b, c, d, e, g] = t.named().map(|(_, x)| x.f_to_device(device));
@@ -141,6 +128,21 @@ impl Batch {
                 }
                 None => None,
             },
+            ..self
+        })
+    }
+
+    /// The batch on `device` (itself where it is there already).
+    pub fn to_device(self, device: Device) -> Result<Batch> {
+        let b = self.to_device_rows_on_host(device)?;
+        let to = |t: Tensor| -> Result<Tensor> { Ok(t.f_to_device(device)?) };
+        Ok(Batch {
+            msa_feat: to(b.msa_feat)?,
+            extra_msa: to(b.extra_msa)?,
+            extra_has_deletion: to(b.extra_has_deletion)?,
+            extra_deletion_value: to(b.extra_deletion_value)?,
+            extra_msa_mask: to(b.extra_msa_mask)?,
+            ..b
         })
     }
 
