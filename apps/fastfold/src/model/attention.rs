@@ -3,7 +3,7 @@
 use kernels::Backend;
 use tch::Tensor;
 
-use crate::model::layers::{chunked, mask_bias};
+use crate::model::layers::{chunked, mask_bias, narrow};
 use crate::model::scope::{Init, Scope};
 use crate::model::Result;
 
@@ -48,8 +48,8 @@ impl Attention {
     /// time.
     pub fn forward(&self, x: &Tensor, mask: &Tensor, pair_bias: Option<&Tensor>, chunk: Option<i64>) -> Result<Tensor> {
         chunked(x.size()[0], chunk, |start, n| {
-            let x = x.f_narrow(0, start, n)?;
-            let mask = mask.f_narrow(0, start, n)?;
+            let x = narrow(x, 0, start, n)?;
+            let mask = narrow(mask, 0, start, n)?;
             // Without autograd, the biases and gates are applied in place.
             let lean = !x.requires_grad() && !self.query_w.requires_grad();
             // Inference on the CPU: libtorch's fused kernel. Training keeps the logits whole
@@ -181,8 +181,8 @@ impl GlobalAttention {
     /// `x` [batch, len, c]; `mask` [batch, len]. Processes `chunk` batch rows at a time.
     pub fn forward(&self, x: &Tensor, mask: &Tensor, chunk: Option<i64>) -> Result<Tensor> {
         chunked(x.size()[0], chunk, |start, n| {
-            let x = x.f_narrow(0, start, n)?;
-            let mask = mask.f_narrow(0, start, n)?;
+            let x = narrow(x, 0, start, n)?;
+            let mask = narrow(mask, 0, start, n)?;
             let m = mask.f_unsqueeze(-1)?;
             // AlphaFold's mask_mean with eps 1e-10.
             let q_avg = x

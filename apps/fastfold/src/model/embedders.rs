@@ -18,7 +18,7 @@ use tch::{Device, Kind, Tensor};
 use crate::model::config::{EvoformerConfig, ModelConfig};
 use crate::model::exec::{ChunkOp, Exec, Stage};
 use crate::model::keys::EMBEDDINGS;
-use crate::model::layers::{chunked, LayerNorm, Linear, Stream};
+use crate::model::layers::{chunked, narrow, LayerNorm, Linear, Stream};
 use crate::model::params::Params;
 use crate::model::scope::{Builder, Scope};
 use crate::model::{ensure, Error, Result};
@@ -208,7 +208,7 @@ impl FeatureProjections {
         let left = self.left_single.forward(target_feat)?.f_unsqueeze(1)?;
         let right = self.right_single.forward(target_feat)?.f_unsqueeze(0)?;
         chunked(n, exec.chunk_for(ChunkOp::PairEmbedding), |start, rows| {
-            Ok(left.f_narrow(0, start, rows)?.f_add(&right)?.f_add(&relative(start, rows)?)?)
+            Ok(narrow(&left, 0, start, rows)?.f_add(&right)?.f_add(&relative(start, rows)?)?)
         })
     }
 }
@@ -288,7 +288,7 @@ fn relative_position_one_hot_rows(
 ) -> Result<Tensor> {
     ensure!(max_relative > 0, "max_relative_feature must be positive, got {max_relative}");
     let pos = residue_index.f_to_kind(Kind::Int64)?;
-    let offset = pos.f_narrow(0, start, rows)?.f_unsqueeze(1)?.f_sub(&pos.f_unsqueeze(0)?)?;
+    let offset = narrow(&pos, 0, start, rows)?.f_unsqueeze(1)?.f_sub(&pos.f_unsqueeze(0)?)?;
     let bins = offset.f_add_scalar(max_relative)?.f_clamp(0, 2 * max_relative)?;
     Ok(bins.f_one_hot(2 * max_relative + 1)?.f_to_kind(kind)?)
 }
@@ -411,10 +411,10 @@ impl RecyclingEmbedder {
             }
         }
         let chunk = exec.chunk_for(ChunkOp::PairEmbedding);
-        pair.add_chunked(0, chunk, |_, start, rows| self.prev_pair_norm.forward(&prev.pair.f_narrow(0, start, rows)?))?;
+        pair.add_chunked(0, chunk, |_, start, rows| self.prev_pair_norm.forward(&narrow(&prev.pair, 0, start, rows)?))?;
         let kind = pair.get().kind();
         pair.add_chunked(0, chunk, |_, start, rows| {
-            let here = prev.pseudo_beta.f_narrow(0, start, rows)?;
+            let here = narrow(&prev.pseudo_beta, 0, start, rows)?;
             let dgram =
                 distance_one_hot_between(&here, &prev.pseudo_beta, self.bins, RECYCLE_MIN_BIN, RECYCLE_MAX_BIN)?;
             self.prev_pos_linear.forward(&dgram.f_to_kind(kind)?)

@@ -125,6 +125,16 @@ pub(crate) fn step(len: i64, chunk: Option<i64>) -> Result<i64> {
     }
 }
 
+/// Rows `[start, start + n)` of `x` along `dim` (a chunk of a [`chunked`] loop), or `x` itself
+/// when they are all of it: libtorch's backward of a narrow zero-fills a buffer of the whole
+/// input and copies the gradient into it even then, once per unchunked call in training.
+pub fn narrow(x: &Tensor, dim: i64, start: i64, n: i64) -> Result<Tensor> {
+    match start == 0 && x.size().get(dim as usize) == Some(&n) {
+        true => Ok(x.shallow_clone()),
+        false => Ok(x.f_narrow(dim, start, n)?),
+    }
+}
+
 /// Runs `f(start, len)` over slices of `[0, len)` at most `chunk` long and joins the results
 /// along dim 0 (`None`: one call over everything). Modules slice their batch-like axis with it,
 /// bounding the largest intermediate. Without autograd the results are copied into one output

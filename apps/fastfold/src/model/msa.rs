@@ -10,7 +10,7 @@ use tch::Tensor;
 
 use crate::model::attention::{Attention, GlobalAttention};
 use crate::model::exec::{ChunkOp, Exec};
-use crate::model::layers::{chunked_along, LayerNorm, Linear, Stream};
+use crate::model::layers::{chunked_along, narrow, LayerNorm, Linear, Stream};
 use crate::model::scope::{Init, Scope};
 use crate::model::Result;
 
@@ -27,7 +27,7 @@ pub(crate) fn pair_bias(
     chunk: Option<i64>,
 ) -> Result<Tensor> {
     let local = chunked_along(1, pair.size()[0], chunk, |start, n| {
-        let x = norm.forward(&pair.f_narrow(0, start, n)?)?;
+        let x = norm.forward(&narrow(pair, 0, start, n)?)?;
         Ok(Tensor::f_einsum("qkc,ch->hqk", &[&x, weights], None::<&[i64]>)?)
     })?;
     Ok(dap.all_gather(&local, 1)?)
@@ -72,8 +72,8 @@ impl MsaRowAttentionWithPairBias {
     /// chunks over sequences.
     pub fn update_biased(&self, msa: &mut Stream, mask: &Tensor, bias: &Tensor, exec: &Exec) -> Result<()> {
         msa.add_chunked(0, exec.chunk_for(ChunkOp::MsaRowAttention), |m, start, n| {
-            let x = self.query_norm.forward(&m.f_narrow(0, start, n)?)?;
-            self.attention.forward(&x, &mask.f_narrow(0, start, n)?, Some(bias), None)
+            let x = self.query_norm.forward(&narrow(m, 0, start, n)?)?;
+            self.attention.forward(&x, &narrow(mask, 0, start, n)?, Some(bias), None)
         })
     }
 }
@@ -96,8 +96,8 @@ impl MsaColumnAttention {
     /// Adds the update of col-split `msa` [s, r/N, c] (mask [s, r/N]); chunks over residues.
     pub fn update(&self, msa: &mut Stream, mask: &Tensor, exec: &Exec) -> Result<()> {
         msa.add_chunked(1, exec.chunk_for(ChunkOp::MsaColumnAttention), |m, start, n| {
-            let x = self.query_norm.forward(&m.f_narrow(1, start, n)?.f_transpose(0, 1)?)?;
-            let out = self.attention.forward(&x, &mask.f_narrow(1, start, n)?.f_transpose(0, 1)?, None, None)?;
+            let x = self.query_norm.forward(&narrow(m, 1, start, n)?.f_transpose(0, 1)?)?;
+            let out = self.attention.forward(&x, &narrow(mask, 1, start, n)?.f_transpose(0, 1)?, None, None)?;
             Ok(out.f_transpose(0, 1)?)
         })
     }
@@ -121,8 +121,8 @@ impl MsaColumnGlobalAttention {
     /// Adds the update of col-split `msa` [s, r/N, c] (mask [s, r/N]); chunks over residues.
     pub fn update(&self, msa: &mut Stream, mask: &Tensor, exec: &Exec) -> Result<()> {
         msa.add_chunked(1, exec.chunk_for(ChunkOp::MsaColumnAttention), |m, start, n| {
-            let x = self.query_norm.forward(&m.f_narrow(1, start, n)?.f_transpose(0, 1)?)?;
-            let out = self.attention.forward(&x, &mask.f_narrow(1, start, n)?.f_transpose(0, 1)?, None)?;
+            let x = self.query_norm.forward(&narrow(m, 1, start, n)?.f_transpose(0, 1)?)?;
+            let out = self.attention.forward(&x, &narrow(mask, 1, start, n)?.f_transpose(0, 1)?, None)?;
             Ok(out.f_transpose(0, 1)?)
         })
     }
@@ -149,7 +149,7 @@ impl Transition {
     /// pair transition); chunks over dim 0.
     pub fn update(&self, x: &mut Stream, op: ChunkOp, exec: &Exec) -> Result<()> {
         x.add_chunked(0, exec.chunk_for(op), |x, start, n| {
-            let mut h = self.transition1.forward(&self.input_layer_norm.forward(&x.f_narrow(0, start, n)?)?)?;
+            let mut h = self.transition1.forward(&self.input_layer_norm.forward(&narrow(x, 0, start, n)?)?)?;
             h = if h.requires_grad() { h.f_relu()? } else { h.f_relu_()? };
             self.transition2.forward(&h)
         })
@@ -210,8 +210,8 @@ impl OuterProductMean {
         let mut first = 0;
         loop {
             let k = batch.min(s - first);
-            let x = self.layer_norm_input.forward(&msa.f_narrow(0, first, k)?.f_to_device(device)?)?;
-            let m = mask.f_narrow(0, first, k)?.f_unsqueeze(-1)?;
+            let x = self.layer_norm_input.forward(&narrow(msa, 0, first, k)?.f_to_device(device)?)?;
+            let m = narrow(mask, 0, first, k)?.f_unsqueeze(-1)?;
             let masked = |y: Tensor| -> Result<Tensor> {
                 let mut y = y;
                 Ok(if y.requires_grad() { y.f_mul(&m)? } else { y.f_mul_(&m)? })
@@ -221,7 +221,7 @@ impl OuterProductMean {
             drop(x);
             let with_bias = first == 0;
             pair.add_chunked(0, exec.chunk_for(ChunkOp::OuterProductMean), |_, start, n| {
-                let l = left.f_narrow(1, start, n)?;
+                let l = narrow(&left, 1, start, n)?;
                 let outer = Tensor::f_einsum("sic,sje->ijce", &[&l, &right], None::<&[i64]>)?;
                 let r = outer.size()[1];
                 // The product comes out of bmm laid out [i, c, j, e]: flattening (c, e) copies it.
@@ -233,7 +233,7 @@ impl OuterProductMean {
                 if with_bias {
                     y = if lean { y.f_add_(&self.output_b)? } else { y.f_add(&self.output_b)? };
                 }
-                let divisor = norm.f_narrow(0, start, n)?.f_add_scalar(1e-3)?.f_unsqueeze(-1)?;
+                let divisor = narrow(&norm, 0, start, n)?.f_add_scalar(1e-3)?.f_unsqueeze(-1)?;
                 Ok(if lean { y.f_div_(&divisor)? } else { y.f_div(&divisor)? })
             })?;
             first += k;

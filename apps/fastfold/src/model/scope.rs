@@ -8,8 +8,8 @@
 //! [`crate::model::keys`]).
 //!
 //! A stack's arrays carry a leading block dimension (`[num_blocks, ...]`, as haiku's
-//! `layer_stack` writes them); block `i`'s modules hold `select(0, i)` views of them, so
-//! gradients of the blocks land in the stacked arrays.
+//! `layer_stack` writes them); block `i`'s modules hold views of row `i`, and gradients of the
+//! blocks land in the stacked arrays' `.grad` (see [`block_leaf`] for how, when they train).
 //!
 //! This is the leaf every module file builds on: it imports no model module but the error
 //! type, so the store ([`crate::model::params`]) and the modules can both depend on it.
@@ -132,12 +132,50 @@ impl Scope<'_> {
             return Err(Error::Shape { key, expected: full, found: t.size(), file: b.file.clone() });
         }
         let out = match self.block {
+            Some((i, _)) if t.requires_grad() => block_leaf(t, i)?,
             Some((i, _)) => t.f_select(0, i)?,
             None => t.shallow_clone(),
         };
         b.used.borrow_mut().insert(key);
         Ok(out)
     }
+}
+
+/// Block `i`'s array of a trained stack: a leaf of its own over row `i` of the stack's memory
+/// (so the optimizer's in-place updates of the stack reach it), whose gradient, once
+/// accumulated, is added into row `i` of the stack's `.grad` and cleared.
+///
+/// A `select(0, i)` view (the untrained path) would reach the stack through autograd, whose
+/// backward of a select zero-fills a whole stack-sized gradient, copies the row into it and
+/// adds that to the stack's `.grad`: per array, per block, per backward (48 blocks: 48
+/// stack-sized buffers for each of the stack's arrays; three kernels per array even for one
+/// block). Here it is one addition of the row. The sums are the same, in the same order, so
+/// the gradients are bitwise those of the views. The stack's own gradient hooks do not run
+/// (its gradient never passes through autograd): data parallelism reduces its buckets when
+/// backward ends (`DataParallel::finish_gradients`), not while it runs.
+///
+/// The leaf aliases the row (`set_`) rather than being a view of it: a view shares the
+/// stack's version counter, and after the optimizer's in-place step libtorch would rebuild
+/// the history of views taken from the leaf (a fused projection's halves) from the stack's
+/// untracked base, cutting their gradients off.
+fn block_leaf(stack: &Tensor, i: i64) -> Result<Tensor> {
+    let row = stack.f_detach()?.f_select(0, i)?;
+    let mut leaf = Tensor::f_empty([0], (stack.kind(), stack.device()))?;
+    let _alias = leaf.f_set_source_tensor_(&row)?;
+    let leaf = leaf.f_set_requires_grad(true)?;
+    let stack = stack.shallow_clone();
+    engine::autograd::register_post_accumulate_grad_hook(&leaf, move |leaf| {
+        tch::no_grad(|| -> engine::Result<()> {
+            let mut total = stack.grad();
+            if !total.defined() {
+                total = stack.f_zeros_like()?;
+                engine::autograd::set_grad(&stack, Some(&total))?;
+            }
+            let _row = total.f_select(0, i)?.f_add_(&leaf.grad())?;
+            engine::autograd::set_grad(leaf, None)
+        })
+    })?;
+    Ok(leaf)
 }
 
 fn draw(shape: &[i64], init: Init) -> Result<Tensor> {
@@ -148,4 +186,62 @@ fn draw(shape: &[i64], init: Init) -> Result<Tensor> {
         Init::Small => n.f_mul_scalar(0.1)?,
         Init::One => n.f_mul_scalar(0.1)?.f_add_scalar(1.0)?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A loss over a stack's blocks that uses block 1 twice and block 2 not at all.
+    fn loss(blocks: &[Tensor]) -> Tensor {
+        let c: Vec<Tensor> = (0..3).map(|i| Tensor::from_slice(&[1.0f32 + i as f32, -2.0, 0.5, 3.0])).collect();
+        (&blocks[0] * &blocks[0] * &c[0]).sum(Kind::Float)
+            + (&blocks[1] * &c[1]).sum(Kind::Float)
+            + (&blocks[1] * &blocks[1]).sum(Kind::Float)
+    }
+
+    /// The trained stack's blocks are leaves of their own, and their gradients land in the
+    /// stack's `.grad` bitwise as `select` views' do, accumulating over backward passes, also
+    /// when a block is recomputed by a checkpoint's backward; the stack's in-place updates
+    /// reach them.
+    #[test]
+    fn trained_blocks_give_the_gradients_of_select_views() {
+        let values = Tensor::randn([3, 4], (Kind::Float, Device::Cpu));
+        let stack = values.copy().set_requires_grad(true);
+        let mut arrays = BTreeMap::new();
+        arrays.insert("stack//w".to_string(), stack.shallow_clone());
+        let b = Builder::new(Mode::Load, arrays, None);
+        let blocks: Vec<Tensor> =
+            (0..3).map(|i| b.block("stack", i, 3).param("w", &[4], Init::Small).unwrap()).collect();
+        assert!(blocks.iter().all(|t| t.is_leaf() && t.requires_grad()));
+
+        let views = values.copy().set_requires_grad(true);
+        let selected: Vec<Tensor> = (0..3).map(|i| views.select(0, i)).collect();
+        for _ in 0..2 {
+            loss(&blocks).backward();
+            loss(&selected).backward();
+        }
+        assert!(stack.grad().equal(&views.grad()), "{} vs {}", stack.grad(), views.grad());
+        assert!(blocks.iter().all(|t| !t.grad().defined()), "the blocks' own gradients are cleared");
+        assert_eq!(stack.grad().select(0, 2).abs().max().double_value(&[]), 0.0);
+
+        // Block 1 inside a checkpoint: its gradient arrives during the recomputation's backward.
+        let _ = tch::no_grad(|| stack.grad().zero_());
+        let inside = blocks[1].shallow_clone();
+        let out = engine::autograd::checkpoint(&[&blocks[0]], move |ins| Ok(vec![&ins[0] * &inside])).unwrap();
+        out[0].sum(Kind::Float).backward();
+        let want = Tensor::stack(&[blocks[1].detach(), blocks[0].detach(), blocks[2].zeros_like()], 0);
+        assert!(stack.grad().allclose(&want, 0.0, 0.0, false), "{} vs {want}", stack.grad());
+
+        // A view of a block made before the optimizer steps the stack in place (as a fused
+        // projection's halves are) still reaches the stack's gradient after the step.
+        let half = blocks[1].narrow(0, 2, 2);
+        tch::no_grad(|| {
+            let _ = stack.get(1).fill_(7.0);
+        });
+        assert_eq!(Vec::<f32>::try_from(&blocks[1]).unwrap(), vec![7.0; 4]);
+        let _ = tch::no_grad(|| stack.grad().zero_());
+        (&half * 2.0).sum(Kind::Float).backward();
+        assert_eq!(Vec::<f32>::try_from(stack.grad().get(1)).unwrap(), vec![0.0, 0.0, 2.0, 2.0]);
+    }
 }

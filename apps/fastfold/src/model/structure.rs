@@ -35,7 +35,7 @@ use crate::jax_random::Key;
 use crate::model::config::{PresetSizes, StructureConfig};
 use crate::model::dropout::drop_whole;
 use crate::model::keys::STRUCTURE_MODULE;
-use crate::model::layers::{chunked, LayerNorm, Linear};
+use crate::model::layers::{chunked, narrow, LayerNorm, Linear};
 use crate::model::params::Params;
 use crate::model::scope::{Builder, Init, Scope};
 use crate::model::{ensure, Error, Result};
@@ -207,19 +207,19 @@ impl InvariantPointAttention {
             fp32(&self.trainable_point_weights)?.f_softplus()?.f_mul_scalar((1.0 / point_var).sqrt() * term_scale)?;
         let m = fp32(mask)?;
         let features = chunked(n, chunk, |start, rows| {
-            let q = fp32(&q.f_narrow(0, start, rows)?)?;
+            let q = fp32(&narrow(&q, 0, start, rows)?)?;
             let scalar = Tensor::f_einsum("ihc,jhc->hij", &[&q, &k], None::<&[i64]>)?.f_mul_scalar(scalar_w)?;
-            let diff = q_pts.f_narrow(0, start, rows)?.f_unsqueeze(1)?.f_sub(&k_pts.f_unsqueeze(0)?)?; // [n, Nj, H, P, 3]
+            let diff = narrow(&q_pts, 0, start, rows)?.f_unsqueeze(1)?.f_sub(&k_pts.f_unsqueeze(0)?)?; // [n, Nj, H, P, 3]
             let dist2 = diff.f_square()?.f_sum_dim_intlist([-1, -2].as_slice(), false, Kind::Float)?; // [n, Nj, H]
             drop(diff);
             let points = dist2.f_mul(&point_w)?.f_mul_scalar(-0.5)?.f_permute([2, 0, 1])?;
             drop(dist2);
             let pair = match norm {
-                Some(norm) => norm.forward(&pair.f_narrow(0, start, rows)?)?,
-                None => pair.f_narrow(0, start, rows)?,
+                Some(norm) => norm.forward(&narrow(pair, 0, start, rows)?)?,
+                None => narrow(pair, 0, start, rows)?,
             };
             let bias = fp32(&self.attention_2d.forward(&pair)?)?.f_permute([2, 0, 1])?.f_mul_scalar(term_scale)?;
-            let mask_2d = m.f_narrow(0, start, rows)?.f_unsqueeze(1)?.f_mul(&m.f_unsqueeze(0)?)?;
+            let mask_2d = narrow(&m, 0, start, rows)?.f_unsqueeze(1)?.f_mul(&m.f_unsqueeze(0)?)?;
             let logits = scalar
                 .f_add(&points)?
                 .f_add(&bias)?
@@ -233,7 +233,7 @@ impl InvariantPointAttention {
                 Tensor::f_einsum("hij,jhc->ihc", &[&attn, &v], None::<&[i64]>)?.f_reshape([rows, h * c.c_ipa])?;
             let out_global = Tensor::f_einsum("hij,jhpx->ihpx", &[&attn, &v_pts], None::<&[i64]>)?; // [n, H, Pv, 3]
             let flat = out_global.f_reshape([rows, h * c.v_points, 3])?;
-            let (rot, trans) = (frames.rot.f_narrow(0, start, rows)?, frames.trans.f_narrow(0, start, rows)?);
+            let (rot, trans) = (narrow(&frames.rot, 0, start, rows)?, narrow(&frames.trans, 0, start, rows)?);
             let local = rot
                 .f_unsqueeze(1)?
                 .f_transpose(-1, -2)?

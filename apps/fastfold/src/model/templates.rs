@@ -39,7 +39,7 @@ use crate::model::dropout::{DropMask, Rates, Shared};
 use crate::model::embedders::distance_one_hot_between;
 use crate::model::exec::{ChunkOp, Exec, Stage};
 use crate::model::keys::{EMBEDDINGS, PAIR_STACK, SINGLE_TEMPLATE, TEMPLATE_EMBEDDING};
-use crate::model::layers::{chunked, step, LayerNorm, Linear, Stream};
+use crate::model::layers::{chunked, narrow, step, LayerNorm, Linear, Stream};
 use crate::model::msa::Transition;
 use crate::model::params::Params;
 use crate::model::scope::{Builder, Init, Scope};
@@ -398,8 +398,8 @@ impl PointwiseAttention {
     /// c_t] with the mask's bias `bias` [T] → [n, N, c_z].
     fn rows(&self, pair: &Tensor, templates: &Tensor, bias: &Tensor, start: i64, n: i64) -> Result<Tensor> {
         let e = |eq: &str, a: &Tensor, b: &Tensor| Tensor::f_einsum(eq, &[a, b], None::<&[i64]>);
-        let x = pair.f_narrow(0, start, n)?;
-        let t = templates.f_narrow(1, start, n)?;
+        let x = narrow(pair, 0, start, n)?;
+        let t = narrow(templates, 1, start, n)?;
         let q = e("ija,ahc->ijhc", &x, &self.query_w)?.f_mul_scalar((self.head_dim as f64).powf(-0.5))?;
         let k = e("tija,ahc->tijhc", &t, &self.key_w)?;
         let v = e("tija,ahc->tijhc", &t, &self.value_w)?;
@@ -422,8 +422,8 @@ impl PointwiseAttention {
     fn fold(&self, acc: &OnlineSoftmax, pair: &Tensor, template: &Tensor, bias: &Tensor, index: i64) -> Result<()> {
         let e = |eq: &str, a: &Tensor, b: &Tensor| Tensor::f_einsum(eq, &[a, b], None::<&[i64]>);
         let fold_rows = |start: i64, n: i64| -> Result<()> {
-            let x = pair.f_narrow(0, start, n)?;
-            let t = template.f_narrow(0, start, n)?;
+            let x = narrow(pair, 0, start, n)?;
+            let t = narrow(template, 0, start, n)?;
             let q = e("ija,ahc->ijhc", &x, &self.query_w)?.f_mul_scalar((self.head_dim as f64).powf(-0.5))?;
             let k = e("ija,ahc->ijhc", &t, &self.key_w)?;
             // The running terms are in f32 at a reduced precision (see `OnlineSoftmax`): the
@@ -435,7 +435,7 @@ impl PointwiseAttention {
             };
             let mut v = e("ija,ahc->ijhc", &t, &self.value_w)?.f_to_kind(acc.kind)?;
             let (mut max, mut sum, mut values) =
-                (acc.max.f_narrow(0, start, n)?, acc.sum.f_narrow(0, start, n)?, acc.values.f_narrow(0, start, n)?);
+                (narrow(&acc.max, 0, start, n)?, narrow(&acc.sum, 0, start, n)?, narrow(&acc.values, 0, start, n)?);
             if index == 0 {
                 max.f_copy_(&logits)?;
                 let _ = sum.f_fill_(1.0)?;
@@ -502,8 +502,8 @@ impl OnlineSoftmax {
     /// Rows `[start, start + n)` of the averaged values [n, N, heads, head_dim], in the pair's
     /// kind.
     fn averaged(&self, start: i64, n: i64) -> Result<Tensor> {
-        let sum = self.sum.f_narrow(0, start, n)?.f_unsqueeze(-1)?;
-        Ok(self.values.f_narrow(0, start, n)?.f_div(&sum)?.f_to_kind(self.pair_kind)?)
+        let sum = narrow(&self.sum, 0, start, n)?.f_unsqueeze(-1)?;
+        Ok(narrow(&self.values, 0, start, n)?.f_div(&sum)?.f_to_kind(self.pair_kind)?)
     }
 }
 

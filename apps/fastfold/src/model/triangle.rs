@@ -9,7 +9,7 @@ use tch::Tensor;
 
 use crate::model::attention::Attention;
 use crate::model::exec::{ChunkOp, Exec};
-use crate::model::layers::{chunked_along, LayerNorm, Linear, Stream};
+use crate::model::layers::{chunked_along, narrow, LayerNorm, Linear, Stream};
 use crate::model::msa::pair_bias;
 use crate::model::scope::{Init, Scope};
 use crate::model::Result;
@@ -133,8 +133,8 @@ impl TriangleMultiplication {
         let dim = chunk_dim(self.direction);
         let rows = chunked_along(1, z.size()[0], chunk, |start, n| {
             let projected = {
-                let x = self.layer_norm_input.forward(&z.f_narrow(0, start, n)?)?;
-                let m = mask.f_narrow(0, start, n)?.f_unsqueeze(-1)?;
+                let x = self.layer_norm_input.forward(&narrow(z, 0, start, n)?)?;
+                let m = narrow(mask, 0, start, n)?.f_unsqueeze(-1)?;
                 gated(&x, &self.right_projection, &x, &self.right_gate, Some(&m), self.kernels)?
             };
             Ok(projected.f_permute([2, 0, 1])?.f_contiguous()?)
@@ -143,8 +143,8 @@ impl TriangleMultiplication {
         let right = dap.all_gather(&rows, dim + 1)?.f_transpose(1, 2)?;
         drop(rows);
         pair.add_chunked(dim, chunk, |z, start, n| {
-            let x = self.layer_norm_input.forward(&z.f_narrow(dim, start, n)?)?;
-            let m = mask.f_narrow(dim, start, n)?.f_unsqueeze(-1)?;
+            let x = self.layer_norm_input.forward(&narrow(z, dim, start, n)?)?;
+            let m = narrow(mask, dim, start, n)?.f_unsqueeze(-1)?;
             let left = gated(&x, &self.left_projection, &x, &self.left_gate, Some(&m), self.kernels)?;
             // Outgoing: [c, i, k] x [c, k, j] (`ikc,jkc->ijc`); incoming: [c, i, k] x [c, k, j]
             // with the whole projection on the left (`kjc,kic->ijc`). Either way [c, i, j].
@@ -196,8 +196,8 @@ impl TriangleAttention {
         let bias = pair_bias(&self.query_norm, &rows(pair.get())?, &self.feat_2d_weights, exec.dap(), chunk)?;
         let mask = rows(mask)?;
         pair.add_chunked(dim, chunk, |z, start, n| {
-            let x = self.query_norm.forward(&rows(&z.f_narrow(dim, start, n)?)?)?;
-            let out = self.attention.forward(&x, &mask.f_narrow(0, start, n)?, Some(&bias), None)?;
+            let x = self.query_norm.forward(&rows(&narrow(z, dim, start, n)?)?)?;
+            let out = self.attention.forward(&x, &narrow(&mask, 0, start, n)?, Some(&bias), None)?;
             rows(&out)
         })
     }

@@ -22,7 +22,7 @@ use tch::{Kind, Tensor};
 use crate::model::embedders::{shape_error, FeatureProjections};
 use crate::model::exec::Exec;
 use crate::model::keys::{EMBEDDINGS, RELATIVE_ENCODING};
-use crate::model::layers::Linear;
+use crate::model::layers::{narrow, Linear};
 use crate::model::multimer::Arrays;
 use crate::model::scope::Builder;
 use crate::model::{ensure, Result};
@@ -78,7 +78,7 @@ fn relative_encoding_rows(ids: &ChainIds, start: i64, rows: i64, kind: Kind) -> 
     // (rows of `t` as a column [rows, 1], all of `t` as a row [1, N]), as integers.
     let outer = |t: &Tensor| -> Result<(Tensor, Tensor)> {
         let t = t.f_to_kind(Kind::Int64)?;
-        Ok((t.f_narrow(0, start, rows)?.f_unsqueeze(1)?, t.f_unsqueeze(0)?))
+        Ok((narrow(&t, 0, start, rows)?.f_unsqueeze(1)?, t.f_unsqueeze(0)?))
     };
     // clip(a_i - a_j + k, 0, 2k) where `same`, else the extra bin 2k + 1; one-hot of 2k + 2.
     let clipped = |(a, b): (Tensor, Tensor), k: i64, same: &Tensor| -> Result<Tensor> {

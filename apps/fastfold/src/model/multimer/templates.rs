@@ -41,7 +41,7 @@ use crate::model::config::TemplateConfig;
 use crate::model::embedders::{distance_one_hot_between, pseudo_beta, shape_error, CA, CB, GLYCINE};
 use crate::model::exec::{ChunkOp, Exec, Stage};
 use crate::model::keys::{MULTIMER_TEMPLATE_STACK, SINGLE_TEMPLATE, TEMPLATE_EMBEDDING};
-use crate::model::layers::{chunked, LayerNorm, Linear, Stream};
+use crate::model::layers::{chunked, narrow, LayerNorm, Linear, Stream};
 use crate::model::multimer::Arrays;
 use crate::model::scope::{Builder, Init, Scope};
 use crate::model::templates::{run_stack, TemplatePairBlock, DGRAM_BINS, DGRAM_MAX, DGRAM_MIN};
@@ -162,12 +162,12 @@ impl TemplatePairEmbedding {
             let mut act = self.dgram.forward(&f.dgram)?;
             act = act.f_add(&self.pseudo_beta_mask.forward(&f.pseudo_beta_mask)?)?;
             act = act.f_add(&self.aatype_j.forward(&residues.aatype.f_unsqueeze(0)?)?)?;
-            act = act.f_add(&self.aatype_i.forward(&residues.aatype.f_narrow(0, start, rows)?.f_unsqueeze(1)?)?)?;
+            act = act.f_add(&self.aatype_i.forward(&narrow(&residues.aatype, 0, start, rows)?.f_unsqueeze(1)?)?)?;
             for (layer, v) in self.unit_vector.iter().zip(&f.unit_vector) {
                 act = act.f_add(&layer.forward(v)?)?;
             }
             act = act.f_add(&self.backbone_mask.forward(&f.backbone_mask)?)?;
-            let normed = self.query_embedding_norm.forward(&query.f_narrow(0, start, rows)?)?;
+            let normed = self.query_embedding_norm.forward(&narrow(query, 0, start, rows)?)?;
             Ok(act.f_add(&self.query.forward(&normed)?)?)
         })
     }
@@ -259,7 +259,7 @@ impl MultimerTemplates {
     ) -> Result<()> {
         let averaged = self.average(pair.get(), templates, pair_mask, asym_id, exec, key)?;
         let chunk = exec.in_stage(Stage::Templates).chunk_for(ChunkOp::PairEmbedding);
-        pair.add_chunked(0, chunk, |_, start, rows| self.project(&averaged.f_narrow(0, start, rows)?))
+        pair.add_chunked(0, chunk, |_, start, rows| self.project(&narrow(&averaged, 0, start, rows)?))
     }
 
     /// `output_linear`: rows of [`MultimerTemplates::average`] to the pair's width, the
