@@ -108,6 +108,14 @@ pub fn pseudo_beta(aatype: &Tensor, atom37: &Tensor) -> Result<Tensor> {
 /// `extra_msa` [S, N] (integer classes), then `has_deletion` and `deletion_value` [S, N], as
 /// [S, N, 25] of the kind of `deletion_value`.
 pub fn extra_msa_feat(extra_msa: &Tensor, has_deletion: &Tensor, deletion_value: &Tensor) -> Result<Tensor> {
+    check_extra_msa(extra_msa, has_deletion, deletion_value)?;
+    one_hot_extra_msa(extra_msa, has_deletion, deletion_value)
+}
+
+/// The shapes and classes [`extra_msa_feat`] takes. Reading the classes' range waits for the
+/// device that holds them: checked once where the whole input lies (a GPU's `predict` keeps it
+/// on the host), not once per chunk of rows on the device.
+fn check_extra_msa(extra_msa: &Tensor, has_deletion: &Tensor, deletion_value: &Tensor) -> Result<()> {
     let size = extra_msa.size();
     if size.len() != 2 {
         return Err(shape_error("extra_msa", "[sequences, residues]".into(), size));
@@ -117,18 +125,22 @@ pub fn extra_msa_feat(extra_msa: &Tensor, has_deletion: &Tensor, deletion_value:
             return Err(shape_error(what, format!("{size:?}"), t.size()));
         }
     }
-    let classes = extra_msa.f_to_kind(Kind::Int64)?;
-    if classes.numel() > 0 {
-        let (lo, hi) = (classes.f_min()?.int64_value(&[]), classes.f_max()?.int64_value(&[]));
+    if extra_msa.numel() > 0 {
+        let (lo, hi) = (extra_msa.f_min()?.int64_value(&[]), extra_msa.f_max()?.int64_value(&[]));
         ensure!(
             lo >= 0 && hi < EXTRA_MSA_CLASSES,
             "extra_msa: classes must lie in [0, {EXTRA_MSA_CLASSES}), found values from {lo} to {hi}"
         );
     }
+    Ok(())
+}
+
+/// [`extra_msa_feat`] of inputs already checked.
+fn one_hot_extra_msa(extra_msa: &Tensor, has_deletion: &Tensor, deletion_value: &Tensor) -> Result<Tensor> {
     let kind = deletion_value.kind();
     Ok(Tensor::f_cat(
         &[
-            classes.f_one_hot(EXTRA_MSA_CLASSES)?.f_to_kind(kind)?,
+            extra_msa.f_to_kind(Kind::Int64)?.f_one_hot(EXTRA_MSA_CLASSES)?.f_to_kind(kind)?,
             has_deletion.f_to_kind(kind)?.f_unsqueeze(-1)?,
             deletion_value.f_unsqueeze(-1)?,
         ],
@@ -453,12 +465,13 @@ impl ExtraMsaEmbedder {
         deletion_value: &Tensor,
         exec: &Exec,
     ) -> Result<Tensor> {
+        check_extra_msa(extra_msa, has_deletion, deletion_value)?;
         let offloaded = exec.plan().offloads(Stage::ExtraMsa);
         chunked(extra_msa.size()[0], exec.chunk_for(ChunkOp::ExtraMsaEmbedding), |start, n| {
             let device = self.extra_msa_activations.device();
             let [msa, has, value] =
                 [extra_msa, has_deletion, deletion_value].map(|t| t.f_narrow(0, start, n)?.f_to_device(device));
-            let part = self.extra_msa_activations.forward(&extra_msa_feat(&msa?, &has?, &value?)?)?;
+            let part = self.extra_msa_activations.forward(&one_hot_extra_msa(&msa?, &has?, &value?)?)?;
             Ok(match offloaded && !part.requires_grad() {
                 true => part.f_to_device(Device::Cpu)?,
                 false => part,
