@@ -138,6 +138,14 @@ fn mis_shaped_inputs_name_the_input_and_both_shapes() {
     assert!(err.to_string().contains("target_feat: expected shape [residues, 22], found [4, 21]"), "{err}");
     let err = emb.input.forward(&Tensor::zeros([4, 22], F), &Tensor::zeros([2, 5, 49], F), &ri).unwrap_err();
     assert!(err.to_string().contains("msa_feat: expected shape [sequences, 4, 49], found [2, 5, 49]"), "{err}");
+    // The extra MSA: a class out of range, a mis-shaped deletion input.
+    let (classes, zero) = (Tensor::from_slice(&[0i64, 22, 23, 1]).view([2, 2]), Tensor::zeros([2, 2], F));
+    let plan = ChunkPlan::uniform(None).with(Stage::Outer, ChunkOp::ExtraMsaEmbedding, Some(1));
+    let (exec, extra) = (Exec::planned(Dap::none(), plan), emb.extra_msa.as_ref().unwrap());
+    let err = extra.forward(&classes, &zero, &zero, &exec).unwrap_err();
+    assert!(err.to_string().contains("extra_msa: classes must lie in [0, 23), found values from 0 to 23"), "{err}");
+    let err = extra.forward(&classes.clamp(0, 22), &zero, &Tensor::zeros([2, 3], F), &exec).unwrap_err();
+    assert!(err.to_string().contains("extra_deletion_value: expected shape [2, 2], found [2, 3]"), "{err}");
     let heads = Heads::new(&p).unwrap();
     let err = heads.distogram.forward(&Tensor::zeros([4, 3, 10], F)).unwrap_err();
     assert!(err.to_string().contains("pair: expected shape [4, 4, 10], found [4, 3, 10]"), "{err}");
