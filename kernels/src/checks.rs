@@ -21,6 +21,17 @@ pub(crate) fn dtype(op: &str, name: &str, t: &Tensor) -> Result<&'static str> {
 /// CPU tensors once it is enabled. Each tensor is checked to be there, of `kind` where given,
 /// and contiguous (the kernels index raw memory).
 pub(crate) fn target(op: &str, kind: Option<Kind>, tensors: &[(&str, &Tensor)]) -> Result<Target> {
+    target_rows(op, kind, tensors, None)
+}
+
+/// [`target`] where the tensor named `strided` may be any view (its kernel is given where its
+/// rows lie); the others are checked contiguous.
+pub(crate) fn target_rows(
+    op: &str,
+    kind: Option<Kind>,
+    tensors: &[(&str, &Tensor)],
+    strided: Option<&str>,
+) -> Result<Target> {
     let mut target = None;
     for (name, t) in tensors {
         let here = Target::of(t.device()).ok_or_else(|| {
@@ -39,7 +50,11 @@ pub(crate) fn target(op: &str, kind: Option<Kind>, tensors: &[(&str, &Tensor)]) 
         if let Some(k) = kind {
             ensure!(t.kind() == k, "{op}: {name} is {:?}, expected {k:?} like the other arguments", t.kind());
         }
-        ensure!(t.is_contiguous(), "{op}: {name} is not contiguous (strides {:?})", t.stride());
+        ensure!(
+            strided == Some(*name) || t.is_contiguous(),
+            "{op}: {name} is not contiguous (strides {:?})",
+            t.stride()
+        );
     }
     target.ok_or_else(|| Error::invalid(format!("{op}: no tensors")))
 }

@@ -3,7 +3,7 @@
 //! (`weight`, `bias`).
 use tch::{nn, Kind, Tensor};
 
-use crate::checks::{ceil_div, dtype, launch_rows, quads, row_kernel_functions, rows_cols, target, with_grad};
+use crate::checks::{ceil_div, dtype, launch_rows, quads, row_kernel_functions, rows_cols, target_rows, with_grad};
 use crate::error::ensure;
 use crate::kernel::{Args, Kernel};
 use crate::{Backend, Result};
@@ -38,19 +38,32 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64, backend:
 }
 
 fn fused(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
-    let x = x.f_contiguous()?;
+    // Without autograd, rows are read where they lie (a transposed MSA or pair, normalised
+    // for its column or ending-node attention, without a copy of it first); the backward
+    // kernels take contiguous x.
+    let records = [x, weight, bias].iter().any(|t| t.requires_grad());
+    let (x, layout) = match row_layout(x) {
+        Some(layout) if !records => (x.shallow_clone(), layout),
+        _ => {
+            let x = x.f_contiguous()?;
+            let layout = row_layout(&x).expect("contiguous rows have a layout");
+            (x, layout)
+        }
+    };
     let (w, b) = (weight.f_contiguous()?, bias.f_contiguous()?);
-    let at = target(OP, Some(x.kind()), &[("x", &x), ("weight", &w), ("bias", &b)])?;
+    let at = target_rows(OP, Some(x.kind()), &[("x", &x), ("weight", &w), ("bias", &b)], Some("x"))?;
     let suffix = dtype(OP, "x", &x)?;
     let (rows, cols) = rows_cols(OP, &x)?;
-    let y = x.f_empty_like()?;
+    let y = Tensor::f_empty(x.size(), (x.kind(), x.device()))?;
     let stats = (Kind::Float, x.device());
     let mean = Tensor::f_empty([rows], stats)?;
     let rstd = Tensor::f_empty([rows], stats)?;
     if rows > 0 && cols > 0 {
-        let vec = quads(cols, &[&x, &w, &b, &y]);
+        let (inner, inner_stride, outer_stride) = layout;
+        let vec = quads(cols, &[&x, &w, &b, &y]) && inner_stride % 4 == 0 && outer_stride % 4 == 0;
         let a = Args::default().tensor(&x).tensor(&w).tensor(&b).tensor(&y).tensor(&mean).tensor(&rstd);
-        let mut a = a.i64(rows).i32(cols as i32).f32(eps as f32).i32(vec.into());
+        let a = a.i64(rows).i32(cols as i32).f32(eps as f32).i32(vec.into());
+        let mut a = a.i64(inner).i64(inner_stride).i64(outer_stride);
         launch_rows(&KERNEL, "layer_norm_forward", suffix, at, (rows, cols), &mut a)?;
     }
     let saved = vec![x.shallow_clone(), w.shallow_clone(), mean, rstd];
@@ -88,6 +101,34 @@ fn fused(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor>
         Ok(vec![Some(dx), Some(dw), Some(db)])
     })?;
     Ok(outputs.into_iter().next().expect("one output"))
+}
+
+/// Where the rows of `x` [.., cols] start, as the forward kernels' `Rows` take it: `(inner,
+/// inner_stride, outer_stride)` in elements, row r at `(r / inner) outer_stride + (r % inner)
+/// inner_stride`. `None` unless each row's elements are adjacent and the leading dimensions
+/// merge into at most two evenly spaced levels (any transpose of two leading dimensions does).
+fn row_layout(x: &Tensor) -> Option<(i64, i64, i64)> {
+    let (size, stride) = (x.size(), x.stride());
+    let (&cols, lead) = size.split_last()?;
+    if cols > 1 && stride[lead.len()] != 1 {
+        return None;
+    }
+    // (size, stride) of each level, innermost first: a dimension continuing the level inside
+    // it joins that level.
+    let mut levels: Vec<(i64, i64)> = Vec::new();
+    for (&n, &s) in lead.iter().zip(&stride).rev() {
+        match levels.last_mut() {
+            _ if n == 1 => {}
+            Some((m, t)) if s == *m * *t => *m *= n,
+            _ => levels.push((n, s)),
+        }
+    }
+    match levels[..] {
+        [] => Some((1, cols, cols)),
+        [(n, s)] => Some((n, s, n * s)),
+        [(n, s), (_, outer)] => Some((n, s, outer)),
+        _ => None,
+    }
 }
 
 /// LayerNorm over the last dimension with parameters `weight` (ones) and `bias` (zeros), as

@@ -216,6 +216,33 @@ fn layer_norm_matches() {
     }
     let x = randn(&[33, 17], dev, false).t_().set_requires_grad(true);
     check("layer_norm strided", &ln, &[x, randn(&[33], dev, true), randn(&[33], dev, true)], &[17, 33]);
+    // Without autograd the forward reads rows where they lie: transposed leading dimensions (an
+    // MSA's columns), a chunk of columns transposed (row strides not a multiple of 4: element
+    // accesses), one row, and three levels that do not merge into two (copied first).
+    type View = fn(Tensor) -> Tensor;
+    let views: [(&str, i64, View); 7] = [
+        ("transposed", 768, |t| t.transpose(0, 1)),
+        ("transposed", 129, |t| t.transpose(0, 1)),
+        ("transposed", 1028, |t| t.transpose(0, 1)),
+        ("a chunk transposed", 64, |t| t.narrow(1, 2, 5).transpose(0, 1)),
+        ("a chunk transposed", 67, |t| t.narrow(1, 2, 5).transpose(0, 1)),
+        ("one row", 256, |t| t.narrow(0, 2, 1).narrow(1, 4, 1)),
+        ("three levels", 32, |t| t.view([3, 2, 7, -1]).permute([2, 1, 0, 3])),
+    ];
+    for (what, c, view) in views {
+        let (x, w, b) =
+            (view(randn(&[6, 7, c], dev, false) * 2.0 + 0.5), randn(&[c], dev, false), randn(&[c], dev, false));
+        for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
+            let [x, w, b] = [&x, &w, &b].map(|t| t.to_kind(kind));
+            let (fused, torch) = (
+                ln(&[x.shallow_clone(), w.shallow_clone(), b.shallow_clone()], Backend::Fused),
+                ln(&[x.shallow_clone(), w.shallow_clone(), b.shallow_clone()], Backend::Torch),
+            );
+            let reference = ln(&[x, w, b].map(|t| t.to_kind(Kind::Double)), Backend::Torch);
+            assert!(fused.is_contiguous(), "layer_norm {what}: output contiguous");
+            assert_matches(&fused, &torch, &reference, kind, &format!("layer_norm {what} [.., {c}] without autograd"));
+        }
+    }
 }
 
 #[test]

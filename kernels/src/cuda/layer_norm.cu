@@ -2,24 +2,35 @@
 // writes y and each row's mean and 1/std (f32, saved for the backward); the backward writes dx
 // per row, and partial sums of the weight's and bias's gradients over blocks of rows
 // ([parts, cols], f32), which the caller adds up.
+//
+// The forward reads rows where a `Rows` layout puts them, so that a transposed view (an MSA's
+// columns, a pair's) is normalised without first being copied; y is always contiguous. The
+// backward takes contiguous x (autograd's path copies it).
+
+// Where row r of x starts: groups of `inner` rows `inner_stride` apart, the groups
+// `outer_stride` apart (contiguous x: inner = rows, inner_stride = cols).
+struct Rows {
+  i64 inner, inner_stride, outer_stride;
+  __device__ __forceinline__ i64 at(i64 r) const { return (r / inner) * outer_stride + (r % inner) * inner_stride; }
+};
 
 template <typename T>
 __device__ void ln_forward(const T* x, const T* w, const T* b, T* y, float* mean_out, float* rstd_out, int cols,
-                           float eps) {
+                           float eps, Rows layout) {
   __shared__ float scratch[32];
-  const i64 base = (i64)blockIdx.x * cols;
+  const i64 in = layout.at(blockIdx.x), out = (i64)blockIdx.x * cols;
   float s = 0.f;
-  for (int c = threadIdx.x; c < cols; c += blockDim.x) s += to_float(x[base + c]);
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) s += to_float(x[in + c]);
   const float mean = block_sum(s, scratch) / cols;
   float q = 0.f;
   for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-    const float d = to_float(x[base + c]) - mean;
+    const float d = to_float(x[in + c]) - mean;
     q += d * d;
   }
   const float rstd = rsqrtf(block_sum(q, scratch) / cols + eps);
   for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-    const float xhat = (to_float(x[base + c]) - mean) * rstd;
-    y[base + c] = from_float<T>(xhat * to_float(w[c]) + to_float(b[c]));
+    const float xhat = (to_float(x[in + c]) - mean) * rstd;
+    y[out + c] = from_float<T>(xhat * to_float(w[c]) + to_float(b[c]));
   }
   if (threadIdx.x == 0) {
     mean_out[blockIdx.x] = mean;
@@ -78,15 +89,16 @@ __device__ void ln_backward_params(const T* x, const float* mean, const float* r
 // (ignoring `rows` and `vec`), so the caller picks one by name.
 template <typename T, int Q>
 __device__ void ln_forward_warp(const T* x, const T* w, const T* b, T* y, float* mean_out, float* rstd_out, i64 rows,
-                                int cols, float eps, int vec) {
+                                int cols, float eps, int vec, Rows layout) {
   const int lane = threadIdx.x & 31;
   const i64 row = warp_row();
   if (row >= rows) return;  // the whole warp: its row is its own
+  const i64 in = layout.at(row);
   float v[Q][4];
   float s = 0.f;
   for (int j = 0; j < Q; ++j) {
     const int c = quad_col(lane, j);
-    load4(x + row * cols + c, quad_len(c, cols), vec, v[j]);
+    load4(x + in + c, quad_len(c, cols), vec, v[j]);
     for (int k = 0; k < 4; ++k) s += v[j][k];  // zeros past the row's end
   }
   const float mean = warp_sum(s) / cols;
@@ -145,10 +157,10 @@ __device__ void ln_backward_input_warp(const T* x, const T* w, const float* mean
 }
 
 #define DEFINE_WARP(T, S, Q)                                                                                  \
-  extern "C" __global__ void layer_norm_forward_warp##Q##_##S(const T* x, const T* w, const T* b, T* y,          \
-                                                              float* mean, float* rstd, i64 rows, int cols,     \
-                                                              float eps, int vec) {                             \
-    ln_forward_warp<T, Q>(x, w, b, y, mean, rstd, rows, cols, eps, vec);                                         \
+  extern "C" __global__ void layer_norm_forward_warp##Q##_##S(                                                 \
+      const T* x, const T* w, const T* b, T* y, float* mean, float* rstd, i64 rows, int cols, float eps, int vec,  \
+      i64 inner, i64 inner_stride, i64 outer_stride) {                                                         \
+    ln_forward_warp<T, Q>(x, w, b, y, mean, rstd, rows, cols, eps, vec, Rows{inner, inner_stride, outer_stride}); \
   }                                                                                                            \
   extern "C" __global__ void layer_norm_backward_input_warp##Q##_##S(const T* x, const T* w, const float* mean,  \
                                                                      const float* rstd, const T* dy, T* dx,      \
@@ -158,8 +170,9 @@ __device__ void ln_backward_input_warp(const T* x, const T* w, const float* mean
 
 #define DEFINE(T, S)                                                                                          \
   extern "C" __global__ void layer_norm_forward_##S(const T* x, const T* w, const T* b, T* y, float* mean,    \
-                                                    float* rstd, i64 rows, int cols, float eps, int vec) {     \
-    ln_forward<T>(x, w, b, y, mean, rstd, cols, eps);                                                        \
+                                                    float* rstd, i64 rows, int cols, float eps, int vec,       \
+                                                    i64 inner, i64 inner_stride, i64 outer_stride) {           \
+    ln_forward<T>(x, w, b, y, mean, rstd, cols, eps, Rows{inner, inner_stride, outer_stride});              \
   }                                                                                                          \
   extern "C" __global__ void layer_norm_backward_input_##S(const T* x, const T* w, const float* mean,         \
                                                            const float* rstd, const T* dy, T* dx, i64 rows,    \

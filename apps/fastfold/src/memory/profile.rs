@@ -64,6 +64,13 @@ impl Ctx<'_> {
         self.plan.get(self.stage, op)
     }
 
+    /// Whether a LayerNorm reads a transposed input (an MSA's columns, a pair's, each row's
+    /// elements adjacent) where it lies: the fused kernel does (`whole_logits`: the fused
+    /// kernels of a GPU), libtorch's copies it first.
+    pub(super) fn reads_transposed_rows(&self) -> bool {
+        self.whole_logits
+    }
+
     /// Whether the stack of `stage` moves its streams out of the device's memory: it offloads,
     /// on a device apart from the host.
     pub(super) fn moves(&self, stage: Stage) -> bool {
@@ -105,10 +112,11 @@ pub(super) fn residual(t: &mut Trace, len: i64, chunk: Option<i64>, f: impl FnOn
     t.free(u);
 }
 
-/// LayerNorm of `rows` x `c`: a contiguous copy of a strided input, the output, and the mean
-/// and inverse deviation per row for the call.
-pub(super) fn layer_norm(t: &mut Trace, rows: i64, c: i64, e: i64, contiguous: bool) -> Buf {
-    let copy = (!contiguous).then(|| t.alloc(rows * c * e));
+/// LayerNorm of `rows` x `c`: a contiguous copy of an input not read where it lies (`in_place`
+/// false; see [`Ctx::reads_transposed_rows`]), the output, and the mean and inverse deviation per
+/// row for the call.
+pub(super) fn layer_norm(t: &mut Trace, rows: i64, c: i64, e: i64, in_place: bool) -> Buf {
+    let copy = (!in_place).then(|| t.alloc(rows * c * e));
     let out = t.alloc(rows * c * e);
     t.temp(2 * rows * e);
     if let Some(copy) = copy {
@@ -164,7 +172,7 @@ fn attention(t: &mut Trace, x: &Ctx, (b, len, c): (i64, i64, i64), (heads, dim):
 fn pair_bias(t: &mut Trace, x: &Ctx, r: i64, c_z: i64, heads: i64, op: ChunkOp, contiguous: bool) -> Buf {
     let e = x.e;
     chunked(t, r, x.chunk(op), heads * r * e, |t, n| {
-        let normed = layer_norm(t, n * r, c_z, e, contiguous);
+        let normed = layer_norm(t, n * r, c_z, e, contiguous || x.reads_transposed_rows());
         let out = t.alloc(heads * n * r * e);
         t.free(normed);
         out
@@ -201,7 +209,7 @@ fn biased_update(
     let e = x.e;
     let masked = x.masked_rows && op == ChunkOp::MsaRowAttention;
     residual(t, batch, x.chunk(op), |t, n| {
-        let normed = layer_norm(t, n * r, c, e, contiguous);
+        let normed = layer_norm(t, n * r, c, e, contiguous || x.reads_transposed_rows());
         let out = attention(t, x, (n, r, c), (heads, dim), masked);
         t.free(normed);
         out
@@ -209,11 +217,11 @@ fn biased_update(
 }
 
 /// `model/msa.rs`'s `MsaColumnAttention::update`: residues at a time, each chunk's transposed
-/// rows copied by the norm.
+/// rows normalised.
 fn msa_column_attention(t: &mut Trace, x: &Ctx, s: i64, r: i64, c: i64, heads: i64, dim: i64) {
     let e = x.e;
     residual(t, r, x.chunk(ChunkOp::MsaColumnAttention), |t, n| {
-        let normed = layer_norm(t, n * s, c, e, false);
+        let normed = layer_norm(t, n * s, c, e, x.reads_transposed_rows());
         let out = attention(t, x, (n, s, c), (heads, dim), x.masked_rows);
         t.free(normed);
         out
@@ -225,7 +233,7 @@ fn msa_column_attention(t: &mut Trace, x: &Ctx, s: i64, r: i64, c: i64, heads: i
 fn msa_column_global_attention(t: &mut Trace, x: &Ctx, s: i64, r: i64, c: i64, heads: i64, dim: i64) {
     let e = x.e;
     residual(t, r, x.chunk(ChunkOp::MsaColumnAttention), |t, n| {
-        let normed = layer_norm(t, n * s, c, e, false);
+        let normed = layer_norm(t, n * s, c, e, x.reads_transposed_rows());
         let rows = n * s;
         // The masked mean of the queries' inputs: x * mask, summed (small terms left out).
         t.temp(rows * c * e);
@@ -321,7 +329,7 @@ pub(super) fn triangle_multiplication(t: &mut Trace, x: &Ctx, r: i64, c_z: i64, 
         channel_first
     });
     residual(t, r, chunk, |t, n| {
-        let normed = layer_norm(t, n * r, c_z, e, outgoing);
+        let normed = layer_norm(t, n * r, c_z, e, outgoing || x.reads_transposed_rows());
         let left = gated(t, n * r, c, e);
         let prod = t.alloc(n * r * c * e);
         t.temp(4 * r * (n + r));
