@@ -179,6 +179,23 @@ dist_test!(zero_1_and_2_match_one_process_with_adamw_and_lamb, 2, |world| {
     train_and_compare(world, Layout { opt: Opt::Lamb, ..SMALL })
 });
 
+// A parameter used in two checkpointed segments reaches `.grad` once per recomputation: its
+// bucket (alone in it) is reduced when the first part arrives, and the second part, which the
+// reduced gradient would overwrite when backward ends, is refused by name instead of lost.
+dist_test!(a_gradient_after_its_bucket_was_reduced_is_refused, 2, |world| {
+    let w = Param::new("w", &seeded(7, &[4]).set_requires_grad(true));
+    let cfg = DataParallelConfig { bucket_bytes: 1, ..Default::default() };
+    let ddp = DataParallel::new(std::slice::from_ref(&w), &world.group, cfg)?;
+    let times = |w: Tensor| move |ins: &[Tensor]| Ok(vec![&ins[0] * &w]);
+    let x = seeded(8, &[4]).set_requires_grad(true);
+    let once = engine::autograd::checkpoint(&[&x], times(w.tensor.shallow_clone()))?;
+    let twice = engine::autograd::checkpoint(&[&once[0]], times(w.tensor.shallow_clone()))?;
+    engine::autograd::backward(&[&twice[0].sum(Kind::Float)], &[None], false)?;
+    let err = ddp.finish_gradients().unwrap_err().to_string();
+    assert!(err.contains("w received more gradient after its bucket was reduced"), "{err}");
+    Ok(())
+});
+
 dist_test!(zero_shards_optimizer_state_bytes, 2, |world| {
     // Eight equal parameters: each rank owns exactly half of them.
     let params = || {

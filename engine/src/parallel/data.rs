@@ -86,6 +86,8 @@ struct State {
     /// the others drop theirs). None: every rank keeps every gradient (all-reduce).
     owners: Option<Vec<usize>>,
     params: Vec<Tensor>,
+    /// Their names, for errors.
+    names: Vec<String>,
     /// Which bucket each parameter belongs to.
     bucket_of: Vec<usize>,
     /// Whether each parameter's gradient has arrived this step.
@@ -153,6 +155,7 @@ impl DataParallel {
             owners,
             arrived: vec![false; tensors.len()],
             params: tensors.iter().map(|t| t.shallow_clone()).collect(),
+            names: params.iter().map(|p| p.name.clone()).collect(),
             bucket_of,
             buckets,
             next: 0,
@@ -236,7 +239,21 @@ impl DataParallel {
 
 impl State {
     fn mark_ready(&mut self, i: usize) -> Result<()> {
-        if !self.sync || self.arrived[i] {
+        if !self.sync {
+            return Ok(());
+        }
+        if self.arrived[i] {
+            // A parameter accumulated by several backward passes (used in two segments
+            // recomputed by reentrant checkpointing): more of its gradient is fine while its
+            // bucket waits, but once the bucket is reduced, the rest would be overwritten by the
+            // reduced gradient when backward ends, and lost.
+            ensure!(
+                self.bucket_of[i] >= self.next,
+                "data parallel: {} received more gradient after its bucket was reduced: a parameter \
+                 must reach its gradient once per backward (not once per checkpointed segment using \
+                 it)",
+                self.names[i]
+            );
             return Ok(());
         }
         if !self.counted {
