@@ -40,8 +40,15 @@ pub(crate) fn check_bias(op: &str, x: &Tensor, bias: &Tensor) -> Result<i64> {
 }
 
 /// The bias's gradient: `dx` summed over every dimension but the last (in f32), as `kind`.
+/// Where `dx` is of `kind` already, one reduction into it: libtorch's sum of bf16 or f16
+/// accumulates in f32 and rounds once, as the f32 sum and a conversion do, in one launch, not
+/// two.
 pub(crate) fn bias_grad(dx: &Tensor, cols: i64, kind: Kind) -> tch::Result<Tensor> {
-    dx.f_reshape([-1, cols])?.f_sum_dim_intlist(0, false, Kind::Float)?.f_to_kind(kind)
+    let rows = dx.f_reshape([-1, cols])?;
+    match dx.kind() == kind {
+        true => rows.f_sum_dim_intlist(0, false, kind),
+        false => rows.f_sum_dim_intlist(0, false, Kind::Float)?.f_to_kind(kind),
+    }
 }
 
 /// Threads per block of the bias + GELU kernels.

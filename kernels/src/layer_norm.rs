@@ -12,7 +12,7 @@ pub(crate) static KERNEL: Kernel = Kernel::new(
     "layer_norm",
     include_str!("cuda/layer_norm.cu"),
     row_kernel_functions!(
-        plain: ["layer_norm_backward_params"],
+        plain: ["layer_norm_backward_params", "layer_norm_backward_params_total"],
         rows: ["layer_norm_forward", "layer_norm_backward_input"]
     ),
     &[],
@@ -93,8 +93,12 @@ fn fused(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor>
                 .i32(per_part as i32);
             let grid = (ceil_div(cols, 256) as u32, parts as u32, 1);
             KERNEL.launch(&format!("layer_norm_backward_params_{suffix}"), at, grid, 256, &mut a)?;
-            let sum = |p: &Tensor| p.f_sum_dim_intlist(0, false, None::<Kind>)?.f_to_kind(w.kind());
-            (sum(&dw_parts)?, sum(&db_parts)?)
+            let (dw, db) = (w.f_empty_like()?, w.f_empty_like()?);
+            let a = Args::default().tensor(&dw_parts).tensor(&db_parts).tensor(&dw).tensor(&db);
+            let mut a = a.i32(parts as i32).i32(cols as i32);
+            let grid = (ceil_div(cols, 32) as u32, 1, 1);
+            KERNEL.launch(&format!("layer_norm_backward_params_total_{suffix}"), at, grid, 256, &mut a)?;
+            (dw, db)
         } else {
             (w.f_zeros_like()?, w.f_zeros_like()?)
         };

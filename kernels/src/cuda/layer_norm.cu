@@ -83,6 +83,36 @@ __device__ void ln_backward_params(const T* x, const float* mean, const float* r
   db_parts[(i64)blockIdx.y * cols + c] = db;
 }
 
+// The weight's and bias's gradients: ln_backward_params's partial sums [parts, cols] added up per
+// column and written in the parameters' dtype, one launch where a reduction and a conversion
+// per array took four. A block takes 32 columns, its 8 warps' lanes striding down the parts of
+// one column each, then summed in shared memory.
+template <typename T>
+__device__ void ln_backward_params_total(const float* dw_parts, const float* db_parts, T* dw, T* db, int parts,
+                                         int cols) {
+  __shared__ float sw[8][33], sb[8][33];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int c = blockIdx.x * 32 + lane;
+  float w = 0.f, b = 0.f;
+  if (c < cols) {
+    for (int p = warp; p < parts; p += 8) {
+      w += dw_parts[(i64)p * cols + c];
+      b += db_parts[(i64)p * cols + c];
+    }
+  }
+  sw[warp][lane] = w;
+  sb[warp][lane] = b;
+  __syncthreads();
+  if (warp == 0 && c < cols) {
+    for (int k = 1; k < 8; ++k) {
+      w += sw[k][lane];
+      b += sb[k][lane];
+    }
+    dw[c] = from_float<T>(w);
+    db[c] = from_float<T>(b);
+  }
+}
+
 // Rows of up to WARP_COLS: one warp per row with the row in registers (see prelude.cuh), read
 // once; the same arithmetic as above, reduced by shuffles. `vec`: cols a multiple of 4 and every
 // pointer aligned to four elements. The block kernels' entry points take the same arguments
@@ -183,6 +213,10 @@ __device__ void ln_backward_input_warp(const T* x, const T* w, const float* mean
                                                             const T* dy, float* dw_parts, float* db_parts,    \
                                                             int rows, int cols, int rows_per_part) {          \
     ln_backward_params<T>(x, mean, rstd, dy, dw_parts, db_parts, rows, cols, rows_per_part);                 \
+  }                                                                                                          \
+  extern "C" __global__ void layer_norm_backward_params_total_##S(const float* dw_parts, const float* db_parts, \
+                                                                  T* dw, T* db, int parts, int cols) {         \
+    ln_backward_params_total<T>(dw_parts, db_parts, dw, db, parts, cols);                                     \
   }                                                                                                          \
   FOR_EACH_WARP_QUADS(DEFINE_WARP, T, S)
 FOR_EACH_DTYPE(DEFINE)
