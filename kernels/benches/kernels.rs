@@ -134,6 +134,17 @@ fn main() -> anyhow::Result<()> {
     })?;
     drop((x, g, dy));
 
+    // The MSA column attention's norm: the MSA [128, 256, 256] transposed to [256, 128, 256]
+    // (its columns), without autograd: the fused kernel reads the rows where they lie,
+    // libtorch's composition copies the view first.
+    let msa = t(&[s, r, 256], false);
+    let (w256, b256) = (t(&[256], false), t(&[256], false));
+    row("layer norm forward of a transposed MSA", 2.0 * (s * r * 256) as f64 * e, n, &|b| {
+        let _ = kernels::layer_norm(&msa.transpose(0, 1), &w256, &b256, 1e-5, b)?;
+        Ok(())
+    })?;
+    drop(msa);
+
     // ViT-B/16 at batch 64: 64 x 197 tokens of width 768, MLP width 3072.
     let tokens = 64 * 197;
     let (x, w, bias) = (t(&[tokens, 768], true), t(&[768], true), t(&[768], true));
