@@ -9,7 +9,7 @@
 //!
 //! A stack's arrays carry a leading block dimension (`[num_blocks, ...]`, as haiku's
 //! `layer_stack` writes them); block `i`'s modules hold views of row `i`, and gradients of the
-//! blocks land in the stacked arrays' `.grad` (see [`block_leaf`] for how, when they train).
+//! blocks land in the stacked arrays' `.grad` (see `block_leaf` for how, when they train).
 //!
 //! This is the leaf every module file builds on: it imports no model module but the error
 //! type, so the store ([`crate::model::params`]) and the modules can both depend on it.
