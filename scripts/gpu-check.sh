@@ -192,6 +192,19 @@ provide_missing_libraries() {
 
 # Keeps every item's whole output beside the report, and prints the report.
 finish() {
+  # Every trace's GPU time by kernel and launching operator (scripts/trace-by-op.py) into the
+  # logs; the predict pass's and the fine-tuning step's, whose traces stay behind, also into
+  # the report.
+  local trace table
+  for trace in "$traces"/*/*.json; do
+    [ -e "$trace" ] || continue
+    table="$logs/by-op-$(basename "$(dirname "$trace")")-$(basename "$trace" .json).md"
+    timeout 60 "${py:-python3}" "$root/scripts/trace-by-op.py" "$trace" 30 >"$table" 2>&1 || true
+    case "$trace" in
+      "$traces"/predict/* | "$traces"/finetune/*)
+        { echo; echo "## GPU time by kernel and launching operator: $(basename "$trace")"; echo; head -n 27 "$table"; } >>"$report" ;;
+    esac
+  done
   tar -C "$(dirname "$logs")" -czf "$out/logs.tar.gz" logs 2>/dev/null || true
   # The predict pass's and the fine-tuning step's traces run to tens of MB: their tables are in
   # the report, the files stay behind.
