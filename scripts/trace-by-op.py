@@ -16,20 +16,30 @@ import json
 import sys
 
 
-def launching_ops(events):
-    """Per thread, the operators sorted by start, for the stack open at a given time."""
+def launch_stacks(events):
+    """Each runtime launch's correlation id -> the names of the operators open on its thread
+    when it was made, outermost first: one sweep per thread in time order, a stack of the open
+    operators popped as they end (not a search of every operator per kernel: a predict pass
+    has tens of thousands of each)."""
     by_thread = collections.defaultdict(list)
     for e in events:
         if e.get("cat") == "cpu_op":
-            by_thread[e["tid"]].append(e)
-    for ops in by_thread.values():
-        ops.sort(key=lambda e: (e["ts"], -e["dur"]))
-    return by_thread
-
-
-def open_at(ops, ts, end):
-    """The operators of one thread enclosing [ts, end], outermost first."""
-    return [o for o in ops if o["ts"] <= ts and o["ts"] + o["dur"] >= end]
+            by_thread[e["tid"]].append((e["ts"], 0, -e["dur"], e))
+        elif e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
+            by_thread[e["tid"]].append((e["ts"], 1, 0, e))
+    stacks = {}
+    for timeline in by_thread.values():
+        # Operators before launches at the same instant, outer (longer) before inner.
+        timeline.sort(key=lambda item: item[:3])
+        open_ops = []
+        for ts, is_launch, _, e in timeline:
+            while open_ops and open_ops[-1]["ts"] + open_ops[-1]["dur"] < ts + e["dur"]:
+                open_ops.pop()
+            if is_launch:
+                stacks[e["args"]["correlation"]] = [o["name"] for o in open_ops]
+            else:
+                open_ops.append(e)
+    return stacks
 
 
 def main():
@@ -42,21 +52,15 @@ def main():
     if not device:
         print(f"{path}: no GPU events")
         return
-    launches = {
-        e["args"]["correlation"]: e
-        for e in events
-        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
-    }
-    ops = launching_ops(events)
+    stacks = launch_stacks(events)
     sums = collections.defaultdict(lambda: [0, 0.0])
     for k in device:
-        launch = launches.get(k.get("args", {}).get("correlation"))
-        if launch is None:
+        stack = stacks.get(k.get("args", {}).get("correlation"))
+        if stack is None:
             where = "?"
         else:
-            stack = open_at(ops[launch["tid"]], launch["ts"], launch["ts"] + launch["dur"])
             # Our fused operations' backward nodes (engine::autograd::apply) by a short name.
-            names = [o["name"].replace("torch::autograd::CppNode<(anonymous namespace)::RustFunction>", "fused backward") for o in stack]
+            names = [n.replace("torch::autograd::CppNode<(anonymous namespace)::RustFunction>", "fused backward") for n in stack]
             node = [n.split(": ", 1)[1] for n in names if n.startswith("autograd::engine::evaluate_function")]
             inner = [n for n in names if not n.startswith("autograd::engine")][-3:]
             chain = [n for i, n in enumerate(node[-1:] + inner) if i == 0 or n != (node[-1:] + inner)[i - 1]]
