@@ -5,6 +5,7 @@ use tch::{Kind, Tensor};
 use crate::checks::{dtype, launch_rows, quads, row_kernel_functions, rows_cols, target, with_grad};
 use crate::error::ensure;
 use crate::kernel::{Args, Kernel};
+use crate::launch::Target;
 use crate::{Backend, Result};
 
 pub(crate) static KERNEL: Kernel = Kernel::new(
@@ -27,6 +28,57 @@ pub fn attention_softmax(
     bias: Option<&Tensor>,
     backend: Backend,
 ) -> Result<Tensor> {
+    check_shapes(x, mask, bias)?;
+    match backend {
+        Backend::Torch => composition(x, scale, mask, bias),
+        Backend::Fused => fused(x, scale, mask, bias),
+    }
+}
+
+/// [`attention_softmax`] written over the logits `x` (contiguous, outside autograd): inference
+/// then never holds the logits and the weights together, at the Evoformer's sizes the two
+/// largest buffers of an attention. Each row is read whole before its weights are written (in
+/// the fused kernels by the threads that read it), so the result is `attention_softmax`'s.
+pub fn attention_softmax_in_place(
+    x: &Tensor,
+    scale: f64,
+    mask: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    backend: Backend,
+) -> Result<()> {
+    check_shapes(x, mask, bias)?;
+    ensure!(x.is_contiguous(), "{OP}: in place needs contiguous logits, got strides {:?}", x.stride());
+    ensure!(
+        !x.requires_grad() && !bias.is_some_and(|t| t.requires_grad()),
+        "{OP}: in place is for inference; its logits or bias require gradients"
+    );
+    match backend {
+        Backend::Torch => {
+            // The composition's steps, each in place; libtorch's softmax kernels read a row
+            // before writing it, so its output may be its input.
+            let mut z = x.shallow_clone();
+            if scale != 1.0 {
+                z = z.f_mul_scalar_(scale)?;
+            }
+            if let Some(m) = mask {
+                let (b, k) = m.size2()?;
+                z = z.f_add_(&m.f_to_kind(x.kind())?.f_sub_scalar(1.0)?.f_mul_scalar(1e9)?.f_reshape([b, 1, 1, k])?)?;
+            }
+            if let Some(bias) = bias {
+                z = z.f_add_(bias)?;
+            }
+            let _ = z.f_internal_softmax_out(x, -1, false)?;
+            Ok(())
+        }
+        Backend::Fused => {
+            let (mask, bias) = fused_operands(x, mask, bias)?;
+            launch_forward(x, scale, mask.as_ref(), bias.as_ref(), x)?;
+            Ok(())
+        }
+    }
+}
+
+fn check_shapes(x: &Tensor, mask: Option<&Tensor>, bias: Option<&Tensor>) -> Result<()> {
     let [b, h, q, k] = x.size()[..] else {
         return Err(crate::Error::invalid(format!(
             "{OP}: x is {:?}, expected [batch, heads, queries, keys]",
@@ -43,10 +95,7 @@ pub fn attention_softmax(
             "{OP}: bias is {s:?}, expected [heads, queries, keys] = [{h}, {q}, {k}] or [batch, heads, queries, keys]"
         );
     }
-    match backend {
-        Backend::Torch => composition(x, scale, mask, bias),
-        Backend::Fused => fused(x, scale, mask, bias),
-    }
+    Ok(())
 }
 
 /// The libtorch composition.
@@ -62,28 +111,52 @@ fn composition(x: &Tensor, scale: f64, mask: Option<&Tensor>, bias: Option<&Tens
     Ok(z.f_softmax(-1, None::<Kind>)?)
 }
 
-fn fused(x: &Tensor, scale: f64, mask: Option<&Tensor>, bias: Option<&Tensor>) -> Result<Tensor> {
-    let x = x.f_contiguous()?;
+/// The mask in the logits' kind and the bias, contiguous, as the kernels read them.
+fn fused_operands(
+    x: &Tensor,
+    mask: Option<&Tensor>,
+    bias: Option<&Tensor>,
+) -> Result<(Option<Tensor>, Option<Tensor>)> {
     let mask = mask.map(|m| m.f_to_kind(x.kind())?.f_contiguous()).transpose()?;
-    let bias_c = bias.map(|t| t.f_contiguous()).transpose()?;
-    let mut args = vec![("x", &x)];
-    args.extend(mask.as_ref().map(|m| ("mask", m)));
-    args.extend(bias_c.as_ref().map(|t| ("bias", t)));
+    let bias = bias.map(|t| t.f_contiguous()).transpose()?;
+    Ok((mask, bias))
+}
+
+/// The forward kernel from contiguous `x` into `y` (which may be `x`); where it ran and the
+/// kernels' dtype suffix, for the backward.
+fn launch_forward(
+    x: &Tensor,
+    scale: f64,
+    mask: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    y: &Tensor,
+) -> Result<(Target, &'static str)> {
+    let mut args = vec![("x", x)];
+    args.extend(mask.map(|m| ("mask", m)));
+    args.extend(bias.map(|t| ("bias", t)));
     let at = target(OP, Some(x.kind()), &args)?;
-    let suffix = dtype(OP, "x", &x)?;
+    let suffix = dtype(OP, "x", x)?;
     let size = x.size();
-    let (rows, cols) = rows_cols(OP, &x)?;
+    let (rows, cols) = rows_cols(OP, x)?;
     let per_batch = size[1] * size[2];
-    let bias_rows = bias_c.as_ref().map_or(0, |t| t.numel() as i64 / cols.max(1));
-    let y = x.f_empty_like()?;
+    let bias_rows = bias.map_or(0, |t| t.numel() as i64 / cols.max(1));
     if rows > 0 && cols > 0 {
         let none = Tensor::new();
-        let vec = quads(cols, &[&x, mask.as_ref().unwrap_or(&none), bias_c.as_ref().unwrap_or(&none), &y]);
-        let a = Args::default().tensor(&x).opt(mask.as_ref()).opt(bias_c.as_ref()).tensor(&y);
+        let vec = quads(cols, &[x, mask.unwrap_or(&none), bias.unwrap_or(&none), y]);
+        let a = Args::default().tensor(x).opt(mask).opt(bias).tensor(y);
         let a = a.i64(rows).i32(cols as i32).i64(per_batch).i64(bias_rows);
         let mut a = a.f32(scale as f32).i32(vec.into());
         launch_rows(&KERNEL, "attention_softmax_forward", suffix, at, (rows, cols), &mut a)?;
     }
+    Ok((at, suffix))
+}
+
+fn fused(x: &Tensor, scale: f64, mask: Option<&Tensor>, bias: Option<&Tensor>) -> Result<Tensor> {
+    let x = x.f_contiguous()?;
+    let (mask, bias_c) = fused_operands(&x, mask, bias)?;
+    let y = x.f_empty_like()?;
+    let (at, suffix) = launch_forward(&x, scale, mask.as_ref(), bias_c.as_ref(), &y)?;
+    let (rows, cols) = rows_cols(OP, &x)?;
     // The gradient flows to x and the bias (the mask is a constant).
     let mut inputs = vec![&x];
     inputs.extend(bias);

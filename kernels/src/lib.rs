@@ -4,7 +4,8 @@
 //! beside it ([`Backend::Torch`]): the path on the CPU, and the reference the kernels are tested
 //! against.
 //!
-//! - [`attention_softmax`]: Evoformer attention's scale + mask + pair bias + softmax;
+//! - [`attention_softmax`]: Evoformer attention's scale + mask + pair bias + softmax (and
+//!   [`attention_softmax_in_place`], over its logits, for inference);
 //! - [`memory_efficient_attention`]: the whole attention with mask and pair bias, without
 //!   materialising the weights;
 //! - [`layer_norm`] (and the [`LayerNorm`] layer);
@@ -28,7 +29,7 @@ mod memory_efficient;
 mod nvrtc;
 mod optim;
 
-pub use attention::attention_softmax;
+pub use attention::{attention_softmax, attention_softmax_in_place};
 pub use cache::CACHE_ENV;
 pub use elementwise::{bias_dropout_residual, bias_gelu, dropout_mask};
 pub use error::{Error, Result};

@@ -191,6 +191,42 @@ fn attention_softmax_matches() {
     check("attention_softmax strided", &softmax(0.3, false, false), &[x], &[2, 3, 9, 11]);
 }
 
+/// Over the logits, each backend gives what it gives out of place, bit for bit: the same
+/// arithmetic, row by row, warp and block kernels, shared and per-row biases, every dtype.
+#[test]
+fn attention_softmax_in_place_equals_it_out_of_place() {
+    let _rng = rng();
+    let dev = device("attention_softmax_in_place_equals_it_out_of_place");
+    tch::manual_seed(1);
+    for (b, h, q, k) in [(3, 5, 37, 97), (2, 3, 4, 1), (1, 2, 3, 300), (2, 3, 5, 64), (1, 1, 2, 1028), (1, 2, 3, 1500)]
+    {
+        let mask = Tensor::rand([b, k], (Kind::Float, dev)).gt(0.3).to_kind(Kind::Float);
+        let _ = mask.narrow(1, 0, 1).fill_(1.0);
+        for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
+            let x = (randn(&[b, h, q, k], dev, false) * 3.0).to_kind(kind);
+            let biases = [randn(&[h, q, k], dev, false).to_kind(kind), randn(&[b, h, q, k], dev, false).to_kind(kind)];
+            for backend in [Backend::Fused, Backend::Torch] {
+                for (scale, mask, bias) in
+                    [(0.125, Some(&mask), Some(&biases[0])), (1.0, Some(&mask), Some(&biases[1])), (0.5, None, None)]
+                {
+                    let want = kernels::attention_softmax(&x, scale, mask, bias, backend).unwrap();
+                    let logits = x.copy();
+                    kernels::attention_softmax_in_place(&logits, scale, mask, bias, backend).unwrap();
+                    let what = format!("{b}x{h}x{q}x{k} {kind:?} {backend:?} scale {scale}");
+                    assert!(logits.equal(&want), "{what}: in place differs by {}", max_abs(&(&logits - &want)));
+                }
+            }
+        }
+    }
+    // Refused: a strided view (it would write where the rows do not lie) and logits in autograd.
+    let x = randn(&[2, 3, 11, 9], dev, false).transpose(2, 3);
+    let err = kernels::attention_softmax_in_place(&x, 1.0, None, None, Backend::Fused).unwrap_err().to_string();
+    assert!(err.contains("in place needs contiguous logits"), "{err}");
+    let x = randn(&[2, 3, 11, 9], dev, true);
+    let err = kernels::attention_softmax_in_place(&x, 1.0, None, None, Backend::Torch).unwrap_err().to_string();
+    assert!(err.contains("in place is for inference"), "{err}");
+}
+
 #[test]
 fn layer_norm_matches() {
     let _rng = rng();

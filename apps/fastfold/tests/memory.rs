@@ -124,6 +124,32 @@ fn pass_peak_matches_the_cpu_allocator_and_plans_fit_their_budget() {
     assert!(err.contains("at the least"), "{err}");
 }
 
+/// The path a GPU runs (the fused kernels: whole logits, softmaxed in place; LayerNorms reading
+/// transposed rows where they lie), on the CPU's emulator of those kernels: its peak equals the
+/// profile's for it (`whole_logits`) within 5%, the peak in an attention's logits.
+#[test]
+fn the_fused_kernels_pass_peak_matches_its_profile() {
+    let _alone = ALONE.lock();
+    engine::host_memory::track().unwrap();
+    kernels::emulator::enable();
+    tch::set_num_threads(1);
+    let (cfg, model_cfg) = widths();
+    let params = Params::random_model(&cfg, &model_cfg, 0).unwrap().with_kernels(kernels::Backend::Fused);
+    let model = AlphaFold::new(&params).unwrap();
+    let (n, s, e) = (32, 4, 256);
+    let sizes = Sizes { whole_logits: true, ..cpu_sizes(n, s, e, 0) };
+    let plan = ChunkPlan::uniform(None);
+    let predicted = memory::pass_peak(&cfg, &model_cfg, sizes, &plan);
+    let (measured, _) = measure(&model, &cfg, &batch(n, s, e, Kind::Float), &Exec::planned(Dap::none(), plan));
+    kernels::emulator::disable();
+    suite_tests::assert_bytes_close(
+        &format!("fused pass {n} residues x {s} rows + {e} extra, peak in {}", predicted.at),
+        measured,
+        predicted.bytes as f64,
+        0.05,
+    );
+}
+
 /// `b` with `count` real templates (random atoms, every one present).
 fn with_templates(mut b: Batch, count: i64) -> Batch {
     let n = b.residues();

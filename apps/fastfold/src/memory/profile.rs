@@ -130,8 +130,9 @@ pub(super) fn layer_norm(t: &mut Trace, rows: i64, c: i64, e: i64, in_place: boo
 /// output. The averaged values by libtorch's scaled-dot-product kernel (`whole_logits` false:
 /// with a masked key, the key mask's bias added to the pair's [b, heads, len, len]; the
 /// kernel's output and the logits' log-sum-exp; its blocks' scratch is small) or from whole
-/// logits (the fused softmax: the queries and keys, the logits, the weights, then the values;
-/// every operand made in its product's layout, so no copies; the gate applied in place).
+/// logits (the fused softmax: the queries and keys, the logits, softmaxed in place into the
+/// weights, then the values; every operand made in its product's layout, so no copies; the
+/// gate applied in place).
 fn attention(t: &mut Trace, x: &Ctx, (b, len, c): (i64, i64, i64), (heads, dim): (i64, i64), masked: bool) -> Buf {
     let e = x.e;
     let hd = b * len * heads * dim * e;
@@ -149,10 +150,8 @@ fn attention(t: &mut Trace, x: &Ctx, (b, len, c): (i64, i64, i64), (heads, dim):
         }
         true => {
             let [q, k] = [t.alloc(hd), t.alloc(hd)];
-            let logits = t.alloc(b * heads * len * len * e);
-            t.free_all([q, k]);
             let weights = t.alloc(b * heads * len * len * e);
-            t.free(logits);
+            t.free_all([q, k]);
             let v = t.alloc(hd);
             let avg = t.alloc(hd);
             t.free_all([v, weights]);

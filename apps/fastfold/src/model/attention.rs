@@ -92,7 +92,7 @@ impl Attention {
 
     /// [`Attention::forward`] on one chunk from the whole logits, softmaxed by the backend's
     /// `attention_softmax` (the fused CUDA kernel, or libtorch's composition); `lean`: no
-    /// autograd, so the scaling, gate and biases are applied in place.
+    /// autograd, so the scaling, softmax, gate and biases are applied in place.
     ///
     /// Every operand is laid out for its batched product as it is made, so that no product
     /// copies one (the einsums this replaces copied the queries, keys, values and gated values
@@ -115,8 +115,18 @@ impl Attention {
         let logits = qt.f_view(per_head)?.f_transpose(1, 2)?.f_bmm(&kt.f_view(per_head)?)?;
         drop((qt, kt));
         let logits = logits.f_view([b, heads, len, len])?;
-        let weights = kernels::attention_softmax(&logits, 1.0, Some(mask), pair_bias, self.kernels)?;
-        drop(logits);
+        // Without autograd the weights overwrite the logits: the two never live together.
+        let weights = match lean {
+            true => {
+                kernels::attention_softmax_in_place(&logits, 1.0, Some(mask), pair_bias, self.kernels)?;
+                logits
+            }
+            false => {
+                let weights = kernels::attention_softmax(&logits, 1.0, Some(mask), pair_bias, self.kernels)?;
+                drop(logits);
+                weights
+            }
+        };
         // The values once the logits are gone: the two never live together.
         let vt = project_transposed(x, &self.value_w)?;
         let weights_t = weights.f_view([b * heads, len, len])?.f_transpose(1, 2)?;
