@@ -112,9 +112,10 @@ impl Attention {
         let mut qt = project_transposed(x, &self.query_w)?;
         qt = if lean { qt.f_mul_scalar_(scale)? } else { qt.f_mul_scalar(scale)? };
         let kt = project_transposed(x, &self.key_w)?;
-        let logits = qt.f_view(per_head)?.f_transpose(1, 2)?.f_bmm(&kt.f_view(per_head)?)?;
+        // One binding: a shadowed one would keep the logits' storage alive to the end.
+        let logits =
+            qt.f_view(per_head)?.f_transpose(1, 2)?.f_bmm(&kt.f_view(per_head)?)?.f_view([b, heads, len, len])?;
         drop((qt, kt));
-        let logits = logits.f_view([b, heads, len, len])?;
         // Without autograd the weights overwrite the logits: the two never live together.
         let weights = match lean {
             true => {
