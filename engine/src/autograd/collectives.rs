@@ -111,16 +111,36 @@ impl Collective {
                 let size = x.size()[dim as usize];
                 ensure!(size % n == 0, "split: dim {dim} of size {size} does not divide by the group size {n}");
                 let block = size / n;
-                Ok(Pending::ready(x.f_narrow(dim, g.rank() as i64 * block, block)?.f_contiguous()?))
+                // A copy even where the block is already contiguous (dim 0): a view would keep
+                // the whole tensor's memory alive for as long as the block lives (DAP's stacks
+                // would hold every rank's whole pair and MSA through their first block).
+                Ok(Pending::ready(fresh_copy(&x.f_narrow(dim, g.rank() as i64 * block, block)?)?))
             }
             Collective::AllToAll { scatter_dim, gather_dim } => {
                 let s = normalize(scatter_dim, x)?;
                 let gd = normalize(gather_dim, x)?;
                 let size = x.size()[s as usize];
                 ensure!(size % n == 0, "all_to_all: dim {s} of size {size} does not divide by the group size {n}");
-                let blocks = x.f_chunk(n, s)?;
-                let (buf, work) = g.all_to_all_async(&Tensor::f_stack(&blocks, 0)?)?;
-                Ok(Pending { work: Some(work), finish: Box::new(move || Ok(Tensor::f_cat(&buf.f_unbind(0)?, gd)?)) })
+                // The group sends dim 0's blocks in rank order: blocks along dim 0 of a
+                // contiguous tensor go as they lie, others stacked into that order first. The
+                // received blocks joined along dim 0 are the buffer itself. So DAP's switches
+                // between row- and col-split copy once each way, not twice.
+                let (block, rest) = (size / n, x.size()[1..].to_vec());
+                let direct = s == 0 && x.is_contiguous();
+                let input = if direct { x.shallow_clone() } else { Tensor::f_stack(&x.f_chunk(n, s)?, 0)? };
+                let (buf, work) = g.all_to_all_async(&input)?;
+                let finish = move || -> Result<Tensor> {
+                    // [n, block shape]: the block from each rank.
+                    let blocks = match direct {
+                        true => buf.f_view([[n, block].as_slice(), &rest].concat().as_slice())?,
+                        false => buf,
+                    };
+                    Ok(match gd {
+                        0 => blocks.f_flatten(0, 1)?,
+                        _ => Tensor::f_cat(&blocks.f_unbind(0)?, gd)?,
+                    })
+                };
+                Ok(Pending { work: Some(work), finish: Box::new(finish) })
             }
         }
     }
