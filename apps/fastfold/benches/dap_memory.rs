@@ -20,7 +20,7 @@ use fastfold::memory::{self, Sizes};
 use fastfold::model::alphafold::{AlphaFold, Batch};
 use fastfold::model::exec::ChunkPlan;
 use fastfold::model::{EvoformerConfig, Exec, ModelConfig, Params, Recycled};
-use tch::{Device, Kind, Tensor};
+use tch::{Kind, Tensor};
 
 #[derive(Parser, Debug)]
 #[command(about = "Per-rank peak memory of an inference pass under DAP, by rank count")]
@@ -60,7 +60,7 @@ fn main() -> anyhow::Result<()> {
     let model_cfg = ModelConfig { templates: None, ..ModelConfig::default() };
     let model = AlphaFold::new(&Params::random_model(&cfg, &model_cfg, 0)?)?;
     let (n, s, e) = (args.residues, args.msa_rows, args.extra_rows);
-    let batch = batch(n, s, e);
+    let batch = Batch::random(n, s, e, Kind::Float);
     let exec = Exec::new(Dap::new(world.group.clone()), args.chunk_size);
     let before = engine::host_memory::stats()?.current;
     let prev = Recycled::zeros(n, &cfg, &batch.seq_mask)?;
@@ -131,24 +131,4 @@ fn compare(args: &Args) -> anyhow::Result<()> {
         println!("| {ranks} | {:.1} | {:.2} | {:.1} ({at}) |", mib(peak), peak / base, mib(profiled));
     }
     Ok(())
-}
-
-/// A batch of `n` residues, `s` MSA and `e` extra rows, every row real, on the CPU.
-fn batch(n: i64, s: i64, e: i64) -> Batch {
-    tch::manual_seed(3);
-    let f = (Kind::Float, Device::Cpu);
-    let aatype = Tensor::randint(20, [n], (Kind::Int64, Device::Cpu));
-    Batch {
-        target_feat: aatype.one_hot(22).to_kind(Kind::Float),
-        aatype,
-        residue_index: Tensor::arange(n, (Kind::Int64, Device::Cpu)),
-        seq_mask: Tensor::ones([n], f),
-        msa_feat: Tensor::rand([s, n, 49], f),
-        msa_mask: Tensor::ones([s, n], f),
-        extra_msa: Tensor::randint(23, [e, n], (Kind::Int64, Device::Cpu)),
-        extra_has_deletion: Tensor::zeros([e, n], f),
-        extra_deletion_value: Tensor::rand([e, n], f),
-        extra_msa_mask: Tensor::ones([e, n], f),
-        templates: None,
-    }
 }

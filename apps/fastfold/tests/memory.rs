@@ -29,26 +29,6 @@ fn widths() -> (EvoformerConfig, ModelConfig) {
     (cfg, model)
 }
 
-/// A batch of `n` residues, `s` MSA rows and `e` extra rows, every row real.
-fn batch(n: i64, s: i64, e: i64, kind: Kind) -> Batch {
-    tch::manual_seed(3);
-    let f = (kind, Device::Cpu);
-    let aatype = Tensor::randint(20, [n], (Kind::Int64, Device::Cpu));
-    Batch {
-        target_feat: aatype.one_hot(22).to_kind(kind),
-        aatype,
-        residue_index: Tensor::arange(n, (Kind::Int64, Device::Cpu)),
-        seq_mask: Tensor::ones([n], f),
-        msa_feat: Tensor::rand([s, n, 49], f),
-        msa_mask: Tensor::ones([s, n], f),
-        extra_msa: Tensor::randint(23, [e, n], (Kind::Int64, Device::Cpu)),
-        extra_has_deletion: Tensor::zeros([e, n], f),
-        extra_deletion_value: Tensor::rand([e, n], f),
-        extra_msa_mask: Tensor::ones([e, n], f),
-        templates: None,
-    }
-}
-
 /// The sizes of a pass of `n` residues, `s` MSA and `e` extra rows and `templates` templates
 /// in fp32 on the CPU.
 fn cpu_sizes(n: i64, s: i64, e: i64, templates: i64) -> Sizes {
@@ -96,7 +76,7 @@ fn pass_peak_matches_the_cpu_allocator_and_plans_fit_their_budget() {
         // reads them: the peak in its first chunk.
         (256, 2, 4, least().with(Stage::Outer, ChunkOp::StructureAttention, Some(128))),
     ] {
-        let b = batch(n, s, e, Kind::Float);
+        let b = Batch::random(n, s, e, Kind::Float);
         let sizes = cpu_sizes(n, s, e, 0);
         let predicted = memory::pass_peak(&cfg, &model_cfg, sizes, &plan);
         let (measured, _) = measure(&model, &cfg, &b, &Exec::planned(Dap::none(), plan.clone()));
@@ -116,7 +96,7 @@ fn pass_peak_matches_the_cpu_allocator_and_plans_fit_their_budget() {
     assert!(plan.describe() != "none", "a budget below the unchunked peak chunks something");
     assert!(plan.peak() <= budget, "planned {} over the budget {budget}", plan.peak());
     let (measured, _) =
-        measure(&model, &cfg, &batch(n, s, e, Kind::Float), &Exec::planned(Dap::none(), plan.chunks.clone()));
+        measure(&model, &cfg, &Batch::random(n, s, e, Kind::Float), &Exec::planned(Dap::none(), plan.chunks.clone()));
     assert!(measured <= budget as f64, "measured {measured} bytes over the budget {budget} ({})", plan.describe());
     suite_tests::assert_bytes_close(&format!("planned pass ({})", plan.describe()), measured, plan.peak() as f64, 0.05);
     // A budget no plan meets is an error that says what the leanest plan needs.
@@ -140,7 +120,7 @@ fn the_fused_kernels_pass_peak_matches_its_profile() {
     let sizes = Sizes { whole_logits: true, ..cpu_sizes(n, s, e, 0) };
     let plan = ChunkPlan::uniform(None);
     let predicted = memory::pass_peak(&cfg, &model_cfg, sizes, &plan);
-    let (measured, _) = measure(&model, &cfg, &batch(n, s, e, Kind::Float), &Exec::planned(Dap::none(), plan));
+    let (measured, _) = measure(&model, &cfg, &Batch::random(n, s, e, Kind::Float), &Exec::planned(Dap::none(), plan));
     kernels::emulator::disable();
     suite_tests::assert_bytes_close(
         &format!("fused pass {n} residues x {s} rows + {e} extra, peak in {}", predicted.at),
@@ -191,7 +171,7 @@ fn pass_peak_with_templates_matches_the_cpu_allocator_and_plans_fit_their_budget
         (160, 4, 8, 4, some(8).with(Stage::Outer, ChunkOp::TemplatePointwise, None)),
         (160, 4, 8, 4, some(8)),
     ] {
-        let b = with_templates(batch(n, s, e, Kind::Float), count);
+        let b = with_templates(Batch::random(n, s, e, Kind::Float), count);
         let sizes = cpu_sizes(n, s, e, count);
         let predicted = memory::pass_peak(&cfg, &model_cfg, sizes, &plan);
         let (measured, _) = measure(&model, &cfg, &b, &Exec::planned(Dap::none(), plan.clone()));
@@ -211,7 +191,7 @@ fn pass_peak_with_templates_matches_the_cpu_allocator_and_plans_fit_their_budget
     let plan = memory::plan(&cfg, &model_cfg, sizes, 0, budget).unwrap();
     assert!(plan.describe().contains("Template"), "the templates are planned: {}", plan.describe());
     assert!(plan.peak() <= budget, "planned {} over the budget {budget}", plan.peak());
-    let b = with_templates(batch(n, s, e, Kind::Float), count);
+    let b = with_templates(Batch::random(n, s, e, Kind::Float), count);
     let (measured, _) = measure(&model, &cfg, &b, &Exec::planned(Dap::none(), plan.chunks.clone()));
     assert!(measured <= budget as f64, "measured {measured} bytes over the budget {budget} ({})", plan.describe());
     let what = format!("planned pass with templates ({})", plan.describe());
@@ -226,7 +206,7 @@ fn in_place_chunked_pass_equals_the_plain_pass() {
     let model_cfg = ModelConfig { templates: Some(TemplateConfig::tiny()), ..ModelConfig::tiny() };
     let params = Params::random_model(&cfg, &model_cfg, 5).unwrap();
     let (n, s, e) = (23, 5, 7);
-    let b = with_templates(batch(n, s, e, Kind::Float), 2);
+    let b = with_templates(Batch::random(n, s, e, Kind::Float), 2);
     // Plain: parameters that record gradients, so that nothing is updated in place.
     let recording = params.to_device(Device::Cpu, true).unwrap();
     let plain_model = AlphaFold::new(&recording).unwrap();

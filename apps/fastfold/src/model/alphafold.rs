@@ -61,6 +61,29 @@ pub struct Batch {
 }
 
 impl Batch {
+    /// A batch of `n` residues, `s` MSA and `e` extra rows of random features, every row real,
+    /// on the CPU in `kind` (seeded: the same every call): the inputs of the measurements of a
+    /// pass's memory (`tests/memory.rs`, `benches/dap_memory.rs`), whose peaks depend on the
+    /// sizes alone.
+    pub fn random(n: i64, s: i64, e: i64, kind: Kind) -> Batch {
+        tch::manual_seed(3);
+        let f = (kind, Device::Cpu);
+        let aatype = Tensor::randint(20, [n], (Kind::Int64, Device::Cpu));
+        Batch {
+            target_feat: aatype.one_hot(22).to_kind(kind),
+            aatype,
+            residue_index: Tensor::arange(n, (Kind::Int64, Device::Cpu)),
+            seq_mask: Tensor::ones([n], f),
+            msa_feat: Tensor::rand([s, n, 49], f),
+            msa_mask: Tensor::ones([s, n], f),
+            extra_msa: Tensor::randint(23, [e, n], (Kind::Int64, Device::Cpu)),
+            extra_has_deletion: Tensor::zeros([e, n], f),
+            extra_deletion_value: Tensor::rand([e, n], f),
+            extra_msa_mask: Tensor::ones([e, n], f),
+            templates: None,
+        }
+    }
+
     /// Slice `iteration` of `features`, float features converted to `kind`.
     pub fn new(features: &Features, iteration: i64, kind: Kind) -> Result<Batch> {
         let f = features.iteration(iteration).map_err(|e| crate::model::Error::Invalid(format!("features: {e}")))?;
