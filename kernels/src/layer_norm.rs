@@ -38,13 +38,12 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64, backend:
 }
 
 fn fused(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
-    // Without autograd, rows are read where they lie (a transposed MSA or pair, normalised
-    // for its column or ending-node attention, without a copy of it first); the backward
-    // kernels take contiguous x.
-    let records = [x, weight, bias].iter().any(|t| t.requires_grad());
+    // Rows are read where they lie (a transposed MSA or pair, normalised for its column or
+    // ending-node attention, without a copy of it first), forward and backward: the view is
+    // what the backward keeps, not a copy of it.
     let (x, layout) = match row_layout(x) {
-        Some(layout) if !records => (x.shallow_clone(), Some(layout)),
-        _ => (x.f_contiguous()?, None),
+        Some(layout) => (x.shallow_clone(), Some(layout)),
+        None => (x.f_contiguous()?, None),
     };
     let (w, b) = (weight.f_contiguous()?, bias.f_contiguous()?);
     let at = target_rows(OP, Some(x.kind()), &[("x", &x), ("weight", &w), ("bias", &b)], Some("x"))?;
@@ -54,9 +53,11 @@ fn fused(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor>
     let stats = (Kind::Float, x.device());
     let mean = Tensor::f_empty([rows], stats)?;
     let rstd = Tensor::f_empty([rows], stats)?;
+    let (inner, inner_stride, outer_stride) = layout.unwrap_or((rows, cols, rows * cols));
+    // Vector accesses need every row's start aligned as the base pointer is.
+    let rows_aligned = inner_stride % 4 == 0 && outer_stride % 4 == 0;
     if rows > 0 && cols > 0 {
-        let (inner, inner_stride, outer_stride) = layout.unwrap_or((rows, cols, rows * cols));
-        let vec = quads(cols, &[&x, &w, &b, &y]) && inner_stride % 4 == 0 && outer_stride % 4 == 0;
+        let vec = quads(cols, &[&x, &w, &b, &y]) && rows_aligned;
         let a = Args::default().tensor(&x).tensor(&w).tensor(&b).tensor(&y).tensor(&mean).tensor(&rstd);
         let a = a.i64(rows).i32(cols as i32).f32(eps as f32).i32(vec.into());
         let mut a = a.i64(inner).i64(inner_stride).i64(outer_stride);
@@ -66,11 +67,13 @@ fn fused(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor>
     let outputs = with_grad(OP, &[&x, weight, bias], vec![y], saved, move |grads, saved| {
         let [x, w, mean, rstd] = saved else { unreachable!("four tensors saved") };
         let dy = grads[0].f_contiguous()?;
-        let dx = x.f_empty_like()?;
+        // Contiguous whatever x's layout (autograd takes a view's gradient in any strides).
+        let dx = Tensor::f_empty(x.size(), (x.kind(), x.device()))?;
         let (dw, db) = if rows > 0 && cols > 0 {
-            let vec = quads(cols, &[x, w, &dy, &dx]);
+            let vec = quads(cols, &[x, w, &dy, &dx]) && rows_aligned;
             let a = Args::default().tensor(x).tensor(w).tensor(mean).tensor(rstd).tensor(&dy).tensor(&dx);
-            let mut a = a.i64(rows).i32(cols as i32).i32(vec.into());
+            let a = a.i64(rows).i32(cols as i32).i32(vec.into());
+            let mut a = a.i64(inner).i64(inner_stride).i64(outer_stride);
             launch_rows(&KERNEL, "layer_norm_backward_input", suffix, at, (rows, cols), &mut a)?;
             // Partial column sums over blocks of rows, added up here.
             let per_part = ceil_div(rows, 256).max(1);
@@ -86,7 +89,10 @@ fn fused(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor>
                 .tensor(&db_parts)
                 .i32(rows as i32)
                 .i32(cols as i32)
-                .i32(per_part as i32);
+                .i32(per_part as i32)
+                .i64(inner)
+                .i64(inner_stride)
+                .i64(outer_stride);
             let grid = (ceil_div(cols, 256) as u32, parts as u32, 1);
             KERNEL.launch(&format!("layer_norm_backward_params_{suffix}"), at, grid, 256, &mut a)?;
             let (dw, db) = (w.f_empty_like()?, w.f_empty_like()?);

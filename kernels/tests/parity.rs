@@ -266,6 +266,19 @@ fn layer_norm_matches() {
         ("three levels", 32, |t| t.view([3, 2, 7, -1]).permute([2, 1, 0, 3])),
     ];
     for (what, c, view) in views {
+        // With autograd too: the backward reads the view's rows where they lie as well, and
+        // the gradient reaches the tensor under the view.
+        let base = (randn(&[6, 7, c], dev, false) * 2.0 + 0.5).set_requires_grad(true);
+        let through_view = move |t: &[Tensor], backend| {
+            ln(&[view(t[0].shallow_clone()), t[1].shallow_clone(), t[2].shallow_clone()], backend)
+        };
+        let out_shape = view(base.detach()).size();
+        check(
+            &format!("layer_norm {what} [.., {c}]"),
+            &through_view,
+            &[base, randn(&[c], dev, true), randn(&[c], dev, true)],
+            &out_shape,
+        );
         let (x, w, b) =
             (view(randn(&[6, 7, c], dev, false) * 2.0 + 0.5), randn(&[c], dev, false), randn(&[c], dev, false));
         for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {

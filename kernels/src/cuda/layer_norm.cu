@@ -3,9 +3,9 @@
 // per row, and partial sums of the weight's and bias's gradients over blocks of rows
 // ([parts, cols], f32), which the caller adds up.
 //
-// The forward reads rows where a `Rows` layout puts them, so that a transposed view (an MSA's
-// columns, a pair's) is normalised without first being copied; y is always contiguous. The
-// backward takes contiguous x (autograd's path copies it).
+// Forward and backward read x's rows where a `Rows` layout puts them, so that a transposed view
+// (an MSA's columns, a pair's) is normalised, and differentiated, without first being copied;
+// y, dy and dx are contiguous.
 
 // Where row r of x starts: groups of `inner` rows `inner_stride` apart, the groups
 // `outer_stride` apart (contiguous x: inner = rows, inner_stride = cols).
@@ -41,9 +41,9 @@ __device__ void ln_forward(const T* x, const T* w, const T* b, T* y, float* mean
 // dx = rstd (g - mean(g) - xhat mean(g xhat)) with g = dy w.
 template <typename T>
 __device__ void ln_backward_input(const T* x, const T* w, const float* mean, const float* rstd, const T* dy, T* dx,
-                                  int cols) {
+                                  int cols, Rows layout) {
   __shared__ float scratch[32];
-  const i64 base = (i64)blockIdx.x * cols;
+  const i64 base = (i64)blockIdx.x * cols, in = layout.at(blockIdx.x);
   const float mu = mean[blockIdx.x], r = rstd[blockIdx.x];
   float sg = 0.f, sgx = 0.f;
   // g rounded alike in both loops (__fmul_rn is never fused into an FMA): a contracted
@@ -52,13 +52,13 @@ __device__ void ln_backward_input(const T* x, const T* w, const float* mean, con
   for (int c = threadIdx.x; c < cols; c += blockDim.x) {
     const float g = __fmul_rn(to_float(dy[base + c]), to_float(w[c]));
     sg += g;
-    sgx += g * (to_float(x[base + c]) - mu) * r;
+    sgx += g * (to_float(x[in + c]) - mu) * r;
   }
   sg = block_sum(sg, scratch) / cols;
   sgx = block_sum(sgx, scratch) / cols;
   for (int c = threadIdx.x; c < cols; c += blockDim.x) {
     const float g = __fmul_rn(to_float(dy[base + c]), to_float(w[c]));
-    const float xhat = (to_float(x[base + c]) - mu) * r;
+    const float xhat = (to_float(x[in + c]) - mu) * r;
     dx[base + c] = from_float<T>(r * (g - sg - xhat * sgx));
   }
 }
@@ -66,7 +66,7 @@ __device__ void ln_backward_input(const T* x, const T* w, const float* mean, con
 // Block (i, p) sums columns [i * blockDim.x, ...) over rows [p * rows_per_part, ...).
 template <typename T>
 __device__ void ln_backward_params(const T* x, const float* mean, const float* rstd, const T* dy, float* dw_parts,
-                                   float* db_parts, int rows, int cols, int rows_per_part) {
+                                   float* db_parts, int rows, int cols, int rows_per_part, Rows layout) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= cols) return;
   // 64-bit: the last part's start + rows_per_part may pass 2^31 for rows near it.
@@ -74,9 +74,8 @@ __device__ void ln_backward_params(const T* x, const float* mean, const float* r
   const i64 end = min((i64)rows, start + rows_per_part);
   float dw = 0.f, db = 0.f;
   for (i64 r = start; r < end; ++r) {
-    const i64 i = r * cols + c;
-    const float g = to_float(dy[i]);
-    dw += g * (to_float(x[i]) - mean[r]) * rstd[r];
+    const float g = to_float(dy[r * cols + c]);
+    dw += g * (to_float(x[layout.at(r) + c]) - mean[r]) * rstd[r];
     db += g;
   }
   dw_parts[(i64)blockIdx.y * cols + c] = dw;
@@ -156,11 +155,12 @@ __device__ void ln_forward_warp(const T* x, const T* w, const T* b, T* y, float*
 
 template <typename T, int Q>
 __device__ void ln_backward_input_warp(const T* x, const T* w, const float* mean, const float* rstd, const T* dy,
-                                       T* dx, i64 rows, int cols, int vec) {
+                                       T* dx, i64 rows, int cols, int vec, Rows layout) {
   const int lane = threadIdx.x & 31;
   const i64 row = warp_row();
   if (row >= rows) return;
   const float mu = mean[row], r = rstd[row];
+  const i64 in = layout.at(row);
   float g[Q][4], xhat[Q][4];
   float sg = 0.f, sgx = 0.f;
   for (int j = 0; j < Q; ++j) {
@@ -168,7 +168,7 @@ __device__ void ln_backward_input_warp(const T* x, const T* w, const float* mean
     float wv[4];
     load4(dy + row * cols + c, n, vec, g[j]);
     load4(w + c, n, vec, wv);
-    load4(x + row * cols + c, n, vec, xhat[j]);
+    load4(x + in + c, n, vec, xhat[j]);
     for (int k = 0; k < 4; ++k) {
       g[j][k] = __fmul_rn(g[j][k], wv[k]);  // as ln_backward_input: never contracted
       xhat[j][k] = k < n ? (xhat[j][k] - mu) * r : 0.f;
@@ -192,10 +192,11 @@ __device__ void ln_backward_input_warp(const T* x, const T* w, const float* mean
       i64 inner, i64 inner_stride, i64 outer_stride) {                                                         \
     ln_forward_warp<T, Q>(x, w, b, y, mean, rstd, rows, cols, eps, vec, Rows{inner, inner_stride, outer_stride}); \
   }                                                                                                            \
-  extern "C" __global__ void layer_norm_backward_input_warp##Q##_##S(const T* x, const T* w, const float* mean,  \
-                                                                     const float* rstd, const T* dy, T* dx,      \
-                                                                     i64 rows, int cols, int vec) {              \
-    ln_backward_input_warp<T, Q>(x, w, mean, rstd, dy, dx, rows, cols, vec);                                     \
+  extern "C" __global__ void layer_norm_backward_input_warp##Q##_##S(                                          \
+      const T* x, const T* w, const float* mean, const float* rstd, const T* dy, T* dx, i64 rows, int cols,     \
+      int vec, i64 inner, i64 inner_stride, i64 outer_stride) {                                                \
+    ln_backward_input_warp<T, Q>(x, w, mean, rstd, dy, dx, rows, cols, vec,                                    \
+                                 Rows{inner, inner_stride, outer_stride});                                     \
   }
 
 #define DEFINE(T, S)                                                                                          \
@@ -204,15 +205,16 @@ __device__ void ln_backward_input_warp(const T* x, const T* w, const float* mean
                                                     i64 inner, i64 inner_stride, i64 outer_stride) {           \
     ln_forward<T>(x, w, b, y, mean, rstd, cols, eps, Rows{inner, inner_stride, outer_stride});              \
   }                                                                                                          \
-  extern "C" __global__ void layer_norm_backward_input_##S(const T* x, const T* w, const float* mean,         \
-                                                           const float* rstd, const T* dy, T* dx, i64 rows,    \
-                                                           int cols, int vec) {                                \
-    ln_backward_input<T>(x, w, mean, rstd, dy, dx, cols);                                                    \
+  extern "C" __global__ void layer_norm_backward_input_##S(                                                  \
+      const T* x, const T* w, const float* mean, const float* rstd, const T* dy, T* dx, i64 rows, int cols,     \
+      int vec, i64 inner, i64 inner_stride, i64 outer_stride) {                                                \
+    ln_backward_input<T>(x, w, mean, rstd, dy, dx, cols, Rows{inner, inner_stride, outer_stride});           \
   }                                                                                                          \
-  extern "C" __global__ void layer_norm_backward_params_##S(const T* x, const float* mean, const float* rstd,  \
-                                                            const T* dy, float* dw_parts, float* db_parts,    \
-                                                            int rows, int cols, int rows_per_part) {          \
-    ln_backward_params<T>(x, mean, rstd, dy, dw_parts, db_parts, rows, cols, rows_per_part);                 \
+  extern "C" __global__ void layer_norm_backward_params_##S(                                                 \
+      const T* x, const float* mean, const float* rstd, const T* dy, float* dw_parts, float* db_parts,          \
+      int rows, int cols, int rows_per_part, i64 inner, i64 inner_stride, i64 outer_stride) {                  \
+    ln_backward_params<T>(x, mean, rstd, dy, dw_parts, db_parts, rows, cols, rows_per_part,                  \
+                          Rows{inner, inner_stride, outer_stride});                                           \
   }                                                                                                          \
   extern "C" __global__ void layer_norm_backward_params_total_##S(const float* dw_parts, const float* db_parts, \
                                                                   T* dw, T* db, int parts, int cols) {         \
