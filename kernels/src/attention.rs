@@ -35,10 +35,11 @@ pub fn attention_softmax(
     }
 }
 
-/// [`attention_softmax`] written over the logits `x` (contiguous, outside autograd): inference
-/// then never holds the logits and the weights together, at the Evoformer's sizes the two
-/// largest buffers of an attention. Each row is read whole before its weights are written (in
-/// the fused kernels by the threads that read it), so the result is `attention_softmax`'s.
+/// [`attention_softmax`] written over the logits `x` (contiguous, outside autograd): with the
+/// fused kernels inference then never holds the logits and the weights together, at the
+/// Evoformer's sizes the two largest buffers of an attention. Each row is read whole, by the
+/// threads that then write it, before its weights are written, so the result is
+/// `attention_softmax`'s bit for bit.
 pub fn attention_softmax_in_place(
     x: &Tensor,
     scale: f64,
@@ -53,21 +54,11 @@ pub fn attention_softmax_in_place(
         "{OP}: in place is for inference; its logits or bias require gradients"
     );
     match backend {
+        // The reference computes the weights aside and copies them over: libtorch's
+        // inference runs its scaled-dot-product kernel instead (fastfold's `forward_sdpa`).
         Backend::Torch => {
-            // The composition's steps, each in place; libtorch's softmax kernels read a row
-            // before writing it, so its output may be its input.
-            let mut z = x.shallow_clone();
-            if scale != 1.0 {
-                z = z.f_mul_scalar_(scale)?;
-            }
-            if let Some(m) = mask {
-                let (b, k) = m.size2()?;
-                z = z.f_add_(&m.f_to_kind(x.kind())?.f_sub_scalar(1.0)?.f_mul_scalar(1e9)?.f_reshape([b, 1, 1, k])?)?;
-            }
-            if let Some(bias) = bias {
-                z = z.f_add_(bias)?;
-            }
-            let _ = z.f_internal_softmax_out(x, -1, false)?;
+            let mut out = x.shallow_clone();
+            out.f_copy_(&composition(x, scale, mask, bias)?)?;
             Ok(())
         }
         Backend::Fused => {
