@@ -130,17 +130,33 @@ impl TriangleMultiplication {
         // out afterwards (a [N, N, c] to [c, N, N] copy reading one float per cache line)
         // cost as much as half the product at 600 residues; einsum would copy it again for
         // every chunk.
+        //
+        // Under DAP the projection is gathered from the ranks along dim 0, where the group's
+        // all-gather puts the blocks: each rank's block is laid out with its own endpoint
+        // first ([j, c, k] outgoing, [i, c, k] incoming), so that neither the block nor the
+        // gathered whole is copied again; bmm reads the gathered [c, .., ..] as a view.
         let dim = chunk_dim(self.direction);
-        let rows = chunked_along(1, z.size()[0], chunk, |start, n| {
+        let split = dap.size() > 1;
+        // The chunks' [n, N, c] laid out as rows of the projection, and the dim they join on.
+        let (layout, join): ([i64; 3], i64) = match (split, self.direction) {
+            (false, _) => ([2, 0, 1], 1),                  // [c, n, N]
+            (true, Direction::Outgoing) => ([0, 2, 1], 0), // [n (j), c, N (k)]
+            (true, Direction::Incoming) => ([1, 2, 0], 2), // [N (i), c, n (k)]
+        };
+        let rows = chunked_along(join, z.size()[0], chunk, |start, n| {
             let projected = {
                 let x = self.layer_norm_input.forward(&narrow(z, 0, start, n)?)?;
                 let m = narrow(mask, 0, start, n)?.f_unsqueeze(-1)?;
                 gated(&x, &self.right_projection, &x, &self.right_gate, Some(&m), self.kernels)?
             };
-            Ok(projected.f_permute([2, 0, 1])?.f_contiguous()?)
+            Ok(projected.f_permute(layout)?.f_contiguous()?)
         })?;
-        // Outgoing [c, j, k] read as [c, k, j], incoming [c, k, i] read as [c, i, k].
-        let right = dap.all_gather(&rows, dim + 1)?.f_transpose(1, 2)?;
+        // Outgoing read as [c, k, j], incoming as [c, i, k].
+        let right = match (split, self.direction) {
+            (false, _) => rows.f_transpose(1, 2)?,
+            (true, Direction::Outgoing) => dap.all_gather(&rows, 0)?.f_permute([1, 2, 0])?,
+            (true, Direction::Incoming) => dap.all_gather(&rows, 0)?.f_permute([1, 0, 2])?,
+        };
         drop(rows);
         pair.add_chunked(dim, chunk, |z, start, n| {
             let x = self.layer_norm_input.forward(&narrow(z, dim, start, n)?)?;
