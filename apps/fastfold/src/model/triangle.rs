@@ -136,12 +136,13 @@ impl TriangleMultiplication {
         // first ([j, c, k] outgoing, [i, c, k] incoming), so that neither the block nor the
         // gathered whole is copied again; bmm reads the gathered [c, .., ..] as a view.
         let dim = chunk_dim(self.direction);
-        let split = dap.size() > 1;
-        // The chunks' [n, N, c] laid out as rows of the projection, and the dim they join on.
-        let (layout, join): ([i64; 3], i64) = match (split, self.direction) {
-            (false, _) => ([2, 0, 1], 1),                  // [c, n, N]
-            (true, Direction::Outgoing) => ([0, 2, 1], 0), // [n (j), c, N (k)]
-            (true, Direction::Incoming) => ([1, 2, 0], 2), // [N (i), c, n (k)]
+        // The chunks' [n, N, c] laid out as rows of the projection, the dim they join on, and
+        // the permutation that reads the (gathered) whole: outgoing as [c, k, j], incoming as
+        // [c, i, k].
+        let (layout, join, read): ([i64; 3], i64, [i64; 3]) = match (dap.size() > 1, self.direction) {
+            (false, _) => ([2, 0, 1], 1, [0, 2, 1]),                  // [c, n, N]
+            (true, Direction::Outgoing) => ([0, 2, 1], 0, [1, 2, 0]), // [n (j), c, N (k)]
+            (true, Direction::Incoming) => ([1, 2, 0], 2, [1, 0, 2]), // [N (i), c, n (k)]
         };
         let rows = chunked_along(join, z.size()[0], chunk, |start, n| {
             let projected = {
@@ -151,12 +152,8 @@ impl TriangleMultiplication {
             };
             Ok(projected.f_permute(layout)?.f_contiguous()?)
         })?;
-        // Outgoing read as [c, k, j], incoming as [c, i, k].
-        let right = match (split, self.direction) {
-            (false, _) => rows.f_transpose(1, 2)?,
-            (true, Direction::Outgoing) => dap.all_gather(&rows, 0)?.f_permute([1, 2, 0])?,
-            (true, Direction::Incoming) => dap.all_gather(&rows, 0)?.f_permute([1, 0, 2])?,
-        };
+        // One rank: the gather is the identity.
+        let right = dap.all_gather(&rows, 0)?.f_permute(read)?;
         drop(rows);
         pair.add_chunked(dim, chunk, |z, start, n| {
             let x = self.layer_norm_input.forward(&narrow(z, dim, start, n)?)?;
