@@ -117,7 +117,16 @@ fn main() -> anyhow::Result<()> {
         let y = kernels::memory_efficient_attention(&qt, &kt, &vt, 0.18, Some(&mask), Some(&bias), b)?;
         with_backward(y, &dout)
     })?;
-    drop((qt, kt, vt, dout));
+    // The same forward on tensor cores (inference only: the inputs without autograd), against
+    // the same composition; the queries, keys and values laid out as fastfold makes them, each
+    // head's [32, 256] contiguous.
+    let transposed = |t: &Tensor| t.detach().transpose(2, 3).contiguous().transpose(2, 3);
+    let (qf, kf, vf, bias_f) = (transposed(&qt), transposed(&kt), transposed(&vt), bias.detach());
+    row("tensor-core attention forward (inference)", io, n, &|b| {
+        let _ = tch::no_grad(|| kernels::flash_attention(&qf, &kf, &vf, 0.18, Some(&mask), Some(&bias_f), b))?;
+        Ok(())
+    })?;
+    drop((qt, kt, vt, dout, qf, kf, vf));
 
     // Triangle multiplication's gated projection at 256 residues, 128 channels: pair [256, 256, 128].
     let (x, g, xb, gb) = (t(&[r, r, 128], true), t(&[r, r, 128], true), t(&[128], true), t(&[128], true));

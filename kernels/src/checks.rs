@@ -21,16 +21,16 @@ pub(crate) fn dtype(op: &str, name: &str, t: &Tensor) -> Result<&'static str> {
 /// CPU tensors once it is enabled. Each tensor is checked to be there, of `kind` where given,
 /// and contiguous (the kernels index raw memory).
 pub(crate) fn target(op: &str, kind: Option<Kind>, tensors: &[(&str, &Tensor)]) -> Result<Target> {
-    target_rows(op, kind, tensors, None)
+    target_rows(op, kind, tensors, &[])
 }
 
-/// [`target`] where the tensor named `strided` may be any view (its kernel is given where its
-/// rows lie); the others are checked contiguous.
+/// [`target`] where the tensors named in `strided` may be any view (their kernel is given where
+/// their rows lie); the others are checked contiguous.
 pub(crate) fn target_rows(
     op: &str,
     kind: Option<Kind>,
     tensors: &[(&str, &Tensor)],
-    strided: Option<&str>,
+    strided: &[&str],
 ) -> Result<Target> {
     let mut target = None;
     for (name, t) in tensors {
@@ -51,7 +51,7 @@ pub(crate) fn target_rows(
             ensure!(t.kind() == k, "{op}: {name} is {:?}, expected {k:?} like the other arguments", t.kind());
         }
         ensure!(
-            strided == Some(*name) || t.is_contiguous(),
+            strided.contains(name) || t.is_contiguous(),
             "{op}: {name} is not contiguous (strides {:?})",
             t.stride()
         );

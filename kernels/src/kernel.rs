@@ -22,6 +22,9 @@ pub struct Kernel {
     pub functions: &'static [&'static str],
     /// Extra NVRTC options.
     options: &'static [&'static str],
+    /// The least compute capability it runs on (`80` for 8.0): a device below is refused by
+    /// name before anything compiles.
+    pub min_arch: u32,
 }
 
 impl Kernel {
@@ -31,7 +34,12 @@ impl Kernel {
         functions: &'static [&'static str],
         options: &'static [&'static str],
     ) -> Kernel {
-        Kernel { name, body, functions, options }
+        Kernel { name, body, functions, options, min_arch: 0 }
+    }
+
+    /// The kernel, refused on devices of compute capability below `arch` (`80` for 8.0).
+    pub(crate) const fn needs_arch(self, arch: u32) -> Kernel {
+        Kernel { min_arch: arch, ..self }
     }
 
     /// The full source NVRTC compiles.

@@ -110,6 +110,15 @@ impl Kernel {
 
     fn load(&self, device: usize) -> Result<Loaded> {
         let dev = Device::get(device)?;
+        crate::error::ensure!(
+            dev.arch >= self.min_arch,
+            "{}: needs a GPU of compute capability {}.{} or later; cuda:{device} is {}.{}",
+            self.name,
+            self.min_arch / 10,
+            self.min_arch % 10,
+            dev.arch / 10,
+            dev.arch % 10
+        );
         let ptx = self.ptx(nvrtc()?.target_for(dev.arch)?)?;
         let ptx = CString::new(ptx).map_err(|_| Error::invalid(format!("{}: PTX with a NUL byte", self.name)))?;
         let _current = ContextGuard::push(dev.ctx)?;

@@ -46,7 +46,7 @@ fn fused(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor>
         None => (x.f_contiguous()?, None),
     };
     let (w, b) = (weight.f_contiguous()?, bias.f_contiguous()?);
-    let at = target_rows(OP, Some(x.kind()), &[("x", &x), ("weight", &w), ("bias", &b)], Some("x"))?;
+    let at = target_rows(OP, Some(x.kind()), &[("x", &x), ("weight", &w), ("bias", &b)], &["x"])?;
     let suffix = dtype(OP, "x", &x)?;
     let (rows, cols) = rows_cols(OP, &x)?;
     let y = Tensor::f_empty(x.size(), (x.kind(), x.device()))?;

@@ -8,6 +8,7 @@
 //!   [`attention_softmax_in_place`], over its logits, for inference);
 //! - [`memory_efficient_attention`]: the whole attention with mask and pair bias, without
 //!   materialising the weights;
+//! - [`flash_attention`]: the same forward on tensor cores, for inference;
 //! - [`layer_norm`] (and the [`LayerNorm`] layer);
 //! - [`bias_gelu`] and [`bias_dropout_residual`];
 //! - [`sigmoid_gate`]: triangle multiplication's gated projections, the output gates;
@@ -21,6 +22,7 @@ mod checks;
 mod elementwise;
 pub mod emulator;
 mod error;
+mod flash;
 mod gate;
 mod kernel;
 mod launch;
@@ -33,6 +35,7 @@ pub use attention::{attention_softmax, attention_softmax_in_place};
 pub use cache::CACHE_ENV;
 pub use elementwise::{bias_dropout_residual, bias_gelu, dropout_mask};
 pub use error::{Error, Result};
+pub use flash::flash_attention;
 pub use gate::sigmoid_gate;
 pub use kernel::Kernel;
 pub use layer_norm::{layer_norm, LayerNorm};
@@ -46,6 +49,7 @@ use tch::Device;
 pub const ALL: &[&Kernel] = &[
     &attention::KERNEL,
     &memory_efficient::KERNEL,
+    &flash::KERNEL,
     &layer_norm::KERNEL,
     &elementwise::KERNEL,
     &gate::KERNEL,

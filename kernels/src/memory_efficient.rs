@@ -48,36 +48,9 @@ pub fn memory_efficient_attention(
     bias: Option<&Tensor>,
     backend: Backend,
 ) -> Result<Tensor> {
-    let [b, h, nq, d] = q.size()[..] else {
-        return Err(crate::Error::invalid(format!("{OP}: q is {:?}, expected [batch, heads, queries, dim]", q.size())));
-    };
-    let nk = k.size().get(2).copied().unwrap_or(0);
-    ensure!(
-        k.size() == [b, h, nk, d],
-        "{OP}: k is {:?}, expected [{b}, {h}, keys, {d}] like q {:?}",
-        k.size(),
-        q.size()
-    );
-    ensure!(v.size() == k.size(), "{OP}: v is {:?}, k is {:?}", v.size(), k.size());
-    if let Some(m) = mask {
-        ensure!(m.size() == [b, nk], "{OP}: mask is {:?}, expected [batch, keys] = [{b}, {nk}]", m.size());
-    }
-    if let Some(bias) = bias {
-        let s = bias.size();
-        ensure!(
-            s == [h, nq, nk] || s == [b, h, nq, nk],
-            "{OP}: bias is {s:?}, expected [heads, queries, keys] = [{h}, {nq}, {nk}] or [batch, heads, queries, keys]"
-        );
-    }
+    let Sizes { b, h, nq, nk, d } = sizes(OP, q, k, v, mask, bias)?;
     if backend == Backend::Torch {
-        let mut z = q.f_matmul(&k.f_transpose(-2, -1)?)?.f_mul_scalar(scale)?;
-        if let Some(m) = mask {
-            z = z.f_add(&m.f_to_kind(q.kind())?.f_sub_scalar(1.0)?.f_mul_scalar(1e9)?.f_reshape([b, 1, 1, nk])?)?;
-        }
-        if let Some(bias) = bias {
-            z = z.f_add(bias)?;
-        }
-        return Ok(z.f_softmax(-1, None::<Kind>)?.f_matmul(v)?);
+        return composition(q, k, v, scale, mask, bias);
     }
     ensure!(d <= MAX_HEAD_DIM, "{OP}: heads of width {d}; the fused kernel takes at most {MAX_HEAD_DIM}");
     let [q, k, v] = [q, k, v].map(Tensor::contiguous);
@@ -143,4 +116,68 @@ pub fn memory_efficient_attention(
         Ok(out)
     })?;
     Ok(outputs.into_iter().next().expect("one output"))
+}
+
+/// An attention's sizes: batch, heads, queries, keys and head width.
+pub(crate) struct Sizes {
+    pub(crate) b: i64,
+    pub(crate) h: i64,
+    pub(crate) nq: i64,
+    pub(crate) nk: i64,
+    pub(crate) d: i64,
+}
+
+/// The sizes of `q` `[batch, heads, queries, dim]`, checked against `k`, `v` `[batch, heads,
+/// keys, dim]`, `mask` `[batch, keys]` and `bias` `[heads, queries, keys]` or `[batch, heads,
+/// queries, keys]`; errors name `op` and the argument.
+pub(crate) fn sizes(
+    op: &str,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    bias: Option<&Tensor>,
+) -> Result<Sizes> {
+    let [b, h, nq, d] = q.size()[..] else {
+        return Err(crate::Error::invalid(format!("{op}: q is {:?}, expected [batch, heads, queries, dim]", q.size())));
+    };
+    let nk = k.size().get(2).copied().unwrap_or(0);
+    ensure!(
+        k.size() == [b, h, nk, d],
+        "{op}: k is {:?}, expected [{b}, {h}, keys, {d}] like q {:?}",
+        k.size(),
+        q.size()
+    );
+    ensure!(v.size() == k.size(), "{op}: v is {:?}, k is {:?}", v.size(), k.size());
+    if let Some(m) = mask {
+        ensure!(m.size() == [b, nk], "{op}: mask is {:?}, expected [batch, keys] = [{b}, {nk}]", m.size());
+    }
+    if let Some(bias) = bias {
+        let s = bias.size();
+        ensure!(
+            s == [h, nq, nk] || s == [b, h, nq, nk],
+            "{op}: bias is {s:?}, expected [heads, queries, keys] = [{h}, {nq}, {nk}] or [batch, heads, queries, keys]"
+        );
+    }
+    Ok(Sizes { b, h, nq, nk, d })
+}
+
+/// The attention as libtorch's composition: the whole logits, softmaxed, times `v`.
+pub(crate) fn composition(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    mask: Option<&Tensor>,
+    bias: Option<&Tensor>,
+) -> Result<Tensor> {
+    let mut z = q.f_matmul(&k.f_transpose(-2, -1)?)?.f_mul_scalar(scale)?;
+    if let Some(m) = mask {
+        let (b, nk) = (m.size()[0], m.size()[1]);
+        z = z.f_add(&m.f_to_kind(q.kind())?.f_sub_scalar(1.0)?.f_mul_scalar(1e9)?.f_reshape([b, 1, 1, nk])?)?;
+    }
+    if let Some(bias) = bias {
+        z = z.f_add(bias)?;
+    }
+    Ok(z.f_softmax(-1, None::<Kind>)?.f_matmul(v)?)
 }

@@ -143,7 +143,7 @@ fn kernels_stay_within_their_tensors() {
         .unwrap();
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "the emulated kernels under AddressSanitizer:\n{text}");
-    assert!(text.contains("test result: ok. 10 passed"), "all ten emulated tests ran:\n{text}");
+    assert!(text.contains("test result: ok. 11 passed"), "all eleven emulated tests ran:\n{text}");
 }
 
 #[test]
@@ -353,6 +353,89 @@ fn memory_efficient_attention_matches() {
         ];
         check(&format!("memory_efficient_attention {b}x{h}x{nq}x{nk}x{d}"), &f, &inputs, &[b, h, nq, d]);
     }
+}
+
+/// The tensor-core forward against the composition on the layouts fastfold hands it (each
+/// head's `[dim, len]` contiguous, the output laid out so too) and plain ones; odd sizes around
+/// the blocks' 64 queries and the 32-key tiles; AlphaFold's head widths 8, 16 and 32, ViT's 64,
+/// and widths the kernel pads (1, 20); shared and per-row biases; masks with dropped keys. In
+/// bf16 and f16 by the rule of [`check`]. In f32 the products are
+/// TF32 (10-bit mantissas: each operand within 2^-11 of itself), so the bar is the f64
+/// composition within 2e-3 of the largest output; the composition's own f32 error is ~1e-7,
+/// and a wrong fragment layout, mask or bias row moves outputs by their whole size.
+#[test]
+fn flash_attention_matches() {
+    let _rng = rng();
+    let dev = device("flash_attention_matches");
+    tch::manual_seed(13);
+    for (b, h, nq, nk, d, bias, transposed) in [
+        (3, 4, 37, 45, 32, Some(true), true),
+        (2, 2, 70, 33, 8, Some(false), false),
+        (1, 3, 5, 70, 64, Some(true), true),
+        (2, 1, 130, 67, 16, Some(false), true),
+        (1, 2, 64, 64, 20, None, false),
+        (1, 1, 1, 1, 1, Some(true), false),
+    ] {
+        // Every batch element keeps its first key (a fully masked one: the next test).
+        let mask = Tensor::rand([b, nk], (Kind::Float, dev)).gt(0.2).to_kind(Kind::Float);
+        let _ = mask.narrow(1, 0, 1).fill_(1.0);
+        // [b, h, n, d], or the transpose of [b, h, d, n] contiguous (fastfold's projections).
+        let make = |n: i64| match transposed {
+            true => randn(&[b, h, d, n], dev, false).transpose(2, 3),
+            false => randn(&[b, h, n, d], dev, false),
+        };
+        let (q, k, v) = (make(nq), make(nk), make(nk));
+        let bias = bias.map(|shared| randn(&if shared { vec![h, nq, nk] } else { vec![b, h, nq, nk] }, dev, false));
+        let what = format!("flash_attention {b}x{h}x{nq}x{nk}x{d} transposed {transposed}");
+        let f = |q: &Tensor, k: &Tensor, v: &Tensor, bias: Option<&Tensor>, mask: &Tensor, backend| {
+            let mask = mask.to_kind(q.kind());
+            kernels::flash_attention(q, k, v, 0.3, Some(&mask), bias, backend).unwrap()
+        };
+        let f64_ = |t: &Tensor| t.to_kind(Kind::Double);
+        for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
+            let c = |t: &Tensor| t.to_kind(kind);
+            // Casting keeps the layout (a dense view's strides), as the model's tensors have it.
+            let (qc, kc, vc, bc) = (c(&q), c(&k), c(&v), bias.as_ref().map(c));
+            assert_eq!(qc.stride(), q.stride(), "{what}: the cast keeps q's layout");
+            let fused = f(&qc, &kc, &vc, bc.as_ref(), &mask, Backend::Fused);
+            assert_eq!(fused.kind(), kind, "{what}: dtype");
+            assert_eq!(fused.stride(), qc.stride(), "{what}: the output is laid out as q");
+            let torch = f(&qc, &kc, &vc, bc.as_ref(), &mask, Backend::Torch);
+            let reference =
+                f(&f64_(&qc), &f64_(&kc), &f64_(&vc), bc.as_ref().map(f64_).as_ref(), &mask, Backend::Torch);
+            match kind {
+                Kind::Float => assert_close(&fused, &reference, 2e-3, &format!("{what} (TF32)")),
+                _ => assert_matches(&fused, &torch, &reference, kind, &what),
+            }
+        }
+    }
+    // Refused: inputs that require grad (no backward), heads wider than 64.
+    let q = randn(&[1, 1, 4, 8], dev, true);
+    let err = kernels::flash_attention(&q, &q, &q, 1.0, None, None, Backend::Fused).unwrap_err().to_string();
+    assert!(err.contains("is for inference"), "{err}");
+    let q = randn(&[1, 1, 4, 65], dev, false);
+    let err = kernels::flash_attention(&q, &q, &q, 1.0, None, None, Backend::Fused).unwrap_err().to_string();
+    assert!(err.contains("at most 64"), "{err}");
+}
+
+/// A batch element whose keys are all masked: as the f32 composition, uniform weights (the -1e9
+/// swamps the scores; see the next test for why only f32 sets the bar), within TF32's 2e-3.
+#[test]
+fn flash_attention_gives_fully_masked_queries_uniform_weights() {
+    let _rng = rng();
+    let dev = device("flash_attention_gives_fully_masked_queries_uniform_weights");
+    tch::manual_seed(14);
+    let (b, h, nq, nk, d) = (2, 2, 37, 45, 16);
+    let mask = Tensor::ones([b, nk], (Kind::Float, dev));
+    let _ = mask.get(1).fill_(0.0);
+    let (q, k, v) =
+        (randn(&[b, h, nq, d], dev, false), randn(&[b, h, nk, d], dev, false), randn(&[b, h, nk, d], dev, false));
+    let bias = randn(&[h, nq, nk], dev, false);
+    let f = |backend| kernels::flash_attention(&q, &k, &v, 0.3, Some(&mask), Some(&bias), backend).unwrap();
+    let (fused, torch) = (f(Backend::Fused), f(Backend::Torch));
+    assert_close(&fused, &torch, 2e-3, "flash_attention, fully masked");
+    let mean = v.get(1).mean_dim(1, true, Kind::Float).expand([h, nq, d], false);
+    assert_close(&fused.get(1), &mean, 2e-3, "flash_attention, fully masked: the values' mean");
 }
 
 /// A query whose keys are all masked gets uniform weights, as the f32 composition gives it (the

@@ -88,11 +88,25 @@ namespace emu {
 
 enum class Wait { Running, Block, Warp, Done };
 
+// What a fiber waiting at a warp barrier (Wait::Warp) does there.
+enum class WarpOp { Xor, Index, Mma };
+
+// A lane's part of an mma.sync (see mma below): its A and B fragment registers, and its
+// accumulators, read and then overwritten.
+struct MmaLane {
+  int shape;  // MMA_TF32_M16N8K8, MMA_BF16_M16N8K16 or MMA_F16_M16N8K16
+  const unsigned* a;
+  const unsigned* b;
+  float* d;
+};
+
 struct Fiber {
   ucontext_t ctx;
   Wait wait = Wait::Done;
   std::uint64_t value = 0, result = 0;  // a shuffle's value in, and the value it reads
-  int lane_mask = 0;
+  int lane_mask = 0;                    // xor: the mask; index: the source lane
+  WarpOp op = WarpOp::Xor;
+  const MmaLane* mma = nullptr;
 };
 
 // One launch on the calling thread.
@@ -141,8 +155,11 @@ inline void entry() {
   me().wait = Wait::Done;  // returning resumes the scheduler (uc_link)
 }
 
-// Opens warp `w`'s shuffle if all its lanes wait there: every lane reads its partner's value
-// before any goes on. False (error set) for a shuffle in a partial warp.
+inline void run_mma(Launch& L, int lo);
+
+// Opens warp `w`'s shuffle or mma if all its lanes wait there: every lane reads its partner's
+// value (or the warp's product) before any goes on. False (error set) for a warp operation in a
+// partial warp, or lanes waiting at different ones.
 inline bool open_shuffle(Launch& L, int w, bool& opened) {
   const int n = (int)L.fibers.size(), lo = w * 32, hi = std::min(n, lo + 32);
   int waiting = 0;
@@ -153,10 +170,20 @@ inline bool open_shuffle(Launch& L, int w, bool& opened) {
     return false;
   }
   if (!opened) return true;  // the other lanes may still arrive
+  const WarpOp op = L.fibers[lo].op;
+  for (int t = lo; t < hi; ++t) {
+    const Fiber& f = L.fibers[t];
+    if (f.op != op || (op == WarpOp::Mma && f.mma->shape != L.fibers[lo].mma->shape)) {
+      L.error = "the lanes of warp " + std::to_string(w) + " wait at different warp operations";
+      return false;
+    }
+  }
+  if (op == WarpOp::Mma) run_mma(L, lo);
   for (int t = lo; t < hi; ++t) {
     Fiber& f = L.fibers[t];
-    // PTX's shfl.bfly reads the mask's low five bits.
-    f.result = L.fibers[lo + ((t - lo) ^ (f.lane_mask & 31))].value;
+    // PTX's shfl.bfly and shfl.idx read the mask's or lane's low five bits.
+    if (op == WarpOp::Xor) f.result = L.fibers[lo + ((t - lo) ^ (f.lane_mask & 31))].value;
+    if (op == WarpOp::Index) f.result = L.fibers[lo + (f.lane_mask & 31)].value;
     f.wait = Wait::Running;
   }
   return true;
@@ -302,18 +329,107 @@ int launch(void (*f)(A...), const unsigned* grid, const unsigned* block, void** 
 
 inline void __syncthreads() { emu::wait(emu::Wait::Block); }
 
+namespace emu {
 template <typename T>
-T __shfl_xor_sync(unsigned mask, T v, int lane_mask) {
+T shuffle(unsigned mask, T v, int lane, WarpOp op) {
   static_assert(sizeof(T) <= 8, "a shuffle of at most 8 bytes");
-  if (mask != 0xffffffffu) emu::fail("a shuffle with a partial mask (the emulator takes full warps only)");
-  emu::Fiber& f = emu::me();
+  if (mask != 0xffffffffu) fail("a shuffle with a partial mask (the emulator takes full warps only)");
+  Fiber& f = me();
   std::memcpy(&f.value, &v, sizeof v);
-  f.lane_mask = lane_mask;
-  emu::wait(emu::Wait::Warp);
+  f.lane_mask = lane;
+  f.op = op;
+  wait(Wait::Warp);
   T r;
-  std::memcpy(&r, &emu::me().result, sizeof r);
+  std::memcpy(&r, &me().result, sizeof r);
   return r;
 }
+}  // namespace emu
+
+template <typename T>
+T __shfl_xor_sync(unsigned mask, T v, int lane_mask) {
+  return emu::shuffle(mask, v, lane_mask, emu::WarpOp::Xor);
+}
+
+template <typename T>
+T __shfl_sync(unsigned mask, T v, int src_lane) {
+  return emu::shuffle(mask, v, src_lane, emu::WarpOp::Index);
+}
+
+// mma.sync.aligned.m16n8k{8,16}.row.col.f32: D = A B + C over a warp, each lane holding the
+// fragment elements the PTX ISA assigns it (groupID = lane / 4, threadID_in_group = lane % 4):
+// A 16 x K, B K x 8, C and D 16 x 8 in f32. The lanes meet as at a shuffle; the product is taken
+// in f32 from every lane's registers before any lane's accumulators are overwritten.
+#define MMA_TF32_M16N8K8 0
+#define MMA_BF16_M16N8K16 1
+#define MMA_F16_M16N8K16 2
+
+inline void emu_mma(int shape, const unsigned* a, const unsigned* b, float* d) {
+  emu::MmaLane lane{shape, a, b, d};
+  emu::Fiber& f = emu::me();
+  f.op = emu::WarpOp::Mma;
+  f.mma = &lane;
+  emu::wait(emu::Wait::Warp);
+  emu::me().mma = nullptr;
+}
+
+// PTX's cvt.rna.tf32.f32: to TF32's 10-bit mantissa, rounding to nearest, ties away from zero
+// (the low 13 bits cleared); infinities and NaN unchanged.
+inline unsigned emu_tf32(float x) {
+  unsigned u = __float_as_uint(x);
+  if ((u & 0x7f800000u) != 0x7f800000u) u += 0x1000u;
+  return u & 0xffffe000u;
+}
+
+namespace emu {
+// A 16-bit element of a fragment register: the lower half holds the element of lower index.
+inline float half_of(unsigned reg, int hi, int shape) {
+  const unsigned short bits = (unsigned short)(reg >> (16 * hi));
+  return shape == MMA_BF16_M16N8K16 ? __uint_as_float((unsigned)bits << 16) : f16_bits_to_float(bits);
+}
+
+inline void run_mma(Launch& L, int lo) {
+  const int shape = L.fibers[lo].mma->shape, K = shape == MMA_TF32_M16N8K8 ? 8 : 16;
+  float A[16][16] = {}, B[16][8] = {}, C[16][8] = {};
+  for (int lane = 0; lane < 32; ++lane) {
+    const MmaLane& m = *L.fibers[lo + lane].mma;
+    const int g = lane >> 2, t = lane & 3;
+    if (shape == MMA_TF32_M16N8K8) {
+      // The hardware reads a TF32 operand's top 19 bits.
+      auto tf = [](unsigned r) { return __uint_as_float(r & 0xffffe000u); };
+      A[g][t] = tf(m.a[0]);
+      A[g + 8][t] = tf(m.a[1]);
+      A[g][t + 4] = tf(m.a[2]);
+      A[g + 8][t + 4] = tf(m.a[3]);
+      B[t][g] = tf(m.b[0]);
+      B[t + 4][g] = tf(m.b[1]);
+    } else {
+      for (int h = 0; h < 2; ++h) {
+        A[g][2 * t + h] = half_of(m.a[0], h, shape);
+        A[g + 8][2 * t + h] = half_of(m.a[1], h, shape);
+        A[g][2 * t + 8 + h] = half_of(m.a[2], h, shape);
+        A[g + 8][2 * t + 8 + h] = half_of(m.a[3], h, shape);
+        B[2 * t + h][g] = half_of(m.b[0], h, shape);
+        B[2 * t + 8 + h][g] = half_of(m.b[1], h, shape);
+      }
+    }
+    C[g][2 * t] = m.d[0];
+    C[g][2 * t + 1] = m.d[1];
+    C[g + 8][2 * t] = m.d[2];
+    C[g + 8][2 * t + 1] = m.d[3];
+  }
+  for (int r = 0; r < 16; ++r)
+    for (int c = 0; c < 8; ++c)
+      for (int k = 0; k < K; ++k) C[r][c] += A[r][k] * B[k][c];
+  for (int lane = 0; lane < 32; ++lane) {
+    float* d = L.fibers[lo + lane].mma->d;
+    const int g = lane >> 2, t = lane & 3;
+    d[0] = C[g][2 * t];
+    d[1] = C[g][2 * t + 1];
+    d[2] = C[g + 8][2 * t];
+    d[3] = C[g + 8][2 * t + 1];
+  }
+}
+}  // namespace emu
 
 // A vector access (prelude.cuh's load_quad/store_quad) at an address the hardware would fault
 // on fails the launch here too.
