@@ -302,6 +302,11 @@ bench() {
   item c4 bench-predict "fastfold predict, model_1_ptm sizes, 3 recycles, an MSA filling the clusters, planned for 70 GiB (issue 41's 304 and 914 residues)" 240 \
     "$bin/bench-predict" --device cuda --residues 304,914 --recycles 3 --msa-rows 5628 --gpu-mem 70G --trace "$traces/predict"
   collect
+  # The tensor-core attention (--attention flash: no logits in memory, TF32 products) at c4's
+  # lengths and plan, beside c4's whole logits.
+  item c4d bench-predict-flash "fastfold predict as c4, the tensor-core attention (--attention flash)" 150 \
+    "$bin/bench-predict" --device cuda --residues 304,914 --recycles 3 --msa-rows 5628 --gpu-mem 70G --attention flash
+  collect
   # Issue 41's two levers at 914 residues, each alone beside c4's fused fp32 row: libtorch's
   # scaled-dot-product attention with the biases as its additive mask (inference under
   # --kernels torch), and bf16.
@@ -369,6 +374,9 @@ bench() {
     _ "$bin/diffusion" "$py" "$root" "$(dirname "$logs")/diffusion-4g"
   collect
   item c1 bench-kernels "fused kernels against their libtorch compositions, bf16" 90 "$bin/bench-kernels" --iters 20
+  collect
+  item c1b bench-kernels-f32 "fused kernels against their libtorch compositions, f32 (the tensor-core attention in TF32)" 90 \
+    "$bin/bench-kernels" --iters 20 --dtype f32
   collect
   item c6 bench-gemini "Gemini's largest GPT-style model under a 4 GiB cap against plain training" 180 \
     "$bin/bench-gemini" --device cuda --cap 4G --widths 1024,2048,3072,4096

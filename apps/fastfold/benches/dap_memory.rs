@@ -16,7 +16,7 @@ use clap::Parser;
 use engine::dist::ReduceOp;
 use engine::job::LaunchArgs;
 use engine::parallel::dap::Dap;
-use fastfold::memory::{self, Sizes};
+use fastfold::memory::{self, AttentionLogits, Sizes};
 use fastfold::model::alphafold::{AlphaFold, Batch};
 use fastfold::model::exec::ChunkPlan;
 use fastfold::model::{EvoformerConfig, Exec, ModelConfig, Params, Recycled};
@@ -77,7 +77,7 @@ fn main() -> anyhow::Result<()> {
             extra_rows: e,
             elem: 4,
             templates: 0,
-            whole_logits: false,
+            logits: AttentionLogits::Blocks,
             host_apart: false,
         };
         let one = memory::pass_peak(&cfg, &model_cfg, sizes, &ChunkPlan::uniform(args.chunk_size));

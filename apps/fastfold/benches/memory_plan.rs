@@ -6,9 +6,10 @@
 //! `cargo bench -p fastfold --bench memory_plan -- --msa-rows 508 --extra-rows 5120`
 //! `cargo bench -p fastfold --bench memory_plan -- --multimer --residues 600,1200,2400`
 use clap::Parser;
-use fastfold::memory::{self, plan::gib, MultimerSizes, Peak, Plan, Sizes};
+use fastfold::memory::{self, plan::gib, AttentionLogits, MultimerSizes, Peak, Plan, Sizes};
 use fastfold::model::config::TemplateConfig;
 use fastfold::model::exec::ChunkPlan;
+use fastfold::model::AttentionKernel;
 use fastfold::model::{EvoformerConfig, ModelConfig, Params};
 use tch::Kind;
 
@@ -38,6 +39,10 @@ struct Args {
     /// Budgets, comma-separated (`80G`: 80 GiB).
     #[arg(long, value_delimiter = ',', default_value = "80G,139G")]
     budgets: Vec<String>,
+    /// The attentions on a GPU's fused kernels (`fastfold predict --attention`): whole logits
+    /// softmaxed in place, or the tensor-core kernel, which makes none.
+    #[arg(long, value_enum, default_value_t = AttentionKernel::Logits)]
+    attention: AttentionKernel,
     /// cargo bench passes this; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -143,14 +148,14 @@ fn main() -> anyhow::Result<()> {
         for (kind, name) in [(Kind::Float, "fp32"), (Kind::BFloat16, "bf16")] {
             let e = kind.elt_size_in_bytes() as i64;
             let templates = if args.multimer { 0 } else { args.templates.unwrap_or(0) };
-            // On a GPU: the fused softmax over whole logits.
+            // On a GPU: the fused kernels.
             let sizes = Sizes {
                 residues: n,
                 msa_rows: args.msa_rows,
                 extra_rows,
                 elem: e,
                 templates,
-                whole_logits: true,
+                logits: AttentionLogits::of(kernels::Backend::Fused, args.attention),
                 host_apart: true,
             };
             // A complex's features stay on the host, the monomer's too but for the pass's slice.

@@ -29,6 +29,7 @@ use engine::parallel::dap::Dap;
 use fastfold::features::{process, FeatureConfig, RawFeatures};
 use fastfold::memory;
 use fastfold::model::alphafold::AlphaFold;
+use fastfold::model::AttentionKernel;
 use fastfold::model::{EvoformerConfig, Exec, ModelConfig, Params};
 use tch::Kind;
 
@@ -66,6 +67,10 @@ struct Args {
     /// compositions (default: fused on CUDA, as `fastfold predict` runs).
     #[arg(long, value_enum)]
     kernels: Option<kernels::Backend>,
+    /// The attentions on the fused kernels: whole logits softmaxed in place, or the
+    /// tensor-core kernel (`fastfold predict --attention`).
+    #[arg(long, value_enum, default_value_t = AttentionKernel::Logits)]
+    attention: AttentionKernel,
     /// Device.
     #[arg(long, default_value_t = DeviceKind::Cpu)]
     device: DeviceKind,
@@ -97,12 +102,12 @@ fn main() -> anyhow::Result<()> {
     let kind = if args.bf16 { Kind::BFloat16 } else { Kind::Float };
     let params = Params::random_model(&EvoformerConfig::default(), &ModelConfig::default(), 0)?;
     let backend = kernels::Backend::resolve(args.kernels, device)?;
-    let params = params.to_kind(kind)?.to_device(device, false)?.with_kernels(backend);
+    let params = params.to_kind(kind)?.to_device(device, false)?.with_kernels(backend).with_attention(args.attention);
     let model = AlphaFold::new(&params)?;
     let param_bytes = memory::bytes_of(params.iter().map(|(_, t)| t));
     let exec = Exec::new(Dap::none(), args.chunk_size);
     println!(
-        "predict, {}, model_1_ptm sizes (random weights), {} recycles, {} on {device:?}, kernels {backend:?}{}{}",
+        "predict, {}, model_1_ptm sizes (random weights), {} recycles, {} on {device:?}, kernels {backend:?}, attention {:?}{}{}",
         match args.msa_rows {
             1 => "single sequence".to_string(),
             rows => format!("a synthetic MSA of {rows} rows"),
@@ -113,6 +118,7 @@ fn main() -> anyhow::Result<()> {
             (false, tch::Device::Cpu) => "fp32".to_string(),
             (false, _) => format!("fp32 ({} products)", args.fp32_matmul.name()),
         },
+        args.attention,
         args.chunk_size.map(|c| format!(", chunk {c}")).unwrap_or_default(),
         args.gpu_mem.as_deref().map(|b| format!(", planned for {b}")).unwrap_or_default()
     );

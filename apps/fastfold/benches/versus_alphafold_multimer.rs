@@ -37,6 +37,7 @@ use engine::parallel::dap::Dap;
 use fastfold::features::RawFeatures;
 use fastfold::model::multimer::{network_key, MultimerAlphaFold, MultimerInputs, MULTIMER_STRUCTURE_ITERATIONS};
 use fastfold::model::recycling::Recycling;
+use fastfold::model::AttentionKernel;
 use fastfold::model::Exec;
 use fastfold::multimer::{Complex, EntityInput, PairingMsa};
 use synthetic_msa::synthetic_msa;
@@ -224,7 +225,9 @@ struct Side {
 impl Side {
     /// On `device`, the parameters converted to `kind` (else as written).
     fn load(dir: &Path, args: &Args, device: Device, kind: Option<Kind>) -> anyhow::Result<Self> {
-        let net = MultimerAlphaFold::load_on(dir.join(PARAMS), MULTIMER_STRUCTURE_ITERATIONS, device, kind)?
+        // The kernels `fastfold predict` runs there by default (fused on a GPU).
+        let kernels = (kernels::Backend::default_for(device), AttentionKernel::Logits);
+        let net = MultimerAlphaFold::load_on(dir.join(PARAMS), MULTIMER_STRUCTURE_ITERATIONS, device, kind, kernels)?
             .drop_masked_rows(!args.every_row);
         let arrays: std::collections::HashMap<String, Tensor> =
             Tensor::read_npz(dir.join("features.npz"))?.into_iter().collect();

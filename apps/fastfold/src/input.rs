@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::{bail, Context};
+use anyhow::{bail, ensure, Context};
 use clap::builder::TypedValueParser;
 use engine::dist::World;
 use engine::fp32_matmul::Fp32Matmul;
@@ -13,6 +13,7 @@ use engine::parallel::dap::Dap;
 use tch::Device;
 
 use crate::features::{process, FeatureConfig, Features, RawFeatures};
+use crate::model::AttentionKernel;
 use crate::model::{Exec, Params};
 use crate::preset::Preset;
 use crate::search::{Mode, Search};
@@ -275,6 +276,12 @@ pub struct ChunkArgs {
     /// elsewhere).
     #[arg(long, value_enum)]
     pub kernels: Option<kernels::Backend>,
+    /// The attentions of an inference pass on the fused kernels: `logits` makes each
+    /// attention's logits whole (cuBLAS) and softmaxes them in place; `flash` runs the
+    /// tensor-core kernel, which never makes them (its fp32 products TF32; a GPU of compute
+    /// capability 8.0 or later). Training always makes them whole.
+    #[arg(long, value_enum, default_value_t = AttentionKernel::Logits)]
+    pub attention: AttentionKernel,
     /// fp32 matrix products on a GPU: `tf32` (TF32 tensor cores, as AlphaFold's JAX code runs
     /// them there by default) or `ieee` (strict fp32). The structure module and every rigid
     /// transform stay IEEE either way, as AlphaFold keeps its geometry off the tensor cores.
@@ -305,6 +312,16 @@ impl ChunkArgs {
     ) -> anyhow::Result<(Device, Exec, kernels::Backend)> {
         let device = launch.device(world)?;
         let backend = kernels::Backend::resolve(self.kernels, device)?;
+        if self.attention == AttentionKernel::Flash {
+            ensure!(
+                backend == kernels::Backend::Fused,
+                "--attention flash runs on the fused kernels (a GPU's default), not with {backend:?}'s compositions"
+            );
+            ensure!(
+                self.fp32_matmul == Fp32Matmul::Tf32,
+                "--attention flash takes its fp32 products as TF32; with --fp32-matmul ieee use --attention logits"
+            );
+        }
         engine::fp32_matmul::set(self.fp32_matmul)?;
         if let Some(split) = self.process_cap(device)? {
             if world.rank() == 0 {

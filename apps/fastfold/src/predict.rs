@@ -151,7 +151,8 @@ impl Model {
         if let Some(n) = args.structure_iterations {
             sizes.structure_iterations = n;
         }
-        let params = loaded.to_kind(kind)?.to_device(device, false)?.with_kernels(backend);
+        let params =
+            loaded.to_kind(kind)?.to_device(device, false)?.with_kernels(backend).with_attention(args.chunk.attention);
         let net =
             AlphaFold::with_preset(&params, &sizes).with_context(|| format!("parameters {}", file.path.display()))?;
         let config = params.model_config()?;

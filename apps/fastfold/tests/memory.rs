@@ -11,9 +11,10 @@ use std::process::Command;
 
 use engine::parallel::dap::Dap;
 use fastfold::features::TemplateFeatures;
-use fastfold::memory::{self, Sizes};
+use fastfold::memory::{self, AttentionLogits, Sizes};
 use fastfold::model::alphafold::{AlphaFold, Batch, Pass};
 use fastfold::model::exec::{ChunkOp, ChunkPlan, Stage};
+use fastfold::model::AttentionKernel;
 use fastfold::model::{EvoformerConfig, Exec, ModelConfig, Params, Recycled, TemplateConfig};
 use tch::{Device, Kind, Tensor};
 
@@ -32,7 +33,15 @@ fn widths() -> (EvoformerConfig, ModelConfig) {
 /// The sizes of a pass of `n` residues, `s` MSA and `e` extra rows and `templates` templates
 /// in fp32 on the CPU.
 fn cpu_sizes(n: i64, s: i64, e: i64, templates: i64) -> Sizes {
-    Sizes { residues: n, msa_rows: s, extra_rows: e, elem: 4, templates, whole_logits: false, host_apart: false }
+    Sizes {
+        residues: n,
+        msa_rows: s,
+        extra_rows: e,
+        elem: 4,
+        templates,
+        logits: AttentionLogits::Blocks,
+        host_apart: false,
+    }
 }
 
 /// The measured peak of one no-grad pass, from the moment its recycled inputs are made.
@@ -104,9 +113,10 @@ fn pass_peak_matches_the_cpu_allocator_and_plans_fit_their_budget() {
     assert!(err.contains("at the least"), "{err}");
 }
 
-/// The path a GPU runs (the fused kernels: whole logits, softmaxed in place; LayerNorms reading
-/// transposed rows where they lie), on the CPU's emulator of those kernels: its peak equals the
-/// profile's for it (`whole_logits`) within 5%, the peak in an attention's logits.
+/// The paths a GPU runs (the fused kernels: LayerNorms reading transposed rows where they lie;
+/// the attentions' logits whole and softmaxed in place, or never made by the tensor-core
+/// attention), on the CPU's emulator of those kernels: each pass's peak equals the profile's
+/// for it within 5% (whole logits: the peak in an attention's logits).
 #[test]
 fn the_fused_kernels_pass_peak_matches_its_profile() {
     let _alone = ALONE.lock();
@@ -114,20 +124,23 @@ fn the_fused_kernels_pass_peak_matches_its_profile() {
     kernels::emulator::enable();
     tch::set_num_threads(1);
     let (cfg, model_cfg) = widths();
-    let params = Params::random_model(&cfg, &model_cfg, 0).unwrap().with_kernels(kernels::Backend::Fused);
-    let model = AlphaFold::new(&params).unwrap();
     let (n, s, e) = (32, 4, 256);
-    let sizes = Sizes { whole_logits: true, ..cpu_sizes(n, s, e, 0) };
-    let plan = ChunkPlan::uniform(None);
-    let predicted = memory::pass_peak(&cfg, &model_cfg, sizes, &plan);
-    let (measured, _) = measure(&model, &cfg, &Batch::random(n, s, e, Kind::Float), &Exec::planned(Dap::none(), plan));
+    for attention in [AttentionKernel::Logits, AttentionKernel::Flash] {
+        let params = Params::random_model(&cfg, &model_cfg, 0).unwrap().with_kernels(kernels::Backend::Fused);
+        let model = AlphaFold::new(&params.with_attention(attention)).unwrap();
+        let sizes = Sizes { logits: model.attention_logits(), ..cpu_sizes(n, s, e, 0) };
+        let plan = ChunkPlan::uniform(None);
+        let predicted = memory::pass_peak(&cfg, &model_cfg, sizes, &plan);
+        let batch = Batch::random(n, s, e, Kind::Float);
+        let (measured, _) = measure(&model, &cfg, &batch, &Exec::planned(Dap::none(), plan));
+        suite_tests::assert_bytes_close(
+            &format!("fused pass, {attention:?}, {n} residues x {s} rows + {e} extra, peak in {}", predicted.at),
+            measured,
+            predicted.bytes as f64,
+            0.05,
+        );
+    }
     kernels::emulator::disable();
-    suite_tests::assert_bytes_close(
-        &format!("fused pass {n} residues x {s} rows + {e} extra, peak in {}", predicted.at),
-        measured,
-        predicted.bytes as f64,
-        0.05,
-    );
 }
 
 /// `b` with `count` real templates (random atoms, every one present).
@@ -259,7 +272,7 @@ fn plans_offload_the_stacks_only_where_nothing_fits_without() {
         extra_rows: 5120,
         elem: 4,
         templates: 0,
-        whole_logits: true,
+        logits: AttentionLogits::Whole,
         host_apart: true,
     };
     let peak = |sizes, plan: &ChunkPlan| memory::pass_peak(&cfg, &model_cfg, sizes, plan).bytes;

@@ -128,7 +128,8 @@ fn assert_within(what: &str, got: &Tensor, want: &Tensor, tolerance: f64) {
 fn network(f: &HashMap<String, Tensor>, kind: Kind) -> MultimerAlphaFold {
     let start = std::time::Instant::now();
     let path = full_params(f);
-    let network = MultimerAlphaFold::load_on(path, MULTIMER_STRUCTURE_ITERATIONS, tch::Device::Cpu, Some(kind))
+    let torch = (kernels::Backend::Torch, fastfold::model::AttentionKernel::Logits);
+    let network = MultimerAlphaFold::load_on(path, MULTIMER_STRUCTURE_ITERATIONS, tch::Device::Cpu, Some(kind), torch)
         .unwrap()
         .with_sampling(MsaSampling { num_msa: 8, num_extra_msa: 8, masked: MaskedMsaConfig::default() });
     let c = network.config();

@@ -14,6 +14,7 @@ use fastfold::model::multimer::{
     network_key, FullMsa, MaskedMsaConfig, MsaSampling, MultimerAlphaFold, MultimerInputs,
 };
 use fastfold::model::recycling::Recycling;
+use fastfold::model::AttentionKernel;
 use fastfold::model::Exec;
 use tch::{Kind, Tensor};
 
@@ -184,6 +185,50 @@ fn multimer_network_with_recycling_equals_alphafold_multimer() {
     let (pass, _) = tch::no_grad(|| network.predict(&features, early, other, &Exec::serial())).unwrap();
     let d = (&pass.structure.atom37 - &f["early_final_atom_positions"]).abs().max().double_value(&[]);
     assert!(d > 1e-2, "another key moved the atoms by only {d:e} Å");
+}
+
+/// The same network on the fused kernels, as a GPU runs it by default (without a GPU on the
+/// CPU emulator): with the whole logits within the compositions' tolerances; with the
+/// tensor-core attention (`--attention flash`, its products in TF32's 10-bit mantissas) within
+/// 0.2 Å and 2e-2, about 1e-3 of the largest coordinate (236 Å: random parameters) and logit
+/// (25). Measured: 0.046 Å and 3.8e-3; the emulator with exact f32 products instead of TF32
+/// gave 2.5e-4 Å and 8.8e-6, the compositions' figures, so the rest is TF32's rounding; a wrong
+/// head, row or layout moves the atoms by ångströms.
+#[test]
+fn multimer_network_on_cuda_or_the_emulator_equals_alphafold_multimer() {
+    let dev = suite_tests::cuda_or_emulator(
+        "multimer_network_on_cuda_or_the_emulator_equals_alphafold_multimer",
+        kernels::emulator::enable,
+    );
+    let f = arrays("model.npz");
+    let features = features(&f);
+    let key = Key::from_seed(f["seed"].int64_value(&[]));
+    let g = |k: &str| &f[&format!("early_{k}")];
+    let recycling = Recycling {
+        max: g("num_recycle").int64_value(&[]) as usize,
+        early_stop_tolerance: g("tolerance").double_value(&[]),
+    };
+    for (attention, positions, logits) in
+        [(AttentionKernel::Logits, POSITIONS_TOLERANCE, LOGITS_TOLERANCE), (AttentionKernel::Flash, 0.2, 2e-2)]
+    {
+        let kernels = (kernels::Backend::Fused, attention);
+        let network = MultimerAlphaFold::load_on(fixture("model_params.npz"), 8, dev, None, kernels)
+            .unwrap()
+            .with_sampling(MsaSampling { num_msa: 6, num_extra_msa: 8, masked: MaskedMsaConfig::default() });
+        let (pass, recycles) = tch::no_grad(|| network.predict(&features, recycling, key, &Exec::serial())).unwrap();
+        assert_eq!(recycles as i64, g("num_recycles").int64_value(&[]), "{attention:?}: recycles run");
+        let cpu = |t: &Tensor| t.to_device(tch::Device::Cpu);
+        let what = |name: &str| format!("{attention:?} on {dev:?}: {name}");
+        assert_within(
+            &what("final atom positions (Å)"),
+            &cpu(&pass.structure.atom37),
+            g("final_atom_positions"),
+            positions,
+        );
+        assert_within(&what("distogram"), &cpu(&pass.heads.distogram), g("distogram"), logits);
+        assert_within(&what("masked msa"), &cpu(&pass.heads.masked_msa), g("masked_msa"), logits);
+        assert_within(&what("plddt"), &cpu(&pass.heads.lddt), g("predicted_lddt"), logits);
+    }
 }
 
 #[test]

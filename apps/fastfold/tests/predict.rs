@@ -391,6 +391,8 @@ fn bad_inputs_are_named() {
         o,
     ]);
     assert!(!ok && text.contains("--kernels fused needs a CUDA device"), "{text}");
+    let (ok, text) = fastfold(&["predict", one.to_str().unwrap(), "--params", params, "--attention", "flash", "-o", o]);
+    assert!(!ok && text.contains("--attention flash runs on the fused kernels"), "{text}");
 
     let mut arrays = outputs(common::tiny_params());
     let key = "alphafold/alphafold_iteration/predicted_lddt_head/logits//weights";

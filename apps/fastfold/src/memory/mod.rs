@@ -15,7 +15,7 @@ pub mod profile;
 
 pub use multimer::{multimer_pass_peak, multimer_sizes_of, MultimerSizes};
 pub use plan::{plan, plan_multimer, plan_prediction, Plan};
-pub use profile::{bytes_of, pass_peak, sizes_of, Peak, Sizes};
+pub use profile::{bytes_of, pass_peak, sizes_of, AttentionLogits, Peak, Sizes};
 
 /// A buffer the trace holds: freed by [`Trace::free`], never silently.
 #[must_use = "a traced buffer is freed with Trace::free"]

@@ -256,11 +256,11 @@ pub fn multimer_pass_peak(
     plan: &ChunkPlan,
 ) -> Peak {
     let mut t = Trace::new();
-    let Sizes { residues: n, msa_rows: run, extra_rows, elem: e, templates, whole_logits, host_apart } = sizes.pass;
+    let Sizes { residues: n, msa_rows: run, extra_rows, elem: e, templates, logits, host_apart } = sizes.pass;
     let s = sizes.centres;
     let (c_m, c_z) = (cfg.c_m, cfg.c_z);
     let templates = template.map_or(0, |_| templates);
-    let mut x = Ctx { e, plan, stage: Stage::Outer, masked_rows: false, whole_logits, host_apart };
+    let mut x = Ctx { e, plan, stage: Stage::Outer, masked_rows: false, logits, host_apart };
     t.at("recycled inputs");
     let prev = [t.alloc(n * c_m * e), t.alloc(n * n * c_z * e), t.alloc(n * 3 * e)];
     t.at("MSA sampling");
@@ -381,7 +381,7 @@ pub fn multimer_sizes_of(
             extra_rows: extra.max(1),
             elem: kind.elt_size_in_bytes() as i64,
             templates,
-            whole_logits: device.is_cuda(),
+            logits: net.attention_logits(),
             host_apart: device.is_cuda(),
         },
         centres,

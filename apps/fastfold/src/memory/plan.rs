@@ -150,7 +150,7 @@ pub fn plan_prediction(
     (kind, device): (Kind, Device),
     budget: u64,
 ) -> anyhow::Result<(Plan, Sizes)> {
-    let sizes = sizes_of(features, kind, device)?;
+    let sizes = sizes_of(features, kind, device, net.attention_logits())?;
     let feature_bytes = match device {
         Device::Cpu => bytes_of(features.named().map(|(_, t)| t)),
         _ => bytes_of(Batch::new(features, 0, kind)?.resident_tensors()),

@@ -11,6 +11,7 @@ use crate::memory::{Buf, Trace};
 use crate::model::config::{EvoformerConfig, ModelConfig, StructureConfig, TemplateConfig};
 use crate::model::exec::{ChunkOp, ChunkPlan, Stage};
 use crate::model::templates::{ANGLE_FEATURES, DGRAM_BINS, PAIR_FEATURES};
+use crate::model::AttentionKernel;
 
 /// The sizes of one pass.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -27,14 +28,41 @@ pub struct Sizes {
     pub templates: i64,
     /// Bytes per activation element: 4 (fp32) or 2 (bf16).
     pub elem: i64,
-    /// Whether the attentions make their logits whole (the fused CUDA softmax, the default on
-    /// a GPU), else libtorch's scaled-dot-product kernel makes them a block at a time (the
-    /// CPU's).
-    pub whole_logits: bool,
+    /// How the attentions hold their logits (the fused kernels' whole logits by default on a
+    /// GPU, libtorch's blocks on the CPU).
+    pub logits: AttentionLogits,
     /// Whether the device's memory is apart from the host's (a GPU): what an offloading stack
     /// ([`ChunkPlan::offloading`]) moves to the host then leaves the device. On the CPU the
     /// moves are the identity and the trace is the one without them.
     pub host_apart: bool,
+}
+
+/// How an attention without autograd holds its logits, which its memory follows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionLogits {
+    /// libtorch's scaled-dot-product kernel (the compositions: the CPU, `--kernels torch`) makes
+    /// them a block at a time.
+    Blocks,
+    /// The fused kernels (a GPU's default) make them whole and softmax them in place.
+    Whole,
+    /// The fused kernels with the tensor-core attention (`--attention flash`) never make them.
+    Never,
+}
+
+impl AttentionLogits {
+    /// The logits of modules running `kernels` with `attention`.
+    pub fn of(kernels: kernels::Backend, attention: AttentionKernel) -> AttentionLogits {
+        match (kernels, attention) {
+            (kernels::Backend::Torch, _) => AttentionLogits::Blocks,
+            (kernels::Backend::Fused, AttentionKernel::Logits) => AttentionLogits::Whole,
+            (kernels::Backend::Fused, AttentionKernel::Flash) => AttentionLogits::Never,
+        }
+    }
+
+    /// Whether the fused kernels run (they read a transposed LayerNorm input where it lies).
+    pub fn fused(self) -> bool {
+        self != AttentionLogits::Blocks
+    }
 }
 
 /// A pass's peak of live bytes beyond what was alive before it (parameters, features), the
@@ -55,7 +83,7 @@ pub(super) struct Ctx<'a> {
     pub(super) plan: &'a ChunkPlan,
     pub(super) stage: Stage,
     pub(super) masked_rows: bool,
-    pub(super) whole_logits: bool,
+    pub(super) logits: AttentionLogits,
     pub(super) host_apart: bool,
 }
 
@@ -65,10 +93,9 @@ impl Ctx<'_> {
     }
 
     /// Whether a LayerNorm reads a transposed input (an MSA's columns, a pair's, each row's
-    /// elements adjacent) where it lies: the fused kernel does (`whole_logits`: the fused
-    /// kernels of a GPU), libtorch's copies it first.
+    /// elements adjacent) where it lies: the fused kernel does, libtorch's copies it first.
     pub(super) fn reads_transposed_rows(&self) -> bool {
-        self.whole_logits
+        self.logits.fused()
     }
 
     /// Whether the stack of `stage` moves its streams out of the device's memory: it offloads,
@@ -127,17 +154,24 @@ pub(super) fn layer_norm(t: &mut Trace, rows: i64, c: i64, e: i64, in_place: boo
 
 /// `model/attention.rs`'s `Attention::forward` without autograd on `b` x `len` x `c` with
 /// `heads` x `dim`: the queries, keys and values, the heads' averaged values, the gate, the
-/// output. The averaged values by libtorch's scaled-dot-product kernel (`whole_logits` false:
-/// with a masked key, the key mask's bias added to the pair's [b, heads, len, len]; the
-/// kernel's output and the logits' log-sum-exp; its blocks' scratch is small) or from whole
-/// logits (the fused softmax: the queries and keys, the logits, softmaxed in place into the
-/// weights, then the values; every operand made in its product's layout, so no copies; the
-/// gate applied in place).
+/// output. The averaged values by libtorch's scaled-dot-product kernel (`Blocks`: with a masked
+/// key, the key mask's bias added to the pair's [b, heads, len, len]; the kernel's output and
+/// the logits' log-sum-exp; its blocks' scratch is small), from whole logits (`Whole`, the
+/// fused softmax: the queries and keys, the logits, softmaxed in place into the weights, then
+/// the values; every operand made in its product's layout, so no copies; the gate applied in
+/// place), or by the tensor-core attention (`Never`: the queries, keys and values, then its
+/// output, nothing else).
 fn attention(t: &mut Trace, x: &Ctx, (b, len, c): (i64, i64, i64), (heads, dim): (i64, i64), masked: bool) -> Buf {
     let e = x.e;
     let hd = b * len * heads * dim * e;
-    let avg = match x.whole_logits {
-        false => {
+    let avg = match x.logits {
+        AttentionLogits::Never => {
+            let [q, k, v] = [t.alloc(hd), t.alloc(hd), t.alloc(hd)];
+            let avg = t.alloc(hd);
+            t.free_all([q, k, v]);
+            avg
+        }
+        AttentionLogits::Blocks => {
             let [q, k, v] = [t.alloc(hd), t.alloc(hd), t.alloc(hd)];
             let bias = masked.then(|| t.alloc(b * heads * len * len * e));
             let avg = t.alloc(hd);
@@ -148,7 +182,7 @@ fn attention(t: &mut Trace, x: &Ctx, (b, len, c): (i64, i64, i64), (heads, dim):
             }
             avg
         }
-        true => {
+        AttentionLogits::Whole => {
             let [q, k] = [t.alloc(hd), t.alloc(hd)];
             let weights = t.alloc(b * heads * len * len * e);
             t.free_all([q, k]);
@@ -237,19 +271,25 @@ fn msa_column_global_attention(t: &mut Trace, x: &Ctx, s: i64, r: i64, c: i64, h
         // The masked mean of the queries' inputs: x * mask, summed (small terms left out).
         t.temp(rows * c * e);
         let (k, v) = (t.alloc(rows * dim * e), t.alloc(rows * dim * e));
-        // The gate: einsum, + bias, sigmoid, each a new tensor in one statement.
+        // The key mask's bias [n, 1, s].
+        let bias = t.alloc(rows * e);
+        // The weights [n, heads, s] and the gate [n, s, heads, dim]: each the product, + bias,
+        // softmax or sigmoid, a new tensor at each step of one statement. The products read
+        // their operands as views (no copies).
+        let three = |t: &mut Trace, bytes: i64| {
+            let (a, b) = (t.alloc(bytes), t.alloc(bytes));
+            let c = t.alloc(bytes);
+            t.free_all([a, b]);
+            c
+        };
+        let weights = three(t, rows * heads * e);
         let hd = rows * heads * dim * e;
-        let (g1, g2) = (t.alloc(hd), t.alloc(hd));
-        let gate = t.alloc(hd);
-        t.free(g1);
-        t.free(g2);
+        let gate = three(t, hd);
         let gated = t.alloc(hd);
-        let (gc, wc) = (t.alloc(hd), t.alloc(heads * dim * c * e));
+        // The output projection, then + bias.
         let o = t.alloc(rows * c * e);
         let out = t.alloc(rows * c * e);
-        for b in [gc, wc, o, gated, gate, k, v, normed] {
-            t.free(b);
-        }
+        t.free_all([o, gated, gate, weights, bias, k, v, normed]);
         out
     });
 }
@@ -812,9 +852,9 @@ fn template_rows(t: &mut Trace, e: i64, count: i64, n: i64, c_m: i64) -> Buf {
 /// alive: they are given up to it) to its end, under `plan`.
 pub fn pass_peak(cfg: &EvoformerConfig, model: &ModelConfig, sizes: Sizes, plan: &ChunkPlan) -> Peak {
     let mut t = Trace::new();
-    let Sizes { residues: n, msa_rows: s, extra_rows, elem: e, templates: count, whole_logits, host_apart } = sizes;
+    let Sizes { residues: n, msa_rows: s, extra_rows, elem: e, templates: count, logits, host_apart } = sizes;
     let (c_m, c_z) = (cfg.c_m, cfg.c_z);
-    let mut x = Ctx { e, plan, stage: Stage::Outer, masked_rows: false, whole_logits, host_apart };
+    let mut x = Ctx { e, plan, stage: Stage::Outer, masked_rows: false, logits, host_apart };
     t.at("recycled inputs");
     let prev = [t.alloc(n * c_m * e), t.alloc(n * n * c_z * e), t.alloc(n * 3 * e)];
     t.at("input embedder");
@@ -873,9 +913,13 @@ pub fn pass_peak(cfg: &EvoformerConfig, model: &ModelConfig, sizes: Sizes, plan:
 
 /// The sizes a pass of `features` (recycling slice 0) runs at in `kind` on `device`: its
 /// residues, the MSA and extra-MSA rows with an unmasked entry (the rows the stacks run), its
-/// real templates (those the template stack runs), and whole logits on a GPU (the fused
-/// softmax's).
-pub fn sizes_of(features: &crate::features::Features, kind: tch::Kind, device: tch::Device) -> tch::Result<Sizes> {
+/// real templates (those the template stack runs), and the attentions' `logits`.
+pub fn sizes_of(
+    features: &crate::features::Features,
+    kind: tch::Kind,
+    device: tch::Device,
+    logits: AttentionLogits,
+) -> tch::Result<Sizes> {
     let real_rows = |mask: &tch::Tensor| -> tch::Result<i64> {
         let m = mask.f_select(0, 0)?;
         m.f_ne(0.0)?.f_any_dim(1, false)?.f_sum(tch::Kind::Int64)?.f_int64_value(&[])
@@ -890,7 +934,7 @@ pub fn sizes_of(features: &crate::features::Features, kind: tch::Kind, device: t
         extra_rows: real_rows(&features.extra_msa_mask)?.max(1),
         elem: kind.elt_size_in_bytes() as i64,
         templates,
-        whole_logits: device.is_cuda(),
+        logits,
         host_apart: device.is_cuda(),
     })
 }

@@ -20,6 +20,7 @@ use tch::{Device, Kind, Tensor};
 use crate::jax_random::Key;
 
 use crate::features::{Features, TemplateFeatures};
+use crate::memory::AttentionLogits;
 use crate::model::config::{EvoformerConfig, PresetSizes};
 use crate::model::embedders::{pseudo_beta, Embedders, Recycled};
 use crate::model::evoformer::EvoformerStack;
@@ -227,6 +228,8 @@ pub struct AlphaFold {
     drop_masked_rows: bool,
     /// Where the parameters are, and each pass's batch goes.
     device: Device,
+    /// How its attentions hold their logits without autograd (for the memory plan).
+    logits: AttentionLogits,
 }
 
 impl AlphaFold {
@@ -253,6 +256,7 @@ impl AlphaFold {
             config,
             drop_masked_rows: true,
             device: params.iter().next().map_or(Device::Cpu, |(_, t)| t.device()),
+            logits: params.attention_logits(),
         })
     }
 
@@ -267,6 +271,11 @@ impl AlphaFold {
     /// The stacks' sizes.
     pub fn config(&self) -> &EvoformerConfig {
         &self.config
+    }
+
+    /// How its attentions hold their logits without autograd.
+    pub fn attention_logits(&self) -> AttentionLogits {
+        self.logits
     }
 
     /// Slice `iteration` of `features` ([`Batch::new`]) on the network's device: features kept

@@ -4,7 +4,7 @@ use kernels::Backend;
 use tch::Tensor;
 
 use crate::model::layers::{chunked, mask_bias, narrow};
-use crate::model::scope::{Init, Scope};
+use crate::model::scope::{AttentionKernel, Init, Scope};
 use crate::model::Result;
 
 fn einsum(eq: &str, a: &Tensor, b: &Tensor) -> Result<Tensor> {
@@ -23,6 +23,8 @@ pub struct Attention {
     output_b: Tensor,
     head_dim: i64,
     kernels: Backend,
+    /// Without autograd, the tensor-core attention instead of whole logits.
+    flash: bool,
 }
 
 impl Attention {
@@ -40,6 +42,7 @@ impl Attention {
             output_b: p.param("output_b", &[c], Init::Small)?,
             head_dim,
             kernels: p.kernels(),
+            flash: p.kernels() == Backend::Fused && p.attention() == AttentionKernel::Flash,
         })
     }
 
@@ -91,8 +94,9 @@ impl Attention {
     }
 
     /// [`Attention::forward`] on one chunk from the whole logits, softmaxed by the backend's
-    /// `attention_softmax` (the fused CUDA kernel, or libtorch's composition); `lean`: no
-    /// autograd, so the scaling, softmax, gate and biases are applied in place.
+    /// `attention_softmax` (the fused CUDA kernel, or libtorch's composition), or without
+    /// autograd by the tensor-core attention where the module runs it; `lean`: no autograd, so
+    /// the scaling, softmax, gate and biases are applied in place.
     ///
     /// Every operand is laid out for its batched product as it is made, so that no product
     /// copies one (the einsums this replaces copied the queries, keys, values and gated values
@@ -107,11 +111,51 @@ impl Attention {
     fn forward_from_logits(&self, x: &Tensor, mask: &Tensor, pair_bias: Option<&Tensor>, lean: bool) -> Result<Tensor> {
         let (b, len) = (x.size()[0], x.size()[1]);
         let (heads, dim) = (self.query_w.size()[1], self.head_dim);
-        let per_head = [b * heads, dim, len];
         let scale = (dim as f64).powf(-0.5);
         let mut qt = project_transposed(x, &self.query_w)?;
         qt = if lean { qt.f_mul_scalar_(scale)? } else { qt.f_mul_scalar(scale)? };
         let kt = project_transposed(x, &self.key_w)?;
+        let mut avg_t = if lean && self.flash {
+            // The tensor-core kernel reads each head's [dim, len] where it lies and writes the
+            // averaged values so too: [b, heads * dim, len], as the gate below reads them.
+            let vt = project_transposed(x, &self.value_w)?;
+            let heads_of = |t: &Tensor| t.f_view([b, heads, dim, len])?.f_transpose(2, 3);
+            let (q, k, v) = (heads_of(&qt)?, heads_of(&kt)?, heads_of(&vt)?);
+            let avg = kernels::flash_attention(&q, &k, &v, 1.0, Some(mask), pair_bias, self.kernels)?;
+            drop((q, k, v, qt, kt, vt));
+            avg.f_transpose(2, 3)?.f_reshape([b, heads * dim, len])?
+        } else {
+            self.average_from_logits(x, (qt, kt), mask, pair_bias, lean)?
+        };
+        let gate_b = self.gating_b.f_reshape([heads * dim, 1])?;
+        let mut gate_t = project_transposed(x, &self.gating_w)?;
+        let gated = match lean {
+            true => avg_t.f_mul_(&gate_t.f_add_(&gate_b)?.f_sigmoid_()?)?,
+            false => avg_t.f_mul(&gate_t.f_add(&gate_b)?.f_sigmoid()?)?,
+        };
+        drop(gate_t);
+        let wo = self.output_w.f_reshape([heads * dim, -1])?;
+        let c = wo.size()[1];
+        let mut out = gated.f_transpose(1, 2)?.f_bmm(&wo.f_expand([b, heads * dim, c], false)?)?;
+        match lean {
+            true => Ok(out.f_add_(&self.output_b)?),
+            false => Ok(out.f_add(&self.output_b)?),
+        }
+    }
+
+    /// The heads' averaged values `[b, heads * dim, len]` from the queries and keys `(qt, kt)`
+    /// (each `[b, heads * dim, len]`) through the whole logits.
+    fn average_from_logits(
+        &self,
+        x: &Tensor,
+        (qt, kt): (Tensor, Tensor),
+        mask: &Tensor,
+        pair_bias: Option<&Tensor>,
+        lean: bool,
+    ) -> Result<Tensor> {
+        let (b, len) = (x.size()[0], x.size()[1]);
+        let (heads, dim) = (self.query_w.size()[1], self.head_dim);
+        let per_head = [b * heads, dim, len];
         // One binding: a shadowed one would keep the logits' storage alive to the end.
         let logits =
             qt.f_view(per_head)?.f_transpose(1, 2)?.f_bmm(&kt.f_view(per_head)?)?.f_view([b, heads, len, len])?;
@@ -131,22 +175,7 @@ impl Attention {
         // The values once the logits are gone: the two never live together.
         let vt = project_transposed(x, &self.value_w)?;
         let weights_t = weights.f_view([b * heads, len, len])?.f_transpose(1, 2)?;
-        let mut avg_t = vt.f_view(per_head)?.f_bmm(&weights_t)?.f_view([b, heads * dim, len])?;
-        drop((vt, weights_t, weights));
-        let gate_b = self.gating_b.f_reshape([heads * dim, 1])?;
-        let mut gate_t = project_transposed(x, &self.gating_w)?;
-        let gated = match lean {
-            true => avg_t.f_mul_(&gate_t.f_add_(&gate_b)?.f_sigmoid_()?)?,
-            false => avg_t.f_mul(&gate_t.f_add(&gate_b)?.f_sigmoid()?)?,
-        };
-        drop(gate_t);
-        let wo = self.output_w.f_reshape([heads * dim, -1])?;
-        let c = wo.size()[1];
-        let mut out = gated.f_transpose(1, 2)?.f_bmm(&wo.f_expand([b, heads * dim, c], false)?)?;
-        match lean {
-            true => Ok(out.f_add_(&self.output_b)?),
-            false => Ok(out.f_add(&self.output_b)?),
-        }
+        Ok(vt.f_view(per_head)?.f_bmm(&weights_t)?.f_view([b, heads * dim, len])?)
     }
 }
 

@@ -53,3 +53,4 @@ pub use exec::Exec;
 pub use heads::{HeadInputs, HeadOutputs, Heads};
 pub use keys::{EVOFORMER, EXTRA_MSA};
 pub use params::Params;
+pub use scope::AttentionKernel;

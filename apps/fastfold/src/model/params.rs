@@ -10,8 +10,10 @@ use std::path::Path;
 use kernels::Backend;
 use tch::{Device, Kind, Tensor};
 
+use crate::memory::AttentionLogits;
 use crate::model::config::{EvoformerConfig, ModelConfig};
 use crate::model::scope::{Builder, Mode};
+use crate::model::AttentionKernel;
 use crate::model::{Error, Result};
 
 /// Named arrays of the Evoformer and extra-MSA stacks (and, from [`Params::random_model`] or
@@ -20,12 +22,13 @@ pub struct Params {
     arrays: BTreeMap<String, Tensor>,
     config: EvoformerConfig,
     kernels: Backend,
+    attention: AttentionKernel,
 }
 
 impl Params {
     /// A store of `arrays` (already checked against `config` by building the modules).
     pub(super) fn from_parts(arrays: BTreeMap<String, Tensor>, config: EvoformerConfig) -> Params {
-        Params { arrays, config, kernels: Backend::Torch }
+        Params { arrays, config, kernels: Backend::Torch, attention: AttentionKernel::Logits }
     }
 
     /// The same arrays, building modules that run `kernels` (the fused CUDA kernels, or
@@ -33,6 +36,18 @@ impl Params {
     pub fn with_kernels(mut self, kernels: Backend) -> Params {
         self.kernels = kernels;
         self
+    }
+
+    /// The same arrays, building modules whose attentions run `attention` without autograd
+    /// on the fused kernels (the default: [`AttentionKernel::Logits`]).
+    pub fn with_attention(mut self, attention: AttentionKernel) -> Params {
+        self.attention = attention;
+        self
+    }
+
+    /// How the attentions of modules built from here hold their logits without autograd.
+    pub fn attention_logits(&self) -> AttentionLogits {
+        AttentionLogits::of(self.kernels, self.attention)
     }
 
     /// The same arrays, their Evoformer blocks running the outer product mean `first`
@@ -46,7 +61,7 @@ impl Params {
     /// The same arrays converted to `kind` (e.g. bf16 for inference).
     pub fn to_kind(&self, kind: Kind) -> Result<Params> {
         let arrays = self.arrays.iter().map(|(k, t)| Ok((k.clone(), t.f_to_kind(kind)?))).collect::<Result<_>>()?;
-        Ok(Params { arrays, config: self.config, kernels: self.kernels })
+        Ok(Params { arrays, config: self.config, kernels: self.kernels, attention: self.attention })
     }
 
     /// Writes every array under its AlphaFold name to `.npz` (stored, as numpy's `savez`) or, by
@@ -108,14 +123,14 @@ impl Params {
             .iter()
             .map(|(k, t)| Ok((k.clone(), t.f_detach()?.f_to_device(device)?.f_set_requires_grad(requires_grad)?)))
             .collect::<Result<_>>()?;
-        Ok(Params { arrays, config: self.config, kernels: self.kernels })
+        Ok(Params { arrays, config: self.config, kernels: self.kernels, attention: self.attention })
     }
 
     /// Builds the modules of one stack over these arrays, checking every shape and that every
     /// array of the stack is used.
     pub(crate) fn builder(&self) -> Builder {
         let arrays = self.arrays.iter().map(|(k, t)| (k.clone(), t.shallow_clone())).collect();
-        Builder::new(Mode::Load, arrays, None).with_kernels(self.kernels)
+        Builder::new(Mode::Load, arrays, None).with_kernels(self.kernels).with_attention(self.attention)
     }
 }
 

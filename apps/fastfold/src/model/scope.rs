@@ -37,6 +37,18 @@ pub enum Init {
     One,
 }
 
+/// Which attention runs without autograd on the fused kernels (`--attention`): training, and
+/// libtorch's compositions, always make the logits whole.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum AttentionKernel {
+    /// The logits made whole by cuBLAS and softmaxed in place by the fused softmax.
+    #[default]
+    Logits,
+    /// The tensor-core kernel ([`kernels::flash_attention`]): the logits never in memory. Its
+    /// f32 products are TF32.
+    Flash,
+}
+
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Mode {
     /// Look arrays up and check their shapes.
@@ -52,18 +64,25 @@ pub(crate) struct Builder {
     used: RefCell<BTreeSet<String>>,
     file: Option<String>,
     kernels: Backend,
+    attention: AttentionKernel,
 }
 
 impl Builder {
     /// A builder over `arrays`; `file` names their file in errors.
     pub(crate) fn new(mode: Mode, arrays: BTreeMap<String, Tensor>, file: Option<String>) -> Builder {
         let (arrays, used) = (RefCell::new(arrays), RefCell::new(BTreeSet::new()));
-        Builder { mode, arrays, used, file, kernels: Backend::Torch }
+        Builder { mode, arrays, used, file, kernels: Backend::Torch, attention: AttentionKernel::Logits }
     }
 
     /// Modules built from here run `kernels` where they have fused ones.
     pub(crate) fn with_kernels(mut self, kernels: Backend) -> Builder {
         self.kernels = kernels;
+        self
+    }
+
+    /// Modules built from here run `attention` without autograd on the fused kernels.
+    pub(crate) fn with_attention(mut self, attention: AttentionKernel) -> Builder {
+        self.attention = attention;
         self
     }
 
@@ -108,6 +127,11 @@ impl Scope<'_> {
     /// Which implementation the module's fused operations run.
     pub fn kernels(&self) -> Backend {
         self.builder.kernels
+    }
+
+    /// Which attention the module runs without autograd on the fused kernels.
+    pub fn attention(&self) -> AttentionKernel {
+        self.builder.attention
     }
 
     /// The array `name` of this module with per-block shape `shape`.

@@ -49,7 +49,7 @@ use crate::search::Mode;
 /// summaries in the order they ran.
 pub(super) fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predicted>> {
     check(args)?;
-    let (device, exec, _) = args.chunk.setup(&args.launch, world)?;
+    let (device, exec, backend) = args.chunk.setup(&args.launch, world)?;
     let budget = args.chunk.budget(device)?;
     if budget.is_some() && device == Device::Cpu {
         // The CPU's measured peak: every allocation libtorch makes from here on, counted.
@@ -84,7 +84,7 @@ pub(super) fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predi
     let mut confidences = Vec::new();
     for (preset, path) in &models {
         let iterations = args.structure_iterations.unwrap_or(MULTIMER_STRUCTURE_ITERATIONS);
-        let net = MultimerAlphaFold::load_on(path, iterations, device, Some(kind))
+        let net = MultimerAlphaFold::load_on(path, iterations, device, Some(kind), (backend, args.chunk.attention))
             .with_context(|| format!("parameters {}", path.display()))?
             .with_sampling(sampling(args, *preset));
         let planned = budget

@@ -29,9 +29,11 @@
 //! structure module drops from [`structure_key`] of the pass key (ours).
 use std::path::Path;
 
+use kernels::Backend;
 use tch::{Device, Kind, Tensor};
 
 use crate::jax_random::Key;
+use crate::memory::AttentionLogits;
 use crate::model::alphafold::Pass;
 use crate::model::config::{EvoformerConfig, ModelConfig, TemplateConfig};
 use crate::model::embedders::{pseudo_beta, ExtraMsaEmbedder, Recycled, RecyclingEmbedder};
@@ -51,6 +53,7 @@ use crate::model::multimer::Arrays;
 use crate::model::params::Params;
 use crate::model::recycling::{ca_distance_change, Recycling};
 use crate::model::structure::StructureModule;
+use crate::model::AttentionKernel;
 use crate::model::{ensure, Error, Result};
 
 /// The network's inputs: AlphaFold-Multimer's features of one complex, under the names its
@@ -211,6 +214,8 @@ pub struct MultimerAlphaFold {
     /// How each pass samples the MSA (v2.3's sizes by default).
     pub sampling: MsaSampling,
     drop_masked_rows: bool,
+    /// How its attentions hold their logits without autograd (for the memory plan).
+    logits: AttentionLogits,
 }
 
 impl MultimerAlphaFold {
@@ -224,15 +229,22 @@ impl MultimerAlphaFold {
 
     /// [`MultimerAlphaFold::load`] with the structure module running `iterations` iterations.
     pub fn load_with_iterations(path: impl AsRef<Path>, iterations: i64) -> Result<Self> {
-        Self::load_on(path, iterations, Device::Cpu, None)
+        Self::load_on(path, iterations, Device::Cpu, None, (Backend::Torch, AttentionKernel::Logits))
     }
 
     /// [`MultimerAlphaFold::load_with_iterations`] with the arrays on `device`, where the
     /// network then runs, and with `kind` converted to it (`Kind::BFloat16`: the network
     /// computes in bf16 as the monomer's does, the structure module's geometry in fp32); else
-    /// in the file's own kind.
-    pub fn load_on(path: impl AsRef<Path>, iterations: i64, device: Device, kind: Option<Kind>) -> Result<Self> {
-        Self::from_arrays(Arrays::open(path.as_ref())?.into_device(device, kind)?, iterations, device)
+    /// in the file's own kind; its modules running `kernels` (the fused CUDA kernels, with
+    /// which attention without autograd, or libtorch's compositions).
+    pub fn load_on(
+        path: impl AsRef<Path>,
+        iterations: i64,
+        device: Device,
+        kind: Option<Kind>,
+        kernels: (Backend, AttentionKernel),
+    ) -> Result<Self> {
+        Self::from_arrays(Arrays::open(path.as_ref())?.into_device(device, kind)?, iterations, device, kernels)
     }
 
     /// The network over `params`' arrays themselves (shared, not copied: a store whose arrays
@@ -242,10 +254,16 @@ impl MultimerAlphaFold {
         let (_, first) = params.iter().next().ok_or_else(|| Error::Invalid("an empty parameter store".into()))?;
         let device = first.device();
         let arrays = params.iter().map(|(k, t)| (k.to_string(), t.shallow_clone())).collect();
-        Self::from_arrays(Arrays { arrays, file: "the parameter store".into() }, iterations, device)
+        let arrays = Arrays { arrays, file: "the parameter store".into() };
+        Self::from_arrays(arrays, iterations, device, (Backend::Torch, AttentionKernel::Logits))
     }
 
-    fn from_arrays(arrays: Arrays, iterations: i64, device: Device) -> Result<Self> {
+    fn from_arrays(
+        arrays: Arrays,
+        iterations: i64,
+        device: Device,
+        kernels: (Backend, AttentionKernel),
+    ) -> Result<Self> {
         let file = arrays.file.clone();
         let kind = arrays.kind(&format!("{EMBEDDINGS}/single_activations//weights"))?;
         let config = EvoformerConfig::infer(&arrays.arrays).map_err(|e| Error::Invalid(format!("{file}: {e}")))?;
@@ -256,7 +274,7 @@ impl MultimerAlphaFold {
         ensure!(config.num_extra_blocks > 0, "{file}: AlphaFold-Multimer's parameters have an extra-MSA stack");
         let mut model = heads_config(&arrays)?;
         let param_bytes = crate::memory::bytes_of(arrays.arrays.values());
-        let b = arrays.shared_builder();
+        let b = arrays.shared_builder().with_kernels(kernels.0).with_attention(kernels.1);
         let templates = match arrays.contains(&format!("{SINGLE_TEMPLATE}/query_embedding_norm//scale")) {
             true => {
                 Some((MultimerTemplates::from_arrays(&arrays, &b)?, MultimerTemplateRows::from_arrays(&arrays, &b)?))
@@ -281,6 +299,7 @@ impl MultimerAlphaFold {
             device,
             sampling: MsaSampling::default(),
             drop_masked_rows: true,
+            logits: AttentionLogits::of(kernels.0, kernels.1),
         };
         let unused = b.unused_under("");
         ensure!(
@@ -324,6 +343,11 @@ impl MultimerAlphaFold {
     /// Bytes of the parameters (on the network's device).
     pub fn param_bytes(&self) -> u64 {
         self.param_bytes
+    }
+
+    /// How its attentions hold their logits without autograd.
+    pub fn attention_logits(&self) -> AttentionLogits {
+        self.logits
     }
 
     /// The template stack's sizes, when the parameters have one.
