@@ -307,6 +307,9 @@ bench() {
   item c4d bench-predict-flash "fastfold predict as c4, the tensor-core attention (--attention flash)" 150 \
     "$bin/bench-predict" --device cuda --residues 304,914 --recycles 3 --msa-rows 5628 --gpu-mem 70G --attention flash
   collect
+  item c4e bench-predict-flash-bf16 "fastfold predict as c4d in bf16 (the tensor-core attention's 16-bit products)" 120 \
+    "$bin/bench-predict" --device cuda --residues 304,914 --recycles 3 --msa-rows 5628 --gpu-mem 70G --attention flash --bf16
+  collect
   # Issue 41's two levers at 914 residues, each alone beside c4's fused fp32 row: libtorch's
   # scaled-dot-product attention with the biases as its additive mask (inference under
   # --kernels torch), and bf16.

@@ -54,7 +54,7 @@ use crate::model::keys::MULTIMER_RELATIVE_ENCODING;
 use crate::model::multimer::{
     load_multimer_params, network_key, MultimerAlphaFold, MultimerInputs, MULTIMER_STRUCTURE_ITERATIONS,
 };
-use crate::model::{Exec, Params, EVOFORMER, EXTRA_MSA};
+use crate::model::{AttentionKernel, Exec, Params, EVOFORMER, EXTRA_MSA};
 use crate::multimer::args::{ModelPreset, MultimerArgs};
 use crate::pdb::{read_resolution, Structure};
 use crate::train_complex::{complex_losses, ComplexSource, TrainingComplex};
@@ -756,6 +756,9 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
     }
     if args.ema_decay == 1.0 {
         bail!("--ema-decay 1 would keep the initial weights as the average: use one below 1 (0: none)");
+    }
+    if args.chunk.attention == AttentionKernel::Flash {
+        bail!("--attention flash is for predictions: training makes each attention's logits whole (its backward reads them)");
     }
     let ranks = args.parallel.ranks(world)?;
     let shard = ranks.shard;
