@@ -771,8 +771,9 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
     }
     let params = match multimer {
         true => load_multimer_params(&args.params),
-        false => Params::load_model(&args.params).map(|p| p.with_kernels(backend)),
+        false => Params::load_model(&args.params),
     }
+    .map(|p| p.with_kernels(backend))
     .with_context(|| format!("--params {}", args.params.display()))?;
     let preset = match multimer {
         true => None,

@@ -171,6 +171,44 @@ fn swapped_copies_in_the_truth_give_the_same_gradients() {
     }
 }
 
+/// A complex's training step on the fused kernels (`fastfold train --kernels fused`, the GPU's
+/// default) gives the compositions' loss within 1e-5 and every gradient within 1e-4 of its
+/// array's largest (plus 1e-6 of the largest of all, for arrays whose gradient is float noise):
+/// on a GPU, else on the CPU emulator (gpu-check runs it there).
+#[test]
+fn complex_gradients_on_the_fused_kernels_equal_the_compositions_on_cuda_or_the_emulator() {
+    let dev = suite_tests::cuda_or_emulator(
+        "complex_gradients_on_the_fused_kernels_equal_the_compositions_on_cuda_or_the_emulator",
+        kernels::emulator::enable,
+    );
+    let dir = common::scratch("train_complex", "fused");
+    let (fasta, pdb, _) = homodimer(&dir);
+    let gradients = |backend| {
+        let params = load_multimer_params(&tiny_multimer()).unwrap().with_kernels(backend);
+        let TrainingComplex { inputs, target, .. } = read(&fasta, None, &pdb).unwrap();
+        let mut trainer = Trainer::new(&params, dev, &adam(1e-3)).unwrap();
+        let losses = trainer.backward_complex(&inputs, &target, 1, &Exec::serial()).unwrap();
+        let on_cpu = |g: Tensor| if g.defined() { g.to_device(Device::Cpu) } else { g };
+        let grads: Vec<(String, Tensor)> =
+            trainer.params().iter().map(|(k, t)| (k.to_string(), on_cpu(t.grad()))).collect();
+        (losses.terms.loss, grads)
+    };
+    let (loss, torch) = gradients(kernels::Backend::Torch);
+    let (fused_loss, fused) = gradients(kernels::Backend::Fused);
+    assert!((loss - fused_loss).abs() <= 1e-5 * loss.abs(), "loss {loss} torch, {fused_loss} fused");
+    let largest = |g: &Tensor| if g.defined() { g.abs().max().double_value(&[]) } else { 0.0 };
+    // An array whose gradient is all but zero (float noise) is judged against 1e-6 of the
+    // largest gradient of all.
+    let floor = 1e-6 * torch.iter().map(|(_, g)| largest(g)).fold(0.0, f64::max);
+    for ((name, g), (_, h)) in torch.iter().zip(&fused) {
+        assert_eq!(g.defined(), h.defined(), "{name}: a gradient with one backend only");
+        if g.defined() {
+            let (scale, diff) = (largest(g), (g - h).abs().max().double_value(&[]));
+            assert!(diff <= 1e-4 * scale + floor, "{name}: fused gradient differs by {diff:e} (largest {scale:e})");
+        }
+    }
+}
+
 fn train(args: &[String]) -> (bool, String) {
     let o = Command::new(BIN).arg("train").args(args).output().unwrap();
     (o.status.success(), format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)))

@@ -50,6 +50,11 @@ impl Params {
         AttentionLogits::of(self.kernels, self.attention)
     }
 
+    /// The kernels modules built from here run, and their attention without autograd.
+    pub fn kernels(&self) -> (Backend, AttentionKernel) {
+        (self.kernels, self.attention)
+    }
+
     /// The same arrays, their Evoformer blocks running the outer product mean `first`
     /// (AlphaFold-Multimer's block order, for a file of the stacks alone, whose shapes cannot
     /// tell; see [`EvoformerConfig::outer_product_mean_first`]).

@@ -248,14 +248,15 @@ impl MultimerAlphaFold {
     }
 
     /// The network over `params`' arrays themselves (shared, not copied: a store whose arrays
-    /// require gradients trains this network), on their device, the structure module running
-    /// `iterations` iterations; [`load_multimer_params`](super::load_multimer_params) reads one.
+    /// require gradients trains this network), on their device, running their kernels, the
+    /// structure module running `iterations` iterations;
+    /// [`load_multimer_params`](super::load_multimer_params) reads one.
     pub fn from_params(params: &Params, iterations: i64) -> Result<Self> {
         let (_, first) = params.iter().next().ok_or_else(|| Error::Invalid("an empty parameter store".into()))?;
         let device = first.device();
         let arrays = params.iter().map(|(k, t)| (k.to_string(), t.shallow_clone())).collect();
         let arrays = Arrays { arrays, file: "the parameter store".into() };
-        Self::from_arrays(arrays, iterations, device, (Backend::Torch, AttentionKernel::Logits))
+        Self::from_arrays(arrays, iterations, device, params.kernels())
     }
 
     fn from_arrays(
