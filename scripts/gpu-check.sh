@@ -397,8 +397,8 @@ alphafold() {
   item d2 versus-alphafold-multimer "AlphaFold-Multimer 300 + 300 beside DeepMind's, full size, one pass, fp32" 300 \
     "$bin/bench-versus_alphafold_multimer" --device cuda --residues 300,300 --msa-rows 256 --recycles 0
   collect
-  item d1b versus-alphafold "fastfold predict beside DeepMind's AlphaFold, model_1_ptm sizes, 4 passes, fp32 (TF32 products, each side's default)" 360 \
-    "$bin/bench-versus_alphafold" --device cuda --residues 256,1024 --recycles 3
+  item d1b versus-alphafold "fastfold predict beside DeepMind's AlphaFold, model_1_ptm sizes, 4 passes, fp32 (TF32 products, each side's default), ours with whole logits and with the tensor-core attention" 360 \
+    "$bin/bench-versus_alphafold" --device cuda --residues 256,1024 --recycles 3 --attention logits,flash
   collect
 }
 

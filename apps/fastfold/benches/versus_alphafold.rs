@@ -14,7 +14,8 @@
 //! change a number (`tests/masked_rows.rs`). The last column is the largest difference of our
 //! atoms from AlphaFold's (over its atom mask): on a GPU at `--fp32-matmul ieee` (both sides'
 //! strict fp32) a parity check, at the default `tf32` (each side's default there) what the
-//! tensor cores' rounding moves.
+//! tensor cores' rounding moves. `--attention logits,flash` runs our side once per attention
+//! (`fastfold predict --attention`), one row each, beside the same AlphaFold run.
 mod common;
 
 use std::ffi::OsStr;
@@ -26,7 +27,7 @@ use clap::Parser;
 use common::{cells, AlphaFoldAtoms, Figures, OurDevice, Sides, TABLE_HEAD};
 use fastfold::features::Features;
 use fastfold::model::alphafold::AlphaFold;
-use fastfold::model::{Exec, Params};
+use fastfold::model::{AttentionKernel, Exec, Params};
 use tch::Kind;
 
 const BASELINE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/alphafold_baseline.py");
@@ -39,6 +40,10 @@ struct Args {
     /// Recycling passes after the first (AlphaFold's default 3: 4 passes).
     #[arg(long, default_value_t = 3)]
     recycles: usize,
+    /// Our side's attentions on a GPU, comma-separated: a row for each beside the same
+    /// AlphaFold run.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "logits")]
+    attention: Vec<AttentionKernel>,
     #[command(flatten)]
     sides: Sides,
 }
@@ -49,7 +54,8 @@ fastfold::process_allocator!();
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     if let Some(dir) = &args.sides.ours {
-        let (figures, diff) = ours(dir, args.recycles, &args.sides)?;
+        let attention = *args.attention.first().context("--attention names none")?;
+        let (figures, diff) = ours(dir, args.recycles, &args.sides, attention)?;
         figures.print_ours(&[diff.to_string()]);
         return Ok(());
     }
@@ -64,30 +70,49 @@ fn main() -> anyhow::Result<()> {
         let dir = std::env::temp_dir().join(format!("versus-alphafold-{}-{n}", std::process::id()));
         let result = compare(&args, n, &dir);
         let _ = std::fs::remove_dir_all(&dir);
-        let (theirs, first, mine, diff) = result?;
-        println!("| {n} | {} | {diff:.2e} |", cells(&theirs, first, &mine));
+        let (theirs, first, rows) = result?;
+        for (attention, mine, diff) in rows {
+            let label = match args.attention.len() {
+                1 => n.to_string(),
+                _ => format!("{n} ({attention:?})"),
+            };
+            println!("| {label} | {} | {diff:.2e} |", cells(&theirs, first, &mine));
+        }
     }
     Ok(())
 }
 
-/// AlphaFold's figures (and its first, compiling, call's seconds), ours and the largest atom
-/// difference for `n` residues.
-fn compare(args: &Args, n: usize, dir: &Path) -> anyhow::Result<(Figures, f64, Figures, f64)> {
+/// AlphaFold's figures (and its first, compiling, call's seconds), and for each of our
+/// attentions our figures and the largest atom difference, for `n` residues.
+type Compared = (Figures, f64, Vec<(AttentionKernel, Figures, f64)>);
+
+fn compare(args: &Args, n: usize, dir: &Path) -> anyhow::Result<Compared> {
     let (n, recycles) = (n.to_string(), args.recycles.to_string());
     let baseline = ["--residues", &n, "--recycles", &recycles, "--out"].map(OsStr::new);
     let (theirs, first) = Figures::alphafold(&args.sides, BASELINE, &[&baseline[..], &[dir.as_os_str()]].concat())?;
-    let (mine, more) = Figures::ours(dir, &args.sides, &["--recycles".into(), recycles])?;
-    let diff: f64 = more.first().context("our side printed no atom difference")?.parse()?;
-    Ok((theirs, first, mine, diff))
+    let mut rows = vec![];
+    for &attention in &args.attention {
+        let name = format!("{attention:?}").to_lowercase();
+        let ours_args = ["--recycles".to_string(), recycles.clone(), "--attention".into(), name];
+        let (mine, more) = Figures::ours(dir, &args.sides, &ours_args)?;
+        let diff: f64 = more.first().context("our side printed no atom difference")?.parse()?;
+        rows.push((attention, mine, diff));
+    }
+    Ok((theirs, first, rows))
 }
 
 /// Our prediction on the parameters and features in `dir`, timed on its second run, and the
 /// largest difference of its atoms from AlphaFold's (`positions.npz`), over AlphaFold's mask.
-fn ours(dir: &Path, recycles: usize, sides: &Sides) -> anyhow::Result<(Figures, f64)> {
+fn ours(dir: &Path, recycles: usize, sides: &Sides, attention: AttentionKernel) -> anyhow::Result<(Figures, f64)> {
     let on = OurDevice::start(sides)?;
     // On a GPU with the fused kernels, as `fastfold predict` runs there.
     let backend = kernels::Backend::resolve(None, on.device)?;
-    let params = Params::load_model(dir.join("params.npz"))?.to_device(on.device, false)?.with_kernels(backend);
+    ensure!(
+        attention == AttentionKernel::Logits || backend == kernels::Backend::Fused,
+        "--attention flash runs on the fused kernels: a GPU's"
+    );
+    let params = Params::load_model(dir.join("params.npz"))?.to_device(on.device, false)?;
+    let params = params.with_kernels(backend).with_attention(attention);
     let features = Features::load_npz(&dir.join("features.npz"), on.device)?;
     let model = AlphaFold::new(&params)?;
     let mut seconds = 0.0;
