@@ -155,7 +155,7 @@ fn main() -> anyhow::Result<()> {
                 extra_rows,
                 elem: e,
                 templates,
-                logits: AttentionLogits::of(kernels::Backend::Fused, args.attention),
+                logits: AttentionLogits::of((kernels::Backend::Fused, args.attention)),
                 host_apart: true,
             };
             // A complex's features stay on the host, the monomer's too but for the pass's slice.

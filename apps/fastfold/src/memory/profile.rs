@@ -51,7 +51,7 @@ pub enum AttentionLogits {
 
 impl AttentionLogits {
     /// The logits of modules running `kernels` with `attention`.
-    pub fn of(kernels: kernels::Backend, attention: AttentionKernel) -> AttentionLogits {
+    pub fn of((kernels, attention): (kernels::Backend, AttentionKernel)) -> AttentionLogits {
         match (kernels, attention) {
             (kernels::Backend::Torch, _) => AttentionLogits::Blocks,
             (kernels::Backend::Fused, AttentionKernel::Logits) => AttentionLogits::Whole,

@@ -256,7 +256,7 @@ impl AlphaFold {
             config,
             drop_masked_rows: true,
             device: params.iter().next().map_or(Device::Cpu, |(_, t)| t.device()),
-            logits: params.attention_logits(),
+            logits: AttentionLogits::of(params.kernels()),
         })
     }
 

@@ -10,7 +10,6 @@ use std::path::Path;
 use kernels::Backend;
 use tch::{Device, Kind, Tensor};
 
-use crate::memory::AttentionLogits;
 use crate::model::config::{EvoformerConfig, ModelConfig};
 use crate::model::scope::{Builder, Mode};
 use crate::model::AttentionKernel;
@@ -43,11 +42,6 @@ impl Params {
     pub fn with_attention(mut self, attention: AttentionKernel) -> Params {
         self.attention = attention;
         self
-    }
-
-    /// How the attentions of modules built from here hold their logits without autograd.
-    pub fn attention_logits(&self) -> AttentionLogits {
-        AttentionLogits::of(self.kernels, self.attention)
     }
 
     /// The kernels modules built from here run, and their attention without autograd.

@@ -300,7 +300,7 @@ impl MultimerAlphaFold {
             device,
             sampling: MsaSampling::default(),
             drop_masked_rows: true,
-            logits: AttentionLogits::of(kernels.0, kernels.1),
+            logits: AttentionLogits::of(kernels),
         };
         let unused = b.unused_under("");
         ensure!(
