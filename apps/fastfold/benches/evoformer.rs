@@ -1,6 +1,7 @@
-//! One Evoformer block (AlphaFold's sizes unless `--small`): forward and forward+backward time
-//! and peak memory, beside the same block in PyTorch eager (`benches/evoformer_baseline.py`,
-//! same weights and inputs, its outputs first checked against ours), and the ratio.
+//! One Evoformer block (AlphaFold's sizes unless `--small`): inference forward and training
+//! forward+backward time and peak memory, beside the same block in PyTorch eager
+//! (`benches/evoformer_baseline.py`, same weights and inputs, its outputs first checked against
+//! ours), and the ratio.
 //!
 //! `cargo bench -p fastfold --bench evoformer -- --residues 256 --sequences 128 --device cuda`
 //! is the shape OpenFold and FastFold report; `scripts/bench-fastfold.sh` runs it.
@@ -14,7 +15,7 @@ use engine::device::DeviceKind;
 use engine::fp32_matmul::Fp32Matmul;
 use engine::parallel::dap::Dap;
 use fastfold::model::layers::Stream;
-use fastfold::model::{EvoformerConfig, EvoformerStack, Exec, Params};
+use fastfold::model::{AttentionKernel, EvoformerConfig, EvoformerStack, Exec, Params};
 use tch::{Device, Kind, Tensor};
 
 const BASELINE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/evoformer_baseline.py");
@@ -54,6 +55,10 @@ struct Args {
     /// compositions (default: fused on CUDA, as `fastfold predict` runs; the baseline is eager).
     #[arg(long, value_enum)]
     kernels: Option<kernels::Backend>,
+    /// The forward's attentions on the fused kernels, as `fastfold predict --attention` runs
+    /// them: whole logits softmaxed in place, or the tensor-core kernel.
+    #[arg(long, value_enum, default_value_t = AttentionKernel::Logits)]
+    attention: AttentionKernel,
     /// CPU threads (both sides; 0: libtorch's default).
     #[arg(long, default_value_t = 0)]
     threads: i32,
@@ -69,6 +74,11 @@ struct Args {
     /// cargo bench passes this; ignored.
     #[arg(long, hide = true)]
     bench: bool,
+}
+
+/// Whether our fp32 products are strict IEEE (`--fp32-matmul ieee` in fp32).
+fn strict_fp32(args: &Args) -> bool {
+    !args.bf16 && args.fp32_matmul == Fp32Matmul::Ieee
 }
 
 fn sync(device: Device) -> anyhow::Result<()> {
@@ -134,15 +144,25 @@ fn main() -> anyhow::Result<()> {
     let on = |t: &Tensor| t.to_device(device).to_kind(kind);
 
     let backend = kernels::Backend::resolve(args.kernels, device)?;
+    ensure!(
+        args.attention == AttentionKernel::Logits || (backend == kernels::Backend::Fused && !strict_fp32(&args)),
+        "--attention flash runs on the fused kernels, its fp32 products in TF32"
+    );
     let p = params.to_kind(kind)?.to_device(device, true)?.with_kernels(backend);
     let stack = EvoformerStack::main(&p)?;
+    // The forward row is inference, as `fastfold predict` runs a block: parameters that record
+    // no gradient, so that the block takes its inference path (biases, gates and softmax in
+    // place; the tensor-core attention with --attention flash). The baseline's is torch.no_grad.
+    let inference = params.to_kind(kind)?.to_device(device, false)?.with_kernels(backend);
+    let inference = EvoformerStack::main(&inference.with_attention(args.attention))?;
     let exec = Exec::new(Dap::none(), args.chunk_size);
     let (m_in, z_in, mm, pm) = (on(&msa), on(&pair), on(&msa_mask), on(&pair_mask));
     // The inputs kept: every run starts from them.
     let inputs = || (Stream::new(m_in.shallow_clone(), false), Stream::new(z_in.shallow_clone(), false));
-    let (ours_msa, ours_pair, _) = tch::no_grad(|| stack.forward(inputs().0, inputs().1, &mm, &pm, &exec, None))?;
+    let infer = || tch::no_grad(|| inference.forward(inputs().0, inputs().1, &mm, &pm, &exec, None));
+    let (ours_msa, ours_pair, _) = infer()?;
     let forward = median_ms(args.warmup, args.iters, device, || {
-        let _outputs = tch::no_grad(|| stack.forward(inputs().0, inputs().1, &mm, &pm, &exec, None))?;
+        let _outputs = infer()?;
         Ok(())
     })?;
     if let Device::Cuda(d) = device {
@@ -165,7 +185,7 @@ fn main() -> anyhow::Result<()> {
         Some(dir) => {
             std::fs::create_dir_all(dir)?;
             let forward = trace(device, &dir.join("evoformer-forward.json"), "forward", || {
-                let _outputs = tch::no_grad(|| stack.forward(inputs().0, inputs().1, &mm, &pm, &exec, None))?;
+                let _outputs = infer()?;
                 Ok(())
             })?;
             let both = trace(device, &dir.join("evoformer-forward-backward.json"), "forward+backward", || {
@@ -180,7 +200,7 @@ fn main() -> anyhow::Result<()> {
     let mib = |b: Option<u64>| b.map_or("-".to_string(), |b| format!("{:.0}", b as f64 / (1 << 20) as f64));
     let tf32 = !args.bf16 && args.fp32_matmul == Fp32Matmul::Tf32 && device != Device::Cpu;
     println!(
-        "Evoformer block, {s} sequences x {n} residues, c_m {} c_z {}, {} on {device:?}, kernels {backend:?}{}",
+        "Evoformer block, {s} sequences x {n} residues, c_m {} c_z {}, {} on {device:?}, kernels {backend:?}, attention {:?}{}",
         cfg.c_m,
         cfg.c_z,
         match (args.bf16, tf32) {
@@ -188,6 +208,7 @@ fn main() -> anyhow::Result<()> {
             (false, true) => "fp32 (TF32 products)",
             (false, false) => "fp32",
         },
+        args.attention,
         args.chunk_size.map(|c| format!(", chunk {c}")).unwrap_or_default()
     );
     println!("| | forward ms | forward+backward ms | peak MiB |");
