@@ -76,11 +76,6 @@ struct Args {
     bench: bool,
 }
 
-/// Whether our fp32 products are strict IEEE (`--fp32-matmul ieee` in fp32).
-fn strict_fp32(args: &Args) -> bool {
-    !args.bf16 && args.fp32_matmul == Fp32Matmul::Ieee
-}
-
 fn sync(device: Device) -> anyhow::Result<()> {
     if let Device::Cuda(d) = device {
         engine::cuda::synchronize(d)?;
@@ -144,10 +139,7 @@ fn main() -> anyhow::Result<()> {
     let on = |t: &Tensor| t.to_device(device).to_kind(kind);
 
     let backend = kernels::Backend::resolve(args.kernels, device)?;
-    ensure!(
-        args.attention == AttentionKernel::Logits || (backend == kernels::Backend::Fused && !strict_fp32(&args)),
-        "--attention flash runs on the fused kernels, its fp32 products in TF32"
-    );
+    args.attention.check(backend, !args.bf16 && args.fp32_matmul == Fp32Matmul::Ieee)?;
     let p = params.to_kind(kind)?.to_device(device, true)?.with_kernels(backend);
     let stack = EvoformerStack::main(&p)?;
     // The forward row is inference, as `fastfold predict` runs a block: parameters that record

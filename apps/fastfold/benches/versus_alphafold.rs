@@ -107,10 +107,7 @@ fn ours(dir: &Path, recycles: usize, sides: &Sides, attention: AttentionKernel) 
     let on = OurDevice::start(sides)?;
     // On a GPU with the fused kernels, as `fastfold predict` runs there.
     let backend = kernels::Backend::resolve(None, on.device)?;
-    ensure!(
-        attention == AttentionKernel::Logits || backend == kernels::Backend::Fused,
-        "--attention flash runs on the fused kernels: a GPU's"
-    );
+    attention.check(backend, sides.fp32_matmul == engine::fp32_matmul::Fp32Matmul::Ieee)?;
     let params = Params::load_model(dir.join("params.npz"))?.to_device(on.device, false)?;
     let params = params.with_kernels(backend).with_attention(attention);
     let features = Features::load_npz(&dir.join("features.npz"), on.device)?;

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::{bail, ensure, Context};
+use anyhow::{bail, Context};
 use clap::builder::TypedValueParser;
 use engine::dist::World;
 use engine::fp32_matmul::Fp32Matmul;
@@ -312,16 +312,7 @@ impl ChunkArgs {
     ) -> anyhow::Result<(Device, Exec, kernels::Backend)> {
         let device = launch.device(world)?;
         let backend = kernels::Backend::resolve(self.kernels, device)?;
-        if self.attention == AttentionKernel::Flash {
-            ensure!(
-                backend == kernels::Backend::Fused,
-                "--attention flash runs on the fused kernels (a GPU's default), not with {backend:?}'s compositions"
-            );
-            ensure!(
-                self.fp32_matmul == Fp32Matmul::Tf32,
-                "--attention flash takes its fp32 products as TF32; with --fp32-matmul ieee use --attention logits"
-            );
-        }
+        self.attention.check(backend, self.fp32_matmul == Fp32Matmul::Ieee)?;
         engine::fp32_matmul::set(self.fp32_matmul)?;
         if let Some(split) = self.process_cap(device)? {
             if world.rank() == 0 {

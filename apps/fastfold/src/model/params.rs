@@ -129,7 +129,7 @@ impl Params {
     /// array of the stack is used.
     pub(crate) fn builder(&self) -> Builder {
         let arrays = self.arrays.iter().map(|(k, t)| (k.clone(), t.shallow_clone())).collect();
-        Builder::new(Mode::Load, arrays, None).with_kernels(self.kernels).with_attention(self.attention)
+        Builder::new(Mode::Load, arrays, None).with_kernels(self.kernels())
     }
 }
 

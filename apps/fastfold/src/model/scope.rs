@@ -19,7 +19,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use kernels::Backend;
 use tch::{Device, Kind, Tensor};
 
-use crate::model::{Error, Result};
+use crate::model::{ensure, Error, Result};
 
 /// How [`Params::random`](crate::model::Params::random) draws an array. Every array gets
 /// non-degenerate values (AlphaFold's training init zeroes output and gating weights, which
@@ -49,6 +49,25 @@ pub enum AttentionKernel {
     Flash,
 }
 
+impl AttentionKernel {
+    /// Refuses the tensor-core attention where it cannot run as asked: off the fused kernels
+    /// (the compositions make the logits whole), or with strict IEEE fp32 products asked for
+    /// (its fp32 products are TF32).
+    pub fn check(self, kernels: Backend, strict_fp32: bool) -> Result<()> {
+        if self == AttentionKernel::Flash {
+            ensure!(
+                kernels == Backend::Fused,
+                "--attention flash runs on the fused kernels (a GPU's default), not with {kernels:?}'s compositions"
+            );
+            ensure!(
+                !strict_fp32,
+                "--attention flash takes its fp32 products as TF32; with --fp32-matmul ieee use --attention logits"
+            );
+        }
+        Ok(())
+    }
+}
+
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Mode {
     /// Look arrays up and check their shapes.
@@ -74,14 +93,10 @@ impl Builder {
         Builder { mode, arrays, used, file, kernels: Backend::Torch, attention: AttentionKernel::Logits }
     }
 
-    /// Modules built from here run `kernels` where they have fused ones.
-    pub(crate) fn with_kernels(mut self, kernels: Backend) -> Builder {
+    /// Modules built from here run `kernels` where they have fused ones, and on the fused
+    /// kernels `attention` without autograd.
+    pub(crate) fn with_kernels(mut self, (kernels, attention): (Backend, AttentionKernel)) -> Builder {
         self.kernels = kernels;
-        self
-    }
-
-    /// Modules built from here run `attention` without autograd on the fused kernels.
-    pub(crate) fn with_attention(mut self, attention: AttentionKernel) -> Builder {
         self.attention = attention;
         self
     }

@@ -275,7 +275,7 @@ impl MultimerAlphaFold {
         ensure!(config.num_extra_blocks > 0, "{file}: AlphaFold-Multimer's parameters have an extra-MSA stack");
         let mut model = heads_config(&arrays)?;
         let param_bytes = crate::memory::bytes_of(arrays.arrays.values());
-        let b = arrays.shared_builder().with_kernels(kernels.0).with_attention(kernels.1);
+        let b = arrays.shared_builder().with_kernels(kernels);
         let templates = match arrays.contains(&format!("{SINGLE_TEMPLATE}/query_embedding_norm//scale")) {
             true => {
                 Some((MultimerTemplates::from_arrays(&arrays, &b)?, MultimerTemplateRows::from_arrays(&arrays, &b)?))
