@@ -17,7 +17,7 @@ use std::time::Duration;
 use tch::Tensor;
 
 use crate::dist::store::{timeout_ms, Store};
-use crate::dist::work::Work;
+use crate::dist::work::{Hop, Work};
 use crate::error::ensure;
 use crate::ffi::{self, check, EngGroup, EngWork, RawTensor};
 use crate::{Error, Result};
@@ -339,6 +339,18 @@ impl ProcessGroup {
         let mut shape = input.size();
         shape[0] *= self.size() as i64;
         check_output("all_gather", output, &shape, &input)?;
+        if !output.device().is_cuda() && self.size() > 1 {
+            // Gloo gathers into a staging buffer of the output's size and copies it out, which
+            // doubles the largest tensor of a gather (DAP's whole pair at a stack's end). Each
+            // rank's block broadcast into its place holds nothing more, as NCCL's gather does.
+            let block = input.size()[0];
+            output.f_narrow(0, self.rank() as i64 * block, block)?.f_copy_(&input)?;
+            let mut works = (0..self.size())
+                .map(|root| self.broadcast_async(&output.f_narrow(0, root as i64 * block, block)?, root))
+                .collect::<Result<Vec<_>>>()?;
+            let last = works.pop().expect("a group of two or more");
+            return Ok(last.then(move || works.into_iter().try_for_each(Work::wait)));
+        }
         self.start("all_gather", Some(&input), nbytes(output), |g, w| unsafe {
             ffi::eng_allgather_into(g, output.raw(), input.raw(), w)
         })
@@ -482,6 +494,28 @@ impl ProcessGroup {
             Some(dst) => work.then(move || copy_into(&dst, &buffer)),
             None => work,
         })
+    }
+
+    /// Starts passing `tensor` one step around the ring of the group's ranks: to rank
+    /// `rank + 1` while rank `rank - 1`'s tensor of the same shape comes in (`tag` matches the
+    /// two). Every rank passes at the same step, so a ring of `size` steps brings every rank's
+    /// tensor to every rank.
+    pub fn ring_pass(&self, tensor: &Tensor, tag: i32) -> Result<Hop> {
+        let n = self.size();
+        let (next, prev) = ((self.rank() + 1) % n, (self.rank() + n - 1) % n);
+        let outbox = tensor.f_contiguous()?;
+        let inbox = outbox.f_empty_like()?;
+        // Even ranks send first and odd ranks receive first. Gloo does not mind, but NCCL runs
+        // the point-to-point operations between two ranks in order on one stream, and with
+        // two ranks (next == prev) "both receive first" would wait forever.
+        let (sent, received) = if self.rank().is_multiple_of(2) {
+            let sent = self.send_async(&outbox, next, tag)?;
+            (sent, self.recv_async(&inbox, prev, tag)?)
+        } else {
+            let received = self.recv_async(&inbox, prev, tag)?;
+            (self.send_async(&outbox, next, tag)?, received)
+        };
+        Ok(Hop { sent, received, inbox, outbox })
     }
 
     /// Waits until every rank of the group reaches the barrier.

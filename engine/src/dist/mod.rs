@@ -15,4 +15,4 @@ pub use launch::{init, InitOptions, LaunchEnv, Launcher, World};
 pub use mesh::{DeviceMesh, ParallelDims};
 pub use spawn::{maybe_relaunch, spawn, SpawnOptions};
 pub use store::Store;
-pub use work::Work;
+pub use work::{Hop, Work};

@@ -1,6 +1,8 @@
 //! Handles to collectives in flight.
 use std::time::Duration;
 
+use tch::Tensor;
+
 use crate::dist::heartbeat::{self, Waiting};
 use crate::dist::store::timeout_ms;
 use crate::dist::ProcessGroup;
@@ -94,5 +96,26 @@ impl Drop for Work {
 impl std::fmt::Debug for Work {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Work({})", self.what)
+    }
+}
+
+/// One step of a ring in flight ([`ProcessGroup::ring_pass`]): this rank's tensor on its way to
+/// the next rank while the previous rank's comes in.
+#[must_use = "the previous rank's tensor comes from wait()"]
+pub struct Hop {
+    pub(crate) sent: Work,
+    pub(crate) received: Work,
+    pub(crate) inbox: Tensor,
+    /// Kept alive until the send completes.
+    pub(crate) outbox: Tensor,
+}
+
+impl Hop {
+    /// Waits for both transfers and returns the previous rank's tensor.
+    pub fn wait(self) -> Result<Tensor> {
+        self.sent.wait()?;
+        self.received.wait()?;
+        drop(self.outbox);
+        Ok(self.inbox)
     }
 }

@@ -240,6 +240,18 @@ impl Stream {
         Ok(Stream { t: f(&self.t)?, owned, dropout })
     }
 
+    /// Adds `update` to rows `[start, start + n)` along `dim` in place, for a module that
+    /// writes its update in an order of its own; only where [`Stream::adds_in_place`] and the
+    /// update records no gradients.
+    pub fn add_in_place(&mut self, dim: i64, start: i64, n: i64, update: &Tensor) -> Result<()> {
+        ensure!(
+            self.adds_in_place() && !update.requires_grad(),
+            "an update added in place to a stream that autograd or dropout needs whole"
+        );
+        let _ = self.t.f_narrow(dim, start, n)?.f_add_(update)?;
+        Ok(())
+    }
+
     /// Adds the update `f(stream, start, n)` of rows `[start, start + n)` along `dim`, `chunk`
     /// rows at a time (`None`: whole).
     pub fn add_chunked(

@@ -4,12 +4,13 @@
 //! Under DAP the "outgoing" and "starting node" operations take a row-split pair
 //! [r/N, r, c_z] (mask [r/N, r]) and the "incoming" and "ending node" ones a col-split pair
 //! [r, r/N, c_z] (mask [r, r/N]); the result has the layout of the input.
+use engine::dist::ProcessGroup;
 use kernels::Backend;
 use tch::Tensor;
 
 use crate::model::attention::Attention;
 use crate::model::exec::{ChunkOp, Exec};
-use crate::model::layers::{chunked_along, narrow, LayerNorm, Linear, Stream};
+use crate::model::layers::{chunked_along, narrow, step, LayerNorm, Linear, Stream};
 use crate::model::msa::pair_bias;
 use crate::model::scope::{Init, Scope};
 use crate::model::Result;
@@ -119,10 +120,12 @@ impl TriangleMultiplication {
     /// first (normalised and projected in chunks of pair rows); then each chunk normalises its
     /// own rows (columns), projects and gates them, takes the product over k with it and
     /// writes its update, so that only the stream and that projection are whole.
+    ///
+    /// Under DAP without autograd the projection is never whole: its blocks go around the
+    /// ranks instead (`add_by_ring`), so that a rank's peak falls with the ranks.
     pub fn update(&self, pair: &mut Stream, mask: &Tensor, exec: &Exec) -> Result<()> {
         let dap = exec.dap();
         let chunk = exec.chunk_for(ChunkOp::TriangleMultiplication);
-        let z = pair.get();
         // The sum over k needs the other endpoint's projections whole, one matrix per channel
         // as bmm reads it. Each chunk of pair rows is laid out channel-first as it is made
         // ([n, N, c] to [c, n, N], while the chunk is still in cache) and written into the
@@ -131,46 +134,148 @@ impl TriangleMultiplication {
         // cost as much as half the product at 600 residues; einsum would copy it again for
         // every chunk.
         //
-        // Under DAP the projection is gathered from the ranks along dim 0, where the group's
-        // all-gather puts the blocks: each rank's block is laid out with its own endpoint
-        // first ([j, c, k] outgoing, [i, c, k] incoming), so that neither the block nor the
-        // gathered whole is copied again; bmm reads the gathered [c, .., ..] as a view.
+        // Under DAP the projection is gathered from the ranks (or passed around them) along
+        // dim 0, where the group's collectives put the blocks: each rank's block is laid out
+        // with its own endpoint first ([j, c, k] outgoing, [i, c, k] incoming), so that
+        // neither the block nor the gathered whole is copied again; bmm reads the blocks as
+        // [c, .., ..] views.
         let dim = chunk_dim(self.direction);
-        // The chunks' [n, N, c] laid out as rows of the projection, the dim they join on, and
-        // the permutation that reads the (gathered) whole: outgoing as [c, k, j], incoming as
-        // [c, i, k].
-        let (layout, join, read): ([i64; 3], i64, [i64; 3]) = match (dap.size() > 1, self.direction) {
-            (false, _) => ([2, 0, 1], 1, [0, 2, 1]),                  // [c, n, N]
-            (true, Direction::Outgoing) => ([0, 2, 1], 0, [1, 2, 0]), // [n (j), c, N (k)]
-            (true, Direction::Incoming) => ([1, 2, 0], 2, [1, 0, 2]), // [N (i), c, n (k)]
-        };
-        let rows = chunked_along(join, z.size()[0], chunk, |start, n| {
-            let projected = {
-                let x = self.layer_norm_input.forward(&narrow(z, 0, start, n)?)?;
-                let m = narrow(mask, 0, start, n)?.f_unsqueeze(-1)?;
-                gated(&x, &self.right_projection, &x, &self.right_gate, Some(&m), self.kernels)?
-            };
-            Ok(projected.f_permute(layout)?.f_contiguous()?)
-        })?;
-        // One rank: the gather is the identity.
-        let right = dap.all_gather(&rows, 0)?.f_permute(read)?;
+        let blocks = dap.size() > 1;
+        let rows = self.projection(pair.get(), mask, Side::Right, blocks, chunk)?;
+        if let Some(group) = dap.active() {
+            if pair.adds_in_place() && !rows.requires_grad() {
+                return self.add_by_ring(pair, mask, rows, group, chunk);
+            }
+        }
+        // One rank: the gather is the identity. With autograd, backward needs every block
+        // anyway (bmm saves its operands), so passing them around would save nothing.
+        let right = dap.all_gather(&rows, 0)?.f_permute(self.read_right(blocks))?;
         drop(rows);
         pair.add_chunked(dim, chunk, |z, start, n| {
             let x = self.layer_norm_input.forward(&narrow(z, dim, start, n)?)?;
             let m = narrow(mask, dim, start, n)?.f_unsqueeze(-1)?;
             let left = gated(&x, &self.left_projection, &x, &self.left_gate, Some(&m), self.kernels)?;
-            // Outgoing: [c, i, k] x [c, k, j] (`ikc,jkc->ijc`); incoming: [c, i, k] x [c, k, j]
-            // with the whole projection on the left (`kjc,kic->ijc`). Either way [c, i, j].
-            let prod = match self.direction {
-                Direction::Outgoing => left.f_permute([2, 0, 1])?.f_bmm(&right)?,
-                Direction::Incoming => right.f_bmm(&left.f_permute([2, 0, 1])?)?,
-            };
+            let prod = self.product(&left.f_permute([2, 0, 1])?, &right)?;
             drop(left);
             let normed = self.center_layer_norm.forward(&prod.f_permute([1, 2, 0])?)?;
             drop(prod);
             gated(&normed, &self.output_projection, &x, &self.gating_linear, None, self.kernels)
         })
     }
+
+    /// One side's gated projection of every pair row this rank holds, normalised and projected
+    /// `chunk` rows (dim 0) at a time and laid out as the product reads it:
+    /// - the left side, and the right side on one rank: `[c, rows, cols]` (outgoing `[c, i,
+    ///   k]`, incoming `[c, k, j]`; the right side is read transposed, as a view);
+    /// - the right side under DAP, each rank's block with its own endpoint first: outgoing
+    ///   `[j, c, k]`, incoming `[i, c, k]` (see [`Self::read_right`]).
+    fn projection(&self, z: &Tensor, mask: &Tensor, side: Side, blocks: bool, chunk: Option<i64>) -> Result<Tensor> {
+        let (proj, gate) = match side {
+            Side::Left => (&self.left_projection, &self.left_gate),
+            Side::Right => (&self.right_projection, &self.right_gate),
+        };
+        // A chunk's [n, cols, c] laid out, and the dim the chunks join on.
+        let (layout, join): ([i64; 3], i64) = match (blocks && side == Side::Right, self.direction) {
+            (false, _) => ([2, 0, 1], 1),                  // [c, n, cols]
+            (true, Direction::Outgoing) => ([0, 2, 1], 0), // [n (j), c, cols (k)]
+            (true, Direction::Incoming) => ([1, 2, 0], 2), // [cols (i), c, n (k)]
+        };
+        chunked_along(join, z.size()[0], chunk, |start, n| {
+            let projected = {
+                let x = self.layer_norm_input.forward(&narrow(z, 0, start, n)?)?;
+                let m = narrow(mask, 0, start, n)?.f_unsqueeze(-1)?;
+                gated(&x, proj, &x, gate, Some(&m), self.kernels)?
+            };
+            Ok(projected.f_permute(layout)?.f_contiguous()?)
+        })
+    }
+
+    /// The permutation that reads the right side's [`Self::projection`] (`blocks`: a block
+    /// or the blocks gathered) as the product's operand: outgoing `[c, k, j]`, incoming `[c,
+    /// i, k]`.
+    fn read_right(&self, blocks: bool) -> [i64; 3] {
+        match (blocks, self.direction) {
+            (false, _) => [0, 2, 1],
+            (true, Direction::Outgoing) => [1, 2, 0],
+            (true, Direction::Incoming) => [1, 0, 2],
+        }
+    }
+
+    /// The product over k, `[c, i, j]`, of a left projection `[c, rows, cols]` and a right one
+    /// read by [`Self::read_right`]: outgoing `[c, i, k] x [c, k,
+    /// j]` (`ikc,jkc->ijc`), incoming `[c, i, k] x [c, k, j]` with the right side on the left
+    /// (`kjc,kic->ijc`).
+    fn product(&self, left: &Tensor, right: &Tensor) -> Result<Tensor> {
+        Ok(match self.direction {
+            Direction::Outgoing => left.f_bmm(right)?,
+            Direction::Incoming => right.f_bmm(left)?,
+        })
+    }
+
+    /// The update under DAP without autograd, from this rank's right-side block `own`
+    /// ([`Self::projection`]) without ever gathering the whole: the blocks go around the ring
+    /// of ranks `chunk` of their rows at a time (rank `r` sends to `r + 1`), and each piece
+    /// held gives the update of as many of the pair's other-endpoint positions (outgoing
+    /// columns j, incoming rows i) for every row this rank holds, written in place before the
+    /// next piece arrives. The next transfer overlaps the current piece's arithmetic.
+    ///
+    /// Writes touch the pair before the sum over k has read all of it, so the left side is
+    /// projected whole first (the right side's own block is, being what travels). A rank then
+    /// holds its pair block, both sides' projections of it and two pieces in transit: about
+    /// 3/N of the pair plus a piece, where gathering holds the whole projection on every rank
+    /// (FastFold's issue #115: per-rank memory that does not fall with the ranks). The update
+    /// of position (i, j) reads the pair only at (i, j) (its gate) apart from the projections,
+    /// and each position is written once, so the order of the pieces does not matter.
+    fn add_by_ring(
+        &self,
+        pair: &mut Stream,
+        mask: &Tensor,
+        own: Tensor,
+        group: &ProcessGroup,
+        chunk: Option<i64>,
+    ) -> Result<()> {
+        let left = self.projection(pair.get(), mask, Side::Left, true, chunk)?;
+        let other = 1 - chunk_dim(self.direction);
+        let (ranks, rank) = (group.size() as i64, group.rank() as i64);
+        let block = own.size()[0];
+        let width = step(block, chunk)?;
+        let mut first = 0;
+        while first < block {
+            let n = width.min(block - first);
+            let mut held = own.f_narrow(0, first, n)?;
+            for hop in 0..ranks {
+                let next = match hop + 1 < ranks {
+                    true => Some(group.ring_pass(&held, TAG_RING)?),
+                    false => None,
+                };
+                // At hop t this rank holds the piece of rank r - t's block.
+                let source = (rank - hop).rem_euclid(ranks);
+                let start = source * block + first;
+                let prod = self.product(&left, &held.f_permute(self.read_right(true))?)?;
+                let normed = self.center_layer_norm.forward(&prod.f_permute([1, 2, 0])?)?;
+                drop(prod);
+                let x = self.layer_norm_input.forward(&pair.get().f_narrow(other, start, n)?)?;
+                let update = gated(&normed, &self.output_projection, &x, &self.gating_linear, None, self.kernels)?;
+                drop((normed, x));
+                pair.add_in_place(other, start, n, &update)?;
+                if let Some(next) = next {
+                    held = next.wait()?;
+                }
+            }
+            first += n;
+        }
+        Ok(())
+    }
+}
+
+/// Message tag of [`TriangleMultiplication::add_by_ring`]'s pieces.
+const TAG_RING: i32 = 0x544d; // "TM"
+
+/// The left or right projection of a triangle multiplication.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Side {
+    Left,
+    Right,
 }
 
 /// Triangle self-attention around the starting node (per row) or ending node (per column)

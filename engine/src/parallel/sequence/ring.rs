@@ -21,7 +21,7 @@ use tch::Tensor;
 use super::attention::{causal_block, check_qkv, AttentionMask, Causal};
 use super::SequenceParallel;
 use crate::autograd::function::{apply, Forward};
-use crate::dist::{ProcessGroup, Work};
+use crate::dist::{Hop, ProcessGroup};
 use crate::Result;
 
 /// Message tags: key/value blocks and their gradients never share a matching queue.
@@ -71,23 +71,6 @@ struct Ring {
     key_bias: Option<Tensor>,
 }
 
-/// A block in transit: this rank's send to the next rank and receive from the previous one.
-struct Hop {
-    sent: Work,
-    received: Work,
-    inbox: Tensor,
-    /// Kept alive until the send completes.
-    _outbox: Tensor,
-}
-
-impl Hop {
-    fn wait(self) -> Result<Tensor> {
-        self.sent.wait()?;
-        self.received.wait()?;
-        Ok(self.inbox)
-    }
-}
-
 impl Ring {
     fn shallow_clone(&self) -> Ring {
         Ring { group: self.group.clone(), key_bias: self.key_bias.as_ref().map(Tensor::shallow_clone), ..*self }
@@ -95,22 +78,7 @@ impl Ring {
 
     /// Starts passing `t` one step around the ring (`None` with one rank).
     fn pass(&self, t: &Tensor, tag: i32) -> Result<Option<Hop>> {
-        let Some(g) = &self.group else { return Ok(None) };
-        let n = self.size as usize;
-        let (next, prev) = ((g.rank() + 1) % n, (g.rank() + n - 1) % n);
-        let outbox = t.f_contiguous()?;
-        let inbox = outbox.f_empty_like()?;
-        // Even ranks send first and odd ranks receive first. Gloo does not mind, but NCCL runs
-        // the point-to-point operations between two ranks in order on one stream, and with
-        // two ranks (next == prev) "both receive first" would wait forever.
-        let (sent, received) = if g.rank() % 2 == 0 {
-            let sent = g.send_async(&outbox, next, tag)?;
-            (sent, g.recv_async(&inbox, prev, tag)?)
-        } else {
-            let received = g.recv_async(&inbox, prev, tag)?;
-            (g.send_async(&outbox, next, tag)?, received)
-        };
-        Ok(Some(Hop { sent, received, inbox, _outbox: outbox }))
+        self.group.as_ref().map(|g| g.ring_pass(t, tag)).transpose()
     }
 
     /// The block of keys held at step `step`.
