@@ -173,9 +173,18 @@ impl Attention {
             }
         };
         // The values once the logits are gone: the two never live together.
-        let vt = project_transposed(x, &self.value_w)?;
-        let weights_t = weights.f_view([b * heads, len, len])?.f_transpose(1, 2)?;
-        Ok(vt.f_view(per_head)?.f_bmm(&weights_t)?.f_view([b, heads * dim, len])?)
+        let vt = project_transposed(x, &self.value_w)?.f_view(per_head)?;
+        let weights = weights.f_view([b * heads, len, len])?;
+        if lean {
+            // The averaged values come out transposed as they are made: `v^T w^T`.
+            return Ok(vt.f_bmm(&weights.f_transpose(1, 2)?)?.f_view([b, heads * dim, len])?);
+        }
+        // With autograd the weights come first, `w v`: the weights' gradient is then made
+        // [q, k], as the softmax's backward reads it, where `v^T w^T` made it transposed and
+        // the backward copied it (logits-sized, in every attention's backward). The averaged
+        // values are laid out transposed afterwards, a copy the size of the values.
+        let avg = weights.f_bmm(&vt.f_transpose(1, 2)?)?;
+        Ok(avg.f_transpose(1, 2)?.f_reshape([b, heads * dim, len])?)
     }
 }
 
