@@ -202,9 +202,8 @@ impl TriangleMultiplication {
     }
 
     /// The product over k, `[c, i, j]`, of a left projection `[c, rows, cols]` and a right one
-    /// read by [`Self::read_right`]: outgoing `[c, i, k] x [c, k,
-    /// j]` (`ikc,jkc->ijc`), incoming `[c, i, k] x [c, k, j]` with the right side on the left
-    /// (`kjc,kic->ijc`).
+    /// read by [`Self::read_right`]: outgoing `[c, i, k] x [c, k, j]` (`ikc,jkc->ijc`),
+    /// incoming `[c, i, k] x [c, k, j]` with the right side on the left (`kjc,kic->ijc`).
     fn product(&self, left: &Tensor, right: &Tensor) -> Result<Tensor> {
         Ok(match self.direction {
             Direction::Outgoing => left.f_bmm(right)?,
