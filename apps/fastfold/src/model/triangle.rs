@@ -140,8 +140,9 @@ impl TriangleMultiplication {
         // neither the block nor the gathered whole is copied again; bmm reads the blocks as
         // [c, .., ..] views.
         let dim = chunk_dim(self.direction);
-        let blocks = dap.size() > 1;
-        let rows = self.projection(pair.get(), mask, Side::Right, blocks, chunk)?;
+        let blocks = dap.active().is_some();
+        let side = if blocks { Side::RightBlock } else { Side::Right };
+        let rows = self.projection(pair.get(), mask, side, chunk)?;
         if let Some(group) = dap.active() {
             if pair.adds_in_place() && !rows.requires_grad() {
                 return self.add_by_ring(pair, mask, rows, group, chunk);
@@ -164,18 +165,14 @@ impl TriangleMultiplication {
     }
 
     /// One side's gated projection of every pair row this rank holds, normalised and projected
-    /// `chunk` rows (dim 0) at a time and laid out as the product reads it:
-    /// - the left side, and the right side on one rank: `[c, rows, cols]` (outgoing `[c, i,
-    ///   k]`, incoming `[c, k, j]`; the right side is read transposed, as a view);
-    /// - the right side under DAP, each rank's block with its own endpoint first: outgoing
-    ///   `[j, c, k]`, incoming `[i, c, k]` (see [`Self::read_right`]).
-    fn projection(&self, z: &Tensor, mask: &Tensor, side: Side, blocks: bool, chunk: Option<i64>) -> Result<Tensor> {
+    /// `chunk` rows (dim 0) at a time and laid out as the product reads it (see [`Side`]).
+    fn projection(&self, z: &Tensor, mask: &Tensor, side: Side, chunk: Option<i64>) -> Result<Tensor> {
         let (proj, gate) = match side {
             Side::Left => (&self.left_projection, &self.left_gate),
-            Side::Right => (&self.right_projection, &self.right_gate),
+            Side::Right | Side::RightBlock => (&self.right_projection, &self.right_gate),
         };
         // A chunk's [n, cols, c] laid out, and the dim the chunks join on.
-        let (layout, join): ([i64; 3], i64) = match (blocks && side == Side::Right, self.direction) {
+        let (layout, join): ([i64; 3], i64) = match (side == Side::RightBlock, self.direction) {
             (false, _) => ([2, 0, 1], 1),                  // [c, n, cols]
             (true, Direction::Outgoing) => ([0, 2, 1], 0), // [n (j), c, cols (k)]
             (true, Direction::Incoming) => ([1, 2, 0], 2), // [cols (i), c, n (k)]
@@ -233,7 +230,7 @@ impl TriangleMultiplication {
         group: &ProcessGroup,
         chunk: Option<i64>,
     ) -> Result<()> {
-        let left = self.projection(pair.get(), mask, Side::Left, true, chunk)?;
+        let left = self.projection(pair.get(), mask, Side::Left, chunk)?;
         let other = 1 - chunk_dim(self.direction);
         let (ranks, rank) = (group.size() as i64, group.rank() as i64);
         let block = own.size()[0];
@@ -270,11 +267,16 @@ impl TriangleMultiplication {
 /// Message tag of [`TriangleMultiplication::add_by_ring`]'s pieces.
 const TAG_RING: i32 = 0x544d; // "TM"
 
-/// The left or right projection of a triangle multiplication.
+/// A projection of a triangle multiplication and its layout.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Side {
+    /// The left side, `[c, rows, cols]`: outgoing `[c, i, k]`, incoming `[c, k, j]`.
     Left,
+    /// The right side on one rank, as the left (the product reads it transposed, as a view).
     Right,
+    /// The right side under DAP, each rank's block with its own endpoint first: outgoing
+    /// `[j, c, k]`, incoming `[i, c, k]` (see [`TriangleMultiplication::read_right`]).
+    RightBlock,
 }
 
 /// Triangle self-attention around the starting node (per row) or ending node (per column)
