@@ -76,7 +76,7 @@ struct ConvertArgs {
     /// into kohya's layout.
     #[arg(long)]
     lora: Option<PathBuf>,
-    /// What to write: the diffusers folder (must not exist) or the `.safetensors` file.
+    /// What to write: the diffusers folder or the `.safetensors` file (neither may exist).
     #[arg(short = 'o', long)]
     out: PathBuf,
 }

@@ -18,6 +18,11 @@ use crate::{Error, Result};
 /// A UNet forward: (sample, timesteps, conditioning) to the prediction.
 pub type UNetCall<'a> = &'a dyn Fn(&Tensor, &Tensor, &Conditioning) -> Result<Tensor>;
 
+/// The largest image side in pixels that `sample` and `finetune` take (their flags' upper
+/// bound): far past what the models were trained at, and small enough that a mistyped size is
+/// an error naming the flag, not an allocation that aborts the process.
+pub const MAX_SIDE: u64 = 4096;
+
 /// Keys of the seeded draws: initial latents, and each step's noise.
 const LATENTS_KEY: u64 = 0x5d_1f_f5_10;
 const STEP_NOISE_KEY: u64 = 0x5d_1f_f5_11;
@@ -151,6 +156,11 @@ impl StableDiffusion {
         for (flag, v) in [("--height", opts.height), ("--width", opts.width)] {
             if v <= 0 || v % m != 0 {
                 return Err(Error::Invalid(format!("{flag} {v}: this model needs a positive multiple of {m} pixels")));
+            }
+            // The flags are bounded already; this catches library callers and a default side
+            // from a config's `sample_size`.
+            if v as u64 > MAX_SIDE {
+                return Err(Error::Invalid(format!("{flag} {v}: at most {MAX_SIDE} pixels")));
             }
         }
         if opts.steps == 0 {
@@ -318,14 +328,14 @@ pub struct SampleArgs {
     /// same image.
     #[command(flatten)]
     pub seed: SeedArgs,
-    /// Image side in pixels (default: the UNet's sample size times the VAE's scale).
-    #[arg(long)]
+    /// Image side in pixels, 1 to 4096 (default: the UNet's sample size times the VAE's scale).
+    #[arg(long, value_parser = side())]
     pub size: Option<i64>,
     /// Image height (default --size).
-    #[arg(long)]
+    #[arg(long, value_parser = side())]
     pub height: Option<i64>,
     /// Image width (default --size).
-    #[arg(long)]
+    #[arg(long, value_parser = side())]
     pub width: Option<i64>,
     /// Images per prompt.
     #[arg(long, default_value_t = 1)]
@@ -367,6 +377,12 @@ pub struct SampleArgs {
     /// The PNG to write; with several images, `<stem>-<i>.png` beside it.
     #[arg(short = 'o', long)]
     pub out: std::path::PathBuf,
+}
+
+/// An image side flag: 1 to [`MAX_SIDE`] pixels, refused in words as `finetune --resolution` is.
+fn side() -> impl clap::builder::TypedValueParser<Value = i64> {
+    use clap::builder::TypedValueParser;
+    engine::parse::count(1..=MAX_SIDE).map(|n| n as i64)
 }
 
 /// `A,B` as two integers (a size or a crop corner, height or top first).

@@ -273,6 +273,17 @@ fn bad_input_is_named_and_nothing_is_written() {
     let junk = dir.join("junk.safetensors");
     std::fs::write(&junk, b"not a checkpoint").unwrap();
     expect_err(&junk, &configs, &["junk.safetensors"]);
+    // PyTorch's pickles (torch.save's zip archive, the older bare pickle) and a folder are
+    // named for what they are, not as safetensors headers of absurd lengths.
+    for (name, head) in
+        [("zip.ckpt", &b"PK\x03\x04\x00\x00\x08\x00"[..]), ("legacy.ckpt", &b"\x80\x02\x8a\x0al\xfc\x9cF"[..])]
+    {
+        let pickle = dir.join(name);
+        std::fs::write(&pickle, [head, &[0u8; 300][..]].concat()).unwrap();
+        expect_err(&pickle, &configs, &[name, "a PyTorch pickle checkpoint", "takes .safetensors files", "save_file"]);
+    }
+    let folder_given = scratch("folder-given");
+    expect_err(&folder_given, &configs, &["folder-given", "is a directory", "--checkpoint takes a single file"]);
 
     // An existing output is left alone.
     let out = dir.join("exists");
@@ -299,6 +310,18 @@ fn bad_input_is_named_and_nothing_is_written() {
     let err = to_single_file(&folder, &target, false).unwrap_err().to_string();
     assert!(err.contains("diffusion_pytorch_model.safetensors") && err.contains("decoder.extra.weight"), "{err}");
     assert!(!target.exists());
+    // The single file is safetensors, under a new name: another extension (a `.ckpt` would be
+    // unpickled by other tools) or an existing file is refused, and nothing is written.
+    for name in ["single.ckpt", "single"] {
+        let err = to_single_file(&folder, &dir.join(name), false).unwrap_err().to_string();
+        assert!(err.contains(name) && err.contains("name it <name>.safetensors"), "{err}");
+        assert!(!dir.join(name).exists());
+    }
+    std::fs::write(&target, b"keep me").unwrap();
+    let err = to_single_file(&folder, &target, false).unwrap_err().to_string();
+    assert!(err.contains("single.safetensors exists"), "{err}");
+    assert_eq!(std::fs::read(&target).unwrap(), b"keep me");
+    std::fs::remove_file(&target).unwrap();
     // An output inside the folder would overwrite what it converts.
     let err = to_single_file(&folder, &folder.join("unet/diffusion_pytorch_model.safetensors"), false).unwrap_err();
     assert!(err.to_string().contains("is inside the folder being converted"), "{err}");
@@ -355,4 +378,11 @@ fn lora_converts_to_kohya_names_with_alpha() {
     let err = lora_to_kohya(&broken, &dir.join("k2.safetensors")).unwrap_err().to_string();
     assert!(err.contains("broken.safetensors") && err.contains("attn1.to_q.lora.up.weight"), "{err}");
     assert!(!dir.join("k2.safetensors").exists());
+    // Only to a new .safetensors file: not over the kohya file written above, nor another name.
+    let err = lora_to_kohya(&lora, &out).unwrap_err().to_string();
+    assert!(err.contains("kohya.safetensors exists"), "{err}");
+    assert_eq!(read(&out).len(), 6, "the existing file is left as it was");
+    let err = lora_to_kohya(&lora, &dir.join("kohya.bin")).unwrap_err().to_string();
+    assert!(err.contains("kohya.bin") && err.contains(".safetensors"), "{err}");
+    assert!(!dir.join("kohya.bin").exists());
 }

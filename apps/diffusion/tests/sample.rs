@@ -221,6 +221,9 @@ fn bad_sizes_and_missing_files_are_named() {
     opts.height = 18;
     let err = sd.sample(&["x"], &opts, None).unwrap_err().to_string();
     assert!(err.contains("--height 18") && err.contains("multiple of 4"), "{err}");
+    opts.height = 8192;
+    let err = sd.sample(&["x"], &opts, None).unwrap_err().to_string();
+    assert!(err.contains("--height 8192: at most 4096 pixels"), "{err}");
 
     let (_broken, copy) = pipeline_copy("broken");
     std::fs::remove_file(copy.join("vae/diffusion_pytorch_model.fp16.safetensors")).unwrap();
@@ -285,6 +288,27 @@ fn the_command_writes_pngs() {
         "{text}"
     );
     assert!(!dir.join("cat-0.png").exists(), "a half set of images was left behind");
+}
+
+/// Sizes past `finetune --resolution`'s bound are refused by flag before anything is loaded
+/// (a side of 100000 pixels aborted the process allocating the latents).
+#[test]
+fn sizes_past_the_bound_are_refused_by_flag() {
+    let dir = suite_tests::scratch("diffusion-sample", "too-large");
+    for (flag, sizes) in [("--size", &["--size", "100000"][..]), ("--width", &["--height", "4", "--width", "400000"])] {
+        let o = Command::new(env!("CARGO_BIN_EXE_diffusion"))
+            .args(["sample", "--model"])
+            .arg(fixtures().join("pipeline"))
+            .args(["--prompt", "a cat", "--steps", "1"])
+            .args(sizes)
+            .arg("-o")
+            .arg(dir.join("big.png"))
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{text}");
+        assert!(text.contains(&format!("for '{flag} <")) && text.contains("must be from 1 to 4096"), "{text}");
+    }
 }
 
 #[test]

@@ -19,6 +19,7 @@ use engine::parallel::dap::Dap;
 use fastfold::memory::{self, AttentionLogits, Sizes};
 use fastfold::model::alphafold::{AlphaFold, Batch};
 use fastfold::model::exec::ChunkPlan;
+use fastfold::model::pair_rows::PairRows;
 use fastfold::model::{EvoformerConfig, Exec, ModelConfig, Params, Recycled};
 use tch::{Kind, Tensor};
 
@@ -63,7 +64,7 @@ fn main() -> anyhow::Result<()> {
     let batch = Batch::random(n, s, e, Kind::Float);
     let exec = Exec::new(Dap::new(world.group.clone()), args.chunk_size);
     let before = engine::host_memory::stats()?.current;
-    let prev = Recycled::zeros(n, &cfg, &batch.seq_mask)?;
+    let prev = Recycled::zeros(&tch::no_grad(|| PairRows::for_pass(&exec, n)), &cfg, &batch.seq_mask)?;
     engine::host_memory::reset_peak()?;
     let pass = tch::no_grad(|| model.pass(&batch, prev, &exec, None))?;
     let peak = (engine::host_memory::stats()?.peak - before) as f64;

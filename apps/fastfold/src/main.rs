@@ -69,8 +69,11 @@ fn run() -> anyhow::Result<()> {
             }
         }
         Cli::Convert { input, output } => {
-            let n = fastfold::model::params::convert(&input, &output)?;
-            println!("wrote {n} arrays to {}", output.display());
+            let done = fastfold::model::params::convert(&input, &output)?;
+            println!("wrote {} arrays to {}", done.arrays, output.display());
+            if done.widened > 0 {
+                println!("{} bfloat16 arrays written as float32 (.npz has no bfloat16)", done.widened);
+            }
         }
         Cli::Env => print!("{}", engine::process::report()),
     }

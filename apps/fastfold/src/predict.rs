@@ -310,6 +310,8 @@ impl<'a> Runner<'a> {
         let first = features.iteration(0)?;
         let (aatype, residue_index) = (first.aatype.squeeze_dim(0), first.residue_index.squeeze_dim(0));
         let confidence = Confidence::from_logits(&pass.heads.lddt, pass.heads.aligned_error.as_ref())?;
+        // A collective under DAP: every rank gathers, rank 0 writes.
+        let pair = args.save_outputs.then(|| pass.whole_pair()).transpose()?;
         if self.world.rank() == 0 {
             let outputs = ModelOutputs {
                 pass: &pass,
@@ -317,6 +319,7 @@ impl<'a> Runner<'a> {
                 confidence: &confidence,
                 iptm: None,
                 ranking_confidence: confidence.mean_plddt,
+                pair,
             };
             write_outputs(args, dir, &model.name, &outputs, &aatype, &residue_index)?;
         }
@@ -452,6 +455,9 @@ pub struct ModelOutputs<'a> {
     pub iptm: Option<f64>,
     /// What the prediction is ranked by: mean pLDDT (monomer models) or `0.8 ipTM + 0.2 pTM`.
     pub ranking_confidence: f64,
+    /// The pass's pair whole, with `--save-outputs` (under DAP each rank's pass holds its rows:
+    /// [`Pass::whole_pair`], a collective every rank calls before rank 0 writes).
+    pub pair: Option<Tensor>,
 }
 
 /// `<model>_unrelaxed.pdb`, `<model>_confidence.json` and, with `--save-outputs`,
@@ -485,6 +491,7 @@ fn write_outputs(
 /// and `num_recycles`, the recycles run.
 pub fn save_outputs(path: &Path, outputs: &ModelOutputs) -> anyhow::Result<()> {
     let (pass, confidence) = (outputs.pass, outputs.confidence);
+    let pair = outputs.pair.as_ref().map(Tensor::shallow_clone).context("the outputs hold no whole pair to save")?;
     let h = &pass.heads;
     let s = &pass.structure;
     let distogram_bins = h.distogram.size()[2];
@@ -502,7 +509,7 @@ pub fn save_outputs(path: &Path, outputs: &ModelOutputs) -> anyhow::Result<()> {
         ("masked_msa/logits".into(), h.masked_msa.shallow_clone()),
         ("experimentally_resolved/logits".into(), h.experimentally_resolved.shallow_clone()),
         ("representations/single".into(), pass.single.shallow_clone()),
-        ("representations/pair".into(), pass.recycled.pair.shallow_clone()),
+        ("representations/pair".into(), pair),
         ("representations/msa_first_row".into(), pass.recycled.msa_first_row.shallow_clone()),
         ("representations/structure_module".into(), s.single.shallow_clone()),
     ];

@@ -763,6 +763,13 @@ pub fn run(args: &TrainArgs, world: &World) -> anyhow::Result<Vec<StepLog>> {
     let ranks = args.parallel.ranks(world)?;
     let shard = ranks.shard;
     let (device, exec, backend) = args.chunk.setup_with(&args.job.launch, world, ranks.dap.clone())?;
+    if args.chunk.gpu_mem.is_some() && device == Device::Cpu {
+        // On a GPU it caps the process; training plans no chunks from it (the inference
+        // profile is not a training step's), so on the CPU it would change nothing.
+        bail!(
+            "--gpu-mem caps a GPU's memory, and this run is on the CPU: give --chunk-size to bound training's memory"
+        );
+    }
     let exec = exec.with_checkpointed_blocks(args.gradient_checkpointing);
     kernels::install_optimizer_steps(backend);
     let multimer = MultimerArgs { model_preset: args.model_preset, ..Default::default() }.check(&args.params)?;

@@ -138,8 +138,8 @@ dist_test!(four_ranks_match_one_rank, 4, |world| { compare(world) });
 
 /// The assembled AlphaFold-Multimer network (`MultimerAlphaFold::predict`, the fixture of
 /// `tests/multimer_model.rs`: tiny v3-layout parameters, the pipeline's heterodimer, 2
-/// recycles) with its stacks under DAP equals one process's: every rank samples the same MSA
-/// from the same key, and the stacks return whole tensors.
+/// recycles) under DAP equals one process's: every rank samples the same MSA from the same
+/// key, and holds only its rows of the pair from the embedders to the heads.
 fn multimer_network(world: &World) -> TestResult {
     use fastfold::jax_random::Key;
     use fastfold::model::multimer::{MaskedMsaConfig, MsaSampling, MultimerAlphaFold, MultimerInputs};
@@ -154,6 +154,7 @@ fn multimer_network(world: &World) -> TestResult {
     let one = tch::no_grad(|| net.predict(&inputs, recycling, key, &Exec::serial()))?.0;
     let exec = Exec::new(Dap::new(world.group.clone()), Some(3));
     let many = tch::no_grad(|| net.predict(&inputs, recycling, key, &exec))?.0;
+    anyhow::ensure!(many.pair_rows.is_split(), "{} ranks: the pass held the whole pair", world.size());
     let d = (&many.structure.atom37 - &one.structure.atom37).abs().max().double_value(&[]);
     anyhow::ensure!(d <= 1e-3, "{} ranks: atoms differ from one process's by {d:e} Å", world.size());
     let d = (&many.heads.distogram - &one.heads.distogram).abs().max().double_value(&[]);
@@ -162,6 +163,81 @@ fn multimer_network(world: &World) -> TestResult {
 }
 
 dist_test!(multimer_network_on_two_ranks_matches_one_rank, 2, |world| { multimer_network(world) });
+
+/// Template features of one random template over `n` residues for `slices` recycling slices.
+fn random_template(n: i64, slices: i64) -> fastfold::features::TemplateFeatures {
+    let f = (Kind::Float, Device::Cpu);
+    tch::manual_seed(8);
+    let positions = Tensor::randn([n, 37, 3], f) * 6.0;
+    let t = fastfold::features::TemplateFeatures {
+        aatype: Tensor::randint(20, [n], (Kind::Int64, Device::Cpu)),
+        pseudo_beta: positions.select(1, 3),
+        all_atom_positions: positions,
+        all_atom_masks: Tensor::ones([n, 37], f),
+        pseudo_beta_mask: Tensor::ones([n], f),
+        mask: Tensor::ones([], f),
+    };
+    t.map(|x| x.unsqueeze(0).unsqueeze(0).expand([&[slices, 1][..], &x.size()[..]].concat(), false).contiguous())
+}
+
+/// The assembled monomer network (`AlphaFold::predict_recycling`: templates, the extra-MSA
+/// stack, the aligned-error head, 2 recycles) under DAP equals one process's, where each rank
+/// holds only its rows of the pair from the embedders to the heads (`PairRows`): residue
+/// counts the ranks divide and do not, down to a rank whose rows are all padding (6 residues
+/// on 4 ranks), chunked and not; and training's forward, whose last pass takes the whole pair
+/// from a recycle that held rows.
+fn monomer_network(world: &World) -> TestResult {
+    use fastfold::features::{process, FeatureConfig, RawFeatures};
+    use fastfold::model::alphafold::AlphaFold;
+    use fastfold::model::recycling::Recycling;
+    use fastfold::model::{ModelConfig, TemplateConfig};
+    let model =
+        ModelConfig { templates: Some(TemplateConfig::tiny()), aligned_error_bins: Some(7), ..ModelConfig::tiny() };
+    let net = AlphaFold::new(&Params::random_model(&EvoformerConfig::tiny(), &model, 23)?)?;
+    let recycling = Recycling { max: 2, early_stop_tolerance: 0.0 };
+    let dap = Dap::new(world.group.clone());
+    for (seq, chunk) in [("MRFKGS", None), ("MKTAYIAKQRQIS", Some(2)), ("MKTAYIAKQRQIS", None)] {
+        let raw = RawFeatures::new(seq, None)?;
+        let mut features =
+            process(&raw, &FeatureConfig { num_recycle: 2, ..FeatureConfig::default() }, 0, Device::Cpu)?;
+        features.templates = Some(random_template(seq.len() as i64, 3));
+        let run = |exec: &Exec| tch::no_grad(|| net.predict_recycling(&features, recycling, Kind::Float, exec));
+        let (one, _) = run(&Exec::new(Dap::none(), chunk))?;
+        let (many, _) = run(&Exec::new(dap.clone(), chunk))?;
+        let what = format!("{} residues, chunk {chunk:?}, {} ranks", seq.len(), world.size());
+        anyhow::ensure!(many.pair_rows.is_split(), "{what}: the pass held the whole pair");
+        let (a, b) = (many.heads.aligned_error.as_ref(), one.heads.aligned_error.as_ref());
+        let (a, b) = (a.ok_or_else(|| anyhow::anyhow!("no PAE"))?, b.ok_or_else(|| anyhow::anyhow!("no PAE"))?);
+        // Sums in another order: on 2 ranks at 13 residues up to 2e-7 of the largest value
+        // (1.2e-4 on distogram logits up to 625: random parameters), 5e-5 Å.
+        let atoms = (&many.structure.atom37 - &one.structure.atom37).abs().max().double_value(&[]);
+        anyhow::ensure!(atoms <= 1e-3, "{what}: atom positions differ by {atoms:e} Å (tolerance 1e-3)");
+        for (name, a, b) in [
+            ("distogram logits", &many.heads.distogram, &one.heads.distogram),
+            ("aligned-error logits", a, b),
+            ("pLDDT logits", &many.heads.lddt, &one.heads.lddt),
+            ("masked-MSA logits", &many.heads.masked_msa, &one.heads.masked_msa),
+            ("pair", &many.whole_pair()?, &one.whole_pair()?),
+            ("MSA first row", &many.recycled.msa_first_row, &one.recycled.msa_first_row),
+        ] {
+            let (d, scale) = ((a - b).abs().max().double_value(&[]), b.abs().max().double_value(&[]));
+            anyhow::ensure!(d <= 1e-5 * scale, "{what}: {name} differ by {d:e} (largest {scale:e}, rtol 1e-5)");
+        }
+        // Training's forward: the recycle without autograd holds the rank's rows, the last
+        // pass (recording gradients) the whole pair, gathered from them.
+        let train = |exec: &Exec| net.predict(&features, 1, Kind::Float, exec, None);
+        let (one, many) = (train(&Exec::new(Dap::none(), chunk))?, train(&Exec::new(dap.clone(), chunk))?);
+        anyhow::ensure!(!many.pair_rows.is_split(), "{what}: the pass recording gradients held the pair's rows");
+        let d = (&many.heads.distogram - &one.heads.distogram).abs().max().double_value(&[]);
+        let scale = one.heads.distogram.abs().max().double_value(&[]);
+        anyhow::ensure!(d <= 1e-5 * scale, "{what}, training: distogram logits differ by {d:e} (largest {scale:e})");
+    }
+    Ok(())
+}
+
+dist_test!(monomer_network_on_two_ranks_matches_one_rank, 2, |world| { monomer_network(world) });
+
+dist_test!(monomer_network_on_four_ranks_matches_one_rank, 4, |world| { monomer_network(world) });
 
 /// Without autograd the triangle multiplications pass the other endpoint's projection around
 /// the ranks a piece at a time instead of gathering it whole on every rank (FastFold's issue

@@ -5,6 +5,7 @@ use engine::parallel::dap::Dap;
 use fastfold::model::embedders::{distance_one_hot, relative_position_one_hot, RECYCLE_MAX_BIN, RECYCLE_MIN_BIN};
 use fastfold::model::exec::{ChunkOp, ChunkPlan, Stage};
 use fastfold::model::keys::ITERATION;
+use fastfold::model::pair_rows::PairRows;
 use fastfold::model::{
     Embedders, Error, EvoformerConfig, Exec, HeadInputs, HeadOutputs, Heads, ModelConfig, Params, Recycled,
 };
@@ -51,7 +52,9 @@ fn run_all(p: &Params, s: i64, n: i64) -> (Tensor, Tensor, Tensor, HeadOutputs) 
         assert!(rows.equal(&e), "the extra-MSA embedder rows at a time differs from its whole pass");
         let readout = heads.read_msa(&m).unwrap();
         assert!(readout.first_row.equal(&m.select(0, 0)), "the readout's first row is the MSA's");
-        let out = heads.forward(&HeadInputs { msa: &readout, pair: &z, structure_single: &structure_single });
+        let pair_rows = PairRows::whole(n);
+        let inputs = HeadInputs { msa: &readout, pair: &z, pair_rows: &pair_rows, structure_single: &structure_single };
+        let out = heads.forward(&inputs);
         (m, z, e, out.unwrap())
     })
 }

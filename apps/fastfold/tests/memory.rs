@@ -14,6 +14,7 @@ use fastfold::features::TemplateFeatures;
 use fastfold::memory::{self, AttentionLogits, Sizes};
 use fastfold::model::alphafold::{AlphaFold, Batch, Pass};
 use fastfold::model::exec::{ChunkOp, ChunkPlan, Stage};
+use fastfold::model::pair_rows::PairRows;
 use fastfold::model::AttentionKernel;
 use fastfold::model::{EvoformerConfig, Exec, ModelConfig, Params, Recycled, TemplateConfig};
 use tch::{Device, Kind, Tensor};
@@ -47,7 +48,7 @@ fn cpu_sizes(n: i64, s: i64, e: i64, templates: i64) -> Sizes {
 /// The measured peak of one no-grad pass, from the moment its recycled inputs are made.
 fn measure(model: &AlphaFold, cfg: &EvoformerConfig, b: &Batch, exec: &Exec) -> (f64, Pass) {
     let before = engine::host_memory::stats().unwrap().current;
-    let prev = Recycled::zeros(b.residues(), cfg, &b.seq_mask).unwrap();
+    let prev = Recycled::zeros(&PairRows::whole(b.residues()), cfg, &b.seq_mask).unwrap();
     engine::host_memory::reset_peak().unwrap();
     let pass = tch::no_grad(|| model.pass(b, prev, exec, None)).unwrap();
     let peak = engine::host_memory::stats().unwrap().peak;
@@ -111,6 +112,8 @@ fn pass_peak_matches_the_cpu_allocator_and_plans_fit_their_budget() {
     // A budget no plan meets is an error that says what the leanest plan needs.
     let err = memory::plan(&cfg, &model_cfg, sizes, 0, whole / 20).unwrap_err();
     assert!(err.contains("at the least"), "{err}");
+    // A budget of a few MiB reads as such, not as "0.00 GiB".
+    assert!(err.contains("MiB") && !err.contains("0.00 GiB"), "{err}");
 }
 
 /// The paths a GPU runs (the fused kernels: LayerNorms reading transposed rows where they lie;
@@ -223,7 +226,7 @@ fn in_place_chunked_pass_equals_the_plain_pass() {
     // Plain: parameters that record gradients, so that nothing is updated in place.
     let recording = params.to_device(Device::Cpu, true).unwrap();
     let plain_model = AlphaFold::new(&recording).unwrap();
-    let prev = Recycled::zeros(n, &cfg, &b.seq_mask).unwrap();
+    let prev = Recycled::zeros(&PairRows::whole(n), &cfg, &b.seq_mask).unwrap();
     let plain = plain_model.pass(&b, prev, &Exec::serial(), None).unwrap();
     assert!(plain.recycled.pair.requires_grad(), "the plain pass records gradients");
     let model = AlphaFold::new(&params).unwrap();
@@ -241,7 +244,7 @@ fn in_place_chunked_pass_equals_the_plain_pass() {
         ChunkPlan::least_offloaded(),
         ChunkPlan::uniform(Some(4)).offloading(Stage::Evoformer, true),
     ] {
-        let prev = Recycled::zeros(n, &cfg, &b.seq_mask).unwrap();
+        let prev = Recycled::zeros(&PairRows::whole(n), &cfg, &b.seq_mask).unwrap();
         let lean = tch::no_grad(|| model.pass(&b, prev, &Exec::planned(Dap::none(), plan.clone()), None)).unwrap();
         for (what, a, p) in [
             ("pair", &lean.recycled.pair, &plain.recycled.pair),

@@ -21,6 +21,7 @@ use fastfold::model::multimer::{
     chi_angles, extra_msa_feat, load_structure_module, msa_feat, relative_encoding, ChainIds, MultimerInputEmbedder,
     MultimerTemplateRows, MultimerTemplates, TemplateAtoms, TemplateBatch, TemplatePairEmbedding,
 };
+use fastfold::model::pair_rows::PairRows;
 use fastfold::model::{EvoformerStack, Exec, Params};
 use tch::{Kind, Tensor};
 
@@ -172,7 +173,8 @@ fn template_embedding_equals_alphafold_multimer_v3() {
         // rows at a time): the same update.
         let added = tch::no_grad(|| {
             let mut pair = Stream::new(f["query"].copy(), true);
-            templates.add_update(&mut pair, &batch, &f["pair_mask"], &f["asym_id"], &exec, None).unwrap();
+            let rows = PairRows::whole(f["query"].size()[0]);
+            templates.add_update(&mut pair, &batch, &f["pair_mask"], &f["asym_id"], &exec, None, &rows).unwrap();
             pair.into_inner() - &f["query"]
         });
         let what = format!("template update added in place (chunk {chunk:?})");

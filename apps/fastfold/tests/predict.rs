@@ -173,6 +173,23 @@ fn chunking_dap_safetensors_and_a_features_file_give_the_plain_result() {
     for (k, t) in &original {
         assert!(t.equal(&round[k]), "{k} changed in the npz -> safetensors -> npz round trip");
     }
+    // bfloat16 parameters (which predict reads) into an .npz: float32, the same values, said.
+    let bf16: Vec<(String, Tensor)> = original.iter().map(|(k, t)| (k.clone(), t.to_kind(Kind::BFloat16))).collect();
+    let bf16_file = d.join("params_bf16.safetensors");
+    data::checkpoint::save_tensors(&bf16, &bf16_file).unwrap();
+    let widened = d.join("widened.npz");
+    let (ok, text) = fastfold(&["convert", bf16_file.to_str().unwrap(), widened.to_str().unwrap()]);
+    assert!(ok && text.contains(&format!("{} bfloat16 arrays written as float32", bf16.len())), "{text}");
+    let widened = outputs(&widened);
+    for (k, t) in &bf16 {
+        assert!(widened[k].kind() == Kind::Float && widened[k].equal(&t.to_kind(Kind::Float)), "{k} widened");
+    }
+    // A file with no arrays is no parameter set: refused, nothing written.
+    let empty = d.join("empty.safetensors");
+    data::checkpoint::save_tensors(&[], &empty).unwrap();
+    let nothing = d.join("nothing.npz");
+    let (ok, text) = fastfold(&["convert", empty.to_str().unwrap(), nothing.to_str().unwrap()]);
+    assert!(!ok && text.contains("empty.safetensors: holds no arrays") && !nothing.exists(), "{text}");
 
     let features = d.join("query_features.npz");
     let sequence = data::a3m::read(&a3m).unwrap();

@@ -642,6 +642,9 @@ fn missing_databases_and_failing_tools_are_named() {
         (&["--use-precomputed-msas"][..], "--use-precomputed-msas applies to the homology search"),
         (&["--msa-mode", "mmseqs2"], "--msa-mode mmseqs2 applies to the homology search"),
         (&["--max-template-date", "2020-01-01"], "--max-template-date applies to the homology search"),
+        (&["--db-preset", "reduced_dbs"], "--db-preset reduced_dbs applies to the homology search"),
+        (&["--template-searcher", "hmmsearch"], "--template-searcher hmmsearch applies to the homology search"),
+        (&["--template-mmcif-dir", "mmcif"], "--template-mmcif-dir applies to the homology search"),
     ] {
         let (ok, text) = predict(&root, extra);
         assert!(!ok && text.contains(named), "{extra:?}: {text}");

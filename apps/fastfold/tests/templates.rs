@@ -4,6 +4,7 @@
 //! prediction.
 use fastfold::features::{process, FeatureConfig, Features, RawFeatures, TemplateFeatures};
 use fastfold::model::alphafold::AlphaFold;
+use fastfold::model::pair_rows::PairRows;
 use fastfold::model::templates::{pair_features, torsion_angles, PAIR_FEATURES};
 use fastfold::model::{EvoformerConfig, Exec, ModelConfig, Params, TemplateConfig};
 use fastfold::residue_constants::{aatype_of, atom_order};
@@ -185,7 +186,8 @@ fn online_template_softmax_equals_the_stacked_one() {
             let exec = Exec::new(Dap::none(), chunk);
             let stacked = templates.pair_update(&pair, &t, &pair_mask, &exec).unwrap();
             let mut stream = Stream::new(pair.copy(), true);
-            tch::no_grad(|| templates.add_pair_update(&mut stream, &t, &pair_mask, &exec, None)).unwrap();
+            tch::no_grad(|| templates.add_pair_update(&mut stream, &t, &pair_mask, &exec, None, &PairRows::whole(n)))
+                .unwrap();
             let online = stream.into_inner();
             if real == [0., 0., 0.] {
                 assert!(online.equal(&pair), "all padding, chunk {chunk:?}: the pair changed");

@@ -546,7 +546,7 @@ fn the_defaults_are_alphafolds_recipe() {
 /// `fastfold train --mmcif-dir --alignment-dir`: two steps on a layout of two chains, one
 /// epoch, so each chain once (cropped, its recycling count drawn), finite losses in the log;
 /// two DAP ranks train on the same first example to the same loss; a layout flag with
-/// --target, or neither, is refused, and so is `--attention flash`.
+/// --target, or neither, is refused, and so are `--attention flash` and, on the CPU, `--gpu-mem`.
 #[test]
 fn train_command_trains_on_the_chains_of_a_layout() {
     let d = dir("layout");
@@ -601,6 +601,10 @@ fn train_command_trains_on_the_chains_of_a_layout() {
     let o = Command::new(BIN).args(&args).args(["--attention", "flash"]).output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("--attention flash is for predictions"), "{err}");
+    // On the CPU --gpu-mem would change nothing: it is named, not ignored.
+    let o = Command::new(BIN).args(&args).args(["--gpu-mem", "1G"]).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("--gpu-mem caps a GPU's memory"), "{err}");
 }
 
 /// The gradients of one step on a layout's two chains with `--dap dap` over `world` (every

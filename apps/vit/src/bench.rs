@@ -172,6 +172,22 @@ impl BenchArgs {
             ("--mlp-ratio", self.mlp_ratio.is_some()),
             ("--patch-size", self.patch_size.is_some()),
         ];
+        // Named by flag here: the configuration's own check names its fields.
+        let sizes = [
+            ("--width", self.width),
+            ("--depth", self.depth),
+            ("--heads", self.heads),
+            ("--patch-size", self.patch_size),
+            ("--image-size", self.image_size),
+            ("--channels", Some(self.channels)),
+            ("--classes", self.classes),
+        ];
+        if let Some((flag, Some(n))) = sizes.iter().find(|(_, n)| n.is_some_and(|n| n <= 0)) {
+            bail!("{flag} must be positive, got {n}");
+        }
+        if let Some(ratio) = self.mlp_ratio.filter(|r| !(r.is_finite() && *r > 0.0)) {
+            bail!("--mlp-ratio must be a positive number, got {ratio}");
+        }
         let (label, mut cfg) = if self.model == "custom" {
             let missing: Vec<&str> = [
                 ("--width", self.width),
@@ -638,6 +654,14 @@ mod tests {
         assert_eq!(err(&["--model", "custom", "--width", "8"]), "--model custom needs --depth, --heads, --patch-size");
         assert!(err(&["--width", "8"]).contains("custom only"));
         assert!(err(&["--image-size", "100"]).contains("multiple of patch size"));
+        // Each flag of the architecture is named with its value, not the whole configuration.
+        assert_eq!(err(&["--classes", "0"]), "--classes must be positive, got 0");
+        assert_eq!(err(&["--channels", "0"]), "--channels must be positive, got 0");
+        assert_eq!(err(&["--image-size=-8"]), "--image-size must be positive, got -8");
+        let custom = ["--model", "custom", "--width", "16", "--heads", "2", "--patch-size", "4"];
+        assert_eq!(err(&[&custom[..], &["--depth", "0"]].concat()), "--depth must be positive, got 0");
+        let ratio = err(&[&custom[..], &["--depth", "1", "--mlp-ratio", "0"]].concat());
+        assert_eq!(ratio, "--mlp-ratio must be a positive number, got 0");
         let zero = Cli::try_parse_from(["bench", "--batch", "0"]).err().unwrap().to_string();
         assert!(zero.contains("--batch") && zero.contains("not a batch size"), "{zero}");
         assert_eq!(parse(&["--batch", "2k"]).batch, 2048);

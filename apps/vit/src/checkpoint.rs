@@ -60,12 +60,20 @@ impl TrainerState {
             ("--batch", self.global_batch.to_string(), run.global_batch.to_string()),
             ("--seed", self.seed.to_string(), run.seed.to_string()),
             ("--precision", self.precision.clone(), run.precision.clone()),
-            ("model", format!("{:?}", self.model), format!("{:?}", run.model)),
         ];
         for (what, saved, now) in pairs {
             if saved != now {
                 bail!("cannot resume: the checkpoint was trained with {what} {saved}, this run has {now}");
             }
+        }
+        // Every architecture number that differs, in one sentence (another --model changes
+        // several at once).
+        let differ: Vec<_> =
+            model_settings(&self.model).into_iter().zip(model_settings(&run.model)).filter(|(a, b)| a != b).collect();
+        if !differ.is_empty() {
+            let saved = and_list(differ.iter().map(|((what, saved), _)| format!("{what} {saved}")));
+            let now = and_list(differ.iter().map(|(_, (_, now))| now.clone()));
+            bail!("cannot resume: the checkpoint was trained with {saved}, this run has {now}");
         }
         if let (Some(saved), Some(now)) = (&self.classes, &run.classes) {
             crate::model::check_classes(saved, now, "cannot resume: the checkpoint", "--data")?;
@@ -76,6 +84,31 @@ impl TrainerState {
 
 fn one() -> usize {
     1
+}
+
+/// The numbers of a model as a resume names them: the flags that set them, or what sets them
+/// (`--model` the architecture, the data the channels and classes).
+fn model_settings(c: &VitConfig) -> [(&'static str, String); 8] {
+    let VitConfig { image_size, patch_size, in_channels, num_classes, width, depth, heads, mlp_ratio } = *c;
+    [
+        ("--image-size", image_size.to_string()),
+        ("--patch-size", patch_size.to_string()),
+        ("data channels", in_channels.to_string()),
+        ("data classes", num_classes.to_string()),
+        ("--model width", width.to_string()),
+        ("--model depth", depth.to_string()),
+        ("--model heads", heads.to_string()),
+        ("--model mlp ratio", mlp_ratio.to_string()),
+    ]
+}
+
+/// `a`, `a and b`, `a, b and c`.
+fn and_list(items: impl Iterator<Item = String>) -> String {
+    let mut items: Vec<String> = items.collect();
+    match items.pop() {
+        Some(last) if !items.is_empty() => format!("{} and {last}", items.join(", ")),
+        last => last.unwrap_or_default(),
+    }
 }
 
 /// The start of the optimizer state's files, one per rank that holds a part of it.

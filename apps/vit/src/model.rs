@@ -149,8 +149,12 @@ impl VitConfig {
         if c.width <= 0 || c.heads <= 0 || c.width % c.heads != 0 {
             return Err(format!("width {} does not split into {} heads", c.width, c.heads));
         }
-        if c.in_channels <= 0 || c.num_classes <= 0 || c.depth <= 0 || c.mlp_ratio <= 0.0 {
-            return Err(format!("channels, classes, depth and mlp ratio must be positive: {c:?}"));
+        let counts = [("channels", c.in_channels), ("classes", c.num_classes), ("depth", c.depth)];
+        if let Some((what, n)) = counts.into_iter().find(|(_, n)| *n <= 0) {
+            return Err(format!("{what} must be positive, got {n}"));
+        }
+        if c.mlp_ratio <= 0.0 {
+            return Err(format!("mlp ratio must be positive, got {}", c.mlp_ratio));
         }
         if !c.mlp_ratio.is_finite() || c.mlp_hidden() < 1 {
             return Err(format!(

@@ -452,8 +452,20 @@ impl<'a> Trainer<'a> {
 }
 
 /// Runs `vit pretrain` as one rank of `world`, in the layout of the flags or, under
-/// `--parallel auto`, of the planner's plan for the world's ranks (rank 0 prints it).
+/// `--parallel auto`, of the planner's plan for the world's ranks (rank 0 prints it). A run
+/// that fails removes the `--out` folder it created (rank 0 creates it) if nothing was
+/// written there, so that a typo in a flag leaves no empty run behind.
 pub fn pretrain(args: &PretrainArgs, world: &World) -> anyhow::Result<Trained> {
+    let created = args.out.as_ref().filter(|out| world.rank() == 0 && out.symlink_metadata().is_err());
+    let result = run(args, world);
+    if let (Err(_), Some(out)) = (&result, created) {
+        // `remove_dir` removes only an empty folder.
+        let _ = std::fs::remove_dir(out);
+    }
+    result
+}
+
+fn run(args: &PretrainArgs, world: &World) -> anyhow::Result<Trained> {
     let layout = crate::plan::layout(args, world)?;
     let mut trainer = Trainer::new(args, layout, world)?;
     if args.resume {

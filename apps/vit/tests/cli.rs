@@ -143,11 +143,23 @@ fn folder_to_hdf5_and_training_on_both() {
     assert!(!ok && text.contains("cannot resume") && text.contains("\"c\" here"), "{text}");
     std::fs::rename(renamed.join("a"), folder.join("a")).unwrap();
     std::fs::rename(renamed.join("c"), folder.join("b")).unwrap();
-    // A corrupt image is named.
+    // A corrupt image is named, and the run's --out folder, empty, is removed again.
     std::fs::write(folder.join("b").join("broken.png"), b"not a png").unwrap();
-    let (ok, text) =
-        pretrain_tiny(&["--steps", "3", "--batch", "16", "--val-fraction", "0", "--data", folder.to_str().unwrap()]);
+    let failed = dir.join("failed");
+    let (ok, text) = pretrain_tiny(&[
+        "--steps",
+        "3",
+        "--batch",
+        "16",
+        "--val-fraction",
+        "0",
+        "--data",
+        folder.to_str().unwrap(),
+        "--out",
+        failed.to_str().unwrap(),
+    ]);
     assert!(!ok && text.contains("broken.png"), "{text}");
+    assert!(!failed.exists(), "an empty {} was left behind", failed.display());
     // A file that is not HDF5 is named.
     let bad = dir.join("bad.h5");
     std::fs::write(&bad, b"not hdf5 at all").unwrap();

@@ -59,6 +59,29 @@ fn resume_repeats_the_uninterrupted_run() {
         .unwrap()
         .to_string();
     assert!(err.contains("--optimizer lamb, this run has adamw"), "{err}");
+    // Another model's numbers are named by what sets them, not printed as a struct.
+    let err = pretrain(&args(&format!("{common} --out {} --resume --image-size 16", b.display())), &world)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.ends_with("the checkpoint was trained with --image-size 8, this run has 16"), "{err}");
+    let err = pretrain(
+        &args(&format!(
+            "{common} --out {} --resume --model vit_tiny_patch32_224 --image-size 8 --patch-size 2",
+            b.display()
+        )),
+        &world,
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        err.ends_with(
+            "trained with --model width 64, --model depth 4, --model heads 4 and --model mlp ratio 2, \
+             this run has 192, 12, 3 and 4"
+        ),
+        "{err}"
+    );
     // A checkpoint past the run's end is named, not a run that ends at once as if it trained.
     let err = pretrain(
         &args(&format!("--steps 6 --save-every 100 --mixup 0.4 --clip-grad 1.0 --out {} --resume", b.display())),
@@ -141,6 +164,19 @@ fn tensorboard_shows_every_step_once_across_a_resume() {
 #[test]
 fn bad_settings_name_the_numbers() {
     let world = single();
+    // A run that fails leaves no empty --out behind (one it did not create stays).
+    let root = suite_tests::scratch("vit", "failed-out");
+    let out = root.join("run");
+    for (flags, named) in
+        [("--metrics sub/m.jsonl", "sub/m.jsonl"), ("--report-to tensorboard --logging-dir /proc/x", "--logging-dir")]
+    {
+        let err = pretrain(&args(&format!("--steps 1 {flags} --out {}", out.display())), &world).err().unwrap();
+        assert!(err.to_string().contains(named), "{err}");
+        assert!(!out.exists(), "{flags}: the failed run left {} behind", out.display());
+    }
+    std::fs::create_dir(&out).unwrap();
+    assert!(pretrain(&args(&format!("--steps 1 --metrics sub/m.jsonl --out {}", out.display())), &world).is_err());
+    assert!(out.is_dir(), "a folder the run did not create is kept");
     let err = pretrain(&args("--steps 1 --micro-batch 5"), &world).err().unwrap().to_string();
     assert!(err.contains("--micro-batch 5 does not divide the per-rank batch 32"), "{err}");
     let err = pretrain(&args("--steps 1 --batch 4k"), &world).err().unwrap().to_string();

@@ -98,6 +98,8 @@ fn presets_and_bad_configs() {
     assert!(bad.validate().unwrap_err().contains("image size 30 is not a positive multiple of patch size 16"));
     let bad = VitConfig { heads: 5, ..VitConfig::tiny(16) };
     assert!(bad.validate().unwrap_err().contains("width 192 does not split into 5 heads"));
+    let bad = VitConfig { num_classes: 0, ..VitConfig::tiny(16) };
+    assert_eq!(bad.validate().unwrap_err(), "classes must be positive, got 0");
     // A ratio that leaves the MLP no feature, or is not a number, would panic in libtorch.
     for ratio in [0.001, f64::NAN, f64::INFINITY, -1.0] {
         let err = VitConfig { mlp_ratio: ratio, ..VitConfig::tiny(16) }.validate().unwrap_err();

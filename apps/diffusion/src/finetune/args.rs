@@ -30,7 +30,7 @@ pub struct FinetuneArgs {
     #[arg(short = 'o', long, visible_alias = "output-dir")]
     pub out: PathBuf,
     /// Training resolution (square, pixels), 1 to 4096.
-    #[arg(long, default_value_t = 512, value_parser = engine::parse::count(1..=4096))]
+    #[arg(long, default_value_t = 512, value_parser = engine::parse::count(1..=crate::sample::MAX_SIDE))]
     pub resolution: usize,
     /// Crop the centre square (default: a random square).
     #[arg(long)]

@@ -11,10 +11,12 @@ use crate::lora_file::LoraFile;
 use crate::Result;
 
 /// Converts the LoRA file `lora` (diffusers', peft's or kohya's naming, read at its own scale:
-/// see [`crate::lora_file`]) into the kohya file `out` (written atomically). Returns the
-/// number of adapted modules. A key outside the UNet's adapters, an adapter missing its `down`
-/// or `up`, or ranks that disagree are errors naming the file and key.
+/// see [`crate::lora_file`]) into the kohya file `out` (a new `.safetensors` file, written
+/// atomically). Returns the number of adapted modules. A key outside the UNet's adapters, an
+/// adapter missing its `down` or `up`, or ranks that disagree are errors naming the file and
+/// key.
 pub fn lora_to_kohya(lora: &Path, out: &Path) -> Result<usize> {
+    super::check_new_safetensors(out)?;
     let adapters = LoraFile::read(lora)?.into_rest();
     let mut named = vec![];
     for (module, a) in &adapters {

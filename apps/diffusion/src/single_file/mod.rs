@@ -78,6 +78,47 @@ fn staging_for(out: &Path) -> PathBuf {
     out.with_file_name(format!(".{name}.staging-{}", std::process::id()))
 }
 
+/// Checks that `out` names a new `.safetensors` file (what `--from-diffusers` and `--lora`
+/// write): another extension would mislead the tools that pick a loader by it (a `.ckpt` is
+/// unpickled), and the write renames over whatever is there.
+fn check_new_safetensors(out: &Path) -> Result<()> {
+    if out.extension().is_none_or(|e| !e.eq_ignore_ascii_case("safetensors")) {
+        return Err(Error::Invalid(format!(
+            "--out {}: the file is written as safetensors; name it <name>.safetensors",
+            out.display()
+        )));
+    }
+    // `symlink_metadata`: a dangling link is there too, and the rename would replace it.
+    if out.symlink_metadata().is_ok() {
+        return Err(Error::Invalid(format!("--out {} exists; convert into a new file", out.display())));
+    }
+    Ok(())
+}
+
+/// Checks that `checkpoint` is a file and not a PyTorch pickle (`.ckpt`), which would
+/// otherwise be named as a safetensors file with an absurd header length.
+fn check_single_file(checkpoint: &Path) -> Result<()> {
+    use std::io::Read;
+    let bad = |msg: &str| Error::Format { path: checkpoint.to_path_buf(), msg: msg.into() };
+    if checkpoint.is_dir() {
+        return Err(bad("is a directory; --checkpoint takes a single file (.safetensors), --from-diffusers a folder"));
+    }
+    let mut head = vec![];
+    std::fs::File::open(checkpoint).and_then(|f| f.take(9).read_to_end(&mut head)).map_err(io(checkpoint))?;
+    // A safetensors file starts with its header's length (little-endian u64, at most 100 MB:
+    // the top four bytes are 0), then the header's `{`. torch.save writes a zip archive
+    // (`PK\x03\x04`), or before PyTorch 1.6 a pickle: the PROTO opcode 0x80 and its protocol.
+    let safetensors = head.len() == 9 && head[4..8] == [0; 4] && head[8] == b'{';
+    let zip = head.starts_with(b"PK\x03\x04");
+    let pickle = head.first() == Some(&0x80) && head.get(1).is_some_and(|p| (1..=5).contains(p));
+    if !safetensors && (zip || pickle) {
+        return Err(bad("a PyTorch pickle checkpoint (.ckpt), which is not read (unpickling runs code from the \
+             file); --checkpoint takes .safetensors files. Convert it in Python first, e.g. with diffusers' \
+             from_single_file and save_pretrained (a diffusers folder), or safetensors' save_file on its state_dict"));
+    }
+    Ok(())
+}
+
 /// Copies the configs, tokenizer and scheduler of the diffusers folder `from` into `to`.
 fn copy_configs(from: &Path, to: &Path) -> Result<()> {
     let files = ["model_index.json", "unet/config.json", "vae/config.json", "text_encoder/config.json"];
@@ -108,6 +149,7 @@ pub fn to_diffusers(checkpoint: &Path, configs: &Configs, out: &Path) -> Result<
     if out.exists() {
         return Err(Error::Invalid(format!("{} exists; convert into a new folder", out.display())));
     }
+    check_single_file(checkpoint)?;
     let file = data::checkpoint::read_tensors(checkpoint)?;
     if !file.keys().any(|k| k.starts_with(UNET)) {
         return Err(bad(format!("no {UNET}* keys: not an original Stable Diffusion checkpoint")));
@@ -265,13 +307,13 @@ fn text_encoder_tensors(folder: &Path, component: &str) -> Result<Vec<(String, T
     Ok(file.into_iter().map(|(k, t)| (name(k), t)).collect())
 }
 
-/// Converts the diffusers folder `folder` into the single file `out` in latent-diffusion's
-/// names (written atomically): the UNet, the VAE (attention projections as 1x1 convolutions)
-/// and the text encoder, in OpenAI CLIP's names for a `quick_gelu` encoder (SD 1.x) or
-/// OpenCLIP's for a `gelu` one (SD 2.x); for SDXL (a UNet with `addition_embed_type`) both
-/// encoders under `conditioner.embedders.*`, as Stability's `sd_xl_base_1.0.safetensors`.
-/// Tensors keep their precision unless `half`. A key with no single-file name is an error
-/// naming the file and the key; so is a folder that does not load (a missing or mis-shaped
+/// Converts the diffusers folder `folder` into the single file `out` (a new `.safetensors`
+/// file, written atomically) in latent-diffusion's names: the UNet, the VAE (attention
+/// projections as 1x1 convolutions) and the text encoder, in OpenAI CLIP's names for a
+/// `quick_gelu` encoder (SD 1.x) or OpenCLIP's for a `gelu` one (SD 2.x); for SDXL (a UNet
+/// with `addition_embed_type`) both encoders under `conditioner.embedders.*`, as Stability's
+/// `sd_xl_base_1.0.safetensors`. Tensors keep their precision unless `half`. A key with no
+/// single-file name is an error naming the file and the key; so is a folder that does not load (a missing or mis-shaped
 /// weight, integers for weights): it is loaded first, as sampling would. Returns the number of
 /// tensors written.
 pub fn to_single_file(folder: &Path, out: &Path, half: bool) -> Result<usize> {
@@ -285,6 +327,7 @@ pub fn to_single_file(folder: &Path, out: &Path, half: bool) -> Result<usize> {
             folder.display()
         )));
     }
+    check_new_safetensors(out)?;
     // The renaming below takes any tensor: loading checks every key, shape and kind first.
     drop(crate::pipeline::StableDiffusion::load(folder, Device::Cpu, Kind::Float)?);
     let unet_files = ComponentFiles::in_pipeline(folder, "unet", "UNet2DConditionModel")?;

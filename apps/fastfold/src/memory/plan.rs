@@ -192,13 +192,13 @@ fn search(
     let least = peak(&chunks);
     if fixed + least.bytes > budget {
         return Err(format!(
-            "{} residues need {:.2} GiB at the least (every operation one row at a time, the stacks' streams off \
-             the device in turn; {:.2} GiB of it before the pass, the peak in {}), more than the budget of {:.2} GiB",
+            "{} residues need {} at the least (every operation one row at a time, the stacks' streams off the \
+             device in turn; {} of it before the pass, the peak in {}), more than the budget of {}",
             sizes.residues,
-            gib(fixed + least.bytes),
-            gib(fixed),
+            human(fixed + least.bytes),
+            human(fixed),
             least.at,
-            gib(budget)
+            human(budget)
         ));
     }
     for stage in OFFLOADED {
@@ -223,4 +223,10 @@ fn search(
 /// Bytes in GiB.
 pub fn gib(bytes: u64) -> f64 {
     bytes as f64 / (1u64 << 30) as f64
+}
+
+/// Bytes in the largest binary unit that keeps them at 1 or more: a budget of a few MiB reads
+/// as such in an error, not as "0.00 GiB".
+fn human(bytes: u64) -> String {
+    engine::gemini::human(bytes as usize)
 }

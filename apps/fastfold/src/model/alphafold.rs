@@ -23,11 +23,12 @@ use crate::features::{Features, TemplateFeatures};
 use crate::memory::AttentionLogits;
 use crate::model::config::{EvoformerConfig, PresetSizes};
 use crate::model::embedders::{pseudo_beta, Embedders, Recycled};
-use crate::model::evoformer::EvoformerStack;
+use crate::model::evoformer::{EvoformerStack, StackMsa};
 use crate::model::exec::{ChunkOp, Exec};
 use crate::model::heads::{HeadInputs, HeadOutputs, Heads};
 use crate::model::layers::Stream;
 use crate::model::masked_rows::{self, MsaRows};
+use crate::model::pair_rows::PairRows;
 use crate::model::params::Params;
 use crate::model::recycling::{self, Recycling};
 use crate::model::structure::{StructureModule, StructureOutput};
@@ -212,8 +213,41 @@ pub struct Pass {
     pub structure: StructureOutput,
     /// The single representation [N, c_s].
     pub single: Tensor,
-    /// What the next pass recycles: the MSA's first row, the pair, the pseudo-beta positions.
+    /// What the next pass recycles: the MSA's first row, the pair (under DAP inference this
+    /// rank's rows: [`Pass::whole_pair`]), the pseudo-beta positions.
     pub recycled: Recycled,
+    /// Which of the pair's rows `recycled` holds.
+    pub pair_rows: PairRows,
+}
+
+impl Pass {
+    /// The pass's pair [N, N, c_z] (a collective under DAP inference, where each rank holds
+    /// its rows: every rank calls it).
+    pub fn whole_pair(&self) -> Result<Tensor> {
+        self.pair_rows.gather(&self.pair_rows.real_of(&self.recycled.pair)?)
+    }
+}
+
+/// `stack` over a pass's `msa` and `pair`, the pair as `rows` holds it (whole, or this rank's
+/// block, returned so); `masks` the MSA's and the pair's. The MSA comes back as the stack left
+/// it, made whole only if the caller reads it ([`StackMsa::whole`]: the extra MSA is not).
+/// With `key` (training, where the pair is whole), the stack's key chain's end is returned.
+pub(crate) fn run_stack(
+    stack: &EvoformerStack,
+    (msa, pair): (Tensor, Tensor),
+    (msa_mask, pair_mask): (&Tensor, &Tensor),
+    exec: &Exec,
+    rows: &PairRows,
+    key: Option<Key>,
+) -> Result<(StackMsa, Tensor, Option<Key>)> {
+    let (msa, pair) = (Stream::new(msa, true), Stream::new(pair, true));
+    if !rows.is_split() {
+        let (msa, pair, key) = stack.forward(msa, pair, msa_mask, pair_mask, exec, key)?;
+        return Ok((StackMsa::from_whole(msa), pair, key));
+    }
+    ensure!(key.is_none(), "a stack on the pair's rows runs without dropout");
+    let (msa, pair) = stack.forward_pair_rows(msa, pair, msa_mask, pair_mask, exec)?;
+    Ok((msa, pair, None))
 }
 
 /// The network over one parameter store.
@@ -294,14 +328,19 @@ impl AlphaFold {
     pub fn pass(&self, batch: &Batch, prev: Recycled, exec: &Exec, key: Option<Key>) -> Result<Pass> {
         let keys = key.filter(|_| exec.dropout().is_some()).map(pass_keys);
         let input = &self.embedders.input;
-        let pair = input.embed_pair(&batch.target_feat, &batch.residue_index, exec)?;
-        // The pass's own pair: the recycling embedder, the templates and the stacks update it
-        // in place when nothing records gradients. Its MSA is embedded after the extra-MSA
-        // stack, which does not read it: a long query's MSA would take memory through that
-        // stack's largest step. Only the recycled row it needs is made now.
-        let mut pair = Stream::new(pair, true);
+        // The pass's own pair, whole or under DAP inference this rank's block of its rows: the
+        // recycling embedder, the templates and the stacks update it in place when nothing
+        // records gradients (split, the embedders update the block's real part, `real`). Its
+        // MSA is embedded after the extra-MSA stack, which does not read it: a long query's MSA
+        // would take memory through that stack's largest step. Only the recycled row it needs
+        // is made now.
+        let rows = PairRows::for_pass(exec, batch.residues());
+        let prev = Recycled { pair: rows.recycled(exec.dap(), prev.pair)?, ..prev };
+        let (block, real) =
+            rows.into_block(input.embed_pair(&batch.target_feat, &batch.residue_index, exec, &rows)?)?;
+        let mut pair = Stream::new(real, true);
         let recycled_row = self.embedders.recycling.first_row(&prev)?;
-        self.embedders.recycling.update_pair(&mut pair, &prev, exec)?;
+        self.embedders.recycling.update_pair(&mut pair, &prev, exec, &rows)?;
         drop(prev);
         let pair_mask = batch.seq_mask.f_unsqueeze(1)?.f_mul(&batch.seq_mask.f_unsqueeze(0)?)?;
         if let (Some(t), Some(f)) = (&self.templates, &batch.templates) {
@@ -309,26 +348,28 @@ impl AlphaFold {
                 true => masked_rows::unmasked_rows(&f.mask)?,
                 false => None,
             };
+            let template_key = keys.map(|k| k.templates);
             match real {
-                None => t.add_pair_update(&mut pair, f, &pair_mask, exec, keys.map(|k| k.templates))?,
+                None => t.add_pair_update(&mut pair, f, &pair_mask, exec, template_key, &rows)?,
                 Some(real) if real.size()[0] > 0 => {
                     let [a, b, c, d, e, g] = f.named().map(|(_, x)| x.f_index_select(0, &real));
                     let f = TemplateFeatures::from_array([a?, b?, c?, d?, e?, g?]);
-                    t.add_pair_update(&mut pair, &f, &pair_mask, exec, keys.map(|k| k.templates))?;
+                    t.add_pair_update(&mut pair, &f, &pair_mask, exec, template_key, &rows)?;
                 }
                 Some(_) => {} // no real template: the update is exactly 0
             }
         }
-        let pair = pair.into_inner();
+        let pair = rows.embedded(block, pair.into_inner());
         let mut evoformer_key = keys.map(|k| k.stacks);
         let pair = match (&self.extra, &self.embedders.extra_msa) {
             (Some(stack), Some(embedder)) => {
-                let (rows, has_deletion, deletion_value, mask) = batch.extra_rows(self.drop_masked_rows)?;
-                let extra = embedder.forward(&rows, &has_deletion, &deletion_value, exec)?.f_to_kind(pair.kind())?;
-                drop((rows, has_deletion, deletion_value));
+                let (extra_rows, has_deletion, deletion_value, mask) = batch.extra_rows(self.drop_masked_rows)?;
+                let extra =
+                    embedder.forward(&extra_rows, &has_deletion, &deletion_value, exec)?.f_to_kind(pair.kind())?;
+                drop((extra_rows, has_deletion, deletion_value));
                 let mask = mask.f_to_device(self.device)?;
-                let (extra, pair) = (Stream::new(extra, true), Stream::new(pair, true));
-                let (_, pair, chain) = stack.forward(extra, pair, &mask, &pair_mask, exec, keys.map(|k| k.stacks))?;
+                let key = keys.map(|k| k.stacks);
+                let (_, pair, chain) = run_stack(stack, (extra, pair), (&mask, &pair_mask), exec, &rows, key)?;
                 // The Evoformer continues the extra-MSA stack's key chain.
                 evoformer_key = chain;
                 pair
@@ -349,23 +390,33 @@ impl AlphaFold {
                 msa_mask = Tensor::f_cat(&[msa_mask, mask], 0)?;
             }
         }
-        let (msa, msa_mask, rows) = MsaRows::run(self.drop_masked_rows, msa, msa_mask, own_rows)?;
-        let (msa, pair) = (Stream::new(msa, true), Stream::new(pair, true));
-        let (msa, pair, _) = self.evoformer.forward(msa, pair, &msa_mask, &pair_mask, exec, evoformer_key)?;
+        let (msa, msa_mask, msa_rows) = MsaRows::run(self.drop_masked_rows, msa, msa_mask, own_rows)?;
+        let masks = (&msa_mask, &pair_mask);
+        let (msa, pair, _) = run_stack(&self.evoformer, (msa, pair), masks, exec, &rows, evoformer_key)?;
+        let msa = msa.whole()?;
         // What the pass reads of the MSA's own rows (the template rows end here), on the device
         // (an offloading Evoformer leaves the MSA on the host), before the structure module:
         // the MSA is gone before the pass's last steps.
-        let readout = self.heads.read_msa(&rows.restore(&msa)?.f_to_device(self.device)?)?;
+        let readout = self.heads.read_msa(&msa_rows.restore(&msa)?.f_to_device(self.device)?)?;
         drop(msa);
         let ipa_chunk = exec.chunk_for(ChunkOp::StructureAttention);
         let dropout = keys.zip(exec.dropout()).map(|(k, d)| (k.structure, d.structure_module));
-        let structure =
-            self.structure.run(&readout.single, &pair, &batch.aatype, &batch.seq_mask, ipa_chunk, dropout)?;
-        let heads =
-            self.heads.forward(&HeadInputs { msa: &readout, pair: &pair, structure_single: &structure.single })?;
+        let real = rows.real_of(&pair)?;
+        let structure = self.structure.run_rows(
+            &readout.single,
+            &real,
+            &rows,
+            &batch.aatype,
+            &batch.seq_mask,
+            ipa_chunk,
+            dropout,
+        )?;
+        let inputs = HeadInputs { msa: &readout, pair: &real, pair_rows: &rows, structure_single: &structure.single };
+        let heads = self.heads.forward(&inputs)?;
+        drop(real);
         let pseudo_beta = pseudo_beta(&batch.aatype, &structure.atom37)?.f_to_kind(pair.kind())?;
         let (single, msa_first_row) = (readout.single, readout.first_row);
-        Ok(Pass { heads, structure, single, recycled: Recycled { msa_first_row, pair, pseudo_beta } })
+        Ok(Pass { heads, structure, single, recycled: Recycled { msa_first_row, pair, pseudo_beta }, pair_rows: rows })
     }
 
     /// `recycles + 1` passes over slices `0..=recycles` of `features` in `kind`, each starting
@@ -390,7 +441,7 @@ impl AlphaFold {
             "{recycles} recycles need {} feature slices, the features have {available}",
             recycles + 1
         );
-        let mut prev = self.first_recycled(features, kind)?;
+        let mut prev = self.first_recycled(features, kind, exec)?;
         let mut key = key;
         for i in 0..recycles as i64 {
             let batch = self.batch(features, i, kind)?;
@@ -404,11 +455,11 @@ impl AlphaFold {
 
     /// What the first pass recycles: zeros on the network's device, in `kind`, for the
     /// residues of `features`.
-    fn first_recycled(&self, features: &Features, kind: Kind) -> Result<Recycled> {
+    fn first_recycled(&self, features: &Features, kind: Kind, exec: &Exec) -> Result<Recycled> {
         // The residue mask alone, not a whole slice converted to `kind`.
         let first = features.iteration(0).map_err(|e| crate::model::Error::Invalid(format!("features: {e}")))?;
         let seq_mask = first.seq_mask.f_squeeze_dim(0)?.f_to_kind(kind)?.f_to_device(self.device)?;
-        Recycled::zeros(seq_mask.size()[0], &self.config, &seq_mask)
+        Recycled::zeros(&PairRows::for_pass(exec, seq_mask.size()[0]), &self.config, &seq_mask)
     }
 
     /// Inference over `recycling`'s schedule: passes `0..=max` over slices of `features`, each
@@ -431,8 +482,8 @@ impl AlphaFold {
             recycling.max,
             recycling.max + 1
         );
-        let mut prev = self.first_recycled(features, kind)?;
-        let residues = prev.pair.size()[0];
+        let mut prev = self.first_recycled(features, kind, exec)?;
+        let residues = prev.msa_first_row.size()[0];
         let mut prev_positions = Tensor::f_zeros([residues, 37, 3], (Kind::Float, self.device))?;
         let mut r = 0;
         loop {

@@ -19,6 +19,7 @@ use crate::model::config::{EvoformerConfig, ModelConfig};
 use crate::model::exec::{ChunkOp, Exec, Stage};
 use crate::model::keys::EMBEDDINGS;
 use crate::model::layers::{chunked, narrow, LayerNorm, Linear, Stream};
+use crate::model::pair_rows::PairRows;
 use crate::model::params::Params;
 use crate::model::scope::{Builder, Scope};
 use crate::model::{ensure, Error, Result};
@@ -206,21 +207,25 @@ impl FeatureProjections {
         })
     }
 
-    /// `target_feat` [N, target_feat] to the pair representation [N, N, c_z], its rows
-    /// `exec`'s [`ChunkOp::PairEmbedding`] at a time with `relative(start, rows)` ([rows, N,
-    /// c_z], the embedded relative encoding of those rows) added. The MSA and pair are
-    /// embedded apart so that a pass can make its MSA only when a stack reads it.
+    /// `target_feat` [N, target_feat] to the pair representation's real rows `rows` holds
+    /// ([`PairRows::real`] x N x c_z; [N, N, c_z] whole), `exec`'s [`ChunkOp::PairEmbedding`]
+    /// at a time with `relative(start, rows)` ([rows, N, c_z], the embedded relative encoding
+    /// of the pair's rows `[start, start + rows)`) added. The MSA and pair are embedded apart
+    /// so that a pass can make its MSA only when a stack reads it.
     pub(crate) fn embed_pair(
         &self,
         target_feat: &Tensor,
         exec: &Exec,
+        rows: &PairRows,
         relative: impl Fn(i64, i64) -> Result<Tensor>,
     ) -> Result<Tensor> {
         let n = self.target_residues(target_feat)?;
-        let left = self.left_single.forward(target_feat)?.f_unsqueeze(1)?;
+        ensure!(rows.residues() == n, "target_feat: {n} residues, the pair's rows are of {}", rows.residues());
+        let (first, real) = (rows.start(), rows.real());
+        let left = self.left_single.forward(&target_feat.f_narrow(0, first, real)?)?.f_unsqueeze(1)?;
         let right = self.right_single.forward(target_feat)?.f_unsqueeze(0)?;
-        chunked(n, exec.chunk_for(ChunkOp::PairEmbedding), |start, rows| {
-            Ok(narrow(&left, 0, start, rows)?.f_add(&right)?.f_add(&relative(start, rows)?)?)
+        chunked(real, exec.chunk_for(ChunkOp::PairEmbedding), |start, count| {
+            Ok(narrow(&left, 0, start, count)?.f_add(&right)?.f_add(&relative(first + start, count)?)?)
         })
     }
 }
@@ -266,7 +271,8 @@ impl InputEmbedder {
         exec: &Exec,
     ) -> Result<(Tensor, Tensor)> {
         let msa = self.embed_msa(target_feat, msa_feat)?;
-        let pair = self.embed_pair(target_feat, residue_index, exec)?;
+        let rows = PairRows::whole(residue_index.size()[0]);
+        let pair = self.embed_pair(target_feat, residue_index, exec, &rows)?;
         Ok((msa, pair))
     }
 
@@ -276,13 +282,19 @@ impl InputEmbedder {
     }
 
     /// The pair representation of [`InputEmbedder::embed`] alone (from `target_feat` and
-    /// `residue_index`).
-    pub fn embed_pair(&self, target_feat: &Tensor, residue_index: &Tensor, exec: &Exec) -> Result<Tensor> {
+    /// `residue_index`), its real rows that `rows` holds ([`PairRows::real`] x N x c_z).
+    pub fn embed_pair(
+        &self,
+        target_feat: &Tensor,
+        residue_index: &Tensor,
+        exec: &Exec,
+        rows: &PairRows,
+    ) -> Result<Tensor> {
         let n = self.features.target_residues(target_feat)?;
         if residue_index.size() != [n] {
             return Err(shape_error("residue_index", format!("[{n}]"), residue_index.size()));
         }
-        self.features.embed_pair(target_feat, exec, |start, rows| {
+        self.features.embed_pair(target_feat, exec, rows, |start, rows| {
             let rel =
                 relative_position_one_hot_rows(residue_index, start, rows, self.max_relative, target_feat.kind())?;
             self.pair_activiations.forward(&rel)
@@ -310,7 +322,8 @@ fn relative_position_one_hot_rows(
 pub struct Recycled {
     /// First row of the previous pass's MSA representation.
     pub msa_first_row: Tensor,
-    /// The previous pass's pair representation.
+    /// The previous pass's pair representation: [N, N, c_z], or under DAP inference this
+    /// rank's block of its rows ([`PairRows`]).
     pub pair: Tensor,
     /// The previous pass's pseudo-beta positions, Å (see [`pseudo_beta`]).
     pub pseudo_beta: Tensor,
@@ -328,12 +341,12 @@ impl Recycled {
     }
 
     /// Zeros, what the first pass recycles (AlphaFold's `prev` initialisation), like `like`'s
-    /// kind and device.
-    pub fn zeros(residues: i64, cfg: &EvoformerConfig, like: &Tensor) -> Result<Self> {
-        let opts = (like.kind(), like.device());
+    /// kind and device, the pair the rows a pass holds ([`PairRows::block_shape`]).
+    pub fn zeros(rows: &PairRows, cfg: &EvoformerConfig, like: &Tensor) -> Result<Self> {
+        let (opts, residues) = ((like.kind(), like.device()), rows.residues());
         Ok(Recycled {
             msa_first_row: Tensor::f_zeros([residues, cfg.c_m], opts)?,
-            pair: Tensor::f_zeros([residues, residues, cfg.c_z], opts)?,
+            pair: Tensor::f_zeros(rows.block_shape(cfg.c_z), opts)?,
             pseudo_beta: Tensor::f_zeros([residues, 3], opts)?,
         })
     }
@@ -382,7 +395,7 @@ impl RecyclingEmbedder {
     pub fn update(&self, msa: &mut Stream, pair: &mut Stream, prev: &Recycled, exec: &Exec) -> Result<()> {
         let row = self.first_row(prev)?;
         self.add_first_row(msa, &row)?;
-        self.update_pair(pair, prev, exec)
+        self.update_pair(pair, prev, exec, &PairRows::whole(row.size()[1]))
     }
 
     /// The normalised previous first row [1, N, c_m], which
@@ -409,12 +422,20 @@ impl RecyclingEmbedder {
     }
 
     /// The pair's part of [`RecyclingEmbedder::update`]: the normalised previous pair and the
-    /// embedded pseudo-beta distances added to `pair` [N, N, c_z].
-    pub fn update_pair(&self, pair: &mut Stream, prev: &Recycled, exec: &Exec) -> Result<()> {
+    /// embedded pseudo-beta distances added to `pair`, the real rows `rows` holds
+    /// ([`PairRows::real`] x N x c_z; [N, N, c_z] whole). The recycled pair is the previous
+    /// pass's rows alike, or whole.
+    pub fn update_pair(&self, pair: &mut Stream, prev: &Recycled, exec: &Exec, rows: &PairRows) -> Result<()> {
         let n = prev.msa_first_row.size()[0];
+        ensure!(
+            rows.residues() == n,
+            "recycled msa first row: {n} residues, the pair's rows are of {}",
+            rows.residues()
+        );
+        let prev_pair = rows.real_of(&prev.pair).map_err(|e| Error::Invalid(format!("recycled {e}")))?;
         let checks = [
-            ("pair", pair.get(), vec![n, n, self.c_z]),
-            ("recycled pair", &prev.pair, vec![n, n, self.c_z]),
+            ("pair", pair.get(), vec![rows.real(), n, self.c_z]),
+            ("recycled pair", &prev_pair, vec![rows.real(), n, self.c_z]),
             ("recycled pseudo-beta positions", &prev.pseudo_beta, vec![n, 3]),
         ];
         for (what, t, expected) in checks {
@@ -423,10 +444,12 @@ impl RecyclingEmbedder {
             }
         }
         let chunk = exec.chunk_for(ChunkOp::PairEmbedding);
-        pair.add_chunked(0, chunk, |_, start, rows| self.prev_pair_norm.forward(&narrow(&prev.pair, 0, start, rows)?))?;
+        pair.add_chunked(0, chunk, |_, start, count| {
+            self.prev_pair_norm.forward(&narrow(&prev_pair, 0, start, count)?)
+        })?;
         let kind = pair.get().kind();
-        pair.add_chunked(0, chunk, |_, start, rows| {
-            let here = narrow(&prev.pseudo_beta, 0, start, rows)?;
+        pair.add_chunked(0, chunk, |_, start, count| {
+            let here = narrow(&prev.pseudo_beta, 0, rows.start() + start, count)?;
             let dgram =
                 distance_one_hot_between(&here, &prev.pseudo_beta, self.bins, RECYCLE_MIN_BIN, RECYCLE_MAX_BIN)?;
             self.prev_pos_linear.forward(&dgram.f_to_kind(kind)?)

@@ -53,6 +53,7 @@ use crate::model::layers::Stream;
 use crate::model::msa::{
     MsaColumnAttention, MsaColumnGlobalAttention, MsaRowAttentionWithPairBias, OuterProductMean, Transition,
 };
+use crate::model::pair_rows::PairRows;
 use crate::model::params::Params;
 use crate::model::scope::{Builder, Scope};
 use crate::model::triangle::{Direction, TriangleAttention, TriangleMultiplication};
@@ -512,11 +513,45 @@ impl EvoformerStack {
         msa_mask: &Tensor,
         pair_mask: &Tensor,
         exec: &Exec,
-        mut key: Option<Key>,
+        key: Option<Key>,
     ) -> Result<(Tensor, Tensor, Option<Key>)> {
+        let (msa, pair, key) = self.run_blocks(msa, PairIn::Whole(pair), msa_mask, pair_mask, exec, key)?;
+        let (dap, r) = (exec.dap(), pair_mask.size()[0]);
+        let pair = dap.gather(&pair, 0)?.f_narrow(0, 0, r)?.f_narrow(1, 0, r)?;
+        Ok((msa.whole()?, pair, key))
+    }
+
+    /// [`EvoformerStack::forward`] on this rank's block of the pair's rows, as
+    /// [`PairRows::split`] lays it out (`[padded / ranks, padded, c_z]`, the padding zeros),
+    /// and returning it so: an inference pass under DAP never makes the pair whole between its
+    /// stacks ([`crate::model::pair_rows`]). The MSA comes back as the blocks left it; the
+    /// caller makes it whole ([`StackMsa::whole`]) if it reads it.
+    pub fn forward_pair_rows(
+        &self,
+        msa: Stream,
+        pair: Stream,
+        msa_mask: &Tensor,
+        pair_mask: &Tensor,
+        exec: &Exec,
+    ) -> Result<(StackMsa, Tensor)> {
+        let (msa, pair, _) = self.run_blocks(msa, PairIn::Rows(pair), msa_mask, pair_mask, exec, None)?;
+        Ok((msa, pair))
+    }
+
+    /// The blocks over the inputs, padded and split under DAP (the pair given whole, or already
+    /// as this rank's rows): the MSA as the blocks left it and this rank's rows of the pair.
+    fn run_blocks(
+        &self,
+        msa: Stream,
+        pair: PairIn,
+        msa_mask: &Tensor,
+        pair_mask: &Tensor,
+        exec: &Exec,
+        mut key: Option<Key>,
+    ) -> Result<(StackMsa, Tensor, Option<Key>)> {
         let exec = exec.in_stage(self.stage);
         let dap = exec.dap();
-        let (s, r) = check_inputs(msa.get(), pair.get(), msa_mask, pair_mask, self.c_m, self.c_z)?;
+        let (s, r) = check_inputs(msa.get(), &pair, msa_mask, pair_mask, self.c_m, self.c_z, dap)?;
         let (sp, rp) = (dap.padded_len(s), dap.padded_len(r));
         let pad2 = |t: &Tensor, a: i64, b: i64| -> Result<Tensor> { Ok(dap.pad_to(&dap.pad_to(t, 0, a)?, 1, b)?) };
         let kind = msa.get().kind();
@@ -535,7 +570,10 @@ impl EvoformerStack {
             Ok(Stream::new(local, owned || copied))
         };
         let mut m = own(msa, sp)?;
-        let mut z = own(pair, rp)?;
+        let mut z = match pair {
+            PairIn::Whole(pair) => own(pair, rp)?,
+            PairIn::Rows(pair) => pair,
+        };
         // An offloading stack's MSA waits on the host between its updates from the start.
         let offload = Offload::new(&exec, &m, &z);
         if let Some(o) = &offload {
@@ -555,19 +593,46 @@ impl EvoformerStack {
             Some(o) => o.for_layout(&m.into_inner(), dap)?,
             None => m.into_inner(),
         };
-        let m = dap.gather(&m, 0)?.f_narrow(0, 0, s)?.f_narrow(1, 0, r)?;
-        let z = dap.gather(&z.into_inner(), 0)?.f_narrow(0, 0, r)?.f_narrow(1, 0, r)?;
-        Ok((m, z, key))
+        Ok((StackMsa { local: m, dap: dap.clone(), seqs: s, residues: r }, z.into_inner(), key))
+    }
+}
+
+/// The pair a stack takes: whole, or this rank's block of its rows ([`PairRows::split`]).
+enum PairIn {
+    Whole(Stream),
+    Rows(Stream),
+}
+
+/// A stack's MSA as its blocks left it: this rank's block of its padded rows (all of them,
+/// unpadded, with one rank).
+pub struct StackMsa {
+    local: Tensor,
+    dap: Dap,
+    seqs: i64,
+    residues: i64,
+}
+
+impl StackMsa {
+    /// An MSA [s, r, c_m] every rank already holds whole.
+    pub fn from_whole(msa: Tensor) -> StackMsa {
+        let size = msa.size();
+        StackMsa { seqs: size[0], residues: size[1], local: msa, dap: Dap::none() }
+    }
+
+    /// The whole MSA [s, r, c_m] on every rank (a collective under DAP).
+    pub fn whole(self) -> Result<Tensor> {
+        Ok(self.dap.gather(&self.local, 0)?.f_narrow(0, 0, self.seqs)?.f_narrow(1, 0, self.residues)?)
     }
 }
 
 fn check_inputs(
     msa: &Tensor,
-    pair: &Tensor,
+    pair: &PairIn,
     msa_mask: &Tensor,
     pair_mask: &Tensor,
     c_m: i64,
     c_z: i64,
+    dap: &Dap,
 ) -> Result<(i64, i64)> {
     let shape_err = |what: &str, expected: String, found: Vec<i64>| {
         Error::Invalid(format!("{what}: expected shape {expected}, found {found:?}"))
@@ -577,8 +642,15 @@ fn check_inputs(
         return Err(shape_err("msa", format!("[seqs, residues, {c_m}]"), ms));
     }
     let (s, r) = (ms[0], ms[1]);
-    if pair.size() != [r, r, c_z] {
-        return Err(shape_err("pair", format!("[{r}, {r}, {c_z}]"), pair.size()));
+    match pair {
+        PairIn::Whole(pair) if pair.get().size() != [r, r, c_z] => {
+            return Err(shape_err("pair", format!("[{r}, {r}, {c_z}]"), pair.get().size()));
+        }
+        PairIn::Rows(pair) if pair.get().size() != PairRows::split(dap, r).block_shape(c_z) => {
+            let expected = format!("{:?} (this rank's rows)", PairRows::split(dap, r).block_shape(c_z));
+            return Err(shape_err("pair", expected, pair.get().size()));
+        }
+        _ => {}
     }
     if msa_mask.size() != [s, r] {
         return Err(shape_err("msa mask", format!("[{s}, {r}]"), msa_mask.size()));

@@ -18,6 +18,7 @@ use crate::model::config::{EvoformerConfig, ModelConfig};
 use crate::model::embedders::shape_error;
 use crate::model::keys::{EMBEDDINGS, ITERATION};
 use crate::model::layers::{LayerNorm, Linear};
+use crate::model::pair_rows::{symmetrise_in_place, PairRows};
 use crate::model::params::Params;
 use crate::model::scope::Builder;
 use crate::model::Result;
@@ -88,6 +89,19 @@ impl DistogramHead {
         check("pair", pair, &[n, n], self.c_z)?;
         let half = self.half_logits.forward(pair)?;
         Ok(half.f_add(&half.f_transpose(0, 1)?)?)
+    }
+
+    /// [`DistogramHead::forward`] of the real pair rows `rows` holds ([`PairRows::real`] x N x
+    /// c_z), whole on every rank: under DAP the ranks' rows of the half logits are gathered and
+    /// symmetrised in place (no autograd there), so a rank holds one [N, N, 64] buffer, not two.
+    pub fn forward_rows(&self, pair: &Tensor, rows: &PairRows) -> Result<Tensor> {
+        if !rows.is_split() {
+            return self.forward(pair);
+        }
+        check("pair", pair, &[Some(rows.real()), Some(rows.residues())], self.c_z)?;
+        let logits = rows.gather(&self.half_logits.forward(pair)?)?;
+        symmetrise_in_place(&logits, rows.block())?;
+        Ok(logits)
     }
 }
 
@@ -183,6 +197,16 @@ impl PredictedAlignedErrorHead {
         check("pair", pair, &[n, n], self.c_z)?;
         self.logits.forward(pair)
     }
+
+    /// [`PredictedAlignedErrorHead::forward`] of the real pair rows `rows` holds
+    /// ([`PairRows::real`] x N x c_z), gathered whole on every rank.
+    pub fn forward_rows(&self, pair: &Tensor, rows: &PairRows) -> Result<Tensor> {
+        if !rows.is_split() {
+            return self.forward(pair);
+        }
+        check("pair", pair, &[Some(rows.real()), Some(rows.residues())], self.c_z)?;
+        rows.gather(&self.logits.forward(pair)?)
+    }
 }
 
 /// What a pass reads of the Evoformer's MSA ([`Heads::read_msa`]), all of it before the
@@ -200,8 +224,10 @@ pub struct MsaReadout {
 pub struct HeadInputs<'a> {
     /// What was read of the Evoformer's MSA.
     pub msa: &'a MsaReadout,
-    /// The Evoformer's pair [N, N, c_z].
+    /// The Evoformer's pair: [N, N, c_z], or under DAP the real rows `pair_rows` holds.
     pub pair: &'a Tensor,
+    /// Which of the pair's rows `pair` is.
+    pub pair_rows: &'a PairRows,
     /// The structure module's final single representation [N, c_s].
     pub structure_single: &'a Tensor,
 }
@@ -288,11 +314,11 @@ impl Heads {
     /// Every head's logits.
     pub fn forward(&self, x: &HeadInputs) -> Result<HeadOutputs> {
         Ok(HeadOutputs {
-            distogram: self.distogram.forward(x.pair)?,
+            distogram: self.distogram.forward_rows(x.pair, x.pair_rows)?,
             lddt: self.lddt.forward(x.structure_single)?,
             masked_msa: x.msa.masked_msa.shallow_clone(),
             experimentally_resolved: self.experimentally_resolved.forward(&x.msa.single)?,
-            aligned_error: self.aligned_error.as_ref().map(|h| h.forward(x.pair)).transpose()?,
+            aligned_error: self.aligned_error.as_ref().map(|h| h.forward_rows(x.pair, x.pair_rows)).transpose()?,
         })
     }
 }

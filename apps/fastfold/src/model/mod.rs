@@ -11,7 +11,7 @@
 //!    (training dropout's masks from JAX keys), [`layers`]
 //!    (`Linear`, `LayerNorm`, chunking, over `scope`), [`masked_rows`] (which MSA rows the
 //!    stacks can leave out), [`exec`] ([`Exec`]: the DAP group and chunk size a forward runs
-//!    under).
+//!    under), [`pair_rows`] (which of the pair's rows a rank holds through a pass).
 //! 2. The store: [`params`] ([`Params`]: the arrays, their files, `Params::builder`), over
 //!    `config` and `scope`.
 //! 3. Building blocks: [`attention`], then [`triangle`] and [`msa`].
@@ -37,6 +37,7 @@ pub mod layers;
 pub mod masked_rows;
 pub mod msa;
 pub mod multimer;
+pub mod pair_rows;
 pub mod params;
 pub mod recycling;
 pub mod scope;

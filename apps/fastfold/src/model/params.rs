@@ -134,9 +134,9 @@ impl Params {
 }
 
 /// Copies every array of an `.npz` or `.safetensors` parameter file into the other format (by
-/// the extensions), names, kinds and values unchanged, including arrays the model does not
-/// read (template stacks); returns the number of arrays.
-pub fn convert(input: &Path, output: &Path) -> Result<usize> {
+/// the extensions), names, kinds and values unchanged (but bfloat16 into an `.npz`: float32,
+/// the same values), including arrays the model does not read (template stacks).
+pub fn convert(input: &Path, output: &Path) -> Result<Converted> {
     // The output's extension picks the format: another one would get an .npz under its name.
     if !output.extension().is_some_and(|e| e == "npz" || e == "safetensors") {
         return Err(Error::Invalid(format!("{}: the output must end in .npz or .safetensors", output.display())));
@@ -146,9 +146,30 @@ pub fn convert(input: &Path, output: &Path) -> Result<usize> {
     if !parent.is_dir() {
         return Err(Error::Invalid(format!("{}: the folder {} does not exist", output.display(), parent.display())));
     }
-    let arrays = read_arrays(input)?;
+    let mut arrays = read_arrays(input)?;
+    if arrays.is_empty() {
+        return Err(Error::Invalid(format!("{}: holds no arrays", input.display())));
+    }
+    // NumPy has no bfloat16: an .npz gets such arrays widened to float32, which keeps every
+    // value (AlphaFold's own files hold float32).
+    let mut widened = 0;
+    if !is_safetensors(output) {
+        for (_, t) in arrays.iter_mut().filter(|(_, t)| t.kind() == tch::Kind::BFloat16) {
+            *t = t.f_to_kind(tch::Kind::Float)?;
+            widened += 1;
+        }
+    }
     write_arrays(&arrays, output)?;
-    Ok(arrays.len())
+    Ok(Converted { arrays: arrays.len(), widened })
+}
+
+/// What [`convert`] wrote.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Converted {
+    /// Arrays written.
+    pub arrays: usize,
+    /// Of them, bfloat16 arrays written to an `.npz` as float32.
+    pub widened: usize,
 }
 
 fn write_arrays(named: &[(String, Tensor)], path: &Path) -> Result<()> {

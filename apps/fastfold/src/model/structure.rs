@@ -36,6 +36,7 @@ use crate::model::config::{PresetSizes, StructureConfig};
 use crate::model::dropout::drop_whole;
 use crate::model::keys::STRUCTURE_MODULE;
 use crate::model::layers::{chunked, narrow, LayerNorm, Linear};
+use crate::model::pair_rows::PairRows;
 use crate::model::params::Params;
 use crate::model::scope::{Builder, Init, Scope};
 use crate::model::{ensure, Error, Result};
@@ -176,19 +177,22 @@ impl InvariantPointAttention {
         Ok(norm2.f_sqrt()?)
     }
 
-    /// `single` [N, c_s], `pair` [N, N, c_z] (normalised, or with `norm` the raw pair, each
-    /// chunk's rows normalised as they are read), `mask` [N], frames in nm → [N, c_s]; the
-    /// attention of `chunk` query residues at a time (every per-pair term is per query row).
+    /// `single` [N, c_s], `pair` the real rows `rows` holds ([`PairRows::real`] x N x c_z;
+    /// normalised, or with `norm` the raw pair, each chunk's rows normalised as they are
+    /// read), `mask` [N], frames in nm → [N, c_s]; the attention of `chunk` query residues at a
+    /// time (every per-pair term is per query row). Under DAP a rank attends from its rows'
+    /// queries and the ranks' results are gathered before the output projection.
     fn forward(
         &self,
         single: &Tensor,
         (pair, norm): (&Tensor, Option<&LayerNorm>),
+        rows: &PairRows,
         mask: &Tensor,
         frames: &Rigid,
         chunk: Option<i64>,
     ) -> Result<Tensor> {
         let c = &self.cfg;
-        let (n, h) = (single.size()[0], c.heads);
+        let h = c.heads;
         let kind = single.kind();
         let (q, k, v, q_pts, k_pts, v_pts) = self.project(single, frames)?;
 
@@ -206,7 +210,10 @@ impl InvariantPointAttention {
         let point_w =
             fp32(&self.trainable_point_weights)?.f_softplus()?.f_mul_scalar((1.0 / point_var).sqrt() * term_scale)?;
         let m = fp32(mask)?;
-        let features = chunked(n, chunk, |start, rows| {
+        let first = rows.start();
+        let features = chunked(rows.real(), chunk, |local, count| {
+            // Query rows [start, start + count), the pair's [local, local + count).
+            let (start, rows) = (first + local, count);
             let q = fp32(&narrow(&q, 0, start, rows)?)?;
             let scalar = Tensor::f_einsum("ihc,jhc->hij", &[&q, &k], None::<&[i64]>)?.f_mul_scalar(scalar_w)?;
             let diff = narrow(&q_pts, 0, start, rows)?.f_unsqueeze(1)?.f_sub(&k_pts.f_unsqueeze(0)?)?; // [n, Nj, H, P, 3]
@@ -215,8 +222,8 @@ impl InvariantPointAttention {
             let points = dist2.f_mul(&point_w)?.f_mul_scalar(-0.5)?.f_permute([2, 0, 1])?;
             drop(dist2);
             let pair = match norm {
-                Some(norm) => norm.forward(&narrow(pair, 0, start, rows)?)?,
-                None => narrow(pair, 0, start, rows)?,
+                Some(norm) => norm.forward(&narrow(pair, 0, local, rows)?)?,
+                None => narrow(pair, 0, local, rows)?,
             };
             let bias = fp32(&self.attention_2d.forward(&pair)?)?.f_permute([2, 0, 1])?.f_mul_scalar(term_scale)?;
             let mask_2d = narrow(&m, 0, start, rows)?.f_unsqueeze(1)?.f_mul(&m.f_unsqueeze(0)?)?;
@@ -247,7 +254,7 @@ impl InvariantPointAttention {
                 -1,
             )?)
         })?;
-        self.output_projection.forward(&features.f_to_kind(kind)?)
+        self.output_projection.forward(&rows.gather(&features)?.f_to_kind(kind)?)
     }
 }
 
@@ -446,7 +453,7 @@ impl StructureModule {
         frames: &Rigid,
     ) -> Result<Tensor> {
         let _ieee = IeeeScope::enter();
-        self.ipa.forward(act, (pair, None), mask, frames, None)
+        self.ipa.forward(act, (pair, None), &PairRows::whole(act.size()[0]), mask, frames, None)
     }
 
     /// `single` [N, c_s] (the Evoformer's single representation), `pair` [N, N, c_z],
@@ -462,6 +469,24 @@ impl StructureModule {
         chunk: Option<i64>,
         dropout: Option<(Key, f64)>,
     ) -> Result<StructureOutput> {
+        let rows = PairRows::whole(aatype.size().first().copied().unwrap_or(0));
+        self.run_rows(single, pair, &rows, aatype, seq_mask, chunk, dropout)
+    }
+
+    /// [`StructureModule::run`] on the real pair rows `rows` holds ([`PairRows::real`] x N x
+    /// c_z): under DAP inference each rank attends from its rows' queries, the ranks' results
+    /// gathered in every iteration, and every rank ends with the same whole outputs.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_rows(
+        &self,
+        single: &Tensor,
+        pair: &Tensor,
+        rows: &PairRows,
+        aatype: &Tensor,
+        seq_mask: &Tensor,
+        chunk: Option<i64>,
+        dropout: Option<(Key, f64)>,
+    ) -> Result<StructureOutput> {
         let n = aatype.size().first().copied().unwrap_or(0);
         ensure!(
             single.size() == [n, self.cfg.c_s],
@@ -470,8 +495,9 @@ impl StructureModule {
             single.size()
         );
         ensure!(
-            pair.size() == [n, n, self.cfg.c_z],
-            "pair: expected shape [{n}, {n}, {}], found {:?}",
+            pair.size() == [rows.real(), n, self.cfg.c_z] && rows.residues() == n,
+            "pair: expected shape [{}, {n}, {}], found {:?}",
+            rows.real(),
             self.cfg.c_z,
             pair.size()
         );
@@ -487,7 +513,8 @@ impl StructureModule {
         // The normalised pair whole, or, where the attention runs in query-row chunks and
         // nothing records gradients, each chunk's rows normalised as the attention reads them
         // (every iteration again): whole, it is a second pair beside the Evoformer's.
-        let by_rows = chunk.is_some_and(|c| c < n) && !pair.requires_grad() && !self.pair_layer_norm.records();
+        let by_rows =
+            chunk.is_some_and(|c| c < rows.real()) && !pair.requires_grad() && !self.pair_layer_norm.records();
         let pair = match by_rows {
             true => (pair.shallow_clone(), Some(&self.pair_layer_norm)),
             false => (self.pair_layer_norm.forward(pair)?, None),
@@ -506,7 +533,7 @@ impl StructureModule {
                 }
             };
             let frames = backbone.frames();
-            act = act.f_add(&self.ipa.forward(&act, (&pair.0, pair.1), seq_mask, &frames, chunk)?)?;
+            act = act.f_add(&self.ipa.forward(&act, (&pair.0, pair.1), rows, seq_mask, &frames, chunk)?)?;
             act = self.attention_layer_norm.forward(&drop(act, 1)?)?;
             let input = act.shallow_clone();
             for (t, layer) in self.transitions.iter().enumerate() {

@@ -41,6 +41,7 @@ use crate::model::exec::{ChunkOp, Exec, Stage};
 use crate::model::keys::{EMBEDDINGS, PAIR_STACK, SINGLE_TEMPLATE, TEMPLATE_EMBEDDING};
 use crate::model::layers::{chunked, narrow, step, LayerNorm, Linear, Stream};
 use crate::model::msa::Transition;
+use crate::model::pair_rows::PairRows;
 use crate::model::params::Params;
 use crate::model::scope::{Builder, Init, Scope};
 use crate::model::triangle::{Direction, TriangleAttention, TriangleMultiplication};
@@ -482,17 +483,17 @@ struct OnlineSoftmax {
 }
 
 impl OnlineSoftmax {
-    /// Empty terms for the pair `pair` [N, N, c_z] (its kind and device).
+    /// Empty terms for the pair rows `pair` [rows, N, c_z] (their kind and device).
     fn new(pair: &Tensor, a: &PointwiseAttention, chunk: Option<i64>) -> Result<Self> {
         let kind = match pair.kind() {
             Kind::BFloat16 | Kind::Half => Kind::Float,
             other => other,
         };
-        let (n, heads, opts) = (pair.size()[0], a.query_w.size()[1], (kind, pair.device()));
+        let (rows, n, heads, opts) = (pair.size()[0], pair.size()[1], a.query_w.size()[1], (kind, pair.device()));
         Ok(OnlineSoftmax {
-            max: Tensor::f_empty([n, n, heads], opts)?,
-            sum: Tensor::f_empty([n, n, heads], opts)?,
-            values: Tensor::f_empty([n, n, heads, a.head_dim], opts)?,
+            max: Tensor::f_empty([rows, n, heads], opts)?,
+            sum: Tensor::f_empty([rows, n, heads], opts)?,
+            values: Tensor::f_empty([rows, n, heads, a.head_dim], opts)?,
             chunk,
             kind,
             pair_kind: pair.kind(),
@@ -568,8 +569,9 @@ impl Templates {
     /// into an online softmax as it leaves the pair stack (`OnlineSoftmax`), so the stack
     /// [T, N, N, c_t], a long query's largest buffer with templates, is never made; a masked
     /// template's logits carry the same bias as in the stacked softmax (its weight 0).
-    /// In training, `key` (the templates') keys the pair stack's dropout
-    /// ([`Templates::pair_stack`]).
+    /// In training, `key` (the templates' keys) keys the pair stack's dropout
+    /// ([`Templates::pair_stack`]). `pair` holds the real rows `rows` holds (whole in training);
+    /// the templates' stacks run whole on every rank, `pair_mask` [N, N] whole.
     pub fn add_pair_update(
         &self,
         pair: &mut Stream,
@@ -577,6 +579,7 @@ impl Templates {
         pair_mask: &Tensor,
         exec: &Exec,
         key: Option<Key>,
+        rows: &PairRows,
     ) -> Result<()> {
         let kind = pair.get().kind();
         let (bias, any) = self.mask_terms(&t.mask, kind)?;
@@ -586,6 +589,7 @@ impl Templates {
         // keeps the templates' stack and one softmax over it; inference folds the templates in
         // one at a time.
         if pair.get().requires_grad() || self.attention.query_w.requires_grad() || exec.dropout().is_some() {
+            ensure!(!rows.is_split(), "the templates' update in training takes the whole pair");
             let stacked = self.pair_stack(t, pair_mask, kind, exec, key)?;
             return pair.add_chunked(0, chunk, |z, start, n| {
                 Ok(self.attention.rows(z, &stacked, &bias, start, n)?.f_mul(&any)?)
@@ -595,6 +599,7 @@ impl Templates {
         let mut acc = None;
         for i in 0..t.aatype.size()[0] {
             let embedded = self.embed(t, i, &mask, kind, &stage, None)?;
+            let embedded = embedded.f_narrow(0, rows.start(), rows.real())?;
             // Made after the first template's stack, whose peak they would raise.
             let acc = match &mut acc {
                 Some(acc) => acc,

@@ -115,6 +115,8 @@ pub(super) fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predi
             let ranking_confidence = multimer_ranking_confidence(iptm, ptm);
             let mut confidence = Confidence::from_logits(&pass.heads.lddt, Some(pae))?;
             confidence.ptm = Some(ptm);
+            // A collective under DAP: every rank gathers, rank 0 (with `staging`) writes.
+            let pair = args.save_outputs.then(|| pass.whole_pair()).transpose()?;
             if let Some(dir) = &staging {
                 let outputs = ModelOutputs {
                     pass: &pass,
@@ -122,6 +124,7 @@ pub(super) fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predi
                     confidence: &confidence,
                     iptm: Some(iptm),
                     ranking_confidence,
+                    pair,
                 };
                 write_prediction(dir, &run.name, &outputs, &inputs, &chains, args.save_outputs)?;
             }

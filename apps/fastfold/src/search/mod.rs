@@ -88,7 +88,7 @@ pub struct SearchArgs {
     /// The mmseqs binary (default: `mmseqs` on PATH).
     #[arg(long)]
     pub mmseqs_binary_path: Option<PathBuf>,
-    /// Reuse the alignments a previous run saved under `<out>/<query>/msas/` instead o``    /// Reuse the alignments a previous run saved under `<out>/<query>/msas/` instead of
+    /// Reuse the alignments a previous run saved under `<out>/<query>/msas/` instead of
     /// searching again (a missing one is searched for).
     #[arg(long)]
     pub use_precomputed_msas: bool,
@@ -182,6 +182,13 @@ impl SearchArgs {
                 ("--hmmbuild-binary-path", self.hmmbuild_binary_path.is_some()),
                 ("--kalign-binary-path", self.kalign_binary_path.is_some()),
                 ("--mmseqs-binary-path", self.mmseqs_binary_path.is_some()),
+                ("--db-preset reduced_dbs", self.databases.db_preset == databases::DbPreset::ReducedDbs),
+                (
+                    "--template-searcher hmmsearch",
+                    self.databases.template_searcher == databases::TemplateSearcher::Hmmsearch,
+                ),
+                ("--template-mmcif-dir", self.databases.template_mmcif_dir.is_some()),
+                ("--obsolete-pdbs-path", self.databases.obsolete_pdbs_path.is_some()),
             ];
             if let Some((flag, _)) = given.iter().find(|(_, given)| *given) {
                 bail!("{flag} applies to the homology search, which needs --data-dir or the databases' flags");

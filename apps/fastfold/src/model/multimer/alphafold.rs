@@ -34,7 +34,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::jax_random::Key;
 use crate::memory::AttentionLogits;
-use crate::model::alphafold::Pass;
+use crate::model::alphafold::{run_stack, Pass};
 use crate::model::config::{EvoformerConfig, ModelConfig, TemplateConfig};
 use crate::model::embedders::{pseudo_beta, ExtraMsaEmbedder, Recycled, RecyclingEmbedder};
 use crate::model::evoformer::EvoformerStack;
@@ -50,6 +50,7 @@ use crate::model::multimer::structure::{structure_module, MULTIMER_STRUCTURE_ITE
 use crate::model::multimer::template_rows::MultimerTemplateRows;
 use crate::model::multimer::templates::{MultimerTemplates, TemplateBatch};
 use crate::model::multimer::Arrays;
+use crate::model::pair_rows::PairRows;
 use crate::model::params::Params;
 use crate::model::recycling::{ca_distance_change, Recycling};
 use crate::model::structure::StructureModule;
@@ -360,7 +361,7 @@ impl MultimerAlphaFold {
     pub fn initial_state(&self, features: &MultimerInputs) -> Result<Recycled> {
         let n = features.residues()?;
         let like = Tensor::f_zeros([1], (self.kind, self.device()))?;
-        Recycled::zeros(n, &self.config, &like)
+        Recycled::zeros(&PairRows::whole(n), &self.config, &like)
     }
 
     fn device(&self) -> Device {
@@ -399,12 +400,16 @@ impl MultimerAlphaFold {
         let chains =
             ChainIds { residue_index: &residue_index, asym_id: &asym_id, entity_id: &entity_id, sym_id: &sym_id };
 
-        // The pair first: the MSA is embedded after the extra-MSA stack, which does not read
-        // it (nor do the templates), so that a long complex's MSA is not held through their
-        // largest steps. Only the recycled row it needs is made now.
-        let mut pair = Stream::new(self.input.embed_pair(&aatype, kind, &chains, exec)?, true);
+        // The pair first, whole or under DAP inference this rank's rows (see the monomer's
+        // pass and `crate::model::pair_rows`): the MSA is embedded after the extra-MSA stack,
+        // which does not read it (nor do the templates), so that a long complex's MSA is not
+        // held through their largest steps. Only the recycled row it needs is made now.
+        let pair_rows = PairRows::for_pass(exec, aatype.size()[0]);
+        let prev = Recycled { pair: pair_rows.recycled(exec.dap(), prev.pair)?, ..prev };
+        let (block, real) = pair_rows.into_block(self.input.embed_pair(&aatype, kind, &chains, exec, &pair_rows)?)?;
+        let mut pair = Stream::new(real, true);
         let recycled_row = self.recycling.first_row(&prev)?;
-        self.recycling.update_pair(&mut pair, &prev, exec)?;
+        self.recycling.update_pair(&mut pair, &prev, exec, &pair_rows)?;
         drop(prev);
         let pair_mask = seq_mask.f_unsqueeze(1)?.f_mul(&seq_mask.f_unsqueeze(0)?)?;
         let template_features = features.templates();
@@ -414,10 +419,11 @@ impl MultimerAlphaFold {
         };
         if let (Some((embedding, _)), Some((aatype, positions, mask))) = (&self.templates, &template_batch) {
             let batch = TemplateBatch { aatype, positions, mask };
-            embedding.add_update(&mut pair, &batch, &pair_mask, &asym_id, exec, template_key)?;
+            embedding.add_update(&mut pair, &batch, &pair_mask, &asym_id, exec, template_key, &pair_rows)?;
         }
-        let pair = pair.into_inner();
-        let (pair, extra_end) = self.extra_stack(&sampled, pair, &pair_mask, exec, training.then_some(extra_key))?;
+        let pair = pair_rows.embedded(block, pair.into_inner());
+        let extra_key = training.then_some(extra_key);
+        let (pair, extra_end) = self.extra_stack(&sampled, pair, &pair_mask, exec, extra_key, &pair_rows)?;
         let msa_feat = to(&sampled.msa_feat()?)?;
         let msa = self.input.embed_msa(&aatype, &msa_feat)?;
         drop(msa_feat);
@@ -434,8 +440,9 @@ impl MultimerAlphaFold {
         }
         let (msa, msa_mask, rows) = MsaRows::run(self.drop_masked_rows, msa, msa_mask, own_rows)?;
         let evo_key = extra_end.map(evoformer_key);
-        let (msa, pair) = (Stream::new(msa, true), Stream::new(pair, true));
-        let (msa, pair, _) = self.evoformer.forward(msa, pair, &msa_mask, &pair_mask, exec, evo_key)?;
+        let masks = (&msa_mask, &pair_mask);
+        let (msa, pair, _) = run_stack(&self.evoformer, (msa, pair), masks, exec, &pair_rows, evo_key)?;
+        let msa = msa.whole()?;
         // What the pass reads of the MSA's own rows (the template rows end here), on the device
         // (an offloading Evoformer leaves the MSA on the host), before the structure module:
         // the MSA is gone before the pass's last steps.
@@ -443,12 +450,17 @@ impl MultimerAlphaFold {
         drop(msa);
         let ipa_chunk = exec.chunk_for(ChunkOp::StructureAttention);
         let dropout = exec.dropout().map(|d| (structure_key(key), d.structure_module));
-        let structure = self.structure.run(&readout.single, &pair, &aatype, &seq_mask, ipa_chunk, dropout)?;
-        let heads =
-            self.heads.forward(&HeadInputs { msa: &readout, pair: &pair, structure_single: &structure.single })?;
+        let real = pair_rows.real_of(&pair)?;
+        let structure =
+            self.structure.run_rows(&readout.single, &real, &pair_rows, &aatype, &seq_mask, ipa_chunk, dropout)?;
+        let inputs =
+            HeadInputs { msa: &readout, pair: &real, pair_rows: &pair_rows, structure_single: &structure.single };
+        let heads = self.heads.forward(&inputs)?;
+        drop(real);
         let pseudo_beta = pseudo_beta(&aatype, &structure.atom37)?.f_to_kind(kind)?;
         let (single, msa_first_row) = (readout.single, readout.first_row);
-        Ok((Pass { heads, structure, single, recycled: Recycled { msa_first_row, pair, pseudo_beta } }, sampled))
+        let recycled = Recycled { msa_first_row, pair, pseudo_beta };
+        Ok((Pass { heads, structure, single, recycled, pair_rows }, sampled))
     }
 
     /// The extra-MSA stack on the first `num_extra_msa` unsampled rows, their fully-masked
@@ -462,6 +474,7 @@ impl MultimerAlphaFold {
         pair_mask: &Tensor,
         exec: &Exec,
         key: Option<Key>,
+        pair_rows: &PairRows,
     ) -> Result<(Tensor, Option<Key>)> {
         let (kind, device) = (self.kind, self.device());
         let rows = sampled.extra_msa.size()[0].min(self.sampling.num_extra_msa.max(0));
@@ -482,7 +495,7 @@ impl MultimerAlphaFold {
         let (extra_msa, deletions, mask) = match msa.size()[0] {
             0 => {
                 const GAP: i64 = 21;
-                let n = pair.size()[0];
+                let n = pair_rows.residues();
                 let zeros = Tensor::f_zeros([1, n], (Kind::Float, Device::Cpu))?;
                 (Tensor::f_full([1, n], GAP, (Kind::Int64, Device::Cpu))?, zeros.f_zeros_like()?, zeros)
             }
@@ -493,8 +506,8 @@ impl MultimerAlphaFold {
         let deletion_value = to(&encode_deletions(&deletions)?)?;
         let extra =
             self.extra_embedder.forward(&extra_msa.f_to_device(device)?, &has_deletion, &deletion_value, exec)?;
-        let (extra, pair) = (Stream::new(extra.f_to_kind(kind)?, true), Stream::new(pair, true));
-        let (_, pair, end) = self.extra.forward(extra, pair, &to(&mask)?, pair_mask, exec, key)?;
+        let masks = (&to(&mask)?, pair_mask);
+        let (_, pair, end) = run_stack(&self.extra, (extra.f_to_kind(kind)?, pair), masks, exec, pair_rows, key)?;
         Ok((pair, end))
     }
 
@@ -541,7 +554,9 @@ impl MultimerAlphaFold {
         exec: &Exec,
     ) -> Result<(Pass, SampledMsa, usize)> {
         let n = features.residues()?;
-        let mut prev = self.initial_state(features)?;
+        // The recycles run without autograd: under DAP they start from this rank's rows.
+        let rows = tch::no_grad(|| PairRows::for_pass(exec, n));
+        let mut prev = Recycled::zeros(&rows, &self.config, &Tensor::f_zeros([1], (self.kind, self.device()))?)?;
         let zeros = || Tensor::f_zeros([n, 37, 3], (Kind::Float, self.device()));
         // The positions the last recycle started from, and those it ended at.
         let (mut before, mut after) = (zeros()?, zeros()?);

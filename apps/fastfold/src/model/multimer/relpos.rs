@@ -24,6 +24,7 @@ use crate::model::exec::Exec;
 use crate::model::keys::{EMBEDDINGS, RELATIVE_ENCODING};
 use crate::model::layers::{narrow, Linear};
 use crate::model::multimer::Arrays;
+use crate::model::pair_rows::PairRows;
 use crate::model::scope::Builder;
 use crate::model::{ensure, Result};
 
@@ -162,7 +163,8 @@ impl MultimerInputEmbedder {
     /// (the relative encoding of those rows only).
     pub fn embed(&self, aatype: &Tensor, msa_feat: &Tensor, ids: &ChainIds, exec: &Exec) -> Result<(Tensor, Tensor)> {
         let msa = self.embed_msa(aatype, msa_feat)?;
-        let pair = self.embed_pair(aatype, msa_feat.kind(), ids, exec)?;
+        let rows = PairRows::whole(aatype.size().first().copied().unwrap_or(0));
+        let pair = self.embed_pair(aatype, msa_feat.kind(), ids, exec, &rows)?;
         Ok((msa, pair))
     }
 
@@ -171,12 +173,20 @@ impl MultimerInputEmbedder {
         self.features.embed_msa(&target_feat(aatype, msa_feat.kind())?, msa_feat)
     }
 
-    /// The pair representation of [`MultimerInputEmbedder::embed`] alone, in `kind`.
-    pub fn embed_pair(&self, aatype: &Tensor, kind: Kind, ids: &ChainIds, exec: &Exec) -> Result<Tensor> {
+    /// The pair representation of [`MultimerInputEmbedder::embed`] alone, in `kind`: the real
+    /// rows `rows` holds ([`PairRows::real`] x N x c_z).
+    pub fn embed_pair(
+        &self,
+        aatype: &Tensor,
+        kind: Kind,
+        ids: &ChainIds,
+        exec: &Exec,
+        rows: &PairRows,
+    ) -> Result<Tensor> {
         let n = aatype.size().first().copied().unwrap_or(0);
         let ids_n = ids.residues()?;
         ensure!(ids_n == n, "residue_index, asym_id, entity_id, sym_id: {ids_n} residues, aatype has {n}");
-        self.features.embed_pair(&target_feat(aatype, kind)?, exec, |start, rows| {
+        self.features.embed_pair(&target_feat(aatype, kind)?, exec, rows, |start, rows| {
             self.position_activations.forward(&relative_encoding_rows(ids, start, rows, kind)?)
         })
     }

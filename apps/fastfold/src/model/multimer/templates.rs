@@ -43,6 +43,7 @@ use crate::model::exec::{ChunkOp, Exec, Stage};
 use crate::model::keys::{MULTIMER_TEMPLATE_STACK, SINGLE_TEMPLATE, TEMPLATE_EMBEDDING};
 use crate::model::layers::{chunked, narrow, LayerNorm, Linear, Stream};
 use crate::model::multimer::Arrays;
+use crate::model::pair_rows::PairRows;
 use crate::model::scope::{Builder, Init, Scope};
 use crate::model::templates::{run_stack, TemplatePairBlock, DGRAM_BINS, DGRAM_MAX, DGRAM_MIN};
 use crate::model::{Error, Result};
@@ -243,11 +244,12 @@ impl MultimerTemplates {
         &self.config
     }
 
-    /// The templates' update [N, N, c_z] of the query pair `pair` [N, N, c_z] added to it, in
-    /// place where the stream allows: [`MultimerTemplates::average`] projected to the pair's
-    /// width ([`MultimerTemplates::project`]) and added `exec`'s [`ChunkOp::PairEmbedding`] rows
-    /// at a time in the template stage (whole, the projection would be one more pair beside the
-    /// pair and the update).
+    /// The templates' update of the query pair `pair` (the real rows `rows` holds: [N, N, c_z]
+    /// whole) added to it, in place where the stream allows: [`MultimerTemplates::average`]
+    /// projected to the pair's width ([`MultimerTemplates::project`]) and added `exec`'s
+    /// [`ChunkOp::PairEmbedding`] rows at a time in the template stage (whole, the projection
+    /// would be one more pair beside the pair and the update).
+    #[allow(clippy::too_many_arguments)]
     pub fn add_update(
         &self,
         pair: &mut Stream,
@@ -256,8 +258,14 @@ impl MultimerTemplates {
         asym_id: &Tensor,
         exec: &Exec,
         key: Option<Key>,
+        rows: &PairRows,
     ) -> Result<()> {
-        let averaged = self.average(pair.get(), templates, pair_mask, asym_id, exec, key)?;
+        // The templates' embedding reads the query pair whole: under DAP inference the ranks'
+        // rows are gathered for it, and each rank adds the update of its own.
+        let query = rows.gather(pair.get())?;
+        let averaged = self.average(&query, templates, pair_mask, asym_id, exec, key)?;
+        drop(query);
+        let averaged = averaged.f_narrow(0, rows.start(), rows.real())?;
         let chunk = exec.in_stage(Stage::Templates).chunk_for(ChunkOp::PairEmbedding);
         pair.add_chunked(0, chunk, |_, start, rows| self.project(&narrow(&averaged, 0, start, rows)?))
     }

@@ -1,0 +1,228 @@
+//! Which rows of the pair representation a rank holds through an inference pass.
+//!
+//! One process holds them all. Under DAP without autograd each rank holds only its block of
+//! the rows from the embedders to the heads: the stacks split the pair by rows at their ends
+//! anyway, so the pair embedding, the recycling embedder and the templates make just the
+//! rank's rows, the stacks take and return the block, the structure module attends from the
+//! rank's query rows and the heads project its rows, gathering only their results (FastFold
+//! gathers the pair after each stack, so every rank holds it whole beside the next step's
+//! buffers: its issue #115). The padded layout is the stacks' ([`Dap::padded_len`]): rows
+//! and columns padded with zeros to a multiple of the ranks, rank `k` holding rows
+//! `[k b, (k + 1) b)` of the padded pair, `b` = padded / ranks.
+use tch::{Kind, Tensor};
+
+use engine::parallel::dap::Dap;
+
+use crate::model::exec::Exec;
+use crate::model::{ensure, Result};
+
+/// The pair rows one rank holds: all `n`, or its block of the padded rows.
+#[derive(Clone, Debug)]
+pub struct PairRows {
+    dap: Dap,
+    n: i64,
+    padded: i64,
+    start: i64,
+    block: i64,
+}
+
+impl PairRows {
+    /// Every row of an `n`-residue pair, unpadded.
+    pub fn whole(n: i64) -> PairRows {
+        PairRows { dap: Dap::none(), n, padded: n, start: 0, block: n }
+    }
+
+    /// This rank's block of an `n`-residue pair under `dap` ([`PairRows::whole`] with one
+    /// rank).
+    pub fn split(dap: &Dap, n: i64) -> PairRows {
+        if dap.size() == 1 {
+            return Self::whole(n);
+        }
+        let padded = dap.padded_len(n);
+        let block = padded / dap.size();
+        PairRows { dap: dap.clone(), n, padded, start: dap.rank() * block, block }
+    }
+
+    /// The rows a pass under `exec` holds: its block of them under DAP when nothing records
+    /// gradients (autograd off, as inside `tch::no_grad` where `predict` runs its passes, and
+    /// no training dropout), all of them otherwise: training's backward reads every block.
+    /// The same on every rank of the group.
+    pub fn for_pass(exec: &Exec, n: i64) -> PairRows {
+        match exec.dropout().is_none() && !autograd_records() {
+            true => Self::split(exec.dap(), n),
+            false => Self::whole(n),
+        }
+    }
+
+    /// Whether the rank holds only its block.
+    pub fn is_split(&self) -> bool {
+        self.dap.size() > 1
+    }
+
+    /// Residues N.
+    pub fn residues(&self) -> i64 {
+        self.n
+    }
+
+    /// The first real row the rank holds (N on a rank whose block is all padding, so that
+    /// `[start, start + real)` is a range of rows either way).
+    pub fn start(&self) -> i64 {
+        self.start.min(self.n)
+    }
+
+    /// How many real rows the rank holds (none on a rank whose block is all padding).
+    pub fn real(&self) -> i64 {
+        (self.n - self.start).clamp(0, self.block)
+    }
+
+    /// The rows of the rank's block, padding included.
+    pub fn block(&self) -> i64 {
+        self.block
+    }
+
+    /// The shape of the rank's block of a pair of `c` channels: `[block, padded, c]`.
+    pub fn block_shape(&self, c: i64) -> [i64; 3] {
+        [self.block, self.padded, c]
+    }
+
+    /// A block of zeros of `c` channels, where the rank's rows are made ([`PairRows::real_of`]).
+    pub fn zeros(&self, c: i64, like: &Tensor) -> Result<Tensor> {
+        Ok(Tensor::f_zeros(self.block_shape(c), (like.kind(), like.device()))?)
+    }
+
+    /// `real` (the rank's real rows of a pair, `[real, N, c]`, as the embedders make them) in
+    /// the rank's block: `(block, view)`, the view the block's real part, which the pass then
+    /// updates in place. Whole, both are `real` itself; split, the block is zeros but there.
+    pub fn into_block(&self, real: Tensor) -> Result<(Tensor, Tensor)> {
+        if !self.is_split() {
+            return Ok((real.shallow_clone(), real));
+        }
+        let block = self.zeros(real.size()[2], &real)?;
+        let mut view = self.real_of(&block)?;
+        view.f_copy_(&real)?;
+        Ok((block, view))
+    }
+
+    /// The pair of the rank's block after the embedders: `block` ([`PairRows::into_block`])
+    /// split, where the updates went through the view; whole, `updated` (the stream's tensor:
+    /// a new one where autograd records). The other handle is dropped: a stack's layout
+    /// switches replace the pair, which a second handle would keep alive through the stacks.
+    pub fn embedded(&self, block: Tensor, updated: Tensor) -> Tensor {
+        match self.is_split() {
+            true => block,
+            false => updated,
+        }
+    }
+
+    /// A recycled pair as this pass reads it: itself, or made whole when the pass holds every
+    /// row and the pass before held this rank's ([`PairRows::split`] under `dap`), as
+    /// training's last pass follows its recycles run without autograd. A collective then,
+    /// which every rank makes alike (the same shapes everywhere).
+    pub fn recycled(&self, dap: &Dap, pair: Tensor) -> Result<Tensor> {
+        let n = self.n;
+        if self.is_split() || pair.size().get(..2) == Some(&[n, n][..]) {
+            return Ok(pair);
+        }
+        let split = PairRows::split(dap, n);
+        split.gather(&split.real_of(&pair)?)
+    }
+
+    /// The real part of `pair`, a view: `[real, N, c]` of a block, or of a whole `[N, N, c]`
+    /// pair (a caller that recycles a whole pair) its rows `[start, start + real)`.
+    pub fn real_of(&self, pair: &Tensor) -> Result<Tensor> {
+        let size = pair.size();
+        ensure!(size.len() == 3, "pair: expected 3 dimensions, found {size:?}");
+        let c = size[2];
+        let start = match size[..] {
+            _ if size == self.block_shape(c) => 0,
+            [a, b, _] if a == self.n && b == self.n => self.start(),
+            _ => {
+                let n = self.n;
+                let expected = match self.is_split() {
+                    true => format!("{:?} (this rank's rows) or [{n}, {n}, {c}]", self.block_shape(c)),
+                    false => format!("[{n}, {n}, {c}]"),
+                };
+                return Err(crate::model::Error::Invalid(format!("pair: expected shape {expected}, found {size:?}")));
+            }
+        };
+        Ok(pair.f_narrow(0, start, self.real())?.f_narrow(1, 0, self.n)?)
+    }
+
+    /// Results per real row, `[real, ...]`, made whole on every rank: `[N, ...]` (a collective:
+    /// every rank of the group calls it, with no real rows too).
+    pub fn gather(&self, rows: &Tensor) -> Result<Tensor> {
+        if !self.is_split() {
+            return Ok(rows.shallow_clone());
+        }
+        ensure!(
+            rows.size().first() == Some(&self.real()),
+            "pair rows: expected {} rows, found {:?}",
+            self.real(),
+            rows.size()
+        );
+        let padded = self.dap.pad_to(rows, 0, self.block)?;
+        Ok(self.dap.gather(&padded, 0)?.f_narrow(0, 0, self.n)?)
+    }
+}
+
+/// Whether autograd records operations here (outside `tch::no_grad`): an operation on a tensor
+/// that requires gradients makes one that does only then.
+fn autograd_records() -> bool {
+    let probe = Tensor::ones([1], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
+    probe.f_mul_scalar(1.0).map_or(true, |t| t.requires_grad())
+}
+
+/// `x + x^T` over the first two dimensions of the square `x` [N, N, ...], written into `x`
+/// (no autograd) a block of `block` rows and columns at a time, where the plain sum makes a
+/// transposed copy and a new tensor beside it: the distogram's logits are half a pair each.
+/// Bit for bit the plain sum (each entry is the same single addition).
+pub fn symmetrise_in_place(x: &Tensor, block: i64) -> Result<()> {
+    let n = x.size()[0];
+    ensure!(x.size().get(1) == Some(&n), "symmetrise: expected a square tensor, found {:?}", x.size());
+    ensure!(x.kind() != Kind::Bool && block > 0, "symmetrise: a positive block of numbers");
+    for a in (0..n).step_by(block as usize) {
+        let la = block.min(n - a);
+        for c in (a..n).step_by(block as usize) {
+            let lc = block.min(n - c);
+            let mut upper = x.f_narrow(0, a, la)?.f_narrow(1, c, lc)?;
+            let mut lower = x.f_narrow(0, c, lc)?.f_narrow(1, a, la)?;
+            let sum = upper.f_add(&lower.f_transpose(0, 1)?)?;
+            upper.f_copy_(&sum)?;
+            if c != a {
+                lower.f_copy_(&sum.f_transpose(0, 1)?)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn symmetrised_in_place_equals_the_plain_sum_bit_for_bit() {
+        for (n, block) in [(7, 3), (8, 8), (9, 2), (5, 16)] {
+            let x = Tensor::randn([n, n, 4], (Kind::Float, tch::Device::Cpu));
+            let want = &x + x.transpose(0, 1);
+            symmetrise_in_place(&x, block).unwrap();
+            assert!(x.equal(&want), "{n} rows in blocks of {block}");
+        }
+    }
+
+    #[test]
+    fn autograd_records_outside_no_grad_only() {
+        assert!(autograd_records());
+        assert!(!tch::no_grad(autograd_records));
+    }
+
+    #[test]
+    fn one_rank_holds_every_row() {
+        let rows = PairRows::split(&Dap::none(), 5);
+        assert!(!rows.is_split());
+        assert_eq!((rows.start(), rows.real(), rows.block_shape(2)), (0, 5, [5, 5, 2]));
+        let pair = Tensor::randn([5, 5, 2], (Kind::Float, tch::Device::Cpu));
+        assert!(rows.real_of(&pair).unwrap().equal(&pair));
+        assert!(rows.real_of(&Tensor::zeros([4, 5, 2], (Kind::Float, tch::Device::Cpu))).is_err());
+    }
+}
