@@ -180,6 +180,18 @@ fn random_template(n: i64, slices: i64) -> fastfold::features::TemplateFeatures 
     t.map(|x| x.unsqueeze(0).unsqueeze(0).expand([&[slices, 1][..], &x.size()[..]].concat(), false).contiguous())
 }
 
+/// `seq` with residue `i % len` and every third after it replaced by another amino acid.
+fn mutated(seq: &str, i: usize) -> String {
+    let letters = b"ARNDCQEGHILKMFPSTWYV";
+    seq.bytes()
+        .enumerate()
+        .map(|(k, c)| match (k + i).is_multiple_of(3) {
+            true => letters[(k * 7 + i) % letters.len()] as char,
+            false => c as char,
+        })
+        .collect()
+}
+
 /// The assembled monomer network (`AlphaFold::predict_recycling`: templates, the extra-MSA
 /// stack, the aligned-error head, 2 recycles) under DAP equals one process's, where each rank
 /// holds only its rows of the pair from the embedders to the heads (`PairRows`): residue
@@ -197,9 +209,14 @@ fn monomer_network(world: &World) -> TestResult {
     let recycling = Recycling { max: 2, early_stop_tolerance: 0.0 };
     let dap = Dap::new(world.group.clone());
     for (seq, chunk) in [("MRFKGS", None), ("MKTAYIAKQRQIS", Some(2)), ("MKTAYIAKQRQIS", None)] {
-        let raw = RawFeatures::new(seq, None)?;
-        let mut features =
-            process(&raw, &FeatureConfig { num_recycle: 2, ..FeatureConfig::default() }, 0, Device::Cpu)?;
+        // An alignment of 9 hits: 2 cluster centres, the rest the extra MSA (rows the ranks
+        // embed a block each of).
+        let hits: String = (0..9).map(|i| format!(">hit{i}\n{}\n", mutated(seq, i))).collect();
+        let source = std::path::Path::new("hits.a3m");
+        let msa = data::a3m::parse(&format!(">query\n{seq}\n{hits}"), source)?;
+        let raw = RawFeatures::new(seq, Some((&msa, source)))?;
+        let config = FeatureConfig { num_recycle: 2, max_msa_clusters: 3, ..FeatureConfig::default() };
+        let mut features = process(&raw, &config, 0, Device::Cpu)?;
         features.templates = Some(random_template(seq.len() as i64, 3));
         let run = |exec: &Exec| tch::no_grad(|| net.predict_recycling(&features, recycling, Kind::Float, exec));
         let (one, _) = run(&Exec::new(Dap::none(), chunk))?;

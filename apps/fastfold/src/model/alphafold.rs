@@ -22,13 +22,13 @@ use crate::jax_random::Key;
 use crate::features::{Features, TemplateFeatures};
 use crate::memory::AttentionLogits;
 use crate::model::config::{EvoformerConfig, PresetSizes};
-use crate::model::embedders::{pseudo_beta, Embedders, Recycled};
-use crate::model::evoformer::{EvoformerStack, StackMsa};
+use crate::model::embedders::{pseudo_beta, Embedders, ExtraMsaEmbedder, Recycled};
+use crate::model::evoformer::{EvoformerStack, StackInput, StackMsa};
 use crate::model::exec::{ChunkOp, Exec};
 use crate::model::heads::{HeadInputs, HeadOutputs, Heads};
 use crate::model::layers::Stream;
 use crate::model::masked_rows::{self, MsaRows};
-use crate::model::pair_rows::PairRows;
+use crate::model::pair_rows::{rank_rows, zero_padded, PairRows};
 use crate::model::params::Params;
 use crate::model::recycling::{self, Recycling};
 use crate::model::structure::{StructureModule, StructureOutput};
@@ -229,25 +229,54 @@ impl Pass {
 }
 
 /// `stack` over a pass's `msa` and `pair`, the pair as `rows` holds it (whole, or this rank's
-/// block, returned so); `masks` the MSA's and the pair's. The MSA comes back as the stack left
-/// it, made whole only if the caller reads it ([`StackMsa::whole`]: the extra MSA is not).
-/// With `key` (training, where the pair is whole), the stack's key chain's end is returned.
+/// block, returned so), the MSA whole or (under DAP inference) as this rank's rows of it;
+/// `masks` the MSA's and the pair's. The MSA comes back as the stack left it, made whole only
+/// if the caller reads it ([`StackMsa::whole`]: the extra MSA is not). With `key` (training,
+/// where both are whole), the stack's key chain's end is returned.
 pub(crate) fn run_stack(
     stack: &EvoformerStack,
-    (msa, pair): (Tensor, Tensor),
+    (msa, pair): (StackInput, Tensor),
     (msa_mask, pair_mask): (&Tensor, &Tensor),
     exec: &Exec,
     rows: &PairRows,
     key: Option<Key>,
 ) -> Result<(StackMsa, Tensor, Option<Key>)> {
-    let (msa, pair) = (Stream::new(msa, true), Stream::new(pair, true));
+    let pair = Stream::new(pair, true);
     if !rows.is_split() {
+        let StackInput::Whole(msa) = msa else {
+            return Err(crate::model::Error::Invalid("a stack on the whole pair takes the whole MSA".into()));
+        };
         let (msa, pair, key) = stack.forward(msa, pair, msa_mask, pair_mask, exec, key)?;
         return Ok((StackMsa::from_whole(msa), pair, key));
     }
     ensure!(key.is_none(), "a stack on the pair's rows runs without dropout");
     let (msa, pair) = stack.forward_pair_rows(msa, pair, msa_mask, pair_mask, exec)?;
     Ok((msa, pair, None))
+}
+
+/// The extra-MSA stack's input from the extra MSA's `features` (classes [E, N], has-deletion
+/// and deletion value [E, N]) in `kind`: embedded whole, or under DAP inference (`rows` split)
+/// only this rank's rows of it, padded as the stack splits them. Whole on every rank, AlphaFold's
+/// 5,120 extra rows of 64 channels are larger than the pair below 5,120 residues.
+pub(crate) fn extra_msa_input(
+    embedder: &ExtraMsaEmbedder,
+    (classes, has_deletion, deletion_value): (&Tensor, &Tensor, &Tensor),
+    kind: Kind,
+    exec: &Exec,
+    rows: &PairRows,
+) -> Result<StackInput> {
+    let embed = |classes: &Tensor, has: &Tensor, value: &Tensor| -> Result<Tensor> {
+        Ok(embedder.forward(classes, has, value, exec)?.f_to_kind(kind)?)
+    };
+    if !rows.is_split() {
+        return Ok(StackInput::Whole(Stream::new(embed(classes, has_deletion, deletion_value)?, true)));
+    }
+    let dap = exec.dap();
+    let (start, real, block) = rank_rows(dap, classes.size()[0]);
+    let pick = |t: &Tensor| t.f_narrow(0, start, real);
+    let local = embed(&pick(classes)?, &pick(has_deletion)?, &pick(deletion_value)?)?;
+    let padded = zero_padded(&local, block, dap.padded_len(rows.residues()))?;
+    Ok(StackInput::Rows(Stream::new(padded, true)))
 }
 
 /// The network over one parameter store.
@@ -364,8 +393,8 @@ impl AlphaFold {
         let pair = match (&self.extra, &self.embedders.extra_msa) {
             (Some(stack), Some(embedder)) => {
                 let (extra_rows, has_deletion, deletion_value, mask) = batch.extra_rows(self.drop_masked_rows)?;
-                let extra =
-                    embedder.forward(&extra_rows, &has_deletion, &deletion_value, exec)?.f_to_kind(pair.kind())?;
+                let features = (&extra_rows, &has_deletion, &deletion_value);
+                let extra = extra_msa_input(embedder, features, pair.kind(), exec, &rows)?;
                 drop((extra_rows, has_deletion, deletion_value));
                 let mask = mask.f_to_device(self.device)?;
                 let key = keys.map(|k| k.stacks);
@@ -391,7 +420,7 @@ impl AlphaFold {
             }
         }
         let (msa, msa_mask, msa_rows) = MsaRows::run(self.drop_masked_rows, msa, msa_mask, own_rows)?;
-        let masks = (&msa_mask, &pair_mask);
+        let (msa, masks) = (StackInput::Whole(Stream::new(msa, true)), (&msa_mask, &pair_mask));
         let (msa, pair, _) = run_stack(&self.evoformer, (msa, pair), masks, exec, &rows, evoformer_key)?;
         let msa = msa.whole()?;
         // What the pass reads of the MSA's own rows (the template rows end here), on the device

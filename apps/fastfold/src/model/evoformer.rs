@@ -53,7 +53,7 @@ use crate::model::layers::Stream;
 use crate::model::msa::{
     MsaColumnAttention, MsaColumnGlobalAttention, MsaRowAttentionWithPairBias, OuterProductMean, Transition,
 };
-use crate::model::pair_rows::PairRows;
+use crate::model::pair_rows::rank_rows;
 use crate::model::params::Params;
 use crate::model::scope::{Builder, Scope};
 use crate::model::triangle::{Direction, TriangleAttention, TriangleMultiplication};
@@ -515,35 +515,37 @@ impl EvoformerStack {
         exec: &Exec,
         key: Option<Key>,
     ) -> Result<(Tensor, Tensor, Option<Key>)> {
-        let (msa, pair, key) = self.run_blocks(msa, PairIn::Whole(pair), msa_mask, pair_mask, exec, key)?;
+        let streams = (StackInput::Whole(msa), StackInput::Whole(pair));
+        let (msa, pair, key) = self.run_blocks(streams, msa_mask, pair_mask, exec, key)?;
         let (dap, r) = (exec.dap(), pair_mask.size()[0]);
         let pair = dap.gather(&pair, 0)?.f_narrow(0, 0, r)?.f_narrow(1, 0, r)?;
         Ok((msa.whole()?, pair, key))
     }
 
     /// [`EvoformerStack::forward`] on this rank's block of the pair's rows, as
-    /// [`PairRows::split`] lays it out (`[padded / ranks, padded, c_z]`, the padding zeros),
+    /// [`crate::model::pair_rows::PairRows::split`] lays it out (`[padded / ranks, padded, c_z]`, the padding zeros),
     /// and returning it so: an inference pass under DAP never makes the pair whole between its
-    /// stacks ([`crate::model::pair_rows`]). The MSA comes back as the blocks left it; the
-    /// caller makes it whole ([`StackMsa::whole`]) if it reads it.
+    /// stacks ([`crate::model::pair_rows`]). The MSA is given whole or as this rank's block of
+    /// its rows (`[padded seqs / ranks, padded residues, c_m]`, the padding zeros), and comes
+    /// back as the blocks left it; the caller makes it whole ([`StackMsa::whole`]) if it reads
+    /// it.
     pub fn forward_pair_rows(
         &self,
-        msa: Stream,
+        msa: StackInput,
         pair: Stream,
         msa_mask: &Tensor,
         pair_mask: &Tensor,
         exec: &Exec,
     ) -> Result<(StackMsa, Tensor)> {
-        let (msa, pair, _) = self.run_blocks(msa, PairIn::Rows(pair), msa_mask, pair_mask, exec, None)?;
+        let (msa, pair, _) = self.run_blocks((msa, StackInput::Rows(pair)), msa_mask, pair_mask, exec, None)?;
         Ok((msa, pair))
     }
 
-    /// The blocks over the inputs, padded and split under DAP (the pair given whole, or already
-    /// as this rank's rows): the MSA as the blocks left it and this rank's rows of the pair.
+    /// The blocks over the inputs, padded and split under DAP (each given whole, or already as
+    /// this rank's rows): the MSA as the blocks left it and this rank's rows of the pair.
     fn run_blocks(
         &self,
-        msa: Stream,
-        pair: PairIn,
+        (msa, pair): (StackInput, StackInput),
         msa_mask: &Tensor,
         pair_mask: &Tensor,
         exec: &Exec,
@@ -551,7 +553,7 @@ impl EvoformerStack {
     ) -> Result<(StackMsa, Tensor, Option<Key>)> {
         let exec = exec.in_stage(self.stage);
         let dap = exec.dap();
-        let (s, r) = check_inputs(msa.get(), &pair, msa_mask, pair_mask, self.c_m, self.c_z, dap)?;
+        let (s, r) = check_inputs((&msa, &pair), msa_mask, pair_mask, self.c_m, self.c_z, dap)?;
         let (sp, rp) = (dap.padded_len(s), dap.padded_len(r));
         let pad2 = |t: &Tensor, a: i64, b: i64| -> Result<Tensor> { Ok(dap.pad_to(&dap.pad_to(t, 0, a)?, 1, b)?) };
         let kind = msa.get().kind();
@@ -569,11 +571,13 @@ impl EvoformerStack {
             let copied = (len, rp) != (t.size()[0], t.size()[1]) || dap.size() > 1;
             Ok(Stream::new(local, owned || copied))
         };
-        let mut m = own(msa, sp)?;
-        let mut z = match pair {
-            PairIn::Whole(pair) => own(pair, rp)?,
-            PairIn::Rows(pair) => pair,
+        let take = |input: StackInput, len: i64| -> Result<Stream> {
+            match input {
+                StackInput::Whole(t) => own(t, len),
+                StackInput::Rows(t) => Ok(t),
+            }
         };
+        let (mut m, mut z) = (take(msa, sp)?, take(pair, rp)?);
         // An offloading stack's MSA waits on the host between its updates from the start.
         let offload = Offload::new(&exec, &m, &z);
         if let Some(o) = &offload {
@@ -597,10 +601,19 @@ impl EvoformerStack {
     }
 }
 
-/// The pair a stack takes: whole, or this rank's block of its rows ([`PairRows::split`]).
-enum PairIn {
+/// A stream a stack takes: whole, or this rank's block of its padded rows (the pair as
+/// [`crate::model::pair_rows::PairRows::split`] lays it out, the MSA as [`rank_rows`] splits its sequences).
+pub enum StackInput {
     Whole(Stream),
     Rows(Stream),
+}
+
+impl StackInput {
+    fn get(&self) -> &Tensor {
+        match self {
+            StackInput::Whole(t) | StackInput::Rows(t) => t.get(),
+        }
+    }
 }
 
 /// A stack's MSA as its blocks left it: this rank's block of its padded rows (all of them,
@@ -626,8 +639,7 @@ impl StackMsa {
 }
 
 fn check_inputs(
-    msa: &Tensor,
-    pair: &PairIn,
+    (msa, pair): (&StackInput, &StackInput),
     msa_mask: &Tensor,
     pair_mask: &Tensor,
     c_m: i64,
@@ -637,26 +649,27 @@ fn check_inputs(
     let shape_err = |what: &str, expected: String, found: Vec<i64>| {
         Error::Invalid(format!("{what}: expected shape {expected}, found {found:?}"))
     };
-    let ms = msa.size();
-    if ms.len() != 3 || ms[2] != c_m {
-        return Err(shape_err("msa", format!("[seqs, residues, {c_m}]"), ms));
+    let ms = msa_mask.size();
+    if ms.len() != 2 {
+        return Err(shape_err("msa mask", "[seqs, residues]".into(), ms));
     }
     let (s, r) = (ms[0], ms[1]);
-    match pair {
-        PairIn::Whole(pair) if pair.get().size() != [r, r, c_z] => {
-            return Err(shape_err("pair", format!("[{r}, {r}, {c_z}]"), pair.get().size()));
-        }
-        PairIn::Rows(pair) if pair.get().size() != PairRows::split(dap, r).block_shape(c_z) => {
-            let expected = format!("{:?} (this rank's rows)", PairRows::split(dap, r).block_shape(c_z));
-            return Err(shape_err("pair", expected, pair.get().size()));
-        }
-        _ => {}
-    }
-    if msa_mask.size() != [s, r] {
-        return Err(shape_err("msa mask", format!("[{s}, {r}]"), msa_mask.size()));
-    }
     if pair_mask.size() != [r, r] {
         return Err(shape_err("pair mask", format!("[{r}, {r}]"), pair_mask.size()));
+    }
+    let rows_of = |len: i64, c: i64| [rank_rows(dap, len).2, dap.padded_len(r), c];
+    for (what, input, whole, rows) in
+        [("msa", msa, [s, r, c_m], rows_of(s, c_m)), ("pair", pair, [r, r, c_z], rows_of(r, c_z))]
+    {
+        match input {
+            StackInput::Whole(t) if t.get().size() != whole => {
+                return Err(shape_err(what, format!("{whole:?}"), t.get().size()));
+            }
+            StackInput::Rows(t) if t.get().size() != rows => {
+                return Err(shape_err(what, format!("{rows:?} (this rank's rows)"), t.get().size()));
+            }
+            _ => {}
+        }
     }
     Ok((s, r))
 }

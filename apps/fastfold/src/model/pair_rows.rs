@@ -38,9 +38,8 @@ impl PairRows {
         if dap.size() == 1 {
             return Self::whole(n);
         }
-        let padded = dap.padded_len(n);
-        let block = padded / dap.size();
-        PairRows { dap: dap.clone(), n, padded, start: dap.rank() * block, block }
+        let (start, _, block) = rank_rows(dap, n);
+        PairRows { dap: dap.clone(), n, padded: dap.padded_len(n), start, block }
     }
 
     /// The rows a pass under `exec` holds: its block of them under DAP when nothing records
@@ -85,11 +84,6 @@ impl PairRows {
         [self.block, self.padded, c]
     }
 
-    /// A block of zeros of `c` channels, where the rank's rows are made ([`PairRows::real_of`]).
-    pub fn zeros(&self, c: i64, like: &Tensor) -> Result<Tensor> {
-        Ok(Tensor::f_zeros(self.block_shape(c), (like.kind(), like.device()))?)
-    }
-
     /// `real` (the rank's real rows of a pair, `[real, N, c]`, as the embedders make them) in
     /// the rank's block: `(block, view)`, the view the block's real part, which the pass then
     /// updates in place. Whole, both are `real` itself; split, the block is zeros but there.
@@ -97,9 +91,9 @@ impl PairRows {
         if !self.is_split() {
             return Ok((real.shallow_clone(), real));
         }
-        let block = self.zeros(real.size()[2], &real)?;
-        let mut view = self.real_of(&block)?;
-        view.f_copy_(&real)?;
+        let block = zero_padded(&real, self.block, self.padded)?;
+        drop(real);
+        let view = self.real_of(&block)?;
         Ok((block, view))
     }
 
@@ -163,6 +157,24 @@ impl PairRows {
         let padded = self.dap.pad_to(rows, 0, self.block)?;
         Ok(self.dap.gather(&padded, 0)?.f_narrow(0, 0, self.n)?)
     }
+}
+
+/// This rank's rows of `len` rows split over `dap` as the stacks split them (padded with zeros
+/// to a multiple of the ranks): `(start, real, block)`, its real rows `[start, start + real)`
+/// (`start` at most `len`) in a block of `block` rows. With one rank: `(0, len, len)`.
+pub fn rank_rows(dap: &Dap, len: i64) -> (i64, i64, i64) {
+    let block = dap.padded_len(len) / dap.size();
+    let start = dap.rank() * block;
+    (start.min(len), (len - start).clamp(0, block), block)
+}
+
+/// `real` ([real rows, N, c]) at the start of a zeroed `[rows, columns, c]` block: what the
+/// embedders made of a rank's rows, laid out as the stacks split a stream.
+pub fn zero_padded(real: &Tensor, rows: i64, columns: i64) -> Result<Tensor> {
+    let size = real.size();
+    ensure!(size.len() == 3 && size[0] <= rows && size[1] <= columns, "pad {size:?} to [{rows}, {columns}, _]");
+    // constant_pad_nd lists (before, after) pairs from the last dimension backwards.
+    Ok(real.f_constant_pad_nd([0, 0, 0, columns - size[1], 0, rows - size[0]])?)
 }
 
 /// Whether autograd records operations here (outside `tch::no_grad`): an operation on a tensor

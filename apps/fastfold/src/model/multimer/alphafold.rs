@@ -34,10 +34,10 @@ use tch::{Device, Kind, Tensor};
 
 use crate::jax_random::Key;
 use crate::memory::AttentionLogits;
-use crate::model::alphafold::{run_stack, Pass};
+use crate::model::alphafold::{extra_msa_input, run_stack, Pass};
 use crate::model::config::{EvoformerConfig, ModelConfig, TemplateConfig};
 use crate::model::embedders::{pseudo_beta, ExtraMsaEmbedder, Recycled, RecyclingEmbedder};
-use crate::model::evoformer::EvoformerStack;
+use crate::model::evoformer::{EvoformerStack, StackInput};
 use crate::model::exec::{ChunkOp, Exec};
 use crate::model::heads::{HeadInputs, Heads};
 use crate::model::keys::{EMBEDDINGS, ITERATION, SINGLE_TEMPLATE};
@@ -440,7 +440,7 @@ impl MultimerAlphaFold {
         }
         let (msa, msa_mask, rows) = MsaRows::run(self.drop_masked_rows, msa, msa_mask, own_rows)?;
         let evo_key = extra_end.map(evoformer_key);
-        let masks = (&msa_mask, &pair_mask);
+        let (msa, masks) = (StackInput::Whole(Stream::new(msa, true)), (&msa_mask, &pair_mask));
         let (msa, pair, _) = run_stack(&self.evoformer, (msa, pair), masks, exec, &pair_rows, evo_key)?;
         let msa = msa.whole()?;
         // What the pass reads of the MSA's own rows (the template rows end here), on the device
@@ -504,10 +504,10 @@ impl MultimerAlphaFold {
         let to = |t: &Tensor| -> Result<Tensor> { Ok(t.f_to_kind(kind)?.f_to_device(device)?) };
         let has_deletion = to(&deletions.f_clamp(0.0, 1.0)?)?;
         let deletion_value = to(&encode_deletions(&deletions)?)?;
-        let extra =
-            self.extra_embedder.forward(&extra_msa.f_to_device(device)?, &has_deletion, &deletion_value, exec)?;
+        let features = (&extra_msa.f_to_device(device)?, &has_deletion, &deletion_value);
+        let extra = extra_msa_input(&self.extra_embedder, features, kind, exec, pair_rows)?;
         let masks = (&to(&mask)?, pair_mask);
-        let (_, pair, end) = run_stack(&self.extra, (extra.f_to_kind(kind)?, pair), masks, exec, pair_rows, key)?;
+        let (_, pair, end) = run_stack(&self.extra, (extra, pair), masks, exec, pair_rows, key)?;
         Ok((pair, end))
     }
 
