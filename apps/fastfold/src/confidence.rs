@@ -23,22 +23,56 @@ pub fn aligned_error_centres(bins: i64, max_bin: f64, device: tch::Device) -> Te
     Tensor::arange(bins, (Kind::Float, device)) * step + step / 2.0
 }
 
+/// Bytes of float32 probabilities a confidence measure makes at a time: the logits' rows are
+/// taken so many at a time that their softmax and its weighted copy stay under this, where
+/// whole they were two float32 copies of the logits (at 12,000 residues 37 GB each, beside the
+/// logits and the pair on the device after a pass). Each row's result is computed as before,
+/// so the values are the same bit for bit.
+const ROWS_BYTES: i64 = 64 << 20;
+
+/// The rows of `logits` [N, ..., bins] whose float32 copy fits `bytes` (at least one).
+fn rows_at_a_time(logits: &Tensor, bytes: i64) -> i64 {
+    let per_row = logits.numel() as i64 / logits.size().first().copied().unwrap_or(1).max(1) * 4;
+    (bytes / per_row.max(1)).max(1)
+}
+
+/// `f(start, rows)` ([rows, ...] results) over the rows of `logits`, as many at a time as
+/// `bytes` holds in float32, joined.
+fn by_rows(logits: &Tensor, bytes: i64, mut f: impl FnMut(i64, i64) -> Tensor) -> Tensor {
+    let n = logits.size().first().copied().unwrap_or(0);
+    let step = rows_at_a_time(logits, bytes);
+    let mut parts: Vec<Tensor> = (0..n).step_by(step as usize).map(|start| f(start, step.min(n - start))).collect();
+    match parts.len() {
+        0 => f(0, 0),
+        1 => parts.swap_remove(0),
+        _ => Tensor::cat(&parts, 0),
+    }
+}
+
 /// The predicted aligned error `[N, N]` in Å (expected value of the bin centres) from the
 /// aligned-error logits `[N, N, bins]` (AlphaFold: 64 bins, breaks up to 31 Å), and the
-/// largest value it can take (the last centre).
+/// largest value it can take (the last centre). Rows a few at a time ([`ROWS_BYTES`]).
 pub fn predicted_aligned_error(logits: &Tensor, max_bin: f64) -> (Tensor, f64) {
+    aligned_error(logits, max_bin, ROWS_BYTES)
+}
+
+/// [`predicted_aligned_error`], rows `bytes` of float32 at a time.
+fn aligned_error(logits: &Tensor, max_bin: f64, bytes: i64) -> (Tensor, f64) {
     let bins = logits.size().last().copied().unwrap_or(2);
     let centres = aligned_error_centres(bins, max_bin, logits.device());
-    let probs = logits.to_kind(Kind::Float).softmax(-1, Kind::Float);
     let last = centres.double_value(&[bins - 1]);
-    ((probs * centres).sum_dim_intlist(-1, false, Kind::Float), last)
+    let error = by_rows(logits, bytes, |start, rows| {
+        let probs = logits.narrow(0, start, rows).to_kind(Kind::Float).softmax(-1, Kind::Float);
+        (probs * &centres).sum_dim_intlist(-1, false, Kind::Float)
+    });
+    (error, last)
 }
 
 /// The predicted TM-score from the aligned-error logits `[N, N, bins]`: for each aligned
 /// residue `i`, the mean over residues `j` of the expected TM term `1 / (1 + (e / d0)^2)` with
 /// `d0 = 1.24 (max(N, 19) - 15)^(1/3) - 1.8`; the score is the best `i`.
 pub fn predicted_tm_score(logits: &Tensor, max_bin: f64) -> f64 {
-    tm_score(logits, max_bin, None, None)
+    tm_score(logits, max_bin, None, None, ROWS_BYTES)
 }
 
 /// AlphaFold's `predicted_tm_score(logits, breaks, residue_weights, asym_id)`
@@ -67,7 +101,7 @@ pub fn predicted_tm_score_of_chains(
             anyhow::ensure!(t.size() == [n], "{what}: expected shape [{n}] (as the logits), found {:?}", t.size());
         }
     }
-    Ok(tm_score(logits, max_bin, Some(residue_weights), asym_id))
+    Ok(tm_score(logits, max_bin, Some(residue_weights), asym_id, ROWS_BYTES))
 }
 
 /// AlphaFold-Multimer's ranking confidence, `0.8 ipTM + 0.2 pTM` (DeepMind's
@@ -76,8 +110,15 @@ pub fn multimer_ranking_confidence(iptm: f64, ptm: f64) -> f64 {
     0.8 * iptm + 0.2 * ptm
 }
 
-/// The TM-score of [`predicted_tm_score_of_chains`] (shapes already checked).
-fn tm_score(logits: &Tensor, max_bin: f64, residue_weights: Option<&Tensor>, asym_id: Option<&Tensor>) -> f64 {
+/// The TM-score of [`predicted_tm_score_of_chains`] (shapes already checked), rows `bytes` of
+/// float32 at a time.
+fn tm_score(
+    logits: &Tensor,
+    max_bin: f64,
+    residue_weights: Option<&Tensor>,
+    asym_id: Option<&Tensor>,
+    bytes: i64,
+) -> f64 {
     let size = logits.size();
     let (n, bins) = (size[0], size[size.len() - 1]);
     let opts = (Kind::Float, logits.device());
@@ -89,14 +130,17 @@ fn tm_score(logits: &Tensor, max_bin: f64, residue_weights: Option<&Tensor>, asy
     let d0 = 1.24 * (clipped - 15.0).cbrt() - 1.8;
     let centres = aligned_error_centres(bins, max_bin, logits.device());
     let tm_per_bin = ((centres / d0).square() + 1.0).reciprocal();
-    let probs = logits.to_kind(Kind::Float).softmax(-1, Kind::Float);
-    let term = (probs * tm_per_bin).sum_dim_intlist(-1, false, Kind::Float);
-    let mut pair_weights = weights.unsqueeze(1) * weights.unsqueeze(0);
-    if let Some(asym) = asym_id {
-        pair_weights *= asym.unsqueeze(1).ne_tensor(&asym.unsqueeze(0)).to_kind(Kind::Float);
-    }
-    let normed = &pair_weights / (pair_weights.sum_dim_intlist(-1, true, Kind::Float) + 1e-8);
-    let per_alignment = (term * normed).sum_dim_intlist(-1, false, Kind::Float);
+    // Each aligned residue's score from its row of the logits, rows a few at a time.
+    let per_alignment = by_rows(logits, bytes, |start, rows| {
+        let probs = logits.narrow(0, start, rows).to_kind(Kind::Float).softmax(-1, Kind::Float);
+        let term = (probs * &tm_per_bin).sum_dim_intlist(-1, false, Kind::Float);
+        let mut pair_weights = weights.narrow(0, start, rows).unsqueeze(1) * weights.unsqueeze(0);
+        if let Some(asym) = asym_id {
+            pair_weights *= asym.narrow(0, start, rows).unsqueeze(1).ne_tensor(&asym.unsqueeze(0)).to_kind(Kind::Float);
+        }
+        let normed = &pair_weights / (pair_weights.sum_dim_intlist(-1, true, Kind::Float) + 1e-8);
+        (term * normed).sum_dim_intlist(-1, false, Kind::Float)
+    });
     (per_alignment * weights).max().double_value(&[])
 }
 
@@ -182,6 +226,40 @@ mod tests {
         let d0 = 1.24 * 4f64.cbrt() - 1.8;
         let got = predicted_tm_score(&one_hot(64, 0, &[5, 5]), 31.0);
         assert!((got - 1.0 / (1.0 + (0.25 / d0).powi(2))).abs() < 1e-5);
+    }
+
+    /// The measures rows a few at a time equal them whole, bit for bit (their memory:
+    /// `tests/memory.rs`).
+    #[test]
+    fn measures_by_rows_equal_them_whole() {
+        let (n, bins) = (300, 64);
+        tch::manual_seed(5);
+        let logits = Tensor::randn([n, n, bins], (Kind::Float, Device::Cpu)) * 3.0;
+        let weights = Tensor::ones([n], (Kind::Float, Device::Cpu)).index_fill(0, &Tensor::from_slice(&[7i64]), 0.0);
+        let asym = Tensor::arange(n, (Kind::Int64, Device::Cpu)).divide_scalar_mode(120, "floor");
+        // 13 rows at a time in 1 MiB: 24 of them.
+        let bytes = 1 << 20;
+        assert_eq!(rows_at_a_time(&logits, bytes), 13);
+        let centres = aligned_error_centres(bins, 31.0, Device::Cpu);
+        let whole = (logits.softmax(-1, Kind::Float) * &centres).sum_dim_intlist(-1, false, Kind::Float);
+        assert!(aligned_error(&logits, 31.0, bytes).0.equal(&whole));
+        // pTM and ipTM as the whole computation made them.
+        let d0 = 1.24 * (weights.sum(Kind::Float).double_value(&[]) - 15.0).cbrt() - 1.8;
+        let term = (logits.softmax(-1, Kind::Float) * ((&centres / d0).square() + 1.0).reciprocal()).sum_dim_intlist(
+            -1,
+            false,
+            Kind::Float,
+        );
+        for chains in [None, Some(&asym)] {
+            let mut pw = weights.unsqueeze(1) * weights.unsqueeze(0);
+            if let Some(a) = chains {
+                pw *= a.unsqueeze(1).ne_tensor(&a.unsqueeze(0)).to_kind(Kind::Float);
+            }
+            let normed = &pw / (pw.sum_dim_intlist(-1, true, Kind::Float) + 1e-8);
+            let want = ((&term * normed).sum_dim_intlist(-1, false, Kind::Float) * &weights).max().double_value(&[]);
+            let got = tm_score(&logits, 31.0, Some(&weights), chains, bytes);
+            assert_eq!(got, want, "chains {:?}", chains.is_some());
+        }
     }
 
     #[test]

@@ -518,7 +518,10 @@ pub fn save_outputs(path: &Path, outputs: &ModelOutputs) -> anyhow::Result<()> {
         let breaks = Tensor::linspace(0.0, MAX_ERROR_BIN, bins - 1, (Kind::Float, Device::Cpu));
         named.push(("predicted_aligned_error/logits".into(), logits.shallow_clone()));
         named.push(("predicted_aligned_error/breaks".into(), breaks));
-        named.push(("aligned_confidence_probs".into(), logits.to_kind(Kind::Float).softmax(-1, Kind::Float)));
+        // Made where the file is written: on a GPU the logits' float32 softmax would be
+        // another copy of them beside the pass's outputs.
+        let probs = logits.to_device(Device::Cpu).to_kind(Kind::Float).softmax(-1, Kind::Float);
+        named.push(("aligned_confidence_probs".into(), probs));
         named.push(("predicted_aligned_error".into(), pae));
         named.push(("max_predicted_aligned_error".into(), Tensor::from(max)));
         named.push(("ptm".into(), Tensor::from(confidence.ptm.unwrap_or(f64::NAN))));

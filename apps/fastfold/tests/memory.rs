@@ -498,3 +498,26 @@ fn multimer_pass_peak_matches_the_cpu_allocator_and_plans_fit_their_budget() {
     let err = memory::plan_multimer(&cfg, &model, template.as_ref(), sizes, 0, whole / 40).unwrap_err();
     assert!(err.contains("at the least"), "{err}");
 }
+
+/// The confidence measures (PAE, pTM, ipTM) take the aligned-error logits' rows 64 MiB of
+/// float32 at a time: their peak beside the logits is a fraction of the logits' size, where
+/// whole they made two float32 copies (the softmax and its weighted copy), 2x the logits.
+#[test]
+fn confidence_measures_hold_no_copy_of_the_logits() {
+    use fastfold::confidence::{predicted_aligned_error, predicted_tm_score_of_chains};
+    let _alone = ALONE.lock().unwrap_or_else(|e| e.into_inner());
+    // 310 MB of logits, more than the 64 MiB of float32 the measures take at a time.
+    let (n, bins) = (1100, 64);
+    let logits = Tensor::randn([n, n, bins], (Kind::Float, Device::Cpu));
+    let weights = Tensor::ones([n], (Kind::Float, Device::Cpu));
+    let asym = Tensor::arange(n, (Kind::Int64, Device::Cpu)).divide_scalar_mode(120, "floor");
+    engine::host_memory::track().unwrap();
+    let before = engine::host_memory::stats().unwrap().current;
+    engine::host_memory::reset_peak().unwrap();
+    let (pae, _) = predicted_aligned_error(&logits, 31.0);
+    let iptm = predicted_tm_score_of_chains(&logits, 31.0, &weights, Some(&asym)).unwrap();
+    let peak = (engine::host_memory::stats().unwrap().peak - before) as f64;
+    let size = (n * n * bins * 4) as f64;
+    eprintln!("peak {:.3} of the logits' size", peak / size);
+    assert!(peak <= 0.5 * size, "peak {:.2} of the logits' size (ipTM {iptm}, PAE {:?})", peak / size, pae.size());
+}
