@@ -23,13 +23,14 @@ pub struct PairRows {
     n: i64,
     padded: i64,
     start: i64,
+    real: i64,
     block: i64,
 }
 
 impl PairRows {
     /// Every row of an `n`-residue pair, unpadded.
     pub fn whole(n: i64) -> PairRows {
-        PairRows { dap: Dap::none(), n, padded: n, start: 0, block: n }
+        PairRows { dap: Dap::none(), n, padded: n, start: 0, real: n, block: n }
     }
 
     /// This rank's block of an `n`-residue pair under `dap` ([`PairRows::whole`] with one
@@ -38,8 +39,8 @@ impl PairRows {
         if dap.size() == 1 {
             return Self::whole(n);
         }
-        let (start, _, block) = rank_rows(dap, n);
-        PairRows { dap: dap.clone(), n, padded: dap.padded_len(n), start, block }
+        let (start, real, block) = rank_rows(dap, n);
+        PairRows { dap: dap.clone(), n, padded: dap.padded_len(n), start, real, block }
     }
 
     /// The rows a pass under `exec` holds: its block of them under DAP when nothing records
@@ -66,12 +67,12 @@ impl PairRows {
     /// The first real row the rank holds (N on a rank whose block is all padding, so that
     /// `[start, start + real)` is a range of rows either way).
     pub fn start(&self) -> i64 {
-        self.start.min(self.n)
+        self.start
     }
 
     /// How many real rows the rank holds (none on a rank whose block is all padding).
     pub fn real(&self) -> i64 {
-        (self.n - self.start).clamp(0, self.block)
+        self.real
     }
 
     /// The rows of the rank's block, padding included.
