@@ -51,7 +51,7 @@ fn by_rows(logits: &Tensor, bytes: i64, mut f: impl FnMut(i64, i64) -> Tensor) -
 
 /// The predicted aligned error `[N, N]` in Å (expected value of the bin centres) from the
 /// aligned-error logits `[N, N, bins]` (AlphaFold: 64 bins, breaks up to 31 Å), and the
-/// largest value it can take (the last centre). Rows a few at a time ([`ROWS_BYTES`]).
+/// largest value it can take (the last centre). Rows 64 MiB of float32 at a time.
 pub fn predicted_aligned_error(logits: &Tensor, max_bin: f64) -> (Tensor, f64) {
     aligned_error(logits, max_bin, ROWS_BYTES)
 }
