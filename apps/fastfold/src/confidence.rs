@@ -7,6 +7,9 @@ use std::path::Path;
 
 use tch::{Kind, Tensor};
 
+use crate::model::layers::chunked;
+use crate::model::Result;
+
 /// pLDDT in `[0, 100]` per residue: the expected value of the bin centres (`(i + 1/2) / bins`)
 /// under the softmax of `logits` `[..., bins]`, times 100.
 pub fn plddt(logits: &Tensor) -> Tensor {
@@ -37,41 +40,35 @@ fn rows_at_a_time(logits: &Tensor, bytes: i64) -> i64 {
 }
 
 /// `f(start, rows)` ([rows, ...] results) over the rows of `logits`, as many at a time as
-/// `bytes` holds in float32, joined.
-fn by_rows(logits: &Tensor, bytes: i64, mut f: impl FnMut(i64, i64) -> Tensor) -> Tensor {
+/// `bytes` holds in float32, joined ([`chunked`]).
+fn by_rows(logits: &Tensor, bytes: i64, f: impl FnMut(i64, i64) -> Result<Tensor>) -> Result<Tensor> {
     let n = logits.size().first().copied().unwrap_or(0);
-    let step = rows_at_a_time(logits, bytes);
-    let mut parts: Vec<Tensor> = (0..n).step_by(step as usize).map(|start| f(start, step.min(n - start))).collect();
-    match parts.len() {
-        0 => f(0, 0),
-        1 => parts.swap_remove(0),
-        _ => Tensor::cat(&parts, 0),
-    }
+    chunked(n, Some(rows_at_a_time(logits, bytes)), f)
 }
 
 /// The predicted aligned error `[N, N]` in Å (expected value of the bin centres) from the
 /// aligned-error logits `[N, N, bins]` (AlphaFold: 64 bins, breaks up to 31 Å), and the
 /// largest value it can take (the last centre). Rows 64 MiB of float32 at a time.
-pub fn predicted_aligned_error(logits: &Tensor, max_bin: f64) -> (Tensor, f64) {
+pub fn predicted_aligned_error(logits: &Tensor, max_bin: f64) -> Result<(Tensor, f64)> {
     aligned_error(logits, max_bin, ROWS_BYTES)
 }
 
 /// [`predicted_aligned_error`], rows `bytes` of float32 at a time.
-fn aligned_error(logits: &Tensor, max_bin: f64, bytes: i64) -> (Tensor, f64) {
+fn aligned_error(logits: &Tensor, max_bin: f64, bytes: i64) -> Result<(Tensor, f64)> {
     let bins = logits.size().last().copied().unwrap_or(2);
     let centres = aligned_error_centres(bins, max_bin, logits.device());
     let last = centres.double_value(&[bins - 1]);
     let error = by_rows(logits, bytes, |start, rows| {
-        let probs = logits.narrow(0, start, rows).to_kind(Kind::Float).softmax(-1, Kind::Float);
-        (probs * &centres).sum_dim_intlist(-1, false, Kind::Float)
-    });
-    (error, last)
+        let probs = logits.f_narrow(0, start, rows)?.f_to_kind(Kind::Float)?.f_softmax(-1, Kind::Float)?;
+        Ok(probs.f_mul(&centres)?.f_sum_dim_intlist(-1, false, Kind::Float)?)
+    })?;
+    Ok((error, last))
 }
 
 /// The predicted TM-score from the aligned-error logits `[N, N, bins]`: for each aligned
 /// residue `i`, the mean over residues `j` of the expected TM term `1 / (1 + (e / d0)^2)` with
 /// `d0 = 1.24 (max(N, 19) - 15)^(1/3) - 1.8`; the score is the best `i`.
-pub fn predicted_tm_score(logits: &Tensor, max_bin: f64) -> f64 {
+pub fn predicted_tm_score(logits: &Tensor, max_bin: f64) -> Result<f64> {
     tm_score(logits, max_bin, None, None, ROWS_BYTES)
 }
 
@@ -101,7 +98,7 @@ pub fn predicted_tm_score_of_chains(
             anyhow::ensure!(t.size() == [n], "{what}: expected shape [{n}] (as the logits), found {:?}", t.size());
         }
     }
-    Ok(tm_score(logits, max_bin, Some(residue_weights), asym_id, ROWS_BYTES))
+    Ok(tm_score(logits, max_bin, Some(residue_weights), asym_id, ROWS_BYTES)?)
 }
 
 /// AlphaFold-Multimer's ranking confidence, `0.8 ipTM + 0.2 pTM` (DeepMind's
@@ -118,7 +115,7 @@ fn tm_score(
     residue_weights: Option<&Tensor>,
     asym_id: Option<&Tensor>,
     bytes: i64,
-) -> f64 {
+) -> Result<f64> {
     let size = logits.size();
     let (n, bins) = (size[0], size[size.len() - 1]);
     let opts = (Kind::Float, logits.device());
@@ -132,16 +129,17 @@ fn tm_score(
     let tm_per_bin = ((centres / d0).square() + 1.0).reciprocal();
     // Each aligned residue's score from its row of the logits, rows a few at a time.
     let per_alignment = by_rows(logits, bytes, |start, rows| {
-        let probs = logits.narrow(0, start, rows).to_kind(Kind::Float).softmax(-1, Kind::Float);
-        let term = (probs * &tm_per_bin).sum_dim_intlist(-1, false, Kind::Float);
-        let mut pair_weights = weights.narrow(0, start, rows).unsqueeze(1) * weights.unsqueeze(0);
+        let probs = logits.f_narrow(0, start, rows)?.f_to_kind(Kind::Float)?.f_softmax(-1, Kind::Float)?;
+        let term = probs.f_mul(&tm_per_bin)?.f_sum_dim_intlist(-1, false, Kind::Float)?;
+        let mut pair_weights = weights.f_narrow(0, start, rows)?.f_unsqueeze(1)?.f_mul(&weights.f_unsqueeze(0)?)?;
         if let Some(asym) = asym_id {
-            pair_weights *= asym.narrow(0, start, rows).unsqueeze(1).ne_tensor(&asym.unsqueeze(0)).to_kind(Kind::Float);
+            let other = asym.f_narrow(0, start, rows)?.f_unsqueeze(1)?.f_ne_tensor(&asym.f_unsqueeze(0)?)?;
+            pair_weights = pair_weights.f_mul(&other.f_to_kind(Kind::Float)?)?;
         }
-        let normed = &pair_weights / (pair_weights.sum_dim_intlist(-1, true, Kind::Float) + 1e-8);
-        (term * normed).sum_dim_intlist(-1, false, Kind::Float)
-    });
-    (per_alignment * weights).max().double_value(&[])
+        let normed = pair_weights.f_div(&pair_weights.f_sum_dim_intlist(-1, true, Kind::Float)?.f_add_scalar(1e-8)?)?;
+        Ok(term.f_mul(&normed)?.f_sum_dim_intlist(-1, false, Kind::Float)?)
+    })?;
+    Ok(per_alignment.f_mul(&weights)?.f_max()?.f_double_value(&[])?)
 }
 
 /// What `<name>_confidence.json` holds.
@@ -170,11 +168,11 @@ impl Confidence {
         let mean_plddt = plddt.iter().sum::<f64>() / plddt.len().max(1) as f64;
         let (mut ptm, mut pae, mut max_pae) = (None, None, None);
         if let Some(logits) = aligned_error_logits {
-            let (error, max) = predicted_aligned_error(logits, 31.0);
+            let (error, max) = predicted_aligned_error(logits, 31.0)?;
             let error = error.to_kind(Kind::Double).to_device(tch::Device::Cpu);
             pae = Some(Vec::<Vec<f64>>::try_from(error)?);
             max_pae = Some(max);
-            ptm = Some(predicted_tm_score(logits, 31.0));
+            ptm = Some(predicted_tm_score(logits, 31.0)?);
         }
         Ok(Confidence { plddt, mean_plddt, ptm, pae, max_pae })
     }
@@ -215,16 +213,16 @@ mod tests {
         let c = Vec::<f64>::try_from(aligned_error_centres(64, 31.0, Device::Cpu).to_kind(Kind::Double)).unwrap();
         assert!((c[0] - 0.25).abs() < 1e-6 && (c[62] - 31.25).abs() < 1e-5 && (c[63] - 31.75).abs() < 1e-5);
         let n = 30;
-        let (pae, max) = predicted_aligned_error(&one_hot(64, 2, &[n, n]), 31.0);
+        let (pae, max) = predicted_aligned_error(&one_hot(64, 2, &[n, n]), 31.0).unwrap();
         assert!((pae.double_value(&[3, 4]) - 1.25).abs() < 1e-4 && (max - 31.75).abs() < 1e-5);
         // Every pair certain of an error of 1.25 A: pTM = 1 / (1 + (1.25 / d0)^2).
         let d0 = 1.24 * (30f64 - 15.0).cbrt() - 1.8;
         let want = 1.0 / (1.0 + (1.25 / d0).powi(2));
-        let got = predicted_tm_score(&one_hot(64, 2, &[n, n]), 31.0);
+        let got = predicted_tm_score(&one_hot(64, 2, &[n, n]), 31.0).unwrap();
         assert!((got - want).abs() < 1e-5, "{got} vs {want}");
         // Short chains use N = 19 in d0.
         let d0 = 1.24 * 4f64.cbrt() - 1.8;
-        let got = predicted_tm_score(&one_hot(64, 0, &[5, 5]), 31.0);
+        let got = predicted_tm_score(&one_hot(64, 0, &[5, 5]), 31.0).unwrap();
         assert!((got - 1.0 / (1.0 + (0.25 / d0).powi(2))).abs() < 1e-5);
     }
 
@@ -242,7 +240,7 @@ mod tests {
         assert_eq!(rows_at_a_time(&logits, bytes), 13);
         let centres = aligned_error_centres(bins, 31.0, Device::Cpu);
         let whole = (logits.softmax(-1, Kind::Float) * &centres).sum_dim_intlist(-1, false, Kind::Float);
-        assert!(aligned_error(&logits, 31.0, bytes).0.equal(&whole));
+        assert!(aligned_error(&logits, 31.0, bytes).unwrap().0.equal(&whole));
         // pTM and ipTM as the whole computation made them.
         let d0 = 1.24 * (weights.sum(Kind::Float).double_value(&[]) - 15.0).cbrt() - 1.8;
         let term = (logits.softmax(-1, Kind::Float) * ((&centres / d0).square() + 1.0).reciprocal()).sum_dim_intlist(
@@ -257,7 +255,7 @@ mod tests {
             }
             let normed = &pw / (pw.sum_dim_intlist(-1, true, Kind::Float) + 1e-8);
             let want = ((&term * normed).sum_dim_intlist(-1, false, Kind::Float) * &weights).max().double_value(&[]);
-            let got = tm_score(&logits, 31.0, Some(&weights), chains, bytes);
+            let got = tm_score(&logits, 31.0, Some(&weights), chains, bytes).unwrap();
             assert_eq!(got, want, "chains {:?}", chains.is_some());
         }
     }

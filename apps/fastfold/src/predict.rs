@@ -513,7 +513,7 @@ pub fn save_outputs(path: &Path, outputs: &ModelOutputs) -> anyhow::Result<()> {
         ("representations/msa_first_row".into(), pass.recycled.msa_first_row.shallow_clone()),
         ("representations/structure_module".into(), s.single.shallow_clone()),
     ];
-    if let (Some(logits), Some((pae, max))) = (&h.aligned_error, h.predicted_aligned_error()) {
+    if let (Some(logits), Some((pae, max))) = (&h.aligned_error, h.predicted_aligned_error()?) {
         let bins = logits.size().last().copied().unwrap_or(2);
         let breaks = Tensor::linspace(0.0, MAX_ERROR_BIN, bins - 1, (Kind::Float, Device::Cpu));
         named.push(("predicted_aligned_error/logits".into(), logits.shallow_clone()));

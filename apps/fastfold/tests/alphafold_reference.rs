@@ -96,7 +96,7 @@ fn assert_pass_equals_alphafold(pass: &Pass, r: &HashMap<String, Tensor>) {
     let pae = h.aligned_error.as_ref().expect("the fixture's parameters have the PAE head");
     assert_close("predicted_aligned_error/logits", pae, &r["predicted_aligned_error_logits"]);
     assert_close("plddt", &h.plddt(), &r["plddt"]);
-    let ptm = h.ptm().unwrap();
+    let ptm = h.ptm().unwrap().unwrap();
     assert!((ptm - r["ptm"].double_value(&[])).abs() < TOLERANCE, "ptm {ptm} vs {}", r["ptm"].double_value(&[]));
 }
 

@@ -77,10 +77,10 @@ fn every_module_has_the_expected_output_shapes() {
     let plddt = out.plddt();
     assert_eq!(plddt.size(), [n]);
     assert!(plddt.min().double_value(&[]) >= 0.0 && plddt.max().double_value(&[]) <= 100.0);
-    let (pae, max) = out.predicted_aligned_error().unwrap();
+    let (pae, max) = out.predicted_aligned_error().unwrap().unwrap();
     assert_eq!(pae.size(), [n, n]);
     assert!(pae.max().double_value(&[]) <= max);
-    let ptm = out.ptm().unwrap();
+    let ptm = out.ptm().unwrap().unwrap();
     assert!((0.0..=1.0).contains(&ptm), "pTM {ptm}");
 }
 

@@ -514,7 +514,7 @@ fn confidence_measures_hold_no_copy_of_the_logits() {
     engine::host_memory::track().unwrap();
     let before = engine::host_memory::stats().unwrap().current;
     engine::host_memory::reset_peak().unwrap();
-    let (pae, _) = predicted_aligned_error(&logits, 31.0);
+    let (pae, _) = predicted_aligned_error(&logits, 31.0).unwrap();
     let iptm = predicted_tm_score_of_chains(&logits, 31.0, &weights, Some(&asym)).unwrap();
     let peak = (engine::host_memory::stats().unwrap().peak - before) as f64;
     let size = (n * n * bins * 4) as f64;

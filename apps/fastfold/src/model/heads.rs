@@ -254,14 +254,14 @@ impl HeadOutputs {
 
     /// The predicted aligned error [N, N] in Å and its largest possible value
     /// ([`confidence::predicted_aligned_error`]), with the aligned-error head only.
-    pub fn predicted_aligned_error(&self) -> Option<(Tensor, f64)> {
-        self.aligned_error.as_ref().map(|l| confidence::predicted_aligned_error(l, MAX_ERROR_BIN))
+    pub fn predicted_aligned_error(&self) -> Result<Option<(Tensor, f64)>> {
+        self.aligned_error.as_ref().map(|l| confidence::predicted_aligned_error(l, MAX_ERROR_BIN)).transpose()
     }
 
     /// The predicted TM-score ([`confidence::predicted_tm_score`]), with the aligned-error
     /// head only.
-    pub fn ptm(&self) -> Option<f64> {
-        self.aligned_error.as_ref().map(|l| confidence::predicted_tm_score(l, MAX_ERROR_BIN))
+    pub fn ptm(&self) -> Result<Option<f64>> {
+        self.aligned_error.as_ref().map(|l| confidence::predicted_tm_score(l, MAX_ERROR_BIN)).transpose()
     }
 }
 

@@ -359,9 +359,13 @@ impl MultimerAlphaFold {
 
     /// The zero state the first pass starts from.
     pub fn initial_state(&self, features: &MultimerInputs) -> Result<Recycled> {
-        let n = features.residues()?;
+        self.zero_state(&PairRows::whole(features.residues()?))
+    }
+
+    /// Zeros of the network's kind and device, the pair the rows `rows` holds.
+    fn zero_state(&self, rows: &PairRows) -> Result<Recycled> {
         let like = Tensor::f_zeros([1], (self.kind, self.device()))?;
-        Recycled::zeros(&PairRows::whole(n), &self.config, &like)
+        Recycled::zeros(rows, &self.config, &like)
     }
 
     fn device(&self) -> Device {
@@ -555,8 +559,7 @@ impl MultimerAlphaFold {
     ) -> Result<(Pass, SampledMsa, usize)> {
         let n = features.residues()?;
         // The recycles run without autograd: under DAP they start from this rank's rows.
-        let rows = tch::no_grad(|| PairRows::for_pass(exec, n));
-        let mut prev = Recycled::zeros(&rows, &self.config, &Tensor::f_zeros([1], (self.kind, self.device()))?)?;
+        let mut prev = self.zero_state(&tch::no_grad(|| PairRows::for_pass(exec, n)))?;
         let zeros = || Tensor::f_zeros([n, 37, 3], (Kind::Float, self.device()));
         // The positions the last recycle started from, and those it ended at.
         let (mut before, mut after) = (zeros()?, zeros()?);
