@@ -9,7 +9,8 @@
 //! `cargo bench -p fastfold --bench dap_memory -- --residues 256 --ranks 1,2,4`
 //!
 //! Run without `--nproc`, it runs itself once per rank count and prints the table; each run
-//! prints its largest rank's peak and where the profile puts one rank's.
+//! prints its largest rank's peak beside the memory profile's for a rank of that many
+//! (`fastfold::memory::pass_peak` with `Sizes::ranks`).
 use std::process::Command;
 
 use clap::Parser;
@@ -80,9 +81,10 @@ fn main() -> anyhow::Result<()> {
             templates: 0,
             logits: AttentionLogits::Blocks,
             host_apart: false,
+            ranks: world.size() as i64,
         };
-        let one = memory::pass_peak(&cfg, &model_cfg, sizes, &ChunkPlan::uniform(args.chunk_size));
-        println!("{} {} {} {}", world.size(), largest.double_value(&[0]), one.bytes, one.at);
+        let profiled = memory::pass_peak(&cfg, &model_cfg, sizes, &ChunkPlan::uniform(args.chunk_size));
+        println!("{} {} {} {}", world.size(), largest.double_value(&[0]), profiled.bytes, profiled.at);
     }
     Ok(())
 }
@@ -101,8 +103,8 @@ fn compare(args: &Args) -> anyhow::Result<()> {
         args.extra_rows,
         args.chunk_size.map_or("none".to_string(), |c| c.to_string())
     );
-    println!("| ranks | largest rank's peak MiB | of one rank's | one rank's, profiled MiB (at) |");
-    println!("|---:|---:|---:|---|");
+    println!("| ranks | largest rank's peak MiB | of one rank's | profiled MiB (at) | profiled / measured |");
+    println!("|---:|---:|---:|---|---:|");
     let mut first = None;
     for &ranks in &args.ranks {
         let mut cmd = Command::new(&exe);
@@ -129,7 +131,13 @@ fn compare(args: &Args) -> anyhow::Result<()> {
         let (peak, profiled): (f64, f64) = (peak.parse()?, profiled.parse()?);
         let base = *first.get_or_insert(peak);
         let mib = |b: f64| b / (1u64 << 20) as f64;
-        println!("| {ranks} | {:.1} | {:.2} | {:.1} ({at}) |", mib(peak), peak / base, mib(profiled));
+        println!(
+            "| {ranks} | {:.1} | {:.2} | {:.1} ({at}) | {:.3} |",
+            mib(peak),
+            peak / base,
+            mib(profiled),
+            profiled / peak
+        );
     }
     Ok(())
 }

@@ -5,6 +5,7 @@
 //!
 //! `cargo bench -p fastfold --bench memory_plan -- --msa-rows 508 --extra-rows 5120`
 //! `cargo bench -p fastfold --bench memory_plan -- --multimer --residues 600,1200,2400`
+//! `cargo bench -p fastfold --bench memory_plan -- --ranks 4` (one DAP rank's)
 use clap::Parser;
 use fastfold::memory::{self, plan::gib, AttentionLogits, MultimerSizes, Peak, Plan, Sizes};
 use fastfold::model::config::TemplateConfig;
@@ -43,6 +44,10 @@ struct Args {
     /// softmaxed in place, or the tensor-core kernel, which makes none.
     #[arg(long, value_enum, default_value_t = AttentionKernel::Logits)]
     attention: AttentionKernel,
+    /// DAP ranks (`fastfold predict --nproc`): each figure is then one rank's, the one holding
+    /// the most rows (the monomer only; plans for several ranks never offload).
+    #[arg(long, default_value_t = 1)]
+    ranks: i64,
     /// cargo bench passes this; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -101,6 +106,8 @@ impl Network {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    anyhow::ensure!(args.ranks >= 1, "--ranks must be 1 or more, got {}", args.ranks);
+    anyhow::ensure!(!(args.multimer && args.ranks > 1), "--ranks: the Multimer profile is one process's");
     let (cfg, model) = (EvoformerConfig::default(), ModelConfig::default());
     let (net, numel, extra_rows) = match args.multimer {
         false => {
@@ -157,6 +164,7 @@ fn main() -> anyhow::Result<()> {
                 templates,
                 logits: AttentionLogits::of((kernels::Backend::Fused, args.attention)),
                 host_apart: true,
+                ranks: args.ranks,
             };
             // A complex's features stay on the host, the monomer's too but for the pass's slice.
             let features = match args.multimer {
@@ -166,15 +174,19 @@ fn main() -> anyhow::Result<()> {
             let fixed = (numel * e) as u64 + features;
             let whole = net.peak(sizes, &ChunkPlan::uniform(None));
             let least = net.peak(sizes, &ChunkPlan::least());
-            let offloaded = net.peak(sizes, &ChunkPlan::least_offloaded());
+            let offloaded = match args.ranks {
+                1 => {
+                    let p = net.peak(sizes, &ChunkPlan::least_offloaded());
+                    format!("{:.1} ({})", gib(fixed + p.bytes), p.at)
+                }
+                _ => "(not under DAP)".to_string(),
+            };
             print!(
-                "| {n} | {name} | {:.1} | {:.1} | {:.1} ({}) | {:.1} ({}) |",
+                "| {n} | {name} | {:.1} | {:.1} | {:.1} ({}) | {offloaded} |",
                 gib(fixed),
                 gib(fixed + whole.bytes),
                 gib(fixed + least.bytes),
                 least.at,
-                gib(fixed + offloaded.bytes),
-                offloaded.at
             );
             for (b, budget) in &budgets {
                 match net.plan(sizes, fixed, *budget) {

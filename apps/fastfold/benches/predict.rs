@@ -147,7 +147,7 @@ fn main() -> anyhow::Result<()> {
         let features = features(n)?;
         let (exec, planned) = match budget {
             Some(budget) => {
-                let on = (kind, device);
+                let on = (kind, device, 1);
                 let (plan, _) =
                     memory::plan_prediction(&model, &ModelConfig::default(), param_bytes, &features, on, budget)?;
                 plans.push(format!("- {n}: {} (the pass's peak in {})", plan.describe(), plan.pass.at));

@@ -41,13 +41,12 @@ fn run() -> anyhow::Result<()> {
                 }
                 let mut ptm = p.ptm.map(|t| format!("  pTM {t:.3}")).unwrap_or_default();
                 ptm += &p.iptm.map(|t| format!("  ipTM {t:.3}")).unwrap_or_default();
-                let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+                // In the unit that reads (a small query's peak is MiB, not "0.00 GiB").
+                let human = |b: u64| engine::gemini::human(b as usize);
                 let peak = match (p.planned_bytes, p.peak_bytes) {
-                    (Some(plan), Some(b)) => {
-                        Some(format!("  peak memory {:.2} GiB (planned {:.2} GiB)", gib(b), gib(plan)))
-                    }
-                    (Some(plan), None) => Some(format!("  peak memory not measured (planned {:.2} GiB)", gib(plan))),
-                    (None, b) => b.map(|b| format!("  peak memory {:.2} GiB", gib(b))),
+                    (Some(plan), Some(b)) => Some(format!("  peak memory {} (planned {})", human(b), human(plan))),
+                    (Some(plan), None) => Some(format!("  peak memory not measured (planned {})", human(plan))),
+                    (None, b) => b.map(|b| format!("  peak memory {}", human(b))),
                 };
                 println!(
                     "{} {}: {} residues, {} recycles in {:.2} s{}  mean pLDDT {:.2}{ptm}",

@@ -343,7 +343,7 @@ impl<'a> Runner<'a> {
     /// peak (said on stderr by rank 0); otherwise the run's.
     fn plan(&self, model: &Model, name: &str, features: &Features) -> anyhow::Result<(Exec, Option<u64>)> {
         let Some(budget) = self.args.chunk.budget(self.device)? else { return Ok((self.exec.clone(), None)) };
-        let on = (self.kind, self.device);
+        let on = (self.kind, self.device, self.exec.dap().size());
         let (plan, sizes) = memory::plan_prediction(&model.net, &model.config, model.param_bytes, features, on, budget)
             .map_err(|e| anyhow::anyhow!("{name} with {}: {e} (--gpu-mem)", model.name))?;
         if self.world.rank() == 0 {
@@ -389,16 +389,21 @@ fn measured_peak(planned: bool, device: Device) -> anyhow::Result<Option<u64>> {
 /// A memory plan said on stderr: for what, the budget, the sizes, the planned peak and its
 /// parts, the chunks.
 fn say_plan(what: &str, budget: u64, sizes: &memory::Sizes, plan: &memory::Plan) {
+    let human = |b: u64| engine::gemini::human(b as usize);
+    let per_rank = match sizes.ranks {
+        1 => String::new(),
+        r => format!(" per rank of {r}"),
+    };
     eprintln!(
-        "{what}: memory plan for {:.2} GiB ({} residues, {} MSA rows, {} extra rows, {} templates): planned peak \
-         {:.2} GiB ({:.2} GiB parameters and features, the pass's peak in {}); chunks: {}",
-        memory::plan::gib(budget),
+        "{what}: memory plan for {}{per_rank} ({} residues, {} MSA rows, {} extra rows, {} templates): planned peak \
+         {} ({} parameters and features, the pass's peak in {}); chunks: {}",
+        human(budget),
         sizes.residues,
         sizes.msa_rows,
         sizes.extra_rows,
         sizes.templates,
-        memory::plan::gib(plan.peak()),
-        memory::plan::gib(plan.fixed),
+        human(plan.peak()),
+        human(plan.fixed),
         plan.pass.at,
         plan.describe()
     );

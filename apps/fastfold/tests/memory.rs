@@ -42,6 +42,7 @@ fn cpu_sizes(n: i64, s: i64, e: i64, templates: i64) -> Sizes {
         templates,
         logits: AttentionLogits::Blocks,
         host_apart: false,
+        ranks: 1,
     }
 }
 
@@ -165,6 +166,83 @@ fn with_templates(mut b: Batch, count: i64) -> Batch {
 /// the torsion angles' MSA rows): the profile's peak equals the CPU allocator's within 5%,
 /// each template part the peak in one case (everything else in small chunks); a plan for a
 /// budget keeps the measured peak under it and sizes the template operations.
+/// The largest rank's peak of one no-grad pass under `exec`'s DAP group (every rank's measured
+/// from the moment its recycled inputs are made, the largest taken over the group).
+fn measure_ranks(model: &AlphaFold, cfg: &EvoformerConfig, b: &Batch, exec: &Exec) -> anyhow::Result<f64> {
+    let before = engine::host_memory::stats()?.current;
+    let rows = tch::no_grad(|| PairRows::for_pass(exec, b.residues()));
+    let prev = Recycled::zeros(&rows, cfg, &b.seq_mask)?;
+    engine::host_memory::reset_peak()?;
+    let pass = tch::no_grad(|| model.pass(b, prev, exec, None))?;
+    let peak = Tensor::from_slice(&[(engine::host_memory::stats()?.peak - before) as f64]);
+    drop(pass);
+    exec.dap().active().expect("a DAP group").all_reduce(&peak, engine::dist::ReduceOp::Max)?;
+    Ok(peak.double_value(&[0]))
+}
+
+/// Under DAP a rank holds blocks of the MSA and pair, and the layout switches, gathers and the
+/// triangle multiplications' ring hold buffers of their own: the profile for a rank of
+/// `world`'s size (`Sizes::ranks`, rank 0's trace: the most real rows) against the largest
+/// rank's measured peak within 5% (sizes the ranks do not divide, with and without templates,
+/// whole and chunked), and a plan for a budget per rank keeps every rank under it.
+fn dap_pass_peak_matches_the_largest_rank(world: &engine::dist::World, templated: bool) -> suite_tests::TestResult {
+    engine::host_memory::track()?;
+    tch::set_num_threads(1);
+    let cfg = EvoformerConfig { num_blocks: 2, num_extra_blocks: 1, ..EvoformerConfig::default() };
+    let model_cfg = match templated {
+        true => ModelConfig::default(),
+        false => ModelConfig { templates: None, ..ModelConfig::default() },
+    };
+    let model = AlphaFold::new(&Params::random_model(&cfg, &model_cfg, 0)?)?;
+    let dap = Dap::new(world.group.clone());
+    let ranks = world.size() as i64;
+    let some = |c| ChunkPlan::uniform(Some(c));
+    let cases = [
+        (67, 9, 30, ChunkPlan::uniform(None)),
+        (90, 6, 21, some(8)),
+        (75, 5, 40, some(16).with(Stage::Evoformer, ChunkOp::TriangleMultiplication, Some(3))),
+        (64, 7, 13, ChunkPlan::least()),
+    ];
+    let count = if templated { 2 } else { 0 };
+    let batch = |n, s, e| {
+        let b = Batch::random(n, s, e, Kind::Float);
+        tch::manual_seed(5);
+        if templated {
+            with_templates(b, count)
+        } else {
+            b
+        }
+    };
+    let sizes = |n, s, e| Sizes { ranks, ..cpu_sizes(n, s, e, count) };
+    for (n, s, e, plan) in cases {
+        let predicted = memory::pass_peak(&cfg, &model_cfg, sizes(n, s, e), &plan);
+        let measured = measure_ranks(&model, &cfg, &batch(n, s, e), &Exec::planned(dap.clone(), plan.clone()))?;
+        let what = format!("{ranks} ranks, {n} residues x {s} rows + {e} extra, {count} templates, {plan:?}");
+        suite_tests::assert_bytes_close(
+            &format!("{what}, peak in {}", predicted.at),
+            measured,
+            predicted.bytes as f64,
+            0.05,
+        );
+    }
+    let (n, s, e) = (96, 8, 16);
+    let whole = memory::pass_peak(&cfg, &model_cfg, sizes(n, s, e), &ChunkPlan::uniform(None)).bytes;
+    let budget = whole * 2 / 3;
+    let plan = memory::plan(&cfg, &model_cfg, sizes(n, s, e), 0, budget).map_err(anyhow::Error::msg)?;
+    assert!(plan.describe() != "none" && !plan.describe().contains("offload"), "{}", plan.describe());
+    let measured = measure_ranks(&model, &cfg, &batch(n, s, e), &Exec::planned(dap.clone(), plan.chunks.clone()))?;
+    assert!(measured <= budget as f64, "measured {measured} bytes over the budget {budget} ({})", plan.describe());
+    Ok(())
+}
+
+suite_tests::dist_test!(dap_pass_peak_with_templates_matches_the_largest_of_two_ranks, 2, |world| {
+    dap_pass_peak_matches_the_largest_rank(world, true)
+});
+
+suite_tests::dist_test!(dap_pass_peak_matches_the_largest_of_four_ranks, 4, |world| {
+    dap_pass_peak_matches_the_largest_rank(world, false)
+});
+
 #[test]
 fn pass_peak_with_templates_matches_the_cpu_allocator_and_plans_fit_their_budget() {
     let _alone = ALONE.lock();
@@ -277,6 +355,7 @@ fn plans_offload_the_stacks_only_where_nothing_fits_without() {
         templates: 0,
         logits: AttentionLogits::Whole,
         host_apart: true,
+        ranks: 1,
     };
     let peak = |sizes, plan: &ChunkPlan| memory::pass_peak(&cfg, &model_cfg, sizes, plan).bytes;
     let (least, offloaded) = (peak(gpu, &ChunkPlan::least()), peak(gpu, &ChunkPlan::least_offloaded()));
@@ -336,7 +415,7 @@ fn predict_plans_for_the_budget_and_prints_planned_and_measured_peaks() {
     assert!(ok, "{plain}");
     let (ok, text, planned_npz) = run(&["--gpu-mem", "80M"], "planned");
     assert!(ok, "{text}");
-    assert!(text.contains("memory plan for 0.08 GiB"), "the plan is said:\n{text}");
+    assert!(text.contains("memory plan for 80.0 MiB"), "the plan is said:\n{text}");
     let (measured, planned, line) = common::summary_peaks(&text);
     eprintln!("{line}");
     assert!(planned <= 80.0 / 1024.0 && measured <= 80.0 / 1024.0, "under the budget: {line}");

@@ -343,12 +343,13 @@ fn a_complex_predicts_under_a_memory_budget() {
     assert!(ok, "{plain}");
     let (ok, text, planned_npz) = run("planned", &["--gpu-mem", "34M"]);
     assert!(ok, "{text}");
-    assert!(text.contains("memory plan for 0.03 GiB") && text.contains("chunks: Outer/"), "the plan is said:\n{text}");
+    assert!(text.contains("memory plan for 34.0 MiB") && text.contains("chunks: Outer/"), "the plan is said:\n{text}");
     let (measured, planned, line) = common::summary_peaks(&text);
     eprintln!("{line}");
-    // The line's GiB have two decimals: within half the last of them.
-    let budget = 34.0 / 1024.0 + 0.005;
-    assert!(planned <= budget && measured <= budget, "under the budget: {line}");
+    // The line's MiB have one decimal: within half the last of it. The plan is under the
+    // budget; the run within the Multimer profile's accuracy of it (5%: tests/memory.rs).
+    let budget = (34.0 + 0.05) / 1024.0;
+    assert!(planned <= budget && measured <= 1.05 * budget, "under the budget: {line}");
     assert!((measured - planned).abs() <= 0.05 * planned.max(measured) + 0.002, "planned and measured agree: {line}");
     let key = "structure_module/final_atom_positions";
     let moved = max_diff(&outputs(&plain_npz)[key], &outputs(&planned_npz)[key]);

@@ -9,13 +9,16 @@
 //! temporaries, freed after their last use. [`Trace`] simulates exactly that: each modelled
 //! buffer is allocated and freed in the order the code allocates and frees it, and the trace
 //! keeps the largest sum and where it happened.
+mod dap;
 pub mod multimer;
+mod ops;
 pub mod plan;
 pub mod profile;
 
 pub use multimer::{multimer_pass_peak, multimer_sizes_of, MultimerSizes};
+pub use ops::AttentionLogits;
 pub use plan::{plan, plan_multimer, plan_prediction, Plan};
-pub use profile::{bytes_of, pass_peak, sizes_of, AttentionLogits, Peak, Sizes};
+pub use profile::{bytes_of, pass_peak, sizes_of, Peak, Sizes};
 
 /// A buffer the trace holds: freed by [`Trace::free`], never silently.
 #[must_use = "a traced buffer is freed with Trace::free"]

@@ -7,9 +7,9 @@
 //!
 //! The sampling runs where the features are: on the host while the network runs on a GPU,
 //! so its buffers count only in a CPU run ([`MultimerSizes::sampling_on_device`]).
+use crate::memory::ops::{biased_attention, chunked, layer_norm, residual, transition, triangle_multiplication, Ctx};
 use crate::memory::profile::{
-    biased_attention, chunked, distance_one_hot, extra_msa_embedder, input_msa, input_pair, layer_norm, outputs,
-    recycled_row, recycling_pair, residual, stack, transition, triangle_multiplication, Ctx,
+    distance_one_hot, extra_msa_embedder, input_msa, input_pair, outputs, recycled_row, recycling_pair, stack,
 };
 use crate::memory::{Buf, Peak, Sizes, Trace};
 use crate::model::config::{EvoformerConfig, ModelConfig, TemplateConfig};
@@ -256,11 +256,11 @@ pub fn multimer_pass_peak(
     plan: &ChunkPlan,
 ) -> Peak {
     let mut t = Trace::new();
-    let Sizes { residues: n, msa_rows: run, extra_rows, elem: e, templates, logits, host_apart } = sizes.pass;
+    let Sizes { residues: n, msa_rows: run, extra_rows, elem: e, templates, logits, host_apart, .. } = sizes.pass;
     let s = sizes.centres;
     let (c_m, c_z) = (cfg.c_m, cfg.c_z);
     let templates = template.map_or(0, |_| templates);
-    let mut x = Ctx { e, plan, stage: Stage::Outer, masked_rows: false, logits, host_apart };
+    let mut x = Ctx { e, plan, stage: Stage::Outer, masked_rows: false, logits, host_apart, ranks: 1 };
     t.at("recycled inputs");
     let prev = [t.alloc(n * c_m * e), t.alloc(n * n * c_z * e), t.alloc(n * 3 * e)];
     t.at("MSA sampling");
@@ -383,6 +383,7 @@ pub fn multimer_sizes_of(
             templates,
             logits: net.attention_logits(),
             host_apart: device.is_cuda(),
+            ranks: 1,
         },
         centres,
         msa,

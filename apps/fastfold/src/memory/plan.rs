@@ -137,20 +137,20 @@ pub fn plan(cfg: &EvoformerConfig, model: &ModelConfig, sizes: Sizes, fixed: u64
 }
 
 /// The plan for a monomer prediction of `features` (recycling slice 0's sizes, [`sizes_of`]) by
-/// `net` with `model`'s sizes, in `kind` on `device`, with `param_bytes` of parameters on the
-/// device: before the pass the device holds the parameters and the features, all of them on
-/// the CPU (one memory) and on a GPU one recycling slice but for its per-row features
-/// (`fastfold predict` keeps the rest on the host, and the pass moves those as it uses them).
-/// The sizes come with it.
+/// `net` with `model`'s sizes, in `kind` on `device`, over `ranks` DAP ranks (each rank's
+/// budget), with `param_bytes` of parameters on the device: before the pass the device holds
+/// the parameters and the features, all of them on the CPU (one memory) and on a GPU one
+/// recycling slice but for its per-row features (`fastfold predict` keeps the rest on the
+/// host, and the pass moves those as it uses them). The sizes come with it.
 pub fn plan_prediction(
     net: &AlphaFold,
     model: &ModelConfig,
     param_bytes: u64,
     features: &Features,
-    (kind, device): (Kind, Device),
+    (kind, device, ranks): (Kind, Device, i64),
     budget: u64,
 ) -> anyhow::Result<(Plan, Sizes)> {
-    let sizes = sizes_of(features, kind, device, net.attention_logits())?;
+    let sizes = sizes_of(features, (kind, device), net.attention_logits(), ranks)?;
     let feature_bytes = match device {
         Device::Cpu => bytes_of(features.named().map(|(_, t)| t)),
         _ => bytes_of(Batch::new(features, 0, kind)?.resident_tensors()),
@@ -188,12 +188,15 @@ fn search(
     if fixed + whole_peak.bytes <= budget {
         return Ok(Plan { chunks: whole, pass: whole_peak, fixed, ops });
     }
-    let mut chunks = ChunkPlan::least_offloaded();
+    // Under DAP the stacks' layout switches need the streams on the device: no offloading.
+    let offloads = sizes.ranks == 1;
+    let mut chunks = if offloads { ChunkPlan::least_offloaded() } else { ChunkPlan::least() };
     let least = peak(&chunks);
     if fixed + least.bytes > budget {
+        let off = if offloads { ", the stacks' streams off the device in turn" } else { "" };
         return Err(format!(
-            "{} residues need {} at the least (every operation one row at a time, the stacks' streams off the \
-             device in turn; {} of it before the pass, the peak in {}), more than the budget of {}",
+            "{} residues need {} at the least (every operation one row at a time{off}; {} of it before the pass, \
+             the peak in {}), more than the budget of {}",
             sizes.residues,
             human(fixed + least.bytes),
             human(fixed),
@@ -201,7 +204,7 @@ fn search(
             human(budget)
         ));
     }
-    for stage in OFFLOADED {
+    for stage in OFFLOADED.into_iter().filter(|_| offloads) {
         let tried = chunks.clone().offloading(stage, false);
         if fixed + peak(&tried).bytes <= budget {
             chunks = tried;

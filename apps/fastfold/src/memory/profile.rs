@@ -7,11 +7,14 @@
 //!
 //! Assumed: MSA and extra-MSA rows and templates without fully-masked padding (the stacks
 //! leave those out anyway).
-use crate::memory::{Buf, Trace};
+use crate::memory::ops::{
+    biased_attention, biased_update, chunked, layer_norm, msa_column_attention, msa_column_global_attention,
+    outer_product_mean, pair_bias, residual, step, transition, triangle_multiplication, AttentionLogits, Ctx,
+};
+use crate::memory::{dap, Buf, Trace};
 use crate::model::config::{EvoformerConfig, ModelConfig, StructureConfig, TemplateConfig};
 use crate::model::exec::{ChunkOp, ChunkPlan, Stage};
 use crate::model::templates::{ANGLE_FEATURES, DGRAM_BINS, PAIR_FEATURES};
-use crate::model::AttentionKernel;
 
 /// The sizes of one pass.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -35,34 +38,9 @@ pub struct Sizes {
     /// ([`ChunkPlan::offloading`]) moves to the host then leaves the device. On the CPU the
     /// moves are the identity and the trace is the one without them.
     pub host_apart: bool,
-}
-
-/// How an attention without autograd holds its logits, which its memory follows.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum AttentionLogits {
-    /// libtorch's scaled-dot-product kernel (the compositions: the CPU, `--kernels torch`) makes
-    /// them a block at a time.
-    Blocks,
-    /// The fused kernels (a GPU's default) make them whole and softmax them in place.
-    Whole,
-    /// The fused kernels with the tensor-core attention (`--attention flash`) never make them.
-    Never,
-}
-
-impl AttentionLogits {
-    /// The logits of modules running `kernels` with `attention`.
-    pub fn of((kernels, attention): (kernels::Backend, AttentionKernel)) -> AttentionLogits {
-        match (kernels, attention) {
-            (kernels::Backend::Torch, _) => AttentionLogits::Blocks,
-            (kernels::Backend::Fused, AttentionKernel::Logits) => AttentionLogits::Whole,
-            (kernels::Backend::Fused, AttentionKernel::Flash) => AttentionLogits::Never,
-        }
-    }
-
-    /// Whether the fused kernels run (they read a transposed LayerNorm input where it lies).
-    pub fn fused(self) -> bool {
-        self != AttentionLogits::Blocks
-    }
+    /// The DAP ranks the pass is split over (`--nproc`; 1: one process). Over several, the
+    /// trace is rank 0's, which holds the most real rows (`memory/dap.rs`).
+    pub ranks: i64,
 }
 
 /// A pass's peak of live bytes beyond what was alive before it (parameters, features), the
@@ -73,314 +51,6 @@ pub struct Peak {
     pub bytes: u64,
     /// The module at the peak.
     pub at: &'static str,
-}
-
-/// What the traced modules share: the sizes, the chunk plan, the stage, and whether an MSA
-/// row the Evoformer runs is masked (AlphaFold-Multimer's stand-in for its masked centres:
-/// the MSA attentions then add the key mask's bias to their logits' shape).
-pub(super) struct Ctx<'a> {
-    pub(super) e: i64,
-    pub(super) plan: &'a ChunkPlan,
-    pub(super) stage: Stage,
-    pub(super) masked_rows: bool,
-    pub(super) logits: AttentionLogits,
-    pub(super) host_apart: bool,
-}
-
-impl Ctx<'_> {
-    pub(super) fn chunk(&self, op: ChunkOp) -> Option<i64> {
-        self.plan.get(self.stage, op)
-    }
-
-    /// Whether a LayerNorm reads a transposed input (an MSA's columns, a pair's, each row's
-    /// elements adjacent) where it lies: the fused kernel does, libtorch's copies it first.
-    pub(super) fn reads_transposed_rows(&self) -> bool {
-        self.logits.fused()
-    }
-
-    /// Whether the stack of `stage` moves its streams out of the device's memory: it offloads,
-    /// on a device apart from the host.
-    pub(super) fn moves(&self, stage: Stage) -> bool {
-        self.host_apart && self.plan.offloads(stage)
-    }
-}
-
-/// The rows of one chunk: the largest a loop over `len` takes.
-fn step(len: i64, chunk: Option<i64>) -> i64 {
-    chunk.map_or(len, |c| c.min(len)).max(1)
-}
-
-/// [`crate::model::layers::chunked`]: `f(rows)` makes one chunk's result (`row_bytes` per
-/// row of the output); with more than one chunk the output is allocated after the first and
-/// each chunk is copied in.
-pub(super) fn chunked(
-    t: &mut Trace,
-    len: i64,
-    chunk: Option<i64>,
-    row_bytes: i64,
-    mut f: impl FnMut(&mut Trace, i64) -> Buf,
-) -> Buf {
-    let n = step(len, chunk);
-    let first = f(t, n);
-    if n >= len {
-        return first;
-    }
-    let out = t.alloc(len * row_bytes);
-    t.free(first);
-    let next = f(t, n);
-    t.free(next);
-    out
-}
-
-/// [`crate::model::layers::Stream::add_chunked`] on an owned stream: each chunk's update is
-/// added in place and freed.
-pub(super) fn residual(t: &mut Trace, len: i64, chunk: Option<i64>, f: impl FnOnce(&mut Trace, i64) -> Buf) {
-    let u = f(t, step(len, chunk));
-    t.free(u);
-}
-
-/// LayerNorm of `rows` x `c`: a contiguous copy of an input not read where it lies (`in_place`
-/// false; see [`Ctx::reads_transposed_rows`]), the output, and the mean and inverse deviation per
-/// row for the call.
-pub(super) fn layer_norm(t: &mut Trace, rows: i64, c: i64, e: i64, in_place: bool) -> Buf {
-    let copy = (!in_place).then(|| t.alloc(rows * c * e));
-    let out = t.alloc(rows * c * e);
-    t.temp(2 * rows * e);
-    if let Some(copy) = copy {
-        t.free(copy);
-    }
-    out
-}
-
-/// `model/attention.rs`'s `Attention::forward` without autograd on `b` x `len` x `c` with
-/// `heads` x `dim`: the queries, keys and values, the heads' averaged values, the gate, the
-/// output. The averaged values by libtorch's scaled-dot-product kernel (`Blocks`: with a masked
-/// key, the key mask's bias added to the pair's [b, heads, len, len]; the kernel's output and
-/// the logits' log-sum-exp; its blocks' scratch is small), from whole logits (`Whole`, the
-/// fused softmax: the queries and keys, the logits, softmaxed in place into the weights, then
-/// the values; every operand made in its product's layout, so no copies; the gate applied in
-/// place), or by the tensor-core attention (`Never`: the queries, keys and values, then its
-/// output, nothing else).
-fn attention(t: &mut Trace, x: &Ctx, (b, len, c): (i64, i64, i64), (heads, dim): (i64, i64), masked: bool) -> Buf {
-    let e = x.e;
-    let hd = b * len * heads * dim * e;
-    let avg = match x.logits {
-        AttentionLogits::Never => {
-            let [q, k, v] = [t.alloc(hd), t.alloc(hd), t.alloc(hd)];
-            let avg = t.alloc(hd);
-            t.free_all([q, k, v]);
-            avg
-        }
-        AttentionLogits::Blocks => {
-            let [q, k, v] = [t.alloc(hd), t.alloc(hd), t.alloc(hd)];
-            let bias = masked.then(|| t.alloc(b * heads * len * len * e));
-            let avg = t.alloc(hd);
-            t.temp(b * heads * len * 4);
-            t.free_all([q, k, v]);
-            if let Some(bias) = bias {
-                t.free(bias);
-            }
-            avg
-        }
-        AttentionLogits::Whole => {
-            let [q, k] = [t.alloc(hd), t.alloc(hd)];
-            let weights = t.alloc(b * heads * len * len * e);
-            t.free_all([q, k]);
-            let v = t.alloc(hd);
-            let avg = t.alloc(hd);
-            t.free_all([v, weights]);
-            avg
-        }
-    };
-    let gate = t.alloc(hd);
-    t.free(gate);
-    let out = t.alloc(b * len * c * e);
-    t.free(avg);
-    out
-}
-
-/// `model/msa.rs`'s `pair_bias` of the pair [r, r, c_z]: `[heads, r, r]`, the normalised pair
-/// `chunk` rows at a time (`contiguous`: the rows are the pair's own, not the transposed
-/// pair's).
-fn pair_bias(t: &mut Trace, x: &Ctx, r: i64, c_z: i64, heads: i64, op: ChunkOp, contiguous: bool) -> Buf {
-    let e = x.e;
-    chunked(t, r, x.chunk(op), heads * r * e, |t, n| {
-        let normed = layer_norm(t, n * r, c_z, e, contiguous || x.reads_transposed_rows());
-        let out = t.alloc(heads * n * r * e);
-        t.free(normed);
-        out
-    })
-}
-
-/// Attention with a bias from the pair [r, r, c_z] over `batch` rows of `r` entries of `c`
-/// channels, updated in place: `model/msa.rs`'s `MsaRowAttentionWithPairBias::update` (the
-/// MSA's sequences) and `model/triangle.rs`'s `TriangleAttention::update` (the pair's rows,
-/// `contiguous`, or columns).
-pub(super) fn biased_attention(
-    t: &mut Trace,
-    x: &Ctx,
-    op: ChunkOp,
-    batch: i64,
-    (r, c_z): (i64, i64),
-    (c, heads, dim): (i64, i64, i64),
-    contiguous: bool,
-) {
-    let bias = pair_bias(t, x, r, c_z, heads, op, contiguous);
-    biased_update(t, x, op, (batch, r), (c, heads, dim), contiguous);
-    t.free(bias);
-}
-
-/// [`biased_attention`]'s update of `batch` rows of `r` entries once its bias is made.
-fn biased_update(
-    t: &mut Trace,
-    x: &Ctx,
-    op: ChunkOp,
-    (batch, r): (i64, i64),
-    (c, heads, dim): (i64, i64, i64),
-    contiguous: bool,
-) {
-    let e = x.e;
-    let masked = x.masked_rows && op == ChunkOp::MsaRowAttention;
-    residual(t, batch, x.chunk(op), |t, n| {
-        let normed = layer_norm(t, n * r, c, e, contiguous || x.reads_transposed_rows());
-        let out = attention(t, x, (n, r, c), (heads, dim), masked);
-        t.free(normed);
-        out
-    });
-}
-
-/// `model/msa.rs`'s `MsaColumnAttention::update`: residues at a time, each chunk's transposed
-/// rows normalised.
-fn msa_column_attention(t: &mut Trace, x: &Ctx, s: i64, r: i64, c: i64, heads: i64, dim: i64) {
-    let e = x.e;
-    residual(t, r, x.chunk(ChunkOp::MsaColumnAttention), |t, n| {
-        let normed = layer_norm(t, n * s, c, e, x.reads_transposed_rows());
-        let out = attention(t, x, (n, s, c), (heads, dim), x.masked_rows);
-        t.free(normed);
-        out
-    });
-}
-
-/// `model/msa.rs`'s `MsaColumnGlobalAttention::update` (the extra-MSA stack) with
-/// `model/attention.rs`'s `GlobalAttention::forward`.
-fn msa_column_global_attention(t: &mut Trace, x: &Ctx, s: i64, r: i64, c: i64, heads: i64, dim: i64) {
-    let e = x.e;
-    residual(t, r, x.chunk(ChunkOp::MsaColumnAttention), |t, n| {
-        let normed = layer_norm(t, n * s, c, e, x.reads_transposed_rows());
-        let rows = n * s;
-        // The masked mean of the queries' inputs: x * mask, summed (small terms left out).
-        t.temp(rows * c * e);
-        let (k, v) = (t.alloc(rows * dim * e), t.alloc(rows * dim * e));
-        // The key mask's bias [n, 1, s].
-        let bias = t.alloc(rows * e);
-        // The weights [n, heads, s] and the gate [n, s, heads, dim]: each the product, + bias,
-        // softmax or sigmoid, a new tensor at each step of one statement. The products read
-        // their operands as views (no copies).
-        let three = |t: &mut Trace, bytes: i64| {
-            let (a, b) = (t.alloc(bytes), t.alloc(bytes));
-            let c = t.alloc(bytes);
-            t.free_all([a, b]);
-            c
-        };
-        let weights = three(t, rows * heads * e);
-        let hd = rows * heads * dim * e;
-        let gate = three(t, hd);
-        let gated = t.alloc(hd);
-        // The output projection, then + bias.
-        let o = t.alloc(rows * c * e);
-        let out = t.alloc(rows * c * e);
-        t.free_all([o, gated, gate, weights, bias, k, v, normed]);
-        out
-    });
-}
-
-/// `model/msa.rs`'s `Transition::update` of `rows` x `c` split along a dim of `len`.
-pub(super) fn transition(t: &mut Trace, x: &Ctx, len: i64, row: i64, c: i64, factor: i64, op: ChunkOp) {
-    let e = x.e;
-    residual(t, len, x.chunk(op), |t, n| {
-        let normed = layer_norm(t, n * row, c, e, true);
-        let h = t.alloc(n * row * factor * c * e);
-        t.free(normed);
-        let out = t.alloc(n * row * c * e);
-        t.free(h);
-        out
-    });
-}
-
-/// `model/msa.rs`'s `OuterProductMean::update`: the mask's norm, then per batch of
-/// sequences (every batch the first's shape or smaller) its normalised MSA, projections and
-/// pair chunks; with the MSA on the host (`streamed`), each batch moved to the device first.
-fn outer_product_mean(
-    t: &mut Trace,
-    x: &Ctx,
-    (s, r): (i64, i64),
-    (c_m, channels, c_z): (i64, i64, i64),
-    streamed: bool,
-) {
-    let e = x.e;
-    let (mc, norm) = (t.alloc(s * r * e), t.alloc(r * r * e));
-    t.free(mc);
-    let batch = step(s, x.chunk(ChunkOp::OuterProductMeanSequences));
-    let moved = streamed.then(|| t.alloc(batch * r * c_m * e));
-    let normed = layer_norm(t, batch * r, c_m, e, true);
-    if let Some(b) = moved {
-        t.free(b);
-    }
-    let (left, right) = (t.alloc(batch * r * channels * e), t.alloc(batch * r * channels * e));
-    t.free(normed);
-    residual(t, r, x.chunk(ChunkOp::OuterProductMean), |t, n| {
-        let outer = t.alloc(n * r * channels * channels * e);
-        let flat = t.alloc(n * r * channels * channels * e);
-        t.free(outer);
-        let y = t.alloc(n * r * c_z * e);
-        t.free(flat);
-        t.temp(n * r * e);
-        y
-    });
-    for b in [left, right, norm] {
-        t.free(b);
-    }
-}
-
-/// `model/triangle.rs`'s gated projection of `rows` normalised entries to `c` channels: the
-/// projection and its gate.
-fn gated(t: &mut Trace, rows: i64, c: i64, e: i64) -> Buf {
-    let y = t.alloc(rows * c * e);
-    t.temp(rows * c * e);
-    y
-}
-
-/// `model/triangle.rs`'s `TriangleMultiplication::update` of the pair [r, r, c_z] through `c`
-/// channels: the other endpoint's projection whole, channel-first (each chunk of it copied so
-/// as it is made), then per chunk the chunk's projection, the product over k (bmm's scratch, 4 r (n + r) bytes as measured), its norm (of the
-/// product's strided layout) and the gated output.
-pub(super) fn triangle_multiplication(t: &mut Trace, x: &Ctx, r: i64, c_z: i64, c: i64, outgoing: bool) {
-    let e = x.e;
-    let chunk = x.chunk(ChunkOp::TriangleMultiplication);
-    // Each chunk of the other endpoint's projection laid out channel-first as it is made
-    // (the chunk's input freed first), then written into the whole projection.
-    let right = chunked(t, r, chunk, r * c * e, |t, n| {
-        let normed = layer_norm(t, n * r, c_z, e, true);
-        let p = gated(t, n * r, c, e);
-        t.free(normed);
-        let channel_first = t.alloc(n * r * c * e);
-        t.free(p);
-        channel_first
-    });
-    residual(t, r, chunk, |t, n| {
-        let normed = layer_norm(t, n * r, c_z, e, outgoing || x.reads_transposed_rows());
-        let left = gated(t, n * r, c, e);
-        let prod = t.alloc(n * r * c * e);
-        t.temp(4 * r * (n + r));
-        t.free(left);
-        let centred = layer_norm(t, n * r, c, e, false);
-        t.free(prod);
-        let out = gated(t, n * r, c_z, e);
-        t.free(centred);
-        t.free(normed);
-        out
-    });
-    t.free(right);
 }
 
 /// `model/evoformer.rs`'s `EvoformerStack::forward` of `x`'s stage on streams given up, on
@@ -396,6 +66,9 @@ pub(super) fn stack(
     extra: bool,
     streams: (Buf, Buf),
 ) -> (Buf, Buf) {
+    if x.split() {
+        return dap::stack(t, x, cfg, (s, r), extra, streams);
+    }
     let (c, heads, dim) = match extra {
         true => (cfg.c_e, cfg.extra_heads, cfg.extra_head_dim),
         false => (cfg.c_m, cfg.msa_heads, cfg.msa_head_dim),
@@ -451,13 +124,14 @@ pub(super) fn input_msa(t: &mut Trace, e: i64, (n, s): (i64, i64), c_m: i64, upl
     msa
 }
 
-/// `FeatureProjections::embed_pair`: the two single projections, then the pair rows a chunk at
-/// a time: the chunk's left + right single projections, its relative encoding projected
-/// (`relative(t, rows)`, the model's: [`relative_positions`] for the monomer), their sum.
+/// `FeatureProjections::embed_pair`: the two single projections, then the pair rows (under DAP
+/// the rank's real rows) a chunk at a time: the chunk's left + right single projections, its
+/// relative encoding projected (`relative(t, rows)`, the model's: [`relative_positions`] for
+/// the monomer), their sum.
 pub(super) fn input_pair(t: &mut Trace, x: &Ctx, n: i64, c_z: i64, relative: impl Fn(&mut Trace, i64) -> Buf) -> Buf {
     let e = x.e;
     let (left, right) = (t.alloc(n * c_z * e), t.alloc(n * c_z * e));
-    let pair = chunked(t, n, x.chunk(ChunkOp::PairEmbedding), n * c_z * e, |t, rows| {
+    let pair = chunked(t, x.real(n), x.chunk(ChunkOp::PairEmbedding), n * c_z * e, |t, rows| {
         let sum = t.alloc(rows * n * c_z * e);
         let act = relative(t, rows);
         let out = t.alloc(rows * n * c_z * e);
@@ -493,12 +167,15 @@ pub(super) fn recycled_row(t: &mut Trace, e: i64, n: i64, c_m: i64) -> Buf {
 }
 
 /// `RecyclingEmbedder::update_pair`: the previous pair normalised and the pseudo-beta
-/// distances embedded, each added in place rows at a time.
+/// distances embedded, each added in place rows (under DAP the rank's real rows) at a time.
+/// A rank's previous pair is its padded block: its real part's rows are not contiguous where
+/// the columns are padded.
 pub(super) fn recycling_pair(t: &mut Trace, x: &Ctx, n: i64, c_z: i64, model: &ModelConfig) {
     let e = x.e;
     let chunk = x.chunk(ChunkOp::PairEmbedding);
-    residual(t, n, chunk, |t, rows| layer_norm(t, rows * n, c_z, e, true));
-    residual(t, n, chunk, |t, rows| {
+    let contiguous = x.padded(n) == n || x.reads_transposed_rows();
+    residual(t, x.real(n), chunk, |t, rows| layer_norm(t, rows * n, c_z, e, contiguous));
+    residual(t, x.real(n), chunk, |t, rows| {
         let bins = model.recycle_bins;
         let diff = t.alloc(rows * n * 3 * e);
         let squared = t.alloc(rows * n * 3 * e);
@@ -557,6 +234,7 @@ fn global_points(t: &mut Trace, n: i64, heads: i64, points: i64, e: i64) -> Buf 
 /// time (the logit terms in fp32), each chunk's pair rows normalised as it reads them when
 /// `by_rows`.
 fn invariant_point_attention(t: &mut Trace, x: &Ctx, n: i64, c: &StructureConfig, by_rows: bool) {
+    let real = x.real(n);
     let e = x.e;
     let (h, f) = (c.heads, 4);
     let bf16 = e != 4;
@@ -566,7 +244,7 @@ fn invariant_point_attention(t: &mut Trace, x: &Ctx, n: i64, c: &StructureConfig
     let q_pts = global_points(t, n, h, c.qk_points, e);
     let kv_pts = global_points(t, n, h, c.qk_points + c.v_points, e);
     let width = h * c.c_ipa + 4 * h * c.v_points + h * c.c_z;
-    let features = chunked(t, n, x.chunk(ChunkOp::StructureAttention), width * f, |t, rows| {
+    let features = chunked(t, real, x.chunk(ChunkOp::StructureAttention), width * f, |t, rows| {
         let q32 = bf16.then(|| t.alloc(rows * h * c.c_ipa * 4));
         let plane = h * rows * n * f;
         // Scalar logits: bmm copies of the queries and keys, the product, its scaling.
@@ -634,11 +312,20 @@ fn invariant_point_attention(t: &mut Trace, x: &Ctx, n: i64, c: &StructureConfig
         }
         joined
     });
+    // Under DAP the ranks' rows of the features gathered (`PairRows::gather`: padded to the
+    // block, then every block).
+    let gathered = x.split().then(|| {
+        let padded = (real < x.block(n)).then(|| t.alloc(x.block(n) * width * f));
+        let all = t.alloc(x.padded(n) * width * f);
+        t.free_all(padded);
+        all
+    });
     let cast = bf16.then(|| t.alloc(n * width * e));
     let out = t.alloc(n * c.c_s * e);
     for b in [features, q, kv, q_pts, kv_pts, out] {
         t.free(b);
     }
+    t.free_all(gathered);
     for b in [cast, kv32].into_iter().flatten() {
         t.free(b);
     }
@@ -651,8 +338,11 @@ fn structure_module(t: &mut Trace, x: &Ctx, n: i64, c_z: i64, c: &StructureConfi
     let e = x.e;
     let aatype = t.alloc(n * 8);
     let initial = layer_norm(t, n, c.c_s, e, true);
-    let by_rows = x.chunk(ChunkOp::StructureAttention).is_some_and(|rows| rows < n);
-    let pair = (!by_rows).then(|| layer_norm(t, n * n, c_z, e, true));
+    // Under DAP the rank's real rows, a view of its padded block.
+    let real = x.real(n);
+    let by_rows = x.chunk(ChunkOp::StructureAttention).is_some_and(|rows| rows < real);
+    let contiguous = x.padded(n) == n || x.reads_transposed_rows();
+    let pair = (!by_rows).then(|| layer_norm(t, real * n, c_z, e, contiguous));
     let act = t.alloc(n * c.c_s * e);
     invariant_point_attention(t, x, n, c, by_rows);
     for b in [Some(act), pair, Some(initial), Some(aatype)].into_iter().flatten() {
@@ -685,13 +375,41 @@ pub(super) fn outputs(
     }
     t.at("structure module");
     structure_module(t, x, n, c_z, &model.structure);
+    // What it hands on (`StructureOutput`): its single representation, every iteration's
+    // rotations, translations and torsions (raw and normalised), the last iteration's eight
+    // frames and the atoms (atom14, atom37 and its mask), in float32 but the single.
+    let sm = &model.structure;
+    let geometry = sm.layers * (9 + 3 + 2 * 14) + 8 * 12 + 14 * 3 + 37 * 3 + 37;
+    let structure_out = t.alloc(n * (sm.c_s * e + geometry * 4));
     t.at("heads");
+    // Under DAP each rank projects its real rows and gathers the logits whole (padded to its
+    // block first where it holds padding); the distogram's halves are symmetrised in place.
+    let (real, block) = (x.real(n), x.block(n));
+    let gathered = |t: &mut Trace, bins: i64| -> Buf {
+        let rows = t.alloc(real * n * bins * e);
+        if !x.split() {
+            return rows;
+        }
+        let padded = (real < block).then(|| t.alloc(block * n * bins * e));
+        let all = t.alloc(x.padded(n) * n * bins * e);
+        t.free_all(padded);
+        t.free(rows);
+        all
+    };
     let bins = model.distogram_bins;
-    let half = t.alloc(n * n * bins * e);
-    let distogram = t.alloc(n * n * bins * e);
-    t.free(half);
-    let aligned_error = model.aligned_error_bins.map(|b| t.alloc(n * n * b * e));
-    t.free_all([distogram, masked_msa, first_row, single]);
+    let distogram = match x.split() {
+        true => gathered(t, bins),
+        false => {
+            let half = t.alloc(n * n * bins * e);
+            let distogram = t.alloc(n * n * bins * e);
+            t.free(half);
+            distogram
+        }
+    };
+    let per_residue = [t.alloc(n * model.lddt_bins * e), t.alloc(n * model.resolved_atoms * e)];
+    let aligned_error = model.aligned_error_bins.map(|b| gathered(t, b));
+    t.free_all([distogram, masked_msa, first_row, single, structure_out]);
+    t.free_all(per_residue);
     if let Some(b) = aligned_error {
         t.free(b);
     }
@@ -810,18 +528,21 @@ fn templates(t: &mut Trace, x: &Ctx, count: i64, n: i64, c_z: i64, c: &TemplateC
     let a = e.max(4);
     let (heads, hd) = (c.attention_heads, c.attention_heads * c.attention_head_dim);
     let stage = Ctx { stage: Stage::Outer, ..*x };
-    let rows = step(n, stage.chunk(ChunkOp::TemplatePointwise));
+    // The stacks run whole on every rank; the attention over them reads the rank's real rows.
+    let real = x.real(n);
+    let rows = step(real, stage.chunk(ChunkOp::TemplatePointwise));
     let mut softmax: Option<[Buf; 3]> = None;
     for i in 0..count {
         let embedded = template_stack(t, x, n, c);
         t.at("template pointwise attention");
-        softmax
-            .get_or_insert_with(|| [t.alloc(n * n * heads * a), t.alloc(n * n * heads * a), t.alloc(n * n * hd * a)]);
+        softmax.get_or_insert_with(|| {
+            [t.alloc(real * n * heads * a), t.alloc(real * n * heads * a), t.alloc(real * n * hd * a)]
+        });
         template_fold(t, rows * n, (heads, hd), (e, a), i == 0);
         t.free(embedded);
     }
     if let Some(softmax) = softmax {
-        residual(t, n, Some(rows), |t, r| {
+        residual(t, real, Some(rows), |t, r| {
             let avg = t.alloc(r * n * hd * a);
             let avg = widened(t, avg, r * n * hd, (a, e));
             let projected = t.alloc(r * n * c_z * e);
@@ -852,14 +573,23 @@ fn template_rows(t: &mut Trace, e: i64, count: i64, n: i64, c_m: i64) -> Buf {
 /// alive: they are given up to it) to its end, under `plan`.
 pub fn pass_peak(cfg: &EvoformerConfig, model: &ModelConfig, sizes: Sizes, plan: &ChunkPlan) -> Peak {
     let mut t = Trace::new();
-    let Sizes { residues: n, msa_rows: s, extra_rows, elem: e, templates: count, logits, host_apart } = sizes;
+    let Sizes { residues: n, msa_rows: s, extra_rows, elem: e, templates: count, logits, host_apart, ranks } = sizes;
     let (c_m, c_z) = (cfg.c_m, cfg.c_z);
-    let mut x = Ctx { e, plan, stage: Stage::Outer, masked_rows: false, logits, host_apart };
+    let mut x = Ctx { e, plan, stage: Stage::Outer, masked_rows: false, logits, host_apart, ranks };
+    // The pair rows the rank holds from the embedders to the heads: all of them, or under DAP
+    // its block of the padded rows (`model/pair_rows.rs`).
+    let pair_block = x.block(n) * x.padded(n) * c_z * e;
     t.at("recycled inputs");
-    let prev = [t.alloc(n * c_m * e), t.alloc(n * n * c_z * e), t.alloc(n * 3 * e)];
+    let prev = [t.alloc(n * c_m * e), t.alloc(pair_block), t.alloc(n * 3 * e)];
     t.at("input embedder");
     let bins = 2 * model.max_relative_feature + 1;
     let mut pair = input_pair(&mut t, &x, n, c_z, |t, rows| relative_positions(t, e, (rows, n), bins, c_z));
+    if x.split() {
+        // `PairRows::into_block`: the real rows into the zero-padded block.
+        let block = t.alloc(pair_block);
+        t.free(pair);
+        pair = block;
+    }
     t.at("recycling embedder");
     let row = recycled_row(&mut t, e, n, c_m);
     recycling_pair(&mut t, &x, n, c_z, model);
@@ -876,7 +606,13 @@ pub fn pass_peak(cfg: &EvoformerConfig, model: &ModelConfig, sizes: Sizes, plan:
     if cfg.num_extra_blocks > 0 {
         t.at("extra-MSA embedder");
         let rows = extra_rows.max(1);
-        let embedded = extra_msa_embedder(&mut t, &x, (n, rows), cfg.c_e, host_apart);
+        // Under DAP the rank embeds its real rows of the extra MSA, then pads them to its block.
+        let mut embedded = extra_msa_embedder(&mut t, &x, (n, x.real(rows)), cfg.c_e, host_apart);
+        if x.split() {
+            let block = t.alloc(x.block(rows) * x.padded(n) * cfg.c_e * e);
+            t.free(embedded);
+            embedded = block;
+        }
         // On a GPU the stack's mask comes from the host for it.
         let mask = host_apart.then(|| t.alloc(rows * n * e));
         x.stage = Stage::ExtraMsa;
@@ -902,7 +638,17 @@ pub fn pass_peak(cfg: &EvoformerConfig, model: &ModelConfig, sizes: Sizes, plan:
     }
     x.stage = Stage::Evoformer;
     if cfg.num_blocks > 0 {
+        if x.split() {
+            msa = dap::own_rows(&mut t, &x, msa, (rows, n), c_m);
+        }
         (msa, pair) = stack(&mut t, &x, cfg, (rows, n), false, (msa, pair));
+        if x.split() {
+            // `StackMsa::whole`: the ranks' rows gathered for the readout.
+            t.at("MSA gathered");
+            let whole = t.alloc(x.padded(rows) * x.padded(n) * c_m * e);
+            t.free(msa);
+            msa = whole;
+        }
     }
     x.stage = Stage::Outer;
     // The heads read the MSA's own rows (a view of the stack's output).
@@ -911,14 +657,15 @@ pub fn pass_peak(cfg: &EvoformerConfig, model: &ModelConfig, sizes: Sizes, plan:
     Peak { bytes: t.peak(), at: t.peak_at() }
 }
 
-/// The sizes a pass of `features` (recycling slice 0) runs at in `kind` on `device`: its
-/// residues, the MSA and extra-MSA rows with an unmasked entry (the rows the stacks run), its
-/// real templates (those the template stack runs), and the attentions' `logits`.
+/// The sizes a pass of `features` (recycling slice 0) runs at in `kind` on `device` over `ranks`
+/// DAP ranks: its residues, the MSA and extra-MSA rows with an unmasked entry (the rows the
+/// stacks run), its real templates (those the template stack runs), and the attentions'
+/// `logits`.
 pub fn sizes_of(
     features: &crate::features::Features,
-    kind: tch::Kind,
-    device: tch::Device,
+    (kind, device): (tch::Kind, tch::Device),
     logits: AttentionLogits,
+    ranks: i64,
 ) -> tch::Result<Sizes> {
     let real_rows = |mask: &tch::Tensor| -> tch::Result<i64> {
         let m = mask.f_select(0, 0)?;
@@ -936,6 +683,7 @@ pub fn sizes_of(
         templates,
         logits,
         host_apart: device.is_cuda(),
+        ranks,
     })
 }
 

@@ -78,7 +78,17 @@ pub fn summary_peaks(text: &str) -> (f64, f64, String) {
     let line = text.lines().find(|l| l.contains("peak memory")).expect("a summary line");
     let number = |key: &str| -> f64 {
         let rest = &line[line.find(key).unwrap_or_else(|| panic!("{key} in {line}")) + key.len()..];
-        rest.trim_start().split(' ').next().unwrap().parse().unwrap()
+        let mut words = rest.split_whitespace();
+        let value: f64 = words.next().unwrap().parse().unwrap();
+        let unit = words.next().unwrap().trim_end_matches(')');
+        let scale = match unit {
+            "B" => 1.0,
+            "KiB" => 1024.0,
+            "MiB" => 1024.0 * 1024.0,
+            "GiB" => 1024.0 * 1024.0 * 1024.0,
+            _ => panic!("a size unit after {key} in {line}"),
+        };
+        value * scale / (1u64 << 30) as f64
     };
     (number("peak memory"), number("(planned"), line.to_string())
 }
