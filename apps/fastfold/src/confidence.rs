@@ -8,6 +8,7 @@ use std::path::Path;
 use tch::{Kind, Tensor};
 
 use crate::model::layers::chunked;
+use crate::model::pair_rows::PairRows;
 use crate::model::Result;
 
 /// pLDDT in `[0, 100]` per residue: the expected value of the bin centres (`(i + 1/2) / bins`)
@@ -48,9 +49,12 @@ fn by_rows(logits: &Tensor, bytes: i64, f: impl FnMut(i64, i64) -> Result<Tensor
 
 /// The predicted aligned error `[N, N]` in Å (expected value of the bin centres) from the
 /// aligned-error logits `[N, N, bins]` (AlphaFold: 64 bins, breaks up to 31 Å), and the
-/// largest value it can take (the last centre). Rows 64 MiB of float32 at a time.
-pub fn predicted_aligned_error(logits: &Tensor, max_bin: f64) -> Result<(Tensor, f64)> {
-    aligned_error(logits, max_bin, ROWS_BYTES)
+/// largest value it can take (the last centre). Rows 64 MiB of float32 at a time. Under DAP
+/// inference the logits are the real rows `rows` holds (`[real, N, bins]`): each rank computes
+/// its rows and the result is gathered (a collective every rank calls).
+pub fn predicted_aligned_error(logits: &Tensor, rows: &PairRows, max_bin: f64) -> Result<(Tensor, f64)> {
+    let (error, last) = aligned_error(logits, max_bin, ROWS_BYTES)?;
+    Ok((rows.gather(&error)?, last))
 }
 
 /// [`predicted_aligned_error`], rows `bytes` of float32 at a time.
@@ -65,11 +69,13 @@ fn aligned_error(logits: &Tensor, max_bin: f64, bytes: i64) -> Result<(Tensor, f
     Ok((error, last))
 }
 
-/// The predicted TM-score from the aligned-error logits `[N, N, bins]`: for each aligned
-/// residue `i`, the mean over residues `j` of the expected TM term `1 / (1 + (e / d0)^2)` with
-/// `d0 = 1.24 (max(N, 19) - 15)^(1/3) - 1.8`; the score is the best `i`.
-pub fn predicted_tm_score(logits: &Tensor, max_bin: f64) -> Result<f64> {
-    tm_score(logits, max_bin, None, None, ROWS_BYTES)
+/// The predicted TM-score from the aligned-error logits `[N, N, bins]` (under DAP inference
+/// the rows `rows` holds, as [`predicted_aligned_error`] takes them; a collective then): for
+/// each aligned residue `i`, the mean over residues `j` of the expected TM term
+/// `1 / (1 + (e / d0)^2)` with `d0 = 1.24 (max(N, 19) - 15)^(1/3) - 1.8`; the score is the best
+/// `i`.
+pub fn predicted_tm_score(logits: &Tensor, rows: &PairRows, max_bin: f64) -> Result<f64> {
+    tm_score(logits, rows, max_bin, (None, None), ROWS_BYTES)
 }
 
 /// AlphaFold's `predicted_tm_score(logits, breaks, residue_weights, asym_id)`
@@ -81,24 +87,27 @@ pub fn predicted_tm_score(logits: &Tensor, max_bin: f64) -> Result<f64> {
 /// DeepMind's code returns `per_alignment` at the argmax of `per_alignment * weights`, and
 /// ColabFold's the maximum of that product: the same for weights of 0 and 1, the only ones
 /// either pipeline passes.
+///
+/// The logits are `rows`' rows of them, as [`predicted_tm_score`] takes them.
 pub fn predicted_tm_score_of_chains(
     logits: &Tensor,
+    rows: &PairRows,
     max_bin: f64,
     residue_weights: &Tensor,
     asym_id: Option<&Tensor>,
 ) -> anyhow::Result<f64> {
-    let size = logits.size();
+    let (size, n) = (logits.size(), rows.residues());
     anyhow::ensure!(
-        size.len() == 3 && size[0] == size[1],
-        "aligned-error logits: expected shape [residues, residues, bins], found {size:?}"
+        size.len() == 3 && size[..2] == [rows.real(), n],
+        "aligned-error logits: expected shape [{}, {n}, bins], found {size:?}",
+        rows.real()
     );
-    let n = size[0];
     for (what, t) in [("residue weights", Some(residue_weights)), ("asym_id", asym_id)] {
         if let Some(t) = t {
             anyhow::ensure!(t.size() == [n], "{what}: expected shape [{n}] (as the logits), found {:?}", t.size());
         }
     }
-    Ok(tm_score(logits, max_bin, Some(residue_weights), asym_id, ROWS_BYTES)?)
+    Ok(tm_score(logits, rows, max_bin, (Some(residue_weights), asym_id), ROWS_BYTES)?)
 }
 
 /// AlphaFold-Multimer's ranking confidence, `0.8 ipTM + 0.2 pTM` (DeepMind's
@@ -108,16 +117,16 @@ pub fn multimer_ranking_confidence(iptm: f64, ptm: f64) -> f64 {
 }
 
 /// The TM-score of [`predicted_tm_score_of_chains`] (shapes already checked), rows `bytes` of
-/// float32 at a time.
+/// float32 at a time, each aligned residue's score gathered from the ranks' rows under DAP.
 fn tm_score(
     logits: &Tensor,
+    rows: &PairRows,
     max_bin: f64,
-    residue_weights: Option<&Tensor>,
-    asym_id: Option<&Tensor>,
+    (residue_weights, asym_id): (Option<&Tensor>, Option<&Tensor>),
     bytes: i64,
 ) -> Result<f64> {
     let size = logits.size();
-    let (n, bins) = (size[0], size[size.len() - 1]);
+    let (n, bins, first) = (rows.residues(), size[size.len() - 1], rows.start());
     let opts = (Kind::Float, logits.device());
     let weights = match residue_weights {
         Some(w) => w.to_kind(Kind::Float),
@@ -128,17 +137,20 @@ fn tm_score(
     let centres = aligned_error_centres(bins, max_bin, logits.device());
     let tm_per_bin = ((centres / d0).square() + 1.0).reciprocal();
     // Each aligned residue's score from its row of the logits, rows a few at a time.
-    let per_alignment = by_rows(logits, bytes, |start, rows| {
-        let probs = logits.f_narrow(0, start, rows)?.f_to_kind(Kind::Float)?.f_softmax(-1, Kind::Float)?;
+    let per_alignment = by_rows(logits, bytes, |start, count| {
+        let probs = logits.f_narrow(0, start, count)?.f_to_kind(Kind::Float)?.f_softmax(-1, Kind::Float)?;
         let term = probs.f_mul(&tm_per_bin)?.f_sum_dim_intlist(-1, false, Kind::Float)?;
-        let mut pair_weights = weights.f_narrow(0, start, rows)?.f_unsqueeze(1)?.f_mul(&weights.f_unsqueeze(0)?)?;
+        // The residues `first + start ..` of the whole: the logits' rows are `rows`' rows.
+        let aligned = |t: &Tensor| t.f_narrow(0, first + start, count);
+        let mut pair_weights = aligned(&weights)?.f_unsqueeze(1)?.f_mul(&weights.f_unsqueeze(0)?)?;
         if let Some(asym) = asym_id {
-            let other = asym.f_narrow(0, start, rows)?.f_unsqueeze(1)?.f_ne_tensor(&asym.f_unsqueeze(0)?)?;
+            let other = aligned(asym)?.f_unsqueeze(1)?.f_ne_tensor(&asym.f_unsqueeze(0)?)?;
             pair_weights = pair_weights.f_mul(&other.f_to_kind(Kind::Float)?)?;
         }
         let normed = pair_weights.f_div(&pair_weights.f_sum_dim_intlist(-1, true, Kind::Float)?.f_add_scalar(1e-8)?)?;
         Ok(term.f_mul(&normed)?.f_sum_dim_intlist(-1, false, Kind::Float)?)
     })?;
+    let per_alignment = rows.gather(&per_alignment)?;
     Ok(per_alignment.f_mul(&weights)?.f_max()?.f_double_value(&[])?)
 }
 
@@ -162,17 +174,22 @@ pub struct Confidence {
 
 impl Confidence {
     /// From the lDDT logits `[N, bins]` and, when the parameters have the aligned-error head,
-    /// its logits `[N, N, bins]` (AlphaFold's `max_error_bin` 31 Å).
-    pub fn from_logits(lddt_logits: &Tensor, aligned_error_logits: Option<&Tensor>) -> anyhow::Result<Confidence> {
+    /// its logits `[N, N, bins]`, or under DAP inference the rows `rows` holds (a collective
+    /// then: every rank calls it) (AlphaFold's `max_error_bin` 31 Å).
+    pub fn from_logits(
+        lddt_logits: &Tensor,
+        aligned_error_logits: Option<&Tensor>,
+        rows: &PairRows,
+    ) -> anyhow::Result<Confidence> {
         let plddt = Vec::<f64>::try_from(plddt(lddt_logits).to_kind(Kind::Double).to_device(tch::Device::Cpu))?;
         let mean_plddt = plddt.iter().sum::<f64>() / plddt.len().max(1) as f64;
         let (mut ptm, mut pae, mut max_pae) = (None, None, None);
         if let Some(logits) = aligned_error_logits {
-            let (error, max) = predicted_aligned_error(logits, 31.0)?;
+            let (error, max) = predicted_aligned_error(logits, rows, 31.0)?;
             let error = error.to_kind(Kind::Double).to_device(tch::Device::Cpu);
             pae = Some(Vec::<Vec<f64>>::try_from(error)?);
             max_pae = Some(max);
-            ptm = Some(predicted_tm_score(logits, 31.0)?);
+            ptm = Some(predicted_tm_score(logits, rows, 31.0)?);
         }
         Ok(Confidence { plddt, mean_plddt, ptm, pae, max_pae })
     }
@@ -213,16 +230,17 @@ mod tests {
         let c = Vec::<f64>::try_from(aligned_error_centres(64, 31.0, Device::Cpu).to_kind(Kind::Double)).unwrap();
         assert!((c[0] - 0.25).abs() < 1e-6 && (c[62] - 31.25).abs() < 1e-5 && (c[63] - 31.75).abs() < 1e-5);
         let n = 30;
-        let (pae, max) = predicted_aligned_error(&one_hot(64, 2, &[n, n]), 31.0).unwrap();
+        let whole = PairRows::whole(n);
+        let (pae, max) = predicted_aligned_error(&one_hot(64, 2, &[n, n]), &whole, 31.0).unwrap();
         assert!((pae.double_value(&[3, 4]) - 1.25).abs() < 1e-4 && (max - 31.75).abs() < 1e-5);
         // Every pair certain of an error of 1.25 A: pTM = 1 / (1 + (1.25 / d0)^2).
         let d0 = 1.24 * (30f64 - 15.0).cbrt() - 1.8;
         let want = 1.0 / (1.0 + (1.25 / d0).powi(2));
-        let got = predicted_tm_score(&one_hot(64, 2, &[n, n]), 31.0).unwrap();
+        let got = predicted_tm_score(&one_hot(64, 2, &[n, n]), &whole, 31.0).unwrap();
         assert!((got - want).abs() < 1e-5, "{got} vs {want}");
         // Short chains use N = 19 in d0.
         let d0 = 1.24 * 4f64.cbrt() - 1.8;
-        let got = predicted_tm_score(&one_hot(64, 0, &[5, 5]), 31.0).unwrap();
+        let got = predicted_tm_score(&one_hot(64, 0, &[5, 5]), &PairRows::whole(5), 31.0).unwrap();
         assert!((got - 1.0 / (1.0 + (0.25 / d0).powi(2))).abs() < 1e-5);
     }
 
@@ -255,7 +273,7 @@ mod tests {
             }
             let normed = &pw / (pw.sum_dim_intlist(-1, true, Kind::Float) + 1e-8);
             let want = ((&term * normed).sum_dim_intlist(-1, false, Kind::Float) * &weights).max().double_value(&[]);
-            let got = tm_score(&logits, 31.0, Some(&weights), chains, bytes).unwrap();
+            let got = tm_score(&logits, &PairRows::whole(n), 31.0, (Some(&weights), chains), bytes).unwrap();
             assert_eq!(got, want, "chains {:?}", chains.is_some());
         }
     }
@@ -264,13 +282,13 @@ mod tests {
     fn confidence_json_has_what_the_heads_give() {
         let dir = suite_tests::scratch("fastfold", "confidence");
         let lddt = Tensor::zeros([4, 50], (Kind::Float, Device::Cpu));
-        let c = Confidence::from_logits(&lddt, None).unwrap();
+        let c = Confidence::from_logits(&lddt, None, &PairRows::whole(4)).unwrap();
         c.write(&dir.join("a.json")).unwrap();
         let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("a.json")).unwrap()).unwrap();
         assert_eq!(v["plddt"].as_array().unwrap().len(), 4);
         assert!((v["mean_plddt"].as_f64().unwrap() - 50.0).abs() < 1e-4);
         assert!(v.get("ptm").is_none() && v.get("pae").is_none());
-        let c = Confidence::from_logits(&lddt, Some(&one_hot(64, 2, &[4, 4]))).unwrap();
+        let c = Confidence::from_logits(&lddt, Some(&one_hot(64, 2, &[4, 4])), &PairRows::whole(4)).unwrap();
         c.write(&dir.join("b.json")).unwrap();
         let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("b.json")).unwrap()).unwrap();
         assert_eq!(v["pae"].as_array().unwrap().len(), 4);

@@ -22,7 +22,7 @@ use crate::confidence::Confidence;
 use crate::features::Features;
 use crate::input::{ChunkArgs, InputArgs, Query, ReadQuery};
 use crate::memory;
-use crate::model::alphafold::{AlphaFold, Pass};
+use crate::model::alphafold::{AlphaFold, Pass, WholeOutputs};
 use crate::model::config::ModelConfig;
 use crate::model::heads::{DISTOGRAM_FIRST_BREAK, DISTOGRAM_LAST_BREAK, MAX_ERROR_BIN};
 use crate::model::recycling::Recycling;
@@ -309,9 +309,10 @@ impl<'a> Runner<'a> {
         timings.add(format!("predict_and_compile_{}", model.name), seconds);
         let first = features.iteration(0)?;
         let (aatype, residue_index) = (first.aatype.squeeze_dim(0), first.residue_index.squeeze_dim(0));
-        let confidence = Confidence::from_logits(&pass.heads.lddt, pass.heads.aligned_error.as_ref())?;
-        // A collective under DAP: every rank gathers, rank 0 writes.
-        let pair = args.save_outputs.then(|| pass.whole_pair()).transpose()?;
+        // Collectives under DAP: every rank computes its rows' measures and gathers, rank 0 writes.
+        let confidence =
+            Confidence::from_logits(&pass.heads.lddt, pass.heads.aligned_error.as_ref(), &pass.heads.rows)?;
+        let whole = args.save_outputs.then(|| pass.whole()).transpose()?;
         if self.world.rank() == 0 {
             let outputs = ModelOutputs {
                 pass: &pass,
@@ -319,7 +320,7 @@ impl<'a> Runner<'a> {
                 confidence: &confidence,
                 iptm: None,
                 ranking_confidence: confidence.mean_plddt,
-                pair,
+                whole,
             };
             write_outputs(args, dir, &model.name, &outputs, &aatype, &residue_index)?;
         }
@@ -460,9 +461,9 @@ pub struct ModelOutputs<'a> {
     pub iptm: Option<f64>,
     /// What the prediction is ranked by: mean pLDDT (monomer models) or `0.8 ipTM + 0.2 pTM`.
     pub ranking_confidence: f64,
-    /// The pass's pair whole, with `--save-outputs` (under DAP each rank's pass holds its rows:
-    /// [`Pass::whole_pair`], a collective every rank calls before rank 0 writes).
-    pub pair: Option<Tensor>,
+    /// The pass's pair and pair logits whole, with `--save-outputs` (under DAP each rank's pass
+    /// holds its rows: [`Pass::whole`], a collective every rank calls before rank 0 writes).
+    pub whole: Option<WholeOutputs>,
 }
 
 /// `<model>_unrelaxed.pdb`, `<model>_confidence.json` and, with `--save-outputs`,
@@ -496,8 +497,8 @@ fn write_outputs(
 /// and `num_recycles`, the recycles run.
 pub fn save_outputs(path: &Path, outputs: &ModelOutputs) -> anyhow::Result<()> {
     let (pass, confidence) = (outputs.pass, outputs.confidence);
-    let pair = outputs.pair.as_ref().map(Tensor::shallow_clone).context("the outputs hold no whole pair to save")?;
-    let h = &pass.heads;
+    let whole = outputs.whole.as_ref().context("the outputs hold no whole pair to save")?;
+    let (pair, h) = (whole.pair.shallow_clone(), &whole.heads);
     let s = &pass.structure;
     let distogram_bins = h.distogram.size()[2];
     let edges =

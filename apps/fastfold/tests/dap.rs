@@ -157,8 +157,26 @@ fn multimer_network(world: &World) -> TestResult {
     anyhow::ensure!(many.pair_rows.is_split(), "{} ranks: the pass held the whole pair", world.size());
     let d = (&many.structure.atom37 - &one.structure.atom37).abs().max().double_value(&[]);
     anyhow::ensure!(d <= 1e-3, "{} ranks: atoms differ from one process's by {d:e} Å", world.size());
-    let d = (&many.heads.distogram - &one.heads.distogram).abs().max().double_value(&[]);
+    anyhow::ensure!(many.heads.distogram.size()[0] == many.pair_rows.real(), "the heads held their rows");
+    let d = (&many.heads.whole()?.distogram - &one.heads.distogram).abs().max().double_value(&[]);
     anyhow::ensure!(d <= 1e-4, "{} ranks: distogram logits differ by {d:e}", world.size());
+    // pTM and ipTM from the ranks' rows of the aligned-error logits.
+    use fastfold::confidence::predicted_tm_score_of_chains;
+    let weights = inputs.seq_mask.to_kind(Kind::Float);
+    let asym = inputs.asym_id.to_kind(Kind::Int64);
+    for chains in [None, Some(&asym)] {
+        let score = |p: &fastfold::model::alphafold::Pass| -> anyhow::Result<f64> {
+            let logits = p.heads.aligned_error.as_ref().ok_or_else(|| anyhow::anyhow!("no PAE"))?;
+            predicted_tm_score_of_chains(logits, &p.heads.rows, 31.0, &weights, chains)
+        };
+        let (a, b) = (score(&many)?, score(&one)?);
+        anyhow::ensure!(
+            (a - b).abs() <= 1e-5,
+            "{} ranks: TM-score (chains {}) {a} against {b}",
+            world.size(),
+            chains.is_some()
+        );
+    }
     Ok(())
 }
 
@@ -223,18 +241,31 @@ fn monomer_network(world: &World) -> TestResult {
         let (many, _) = run(&Exec::new(dap.clone(), chunk))?;
         let what = format!("{} residues, chunk {chunk:?}, {} ranks", seq.len(), world.size());
         anyhow::ensure!(many.pair_rows.is_split(), "{what}: the pass held the whole pair");
-        let (a, b) = (many.heads.aligned_error.as_ref(), one.heads.aligned_error.as_ref());
+        anyhow::ensure!(many.heads.distogram.size()[0] == many.pair_rows.real(), "{what}: the heads held every row");
+        // The confidence measures from the ranks' rows of the logits (collectives).
+        use fastfold::confidence::Confidence;
+        let measures = |p: &fastfold::model::alphafold::Pass| {
+            Confidence::from_logits(&p.heads.lddt, p.heads.aligned_error.as_ref(), &p.heads.rows)
+        };
+        let (c_many, c_one) = (measures(&many)?, measures(&one)?);
+        let (ptm_many, ptm_one) = (c_many.ptm.unwrap_or(f64::NAN), c_one.ptm.unwrap_or(f64::NAN));
+        anyhow::ensure!((ptm_many - ptm_one).abs() <= 1e-5, "{what}: pTM {ptm_many} against {ptm_one}");
+        let pae = |c: &Confidence| Tensor::from_slice2(c.pae.as_deref().unwrap_or_default());
+        let d = (pae(&c_many) - pae(&c_one)).abs().max().double_value(&[]);
+        anyhow::ensure!(d <= 1e-4, "{what}: PAE differs by {d:e} Å");
+        let whole = many.whole()?;
+        let (a, b) = (whole.heads.aligned_error.as_ref(), one.heads.aligned_error.as_ref());
         let (a, b) = (a.ok_or_else(|| anyhow::anyhow!("no PAE"))?, b.ok_or_else(|| anyhow::anyhow!("no PAE"))?);
         // Sums in another order: on 2 ranks at 13 residues up to 2e-7 of the largest value
         // (1.2e-4 on distogram logits up to 625: random parameters), 5e-5 Å.
         let atoms = (&many.structure.atom37 - &one.structure.atom37).abs().max().double_value(&[]);
         anyhow::ensure!(atoms <= 1e-3, "{what}: atom positions differ by {atoms:e} Å (tolerance 1e-3)");
         for (name, a, b) in [
-            ("distogram logits", &many.heads.distogram, &one.heads.distogram),
+            ("distogram logits", &whole.heads.distogram, &one.heads.distogram),
             ("aligned-error logits", a, b),
             ("pLDDT logits", &many.heads.lddt, &one.heads.lddt),
             ("masked-MSA logits", &many.heads.masked_msa, &one.heads.masked_msa),
-            ("pair", &many.whole_pair()?, &one.whole_pair()?),
+            ("pair", &whole.pair, &one.whole_pair()?),
             ("MSA first row", &many.recycled.msa_first_row, &one.recycled.msa_first_row),
         ] {
             let (d, scale) = ((a - b).abs().max().double_value(&[]), b.abs().max().double_value(&[]));

@@ -168,8 +168,8 @@ fn compare(network: &MultimerAlphaFold, f: &HashMap<String, Tensor>, case: &str,
     }
     let weights = features.seq_mask.to_kind(pae.kind());
     let asym_id = features.asym_id.to_kind(Kind::Int64);
-    let ptm = predicted_tm_score_of_chains(pae, MAX_ERROR_BIN, &weights, None).unwrap();
-    let iptm = predicted_tm_score_of_chains(pae, MAX_ERROR_BIN, &weights, Some(&asym_id)).unwrap();
+    let ptm = predicted_tm_score_of_chains(pae, &pass.heads.rows, MAX_ERROR_BIN, &weights, None).unwrap();
+    let iptm = predicted_tm_score_of_chains(pae, &pass.heads.rows, MAX_ERROR_BIN, &weights, Some(&asym_id)).unwrap();
     for (what, got, want) in [("ptm", ptm, g("ptm")), ("iptm", iptm, g("iptm"))] {
         let want = want.double_value(&[]);
         eprintln!("{case} {what}: ours {got:.8}, AlphaFold {want:.8}");

@@ -250,6 +250,7 @@ fn multimer_total_loss_and_its_gradients_equal_alphafold() {
             masked_msa: leaves["masked_msa"].shallow_clone(),
             experimentally_resolved: leaves["experimentally_resolved"].shallow_clone(),
             aligned_error: Some(leaves["aligned_error"].shallow_clone()),
+            rows: fastfold::model::pair_rows::PairRows::whole(leaves["distogram"].size()[0]),
         };
         let rows = |t: &Tensor| if swapped { t.index_select(0, &swap) } else { t.shallow_clone() };
         let truth =

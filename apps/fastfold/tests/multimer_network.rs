@@ -205,8 +205,9 @@ fn template_chi_angles_and_rows_equal_alphafold_multimer() {
 fn iptm_ptm_and_ranking_equal_alphafold_confidence() {
     let f = arrays("confidence.npz");
     let want = |k: &str| f[k].double_value(&[]);
-    let ptm = predicted_tm_score_of_chains(&f["logits"], 31.0, &f["mask"], None).unwrap();
-    let iptm = predicted_tm_score_of_chains(&f["logits"], 31.0, &f["mask"], Some(&f["asym_id"])).unwrap();
+    let rows = fastfold::model::pair_rows::PairRows::whole(f["mask"].size()[0]);
+    let ptm = predicted_tm_score_of_chains(&f["logits"], &rows, 31.0, &f["mask"], None).unwrap();
+    let iptm = predicted_tm_score_of_chains(&f["logits"], &rows, 31.0, &f["mask"], Some(&f["asym_id"])).unwrap();
     let ranking = multimer_ranking_confidence(iptm, ptm);
     for (what, got, want) in [
         ("ptm", ptm, want("ptm")),
@@ -218,7 +219,7 @@ fn iptm_ptm_and_ranking_equal_alphafold_confidence() {
         assert!(d <= TOLERANCE * want.abs(), "{what}: ours {got}, AlphaFold {want} (relative tolerance {TOLERANCE:e})");
     }
     assert!((iptm - ptm).abs() > 1e-3, "the interface score is not the whole-complex score");
-    let e = predicted_tm_score_of_chains(&f["logits"], 31.0, &f["mask"].narrow(0, 0, 3), None).unwrap_err();
+    let e = predicted_tm_score_of_chains(&f["logits"], &rows, 31.0, &f["mask"].narrow(0, 0, 3), None).unwrap_err();
     assert!(e.to_string().contains("residue weights"), "{e}");
 }
 

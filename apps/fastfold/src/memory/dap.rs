@@ -182,15 +182,18 @@ pub(super) fn stack(
     let (msa_bytes, pair_bytes) = (sb * rp * c * e, b * rp * c_z * e);
     let masks = [((sp, rp) != (s, r)).then(|| t.alloc(sp * rp * e)), (rp != r).then(|| t.alloc(rp * rp * e))];
     let (msa, mut pair) = streams;
+    // The attentions over a padded axis mask the padding's keys.
+    let over_residues = Ctx { masked_keys: rp != r, ..*x };
+    let over_sequences = Ctx { masked_keys: sp != s, ..*x };
     t.at(if extra { "extra-MSA row attention" } else { "MSA row attention" });
     let bias = pair_bias(t, x, (b, rp), c_z, heads, ChunkOp::MsaRowAttention, true);
-    biased_update(t, x, ChunkOp::MsaRowAttention, (sb, rp), (c, heads, dim), true);
+    biased_update(t, &over_residues, ChunkOp::MsaRowAttention, (sb, rp), (c, heads, dim), true);
     t.free(bias);
     let columns = switch(t, msa, msa_bytes, true);
     t.at(if extra { "extra-MSA column global attention" } else { "MSA column attention" });
     match extra {
         true => msa_column_global_attention(t, x, sp, b, c, heads, dim),
-        false => msa_column_attention(t, x, sp, b, c, heads, dim),
+        false => msa_column_attention(t, &over_sequences, sp, b, c, heads, dim),
     }
     t.at("MSA transition");
     transition(t, x, sp, b, c, cfg.transition_factor, ChunkOp::MsaTransition);
@@ -206,11 +209,11 @@ pub(super) fn stack(
     t.at("triangle attention");
     let widths = (c_z, cfg.pair_heads, cfg.pair_head_dim);
     let bias = pair_bias(t, x, (b, rp), c_z, cfg.pair_heads, ChunkOp::TriangleAttention, true);
-    biased_update(t, x, ChunkOp::TriangleAttention, (b, rp), widths, true);
+    biased_update(t, &over_residues, ChunkOp::TriangleAttention, (b, rp), widths, true);
     t.free(bias);
     pair = switch(t, pair, pair_bytes, true);
     let bias = pair_bias(t, x, (b, rp), c_z, cfg.pair_heads, ChunkOp::TriangleAttention, false);
-    biased_update(t, x, ChunkOp::TriangleAttention, (b, rp), widths, false);
+    biased_update(t, &over_residues, ChunkOp::TriangleAttention, (b, rp), widths, false);
     t.free(bias);
     t.at("pair transition");
     transition(t, x, rp, b, c_z, cfg.transition_factor, ChunkOp::PairTransition);

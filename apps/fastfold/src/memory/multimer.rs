@@ -260,7 +260,8 @@ pub fn multimer_pass_peak(
     let s = sizes.centres;
     let (c_m, c_z) = (cfg.c_m, cfg.c_z);
     let templates = template.map_or(0, |_| templates);
-    let mut x = Ctx { e, plan, stage: Stage::Outer, masked_rows: false, logits, host_apart, ranks: 1 };
+    let mut x =
+        Ctx { e, plan, stage: Stage::Outer, masked_rows: false, masked_keys: false, logits, host_apart, ranks: 1 };
     t.at("recycled inputs");
     let prev = [t.alloc(n * c_m * e), t.alloc(n * n * c_z * e), t.alloc(n * 3 * e)];
     t.at("MSA sampling");

@@ -43,6 +43,10 @@ pub(super) struct Ctx<'a> {
     pub(super) plan: &'a ChunkPlan,
     pub(super) stage: Stage,
     pub(super) masked_rows: bool,
+    /// Whether the attentions' keys include masked ones (a DAP stack's padding of the axis they
+    /// attend over): the key mask's bias is then added to the logits' shape, as for
+    /// [`Ctx::masked_rows`].
+    pub(super) masked_keys: bool,
     pub(super) logits: AttentionLogits,
     pub(super) host_apart: bool,
     /// DAP ranks (1: one process).
@@ -143,7 +147,13 @@ pub(super) fn layer_norm(t: &mut Trace, rows: i64, c: i64, e: i64, in_place: boo
 /// the values; every operand made in its product's layout, so no copies; the gate applied in
 /// place), or by the tensor-core attention (`Never`: the queries, keys and values, then its
 /// output, nothing else).
-fn attention(t: &mut Trace, x: &Ctx, (b, len, c): (i64, i64, i64), (heads, dim): (i64, i64), masked: bool) -> Buf {
+fn attention(
+    t: &mut Trace,
+    x: &Ctx,
+    (b, len, c): (i64, i64, i64),
+    (heads, dim): (i64, i64),
+    (masked, strided): (bool, bool),
+) -> Buf {
     let e = x.e;
     let hd = b * len * heads * dim * e;
     let avg = match x.logits {
@@ -156,8 +166,12 @@ fn attention(t: &mut Trace, x: &Ctx, (b, len, c): (i64, i64, i64), (heads, dim):
         AttentionLogits::Blocks => {
             let [q, k, v] = [t.alloc(hd), t.alloc(hd), t.alloc(hd)];
             let bias = masked.then(|| t.alloc(b * heads * len * len * e));
+            // A key mask read transposed (the ending node's) lays the summed bias out as it
+            // lies, which the kernel copies contiguous.
+            let copied = (masked && strided).then(|| t.alloc(b * heads * len * len * e));
             let avg = t.alloc(hd);
             t.temp(b * heads * len * 4);
+            t.free_all(copied);
             t.free_all([q, k, v]);
             if let Some(bias) = bias {
                 t.free(bias);
@@ -222,10 +236,10 @@ pub(super) fn biased_update(
     contiguous: bool,
 ) {
     let e = x.e;
-    let masked = x.masked_rows && op == ChunkOp::MsaRowAttention;
+    let masked = x.masked_keys || (x.masked_rows && op == ChunkOp::MsaRowAttention);
     residual(t, batch, x.chunk(op), |t, n| {
         let normed = layer_norm(t, n * r, c, e, contiguous || x.reads_transposed_rows());
-        let out = attention(t, x, (n, r, c), (heads, dim), masked);
+        let out = attention(t, x, (n, r, c), (heads, dim), (masked, !contiguous));
         t.free(normed);
         out
     });
@@ -237,7 +251,7 @@ pub(super) fn msa_column_attention(t: &mut Trace, x: &Ctx, s: i64, r: i64, c: i6
     let e = x.e;
     residual(t, r, x.chunk(ChunkOp::MsaColumnAttention), |t, n| {
         let normed = layer_norm(t, n * s, c, e, x.reads_transposed_rows());
-        let out = attention(t, x, (n, s, c), (heads, dim), x.masked_rows);
+        let out = attention(t, x, (n, s, c), (heads, dim), (x.masked_keys || x.masked_rows, false));
         t.free(normed);
         out
     });

@@ -14,6 +14,7 @@ use crate::memory::ops::{
 use crate::memory::{dap, Buf, Trace};
 use crate::model::config::{EvoformerConfig, ModelConfig, StructureConfig, TemplateConfig};
 use crate::model::exec::{ChunkOp, ChunkPlan, Stage};
+use crate::model::pair_rows::SYMMETRISE_BLOCK;
 use crate::model::templates::{ANGLE_FEATURES, DGRAM_BINS, PAIR_FEATURES};
 
 /// The sizes of one pass.
@@ -382,32 +383,38 @@ pub(super) fn outputs(
     let geometry = sm.layers * (9 + 3 + 2 * 14) + 8 * 12 + 14 * 3 + 37 * 3 + 37;
     let structure_out = t.alloc(n * (sm.c_s * e + geometry * 4));
     t.at("heads");
-    // Under DAP each rank projects its real rows and gathers the logits whole (padded to its
-    // block first where it holds padding); the distogram's halves are symmetrised in place.
+    // The heads project the rank's real rows (all of them in one process) and keep them so
+    // (`HeadOutputs::rows`): the distogram's half logits symmetrised in place a block at a time
+    // (`PairRows::symmetrised`), under DAP in the rank's zero-padded block with its columns'
+    // rows brought by an all-to-all (the blocks stacked to send, and those received).
     let (real, block) = (x.real(n), x.block(n));
-    let gathered = |t: &mut Trace, bins: i64| -> Buf {
-        let rows = t.alloc(real * n * bins * e);
-        if !x.split() {
-            return rows;
-        }
-        let padded = (real < block).then(|| t.alloc(block * n * bins * e));
-        let all = t.alloc(x.padded(n) * n * bins * e);
-        t.free_all(padded);
-        t.free(rows);
-        all
+    // A rank's real rows are a strided view of its block where the columns are padded: each
+    // projection copies them first.
+    let project = |t: &mut Trace, bins: i64| -> Buf {
+        let copy = (x.padded(n) != n).then(|| t.alloc(real * n * c_z * e));
+        let out = t.alloc(real * n * bins * e);
+        t.free_all(copy);
+        out
     };
     let bins = model.distogram_bins;
+    let half = project(t, bins);
     let distogram = match x.split() {
-        true => gathered(t, bins),
         false => {
-            let half = t.alloc(n * n * bins * e);
-            let distogram = t.alloc(n * n * bins * e);
+            t.temp(SYMMETRISE_BLOCK.min(n).pow(2) * bins * e);
+            half
+        }
+        true => {
+            let bytes = block * x.padded(n) * bins * e;
+            let padded = t.alloc(bytes);
             t.free(half);
-            distogram
+            let stacked = t.alloc(bytes);
+            let received = t.alloc(bytes);
+            t.free_all([stacked, received]);
+            padded
         }
     };
     let per_residue = [t.alloc(n * model.lddt_bins * e), t.alloc(n * model.resolved_atoms * e)];
-    let aligned_error = model.aligned_error_bins.map(|b| gathered(t, b));
+    let aligned_error = model.aligned_error_bins.map(|b| project(t, b));
     t.free_all([distogram, masked_msa, first_row, single, structure_out]);
     t.free_all(per_residue);
     if let Some(b) = aligned_error {
@@ -575,7 +582,7 @@ pub fn pass_peak(cfg: &EvoformerConfig, model: &ModelConfig, sizes: Sizes, plan:
     let mut t = Trace::new();
     let Sizes { residues: n, msa_rows: s, extra_rows, elem: e, templates: count, logits, host_apart, ranks } = sizes;
     let (c_m, c_z) = (cfg.c_m, cfg.c_z);
-    let mut x = Ctx { e, plan, stage: Stage::Outer, masked_rows: false, logits, host_apart, ranks };
+    let mut x = Ctx { e, plan, stage: Stage::Outer, masked_rows: false, masked_keys: false, logits, host_apart, ranks };
     // The pair rows the rank holds from the embedders to the heads: all of them, or under DAP
     // its block of the padded rows (`model/pair_rows.rs`).
     let pair_block = x.block(n) * x.padded(n) * c_z * e;

@@ -207,7 +207,8 @@ impl Batch {
 
 /// Everything one pass produces.
 pub struct Pass {
-    /// Every head's logits.
+    /// Every head's logits (under DAP inference the pair logits' rows this rank holds:
+    /// [`Pass::whole`]).
     pub heads: HeadOutputs,
     /// The structure module's outputs (final atom positions in `atom37`).
     pub structure: StructureOutput,
@@ -226,6 +227,20 @@ impl Pass {
     pub fn whole_pair(&self) -> Result<Tensor> {
         self.pair_rows.gather(&self.pair_rows.real_of(&self.recycled.pair)?)
     }
+
+    /// The pair and the heads' logits with every row, as `--save-outputs` writes them (a
+    /// collective under DAP inference: every rank calls it before rank 0 writes).
+    pub fn whole(&self) -> Result<WholeOutputs> {
+        Ok(WholeOutputs { pair: self.whole_pair()?, heads: self.heads.whole()? })
+    }
+}
+
+/// A pass's outputs that DAP inference holds in rows, made whole ([`Pass::whole`]).
+pub struct WholeOutputs {
+    /// The pair [N, N, c_z].
+    pub pair: Tensor,
+    /// Every head's logits, the pair logits' every row.
+    pub heads: HeadOutputs,
 }
 
 /// `stack` over a pass's `msa` and `pair`, the pair as `rows` holds it (whole, or this rank's

@@ -18,10 +18,10 @@ use crate::model::config::{EvoformerConfig, ModelConfig};
 use crate::model::embedders::shape_error;
 use crate::model::keys::{EMBEDDINGS, ITERATION};
 use crate::model::layers::{LayerNorm, Linear};
-use crate::model::pair_rows::{symmetrise_in_place, PairRows};
+use crate::model::pair_rows::PairRows;
 use crate::model::params::Params;
 use crate::model::scope::Builder;
-use crate::model::Result;
+use crate::model::{ensure, Result};
 
 /// First distogram break, Å (`distogram.first_break`).
 pub const DISTOGRAM_FIRST_BREAK: f64 = 2.3125;
@@ -92,16 +92,17 @@ impl DistogramHead {
     }
 
     /// [`DistogramHead::forward`] of the real pair rows `rows` holds ([`PairRows::real`] x N x
-    /// c_z), whole on every rank: under DAP the ranks' rows of the half logits are gathered and
-    /// symmetrised in place (no autograd there), so a rank holds one [N, N, 64] buffer, not two.
+    /// c_z): the same rows of the logits. Without autograd the half logits are symmetrised in
+    /// place ([`PairRows::symmetrised`]; under DAP a collective), so that one process holds one
+    /// [N, N, bins] buffer, not two, and a DAP rank only its rows.
     pub fn forward_rows(&self, pair: &Tensor, rows: &PairRows) -> Result<Tensor> {
-        if !rows.is_split() {
-            return self.forward(pair);
-        }
         check("pair", pair, &[Some(rows.real()), Some(rows.residues())], self.c_z)?;
-        let logits = rows.gather(&self.half_logits.forward(pair)?)?;
-        symmetrise_in_place(&logits, rows.block())?;
-        Ok(logits)
+        let half = self.half_logits.forward(pair)?;
+        if half.requires_grad() {
+            ensure!(!rows.is_split(), "the distogram of a pass that records gradients takes the whole pair");
+            return Ok(half.f_add(&half.f_transpose(0, 1)?)?);
+        }
+        rows.symmetrised(half)
     }
 }
 
@@ -199,13 +200,10 @@ impl PredictedAlignedErrorHead {
     }
 
     /// [`PredictedAlignedErrorHead::forward`] of the real pair rows `rows` holds
-    /// ([`PairRows::real`] x N x c_z), gathered whole on every rank.
+    /// ([`PairRows::real`] x N x c_z): the same rows of the logits.
     pub fn forward_rows(&self, pair: &Tensor, rows: &PairRows) -> Result<Tensor> {
-        if !rows.is_split() {
-            return self.forward(pair);
-        }
         check("pair", pair, &[Some(rows.real()), Some(rows.residues())], self.c_z)?;
-        rows.gather(&self.logits.forward(pair)?)
+        self.logits.forward(pair)
     }
 }
 
@@ -234,7 +232,8 @@ pub struct HeadInputs<'a> {
 
 /// Every head's logits.
 pub struct HeadOutputs {
-    /// [N, N, distogram bins], symmetric.
+    /// [N, N, distogram bins], symmetric; under DAP inference the real rows `rows` holds
+    /// ([`HeadOutputs::whole`] gathers them).
     pub distogram: Tensor,
     /// [N, lDDT bins].
     pub lddt: Tensor,
@@ -242,8 +241,12 @@ pub struct HeadOutputs {
     pub masked_msa: Tensor,
     /// [N, 37].
     pub experimentally_resolved: Tensor,
-    /// [N, N, aligned-error bins], with the aligned-error head only.
+    /// [N, N, aligned-error bins], with the aligned-error head only; under DAP inference the
+    /// real rows `rows` holds.
     pub aligned_error: Option<Tensor>,
+    /// Which rows of the pair logits these are: all, or under DAP inference this rank's
+    /// ([`PairRows`]), which the confidence measures take as they are.
+    pub rows: PairRows,
 }
 
 impl HeadOutputs {
@@ -253,15 +256,32 @@ impl HeadOutputs {
     }
 
     /// The predicted aligned error [N, N] in Å and its largest possible value
-    /// ([`confidence::predicted_aligned_error`]), with the aligned-error head only.
+    /// ([`confidence::predicted_aligned_error`]; a collective under DAP), with the
+    /// aligned-error head only.
     pub fn predicted_aligned_error(&self) -> Result<Option<(Tensor, f64)>> {
-        self.aligned_error.as_ref().map(|l| confidence::predicted_aligned_error(l, MAX_ERROR_BIN)).transpose()
+        let rows = &self.rows;
+        self.aligned_error.as_ref().map(|l| confidence::predicted_aligned_error(l, rows, MAX_ERROR_BIN)).transpose()
     }
 
-    /// The predicted TM-score ([`confidence::predicted_tm_score`]), with the aligned-error
-    /// head only.
+    /// The predicted TM-score ([`confidence::predicted_tm_score`]; a collective under DAP),
+    /// with the aligned-error head only.
     pub fn ptm(&self) -> Result<Option<f64>> {
-        self.aligned_error.as_ref().map(|l| confidence::predicted_tm_score(l, MAX_ERROR_BIN)).transpose()
+        let rows = &self.rows;
+        self.aligned_error.as_ref().map(|l| confidence::predicted_tm_score(l, rows, MAX_ERROR_BIN)).transpose()
+    }
+
+    /// The logits with every pair row (a collective under DAP inference, where each rank
+    /// holds its rows: every rank calls it; `--save-outputs` writes them whole).
+    pub fn whole(&self) -> Result<HeadOutputs> {
+        let rows = &self.rows;
+        Ok(HeadOutputs {
+            distogram: rows.gather(&self.distogram)?,
+            lddt: self.lddt.shallow_clone(),
+            masked_msa: self.masked_msa.shallow_clone(),
+            experimentally_resolved: self.experimentally_resolved.shallow_clone(),
+            aligned_error: self.aligned_error.as_ref().map(|l| rows.gather(l)).transpose()?,
+            rows: PairRows::whole(rows.residues()),
+        })
     }
 }
 
@@ -319,6 +339,7 @@ impl Heads {
             masked_msa: x.msa.masked_msa.shallow_clone(),
             experimentally_resolved: self.experimentally_resolved.forward(&x.msa.single)?,
             aligned_error: self.aligned_error.as_ref().map(|h| h.forward_rows(x.pair, x.pair_rows)).transpose()?,
+            rows: x.pair_rows.clone(),
         })
     }
 }

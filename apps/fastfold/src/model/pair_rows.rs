@@ -158,7 +158,33 @@ impl PairRows {
         let padded = self.dap.pad_to(rows, 0, self.block)?;
         Ok(self.dap.gather(&padded, 0)?.f_narrow(0, 0, self.n)?)
     }
+
+    /// `x + x^T` over the first two dimensions of a square `x` [N, N, c] given as the real rows
+    /// this rank holds, `half` ([real, N, c]; whole, all N), without autograd: the same rows of
+    /// the sum (the distogram's logits from its half logits). Whole, summed in place a block at
+    /// a time ([`symmetrise_in_place`]). Split, a collective: the rows of `x^T` a rank needs are
+    /// the columns of its block that every rank holds, which the stacks' all-to-all brings
+    /// (`Dap::row_to_col`), so no rank holds more than its block's rows.
+    pub fn symmetrised(&self, half: Tensor) -> Result<Tensor> {
+        if !self.is_split() {
+            symmetrise_in_place(&half, SYMMETRISE_BLOCK)?;
+            return Ok(half);
+        }
+        let block = zero_padded(&half, self.block, self.padded)?;
+        drop(half);
+        // [padded, block, c]: every row, this rank's columns; transposed, its rows of x^T.
+        let columns = self.dap.row_to_col(&block, 0, 1)?;
+        let mut sum = block;
+        let _ = sum.f_add_(&columns.f_transpose(0, 1)?)?;
+        drop(columns);
+        Ok(sum.f_narrow(0, 0, self.real)?.f_narrow(1, 0, self.n)?)
+    }
 }
+
+/// The rows and columns of [`symmetrise_in_place`]'s blocks in [`PairRows::symmetrised`]: each
+/// block's sum is a temporary of `SYMMETRISE_BLOCK`² entries (16 MiB of float32 logits at 64
+/// bins).
+pub const SYMMETRISE_BLOCK: i64 = 256;
 
 /// This rank's rows of `len` rows split over `dap` as the stacks split them (padded with zeros
 /// to a multiple of the ranks): `(start, real, block)`, its real rows `[start, start + real)`

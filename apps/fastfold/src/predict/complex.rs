@@ -110,13 +110,15 @@ pub(super) fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predi
             let pae = pass.heads.aligned_error.as_ref().context("AlphaFold-Multimer's parameters have a PAE head")?;
             let weights = inputs.seq_mask.to_kind(Kind::Float).to_device(pae.device());
             let asym_id = inputs.asym_id.to_kind(Kind::Int64).to_device(pae.device());
-            let ptm = predicted_tm_score_of_chains(pae, MAX_ERROR_BIN, &weights, None)?;
-            let iptm = predicted_tm_score_of_chains(pae, MAX_ERROR_BIN, &weights, Some(&asym_id))?;
+            // Collectives under DAP: every rank computes its rows' measures and gathers, rank 0
+            // (with `staging`) writes.
+            let rows = &pass.heads.rows;
+            let ptm = predicted_tm_score_of_chains(pae, rows, MAX_ERROR_BIN, &weights, None)?;
+            let iptm = predicted_tm_score_of_chains(pae, rows, MAX_ERROR_BIN, &weights, Some(&asym_id))?;
             let ranking_confidence = multimer_ranking_confidence(iptm, ptm);
-            let mut confidence = Confidence::from_logits(&pass.heads.lddt, Some(pae))?;
+            let mut confidence = Confidence::from_logits(&pass.heads.lddt, Some(pae), rows)?;
             confidence.ptm = Some(ptm);
-            // A collective under DAP: every rank gathers, rank 0 (with `staging`) writes.
-            let pair = args.save_outputs.then(|| pass.whole_pair()).transpose()?;
+            let whole = args.save_outputs.then(|| pass.whole()).transpose()?;
             if let Some(dir) = &staging {
                 let outputs = ModelOutputs {
                     pass: &pass,
@@ -124,7 +126,7 @@ pub(super) fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predi
                     confidence: &confidence,
                     iptm: Some(iptm),
                     ranking_confidence,
-                    pair,
+                    whole,
                 };
                 write_prediction(dir, &run.name, &outputs, &inputs, &chains, args.save_outputs)?;
             }
