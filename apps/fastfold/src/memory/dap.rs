@@ -11,8 +11,8 @@
 //! rank's stream at its height. An all-gather copies a non-contiguous input first and holds the
 //! whole result.
 use crate::memory::ops::{
-    biased_update, chunked, gated, layer_norm, msa_column_attention, msa_column_global_attention, residual, step,
-    transition, Ctx,
+    biased_update, chunked, gated, layer_norm, msa_column_attention, msa_column_global_attention, msa_widths, residual,
+    step, transition, triangle_projection, Ctx,
 };
 use crate::memory::{Buf, Trace};
 use crate::model::config::EvoformerConfig;
@@ -123,18 +123,8 @@ fn ring_triangle_multiplication(
     let chunk = x.chunk(ChunkOp::TriangleMultiplication);
     let b = len.min(width);
     let rp = len.max(width);
-    let projection = |t: &mut Trace| {
-        chunked(t, len, chunk, width * c * e, |t, n| {
-            let normed = layer_norm(t, n * width, c_z, e, true);
-            let p = gated(t, n * width, c, e);
-            t.free(normed);
-            let laid_out = t.alloc(n * width * c * e);
-            t.free(p);
-            laid_out
-        })
-    };
-    let own = projection(t);
-    let left = projection(t);
+    let own = triangle_projection(t, x, (len, width), (c_z, c));
+    let left = triangle_projection(t, x, (len, width), (c_z, c));
     let n = step(b, chunk);
     let piece = n * c * rp * e;
     // Outgoing reads the pair's columns (a strided view), incoming its rows.
@@ -172,10 +162,7 @@ pub(super) fn stack(
     extra: bool,
     streams: (Buf, Buf),
 ) -> (Buf, Buf) {
-    let (c, heads, dim) = match extra {
-        true => (cfg.c_e, cfg.extra_heads, cfg.extra_head_dim),
-        false => (cfg.c_m, cfg.msa_heads, cfg.msa_head_dim),
-    };
+    let (c, heads, dim) = msa_widths(cfg, extra);
     let (c_z, e) = (cfg.c_z, x.e);
     let (sp, rp) = (x.padded(s), x.padded(r));
     let (sb, b) = (x.block(s), x.block(r));

@@ -4,6 +4,7 @@
 //! ([`Ctx`]): the pieces [`super::profile`] assembles into one process's pass, [`super::dap`]
 //! into a DAP rank's stacks and [`super::multimer`] into AlphaFold-Multimer's pass.
 use crate::memory::{Buf, Trace};
+use crate::model::config::EvoformerConfig;
 use crate::model::exec::{ChunkOp, ChunkPlan, Stage};
 use crate::model::AttentionKernel;
 
@@ -353,16 +354,7 @@ pub(super) fn gated(t: &mut Trace, rows: i64, c: i64, e: i64) -> Buf {
 pub(super) fn triangle_multiplication(t: &mut Trace, x: &Ctx, r: i64, c_z: i64, c: i64, outgoing: bool) {
     let e = x.e;
     let chunk = x.chunk(ChunkOp::TriangleMultiplication);
-    // Each chunk of the other endpoint's projection laid out channel-first as it is made
-    // (the chunk's input freed first), then written into the whole projection.
-    let right = chunked(t, r, chunk, r * c * e, |t, n| {
-        let normed = layer_norm(t, n * r, c_z, e, true);
-        let p = gated(t, n * r, c, e);
-        t.free(normed);
-        let channel_first = t.alloc(n * r * c * e);
-        t.free(p);
-        channel_first
-    });
+    let right = triangle_projection(t, x, (r, r), (c_z, c));
     residual(t, r, chunk, |t, n| {
         let normed = layer_norm(t, n * r, c_z, e, outgoing || x.reads_transposed_rows());
         let left = gated(t, n * r, c, e);
@@ -377,4 +369,29 @@ pub(super) fn triangle_multiplication(t: &mut Trace, x: &Ctx, r: i64, c_z: i64, 
         out
     });
     t.free(right);
+}
+
+/// `model/triangle.rs`'s `TriangleMultiplication::projection`: one side's gated projection of
+/// `len` pair rows of `width` entries to `c` channels, made [`ChunkOp::TriangleMultiplication`]
+/// rows at a time, each chunk laid out as the product reads it as it is made (the chunk's
+/// input freed first) and written into the whole.
+pub(super) fn triangle_projection(t: &mut Trace, x: &Ctx, (len, width): (i64, i64), (c_z, c): (i64, i64)) -> Buf {
+    let e = x.e;
+    chunked(t, len, x.chunk(ChunkOp::TriangleMultiplication), width * c * e, |t, n| {
+        let normed = layer_norm(t, n * width, c_z, e, true);
+        let p = gated(t, n * width, c, e);
+        t.free(normed);
+        let laid_out = t.alloc(n * width * c * e);
+        t.free(p);
+        laid_out
+    })
+}
+
+/// The widths of a stack's MSA: channels, attention heads and their width (the extra-MSA
+/// stack's, or the Evoformer's).
+pub(super) fn msa_widths(cfg: &EvoformerConfig, extra: bool) -> (i64, i64, i64) {
+    match extra {
+        true => (cfg.c_e, cfg.extra_heads, cfg.extra_head_dim),
+        false => (cfg.c_m, cfg.msa_heads, cfg.msa_head_dim),
+    }
 }

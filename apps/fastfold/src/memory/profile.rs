@@ -9,7 +9,8 @@
 //! leave those out anyway).
 use crate::memory::ops::{
     biased_attention, biased_update, chunked, layer_norm, msa_column_attention, msa_column_global_attention,
-    outer_product_mean, pair_bias, residual, step, transition, triangle_multiplication, AttentionLogits, Ctx,
+    msa_widths, outer_product_mean, pair_bias, residual, step, transition, triangle_multiplication, AttentionLogits,
+    Ctx,
 };
 use crate::memory::{dap, Buf, Trace};
 use crate::model::config::{EvoformerConfig, ModelConfig, StructureConfig, TemplateConfig};
@@ -70,10 +71,7 @@ pub(super) fn stack(
     if x.split() {
         return dap::stack(t, x, cfg, (s, r), extra, streams);
     }
-    let (c, heads, dim) = match extra {
-        true => (cfg.c_e, cfg.extra_heads, cfg.extra_head_dim),
-        false => (cfg.c_m, cfg.msa_heads, cfg.msa_head_dim),
-    };
+    let (c, heads, dim) = msa_widths(cfg, extra);
     let (c_z, e) = (cfg.c_z, x.e);
     let moves = x.moves(x.stage);
     let (mut msa, mut pair) = streams;
