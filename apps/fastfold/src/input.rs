@@ -264,11 +264,12 @@ pub struct ChunkArgs {
     /// rows (less memory, same result).
     #[arg(long, value_parser = engine::parse::count(1..).try_map(i64::try_from), conflicts_with = "gpu_mem")]
     pub chunk_size: Option<i64>,
-    /// Memory budget of a prediction (`80G`, `3GiB`): each chunked operation's chunk size is
-    /// chosen from the inference memory profile to fit it, none chunked where it allows
-    /// (default on a GPU: the device's free memory at the start; on the CPU: no plan). On a
-    /// GPU it caps the whole process, as `nvidia-smi` counts it: what the CUDA context and
-    /// libraries hold is measured at the start and the plan gets the rest.
+    /// Memory budget (`80G`, `3GiB`). On a GPU it caps the whole process, as `nvidia-smi`
+    /// counts it: what the CUDA context and libraries hold is measured at the start. `predict`
+    /// chooses each chunked operation's chunk size from the inference memory profile to fit
+    /// what is left (with `--nproc` each rank's), none chunked where it allows; without the
+    /// flag, on a GPU for the device's free memory at the start, on the CPU no plan. `train`
+    /// plans no chunks from it and refuses it on the CPU.
     #[arg(long, visible_alias = "memory-budget", value_parser = |s: &str| engine::gemini::parse_bytes(s).map_err(|e| e.to_string()))]
     pub gpu_mem: Option<u64>,
     /// The attention softmax (scale, mask, pair bias), LayerNorms and triangle-update gates:
