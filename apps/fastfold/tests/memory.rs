@@ -385,7 +385,8 @@ fn plans_offload_the_stacks_only_where_nothing_fits_without() {
 
 /// `fastfold predict --gpu-mem` on the CPU: the plan and its planned peak said, the measured
 /// peak printed beside it and under the budget, the structure the unplanned run's within 1e-4 Å;
-/// a budget no plan meets is an error naming the flag.
+/// a budget no plan meets is an error naming the flag; over 2 DAP ranks the same for a rank's
+/// budget (the structure within 1e-3 Å).
 #[test]
 fn predict_plans_for_the_budget_and_prints_planned_and_measured_peaks() {
     // Its own allocations (parameters, outputs read back) would count in the others' peaks.
@@ -431,6 +432,18 @@ fn predict_plans_for_the_budget_and_prints_planned_and_measured_peaks() {
     assert!(d <= 1e-4, "the planned run's atoms differ by {d} Å from the plain run's ({plain})");
     let (ok, text, _) = run(&["--gpu-mem", "64K"], "tiny");
     assert!(!ok && text.contains("--gpu-mem") && text.contains("at the least"), "{text}");
+    // Over 2 DAP ranks the budget is each rank's, planned for one rank's pass; the summary
+    // gives rank 0's peak, the largest.
+    let (ok, text, ranks_npz) = run(&["--gpu-mem", "45M", "--nproc", "2"], "ranks");
+    assert!(ok, "{text}");
+    assert!(text.contains("memory plan for 45.0 MiB per rank of 2"), "the plan is said:\n{text}");
+    assert!(!text.contains("chunks: none"), "a rank's whole pass exceeds 45 MiB: the plan chunks:\n{text}");
+    let (measured, planned, line) = common::summary_peaks(&text);
+    eprintln!("{line}");
+    assert!(planned <= 45.0 / 1024.0 && measured <= 45.0 / 1024.0, "under the budget: {line}");
+    assert!((measured - planned).abs() <= 0.05 * planned.max(measured) + 0.002, "planned and measured agree: {line}");
+    let d = (positions(&plain_npz) - positions(&ranks_npz)).abs().max().double_value(&[]);
+    assert!(d <= 1e-3, "the 2-rank planned run's atoms differ by {d} Å from the plain run's");
 }
 
 /// `model_1_multimer_v3`'s widths (the full-size manifest's names and shapes, random values)
@@ -493,6 +506,52 @@ fn complex_inputs(n: i64, (s, real): (i64, i64), templates: i64) -> fastfold::mo
     }
 }
 
+/// AlphaFold-Multimer's pass on 2 DAP ranks: the profile for a rank of 2 against the largest
+/// rank's measured peak within 5% (residues and rows the ranks do not divide, with templates,
+/// whose embedding gathers the query pair, and v3's outer product mean first; whole and
+/// chunked).
+fn multimer_dap_pass_peak_matches_the_largest_rank(world: &engine::dist::World) -> suite_tests::TestResult {
+    use fastfold::jax_random::Key;
+    use fastfold::model::multimer::MsaSampling;
+    engine::host_memory::track()?;
+    tch::set_num_threads(1);
+    let mut net = multimer_widths();
+    let (cfg, model, template) = (*net.config(), *net.model_config(), net.template_config().copied());
+    let exec_of = |plan: &ChunkPlan| Exec::planned(Dap::new(world.group.clone()), plan.clone());
+    for (n, s, (num_msa, num_extra), templates, plan) in [
+        (67, (24, 24), (8, 12), 0, ChunkPlan::uniform(None)),
+        (97, (40, 40), (15, 16), 2, ChunkPlan::uniform(None)),
+        (130, (48, 30), (8, 31), 1, ChunkPlan::uniform(Some(16))),
+    ] {
+        net.sampling = MsaSampling { num_msa, num_extra_msa: num_extra, ..MsaSampling::default() };
+        let inputs = complex_inputs(n, s, templates);
+        let sizes = memory::multimer_sizes_of(&inputs, &net, (Kind::Float, Device::Cpu), true, world.size() as i64)?;
+        let predicted = memory::multimer_pass_peak(&cfg, &model, template.as_ref(), sizes, &plan);
+        let exec = exec_of(&plan);
+        let before = engine::host_memory::stats()?.current;
+        let rows = tch::no_grad(|| PairRows::for_pass(&exec, n));
+        let prev = Recycled::zeros(&rows, &cfg, &Tensor::zeros([1], (Kind::Float, Device::Cpu)))?;
+        engine::host_memory::reset_peak()?;
+        let pass = tch::no_grad(|| net.pass(&inputs, prev, Key::from_seed(0), &exec))?;
+        let peak = Tensor::from_slice(&[(engine::host_memory::stats()?.peak - before) as f64]);
+        drop(pass);
+        world.group.all_reduce(&peak, engine::dist::ReduceOp::Max)?;
+        let what =
+            format!("Multimer on {} ranks, {n} residues, {s:?} rows, {templates} templates, {plan:?}", world.size());
+        suite_tests::assert_bytes_close(
+            &format!("{what}, peak in {}", predicted.at),
+            peak.double_value(&[0]),
+            predicted.bytes as f64,
+            0.05,
+        );
+    }
+    Ok(())
+}
+
+suite_tests::dist_test!(multimer_dap_pass_peak_matches_the_largest_of_two_ranks, 2, |world| {
+    multimer_dap_pass_peak_matches_the_largest_rank(world)
+});
+
 /// AlphaFold-Multimer's pass: the profile's peak equals the CPU allocator's within 5% at
 /// `model_1_multimer_v3`'s widths, with and without templates, unchunked, chunked and planned
 /// (the MSA sampled inside the network counted, as the features are on the CPU); a plan made
@@ -542,7 +601,7 @@ fn multimer_pass_peak_matches_the_cpu_allocator_and_plans_fit_their_budget() {
         let sampling = MsaSampling { num_msa, num_extra_msa: num_extra, ..MsaSampling::default() };
         net.sampling = sampling;
         let inputs = complex_inputs(n, s, templates);
-        let sizes = memory::multimer_sizes_of(&inputs, &net, Kind::Float, Device::Cpu, true).unwrap();
+        let sizes = memory::multimer_sizes_of(&inputs, &net, (Kind::Float, Device::Cpu), true, 1).unwrap();
         let predicted = memory::multimer_pass_peak(&cfg, &model, template.as_ref(), sizes, &plan);
         let measured = measure(&net, &inputs, &Exec::planned(Dap::none(), plan.clone()));
         suite_tests::assert_bytes_close(
@@ -560,7 +619,7 @@ fn multimer_pass_peak_matches_the_cpu_allocator_and_plans_fit_their_budget() {
     let sampling = MsaSampling { num_msa: 16, num_extra_msa: 16, ..MsaSampling::default() };
     net.sampling = sampling;
     let inputs = complex_inputs(n, s, templates);
-    let sizes = memory::multimer_sizes_of(&inputs, &net, Kind::Float, Device::Cpu, true).unwrap();
+    let sizes = memory::multimer_sizes_of(&inputs, &net, (Kind::Float, Device::Cpu), true, 1).unwrap();
     let peak = |plan: &ChunkPlan| memory::multimer_pass_peak(&cfg, &model, template.as_ref(), sizes, plan).bytes;
     let whole = peak(&ChunkPlan::uniform(None));
     // Between the least peak and the least with the template stack whole: only a plan that

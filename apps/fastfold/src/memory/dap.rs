@@ -149,7 +149,8 @@ fn ring_triangle_multiplication(
 /// the MSA `[s, r, c]` and pair `[r, r, c_z]` given as the rank's blocks of their padded rows
 /// (`[sp / ranks, rp, c]`, `[rp / ranks, rp, c_z]`): row attention on the MSA's rows with the
 /// pair's bias gathered, the MSA switched to columns for its column attention, transition and
-/// outer product mean, and switched back to rows while the pair's updates run (the switch in
+/// outer product mean (AlphaFold-Multimer's first, on a copy of the input MSA in columns), and
+/// switched back to rows while the pair's updates run (the switch in
 /// flight holds the columns and what it receives); the triangle multiplications by the ring,
 /// outgoing on rows, incoming on columns; the triangle attentions on rows and columns with
 /// their biases gathered; the pair transition on columns. The padded masks live through the
@@ -172,6 +173,17 @@ pub(super) fn stack(
     // The attentions over a padded axis mask the padding's keys.
     let over_residues = Ctx { masked_keys: rp != r, ..*x };
     let over_sequences = Ctx { masked_keys: sp != s, ..*x };
+    let opm = (c, cfg.opm_channels, c_z);
+    if cfg.outer_product_mean_first {
+        // AlphaFold-Multimer's order: the outer product mean of the block's input MSA, switched
+        // to columns for it (a copy: the MSA stays in rows).
+        t.at("outer product mean");
+        let stacked = t.alloc(msa_bytes);
+        let columns = t.alloc(msa_bytes);
+        t.free(stacked);
+        outer_product_mean(t, x, (sp, b, rp), opm);
+        t.free(columns);
+    }
     t.at(if extra { "extra-MSA row attention" } else { "MSA row attention" });
     let bias = pair_bias(t, x, (b, rp), c_z, heads, ChunkOp::MsaRowAttention, true);
     biased_update(t, &over_residues, ChunkOp::MsaRowAttention, (sb, rp), (c, heads, dim), true);
@@ -184,8 +196,10 @@ pub(super) fn stack(
     }
     t.at("MSA transition");
     transition(t, x, sp, b, c, cfg.transition_factor, ChunkOp::MsaTransition);
-    t.at("outer product mean");
-    outer_product_mean(t, x, (sp, b, rp), (c, cfg.opm_channels, c_z));
+    if !cfg.outer_product_mean_first {
+        t.at("outer product mean");
+        outer_product_mean(t, x, (sp, b, rp), opm);
+    }
     // The MSA's switch back to rows, launched now and waited for at the block's end.
     let receiving = t.alloc(msa_bytes);
     t.at("triangle multiplication");

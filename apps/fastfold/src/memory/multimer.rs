@@ -11,7 +11,7 @@ use crate::memory::ops::{biased_attention, chunked, layer_norm, residual, transi
 use crate::memory::profile::{
     distance_one_hot, extra_msa_embedder, input_msa, input_pair, outputs, recycled_row, recycling_pair, stack,
 };
-use crate::memory::{Buf, Peak, Sizes, Trace};
+use crate::memory::{dap, Buf, Peak, Sizes, Trace};
 use crate::model::config::{EvoformerConfig, ModelConfig, TemplateConfig};
 use crate::model::embedders::EXTRA_MSA_CLASSES;
 use crate::model::exec::{ChunkOp, ChunkPlan, Stage};
@@ -211,6 +211,16 @@ fn template_pair_embedding(t: &mut Trace, x: &Ctx, n: i64, c_z: i64, c_t: i64) -
 /// `c_z` added to the pair rows at a time.
 fn template_stack(t: &mut Trace, x: &Ctx, count: i64, n: i64, c_z: i64, c: &TemplateConfig) {
     let (e, c_t) = (x.e, c.c_t);
+    // Under DAP the query pair gathered whole for the embedding (`PairRows::gather` of the
+    // rank's real rows: padded to its block, or made contiguous where the columns are padded,
+    // then every block); each rank then adds its own rows' update.
+    let (real, block) = (x.real(n), x.block(n));
+    let query = x.split().then(|| {
+        let staged = (real < block || x.padded(n) != n).then(|| t.alloc(block * n * c_z * e));
+        let whole = t.alloc(x.padded(n) * n * c_z * e);
+        t.free_all(staged);
+        whole
+    });
     let mut sum: Option<Buf> = None;
     // From the second template on, each runs beside the sum of those before: two are the peak
     // of any number.
@@ -238,10 +248,11 @@ fn template_stack(t: &mut Trace, x: &Ctx, count: i64, n: i64, c_z: i64, c: &Temp
         // The template's stream lives to the end of its iteration, past the sum.
         t.free(embedded);
     }
+    t.free_all(query);
     let Some(sum) = sum else { return };
     // The mean and its ReLU in the sum's buffer; the projection added to the pair rows at a
     // time.
-    residual(t, n, x.chunk(ChunkOp::PairEmbedding), |t, rows| t.alloc(rows * n * c_z * e));
+    residual(t, real, x.chunk(ChunkOp::PairEmbedding), |t, rows| t.alloc(rows * n * c_z * e));
     t.free(sum);
 }
 
@@ -256,14 +267,15 @@ pub fn multimer_pass_peak(
     plan: &ChunkPlan,
 ) -> Peak {
     let mut t = Trace::new();
-    let Sizes { residues: n, msa_rows: run, extra_rows, elem: e, templates, logits, host_apart, .. } = sizes.pass;
+    let Sizes { residues: n, msa_rows: run, extra_rows, elem: e, templates, logits, host_apart, ranks } = sizes.pass;
     let s = sizes.centres;
     let (c_m, c_z) = (cfg.c_m, cfg.c_z);
     let templates = template.map_or(0, |_| templates);
-    let mut x =
-        Ctx { e, plan, stage: Stage::Outer, masked_rows: false, masked_keys: false, logits, host_apart, ranks: 1 };
+    let mut x = Ctx { e, plan, stage: Stage::Outer, masked_rows: false, masked_keys: false, logits, host_apart, ranks };
+    // The pair rows the rank holds, as in the monomer's pass (`super::profile::pass_peak`).
+    let pair_block = x.block(n) * x.padded(n) * c_z * e;
     t.at("recycled inputs");
-    let prev = [t.alloc(n * c_m * e), t.alloc(n * n * c_z * e), t.alloc(n * 3 * e)];
+    let prev = [t.alloc(n * c_m * e), t.alloc(pair_block), t.alloc(n * 3 * e)];
     t.at("MSA sampling");
     let sampled = match sizes.sampling_on_device {
         true => sampling(&mut t, sizes.msa.max(s), s, n),
@@ -273,6 +285,11 @@ pub fn multimer_pass_peak(
     let target = t.alloc(n * TARGET_CLASSES * e);
     let mut pair = input_pair(&mut t, &x, n, c_z, |t, rows| relative_encoding(t, e, (rows, n), c_z));
     t.free(target);
+    if x.split() {
+        let block = t.alloc(pair_block);
+        t.free(pair);
+        pair = block;
+    }
     t.at("recycling embedder");
     let row = recycled_row(&mut t, e, n, c_m);
     recycling_pair(&mut t, &x, n, c_z, model);
@@ -287,7 +304,12 @@ pub fn multimer_pass_peak(
         t.at("extra-MSA embedder");
         let rows = extra_rows.max(1);
         let deletions = [t.alloc(rows * n * 4), t.alloc(rows * n * 4)];
-        let embedded = extra_msa_embedder(&mut t, &x, (n, rows), cfg.c_e, false);
+        let mut embedded = extra_msa_embedder(&mut t, &x, (n, x.real(rows)), cfg.c_e, false);
+        if x.split() {
+            let block = t.alloc(x.block(rows) * x.padded(n) * cfg.c_e * e);
+            t.free(embedded);
+            embedded = block;
+        }
         x.stage = Stage::ExtraMsa;
         let (extra, updated) = stack(&mut t, &x, cfg, (rows, n), true, (embedded, pair));
         pair = updated;
@@ -320,7 +342,16 @@ pub fn multimer_pass_peak(
     x.stage = Stage::Evoformer;
     x.masked_rows = sizes.masked_rows;
     if cfg.num_blocks > 0 {
+        if x.split() {
+            msa = dap::own_rows(&mut t, &x, msa, (run, n), c_m);
+        }
         (msa, pair) = stack(&mut t, &x, cfg, (run, n), false, (msa, pair));
+        if x.split() {
+            t.at("MSA gathered");
+            let whole = t.alloc(x.padded(run) * x.padded(n) * c_m * e);
+            t.free(msa);
+            msa = whole;
+        }
     }
     x.masked_rows = false;
     if selected {
@@ -345,13 +376,14 @@ pub fn multimer_pass_peak(
 /// network leaves out fully-masked rows ([`MultimerAlphaFold::drop_masked_rows`]), the stacks
 /// run the real rows only, and one stand-in for the masked centres (as the sampling orders
 /// them: real rows first); whole logits on a GPU (`device` the network's: the fused softmax's).
-/// `sampling_on_device`: the features are on the network's device.
+/// `sampling_on_device`: the features are on the network's device. Over `ranks` DAP ranks (1:
+/// one process).
 pub fn multimer_sizes_of(
     inputs: &MultimerInputs,
     net: &MultimerAlphaFold,
-    kind: tch::Kind,
-    device: tch::Device,
+    (kind, device): (tch::Kind, tch::Device),
     sampling_on_device: bool,
+    ranks: i64,
 ) -> crate::model::Result<MultimerSizes> {
     let (msa, residues) = match inputs.msa.size().as_slice() {
         [s, n] => (*s, *n),
@@ -384,7 +416,7 @@ pub fn multimer_sizes_of(
             templates,
             logits: net.attention_logits(),
             host_apart: device.is_cuda(),
-            ranks: 1,
+            ranks,
         },
         centres,
         msa,

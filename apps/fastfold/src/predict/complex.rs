@@ -309,7 +309,7 @@ fn plan(
     (exec, device, kind): (&Exec, Device, Kind),
 ) -> anyhow::Result<(Exec, memory::Plan, MultimerSizes)> {
     let on_cpu = device == Device::Cpu;
-    let sizes = memory::multimer_sizes_of(inputs, net, kind, device, on_cpu)?;
+    let sizes = memory::multimer_sizes_of(inputs, net, (kind, device), on_cpu, exec.dap().size())?;
     let features = if on_cpu { memory::bytes_of(features.values()) } else { 0 };
     let plan = memory::plan_multimer(
         net.config(),
