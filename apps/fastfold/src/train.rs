@@ -653,14 +653,17 @@ impl Trainer {
     /// as the chain permutation alignment laid it out.
     pub fn evaluate(&self, example: &EvalExample, exec: &Exec) -> anyhow::Result<(f64, StepLoss)> {
         tch::no_grad(|| match (&self.model, example) {
+            // Without gradients a pass under DAP keeps the rank's rows of the pair logits: the
+            // losses read them whole.
             (Network::Monomer(model), EvalExample::Chain(e)) => {
-                let pass = model.predict(e.features, e.recycles, self.kind, exec, None)?;
+                let pass = model.predict(e.features, e.recycles, self.kind, exec, None)?.with_whole_heads()?;
                 let losses = losses(&pass, e.features, e.recycles, e.target, &self.loss, true)?;
                 let lddt = crate::loss::lddt_ca(&pass.structure.atom37, &e.target.truth)?.double_value(&[]);
                 Ok((lddt, losses.terms))
             }
             (Network::Multimer(model), EvalExample::Complex(e)) => {
                 let (pass, sampled) = model.train_forward(e.features, e.recycles, self.example_key(e.number), exec)?;
+                let pass = pass.with_whole_heads()?;
                 let l = complex_losses(&pass, &sampled, e.features, e.target, &self.multimer_loss)?;
                 Ok((l.lddt_ca(&pass, e.target)?, l.terms))
             }

@@ -12,7 +12,7 @@ use crate::geometry::Rigid;
 use crate::ground_truth::GroundTruth;
 use crate::model::heads::{HeadOutputs, DISTOGRAM_FIRST_BREAK, DISTOGRAM_LAST_BREAK, MAX_ERROR_BIN};
 use crate::model::structure::StructureOutput;
-use crate::model::Result;
+use crate::model::{ensure, Result};
 use crate::residue_constants::atom_order;
 
 /// The heads' weights in the total loss and the resolution range of the confidence heads
@@ -83,6 +83,11 @@ pub fn head_losses(
     resolution: f64,
     cfg: &HeadLossConfig,
 ) -> Result<HeadLosses> {
+    ensure!(
+        !heads.rows.is_split(),
+        "the head losses read the pair logits whole: a pass under DAP without gradients holds the rank's rows \
+         (Pass::with_whole_heads)"
+    );
     let distogram = distogram_loss(&heads.distogram, &truth.pseudo_beta, &truth.pseudo_beta_mask)?;
     let masked_msa = masked_msa_loss(&heads.masked_msa, msa)?;
     let in_range = resolution_filter(resolution, cfg);

@@ -233,6 +233,12 @@ impl Pass {
     pub fn whole(&self) -> Result<WholeOutputs> {
         Ok(WholeOutputs { pair: self.whole_pair()?, heads: self.heads.whole()? })
     }
+
+    /// This pass with the heads' logits of every pair row, as the losses read them (a
+    /// collective under DAP inference: every rank calls it; validation does).
+    pub fn with_whole_heads(self) -> Result<Pass> {
+        Ok(Pass { heads: self.heads.whole()?, ..self })
+    }
 }
 
 /// A pass's outputs that DAP inference holds in rows, made whole ([`Pass::whole`]).
