@@ -48,9 +48,41 @@ fn all_gather(t: &mut Trace, x: &Ctx, bytes: i64, contiguous: bool) -> Buf {
     out
 }
 
+/// What the embedders made of a rank's real rows laid out in its zero-padded block of `bytes`
+/// (`PairRows::into_block`, `zero_padded`): the block, the real rows freed. One process: as is.
+pub(super) fn into_block(t: &mut Trace, x: &Ctx, real: Buf, bytes: i64) -> Buf {
+    if !x.split() {
+        return real;
+    }
+    let block = t.alloc(bytes);
+    t.free(real);
+    block
+}
+
+/// The Evoformer over the MSA [s, r, c] the caller made whole and the pair: under DAP the rank
+/// takes its rows of the MSA ([`own_rows`]) and the stack's MSA is gathered whole after it for
+/// the readout (`StackMsa::whole`); `stack` is the stack's trace.
+pub(super) fn evoformer(
+    t: &mut Trace,
+    x: &Ctx,
+    (msa, pair): (Buf, Buf),
+    (s, r, c): (i64, i64, i64),
+    stack: impl FnOnce(&mut Trace, (Buf, Buf)) -> (Buf, Buf),
+) -> (Buf, Buf) {
+    if !x.split() {
+        return stack(t, (msa, pair));
+    }
+    let msa = own_rows(t, x, msa, (s, r), c);
+    let (msa, pair) = stack(t, (msa, pair));
+    t.at("MSA gathered");
+    let whole = t.alloc(x.padded(s) * x.padded(r) * c * x.e);
+    t.free(msa);
+    (whole, pair)
+}
+
 /// `run_blocks` taking a whole MSA [s, r, c] (the Evoformer's): padded where the ranks do
 /// not divide it, and the rank's block of rows copied out (`Dap::scatter`); the whole freed.
-pub(super) fn own_rows(t: &mut Trace, x: &Ctx, whole: Buf, (s, r): (i64, i64), c: i64) -> Buf {
+fn own_rows(t: &mut Trace, x: &Ctx, whole: Buf, (s, r): (i64, i64), c: i64) -> Buf {
     let (sp, rp) = (x.padded(s), x.padded(r));
     let padded = ((sp, rp) != (s, r)).then(|| t.alloc(sp * rp * c * x.e));
     let block = t.alloc(x.block(s) * rp * c * x.e);

@@ -283,13 +283,9 @@ pub fn multimer_pass_peak(
     };
     t.at("input embedder");
     let target = t.alloc(n * TARGET_CLASSES * e);
-    let mut pair = input_pair(&mut t, &x, n, c_z, |t, rows| relative_encoding(t, e, (rows, n), c_z));
+    let pair = input_pair(&mut t, &x, n, c_z, |t, rows| relative_encoding(t, e, (rows, n), c_z));
     t.free(target);
-    if x.split() {
-        let block = t.alloc(pair_block);
-        t.free(pair);
-        pair = block;
-    }
+    let mut pair = dap::into_block(&mut t, &x, pair, pair_block);
     t.at("recycling embedder");
     let row = recycled_row(&mut t, e, n, c_m);
     recycling_pair(&mut t, &x, n, c_z, model);
@@ -304,12 +300,8 @@ pub fn multimer_pass_peak(
         t.at("extra-MSA embedder");
         let rows = extra_rows.max(1);
         let deletions = [t.alloc(rows * n * 4), t.alloc(rows * n * 4)];
-        let mut embedded = extra_msa_embedder(&mut t, &x, (n, x.real(rows)), cfg.c_e, false);
-        if x.split() {
-            let block = t.alloc(x.block(rows) * x.padded(n) * cfg.c_e * e);
-            t.free(embedded);
-            embedded = block;
-        }
+        let embedded = extra_msa_embedder(&mut t, &x, (n, x.real(rows)), cfg.c_e, false);
+        let embedded = dap::into_block(&mut t, &x, embedded, x.block(rows) * x.padded(n) * cfg.c_e * e);
         x.stage = Stage::ExtraMsa;
         let (extra, updated) = stack(&mut t, &x, cfg, (rows, n), true, (embedded, pair));
         pair = updated;
@@ -342,16 +334,8 @@ pub fn multimer_pass_peak(
     x.stage = Stage::Evoformer;
     x.masked_rows = sizes.masked_rows;
     if cfg.num_blocks > 0 {
-        if x.split() {
-            msa = dap::own_rows(&mut t, &x, msa, (run, n), c_m);
-        }
-        (msa, pair) = stack(&mut t, &x, cfg, (run, n), false, (msa, pair));
-        if x.split() {
-            t.at("MSA gathered");
-            let whole = t.alloc(x.padded(run) * x.padded(n) * c_m * e);
-            t.free(msa);
-            msa = whole;
-        }
+        let blocks = |t: &mut Trace, streams| stack(t, &x, cfg, (run, n), false, streams);
+        (msa, pair) = dap::evoformer(&mut t, &x, (msa, pair), (run, n, c_m), blocks);
     }
     x.masked_rows = false;
     if selected {

@@ -588,13 +588,8 @@ pub fn pass_peak(cfg: &EvoformerConfig, model: &ModelConfig, sizes: Sizes, plan:
     let prev = [t.alloc(n * c_m * e), t.alloc(pair_block), t.alloc(n * 3 * e)];
     t.at("input embedder");
     let bins = 2 * model.max_relative_feature + 1;
-    let mut pair = input_pair(&mut t, &x, n, c_z, |t, rows| relative_positions(t, e, (rows, n), bins, c_z));
-    if x.split() {
-        // `PairRows::into_block`: the real rows into the zero-padded block.
-        let block = t.alloc(pair_block);
-        t.free(pair);
-        pair = block;
-    }
+    let pair = input_pair(&mut t, &x, n, c_z, |t, rows| relative_positions(t, e, (rows, n), bins, c_z));
+    let mut pair = dap::into_block(&mut t, &x, pair, pair_block);
     t.at("recycling embedder");
     let row = recycled_row(&mut t, e, n, c_m);
     recycling_pair(&mut t, &x, n, c_z, model);
@@ -612,12 +607,8 @@ pub fn pass_peak(cfg: &EvoformerConfig, model: &ModelConfig, sizes: Sizes, plan:
         t.at("extra-MSA embedder");
         let rows = extra_rows.max(1);
         // Under DAP the rank embeds its real rows of the extra MSA, then pads them to its block.
-        let mut embedded = extra_msa_embedder(&mut t, &x, (n, x.real(rows)), cfg.c_e, host_apart);
-        if x.split() {
-            let block = t.alloc(x.block(rows) * x.padded(n) * cfg.c_e * e);
-            t.free(embedded);
-            embedded = block;
-        }
+        let embedded = extra_msa_embedder(&mut t, &x, (n, x.real(rows)), cfg.c_e, host_apart);
+        let embedded = dap::into_block(&mut t, &x, embedded, x.block(rows) * x.padded(n) * cfg.c_e * e);
         // On a GPU the stack's mask comes from the host for it.
         let mask = host_apart.then(|| t.alloc(rows * n * e));
         x.stage = Stage::ExtraMsa;
@@ -643,17 +634,8 @@ pub fn pass_peak(cfg: &EvoformerConfig, model: &ModelConfig, sizes: Sizes, plan:
     }
     x.stage = Stage::Evoformer;
     if cfg.num_blocks > 0 {
-        if x.split() {
-            msa = dap::own_rows(&mut t, &x, msa, (rows, n), c_m);
-        }
-        (msa, pair) = stack(&mut t, &x, cfg, (rows, n), false, (msa, pair));
-        if x.split() {
-            // `StackMsa::whole`: the ranks' rows gathered for the readout.
-            t.at("MSA gathered");
-            let whole = t.alloc(x.padded(rows) * x.padded(n) * c_m * e);
-            t.free(msa);
-            msa = whole;
-        }
+        let run = |t: &mut Trace, streams| stack(t, &x, cfg, (rows, n), false, streams);
+        (msa, pair) = dap::evoformer(&mut t, &x, (msa, pair), (rows, n, c_m), run);
     }
     x.stage = Stage::Outer;
     // The heads read the MSA's own rows (a view of the stack's output).
