@@ -312,7 +312,7 @@ impl<'a> Runner<'a> {
         // Collectives under DAP: every rank computes its rows' measures and gathers, rank 0 writes.
         let confidence =
             Confidence::from_logits(&pass.heads.lddt, pass.heads.aligned_error.as_ref(), &pass.heads.rows)?;
-        let whole = args.save_outputs.then(|| pass.whole()).transpose()?;
+        let whole = if args.save_outputs { pass.whole_on_host()? } else { None };
         if self.world.rank() == 0 {
             let outputs = ModelOutputs {
                 pass: &pass,
@@ -461,8 +461,9 @@ pub struct ModelOutputs<'a> {
     pub iptm: Option<f64>,
     /// What the prediction is ranked by: mean pLDDT (monomer models) or `0.8 ipTM + 0.2 pTM`.
     pub ranking_confidence: f64,
-    /// The pass's pair and pair logits whole, with `--save-outputs` (under DAP each rank's pass
-    /// holds its rows: [`Pass::whole`], a collective every rank calls before rank 0 writes).
+    /// The pass's pair and logits whole on the host, with `--save-outputs` (under DAP each
+    /// rank's pass holds its rows: [`Pass::whole_on_host`], a collective every rank calls
+    /// before rank 0 writes).
     pub whole: Option<WholeOutputs>,
 }
 
@@ -498,6 +499,8 @@ fn write_outputs(
 pub fn save_outputs(path: &Path, outputs: &ModelOutputs) -> anyhow::Result<()> {
     let (pass, confidence) = (outputs.pass, outputs.confidence);
     let whole = outputs.whole.as_ref().context("the outputs hold no whole pair to save")?;
+    // The pair and every logit are on the host (`Pass::whole_on_host`): the file's float32
+    // copies and the aligned-error probabilities are made there, not beside the pass on a GPU.
     let (pair, h) = (whole.pair.shallow_clone(), &whole.heads);
     let s = &pass.structure;
     let distogram_bins = h.distogram.size()[2];
@@ -524,9 +527,7 @@ pub fn save_outputs(path: &Path, outputs: &ModelOutputs) -> anyhow::Result<()> {
         let breaks = Tensor::linspace(0.0, MAX_ERROR_BIN, bins - 1, (Kind::Float, Device::Cpu));
         named.push(("predicted_aligned_error/logits".into(), logits.shallow_clone()));
         named.push(("predicted_aligned_error/breaks".into(), breaks));
-        // Made where the file is written: on a GPU the logits' float32 softmax would be
-        // another copy of them beside the pass's outputs.
-        let probs = logits.to_device(Device::Cpu).to_kind(Kind::Float).softmax(-1, Kind::Float);
+        let probs = logits.softmax(-1, Kind::Float);
         named.push(("aligned_confidence_probs".into(), probs));
         named.push(("predicted_aligned_error".into(), pae));
         named.push(("max_predicted_aligned_error".into(), Tensor::from(max)));
@@ -538,7 +539,9 @@ pub fn save_outputs(path: &Path, outputs: &ModelOutputs) -> anyhow::Result<()> {
     let named: Vec<(String, Tensor)> = named
         .into_iter()
         .map(|(k, t)| {
-            let t = t.detach();
+            // On the host first: a device would hold float32 copies of the pair beside the
+            // pass's outputs.
+            let t = t.detach().to_device(Device::Cpu);
             let t = if t.is_floating_point() { t.to_kind(Kind::Float) } else { t };
             (k, t)
         })

@@ -253,21 +253,39 @@ fn monomer_network(world: &World) -> TestResult {
         let pae = |c: &Confidence| Tensor::from_slice2(c.pae.as_deref().unwrap_or_default());
         let d = (pae(&c_many) - pae(&c_one)).abs().max().double_value(&[]);
         anyhow::ensure!(d <= 1e-4, "{what}: PAE differs by {d:e} Å");
-        let whole = many.whole()?;
-        let (a, b) = (whole.heads.aligned_error.as_ref(), one.heads.aligned_error.as_ref());
-        let (a, b) = (a.ok_or_else(|| anyhow::anyhow!("no PAE"))?, b.ok_or_else(|| anyhow::anyhow!("no PAE"))?);
+        // What `--save-outputs` writes: the pair and the logits whole on rank 0's host, a
+        // rank's block at a time; nothing on the other ranks.
+        let whole = many.whole_on_host()?;
+        anyhow::ensure!(
+            whole.is_some() == (world.rank() == 0),
+            "{what}: rank {} got {}",
+            world.rank(),
+            whole.is_some()
+        );
+        let no_pae = || anyhow::anyhow!("no PAE");
+        let mut compared = vec![];
+        if let Some(whole) = &whole {
+            anyhow::ensure!(
+                whole.pair.device() == Device::Cpu && whole.heads.distogram.device() == Device::Cpu,
+                "{what}: on a device"
+            );
+            let (a, b) = (whole.heads.aligned_error.as_ref(), one.heads.aligned_error.as_ref());
+            compared.push(("aligned-error logits", a.ok_or_else(no_pae)?, b.ok_or_else(no_pae)?));
+            compared.push(("distogram logits", &whole.heads.distogram, &one.heads.distogram));
+            compared.push(("pair", &whole.pair, &one.recycled.pair));
+        }
         // Sums in another order: on 2 ranks at 13 residues up to 2e-7 of the largest value
         // (1.2e-4 on distogram logits up to 625: random parameters), 5e-5 Å.
         let atoms = (&many.structure.atom37 - &one.structure.atom37).abs().max().double_value(&[]);
         anyhow::ensure!(atoms <= 1e-3, "{what}: atom positions differ by {atoms:e} Å (tolerance 1e-3)");
         for (name, a, b) in [
-            ("distogram logits", &whole.heads.distogram, &one.heads.distogram),
-            ("aligned-error logits", a, b),
             ("pLDDT logits", &many.heads.lddt, &one.heads.lddt),
             ("masked-MSA logits", &many.heads.masked_msa, &one.heads.masked_msa),
-            ("pair", &whole.pair, &one.whole_pair()?),
             ("MSA first row", &many.recycled.msa_first_row, &one.recycled.msa_first_row),
-        ] {
+        ]
+        .into_iter()
+        .chain(compared)
+        {
             let (d, scale) = ((a - b).abs().max().double_value(&[]), b.abs().max().double_value(&[]));
             anyhow::ensure!(d <= 1e-5 * scale, "{what}: {name} differ by {d:e} (largest {scale:e}, rtol 1e-5)");
         }

@@ -19,6 +19,9 @@ use crate::dist::ProcessGroup;
 use crate::error::ensure;
 use crate::Result;
 
+/// The tag of [`Dap::gather_to_host`]'s point-to-point messages.
+const TAG_TO_HOST: i32 = 0x4854; // "HT"
+
 /// The DAP context: the group the axial split runs over, or none for one process.
 #[derive(Clone, Debug, Default)]
 pub struct Dap(Axis);
@@ -123,6 +126,40 @@ impl Dap {
             Some(g) => Ok(DapPending::InFlight(collectives::all_to_all_async(x, row_dim, col_dim, g)?)),
             None => Ok(DapPending::Ready(x.shallow_clone())),
         }
+    }
+
+    /// The ranks' blocks of dim 0 of `x` (every rank's of one shape) joined in rank order on
+    /// the host of rank `root`: `Some` there, `None` on the others (a collective: every rank
+    /// calls it). Each block crosses on its own into one buffer on the root's device and on to
+    /// the host, so no rank's device holds more than its own block and one more: what writing a
+    /// tensor the ranks hold in blocks to a file takes, where gathering it whole on the devices
+    /// would hold all of it on each. No autograd. With one rank, `x` on the host.
+    pub fn gather_to_host(&self, x: &Tensor, root: usize) -> Result<Option<Tensor>> {
+        let host = tch::Device::Cpu;
+        let Some(g) = self.active() else { return Ok(Some(x.f_to_device(host)?)) };
+        ensure!(root < g.size(), "gather_to_host: root {root} outside a group of {}", g.size());
+        ensure!(x.dim() > 0, "gather_to_host: a tensor with a dimension to join along");
+        let x = x.f_detach()?;
+        if g.rank() != root {
+            g.send(&x, root, TAG_TO_HOST)?;
+            return Ok(None);
+        }
+        let mut shape = x.size();
+        let block = shape[0];
+        shape[0] = block * g.size() as i64;
+        let joined = Tensor::f_empty(shape, (x.kind(), host))?;
+        let inbox = x.f_empty_like()?;
+        for k in 0..g.size() {
+            let part = match k == root {
+                true => &x,
+                false => {
+                    g.recv(&inbox, k, TAG_TO_HOST)?;
+                    &inbox
+                }
+            };
+            joined.f_narrow(0, k as i64 * block, block)?.f_copy_(part)?;
+        }
+        Ok(Some(joined))
     }
 
     /// Sums the gradients of parameters every rank holds a replica of. Each rank's backward

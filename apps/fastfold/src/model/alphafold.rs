@@ -208,30 +208,28 @@ impl Batch {
 /// Everything one pass produces.
 pub struct Pass {
     /// Every head's logits (under DAP inference the pair logits' rows this rank holds:
-    /// [`Pass::whole`]).
+    /// [`Pass::whole_on_host`], [`Pass::with_whole_heads`]).
     pub heads: HeadOutputs,
     /// The structure module's outputs (final atom positions in `atom37`).
     pub structure: StructureOutput,
     /// The single representation [N, c_s].
     pub single: Tensor,
     /// What the next pass recycles: the MSA's first row, the pair (under DAP inference this
-    /// rank's rows: [`Pass::whole_pair`]), the pseudo-beta positions.
+    /// rank's rows: [`Pass::whole_on_host`]), the pseudo-beta positions.
     pub recycled: Recycled,
     /// Which of the pair's rows `recycled` holds.
     pub pair_rows: PairRows,
 }
 
 impl Pass {
-    /// The pass's pair [N, N, c_z] (a collective under DAP inference, where each rank holds
-    /// its rows: every rank calls it).
-    pub fn whole_pair(&self) -> Result<Tensor> {
-        self.pair_rows.gather(&self.pair_rows.real_of(&self.recycled.pair)?)
-    }
-
-    /// The pair and the heads' logits with every row, as `--save-outputs` writes them (a
-    /// collective under DAP inference: every rank calls it before rank 0 writes).
-    pub fn whole(&self) -> Result<WholeOutputs> {
-        Ok(WholeOutputs { pair: self.whole_pair()?, heads: self.heads.whole()? })
+    /// The pair and the heads' logits with every row on the host of rank 0, as
+    /// `--save-outputs` writes them: `Some` there, `None` on the other ranks under DAP
+    /// inference (a collective: every rank calls it before rank 0 writes). The rows cross a
+    /// rank's block at a time, so no device holds them whole beyond what the pass held.
+    pub fn whole_on_host(&self) -> Result<Option<WholeOutputs>> {
+        let pair = self.pair_rows.gather_to_host(&self.pair_rows.real_of(&self.recycled.pair)?)?;
+        let heads = self.heads.whole_on_host()?;
+        Ok(pair.zip(heads).map(|(pair, heads)| WholeOutputs { pair, heads }))
     }
 
     /// This pass with the heads' logits of every pair row, as the losses read them (a
@@ -241,7 +239,8 @@ impl Pass {
     }
 }
 
-/// A pass's outputs that DAP inference holds in rows, made whole ([`Pass::whole`]).
+/// A pass's outputs that DAP inference holds in rows, made whole on the host
+/// ([`Pass::whole_on_host`]).
 pub struct WholeOutputs {
     /// The pair [N, N, c_z].
     pub pair: Tensor,

@@ -233,7 +233,7 @@ pub struct HeadInputs<'a> {
 /// Every head's logits.
 pub struct HeadOutputs {
     /// [N, N, distogram bins], symmetric; under DAP inference the real rows `rows` holds
-    /// ([`HeadOutputs::whole`] gathers them).
+    /// ([`HeadOutputs::whole`] and [`HeadOutputs::whole_on_host`] gather them).
     pub distogram: Tensor,
     /// [N, lDDT bins].
     pub lddt: Tensor,
@@ -270,8 +270,28 @@ impl HeadOutputs {
         self.aligned_error.as_ref().map(|l| confidence::predicted_tm_score(l, rows, MAX_ERROR_BIN)).transpose()
     }
 
-    /// The logits with every pair row (a collective under DAP inference, where each rank
-    /// holds its rows: every rank calls it; `--save-outputs` writes them whole).
+    /// Every logit on the host of rank 0, the pair logits' every row (`--save-outputs` writes
+    /// them): `Some` there, `None` on the other ranks under DAP inference (a collective: every
+    /// rank calls it). The pair logits cross a rank's block at a time
+    /// ([`PairRows::gather_to_host`]), so no device holds them whole beyond the pass.
+    pub fn whole_on_host(&self) -> Result<Option<HeadOutputs>> {
+        let rows = &self.rows;
+        let distogram = rows.gather_to_host(&self.distogram)?;
+        let aligned_error = self.aligned_error.as_ref().map(|l| rows.gather_to_host(l)).transpose()?;
+        let Some(distogram) = distogram else { return Ok(None) };
+        let host = |t: &Tensor| t.f_to_device(tch::Device::Cpu);
+        Ok(Some(HeadOutputs {
+            distogram,
+            lddt: host(&self.lddt)?,
+            masked_msa: host(&self.masked_msa)?,
+            experimentally_resolved: host(&self.experimentally_resolved)?,
+            aligned_error: aligned_error.flatten(),
+            rows: PairRows::whole(rows.residues()),
+        }))
+    }
+
+    /// The logits with every pair row on every rank (a collective under DAP inference, where
+    /// each rank holds its rows: every rank calls it; validation's losses read them whole).
     pub fn whole(&self) -> Result<HeadOutputs> {
         let rows = &self.rows;
         Ok(HeadOutputs {

@@ -149,14 +149,29 @@ impl PairRows {
         if !self.is_split() {
             return Ok(rows.shallow_clone());
         }
-        ensure!(
-            rows.size().first() == Some(&self.real()),
-            "pair rows: expected {} rows, found {:?}",
-            self.real(),
-            rows.size()
-        );
-        let padded = self.dap.pad_to(rows, 0, self.block)?;
+        let padded = self.padded_rows(rows)?;
         Ok(self.dap.gather(&padded, 0)?.f_narrow(0, 0, self.n)?)
+    }
+
+    /// Results per real row, `[real, ...]`, made whole on the host of rank 0: `Some([N, ...])`
+    /// there, `None` on the other ranks (a collective: every rank calls it, with no real rows
+    /// too). A block at a time ([`Dap::gather_to_host`]): what `--save-outputs` writes, which
+    /// [`PairRows::gather`] would hold whole on every rank's device beside the pass's outputs.
+    pub fn gather_to_host(&self, rows: &Tensor) -> Result<Option<Tensor>> {
+        if !self.is_split() {
+            return Ok(Some(rows.f_to_device(tch::Device::Cpu)?));
+        }
+        let padded = self.padded_rows(rows)?;
+        let joined = self.dap.gather_to_host(&padded, 0)?;
+        Ok(joined.map(|j| j.f_narrow(0, 0, self.n)).transpose()?)
+    }
+
+    /// The rank's result rows `rows` ([real, ...]) padded with zeros to its block
+    /// (differentiable), as the collectives join blocks.
+    fn padded_rows(&self, rows: &Tensor) -> Result<Tensor> {
+        let real = self.real;
+        ensure!(rows.size().first() == Some(&real), "pair rows: expected {real} rows, found {:?}", rows.size());
+        Ok(self.dap.pad_to(rows, 0, self.block)?)
     }
 
     /// `x + x^T` over the first two dimensions of a square `x` [N, N, c] given as the real rows

@@ -118,7 +118,7 @@ pub(super) fn run(args: &PredictArgs, world: &World) -> anyhow::Result<Vec<Predi
             let ranking_confidence = multimer_ranking_confidence(iptm, ptm);
             let mut confidence = Confidence::from_logits(&pass.heads.lddt, Some(pae), rows)?;
             confidence.ptm = Some(ptm);
-            let whole = args.save_outputs.then(|| pass.whole()).transpose()?;
+            let whole = if args.save_outputs { pass.whole_on_host()? } else { None };
             if let Some(dir) = &staging {
                 let outputs = ModelOutputs {
                     pass: &pass,
