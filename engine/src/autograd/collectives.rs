@@ -93,8 +93,16 @@ impl Collective {
             }
             Collective::AllGather { dim } => {
                 let dim = normalize(dim, x)?;
-                let (buf, work) = g.all_gather_async(&x.f_movedim([dim], [0])?)?;
-                Ok(Pending { work: Some(work), finish: Box::new(move || Ok(buf.f_movedim([0], [dim])?)) })
+                // Gathered along dim 0: a strided input is copied contiguous here, so that the
+                // copy is let go of at the wait (`release`).
+                let moved = x.f_movedim([dim], [0])?;
+                let copy = (!moved.is_contiguous()).then(|| fresh_copy(&moved)).transpose()?;
+                let (buf, work) = g.all_gather_async(copy.as_ref().unwrap_or(&moved))?;
+                let finish = move || -> Result<Tensor> {
+                    copy.as_ref().map(release).transpose()?;
+                    Ok(buf.f_movedim([0], [dim])?)
+                };
+                Ok(Pending { work: Some(work), finish: Box::new(finish) })
             }
             Collective::ReduceScatter { dim } => {
                 let dim = normalize(dim, x)?;
@@ -130,14 +138,22 @@ impl Collective {
                 let input = if direct { x.shallow_clone() } else { Tensor::f_stack(&x.f_chunk(n, s)?, 0)? };
                 let (buf, work) = g.all_to_all_async(&input)?;
                 let finish = move || -> Result<Tensor> {
+                    if !direct {
+                        release(&input)?;
+                    }
                     // [n, block shape]: the block from each rank.
                     let blocks = match direct {
                         true => buf.f_view([[n, block].as_slice(), &rest].concat().as_slice())?,
-                        false => buf,
+                        false => buf.shallow_clone(),
                     };
                     Ok(match gd {
                         0 => blocks.f_flatten(0, 1)?,
-                        _ => Tensor::f_cat(&blocks.f_unbind(0)?, gd)?,
+                        _ => {
+                            let joined = Tensor::f_cat(&blocks.f_unbind(0)?, gd)?;
+                            drop(blocks);
+                            release(&buf)?;
+                            joined
+                        }
                     })
                 };
                 Ok(Pending { work: Some(work), finish: Box::new(finish) })
@@ -151,6 +167,19 @@ fn normalize(dim: i64, x: &Tensor) -> Result<i64> {
     let d = if dim < 0 { dim + rank } else { dim };
     ensure!((0..rank).contains(&d), "dimension {dim} is out of range for a tensor of {rank} dimensions");
     Ok(d)
+}
+
+/// Frees the memory of `buffer`, one the engine made for a collective whose wait has returned
+/// and that nothing else reads (a stacked send buffer, a received one already joined into the
+/// result). Gloo's worker thread holds the collective's tensors and lets go of them a moment
+/// after the wait, with more ranks than cores sometimes only after the next allocations, which
+/// the peak then counts beside them; the storage is emptied now instead. On the host only: on a
+/// GPU the wait orders the compute stream after the communication without blocking the host.
+fn release(buffer: &Tensor) -> Result<()> {
+    if buffer.device() == tch::Device::Cpu {
+        crate::storage::resize_storage(buffer, 0)?;
+    }
+    Ok(())
 }
 
 /// A contiguous copy that a collective may overwrite.
