@@ -84,7 +84,9 @@ impl Network {
             {
                 // The Evoformer runs the centres and the templates' rows (all real here).
                 let pass = Sizes { msa_rows: sizes.msa_rows + templates, templates, ..sizes };
-                (t, MultimerSizes { pass, centres: sizes.msa_rows, msa, masked_rows: false, sampling_on_device: false })
+                let centres = sizes.msa_rows;
+                let sampling_on_device = false;
+                (t, MultimerSizes { pass, centres, msa, masked_rows: false, own_rows: centres, sampling_on_device })
             }
         })
     }

@@ -160,6 +160,16 @@ fn multimer_network(world: &World) -> TestResult {
     anyhow::ensure!(many.heads.distogram.size()[0] == many.pair_rows.real(), "the heads held their rows");
     let d = (&many.heads.whole()?.distogram - &one.heads.distogram).abs().max().double_value(&[]);
     anyhow::ensure!(d <= 1e-4, "{} ranks: distogram logits differ by {d:e}", world.size());
+    // The MSA's readout: each rank projects its rows of the sampled MSA, the logits gathered.
+    for (name, a, b) in [
+        ("masked-MSA logits", &many.heads.masked_msa, &one.heads.masked_msa),
+        ("MSA first row", &many.recycled.msa_first_row, &one.recycled.msa_first_row),
+        ("single representation", &many.single, &one.single),
+    ] {
+        anyhow::ensure!(a.size() == b.size(), "{name}: {:?} against {:?}", a.size(), b.size());
+        let (d, scale) = ((a - b).abs().max().double_value(&[]), b.abs().max().double_value(&[]));
+        anyhow::ensure!(d <= 1e-5 * scale.max(1.0), "{name} differ by {d:e} (largest {scale:e})");
+    }
     // pTM and ipTM from the ranks' rows of the aligned-error logits.
     use fastfold::confidence::predicted_tm_score_of_chains;
     let weights = inputs.seq_mask.to_kind(Kind::Float);
@@ -226,7 +236,15 @@ fn monomer_network(world: &World) -> TestResult {
     let net = AlphaFold::new(&Params::random_model(&EvoformerConfig::tiny(), &model, 23)?)?;
     let recycling = Recycling { max: 2, early_stop_tolerance: 0.0 };
     let dap = Dap::new(world.group.clone());
-    for (seq, chunk) in [("MRFKGS", None), ("MKTAYIAKQRQIS", Some(2)), ("MKTAYIAKQRQIS", None)] {
+    // The last case pads the MSA with 5 fully-masked rows, as AlphaFold pads its clusters: the
+    // rows that run (one stand-in for the padding) then the template's row are split over
+    // the ranks, and the padding's logits restored from the stand-in's. At 12 residues, which
+    // the ranks divide: a fully-masked row's row attention (every key masked) is uniform over
+    // its keys, so where DAP pads the residues its padding rows' masked-MSA logits (which no
+    // loss or measure reads) differ from one process's.
+    for (seq, chunk, padding) in
+        [("MRFKGS", None, 0), ("MKTAYIAKQRQIS", Some(2), 0), ("MKTAYIAKQRQIS", None, 0), ("MKTAYIAKQRQI", None, 5)]
+    {
         // An alignment of 9 hits: 2 cluster centres, the rest the extra MSA (rows the ranks
         // embed a block each of).
         let hits: String = (0..9).map(|i| format!(">hit{i}\n{}\n", mutated(seq, i))).collect();
@@ -236,10 +254,20 @@ fn monomer_network(world: &World) -> TestResult {
         let config = FeatureConfig { num_recycle: 2, max_msa_clusters: 3, ..FeatureConfig::default() };
         let mut features = process(&raw, &config, 0, Device::Cpu)?;
         features.templates = Some(random_template(seq.len() as i64, 3));
+        if padding > 0 {
+            // [slices, rows, ...] with `padding` zero rows appended.
+            let pad = |t: &Tensor| {
+                let mut shape = t.size();
+                shape[1] = padding;
+                Tensor::cat(&[t.shallow_clone(), Tensor::zeros(shape, (t.kind(), t.device()))], 1)
+            };
+            features.msa_feat = pad(&features.msa_feat);
+            features.msa_mask = pad(&features.msa_mask);
+        }
         let run = |exec: &Exec| tch::no_grad(|| net.predict_recycling(&features, recycling, Kind::Float, exec));
         let (one, _) = run(&Exec::new(Dap::none(), chunk))?;
         let (many, _) = run(&Exec::new(dap.clone(), chunk))?;
-        let what = format!("{} residues, chunk {chunk:?}, {} ranks", seq.len(), world.size());
+        let what = format!("{} residues, chunk {chunk:?}, {padding} padding rows, {} ranks", seq.len(), world.size());
         anyhow::ensure!(many.pair_rows.is_split(), "{what}: the pass held the whole pair");
         anyhow::ensure!(many.heads.distogram.size()[0] == many.pair_rows.real(), "{what}: the heads held every row");
         // The confidence measures from the ranks' rows of the logits (collectives).
@@ -278,10 +306,13 @@ fn monomer_network(world: &World) -> TestResult {
         // (1.2e-4 on distogram logits up to 625: random parameters), 5e-5 Å.
         let atoms = (&many.structure.atom37 - &one.structure.atom37).abs().max().double_value(&[]);
         anyhow::ensure!(atoms <= 1e-3, "{what}: atom positions differ by {atoms:e} Å (tolerance 1e-3)");
+        let rows = one.heads.masked_msa.size()[0];
+        anyhow::ensure!(rows == 3 + padding, "{what}: masked-MSA logits of {rows} rows");
         for (name, a, b) in [
             ("pLDDT logits", &many.heads.lddt, &one.heads.lddt),
             ("masked-MSA logits", &many.heads.masked_msa, &one.heads.masked_msa),
             ("MSA first row", &many.recycled.msa_first_row, &one.recycled.msa_first_row),
+            ("single representation", &many.single, &one.single),
         ]
         .into_iter()
         .chain(compared)

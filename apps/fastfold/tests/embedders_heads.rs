@@ -3,8 +3,10 @@
 //! both shapes, and an npz round trip giving identical outputs.
 use engine::parallel::dap::Dap;
 use fastfold::model::embedders::{distance_one_hot, relative_position_one_hot, RECYCLE_MAX_BIN, RECYCLE_MIN_BIN};
+use fastfold::model::evoformer::StackMsa;
 use fastfold::model::exec::{ChunkOp, ChunkPlan, Stage};
 use fastfold::model::keys::ITERATION;
+use fastfold::model::masked_rows::MsaRows;
 use fastfold::model::pair_rows::PairRows;
 use fastfold::model::{
     Embedders, Error, EvoformerConfig, Exec, HeadInputs, HeadOutputs, Heads, ModelConfig, Params, Recycled,
@@ -50,7 +52,8 @@ fn run_all(p: &Params, s: i64, n: i64) -> (Tensor, Tensor, Tensor, HeadOutputs) 
         let plan = ChunkPlan::uniform(None).with(Stage::Outer, ChunkOp::ExtraMsaEmbedding, Some(2));
         let rows = extra_embedder.forward(&extra, &has_del, &del_val, &Exec::planned(Dap::none(), plan)).unwrap();
         assert!(rows.equal(&e), "the extra-MSA embedder rows at a time differs from its whole pass");
-        let readout = heads.read_msa(&m).unwrap();
+        let rows = MsaRows::all(m.size()[0], m.size()[0]);
+        let readout = heads.read_msa(StackMsa::from_whole(m.shallow_clone()), &rows, Device::Cpu).unwrap();
         assert!(readout.first_row.equal(&m.select(0, 0)), "the readout's first row is the MSA's");
         let pair_rows = PairRows::whole(n);
         let inputs = HeadInputs { msa: &readout, pair: &z, pair_rows: &pair_rows, structure_single: &structure_single };

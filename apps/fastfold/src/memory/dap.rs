@@ -59,36 +59,64 @@ pub(super) fn into_block(t: &mut Trace, x: &Ctx, real: Buf, bytes: i64) -> Buf {
     block
 }
 
-/// The Evoformer over the MSA [s, r, c] the caller made whole and the pair: under DAP the rank
-/// takes its rows of the MSA ([`own_rows`]) and the stack's MSA is gathered whole after it for
-/// the readout (`StackMsa::whole`); `stack` is the stack's trace.
-pub(super) fn evoformer(
+/// `model/alphafold.rs`'s `evoformer_msa_input` on rank 0 (every row in one process): of the
+/// `rows` MSA rows that run, the first `own` the MSA's own (of the `all` its features hold) and
+/// the rest template rows (of the `templates` the templates make, which the caller holds), the
+/// rank's block of them. The MSA's rows are picked from their features when not all of
+/// them (on the host where the device holds no features), made by `embed` (the features moved
+/// and embedded) with the recycled `row` added to row 0 (`row` then freed), the template rows
+/// joined (picked too, when the rank holds only some); under DAP the block zero-padded.
+pub(super) fn msa_input(
     t: &mut Trace,
     x: &Ctx,
-    (msa, pair): (Buf, Buf),
-    (s, r, c): (i64, i64, i64),
-    stack: impl FnOnce(&mut Trace, (Buf, Buf)) -> (Buf, Buf),
-) -> (Buf, Buf) {
-    if !x.split() {
-        return stack(t, (msa, pair));
+    (rows, own, all, templates): (i64, i64, i64, i64),
+    (n, c_m, features): (i64, i64, i64),
+    row: Buf,
+    embed: impl FnOnce(&mut Trace, i64) -> Buf,
+) -> Buf {
+    let e = x.e;
+    let real = x.real(rows);
+    let from_msa = real.min(own).max(1);
+    let picked = (from_msa < all && !x.host_apart).then(|| t.alloc(from_msa * n * features * e));
+    let mut msa = embed(t, from_msa);
+    t.free_all(picked);
+    t.temp(n * c_m * e);
+    t.free(row);
+    let from_templates = real - from_msa;
+    if from_templates > 0 {
+        let picked = (from_templates < templates).then(|| t.alloc(from_templates * n * c_m * e));
+        let joined = t.alloc(real * n * c_m * e);
+        t.free_all(picked);
+        t.free(msa);
+        msa = joined;
     }
-    let msa = own_rows(t, x, msa, (s, r), c);
-    let (msa, pair) = stack(t, (msa, pair));
-    t.at("MSA gathered");
-    let whole = t.alloc(x.padded(s) * x.padded(r) * c * x.e);
-    t.free(msa);
-    (whole, pair)
+    into_block(t, x, msa, x.block(rows) * x.padded(n) * c_m * e)
 }
 
-/// `run_blocks` taking a whole MSA [s, r, c] (the Evoformer's): padded where the ranks do
-/// not divide it, and the rank's block of rows copied out (`Dap::scatter`); the whole freed.
-fn own_rows(t: &mut Trace, x: &Ctx, whole: Buf, (s, r): (i64, i64), c: i64) -> Buf {
-    let (sp, rp) = (x.padded(s), x.padded(r));
-    let padded = ((sp, rp) != (s, r)).then(|| t.alloc(sp * rp * c * x.e));
-    let block = t.alloc(x.block(s) * rp * c * x.e);
-    t.free_all(padded);
-    t.free(whole);
-    block
+/// `StackMsa::first_row`: row 0 of the stack's MSA [n, c_m] in a tensor of its own; under DAP
+/// each rank's first row gathered first.
+pub(super) fn first_row(t: &mut Trace, x: &Ctx, n: i64, c_m: i64) -> Buf {
+    let gathered = x.split().then(|| all_gather(t, x, x.padded(n) * c_m * x.e, true));
+    let own = t.alloc(n * c_m * x.e);
+    t.free_all(gathered);
+    own
+}
+
+/// The masked-MSA logits of the stack's MSA (`StackMsa::map_rows`): `s` rows of `n` residues
+/// in one process; under DAP the head over the rank's block of the `rows` rows that ran (its
+/// real residues, copied where the residues are padded), the blocks' logits gathered.
+pub(super) fn msa_logits(t: &mut Trace, x: &Ctx, (s, rows, n): (i64, i64, i64), c_m: i64, classes: i64) -> Buf {
+    let e = x.e;
+    if !x.split() {
+        return t.alloc(s * n * classes * e);
+    }
+    let block = x.block(rows);
+    let copy = (x.padded(n) != n).then(|| t.alloc(block * n * c_m * e));
+    let out = t.alloc(block * n * classes * e);
+    t.free_all(copy);
+    let gathered = all_gather(t, x, block * n * classes * e, true);
+    t.free(out);
+    gathered
 }
 
 /// `model/msa.rs`'s `pair_bias` on the rank's `b` pair rows of `rp` entries: each chunk's rows

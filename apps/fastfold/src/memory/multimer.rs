@@ -35,6 +35,8 @@ pub struct MultimerSizes {
     /// Whether the Evoformer runs a fully-masked row (a stand-in for masked centres, or every
     /// padding row when none is left out).
     pub masked_rows: bool,
+    /// The centres' rows the Evoformer runs (the rest of `pass.msa_rows` are template rows).
+    pub own_rows: i64,
     /// Whether the features are on the network's device, so that the sampling's buffers count.
     pub sampling_on_device: bool,
 }
@@ -308,47 +310,29 @@ pub fn multimer_pass_peak(
         t.free(extra);
         t.free_all(deletions);
     }
-    // The MSA, embedded after the extra-MSA stack, with the recycled row added.
+    // The MSA, embedded after the extra-MSA stack, from the sampled centres' features: the
+    // rows that run (`evoformer_msa_input`, picked when some are left out; under DAP the
+    // rank's block), the recycled row added, the template rows joined; after the stack, the
+    // logits of the centres' rows put back.
     t.at("input embedder");
     let feat = msa_feat(&mut t, s, n);
-    let target = t.alloc(n * TARGET_CLASSES * e);
-    let mut msa = input_msa(&mut t, e, (n, s), c_m, false);
-    t.free_all([target, feat]);
-    t.temp(n * c_m * e);
-    t.free(row);
-    // The templates' MSA rows joined to the sampled ones, then the rows that run selected
-    // (a copy, when some are left out) and, after the stack, the centres' rows put back.
-    let joined = s + templates;
-    if templates > 0 {
-        t.at("template rows");
-        let next = t.alloc(joined * n * c_m * e);
-        t.free(msa);
-        msa = next;
-    }
-    let selected = run < joined;
-    if selected {
-        let rows = t.alloc(run * n * c_m * e);
-        t.free(msa);
-        msa = rows;
-    }
+    let own = sizes.own_rows;
+    let embed = |t: &mut Trace, r: i64| {
+        let target = t.alloc(n * TARGET_CLASSES * e);
+        let msa = input_msa(t, e, (n, r), c_m, false);
+        t.free(target);
+        msa
+    };
+    let mut msa = dap::msa_input(&mut t, &x, (run, own, s, templates), (n, c_m, MSA_FEAT), row, embed);
+    t.free(feat);
     x.stage = Stage::Evoformer;
     x.masked_rows = sizes.masked_rows;
     if cfg.num_blocks > 0 {
-        let blocks = |t: &mut Trace, streams| stack(t, &x, cfg, (run, n), false, streams);
-        (msa, pair) = dap::evoformer(&mut t, &x, (msa, pair), (run, n, c_m), blocks);
+        (msa, pair) = stack(&mut t, &x, cfg, (run, n), false, (msa, pair));
     }
     x.masked_rows = false;
-    if selected {
-        // Where the stack left the MSA: on the host (no device bytes) when it moves its streams.
-        let restored = match x.moves(Stage::Evoformer) {
-            true => t.alloc(0),
-            false => t.alloc(s * n * c_m * e),
-        };
-        t.free(msa);
-        msa = restored;
-    }
     x.stage = Stage::Outer;
-    outputs(&mut t, &x, msa, (n, s), (c_m, c_z), model);
+    outputs(&mut t, &x, msa, (n, own, run), (c_m, c_z), model, own < s);
     t.free_all([pair_mask, pair]);
     t.free_all(sampled);
     Peak { bytes: t.peak(), at: t.peak_at() }
@@ -383,13 +367,13 @@ pub fn multimer_sizes_of(
         _ => 0,
     };
     let real_centres = real.min(centres);
-    let (evoformer_rows, extra, masked_rows) = match net.drops_masked_rows() {
+    let (own_rows, evoformer_rows, extra, masked_rows) = match net.drops_masked_rows() {
         true => {
             let stand_in = real_centres < centres;
-            let rows = real_centres + i64::from(stand_in) + real_templates;
-            (rows, (real - real_centres).clamp(0, taken), stand_in)
+            let own = real_centres + i64::from(stand_in);
+            (own, own + real_templates, (real - real_centres).clamp(0, taken), stand_in)
         }
-        false => (centres + templates, taken, real_centres < centres || real_templates < templates),
+        false => (centres, centres + templates, taken, real_centres < centres || real_templates < templates),
     };
     Ok(MultimerSizes {
         pass: Sizes {
@@ -405,6 +389,7 @@ pub fn multimer_sizes_of(
         centres,
         msa,
         masked_rows,
+        own_rows,
         sampling_on_device,
     })
 }

@@ -15,6 +15,7 @@ use crate::memory::ops::{
 use crate::memory::{dap, Buf, Trace};
 use crate::model::config::{EvoformerConfig, ModelConfig, StructureConfig, TemplateConfig};
 use crate::model::exec::{ChunkOp, ChunkPlan, Stage};
+use crate::model::multimer::msa_feat::MSA_FEAT;
 use crate::model::pair_rows::SYMMETRISE_BLOCK;
 use crate::model::templates::{ANGLE_FEATURES, DGRAM_BINS, PAIR_FEATURES};
 
@@ -116,7 +117,7 @@ pub(super) fn stack(
 /// place; with `upload`, `msa_feat` [s, n, 49] brought from the host for them (a GPU's
 /// `predict` keeps it there).
 pub(super) fn input_msa(t: &mut Trace, e: i64, (n, s): (i64, i64), c_m: i64, upload: bool) -> Buf {
-    let feat = upload.then(|| t.alloc(s * n * 49 * e));
+    let feat = upload.then(|| t.alloc(s * n * MSA_FEAT * e));
     let (msa, single) = (t.alloc(s * n * c_m * e), t.alloc(n * c_m * e));
     t.free(single);
     t.free_all(feat);
@@ -358,16 +359,24 @@ pub(super) fn outputs(
     t: &mut Trace,
     x: &Ctx,
     msa: Buf,
-    (n, s): (i64, i64),
+    (n, s, rows): (i64, i64, i64),
     (c_m, c_z): (i64, i64),
     model: &ModelConfig,
+    restored: bool,
 ) {
     let e = x.e;
     t.at("single representation");
     let moved = x.moves(Stage::Evoformer).then(|| t.alloc(s * n * c_m * e));
-    let first_row = t.alloc(n * c_m * e);
+    let first_row = dap::first_row(t, x, n, c_m);
     let single = t.alloc(n * model.c_s * e);
-    let masked_msa = t.alloc(s * n * model.masked_msa_classes * e);
+    let classes = model.masked_msa_classes;
+    let mut masked_msa = dap::msa_logits(t, x, (s, rows, n), c_m, classes);
+    if restored {
+        // The logits of the rows left out, copied from their stand-in's (`MsaRows::restore`).
+        let every_row = t.alloc(s * n * classes * e);
+        t.free(masked_msa);
+        masked_msa = every_row;
+    }
     t.free(msa);
     if let Some(b) = moved {
         t.free(b);
@@ -619,27 +628,19 @@ pub fn pass_peak(cfg: &EvoformerConfig, model: &ModelConfig, sizes: Sizes, plan:
         x.stage = Stage::Outer;
     }
     // The MSA, embedded after the extra-MSA stack; the Evoformer's rows: the MSA's, then the
-    // templates' joined to them.
+    // templates' joined to them, made first (`AlphaFold::pass`); under DAP the rank's block.
     t.at("input embedder");
-    let mut msa = input_msa(&mut t, e, (n, s), c_m, host_apart);
-    t.temp(n * c_m * e);
-    t.free(row);
-    let mut rows = s;
-    if templated.is_some_and(|c| c.torsion_angles) {
-        let template_rows = template_rows(&mut t, e, count, n, c_m);
-        rows += count;
-        let joined = t.alloc(rows * n * c_m * e);
-        t.free_all([msa, template_rows]);
-        msa = joined;
-    }
+    let template_rows = templated.filter(|c| c.torsion_angles).map(|_| template_rows(&mut t, e, count, n, c_m));
+    let rows = s + if template_rows.is_some() { count } else { 0 };
+    let embed = |t: &mut Trace, r: i64| input_msa(t, e, (n, r), c_m, host_apart);
+    let mut msa = dap::msa_input(&mut t, &x, (rows, s, s, count), (n, c_m, MSA_FEAT), row, embed);
+    t.free_all(template_rows);
     x.stage = Stage::Evoformer;
     if cfg.num_blocks > 0 {
-        let run = |t: &mut Trace, streams| stack(t, &x, cfg, (rows, n), false, streams);
-        (msa, pair) = dap::evoformer(&mut t, &x, (msa, pair), (rows, n, c_m), run);
+        (msa, pair) = stack(&mut t, &x, cfg, (rows, n), false, (msa, pair));
     }
     x.stage = Stage::Outer;
-    // The heads read the MSA's own rows (a view of the stack's output).
-    outputs(&mut t, &x, msa, (n, s), (c_m, c_z), model);
+    outputs(&mut t, &x, msa, (n, s, rows), (c_m, c_z), model, false);
     t.free_all([pair_mask, pair]);
     Peak { bytes: t.peak(), at: t.peak_at() }
 }

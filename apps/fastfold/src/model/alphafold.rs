@@ -250,8 +250,8 @@ pub struct WholeOutputs {
 
 /// `stack` over a pass's `msa` and `pair`, the pair as `rows` holds it (whole, or this rank's
 /// block, returned so), the MSA whole or (under DAP inference) as this rank's rows of it;
-/// `masks` the MSA's and the pair's. The MSA comes back as the stack left it, made whole only
-/// if the caller reads it ([`StackMsa::whole`]: the extra MSA is not). With `key` (training,
+/// `masks` the MSA's and the pair's. The MSA comes back as the stack left it, for the caller to
+/// read as it needs ([`Heads::read_msa`]: the extra MSA is not read). With `key` (training,
 /// where both are whole), the stack's key chain's end is returned.
 pub(crate) fn run_stack(
     stack: &EvoformerStack,
@@ -297,6 +297,64 @@ pub(crate) fn extra_msa_input(
     let local = embed(&pick(classes)?, &pick(has_deletion)?, &pick(deletion_value)?)?;
     let padded = zero_padded(&local, block, dap.padded_len(rows.residues()))?;
     Ok(StackInput::Rows(Stream::new(padded, true)))
+}
+
+/// The Evoformer's MSA input: the rows `msa_rows` keeps, the MSA's own made from their
+/// features `msa_feat` [S, N, f] by `embed` (row 0 with the recycled row `recycled_row`
+/// [`crate::model::embedders::RecyclingEmbedder::first_row`] added by `recycling`) and the
+/// rest taken from `template_rows` [T, N, c_m] (rows `S..S + T`). Whole, or under DAP
+/// inference (`rows` split) only this rank's block of them, padded as the stack splits them:
+/// no rank embeds the MSA whole, and rows left out are never made.
+pub(crate) fn evoformer_msa_input(
+    embed: impl Fn(&Tensor) -> Result<Tensor>,
+    recycling: &crate::model::embedders::RecyclingEmbedder,
+    (msa_feat, recycled_row, template_rows): (&Tensor, Tensor, Option<&Tensor>),
+    msa_rows: &MsaRows,
+    exec: &Exec,
+    rows: &PairRows,
+) -> Result<StackInput> {
+    let kept = msa_rows.kept();
+    let (start, real, block) = match rows.is_split() {
+        true => rank_rows(exec.dap(), kept.len() as i64),
+        false => (0, kept.len() as i64, kept.len() as i64),
+    };
+    let mine = &kept[start as usize..(start + real) as usize];
+    let own = msa_feat.size()[0];
+    let (from_msa, from_templates) = mine.split_at(mine.partition_point(|&i| i < own));
+    // The rows `picked` of `t` (itself when that is all of them, in order).
+    let pick = |t: &Tensor, picked: &[i64], offset: i64| -> Result<Tensor> {
+        if picked.len() as i64 == t.size()[0] {
+            return Ok(t.shallow_clone());
+        }
+        let index: Vec<i64> = picked.iter().map(|i| i - offset).collect();
+        Ok(t.f_index_select(0, &Tensor::from_slice(&index).f_to_device(t.device())?)?)
+    };
+    let (size, options) = (recycled_row.size(), (recycled_row.kind(), recycled_row.device()));
+    let mut parts = Vec::new();
+    if !from_msa.is_empty() {
+        let mut msa = Stream::new(embed(&pick(msa_feat, from_msa, 0)?)?, true);
+        if from_msa[0] == 0 {
+            recycling.add_first_row(&mut msa, &recycled_row)?;
+        }
+        parts.push(msa.into_inner());
+    }
+    drop(recycled_row);
+    if !from_templates.is_empty() {
+        let t = template_rows.ok_or_else(|| crate::model::Error::Invalid("MSA rows past the MSA's own".into()))?;
+        parts.push(pick(t, from_templates, own)?);
+    }
+    let local = match parts.len() {
+        0 => Tensor::f_zeros([0, size[1], size[2]], options)?,
+        1 => parts.remove(0),
+        _ => Tensor::f_cat(&parts, 0)?,
+    };
+    drop(parts);
+    Ok(match rows.is_split() {
+        false => StackInput::Whole(Stream::new(local, true)),
+        true => {
+            StackInput::Rows(Stream::new(zero_padded(&local, block, exec.dap().padded_len(rows.residues()))?, true))
+        }
+    })
 }
 
 /// The network over one parameter store.
@@ -425,29 +483,30 @@ impl AlphaFold {
             }
             _ => pair,
         };
-        let mut msa =
-            Stream::new(input.embed_msa(&batch.target_feat, &batch.msa_feat.f_to_device(self.device)?)?, true);
-        self.embedders.recycling.add_first_row(&mut msa, &recycled_row)?;
-        drop(recycled_row);
-        let msa = msa.into_inner();
-        // The MSA's own rows, which the masked-MSA head reads after the stack.
-        let own_rows = msa.size()[0];
-        let (mut msa, mut msa_mask) = (msa, batch.msa_mask.shallow_clone());
-        if let (Some(t), Some(f)) = (&self.templates, &batch.templates) {
-            if let Some((rows, mask)) = t.msa_rows(f, msa.kind())? {
-                msa = Tensor::f_cat(&[msa, rows], 0)?;
-                msa_mask = Tensor::f_cat(&[msa_mask, mask], 0)?;
-            }
-        }
-        let (msa, msa_mask, msa_rows) = MsaRows::run(self.drop_masked_rows, msa, msa_mask, own_rows)?;
-        let (msa, masks) = (StackInput::Whole(Stream::new(msa, true)), (&msa_mask, &pair_mask));
+        // The MSA, embedded after the extra-MSA stack (which does not read it), then its rows
+        // joined by the templates'; only the rows that run are made, under DAP only the rank's.
+        let own_rows = batch.msa_feat.size()[0];
+        let template_rows = match (&self.templates, &batch.templates) {
+            (Some(t), Some(f)) => t.msa_rows(f, pair.kind())?,
+            _ => None,
+        };
+        let (template_rows, template_mask) = template_rows.unzip();
+        let msa_mask = match template_mask {
+            Some(mask) => Tensor::f_cat(&[&batch.msa_mask, &mask], 0)?,
+            None => batch.msa_mask.shallow_clone(),
+        };
+        let msa_rows = MsaRows::choose(self.drop_masked_rows, &batch.msa_feat, &msa_mask, own_rows)?;
+        let msa_mask = msa_rows.select(&msa_mask)?;
+        let embed = |features: &Tensor| input.embed_msa(&batch.target_feat, &features.f_to_device(self.device)?);
+        let features = (&batch.msa_feat, recycled_row, template_rows.as_ref());
+        let msa = evoformer_msa_input(embed, &self.embedders.recycling, features, &msa_rows, exec, &rows)?;
+        drop(template_rows);
+        let masks = (&msa_mask, &pair_mask);
         let (msa, pair, _) = run_stack(&self.evoformer, (msa, pair), masks, exec, &rows, evoformer_key)?;
-        let msa = msa.whole()?;
         // What the pass reads of the MSA's own rows (the template rows end here), on the device
         // (an offloading Evoformer leaves the MSA on the host), before the structure module:
         // the MSA is gone before the pass's last steps.
-        let readout = self.heads.read_msa(&msa_rows.restore(&msa)?.f_to_device(self.device)?)?;
-        drop(msa);
+        let readout = self.heads.read_msa(msa, &msa_rows, self.device)?;
         let ipa_chunk = exec.chunk_for(ChunkOp::StructureAttention);
         let dropout = keys.zip(exec.dropout()).map(|(k, d)| (k.structure, d.structure_module));
         let real = rows.real_of(&pair)?;

@@ -527,8 +527,7 @@ impl EvoformerStack {
     /// and returning it so: an inference pass under DAP never makes the pair whole between its
     /// stacks ([`crate::model::pair_rows`]). The MSA is given whole or as this rank's block of
     /// its rows (`[padded seqs / ranks, padded residues, c_m]`, the padding zeros), and comes
-    /// back as the blocks left it; the caller makes it whole ([`StackMsa::whole`]) if it reads
-    /// it.
+    /// back as the blocks left it, for the caller to read by rows ([`StackMsa::map_rows`]).
     pub fn forward_pair_rows(
         &self,
         msa: StackInput,
@@ -635,6 +634,44 @@ impl StackMsa {
     /// The whole MSA [s, r, c_m] on every rank (a collective under DAP).
     pub fn whole(self) -> Result<Tensor> {
         Ok(self.dap.gather(&self.local, 0)?.f_narrow(0, 0, self.seqs)?.f_narrow(1, 0, self.residues)?)
+    }
+
+    /// The MSA's first `seqs` rows, those the caller reads; on `device` (an offloading stack
+    /// leaves its MSA on the host: those rows are moved).
+    pub fn first_rows(self, seqs: i64, device: Device) -> Result<StackMsa> {
+        ensure!(seqs <= self.seqs, "MSA: {seqs} rows read of {}", self.seqs);
+        let local = match self.dap.active() {
+            Some(_) => self.local,
+            None => self.local.f_narrow(0, 0, seqs)?,
+        };
+        Ok(StackMsa { local: local.f_to_device(device)?, seqs, ..self })
+    }
+
+    /// Row 0 [r, c_m], a tensor of its own (recycling it keeps no MSA), on every rank (a
+    /// collective under DAP: each rank's first row is gathered, rank 0's is row 0).
+    pub fn first_row(&self) -> Result<Tensor> {
+        let first = match self.dap.active() {
+            Some(_) => {
+                self.dap.gather(&self.local.f_narrow(0, 0, 1)?, 0)?.f_select(0, 0)?.f_narrow(0, 0, self.residues)?
+            }
+            None => self.local.f_select(0, 0)?,
+        };
+        let mut own = first.f_empty_like()?;
+        own.f_copy_(&first)?;
+        Ok(own)
+    }
+
+    /// `f` of the rows ([s, r, c_m] → [s, r, ...]) on every rank (a collective under DAP: each
+    /// rank applies `f` to its block and the results are gathered, so the MSA itself is never
+    /// made whole; `f` must treat rows apart).
+    pub fn map_rows(&self, f: impl Fn(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+        match self.dap.active() {
+            Some(_) => {
+                let out = f(&self.local.f_narrow(1, 0, self.residues)?)?;
+                Ok(self.dap.gather(&out, 0)?.f_narrow(0, 0, self.seqs)?)
+            }
+            None => f(&self.local),
+        }
     }
 }
 

@@ -11,13 +11,15 @@
 //! | [`PredictedAlignedErrorHead`] | `predicted_aligned_error_head/logits` | pair → [N, N, 64] (`_ptm` sets only) |
 //!
 //! Confidence measures (pLDDT, PAE, pTM) come from the logits through [`crate::confidence`].
-use tch::Tensor;
+use tch::{Device, Tensor};
 
 use crate::confidence;
 use crate::model::config::{EvoformerConfig, ModelConfig};
 use crate::model::embedders::shape_error;
+use crate::model::evoformer::StackMsa;
 use crate::model::keys::{EMBEDDINGS, ITERATION};
 use crate::model::layers::{LayerNorm, Linear};
+use crate::model::masked_rows::MsaRows;
 use crate::model::pair_rows::PairRows;
 use crate::model::params::Params;
 use crate::model::scope::Builder;
@@ -342,13 +344,17 @@ impl Heads {
         })
     }
 
-    /// The first row, the single representation and the masked-MSA logits of the Evoformer's
-    /// `msa` [S, N, c_m] (the MSA's own rows).
-    pub fn read_msa(&self, msa: &Tensor) -> Result<MsaReadout> {
-        let first = msa.f_select(0, 0)?;
-        let mut first_row = first.f_empty_like()?;
-        first_row.f_copy_(&first)?;
-        Ok(MsaReadout { first_row, single: self.single.forward(msa)?, masked_msa: self.masked_msa.forward(msa)? })
+    /// The first row, the single representation and the masked-MSA logits, on `device`, of the
+    /// Evoformer's MSA as its stack left it (`msa`), whose rows `msa_rows` chose: the logits of
+    /// the MSA's own rows that ran, restored to every one of its rows. Under DAP a collective:
+    /// each rank projects its block of rows and only the logits and the first row are gathered,
+    /// never the MSA.
+    pub fn read_msa(&self, msa: StackMsa, msa_rows: &MsaRows, device: Device) -> Result<MsaReadout> {
+        let msa = msa.first_rows(msa_rows.own_kept(), device)?;
+        let first_row = msa.first_row()?;
+        let single = self.single.forward(&first_row.f_unsqueeze(0)?)?;
+        let masked_msa = msa_rows.restore(&msa.map_rows(|rows| self.masked_msa.forward(rows))?)?;
+        Ok(MsaReadout { first_row, single, masked_msa })
     }
 
     /// Every head's logits.

@@ -20,8 +20,8 @@
 //!   masked row's output is kept. Rows entering the stack with the same activations and mask
 //!   leave it the same (every step treats a row as a function of itself, the pair and the
 //!   unmasked rows), and AlphaFold's padding rows are all alike (zero features, no recycled
-//!   first row; checked, not assumed); so one of them runs and stands in for the others
-//!   ([`MsaRows::new`]). The
+//!   first row; checked on the features, not assumed: equal features embed alike); so one of
+//!   them runs and stands in for the others ([`MsaRows::new`]). The
 //!   template rows after the MSA's own are read by nothing once the stack ends, so their
 //!   masked rows (padding templates) are left out. One case is left as it is: a residue
 //!   column masked in every row (residue padding, which AlphaFold's inference never makes),
@@ -37,7 +37,7 @@
 //! themselves: Multimer averages the template embeddings over every template.
 use tch::{Kind, Tensor};
 
-use crate::model::Result;
+use crate::model::{ensure, Result};
 
 /// Per row of `mask` [rows] or [rows, ...]: whether any entry is unmasked.
 fn rows_with_unmasked(mask: &Tensor) -> Result<Vec<bool>> {
@@ -68,39 +68,49 @@ pub fn unmasked_rows(mask: &Tensor) -> Result<Option<Tensor>> {
 }
 
 /// Which rows of the main MSA run through the Evoformer, and where each row the heads read
-/// (the MSA's own, `0..needed`) comes from afterwards.
+/// (the MSA's own, `0..needed`) comes from afterwards. Chosen before the rows are embedded, so
+/// that only those that run are made (under DAP, only a rank's block of them).
 pub struct MsaRows {
-    /// Indices of the rows that run, in order; `None`: all of them.
-    kept: Option<Tensor>,
+    /// Indices of the rows that run, in order (increasing: the MSA's own, then template rows).
+    kept: Vec<i64>,
+    /// Rows of the input, the template rows included.
+    rows: i64,
     /// For each of rows `0..needed`, its row among the kept ones; `None`: the same index.
-    restore: Option<Tensor>,
+    restore: Option<Vec<i64>>,
     /// Rows read after the stack.
     needed: i64,
 }
 
 impl MsaRows {
-    /// Every row runs; rows `0..needed` are read afterwards.
-    pub fn all(needed: i64) -> Self {
-        MsaRows { kept: None, restore: None, needed }
+    /// All `rows` run; rows `0..needed` are read afterwards.
+    pub fn all(rows: i64, needed: i64) -> Self {
+        MsaRows { kept: (0..rows).collect(), rows, restore: None, needed }
     }
 
-    /// The selection for `msa` [S, N, c] (the stack's input) and `mask` [S, N], of which
-    /// rows `0..needed` are read after the stack (the MSA's own; the rest are template rows).
-    /// Row 0, which is recycled, always runs.
-    pub fn new(msa: &Tensor, mask: &Tensor, needed: i64) -> Result<Self> {
-        let rows = msa.size()[0];
+    /// The selection for an MSA whose rows have `mask` [S, N] (template rows included), of
+    /// which rows `0..needed` are read after the stack (the MSA's own; the rest are template
+    /// rows), `content` [>= needed, ...] those rows' inputs: masked rows whose inputs are equal
+    /// enter the stack alike. Row 0, which is recycled, always runs.
+    pub fn new(content: &Tensor, mask: &Tensor, needed: i64) -> Result<Self> {
+        let rows = mask.size()[0];
+        ensure!(
+            (1..=rows).contains(&needed) && content.size().first().is_some_and(|&c| c >= needed),
+            "MSA rows: {needed} read after the stack, of {rows} rows with inputs for {:?}",
+            content.size().first()
+        );
         let unmasked = rows_with_unmasked(mask)?;
         let every_column_read = bool::try_from(mask.f_ne(0.0)?.f_any_dim(0, false)?.f_all()?)?;
         if unmasked.iter().all(|&u| u) || !every_column_read {
-            return Ok(MsaRows::all(needed));
+            return Ok(MsaRows::all(rows, needed));
         }
         // The masked rows the heads read.
         let masked: Vec<i64> = (1..needed).filter(|&i| !unmasked[i as usize]).collect();
         // A masked row equal to the first (the stand-in) is a copy: it does not run.
         let mut copy = vec![false; rows as usize];
         if let [first, rest @ ..] = masked.as_slice() {
-            let index = Tensor::from_slice(rest).f_to_device(msa.device())?;
-            let same = msa.f_index_select(0, &index)?.f_eq_tensor(&msa.f_select(0, *first)?.f_unsqueeze(0)?)?;
+            let index = Tensor::from_slice(rest).f_to_device(content.device())?;
+            let first_row = content.f_select(0, *first)?.f_unsqueeze(0)?;
+            let same = content.f_index_select(0, &index)?.f_eq_tensor(&first_row)?;
             // Flattened per row by hand: a reshape to [0, -1] fails when no row is left.
             let same = same.f_flatten(1, -1)?.f_all_dim(1, false)?;
             let same = Vec::<i64>::try_from(&same.f_to_kind(Kind::Int64)?.f_to_device(tch::Device::Cpu)?)?;
@@ -126,39 +136,44 @@ impl MsaRows {
                 kept.push(i);
             }
         }
-        let device = msa.device();
-        Ok(MsaRows {
-            kept: Some(Tensor::from_slice(&kept).f_to_device(device)?),
-            restore: Some(Tensor::from_slice(&restore).f_to_device(device)?),
-            needed,
-        })
+        // Every own row ran where it was (only template rows left out): nothing to restore.
+        let moved = restore.iter().zip(0..).any(|(&r, i)| r != i);
+        Ok(MsaRows { kept, rows, restore: moved.then_some(restore), needed })
     }
 
-    /// The rows of `msa` [S, N, c] and `mask` [S, N] a stack runs (with `drop`, as
-    /// [`MsaRows::new`] selects them; else all), the inputs given up once selected, and the
-    /// selection, which restores rows `0..needed` after the stack.
-    pub fn run(drop: bool, msa: Tensor, mask: Tensor, needed: i64) -> Result<(Tensor, Tensor, Self)> {
-        let rows = match drop {
-            true => MsaRows::new(&msa, &mask, needed)?,
-            false => MsaRows::all(needed),
-        };
-        let (msa, mask) = (rows.select(&msa)?, rows.select(&mask)?);
-        Ok((msa, mask, rows))
+    /// [`MsaRows::new`] with `drop` (else [`MsaRows::all`]).
+    pub fn choose(drop: bool, content: &Tensor, mask: &Tensor, needed: i64) -> Result<Self> {
+        match drop {
+            true => MsaRows::new(content, mask, needed),
+            false => Ok(MsaRows::all(mask.size()[0], needed)),
+        }
+    }
+
+    /// The rows that run, in order: indices into the input's rows.
+    pub fn kept(&self) -> &[i64] {
+        &self.kept
+    }
+
+    /// How many of the rows that run are the MSA's own (they come first): the rows the heads
+    /// read of the stack's output.
+    pub fn own_kept(&self) -> i64 {
+        self.kept.iter().filter(|&&i| i < self.needed).count() as i64
     }
 
     /// The rows of `t` [S, ...] that run.
     pub fn select(&self, t: &Tensor) -> Result<Tensor> {
-        Ok(match &self.kept {
-            Some(kept) => t.f_index_select(0, kept)?,
-            None => t.shallow_clone(),
-        })
+        if self.kept.len() as i64 == self.rows {
+            return Ok(t.shallow_clone());
+        }
+        Ok(t.f_index_select(0, &Tensor::from_slice(&self.kept).f_to_device(t.device())?)?)
     }
 
-    /// Rows `0..needed` of the input's numbering from the stack's output `t` [kept, ...],
-    /// wherever the stack left it (an offloading stack: on the host).
+    /// Rows `0..needed` of the input's numbering from the stack's output `t` [at least
+    /// [`MsaRows::own_kept`], ...], wherever the stack left it (an offloading stack: on the
+    /// host).
     pub fn restore(&self, t: &Tensor) -> Result<Tensor> {
         Ok(match &self.restore {
-            Some(restore) => t.f_index_select(0, &restore.f_to_device(t.device())?)?,
+            Some(restore) => t.f_index_select(0, &Tensor::from_slice(restore).f_to_device(t.device())?)?,
             None => t.f_narrow(0, 0, self.needed)?,
         })
     }

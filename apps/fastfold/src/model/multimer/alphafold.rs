@@ -34,10 +34,10 @@ use tch::{Device, Kind, Tensor};
 
 use crate::jax_random::Key;
 use crate::memory::AttentionLogits;
-use crate::model::alphafold::{extra_msa_input, run_stack, Pass};
+use crate::model::alphafold::{evoformer_msa_input, extra_msa_input, run_stack, Pass};
 use crate::model::config::{EvoformerConfig, ModelConfig, TemplateConfig};
 use crate::model::embedders::{pseudo_beta, ExtraMsaEmbedder, Recycled, RecyclingEmbedder};
-use crate::model::evoformer::{EvoformerStack, StackInput};
+use crate::model::evoformer::EvoformerStack;
 use crate::model::exec::{ChunkOp, Exec};
 use crate::model::heads::{HeadInputs, Heads};
 use crate::model::keys::{EMBEDDINGS, ITERATION, SINGLE_TEMPLATE};
@@ -428,30 +428,30 @@ impl MultimerAlphaFold {
         let pair = pair_rows.embedded(block, pair.into_inner());
         let extra_key = training.then_some(extra_key);
         let (pair, extra_end) = self.extra_stack(&sampled, pair, &pair_mask, exec, extra_key, &pair_rows)?;
+        // The sampled MSA's rows joined by the templates'; only the rows that run are
+        // embedded, under DAP only the rank's (`evoformer_msa_input`).
         let msa_feat = to(&sampled.msa_feat()?)?;
-        let msa = self.input.embed_msa(&aatype, &msa_feat)?;
-        drop(msa_feat);
-        let mut msa = Stream::new(msa, true);
-        self.recycling.add_first_row(&mut msa, &recycled_row)?;
-        drop(recycled_row);
-        let msa = msa.into_inner();
-        let own_rows = msa.size()[0];
-        let (mut msa, mut msa_mask) = (msa, to(&sampled.msa_mask)?);
+        let own_rows = msa_feat.size()[0];
+        let mut msa_mask = to(&sampled.msa_mask)?;
+        let mut template_rows = None;
         if let (Some((_, rows)), Some((aatype, positions, mask))) = (&self.templates, &template_batch) {
             let (rows, row_mask) = rows.forward(&TemplateBatch { aatype, positions, mask }, kind)?;
-            msa = Tensor::f_cat(&[msa, rows], 0)?;
             msa_mask = Tensor::f_cat(&[msa_mask, row_mask.f_to_kind(kind)?], 0)?;
+            template_rows = Some(rows);
         }
-        let (msa, msa_mask, rows) = MsaRows::run(self.drop_masked_rows, msa, msa_mask, own_rows)?;
+        let rows = MsaRows::choose(self.drop_masked_rows, &msa_feat, &msa_mask, own_rows)?;
+        let msa_mask = rows.select(&msa_mask)?;
+        let embed = |features: &Tensor| self.input.embed_msa(&aatype, features);
+        let features = (&msa_feat, recycled_row, template_rows.as_ref());
+        let msa = evoformer_msa_input(embed, &self.recycling, features, &rows, exec, &pair_rows)?;
+        drop((msa_feat, template_rows));
         let evo_key = extra_end.map(evoformer_key);
-        let (msa, masks) = (StackInput::Whole(Stream::new(msa, true)), (&msa_mask, &pair_mask));
+        let masks = (&msa_mask, &pair_mask);
         let (msa, pair, _) = run_stack(&self.evoformer, (msa, pair), masks, exec, &pair_rows, evo_key)?;
-        let msa = msa.whole()?;
         // What the pass reads of the MSA's own rows (the template rows end here), on the device
         // (an offloading Evoformer leaves the MSA on the host), before the structure module:
         // the MSA is gone before the pass's last steps.
-        let readout = self.heads.read_msa(&rows.restore(&msa)?.f_to_device(device)?)?;
-        drop(msa);
+        let readout = self.heads.read_msa(msa, &rows, device)?;
         let ipa_chunk = exec.chunk_for(ChunkOp::StructureAttention);
         let dropout = exec.dropout().map(|d| (structure_key(key), d.structure_module));
         let real = pair_rows.real_of(&pair)?;
