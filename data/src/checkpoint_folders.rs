@@ -163,6 +163,26 @@ pub fn latest(out: &Path) -> Result<Option<PathBuf>> {
     Ok(Some(dir))
 }
 
+/// The file in a checkpoint folder that records a trainer's step and the settings a resume
+/// must agree with (each app's own fields, as JSON).
+pub const TRAINER_STATE: &str = "trainer.json";
+
+/// Writes `state` to `dir`'s [`TRAINER_STATE`] (pretty JSON, replaced atomically).
+pub fn write_trainer_state<S: serde::Serialize>(dir: &Path, state: &S) -> Result<()> {
+    let path = dir.join(TRAINER_STATE);
+    let json = serde_json::to_string_pretty(state)
+        .map_err(|e| Error::Format { path: path.clone(), msg: format!("cannot write the trainer state: {e}") })?;
+    crate::write_atomic::<Error>(&path, |w| w.write_all(json.as_bytes()).map_err(io(&path)))
+}
+
+/// Reads `dir`'s [`TRAINER_STATE`]; an error names the file, and what it should have been
+/// (`what`, e.g. "a vit pretrain trainer state") when it cannot be read as one.
+pub fn read_trainer_state<S: serde::de::DeserializeOwned>(dir: &Path, what: &str) -> Result<S> {
+    let path = dir.join(TRAINER_STATE);
+    let text = fs::read_to_string(&path).map_err(io(&path))?;
+    serde_json::from_str(&text).map_err(|e| Error::Format { path, msg: format!("not {what}: {e}") })
+}
+
 /// (step, suffix) of a committed checkpoint's folder name: `checkpoint-<step>` is (step, 1),
 /// `checkpoint-<step>-<n>` is (step, n).
 fn parse(name: &str) -> Option<(usize, usize)> {

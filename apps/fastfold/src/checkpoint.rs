@@ -8,7 +8,6 @@
 //! every file's entries as one dictionary, so it may run on any number of ranks.
 //! [`data::checkpoint_folders`] stages the folder and commits it by switching `latest`, so a
 //! crash at any instant leaves `latest` naming a complete checkpoint; only the newest is kept.
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
@@ -27,8 +26,6 @@ const STATE_PREFIX: &str = "state-rank";
 pub fn state_file(dir: &Path, rank: usize) -> PathBuf {
     dir.join(format!("{STATE_PREFIX}{rank}.safetensors"))
 }
-/// The step and settings in a checkpoint folder.
-pub const TRAINER: &str = "trainer.json";
 
 /// What `trainer.json` records.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -81,8 +78,7 @@ pub fn save(
         }
         if world.rank() == 0 {
             weights(&dir.join(WEIGHTS))?;
-            let json = serde_json::to_string_pretty(state)?;
-            data::write_atomic::<anyhow::Error>(&dir.join(TRAINER), |w| Ok(w.write_all(json.as_bytes())?))?;
+            checkpoint_folders::write_trainer_state(dir, state)?;
         }
         Ok(())
     })
@@ -104,9 +100,7 @@ pub fn latest(out: &Path) -> anyhow::Result<Saved> {
             out.join(checkpoint_folders::LATEST).display()
         )
     })?;
-    let path = dir.join(TRAINER);
-    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    let state = serde_json::from_str(&text).with_context(|| format!("{}: not a trainer state", path.display()))?;
+    let state = checkpoint_folders::read_trainer_state(&dir, "a fastfold train trainer state")?;
     Ok(Saved { dir, state })
 }
 

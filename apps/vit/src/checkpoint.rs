@@ -4,7 +4,6 @@
 //! replicated) and `trainer.json` (the step, the loss scaler, and the settings a resume
 //! must agree with). [`data::checkpoint_folders`] stages and commits the folder and switches
 //! `latest`, so a crash at any instant leaves `latest` naming a complete checkpoint.
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
@@ -137,8 +136,7 @@ pub fn save(
         }
         if world.rank() == 0 {
             data::checkpoint::save_tensors(model, &dir.join("model.safetensors"))?;
-            let json = serde_json::to_string_pretty(state)?;
-            data::write_atomic::<anyhow::Error>(&dir.join("trainer.json"), |w| Ok(w.write_all(json.as_bytes())?))?;
+            checkpoint_folders::write_trainer_state(dir, state)?;
         }
         Ok(())
     })
@@ -160,9 +158,7 @@ pub fn latest(out: &Path) -> anyhow::Result<Saved> {
             out.join(checkpoint_folders::LATEST).display()
         )
     })?;
-    let path = dir.join("trainer.json");
-    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    let state = serde_json::from_str(&text).with_context(|| format!("{}: not a trainer state", path.display()))?;
+    let state = checkpoint_folders::read_trainer_state(&dir, "a vit pretrain trainer state")?;
     Ok(Saved { dir, state })
 }
 

@@ -12,7 +12,6 @@
 //! [`data::checkpoint_folders`] stages, commits and prunes the folders and keeps `latest`
 //! naming a complete one. Everything is stored by parameter name, so a checkpoint resumes on
 //! another number of ranks.
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
@@ -28,7 +27,6 @@ use crate::weights::{CONFIG, WEIGHTS};
 const LORA: &str = "lora.safetensors";
 /// The adapters' optimizer state.
 const LORA_OPTIMIZER: &str = "optimizer.safetensors";
-const STATE: &str = "trainer.json";
 
 /// What `trainer.json` records.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -109,9 +107,7 @@ pub fn resume_dir(resume: &str, out: &Path) -> anyhow::Result<Option<PathBuf>> {
 
 /// `trainer.json` of checkpoint `dir`.
 pub fn read_state(dir: &Path) -> anyhow::Result<TrainerState> {
-    let path = dir.join(STATE);
-    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    serde_json::from_str(&text).with_context(|| format!("{}: not a diffusion finetune trainer state", path.display()))
+    Ok(checkpoint_folders::read_trainer_state(dir, "a diffusion finetune trainer state")?)
 }
 
 impl Trainer<'_> {
@@ -170,8 +166,7 @@ impl Trainer<'_> {
             UnetTraining::Lora { .. } => {}
         }
         if rank == 0 {
-            let json = serde_json::to_string_pretty(&self.state(step))?;
-            data::write_atomic::<anyhow::Error>(&tmp.join(STATE), |w| Ok(w.write_all(json.as_bytes())?))?;
+            checkpoint_folders::write_trainer_state(&tmp, &self.state(step))?;
         }
         // Every rank's files are in place before this barrier; rank 0 then commits.
         self.world.group.barrier()?;
