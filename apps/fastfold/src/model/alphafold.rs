@@ -27,7 +27,7 @@ use crate::model::evoformer::{EvoformerStack, StackInput, StackMsa};
 use crate::model::exec::{ChunkOp, Exec};
 use crate::model::heads::{HeadInputs, HeadOutputs, Heads};
 use crate::model::layers::Stream;
-use crate::model::masked_rows::{self, MsaRows};
+use crate::model::masked_rows::{self, select_rows, MsaRows};
 use crate::model::pair_rows::{rank_rows, zero_padded, PairRows};
 use crate::model::params::Params;
 use crate::model::recycling::{self, Recycling};
@@ -321,34 +321,31 @@ pub(crate) fn evoformer_msa_input(
     let mine = &kept[start as usize..(start + real) as usize];
     let own = msa_feat.size()[0];
     let (from_msa, from_templates) = mine.split_at(mine.partition_point(|&i| i < own));
-    // The rows `picked` of `t` (itself when that is all of them, in order).
-    let pick = |t: &Tensor, picked: &[i64], offset: i64| -> Result<Tensor> {
-        if picked.len() as i64 == t.size()[0] {
-            return Ok(t.shallow_clone());
-        }
-        let index: Vec<i64> = picked.iter().map(|i| i - offset).collect();
-        Ok(t.f_index_select(0, &Tensor::from_slice(&index).f_to_device(t.device())?)?)
-    };
     let (size, options) = (recycled_row.size(), (recycled_row.kind(), recycled_row.device()));
-    let mut parts = Vec::new();
-    if !from_msa.is_empty() {
-        let mut msa = Stream::new(embed(&pick(msa_feat, from_msa, 0)?)?, true);
-        if from_msa[0] == 0 {
-            recycling.add_first_row(&mut msa, &recycled_row)?;
+    let msa = match from_msa.first() {
+        Some(&first) => {
+            let mut msa = Stream::new(embed(&select_rows(msa_feat, from_msa)?)?, true);
+            if first == 0 {
+                recycling.add_first_row(&mut msa, &recycled_row)?;
+            }
+            Some(msa.into_inner())
         }
-        parts.push(msa.into_inner());
-    }
-    drop(recycled_row);
-    if !from_templates.is_empty() {
-        let t = template_rows.ok_or_else(|| crate::model::Error::Invalid("MSA rows past the MSA's own".into()))?;
-        parts.push(pick(t, from_templates, own)?);
-    }
-    let local = match parts.len() {
-        0 => Tensor::f_zeros([0, size[1], size[2]], options)?,
-        1 => parts.remove(0),
-        _ => Tensor::f_cat(&parts, 0)?,
+        None => None,
     };
-    drop(parts);
+    drop(recycled_row);
+    let templates = match from_templates.is_empty() {
+        true => None,
+        false => {
+            let t = template_rows.ok_or_else(|| crate::model::Error::Invalid("MSA rows past the MSA's own".into()))?;
+            let index: Vec<i64> = from_templates.iter().map(|i| i - own).collect();
+            Some(select_rows(t, &index)?)
+        }
+    };
+    let local = match (msa, templates) {
+        (Some(msa), Some(templates)) => Tensor::f_cat(&[msa, templates], 0)?,
+        (Some(rows), None) | (None, Some(rows)) => rows,
+        (None, None) => Tensor::f_zeros([0, size[1], size[2]], options)?,
+    };
     Ok(match rows.is_split() {
         false => StackInput::Whole(Stream::new(local, true)),
         true => {

@@ -281,7 +281,7 @@ impl HeadOutputs {
         let distogram = rows.gather_to_host(&self.distogram)?;
         let aligned_error = self.aligned_error.as_ref().map(|l| rows.gather_to_host(l)).transpose()?;
         let Some(distogram) = distogram else { return Ok(None) };
-        let host = |t: &Tensor| t.f_to_device(tch::Device::Cpu);
+        let host = |t: &Tensor| t.f_to_device(Device::Cpu);
         Ok(Some(HeadOutputs {
             distogram,
             lddt: host(&self.lddt)?,

@@ -67,14 +67,21 @@ pub fn unmasked_rows(mask: &Tensor) -> Result<Option<Tensor>> {
     Ok(Some(Tensor::from_slice(&rows).f_to_device(mask.device())?))
 }
 
+/// Rows `rows` (increasing) of `t` [R, ...]: `t` itself when they are all of its rows, else a
+/// copy of them.
+pub(crate) fn select_rows(t: &Tensor, rows: &[i64]) -> Result<Tensor> {
+    if rows.len() as i64 == t.size()[0] {
+        return Ok(t.shallow_clone());
+    }
+    Ok(t.f_index_select(0, &Tensor::from_slice(rows).f_to_device(t.device())?)?)
+}
+
 /// Which rows of the main MSA run through the Evoformer, and where each row the heads read
 /// (the MSA's own, `0..needed`) comes from afterwards. Chosen before the rows are embedded, so
 /// that only those that run are made (under DAP, only a rank's block of them).
 pub struct MsaRows {
     /// Indices of the rows that run, in order (increasing: the MSA's own, then template rows).
     kept: Vec<i64>,
-    /// Rows of the input, the template rows included.
-    rows: i64,
     /// For each of rows `0..needed`, its row among the kept ones; `None`: the same index.
     restore: Option<Vec<i64>>,
     /// Rows read after the stack.
@@ -84,7 +91,7 @@ pub struct MsaRows {
 impl MsaRows {
     /// All `rows` run; rows `0..needed` are read afterwards.
     pub fn all(rows: i64, needed: i64) -> Self {
-        MsaRows { kept: (0..rows).collect(), rows, restore: None, needed }
+        MsaRows { kept: (0..rows).collect(), restore: None, needed }
     }
 
     /// The selection for an MSA whose rows have `mask` [S, N] (template rows included), of
@@ -138,7 +145,7 @@ impl MsaRows {
         }
         // Every own row ran where it was (only template rows left out): nothing to restore.
         let moved = restore.iter().zip(0..).any(|(&r, i)| r != i);
-        Ok(MsaRows { kept, rows, restore: moved.then_some(restore), needed })
+        Ok(MsaRows { kept, restore: moved.then_some(restore), needed })
     }
 
     /// [`MsaRows::new`] with `drop` (else [`MsaRows::all`]).
@@ -162,10 +169,7 @@ impl MsaRows {
 
     /// The rows of `t` [S, ...] that run.
     pub fn select(&self, t: &Tensor) -> Result<Tensor> {
-        if self.kept.len() as i64 == self.rows {
-            return Ok(t.shallow_clone());
-        }
-        Ok(t.f_index_select(0, &Tensor::from_slice(&self.kept).f_to_device(t.device())?)?)
+        select_rows(t, &self.kept)
     }
 
     /// Rows `0..needed` of the input's numbering from the stack's output `t` [at least

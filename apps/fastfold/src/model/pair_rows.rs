@@ -158,9 +158,6 @@ impl PairRows {
     /// too). A block at a time ([`Dap::gather_to_host`]): what `--save-outputs` writes, which
     /// [`PairRows::gather`] would hold whole on every rank's device beside the pass's outputs.
     pub fn gather_to_host(&self, rows: &Tensor) -> Result<Option<Tensor>> {
-        if !self.is_split() {
-            return Ok(Some(rows.f_to_device(tch::Device::Cpu)?));
-        }
         let padded = self.padded_rows(rows)?;
         let joined = self.dap.gather_to_host(&padded, 0)?;
         Ok(joined.map(|j| j.f_narrow(0, 0, self.n)).transpose()?)
