@@ -42,7 +42,7 @@ fn synthetic(blocks: usize, global_batch: usize) -> Model {
     layers.extend((0..blocks).map(block));
     layers.push(edge("head"));
     // A multi-tensor optimizer: its update costs nothing per tensor.
-    Model { layers, global_batch, optimizer_state_ratio: 2.0, optimizer_ops_per_tensor: 0.0 }
+    Model { layers, global_batch, optimizer_state_ratio: 2.0, optimizer_ops_per_tensor: 0.0, step_grad_ratio: 1.0 }
 }
 
 fn cluster(memory_gib: f64) -> Cluster {
@@ -239,4 +239,44 @@ fn tensor_parallel_collectives_are_blocking_calls_between_computations() {
         assert!((added - calls * 1e-3).abs() < 1e-9, "{mode:?}: {added} s for {calls} calls");
         assert!((more.communication_s - base.communication_s - added).abs() < 1e-9, "{base:?} {more:?}");
     }
+}
+
+#[test]
+fn master_gradients_make_the_step_the_peak_when_the_activations_are_few() {
+    // One sample a step: the activations are few beside the weights' 230 MB.
+    let fp32 = synthetic(8, 1);
+    let masters = Model { step_grad_ratio: 2.0, ..synthetic(8, 1) };
+    let plan = |dp, zero| Plan {
+        dp,
+        tp: 1,
+        tp_mode: TpMode::OneD,
+        tp_depth: 1,
+        sp: 1,
+        pp: 1,
+        micro_batches: 1,
+        zero,
+        checkpoint: Default::default(),
+    };
+    let c = cluster(64.0);
+    let e = estimate(&fp32, &c, &plan(1, 0)).unwrap();
+    assert!(!e.peak_in_step, "the model's own gradients: the backward's peak {e:?}");
+    let params = e.param_bytes;
+    for (dp, zero, step_grads) in [
+        // Every gradient moved to the masters, at twice the weight's bytes.
+        (1, 0, 2.0 * params),
+        // ZeRO-1: this rank's half moved, the other half left as the backward made it.
+        (2, 1, 0.5 * params + 2.0 * 0.5 * params),
+        // ZeRO-2: only this rank's half was kept, and it moved.
+        (2, 2, 2.0 * 0.5 * params),
+    ] {
+        let e = estimate(&masters, &c, &plan(dp, zero)).unwrap();
+        assert!(e.peak_in_step, "dp {dp}, ZeRO-{zero}: {e:?}");
+        assert!((e.grad_bytes - step_grads).abs() < 1.0, "dp {dp}, ZeRO-{zero}: {e:?}");
+        assert_eq!(e.activation_bytes, 0.0);
+        assert!((e.memory_bytes - (e.param_bytes + e.grad_bytes + e.optimizer_bytes)).abs() < 1.0, "{e:?}");
+    }
+    // A large batch's activations outweigh the step: the backward's peak, as in fp32.
+    let large = Model { step_grad_ratio: 2.0, ..synthetic(8, 4096) };
+    let e = estimate(&large, &c, &plan(1, 0)).unwrap();
+    assert!(!e.peak_in_step && e.activation_bytes > params, "{e:?}");
 }

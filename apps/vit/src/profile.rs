@@ -37,17 +37,25 @@ pub fn planner_model(cfg: &VitConfig, global_batch: usize, optimizer_ops: f64, p
         global_batch,
         optimizer_state_ratio: optimizer_state_ratio(precision),
         optimizer_ops_per_tensor: optimizer_ops,
+        step_grad_ratio: step_grad_ratio(precision),
     }
 }
 
 /// Bytes the optimizer's side keeps per byte of the model's weights in `precision`: the two
 /// fp32 moments (8 bytes a weight) and, below fp32, the fp32 master (4 more), over the weight's
 /// own bytes (4 in fp32: 2; 2 in bf16: 6). The masters' gradients exist only inside the
-/// optimizer's step, after the activations are gone, so they are not counted at the peak.
+/// optimizer's step, after the activations are gone ([`step_grad_ratio`]).
 pub fn optimizer_state_ratio(precision: Precision) -> f64 {
     let elem = precision.kind().elt_size_in_bytes() as f64;
     let master = if elem < 4.0 { 4.0 } else { 0.0 };
     (8.0 + master) / elem
+}
+
+/// Bytes of gradient the optimizer's step holds per byte of the model's weights in
+/// `precision`: the model's own in fp32 (1); below it the fp32 masters' (4 bytes a weight over
+/// the weight's 2 in bf16), the model's dropped as each moves.
+pub fn step_grad_ratio(precision: Precision) -> f64 {
+    4.0 / precision.kind().elt_size_in_bytes() as f64
 }
 
 /// `model` (the planner's model of `cfg`) with its parts priced from `times` (the stem's, a

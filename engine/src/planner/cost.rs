@@ -107,6 +107,11 @@ pub struct Model {
     /// Element-wise tensor operations the optimizer's update runs per parameter tensor (each
     /// reading two of the tensor's arrays and writing one); 0 for a multi-tensor kernel.
     pub optimizer_ops_per_tensor: f64,
+    /// Bytes of gradient the optimizer's step holds per byte of the parameters it updates: 1
+    /// where it steps the model's own gradients; below fp32, the fp32 masters' (2 in bf16),
+    /// into which the model's move after the backward (`optim::MasterWeights`). Where the
+    /// activations are few, that step is the peak.
+    pub step_grad_ratio: f64,
 }
 
 /// The modelled cost of a plan on one device (the busiest stage), with what it is made of.
@@ -137,6 +142,9 @@ pub struct Estimate {
     pub optimizer_bytes: f64,
     /// Of which activations kept for backward and the largest temporaries.
     pub activation_bytes: f64,
+    /// Whether the peak is the optimizer's step (the masters' gradients beside the state, the
+    /// activations gone) rather than the forward and backward.
+    pub peak_in_step: bool,
 }
 
 impl Estimate {
@@ -285,6 +293,7 @@ pub fn estimate(model: &Model, cluster: &Cluster, plan: &Plan) -> Result<Estimat
         grad_bytes: 0.0,
         optimizer_bytes: 0.0,
         activation_bytes: 0.0,
+        peak_in_step: false,
     };
     for (i, s) in stages.iter().enumerate() {
         let grads = if plan.zero >= 2 { s.params / group } else { s.params };
@@ -296,10 +305,17 @@ pub fn estimate(model: &Model, cluster: &Cluster, plan: &Plan) -> Result<Estimat
         // waited for (on NCCL the runtime ends them as they complete, and this over-counts).
         let in_flight = sim.peak_in_flight[i] as f64;
         let activations = s.activations * in_flight + s.transient + s.buffers * (in_flight + 1.0 + m);
-        let memory = s.params + grads + optimizer + activations;
+        let training = s.params + grads + optimizer + activations;
+        // At the step the gradients of what this rank updates are the step's (the others'
+        // stay as the backward left them: ZeRO-1 keeps them all).
+        let step_grads = grads - s.params / owned + model.step_grad_ratio * s.params / owned;
+        let stepping = s.params + step_grads + optimizer;
+        let (memory, peak_in_step) = if stepping > training { (stepping, true) } else { (training, false) };
         if memory > worst.memory_bytes {
+            let (grads, activations) = if peak_in_step { (step_grads, 0.0) } else { (grads, activations) };
             (worst.memory_bytes, worst.param_bytes, worst.grad_bytes) = (memory, s.params, grads);
-            (worst.optimizer_bytes, worst.activation_bytes) = (optimizer, activations);
+            (worst.optimizer_bytes, worst.activation_bytes, worst.peak_in_step) =
+                (optimizer, activations, peak_in_step);
         }
         // The gradients' reduction: one blocking all-reduce per DDP bucket of 25 MiB, and the
         // step's loss averaged over the ranks (the trainers log it every step).

@@ -79,9 +79,10 @@ impl Solution {
             seconds(e.overhead_s)
         );
         out += &format!(
-            "  {:>43}memory: parameters {:.2} MiB, gradients {:.2} MiB, optimizer state {:.2} MiB, activations \
+            "  {:>43}memory{}: parameters {:.2} MiB, gradients {:.2} MiB, optimizer state {:.2} MiB, activations \
              {:.2} MiB\n",
             "",
+            if e.peak_in_step { " (at the optimizer's step)" } else { "" },
             mib(e.param_bytes),
             mib(e.grad_bytes),
             mib(e.optimizer_bytes),
