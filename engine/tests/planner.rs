@@ -109,10 +109,10 @@ fn a_tight_limit_is_met_by_sharding_or_recomputing() {
     assert_ne!(tight.best.plan, roomy.best.plan);
 }
 
-/// Plain data parallelism over 8 ranks at ZeRO stage `zero`, nothing checkpointed.
-fn data_parallel_8(zero: u8) -> Plan {
+/// Plain data parallelism over `dp` ranks at ZeRO stage `zero`, nothing checkpointed.
+fn data_parallel(dp: usize, zero: u8) -> Plan {
     Plan {
-        dp: 8,
+        dp,
         tp: 1,
         tp_mode: TpMode::OneD,
         tp_depth: 1,
@@ -128,7 +128,7 @@ fn data_parallel_8(zero: u8) -> Plan {
 fn checkpointing_trades_memory_for_time() {
     let model = synthetic(8, 64);
     let c = cluster(64.0);
-    let base = data_parallel_8(0);
+    let base = data_parallel(8, 0);
     let all = Plan { checkpoint: (1..=8).collect(), ..base.clone() };
     let (e0, e1) = (estimate(&model, &c, &base).unwrap(), estimate(&model, &c, &all).unwrap());
     assert!(e1.memory_bytes < e0.memory_bytes && e1.step_s > e0.step_s, "{e0:?} {e1:?}");
@@ -159,7 +159,7 @@ fn tensor_parallel_modes_match_their_grids() {
 fn zero_costs_its_broadcasts_when_links_cost_time() {
     let model = synthetic(8, 64);
     let c = cluster(64.0);
-    let at = |zero| estimate(&model, &c, &data_parallel_8(zero)).unwrap();
+    let at = |zero| estimate(&model, &c, &data_parallel(8, zero)).unwrap();
     let (plain, zero1, zero2) = (at(0), at(1), at(2));
     // Each ZeRO stage adds the parameters' broadcast: an all-gather of their bytes plus a
     // collective's own cost per tensor (98 tensors: 12 per block, one per edge layer).
@@ -246,19 +246,8 @@ fn master_gradients_make_the_step_the_peak_when_the_activations_are_few() {
     // One sample a step: the activations are few beside the weights' 230 MB.
     let fp32 = synthetic(8, 1);
     let masters = Model { step_grad_ratio: 2.0, ..synthetic(8, 1) };
-    let plan = |dp, zero| Plan {
-        dp,
-        tp: 1,
-        tp_mode: TpMode::OneD,
-        tp_depth: 1,
-        sp: 1,
-        pp: 1,
-        micro_batches: 1,
-        zero,
-        checkpoint: Default::default(),
-    };
     let c = cluster(64.0);
-    let e = estimate(&fp32, &c, &plan(1, 0)).unwrap();
+    let e = estimate(&fp32, &c, &data_parallel(1, 0)).unwrap();
     assert!(!e.peak_in_step, "the model's own gradients: the backward's peak {e:?}");
     let params = e.param_bytes;
     for (dp, zero, step_grads) in [
@@ -269,7 +258,7 @@ fn master_gradients_make_the_step_the_peak_when_the_activations_are_few() {
         // ZeRO-2: only this rank's half was kept, and it moved.
         (2, 2, 2.0 * 0.5 * params),
     ] {
-        let e = estimate(&masters, &c, &plan(dp, zero)).unwrap();
+        let e = estimate(&masters, &c, &data_parallel(dp, zero)).unwrap();
         assert!(e.peak_in_step, "dp {dp}, ZeRO-{zero}: {e:?}");
         assert!((e.grad_bytes - step_grads).abs() < 1.0, "dp {dp}, ZeRO-{zero}: {e:?}");
         assert_eq!(e.activation_bytes, 0.0);
@@ -277,6 +266,6 @@ fn master_gradients_make_the_step_the_peak_when_the_activations_are_few() {
     }
     // A large batch's activations outweigh the step: the backward's peak, as in fp32.
     let large = Model { step_grad_ratio: 2.0, ..synthetic(8, 4096) };
-    let e = estimate(&large, &c, &plan(1, 0)).unwrap();
+    let e = estimate(&large, &c, &data_parallel(1, 0)).unwrap();
     assert!(!e.peak_in_step && e.activation_bytes > params, "{e:?}");
 }
