@@ -333,13 +333,12 @@ pub(crate) fn evoformer_msa_input(
         None => None,
     };
     drop(recycled_row);
-    let templates = match from_templates.is_empty() {
-        true => None,
-        false => {
-            let t = template_rows.ok_or_else(|| crate::model::Error::Invalid("MSA rows past the MSA's own".into()))?;
-            let index: Vec<i64> = from_templates.iter().map(|i| i - own).collect();
-            Some(select_rows(t, &index)?)
-        }
+    let templates = if from_templates.is_empty() {
+        None
+    } else {
+        let t = template_rows.ok_or_else(|| crate::model::Error::Invalid("MSA rows past the MSA's own".into()))?;
+        let index: Vec<i64> = from_templates.iter().map(|i| i - own).collect();
+        Some(select_rows(t, &index)?)
     };
     let local = match (msa, templates) {
         (Some(msa), Some(templates)) => Tensor::f_cat(&[msa, templates], 0)?,
