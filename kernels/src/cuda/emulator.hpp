@@ -3,8 +3,8 @@
 // run every kernel through the same launch code as on a device.
 //
 // A launch runs its blocks one after another on the calling thread. A block's threads are
-// fibers (ucontext) switched cooperatively: a thread runs until it reaches __syncthreads or a
-// warp shuffle, or returns. A barrier opens when every thread it concerns has reached it: all of
+// fibers switched cooperatively: a thread runs until it reaches __syncthreads or a warp shuffle,
+// or returns. A barrier opens when every thread it concerns has reached it: all of
 // the block's for __syncthreads, the warp's 32 lanes for a shuffle, which then reads every lane's
 // value before any lane goes on. Each warp runs as far ahead of the others as the barriers let
 // it, in alternating orders (run_block), so that code missing a barrier reads or overwrites
@@ -16,6 +16,14 @@
 // __shared__ variables are thread-local statics: one copy per calling thread, shared by the
 // block's fibers, and blocks never overlap (a block finds the previous block's values there,
 // not garbage). Atomics are plain read-modify-writes for the same reason.
+//
+// A fiber starts on its own stack through makecontext/setcontext once per launch and then runs
+// the kernel for each of the launch's blocks in turn. Every other switch is the compiler's
+// __builtin_setjmp/__builtin_longjmp (GCC's and Clang's nonlocal goto: the stack and frame
+// pointers and a resume address; the compiler saves the other registers around the setjmp):
+// swapcontext saves and restores the signal mask with a system call at each switch, which was
+// nine tenths of an emulated test's time, and libc's longjmp is fortified against jumping to
+// another stack and, under AddressSanitizer, unpoisons the frames it leaves.
 #include <ucontext.h>
 
 #include <algorithm>
@@ -29,6 +37,20 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+// AddressSanitizer (the parity tests' second run) is told of each switch, so that it checks
+// each fiber's frames against that fiber's stack.
+#if defined(__SANITIZE_ADDRESS__)
+#define EMU_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define EMU_ASAN 1
+#endif
+#endif
+#ifdef EMU_ASAN
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#endif
 
 #define KERNELS_EMULATOR 1
 #define __global__
@@ -101,7 +123,10 @@ struct MmaLane {
 };
 
 struct Fiber {
-  ucontext_t ctx;
+  ucontext_t start;    // the first entry, at the top of its stack
+  void* resume[5];     // where it goes on after a wait (__builtin_setjmp's buffer)
+  bool started = false;
+  void* fake_stack = nullptr;  // AddressSanitizer's, saved while it waits
   Wait wait = Wait::Done;
   std::uint64_t value = 0, result = 0;  // a shuffle's value in, and the value it reads
   int lane_mask = 0;                    // xor: the mask; index: the source lane
@@ -111,7 +136,10 @@ struct Fiber {
 
 // One launch on the calling thread.
 struct Launch {
-  ucontext_t scheduler{};  // zeroed: AddressSanitizer reads its stack fields at each switch
+  void* scheduler[5];  // where the scheduler goes on when a fiber waits
+  const void* scheduler_stack = nullptr;  // its stack, for AddressSanitizer
+  std::size_t scheduler_stack_size = 0;
+  void* scheduler_fake_stack = nullptr;
   std::vector<Fiber> fibers;
   int current = 0;
   void (*body)(void*) = nullptr;  // runs the kernel with its arguments
@@ -127,10 +155,37 @@ inline thread_local std::vector<std::unique_ptr<char[]>> stacks;
 
 inline Fiber& me() { return active->fibers[active->current]; }
 
+// AddressSanitizer's fiber annotations: before a switch to the stack at `bottom`, and after
+// one (the stack switched from written to `from` and `from_size` where asked).
+inline void leaving(void** fake_stack, const void* bottom, std::size_t size) {
+#ifdef EMU_ASAN
+  __sanitizer_start_switch_fiber(fake_stack, bottom, size);
+#else
+  (void)fake_stack, (void)bottom, (void)size;
+#endif
+}
+inline void arrived(void* fake_stack, const void** from, std::size_t* from_size) {
+#ifdef EMU_ASAN
+  __sanitizer_finish_switch_fiber(fake_stack, from, from_size);
+#else
+  (void)fake_stack, (void)from, (void)from_size;
+#endif
+}
+
+// To the __builtin_setjmp that filled `to`. Not in the function that called that setjmp (the
+// builtin's rule), and not instrumented: AddressSanitizer would unpoison the frames of the
+// stack it leaves, which it comes back to.
+__attribute__((noinline, no_sanitize_address)) inline void jump(void** to) { __builtin_longjmp(to, 1); }
+
+// From the running fiber to the scheduler, until the scheduler resumes it.
 inline void wait(Wait w) {
   Fiber& f = me();
   f.wait = w;
-  swapcontext(&f.ctx, &active->scheduler);
+  if (__builtin_setjmp(f.resume) == 0) {
+    leaving(&f.fake_stack, active->scheduler_stack, active->scheduler_stack_size);
+    jump(active->scheduler);
+  }
+  arrived(f.fake_stack, nullptr, nullptr);
 }
 
 inline dim3 thread_index(int t, const dim3& b) {
@@ -150,9 +205,28 @@ inline void fail(const std::string& why) {
   wait(Wait::Done);
 }
 
+// A fiber's life: the kernel once for each block of the launch (the scheduler resumes it for
+// the next block once every thread has returned). It never returns: the launch drops it.
 inline void entry() {
-  active->body(active->bound);
-  me().wait = Wait::Done;  // returning resumes the scheduler (uc_link)
+  arrived(nullptr, &active->scheduler_stack, &active->scheduler_stack_size);
+  for (;;) {
+    active->body(active->bound);
+    wait(Wait::Done);
+  }
+}
+
+// From the scheduler into fiber `t`, until it waits again.
+inline void resume(Launch& L, int t) {
+  Fiber& f = L.fibers[t];
+  if (__builtin_setjmp(L.scheduler) == 0) {
+    leaving(&L.scheduler_fake_stack, f.start.uc_stack.ss_sp, f.start.uc_stack.ss_size);
+    if (!f.started) {
+      f.started = true;
+      setcontext(&f.start);
+    }
+    jump(f.resume);
+  }
+  arrived(L.scheduler_fake_stack, nullptr, nullptr);
 }
 
 inline void run_mma(Launch& L, int lo);
@@ -199,7 +273,7 @@ inline bool run_warp(Launch& L, int w) {
       if (L.fibers[t].wait != Wait::Running) continue;
       L.current = t;
       threadIdx = thread_index(t, blockDim);
-      swapcontext(&L.scheduler, &L.fibers[t].ctx);
+      resume(L, t);
       if (!L.error.empty()) return false;
     }
     if (!open_shuffle(L, w, opened)) return false;
@@ -247,15 +321,7 @@ inline bool open_barrier(Launch& L, bool& done) {
 // missing __syncthreads shows as a warp reading or overwriting shared memory too early.
 inline bool run_block(Launch& L, bool reverse) {
   const int n = (int)L.fibers.size(), warps = (n + 31) / 32;
-  for (int t = 0; t < n; ++t) {
-    Fiber& f = L.fibers[t];
-    getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = stacks[t].get();
-    f.ctx.uc_stack.ss_size = STACK;
-    f.ctx.uc_link = &L.scheduler;
-    makecontext(&f.ctx, entry, 0);
-    f.wait = Wait::Running;
-  }
+  for (Fiber& f : L.fibers) f.wait = Wait::Running;
   for (bool done = false; !done;) {
     for (int i = 0; i < warps; ++i) {
       if (!run_warp(L, reverse ? warps - 1 - i : i)) return false;
@@ -281,6 +347,18 @@ inline int run(const unsigned* grid, const unsigned* block, void (*body)(void*),
   if (threads < 1 || threads > 1024) return failed("a block of " + std::to_string(threads) + " threads");
   L.fibers.resize(threads);
   while (stacks.size() < (std::size_t)threads) stacks.emplace_back(new char[STACK]);
+  for (long t = 0; t < threads; ++t) {
+    Fiber& f = L.fibers[t];
+    getcontext(&f.start);
+    f.start.uc_stack.ss_sp = stacks[t].get();
+    f.start.uc_stack.ss_size = STACK;
+    f.start.uc_link = nullptr;
+#ifdef EMU_ASAN
+    // A failed launch left its fibers' frames on these stacks, their redzones poisoned.
+    __asan_unpoison_memory_region(stacks[t].get(), STACK);
+#endif
+    makecontext(&f.start, entry, 0);
+  }
   active = &L;
   gridDim = g;
   blockDim = b;
