@@ -4,8 +4,8 @@
 //
 // A launch runs its blocks one after another on the calling thread. A block's threads are
 // fibers switched cooperatively: a thread runs until it reaches __syncthreads or a warp shuffle,
-// or returns. A barrier opens when every thread it concerns has reached it: all of
-// the block's for __syncthreads, the warp's 32 lanes for a shuffle, which then reads every lane's
+// or returns. A barrier opens when every thread it concerns has reached it: all of the block's
+// for __syncthreads, the warp's 32 lanes for a shuffle, which then reads every lane's
 // value before any lane goes on. Each warp runs as far ahead of the others as the barriers let
 // it, in alternating orders (run_block), so that code missing a barrier reads or overwrites
 // shared memory too early here too. The emulator is stricter than the hardware where the
